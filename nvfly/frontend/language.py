@@ -1,0 +1,402 @@
+"""Device intrinsics available inside kernels: ids, warps and shuffles, barriers, shared memory, math, printf."""
+from __future__ import annotations
+
+import math as _pymath
+from typing import Any, Callable, Sequence, Union
+
+from mlir import ir
+from mlir.dialects import arith, gpu, llvm, math as mmath, nvvm
+
+from nvfly.errors import CompileError
+from nvfly.frontend import dtypes
+from nvfly.frontend.dtypes import DType
+from nvfly.frontend.tensor import IntLike, Tensor, row_major_strides
+from nvfly.frontend.trace import current, traced
+from nvfly.frontend.values import Scalar, Vector, _Traced, as_value, constant, make_vector
+
+Value = Union[Scalar, Vector]
+
+
+# ---------------------------------------------------------------------------------------------- ids
+def _sreg(reader: Callable[..., ir.Value], bound: int | None = None) -> Scalar:
+    kwargs = {}
+    if bound is not None:
+        kwargs["range"] = ir.Attribute.parse(f"#llvm.constant_range<i32, 0, {bound}>")
+    return Scalar(reader(ir.IntegerType.get_signless(32), **kwargs), dtypes.i32)
+
+
+class _Dim3:
+    """``.x``/``.y``/``.z`` of a special register triple (thread_idx, block_idx, ...)."""
+
+    def __init__(self, what: str, readers: tuple[Callable, Callable, Callable], bounded_by_block: bool = False,
+                 static_block: bool = False):
+        self._what = what
+        self._readers = readers
+        self._bounded = bounded_by_block
+        self._static_block = static_block
+
+    def _get(self, axis: int) -> Union[Scalar, int]:
+        builder = current()
+        if self._static_block:
+            return builder.block[axis]
+        with builder.user_location():
+            bound = builder.block[axis] if self._bounded else None
+            if bound == 1 and self._bounded:
+                return 0
+            return _sreg(self._readers[axis], bound)
+
+    @property
+    def x(self) -> Any:
+        return self._get(0)
+
+    @property
+    def y(self) -> Any:
+        return self._get(1)
+
+    @property
+    def z(self) -> Any:
+        return self._get(2)
+
+    def __repr__(self) -> str:
+        return f"nvfly.{self._what}"
+
+
+thread_idx = _Dim3("thread_idx", (nvvm.read_ptx_sreg_tid_x, nvvm.read_ptx_sreg_tid_y, nvvm.read_ptx_sreg_tid_z),
+                   bounded_by_block=True)
+block_idx = _Dim3("block_idx", (nvvm.read_ptx_sreg_ctaid_x, nvvm.read_ptx_sreg_ctaid_y, nvvm.read_ptx_sreg_ctaid_z))
+grid_dim = _Dim3("grid_dim", (nvvm.read_ptx_sreg_nctaid_x, nvvm.read_ptx_sreg_nctaid_y, nvvm.read_ptx_sreg_nctaid_z))
+block_dim = _Dim3("block_dim", (nvvm.read_ptx_sreg_ntid_x, nvvm.read_ptx_sreg_ntid_y, nvvm.read_ptx_sreg_ntid_z),
+                  static_block=True)
+cluster_idx = _Dim3("cluster_idx", (nvvm.read_ptx_sreg_clusterid_x, nvvm.read_ptx_sreg_clusterid_y,
+                                    nvvm.read_ptx_sreg_clusterid_z))
+cluster_dim = _Dim3("cluster_dim", (nvvm.read_ptx_sreg_cluster_nctaid_x, nvvm.read_ptx_sreg_cluster_nctaid_y,
+                                    nvvm.read_ptx_sreg_cluster_nctaid_z))
+block_idx_in_cluster = _Dim3("block_idx_in_cluster", (nvvm.read_ptx_sreg_cluster_ctaid_x,
+                                                      nvvm.read_ptx_sreg_cluster_ctaid_y,
+                                                      nvvm.read_ptx_sreg_cluster_ctaid_z))
+
+
+@traced
+def block_rank_in_cluster() -> Scalar:
+    """Linear rank of this block in its cluster (``%cluster_ctarank``)."""
+    return _sreg(nvvm.read_ptx_sreg_cluster_ctarank)
+
+
+@traced
+def linear_thread_idx() -> IntLike:
+    bx, by, _ = current().block
+    tid: Any = thread_idx.x
+    if by > 1 or current().block[2] > 1:
+        tid = tid + thread_idx.y * bx + thread_idx.z * (bx * by)
+    return tid
+
+
+@traced
+def lane_idx() -> Scalar:
+    return _sreg(nvvm.read_ptx_sreg_laneid, 32)
+
+
+@traced
+def warp_idx() -> IntLike:
+    """Warp index in the block, made warp-uniform (a shuffle from lane 0) so branches on it stay uniform."""
+    tid = linear_thread_idx()
+    if isinstance(tid, int):
+        return tid // 32
+    return shfl_idx(tid >> 5, 0)
+
+
+# ---------------------------------------------------------------------------------------------- shuffles
+_FULL_MASK = -1
+
+
+def _shuffle(value: Any, offset: IntLike, mode: str, width: int) -> Any:
+    v = as_value(value)
+    if isinstance(v, Vector):
+        return _map_lanes(v, lambda s: _shuffle(s, offset, mode, width))
+    dt, i32 = v.dtype, dtypes.i32
+    off = as_value(offset, i32).value
+    w = constant(width, i32).value
+    shuffle_mode = getattr(gpu.ShuffleMode, mode)
+    if dt.bits == 64:  # two 32-bit halves
+        halves = Vector(llvm.bitcast(ir.VectorType.get([2], i32.mlir()), v.value), i32)
+        joined = make_vector([_shuffle(halves[0], offset, mode, width), _shuffle(halves[1], offset, mode, width)],
+                             i32)
+        return Scalar(llvm.bitcast(dt.mlir(), joined.value), dt)
+    if dt.bits == 32:
+        return Scalar(gpu.ShuffleOp(v.value, off, w, shuffle_mode).results[0], dt)
+    # narrower types travel in the low bits of an i32
+    narrow_int = ir.IntegerType.get_signless(dt.bits)
+    bits = arith.bitcast(narrow_int, v.value) if dt.is_float else v.value
+    out = gpu.ShuffleOp(arith.extui(i32.mlir(), bits), off, w, shuffle_mode).results[0]
+    back = arith.trunci(narrow_int, out)
+    return Scalar(arith.bitcast(dt.mlir(), back) if dt.is_float else back, dt)
+
+
+def _map_lanes(v: Vector, fn: Callable[[Scalar], Scalar]) -> Vector:
+    return make_vector([fn(v[i]) for i in range(v.size)], v.dtype)
+
+
+@traced
+def shfl_xor(value: Any, lane_mask: IntLike, width: int = 32) -> Any:
+    """The value held by lane ``lane ^ lane_mask`` (butterfly), within groups of ``width`` lanes."""
+    return _shuffle(value, lane_mask, "XOR", width)
+
+
+@traced
+def shfl_down(value: Any, delta: IntLike, width: int = 32) -> Any:
+    return _shuffle(value, delta, "DOWN", width)
+
+
+@traced
+def shfl_up(value: Any, delta: IntLike, width: int = 32) -> Any:
+    return _shuffle(value, delta, "UP", width)
+
+
+@traced
+def shfl_idx(value: Any, lane: IntLike, width: int = 32) -> Any:
+    """The value held by lane ``lane`` of the group (a broadcast)."""
+    return _shuffle(value, lane, "IDX", width)
+
+
+@traced
+def warp_reduce(value: Any, op: str = "add", width: int = 32) -> Any:
+    """Butterfly reduction over ``width`` lanes; every lane gets the result. ``op``: add, max, min."""
+    combine = {"add": lambda a, b: a + b, "max": maximum, "min": minimum}
+    if op not in combine:
+        raise CompileError(f"warp_reduce op must be one of {sorted(combine)}, got {op!r}")
+    if width & (width - 1) or not 1 <= width <= 32:
+        raise CompileError(f"warp_reduce width must be a power of two up to 32, got {width}")
+    offset = width // 2
+    while offset:
+        value = combine[op](value, shfl_xor(value, offset, width))
+        offset //= 2
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- barriers
+@traced
+def syncthreads() -> None:
+    """Barrier over the whole block (``bar.sync 0``)."""
+    gpu.barrier()
+
+
+@traced
+def named_barrier(barrier_id: IntLike, num_threads: int) -> None:
+    """Barrier over ``num_threads`` threads (a multiple of 32) on hardware barrier ``barrier_id`` (1..15)."""
+    if num_threads % 32:
+        raise CompileError(f"named_barrier needs a multiple of 32 threads, got {num_threads}")
+    nvvm.barrier(None, barrier_id=as_value(barrier_id, dtypes.i32).value,
+                 number_of_threads=constant(num_threads, dtypes.i32).value)
+
+
+@traced
+def syncwarp() -> None:
+    nvvm.inline_ptx([], [], [], "bar.warp.sync -1;")
+
+
+@traced
+def threadfence() -> None:
+    nvvm.inline_ptx([], [], [], "fence.acq_rel.gpu;")
+
+
+# ---------------------------------------------------------------------------------------------- shared memory
+@traced
+def shared_tensor(dtype: DType, shape: Sequence[int], align: int = 16) -> Tensor:
+    """A static shared-memory array (row-major), private to the block."""
+    shape = tuple(shape)
+    if not all(isinstance(s, int) and s > 0 for s in shape):
+        raise CompileError(f"shared_tensor needs a static positive shape, got {shape}")
+    nbytes = _pymath.prod(shape) * dtype.itemsize
+    ptr = current().static_smem(nbytes, align)
+    return Tensor(ptr, dtype, shape, row_major_strides(shape), "shared", align)
+
+
+@traced
+def dynamic_shared_tensor(dtype: DType, shape: Sequence[int], offset_bytes: int = 0) -> Tensor:
+    """A view of the kernel's dynamic shared memory at ``offset_bytes`` (1024-byte aligned base).
+
+    The launch reserves as many bytes as the largest view needs, above 48 KB too.
+    """
+    shape = tuple(shape)
+    if not all(isinstance(s, int) and s > 0 for s in shape):
+        raise CompileError(f"dynamic_shared_tensor needs a static positive shape, got {shape}")
+    nbytes = _pymath.prod(shape) * dtype.itemsize
+    builder = current()
+    builder.use_dynamic_smem(offset_bytes + nbytes)
+    base = builder.dynamic_smem_base()
+    from nvfly.frontend.tensor import gep
+    ptr = gep(base, offset_bytes, dtypes.i8)
+    align = _pymath.gcd(1024, offset_bytes) if offset_bytes else 1024
+    return Tensor(ptr, dtype, shape, row_major_strides(shape), "shared", align)
+
+
+# ---------------------------------------------------------------------------------------------- math
+def _unary_math(name: str, op: Callable[[ir.Value], ir.Value], x: Any, ptx_f32: str | None = None) -> Any:
+    v = as_value(x, dtypes.f32 if isinstance(x, (int, float)) else None)
+    if not v.dtype.is_float:
+        raise CompileError(f"{name} needs a floating-point value, got {v.dtype.name}")
+    if v.dtype.is_fp8:
+        raise CompileError(f"{name}: convert fp8 to f16/bf16/f32 first")
+    if ptx_f32 is not None and v.dtype == dtypes.f32:
+        if isinstance(v, Vector):
+            return _map_lanes(v, lambda lane: _ptx_f32(ptx_f32, lane))
+        return _ptx_f32(ptx_f32, v)
+    return v._wrap(op(v.value), v.dtype)
+
+
+def _ptx_f32(instruction: str, v: Scalar) -> Scalar:
+    """One f32 PTX instruction (the hardware approximations the MUFU unit runs, flushing denormals)."""
+    f32 = ir.F32Type.get()
+    out = llvm.inline_asm(f32, [v.value], f"{instruction} $0, $1;", "=f,f")
+    return Scalar(out, dtypes.f32)
+
+
+@traced
+def exp2(x: Any) -> Any:
+    """2**x (f32: one ``ex2.approx.ftz.f32``; rel. error ~2**-22)."""
+    return _unary_math("exp2", mmath.exp2, x, "ex2.approx.ftz.f32")
+
+
+@traced
+def log2(x: Any) -> Any:
+    """log2(x) (f32: one ``lg2.approx.ftz.f32``)."""
+    return _unary_math("log2", mmath.log2, x, "lg2.approx.ftz.f32")
+
+
+@traced
+def exp(x: Any) -> Any:
+    return _unary_math("exp", mmath.exp, x)
+
+
+@traced
+def log(x: Any) -> Any:
+    return _unary_math("log", mmath.log, x)
+
+
+@traced
+def sqrt(x: Any) -> Any:
+    return _unary_math("sqrt", mmath.sqrt, x)
+
+
+@traced
+def rsqrt(x: Any) -> Any:
+    """1/sqrt(x) (f32: one ``rsqrt.approx.ftz.f32``)."""
+    return _unary_math("rsqrt", mmath.rsqrt, x, "rsqrt.approx.ftz.f32")
+
+
+@traced
+def tanh(x: Any) -> Any:
+    return _unary_math("tanh", mmath.tanh, x)
+
+
+@traced
+def erf(x: Any) -> Any:
+    return _unary_math("erf", mmath.erf, x)
+
+
+@traced
+def sin(x: Any) -> Any:
+    return _unary_math("sin", mmath.sin, x)
+
+
+@traced
+def cos(x: Any) -> Any:
+    return _unary_math("cos", mmath.cos, x)
+
+
+def _common(*values: Any) -> list[Value]:
+    """The operands converted to one dtype (promoted) and one shape (scalars broadcast to the vector's size)."""
+    traced_vals = [v for v in values if isinstance(v, _Traced)]
+    dt = traced_vals[0].dtype
+    for v in traced_vals[1:]:
+        dt = dtypes.promote(dt, v.dtype)
+    if any(isinstance(v, float) for v in values) and dt.is_int:
+        dt = dtypes.f32
+    size = next((v.size for v in traced_vals if isinstance(v, Vector)), None)
+    out: list[Value] = []
+    for v in values:
+        x = as_value(v, dt)
+        if size is not None and isinstance(x, Scalar):
+            from nvfly.frontend.values import full
+            x = full(size, x, dt)
+        out.append(x)
+    return out
+
+
+@traced
+def fma(a: Any, b: Any, c: Any) -> Any:
+    """a*b + c (one rounding for floats)."""
+    if not any(isinstance(v, _Traced) for v in (a, b, c)):
+        return a * b + c
+    x, y, z = _common(a, b, c)
+    if not x.dtype.is_float:
+        return x * y + z
+    return x._wrap(mmath.fma(x.value, y.value, z.value), x.dtype)
+
+
+def _minmax(a: Any, b: Any, float_op: Callable, sint_op: Callable, uint_op: Callable) -> Any:
+    x, y = _common(a, b)
+    dt = x.dtype
+    if dt.is_float:
+        return x._wrap(float_op(x.value, y.value), dt)
+    return x._wrap((sint_op if dt.is_signed else uint_op)(x.value, y.value), dt)
+
+
+@traced
+def maximum(a: Any, b: Any) -> Any:
+    """Elementwise max; NaN if either float operand is NaN (like torch.maximum)."""
+    if not isinstance(a, _Traced) and not isinstance(b, _Traced):
+        return max(a, b)
+    return _minmax(a, b, arith.maximumf, arith.maxsi, arith.maxui)
+
+
+@traced
+def minimum(a: Any, b: Any) -> Any:
+    """Elementwise min; NaN if either float operand is NaN (like torch.minimum)."""
+    if not isinstance(a, _Traced) and not isinstance(b, _Traced):
+        return min(a, b)
+    return _minmax(a, b, arith.minimumf, arith.minsi, arith.minui)
+
+
+@traced
+def select(cond: Any, a: Any, b: Any) -> Any:
+    """``a`` where ``cond`` else ``b`` (both are evaluated)."""
+    from nvfly.frontend.control_flow import _condition
+    c = _condition(cond)
+    if not isinstance(a, _Traced) and not isinstance(b, _Traced):
+        a = as_value(a)
+    x, y = _common(a, b)
+    return x._wrap(arith.select(c.value, x.value, y.value), x.dtype)
+
+
+@traced
+def assume_divisible(x: Scalar, divisor: int) -> Scalar:
+    """Promise that ``x`` is a multiple of ``divisor`` (enables vector accesses); nothing is checked."""
+    if not isinstance(x, Scalar) or not x.dtype.is_int:
+        raise CompileError("assume_divisible takes a traced integer")
+    return Scalar(x.value, x.dtype, x.divisor * divisor // _pymath.gcd(x.divisor, divisor))
+
+
+# ---------------------------------------------------------------------------------------------- printf
+@traced
+def printf(fmt: str, *args: Any) -> None:
+    """Device printf (C format string); f16/bf16 are printed as f32, i1/i8/i16 as i32."""
+    vals = []
+    for a in args:
+        v = as_value(a)
+        if isinstance(v, Vector):
+            raise CompileError("printf takes scalars; index the vector")
+        if v.dtype.is_float and v.dtype.bits < 32:
+            v = v.to(dtypes.f32)
+        elif v.dtype.is_int and v.dtype.bits < 32:
+            v = v.to(dtypes.i32)
+        vals.append(v.value)
+    gpu.printf(ir.StringAttr.get(fmt), vals)
+
+
+def static_range(*args: int) -> range:
+    """A compile-time loop: the body is unrolled at trace time with Python ints."""
+    for a in args:
+        if not isinstance(a, int):
+            raise CompileError("static_range bounds must be Python ints (Constexpr); use range() for a dynamic loop")
+    return range(*args)

@@ -1,0 +1,148 @@
+"""The CUDA driver through ``cuda.bindings.driver``: init, torch's primary context, modules, launches."""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Optional
+
+from nvfly.errors import CudaError
+
+_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def _cu() -> Any:
+    from cuda.bindings import driver
+    return driver
+
+
+def check(result: Any, what: str) -> Any:
+    """Unpack a cuda.bindings result tuple; raise CudaError on a failing status."""
+    if isinstance(result, tuple):
+        status, values = result[0], result[1:]
+    else:
+        status, values = result, ()
+    code = int(status)
+    if code != 0:
+        cu = _cu()
+        try:
+            name = cu.CUresult(code).name
+        except ValueError:
+            name = "CUDA_ERROR"
+        raise CudaError(what, code, name)
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+@functools.lru_cache(maxsize=None)
+def _init() -> Optional[str]:
+    """Initialise the driver once; returns why it is unusable, or None."""
+    try:
+        check(_cu().cuInit(0), "cuInit")
+    except CudaError as exc:
+        return str(exc)
+    except Exception as exc:  # no driver library on this machine
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def unavailable_reason() -> Optional[str]:
+    """None when a CUDA device can be used, else why not."""
+    why = _init()
+    if why:
+        return why
+    if device_count() == 0:
+        return "no CUDA device"
+    return None
+
+
+def device_count() -> int:
+    if _init():
+        return 0
+    return int(check(_cu().cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(device: int) -> tuple[int, int]:
+    cu = _cu()
+    a = cu.CUdevice_attribute
+    major = check(cu.cuDeviceGetAttribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "attribute")
+    minor = check(cu.cuDeviceGetAttribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "attribute")
+    return int(major), int(minor)
+
+
+def target_of(device: int) -> str:
+    """The compile target for a device: sm_90a on Hopper (wgmma, setmaxnreg need the ``a`` variant)."""
+    major, minor = compute_capability(device)
+    return f"sm_{major}{minor}a" if major == 9 else f"sm_{major}{minor}"
+
+
+@functools.lru_cache(maxsize=None)
+def device_attribute(device: int, name: str) -> int:
+    cu = _cu()
+    return int(check(cu.cuDeviceGetAttribute(getattr(cu.CUdevice_attribute, name), device), name))
+
+
+@functools.lru_cache(maxsize=None)
+def primary_context(device: int) -> Any:
+    """The device's primary context (the one torch's runtime uses), retained for the process's life."""
+    return check(_cu().cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+
+
+def make_current(device: int) -> None:
+    """Make the primary context of ``device`` current on this thread if it is not."""
+    cu = _cu()
+    ctx = primary_context(device)
+    cur = check(cu.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    if cur is None or int(cur) != int(ctx):
+        check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+class LoadedFunction:
+    """A kernel function loaded into one device's primary context."""
+
+    __slots__ = ("module", "function", "device")
+
+    def __init__(self, image: bytes, name: str, device: int, dynamic_smem_bytes: int):
+        cu = _cu()
+        with _lock:
+            make_current(device)
+            self.module = check(cu.cuModuleLoadData(image), f"cuModuleLoadData({name})")
+            self.function = check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
+        self.device = device
+        if dynamic_smem_bytes > 48 * 1024:
+            limit = device_attribute(device, "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
+            if dynamic_smem_bytes > limit:
+                raise CudaError(f"{name} needs {dynamic_smem_bytes} bytes of shared memory; the device allows "
+                                f"{limit}", 1, "CUDA_ERROR_INVALID_VALUE")
+            attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(cu.cuFuncSetAttribute(self.function, attr, dynamic_smem_bytes), "cuFuncSetAttribute")
+
+
+def stream_handle(handle: int) -> Any:
+    return _cu().CUstream(handle)
+
+
+def launch(fn: LoadedFunction, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int,
+           stream: Any, params_address: int) -> None:
+    status = _cu().cuLaunchKernel(fn.function, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem,
+                                  stream, params_address, 0)
+    if int(status[0] if isinstance(status, tuple) else status) != 0:
+        check(status, "cuLaunchKernel")
+
+
+def launch_cluster(fn: LoadedFunction, grid: tuple[int, int, int], block: tuple[int, int, int],
+                   cluster: tuple[int, int, int], smem: int, stream: Any, params_address: int) -> None:
+    cu = _cu()
+    config = cu.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = smem
+    config.hStream = stream
+    attr = cu.CUlaunchAttribute()
+    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+    config.attrs = [attr]
+    config.numAttrs = 1
+    check(cu.cuLaunchKernelEx(config, fn.function, params_address, 0), "cuLaunchKernelEx")

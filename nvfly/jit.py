@@ -247,10 +247,10 @@ class Kernel:
                         torch_args.abi_values(launcher.sources, bound))
 
     def _prepare(self, bound: Sequence[Any], block: Any, cluster: Any) -> Launcher:
+        specs, device = self.specs(bound, need_cuda=True)
         why = driver.unavailable_reason()
         if why:
             raise LaunchError(f"{self.name}: cannot launch: {why} (nvfly.compile works without a GPU)")
-        specs, device = self.specs(bound, need_cuda=True)
         if device < 0:
             import torch
             device = torch.cuda.current_device()

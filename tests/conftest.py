@@ -41,3 +41,32 @@ def hopper():
     major, _ = torch.cuda.get_device_capability()
     if major != 9:
         pytest.skip("needs an sm_90 (Hopper) GPU")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With NVFLY_TEST_REPORT=path, write what ran and how it ended (kept in benchmarks/results for GPU runs)."""
+    path = os.environ.get("NVFLY_TEST_REPORT")
+    if not path:
+        return
+    import datetime
+    import json
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    outcomes = {}
+    for key in ("passed", "failed", "skipped", "error"):
+        for rep in reporter.stats.get(key, []) if reporter else []:
+            if getattr(rep, "when", "call") in ("call", "setup"):
+                outcomes[rep.nodeid] = key
+    try:
+        import torch
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        torch_version = torch.__version__
+    except ImportError:
+        gpu, torch_version = None, None
+    doc = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    "gpu": gpu, "torch": torch_version, "command": " ".join(sys.argv),
+                    "commit": os.environ.get("NVFLY_COMMIT")},
+           "summary": {k: sum(1 for v in outcomes.values() if v == k) for k in ("passed", "failed", "skipped",
+                                                                                "error")},
+           "tests": outcomes}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)

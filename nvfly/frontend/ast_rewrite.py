@@ -393,7 +393,7 @@ _FUTURE_FLAGS = _future_flags()
 
 def get(name: str, thunk: Callable[[], Any]) -> Any:
     """The value of a variable, or a marker when it is not bound yet (used by rewritten code)."""
-    from nvfly.frontend.control_flow import Undefined
+    from nvfly.frontend.values import Undefined
     try:
         return thunk()
     except NameError:

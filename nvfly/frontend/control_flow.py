@@ -17,28 +17,7 @@ from mlir.dialects import scf
 from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
 from nvfly.frontend.trace import traced
-from nvfly.frontend.values import Scalar, Vector, _Traced, as_value, constant, python_dtype
-
-
-class Undefined:
-    """Stands for a variable that a dynamic branch or loop assigns but that has no value after it."""
-
-    __slots__ = ("name", "why")
-
-    def __init__(self, name: str, why: str):
-        self.name = name
-        self.why = why
-
-    def _fail(self, *args: Any, **kwargs: Any) -> Any:
-        raise CompileError(f"variable '{self.name}' has no value here: {self.why}")
-
-    __getattr__ = _fail  # type: ignore[assignment]
-    __call__ = __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _fail
-    __getitem__ = __setitem__ = __bool__ = __iter__ = __lt__ = __gt__ = __le__ = __ge__ = _fail
-    __truediv__ = __floordiv__ = __mod__ = __and__ = __or__ = __neg__ = _fail
-
-
-UNSET = Undefined("?", "it is not defined before this point")
+from nvfly.frontend.values import Scalar, Undefined, Vector, _Traced, as_value, constant, python_dtype
 
 
 # ---------------------------------------------------------------------------------------------- flattening

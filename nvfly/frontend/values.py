@@ -63,11 +63,31 @@ def python_dtype(value: PyNumber) -> DType:
 
 def as_value(value: Any, dtype: Optional[DType] = None) -> "Scalar | Vector":
     """``value`` as a traced Scalar/Vector (Python numbers become constants of ``dtype`` or their natural type)."""
+    if isinstance(value, Undefined):
+        value._fail()
     if isinstance(value, (Scalar, Vector)):
         return value if dtype is None else value.to(dtype)
     if isinstance(value, (bool, int, float)):
         return constant(value, dtype or python_dtype(value))
     raise CompileError(f"expected a device value or a Python number, got {type(value).__name__}")
+
+
+class Undefined:
+    """Stands for a variable that a dynamic branch or loop assigns but that has no value after it."""
+
+    __slots__ = ("name", "why")
+
+    def __init__(self, name: str, why: str):
+        self.name = name
+        self.why = why
+
+    def _fail(self, *args: Any, **kwargs: Any) -> Any:
+        raise CompileError(f"variable '{self.name}' has no value here: {self.why}")
+
+    __getattr__ = _fail  # type: ignore[assignment]
+    __call__ = __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _fail
+    __getitem__ = __setitem__ = __bool__ = __iter__ = __lt__ = __gt__ = __le__ = __ge__ = _fail
+    __truediv__ = __floordiv__ = __mod__ = __and__ = __or__ = __neg__ = _fail
 
 
 @traced

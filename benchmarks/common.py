@@ -1,0 +1,89 @@
+"""The benchmark convention every suite follows: correctness first, then nvfly and its peers timed in the same
+process, results written to ``benchmarks/results/<suite>_h200.json`` (meta + rows) with a PNG plot."""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def meta(command: Optional[str] = None) -> dict[str, Any]:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=False).stdout.strip() or None
+    except OSError:
+        commit = None
+    import nvfly
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "triton": triton_version, "nvfly": nvfly.__version__,
+            "nvfly_commit": os.environ.get("NVFLY_COMMIT") or commit,
+            "command": command or " ".join([os.path.basename(sys.executable)] + sys.argv)}
+
+
+def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median milliseconds per call (CUDA events, L2 flushed between calls by do_bench)."""
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; inf if anything is NaN."""
+    o, r = out.double(), ref.double()
+    if torch.isnan(o).any():
+        return math.inf
+    return float((o - r).norm() / r.norm().clamp_min(1e-300))
+
+
+def geomean(values: Sequence[float]) -> float:
+    vals = [v for v in values if v and v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+
+def write_results(suite: str, rows: list[dict[str, Any]], extra_meta: Optional[dict[str, Any]] = None,
+                  out_dir: Optional[str] = None) -> str:
+    out_dir = out_dir or os.environ.get("NVFLY_RESULTS_DIR") or RESULTS
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{suite}_h200.json")
+    doc = {"meta": {**meta(), **(extra_meta or {})}, "rows": rows}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return path
+
+
+def plot(suite: str, labels: Sequence[str], series: dict[str, Sequence[float]], ylabel: str,
+         out_dir: Optional[str] = None) -> str:
+    """A grouped bar chart, one group per row label, one bar per series."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    out_dir = out_dir or os.environ.get("NVFLY_RESULTS_DIR") or RESULTS
+    path = os.path.join(out_dir, f"{suite}_h200.png")
+    n = len(series)
+    width = 0.8 / max(1, n)
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels) * n), 4.5))
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
+    ax.set_xticks([x + width * (n - 1) / 2 for x in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{suite} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,77 @@
+"""Host overhead of a cached kernel launch: nvfly next to Triton and torch, in the same process.
+
+Each launcher issues N launches of a tiny kernel back to back; the GPU work is negligible, so the time per
+launch is the host's. Usage: python -m benchmarks.launch_overhead   (or: nvfly bench launch_overhead)
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import nvfly  # noqa: E402
+from benchmarks.common import write_results  # noqa: E402
+
+
+@nvfly.kernel
+def tiny_add(x: nvfly.Tensor, y: nvfly.Tensor, out: nvfly.Tensor, n: nvfly.i32):
+    i = nvfly.block_idx.x * 128 + nvfly.thread_idx.x
+    if i < n:
+        out[i] = x[i] + y[i]
+
+
+def per_launch_us(launch, n: int = 20000, repeats: int = 7) -> float:
+    for _ in range(200):
+        launch()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            launch()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        samples.append((t1 - t0) / n * 1e6)
+    return statistics.median(samples)
+
+
+def main(argv=None) -> int:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def triton_add(x, y, o, n, B: tl.constexpr):
+        i = tl.program_id(0) * B + tl.arange(0, B)
+        tl.store(o + i, tl.load(x + i, mask=i < n) + tl.load(y + i, mask=i < n), mask=i < n)
+
+    x = torch.randn(1024, device="cuda")
+    y = torch.randn_like(x)
+    out = torch.empty_like(x)
+    n = x.numel()
+    launch_nvfly = tiny_add[8, 128]
+    launch_nvfly(x, y, out, n)
+    assert torch.equal(out, x + y)
+    out.zero_()
+    triton_add[(8,)](x, y, out, n, B=128)
+    assert torch.equal(out, x + y)
+
+    results = {
+        "nvfly_us": per_launch_us(lambda: launch_nvfly(x, y, out, n)),
+        "nvfly_launch_method_us": per_launch_us(lambda: tiny_add.launch(x, y, out, n, grid=8, block=128)),
+        "triton_us": per_launch_us(lambda: triton_add[(8,)](x, y, out, n, B=128)),
+        "torch_add_out_us": per_launch_us(lambda: torch.add(x, y, out=out)),
+    }
+    for k, v in results.items():
+        print(f"{k:>24}: {v:6.2f} us/launch")
+    rows = [{"kernel": "add 1024 f32 (4 args)", **{k: round(v, 3) for k, v in results.items()},
+             "nvfly_over_triton": round(results["nvfly_us"] / results["triton_us"], 3)}]
+    print("wrote", write_results("launch_overhead", rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

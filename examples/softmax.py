@@ -3,15 +3,21 @@ import nvfly
 
 
 @nvfly.func
+def merge(m, s, m_other, s_other):
+    """Merge two (max, sum of exp2(x - max)) pairs; an empty side (max = -inf, sum = 0) adds nothing."""
+    m_new = nvfly.maximum(m, m_other)
+    # exp2(m - m_new) would be exp2(-inf - -inf) = NaN for two empty sides: scale by 1 when m is the max
+    scale = nvfly.select(m == m_new, 1.0, nvfly.exp2(m - m_new))
+    scale_other = nvfly.select(m_other == m_new, 1.0, nvfly.exp2(m_other - m_new))
+    return m_new, s * scale + s_other * scale_other
+
+
+@nvfly.func
 def block_reduce_max_sum(m, s, scratch_m, scratch_s, WARPS):
     """Combine per-thread (max, sum of exp(x - max)) pairs over the block; every thread gets the result."""
     offset = 16
     while offset > 0:  # compile-time loop: offset is a Python int
-        m_other = nvfly.shfl_xor(m, offset)
-        s_other = nvfly.shfl_xor(s, offset)
-        m_new = nvfly.maximum(m, m_other)
-        s = s * nvfly.exp2(m - m_new) + s_other * nvfly.exp2(m_other - m_new)
-        m = m_new
+        m, s = merge(m, s, nvfly.shfl_xor(m, offset), nvfly.shfl_xor(s, offset))
         offset //= 2
     warp = nvfly.warp_idx()
     if nvfly.lane_idx() == 0:
@@ -21,11 +27,7 @@ def block_reduce_max_sum(m, s, scratch_m, scratch_s, WARPS):
     m = scratch_m[0]
     s = scratch_s[0]
     for w in nvfly.static_range(1, WARPS):
-        m_other = scratch_m[w]
-        s_other = scratch_s[w]
-        m_new = nvfly.maximum(m, m_other)
-        s = s * nvfly.exp2(m - m_new) + s_other * nvfly.exp2(m_other - m_new)
-        m = m_new
+        m, s = merge(m, s, scratch_m[w], scratch_s[w])
     return m, s
 
 

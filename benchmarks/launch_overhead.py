@@ -59,14 +59,22 @@ def main(argv=None) -> int:
     triton_add[(8,)](x, y, out, n, B=128)
     assert torch.equal(out, x + y)
 
+    (launcher,) = tiny_add._launchers.values()
+    key, raw = tiny_add._binder((x, y, out, n))
+    stream = torch.cuda.current_stream().cuda_stream
     results = {
         "nvfly_us": per_launch_us(lambda: launch_nvfly(x, y, out, n)),
+        "nvfly_prebound_us": per_launch_us(lambda: launcher.launch((8, 1, 1), stream, raw)),
         "nvfly_launch_method_us": per_launch_us(lambda: tiny_add.launch(x, y, out, n, grid=8, block=128)),
         "triton_us": per_launch_us(lambda: triton_add[(8,)](x, y, out, n, B=128)),
         "torch_add_out_us": per_launch_us(lambda: torch.add(x, y, out=out)),
     }
+    t0 = time.perf_counter()
+    for _ in range(100000):
+        tiny_add._binder((x, y, out, n))
+    results["nvfly_bind_only_us"] = (time.perf_counter() - t0) / 100000 * 1e6
     for k, v in results.items():
-        print(f"{k:>24}: {v:6.2f} us/launch")
+        print(f"{k:>24}: {v:6.2f} us")
     rows = [{"kernel": "add 1024 f32 (4 args)", **{k: round(v, 3) for k, v in results.items()},
              "nvfly_over_triton": round(results["nvfly_us"] / results["triton_us"], 3)}]
     print("wrote", write_results("launch_overhead", rows))

@@ -29,7 +29,7 @@ from nvfly.frontend.fingerprint import fingerprint
 from nvfly.frontend.function import _Lazy, trace_kernel
 from nvfly.frontend.spec import ConstexprSpec, Param, analyze_signature
 from nvfly.runtime import driver, torch_args
-from nvfly.runtime.launcher import Launcher, cluster_or_none, normalize_dim3
+from nvfly.runtime.launcher import Launcher, cluster_or_none, make_binder, normalize_dim3
 
 log = logging.getLogger("nvfly")
 
@@ -95,7 +95,7 @@ class Kernel:
         self.fn = fn
         self.name = name or fn.__name__
         self.params: list[Param] = analyze_signature(fn)
-        self._kinds = tuple(p.kind for p in self.params)
+        self._binder = make_binder([p.kind for p in self.params], torch_args.auto_key)
         self._lazy = _Lazy(fn)
         self._fingerprint: Optional[str] = None
         self._compiled: dict[tuple, CompiledKernel] = {}
@@ -220,11 +220,11 @@ class Kernel:
     def launch(self, *args: Any, grid: Any, block: Any = 128, cluster: Any = None, stream: Any = None,
                **kwargs: Any) -> None:
         """Launch on ``grid`` blocks of ``block`` threads, on torch's current stream unless ``stream`` is given."""
-        bound = self._bind(args, kwargs) if (kwargs or len(args) != len(self.params)) else args
-        fast = (torch_args.fast_key(self._kinds, bound), block, cluster)
+        bound = args if (not kwargs and len(args) == len(self.params)) else self._bind(args, kwargs)
         try:
-            launcher = self._fast.get(fast)
-        except TypeError:
+            key, raw = self._binder(bound)
+            launcher = self._fast.get((key, block, cluster))
+        except (AttributeError, TypeError):  # an argument of the wrong kind: the slow path explains
             launcher = None
         if launcher is None:
             only = _COMPILE_ONLY.get()
@@ -234,17 +234,16 @@ class Kernel:
                                                       cluster_or_none(cluster), only.target))
                 return
             launcher = self._prepare(bound, block, cluster)
+            key, raw = self._binder(bound)
             if len(self._fast) >= _FAST_CACHE_LIMIT:
                 self._fast.clear()
-            try:
-                self._fast[fast] = launcher
-            except TypeError:
-                pass
-        grid3 = grid if type(grid) is tuple and len(grid) == 3 else normalize_dim3(grid, "grid")
-        if stream is None:
-            stream = torch_args.current_stream(launcher.device)
-        launcher.launch(grid3, driver.stream_handle(stream) if isinstance(stream, int) else stream,
-                        torch_args.abi_values(launcher.sources, bound))
+            self._fast[(key, block, cluster)] = launcher
+        if type(grid) is int:
+            grid = (grid, 1, 1)
+        elif type(grid) is not tuple or len(grid) != 3:
+            grid = normalize_dim3(grid, "grid")
+        launcher.launch(grid, torch_args.current_stream(launcher.device) if stream is None
+                        else torch_args.stream_int(stream), raw)
 
     def _prepare(self, bound: Sequence[Any], block: Any, cluster: Any) -> Launcher:
         specs, device = self.specs(bound, need_cuda=True)

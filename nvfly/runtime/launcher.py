@@ -1,10 +1,18 @@
-"""Launching a compiled kernel: parameter packing and the driver call, kept short for the cached path."""
+"""Launching a compiled kernel with little host overhead.
+
+The cached path of a launch runs two small functions generated per kernel signature (straight-line code, no
+loops or type dispatch):
+- ``bind(args) -> (key, raw)``: reads each tensor's address, shape and strides once; ``key`` picks the
+  compiled variant, ``raw`` feeds the parameters;
+- ``launch(grid, stream, raw)``: packs the parameters into a per-thread buffer with one ``struct.pack_into``
+  and calls ``cuLaunchKernel`` through ctypes.
+"""
 from __future__ import annotations
 
 import ctypes
 import struct
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from nvfly.compiler.artifact import CompiledKernel
 from nvfly.frontend.function import AbiParam
@@ -12,82 +20,150 @@ from nvfly.runtime import driver
 
 _FORMAT = {"ptr": "Q", "tma": "128s", "i1": "B", "i8": "b", "u8": "B", "i16": "h", "i32": "i", "u32": "I",
            "i64": "q", "f16": "e", "bf16": "H", "f32": "f", "f64": "d"}
+_I32_MIN, _I32_END = -(1 << 31), 1 << 31
 
 
-def _bf16_bits(value: float) -> int:
+def bf16_bits(value: float) -> int:
+    """The bfloat16 bit pattern of ``value`` (round to nearest even)."""
     bits = struct.unpack("<I", struct.pack("<f", value))[0]
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
 
 
-class ParamPacker:
-    """Packs kernel arguments into an aligned buffer and the ``void*[]`` that cuLaunchKernel takes.
+# ---------------------------------------------------------------------------------------------- binding
+def make_binder(kinds: Sequence[str], auto: Callable[[Any], tuple[Any, Any]]) -> Callable[[Sequence[Any]], tuple]:
+    """``bind(args) -> (key, raw)`` for parameters of these kinds (see module doc).
 
-    Each thread reuses its own buffer, so packing allocates nothing after the first launch.
+    Equal keys imply equal compile-time specs; a tensor's raw value is ``(address, shape, strides)``.
+    ``auto`` handles parameters without annotation: value -> (key part, raw value).
     """
+    names = [f"a{i}" for i in range(len(kinds))]
+    lines = ["def bind(args):"]
+    if names:
+        lines.append(f"    {', '.join(names)}, = args")
+    key: list[str] = []
+    raw: list[str] = []
+    for i, kind in enumerate(kinds):
+        a = names[i]
+        if kind == "tensor":
+            lines += [f"    p{i} = {a}.data_ptr()", f"    s{i} = {a}.shape", f"    t{i} = {a}.stride()"]
+            key.append(f"{a}.dtype, s{i}, t{i}, p{i} & 15, {a}.get_device()")
+            raw.append(f"(p{i}, s{i}, t{i})")
+        elif kind == "constexpr":
+            key.append(a)
+            raw.append(a)
+        elif kind == "scalar":
+            # an int's spec depends on its low 4 bits (power-of-two fact) and on whether it fits in 32 bits
+            key.append(f"(({a} & 15, {_I32_MIN} <= {a} < {_I32_END}) if type({a}) is int else type({a}))")
+            raw.append(a)
+        elif kind == "tma":
+            key.append(f"{a}.info, {a}.device")
+            raw.append(f"{a}.raw")
+        else:
+            lines.append(f"    k{i}, r{i} = auto({a})")
+            key.append(f"k{i}")
+            raw.append(f"r{i}")
+    lines.append(f"    return ({', '.join(key)},), ({', '.join(raw)},)")
+    namespace: dict[str, Any] = {"auto": auto}
+    exec("\n".join(lines), namespace)  # noqa: S102 - code generated from parameter kinds only
+    return namespace["bind"]
 
-    def __init__(self, abi: Sequence[AbiParam]):
-        fmt = "<"
-        offset = 0
-        self.offsets: list[int] = []
-        for p in abi:
-            pad = -offset % p.align
-            if pad:
-                fmt += f"{pad}x"
-            offset += pad
-            self.offsets.append(offset)
-            fmt += _FORMAT["tma" if p.kind == "tma" else "ptr" if p.kind == "ptr" else p.dtype]
-            offset += p.size
-        self.format = fmt
-        self.size = max(offset, 8)
-        self.bf16 = [i for i, p in enumerate(abi) if p.dtype == "bf16"]
-        self._local = threading.local()
 
-    def _buffers(self) -> tuple[Any, int]:
-        bufs = getattr(self._local, "bufs", None)
-        if bufs is None:
-            raw = ctypes.create_string_buffer(self.size + 64)
-            base = ctypes.addressof(raw)
-            start = -base % 64
-            view = (ctypes.c_char * self.size).from_buffer(raw, start)
-            pointers = (ctypes.c_void_p * max(1, len(self.offsets)))(
-                *[base + start + off for off in self.offsets])
-            bufs = (raw, view, pointers, ctypes.addressof(pointers))
-            self._local.bufs = bufs
-        return bufs[1], bufs[3]
+# ---------------------------------------------------------------------------------------------- the driver call
+_CU_LAUNCH: Optional[Any] = None
 
-    def pack(self, values: list[Any]) -> int:
-        """Write ``values`` (one per ABI parameter); returns the address of the pointer array."""
-        for i in self.bf16:
-            values[i] = _bf16_bits(float(values[i]))
-        view, address = self._buffers()
-        struct.pack_into(self.format, view, 0, *values)
-        return address
+
+def _cu_launch_kernel() -> Any:
+    global _CU_LAUNCH
+    if _CU_LAUNCH is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernel
+        fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        fn.restype = ctypes.c_int
+        _CU_LAUNCH = fn
+    return _CU_LAUNCH
+
+
+def _raise(status: int, name: str) -> None:
+    driver.check((status,), f"cuLaunchKernel({name})")
 
 
 class Launcher:
-    """A compiled kernel loaded on one device, ready to launch."""
+    """A compiled kernel loaded on one device; ``launch(grid, stream, raw)`` runs it."""
 
     def __init__(self, compiled: CompiledKernel, device: int):
         image = compiled.cubin if compiled.cubin is not None else compiled.ptx.encode() + b"\0"
         self.compiled = compiled
         self.device = device
         self.function = driver.LoadedFunction(image, compiled.name, device, compiled.dynamic_smem_bytes)
-        self.packer = ParamPacker(compiled.abi)
-        self.block = compiled.block
-        self.cluster = compiled.cluster
-        self.smem = compiled.dynamic_smem_bytes
-        self.sources = [p.source for p in compiled.abi]
+        self._local = threading.local()
+        fmt, self._offsets, self._size = _layout(compiled.abi)
+        self.launch = self._make_launch(compiled, fmt)
 
-    def launch(self, grid: tuple[int, int, int], stream: Any, values: list[Any]) -> None:
-        address = self.packer.pack(values)
-        if self.cluster is None:
-            driver.launch(self.function, grid, self.block, self.smem, stream, address)
+    def _buffers(self) -> tuple[Any, int]:
+        """This thread's parameter buffer (64-byte aligned) and the address of its ``void*[]``."""
+        raw = ctypes.create_string_buffer(self._size + 64)
+        base = ctypes.addressof(raw)
+        start = -base % 64
+        view = (ctypes.c_char * self._size).from_buffer(raw, start)
+        pointers = (ctypes.c_void_p * max(1, len(self._offsets)))(*[base + start + o for o in self._offsets])
+        self._local.keep = (raw, pointers)
+        self._local.bufs = (view, ctypes.addressof(pointers))
+        return self._local.bufs
+
+    def _make_launch(self, compiled: CompiledKernel, fmt: str) -> Callable[..., None]:
+        values = []
+        for p in compiled.abi:
+            i, field = p.source
+            if field == "ptr":
+                expr = f"raw[{i}][0]"
+            elif field in ("value", "tma"):
+                expr = f"raw[{i}]"
+            else:
+                expr = f"raw[{i}][{1 if field[0] == 'shape' else 2}][{field[1]}]"
+            values.append(f"bf16_bits({expr})" if p.dtype == "bf16" else expr)
+        bx, by, bz = compiled.block
+        smem = compiled.dynamic_smem_bytes
+        lines = ["def launch(grid, stream, raw):",
+                 "    try:",
+                 "        view, params = local.bufs",
+                 "    except AttributeError:",
+                 "        view, params = buffers()",
+                 f"    pack_into(view, 0, {', '.join(values)})" if values else "    pass"]
+        if compiled.cluster is None:
+            lines += [f"    status = cu_launch(function, grid[0], grid[1], grid[2], {bx}, {by}, {bz}, {smem}, "
+                      f"stream, params, None)",
+                      "    if status:",
+                      "        fail(status, name)"]
         else:
-            driver.launch_cluster(self.function, grid, self.block, self.cluster, self.smem, stream, address)
+            lines += [f"    launch_cluster(loaded, grid, ({bx}, {by}, {bz}), {compiled.cluster}, {smem}, "
+                      f"driver.stream_handle(stream), params)"]
+        namespace: dict[str, Any] = {
+            "local": self._local, "buffers": self._buffers, "pack_into": struct.Struct(fmt).pack_into,
+            "bf16_bits": bf16_bits, "cu_launch": _cu_launch_kernel(),
+            "function": int(self.function.function), "fail": _raise, "name": compiled.name,
+            "launch_cluster": driver.launch_cluster, "loaded": self.function, "driver": driver}
+        exec("\n".join(lines), namespace)  # noqa: S102 - code generated from the kernel's ABI only
+        return namespace["launch"]
+
+
+def _layout(abi: Sequence[AbiParam]) -> tuple[str, list[int], int]:
+    """struct format (with explicit padding), offsets and total size of the parameter buffer."""
+    fmt = "<"
+    offset = 0
+    offsets = []
+    for p in abi:
+        pad = -offset % p.align
+        if pad:
+            fmt += f"{pad}x"
+        offset += pad
+        offsets.append(offset)
+        fmt += _FORMAT["tma" if p.kind == "tma" else "ptr" if p.kind == "ptr" else p.dtype]  # type: ignore[index]
+        offset += p.size
+    return fmt, offsets, max(offset, 8)
 
 
 def normalize_dim3(value: Any, what: str) -> tuple[int, int, int]:
-    """(x, y, z) from an int or a 1-3 tuple of positive ints."""
+    """(x, y, z) from an int or a 1-3 tuple of non-negative ints."""
     dims = (value,) if isinstance(value, int) else tuple(value)
     if not 1 <= len(dims) <= 3 or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
         raise ValueError(f"{what} must be an int or a tuple of 1 to 3 ints, got {value!r}")
@@ -101,3 +177,4 @@ def cluster_or_none(cluster: Optional[Any]) -> Optional[tuple[int, int, int]]:
         return None
     dims = normalize_dim3(cluster, "cluster")
     return None if dims == (1, 1, 1) else dims
+

@@ -88,22 +88,19 @@ def _is_tma(value: Any) -> bool:
     return isinstance(value, TmaDescriptor)
 
 
-def abi_values(sources: Sequence[tuple], args: Sequence[Any]) -> list[Any]:
-    """The raw parameter values in ABI order (device addresses, dynamic extents/strides, scalars, TMA bytes)."""
-    out: list[Any] = []
-    for index, field in sources:
-        value = args[index]
-        if field == "ptr":
-            out.append(value.data_ptr())
-        elif field == "value":
-            out.append(value)
-        elif field == "tma":
-            out.append(value.raw)
-        elif field[0] == "shape":
-            out.append(value.shape[field[1]])
-        else:
-            out.append(value.stride(field[1]))
-    return out
+def auto_key(value: Any) -> tuple[Any, Any]:
+    """(key part, raw value) of an argument to an unannotated parameter (see launcher.make_binder)."""
+    tt = torch_tensor_type()
+    if tt is not None and isinstance(value, tt):
+        p, s, t = value.data_ptr(), value.shape, value.stride()
+        return (value.dtype, s, t, p & 15, value.get_device()), (p, s, t)
+    if _is_tma(value):
+        return (value.info, value.device), value.raw
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value, value
+    if isinstance(value, int):
+        return (value & 15, -(1 << 31) <= value < (1 << 31)), value
+    return float, value
 
 
 def current_stream(device: int) -> int:
@@ -112,17 +109,7 @@ def current_stream(device: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device)
 
 
-def fast_key(kinds: Sequence[str], args: Sequence[Any]) -> tuple:
-    """A cheap key from raw argument values; equal keys imply equal specs (the reverse need not hold)."""
-    tt = torch_tensor_type()
-    key: list[Any] = []
-    for kind, a in zip(kinds, args):
-        if tt is not None and isinstance(a, tt):
-            key.append((a.dtype, a.shape, a.stride(), a.data_ptr() & 15, a.get_device()))
-        elif kind == "constexpr" or isinstance(a, bool) or not isinstance(a, (int, float)):
-            key.append((a.info, a.device) if _is_tma(a) else a)
-        elif isinstance(a, int):
-            key.append((int, a & 15, -(1 << 31) <= a < (1 << 31)))  # the low bits decide the power-of-two fact
-        else:
-            key.append(float)
-    return tuple(key)
+def stream_int(stream: Any) -> int:
+    """A raw stream handle from a torch.cuda.Stream, a cuda.bindings CUstream or an int."""
+    handle = getattr(stream, "cuda_stream", stream)
+    return int(handle)

@@ -1,0 +1,73 @@
+"""Host-side runtime pieces that need no GPU: argument binding, parameter layout, conversions, TMA checks."""
+import struct
+
+import pytest
+import torch
+
+import nvfly
+from nvfly.frontend.function import AbiParam
+from nvfly.runtime.launcher import _layout, bf16_bits, make_binder, normalize_dim3
+from nvfly.runtime.tma import check_tma_layout
+from nvfly.runtime.torch_args import auto_key
+
+
+def test_binder_keys_follow_specs_not_values():
+    bind = make_binder(["tensor", "scalar", "constexpr", "auto"], auto_key)
+    x = torch.randn(64)
+    k1, raw = bind((x, 32, "fast", 7))
+    assert raw[0] == (x.data_ptr(), x.shape, x.stride()) and raw[1] == 32 and raw[3] == 7
+    k2, _ = bind((x, 48, "fast", 23))   # 32 and 48 are both multiples of 16; 7 and 23 share their low 4 bits
+    assert k1 == k2
+    assert bind((x, 33, "fast", 7))[0] != k1            # 33 is odd
+    assert bind((x, 32, "slow", 7))[0] != k1            # a constexpr changes the key
+    assert bind((x, 32 + (1 << 32), "fast", 7))[0] != k1  # no longer fits in i32
+    assert bind((x[1:], 32, "fast", 7))[0] != k1        # the base address loses its 16-byte alignment
+    assert bind((torch.randn(128), 32, "fast", 7))[0] != k1  # another shape: another fast key
+
+
+def test_binder_rejects_wrong_kinds_by_raising():
+    bind = make_binder(["tensor"], auto_key)
+    with pytest.raises(AttributeError):
+        bind((3,))
+
+
+def test_parameter_layout_aligns_each_parameter():
+    abi = [AbiParam("int", "i32", (0, "value")), AbiParam("ptr", None, (1, "ptr")),
+           AbiParam("float", "f16", (2, "value")), AbiParam("tma", None, (3, "tma")),
+           AbiParam("int", "i64", (4, "value"))]
+    fmt, offsets, size = _layout(abi)
+    assert offsets == [0, 8, 16, 64, 192]
+    assert size == 200 and struct.calcsize(fmt) == 200
+
+
+def test_bf16_bits_round_to_nearest_even():
+    for v in [0.0, 1.0, -2.5, 3.14159, 1e-20, 65504.0, float("inf")]:
+        expected = torch.tensor(v, dtype=torch.bfloat16).view(torch.int16).item() & 0xFFFF
+        assert bf16_bits(v) == expected
+
+
+def test_normalize_dim3():
+    assert normalize_dim3(5, "grid") == (5, 1, 1)
+    assert normalize_dim3((2, 3), "grid") == (2, 3, 1)
+    with pytest.raises(ValueError, match="grid must be"):
+        normalize_dim3((1, 2, 3, 4), "grid")
+    with pytest.raises(ValueError, match="must not be negative"):
+        normalize_dim3(-1, "block")
+
+
+@pytest.mark.parametrize("shape,stride,address,box,swizzle,message", [
+    ((64, 64), (64, 1), 8, (64, 64), 128, "16-byte aligned base address"),
+    ((64, 64), (1, 64), 0, (64, 64), 128, "last dimension contiguous"),
+    ((64, 63), (63, 1), 0, (64, 64), 128, "multiple of 16 bytes"),
+    ((64, 64), (64, 1), 0, (64, 128), 128, "at most 128 bytes"),
+    ((64, 64), (64, 1), 0, (300, 64), 128, "box extents must be 1..256"),
+    ((64, 64), (64, 1), 0, (64, 4), 0, "span a multiple of 16 bytes"),
+])
+def test_tma_rules_are_explained(shape, stride, address, box, swizzle, message):
+    with pytest.raises(nvfly.LaunchError, match=message):
+        check_tma_layout("a", nvfly.bf16, shape, stride, address, box, swizzle)
+
+
+def test_tma_descriptor_for_compiling_only():
+    desc = nvfly.TmaDescriptor(nvfly.TensorDesc(nvfly.bf16, (256, 128)), (64, 64))
+    assert desc.raw is None and desc.info.box_bytes == 64 * 64 * 2

@@ -1,0 +1,75 @@
+"""TMA (the bulk tensor copy engine): global <-> shared tile copies driven by host-built descriptors.
+
+Coordinates are given in the tensor's dimension order (outermost first, like torch) and in elements; a copy
+moves one descriptor box. Loads complete on an mbarrier (``complete_tx``); stores are tracked by bulk groups.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from nvfly.arch.ptx import asm
+from nvfly.errors import CompileError
+from nvfly.frontend import dtypes
+from nvfly.frontend.tma_types import TmaDescriptorValue
+from nvfly.frontend.trace import traced
+from nvfly.frontend.values import Scalar, as_value
+
+
+def _coords(desc: TmaDescriptorValue, coords: Sequence[Any]) -> list[Any]:
+    if len(coords) != desc.info.rank:
+        raise CompileError(f"a rank-{desc.info.rank} TMA descriptor takes {desc.info.rank} coordinates, "
+                           f"got {len(coords)}")
+    return list(reversed(coords))  # PTX lists the innermost dimension first
+
+
+def _placeholders(first: int, n: int) -> str:
+    return ", ".join(f"${first + i}" for i in range(n))
+
+
+@traced
+def tma_load(desc: TmaDescriptorValue, smem: Scalar, coords: Sequence[Any], bar: Scalar,
+             multicast_mask: Optional[Any] = None) -> None:
+    """Copy the box at ``coords`` into shared memory at ``smem``; its bytes complete on ``bar``.
+
+    With ``multicast_mask`` (a 16-bit mask of cluster ranks) the box lands at the same offset in each
+    block of the mask, completing on each block's ``bar``.
+    """
+    c = _coords(desc, coords)
+    rank = len(c)
+    args: list[Any] = [smem, desc.ptr, *c, bar]
+    coord_list = _placeholders(2, rank)
+    if multicast_mask is None:
+        text = (f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                f"[$0], [$1, {{{coord_list}}}], [${2 + rank}];")
+    else:
+        args.append(as_value(multicast_mask, dtypes.i32).to(dtypes.i16))  # the mask operand is 16 bits
+        text = (f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                f".multicast::cluster [$0], [$1, {{{coord_list}}}], [${2 + rank}], ${3 + rank};")
+    asm(text, args)
+
+
+@traced
+def tma_store(desc: TmaDescriptorValue, smem: Scalar, coords: Sequence[Any]) -> None:
+    """Copy a box from shared memory at ``smem`` to global memory at ``coords`` (out-of-bounds parts are
+    skipped). Complete with ``tma_store_commit`` + ``tma_store_wait``."""
+    c = _coords(desc, coords)
+    rank = len(c)
+    asm(f"cp.async.bulk.tensor.{rank}d.global.shared::cta.bulk_group [$0, {{{_placeholders(1, rank)}}}], "
+        f"[${1 + rank}];", [desc.ptr, *c, smem])
+
+
+@traced
+def tma_store_commit() -> None:
+    asm("cp.async.bulk.commit_group;")
+
+
+@traced
+def tma_store_wait(pending: int = 0, read_only: bool = True) -> None:
+    """Wait until at most ``pending`` committed store groups are outstanding (``read_only``: only until their
+    shared-memory source may be overwritten)."""
+    asm(f"cp.async.bulk.wait_group{'.read' if read_only else ''} {pending};")
+
+
+@traced
+def tma_prefetch_descriptor(desc: TmaDescriptorValue) -> None:
+    asm("prefetch.tensormap [$0];", [desc.ptr])

@@ -29,7 +29,7 @@ def wgmma_tile_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, 
                       k_tiles: nvfly.i32, BM: nvfly.Constexpr, BN: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr,
                       STAGES: nvfly.Constexpr):
     plan = tile_plan(BM, BN, B_MAJOR, nvfly.bf16)
-    atom = sm90.WgmmaAtom(BN, nvfly.bf16, nvfly.bf16, "K", B_MAJOR, SWIZZLE)
+    atom = sm90.WgmmaAtom(BN, nvfly.bf16, nvfly.bf16, "K", B_MAJOR)
     a_lbo, a_sbo = sm90.descriptor_offsets(plan["a_layout"], nvfly.bf16, "K", SWIZZLE)
     b_lbo, b_sbo = sm90.descriptor_offsets(plan["b_layout"], nvfly.bf16, B_MAJOR, SWIZZLE)
     stage_bytes = plan["stage_bytes"]

@@ -265,11 +265,15 @@ class Kernel:
 
 def _stable_repr(value: Any) -> bool:
     """Whether ``repr(value)`` identifies the value across processes (so it may key the disk cache)."""
+    import dataclasses
     from nvfly.frontend.dtypes import DType
     if isinstance(value, (bool, int, float, str, bytes, type(None), DType)):
         return True
     if isinstance(value, tuple):
         return all(_stable_repr(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen:
+        # a frozen dataclass's generated repr names the class and every field
+        return all(_stable_repr(getattr(value, f.name)) for f in dataclasses.fields(value))
     return False
 
 

@@ -42,6 +42,19 @@ def operand_layout(mn: int, k: int, dtype: DType, major: str, swizzle: int = 128
     return tile_to_shape(atom, (mn, k), order)
 
 
+def choose_swizzle(mn: int, dtype: DType, major: str) -> int:
+    """The widest swizzle (bytes) an (MN x 128-byte K) operand tile can use: 128 for K-major; for MN-major
+    the widest whose row (swizzle / itemsize elements of MN) divides the MN extent."""
+    _check_major(major)
+    if major == "K":
+        return 128
+    for swizzle in (128, 64, 32):
+        if mn % (swizzle // dtype.itemsize) == 0:
+            return swizzle
+    raise CompileError(f"an MN-major operand tile of {mn} {dtype.name} elements is narrower than a 32-byte "
+                       f"swizzle row ({32 // dtype.itemsize} elements)")
+
+
 def _check_major(major: str) -> None:
     if major not in ("K", "MN"):
         raise CompileError(f"major must be 'K' or 'MN', got {major!r}")
@@ -123,7 +136,6 @@ class WgmmaAtom:
     b_dtype: DType
     a_major: str = "K"
     b_major: str = "K"
-    swizzle: int = 128
 
     def __post_init__(self) -> None:
         if self.n % 8 or not 8 <= self.n <= 256:
@@ -137,8 +149,6 @@ class WgmmaAtom:
             raise CompileError(f"wgmma cannot mix {self.a_dtype.name} and {self.b_dtype.name}")
         if self.a_dtype.bits == 8 and (self.a_major != "K" or self.b_major != "K"):
             raise CompileError("fp8 wgmma needs both operands K-major (transposes exist only for 16-bit types)")
-        if self.swizzle not in _SWIZZLE_MODE:
-            raise CompileError(f"swizzle must be one of {sorted(_SWIZZLE_MODE)} bytes, got {self.swizzle}")
 
     @property
     def m(self) -> int:
@@ -168,6 +178,15 @@ class Accumulator:
     @traced
     def zeros(atom: WgmmaAtom) -> "Accumulator":
         return Accumulator(llvm.mlir_zero(atom.acc_type()), atom.n)
+
+    @staticmethod
+    @traced
+    def undefined(atom: WgmmaAtom) -> "Accumulator":
+        """An accumulator whose registers nothing defines yet: the input of a first ``mma(..., zero=True)``.
+
+        Zeroing registers with ordinary moves between wgmmas makes ptxas serialise them (C7515).
+        """
+        return Accumulator(llvm.mlir_undef(atom.acc_type()), atom.n)
 
     def __nvfly_flatten__(self) -> tuple[list[ir.Value], Callable[[Sequence[ir.Value]], "Accumulator"]]:
         n = self.n
@@ -231,8 +250,9 @@ def wait_group(pending: int) -> None:
 
 
 @traced
-def mma(atom: WgmmaAtom, acc: Accumulator, desc_a: Scalar, desc_b: Scalar) -> Accumulator:
-    """acc += A @ B for one 64 x N x K step (asynchronous: commit and wait before reading ``acc``)."""
+def mma(atom: WgmmaAtom, acc: Accumulator, desc_a: Scalar, desc_b: Scalar, zero: bool = False) -> Accumulator:
+    """acc += A @ B for one 64 x N x K step, or acc = A @ B with ``zero`` (asynchronous: commit and wait
+    before reading ``acc``)."""
     if acc.n != atom.n:
         raise CompileError(f"accumulator is 64x{acc.n}, the atom is 64x{atom.n}")
     shape = ir.Attribute.parse(f"#nvvm.shape<m = 64, n = {atom.n}, k = {atom.k}>")
@@ -242,7 +262,7 @@ def mma(atom: WgmmaAtom, acc: Accumulator, desc_a: Scalar, desc_b: Scalar) -> Ac
     out = nvvm.wgmma_mma_async(
         atom.acc_type(), acc.value, desc_a.value, desc_b.value, shape,
         getattr(t, _WGMMA_TYPES[atom.a_dtype.name]), getattr(t, _WGMMA_TYPES[atom.b_dtype.name]), t.f32,
-        nvvm.WGMMAScaleOut.one, nvvm.WGMMAScaleIn.one, nvvm.WGMMAScaleIn.one, layout_a, layout_b)
+        nvvm.WGMMAScaleOut.zero if zero else nvvm.WGMMAScaleOut.one, nvvm.WGMMAScaleIn.one, nvvm.WGMMAScaleIn.one, layout_a, layout_b)
     return Accumulator(out, atom.n)
 
 

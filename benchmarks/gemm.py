@@ -1,0 +1,99 @@
+"""GEMM: nvfly vs cuBLAS (torch.mm) vs Inductor max-autotune (Triton templates only), in one process.
+
+Correctness first (relative error vs a float32 reference on fresh random inputs, poisoned outputs), then the
+median time of each. Usage: python -m benchmarks.gemm [--quick] [--no-triton] [--shapes M,N,K ...]
+Writes benchmarks/results/gemm_h200.json and gemm_h200.png.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import bench_ms, geomean, plot, rel_err, write_results  # noqa: E402
+from nvfly.ops import gemm  # noqa: E402
+
+# the anchor shapes (../shared/docs/anchors.md) first, then more of the suite
+ANCHORS = [(4096, 4096, 4096), (8192, 8192, 8192), (128, 8192, 8192), (1024, 7168, 2048), (4096, 14336, 4096),
+           (2048, 28672, 8192), (16, 4096, 4096)]
+SUITE = ANCHORS + [(1, 4096, 4096), (64, 6144, 4096), (512, 28672, 4096), (2048, 4096, 14336),
+                   (16384, 8192, 8192), (4096, 10240, 8192), (128, 8192, 28672), (2048, 2112, 7168),
+                   (4096, 24576, 1536), (4096, 32768, 512), (512, 7168, 16384), (16384, 4096, 7168),
+                   (16, 4096, 14336), (336, 4104, 1024)]
+MAJORS = [("row", "row"), ("row", "col"), ("col", "row"), ("col", "col")]
+
+
+def make(m, n, k, majors, dtype=torch.bfloat16):
+    a = torch.randn(m, k, device="cuda").to(dtype) if majors[0] == "row" else \
+        torch.randn(k, m, device="cuda").to(dtype).t()
+    b = torch.randn(k, n, device="cuda").to(dtype) if majors[1] == "row" else \
+        torch.randn(n, k, device="cuda").to(dtype).t()
+    return a, b
+
+
+def triton_mm():
+    """torch.mm compiled by Inductor max-autotune with only Triton templates as candidates."""
+    import torch._inductor.config as cfg
+    cfg.max_autotune_gemm_backends = "TRITON"
+    return torch.compile(torch.mm, mode="max-autotune-no-cudagraphs", dynamic=False)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="anchor shapes, row-major operands only")
+    p.add_argument("--no-triton", action="store_true")
+    p.add_argument("--triton-shapes", type=int, default=len(ANCHORS), help="time Triton on the first N shapes")
+    p.add_argument("--shapes", nargs="*", default=None)
+    args = p.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else \
+        (ANCHORS if args.quick else SUITE)
+    tmm = None if args.no_triton else triton_mm()
+    rows = []
+    t_start = time.time()
+    for idx, (m, n, k) in enumerate(shapes):
+        majors_list = [("row", "row")] if (args.quick or idx >= len(ANCHORS)) else MAJORS
+        for majors in majors_list:
+            a, b = make(m, n, k, majors)
+            reason = gemm.eligibility(a, b)
+            if reason:
+                print(f"{m}x{n}x{k} {majors}: declined ({reason})")
+                continue
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            gemm.matmul(a, b, out=out)
+            err = rel_err(out, a.float() @ b.float())
+            row = {"M": m, "N": n, "K": k, "layout": f"{majors[0]}x{majors[1]}", "dtype": "bf16",
+                   "rel_err": err}
+            row["nvfly_ms"] = bench_ms(lambda: gemm.matmul(a, b, out=out))
+            row["cublas_ms"] = bench_ms(lambda: torch.mm(a, b, out=out))
+            if tmm is not None and idx < args.triton_shapes and majors == ("row", "row"):
+                tmm(a, b)
+                row["triton_ms"] = bench_ms(lambda: tmm(a, b))
+            flop = 2.0 * m * n * k
+            row["nvfly_tflops"] = flop / row["nvfly_ms"] / 1e9
+            row["cublas_tflops"] = flop / row["cublas_ms"] / 1e9
+            row["vs_cublas"] = row["cublas_ms"] / row["nvfly_ms"]
+            if "triton_ms" in row:
+                row["vs_triton"] = row["triton_ms"] / row["nvfly_ms"]
+            rows.append(row)
+            print(f"{m:>6}x{n:>6}x{k:>6} {row['layout']:>7}  err {err:.1e}  nvfly {row['nvfly_tflops']:6.1f}  "
+                  f"cuBLAS {row['cublas_tflops']:6.1f} TFLOP/s  x{row['vs_cublas']:.2f}"
+                  + (f"  Triton x{row['vs_triton']:.2f}" if "vs_triton" in row else ""), flush=True)
+    summary = {"geomean_vs_cublas": geomean([r["vs_cublas"] for r in rows]),
+               "min_vs_cublas": min(r["vs_cublas"] for r in rows),
+               "geomean_vs_triton": geomean([r["vs_triton"] for r in rows if "vs_triton" in r]),
+               "max_rel_err": max(r["rel_err"] for r in rows), "seconds": time.time() - t_start}
+    print(summary)
+    path = write_results("gemm", rows, {"summary": summary})
+    labels = [f"{r['M']}x{r['N']}x{r['K']} {r['layout']}" for r in rows]
+    plot("gemm", labels, {"nvfly": [r["nvfly_tflops"] for r in rows],
+                          "cuBLAS": [r["cublas_tflops"] for r in rows]}, "TFLOP/s")
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Dense GEMM on torch tensors (Hopper): ``matmul`` covering mm / addmm / bmm / linear with a fused epilogue.
+
+    out = act(alpha * A @ B + beta * C)       A: [(B,) M, K], B: [(B,) K, N], C broadcastable to [(B,) M, N]
+
+Every operand major-ness works without copies (row- or column-major A and B); tails in M, N, K are fine.
+``eligibility`` says why an input is declined (e.g. a stride TMA cannot express); callers then use
+PyTorch. ``config_space`` is the space the autotuner searches; ``default_config`` picks a config per shape
+without tuning. Small M is computed as the transposed problem (swap A/B) so tokens fill wgmma's N; few
+output tiles with long K are split along K.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+from typing import Any, Optional, Sequence
+
+import torch
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel
+
+_DTYPES = {torch.bfloat16: nvfly.bf16, torch.float16: nvfly.f16}
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- eligibility
+def _operand_major(t: torch.Tensor, contiguous_k_dim: int) -> Optional[str]:
+    """'K' if the K dimension (``contiguous_k_dim``: -1 for A, -2 for B) is contiguous, 'MN' if the other
+    matrix dimension is, None if neither."""
+    other = -2 if contiguous_k_dim == -1 else -1
+    if t.stride(contiguous_k_dim) == 1 or t.shape[contiguous_k_dim] == 1:
+        return "K"
+    if t.stride(other) == 1 or t.shape[other] == 1:
+        return "MN"
+    return None
+
+
+def _tma_reason(name: str, t: torch.Tensor, unit_dim: int) -> Optional[str]:
+    if t.data_ptr() % 16:
+        return f"{name}: its address is not 16-byte aligned (TMA needs it)"
+    for d in range(t.dim()):
+        if d % t.dim() == unit_dim % t.dim() or t.shape[d] == 1:
+            continue
+        if (t.stride(d) * t.element_size()) % 16:
+            return (f"{name}: stride {t.stride(d)} of dimension {d} is not a multiple of 16 bytes "
+                    f"(TMA cannot describe it)")
+    return None
+
+
+def eligibility(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = None,
+                out_dtype: Optional[torch.dtype] = None) -> Optional[str]:
+    """None when ``matmul(a, b, c=c)`` runs on nvfly, else the reason it is declined."""
+    if not (a.is_cuda and b.is_cuda):
+        return "operands are not CUDA tensors"
+    if a.device != b.device or (c is not None and c.device != a.device):
+        return "operands are on different devices"
+    if torch.cuda.get_device_capability(a.device)[0] != 9:
+        return "nvfly's GEMM needs an sm_90 (Hopper) GPU"
+    if a.dtype not in _DTYPES or b.dtype != a.dtype:
+        return f"dtypes {a.dtype} x {b.dtype}: nvfly's GEMM takes bf16 or fp16 operands of one dtype"
+    if (out_dtype or a.dtype) not in _OUT_DTYPES:
+        return f"output dtype {out_dtype} is not bf16, fp16 or fp32"
+    if a.dim() not in (2, 3) or b.dim() != a.dim():
+        return f"ranks {a.dim()} and {b.dim()}: expected two 2-D or two 3-D operands"
+    if a.shape[-1] != b.shape[-2] or (a.dim() == 3 and a.shape[0] != b.shape[0]):
+        return f"shapes {tuple(a.shape)} and {tuple(b.shape)} do not multiply"
+    for name, t, kdim in (("A", a, -1), ("B", b, -2)):
+        major = _operand_major(t, kdim)
+        if major is None:
+            return f"{name}: neither of its last two dimensions is contiguous"
+        unit = kdim if major == "K" else (-2 if kdim == -1 else -1)
+        reason = _tma_reason(name, t, unit)
+        if reason:
+            return reason
+    if c is not None:
+        shape = (a.shape[0],) * (a.dim() == 3) + (a.shape[-2], b.shape[-1])
+        try:
+            torch.broadcast_shapes(c.shape, shape)
+        except RuntimeError:
+            return f"C of shape {tuple(c.shape)} does not broadcast to {shape}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- configs
+def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
+    """Every config the autotuner may try (all compile; see GemmConfig.check)."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    space = []
+    for bm, consumers in ((128, 2), (256, 2), (64, 1), (128, 1)):
+        for bn in (256, 192, 128, 96, 64, 32, 16, 8):
+            for stages in (7, 6, 5, 4, 3):
+                for group_m in (8, 16):
+                    cfg = GemmConfig(bm, bn, stages, consumers, group_m)
+                    if cfg.check(itemsize) is None:
+                        space.append(cfg)
+    return space
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _max_stages(bm: int, bn: int, itemsize: int) -> int:
+    stages = 7
+    while GemmConfig(bm, bn, stages).smem_bytes(itemsize) > 232448:
+        stages -= 1
+    return stages
+
+
+# relative throughput of a block tile (consumer wgmma size and operand reuse); 128x256 is the reference
+_TILE_EFFICIENCY = {(128, 256, 2): 1.0, (256, 128, 2): 0.97, (128, 128, 2): 0.88, (64, 256, 1): 0.72,
+                    (128, 128, 1): 0.7, (64, 128, 1): 0.6, (128, 64, 2): 0.65, (64, 64, 1): 0.45}
+
+
+def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, sms: int = 132) -> GemmConfig:
+    """A good config for one problem without tuning: the tile that best balances waves over ``sms`` SMs
+    and tile efficiency, and K splits when there are few output tiles but long K."""
+    best: Optional[tuple[float, GemmConfig]] = None
+    k_tiles = math.ceil(k / (128 // itemsize))
+    for (bm, bn, consumers), eff in _TILE_EFFICIENCY.items():
+        tiles = math.ceil(m / bm) * math.ceil(n / bn) * batches
+        # padded work over the SMs, in units of one 128x256 tile's k-block
+        waves = math.ceil(tiles / sms)
+        cost = waves * (bm * bn) / (128 * 256) / eff
+        if best is None or cost < best[0] - 1e-9:
+            best = (cost, GemmConfig(bm, bn, _max_stages(bm, bn, itemsize), consumers))
+    assert best is not None
+    cfg = best[1]
+    tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
+    if tiles * 2 <= sms and k_tiles >= 16:
+        split = min(max(1, sms // tiles), k_tiles // 8, 16)
+        if split > 1:
+            cfg = replace(cfg, split_k=split)
+    return cfg
+
+
+def small_m_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int) -> GemmConfig:
+    """Config of the swapped problem (N x M) for small M: M becomes wgmma's N (a multiple of 8)."""
+    bn = max(8, min(256, 8 * math.ceil(m / 8)))
+    tiles = math.ceil(n / 128) * batches
+    bm, consumers = (128, 2) if tiles >= sms else (64, 1)
+    tiles = math.ceil(n / bm) * batches
+    cfg = GemmConfig(bm, bn, _max_stages(bm, bn, itemsize), consumers)
+    k_tiles = math.ceil(k / (128 // itemsize))
+    if tiles * 2 <= sms and k_tiles >= 16:
+        split = min(max(1, sms // tiles), k_tiles // 4, 16)
+        if split > 1:
+            cfg = replace(cfg, split_k=split)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- launching
+def _operand_descriptor(t: Any, major: str, rows: int, bk: int, dtype: Any) -> nvfly.TmaDescriptor:
+    """TMA descriptor of an operand (a tensor or TensorDesc) viewed as [(B,) MN, K] (K-major) or
+    [(B,) K, MN] (MN-major); the box covers one k-block of ``rows`` rows (a batch of 1)."""
+    swizzle = sm90.choose_swizzle(rows, dtype, major)
+    layout = sm90.operand_layout(rows, bk, dtype, major, swizzle)
+    box, _ = sm90.operand_boxes(layout, rows, bk, dtype, major, swizzle)
+    box = (1,) * (len(t.shape) - 2) + tuple(box)
+    return nvfly.TmaDescriptor(t, box, swizzle=swizzle)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, alpha: float = 1.0,
+           beta: float = 1.0, activation: str = "none", out_dtype: Optional[torch.dtype] = None,
+           out: Optional[torch.Tensor] = None, config: Optional[GemmConfig] = None) -> torch.Tensor:
+    """act(alpha * a @ b + beta * c) for 2-D or batched 3-D bf16/fp16 operands (fp32 accumulation)."""
+    reason = eligibility(a, b, c, out_dtype)
+    if reason:
+        raise ValueError(f"nvfly.ops.gemm.matmul: {reason}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    batched = a.dim() == 3
+    batches = a.shape[0] if batched else 1
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    out_dtype = out_dtype or a.dtype
+    shape = (batches, m, n) if batched else (m, n)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=a.device)
+    elif tuple(out.shape) != shape or out.dtype != out_dtype:
+        raise ValueError(f"out: expected a {out_dtype} tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}")
+    if m == 0 or n == 0:
+        return out
+    out3 = out if batched else out.unsqueeze(0)
+    c3 = None
+    if c is not None and beta != 0:
+        c3 = c.expand(shape) if batched else c.expand(shape).unsqueeze(0)
+    if k == 0:
+        result = torch.zeros_like(out3, dtype=torch.float32)
+        if c3 is not None:
+            result += beta * c3.float()
+        out3.copy_(_torch_activation(result, activation))
+        return out
+    a3, b3 = (a, b) if batched else (a.unsqueeze(0), b.unsqueeze(0))
+    itemsize = a.element_size()
+    sms = _sm_count(a.device.index)
+    if config is None:
+        swap = m <= 64 < n
+        config = small_m_config(m, n, k, batches, itemsize, sms) if swap else \
+            default_config(m, n, k, batches, itemsize, sms)
+    else:
+        swap = False
+    if swap:
+        # out^T = b^T a^T: the small M becomes the tile's N
+        a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
+        out3 = out3.transpose(-1, -2)
+        c3 = c3.transpose(-1, -2) if c3 is not None else None
+        m, n = n, m
+    _launch(a3, b3, out3, c3, m, n, k, batches, alpha, beta, activation, config, batched)
+    return out
+
+
+def _launch(a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor, c3: Optional[torch.Tensor], m: int, n: int,
+            k: int, batches: int, alpha: float, beta: float, activation: str, cfg: GemmConfig,
+            batched: bool) -> None:
+    dtype = _DTYPES[a3.dtype]
+    bk = cfg.bk(a3.element_size())
+    a_major = _operand_major(a3, -1)
+    b_major = _operand_major(b3, -2)
+    a_view = a3 if a_major == "K" else a3.transpose(-1, -2)
+    b_view = b3.transpose(-1, -2) if b_major == "K" else b3
+    if not batched:
+        a_view, b_view = a_view[0], b_view[0]
+    a_desc = _operand_descriptor(a_view, a_major, cfg.bm, bk, dtype)
+    b_desc = _operand_descriptor(b_view, b_major, cfg.bn, bk, dtype)
+    k_tiles = math.ceil(k / bk)
+    # every split gets at least one k-block
+    split = math.ceil(k_tiles / math.ceil(k_tiles / min(cfg.split_k, k_tiles)))
+    cfg = replace(cfg, split_k=split)
+    epi = Epilogue(has_c=c3 is not None, activation=activation, partial=split > 1)
+    tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches * split
+    grid = min(tiles, _sm_count(a3.device.index))
+    threads = 128 * (1 + cfg.consumers)
+    if split == 1:
+        gemm_kernel[grid, threads](a_desc, b_desc, out3, c3, m, n, k_tiles, batches, alpha, beta,
+                                   CFG=cfg, A_MAJOR=a_major, B_MAJOR=b_major, EPI=epi)
+        return
+    partials = torch.empty((batches * split, m, n), dtype=torch.float32, device=a3.device)
+    gemm_kernel[grid, threads](a_desc, b_desc, partials, None, m, n, k_tiles, batches, 1.0, 0.0,
+                               CFG=cfg, A_MAJOR=a_major, B_MAJOR=b_major, EPI=epi)
+    reduce_epi = Epilogue(has_c=c3 is not None, activation=activation)
+    split_k_reduce_kernel[(math.ceil(m * n / 256), batches), 256](
+        partials, out3, c3, m, n, alpha, beta, SPLITS=split, EPI=reduce_epi)
+
+
+def _torch_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu":
+        return torch.relu(x)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(x, approximate="tanh")
+    if activation == "silu":
+        return torch.nn.functional.silu(x)
+    return x
+
+
+def reference(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = None, alpha: float = 1.0,
+              beta: float = 1.0, activation: str = "none") -> torch.Tensor:
+    """The float32 reference of ``matmul`` (for tests and benchmarks)."""
+    r = alpha * (a.float() @ b.float())
+    if c is not None:
+        r = r + beta * c.float()
+    return _torch_activation(r, activation)
+
+
+def compile_configs(configs: Sequence[GemmConfig], dtype: torch.dtype = torch.bfloat16,
+                    majors: Sequence[tuple[str, str]] = (("K", "MN"),), target: str = "sm_90a") -> list[Any]:
+    """Compile the kernel for each config and operand major-ness (no GPU needed); returns CompiledKernels."""
+    from nvfly.runtime.torch_args import TensorDesc
+    nv = _DTYPES[dtype]
+    kernels = []
+    for cfg in configs:
+        bk = cfg.bk(nv.itemsize)
+        for a_major, b_major in majors:
+            a_desc = _operand_descriptor(TensorDesc(nv, (4096, 4096)), a_major, cfg.bm, bk, nv)
+            b_desc = _operand_descriptor(TensorDesc(nv, (4096, 4096)), b_major, cfg.bn, bk, nv)
+            out = TensorDesc(nv if cfg.split_k == 1 else nvfly.f32, (1, 4096, 4096))
+            kernels.append(gemm_kernel.compile(
+                a_desc, b_desc, out, None, 4096, 4096, 64, 1, 1.0, 0.0, CFG=cfg, A_MAJOR=a_major,
+                B_MAJOR=b_major, EPI=Epilogue(partial=cfg.split_k > 1), block=128 * (1 + cfg.consumers),
+                target=target))
+    return kernels

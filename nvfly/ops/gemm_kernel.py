@@ -1,0 +1,284 @@
+"""The Hopper GEMM kernel: persistent, warp-specialised, TMA + mbarrier ring + wgmma, fused epilogue.
+
+One block per SM walks output tiles (grouped rasterisation for L2 reuse). Warpgroup 0 is the producer: one
+thread keeps an N-stage shared-memory ring full with TMA loads of A and B k-blocks. Warpgroups 1..C are
+consumers: each owns BM/C rows of the tile, waits for a stage, issues wgmma from shared memory, keeps one
+wgmma group in flight and releases the previous stage, then runs the epilogue (alpha, beta * C_in, bias
+via C_in's broadcast strides, activation, dtype conversion) while the producer already loads the next tile.
+Registers are rebalanced with setmaxnreg (producer 40, consumers 232).
+
+The kernel computes out[b] = act(alpha * A[b] @ B[b] + beta * C_in[b]) for every batch b; A and B may each
+be K-major or MN-major (wgmma transposes 16-bit operands), tails in M, N, K come from TMA's zero fill and
+masked stores. With ``split_k`` > 1 each split reduces its K range into an f32 workspace slice instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.arch.ptx import smem_address
+
+BK_BYTES = 128   # one 128-byte swizzle row of K per k-block
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+BARRIER_BYTES = 1024  # barriers first; the ring starts 1024-byte aligned (swizzle atoms need it)
+SMEM_LIMIT = 232448
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One point of the GEMM config space.
+
+    bm x bn: the block's output tile; consumers: consumer warpgroups splitting bm; stages: ring depth;
+    group_m: tiles per rasterisation group along M; split_k: K splits (f32 partials reduced afterwards).
+    """
+    bm: int = 128
+    bn: int = 256
+    stages: int = 4
+    consumers: int = 2
+    group_m: int = 8
+    split_k: int = 1
+
+    def bk(self, itemsize: int) -> int:
+        return BK_BYTES // itemsize
+
+    def smem_bytes(self, itemsize: int) -> int:
+        return BARRIER_BYTES + self.stages * (self.bm + self.bn) * self.bk(itemsize) * itemsize
+
+    def check(self, itemsize: int) -> Optional[str]:
+        """None if this config can be compiled, else why not."""
+        wg_m = self.bm // self.consumers
+        if self.consumers not in (1, 2) or self.bm % self.consumers or wg_m % 64 or wg_m > 128:
+            return f"bm={self.bm} with {self.consumers} consumers: each consumer needs 64 or 128 rows"
+        if self.bn % 8 or not 8 <= self.bn <= 256:
+            return f"bn={self.bn}: must be a multiple of 8 in [8, 256]"
+        if (wg_m // 64) * self.bn // 2 > 128:
+            return f"{wg_m}x{self.bn} per consumer needs more than 128 accumulator registers"
+        if self.stages < 2:
+            return "at least 2 stages"
+        if self.smem_bytes(itemsize) > SMEM_LIMIT:
+            return f"{self.smem_bytes(itemsize)} bytes of shared memory exceed {SMEM_LIMIT}"
+        return None
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What the epilogue applies: out = act(alpha * acc + beta * C_in); ``partial``: write raw f32 partial
+    sums (split-K) instead."""
+    has_c: bool = False
+    activation: str = "none"  # none, relu, gelu_tanh, silu
+    partial: bool = False
+
+
+ACTIVATIONS = ("none", "relu", "gelu_tanh", "silu")
+
+
+@nvfly.func
+def activate(x, KIND):
+    if KIND == "relu":
+        x = nvfly.maximum(x, 0.0)
+    elif KIND == "gelu_tanh":
+        x = 0.5 * x * (1.0 + nvfly.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    elif KIND == "silu":
+        x = x / (1.0 + nvfly.exp2(x * -1.4426950408889634))
+    return x
+
+
+@nvfly.func
+def tile_coords(tile, tiles_m, tiles_n, GROUP_M):
+    """(batch, tile row, tile column) of a linear tile index, rasterised in groups of GROUP_M tile rows."""
+    per_batch = tiles_m * tiles_n
+    batch = tile // per_batch
+    t = tile - batch * per_batch
+    group = GROUP_M * tiles_n
+    gid = t // group
+    first_m = gid * GROUP_M
+    size_m = nvfly.minimum(tiles_m - first_m, GROUP_M)
+    local = t - gid * group
+    return batch, first_m + local % size_m, local // size_m
+
+
+@nvfly.kernel
+def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, c_in,
+                m: nvfly.i32, n: nvfly.i32, k_tiles: nvfly.i32, batches: nvfly.i32, alpha: nvfly.f32,
+                beta: nvfly.f32, CFG: nvfly.Constexpr, A_MAJOR: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr,
+                EPI: nvfly.Constexpr):
+    dtype = a_desc.info.dtype
+    size = dtype.itemsize
+    BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
+    BK = CFG.bk(size)
+    WG_M = BM // WGS
+    ATOMS_M = WG_M // 64
+    BATCHED = a_desc.info.rank == 3
+    atom = sm90.WgmmaAtom(BN, dtype, dtype, A_MAJOR, B_MAJOR)
+    A_SW = a_desc.info.swizzle
+    B_SW = b_desc.info.swizzle
+    a_layout = sm90.operand_layout(BM, BK, dtype, A_MAJOR, A_SW)
+    b_layout = sm90.operand_layout(BN, BK, dtype, B_MAJOR, B_SW)
+    a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, A_MAJOR, A_SW)[1]
+    b_boxes = sm90.operand_boxes(b_layout, BN, BK, dtype, B_MAJOR, B_SW)[1]
+    a_lbo, a_sbo = sm90.descriptor_offsets(a_layout, dtype, A_MAJOR, A_SW)
+    b_lbo, b_sbo = sm90.descriptor_offsets(b_layout, dtype, B_MAJOR, B_SW)
+    A_BYTES = BM * BK * size
+    STAGE_BYTES = A_BYTES + BN * BK * size
+
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
+    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
+    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * WGS)
+
+    tid = nvfly.thread_idx.x
+    warp = nvfly.warp_idx()
+    wg = warp // 4
+    if tid == 0:
+        pipe.init()
+        sm90.tma_prefetch_descriptor(a_desc)
+        sm90.tma_prefetch_descriptor(b_desc)
+    nvfly.syncthreads()
+
+    tiles_m = (m + BM - 1) // BM
+    tiles_n = (n + BN - 1) // BN
+    num_tiles = tiles_m * tiles_n * batches * CFG.split_k
+    k_per_split = (k_tiles + CFG.split_k - 1) // CFG.split_k
+
+    if wg == 0:
+        sm90.setmaxnreg(PRODUCER_REGS, increase=False)
+        if tid == 0:
+            state = sm90.PipelineState.start(S)
+            for tile in range(nvfly.block_idx.x, num_tiles, nvfly.grid_dim.x):
+                split = tile % CFG.split_k
+                batch, tm, tn = tile_coords(tile // CFG.split_k, tiles_m, tiles_n, CFG.group_m)
+                k_begin = split * k_per_split
+                k_end = nvfly.minimum(k_begin + k_per_split, k_tiles)
+                for kt in range(k_begin, k_end):
+                    pipe.producer_acquire(state)
+                    pipe.producer_expect(state)
+                    base = ring + state.stage * STAGE_BYTES
+                    full = pipe.full(state.stage)
+                    for box in a_boxes:
+                        mm = tm * BM + box.mn_offset
+                        kk = kt * BK + box.k_offset
+                        coords = (mm, kk) if A_MAJOR == "K" else (kk, mm)
+                        sm90.tma_load(a_desc, base + box.smem_offset, (batch,) + coords if BATCHED else coords,
+                                      full)
+                    for box in b_boxes:
+                        nn = tn * BN + box.mn_offset
+                        kk = kt * BK + box.k_offset
+                        coords = (nn, kk) if B_MAJOR == "K" else (kk, nn)
+                        sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
+                                      (batch,) + coords if BATCHED else coords, full)
+                    state = state.advance()
+    else:
+        sm90.setmaxnreg(CONSUMER_REGS, increase=True)
+        consumer = wg - 1
+        lane = nvfly.lane_idx()
+        warp_in_wg = warp % 4
+        state = sm90.PipelineState.start(S)
+        for tile in range(nvfly.block_idx.x, num_tiles, nvfly.grid_dim.x):
+            split = tile % CFG.split_k
+            batch, tm, tn = tile_coords(tile // CFG.split_k, tiles_m, tiles_n, CFG.group_m)
+            k_begin = split * k_per_split
+            k_end = nvfly.minimum(k_begin + k_per_split, k_tiles)
+            # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
+            accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
+            pipe.consumer_wait(state)
+            accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
+                                 (a_lbo, a_sbo, A_SW), (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, True)
+            prev = state
+            state = state.advance()
+            for kt in range(k_begin + 1, k_end):
+                pipe.consumer_wait(state)
+                accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
+                                     (a_lbo, a_sbo, A_SW), (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, False)
+                sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
+                if lane == 0:
+                    pipe.consumer_release(prev)
+                prev = state
+                state = state.advance()
+            sm90.wait_group(0)
+            if lane == 0:
+                pipe.consumer_release(prev)
+            row0 = tm * BM + consumer * WG_M + warp_in_wg * 16 + lane // 4
+            col0 = tn * BN + 2 * (lane % 4)
+            out_batch = batch * CFG.split_k + split if EPI.partial else batch
+            store_tile(out, c_in, accs, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI)
+
+
+def issue_k_block(atom: Any, accs: list, base: Any, a_layout: Any, b_layout: Any, consumer: Any,
+                  a_desc: tuple[int, int, int], b_desc: tuple[int, int, int], a_bytes: int, wg_m: int, bk: int,
+                  size: int, first: bool) -> list:
+    """Issue one k-block of wgmmas for a consumer from the stage at shared address ``base`` and commit them.
+
+    ``a_desc``/``b_desc``: (leading byte offset, stride byte offset, swizzle) of the operand descriptors.
+    """
+    sm90.fence()
+    for ks in range(bk // atom.k):
+        b_off = b_layout.inner((0, ks * atom.k)) * size
+        db = sm90.smem_descriptor(base + a_bytes + b_off, *b_desc)
+        for i in range(len(accs)):
+            da = sm90.smem_descriptor(base + _a_offset(a_layout, consumer, wg_m, i, ks * atom.k, size), *a_desc)
+            accs[i] = sm90.mma(atom, accs[i], da, db, zero=first and ks == 0)
+    sm90.commit_group()
+    return accs
+
+
+def _a_offset(layout: Any, consumer: Any, wg_m: int, atom_i: int, k: int, size: int) -> Any:
+    """Byte offset of a consumer's i-th 64-row A slice at column k (consumer may be traced)."""
+    static_part = layout.inner((64 * atom_i, k)) * size
+    per_consumer = layout.inner((wg_m, 0)) * size
+    return static_part + consumer * per_consumer if per_consumer else static_part
+
+
+def _unit_stride(t: Any, dim: int) -> bool:
+    """Whether dimension ``dim`` of a traced tensor is statically contiguous (allows vector stores)."""
+    return isinstance(t.stride[dim], int) and t.stride[dim] == 1
+
+
+@nvfly.func
+def store_tile(out, c_in, accs, batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI):
+    """Write the consumer's fragments: element 4j+2h+e of atom i is (row0 + 64i + 8h, col0 + 8j + e)."""
+    vec = _unit_stride(out, 2)
+    for i in nvfly.static_range(ATOMS_M):
+        for h in nvfly.static_range(2):
+            row = row0 + 64 * i + 8 * h
+            if row < m:
+                for j in nvfly.static_range(BN // 8):
+                    col = col0 + 8 * j
+                    v0 = accs[i][4 * j + 2 * h]
+                    v1 = accs[i][4 * j + 2 * h + 1]
+                    if not EPI.partial:
+                        v0 = v0 * alpha
+                        v1 = v1 * alpha
+                        if EPI.has_c:
+                            if col < n:
+                                v0 = v0 + beta * c_in[batch, row, col].to(nvfly.f32)
+                            if col + 1 < n:
+                                v1 = v1 + beta * c_in[batch, row, col + 1].to(nvfly.f32)
+                        v0 = activate(v0, EPI.activation)
+                        v1 = activate(v1, EPI.activation)
+                    if vec and col + 1 < n:
+                        out.store(nvfly.make_vector([v0, v1]).to(out.dtype), batch, row, col)
+                    else:
+                        if col < n:
+                            out[batch, row, col] = v0.to(out.dtype)
+                        if col + 1 < n:
+                            out[batch, row, col + 1] = v1.to(out.dtype)
+
+
+@nvfly.kernel
+def split_k_reduce_kernel(partials: nvfly.Tensor, out: nvfly.Tensor, c_in, m: nvfly.i32, n: nvfly.i32,
+                          alpha: nvfly.f32, beta: nvfly.f32, SPLITS: nvfly.Constexpr, EPI: nvfly.Constexpr):
+    """out[b] = act(alpha * sum_s partials[b * SPLITS + s] + beta * C_in[b]), one element per thread."""
+    i = nvfly.block_idx.x * 256 + nvfly.thread_idx.x
+    batch = nvfly.block_idx.y
+    if i < m * n:
+        row = i // n
+        col = i - row * n
+        acc = nvfly.f32(0.0)
+        for s in nvfly.static_range(SPLITS):
+            acc = acc + partials[batch * SPLITS + s, row, col]
+        acc = acc * alpha
+        if EPI.has_c:
+            acc = acc + beta * c_in[batch, row, col].to(nvfly.f32)
+        out[batch, row, col] = activate(acc, EPI.activation).to(out.dtype)

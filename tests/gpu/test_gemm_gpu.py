@@ -1,0 +1,98 @@
+"""nvfly's Hopper GEMM against a float32 reference: majors, tails, epilogues, batches, small M, split K."""
+import pytest
+import torch
+
+from nvfly.ops import gemm
+from nvfly.ops.gemm_kernel import GemmConfig
+
+pytestmark = pytest.mark.gpu
+
+
+def operand(rows, cols, dtype, major):
+    """A [rows, cols] matrix whose last dimension ('K' for A-like, 'MN' ...) is contiguous or not."""
+    if major == "row":
+        return torch.randn(rows, cols, device="cuda").to(dtype)
+    return torch.randn(cols, rows, device="cuda").to(dtype).t()
+
+
+def check(out, ref, tol=2e-2):
+    err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    assert err < tol, err
+    return err
+
+
+@pytest.mark.parametrize("a_major", ["row", "col"])
+@pytest.mark.parametrize("b_major", ["row", "col"])
+@pytest.mark.parametrize("mnk", [(128, 256, 64), (256, 512, 1024), (336, 520, 1000), (1000, 136, 4096),
+                                 (4096, 4096, 512)])
+def test_all_majors_and_tails(hopper, a_major, b_major, mnk):
+    m, n, k = mnk
+    a = operand(m, k, torch.bfloat16, a_major)
+    b = operand(k, n, torch.bfloat16, b_major)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm.matmul(a, b, out=out)
+    check(out, gemm.reference(a, b), tol=1e-2)
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float16, torch.float16), (torch.bfloat16, torch.float32),
+                                             (torch.float16, torch.float32)])
+def test_dtypes(hopper, dtype, out_dtype):
+    a = torch.randn(300, 700, device="cuda").to(dtype)
+    b = torch.randn(700, 260, device="cuda").to(dtype)
+    out = gemm.matmul(a, b, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    check(out, gemm.reference(a, b), tol=1e-2 if out_dtype != torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("bias", ["row", "col", "full", None])
+def test_epilogue(hopper, activation, bias):
+    m, n, k = 200, 384, 512
+    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+    c = {"row": torch.randn(n, device="cuda"), "col": torch.randn(m, 1, device="cuda"),
+         "full": torch.randn(m, n, device="cuda"), None: None}[bias]
+    c = c.to(torch.bfloat16) if c is not None else None
+    out = gemm.matmul(a, b, c=c, alpha=0.5, beta=2.0, activation=activation)
+    check(out, gemm.reference(a, b, c, 0.5, 2.0, activation), tol=1.5e-2)
+
+
+@pytest.mark.parametrize("batch,m,n,k", [(3, 128, 256, 256), (8, 100, 72, 520), (2, 512, 1024, 2048)])
+def test_bmm(hopper, batch, m, n, k):
+    a = torch.randn(batch, m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(batch, k, n, device="cuda").to(torch.bfloat16)
+    check(gemm.matmul(a, b), gemm.reference(a, b), tol=1e-2)
+    bt = torch.randn(batch, n, k, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    check(gemm.matmul(a, bt), gemm.reference(a, bt), tol=1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 7, 16, 64])
+@pytest.mark.parametrize("nk", [(4096, 4096), (2112, 7168), (1024, 16384)])
+def test_small_m_swaps_and_splits(hopper, m, nk):
+    n, k = nk
+    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+    check(gemm.matmul(a, b), gemm.reference(a, b), tol=1e-2)
+    check(gemm.matmul(a, b.t().contiguous().t()), gemm.reference(a, b), tol=1e-2)
+
+
+@pytest.mark.parametrize("config", [GemmConfig(128, 128, 6, 2), GemmConfig(256, 128, 4, 2),
+                                    GemmConfig(64, 256, 4, 1), GemmConfig(128, 64, 7, 2, split_k=3),
+                                    GemmConfig(128, 256, 3, 2, group_m=16)])
+def test_configs(hopper, config):
+    a = torch.randn(777, 1536, device="cuda").to(torch.bfloat16)
+    b = torch.randn(1536, 520, device="cuda").to(torch.bfloat16)
+    check(gemm.matmul(a, b, config=config), gemm.reference(a, b), tol=1e-2)
+
+
+def test_zero_sizes_and_declined_inputs(hopper):
+    a = torch.randn(0, 64, device="cuda").to(torch.bfloat16)
+    b = torch.randn(64, 32, device="cuda").to(torch.bfloat16)
+    assert gemm.matmul(a, b).shape == (0, 32)
+    a = torch.randn(16, 0, device="cuda").to(torch.bfloat16)
+    b = torch.randn(0, 32, device="cuda").to(torch.bfloat16)
+    c = torch.randn(32, device="cuda").to(torch.bfloat16)
+    assert torch.equal(gemm.matmul(a, b, c=c).float(), c.float().expand(16, 32))
+    odd = torch.randn(64, 1023, device="cuda").to(torch.bfloat16)
+    assert "16 bytes" in gemm.eligibility(odd, torch.randn(1023, 64, device="cuda").to(torch.bfloat16))
+    assert "bf16 or fp16" in gemm.eligibility(odd.float(), odd.float().t())

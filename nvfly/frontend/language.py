@@ -391,7 +391,7 @@ def printf(fmt: str, *args: Any) -> None:
         elif v.dtype.is_int and v.dtype.bits < 32:
             v = v.to(dtypes.i32)
         vals.append(v.value)
-    gpu.printf(ir.StringAttr.get(fmt), vals)
+    gpu.printf(ir.StringAttr.get(fmt), *vals)
 
 
 def static_range(*args: int) -> range:

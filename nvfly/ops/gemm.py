@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 import torch
 
 import nvfly
 from nvfly.arch import sm90
+from nvfly.runtime.tma import cached_descriptor
 from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel
 
 _DTYPES = {torch.bfloat16: nvfly.bf16, torch.float16: nvfly.f16}
@@ -56,7 +57,7 @@ def eligibility(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = No
         return "operands are not CUDA tensors"
     if a.device != b.device or (c is not None and c.device != a.device):
         return "operands are on different devices"
-    if torch.cuda.get_device_capability(a.device)[0] != 9:
+    if _capability(a.device.index)[0] != 9:
         return "nvfly's GEMM needs an sm_90 (Hopper) GPU"
     if a.dtype not in _DTYPES or b.dtype != a.dtype:
         return f"dtypes {a.dtype} x {b.dtype}: nvfly's GEMM takes bf16 or fp16 operands of one dtype"
@@ -99,6 +100,11 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
 
 
 @functools.lru_cache(maxsize=None)
+def _capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -115,6 +121,7 @@ _TILE_EFFICIENCY = {(128, 256, 2): 1.0, (256, 128, 2): 0.97, (128, 128, 2): 0.88
                     (128, 128, 1): 0.7, (64, 128, 1): 0.6, (128, 64, 2): 0.65, (64, 64, 1): 0.45}
 
 
+@functools.lru_cache(maxsize=4096)
 def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, sms: int = 132) -> GemmConfig:
     """A good config for one problem without tuning: the tile that best balances waves over ``sms`` SMs
     and tile efficiency, and K splits when there are few output tiles but long K."""
@@ -137,6 +144,7 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
     return cfg
 
 
+@functools.lru_cache(maxsize=4096)
 def small_m_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int) -> GemmConfig:
     """Config of the swapped problem (N x M) for small M: M becomes wgmma's N (a multiple of 8)."""
     bn = max(8, min(256, 8 * math.ceil(m / 8)))
@@ -153,96 +161,141 @@ def small_m_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int
 
 
 # ---------------------------------------------------------------------------------------------- launching
-def _operand_descriptor(t: Any, major: str, rows: int, bk: int, dtype: Any) -> nvfly.TmaDescriptor:
-    """TMA descriptor of an operand (a tensor or TensorDesc) viewed as [(B,) MN, K] (K-major) or
-    [(B,) K, MN] (MN-major); the box covers one k-block of ``rows`` rows (a batch of 1)."""
+@functools.lru_cache(maxsize=None)
+def _operand_box(rows: int, bk: int, dtype: Any, major: str, rank: int) -> tuple[tuple[int, ...], int]:
+    """(TMA box, swizzle) of an operand viewed as [(B,) MN, K] (K-major) or [(B,) K, MN] (MN-major): one
+    k-block of ``rows`` rows and a batch of 1."""
     swizzle = sm90.choose_swizzle(rows, dtype, major)
     layout = sm90.operand_layout(rows, bk, dtype, major, swizzle)
     box, _ = sm90.operand_boxes(layout, rows, bk, dtype, major, swizzle)
-    box = (1,) * (len(t.shape) - 2) + tuple(box)
-    return nvfly.TmaDescriptor(t, box, swizzle=swizzle)
+    return (1,) * (rank - 2) + tuple(box), swizzle
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything about a call that depends only on shapes, strides and options (cached per signature)."""
+    config: GemmConfig
+    swap: bool
+    a_major: str
+    b_major: str
+    m: int
+    n: int
+    k_tiles: int
+    batches: int
+    grid: int
+    threads: int
+    a_box: tuple
+    a_swizzle: int
+    b_box: tuple
+    b_swizzle: int
+    epilogue: Epilogue
+    reduce_epilogue: Optional[Epilogue]
+
+
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str, config: Optional[GemmConfig],
+               batched: bool) -> _Plan:
+    batches, m, k = a3.shape
+    n = b3.shape[-1]
+    dtype = _DTYPES[a3.dtype]
+    itemsize = a3.element_size()
+    sms = _sm_count(a3.device.index)
+    swap = config is None and m <= 64 < n
+    if config is None:
+        config = small_m_config(m, n, k, batches, itemsize, sms) if swap else \
+            default_config(m, n, k, batches, itemsize, sms)
+    if swap:
+        a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
+        m, n = n, m
+    a_major, b_major = _operand_major(a3, -1), _operand_major(b3, -2)
+    bk = config.bk(itemsize)
+    k_tiles = math.ceil(k / bk)
+    # every split gets at least one k-block
+    split = math.ceil(k_tiles / math.ceil(k_tiles / min(config.split_k, k_tiles)))
+    config = replace(config, split_k=split)
+    rank = 3 if batched else 2
+    a_box, a_swizzle = _operand_box(config.bm, bk, dtype, a_major, rank)
+    b_box, b_swizzle = _operand_box(config.bn, bk, dtype, b_major, rank)
+    tiles = math.ceil(m / config.bm) * math.ceil(n / config.bn) * batches * split
+    return _Plan(config, swap, a_major, b_major, m, n, k_tiles, batches, min(tiles, sms),
+                 128 * (1 + config.consumers), a_box, a_swizzle, b_box, b_swizzle,
+                 Epilogue(has_c=has_c, activation=activation, partial=split > 1),
+                 Epilogue(has_c=has_c, activation=activation) if split > 1 else None)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, alpha: float = 1.0,
            beta: float = 1.0, activation: str = "none", out_dtype: Optional[torch.dtype] = None,
            out: Optional[torch.Tensor] = None, config: Optional[GemmConfig] = None) -> torch.Tensor:
     """act(alpha * a @ b + beta * c) for 2-D or batched 3-D bf16/fp16 operands (fp32 accumulation)."""
-    reason = eligibility(a, b, c, out_dtype)
-    if reason:
-        raise ValueError(f"nvfly.ops.gemm.matmul: {reason}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
     batched = a.dim() == 3
-    batches = a.shape[0] if batched else 1
-    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    use_c = c is not None and beta != 0
+    key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.data_ptr() & 15, b.data_ptr() & 15,
+           a.device, b.device, (c.shape, c.stride(), c.dtype) if use_c else None, activation, out_dtype, config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        reason = eligibility(a, b, c, out_dtype)
+        if reason:
+            raise ValueError(f"nvfly.ops.gemm.matmul: {reason}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+        if a.shape[-2] == 0 or b.shape[-1] == 0 or a.shape[-1] == 0:
+            return _degenerate(a, b, c if use_c else None, beta, activation, out_dtype, out)
+        plan = _make_plan(a if batched else a.unsqueeze(0), b if batched else b.unsqueeze(0), use_c, activation,
+                          config, batched)
+        _PLANS[key] = plan
+    shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
     out_dtype = out_dtype or a.dtype
-    shape = (batches, m, n) if batched else (m, n)
     if out is None:
         out = torch.empty(shape, dtype=out_dtype, device=a.device)
-    elif tuple(out.shape) != shape or out.dtype != out_dtype:
+    elif out.shape != shape or out.dtype != out_dtype:
         raise ValueError(f"out: expected a {out_dtype} tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}")
-    if m == 0 or n == 0:
-        return out
     out3 = out if batched else out.unsqueeze(0)
-    c3 = None
-    if c is not None and beta != 0:
-        c3 = c.expand(shape) if batched else c.expand(shape).unsqueeze(0)
-    if k == 0:
-        result = torch.zeros_like(out3, dtype=torch.float32)
-        if c3 is not None:
-            result += beta * c3.float()
-        out3.copy_(_torch_activation(result, activation))
-        return out
+    c3 = (c.expand(shape) if batched else c.expand(shape).unsqueeze(0)) if use_c else None
     a3, b3 = (a, b) if batched else (a.unsqueeze(0), b.unsqueeze(0))
-    itemsize = a.element_size()
-    sms = _sm_count(a.device.index)
-    if config is None:
-        swap = m <= 64 < n
-        config = small_m_config(m, n, k, batches, itemsize, sms) if swap else \
-            default_config(m, n, k, batches, itemsize, sms)
-    else:
-        swap = False
-    if swap:
-        # out^T = b^T a^T: the small M becomes the tile's N
+    if plan.swap:
         a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
         out3 = out3.transpose(-1, -2)
         c3 = c3.transpose(-1, -2) if c3 is not None else None
-        m, n = n, m
-    _launch(a3, b3, out3, c3, m, n, k, batches, alpha, beta, activation, config, batched)
+    _launch(plan, a3, b3, out3, c3, alpha, beta, batched)
     return out
 
 
-def _launch(a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor, c3: Optional[torch.Tensor], m: int, n: int,
-            k: int, batches: int, alpha: float, beta: float, activation: str, cfg: GemmConfig,
-            batched: bool) -> None:
-    dtype = _DTYPES[a3.dtype]
-    bk = cfg.bk(a3.element_size())
-    a_major = _operand_major(a3, -1)
-    b_major = _operand_major(b3, -2)
-    a_view = a3 if a_major == "K" else a3.transpose(-1, -2)
-    b_view = b3.transpose(-1, -2) if b_major == "K" else b3
+def _launch(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor, c3: Optional[torch.Tensor],
+            alpha: float, beta: float, batched: bool) -> None:
+    a_view = a3 if plan.a_major == "K" else a3.transpose(-1, -2)
+    b_view = b3.transpose(-1, -2) if plan.b_major == "K" else b3
     if not batched:
         a_view, b_view = a_view[0], b_view[0]
-    a_desc = _operand_descriptor(a_view, a_major, cfg.bm, bk, dtype)
-    b_desc = _operand_descriptor(b_view, b_major, cfg.bn, bk, dtype)
-    k_tiles = math.ceil(k / bk)
-    # every split gets at least one k-block
-    split = math.ceil(k_tiles / math.ceil(k_tiles / min(cfg.split_k, k_tiles)))
-    cfg = replace(cfg, split_k=split)
-    epi = Epilogue(has_c=c3 is not None, activation=activation, partial=split > 1)
-    tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches * split
-    grid = min(tiles, _sm_count(a3.device.index))
-    threads = 128 * (1 + cfg.consumers)
-    if split == 1:
-        gemm_kernel[grid, threads](a_desc, b_desc, out3, c3, m, n, k_tiles, batches, alpha, beta,
-                                   CFG=cfg, A_MAJOR=a_major, B_MAJOR=b_major, EPI=epi)
+    a_desc = cached_descriptor(a_view, plan.a_box, plan.a_swizzle)
+    b_desc = cached_descriptor(b_view, plan.b_box, plan.b_swizzle)
+    cfg = plan.config
+    if plan.reduce_epilogue is None:
+        gemm_kernel[plan.grid, plan.threads](a_desc, b_desc, out3, c3, plan.m, plan.n, plan.k_tiles, plan.batches,
+                                             alpha, beta, CFG=cfg, A_MAJOR=plan.a_major, B_MAJOR=plan.b_major,
+                                             EPI=plan.epilogue)
         return
-    partials = torch.empty((batches * split, m, n), dtype=torch.float32, device=a3.device)
-    gemm_kernel[grid, threads](a_desc, b_desc, partials, None, m, n, k_tiles, batches, 1.0, 0.0,
-                               CFG=cfg, A_MAJOR=a_major, B_MAJOR=b_major, EPI=epi)
-    reduce_epi = Epilogue(has_c=c3 is not None, activation=activation)
-    split_k_reduce_kernel[(math.ceil(m * n / 256), batches), 256](
-        partials, out3, c3, m, n, alpha, beta, SPLITS=split, EPI=reduce_epi)
+    partials = torch.empty((plan.batches * cfg.split_k, plan.m, plan.n), dtype=torch.float32, device=a3.device)
+    gemm_kernel[plan.grid, plan.threads](a_desc, b_desc, partials, None, plan.m, plan.n, plan.k_tiles,
+                                         plan.batches, 1.0, 0.0, CFG=cfg, A_MAJOR=plan.a_major,
+                                         B_MAJOR=plan.b_major, EPI=plan.epilogue)
+    split_k_reduce_kernel[(math.ceil(plan.m * plan.n / 256), plan.batches), 256](
+        partials, out3, c3, plan.m, plan.n, alpha, beta, SPLITS=cfg.split_k, EPI=plan.reduce_epilogue)
+
+
+def _degenerate(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], beta: float, activation: str,
+                out_dtype: Optional[torch.dtype], out: Optional[torch.Tensor]) -> torch.Tensor:
+    """M, N or K of zero: no kernel (an empty output, or beta * C through the activation)."""
+    shape = (*a.shape[:-1], b.shape[-1])
+    result = torch.zeros(shape, dtype=torch.float32, device=a.device)
+    if c is not None:
+        result = result + beta * c.float()
+    result = _torch_activation(result, activation).to(out_dtype or a.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
 
 
 def _torch_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -273,8 +326,10 @@ def compile_configs(configs: Sequence[GemmConfig], dtype: torch.dtype = torch.bf
     for cfg in configs:
         bk = cfg.bk(nv.itemsize)
         for a_major, b_major in majors:
-            a_desc = _operand_descriptor(TensorDesc(nv, (4096, 4096)), a_major, cfg.bm, bk, nv)
-            b_desc = _operand_descriptor(TensorDesc(nv, (4096, 4096)), b_major, cfg.bn, bk, nv)
+            a_box, a_sw = _operand_box(cfg.bm, bk, nv, a_major, 2)
+            b_box, b_sw = _operand_box(cfg.bn, bk, nv, b_major, 2)
+            a_desc = nvfly.TmaDescriptor(TensorDesc(nv, (4096, 4096)), a_box, swizzle=a_sw)
+            b_desc = nvfly.TmaDescriptor(TensorDesc(nv, (4096, 4096)), b_box, swizzle=b_sw)
             out = TensorDesc(nv if cfg.split_k == 1 else nvfly.f32, (1, 4096, 4096))
             kernels.append(gemm_kernel.compile(
                 a_desc, b_desc, out, None, 4096, 4096, 64, 1, 1.0, 0.0, CFG=cfg, A_MAJOR=a_major,

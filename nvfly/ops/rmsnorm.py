@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import nvfly
+from nvfly.frontend.trace import current, traced
 
 if TYPE_CHECKING:
     import torch
@@ -29,13 +31,20 @@ if TYPE_CHECKING:
 SUPPORTED_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
 MAX_VECTORS_PER_THREAD = 16     # registers hold at most this many 16-byte vectors of a row per thread
 TARGET_VECTORS_PER_THREAD = 8   # enough bytes in flight per thread to cover memory latency
-BACKWARD_VECTORS_PER_THREAD = 4  # backward also keeps dy, the weight and the weight-gradient sums in registers
+BACKWARD_VECTORS_PER_THREAD = 2  # backward also keeps the weight and the weight-gradient sums in registers
+BACKWARD_MAX_VECTORS = 4        # beyond this the backward kernel would spill (rows over 1024 * 4 vectors)
 ROW_BLOCK_THREADS = 256         # threads of a block that packs several short rows
 LOOPED_THREADS = 1024           # the looped kernel for rows too long for registers
 COLUMN_SUM_COLS = 32            # columns per block of the weight-gradient partial sum
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
+@traced
+def min_blocks_per_sm(count: int) -> None:
+    """Ask ptxas to fit ``count`` blocks per SM (``.minnctapersm``), i.e. to cap registers accordingly."""
+    current().kernel_attrs["nvvm.minctasm"] = f"{count} : i32"
+
+
 @nvfly.func
 def group_sum(value, scratch, base, group, warp, lane, GROUP):
     """Sum ``value`` over the GROUP threads of a row (shuffles; for GROUP > 32 also shared memory).
@@ -79,9 +88,7 @@ def rms_norm_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tenso
     row, valid, lane, group, warp, warp_lane = row_layout(M, GROUP, ROWS)
     vectors = (N + GROUP * VEC - 1) // (GROUP * VEC)
     tail = N % (GROUP * VEC) != 0   # only the last vector of each thread may fall past the row end
-    # issue every load first: the row, the residual and the weight are all in flight together
     xs = []
-    ws = []
     for v in nvfly.static_range(vectors):
         col = (v * GROUP + lane) * VEC
         in_row = col < N if tail and v == vectors - 1 else None
@@ -90,8 +97,6 @@ def rms_norm_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tenso
             # h = x + residual, rounded to the storage type like the unfused add
             xv = (xv.to(nvfly.f32) + residual.load(row, col, width=VEC, mask=in_row).to(nvfly.f32)).to(x.dtype)
         xs.append(xv)
-        if HAS_WEIGHT:
-            ws.append(weight.load(col, width=VEC, mask=in_row))
     squares = nvfly.full(VEC, 0.0, nvfly.f32)
     for v in nvfly.static_range(vectors):
         xf = xs[v].to(nvfly.f32)
@@ -104,7 +109,8 @@ def rms_norm_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tenso
         keep = valid & (col < N) if tail and v == vectors - 1 else valid
         out = xs[v].to(nvfly.f32) * rstd
         if HAS_WEIGHT:
-            out = out * ws[v].to(nvfly.f32)
+            # loaded after the reduction to save registers: the weight is shared by all rows, an L1/L2 hit
+            out = out * weight.load(col, width=VEC, mask=keep if tail and v == vectors - 1 else None).to(nvfly.f32)
         y.store(out.to(y.dtype), row, col, mask=keep)
         if HAS_RESIDUAL:
             residual_out.store(xs[v], row, col, mask=keep)
@@ -156,7 +162,9 @@ def rms_norm_backward_kernel(grad_out: nvfly.Tensor, x: nvfly.Tensor, weight: nv
     the residual output); each thread also sums dy * xhat over its rows for the weight gradient.
 
     Persistent: block b handles row tiles b, b + grid, ...; the loop trip count is uniform in the block, so
-    the barriers of the group sum are reached by every thread."""
+    the barriers of the group sum are reached by every thread. dy and x are read from memory once, for the
+    dot product, and read again after the reduction (from L1/L2) instead of being held in registers."""
+    min_blocks_per_sm(max(1, 2048 // (4 * GROUP * ROWS)))  # at most 128 registers for 256-thread blocks
     tid = nvfly.thread_idx.x
     lane = tid & (GROUP - 1)
     group = tid >> int(math.log2(GROUP))
@@ -169,8 +177,9 @@ def rms_norm_backward_kernel(grad_out: nvfly.Tensor, x: nvfly.Tensor, weight: nv
         col = (v * GROUP + lane) * VEC
         in_row = col < N if tail and v == vectors - 1 else None
         if HAS_WEIGHT:
-            ws.append(weight.load(col, width=VEC, mask=in_row).to(nvfly.f32))
-        weight_sums.append(nvfly.full(VEC, 0.0, nvfly.f32))
+            ws.append(weight.load(col, width=VEC, mask=in_row))
+        if NEEDS_WEIGHT_GRAD:
+            weight_sums.append(nvfly.full(VEC, 0.0, nvfly.f32))
     # two scratch halves, alternating by iteration, so one barrier per row tile is enough
     slots = max(1, ROWS * GROUP // 32)
     scratch = nvfly.shared_tensor(nvfly.f32, (2 * slots,))
@@ -181,30 +190,27 @@ def rms_norm_backward_kernel(grad_out: nvfly.Tensor, x: nvfly.Tensor, weight: nv
         valid = row < M
         row = nvfly.minimum(row, M - 1)
         r = rstd[row]
-        dys = []
-        xhats = []
         dot = nvfly.full(VEC, 0.0, nvfly.f32)
         for v in nvfly.static_range(vectors):
             col = (v * GROUP + lane) * VEC
             in_row = col < N if tail and v == vectors - 1 else None
-            dy = grad_out.load(row, col, width=VEC, mask=in_row).to(nvfly.f32)
-            xhat = x.load(row, col, width=VEC, mask=in_row).to(nvfly.f32) * r
-            g = dy * ws[v] if HAS_WEIGHT else dy
-            dot = nvfly.fma(g, xhat, dot)
-            dys.append(dy)
-            xhats.append(xhat)
-        total = group_sum(dot.sum(), scratch, parity * slots, group, warp, tid & 31, GROUP)
-        mean_dot = total * (1.0 / N)
+            g = grad_out.load(row, col, width=VEC, mask=in_row).to(nvfly.f32)
+            if HAS_WEIGHT:
+                g = g * ws[v].to(nvfly.f32)
+            dot = nvfly.fma(g, x.load(row, col, width=VEC, mask=in_row).to(nvfly.f32), dot)
+        mean_dot = group_sum(dot.sum(), scratch, parity * slots, group, warp, tid & 31, GROUP) * r * (1.0 / N)
         for v in nvfly.static_range(vectors):
             col = (v * GROUP + lane) * VEC
             keep = valid & (col < N) if tail and v == vectors - 1 else valid
-            g = dys[v] * ws[v] if HAS_WEIGHT else dys[v]
-            dx = (g - xhats[v] * mean_dot) * r
+            dy = grad_out.load(row, col, width=VEC, mask=keep).to(nvfly.f32)
+            xhat = x.load(row, col, width=VEC, mask=keep).to(nvfly.f32) * r
+            g = dy * ws[v].to(nvfly.f32) if HAS_WEIGHT else dy
+            dx = (g - xhat * mean_dot) * r
             if HAS_GRAD_RESIDUAL:
                 dx = dx + grad_residual.load(row, col, width=VEC, mask=keep).to(nvfly.f32)
             grad_x.store(dx.to(grad_x.dtype), row, col, mask=keep)
             if NEEDS_WEIGHT_GRAD:
-                weight_sums[v] = weight_sums[v] + nvfly.select(valid, dys[v] * xhats[v], 0.0)
+                weight_sums[v] = nvfly.fma(dy, xhat, weight_sums[v])  # masked loads gave 0 for invalid rows
         parity = parity ^ 1
     if NEEDS_WEIGHT_GRAD:
         partial_row = nvfly.block_idx.x * ROWS + group
@@ -212,3 +218,265 @@ def rms_norm_backward_kernel(grad_out: nvfly.Tensor, x: nvfly.Tensor, weight: nv
             col = (v * GROUP + lane) * VEC
             in_row = col < N if tail and v == vectors - 1 else None
             weight_grad_partial.store(weight_sums[v], partial_row, col, mask=in_row)
+
+
+@nvfly.kernel
+def column_sum_kernel(partial: nvfly.Tensor, out: nvfly.Tensor, P: nvfly.i32, N: nvfly.i32):
+    """out[c] = sum over p of partial[p, c]: 8 threads x 4 columns across, 32 threads down each block's 32
+    columns, four rows in flight per thread, then a shared-memory sum down the 32 partial sums."""
+    tid = nvfly.thread_idx.x
+    across = tid & 7
+    down = tid >> 3
+    col = nvfly.block_idx.x * 32 + across * 4
+    sums = nvfly.full(4, 0.0, nvfly.f32)
+    for p in range(down, P, 128):
+        for u in nvfly.static_range(4):
+            sums = sums + partial.load(p + 32 * u, col, width=4, mask=p + 32 * u < P)
+    table = nvfly.shared_tensor(nvfly.f32, (32, 33))  # padded: the column reads below avoid bank conflicts
+    for j in nvfly.static_range(4):
+        table[down, across * 4 + j] = sums[j]
+    nvfly.syncthreads()
+    if tid < 32:
+        total = table[0, tid]
+        for r in nvfly.static_range(1, 32):
+            total = total + table[r, tid]
+        c = nvfly.block_idx.x * 32 + tid
+        if c < N:
+            out[c] = total.to(out.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- host side
+@dataclass(frozen=True)
+class RowPlan:
+    """How a row of N elements is spread over threads: ``vec`` elements per access, ``group`` threads per row
+    (a power of two), ``rows`` rows per block; ``looped`` when the row does not fit in registers."""
+    vec: int
+    group: int
+    rows: int
+    looped: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(n: int, vec: int, m: int, sm_count: int, target_vectors: int = TARGET_VECTORS_PER_THREAD,
+         max_vectors: int = MAX_VECTORS_PER_THREAD) -> RowPlan:
+    """The launch shape for ``m`` rows of ``n`` elements read ``vec`` at a time (see the module doc).
+
+    Threads per row grow until each holds about ``target_vectors`` vectors; short rows share a block, but
+    never so many that fewer than two blocks per SM would be launched.
+    """
+    row_vectors = -(-n // vec)
+    group = 1
+    while group < 1024 and group * target_vectors < row_vectors:
+        group *= 2
+    if -(-row_vectors // group) > max_vectors:
+        return RowPlan(vec, LOOPED_THREADS, 1, True)
+    rows = max(1, min(ROW_BLOCK_THREADS // group, m // (2 * sm_count)))
+    return RowPlan(vec, group, rows, False)
+
+
+def _vector_width(n: int, tensors: Sequence[Optional["torch.Tensor"]], itemsize: int) -> int:
+    """The widest vector (16 bytes at most) that divides the row length and keeps every row start aligned."""
+    vec = 16 // itemsize
+    while vec > 1:
+        if n % vec == 0 and all(t is None or (t.data_ptr() % min(16, vec * t.element_size()) == 0 and
+                                             (t.dim() < 2 or t.shape[0] <= 1 or t.stride(0) % vec == 0))
+                                for t in tensors):
+            return vec
+        vec //= 2
+    return 1
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: int) -> int:
+    import torch
+    return torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 132
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+    return isinstance(value, torch.Tensor)
+
+
+def default_eps() -> float:
+    """The eps torch uses when none is given: the float32 machine epsilon (fp32 accumulation)."""
+    return 1.1920928955078125e-07
+
+
+def _normalized_size(x: "torch.Tensor", weight: Optional["torch.Tensor"],
+                     normalized_shape: Optional[Sequence[int]]) -> int:
+    if normalized_shape is None:
+        normalized_shape = tuple(weight.shape) if weight is not None else (x.shape[-1],) if x.dim() else ()
+    normalized_shape = tuple(int(s) for s in normalized_shape)
+    if not normalized_shape or len(normalized_shape) > x.dim() or tuple(x.shape[x.dim() - len(normalized_shape):]) \
+            != normalized_shape:
+        raise ValueError(f"normalized_shape: {normalized_shape} must be non-empty and match the last dimensions of "
+                         f"x, whose shape is {tuple(x.shape)}")
+    if weight is not None and tuple(weight.shape) != normalized_shape:
+        raise ValueError(f"weight: expected shape {normalized_shape}, got {tuple(weight.shape)}")
+    return math.prod(normalized_shape)
+
+
+def _check(x: Any, weight: Any, residual: Any, eps: Any, normalized_shape: Optional[Sequence[int]]) -> int:
+    """Validate arguments (errors name the argument); returns N, the normalised size."""
+    if not _is_tensor(x):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if str(x.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"x: dtype {x.dtype} is not supported (bfloat16, float16, float32)")
+    for name, t in (("weight", weight), ("residual", residual)):
+        if t is None:
+            continue
+        if not _is_tensor(t):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+        if t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, x on {x.device}")
+        if str(t.dtype) not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported (bfloat16, float16, float32)")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual: expected shape {tuple(x.shape)} and dtype {x.dtype}, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0):
+        raise ValueError(f"eps: expected a non-negative float or None, got {eps!r}")
+    return _normalized_size(x, weight, normalized_shape)
+
+
+def eligibility(x: Any, weight: Any = None, residual: Any = None,
+                normalized_shape: Optional[Sequence[int]] = None) -> Optional[str]:
+    """None when nvfly computes this RMSNorm, else the reason it declines (callers then use torch)."""
+    if not _is_tensor(x):
+        return "x is not a tensor"
+    if x.device.type != "cuda":
+        return f"x is on {x.device.type}, not CUDA"
+    if str(x.dtype) not in SUPPORTED_DTYPES:
+        return f"dtype {x.dtype} is not bfloat16, float16 or float32"
+    if x.numel() == 0:
+        return "x is empty"
+    for name, t in (("weight", weight), ("residual", residual)):
+        if t is not None and (not _is_tensor(t) or t.device != x.device or str(t.dtype) not in SUPPORTED_DTYPES):
+            return f"{name} is not a CUDA tensor of a supported dtype on x's device"
+    try:
+        _check(x, weight, residual, None, normalized_shape)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    if x.numel() >= 1 << 31:
+        return "x has 2**31 elements or more"
+    return None
+
+
+def backward_eligibility(x: Any, normalized_shape: Optional[Sequence[int]] = None,
+                         grad_out: Optional["torch.Tensor"] = None) -> Optional[str]:
+    """None when ``rms_norm_backward`` handles rows like ``x``'s, else why not (its rows must fit in registers:
+    1024 threads x 4 vectors, e.g. 32768 bf16 or 16384 fp32 elements with 16-byte vectors)."""
+    reason = eligibility(x, None, None, normalized_shape)
+    if reason is not None:
+        return reason
+    n = math.prod(normalized_shape) if normalized_shape is not None else x.shape[-1]
+    rows = [_rows(x, n)] + ([_rows(grad_out, n)] if grad_out is not None else [])
+    vec = _vector_width(n, rows, x.element_size())
+    if -(-n // (1024 * vec)) > BACKWARD_MAX_VECTORS:
+        return f"rows of {n} elements ({vec}-element vectors) are too long for the backward kernel"
+    return None
+
+
+def _rows(t: "torch.Tensor", n: int) -> "torch.Tensor":
+    """``t`` as (rows, n) with unit stride along the row: a view when the layout allows, else a copy."""
+    rows = t.reshape(-1, n)
+    return rows if rows.stride(1) == 1 or n == 1 else rows.contiguous()
+
+
+def rms_norm_forward(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, eps: Optional[float] = None,
+                     residual: Optional["torch.Tensor"] = None, normalized_shape: Optional[Sequence[int]] = None,
+                     want_rstd: bool = True) -> tuple["torch.Tensor", Optional["torch.Tensor"],
+                                                       Optional["torch.Tensor"]]:
+    """(y, x + residual or None, rstd or None); ``rstd`` has one fp32 entry per row (for the backward)."""
+    import torch
+    n = _check(x, weight, residual, eps, normalized_shape)
+    eps = default_eps() if eps is None else float(eps)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(y) if residual is not None else None
+    m = x.numel() // n if n else 0
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device) if want_rstd else None
+    if m == 0 or n == 0:
+        if rstd is not None:
+            rstd.fill_(math.nan)  # the mean of an empty row
+        if residual_out is not None:
+            torch.add(x, residual, out=residual_out)
+        return y, residual_out, rstd
+    x2 = _rows(x, n)
+    w = weight.reshape(-1).contiguous() if weight is not None else None
+    r2 = _rows(residual, n) if residual is not None else None
+    y2 = y.view(m, n)
+    h2 = residual_out.view(m, n) if residual_out is not None else None
+    vec = _vector_width(n, (x2, w, r2), x.element_size())
+    p = plan(n, vec, m, _sm_count(x.get_device()))
+    flags = (w is not None, r2 is not None, rstd is not None)
+    dummy = x2
+    args = (x2, w if w is not None else dummy, r2 if r2 is not None else dummy, y2,
+            h2 if h2 is not None else dummy, rstd if rstd is not None else dummy)
+    if p.looped:
+        rms_norm_looped_kernel[m, LOOPED_THREADS](*args, eps, n, vec, LOOPED_THREADS, *flags)
+    else:
+        rms_norm_kernel[-(-m // p.rows), p.group * p.rows](*args, m, eps, n, vec, p.group, p.rows, *flags)
+    return y, residual_out, rstd
+
+
+def rms_norm(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, eps: Optional[float] = None,
+             residual: Optional["torch.Tensor"] = None, normalized_shape: Optional[Sequence[int]] = None) -> Any:
+    """RMSNorm over the last dimensions (``normalized_shape``, default: the weight's shape or the last one).
+
+    Returns ``y``, or ``(y, x + residual)`` when ``residual`` is given. ``eps=None`` means the fp32 epsilon
+    (as torch). Any row length and row stride; fp32 math for bf16/fp16/fp32 inputs.
+    """
+    y, residual_out, _ = rms_norm_forward(x, weight, eps, residual, normalized_shape, want_rstd=False)
+    return y if residual is None else (y, residual_out)
+
+
+def rms_norm_backward(grad_out: "torch.Tensor", x: "torch.Tensor", rstd: "torch.Tensor",
+                      weight: Optional["torch.Tensor"] = None, normalized_shape: Optional[Sequence[int]] = None,
+                      grad_residual: Optional["torch.Tensor"] = None, needs_weight_grad: bool = True
+                      ) -> tuple["torch.Tensor", Optional["torch.Tensor"]]:
+    """(grad_x, grad_weight or None) of ``y = rms_norm(x, weight)`` given ``rstd`` from the forward.
+
+    ``x`` is the normalised input (``x + residual`` for the fused variant); ``grad_residual``, the gradient that
+    reached the ``x + residual`` output, is added to ``grad_x`` (then also the gradient of the residual).
+    """
+    import torch
+    n = _check(x, weight, grad_residual, None, normalized_shape)
+    if not _is_tensor(grad_out) or grad_out.shape != x.shape:
+        raise ValueError(f"grad_out: expected a tensor of shape {tuple(x.shape)}")
+    m = x.numel() // n if n else 0
+    if not _is_tensor(rstd) or rstd.numel() != m or rstd.dtype != torch.float32:
+        raise ValueError(f"rstd: expected {m} float32 values (one per row), got "
+                         f"{getattr(rstd, 'dtype', type(rstd).__name__)} with {getattr(rstd, 'shape', '?')}")
+    grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    needs_weight_grad = needs_weight_grad and weight is not None
+    if m == 0 or n == 0:
+        if grad_residual is not None:
+            grad_x.copy_(grad_residual)
+        grad_w = torch.zeros_like(weight) if needs_weight_grad else None
+        return grad_x, grad_w
+    reason = backward_eligibility(x, normalized_shape or (tuple(weight.shape) if weight is not None else None),
+                                  grad_out)
+    if reason is not None:
+        raise ValueError(f"x: {reason}")
+    dy2, x2 = _rows(grad_out, n), _rows(x, n)
+    dr2 = _rows(grad_residual, n) if grad_residual is not None else None
+    w = weight.reshape(-1).contiguous() if weight is not None else None
+    sms = _sm_count(x.get_device())
+    vec = _vector_width(n, (dy2, x2, dr2, w), x.element_size())
+    p = plan(n, vec, m, sms, BACKWARD_VECTORS_PER_THREAD, BACKWARD_MAX_VECTORS)
+    group, rows = p.group, p.rows
+    # persistent: about two blocks per SM, each accumulating its own weight-gradient partial rows
+    grid = min(-(-m // rows), 2 * sms)
+    padded_n = -(-n // COLUMN_SUM_COLS) * COLUMN_SUM_COLS
+    partial = torch.empty((grid * rows, padded_n), dtype=torch.float32, device=x.device) if needs_weight_grad \
+        else x2
+    rstd_flat = rstd.reshape(-1)
+    rms_norm_backward_kernel[grid, group * rows](
+        dy2, x2, w if w is not None else x2, rstd_flat, dr2 if dr2 is not None else x2, grad_x.view(m, n),
+        partial, m, n, vec, group, rows, w is not None, dr2 is not None, needs_weight_grad)
+    grad_w = None
+    if needs_weight_grad:
+        grad_w = torch.empty(n, dtype=weight.dtype, device=x.device)
+        column_sum_kernel[padded_n // COLUMN_SUM_COLS, 256](partial, grad_w, grid * rows, n)
+        grad_w = grad_w.view(weight.shape)
+    return grad_x, grad_w

@@ -2,6 +2,7 @@
 kernels by value (a ``__grid_constant__`` parameter)."""
 from __future__ import annotations
 
+import collections
 import ctypes
 from typing import Any, Optional, Sequence
 
@@ -51,7 +52,8 @@ def check_tma_layout(what: str, dtype: DType, shape: Sequence[int], stride: Sequ
 class TmaDescriptor(TmaDescriptorType):
     """A TMA descriptor for a tensor and a box (in the tensor's dimension order, outermost first).
 
-    Out-of-bounds elements of a box read as zero, and are not written by TMA stores.
+    Out-of-bounds elements of a box read as zero, and are not written by TMA stores. The descriptor holds
+    the tensor's address, not the tensor: keep the tensor alive until kernels using it have been queued.
     """
 
     def __init__(self, tensor: Any, box: Sequence[int], swizzle: int = 128, l2_promotion: int = 128):
@@ -65,13 +67,32 @@ class TmaDescriptor(TmaDescriptorType):
         check_tma_layout("TMA descriptor", dtype, shape, stride, address, box, swizzle)
         self.info = TmaInfo(dtype, len(shape), box, swizzle)
         self.device = device
-        self.tensor = tensor  # keeps the memory alive while the descriptor is in use
         self.raw: Optional[bytes] = None
         if device >= 0:
             self.raw = _encode(dtype, shape, stride, address, box, swizzle, l2_promotion)
 
     def __repr__(self) -> str:
         return f"nvfly.TmaDescriptor({self.info.dtype.name}, box={self.info.box}, swizzle={self.info.swizzle})"
+
+
+_CACHE: "collections.OrderedDict[tuple, TmaDescriptor]" = collections.OrderedDict()
+_CACHE_LIMIT = 1024
+
+
+def cached_descriptor(tensor: Any, box: Sequence[int], swizzle: int = 128) -> TmaDescriptor:
+    """``TmaDescriptor(tensor, box, swizzle)``, reused while address, shape, strides and dtype match.
+
+    A descriptor depends only on those (not on the tensor object), so a reused address is harmless.
+    """
+    key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.get_device(),
+           tuple(box), swizzle)
+    desc = _CACHE.get(key)
+    if desc is None:
+        desc = TmaDescriptor(tensor, box, swizzle)
+        _CACHE[key] = desc
+        if len(_CACHE) > _CACHE_LIMIT:
+            _CACHE.popitem(last=False)
+    return desc
 
 
 def _encode(dtype: DType, shape: Sequence[int], stride: Sequence[int], address: int, box: Sequence[int],

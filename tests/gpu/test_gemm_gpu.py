@@ -37,8 +37,8 @@ def test_all_majors_and_tails(hopper, a_major, b_major, mnk):
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float16, torch.float16), (torch.bfloat16, torch.float32),
                                              (torch.float16, torch.float32)])
 def test_dtypes(hopper, dtype, out_dtype):
-    a = torch.randn(300, 700, device="cuda").to(dtype)
-    b = torch.randn(700, 260, device="cuda").to(dtype)
+    a = torch.randn(300, 704, device="cuda").to(dtype)
+    b = torch.randn(704, 264, device="cuda").to(dtype)
     out = gemm.matmul(a, b, out_dtype=out_dtype)
     assert out.dtype == out_dtype
     check(out, gemm.reference(a, b), tol=1e-2 if out_dtype != torch.float32 else 2e-3)

@@ -200,8 +200,8 @@ def _check_hashable(param: Param, value: Any) -> None:
 
 
 def check_tensor_annotation(param: Param, spec: TensorSpec) -> None:
-    ann: TensorAnnotation = param.annotation
-    if ann is None:
+    ann = param.annotation
+    if not isinstance(ann, TensorAnnotation):
         return
     if ann.dtype is not None and spec.dtype != ann.dtype:
         raise LaunchError(f"argument '{param.name}': expected a {ann.dtype.name} tensor, got {spec.dtype.name}")

@@ -201,7 +201,7 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     n = b3.shape[-1]
     dtype = _DTYPES[a3.dtype]
     itemsize = a3.element_size()
-    sms = _sm_count(a3.device.index)
+    sms = _sm_count(a3.device.index) if a3.is_cuda else 132
     swap = config is None and m <= 64 < n
     if config is None:
         config = small_m_config(m, n, k, batches, itemsize, sms) if swap else \
@@ -210,6 +210,9 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
         a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
         m, n = n, m
     a_major, b_major = _operand_major(a3, -1), _operand_major(b3, -2)
+    narrowest = 32 // itemsize  # an MN-major tile must span at least one 32-byte swizzle row
+    if b_major == "MN" and config.bn % narrowest:
+        config = replace(config, bn=narrowest * math.ceil(config.bn / narrowest))
     bk = config.bk(itemsize)
     k_tiles = math.ceil(k / bk)
     # every split gets at least one k-block
@@ -235,13 +238,14 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None
            a.device, b.device, (c.shape, c.stride(), c.dtype) if use_c else None, activation, out_dtype, config)
     plan = _PLANS.get(key)
     if plan is None:
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+        if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[-1] == b.shape[-2] and \
+                (a.shape[-2] == 0 or b.shape[-1] == 0 or a.shape[-1] == 0):
+            return _degenerate(a, b, c if use_c else None, beta, activation, out_dtype, out)
         reason = eligibility(a, b, c, out_dtype)
         if reason:
             raise ValueError(f"nvfly.ops.gemm.matmul: {reason}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-        if a.shape[-2] == 0 or b.shape[-1] == 0 or a.shape[-1] == 0:
-            return _degenerate(a, b, c if use_c else None, beta, activation, out_dtype, out)
         plan = _make_plan(a if batched else a.unsqueeze(0), b if batched else b.unsqueeze(0), use_c, activation,
                           config, batched)
         _PLANS[key] = plan
@@ -262,14 +266,19 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None
     return out
 
 
-def _launch(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor, c3: Optional[torch.Tensor],
-            alpha: float, beta: float, batched: bool) -> None:
+def _descriptors(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, batched: bool) -> tuple[Any, Any]:
+    """TMA descriptors of the (possibly swapped) 3-D operands, viewed with their contiguous dim last."""
     a_view = a3 if plan.a_major == "K" else a3.transpose(-1, -2)
     b_view = b3.transpose(-1, -2) if plan.b_major == "K" else b3
     if not batched:
         a_view, b_view = a_view[0], b_view[0]
-    a_desc = cached_descriptor(a_view, plan.a_box, plan.a_swizzle)
-    b_desc = cached_descriptor(b_view, plan.b_box, plan.b_swizzle)
+    return (cached_descriptor(a_view, plan.a_box, plan.a_swizzle),
+            cached_descriptor(b_view, plan.b_box, plan.b_swizzle))
+
+
+def _launch(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor, c3: Optional[torch.Tensor],
+            alpha: float, beta: float, batched: bool) -> None:
+    a_desc, b_desc = _descriptors(plan, a3, b3, batched)
     cfg = plan.config
     if plan.reduce_epilogue is None:
         gemm_kernel[plan.grid, plan.threads](a_desc, b_desc, out3, c3, plan.m, plan.n, plan.k_tiles, plan.batches,

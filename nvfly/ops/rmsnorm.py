@@ -32,7 +32,7 @@ SUPPORTED_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
 MAX_VECTORS_PER_THREAD = 16     # registers hold at most this many 16-byte vectors of a row per thread
 TARGET_VECTORS_PER_THREAD = 8   # enough bytes in flight per thread to cover memory latency
 BACKWARD_VECTORS_PER_THREAD = 2  # backward also keeps the weight and the weight-gradient sums in registers
-BACKWARD_MAX_VECTORS = 4        # beyond this the backward kernel would spill (rows over 1024 * 4 vectors)
+BACKWARD_MAX_BYTES = 64         # of a row per thread in the backward kernel; more would spill
 ROW_BLOCK_THREADS = 256         # threads of a block that packs several short rows
 LOOPED_THREADS = 1024           # the looped kernel for rows too long for registers
 COLUMN_SUM_COLS = 32            # columns per block of the weight-gradient partial sum
@@ -274,7 +274,7 @@ def plan(n: int, vec: int, m: int, sm_count: int, target_vectors: int = TARGET_V
     return RowPlan(vec, group, rows, False)
 
 
-def _vector_width(n: int, tensors: Sequence[Optional["torch.Tensor"]], itemsize: int) -> int:
+def vector_width(n: int, tensors: Sequence[Optional["torch.Tensor"]], itemsize: int) -> int:
     """The widest vector (16 bytes at most) that divides the row length and keeps every row start aligned."""
     vec = 16 // itemsize
     while vec > 1:
@@ -287,7 +287,7 @@ def _vector_width(n: int, tensors: Sequence[Optional["torch.Tensor"]], itemsize:
 
 
 @functools.lru_cache(maxsize=16)
-def _sm_count(device: int) -> int:
+def sm_count(device: int) -> int:
     import torch
     return torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 132
 
@@ -302,22 +302,24 @@ def default_eps() -> float:
     return 1.1920928955078125e-07
 
 
-def _normalized_size(x: "torch.Tensor", weight: Optional["torch.Tensor"],
-                     normalized_shape: Optional[Sequence[int]]) -> int:
+def _row_shape(x: "torch.Tensor", weight: Optional["torch.Tensor"],
+               normalized_shape: Optional[Sequence[int]]) -> tuple[int, int]:
+    """(M, N): the number of rows and the normalised size (the product of the last dimensions)."""
     if normalized_shape is None:
         normalized_shape = tuple(weight.shape) if weight is not None else (x.shape[-1],) if x.dim() else ()
     normalized_shape = tuple(int(s) for s in normalized_shape)
-    if not normalized_shape or len(normalized_shape) > x.dim() or tuple(x.shape[x.dim() - len(normalized_shape):]) \
-            != normalized_shape:
+    axis = x.dim() - len(normalized_shape)
+    if not normalized_shape or axis < 0 or tuple(x.shape[axis:]) != normalized_shape:
         raise ValueError(f"normalized_shape: {normalized_shape} must be non-empty and match the last dimensions of "
                          f"x, whose shape is {tuple(x.shape)}")
     if weight is not None and tuple(weight.shape) != normalized_shape:
         raise ValueError(f"weight: expected shape {normalized_shape}, got {tuple(weight.shape)}")
-    return math.prod(normalized_shape)
+    return math.prod(x.shape[:axis]), math.prod(normalized_shape)
 
 
-def _check(x: Any, weight: Any, residual: Any, eps: Any, normalized_shape: Optional[Sequence[int]]) -> int:
-    """Validate arguments (errors name the argument); returns N, the normalised size."""
+def _check(x: Any, weight: Any, residual: Any, eps: Any,
+           normalized_shape: Optional[Sequence[int]]) -> tuple[int, int]:
+    """Validate arguments (errors name the argument); returns (M, N) as ``_row_shape``."""
     if not _is_tensor(x):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
     if str(x.dtype) not in SUPPORTED_DTYPES:
@@ -336,7 +338,7 @@ def _check(x: Any, weight: Any, residual: Any, eps: Any, normalized_shape: Optio
                          f"{tuple(residual.shape)} {residual.dtype}")
     if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0):
         raise ValueError(f"eps: expected a non-negative float or None, got {eps!r}")
-    return _normalized_size(x, weight, normalized_shape)
+    return _row_shape(x, weight, normalized_shape)
 
 
 def eligibility(x: Any, weight: Any = None, residual: Any = None,
@@ -346,13 +348,8 @@ def eligibility(x: Any, weight: Any = None, residual: Any = None,
         return "x is not a tensor"
     if x.device.type != "cuda":
         return f"x is on {x.device.type}, not CUDA"
-    if str(x.dtype) not in SUPPORTED_DTYPES:
-        return f"dtype {x.dtype} is not bfloat16, float16 or float32"
     if x.numel() == 0:
         return "x is empty"
-    for name, t in (("weight", weight), ("residual", residual)):
-        if t is not None and (not _is_tensor(t) or t.device != x.device or str(t.dtype) not in SUPPORTED_DTYPES):
-            return f"{name} is not a CUDA tensor of a supported dtype on x's device"
     try:
         _check(x, weight, residual, None, normalized_shape)
     except (TypeError, ValueError) as exc:
@@ -362,19 +359,26 @@ def eligibility(x: Any, weight: Any = None, residual: Any = None,
     return None
 
 
+def _backward_max_vectors(vec: int, itemsize: int) -> int:
+    return max(1, BACKWARD_MAX_BYTES // (vec * itemsize))
+
+
+def _backward_size_reason(n: int, vec: int, itemsize: int) -> Optional[str]:
+    if -(-n // (1024 * vec)) > _backward_max_vectors(vec, itemsize):
+        return f"rows of {n} elements ({vec}-element accesses) are too long for the backward kernel"
+    return None
+
+
 def backward_eligibility(x: Any, normalized_shape: Optional[Sequence[int]] = None,
                          grad_out: Optional["torch.Tensor"] = None) -> Optional[str]:
     """None when ``rms_norm_backward`` handles rows like ``x``'s, else why not (its rows must fit in registers:
-    1024 threads x 4 vectors, e.g. 32768 bf16 or 16384 fp32 elements with 16-byte vectors)."""
+    1024 threads x 64 bytes, i.e. 32768 bf16 or 16384 fp32 elements)."""
     reason = eligibility(x, None, None, normalized_shape)
     if reason is not None:
         return reason
-    n = math.prod(normalized_shape) if normalized_shape is not None else x.shape[-1]
+    _, n = _row_shape(x, None, normalized_shape)
     rows = [_rows(x, n)] + ([_rows(grad_out, n)] if grad_out is not None else [])
-    vec = _vector_width(n, rows, x.element_size())
-    if -(-n // (1024 * vec)) > BACKWARD_MAX_VECTORS:
-        return f"rows of {n} elements ({vec}-element vectors) are too long for the backward kernel"
-    return None
+    return _backward_size_reason(n, vector_width(n, rows, x.element_size()), x.element_size())
 
 
 def _rows(t: "torch.Tensor", n: int) -> "torch.Tensor":
@@ -389,11 +393,10 @@ def rms_norm_forward(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None,
                                                        Optional["torch.Tensor"]]:
     """(y, x + residual or None, rstd or None); ``rstd`` has one fp32 entry per row (for the backward)."""
     import torch
-    n = _check(x, weight, residual, eps, normalized_shape)
+    m, n = _check(x, weight, residual, eps, normalized_shape)
     eps = default_eps() if eps is None else float(eps)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(y) if residual is not None else None
-    m = x.numel() // n if n else 0
     rstd = torch.empty(m, dtype=torch.float32, device=x.device) if want_rstd else None
     if m == 0 or n == 0:
         if rstd is not None:
@@ -406,12 +409,12 @@ def rms_norm_forward(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None,
     r2 = _rows(residual, n) if residual is not None else None
     y2 = y.view(m, n)
     h2 = residual_out.view(m, n) if residual_out is not None else None
-    vec = _vector_width(n, (x2, w, r2), x.element_size())
-    p = plan(n, vec, m, _sm_count(x.get_device()))
+    vec = vector_width(n, (x2, w, r2), x.element_size())
+    p = plan(n, vec, m, sm_count(x.get_device()))
     flags = (w is not None, r2 is not None, rstd is not None)
-    dummy = x2
-    args = (x2, w if w is not None else dummy, r2 if r2 is not None else dummy, y2,
-            h2 if h2 is not None else dummy, rstd if rstd is not None else dummy)
+    # absent operands are passed as x: the kernel variant without them never touches them
+    args = (x2, w if w is not None else x2, r2 if r2 is not None else x2, y2, h2 if h2 is not None else x2,
+            rstd if rstd is not None else x2)
     if p.looped:
         rms_norm_looped_kernel[m, LOOPED_THREADS](*args, eps, n, vec, LOOPED_THREADS, *flags)
     else:
@@ -437,13 +440,12 @@ def rms_norm_backward(grad_out: "torch.Tensor", x: "torch.Tensor", rstd: "torch.
     """(grad_x, grad_weight or None) of ``y = rms_norm(x, weight)`` given ``rstd`` from the forward.
 
     ``x`` is the normalised input (``x + residual`` for the fused variant); ``grad_residual``, the gradient that
-    reached the ``x + residual`` output, is added to ``grad_x`` (then also the gradient of the residual).
+    reached the ``x + residual`` output, is added to ``grad_x`` (which is then also the residual's gradient).
     """
     import torch
-    n = _check(x, weight, grad_residual, None, normalized_shape)
-    if not _is_tensor(grad_out) or grad_out.shape != x.shape:
-        raise ValueError(f"grad_out: expected a tensor of shape {tuple(x.shape)}")
-    m = x.numel() // n if n else 0
+    m, n = _check(x, weight, grad_residual, None, normalized_shape)
+    if not _is_tensor(grad_out) or grad_out.shape != x.shape or grad_out.device != x.device:
+        raise ValueError(f"grad_out: expected a tensor of shape {tuple(x.shape)} on {x.device}")
     if not _is_tensor(rstd) or rstd.numel() != m or rstd.dtype != torch.float32:
         raise ValueError(f"rstd: expected {m} float32 values (one per row), got "
                          f"{getattr(rstd, 'dtype', type(rstd).__name__)} with {getattr(rstd, 'shape', '?')}")
@@ -452,31 +454,26 @@ def rms_norm_backward(grad_out: "torch.Tensor", x: "torch.Tensor", rstd: "torch.
     if m == 0 or n == 0:
         if grad_residual is not None:
             grad_x.copy_(grad_residual)
-        grad_w = torch.zeros_like(weight) if needs_weight_grad else None
-        return grad_x, grad_w
-    reason = backward_eligibility(x, normalized_shape or (tuple(weight.shape) if weight is not None else None),
-                                  grad_out)
-    if reason is not None:
-        raise ValueError(f"x: {reason}")
+        return grad_x, torch.zeros_like(weight) if needs_weight_grad else None
     dy2, x2 = _rows(grad_out, n), _rows(x, n)
     dr2 = _rows(grad_residual, n) if grad_residual is not None else None
     w = weight.reshape(-1).contiguous() if weight is not None else None
-    sms = _sm_count(x.get_device())
-    vec = _vector_width(n, (dy2, x2, dr2, w), x.element_size())
-    p = plan(n, vec, m, sms, BACKWARD_VECTORS_PER_THREAD, BACKWARD_MAX_VECTORS)
-    group, rows = p.group, p.rows
+    vec = vector_width(n, (dy2, x2, dr2, w), x.element_size())
+    reason = _backward_size_reason(n, vec, x.element_size())
+    if reason is not None:
+        raise ValueError(f"x: {reason}")
+    sms = sm_count(x.get_device())
+    p = plan(n, vec, m, sms, BACKWARD_VECTORS_PER_THREAD, _backward_max_vectors(vec, x.element_size()))
     # persistent: about two blocks per SM, each accumulating its own weight-gradient partial rows
-    grid = min(-(-m // rows), 2 * sms)
+    grid = min(-(-m // p.rows), 2 * sms)
     padded_n = -(-n // COLUMN_SUM_COLS) * COLUMN_SUM_COLS
-    partial = torch.empty((grid * rows, padded_n), dtype=torch.float32, device=x.device) if needs_weight_grad \
+    partial = torch.empty((grid * p.rows, padded_n), dtype=torch.float32, device=x.device) if needs_weight_grad \
         else x2
-    rstd_flat = rstd.reshape(-1)
-    rms_norm_backward_kernel[grid, group * rows](
-        dy2, x2, w if w is not None else x2, rstd_flat, dr2 if dr2 is not None else x2, grad_x.view(m, n),
-        partial, m, n, vec, group, rows, w is not None, dr2 is not None, needs_weight_grad)
-    grad_w = None
-    if needs_weight_grad:
-        grad_w = torch.empty(n, dtype=weight.dtype, device=x.device)
-        column_sum_kernel[padded_n // COLUMN_SUM_COLS, 256](partial, grad_w, grid * rows, n)
-        grad_w = grad_w.view(weight.shape)
-    return grad_x, grad_w
+    rms_norm_backward_kernel[grid, p.group * p.rows](
+        dy2, x2, w if w is not None else x2, rstd.reshape(-1), dr2 if dr2 is not None else x2, grad_x.view(m, n),
+        partial, m, n, vec, p.group, p.rows, w is not None, dr2 is not None, needs_weight_grad)
+    if not needs_weight_grad:
+        return grad_x, None
+    grad_w = torch.empty(n, dtype=weight.dtype, device=x.device)
+    column_sum_kernel[padded_n // COLUMN_SUM_COLS, 256](partial, grad_w, grid * p.rows, n)
+    return grad_x, grad_w.view(weight.shape)

@@ -64,6 +64,7 @@ class TmaDescriptor(TmaDescriptorType):
             dtype = _torch_dtype(tensor)
             shape, stride = tuple(tensor.shape), tuple(tensor.stride())
             address, device = tensor.data_ptr(), tensor.get_device()
+        stride = _canonical_strides(shape, stride, dtype.itemsize)
         check_tma_layout("TMA descriptor", dtype, shape, stride, address, box, swizzle)
         self.info = TmaInfo(dtype, len(shape), box, swizzle)
         self.device = device
@@ -73,6 +74,19 @@ class TmaDescriptor(TmaDescriptorType):
 
     def __repr__(self) -> str:
         return f"nvfly.TmaDescriptor({self.info.dtype.name}, box={self.info.box}, swizzle={self.info.swizzle})"
+
+
+def _canonical_strides(shape: Sequence[int], stride: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    """Strides with those of extent-1 dimensions (never used to address) replaced by valid TMA strides."""
+    out = list(stride)
+    for d in range(len(shape) - 1, -1, -1):
+        if shape[d] == 1:
+            if d == len(shape) - 1:
+                out[d] = 1
+            else:
+                span = out[d + 1] * shape[d + 1] * itemsize
+                out[d] = max(16, -(-span // 16) * 16) // itemsize
+    return tuple(out)
 
 
 _CACHE: "collections.OrderedDict[tuple, TmaDescriptor]" = collections.OrderedDict()

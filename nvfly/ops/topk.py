@@ -1,0 +1,551 @@
+"""TopK along the last dimension: values and int64 indices like ``torch.topk``, k from 1 to 2048.
+
+Order and ties. Every element gets a unique 64-bit rank, ``comp = (key << 32) | ~index``, where ``key`` is the
+value's bits made monotone (so -0.0 ranks below +0.0, like torch's radix select) and NaN (any payload) ranks
+above +inf, as in torch on CUDA; ``largest=False`` inverts the key, so NaNs then come last. The result is the k
+largest ranks in decreasing order: equal values are taken and listed lowest index first. That is exactly
+``torch.sort(x, descending=largest, stable=True)[..., :k]`` (NaN treated as the largest value). torch.topk on
+CUDA picks the same elements (everything strictly better than the k-th value, then the lowest indices equal to
+it) and lists them in the same order when k > 32 (its sort is stable there); for k <= 32 its bitonic sort may
+list equal values in another index order. Values are gathered from the input by index, bit for bit.
+
+Two kernels:
+- ``topk_warp_kernel`` (k <= 32, rows up to 1024 elements, e.g. MoE routing): one warp per row, each lane
+  holds ``N/32`` ranks in registers; k rounds of "lane max, warp max (redux.sync), retire the winner", so the
+  output comes out sorted. One read of the row.
+- ``topk_radix_kernel`` (everything else, e.g. sampling over 128K-152K vocabularies): one block per row (or per
+  slice of a row, then a merge) streams the row once with 16-byte loads, appending every element that beats a
+  running threshold T to a shared-memory candidate buffer. When the buffer may overflow, a block-wide radix
+  select (11-bit digits over the bits where the candidates differ, shared-memory histograms) finds the k-th
+  largest rank, raises T to it and compacts the buffer to k entries. After the row, one more select leaves
+  exactly k candidates, which a bitonic sort orders. For typical data T rises fast, so the stream costs one
+  read of the row and a handful of selects.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from mlir import ir
+from mlir.dialects import arith, llvm, nvvm
+
+import nvfly
+from nvfly.frontend import dtypes
+from nvfly.frontend.trace import traced
+from nvfly.frontend.values import Scalar, as_value, constant
+from nvfly.ops.rmsnorm import sm_count, vector_width
+
+if TYPE_CHECKING:
+    import torch
+
+SUPPORTED_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
+MAX_K = 2048
+WARP_MAX_K = 32           # the warp kernel's k rounds each cost a warp reduction
+WARP_MAX_N = 1024         # and each lane holds N/32 ranks in registers
+HIST_BITS = 11            # radix digit of the select: 2048 shared-memory counters
+HIST = 1 << HIST_BITS
+ELEMENTS_PER_THREAD = 16  # per streaming iteration: 32 bytes of bf16 or 64 bytes of fp32 in flight
+ABSENT = -(1 << 63)       # the rank of "no element": below every real rank (a real ~index is never 0)
+_KEY_MSB = 0x80000000
+_NAN_ABOVE = {"f32": 0x7F800000, "bf16": 0x7F80, "f16": 0x7C00}  # |bits| above this: NaN
+
+
+# ---------------------------------------------------------------------------------------------- device primitives
+@traced
+def vote_any(pred: Any) -> Scalar:
+    """True in every lane when ``pred`` holds in some lane of the (whole, converged) warp."""
+    p = as_value(pred, dtypes.i1)
+    out = nvvm.vote_sync(ir.IntegerType.get_signless(1), constant(-1, dtypes.i32).value, p.value,
+                         nvvm.VoteSyncKind.any)
+    return Scalar(out, dtypes.i1)
+
+
+@traced
+def syncthreads_or(pred: Any) -> Scalar:
+    """Barrier over the block that also ORs ``pred`` over all its threads (``bar.red.or``): every thread
+    gets the same answer, so a branch on it stays block-uniform."""
+    p = as_value(pred, dtypes.i1).to(dtypes.i32)
+    out = nvvm.barrier(ir.IntegerType.get_signless(32), reduction_op=ir.Attribute.parse("#nvvm.reduction<or>"),
+                       reduction_predicate=p.value)
+    return Scalar(out, dtypes.i32) != 0
+
+
+@traced
+def atomic_add(t: Any, index: Any, value: Any) -> Scalar:
+    """``old = t[index]; t[index] += value`` atomically (relaxed); returns ``old``. Integer tensors."""
+    v = as_value(value, t.dtype)
+    old = llvm.AtomicRMWOp(llvm.AtomicBinOp.add, t.address(index), v.value, llvm.AtomicOrdering.monotonic)
+    return Scalar(old.result, t.dtype)
+
+
+@traced
+def count_leading_zeros(x: Scalar) -> Scalar:
+    """Leading zero bits of an integer (its width for 0), as i32."""
+    out = llvm.intr_ctlz(x.value, False)
+    if x.dtype.bits > 32:
+        out = arith.trunci(ir.IntegerType.get_signless(32), out)
+    return Scalar(out, dtypes.i32)
+
+
+@traced
+def warp_max_u32(value: Scalar) -> Scalar:
+    """Unsigned maximum over the warp in one ``redux.sync.max.u32``."""
+    out = nvvm.redux_sync(ir.IntegerType.get_signless(32), value.value, nvvm.ReduxKind.UMAX,
+                          constant(-1, dtypes.i32).value)
+    return Scalar(out, dtypes.u32)
+
+
+# ---------------------------------------------------------------------------------------------- ranks
+@nvfly.func
+def order_key(value, LARGEST):
+    """The u32 key of a bf16/f16/f32 value: larger key = earlier in the output (NaN first when LARGEST)."""
+    if value.dtype == nvfly.f32:
+        bits = value.bitcast(nvfly.u32)
+        sign_fill = (value.bitcast(nvfly.i32) >> 31).bitcast(nvfly.u32)
+        key = bits ^ (sign_fill | _KEY_MSB)
+        key = nvfly.select((bits & 0x7FFFFFFF) > _NAN_ABOVE["f32"], 0xFFFFFFFF, key)
+        inverted = 0xFFFFFFFF
+    else:
+        bits = (value.bitcast(nvfly.i16).to(nvfly.i32) & 0xFFFF).bitcast(nvfly.u32)
+        key = bits ^ (((bits >> 15) * 0x7FFF) | 0x8000)
+        key = nvfly.select((bits & 0x7FFF) > _NAN_ABOVE[value.dtype.name], 0xFFFF, key)
+        inverted = 0xFFFF
+    if not LARGEST:
+        key = key ^ inverted
+    return key
+
+
+@nvfly.func
+def rank64(key, index):
+    """The unique signed 64-bit rank of (key, index): ``(key << 32) | ~index`` with the top bit flipped, so
+    that signed comparisons order ranks like the unsigned values."""
+    high = (key ^ _KEY_MSB).bitcast(nvfly.i32).to(nvfly.i64) << 32
+    return high | (~index).bitcast(nvfly.u32).to(nvfly.i64)
+
+
+@nvfly.func
+def rank_index(rank):
+    """The index encoded in a 64-bit rank."""
+    return ~rank.to(nvfly.i32)
+
+
+# ---------------------------------------------------------------------------------------------- warp kernel
+@nvfly.kernel
+def topk_warp_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, M: nvfly.i32,
+                     K: nvfly.Constexpr, N: nvfly.Constexpr, VEC: nvfly.Constexpr, WARPS: nvfly.Constexpr,
+                     LARGEST: nvfly.Constexpr):
+    """One warp per row of N <= 1024 elements, k <= 32: k rounds of lane max + warp max."""
+    warp = nvfly.warp_idx()
+    lane = nvfly.lane_idx()
+    row = nvfly.block_idx.x * WARPS + warp
+    # 16-bit keys and indices below 2**16 fit one u32 rank: key << 16 | (0xFFFF - index), 0 = absent
+    packed = x.dtype != nvfly.f32 and N < (1 << 16)
+    if row < M:
+        vectors = (N + 32 * VEC - 1) // (32 * VEC)
+        tail = N % (32 * VEC) != 0
+        ranks = []
+        for v in nvfly.static_range(vectors):
+            col = (v * 32 + lane) * VEC
+            in_row = col < N if tail and v == vectors - 1 else None
+            xv = x.load(row, col, width=VEC, mask=in_row)
+            for e in nvfly.static_range(VEC):
+                key = order_key(xv[e], LARGEST)
+                if packed:
+                    r = (key << 16) | (0xFFFF - (col + e)).bitcast(nvfly.u32)
+                    absent = nvfly.u32(0)
+                else:
+                    r = rank64(key, col + e)
+                    absent = nvfly.i64(ABSENT)
+                if tail and v == vectors - 1:
+                    r = nvfly.select(in_row, r, absent)
+                ranks.append(r)
+        mine = absent  # lanes < K get the j-th winner below
+        for j in nvfly.static_range(K):
+            best = ranks[0]
+            for r in ranks[1:]:
+                best = nvfly.maximum(best, r)
+            best = warp_max_u32(best) if packed else nvfly.warp_reduce(best, "max")
+            ranks = [nvfly.select(r == best, absent, r) for r in ranks]  # ranks are unique: retire the winner
+            mine = nvfly.select(lane == j, best, mine)
+        if lane < K:
+            index = (0xFFFF - (mine & 0xFFFF)).bitcast(nvfly.i32) if packed else rank_index(mine)
+            indices[row, lane] = index.to(nvfly.i64)
+            values[row, lane] = x[row, index]
+
+
+# ---------------------------------------------------------------------------------------------- block helpers
+@nvfly.func
+def warp_inclusive_sum(value, lane):
+    """Inclusive prefix sum over the lanes of a warp (5 shuffles)."""
+    for offset in nvfly.static_range(5):
+        moved = nvfly.shfl_up(value, 1 << offset)
+        value = value + nvfly.select(lane >= (1 << offset), moved, 0)
+    return value
+
+
+@nvfly.func
+def append(buf, state, ranks, takes, count, lane):
+    """Append this warp's taken ranks to ``buf`` at ``state[0]`` (one atomic per warp); returns the buffer
+    size after this warp's append, as seen by lane 31 (other lanes get a smaller value)."""
+    inclusive = warp_inclusive_sum(count, lane)
+    total = nvfly.shfl_idx(inclusive, 31)
+    base = nvfly.i32(0)
+    if lane == 31:
+        base = atomic_add(state, 0, total)
+    base = nvfly.shfl_idx(base, 31)
+    position = base + inclusive - count
+    for r, take in zip(ranks, takes):
+        buf.store(r, position, mask=take)
+        position = position + take.to(nvfly.i32)
+    return base + total
+
+
+@nvfly.func
+def block_max_min(high, low, scratch, lane, warp, WARPS):
+    """(max of ``high``, min of ``low``) over the block (i64); ``scratch`` holds 64 i64 slots."""
+    high = nvfly.warp_reduce(high, "max")
+    low = nvfly.warp_reduce(low, "min")
+    if lane == 0:
+        scratch[warp] = high
+        scratch[32 + warp] = low
+    nvfly.syncthreads()
+    high = scratch.load(lane, mask=lane < WARPS, other=ABSENT)
+    low = scratch.load(32 + lane, mask=lane < WARPS, other=-1 - ABSENT)
+    return nvfly.warp_reduce(high, "max"), nvfly.warp_reduce(low, "min")
+
+
+@nvfly.func
+def find_bucket(hist, state, warp_sums, needed, tid, lane, warp, THREADS):
+    """The histogram bucket holding the ``needed``-th largest rank, counting from the top bucket:
+    (bucket, ranks in higher buckets, ranks in the bucket). Thread t owns buckets [t*HB, (t+1)*HB)."""
+    per_thread = HIST // THREADS
+    counts = [hist[tid * per_thread + i] for i in nvfly.static_range(per_thread)]
+    mine = counts[0]
+    for c in counts[1:]:
+        mine = mine + c
+    # suffix sums: how many ranks are in the buckets of higher threads
+    suffix = mine
+    for offset in nvfly.static_range(5):
+        moved = nvfly.shfl_down(suffix, 1 << offset)
+        suffix = suffix + nvfly.select(lane + (1 << offset) < 32, moved, 0)
+    if lane == 0:
+        warp_sums[warp] = suffix
+    nvfly.syncthreads()
+    later_warps = nvfly.warp_reduce(warp_sums.load(lane, mask=(lane > warp) & (lane < THREADS // 32), other=0),
+                                    "add")
+    above = later_warps + suffix - mine
+    for i in nvfly.static_range(per_thread - 1, -1, -1):
+        if (above < needed) & (needed <= above + counts[i]):
+            state[1] = tid * per_thread + i
+            state[2] = above
+            state[3] = counts[i]
+        above = above + counts[i]
+    nvfly.syncthreads()
+    return state[1], state[2], state[3]
+
+
+@nvfly.func
+def select_top(buf, hist, state, warp_sums, scratch, needed, tid, lane, warp, THREADS, CAP):
+    """Keep the ``needed`` largest ranks of ``buf[:state[0]]`` (all of them if there are no more) at
+    ``buf[:needed]``; returns T, a rank such that exactly the kept ranks are >= T.
+
+    Radix select: the digits are the 11 bits below the highest bit where the candidates differ, then the next
+    11, ... until the bucket of the needed-th rank holds exactly the ranks still needed."""
+    count = state[0]
+    ranks = []
+    for j in nvfly.static_range(CAP // THREADS):
+        ranks.append(buf.load(j * THREADS + tid, mask=j * THREADS + tid < count, other=ABSENT))
+    high = nvfly.i64(ABSENT)
+    low = nvfly.i64(-1 - ABSENT)
+    for r in ranks:
+        high = nvfly.maximum(high, r)
+        low = nvfly.minimum(low, nvfly.select(r == ABSENT, -1 - ABSENT, r))
+    high, low = block_max_min(high, low, scratch, lane, warp, THREADS // 32)
+    if tid == 0:
+        state[0] = 0  # everyone read the count before the barrier in block_max_min
+    threshold = nvfly.i64(ABSENT)
+    if count > needed:
+        # work on the unsigned bits u = rank ^ ABSENT; [lo, hi] is the range of ranks still in play
+        top = 63 - count_leading_zeros(high ^ low)  # high != low: there are at least two ranks
+        shift = nvfly.maximum(top - (HIST_BITS - 1), 0)
+        span = ((nvfly.i64(1) << top.to(nvfly.i64)) << 1) - 1
+        range_low = ((high ^ ABSENT) & ~span) ^ ABSENT
+        range_high = ((high ^ ABSENT) | span) ^ ABSENT
+        searching = nvfly.i32(1)
+        while searching != 0:
+            for j in nvfly.static_range(HIST // THREADS):
+                hist[j * THREADS + tid] = 0
+            nvfly.syncthreads()
+            for r in ranks:
+                digit = (((r ^ ABSENT) >> shift.to(nvfly.i64)) & (HIST - 1)).to(nvfly.i32)
+                if (r >= range_low) & (r <= range_high) & (r != ABSENT):
+                    atomic_add(hist, digit, 1)
+            nvfly.syncthreads()
+            bucket, above, in_bucket = find_bucket(hist, state, warp_sums, needed, tid, lane, warp, THREADS)
+            needed = needed - above
+            range_low = ((range_low ^ ABSENT) | (bucket.to(nvfly.i64) << shift.to(nvfly.i64))) ^ ABSENT
+            range_high = ((range_low ^ ABSENT) | ((nvfly.i64(1) << shift.to(nvfly.i64)) - 1)) ^ ABSENT
+            if (in_bucket == needed) | (shift == 0):
+                searching = nvfly.i32(0)
+                threshold = range_low
+            else:
+                shift = nvfly.maximum(shift - HIST_BITS, 0)
+    # compaction: the kept ranks go to buf[:kept] (each thread still holds its ranks in registers)
+    takes = [(r >= threshold) & (r != ABSENT) for r in ranks]
+    kept = takes[0].to(nvfly.i32)
+    for take in takes[1:]:
+        kept = kept + take.to(nvfly.i32)
+    append(buf, state, ranks, takes, kept, lane)
+    nvfly.syncthreads()
+    return threshold
+
+
+@nvfly.func
+def bitonic_sort_descending(buf, tid, SIZE, THREADS):
+    """Sort ``buf[:SIZE]`` (a power of two) in decreasing order; the block's threads share the pairs."""
+    pairs = SIZE // 2
+    size = 2
+    while size <= SIZE:
+        stride = size // 2
+        while stride >= 1:
+            for j in nvfly.static_range((pairs + THREADS - 1) // THREADS):
+                pair = j * THREADS + tid
+                first = ((pair >> int(math.log2(stride))) << int(math.log2(stride) + 1)) | (pair & (stride - 1))
+                a = buf[first]
+                b = buf[first + stride]
+                descending = (first & size) == 0
+                swap = nvfly.select(descending, a < b, a > b)
+                if pairs % THREADS == 0 or pair < pairs:
+                    buf[first] = nvfly.select(swap, b, a)
+                    buf[first + stride] = nvfly.select(swap, a, b)
+            nvfly.syncthreads()
+            stride //= 2
+        size *= 2
+
+
+# ---------------------------------------------------------------------------------------------- streaming kernel
+@nvfly.kernel
+def topk_radix_kernel(x: nvfly.Tensor, ranks_in: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor,
+                      ranks_out: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32, VEC: nvfly.Constexpr,
+                      UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr, CAP: nvfly.Constexpr,
+                      K_POW2: nvfly.Constexpr, LARGEST: nvfly.Constexpr, FROM_RANKS: nvfly.Constexpr,
+                      TO_RANKS: nvfly.Constexpr):
+    """Block (part, row) streams columns [part*slice_len, (part+1)*slice_len) of its row once, keeping the
+    candidates that beat the running threshold in shared memory (see the module doc).
+
+    FROM_RANKS: the elements are 64-bit ranks (``ranks_in``, from a first pass over slices) instead of values.
+    TO_RANKS: write the slice's k best ranks to ``ranks_out[row, part*k:]`` (unsorted) instead of the sorted
+    values and indices."""
+    part = nvfly.block_idx.x
+    row = nvfly.block_idx.y
+    tid = nvfly.thread_idx.x
+    lane = tid & 31
+    warp = tid >> 5
+    src = ranks_in if FROM_RANKS else x
+    start = part * slice_len
+    stop = nvfly.minimum(start + slice_len, src.shape[1])
+    buf = nvfly.dynamic_shared_tensor(nvfly.i64, (CAP,))
+    hist = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST,), CAP * 8)
+    scratch = nvfly.dynamic_shared_tensor(nvfly.i64, (64,), CAP * 8 + HIST * 4)
+    warp_sums = nvfly.dynamic_shared_tensor(nvfly.i32, (32,), CAP * 8 + HIST * 4 + 512)
+    state = nvfly.dynamic_shared_tensor(nvfly.i32, (4,), CAP * 8 + HIST * 4 + 640)  # [0]: candidates in buf
+    if tid == 0:
+        state[0] = 0
+    nvfly.syncthreads()
+    per_iter = THREADS * VEC * UNROLL
+    limit = CAP - per_iter  # a buffer filled up to here still has room for one more iteration's appends
+    threshold = nvfly.i64(ABSENT)  # candidates are the elements ranked >= threshold
+    threshold_key = nvfly.u32(0)
+    threshold_low = nvfly.u32(0)
+    current = []
+    for u in nvfly.static_range(UNROLL):
+        col = start + (u * THREADS + tid) * VEC
+        current.append(src.load(row, col, width=VEC, mask=col < stop))
+    for it in range((stop - start + per_iter - 1) // per_iter):
+        # the next iteration's loads are in flight while this one is filtered (and across the barrier)
+        upcoming = []
+        for u in nvfly.static_range(UNROLL):
+            col = start + (((it + 1) * UNROLL + u) * THREADS + tid) * VEC
+            upcoming.append(src.load(row, col, width=VEC, mask=col < stop))
+        keys = []
+        takes = []
+        count = nvfly.i32(0)
+        for u in nvfly.static_range(UNROLL):
+            for e in nvfly.static_range(VEC):
+                col = start + ((it * UNROLL + u) * THREADS + tid) * VEC + e
+                if FROM_RANKS:
+                    key = current[u][e]
+                    take = (col < stop) & (key != ABSENT) & (key >= threshold)
+                else:
+                    key = order_key(current[u][e], LARGEST)
+                    low = (~col).bitcast(nvfly.u32)
+                    take = (col < stop) & ((key > threshold_key) | ((key == threshold_key) & (low >= threshold_low)))
+                keys.append(key)
+                takes.append(take)
+                count = count + take.to(nvfly.i32)
+        overflow = count < 0  # false; set by lane 31 of a warp whose append fills the buffer past the limit
+        if vote_any(count > 0):
+            ranks = []
+            for u in nvfly.static_range(UNROLL):
+                for e in nvfly.static_range(VEC):
+                    key = keys[u * VEC + e]
+                    col = start + ((it * UNROLL + u) * THREADS + tid) * VEC + e
+                    ranks.append(key if FROM_RANKS else rank64(key, col))
+            size = append(buf, state, ranks, takes, count, lane)
+            overflow = (lane == 31) & (size > limit)
+        if syncthreads_or(overflow):
+            threshold = select_top(buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS, CAP)
+            threshold_key = ((threshold >> 32).to(nvfly.i32) ^ _KEY_MSB).bitcast(nvfly.u32)
+            threshold_low = threshold.to(nvfly.i32).bitcast(nvfly.u32)
+        current = upcoming
+    select_top(buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS, CAP)
+    kept = state[0]  # k, or fewer when the slice is shorter
+    if TO_RANKS:
+        for j in nvfly.static_range((K_POW2 + THREADS - 1) // THREADS):
+            i = j * THREADS + tid
+            if i < k:
+                ranks_out[row, part * k + i] = buf.load(i, mask=i < kept, other=ABSENT)
+    else:
+        for j in nvfly.static_range((K_POW2 + THREADS - 1) // THREADS):
+            i = j * THREADS + tid
+            if (i >= kept) & (i < K_POW2):
+                buf[i] = ABSENT
+        nvfly.syncthreads()
+        bitonic_sort_descending(buf, tid, K_POW2, THREADS)
+        for j in nvfly.static_range((K_POW2 + THREADS - 1) // THREADS):
+            i = j * THREADS + tid
+            if i < k:
+                index = rank_index(buf[i])
+                indices[row, i] = index.to(nvfly.i64)
+                values[row, i] = x[row, index]
+
+
+# ---------------------------------------------------------------------------------------------- host side
+@dataclass(frozen=True)
+class TopkPlan:
+    """Launch shape of a TopK: the warp kernel (``warps`` rows per block) or the streaming kernel
+    (``threads`` per block, ``parts`` slices per row merged by a second launch when rows are few)."""
+    warp: bool
+    vec: int
+    warps: int = 1
+    threads: int = 0
+    cap: int = 0
+    k_pow2: int = 0
+    parts: int = 1
+    slice_len: int = 0
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.cap * 8 + HIST * 4 + 656 if not self.warp else 0
+
+
+def _streaming_threads(n: int) -> int:
+    return 512 if n >= 16 * 512 else 256
+
+
+def _capacity(threads: int, k_pow2: int) -> int:
+    """Candidate-buffer entries: one iteration's worth of appends on top of room for about 2k survivors."""
+    margin = max(2 * k_pow2, threads)
+    return threads * ELEMENTS_PER_THREAD + -(-margin // threads) * threads
+
+
+@functools.lru_cache(maxsize=4096)
+def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int) -> TopkPlan:
+    """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements)."""
+    if k <= WARP_MAX_K and n <= WARP_MAX_N:
+        return TopkPlan(True, vec, warps=max(1, min(8, m // (2 * sm_count))))
+    threads = _streaming_threads(n)
+    k_pow2 = max(2, 1 << (k - 1).bit_length())
+    per_iter = threads * ELEMENTS_PER_THREAD
+    # few rows: split each row into slices so that about two blocks per SM stream, then merge the slices
+    parts = max(1, min(-(-2 * sm_count // m), n // max(2 * per_iter, 4 * k), 64))
+    slice_len = -(-(-(-n // parts)) // per_iter) * per_iter
+    parts = -(-n // slice_len)
+    return TopkPlan(False, vec, threads=threads, cap=_capacity(threads, k_pow2), k_pow2=k_pow2, parts=parts,
+                    slice_len=slice_len)
+
+
+def _check(x: Any, k: Any, dim: Any) -> int:
+    """Validate arguments (errors name the argument); returns the wrapped dim."""
+    import torch
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+    if str(x.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"x: dtype {x.dtype} is not supported (bfloat16, float16, float32)")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -max(1, x.dim()) <= dim < max(1, x.dim()):
+        raise ValueError(f"dim: {dim!r} is out of range for a {x.dim()}-dimensional x")
+    dim %= max(1, x.dim())
+    size = x.shape[dim] if x.dim() else 1
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= size:
+        raise ValueError(f"k: expected an int in [0, {size}] (the size of dimension {dim}), got {k!r}")
+    if k > MAX_K:
+        raise ValueError(f"k: at most {MAX_K} is supported, got {k}")
+    return dim
+
+
+def eligibility(x: Any, k: Any, dim: Any = -1, largest: bool = True, sorted: bool = True) -> Optional[str]:
+    """None when nvfly computes this TopK, else the reason it declines (callers then use torch)."""
+    import torch
+    if not isinstance(x, torch.Tensor):
+        return "x is not a tensor"
+    if x.device.type != "cuda":
+        return f"x is on {x.device.type}, not CUDA"
+    try:
+        dim = _check(x, k, dim)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    if x.dim() == 0 or dim != x.dim() - 1:
+        return "dim is not the last dimension"
+    if k == 0 or x.numel() == 0:
+        return "empty result"
+    if x.shape[-1] >= (1 << 31) - 1 or x.numel() >= 1 << 31:
+        return "x has 2**31 elements or more"
+    return None
+
+
+def topk(x: "torch.Tensor", k: int, dim: int = -1, largest: bool = True,
+         sorted: bool = True) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(values, int64 indices) of the k largest (``largest=False``: smallest) elements along ``dim``, sorted
+    (also when ``sorted=False``), ties and NaN as described in the module doc."""
+    import torch
+    dim = _check(x, k, dim)
+    moved = x.movedim(dim, -1) if x.dim() else x.reshape(1)
+    lead = moved.shape[:-1]
+    n = moved.shape[-1]
+    m = math.prod(lead)
+    values = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    indices = torch.empty((m, k), dtype=torch.int64, device=x.device)
+    if k and m:
+        rows = moved.reshape(m, n)
+        if rows.stride(1) != 1 and n > 1:
+            rows = rows.contiguous()
+        _launch(rows, values, indices, k, bool(largest))
+
+    def place(t: "torch.Tensor") -> "torch.Tensor":
+        return t.reshape(*lead, k).movedim(-1, dim) if x.dim() else t.reshape(())
+    return place(values), place(indices)
+
+
+def _launch(rows: "torch.Tensor", values: "torch.Tensor", indices: "torch.Tensor", k: int, largest: bool) -> None:
+    import torch
+    m, n = rows.shape
+    vec = vector_width(n, (rows,), rows.element_size())
+    sms = sm_count(rows.get_device())
+    p = plan(n, k, m, vec, rows.element_size(), sms)
+    if p.warp:
+        topk_warp_kernel[-(-m // p.warps), 32 * p.warps](rows, values, indices, m, k, n, vec, p.warps, largest)
+        return
+    unroll = ELEMENTS_PER_THREAD // vec
+    if p.parts == 1:
+        topk_radix_kernel[(1, m, 1), p.threads](rows, rows, values, indices, rows, k, n, vec, unroll, p.threads,
+                                                p.cap, p.k_pow2, largest, False, False)
+        return
+    ranks = torch.empty((m, p.parts * k), dtype=torch.int64, device=rows.device)
+    topk_radix_kernel[(p.parts, m, 1), p.threads](rows, rows, values, indices, ranks, k, p.slice_len, vec, unroll,
+                                                  p.threads, p.cap, p.k_pow2, largest, False, True)
+    merge_threads = _streaming_threads(p.parts * k)
+    topk_radix_kernel[(1, m, 1), merge_threads](rows, ranks, values, indices, ranks, k, p.parts * k, 2,
+                                                ELEMENTS_PER_THREAD // 2, merge_threads,
+                                                _capacity(merge_threads, p.k_pow2), p.k_pow2, largest, True, False)

@@ -1,0 +1,76 @@
+"""The GEMM without a GPU: every config compiles to HGMMA/UTMALDG code within its register budget, plans and
+TMA descriptors are consistent for every operand major-ness and shape class, and inputs are declined with
+reasons."""
+import itertools
+
+import pytest
+import torch
+
+from nvfly.ops import gemm
+from nvfly.ops.gemm_kernel import GemmConfig
+
+CONFIGS = [GemmConfig(128, 256, 4, 2), GemmConfig(256, 128, 4, 2), GemmConfig(128, 128, 6, 2),
+           GemmConfig(64, 256, 4, 1), GemmConfig(64, 16, 7, 1, split_k=4), GemmConfig(128, 64, 7, 2, group_m=16)]
+MAJORS = list(itertools.product(["K", "MN"], ["K", "MN"]))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+def test_configs_compile_to_hopper_instructions(config):
+    for k in gemm.compile_configs([config], majors=MAJORS if config.bn >= 64 else [("K", "K"), ("MN", "K")]):
+        ops = k.sass_opcodes()
+        assert any(op.startswith(f"HGMMA.64x{config.bn}x16.F32.BF16") for op in ops), sorted(ops)
+        assert k.count("UTMALDG") > 0 and k.count("USETMAXREG") == 2
+        assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0
+        assert k.resources.registers <= 65536 // k.threads
+        assert not k.warnings, k.warnings  # no serialised wgmma (C7515/C7520), setmaxnreg honoured (C7508)
+        assert k.dynamic_smem_bytes == config.smem_bytes(2)
+
+
+def test_config_space_is_valid_and_broad():
+    space = gemm.config_space()
+    assert len(space) > 50
+    assert all(c.check(2) is None for c in space)
+    assert GemmConfig(256, 256, 4, 2).check(2) and GemmConfig(128, 256, 5, 2).check(2)  # too big
+
+
+def make(m, n, k, a_major, b_major):
+    a = torch.randn(m, k).to(torch.bfloat16) if a_major == "row" else torch.randn(k, m).to(torch.bfloat16).t()
+    b = torch.randn(k, n).to(torch.bfloat16) if b_major == "row" else torch.randn(n, k).to(torch.bfloat16).t()
+    return a, b
+
+
+@pytest.mark.parametrize("mnk", [(4096, 4096, 4096), (16, 4096, 4096), (1, 4096, 4096), (128, 8192, 8192),
+                                 (64, 6144, 4096), (8, 2112, 7168), (333, 520, 1000), (2048, 24576, 1536)])
+@pytest.mark.parametrize("majors", list(itertools.product(["row", "col"], ["row", "col"])))
+def test_plans_and_descriptors_for_every_layout(mnk, majors):
+    m, n, k = mnk
+    a, b = make(m, n, k, *majors)
+    if gemm._tma_reason("A", a, -1 if majors[0] == "row" else -2) or \
+            gemm._tma_reason("B", b, -2 if majors[1] == "col" else -1):
+        pytest.skip("a stride TMA cannot express: declined by eligibility")
+    a3, b3 = a.unsqueeze(0), b.unsqueeze(0)
+    plan = gemm._make_plan(a3, b3, False, "none", None, False)
+    assert plan.config.check(2) is None
+    assert plan.swap == (m <= 64 < n)
+    if plan.swap:
+        a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
+    a_desc, b_desc = gemm._descriptors(plan, a3, b3, False)
+    assert a_desc.info.box[-1] * 2 == a_desc.info.swizzle or a_desc.info.swizzle == 128
+    tiles = -(-plan.m // plan.config.bm) * -(-plan.n // plan.config.bn) * plan.config.split_k
+    assert plan.grid == min(tiles, 132)
+    assert (plan.config.split_k > 1) == (plan.reduce_epilogue is not None)
+
+
+def test_heuristic_prefers_big_tiles_and_splits_long_k():
+    assert gemm.default_config(8192, 8192, 8192) == GemmConfig(128, 256, 4, 2)
+    small = gemm.default_config(128, 1024, 16384)
+    assert small.split_k > 1
+    swapped = gemm.small_m_config(16, 4096, 4096, 1, 2, 132)
+    assert swapped.bn == 16
+
+
+def test_eligibility_reasons_on_cpu():
+    a, b = make(64, 64, 64, "row", "row")
+    assert gemm.eligibility(a, b) == "operands are not CUDA tensors"
+    odd = torch.randn(64, 1023).to(torch.bfloat16)
+    assert "16 bytes" in gemm._tma_reason("A", odd, -1)

@@ -16,8 +16,8 @@ def tile_plan(BM, BN, b_major, dtype):
     """Static facts of one stage: layouts, boxes, byte sizes."""
     a_layout = sm90.operand_layout(BM, BK, dtype, "K", SWIZZLE)
     b_layout = sm90.operand_layout(BN, BK, dtype, b_major, SWIZZLE)
-    a_box, a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, "K", SWIZZLE)
-    b_box, b_boxes = sm90.operand_boxes(b_layout, BN, BK, dtype, b_major, SWIZZLE)
+    a_box, (a_boxes,) = sm90.operand_boxes(a_layout, BM, BK, dtype, "K", SWIZZLE)
+    b_box, (b_boxes,) = sm90.operand_boxes(b_layout, BN, BK, dtype, b_major, SWIZZLE)
     a_bytes = BM * BK * dtype.itemsize
     b_bytes = BN * BK * dtype.itemsize
     return dict(a_layout=a_layout, b_layout=b_layout, a_box=a_box, b_box=b_box, a_boxes=a_boxes,

@@ -10,7 +10,8 @@ from nvfly.ops import gemm
 from nvfly.ops.gemm_kernel import GemmConfig
 
 CONFIGS = [GemmConfig(128, 256, 4, 2), GemmConfig(256, 128, 4, 2), GemmConfig(128, 128, 6, 2),
-           GemmConfig(64, 256, 4, 1), GemmConfig(64, 16, 7, 1, split_k=4), GemmConfig(128, 64, 7, 2, group_m=16)]
+           GemmConfig(64, 256, 4, 1), GemmConfig(64, 16, 7, 1, split_k=4), GemmConfig(128, 64, 7, 2, group_m=16),
+           GemmConfig(128, 256, 4, 2, cluster_m=2)]
 MAJORS = list(itertools.product(["K", "MN"], ["K", "MN"]))
 
 
@@ -20,6 +21,7 @@ def test_configs_compile_to_hopper_instructions(config):
         ops = k.sass_opcodes()
         assert any(op.startswith(f"HGMMA.64x{config.bn}x16.F32.BF16") for op in ops), sorted(ops)
         assert k.count("UTMALDG") > 0 and k.count("USETMAXREG") == 2
+        assert (k.count("UTMALDG.2D.MULTICAST") > 0) == (config.cluster_m > 1)
         assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0
         assert k.resources.registers <= 65536 // k.threads
         assert not k.warnings, k.warnings  # no serialised wgmma (C7515/C7520), setmaxnreg honoured (C7508)
@@ -62,7 +64,7 @@ def test_plans_and_descriptors_for_every_layout(mnk, majors):
 
 
 def test_heuristic_prefers_big_tiles_and_splits_long_k():
-    assert gemm.default_config(8192, 8192, 8192) == GemmConfig(128, 256, 4, 2)
+    assert gemm.default_config(8192, 8192, 8192) == GemmConfig(128, 256, 4, 2, cluster_m=2)
     small = gemm.default_config(128, 1024, 16384)
     assert small.split_k > 1
     swapped = gemm.small_m_config(16, 4096, 4096, 1, 2, 132)

@@ -125,6 +125,10 @@ def if_(cond: Any, then_fn: Callable[..., tuple], else_fn: Optional[Callable[...
                 and _flatten(e, name, False).rebuild is None and (t is e or _safe_equal(t, e)):
             results[i] = t
             continue
+        if _flatten(t, name, True).rebuild is None and _flatten(e, name, True).rebuild is None:
+            results[i] = Undefined(name, "the two branches of an if on a traced condition leave different "
+                                         "compile-time values in it")
+            continue
         # the types come from a traced side when there is one (a Python number on the other side adopts them)
         template = _flatten(e if _is_traced(e) and not _is_traced(t) else t, name, promote_numbers=True)
         with ir.InsertionPoint(probe.then_block):
@@ -202,13 +206,16 @@ def _carry(names: Sequence[str], values: Sequence[Any]) -> tuple[list[int], list
 
 
 def _loop_results(names: Sequence[str], values: Sequence[Any], idx: list[int], leaves: list[_Leaf],
-                  results: Sequence[ir.Value], what: str) -> tuple:
+                  results: Sequence[ir.Value], what: str, changed: set[int]) -> tuple:
     out: list[Any] = [Undefined(n, f"it is first assigned inside a {what}; define it before the loop to carry "
                                    f"it out") for n in names]
     pos = 0
     for i, leaf in zip(idx, leaves):
         n = len(leaf.values)
-        out[i] = leaf.rebuild(results[pos:pos + n]) if leaf.rebuild else leaf.static
+        if i in changed:
+            out[i] = Undefined(names[i], f"a {what} changes this compile-time value")
+        else:
+            out[i] = leaf.rebuild(results[pos:pos + n]) if leaf.rebuild else leaf.static
         pos += n
     return tuple(out)
 
@@ -225,8 +232,17 @@ def _rebuild_args(names: Sequence[str], values: Sequence[Any], idx: list[int], l
 
 
 def _yield_values(names: Sequence[str], out: Sequence[Any], idx: list[int], leaves: list[_Leaf],
-                  what: str) -> list[ir.Value]:
-    return [v for i, leaf in zip(idx, leaves) for v in _match(out[i], leaf, names[i], what)]
+                  what: str) -> tuple[list[ir.Value], set[int]]:
+    """The values a loop body yields, and the carried compile-time values it changed (undefined after it)."""
+    values: list[ir.Value] = []
+    changed: set[int] = set()
+    for i, leaf in zip(idx, leaves):
+        if leaf.rebuild is None:
+            if out[i] is not leaf.static and not _safe_equal(out[i], leaf.static):
+                changed.add(i)
+            continue
+        values.extend(_match(out[i], leaf, names[i], what))
+    return values, changed
 
 
 def _index_dtype(*bounds: Any) -> dtypes.DType:
@@ -268,8 +284,9 @@ def for_range(bounds: tuple, body: Callable[..., tuple], names: Sequence[str], v
         iv = Scalar(loop.induction_variable, dt, iv_div)
         args = _rebuild_args(names, values, idx, leaves, list(loop.inner_iter_args))
         out = tuple(body(iv, *args))
-        scf.YieldOp(_yield_values(names, out, idx, leaves, "the loop body"))
-    return _loop_results(names, values, idx, leaves, list(loop.results), "dynamic for loop")
+        yielded, changed = _yield_values(names, out, idx, leaves, "the loop body")
+        scf.YieldOp(yielded)
+    return _loop_results(names, values, idx, leaves, list(loop.results), "dynamic for loop", changed)
 
 
 def _iv_divisor(start: Any, step: Any, lb: Scalar, st: Scalar) -> int:
@@ -309,5 +326,6 @@ def while_(cond_fn: Callable[..., Any], body: Callable[..., tuple], names: Seque
     with ir.InsertionPoint(after):
         args = _rebuild_args(names, values, idx, leaves, list(after.arguments))
         out = tuple(body(*args))
-        scf.YieldOp(_yield_values(names, out, idx, leaves, "the while body"))
-    return _loop_results(names, values, idx, leaves, list(op.results), "dynamic while loop")
+        yielded, changed = _yield_values(names, out, idx, leaves, "the while body")
+        scf.YieldOp(yielded)
+    return _loop_results(names, values, idx, leaves, list(op.results), "dynamic while loop", changed)

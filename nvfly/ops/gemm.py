@@ -140,7 +140,10 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
     if tiles * 2 <= sms and k_tiles >= 16:
         split = min(max(1, sms // tiles), k_tiles // 8, 16)
         if split > 1:
-            cfg = replace(cfg, split_k=split)
+            return replace(cfg, split_k=split)
+    if tiles >= sms and m >= 2 * cfg.bm and cfg.bn % 128 == 0:
+        # more than a wave: pairs of blocks along M share B through multicast, halving its L2 reads
+        cfg = replace(cfg, cluster_m=2)
     return cfg
 
 
@@ -162,12 +165,12 @@ def small_m_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int
 
 # ---------------------------------------------------------------------------------------------- launching
 @functools.lru_cache(maxsize=None)
-def _operand_box(rows: int, bk: int, dtype: Any, major: str, rank: int) -> tuple[tuple[int, ...], int]:
+def _operand_box(rows: int, bk: int, dtype: Any, major: str, rank: int, parts: int = 1) -> tuple[tuple[int, ...], int]:
     """(TMA box, swizzle) of an operand viewed as [(B,) MN, K] (K-major) or [(B,) K, MN] (MN-major): one
-    k-block of ``rows`` rows and a batch of 1."""
+    k-block of ``rows`` rows (split in ``parts`` slices) and a batch of 1."""
     swizzle = sm90.choose_swizzle(rows, dtype, major)
     layout = sm90.operand_layout(rows, bk, dtype, major, swizzle)
-    box, _ = sm90.operand_boxes(layout, rows, bk, dtype, major, swizzle)
+    box, _ = sm90.operand_boxes(layout, rows, bk, dtype, major, swizzle, parts)
     return (1,) * (rank - 2) + tuple(box), swizzle
 
 
@@ -220,9 +223,10 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     config = replace(config, split_k=split)
     rank = 3 if batched else 2
     a_box, a_swizzle = _operand_box(config.bm, bk, dtype, a_major, rank)
-    b_box, b_swizzle = _operand_box(config.bn, bk, dtype, b_major, rank)
-    tiles = math.ceil(m / config.bm) * math.ceil(n / config.bn) * batches * split
-    return _Plan(config, swap, a_major, b_major, m, n, k_tiles, batches, min(tiles, sms),
+    b_box, b_swizzle = _operand_box(config.bn, bk, dtype, b_major, rank, config.cluster_m)
+    cm = config.cluster_m
+    tiles = math.ceil(m / (config.bm * cm)) * cm * math.ceil(n / config.bn) * batches * split
+    return _Plan(config, swap, a_major, b_major, m, n, k_tiles, batches, min(tiles, sms // cm * cm),
                  128 * (1 + config.consumers), a_box, a_swizzle, b_box, b_swizzle,
                  Epilogue(has_c=has_c, activation=activation, partial=split > 1),
                  Epilogue(has_c=has_c, activation=activation) if split > 1 else None)
@@ -280,13 +284,14 @@ def _launch(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor,
             alpha: float, beta: float, batched: bool) -> None:
     a_desc, b_desc = _descriptors(plan, a3, b3, batched)
     cfg = plan.config
+    launch = gemm_kernel[plan.grid, plan.threads, (cfg.cluster_m, 1, 1)]
     if plan.reduce_epilogue is None:
-        gemm_kernel[plan.grid, plan.threads](a_desc, b_desc, out3, c3, plan.m, plan.n, plan.k_tiles, plan.batches,
+        launch(a_desc, b_desc, out3, c3, plan.m, plan.n, plan.k_tiles, plan.batches,
                                              alpha, beta, CFG=cfg, A_MAJOR=plan.a_major, B_MAJOR=plan.b_major,
                                              EPI=plan.epilogue)
         return
     partials = torch.empty((plan.batches * cfg.split_k, plan.m, plan.n), dtype=torch.float32, device=a3.device)
-    gemm_kernel[plan.grid, plan.threads](a_desc, b_desc, partials, None, plan.m, plan.n, plan.k_tiles,
+    launch(a_desc, b_desc, partials, None, plan.m, plan.n, plan.k_tiles,
                                          plan.batches, 1.0, 0.0, CFG=cfg, A_MAJOR=plan.a_major,
                                          B_MAJOR=plan.b_major, EPI=plan.epilogue)
     split_k_reduce_kernel[(math.ceil(plan.m * plan.n / 256), plan.batches), 256](
@@ -336,12 +341,12 @@ def compile_configs(configs: Sequence[GemmConfig], dtype: torch.dtype = torch.bf
         bk = cfg.bk(nv.itemsize)
         for a_major, b_major in majors:
             a_box, a_sw = _operand_box(cfg.bm, bk, nv, a_major, 2)
-            b_box, b_sw = _operand_box(cfg.bn, bk, nv, b_major, 2)
+            b_box, b_sw = _operand_box(cfg.bn, bk, nv, b_major, 2, cfg.cluster_m)
             a_desc = nvfly.TmaDescriptor(TensorDesc(nv, (4096, 4096)), a_box, swizzle=a_sw)
             b_desc = nvfly.TmaDescriptor(TensorDesc(nv, (4096, 4096)), b_box, swizzle=b_sw)
             out = TensorDesc(nv if cfg.split_k == 1 else nvfly.f32, (1, 4096, 4096))
             kernels.append(gemm_kernel.compile(
                 a_desc, b_desc, out, None, 4096, 4096, 64, 1, 1.0, 0.0, CFG=cfg, A_MAJOR=a_major,
                 B_MAJOR=b_major, EPI=Epilogue(partial=cfg.split_k > 1), block=128 * (1 + cfg.consumers),
-                target=target))
+                cluster=(cfg.cluster_m, 1, 1), target=target))
     return kernels

@@ -32,7 +32,8 @@ class GemmConfig:
     """One point of the GEMM config space.
 
     bm x bn: the block's output tile; consumers: consumer warpgroups splitting bm; stages: ring depth;
-    group_m: tiles per rasterisation group along M; split_k: K splits (f32 partials reduced afterwards).
+    group_m: tiles per rasterisation group along M; split_k: K splits (f32 partials reduced afterwards);
+    cluster_m: blocks per cluster along M, which share (multicast) the B tile.
     """
     bm: int = 128
     bn: int = 256
@@ -40,6 +41,7 @@ class GemmConfig:
     consumers: int = 2
     group_m: int = 8
     split_k: int = 1
+    cluster_m: int = 1
 
     def bk(self, itemsize: int) -> int:
         return BK_BYTES // itemsize
@@ -58,6 +60,10 @@ class GemmConfig:
             return f"{wg_m}x{self.bn} per consumer needs more than 128 accumulator registers"
         if self.stages < 2:
             return "at least 2 stages"
+        if self.cluster_m not in (1, 2) or (self.cluster_m == 2 and self.bn % 128):
+            return f"cluster_m={self.cluster_m}: 1, or 2 with bn a multiple of 128 (each block loads half of B)"
+        if self.cluster_m == 2 and self.group_m % 2:
+            return "a 2-block cluster needs an even group_m"
         if self.smem_bytes(itemsize) > SMEM_LIMIT:
             return f"{self.smem_bytes(itemsize)} bytes of shared memory exceed {SMEM_LIMIT}"
         return None
@@ -117,8 +123,9 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
     B_SW = b_desc.info.swizzle
     a_layout = sm90.operand_layout(BM, BK, dtype, A_MAJOR, A_SW)
     b_layout = sm90.operand_layout(BN, BK, dtype, B_MAJOR, B_SW)
-    a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, A_MAJOR, A_SW)[1]
-    b_boxes = sm90.operand_boxes(b_layout, BN, BK, dtype, B_MAJOR, B_SW)[1]
+    CM = CFG.cluster_m
+    a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, A_MAJOR, A_SW)[1][0]
+    b_parts = sm90.operand_boxes(b_layout, BN, BK, dtype, B_MAJOR, B_SW, parts=CM)[1]
     a_lbo, a_sbo = sm90.descriptor_offsets(a_layout, dtype, A_MAJOR, A_SW)
     b_lbo, b_sbo = sm90.descriptor_offsets(b_layout, dtype, B_MAJOR, B_SW)
     A_BYTES = BM * BK * size
@@ -126,7 +133,9 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
 
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
-    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * WGS)
+    # with a cluster, a stage is free only when the consumers of every block in it are done: each block's
+    # B slice lands in all of them
+    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * WGS * CM)
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
@@ -135,9 +144,15 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
         pipe.init()
         sm90.tma_prefetch_descriptor(a_desc)
         sm90.tma_prefetch_descriptor(b_desc)
-    nvfly.syncthreads()
+    if CM > 1:
+        sm90.cluster_sync()  # every block's barriers exist before any multicast or remote arrive
+    else:
+        nvfly.syncthreads()
+    rank = nvfly.block_rank_in_cluster() if CM > 1 else 0
+    first_tile = nvfly.cluster_idx.x if CM > 1 else nvfly.block_idx.x
+    tile_step = nvfly.grid_dim.x // CM
 
-    tiles_m = (m + BM - 1) // BM
+    tiles_m = (m + BM * CM - 1) // (BM * CM)  # in units of cluster rows
     tiles_n = (n + BN - 1) // BN
     num_tiles = tiles_m * tiles_n * batches * CFG.split_k
     k_per_split = (k_tiles + CFG.split_k - 1) // CFG.split_k
@@ -146,9 +161,10 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
         if tid == 0:
             state = sm90.PipelineState.start(S)
-            for tile in range(nvfly.block_idx.x, num_tiles, nvfly.grid_dim.x):
+            for tile in range(first_tile, num_tiles, tile_step):
                 split = tile % CFG.split_k
-                batch, tm, tn = tile_coords(tile // CFG.split_k, tiles_m, tiles_n, CFG.group_m)
+                batch, ctm, tn = tile_coords(tile // CFG.split_k, tiles_m, tiles_n, CFG.group_m // CM)
+                tm = ctm * CM + rank
                 k_begin = split * k_per_split
                 k_end = nvfly.minimum(k_begin + k_per_split, k_tiles)
                 for kt in range(k_begin, k_end):
@@ -162,12 +178,15 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
                         coords = (mm, kk) if A_MAJOR == "K" else (kk, mm)
                         sm90.tma_load(a_desc, base + box.smem_offset, (batch,) + coords if BATCHED else coords,
                                       full)
-                    for box in b_boxes:
-                        nn = tn * BN + box.mn_offset
-                        kk = kt * BK + box.k_offset
-                        coords = (nn, kk) if B_MAJOR == "K" else (kk, nn)
-                        sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
-                                      (batch,) + coords if BATCHED else coords, full)
+                    for r in nvfly.static_range(CM):
+                        if rank == r:  # this block loads slice r of B (for every block of the cluster)
+                            for box in b_parts[r]:
+                                nn = tn * BN + box.mn_offset
+                                kk = kt * BK + box.k_offset
+                                coords = (nn, kk) if B_MAJOR == "K" else (kk, nn)
+                                sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
+                                              (batch,) + coords if BATCHED else coords, full,
+                                              multicast_mask=(1 << CM) - 1 if CM > 1 else None)
                     state = state.advance()
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -175,9 +194,10 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
         lane = nvfly.lane_idx()
         warp_in_wg = warp % 4
         state = sm90.PipelineState.start(S)
-        for tile in range(nvfly.block_idx.x, num_tiles, nvfly.grid_dim.x):
+        for tile in range(first_tile, num_tiles, tile_step):
             split = tile % CFG.split_k
-            batch, tm, tn = tile_coords(tile // CFG.split_k, tiles_m, tiles_n, CFG.group_m)
+            batch, ctm, tn = tile_coords(tile // CFG.split_k, tiles_m, tiles_n, CFG.group_m // CM)
+            tm = ctm * CM + rank
             k_begin = split * k_per_split
             k_end = nvfly.minimum(k_begin + k_per_split, k_tiles)
             # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
@@ -193,16 +213,27 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
                                      (a_lbo, a_sbo, A_SW), (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, False)
                 sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
                 if lane == 0:
-                    pipe.consumer_release(prev)
+                    release(pipe, prev, CM)
                 prev = state
                 state = state.advance()
             sm90.wait_group(0)
             if lane == 0:
-                pipe.consumer_release(prev)
+                release(pipe, prev, CM)
             row0 = tm * BM + consumer * WG_M + warp_in_wg * 16 + lane // 4
             col0 = tn * BN + 2 * (lane % 4)
             out_batch = batch * CFG.split_k + split if EPI.partial else batch
             store_tile(out, c_in, accs, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI)
+    if CM > 1:
+        sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
+
+
+def release(pipe: Any, state: Any, cluster: int) -> None:
+    """Free a stage: on this block's empty barrier, and on every peer's when their B slices came from us."""
+    if cluster == 1:
+        pipe.consumer_release(state)
+        return
+    for r in range(cluster):
+        sm90.mbarrier_arrive_remote(pipe.empty(state.stage), r)
 
 
 def issue_k_block(atom: Any, accs: list, base: Any, a_layout: Any, b_layout: Any, consumer: Any,

@@ -102,24 +102,32 @@ class TmaBox:
     k_offset: int
 
 
-def operand_boxes(layout: ComposedLayout, mn: int, k: int, dtype: DType, major: str,
-                  swizzle: int) -> tuple[tuple[int, int], list[TmaBox]]:
-    """The TMA box shape (in global-tensor order: (MN, K) for K-major, (K, MN) for MN-major) and the boxes
-    that fill an (mn x k) operand tile laid out by ``layout``."""
+def operand_boxes(layout: ComposedLayout, mn: int, k: int, dtype: DType, major: str, swizzle: int,
+                  parts: int = 1) -> tuple[tuple[int, int], list[list[TmaBox]]]:
+    """The TMA box shape (in global-tensor order: (MN, K) for K-major, (K, MN) for MN-major) and, for each of
+    ``parts`` equal slices of the MN extent, the boxes that fill it in an (mn x k) tile laid out by ``layout``.
+
+    Several parts let the blocks of a cluster each load one slice and multicast it to all of them.
+    """
     width = max(swizzle, 16) // dtype.itemsize
     inner = layout.inner
+    if mn % parts:
+        raise CompileError(f"MN tile {mn} does not split into {parts} equal parts")
+    part = mn // parts
     if major == "K":
         if k % width:
             raise CompileError(f"K tile {k} must be a multiple of the {width}-element swizzle row")
-        box_mn = min(mn, 256)
-        boxes = [TmaBox(inner((m, kk)) * dtype.itemsize, m, kk) for kk in range(0, k, width)
-                 for m in range(0, mn, box_mn)]
+        box_mn = min(part, 256)
+        if part % box_mn:
+            raise CompileError(f"MN slice {part} is not a multiple of the {box_mn}-row box")
+        boxes = [[TmaBox(inner((m, kk)) * dtype.itemsize, m, kk) for kk in range(0, k, width)
+                  for m in range(p * part, (p + 1) * part, box_mn)] for p in range(parts)]
         return (box_mn, width), boxes
-    if mn % width:
-        raise CompileError(f"MN tile {mn} must be a multiple of the {width}-element swizzle row")
+    if part % width:
+        raise CompileError(f"MN slice {part} must be a multiple of the {width}-element swizzle row")
     box_k = min(k, 256)
-    boxes = [TmaBox(inner((m, kk)) * dtype.itemsize, m, kk) for m in range(0, mn, width)
-             for kk in range(0, k, box_k)]
+    boxes = [[TmaBox(inner((m, kk)) * dtype.itemsize, m, kk) for m in range(p * part, (p + 1) * part, width)
+              for kk in range(0, k, box_k)] for p in range(parts)]
     return (box_k, width), boxes
 
 

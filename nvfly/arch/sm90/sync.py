@@ -31,9 +31,13 @@ def mbarrier_arrive(bar: Scalar) -> None:
 
 @traced
 def mbarrier_arrive_remote(bar: Scalar, cta_rank: Any) -> None:
-    """One arrival on the mbarrier at the same offset in block ``cta_rank`` of the cluster."""
+    """One arrival on the mbarrier at the same offset in block ``cta_rank`` of the cluster.
+
+    Release semantics at CTA scope (the default) suffice to free a stage: a cluster-scope release would make
+    the arriving warp wait for all its earlier memory operations to be visible cluster-wide.
+    """
     asm("{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, $0, $1;\n"
-        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}", [bar, cta_rank])
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}", [bar, cta_rank])
 
 
 @traced

@@ -198,7 +198,7 @@ _PLANS: dict[tuple, _Plan] = {}
 
 
 def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str, config: Optional[GemmConfig],
-               batched: bool) -> _Plan:
+               batched: bool, scaled: bool = False) -> _Plan:
     batches, m, k = a3.shape
     n = b3.shape[-1]
     dtype = _DTYPES[a3.dtype]
@@ -227,8 +227,8 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     tiles = math.ceil(m / (config.bm * cm)) * cm * math.ceil(n / config.bn) * batches * split
     return _Plan(config, swap, a_major, b_major, m, n, k_tiles, batches, min(tiles, sms // cm * cm),
                  128 * (1 + config.consumers), a_box, a_swizzle, b_box, b_swizzle,
-                 Epilogue(has_c=has_c, activation=activation, partial=split > 1),
-                 Epilogue(has_c=has_c, activation=activation) if split > 1 else None)
+                 Epilogue(has_c=has_c, activation=activation, partial=split > 1, scaled=scaled and split == 1),
+                 Epilogue(has_c=has_c, activation=activation, scaled=scaled) if split > 1 else None)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, alpha: float = 1.0,
@@ -238,7 +238,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None
     batched = a.dim() == 3
     use_c = c is not None and beta != 0
     key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.data_ptr() & 15, b.data_ptr() & 15,
-           a.device, b.device, (c.shape, c.stride(), c.dtype) if use_c else None, activation, out_dtype, config)
+           a.device, b.device, (c.shape, c.stride(), c.dtype) if use_c else None, activation, out_dtype, config,
+           alpha != 1.0)
     plan = _PLANS.get(key)
     if plan is None:
         if activation not in ACTIVATIONS:
@@ -250,7 +251,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None
         if reason:
             raise ValueError(f"nvfly.ops.gemm.matmul: {reason}")
         plan = _make_plan(a if batched else a.unsqueeze(0), b if batched else b.unsqueeze(0), use_c, activation,
-                          config, batched)
+                          config, batched, scaled=alpha != 1.0)
         _PLANS[key] = plan
     shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
     out_dtype = out_dtype or a.dtype

@@ -71,11 +71,12 @@ class GemmConfig:
 
 @dataclass(frozen=True)
 class Epilogue:
-    """What the epilogue applies: out = act(alpha * acc + beta * C_in); ``partial``: write raw f32 partial
-    sums (split-K) instead."""
+    """What the epilogue applies: out = act(alpha * acc + beta * C_in) (``scaled``: alpha is not 1);
+    ``partial``: write raw f32 partial sums (split-K) instead."""
     has_c: bool = False
     activation: str = "none"  # none, relu, gelu_tanh, silu
     partial: bool = False
+    scaled: bool = False
 
 
 ACTIVATIONS = ("none", "relu", "gelu_tanh", "silu")
@@ -222,7 +223,11 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
             row0 = tm * BM + consumer * WG_M + warp_in_wg * 16 + lane // 4
             col0 = tn * BN + 2 * (lane % 4)
             out_batch = batch * CFG.split_k + split if EPI.partial else batch
-            store_tile(out, c_in, accs, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI)
+            inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
+            if inside:
+                store_tile(out, c_in, accs, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, False)
+            else:
+                store_tile(out, c_in, accs, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, True)
     if CM > 1:
         sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
 
@@ -267,33 +272,37 @@ def _unit_stride(t: Any, dim: int) -> bool:
 
 
 @nvfly.func
-def store_tile(out, c_in, accs, batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI):
-    """Write the consumer's fragments: element 4j+2h+e of atom i is (row0 + 64i + 8h, col0 + 8j + e)."""
+def store_tile(out, c_in, accs, batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, MASKED):
+    """Write the consumer's fragments: element 4j+2h+e of atom i is (row0 + 64i + 8h, col0 + 8j + e).
+
+    Without MASKED (the tile lies inside the output) no element is bounds-checked.
+    """
     vec = _unit_stride(out, 2)
     for i in nvfly.static_range(ATOMS_M):
         for h in nvfly.static_range(2):
             row = row0 + 64 * i + 8 * h
-            if row < m:
+            if not MASKED or row < m:
                 for j in nvfly.static_range(BN // 8):
                     col = col0 + 8 * j
                     v0 = accs[i][4 * j + 2 * h]
                     v1 = accs[i][4 * j + 2 * h + 1]
                     if not EPI.partial:
-                        v0 = v0 * alpha
-                        v1 = v1 * alpha
+                        if EPI.scaled:
+                            v0 = v0 * alpha
+                            v1 = v1 * alpha
                         if EPI.has_c:
-                            if col < n:
+                            if not MASKED or col < n:
                                 v0 = v0 + beta * c_in[batch, row, col].to(nvfly.f32)
-                            if col + 1 < n:
+                            if not MASKED or col + 1 < n:
                                 v1 = v1 + beta * c_in[batch, row, col + 1].to(nvfly.f32)
                         v0 = activate(v0, EPI.activation)
                         v1 = activate(v1, EPI.activation)
-                    if vec and col + 1 < n:
+                    if vec and (not MASKED or col + 1 < n):
                         out.store(nvfly.make_vector([v0, v1]).to(out.dtype), batch, row, col)
                     else:
-                        if col < n:
+                        if not MASKED or col < n:
                             out[batch, row, col] = v0.to(out.dtype)
-                        if col + 1 < n:
+                        if not MASKED or col + 1 < n:
                             out[batch, row, col + 1] = v1.to(out.dtype)
 
 
@@ -309,7 +318,8 @@ def split_k_reduce_kernel(partials: nvfly.Tensor, out: nvfly.Tensor, c_in, m: nv
         acc = nvfly.f32(0.0)
         for s in nvfly.static_range(SPLITS):
             acc = acc + partials[batch * SPLITS + s, row, col]
-        acc = acc * alpha
+        if EPI.scaled:
+            acc = acc * alpha
         if EPI.has_c:
             acc = acc + beta * c_in[batch, row, col].to(nvfly.f32)
         out[batch, row, col] = activate(acc, EPI.activation).to(out.dtype)

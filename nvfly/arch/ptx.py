@@ -53,6 +53,28 @@ def asm(text: str, inputs: Sequence[Any] = (), result: Optional[DType] = None, s
     return Scalar(out, result) if result is not None else None
 
 
+def asm_multi(text: str, results: Sequence[DType], inputs: Sequence[Any] = (), side_effects: bool = True,
+              tied: bool = False) -> list[Scalar]:
+    """Like ``asm`` with several results (``$0..$r-1``), then the inputs. With ``tied``, the last r inputs
+    are the initial values of the results (read-write operands, e.g. accumulators)."""
+    constraints = ["=" + _constraint(d) for d in results]
+    operands: list[ir.Value] = []
+    body = list(inputs)
+    if tied:
+        body, initial = body[:-len(results)], body[-len(results):]
+    for x in body:
+        v, c = _operand(x)
+        operands.append(v)
+        constraints.append(c)
+    if tied:
+        for i, (x, d) in enumerate(zip(initial, results)):
+            operands.append(as_value(x, d).value)
+            constraints.append(str(i))
+    struct = ir.Type.parse("!llvm.struct<(" + ", ".join(d.mlir_name for d in results) + ")>")
+    out = llvm.inline_asm(struct, operands, text, ",".join(constraints), has_side_effects=side_effects)
+    return [Scalar(llvm.extractvalue(d.mlir(), out, [i]), d) for i, d in enumerate(results)]
+
+
 def smem_address(target: Any, offset_bytes: Any = 0) -> Scalar:
     """The 32-bit shared-memory address of a shared Tensor (or of a ``!llvm.ptr<3>``), plus ``offset_bytes``."""
     if isinstance(target, Tensor):

@@ -33,3 +33,14 @@ def test_wgmma_tile_gemm(hopper, bn, b_major, mnk):
     ref = a.float() @ b.float()
     err = ((c - ref).norm() / ref.norm()).item()
     assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("mnk", [(16, 8, 16), (64, 32, 128), (256, 128, 512)])
+def test_mma_sync_tile_gemm(hopper, mnk):
+    from examples.mma_sync_tile import mma_tile_gemm
+    m, n, k = mnk
+    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    bt = torch.randn(n, k, device="cuda").to(torch.bfloat16)
+    c = mma_tile_gemm(a, bt)
+    ref = a.float() @ bt.float().t()
+    assert ((c - ref).norm() / ref.norm()).item() < 1e-5

@@ -28,6 +28,18 @@ def test_configs_compile_to_hopper_instructions(config):
         assert k.dynamic_smem_bytes == config.smem_bytes(2)
 
 
+def test_every_tile_shape_of_the_space_compiles():
+    deepest = {}
+    for cfg in gemm.config_space():
+        key = (cfg.bm, cfg.bn, cfg.consumers, cfg.cluster_m)
+        if key not in deepest or cfg.stages > deepest[key].stages:
+            deepest[key] = cfg
+    for cfg in deepest.values():
+        (k,) = gemm.compile_configs([cfg], majors=[("K", "MN" if cfg.check(2, "MN") is None else "K")])
+        assert k.count("HGMMA") > 0 and k.resources.spill_stores == 0, cfg
+        assert not k.warnings, (cfg, k.warnings)
+
+
 def test_config_space_is_valid_and_broad():
     space = gemm.config_space()
     assert len(space) > 50

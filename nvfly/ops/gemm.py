@@ -93,9 +93,10 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
         for bn in (256, 192, 128, 96, 64, 32, 16, 8):
             for stages in (7, 6, 5, 4, 3):
                 for group_m in (8, 16):
-                    cfg = GemmConfig(bm, bn, stages, consumers, group_m)
-                    if cfg.check(itemsize) is None:
-                        space.append(cfg)
+                    for cluster_m in (1, 2):
+                        cfg = GemmConfig(bm, bn, stages, consumers, group_m, cluster_m=cluster_m)
+                        if cfg.check(itemsize) is None:
+                            space.append(cfg)
     return space
 
 
@@ -333,13 +334,16 @@ def reference(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = None
 
 def compile_configs(configs: Sequence[GemmConfig], dtype: torch.dtype = torch.bfloat16,
                     majors: Sequence[tuple[str, str]] = (("K", "MN"),), target: str = "sm_90a") -> list[Any]:
-    """Compile the kernel for each config and operand major-ness (no GPU needed); returns CompiledKernels."""
+    """Compile the kernel for each config and operand major-ness it supports (no GPU needed); returns
+    CompiledKernels."""
     from nvfly.runtime.torch_args import TensorDesc
     nv = _DTYPES[dtype]
     kernels = []
     for cfg in configs:
         bk = cfg.bk(nv.itemsize)
         for a_major, b_major in majors:
+            if cfg.check(nv.itemsize, b_major):
+                continue
             a_box, a_sw = _operand_box(cfg.bm, bk, nv, a_major, 2)
             b_box, b_sw = _operand_box(cfg.bn, bk, nv, b_major, 2, cfg.cluster_m)
             a_desc = nvfly.TmaDescriptor(TensorDesc(nv, (4096, 4096)), a_box, swizzle=a_sw)

@@ -49,13 +49,15 @@ class GemmConfig:
     def smem_bytes(self, itemsize: int) -> int:
         return BARRIER_BYTES + self.stages * (self.bm + self.bn) * self.bk(itemsize) * itemsize
 
-    def check(self, itemsize: int) -> Optional[str]:
-        """None if this config can be compiled, else why not."""
+    def check(self, itemsize: int, b_major: str = "K") -> Optional[str]:
+        """None if this config can be compiled (for a B operand of this major-ness), else why not."""
         wg_m = self.bm // self.consumers
         if self.consumers not in (1, 2) or self.bm % self.consumers or wg_m % 64 or wg_m > 128:
             return f"bm={self.bm} with {self.consumers} consumers: each consumer needs 64 or 128 rows"
         if self.bn % 8 or not 8 <= self.bn <= 256:
             return f"bn={self.bn}: must be a multiple of 8 in [8, 256]"
+        if b_major == "MN" and self.bn % (32 // itemsize):
+            return f"bn={self.bn}: an MN-major B tile spans at least one 32-byte swizzle row"
         if (wg_m // 64) * self.bn // 2 > 128:
             return f"{wg_m}x{self.bn} per consumer needs more than 128 accumulator registers"
         if self.stages < 2:

@@ -109,27 +109,36 @@ def warp_idx() -> IntLike:
 _FULL_MASK = -1
 
 
+_SHFL_MODE = {"XOR": "bfly", "DOWN": "down", "UP": "up", "IDX": "idx"}
+
+
 def _shuffle(value: Any, offset: IntLike, mode: str, width: int) -> Any:
+    """CUDA ``__shfl_*_sync(0xffffffff, value, offset, width)`` semantics: ``width`` lanes form a segment."""
+    if width & (width - 1) or not 1 <= width <= 32:
+        raise CompileError(f"shuffle width must be a power of two up to 32, got {width}")
     v = as_value(value)
     if isinstance(v, Vector):
         return _map_lanes(v, lambda s: _shuffle(s, offset, mode, width))
     dt, i32 = v.dtype, dtypes.i32
-    off = as_value(offset, i32).value
-    w = constant(width, i32).value
-    shuffle_mode = getattr(gpu.ShuffleMode, mode)
     if dt.bits == 64:  # two 32-bit halves
         halves = Vector(llvm.bitcast(ir.VectorType.get([2], i32.mlir()), v.value), i32)
         joined = make_vector([_shuffle(halves[0], offset, mode, width), _shuffle(halves[1], offset, mode, width)],
                              i32)
         return Scalar(llvm.bitcast(dt.mlir(), joined.value), dt)
     if dt.bits == 32:
-        return Scalar(gpu.ShuffleOp(v.value, off, w, shuffle_mode).results[0], dt)
-    # narrower types travel in the low bits of an i32
-    narrow_int = ir.IntegerType.get_signless(dt.bits)
-    bits = arith.bitcast(narrow_int, v.value) if dt.is_float else v.value
-    out = gpu.ShuffleOp(arith.extui(i32.mlir(), bits), off, w, shuffle_mode).results[0]
-    back = arith.trunci(narrow_int, out)
-    return Scalar(arith.bitcast(dt.mlir(), back) if dt.is_float else back, dt)
+        bits = v.value if not dt.is_float else arith.bitcast(i32.mlir(), v.value)
+    else:  # narrower types travel in the low bits of an i32
+        narrow = arith.bitcast(ir.IntegerType.get_signless(dt.bits), v.value) if dt.is_float else v.value
+        bits = arith.extui(i32.mlir(), narrow)
+    # the c operand: segment mask in bits 8..12, clamp lane in bits 0..4 (0 for shfl.up)
+    c = ((32 - width) << 8) | (0 if mode == "UP" else 31)
+    out = llvm.inline_asm(i32.mlir(), [bits, as_value(offset, i32).value],
+                          f"shfl.sync.{_SHFL_MODE[mode]}.b32 $0, $1, $2, {c}, -1;", "=r,r,r",
+                          has_side_effects=True)
+    if dt.bits == 32:
+        return Scalar(out if not dt.is_float else arith.bitcast(dt.mlir(), out), dt)
+    narrow_out = arith.trunci(ir.IntegerType.get_signless(dt.bits), out)
+    return Scalar(arith.bitcast(dt.mlir(), narrow_out) if dt.is_float else narrow_out, dt)
 
 
 def _map_lanes(v: Vector, fn: Callable[[Scalar], Scalar]) -> Vector:

@@ -5,15 +5,18 @@
 input's dtype (as the unfused ``x + residual`` would be), written out, and normalised.
 
 Design (forward, the row-in-registers kernel):
-- a row of N elements is owned by a group of ``GROUP`` threads (a power of two, up to 1024); each thread holds
-  ``ceil(N / (GROUP*VEC))`` 16-byte vectors of the row in registers (at most 8, 16 for the longest rows), so
-  the row is read from memory once and written once: 2 (3 with the residual add) bytes per element moved.
+- a row of N elements is owned by a group of ``GROUP`` threads (a power of two, up to 512); each thread holds
+  ``ceil(N / (GROUP*VEC))`` 16-byte vectors of the row in registers (at most 8), so
+  each element is read once and written once (with the residual add: x and residual read, y and x + residual
+  written); the weight, shared by all rows, is read after the reduction and mostly hits L1/L2.
 - ``GROUP`` grows with N so that every thread has about 8 vectors in flight; small rows are packed
   ``256 // GROUP`` to a block (a warp or less per row, a shuffle-only reduction), long rows get a block each
   with a shared-memory step across warps.
-- rows that do not fit the registers (N > 1024*16*VEC) use a looped kernel that reads the row twice.
-Backward keeps the weight in registers and loops persistently over rows, accumulating each block's weight
-gradient in registers; one small kernel then sums the per-block partials.
+- rows that do not fit the registers (N > 512*8*VEC: 32768 bf16, 16384 fp32) use a looped kernel that reads
+  them twice (the second time mostly from L2).
+Backward loops persistently over rows (about two blocks per SM), accumulating each block's weight gradient in
+registers; dy and x are read once from memory and once more from L1/L2 after the row's reduction. One small
+kernel then sums the per-block partials of the weight gradient.
 """
 from __future__ import annotations
 
@@ -29,10 +32,13 @@ if TYPE_CHECKING:
     import torch
 
 SUPPORTED_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
-MAX_VECTORS_PER_THREAD = 16     # registers hold at most this many 16-byte vectors of a row per thread
 TARGET_VECTORS_PER_THREAD = 8   # enough bytes in flight per thread to cover memory latency
-BACKWARD_VECTORS_PER_THREAD = 2  # backward also keeps the weight and the weight-gradient sums in registers
-BACKWARD_MAX_BYTES = 64         # of a row per thread in the backward kernel; more would spill
+MAX_VECTORS_PER_THREAD = 8      # more 16-byte vectors of a row per thread spill (x and residual both in flight)
+NARROW_MAX_ELEMENTS = 32        # the same limit for rows read in narrower accesses (odd lengths), in elements
+MAX_GROUP = 512                 # threads per row: blocks of 512 keep a 128-register budget (1024 would allow 64)
+LOOPED_UNROLL = 4               # vectors per thread in flight in the looped kernel
+BACKWARD_VECTORS_PER_THREAD = 2  # backward also keeps the weight-gradient sums in registers
+BACKWARD_MAX_ELEMENTS = 16      # of a row per thread in the backward kernel (1024 threads): more would spill
 ROW_BLOCK_THREADS = 256         # threads of a block that packs several short rows
 LOOPED_THREADS = 1024           # the looped kernel for rows too long for registers
 COLUMN_SUM_COLS = 32            # columns per block of the weight-gradient partial sum
@@ -85,6 +91,7 @@ def rms_norm_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tenso
                     N: nvfly.Constexpr, VEC: nvfly.Constexpr, GROUP: nvfly.Constexpr, ROWS: nvfly.Constexpr,
                     HAS_WEIGHT: nvfly.Constexpr, HAS_RESIDUAL: nvfly.Constexpr, HAS_RSTD: nvfly.Constexpr):
     """One row per GROUP threads, the row held in registers: one read and one write per element."""
+    min_blocks_per_sm(max(1, 512 // (GROUP * ROWS)))  # a 128-register budget (ptxas may spill small blocks)
     row, valid, lane, group, warp, warp_lane = row_layout(M, GROUP, ROWS)
     vectors = (N + GROUP * VEC - 1) // (GROUP * VEC)
     tail = N % (GROUP * VEC) != 0   # only the last vector of each thread may fall past the row end
@@ -123,29 +130,35 @@ def rms_norm_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tenso
 def rms_norm_looped_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tensor, y: nvfly.Tensor,
                            residual_out: nvfly.Tensor, rstd_out: nvfly.Tensor, eps: nvfly.f32,
                            N: nvfly.Constexpr, VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr,
-                           HAS_WEIGHT: nvfly.Constexpr, HAS_RESIDUAL: nvfly.Constexpr, HAS_RSTD: nvfly.Constexpr):
+                           UNROLL: nvfly.Constexpr, HAS_WEIGHT: nvfly.Constexpr, HAS_RESIDUAL: nvfly.Constexpr,
+                           HAS_RSTD: nvfly.Constexpr):
     """One block per row for rows too long for registers: the first pass sums squares (and writes x + r),
-    the second reads the row again (mostly from L2) and writes y."""
+    the second reads the row again (mostly from L2) and writes y; UNROLL vectors per thread in flight."""
     row = nvfly.block_idx.x
     tid = nvfly.thread_idx.x
+    step = THREADS * VEC
     squares = nvfly.full(VEC, 0.0, nvfly.f32)
-    for col in range(tid * VEC, N, THREADS * VEC):
-        xv = x.load(row, col, width=VEC)
-        if HAS_RESIDUAL:
-            xv = (xv.to(nvfly.f32) + residual.load(row, col, width=VEC).to(nvfly.f32)).to(x.dtype)
-            residual_out.store(xv, row, col)
-        xf = xv.to(nvfly.f32)
-        squares = nvfly.fma(xf, xf, squares)
+    for first in range(tid * VEC, N, step * UNROLL):
+        for u in nvfly.static_range(UNROLL):
+            col = first + u * step
+            xv = x.load(row, col, width=VEC, mask=col < N)
+            if HAS_RESIDUAL:
+                xv = (xv.to(nvfly.f32) + residual.load(row, col, width=VEC, mask=col < N).to(nvfly.f32)).to(x.dtype)
+                residual_out.store(xv, row, col, mask=col < N)
+            xf = xv.to(nvfly.f32)
+            squares = nvfly.fma(xf, xf, squares)
     scratch = nvfly.shared_tensor(nvfly.f32, (THREADS // 32,))
     total = group_sum(squares.sum(), scratch, 0, 0, tid >> 5, tid & 31, THREADS)
     rstd = nvfly.rsqrt(total * (1.0 / N) + eps)
-    for col in range(tid * VEC, N, THREADS * VEC):
-        # the same thread wrote these residual_out elements in the first pass, so it reads its own writes
-        xv = residual_out.load(row, col, width=VEC) if HAS_RESIDUAL else x.load(row, col, width=VEC)
-        out = xv.to(nvfly.f32) * rstd
-        if HAS_WEIGHT:
-            out = out * weight.load(col, width=VEC).to(nvfly.f32)
-        y.store(out.to(y.dtype), row, col)
+    for first in range(tid * VEC, N, step * UNROLL):
+        for u in nvfly.static_range(UNROLL):
+            col = first + u * step
+            # the same thread wrote these residual_out elements in the first pass: it reads its own writes
+            source = residual_out if HAS_RESIDUAL else x
+            out = source.load(row, col, width=VEC, mask=col < N).to(nvfly.f32) * rstd
+            if HAS_WEIGHT:
+                out = out * weight.load(col, width=VEC, mask=col < N).to(nvfly.f32)
+            y.store(out.to(y.dtype), row, col, mask=col < N)
     if HAS_RSTD:
         if tid == 0:
             rstd_out[row] = rstd
@@ -164,22 +177,16 @@ def rms_norm_backward_kernel(grad_out: nvfly.Tensor, x: nvfly.Tensor, weight: nv
     Persistent: block b handles row tiles b, b + grid, ...; the loop trip count is uniform in the block, so
     the barriers of the group sum are reached by every thread. dy and x are read from memory once, for the
     dot product, and read again after the reduction (from L1/L2) instead of being held in registers."""
-    min_blocks_per_sm(max(1, 2048 // (4 * GROUP * ROWS)))  # at most 128 registers for 256-thread blocks
+    min_blocks_per_sm(max(1, 512 // (GROUP * ROWS)))  # a 128-register budget
     tid = nvfly.thread_idx.x
     lane = tid & (GROUP - 1)
     group = tid >> int(math.log2(GROUP))
     warp = tid >> 5
     vectors = (N + GROUP * VEC - 1) // (GROUP * VEC)
     tail = N % (GROUP * VEC) != 0
-    ws = []
     weight_sums = []
-    for v in nvfly.static_range(vectors):
-        col = (v * GROUP + lane) * VEC
-        in_row = col < N if tail and v == vectors - 1 else None
-        if HAS_WEIGHT:
-            ws.append(weight.load(col, width=VEC, mask=in_row))
-        if NEEDS_WEIGHT_GRAD:
-            weight_sums.append(nvfly.full(VEC, 0.0, nvfly.f32))
+    if NEEDS_WEIGHT_GRAD:
+        weight_sums = [nvfly.full(VEC, 0.0, nvfly.f32) for _ in nvfly.static_range(vectors)]
     # two scratch halves, alternating by iteration, so one barrier per row tile is enough
     slots = max(1, ROWS * GROUP // 32)
     scratch = nvfly.shared_tensor(nvfly.f32, (2 * slots,))
@@ -195,8 +202,8 @@ def rms_norm_backward_kernel(grad_out: nvfly.Tensor, x: nvfly.Tensor, weight: nv
             col = (v * GROUP + lane) * VEC
             in_row = col < N if tail and v == vectors - 1 else None
             g = grad_out.load(row, col, width=VEC, mask=in_row).to(nvfly.f32)
-            if HAS_WEIGHT:
-                g = g * ws[v].to(nvfly.f32)
+            if HAS_WEIGHT:  # read for every row (an L1 hit) rather than held in registers
+                g = g * weight.load(col, width=VEC, mask=in_row).to(nvfly.f32)
             dot = nvfly.fma(g, x.load(row, col, width=VEC, mask=in_row).to(nvfly.f32), dot)
         mean_dot = group_sum(dot.sum(), scratch, parity * slots, group, warp, tid & 31, GROUP) * r * (1.0 / N)
         for v in nvfly.static_range(vectors):
@@ -204,7 +211,7 @@ def rms_norm_backward_kernel(grad_out: nvfly.Tensor, x: nvfly.Tensor, weight: nv
             keep = valid & (col < N) if tail and v == vectors - 1 else valid
             dy = grad_out.load(row, col, width=VEC, mask=keep).to(nvfly.f32)
             xhat = x.load(row, col, width=VEC, mask=keep).to(nvfly.f32) * r
-            g = dy * ws[v].to(nvfly.f32) if HAS_WEIGHT else dy
+            g = dy * weight.load(col, width=VEC, mask=keep).to(nvfly.f32) if HAS_WEIGHT else dy
             dx = (g - xhat * mean_dot) * r
             if HAS_GRAD_RESIDUAL:
                 dx = dx + grad_residual.load(row, col, width=VEC, mask=keep).to(nvfly.f32)
@@ -258,19 +265,21 @@ class RowPlan:
 
 @functools.lru_cache(maxsize=4096)
 def plan(n: int, vec: int, m: int, sm_count: int, target_vectors: int = TARGET_VECTORS_PER_THREAD,
-         max_vectors: int = MAX_VECTORS_PER_THREAD) -> RowPlan:
+         max_vectors: int = MAX_VECTORS_PER_THREAD, max_group: int = MAX_GROUP) -> RowPlan:
     """The launch shape for ``m`` rows of ``n`` elements read ``vec`` at a time (see the module doc).
 
     Threads per row grow until each holds about ``target_vectors`` vectors; short rows share a block, but
-    never so many that fewer than two blocks per SM would be launched.
+    never so many that fewer than two blocks per SM would be launched (blocks stay whole warps).
     """
     row_vectors = -(-n // vec)
     group = 1
-    while group < 1024 and group * target_vectors < row_vectors:
+    while group < max_group and group * target_vectors < row_vectors:
         group *= 2
     if -(-row_vectors // group) > max_vectors:
         return RowPlan(vec, LOOPED_THREADS, 1, True)
-    rows = max(1, min(ROW_BLOCK_THREADS // group, m // (2 * sm_count)))
+    # whole warps only (rows of less than a warp are packed by 32 // group)
+    per_warp = max(1, 32 // group)
+    rows = max(per_warp, min(ROW_BLOCK_THREADS // group, m // (2 * sm_count)) // per_warp * per_warp)
     return RowPlan(vec, group, rows, False)
 
 
@@ -344,41 +353,35 @@ def _check(x: Any, weight: Any, residual: Any, eps: Any,
 def eligibility(x: Any, weight: Any = None, residual: Any = None,
                 normalized_shape: Optional[Sequence[int]] = None) -> Optional[str]:
     """None when nvfly computes this RMSNorm, else the reason it declines (callers then use torch)."""
-    if not _is_tensor(x):
-        return "x is not a tensor"
-    if x.device.type != "cuda":
-        return f"x is on {x.device.type}, not CUDA"
-    if x.numel() == 0:
-        return "x is empty"
     try:
         _check(x, weight, residual, None, normalized_shape)
     except (TypeError, ValueError) as exc:
         return str(exc)
+    if x.numel() == 0:
+        return "x is empty"
     if x.numel() >= 1 << 31:
         return "x has 2**31 elements or more"
+    if x.device.type != "cuda":
+        return f"x is on {x.device.type}, not CUDA"
     return None
 
 
-def _backward_max_vectors(vec: int, itemsize: int) -> int:
-    return max(1, BACKWARD_MAX_BYTES // (vec * itemsize))
-
-
-def _backward_size_reason(n: int, vec: int, itemsize: int) -> Optional[str]:
-    if -(-n // (1024 * vec)) > _backward_max_vectors(vec, itemsize):
-        return f"rows of {n} elements ({vec}-element accesses) are too long for the backward kernel"
+def _backward_size_reason(n: int, vec: int) -> Optional[str]:
+    if -(-n // (1024 * vec)) > max(1, BACKWARD_MAX_ELEMENTS // vec):
+        return f"rows of {n} elements are too long for the backward kernel (at most {1024 * BACKWARD_MAX_ELEMENTS})"
     return None
 
 
 def backward_eligibility(x: Any, normalized_shape: Optional[Sequence[int]] = None,
                          grad_out: Optional["torch.Tensor"] = None) -> Optional[str]:
     """None when ``rms_norm_backward`` handles rows like ``x``'s, else why not (its rows must fit in registers:
-    1024 threads x 64 bytes, i.e. 32768 bf16 or 16384 fp32 elements)."""
+    1024 threads x 16 elements, 16384 elements)."""
     reason = eligibility(x, None, None, normalized_shape)
     if reason is not None:
         return reason
     _, n = _row_shape(x, None, normalized_shape)
     rows = [_rows(x, n)] + ([_rows(grad_out, n)] if grad_out is not None else [])
-    return _backward_size_reason(n, vector_width(n, rows, x.element_size()), x.element_size())
+    return _backward_size_reason(n, vector_width(n, rows, x.element_size()))
 
 
 def _rows(t: "torch.Tensor", n: int) -> "torch.Tensor":
@@ -410,13 +413,14 @@ def rms_norm_forward(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None,
     y2 = y.view(m, n)
     h2 = residual_out.view(m, n) if residual_out is not None else None
     vec = vector_width(n, (x2, w, r2), x.element_size())
-    p = plan(n, vec, m, sm_count(x.get_device()))
+    max_vectors = MAX_VECTORS_PER_THREAD if vec * x.element_size() == 16 else NARROW_MAX_ELEMENTS // vec
+    p = plan(n, vec, m, sm_count(x.get_device()), max_vectors=max_vectors)
     flags = (w is not None, r2 is not None, rstd is not None)
     # absent operands are passed as x: the kernel variant without them never touches them
     args = (x2, w if w is not None else x2, r2 if r2 is not None else x2, y2, h2 if h2 is not None else x2,
             rstd if rstd is not None else x2)
     if p.looped:
-        rms_norm_looped_kernel[m, LOOPED_THREADS](*args, eps, n, vec, LOOPED_THREADS, *flags)
+        rms_norm_looped_kernel[m, LOOPED_THREADS](*args, eps, n, vec, LOOPED_THREADS, LOOPED_UNROLL, *flags)
     else:
         rms_norm_kernel[-(-m // p.rows), p.group * p.rows](*args, m, eps, n, vec, p.group, p.rows, *flags)
     return y, residual_out, rstd
@@ -459,11 +463,11 @@ def rms_norm_backward(grad_out: "torch.Tensor", x: "torch.Tensor", rstd: "torch.
     dr2 = _rows(grad_residual, n) if grad_residual is not None else None
     w = weight.reshape(-1).contiguous() if weight is not None else None
     vec = vector_width(n, (dy2, x2, dr2, w), x.element_size())
-    reason = _backward_size_reason(n, vec, x.element_size())
+    reason = _backward_size_reason(n, vec)
     if reason is not None:
         raise ValueError(f"x: {reason}")
     sms = sm_count(x.get_device())
-    p = plan(n, vec, m, sms, BACKWARD_VECTORS_PER_THREAD, _backward_max_vectors(vec, x.element_size()))
+    p = plan(n, vec, m, sms, BACKWARD_VECTORS_PER_THREAD, max(1, BACKWARD_MAX_ELEMENTS // vec), 1024)
     # persistent: about two blocks per SM, each accumulating its own weight-gradient partial rows
     grid = min(-(-m // p.rows), 2 * sms)
     padded_n = -(-n // COLUMN_SUM_COLS) * COLUMN_SUM_COLS

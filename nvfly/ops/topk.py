@@ -15,11 +15,12 @@ Two kernels:
   output comes out sorted. One read of the row.
 - ``topk_radix_kernel`` (everything else, e.g. sampling over 128K-152K vocabularies): one block per row (or per
   slice of a row, then a merge) streams the row once with 16-byte loads, appending every element that beats a
-  running threshold T to a shared-memory candidate buffer. When the buffer may overflow, a block-wide radix
-  select (11-bit digits over the bits where the candidates differ, shared-memory histograms) finds the k-th
-  largest rank, raises T to it and compacts the buffer to k entries. After the row, one more select leaves
-  exactly k candidates, which a bitonic sort orders. For typical data T rises fast, so the stream costs one
-  read of the row and a handful of selects.
+  running threshold T to a shared-memory candidate buffer. T starts at the k-th largest of the maxima of
+  2k-4k disjoint groups of the first elements (a lower bound of the k-th largest rank). When the buffer may
+  overflow, a block-wide radix select (11-bit digits over the bits where the candidates differ, shared-memory
+  histograms) finds the k-th largest rank, raises T to it and compacts the buffer to k entries. After the row,
+  one more select leaves exactly k candidates, which a bitonic sort orders. For typical data T is high from
+  the start, so the stream costs one read of the row and a few selects over a few thousand candidates.
 """
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ WARP_MAX_K = 32           # the warp kernel's k rounds each cost a warp reductio
 WARP_MAX_N = 1024         # and each lane holds N/32 ranks in registers
 HIST_BITS = 11            # radix digit of the select: 2048 shared-memory counters
 HIST = 1 << HIST_BITS
-ELEMENTS_PER_THREAD = 16  # per streaming iteration: 32 bytes of bf16 or 64 bytes of fp32 in flight
+STREAM_BYTES = 64         # loaded per thread per streaming iteration (and as much prefetched): 32 KB per block
+STREAM_THREADS = 512      # one block per SM (about 110 registers a thread)
+MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses would need too many registers)
 ABSENT = -(1 << 63)       # the rank of "no element": below every real rank (a real ~index is never 0)
 _KEY_MSB = 0x80000000
 _NAN_ABOVE = {"f32": 0x7F800000, "bf16": 0x7F80, "f16": 0x7C00}  # |bits| above this: NaN
@@ -151,7 +154,7 @@ def topk_warp_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tenso
             in_row = col < N if tail and v == vectors - 1 else None
             xv = x.load(row, col, width=VEC, mask=in_row)
             for e in nvfly.static_range(VEC):
-                key = order_key(xv[e], LARGEST)
+                key = order_key(xv[e] if VEC > 1 else xv, LARGEST)
                 if packed:
                     r = (key << 16) | (0xFFFF - (col + e)).bitcast(nvfly.u32)
                     absent = nvfly.u32(0)
@@ -186,20 +189,16 @@ def warp_inclusive_sum(value, lane):
 
 
 @nvfly.func
-def append(buf, state, ranks, takes, count, lane):
-    """Append this warp's taken ranks to ``buf`` at ``state[0]`` (one atomic per warp); returns the buffer
-    size after this warp's append, as seen by lane 31 (other lanes get a smaller value)."""
+def reserve(state, count, lane):
+    """Reserve ``count`` slots per thread of the candidate buffer (one atomic on ``state[0]`` per warp):
+    returns (this thread's first slot, the buffer size after this warp's reservation as seen by lane 31)."""
     inclusive = warp_inclusive_sum(count, lane)
     total = nvfly.shfl_idx(inclusive, 31)
     base = nvfly.i32(0)
     if lane == 31:
         base = atomic_add(state, 0, total)
     base = nvfly.shfl_idx(base, 31)
-    position = base + inclusive - count
-    for r, take in zip(ranks, takes):
-        buf.store(r, position, mask=take)
-        position = position + take.to(nvfly.i32)
-    return base + total
+    return base + inclusive - count, base + total
 
 
 @nvfly.func
@@ -247,28 +246,27 @@ def find_bucket(hist, state, warp_sums, needed, tid, lane, warp, THREADS):
 
 
 @nvfly.func
-def select_top(buf, hist, state, warp_sums, scratch, needed, tid, lane, warp, THREADS, CAP):
+def select_top(buf, kept_buf, hist, state, warp_sums, scratch, needed, tid, lane, warp, THREADS):
     """Keep the ``needed`` largest ranks of ``buf[:state[0]]`` (all of them if there are no more) at
-    ``buf[:needed]``; returns T, a rank such that exactly the kept ranks are >= T.
+    ``buf[:kept]``, ``state[0] = kept``; returns T, a rank such that exactly the kept ranks are >= T.
 
     Radix select: the digits are the 11 bits below the highest bit where the candidates differ, then the next
-    11, ... until the bucket of the needed-th rank holds exactly the ranks still needed."""
+    11, ... until the bucket of the needed-th rank holds exactly the ranks still needed. The candidates stay
+    in shared memory (each pass reads them again); the kept ones go through ``kept_buf``."""
     count = state[0]
-    ranks = []
-    for j in nvfly.static_range(CAP // THREADS):
-        ranks.append(buf.load(j * THREADS + tid, mask=j * THREADS + tid < count, other=ABSENT))
     high = nvfly.i64(ABSENT)
     low = nvfly.i64(-1 - ABSENT)
-    for r in ranks:
+    for i in range(tid, count, THREADS):
+        r = buf[i]
         high = nvfly.maximum(high, r)
-        low = nvfly.minimum(low, nvfly.select(r == ABSENT, -1 - ABSENT, r))
+        low = nvfly.minimum(low, r)
     high, low = block_max_min(high, low, scratch, lane, warp, THREADS // 32)
     if tid == 0:
         state[0] = 0  # everyone read the count before the barrier in block_max_min
     threshold = nvfly.i64(ABSENT)
     if count > needed:
-        # work on the unsigned bits u = rank ^ ABSENT; [lo, hi] is the range of ranks still in play
-        top = 63 - count_leading_zeros(high ^ low)  # high != low: there are at least two ranks
+        # work on the unsigned bits u = rank ^ ABSENT; [range_low, range_high] holds the ranks still in play
+        top = 63 - count_leading_zeros((high ^ low) | 1)  # (| 1: only ABSENT duplicates can make them equal)
         shift = nvfly.maximum(top - (HIST_BITS - 1), 0)
         span = ((nvfly.i64(1) << top.to(nvfly.i64)) << 1) - 1
         range_low = ((high ^ ABSENT) & ~span) ^ ABSENT
@@ -278,10 +276,10 @@ def select_top(buf, hist, state, warp_sums, scratch, needed, tid, lane, warp, TH
             for j in nvfly.static_range(HIST // THREADS):
                 hist[j * THREADS + tid] = 0
             nvfly.syncthreads()
-            for r in ranks:
-                digit = (((r ^ ABSENT) >> shift.to(nvfly.i64)) & (HIST - 1)).to(nvfly.i32)
-                if (r >= range_low) & (r <= range_high) & (r != ABSENT):
-                    atomic_add(hist, digit, 1)
+            for i in range(tid, count, THREADS):
+                r = buf[i]
+                if (r >= range_low) & (r <= range_high):
+                    atomic_add(hist, (((r ^ ABSENT) >> shift.to(nvfly.i64)) & (HIST - 1)).to(nvfly.i32), 1)
             nvfly.syncthreads()
             bucket, above, in_bucket = find_bucket(hist, state, warp_sums, needed, tid, lane, warp, THREADS)
             needed = needed - above
@@ -292,12 +290,17 @@ def select_top(buf, hist, state, warp_sums, scratch, needed, tid, lane, warp, TH
                 threshold = range_low
             else:
                 shift = nvfly.maximum(shift - HIST_BITS, 0)
-    # compaction: the kept ranks go to buf[:kept] (each thread still holds its ranks in registers)
-    takes = [(r >= threshold) & (r != ABSENT) for r in ranks]
-    kept = takes[0].to(nvfly.i32)
-    for take in takes[1:]:
-        kept = kept + take.to(nvfly.i32)
-    append(buf, state, ranks, takes, kept, lane)
+    # compaction: the trip count is the same in every thread, so the warp appends may shuffle
+    for first in range(0, count, THREADS):
+        r = buf.load(first + tid, mask=first + tid < count, other=ABSENT)
+        keep = (r != ABSENT) & (r >= threshold)
+        if vote_any(keep):
+            position, _ = reserve(state, keep.to(nvfly.i32), lane)
+            kept_buf.store(r, position, mask=keep)
+    nvfly.syncthreads()
+    kept = state[0]
+    for i in range(tid, kept, THREADS):
+        buf[i] = kept_buf[i]
     nvfly.syncthreads()
     return threshold
 
@@ -326,20 +329,47 @@ def bitonic_sort_descending(buf, tid, SIZE, THREADS):
 
 
 # ---------------------------------------------------------------------------------------------- streaming kernel
+@nvfly.func
+def element_filter(element, col, stop, threshold, threshold_key, threshold_low, LARGEST, FROM_RANKS):
+    """(take, rank-or-key) of one streamed element: take when it is in the slice and ranks >= threshold."""
+    if FROM_RANKS:
+        take = (col < stop) & (element != ABSENT) & (element >= threshold)
+        key = element
+    else:
+        # compare (key, ~col) with the threshold's halves: u32 work instead of a 64-bit rank per element
+        key = order_key(element, LARGEST)
+        low = (~col).bitcast(nvfly.u32)
+        take = (col < stop) & ((key > threshold_key) | ((key == threshold_key) & (low >= threshold_low)))
+    return take, key
+
+
+@nvfly.func
+def element_rank(element, col, stop, LARGEST, FROM_RANKS):
+    """The 64-bit rank of one streamed element (ABSENT past the end of the slice)."""
+    r = element if FROM_RANKS else rank64(order_key(element, LARGEST), col)
+    return nvfly.select(col < stop, r, ABSENT)
+
+
+@nvfly.func
+def threshold_halves(threshold):
+    """(key, ~index) of a rank, as the u32 pair the streaming filter compares against."""
+    return ((threshold >> 32).to(nvfly.i32) ^ _KEY_MSB).bitcast(nvfly.u32), threshold.to(nvfly.i32).bitcast(nvfly.u32)
+
+
 @nvfly.kernel
 def topk_radix_kernel(x: nvfly.Tensor, ranks_in: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor,
                       ranks_out: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32, VEC: nvfly.Constexpr,
                       UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr, CAP: nvfly.Constexpr,
                       K_POW2: nvfly.Constexpr, LARGEST: nvfly.Constexpr, FROM_RANKS: nvfly.Constexpr,
                       TO_RANKS: nvfly.Constexpr):
-    """Block (part, row) streams columns [part*slice_len, (part+1)*slice_len) of its row once, keeping the
+    """Block (row, part) streams columns [part*slice_len, (part+1)*slice_len) of its row once, keeping the
     candidates that beat the running threshold in shared memory (see the module doc).
 
     FROM_RANKS: the elements are 64-bit ranks (``ranks_in``, from a first pass over slices) instead of values.
     TO_RANKS: write the slice's k best ranks to ``ranks_out[row, part*k:]`` (unsorted) instead of the sorted
     values and indices."""
-    part = nvfly.block_idx.x
-    row = nvfly.block_idx.y
+    row = nvfly.block_idx.x  # rows along x: up to 2**31 - 1 blocks (y stops at 65535)
+    part = nvfly.block_idx.y
     tid = nvfly.thread_idx.x
     lane = tid & 31
     warp = tid >> 5
@@ -347,60 +377,74 @@ def topk_radix_kernel(x: nvfly.Tensor, ranks_in: nvfly.Tensor, values: nvfly.Ten
     start = part * slice_len
     stop = nvfly.minimum(start + slice_len, src.shape[1])
     buf = nvfly.dynamic_shared_tensor(nvfly.i64, (CAP,))
-    hist = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST,), CAP * 8)
-    scratch = nvfly.dynamic_shared_tensor(nvfly.i64, (64,), CAP * 8 + HIST * 4)
-    warp_sums = nvfly.dynamic_shared_tensor(nvfly.i32, (32,), CAP * 8 + HIST * 4 + 512)
-    state = nvfly.dynamic_shared_tensor(nvfly.i32, (4,), CAP * 8 + HIST * 4 + 640)  # [0]: candidates in buf
+    kept_buf = nvfly.dynamic_shared_tensor(nvfly.i64, (K_POW2,), CAP * 8)
+    tail = (CAP + K_POW2) * 8
+    hist = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST,), tail)
+    scratch = nvfly.dynamic_shared_tensor(nvfly.i64, (64,), tail + HIST * 4)
+    warp_sums = nvfly.dynamic_shared_tensor(nvfly.i32, (32,), tail + HIST * 4 + 512)
+    state = nvfly.dynamic_shared_tensor(nvfly.i32, (4,), tail + HIST * 4 + 640)  # [0]: candidates in buf
     if tid == 0:
         state[0] = 0
     nvfly.syncthreads()
     per_iter = THREADS * VEC * UNROLL
     limit = CAP - per_iter  # a buffer filled up to here still has room for one more iteration's appends
-    threshold = nvfly.i64(ABSENT)  # candidates are the elements ranked >= threshold
-    threshold_key = nvfly.u32(0)
-    threshold_low = nvfly.u32(0)
     current = []
     for u in nvfly.static_range(UNROLL):
         col = start + (u * THREADS + tid) * VEC
         current.append(src.load(row, col, width=VEC, mask=col < stop))
+    # a first threshold: the k-th largest of the maxima of GROUPS * THREADS disjoint groups of the first
+    # iteration's elements. k distinct elements rank at least that high, so no top-k element ranks lower, and
+    # the first select sees a few thousand maxima instead of a whole iteration (whose top bits crowd a few
+    # histogram buckets).
+    groups = min(VEC * UNROLL, 2 * ((K_POW2 + THREADS - 1) // THREADS))
+    maxima = [nvfly.i64(ABSENT) for _ in nvfly.static_range(groups)]
+    for u in nvfly.static_range(UNROLL):
+        for e in nvfly.static_range(VEC):
+            col = start + (u * THREADS + tid) * VEC + e
+            r = element_rank(current[u][e] if VEC > 1 else current[u], col, stop, LARGEST, FROM_RANKS)
+            maxima[(u * VEC + e) % groups] = nvfly.maximum(maxima[(u * VEC + e) % groups], r)
+    for g in nvfly.static_range(groups):
+        buf[g * THREADS + tid] = maxima[g]
+    if tid == 0:
+        state[0] = groups * THREADS
+    nvfly.syncthreads()
+    threshold = select_top(buf, kept_buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS)
+    if tid == 0:
+        state[0] = 0  # drop the maxima: the stream appends them again, with everything else above the threshold
+    nvfly.syncthreads()
+    threshold_key, threshold_low = threshold_halves(threshold)
     for it in range((stop - start + per_iter - 1) // per_iter):
         # the next iteration's loads are in flight while this one is filtered (and across the barrier)
         upcoming = []
         for u in nvfly.static_range(UNROLL):
             col = start + (((it + 1) * UNROLL + u) * THREADS + tid) * VEC
             upcoming.append(src.load(row, col, width=VEC, mask=col < stop))
-        keys = []
-        takes = []
         count = nvfly.i32(0)
         for u in nvfly.static_range(UNROLL):
             for e in nvfly.static_range(VEC):
                 col = start + ((it * UNROLL + u) * THREADS + tid) * VEC + e
-                if FROM_RANKS:
-                    key = current[u][e]
-                    take = (col < stop) & (key != ABSENT) & (key >= threshold)
-                else:
-                    key = order_key(current[u][e], LARGEST)
-                    low = (~col).bitcast(nvfly.u32)
-                    take = (col < stop) & ((key > threshold_key) | ((key == threshold_key) & (low >= threshold_low)))
-                keys.append(key)
-                takes.append(take)
+                take, _ = element_filter(current[u][e] if VEC > 1 else current[u], col, stop, threshold,
+                                         threshold_key, threshold_low, LARGEST, FROM_RANKS)
                 count = count + take.to(nvfly.i32)
         overflow = count < 0  # false; set by lane 31 of a warp whose append fills the buffer past the limit
         if vote_any(count > 0):
-            ranks = []
-            for u in nvfly.static_range(UNROLL):
-                for e in nvfly.static_range(VEC):
-                    key = keys[u * VEC + e]
-                    col = start + ((it * UNROLL + u) * THREADS + tid) * VEC + e
-                    ranks.append(key if FROM_RANKS else rank64(key, col))
-            size = append(buf, state, ranks, takes, count, lane)
+            # rare once the threshold has risen: reload the elements (an L1 hit) and filter them again rather
+            # than keep their keys and flags in registers through the loop
+            position, size = reserve(state, count, lane)
             overflow = (lane == 31) & (size > limit)
-        if syncthreads_or(overflow):
-            threshold = select_top(buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS, CAP)
-            threshold_key = ((threshold >> 32).to(nvfly.i32) ^ _KEY_MSB).bitcast(nvfly.u32)
-            threshold_low = threshold.to(nvfly.i32).bitcast(nvfly.u32)
+            for u in nvfly.static_range(UNROLL):
+                col0 = start + ((it * UNROLL + u) * THREADS + tid) * VEC
+                again = src.load(row, col0, width=VEC, mask=col0 < stop)
+                for e in nvfly.static_range(VEC):
+                    take, key = element_filter(again[e] if VEC > 1 else again, col0 + e, stop, threshold,
+                                               threshold_key, threshold_low, LARGEST, FROM_RANKS)
+                    buf.store(key if FROM_RANKS else rank64(key, col0 + e), position, mask=take)
+                    position = position + take.to(nvfly.i32)
+        if syncthreads_or(overflow):  # candidates are the elements ranked >= threshold
+            threshold = select_top(buf, kept_buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS)
+            threshold_key, threshold_low = threshold_halves(threshold)
         current = upcoming
-    select_top(buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS, CAP)
+    select_top(buf, kept_buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS)
     kept = state[0]  # k, or fewer when the slice is shorter
     if TO_RANKS:
         for j in nvfly.static_range((K_POW2 + THREADS - 1) // THREADS):
@@ -430,6 +474,7 @@ class TopkPlan:
     warp: bool
     vec: int
     warps: int = 1
+    unroll: int = 0
     threads: int = 0
     cap: int = 0
     k_pow2: int = 0
@@ -438,17 +483,17 @@ class TopkPlan:
 
     @property
     def smem_bytes(self) -> int:
-        return self.cap * 8 + HIST * 4 + 656 if not self.warp else 0
+        return (self.cap + self.k_pow2) * 8 + HIST * 4 + 656 if not self.warp else 0
 
 
-def _streaming_threads(n: int) -> int:
-    return 512 if n >= 16 * 512 else 256
+def _unroll(vec: int, itemsize: int) -> int:
+    return min(MAX_UNROLL, STREAM_BYTES // (vec * itemsize))
 
 
-def _capacity(threads: int, k_pow2: int) -> int:
+def _capacity(per_iter: int, k_pow2: int) -> int:
     """Candidate-buffer entries: one iteration's worth of appends on top of room for about 2k survivors."""
-    margin = max(2 * k_pow2, threads)
-    return threads * ELEMENTS_PER_THREAD + -(-margin // threads) * threads
+    margin = max(2 * k_pow2, STREAM_THREADS)
+    return per_iter + -(-margin // STREAM_THREADS) * STREAM_THREADS
 
 
 @functools.lru_cache(maxsize=4096)
@@ -456,15 +501,15 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int) -> Topk
     """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements)."""
     if k <= WARP_MAX_K and n <= WARP_MAX_N:
         return TopkPlan(True, vec, warps=max(1, min(8, m // (2 * sm_count))))
-    threads = _streaming_threads(n)
     k_pow2 = max(2, 1 << (k - 1).bit_length())
-    per_iter = threads * ELEMENTS_PER_THREAD
-    # few rows: split each row into slices so that about two blocks per SM stream, then merge the slices
-    parts = max(1, min(-(-2 * sm_count // m), n // max(2 * per_iter, 4 * k), 64))
+    unroll = _unroll(vec, itemsize)
+    per_iter = STREAM_THREADS * vec * unroll
+    # fewer rows than SMs: split each row into slices streamed by separate blocks, then merge the slices
+    parts = max(1, min(sm_count // m, n // max(2 * per_iter, 4 * k), 64))
     slice_len = -(-(-(-n // parts)) // per_iter) * per_iter
     parts = -(-n // slice_len)
-    return TopkPlan(False, vec, threads=threads, cap=_capacity(threads, k_pow2), k_pow2=k_pow2, parts=parts,
-                    slice_len=slice_len)
+    return TopkPlan(False, vec, unroll=unroll, threads=STREAM_THREADS, cap=_capacity(per_iter, k_pow2),
+                    k_pow2=k_pow2, parts=parts, slice_len=slice_len)
 
 
 def _check(x: Any, k: Any, dim: Any) -> int:
@@ -487,11 +532,6 @@ def _check(x: Any, k: Any, dim: Any) -> int:
 
 def eligibility(x: Any, k: Any, dim: Any = -1, largest: bool = True, sorted: bool = True) -> Optional[str]:
     """None when nvfly computes this TopK, else the reason it declines (callers then use torch)."""
-    import torch
-    if not isinstance(x, torch.Tensor):
-        return "x is not a tensor"
-    if x.device.type != "cuda":
-        return f"x is on {x.device.type}, not CUDA"
     try:
         dim = _check(x, k, dim)
     except (TypeError, ValueError) as exc:
@@ -499,9 +539,11 @@ def eligibility(x: Any, k: Any, dim: Any = -1, largest: bool = True, sorted: boo
     if x.dim() == 0 or dim != x.dim() - 1:
         return "dim is not the last dimension"
     if k == 0 or x.numel() == 0:
-        return "empty result"
-    if x.shape[-1] >= (1 << 31) - 1 or x.numel() >= 1 << 31:
+        return "the result is empty"
+    if x.numel() >= 1 << 31:
         return "x has 2**31 elements or more"
+    if x.device.type != "cuda":
+        return f"x is on {x.device.type}, not CUDA"
     return None
 
 
@@ -537,15 +579,17 @@ def _launch(rows: "torch.Tensor", values: "torch.Tensor", indices: "torch.Tensor
     if p.warp:
         topk_warp_kernel[-(-m // p.warps), 32 * p.warps](rows, values, indices, m, k, n, vec, p.warps, largest)
         return
-    unroll = ELEMENTS_PER_THREAD // vec
     if p.parts == 1:
-        topk_radix_kernel[(1, m, 1), p.threads](rows, rows, values, indices, rows, k, n, vec, unroll, p.threads,
+        topk_radix_kernel[(m, 1, 1), p.threads](rows, rows, values, indices, rows, k, n, vec, p.unroll, p.threads,
                                                 p.cap, p.k_pow2, largest, False, False)
         return
+    # slices of each row write their k best ranks; a second launch merges them (2 ranks per 16-byte access)
     ranks = torch.empty((m, p.parts * k), dtype=torch.int64, device=rows.device)
-    topk_radix_kernel[(p.parts, m, 1), p.threads](rows, rows, values, indices, ranks, k, p.slice_len, vec, unroll,
-                                                  p.threads, p.cap, p.k_pow2, largest, False, True)
-    merge_threads = _streaming_threads(p.parts * k)
-    topk_radix_kernel[(1, m, 1), merge_threads](rows, ranks, values, indices, ranks, k, p.parts * k, 2,
-                                                ELEMENTS_PER_THREAD // 2, merge_threads,
-                                                _capacity(merge_threads, p.k_pow2), p.k_pow2, largest, True, False)
+    topk_radix_kernel[(m, p.parts, 1), p.threads](rows, rows, values, indices, ranks, k, p.slice_len, vec,
+                                                  p.unroll, p.threads, p.cap, p.k_pow2, largest, False, True)
+    merge_vec = 2 if p.parts * k % 2 == 0 else 1
+    merge_unroll = _unroll(merge_vec, 8)
+    merge_cap = _capacity(STREAM_THREADS * merge_vec * merge_unroll, p.k_pow2)
+    topk_radix_kernel[(m, 1, 1), STREAM_THREADS](rows, ranks, values, indices, ranks, k, p.parts * k, merge_vec,
+                                                 merge_unroll, STREAM_THREADS, merge_cap, p.k_pow2, largest, True,
+                                                 False)

@@ -118,6 +118,31 @@ def test_shuffles(dtype):
 
 
 @nvfly.kernel
+def segment_shuffle_kernel(x: nvfly.Tensor, out: nvfly.Tensor, W: nvfly.Constexpr):
+    lane = nvfly.lane_idx()
+    v = x[lane]
+    out[0, lane] = nvfly.shfl_xor(v, 1, W)
+    out[1, lane] = nvfly.shfl_down(v, 3, W)
+    out[2, lane] = nvfly.shfl_up(v, 2, W)
+    out[3, lane] = nvfly.shfl_idx(v, 5, W)
+    out[4, lane] = nvfly.warp_reduce(v, "add", W)
+
+
+@pytest.mark.parametrize("width", [4, 8, 16])
+def test_segmented_shuffles_follow_cuda_semantics(width):
+    x = torch.arange(32, device="cuda", dtype=torch.float32) * 3 + 1
+    out = poisoned((5, 32), torch.float32)
+    segment_shuffle_kernel[1, 32](x, out, W=width)
+    lanes = torch.arange(32, device="cuda")
+    pos = lanes % width
+    assert torch.equal(out[0], x[lanes ^ 1])
+    assert torch.equal(out[1], x[torch.where(pos + 3 < width, lanes + 3, lanes)])
+    assert torch.equal(out[2], x[torch.where(pos >= 2, lanes - 2, lanes)])
+    assert torch.equal(out[3], x[(lanes // width) * width + 5 % width])
+    assert torch.equal(out[4], x.view(-1, width).sum(1).repeat_interleave(width))
+
+
+@nvfly.kernel
 def big_smem_kernel(x: nvfly.Tensor, out: nvfly.Tensor, N: nvfly.Constexpr):
     buf = nvfly.dynamic_shared_tensor(nvfly.f32, (N,))
     tid = nvfly.thread_idx.x

@@ -1,0 +1,155 @@
+"""RMSNorm: nvfly vs eager torch (F.rms_norm -> aten::_fused_rms_norm) vs Inductor, in one process.
+
+Correctness first (relative error against a float64 reference on fresh random inputs), then the median time of
+each, and the bandwidth: bytes read + written (x, weight, y; also the residual and x + residual for the fused
+add; dy, x, weight, dx for the backward) per second, next to the card's copy bandwidth (about 4.3 TB/s).
+Usage: python -m benchmarks.rmsnorm [--quick] [--shapes M,N ...]   (or: nvfly bench rmsnorm)
+Writes benchmarks/results/rmsnorm_h200.json and rmsnorm_h200.png.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import bench_ms, geomean, plot, rel_err, write_results  # noqa: E402
+from nvfly.ops import rmsnorm  # noqa: E402
+
+COPY_TBPS = 4.3  # measured device copy bandwidth of the H200 (reads + writes)
+SUITE_M = [1, 32, 256, 4096, 16384, 65536]
+SUITE_N = [2048, 4096, 7168, 8192, 16384]
+FUSED_ADD = [(4096, 4096), (16384, 8192), (65536, 2048)]
+BACKWARD = [(4096, 2048), (16384, 4096), (16384, 8192), (4096, 16384)]
+EPS = 1e-6
+
+
+def _allow_recompiles() -> None:
+    """Every shape is compiled statically (Inductor at its best): allow one graph per shape."""
+    import torch._dynamo.config as dynamo_config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, 4096)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    xd = x.double()
+    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + EPS) * w.double()
+
+
+def forward_row(m: int, n: int, dtype: torch.dtype, fused_add: bool) -> dict:
+    x = torch.randn(m, n, device="cuda").to(dtype)
+    w = torch.randn(n, device="cuda").to(dtype)
+    r = torch.randn(m, n, device="cuda").to(dtype) if fused_add else None
+    if fused_add:
+        def run_nvfly():
+            return rmsnorm.rms_norm(x, w, EPS, residual=r)
+
+        def run_torch(x, r, w):
+            h = x + r
+            return F.rms_norm(h, (n,), w, EPS), h
+        args = (x, r, w)
+        moved = 4 * m * n * x.element_size() + n * w.element_size()  # x, r read; y, x + r written
+    else:
+        def run_nvfly():
+            return rmsnorm.rms_norm(x, w, EPS)
+
+        def run_torch(x, w):
+            return F.rms_norm(x, (n,), w, EPS)
+        args = (x, w)
+        moved = 2 * m * n * x.element_size() + n * w.element_size()
+    compiled = torch.compile(run_torch, dynamic=False)
+    out = run_nvfly()
+    y = out[0] if fused_add else out
+    ref_in = (x + r) if fused_add else x
+    row = {"M": m, "N": n, "dtype": str(dtype).replace("torch.", ""), "variant": "fused_add" if fused_add else
+           "forward", "rel_err": rel_err(y, _reference(ref_in, w))}
+    if fused_add:
+        row["residual_exact"] = bool(torch.equal(out[1], x + r))
+    compiled(*args)
+    row["nvfly_ms"] = bench_ms(run_nvfly)
+    row["torch_ms"] = bench_ms(lambda: run_torch(*args))
+    row["inductor_ms"] = bench_ms(lambda: compiled(*args))
+    return _bandwidth(row, moved)
+
+
+def backward_row(m: int, n: int, dtype: torch.dtype) -> dict:
+    x = torch.randn(m, n, device="cuda").to(dtype)
+    w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
+    dy = torch.randn(m, n, device="cuda").to(dtype)
+    _, rstd = torch.ops.aten._fused_rms_norm(x, [n], w, EPS)
+
+    def run_torch(dy, x, rstd, w):
+        return torch.ops.aten._fused_rms_norm_backward(dy, x, [n], rstd, w, [True, True])
+
+    def run_nvfly():
+        return rmsnorm.rms_norm_backward(dy, x, rstd.reshape(-1), w)
+
+    compiled = torch.compile(run_torch, dynamic=False)
+    gx, gw = run_nvfly()
+    ref_x, ref_w = run_torch(dy.double(), x.double(), rstd.double(), w.double())
+    row = {"M": m, "N": n, "dtype": str(dtype).replace("torch.", ""), "variant": "backward",
+           "rel_err": max(rel_err(gx, ref_x), rel_err(gw, ref_w))}
+    compiled(dy, x, rstd, w)
+    row["nvfly_ms"] = bench_ms(run_nvfly)
+    row["torch_ms"] = bench_ms(lambda: run_torch(dy, x, rstd, w))
+    row["inductor_ms"] = bench_ms(lambda: compiled(dy, x, rstd, w))
+    return _bandwidth(row, 3 * m * n * x.element_size() + 2 * n * w.element_size())
+
+
+def _bandwidth(row: dict, moved: int) -> dict:
+    row["bytes"] = moved
+    for impl in ("nvfly", "torch", "inductor"):
+        row[f"{impl}_tbps"] = moved / row[f"{impl}_ms"] / 1e9
+    row["pct_of_copy"] = 100 * row["nvfly_tbps"] / COPY_TBPS
+    row["vs_torch"] = row["torch_ms"] / row["nvfly_ms"]
+    row["vs_inductor"] = row["inductor_ms"] / row["nvfly_ms"]
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="M in {256, 16384} only, no fp32, no backward")
+    p.add_argument("--shapes", nargs="*", default=None, help="M,N pairs (forward, bf16)")
+    args = p.parse_args(argv)
+    _allow_recompiles()
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
+    else:
+        shapes = [(m, n) for m in ([256, 16384] if args.quick else SUITE_M) for n in SUITE_N]
+    cases = [("forward", m, n, torch.bfloat16) for m, n in shapes]
+    if not args.quick and not args.shapes:
+        cases += [("forward", m, n, torch.float32) for m, n in [(4096, 4096), (16384, 8192)]]
+        cases += [("fused_add", m, n, torch.bfloat16) for m, n in FUSED_ADD]
+        cases += [("backward", m, n, torch.bfloat16) for m, n in BACKWARD]
+    rows = []
+    t_start = time.time()
+    for variant, m, n, dtype in cases:
+        row = backward_row(m, n, dtype) if variant == "backward" else forward_row(m, n, dtype, variant == "fused_add")
+        rows.append(row)
+        print(f"{variant:>9} {m:>6}x{n:<6} {row['dtype']:>8}  err {row['rel_err']:.1e}  nvfly "
+              f"{row['nvfly_tbps']:5.2f} TB/s ({row['pct_of_copy']:3.0f}% of copy)  torch {row['torch_tbps']:5.2f}"
+              f"  inductor {row['inductor_tbps']:5.2f}  x{row['vs_torch']:.2f} vs torch  x{row['vs_inductor']:.2f}"
+              f" vs inductor", flush=True)
+        torch.cuda.empty_cache()
+    big = [r for r in rows if r["variant"] == "forward" and r["M"] >= 4096]
+    summary = {"geomean_vs_torch": geomean([r["vs_torch"] for r in rows]),
+               "geomean_vs_inductor": geomean([r["vs_inductor"] for r in rows]),
+               "min_vs_inductor": min(r["vs_inductor"] for r in rows),
+               "min_pct_of_copy_M_ge_4096": min((r["pct_of_copy"] for r in big), default=None),
+               "max_rel_err": max(r["rel_err"] for r in rows), "seconds": time.time() - t_start}
+    print(summary)
+    path = write_results("rmsnorm", rows, {"summary": summary, "copy_tbps": COPY_TBPS})
+    labels = [f"{r['variant'][:3]} {r['M']}x{r['N']} {r['dtype']}" for r in rows]
+    plot("rmsnorm", labels, {"nvfly": [r["nvfly_tbps"] for r in rows], "torch": [r["torch_tbps"] for r in rows],
+                             "inductor": [r["inductor_tbps"] for r in rows]}, "TB/s (read + write)")
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Eager routing of aten calls to nvfly kernels, shared by every nvfly op.
+
+    nvfly.torch.routing.install_routing()      # once: registers the CUDA implementations below
+    with nvfly.torch.routing.routing():        # in this block (this thread / async context) calls may go to nvfly
+        y = F.rms_norm(x, (4096,), w)          # -> aten::_fused_rms_norm (CUDA) -> nvfly when eligible
+        v, i = torch.topk(logits, 50)          # -> aten::topk (CUDA) -> nvfly when eligible
+
+The switch is a contextvar; backward passes of CUDA tensors run on autograd's device threads, where the switch
+of the thread that called ``backward()`` applies (torch stashes that thread's context for them).
+
+A *route* is an aten overload, an eligibility function (None or the reason nvfly declines) and the nvfly
+function to call, both taking the aten arguments. ``install_routing`` registers, for each route, a
+``torch.library`` implementation for the CUDA dispatch key that checks the switch and the eligibility, calls
+nvfly, and otherwise (declined, switched off, or nvfly raised) falls through to the kernel torch had there
+(``torch.library.get_kernel(...).call_boxed``). It sits below autograd, so backward passes keep torch's
+formulas and reach routed ops again. Other ops (GEMM, SDPA) add themselves with ``register_route``.
+
+Which aten ops F.rms_norm reaches (torch 2.8 to 2.13): ``aten::rms_norm`` is CompositeImplicitAutograd and, for
+CUDA inputs whose weight has the input's dtype (not channels-last, not complex), calls ``aten::_fused_rms_norm``,
+which has a CUDA kernel and an autograd formula using ``aten::_fused_rms_norm_backward``; both are routed.
+``aten::rms_norm`` itself is left alone: a CUDA kernel registered there would replace its composite autograd.
+Other inputs take torch's composite path (pow/mean/rsqrt), which is not routed.
+
+Every fallback is logged at debug level on the "nvfly" logger (at info level when ``NVFLY_DEBUG`` is set);
+an exception inside nvfly is logged (a warning, once per op and error type) and the call falls back.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import sys
+import threading
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator, Optional
+
+import torch
+
+from nvfly import settings
+
+log = logging.getLogger("nvfly")
+
+_SWITCH: contextvars.ContextVar[bool] = contextvars.ContextVar("nvfly_routing")  # unset: off
+
+
+@dataclass(frozen=True)
+class Route:
+    """An aten overload (``"aten::topk"``, ``"aten::mm.out"``) routed to nvfly on ``dispatch_key``."""
+    op: str
+    eligibility: Callable[..., Optional[str]]
+    run: Callable[..., Any]
+    dispatch_key: str = "CUDA"
+
+
+_ROUTES: dict[tuple[str, str], Route] = {}
+_INSTALLED: dict[tuple[str, str], Any] = {}  # route key -> the kernel torch had (None: nothing to route)
+_LIBRARY: Optional[torch.library.Library] = None
+_LOCK = threading.Lock()
+_WARNED: set[tuple[str, str]] = set()
+_DEFAULTS_REGISTERED = False
+
+
+# ---------------------------------------------------------------------------------------------- the switch
+def enable_routing() -> None:
+    """Route eligible calls to nvfly from now on, in this thread / async context."""
+    _SWITCH.set(True)
+
+
+def disable_routing() -> None:
+    """Stop routing in this thread / async context."""
+    _SWITCH.set(False)
+
+
+def routing_enabled() -> bool:
+    """Whether calls are routed here: this context's setting, else (on autograd's device threads, where
+    backward runs) the setting of the context that called backward(), which torch stashes for them."""
+    value = _SWITCH.get(None)
+    if value is None:
+        launched = _backward_caller_context()
+        value = launched.get(_SWITCH, False) if launched is not None else False
+    return value
+
+
+def _backward_caller_context() -> Optional[contextvars.Context]:
+    stashed = getattr(torch._C, "_is_key_in_tls", None)
+    if stashed is not None and stashed("context"):
+        return torch._C._get_obj_in_tls("context")
+    return None
+
+
+@contextlib.contextmanager
+def routing(enabled: bool = True) -> Iterator[None]:
+    """Route eligible calls to nvfly inside the block (``enabled=False``: keep them on torch)."""
+    token = _SWITCH.set(enabled)
+    try:
+        yield
+    finally:
+        _SWITCH.reset(token)
+
+
+# ---------------------------------------------------------------------------------------------- registry
+def register_route(op: str, eligibility: Callable[..., Optional[str]], run: Callable[..., Any],
+                   dispatch_key: str = "CUDA") -> None:
+    """Add a route (it takes effect at the next ``install_routing``). ``eligibility`` and ``run`` receive the
+    aten arguments in schema order (keyword-only ones as keywords); ``run`` returns what the op returns."""
+    name = op if "::" in op else f"aten::{op}"
+    with _LOCK:
+        _ROUTES[(name, dispatch_key)] = Route(name, eligibility, run, dispatch_key)
+
+
+def routes() -> list[Route]:
+    return list(_ROUTES.values())
+
+
+def install_routing() -> None:
+    """Register the nvfly implementation of every route not registered yet (idempotent; never undone)."""
+    global _LIBRARY
+    _register_default_routes()
+    with _LOCK:
+        for key, route in _ROUTES.items():
+            if key in _INSTALLED:
+                continue
+            if _LIBRARY is None:
+                _LIBRARY = torch.library.Library("aten", "IMPL")
+            try:
+                fallthrough = torch.library.get_kernel(route.op, route.dispatch_key)
+            except RuntimeError as exc:  # e.g. a CPU-only torch build has no CUDA kernel to fall back to
+                log.debug("nvfly: not routing %s: %s", route.op, exc)
+                _INSTALLED[key] = None
+                continue
+            _LIBRARY.impl(route.op.split("::", 1)[1], _routed(route, fallthrough), route.dispatch_key,
+                          with_keyset=True)
+            _INSTALLED[key] = fallthrough
+
+
+def installed() -> list[str]:
+    """The aten overloads routed now."""
+    return [op for (op, _), kernel in _INSTALLED.items() if kernel is not None]
+
+
+def _routed(route: Route, fallthrough: Any) -> Callable[..., Any]:
+    def impl(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if routing_enabled():
+            reason = _decide(route, args, kwargs)
+            if reason is None:
+                try:
+                    return route.run(*args, **kwargs)
+                except Exception as exc:  # an nvfly failure must never break the caller: use torch
+                    _failed(route, exc)
+            else:
+                _declined(route, reason)
+        return fallthrough.call_boxed(keyset, *args, **kwargs)
+
+    impl.__name__ = f"nvfly_route_{route.op.replace('::', '_').replace('.', '_')}"
+    return impl
+
+
+def _decide(route: Route, args: tuple, kwargs: dict) -> Optional[str]:
+    try:
+        return route.eligibility(*args, **kwargs)
+    except Exception as exc:  # a broken eligibility check declines
+        return f"eligibility check raised {type(exc).__name__}: {exc}"
+
+
+def _declined(route: Route, reason: str) -> None:
+    level = logging.INFO if settings.get("debug") else logging.DEBUG
+    if log.isEnabledFor(level):
+        log.log(level, "nvfly: %s stays on torch: %s", route.op, reason)
+
+
+def _failed(route: Route, exc: Exception) -> None:
+    key = (route.op, type(exc).__name__)
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("nvfly: %s raised %s: %s; the call falls back to torch (warned once per op and error type)",
+                    route.op, type(exc).__name__, exc)
+    log.debug("nvfly: %s fell back to torch after an error", route.op, exc_info=exc)
+
+
+# ---------------------------------------------------------------------------------------------- nvfly's routes
+def _register_default_routes() -> None:
+    """The routes of nvfly's own kernels (RMSNorm, TopK, GEMM)."""
+    global _DEFAULTS_REGISTERED
+    if _DEFAULTS_REGISTERED:
+        return
+    _DEFAULTS_REGISTERED = True
+    from nvfly.ops import rmsnorm, topk
+
+    def rms_norm_eligibility(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
+                             eps: Optional[float]) -> Optional[str]:
+        return rmsnorm.eligibility(x, weight, None, normalized_shape)
+
+    def rms_norm_run(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
+                     eps: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        y, _, rstd = rmsnorm.rms_norm_forward(x, weight, eps, None, normalized_shape)
+        axis = x.dim() - len(normalized_shape)
+        return y, rstd.view(list(x.shape[:axis]) + [1] * len(normalized_shape))
+
+    def rms_norm_backward_eligibility(grad_out: torch.Tensor, x: torch.Tensor, normalized_shape: list[int],
+                                      rstd: torch.Tensor, weight: Optional[torch.Tensor],
+                                      output_mask: list[bool]) -> Optional[str]:
+        if not output_mask[0]:
+            return "the input gradient is not needed"
+        if rstd.dtype != torch.float32 or grad_out.dtype != x.dtype:
+            return "rstd is not float32 or grad_out's dtype differs from the input's"
+        return rmsnorm.backward_eligibility(x, normalized_shape, grad_out)
+
+    def rms_norm_backward_run(grad_out: torch.Tensor, x: torch.Tensor, normalized_shape: list[int],
+                              rstd: torch.Tensor, weight: Optional[torch.Tensor],
+                              output_mask: list[bool]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        return rmsnorm.rms_norm_backward(grad_out, x, rstd.reshape(-1), weight, normalized_shape,
+                                         needs_weight_grad=bool(output_mask[1]))
+
+    def topk_run(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True,
+                 sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        return topk.topk(x, k, dim, largest, sorted)
+
+    register_route("aten::_fused_rms_norm", rms_norm_eligibility, rms_norm_run)
+    register_route("aten::_fused_rms_norm_backward", rms_norm_backward_eligibility, rms_norm_backward_run)
+    register_route("aten::topk", topk.eligibility, topk_run)
+    from nvfly.torch.autotune import register_routes as register_gemm_routes
+    register_gemm_routes()  # mm, bmm, addmm, baddbmm: where nvfly's autotune database says nvfly is faster
+
+
+class _RoutingModule(types.ModuleType):
+    """This module, callable as its switch with the routes installed: ``with nvfly.torch.routing():``.
+
+    Inside an enabled block autograd runs backward on the calling thread: its CUDA worker threads would not see
+    the switch (a context variable), and the backward GEMMs would stay on torch."""
+
+    def __call__(self, enabled: bool = True) -> ContextManager[None]:
+        install_routing()
+        return _routing_with_backward(enabled)
+
+
+@contextlib.contextmanager
+def _routing_with_backward(enabled: bool) -> Iterator[None]:
+    with routing(enabled), torch.autograd.set_multithreading_enabled(not enabled) if enabled else \
+            contextlib.nullcontext():
+        yield
+
+
+sys.modules[__name__].__class__ = _RoutingModule

@@ -1,0 +1,335 @@
+"""RMSNorm and TopK without a GPU: every kernel variant compiles for sm_90a with 16-byte accesses and no
+spills, the launch plans, eligibility reasons and argument errors, the custom ops' fake implementations and
+autograd (on CPU they compute with torch), and routing, which must leave CPU calls untouched."""
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nvfly
+from nvfly.ops import rmsnorm, topk
+from nvfly.torch import ops as nvfly_ops  # noqa: F401  (registers the nvfly:: custom ops)
+from nvfly.torch.routing import Route, _routed, disable_routing, enable_routing, install_routing, installed, \
+    register_route, routing, routing_enabled
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def compiled(fn, *args, **kwargs):
+    with nvfly.compile_only() as kernels:
+        fn(*args, **kwargs)
+    return kernels
+
+
+def assert_clean(k):
+    assert k.cubin is not None and ".target sm_90a" in k.ptx
+    assert k.resources.spill_stores == 0 and k.resources.spill_loads == 0, k.summary()
+    assert k.resources.stack_bytes == 0, k.summary()
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm compiles
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2048, 4096, 7168, 8192, 16384, 128])
+@pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
+def test_rms_norm_forward_compiles_to_16_byte_accesses(dtype, n, variant):
+    x = torch.randn(64, n).to(dtype)
+    w = torch.randn(n).to(dtype) if variant != "plain" else None
+    r = torch.randn(64, n).to(dtype) if variant == "residual" else None
+    (k,) = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r)
+    assert k.name == "rms_norm_kernel"
+    assert_clean(k)
+    vec = 16 // x.element_size()
+    p = rmsnorm.plan(n, vec, 64, 132)
+    assert k.block == (p.group * p.rows, 1, 1)
+    vectors = -(-n // (p.group * vec))  # per thread: the row stays in registers between the two phases
+    streams_in = 1 + (variant != "plain") + (variant == "residual")  # x, the weight, the residual
+    assert k.count("LDG.E.128") == vectors * streams_in
+    assert k.count("STG.E.128") == vectors * (2 if variant == "residual" else 1)
+    assert k.count("LDG.E") == k.count("LDG.E.128")  # nothing narrower
+    assert k.count("MUFU.RSQ") == 1
+
+
+@pytest.mark.parametrize("n", [1001, 4097, 300_000])
+def test_rms_norm_any_row_length(n):
+    x = torch.randn(3, n).to(torch.bfloat16)
+    (k,) = compiled(rmsnorm.rms_norm_forward, x, torch.randn(n).to(torch.bfloat16))
+    assert_clean(k)
+    if n == 300_000:  # too long for registers: the looped kernel, still 16-byte accesses
+        assert k.name == "rms_norm_looped_kernel" and k.count("LDG.E.128") == 3 * rmsnorm.LOOPED_UNROLL
+    else:  # odd lengths: rows are not 16-byte aligned, element accesses
+        assert k.name == "rms_norm_kernel" and k.count("LDG.E.128") == 0
+
+
+def test_rms_norm_strided_rows_and_multi_dim_normalized_shape():
+    base = torch.randn(8, 3, 4096 + 64).to(torch.bfloat16)
+    x = base[..., :4096]  # rows 4160 elements apart
+    (k,) = compiled(rmsnorm.rms_norm_forward, x, torch.randn(4096).to(torch.bfloat16))
+    assert k.count("LDG.E.128") > 0
+    (k2,) = compiled(rmsnorm.rms_norm_forward, torch.randn(4, 16, 128), None, None, None, (16, 128))
+    assert_clean(k2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2048, 4096, 7168, 16384, 1001, 4097])
+def test_rms_norm_backward_compiles(dtype, n):
+    x = torch.randn(64, n).to(dtype)
+    w = torch.randn(n).to(dtype)
+    kernels = compiled(rmsnorm.rms_norm_backward, x, x, torch.rand(64), w, None, x)
+    assert [k.name for k in kernels] == ["rms_norm_backward_kernel", "column_sum_kernel"]
+    for k in kernels:
+        assert_clean(k)
+        assert k.count("LDG.E.128") > 0 or n % 8
+    assert kernels[0].resources.registers <= 128
+
+
+def test_rms_norm_plans():
+    sms = 132
+    assert (rmsnorm.plan(2048, 8, 65536, sms).group, rmsnorm.plan(2048, 8, 65536, sms).rows) == (32, 8)
+    assert rmsnorm.plan(2048, 8, 256, sms).rows == 1  # few rows: one per block, so every SM gets work
+    assert rmsnorm.plan(7168, 8, 4096, sms).group == 128  # 7 vectors a thread
+    assert rmsnorm.plan(16384, 8, 4096, sms).group == 256
+    assert rmsnorm.plan(16384, 4, 4096, sms).group == 512  # fp32
+    assert rmsnorm.plan(32768, 8, 4, sms).group == 512 and rmsnorm.plan(65536, 8, 4, sms).looped
+    assert rmsnorm.backward_eligibility(torch.randn(2, 16384)) == "x is on cpu, not CUDA"
+    assert "too long" in rmsnorm._backward_size_reason(32768, 8)
+
+
+# ---------------------------------------------------------------------------------------------- TopK compiles
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(128, 2), (256, 8), (256, 1), (8, 8), (1000, 32), (512, 16)])
+def test_topk_warp_kernel_compiles(dtype, n, k):
+    x = torch.randn(4096, n).to(dtype)
+    (kern,) = compiled(topk.topk, x, k)
+    assert kern.name == "topk_warp_kernel"
+    assert_clean(kern)
+    if n % (16 // x.element_size()) == 0:
+        assert kern.count("LDG.E.128") >= 1
+    if dtype != torch.float32:
+        assert kern.count("REDUX") == k  # one warp max per round
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,m", [(151936, 50, 256), (128256, 1024, 256), (151936, 2048, 64), (4096, 33, 64),
+                                   (32768, 8, 4096)])
+def test_topk_streaming_kernel_compiles(dtype, n, k, m):
+    x = torch.randn(m, n).to(dtype)
+    kernels = compiled(topk.topk, x, k)
+    p = topk.plan(n, k, m, 16 // x.element_size(), x.element_size(), 132)
+    assert len(kernels) == (1 if p.parts == 1 else 2)  # few long rows: slices, then a merge
+    for kern in kernels:
+        assert kern.name == "topk_radix_kernel"
+        assert_clean(kern)
+    kern = kernels[0]
+    assert kern.dynamic_smem_bytes == p.smem_bytes <= 227 * 1024
+    assert kern.count("LDG.E.128") >= p.unroll
+    for feature in ("ATOMS.ADD", "BAR.RED.OR", "VOTE.ANY", "SHFL"):
+        assert kern.count(feature) > 0, feature
+
+
+def test_topk_few_rows_split_then_merge():
+    x = torch.randn(1, 151936).to(torch.bfloat16)
+    first, merge = compiled(topk.topk, x, 1024)
+    assert first.name == merge.name == "topk_radix_kernel"
+    for kern in (first, merge):
+        assert_clean(kern)
+    assert topk.plan(151936, 1024, 1, 8, 2, 132).parts > 1
+    assert topk.plan(151936, 1024, 256, 8, 2, 132).parts == 1
+
+
+@pytest.mark.parametrize("n,k", [(4097, 2048), (100_003, 50), (33, 33)])
+def test_topk_odd_lengths_compile(n, k):
+    for kern in compiled(topk.topk, torch.randn(2, n).to(torch.float16), k, largest=False):
+        assert_clean(kern)
+
+
+def test_topk_other_dims_and_shapes_on_meta_free_paths():
+    x = torch.randn(4, 300, 6)
+    kernels = compiled(topk.topk, x, 5, 1)
+    assert len(kernels) == 1
+    assert compiled(topk.topk, torch.randn(3, 0), 0) == []
+
+
+# ---------------------------------------------------------------------------------------------- eligibility, errors
+def test_eligibility_reasons():
+    x = torch.randn(8, 64)
+    assert "not CUDA" in rmsnorm.eligibility(x)
+    assert "dtype" in rmsnorm.eligibility(x.double())
+    assert "weight:" in rmsnorm.eligibility(x, torch.randn(32), None, (64,))
+    assert "residual" in rmsnorm.eligibility(x, None, torch.randn(8, 32))
+    assert "empty" in rmsnorm.eligibility(torch.randn(0, 64))
+    assert "not CUDA" in topk.eligibility(x, 4)
+    assert "dtype" in topk.eligibility(x.long(), 4)
+    assert "k:" in topk.eligibility(x, 65)
+    assert "k:" in topk.eligibility(torch.randn(2, 4096), 4096)  # above 2048
+    assert "last dimension" in topk.eligibility(x, 4, 0)
+    assert "empty" in topk.eligibility(x, 0)
+    assert "not CUDA" in rmsnorm.backward_eligibility(x)
+
+
+def test_argument_errors_name_the_argument():
+    x = torch.randn(4, 16)
+    with pytest.raises(TypeError, match="x:"):
+        rmsnorm.rms_norm([1, 2])
+    with pytest.raises(ValueError, match="weight:"):
+        rmsnorm.rms_norm(x, torch.randn(8), normalized_shape=(16,))
+    with pytest.raises(ValueError, match="normalized_shape:"):
+        rmsnorm.rms_norm(x, normalized_shape=(4, 8))
+    with pytest.raises(ValueError, match="residual:"):
+        rmsnorm.rms_norm(x, residual=torch.randn(4, 8))
+    with pytest.raises(ValueError, match="eps:"):
+        rmsnorm.rms_norm(x, eps=-1.0)
+    with pytest.raises(ValueError, match="rstd:"):
+        rmsnorm.rms_norm_backward(x, x, torch.randn(3))
+    with pytest.raises(ValueError, match="grad_out:"):
+        rmsnorm.rms_norm_backward(torch.randn(4, 8), x, torch.randn(4))
+    with pytest.raises(TypeError, match="x:"):
+        topk.topk(x.int(), 2)
+    with pytest.raises(ValueError, match="k:"):
+        topk.topk(x, 17)
+    with pytest.raises(ValueError, match="k:"):
+        topk.topk(x, -1)
+    with pytest.raises(ValueError, match="dim:"):
+        topk.topk(x, 2, dim=2)
+
+
+# ---------------------------------------------------------------------------------------------- custom ops
+def test_custom_op_fake_implementations():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x = torch.empty(4, 6, 8, dtype=torch.bfloat16)
+        w = torch.empty(8, dtype=torch.bfloat16)
+        y, rstd = torch.ops.nvfly.rms_norm(x, [8], w, 1e-6)
+        assert y.shape == x.shape and y.dtype == x.dtype and rstd.shape == (4, 6, 1) and rstd.dtype == torch.float32
+        y, h, rstd = torch.ops.nvfly.fused_add_rms_norm(x, x, [6, 8], None, None)
+        assert h.shape == x.shape and rstd.shape == (4, 1, 1)
+        gx, gw = torch.ops.nvfly.rms_norm_backward(x, x, [8], rstd.new_empty(4, 6, 1), w, None, [True, True])
+        assert gx.shape == x.shape and gw.shape == w.shape and gw.dtype == w.dtype
+        v, i = torch.ops.nvfly.topk(x, 3, 1, False, True)
+        assert v.shape == (4, 3, 8) and v.dtype == x.dtype and i.dtype == torch.int64
+
+
+@pytest.mark.parametrize("args", [
+    lambda x, w, r: (torch.ops.nvfly.rms_norm.default, (x, [8], w, 1e-6)),
+    lambda x, w, r: (torch.ops.nvfly.rms_norm.default, (x, [6, 8], None, None)),
+    lambda x, w, r: (torch.ops.nvfly.fused_add_rms_norm.default, (x, r, [8], w, 1e-5)),
+    lambda x, w, r: (torch.ops.nvfly.topk.default, (x, 3, -1, True, True)),
+    lambda x, w, r: (torch.ops.nvfly.topk.default, (x, 2, 1, False, True)),
+    lambda x, w, r: (torch.ops.nvfly.rms_norm_backward.default,
+                     (r.detach(), x.detach(), [8], torch.rand(4, 6, 1) + 0.5, w.detach(), None, [True, True])),
+])
+def test_custom_ops_pass_opcheck_on_cpu(args):
+    x = torch.randn(4, 6, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    r = torch.randn(4, 6, 8, requires_grad=True)
+    op, op_args = args(x, w, r)
+    torch.library.opcheck(op, op_args)
+
+
+def test_custom_op_gradients_in_float64():
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: torch.ops.nvfly.rms_norm(a, [5], b, 1e-6)[0], (x, w))
+    assert torch.autograd.gradcheck(lambda a, c, b: torch.ops.nvfly.fused_add_rms_norm(a, c, [5], b, 1e-6)[:2],
+                                    (x, r, w))
+
+
+def test_custom_ops_compute_like_torch_on_cpu():
+    x = torch.randn(5, 64)
+    w = torch.randn(64)
+    y, _ = torch.ops.nvfly.rms_norm(x, [64], w, 1e-6)
+    assert torch.allclose(y, F.rms_norm(x, (64,), w, 1e-6), atol=1e-5)
+    ties = torch.tensor([[1.0, 3.0, 3.0, float("nan"), 2.0, 3.0]])
+    v, i = torch.ops.nvfly.topk(ties, 4)
+    assert i.tolist() == [[3, 1, 2, 5]] and torch.isnan(v[0, 0])
+    v, i = torch.ops.nvfly.topk(ties, 3, largest=False)
+    assert i.tolist() == [[0, 4, 1]]
+
+
+# ---------------------------------------------------------------------------------------------- routing
+def test_routing_switch():
+    assert not routing_enabled()
+    with routing():
+        assert routing_enabled()
+        with routing(False):
+            assert not routing_enabled()
+        assert routing_enabled()
+    assert not routing_enabled()
+    enable_routing()
+    try:
+        assert routing_enabled()
+    finally:
+        disable_routing()
+    assert not routing_enabled()
+
+
+def test_backward_threads_see_the_switch_of_the_thread_that_called_backward():
+    """torch stashes the caller's context for autograd's device threads; routing reads it there."""
+    import contextvars
+    import threading
+    with routing():
+        caller = contextvars.copy_context()
+    seen = []
+
+    def device_thread():
+        seen.append(routing_enabled())
+        torch._C._stash_obj_in_tls("context", caller)
+        try:
+            seen.append(routing_enabled())
+        finally:
+            torch._C._remove_obj_from_tls("context")
+
+    worker = threading.Thread(target=device_thread)
+    worker.start()
+    worker.join()
+    assert seen == [False, True]
+
+
+def test_routing_leaves_cpu_calls_untouched():
+    install_routing()
+    install_routing()  # idempotent
+    assert "aten::topk" in installed() and "aten::_fused_rms_norm" in installed()
+    x = torch.randn(6, 300)
+    w = torch.randn(300)
+    expected = (torch.topk(x, 7), F.rms_norm(x, (300,), w))
+    with routing():
+        got = (torch.topk(x, 7), F.rms_norm(x, (300,), w))
+    assert torch.equal(got[0].values, expected[0].values) and torch.equal(got[0].indices, expected[0].indices)
+    assert torch.equal(got[1], expected[1])
+
+
+def test_routed_implementation_declines_and_survives_failures(caplog):
+    """The routed kernel, driven on CPU with the CPU kernel as its fallthrough: declines and errors use it."""
+    calls = []
+
+    def run(x, k, dim=-1, largest=True, sorted=True):
+        calls.append(k)
+        if k == 3:
+            raise RuntimeError("boom")
+        return torch.zeros(1), torch.zeros(1, dtype=torch.int64)
+
+    route = Route("aten::topk", lambda x, k, *a: None if k != 2 else "k is two", run, "CPU")
+    impl = _routed(route, torch.library.get_kernel("aten::topk", "CPU"))
+    keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    x = torch.randn(2, 10)
+    reference = torch.topk(x, 3)
+    assert torch.equal(impl(keyset, x, 3, -1, True, True)[1], reference.indices)  # switched off: no call
+    assert calls == []
+    with routing(), caplog.at_level(logging.DEBUG, logger="nvfly"):
+        assert impl(keyset, x, 1, -1, True, True)[0].shape == (1,)  # eligible: nvfly's result
+        assert torch.equal(impl(keyset, x, 2, -1, True, True)[1], torch.topk(x, 2).indices)  # declined
+        assert torch.equal(impl(keyset, x, 3, -1, True, True)[1], reference.indices)  # raised: fell back
+    assert calls == [1, 3]
+    assert "k is two" in caplog.text and "boom" in caplog.text
+
+
+def test_register_route_is_a_registry_for_other_ops():
+    from nvfly.torch import routing as routing_module
+    never = lambda *args: "never eligible"  # noqa: E731
+    register_route("nvfly_registry_test_op", never, lambda *args: None)  # never installed: popped below
+    try:
+        (route,) = [r for r in routing_module.routes() if r.op == "aten::nvfly_registry_test_op"]
+        assert route.dispatch_key == "CUDA" and route.eligibility is never
+    finally:
+        routing_module._ROUTES.pop(("aten::nvfly_registry_test_op", "CUDA"))

@@ -11,9 +11,10 @@ from benchmarks.common import bench_ms, rel_err  # noqa: E402
 from nvfly.ops import gemm  # noqa: E402
 from nvfly.ops.gemm_kernel import GemmConfig  # noqa: E402
 
-SHAPES = [(8192, 8192, 8192), (4096, 32768, 512), (1024, 7168, 2048), (4096, 4096, 4096)]
-CONFIGS = [GemmConfig(128, 256, 4, 2), GemmConfig(128, 256, 4, 2, cluster_m=2), GemmConfig(128, 256, 3, 2),
-           GemmConfig(256, 128, 4, 2), GemmConfig(128, 128, 6, 2), GemmConfig(128, 256, 4, 2, group_m=16)]
+SHAPES = [(8192, 8192, 8192), (4096, 32768, 512), (1024, 7168, 2048), (4096, 4096, 4096), (4096, 24576, 1536)]
+CONFIGS = [GemmConfig(128, 256, 4, 2), GemmConfig(128, 256, 3, 2), GemmConfig(128, 256, 4, 2, cluster_m=2),
+           GemmConfig(128, 128, 6, 2, pingpong=True), GemmConfig(64, 256, 5, 2, pingpong=True),
+           GemmConfig(128, 128, 4, 2, pingpong=True)]
 
 
 def main(argv=None) -> int:
@@ -27,7 +28,8 @@ def main(argv=None) -> int:
             out = gemm.matmul(a, b, config=cfg)
             assert rel_err(out, ref) < 1e-2
             ms = bench_ms(lambda: gemm.matmul(a, b, config=cfg, out=out))
-            line.append(f"{cfg.bm}x{cfg.bn}s{cfg.stages}c{cfg.cluster_m}g{cfg.group_m} {2 * m * n * k / ms / 1e9:.0f}")
+            line.append(f"{cfg.bm}x{cfg.bn}s{cfg.stages}c{cfg.cluster_m}{'pp' if cfg.pingpong else ''} "
+                        f"{2 * m * n * k / ms / 1e9:.0f}")
         print(" | ".join(line), flush=True)
     return 0
 

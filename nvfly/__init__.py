@@ -14,7 +14,7 @@ from nvfly.frontend.function import DeviceFunction
 from nvfly.frontend.language import (
     assume_divisible, block_dim, block_idx, block_idx_in_cluster, block_rank_in_cluster, cluster_dim, cluster_idx,
     cos, dynamic_shared_tensor, erf, exp, exp2, fma, grid_dim, lane_idx, linear_thread_idx, log, log2, maximum,
-    minimum, named_barrier, printf, rsqrt, select, shared_tensor, shfl_down, shfl_idx, shfl_up, shfl_xor, sin, sqrt,
+    minimum, named_barrier, named_barrier_arrive, printf, rsqrt, select, shared_tensor, shfl_down, shfl_idx, shfl_up, shfl_xor, sin, sqrt,
     static_range, syncthreads, syncwarp, tanh, thread_idx, threadfence, warp_idx, warp_reduce,
 )
 from nvfly.frontend.spec import Constexpr, TensorAnnotation

@@ -11,7 +11,7 @@ from nvfly.ops.gemm_kernel import GemmConfig
 
 CONFIGS = [GemmConfig(128, 256, 4, 2), GemmConfig(256, 128, 4, 2), GemmConfig(128, 128, 6, 2),
            GemmConfig(64, 256, 4, 1), GemmConfig(64, 16, 7, 1, split_k=4), GemmConfig(128, 64, 7, 2, group_m=16),
-           GemmConfig(128, 256, 4, 2, cluster_m=2)]
+           GemmConfig(128, 256, 4, 2, cluster_m=2), GemmConfig(128, 128, 6, 2, pingpong=True)]
 MAJORS = list(itertools.product(["K", "MN"], ["K", "MN"]))
 
 
@@ -31,7 +31,7 @@ def test_configs_compile_to_hopper_instructions(config):
 def test_every_tile_shape_of_the_space_compiles():
     deepest = {}
     for cfg in gemm.config_space():
-        key = (cfg.bm, cfg.bn, cfg.consumers, cfg.cluster_m)
+        key = (cfg.bm, cfg.bn, cfg.consumers, cfg.cluster_m, cfg.pingpong)
         if key not in deepest or cfg.stages > deepest[key].stages:
             deepest[key] = cfg
     for cfg in deepest.values():

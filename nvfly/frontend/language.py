@@ -199,6 +199,15 @@ def named_barrier(barrier_id: IntLike, num_threads: int) -> None:
 
 
 @traced
+def named_barrier_arrive(barrier_id: IntLike, num_threads: int) -> None:
+    """Arrive on hardware barrier ``barrier_id`` without waiting (``bar.arrive``): signals threads that wait
+    on it with ``named_barrier(barrier_id, num_threads)``."""
+    if num_threads % 32:
+        raise CompileError(f"named_barrier_arrive needs a multiple of 32 threads, got {num_threads}")
+    nvvm.barrier_arrive(constant(num_threads, dtypes.i32).value, barrier_id=as_value(barrier_id, dtypes.i32).value)
+
+
+@traced
 def syncwarp() -> None:
     nvvm.inline_ptx([], [], [], "bar.warp.sync -1;")
 

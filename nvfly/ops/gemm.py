@@ -97,6 +97,11 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
                         cfg = GemmConfig(bm, bn, stages, consumers, group_m, cluster_m=cluster_m)
                         if cfg.check(itemsize) is None:
                             space.append(cfg)
+    for bm, bn in ((128, 128), (64, 256), (128, 64), (64, 128)):
+        for stages in (7, 6, 5, 4):
+            cfg = GemmConfig(bm, bn, stages, 2, pingpong=True)
+            if cfg.check(itemsize) is None:
+                space.append(cfg)
     return space
 
 

@@ -33,7 +33,9 @@ class GemmConfig:
 
     bm x bn: the block's output tile; consumers: consumer warpgroups splitting bm; stages: ring depth;
     group_m: tiles per rasterisation group along M; split_k: K splits (f32 partials reduced afterwards);
-    cluster_m: blocks per cluster along M, which share (multicast) the B tile.
+    cluster_m: blocks per cluster along M, which share (multicast) the B tile; pingpong: the two consumers
+    take alternate whole tiles (bm rows each) and take turns issuing wgmma, so one's epilogue runs under the
+    other's mainloop (instead of both splitting every tile).
     """
     bm: int = 128
     bn: int = 256
@@ -42,6 +44,7 @@ class GemmConfig:
     group_m: int = 8
     split_k: int = 1
     cluster_m: int = 1
+    pingpong: bool = False
 
     def bk(self, itemsize: int) -> int:
         return BK_BYTES // itemsize
@@ -49,9 +52,16 @@ class GemmConfig:
     def smem_bytes(self, itemsize: int) -> int:
         return BARRIER_BYTES + self.stages * (self.bm + self.bn) * self.bk(itemsize) * itemsize
 
+    @property
+    def wg_m(self) -> int:
+        """Rows of the tile one consumer warpgroup computes."""
+        return self.bm if self.pingpong else self.bm // self.consumers
+
     def check(self, itemsize: int, b_major: str = "K") -> Optional[str]:
         """None if this config can be compiled (for a B operand of this major-ness), else why not."""
-        wg_m = self.bm // self.consumers
+        if self.pingpong and (self.consumers != 2 or self.split_k != 1 or self.cluster_m != 1):
+            return "ping-pong needs 2 consumers, no K split and no cluster"
+        wg_m = self.wg_m
         if self.consumers not in (1, 2) or self.bm % self.consumers or wg_m % 64 or wg_m > 128:
             return f"bm={self.bm} with {self.consumers} consumers: each consumer needs 64 or 128 rows"
         if self.bn % 8 or not 8 <= self.bn <= 256:
@@ -118,8 +128,9 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
     size = dtype.itemsize
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
     BK = CFG.bk(size)
-    WG_M = BM // WGS
+    WG_M = CFG.wg_m
     ATOMS_M = WG_M // 64
+    PINGPONG = CFG.pingpong
     BATCHED = a_desc.info.rank == 3
     atom = sm90.WgmmaAtom(BN, dtype, dtype, A_MAJOR, B_MAJOR)
     A_SW = a_desc.info.swizzle
@@ -138,7 +149,7 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
     # with a cluster, a stage is free only when the consumers of every block in it are done: each block's
     # B slice lands in all of them
-    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * WGS * CM)
+    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * (1 if PINGPONG else WGS) * CM)
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
@@ -194,38 +205,54 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
         consumer = wg - 1
+        a_part = 0 if PINGPONG else consumer  # which WG_M-row slice of the A tile this consumer reads
         lane = nvfly.lane_idx()
         warp_in_wg = warp % 4
         state = sm90.PipelineState.start(S)
-        for tile in range(first_tile, num_tiles, tile_step):
+        own_first, own_step = first_tile, tile_step
+        if PINGPONG:
+            # consumer c takes every other tile of this block, starting with its c-th; the ring holds the
+            # other consumer's k-blocks in between
+            state = state.advance_by(consumer * k_tiles)
+            own_first, own_step = first_tile + consumer * tile_step, 2 * tile_step
+        turn = consumer  # ping-pong: the first tile of consumer 0 needs no turn
+        for tile in range(own_first, num_tiles, own_step):
             split = tile % CFG.split_k
             batch, ctm, tn = tile_coords(tile // CFG.split_k, tiles_m, tiles_n, CFG.group_m // CM)
             tm = ctm * CM + rank
             k_begin = split * k_per_split
             k_end = nvfly.minimum(k_begin + k_per_split, k_tiles)
+            if PINGPONG:
+                if turn > 0:
+                    nvfly.named_barrier(2 + consumer, 256)  # wait until the other consumer issued its wgmmas
+                turn = turn + 1
             # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
             accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
             pipe.consumer_wait(state)
-            accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
+            accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, a_part,
                                  (a_lbo, a_sbo, A_SW), (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, True)
             prev = state
             state = state.advance()
             for kt in range(k_begin + 1, k_end):
                 pipe.consumer_wait(state)
-                accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
+                accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, a_part,
                                      (a_lbo, a_sbo, A_SW), (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, False)
                 sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
                 if lane == 0:
                     release(pipe, prev, CM)
                 prev = state
                 state = state.advance()
+            if PINGPONG:
+                nvfly.named_barrier_arrive(3 - consumer, 256)  # the other consumer's turn to issue
             sm90.wait_group(0)
             if lane == 0:
                 release(pipe, prev, CM)
-            row0 = tm * BM + consumer * WG_M + warp_in_wg * 16 + lane // 4
+            if PINGPONG:
+                state = state.advance_by(k_tiles)  # skip the other consumer's next tile
+            row0 = tm * BM + (0 if PINGPONG else consumer * WG_M) + warp_in_wg * 16 + lane // 4
             col0 = tn * BN + 2 * (lane % 4)
             out_batch = batch * CFG.split_k + split if EPI.partial else batch
-            inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
+            inside = (tm * BM + (WG_M if PINGPONG else (consumer + 1) * WG_M) <= m) & (tn * BN + BN <= n)
             if inside:
                 store_tile(out, c_in, accs, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, False)
             else:

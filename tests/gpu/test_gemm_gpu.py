@@ -79,7 +79,8 @@ def test_small_m_swaps_and_splits(hopper, m, nk):
 @pytest.mark.parametrize("config", [GemmConfig(128, 128, 6, 2), GemmConfig(256, 128, 4, 2),
                                     GemmConfig(64, 256, 4, 1), GemmConfig(128, 64, 7, 2, split_k=3),
                                     GemmConfig(128, 256, 3, 2, group_m=16), GemmConfig(128, 256, 4, 2, cluster_m=2),
-                                    GemmConfig(128, 128, 6, 2, cluster_m=2, group_m=4)])
+                                    GemmConfig(128, 128, 6, 2, cluster_m=2, group_m=4),
+                                    GemmConfig(128, 128, 6, 2, pingpong=True), GemmConfig(64, 256, 5, 2, pingpong=True)])
 def test_configs(hopper, config):
     # 777 rows: an odd number of 128-row tiles, so a cluster's second block sometimes has no rows
     a = torch.randn(777, 1536, device="cuda").to(torch.bfloat16)

@@ -36,6 +36,11 @@ class PipelineState:
         wrap = nxt == self.stages
         return PipelineState(select(wrap, 0, nxt), select(wrap, self.phase ^ 1, self.phase), self.stages)
 
+    def advance_by(self, steps: Any) -> "PipelineState":
+        """The state ``steps`` positions further (``steps`` may be traced)."""
+        total = self.stage + steps
+        return PipelineState(total % self.stages, self.phase ^ ((total // self.stages) & 1), self.stages)
+
     def __nvfly_flatten__(self) -> tuple[list[ir.Value], Callable[[Sequence[ir.Value]], "PipelineState"]]:
         stages = self.stages
         return ([as_value(self.stage, dtypes.i32).value, as_value(self.phase, dtypes.i32).value],

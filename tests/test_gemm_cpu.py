@@ -76,7 +76,7 @@ def test_plans_and_descriptors_for_every_layout(mnk, majors):
 
 
 def test_heuristic_prefers_big_tiles_and_splits_long_k():
-    assert gemm.default_config(8192, 8192, 8192) == GemmConfig(128, 256, 4, 2)
+    assert gemm.default_config(8192, 8192, 8192) == GemmConfig(128, 128, 6, 2, pingpong=True)
     small = gemm.default_config(128, 1024, 16384)
     assert small.split_k > 1
     swapped = gemm.small_m_config(16, 4096, 4096, 1, 2, 132)

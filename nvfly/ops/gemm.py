@@ -122,9 +122,12 @@ def _max_stages(bm: int, bn: int, itemsize: int) -> int:
     return stages
 
 
-# relative throughput of a block tile (consumer wgmma size and operand reuse); 128x256 is the reference
-_TILE_EFFICIENCY = {(128, 256, 2): 1.0, (256, 128, 2): 0.97, (128, 128, 2): 0.88, (64, 256, 1): 0.72,
-                    (128, 128, 1): 0.7, (64, 128, 1): 0.6, (128, 64, 2): 0.65, (64, 64, 1): 0.45}
+# candidate tiles and their relative throughput per output element, measured on the H200
+# (benchmarks/gemm_configs.py): the 128x128 ping-pong tile hides its epilogue and wins on short and mid K; the
+# 128x256 cooperative tile matches it on long K
+_TILES = ((GemmConfig(128, 128, 6, 2, pingpong=True), 1.0), (GemmConfig(128, 256, 4, 2), 0.97),
+          (GemmConfig(256, 128, 4, 2), 0.94), (GemmConfig(64, 256, 4, 1), 0.7),
+          (GemmConfig(64, 128, 7, 1), 0.6), (GemmConfig(64, 64, 7, 1), 0.45))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -133,20 +136,21 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
     and tile efficiency, and K splits when there are few output tiles but long K."""
     best: Optional[tuple[float, GemmConfig]] = None
     k_tiles = math.ceil(k / (128 // itemsize))
-    for (bm, bn, consumers), eff in _TILE_EFFICIENCY.items():
-        tiles = math.ceil(m / bm) * math.ceil(n / bn) * batches
-        # padded work over the SMs, in units of one 128x256 tile's k-block
-        waves = math.ceil(tiles / sms)
-        cost = waves * (bm * bn) / (128 * 256) / eff
+    for cfg, eff in _TILES:
+        tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
+        # padded work over the SMs, in units of one 128x128 tile
+        cost = math.ceil(tiles / sms) * (cfg.bm * cfg.bn) / (128 * 128) / eff
         if best is None or cost < best[0] - 1e-9:
-            best = (cost, GemmConfig(bm, bn, _max_stages(bm, bn, itemsize), consumers))
+            best = (cost, replace(cfg, stages=min(cfg.stages, _max_stages(cfg.bm, cfg.bn, itemsize))))
     assert best is not None
     cfg = best[1]
     tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
     if tiles * 2 <= sms and k_tiles >= 16:
         split = min(max(1, sms // tiles), k_tiles // 8, 16)
         if split > 1:
-            return replace(cfg, split_k=split)
+            # split-K runs the cooperative schedule (ping-pong needs whole tiles per consumer)
+            return replace(cfg, split_k=split, pingpong=False,
+                           consumers=1 if cfg.bm == 64 else 2)
     # 2-block clusters multicasting B (cluster_m=2) measured within noise of cluster_m=1 on the H200
     # (benchmarks/gemm_configs.py), so the heuristic leaves them to the autotuner
     return cfg

@@ -1,5 +1,5 @@
 """``nvfly`` command line: ``demo`` compiles (and, with a GPU, runs and checks) the examples and kernel library;
-``bench SUITE`` runs a benchmark suite from ``benchmarks/``."""
+``bench SUITE`` runs a benchmark suite from ``benchmarks/``; ``explain M N K`` shows how a GEMM is served."""
 from __future__ import annotations
 
 import argparse
@@ -100,7 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="run benchmarks/<suite>.py")
     bench.add_argument("suite")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    explain = sub.add_parser("explain", add_help=False,
+                             help="for a GEMM shape: nvfly's candidates, their times, the winner, why nvfly lost")
+    explain.add_argument("rest", nargs=argparse.REMAINDER)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "explain":  # its options (and --help) are nvfly.torch.explain's
+        from nvfly.torch.explain import main as explain_main
+        return explain_main(unknown + args.rest)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "demo":
         return cmd_demo(args)
     return cmd_bench(args)

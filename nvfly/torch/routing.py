@@ -236,8 +236,8 @@ class _RoutingModule(types.ModuleType):
 
 @contextlib.contextmanager
 def _routing_with_backward(enabled: bool) -> Iterator[None]:
-    with routing(enabled), torch.autograd.set_multithreading_enabled(not enabled) if enabled else \
-            contextlib.nullcontext():
+    backward_here = torch.autograd.set_multithreading_enabled(False) if enabled else contextlib.nullcontext()
+    with routing(enabled), backward_here:
         yield
 
 

@@ -1,0 +1,376 @@
+"""nvfly's GEMM autotuner and its database, the candidate configs offered to Inductor, and the eager GEMM routes.
+
+    nvfly.torch.autotune([(4096, 14336, 4096), (16, 4096, 4096)])   # on the GPU; a progress bar shows
+    nvfly.torch.database().lookup(workload.key())                     # best config, its time, torch's time
+
+The database is one JSON file per card name and nvfly version under the nvfly cache folder
+(``<cache_dir>/autotune/gemm-<card>-nvfly-<version>.json``). It maps a workload's shape class
+(``Workload.key()``: dtypes, power-of-two buckets of B, M, N, K, operand majors) to the best config string, the
+time of every config tried and torch's time for the same shape; it is rewritten atomically under a file lock,
+merging what other processes wrote. Inductor's candidates are the heuristic's ("auto") plus the database's best
+plus a few variants of the heuristic's config; eager routing sends a GEMM to nvfly only where the database says
+nvfly is faster than torch.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import fcntl
+import functools
+import json
+import logging
+import os
+import re
+import statistics
+import tempfile
+import threading
+from dataclasses import replace
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from nvfly import settings
+from nvfly.ops import gemm
+from nvfly.ops.gemm_kernel import GemmConfig
+from nvfly.torch import routing
+from nvfly.torch.gemm_ops import (AUTO, Decision, Workload, analyze, encode_config, nvfly_gemm, precompile, record,
+                                  signature)
+from nvfly.version import __version__
+
+log = logging.getLogger("nvfly")
+
+TORCH = "torch"  # the name of torch's own kernel in an entry's times
+
+
+# ---------------------------------------------------------------------------------------------- database
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """The autotuning result of one shape class: the best nvfly config, every config's median time (ms), torch's
+    time, and the shape (batches, m, n, k) that was measured."""
+    key: str
+    shape: tuple[int, int, int, int]
+    best: str
+    times_ms: dict[str, float]
+    torch_ms: Optional[float]
+    date: str
+
+    @property
+    def best_ms(self) -> float:
+        return self.times_ms[self.best]
+
+    @property
+    def nvfly_faster(self) -> bool:
+        return self.torch_ms is not None and self.best_ms < self.torch_ms
+
+    def ranked(self) -> list[str]:
+        """The configs tried, fastest first."""
+        return sorted(self.times_ms, key=self.times_ms.__getitem__)
+
+
+class Database:
+    """The autotune database of one card (see the module docstring); thread-safe, shared between processes."""
+
+    def __init__(self, path: str, card: str):
+        self.path = path
+        self.card = card
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = self._read()
+
+    def __repr__(self) -> str:
+        return f"<nvfly autotune database {self.path} ({len(self._entries)} entries)>"
+
+    def lookup(self, key: str) -> Optional[Entry]:
+        return self._entries.get(key)
+
+    def entries(self) -> list[Entry]:
+        return list(self._entries.values())
+
+    def update(self, entries: Iterable[Entry]) -> None:
+        """Add or replace entries, here and on disk (merged with the file's current contents)."""
+        new = {e.key: e for e in entries}
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with self._lock, open(self.path + ".lock", "w") as lock_file:
+            fcntl.flock(lock_file, fcntl.LOCK_EX)  # other processes merge their entries in turn
+            merged = {**self._read(), **new}
+            doc = {"card": self.card, "nvfly": __version__,
+                   "entries": {k: dataclasses.asdict(e) for k, e in sorted(merged.items())}}
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(self.path), prefix=".autotune-")
+            with os.fdopen(fd, "w") as f:
+                json.dump(doc, f, indent=1)
+            os.replace(tmp, self.path)  # readers see the old file or the new one, never a partial one
+            self._entries = merged
+        _EAGER.clear()
+
+    def _read(self) -> dict[str, Entry]:
+        try:
+            with open(self.path) as f:
+                doc = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("nvfly: ignoring the unreadable autotune database %s: %s", self.path, exc)
+            return {}
+        return {k: Entry(**{**e, "shape": tuple(e["shape"])}) for k, e in doc.get("entries", {}).items()}
+
+
+def database_path(card: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9]+", "_", card).strip("_") or "unknown"
+    return os.path.join(settings.get("cache_dir"), "autotune", f"gemm-{slug}-nvfly-{__version__}.json")
+
+
+@functools.lru_cache(maxsize=None)
+def _database(path: str, card: str) -> Database:
+    return Database(path, card)
+
+
+def database(device: Optional[int] = None) -> Database:
+    """The database of a CUDA device's card (the current device by default)."""
+    card = torch.cuda.get_device_name(device)
+    return _database(database_path(card), card)
+
+
+# ---------------------------------------------------------------------------------------------- candidates
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    config: str
+    source: str  # "heuristic", "database" or "variant"
+
+
+def _small_m(w: Workload) -> bool:
+    # where nvfly's host swaps A and B on its own: small M becomes wgmma's N
+    return w.m <= 64 < w.n
+
+
+def _variants(w: Workload, sms: int) -> list[str]:
+    """Configs near the heuristic's choice: other large tiles (or, for small M, other splits of K), which the
+    heuristic's cost model ranks close."""
+    if _small_m(w):
+        base = gemm.small_m_config(w.m, w.n, w.k, w.batches, w.itemsize, sms)
+        splits = sorted({max(1, base.split_k // 2), base.split_k * 2} - {base.split_k})  # base itself is "auto"
+        options = [replace(base, split_k=s) for s in splits]
+        options.append(replace(base, bm=128, consumers=2) if base.bm == 64 else replace(base, bm=64, consumers=1))
+        return [encode_config(c, swap=True) for c in options if c.check(w.itemsize) is None]
+    base = gemm.default_config(w.m, w.n, w.k, w.batches, w.itemsize, sms)
+    tiles = [(128, 256, 2), (256, 128, 2), (128, 128, 2)]
+    options = [replace(base, bm=bm, bn=bn, consumers=c) for bm, bn, c in tiles if (bm, bn) != (base.bm, base.bn)]
+    options.append(replace(base, group_m=16 if base.group_m == 8 else 8))
+    return [encode_config(c) for c in (_deepest_ring(c, w.itemsize) for c in options) if c is not None]
+
+
+def _deepest_ring(cfg: GemmConfig, itemsize: int) -> Optional[GemmConfig]:
+    """The config with the most stages that still compiles (None if none does)."""
+    for stages in range(7, 1, -1):
+        if replace(cfg, stages=stages).check(itemsize) is None:
+            return replace(cfg, stages=stages)
+    return None
+
+
+def candidates(w: Workload, entry: Optional[Entry] = None, limit: Optional[int] = 4,
+               sms: int = 132) -> list[Candidate]:
+    """A few configs worth benchmarking for a workload (not the whole space): nvfly's heuristic, the database's
+    two fastest for its shape class, then variants of the heuristic's config; at most ``limit``."""
+    found = [Candidate(AUTO, "heuristic")]
+    if entry is not None:
+        found += [Candidate(c, "database") for c in entry.ranked()[:2]]
+    found += [Candidate(c, "variant") for c in _variants(w, sms)]
+    unique: dict[str, Candidate] = {}
+    for c in found:
+        unique.setdefault(c.config, c)
+    return list(unique.values())[:limit]
+
+
+def search_space(w: Workload, space: str = "pruned", sms: int = 132) -> list[str]:
+    """The configs the autotuner times for a workload: the candidates plus, from ``gemm.config_space``, every
+    config ("full") or the deepest ring of every other kind of config ("pruned"); for small M on the swapped
+    problem, with a tile that spans M."""
+    if space not in ("pruned", "full"):
+        raise ValueError(f"space: expected 'pruned' or 'full', got {space!r}")
+    pool = gemm.config_space(w.dtype)
+    if space == "pruned":
+        deepest: dict[GemmConfig, GemmConfig] = {}
+        for cfg in pool:
+            kind = replace(cfg, stages=0)  # the config but its ring depth
+            if cfg.group_m == 8 and (kind not in deepest or cfg.stages > deepest[kind].stages):
+                deepest[kind] = cfg
+        pool = list(deepest.values())
+    if _small_m(w):
+        span = gemm.small_m_config(w.m, w.n, w.k, w.batches, w.itemsize, sms).bn
+        extra = [encode_config(c, swap=True) for c in pool if c.bn == span]
+    else:
+        extra = [encode_config(c) for c in pool]
+    return list(dict.fromkeys([c.config for c in candidates(w, None, None, sms)] + extra))
+
+
+# ---------------------------------------------------------------------------------------------- autotuner
+def _matrix(batches: int, rows: int, cols: int, dtype: torch.dtype, last_contiguous: bool,
+            device: torch.device) -> Tensor:
+    """A [(batches,) rows, cols] random matrix whose last dimension is contiguous, or whose rows are."""
+    shape = (batches, rows, cols) if last_contiguous else (batches, cols, rows)
+    t = torch.randn(shape, device=device).to(dtype)
+    t = t if last_contiguous else t.transpose(-1, -2)
+    return t if batches > 1 else t[0]
+
+
+def make_operands(w: Workload, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Random A [(B,) M, K] and B [(B,) K, N] with the workload's majors."""
+    return (_matrix(w.batches, w.m, w.k, w.dtype, w.a_major == "K", device),
+            _matrix(w.batches, w.k, w.n, w.dtype, w.b_major == "MN", device))
+
+
+class _Timer:
+    """Median GPU time of a callable with CUDA events, L2 flushed before each timed call."""
+
+    def __init__(self, device: torch.device, target_ms: float):
+        self.flush = torch.empty(64 << 20, dtype=torch.int32, device=device)  # 256 MB, larger than L2
+        self.target_ms = target_ms
+
+    def __call__(self, fn: Any) -> float:
+        fn()
+        torch.cuda.synchronize()
+        times = [self._once(fn) for _ in range(3)]
+        for _ in range(int(min(100, max(0, self.target_ms / max(min(times), 1e-3) - 3)))):
+            times.append(self._once(fn))
+        return statistics.median(times)
+
+    def _once(self, fn: Any) -> float:
+        self.flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def autotune(shapes: Iterable[Sequence[int]], *, dtype: torch.dtype = torch.bfloat16,
+             majors: Sequence[tuple[str, str]] = (("K", "K"),), space: str = "pruned",
+             device: Optional[int] = None, db: Optional[Database] = None, progress: bool = True,
+             target_ms: float = 50.0) -> list[Entry]:
+    """Time nvfly configs and torch for each shape ((m, n, k) or (batches, m, n, k)) and operand majors
+    (("K" or "MN" for A, same for B)), keep the winners in the database and return the new entries.
+
+    Candidates are compiled in parallel first; configs that fail to compile or run are dropped."""
+    from rich.progress import Progress
+
+    device = torch.cuda.current_device() if device is None else device
+    dev = torch.device("cuda", device)
+    db = db or database(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    timer = _Timer(dev, target_ms)
+    entries = []
+    jobs = [((1, *s) if len(s) == 3 else tuple(s), m) for s in shapes for m in majors]
+    with Progress(disable=not progress, transient=False) as bar:
+        task = bar.add_task("nvfly autotune", total=len(jobs))
+        for (batches, m, n, k), (a_major, b_major) in jobs:
+            a, b = make_operands(Workload(batches, m, n, k, dtype, dtype, a_major, b_major), dev)
+            w, reason = analyze(a, b)
+            if w is None:
+                record(Decision.of("autotune", "mm", a, b, reason=reason))
+                bar.advance(task)
+                continue
+            bar.update(task, description=f"nvfly autotune {w}")
+            try:
+                entries.append(measure(w, a, b, search_space(w, space, sms), timer))
+            except RuntimeError as exc:  # every config failed: nothing to store for this shape
+                record(Decision.of("autotune", "mm", a, b, reason=str(exc)))
+            bar.advance(task)
+    db.update(entries)
+    return entries
+
+
+def measure(w: Workload, a: Tensor, b: Tensor, configs: Sequence[str], timer: Optional[_Timer] = None) -> Entry:
+    """Compile ``configs`` for ``a @ b`` in parallel, then time each one and torch (an entry not yet stored);
+    configs that fail to compile or run are left out."""
+    timer = timer or _Timer(a.device, 50.0)
+    out = torch.empty((*a.shape[:-1], b.shape[-1]), dtype=a.dtype, device=a.device)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(configs))) as pool:
+        compiled = dict(zip(configs, pool.map(lambda c: _try(precompile, a, b, config=c), configs)))
+    times: dict[str, float] = {}
+
+    def time_config(config: str) -> None:
+        times[config] = timer(lambda: nvfly_gemm(a, b, out=out, config=config))
+
+    for config, error in compiled.items():
+        error = error or _try(time_config, config)
+        if error:
+            log.debug("nvfly: autotune %s: dropped %s: %s", w, config, error)
+    with routing.routing(False):
+        torch_ms = timer(lambda: torch.matmul(a, b, out=out))
+    if not times:
+        raise RuntimeError(f"nvfly autotune {w}: every config failed to compile or run")
+    best = min(times, key=times.__getitem__)
+    return Entry(w.key(), (w.batches, w.m, w.n, w.k), best, times, torch_ms,
+                 datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def _try(fn: Any, *args: Any, **kwargs: Any) -> Optional[str]:
+    """None if ``fn`` ran, else the error it raised, as text."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- eager routes
+_EAGER: dict[tuple, tuple[Optional[str], str]] = {}  # operand signature -> (why torch runs it, nvfly config)
+
+
+def _eager(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, out: Optional[Tensor] = None,
+           beta: Any = 1, alpha: Any = 1) -> tuple[Optional[str], str]:
+    """(None, config) when the database says nvfly beats torch on these operands, else (why not, "")."""
+    key = (signature(a, b, c), None if out is None else (out.shape, out.dtype), type(beta), type(alpha))
+    hit = _EAGER.get(key)
+    if hit is None:
+        config = ""
+        w, reason = analyze(a, b, c)
+        if w is not None:
+            expected = (*a.shape[:-1], b.shape[-1])
+            if isinstance(beta, complex) or isinstance(alpha, complex):
+                reason = "complex alpha or beta"
+            elif out is not None and (tuple(out.shape) != expected or out.dtype != a.dtype):
+                reason = f"out= is a {out.dtype} tensor of shape {tuple(out.shape)} (torch resizes or casts it)"
+            else:
+                reason, config = _expected_faster(w, a.device.index)
+        record(Decision.of("eager", op, a, b, reason=reason, candidates=(config,) if config else ()))
+        if len(_EAGER) >= 4096:
+            _EAGER.clear()
+        hit = _EAGER[key] = (reason, config)
+    return hit
+
+
+def _expected_faster(w: Workload, device: int) -> tuple[Optional[str], str]:
+    entry = database(device).lookup(w.key())
+    if entry is None:
+        return f"no autotune entry for {w.key()} (run nvfly.torch.autotune on this shape)", ""
+    if not entry.nvfly_faster:
+        return (f"torch is faster for {w.key()}: {entry.torch_ms:.4f} ms vs nvfly {entry.best_ms:.4f} ms "
+                f"({entry.best})"), ""
+    return None, entry.best
+
+
+def _route(op: str, with_c: bool) -> tuple[Any, Any]:
+    """(eligibility, run) of an aten GEMM overload; with_c: its first argument is the added matrix."""
+    def split(args: tuple, kwargs: dict) -> tuple:
+        c, a, b = args[:3] if with_c else (None, *args[:2])
+        return c, a, b, kwargs.get("out"), kwargs.get("beta", 1), kwargs.get("alpha", 1)
+
+    def eligibility(*args: Any, **kwargs: Any) -> Optional[str]:
+        c, a, b, out, beta, alpha = split(args, kwargs)
+        return _eager(op, a, b, c, out, beta, alpha)[0]
+
+    def run(*args: Any, **kwargs: Any) -> Tensor:
+        c, a, b, out, beta, alpha = split(args, kwargs)
+        config = _eager(op, a, b, c, out, beta, alpha)[1]
+        return nvfly_gemm(a, b, c, alpha=float(alpha), beta=float(beta), out=out, config=config)
+
+    return eligibility, run
+
+
+def register_routes() -> None:
+    """Register (again) the GEMM routes with nvfly.torch.routing: mm, bmm, addmm, baddbmm and their out= forms."""
+    for op, with_c in (("mm", False), ("bmm", False), ("addmm", True), ("baddbmm", True)):
+        for overload in (op, f"{op}.out"):
+            routing.register_route(f"aten::{overload}", *_route(op, with_c))

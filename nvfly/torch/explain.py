@@ -1,0 +1,153 @@
+"""``nvfly explain``: for one GEMM shape, whether nvfly can run it, the candidates Inductor would benchmark, their
+times (from the autotune database, or measured now), the winner, and why nvfly was declined or lost.
+
+    print(nvfly.torch.explain(16, 4096, 4096))                 # no GPU needed (then nothing is measured)
+    print(nvfly.torch.explain(16, 4096, 4096, benchmark=True))  # times the candidates and torch on the GPU
+    $ nvfly explain 16 4096 4096 --benchmark
+
+It also lists what Inductor, eager routing and the nvfly ops decided for that shape in this process.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+from typing import Any, Optional, Sequence
+
+import torch
+
+from nvfly.torch.autotune import Candidate, Entry, TORCH, candidates, database, make_operands, measure
+from nvfly.torch.gemm_ops import Decision, TensorInfo, Workload, analyze, decisions
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass
+class Explanation:
+    """What nvfly does with one GEMM shape (see the module docstring); ``str()`` renders it as a report."""
+    workload: Workload
+    declined: Optional[str]
+    candidates: list[Candidate]
+    entry: Optional[Entry]
+    measured: Optional[Entry]
+    decisions: list[Decision]
+
+    @property
+    def times(self) -> Optional[Entry]:
+        """The measurement the verdict rests on: this run's, else the database's."""
+        return self.measured or self.entry
+
+    def verdict(self) -> str:
+        if self.declined:
+            return f"nvfly is declined: {self.declined}"
+        times = self.times
+        if times is not None and times.torch_ms is not None:
+            source = "measured now" if self.measured else "autotune database"
+            if times.nvfly_faster:
+                return (f"nvfly wins ({source}): {times.best} {times.best_ms:.4f} ms vs torch {times.torch_ms:.4f} ms "
+                        f"({times.torch_ms / times.best_ms:.2f}x)")
+            return (f"nvfly loses ({source}): its best, {times.best}, takes {times.best_ms:.4f} ms, torch "
+                    f"{times.torch_ms:.4f} ms ({times.best_ms / times.torch_ms:.2f}x slower)")
+        won = [d for d in self.decisions if d.winner]
+        if won:
+            return f"Inductor picked {won[-1].winner} (no nvfly timing stored for this shape class)"
+        return "not measured: pass benchmark=True (--benchmark) on a GPU, or run nvfly.torch.autotune"
+
+    def to_dict(self) -> dict[str, Any]:
+        w = self.workload
+        return {"shape": {"batches": w.batches, "m": w.m, "n": w.n, "k": w.k}, "dtype": str(w.dtype),
+                "majors": [w.a_major, w.b_major], "key": w.key(), "declined": self.declined,
+                "candidates": [dataclasses.asdict(c) for c in self.candidates],
+                "database": dataclasses.asdict(self.entry) if self.entry else None,
+                "measured": dataclasses.asdict(self.measured) if self.measured else None,
+                "decisions": [dataclasses.asdict(d) for d in self.decisions], "verdict": self.verdict()}
+
+    def __str__(self) -> str:
+        from rich.console import Console
+        from rich.table import Table
+
+        buffer = io.StringIO()
+        console = Console(file=buffer, width=130, no_color=True)
+        console.print(f"GEMM {self.workload} (shape class {self.workload.key()})")
+        console.print(f"eligibility: {self.declined or 'eligible'}")
+        table = Table(title="candidates (what Inductor benchmarks beside ATen and Triton)")
+        for column in ("config", "source", "database ms", "measured ms"):
+            table.add_column(column)
+        rows = [(c.config, c.source) for c in self.candidates] + [(TORCH, "torch (cuBLAS)")]
+        for config, source in rows:
+            table.add_row(config, source, _ms(self.entry, config), _ms(self.measured, config))
+        console.print(table)
+        for d in self.decisions:
+            outcome = [f"candidates {', '.join(d.candidates)}"] if d.candidates else []
+            outcome += [f"winner {d.winner}"] if d.winner else []
+            outcome += [d.reason] if d.reason else []
+            console.print(f"{d.where} {d.op} {d.problem}: {'; '.join(outcome)}")
+            for name, ms in sorted(d.timings_ms.items(), key=lambda item: item[1]):
+                console.print(f"    {ms:9.4f} ms  {name}")
+        console.print(f"verdict: {self.verdict()}")
+        return buffer.getvalue()
+
+
+def _ms(entry: Optional[Entry], config: str) -> str:
+    if entry is None:
+        return ""
+    ms = entry.torch_ms if config == TORCH else entry.times_ms.get(config)
+    return "" if ms is None else f"{ms:.4f}"
+
+
+def explain(m: int, n: int, k: int, *, batches: int = 1, dtype: torch.dtype = torch.bfloat16,
+            majors: tuple[str, str] = ("K", "K"), benchmark: bool = False, device: Optional[int] = None,
+            max_candidates: int = 4) -> Explanation:
+    """Explain what nvfly does with ``[batches x] m x n x k`` (A: [M, K], B: [K, N], each "K"- or "MN"-major:
+    ("K", "K") is x @ W^T of a Linear layer). ``benchmark`` times the candidates and torch now (GPU only)."""
+    a_major, b_major = majors
+    w = Workload(batches, m, n, k, dtype, dtype, a_major, b_major)
+    gpu = torch.cuda.is_available()
+    device = (torch.cuda.current_device() if device is None else device) if gpu else 0
+    declined = _eligibility(w, device) if gpu else "no CUDA GPU in this process (eligibility not checked)"
+    entry = database(device).lookup(w.key()) if gpu else None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if gpu else 132
+    found = candidates(w, entry, max_candidates, sms)
+    measured = None
+    if benchmark and not declined:
+        a, b = make_operands(w, torch.device("cuda", device))
+        measured = measure(w, a, b, [c.config for c in found])
+    shape = (batches, m, n, k)
+    return Explanation(w, declined, found, entry, measured, [d for d in decisions() if d.shape == shape])
+
+
+def _eligibility(w: Workload, device: int) -> Optional[str]:
+    """Why nvfly declines operands of this shape and majors (aligned, densely packed), or None."""
+    dev = torch.device("cuda", device)
+
+    def info(rows: int, cols: int, rows_contiguous: bool) -> TensorInfo:
+        strides = (1, rows) if rows_contiguous else (cols, 1)
+        batch = ((w.batches,), (rows * cols,)) if w.batches > 1 else ((), ())
+        return TensorInfo(batch[0] + (rows, cols), batch[1] + strides, w.dtype, dev)
+
+    a = info(w.m, w.k, w.a_major == "MN")
+    b = info(w.k, w.n, w.b_major == "K")
+    return analyze(a, b)[1]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``nvfly explain M N K [--batches B] [--dtype bf16|fp16] [--majors K,K] [--benchmark] [--json]``."""
+    p = argparse.ArgumentParser(prog="nvfly explain", description=__doc__.split("\n\n")[0])
+    p.add_argument("m", type=int)
+    p.add_argument("n", type=int)
+    p.add_argument("k", type=int)
+    p.add_argument("--batches", type=int, default=1)
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+    p.add_argument("--majors", default="K,K", help="A and B majors, each K or MN (K,K: x @ W^T of a Linear)")
+    p.add_argument("--benchmark", action="store_true", help="time the candidates and torch now (GPU)")
+    p.add_argument("--device", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    majors = tuple(args.majors.upper().split(","))
+    if len(majors) != 2 or any(x not in ("K", "MN") for x in majors):
+        p.error(f"--majors: expected two of K/MN separated by a comma, got {args.majors!r}")
+    result = explain(args.m, args.n, args.k, batches=args.batches, dtype=_DTYPES[args.dtype],
+                     majors=majors, benchmark=args.benchmark, device=args.device)
+    print(json.dumps(result.to_dict(), indent=1, default=str) if args.json else result)
+    return 0

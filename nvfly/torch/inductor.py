@@ -1,0 +1,376 @@
+"""nvfly as a GEMM backend of TorchInductor's max-autotune, without patching torch.
+
+    nvfly.torch.install()                                   # explicit; nvfly.torch.uninstall() undoes it
+    model = torch.compile(model, mode="max-autotune")       # mm / addmm / bmm / baddbmm: ATen, Triton, nvfly
+
+How a GEMM flows (torch 2.11 and 2.13 alike):
+1. Inductor's lowering of aten.mm/addmm/bmm/baddbmm asks ``V.choices.get_template_configs`` for choices. nvfly
+   installs ``config.inductor_choices_class`` (a subclass of ``InductorChoices``) and, in the call that carries
+   the ATen choice, appends its own. When another choices class already holds that slot, nvfly adds its choices
+   from an ``add_preprocessing_fn`` hook instead, reading the ATen choice's inputs and layout.
+2. Workload analysis: static sizes, strides, dtypes and alignment of the IR inputs go through the same
+   eligibility as eager calls (``gemm_ops.analyze``); a decline is logged and recorded for ``explain``.
+3. Candidates: nvfly's heuristic ("auto"), the autotune database's best for the shape class and a few variants
+   (``autotune.candidates``), each an extern choice calling ``nvfly_gemm`` with a config string. They start
+   compiling in a thread pool right away (``precompile``); a config that fails to compile is dropped.
+4. Inductor benchmarks them beside ATen and Triton. A winning nvfly choice is emitted as a call of the custom
+   op ``torch.ops.nvfly.mm_out`` / ``addmm_out`` with its config string.
+
+Caching: a choice's ``hash_key()`` is its op, config and ``uuid()`` (nvfly's toolchain fingerprint, which
+includes nvfly's version and source hash, plus the codegen settings), identical across processes, so Inductor's
+autotune cache hits. The FX-graph cache key includes the choices class's ``uuid()`` from torch 2.12 on; where it
+does not (2.11), or when the preprocessing hook is used, nvfly chains a no-op ``post_grad_custom_post_pass``
+whose ``uuid()`` is the same.
+
+Fallback: an analysis error declines the GEMM; a compile error drops the candidate; a benchmark error becomes a
+RuntimeError, which Inductor turns into an infinite time; a launch error inside the compiled model makes the op
+compute with torch. ATen must stay in ``max_autotune_gemm_backends`` (the default): it is the fallback.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import inspect
+import json
+import logging
+from typing import Any, Callable, NoReturn, Optional, Sequence
+
+import sympy
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.choices import InductorChoices
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.select_algorithm import (ExternKernelCaller, ExternKernelChoice, add_feedback_saver,
+                                              add_preprocessing_fn)
+
+from nvfly import settings
+from nvfly.compiler import toolchain
+from nvfly.torch.autotune import candidates, database
+from nvfly.torch.gemm_ops import Decision, TensorInfo, Workload, analyze, nvfly_gemm, precompile, record
+
+log = logging.getLogger("nvfly")
+
+# aten op (the ATen extern choice's name) -> nvfly out-variant op; the last input pair is (A, B), a first one C
+_OPS = {"mm": "mm_out", "bmm": "mm_out", "addmm": "addmm_out", "baddbmm": "addmm_out"}
+
+
+@dataclasses.dataclass
+class _State:
+    active: bool = False
+    max_candidates: int = 4
+    prior_choices: Optional[Callable[[], Any]] = None  # the choices factory nvfly replaced
+    via_preprocessing: bool = False
+    hooks_registered: bool = False  # the feedback saver and preprocessing hook (they cannot be removed)
+
+
+_STATE = _State()
+_POOL: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+# ---------------------------------------------------------------------------------------------- install
+def install(*, max_candidates: int = 4) -> None:
+    """Make nvfly a candidate of every max-autotune GEMM compiled from now on (``max_candidates`` configs each)."""
+    if _STATE.active:
+        uninstall()
+    _STATE.max_candidates = max_candidates
+    current = inductor_config.inductor_choices_class
+    _STATE.via_preprocessing = current is not None
+    _STATE.prior_choices = current
+    if not _STATE.hooks_registered:
+        add_feedback_saver(_record_timings)
+        add_preprocessing_fn(_preprocess)
+        _STATE.hooks_registered = True
+    _STATE.active = True
+    if _STATE.via_preprocessing:
+        log.info("nvfly: inductor_choices_class is taken (%s): adding nvfly's GEMM choices from a preprocessing "
+                 "hook", current)
+    else:
+        inductor_config.inductor_choices_class = choices_factory
+        _set_thread_choices(NvflyChoices())
+    if _STATE.via_preprocessing or not _choices_uuid_in_graph_key():
+        inductor_config.post_grad_custom_post_pass = CacheKeyPass(inductor_config.post_grad_custom_post_pass)
+
+
+def uninstall() -> None:
+    """Stop adding nvfly choices (graphs compiled before keep calling nvfly's ops, which stay registered)."""
+    global _POOL
+    if not _STATE.active:
+        return
+    _STATE.active = False
+    if inductor_config.inductor_choices_class is choices_factory:
+        inductor_config.inductor_choices_class = _STATE.prior_choices
+        _set_thread_choices(_STATE.prior_choices() if _STATE.prior_choices else InductorChoices())
+    current = inductor_config.post_grad_custom_post_pass
+    if isinstance(current, CacheKeyPass):
+        inductor_config.post_grad_custom_post_pass = current.prior
+    if _POOL is not None:
+        _POOL.shutdown(wait=False)
+        _POOL = None
+
+
+def installed() -> bool:
+    return _STATE.active
+
+
+def uuid() -> str:
+    """What decides the code nvfly's choices generate: toolchain and sources, codegen settings, nvfly's options."""
+    blob = json.dumps([toolchain.fingerprint(), settings.codegen_fingerprint(), _STATE.active,
+                       _STATE.max_candidates], default=str)
+    return "nvfly-" + hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def choices_factory() -> InductorChoices:
+    """The ``inductor_choices_class`` factory (a module-level function, so configs holding it pickle)."""
+    return NvflyChoices()
+
+
+def _set_thread_choices(choices: InductorChoices) -> None:
+    # Inductor caches the choices object per thread on first use: replace this thread's so that install and
+    # uninstall take effect here even after an earlier compile (other threads read the config when they start)
+    from torch._inductor.virtualized import V
+    V.set_choices_handler(choices)
+
+
+def _choices_uuid_in_graph_key() -> bool:
+    # torch >= 2.12 puts inductor_choices_class().uuid() into the FX-graph cache key
+    return "inductor_choices_class" in getattr(inductor_config, "_cache_config_factory_keys", ())
+
+
+class CacheKeyPass(CustomGraphPass):
+    """A post-grad pass that changes nothing but puts nvfly's ``uuid()`` into the FX-graph cache key; it runs
+    the pass(es) it replaced."""
+
+    def __init__(self, prior: Any):
+        self.prior = prior
+
+    def _priors(self) -> Sequence[Any]:
+        if self.prior is None:
+            return ()
+        return tuple(self.prior) if isinstance(self.prior, (list, tuple)) else (self.prior,)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self._priors():
+            p(graph)
+
+    def uuid(self) -> Any:
+        priors = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self._priors()]
+        if None in priors:
+            return None  # a prior pass without a uuid: Inductor bypasses the cache, as it would without nvfly
+        return (uuid(), *priors)
+
+
+# ---------------------------------------------------------------------------------------------- choices
+class NvflyChoices(InductorChoices):
+    """Inductor's default choices, plus nvfly's extern choices for mm, addmm, bmm and baddbmm."""
+
+    def uuid(self) -> str:
+        return uuid()
+
+    def get_template_configs(self, *args: Any, **kwargs: Any) -> list[Any]:
+        choices = super().get_template_configs(*args, **kwargs)
+        if not _STATE.active or _STATE.via_preprocessing:
+            return choices
+        try:  # read the call by parameter name: the signature has changed between torch releases
+            call = _TEMPLATE_CONFIGS_SIGNATURE.bind(self, *args, **kwargs).arguments
+            op_name, kernel_inputs, templates = call["op_name"], call["kernel_inputs"], call["templates"]
+        except (TypeError, KeyError) as exc:
+            log.debug("nvfly: unexpected get_template_configs call (%s): no nvfly choices", exc)
+            return choices
+        # addmm asks several times (ATen, Triton, subgraph templates): join the call carrying the ATen choice
+        if op_name in _OPS and any(isinstance(t, ExternKernelChoice) and t.name == op_name for t in templates):
+            choices += nvfly_choices(op_name, lambda: (
+                kernel_inputs.nodes(), {n: kernel_inputs.get_scalar(n) for n in _SCALARS[_OPS[op_name]]},
+                kernel_inputs.output_layout(flexible=False)))
+        return choices
+
+
+_TEMPLATE_CONFIGS_SIGNATURE = inspect.signature(InductorChoices.get_template_configs)
+_SCALARS = {"mm_out": (), "addmm_out": ("beta", "alpha")}
+
+
+def _preprocess(choices: list[Any]) -> list[Any]:
+    """The hook used when another choices class holds the slot: add nvfly's choices next to the ATen GEMM."""
+    if not (_STATE.active and _STATE.via_preprocessing) or any(isinstance(c, NvflyCaller) for c in choices):
+        return choices
+    for c in choices:
+        if isinstance(c, ExternKernelCaller) and c.choice.name in _OPS:
+            names = _SCALARS[_OPS[c.choice.name]]
+            return choices + nvfly_choices(c.choice.name, lambda: (
+                c.input_nodes, {n: c.kwargs.get(n, 1) for n in names}, c.layout))
+    return choices
+
+
+def nvfly_choices(op: str, lowering: Callable[[], tuple[Sequence[Any], dict[str, Any], Any]]) -> list[Any]:
+    """nvfly's choices for one GEMM lowering (``lowering()``: its input nodes, addmm's beta and alpha, the output
+    layout); [] with the reason recorded when nvfly is declined. Never raises: nvfly must not break a compile."""
+    try:
+        nodes, scalars, layout = lowering()
+        *c, a, b = [_operand(n) for n in nodes]
+    except Exception as exc:  # a symbolic size, stride or offset, an input without a plain layout, ...
+        record(Decision("inductor", op, (0, 0, 0, 0), "(operands unknown)",
+                        reason=f"workload analysis failed: {type(exc).__name__}: {exc}"))
+        return []
+    reason = _declined(scalars)
+    w, reason = (None, reason) if reason else analyze(a, b, *c)
+    if w is None:
+        record(Decision.of("inductor", op, a, b, reason=reason))
+        return []
+    try:
+        configs = _candidates(w, b.device)
+        callers = [_extern_choice(_OPS[op]).bind(nodes, layout, config=cfg, **scalars) for cfg in configs]
+        decision = record(Decision.of("inductor", op, a, b, candidates=tuple(configs)))
+        for caller in callers:
+            caller.start_compile([*c, a, b], decision)
+    except Exception as exc:  # e.g. an unreadable GPU property
+        record(Decision.of("inductor", op, a, b, reason=f"candidate generation failed: {exc}"))
+        return []
+    return callers
+
+
+def _declined(scalars: dict[str, Any]) -> Optional[str]:
+    """Why nvfly sits out this autotuning, whatever the operands are."""
+    if not (inductor_config.max_autotune or inductor_config.max_autotune_gemm):
+        return "max-autotune is off (nvfly joins only max-autotune GEMM tuning)"
+    if inductor_config.autotune_in_subproc or getattr(inductor_config, "pipeline_max_autotune_gemm", False):
+        return "Inductor benchmarks in subprocesses (autotune_in_subproc / pipelined), which lack nvfly's choices"
+    if any(not isinstance(v, (int, float)) or isinstance(v, bool) for v in scalars.values()):
+        return f"alpha/beta {scalars} are not real numbers"
+    return None
+
+
+def _operand(node: Any) -> TensorInfo:
+    """The static metadata of an IR input (ValueError when a size, stride or offset is symbolic)."""
+    def ints(values: Sequence[Any]) -> tuple[int, ...]:
+        out = []
+        for v in values:
+            if not isinstance(v, (int, sympy.Integer)):
+                raise ValueError(f"dynamic shape ({v}): nvfly needs static sizes and strides")
+            out.append(int(v))
+        return tuple(out)
+
+    dtype = node.get_dtype()
+    offset = ints([node.get_layout().offset])[0] * dtype.itemsize
+    return TensorInfo(ints(node.get_size()), ints(node.get_stride()), dtype, node.get_device(), offset % 16)
+
+
+def _candidates(w: Workload, device: torch.device) -> list[str]:
+    entry = database(device.index).lookup(w.key())
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return [c.config for c in candidates(w, entry, _STATE.max_candidates, sms)]
+
+
+def _record_timings(timings: dict[Any, float], name: str, input_nodes: Any, choices: Sequence[Any],
+                    *rest: Any) -> None:
+    """Inductor's feedback hook: keep every backend's time and the winner on nvfly's decision."""
+    ours = [c for c in choices if isinstance(c, NvflyCaller) and c.decision is not None]
+    if not ours or not timings:
+        return
+    decision = ours[0].decision
+    decision.timings_ms = {_label(c): float(t) for c, t in timings.items()}
+    decision.winner = _label(min(timings, key=timings.__getitem__))
+
+
+def _label(choice: Any) -> str:
+    if isinstance(choice, NvflyCaller):
+        return choice.description
+    if isinstance(choice, ExternKernelCaller):
+        return f"aten {choice.name}"
+    return str(choice.name)
+
+
+# ---------------------------------------------------------------------------------------------- extern choices
+def _bench_mm(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, config: str) -> None:
+    nvfly_gemm(a, b, out=out, config=config)
+
+
+def _bench_addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor, config: str,
+                 beta: float = 1.0, alpha: float = 1.0) -> None:
+    nvfly_gemm(a, b, c, alpha=alpha, beta=beta, out=out, config=config)
+
+
+_BENCH = {"mm_out": _bench_mm, "addmm_out": _bench_addmm}
+_EXTERN: dict[str, "NvflyExternChoice"] = {}
+
+
+def _extern_choice(op: str) -> "NvflyExternChoice":
+    # ExternKernelChoice registers itself by name on Inductor's extern_kernels: one per op and process
+    if op not in _EXTERN:
+        _EXTERN[op] = NvflyExternChoice(op)
+    return _EXTERN[op]
+
+
+class NvflyExternChoice(ExternKernelChoice):
+    """An nvfly op as an Inductor extern choice: benchmarked through ``nvfly_gemm`` (which raises on failure),
+    emitted as a call of ``torch.ops.nvfly.<op>.default`` (which falls back to torch on failure)."""
+
+    def __init__(self, op: str):
+        super().__init__(_BENCH[op], name=f"nvfly_{op}", has_out_variant=True,
+                         op_overload=getattr(torch.ops.nvfly, op).default)
+        self.op = op
+        self.ordered_kwargs_for_cpp_kernel: Sequence[str] = ()
+
+    def call_name(self) -> str:
+        return f"torch.ops.nvfly.{self.op}.default"
+
+    def hash_key(self) -> str:
+        return f"nvfly-{self.op}-{uuid()}"
+
+    def bind(self, input_nodes: Any, layout: Any, ordered_kwargs_for_cpp_kernel: Sequence[str] = (),
+             **kwargs: Any) -> "NvflyCaller":
+        return NvflyCaller(self, input_nodes, layout, kwargs)
+
+
+class NvflyCaller(ExternKernelCaller):
+    """One nvfly config as an autotuning choice. Compiling starts when it is created; a compile or run error
+    becomes a RuntimeError (Inductor drops the choice), never an aborted compile."""
+
+    choice: NvflyExternChoice
+
+    def __init__(self, choice: NvflyExternChoice, input_nodes: Any, layout: Any, kwargs: dict[str, Any]):
+        super().__init__(choice, input_nodes, layout, kwargs, has_out_variant=True)
+        self.description = f"nvfly {kwargs['config']}"
+        self.decision: Optional[Decision] = None
+        self._compiled: Optional[concurrent.futures.Future] = None
+
+    def start_compile(self, operands: Sequence[TensorInfo], decision: Decision) -> None:
+        global _POOL
+        self.decision = decision
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="nvfly-compile")
+        self._compiled = _POOL.submit(self._compile, operands)
+
+    def _compile(self, operands: Sequence[TensorInfo]) -> None:
+        # stand-ins with the operands' sizes and strides give the exact kernel specialisations of the real call
+        tensors = [torch.empty_strided(o.shape, o.strides, dtype=o.dtype, device=o.device) for o in operands]
+        *c, a, b = tensors
+        precompile(a, b, *c, config=self.kwargs["config"])
+
+    def precompile(self) -> None:
+        """Wait for the compile (Inductor calls this from its precompile pool; a raise drops the choice)."""
+        if self._compiled is not None:
+            try:
+                self._compiled.result()
+            except Exception as exc:
+                self._fail("compile", exc)
+
+    def benchmark(self, *args: Any, out: torch.Tensor) -> float:
+        self.precompile()
+        try:
+            _BENCH[self.choice.op](*args, out=out, **self.kwargs)  # the first call also loads the kernel
+            return super().benchmark(*args, out=out)
+        except Exception as exc:
+            self._fail("benchmark", exc)
+
+    def _fail(self, phase: str, exc: Exception) -> NoReturn:
+        reason = f"{self.description} failed to {phase}: {type(exc).__name__}: {exc}"
+        if self.decision is not None and reason not in (self.decision.reason or ""):  # once, not per wait
+            log.debug("nvfly: %s", reason, exc_info=exc)
+            self.decision.reason = "; ".join(filter(None, [self.decision.reason, reason]))
+        raise RuntimeError(reason) from exc
+
+    def info_dict(self) -> dict[str, Any]:
+        return {"backend": "nvfly", "kernel_call_name": self.choice.call_name(), "config": self.kwargs["config"]}
+
+    def autoheuristic_id(self) -> str:
+        return f"nvfly_{self.choice.op}_{self.kwargs['config']}"

@@ -42,7 +42,41 @@ def demo_cases() -> list[tuple[str, Callable[[str], list], Callable[[Any], tuple
             return err, tol
         return run
 
+    from nvfly.jit import compile_only
+    from nvfly.ops import gemm, rmsnorm, topk
+
+    def compiled(fn: Callable, make: Callable, target: str) -> list:
+        with compile_only(target) as kernels:
+            fn(*make("cpu"))
+        return kernels
+
+    def gemm_inputs(device: Any) -> tuple:
+        return (torch.randn(2048, 4096, device=device).to(torch.bfloat16),
+                torch.randn(4096, 4096, device=device).to(torch.bfloat16))
+
+    def rmsnorm_inputs(device: Any) -> tuple:
+        return torch.randn(4096, 8192, device=device).to(torch.bfloat16), torch.randn(8192, device=device).to(
+            torch.bfloat16)
+
+    def topk_inputs(device: Any) -> tuple:
+        return torch.randn(4096, 256, device=device).to(torch.bfloat16), 8
+
+    def rms_ref(x: Any, w: Any) -> Any:
+        xf = x.float()
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+
+    def gemm_compile(t: str) -> list:
+        a, b = gemm_inputs("cpu")
+        cfg = gemm.default_config(a.shape[0], b.shape[1], a.shape[1])
+        return gemm.compile_configs([cfg], majors=[("K", "MN")], target=t)
+
     return [
+        ("gemm (library)", gemm_compile,
+         check(lambda a, b: gemm.matmul(a, b), lambda a, b: a.float() @ b.float(), gemm_inputs, 2.0)),
+        ("rmsnorm (library)", lambda t: compiled(lambda x, w: rmsnorm.rms_norm(x, w, 1e-6), rmsnorm_inputs, t),
+         check(lambda x, w: rmsnorm.rms_norm(x, w, 1e-6), rms_ref, rmsnorm_inputs, 5e-2)),
+        ("topk (library)", lambda t: compiled(topk.topk, topk_inputs, t),
+         check(lambda x, k: topk.topk(x, k)[0], lambda x, k: torch.topk(x, k)[0], topk_inputs, 0.0)),
         ("vector_add", lambda t: vector_add.add.compile(*add_inputs("cpu"), target=t),
          check(vector_add.add, lambda x, y: x + y, add_inputs, 0.0)),
         ("softmax", lambda t: softmax.softmax.compile(*softmax_inputs("cpu"), target=t),

@@ -391,7 +391,8 @@ def test_fx_graph_cache_is_keyed_on_nvfly(monkeypatch, tmp_path):
 
 def _run_python(code, **env):
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                            cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=300)
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                filter(None, [ROOT, os.environ.get("PYTHONPATH")])), **env}, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 

@@ -83,6 +83,9 @@ def _cu_launch_kernel() -> Any:
     return _CU_LAUNCH
 
 
+_INVALID_CONTEXT = 201
+
+
 def _raise(status: int, name: str) -> None:
     driver.check((status,), f"cuLaunchKernel({name})")
 
@@ -130,10 +133,15 @@ class Launcher:
                  "        view, params = buffers()",
                  f"    pack_into(view, 0, {', '.join(values)})" if values else "    pass"]
         if compiled.cluster is None:
-            lines += [f"    status = cu_launch(function, grid[0], grid[1], grid[2], {bx}, {by}, {bz}, {smem}, "
-                      f"stream, params, None)",
+            call = (f"cu_launch(function, grid[0], grid[1], grid[2], {bx}, {by}, {bz}, {smem}, stream, params, "
+                    f"None)")
+            lines += [f"    status = {call}",
                       "    if status:",
-                      "        fail(status, name)"]
+                      "        if status == invalid_context:  # a thread that never touched CUDA: adopt the context",
+                      "            make_current(device)",
+                      f"            status = {call}",
+                      "        if status:",
+                      "            fail(status, name)"]
         else:
             lines += [f"    launch_cluster(loaded, grid, ({bx}, {by}, {bz}), {compiled.cluster}, {smem}, "
                       f"driver.stream_handle(stream), params)"]
@@ -141,7 +149,8 @@ class Launcher:
             "local": self._local, "buffers": self._buffers, "pack_into": struct.Struct(fmt).pack_into,
             "bf16_bits": bf16_bits, "cu_launch": _cu_launch_kernel(),
             "function": int(self.function.function), "fail": _raise, "name": compiled.name,
-            "launch_cluster": driver.launch_cluster, "loaded": self.function, "driver": driver}
+            "launch_cluster": driver.launch_cluster, "loaded": self.function, "driver": driver,
+            "invalid_context": _INVALID_CONTEXT, "make_current": driver.make_current, "device": device}
         exec("\n".join(lines), namespace)  # noqa: S102 - code generated from the kernel's ABI only
         return namespace["launch"]
 

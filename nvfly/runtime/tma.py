@@ -70,6 +70,9 @@ class TmaDescriptor(TmaDescriptorType):
         self.device = device
         self.raw: Optional[bytes] = None
         if device >= 0:
+            # the driver encodes in the current context: threads of Inductor's compile pool or of autograd
+            # may have none yet
+            driver.make_current(device)
             self.raw = _encode(dtype, shape, stride, address, box, swizzle, l2_promotion)
 
     def __repr__(self) -> str:

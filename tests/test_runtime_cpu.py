@@ -71,3 +71,38 @@ def test_tma_rules_are_explained(shape, stride, address, box, swizzle, message):
 def test_tma_descriptor_for_compiling_only():
     desc = nvfly.TmaDescriptor(nvfly.TensorDesc(nvfly.bf16, (256, 128)), (64, 64))
     assert desc.raw is None and desc.info.box_bytes == 64 * 64 * 2
+
+
+class _Buffers:
+    """Parameter buffers like Launcher._buffers, without a GPU."""
+
+    def __init__(self, size):
+        import ctypes
+        self.raw = ctypes.create_string_buffer(size)
+        self.local = type("Local", (), {})()
+
+    def __call__(self):
+        self.local.bufs = (self.raw, 1234)
+        return self.local.bufs
+
+
+def test_generated_launch_packs_parameters_and_adopts_a_context_once():
+    from nvfly.compiler.artifact import CompiledKernel
+    from nvfly.runtime.launcher import make_launch
+    abi = [AbiParam("ptr", None, (0, "ptr")), AbiParam("int", "i32", (0, ("shape", 0))),
+           AbiParam("float", "bf16", (1, "value"))]
+    k = CompiledKernel("k", "sm_90a", "key", abi, (128, 1, 1), None, 0, "", "", "", None)
+    fmt, _, size = _layout(abi)
+    calls, adopted = [], []
+    statuses = iter([201, 0])  # first call: no context on this thread
+
+    def cu_launch(*args):
+        calls.append(args)
+        return next(statuses)
+
+    buffers = _Buffers(size)
+    launch = make_launch(k, fmt, 77, cu_launch, buffers.local, buffers, 3, adopted.append, None)
+    launch((5, 1, 1), 99, ((0xABC0, (1000,), (1,)), 1.5))
+    assert adopted == [3] and len(calls) == 2
+    assert calls[0] == (77, 5, 1, 1, 128, 1, 1, 0, 99, 1234, None)
+    assert struct.unpack(fmt, buffers.raw.raw) == (0xABC0, 1000, bf16_bits(1.5))

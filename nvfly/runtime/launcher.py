@@ -100,7 +100,11 @@ class Launcher:
         self.function = driver.LoadedFunction(image, compiled.name, device, compiled.dynamic_smem_bytes)
         self._local = threading.local()
         fmt, self._offsets, self._size = _layout(compiled.abi)
-        self.launch = self._make_launch(compiled, fmt)
+        self.launch = make_launch(compiled, fmt, int(self.function.function), _cu_launch_kernel(), self._local,
+                                  self._buffers, device, driver.make_current,
+                                  lambda grid, stream, params: driver.launch_cluster(
+                                      self.function, grid, compiled.block, compiled.cluster,
+                                      compiled.dynamic_smem_bytes, driver.stream_handle(stream), params))
 
     def _buffers(self) -> tuple[Any, int]:
         """This thread's parameter buffer (64-byte aligned) and the address of its ``void*[]``."""
@@ -113,46 +117,51 @@ class Launcher:
         self._local.bufs = (view, ctypes.addressof(pointers))
         return self._local.bufs
 
-    def _make_launch(self, compiled: CompiledKernel, fmt: str) -> Callable[..., None]:
-        values = []
-        for p in compiled.abi:
-            i, field = p.source
-            if field == "ptr":
-                expr = f"raw[{i}][0]"
-            elif field in ("value", "tma"):
-                expr = f"raw[{i}]"
-            else:
-                expr = f"raw[{i}][{1 if field[0] == 'shape' else 2}][{field[1]}]"
-            values.append(f"bf16_bits({expr})" if p.dtype == "bf16" else expr)
-        bx, by, bz = compiled.block
-        smem = compiled.dynamic_smem_bytes
-        lines = ["def launch(grid, stream, raw):",
-                 "    try:",
-                 "        view, params = local.bufs",
-                 "    except AttributeError:",
-                 "        view, params = buffers()",
-                 f"    pack_into(view, 0, {', '.join(values)})" if values else "    pass"]
-        if compiled.cluster is None:
-            call = (f"cu_launch(function, grid[0], grid[1], grid[2], {bx}, {by}, {bz}, {smem}, stream, params, "
-                    f"None)")
-            lines += [f"    status = {call}",
-                      "    if status:",
-                      "        if status == invalid_context:  # a thread that never touched CUDA: adopt the context",
-                      "            make_current(device)",
-                      f"            status = {call}",
-                      "        if status:",
-                      "            fail(status, name)"]
+
+def make_launch(compiled: CompiledKernel, fmt: str, function: int, cu_launch: Callable[..., int], local: Any,
+                buffers: Callable[[], tuple[Any, int]], device: int, make_current: Callable[[int], None],
+                launch_cluster: Callable[..., None]) -> Callable[..., None]:
+    """``launch(grid, stream, raw)`` for one compiled kernel: straight-line packing and the driver call.
+
+    ``cu_launch`` is cuLaunchKernel (ctypes); a thread without a current CUDA context adopts the device's
+    primary context and retries once. Cluster launches go through ``launch_cluster(grid, stream, params)``.
+    """
+    values = []
+    for p in compiled.abi:
+        i, field = p.source
+        if field == "ptr":
+            expr = f"raw[{i}][0]"
+        elif field in ("value", "tma"):
+            expr = f"raw[{i}]"
         else:
-            lines += [f"    launch_cluster(loaded, grid, ({bx}, {by}, {bz}), {compiled.cluster}, {smem}, "
-                      f"driver.stream_handle(stream), params)"]
-        namespace: dict[str, Any] = {
-            "local": self._local, "buffers": self._buffers, "pack_into": struct.Struct(fmt).pack_into,
-            "bf16_bits": bf16_bits, "cu_launch": _cu_launch_kernel(),
-            "function": int(self.function.function), "fail": _raise, "name": compiled.name,
-            "launch_cluster": driver.launch_cluster, "loaded": self.function, "driver": driver,
-            "invalid_context": _INVALID_CONTEXT, "make_current": driver.make_current, "device": device}
-        exec("\n".join(lines), namespace)  # noqa: S102 - code generated from the kernel's ABI only
-        return namespace["launch"]
+            expr = f"raw[{i}][{1 if field[0] == 'shape' else 2}][{field[1]}]"
+        values.append(f"bf16_bits({expr})" if p.dtype == "bf16" else expr)
+    bx, by, bz = compiled.block
+    smem = compiled.dynamic_smem_bytes
+    lines = ["def launch(grid, stream, raw):",
+             "    try:",
+             "        view, params = local.bufs",
+             "    except AttributeError:",
+             "        view, params = buffers()",
+             f"    pack_into(view, 0, {', '.join(values)})" if values else "    pass"]
+    if compiled.cluster is None:
+        call = f"cu_launch(function, grid[0], grid[1], grid[2], {bx}, {by}, {bz}, {smem}, stream, params, None)"
+        lines += [f"    status = {call}",
+                  "    if status:",
+                  "        if status == invalid_context:  # a thread that never touched CUDA: adopt the context",
+                  "            make_current(device)",
+                  f"            status = {call}",
+                  "        if status:",
+                  "            fail(status, name)"]
+    else:
+        lines += ["    launch_cluster(grid, stream, params)"]
+    namespace: dict[str, Any] = {
+        "local": local, "buffers": buffers, "pack_into": struct.Struct(fmt).pack_into, "bf16_bits": bf16_bits,
+        "cu_launch": cu_launch, "function": function, "fail": _raise, "name": compiled.name,
+        "launch_cluster": launch_cluster, "invalid_context": _INVALID_CONTEXT, "make_current": make_current,
+        "device": device}
+    exec("\n".join(lines), namespace)  # noqa: S102 - code generated from the kernel's ABI only
+    return namespace["launch"]
 
 
 def _layout(abi: Sequence[AbiParam]) -> tuple[str, list[int], int]:

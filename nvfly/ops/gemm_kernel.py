@@ -119,6 +119,16 @@ def tile_coords(tile, tiles_m, tiles_n, GROUP_M):
     return batch, first_m + local % size_m, local // size_m
 
 
+@nvfly.func
+def tile_work(tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, CFG, CM):
+    """(batch, tile row, tile column, K split, first and end k-block) of a linear tile index; tile rows are
+    counted in cluster rows, and ``rank`` picks this block's row of its cluster."""
+    split = tile % CFG.split_k
+    batch, ctm, tn = tile_coords(tile // CFG.split_k, tiles_m, tiles_n, CFG.group_m // CM)
+    k_begin = split * k_per_split
+    return batch, ctm * CM + rank, tn, split, k_begin, nvfly.minimum(k_begin + k_per_split, k_tiles)
+
+
 @nvfly.kernel
 def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, c_in,
                 m: nvfly.i32, n: nvfly.i32, k_tiles: nvfly.i32, batches: nvfly.i32, alpha: nvfly.f32,
@@ -176,11 +186,8 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
         if tid == 0:
             state = sm90.PipelineState.start(S)
             for tile in range(first_tile, num_tiles, tile_step):
-                split = tile % CFG.split_k
-                batch, ctm, tn = tile_coords(tile // CFG.split_k, tiles_m, tiles_n, CFG.group_m // CM)
-                tm = ctm * CM + rank
-                k_begin = split * k_per_split
-                k_end = nvfly.minimum(k_begin + k_per_split, k_tiles)
+                batch, tm, tn, split, k_begin, k_end = tile_work(tile, tiles_m, tiles_n, k_per_split, k_tiles,
+                                                                 rank, CFG, CM)
                 for kt in range(k_begin, k_end):
                     pipe.producer_acquire(state)
                     pipe.producer_expect(state)
@@ -217,11 +224,8 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
             own_first, own_step = first_tile + consumer * tile_step, 2 * tile_step
         turn = consumer  # ping-pong: the first tile of consumer 0 needs no turn
         for tile in range(own_first, num_tiles, own_step):
-            split = tile % CFG.split_k
-            batch, ctm, tn = tile_coords(tile // CFG.split_k, tiles_m, tiles_n, CFG.group_m // CM)
-            tm = ctm * CM + rank
-            k_begin = split * k_per_split
-            k_end = nvfly.minimum(k_begin + k_per_split, k_tiles)
+            batch, tm, tn, split, k_begin, k_end = tile_work(tile, tiles_m, tiles_n, k_per_split, k_tiles, rank,
+                                                             CFG, CM)
             if PINGPONG:
                 if turn > 0:
                     nvfly.named_barrier(2 + consumer, 256)  # wait until the other consumer issued its wgmmas

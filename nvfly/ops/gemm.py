@@ -19,6 +19,7 @@ import torch
 
 import nvfly
 from nvfly.arch import sm90
+from nvfly.runtime.driver import sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel
 
@@ -108,11 +109,6 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
 @functools.lru_cache(maxsize=None)
 def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _max_stages(bm: int, bn: int, itemsize: int) -> int:
@@ -213,7 +209,7 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     n = b3.shape[-1]
     dtype = _DTYPES[a3.dtype]
     itemsize = a3.element_size()
-    sms = _sm_count(a3.device.index) if a3.is_cuda else 132
+    sms = sm_count(a3.device.index) if a3.is_cuda else 132
     swap = config is None and m <= 64 < n
     if config is None:
         config = small_m_config(m, n, k, batches, itemsize, sms) if swap else \

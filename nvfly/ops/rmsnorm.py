@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import nvfly
 from nvfly.frontend.trace import current, traced
+from nvfly.runtime import driver
 
 if TYPE_CHECKING:
     import torch
@@ -297,8 +298,8 @@ def vector_width(n: int, tensors: Sequence[Optional["torch.Tensor"]], itemsize: 
 
 @functools.lru_cache(maxsize=16)
 def sm_count(device: int) -> int:
-    import torch
-    return torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 132
+    """SMs of ``device``; 132 (an H100/H200) when compiling for a CPU tensor."""
+    return driver.sm_count(device) if device >= 0 else 132
 
 
 def _is_tensor(value: Any) -> bool:

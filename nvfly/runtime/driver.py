@@ -63,8 +63,15 @@ def device_count() -> int:
     return int(check(_cu().cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
+def _require_driver() -> None:
+    why = _init()
+    if why:
+        raise CudaError(f"CUDA driver unusable ({why})", 100, "CUDA_ERROR_NO_DEVICE")
+
+
 @functools.lru_cache(maxsize=None)
 def compute_capability(device: int) -> tuple[int, int]:
+    _require_driver()
     cu = _cu()
     a = cu.CUdevice_attribute
     major = check(cu.cuDeviceGetAttribute(a.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "attribute")
@@ -80,8 +87,14 @@ def target_of(device: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def device_attribute(device: int, name: str) -> int:
+    _require_driver()
     cu = _cu()
     return int(check(cu.cuDeviceGetAttribute(getattr(cu.CUdevice_attribute, name), device), name))
+
+
+def sm_count(device: int) -> int:
+    """Streaming multiprocessors of ``device`` (what persistent grids are sized by)."""
+    return device_attribute(device, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
 
 
 @functools.lru_cache(maxsize=None)

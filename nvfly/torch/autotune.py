@@ -34,6 +34,7 @@ from torch import Tensor
 from nvfly import settings
 from nvfly.ops import gemm
 from nvfly.ops.gemm_kernel import GemmConfig
+from nvfly.runtime.driver import sm_count
 from nvfly.torch import routing
 from nvfly.torch.gemm_ops import (AUTO, Decision, Workload, analyze, encode_config, nvfly_gemm, precompile, record,
                                   signature)
@@ -257,7 +258,7 @@ def autotune(shapes: Iterable[Sequence[int]], *, dtype: torch.dtype = torch.bflo
     device = torch.cuda.current_device() if device is None else device
     dev = torch.device("cuda", device)
     db = db or database(device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     timer = _Timer(dev, target_ms)
     entries = []
     jobs = [((1, *s) if len(s) == 3 else tuple(s), m) for s in shapes for m in majors]

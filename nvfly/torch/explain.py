@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from nvfly.runtime.driver import sm_count
 from nvfly.torch.autotune import Candidate, Entry, TORCH, candidates, database, make_operands, measure
 from nvfly.torch.gemm_ops import Decision, TensorInfo, Workload, analyze, decisions
 
@@ -107,7 +108,7 @@ def explain(m: int, n: int, k: int, *, batches: int = 1, dtype: torch.dtype = to
     device = (torch.cuda.current_device() if device is None else device) if gpu else 0
     declined = _eligibility(w, device) if gpu else "no CUDA GPU in this process (eligibility not checked)"
     entry = database(device).lookup(w.key()) if gpu else None
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if gpu else 132
+    sms = sm_count(device) if gpu else 132
     found = candidates(w, entry, max_candidates, sms)
     measured = None
     if benchmark and not declined:

@@ -46,6 +46,7 @@ from torch._inductor.select_algorithm import (ExternKernelCaller, ExternKernelCh
 
 from nvfly import settings
 from nvfly.compiler import toolchain
+from nvfly.runtime.driver import sm_count
 from nvfly.torch.autotune import candidates, database
 from nvfly.torch.gemm_ops import Decision, TensorInfo, Workload, analyze, nvfly_gemm, precompile, record
 
@@ -256,7 +257,7 @@ def _operand(node: Any) -> TensorInfo:
 
 def _candidates(w: Workload, device: torch.device) -> list[str]:
     entry = database(device.index).lookup(w.key())
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device.index)
     return [c.config for c in candidates(w, entry, _STATE.max_candidates, sms)]
 
 

@@ -51,11 +51,13 @@ def pytest_sessionfinish(session, exitstatus):
     import datetime
     import json
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    outcomes = {}
+    outcomes, failures = {}, {}
     for key in ("passed", "failed", "skipped", "error"):
         for rep in reporter.stats.get(key, []) if reporter else []:
             if getattr(rep, "when", "call") in ("call", "setup"):
                 outcomes[rep.nodeid] = key
+                if key in ("failed", "error"):
+                    failures[rep.nodeid] = str(rep.longrepr)[-3000:]  # the tail: the assertion or the exception
     try:
         import torch
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
@@ -67,6 +69,6 @@ def pytest_sessionfinish(session, exitstatus):
                     "commit": os.environ.get("NVFLY_COMMIT")},
            "summary": {k: sum(1 for v in outcomes.values() if v == k) for k in ("passed", "failed", "skipped",
                                                                                 "error")},
-           "tests": outcomes}
+           "tests": outcomes, "failures": failures}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, sort_keys=True)

@@ -91,10 +91,15 @@ def _backward_caller_context() -> Optional[contextvars.Context]:
 
 @contextlib.contextmanager
 def routing(enabled: bool = True) -> Iterator[None]:
-    """Route eligible calls to nvfly inside the block (``enabled=False``: keep them on torch)."""
+    """Route eligible calls to nvfly inside the block (``enabled=False``: keep them on torch).
+
+    Inside an enabled block autograd runs backward on the calling thread: its CUDA worker threads would not
+    see the switch (a context variable), and backward kernels would stay on torch."""
     token = _SWITCH.set(enabled)
+    backward_here = torch.autograd.set_multithreading_enabled(False) if enabled else contextlib.nullcontext()
     try:
-        yield
+        with backward_here:
+            yield
     finally:
         _SWITCH.reset(token)
 
@@ -224,21 +229,11 @@ def _register_default_routes() -> None:
 
 
 class _RoutingModule(types.ModuleType):
-    """This module, callable as its switch with the routes installed: ``with nvfly.torch.routing():``.
-
-    Inside an enabled block autograd runs backward on the calling thread: its CUDA worker threads would not see
-    the switch (a context variable), and the backward GEMMs would stay on torch."""
+    """This module, callable as its switch with the routes installed: ``with nvfly.torch.routing():``."""
 
     def __call__(self, enabled: bool = True) -> ContextManager[None]:
         install_routing()
-        return _routing_with_backward(enabled)
-
-
-@contextlib.contextmanager
-def _routing_with_backward(enabled: bool) -> Iterator[None]:
-    backward_here = torch.autograd.set_multithreading_enabled(False) if enabled else contextlib.nullcontext()
-    with routing(enabled), backward_here:
-        yield
+        return routing(enabled)
 
 
 sys.modules[__name__].__class__ = _RoutingModule

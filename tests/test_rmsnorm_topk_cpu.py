@@ -264,26 +264,14 @@ def test_routing_switch():
     assert not routing_enabled()
 
 
-def test_backward_threads_see_the_switch_of_the_thread_that_called_backward():
-    """torch stashes the caller's context for autograd's device threads; routing reads it there."""
-    import contextvars
-    import threading
+def test_routing_block_keeps_backward_on_the_calling_thread():
+    """Autograd's device threads would not see the switch (a contextvar): an enabled block turns them off."""
+    assert torch._C._is_multithreading_enabled()
     with routing():
-        caller = contextvars.copy_context()
-    seen = []
-
-    def device_thread():
-        seen.append(routing_enabled())
-        torch._C._stash_obj_in_tls("context", caller)
-        try:
-            seen.append(routing_enabled())
-        finally:
-            torch._C._remove_obj_from_tls("context")
-
-    worker = threading.Thread(target=device_thread)
-    worker.start()
-    worker.join()
-    assert seen == [False, True]
+        assert not torch._C._is_multithreading_enabled()
+        with routing(False):
+            assert not routing_enabled()
+    assert torch._C._is_multithreading_enabled()
 
 
 def test_routing_leaves_cpu_calls_untouched():

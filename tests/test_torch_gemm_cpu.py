@@ -302,7 +302,9 @@ def test_inductor_emits_the_nvfly_op_when_it_wins(compile_addmm, eligible_on_cpu
     assert "torch.ops.nvfly.addmm_out.default(" in code and "config='auto'" in code and "beta=0.5" in code
     (d,) = [d for d in decisions() if d.where == "inductor"]
     assert d.candidates == (AUTO, encode_config(GemmConfig())) and d.winner == "nvfly auto"
-    assert set(d.timings_ms) == {"aten addmm", "nvfly auto", f"nvfly {encode_config(GemmConfig())}"}
+    # torch 2.11 adds a bias_addmm extern choice beside addmm
+    assert {"aten addmm", "nvfly auto", f"nvfly {encode_config(GemmConfig())}"} <= set(d.timings_ms)
+    assert set(d.timings_ms) <= {"aten addmm", "aten bias_addmm", "nvfly auto", f"nvfly {encode_config(GemmConfig())}"}
 
 
 def test_inductor_drops_candidates_that_fail_to_benchmark(compile_addmm, eligible_on_cpu):
@@ -419,6 +421,7 @@ def test_importing_nvfly_torch_installs_nothing():
 
 
 # ---------------------------------------------------------------------------------------------- explain
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what explain says on a machine without a GPU")
 def test_explain_without_a_gpu(capsys):
     clear_decisions()
     _gemm("mm", torch.randn(16, 64), torch.randn(64, 48))  # recorded for shape (1, 16, 48, 64)

@@ -5,8 +5,8 @@
         y = F.rms_norm(x, (4096,), w)          # -> aten::_fused_rms_norm (CUDA) -> nvfly when eligible
         v, i = torch.topk(logits, 50)          # -> aten::topk (CUDA) -> nvfly when eligible
 
-The switch is a contextvar; backward passes of CUDA tensors run on autograd's device threads, where the switch
-of the thread that called ``backward()`` applies (torch stashes that thread's context for them).
+The switch is a contextvar; inside an enabled block autograd runs backward passes on the calling thread (its
+CUDA device threads would not see the switch), so backward kernels are routed too.
 
 A *route* is an aten overload, an eligibility function (None or the reason nvfly declines) and the nvfly
 function to call, both taking the aten arguments. ``install_routing`` registers, for each route, a
@@ -73,20 +73,8 @@ def disable_routing() -> None:
 
 
 def routing_enabled() -> bool:
-    """Whether calls are routed here: this context's setting, else (on autograd's device threads, where
-    backward runs) the setting of the context that called backward(), which torch stashes for them."""
-    value = _SWITCH.get(None)
-    if value is None:
-        launched = _backward_caller_context()
-        value = launched.get(_SWITCH, False) if launched is not None else False
-    return value
-
-
-def _backward_caller_context() -> Optional[contextvars.Context]:
-    stashed = getattr(torch._C, "_is_key_in_tls", None)
-    if stashed is not None and stashed("context"):
-        return torch._C._get_obj_in_tls("context")
-    return None
+    """Whether calls are routed in this thread / async context."""
+    return _SWITCH.get(False)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,9 @@
 
 Correctness first (relative error vs a float32 reference on fresh random inputs, poisoned outputs), then the
 median time of each. Usage: python -m benchmarks.gemm [--quick] [--no-triton] [--shapes M,N,K ...]
-Writes benchmarks/results/gemm_h200.json and gemm_h200.png.
+[--layout rowxcol] [--compare-paths]. Each row names the nvfly kernel that ran (``path``); --compare-paths
+also times the wgmma kernel where the skinny one ran (``wgmma_ms``). --layout rowxcol is the F.linear case
+(the skinny kernel's). Writes benchmarks/results/gemm_h200.json and gemm_h200.png.
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-triton", action="store_true")
     p.add_argument("--triton-shapes", type=int, default=len(ANCHORS), help="time Triton on the first N shapes")
     p.add_argument("--shapes", nargs="*", default=None)
+    p.add_argument("--layout", default=None, help="one A x B layout for every shape, e.g. rowxcol")
+    p.add_argument("--compare-paths", action="store_true", help="also time the wgmma kernel where skinny ran")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else \
         (ANCHORS if args.quick else SUITE)
@@ -56,6 +60,8 @@ def main(argv=None) -> int:
     t_start = time.time()
     for idx, (m, n, k) in enumerate(shapes):
         majors_list = [("row", "row")] if (args.quick or idx >= len(ANCHORS)) else MAJORS
+        if args.layout:
+            majors_list = [tuple(args.layout.split("x"))]
         for majors in majors_list:
             a, b = make(m, n, k, majors)
             reason = gemm.eligibility(a, b)
@@ -66,8 +72,10 @@ def main(argv=None) -> int:
             gemm.matmul(a, b, out=out)
             err = rel_err(out, a.float() @ b.float())
             row = {"M": m, "N": n, "K": k, "layout": f"{majors[0]}x{majors[1]}", "dtype": "bf16",
-                   "rel_err": err}
+                   "rel_err": err, "path": gemm.path(a, b)}
             row["nvfly_ms"] = bench_ms(lambda: gemm.matmul(a, b, out=out))
+            if args.compare_paths and row["path"].startswith("skinny"):
+                row["wgmma_ms"] = bench_ms(lambda: gemm.matmul(a, b, out=out, skinny=False))
             row["cublas_ms"] = bench_ms(lambda: torch.mm(a, b, out=out))
             if tmm is not None and idx < args.triton_shapes and majors == ("row", "row"):
                 tmm(a, b)
@@ -80,7 +88,9 @@ def main(argv=None) -> int:
                 row["vs_triton"] = row["triton_ms"] / row["nvfly_ms"]
             rows.append(row)
             print(f"{m:>6}x{n:>6}x{k:>6} {row['layout']:>7}  err {err:.1e}  nvfly {row['nvfly_tflops']:6.1f}  "
-                  f"cuBLAS {row['cublas_tflops']:6.1f} TFLOP/s  x{row['vs_cublas']:.2f}"
+                  f"cuBLAS {row['cublas_tflops']:6.1f} TFLOP/s  x{row['vs_cublas']:.2f}  {row['path']} "
+                  f"{row['nvfly_ms'] * 1e3:.1f} us vs cuBLAS {row['cublas_ms'] * 1e3:.1f} us"
+                  + (f"  wgmma {row['wgmma_ms'] * 1e3:.1f} us" if "wgmma_ms" in row else "")
                   + (f"  Triton x{row['vs_triton']:.2f}" if "vs_triton" in row else ""), flush=True)
     summary = {"geomean_vs_cublas": geomean([r["vs_cublas"] for r in rows]),
                "min_vs_cublas": min(r["vs_cublas"] for r in rows),

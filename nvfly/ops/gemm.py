@@ -6,14 +6,15 @@ Every operand major-ness works without copies (row- or column-major A and B); ta
 ``eligibility`` says why an input is declined (e.g. a stride TMA cannot express); callers then use
 PyTorch. ``config_space`` is the space the autotuner searches; ``default_config`` picks a config per shape
 without tuning. Small M is computed as the transposed problem (swap A/B) so tokens fill wgmma's N; few
-output tiles with long K are split along K.
+output tiles with long K are split along K. Up to ``SKINNY_MAX_M`` tokens with a column-major B (the
+``F.linear`` weight) run the memory-bound skinny kernel instead (``gemm_skinny``); ``path`` says which ran.
 """
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -21,10 +22,15 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.runtime.driver import sm_count
 from nvfly.runtime.tma import cached_descriptor
+from nvfly.ops import gemm_skinny
 from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel
+from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan
 
 _DTYPES = {torch.bfloat16: nvfly.bf16, torch.float16: nvfly.f16}
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# tokens (M) up to which matmul picks the skinny kernel when B is column-major (it supports up to
+# gemm_skinny.MAX_M); tuned on the H200
+SKINNY_MAX_M = 16
 
 
 # ---------------------------------------------------------------------------------------------- eligibility
@@ -237,27 +243,55 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
                  Epilogue(has_c=has_c, activation=activation, scaled=scaled) if split > 1 else None)
 
 
+def _skinny_wanted(a: torch.Tensor, b: torch.Tensor, config: Any, skinny: Optional[bool]) -> bool:
+    """Whether this call runs the skinny kernel: forced by ``skinny=True`` or a SkinnyConfig (an error when it
+    cannot), else automatic for column-major B and at most SKINNY_MAX_M rows when no GemmConfig is given."""
+    forced = skinny is True or isinstance(config, SkinnyConfig)
+    if skinny is False or isinstance(config, GemmConfig):
+        if forced:
+            raise ValueError("nvfly.ops.gemm.matmul: skinny=True contradicts a GemmConfig or skinny=False")
+        return False
+    why = gemm_skinny.reason(a, b)
+    if forced and why:
+        raise ValueError(f"nvfly.ops.gemm.matmul: the skinny kernel cannot run this: {why}")
+    return forced or (why is None and a.shape[-2] <= SKINNY_MAX_M)
+
+
+def _new_plan(a: torch.Tensor, b: torch.Tensor, use_c: bool, activation: str, out_dtype: Optional[torch.dtype],
+              c: Optional[torch.Tensor], config: Any, skinny: Optional[bool],
+              scaled: bool) -> Union[_Plan, SkinnyPlan]:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    reason = eligibility(a, b, c, out_dtype)
+    if reason:
+        raise ValueError(f"nvfly.ops.gemm.matmul: {reason}")
+    a3, b3 = (a, b) if a.dim() == 3 else (a.unsqueeze(0), b.unsqueeze(0))
+    if _skinny_wanted(a, b, config, skinny):
+        batches, m, k = a3.shape
+        return gemm_skinny.make_plan(m, b3.shape[-1], k, batches, use_c, activation, scaled, config,
+                                     sm_count(a.device.index) if a.is_cuda else 132)
+    return _make_plan(a3, b3, use_c, activation, config, a.dim() == 3, scaled=scaled)
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, alpha: float = 1.0,
            beta: float = 1.0, activation: str = "none", out_dtype: Optional[torch.dtype] = None,
-           out: Optional[torch.Tensor] = None, config: Optional[GemmConfig] = None) -> torch.Tensor:
-    """act(alpha * a @ b + beta * c) for 2-D or batched 3-D bf16/fp16 operands (fp32 accumulation)."""
+           out: Optional[torch.Tensor] = None, config: Union[GemmConfig, SkinnyConfig, None] = None,
+           skinny: Optional[bool] = None) -> torch.Tensor:
+    """act(alpha * a @ b + beta * c) for 2-D or batched 3-D bf16/fp16 operands (fp32 accumulation).
+
+    ``skinny``: None picks the kernel, True forces the skinny kernel (as does a SkinnyConfig ``config``),
+    False the wgmma kernel."""
     batched = a.dim() == 3
     use_c = c is not None and beta != 0
     key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.data_ptr() & 15, b.data_ptr() & 15,
            a.device, b.device, (c.shape, c.stride(), c.dtype) if use_c else None, activation, out_dtype, config,
-           alpha != 1.0)
+           alpha != 1.0, skinny)
     plan = _PLANS.get(key)
     if plan is None:
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
         if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[-1] == b.shape[-2] and \
                 (a.shape[-2] == 0 or b.shape[-1] == 0 or a.shape[-1] == 0):
             return _degenerate(a, b, c if use_c else None, beta, activation, out_dtype, out)
-        reason = eligibility(a, b, c, out_dtype)
-        if reason:
-            raise ValueError(f"nvfly.ops.gemm.matmul: {reason}")
-        plan = _make_plan(a if batched else a.unsqueeze(0), b if batched else b.unsqueeze(0), use_c, activation,
-                          config, batched, scaled=alpha != 1.0)
+        plan = _new_plan(a, b, use_c, activation, out_dtype, c, config, skinny, alpha != 1.0)
         _PLANS[key] = plan
     shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
     out_dtype = out_dtype or a.dtype
@@ -268,12 +302,27 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None
     out3 = out if batched else out.unsqueeze(0)
     c3 = (c.expand(shape) if batched else c.expand(shape).unsqueeze(0)) if use_c else None
     a3, b3 = (a, b) if batched else (a.unsqueeze(0), b.unsqueeze(0))
+    if type(plan) is SkinnyPlan:
+        gemm_skinny.launch(plan, a3, b3, out3, c3, alpha, beta)
+        return out
     if plan.swap:
         a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
         out3 = out3.transpose(-1, -2)
         c3 = c3.transpose(-1, -2) if c3 is not None else None
     _launch(plan, a3, b3, out3, c3, alpha, beta, batched)
     return out
+
+
+def path(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, activation: str = "none",
+         out_dtype: Optional[torch.dtype] = None, config: Union[GemmConfig, SkinnyConfig, None] = None,
+         skinny: Optional[bool] = None, scaled: bool = False) -> str:
+    """Which kernel ``matmul`` runs for these operands (for benchmarks): 'skinny' or 'skinny-splitK<s>', or
+    'wgmma' with '-swapAB' and '-splitK<s>' when they apply; raises when matmul would."""
+    plan = _new_plan(a, b, c is not None, activation, out_dtype, c, config, skinny, scaled)
+    if isinstance(plan, SkinnyPlan):
+        return "skinny" + (f"-splitK{plan.config.splits}" if plan.config.splits > 1 else "")
+    return "wgmma" + ("-swapAB" if plan.swap else "") + \
+        (f"-splitK{plan.config.split_k}" if plan.config.split_k > 1 else "")
 
 
 def _descriptors(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, batched: bool) -> tuple[Any, Any]:

@@ -1,0 +1,133 @@
+"""The skinny (decode) GEMM against a float32 reference: token counts 1-16, odd N, K tails, epilogues, batches,
+split K through the shared workspace (which must be left zeroed: every case runs twice), poisoned outputs."""
+import pytest
+import torch
+
+from nvfly.ops import gemm
+from nvfly.ops.gemm_skinny import SkinnyConfig
+
+pytestmark = pytest.mark.gpu
+
+
+def tokens(m, k, dtype, batch=None, major="row"):
+    """A [(batch,) m, k] operand; rows padded to a multiple of 8 elements (16-byte strides, as TMA needs for
+    the wgmma path's eligibility) so K itself may have any tail."""
+    pad = -(-k // 8) * 8
+    lead = (batch,) if batch else ()
+    if major == "col":
+        return torch.randn(*lead, pad, m, device="cuda").to(dtype)[..., :k, :].transpose(-1, -2)
+    return torch.randn(*lead, m, pad, device="cuda").to(dtype)[..., :k]
+
+
+def weight(n, k, dtype, batch=None):
+    """B [(batch,) k, n] column-major: the transpose of a row-major [n, k] weight with 16-byte rows."""
+    pad = -(-k // 8) * 8
+    lead = (batch,) if batch else ()
+    return torch.randn(*lead, n, pad, device="cuda").to(dtype)[..., :k].transpose(-1, -2)
+
+
+def check(out, ref, tol):
+    assert not out.isnan().any()
+    err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+    assert err < tol, err
+    return err
+
+
+def run_twice(a, b, tol, **kwargs):
+    """matmul into a NaN-poisoned output, then again on fresh data of the same shapes (a split K launch
+    must have reset its workspace and counters)."""
+    for _ in range(2):
+        a.copy_(torch.randn_like(a, dtype=torch.float32))
+        b.copy_(torch.randn_like(b, dtype=torch.float32))
+        shape = (*a.shape[:-1], b.shape[-1])
+        out = torch.full(shape, float("nan"), device="cuda", dtype=kwargs.get("out_dtype") or a.dtype)
+        gemm.matmul(a, b, out=out, **kwargs)
+        keys = ("c", "alpha", "beta", "activation")
+        check(out, gemm.reference(a, b, **{k: v for k, v in kwargs.items() if k in keys}), tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("nk", [(4096, 4096), (4097, 1023), (33, 4104), (1, 8), (4096, 14336), (100, 40)])
+def test_shapes(hopper, dtype, m, nk):
+    n, k = nk
+    a, b = tokens(m, k, dtype), weight(n, k, dtype)
+    assert gemm.path(a, b).startswith("skinny")
+    run_twice(a, b, 1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 9, 16])
+@pytest.mark.parametrize("config", [SkinnyConfig(8, 4, 1), SkinnyConfig(8, 4, 3), SkinnyConfig(4, 2, 7),
+                                    SkinnyConfig(2, 1, 16), SkinnyConfig(16, 8, 2)])
+def test_configs_and_splits(hopper, m, config):
+    a, b = tokens(m, 3000, torch.bfloat16), weight(1000, 3000, torch.bfloat16)
+    assert gemm.path(a, b, config=config) == "skinny" + (f"-splitK{config.splits}" if config.splits > 1 else "")
+    run_twice(a, b, 1e-2, config=config)
+
+
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("bias", ["row", "col", "full", None])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_epilogue(hopper, activation, bias, splits):
+    m, n, k = 9, 520, 2048
+    a, b = tokens(m, k, torch.bfloat16), weight(n, k, torch.bfloat16)
+    c = {"row": torch.randn(n, device="cuda"), "col": torch.randn(m, 1, device="cuda"),
+         "full": torch.randn(m, n, device="cuda"), None: None}[bias]
+    c = c.to(torch.bfloat16) if c is not None else None
+    run_twice(a, b, 1.5e-2, c=c, alpha=0.5, beta=2.0, activation=activation, config=SkinnyConfig(splits=splits))
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+                                             (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_output_dtypes(hopper, dtype, out_dtype, splits):
+    a, b = tokens(16, 1504, dtype), weight(777, 1504, dtype)
+    run_twice(a, b, 1e-3 if out_dtype == torch.float32 else 1e-2, out_dtype=out_dtype,
+              config=SkinnyConfig(splits=splits))
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_bmm_and_column_major_tokens(hopper, m, splits):
+    batch, n, k = 3, 300, 1000
+    a, b = tokens(m, k, torch.bfloat16, batch), weight(n, k, torch.bfloat16, batch)
+    run_twice(a, b, 1e-2, config=SkinnyConfig(splits=splits))
+    at = tokens(m, k, torch.bfloat16, batch, major="col")
+    if m * at.element_size() % 16 and m > 1:  # a column stride TMA cannot describe: matmul declines it
+        assert "not a multiple of 16 bytes" in gemm.eligibility(at, b)
+        return
+    run_twice(at, b, 1e-2, config=SkinnyConfig(splits=splits))
+
+
+def test_matches_the_wgmma_path_and_strided_output(hopper):
+    a, b = tokens(16, 4096, torch.bfloat16), weight(4096, 4096, torch.bfloat16)
+    assert gemm.path(a, b, skinny=False).startswith("wgmma")
+    wide = torch.full((16, 5000), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = gemm.matmul(a, b, out=wide[:, :4096])
+    ref = gemm.matmul(a, b, skinny=False)
+    check(out, ref.float(), 1e-2)
+    assert wide[:, 4096:].isnan().all()  # nothing written outside the output view
+
+
+def test_streams_keep_separate_workspaces(hopper):
+    a, b = tokens(4, 8192, torch.bfloat16), weight(2048, 8192, torch.bfloat16)
+    config = SkinnyConfig(splits=8)
+    ref = gemm.reference(a, b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for _ in range(4):
+        outs.append(gemm.matmul(a, b, config=config))
+        with torch.cuda.stream(side):
+            outs.append(gemm.matmul(a, b, config=config))
+    torch.cuda.synchronize()
+    for out in outs:
+        check(out, ref, 1e-2)
+
+
+def test_row_major_weight_keeps_the_wgmma_path(hopper):
+    a = tokens(8, 4096, torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda").to(torch.bfloat16)
+    assert gemm.path(a, b).startswith("wgmma")
+    with pytest.raises(ValueError, match="skinny"):
+        gemm.matmul(a, b, skinny=True)

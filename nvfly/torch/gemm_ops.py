@@ -1,6 +1,8 @@
 """``torch.library`` custom ops for nvfly's GEMM, the workload analysis they share with the Inductor backend and
 eager routing, and the log of every decision (for ``nvfly explain``).
 
+Defined with ``nvfly.torch.library.operator`` (the dispatcher calls them directly, without custom_op's
+per-call Python wrapper):
 - ``nvfly::mm(a, b, *, config="auto")``, ``nvfly::bmm(a, b, *, config="auto")``,
   ``nvfly::addmm(c, a, b, *, beta=1, alpha=1, config="auto")``,
   ``nvfly::linear(x, weight, bias=None, *, config="auto")``: torch's semantics, differentiable (the backward
@@ -31,6 +33,7 @@ from nvfly.ops import gemm
 from nvfly.ops.gemm_kernel import GemmConfig
 from nvfly.runtime import driver
 from nvfly.torch import routing
+from nvfly.torch.library import operator, register_fake
 
 log = logging.getLogger("nvfly")
 
@@ -267,41 +270,41 @@ def _torch_gemm(a: Tensor, b: Tensor, c: Optional[Tensor], *, alpha: float, beta
 
 
 # ---------------------------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("nvfly::mm", mutates_args=())
+@operator("mm")
 def mm(a: Tensor, b: Tensor, *, config: str = AUTO) -> Tensor:
     """``torch.mm`` on nvfly (2-D)."""
     _check_rank("mm", a, b, 2)
     return _gemm("mm", a, b, config=config)
 
 
-@torch.library.custom_op("nvfly::bmm", mutates_args=())
+@operator("bmm")
 def bmm(a: Tensor, b: Tensor, *, config: str = AUTO) -> Tensor:
     """``torch.bmm`` on nvfly (3-D)."""
     _check_rank("bmm", a, b, 3)
     return _gemm("bmm", a, b, config=config)
 
 
-@torch.library.custom_op("nvfly::addmm", mutates_args=())
+@operator("addmm")
 def addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1.0, alpha: float = 1.0, config: str = AUTO) -> Tensor:
     """``torch.addmm``: beta * c + alpha * a @ b (c broadcast to [M, N], e.g. a bias row)."""
     _check_rank("addmm", a, b, 2)
     return _gemm("addmm", a, b, c, alpha=alpha, beta=beta, config=config)
 
 
-@torch.library.custom_op("nvfly::linear", mutates_args=())
+@operator("linear")
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, config: str = AUTO) -> Tensor:
     """``F.linear``: x @ weight^T + bias for x of shape [..., K] and weight [N, K]."""
     y = _gemm("linear", x.reshape(-1, x.shape[-1]), weight.mT, bias, config=config)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-@torch.library.custom_op("nvfly::mm_out", mutates_args=("out",))
+@operator("mm_out", mutates_args=("out",))
 def mm_out(a: Tensor, b: Tensor, out: Tensor, *, config: str = AUTO) -> None:
     """out = a @ b (2-D or 3-D)."""
     _gemm("mm", a, b, out=out, config=config)
 
 
-@torch.library.custom_op("nvfly::addmm_out", mutates_args=("out",))
+@operator("addmm_out", mutates_args=("out",))
 def addmm_out(c: Tensor, a: Tensor, b: Tensor, out: Tensor, *, beta: float = 1.0, alpha: float = 1.0,
               config: str = AUTO) -> None:
     """out = beta * c + alpha * a @ b (2-D or 3-D, c broadcast)."""
@@ -317,30 +320,27 @@ def _product_fake(a: Tensor, b: Tensor, *, config: str = AUTO) -> Tensor:
     return a.new_empty((*a.shape[:-1], b.shape[-1]))
 
 
-mm.register_fake(_product_fake)
-bmm.register_fake(_product_fake)
-
-
-@addmm.register_fake
 def _addmm_fake(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1.0, alpha: float = 1.0,
                 config: str = AUTO) -> Tensor:
     return _product_fake(a, b)
 
 
-@linear.register_fake
 def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, config: str = AUTO) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@mm_out.register_fake
 def _mm_out_fake(a: Tensor, b: Tensor, out: Tensor, *, config: str = AUTO) -> None:
     return None
 
 
-@addmm_out.register_fake
 def _addmm_out_fake(c: Tensor, a: Tensor, b: Tensor, out: Tensor, *, beta: float = 1.0, alpha: float = 1.0,
                     config: str = AUTO) -> None:
     return None
+
+
+for _name, _fake in (("mm", _product_fake), ("bmm", _product_fake), ("addmm", _addmm_fake),
+                     ("linear", _linear_fake), ("mm_out", _mm_out_fake), ("addmm_out", _addmm_out_fake)):
+    register_fake(_name, _fake)
 
 
 # ---------------------------------------------------------------------------------------------- autograd

@@ -1,4 +1,4 @@
-"""``torch.library`` custom ops for nvfly's RMSNorm and TopK, usable in eager code and in torch.compile graphs.
+"""``torch.library`` operators (``nvfly.torch.library.operator``) for nvfly's RMSNorm and TopK, usable in eager code and in torch.compile graphs.
 
 - ``nvfly::rms_norm(x, normalized_shape, weight=None, eps=None) -> (y, rstd)``
 - ``nvfly::fused_add_rms_norm(x, residual, normalized_shape, weight=None, eps=None) -> (y, x + residual, rstd)``
@@ -20,6 +20,7 @@ from torch import Tensor
 
 from nvfly.ops import rmsnorm as _rms
 from nvfly.ops import topk as _topk
+from nvfly.torch.library import operator, register_fake
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -67,7 +68,7 @@ def topk_reference(x: Tensor, k: int, dim: int = -1, largest: bool = True) -> tu
 
 
 # ---------------------------------------------------------------------------------------------- rms_norm
-@torch.library.custom_op("nvfly::rms_norm", mutates_args=())
+@operator("rms_norm")
 def rms_norm(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor] = None,
              eps: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """(y, rstd) of RMSNorm over ``normalized_shape`` (the last dimensions of x)."""
@@ -77,14 +78,13 @@ def rms_norm(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor] = 
     return rms_norm_reference(x, normalized_shape, weight, eps)
 
 
-@rms_norm.register_fake
 def _rms_norm_fake(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor] = None,
                    eps: Optional[float] = None) -> tuple[Tensor, Tensor]:
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty(_stat_shape(x, normalized_shape), dtype=_acc_dtype(x.dtype)))
 
 
-@torch.library.custom_op("nvfly::fused_add_rms_norm", mutates_args=())
+@operator("fused_add_rms_norm")
 def fused_add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor] = None,
                        eps: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(rms_norm(x + residual), x + residual, rstd); the sum is rounded to x's dtype before the norm."""
@@ -96,7 +96,6 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: list[int],
     return y, h, rstd
 
 
-@fused_add_rms_norm.register_fake
 def _fused_add_rms_norm_fake(x: Tensor, residual: Tensor, normalized_shape: list[int],
                              weight: Optional[Tensor] = None, eps: Optional[float] = None
                              ) -> tuple[Tensor, Tensor, Tensor]:
@@ -105,7 +104,7 @@ def _fused_add_rms_norm_fake(x: Tensor, residual: Tensor, normalized_shape: list
             x.new_empty(_stat_shape(x, normalized_shape), dtype=_acc_dtype(x.dtype)))
 
 
-@torch.library.custom_op("nvfly::rms_norm_backward", mutates_args=())
+@operator("rms_norm_backward")
 def rms_norm_backward(grad_out: Tensor, x: Tensor, normalized_shape: list[int], rstd: Tensor,
                       weight: Optional[Tensor], grad_residual: Optional[Tensor],
                       output_mask: list[bool]) -> tuple[Tensor, Tensor]:
@@ -126,7 +125,6 @@ def rms_norm_backward(grad_out: Tensor, x: Tensor, normalized_shape: list[int], 
     return grad_x, grad_w if grad_w is not None else x.new_empty((0,))
 
 
-@rms_norm_backward.register_fake
 def _rms_norm_backward_fake(grad_out: Tensor, x: Tensor, normalized_shape: list[int], rstd: Tensor,
                             weight: Optional[Tensor], grad_residual: Optional[Tensor],
                             output_mask: list[bool]) -> tuple[Tensor, Tensor]:
@@ -169,13 +167,16 @@ def _fused_add_rms_norm_backward(ctx: Any, grad_y: Tensor, grad_sum: Tensor, gra
     return grad_h, grad_h, None, grad_w, None
 
 
+register_fake("rms_norm", _rms_norm_fake)
+register_fake("fused_add_rms_norm", _fused_add_rms_norm_fake)
+register_fake("rms_norm_backward", _rms_norm_backward_fake)
 torch.library.register_autograd("nvfly::rms_norm", _rms_norm_backward, setup_context=_rms_norm_setup)
 torch.library.register_autograd("nvfly::fused_add_rms_norm", _fused_add_rms_norm_backward,
                                 setup_context=_fused_add_rms_norm_setup)
 
 
 # ---------------------------------------------------------------------------------------------- topk
-@torch.library.custom_op("nvfly::topk", mutates_args=())
+@operator("topk")
 def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple[Tensor, Tensor]:
     """(values, int64 indices) like ``torch.topk``; always sorted; ties lowest index first."""
     if _topk.eligibility(x, k, dim, largest, sorted) is None:
@@ -183,7 +184,6 @@ def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = 
     return topk_reference(x, k, dim, largest)
 
 
-@topk.register_fake
 def _topk_fake(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True
                ) -> tuple[Tensor, Tensor]:
     shape = list(x.shape)
@@ -205,4 +205,5 @@ def _topk_backward(ctx: Any, grad_values: Tensor, grad_indices: Tensor) -> tuple
     return grad_x.scatter(ctx.dim, indices, grad_values) if grad_x.dim() else grad_values, None, None, None, None
 
 
+register_fake("topk", _topk_fake)
 torch.library.register_autograd("nvfly::topk", _topk_backward, setup_context=_topk_setup)

@@ -71,6 +71,16 @@ def cases(which: set[str]) -> list[tuple[str, Callable[[], Any], Callable[[], An
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
             out.append((f"gemm {m}x{n}x{k}", lambda a=a, b=b: gemm.matmul(a, b), lambda a=a, b=b: a @ b))
+    if "gemm_op" in which:  # through the op Inductor's code calls, with a Llama attention block's operands
+        import nvfly.torch  # noqa: F401  (defines torch.ops.nvfly)
+        for m, n, k, lead in ((2048, 4096, 4096, 6144), (2048, 6144, 4096, 4096), (16, 6144, 4096, 4096),
+                              (2048, 14336, 4096, 4096)):
+            a = torch.randn(m, lead, device="cuda", dtype=torch.bfloat16)[:, :k]
+            b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+            y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            out.append((f"nvfly::mm_out {m}x{n}x{k} lda {lead}",
+                        lambda a=a, b=b, y=y: torch.ops.nvfly.mm_out(a, b, y, config="auto"),
+                        lambda a=a, b=b, y=y: torch.mm(a, b, out=y)))
     return out
 
 

@@ -1,6 +1,8 @@
 """Time skinny-GEMM configs on decode shapes against cuBLAS and the wgmma kernel (tuning aid for
 gemm_skinny.TARGET_CTAS_PER_SM / MIN_CHUNKS_PER_WARP / SkinnyConfig defaults and gemm.SKINNY_MAX_M):
-python -m benchmarks.gemm_skinny_configs [--shapes M,N,K ...]. B is the F.linear weight (column-major)."""
+python -m benchmarks.gemm_skinny_configs [--shapes M,N,K ...] [--layout rowxcol|rowxrow]. rowxcol: B is the
+F.linear weight (column-major); rowxrow: B is [K, N] row-major (the cp.async + ldmatrix.trans variant, whose
+``unroll`` is its ring depth: gemm_skinny.ROW_B_CONFIG)."""
 from __future__ import annotations
 
 import argparse
@@ -13,21 +15,27 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, rel_err  # noqa: E402
 from nvfly.ops import gemm  # noqa: E402
+from nvfly.ops import gemm_skinny  # noqa: E402
 from nvfly.ops.gemm_skinny import SkinnyConfig  # noqa: E402
 
 SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (16, 4096, 14336), (8, 14336, 4096), (1, 28672, 4096),
           (16, 6144, 4096), (4, 1024, 8192)]
 CONFIGS = [SkinnyConfig(w, u, s) for w, u, s in itertools.product((4, 8, 16), (2, 4, 8), (1, 2, 3, 4, 6))]
+ROW_B_CONFIGS = [SkinnyConfig(w, u, s) for w, u, s in itertools.product((2, 4, 8), (2, 3, 4, 6, 8), (1, 2, 3, 4, 6, 8))
+                 if w * u * gemm_skinny.CHUNK_BYTES <= gemm_skinny.MAX_SMEM]
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=None)
+    p.add_argument("--layout", default="rowxcol", choices=("rowxcol", "rowxrow"))
     args = p.parse_args(argv)
+    row_b = args.layout == "rowxrow"
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        b = torch.randn(n, k, device="cuda").to(torch.bfloat16).t()
+        b = torch.randn(k, n, device="cuda").to(torch.bfloat16) if row_b else \
+            torch.randn(n, k, device="cuda").to(torch.bfloat16).t()
         ref = a.float() @ b.float()
         out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         cublas = bench_ms(lambda: torch.mm(a, b, out=out))
@@ -36,8 +44,8 @@ def main(argv=None) -> int:
         print(f"{m}x{n}x{k}: cuBLAS {cublas * 1e3:.1f} us  wgmma {wgmma * 1e3:.1f} us  "
               f"default ({gemm.path(a, b)}) {auto * 1e3:.1f} us  weight {2 * n * k / cublas / 1e9:.0f} GB/s (cuBLAS)")
         results = []
-        for cfg in CONFIGS:
-            if m > 8 and cfg.unroll > 4:
+        for cfg in ROW_B_CONFIGS if row_b else CONFIGS:
+            if m > 8 and cfg.unroll > 4 and not row_b:
                 continue  # 16 tokens x 8 chunks do not fit the 128-register budget
             out.fill_(float("nan"))
             gemm.matmul(a, b, out=out, config=cfg)

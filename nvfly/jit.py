@@ -227,23 +227,36 @@ class Kernel:
         except (AttributeError, TypeError):  # an argument of the wrong kind: the slow path explains
             launcher = None
         if launcher is None:
-            only = _COMPILE_ONLY.get()
-            if only is not None:
-                specs, _ = self.specs(bound, need_cuda=False)
-                only.kernels.append(self.compiled_for(specs, normalize_dim3(block, "block"),
-                                                      cluster_or_none(cluster), only.target))
+            launcher, raw = self._miss(bound, block, cluster)
+            if launcher is None:
                 return
-            launcher = self._prepare(bound, block, cluster)
-            key, raw = self._binder(bound)
-            if len(self._fast) >= _FAST_CACHE_LIMIT:
-                self._fast.clear()
-            self._fast[(key, block, cluster)] = launcher
         if type(grid) is int:
             grid = (grid, 1, 1)
         elif type(grid) is not tuple or len(grid) != 3:
             grid = normalize_dim3(grid, "grid")
         launcher.launch(grid, torch_args.current_stream(launcher.device) if stream is None
                         else torch_args.stream_int(stream), raw)
+
+    def _miss(self, bound: Sequence[Any], block: Any, cluster: Any) -> tuple[Optional[Launcher], Any]:
+        """(launcher, raw arguments) when the fast map has none for these arguments: compiles and loads (errors
+        explain bad arguments), or in compile-only mode records the kernel and returns (None, None)."""
+        only = _COMPILE_ONLY.get()
+        if only is not None:
+            specs, _ = self.specs(bound, need_cuda=False)
+            only.kernels.append(self.compiled_for(specs, normalize_dim3(block, "block"), cluster_or_none(cluster),
+                                                  only.target))
+            return None, None
+        launcher = self._prepare(bound, block, cluster)
+        key, raw = self._binder(bound)
+        if len(self._fast) >= _FAST_CACHE_LIMIT:
+            self._fast.clear()
+        self._fast[(key, block, cluster)] = launcher
+        return launcher, raw
+
+    def prepared(self, grid: Any, block: Any = 128, cluster: Any = None, check: bool = False) -> "PreparedLaunch":
+        """A launch on a fixed ``grid`` and ``block`` for callers that guarantee the argument layout themselves
+        (see PreparedLaunch): ``p = k.prepared(grid, block)``, then ``p.launch(*args)`` per call."""
+        return PreparedLaunch(self, grid, block, cluster, check)
 
     def _prepare(self, bound: Sequence[Any], block: Any, cluster: Any) -> Launcher:
         specs, device = self.specs(bound, need_cuda=True)
@@ -261,6 +274,77 @@ class Kernel:
             launcher = Launcher(compiled, device)
             self._launchers[lkey] = launcher
         return launcher
+
+
+class PreparedLaunch:
+    """One kernel launched on a fixed grid and block, with the least host work per call.
+
+    For callers (ops) that key their own plans on everything that decides a kernel's specs: every call must
+    pass the kernel's arguments positionally with the dtypes, shapes, strides, 16-byte alignment facts and
+    devices of the first call, and scalars of the same spec (same low 4 bits and i32 range for ints); constexpr
+    arguments must be the same values. ``launch(*args, stream=None)``:
+    - the first call takes ``Kernel.launch``'s full path (argument checks, compile, load), then replaces
+      ``launch`` by code generated for that launcher, with the grid, shapes and strides as constants: later
+      calls read only tensors' ``data_ptr()``, scalars' values and TMA descriptors' bytes, and call the driver;
+    - in compile-only mode (``nvfly.compile_only``) every call takes the full path, which records the kernel;
+    - ``check=True`` verifies the contract on every call (the binder's key against the first call's) and
+      raises LaunchError when an argument differs: for tests and debugging.
+    ``stream`` as in ``Kernel.launch`` (None: torch's current stream on the kernel's device).
+    """
+
+    def __init__(self, kernel: Kernel, grid: Any, block: Any = 128, cluster: Any = None, check: bool = False):
+        self.kernel = kernel
+        self.grid = normalize_dim3(grid, "grid")
+        self.block = block
+        self.cluster = cluster
+        self.check = check
+        self._key: Any = None
+        self._fast: Optional[Callable[..., None]] = None
+        self.launch: Callable[..., None] = self._first
+
+    def __repr__(self) -> str:
+        state = "ready" if self._fast is not None else "not launched yet"
+        return f"<nvfly prepared launch of {self.kernel.name} on {self.grid}x{self.block}, {state}>"
+
+    def __call__(self, *args: Any, stream: Any = None) -> None:
+        self.launch(*args, stream=stream)
+
+    def _full(self, args: Sequence[Any], stream: Any = None) -> None:
+        if _COMPILE_ONLY.get() is not None and len(args) == len(self.kernel.params):
+            self.kernel._miss(args, self.block, self.cluster)  # records the kernel (never runs it)
+            return
+        self.kernel.launch(*args, grid=self.grid, block=self.block, cluster=self.cluster, stream=stream)
+
+    def _first(self, *args: Any, stream: Any = None) -> None:
+        if _COMPILE_ONLY.get() is not None or len(args) != len(self.kernel.params):
+            self._full(args, stream)  # records the kernel, or explains the arguments
+            return
+        kernel = self.kernel
+        try:
+            key, raw = kernel._binder(args)
+            launcher = kernel._fast.get((key, self.block, self.cluster))
+        except (AttributeError, TypeError):
+            launcher = None
+        if launcher is None:
+            launcher, raw = kernel._miss(args, self.block, self.cluster)
+            key, _ = kernel._binder(args)
+        launcher.launch(self.grid, torch_args.current_stream(launcher.device) if stream is None
+                        else torch_args.stream_int(stream), raw)
+        self._fast = launcher.prepared(self.grid, raw, torch_args.stream_int, torch_args.current_stream,
+                                       _COMPILE_ONLY, self._full)
+        self._key = key
+        self.launch = self._checked if self.check else self._fast
+
+    def _checked(self, *args: Any, stream: Any = None) -> None:
+        if _COMPILE_ONLY.get() is None:
+            try:
+                key = self.kernel._binder(args)[0] if len(args) == len(self.kernel.params) else None
+            except (AttributeError, TypeError):
+                key = None
+            if key != self._key:
+                raise LaunchError(f"{self.kernel.name}: a prepared launch got arguments unlike its first call's "
+                                  f"(key {key!r}, first {self._key!r})")
+        self._fast(*args, stream=stream)  # type: ignore[misc]
 
 
 def _stable_repr(value: Any) -> bool:

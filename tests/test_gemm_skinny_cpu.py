@@ -86,6 +86,71 @@ def test_a_wrong_mapping_is_caught(monkeypatch):
         test_permuted_fragments_compute_the_product(0)
 
 
+# ---------------------------------------------------------------------------------------------- row-major B
+def ldmatrix_trans(stage_bytes, addresses):
+    """Emulate ldmatrix.sync.m8n8.x4.trans.b16 on a byte-addressed stage of 16-bit values: lane 8i + j gives the
+    address of row j of matrix i; lane t receives, per matrix, elements (row 2 * (t % 4) + h, column t // 4)
+    for h = 0, 1 (the transpose of the untransposed load's row t // 4, columns 2 * (t % 4) + h)."""
+    regs = [[None] * 4 for _ in range(32)]
+    for t in range(32):
+        for i in range(4):
+            regs[t][i] = tuple(stage_bytes[addresses[8 * i + 2 * (t % 4) + h] // 2 + t // 4] for h in range(2))
+    return regs
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed):
+    """Emulate a warp on one 32 x 64 chunk of row-major B: the cp.async copies into the swizzled stage, each
+    column tile's ldmatrix.x4.trans per k16 step, the tokens' fragments in the ISA order, the mmas, and the
+    accumulator layout; compare with W @ X^T (W = B^T, 64 columns)."""
+    rng = np.random.default_rng(seed)
+    cols, chunk = gemm_skinny.COLS_ROW_B, gemm_skinny.CHUNK_K
+    b = rng.standard_normal((chunk, cols))  # [k, n]
+    x = rng.standard_normal((8, chunk))
+    stage = np.full(gemm_skinny.CHUNK_BYTES // 2, np.nan)
+    for lane, j in itertools.product(range(32), range(chunk * gemm_skinny.SEGMENTS // 32)):
+        row, segment = gemm_skinny.copy_target(lane, j)
+        offset = gemm_skinny.stage_offset(row, segment) // 2
+        assert np.isnan(stage[offset:offset + 8]).all()
+        stage[offset:offset + 8] = b[row, 8 * segment:8 * segment + 8]
+    assert not np.isnan(stage).any()
+    result = np.zeros((cols, 8))
+    for tile in range(cols // 16):
+        d = np.zeros((16, 8))
+        for step in range(chunk // 16):
+            addresses = [gemm_skinny.stage_offset(*gemm_skinny.ldmatrix_row(lane, step, tile)) for lane in range(32)]
+            # conflict-free: the 8 rows of one matrix are in 8 different 16-byte bank groups
+            for i in range(4):
+                assert len({(a // 16) % 8 for a in addresses[8 * i:8 * i + 8]}) == 8
+            regs = ldmatrix_trans(stage, addresses)
+            a_mat = np.full((16, 16), np.nan)
+            b_mat = np.full((16, 8), np.nan)
+            for lane in range(32):
+                for register, half in itertools.product(range(4), range(2)):
+                    r, col = isa_a(lane, 2 * register + half)
+                    a_mat[r, col] = regs[lane][register][half]
+                for register, half in itertools.product(range(2), range(2)):
+                    k, token = gemm_skinny.row_b_token_source(lane, register, half, step)
+                    kk, col = isa_b(lane, 2 * register + half)
+                    assert np.isnan(b_mat[kk, col])
+                    b_mat[kk, col] = x[token, k]
+            d += a_mat @ b_mat
+        for lane, i in itertools.product(range(32), range(4)):
+            row, token = gemm_skinny.c_fragment_target(lane, i)
+            result[16 * tile + row, token] = d[isa_c(lane, i)]
+    np.testing.assert_allclose(result, b.T @ x.T, rtol=1e-12, atol=1e-12)
+
+
+def test_row_major_emulation_catches_a_wrong_swizzle(monkeypatch):
+    """Reading with a different swizzle than the copies wrote breaks the product."""
+    writes = gemm_skinny.stage_offset
+    monkeypatch.setattr(gemm_skinny, "ldmatrix_row", lambda lane, step, tile: (
+        16 * step + 8 * (lane // 8 // 2) + lane % 8, 2 * tile + (lane // 8 + 1) % 2))
+    with pytest.raises(AssertionError):
+        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0)
+    assert writes is gemm_skinny.stage_offset
+
+
 # ---------------------------------------------------------------------------------------------- compilation
 def check_sass(kernel, m, config=SkinnyConfig()):
     ops = kernel.sass_opcodes()
@@ -124,6 +189,45 @@ def test_other_configs_compile(m, config):
     check_sass(gemm_skinny.compile_kernel(m, config=config), m, config)
 
 
+def check_row_b_sass(kernel, m, config):
+    ops = kernel.sass_opcodes()
+    tiles = -(-m // 8)
+    # per chunk: 4 column tiles x 2 k16 steps x token tiles mmas, one ldmatrix.x4.trans per tile and step, and
+    # 8 16-byte cp.async per lane (the prologue's STAGES - 1 chunks and the loop's one)
+    assert sum(n for op, n in ops.items() if op.startswith("HMMA.16816.F32")) >= 8 * tiles, sorted(ops)
+    assert ops["LDSM.16.MT88.4"] >= 8, sorted(ops)
+    assert ops["LDGSTS.E.BYPASS.128"] >= 8 * config.unroll, sorted(ops)
+    assert kernel.count("LDGDEPBAR") >= 1 and kernel.count("DEPBAR.LE") >= 1
+    assert not any(op.startswith(("LDL", "STL")) for op in ops), sorted(ops)
+    r = kernel.resources
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0
+    assert r.registers <= 128
+    assert not kernel.warnings, kernel.warnings
+
+
+@pytest.mark.parametrize("dtype", [nvfly.bf16, nvfly.f16])
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("epilogue", ["plain", "bias_gelu_f32", "scaled_silu"])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_row_major_b_compiles_without_spills(dtype, m, epilogue, splits):
+    options = {"plain": {}, "bias_gelu_f32": dict(has_c=True, activation="gelu_tanh", out_dtype=nvfly.f32),
+               "scaled_silu": dict(scaled=True, activation="silu", has_c=True)}[epilogue]
+    config = gemm_skinny.ROW_B_CONFIG
+    config = SkinnyConfig(config.warps, config.unroll, splits)
+    kernel = gemm_skinny.compile_kernel(m, dtype=dtype, config=config, row_b=True, **options)
+    check_row_b_sass(kernel, m, config)
+    hmma = {op for op in kernel.sass_opcodes() if op.startswith("HMMA")}
+    assert hmma == ({"HMMA.16816.F32.BF16"} if dtype == nvfly.bf16 else {"HMMA.16816.F32"})
+    assert (kernel.count("REDG") > 0 and kernel.count("ATOMG") > 0) == (splits > 1)
+
+
+@pytest.mark.parametrize("m,config", [(16, SkinnyConfig(8, 4)), (1, SkinnyConfig(4, 8)), (16, SkinnyConfig(2, 2, 3)),
+                                      (9, SkinnyConfig(16, 3, 2))])
+def test_row_major_b_other_configs_compile(m, config):
+    check_row_b_sass(gemm_skinny.compile_kernel(m, config=config, row_b=True), m, config)
+    check_row_b_sass(gemm_skinny.compile_kernel(m, config=config, row_b=True, x_contiguous=False), m, config)
+
+
 def test_strided_tokens_compile():
     kernel = gemm_skinny.compile_kernel(7, x_contiguous=False)
     assert kernel.count("HMMA") > 0 and kernel.resources.spill_stores == 0
@@ -137,17 +241,51 @@ def weight(n, k, major):
 
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 64])
 @pytest.mark.parametrize("major", ["col", "row"])
-def test_skinny_path_for_small_m_and_column_major_b(m, major):
+def test_skinny_path_for_small_m(m, major):
     a = torch.randn(m, 4096).to(torch.bfloat16)
     b = weight(4096, 4096, major)
-    assert gemm._skinny_wanted(a, b, None, None) == (m <= gemm.SKINNY_MAX_M and major == "col")
+    assert gemm._skinny_wanted(a, b, None, None) == (m <= gemm.SKINNY_MAX_M)
     assert not gemm._skinny_wanted(a, b, None, False)
     assert not gemm._skinny_wanted(a, b, gemm.GemmConfig(), None)
-    if major == "col" and m <= gemm_skinny.MAX_M:
+    assert gemm_skinny.b_major(b) == major  # which variant _new_plan plans (row_b=True for "row")
+    if m <= gemm_skinny.MAX_M:
         assert gemm._skinny_wanted(a, b, SkinnyConfig(), None) and gemm._skinny_wanted(a, b, None, True)
     else:
         with pytest.raises(ValueError, match="skinny"):
             gemm._skinny_wanted(a, b, None, True)
+
+
+def test_row_major_b_can_be_switched_off(monkeypatch):
+    monkeypatch.setattr(gemm, "SKINNY_ROW_B", False)
+    a = torch.randn(8, 4096).to(torch.bfloat16)
+    assert not gemm._skinny_wanted(a, weight(4096, 4096, "row"), None, None)
+    assert gemm._skinny_wanted(a, weight(4096, 4096, "col"), None, None)
+    assert gemm._skinny_wanted(a, weight(4096, 4096, "row"), None, True)
+
+
+def test_unaligned_row_major_b_is_declined():
+    a = torch.randn(4, 64).to(torch.bfloat16)
+    assert "multiple of 8" in gemm_skinny.reason(a, torch.randn(64, 33).to(torch.bfloat16))
+    assert "16-byte" in gemm_skinny.reason(a, torch.randn(64, 1028).to(torch.bfloat16)[:, :1020][:, :1016][:, :1016]
+                                           .as_strided((64, 1016), (1020, 1)))
+    assert gemm_skinny.reason(a, torch.randn(64, 1032).to(torch.bfloat16)[:, :1000]) is None  # N tail, padded rows
+    assert not gemm._skinny_wanted(a, torch.randn(64, 33).to(torch.bfloat16), None, None)
+    with pytest.raises(ValueError, match="skinny"):
+        gemm._skinny_wanted(a, torch.randn(64, 33).to(torch.bfloat16), None, True)
+
+
+@pytest.mark.parametrize("mnk", [(1, 4096, 4096), (16, 4096, 14336), (8, 40, 4104), (1, 8, 8), (16, 4104, 1023)])
+def test_row_major_plans_cover_k_exactly(mnk):
+    m, n, k = mnk
+    plan = gemm_skinny.make_plan(m, n, k, 1, False, "none", False, None, 132, row_b=True)
+    cfg = plan.config
+    chunks = -(-k // gemm_skinny.CHUNK_K)
+    assert plan.row_b and plan.tile_slots == gemm_skinny.COLS_ROW_B * gemm_skinny.MAX_M
+    assert (cfg.splits - 1) * plan.chunks_per_split < chunks <= cfg.splits * plan.chunks_per_split
+    assert plan.grid == (-(-n // 64) * cfg.splits, 1, 1) and plan.tiles == -(-n // 64)
+    assert cfg.splits == 1 or plan.grid[0] <= gemm_skinny.TARGET_CTAS_PER_SM * 132
+    with pytest.raises(ValueError, match="shared memory"):
+        gemm_skinny.make_plan(m, n, k, 1, False, "none", False, SkinnyConfig(32, 8), 132, row_b=True)
 
 
 def test_unaligned_weight_rows_are_declined():

@@ -321,3 +321,140 @@ def test_register_route_is_a_registry_for_other_ops():
         assert route.dispatch_key == "CUDA" and route.eligibility is never
     finally:
         routing_module._ROUTES.pop(("aten::nvfly_registry_test_op", "CUDA"))
+
+
+# ---------------------------------------------------------------------------------------------- per-call host path
+@pytest.fixture
+def fake_launches(monkeypatch):
+    """Kernels 'launch' on CPU tensors: the real binder and generated launch code, a recording cuLaunchKernel.
+    Yields the list of (kernel, grid, parameters as packed) per launch."""
+    import ctypes
+    import struct
+    import types
+    from nvfly.runtime import torch_args
+    from nvfly.runtime.launcher import _layout, make_launch, make_prepared_launch, normalize_dim3
+    launches = []
+
+    def fake_prepare(self, bound, block, cluster):
+        specs, device = self.specs(bound, need_cuda=False)
+        compiled = self.compiled_for(specs, normalize_dim3(block, "block"), None, "sm_90a")
+        fmt, _, size = _layout(compiled.abi)
+        raw = ctypes.create_string_buffer(size)
+        local = types.SimpleNamespace()
+
+        def buffers():
+            local.bufs = (raw, 0)
+            return local.bufs
+
+        def cu(*args):
+            launches.append((compiled.name, args[1:4], struct.unpack(fmt, raw.raw)))
+            return 0
+        obj = types.SimpleNamespace(device=device, compiled=compiled)
+        obj.launch = make_launch(compiled, fmt, 1, cu, local, buffers, device, None, None)
+        obj.prepared = lambda grid, raw_args, so, cs, bp, fb: make_prepared_launch(
+            compiled, fmt, 1, cu, local, buffers, device, None, None, grid, raw_args, so, cs, bp, fb)
+        return obj
+    monkeypatch.setattr(nvfly.Kernel, "_prepare", fake_prepare)
+    monkeypatch.setattr(torch_args, "current_stream", lambda device: 0)
+    for cache in (rmsnorm._FORWARD, rmsnorm._BACKWARD, topk._TOPK):
+        cache.clear()
+    yield launches
+    for cache in (rmsnorm._FORWARD, rmsnorm._BACKWARD, topk._TOPK):
+        cache.clear()
+
+
+def _weights(call):
+    return [v for v in (call.__closure__ or ()) and [c.cell_contents for c in call.__closure__]
+            if isinstance(v, torch.Tensor)]
+
+
+def _calls():
+    bf = torch.bfloat16
+    w = torch.randn(256).to(bf)
+    return [
+        ("rms 2-D", lambda: (torch.randn(8, 256).to(bf),), lambda x: rmsnorm.rms_norm(x, w, 1e-6)),
+        ("rms 3-D rstd", lambda: (torch.randn(2, 3, 256).to(bf),), lambda x: rmsnorm.rms_norm_forward(x, w)),
+        ("rms strided", lambda: (torch.randn(8, 300).to(bf)[:, :256],), lambda x: rmsnorm.rms_norm(x, w)),
+        ("rms residual", lambda: (torch.randn(8, 256).to(bf), torch.randn(8, 256).to(bf)),
+         lambda x, r: rmsnorm.rms_norm_forward(x, w, 1e-5, r)),
+        ("rms backward", lambda: (torch.randn(8, 256).to(bf), torch.randn(8, 256).to(bf), torch.rand(8)),
+         lambda dy, x, rstd: rmsnorm.rms_norm_backward(dy, x, rstd, w)),
+        ("topk warp", lambda: (torch.randn(64, 128).to(bf),), lambda x: topk.topk(x, 8)),
+        ("topk dim 0", lambda: (torch.randn(128, 6).to(bf),), lambda x: topk.topk(x, 4, 0)),
+        ("topk split", lambda: (torch.randn(1, 151936).to(bf),), lambda x: topk.topk(x, 1024)),
+    ]
+
+
+@pytest.mark.parametrize("name,make,call", _calls(), ids=[c[0] for c in _calls()])
+def test_repeat_calls_launch_what_a_first_call_would(fake_launches, name, make, call):
+    """The second call of a signature takes the prepared fast path; its launches (grid and every packed
+    parameter) are those the full path makes for the same arguments as a first call."""
+    first, second = make(), make()
+    out1 = call(*first)
+    n = len(fake_launches)
+    out2 = call(*second)
+    fast = fake_launches[n:]
+    assert len(fast) == n > 0
+    for cache in (rmsnorm._FORWARD, rmsnorm._BACKWARD, topk._TOPK):
+        cache.clear()
+    out3 = call(*second)
+    reference = fake_launches[2 * n:]
+    # the outputs are fresh allocations: map their addresses before comparing
+    flat = lambda out: [t for t in (out if isinstance(out, tuple) else (out,)) if t is not None]  # noqa: E731
+    moved = {a.data_ptr(): b.data_ptr() for a, b in zip(flat(out3), flat(out2))}
+    known = set(moved.values()) | {t.data_ptr() for t in second} | {w.data_ptr() for w in _weights(call)}
+
+    def scratch_as_one(params, mapping):  # scratch buffers (the only other addresses) differ between calls
+        params = tuple(mapping.get(v, v) if type(v) is int else v for v in params)
+        return tuple("scratch" if type(v) is int and v >= 1 << 32 and v not in known else v for v in params)
+    for (k1, g1, p1), (k2, g2, p2) in zip(fast, reference):
+        assert (k1, g1) == (k2, g2)
+        assert scratch_as_one(p1, {}) == scratch_as_one(p2, moved)
+    for a, b in zip(flat(out2), flat(out3)):
+        assert a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    del out1
+
+
+def test_cached_signatures_still_check_arguments(fake_launches):
+    x = torch.randn(4, 16)
+    rmsnorm.rms_norm(x, eps=1e-6)
+    with pytest.raises(ValueError, match="eps:"):
+        rmsnorm.rms_norm(x, eps=-1e-6)
+    with pytest.raises(ValueError, match="eps:"):
+        rmsnorm.rms_norm(x, eps=True)
+    topk.topk(x, 1)
+    with pytest.raises(ValueError, match="k:"):
+        topk.topk(x, True)
+    with pytest.raises(TypeError, match="weight:"):
+        rmsnorm.rms_norm(x, [1.0] * 16)
+    assert len(rmsnorm._FORWARD) == 1 and len(topk._TOPK) == 1
+
+
+# ---------------------------------------------------------------------------------------------- language primitives
+def test_warp_block_and_atomic_primitives_compile():
+    @nvfly.kernel
+    def primitives(x: nvfly.Tensor, out: nvfly.Tensor, counter: nvfly.Tensor):
+        nvfly.min_blocks_per_sm(2)
+        tid = nvfly.thread_idx.x
+        v = x[tid]
+        out[0] = nvfly.redux_sync(v.bitcast(nvfly.u32), "max").bitcast(nvfly.i32)
+        out[1] = nvfly.redux_sync(v, "add")
+        if nvfly.vote_any(v > 3):
+            out[2] = nvfly.count_leading_zeros(v.to(nvfly.i64))
+        if nvfly.syncthreads_or(v == 7):
+            nvfly.atomic_add(counter, 0, 1)
+    k = nvfly.compile(primitives, nvfly.TensorDesc(nvfly.i32, (128,)), nvfly.TensorDesc(nvfly.i32, (4,)),
+                      nvfly.TensorDesc(nvfly.i32, (1,)), block=128)
+    for instruction in ("redux.sync.max.u32", "redux.sync.add.s32", "vote.sync.any", "clz.b64", "bar.red.or",
+                        "atom.global.add", ".minnctapersm 2"):
+        assert instruction in k.ptx, instruction
+    for instruction in ("REDUX.MAX", "REDUX.SUM", "VOTE.ANY", "BAR.RED.OR"):
+        assert instruction in k.sass(), instruction
+
+
+def test_primitive_misuse_is_a_compile_error():
+    @nvfly.kernel
+    def bad(x: nvfly.Tensor):
+        x[0] = nvfly.redux_sync(x[0], "mul")
+    with pytest.raises(nvfly.CompileError, match="redux_sync op"):
+        nvfly.compile(bad, nvfly.TensorDesc(nvfly.i32, (4,)))

@@ -106,3 +106,105 @@ def test_generated_launch_packs_parameters_and_adopts_a_context_once():
     assert adopted == [3] and len(calls) == 2
     assert calls[0] == (77, 5, 1, 1, 128, 1, 1, 0, 99, 1234, None)
     assert struct.unpack(fmt, buffers.raw.raw) == (0xABC0, 1000, bf16_bits(1.5))
+
+
+def _fake_compiled():
+    from nvfly.compiler.artifact import CompiledKernel
+    abi = [AbiParam("ptr", None, (0, "ptr")), AbiParam("int", "i32", (0, ("shape", 0))),
+           AbiParam("int", "i64", (0, ("stride", 0))), AbiParam("float", "bf16", (1, "value")),
+           AbiParam("int", "i32", (2, "value"))]
+    return CompiledKernel("k", "sm_90a", "key", abi, (128, 1, 1), None, 0, "", "", "", None)
+
+
+def test_prepared_launch_reads_addresses_and_scalars_only():
+    from nvfly.runtime.launcher import make_prepared_launch
+    k = _fake_compiled()
+    fmt, _, size = _layout(k.abi)
+    calls, fallbacks = [], []
+    buffers = _Buffers(size)
+    x = torch.randn(10, 4)[:, 0]  # shape (10,), stride 4
+    raw = ((x.data_ptr(), x.shape, x.stride()), 1.5, 7, "constexpr")
+
+    class Off:
+        value = None
+
+        def get(self):
+            return self.value
+    bypass = Off()
+    launch = make_prepared_launch(k, fmt, 77, lambda *a: calls.append(a) or 0, buffers.local, buffers, 3,
+                                  None, None, (6, 2, 1), raw, lambda s: s + 1000, lambda device: device * 100,
+                                  bypass, lambda args, stream: fallbacks.append((args, stream)))
+    y = torch.randn(40)  # another tensor: only its address is read, shape and strides are the first call's
+    launch(y, 2.5, 9, "constexpr")
+    assert calls[-1] == (77, 6, 2, 1, 128, 1, 1, 0, 300, 1234, None)  # current stream of device 3
+    assert struct.unpack(fmt, buffers.raw.raw) == (y.data_ptr(), 10, 4, bf16_bits(2.5), 9)
+    launch(y, 2.5, 9, "constexpr", stream=5)
+    assert calls[-1][8] == 1005 and not fallbacks
+    bypass.value = "compile-only"
+    launch(y, 2.5, 9, "constexpr", stream=5)
+    assert fallbacks == [((y, 2.5, 9, "constexpr"), 5)] and len(calls) == 2
+
+
+def test_prepared_launch_generated_code_matches_the_generic_launch():
+    from nvfly.runtime.launcher import make_launch, make_prepared_launch
+    k = _fake_compiled()
+    fmt, _, size = _layout(k.abi)
+    packed = []
+    x = torch.randn(16, 3)[:, 1]
+
+    def cu(*args):
+        packed.append((args[1:4], bytes(buffers.raw.raw)))
+        return 0
+    buffers = _Buffers(size)
+    generic = make_launch(k, fmt, 77, cu, buffers.local, buffers, 0, None, None)
+    raw = ((x.data_ptr(), x.shape, x.stride()), -3.25, -(1 << 31), None)
+    generic((4, 1, 1), 0, raw)
+    prepared = make_prepared_launch(k, fmt, 77, cu, buffers.local, buffers, 0, None, None, (4, 1, 1), raw,
+                                    int, lambda d: 0, type("Off", (), {"get": lambda self: None})(), None)
+    prepared(x, -3.25, -(1 << 31), None)
+    assert packed[0] == packed[1]
+
+
+def test_prepared_launch_object_first_call_then_fast_path(monkeypatch):
+    """Kernel.prepared: the first call takes the full path (here a fake loaded launcher), later calls the
+    generated code; compile-only mode records; check=True refuses arguments unlike the first call's."""
+    import types
+    from nvfly.runtime import torch_args
+    from nvfly.runtime.launcher import make_launch, make_prepared_launch
+
+    @nvfly.kernel
+    def scale(x: nvfly.Tensor, y: nvfly.Tensor, n: nvfly.i32, a: nvfly.f32, BLOCK: nvfly.Constexpr):
+        i = nvfly.block_idx.x * BLOCK + nvfly.thread_idx.x
+        if i < n:
+            y[i] = x[i] * a
+
+    calls = []
+
+    def fake_prepare(self, bound, block, cluster):
+        specs, device = self.specs(bound, need_cuda=False)
+        compiled = self.compiled_for(specs, normalize_dim3(block, "block"), None, "sm_90a")
+        fmt, _, size = _layout(compiled.abi)
+        buffers = _Buffers(size)
+        cu = lambda *args: calls.append((args[1:4], struct.unpack(fmt, buffers.raw.raw))) or 0  # noqa: E731
+        obj = types.SimpleNamespace(device=device, compiled=compiled)
+        obj.launch = make_launch(compiled, fmt, 1, cu, buffers.local, buffers, device, None, None)
+        obj.prepared = lambda grid, raw, so, cs, bp, fb: make_prepared_launch(
+            compiled, fmt, 1, cu, buffers.local, buffers, device, None, None, grid, raw, so, cs, bp, fb)
+        return obj
+    monkeypatch.setattr(nvfly.Kernel, "_prepare", fake_prepare)
+    monkeypatch.setattr(torch_args, "current_stream", lambda device: 0)
+    x, y = torch.randn(256), torch.empty(256)
+    p = scale.prepared(2, 128, check=True)
+    assert "not launched yet" in repr(p)
+    p.launch(x, y, 256, 2.0, 128)
+    assert p.launch != p._first and "ready" in repr(p)
+    x2, y2 = torch.randn(256), torch.empty(256)
+    p.launch(x2, y2, 256, 3.0, 128)
+    assert len(calls) == 2 and calls[0][0] == calls[1][0] == (2, 1, 1)
+    moved = {x.data_ptr(): x2.data_ptr(), y.data_ptr(): y2.data_ptr(), 2.0: 3.0}
+    assert calls[1][1] == tuple(moved.get(v, v) for v in calls[0][1]) and x2.data_ptr() in calls[1][1]
+    with pytest.raises(nvfly.LaunchError, match="unlike its first call"):
+        p.launch(torch.randn(512), y2, 256, 3.0, 128)  # another shape
+    with nvfly.compile_only() as kernels:
+        p.launch(x2, y2, 256, 3.0, 128)
+    assert len(kernels) == 1 and len(calls) == 2

@@ -86,7 +86,7 @@ class CompiledKernel:
     def sass_opcodes(self) -> collections.Counter:
         """Counts of SASS instructions by full opcode (e.g. ``LDG.E.128``, ``HGMMA.64x128x16.F32.BF16``)."""
         counts: collections.Counter = collections.Counter()
-        for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]+)", self.sass()):
+        for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]+)", self.sass()):
             counts[m.group(1)] += 1
         return counts
 

@@ -1,4 +1,5 @@
-"""Device intrinsics available inside kernels: ids, warps and shuffles, barriers, shared memory, math, printf."""
+"""Device intrinsics available inside kernels: ids, warps (shuffles, votes, reductions), barriers, atomics, shared
+memory, math, kernel attributes, printf."""
 from __future__ import annotations
 
 import math as _pymath
@@ -182,11 +183,51 @@ def warp_reduce(value: Any, op: str = "add", width: int = 32) -> Any:
     return value
 
 
+_REDUX_KINDS = {"add": "ADD", "and": "AND", "or": "OR", "xor": "XOR"}
+
+
+@traced
+def redux_sync(value: Any, op: str = "max") -> Scalar:
+    """Reduction of a 32-bit integer over the (whole, converged) warp in one ``redux.sync`` (sm_80+); every
+    lane gets the result. ``op``: add, min, max (signed or unsigned after the value's dtype), and, or, xor."""
+    v = as_value(value)
+    if not isinstance(v, Scalar) or not v.dtype.is_int or v.dtype.bits != 32:
+        raise CompileError(f"redux_sync takes a 32-bit integer scalar, got {getattr(v, 'dtype', v)}")
+    if op in ("min", "max"):
+        kind = ("U" if not v.dtype.is_signed else "") + op.upper()
+    elif op in _REDUX_KINDS:
+        kind = _REDUX_KINDS[op]
+    else:
+        raise CompileError(f"redux_sync op must be one of add, min, max, and, or, xor; got {op!r}")
+    out = nvvm.redux_sync(ir.IntegerType.get_signless(32), v.value, getattr(nvvm.ReduxKind, kind),
+                          constant(_FULL_MASK, dtypes.i32).value)
+    return Scalar(out, v.dtype)
+
+
+@traced
+def vote_any(pred: Any) -> Scalar:
+    """True in every lane when ``pred`` holds in some lane of the (whole, converged) warp (``vote.sync.any``)."""
+    p = as_value(pred, dtypes.i1)
+    out = nvvm.vote_sync(ir.IntegerType.get_signless(1), constant(_FULL_MASK, dtypes.i32).value, p.value,
+                         nvvm.VoteSyncKind.any)
+    return Scalar(out, dtypes.i1)
+
+
 # ---------------------------------------------------------------------------------------------- barriers
 @traced
 def syncthreads() -> None:
     """Barrier over the whole block (``bar.sync 0``)."""
     gpu.barrier()
+
+
+@traced
+def syncthreads_or(pred: Any) -> Scalar:
+    """Barrier over the block that also ORs ``pred`` over all its threads (``bar.red.or``, CUDA's
+    ``__syncthreads_or``): every thread gets the same answer, so a branch on it stays block-uniform."""
+    p = as_value(pred, dtypes.i1).to(dtypes.i32)
+    out = nvvm.barrier(ir.IntegerType.get_signless(32), reduction_op=ir.Attribute.parse("#nvvm.reduction<or>"),
+                       reduction_predicate=p.value)
+    return Scalar(out, dtypes.i32) != 0
 
 
 @traced
@@ -215,6 +256,18 @@ def syncwarp() -> None:
 @traced
 def threadfence() -> None:
     nvvm.inline_ptx([], [], [], "fence.acq_rel.gpu;")
+
+
+# ---------------------------------------------------------------------------------------------- atomics
+@traced
+def atomic_add(t: Tensor, index: Any, value: Any) -> Scalar:
+    """``old = t[index]; t[index] += value`` atomically (relaxed ordering, ``atom.add``); returns ``old``.
+    ``t``: a global or shared tensor of integers (i32, u32, i64); ``index`` as for ``t[index]``."""
+    if not isinstance(t, Tensor) or not t.dtype.is_int or t.dtype.bits not in (32, 64):
+        raise CompileError(f"atomic_add needs a tensor of 32- or 64-bit integers, got {getattr(t, 'dtype', t)}")
+    v = as_value(value, t.dtype)
+    old = llvm.AtomicRMWOp(llvm.AtomicBinOp.add, t.address(index), v.value, llvm.AtomicOrdering.monotonic)
+    return Scalar(old.result, t.dtype)
 
 
 # ---------------------------------------------------------------------------------------------- shared memory
@@ -388,11 +441,35 @@ def select(cond: Any, a: Any, b: Any) -> Any:
 
 
 @traced
+def count_leading_zeros(x: Any) -> Scalar:
+    """Leading zero bits of an integer scalar (its width for 0), as i32 (CUDA's ``__clz``/``__clzll``)."""
+    v = as_value(x)
+    if not isinstance(v, Scalar) or not v.dtype.is_int:
+        raise CompileError(f"count_leading_zeros takes an integer scalar, got {getattr(v, 'dtype', v)}")
+    out = llvm.intr_ctlz(v.value, False)
+    if v.dtype.bits > 32:
+        out = arith.trunci(ir.IntegerType.get_signless(32), out)
+    elif v.dtype.bits < 32:
+        out = arith.extui(ir.IntegerType.get_signless(32), out)
+    return Scalar(out, dtypes.i32)
+
+
+@traced
 def assume_divisible(x: Scalar, divisor: int) -> Scalar:
     """Promise that ``x`` is a multiple of ``divisor`` (enables vector accesses); nothing is checked."""
     if not isinstance(x, Scalar) or not x.dtype.is_int:
         raise CompileError("assume_divisible takes a traced integer")
     return Scalar(x.value, x.dtype, x.divisor * divisor // _pymath.gcd(x.divisor, divisor))
+
+
+# ---------------------------------------------------------------------------------------------- kernel attributes
+@traced
+def min_blocks_per_sm(count: int) -> None:
+    """Ask ptxas to fit ``count`` blocks per SM (``.minnctapersm``), i.e. to cap the registers per thread at
+    about ``65536 / (count * block threads)``. Call it once, anywhere in the kernel body."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise CompileError(f"min_blocks_per_sm takes a positive Python int, got {count!r}")
+    current().kernel_attrs["nvvm.minctasm"] = f"{count} : i32"
 
 
 # ---------------------------------------------------------------------------------------------- printf

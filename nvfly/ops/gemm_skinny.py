@@ -21,6 +21,23 @@ add fp32 partial sums into a zero-initialised workspace (``red.global.add``) and
 per-tile counter; the last CTA to arrive applies the epilogue, writes the output and resets its workspace
 slice and counter to zero, so the next launch needs no memset and there is no second kernel. Workspaces are
 cached per (device, stream): launches on one stream are ordered, so they may share one.
+
+Row-major B (``ROW_B``: B [K, N] with N contiguous, e.g. ``x @ W`` with W stored K x N). W's 16 rows of one
+mma are now 32-byte pieces of B's k rows, too short for DRAM bursts and not in fragment order, so B goes
+through shared memory. A CTA owns 64 consecutive columns (128 bytes of every k row of B) and its warps split
+its K range chunk by chunk (chunk c + warp + i * warps); each warp owns a ring of ``unroll`` 32 x 64 chunk
+stages (4 KB each) that it fills with 16-byte ``cp.async`` copies (one warp instruction: four whole 128-byte
+rows) and drains with ``ldmatrix.x4.trans``, which turns a 16 k x 16 n block of the N-contiguous stage into the
+m16n8k16 A fragment (16 n rows x 16 k). The ring is private to its warp, so the pipeline needs only
+``cp.async.wait_group`` and ``__syncwarp`` (no CTA barrier until the reduction): ``unroll - 1`` chunks (12 KB
+with the default 4 warps x 4 stages, 64 KB of shared memory per CTA) are in flight per warp. Giving each warp
+all 64 columns (rather than a 16-column slice) lets one token fragment feed four mmas and keeps every copy a
+full row. Stages are XOR-swizzled (16-byte segment s of row r at s ^ (r % 8)) so ldmatrix is conflict-free.
+ldmatrix leaves k in natural order, so the tokens use the ISA's B layout (two consecutive k per register,
+loaded element-wise, masked at K). Every chunk, the partial last one included, is staged: rows past K and
+columns past N are zero-filled by cp.async (nothing read), so only the tokens need masking. N must be a
+multiple of 8 and B's rows 16-byte aligned (``reason``; the wgmma kernel runs the rest). After the loop a
+warp's first stage holds its 64 x 16 partial tile, and the shared reduction / split-K epilogue follows.
 """
 from __future__ import annotations
 
@@ -32,10 +49,10 @@ import torch
 
 import nvfly
 from nvfly.arch import sm80
-from nvfly.arch.ptx import asm, asm_multi
+from nvfly.arch.ptx import asm, asm_multi, smem_address
 from nvfly.frontend import dtypes
 from nvfly.ops.gemm_kernel import Epilogue, activate
-from nvfly.ops.rmsnorm import min_blocks_per_sm
+from nvfly.frontend.language import min_blocks_per_sm
 from nvfly.runtime.torch_args import current_stream
 
 MAX_M = 16              # two n8 mma tiles of tokens
@@ -43,6 +60,11 @@ ROWS = 16               # output columns (W rows) per CTA: the mma's M
 CHUNK_K = 32            # k per chunk: 32 lanes x 16 bytes cover 16 rows x 32 k, two k16 mma steps
 VECTOR = 8              # elements per lane per row per chunk (16 bytes)
 TILE_SLOTS = ROWS * MAX_M  # fp32 workspace slots per output tile (16 columns x up to 16 tokens)
+# row-major B: a CTA owns 64 consecutive columns (128-byte rows of B per k) staged in 32 x 64 chunks
+COLS_ROW_B = 64
+SEGMENTS = COLS_ROW_B // VECTOR          # 16-byte segments per staged k row
+CHUNK_BYTES = CHUNK_K * COLS_ROW_B * 2   # one ring stage (4 KB)
+MAX_SMEM = 227 * 1024
 
 # mma fragment registers from the loaded 32-bit words (each word: two consecutive k of one row).
 # A (W): register r of k16 step s is word 2 * s + offset of row g (half 0) or g + 8 (half 1), with
@@ -54,7 +76,8 @@ B_REGISTER_WORDS = (0, 1)
 @dataclass(frozen=True)
 class SkinnyConfig:
     """warps: per CTA, splitting its K range; unroll: 32-wide k chunks a warp loads before its mmas (1 KB of W
-    each); splits: CTAs per 16-column group, each reducing one K range (fp32 workspace when > 1)."""
+    each), or with row-major B the depth of each warp's cp.async ring (4 KB stages, at least 2); splits: CTAs
+    per column group, each reducing one K range (fp32 workspace when > 1)."""
     warps: int = 8
     unroll: int = 4
     splits: int = 1
@@ -174,32 +197,106 @@ def finish(value, out, c_in, batch, row, col, alpha, beta, EPI):
     out[batch, row, col] = activate(value, EPI.activation).to(out.dtype)
 
 
-# ---------------------------------------------------------------------------------------------- the kernel
-@nvfly.kernel
-def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in, workspace, counters,
-                       m: nvfly.i32, n: nvfly.i32, k: nvfly.i32, chunks_per_split: nvfly.i32, alpha: nvfly.f32,
-                       beta: nvfly.f32, CFG: nvfly.Constexpr, M_TILES: nvfly.Constexpr, EPI: nvfly.Constexpr):
-    """out[b] = act(alpha * x[b] @ w[b]^T + beta * C_in[b]): w [B, N, K] with K contiguous and 16-byte aligned
-    rows, x [B, M, K], out and C_in [B, M, N]. Grid: (16-column groups x splits, batches)."""
-    WARPS, UNROLL, SPLITS = CFG.warps, CFG.unroll, CFG.splits
-    THREADS = WARPS * 32
-    TOKENS = 8 * M_TILES
-    TILE = ROWS * TOKENS
-    min_blocks_per_sm(max(1, 512 // THREADS))  # a 128-register budget (64 spills the unrolled loads)
+# ---------------------------------------------------------------------------------------------- row-major B
+def stage_offset(row: Any, segment: Any) -> Any:
+    """Byte offset in a ring stage of 16-byte segment ``segment`` (8 columns) of k row ``row``: 128-byte rows,
+    segments XOR-swizzled by row % 8 so that the 8 rows one ldmatrix matrix reads hit 8 different bank groups
+    (the cp.async writes of a warp cover whole rows, so they are conflict-free either way)."""
+    return row * (SEGMENTS * 16) + (segment ^ (row % 8)) * 16
+
+
+def copy_target(lane: Any, j: int) -> tuple[Any, Any]:
+    """(k row within the chunk, 16-byte segment) that lane ``lane`` copies in its ``j``-th cp.async of a chunk:
+    one warp instruction moves 4 whole 128-byte rows."""
+    return lane // SEGMENTS + (32 // SEGMENTS) * j, lane % SEGMENTS
+
+
+def ldmatrix_row(lane: Any, step: int, tile: int) -> tuple[Any, Any]:
+    """(k row within the chunk, segment) whose 16 bytes lane ``lane`` addresses in the ldmatrix.x4.trans of k16
+    step ``step`` and 16-column tile ``tile``: matrix lane // 8 is (columns +8, k +8) = (lane // 8 % 2,
+    lane // 8 // 2), i.e. A registers a0a1, a2a3, a4a5, a6a7 of mma.m16n8k16."""
+    matrix, r = lane // 8, lane % 8
+    return 16 * step + 8 * (matrix // 2) + r, 2 * tile + matrix % 2
+
+
+def row_b_token_source(lane: Any, register: int, half: int, step: int) -> tuple[Any, Any]:
+    """(k within the chunk, token within the n8 tile) of B register ``register`` (the ISA's order: ldmatrix
+    leaves k unpermuted)."""
+    return 16 * step + 8 * register + 2 * (lane % 4) + half, lane // 4
+
+
+def issue_chunk(stage: Any, w: Any, batch: Any, chunk: Any, n0: Any, lane: Any, k: Any, n: Any, wanted: Any) -> None:
+    """cp.async one 32 x 64 chunk of B (k rows from ``chunk * 32``, columns from ``n0``) into the ring stage at
+    shared address ``stage`` as one commit group; rows at or past K, columns past N and unwanted chunks are
+    zero-filled (nothing is read; the address is clamped in bounds)."""
+    for j in nvfly.static_range(CHUNK_K * SEGMENTS // 32):
+        row, segment = copy_target(lane, j)
+        kg = chunk * CHUNK_K + row
+        ng = n0 + segment * VECTOR
+        ok = wanted & (kg < k) & (ng < n)
+        src = w.address(batch, nvfly.minimum(kg, k - 1), nvfly.minimum(ng, n - VECTOR))
+        sm80.cp_async(stage + stage_offset(row, segment), src, 16, ok)
+    sm80.cp_async_commit()
+
+
+def load_pair(x_row: Any, kk: Any, k: Any) -> Any:
+    """x_row[kk], x_row[kk + 1] as one i32 word (zero at or past K)."""
+    values = [x_row.load(kk + j, mask=kk + j < k) for j in range(2)]
+    return nvfly.make_vector(values, x_row.dtype).bitcast(nvfly.i32).tolist()[0]
+
+
+def mma_stage(accs: list, stage: Any, x_rows: list, kc: Any, k: Any, lane: Any, dtype: Any) -> list:
+    """Accumulate one staged chunk (k from ``kc``): per k16 step, the tokens' B fragments once, then an
+    ldmatrix.x4.trans and the mmas of each 16-column tile."""
+    out = [[list(a) for a in tile] for tile in accs]
+    for step in nvfly.static_range(CHUNK_K // 16):
+        # both halves of a register are consecutive k: one word per register from its half 0 k
+        b = [[load_pair(x, kc + row_b_token_source(lane, reg, 0, step)[0], k) for reg in range(2)] for x in x_rows]
+        for tile in nvfly.static_range(COLS_ROW_B // ROWS):
+            a = sm80.ldmatrix_x4(stage + stage_offset(*ldmatrix_row(lane, step, tile)), transpose=True)
+            for t in range(len(x_rows)):
+                out[tile][t] = sm80.mma_m16n8k16(a, b[t], out[tile][t], dtype)
+    return out
+
+
+@nvfly.func
+def stream_row_major(w, x, ring, batch, n0, c_begin, c_end, warp, lane, m, n, k, WARPS, STAGES, M_TILES):
+    """This warp's chunks c_begin + warp, + WARPS, ... through its own STAGES-deep cp.async ring (only
+    wait_group and __syncwarp: no CTA barrier); accumulators [column tile][token tile][4]."""
+    g = lane // 4
+    x_rows = [x[batch, nvfly.minimum(g + 8 * t, m - 1), :] for t in nvfly.static_range(M_TILES)]
+    base = ring + warp * (STAGES * CHUNK_BYTES)
+    count = (c_end - c_begin - warp + WARPS - 1) // WARPS
+    first = c_begin + warp
+    accs = [[[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(M_TILES)] for _ in nvfly.static_range(COLS_ROW_B // ROWS)]
+    for i in nvfly.static_range(STAGES - 1):
+        issue_chunk(base + i * CHUNK_BYTES, w, batch, first + i * WARPS, n0, lane, k, n, count > i)
+    for i in range(count):
+        ahead = i + STAGES - 1
+        issue_chunk(base + (ahead % STAGES) * CHUNK_BYTES, w, batch, first + ahead * WARPS, n0, lane, k, n,
+                    ahead < count)
+        sm80.cp_async_wait(STAGES - 1)
+        nvfly.syncwarp()
+        accs = mma_stage(accs, base + (i % STAGES) * CHUNK_BYTES, x_rows, (first + i * WARPS) * CHUNK_K, k, lane,
+                         w.dtype)
+        nvfly.syncwarp()  # every lane is done with stage i % STAGES before the next iteration refills it
+    sm80.cp_async_wait(0)
+    nvfly.syncwarp()  # the ring may now hold this warp's partial sums
+    return accs
+
+
+@nvfly.func
+def stream_column_major(w, x, batch, group, split, warp, lane, m, n, k, chunks_per_split, WARPS, UNROLL, SPLITS,
+                        M_TILES):
+    """This warp's share of the CTA's K range, W rows loaded straight into registers; accumulators
+    [token tile][4]."""
     dtype = w.dtype
-    tid = nvfly.thread_idx.x
-    warp = nvfly.warp_idx()
-    lane = nvfly.lane_idx()
-    batch = nvfly.block_idx.y
-    group = nvfly.block_idx.x // SPLITS
-    split = nvfly.block_idx.x % SPLITS
     g = lane // 4
     kq = (lane % 4) * VECTOR
     # rows past N and tokens past M are clamped: they only feed results that are not stored
     w_rows = (w[batch, nvfly.minimum(group * ROWS + g, n - 1), :],
               w[batch, nvfly.minimum(group * ROWS + g + 8, n - 1), :])
     x_rows = [x[batch, nvfly.minimum(g + 8 * t, m - 1), :] for t in nvfly.static_range(M_TILES)]
-
     accs = [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(M_TILES)]
     full_chunks = k // CHUNK_K
     c_begin = split * chunks_per_split
@@ -214,26 +311,69 @@ def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in
         accs = mma_chunk(accs, load_chunk(w_rows, x_rows, c * CHUNK_K + kq), dtype)
     if (split == SPLITS - 1) & (warp == WARPS - 1) & (full_chunks * CHUNK_K < k):
         accs = mma_chunk(accs, load_tail_chunk(w_rows, x_rows, full_chunks * CHUNK_K + kq, k), dtype)
+    return accs
 
-    # every warp's fragments into shared memory as [warp][token][row], then one thread per output sums them
-    partial = nvfly.shared_tensor(nvfly.f32, (WARPS * TILE,))
-    for t in nvfly.static_range(M_TILES):
-        for i in nvfly.static_range(4):
-            row = g + 8 * (i // 2)
-            token = 8 * t + 2 * (lane % 4) + i % 2
-            partial[warp * TILE + token * ROWS + row] = accs[t][i]
+
+# ---------------------------------------------------------------------------------------------- the kernel
+@nvfly.kernel
+def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in, workspace, counters,
+                       m: nvfly.i32, n: nvfly.i32, k: nvfly.i32, chunks_per_split: nvfly.i32, alpha: nvfly.f32,
+                       beta: nvfly.f32, CFG: nvfly.Constexpr, M_TILES: nvfly.Constexpr, EPI: nvfly.Constexpr,
+                       ROW_B: nvfly.Constexpr):
+    """out[b] = act(alpha * x[b] @ W[b]^T + beta * C_in[b]), x [B, M, K], out and C_in [B, M, N]. W is w
+    [B, N, K] with K contiguous and 16-byte aligned rows, or with ROW_B, w is B itself: [B, K, N] with N
+    contiguous, N % 8 == 0 and 16-byte aligned rows. Grid: (column groups x splits, batches)."""
+    WARPS, UNROLL, SPLITS = CFG.warps, CFG.unroll, CFG.splits
+    THREADS = WARPS * 32
+    TOKENS = 8 * M_TILES
+    COLS = COLS_ROW_B if ROW_B else ROWS  # output columns per CTA
+    TILE = COLS * TOKENS
+    SLOTS = COLS * MAX_M  # workspace slots per output tile
+    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))  # a 128-register budget (64 spills the unrolled loads)
+    tid = nvfly.thread_idx.x
+    warp = nvfly.warp_idx()
+    lane = nvfly.lane_idx()
+    batch = nvfly.block_idx.y
+    group = nvfly.block_idx.x // SPLITS
+    split = nvfly.block_idx.x % SPLITS
+    g = lane // 4
+
+    # per warp: (column within the group, token, partial sum) of each accumulator (PTX's C layout), and where
+    # its partial tile goes in shared memory
+    if ROW_B:
+        # the ring is reused for the partial sums: a warp's first stage (4 KB) holds its 64 x 16 tile
+        ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (WARPS * UNROLL * CHUNK_BYTES,)))
+        c_begin = split * chunks_per_split
+        c_end = nvfly.minimum(c_begin + chunks_per_split, (k + CHUNK_K - 1) // CHUNK_K)
+        tiles = stream_row_major(w, x, ring, batch, group * COLS, c_begin, c_end, warp, lane, m, n, k, WARPS,
+                                 UNROLL, M_TILES)
+        partial = nvfly.dynamic_shared_tensor(nvfly.f32, (WARPS * UNROLL * CHUNK_BYTES // 4,))
+        WARP_STRIDE = UNROLL * CHUNK_BYTES // 4
+    else:
+        tiles = [stream_column_major(w, x, batch, group, split, warp, lane, m, n, k, chunks_per_split, WARPS,
+                                     UNROLL, SPLITS, M_TILES)]
+        partial = nvfly.shared_tensor(nvfly.f32, (WARPS * TILE,))
+        WARP_STRIDE = TILE
+
+    # every warp's fragments into shared memory as [warp][token][column], then one thread per output sums them
+    for ct in nvfly.static_range(len(tiles)):
+        for t in nvfly.static_range(M_TILES):
+            for i in nvfly.static_range(4):
+                col = ROWS * ct + g + 8 * (i // 2)
+                token = 8 * t + 2 * (lane % 4) + i % 2
+                partial[warp * WARP_STRIDE + token * COLS + col] = tiles[ct][t][i]
     nvfly.syncthreads()
-    tile = batch * ((n + ROWS - 1) // ROWS) + group
+    tile = batch * ((n + COLS - 1) // COLS) + group
     totals = []
     for p in nvfly.static_range((TILE + THREADS - 1) // THREADS):
         e = p * THREADS + tid
         total = partial[nvfly.minimum(e, TILE - 1)]
         for v in nvfly.static_range(1, WARPS):
-            total = total + partial[v * TILE + nvfly.minimum(e, TILE - 1)]
-        token = e // ROWS
-        col = group * ROWS + e % ROWS
+            total = total + partial[v * WARP_STRIDE + nvfly.minimum(e, TILE - 1)]
+        token = e // COLS
+        col = group * COLS + e % COLS
         valid = (e < TILE) & (token < m) & (col < n)
-        totals.append((total, token, col, valid, tile * TILE_SLOTS + e))
+        totals.append((total, token, col, valid, tile * SLOTS + e))
     if SPLITS == 1:
         for total, token, col, valid, slot in totals:
             if valid:
@@ -260,15 +400,27 @@ def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in
 
 
 # ---------------------------------------------------------------------------------------------- host side
+def b_major(b: torch.Tensor) -> str:
+    """'col' when B's columns (W's rows) are K-contiguous, 'row' when B's rows are N-contiguous."""
+    return "col" if b.stride(-2) == 1 else "row"
+
+
 def reason(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
     """None when the skinny kernel can run ``a @ b`` (after ``gemm.eligibility`` accepted it), else why not."""
     if a.shape[-2] > MAX_M:
         return f"M={a.shape[-2]} exceeds {MAX_M}"
     n, batches = b.shape[-1], (b.shape[0] if b.dim() == 3 else 1)
-    if b.stride(-2) != 1:
-        return "B is not column-major (the weight's rows, B^T, must be K-contiguous)"
-    if b.data_ptr() % 16 or (n > 1 and b.stride(-1) % VECTOR) or (batches > 1 and b.stride(0) % VECTOR):
-        return "B^T's rows are not 16-byte aligned"
+    if b.stride(-2) == 1:
+        if b.data_ptr() % 16 or (n > 1 and b.stride(-1) % VECTOR) or (batches > 1 and b.stride(0) % VECTOR):
+            return "B^T's rows are not 16-byte aligned"
+        return None
+    if b.stride(-1) != 1:
+        return "B is neither column- nor row-major"
+    k = b.shape[-2]
+    if n % VECTOR:
+        return f"B is row-major and N={n} is not a multiple of {VECTOR} (16-byte row vectors)"
+    if b.data_ptr() % 16 or (k > 1 and b.stride(-2) % VECTOR) or (batches > 1 and b.stride(0) % VECTOR):
+        return "B's rows are not 16-byte aligned"
     return None
 
 
@@ -284,6 +436,11 @@ class SkinnyPlan:
     grid: tuple[int, int, int]
     tiles: int
     epilogue: Epilogue
+    row_b: bool = False
+
+    @property
+    def tile_slots(self) -> int:
+        return (COLS_ROW_B if self.row_b else ROWS) * MAX_M
 
 
 # CTAs per SM that K splits may fill up to (two 256-thread CTAs of up to 128 registers are resident per SM:
@@ -291,12 +448,15 @@ class SkinnyPlan:
 # its start and reduction than it saves); to be tuned on the H200 (benchmarks/gemm_skinny_configs.py)
 TARGET_CTAS_PER_SM = 2
 MIN_CHUNKS_PER_WARP = 8
+# row-major B: 4 warps, each with a 4-stage ring (3 chunks = 12 KB in flight per warp, 64 KB of shared memory
+# per CTA); untuned
+ROW_B_CONFIG = SkinnyConfig(warps=4, unroll=4)
 
 
-def default_config(n: int, k: int, batches: int, sms: int) -> SkinnyConfig:
+def default_config(n: int, k: int, batches: int, sms: int, row_b: bool = False) -> SkinnyConfig:
     """Split K across CTAs up to TARGET_CTAS_PER_SM CTAs per SM, keeping each warp's share long."""
-    cfg = SkinnyConfig()
-    groups = math.ceil(n / ROWS) * batches
+    cfg = ROW_B_CONFIG if row_b else SkinnyConfig()
+    groups = math.ceil(n / (COLS_ROW_B if row_b else ROWS)) * batches
     chunks = math.ceil(k / CHUNK_K)
     wanted = TARGET_CTAS_PER_SM * sms // groups
     longest = max(1, chunks // (cfg.warps * MIN_CHUNKS_PER_WARP))
@@ -304,11 +464,24 @@ def default_config(n: int, k: int, batches: int, sms: int) -> SkinnyConfig:
 
 
 def make_plan(m: int, n: int, k: int, batches: int, has_c: bool, activation: str, scaled: bool,
-              config: Optional[SkinnyConfig], sms: int) -> SkinnyPlan:
-    config = config or default_config(n, k, batches, sms)
+              config: Optional[SkinnyConfig], sms: int, row_b: bool = False) -> SkinnyPlan:
+    config = config or default_config(n, k, batches, sms, row_b)
     problem = config.check()
     if problem:
         raise ValueError(f"SkinnyConfig: {problem}")
+    epilogue = Epilogue(has_c=has_c, activation=activation, scaled=scaled)
+    if row_b:
+        # unroll = ring stages per warp; every chunk (the last one partial) is staged, zero-filled past K
+        if config.unroll < 2 or config.warps * config.unroll * CHUNK_BYTES > MAX_SMEM:
+            raise ValueError(f"SkinnyConfig: row-major B needs 2 <= unroll and warps * unroll * {CHUNK_BYTES} "
+                             f"<= {MAX_SMEM} bytes of shared memory, got {config}")
+        chunks = max(1, math.ceil(k / CHUNK_K))
+        per_split = math.ceil(chunks / min(config.splits, chunks))
+        splits = math.ceil(chunks / per_split)
+        config = SkinnyConfig(config.warps, config.unroll, splits)
+        groups = math.ceil(n / COLS_ROW_B)
+        return SkinnyPlan(config, math.ceil(m / 8), m, n, k, per_split, (groups * splits, batches, 1),
+                          groups * batches, epilogue, True)
     full_chunks = k // CHUNK_K
     # whole unroll groups per split, and no split without chunks (the tail chunk goes to the last split)
     per_split = max(config.unroll, math.ceil(math.ceil(full_chunks / config.splits) / config.unroll) * config.unroll)
@@ -316,21 +489,22 @@ def make_plan(m: int, n: int, k: int, batches: int, has_c: bool, activation: str
     config = SkinnyConfig(config.warps, config.unroll, splits)
     groups = math.ceil(n / ROWS)
     return SkinnyPlan(config, math.ceil(m / 8), m, n, k, per_split, (groups * splits, batches, 1), groups * batches,
-                      Epilogue(has_c=has_c, activation=activation, scaled=scaled))
+                      epilogue)
 
 
 _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def workspace(device: torch.device, stream: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 partial sums, i32 arrival counters) for ``tiles`` output tiles, zero between launches (each
-    launch leaves them zeroed); one pair per (device, stream), grown as needed. Allocate outside CUDA graph
-    capture (the first split call on a stream allocates)."""
+def workspace(device: torch.device, stream: int, tiles: int,
+              tile_slots: int = TILE_SLOTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 partial sums, i32 arrival counters) for ``tiles`` output tiles of ``tile_slots`` sums, zero between
+    launches (each launch leaves them zeroed); one pair per (device, stream), grown as needed. Allocate
+    outside CUDA graph capture (the first split call on a stream allocates)."""
     key = (device.index, stream)
     entry = _WORKSPACES.get(key)
-    if entry is None or entry[1].numel() < tiles:
+    if entry is None or entry[1].numel() < tiles or entry[0].numel() < tiles * tile_slots:
         size = max(tiles, 2 * entry[1].numel() if entry is not None else 0, 1024)
-        entry = (torch.zeros(size * TILE_SLOTS, dtype=torch.float32, device=device),
+        entry = (torch.zeros(size * max(tile_slots, TILE_SLOTS), dtype=torch.float32, device=device),
                  torch.zeros(size, dtype=torch.int32, device=device))
         _WORKSPACES[key] = entry
     return entry
@@ -338,33 +512,36 @@ def workspace(device: torch.device, stream: int, tiles: int) -> tuple[torch.Tens
 
 def launch(plan: SkinnyPlan, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor, c3: Optional[torch.Tensor],
            alpha: float, beta: float) -> None:
-    """Run the planned GEMM on 3-D operands: a3 [B, M, K], b3 [B, K, N] (column-major), out3/c3 [B, M, N]."""
+    """Run the planned GEMM on 3-D operands: a3 [B, M, K], b3 [B, K, N] (column-major, or row-major for a
+    row_b plan), out3/c3 [B, M, N]."""
     cfg = plan.config
-    w = b3.transpose(-1, -2)
+    w = b3 if plan.row_b else b3.transpose(-1, -2)
     kernel = skinny_gemm_kernel[plan.grid, cfg.warps * 32]
     if cfg.splits == 1:
         kernel(w, a3, out3, c3, None, None, plan.m, plan.n, plan.k, plan.chunks_per_split, alpha, beta, cfg,
-               plan.m_tiles, plan.epilogue)
+               plan.m_tiles, plan.epilogue, plan.row_b)
         return
     stream = current_stream(a3.device.index)
-    partials, counters = workspace(a3.device, stream, plan.tiles)
+    partials, counters = workspace(a3.device, stream, plan.tiles, plan.tile_slots)
     kernel(w, a3, out3, c3, partials, counters, plan.m, plan.n, plan.k, plan.chunks_per_split, alpha, beta, cfg,
-           plan.m_tiles, plan.epilogue, stream=stream)
+           plan.m_tiles, plan.epilogue, plan.row_b, stream=stream)
 
 
 def compile_kernel(m: int, k: int = 4096, n: int = 4096, dtype: Any = nvfly.bf16, out_dtype: Any = None,
                    has_c: bool = False, activation: str = "none", scaled: bool = False,
-                   config: SkinnyConfig = SkinnyConfig(), x_contiguous: bool = True, target: str = "sm_90a") -> Any:
+                   config: SkinnyConfig = SkinnyConfig(), x_contiguous: bool = True, row_b: bool = False,
+                   target: str = "sm_90a") -> Any:
     """Compile the kernel for one problem class without a GPU; returns the CompiledKernel."""
     from nvfly.runtime.torch_args import TensorDesc
-    w = TensorDesc(dtype, (1, n, k))
+    w = TensorDesc(dtype, (1, k, n) if row_b else (1, n, k))
     x = TensorDesc(dtype, (1, m, k), None if x_contiguous else (m * k, 1, m))
     out = TensorDesc(out_dtype or dtype, (1, m, n))
     c = TensorDesc(dtype, (1, m, n), (0, 0, 1)) if has_c else None
     split = config.splits > 1
-    partials = TensorDesc(nvfly.f32, (TILE_SLOTS * 1024,)) if split else None
+    slots = (COLS_ROW_B if row_b else ROWS) * MAX_M
+    partials = TensorDesc(nvfly.f32, (slots * 1024,)) if split else None
     counters = TensorDesc(nvfly.i32, (1024,)) if split else None
     return skinny_gemm_kernel.compile(w, x, out, c, partials, counters, m, n, k, 64, 1.0, 0.0, CFG=config,
                                       M_TILES=math.ceil(m / 8),
                                       EPI=Epilogue(has_c=has_c, activation=activation, scaled=scaled),
-                                      block=config.warps * 32, target=target)
+                                      ROW_B=row_b, block=config.warps * 32, target=target)

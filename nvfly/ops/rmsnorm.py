@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import nvfly
-from nvfly.frontend.trace import current, traced
 from nvfly.runtime import driver
 
 if TYPE_CHECKING:
@@ -46,12 +45,6 @@ COLUMN_SUM_COLS = 32            # columns per block of the weight-gradient parti
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
-@traced
-def min_blocks_per_sm(count: int) -> None:
-    """Ask ptxas to fit ``count`` blocks per SM (``.minnctapersm``), i.e. to cap registers accordingly."""
-    current().kernel_attrs["nvvm.minctasm"] = f"{count} : i32"
-
-
 @nvfly.func
 def group_sum(value, scratch, base, group, warp, lane, GROUP):
     """Sum ``value`` over the GROUP threads of a row (shuffles; for GROUP > 32 also shared memory).
@@ -92,7 +85,7 @@ def rms_norm_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tenso
                     N: nvfly.Constexpr, VEC: nvfly.Constexpr, GROUP: nvfly.Constexpr, ROWS: nvfly.Constexpr,
                     HAS_WEIGHT: nvfly.Constexpr, HAS_RESIDUAL: nvfly.Constexpr, HAS_RSTD: nvfly.Constexpr):
     """One row per GROUP threads, the row held in registers: one read and one write per element."""
-    min_blocks_per_sm(max(1, 512 // (GROUP * ROWS)))  # a 128-register budget (ptxas may spill small blocks)
+    nvfly.min_blocks_per_sm(max(1, 512 // (GROUP * ROWS)))  # a 128-register budget (ptxas may spill small blocks)
     row, valid, lane, group, warp, warp_lane = row_layout(M, GROUP, ROWS)
     vectors = (N + GROUP * VEC - 1) // (GROUP * VEC)
     tail = N % (GROUP * VEC) != 0   # only the last vector of each thread may fall past the row end
@@ -178,7 +171,7 @@ def rms_norm_backward_kernel(grad_out: nvfly.Tensor, x: nvfly.Tensor, weight: nv
     Persistent: block b handles row tiles b, b + grid, ...; the loop trip count is uniform in the block, so
     the barriers of the group sum are reached by every thread. dy and x are read from memory once, for the
     dot product, and read again after the reduction (from L1/L2) instead of being held in registers."""
-    min_blocks_per_sm(max(1, 512 // (GROUP * ROWS)))  # a 128-register budget
+    nvfly.min_blocks_per_sm(max(1, 512 // (GROUP * ROWS)))  # a 128-register budget
     tid = nvfly.thread_idx.x
     lane = tid & (GROUP - 1)
     group = tid >> int(math.log2(GROUP))
@@ -296,12 +289,6 @@ def vector_width(n: int, tensors: Sequence[Optional["torch.Tensor"]], itemsize: 
     return 1
 
 
-@functools.lru_cache(maxsize=16)
-def sm_count(device: int) -> int:
-    """SMs of ``device``; 132 (an H100/H200) when compiling for a CPU tensor."""
-    return driver.sm_count(device) if device >= 0 else 132
-
-
 def _is_tensor(value: Any) -> bool:
     import torch
     return isinstance(value, torch.Tensor)
@@ -391,40 +378,132 @@ def _rows(t: "torch.Tensor", n: int) -> "torch.Tensor":
     return rows if rows.stride(1) == 1 or n == 1 else rows.contiguous()
 
 
+def plan_sm_count(device: int) -> int:
+    """The SM count plans are made for: the device's, or an H100/H200's 132 when compiling for a CPU tensor."""
+    return driver.sm_count(device) if device >= 0 else 132
+
+
+def _is_rows(t: "torch.Tensor", m: int, n: int) -> bool:
+    """Whether ``t`` is already a contiguous (m, n) tensor (passed to the kernels as it is)."""
+    return t.dim() == 2 and t.shape[0] == m and t.is_contiguous()
+
+
+# Per-call plans. The host path of a call is one dictionary lookup keyed on everything the argument checks and
+# the launch shape depend on: for each tensor its shape, strides, dtype, device and base address modulo 16
+# (vector widths), and the other arguments' values (with their types: True == 1 but is not a valid eps). The
+# first call of a key runs the checks (which raise, naming the argument) and makes the plan; later calls
+# allocate the outputs and launch (nvfly.PreparedLaunch: only addresses and scalars are read).
+_PLAN_LIMIT = 4096
+_FORWARD: dict[Any, "_Forward"] = {}
+_BACKWARD: dict[Any, "_Backward"] = {}
+
+
+def _remember(cache: dict, key: Any, value: Any) -> None:
+    if key is not None:
+        if len(cache) >= _PLAN_LIMIT:
+            cache.clear()
+        cache[key] = value
+
+
+@dataclass
+class _Forward:
+    """A forward call's plan: ``direct`` when x (and the residual) are contiguous (m, n) tensors and the weight
+    is contiguous, so that they are passed as they are and y is ``empty_like(x)``; otherwise the call makes
+    (m, n) row views (or copies), the same for every call of its key."""
+    m: int
+    n: int
+    shape: tuple[int, ...]
+    direct: bool
+    launch: Optional[nvfly.PreparedLaunch]  # None: nothing to launch (empty rows or no rows)
+    tail: tuple        # the kernel's arguments after its six tensors
+
+
 def rms_norm_forward(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, eps: Optional[float] = None,
                      residual: Optional["torch.Tensor"] = None, normalized_shape: Optional[Sequence[int]] = None,
                      want_rstd: bool = True) -> tuple["torch.Tensor", Optional["torch.Tensor"],
                                                        Optional["torch.Tensor"]]:
     """(y, x + residual or None, rstd or None); ``rstd`` has one fp32 entry per row (for the backward)."""
+    try:
+        key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+               None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device,
+                                            weight.data_ptr() & 15),
+               None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device,
+                                              residual.data_ptr() & 15),
+               eps, type(eps), normalized_shape if normalized_shape is None else tuple(normalized_shape), want_rstd)
+        f = _FORWARD.get(key)
+    except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
+        key = f = None
+    if f is None:
+        f = _forward_plan(key, x, weight, eps, residual, normalized_shape, want_rstd)
+    if not f.direct:
+        return _forward_general(f, x, weight, residual, want_rstd)
     import torch
-    m, n = _check(x, weight, residual, eps, normalized_shape)
-    eps = default_eps() if eps is None else float(eps)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    residual_out = torch.empty_like(y) if residual is not None else None
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else None
+    rstd = torch.empty(f.m, dtype=torch.float32, device=x.device) if want_rstd else None
+    f.launch.launch(x, x if weight is None else weight, x if residual is None else residual, y,
+                    x if h is None else h, x if rstd is None else rstd, *f.tail)
+    return y, h, rstd
+
+
+def _forward_general(f: _Forward, x: "torch.Tensor", weight: Optional["torch.Tensor"],
+                     residual: Optional["torch.Tensor"], want_rstd: bool) -> tuple:
+    """Any layout: (m, n) row views of x, the residual and the outputs (copies where rows are not unit-stride)."""
+    import torch
+    m, n = f.m, f.n
+    if f.launch is None:
+        return _forward_empty(f, x, residual, want_rstd)
+    y = torch.empty(f.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(f.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(m, dtype=torch.float32, device=x.device) if want_rstd else None
-    if m == 0 or n == 0:
-        if rstd is not None:
-            rstd.fill_(math.nan)  # the mean of an empty row
-        if residual_out is not None:
-            torch.add(x, residual, out=residual_out)
-        return y, residual_out, rstd
+    x2 = _rows(x, n)
+    w = weight.reshape(-1).contiguous() if weight is not None else x2
+    r2 = _rows(residual, n) if residual is not None else x2
+    f.launch.launch(x2, w, r2, y.view(m, n), h.view(m, n) if h is not None else x2,
+                    rstd if rstd is not None else x2, *f.tail)
+    return y, h, rstd
+
+
+def _forward_empty(f: _Forward, x: "torch.Tensor", residual: Optional["torch.Tensor"], want_rstd: bool) -> tuple:
+    """Rows of no elements, or no rows: nothing to launch."""
+    import torch
+    y = torch.empty(f.shape, dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(y) if residual is not None else None
+    rstd = torch.empty(f.m, dtype=torch.float32, device=x.device) if want_rstd else None
+    if rstd is not None:
+        rstd.fill_(math.nan)  # the mean of an empty row
+    if residual_out is not None:
+        torch.add(x, residual, out=residual_out)
+    return y, residual_out, rstd
+
+
+def _forward_plan(key: Any, x: Any, weight: Any, eps: Any, residual: Any,
+                  normalized_shape: Optional[Sequence[int]], want_rstd: bool) -> _Forward:
+    """The first call of a key: the checks (they raise), then the plan, remembered under ``key``."""
+    m, n = _check(x, weight, residual, eps, normalized_shape)
+    if m == 0 or n == 0:  # nothing to launch
+        f = _Forward(m, n, tuple(x.shape), False, None, ())
+        _remember(_FORWARD, key, f)
+        return f
     x2 = _rows(x, n)
     w = weight.reshape(-1).contiguous() if weight is not None else None
     r2 = _rows(residual, n) if residual is not None else None
-    y2 = y.view(m, n)
-    h2 = residual_out.view(m, n) if residual_out is not None else None
     vec = vector_width(n, (x2, w, r2), x.element_size())
     max_vectors = MAX_VECTORS_PER_THREAD if vec * x.element_size() == 16 else NARROW_MAX_ELEMENTS // vec
-    p = plan(n, vec, m, sm_count(x.get_device()), max_vectors=max_vectors)
-    flags = (w is not None, r2 is not None, rstd is not None)
-    # absent operands are passed as x: the kernel variant without them never touches them
-    args = (x2, w if w is not None else x2, r2 if r2 is not None else x2, y2, h2 if h2 is not None else x2,
-            rstd if rstd is not None else x2)
+    p = plan(n, vec, m, plan_sm_count(x.get_device()), max_vectors=max_vectors)
+    flags = (weight is not None, residual is not None, bool(want_rstd))
+    eps = default_eps() if eps is None else float(eps)
     if p.looped:
-        rms_norm_looped_kernel[m, LOOPED_THREADS](*args, eps, n, vec, LOOPED_THREADS, LOOPED_UNROLL, *flags)
+        launch = rms_norm_looped_kernel.prepared(m, LOOPED_THREADS)
+        tail: tuple = (eps, n, vec, LOOPED_THREADS, LOOPED_UNROLL, *flags)
     else:
-        rms_norm_kernel[-(-m // p.rows), p.group * p.rows](*args, m, eps, n, vec, p.group, p.rows, *flags)
-    return y, residual_out, rstd
+        launch = rms_norm_kernel.prepared(-(-m // p.rows), p.group * p.rows)
+        tail = (m, eps, n, vec, p.group, p.rows, *flags)
+    direct = _is_rows(x, m, n) and (residual is None or _is_rows(residual, m, n)) and \
+        (weight is None or (weight.dim() == 1 and weight.is_contiguous()))
+    f = _Forward(m, n, tuple(x.shape), direct, launch, tail)
+    _remember(_FORWARD, key, f)
+    return f
 
 
 def rms_norm(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, eps: Optional[float] = None,
@@ -447,6 +526,66 @@ def rms_norm_backward(grad_out: "torch.Tensor", x: "torch.Tensor", rstd: "torch.
     ``x`` is the normalised input (``x + residual`` for the fused variant); ``grad_residual``, the gradient that
     reached the ``x + residual`` output, is added to ``grad_x`` (which is then also the residual's gradient).
     """
+    try:
+        key = (grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.device, grad_out.data_ptr() & 15,
+               x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
+               rstd.shape, rstd.stride(), rstd.dtype, rstd.device, rstd.data_ptr() & 15,
+               None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device,
+                                            weight.data_ptr() & 15),
+               None if grad_residual is None else (grad_residual.shape, grad_residual.stride(), grad_residual.dtype,
+                                                   grad_residual.device, grad_residual.data_ptr() & 15),
+               normalized_shape if normalized_shape is None else tuple(normalized_shape), bool(needs_weight_grad))
+        b = _BACKWARD.get(key)
+    except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
+        key = b = None
+    if b is None:
+        b = _backward_plan(key, grad_out, x, rstd, weight, normalized_shape, grad_residual, needs_weight_grad)
+    import torch
+    if b.launch is None:  # nothing to launch
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if grad_residual is not None:
+            grad_x.copy_(grad_residual)
+        return grad_x, torch.zeros_like(weight) if b.needs_weight_grad else None
+    m, n = b.m, b.n
+    if b.direct:
+        dy2, x2, dr2, grad_x = grad_out, x, grad_residual, torch.empty_like(x)
+        grad_x2 = grad_x
+    else:
+        dy2, x2 = _rows(grad_out, n), _rows(x, n)
+        dr2 = _rows(grad_residual, n) if grad_residual is not None else None
+        grad_x = torch.empty(b.shape, dtype=x.dtype, device=x.device)
+        grad_x2 = grad_x.view(m, n)
+    w = (weight if b.weight_flat else weight.reshape(-1).contiguous()) if weight is not None else x2
+    partial = torch.empty(b.partial_shape, dtype=torch.float32, device=x.device) if b.needs_weight_grad else x2
+    b.launch.launch(dy2, x2, w, rstd if b.rstd_flat else rstd.reshape(-1), x2 if dr2 is None else dr2, grad_x2,
+                    partial, *b.tail)
+    if not b.needs_weight_grad:
+        return grad_x, None
+    grad_w = torch.empty(n, dtype=weight.dtype, device=x.device)
+    b.column_sum.launch(partial, grad_w, *b.column_sum_tail)
+    return grad_x, grad_w if b.weight_flat else grad_w.view(weight.shape)
+
+
+@dataclass
+class _Backward:
+    """A backward call's plan (see _Forward); ``partial_shape`` is that of the per-block weight-gradient sums."""
+    m: int
+    n: int
+    shape: tuple[int, ...]
+    direct: bool
+    weight_flat: bool   # the weight is a contiguous 1-D tensor (passed as it is; its gradient needs no view)
+    rstd_flat: bool
+    needs_weight_grad: bool
+    launch: Optional[nvfly.PreparedLaunch]
+    tail: tuple = ()
+    partial_shape: tuple[int, int] = (0, 0)
+    column_sum: Optional[nvfly.PreparedLaunch] = None
+    column_sum_tail: tuple = ()
+
+
+def _backward_plan(key: Any, grad_out: Any, x: Any, rstd: Any, weight: Any,
+                   normalized_shape: Optional[Sequence[int]], grad_residual: Any, needs_weight_grad: Any) -> _Backward:
+    """The first call of a key: the checks (they raise), then the plan, remembered under ``key``."""
     import torch
     m, n = _check(x, weight, grad_residual, None, normalized_shape)
     if not _is_tensor(grad_out) or grad_out.shape != x.shape or grad_out.device != x.device:
@@ -454,12 +593,13 @@ def rms_norm_backward(grad_out: "torch.Tensor", x: "torch.Tensor", rstd: "torch.
     if not _is_tensor(rstd) or rstd.numel() != m or rstd.dtype != torch.float32:
         raise ValueError(f"rstd: expected {m} float32 values (one per row), got "
                          f"{getattr(rstd, 'dtype', type(rstd).__name__)} with {getattr(rstd, 'shape', '?')}")
-    grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    needs_weight_grad = needs_weight_grad and weight is not None
+    needs_weight_grad = bool(needs_weight_grad) and weight is not None
+    weight_flat = weight is not None and weight.dim() == 1 and weight.is_contiguous()
+    rstd_flat = rstd.dim() == 1  # as rstd.reshape(-1) would be
+    b = _Backward(m, n, tuple(x.shape), False, weight_flat, rstd_flat, needs_weight_grad, None)
     if m == 0 or n == 0:
-        if grad_residual is not None:
-            grad_x.copy_(grad_residual)
-        return grad_x, torch.zeros_like(weight) if needs_weight_grad else None
+        _remember(_BACKWARD, key, b)
+        return b
     dy2, x2 = _rows(grad_out, n), _rows(x, n)
     dr2 = _rows(grad_residual, n) if grad_residual is not None else None
     w = weight.reshape(-1).contiguous() if weight is not None else None
@@ -467,18 +607,18 @@ def rms_norm_backward(grad_out: "torch.Tensor", x: "torch.Tensor", rstd: "torch.
     reason = _backward_size_reason(n, vec)
     if reason is not None:
         raise ValueError(f"x: {reason}")
-    sms = sm_count(x.get_device())
+    sms = plan_sm_count(x.get_device())
     p = plan(n, vec, m, sms, BACKWARD_VECTORS_PER_THREAD, max(1, BACKWARD_MAX_ELEMENTS // vec), 1024)
     # persistent: about two blocks per SM, each accumulating its own weight-gradient partial rows
     grid = min(-(-m // p.rows), 2 * sms)
     padded_n = -(-n // COLUMN_SUM_COLS) * COLUMN_SUM_COLS
-    partial = torch.empty((grid * p.rows, padded_n), dtype=torch.float32, device=x.device) if needs_weight_grad \
-        else x2
-    rms_norm_backward_kernel[grid, p.group * p.rows](
-        dy2, x2, w if w is not None else x2, rstd.reshape(-1), dr2 if dr2 is not None else x2, grad_x.view(m, n),
-        partial, m, n, vec, p.group, p.rows, w is not None, dr2 is not None, needs_weight_grad)
-    if not needs_weight_grad:
-        return grad_x, None
-    grad_w = torch.empty(n, dtype=weight.dtype, device=x.device)
-    column_sum_kernel[padded_n // COLUMN_SUM_COLS, 256](partial, grad_w, grid * p.rows, n)
-    return grad_x, grad_w.view(weight.shape)
+    b.direct = _is_rows(x, m, n) and _is_rows(grad_out, m, n) and \
+        (grad_residual is None or _is_rows(grad_residual, m, n))
+    b.launch = rms_norm_backward_kernel.prepared(grid, p.group * p.rows)
+    b.tail = (m, n, vec, p.group, p.rows, weight is not None, grad_residual is not None, needs_weight_grad)
+    b.partial_shape = (grid * p.rows, padded_n)
+    if needs_weight_grad:
+        b.column_sum = column_sum_kernel.prepared(padded_n // COLUMN_SUM_COLS, 256)
+        b.column_sum_tail = (grid * p.rows, n)
+    _remember(_BACKWARD, key, b)
+    return b

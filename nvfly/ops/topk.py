@@ -29,14 +29,9 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from mlir import ir
-from mlir.dialects import arith, llvm, nvvm
-
 import nvfly
-from nvfly.frontend import dtypes
-from nvfly.frontend.trace import traced
-from nvfly.frontend.values import Scalar, as_value, constant
-from nvfly.ops.rmsnorm import sm_count, vector_width
+from nvfly.frontend.language import atomic_add, count_leading_zeros, redux_sync, syncthreads_or, vote_any
+from nvfly.ops.rmsnorm import plan_sm_count, vector_width
 
 if TYPE_CHECKING:
     import torch
@@ -53,51 +48,6 @@ MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses woul
 ABSENT = -(1 << 63)       # the rank of "no element": below every real rank (a real ~index is never 0)
 _KEY_MSB = 0x80000000
 _NAN_ABOVE = {"f32": 0x7F800000, "bf16": 0x7F80, "f16": 0x7C00}  # |bits| above this: NaN
-
-
-# ---------------------------------------------------------------------------------------------- device primitives
-@traced
-def vote_any(pred: Any) -> Scalar:
-    """True in every lane when ``pred`` holds in some lane of the (whole, converged) warp."""
-    p = as_value(pred, dtypes.i1)
-    out = nvvm.vote_sync(ir.IntegerType.get_signless(1), constant(-1, dtypes.i32).value, p.value,
-                         nvvm.VoteSyncKind.any)
-    return Scalar(out, dtypes.i1)
-
-
-@traced
-def syncthreads_or(pred: Any) -> Scalar:
-    """Barrier over the block that also ORs ``pred`` over all its threads (``bar.red.or``): every thread
-    gets the same answer, so a branch on it stays block-uniform."""
-    p = as_value(pred, dtypes.i1).to(dtypes.i32)
-    out = nvvm.barrier(ir.IntegerType.get_signless(32), reduction_op=ir.Attribute.parse("#nvvm.reduction<or>"),
-                       reduction_predicate=p.value)
-    return Scalar(out, dtypes.i32) != 0
-
-
-@traced
-def atomic_add(t: Any, index: Any, value: Any) -> Scalar:
-    """``old = t[index]; t[index] += value`` atomically (relaxed); returns ``old``. Integer tensors."""
-    v = as_value(value, t.dtype)
-    old = llvm.AtomicRMWOp(llvm.AtomicBinOp.add, t.address(index), v.value, llvm.AtomicOrdering.monotonic)
-    return Scalar(old.result, t.dtype)
-
-
-@traced
-def count_leading_zeros(x: Scalar) -> Scalar:
-    """Leading zero bits of an integer (its width for 0), as i32."""
-    out = llvm.intr_ctlz(x.value, False)
-    if x.dtype.bits > 32:
-        out = arith.trunci(ir.IntegerType.get_signless(32), out)
-    return Scalar(out, dtypes.i32)
-
-
-@traced
-def warp_max_u32(value: Scalar) -> Scalar:
-    """Unsigned maximum over the warp in one ``redux.sync.max.u32``."""
-    out = nvvm.redux_sync(ir.IntegerType.get_signless(32), value.value, nvvm.ReduxKind.UMAX,
-                          constant(-1, dtypes.i32).value)
-    return Scalar(out, dtypes.u32)
 
 
 # ---------------------------------------------------------------------------------------------- ranks
@@ -169,7 +119,7 @@ def topk_warp_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tenso
             best = ranks[0]
             for r in ranks[1:]:
                 best = nvfly.maximum(best, r)
-            best = warp_max_u32(best) if packed else nvfly.warp_reduce(best, "max")
+            best = redux_sync(best, "max") if packed else nvfly.warp_reduce(best, "max")
             ranks = [nvfly.select(r == best, absent, r) for r in ranks]  # ranks are unique: retire the winner
             mine = nvfly.select(lane == j, best, mine)
         if lane < K:
@@ -547,49 +497,118 @@ def eligibility(x: Any, k: Any, dim: Any = -1, largest: bool = True, sorted: boo
     return None
 
 
+# Per-call plans, keyed on everything the argument checks and the launches depend on (see rmsnorm._FORWARD): the
+# first call of a key checks and plans, later ones allocate the outputs and launch.
+_PLAN_LIMIT = 4096
+_TOPK: dict[Any, "_Topk"] = {}
+
+
+@dataclass
+class _Topk:
+    """A TopK call's plan: (m, k) outputs for m rows of n; ``direct`` when x is a 2-D tensor with unit-stride
+    rows and dim is its last (outputs and x are then used as they are); ``run(rows, values, indices)``
+    launches (None: nothing to launch)."""
+    m: int
+    n: int
+    k: int
+    dim: int
+    direct: bool
+    run: Any
+
+
 def topk(x: "torch.Tensor", k: int, dim: int = -1, largest: bool = True,
          sorted: bool = True) -> tuple["torch.Tensor", "torch.Tensor"]:
     """(values, int64 indices) of the k largest (``largest=False``: smallest) elements along ``dim``, sorted
     (also when ``sorted=False``), ties and NaN as described in the module doc."""
+    try:
+        key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, k, type(k), dim, type(dim), largest)
+        t = _TOPK.get(key)
+    except Exception:  # noqa: BLE001 - not a tensor, an unhashable argument: the checks explain
+        key = t = None
+    if t is None:
+        t = _plan_call(key, x, k, dim, largest)
     import torch
-    dim = _check(x, k, dim)
-    moved = x.movedim(dim, -1) if x.dim() else x.reshape(1)
+    if t.direct:
+        values = torch.empty((t.m, t.k), dtype=x.dtype, device=x.device)
+        indices = torch.empty((t.m, t.k), dtype=torch.int64, device=x.device)
+        t.run(x, values, indices)
+        return values, indices
+    return _topk_general(t, x)
+
+
+def _topk_general(t: _Topk, x: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Any dim and layout: rows along ``dim`` (a copy where they are not unit-stride), outputs moved back."""
+    import torch
+    dim, m, n, k = t.dim, t.m, t.n, t.k
+    last = x.dim() - 1
+    moved = x if dim == last else x.movedim(dim, -1) if x.dim() else x.reshape(1)
     lead = moved.shape[:-1]
-    n = moved.shape[-1]
-    m = math.prod(lead)
     values = torch.empty((m, k), dtype=x.dtype, device=x.device)
     indices = torch.empty((m, k), dtype=torch.int64, device=x.device)
-    if k and m:
+    if t.run is not None:
         rows = moved.reshape(m, n)
         if rows.stride(1) != 1 and n > 1:
             rows = rows.contiguous()
-        _launch(rows, values, indices, k, bool(largest))
+        t.run(rows, values, indices)
 
-    def place(t: "torch.Tensor") -> "torch.Tensor":
-        return t.reshape(*lead, k).movedim(-1, dim) if x.dim() else t.reshape(())
+    def place(out: "torch.Tensor") -> "torch.Tensor":
+        if not x.dim():
+            return out.reshape(())
+        out = out.reshape(*lead, k)
+        return out if dim == last else out.movedim(-1, dim)
     return place(values), place(indices)
 
 
-def _launch(rows: "torch.Tensor", values: "torch.Tensor", indices: "torch.Tensor", k: int, largest: bool) -> None:
+def _plan_call(key: Any, x: Any, k: Any, dim: Any, largest: Any) -> _Topk:
+    """The first call of a key: the checks (they raise), then the plan, remembered under ``key``."""
+    dim = _check(x, k, dim)
+    n = x.shape[dim] if x.dim() else 1
+    m = math.prod(s for i, s in enumerate(x.shape) if i != dim)
+    direct = x.dim() == 2 and dim == 1 and (x.stride(1) == 1 or n == 1)
+    run = None
+    if k and m:
+        vec = vector_width(n, (_rows_like(x, dim, m, n),), x.element_size())
+        run = _runner(plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device())), m, n, k, bool(largest))
+    t = _Topk(m, n, k, dim, direct and run is not None, run)
+    if key is not None:
+        if len(_TOPK) >= _PLAN_LIMIT:
+            _TOPK.clear()
+        _TOPK[key] = t
+    return t
+
+
+def _rows_like(x: "torch.Tensor", dim: int, m: int, n: int) -> "torch.Tensor":
+    """The (m, n) rows the kernels read (as ``_topk_general`` makes them): for the vector width."""
+    moved = x.movedim(dim, -1) if x.dim() else x.reshape(1)
+    rows = moved.reshape(m, n)
+    return rows if rows.stride(1) == 1 or n == 1 else rows.contiguous()
+
+
+def _runner(p: TopkPlan, m: int, n: int, k: int, largest: bool) -> Any:
+    """``run(rows, values, indices)`` for a plan: one or two prepared launches."""
     import torch
-    m, n = rows.shape
-    vec = vector_width(n, (rows,), rows.element_size())
-    sms = sm_count(rows.get_device())
-    p = plan(n, k, m, vec, rows.element_size(), sms)
     if p.warp:
-        topk_warp_kernel[-(-m // p.warps), 32 * p.warps](rows, values, indices, m, k, n, vec, p.warps, largest)
-        return
+        warp = topk_warp_kernel.prepared(-(-m // p.warps), 32 * p.warps)
+        tail: tuple = (m, k, n, p.vec, p.warps, largest)
+        return lambda rows, values, indices: warp.launch(rows, values, indices, *tail)
     if p.parts == 1:
-        topk_radix_kernel[(m, 1, 1), p.threads](rows, rows, values, indices, rows, k, n, vec, p.unroll, p.threads,
-                                                p.cap, p.k_pow2, largest, False, False)
-        return
-    # slices of each row write their k best ranks; a second launch merges them (2 ranks per 16-byte access)
-    ranks = torch.empty((m, p.parts * k), dtype=torch.int64, device=rows.device)
-    topk_radix_kernel[(m, p.parts, 1), p.threads](rows, rows, values, indices, ranks, k, p.slice_len, vec,
-                                                  p.unroll, p.threads, p.cap, p.k_pow2, largest, False, True)
+        single = topk_radix_kernel.prepared((m, 1, 1), p.threads)
+        tail = (k, n, p.vec, p.unroll, p.threads, p.cap, p.k_pow2, largest, False, False)
+        return lambda rows, values, indices: single.launch(rows, rows, values, indices, rows, *tail)
+    # slices of each row write their k best ranks; a second launch merges them (2 ranks per 16-byte access).
+    # The ranks are a fresh allocation each call (the caching allocator's, a few microseconds): a buffer kept
+    # across calls would need one per stream and would break under CUDA graph capture.
+    first = topk_radix_kernel.prepared((m, p.parts, 1), p.threads)
+    first_tail = (k, p.slice_len, p.vec, p.unroll, p.threads, p.cap, p.k_pow2, largest, False, True)
     merge_vec = 2 if p.parts * k % 2 == 0 else 1
     merge_unroll = _unroll(merge_vec, 8)
     merge_cap = _capacity(STREAM_THREADS * merge_vec * merge_unroll, p.k_pow2)
-    topk_radix_kernel[(m, 1, 1), STREAM_THREADS](rows, ranks, values, indices, ranks, k, p.parts * k, merge_vec,
-                                                 merge_unroll, STREAM_THREADS, merge_cap, p.k_pow2, largest, True,
-                                                 False)
+    merge = topk_radix_kernel.prepared((m, 1, 1), STREAM_THREADS)
+    merge_tail = (k, p.parts * k, merge_vec, merge_unroll, STREAM_THREADS, merge_cap, p.k_pow2, largest, True, False)
+    ranks_shape = (m, p.parts * k)
+
+    def run(rows: "torch.Tensor", values: "torch.Tensor", indices: "torch.Tensor") -> None:
+        ranks = torch.empty(ranks_shape, dtype=torch.int64, device=rows.device)
+        first.launch(rows, rows, values, indices, ranks, *first_tail)
+        merge.launch(rows, ranks, values, indices, ranks, *merge_tail)
+    return run

@@ -6,6 +6,9 @@ loops or type dispatch):
   compiled variant, ``raw`` feeds the parameters;
 - ``launch(grid, stream, raw)``: packs the parameters into a per-thread buffer with one ``struct.pack_into``
   and calls ``cuLaunchKernel`` through ctypes.
+A prepared launch (``Kernel.prepared``) goes further for callers that fix the argument layout themselves: one
+generated ``launch(*args, stream=None)`` with the grid, shapes and strides as constants, reading only tensor
+addresses and scalar values.
 """
 from __future__ import annotations
 
@@ -99,12 +102,23 @@ class Launcher:
         self.device = device
         self.function = driver.LoadedFunction(image, compiled.name, device, compiled.dynamic_smem_bytes)
         self._local = threading.local()
-        fmt, self._offsets, self._size = _layout(compiled.abi)
-        self.launch = make_launch(compiled, fmt, int(self.function.function), _cu_launch_kernel(), self._local,
-                                  self._buffers, device, driver.make_current,
-                                  lambda grid, stream, params: driver.launch_cluster(
-                                      self.function, grid, compiled.block, compiled.cluster,
-                                      compiled.dynamic_smem_bytes, driver.stream_handle(stream), params))
+        self._fmt, self._offsets, self._size = _layout(compiled.abi)
+        self.launch = make_launch(compiled, self._fmt, int(self.function.function), _cu_launch_kernel(),
+                                  self._local, self._buffers, device, driver.make_current, self._launch_cluster)
+
+    def _launch_cluster(self, grid: tuple[int, int, int], stream: int, params: int) -> None:
+        c = self.compiled
+        driver.launch_cluster(self.function, grid, c.block, c.cluster, c.dynamic_smem_bytes,
+                              driver.stream_handle(stream), params)
+
+    def prepared(self, grid: tuple[int, int, int], raw: Sequence[Any], stream_of: Callable[[Any], int],
+                 current_stream: Callable[[int], int], bypass: Any, fallback: Callable[..., None]
+                 ) -> Callable[..., None]:
+        """``launch(*args, stream=None)`` on ``grid`` for arguments shaped like ``raw`` (see
+        make_prepared_launch); it shares this launcher's parameter buffers."""
+        return make_prepared_launch(self.compiled, self._fmt, int(self.function.function), _cu_launch_kernel(),
+                                    self._local, self._buffers, self.device, driver.make_current,
+                                    self._launch_cluster, grid, raw, stream_of, current_stream, bypass, fallback)
 
     def _buffers(self) -> tuple[Any, int]:
         """This thread's parameter buffer (64-byte aligned) and the address of its ``void*[]``."""
@@ -118,34 +132,36 @@ class Launcher:
         return self._local.bufs
 
 
-def make_launch(compiled: CompiledKernel, fmt: str, function: int, cu_launch: Callable[..., int], local: Any,
-                buffers: Callable[[], tuple[Any, int]], device: int, make_current: Callable[[int], None],
-                launch_cluster: Callable[..., None]) -> Callable[..., None]:
-    """``launch(grid, stream, raw)`` for one compiled kernel: straight-line packing and the driver call.
-
-    ``cu_launch`` is cuLaunchKernel (ctypes); a thread without a current CUDA context adopts the device's
-    primary context and retries once. Cluster launches go through ``launch_cluster(grid, stream, params)``.
-    """
+def _param_values(compiled: CompiledKernel, ptr: str, value: str, tma: str,
+                  dim: Callable[[int, int, int], str]) -> list[str]:
+    """The expression of each ABI parameter: ``ptr``/``value``/``tma`` are formats of the argument index,
+    ``dim(i, 1 or 2, d)`` gives shape (1) or stride (2) ``d`` of argument ``i``."""
     values = []
     for p in compiled.abi:
         i, field = p.source
         if field == "ptr":
-            expr = f"raw[{i}][0]"
-        elif field in ("value", "tma"):
-            expr = f"raw[{i}]"
+            expr = ptr.format(i=i)
+        elif field == "value":
+            expr = value.format(i=i)
+        elif field == "tma":
+            expr = tma.format(i=i)
         else:
-            expr = f"raw[{i}][{1 if field[0] == 'shape' else 2}][{field[1]}]"
+            expr = dim(i, 1 if field[0] == "shape" else 2, field[1])
         values.append(f"bf16_bits({expr})" if p.dtype == "bf16" else expr)
+    return values
+
+
+def _launch_body(compiled: CompiledKernel, values: Sequence[str], grid: str) -> list[str]:
+    """Lines (indented for a function body) that pack ``values`` and launch on ``grid`` and ``stream``."""
     bx, by, bz = compiled.block
-    smem = compiled.dynamic_smem_bytes
-    lines = ["def launch(grid, stream, raw):",
-             "    try:",
+    lines = ["    try:",
              "        view, params = local.bufs",
              "    except AttributeError:",
              "        view, params = buffers()",
              f"    pack_into(view, 0, {', '.join(values)})" if values else "    pass"]
     if compiled.cluster is None:
-        call = f"cu_launch(function, grid[0], grid[1], grid[2], {bx}, {by}, {bz}, {smem}, stream, params, None)"
+        call = (f"cu_launch(function, {grid}, {bx}, {by}, {bz}, {compiled.dynamic_smem_bytes}, stream, params, "
+                "None)")
         lines += [f"    status = {call}",
                   "    if status:",
                   "        if status == invalid_context:  # a thread that never touched CUDA: adopt the context",
@@ -154,14 +170,61 @@ def make_launch(compiled: CompiledKernel, fmt: str, function: int, cu_launch: Ca
                   "        if status:",
                   "            fail(status, name)"]
     else:
-        lines += ["    launch_cluster(grid, stream, params)"]
+        lines += [f"    launch_cluster(({grid}), stream, params)"]
+    return lines
+
+
+def _exec(lines: Sequence[str], compiled: CompiledKernel, fmt: str, function: int, cu_launch: Callable[..., int],
+          local: Any, buffers: Callable[[], tuple[Any, int]], device: int, make_current: Callable[[int], None],
+          launch_cluster: Callable[..., None], **extra: Any) -> Callable[..., None]:
     namespace: dict[str, Any] = {
         "local": local, "buffers": buffers, "pack_into": struct.Struct(fmt).pack_into, "bf16_bits": bf16_bits,
         "cu_launch": cu_launch, "function": function, "fail": _raise, "name": compiled.name,
         "launch_cluster": launch_cluster, "invalid_context": _INVALID_CONTEXT, "make_current": make_current,
-        "device": device}
+        "device": device, **extra}
     exec("\n".join(lines), namespace)  # noqa: S102 - code generated from the kernel's ABI only
     return namespace["launch"]
+
+
+def make_launch(compiled: CompiledKernel, fmt: str, function: int, cu_launch: Callable[..., int], local: Any,
+                buffers: Callable[[], tuple[Any, int]], device: int, make_current: Callable[[int], None],
+                launch_cluster: Callable[..., None]) -> Callable[..., None]:
+    """``launch(grid, stream, raw)`` for one compiled kernel: straight-line packing and the driver call.
+
+    ``cu_launch`` is cuLaunchKernel (ctypes); a thread without a current CUDA context adopts the device's
+    primary context and retries once. Cluster launches go through ``launch_cluster(grid, stream, params)``.
+    """
+    values = _param_values(compiled, "raw[{i}][0]", "raw[{i}]", "raw[{i}]",
+                           lambda i, part, d: f"raw[{i}][{part}][{d}]")
+    lines = ["def launch(grid, stream, raw):"] + _launch_body(compiled, values, "grid[0], grid[1], grid[2]")
+    return _exec(lines, compiled, fmt, function, cu_launch, local, buffers, device, make_current, launch_cluster)
+
+
+def make_prepared_launch(compiled: CompiledKernel, fmt: str, function: int, cu_launch: Callable[..., int],
+                         local: Any, buffers: Callable[[], tuple[Any, int]], device: int,
+                         make_current: Callable[[int], None], launch_cluster: Callable[..., None],
+                         grid: tuple[int, int, int], raw: Sequence[Any], stream_of: Callable[[Any], int],
+                         current_stream: Callable[[int], int], bypass: Any, fallback: Callable[..., None]
+                         ) -> Callable[..., None]:
+    """``launch(*args, stream=None)``: one kernel launched on a fixed ``grid`` with every argument's shape and
+    strides fixed to those in ``raw`` (a binder's raw values of a first call).
+
+    Only what may change between calls is read: a tensor argument's ``data_ptr()``, a scalar's value, a TMA
+    descriptor's bytes; shapes, strides and the grid are constants of the generated code. ``stream`` None
+    means ``current_stream(device)``, anything else goes through ``stream_of``. While ``bypass.get()`` is not
+    None (compile-only mode) the call goes to ``fallback(args, stream)`` instead.
+    """
+    def dim(i: int, part: int, d: int) -> str:
+        return str(int(raw[i][part][d]))
+    values = _param_values(compiled, "a{i}.data_ptr()", "a{i}", "a{i}.raw", dim)
+    names = [f"a{i}" for i in range(len(raw))]
+    lines = [f"def launch({''.join(n + ', ' for n in names)}stream=None):",
+             "    if bypass.get() is not None:",
+             f"        return fallback(({''.join(n + ', ' for n in names)}), stream)",
+             "    stream = current_stream(device) if stream is None else stream_of(stream)"]
+    lines += _launch_body(compiled, values, ", ".join(str(int(g)) for g in grid))
+    return _exec(lines, compiled, fmt, function, cu_launch, local, buffers, device, make_current, launch_cluster,
+                 stream_of=stream_of, current_stream=current_stream, bypass=bypass, fallback=fallback)
 
 
 def _layout(abi: Sequence[AbiParam]) -> tuple[str, list[int], int]:

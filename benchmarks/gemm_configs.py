@@ -1,8 +1,18 @@
-"""Time GEMM configs side by side on a few shapes (tuning aid): python -m benchmarks.gemm_configs"""
+"""Time GEMM configs side by side on a few shapes (tuning aid): python -m benchmarks.gemm_configs
+
+``--compare-store``: each config next to its TMA-store-epilogue twins (GemmConfig.tma_store, the deepest ring
+that fits next to the staging buffers, with 2 and with 1 staging slice per consumer), e.g.
+
+    python -m benchmarks.gemm_configs --compare-store --layouts rowxrow,colxrow \\
+        --shapes 4096x4096x4096,8192x8192x8192,4096x32768x512,2048x2112x7168
+"""
 from __future__ import annotations
 
+import argparse
 import os
 import sys
+from dataclasses import replace
+from typing import Optional
 
 import torch
 
@@ -15,22 +25,62 @@ SHAPES = [(8192, 8192, 8192), (4096, 32768, 512), (1024, 7168, 2048), (4096, 409
 CONFIGS = [GemmConfig(128, 256, 4, 2), GemmConfig(128, 256, 3, 2), GemmConfig(128, 256, 4, 2, cluster_m=2),
            GemmConfig(128, 128, 6, 2, pingpong=True), GemmConfig(64, 256, 5, 2, pingpong=True),
            GemmConfig(128, 128, 4, 2, pingpong=True)]
+STORE_BASES = [GemmConfig(128, 128, 6, 2, pingpong=True), GemmConfig(128, 256, 4, 2),
+               GemmConfig(256, 128, 4, 2), GemmConfig(128, 256, 4, 2, cluster_m=2)]
+
+
+def deepest(cfg: GemmConfig) -> Optional[GemmConfig]:
+    for stages in range(cfg.stages, 1, -1):
+        if replace(cfg, stages=stages).check(2) is None:
+            return replace(cfg, stages=stages)
+    return None
+
+
+def with_store(configs: list[GemmConfig]) -> list[GemmConfig]:
+    """Each config, then its TMA-store twins (2 and 1 staging slices) at the deepest ring that fits."""
+    out = []
+    for cfg in configs:
+        out.append(cfg)
+        for buffers in (2, 1):
+            twin = deepest(replace(cfg, tma_store=True, store_buffers=buffers, stages=7))
+            if twin is not None and twin not in out and (buffers == 2 or twin.store_slices < cfg.bn // twin.store_width):
+                out.append(twin)
+    return out
+
+
+def label(cfg: GemmConfig) -> str:
+    store = f"-tma{cfg.store_slices}" if cfg.tma_store else ""
+    return f"{cfg.bm}x{cfg.bn}s{cfg.stages}c{cfg.cluster_m}{'pp' if cfg.pingpong else ''}{store}"
+
+
+def operand(rows: int, cols: int, major: str) -> torch.Tensor:
+    if major == "row":
+        return torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
+    return torch.randn(cols, rows, device="cuda").to(torch.bfloat16).t()
 
 
 def main(argv=None) -> int:
-    for m, n, k in SHAPES:
-        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-        b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
-        ref = a.float() @ b.float()
-        cublas = bench_ms(lambda: torch.mm(a, b))
-        line = [f"{m}x{n}x{k}: cuBLAS {2 * m * n * k / cublas / 1e9:.0f}"]
-        for cfg in CONFIGS:
-            out = gemm.matmul(a, b, config=cfg)
-            assert rel_err(out, ref) < 1e-2
-            ms = bench_ms(lambda: gemm.matmul(a, b, config=cfg, out=out))
-            line.append(f"{cfg.bm}x{cfg.bn}s{cfg.stages}c{cfg.cluster_m}{'pp' if cfg.pingpong else ''} "
-                        f"{2 * m * n * k / ms / 1e9:.0f}")
-        print(" | ".join(line), flush=True)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", help="comma-separated MxNxK (default: a built-in list)")
+    p.add_argument("--layouts", default="rowxrow", help="comma-separated AxB majors: rowxrow, colxrow, rowxcol, colxcol")
+    p.add_argument("--compare-store", action="store_true", help="compare with the TMA-store epilogue")
+    args = p.parse_args(argv)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
+    configs = with_store(STORE_BASES) if args.compare_store else CONFIGS
+    for layout in args.layouts.split(","):
+        a_major, b_major = layout.split("x")
+        for m, n, k in shapes:
+            a = operand(m, k, a_major)
+            b = operand(k, n, b_major)
+            ref = a.float() @ b.float()
+            cublas = bench_ms(lambda: torch.mm(a, b))
+            line = [f"{layout} {m}x{n}x{k}: cuBLAS {2 * m * n * k / cublas / 1e9:.0f}"]
+            for cfg in configs:
+                out = gemm.matmul(a, b, config=cfg)
+                assert rel_err(out, ref) < 1e-2, (cfg, rel_err(out, ref))
+                ms = bench_ms(lambda: gemm.matmul(a, b, config=cfg, out=out))
+                line.append(f"{label(cfg)} {2 * m * n * k / ms / 1e9:.0f}")
+            print(" | ".join(line), flush=True)
     return 0
 
 

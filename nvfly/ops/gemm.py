@@ -7,7 +7,8 @@ Every operand major-ness works without copies (row- or column-major A and B); ta
 PyTorch. ``config_space`` is the space the autotuner searches; ``default_config`` picks a config per shape
 without tuning. Small M is computed as the transposed problem (swap A/B) so tokens fill wgmma's N; few
 output tiles with long K are split along K. Up to ``SKINNY_MAX_M`` tokens with a column-major B (the
-``F.linear`` weight) run the memory-bound skinny kernel instead (``gemm_skinny``); ``path`` says which ran.
+``F.linear`` weight) or a 16-byte aligned row-major B (``SKINNY_ROW_B``) run the memory-bound skinny kernel
+instead (``gemm_skinny``); ``path`` says which ran.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from nvfly.arch import sm90
 from nvfly.runtime.driver import sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.ops import gemm_skinny
-from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel
+from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel, store_box
 from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan
 
 _DTYPES = {torch.bfloat16: nvfly.bf16, torch.float16: nvfly.f16}
@@ -31,6 +32,8 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # tokens (M) up to which matmul picks the skinny kernel when B is column-major (it supports up to
 # gemm_skinny.MAX_M); tuned on the H200
 SKINNY_MAX_M = 16
+# whether a row-major B (N contiguous) picks the skinny kernel's cp.async + ldmatrix.trans variant too
+SKINNY_ROW_B = True
 
 
 # ---------------------------------------------------------------------------------------------- eligibility
@@ -109,6 +112,18 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
             cfg = GemmConfig(bm, bn, stages, 2, pingpong=True)
             if cfg.check(itemsize) is None:
                 space.append(cfg)
+    # the TMA-store epilogue (stmatrix + TMA store through shared memory): its staging buffers cost ring stages
+    for bm, bn, consumers, pingpong in ((128, 128, 2, True), (64, 256, 2, True), (128, 64, 2, True),
+                                        (128, 256, 2, False), (256, 128, 2, False), (128, 128, 2, False),
+                                        (64, 256, 1, False), (128, 192, 2, False), (64, 128, 1, False)):
+        for store_buffers in (2, 1):
+            if store_buffers == 1 and bn <= GemmConfig(bn=bn).store_width:
+                continue  # one slice per tile: the same as 2 buffers
+            for cluster_m in (1, 2) if not pingpong else (1,):
+                fits = [cfg for cfg in (GemmConfig(bm, bn, stages, consumers, cluster_m=cluster_m, pingpong=pingpong,
+                                                   tma_store=True, store_buffers=store_buffers)
+                                        for stages in (7, 6, 5, 4, 3)) if cfg.check(itemsize) is None]
+                space.extend(fits[:2])  # the deepest two rings that fit next to the staging buffers
     return space
 
 
@@ -204,6 +219,11 @@ class _Plan:
     b_swizzle: int
     epilogue: Epilogue
     reduce_epilogue: Optional[Epilogue]
+    # the TMA-store epilogue: the output descriptor's (box, swizzle), and the config without it for outputs
+    # TMA cannot store (store_reason)
+    store_box: Optional[tuple] = None
+    store_swizzle: int = 0
+    register_config: Optional[GemmConfig] = None
 
 
 _PLANS: dict[tuple, _Plan] = {}
@@ -232,6 +252,10 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     # every split gets at least one k-block
     split = math.ceil(k_tiles / math.ceil(k_tiles / min(config.split_k, k_tiles)))
     config = replace(config, split_k=split)
+    if config.tma_store and (swap or split > 1):
+        # split-K stores f32 partials, and the swapped problem's output is transposed (its contiguous dim is
+        # the kernel's M, which stmatrix would need .trans and a transposed box for): the register epilogue
+        config = replace(config, tma_store=False)
     rank = 3 if batched else 2
     a_box, a_swizzle = _operand_box(config.bm, bk, dtype, a_major, rank)
     b_box, b_swizzle = _operand_box(config.bn, bk, dtype, b_major, rank, config.cluster_m)
@@ -240,12 +264,25 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     return _Plan(config, swap, a_major, b_major, m, n, k_tiles, batches, min(tiles, sms // cm * cm),
                  128 * (1 + config.consumers), a_box, a_swizzle, b_box, b_swizzle,
                  Epilogue(has_c=has_c, activation=activation, partial=split > 1, scaled=scaled and split == 1),
-                 Epilogue(has_c=has_c, activation=activation, scaled=scaled) if split > 1 else None)
+                 Epilogue(has_c=has_c, activation=activation, scaled=scaled) if split > 1 else None,
+                 *(store_box(config, batched) if config.tma_store else (None, 0)),
+                 replace(config, tma_store=False) if config.tma_store else None)
+
+
+def store_reason(out3: torch.Tensor) -> Optional[str]:
+    """None when the TMA-store epilogue can write the 3-D output view ``out3`` ([B, M, N] as the kernel sees
+    it), else why the register epilogue stores it instead."""
+    if out3.element_size() != 2:
+        return "the TMA-store epilogue stores 16-bit outputs (stmatrix); f32 goes through registers"
+    if out3.stride(-1) != 1 and out3.shape[-1] != 1:
+        return "the output's last dimension is not contiguous"
+    return _tma_reason("out", out3, -1)
 
 
 def _skinny_wanted(a: torch.Tensor, b: torch.Tensor, config: Any, skinny: Optional[bool]) -> bool:
     """Whether this call runs the skinny kernel: forced by ``skinny=True`` or a SkinnyConfig (an error when it
-    cannot), else automatic for column-major B and at most SKINNY_MAX_M rows when no GemmConfig is given."""
+    cannot), else automatic for column-major (or 16-byte aligned row-major) B and at most SKINNY_MAX_M rows when
+    no GemmConfig is given."""
     forced = skinny is True or isinstance(config, SkinnyConfig)
     if skinny is False or isinstance(config, GemmConfig):
         if forced:
@@ -254,7 +291,8 @@ def _skinny_wanted(a: torch.Tensor, b: torch.Tensor, config: Any, skinny: Option
     why = gemm_skinny.reason(a, b)
     if forced and why:
         raise ValueError(f"nvfly.ops.gemm.matmul: the skinny kernel cannot run this: {why}")
-    return forced or (why is None and a.shape[-2] <= SKINNY_MAX_M)
+    return forced or (why is None and a.shape[-2] <= SKINNY_MAX_M and
+                      (SKINNY_ROW_B or gemm_skinny.b_major(b) == "col"))
 
 
 def _new_plan(a: torch.Tensor, b: torch.Tensor, use_c: bool, activation: str, out_dtype: Optional[torch.dtype],
@@ -269,7 +307,8 @@ def _new_plan(a: torch.Tensor, b: torch.Tensor, use_c: bool, activation: str, ou
     if _skinny_wanted(a, b, config, skinny):
         batches, m, k = a3.shape
         return gemm_skinny.make_plan(m, b3.shape[-1], k, batches, use_c, activation, scaled, config,
-                                     sm_count(a.device.index) if a.is_cuda else 132)
+                                     sm_count(a.device.index) if a.is_cuda else 132,
+                                     row_b=gemm_skinny.b_major(b) == "row")
     return _make_plan(a3, b3, use_c, activation, config, a.dim() == 3, scaled=scaled)
 
 
@@ -316,11 +355,13 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None
 def path(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, activation: str = "none",
          out_dtype: Optional[torch.dtype] = None, config: Union[GemmConfig, SkinnyConfig, None] = None,
          skinny: Optional[bool] = None, scaled: bool = False) -> str:
-    """Which kernel ``matmul`` runs for these operands (for benchmarks): 'skinny' or 'skinny-splitK<s>', or
+    """Which kernel ``matmul`` runs for these operands (for benchmarks): 'skinny' (with '-rowB' for a row-major
+    B and '-splitK<s>' when they apply), or
     'wgmma' with '-swapAB' and '-splitK<s>' when they apply; raises when matmul would."""
     plan = _new_plan(a, b, c is not None, activation, out_dtype, c, config, skinny, scaled)
     if isinstance(plan, SkinnyPlan):
-        return "skinny" + (f"-splitK{plan.config.splits}" if plan.config.splits > 1 else "")
+        return "skinny" + ("-rowB" if plan.row_b else "") + \
+            (f"-splitK{plan.config.splits}" if plan.config.splits > 1 else "")
     return "wgmma" + ("-swapAB" if plan.swap else "") + \
         (f"-splitK{plan.config.split_k}" if plan.config.split_k > 1 else "")
 
@@ -341,12 +382,18 @@ def _launch(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor,
     cfg = plan.config
     launch = gemm_kernel[plan.grid, plan.threads, (cfg.cluster_m, 1, 1)]
     if plan.reduce_epilogue is None:
-        launch(a_desc, b_desc, out3, c3, plan.m, plan.n, plan.k_tiles, plan.batches,
+        out_desc = None
+        if cfg.tma_store:
+            if store_reason(out3) is None:
+                out_desc = cached_descriptor(out3 if batched else out3[0], plan.store_box, plan.store_swizzle)
+            else:
+                cfg = plan.register_config
+        launch(a_desc, b_desc, out3, c3, out_desc, plan.m, plan.n, plan.k_tiles, plan.batches,
                                              alpha, beta, CFG=cfg, A_MAJOR=plan.a_major, B_MAJOR=plan.b_major,
                                              EPI=plan.epilogue)
         return
     partials = torch.empty((plan.batches * cfg.split_k, plan.m, plan.n), dtype=torch.float32, device=a3.device)
-    launch(a_desc, b_desc, partials, None, plan.m, plan.n, plan.k_tiles,
+    launch(a_desc, b_desc, partials, None, None, plan.m, plan.n, plan.k_tiles,
                                          plan.batches, 1.0, 0.0, CFG=cfg, A_MAJOR=plan.a_major,
                                          B_MAJOR=plan.b_major, EPI=plan.epilogue)
     split_k_reduce_kernel[(math.ceil(plan.m * plan.n / 256), plan.batches), 256](
@@ -387,24 +434,41 @@ def reference(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = None
 
 
 def compile_configs(configs: Sequence[GemmConfig], dtype: torch.dtype = torch.bfloat16,
-                    majors: Sequence[tuple[str, str]] = (("K", "MN"),), target: str = "sm_90a") -> list[Any]:
+                    majors: Sequence[tuple[str, str]] = (("K", "MN"),), target: str = "sm_90a",
+                    epilogue: Optional[Epilogue] = None, batched: bool = False,
+                    out_dtype: Optional[torch.dtype] = None) -> list[Any]:
     """Compile the kernel for each config and operand major-ness it supports (no GPU needed); returns
-    CompiledKernels."""
+    CompiledKernels. ``epilogue`` (default: none, or partials for split K) with a C input of the output's
+    shape when it has one; ``batched``: rank-3 descriptors; ``out_dtype``: default ``dtype``."""
     from nvfly.runtime.torch_args import TensorDesc
     nv = _DTYPES[dtype]
+    out_nv = {torch.float32: nvfly.f32, None: nv}.get(out_dtype) or _DTYPES[out_dtype]
+    rank = 3 if batched else 2
+    shape = (2,) * batched + (4096, 4096)
     kernels = []
     for cfg in configs:
         bk = cfg.bk(nv.itemsize)
         for a_major, b_major in majors:
             if cfg.check(nv.itemsize, b_major):
                 continue
-            a_box, a_sw = _operand_box(cfg.bm, bk, nv, a_major, 2)
-            b_box, b_sw = _operand_box(cfg.bn, bk, nv, b_major, 2, cfg.cluster_m)
-            a_desc = nvfly.TmaDescriptor(TensorDesc(nv, (4096, 4096)), a_box, swizzle=a_sw)
-            b_desc = nvfly.TmaDescriptor(TensorDesc(nv, (4096, 4096)), b_box, swizzle=b_sw)
-            out = TensorDesc(nv if cfg.split_k == 1 else nvfly.f32, (1, 4096, 4096))
+            a_box, a_sw = _operand_box(cfg.bm, bk, nv, a_major, rank)
+            b_box, b_sw = _operand_box(cfg.bn, bk, nv, b_major, rank, cfg.cluster_m)
+            a_desc = nvfly.TmaDescriptor(TensorDesc(nv, shape), a_box, swizzle=a_sw)
+            b_desc = nvfly.TmaDescriptor(TensorDesc(nv, shape), b_box, swizzle=b_sw)
+            epi = epilogue or Epilogue(partial=cfg.split_k > 1)
+            out = TensorDesc(nv if cfg.split_k == 1 else nvfly.f32, (2 if batched else 1, 4096, 4096))
+            if cfg.split_k == 1:
+                out = TensorDesc(out_nv, (2 if batched else 1, 4096, 4096))
+            c_in = TensorDesc(nv, (2 if batched else 1, 4096, 4096)) if epi.has_c else None
+            out_desc = None
+            if cfg.tma_store and cfg.split_k == 1:
+                if out_nv.itemsize != 2:
+                    cfg = replace(cfg, tma_store=False)
+                else:
+                    box, sw = store_box(cfg, batched)
+                    out_desc = nvfly.TmaDescriptor(TensorDesc(out_nv, shape), box, swizzle=sw)
             kernels.append(gemm_kernel.compile(
-                a_desc, b_desc, out, None, 4096, 4096, 64, 1, 1.0, 0.0, CFG=cfg, A_MAJOR=a_major,
-                B_MAJOR=b_major, EPI=Epilogue(partial=cfg.split_k > 1), block=128 * (1 + cfg.consumers),
+                a_desc, b_desc, out, c_in, out_desc, 4096, 4096, 64, 2 if batched else 1, 1.0, 0.0, CFG=cfg,
+                A_MAJOR=a_major, B_MAJOR=b_major, EPI=epi, block=128 * (1 + cfg.consumers),
                 cluster=(cfg.cluster_m, 1, 1), target=target))
     return kernels

@@ -10,6 +10,15 @@ Registers are rebalanced with setmaxnreg (producer 40, consumers 232).
 The kernel computes out[b] = act(alpha * A[b] @ B[b] + beta * C_in[b]) for every batch b; A and B may each
 be K-major or MN-major (wgmma transposes 16-bit operands), tails in M, N, K come from TMA's zero fill and
 masked stores. With ``split_k`` > 1 each split reduces its K range into an f32 workspace slice instead.
+
+Two epilogues (``GemmConfig.tma_store``): the register epilogue stores each thread's fragments straight to
+global memory as 4-byte pairs (masked on tails). The TMA-store epilogue (16-bit outputs) writes the
+fragments with ``stmatrix`` into a per-consumer staging buffer laid out like the output TMA box (column
+slices of W = 64/32/16 elements, 128/64/32-byte swizzle: the 8 rows one stmatrix matrix writes land in 8
+different 16-byte bank groups), fences the generic proxy against the async one, syncs the consumer's 128
+threads on a named barrier and lets one thread issue a TMA store per slice (TMA clips tails). A slice
+buffer is reused only after ``cp.async.bulk.wait_group.read``, so a tile's stores drain while the consumer
+runs the next tile's mainloop.
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 BARRIER_BYTES = 1024  # barriers first; the ring starts 1024-byte aligned (swizzle atoms need it)
 SMEM_LIMIT = 232448
+STORE_BARRIER = 4  # named barriers 4 and 5: each consumer warpgroup's epilogue (2 and 3: ping-pong turns)
 
 
 @dataclass(frozen=True)
@@ -35,7 +45,9 @@ class GemmConfig:
     group_m: tiles per rasterisation group along M; split_k: K splits (f32 partials reduced afterwards);
     cluster_m: blocks per cluster along M, which share (multicast) the B tile; pingpong: the two consumers
     take alternate whole tiles (bm rows each) and take turns issuing wgmma, so one's epilogue runs under the
-    other's mainloop (instead of both splitting every tile).
+    other's mainloop (instead of both splitting every tile); tma_store: the epilogue goes through shared
+    memory (stmatrix + TMA store, 16-bit outputs; others fall back to the register epilogue), staging
+    store_buffers column slices of store_width(bn) columns per consumer warpgroup.
     """
     bm: int = 128
     bn: int = 256
@@ -45,12 +57,34 @@ class GemmConfig:
     split_k: int = 1
     cluster_m: int = 1
     pingpong: bool = False
+    tma_store: bool = False
+    store_buffers: int = 2
 
     def bk(self, itemsize: int) -> int:
         return BK_BYTES // itemsize
 
-    def smem_bytes(self, itemsize: int) -> int:
+    @property
+    def store_width(self) -> int:
+        """Columns of one staging slice (one TMA store box): 64 (128-byte swizzle rows), else 32 or 16."""
+        return store_width(self.bn)
+
+    @property
+    def store_slices(self) -> int:
+        """Staging slices per consumer warpgroup (the tile's column slices, at most store_buffers)."""
+        return min(self.store_buffers, self.bn // self.store_width)
+
+    def staging_bytes(self, out_itemsize: int = 2) -> int:
+        """Shared memory of the TMA-store epilogue's staging buffers (all consumers)."""
+        if not self.tma_store:
+            return 0
+        rows = self.wg_m * self.consumers  # ping-pong: 2 x bm; cooperative: bm
+        return rows * self.store_width * out_itemsize * self.store_slices
+
+    def ring_end(self, itemsize: int) -> int:
         return BARRIER_BYTES + self.stages * (self.bm + self.bn) * self.bk(itemsize) * itemsize
+
+    def smem_bytes(self, itemsize: int) -> int:
+        return self.ring_end(itemsize) + self.staging_bytes()
 
     @property
     def wg_m(self) -> int:
@@ -76,9 +110,38 @@ class GemmConfig:
             return f"cluster_m={self.cluster_m}: 1, or 2 with bn a multiple of 128 (each block loads half of B)"
         if self.cluster_m == 2 and self.group_m % 2:
             return "a 2-block cluster needs an even group_m"
+        if self.tma_store:
+            if self.bn % 16:
+                return f"bn={self.bn}: the TMA-store epilogue needs a multiple of 16 (stmatrix pairs of 8 columns)"
+            if self.split_k != 1:
+                return "the TMA-store epilogue does not store split-K partials (f32)"
+            if self.store_buffers < 1:
+                return "the TMA-store epilogue needs at least one staging buffer"
         if self.smem_bytes(itemsize) > SMEM_LIMIT:
             return f"{self.smem_bytes(itemsize)} bytes of shared memory exceed {SMEM_LIMIT}"
         return None
+
+
+def store_width(bn: int) -> int:
+    for w in (64, 32, 16):
+        if bn % w == 0:
+            return w
+    return 0
+
+
+def staging_offset(row: Any, chunk: Any, row_bytes: int) -> Any:
+    """Byte offset of 16-byte chunk ``chunk`` of row ``row`` in a staging slice of ``row_bytes``-byte rows
+    swizzled as TMA's ``row_bytes`` swizzle (CUTLASS Swizzle<B,4,3> on byte offsets from a 1024-aligned base:
+    address bits 4.. XOR bits 7..)."""
+    offset = row * row_bytes
+    return offset + ((chunk ^ ((offset >> 7) & (row_bytes // 16 - 1))) << 4)
+
+
+def staging_lane_xor(lane_row: Any, lane: Any, row_bytes: int) -> Any:
+    """For stmatrix lane ``lane`` giving the address of row ``lane_row``: the byte term X with
+    staging_offset(lane_row, j + lane // 16, row_bytes) == lane_row * row_bytes + ((16 * j) ^ X) for every
+    even chunk j (the swizzle XOR of the row, and the lane's chunk j + lane // 16 = j ^ (lane // 16))."""
+    return ((((lane_row * row_bytes) >> 7) & (row_bytes // 16 - 1)) ^ (lane // 16)) << 4
 
 
 @dataclass(frozen=True)
@@ -130,7 +193,7 @@ def tile_work(tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, CFG, CM):
 
 
 @nvfly.kernel
-def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, c_in,
+def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, c_in, out_desc,
                 m: nvfly.i32, n: nvfly.i32, k_tiles: nvfly.i32, batches: nvfly.i32, alpha: nvfly.f32,
                 beta: nvfly.f32, CFG: nvfly.Constexpr, A_MAJOR: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr,
                 EPI: nvfly.Constexpr):
@@ -157,6 +220,11 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
 
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
+    TMA_STORE = CFG.tma_store and not EPI.partial
+    if TMA_STORE:
+        check_store_descriptor(out_desc, CFG, BATCHED)
+        staging = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (CFG.staging_bytes(),),
+                                                           offset_bytes=CFG.ring_end(size)))
     # with a cluster, a stage is free only when the consumers of every block in it are done: each block's
     # B slice lands in all of them
     pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * (1 if PINGPONG else WGS) * CM)
@@ -168,6 +236,8 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
         pipe.init()
         sm90.tma_prefetch_descriptor(a_desc)
         sm90.tma_prefetch_descriptor(b_desc)
+        if TMA_STORE:
+            sm90.tma_prefetch_descriptor(out_desc)
     if CM > 1:
         sm90.cluster_sync()  # every block's barriers exist before any multicast or remote arrive
     else:
@@ -257,10 +327,19 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
             col0 = tn * BN + 2 * (lane % 4)
             out_batch = batch * CFG.split_k + split if EPI.partial else batch
             inside = (tm * BM + (WG_M if PINGPONG else (consumer + 1) * WG_M) <= m) & (tn * BN + BN <= n)
-            if inside:
+            if TMA_STORE:
+                tile_row = tm * BM + (0 if PINGPONG else consumer * WG_M)
+                own = staging + consumer * (CFG.staging_bytes() // WGS)
+                # TMA clips the stores; only C reads are bounds-checked (one code copy: C is the rare case)
+                stage_tile(out_desc, c_in, accs, own, batch, tile_row, tn * BN, row0, col0, m, n, alpha, beta,
+                           consumer, warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, EPI.has_c)
+            elif inside:
                 store_tile(out, c_in, accs, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, False)
             else:
                 store_tile(out, c_in, accs, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, True)
+        if TMA_STORE:
+            if (warp_in_wg == 0) & (lane == 0):
+                sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
     if CM > 1:
         sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
 
@@ -337,6 +416,85 @@ def store_tile(out, c_in, accs, batch, row0, col0, m, n, alpha, beta, BN, ATOMS_
                             out[batch, row, col] = v0.to(out.dtype)
                         if not MASKED or col + 1 < n:
                             out[batch, row, col + 1] = v1.to(out.dtype)
+
+
+def check_store_descriptor(desc: Any, cfg: GemmConfig, batched: bool) -> None:
+    """The output descriptor the TMA-store epilogue needs: 16-bit, one (wg_m, store_width) box per slice with
+    the matching swizzle (see ``store_box``)."""
+    from nvfly.errors import CompileError
+    if desc is None or not hasattr(desc, "info"):
+        raise CompileError("GemmConfig.tma_store needs the output's TMA descriptor (out_desc)")
+    box, swizzle = store_box(cfg, batched)
+    info = desc.info
+    if info.dtype.itemsize != 2 or tuple(info.box) != box or info.swizzle != swizzle:
+        raise CompileError(f"out_desc: expected a 16-bit descriptor with box {box} and swizzle {swizzle}, got "
+                           f"{info.dtype.name} box {tuple(info.box)} swizzle {info.swizzle}")
+
+
+def store_box(cfg: GemmConfig, batched: bool) -> tuple[tuple[int, ...], int]:
+    """(TMA box, swizzle) of the output descriptor of the TMA-store epilogue (16-bit outputs)."""
+    width = cfg.store_width
+    return (1,) * batched + (cfg.wg_m, width), width * 2
+
+
+@nvfly.func
+def stage_tile(out_desc, c_in, accs, own, batch, tile_row, tile_col, row0, col0, m, n, alpha, beta, consumer,
+               warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, MASKED):
+    """The TMA-store epilogue of one consumer tile (see the module doc). ``own``: this consumer's staging
+    buffers (store_slices slices of wg_m x W elements, W = store_width), ``tile_row``/``tile_col``: the
+    consumer's first output row and column; ``row0``/``col0``: this thread's fragment origin (as store_tile).
+
+    stmatrix.x4 stores four 8x8 matrices: for accumulator column group j (even) and row half h, matrix
+    q = 2 * jj + h holds accumulator elements 4 (j + jj) + 2 h + {0, 1}, i.e. the register order is the
+    accumulator order 4j .. 4j + 7; lane l gives the row address of matrix l // 8: row 16 w + l % 16, column
+    chunk j + l // 16 (jj = l // 16, h = (l // 8) % 2).
+    """
+    W = CFG.store_width
+    ROW_BYTES = W * 2
+    SLICE_BYTES = CFG.wg_m * ROW_BYTES
+    NB = CFG.store_slices
+    NS = CFG.bn // W
+    dtype = out_desc.info.dtype
+    issuer = (warp_in_wg == 0) & (lane == 0)
+    lane_row = warp_in_wg * 16 + lane % 16
+    lane_base = own + lane_row * ROW_BYTES
+    lane_x = staging_lane_xor(lane_row, lane, ROW_BYTES)
+    for s in nvfly.static_range(NS):
+        b = s % NB
+        if s == 0 or s >= NB:
+            # the slice buffer's previous TMA store (this tile's slice s - NB, or the previous tile's) has read it
+            if issuer:
+                sm90.tma_store_wait(0 if s == 0 else NB - 1, read_only=True)
+            nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+        for i in nvfly.static_range(ATOMS_M):
+            for jj in nvfly.static_range(W // 16):
+                j = s * (W // 8) + 2 * jj
+                regs = []
+                for q in nvfly.static_range(4):
+                    e = 4 * j + 2 * q
+                    v0 = accs[i][e]
+                    v1 = accs[i][e + 1]
+                    if EPI.scaled:
+                        v0 = v0 * alpha
+                        v1 = v1 * alpha
+                    if EPI.has_c:
+                        row = row0 + 64 * i + 8 * (q % 2)
+                        col = col0 + 8 * (j + q // 2)
+                        if not MASKED or (row < m) & (col < n):
+                            v0 = v0 + beta * c_in[batch, row, col].to(nvfly.f32)
+                        if not MASKED or (row < m) & (col + 1 < n):
+                            v1 = v1 + beta * c_in[batch, row, col + 1].to(nvfly.f32)
+                    v0 = activate(v0, EPI.activation)
+                    v1 = activate(v1, EPI.activation)
+                    regs.append(nvfly.make_vector([v0, v1]).to(dtype).bitcast(nvfly.i32)[0])
+                sm90.stmatrix_x4(lane_base + (b * SLICE_BYTES + 64 * i * ROW_BYTES) + (((2 * jj) << 4) ^ lane_x),
+                                 regs)
+        sm90.fence_proxy_async()  # the stmatrix writes before the TMA engine's reads
+        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+        if issuer:
+            coords = (tile_row, tile_col + s * W)
+            sm90.tma_store(out_desc, own + b * SLICE_BYTES, (batch,) + coords if BATCHED else coords)
+            sm90.tma_store_commit()
 
 
 @nvfly.kernel

@@ -101,3 +101,97 @@ def test_zero_sizes_and_declined_inputs(hopper):
     odd = torch.randn(64, 1023, device="cuda").to(torch.bfloat16)
     assert "16 bytes" in gemm.eligibility(odd, torch.randn(1023, 64, device="cuda").to(torch.bfloat16))
     assert "bf16 or fp16" in gemm.eligibility(odd.float(), odd.float().t())
+
+
+# ---------------------------------------------------------------------------------------------- TMA-store epilogue
+TMA_STORE_CONFIGS = [GemmConfig(128, 128, 5, 2, pingpong=True, tma_store=True),
+                     GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, store_buffers=1),
+                     GemmConfig(128, 256, 4, 2, tma_store=True), GemmConfig(256, 128, 4, 2, tma_store=True, store_buffers=1),
+                     GemmConfig(64, 256, 5, 1, tma_store=True), GemmConfig(128, 256, 4, 2, cluster_m=2, tma_store=True),
+                     GemmConfig(128, 96, 6, 2, tma_store=True), GemmConfig(64, 48, 7, 1, tma_store=True)]
+
+
+def padded(rows, cols, dtype, major, pad=8):
+    """A [rows, cols] view of a larger random matrix whose strides are 16-byte aligned (odd extents stay
+    TMA-describable): row-major, or column-major ('col')."""
+    if major == "row":
+        return torch.randn(rows, cols + (-cols) % pad, device="cuda").to(dtype)[:, :cols]
+    return torch.randn(cols, rows + (-rows) % pad, device="cuda").to(dtype)[:, :rows].t()
+
+
+def nan_output(shape, dtype, pad=8):
+    """A NaN-filled output view with 16-byte aligned rows, and the storage behind it (for checking padding)."""
+    base = torch.full((*shape[:-1], shape[-1] + (-shape[-1]) % pad), float("nan"), device="cuda", dtype=dtype)
+    return base[..., :shape[-1]], base
+
+
+@pytest.mark.parametrize("config", TMA_STORE_CONFIGS, ids=str)
+@pytest.mark.parametrize("mnk", [(333, 4097, 1023), (4096, 4096, 4096), (129, 257, 64), (777, 520, 1536)])
+@pytest.mark.parametrize("majors", [("row", "row"), ("col", "row"), ("row", "col"), ("col", "col")])
+def test_tma_store_epilogue_tails_and_majors(hopper, config, mnk, majors):
+    m, n, k = mnk
+    if mnk == (4096, 4096, 4096) and majors not in (("row", "row"), ("col", "row")):
+        pytest.skip("big shape: two layouts suffice")
+    a = padded(m, k, torch.bfloat16, majors[0])
+    b = padded(k, n, torch.bfloat16, majors[1])
+    out, base = nan_output((m, n), torch.bfloat16)
+    assert gemm.store_reason(out.unsqueeze(0)) is None
+    gemm.matmul(a, b, out=out, config=config)
+    check(out, gemm.reference(a, b), tol=1e-2)
+    assert torch.isnan(base[:, n:]).all()  # TMA clipped the tail: the padding is untouched
+
+
+@pytest.mark.parametrize("config", [GemmConfig(128, 128, 5, 2, pingpong=True, tma_store=True),
+                                    GemmConfig(128, 256, 4, 2, tma_store=True)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("activation", ["none", "relu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("bias", ["row", "col", "full", None])
+def test_tma_store_epilogue_c_and_activations(hopper, config, dtype, activation, bias):
+    m, n, k = 200, 392, 512
+    a = torch.randn(m, k, device="cuda").to(dtype)
+    b = torch.randn(k, n, device="cuda").to(dtype)
+    c = {"row": torch.randn(n, device="cuda"), "col": torch.randn(m, 1, device="cuda"),
+         "full": torch.randn(m, n, device="cuda"), None: None}[bias]
+    c = c.to(dtype) if c is not None else None
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+    gemm.matmul(a, b, c=c, alpha=0.5, beta=2.0, activation=activation, out=out, config=config)
+    check(out, gemm.reference(a, b, c, 0.5, 2.0, activation), tol=1.5e-2)
+
+
+@pytest.mark.parametrize("config", [GemmConfig(128, 128, 5, 2, pingpong=True, tma_store=True),
+                                    GemmConfig(128, 256, 4, 2, tma_store=True),
+                                    GemmConfig(128, 256, 4, 2, cluster_m=2, tma_store=True)], ids=str)
+@pytest.mark.parametrize("batch,m,n,k", [(3, 128, 256, 256), (8, 100, 72, 520), (2, 512, 1024, 2048)])
+def test_tma_store_epilogue_batched(hopper, config, batch, m, n, k):
+    a = torch.randn(batch, m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(batch, k, n, device="cuda").to(torch.bfloat16)
+    out = torch.full((batch, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    check(gemm.matmul(a, b, out=out, config=config), gemm.reference(a, b), tol=1e-2)
+    bt = torch.randn(batch, n, k, device="cuda").to(torch.bfloat16).transpose(1, 2)
+    c = torch.randn(batch, m, n, device="cuda").to(torch.bfloat16)
+    out.fill_(float("nan"))
+    check(gemm.matmul(a, bt, c=c, activation="relu", out=out, config=config),
+          gemm.reference(a, bt, c, activation="relu"), tol=1.5e-2)
+
+
+def test_tma_store_epilogue_falls_back(hopper):
+    cfg = GemmConfig(128, 128, 5, 2, pingpong=True, tma_store=True)
+    a = torch.randn(333, 512, device="cuda").to(torch.bfloat16)
+    b = torch.randn(512, 520, device="cuda").to(torch.bfloat16)
+    ref = gemm.reference(a, b)
+    # rows 521 elements apart: TMA cannot describe the output, the register epilogue writes it
+    base = torch.full((333, 521), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = base[:, :520]
+    assert "16 bytes" in gemm.store_reason(out.unsqueeze(0))
+    gemm.matmul(a, b, out=out, config=cfg)
+    check(out, ref, tol=1e-2)
+    assert torch.isnan(base[:, 520]).all()
+    # f32 output: the register epilogue too
+    check(gemm.matmul(a, b, out_dtype=torch.float32, config=cfg), ref, tol=2e-3)
+    # a transposed output view (last dim not contiguous)
+    outt = torch.full((520, 333), float("nan"), device="cuda", dtype=torch.bfloat16).t()
+    check(gemm.matmul(a, b, out=outt, config=cfg), ref, tol=1e-2)
+    # split K and the swapped small-M problem keep the register epilogue
+    check(gemm.matmul(a, b, config=GemmConfig(128, 128, 5, 2, split_k=2, tma_store=True)), ref, tol=1e-2)
+    small = torch.randn(16, 512, device="cuda").to(torch.bfloat16)
+    check(gemm.matmul(small, b), gemm.reference(small, b), tol=1e-2)

@@ -226,7 +226,7 @@ class _Plan:
     register_config: Optional[GemmConfig] = None
 
 
-_PLANS: dict[tuple, _Plan] = {}
+_CALLS: dict[tuple, Any] = {}  # call signature -> _WgmmaCall or _SkinnyCall
 
 
 def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str, config: Optional[GemmConfig],
@@ -320,36 +320,103 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None
 
     ``skinny``: None picks the kernel, True forces the skinny kernel (as does a SkinnyConfig ``config``),
     False the wgmma kernel."""
-    batched = a.dim() == 3
     use_c = c is not None and beta != 0
+    # everything that decides the kernels and their launch (a cached call then only reads addresses)
     key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.data_ptr() & 15, b.data_ptr() & 15,
-           a.device, b.device, (c.shape, c.stride(), c.dtype) if use_c else None, activation, out_dtype, config,
-           alpha != 1.0, skinny)
-    plan = _PLANS.get(key)
-    if plan is None:
+           a.device, b.device, (c.shape, c.stride(), c.dtype, c.data_ptr() & 15) if use_c else None, activation,
+           out_dtype, config, alpha != 1.0, skinny,
+           None if out is None else (out.shape, out.stride(), out.dtype, out.data_ptr() & 15, out.device))
+    call = _CALLS.get(key)
+    if call is None:
         if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[-1] == b.shape[-2] and \
                 (a.shape[-2] == 0 or b.shape[-1] == 0 or a.shape[-1] == 0):
             return _degenerate(a, b, c if use_c else None, beta, activation, out_dtype, out)
         plan = _new_plan(a, b, use_c, activation, out_dtype, c, config, skinny, alpha != 1.0)
-        _PLANS[key] = plan
-    shape = (a.shape[0], a.shape[1], b.shape[2]) if batched else (a.shape[0], b.shape[1])
-    out_dtype = out_dtype or a.dtype
+        shape = (a.shape[0], a.shape[1], b.shape[2]) if a.dim() == 3 else (a.shape[0], b.shape[1])
+        out_dtype = out_dtype or a.dtype
+        if out is not None and (out.shape != shape or out.dtype != out_dtype or out.device != a.device):
+            raise ValueError(f"out: expected a {out_dtype} tensor of shape {shape} on {a.device}, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        call = _SkinnyCall(plan, shape, out_dtype) if type(plan) is SkinnyPlan else \
+            _WgmmaCall(plan, out, shape, out_dtype)
+        if len(_CALLS) >= _CALL_LIMIT:
+            _CALLS.clear()
+        _CALLS[key] = call
     if out is None:
-        out = torch.empty(shape, dtype=out_dtype, device=a.device)
-    elif out.shape != shape or out.dtype != out_dtype:
-        raise ValueError(f"out: expected a {out_dtype} tensor of shape {shape}, got {out.dtype} {tuple(out.shape)}")
-    out3 = out if batched else out.unsqueeze(0)
-    c3 = (c.expand(shape) if batched else c.expand(shape).unsqueeze(0)) if use_c else None
-    a3, b3 = (a, b) if batched else (a.unsqueeze(0), b.unsqueeze(0))
-    if type(plan) is SkinnyPlan:
-        gemm_skinny.launch(plan, a3, b3, out3, c3, alpha, beta)
-        return out
-    if plan.swap:
-        a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
-        out3 = out3.transpose(-1, -2)
-        c3 = c3.transpose(-1, -2) if c3 is not None else None
-    _launch(plan, a3, b3, out3, c3, alpha, beta, batched)
+        out = torch.empty(call.shape, dtype=call.out_dtype, device=a.device)
+    call.run(a, b, c if use_c else None, out, alpha, beta)
     return out
+
+
+_CALL_LIMIT = 4096
+
+
+class _SkinnyCall:
+    """The skinny kernel's launch for one call signature (``matmul``'s cache)."""
+
+    def __init__(self, plan: SkinnyPlan, shape: tuple, out_dtype: torch.dtype):
+        self.shape = shape
+        self.out_dtype = out_dtype
+        self.run = gemm_skinny.prepared_launch(plan, shape)
+
+
+class _WgmmaCall:
+    """The wgmma kernel's launches for one call signature (``matmul``'s cache): prepared launches, and the TMA
+    descriptors of the operands' addresses seen (everything else about them is fixed by the signature)."""
+
+    def __init__(self, plan: _Plan, out: Optional[torch.Tensor], shape: tuple, out_dtype: torch.dtype):
+        self.plan = plan
+        self.shape = shape
+        self.out_dtype = out_dtype
+        self.batched = len(shape) == 3
+        cfg = plan.config
+        if cfg.tma_store:
+            probe = out if out is not None else torch.empty(shape, dtype=out_dtype, device="meta")
+            probe3 = probe if self.batched else probe.unsqueeze(0)
+            if store_reason(probe3.transpose(-1, -2) if plan.swap else probe3) is not None:
+                cfg = plan.register_config
+        self.config = cfg
+        self.tma_store = cfg.tma_store
+        self.main = gemm_kernel.prepared(plan.grid, plan.threads, (cfg.cluster_m, 1, 1))
+        self.reduce = None if plan.reduce_epilogue is None else split_k_reduce_kernel.prepared(
+            (math.ceil(plan.m * plan.n / 256), plan.batches), 256)
+        self._descriptors: dict[tuple[int, int, int], tuple] = {}
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], out: torch.Tensor, alpha: float,
+            beta: float) -> None:
+        plan = self.plan
+        a3, b3 = (a, b) if self.batched else (a.unsqueeze(0), b.unsqueeze(0))
+        out3 = out if self.batched else out.unsqueeze(0)
+        c3 = None if c is None else (c.expand(self.shape) if self.batched else c.expand(self.shape).unsqueeze(0))
+        if plan.swap:
+            a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
+            out3 = out3.transpose(-1, -2)
+            c3 = c3.transpose(-1, -2) if c3 is not None else None
+        addresses = (a.data_ptr(), b.data_ptr(), out.data_ptr() if self.tma_store else 0)
+        descs = self._descriptors.get(addresses)
+        if descs is None:
+            descs = self._describe(a3, b3, out3)
+            if len(self._descriptors) >= 64:
+                self._descriptors.clear()
+            self._descriptors[addresses] = descs
+        a_desc, b_desc, out_desc = descs
+        if self.reduce is None:
+            self.main(a_desc, b_desc, out3, c3, out_desc, plan.m, plan.n, plan.k_tiles, plan.batches, alpha, beta,
+                      self.config, plan.a_major, plan.b_major, plan.epilogue)
+            return
+        cfg = self.config
+        partials = torch.empty((plan.batches * cfg.split_k, plan.m, plan.n), dtype=torch.float32,
+                               device=a.device)
+        self.main(a_desc, b_desc, partials, None, None, plan.m, plan.n, plan.k_tiles, plan.batches, 1.0, 0.0, cfg,
+                  plan.a_major, plan.b_major, plan.epilogue)
+        self.reduce(partials, out3, c3, plan.m, plan.n, alpha, beta, cfg.split_k, plan.reduce_epilogue)
+
+    def _describe(self, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor) -> tuple:
+        plan = self.plan
+        a_desc, b_desc = _descriptors(plan, a3, b3, self.batched)
+        out_desc = cached_descriptor(out3 if self.batched else out3[0], plan.store_box, plan.store_swizzle) \
+            if self.tma_store else None
+        return a_desc, b_desc, out_desc
 
 
 def path(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, activation: str = "none",
@@ -374,30 +441,6 @@ def _descriptors(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, batched: bool)
         a_view, b_view = a_view[0], b_view[0]
     return (cached_descriptor(a_view, plan.a_box, plan.a_swizzle),
             cached_descriptor(b_view, plan.b_box, plan.b_swizzle))
-
-
-def _launch(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor, c3: Optional[torch.Tensor],
-            alpha: float, beta: float, batched: bool) -> None:
-    a_desc, b_desc = _descriptors(plan, a3, b3, batched)
-    cfg = plan.config
-    launch = gemm_kernel[plan.grid, plan.threads, (cfg.cluster_m, 1, 1)]
-    if plan.reduce_epilogue is None:
-        out_desc = None
-        if cfg.tma_store:
-            if store_reason(out3) is None:
-                out_desc = cached_descriptor(out3 if batched else out3[0], plan.store_box, plan.store_swizzle)
-            else:
-                cfg = plan.register_config
-        launch(a_desc, b_desc, out3, c3, out_desc, plan.m, plan.n, plan.k_tiles, plan.batches,
-                                             alpha, beta, CFG=cfg, A_MAJOR=plan.a_major, B_MAJOR=plan.b_major,
-                                             EPI=plan.epilogue)
-        return
-    partials = torch.empty((plan.batches * cfg.split_k, plan.m, plan.n), dtype=torch.float32, device=a3.device)
-    launch(a_desc, b_desc, partials, None, None, plan.m, plan.n, plan.k_tiles,
-                                         plan.batches, 1.0, 0.0, CFG=cfg, A_MAJOR=plan.a_major,
-                                         B_MAJOR=plan.b_major, EPI=plan.epilogue)
-    split_k_reduce_kernel[(math.ceil(plan.m * plan.n / 256), plan.batches), 256](
-        partials, out3, c3, plan.m, plan.n, alpha, beta, SPLITS=cfg.split_k, EPI=plan.reduce_epilogue)
 
 
 def _degenerate(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], beta: float, activation: str,

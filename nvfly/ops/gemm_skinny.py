@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -510,21 +510,30 @@ def workspace(device: torch.device, stream: int, tiles: int,
     return entry
 
 
-def launch(plan: SkinnyPlan, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor, c3: Optional[torch.Tensor],
-           alpha: float, beta: float) -> None:
-    """Run the planned GEMM on 3-D operands: a3 [B, M, K], b3 [B, K, N] (column-major, or row-major for a
-    row_b plan), out3/c3 [B, M, N]."""
+def prepared_launch(plan: SkinnyPlan, shape: tuple) -> Callable[..., None]:
+    """``run(a, b, c, out, alpha, beta)`` for one call signature of ``plan`` (2-D or 3-D operands of output
+    shape ``shape``; c None or broadcastable): a prepared launch, so a call costs little more than the driver's."""
     cfg = plan.config
-    w = b3 if plan.row_b else b3.transpose(-1, -2)
-    kernel = skinny_gemm_kernel[plan.grid, cfg.warps * 32]
-    if cfg.splits == 1:
-        kernel(w, a3, out3, c3, None, None, plan.m, plan.n, plan.k, plan.chunks_per_split, alpha, beta, cfg,
-               plan.m_tiles, plan.epilogue, plan.row_b)
-        return
-    stream = current_stream(a3.device.index)
-    partials, counters = workspace(a3.device, stream, plan.tiles, plan.tile_slots)
-    kernel(w, a3, out3, c3, partials, counters, plan.m, plan.n, plan.k, plan.chunks_per_split, alpha, beta, cfg,
-           plan.m_tiles, plan.epilogue, plan.row_b, stream=stream)
+    kernel = skinny_gemm_kernel.prepared(plan.grid, cfg.warps * 32)
+    batched = len(shape) == 3
+
+    def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], out: torch.Tensor, alpha: float,
+            beta: float) -> None:
+        if batched:
+            a3, b3, out3, c3 = a, b, out, None if c is None else c.expand(shape)
+        else:
+            a3, b3, out3 = a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0)
+            c3 = None if c is None else c.expand(shape).unsqueeze(0)
+        w = b3 if plan.row_b else b3.transpose(-1, -2)
+        if cfg.splits == 1:
+            kernel(w, a3, out3, c3, None, None, plan.m, plan.n, plan.k, plan.chunks_per_split, alpha, beta, cfg,
+                   plan.m_tiles, plan.epilogue, plan.row_b)
+            return
+        stream = current_stream(a.device.index)
+        partials, counters = workspace(a.device, stream, plan.tiles, plan.tile_slots)
+        kernel(w, a3, out3, c3, partials, counters, plan.m, plan.n, plan.k, plan.chunks_per_split, alpha, beta, cfg,
+               plan.m_tiles, plan.epilogue, plan.row_b, stream=stream)
+    return run
 
 
 def compile_kernel(m: int, k: int = 4096, n: int = 4096, dtype: Any = nvfly.bf16, out_dtype: Any = None,

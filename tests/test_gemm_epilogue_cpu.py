@@ -197,4 +197,5 @@ def test_plans_decide_the_epilogue():
     odd = torch.empty(333, 4097, dtype=torch.bfloat16)[:, :4096].unsqueeze(0)
     assert "16 bytes" in gemm.store_reason(odd)
     assert "contiguous" in gemm.store_reason(torch.empty(1, 4096, 333, dtype=torch.bfloat16).transpose(1, 2))
+    assert "multiple of 16 bytes" in gemm.store_reason(torch.empty(1, 8, 4104, dtype=torch.bfloat16)[..., :4097])
     assert "address" in gemm.store_reason(torch.empty(8 * 4096 + 1, dtype=torch.bfloat16)[1:].view(1, 8, 4096))

@@ -137,6 +137,138 @@ def test_topk_few_rows_split_then_merge():
     assert topk.plan(151936, 1024, 256, 8, 2, 132).parts == 1
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,m,largest", [(128256, 50, 1, True), (151936, 1024, 1, False), (151936, 50, 1, False),
+                                           (128256, 1024, 64, True), (151936, 2048, 1, True)])
+def test_topk_slice_variants_compile(dtype, n, k, m, largest):
+    """Every first-pass shape the suite's few-row plans make (256 threads, unroll 1 to 4; 512 for k = 2048), with
+    the vector fast reject (packed NaN-propagating max/min), and their merges: clean, registers for 2 blocks."""
+    x = torch.randn(m, n).to(dtype)
+    itemsize = x.element_size()
+    p = topk.plan(n, k, m, 16 // itemsize, itemsize, 132)
+    first, merge = compiled(topk.topk, x, k, largest=largest)
+    for kern in (first, merge):
+        assert kern.name == "topk_radix_kernel"
+        assert_clean(kern)
+        assert kern.resources.registers <= 65536 // (topk.BLOCKS_PER_SM * 256)
+    assert first.dynamic_smem_bytes == p.smem_bytes
+    if p.threads == topk.SLICE_THREADS:
+        assert topk.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk.SM_SMEM_BYTES
+    assert first.count("LDG.E.128") >= p.unroll
+    packed = {torch.bfloat16: "max.NaN.bf16x2", torch.float16: "max.NaN.f16x2", torch.float32: "max.NaN.f32"}[dtype]
+    assert packed.replace("max", "max" if largest else "min") in first.ptx
+    assert "max.NaN" not in merge.ptx and "min.NaN" not in merge.ptx  # ranks: no fast reject
+
+
+def test_topk_plans_for_the_sampling_suite():
+    sms = 132
+    for n in (128256, 151936):
+        for vec, itemsize in ((8, 2), (4, 4)):
+            p = topk.plan(n, 50, 1, vec, itemsize, sms)
+            assert p.parts >= 60 and p.unroll <= 2  # one row: a slice of 2048 elements per block, 60+ SMs
+            p = topk.plan(n, 1024, 1, vec, itemsize, sms)
+            assert 8 <= p.parts and p.parts * 1024 <= topk.MERGE_RANKS  # k = 1024: a merge of 16K ranks at most
+            for k in (50, 1024):
+                p = topk.plan(n, k, 64, vec, itemsize, sms)
+                assert p.parts == 4 and p.threads == 256  # 256 blocks: two per SM
+                p = topk.plan(n, k, 256, vec, itemsize, sms)
+                assert p.parts == 1 and p.threads == 256 and p.unroll == 64 // (vec * itemsize)
+    assert topk.plan(151936, 2048, 1, 8, 2, sms).threads == 512  # 2 blocks of 256 would not fit
+
+
+def test_topk_slice_plan_model():
+    """Pure-Python model of the plans: the slices cover every row exactly once, start on vector boundaries,
+    the merge stays within MERGE_RANKS, and the candidate buffer holds an iteration's appends on top of k."""
+    import itertools
+    sms = 132
+    for n, k, m, (vec, itemsize) in itertools.product(
+            (33, 1000, 1025, 4097, 32768, 100_003, 128256, 151936, 262144), (33, 50, 100, 512, 1024, 2047, 2048),
+            (1, 2, 7, 64, 132, 256, 4096), ((8, 2), (4, 2), (1, 2), (4, 4), (2, 4), (1, 4))):
+        if k > n:
+            continue
+        p = topk.plan(n, k, m, vec, itemsize, sms)
+        assert not p.warp
+        per_iter = p.threads * vec * p.unroll
+        assert 1 <= p.unroll <= topk._unroll(vec, itemsize)
+        assert p.slice_len % (p.threads * vec) == 0 and p.slice_len % vec == 0
+        assert (p.parts - 1) * p.slice_len < n <= p.parts * p.slice_len  # every slice non-empty, the row covered
+        covered = []
+        for part in range(p.parts):
+            start, stop = part * p.slice_len, min((part + 1) * p.slice_len, n)
+            iterations = -(-(stop - start) // per_iter)
+            covered += [c for it in range(iterations) for c in range(start + it * per_iter,
+                                                                     start + (it + 1) * per_iter) if c < stop]
+        assert covered == list(range(n))
+        assert p.parts == 1 or p.parts * k <= topk.MERGE_RANKS
+        assert p.parts <= max(1, topk.BLOCKS_PER_SM * sms // m)
+        assert p.cap - per_iter >= 2 * p.k_pow2 and p.cap % p.threads == 0  # room for k survivors + an iteration
+        assert p.smem_bytes <= 227 * 1024
+        assert topk.HIST % p.threads == 0
+
+
+def _order_key_model(bits, width, largest):
+    sign = 1 << (width - 1)
+    full = (1 << width) - 1
+    key = bits ^ (full if bits & sign else sign)
+    return key if largest else key ^ full
+
+
+def test_topk_fast_reject_model():
+    """The device's threshold value (``key_value``) and vector reject, modelled in Python over bf16, f16 and f32
+    bit patterns: whenever every element of a vector is strictly below the threshold's value as floats (above
+    it when smallest), each element's key is strictly below the threshold's key, so it ranks below the threshold
+    whatever the indices; NaN and the ABSENT threshold (key 0) reject nothing."""
+    import math
+    import random
+    import struct
+
+    def as_float(bits, fmt):
+        if fmt == "f32":
+            return struct.unpack("<f", struct.pack("<I", bits))[0]
+        if fmt == "bf16":
+            return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+        return float(torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16)[0])
+
+    def order_key(bits, fmt, largest):
+        width = 32 if fmt == "f32" else 16
+        if math.isnan(as_float(bits, fmt)):
+            key = (1 << width) - 1
+            return key if largest else 0
+        return _order_key_model(bits, width, largest)
+
+    def key_value(key, fmt, largest):  # mirrors topk.key_value
+        width = 32 if fmt == "f32" else 16
+        full = (1 << width) - 1
+        if not largest:
+            key ^= full
+        sign = 1 << (width - 1)
+        bits = key ^ sign if key & sign else ~key & full
+        return as_float(bits, fmt)
+
+    def rejected(values, threshold, largest):  # mirrors vector_may_take: NaN-propagating extreme, then compare
+        extreme = math.nan if any(math.isnan(v) for v in values) else (max(values) if largest else min(values))
+        return extreme < threshold if largest else extreme > threshold
+
+    rng = random.Random(0)
+    for fmt in ("bf16", "f16", "f32"):
+        width = 32 if fmt == "f32" else 16
+        special = [0, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7C00, 0xFC00, 0x7E00, 0x0001, 0x8001] if width == 16 \
+            else [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 1, 0x80000001]
+        patterns = special + [rng.getrandbits(width) for _ in range(400)]
+        for largest in (True, False):
+            assert math.isnan(key_value(0, fmt, largest))  # ABSENT's key: compares false, rejects nothing
+            keys = [order_key(b, fmt, largest) for b in patterns]
+            for tkey in keys + [0, 1, (1 << width) - 1]:
+                value = key_value(tkey, fmt, largest)
+                for _ in range(40):
+                    vector = rng.sample(patterns, 4)
+                    if rejected([as_float(b, fmt) for b in vector], value, largest):
+                        assert all(order_key(b, fmt, largest) < tkey for b in vector), (fmt, largest, tkey, vector)
+            for b, key in zip(patterns, keys):  # key_value inverts order_key (up to the NaN payload)
+                v, back = as_float(b, fmt), key_value(key, fmt, largest)
+                assert (math.isnan(v) and math.isnan(back)) or v == back
+
+
 @pytest.mark.parametrize("n,k", [(4097, 2048), (100_003, 50), (33, 33)])
 def test_topk_odd_lengths_compile(n, k):
     for kern in compiled(topk.topk, torch.randn(2, n).to(torch.float16), k, largest=False):

@@ -142,8 +142,9 @@ def _max_stages(bm: int, bn: int, itemsize: int) -> int:
 # candidate tiles and their relative throughput per output element, measured on the H200
 # (benchmarks/gemm_configs.py): the 128x128 ping-pong tile hides its epilogue and wins on short and mid K; the
 # 128x256 cooperative tile matches it on long K
-_TILES = ((GemmConfig(128, 128, 6, 2, pingpong=True), 1.0), (GemmConfig(128, 256, 4, 2), 0.97),
-          (GemmConfig(256, 128, 4, 2), 0.94), (GemmConfig(64, 256, 4, 1), 0.7),
+_TILES = ((GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, store_buffers=1), 1.0),
+          (GemmConfig(128, 256, 4, 2, tma_store=True, store_buffers=1), 0.97),
+          (GemmConfig(256, 128, 4, 2, tma_store=True, store_buffers=1), 0.94), (GemmConfig(64, 256, 4, 1), 0.7),
           (GemmConfig(64, 128, 7, 1), 0.6), (GemmConfig(64, 64, 7, 1), 0.45))
 
 
@@ -276,6 +277,10 @@ def store_reason(out3: torch.Tensor) -> Optional[str]:
         return "the TMA-store epilogue stores 16-bit outputs (stmatrix); f32 goes through registers"
     if out3.stride(-1) != 1 and out3.shape[-1] != 1:
         return "the output's last dimension is not contiguous"
+    if out3.shape[-1] * out3.element_size() % 16:
+        # seen on the H200: with such an extent the TMA store also wrote the columns just past it (the
+        # padding of a strided view), so only whole 16-byte rows are stored through TMA
+        return "the output's rows are not a multiple of 16 bytes long"
     return _tma_reason("out", out3, -1)
 
 

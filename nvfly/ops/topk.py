@@ -21,6 +21,12 @@ Two kernels:
   histograms) finds the k-th largest rank, raises T to it and compacts the buffer to k entries. After the row,
   one more select leaves exactly k candidates, which a bitonic sort orders. For typical data T is high from
   the start, so the stream costs one read of the row and a few selects over a few thousand candidates.
+  Vector fast reject: per 16-byte vector a packed NaN-propagating max (min when smallest) is compared with the
+  f32 value of T's key; a warp whose vectors are all strictly below it (as floats: NaN, -0.0 vs +0.0 and
+  values equal to T's are never rejected) skips the per-element filter, about one instruction per element.
+  Blocks have 256 threads (two per SM; 512 when k = 2048). Fewer rows than 2 blocks per SM: each row is cut
+  into slices of whole 256 x vec sweeps (``slice_plan``: down to one sweep, at least 4k elements, at most
+  MERGE_RANKS / k slices), each slice writes its k best ranks and a second launch merges them.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import nvfly
+from nvfly.arch.ptx import asm
 from nvfly.frontend.language import atomic_add, count_leading_zeros, redux_sync, syncthreads_or, vote_any
 from nvfly.ops.rmsnorm import plan_sm_count, vector_width
 
@@ -43,7 +50,12 @@ WARP_MAX_N = 1024         # and each lane holds N/32 ranks in registers
 HIST_BITS = 11            # radix digit of the select: 2048 shared-memory counters
 HIST = 1 << HIST_BITS
 STREAM_BYTES = 64         # loaded per thread per streaming iteration (and as much prefetched): 32 KB per block
-STREAM_THREADS = 512      # one block per SM (about 110 registers a thread)
+STREAM_THREADS = 512      # the merge's blocks (and the first pass's when k is 2048)
+SLICE_THREADS = 256       # the first pass's blocks: two to an SM
+BLOCKS_PER_SM = 2
+SM_SMEM_BYTES = 228 * 1024  # shared memory of an SM (each block also takes 1 KB of it)
+MERGE_RANKS = 16384       # the most ranks a row's merge reads (parts * k): 128 KB
+MAX_PARTS = 128
 MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses would need too many registers)
 ABSENT = -(1 << 63)       # the rank of "no element": below every real rank (a real ~index is never 0)
 _KEY_MSB = 0x80000000
@@ -300,6 +312,60 @@ def element_rank(element, col, stop, LARGEST, FROM_RANKS):
     return nvfly.select(col < stop, r, ABSENT)
 
 
+_PACKED = {"bf16": "bf16x2", "f16": "f16x2"}
+
+
+@nvfly.func
+def half_to_f32(bits, dtype):
+    """The f32 value of a 16-bit float (bf16/f16) given as the low 16 bits of ``bits`` (u32): exact."""
+    if dtype == nvfly.bf16:
+        return (bits << 16).bitcast(nvfly.f32)
+    half = (bits & 0xFFFF).bitcast(nvfly.i32).to(nvfly.i16)
+    return asm("cvt.f32.f16 $0, $1;", [half], nvfly.f32, side_effects=False)
+
+
+@nvfly.func
+def key_value(key, dtype, LARGEST):
+    """The f32 value of an order key (``order_key``'s inverse); NaN for the NaN key and for key 0 (the key of
+    ABSENT), so that comparisons with it are false."""
+    if not LARGEST:
+        key = key ^ (0xFFFFFFFF if dtype == nvfly.f32 else 0xFFFF)
+    if dtype == nvfly.f32:
+        value = nvfly.select((key & _KEY_MSB) != 0, key ^ _KEY_MSB, ~key).bitcast(nvfly.f32)
+    else:
+        value = half_to_f32(nvfly.select((key & 0x8000) != 0, key ^ 0x8000, key ^ 0xFFFF), dtype)
+    return value
+
+
+@nvfly.func
+def vector_may_take(v, threshold_value, LARGEST):
+    """False only when no element of the vector ``v`` can rank at or above a threshold whose value (its key's
+    f32 value, ``key_value``) is ``threshold_value``: every element is strictly below it (above it when not
+    LARGEST) as floats. The extreme is taken with NaN-propagating packed max/min, so a vector holding a NaN is
+    never rejected, and neither is one whose extreme equals the value (-0.0 == +0.0 as floats: conservative)."""
+    op = "max" if LARGEST else "min"
+    if v.dtype == nvfly.f32:
+        parts = [v[e] for e in nvfly.static_range(v.size)]
+        while len(parts) > 1:
+            parts = [asm(f"{op}.NaN.f32 $0, $1, $2;", [parts[2 * i], parts[2 * i + 1]], nvfly.f32,
+                         side_effects=False) for i in nvfly.static_range(len(parts) // 2)]
+        first = parts[0]
+        second = parts[0]
+    else:
+        words = v.bitcast(nvfly.u32)
+        parts = [words[i] for i in nvfly.static_range(words.size)]
+        while len(parts) > 1:
+            parts = [asm(f"{op}.NaN.{_PACKED[v.dtype.name]} $0, $1, $2;", [parts[2 * i], parts[2 * i + 1]],
+                         nvfly.u32, side_effects=False) for i in nvfly.static_range(len(parts) // 2)]
+        first = half_to_f32(parts[0], v.dtype)
+        second = half_to_f32(parts[0] >> 16, v.dtype)
+    if LARGEST:
+        rejected = (first < threshold_value) & (second < threshold_value)
+    else:
+        rejected = (first > threshold_value) & (second > threshold_value)
+    return ~rejected
+
+
 @nvfly.func
 def threshold_halves(threshold):
     """(key, ~index) of a rank, as the u32 pair the streaming filter compares against."""
@@ -363,6 +429,10 @@ def topk_radix_kernel(x: nvfly.Tensor, ranks_in: nvfly.Tensor, values: nvfly.Ten
         state[0] = 0  # drop the maxima: the stream appends them again, with everything else above the threshold
     nvfly.syncthreads()
     threshold_key, threshold_low = threshold_halves(threshold)
+    # vector fast reject (values, 16-byte vectors of 2+ elements): skip the per-element filter of a warp whose
+    # vectors all lie strictly below the threshold's value
+    fast = not FROM_RANKS and VEC > 1
+    threshold_value = key_value(threshold_key, x.dtype, LARGEST) if fast else None
     for it in range((stop - start + per_iter - 1) // per_iter):
         # the next iteration's loads are in flight while this one is filtered (and across the barrier)
         upcoming = []
@@ -370,12 +440,24 @@ def topk_radix_kernel(x: nvfly.Tensor, ranks_in: nvfly.Tensor, values: nvfly.Ten
             col = start + (((it + 1) * UNROLL + u) * THREADS + tid) * VEC
             upcoming.append(src.load(row, col, width=VEC, mask=col < stop))
         count = nvfly.i32(0)
-        for u in nvfly.static_range(UNROLL):
-            for e in nvfly.static_range(VEC):
-                col = start + ((it * UNROLL + u) * THREADS + tid) * VEC + e
-                take, _ = element_filter(current[u][e] if VEC > 1 else current[u], col, stop, threshold,
-                                         threshold_key, threshold_low, LARGEST, FROM_RANKS)
-                count = count + take.to(nvfly.i32)
+        if fast:
+            may = vector_may_take(current[0], threshold_value, LARGEST)
+            for u in nvfly.static_range(1, UNROLL):
+                may = may | vector_may_take(current[u], threshold_value, LARGEST)
+            if vote_any(may):
+                for u in nvfly.static_range(UNROLL):
+                    for e in nvfly.static_range(VEC):
+                        col = start + ((it * UNROLL + u) * THREADS + tid) * VEC + e
+                        take, _ = element_filter(current[u][e], col, stop, threshold, threshold_key, threshold_low,
+                                                 LARGEST, FROM_RANKS)
+                        count = count + take.to(nvfly.i32)
+        else:
+            for u in nvfly.static_range(UNROLL):
+                for e in nvfly.static_range(VEC):
+                    col = start + ((it * UNROLL + u) * THREADS + tid) * VEC + e
+                    take, _ = element_filter(current[u][e] if VEC > 1 else current[u], col, stop, threshold,
+                                             threshold_key, threshold_low, LARGEST, FROM_RANKS)
+                    count = count + take.to(nvfly.i32)
         overflow = count < 0  # false; set by lane 31 of a warp whose append fills the buffer past the limit
         if vote_any(count > 0):
             # rare once the threshold has risen: reload the elements (an L1 hit) and filter them again rather
@@ -393,6 +475,8 @@ def topk_radix_kernel(x: nvfly.Tensor, ranks_in: nvfly.Tensor, values: nvfly.Ten
         if syncthreads_or(overflow):  # candidates are the elements ranked >= threshold
             threshold = select_top(buf, kept_buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS)
             threshold_key, threshold_low = threshold_halves(threshold)
+            if fast:
+                threshold_value = key_value(threshold_key, x.dtype, LARGEST)
         current = upcoming
     select_top(buf, kept_buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS)
     kept = state[0]  # k, or fewer when the slice is shorter
@@ -433,17 +517,40 @@ class TopkPlan:
 
     @property
     def smem_bytes(self) -> int:
-        return (self.cap + self.k_pow2) * 8 + HIST * 4 + 656 if not self.warp else 0
+        return _smem_bytes(self.cap, self.k_pow2) if not self.warp else 0
 
 
 def _unroll(vec: int, itemsize: int) -> int:
     return min(MAX_UNROLL, STREAM_BYTES // (vec * itemsize))
 
 
-def _capacity(per_iter: int, k_pow2: int) -> int:
+def _capacity(per_iter: int, k_pow2: int, threads: int = STREAM_THREADS) -> int:
     """Candidate-buffer entries: one iteration's worth of appends on top of room for about 2k survivors."""
-    margin = max(2 * k_pow2, STREAM_THREADS)
-    return per_iter + -(-margin // STREAM_THREADS) * STREAM_THREADS
+    margin = max(2 * k_pow2, threads)
+    return per_iter + -(-margin // threads) * threads
+
+
+def _smem_bytes(cap: int, k_pow2: int) -> int:
+    return (cap + k_pow2) * 8 + HIST * 4 + 656
+
+
+def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, sm_count: int) -> tuple[int, int, int]:
+    """(parts, slice_len, unroll): how the rows are cut into slices, one block each. Slices are whole sweeps of
+    ``threads * vec`` elements (the last one of a row may be short). Few rows: enough slices for about
+    BLOCKS_PER_SM blocks on every SM, as long as a slice holds 4k elements or more and the merge reads at most
+    MERGE_RANKS ranks a row (parts * k). A slice of c sweeps takes ceil(c / max_unroll) iterations of an unroll
+    that spreads the sweeps evenly over them."""
+    sweep = threads * vec
+    sweeps = -(-n // sweep)
+    parts = max(1, min(BLOCKS_PER_SM * sm_count // m, sweeps, n // (4 * k), MERGE_RANKS // k, MAX_PARTS))
+    per_slice = -(-sweeps // parts)
+    iterations = -(-per_slice // max_unroll)
+    unroll = -(-per_slice // iterations)
+    if parts == 1:
+        unroll = max_unroll  # (as many loads in flight as the registers allow)
+    elif vec == 1:
+        unroll = max(unroll, 2)  # (ptxas spills a register at unroll 1 with scalar loads)
+    return -(-sweeps // per_slice), per_slice * sweep, unroll
 
 
 @functools.lru_cache(maxsize=4096)
@@ -452,14 +559,16 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int) -> Topk
     if k <= WARP_MAX_K and n <= WARP_MAX_N:
         return TopkPlan(True, vec, warps=max(1, min(8, m // (2 * sm_count))))
     k_pow2 = max(2, 1 << (k - 1).bit_length())
-    unroll = _unroll(vec, itemsize)
-    per_iter = STREAM_THREADS * vec * unroll
-    # fewer rows than SMs: split each row into slices streamed by separate blocks, then merge the slices
-    parts = max(1, min(sm_count // m, n // max(2 * per_iter, 4 * k), 64))
-    slice_len = -(-(-(-n // parts)) // per_iter) * per_iter
-    parts = -(-n // slice_len)
-    return TopkPlan(False, vec, unroll=unroll, threads=STREAM_THREADS, cap=_capacity(per_iter, k_pow2),
-                    k_pow2=k_pow2, parts=parts, slice_len=slice_len)
+    max_unroll = _unroll(vec, itemsize)
+    # blocks of SLICE_THREADS, two to an SM, unless their shared memory is too large (k = 2048)
+    threads = SLICE_THREADS
+    if BLOCKS_PER_SM * (_smem_bytes(_capacity(threads * vec * max_unroll, k_pow2, threads), k_pow2) + 1024) > \
+            SM_SMEM_BYTES:
+        threads = STREAM_THREADS
+    parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count)
+    return TopkPlan(False, vec, unroll=unroll, threads=threads,
+                    cap=_capacity(threads * vec * unroll, k_pow2, threads), k_pow2=k_pow2, parts=parts,
+                    slice_len=slice_len)
 
 
 def _check(x: Any, k: Any, dim: Any) -> int:
@@ -602,7 +711,7 @@ def _runner(p: TopkPlan, m: int, n: int, k: int, largest: bool) -> Any:
     first_tail = (k, p.slice_len, p.vec, p.unroll, p.threads, p.cap, p.k_pow2, largest, False, True)
     merge_vec = 2 if p.parts * k % 2 == 0 else 1
     merge_unroll = _unroll(merge_vec, 8)
-    merge_cap = _capacity(STREAM_THREADS * merge_vec * merge_unroll, p.k_pow2)
+    merge_cap = _capacity(STREAM_THREADS * merge_vec * merge_unroll, p.k_pow2, STREAM_THREADS)
     merge = topk_radix_kernel.prepared((m, 1, 1), STREAM_THREADS)
     merge_tail = (k, p.parts * k, merge_vec, merge_unroll, STREAM_THREADS, merge_cap, p.k_pow2, largest, True, False)
     ranks_shape = (m, p.parts * k)

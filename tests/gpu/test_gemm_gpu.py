@@ -135,10 +135,11 @@ def test_tma_store_epilogue_tails_and_majors(hopper, config, mnk, majors):
     a = padded(m, k, torch.bfloat16, majors[0])
     b = padded(k, n, torch.bfloat16, majors[1])
     out, base = nan_output((m, n), torch.bfloat16)
-    assert gemm.store_reason(out.unsqueeze(0)) is None
+    reason = gemm.store_reason(out.unsqueeze(0))
+    assert reason is None if n % 8 == 0 else "multiple of 16 bytes" in reason  # odd N: register epilogue
     gemm.matmul(a, b, out=out, config=config)
     check(out, gemm.reference(a, b), tol=1e-2)
-    assert torch.isnan(base[:, n:]).all()  # TMA clipped the tail: the padding is untouched
+    assert torch.isnan(base[:, n:]).all()  # the padding past the last column is untouched
 
 
 @pytest.mark.parametrize("config", [GemmConfig(128, 128, 5, 2, pingpong=True, tma_store=True),

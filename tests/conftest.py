@@ -36,6 +36,42 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def recorded_launches(monkeypatch):
+    """Kernels 'launch' on CPU tensors: the real binder and generated launch code (``nvfly.Kernel._prepare``
+    replaced), and a cuLaunchKernel that records (kernel name, grid, packed parameters) in the list yielded."""
+    import ctypes
+    import struct
+    import types
+    from nvfly.runtime.launcher import _layout, make_launch, make_prepared_launch, normalize_dim3
+
+    def prepare(self, bound, block, cluster):
+        specs, device = self.specs(bound, need_cuda=False)
+        compiled = self.compiled_for(specs, normalize_dim3(block, "block"), None, "sm_90a")
+        fmt, _, size = _layout(compiled.abi)
+        raw = ctypes.create_string_buffer(size)
+        local = types.SimpleNamespace()
+
+        def buffers():
+            local.bufs = (raw, 0)
+            return local.bufs
+
+        def cu(*args):
+            launches.append((compiled.name, args[1:4], struct.unpack(fmt, raw.raw)))
+            return 0
+        obj = types.SimpleNamespace(device=device, compiled=compiled)
+        obj.launch = make_launch(compiled, fmt, 1, cu, local, buffers, device, None, None)
+        obj.prepared = lambda grid, raw_args, so, cs, bp, fb: make_prepared_launch(
+            compiled, fmt, 1, cu, local, buffers, device, None, None, grid, raw_args, so, cs, bp, fb)
+        return obj
+    import nvfly
+    from nvfly.runtime import torch_args
+    launches: list = []
+    monkeypatch.setattr(nvfly.Kernel, "_prepare", prepare)
+    monkeypatch.setattr(torch_args, "current_stream", lambda device: 0)
+    return launches
+
+
+@pytest.fixture
 def hopper():
     import torch
     major, _ = torch.cuda.get_device_capability()

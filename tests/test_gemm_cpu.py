@@ -76,9 +76,10 @@ def test_plans_and_descriptors_for_every_layout(mnk, majors):
 
 
 def test_heuristic_prefers_big_tiles_and_splits_long_k():
-    assert gemm.default_config(8192, 8192, 8192) == GemmConfig(128, 128, 6, 2, pingpong=True)
+    assert gemm.default_config(8192, 8192, 8192) == GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True,
+                                                               store_buffers=1)
     small = gemm.default_config(128, 1024, 16384)
-    assert small.split_k > 1
+    assert small.split_k > 1 and small.check(2) is None
     swapped = gemm.small_m_config(16, 4096, 4096, 1, 2, 132)
     assert swapped.bn == 16
 

@@ -2,9 +2,7 @@
 
 Kernels 'launch' on CPU tensors through the real binder and generated launch code with a recording
 cuLaunchKernel; TMA descriptors carry their tensor's address in place of the driver's encoding."""
-import ctypes
 import struct
-import types
 
 import pytest
 import torch
@@ -14,45 +12,22 @@ from nvfly.ops import gemm, gemm_skinny
 from nvfly.ops.gemm_kernel import GemmConfig
 from nvfly.ops.gemm_skinny import SkinnyConfig
 from nvfly.runtime import torch_args
-from nvfly.runtime.launcher import _layout, make_launch, make_prepared_launch, normalize_dim3
 from nvfly.runtime.tma import TmaDescriptor
 
 
 @pytest.fixture
-def fake_launches(monkeypatch):
-    launches = []
-
-    def fake_prepare(self, bound, block, cluster):
-        specs, device = self.specs(bound, need_cuda=False)
-        compiled = self.compiled_for(specs, normalize_dim3(block, "block"), None, "sm_90a")
-        fmt, _, size = _layout(compiled.abi)
-        raw = ctypes.create_string_buffer(size)
-        local = types.SimpleNamespace()
-
-        def buffers():
-            local.bufs = (raw, 0)
-            return local.bufs
-
-        def cu(*args):
-            launches.append((compiled.name, args[1:4], struct.unpack(fmt, raw.raw)))
-            return 0
-        obj = types.SimpleNamespace(device=device, compiled=compiled)
-        obj.launch = make_launch(compiled, fmt, 1, cu, local, buffers, device, None, None)
-        obj.prepared = lambda grid, raw_args, so, cs, bp, fb: make_prepared_launch(
-            compiled, fmt, 1, cu, local, buffers, device, None, None, grid, raw_args, so, cs, bp, fb)
-        return obj
-
+def fake_launches(recorded_launches, monkeypatch):
+    """recorded_launches (conftest), eligibility assumed, and TMA descriptors that hold their tensor's address
+    in place of the driver's encoding."""
     def descriptor(tensor, box, swizzle=128):
         desc = TmaDescriptor(tensor, box, swizzle)
         desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
         return desc
-    monkeypatch.setattr(nvfly.Kernel, "_prepare", fake_prepare)
-    monkeypatch.setattr(torch_args, "current_stream", lambda device: 0)
     monkeypatch.setattr(gemm_skinny, "current_stream", lambda device: 0)
     monkeypatch.setattr(gemm, "eligibility", lambda *args, **kwargs: None)
     monkeypatch.setattr(gemm, "cached_descriptor", descriptor)
     gemm._CALLS.clear()
-    yield launches
+    yield recorded_launches
     gemm._CALLS.clear()
 
 

@@ -172,11 +172,14 @@ def check_sass(kernel, m, config=SkinnyConfig()):
 @pytest.mark.parametrize("m", [1, 8, 16])
 @pytest.mark.parametrize("epilogue", ["plain", "bias_gelu_f32", "scaled_silu"])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_kernel_compiles_without_spills(dtype, m, epilogue, splits):
+@pytest.mark.parametrize("row_b", [False, True], ids=["colB", "rowB"])
+def test_kernel_compiles_without_spills(dtype, m, epilogue, splits, row_b):
     options = {"plain": {}, "bias_gelu_f32": dict(has_c=True, activation="gelu_tanh", out_dtype=nvfly.f32),
                "scaled_silu": dict(scaled=True, activation="silu", has_c=True)}[epilogue]
-    kernel = gemm_skinny.compile_kernel(m, dtype=dtype, config=SkinnyConfig(splits=splits), **options)
-    check_sass(kernel, m)
+    base = gemm_skinny.ROW_B_CONFIG if row_b else SkinnyConfig()
+    config = SkinnyConfig(base.warps, base.unroll, splits)
+    kernel = gemm_skinny.compile_kernel(m, dtype=dtype, config=config, row_b=row_b, **options)
+    (check_row_b_sass if row_b else check_sass)(kernel, m, config)
     hmma = {op for op in kernel.sass_opcodes() if op.startswith("HMMA")}
     assert hmma == ({"HMMA.16816.F32.BF16"} if dtype == nvfly.bf16 else {"HMMA.16816.F32"})  # f16 has no suffix
     # split K: partial sums go out with atomics, and one arrival per CTA
@@ -203,22 +206,6 @@ def check_row_b_sass(kernel, m, config):
     assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0
     assert r.registers <= 128
     assert not kernel.warnings, kernel.warnings
-
-
-@pytest.mark.parametrize("dtype", [nvfly.bf16, nvfly.f16])
-@pytest.mark.parametrize("m", [1, 8, 16])
-@pytest.mark.parametrize("epilogue", ["plain", "bias_gelu_f32", "scaled_silu"])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_row_major_b_compiles_without_spills(dtype, m, epilogue, splits):
-    options = {"plain": {}, "bias_gelu_f32": dict(has_c=True, activation="gelu_tanh", out_dtype=nvfly.f32),
-               "scaled_silu": dict(scaled=True, activation="silu", has_c=True)}[epilogue]
-    config = gemm_skinny.ROW_B_CONFIG
-    config = SkinnyConfig(config.warps, config.unroll, splits)
-    kernel = gemm_skinny.compile_kernel(m, dtype=dtype, config=config, row_b=True, **options)
-    check_row_b_sass(kernel, m, config)
-    hmma = {op for op in kernel.sass_opcodes() if op.startswith("HMMA")}
-    assert hmma == ({"HMMA.16816.F32.BF16"} if dtype == nvfly.bf16 else {"HMMA.16816.F32"})
-    assert (kernel.count("REDG") > 0 and kernel.count("ATOMG") > 0) == (splits > 1)
 
 
 @pytest.mark.parametrize("m,config", [(16, SkinnyConfig(8, 4)), (1, SkinnyConfig(4, 8)), (16, SkinnyConfig(2, 2, 3)),

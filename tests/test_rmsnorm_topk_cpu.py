@@ -457,40 +457,11 @@ def test_register_route_is_a_registry_for_other_ops():
 
 # ---------------------------------------------------------------------------------------------- per-call host path
 @pytest.fixture
-def fake_launches(monkeypatch):
-    """Kernels 'launch' on CPU tensors: the real binder and generated launch code, a recording cuLaunchKernel.
-    Yields the list of (kernel, grid, parameters as packed) per launch."""
-    import ctypes
-    import struct
-    import types
-    from nvfly.runtime import torch_args
-    from nvfly.runtime.launcher import _layout, make_launch, make_prepared_launch, normalize_dim3
-    launches = []
-
-    def fake_prepare(self, bound, block, cluster):
-        specs, device = self.specs(bound, need_cuda=False)
-        compiled = self.compiled_for(specs, normalize_dim3(block, "block"), None, "sm_90a")
-        fmt, _, size = _layout(compiled.abi)
-        raw = ctypes.create_string_buffer(size)
-        local = types.SimpleNamespace()
-
-        def buffers():
-            local.bufs = (raw, 0)
-            return local.bufs
-
-        def cu(*args):
-            launches.append((compiled.name, args[1:4], struct.unpack(fmt, raw.raw)))
-            return 0
-        obj = types.SimpleNamespace(device=device, compiled=compiled)
-        obj.launch = make_launch(compiled, fmt, 1, cu, local, buffers, device, None, None)
-        obj.prepared = lambda grid, raw_args, so, cs, bp, fb: make_prepared_launch(
-            compiled, fmt, 1, cu, local, buffers, device, None, None, grid, raw_args, so, cs, bp, fb)
-        return obj
-    monkeypatch.setattr(nvfly.Kernel, "_prepare", fake_prepare)
-    monkeypatch.setattr(torch_args, "current_stream", lambda device: 0)
+def fake_launches(recorded_launches):
+    """recorded_launches (conftest) with the ops' plan caches cleared before and after."""
     for cache in (rmsnorm._FORWARD, rmsnorm._BACKWARD, topk._TOPK):
         cache.clear()
-    yield launches
+    yield recorded_launches
     for cache in (rmsnorm._FORWARD, rmsnorm._BACKWARD, topk._TOPK):
         cache.clear()
 

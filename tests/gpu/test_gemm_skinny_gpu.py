@@ -69,22 +69,26 @@ def test_configs_and_splits(hopper, m, config):
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("bias", ["row", "col", "full", None])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_epilogue(hopper, activation, bias, splits):
+@pytest.mark.parametrize("row_b", [False, True], ids=["colB", "rowB"])
+def test_epilogue(hopper, activation, bias, splits, row_b):
     m, n, k = 9, 520, 2048
-    a, b = tokens(m, k, torch.bfloat16), weight(n, k, torch.bfloat16)
+    a, b = tokens(m, k, torch.bfloat16), (row_weight if row_b else weight)(n, k, torch.bfloat16)
     c = {"row": torch.randn(n, device="cuda"), "col": torch.randn(m, 1, device="cuda"),
          "full": torch.randn(m, n, device="cuda"), None: None}[bias]
     c = c.to(torch.bfloat16) if c is not None else None
-    run_twice(a, b, 1.5e-2, c=c, alpha=0.5, beta=2.0, activation=activation, config=SkinnyConfig(splits=splits))
+    config = SkinnyConfig(4, 4, splits) if row_b else SkinnyConfig(splits=splits)
+    run_twice(a, b, 1.5e-2, c=c, alpha=0.5, beta=2.0, activation=activation, config=config)
 
 
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
                                              (torch.float16, torch.bfloat16)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_output_dtypes(hopper, dtype, out_dtype, splits):
-    a, b = tokens(16, 1504, dtype), weight(777, 1504, dtype)
+@pytest.mark.parametrize("row_b", [False, True], ids=["colB", "rowB"])
+def test_output_dtypes(hopper, dtype, out_dtype, splits, row_b):
+    a = tokens(16, 1504, dtype)
+    b = row_weight(776, 1504, dtype) if row_b else weight(777, 1504, dtype)  # row-major B: N a multiple of 8
     run_twice(a, b, 1e-3 if out_dtype == torch.float32 else 1e-2, out_dtype=out_dtype,
-              config=SkinnyConfig(splits=splits))
+              config=SkinnyConfig(4, 4, splits) if row_b else SkinnyConfig(splits=splits))
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
@@ -158,27 +162,6 @@ def test_row_major_configs_and_splits(hopper, m, config):
     splits = gemm.path(a, b, config=config)
     assert splits == "skinny-rowB" + (f"-splitK{config.splits}" if config.splits > 1 else "")
     run_twice(a, b, 1e-2, config=config)
-
-
-@pytest.mark.parametrize("activation", ["none", "relu", "gelu_tanh", "silu"])
-@pytest.mark.parametrize("bias", ["row", "col", "full", None])
-@pytest.mark.parametrize("splits", [1, 4])
-def test_row_major_epilogue(hopper, activation, bias, splits):
-    m, n, k = 9, 520, 2048
-    a, b = tokens(m, k, torch.bfloat16), row_weight(n, k, torch.bfloat16)
-    c = {"row": torch.randn(n, device="cuda"), "col": torch.randn(m, 1, device="cuda"),
-         "full": torch.randn(m, n, device="cuda"), None: None}[bias]
-    c = c.to(torch.bfloat16) if c is not None else None
-    run_twice(a, b, 1.5e-2, c=c, alpha=0.5, beta=2.0, activation=activation, config=SkinnyConfig(4, 4, splits))
-
-
-@pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-                                             (torch.float16, torch.bfloat16)])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_row_major_output_dtypes(hopper, dtype, out_dtype, splits):
-    a, b = tokens(16, 1504, dtype), row_weight(776, 1504, dtype)
-    run_twice(a, b, 1e-3 if out_dtype == torch.float32 else 1e-2, out_dtype=out_dtype,
-              config=SkinnyConfig(4, 4, splits))
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])

@@ -226,7 +226,7 @@ class Kernel:
             launcher = self._fast.get((key, block, cluster))
         except (AttributeError, TypeError):  # an argument of the wrong kind: the slow path explains
             launcher = None
-        if launcher is None:
+        if launcher is None or _COMPILE_ONLY.get() is not None:  # compile-only mode records, never launches
             launcher, raw = self._miss(bound, block, cluster)
             if launcher is None:
                 return

@@ -207,4 +207,5 @@ def test_prepared_launch_object_first_call_then_fast_path(monkeypatch):
         p.launch(torch.randn(512), y2, 256, 3.0, 128)  # another shape
     with nvfly.compile_only() as kernels:
         p.launch(x2, y2, 256, 3.0, 128)
-    assert len(kernels) == 1 and len(calls) == 2
+        scale[2, 128](x2, y2, 256, 3.0, 128)  # a signature launched before: still recorded, not launched
+    assert len(kernels) == 2 and len(calls) == 2

@@ -43,7 +43,7 @@ def demo_cases() -> list[tuple[str, Callable[[str], list], Callable[[Any], tuple
         return run
 
     from nvfly.jit import compile_only
-    from nvfly.ops import gemm, rmsnorm, topk
+    from nvfly.ops import gemm, gemm_skinny, rmsnorm, topk
 
     def compiled(fn: Callable, make: Callable, target: str) -> list:
         with compile_only(target) as kernels:
@@ -53,6 +53,10 @@ def demo_cases() -> list[tuple[str, Callable[[str], list], Callable[[Any], tuple
     def gemm_inputs(device: Any) -> tuple:
         return (torch.randn(2048, 4096, device=device).to(torch.bfloat16),
                 torch.randn(4096, 4096, device=device).to(torch.bfloat16))
+
+    def decode_inputs(device: Any) -> tuple:  # 16 tokens through an F.linear weight: the skinny kernel
+        return (torch.randn(16, 4096, device=device).to(torch.bfloat16),
+                torch.randn(14336, 4096, device=device).to(torch.bfloat16).t())
 
     def rmsnorm_inputs(device: Any) -> tuple:
         return torch.randn(4096, 8192, device=device).to(torch.bfloat16), torch.randn(8192, device=device).to(
@@ -73,6 +77,8 @@ def demo_cases() -> list[tuple[str, Callable[[str], list], Callable[[Any], tuple
     return [
         ("gemm (library)", gemm_compile,
          check(lambda a, b: gemm.matmul(a, b), lambda a, b: a.float() @ b.float(), gemm_inputs, 2.0)),
+        ("gemm decode (library)", lambda t: [gemm_skinny.compile_kernel(16, 4096, 14336, target=t)],
+         check(lambda a, b: gemm.matmul(a, b), lambda a, b: a.float() @ b.float(), decode_inputs, 2.0)),
         ("rmsnorm (library)", lambda t: compiled(lambda x, w: rmsnorm.rms_norm(x, w, 1e-6), rmsnorm_inputs, t),
          check(lambda x, w: rmsnorm.rms_norm(x, w, 1e-6), rms_ref, rmsnorm_inputs, 5e-2)),
         ("topk (library)", lambda t: compiled(topk.topk, topk_inputs, t),

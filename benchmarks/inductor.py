@@ -5,8 +5,9 @@ Models (Llama-3-8B sizes, bf16): the MLP block down(silu(gate(x)) * up(x)) with 
 (4096 -> 4096), at a few token counts. For each model and token count: eager, default Inductor max-autotune,
 then max-autotune with nvfly installed; both compiled outputs are checked against eager (and a float32 model);
 end-to-end median times (CUDA events, L2 flushed); the backend that won each GEMM and every candidate's time
-(nvfly's decision log). Autotuning is trimmed for time, the same way for both: a few Triton configs per GEMM, no
-epilogue-fusion benchmarking, no FX-graph cache (every GEMM is tuned in this run).
+(nvfly's decision log), and each GEMM's kernels timed alone (nvfly vs cuBLAS, torch.profiler). Autotuning is
+trimmed for time, the same way for both: a few Triton configs per GEMM, no epilogue-fusion benchmarking, no
+FX-graph cache (every GEMM is tuned in this run).
 
 Usage: python -m benchmarks.inductor [--tokens 16 2048] [--models mlp attn] [--budget-s 210]
 Writes benchmarks/results/inductor_h200.json (rows per model and token count: nvfly_ms, inductor_ms, ...).
@@ -93,8 +94,21 @@ def backend(label: str | None) -> str | None:
     return label.replace("_", " ").split(" ")[0] if label else None
 
 
+def kernel_only_ms(m: int, n: int, k: int) -> dict[str, float]:
+    """GPU time of the kernels alone (torch.profiler) of nvfly's and cuBLAS's GEMM for one shape in the
+    F.linear layout (A row-major, B = W^T): Inductor's timing of a choice also counts its per-call host path."""
+    from benchmarks.device_time import kernel_times
+    from nvfly.ops import gemm
+    a = torch.randn(m, k, device="cuda").bfloat16()
+    b = torch.randn(n, k, device="cuda").bfloat16().t()
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    return {"nvfly": sum(kernel_times(lambda: gemm.matmul(a, b, out=y)).values()) / 1e3,
+            "cublas": sum(kernel_times(lambda: torch.mm(a, b, out=y)).values()) / 1e3}
+
+
 def winners() -> list[dict[str, Any]]:
-    """Per GEMM tuned with nvfly installed: shape, candidates, every backend's time and the winner."""
+    """Per GEMM tuned with nvfly installed: shape, candidates, every backend's time, the winner, and the
+    kernels' own times outside Inductor."""
     rows = []
     for d in decisions():
         if d.where != "inductor":
@@ -105,7 +119,8 @@ def winners() -> list[dict[str, Any]]:
                      "best_nvfly_ms": min(nvfly_times.values()) if nvfly_times else None,
                      "best_other_ms": min((v for k, v in d.timings_ms.items() if k not in nvfly_times),
                                           default=None),
-                     "timings_ms": d.timings_ms})
+                     "timings_ms": d.timings_ms,
+                     "kernel_only_ms": kernel_only_ms(*d.shape[1:]) if d.shape[0] == 1 and not d.reason else None})
     return rows
 
 

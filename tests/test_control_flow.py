@@ -1,7 +1,6 @@
 """Python control flow on traced values lowers to scf ops with the right results; static flow folds away."""
 import re
 
-import pytest
 import torch
 
 import nvfly

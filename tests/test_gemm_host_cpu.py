@@ -7,11 +7,9 @@ import struct
 import pytest
 import torch
 
-import nvfly
 from nvfly.ops import gemm, gemm_skinny
 from nvfly.ops.gemm_kernel import GemmConfig
 from nvfly.ops.gemm_skinny import SkinnyConfig
-from nvfly.runtime import torch_args
 from nvfly.runtime.tma import TmaDescriptor
 
 

@@ -165,12 +165,9 @@ def test_prepared_launch_generated_code_matches_the_generic_launch():
     assert packed[0] == packed[1]
 
 
-def test_prepared_launch_object_first_call_then_fast_path(monkeypatch):
+def test_prepared_launch_object_first_call_then_fast_path(recorded_launches):
     """Kernel.prepared: the first call takes the full path (here a fake loaded launcher), later calls the
     generated code; compile-only mode records; check=True refuses arguments unlike the first call's."""
-    import types
-    from nvfly.runtime import torch_args
-    from nvfly.runtime.launcher import make_launch, make_prepared_launch
 
     @nvfly.kernel
     def scale(x: nvfly.Tensor, y: nvfly.Tensor, n: nvfly.i32, a: nvfly.f32, BLOCK: nvfly.Constexpr):
@@ -178,21 +175,8 @@ def test_prepared_launch_object_first_call_then_fast_path(monkeypatch):
         if i < n:
             y[i] = x[i] * a
 
-    calls = []
-
-    def fake_prepare(self, bound, block, cluster):
-        specs, device = self.specs(bound, need_cuda=False)
-        compiled = self.compiled_for(specs, normalize_dim3(block, "block"), None, "sm_90a")
-        fmt, _, size = _layout(compiled.abi)
-        buffers = _Buffers(size)
-        cu = lambda *args: calls.append((args[1:4], struct.unpack(fmt, buffers.raw.raw))) or 0  # noqa: E731
-        obj = types.SimpleNamespace(device=device, compiled=compiled)
-        obj.launch = make_launch(compiled, fmt, 1, cu, buffers.local, buffers, device, None, None)
-        obj.prepared = lambda grid, raw, so, cs, bp, fb: make_prepared_launch(
-            compiled, fmt, 1, cu, buffers.local, buffers, device, None, None, grid, raw, so, cs, bp, fb)
-        return obj
-    monkeypatch.setattr(nvfly.Kernel, "_prepare", fake_prepare)
-    monkeypatch.setattr(torch_args, "current_stream", lambda device: 0)
+    def calls():
+        return [(grid, params) for _, grid, params in recorded_launches]
     x, y = torch.randn(256), torch.empty(256)
     p = scale.prepared(2, 128, check=True)
     assert "not launched yet" in repr(p)
@@ -200,12 +184,13 @@ def test_prepared_launch_object_first_call_then_fast_path(monkeypatch):
     assert p.launch != p._first and "ready" in repr(p)
     x2, y2 = torch.randn(256), torch.empty(256)
     p.launch(x2, y2, 256, 3.0, 128)
-    assert len(calls) == 2 and calls[0][0] == calls[1][0] == (2, 1, 1)
+    (g0, p0), (g1, p1) = calls()
+    assert g0 == g1 == (2, 1, 1)
     moved = {x.data_ptr(): x2.data_ptr(), y.data_ptr(): y2.data_ptr(), 2.0: 3.0}
-    assert calls[1][1] == tuple(moved.get(v, v) for v in calls[0][1]) and x2.data_ptr() in calls[1][1]
+    assert p1 == tuple(moved.get(v, v) for v in p0) and x2.data_ptr() in p1
     with pytest.raises(nvfly.LaunchError, match="unlike its first call"):
         p.launch(torch.randn(512), y2, 256, 3.0, 128)  # another shape
     with nvfly.compile_only() as kernels:
         p.launch(x2, y2, 256, 3.0, 128)
         scale[2, 128](x2, y2, 256, 3.0, 128)  # a signature launched before: still recorded, not launched
-    assert len(kernels) == 2 and len(calls) == 2
+    assert len(kernels) == 2 and len(calls()) == 2

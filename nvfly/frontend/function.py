@@ -16,7 +16,6 @@ from mlir import ir
 
 from nvfly.errors import CompileError, NvflyError, user_traceback_location
 from nvfly.frontend import ast_rewrite, control_flow, dtypes
-from nvfly.frontend.dtypes import DType
 from nvfly.frontend.spec import ArgSpec, ConstexprSpec, Param, ScalarSpec, TensorSpec, TmaSpec
 from nvfly.frontend.tensor import Tensor, pointer_type
 from nvfly.frontend.tma_types import TmaDescriptorValue

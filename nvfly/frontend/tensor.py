@@ -16,7 +16,7 @@ from mlir.dialects import llvm, scf
 from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
 from nvfly.frontend.dtypes import DType
-from nvfly.frontend.trace import current, traced
+from nvfly.frontend.trace import traced
 from nvfly.frontend.values import Scalar, Vector, as_value, full
 
 IntLike = Union[int, Scalar]

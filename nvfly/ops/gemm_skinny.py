@@ -52,7 +52,6 @@ from nvfly.arch import sm80
 from nvfly.arch.ptx import asm, asm_multi, smem_address
 from nvfly.frontend import dtypes
 from nvfly.ops.gemm_kernel import Epilogue, activate
-from nvfly.frontend.language import min_blocks_per_sm
 from nvfly.runtime.torch_args import current_stream
 
 MAX_M = 16              # two n8 mma tiles of tokens

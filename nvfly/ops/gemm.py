@@ -21,8 +21,9 @@ import torch
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.runtime.driver import sm_count
+from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
+from nvfly.runtime.torch_args import layout_key
 from nvfly.ops import gemm_skinny
 from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel, store_box
 from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan
@@ -236,7 +237,7 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     n = b3.shape[-1]
     dtype = _DTYPES[a3.dtype]
     itemsize = a3.element_size()
-    sms = sm_count(a3.device.index) if a3.is_cuda else 132
+    sms = plan_sm_count(a3.get_device())
     swap = config is None and m <= 64 < n
     if config is None:
         config = small_m_config(m, n, k, batches, itemsize, sms) if swap else \
@@ -312,7 +313,7 @@ def _new_plan(a: torch.Tensor, b: torch.Tensor, use_c: bool, activation: str, ou
     if _skinny_wanted(a, b, config, skinny):
         batches, m, k = a3.shape
         return gemm_skinny.make_plan(m, b3.shape[-1], k, batches, use_c, activation, scaled, config,
-                                     sm_count(a.device.index) if a.is_cuda else 132,
+                                     plan_sm_count(a.get_device()),
                                      row_b=gemm_skinny.b_major(b) == "row")
     return _make_plan(a3, b3, use_c, activation, config, a.dim() == 3, scaled=scaled)
 
@@ -327,10 +328,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None
     False the wgmma kernel."""
     use_c = c is not None and beta != 0
     # everything that decides the kernels and their launch (a cached call then only reads addresses)
-    key = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.data_ptr() & 15, b.data_ptr() & 15,
-           a.device, b.device, (c.shape, c.stride(), c.dtype, c.data_ptr() & 15) if use_c else None, activation,
-           out_dtype, config, alpha != 1.0, skinny,
-           None if out is None else (out.shape, out.stride(), out.dtype, out.data_ptr() & 15, out.device))
+    key = (layout_key(a), layout_key(b), layout_key(c) if use_c else None, layout_key(out), activation, out_dtype,
+           config, alpha != 1.0, skinny)
     call = _CALLS.get(key)
     if call is None:
         if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[-1] == b.shape[-2] and \

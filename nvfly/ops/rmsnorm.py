@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import nvfly
 from nvfly.runtime import driver
+from nvfly.runtime.torch_args import layout_key
 
 if TYPE_CHECKING:
     import torch
@@ -378,11 +379,6 @@ def _rows(t: "torch.Tensor", n: int) -> "torch.Tensor":
     return rows if rows.stride(1) == 1 or n == 1 else rows.contiguous()
 
 
-def plan_sm_count(device: int) -> int:
-    """The SM count plans are made for: the device's, or an H100/H200's 132 when compiling for a CPU tensor."""
-    return driver.sm_count(device) if device >= 0 else 132
-
-
 def _is_rows(t: "torch.Tensor", m: int, n: int) -> bool:
     """Whether ``t`` is already a contiguous (m, n) tensor (passed to the kernels as it is)."""
     return t.dim() == 2 and t.shape[0] == m and t.is_contiguous()
@@ -424,12 +420,7 @@ def rms_norm_forward(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None,
                                                        Optional["torch.Tensor"]]:
     """(y, x + residual or None, rstd or None); ``rstd`` has one fp32 entry per row (for the backward)."""
     try:
-        key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
-               None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device,
-                                            weight.data_ptr() & 15),
-               None if residual is None else (residual.shape, residual.stride(), residual.dtype, residual.device,
-                                              residual.data_ptr() & 15),
-               eps, type(eps), normalized_shape if normalized_shape is None else tuple(normalized_shape), want_rstd)
+        key = (layout_key(x), layout_key(weight), layout_key(residual), eps, type(eps), normalized_shape if normalized_shape is None else tuple(normalized_shape), want_rstd)
         f = _FORWARD.get(key)
     except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
         key = f = None
@@ -490,7 +481,7 @@ def _forward_plan(key: Any, x: Any, weight: Any, eps: Any, residual: Any,
     r2 = _rows(residual, n) if residual is not None else None
     vec = vector_width(n, (x2, w, r2), x.element_size())
     max_vectors = MAX_VECTORS_PER_THREAD if vec * x.element_size() == 16 else NARROW_MAX_ELEMENTS // vec
-    p = plan(n, vec, m, plan_sm_count(x.get_device()), max_vectors=max_vectors)
+    p = plan(n, vec, m, driver.plan_sm_count(x.get_device()), max_vectors=max_vectors)
     flags = (weight is not None, residual is not None, bool(want_rstd))
     eps = default_eps() if eps is None else float(eps)
     if p.looped:
@@ -527,13 +518,7 @@ def rms_norm_backward(grad_out: "torch.Tensor", x: "torch.Tensor", rstd: "torch.
     reached the ``x + residual`` output, is added to ``grad_x`` (which is then also the residual's gradient).
     """
     try:
-        key = (grad_out.shape, grad_out.stride(), grad_out.dtype, grad_out.device, grad_out.data_ptr() & 15,
-               x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15,
-               rstd.shape, rstd.stride(), rstd.dtype, rstd.device, rstd.data_ptr() & 15,
-               None if weight is None else (weight.shape, weight.stride(), weight.dtype, weight.device,
-                                            weight.data_ptr() & 15),
-               None if grad_residual is None else (grad_residual.shape, grad_residual.stride(), grad_residual.dtype,
-                                                   grad_residual.device, grad_residual.data_ptr() & 15),
+        key = (layout_key(grad_out), layout_key(x), layout_key(rstd), layout_key(weight), layout_key(grad_residual),
                normalized_shape if normalized_shape is None else tuple(normalized_shape), bool(needs_weight_grad))
         b = _BACKWARD.get(key)
     except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
@@ -607,7 +592,7 @@ def _backward_plan(key: Any, grad_out: Any, x: Any, rstd: Any, weight: Any,
     reason = _backward_size_reason(n, vec)
     if reason is not None:
         raise ValueError(f"x: {reason}")
-    sms = plan_sm_count(x.get_device())
+    sms = driver.plan_sm_count(x.get_device())
     p = plan(n, vec, m, sms, BACKWARD_VECTORS_PER_THREAD, max(1, BACKWARD_MAX_ELEMENTS // vec), 1024)
     # persistent: about two blocks per SM, each accumulating its own weight-gradient partial rows
     grid = min(-(-m // p.rows), 2 * sms)

@@ -38,7 +38,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import nvfly
 from nvfly.arch.ptx import asm
 from nvfly.frontend.language import atomic_add, count_leading_zeros, redux_sync, syncthreads_or, vote_any
-from nvfly.ops.rmsnorm import plan_sm_count, vector_width
+from nvfly.ops.rmsnorm import vector_width
+from nvfly.runtime.driver import plan_sm_count
+from nvfly.runtime.torch_args import layout_key
 
 if TYPE_CHECKING:
     import torch
@@ -630,7 +632,7 @@ def topk(x: "torch.Tensor", k: int, dim: int = -1, largest: bool = True,
     """(values, int64 indices) of the k largest (``largest=False``: smallest) elements along ``dim``, sorted
     (also when ``sorted=False``), ties and NaN as described in the module doc."""
     try:
-        key = (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() & 15, k, type(k), dim, type(dim), largest)
+        key = (layout_key(x), k, type(k), dim, type(dim), largest)
         t = _TOPK.get(key)
     except Exception:  # noqa: BLE001 - not a tensor, an unhashable argument: the checks explain
         key = t = None

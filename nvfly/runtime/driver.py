@@ -97,6 +97,12 @@ def sm_count(device: int) -> int:
     return device_attribute(device, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
 
 
+def plan_sm_count(device: int) -> int:
+    """The SM count launch plans are made for: ``device``'s, or an H100/H200's 132 for a CPU tensor (device -1:
+    compiling without a GPU)."""
+    return sm_count(device) if device >= 0 else 132
+
+
 @functools.lru_cache(maxsize=None)
 def primary_context(device: int) -> Any:
     """The device's primary context (the one torch's runtime uses), retained for the process's life."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from nvfly.errors import LaunchError
 from nvfly.frontend import dtypes
@@ -101,6 +101,12 @@ def auto_key(value: Any) -> tuple[Any, Any]:
     if isinstance(value, int):
         return (value & 15, -(1 << 31) <= value < (1 << 31)), value
     return float, value
+
+
+def layout_key(t: Any) -> Optional[tuple]:
+    """What of a torch tensor (or None) decides an op's launch plan: shape, strides, dtype, device and the base
+    address modulo 16 (vector widths, TMA), not its contents or address; a cache key part."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
 
 
 def current_stream(device: int) -> int:

@@ -32,6 +32,7 @@ from nvfly import settings
 from nvfly.ops import gemm
 from nvfly.ops.gemm_kernel import GemmConfig
 from nvfly.runtime import driver
+from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import routing
 from nvfly.torch.library import operator, register_fake
 
@@ -229,8 +230,7 @@ _DECLINED: dict[tuple, Optional[str]] = {}  # operand signature -> None (run nvf
 
 def signature(a: Tensor, b: Tensor, c: Optional[Tensor] = None, config: str = AUTO) -> tuple:
     """What decides whether and how nvfly runs these operands (a cache key): layouts, dtypes, alignment."""
-    return (a.shape, a.stride(), b.shape, b.stride(), a.dtype, b.dtype, a.data_ptr() & 15, b.data_ptr() & 15,
-            a.device, b.device, None if c is None else (c.shape, c.stride(), c.dtype, c.device), config)
+    return layout_key(a), layout_key(b), layout_key(c), config
 
 
 def _gemm(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float = 1.0, beta: float = 1.0,

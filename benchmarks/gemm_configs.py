@@ -5,6 +5,11 @@ that fits next to the staging buffers, with 2 and with 1 staging slice per consu
 
     python -m benchmarks.gemm_configs --compare-store --layouts rowxrow,colxrow \\
         --shapes 4096x4096x4096,8192x8192x8192,4096x32768x512,2048x2112x7168
+
+``--compare-stream-k``: the default tiles with and without the stream-K tail (GemmConfig.stream_k), e.g.
+
+    python -m benchmarks.gemm_configs --compare-stream-k --layouts rowxrow,colxcol \
+        --shapes 2048x2112x7168,1024x7168x2048,8192x8192x8192,4096x14336x4096
 """
 from __future__ import annotations
 
@@ -50,7 +55,15 @@ def with_store(configs: list[GemmConfig]) -> list[GemmConfig]:
 
 def label(cfg: GemmConfig) -> str:
     store = f"-tma{cfg.store_slices}" if cfg.tma_store else ""
-    return f"{cfg.bm}x{cfg.bn}s{cfg.stages}c{cfg.cluster_m}{'pp' if cfg.pingpong else ''}{store}"
+    tail = "" if cfg.stream_k else "-nosk"
+    return f"{cfg.bm}x{cfg.bn}s{cfg.stages}c{cfg.cluster_m}{'pp' if cfg.pingpong else ''}{store}{tail}"
+
+
+def with_and_without_tail(m: int, n: int, k: int) -> list[GemmConfig]:
+    """The default config of a shape and the two other default tiles, each with and without the stream-K tail."""
+    first = gemm.default_config(m, n, k)
+    tiles = [first] + [cfg for cfg, _ in gemm._TILES[:3] if (cfg.bm, cfg.bn) != (first.bm, first.bn)]
+    return [replace(cfg, stream_k=on) for cfg in tiles for on in (True, False)]
 
 
 def operand(rows: int, cols: int, major: str) -> torch.Tensor:
@@ -64,6 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", help="comma-separated MxNxK (default: a built-in list)")
     p.add_argument("--layouts", default="rowxrow", help="comma-separated AxB majors: rowxrow, colxrow, rowxcol, colxcol")
     p.add_argument("--compare-store", action="store_true", help="compare with the TMA-store epilogue")
+    p.add_argument("--compare-stream-k", action="store_true", help="default tiles with and without the stream-K tail")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     configs = with_store(STORE_BASES) if args.compare_store else CONFIGS
@@ -75,11 +89,11 @@ def main(argv=None) -> int:
             ref = a.float() @ b.float()
             cublas = bench_ms(lambda: torch.mm(a, b))
             line = [f"{layout} {m}x{n}x{k}: cuBLAS {2 * m * n * k / cublas / 1e9:.0f}"]
-            for cfg in configs:
+            for cfg in with_and_without_tail(m, n, k) if args.compare_stream_k else configs:
                 out = gemm.matmul(a, b, config=cfg)
                 assert rel_err(out, ref) < 1e-2, (cfg, rel_err(out, ref))
                 ms = bench_ms(lambda: gemm.matmul(a, b, config=cfg, out=out))
-                line.append(f"{label(cfg)} {2 * m * n * k / ms / 1e9:.0f}")
+                line.append(f"{label(cfg)} ({gemm.path(a, b, config=cfg)}) {2 * m * n * k / ms / 1e9:.0f}")
             print(" | ".join(line), flush=True)
     return 0
 

@@ -2,7 +2,9 @@
 gemm_skinny.TARGET_CTAS_PER_SM / MIN_CHUNKS_PER_WARP / SkinnyConfig defaults and gemm.SKINNY_MAX_M):
 python -m benchmarks.gemm_skinny_configs [--shapes M,N,K ...] [--layout rowxcol|rowxrow]. rowxcol: B is the
 F.linear weight (column-major); rowxrow: B is [K, N] row-major (the cp.async + ldmatrix.trans variant, whose
-``unroll`` is its ring depth: gemm_skinny.ROW_B_CONFIG)."""
+``unroll`` is its ring depth: gemm_skinny.ROW_B_CONFIG). Configs that SkinnyConfig.check declines are listed and
+skipped; a config that fails to plan, compile or launch, or computes a wrong result, is reported (FAILED) and
+skipped, and the exit status is 1."""
 from __future__ import annotations
 
 import argparse
@@ -15,14 +17,42 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, rel_err  # noqa: E402
 from nvfly.ops import gemm  # noqa: E402
-from nvfly.ops import gemm_skinny  # noqa: E402
 from nvfly.ops.gemm_skinny import SkinnyConfig  # noqa: E402
 
 SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (16, 4096, 14336), (8, 14336, 4096), (1, 28672, 4096),
           (16, 6144, 4096), (4, 1024, 8192)]
 CONFIGS = [SkinnyConfig(w, u, s) for w, u, s in itertools.product((4, 8, 16), (2, 4, 8), (1, 2, 3, 4, 6))]
-ROW_B_CONFIGS = [SkinnyConfig(w, u, s) for w, u, s in itertools.product((2, 4, 8), (2, 3, 4, 6, 8), (1, 2, 3, 4, 6, 8))
-                 if w * u * gemm_skinny.CHUNK_BYTES <= gemm_skinny.MAX_SMEM]
+# the whole grid: configs the kernel cannot take (SkinnyConfig.check, e.g. 8 warps x 8 stages = 256 KB of shared
+# memory) are reported and skipped
+ROW_B_CONFIGS = [SkinnyConfig(w, u, s)
+                 for w, u, s in itertools.product((2, 4, 8), (2, 3, 4, 6, 8), (1, 2, 3, 4, 6, 8))]
+
+
+def sweep(row_b: bool) -> tuple[list[SkinnyConfig], list[tuple[SkinnyConfig, str]]]:
+    """(configs to time, [(declined config, why)]) for one layout."""
+    run, declined = [], []
+    for cfg in ROW_B_CONFIGS if row_b else CONFIGS:
+        why = cfg.check(row_b)
+        if why:
+            declined.append((cfg, why))
+        else:
+            run.append(cfg)
+    return run, declined
+
+
+def try_config(a, b, out, ref, cfg) -> tuple[float, None] | tuple[None, str]:
+    """(median ms, None) for one config, or (None, why) when it fails to plan, compile or launch, or computes a
+    wrong result; the sweep goes on either way."""
+    try:
+        out.fill_(float("nan"))
+        gemm.matmul(a, b, out=out, config=cfg)
+        torch.cuda.synchronize()  # launch errors surface here, at this config
+        err = rel_err(out, ref)
+        if not err < 1e-2:
+            return None, f"wrong result: relative error {err:.3g}"
+        return bench_ms(lambda: gemm.matmul(a, b, out=out, config=cfg)), None
+    except Exception as exc:  # a ValueError (plan), nvfly.CompileError, nvfly.LaunchError, CudaError, ...
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 def main(argv=None) -> int:
@@ -32,6 +62,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     row_b = args.layout == "rowxrow"
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
+    configs, declined = sweep(row_b)
+    for cfg, why in declined:
+        print(f"skipped {cfg}: {why}", flush=True)
+    failures = 0
     for m, n, k in shapes:
         a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         b = torch.randn(k, n, device="cuda").to(torch.bfloat16) if row_b else \
@@ -42,18 +76,23 @@ def main(argv=None) -> int:
         wgmma = bench_ms(lambda: gemm.matmul(a, b, out=out, skinny=False))
         auto = bench_ms(lambda: gemm.matmul(a, b, out=out))
         print(f"{m}x{n}x{k}: cuBLAS {cublas * 1e3:.1f} us  wgmma {wgmma * 1e3:.1f} us  "
-              f"default ({gemm.path(a, b)}) {auto * 1e3:.1f} us  weight {2 * n * k / cublas / 1e9:.0f} GB/s (cuBLAS)")
+              f"default ({gemm.path(a, b)}) {auto * 1e3:.1f} us  weight {2 * n * k / cublas / 1e9:.0f} GB/s (cuBLAS)",
+              flush=True)
         results = []
-        for cfg in ROW_B_CONFIGS if row_b else CONFIGS:
+        for cfg in configs:
             if m > 8 and cfg.unroll > 4 and not row_b:
                 continue  # 16 tokens x 8 chunks do not fit the 128-register budget
-            out.fill_(float("nan"))
-            gemm.matmul(a, b, out=out, config=cfg)
-            assert rel_err(out, ref) < 1e-2, cfg
-            results.append((bench_ms(lambda: gemm.matmul(a, b, out=out, config=cfg)), cfg))
+            ms, why = try_config(a, b, out, ref, cfg)
+            if why:
+                failures += 1
+                print(f"    FAILED {cfg}: {why}", flush=True)
+            else:
+                results.append((ms, cfg))
         for ms, cfg in sorted(results, key=lambda r: r[0])[:8]:
             print(f"    {ms * 1e3:6.1f} us  x{cublas / ms:.2f} vs cuBLAS  {2 * n * k / ms / 1e9:5.0f} GB/s  {cfg}")
-    return 0
+    if failures:
+        print(f"{failures} config runs failed (see FAILED above)", flush=True)
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

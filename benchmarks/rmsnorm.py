@@ -5,10 +5,16 @@ each, and the bandwidth: bytes read + written (x, weight, y; also the residual a
 add; dy, x, weight, dx for the backward) per second, next to the card's copy bandwidth (about 4.3 TB/s).
 Usage: python -m benchmarks.rmsnorm [--quick] [--shapes M,N ...]   (or: nvfly bench rmsnorm)
 Writes benchmarks/results/rmsnorm_h200.json and rmsnorm_h200.png.
+
+``--compare-plans``: nvfly's forward alone under each candidate size of the blocks that pack short rows
+(PLAN_BLOCK_THREADS; rmsnorm.ROW_BLOCK_THREADS is the default), side by side, on the quick suite's shapes and
+the fused-add shapes (or --shapes); every plan's output is checked before any is timed. Writes
+benchmarks/results/rmsnorm_plans_h200.json.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -18,6 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, plot, rel_err, write_results  # noqa: E402
+import nvfly  # noqa: E402
 from nvfly.ops import rmsnorm  # noqa: E402
 
 COPY_TBPS = 4.3  # measured device copy bandwidth of the H200 (reads + writes)
@@ -26,6 +33,7 @@ SUITE_N = [2048, 4096, 7168, 8192, 16384]
 FUSED_ADD = [(4096, 4096), (16384, 8192), (65536, 2048)]
 BACKWARD = [(4096, 2048), (16384, 4096), (16384, 8192), (4096, 16384)]
 EPS = 1e-6
+PLAN_BLOCK_THREADS = (64, 128, 256, 512)  # --compare-plans: threads of a block packing short rows
 
 
 def _allow_recompiles() -> None:
@@ -111,16 +119,87 @@ def _bandwidth(row: dict, moved: int) -> dict:
     return row
 
 
+def plan_rows(m: int, n: int, dtype: torch.dtype, fused_add: bool) -> list[dict]:
+    """nvfly's forward (with a weight; with the residual add when ``fused_add``) under the default block size for
+    short rows and each of PLAN_BLOCK_THREADS, one row each: every plan's output is checked against the float64
+    reference (and against the default plan's, bit for bit: the same threads reduce each row) before any is
+    timed. A candidate whose launch is an earlier one's (the same block: rows whose group fills it, few rows)
+    is left out."""
+    x = torch.randn(m, n, device="cuda").to(dtype)
+    w = torch.randn(n, device="cuda").to(dtype)
+    r = torch.randn(m, n, device="cuda").to(dtype) if fused_add else None
+    reference = _reference(x + r if fused_add else x, w)
+    moved = (4 if fused_add else 2) * m * n * x.element_size() + n * w.element_size()
+    rows, runs, default_y = [], [], None
+    for block_threads in dict.fromkeys((rmsnorm.ROW_BLOCK_THREADS, *PLAN_BLOCK_THREADS)):  # the default first
+        run = functools.partial(rmsnorm.rms_norm_forward, x, w, EPS, r, want_rstd=False, block_threads=block_threads)
+        with nvfly.compile_only() as kernels:  # records the kernel the plan launches: its block and registers
+            run()
+        (kernel,) = kernels
+        threads = kernel.block[0]
+        if any(row["threads"] == threads for row in rows):
+            continue
+        y, h, _ = run()
+        default_y = y if default_y is None else default_y
+        row = {"M": m, "N": n, "dtype": str(dtype).replace("torch.", ""), "variant": "fused_add" if fused_add else
+               "forward", "block_threads": block_threads, "default": block_threads == rmsnorm.ROW_BLOCK_THREADS,
+               "kernel": kernel.name, "threads": threads, "registers": kernel.resources.registers,
+               "resident_warps": rmsnorm.resident_warps(kernel.resources.registers, threads),
+               "rel_err": rel_err(y, reference), "same_as_default": bool(torch.equal(y, default_y))}
+        if fused_add:
+            row["residual_exact"] = bool(torch.equal(h, x + r))
+        assert row["rel_err"] < 1e-2 and row["same_as_default"] and row.get("residual_exact", True), row
+        rows.append(row)
+        runs.append(run)
+    for row, run in zip(rows, runs):
+        row["nvfly_ms"] = bench_ms(run)
+        row["nvfly_tbps"] = moved / row["nvfly_ms"] / 1e9
+        row["pct_of_copy"] = 100 * row["nvfly_tbps"] / COPY_TBPS
+    return rows
+
+
+def compare_plans(shapes: list[tuple[int, int]], fused_add_shapes: list[tuple[int, int]]) -> int:
+    """--compare-plans: one line per shape, the default plan first (marked *), then the other block sizes."""
+    rows = []
+    t_start = time.time()
+    for variant, m, n in [("forward", m, n) for m, n in shapes] + [("fused_add", m, n) for m, n in fused_add_shapes]:
+        shape_rows = plan_rows(m, n, torch.bfloat16, variant == "fused_add")
+        rows += shape_rows
+        best = min(r["nvfly_ms"] for r in shape_rows)
+        for r in shape_rows:
+            r["vs_best"] = r["nvfly_ms"] / best
+        print(f"{variant:>9} {m:>6}x{n:<6} bfloat16  " + " | ".join(
+            f"{r['threads']:>4} threads{'*' if r['default'] else ' '} {1e3 * r['nvfly_ms']:8.1f} us "
+            f"{r['pct_of_copy']:3.0f}% of copy ({r['registers']} regs, {r['resident_warps']} warps/SM)"
+            for r in shape_rows), flush=True)
+        torch.cuda.empty_cache()
+    defaults = [r for r in rows if r["default"]]
+    big = [r for r in defaults if r["variant"] == "forward" and r["M"] >= 4096]
+    summary = {"default_block_threads": rmsnorm.ROW_BLOCK_THREADS,
+               "default_geomean_vs_best": geomean([r["vs_best"] for r in defaults]),
+               "default_max_vs_best": max(r["vs_best"] for r in defaults),
+               "default_min_pct_of_copy_M_ge_4096": min((r["pct_of_copy"] for r in big), default=None),
+               "best_threads": {f"{r['variant']} {r['M']}x{r['N']}": r["threads"] for r in rows if r["vs_best"] == 1},
+               "seconds": time.time() - t_start}
+    print(summary)
+    print("wrote", write_results("rmsnorm_plans", rows, {"summary": summary, "copy_tbps": COPY_TBPS}))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="M in {256, 16384} only, no fp32, no backward")
     p.add_argument("--shapes", nargs="*", default=None, help="M,N pairs (forward, bf16)")
+    p.add_argument("--compare-plans", action="store_true",
+                   help="time nvfly's forward under each block size for short rows (quick-suite and fused-add shapes)")
     args = p.parse_args(argv)
-    _allow_recompiles()
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
     else:
-        shapes = [(m, n) for m in ([256, 16384] if args.quick else SUITE_M) for n in SUITE_N]
+        shapes = [(m, n) for m in ([256, 16384] if args.quick or args.compare_plans else SUITE_M) for n in SUITE_N]
+    if args.compare_plans:
+        return compare_plans(shapes, [] if args.shapes else FUSED_ADD)
+    _allow_recompiles()
     cases = [("forward", m, n, torch.bfloat16) for m, n in shapes]
     if not args.quick and not args.shapes:
         cases += [("forward", m, n, torch.float32) for m, n in [(4096, 4096), (16384, 8192)]]

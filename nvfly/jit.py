@@ -309,6 +309,14 @@ class PreparedLaunch:
     def __call__(self, *args: Any, stream: Any = None) -> None:
         self.launch(*args, stream=stream)
 
+    @property
+    def warm(self) -> bool:
+        """Whether a call now runs the generated code, which reads only addresses and scalars (after the first
+        launch, outside compile-only mode): callers may then pass any tensor with the right ``data_ptr()``, e.g.
+        a 2-D tensor in place of the 3-D view it was first launched with). Never with ``check``, which compares
+        every call's arguments with the first call's."""
+        return self._fast is not None and not self.check and _COMPILE_ONLY.get() is None
+
     def _full(self, args: Sequence[Any], stream: Any = None) -> None:
         if _COMPILE_ONLY.get() is not None and len(args) == len(self.kernel.params):
             self.kernel._miss(args, self.block, self.cluster)  # records the kernel (never runs it)

@@ -40,6 +40,7 @@ def recorded_launches(monkeypatch):
     """Kernels 'launch' on CPU tensors: the real binder and generated launch code (``nvfly.Kernel._prepare``
     replaced), and a cuLaunchKernel that records (kernel name, grid, packed parameters) in the list yielded."""
     import ctypes
+    import gc
     import struct
     import types
     from nvfly.runtime.launcher import _layout, make_launch, make_prepared_launch, normalize_dim3
@@ -66,6 +67,9 @@ def recorded_launches(monkeypatch):
     import nvfly
     from nvfly.runtime import torch_args
     launches: list = []
+    # launchers cached on kernels by earlier tests would record into those tests' lists
+    for kernel in (obj for obj in gc.get_objects() if type(obj) is nvfly.Kernel):
+        monkeypatch.setattr(kernel, "_fast", {})
     monkeypatch.setattr(nvfly.Kernel, "_prepare", prepare)
     monkeypatch.setattr(torch_args, "current_stream", lambda device: 0)
     return launches

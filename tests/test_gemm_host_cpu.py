@@ -22,6 +22,7 @@ def fake_launches(recorded_launches, monkeypatch):
         desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
         return desc
     monkeypatch.setattr(gemm_skinny, "current_stream", lambda device: 0)
+    monkeypatch.setattr(gemm, "current_stream", lambda device: 0)
     monkeypatch.setattr(gemm, "eligibility", lambda *args, **kwargs: None)
     monkeypatch.setattr(gemm, "cached_descriptor", descriptor)
     gemm._CALLS.clear()
@@ -41,6 +42,7 @@ CASES = [
     ("wgmma split-K bias", lambda: (_bf(128, 2048), _bf(2048, 256)),
      {"config": GemmConfig(128, 128, 4, 2, split_k=4), "c": _bf(256), "alpha": 0.5}),
     ("wgmma swap-AB", lambda: (_bf(24, 256), _bf(256, 512)), {"skinny": False}),
+    ("wgmma stream-K tail", lambda: (_bf(2000, 1096), _bf(1096, 2104)), {"c": _bf(2104), "alpha": 0.5}),
     ("wgmma batched", lambda: (_bf(2, 128, 64), _bf(2, 64, 128)), {}),
     ("skinny", lambda: (_bf(4, 512), _bf(256, 512).t()), {}),
     ("skinny split-K", lambda: (_bf(16, 4096), _bf(64, 4096).t()), {"config": SkinnyConfig(splits=4)}),
@@ -58,21 +60,70 @@ def test_repeat_calls_launch_what_a_first_call_would(fake_launches, name, make, 
     assert len(fast) == n > 0
     gemm._CALLS.clear()
     out3 = gemm.matmul(*second, **options)
-    reference = fake_launches[2 * n:]
-    known = {t.data_ptr() for t in second} | {out2.data_ptr()}
-    if options.get("c") is not None:
-        known.add(options["c"].data_ptr())
-    moved = {out3.data_ptr(): out2.data_ptr()}
+    c = options.get("c")
+    _assert_same_launches(fast, fake_launches[2 * n:], [*second, out2] + ([c] if c is not None else []), out2, out3)
 
-    def canonical(params, mapping):  # fresh scratch buffers (split-K partials) differ between calls
+
+def _assert_same_launches(fast: list, reference: list, tensors: list, out: torch.Tensor,
+                          reference_out: torch.Tensor) -> None:
+    """The launches of a cached call (``fast``, writing ``out``) equal those of a first call (``reference``,
+    writing ``reference_out``) up to the output's address and fresh scratch buffers (split-K partials)."""
+    assert len(fast) == len(reference) > 0
+    known = {t.data_ptr() for t in tensors}
+    moved = {reference_out.data_ptr(): out.data_ptr()}
+
+    def canonical(params, mapping):
         params = tuple(mapping.get(v, v) if type(v) is int else v for v in params)
         return tuple("scratch" if type(v) is int and v >= 1 << 32 and v not in known else
-                     v.replace(struct.pack("<Q", out3.data_ptr()), struct.pack("<Q", out2.data_ptr()))
+                     v.replace(struct.pack("<Q", reference_out.data_ptr()), struct.pack("<Q", out.data_ptr()))
                      if type(v) is bytes else v for v in params)
     for (k1, g1, p1), (k2, g2, p2) in zip(fast, reference):
         assert (k1, g1) == (k2, g2)
         assert canonical(p1, {}) == canonical(p2, moved)
-    assert out2.shape == out3.shape and out2.stride() == out3.stride()
+    assert out.shape == reference_out.shape and out.stride() == reference_out.stride()
+
+
+def _swap_config() -> str:
+    from nvfly.torch.gemm_ops import encode_config
+    return encode_config(GemmConfig(128, 32, 5, 2), swap=True)
+
+
+OP_CASES = [
+    ("mm_out wgmma", lambda: (_bf(256, 128), _bf(384, 128).t()), "mm_out", {}),
+    ("mm_out swapped config", lambda: (_bf(24, 256), _bf(256, 512)), "mm_out", {"config": _swap_config}),
+    ("addmm_out bias alpha", lambda: (_bf(384), _bf(256, 128), _bf(128, 384)), "addmm_out",
+     {"alpha": 0.5, "beta": 2.0}),
+    ("mm skinny", lambda: (_bf(4, 512), _bf(256, 512).t()), "mm", {}),
+    ("bmm", lambda: (_bf(2, 128, 64), _bf(2, 64, 128)), "bmm", {}),
+]
+
+
+@pytest.mark.parametrize("name,make,op,options", OP_CASES, ids=[c[0] for c in OP_CASES])
+def test_repeat_op_calls_launch_what_a_first_call_would(fake_launches, monkeypatch, name, make, op, options):
+    """nvfly's torch ops bind a signature's launches on its first call; later calls (other tensors, same layouts)
+    go straight to them and launch exactly what a first call would."""
+    import nvfly.torch  # noqa: F401  (defines torch.ops.nvfly)
+    from nvfly.torch import gemm_ops
+    options = {k: v() if callable(v) else v for k, v in options.items()}
+    monkeypatch.setattr(gemm_ops, "_BOUND", {})
+
+    def call(operands):
+        *c, a, b = operands
+        if op.endswith("_out"):
+            out = torch.full((*a.shape[:-1], b.shape[-1]), float("nan")).to(torch.bfloat16)
+            getattr(torch.ops.nvfly, op)(*operands, out, **options)
+            return out
+        return getattr(torch.ops.nvfly, op)(*operands, **options)
+    first, second = make(), make()
+    call(first)
+    n = len(fake_launches)
+    assert n > 0 and all(type(v) is not str for v in gemm_ops._BOUND.values())
+    out2 = call(second)
+    fast = fake_launches[n:]
+    gemm_ops._BOUND.clear()
+    gemm._CALLS.clear()
+    out3 = call(second)
+    _assert_same_launches(fast, fake_launches[2 * n:], [*second, out2], out2, out3)
 
 
 def test_output_layout_is_part_of_the_signature(fake_launches):
@@ -85,3 +136,32 @@ def test_output_layout_is_part_of_the_signature(fake_launches):
     assert len(calls) == 2 and [c.tma_store for c in calls] == [True, False]
     with pytest.raises(ValueError, match="out: expected"):
         gemm.matmul(a, b, out=torch.empty(256, 383).to(torch.bfloat16))
+
+
+def test_stream_k_tail_plan():
+    """The last wave is split only when it is at most half full, into pieces of at least MIN_PIECE_K_BLOCKS
+    k-blocks that fill the idle SMs, each piece non-empty."""
+    assert gemm.stream_k_tail(272, 112, 132) == (264, 16)  # 8 tiles left: 16 pieces of 7 k-blocks
+    assert gemm.stream_k_tail(144, 112, 132) == (132, 11)  # 12 left: 11 pieces (132 units)
+    assert gemm.stream_k_tail(288, 9, 132) == (264, 2)     # short K: 2 pieces of 5 and 4 k-blocks
+    assert gemm.stream_k_tail(510, 9, 132) == (0, 1)       # 114 of 132 in the last wave: not worth it
+    assert gemm.stream_k_tail(132, 112, 132) == (0, 1)     # whole waves
+    assert gemm.stream_k_tail(100, 112, 132) == (0, 1)     # one partial wave: split K's domain
+    assert gemm.stream_k_tail(140, 7, 132) == (0, 1)       # too short to split
+    for tiles in range(133, 700, 7):
+        for k_tiles in (8, 9, 17, 64, 113):
+            dp, pieces = gemm.stream_k_tail(tiles, k_tiles, 132)
+            if pieces > 1:
+                per_piece = -(-k_tiles // pieces)
+                assert dp % 132 == 0 and (tiles - dp) * pieces <= 132
+                assert per_piece >= gemm.MIN_PIECE_K_BLOCKS - 1 and (pieces - 1) * per_piece < k_tiles
+
+
+def test_stream_k_plans_and_launches(fake_launches):
+    a, b = _bf(2048, 7168), _bf(2112, 7168).t()
+    assert gemm.path(a, b) == "wgmma-streamK16"
+    assert gemm.path(a, b, config=GemmConfig(128, 128, 6, 2, pingpong=True, stream_k=False)) == "wgmma"
+    gemm.matmul(a, b)
+    (name, grid, params), = fake_launches
+    assert name == "gemm_kernel" and grid == (132, 1, 1)
+    assert (264, 16) in {params[i:i + 2] for i in range(len(params) - 1)}  # dp_tiles, tail_split

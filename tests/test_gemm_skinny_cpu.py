@@ -2,12 +2,15 @@
 mma.m16n8k16, the kernel compiling to HMMA and 16-byte streaming loads without spills for every variant, and
 matmul's choice between it and the wgmma kernel."""
 import itertools
+import math
+import types
 
 import numpy as np
 import pytest
 import torch
 
 import nvfly
+from benchmarks import gemm_skinny_configs as bench
 from nvfly.ops import gemm, gemm_skinny
 from nvfly.ops.gemm_skinny import SkinnyConfig
 
@@ -303,3 +306,138 @@ def test_few_column_groups_split_k_up_to_one_wave():
     assert gemm_skinny.default_config(1024, 4096, 1, sms).splits == 2  # 64 groups, 128 chunks
     assert gemm_skinny.default_config(33, 4104, 1, sms).splits > 1
     assert gemm_skinny.default_config(65536, 4096, 1, sms).splits == 1
+
+
+# ---------------------------------------------------------------------------------------------- launch limits
+# what cuLaunchKernel accepts (sm_90), with the runtime's opt-in rule: runtime.driver.LoadedFunction sets
+# CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (to the dynamic size) only when the dynamic size alone exceeds
+# 48 KB; without it a launch may use 48 KB of static plus dynamic shared memory, with it 227 KB
+def launch_problem(kernel, grid):
+    """None when a launch of ``kernel`` on ``grid`` fits the device's limits, else why not."""
+    static, dynamic = kernel.resources.static_smem_bytes, kernel.dynamic_smem_bytes
+    limit = gemm_skinny.MAX_SMEM if dynamic > gemm_skinny.DEFAULT_SMEM else gemm_skinny.DEFAULT_SMEM
+    if static + dynamic > limit:
+        return f"{static} static + {dynamic} dynamic bytes of shared memory exceed {limit}"
+    if kernel.threads > 1024 or kernel.resources.registers * kernel.threads > 65536:
+        return f"{kernel.threads} threads x {kernel.resources.registers} registers"
+    if not (1 <= grid[0] < 2 ** 31 and 1 <= grid[1] <= 65535 and 1 <= grid[2] <= 65535):
+        return f"grid {grid}"
+    return None
+
+
+def test_launch_problem_catches_static_shared_memory_past_48_kb():
+    """The H200 failure of the row-major-B sweep (CUDA_ERROR_INVALID_VALUE at launch): 2 warps x 6 stages or
+    4 x 3 with split K asked for exactly 48 KB of dynamic shared memory (so the runtime did not opt in) while the
+    split-K arrival flag, a static array before the 1024-byte aligned dynamic region, added 1 KB of static."""
+    def fake(static, dynamic, registers=115, threads=128):
+        return types.SimpleNamespace(resources=types.SimpleNamespace(static_smem_bytes=static, registers=registers),
+                                     dynamic_smem_bytes=dynamic, threads=threads)
+    assert launch_problem(fake(0, 48 * 1024), (64, 1, 1)) is None
+    assert "exceed 49152" in launch_problem(fake(1024, 48 * 1024), (64, 1, 1))
+    assert launch_problem(fake(1024, 48 * 1024 + 16), (64, 1, 1)) is None  # opted in
+    assert "exceed 232448" in launch_problem(fake(1024, 227 * 1024), (64, 1, 1))
+    assert "registers" in launch_problem(fake(0, 0, 255, 512), (1, 1, 1))
+    assert "grid" in launch_problem(fake(0, 0), (1, 65536, 1))
+
+
+@pytest.mark.parametrize("config", [SkinnyConfig(2, 6, 2), SkinnyConfig(4, 3, 3), SkinnyConfig(4, 4, 2),
+                                    SkinnyConfig(2, 6, 1), SkinnyConfig(8, 6, 8)])
+def test_row_major_b_shared_memory_is_all_dynamic(config):
+    """The row-major-B kernel has no static shared memory (the split-K arrival flag lives after the rings), so
+    the dynamic size the runtime sees is all the CTA asks for; at 48 KB of rings the split-K flag takes the
+    kernel past 48 KB and the runtime opts in."""
+    kernel = gemm_skinny.compile_kernel(16, config=config, row_b=True)
+    assert kernel.resources.static_smem_bytes == 0
+    assert kernel.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(config)
+    assert gemm_skinny.row_b_smem_bytes(config) == config.warps * config.unroll * gemm_skinny.CHUNK_BYTES + \
+        (gemm_skinny.ARRIVAL_BYTES if config.splits > 1 else 0)
+    assert launch_problem(kernel, (64, 1, 1)) is None
+    # the split-K path still counts its arrivals and reads the flag back from shared memory
+    assert (kernel.count("ATOMG") > 0) == (config.splits > 1)
+
+
+@pytest.mark.parametrize("config,why", [
+    (SkinnyConfig(8, 8), "262144 bytes of shared memory"), (SkinnyConfig(8, 8, 4), "262160 bytes of shared memory"),
+    (SkinnyConfig(32, 2), "shared memory"), (SkinnyConfig(4, 1), "at least 2 stages"),
+    (SkinnyConfig(0, 4), "warps=0"), (SkinnyConfig(4, 17), "unroll=17"), (SkinnyConfig(4, 4, 0), "splits=0")])
+def test_row_major_b_check_declines_with_a_reason(config, why):
+    assert why in config.check(row_b=True)
+    with pytest.raises(ValueError, match=r"config=SkinnyConfig\(.*" + why.replace("(", r"\(").replace(")", r"\)")):
+        gemm_skinny.make_plan(1, 4096, 4096, 1, False, "none", False, config, 132, row_b=True)
+    # the largest rings that fit: 56 stages per CTA (with the split-K flag)
+    assert SkinnyConfig(8, 7, 2).check(row_b=True) is None and SkinnyConfig(14, 4, 2).check(row_b=True) is None
+    assert SkinnyConfig(8, 8).check(row_b=False) is None  # column-major B has no ring
+
+
+@pytest.fixture
+def matmul_launches(recorded_launches, monkeypatch):
+    """gemm.matmul on CPU tensors through the real plans and prepared launches: a list of (compiled kernel, grid)
+    per launch (recorded_launches, conftest)."""
+    compiled_for = nvfly.Kernel.compiled_for
+    kernels = []
+
+    def record(self, *args, **kwargs):
+        kernel = compiled_for(self, *args, **kwargs)
+        kernels.append(kernel)
+        return kernel
+    monkeypatch.setattr(nvfly.Kernel, "compiled_for", record)
+    monkeypatch.setattr(gemm_skinny, "current_stream", lambda device: 0)
+    monkeypatch.setattr(gemm, "eligibility", lambda *args, **kwargs: None)
+    gemm._CALLS.clear()
+    yield lambda: [(kernel, grid) for kernel, (_, grid, _) in zip(kernels, recorded_launches, strict=True)]
+    gemm._CALLS.clear()
+
+
+def test_benchmark_sweeps_plan_every_config_or_decline_it():
+    """benchmarks/gemm_skinny_configs.py: on every one of its shapes, each config of both sweeps plans (grid within
+    the limits) or is declined by SkinnyConfig.check with a reason that make_plan raises too."""
+    for row_b in (False, True):
+        configs, declined = bench.sweep(row_b)
+        assert len(configs) + len(declined) == len(bench.ROW_B_CONFIGS if row_b else bench.CONFIGS)
+        assert [c for c, _ in declined] == ([SkinnyConfig(8, 8, s) for s in (1, 2, 3, 4, 6, 8)] if row_b else [])
+        for m, n, k in bench.SHAPES:
+            for cfg, why in declined:
+                with pytest.raises(ValueError, match="shared memory"):
+                    gemm_skinny.make_plan(m, n, k, 1, False, "none", False, cfg, 132, row_b=row_b)
+            for cfg in configs:
+                plan = gemm_skinny.make_plan(m, n, k, 1, False, "none", False, cfg, 132, row_b=row_b)
+                assert plan.config.check(row_b) is None
+                assert 1 <= plan.grid[0] < 2 ** 31 and plan.grid[1:] == (1, 1)
+
+
+@pytest.mark.parametrize("layout", ["rowxrow", "rowxcol"])
+def test_benchmark_sweep_compiles_and_fits_a_launch(matmul_launches, layout):
+    """Every config the benchmark runs, through gemm.matmul as the benchmark calls it (CPU tensors, recorded
+    launches) on a 16-token shape (8 tokens for column-major B, where the benchmark runs unroll 8 only there):
+    it compiles without spills and its launch fits the device (launch_problem)."""
+    row_b = layout == "rowxrow"
+    m, n, k = (16, 4096, 4096) if row_b else (8, 4096, 4096)
+    a = torch.empty(m, k, dtype=torch.bfloat16)
+    b = torch.empty(k, n, dtype=torch.bfloat16) if row_b else torch.empty(n, k, dtype=torch.bfloat16).t()
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    configs, _ = bench.sweep(row_b)
+    for cfg in configs:
+        gemm.matmul(a, b, out=out, config=cfg)
+    launches = matmul_launches()
+    assert len(launches) == len(configs)
+    problems = [(cfg, launch_problem(kernel, grid)) for cfg, (kernel, grid) in zip(configs, launches)]
+    assert [p for p in problems if p[1]] == []
+    for cfg, (kernel, grid) in zip(configs, launches):
+        r = kernel.resources
+        assert r.spill_stores == 0 and r.spill_loads == 0 and r.registers <= 128, (cfg, r)
+        if row_b:
+            assert r.static_smem_bytes == 0 and kernel.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(cfg)
+        assert grid == (math.ceil(n / (64 if row_b else 16)) * cfg.splits, 1, 1)
+
+
+def test_benchmark_reports_a_failing_config_and_goes_on(monkeypatch):
+    """A config that fails to launch (the H200's CUDA_ERROR_INVALID_VALUE) comes back as a reason, not an
+    exception that ends the sweep."""
+    from nvfly.errors import CudaError
+
+    def fail(*args, **kwargs):
+        raise CudaError("cuLaunchKernel(skinny_gemm_kernel)", 1, "CUDA_ERROR_INVALID_VALUE")
+    monkeypatch.setattr(bench.gemm, "matmul", fail)
+    out = torch.empty(1, 64, dtype=torch.bfloat16)
+    ms, why = bench.try_config(None, None, out, None, SkinnyConfig(2, 6, 2))
+    assert ms is None and "CudaError" in why and "CUDA_ERROR_INVALID_VALUE" in why

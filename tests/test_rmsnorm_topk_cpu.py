@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import nvfly
+import nvfly.torch.ops  # noqa: F401  (registers the nvfly:: custom ops)
 from nvfly.ops import rmsnorm, topk
-from nvfly.torch import ops as nvfly_ops  # noqa: F401  (registers the nvfly:: custom ops)
 from nvfly.torch.routing import Route, _routed, disable_routing, enable_routing, install_routing, installed, \
     register_route, routing, routing_enabled
 
@@ -85,14 +85,67 @@ def test_rms_norm_backward_compiles(dtype, n):
 
 def test_rms_norm_plans():
     sms = 132
-    assert (rmsnorm.plan(2048, 8, 65536, sms).group, rmsnorm.plan(2048, 8, 65536, sms).rows) == (32, 8)
+    p = rmsnorm.plan(2048, 8, 65536, sms)
+    assert (p.group, p.rows, p.threads) == (32, 4, 128)  # a warp a row, a warp per SM sub-partition
+    assert rmsnorm.plan(2048, 8, 65536, sms, block_threads=256).rows == 8
     assert rmsnorm.plan(2048, 8, 256, sms).rows == 1  # few rows: one per block, so every SM gets work
+    assert rmsnorm.plan(2048, 8, 256, sms, block_threads=512).rows == 1
+    assert rmsnorm.plan(128, 8, 65536, sms).threads == 128  # 8 rows a warp
+    assert rmsnorm.plan(2048, 4, 16384, sms).rows == 2  # fp32: 64 threads a row
     assert rmsnorm.plan(7168, 8, 4096, sms).group == 128  # 7 vectors a thread
+    assert rmsnorm.plan(8192, 8, 16384, sms).rows == 1  # bf16: 128 threads a row
+    assert rmsnorm.plan(8192, 8, 16384, sms, block_threads=512).rows == 4
+    assert rmsnorm.plan(8192, 4, 16384, sms).threads == 256  # the row's group fills more than the block
+    # the persistent backward keeps blocks of 256 (it launches about two per SM)
+    assert rmsnorm.plan(2048, 8, 16384, sms, 2, 2, 1024, rmsnorm.BACKWARD_ROW_BLOCK_THREADS).threads == 256
     assert rmsnorm.plan(16384, 8, 4096, sms).group == 256
     assert rmsnorm.plan(16384, 4, 4096, sms).group == 512  # fp32
     assert rmsnorm.plan(32768, 8, 4, sms).group == 512 and rmsnorm.plan(65536, 8, 4, sms).looped
     assert rmsnorm.backward_eligibility(torch.randn(2, 16384)) == "x is on cpu, not CUDA"
     assert "too long" in rmsnorm._backward_size_reason(32768, 8)
+
+
+def test_row_block_threads_hold_the_most_warps_whatever_the_registers():
+    """Registers are allocated per SM sub-partition, so blocks of one warp per sub-partition (ROW_BLOCK_THREADS)
+    let an SM hold as many warps as any block size can at every register count; 256-thread blocks lose 4 warps
+    when a sub-partition holds an odd number (the bf16 rows of 2048 of issue 6: 88 registers)."""
+    for registers in range(1, 256):
+        best = max(rmsnorm.resident_warps(registers, threads) for threads in (32, 64, 128, 256, 512, 1024))
+        assert rmsnorm.resident_warps(registers, rmsnorm.ROW_BLOCK_THREADS) == best, registers
+    assert [rmsnorm.resident_warps(88, threads) for threads in (64, 128, 256, 512)] == [20, 20, 16, 16]
+    assert rmsnorm.resident_warps(32, 128) == 64 and rmsnorm.resident_warps(16, 32) == 32  # warp and block limits
+    assert rmsnorm.resident_warps(56, 128) == 36 and rmsnorm.resident_warps(128, 256) == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [2048, 4096, 7168, 8192])
+@pytest.mark.parametrize("variant", ["weight", "residual"])
+def test_rms_norm_block_plans_compile_clean_and_the_default_holds_the_most_warps(dtype, n, variant):
+    """At the benchmark's 16384 rows, the default plan and the blocks of 128, 256 and 512 threads (those
+    ``benchmarks/rmsnorm.py --compare-plans`` times) compile without spills and launch the plan's block; with the
+    registers each kernel compiled to, the default's block lets an SM hold the most warps."""
+    m = 16384
+    x = torch.empty(m, n, dtype=dtype)  # compiled for, never read
+    w = torch.empty(n, dtype=dtype)
+    r = torch.empty(m, n, dtype=dtype) if variant == "residual" else None
+    vec = 16 // x.element_size()
+    warps = {}
+    for block_threads in (None, 128, 256, 512):
+        (k,) = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=False, block_threads=block_threads)
+        assert_clean(k)
+        assert k.count("LDL") == 0 and k.count("STL") == 0, k.summary()
+        p = rmsnorm.plan(n, vec, m, 132, block_threads=block_threads or rmsnorm.ROW_BLOCK_THREADS)
+        assert k.block == (p.threads, 1, 1) == (max(p.group, block_threads or rmsnorm.ROW_BLOCK_THREADS), 1, 1)
+        warps[p.threads] = rmsnorm.resident_warps(k.resources.registers, p.threads)
+    assert warps[rmsnorm.plan(n, vec, m, 132).threads] == max(warps.values()), warps
+    if (dtype, n, variant) == (torch.bfloat16, 2048, "weight"):  # issue 6: 20 warps instead of 16
+        assert warps[128] > warps[256], warps
+
+
+def test_rms_norm_backward_keeps_256_thread_blocks():
+    x = torch.empty(16384, 2048, dtype=torch.bfloat16)
+    kernels = compiled(rmsnorm.rms_norm_backward, x, x, torch.empty(16384), torch.empty(2048, dtype=torch.bfloat16))
+    assert kernels[0].name == "rms_norm_backward_kernel" and kernels[0].block == (256, 1, 1)
 
 
 # ---------------------------------------------------------------------------------------------- TopK compiles
@@ -311,6 +364,9 @@ def test_argument_errors_name_the_argument():
         rmsnorm.rms_norm(x, residual=torch.randn(4, 8))
     with pytest.raises(ValueError, match="eps:"):
         rmsnorm.rms_norm(x, eps=-1.0)
+    for block_threads in (96, 16, 1024, True, 128.0):
+        with pytest.raises(ValueError, match="block_threads:"):
+            rmsnorm.rms_norm_forward(x, block_threads=block_threads)
     with pytest.raises(ValueError, match="rstd:"):
         rmsnorm.rms_norm_backward(x, x, torch.randn(3))
     with pytest.raises(ValueError, match="grad_out:"):
@@ -525,12 +581,15 @@ def test_cached_signatures_still_check_arguments(fake_launches):
         rmsnorm.rms_norm(x, eps=-1e-6)
     with pytest.raises(ValueError, match="eps:"):
         rmsnorm.rms_norm(x, eps=True)
+    rmsnorm.rms_norm_forward(x, block_threads=128)
+    with pytest.raises(ValueError, match="block_threads:"):
+        rmsnorm.rms_norm_forward(x, block_threads=128.0)
     topk.topk(x, 1)
     with pytest.raises(ValueError, match="k:"):
         topk.topk(x, True)
     with pytest.raises(TypeError, match="weight:"):
         rmsnorm.rms_norm(x, [1.0] * 16)
-    assert len(rmsnorm._FORWARD) == 1 and len(topk._TOPK) == 1
+    assert len(rmsnorm._FORWARD) == 2 and len(topk._TOPK) == 1  # two forward signatures (block_threads 128)
 
 
 # ---------------------------------------------------------------------------------------------- language primitives

@@ -59,7 +59,7 @@ class KernelBuilder:
 
     def __init__(self, name: str, target: str, arg_types: Sequence[ir.Type] | Callable[[], Sequence[ir.Type]],
                  block: tuple[int, int, int], cluster: Optional[tuple[int, int, int]] = None,
-                 features: str = "+ptx80", opt_level: int = 3):
+                 features: str = "+ptx81", opt_level: int = 3):
         self.name = name
         self.target = target
         self.block = block

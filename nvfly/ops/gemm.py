@@ -23,7 +23,7 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
-from nvfly.runtime.torch_args import layout_key
+from nvfly.runtime.torch_args import current_stream, layout_key
 from nvfly.ops import gemm_skinny
 from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel, store_box
 from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan
@@ -226,19 +226,23 @@ class _Plan:
     store_box: Optional[tuple] = None
     store_swizzle: int = 0
     register_config: Optional[GemmConfig] = None
+    # stream-K tail: tiles from dp_tiles on are split into tail_split K pieces (1: none)
+    dp_tiles: int = 0
+    tail_split: int = 1
 
 
 _CALLS: dict[tuple, Any] = {}  # call signature -> _WgmmaCall or _SkinnyCall
 
 
 def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str, config: Optional[GemmConfig],
-               batched: bool, scaled: bool = False) -> _Plan:
+               batched: bool, scaled: bool = False, swap: Optional[bool] = None) -> _Plan:
     batches, m, k = a3.shape
     n = b3.shape[-1]
     dtype = _DTYPES[a3.dtype]
     itemsize = a3.element_size()
     sms = plan_sm_count(a3.get_device())
-    swap = config is None and m <= 64 < n
+    if swap is None:
+        swap = config is None and m <= 64 < n
     if config is None:
         config = small_m_config(m, n, k, batches, itemsize, sms) if swap else \
             default_config(m, n, k, batches, itemsize, sms)
@@ -263,12 +267,37 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     b_box, b_swizzle = _operand_box(config.bn, bk, dtype, b_major, rank, config.cluster_m)
     cm = config.cluster_m
     tiles = math.ceil(m / (config.bm * cm)) * cm * math.ceil(n / config.bn) * batches * split
-    return _Plan(config, swap, a_major, b_major, m, n, k_tiles, batches, min(tiles, sms // cm * cm),
+    dp_tiles, tail_split = stream_k_tail(tiles, k_tiles, sms) if config.stream_k and split == 1 and cm == 1 \
+        else (0, 1)
+    units = dp_tiles + (tiles - dp_tiles) * tail_split
+    return _Plan(config, swap, a_major, b_major, m, n, k_tiles, batches, min(units, sms // cm * cm),
                  128 * (1 + config.consumers), a_box, a_swizzle, b_box, b_swizzle,
                  Epilogue(has_c=has_c, activation=activation, partial=split > 1, scaled=scaled and split == 1),
                  Epilogue(has_c=has_c, activation=activation, scaled=scaled) if split > 1 else None,
                  *(store_box(config, batched) if config.tma_store else (None, 0)),
-                 replace(config, tma_store=False) if config.tma_store else None)
+                 replace(config, tma_store=False) if config.tma_store else None, dp_tiles, tail_split)
+
+
+# a stream-K tail piece gets at least this many k-blocks, and a tile at most this many pieces (each piece adds
+# its f32 tile to the workspace: more pieces cost more atomic traffic than they save)
+MIN_PIECE_K_BLOCKS = 4
+MAX_TAIL_SPLIT = 16
+
+
+def stream_k_tail(tiles: int, k_tiles: int, sms: int) -> tuple[int, int]:
+    """(dp_tiles, tail_split): how a persistent launch of ``tiles`` output tiles of ``k_tiles`` k-blocks over
+    ``sms`` blocks splits its last wave. When that wave is at most half full (wave quantisation: 272 tiles on
+    132 SMs take 3 waves of work for 2.06 waves' worth), its tiles are each split into K pieces so that the
+    pieces fill the idle blocks: the first ``dp_tiles`` tiles run whole, the rest as ``tail_split`` pieces
+    each, fixed up in the kernel. (0, 1) when nothing is split."""
+    tail = tiles % sms
+    if tiles <= sms or tail == 0 or tail > sms // 2:
+        return 0, 1
+    pieces = min(sms // tail, k_tiles // MIN_PIECE_K_BLOCKS, MAX_TAIL_SPLIT)
+    if pieces < 2:
+        return 0, 1
+    pieces = math.ceil(k_tiles / math.ceil(k_tiles / pieces))  # every piece gets at least one k-block
+    return tiles - tail, pieces
 
 
 def store_reason(out3: torch.Tensor) -> Optional[str]:
@@ -303,60 +332,93 @@ def _skinny_wanted(a: torch.Tensor, b: torch.Tensor, config: Any, skinny: Option
 
 def _new_plan(a: torch.Tensor, b: torch.Tensor, use_c: bool, activation: str, out_dtype: Optional[torch.dtype],
               c: Optional[torch.Tensor], config: Any, skinny: Optional[bool],
-              scaled: bool) -> Union[_Plan, SkinnyPlan]:
+              scaled: bool, swap: Optional[bool] = None) -> Union[_Plan, SkinnyPlan]:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
     reason = eligibility(a, b, c, out_dtype)
     if reason:
         raise ValueError(f"nvfly.ops.gemm.matmul: {reason}")
+    if swap is not None and (skinny or isinstance(config, SkinnyConfig)):
+        raise ValueError("nvfly.ops.gemm.matmul: swap applies to the wgmma kernel, not to the skinny kernel")
     a3, b3 = (a, b) if a.dim() == 3 else (a.unsqueeze(0), b.unsqueeze(0))
-    if _skinny_wanted(a, b, config, skinny):
+    if _skinny_wanted(a, b, config, False if swap is not None else skinny):
         batches, m, k = a3.shape
         return gemm_skinny.make_plan(m, b3.shape[-1], k, batches, use_c, activation, scaled, config,
                                      plan_sm_count(a.get_device()),
                                      row_b=gemm_skinny.b_major(b) == "row")
-    return _make_plan(a3, b3, use_c, activation, config, a.dim() == 3, scaled=scaled)
+    return _make_plan(a3, b3, use_c, activation, config, a.dim() == 3, scaled=scaled, swap=swap)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, alpha: float = 1.0,
            beta: float = 1.0, activation: str = "none", out_dtype: Optional[torch.dtype] = None,
            out: Optional[torch.Tensor] = None, config: Union[GemmConfig, SkinnyConfig, None] = None,
-           skinny: Optional[bool] = None) -> torch.Tensor:
+           skinny: Optional[bool] = None, swap: Optional[bool] = None) -> torch.Tensor:
     """act(alpha * a @ b + beta * c) for 2-D or batched 3-D bf16/fp16 operands (fp32 accumulation).
 
     ``skinny``: None picks the kernel, True forces the skinny kernel (as does a SkinnyConfig ``config``),
-    False the wgmma kernel."""
+    False the wgmma kernel. ``swap``: None computes small M as the transposed problem when no config is given,
+    True always does (``config`` then applies to the transposed problem), False never."""
     use_c = c is not None and beta != 0
-    # everything that decides the kernels and their launch (a cached call then only reads addresses)
-    key = (layout_key(a), layout_key(b), layout_key(c) if use_c else None, layout_key(out), activation, out_dtype,
-           config, alpha != 1.0, skinny)
-    call = _CALLS.get(key)
-    if call is None:
-        if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[-1] == b.shape[-2] and \
-                (a.shape[-2] == 0 or b.shape[-1] == 0 or a.shape[-1] == 0):
-            return _degenerate(a, b, c if use_c else None, beta, activation, out_dtype, out)
-        plan = _new_plan(a, b, use_c, activation, out_dtype, c, config, skinny, alpha != 1.0)
-        shape = (a.shape[0], a.shape[1], b.shape[2]) if a.dim() == 3 else (a.shape[0], b.shape[1])
-        out_dtype = out_dtype or a.dtype
-        if out is not None and (out.shape != shape or out.dtype != out_dtype or out.device != a.device):
-            raise ValueError(f"out: expected a {out_dtype} tensor of shape {shape} on {a.device}, got "
-                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
-        call = _SkinnyCall(plan, shape, out_dtype) if type(plan) is SkinnyPlan else \
-            _WgmmaCall(plan, out, shape, out_dtype)
-        if len(_CALLS) >= _CALL_LIMIT:
-            _CALLS.clear()
-        _CALLS[key] = call
+    call = bind(a, b, c=c if use_c else None, scaled=alpha != 1.0, activation=activation, out_dtype=out_dtype,
+                out=out, config=config, skinny=skinny, swap=swap)
     if out is None:
         out = torch.empty(call.shape, dtype=call.out_dtype, device=a.device)
     call.run(a, b, c if use_c else None, out, alpha, beta)
     return out
 
 
+def bind(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, scaled: bool = False,
+         activation: str = "none", out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None,
+         config: Union[GemmConfig, SkinnyConfig, None] = None, skinny: Optional[bool] = None,
+         swap: Optional[bool] = None) -> Any:
+    """The launches of ``matmul`` for operands laid out like these (cached per call signature), as an object
+    with ``shape``, ``out_dtype`` and ``run(a, b, c, out, alpha, beta)``: out = act(alpha * a @ b + beta * c)
+    for tensors of the same layouts as the bound ones (c given iff bound with one; alpha other than 1 only when
+    ``scaled``; ``out`` as bound, or a new contiguous tensor when bound with None). After its first launch a
+    call reads only the tensors' addresses. Raises ValueError (naming the argument) when nvfly cannot run it."""
+    # everything that decides the kernels and their launch
+    key = (layout_key(a), layout_key(b), layout_key(c), layout_key(out), activation, out_dtype, config, scaled,
+           skinny, swap)
+    call = _CALLS.get(key)
+    if call is None:
+        shape = (a.shape[0], a.shape[1], b.shape[2]) if a.dim() == 3 else (a.shape[0], b.shape[1])
+        if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[-1] == b.shape[-2] and 0 in (*shape[-2:], a.shape[-1]):
+            call = _EmptyCall(shape, out_dtype or a.dtype, activation)
+        else:
+            plan = _new_plan(a, b, c is not None, activation, out_dtype, c, config, skinny, scaled, swap)
+            out_dtype = out_dtype or a.dtype
+            if out is not None and (out.shape != shape or out.dtype != out_dtype or out.device != a.device):
+                raise ValueError(f"out: expected a {out_dtype} tensor of shape {shape} on {a.device}, got "
+                                 f"{out.dtype} {tuple(out.shape)} on {out.device}")
+            call = _SkinnyCall(plan, shape, out_dtype) if type(plan) is SkinnyPlan else \
+                _WgmmaCall(plan, out, shape, out_dtype)
+        if len(_CALLS) >= _CALL_LIMIT:
+            _CALLS.clear()
+        _CALLS[key] = call
+    return call
+
+
 _CALL_LIMIT = 4096
 
 
+class _EmptyCall:
+    """M, N or K of zero: no kernel (an empty output, or beta * C through the activation)."""
+
+    def __init__(self, shape: tuple, out_dtype: torch.dtype, activation: str):
+        self.shape = shape
+        self.out_dtype = out_dtype
+        self.activation = activation
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], out: torch.Tensor, alpha: float,
+            beta: float) -> None:
+        result = torch.zeros(self.shape, dtype=torch.float32, device=a.device)
+        if c is not None:
+            result = result + beta * c.float()
+        out.copy_(_torch_activation(result, self.activation))
+
+
 class _SkinnyCall:
-    """The skinny kernel's launch for one call signature (``matmul``'s cache)."""
+    """The skinny kernel's launch for one call signature (``bind``'s cache)."""
 
     def __init__(self, plan: SkinnyPlan, shape: tuple, out_dtype: torch.dtype):
         self.shape = shape
@@ -365,7 +427,7 @@ class _SkinnyCall:
 
 
 class _WgmmaCall:
-    """The wgmma kernel's launches for one call signature (``matmul``'s cache): prepared launches, and the TMA
+    """The wgmma kernel's launches for one call signature (``bind``'s cache): prepared launches, and the TMA
     descriptors of the operands' addresses seen (everything else about them is fixed by the signature)."""
 
     def __init__(self, plan: _Plan, out: Optional[torch.Tensor], shape: tuple, out_dtype: torch.dtype):
@@ -384,11 +446,29 @@ class _WgmmaCall:
         self.main = gemm_kernel.prepared(plan.grid, plan.threads, (cfg.cluster_m, 1, 1))
         self.reduce = None if plan.reduce_epilogue is None else split_k_reduce_kernel.prepared(
             (math.ceil(plan.m * plan.n / 256), plan.batches), 256)
+        # stream-K tail: one workspace slot and arrival count per split consumer tile
+        parts = 1 if cfg.pingpong else cfg.consumers
+        self.tail_slots = (plan.batches * math.ceil(plan.m / cfg.bm) * math.ceil(plan.n / cfg.bn) - plan.dp_tiles) \
+            * parts if plan.tail_split > 1 else 0
+        self.slot_sums = cfg.wg_m * cfg.bn
         self._descriptors: dict[tuple[int, int, int], tuple] = {}
 
     def run(self, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], out: torch.Tensor, alpha: float,
             beta: float) -> None:
         plan = self.plan
+        descs = self._descriptors.get((a.data_ptr(), b.data_ptr(), out.data_ptr() if self.tma_store else 0))
+        sums = counts = None
+        if self.tail_slots:
+            sums, counts = gemm_skinny.workspace(a.device, current_stream(a.device.index), self.tail_slots,
+                                                 self.slot_sums)
+        if descs is not None and self.reduce is None and self.main.warm:
+            # the generated launch reads only addresses: the kernel's 3-D (transposed, broadcast) views of out
+            # and C start where out and C do
+            a_desc, b_desc, out_desc = descs
+            self.main(a_desc, b_desc, out, c, out_desc, plan.m, plan.n, plan.k_tiles, plan.batches, alpha, beta,
+                      sums, counts, plan.dp_tiles, plan.tail_split, self.config, plan.a_major, plan.b_major,
+                      plan.epilogue)
+            return
         a3, b3 = (a, b) if self.batched else (a.unsqueeze(0), b.unsqueeze(0))
         out3 = out if self.batched else out.unsqueeze(0)
         c3 = None if c is None else (c.expand(self.shape) if self.batched else c.expand(self.shape).unsqueeze(0))
@@ -396,23 +476,22 @@ class _WgmmaCall:
             a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
             out3 = out3.transpose(-1, -2)
             c3 = c3.transpose(-1, -2) if c3 is not None else None
-        addresses = (a.data_ptr(), b.data_ptr(), out.data_ptr() if self.tma_store else 0)
-        descs = self._descriptors.get(addresses)
         if descs is None:
             descs = self._describe(a3, b3, out3)
             if len(self._descriptors) >= 64:
                 self._descriptors.clear()
-            self._descriptors[addresses] = descs
+            self._descriptors[(a.data_ptr(), b.data_ptr(), out.data_ptr() if self.tma_store else 0)] = descs
         a_desc, b_desc, out_desc = descs
         if self.reduce is None:
             self.main(a_desc, b_desc, out3, c3, out_desc, plan.m, plan.n, plan.k_tiles, plan.batches, alpha, beta,
-                      self.config, plan.a_major, plan.b_major, plan.epilogue)
+                      sums, counts, plan.dp_tiles, plan.tail_split, self.config, plan.a_major, plan.b_major,
+                      plan.epilogue)
             return
         cfg = self.config
         partials = torch.empty((plan.batches * cfg.split_k, plan.m, plan.n), dtype=torch.float32,
                                device=a.device)
-        self.main(a_desc, b_desc, partials, None, None, plan.m, plan.n, plan.k_tiles, plan.batches, 1.0, 0.0, cfg,
-                  plan.a_major, plan.b_major, plan.epilogue)
+        self.main(a_desc, b_desc, partials, None, None, plan.m, plan.n, plan.k_tiles, plan.batches, 1.0, 0.0, None,
+                  None, 0, 1, cfg, plan.a_major, plan.b_major, plan.epilogue)
         self.reduce(partials, out3, c3, plan.m, plan.n, alpha, beta, cfg.split_k, plan.reduce_epilogue)
 
     def _describe(self, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor) -> tuple:
@@ -428,13 +507,14 @@ def path(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, 
          skinny: Optional[bool] = None, scaled: bool = False) -> str:
     """Which kernel ``matmul`` runs for these operands (for benchmarks): 'skinny' (with '-rowB' for a row-major
     B and '-splitK<s>' when they apply), or
-    'wgmma' with '-swapAB' and '-splitK<s>' when they apply; raises when matmul would."""
+    'wgmma' with '-swapAB', '-splitK<s>' and '-streamK<pieces>' when they apply; raises when matmul would."""
     plan = _new_plan(a, b, c is not None, activation, out_dtype, c, config, skinny, scaled)
     if isinstance(plan, SkinnyPlan):
         return "skinny" + ("-rowB" if plan.row_b else "") + \
             (f"-splitK{plan.config.splits}" if plan.config.splits > 1 else "")
     return "wgmma" + ("-swapAB" if plan.swap else "") + \
-        (f"-splitK{plan.config.split_k}" if plan.config.split_k > 1 else "")
+        (f"-splitK{plan.config.split_k}" if plan.config.split_k > 1 else "") + \
+        (f"-streamK{plan.tail_split}" if plan.tail_split > 1 else "")
 
 
 def _descriptors(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, batched: bool) -> tuple[Any, Any]:
@@ -445,20 +525,6 @@ def _descriptors(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, batched: bool)
         a_view, b_view = a_view[0], b_view[0]
     return (cached_descriptor(a_view, plan.a_box, plan.a_swizzle),
             cached_descriptor(b_view, plan.b_box, plan.b_swizzle))
-
-
-def _degenerate(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], beta: float, activation: str,
-                out_dtype: Optional[torch.dtype], out: Optional[torch.Tensor]) -> torch.Tensor:
-    """M, N or K of zero: no kernel (an empty output, or beta * C through the activation)."""
-    shape = (*a.shape[:-1], b.shape[-1])
-    result = torch.zeros(shape, dtype=torch.float32, device=a.device)
-    if c is not None:
-        result = result + beta * c.float()
-    result = _torch_activation(result, activation).to(out_dtype or a.dtype)
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
 
 
 def _torch_activation(x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -483,10 +549,11 @@ def reference(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = None
 def compile_configs(configs: Sequence[GemmConfig], dtype: torch.dtype = torch.bfloat16,
                     majors: Sequence[tuple[str, str]] = (("K", "MN"),), target: str = "sm_90a",
                     epilogue: Optional[Epilogue] = None, batched: bool = False,
-                    out_dtype: Optional[torch.dtype] = None) -> list[Any]:
+                    out_dtype: Optional[torch.dtype] = None, stream_k: bool = False) -> list[Any]:
     """Compile the kernel for each config and operand major-ness it supports (no GPU needed); returns
     CompiledKernels. ``epilogue`` (default: none, or partials for split K) with a C input of the output's
-    shape when it has one; ``batched``: rank-3 descriptors; ``out_dtype``: default ``dtype``."""
+    shape when it has one; ``batched``: rank-3 descriptors; ``out_dtype``: default ``dtype``; ``stream_k``:
+    with the stream-K tail's fix-up (configs without split K or a cluster)."""
     from nvfly.runtime.torch_args import TensorDesc
     nv = _DTYPES[dtype]
     out_nv = {torch.float32: nvfly.f32, None: nv}.get(out_dtype) or _DTYPES[out_dtype]
@@ -514,8 +581,12 @@ def compile_configs(configs: Sequence[GemmConfig], dtype: torch.dtype = torch.bf
                 else:
                     box, sw = store_box(cfg, batched)
                     out_desc = nvfly.TmaDescriptor(TensorDesc(out_nv, shape), box, swizzle=sw)
+            tail = stream_k and cfg.split_k == 1 and cfg.cluster_m == 1
+            sums = TensorDesc(nvfly.f32, (1 << 24,)) if tail else None
+            counts = TensorDesc(nvfly.i32, (1024,)) if tail else None
             kernels.append(gemm_kernel.compile(
-                a_desc, b_desc, out, c_in, out_desc, 4096, 4096, 64, 2 if batched else 1, 1.0, 0.0, CFG=cfg,
+                a_desc, b_desc, out, c_in, out_desc, 4096, 4096, 64, 2 if batched else 1, 1.0, 0.0, sums, counts,
+                0, 1, CFG=cfg,
                 A_MAJOR=a_major, B_MAJOR=b_major, EPI=epi, block=128 * (1 + cfg.consumers),
                 cluster=(cfg.cluster_m, 1, 1), target=target))
     return kernels

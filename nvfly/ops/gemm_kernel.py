@@ -27,6 +27,7 @@ from typing import Any, Optional
 
 import nvfly
 from nvfly.arch import sm90
+from nvfly.arch.gpu_scope import arrive, load_relaxed_x4, red_add_x4, store_zeros_x4
 from nvfly.arch.ptx import smem_address
 
 BK_BYTES = 128   # one 128-byte swizzle row of K per k-block
@@ -35,6 +36,7 @@ CONSUMER_REGS = 232
 BARRIER_BYTES = 1024  # barriers first; the ring starts 1024-byte aligned (swizzle atoms need it)
 SMEM_LIMIT = 232448
 STORE_BARRIER = 4  # named barriers 4 and 5: each consumer warpgroup's epilogue (2 and 3: ping-pong turns)
+ARRIVAL_OFFSET = 512  # stream-K: each consumer's arrival count, in the barrier area after the ring's barriers
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,9 @@ class GemmConfig:
     take alternate whole tiles (bm rows each) and take turns issuing wgmma, so one's epilogue runs under the
     other's mainloop (instead of both splitting every tile); tma_store: the epilogue goes through shared
     memory (stmatrix + TMA store, 16-bit outputs; others fall back to the register epilogue), staging
-    store_buffers column slices of store_width(bn) columns per consumer warpgroup.
+    store_buffers column slices of store_width(bn) columns per consumer warpgroup; stream_k: when the last wave
+    of tiles is at most half full, its tiles are split along K over the idle blocks (without split_k or a
+    cluster; see gemm.stream_k_tail).
     """
     bm: int = 128
     bn: int = 256
@@ -59,6 +63,7 @@ class GemmConfig:
     pingpong: bool = False
     tma_store: bool = False
     store_buffers: int = 2
+    stream_k: bool = True
 
     def bk(self, itemsize: int) -> int:
         return BK_BYTES // itemsize
@@ -183,6 +188,27 @@ def tile_coords(tile, tiles_m, tiles_n, GROUP_M):
 
 
 @nvfly.func
+def unit_work(unit, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, tail_split, k_per_piece, CFG, CM,
+              STREAM_K):
+    """``tile_work`` of a work unit, plus its tail slot: with STREAM_K, units below ``dp_tiles`` are whole tiles
+    and each later tile is split into ``tail_split`` K pieces of ``k_per_piece`` k-blocks, one unit each; the
+    slot is the tile's index among those split tiles (negative for a whole tile)."""
+    if STREAM_K:
+        tail = unit >= dp_tiles
+        v = nvfly.maximum(unit - dp_tiles, 0)
+        tile = nvfly.select(tail, dp_tiles + v // tail_split, unit)
+        k_begin = nvfly.select(tail, (v % tail_split) * k_per_piece, 0)
+        k_end = nvfly.select(tail, nvfly.minimum(k_begin + k_per_piece, k_tiles), k_tiles)
+        batch, tm, tn = tile_coords(tile, tiles_m, tiles_n, CFG.group_m)
+        split = 0
+        slot = tile - dp_tiles
+    else:
+        batch, tm, tn, split, k_begin, k_end = tile_work(unit, tiles_m, tiles_n, k_per_split, k_tiles, rank, CFG, CM)
+        slot = -1
+    return batch, tm, tn, split, k_begin, k_end, slot
+
+
+@nvfly.func
 def tile_work(tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, CFG, CM):
     """(batch, tile row, tile column, K split, first and end k-block) of a linear tile index; tile rows are
     counted in cluster rows, and ``rank`` picks this block's row of its cluster."""
@@ -195,7 +221,7 @@ def tile_work(tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, CFG, CM):
 @nvfly.kernel
 def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, c_in, out_desc,
                 m: nvfly.i32, n: nvfly.i32, k_tiles: nvfly.i32, batches: nvfly.i32, alpha: nvfly.f32,
-                beta: nvfly.f32, CFG: nvfly.Constexpr, A_MAJOR: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr,
+                beta: nvfly.f32, workspace, counters, dp_tiles: nvfly.i32, tail_split: nvfly.i32, CFG: nvfly.Constexpr, A_MAJOR: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr,
                 EPI: nvfly.Constexpr):
     dtype = a_desc.info.dtype
     size = dtype.itemsize
@@ -218,6 +244,11 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
     A_BYTES = BM * BK * size
     STAGE_BYTES = A_BYTES + BN * BK * size
 
+    STREAM_K = workspace is not None
+    PARTS = 1 if PINGPONG else WGS  # consumer tiles per output tile (each has its own slot and count)
+    if STREAM_K:
+        check_stream_k(CFG)
+        arrivals = nvfly.dynamic_shared_tensor(nvfly.i32, (WGS,), offset_bytes=ARRIVAL_OFFSET)
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
     TMA_STORE = CFG.tma_store and not EPI.partial
@@ -250,14 +281,20 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
     tiles_n = (n + BN - 1) // BN
     num_tiles = tiles_m * tiles_n * batches * CFG.split_k
     k_per_split = (k_tiles + CFG.split_k - 1) // CFG.split_k
+    num_units = num_tiles
+    k_per_piece = k_tiles
+    if STREAM_K:
+        num_units = dp_tiles + (num_tiles - dp_tiles) * tail_split
+        k_per_piece = (k_tiles + tail_split - 1) // tail_split
 
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
         if tid == 0:
             state = sm90.PipelineState.start(S)
-            for tile in range(first_tile, num_tiles, tile_step):
-                batch, tm, tn, split, k_begin, k_end = tile_work(tile, tiles_m, tiles_n, k_per_split, k_tiles,
-                                                                 rank, CFG, CM)
+            for tile in range(first_tile, num_units, tile_step):
+                batch, tm, tn, split, k_begin, k_end, slot = unit_work(
+                    tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, tail_split, k_per_piece, CFG, CM,
+                    STREAM_K)
                 for kt in range(k_begin, k_end):
                     pipe.producer_acquire(state)
                     pipe.producer_expect(state)
@@ -290,12 +327,18 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
         if PINGPONG:
             # consumer c takes every other tile of this block, starting with its c-th; the ring holds the
             # other consumer's k-blocks in between
-            state = state.advance_by(consumer * k_tiles)
+            first_k_blocks = k_tiles
+            if STREAM_K:
+                first_work = unit_work(first_tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles,
+                                       tail_split, k_per_piece, CFG, CM, STREAM_K)
+                first_k_blocks = first_work[5] - first_work[4]
+            state = state.advance_by(consumer * first_k_blocks)
             own_first, own_step = first_tile + consumer * tile_step, 2 * tile_step
         turn = consumer  # ping-pong: the first tile of consumer 0 needs no turn
-        for tile in range(own_first, num_tiles, own_step):
-            batch, tm, tn, split, k_begin, k_end = tile_work(tile, tiles_m, tiles_n, k_per_split, k_tiles, rank,
-                                                             CFG, CM)
+        for tile in range(own_first, num_units, own_step):
+            batch, tm, tn, split, k_begin, k_end, slot = unit_work(
+                tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, tail_split, k_per_piece, CFG, CM,
+                STREAM_K)
             if PINGPONG:
                 if turn > 0:
                     nvfly.named_barrier(2 + consumer, 256)  # wait until the other consumer issued its wgmmas
@@ -321,27 +364,86 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
             sm90.wait_group(0)
             if lane == 0:
                 release(pipe, prev, CM)
-            if PINGPONG:
-                state = state.advance_by(k_tiles)  # skip the other consumer's next tile
+            if PINGPONG:  # skip the other consumer's next unit
+                if STREAM_K:
+                    other = unit_work(tile + tile_step, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles,
+                                      tail_split, k_per_piece, CFG, CM, STREAM_K)
+                    state = state.advance_by(other[5] - other[4])
+                else:
+                    state = state.advance_by(k_tiles)
             row0 = tm * BM + (0 if PINGPONG else consumer * WG_M) + warp_in_wg * 16 + lane // 4
             col0 = tn * BN + 2 * (lane % 4)
             out_batch = batch * CFG.split_k + split if EPI.partial else batch
             inside = (tm * BM + (WG_M if PINGPONG else (consumer + 1) * WG_M) <= m) & (tn * BN + BN <= n)
-            if TMA_STORE:
-                tile_row = tm * BM + (0 if PINGPONG else consumer * WG_M)
-                own = staging + consumer * (CFG.staging_bytes() // WGS)
-                # TMA clips the stores; only C reads are bounds-checked (one code copy: C is the rare case)
-                stage_tile(out_desc, c_in, accs, own, batch, tile_row, tn * BN, row0, col0, m, n, alpha, beta,
-                           consumer, warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, EPI.has_c)
-            elif inside:
-                store_tile(out, c_in, accs, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, False)
-            else:
-                store_tile(out, c_in, accs, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, True)
+            values = accs
+            finished = True
+            if STREAM_K:
+                # a K piece of a split tile: add it into the tile's workspace slot; the piece counted in last
+                # takes the whole sum and runs the epilogue
+                values, finished = fix_up(accs, slot >= 0, workspace, counters,
+                                          slot * PARTS + (0 if PINGPONG else consumer), arrivals, consumer,
+                                          warp_in_wg, lane, tail_split, ATOMS_M, BN)
+            if finished:
+                if TMA_STORE:
+                    tile_row = tm * BM + (0 if PINGPONG else consumer * WG_M)
+                    own = staging + consumer * (CFG.staging_bytes() // WGS)
+                    # TMA clips the stores; only C reads are bounds-checked (one code copy: C is the rare case)
+                    stage_tile(out_desc, c_in, values, own, batch, tile_row, tn * BN, row0, col0, m, n, alpha, beta,
+                               consumer, warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, EPI.has_c)
+                elif inside:
+                    store_tile(out, c_in, values, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI,
+                               False)
+                else:
+                    store_tile(out, c_in, values, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, True)
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
     if CM > 1:
         sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
+
+
+@nvfly.func
+def fix_up(accs, partial, workspace, counters, index, arrivals, consumer, warp_in_wg, lane, tail_split, ATOMS_M, BN):
+    """Stream-K fix-up of one consumer tile: (values for the epilogue, whether to run it). A ``partial`` unit
+    (uniform over the warpgroup) adds its fragments into workspace slot ``index`` (each thread's 16-byte vectors
+    2 KB apart, so the warpgroup's adds are coalesced) and counts itself in on ``counters[index]``; the unit
+    that counts in last reads the complete sums back, zeroes the slot and the count for the next launch, and runs
+    the epilogue with them. Whole tiles keep their accumulators."""
+    VECTORS = BN // 8  # 16-byte vectors per atom row of fragments
+    first = index * (ATOMS_M * 64 * BN) + 4 * (warp_in_wg * 32 + lane)
+    if partial:
+        for i in nvfly.static_range(ATOMS_M):
+            for q in nvfly.static_range(VECTORS):
+                red_add_x4(workspace.address(first + 512 * (i * VECTORS + q)),
+                           [accs[i][4 * q + e] for e in range(4)])
+        nvfly.threadfence()  # this thread's adds are visible GPU-wide before the warpgroup counts itself in
+        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+        if (warp_in_wg == 0) & (lane == 0):
+            arrivals[consumer] = arrive(counters.address(index))
+        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+    last = partial & (arrivals[consumer] == tail_split - 1)
+    values = [[accs[i][e] for e in range(BN // 2)] for i in range(ATOMS_M)]
+    if last:  # (a branch, not selects: the sums replace the accumulators, so both are never live at once)
+        nvfly.threadfence()
+        values = []
+        for i in nvfly.static_range(ATOMS_M):
+            row = []
+            for q in nvfly.static_range(VECTORS):
+                row += load_relaxed_x4(workspace.address(first + 512 * (i * VECTORS + q)))
+            values.append(row)
+        for j in nvfly.static_range(ATOMS_M * VECTORS):
+            store_zeros_x4(workspace.address(first + 512 * j))
+        if (warp_in_wg == 0) & (lane == 0):
+            counters[index] = 0
+    return values, (~partial) | last
+
+
+def check_stream_k(cfg: GemmConfig) -> None:
+    from nvfly.errors import CompileError
+    if cfg.split_k != 1 or cfg.cluster_m != 1:
+        raise CompileError("a stream-K tail (workspace given) needs split_k=1 and cluster_m=1")
+    if 2 * cfg.stages * 8 > ARRIVAL_OFFSET:
+        raise CompileError(f"{cfg.stages} stages: the ring's barriers would overlap the arrival counts")
 
 
 def release(pipe: Any, state: Any, cluster: int) -> None:

@@ -37,7 +37,11 @@ ldmatrix leaves k in natural order, so the tokens use the ISA's B layout (two co
 loaded element-wise, masked at K). Every chunk, the partial last one included, is staged: rows past K and
 columns past N are zero-filled by cp.async (nothing read), so only the tokens need masking. N must be a
 multiple of 8 and B's rows 16-byte aligned (``reason``; the wgmma kernel runs the rest). After the loop a
-warp's first stage holds its 64 x 16 partial tile, and the shared reduction / split-K epilogue follows.
+warp's first stage holds its 64 x 16 partial tile, and the shared reduction / split-K epilogue follows. All of
+this variant's shared memory is dynamic (``row_b_smem_bytes``: the rings, then split K's arrival count): the
+runtime opts in to more than 48 KB by the dynamic size alone, and a static array would have added 1 KB ahead of
+the 1024-byte aligned dynamic region (exactly 48 KB of rings with split K then failed to launch).
+``SkinnyConfig.check(row_b=True)`` declines rings that do not fit 227 KB.
 """
 from __future__ import annotations
 
@@ -49,7 +53,8 @@ import torch
 
 import nvfly
 from nvfly.arch import sm80
-from nvfly.arch.ptx import asm, asm_multi, smem_address
+from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add
+from nvfly.arch.ptx import asm_multi, smem_address
 from nvfly.frontend import dtypes
 from nvfly.ops.gemm_kernel import Epilogue, activate
 from nvfly.runtime.torch_args import current_stream
@@ -63,7 +68,14 @@ TILE_SLOTS = ROWS * MAX_M  # fp32 workspace slots per output tile (16 columns x 
 COLS_ROW_B = 64
 SEGMENTS = COLS_ROW_B // VECTOR          # 16-byte segments per staged k row
 CHUNK_BYTES = CHUNK_K * COLS_ROW_B * 2   # one ring stage (4 KB)
+# shared memory per CTA: the opt-in maximum (sm_90: 227 KB of dynamic plus static), and the most a launch may
+# use without the opt-in attribute, which the runtime (runtime.driver.LoadedFunction) sets only when the
+# *dynamic* size alone exceeds it; a CTA's static shared memory counts towards both limits
 MAX_SMEM = 227 * 1024
+DEFAULT_SMEM = 48 * 1024
+# row-major B with split K: the CTA's arrival count lives in dynamic shared memory right after the rings (a
+# static array would sit before the 1024-byte aligned dynamic region and take 1 KB of static shared memory)
+ARRIVAL_BYTES = 16
 
 # mma fragment registers from the loaded 32-bit words (each word: two consecutive k of one row).
 # A (W): register r of k16 step s is word 2 * s + offset of row g (half 0) or g + 8 (half 1), with
@@ -81,14 +93,29 @@ class SkinnyConfig:
     unroll: int = 4
     splits: int = 1
 
-    def check(self) -> Optional[str]:
+    def check(self, row_b: bool = False) -> Optional[str]:
+        """None when the kernel (with ``row_b``, its row-major-B variant) can be built and launched with this
+        config, else why not."""
         if not 1 <= self.warps <= 32:
             return f"warps={self.warps}: 1 to 32"
         if not 1 <= self.unroll <= 16:
             return f"unroll={self.unroll}: 1 to 16"
         if self.splits < 1:
             return f"splits={self.splits}: at least 1"
+        if row_b:
+            if self.unroll < 2:
+                return f"unroll={self.unroll}: row-major B needs a ring of at least 2 stages"
+            smem = row_b_smem_bytes(self)
+            if smem > MAX_SMEM:
+                return (f"warps={self.warps} x unroll={self.unroll} ring stages of {CHUNK_BYTES} bytes need {smem} "
+                        f"bytes of shared memory per CTA; at most {MAX_SMEM}")
         return None
+
+
+def row_b_smem_bytes(config: SkinnyConfig) -> int:
+    """Dynamic shared memory of the row-major-B kernel (it has no static shared memory): every warp's ring of
+    ``unroll`` stages (reused for the warps' partial tiles) and, with split K, the arrival count after them."""
+    return config.warps * config.unroll * CHUNK_BYTES + (ARRIVAL_BYTES if config.splits > 1 else 0)
 
 
 # ---------------------------------------------------------------------------------------------- index maps
@@ -171,19 +198,6 @@ def mma_chunk(accs: list, chunk: tuple, dtype: Any) -> list:
             b = [x_words[t][2 * step + r] for r in B_REGISTER_WORDS]
             out[t] = sm80.mma_m16n8k16(a, b, out[t], dtype)
     return out
-
-
-def red_add(address: Any, value: Any) -> None:
-    asm("red.relaxed.gpu.global.add.f32 [$0], $1;", [address, value])
-
-
-def arrive(address: Any) -> Any:
-    """Count this CTA in (acq_rel at GPU scope); the previous count."""
-    return asm("atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;", [address], result=dtypes.i32)
-
-
-def load_relaxed(address: Any) -> Any:
-    return asm("ld.relaxed.gpu.global.f32 $0, [$1];", [address], result=dtypes.f32)
 
 
 @nvfly.func
@@ -339,14 +353,15 @@ def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in
 
     # per warp: (column within the group, token, partial sum) of each accumulator (PTX's C layout), and where
     # its partial tile goes in shared memory
+    RING_BYTES = WARPS * UNROLL * CHUNK_BYTES
     if ROW_B:
         # the ring is reused for the partial sums: a warp's first stage (4 KB) holds its 64 x 16 tile
-        ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (WARPS * UNROLL * CHUNK_BYTES,)))
+        ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (RING_BYTES,)))
         c_begin = split * chunks_per_split
         c_end = nvfly.minimum(c_begin + chunks_per_split, (k + CHUNK_K - 1) // CHUNK_K)
         tiles = stream_row_major(w, x, ring, batch, group * COLS, c_begin, c_end, warp, lane, m, n, k, WARPS,
                                  UNROLL, M_TILES)
-        partial = nvfly.dynamic_shared_tensor(nvfly.f32, (WARPS * UNROLL * CHUNK_BYTES // 4,))
+        partial = nvfly.dynamic_shared_tensor(nvfly.f32, (RING_BYTES // 4,))
         WARP_STRIDE = UNROLL * CHUNK_BYTES // 4
     else:
         tiles = [stream_column_major(w, x, batch, group, split, warp, lane, m, n, k, chunks_per_split, WARPS,
@@ -382,7 +397,12 @@ def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in
             if valid:
                 red_add(workspace.address(slot), total)
         nvfly.threadfence()  # this thread's sums are visible GPU-wide before the CTA counts itself in
-        arrived = nvfly.shared_tensor(nvfly.i32, (1,))
+        # row-major B keeps all its shared memory dynamic (row_b_smem_bytes): a static array would add 1 KB
+        # before the 1024-byte aligned dynamic region, unseen by the launch's opt-in decision
+        if ROW_B:
+            arrived = nvfly.dynamic_shared_tensor(nvfly.i32, (ARRIVAL_BYTES // 4,), offset_bytes=RING_BYTES)
+        else:
+            arrived = nvfly.shared_tensor(nvfly.i32, (1,))
         nvfly.syncthreads()
         if tid == 0:
             arrived[0] = arrive(counters.address(tile))
@@ -465,15 +485,12 @@ def default_config(n: int, k: int, batches: int, sms: int, row_b: bool = False) 
 def make_plan(m: int, n: int, k: int, batches: int, has_c: bool, activation: str, scaled: bool,
               config: Optional[SkinnyConfig], sms: int, row_b: bool = False) -> SkinnyPlan:
     config = config or default_config(n, k, batches, sms, row_b)
-    problem = config.check()
+    problem = config.check(row_b)
     if problem:
-        raise ValueError(f"SkinnyConfig: {problem}")
+        raise ValueError(f"config={config}: {problem}" + (" (row-major B)" if row_b else ""))
     epilogue = Epilogue(has_c=has_c, activation=activation, scaled=scaled)
     if row_b:
         # unroll = ring stages per warp; every chunk (the last one partial) is staged, zero-filled past K
-        if config.unroll < 2 or config.warps * config.unroll * CHUNK_BYTES > MAX_SMEM:
-            raise ValueError(f"SkinnyConfig: row-major B needs 2 <= unroll and warps * unroll * {CHUNK_BYTES} "
-                             f"<= {MAX_SMEM} bytes of shared memory, got {config}")
         chunks = max(1, math.ceil(k / CHUNK_K))
         per_split = math.ceil(chunks / min(config.splits, chunks))
         splits = math.ceil(chunks / per_split)
@@ -497,14 +514,15 @@ _WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 def workspace(device: torch.device, stream: int, tiles: int,
               tile_slots: int = TILE_SLOTS) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 partial sums, i32 arrival counters) for ``tiles`` output tiles of ``tile_slots`` sums, zero between
-    launches (each launch leaves them zeroed); one pair per (device, stream), grown as needed. Allocate
-    outside CUDA graph capture (the first split call on a stream allocates)."""
+    launches (each launch leaves them zeroed); one pair per (device, stream), grown as needed (the wgmma
+    kernel's stream-K tail shares it). Allocate outside CUDA graph capture (the first split call on a stream
+    allocates)."""
     key = (device.index, stream)
     entry = _WORKSPACES.get(key)
     if entry is None or entry[1].numel() < tiles or entry[0].numel() < tiles * tile_slots:
-        size = max(tiles, 2 * entry[1].numel() if entry is not None else 0, 1024)
-        entry = (torch.zeros(size * max(tile_slots, TILE_SLOTS), dtype=torch.float32, device=device),
-                 torch.zeros(size, dtype=torch.int32, device=device))
+        sums, counts = (0, 0) if entry is None else (entry[0].numel(), entry[1].numel())
+        entry = (torch.zeros(max(tiles * tile_slots, 1024 * TILE_SLOTS, sums), dtype=torch.float32, device=device),
+                 torch.zeros(max(tiles, 1024, counts), dtype=torch.int32, device=device))
         _WORKSPACES[key] = entry
     return entry
 
@@ -518,12 +536,12 @@ def prepared_launch(plan: SkinnyPlan, shape: tuple) -> Callable[..., None]:
 
     def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], out: torch.Tensor, alpha: float,
             beta: float) -> None:
-        if batched:
-            a3, b3, out3, c3 = a, b, out, None if c is None else c.expand(shape)
+        if kernel.warm:  # the generated launch reads only addresses: the kernel's views start where these do
+            w, a3, out3, c3 = b, a, out, c
         else:
-            a3, b3, out3 = a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0)
-            c3 = None if c is None else c.expand(shape).unsqueeze(0)
-        w = b3 if plan.row_b else b3.transpose(-1, -2)
+            a3, b3, out3 = (a, b, out) if batched else (a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0))
+            c3 = None if c is None else c.expand(shape) if batched else c.expand(shape).unsqueeze(0)
+            w = b3 if plan.row_b else b3.transpose(-1, -2)
         if cfg.splits == 1:
             kernel(w, a3, out3, c3, None, None, plan.m, plan.n, plan.k, plan.chunks_per_split, alpha, beta, cfg,
                    plan.m_tiles, plan.epilogue, plan.row_b)

@@ -9,9 +9,9 @@ Design (forward, the row-in-registers kernel):
   ``ceil(N / (GROUP*VEC))`` 16-byte vectors of the row in registers (at most 8), so
   each element is read once and written once (with the residual add: x and residual read, y and x + residual
   written); the weight, shared by all rows, is read after the reduction and mostly hits L1/L2.
-- ``GROUP`` grows with N so that every thread has about 8 vectors in flight; small rows are packed
-  ``256 // GROUP`` to a block (a warp or less per row, a shuffle-only reduction), long rows get a block each
-  with a shared-memory step across warps.
+- ``GROUP`` grows with N so that every thread has about 8 vectors in flight; short rows are packed
+  ``128 // GROUP`` to a block (a warp or less per row: a shuffle-only reduction; why 128 threads: see
+  ROW_BLOCK_THREADS), long rows get a block each with a shared-memory step across warps.
 - rows that do not fit the registers (N > 512*8*VEC: 32768 bf16, 16384 fp32) use a looped kernel that reads
   them twice (the second time mostly from L2).
 Backward loops persistently over rows (about two blocks per SM), accumulating each block's weight gradient in
@@ -40,9 +40,20 @@ MAX_GROUP = 512                 # threads per row: blocks of 512 keep a 128-regi
 LOOPED_UNROLL = 4               # vectors per thread in flight in the looped kernel
 BACKWARD_VECTORS_PER_THREAD = 2  # backward also keeps the weight-gradient sums in registers
 BACKWARD_MAX_ELEMENTS = 16      # of a row per thread in the backward kernel (1024 threads): more would spill
-ROW_BLOCK_THREADS = 256         # threads of a block that packs several short rows
+SM_SUB_PARTITIONS = 4           # warp schedulers per SM, each with a quarter of the register file
+# Threads of a forward block that packs short rows: one warp per sub-partition. Registers are allocated per
+# sub-partition, so a register-limited SM holds 4 x (warps that fit in 16K registers) warps (resident_warps):
+# blocks of 4 warps fill that count whatever the registers per thread, blocks of 8 leave 4 warps' registers
+# idle when the count per sub-partition is odd (bf16 rows of 2048, 88 registers: 20 warps fit, 8-warp blocks
+# use 16), and smaller blocks hold no more warps.
+ROW_BLOCK_THREADS = 32 * SM_SUB_PARTITIONS
+BACKWARD_ROW_BLOCK_THREADS = 256  # the persistent backward launches about two blocks per SM: 16 warps
 LOOPED_THREADS = 1024           # the looped kernel for rows too long for registers
 COLUMN_SUM_COLS = 32            # columns per block of the weight-gradient partial sum
+SM_REGISTERS = 65536            # sm_90 limits for resident_warps
+SM_MAX_WARPS = 64
+SM_MAX_BLOCKS = 32
+REGISTER_ALLOCATION_UNIT = 256  # registers are given to a warp in multiples of this
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
@@ -257,14 +268,21 @@ class RowPlan:
     rows: int
     looped: bool
 
+    @property
+    def threads(self) -> int:
+        """Threads per block of the row-in-registers kernels."""
+        return self.group * self.rows
+
 
 @functools.lru_cache(maxsize=4096)
 def plan(n: int, vec: int, m: int, sm_count: int, target_vectors: int = TARGET_VECTORS_PER_THREAD,
-         max_vectors: int = MAX_VECTORS_PER_THREAD, max_group: int = MAX_GROUP) -> RowPlan:
+         max_vectors: int = MAX_VECTORS_PER_THREAD, max_group: int = MAX_GROUP,
+         block_threads: int = ROW_BLOCK_THREADS) -> RowPlan:
     """The launch shape for ``m`` rows of ``n`` elements read ``vec`` at a time (see the module doc).
 
-    Threads per row grow until each holds about ``target_vectors`` vectors; short rows share a block, but
-    never so many that fewer than two blocks per SM would be launched (blocks stay whole warps).
+    Threads per row grow until each holds about ``target_vectors`` vectors; short rows share a block of
+    ``block_threads`` threads (rows of more threads get a block each), but never so many that fewer than two
+    blocks per SM would be launched (blocks stay whole warps).
     """
     row_vectors = -(-n // vec)
     group = 1
@@ -274,8 +292,18 @@ def plan(n: int, vec: int, m: int, sm_count: int, target_vectors: int = TARGET_V
         return RowPlan(vec, LOOPED_THREADS, 1, True)
     # whole warps only (rows of less than a warp are packed by 32 // group)
     per_warp = max(1, 32 // group)
-    rows = max(per_warp, min(ROW_BLOCK_THREADS // group, m // (2 * sm_count)) // per_warp * per_warp)
+    rows = max(per_warp, min(block_threads // group, m // (2 * sm_count)) // per_warp * per_warp)
     return RowPlan(vec, group, rows, False)
+
+
+def resident_warps(registers: int, threads: int) -> int:
+    """Warps an sm_90 SM holds of blocks of ``threads`` threads using ``registers`` each (shared memory aside):
+    the register, warp and block limits as cuda_occupancy.h computes them, where each sub-partition holds the
+    warps its quarter of the register file fits."""
+    warps = -(-threads // 32)
+    per_warp = -(-registers * 32 // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
+    by_registers = SM_REGISTERS // SM_SUB_PARTITIONS // per_warp * SM_SUB_PARTITIONS
+    return min(by_registers // warps, SM_MAX_WARPS // warps, SM_MAX_BLOCKS) * warps
 
 
 def vector_width(n: int, tensors: Sequence[Optional["torch.Tensor"]], itemsize: int) -> int:
@@ -416,16 +444,22 @@ class _Forward:
 
 def rms_norm_forward(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, eps: Optional[float] = None,
                      residual: Optional["torch.Tensor"] = None, normalized_shape: Optional[Sequence[int]] = None,
-                     want_rstd: bool = True) -> tuple["torch.Tensor", Optional["torch.Tensor"],
-                                                       Optional["torch.Tensor"]]:
-    """(y, x + residual or None, rstd or None); ``rstd`` has one fp32 entry per row (for the backward)."""
+                     want_rstd: bool = True, block_threads: Optional[int] = None
+                     ) -> tuple["torch.Tensor", Optional["torch.Tensor"], Optional["torch.Tensor"]]:
+    """(y, x + residual or None, rstd or None); ``rstd`` has one fp32 entry per row (for the backward).
+
+    ``block_threads`` replaces ROW_BLOCK_THREADS, the threads of a block packing short rows (a power of two
+    from 32 to 512; rows of more threads keep a block each): for comparing plans.
+    """
     try:
-        key = (layout_key(x), layout_key(weight), layout_key(residual), eps, type(eps), normalized_shape if normalized_shape is None else tuple(normalized_shape), want_rstd)
+        key = (layout_key(x), layout_key(weight), layout_key(residual), eps, type(eps),
+               normalized_shape if normalized_shape is None else tuple(normalized_shape), want_rstd,
+               block_threads, type(block_threads))
         f = _FORWARD.get(key)
     except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
         key = f = None
     if f is None:
-        f = _forward_plan(key, x, weight, eps, residual, normalized_shape, want_rstd)
+        f = _forward_plan(key, x, weight, eps, residual, normalized_shape, want_rstd, block_threads)
     if not f.direct:
         return _forward_general(f, x, weight, residual, want_rstd)
     import torch
@@ -469,9 +503,14 @@ def _forward_empty(f: _Forward, x: "torch.Tensor", residual: Optional["torch.Ten
 
 
 def _forward_plan(key: Any, x: Any, weight: Any, eps: Any, residual: Any,
-                  normalized_shape: Optional[Sequence[int]], want_rstd: bool) -> _Forward:
+                  normalized_shape: Optional[Sequence[int]], want_rstd: bool, block_threads: Any) -> _Forward:
     """The first call of a key: the checks (they raise), then the plan, remembered under ``key``."""
     m, n = _check(x, weight, residual, eps, normalized_shape)
+    if block_threads is None:
+        block_threads = ROW_BLOCK_THREADS
+    elif type(block_threads) is not int or not 32 <= block_threads <= MAX_GROUP or block_threads & (block_threads - 1):
+        raise ValueError(f"block_threads: expected None or a power of two from 32 to {MAX_GROUP}, "
+                         f"got {block_threads!r}")
     if m == 0 or n == 0:  # nothing to launch
         f = _Forward(m, n, tuple(x.shape), False, None, ())
         _remember(_FORWARD, key, f)
@@ -481,14 +520,14 @@ def _forward_plan(key: Any, x: Any, weight: Any, eps: Any, residual: Any,
     r2 = _rows(residual, n) if residual is not None else None
     vec = vector_width(n, (x2, w, r2), x.element_size())
     max_vectors = MAX_VECTORS_PER_THREAD if vec * x.element_size() == 16 else NARROW_MAX_ELEMENTS // vec
-    p = plan(n, vec, m, driver.plan_sm_count(x.get_device()), max_vectors=max_vectors)
+    p = plan(n, vec, m, driver.plan_sm_count(x.get_device()), max_vectors=max_vectors, block_threads=block_threads)
     flags = (weight is not None, residual is not None, bool(want_rstd))
     eps = default_eps() if eps is None else float(eps)
     if p.looped:
         launch = rms_norm_looped_kernel.prepared(m, LOOPED_THREADS)
         tail: tuple = (eps, n, vec, LOOPED_THREADS, LOOPED_UNROLL, *flags)
     else:
-        launch = rms_norm_kernel.prepared(-(-m // p.rows), p.group * p.rows)
+        launch = rms_norm_kernel.prepared(-(-m // p.rows), p.threads)
         tail = (m, eps, n, vec, p.group, p.rows, *flags)
     direct = _is_rows(x, m, n) and (residual is None or _is_rows(residual, m, n)) and \
         (weight is None or (weight.dim() == 1 and weight.is_contiguous()))
@@ -593,13 +632,14 @@ def _backward_plan(key: Any, grad_out: Any, x: Any, rstd: Any, weight: Any,
     if reason is not None:
         raise ValueError(f"x: {reason}")
     sms = driver.plan_sm_count(x.get_device())
-    p = plan(n, vec, m, sms, BACKWARD_VECTORS_PER_THREAD, max(1, BACKWARD_MAX_ELEMENTS // vec), 1024)
+    p = plan(n, vec, m, sms, BACKWARD_VECTORS_PER_THREAD, max(1, BACKWARD_MAX_ELEMENTS // vec), 1024,
+             BACKWARD_ROW_BLOCK_THREADS)
     # persistent: about two blocks per SM, each accumulating its own weight-gradient partial rows
     grid = min(-(-m // p.rows), 2 * sms)
     padded_n = -(-n // COLUMN_SUM_COLS) * COLUMN_SUM_COLS
     b.direct = _is_rows(x, m, n) and _is_rows(grad_out, m, n) and \
         (grad_residual is None or _is_rows(grad_residual, m, n))
-    b.launch = rms_norm_backward_kernel.prepared(grid, p.group * p.rows)
+    b.launch = rms_norm_backward_kernel.prepared(grid, p.threads)
     b.tail = (m, n, vec, p.group, p.rows, weight is not None, grad_residual is not None, needs_weight_grad)
     b.partial_shape = (grid * p.rows, padded_n)
     if needs_weight_grad:

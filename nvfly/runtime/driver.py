@@ -130,11 +130,14 @@ class LoadedFunction:
             self.module = check(cu.cuModuleLoadData(image), f"cuModuleLoadData({name})")
             self.function = check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
         self.device = device
-        if dynamic_smem_bytes > 48 * 1024:
+        # a launch without the opt-in attribute gets 48 KiB of static and dynamic shared memory together
+        static = check(cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
+                                             self.function), "cuFuncGetAttribute")
+        if static + dynamic_smem_bytes > 48 * 1024:
             limit = device_attribute(device, "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
-            if dynamic_smem_bytes > limit:
-                raise CudaError(f"{name} needs {dynamic_smem_bytes} bytes of shared memory; the device allows "
-                                f"{limit}", 1, "CUDA_ERROR_INVALID_VALUE")
+            if static + dynamic_smem_bytes > limit:
+                raise CudaError(f"{name} needs {static} + {dynamic_smem_bytes} bytes of static and dynamic shared "
+                                f"memory; the device allows {limit}", 1, "CUDA_ERROR_INVALID_VALUE")
             attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             check(cu.cuFuncSetAttribute(self.function, attr, dynamic_smem_bytes), "cuFuncSetAttribute")
 

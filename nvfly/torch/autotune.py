@@ -36,8 +36,8 @@ from nvfly.ops import gemm
 from nvfly.ops.gemm_kernel import GemmConfig
 from nvfly.runtime.driver import sm_count
 from nvfly.torch import routing
-from nvfly.torch.gemm_ops import (AUTO, Decision, Workload, analyze, encode_config, nvfly_gemm, precompile, record,
-                                  signature)
+from nvfly.runtime.torch_args import layout_key
+from nvfly.torch.gemm_ops import AUTO, Decision, Workload, analyze, encode_config, nvfly_gemm, precompile, record
 from nvfly.version import __version__
 
 log = logging.getLogger("nvfly")
@@ -322,7 +322,8 @@ _EAGER: dict[tuple, tuple[Optional[str], str]] = {}  # operand signature -> (why
 def _eager(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, out: Optional[Tensor] = None,
            beta: Any = 1, alpha: Any = 1) -> tuple[Optional[str], str]:
     """(None, config) when the database says nvfly beats torch on these operands, else (why not, "")."""
-    key = (signature(a, b, c), None if out is None else (out.shape, out.dtype), type(beta), type(alpha))
+    key = (layout_key(a), layout_key(b), layout_key(c), None if out is None else (out.shape, out.dtype), type(beta),
+           type(alpha))
     hit = _EAGER.get(key)
     if hit is None:
         config = ""

@@ -204,16 +204,8 @@ def nvfly_gemm(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float
     """alpha * a @ b + beta * c on nvfly (2-D or 3-D, c broadcast), with a config string; raises when nvfly
     cannot run it (the ops below fall back to torch instead)."""
     cfg, swap = decode_config(config)
-    if not swap:
-        return gemm.matmul(a, b, c=c, alpha=alpha, beta=beta, out=out, config=cfg)
-    # (B^T A^T)^T: the kernel writes the transposed views, so out keeps its own layout
-    shape = (*a.shape[:-1], b.shape[-1])
-    if out is None:
-        out = torch.empty(shape, dtype=a.dtype, device=a.device)
-    c_t = c.expand(shape).transpose(-1, -2) if c is not None else None
-    gemm.matmul(b.transpose(-1, -2), a.transpose(-1, -2), c=c_t, alpha=alpha, beta=beta,
-                out=out.transpose(-1, -2), config=cfg)
-    return out
+    # a swapped config computes (B^T A^T)^T: the kernel writes out's transposed view, so out keeps its layout
+    return gemm.matmul(a, b, c=c, alpha=alpha, beta=beta, out=out, config=cfg, swap=True if swap else None)
 
 
 def precompile(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, config: str = AUTO) -> None:
@@ -225,34 +217,60 @@ def precompile(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, config: str 
 
 
 _SIGNATURE_LIMIT = 4096
-_DECLINED: dict[tuple, Optional[str]] = {}  # operand signature -> None (run nvfly) or why torch runs it
-
-
-def signature(a: Tensor, b: Tensor, c: Optional[Tensor] = None, config: str = AUTO) -> tuple:
-    """What decides whether and how nvfly runs these operands (a cache key): layouts, dtypes, alignment."""
-    return layout_key(a), layout_key(b), layout_key(c), config
+# operand signature -> nvfly's bound launches (gemm.bind), or why torch runs these operands
+_BOUND: dict[tuple, Any] = {}
 
 
 def _gemm(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float = 1.0, beta: float = 1.0,
           out: Optional[Tensor] = None, config: str = AUTO) -> Tensor:
-    """``nvfly_gemm``, or torch when nvfly declines these operands or failed on them before."""
-    key = signature(a, b, c, config)
-    if key not in _DECLINED:
-        if len(_DECLINED) >= _SIGNATURE_LIMIT:
-            _DECLINED.clear()
-        _, reason = analyze(a, b, c)
-        _DECLINED[key] = reason
+    """``nvfly_gemm``, or torch when nvfly declines these operands or failed on them before.
+
+    The first call of a signature checks the operands and runs ``nvfly_gemm``; later ones go straight to the
+    bound launches, which read only addresses (one cache lookup per call)."""
+    c_used = c if c is not None and beta != 0 else None
+    key = (layout_key(a), layout_key(b), layout_key(c_used), layout_key(out), config, alpha != 1.0)
+    bound = _BOUND.get(key)
+    if bound is None:
+        if len(_BOUND) >= _SIGNATURE_LIMIT:
+            _BOUND.clear()
+        _, reason = analyze(a, b, c_used)
         if reason is not None:
+            _BOUND[key] = reason
             record(Decision.of("op", op, a, b, reason=reason))
-    if _DECLINED[key] is None:
+        else:
+            try:
+                result = nvfly_gemm(a, b, c_used, alpha=alpha, beta=beta, out=out, config=config)
+                cfg, swap = decode_config(config)
+                _BOUND[key] = gemm.bind(a, b, c=c_used, scaled=alpha != 1.0, out=out, config=cfg,
+                                        swap=True if swap else None)
+                return result
+            except Exception as exc:
+                _fail(op, key, a, b, exc)
+    elif type(bound) is not str:
         try:
-            return nvfly_gemm(a, b, c, alpha=alpha, beta=beta, out=out, config=config)
-        except Exception as exc:  # never break the model: torch computes this signature from now on
-            reason = f"nvfly raised {type(exc).__name__}: {exc}"
-            _DECLINED[key] = reason
-            decision = record(Decision.of("op", op, a, b, reason=reason))
-            log.warning("nvfly: %s %s: %s; falling back to torch for these operands", op, decision.problem, reason)
+            result = torch.empty(bound.shape, dtype=bound.out_dtype, device=a.device) if out is None else out
+            bound.run(a, b, c_used, result, alpha, beta)
+            return result
+        except Exception as exc:
+            _fail(op, key, a, b, exc)
     return _torch_gemm(a, b, c, alpha=alpha, beta=beta, out=out)
+
+
+def bound_reason(*operands: Tensor, out: Optional[Tensor] = None, alpha: float = 1.0, beta: float = 1.0,
+                 config: str = AUTO) -> Optional[str]:
+    """Why the ops run torch for these operands (``(a, b)`` or ``(c, a, b)``) since an earlier call, or None."""
+    *c, a, b = operands
+    c_used = c[0] if c and beta != 0 else None
+    bound = _BOUND.get((layout_key(a), layout_key(b), layout_key(c_used), layout_key(out), config, alpha != 1.0))
+    return bound if type(bound) is str else None
+
+
+def _fail(op: str, key: tuple, a: Tensor, b: Tensor, exc: Exception) -> None:
+    """Never break the model: torch computes this signature from now on."""
+    reason = f"nvfly raised {type(exc).__name__}: {exc}"
+    _BOUND[key] = reason
+    decision = record(Decision.of("op", op, a, b, reason=reason))
+    log.warning("nvfly: %s %s: %s; falling back to torch for these operands", op, decision.problem, reason)
 
 
 def _torch_gemm(a: Tensor, b: Tensor, c: Optional[Tensor], *, alpha: float, beta: float,

@@ -41,7 +41,7 @@ def operand(rows, cols, major, batches=None):
 @pytest.fixture(autouse=True)
 def fresh_state():
     clear_decisions()
-    gemm_ops._DECLINED.clear()
+    gemm_ops._BOUND.clear()
     autotune_module._EAGER.clear()
     yield
     nvfly.torch.uninstall()

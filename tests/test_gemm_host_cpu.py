@@ -42,7 +42,7 @@ CASES = [
     ("wgmma split-K bias", lambda: (_bf(128, 2048), _bf(2048, 256)),
      {"config": GemmConfig(128, 128, 4, 2, split_k=4), "c": _bf(256), "alpha": 0.5}),
     ("wgmma swap-AB", lambda: (_bf(24, 256), _bf(256, 512)), {"skinny": False}),
-    ("wgmma stream-K tail", lambda: (_bf(2000, 1096), _bf(1096, 2104)), {"c": _bf(2104), "alpha": 0.5}),
+    ("wgmma stream-K tail", lambda: (_bf(2000, 2560), _bf(2560, 2104)), {"c": _bf(2104), "alpha": 0.5}),
     ("wgmma batched", lambda: (_bf(2, 128, 64), _bf(2, 64, 128)), {}),
     ("skinny", lambda: (_bf(4, 512), _bf(256, 512).t()), {}),
     ("skinny split-K", lambda: (_bf(16, 4096), _bf(64, 4096).t()), {"config": SkinnyConfig(splits=4)}),
@@ -139,21 +139,21 @@ def test_output_layout_is_part_of_the_signature(fake_launches):
 
 
 def test_stream_k_tail_plan():
-    """The last wave is split only when it is at most half full, into pieces of at least MIN_PIECE_K_BLOCKS
-    k-blocks that fill the idle SMs, each piece non-empty."""
+    """The last wave is split only when it is short enough for at least MIN_TAIL_SPLIT pieces of at least
+    MIN_PIECE_K_BLOCKS k-blocks that fill the idle SMs, each piece non-empty."""
     assert gemm.stream_k_tail(272, 112, 132) == (264, 16)  # 8 tiles left: 16 pieces of 7 k-blocks
     assert gemm.stream_k_tail(144, 112, 132) == (132, 11)  # 12 left: 11 pieces (132 units)
-    assert gemm.stream_k_tail(288, 9, 132) == (264, 2)     # short K: 2 pieces of 5 and 4 k-blocks
-    assert gemm.stream_k_tail(510, 9, 132) == (0, 1)       # 114 of 132 in the last wave: not worth it
+    assert gemm.stream_k_tail(272, 41, 132) == (264, 9)    # 10 pieces asked, 9 of 5 k-blocks cover 41
+    assert gemm.stream_k_tail(448, 32, 132) == (0, 1)      # 52 left: 2 pieces would not pay back the fix-up
+    assert gemm.stream_k_tail(272, 9, 132) == (0, 1)       # K too short for 8 pieces
     assert gemm.stream_k_tail(132, 112, 132) == (0, 1)     # whole waves
     assert gemm.stream_k_tail(100, 112, 132) == (0, 1)     # one partial wave: split K's domain
-    assert gemm.stream_k_tail(140, 7, 132) == (0, 1)       # too short to split
     for tiles in range(133, 700, 7):
-        for k_tiles in (8, 9, 17, 64, 113):
+        for k_tiles in (8, 9, 17, 32, 33, 64, 113):
             dp, pieces = gemm.stream_k_tail(tiles, k_tiles, 132)
             if pieces > 1:
                 per_piece = -(-k_tiles // pieces)
-                assert dp % 132 == 0 and (tiles - dp) * pieces <= 132
+                assert dp % 132 == 0 and (tiles - dp) * pieces <= 132 and pieces >= gemm.MIN_TAIL_SPLIT
                 assert per_piece >= gemm.MIN_PIECE_K_BLOCKS - 1 and (pieces - 1) * per_piece < k_tiles
 
 

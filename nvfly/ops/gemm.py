@@ -279,25 +279,28 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
 
 
 # a stream-K tail piece gets at least this many k-blocks, and a tile at most this many pieces (each piece adds
-# its f32 tile to the workspace: more pieces cost more atomic traffic than they save)
+# its f32 tile to the workspace: more pieces cost more atomic traffic than they save). Fewer than
+# MIN_TAIL_SPLIT pieces measured slower than no split on the H200 (benchmarks/gemm_configs.py
+# --compare-stream-k: 2 pieces -6% on 1024x7168x2048 and -3% on 4096x10240x8192, 6 pieces within noise,
+# 16 pieces +25% on 2048x2112x7168 and +1..4% on 8192^3): the fix-up's latency is then not paid back
 MIN_PIECE_K_BLOCKS = 4
+MIN_TAIL_SPLIT = 8
 MAX_TAIL_SPLIT = 16
 
 
 def stream_k_tail(tiles: int, k_tiles: int, sms: int) -> tuple[int, int]:
     """(dp_tiles, tail_split): how a persistent launch of ``tiles`` output tiles of ``k_tiles`` k-blocks over
-    ``sms`` blocks splits its last wave. When that wave is at most half full (wave quantisation: 272 tiles on
-    132 SMs take 3 waves of work for 2.06 waves' worth), its tiles are each split into K pieces so that the
-    pieces fill the idle blocks: the first ``dp_tiles`` tiles run whole, the rest as ``tail_split`` pieces
-    each, fixed up in the kernel. (0, 1) when nothing is split."""
+    ``sms`` blocks splits its last wave. When that wave is short (wave quantisation: 272 tiles on 132 SMs take
+    3 waves of work for 2.06 waves' worth), its tiles are each split into K pieces so that the pieces fill the
+    idle blocks: the first ``dp_tiles`` tiles run whole, the rest as ``tail_split`` pieces each, fixed up in
+    the kernel. (0, 1) when nothing is split (whole waves, a last wave more than 1/MIN_TAIL_SPLIT full, or K
+    too short for MIN_TAIL_SPLIT pieces)."""
     tail = tiles % sms
     if tiles <= sms or tail == 0 or tail > sms // 2:
         return 0, 1
     pieces = min(sms // tail, k_tiles // MIN_PIECE_K_BLOCKS, MAX_TAIL_SPLIT)
-    if pieces < 2:
-        return 0, 1
-    pieces = math.ceil(k_tiles / math.ceil(k_tiles / pieces))  # every piece gets at least one k-block
-    return tiles - tail, pieces
+    pieces = math.ceil(k_tiles / math.ceil(k_tiles / max(pieces, 1)))  # every piece gets at least one k-block
+    return (tiles - tail, pieces) if pieces >= MIN_TAIL_SPLIT else (0, 1)
 
 
 def store_reason(out3: torch.Tensor) -> Optional[str]:

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         wgmma = bench_ms(lambda: gemm.matmul(a, b, out=out, skinny=False))
         auto = bench_ms(lambda: gemm.matmul(a, b, out=out))
         print(f"{m}x{n}x{k}: cuBLAS {cublas * 1e3:.1f} us  wgmma {wgmma * 1e3:.1f} us  "
-              f"default ({gemm.path(a, b)}) {auto * 1e3:.1f} us  weight {2 * n * k / cublas / 1e9:.0f} GB/s (cuBLAS)",
+              f"default ({gemm.path(a, b)}) {auto * 1e3:.1f} us  weight {2 * n * k / cublas / 1e6:.0f} GB/s (cuBLAS)",
               flush=True)
         results = []
         for cfg in configs:
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
             else:
                 results.append((ms, cfg))
         for ms, cfg in sorted(results, key=lambda r: r[0])[:8]:
-            print(f"    {ms * 1e3:6.1f} us  x{cublas / ms:.2f} vs cuBLAS  {2 * n * k / ms / 1e9:5.0f} GB/s  {cfg}")
+            print(f"    {ms * 1e3:6.1f} us  x{cublas / ms:.2f} vs cuBLAS  {2 * n * k / ms / 1e6:5.0f} GB/s  {cfg}")
     if failures:
         print(f"{failures} config runs failed (see FAILED above)", flush=True)
     return 1 if failures else 0

@@ -256,6 +256,9 @@ def test_a_failing_nvfly_call_falls_back_and_is_remembered(monkeypatch, hopper_m
         assert torch.allclose(_gemm("mm", a, b, config="auto-test-key"), a @ b)
     assert calls == [1]  # the second call went straight to torch
     assert any("injected launch failure" in (d.reason or "") for d in decisions())
+    # what Inductor's benchmark of an nvfly choice checks after timing the op: it ran torch, not nvfly
+    assert "injected launch failure" in gemm_ops.bound_reason(a, b, config="auto-test-key")
+    assert gemm_ops.bound_reason(a, b, config="another-key") is None
 
 
 # ---------------------------------------------------------------------------------------------- inductor

@@ -6,7 +6,8 @@ Every operand major-ness works without copies (row- or column-major A and B); ta
 ``eligibility`` says why an input is declined (e.g. a stride TMA cannot express); callers then use
 PyTorch. ``config_space`` is the space the autotuner searches; ``default_config`` picks a config per shape
 without tuning. Small M is computed as the transposed problem (swap A/B) so tokens fill wgmma's N; few
-output tiles with long K are split along K. Up to ``SKINNY_MAX_M`` tokens with a column-major B (the
+output tiles with long K are split along K; a short last wave of tiles is split along K over the idle SMs
+(``stream_k_tail``). Up to ``SKINNY_MAX_M`` tokens with a column-major B (the
 ``F.linear`` weight) or a 16-byte aligned row-major B (``SKINNY_ROW_B``) run the memory-bound skinny kernel
 instead (``gemm_skinny``); ``path`` says which ran.
 """

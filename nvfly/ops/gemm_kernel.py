@@ -11,6 +11,13 @@ The kernel computes out[b] = act(alpha * A[b] @ B[b] + beta * C_in[b]) for every
 be K-major or MN-major (wgmma transposes 16-bit operands), tails in M, N, K come from TMA's zero fill and
 masked stores. With ``split_k`` > 1 each split reduces its K range into an f32 workspace slice instead.
 
+Stream-K tail (a ``workspace`` given; ``gemm.stream_k_tail`` decides): the blocks walk work units, the first
+``dp_tiles`` whole tiles, then every remaining tile as ``tail_split`` K pieces, so that a short last wave
+spreads over all SMs instead of leaving most idle. A piece's consumer adds its fragments into the tile's f32
+workspace slot (``red.global.add.v4``) and counts itself in; the piece counted last reads the sums back,
+zeroes slot and count for the next launch and runs the normal epilogue (``fix_up``): one kernel, no memset,
+no waiting on other blocks (so no deadlock whatever the residency).
+
 Two epilogues (``GemmConfig.tma_store``): the register epilogue stores each thread's fragments straight to
 global memory as 4-byte pairs (masked on tails). The TMA-store epilogue (16-bit outputs) writes the
 fragments with ``stmatrix`` into a per-consumer staging buffer laid out like the output TMA box (column

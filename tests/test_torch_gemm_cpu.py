@@ -103,6 +103,13 @@ def test_candidates_are_few_valid_and_start_with_the_heuristic():
     large = candidates(workload(4096, 14336, 4096), limit=None)
     assert AUTO in [c.config for c in large] and not any(c.config.startswith("swap:") for c in large)
     assert len({c.config for c in large}) == len(large) and all(_valid(c.config) for c in small + large)
+    # the heuristic's other tiles as tuned (not ping-pong variants that cannot hold their accumulators), and a
+    # 2-block cluster
+    tiles = {(cfg.bm, cfg.bn, cfg.pingpong, cfg.cluster_m) for cfg, _ in (decode_config(c.config) for c in large[1:])}
+    assert {(128, 256, False, 1), (256, 128, False, 1), (128, 256, False, 2)} <= tiles
+    split = candidates(workload(256, 512, 16384), limit=None)  # few tiles, long K: split K, whole tiles off
+    assert all(cfg.split_k > 1 and not cfg.pingpong and not cfg.tma_store and cfg.cluster_m == 1
+               for cfg, _ in (decode_config(c.config) for c in split[1:]))
 
 
 def test_candidates_take_the_database_winners_next():

@@ -154,8 +154,14 @@ def _variants(w: Workload, sms: int) -> list[str]:
         options.append(replace(base, bm=128, consumers=2) if base.bm == 64 else replace(base, bm=64, consumers=1))
         return [encode_config(c, swap=True) for c in options if c.check(w.itemsize) is None]
     base = gemm.default_config(w.m, w.n, w.k, w.batches, w.itemsize, sms)
-    tiles = [(128, 256, 2), (256, 128, 2), (128, 128, 2)]
-    options = [replace(base, bm=bm, bn=bn, consumers=c) for bm, bn, c in tiles if (bm, bn) != (base.bm, base.bn)]
+    whole = base.split_k == 1  # ping-pong, the TMA-store epilogue and clusters need whole tiles
+    # the heuristic's other large tiles as they are tuned (ping-pong or not, their epilogue), then 128x256 with
+    # a 2-block cluster multicasting B (cuBLAS runs 2-block clusters on these shapes on the H200)
+    tiles = [cfg for cfg, _ in gemm._TILES[:3] if (cfg.bm, cfg.bn) != (base.bm, base.bn)]
+    options = [replace(t, split_k=base.split_k, group_m=base.group_m, pingpong=t.pingpong and whole,
+                       tma_store=t.tma_store and whole) for t in tiles]
+    if whole:
+        options.append(GemmConfig(128, 256, 4, 2, group_m=base.group_m, cluster_m=2, tma_store=True))
     options.append(replace(base, group_m=16 if base.group_m == 8 else 8))
     return [encode_config(c) for c in (_deepest_ring(c, w.itemsize) for c in options) if c is not None]
 

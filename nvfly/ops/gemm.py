@@ -25,7 +25,7 @@ from nvfly.arch import sm90
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import current_stream, layout_key
-from nvfly.ops import gemm_skinny
+from nvfly.ops import gemm_skinny, split_workspace
 from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel, store_box
 from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan
 
@@ -463,7 +463,7 @@ class _WgmmaCall:
         descs = self._descriptors.get((a.data_ptr(), b.data_ptr(), out.data_ptr() if self.tma_store else 0))
         sums = counts = None
         if self.tail_slots:
-            sums, counts = gemm_skinny.workspace(a.device, current_stream(a.device.index), self.tail_slots,
+            sums, counts = split_workspace.workspace(a.device, current_stream(a.device.index), self.tail_slots,
                                                  self.slot_sums)
         if descs is not None and self.reduce is None and self.main.warm:
             # the generated launch reads only addresses: the kernel's 3-D (transposed, broadcast) views of out

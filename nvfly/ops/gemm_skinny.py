@@ -19,8 +19,8 @@ groups of ``unroll`` chunks (``unroll`` KB of W in flight per warp) and reduce t
 that gives too few CTAs for the memory system, ``splits`` CTAs share a group, each with its own K range: they
 add fp32 partial sums into a zero-initialised workspace (``red.global.add``) and count arrivals on a
 per-tile counter; the last CTA to arrive applies the epilogue, writes the output and resets its workspace
-slice and counter to zero, so the next launch needs no memset and there is no second kernel. Workspaces are
-cached per (device, stream): launches on one stream are ordered, so they may share one.
+slice and counter to zero, so the next launch needs no memset and there is no second kernel. The workspace is
+``split_workspace``'s, one per (device, stream), shared with the wgmma kernel's stream-K tail.
 
 Row-major B (``ROW_B``: B [K, N] with N contiguous, e.g. ``x @ W`` with W stored K x N). W's 16 rows of one
 mma are now 32-byte pieces of B's k rows, too short for DRAM bursts and not in fragment order, so B goes
@@ -56,6 +56,7 @@ from nvfly.arch import sm80
 from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add
 from nvfly.arch.ptx import asm_multi, smem_address
 from nvfly.frontend import dtypes
+from nvfly.ops import split_workspace
 from nvfly.ops.gemm_kernel import Epilogue, activate
 from nvfly.runtime.torch_args import current_stream
 
@@ -63,7 +64,6 @@ MAX_M = 16              # two n8 mma tiles of tokens
 ROWS = 16               # output columns (W rows) per CTA: the mma's M
 CHUNK_K = 32            # k per chunk: 32 lanes x 16 bytes cover 16 rows x 32 k, two k16 mma steps
 VECTOR = 8              # elements per lane per row per chunk (16 bytes)
-TILE_SLOTS = ROWS * MAX_M  # fp32 workspace slots per output tile (16 columns x up to 16 tokens)
 # row-major B: a CTA owns 64 consecutive columns (128-byte rows of B per k) staged in 32 x 64 chunks
 COLS_ROW_B = 64
 SEGMENTS = COLS_ROW_B // VECTOR          # 16-byte segments per staged k row
@@ -508,25 +508,6 @@ def make_plan(m: int, n: int, k: int, batches: int, has_c: bool, activation: str
                       epilogue)
 
 
-_WORKSPACES: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def workspace(device: torch.device, stream: int, tiles: int,
-              tile_slots: int = TILE_SLOTS) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 partial sums, i32 arrival counters) for ``tiles`` output tiles of ``tile_slots`` sums, zero between
-    launches (each launch leaves them zeroed); one pair per (device, stream), grown as needed (the wgmma
-    kernel's stream-K tail shares it). Allocate outside CUDA graph capture (the first split call on a stream
-    allocates)."""
-    key = (device.index, stream)
-    entry = _WORKSPACES.get(key)
-    if entry is None or entry[1].numel() < tiles or entry[0].numel() < tiles * tile_slots:
-        sums, counts = (0, 0) if entry is None else (entry[0].numel(), entry[1].numel())
-        entry = (torch.zeros(max(tiles * tile_slots, 1024 * TILE_SLOTS, sums), dtype=torch.float32, device=device),
-                 torch.zeros(max(tiles, 1024, counts), dtype=torch.int32, device=device))
-        _WORKSPACES[key] = entry
-    return entry
-
-
 def prepared_launch(plan: SkinnyPlan, shape: tuple) -> Callable[..., None]:
     """``run(a, b, c, out, alpha, beta)`` for one call signature of ``plan`` (2-D or 3-D operands of output
     shape ``shape``; c None or broadcastable): a prepared launch, so a call costs little more than the driver's."""
@@ -547,7 +528,7 @@ def prepared_launch(plan: SkinnyPlan, shape: tuple) -> Callable[..., None]:
                    plan.m_tiles, plan.epilogue, plan.row_b)
             return
         stream = current_stream(a.device.index)
-        partials, counters = workspace(a.device, stream, plan.tiles, plan.tile_slots)
+        partials, counters = split_workspace.workspace(a.device, stream, plan.tiles, plan.tile_slots)
         kernel(w, a3, out3, c3, partials, counters, plan.m, plan.n, plan.k, plan.chunks_per_split, alpha, beta, cfg,
                plan.m_tiles, plan.epilogue, plan.row_b, stream=stream)
     return run

@@ -227,9 +227,10 @@ class _Plan:
     store_box: Optional[tuple] = None
     store_swizzle: int = 0
     register_config: Optional[GemmConfig] = None
-    # stream-K tail: tiles from dp_tiles on are split into tail_split K pieces (1: none)
+    # stream-K tail: the tail_tiles tiles from dp_tiles on are split into tail_split K pieces (none: 0 and 1)
     dp_tiles: int = 0
     tail_split: int = 1
+    tail_tiles: int = 0
 
 
 _CALLS: dict[tuple, Any] = {}  # call signature -> _WgmmaCall or _SkinnyCall
@@ -276,7 +277,8 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
                  Epilogue(has_c=has_c, activation=activation, partial=split > 1, scaled=scaled and split == 1),
                  Epilogue(has_c=has_c, activation=activation, scaled=scaled) if split > 1 else None,
                  *(store_box(config, batched) if config.tma_store else (None, 0)),
-                 replace(config, tma_store=False) if config.tma_store else None, dp_tiles, tail_split)
+                 replace(config, tma_store=False) if config.tma_store else None, dp_tiles, tail_split,
+                 tiles - dp_tiles if tail_split > 1 else 0)
 
 
 # a stream-K tail piece gets at least this many k-blocks, and a tile at most this many pieces (each piece adds
@@ -451,16 +453,15 @@ class _WgmmaCall:
         self.reduce = None if plan.reduce_epilogue is None else split_k_reduce_kernel.prepared(
             (math.ceil(plan.m * plan.n / 256), plan.batches), 256)
         # stream-K tail: one workspace slot and arrival count per split consumer tile
-        parts = 1 if cfg.pingpong else cfg.consumers
-        self.tail_slots = (plan.batches * math.ceil(plan.m / cfg.bm) * math.ceil(plan.n / cfg.bn) - plan.dp_tiles) \
-            * parts if plan.tail_split > 1 else 0
+        self.tail_slots = plan.tail_tiles * (1 if cfg.pingpong else cfg.consumers)
         self.slot_sums = cfg.wg_m * cfg.bn
         self._descriptors: dict[tuple[int, int, int], tuple] = {}
 
     def run(self, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], out: torch.Tensor, alpha: float,
             beta: float) -> None:
         plan = self.plan
-        descs = self._descriptors.get((a.data_ptr(), b.data_ptr(), out.data_ptr() if self.tma_store else 0))
+        addresses = (a.data_ptr(), b.data_ptr(), out.data_ptr() if self.tma_store else 0)
+        descs = self._descriptors.get(addresses)
         sums = counts = None
         if self.tail_slots:
             sums, counts = split_workspace.workspace(a.device, current_stream(a.device.index), self.tail_slots,
@@ -484,7 +485,7 @@ class _WgmmaCall:
             descs = self._describe(a3, b3, out3)
             if len(self._descriptors) >= 64:
                 self._descriptors.clear()
-            self._descriptors[(a.data_ptr(), b.data_ptr(), out.data_ptr() if self.tma_store else 0)] = descs
+            self._descriptors[addresses] = descs
         a_desc, b_desc, out_desc = descs
         if self.reduce is None:
             self.main(a_desc, b_desc, out3, c3, out_desc, plan.m, plan.n, plan.k_tiles, plan.batches, alpha, beta,
@@ -574,9 +575,7 @@ def compile_configs(configs: Sequence[GemmConfig], dtype: torch.dtype = torch.bf
             a_desc = nvfly.TmaDescriptor(TensorDesc(nv, shape), a_box, swizzle=a_sw)
             b_desc = nvfly.TmaDescriptor(TensorDesc(nv, shape), b_box, swizzle=b_sw)
             epi = epilogue or Epilogue(partial=cfg.split_k > 1)
-            out = TensorDesc(nv if cfg.split_k == 1 else nvfly.f32, (2 if batched else 1, 4096, 4096))
-            if cfg.split_k == 1:
-                out = TensorDesc(out_nv, (2 if batched else 1, 4096, 4096))
+            out = TensorDesc(out_nv if cfg.split_k == 1 else nvfly.f32, (2 if batched else 1, 4096, 4096))
             c_in = TensorDesc(nv, (2 if batched else 1, 4096, 4096)) if epi.has_c else None
             out_desc = None
             if cfg.tma_store and cfg.split_k == 1:

@@ -228,8 +228,8 @@ def tile_work(tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, CFG, CM):
 @nvfly.kernel
 def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, c_in, out_desc,
                 m: nvfly.i32, n: nvfly.i32, k_tiles: nvfly.i32, batches: nvfly.i32, alpha: nvfly.f32,
-                beta: nvfly.f32, workspace, counters, dp_tiles: nvfly.i32, tail_split: nvfly.i32, CFG: nvfly.Constexpr, A_MAJOR: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr,
-                EPI: nvfly.Constexpr):
+                beta: nvfly.f32, workspace, counters, dp_tiles: nvfly.i32, tail_split: nvfly.i32,
+                CFG: nvfly.Constexpr, A_MAJOR: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr, EPI: nvfly.Constexpr):
     dtype = a_desc.info.dtype
     size = dtype.itemsize
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers

@@ -203,9 +203,14 @@ def nvfly_gemm(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float
                out: Optional[Tensor] = None, config: str = AUTO) -> Tensor:
     """alpha * a @ b + beta * c on nvfly (2-D or 3-D, c broadcast), with a config string; raises when nvfly
     cannot run it (the ops below fall back to torch instead)."""
+    return gemm.matmul(a, b, c=c, alpha=alpha, beta=beta, out=out, **_kernel_options(config))
+
+
+def _kernel_options(config: str) -> dict[str, Any]:
+    """``gemm.matmul``/``gemm.bind``'s config and swap for a config string: a swapped config computes
+    (B^T A^T)^T (the kernel writes out's transposed view, so out keeps its layout); "auto" leaves both to nvfly."""
     cfg, swap = decode_config(config)
-    # a swapped config computes (B^T A^T)^T: the kernel writes out's transposed view, so out keeps its layout
-    return gemm.matmul(a, b, c=c, alpha=alpha, beta=beta, out=out, config=cfg, swap=True if swap else None)
+    return {"config": cfg, "swap": True if swap else None}
 
 
 def precompile(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, config: str = AUTO) -> None:
@@ -228,7 +233,7 @@ def _gemm(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: f
     The first call of a signature checks the operands and runs ``nvfly_gemm``; later ones go straight to the
     bound launches, which read only addresses (one cache lookup per call)."""
     c_used = c if c is not None and beta != 0 else None
-    key = (layout_key(a), layout_key(b), layout_key(c_used), layout_key(out), config, alpha != 1.0)
+    key = _signature(a, b, c_used, out, config, alpha)
     bound = _BOUND.get(key)
     if bound is None:
         if len(_BOUND) >= _SIGNATURE_LIMIT:
@@ -240,9 +245,7 @@ def _gemm(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: f
         else:
             try:
                 result = nvfly_gemm(a, b, c_used, alpha=alpha, beta=beta, out=out, config=config)
-                cfg, swap = decode_config(config)
-                _BOUND[key] = gemm.bind(a, b, c=c_used, scaled=alpha != 1.0, out=out, config=cfg,
-                                        swap=True if swap else None)
+                _BOUND[key] = gemm.bind(a, b, c=c_used, scaled=alpha != 1.0, out=out, **_kernel_options(config))
                 return result
             except Exception as exc:
                 _fail(op, key, a, b, exc)
@@ -260,9 +263,15 @@ def bound_reason(*operands: Tensor, out: Optional[Tensor] = None, alpha: float =
                  config: str = AUTO) -> Optional[str]:
     """Why the ops run torch for these operands (``(a, b)`` or ``(c, a, b)``) since an earlier call, or None."""
     *c, a, b = operands
-    c_used = c[0] if c and beta != 0 else None
-    bound = _BOUND.get((layout_key(a), layout_key(b), layout_key(c_used), layout_key(out), config, alpha != 1.0))
+    bound = _BOUND.get(_signature(a, b, c[0] if c and beta != 0 else None, out, config, alpha))
     return bound if type(bound) is str else None
+
+
+def _signature(a: Tensor, b: Tensor, c_used: Optional[Tensor], out: Optional[Tensor], config: str,
+               alpha: float) -> tuple:
+    """The ops' cache key: what decides whether and how nvfly runs these operands (``c_used``: C when beta is
+    not 0)."""
+    return layout_key(a), layout_key(b), layout_key(c_used), layout_key(out), config, alpha != 1.0
 
 
 def _fail(op: str, key: tuple, a: Tensor, b: Tensor, exc: Exception) -> None:

@@ -1,13 +1,15 @@
 """Time skinny-GEMM configs on decode shapes against cuBLAS and the wgmma kernel (tuning aid for
 gemm_skinny.TARGET_CTAS_PER_SM / MIN_CHUNKS_PER_WARP / SkinnyConfig defaults and gemm.SKINNY_MAX_M):
-python -m benchmarks.gemm_skinny_configs [--shapes M,N,K ...] [--layout rowxcol|rowxrow]. rowxcol: B is the
-F.linear weight (column-major); rowxrow: B is [K, N] row-major (the cp.async + ldmatrix.trans variant, whose
-``unroll`` is its ring depth: gemm_skinny.ROW_B_CONFIG). Configs that SkinnyConfig.check declines are listed and
-skipped; a config that fails to plan, compile or launch, or computes a wrong result, is reported (FAILED) and
-skipped, and the exit status is 1."""
+python -m benchmarks.gemm_skinny_configs [--shapes M,N,K ...] [--layout rowxcol|rowxrow] [--token-vectors].
+rowxcol: B is the F.linear weight (column-major); rowxrow: B is [K, N] row-major (the cp.async + ldmatrix.trans
+variant, whose ``unroll`` is its ring depth: gemm_skinny.ROW_B_CONFIG), and --token-vectors adds each config with
+SkinnyConfig.token_vectors on (k-permuted stages, tokens as 16-byte vectors) and reports the best of each side.
+Configs that SkinnyConfig.check declines are listed and skipped; a config that fails to plan, compile or launch,
+or computes a wrong result, is reported (FAILED) and skipped, and the exit status is 1."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -28,10 +30,14 @@ ROW_B_CONFIGS = [SkinnyConfig(w, u, s)
                  for w, u, s in itertools.product((2, 4, 8), (2, 3, 4, 6, 8), (1, 2, 3, 4, 6, 8))]
 
 
-def sweep(row_b: bool) -> tuple[list[SkinnyConfig], list[tuple[SkinnyConfig, str]]]:
-    """(configs to time, [(declined config, why)]) for one layout."""
+def sweep(row_b: bool, token_vectors: bool = False) -> tuple[list[SkinnyConfig], list[tuple[SkinnyConfig, str]]]:
+    """(configs to time, [(declined config, why)]) for one layout; ``token_vectors``: each config also with
+    SkinnyConfig.token_vectors on (right after it)."""
+    configs = ROW_B_CONFIGS if row_b else CONFIGS
+    if token_vectors:
+        configs = [c for cfg in configs for c in (cfg, dataclasses.replace(cfg, token_vectors=True))]
     run, declined = [], []
-    for cfg in ROW_B_CONFIGS if row_b else CONFIGS:
+    for cfg in configs:
         why = cfg.check(row_b)
         if why:
             declined.append((cfg, why))
@@ -59,10 +65,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=None)
     p.add_argument("--layout", default="rowxcol", choices=("rowxcol", "rowxrow"))
+    p.add_argument("--token-vectors", action="store_true",
+                   help="rowxrow: also time each config with SkinnyConfig.token_vectors on")
     args = p.parse_args(argv)
     row_b = args.layout == "rowxrow"
+    if args.token_vectors and not row_b:
+        p.error("--token-vectors is an option of the row-major-B kernel: use it with --layout rowxrow")
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
-    configs, declined = sweep(row_b)
+    configs, declined = sweep(row_b, args.token_vectors)
     for cfg, why in declined:
         print(f"skipped {cfg}: {why}", flush=True)
     failures = 0
@@ -90,6 +100,12 @@ def main(argv=None) -> int:
                 results.append((ms, cfg))
         for ms, cfg in sorted(results, key=lambda r: r[0])[:8]:
             print(f"    {ms * 1e3:6.1f} us  x{cublas / ms:.2f} vs cuBLAS  {2 * n * k / ms / 1e6:5.0f} GB/s  {cfg}")
+        if args.token_vectors:
+            for on in (False, True):
+                side = [r for r in results if r[1].token_vectors == on]
+                if side:
+                    ms, cfg = min(side, key=lambda r: r[0])
+                    print(f"    best with token_vectors={on}: {ms * 1e3:.1f} us  x{cublas / ms:.2f} vs cuBLAS  {cfg}")
     if failures:
         print(f"{failures} config runs failed (see FAILED above)", flush=True)
     return 1 if failures else 0

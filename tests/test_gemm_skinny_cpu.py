@@ -1,8 +1,11 @@
 """The skinny (decode) GEMM without a GPU: the K-permuted fragment mapping against an emulation of
 mma.m16n8k16, the kernel compiling to HMMA and 16-byte streaming loads without spills for every variant, and
 matmul's choice between it and the wgmma kernel."""
+import collections
+import dataclasses
 import itertools
 import math
+import re
 import types
 
 import numpy as np
@@ -101,30 +104,58 @@ def ldmatrix_trans(stage_bytes, addresses):
     return regs
 
 
+def bank_conflicts(addresses):
+    """Extra shared-memory wavefronts of one phase of 16-byte accesses: for each of the 32 4-byte banks, the
+    distinct addresses touching it beyond the first (the same address is a broadcast, not a conflict)."""
+    by_bank = {}
+    for address in set(addresses):
+        for word in range(address // 4, address // 4 + 4):
+            by_bank.setdefault(word % 32, set()).add(address)
+    return sum(len(hits) - 1 for hits in by_bank.values())
+
+
+def row_major_token_k(lane, register, half, step, token_vectors):
+    """k within the chunk that the kernel puts in half ``half`` of B register ``register`` of k16 step ``step``:
+    pair by pair in the ISA's order (row_b_token_source, as scalar_token_fragments loads them), or with
+    token_vectors picked (vector_token_fragments) from the lane's 16-byte vector at token_vector_k, its words
+    modelled as (k, k + 1)."""
+    if not token_vectors:
+        return gemm_skinny.row_b_token_source(lane, register, half, step)[0]
+    kq = gemm_skinny.token_vector_k(lane)
+    words = [(kq + 2 * word, kq + 2 * word + 1) for word in range(gemm_skinny.VECTOR // 2)]
+    return gemm_skinny.vector_token_fragments([words])(step)[0][register][half]
+
+
 @pytest.mark.parametrize("seed", range(3))
-def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed):
-    """Emulate a warp on one 32 x 64 chunk of row-major B: the cp.async copies into the swizzled stage, each
-    column tile's ldmatrix.x4.trans per k16 step, the tokens' fragments in the ISA order, the mmas, and the
-    accumulator layout; compare with W @ X^T (W = B^T, 64 columns)."""
+@pytest.mark.parametrize("token_vectors", [False, True], ids=["pairs", "token_vectors"])
+def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed, token_vectors):
+    """Emulate a warp on one 32 x 64 chunk of row-major B with the kernel's own index maps: the cp.async copies
+    into the swizzled stage, each column tile's ldmatrix.x4.trans per k16 step (k-permuted with token_vectors),
+    the tokens' B fragments, the mmas and the accumulator layout; compare with W @ X^T (W = B^T, 64 columns).
+    Every 8-lane phase of the copies and of the ldmatrix is free of bank conflicts."""
     rng = np.random.default_rng(seed)
     cols, chunk = gemm_skinny.COLS_ROW_B, gemm_skinny.CHUNK_K
     b = rng.standard_normal((chunk, cols))  # [k, n]
     x = rng.standard_normal((8, chunk))
     stage = np.full(gemm_skinny.CHUNK_BYTES // 2, np.nan)
-    for lane, j in itertools.product(range(32), range(chunk * gemm_skinny.SEGMENTS // 32)):
-        row, segment = gemm_skinny.copy_target(lane, j)
-        offset = gemm_skinny.stage_offset(row, segment) // 2
-        assert np.isnan(stage[offset:offset + 8]).all()
-        stage[offset:offset + 8] = b[row, 8 * segment:8 * segment + 8]
+    for j in range(chunk * gemm_skinny.SEGMENTS // 32):
+        writes = []
+        for lane in range(32):
+            row, segment = gemm_skinny.copy_target(lane, j)
+            offset = gemm_skinny.stage_offset(row, segment, token_vectors)
+            writes.append(offset)
+            assert np.isnan(stage[offset // 2:offset // 2 + 8]).all()
+            stage[offset // 2:offset // 2 + 8] = b[row, 8 * segment:8 * segment + 8]
+        assert all(bank_conflicts(writes[8 * p:8 * p + 8]) == 0 for p in range(4))
     assert not np.isnan(stage).any()
     result = np.zeros((cols, 8))
     for tile in range(cols // 16):
         d = np.zeros((16, 8))
         for step in range(chunk // 16):
-            addresses = [gemm_skinny.stage_offset(*gemm_skinny.ldmatrix_row(lane, step, tile)) for lane in range(32)]
-            # conflict-free: the 8 rows of one matrix are in 8 different 16-byte bank groups
-            for i in range(4):
-                assert len({(a // 16) % 8 for a in addresses[8 * i:8 * i + 8]}) == 8
+            addresses = [gemm_skinny.stage_offset(*gemm_skinny.ldmatrix_row(lane, step, tile, token_vectors),
+                                                  token_vectors) for lane in range(32)]
+            for i in range(4):  # one phase per 8 x 8 matrix
+                assert bank_conflicts(addresses[8 * i:8 * i + 8]) == 0, (tile, step, i)
             regs = ldmatrix_trans(stage, addresses)
             a_mat = np.full((16, 16), np.nan)
             b_mat = np.full((16, 8), np.nan)
@@ -133,7 +164,8 @@ def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed):
                     r, col = isa_a(lane, 2 * register + half)
                     a_mat[r, col] = regs[lane][register][half]
                 for register, half in itertools.product(range(2), range(2)):
-                    k, token = gemm_skinny.row_b_token_source(lane, register, half, step)
+                    k = row_major_token_k(lane, register, half, step, token_vectors)
+                    token = lane // 4
                     kk, col = isa_b(lane, 2 * register + half)
                     assert np.isnan(b_mat[kk, col])
                     b_mat[kk, col] = x[token, k]
@@ -144,14 +176,41 @@ def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed):
     np.testing.assert_allclose(result, b.T @ x.T, rtol=1e-12, atol=1e-12)
 
 
+def test_token_vectors_give_each_lane_8_consecutive_k():
+    """With token_vectors a lane's B fragments over a chunk's two k16 steps are exactly the 8 k of its one
+    16-byte vector."""
+    for lane in range(32):
+        ks = sorted(row_major_token_k(lane, r, h, s, True) for r in range(2) for h in range(2) for s in range(2))
+        kq = gemm_skinny.token_vector_k(lane)
+        assert ks == list(range(kq, kq + gemm_skinny.VECTOR))
+
+
 def test_row_major_emulation_catches_a_wrong_swizzle(monkeypatch):
     """Reading with a different swizzle than the copies wrote breaks the product."""
     writes = gemm_skinny.stage_offset
-    monkeypatch.setattr(gemm_skinny, "ldmatrix_row", lambda lane, step, tile: (
+    monkeypatch.setattr(gemm_skinny, "ldmatrix_row", lambda lane, step, tile, token_vectors=False: (
         16 * step + 8 * (lane // 8 // 2) + lane % 8, 2 * tile + (lane // 8 + 1) % 2))
     with pytest.raises(AssertionError):
-        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0)
+        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, False)
     assert writes is gemm_skinny.stage_offset
+
+
+def test_token_vectors_emulation_catches_the_isa_token_order(monkeypatch):
+    """The k-permuted ldmatrix rows with the tokens in the ISA's order (no permutation on their side) pair
+    different k: the product is wrong."""
+    monkeypatch.setattr(gemm_skinny, "vector_token_fragments", lambda words: lambda step: [
+        [(16 * step + 8 * r + 2 * (w[0][0] // 8), 16 * step + 8 * r + 2 * (w[0][0] // 8) + 1) for r in range(2)]
+        for w in words])
+    with pytest.raises(AssertionError):
+        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, True)
+
+
+def test_token_vectors_emulation_catches_bank_conflicts(monkeypatch):
+    """The k-permuted rows (c + {0, 1, 8, 9, 16, 17, 24, 25}) under the row % 8 swizzle: right product, but
+    pairs of rows share banks."""
+    monkeypatch.setattr(gemm_skinny, "segment_swizzle", lambda row, token_vectors: row % 8)
+    with pytest.raises(AssertionError, match=r"\(0, 0, 0\)"):
+        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, True)
 
 
 # ---------------------------------------------------------------------------------------------- compilation
@@ -221,6 +280,112 @@ def test_row_major_b_other_configs_compile(m, config):
 def test_strided_tokens_compile():
     kernel = gemm_skinny.compile_kernel(7, x_contiguous=False)
     assert kernel.count("HMMA") > 0 and kernel.resources.spill_stores == 0
+
+
+# ---------------------------------------------------------------------------------------------- token vectors
+SASS_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]+)([^;]*);")
+
+
+def main_loop(kernel):
+    """(opcode counts, chunks per trip) of the kernel's main loop: the longest backward branch over HMMAs (the
+    arms it branches over included); one cp.async commit group (LDGDEPBAR) per chunk."""
+    lines = [(int(address, 16), op, args) for address, op, args in SASS_INSTRUCTION.findall(kernel.sass())]
+    loops = []
+    for address, op, args in lines:
+        target = re.match(r"\s*0x([0-9a-f]+)", args)
+        if op == "BRA" and target and int(target.group(1), 16) < address:
+            body = [o for a, o, _ in lines if int(target.group(1), 16) <= a <= address]
+            if any(o.startswith("HMMA") for o in body):
+                loops.append(body)
+    ops = collections.Counter(max(loops, key=len))
+    return ops, ops["LDGDEPBAR"]
+
+
+def token_loads(ops):
+    """The global loads other than the weight's cp.async (LDGSTS): in the main loop, the tokens'."""
+    return {op: n for op, n in ops.items() if op.startswith("LDG.")}
+
+
+def check_token_vectors_sass(kernel, m):
+    """16-byte token loads (each token tile's 8 k a lane per chunk, and the masked ones of the chunk holding K's
+    end), and no 16-bit global load anywhere (the plain epilogue loads nothing else)."""
+    ops = kernel.sass_opcodes()
+    assert sum(n for op, n in ops.items() if op.startswith("LDG.E.128")) >= 2 * -(-m // 8), sorted(ops)
+    assert not any(op.startswith("LDG.E.U16") for op in ops), sorted(ops)
+
+
+CHECKED_CUBINS = set()
+
+
+def check_token_vectors_kernel(kernel, m, config):
+    """check_row_b_sass and check_token_vectors_sass, once per distinct cubin (disassembly is slow)."""
+    if kernel.cubin not in CHECKED_CUBINS:
+        check_row_b_sass(kernel, m, config)
+        check_token_vectors_sass(kernel, m)
+        CHECKED_CUBINS.add(kernel.cubin)
+
+
+@pytest.mark.parametrize("m", [1, 8, 9, 16])
+def test_row_major_token_vectors_compile_for_every_benchmark_config(m):
+    """Every row-major-B config of the benchmark sweep with token_vectors on, at K = 4096 and 4104 (token rows
+    16-byte aligned, as gemm.eligibility requires): no spills or stack (ptxas; so no LDL/STL), 16-byte token
+    loads and no 16-bit ones in the PTX, and the SASS checks once per distinct cubin (M 1 and 8, 9 and 16, and
+    both K give the same kernel: it depends on M through its token tiles only, on K's row stride through its
+    16-byte alignment only)."""
+    configs = [cfg for cfg in bench.sweep(True, token_vectors=True)[0] if cfg.token_vectors]
+    assert len(configs) == len(bench.ROW_B_CONFIGS) - 6  # 8 warps x 8 stages do not fit
+    for cfg, k in itertools.product(configs, (4096, 4104)):
+        kernel = gemm_skinny.compile_kernel(m, k, config=cfg, row_b=True)
+        r = kernel.resources
+        assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 128, (cfg, k, r)
+        assert not kernel.warnings, kernel.warnings
+        assert kernel.ptx.count("ld.global.v4.b32") >= 2 * -(-m // 8) and "ld.global.b16" not in kernel.ptx
+        check_token_vectors_kernel(kernel, m, cfg)
+
+
+def test_row_major_token_vectors_main_loop_at_m16():
+    """The main loop at M = 16 (default ring, split K): with token_vectors, two chunks a trip, each token tile
+    one 16-byte load per chunk and no PRMT; without, as before: 16 16-bit token loads a chunk, packed by PRMT."""
+    config = SkinnyConfig(4, 4, 4)
+    on_ops, on_chunks = main_loop(gemm_skinny.compile_kernel(16, config=dataclasses.replace(config, token_vectors=True),
+                                                             row_b=True))
+    off_ops, off_chunks = main_loop(gemm_skinny.compile_kernel(16, config=config, row_b=True))
+    assert (on_chunks, off_chunks) == (2, 1)
+    assert on_ops["LDSM.16.MT88.4"] == 8 * on_chunks and on_ops["HMMA.16816.F32.BF16"] == 16 * on_chunks
+    loads = token_loads(on_ops)
+    assert all(op.startswith("LDG.E.128") for op in loads), loads
+    assert sum(loads.values()) >= 2 * on_chunks  # the masked arm for K's end may hold its own
+    assert on_ops["PRMT"] == 0
+    assert token_loads(off_ops) == {"LDG.E.U16": 16} and off_ops["PRMT"] >= 16
+    assert sum(on_ops.values()) / on_chunks < sum(off_ops.values())
+
+
+def test_token_vectors_is_part_of_the_compile_key():
+    config = SkinnyConfig(4, 4, 4)
+    off = gemm_skinny.compile_kernel(16, config=config, row_b=True)
+    on = gemm_skinny.compile_kernel(16, config=dataclasses.replace(config, token_vectors=True), row_b=True)
+    assert on.key != off.key and on.ptx != off.ptx
+
+
+@pytest.mark.parametrize("k,x_contiguous", [(4097, True), (4096, False)], ids=["odd_row_stride", "column_major"])
+def test_token_vectors_fall_back_to_pairs(k, x_contiguous):
+    """Token rows the kernel cannot read as aligned 16-byte vectors (an odd row stride; column-major tokens):
+    the option leaves the code as it is without it."""
+    options = dict(k=k, x_contiguous=x_contiguous, row_b=True)
+    on = gemm_skinny.compile_kernel(16, config=SkinnyConfig(4, 4, 4, token_vectors=True), **options)
+    assert on.ptx == gemm_skinny.compile_kernel(16, config=SkinnyConfig(4, 4, 4), **options).ptx
+    assert on.count("LDG.E.U16") > 0
+
+
+def test_token_vectors_is_a_row_major_b_option():
+    config = SkinnyConfig(4, 4, 2, token_vectors=True)
+    assert config.check(row_b=True) is None
+    assert "row-major-B" in config.check(row_b=False)
+    with pytest.raises(ValueError, match="token_vectors"):
+        gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, SkinnyConfig(token_vectors=True), 132)
+    plan = gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, config, 132, row_b=True)
+    assert plan.config == config  # kept through planning
+    assert not gemm_skinny.default_config(4096, 4096, 1, 132, row_b=True).token_vectors  # off by default
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -391,31 +556,37 @@ def matmul_launches(recorded_launches, monkeypatch):
 def test_benchmark_sweeps_plan_every_config_or_decline_it():
     """benchmarks/gemm_skinny_configs.py: on every one of its shapes, each config of both sweeps plans (grid within
     the limits) or is declined by SkinnyConfig.check with a reason that make_plan raises too."""
-    for row_b in (False, True):
-        configs, declined = bench.sweep(row_b)
-        assert len(configs) + len(declined) == len(bench.ROW_B_CONFIGS if row_b else bench.CONFIGS)
-        assert [c for c, _ in declined] == ([SkinnyConfig(8, 8, s) for s in (1, 2, 3, 4, 6, 8)] if row_b else [])
+    for row_b, token_vectors in ((False, False), (True, False), (True, True)):
+        configs, declined = bench.sweep(row_b, token_vectors)
+        variants = (False, True) if token_vectors else (False,)
+        assert len(configs) + len(declined) == len(bench.ROW_B_CONFIGS if row_b else bench.CONFIGS) * len(variants)
+        too_big = [SkinnyConfig(8, 8, s) for s in (1, 2, 3, 4, 6, 8)] if row_b else []
+        assert [c for c, _ in declined] == [dataclasses.replace(c, token_vectors=v) for c in too_big for v in variants]
         for m, n, k in bench.SHAPES:
             for cfg, why in declined:
                 with pytest.raises(ValueError, match="shared memory"):
                     gemm_skinny.make_plan(m, n, k, 1, False, "none", False, cfg, 132, row_b=row_b)
             for cfg in configs:
                 plan = gemm_skinny.make_plan(m, n, k, 1, False, "none", False, cfg, 132, row_b=row_b)
-                assert plan.config.check(row_b) is None
+                assert plan.config.check(row_b) is None and plan.config.token_vectors == cfg.token_vectors
                 assert 1 <= plan.grid[0] < 2 ** 31 and plan.grid[1:] == (1, 1)
 
 
-@pytest.mark.parametrize("layout", ["rowxrow", "rowxcol"])
+@pytest.mark.parametrize("layout", ["rowxrow", "rowxrow-token-vectors", "rowxcol"])
 def test_benchmark_sweep_compiles_and_fits_a_launch(matmul_launches, layout):
     """Every config the benchmark runs, through gemm.matmul as the benchmark calls it (CPU tensors, recorded
     launches) on a 16-token shape (8 tokens for column-major B, where the benchmark runs unroll 8 only there):
-    it compiles without spills and its launch fits the device (launch_problem)."""
-    row_b = layout == "rowxrow"
+    it compiles without spills and its launch fits the device (launch_problem); with --token-vectors, the
+    kernels of the configs with token_vectors on load 16-byte token vectors."""
+    row_b = layout.startswith("rowxrow")
+    token_vectors = layout.endswith("token-vectors")
     m, n, k = (16, 4096, 4096) if row_b else (8, 4096, 4096)
     a = torch.empty(m, k, dtype=torch.bfloat16)
     b = torch.empty(k, n, dtype=torch.bfloat16) if row_b else torch.empty(n, k, dtype=torch.bfloat16).t()
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    configs, _ = bench.sweep(row_b)
+    configs, _ = bench.sweep(row_b, token_vectors)
+    if token_vectors:
+        configs = [cfg for cfg in configs if cfg.token_vectors]  # the others: the rowxrow case
     for cfg in configs:
         gemm.matmul(a, b, out=out, config=cfg)
     launches = matmul_launches()
@@ -427,6 +598,8 @@ def test_benchmark_sweep_compiles_and_fits_a_launch(matmul_launches, layout):
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.registers <= 128, (cfg, r)
         if row_b:
             assert r.static_smem_bytes == 0 and kernel.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(cfg)
+        if token_vectors:
+            check_token_vectors_kernel(kernel, m, cfg)
         assert grid == (math.ceil(n / (64 if row_b else 16)) * cfg.splits, 1, 1)
 
 

@@ -42,12 +42,21 @@ this variant's shared memory is dynamic (``row_b_smem_bytes``: the rings, then s
 runtime opts in to more than 48 KB by the dynamic size alone, and a static array would have added 1 KB ahead of
 the 1024-byte aligned dynamic region (exactly 48 KB of rings with split K then failed to launch).
 ``SkinnyConfig.check(row_b=True)`` declines rings that do not fit 227 KB.
+
+Token vectors (``SkinnyConfig.token_vectors``, row-major B only, off until timed on the GPU). The pair-by-pair
+tokens cost 8 predicated 16-bit loads and their packing per token tile and chunk, issued after the wait. With
+the option, k is permuted in the ldmatrix addressing instead (``ldmatrix_row``) so that each lane's B fragments
+over a chunk are the 8 consecutive k of one 16-byte token vector, as in the column-major kernel; the permuted
+rows an ldmatrix matrix reads need another swizzle (``segment_swizzle``). The tokens of the next chunk are
+loaded before the current chunk's wait, the loop running two chunks an iteration so that they land where its
+mmas read them, and only the chunk holding K's end is masked. Token rows that are not K-contiguous and 16-byte
+aligned keep the pair-by-pair path (``tokens_as_vectors``).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
@@ -88,10 +97,13 @@ B_REGISTER_WORDS = (0, 1)
 class SkinnyConfig:
     """warps: per CTA, splitting its K range; unroll: 32-wide k chunks a warp loads before its mmas (1 KB of W
     each), or with row-major B the depth of each warp's cp.async ring (4 KB stages, at least 2); splits: CTAs
-    per column group, each reducing one K range (fp32 workspace when > 1)."""
+    per column group, each reducing one K range (fp32 workspace when > 1); token_vectors (row-major B only):
+    permute k in the ldmatrix addressing so that the tokens load as one 16-byte vector per token tile and chunk,
+    a chunk ahead, instead of pair by pair (where the tokens' rows allow it; untimed, hence off by default)."""
     warps: int = 8
     unroll: int = 4
     splits: int = 1
+    token_vectors: bool = False
 
     def check(self, row_b: bool = False) -> Optional[str]:
         """None when the kernel (with ``row_b``, its row-major-B variant) can be built and launched with this
@@ -102,6 +114,9 @@ class SkinnyConfig:
             return f"unroll={self.unroll}: 1 to 16"
         if self.splits < 1:
             return f"splits={self.splits}: at least 1"
+        if self.token_vectors and not row_b:
+            return ("token_vectors: an option of the row-major-B kernel (column-major B loads its tokens as 16-byte "
+                    "vectors already)")
         if row_b:
             if self.unroll < 2:
                 return f"unroll={self.unroll}: row-major B needs a ring of at least 2 stages"
@@ -211,11 +226,20 @@ def finish(value, out, c_in, batch, row, col, alpha, beta, EPI):
 
 
 # ---------------------------------------------------------------------------------------------- row-major B
-def stage_offset(row: Any, segment: Any) -> Any:
+def segment_swizzle(row: Any, token_vectors: bool) -> Any:
+    """What the 16-byte segments of k row ``row`` are XORed with, so that the 8 rows one ldmatrix matrix reads
+    hit 8 different bank groups: row % 8 for its 8 consecutive rows (ISA k order) and, with ``token_vectors``
+    (rows c + {0, 1, 8, 9, 16, 17, 24, 25}, c even and below 8), row bits 0, 3 and 4."""
+    if token_vectors:
+        return (row & 1) | ((row >> 2) & 6)
+    return row % 8
+
+
+def stage_offset(row: Any, segment: Any, token_vectors: bool = False) -> Any:
     """Byte offset in a ring stage of 16-byte segment ``segment`` (8 columns) of k row ``row``: 128-byte rows,
-    segments XOR-swizzled by row % 8 so that the 8 rows one ldmatrix matrix reads hit 8 different bank groups
-    (the cp.async writes of a warp cover whole rows, so they are conflict-free either way)."""
-    return row * (SEGMENTS * 16) + (segment ^ (row % 8)) * 16
+    segments XOR-swizzled (``segment_swizzle``; the cp.async writes of a warp cover whole rows, so they are
+    conflict-free either way)."""
+    return row * (SEGMENTS * 16) + (segment ^ segment_swizzle(row, token_vectors)) * 16
 
 
 def copy_target(lane: Any, j: int) -> tuple[Any, Any]:
@@ -224,31 +248,37 @@ def copy_target(lane: Any, j: int) -> tuple[Any, Any]:
     return lane // SEGMENTS + (32 // SEGMENTS) * j, lane % SEGMENTS
 
 
-def ldmatrix_row(lane: Any, step: int, tile: int) -> tuple[Any, Any]:
+def ldmatrix_row(lane: Any, step: int, tile: int, token_vectors: bool = False) -> tuple[Any, Any]:
     """(k row within the chunk, segment) whose 16 bytes lane ``lane`` addresses in the ldmatrix.x4.trans of k16
-    step ``step`` and 16-column tile ``tile``: matrix lane // 8 is (columns +8, k +8) = (lane // 8 % 2,
-    lane // 8 // 2), i.e. A registers a0a1, a2a3, a4a5, a6a7 of mma.m16n8k16."""
+    step ``step`` and 16-column tile ``tile``: matrix lane // 8 is (columns +8, mma k +8) = (lane // 8 % 2,
+    lane // 8 // 2), i.e. A registers a0a1, a2a3, a4a5, a6a7 of mma.m16n8k16, and its row r is mma k
+    8 * (lane // 8 // 2) + r. Without ``token_vectors`` that is the chunk's k16 step in order; with it, mma k
+    2q + h (register 0 of the lanes q = lane % 4) and 8 + 2q + h (register 1) read chunk k 8q + 4 * step + h and
+    8q + 4 * step + 2 + h: each lane's B fragment is 8 consecutive k over the two steps (``b_fragment_source``)."""
     matrix, r = lane // 8, lane % 8
+    if token_vectors:
+        return 8 * (r // 2) + 4 * step + 2 * (matrix // 2) + r % 2, 2 * tile + matrix % 2
     return 16 * step + 8 * (matrix // 2) + r, 2 * tile + matrix % 2
 
 
 def row_b_token_source(lane: Any, register: int, half: int, step: int) -> tuple[Any, Any]:
     """(k within the chunk, token within the n8 tile) of B register ``register`` (the ISA's order: ldmatrix
-    leaves k unpermuted)."""
+    leaves k unpermuted; with token_vectors, ``vector_token_fragments`` instead)."""
     return 16 * step + 8 * register + 2 * (lane % 4) + half, lane // 4
 
 
-def issue_chunk(stage: Any, w: Any, batch: Any, chunk: Any, n0: Any, lane: Any, k: Any, n: Any, wanted: Any) -> None:
+def issue_chunk(stage: Any, w: Any, batch: Any, chunk: Any, n0: Any, lane: Any, k: Any, n: Any, wanted: Any,
+                token_vectors: bool) -> None:
     """cp.async one 32 x 64 chunk of B (k rows from ``chunk * 32``, columns from ``n0``) into the ring stage at
-    shared address ``stage`` as one commit group; rows at or past K, columns past N and unwanted chunks are
-    zero-filled (nothing is read; the address is clamped in bounds)."""
+    shared address ``stage`` (swizzled for ``token_vectors`` or not) as one commit group; rows at or past K,
+    columns past N and unwanted chunks are zero-filled (nothing is read; the address is clamped in bounds)."""
     for j in nvfly.static_range(CHUNK_K * SEGMENTS // 32):
         row, segment = copy_target(lane, j)
         kg = chunk * CHUNK_K + row
         ng = n0 + segment * VECTOR
         ok = wanted & (kg < k) & (ng < n)
         src = w.address(batch, nvfly.minimum(kg, k - 1), nvfly.minimum(ng, n - VECTOR))
-        sm80.cp_async(stage + stage_offset(row, segment), src, 16, ok)
+        sm80.cp_async(stage + stage_offset(row, segment, token_vectors), src, 16, ok)
     sm80.cp_async_commit()
 
 
@@ -258,41 +288,136 @@ def load_pair(x_row: Any, kk: Any, k: Any) -> Any:
     return nvfly.make_vector(values, x_row.dtype).bitcast(nvfly.i32).tolist()[0]
 
 
-def mma_stage(accs: list, stage: Any, x_rows: list, kc: Any, k: Any, lane: Any, dtype: Any) -> list:
-    """Accumulate one staged chunk (k from ``kc``): per k16 step, the tokens' B fragments once, then an
-    ldmatrix.x4.trans and the mmas of each 16-column tile."""
+def scalar_token_fragments(x_rows: list, kc: Any, k: Any, lane: Any) -> Callable[[int], list]:
+    """The tokens' B fragments of the chunk at ``kc`` in the ISA's k order, per k16 step: loaded pair by pair
+    (both halves of a register are consecutive k: one word per register from its half 0 k), masked at K."""
+    def of_step(step: int) -> list:
+        return [[load_pair(x, kc + row_b_token_source(lane, reg, 0, step)[0], k) for reg in range(2)]
+                for x in x_rows]
+    return of_step
+
+
+def vector_token_fragments(token_words: list) -> Callable[[int], list]:
+    """The tokens' B fragments per k16 step from each token tile's loaded words (``load_token_vectors``), for
+    the k-permuted ldmatrix addressing."""
+    def of_step(step: int) -> list:
+        return [[words[2 * step + r] for r in B_REGISTER_WORDS] for words in token_words]
+    return of_step
+
+
+@nvfly.func
+def load_token_vectors(x_rows, kc, kq, k):
+    """Each token tile's 8 consecutive k at ``kc + kq`` (this lane's share of the chunk at ``kc``) as four i32
+    words, one 16-byte load per tile. Only the chunk holding K's end (or a chunk past it) is masked: a vector
+    starting before K is read whole (16-byte aligned, so within the aligned 16 bytes that hold the row's last
+    element) and its k at or past K are zeroed, since the padding could hold NaN."""
+    if kc + CHUNK_K <= k:
+        words = [x.load(kc + kq, width=VECTOR).bitcast(nvfly.i32).tolist() for x in x_rows]
+    else:
+        valid = k - kc - kq
+        words = [keep_first(x.load(kc + kq, width=VECTOR, mask=valid > 0).bitcast(nvfly.i32).tolist(), valid)
+                 for x in x_rows]
+    return words
+
+
+def token_vector_k(lane: Any) -> Any:
+    """k within a chunk of the 16-byte token vector lane ``lane`` loads with token_vectors (row-major B)."""
+    return (lane % 4) * VECTOR
+
+
+def tokens_as_vectors(x_row: Any) -> bool:
+    """Whether a token row can be read as 16-byte vectors: K contiguous and 16-byte aligned rows (what x's
+    specialisation proves)."""
+    return isinstance(x_row.stride[-1], int) and x_row.stride[-1] == 1 and x_row.align % 16 == 0
+
+
+def mma_stage(accs: list, stage: Any, token_fragments: Callable[[int], list], lane: Any, token_vectors: bool,
+              dtype: Any) -> list:
+    """Accumulate one staged chunk: per k16 step, the tokens' B fragments (``token_fragments(step)``: two
+    registers per token tile), then an ldmatrix.x4.trans and the mmas of each 16-column tile."""
     out = [[list(a) for a in tile] for tile in accs]
     for step in nvfly.static_range(CHUNK_K // 16):
-        # both halves of a register are consecutive k: one word per register from its half 0 k
-        b = [[load_pair(x, kc + row_b_token_source(lane, reg, 0, step)[0], k) for reg in range(2)] for x in x_rows]
+        b = token_fragments(step)
         for tile in nvfly.static_range(COLS_ROW_B // ROWS):
-            a = sm80.ldmatrix_x4(stage + stage_offset(*ldmatrix_row(lane, step, tile)), transpose=True)
-            for t in range(len(x_rows)):
+            row, segment = ldmatrix_row(lane, step, tile, token_vectors)
+            a = sm80.ldmatrix_x4(stage + stage_offset(row, segment, token_vectors), transpose=True)
+            for t in range(len(b)):
                 out[tile][t] = sm80.mma_m16n8k16(a, b[t], out[tile][t], dtype)
     return out
 
 
+class WarpRing(NamedTuple):
+    """One warp's STAGES-deep cp.async ring (shared address ``base``) over its ``count`` chunks first,
+    first + WARPS, ... of the 64 columns of B from ``n0``, and the token rows of its mmas; with ``token_vectors``
+    the stages are k-permuted and the tokens read as 16-byte vectors (``kq``: this lane's k in a chunk)."""
+    w: Any
+    x_rows: list
+    batch: Any
+    n0: Any
+    lane: Any
+    k: Any
+    n: Any
+    base: Any
+    first: Any
+    count: Any
+    kq: Any
+    warps: int
+    stages: int
+    token_vectors: bool
+
+
+def ring_chunk(ring: WarpRing, accs: list, i: Any, tokens: Optional[list]) -> tuple[list, Optional[list]]:
+    """Chunk ``i`` of a warp's ring: refill the stage ``stages - 1`` chunks ahead, wait for chunk i and
+    accumulate it. With token_vectors, ``tokens`` are chunk i's (loaded a chunk earlier) and the next chunk's
+    (past the warp's range: unused, masked past K) are loaded before the wait so that their latency overlaps
+    this chunk's; returns (accumulators, the next chunk's tokens or None)."""
+    ahead = i + ring.stages - 1
+    issue_chunk(ring.base + (ahead % ring.stages) * CHUNK_BYTES, ring.w, ring.batch, ring.first + ahead * ring.warps,
+                ring.n0, ring.lane, ring.k, ring.n, ahead < ring.count, ring.token_vectors)
+    following = None
+    if ring.token_vectors:
+        following = load_token_vectors(ring.x_rows, (ring.first + (i + 1) * ring.warps) * CHUNK_K, ring.kq, ring.k)
+    sm80.cp_async_wait(ring.stages - 1)
+    nvfly.syncwarp()
+    stage = ring.base + (i % ring.stages) * CHUNK_BYTES
+    if ring.token_vectors:
+        fragments = vector_token_fragments(tokens)
+    else:
+        fragments = scalar_token_fragments(ring.x_rows, (ring.first + i * ring.warps) * CHUNK_K, ring.k, ring.lane)
+    accs = mma_stage(accs, stage, fragments, ring.lane, ring.token_vectors, ring.w.dtype)
+    nvfly.syncwarp()  # every lane is done with stage i % stages before the next chunk refills it
+    return accs, following
+
+
 @nvfly.func
-def stream_row_major(w, x, ring, batch, n0, c_begin, c_end, warp, lane, m, n, k, WARPS, STAGES, M_TILES):
+def stream_row_major(w, x, ring, batch, n0, c_begin, c_end, warp, lane, m, n, k, WARPS, STAGES, M_TILES,
+                     TOKEN_VECTORS):
     """This warp's chunks c_begin + warp, + WARPS, ... through its own STAGES-deep cp.async ring (only
-    wait_group and __syncwarp: no CTA barrier); accumulators [column tile][token tile][4]."""
+    wait_group and __syncwarp: no CTA barrier); accumulators [column tile][token tile][4]. TOKEN_VECTORS, where
+    x's rows allow it: k-permuted stages and the tokens as 16-byte vectors, a chunk ahead."""
     g = lane // 4
     x_rows = [x[batch, nvfly.minimum(g + 8 * t, m - 1), :] for t in nvfly.static_range(M_TILES)]
+    vectors = TOKEN_VECTORS and tokens_as_vectors(x_rows[0])  # else the ISA's k order, tokens pair by pair
     base = ring + warp * (STAGES * CHUNK_BYTES)
     count = (c_end - c_begin - warp + WARPS - 1) // WARPS
     first = c_begin + warp
+    warp_ring = WarpRing(w, x_rows, batch, n0, lane, k, n, base, first, count, token_vector_k(lane), WARPS, STAGES,
+                         vectors)
     accs = [[[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(M_TILES)] for _ in nvfly.static_range(COLS_ROW_B // ROWS)]
     for i in nvfly.static_range(STAGES - 1):
-        issue_chunk(base + i * CHUNK_BYTES, w, batch, first + i * WARPS, n0, lane, k, n, count > i)
-    for i in range(count):
-        ahead = i + STAGES - 1
-        issue_chunk(base + (ahead % STAGES) * CHUNK_BYTES, w, batch, first + ahead * WARPS, n0, lane, k, n,
-                    ahead < count)
-        sm80.cp_async_wait(STAGES - 1)
-        nvfly.syncwarp()
-        accs = mma_stage(accs, base + (i % STAGES) * CHUNK_BYTES, x_rows, (first + i * WARPS) * CHUNK_K, k, lane,
-                         w.dtype)
-        nvfly.syncwarp()  # every lane is done with stage i % STAGES before the next iteration refills it
+        issue_chunk(base + i * CHUNK_BYTES, w, batch, first + i * WARPS, n0, lane, k, n, count > i, vectors)
+    if vectors:
+        # two chunks an iteration, so that the tokens loaded for the next chunk land in the registers its mmas
+        # read (one chunk an iteration would copy them at its end, waiting for the load there)
+        current = load_token_vectors(x_rows, first * CHUNK_K, warp_ring.kq, k)
+        for pair in range(count // 2):
+            accs, following = ring_chunk(warp_ring, accs, 2 * pair, current)
+            accs, current = ring_chunk(warp_ring, accs, 2 * pair + 1, following)
+        if count % 2 == 1:
+            accs = ring_chunk(warp_ring, accs, count - 1, current)[0]
+    else:
+        for i in range(count):
+            accs = ring_chunk(warp_ring, accs, i, None)[0]
     sm80.cp_async_wait(0)
     nvfly.syncwarp()  # the ring may now hold this warp's partial sums
     return accs
@@ -360,7 +485,7 @@ def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in
         c_begin = split * chunks_per_split
         c_end = nvfly.minimum(c_begin + chunks_per_split, (k + CHUNK_K - 1) // CHUNK_K)
         tiles = stream_row_major(w, x, ring, batch, group * COLS, c_begin, c_end, warp, lane, m, n, k, WARPS,
-                                 UNROLL, M_TILES)
+                                 UNROLL, M_TILES, CFG.token_vectors)
         partial = nvfly.dynamic_shared_tensor(nvfly.f32, (RING_BYTES // 4,))
         WARP_STRIDE = UNROLL * CHUNK_BYTES // 4
     else:
@@ -479,7 +604,7 @@ def default_config(n: int, k: int, batches: int, sms: int, row_b: bool = False) 
     chunks = math.ceil(k / CHUNK_K)
     wanted = TARGET_CTAS_PER_SM * sms // groups
     longest = max(1, chunks // (cfg.warps * MIN_CHUNKS_PER_WARP))
-    return SkinnyConfig(cfg.warps, cfg.unroll, max(1, min(wanted, longest)))
+    return replace(cfg, splits=max(1, min(wanted, longest)))
 
 
 def make_plan(m: int, n: int, k: int, batches: int, has_c: bool, activation: str, scaled: bool,
@@ -494,7 +619,7 @@ def make_plan(m: int, n: int, k: int, batches: int, has_c: bool, activation: str
         chunks = max(1, math.ceil(k / CHUNK_K))
         per_split = math.ceil(chunks / min(config.splits, chunks))
         splits = math.ceil(chunks / per_split)
-        config = SkinnyConfig(config.warps, config.unroll, splits)
+        config = replace(config, splits=splits)
         groups = math.ceil(n / COLS_ROW_B)
         return SkinnyPlan(config, math.ceil(m / 8), m, n, k, per_split, (groups * splits, batches, 1),
                           groups * batches, epilogue, True)
@@ -502,7 +627,7 @@ def make_plan(m: int, n: int, k: int, batches: int, has_c: bool, activation: str
     # whole unroll groups per split, and no split without chunks (the tail chunk goes to the last split)
     per_split = max(config.unroll, math.ceil(math.ceil(full_chunks / config.splits) / config.unroll) * config.unroll)
     splits = max(1, math.ceil(full_chunks / per_split))
-    config = SkinnyConfig(config.warps, config.unroll, splits)
+    config = replace(config, splits=splits)
     groups = math.ceil(n / ROWS)
     return SkinnyPlan(config, math.ceil(m / 8), m, n, k, per_split, (groups * splits, batches, 1), groups * batches,
                       epilogue)

@@ -1,22 +1,28 @@
-"""The skinny (decode) GEMM against a float32 reference, for column-major and row-major B: token counts 1-16,
-odd N, K tails, epilogues, batches, split K through the shared workspace (which must be left zeroed: every case
-runs twice), poisoned outputs."""
+"""The skinny (decode) GEMM against a float32 reference, for column-major and row-major B (with and without
+SkinnyConfig.token_vectors): token counts 1-16, odd N, K tails, epilogues, batches, split K through the shared
+workspace (which must be left zeroed: every case runs twice), poisoned outputs and token padding."""
+import dataclasses
+
 import pytest
 import torch
 
-from nvfly.ops import gemm
+from nvfly.ops import gemm, gemm_skinny
 from nvfly.ops.gemm_skinny import SkinnyConfig
+from nvfly.runtime.driver import plan_sm_count
 
 pytestmark = pytest.mark.gpu
 
 
-def tokens(m, k, dtype, batch=None, major="row"):
+def tokens(m, k, dtype, batch=None, major="row", padding=None):
     """A [(batch,) m, k] operand; rows padded to a multiple of 8 elements (16-byte strides, as TMA needs for
-    the wgmma path's eligibility) so K itself may have any tail."""
+    the wgmma path's eligibility) so K itself may have any tail; ``padding``: the padding's value (random
+    without; run_twice refills only the view)."""
     pad = -(-k // 8) * 8
     lead = (batch,) if batch else ()
     if major == "col":
         return torch.randn(*lead, pad, m, device="cuda").to(dtype)[..., :k, :].transpose(-1, -2)
+    if padding is not None:
+        return torch.full((*lead, m, pad), padding, device="cuda", dtype=dtype)[..., :k]
     return torch.randn(*lead, m, pad, device="cuda").to(dtype)[..., :k]
 
 
@@ -66,29 +72,37 @@ def test_configs_and_splits(hopper, m, config):
     run_twice(a, b, 1e-2, config=config)
 
 
+# B's major-ness and, for row-major B, SkinnyConfig.token_vectors
+VARIANTS = {"colB": (False, False), "rowB": (True, False), "rowB-token-vectors": (True, True)}
+
+
+def variant_config(variant, splits):
+    row_b, token_vectors = VARIANTS[variant]
+    return SkinnyConfig(4, 4, splits, token_vectors) if row_b else SkinnyConfig(splits=splits)
+
+
 @pytest.mark.parametrize("activation", ["none", "relu", "gelu_tanh", "silu"])
 @pytest.mark.parametrize("bias", ["row", "col", "full", None])
 @pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("row_b", [False, True], ids=["colB", "rowB"])
-def test_epilogue(hopper, activation, bias, splits, row_b):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_epilogue(hopper, activation, bias, splits, variant):
     m, n, k = 9, 520, 2048
-    a, b = tokens(m, k, torch.bfloat16), (row_weight if row_b else weight)(n, k, torch.bfloat16)
+    a, b = tokens(m, k, torch.bfloat16), (row_weight if VARIANTS[variant][0] else weight)(n, k, torch.bfloat16)
     c = {"row": torch.randn(n, device="cuda"), "col": torch.randn(m, 1, device="cuda"),
          "full": torch.randn(m, n, device="cuda"), None: None}[bias]
     c = c.to(torch.bfloat16) if c is not None else None
-    config = SkinnyConfig(4, 4, splits) if row_b else SkinnyConfig(splits=splits)
-    run_twice(a, b, 1.5e-2, c=c, alpha=0.5, beta=2.0, activation=activation, config=config)
+    run_twice(a, b, 1.5e-2, c=c, alpha=0.5, beta=2.0, activation=activation, config=variant_config(variant, splits))
 
 
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32),
                                              (torch.float16, torch.bfloat16)])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("row_b", [False, True], ids=["colB", "rowB"])
-def test_output_dtypes(hopper, dtype, out_dtype, splits, row_b):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_output_dtypes(hopper, dtype, out_dtype, splits, variant):
     a = tokens(16, 1504, dtype)
-    b = row_weight(776, 1504, dtype) if row_b else weight(777, 1504, dtype)  # row-major B: N a multiple of 8
+    b = row_weight(776, 1504, dtype) if VARIANTS[variant][0] else weight(777, 1504, dtype)  # row-major B: N % 8 == 0
     run_twice(a, b, 1e-3 if out_dtype == torch.float32 else 1e-2, out_dtype=out_dtype,
-              config=SkinnyConfig(4, 4, splits) if row_b else SkinnyConfig(splits=splits))
+              config=variant_config(variant, splits))
 
 
 @pytest.mark.parametrize("m", [1, 5, 16])
@@ -157,7 +171,9 @@ def test_row_major_shapes(hopper, dtype, m, nk):
 @pytest.mark.parametrize("m", [1, 9, 16])
 @pytest.mark.parametrize("config", [SkinnyConfig(4, 4, 1), SkinnyConfig(4, 4, 3), SkinnyConfig(8, 2, 7),
                                     SkinnyConfig(2, 3, 16), SkinnyConfig(16, 3, 2), SkinnyConfig(4, 8, 1)])
-def test_row_major_configs_and_splits(hopper, m, config):
+@pytest.mark.parametrize("token_vectors", [False, True], ids=["pairs", "token_vectors"])
+def test_row_major_configs_and_splits(hopper, m, config, token_vectors):
+    config = dataclasses.replace(config, token_vectors=token_vectors)
     a, b = tokens(m, 3000, torch.bfloat16), row_weight(1000, 3000, torch.bfloat16)
     splits = gemm.path(a, b, config=config)
     assert splits == "skinny-rowB" + (f"-splitK{config.splits}" if config.splits > 1 else "")
@@ -166,15 +182,35 @@ def test_row_major_configs_and_splits(hopper, m, config):
 
 @pytest.mark.parametrize("m", [1, 5, 16])
 @pytest.mark.parametrize("splits", [1, 2])
-def test_row_major_bmm_and_column_major_tokens(hopper, m, splits):
+@pytest.mark.parametrize("token_vectors", [False, True], ids=["pairs", "token_vectors"])
+def test_row_major_bmm_and_column_major_tokens(hopper, m, splits, token_vectors):
+    """Column-major tokens keep the pair-by-pair loads with token_vectors too."""
     batch, n, k = 3, 296, 1000
     a, b = tokens(m, k, torch.bfloat16, batch), row_weight(n, k, torch.bfloat16, batch)
     assert gemm.path(a, b).startswith("skinny-rowB")
-    run_twice(a, b, 1e-2, config=SkinnyConfig(4, 4, splits))
+    config = SkinnyConfig(4, 4, splits, token_vectors)
+    run_twice(a, b, 1e-2, config=config)
     at = tokens(m, k, torch.bfloat16, batch, major="col")
     if m * at.element_size() % 16 and m > 1:
         return
-    run_twice(at, b, 1e-2, config=SkinnyConfig(4, 4, splits))
+    run_twice(at, b, 1e-2, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("nk", [(4096, 4096), (4104, 1023), (40, 4104), (8, 8), (4096, 14336), (104, 40),
+                                (64, 4100), (200, 1001)])
+@pytest.mark.parametrize("token_vectors", [False, True], ids=["pairs", "token_vectors"])
+def test_row_major_nan_token_padding(hopper, dtype, m, nk, token_vectors):
+    """Tokens whose rows are padded with NaN past K, with the default config (split K as planned): the chunk
+    holding K's end reads the padding's 16-byte block with token_vectors, and must zero it (the weight's rows
+    past K are zero: NaN would still poison the sums)."""
+    n, k = nk
+    a, b = tokens(m, k, dtype, padding=float("nan")), row_weight(n, k, dtype)
+    config = dataclasses.replace(gemm_skinny.default_config(n, k, 1, plan_sm_count(0), row_b=True),
+                                 token_vectors=token_vectors)
+    assert gemm.path(a, b, config=config).startswith("skinny-rowB")
+    run_twice(a, b, 1e-2, config=config)
 
 
 def test_row_major_matches_the_wgmma_path_and_the_column_major_kernel(hopper):

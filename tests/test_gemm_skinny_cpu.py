@@ -386,7 +386,15 @@ def test_token_vectors_is_a_row_major_b_option():
         gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, SkinnyConfig(token_vectors=True), 132)
     plan = gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, config, 132, row_b=True)
     assert plan.config == config  # kept through planning
-    assert not gemm_skinny.default_config(4096, 4096, 1, 132, row_b=True).token_vectors  # off by default
+    assert gemm_skinny.default_config(16, 4096, 4096, 1, 132, row_b=True).token_vectors  # on by default
+
+
+def test_row_major_splits_shrink_with_more_token_tiles():
+    """The row-B split rule at the swept decode shapes (132 SMs, 64 column groups): 4 splits at M = 1, K = 4096,
+    1 at M = 16 (each split reduces 16 rows), 3 at M = 16, K = 14336."""
+    splits = {(m, k): gemm_skinny.default_config(m, 4096, k, 1, 132, row_b=True).splits
+              for m, k in ((1, 4096), (16, 4096), (16, 14336))}
+    assert splits == {(1, 4096): 4, (16, 4096): 1, (16, 14336): 3}
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -466,12 +474,12 @@ def test_plans_cover_k_exactly(mnk):
 def test_few_column_groups_split_k_up_to_one_wave():
     sms = 132
     for n, k in ((4096, 4096), (4096, 14336), (1024, 4096), (33, 4104), (65536, 4096), (1, 8)):
-        cfg = gemm_skinny.default_config(n, k, 1, sms)
+        cfg = gemm_skinny.default_config(16, n, k, 1, sms)
         ctas = -(-n // 16) * cfg.splits
         assert cfg.splits == 1 or ctas <= gemm_skinny.TARGET_CTAS_PER_SM * sms, (n, k, cfg)
-    assert gemm_skinny.default_config(1024, 4096, 1, sms).splits == 2  # 64 groups, 128 chunks
-    assert gemm_skinny.default_config(33, 4104, 1, sms).splits > 1
-    assert gemm_skinny.default_config(65536, 4096, 1, sms).splits == 1
+    assert gemm_skinny.default_config(16, 1024, 4096, 1, sms).splits == 2  # 64 groups, 128 chunks
+    assert gemm_skinny.default_config(16, 33, 4104, 1, sms).splits > 1
+    assert gemm_skinny.default_config(16, 65536, 4096, 1, sms).splits == 1
 
 
 # ---------------------------------------------------------------------------------------------- launch limits

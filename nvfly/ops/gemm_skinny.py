@@ -43,7 +43,7 @@ runtime opts in to more than 48 KB by the dynamic size alone, and a static array
 the 1024-byte aligned dynamic region (exactly 48 KB of rings with split K then failed to launch).
 ``SkinnyConfig.check(row_b=True)`` declines rings that do not fit 227 KB.
 
-Token vectors (``SkinnyConfig.token_vectors``, row-major B only, off until timed on the GPU). The pair-by-pair
+Token vectors (``SkinnyConfig.token_vectors``, row-major B only, on by default: 0.82 -> 0.98x cuBLAS at 16x4096x4096). The pair-by-pair
 tokens cost 8 predicated 16-bit loads and their packing per token tile and chunk, issued after the wait. With
 the option, k is permuted in the ldmatrix addressing instead (``ldmatrix_row``) so that each lane's B fragments
 over a chunk are the 8 consecutive k of one 16-byte token vector, as in the column-major kernel; the permuted
@@ -592,24 +592,29 @@ class SkinnyPlan:
 # its start and reduction than it saves); to be tuned on the H200 (benchmarks/gemm_skinny_configs.py)
 TARGET_CTAS_PER_SM = 2
 MIN_CHUNKS_PER_WARP = 8
-# row-major B: 4 warps, each with a 4-stage ring (3 chunks = 12 KB in flight per warp, 64 KB of shared memory
-# per CTA); untuned
-ROW_B_CONFIG = SkinnyConfig(warps=4, unroll=4)
+# row-major B: 8 warps, each with a 2-stage ring (64 KB of shared memory per CTA), tokens as 16-byte vectors.
+# Its split rule scales a warp's fewest chunks per split with the square of the token tiles: each split adds an
+# M x N fp32 reduction and a larger M already keeps more loads in flight per CTA. Swept on the H200
+# (benchmarks/results/gemm_skinny_rowb_token_vectors_h200.log): 1x4096x4096 best at 4 splits (17.2 us, cuBLAS 18.7),
+# 16x4096x4096 at 1 (19.4 us with this ring, cuBLAS 18.6), 16x4096x14336 at 2-4 (43.9-44.8 us, cuBLAS 41.6).
+ROW_B_CONFIG = SkinnyConfig(warps=8, unroll=2, token_vectors=True)
+ROW_B_MIN_CHUNKS_PER_WARP = 4
 
 
-def default_config(n: int, k: int, batches: int, sms: int, row_b: bool = False) -> SkinnyConfig:
+def default_config(m: int, n: int, k: int, batches: int, sms: int, row_b: bool = False) -> SkinnyConfig:
     """Split K across CTAs up to TARGET_CTAS_PER_SM CTAs per SM, keeping each warp's share long."""
     cfg = ROW_B_CONFIG if row_b else SkinnyConfig()
     groups = math.ceil(n / (COLS_ROW_B if row_b else ROWS)) * batches
     chunks = math.ceil(k / CHUNK_K)
     wanted = TARGET_CTAS_PER_SM * sms // groups
-    longest = max(1, chunks // (cfg.warps * MIN_CHUNKS_PER_WARP))
+    per_warp = ROW_B_MIN_CHUNKS_PER_WARP * math.ceil(m / 8) ** 2 if row_b else MIN_CHUNKS_PER_WARP
+    longest = max(1, chunks // (cfg.warps * per_warp))
     return replace(cfg, splits=max(1, min(wanted, longest)))
 
 
 def make_plan(m: int, n: int, k: int, batches: int, has_c: bool, activation: str, scaled: bool,
               config: Optional[SkinnyConfig], sms: int, row_b: bool = False) -> SkinnyPlan:
-    config = config or default_config(n, k, batches, sms, row_b)
+    config = config or default_config(m, n, k, batches, sms, row_b)
     problem = config.check(row_b)
     if problem:
         raise ValueError(f"config={config}: {problem}" + (" (row-major B)" if row_b else ""))

@@ -10,6 +10,12 @@ that fits next to the staging buffers, with 2 and with 1 staging slice per consu
 
     python -m benchmarks.gemm_configs --compare-stream-k --layouts rowxrow,colxcol \
         --shapes 2048x2112x7168,1024x7168x2048,8192x8192x8192,4096x14336x4096
+
+``--compare-regions``: the default call (its own config, swap-AB for small M) and the other default tiles under each
+stream-K region (gemm.STREAM_K_REGIONS: which tiles are dealt out as contiguous k ranges), e.g.
+
+    python -m benchmarks.gemm_configs --compare-regions --layouts rowxrow \
+        --shapes 64x6144x4096,336x4104x1024,512x7168x16384,2048x4096x14336,1024x7168x2048
 """
 from __future__ import annotations
 
@@ -66,6 +72,33 @@ def with_and_without_tail(m: int, n: int, k: int) -> list[GemmConfig]:
     return [replace(cfg, stream_k=on) for cfg in tiles for on in (True, False)]
 
 
+def region_configs(m: int, n: int, k: int) -> list[Optional[GemmConfig]]:
+    """None (the default call) and the default tiles other than the shape's default config."""
+    first = gemm.default_config(m, n, k)
+    return [None] + [cfg for cfg, _ in gemm._TILES[:3] if (cfg.bm, cfg.bn) != (first.bm, first.bn)]
+
+
+def time_regions(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float) -> list[str]:
+    """Each region_configs config under each stream-K region, in TFLOP/s (plans are cached per call signature,
+    so the cache is emptied whenever the region changes)."""
+    cells = []
+    default_region = gemm.STREAM_K_REGION
+    try:
+        for cfg in region_configs(a.shape[0], b.shape[1], a.shape[1]):
+            for region in gemm.STREAM_K_REGIONS:
+                gemm.STREAM_K_REGION = region
+                gemm._CALLS.clear()
+                out = gemm.matmul(a, b, config=cfg)
+                assert rel_err(out, ref) < 1e-2, (cfg, region, rel_err(out, ref))
+                ms = bench_ms(lambda: gemm.matmul(a, b, config=cfg, out=out))
+                name = "default" if cfg is None else label(cfg)
+                cells.append(f"{name}/{region} ({gemm.path(a, b, config=cfg)}) {flops / ms / 1e9:.0f}")
+    finally:
+        gemm.STREAM_K_REGION = default_region
+        gemm._CALLS.clear()
+    return cells
+
+
 def operand(rows: int, cols: int, major: str) -> torch.Tensor:
     if major == "row":
         return torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
@@ -78,6 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--layouts", default="rowxrow", help="comma-separated AxB majors: rowxrow, colxrow, rowxcol, colxcol")
     p.add_argument("--compare-store", action="store_true", help="compare with the TMA-store epilogue")
     p.add_argument("--compare-stream-k", action="store_true", help="default tiles with and without the stream-K tail")
+    p.add_argument("--compare-regions", action="store_true", help="the default call and tiles under each stream-K region")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     configs = with_store(STORE_BASES) if args.compare_store else CONFIGS
@@ -89,6 +123,9 @@ def main(argv=None) -> int:
             ref = a.float() @ b.float()
             cublas = bench_ms(lambda: torch.mm(a, b))
             line = [f"{layout} {m}x{n}x{k}: cuBLAS {2 * m * n * k / cublas / 1e9:.0f}"]
+            if args.compare_regions:
+                print(" | ".join(line + time_regions(a, b, ref, 2 * m * n * k)), flush=True)
+                continue
             for cfg in with_and_without_tail(m, n, k) if args.compare_stream_k else configs:
                 out = gemm.matmul(a, b, config=cfg)
                 assert rel_err(out, ref) < 1e-2, (cfg, rel_err(out, ref))

@@ -7,7 +7,7 @@ import struct
 import pytest
 import torch
 
-from nvfly.ops import gemm, gemm_skinny
+from nvfly.ops import gemm, gemm_kernel, gemm_skinny
 from nvfly.ops.gemm_kernel import GemmConfig
 from nvfly.ops.gemm_skinny import SkinnyConfig
 from nvfly.runtime.tma import TmaDescriptor
@@ -138,30 +138,84 @@ def test_output_layout_is_part_of_the_signature(fake_launches):
         gemm.matmul(a, b, out=torch.empty(256, 383).to(torch.bfloat16))
 
 
-def test_stream_k_tail_plan():
-    """The last wave is split only when it is short enough for at least MIN_TAIL_SPLIT pieces of at least
-    MIN_PIECE_K_BLOCKS k-blocks that fill the idle SMs, each piece non-empty."""
-    assert gemm.stream_k_tail(272, 112, 132) == (264, 16)  # 8 tiles left: 16 pieces of 7 k-blocks
-    assert gemm.stream_k_tail(144, 112, 132) == (132, 11)  # 12 left: 11 pieces (132 units)
-    assert gemm.stream_k_tail(272, 41, 132) == (264, 9)    # 10 pieces asked, 9 of 5 k-blocks cover 41
-    assert gemm.stream_k_tail(448, 32, 132) == (0, 1)      # 52 left: 2 pieces would not pay back the fix-up
-    assert gemm.stream_k_tail(272, 9, 132) == (0, 1)       # K too short for 8 pieces
-    assert gemm.stream_k_tail(132, 112, 132) == (0, 1)     # whole waves
-    assert gemm.stream_k_tail(100, 112, 132) == (0, 1)     # one partial wave: split K's domain
-    for tiles in range(133, 700, 7):
-        for k_tiles in (8, 9, 17, 32, 33, 64, 113):
-            dp, pieces = gemm.stream_k_tail(tiles, k_tiles, 132)
-            if pieces > 1:
-                per_piece = -(-k_tiles // pieces)
-                assert dp % 132 == 0 and (tiles - dp) * pieces <= 132 and pieces >= gemm.MIN_TAIL_SPLIT
-                assert per_piece >= gemm.MIN_PIECE_K_BLOCKS - 1 and (pieces - 1) * per_piece < k_tiles
+def test_stream_k_plan():
+    """Which tiles are streamed per region, and each block's range: whole waves stay whole, a block streams at
+    least MIN_BLOCK_ITERS k-blocks and a tile is shared by at most MAX_CONTRIBUTORS blocks."""
+    assert gemm.stream_k_plan(272, 112, 132, "short-tail") == (264, 7)  # 8 tiles left: 896 k-blocks, 7 a block
+    assert gemm.stream_k_plan(448, 32, 132, "short-tail") == (0, 0)     # 52 left: not short
+    assert gemm.stream_k_plan(448, 32, 132, "tail") == (396, 13)
+    assert gemm.stream_k_plan(448, 32, 132, "tail+wave") == (264, 45)
+    assert gemm.stream_k_plan(272, 9, 132, "short-tail") == (0, 0)      # K too short
+    assert gemm.stream_k_plan(96, 64, 132, "tail") == (0, 47)           # one partial wave: all of it streamed
+    assert gemm.stream_k_plan(96, 64, 132, "short-tail") == (0, 0)
+    assert gemm.stream_k_plan(132, 112, 132, "tail") == (0, 0)          # whole waves
+    assert gemm.stream_k_plan(133, 112, 132, "tail") == (132, 7)        # 1 tile: 16 blocks of 7 (MAX_CONTRIBUTORS)
+    assert gemm.stream_k_plan(133, 3, 132, "tail") == (132, 4)          # MIN_BLOCK_ITERS
+    with pytest.raises(ValueError, match="stream-K region"):
+        gemm.stream_k_plan(133, 3, 132, "all")
+
+
+@pytest.fixture
+def python_ints(monkeypatch):
+    """The device helpers the stream-K unit functions call, on Python ints."""
+    monkeypatch.setattr(gemm_kernel.nvfly, "select", lambda c, a, b: a if c else b)
+    monkeypatch.setattr(gemm_kernel.nvfly, "minimum", min)
+    monkeypatch.setattr(gemm_kernel.nvfly, "maximum", max)
+    monkeypatch.setattr(gemm_kernel, "tile_coords", gemm_kernel.tile_coords.fn)
+
+
+def stream_k_units(tiles_m, tiles_n, k_tiles, sms, region):
+    """Run the kernel's own unit functions (gemm_kernel.stream_k_units and unit_work) on Python ints for every
+    block of the launch _make_plan sizes: {block: [(tile, k_begin, k_end, slot, contributors)]}."""
+    tiles = tiles_m * tiles_n
+    dp, iters = gemm.stream_k_plan(tiles, k_tiles, sms, region)
+    assert iters, (tiles, k_tiles, region)
+    grid = sms if dp else -(-(tiles - dp) * k_tiles // iters)
+    assert grid <= sms and dp % grid == 0
+    cfg = GemmConfig(128, 128, 4, 2, pingpong=True)
+    work = {}
+    for block in range(grid):
+        end = gemm_kernel.stream_k_units.fn(block, grid, k_tiles, tiles, dp, iters)
+        work[block] = []
+        for unit in range(block, end, grid):
+            batch, tm, tn, split, k_begin, k_end, slot, count = gemm_kernel.unit_work.fn(
+                unit, tiles_m, tiles_n, k_tiles, k_tiles, 0, dp, iters, grid, tiles, cfg, 1, True)
+            work[block].append(((batch, tm, tn), k_begin, k_end, slot, count))
+    return dp, iters, work
+
+
+@pytest.mark.parametrize("region", ["short-tail", "tail", "tail+wave"])
+def test_stream_k_units_cover_every_k_block_once(python_ints, region):
+    """Over all blocks, every k-block of every tile is computed exactly once; a tile's contributor count is the
+    number of units that touch it (so its last arrival is the last of them), whole tiles have none; a block's
+    streamed units are consecutive tiles, and no block streams more than one range."""
+    for tiles_m, tiles_n, k_tiles in ((17, 16, 112), (8, 56, 32), (8, 12, 64), (3, 33, 16), (4, 56, 256),
+                                      (16, 32, 224), (1, 133, 3), (2, 67, 9)):
+        if not gemm.stream_k_plan(tiles_m * tiles_n, k_tiles, 132, region)[1]:
+            continue
+        dp, iters, work = stream_k_units(tiles_m, tiles_n, k_tiles, 132, region)
+        covered = {}
+        for block, units in work.items():
+            streamed = [u for u in units if u[3] >= 0]
+            assert [u[3] for u in streamed] == list(range(streamed[0][3], streamed[0][3] + len(streamed))) \
+                if streamed else True
+            assert sum(u[2] - u[1] for u in streamed) <= iters
+            for tile, k_begin, k_end, slot, count in units:
+                assert 0 <= k_begin < k_end <= k_tiles, (block, tile, k_begin, k_end)
+                covered.setdefault(tile, []).append((k_begin, k_end, slot, count))
+        assert len(covered) == tiles_m * tiles_n
+        for tile, parts in covered.items():
+            ks = sorted(k for k_begin, k_end, _, _ in parts for k in range(k_begin, k_end))
+            assert ks == list(range(k_tiles)), (tile, parts)
+            assert {count for *_, count in parts} == {len(parts)}
+            assert len({slot for _, _, slot, _ in parts}) == 1 and len(parts) <= gemm.MAX_CONTRIBUTORS
 
 
 def test_stream_k_plans_and_launches(fake_launches):
     a, b = _bf(2048, 7168), _bf(2112, 7168).t()
-    assert gemm.path(a, b) == "wgmma-streamK16"
+    assert gemm.path(a, b) == "wgmma-streamK8x7"
     assert gemm.path(a, b, config=GemmConfig(128, 128, 6, 2, pingpong=True, stream_k=False)) == "wgmma"
     gemm.matmul(a, b)
     (name, grid, params), = fake_launches
     assert name == "gemm_kernel" and grid == (132, 1, 1)
-    assert (264, 16) in {params[i:i + 2] for i in range(len(params) - 1)}  # dp_tiles, tail_split
+    assert (264, 7) in {params[i:i + 2] for i in range(len(params) - 1)}  # dp_tiles, block_iters

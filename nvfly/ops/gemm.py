@@ -7,7 +7,7 @@ Every operand major-ness works without copies (row- or column-major A and B); ta
 PyTorch. ``config_space`` is the space the autotuner searches; ``default_config`` picks a config per shape
 without tuning. Small M is computed as the transposed problem (swap A/B) so tokens fill wgmma's N; few
 output tiles with long K are split along K; a short last wave of tiles is split along K over the idle SMs
-(``stream_k_tail``). Up to ``SKINNY_MAX_M`` tokens with a column-major B (the
+(``stream_k_plan``). Up to ``SKINNY_MAX_M`` tokens with a column-major B (the
 ``F.linear`` weight) or a 16-byte aligned row-major B (``SKINNY_ROW_B``) run the memory-bound skinny kernel
 instead (``gemm_skinny``); ``path`` says which ran.
 """
@@ -227,10 +227,10 @@ class _Plan:
     store_box: Optional[tuple] = None
     store_swizzle: int = 0
     register_config: Optional[GemmConfig] = None
-    # stream-K tail: the tail_tiles tiles from dp_tiles on are split into tail_split K pieces (none: 0 and 1)
+    # stream K: the sk_tiles tiles from dp_tiles on are dealt out as block_iters k-blocks per block (none: 0s)
     dp_tiles: int = 0
-    tail_split: int = 1
-    tail_tiles: int = 0
+    block_iters: int = 0
+    sk_tiles: int = 0
 
 
 _CALLS: dict[tuple, Any] = {}  # call signature -> _WgmmaCall or _SkinnyCall
@@ -269,41 +269,52 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     b_box, b_swizzle = _operand_box(config.bn, bk, dtype, b_major, rank, config.cluster_m)
     cm = config.cluster_m
     tiles = math.ceil(m / (config.bm * cm)) * cm * math.ceil(n / config.bn) * batches * split
-    dp_tiles, tail_split = stream_k_tail(tiles, k_tiles, sms) if config.stream_k and split == 1 and cm == 1 \
-        else (0, 1)
-    units = dp_tiles + (tiles - dp_tiles) * tail_split
-    return _Plan(config, swap, a_major, b_major, m, n, k_tiles, batches, min(units, sms // cm * cm),
+    dp_tiles, block_iters = stream_k_plan(tiles, k_tiles, sms) if config.stream_k and split == 1 and cm == 1 \
+        else (0, 0)
+    sk_tiles = tiles - dp_tiles if block_iters else 0
+    # stream K: dp_tiles is a multiple of the grid (whole waves); without whole waves, as many blocks as ranges
+    grid = sms if dp_tiles else math.ceil(sk_tiles * k_tiles / block_iters) if block_iters else \
+        min(tiles, sms // cm * cm)
+    return _Plan(config, swap, a_major, b_major, m, n, k_tiles, batches, grid,
                  128 * (1 + config.consumers), a_box, a_swizzle, b_box, b_swizzle,
                  Epilogue(has_c=has_c, activation=activation, partial=split > 1, scaled=scaled and split == 1),
                  Epilogue(has_c=has_c, activation=activation, scaled=scaled) if split > 1 else None,
                  *(store_box(config, batched) if config.tma_store else (None, 0)),
-                 replace(config, tma_store=False) if config.tma_store else None, dp_tiles, tail_split,
-                 tiles - dp_tiles if tail_split > 1 else 0)
+                 replace(config, tma_store=False) if config.tma_store else None, dp_tiles, block_iters, sk_tiles)
 
 
-# a stream-K tail piece gets at least this many k-blocks, and a tile at most this many pieces (each piece adds
-# its f32 tile to the workspace: more pieces cost more atomic traffic than they save). Fewer than
-# MIN_TAIL_SPLIT pieces measured slower than no split on the H200 (benchmarks/gemm_configs.py
-# --compare-stream-k: 2 pieces -6% on 1024x7168x2048 and -3% on 4096x10240x8192, 6 pieces within noise,
-# 16 pieces +25% on 2048x2112x7168 and +1..4% on 8192^3): the fix-up's latency is then not paid back
-MIN_PIECE_K_BLOCKS = 4
+# Stream K. STREAM_K_REGION picks the tiles whose k-blocks are dealt out as contiguous ranges, one per block:
+# "short-tail": a last wave at most 1/MIN_TAIL_SPLIT full after whole waves; "tail": any partial last wave
+# (also a single partial wave); "tail+wave": a partial last wave and the whole wave before it (each block then
+# streams more than one tile, each tile shared by 2-3 blocks); "off". A block gets at least MIN_BLOCK_ITERS
+# k-blocks and a tile is shared by at most MAX_CONTRIBUTORS blocks (each adds its f32 tile to the workspace).
+# Measured on the H200 with equal K pieces per tail tile (benchmarks/gemm_configs.py --compare-stream-k):
+# 2 pieces -6% on 1024x7168x2048 and -3% on 4096x10240x8192, 6 pieces within noise, 16 pieces +25% on
+# 2048x2112x7168 and +1..4% on 8192^3.
+STREAM_K_REGIONS = ("off", "short-tail", "tail", "tail+wave")
+STREAM_K_REGION = "short-tail"
 MIN_TAIL_SPLIT = 8
-MAX_TAIL_SPLIT = 16
+MIN_BLOCK_ITERS = 4
+MAX_CONTRIBUTORS = 16
 
 
-def stream_k_tail(tiles: int, k_tiles: int, sms: int) -> tuple[int, int]:
-    """(dp_tiles, tail_split): how a persistent launch of ``tiles`` output tiles of ``k_tiles`` k-blocks over
-    ``sms`` blocks splits its last wave. When that wave is short (wave quantisation: 272 tiles on 132 SMs take
-    3 waves of work for 2.06 waves' worth), its tiles are each split into K pieces so that the pieces fill the
-    idle blocks: the first ``dp_tiles`` tiles run whole, the rest as ``tail_split`` pieces each, fixed up in
-    the kernel. (0, 1) when nothing is split (whole waves, a last wave more than 1/MIN_TAIL_SPLIT full, or K
-    too short for MIN_TAIL_SPLIT pieces)."""
-    tail = tiles % sms
-    if tiles <= sms or tail == 0 or tail > sms // 2:
-        return 0, 1
-    pieces = min(sms // tail, k_tiles // MIN_PIECE_K_BLOCKS, MAX_TAIL_SPLIT)
-    pieces = math.ceil(k_tiles / math.ceil(k_tiles / max(pieces, 1)))  # every piece gets at least one k-block
-    return (tiles - tail, pieces) if pieces >= MIN_TAIL_SPLIT else (0, 1)
+def stream_k_plan(tiles: int, k_tiles: int, sms: int, region: Optional[str] = None) -> tuple[int, int]:
+    """(dp_tiles, block_iters) of a persistent launch of ``tiles`` output tiles of ``k_tiles`` k-blocks over
+    ``sms`` blocks: the first ``dp_tiles`` tiles (whole waves) run whole, the k-blocks of the rest are dealt out
+    ``block_iters`` to a block in order (``region``, default STREAM_K_REGION, says which tiles); (0, 0) when
+    nothing is streamed (whole waves, or a region the shape has not)."""
+    region = region or STREAM_K_REGION
+    if region not in STREAM_K_REGIONS:
+        raise ValueError(f"stream-K region {region!r}: expected one of {STREAM_K_REGIONS}")
+    full, tail = divmod(tiles, sms)
+    if region == "off" or tail == 0:
+        return 0, 0
+    if region == "short-tail" and (full == 0 or tail > sms // MIN_TAIL_SPLIT
+                                   or k_tiles < MIN_TAIL_SPLIT * MIN_BLOCK_ITERS):
+        return 0, 0
+    sk_tiles = tail + sms if region == "tail+wave" and full else tail
+    block_iters = max(math.ceil(sk_tiles * k_tiles / sms), math.ceil(k_tiles / MAX_CONTRIBUTORS), MIN_BLOCK_ITERS)
+    return tiles - sk_tiles, block_iters
 
 
 def store_reason(out3: torch.Tensor) -> Optional[str]:
@@ -452,8 +463,8 @@ class _WgmmaCall:
         self.main = gemm_kernel.prepared(plan.grid, plan.threads, (cfg.cluster_m, 1, 1))
         self.reduce = None if plan.reduce_epilogue is None else split_k_reduce_kernel.prepared(
             (math.ceil(plan.m * plan.n / 256), plan.batches), 256)
-        # stream-K tail: one workspace slot and arrival count per split consumer tile
-        self.tail_slots = plan.tail_tiles * (1 if cfg.pingpong else cfg.consumers)
+        # stream K: one workspace slot and arrival count per streamed consumer tile
+        self.sk_slots = plan.sk_tiles * (1 if cfg.pingpong else cfg.consumers)
         self.slot_sums = cfg.wg_m * cfg.bn
         self._descriptors: dict[tuple[int, int, int], tuple] = {}
 
@@ -463,15 +474,15 @@ class _WgmmaCall:
         addresses = (a.data_ptr(), b.data_ptr(), out.data_ptr() if self.tma_store else 0)
         descs = self._descriptors.get(addresses)
         sums = counts = None
-        if self.tail_slots:
-            sums, counts = split_workspace.workspace(a.device, current_stream(a.device.index), self.tail_slots,
+        if self.sk_slots:
+            sums, counts = split_workspace.workspace(a.device, current_stream(a.device.index), self.sk_slots,
                                                  self.slot_sums)
         if descs is not None and self.reduce is None and self.main.warm:
             # the generated launch reads only addresses: the kernel's 3-D (transposed, broadcast) views of out
             # and C start where out and C do
             a_desc, b_desc, out_desc = descs
             self.main(a_desc, b_desc, out, c, out_desc, plan.m, plan.n, plan.k_tiles, plan.batches, alpha, beta,
-                      sums, counts, plan.dp_tiles, plan.tail_split, self.config, plan.a_major, plan.b_major,
+                      sums, counts, plan.dp_tiles, plan.block_iters, self.config, plan.a_major, plan.b_major,
                       plan.epilogue)
             return
         a3, b3 = (a, b) if self.batched else (a.unsqueeze(0), b.unsqueeze(0))
@@ -489,14 +500,14 @@ class _WgmmaCall:
         a_desc, b_desc, out_desc = descs
         if self.reduce is None:
             self.main(a_desc, b_desc, out3, c3, out_desc, plan.m, plan.n, plan.k_tiles, plan.batches, alpha, beta,
-                      sums, counts, plan.dp_tiles, plan.tail_split, self.config, plan.a_major, plan.b_major,
+                      sums, counts, plan.dp_tiles, plan.block_iters, self.config, plan.a_major, plan.b_major,
                       plan.epilogue)
             return
         cfg = self.config
         partials = torch.empty((plan.batches * cfg.split_k, plan.m, plan.n), dtype=torch.float32,
                                device=a.device)
         self.main(a_desc, b_desc, partials, None, None, plan.m, plan.n, plan.k_tiles, plan.batches, 1.0, 0.0, None,
-                  None, 0, 1, cfg, plan.a_major, plan.b_major, plan.epilogue)
+                  None, 0, 0, cfg, plan.a_major, plan.b_major, plan.epilogue)
         self.reduce(partials, out3, c3, plan.m, plan.n, alpha, beta, cfg.split_k, plan.reduce_epilogue)
 
     def _describe(self, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor) -> tuple:
@@ -519,7 +530,7 @@ def path(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, 
             (f"-splitK{plan.config.splits}" if plan.config.splits > 1 else "")
     return "wgmma" + ("-swapAB" if plan.swap else "") + \
         (f"-splitK{plan.config.split_k}" if plan.config.split_k > 1 else "") + \
-        (f"-streamK{plan.tail_split}" if plan.tail_split > 1 else "")
+        (f"-streamK{plan.sk_tiles}x{plan.block_iters}" if plan.block_iters else "")
 
 
 def _descriptors(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, batched: bool) -> tuple[Any, Any]:
@@ -589,7 +600,7 @@ def compile_configs(configs: Sequence[GemmConfig], dtype: torch.dtype = torch.bf
             counts = TensorDesc(nvfly.i32, (1024,)) if tail else None
             kernels.append(gemm_kernel.compile(
                 a_desc, b_desc, out, c_in, out_desc, 4096, 4096, 64, 2 if batched else 1, 1.0, 0.0, sums, counts,
-                0, 1, CFG=cfg,
+                0, 0, CFG=cfg,
                 A_MAJOR=a_major, B_MAJOR=b_major, EPI=epi, block=128 * (1 + cfg.consumers),
                 cluster=(cfg.cluster_m, 1, 1), target=target))
     return kernels

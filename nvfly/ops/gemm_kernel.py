@@ -11,12 +11,14 @@ The kernel computes out[b] = act(alpha * A[b] @ B[b] + beta * C_in[b]) for every
 be K-major or MN-major (wgmma transposes 16-bit operands), tails in M, N, K come from TMA's zero fill and
 masked stores. With ``split_k`` > 1 each split reduces its K range into an f32 workspace slice instead.
 
-Stream-K tail (a ``workspace`` given; ``gemm.stream_k_tail`` decides): the blocks walk work units, the first
-``dp_tiles`` whole tiles, then every remaining tile as ``tail_split`` K pieces, so that a short last wave
-spreads over all SMs instead of leaving most idle. A piece's consumer adds its fragments into the tile's f32
-workspace slot (``red.global.add.v4``) and counts itself in; the piece counted last reads the sums back,
-zeroes slot and count for the next launch and runs the normal epilogue (``fix_up``): one kernel, no memset,
-no waiting on other blocks (so no deadlock whatever the residency).
+Stream K (a ``workspace`` given; ``gemm.stream_k_plan`` decides): the blocks walk work units, first
+``dp_tiles`` whole tiles (data-parallel waves), then each block one contiguous range of ``block_iters``
+k-blocks of the remaining tiles taken in order, so that a short last wave (or a single partial wave) spreads
+over all SMs instead of leaving some idle; a block's range touches one or more tiles, each a unit
+(``unit_work``). A part of a tile that other blocks share is added by its consumer into the tile's f32
+workspace slot (``red.global.add.v4``) and counted in; the part counted last reads the sums back, zeroes slot
+and count for the next launch and runs the normal epilogue (``fix_up``): one kernel, no memset, no waiting on
+other blocks (so no deadlock whatever the residency).
 
 Two epilogues (``GemmConfig.tma_store``): the register epilogue stores each thread's fragments straight to
 global memory as 4-byte pairs (masked on tails). The TMA-store epilogue (16-bit outputs) writes the
@@ -56,9 +58,9 @@ class GemmConfig:
     take alternate whole tiles (bm rows each) and take turns issuing wgmma, so one's epilogue runs under the
     other's mainloop (instead of both splitting every tile); tma_store: the epilogue goes through shared
     memory (stmatrix + TMA store, 16-bit outputs; others fall back to the register epilogue), staging
-    store_buffers column slices of store_width(bn) columns per consumer warpgroup; stream_k: when the last wave
-    of tiles is at most half full, its tiles are split along K over the idle blocks (without split_k or a
-    cluster; see gemm.stream_k_tail).
+    store_buffers column slices of store_width(bn) columns per consumer warpgroup; stream_k: a short last wave
+    of tiles (gemm.stream_k_plan says which) is dealt out as contiguous k ranges over all blocks (without
+    split_k or a cluster).
     """
     bm: int = 128
     bn: int = 256
@@ -195,24 +197,45 @@ def tile_coords(tile, tiles_m, tiles_n, GROUP_M):
 
 
 @nvfly.func
-def unit_work(unit, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, tail_split, k_per_piece, CFG, CM,
-              STREAM_K):
-    """``tile_work`` of a work unit, plus its tail slot: with STREAM_K, units below ``dp_tiles`` are whole tiles
-    and each later tile is split into ``tail_split`` K pieces of ``k_per_piece`` k-blocks, one unit each; the
-    slot is the tile's index among those split tiles (negative for a whole tile)."""
+def stream_k_units(block, blocks, k_tiles, num_tiles, dp_tiles, block_iters):
+    """The end of a block's work units under stream K: its share of the ``dp_tiles`` whole tiles (units
+    ``block``, ``block + blocks``, ... below ``dp_tiles``, a multiple of ``blocks``), then one unit per tile
+    its range of ``block_iters`` k-blocks of the stream-K tiles touches (units ``dp_tiles + j * blocks +
+    block``)."""
+    total = (num_tiles - dp_tiles) * k_tiles
+    start = nvfly.minimum(block * block_iters, total)
+    end = nvfly.minimum(start + block_iters, total)
+    segments = nvfly.select(end > start, (end - 1) // k_tiles - start // k_tiles + 1, 0)
+    return dp_tiles + segments * blocks
+
+
+@nvfly.func
+def unit_work(unit, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, block_iters, blocks, num_tiles, CFG,
+              CM, STREAM_K):
+    """``tile_work`` of a work unit, plus its stream-K slot and contributor count. With STREAM_K, units below
+    ``dp_tiles`` are whole tiles; the remaining tiles' k-blocks, in order, are dealt out as one contiguous range
+    of ``block_iters`` to each block (stream K), and unit ``dp_tiles + j * blocks + b`` is block b's j-th tile:
+    the part of that tile inside the block's range. The slot is the tile's index among the stream-K tiles
+    (negative for a whole tile); the count is how many blocks' ranges share the tile (1: no fix-up)."""
     if STREAM_K:
         tail = unit >= dp_tiles
         v = nvfly.maximum(unit - dp_tiles, 0)
-        tile = nvfly.select(tail, dp_tiles + v // tail_split, unit)
-        k_begin = nvfly.select(tail, (v % tail_split) * k_per_piece, 0)
-        k_end = nvfly.select(tail, nvfly.minimum(k_begin + k_per_piece, k_tiles), k_tiles)
-        batch, tm, tn = tile_coords(tile, tiles_m, tiles_n, CFG.group_m)
+        start = (v % blocks) * block_iters
+        slot = start // k_tiles + v // blocks
+        tile_start = slot * k_tiles
+        total = (num_tiles - dp_tiles) * k_tiles
+        tile_end = nvfly.minimum(tile_start + k_tiles, total)
+        k_begin = nvfly.select(tail, nvfly.maximum(start, tile_start) - tile_start, 0)
+        k_end = nvfly.select(tail, nvfly.minimum(start + block_iters, tile_end) - tile_start, k_tiles)
+        contributors = nvfly.select(tail, (tile_end - 1) // block_iters - tile_start // block_iters + 1, 1)
+        batch, tm, tn = tile_coords(nvfly.select(tail, dp_tiles + slot, unit), tiles_m, tiles_n, CFG.group_m)
         split = 0
-        slot = tile - dp_tiles
+        slot = nvfly.select(tail, slot, -1)
     else:
         batch, tm, tn, split, k_begin, k_end = tile_work(unit, tiles_m, tiles_n, k_per_split, k_tiles, rank, CFG, CM)
         slot = -1
-    return batch, tm, tn, split, k_begin, k_end, slot
+        contributors = 1
+    return batch, tm, tn, split, k_begin, k_end, slot, contributors
 
 
 @nvfly.func
@@ -228,7 +251,7 @@ def tile_work(tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, CFG, CM):
 @nvfly.kernel
 def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, c_in, out_desc,
                 m: nvfly.i32, n: nvfly.i32, k_tiles: nvfly.i32, batches: nvfly.i32, alpha: nvfly.f32,
-                beta: nvfly.f32, workspace, counters, dp_tiles: nvfly.i32, tail_split: nvfly.i32,
+                beta: nvfly.f32, workspace, counters, dp_tiles: nvfly.i32, block_iters: nvfly.i32,
                 CFG: nvfly.Constexpr, A_MAJOR: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr, EPI: nvfly.Constexpr):
     dtype = a_desc.info.dtype
     size = dtype.itemsize
@@ -289,19 +312,17 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
     num_tiles = tiles_m * tiles_n * batches * CFG.split_k
     k_per_split = (k_tiles + CFG.split_k - 1) // CFG.split_k
     num_units = num_tiles
-    k_per_piece = k_tiles
-    if STREAM_K:
-        num_units = dp_tiles + (num_tiles - dp_tiles) * tail_split
-        k_per_piece = (k_tiles + tail_split - 1) // tail_split
+    if STREAM_K:  # this block's units end (the other blocks' stream-K ranges are theirs)
+        num_units = stream_k_units(first_tile, tile_step, k_tiles, num_tiles, dp_tiles, block_iters)
 
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
         if tid == 0:
             state = sm90.PipelineState.start(S)
             for tile in range(first_tile, num_units, tile_step):
-                batch, tm, tn, split, k_begin, k_end, slot = unit_work(
-                    tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, tail_split, k_per_piece, CFG, CM,
-                    STREAM_K)
+                batch, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(
+                    tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, block_iters, tile_step, num_tiles,
+                    CFG, CM, STREAM_K)
                 for kt in range(k_begin, k_end):
                     pipe.producer_acquire(state)
                     pipe.producer_expect(state)
@@ -337,15 +358,15 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
             first_k_blocks = k_tiles
             if STREAM_K:
                 first_work = unit_work(first_tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles,
-                                       tail_split, k_per_piece, CFG, CM, STREAM_K)
+                                       block_iters, tile_step, num_tiles, CFG, CM, STREAM_K)
                 first_k_blocks = first_work[5] - first_work[4]
             state = state.advance_by(consumer * first_k_blocks)
             own_first, own_step = first_tile + consumer * tile_step, 2 * tile_step
         turn = consumer  # ping-pong: the first tile of consumer 0 needs no turn
         for tile in range(own_first, num_units, own_step):
-            batch, tm, tn, split, k_begin, k_end, slot = unit_work(
-                tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, tail_split, k_per_piece, CFG, CM,
-                STREAM_K)
+            batch, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(
+                tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, block_iters, tile_step, num_tiles,
+                CFG, CM, STREAM_K)
             if PINGPONG:
                 if turn > 0:
                     nvfly.named_barrier(2 + consumer, 256)  # wait until the other consumer issued its wgmmas
@@ -374,7 +395,7 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
             if PINGPONG:  # skip the other consumer's next unit
                 if STREAM_K:
                     other = unit_work(tile + tile_step, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles,
-                                      tail_split, k_per_piece, CFG, CM, STREAM_K)
+                                      block_iters, tile_step, num_tiles, CFG, CM, STREAM_K)
                     state = state.advance_by(other[5] - other[4])
                 else:
                     state = state.advance_by(k_tiles)
@@ -385,11 +406,11 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
             values = accs
             finished = True
             if STREAM_K:
-                # a K piece of a split tile: add it into the tile's workspace slot; the piece counted in last
-                # takes the whole sum and runs the epilogue
-                values, finished = fix_up(accs, slot >= 0, workspace, counters,
+                # a part of a tile other blocks share: add it into the tile's workspace slot; the part counted
+                # in last takes the whole sum and runs the epilogue
+                values, finished = fix_up(accs, contributors > 1, workspace, counters,
                                           slot * PARTS + (0 if PINGPONG else consumer), arrivals, consumer,
-                                          warp_in_wg, lane, tail_split, ATOMS_M, BN)
+                                          warp_in_wg, lane, contributors, ATOMS_M, BN)
             if finished:
                 if TMA_STORE:
                     tile_row = tm * BM + (0 if PINGPONG else consumer * WG_M)
@@ -410,7 +431,8 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
 
 
 @nvfly.func
-def fix_up(accs, partial, workspace, counters, index, arrivals, consumer, warp_in_wg, lane, tail_split, ATOMS_M, BN):
+def fix_up(accs, partial, workspace, counters, index, arrivals, consumer, warp_in_wg, lane, contributors, ATOMS_M,
+           BN):
     """Stream-K fix-up of one consumer tile: (values for the epilogue, whether to run it). A ``partial`` unit
     (uniform over the warpgroup) adds its fragments into workspace slot ``index`` (each thread's 16-byte vectors
     2 KB apart, so the warpgroup's adds are coalesced) and counts itself in on ``counters[index]``; the unit
@@ -428,7 +450,7 @@ def fix_up(accs, partial, workspace, counters, index, arrivals, consumer, warp_i
         if (warp_in_wg == 0) & (lane == 0):
             arrivals[consumer] = arrive(counters.address(index))
         nvfly.named_barrier(STORE_BARRIER + consumer, 128)
-    last = partial & (arrivals[consumer] == tail_split - 1)
+    last = partial & (arrivals[consumer] == contributors - 1)
     values = [[accs[i][e] for e in range(BN // 2)] for i in range(ATOMS_M)]
     if last:  # (a branch, not selects: the sums replace the accumulators, so both are never live at once)
         nvfly.threadfence()

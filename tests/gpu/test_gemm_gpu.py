@@ -203,16 +203,26 @@ STREAM_K_CONFIGS = [GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, st
                     GemmConfig(128, 256, 4, 2, tma_store=True, store_buffers=1), GemmConfig(128, 128, 5, 2)]
 
 
+@pytest.fixture(params=["short-tail", "tail", "tail+wave"])
+def stream_k_region(request, monkeypatch):
+    """gemm.STREAM_K_REGION for the test (plans are cached per call signature: the cache starts empty)."""
+    monkeypatch.setattr(gemm, "STREAM_K_REGION", request.param)
+    monkeypatch.setattr(gemm, "_CALLS", {})
+    return request.param
+
+
 @pytest.mark.parametrize("config", STREAM_K_CONFIGS, ids=str)
-@pytest.mark.parametrize("mnk", [(2048, 2112, 7168), (2000, 2104, 2560), (1000, 4296, 2600)])
+@pytest.mark.parametrize("mnk", [(2048, 2112, 7168), (2000, 2104, 2560), (1000, 4296, 2600), (1000, 1400, 3000)])
 @pytest.mark.parametrize("majors", [("row", "row"), ("col", "row"), ("row", "col"), ("col", "col")])
-def test_stream_k_tail(hopper, config, mnk, majors):
-    """A last wave at most half full is split along K over the idle SMs and fixed up in the kernel; each call
-    leaves the workspace zeroed for the next (a repeated call, after another shape, computes the same)."""
+def test_stream_k(hopper, stream_k_region, config, mnk, majors):
+    """Tiles of a short last wave (or of a single partial wave, or of the last two waves: the region) dealt out
+    as contiguous k ranges over the blocks and fixed up in the kernel; each call leaves the workspace zeroed for
+    the next (a repeated call, after another shape, computes the same)."""
     m, n, k = mnk
     a = operand(m, k, torch.bfloat16, majors[0])
     b = operand(k, n, torch.bfloat16, majors[1])
-    assert "-streamK" in gemm.path(a, b, config=config)
+    streamed = "-streamK" in gemm.path(a, b, config=config)
+    assert streamed or stream_k_region == "short-tail" and m * n < 1 << 21  # 88 or 48 tiles: not a short tail
     ref = gemm.reference(a, b)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     check(gemm.matmul(a, b, out=out, config=config), ref, tol=1e-2)
@@ -223,10 +233,23 @@ def test_stream_k_tail(hopper, config, mnk, majors):
     check(gemm.matmul(a, b, out=out, config=config), ref, tol=1e-2)
 
 
+def test_stream_k_small_m_swap(hopper, stream_k_region):
+    """The swapped small-M problem (64 x 6144 x 4096: 96 tiles of 64 x 64, one partial wave) streamed whole
+    under the 'tail' regions, with C and an activation."""
+    a = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    b = torch.randn(4096, 6144, device="cuda").to(torch.bfloat16)
+    c = torch.randn(6144, device="cuda").to(torch.bfloat16)
+    assert ("-streamK" in gemm.path(a, b)) == (stream_k_region != "short-tail")
+    out = torch.full((64, 6144), float("nan"), device="cuda", dtype=torch.bfloat16)
+    check(gemm.matmul(a, b, c=c, beta=0.5, activation="silu", out=out), gemm.reference(a, b, c, 1.0, 0.5, "silu"),
+          tol=1.5e-2)
+    check(gemm.matmul(a, b), gemm.reference(a, b), tol=1e-2)
+
+
 @pytest.mark.parametrize("config", STREAM_K_CONFIGS[:2], ids=str)
 @pytest.mark.parametrize("activation", ["none", "gelu_tanh"])
 @pytest.mark.parametrize("bias", ["row", "full"])
-def test_stream_k_tail_epilogue_and_batches(hopper, config, activation, bias):
+def test_stream_k_epilogue_and_batches(hopper, stream_k_region, config, activation, bias):
     m, n, k = 2000, 2104, 2560
     a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     b = torch.randn(k, n, device="cuda").to(torch.bfloat16)

@@ -89,8 +89,11 @@ def test_plans_and_descriptors_for_every_layout(mnk, majors):
 
 
 def test_heuristic_prefers_big_tiles_and_splits_long_k():
-    assert gemm.default_config(8192, 8192, 8192) == GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True,
+    # from K = LONG_K on the 128x256 cooperative tile; below it, and with a short last wave, 128x128 ping-pong
+    assert gemm.default_config(8192, 8192, 8192) == GemmConfig(128, 256, 4, 2, tma_store=True, store_buffers=1)
+    assert gemm.default_config(8192, 8192, 2048) == GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True,
                                                                store_buffers=1)
+    assert gemm.default_config(2048, 2112, 7168).bn == 128  # 9 x 16 = 144 tiles of 128x256: 2 waves
     small = gemm.default_config(128, 1024, 16384)
     assert small.split_k > 1 and small.check(2) is None
     swapped = gemm.small_m_config(16, 4096, 4096, 1, 2, 132)

@@ -142,12 +142,16 @@ def _max_stages(bm: int, bn: int, itemsize: int) -> int:
 
 
 # candidate tiles and their relative throughput per output element, measured on the H200
-# (benchmarks/gemm_configs.py): the 128x128 ping-pong tile hides its epilogue and wins on short and mid K; the
-# 128x256 cooperative tile matches it on long K
+# (benchmarks/gemm_configs.py): the 128x128 ping-pong tile hides its epilogue and wins on short K; the 128x256
+# cooperative tile, whose epilogue is rarer per k-block, wins from K = 4096 on (LONG_K_EFFICIENCY; side by side,
+# --compare-regions and --compare-stream-k: 2048x4096x14336 738 vs 680 TFLOP/s rowxrow and 749 vs 710 colxcol,
+# 512x7168x16384 682 vs 660 and 682 vs 653, 4096x10240x8192 684 vs 659, 4096x14336x4096 681 vs 667)
 _TILES = ((GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, store_buffers=1), 1.0),
           (GemmConfig(128, 256, 4, 2, tma_store=True, store_buffers=1), 0.97),
           (GemmConfig(256, 128, 4, 2, tma_store=True, store_buffers=1), 0.94), (GemmConfig(64, 256, 4, 1), 0.7),
           (GemmConfig(64, 128, 7, 1), 0.6), (GemmConfig(64, 64, 7, 1), 0.45))
+LONG_K = 4096
+LONG_K_EFFICIENCY = {(128, 256): 1.02}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -157,6 +161,8 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
     best: Optional[tuple[float, GemmConfig]] = None
     k_tiles = math.ceil(k / (128 // itemsize))
     for cfg, eff in _TILES:
+        if k >= LONG_K:
+            eff = LONG_K_EFFICIENCY.get((cfg.bm, cfg.bn), eff)
         tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
         # padded work over the SMs, in units of one 128x128 tile
         cost = math.ceil(tiles / sms) * (cfg.bm * cfg.bn) / (128 * 128) / eff
@@ -288,9 +294,11 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
 # (also a single partial wave); "tail+wave": a partial last wave and the whole wave before it (each block then
 # streams more than one tile, each tile shared by 2-3 blocks); "off". A block gets at least MIN_BLOCK_ITERS
 # k-blocks and a tile is shared by at most MAX_CONTRIBUTORS blocks (each adds its f32 tile to the workspace).
-# Measured on the H200 with equal K pieces per tail tile (benchmarks/gemm_configs.py --compare-stream-k):
-# 2 pieces -6% on 1024x7168x2048 and -3% on 4096x10240x8192, 6 pieces within noise, 16 pieces +25% on
-# 2048x2112x7168 and +1..4% on 8192^3.
+# Measured side by side on the H200 (benchmarks/results/gemm_stream_k_regions_h200.log): only the short tail
+# pays. "tail" lost everywhere else: 336x4104x1024 209 -> 123 TFLOP/s (a ~2-3 us fix-up per shared tile: the
+# workspace adds, read-back and zeroing, against a 12 us kernel), 512x7168x16384 660 -> 522 and 2048x4096x14336
+# 680 -> 562 (blocks streaming one weight panel at different k offsets lose the L2 reuse of tiles that run the
+# same k together), 64x6144x4096 124 -> 119; "tail+wave" lost more. The short tail: 2048x2112x7168 537 -> 679.
 STREAM_K_REGIONS = ("off", "short-tail", "tail", "tail+wave")
 STREAM_K_REGION = "short-tail"
 MIN_TAIL_SPLIT = 8

@@ -16,6 +16,12 @@ stream-K region (gemm.STREAM_K_REGIONS: which tiles are dealt out as contiguous 
 
     python -m benchmarks.gemm_configs --compare-regions --layouts rowxrow \
         --shapes 64x6144x4096,336x4104x1024,512x7168x16384,2048x4096x14336,1024x7168x2048
+
+``--tiles``: the default call beside named tiles (BMxBN, ``pp`` ping-pong, ``swap:`` on the transposed problem;
+TMA store, the deepest ring that fits), e.g. tiles that fit the waves better than the default ones:
+
+    python -m benchmarks.gemm_configs --tiles 128x128pp,128x96pp,64x48,swap:64x64 \
+        --shapes 336x4104x1024,64x6144x4096,4096x4096x4096
 """
 from __future__ import annotations
 
@@ -99,6 +105,32 @@ def time_regions(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: flo
     return cells
 
 
+def named_tile(name: str) -> tuple[GemmConfig, bool]:
+    """(config, swap) of a --tiles name: BMxBN[pp], optionally prefixed with 'swap:'."""
+    swap = name.startswith("swap:")
+    body = name[len("swap:"):] if swap else name
+    pingpong = body.endswith("pp")
+    bm, bn = (int(x) for x in body.removesuffix("pp").split("x"))
+    base = GemmConfig(bm, bn, 7, 2 if bm == 128 or pingpong else 1, pingpong=pingpong, tma_store=not swap,
+                      store_buffers=1)
+    cfg = deepest(base)
+    if cfg is None:
+        raise SystemExit(f"--tiles {name}: {base.check(2)}")
+    return cfg, swap
+
+
+def time_tiles(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float, names: list[str]) -> list[str]:
+    cells = []
+    for name in ["default"] + names:
+        cfg, swap = (None, None) if name == "default" else named_tile(name)
+        out = gemm.matmul(a, b, config=cfg, swap=swap)
+        assert rel_err(out, ref) < 1e-2, (name, rel_err(out, ref))
+        ms = bench_ms(lambda: gemm.matmul(a, b, config=cfg, swap=swap, out=out))
+        where = f" ({gemm.path(a, b)})" if cfg is None else ""
+        cells.append(f"{name}{where} {flops / ms / 1e9:.0f}")
+    return cells
+
+
 def operand(rows: int, cols: int, major: str) -> torch.Tensor:
     if major == "row":
         return torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
@@ -112,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--compare-store", action="store_true", help="compare with the TMA-store epilogue")
     p.add_argument("--compare-stream-k", action="store_true", help="default tiles with and without the stream-K tail")
     p.add_argument("--compare-regions", action="store_true", help="the default call and tiles under each stream-K region")
+    p.add_argument("--tiles", help="comma-separated named tiles to time beside the default call (see above)")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     configs = with_store(STORE_BASES) if args.compare_store else CONFIGS
@@ -123,6 +156,9 @@ def main(argv=None) -> int:
             ref = a.float() @ b.float()
             cublas = bench_ms(lambda: torch.mm(a, b))
             line = [f"{layout} {m}x{n}x{k}: cuBLAS {2 * m * n * k / cublas / 1e9:.0f}"]
+            if args.tiles:
+                print(" | ".join(line + time_tiles(a, b, ref, 2 * m * n * k, args.tiles.split(","))), flush=True)
+                continue
             if args.compare_regions:
                 print(" | ".join(line + time_regions(a, b, ref, 2 * m * n * k)), flush=True)
                 continue

@@ -531,7 +531,7 @@ def path(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, 
          skinny: Optional[bool] = None, scaled: bool = False) -> str:
     """Which kernel ``matmul`` runs for these operands (for benchmarks): 'skinny' (with '-rowB' for a row-major
     B and '-splitK<s>' when they apply), or
-    'wgmma' with '-swapAB', '-splitK<s>' and '-streamK<pieces>' when they apply; raises when matmul would."""
+    'wgmma' with '-swapAB', '-splitK<s>' and '-streamK<tiles>x<k-blocks per block>' when they apply; raises when matmul would."""
     plan = _new_plan(a, b, c is not None, activation, out_dtype, c, config, skinny, scaled)
     if isinstance(plan, SkinnyPlan):
         return "skinny" + ("-rowB" if plan.row_b else "") + \

@@ -18,7 +18,7 @@ stream-K region (gemm.STREAM_K_REGIONS: which tiles are dealt out as contiguous 
         --shapes 64x6144x4096,336x4104x1024,512x7168x16384,2048x4096x14336,1024x7168x2048
 
 ``--tiles``: the default call beside named tiles (BMxBN, ``pp`` ping-pong, ``swap:`` on the transposed problem;
-TMA store, the deepest ring that fits), e.g. tiles that fit the waves better than the default ones:
+TMA store, the deepest ring that fits up to 7 stages or sS), e.g. tiles that fit the waves better than the default ones:
 
     python -m benchmarks.gemm_configs --tiles 128x128pp,128x96pp,64x48,swap:64x64 \
         --shapes 336x4104x1024,64x6144x4096,4096x4096x4096
@@ -106,13 +106,15 @@ def time_regions(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: flo
 
 
 def named_tile(name: str) -> tuple[GemmConfig, bool]:
-    """(config, swap) of a --tiles name: BMxBN[pp], optionally prefixed with 'swap:'."""
+    """(config, swap) of a --tiles name: BMxBN[pp][sS], optionally prefixed with 'swap:' (S stages: at most S,
+    default 7)."""
     swap = name.startswith("swap:")
     body = name[len("swap:"):] if swap else name
+    body, _, stages = body.partition("s")
     pingpong = body.endswith("pp")
     bm, bn = (int(x) for x in body.removesuffix("pp").split("x"))
-    base = GemmConfig(bm, bn, 7, 2 if bm == 128 or pingpong else 1, pingpong=pingpong, tma_store=not swap,
-                      store_buffers=1)
+    base = GemmConfig(bm, bn, int(stages or 7), 2 if bm == 128 or pingpong else 1, pingpong=pingpong,
+                      tma_store=not swap, store_buffers=1)
     cfg = deepest(base)
     if cfg is None:
         raise SystemExit(f"--tiles {name}: {base.check(2)}")

@@ -103,7 +103,7 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
     space = []
     for bm, consumers in ((128, 2), (256, 2), (64, 1), (128, 1)):
         for bn in (256, 192, 128, 96, 64, 32, 16, 8):
-            for stages in (7, 6, 5, 4, 3):
+            for stages in range(MAX_STAGES, 2, -1):
                 for group_m in (8, 16):
                     for cluster_m in (1, 2):
                         cfg = GemmConfig(bm, bn, stages, consumers, group_m, cluster_m=cluster_m)
@@ -124,7 +124,7 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
             for cluster_m in (1, 2) if not pingpong else (1,):
                 fits = [cfg for cfg in (GemmConfig(bm, bn, stages, consumers, cluster_m=cluster_m, pingpong=pingpong,
                                                    tma_store=True, store_buffers=store_buffers)
-                                        for stages in (7, 6, 5, 4, 3)) if cfg.check(itemsize) is None]
+                                        for stages in range(MAX_STAGES, 2, -1)) if cfg.check(itemsize) is None]
                 space.extend(fits[:2])  # the deepest two rings that fit next to the staging buffers
     return space
 
@@ -134,8 +134,14 @@ def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+# the deepest ring the heuristic builds: narrow tiles of small-M (memory-bound) problems need the bytes in
+# flight (H200, benchmarks/results/gemm_tiles_h200.log: swapped 64x6144x4096 on 64x64 tiles 124 -> 142 TFLOP/s
+# from 7 to 10 stages, 14 no better; 128x4096x14336 on 64x128 tiles 286 -> 313 from 7 to 9)
+MAX_STAGES = 10
+
+
 def _max_stages(bm: int, bn: int, itemsize: int) -> int:
-    stages = 7
+    stages = MAX_STAGES
     while GemmConfig(bm, bn, stages).smem_bytes(itemsize) > 232448:
         stages -= 1
     return stages
@@ -148,8 +154,9 @@ def _max_stages(bm: int, bn: int, itemsize: int) -> int:
 # 512x7168x16384 682 vs 660 and 682 vs 653, 4096x10240x8192 684 vs 659, 4096x14336x4096 681 vs 667)
 _TILES = ((GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, store_buffers=1), 1.0),
           (GemmConfig(128, 256, 4, 2, tma_store=True, store_buffers=1), 0.97),
-          (GemmConfig(256, 128, 4, 2, tma_store=True, store_buffers=1), 0.94), (GemmConfig(64, 256, 4, 1), 0.7),
-          (GemmConfig(64, 128, 7, 1), 0.6), (GemmConfig(64, 64, 7, 1), 0.45))
+          (GemmConfig(256, 128, 4, 2, tma_store=True, store_buffers=1), 0.94),
+          (GemmConfig(64, 256, MAX_STAGES, 1), 0.7), (GemmConfig(64, 128, MAX_STAGES, 1), 0.6),
+          (GemmConfig(64, 64, MAX_STAGES, 1), 0.45))
 LONG_K = 4096
 LONG_K_EFFICIENCY = {(128, 256): 1.02}
 

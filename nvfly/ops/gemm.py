@@ -178,6 +178,10 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
     assert best is not None
     cfg = best[1]
     tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
+    if cfg.pingpong and tiles <= sms:
+        # one tile per block: ping-pong would leave its second consumer idle, the cooperative schedule splits
+        # the tile between both
+        cfg = replace(cfg, pingpong=False)
     if tiles * 2 <= sms and k_tiles >= 16:
         split = min(max(1, sms // tiles), k_tiles // 8, 16)
         if split > 1:

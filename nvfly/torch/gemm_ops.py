@@ -206,6 +206,13 @@ def nvfly_gemm(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float
     return gemm.matmul(a, b, c=c, alpha=alpha, beta=beta, out=out, **_kernel_options(config))
 
 
+def bind_config(a: Tensor, b: Tensor, c_used: Optional[Tensor], *, alpha: float, out: Optional[Tensor],
+                config: str) -> Any:
+    """``gemm.bind``'s launches of ``nvfly_gemm`` for operands like these (``c_used``: C when beta is not 0): their
+    ``run(a, b, c, out, alpha, beta)`` reads only addresses."""
+    return gemm.bind(a, b, c=c_used, scaled=alpha != 1.0, out=out, **_kernel_options(config))
+
+
 def _kernel_options(config: str) -> dict[str, Any]:
     """``gemm.matmul``/``gemm.bind``'s config and swap for a config string: a swapped config computes
     (B^T A^T)^T (the kernel writes out's transposed view, so out keeps its layout); "auto" leaves both to nvfly."""
@@ -245,7 +252,7 @@ def _gemm(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: f
         else:
             try:
                 result = nvfly_gemm(a, b, c_used, alpha=alpha, beta=beta, out=out, config=config)
-                _BOUND[key] = gemm.bind(a, b, c=c_used, scaled=alpha != 1.0, out=out, **_kernel_options(config))
+                _BOUND[key] = bind_config(a, b, c_used, alpha=alpha, out=out, config=config)
                 return result
             except Exception as exc:
                 _fail(op, key, a, b, exc)

@@ -134,6 +134,24 @@ def test_routing_sends_linear_and_its_backward_to_nvfly(hopper, monkeypatch):
     assert all(rel_err(g, r) < 3e-2 for g, r in zip(grads, refs))
 
 
+def test_routed_calls_reuse_their_bound_launches(hopper, monkeypatch):
+    """A routed signature binds its launches once; later calls with other tensors (and out=, and addmm's beta 0
+    or alpha != 1, other signatures) compute their own products."""
+    monkeypatch.setattr(autotune_module, "_expected_faster", lambda w, device: (None, AUTO))
+    monkeypatch.setattr(autotune_module, "_EAGER_CALLS", {})
+    with nvfly.torch.routing():
+        for _ in range(3):
+            a, b = operand(192, 256, "row"), operand(256, 320, "col")
+            c = torch.randn(320, device="cuda").bfloat16()
+            out = torch.full((192, 320), float("nan"), device="cuda").bfloat16()
+            torch.mm(a, b, out=out)
+            results = [(a @ b, a.float() @ b.float()), (out, a.float() @ b.float()),
+                       (torch.addmm(c, a, b, beta=0.0), a.float() @ b.float()),
+                       (torch.addmm(c, a, b, alpha=0.5), c.float() + 0.5 * (a.float() @ b.float()))]
+            assert all(rel_err(x, ref) < 1e-2 for x, ref in results)
+    assert len(autotune_module._EAGER_CALLS) == 4
+
+
 def test_routing_keeps_gemms_on_torch_without_a_database_entry(hopper):
     a, b = operand(128, 256, "row"), operand(256, 64, "row")
     with nvfly.torch.routing():

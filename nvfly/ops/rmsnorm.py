@@ -718,13 +718,9 @@ def _forward_plan(key: Any, x: Any, weight: Any, eps: Any, residual: Any,
         f = _Forward(m, n, tuple(x.shape), False, None, ())
         _remember(_FORWARD, key, f)
         return f
-    x2 = _rows(x, n)
-    w = weight.reshape(-1).contiguous() if weight is not None else None
-    r2 = _rows(residual, n) if residual is not None else None
-    vec = vector_width(n, (x2, w, r2), x.element_size())
-    max_vectors = MAX_VECTORS_PER_THREAD if vec * x.element_size() == 16 else NARROW_MAX_ELEMENTS // vec
     sms = driver.plan_sm_count(x.get_device())
-    p = forward_plan(n, vec, m, sms, max_vectors, residual is not None, options)
+    p = _forward_plan_of(x, weight, residual, m, n, sms, options)
+    vec = p.vec
     flags = (weight is not None, residual is not None, bool(want_rstd))
     eps = default_eps() if eps is None else float(eps)
     if p.looped:
@@ -741,6 +737,22 @@ def _forward_plan(key: Any, x: Any, weight: Any, eps: Any, residual: Any,
     f = _Forward(m, n, tuple(x.shape), direct, launch, tail)
     _remember(_FORWARD, key, f)
     return f
+
+
+def _forward_plan_of(x: "torch.Tensor", weight: Optional["torch.Tensor"], residual: Optional["torch.Tensor"], m: int,
+                     n: int, sm_count: int, options: ForwardOptions) -> RowPlan:
+    """forward_plan for checked arguments: the vector width their layouts allow and its register budget."""
+    vec = vector_width(n, (_rows(x, n), weight.reshape(-1).contiguous() if weight is not None else None,
+                           _rows(residual, n) if residual is not None else None), x.element_size())
+    max_vectors = MAX_VECTORS_PER_THREAD if vec * x.element_size() == 16 else NARROW_MAX_ELEMENTS // vec
+    return forward_plan(n, vec, m, sm_count, max_vectors, residual is not None, options)
+
+
+def plan_of(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, residual: Optional["torch.Tensor"] = None,
+            normalized_shape: Optional[Sequence[int]] = None, options: Optional[ForwardOptions] = None) -> RowPlan:
+    """The plan ``rms_norm_forward`` follows for these arguments (raises as it does)."""
+    m, n = _check(x, weight, residual, None, normalized_shape)
+    return _forward_plan_of(x, weight, residual, m, n, driver.plan_sm_count(x.get_device()), _check_options(options))
 
 
 def _check_options(options: Any) -> ForwardOptions:

@@ -189,12 +189,22 @@ def square_sum(xs: list, VEC: int) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- forward kernels
+def store_row(t: Any, xs: list, row: Any, lane: Any, valid: Any, N: int, VEC: int, GROUP: int,
+              hint: Optional[tuple]) -> None:
+    """This thread's vectors ``xs`` to ``t``'s row ``row``; nothing past the row end or where ``valid`` is false."""
+    vectors, tail = row_vectors(N, VEC, GROUP)
+    for v in range(vectors):
+        col = (v * GROUP + lane) * VEC
+        store_vector(t, xs[v], (row, col), VEC, valid & (col < N) if tail and v == vectors - 1 else valid, hint)
+
+
 def normalize_row(y: Any, residual_out: Any, xs: list, weights: Optional[list], weight: Any, rstd: Any, row: Any,
-                  lane: Any, valid: Any, N: int, VEC: int, GROUP: int, HAS_RESIDUAL: bool,
+                  lane: Any, valid: Any, N: int, VEC: int, GROUP: int,
                   hints: tuple[Optional[tuple], Optional[tuple]]) -> None:
-    """y = x * rstd (* weight) for this thread's vectors of ``row`` (and x + residual to ``residual_out``);
-    nothing is written past the row end or where ``valid`` is false. The weight's vectors are ``weights``
-    (loaded earlier), else read from ``weight`` (None: no weight) before each store."""
+    """y = x * rstd (* weight) for this thread's vectors of ``row``, each followed by x + residual to
+    ``residual_out`` (None: not here); nothing is written past the row end or where ``valid`` is false. The
+    weight's vectors are ``weights`` (loaded earlier), else read from ``weight`` (None: no weight) before each
+    store."""
     stream, keep_hint = hints
     vectors, tail = row_vectors(N, VEC, GROUP)
     for v in range(vectors):
@@ -207,7 +217,7 @@ def normalize_row(y: Any, residual_out: Any, xs: list, weights: Optional[list], 
             w = load_vector(weight, (col,), VEC, keep if tail and v == vectors - 1 else None, keep_hint)
             out = out * w.to(nvfly.f32)
         store_vector(y, out, (row, col), VEC, keep, stream)
-        if HAS_RESIDUAL:
+        if residual_out is not None:
             store_vector(residual_out, xs[v], (row, col), VEC, keep, stream)
 
 
@@ -233,8 +243,8 @@ def rms_norm_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tenso
     scratch = nvfly.shared_tensor(nvfly.f32, (max(1, ROWS * GROUP // 32),))
     total = group_sum(square_sum(xs, VEC), scratch, 0, group, warp, warp_lane, GROUP)
     rstd = nvfly.rsqrt(total * (1.0 / N) + eps)
-    normalize_row(y, residual_out, xs, weights, weight if HAS_WEIGHT else None, rstd, row, lane, valid, N, VEC, GROUP,
-                  HAS_RESIDUAL, hints)
+    normalize_row(y, residual_out if HAS_RESIDUAL else None, xs, weights, weight if HAS_WEIGHT else None, rstd, row,
+                  lane, valid, N, VEC, GROUP, hints)
     if HAS_RSTD:
         if valid & (lane == 0):
             rstd_out[row] = rstd
@@ -278,9 +288,11 @@ def rms_norm_persistent_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: 
         if HAS_RESIDUAL:
             rs_next = load_row(residual, ahead, lane, following < M, N, VEC, GROUP, stream)
             xs = add_residual(xs, rs)
+            # stored now: only the fp32 x + residual stays in registers through the reduction (fewer registers)
+            store_row(residual_out, xs, row, lane, valid, N, VEC, GROUP, stream)
         total = group_sum(square_sum(xs, VEC), scratch, parity * slots, group, warp, tid & 31, GROUP)
         rstd = nvfly.rsqrt(total * (1.0 / N) + eps)
-        normalize_row(y, residual_out, xs, weights, None, rstd, row, lane, valid, N, VEC, GROUP, HAS_RESIDUAL, hints)
+        normalize_row(y, None, xs, weights, None, rstd, row, lane, valid, N, VEC, GROUP, hints)
         if HAS_RSTD:
             if valid & (lane == 0):
                 rstd_out[row] = rstd
@@ -442,6 +454,20 @@ class ForwardOptions:
     target_vectors: Optional[int] = None    # 16-byte vectors of a row per thread (None: 8, persistent 4)
     early_weight: bool = EARLY_WEIGHT
     cache_hints: bool = CACHE_HINTS
+
+    def __post_init__(self) -> None:
+        # checked here, not per call: options equal as values (128 == 128.0) share a cached plan
+        threads, vectors = self.block_threads, self.target_vectors
+        if type(threads) is not int or not 32 <= threads <= MAX_GROUP or threads & (threads - 1):
+            raise ValueError(f"options.block_threads: expected a power of two from 32 to {MAX_GROUP}, got {threads!r}")
+        if vectors is not None and (type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD):
+            raise ValueError(f"options.target_vectors: expected None or 1 to {MAX_VECTORS_PER_THREAD}, "
+                             f"got {vectors!r}")
+        for name in ("persistent", "early_weight", "cache_hints"):
+            value = getattr(self, name)
+            if type(value) is not bool and not (name == "persistent" and value is None):
+                raise ValueError(f"options.{name}: expected a bool{' or None' if name == 'persistent' else ''}, "
+                                 f"got {value!r}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -756,17 +782,11 @@ def plan_of(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, residual
 
 
 def _check_options(options: Any) -> ForwardOptions:
-    """``options`` (None: the defaults), checked; raises ValueError naming what is wrong."""
+    """``options``, None meaning the defaults (ForwardOptions checks its own fields)."""
     if options is None:
         return ForwardOptions()
     if not isinstance(options, ForwardOptions):
         raise ValueError(f"options: expected None or rmsnorm.ForwardOptions, got {type(options).__name__}")
-    threads = options.block_threads
-    if type(threads) is not int or not 32 <= threads <= MAX_GROUP or threads & (threads - 1):
-        raise ValueError(f"options.block_threads: expected a power of two from 32 to {MAX_GROUP}, got {threads!r}")
-    vectors = options.target_vectors
-    if vectors is not None and (type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD):
-        raise ValueError(f"options.target_vectors: expected None or 1 to {MAX_VECTORS_PER_THREAD}, got {vectors!r}")
     return options
 
 

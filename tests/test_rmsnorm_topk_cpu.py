@@ -368,8 +368,10 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match="eps:"):
         rmsnorm.rms_norm(x, eps=-1.0)
     for block_threads in (96, 16, 1024, True, 128.0):
-        with pytest.raises(ValueError, match="block_threads:"):
-            rmsnorm.rms_norm_forward(x, block_threads=block_threads)
+        with pytest.raises(ValueError, match="options.block_threads:"):
+            rmsnorm.rms_norm_forward(x, options=rmsnorm.ForwardOptions(block_threads=block_threads))
+    with pytest.raises(ValueError, match="options:"):
+        rmsnorm.rms_norm_forward(x, options="persistent")
     with pytest.raises(ValueError, match="rstd:"):
         rmsnorm.rms_norm_backward(x, x, torch.randn(3))
     with pytest.raises(ValueError, match="grad_out:"):
@@ -584,15 +586,15 @@ def test_cached_signatures_still_check_arguments(fake_launches):
         rmsnorm.rms_norm(x, eps=-1e-6)
     with pytest.raises(ValueError, match="eps:"):
         rmsnorm.rms_norm(x, eps=True)
-    rmsnorm.rms_norm_forward(x, block_threads=128)
-    with pytest.raises(ValueError, match="block_threads:"):
-        rmsnorm.rms_norm_forward(x, block_threads=128.0)
+    rmsnorm.rms_norm_forward(x, options=rmsnorm.ForwardOptions(block_threads=128))
+    with pytest.raises(ValueError, match="options:"):
+        rmsnorm.rms_norm_forward(x, options={"block_threads": 128})
     topk.topk(x, 1)
     with pytest.raises(ValueError, match="k:"):
         topk.topk(x, True)
     with pytest.raises(TypeError, match="weight:"):
         rmsnorm.rms_norm(x, [1.0] * 16)
-    assert len(rmsnorm._FORWARD) == 2 and len(topk._TOPK) == 1  # two forward signatures (block_threads 128)
+    assert len(rmsnorm._FORWARD) == 2 and len(topk._TOPK) == 1  # two forward signatures (options)
 
 
 # ---------------------------------------------------------------------------------------------- language primitives

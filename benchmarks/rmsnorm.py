@@ -7,9 +7,9 @@ Usage: python -m benchmarks.rmsnorm [--quick] [--shapes M,N ...]   (or: nvfly be
 Writes benchmarks/results/rmsnorm_h200.json and rmsnorm_h200.png.
 
 ``--compare-plans``: nvfly's forward under the default plan and each of PLAN_VARIANTS (the row kernel as it was,
-with the weight loaded with the row, with 4 vectors a thread, with cache hints, other block sizes; the persistent
-kernel), side by side with eager torch and Inductor, on the quick suite's shapes and the fused-add shapes (or
---shapes); every plan's output is checked before anything is timed. Writes
+with the weight loaded with the row, with 4 or 2 vectors a thread, with cache hints, other block sizes; the
+persistent kernel), side by side with eager torch and Inductor, on the quick suite's shapes and the fused-add
+shapes (or --shapes); every plan's output is checked before anything is timed. Writes
 benchmarks/results/rmsnorm_plans_h200.json.
 """
 from __future__ import annotations
@@ -40,6 +40,7 @@ PLAN_VARIANTS = {
     "rows before": rmsnorm.ForwardOptions(persistent=False, early_weight=False),  # the plan before the persistent one
     "rows": rmsnorm.ForwardOptions(persistent=False),  # the weight loaded with the row
     "rows 4 vectors": rmsnorm.ForwardOptions(persistent=False, target_vectors=4),
+    "rows 2 vectors": rmsnorm.ForwardOptions(persistent=False, target_vectors=2),  # Inductor's shape: more warps
     "rows hints": rmsnorm.ForwardOptions(persistent=False, cache_hints=True),
     "rows before 64": rmsnorm.ForwardOptions(block_threads=64, persistent=False, early_weight=False),
     "rows before 256": rmsnorm.ForwardOptions(block_threads=256, persistent=False, early_weight=False),

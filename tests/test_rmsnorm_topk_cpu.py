@@ -120,25 +120,28 @@ def test_row_block_threads_hold_the_most_warps_whatever_the_registers():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [2048, 4096, 7168, 8192])
 @pytest.mark.parametrize("variant", ["weight", "residual"])
-def test_rms_norm_block_plans_compile_clean_and_the_default_holds_the_most_warps(dtype, n, variant):
-    """At the benchmark's 16384 rows, the default plan and the blocks of 128, 256 and 512 threads (those
-    ``benchmarks/rmsnorm.py --compare-plans`` times) compile without spills and launch the plan's block; with the
-    registers each kernel compiled to, the default's block lets an SM hold the most warps."""
+@pytest.mark.parametrize("early_weight", [True, False])
+def test_rms_norm_block_plans_compile_clean_and_the_default_holds_the_most_warps(dtype, n, variant, early_weight):
+    """At the benchmark's 16384 rows, the row kernel under the default block and blocks of 128, 256 and 512
+    threads (those ``benchmarks/rmsnorm.py --compare-plans`` times) compiles without spills and launches the
+    plan's block; with the registers each kernel compiled to, the default's block lets an SM hold the most warps."""
     m = 16384
     x = torch.empty(m, n, dtype=dtype)  # compiled for, never read
     w = torch.empty(n, dtype=dtype)
     r = torch.empty(m, n, dtype=dtype) if variant == "residual" else None
     vec = 16 // x.element_size()
     warps = {}
-    for block_threads in (None, 128, 256, 512):
-        (k,) = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=False, block_threads=block_threads)
+    for block_threads in (rmsnorm.ROW_BLOCK_THREADS, 128, 256, 512):
+        options = rmsnorm.ForwardOptions(block_threads=block_threads, persistent=False, early_weight=early_weight)
+        (k,) = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=False, options=options)
+        assert k.name == "rms_norm_kernel"
         assert_clean(k)
         assert k.count("LDL") == 0 and k.count("STL") == 0, k.summary()
-        p = rmsnorm.plan(n, vec, m, 132, block_threads=block_threads or rmsnorm.ROW_BLOCK_THREADS)
-        assert k.block == (p.threads, 1, 1) == (max(p.group, block_threads or rmsnorm.ROW_BLOCK_THREADS), 1, 1)
+        p = rmsnorm.plan(n, vec, m, 132, block_threads=block_threads)
+        assert k.block == (p.threads, 1, 1) == (max(p.group, block_threads), 1, 1)
         warps[p.threads] = rmsnorm.resident_warps(k.resources.registers, p.threads)
     assert warps[rmsnorm.plan(n, vec, m, 132).threads] == max(warps.values()), warps
-    if (dtype, n, variant) == (torch.bfloat16, 2048, "weight"):  # issue 6: 20 warps instead of 16
+    if (dtype, n, variant, early_weight) == (torch.bfloat16, 2048, "weight", False):  # issue 6: 20 warps, not 16
         assert warps[128] > warps[256], warps
 
 
@@ -365,8 +368,10 @@ def test_argument_errors_name_the_argument():
     with pytest.raises(ValueError, match="eps:"):
         rmsnorm.rms_norm(x, eps=-1.0)
     for block_threads in (96, 16, 1024, True, 128.0):
-        with pytest.raises(ValueError, match="block_threads:"):
-            rmsnorm.rms_norm_forward(x, block_threads=block_threads)
+        with pytest.raises(ValueError, match="options.block_threads:"):
+            rmsnorm.rms_norm_forward(x, options=rmsnorm.ForwardOptions(block_threads=block_threads))
+    with pytest.raises(ValueError, match="options:"):
+        rmsnorm.rms_norm_forward(x, options="persistent")
     with pytest.raises(ValueError, match="rstd:"):
         rmsnorm.rms_norm_backward(x, x, torch.randn(3))
     with pytest.raises(ValueError, match="grad_out:"):
@@ -581,15 +586,15 @@ def test_cached_signatures_still_check_arguments(fake_launches):
         rmsnorm.rms_norm(x, eps=-1e-6)
     with pytest.raises(ValueError, match="eps:"):
         rmsnorm.rms_norm(x, eps=True)
-    rmsnorm.rms_norm_forward(x, block_threads=128)
-    with pytest.raises(ValueError, match="block_threads:"):
-        rmsnorm.rms_norm_forward(x, block_threads=128.0)
+    rmsnorm.rms_norm_forward(x, options=rmsnorm.ForwardOptions(block_threads=128))
+    with pytest.raises(ValueError, match="options:"):
+        rmsnorm.rms_norm_forward(x, options={"block_threads": 128})
     topk.topk(x, 1)
     with pytest.raises(ValueError, match="k:"):
         topk.topk(x, True)
     with pytest.raises(TypeError, match="weight:"):
         rmsnorm.rms_norm(x, [1.0] * 16)
-    assert len(rmsnorm._FORWARD) == 2 and len(topk._TOPK) == 1  # two forward signatures (block_threads 128)
+    assert len(rmsnorm._FORWARD) == 2 and len(topk._TOPK) == 1  # two forward signatures (options)
 
 
 # ---------------------------------------------------------------------------------------------- language primitives

@@ -8,10 +8,13 @@ Design (forward, the row-in-registers kernel):
 - a row of N elements is owned by a group of ``GROUP`` threads (a power of two, up to 512); each thread holds
   ``ceil(N / (GROUP*VEC))`` 16-byte vectors of the row in registers (at most 8), so
   each element is read once and written once (with the residual add: x and residual read, y and x + residual
-  written); the weight, shared by all rows, is read after the reduction and mostly hits L1/L2.
+  written); the weight, shared by all rows, is loaded with the row (EARLY_WEIGHT) where registers allow: loaded
+  after the reduction, each of its vectors waits for the store before it.
 - ``GROUP`` grows with N so that every thread has about 8 vectors in flight; short rows are packed
   ``128 // GROUP`` to a block (a warp or less per row: a shuffle-only reduction; why 128 threads: see
   ROW_BLOCK_THREADS), long rows get a block each with a shared-memory step across warps.
+- with many rows, the persistent kernel instead: a few blocks per SM loop over the row tiles, loading the next
+  tile while reducing and storing this one, with the weight read once per block (``forward_plan`` says when).
 - rows that do not fit the registers (N > 512*8*VEC: 32768 bf16, 16384 fp32) use a looped kernel that reads
   them twice (the second time mostly from L2).
 Backward loops persistently over rows (about two blocks per SM), accumulating each block's weight gradient in
@@ -20,12 +23,14 @@ kernel then sums the per-block partials of the weight gradient.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import nvfly
+from nvfly.arch.ptx import asm, asm_multi
 from nvfly.runtime import driver
 from nvfly.runtime.torch_args import layout_key
 
@@ -54,6 +59,14 @@ SM_REGISTERS = 65536            # sm_90 limits for resident_warps
 SM_MAX_WARPS = 64
 SM_MAX_BLOCKS = 32
 REGISTER_ALLOCATION_UNIT = 256  # registers are given to a warp in multiples of this
+# The persistent forward (forward_plan): it holds two row tiles (the one it normalises, the next one in flight) and
+# the weight, so half the row kernel's vectors per thread; its register budget (without, with the residual: x and
+# the residual of the next tile in flight) sets its blocks per SM: 5 or 4 blocks of 128 threads.
+PERSISTENT_VECTORS_PER_THREAD = 4
+PERSISTENT_REGISTERS = (96, 128)
+PERSISTENT_MIN_TILES_PER_BLOCK = 2  # fewer: no tile's loads overlap another's reduction and stores
+EARLY_WEIGHT = True   # the row kernel loads the weight with the row: one round trip, not one per vector
+CACHE_HINTS = False   # L1/L2 eviction hints on the forward's accesses (see STREAM_L1)
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
@@ -90,46 +103,200 @@ def row_layout(M, GROUP, ROWS):
     return nvfly.minimum(row, M - 1), valid, lane_in_group, group, tid >> 5, tid & 31
 
 
+# ---------------------------------------------------------------------------------------------- device helpers (rows)
+def cache_policy(priority: str) -> Any:
+    """An L2 eviction policy (``evict_first`` or ``evict_last``) for every access it is given to."""
+    return asm(f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;", result=nvfly.i64, side_effects=False)
+
+
+# Cache hints (RowPlan.cache_hints): x, the residual and both outputs are touched once, so they skip L1 and leave
+# L2 first; the weight, read for every row, is kept in both (Inductor's kernel loads its weight evict_last).
+STREAM_L1 = "L1::no_allocate"
+KEEP_L1 = "L1::evict_last"
+
+
+def row_hints(CACHE_HINTS: bool) -> tuple[Optional[tuple], Optional[tuple]]:
+    """(hint for the streamed rows, hint for the weight) of ``load_vector``/``store_vector``, or (None, None)."""
+    if not CACHE_HINTS:
+        return None, None
+    return (STREAM_L1, cache_policy("evict_first")), (KEEP_L1, cache_policy("evict_last"))
+
+
+def load_vector(t: Any, coord: tuple, width: int, mask: Any, hint: Optional[tuple]) -> Any:
+    """``t.load(*coord, width=width, mask=mask)``; with ``hint`` = (L1 eviction qualifier, L2 policy) and a
+    16-byte vector, one cache-hinted ld.global instead (zeros where ``mask`` is false: nothing is read)."""
+    if hint is None or width * t.dtype.itemsize != 16:
+        return t.load(*coord, width=width, mask=mask)
+    l1, policy = hint
+    load = f"ld.global.{l1}.L2::cache_hint.v4.u32 {{$0, $1, $2, $3}}, [$4], $5;"
+    if mask is None:
+        words = asm_multi(load, [nvfly.i32] * 4, [t.address(*coord), policy], side_effects=False)
+    else:
+        predicated = load.replace("[$4], $5", "[$5], $6")
+        words = asm_multi("{ .reg .pred p; setp.ne.b32 p, $4, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
+                          f"mov.b32 $3, 0; @p {predicated} }}", [nvfly.i32] * 4,
+                          [mask.to(nvfly.i32), t.address(*coord), policy], side_effects=False)
+    return nvfly.make_vector(words, nvfly.i32).bitcast(t.dtype)
+
+
+def store_vector(t: Any, value: Any, coord: tuple, width: int, mask: Any, hint: Optional[tuple]) -> None:
+    """``t.store(value, *coord, mask=mask)`` of ``width`` elements; with ``hint`` and a 16-byte vector, one
+    cache-hinted st.global."""
+    value = value.to(t.dtype)
+    if hint is None or width * t.dtype.itemsize != 16:
+        t.store(value, *coord, mask=mask)
+        return
+    l1, policy = hint
+    words = value.bitcast(nvfly.i32).tolist()
+    if mask is None:
+        asm(f"st.global.{l1}.L2::cache_hint.v4.u32 [$0], {{$1, $2, $3, $4}}, $5;", [t.address(*coord), *words, policy])
+    else:
+        asm(f"{{ .reg .pred p; setp.ne.b32 p, $0, 0; @p st.global.{l1}.L2::cache_hint.v4.u32 [$1], "
+            "{$2, $3, $4, $5}, $6; }", [mask.to(nvfly.i32), t.address(*coord), *words, policy])
+
+
+def row_vectors(N: int, VEC: int, GROUP: int) -> tuple[int, bool]:
+    """(vectors per thread, whether the last one may fall past the row end)."""
+    return -(-N // (GROUP * VEC)), N % (GROUP * VEC) != 0
+
+
+def load_row(t: Any, row: Any, lane: Any, mask: Any, N: int, VEC: int, GROUP: int, hint: Optional[tuple]) -> list:
+    """This thread's vectors of ``t``'s row ``row`` (of a 1-D ``t`` when ``row`` is None): columns
+    ``(v * GROUP + lane) * VEC``; nothing is read past the row end or where ``mask`` (None: anywhere) is false."""
+    vectors, tail = row_vectors(N, VEC, GROUP)
+    out = []
+    for v in range(vectors):
+        col = (v * GROUP + lane) * VEC
+        in_row = mask
+        if tail and v == vectors - 1:
+            in_row = col < N if mask is None else mask & (col < N)
+        out.append(load_vector(t, (col,) if row is None else (row, col), VEC, in_row, hint))
+    return out
+
+
+def add_residual(xs: list, rs: list) -> list:
+    """h = x + residual, rounded to the storage type like the unfused add."""
+    return [(xv.to(nvfly.f32) + rv.to(nvfly.f32)).to(xv.dtype) for xv, rv in zip(xs, rs)]
+
+
+def square_sum(xs: list, VEC: int) -> Any:
+    """This thread's sum of squares of its vectors (of VEC elements), in fp32."""
+    squares = nvfly.full(VEC, 0.0, nvfly.f32)
+    for xv in xs:
+        xf = xv.to(nvfly.f32)
+        squares = nvfly.fma(xf, xf, squares)
+    return squares.sum()
+
+
 # ---------------------------------------------------------------------------------------------- forward kernels
+def store_row(t: Any, xs: list, row: Any, lane: Any, valid: Any, N: int, VEC: int, GROUP: int,
+              hint: Optional[tuple]) -> None:
+    """This thread's vectors ``xs`` to ``t``'s row ``row``; nothing past the row end or where ``valid`` is false."""
+    vectors, tail = row_vectors(N, VEC, GROUP)
+    for v in range(vectors):
+        col = (v * GROUP + lane) * VEC
+        store_vector(t, xs[v], (row, col), VEC, valid & (col < N) if tail and v == vectors - 1 else valid, hint)
+
+
+def normalize_row(y: Any, residual_out: Any, xs: list, weights: Optional[list], weight: Any, rstd: Any, row: Any,
+                  lane: Any, valid: Any, N: int, VEC: int, GROUP: int,
+                  hints: tuple[Optional[tuple], Optional[tuple]]) -> None:
+    """y = x * rstd (* weight) for this thread's vectors of ``row``, each followed by x + residual to
+    ``residual_out`` (None: not here); nothing is written past the row end or where ``valid`` is false. The
+    weight's vectors are ``weights`` (loaded earlier), else read from ``weight`` (None: no weight) before each
+    store."""
+    stream, keep_hint = hints
+    vectors, tail = row_vectors(N, VEC, GROUP)
+    for v in range(vectors):
+        col = (v * GROUP + lane) * VEC
+        keep = valid & (col < N) if tail and v == vectors - 1 else valid
+        out = xs[v].to(nvfly.f32) * rstd
+        if weights is not None:
+            out = out * weights[v].to(nvfly.f32)
+        elif weight is not None:
+            w = load_vector(weight, (col,), VEC, keep if tail and v == vectors - 1 else None, keep_hint)
+            out = out * w.to(nvfly.f32)
+        store_vector(y, out, (row, col), VEC, keep, stream)
+        if residual_out is not None:
+            store_vector(residual_out, xs[v], (row, col), VEC, keep, stream)
+
+
 @nvfly.kernel
 def rms_norm_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tensor, y: nvfly.Tensor,
                     residual_out: nvfly.Tensor, rstd_out: nvfly.Tensor, M: nvfly.i32, eps: nvfly.f32,
                     N: nvfly.Constexpr, VEC: nvfly.Constexpr, GROUP: nvfly.Constexpr, ROWS: nvfly.Constexpr,
-                    HAS_WEIGHT: nvfly.Constexpr, HAS_RESIDUAL: nvfly.Constexpr, HAS_RSTD: nvfly.Constexpr):
-    """One row per GROUP threads, the row held in registers: one read and one write per element."""
+                    HAS_WEIGHT: nvfly.Constexpr, HAS_RESIDUAL: nvfly.Constexpr, HAS_RSTD: nvfly.Constexpr,
+                    EARLY_WEIGHT: nvfly.Constexpr, CACHE_HINTS: nvfly.Constexpr):
+    """One row per GROUP threads, the row held in registers: one read and one write per element.
+
+    The weight is read with the row (EARLY_WEIGHT: in flight with it, more registers) or after the reduction,
+    one vector before each store: those loads then wait for the stores before them (the weight could alias y),
+    one L1/L2 round trip each."""
     nvfly.min_blocks_per_sm(max(1, 512 // (GROUP * ROWS)))  # a 128-register budget (ptxas may spill small blocks)
     row, valid, lane, group, warp, warp_lane = row_layout(M, GROUP, ROWS)
-    vectors = (N + GROUP * VEC - 1) // (GROUP * VEC)
-    tail = N % (GROUP * VEC) != 0   # only the last vector of each thread may fall past the row end
-    xs = []
-    for v in nvfly.static_range(vectors):
-        col = (v * GROUP + lane) * VEC
-        in_row = col < N if tail and v == vectors - 1 else None
-        xv = x.load(row, col, width=VEC, mask=in_row)
-        if HAS_RESIDUAL:
-            # h = x + residual, rounded to the storage type like the unfused add
-            xv = (xv.to(nvfly.f32) + residual.load(row, col, width=VEC, mask=in_row).to(nvfly.f32)).to(x.dtype)
-        xs.append(xv)
-    squares = nvfly.full(VEC, 0.0, nvfly.f32)
-    for v in nvfly.static_range(vectors):
-        xf = xs[v].to(nvfly.f32)
-        squares = nvfly.fma(xf, xf, squares)
+    hints = row_hints(CACHE_HINTS)
+    stream, keep = hints
+    xs = load_row(x, row, lane, None, N, VEC, GROUP, stream)
+    if HAS_RESIDUAL:
+        xs = add_residual(xs, load_row(residual, row, lane, None, N, VEC, GROUP, stream))
+    weights = load_row(weight, None, lane, None, N, VEC, GROUP, keep) if HAS_WEIGHT and EARLY_WEIGHT else None
     scratch = nvfly.shared_tensor(nvfly.f32, (max(1, ROWS * GROUP // 32),))
-    total = group_sum(squares.sum(), scratch, 0, group, warp, warp_lane, GROUP)
+    total = group_sum(square_sum(xs, VEC), scratch, 0, group, warp, warp_lane, GROUP)
     rstd = nvfly.rsqrt(total * (1.0 / N) + eps)
-    for v in nvfly.static_range(vectors):
-        col = (v * GROUP + lane) * VEC
-        keep = valid & (col < N) if tail and v == vectors - 1 else valid
-        out = xs[v].to(nvfly.f32) * rstd
-        if HAS_WEIGHT:
-            # loaded after the reduction to save registers: the weight is shared by all rows, an L1/L2 hit
-            out = out * weight.load(col, width=VEC, mask=keep if tail and v == vectors - 1 else None).to(nvfly.f32)
-        y.store(out.to(y.dtype), row, col, mask=keep)
-        if HAS_RESIDUAL:
-            residual_out.store(xs[v], row, col, mask=keep)
+    normalize_row(y, residual_out if HAS_RESIDUAL else None, xs, weights, weight if HAS_WEIGHT else None, rstd, row,
+                  lane, valid, N, VEC, GROUP, hints)
     if HAS_RSTD:
         if valid & (lane == 0):
             rstd_out[row] = rstd
+
+
+@nvfly.kernel
+def rms_norm_persistent_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tensor, y: nvfly.Tensor,
+                               residual_out: nvfly.Tensor, rstd_out: nvfly.Tensor, M: nvfly.i32, eps: nvfly.f32,
+                               N: nvfly.Constexpr, VEC: nvfly.Constexpr, GROUP: nvfly.Constexpr,
+                               ROWS: nvfly.Constexpr, BLOCKS_PER_SM: nvfly.Constexpr, HAS_WEIGHT: nvfly.Constexpr,
+                               HAS_RESIDUAL: nvfly.Constexpr, HAS_RSTD: nvfly.Constexpr,
+                               CACHE_HINTS: nvfly.Constexpr):
+    """The row-in-registers kernel looped over row tiles (ROWS rows of GROUP threads): block b takes tiles
+    b, b + grid, ... of a grid of BLOCKS_PER_SM blocks per SM. Software-pipelined: the next tile's rows are
+    loaded before this tile's reduction and stores, so a tile's bytes stay in flight through the whole loop; the
+    weight is read once per block and held in registers."""
+    nvfly.min_blocks_per_sm(BLOCKS_PER_SM)  # the grid is sized for exactly this many resident blocks
+    tid = nvfly.thread_idx.x
+    lane = tid & (GROUP - 1)
+    group = tid >> int(math.log2(GROUP))
+    warp = tid >> 5
+    hints = row_hints(CACHE_HINTS)
+    stream, keep = hints
+    weights = load_row(weight, None, lane, None, N, VEC, GROUP, keep) if HAS_WEIGHT else None
+    first = nvfly.block_idx.x * ROWS + group
+    xs_next = load_row(x, nvfly.minimum(first, M - 1), lane, first < M, N, VEC, GROUP, stream)
+    rs_next = load_row(residual, nvfly.minimum(first, M - 1), lane, first < M, N, VEC, GROUP, stream) \
+        if HAS_RESIDUAL else []
+    # two scratch halves, alternating by iteration, so one barrier per tile is enough (as in the backward)
+    slots = max(1, ROWS * GROUP // 32)
+    scratch = nvfly.shared_tensor(nvfly.f32, (2 * slots,))
+    parity = nvfly.i32(0)
+    for tile in range(nvfly.block_idx.x, (M + ROWS - 1) // ROWS, nvfly.grid_dim.x):
+        row = tile * ROWS + group
+        valid = row < M
+        xs = xs_next
+        rs = rs_next
+        following = row + nvfly.grid_dim.x * ROWS
+        ahead = nvfly.minimum(following, M - 1)
+        xs_next = load_row(x, ahead, lane, following < M, N, VEC, GROUP, stream)
+        if HAS_RESIDUAL:
+            rs_next = load_row(residual, ahead, lane, following < M, N, VEC, GROUP, stream)
+            xs = add_residual(xs, rs)
+            # stored now: only the fp32 x + residual stays in registers through the reduction (fewer registers)
+            store_row(residual_out, xs, row, lane, valid, N, VEC, GROUP, stream)
+        total = group_sum(square_sum(xs, VEC), scratch, parity * slots, group, warp, tid & 31, GROUP)
+        rstd = nvfly.rsqrt(total * (1.0 / N) + eps)
+        normalize_row(y, None, xs, weights, None, rstd, row, lane, valid, N, VEC, GROUP, hints)
+        if HAS_RSTD:
+            if valid & (lane == 0):
+                rstd_out[row] = rstd
+        parity = parity ^ 1
 
 
 @nvfly.kernel
@@ -267,11 +434,40 @@ class RowPlan:
     group: int
     rows: int
     looped: bool
+    persistent: bool = False    # the forward's persistent kernel, ``blocks_per_sm`` blocks per SM
+    blocks_per_sm: int = 0
+    early_weight: bool = False  # the forward's row kernel reads the weight with the row
+    cache_hints: bool = False
 
     @property
     def threads(self) -> int:
         """Threads per block of the row-in-registers kernels."""
         return self.group * self.rows
+
+
+@dataclass(frozen=True)
+class ForwardOptions:
+    """The forward's plan choices (``benchmarks/rmsnorm.py --compare-plans`` times them side by side); the defaults
+    are the model's (``forward_plan``)."""
+    block_threads: int = ROW_BLOCK_THREADS  # threads of a block packing short rows: a power of two, 32 to 512
+    persistent: Optional[bool] = None       # None: forward_plan's model decides
+    target_vectors: Optional[int] = None    # 16-byte vectors of a row per thread (None: 8, persistent 4)
+    early_weight: bool = EARLY_WEIGHT
+    cache_hints: bool = CACHE_HINTS
+
+    def __post_init__(self) -> None:
+        # checked here, not per call: options equal as values (128 == 128.0) share a cached plan
+        threads, vectors = self.block_threads, self.target_vectors
+        if type(threads) is not int or not 32 <= threads <= MAX_GROUP or threads & (threads - 1):
+            raise ValueError(f"options.block_threads: expected a power of two from 32 to {MAX_GROUP}, got {threads!r}")
+        if vectors is not None and (type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD):
+            raise ValueError(f"options.target_vectors: expected None or 1 to {MAX_VECTORS_PER_THREAD}, "
+                             f"got {vectors!r}")
+        for name in ("persistent", "early_weight", "cache_hints"):
+            value = getattr(self, name)
+            if type(value) is not bool and not (name == "persistent" and value is None):
+                raise ValueError(f"options.{name}: expected a bool{' or None' if name == 'persistent' else ''}, "
+                                 f"got {value!r}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -294,6 +490,45 @@ def plan(n: int, vec: int, m: int, sm_count: int, target_vectors: int = TARGET_V
     per_warp = max(1, 32 // group)
     rows = max(per_warp, min(block_threads // group, m // (2 * sm_count)) // per_warp * per_warp)
     return RowPlan(vec, group, rows, False)
+
+
+@functools.lru_cache(maxsize=4096)
+def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX_VECTORS_PER_THREAD,
+                 has_residual: bool = False, options: ForwardOptions = ForwardOptions()) -> RowPlan:
+    """The forward's kernel and launch shape: the row kernel (one row tile per block), the persistent one, or the
+    looped one for rows too long for registers.
+
+    The model: a row kernel block loads its tile, then reduces and stores it with nothing in flight, and the next
+    block on that SM starts from a launch; the weight is re-read for every tile. The persistent kernel (a grid of
+    ``blocks_per_sm`` x SMs blocks looping over tiles) issues the next tile's loads before each tile's reduction
+    and stores, so every thread keeps a tile of bytes in flight all the time, and reads the weight once. That
+    needs a loop: it is chosen where each block gets at least PERSISTENT_MIN_TILES_PER_BLOCK tiles (below that,
+    the row kernel's single wave holds more warps) and two tiles of a row fit the registers
+    (PERSISTENT_VECTORS_PER_THREAD vectors each). ``options.persistent`` overrides the choice (True raises
+    ValueError where the row does not fit).
+    """
+    rows = plan(n, vec, m, sm_count, options.target_vectors or TARGET_VECTORS_PER_THREAD, max_vectors,
+                block_threads=options.block_threads)
+    if rows.looped:
+        return rows
+    vectors = options.target_vectors or PERSISTENT_VECTORS_PER_THREAD
+    tiled = plan(n, vec, m, sm_count, vectors, max_vectors, block_threads=options.block_threads)
+    fits = not tiled.looped and -(-n // (vec * tiled.group)) <= vectors
+    blocks_per_sm = max(1, SM_REGISTERS // (PERSISTENT_REGISTERS[has_residual] * tiled.threads))
+    persistent = options.persistent
+    if persistent is None:
+        persistent = fits and -(-m // tiled.rows) >= PERSISTENT_MIN_TILES_PER_BLOCK * blocks_per_sm * sm_count
+    elif persistent and not fits:
+        raise ValueError(f"options: rows of {n} elements do not fit the persistent kernel "
+                         f"({vectors} vectors of {vec} per thread)")
+    if persistent:
+        return dataclasses.replace(tiled, persistent=True, blocks_per_sm=blocks_per_sm,
+                                   cache_hints=options.cache_hints)
+    # the weight read with the row is a third stream of vectors in registers with the residual's: only where
+    # the row kernel's budget (two streams of max_vectors) holds it
+    streams = 2 + has_residual
+    early_weight = options.early_weight and -(-n // (vec * rows.group)) * streams <= 2 * max_vectors
+    return dataclasses.replace(rows, early_weight=early_weight, cache_hints=options.cache_hints)
 
 
 def resident_warps(registers: int, threads: int) -> int:
@@ -444,22 +679,20 @@ class _Forward:
 
 def rms_norm_forward(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, eps: Optional[float] = None,
                      residual: Optional["torch.Tensor"] = None, normalized_shape: Optional[Sequence[int]] = None,
-                     want_rstd: bool = True, block_threads: Optional[int] = None
+                     want_rstd: bool = True, options: Optional[ForwardOptions] = None
                      ) -> tuple["torch.Tensor", Optional["torch.Tensor"], Optional["torch.Tensor"]]:
     """(y, x + residual or None, rstd or None); ``rstd`` has one fp32 entry per row (for the backward).
 
-    ``block_threads`` replaces ROW_BLOCK_THREADS, the threads of a block packing short rows (a power of two
-    from 32 to 512; rows of more threads keep a block each): for comparing plans.
+    ``options`` replaces the default plan choices (ForwardOptions): for comparing plans.
     """
     try:
         key = (layout_key(x), layout_key(weight), layout_key(residual), eps, type(eps),
-               normalized_shape if normalized_shape is None else tuple(normalized_shape), want_rstd,
-               block_threads, type(block_threads))
+               normalized_shape if normalized_shape is None else tuple(normalized_shape), want_rstd, options)
         f = _FORWARD.get(key)
     except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
         key = f = None
     if f is None:
-        f = _forward_plan(key, x, weight, eps, residual, normalized_shape, want_rstd, block_threads)
+        f = _forward_plan(key, x, weight, eps, residual, normalized_shape, want_rstd, options)
     if not f.direct:
         return _forward_general(f, x, weight, residual, want_rstd)
     import torch
@@ -503,37 +736,58 @@ def _forward_empty(f: _Forward, x: "torch.Tensor", residual: Optional["torch.Ten
 
 
 def _forward_plan(key: Any, x: Any, weight: Any, eps: Any, residual: Any,
-                  normalized_shape: Optional[Sequence[int]], want_rstd: bool, block_threads: Any) -> _Forward:
+                  normalized_shape: Optional[Sequence[int]], want_rstd: bool, options: Any) -> _Forward:
     """The first call of a key: the checks (they raise), then the plan, remembered under ``key``."""
     m, n = _check(x, weight, residual, eps, normalized_shape)
-    if block_threads is None:
-        block_threads = ROW_BLOCK_THREADS
-    elif type(block_threads) is not int or not 32 <= block_threads <= MAX_GROUP or block_threads & (block_threads - 1):
-        raise ValueError(f"block_threads: expected None or a power of two from 32 to {MAX_GROUP}, "
-                         f"got {block_threads!r}")
+    options = _check_options(options)
     if m == 0 or n == 0:  # nothing to launch
         f = _Forward(m, n, tuple(x.shape), False, None, ())
         _remember(_FORWARD, key, f)
         return f
-    x2 = _rows(x, n)
-    w = weight.reshape(-1).contiguous() if weight is not None else None
-    r2 = _rows(residual, n) if residual is not None else None
-    vec = vector_width(n, (x2, w, r2), x.element_size())
-    max_vectors = MAX_VECTORS_PER_THREAD if vec * x.element_size() == 16 else NARROW_MAX_ELEMENTS // vec
-    p = plan(n, vec, m, driver.plan_sm_count(x.get_device()), max_vectors=max_vectors, block_threads=block_threads)
+    sms = driver.plan_sm_count(x.get_device())
+    p = _forward_plan_of(x, weight, residual, m, n, sms, options)
+    vec = p.vec
     flags = (weight is not None, residual is not None, bool(want_rstd))
     eps = default_eps() if eps is None else float(eps)
     if p.looped:
         launch = rms_norm_looped_kernel.prepared(m, LOOPED_THREADS)
         tail: tuple = (eps, n, vec, LOOPED_THREADS, LOOPED_UNROLL, *flags)
+    elif p.persistent:
+        launch = rms_norm_persistent_kernel.prepared(min(-(-m // p.rows), p.blocks_per_sm * sms), p.threads)
+        tail = (m, eps, n, vec, p.group, p.rows, p.blocks_per_sm, *flags, p.cache_hints)
     else:
         launch = rms_norm_kernel.prepared(-(-m // p.rows), p.threads)
-        tail = (m, eps, n, vec, p.group, p.rows, *flags)
+        tail = (m, eps, n, vec, p.group, p.rows, *flags, p.early_weight and weight is not None, p.cache_hints)
     direct = _is_rows(x, m, n) and (residual is None or _is_rows(residual, m, n)) and \
         (weight is None or (weight.dim() == 1 and weight.is_contiguous()))
     f = _Forward(m, n, tuple(x.shape), direct, launch, tail)
     _remember(_FORWARD, key, f)
     return f
+
+
+def _forward_plan_of(x: "torch.Tensor", weight: Optional["torch.Tensor"], residual: Optional["torch.Tensor"], m: int,
+                     n: int, sm_count: int, options: ForwardOptions) -> RowPlan:
+    """forward_plan for checked arguments: the vector width their layouts allow and its register budget."""
+    vec = vector_width(n, (_rows(x, n), weight.reshape(-1).contiguous() if weight is not None else None,
+                           _rows(residual, n) if residual is not None else None), x.element_size())
+    max_vectors = MAX_VECTORS_PER_THREAD if vec * x.element_size() == 16 else NARROW_MAX_ELEMENTS // vec
+    return forward_plan(n, vec, m, sm_count, max_vectors, residual is not None, options)
+
+
+def plan_of(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, residual: Optional["torch.Tensor"] = None,
+            normalized_shape: Optional[Sequence[int]] = None, options: Optional[ForwardOptions] = None) -> RowPlan:
+    """The plan ``rms_norm_forward`` follows for these arguments (raises as it does)."""
+    m, n = _check(x, weight, residual, None, normalized_shape)
+    return _forward_plan_of(x, weight, residual, m, n, driver.plan_sm_count(x.get_device()), _check_options(options))
+
+
+def _check_options(options: Any) -> ForwardOptions:
+    """``options``, None meaning the defaults (ForwardOptions checks its own fields)."""
+    if options is None:
+        return ForwardOptions()
+    if not isinstance(options, ForwardOptions):
+        raise ValueError(f"options: expected None or rmsnorm.ForwardOptions, got {type(options).__name__}")
+    return options
 
 
 def rms_norm(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, eps: Optional[float] = None,

@@ -112,6 +112,55 @@ def test_rms_norm_backward_without_weight_and_large_m():
     assert torch.allclose(x.grad.double(), xd.grad, rtol=1e-4, atol=1e-4)
 
 
+# ---------------------------------------------------------------------------------------------- RMSNorm persistent
+def rms_norm_float32(x, weight, eps):
+    xf = x.float()
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * rstd * (weight.float() if weight is not None else 1)), rstd.flatten()
+
+
+# (16421, 2048): 8211 tiles over the 5-blocks-an-SM grid, uneven; (5, 2048): fewer tiles than blocks; odd lengths
+# read in element accesses; 7168 and 16384: rows whose last vector is partly past the row end / 512-thread blocks
+PERSISTENT_SHAPES = [(16421, 2048), (4099, 7168), (1001, 4096), (5, 2048), (777, 1001), (3001, 8192), (2051, 16384)]
+
+
+@pytest.mark.parametrize("dtype,hints", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False),
+                                         (torch.float32, False)])
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES)
+@pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
+def test_persistent_rms_norm_matches_float32(dtype, hints, shape, variant):
+    m, n = shape
+    x = (torch.randn(shape, device="cuda") * 3).to(dtype)
+    w = torch.randn(n, device="cuda").to(dtype) if variant != "plain" else None
+    r = torch.randn(shape, device="cuda").to(dtype) if variant == "residual" else None
+    options = rmsnorm.ForwardOptions(persistent=True, cache_hints=hints)
+    if dtype == torch.float32 and n == 16384:  # two tiles of fp32 rows of 16384 do not fit the registers
+        with pytest.raises(ValueError, match="persistent"):
+            rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=options)
+        return
+    assert rmsnorm.plan_of(x, w, r, options=options).persistent
+    poison_allocator((shape, dtype), (shape, dtype), ((m,), torch.float32))
+    y, h, rstd = rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=options)
+    if r is not None:
+        assert torch.equal(h, x + r)  # every element written, rounded like the unfused add
+    ref, ref_rstd = rms_norm_float32(x + r if r is not None else x, w, 1e-6)
+    assert torch.isfinite(y).all() and torch.isfinite(rstd).all()
+    tol = TOL[dtype]
+    assert torch.allclose(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert torch.allclose(rstd, ref_rstd, rtol=1e-5)
+
+
+def test_default_plan_goes_persistent_with_many_rows_and_agrees_with_the_row_kernel():
+    x = torch.randn(16421, 2048, device="cuda").to(torch.bfloat16)
+    w = torch.randn(2048, device="cuda").to(torch.bfloat16)
+    assert rmsnorm.plan_of(x, w).persistent
+    poison_allocator((x.shape, x.dtype))
+    y = rmsnorm.rms_norm(x, w, 1e-6)
+    rows = rmsnorm.rms_norm_forward(x, w, 1e-6, options=rmsnorm.ForwardOptions(persistent=False))[0]
+    # the same fp32 math but another order of the sum of squares: at most a rounding step of bf16 apart
+    assert torch.allclose(y.float(), rows.float(), rtol=2 ** -7, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------- TopK
 def permuted_levels(shape, dtype):
     """Rows holding a random permutation of evenly spaced levels, exact in the dtype: distinct values in fp32,

@@ -1,0 +1,193 @@
+"""RMSNorm forward plans without a GPU: when forward_plan picks the persistent kernel, and that it, the row
+kernel with the weight loaded early and the cache-hinted variants compile for sm_90a without spills, with the
+loads where the design puts them (SASS order) and the grid the plan promises."""
+import re
+
+import pytest
+import torch
+
+import nvfly
+from benchmarks import rmsnorm as bench
+from nvfly.ops import rmsnorm
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SMS = 132
+
+
+def compiled(fn, *args, **kwargs):
+    with nvfly.compile_only() as kernels:
+        fn(*args, **kwargs)
+    (k,) = kernels
+    return k
+
+
+def assert_clean(k):
+    assert k.cubin is not None and ".target sm_90a" in k.ptx
+    assert k.resources.spill_stores == 0 and k.resources.spill_loads == 0, k.summary()
+    assert k.resources.stack_bytes == 0 and k.count("LDL") == 0 and k.count("STL") == 0, k.summary()
+
+
+def instructions(k):
+    """The SASS as (address, instruction text) pairs."""
+    return [(int(a, 16), text.strip()) for a, text in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", k.sass())]
+
+
+def loop_body(k):
+    """The instructions of the kernel's one loop: from the target of its backward branch to that branch."""
+    ins = instructions(k)
+    back = [(int(m.group(1), 16), addr) for addr, text in ins
+            if (m := re.search(r"\bBRA(?:\.U)? 0x([0-9a-f]+)", text)) and int(m.group(1), 16) < addr]
+    assert len(back) == 1, back
+    (start, end), = back
+    return [text for addr, text in ins if start <= addr <= end]
+
+
+def loads_before_first_store(texts):
+    first_store = next(i for i, t in enumerate(texts) if re.search(r"\bSTG\b|\bSTG\.", t))
+    return sum(1 for t in texts[:first_store] if re.search(r"\bLDG\.", t))
+
+
+def tensors(m, n, dtype, variant):
+    x = torch.empty(m, n, dtype=dtype)  # compiled for, never read
+    w = torch.empty(n, dtype=dtype) if variant != "plain" else None
+    r = torch.empty(m, n, dtype=dtype) if variant == "residual" else None
+    return x, w, r
+
+
+# ---------------------------------------------------------------------------------------------- the plan model
+def test_forward_plan_chooses_the_persistent_kernel_where_blocks_loop():
+    p = rmsnorm.forward_plan(2048, 8, 16384, SMS)
+    # 4 vectors a thread (two tiles and the weight in registers), 2 rows of 64 threads, 5 blocks an SM (96 registers)
+    assert p.persistent and (p.group, p.rows, p.threads, p.blocks_per_sm) == (64, 2, 128, 5)
+    assert rmsnorm.forward_plan(2048, 8, 16384, SMS, has_residual=True).blocks_per_sm == 4  # 128 registers
+    assert rmsnorm.forward_plan(8192, 8, 16384, SMS).threads == 256
+    assert rmsnorm.forward_plan(16384, 8, 16384, SMS).threads == 512
+    # at least PERSISTENT_MIN_TILES_PER_BLOCK tiles for every one of the 5 x 132 blocks: M >= 2 * 660 * 2 rows
+    grid = 5 * SMS
+    assert rmsnorm.forward_plan(2048, 8, 2 * grid * 2, SMS).persistent
+    row = rmsnorm.forward_plan(2048, 8, 2 * grid * 2 - 2, SMS)
+    assert not row.persistent and row.group == 32 and row.early_weight  # the row kernel: 8 vectors a thread
+    assert not rmsnorm.forward_plan(8192, 8, 256, SMS).persistent  # one tile a block at most: the row kernel
+    # rows too long for two tiles in registers keep the row kernel, or the looped one
+    assert not rmsnorm.forward_plan(32768, 8, 65536, SMS).persistent
+    assert rmsnorm.forward_plan(65536, 8, 65536, SMS).looped
+    with pytest.raises(ValueError, match="persistent"):
+        rmsnorm.forward_plan(32768, 8, 65536, SMS, options=rmsnorm.ForwardOptions(persistent=True))
+    forced = rmsnorm.forward_plan(2048, 8, 256, SMS, options=rmsnorm.ForwardOptions(persistent=True))
+    assert forced.persistent and (forced.threads, forced.blocks_per_sm) == (64, 10)  # few rows: a row a tile
+    assert not rmsnorm.forward_plan(2048, 8, 16384, SMS, options=rmsnorm.ForwardOptions(persistent=False)).persistent
+
+
+def test_row_kernel_loads_the_weight_early_where_registers_allow():
+    options = rmsnorm.ForwardOptions(persistent=False)
+    assert rmsnorm.forward_plan(8192, 8, 16384, SMS, options=options).early_weight
+    # x, the residual and the weight at 8 vectors a thread spill: the weight stays after the reduction
+    assert not rmsnorm.forward_plan(8192, 8, 16384, SMS, has_residual=True, options=options).early_weight
+    four = rmsnorm.ForwardOptions(persistent=False, target_vectors=4)
+    assert rmsnorm.forward_plan(8192, 8, 16384, SMS, has_residual=True, options=four).early_weight
+    before = rmsnorm.ForwardOptions(persistent=False, early_weight=False)
+    assert not rmsnorm.forward_plan(8192, 8, 16384, SMS, options=before).early_weight
+
+
+def test_forward_options_are_checked():
+    for bad in [dict(block_threads=48), dict(block_threads=128.0), dict(block_threads=1024), dict(target_vectors=0),
+                dict(target_vectors=9), dict(persistent=1), dict(early_weight=None), dict(cache_hints="yes")]:
+        with pytest.raises(ValueError, match=f"options.{next(iter(bad))}"):
+            rmsnorm.ForwardOptions(**bad)
+
+
+def test_persistent_grid_is_the_resident_blocks_or_the_tiles(recorded_launches):
+    rmsnorm._FORWARD.clear()  # plans cached by other tests hold launchers that would not record
+    w = torch.randn(2048).to(torch.bfloat16)
+    rmsnorm.rms_norm(torch.randn(16384, 2048).to(torch.bfloat16), w)
+    forced = rmsnorm.ForwardOptions(persistent=True)
+    rmsnorm.rms_norm_forward(torch.randn(1001, 2048).to(torch.bfloat16), w, options=forced)  # 501 tiles of 2 rows
+    (name, grid, _), (name2, grid2, _) = recorded_launches
+    assert name == name2 == "rms_norm_persistent_kernel"
+    assert grid == (5 * SMS, 1, 1) and grid2 == (501, 1, 1)
+    rmsnorm._FORWARD.clear()
+
+
+# ---------------------------------------------------------------------------------------------- the kernels compile
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2048, 4096, 7168, 8192, 16384, 1001])
+@pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
+def test_persistent_kernel_compiles_clean_and_prefetches_the_next_tile(dtype, n, variant):
+    """No spills at the plan's blocks per SM, which the registers must allow together; 16-byte accesses (element
+    ones for the odd row length); one barrier a tile where a row spans warps; and the next tile's loads issued in
+    the loop before this tile's first store (the software pipeline)."""
+    m = 16384
+    x, w, r = tensors(m, n, dtype, variant)
+    forced = rmsnorm.ForwardOptions(persistent=True)
+    vec = rmsnorm.vector_width(n, (x, w, r), x.element_size())
+    if -(-n // (vec * rmsnorm.MAX_GROUP)) > rmsnorm.PERSISTENT_VECTORS_PER_THREAD:  # fp32 rows of 16384
+        with pytest.raises(ValueError, match="do not fit the persistent kernel"):
+            rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=forced)
+        return
+    k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, options=forced)
+    p = rmsnorm.plan_of(x, w, r, options=forced)
+    assert k.name == "rms_norm_persistent_kernel" and p.persistent
+    assert_clean(k)
+    assert k.block == (p.threads, 1, 1)
+    assert rmsnorm.resident_warps(k.resources.registers, p.threads) >= p.blocks_per_sm * p.threads // 32
+    vectors = -(-n // (p.group * p.vec))
+    streams = 1 + (variant == "residual")  # x and the residual, loaded before the loop and in it
+    loads = vectors * (2 * streams + (variant != "plain"))
+    wide = p.vec * x.element_size() == 16
+    assert k.count("LDG.E.128") == (loads if wide else 0)
+    assert k.count("STG.E.128") == (vectors * streams if wide else 0)
+    assert k.count("BAR.SYNC") == (p.group > 32)
+    assert k.count("MUFU.RSQ") == 1
+    assert loads_before_first_store(loop_body(k)) == vectors * streams
+
+
+@pytest.mark.parametrize("n", [2048, 8192])
+@pytest.mark.parametrize("variant", ["weight", "residual"])
+@pytest.mark.parametrize("persistent", [True, False])
+def test_cache_hints_mark_every_access(n, variant, persistent):
+    """x, the residual and both outputs stream past L1 (LDG/STG .NA), the weight is kept (LDG .EL); the L2
+    policies go in the access descriptors, not extra instructions."""
+    x, w, r = tensors(16384, n, torch.bfloat16, variant)
+    hinted = rmsnorm.ForwardOptions(persistent=persistent, cache_hints=True)
+    k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, options=hinted)
+    plain = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, options=rmsnorm.ForwardOptions(persistent=persistent))
+    assert_clean(k)
+    p = rmsnorm.plan_of(x, w, r, options=hinted)
+    vectors = -(-n // (p.group * p.vec))
+    streams = 1 + (variant == "residual")
+    assert k.count("LDG.E.EL.128") == vectors
+    assert k.count("LDG.E.NA.128") == vectors * streams * (2 if persistent else 1)
+    assert k.count("STG.E.NA.128") == vectors * streams
+    assert k.count("LDG.E.128") == k.count("STG.E.128") == 0
+    assert k.count("LDG") == plain.count("LDG") and k.count("STG") == plain.count("STG")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2048, 7168, 8192])
+def test_row_kernel_issues_the_weight_loads_before_any_store(dtype, n):
+    """The SASS finding behind EARLY_WEIGHT: loaded after the reduction, the weight's loads sit between the
+    stores (each waits for the store before it); loaded early, every load precedes the first store."""
+    x, w, _ = tensors(16384, n, dtype, "weight")
+    early = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, options=rmsnorm.ForwardOptions(persistent=False))
+    late = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6,
+                    options=rmsnorm.ForwardOptions(persistent=False, early_weight=False))
+    for k in (early, late):
+        assert k.name == "rms_norm_kernel"
+        assert_clean(k)
+    texts = [t for _, t in instructions(early)]
+    assert loads_before_first_store(texts) == early.count("LDG") == late.count("LDG")
+    late_texts = [t for _, t in instructions(late)]
+    assert loads_before_first_store(late_texts) <= late.count("LDG") // 2 + 1
+
+
+@pytest.mark.parametrize("n", [2048, 4096, 7168, 8192, 16384])
+@pytest.mark.parametrize("fused_add", [False, True])
+def test_compare_plans_variants_compile_clean(n, fused_add):
+    """Every plan ``benchmarks/rmsnorm.py --compare-plans`` times at its 16384 rows compiles without spills."""
+    x, w, r = tensors(16384, n, torch.bfloat16, "residual" if fused_add else "weight")
+    for name, options in bench.PLAN_VARIANTS.items():
+        k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=False, options=options)
+        assert_clean(k)
+        p = rmsnorm.plan_of(x, w, r, options=options)
+        assert k.name == ("rms_norm_persistent_kernel" if p.persistent else "rms_norm_kernel"), name
+        assert k.block == (p.threads, 1, 1), name

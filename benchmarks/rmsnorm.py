@@ -37,13 +37,13 @@ BACKWARD = [(4096, 2048), (16384, 4096), (16384, 8192), (4096, 16384)]
 EPS = 1e-6
 # --compare-plans: the forward's plan choices timed side by side (the default plan is timed first, as "default")
 PLAN_VARIANTS = {
-    "rows before": rmsnorm.ForwardOptions(persistent=False, early_weight=False),  # the plan before the persistent one
-    "rows": rmsnorm.ForwardOptions(persistent=False),  # the weight loaded with the row
-    "rows 4 vectors": rmsnorm.ForwardOptions(persistent=False, target_vectors=4),
-    "rows 2 vectors": rmsnorm.ForwardOptions(persistent=False, target_vectors=2),  # Inductor's shape: more warps
-    "rows hints": rmsnorm.ForwardOptions(persistent=False, cache_hints=True),
-    "rows before 64": rmsnorm.ForwardOptions(block_threads=64, persistent=False, early_weight=False),
-    "rows before 256": rmsnorm.ForwardOptions(block_threads=256, persistent=False, early_weight=False),
+    "rows before": rmsnorm.ForwardOptions(target_vectors=8, early_weight=False),  # the plan before 2026-11-29
+    "rows 8 vectors": rmsnorm.ForwardOptions(target_vectors=8),  # the weight loaded with the row
+    "rows 4 vectors": rmsnorm.ForwardOptions(target_vectors=4),
+    "rows 2 vectors": rmsnorm.ForwardOptions(target_vectors=2),  # Inductor's shape: more warps
+    "rows hints": rmsnorm.ForwardOptions(cache_hints=True),
+    "rows before 64": rmsnorm.ForwardOptions(block_threads=64, target_vectors=8, early_weight=False),
+    "rows before 256": rmsnorm.ForwardOptions(block_threads=256, target_vectors=8, early_weight=False),
     "persistent": rmsnorm.ForwardOptions(persistent=True),
     "persistent hints": rmsnorm.ForwardOptions(persistent=True, cache_hints=True),
 }

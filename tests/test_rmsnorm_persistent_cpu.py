@@ -55,43 +55,45 @@ def tensors(m, n, dtype, variant):
 
 
 # ---------------------------------------------------------------------------------------------- the plan model
-def test_forward_plan_chooses_the_persistent_kernel_where_blocks_loop():
+def test_forward_plan_takes_the_row_kernel_and_the_persistent_one_on_request():
     p = rmsnorm.forward_plan(2048, 8, 16384, SMS)
+    # rows of at most 8 KB: 2 vectors a thread (128 threads a row), else 8 (the row kernel), never persistent
+    assert not p.persistent and (p.group, p.early_weight) == (128, True)
+    assert rmsnorm.forward_plan(4096, 8, 16384, SMS).group == 256
+    assert rmsnorm.forward_plan(8192, 8, 16384, SMS).group == 128
+    assert rmsnorm.forward_plan(2048, 4, 16384, SMS).group == 256  # fp32: 8 KB rows
+    assert rmsnorm.forward_plan(4096, 4, 16384, SMS).group == 128  # 16 KB: 8 vectors a thread
+    four = rmsnorm.ForwardOptions(target_vectors=4)
+    assert rmsnorm.forward_plan(2048, 8, 16384, SMS, options=four).group == 64
+    forced = rmsnorm.ForwardOptions(persistent=True)
+    p = rmsnorm.forward_plan(2048, 8, 16384, SMS, options=forced)
     # 4 vectors a thread (two tiles and the weight in registers), 2 rows of 64 threads, 5 blocks an SM (96 registers)
     assert p.persistent and (p.group, p.rows, p.threads, p.blocks_per_sm) == (64, 2, 128, 5)
-    assert rmsnorm.forward_plan(2048, 8, 16384, SMS, has_residual=True).blocks_per_sm == 4  # 128 registers
-    assert rmsnorm.forward_plan(8192, 8, 16384, SMS).threads == 256
-    assert rmsnorm.forward_plan(16384, 8, 16384, SMS).threads == 512
-    # at least PERSISTENT_MIN_TILES_PER_BLOCK tiles for every one of the 5 x 132 blocks: M >= 2 * 660 * 2 rows
-    grid = 5 * SMS
-    assert rmsnorm.forward_plan(2048, 8, 2 * grid * 2, SMS).persistent
-    row = rmsnorm.forward_plan(2048, 8, 2 * grid * 2 - 2, SMS)
-    assert not row.persistent and row.group == 32 and row.early_weight  # the row kernel: 8 vectors a thread
-    assert not rmsnorm.forward_plan(8192, 8, 256, SMS).persistent  # one tile a block at most: the row kernel
-    # rows too long for two tiles in registers keep the row kernel, or the looped one
-    assert not rmsnorm.forward_plan(32768, 8, 65536, SMS).persistent
+    assert rmsnorm.forward_plan(2048, 8, 16384, SMS, has_residual=True, options=forced).blocks_per_sm == 4
+    assert rmsnorm.forward_plan(8192, 8, 16384, SMS, options=forced).threads == 256
+    assert rmsnorm.forward_plan(16384, 8, 16384, SMS, options=forced).threads == 512
+    # rows too long for two tiles in registers: declined; longer ones still loop
     assert rmsnorm.forward_plan(65536, 8, 65536, SMS).looped
     with pytest.raises(ValueError, match="persistent"):
-        rmsnorm.forward_plan(32768, 8, 65536, SMS, options=rmsnorm.ForwardOptions(persistent=True))
-    forced = rmsnorm.forward_plan(2048, 8, 256, SMS, options=rmsnorm.ForwardOptions(persistent=True))
-    assert forced.persistent and (forced.threads, forced.blocks_per_sm) == (64, 10)  # few rows: a row a tile
-    assert not rmsnorm.forward_plan(2048, 8, 16384, SMS, options=rmsnorm.ForwardOptions(persistent=False)).persistent
+        rmsnorm.forward_plan(32768, 8, 65536, SMS, options=forced)
+    few = rmsnorm.forward_plan(2048, 8, 256, SMS, options=forced)
+    assert few.persistent and (few.threads, few.blocks_per_sm) == (64, 10)  # few rows: a row a tile
 
 
 def test_row_kernel_loads_the_weight_early_where_registers_allow():
-    options = rmsnorm.ForwardOptions(persistent=False)
+    options = rmsnorm.ForwardOptions()
     assert rmsnorm.forward_plan(8192, 8, 16384, SMS, options=options).early_weight
     # x, the residual and the weight at 8 vectors a thread spill: the weight stays after the reduction
     assert not rmsnorm.forward_plan(8192, 8, 16384, SMS, has_residual=True, options=options).early_weight
-    four = rmsnorm.ForwardOptions(persistent=False, target_vectors=4)
+    four = rmsnorm.ForwardOptions(target_vectors=4)
     assert rmsnorm.forward_plan(8192, 8, 16384, SMS, has_residual=True, options=four).early_weight
-    before = rmsnorm.ForwardOptions(persistent=False, early_weight=False)
+    before = rmsnorm.ForwardOptions(early_weight=False)
     assert not rmsnorm.forward_plan(8192, 8, 16384, SMS, options=before).early_weight
 
 
 def test_forward_options_are_checked():
     for bad in [dict(block_threads=48), dict(block_threads=128.0), dict(block_threads=1024), dict(target_vectors=0),
-                dict(target_vectors=9), dict(persistent=1), dict(early_weight=None), dict(cache_hints="yes")]:
+                dict(target_vectors=9), dict(persistent=1), dict(persistent=None), dict(early_weight=None), dict(cache_hints="yes")]:
         with pytest.raises(ValueError, match=f"options.{next(iter(bad))}"):
             rmsnorm.ForwardOptions(**bad)
 
@@ -99,8 +101,8 @@ def test_forward_options_are_checked():
 def test_persistent_grid_is_the_resident_blocks_or_the_tiles(recorded_launches):
     rmsnorm._FORWARD.clear()  # plans cached by other tests hold launchers that would not record
     w = torch.randn(2048).to(torch.bfloat16)
-    rmsnorm.rms_norm(torch.randn(16384, 2048).to(torch.bfloat16), w)
     forced = rmsnorm.ForwardOptions(persistent=True)
+    rmsnorm.rms_norm_forward(torch.randn(16384, 2048).to(torch.bfloat16), w, options=forced)
     rmsnorm.rms_norm_forward(torch.randn(1001, 2048).to(torch.bfloat16), w, options=forced)  # 501 tiles of 2 rows
     (name, grid, _), (name2, grid2, _) = recorded_launches
     assert name == name2 == "rms_norm_persistent_kernel"
@@ -168,9 +170,9 @@ def test_row_kernel_issues_the_weight_loads_before_any_store(dtype, n):
     """The SASS finding behind EARLY_WEIGHT: loaded after the reduction, the weight's loads sit between the
     stores (each waits for the store before it); loaded early, every load precedes the first store."""
     x, w, _ = tensors(16384, n, dtype, "weight")
-    early = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, options=rmsnorm.ForwardOptions(persistent=False))
+    early = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, options=rmsnorm.ForwardOptions())
     late = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6,
-                    options=rmsnorm.ForwardOptions(persistent=False, early_weight=False))
+                    options=rmsnorm.ForwardOptions(early_weight=False))
     for k in (early, late):
         assert k.name == "rms_norm_kernel"
         assert_clean(k)

@@ -40,7 +40,7 @@ def test_rms_norm_forward_compiles_to_16_byte_accesses(dtype, n, variant):
     assert k.name == "rms_norm_kernel"
     assert_clean(k)
     vec = 16 // x.element_size()
-    p = rmsnorm.plan(n, vec, 64, 132)
+    p = rmsnorm.plan_of(x, w, r)
     assert k.block == (p.group * p.rows, 1, 1)
     vectors = -(-n // (p.group * vec))  # per thread: the row stays in registers between the two phases
     streams_in = 1 + (variant != "plain") + (variant == "residual")  # x, the weight, the residual
@@ -122,8 +122,8 @@ def test_row_block_threads_hold_the_most_warps_whatever_the_registers():
 @pytest.mark.parametrize("variant", ["weight", "residual"])
 @pytest.mark.parametrize("early_weight", [True, False])
 def test_rms_norm_block_plans_compile_clean_and_the_default_holds_the_most_warps(dtype, n, variant, early_weight):
-    """At the benchmark's 16384 rows, the row kernel under the default block and blocks of 128, 256 and 512
-    threads (those ``benchmarks/rmsnorm.py --compare-plans`` times) compiles without spills and launches the
+    """At the benchmark's 16384 rows, the row kernel at 8 vectors a thread under the default block and blocks of
+    128, 256 and 512 threads (those ``benchmarks/rmsnorm.py --compare-plans`` times) compiles without spills and launches the
     plan's block; with the registers each kernel compiled to, the default's block lets an SM hold the most warps."""
     m = 16384
     x = torch.empty(m, n, dtype=dtype)  # compiled for, never read
@@ -132,7 +132,7 @@ def test_rms_norm_block_plans_compile_clean_and_the_default_holds_the_most_warps
     vec = 16 // x.element_size()
     warps = {}
     for block_threads in (rmsnorm.ROW_BLOCK_THREADS, 128, 256, 512):
-        options = rmsnorm.ForwardOptions(block_threads=block_threads, persistent=False, early_weight=early_weight)
+        options = rmsnorm.ForwardOptions(block_threads=block_threads, target_vectors=8, early_weight=early_weight)
         (k,) = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=False, options=options)
         assert k.name == "rms_norm_kernel"
         assert_clean(k)

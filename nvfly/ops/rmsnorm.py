@@ -64,7 +64,11 @@ REGISTER_ALLOCATION_UNIT = 256  # registers are given to a warp in multiples of 
 # the residual of the next tile in flight) sets its blocks per SM: 5 or 4 blocks of 128 threads.
 PERSISTENT_VECTORS_PER_THREAD = 4
 PERSISTENT_REGISTERS = (96, 128)
-PERSISTENT_MIN_TILES_PER_BLOCK = 2  # fewer: no tile's loads overlap another's reduction and stores
+# rows of at most SHORT_ROW_VECTORS 16-byte vectors (8 KB) take SHORT_ROW_TARGET_VECTORS a thread: more warps,
+# the same bytes in flight (H200, benchmarks/results/rmsnorm_plans_h200.json: 16384x2048 bf16 36.2 -> 35.1 us,
+# fused add 65536x2048 263 -> 256 us; longer rows at 2 vectors a thread lose: 16384x8192 136 -> 155 us)
+SHORT_ROW_VECTORS = 512
+SHORT_ROW_TARGET_VECTORS = 2
 EARLY_WEIGHT = True   # the row kernel loads the weight with the row: one round trip, not one per vector
 CACHE_HINTS = False   # L1/L2 eviction hints on the forward's accesses (see STREAM_L1)
 
@@ -450,8 +454,8 @@ class ForwardOptions:
     """The forward's plan choices (``benchmarks/rmsnorm.py --compare-plans`` times them side by side); the defaults
     are the model's (``forward_plan``)."""
     block_threads: int = ROW_BLOCK_THREADS  # threads of a block packing short rows: a power of two, 32 to 512
-    persistent: Optional[bool] = None       # None: forward_plan's model decides
-    target_vectors: Optional[int] = None    # 16-byte vectors of a row per thread (None: 8, persistent 4)
+    persistent: bool = False                # the persistent kernel (forward_plan: measured slower by default)
+    target_vectors: Optional[int] = None    # 16-byte vectors of a row per thread (None: forward_plan's, persistent 4)
     early_weight: bool = EARLY_WEIGHT
     cache_hints: bool = CACHE_HINTS
 
@@ -465,9 +469,8 @@ class ForwardOptions:
                              f"got {vectors!r}")
         for name in ("persistent", "early_weight", "cache_hints"):
             value = getattr(self, name)
-            if type(value) is not bool and not (name == "persistent" and value is None):
-                raise ValueError(f"options.{name}: expected a bool{' or None' if name == 'persistent' else ''}, "
-                                 f"got {value!r}")
+            if type(value) is not bool:
+                raise ValueError(f"options.{name}: expected a bool, got {value!r}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -498,30 +501,28 @@ def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX
     """The forward's kernel and launch shape: the row kernel (one row tile per block), the persistent one, or the
     looped one for rows too long for registers.
 
-    The model: a row kernel block loads its tile, then reduces and stores it with nothing in flight, and the next
-    block on that SM starts from a launch; the weight is re-read for every tile. The persistent kernel (a grid of
-    ``blocks_per_sm`` x SMs blocks looping over tiles) issues the next tile's loads before each tile's reduction
-    and stores, so every thread keeps a tile of bytes in flight all the time, and reads the weight once. That
-    needs a loop: it is chosen where each block gets at least PERSISTENT_MIN_TILES_PER_BLOCK tiles (below that,
-    the row kernel's single wave holds more warps) and two tiles of a row fit the registers
-    (PERSISTENT_VECTORS_PER_THREAD vectors each). ``options.persistent`` overrides the choice (True raises
-    ValueError where the row does not fit).
+    The row kernel (one row tile per block, the weight loaded with the row where registers allow) is the default;
+    rows of at most SHORT_ROW_VECTORS vectors take SHORT_ROW_TARGET_VECTORS a thread. The persistent kernel (a grid
+    of ``blocks_per_sm`` x SMs blocks looping over tiles, the next tile's loads issued before each tile's
+    reduction and stores, the weight read once; PERSISTENT_VECTORS_PER_THREAD vectors of two tiles a thread) is
+    taken only with ``options.persistent`` (ValueError where two tiles of a row do not fit): measured side by side
+    on the H200 (``benchmarks/rmsnorm.py --compare-plans``) it lost to the row kernel on every large shape
+    (16384x2048 37.0 vs 35.1 us, 16384x8192 141.9 vs 133.4, fused add 16384x8192 276.6 vs 262.0) and won only
+    a few microseconds on 256-row launches of long rows.
     """
-    rows = plan(n, vec, m, sm_count, options.target_vectors or TARGET_VECTORS_PER_THREAD, max_vectors,
-                block_threads=options.block_threads)
+    row_vectors = -(-n // vec)
+    target = options.target_vectors or (SHORT_ROW_TARGET_VECTORS if row_vectors <= SHORT_ROW_VECTORS
+                                        else TARGET_VECTORS_PER_THREAD)
+    rows = plan(n, vec, m, sm_count, target, max_vectors, block_threads=options.block_threads)
     if rows.looped:
         return rows
-    vectors = options.target_vectors or PERSISTENT_VECTORS_PER_THREAD
-    tiled = plan(n, vec, m, sm_count, vectors, max_vectors, block_threads=options.block_threads)
-    fits = not tiled.looped and -(-n // (vec * tiled.group)) <= vectors
-    blocks_per_sm = max(1, SM_REGISTERS // (PERSISTENT_REGISTERS[has_residual] * tiled.threads))
-    persistent = options.persistent
-    if persistent is None:
-        persistent = fits and -(-m // tiled.rows) >= PERSISTENT_MIN_TILES_PER_BLOCK * blocks_per_sm * sm_count
-    elif persistent and not fits:
-        raise ValueError(f"options: rows of {n} elements do not fit the persistent kernel "
-                         f"({vectors} vectors of {vec} per thread)")
-    if persistent:
+    if options.persistent:
+        vectors = options.target_vectors or PERSISTENT_VECTORS_PER_THREAD
+        tiled = plan(n, vec, m, sm_count, vectors, max_vectors, block_threads=options.block_threads)
+        if tiled.looped or -(-n // (vec * tiled.group)) > vectors:
+            raise ValueError(f"options: rows of {n} elements do not fit the persistent kernel "
+                             f"({vectors} vectors of {vec} per thread)")
+        blocks_per_sm = max(1, SM_REGISTERS // (PERSISTENT_REGISTERS[has_residual] * tiled.threads))
         return dataclasses.replace(tiled, persistent=True, blocks_per_sm=blocks_per_sm,
                                    cache_hints=options.cache_hints)
     # the weight read with the row is a third stream of vectors in registers with the residual's: only where

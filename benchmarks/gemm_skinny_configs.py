@@ -1,9 +1,12 @@
 """Time skinny-GEMM configs on decode shapes against cuBLAS and the wgmma kernel (tuning aid for
 gemm_skinny.TARGET_CTAS_PER_SM / MIN_CHUNKS_PER_WARP / SkinnyConfig defaults and gemm.SKINNY_MAX_M):
-python -m benchmarks.gemm_skinny_configs [--shapes M,N,K ...] [--layout rowxcol|rowxrow] [--token-vectors].
+python -m benchmarks.gemm_skinny_configs [--shapes M,N,K ...] [--layout rowxcol|rowxrow] [--token-vectors]
+[--tokens row|col].
 rowxcol: B is the F.linear weight (column-major); rowxrow: B is [K, N] row-major (the cp.async + ldmatrix.trans
 variant, whose ``unroll`` is its ring depth: gemm_skinny.ROW_B_CONFIG), and --token-vectors adds each config with
 SkinnyConfig.token_vectors on (k-permuted stages, tokens as 16-byte vectors) and reports the best of each side.
+--tokens col: A is column-major (x.t() of a [K, M] tensor, its rows padded to a multiple of 8 tokens as matmul
+needs), the tokens the kernels stage in shared memory; the layout printed then reads colxcol or colxrow.
 Configs that SkinnyConfig.check declines are listed and skipped; a config that fails to plan, compile or launch,
 or computes a wrong result, is reported (FAILED) and skipped, and the exit status is 1."""
 from __future__ import annotations
@@ -46,6 +49,13 @@ def sweep(row_b: bool, token_vectors: bool = False) -> tuple[list[SkinnyConfig],
     return run, declined
 
 
+def tokens(m: int, k: int, major: str, device: str = "cuda") -> torch.Tensor:
+    """A [M, K] in bf16: row-major, or column-major with 16-byte k strides (M padded to a multiple of 8)."""
+    if major == "row":
+        return torch.randn(m, k, device=device).to(torch.bfloat16)
+    return torch.randn(k, -(-m // 8) * 8, device=device).to(torch.bfloat16)[:, :m].t()
+
+
 def try_config(a, b, out, ref, cfg) -> tuple[float, None] | tuple[None, str]:
     """(median ms, None) for one config, or (None, why) when it fails to plan, compile or launch, or computes a
     wrong result; the sweep goes on either way."""
@@ -67,6 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--layout", default="rowxcol", choices=("rowxcol", "rowxrow"))
     p.add_argument("--token-vectors", action="store_true",
                    help="rowxrow: also time each config with SkinnyConfig.token_vectors on")
+    p.add_argument("--tokens", default="row", choices=("row", "col"),
+                   help="A's major: col for column-major tokens (the layout becomes colxcol or colxrow)")
     args = p.parse_args(argv)
     row_b = args.layout == "rowxrow"
     if args.token_vectors and not row_b:
@@ -77,7 +89,7 @@ def main(argv=None) -> int:
         print(f"skipped {cfg}: {why}", flush=True)
     failures = 0
     for m, n, k in shapes:
-        a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        a = tokens(m, k, args.tokens)
         b = torch.randn(k, n, device="cuda").to(torch.bfloat16) if row_b else \
             torch.randn(n, k, device="cuda").to(torch.bfloat16).t()
         ref = a.float() @ b.float()
@@ -85,13 +97,14 @@ def main(argv=None) -> int:
         cublas = bench_ms(lambda: torch.mm(a, b, out=out))
         wgmma = bench_ms(lambda: gemm.matmul(a, b, out=out, skinny=False))
         auto = bench_ms(lambda: gemm.matmul(a, b, out=out))
-        print(f"{m}x{n}x{k}: cuBLAS {cublas * 1e3:.1f} us  wgmma {wgmma * 1e3:.1f} us  "
+        layout = f"{args.tokens}x{args.layout[-3:]}"
+        print(f"{m}x{n}x{k} {layout}: cuBLAS {cublas * 1e3:.1f} us  wgmma {wgmma * 1e3:.1f} us  "
               f"default ({gemm.path(a, b)}) {auto * 1e3:.1f} us  weight {2 * n * k / cublas / 1e6:.0f} GB/s (cuBLAS)",
               flush=True)
         results = []
         for cfg in configs:
-            if m > 8 and cfg.unroll > 4 and not row_b:
-                continue  # 16 tokens x 8 chunks do not fit the 128-register budget
+            if m > 8 and cfg.unroll > 4 and not row_b and args.tokens == "row":
+                continue  # 16 tokens x 8 chunks do not fit the 128-register budget (staged tokens do)
             ms, why = try_config(a, b, out, ref, cfg)
             if why:
                 failures += 1

@@ -126,17 +126,48 @@ def row_major_token_k(lane, register, half, step, token_vectors):
     return gemm_skinny.vector_token_fragments([words])(step)[0][register][half]
 
 
+def staged_token_words(m_tiles, vector_order):
+    """Emulate the staged tokens of one chunk with the kernel's maps: every lane's cp.async copies of 8 tokens at
+    one k (stage_tokens: token_copy_slot, token_slot_k, token_slot_offset) into a token stage whose elements are
+    modelled as (k, token), then each token tile's ldmatrix.x4.trans (load_staged_tokens). Every 8-lane phase
+    of the copies and of the ldmatrix is free of bank conflicts, and the copies fill the stage exactly once.
+    Returns words[tile][lane][word] = ((k, token), (k, token)) of the word's two halves."""
+    stage = [None] * (m_tiles * gemm_skinny.TOKEN_TILE_BYTES // 2)
+    for j in range(m_tiles):
+        writes = []
+        for lane in range(32):
+            tile, matrix, row = gemm_skinny.token_copy_slot(lane, j, m_tiles)
+            k = gemm_skinny.token_slot_k(matrix, row, vector_order)
+            offset = gemm_skinny.token_slot_offset(tile, matrix, row)
+            assert offset % 16 == 0 and stage[offset // 2:offset // 2 + 8] == [None] * 8, (lane, j)
+            stage[offset // 2:offset // 2 + 8] = [(k, 8 * tile + token) for token in range(8)]
+            writes.append(offset)
+        assert [bank_conflicts(writes[8 * p:8 * p + 8]) for p in range(4)] == [0] * 4, ("copy", j)
+    assert None not in stage
+    words = []
+    for tile in range(m_tiles):
+        # ldmatrix: lane 8i + r gives the address of row r of matrix i
+        addresses = [gemm_skinny.token_slot_offset(tile, lane // 8, lane % 8) for lane in range(32)]
+        assert [bank_conflicts(addresses[8 * i:8 * i + 8]) for i in range(4)] == [0] * 4, ("ldmatrix", tile)
+        words.append(ldmatrix_trans(stage, addresses))
+    return words
+
+
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("token_vectors", [False, True], ids=["pairs", "token_vectors"])
-def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed, token_vectors):
+@pytest.mark.parametrize("token_vectors", [False, True], ids=["isa_order", "token_vectors"])
+@pytest.mark.parametrize("staged", [False, True], ids=["registers", "staged"])
+def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed, token_vectors, staged):
     """Emulate a warp on one 32 x 64 chunk of row-major B with the kernel's own index maps: the cp.async copies
     into the swizzled stage, each column tile's ldmatrix.x4.trans per k16 step (k-permuted with token_vectors),
-    the tokens' B fragments, the mmas and the accumulator layout; compare with W @ X^T (W = B^T, 64 columns).
-    Every 8-lane phase of the copies and of the ldmatrix is free of bank conflicts."""
+    the tokens' B fragments (in registers: pair by pair or 16-byte vectors; staged: two token tiles through
+    staged_token_words, in the stage's k order, picked by vector_token_fragments as ring_chunk does), the mmas
+    and the accumulator layout; compare with W @ X^T (W = B^T, 64 columns). Every 8-lane phase of the copies
+    and of the ldmatrix is free of bank conflicts."""
     rng = np.random.default_rng(seed)
     cols, chunk = gemm_skinny.COLS_ROW_B, gemm_skinny.CHUNK_K
+    tiles = 2 if staged else 1
     b = rng.standard_normal((chunk, cols))  # [k, n]
-    x = rng.standard_normal((8, chunk))
+    x = rng.standard_normal((8 * tiles, chunk))
     stage = np.full(gemm_skinny.CHUNK_BYTES // 2, np.nan)
     for j in range(chunk * gemm_skinny.SEGMENTS // 32):
         writes = []
@@ -148,9 +179,10 @@ def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed, token_ve
             stage[offset // 2:offset // 2 + 8] = b[row, 8 * segment:8 * segment + 8]
         assert all(bank_conflicts(writes[8 * p:8 * p + 8]) == 0 for p in range(4))
     assert not np.isnan(stage).any()
-    result = np.zeros((cols, 8))
+    token_words = staged_token_words(tiles, token_vectors) if staged else None
+    result = np.zeros((cols, 8 * tiles))
     for tile in range(cols // 16):
-        d = np.zeros((16, 8))
+        d = np.zeros((tiles, 16, 8))
         for step in range(chunk // 16):
             addresses = [gemm_skinny.stage_offset(*gemm_skinny.ldmatrix_row(lane, step, tile, token_vectors),
                                                   token_vectors) for lane in range(32)]
@@ -158,22 +190,82 @@ def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed, token_ve
                 assert bank_conflicts(addresses[8 * i:8 * i + 8]) == 0, (tile, step, i)
             regs = ldmatrix_trans(stage, addresses)
             a_mat = np.full((16, 16), np.nan)
-            b_mat = np.full((16, 8), np.nan)
             for lane in range(32):
                 for register, half in itertools.product(range(4), range(2)):
                     r, col = isa_a(lane, 2 * register + half)
                     a_mat[r, col] = regs[lane][register][half]
-                for register, half in itertools.product(range(2), range(2)):
-                    k = row_major_token_k(lane, register, half, step, token_vectors)
-                    token = lane // 4
-                    kk, col = isa_b(lane, 2 * register + half)
-                    assert np.isnan(b_mat[kk, col])
-                    b_mat[kk, col] = x[token, k]
-            d += a_mat @ b_mat
-        for lane, i in itertools.product(range(32), range(4)):
+            for t in range(tiles):
+                b_mat = np.full((16, 8), np.nan)
+                for lane in range(32):
+                    for register, half in itertools.product(range(2), range(2)):
+                        if staged:
+                            k, token = gemm_skinny.vector_token_fragments(
+                                [token_words[t][lane]])(step)[0][register][half]
+                        else:
+                            k, token = row_major_token_k(lane, register, half, step, token_vectors), lane // 4
+                        kk, col = isa_b(lane, 2 * register + half)
+                        assert np.isnan(b_mat[kk, col]) and token == 8 * t + col
+                        b_mat[kk, col] = x[token, k]
+                d[t] += a_mat @ b_mat
+        for lane, i, t in itertools.product(range(32), range(4), range(tiles)):
             row, token = gemm_skinny.c_fragment_target(lane, i)
-            result[16 * tile + row, token] = d[isa_c(lane, i)]
+            result[16 * tile + row, 8 * t + token] = d[t][isa_c(lane, i)]
     np.testing.assert_allclose(result, b.T @ x.T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("m_tiles", [1, 2])
+def test_column_major_b_staged_tokens_compute_the_product(seed, m_tiles):
+    """Column-major B with staged tokens: W's fragments as the kernel loads them (a_fragment_source), the tokens
+    through the emulated stage in the vector order (staged_token_words) and picked as mma_chunk picks a token
+    tile's words; two mma steps per token tile against W @ X^T over the chunk."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((16, 32))
+    x = rng.standard_normal((8 * m_tiles, 32))
+    token_words = staged_token_words(m_tiles, vector_order=True)
+    d = np.zeros((m_tiles, 16, 8))
+    for step in range(2):
+        a_mat = np.full((16, 16), np.nan)
+        for lane in range(32):
+            for register, half in itertools.product(range(4), range(2)):
+                row, k = gemm_skinny.a_fragment_source(lane, register, half, step)
+                a_mat[isa_a(lane, 2 * register + half)] = w[row, k]
+        for t in range(m_tiles):
+            b_mat = np.full((16, 8), np.nan)
+            for lane in range(32):
+                for register, half in itertools.product(range(2), range(2)):
+                    word = 2 * step + gemm_skinny.B_REGISTER_WORDS[register]  # mma_chunk's B registers
+                    k, token = token_words[t][lane][word][half]
+                    kk, col = isa_b(lane, 2 * register + half)
+                    assert np.isnan(b_mat[kk, col]) and token == 8 * t + col
+                    b_mat[kk, col] = x[token, k]
+            d[t] += a_mat @ b_mat
+    result = np.zeros((16, 8 * m_tiles))
+    for lane, i, t in itertools.product(range(32), range(4), range(m_tiles)):
+        row, token = gemm_skinny.c_fragment_target(lane, i)
+        result[row, 8 * t + token] = d[t][isa_c(lane, i)]
+    np.testing.assert_allclose(result, w @ x.T, rtol=1e-12, atol=1e-12)
+
+
+def test_staged_tokens_emulation_catches_the_other_k_order(monkeypatch):
+    """Tokens staged in the ISA's k order meet column-major B's vector-ordered W fragments: wrong product (and
+    the vector order under row-major B's unpermuted stages: wrong too)."""
+    slot_k = gemm_skinny.token_slot_k
+    monkeypatch.setattr(gemm_skinny, "token_slot_k", lambda matrix, row, vector_order: slot_k(matrix, row,
+                                                                                                not vector_order))
+    with pytest.raises(AssertionError):
+        test_column_major_b_staged_tokens_compute_the_product(0, 2)
+    with pytest.raises(AssertionError):
+        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, False, True)
+
+
+def test_staged_tokens_emulation_catches_bank_conflicts(monkeypatch):
+    """Without the tile swizzle a copy phase's rows of the two token tiles share banks (right product)."""
+    monkeypatch.setattr(gemm_skinny, "token_slot_offset",
+                        lambda tile, matrix, row: tile * gemm_skinny.TOKEN_TILE_BYTES + (8 * matrix + row) * 16)
+    staged_token_words(1, True)  # one tile: no conflict either way
+    with pytest.raises(AssertionError, match="'copy', 0"):
+        staged_token_words(2, True)
 
 
 def test_token_vectors_give_each_lane_8_consecutive_k():
@@ -191,7 +283,7 @@ def test_row_major_emulation_catches_a_wrong_swizzle(monkeypatch):
     monkeypatch.setattr(gemm_skinny, "ldmatrix_row", lambda lane, step, tile, token_vectors=False: (
         16 * step + 8 * (lane // 8 // 2) + lane % 8, 2 * tile + (lane // 8 + 1) % 2))
     with pytest.raises(AssertionError):
-        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, False)
+        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, False, False)
     assert writes is gemm_skinny.stage_offset
 
 
@@ -202,7 +294,7 @@ def test_token_vectors_emulation_catches_the_isa_token_order(monkeypatch):
         [(16 * step + 8 * r + 2 * (w[0][0] // 8), 16 * step + 8 * r + 2 * (w[0][0] // 8) + 1) for r in range(2)]
         for w in words])
     with pytest.raises(AssertionError):
-        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, True)
+        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, True, False)
 
 
 def test_token_vectors_emulation_catches_bank_conflicts(monkeypatch):
@@ -210,7 +302,7 @@ def test_token_vectors_emulation_catches_bank_conflicts(monkeypatch):
     pairs of rows share banks."""
     monkeypatch.setattr(gemm_skinny, "segment_swizzle", lambda row, token_vectors: row % 8)
     with pytest.raises(AssertionError, match=r"\(0, 0, 0\)"):
-        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, True)
+        test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, True, False)
 
 
 # ---------------------------------------------------------------------------------------------- compilation
@@ -370,9 +462,9 @@ def test_token_vectors_is_part_of_the_compile_key():
 
 @pytest.mark.parametrize("k,x_contiguous", [(4097, True), (4096, False)], ids=["odd_row_stride", "column_major"])
 def test_token_vectors_fall_back_to_pairs(k, x_contiguous):
-    """Token rows the kernel cannot read as aligned 16-byte vectors (an odd row stride; column-major tokens):
-    the option leaves the code as it is without it."""
-    options = dict(k=k, x_contiguous=x_contiguous, row_b=True)
+    """Token rows the kernel can neither read as aligned 16-byte vectors nor stage (an odd row stride;
+    column-major tokens with an odd k stride): the option leaves the code as it is without it."""
+    options = dict(k=k, x_contiguous=x_contiguous, row_b=True, x_k_stride=17)
     on = gemm_skinny.compile_kernel(16, config=SkinnyConfig(4, 4, 4, token_vectors=True), **options)
     assert on.ptx == gemm_skinny.compile_kernel(16, config=SkinnyConfig(4, 4, 4), **options).ptx
     assert on.count("LDG.E.U16") > 0
@@ -395,6 +487,93 @@ def test_row_major_splits_shrink_with_more_token_tiles():
     splits = {(m, k): gemm_skinny.default_config(m, 4096, k, 1, 132, row_b=True).splits
               for m, k in ((1, 4096), (16, 4096), (16, 14336))}
     assert splits == {(1, 4096): 4, (16, 4096): 1, (16, 14336): 3}
+
+
+# ---------------------------------------------------------------------------------------------- staged tokens
+def fake_tokens(k_stride, align=16, token_stride=1):
+    """What tokens_stageable reads of a batch's traced tokens x [M, K]: strides (static ints, or a dynamic one
+    with the power-of-two divisor the specialisation proves), dtype and base alignment."""
+    stride = k_stride if isinstance(k_stride, int) else types.SimpleNamespace(divisor=k_stride[0])
+    return types.SimpleNamespace(stride=(token_stride, stride), dtype=nvfly.bf16, align=align)
+
+
+def test_which_tokens_are_staged():
+    """Staged: tokens contiguous with a k stride of whole 16-byte rows and a 16-byte aligned base, when the
+    stages fit the CTA's shared memory; the rest (row-major tokens, other strides, too many stages) keep their
+    register loads."""
+    stageable = gemm_skinny.tokens_stageable
+    assert stageable(fake_tokens((16,))) and stageable(fake_tokens((8,))) and stageable(fake_tokens(0))
+    assert not stageable(fake_tokens((4,)))  # e.g. M = 12 = K's stride: 24-byte rows
+    assert not stageable(fake_tokens((16,), align=8))
+    assert not stageable(fake_tokens(1, token_stride=(16,)))  # row-major tokens
+    assert not stageable(fake_tokens(1))  # M = 1 column-major: K-contiguous, read as vectors
+    x = fake_tokens((16,))
+    assert gemm_skinny.stages_tokens(x, SkinnyConfig(8, 4, 2), 2, False)
+    assert gemm_skinny.stages_tokens(x, SkinnyConfig(8, 6, 2), 1, True)  # 48 x (4 + 0.5) KB of stages
+    assert not gemm_skinny.stages_tokens(x, SkinnyConfig(8, 6, 2), 2, True)  # 48 x 5 KB: past 227 KB
+    assert gemm_skinny.stages_tokens(x, SkinnyConfig(32, 8), 1, False)
+    assert not gemm_skinny.stages_tokens(x, SkinnyConfig(32, 8), 2, False)  # 256 x 1 KB
+    assert not gemm_skinny.stages_tokens(fake_tokens((4,)), SkinnyConfig(), 1, False)
+
+
+# (row-major B, config) per kernel variant: the committed row-B default and the token_vectors one
+STAGED_VARIANTS = {"colB": (False, SkinnyConfig(8, 4, 2)), "rowB": (True, SkinnyConfig(4, 4)),
+                   "rowB-token-vectors": (True, SkinnyConfig(8, 2, 3, token_vectors=True))}
+
+
+@pytest.mark.parametrize("k", [4096, 4104])
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("variant", list(STAGED_VARIANTS))
+def test_column_major_tokens_are_staged(variant, m, k):
+    """Column-major tokens (k stride 8 or 16 tokens: 16-byte rows; M = 1 in a padded column), K with and without
+    a tail: no spills or stack, at most 128 registers, all shared memory dynamic and as planned, no 16-bit
+    global load anywhere (the chunk holding K's end is staged too), and in the main loop the tokens arrive by
+    cp.async (one 16-byte copy per token tile and chunk beside B's 8 with row-major B) and ldmatrix.trans (one
+    x4 per token tile and chunk), with no token load from global memory and no PRMT."""
+    row_b, config = STAGED_VARIANTS[variant]
+    tiles = -(-m // 8)
+    kernel = gemm_skinny.compile_kernel(m, k, config=config, row_b=row_b, x_contiguous=False, x_k_stride=8 * tiles)
+    r = kernel.resources
+    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 128, r
+    assert not kernel.warnings, kernel.warnings
+    assert r.static_smem_bytes == 0
+    assert kernel.dynamic_smem_bytes == (gemm_skinny.row_b_smem_bytes(config, tiles) if row_b else
+                                         gemm_skinny.column_b_staged_smem_bytes(config, tiles))
+    assert not any(op.startswith("LDG.E.U16") for op in kernel.sass_opcodes())
+    loop, _ = main_loop(kernel)
+    chunks = sum(n for op, n in loop.items() if op.startswith("HMMA")) // (2 * tiles * (4 if row_b else 1))
+    assert chunks == (1 if row_b else config.unroll)  # one ring stage a trip; one load group a trip
+    b_copies = gemm_skinny.CHUNK_BYTES // 16 // 32 if row_b else 0
+    assert loop["LDGSTS.E.BYPASS.128"] == (b_copies + tiles) * chunks, sorted(loop.items())
+    assert loop["LDSM.16.MT88.4"] == ((8 if row_b else 0) + tiles) * chunks, sorted(loop.items())
+    global_loads = token_loads(loop)
+    if row_b:
+        assert global_loads == {}, global_loads
+    else:  # W's two 16-byte streaming loads per chunk only
+        assert all(op.startswith("LDG.E.NA") and ".128" in op for op in global_loads), global_loads
+        assert sum(global_loads.values()) == 2 * chunks
+    assert loop["PRMT"] == 0
+
+
+@pytest.mark.parametrize("row_b", [False, True], ids=["colB", "rowB"])
+def test_tokens_that_cannot_be_staged_keep_their_loads(row_b):
+    """Column-major tokens with an odd k stride, and (row-major B) stages past 227 KB with 16 tokens: the
+    16-bit token loads as before, and no token stages in shared memory."""
+    odd = gemm_skinny.compile_kernel(16, config=SkinnyConfig(4, 4), row_b=row_b, x_contiguous=False, x_k_stride=17)
+    assert odd.count("LDG.E.U16") > 0
+    assert odd.dynamic_smem_bytes == (gemm_skinny.row_b_smem_bytes(SkinnyConfig(4, 4)) if row_b else 0)
+    if row_b:
+        config = SkinnyConfig(8, 6, 2)
+        big = gemm_skinny.compile_kernel(16, config=config, row_b=True, x_contiguous=False)
+        assert big.count("LDG.E.U16") > 0 and big.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(config)
+
+
+def test_staging_is_part_of_the_compile_key():
+    """The choice follows x's specialisation (k stride divisible by 8 or not), so the kernels differ in key."""
+    options = dict(config=SkinnyConfig(4, 4), x_contiguous=False)
+    staged = gemm_skinny.compile_kernel(16, x_k_stride=16, **options)
+    loaded = gemm_skinny.compile_kernel(16, x_k_stride=20, **options)
+    assert staged.key != loaded.key and "cp.async" in staged.ptx and "cp.async" not in loaded.ptx
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -623,3 +802,17 @@ def test_benchmark_reports_a_failing_config_and_goes_on(monkeypatch):
     out = torch.empty(1, 64, dtype=torch.bfloat16)
     ms, why = bench.try_config(None, None, out, None, SkinnyConfig(2, 6, 2))
     assert ms is None and "CudaError" in why and "CUDA_ERROR_INVALID_VALUE" in why
+
+
+@pytest.mark.parametrize("major", ["col", "row"])
+def test_matmul_stages_2d_column_major_tokens(matmul_launches, major):
+    """gemm.matmul on 2-D column-major tokens as the benchmark's --tokens col makes them, M = 9 in 16-token
+    columns: the kernel's batch of one has stride 0 (one_batch; unsqueeze's stride 9 would leave a batch's tokens
+    2-byte aligned), so the tokens are staged: ldmatrix and no 16-bit token loads."""
+    m, n, k = 9, 1024, 4096
+    a = bench.tokens(m, k, "col", device="cpu")
+    assert a.shape == (m, k) and a.stride() == (1, 16)
+    b = torch.empty(n, k, dtype=torch.bfloat16).t() if major == "col" else torch.empty(k, n, dtype=torch.bfloat16)
+    gemm.matmul(a, b, out=torch.empty(m, n, dtype=torch.bfloat16))
+    [(kernel, _)] = matmul_launches()
+    assert kernel.count("LDSM") > 0 and kernel.count("LDG.E.U16") == 0

@@ -51,6 +51,24 @@ rows an ldmatrix matrix reads need another swizzle (``segment_swizzle``). The to
 loaded before the current chunk's wait, the loop running two chunks an iteration so that they land where its
 mmas read them, and only the chunk holding K's end is masked. Token rows that are not K-contiguous and 16-byte
 aligned keep the pair-by-pair path (``tokens_as_vectors``).
+
+Staged tokens (both variants, chosen at trace time from x's specialisation: ``stages_tokens``). Column-major
+tokens (A = x.t(), 8 tokens contiguous at each k) would otherwise be loaded element by element and packed after
+the wait. When they are contiguous with a k stride of whole 16-byte rows and a 16-byte aligned base
+(``tokens_stageable``; matmul's TMA-describable column-major tokens always are) and their stages fit the CTA's
+227 KB, each chunk's tokens are copied into shared memory by cp.async, 16 bytes = 8 tokens at one k a copy (M
+<= 8: one per lane and chunk, else two), and read by one ldmatrix.x4.trans per token tile and chunk. A stored
+8 x 8 matrix of 8 k rows (8 tokens each) gives lane l, transposed, k rows 2 * (l % 4) + {0, 1} of token l / 4:
+the m16n8k16 B fragment. The k a row holds (``token_slot_k``) follows the weight's k order: each lane's 8
+consecutive k for column-major B and for row-major B with token_vectors, the ISA's order otherwise, so the
+weight path is unchanged. Slots are 8-row matrices per token tile, rows XORed with 4 * tile
+(``token_slot_offset``): conflict-free copies and ldmatrix. Row-major B copies a chunk's tokens into a token
+stage beside its ring stage in the same commit group; column-major B copies a load group's tokens before
+loading its W rows, then waits (the copies hit L2, sooner than W's DRAM loads arrive). Rows past K are
+zero-filled (the padding could hold NaN), so the chunk holding K's end needs no token mask; a token tile's copy
+reads tokens past M whole (16 aligned bytes holding a real token; those tokens feed results never stored). All
+shared memory is then dynamic (``row_b_smem_bytes``, ``column_b_staged_smem_bytes``). Other tokens keep the
+loads above.
 """
 from __future__ import annotations
 
@@ -85,6 +103,8 @@ DEFAULT_SMEM = 48 * 1024
 # row-major B with split K: the CTA's arrival count lives in dynamic shared memory right after the rings (a
 # static array would sit before the 1024-byte aligned dynamic region and take 1 KB of static shared memory)
 ARRIVAL_BYTES = 16
+# staged (column-major) tokens: one n8 token tile of a chunk in shared memory, 32 k rows of 8 tokens (16 bytes)
+TOKEN_TILE_BYTES = CHUNK_K * VECTOR * 2
 
 # mma fragment registers from the loaded 32-bit words (each word: two consecutive k of one row).
 # A (W): register r of k16 step s is word 2 * s + offset of row g (half 0) or g + 8 (half 1), with
@@ -127,10 +147,24 @@ class SkinnyConfig:
         return None
 
 
-def row_b_smem_bytes(config: SkinnyConfig) -> int:
+def staged_token_bytes(config: SkinnyConfig, m_tiles: int) -> int:
+    """Shared memory of staged tokens (``stage_tokens``): ``unroll`` chunks of ``m_tiles`` token tiles per warp
+    (row-major B: a token stage beside each ring stage; column-major B: one per chunk of a warp's load group)."""
+    return config.warps * config.unroll * m_tiles * TOKEN_TILE_BYTES
+
+
+def row_b_smem_bytes(config: SkinnyConfig, staged_token_tiles: int = 0) -> int:
     """Dynamic shared memory of the row-major-B kernel (it has no static shared memory): every warp's ring of
-    ``unroll`` stages (reused for the warps' partial tiles) and, with split K, the arrival count after them."""
-    return config.warps * config.unroll * CHUNK_BYTES + (ARRIVAL_BYTES if config.splits > 1 else 0)
+    ``unroll`` stages (reused for the warps' partial tiles), the token stages when ``staged_token_tiles`` token
+    tiles are staged, and, with split K, the arrival count after them."""
+    return (config.warps * config.unroll * CHUNK_BYTES + staged_token_bytes(config, staged_token_tiles) +
+            (ARRIVAL_BYTES if config.splits > 1 else 0))
+
+
+def column_b_staged_smem_bytes(config: SkinnyConfig, m_tiles: int) -> int:
+    """Dynamic shared memory of the column-major-B kernel with staged tokens (then all of its shared memory is
+    dynamic): every warp's token stages (reused for its partial tile) and, with split K, the arrival count."""
+    return staged_token_bytes(config, m_tiles) + (ARRIVAL_BYTES if config.splits > 1 else 0)
 
 
 # ---------------------------------------------------------------------------------------------- index maps
@@ -191,11 +225,16 @@ def load_chunk(w_rows: tuple, x_rows: list, kk: Any) -> tuple:
     return [load_stream(w.address(kk)) for w in w_rows], [load_tokens(x, kk) for x in x_rows]
 
 
-def load_tail_chunk(w_rows: tuple, x_rows: list, kk: Any, k: Any) -> tuple:
-    """The last, partial chunk: nothing is read at or past K and those elements are zero in both operands
-    (the padding of W's rows could hold NaN)."""
+def load_tail_weight(w_rows: tuple, kk: Any, k: Any) -> list:
+    """W's rows in the last, partial chunk: nothing is read at or past K and those elements are zero (the
+    padding of W's rows could hold NaN)."""
     valid = k - kk
-    ws = [keep_first(load_stream_predicated(w.address(kk), valid > 0), valid) for w in w_rows]
+    return [keep_first(load_stream_predicated(w.address(kk), valid > 0), valid) for w in w_rows]
+
+
+def load_tail_chunk(w_rows: tuple, x_rows: list, kk: Any, k: Any) -> tuple:
+    """The last, partial chunk: nothing is read at or past K and those elements are zero in both operands."""
+    ws = load_tail_weight(w_rows, kk, k)
     xs = []
     for x in x_rows:
         values = [x.load(kk + j, mask=kk + j < k) for j in range(VECTOR)]
@@ -223,6 +262,78 @@ def finish(value, out, c_in, batch, row, col, alpha, beta, EPI):
     if EPI.has_c:
         value = value + beta * c_in[batch, row, col].to(nvfly.f32)
     out[batch, row, col] = activate(value, EPI.activation).to(out.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- staged tokens
+def tokens_stageable(x_batch: Any) -> bool:
+    """Whether one batch's tokens x [M, K] can be staged by 16-byte cp.async copies of 8 consecutive tokens at one
+    k: tokens contiguous (column-major A, so never K-contiguous tokens past M = 1), K's stride a multiple of 8
+    elements and a 16-byte aligned base (what x's specialisation proves). Token tile t's copies read tokens
+    8t..8t+7 whole, past M too: 16 aligned bytes that hold token 8t < M, so inside the allocation, and tokens
+    past M only feed results that are not stored."""
+    token_stride, k_stride = x_batch.stride
+    if not (isinstance(token_stride, int) and token_stride == 1):
+        return False
+    k_divisor = abs(k_stride) if isinstance(k_stride, int) else k_stride.divisor
+    return k_divisor * x_batch.dtype.itemsize % 16 == 0 and x_batch.align % 16 == 0
+
+
+def stages_tokens(x_batch: Any, config: SkinnyConfig, m_tiles: int, row_b: bool) -> bool:
+    """Whether the kernel stages its tokens in shared memory (decided at trace time, so part of the compile key
+    through x's specialisation): tokens_stageable ones whose stages fit the CTA's shared memory beside the
+    rest; other tokens keep their loads into registers."""
+    smem = row_b_smem_bytes(config, m_tiles) if row_b else column_b_staged_smem_bytes(config, m_tiles)
+    return tokens_stageable(x_batch) and smem <= MAX_SMEM
+
+
+def token_slot_k(matrix: Any, row: Any, vector_order: bool) -> Any:
+    """k within the chunk that a token stage holds in row ``row`` of 8 x 8 matrix ``matrix`` of a token tile.
+    ldmatrix.x4.trans gives lane l rows 2 * (l % 4) + {0, 1} of each matrix at token l // 4, so B register r of k16
+    step s is matrix 2s + r (``vector_token_fragments``). vector_order: the lane's four words are its 8
+    consecutive k from 8 * (l % 4), the words ``load_token_vectors`` and ``load_tokens`` give (``b_fragment_source``;
+    column-major B, and row-major B with token_vectors); else the ISA's k order (``row_b_token_source``)."""
+    if vector_order:
+        return VECTOR * (row // 2) + 2 * matrix + row % 2
+    return 8 * matrix + row
+
+
+def token_slot_offset(tile: Any, matrix: Any, row: Any) -> Any:
+    """Byte offset in a token stage of row ``row`` (8 tokens at one k: 16 bytes) of matrix ``matrix`` of token
+    tile ``tile``: per tile 4 matrices of 8 consecutive rows (an ldmatrix phase reads one matrix: 128 contiguous
+    bytes), rows XORed with 4 * tile so that a copy phase's rows of both tiles (``token_copy_slot``) hit
+    different banks."""
+    return tile * TOKEN_TILE_BYTES + (8 * matrix + (row ^ (4 * tile))) * 16
+
+
+def token_copy_slot(lane: Any, j: int, m_tiles: int) -> tuple[Any, Any, Any]:
+    """(token tile, matrix, row) that lane ``lane`` fills in its ``j``-th cp.async of a chunk's tokens: the 32 *
+    m_tiles slots in order, tiles interleaved, so that a warp instruction copies 32 / m_tiles whole k rows of
+    the token tiles (512 contiguous bytes in the ISA order when K's stride is 8 * m_tiles)."""
+    slot = (32 * j + lane) // m_tiles
+    return (32 * j + lane) % m_tiles, slot // 8, slot % 8
+
+
+def stage_tokens(stage: Any, x_batch: Any, kc: Any, lane: Any, m_tiles: int, vector_order: bool, k: Any = None,
+                 wanted: Any = None) -> None:
+    """cp.async the tokens of the chunk at k ``kc`` into the token stage at shared address ``stage`` (no commit):
+    m_tiles 16-byte copies per lane. With ``k``, rows at or past K (and every row unless ``wanted``) are
+    zero-filled, nothing read (the address is clamped in bounds): the padding past K could hold NaN."""
+    for j in nvfly.static_range(m_tiles):
+        tile, matrix, row = token_copy_slot(lane, j, m_tiles)
+        kg = kc + token_slot_k(matrix, row, vector_order)
+        target = stage + token_slot_offset(tile, matrix, row)
+        if k is None:
+            sm80.cp_async(target, x_batch.address(8 * tile, kg))
+        else:
+            ok = kg < k if wanted is None else wanted & (kg < k)
+            sm80.cp_async(target, x_batch.address(8 * tile, nvfly.minimum(kg, k - 1)), 16, ok)
+
+
+def load_staged_tokens(stage: Any, lane: Any, m_tiles: int) -> list:
+    """Each token tile's words of a staged chunk, one ldmatrix.x4.trans per tile: word w is matrix w
+    (``token_slot_k``)."""
+    return [sm80.ldmatrix_x4(stage + token_slot_offset(t, lane // 8, lane % 8), transpose=True)
+            for t in range(m_tiles)]
 
 
 # ---------------------------------------------------------------------------------------------- row-major B
@@ -270,8 +381,8 @@ def row_b_token_source(lane: Any, register: int, half: int, step: int) -> tuple[
 def issue_chunk(stage: Any, w: Any, batch: Any, chunk: Any, n0: Any, lane: Any, k: Any, n: Any, wanted: Any,
                 token_vectors: bool) -> None:
     """cp.async one 32 x 64 chunk of B (k rows from ``chunk * 32``, columns from ``n0``) into the ring stage at
-    shared address ``stage`` (swizzled for ``token_vectors`` or not) as one commit group; rows at or past K,
-    columns past N and unwanted chunks are zero-filled (nothing is read; the address is clamped in bounds)."""
+    shared address ``stage`` (swizzled for ``token_vectors`` or not; no commit); rows at or past K, columns past
+    N and unwanted chunks are zero-filled (nothing is read; the address is clamped in bounds)."""
     for j in nvfly.static_range(CHUNK_K * SEGMENTS // 32):
         row, segment = copy_target(lane, j)
         kg = chunk * CHUNK_K + row
@@ -279,7 +390,6 @@ def issue_chunk(stage: Any, w: Any, batch: Any, chunk: Any, n0: Any, lane: Any, 
         ok = wanted & (kg < k) & (ng < n)
         src = w.address(batch, nvfly.minimum(kg, k - 1), nvfly.minimum(ng, n - VECTOR))
         sm80.cp_async(stage + stage_offset(row, segment, token_vectors), src, 16, ok)
-    sm80.cp_async_commit()
 
 
 def load_pair(x_row: Any, kk: Any, k: Any) -> Any:
@@ -349,9 +459,13 @@ def mma_stage(accs: list, stage: Any, token_fragments: Callable[[int], list], la
 class WarpRing(NamedTuple):
     """One warp's STAGES-deep cp.async ring (shared address ``base``) over its ``count`` chunks first,
     first + WARPS, ... of the 64 columns of B from ``n0``, and the token rows of its mmas; with ``token_vectors``
-    the stages are k-permuted and the tokens read as 16-byte vectors (``kq``: this lane's k in a chunk)."""
+    the stages are k-permuted and the tokens read as 16-byte vectors (``kq``: this lane's k in a chunk) unless
+    staged. ``tokens``: with staged tokens, the shared address of the ring's token stages (``TOKEN_TILE_BYTES``
+    per token tile of ``x_batch``, one stage per ring stage, filled in its commit group), else None."""
     w: Any
     x_rows: list
+    x_batch: Any
+    tokens: Any
     batch: Any
     n0: Any
     lane: Any
@@ -363,24 +477,42 @@ class WarpRing(NamedTuple):
     kq: Any
     warps: int
     stages: int
+    m_tiles: int
     token_vectors: bool
+
+    def token_stage(self, i: Any) -> Any:
+        """Shared address of the token stage of the warp's chunk ``i``."""
+        return self.tokens + (i % self.stages) * (self.m_tiles * TOKEN_TILE_BYTES)
+
+
+def issue_ring_chunk(ring: WarpRing, i: Any) -> None:
+    """cp.async the warp's chunk ``i`` (zero-filled from its ``count``-th on) into stage i % stages as one commit
+    group: B's 32 x 64 block and, when staged, its tokens (in the k order of the B stage's ldmatrix)."""
+    chunk = ring.first + i * ring.warps
+    wanted = i < ring.count
+    issue_chunk(ring.base + (i % ring.stages) * CHUNK_BYTES, ring.w, ring.batch, chunk, ring.n0, ring.lane, ring.k,
+                ring.n, wanted, ring.token_vectors)
+    if ring.tokens is not None:
+        stage_tokens(ring.token_stage(i), ring.x_batch, chunk * CHUNK_K, ring.lane, ring.m_tiles, ring.token_vectors,
+                     ring.k, wanted)
+    sm80.cp_async_commit()
 
 
 def ring_chunk(ring: WarpRing, accs: list, i: Any, tokens: Optional[list]) -> tuple[list, Optional[list]]:
     """Chunk ``i`` of a warp's ring: refill the stage ``stages - 1`` chunks ahead, wait for chunk i and
-    accumulate it. With token_vectors, ``tokens`` are chunk i's (loaded a chunk earlier) and the next chunk's
-    (past the warp's range: unused, masked past K) are loaded before the wait so that their latency overlaps
-    this chunk's; returns (accumulators, the next chunk's tokens or None)."""
-    ahead = i + ring.stages - 1
-    issue_chunk(ring.base + (ahead % ring.stages) * CHUNK_BYTES, ring.w, ring.batch, ring.first + ahead * ring.warps,
-                ring.n0, ring.lane, ring.k, ring.n, ahead < ring.count, ring.token_vectors)
+    accumulate it. With token_vectors and tokens in registers, ``tokens`` are chunk i's (loaded a chunk earlier)
+    and the next chunk's (past the warp's range: unused, masked past K) are loaded before the wait so that their
+    latency overlaps this chunk's; returns (accumulators, the next chunk's tokens or None)."""
+    issue_ring_chunk(ring, i + ring.stages - 1)
     following = None
-    if ring.token_vectors:
+    if ring.token_vectors and ring.tokens is None:
         following = load_token_vectors(ring.x_rows, (ring.first + (i + 1) * ring.warps) * CHUNK_K, ring.kq, ring.k)
     sm80.cp_async_wait(ring.stages - 1)
     nvfly.syncwarp()
     stage = ring.base + (i % ring.stages) * CHUNK_BYTES
-    if ring.token_vectors:
+    if ring.tokens is not None:
+        fragments = vector_token_fragments(load_staged_tokens(ring.token_stage(i), ring.lane, ring.m_tiles))
+    elif ring.token_vectors:
         fragments = vector_token_fragments(tokens)
     else:
         fragments = scalar_token_fragments(ring.x_rows, (ring.first + i * ring.warps) * CHUNK_K, ring.k, ring.lane)
@@ -390,22 +522,27 @@ def ring_chunk(ring: WarpRing, accs: list, i: Any, tokens: Optional[list]) -> tu
 
 
 @nvfly.func
-def stream_row_major(w, x, ring, batch, n0, c_begin, c_end, warp, lane, m, n, k, WARPS, STAGES, M_TILES,
+def stream_row_major(w, x, ring, tokens, batch, n0, c_begin, c_end, warp, lane, m, n, k, WARPS, STAGES, M_TILES,
                      TOKEN_VECTORS):
     """This warp's chunks c_begin + warp, + WARPS, ... through its own STAGES-deep cp.async ring (only
-    wait_group and __syncwarp: no CTA barrier); accumulators [column tile][token tile][4]. TOKEN_VECTORS, where
-    x's rows allow it: k-permuted stages and the tokens as 16-byte vectors, a chunk ahead."""
+    wait_group and __syncwarp: no CTA barrier); accumulators [column tile][token tile][4]. ``tokens``: the shared
+    address of the CTA's token stages when the tokens are staged (``stages_tokens``), else None. TOKEN_VECTORS,
+    where x's rows allow it: k-permuted stages and the tokens as 16-byte vectors, a chunk ahead (staged tokens
+    follow either k order)."""
     g = lane // 4
     x_rows = [x[batch, nvfly.minimum(g + 8 * t, m - 1), :] for t in nvfly.static_range(M_TILES)]
-    vectors = TOKEN_VECTORS and tokens_as_vectors(x_rows[0])  # else the ISA's k order, tokens pair by pair
+    vectors = TOKEN_VECTORS and tokens_as_vectors(x_rows[0])  # K-contiguous tokens: never staged
+    # k-permuted stages with token vectors in registers or staged tokens; else the ISA's k order, tokens pair by pair
+    permuted = TOKEN_VECTORS and (vectors or tokens is not None)
     base = ring + warp * (STAGES * CHUNK_BYTES)
+    warp_tokens = None if tokens is None else tokens + warp * (STAGES * M_TILES * TOKEN_TILE_BYTES)
     count = (c_end - c_begin - warp + WARPS - 1) // WARPS
     first = c_begin + warp
-    warp_ring = WarpRing(w, x_rows, batch, n0, lane, k, n, base, first, count, token_vector_k(lane), WARPS, STAGES,
-                         vectors)
+    warp_ring = WarpRing(w, x_rows, x[batch, :, :], warp_tokens, batch, n0, lane, k, n, base, first, count,
+                         token_vector_k(lane), WARPS, STAGES, M_TILES, permuted)
     accs = [[[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(M_TILES)] for _ in nvfly.static_range(COLS_ROW_B // ROWS)]
     for i in nvfly.static_range(STAGES - 1):
-        issue_chunk(base + i * CHUNK_BYTES, w, batch, first + i * WARPS, n0, lane, k, n, count > i, vectors)
+        issue_ring_chunk(warp_ring, i)
     if vectors:
         # two chunks an iteration, so that the tokens loaded for the next chunk land in the registers its mmas
         # read (one chunk an iteration would copy them at its end, waiting for the load there)
@@ -423,18 +560,58 @@ def stream_row_major(w, x, ring, batch, n0, c_begin, c_end, warp, lane, m, n, k,
     return accs
 
 
+class ColumnMajorRows(NamedTuple):
+    """What a warp of the column-major-B kernel streams: W rows g and g + 8 (``w_rows``), each token tile's row g
+    (``x_rows``) and this lane's k in a chunk (``kq``); ``tokens``: with staged tokens, the shared address of the
+    warp's token stages (one per chunk of a load group) and the batch's tokens ``x_batch``, else None."""
+    w_rows: tuple
+    x_rows: list
+    x_batch: Any
+    tokens: Any
+    kq: Any
+    lane: Any
+    k: Any
+    m_tiles: int
+
+
+def column_major_chunks(accs: list, rows: ColumnMajorRows, kcs: list, tail: bool, dtype: Any) -> list:
+    """Load the chunks at k ``kcs`` (``tail``: the one partial chunk, masked at K), then accumulate them. Staged
+    tokens: cp.async'd first (one commit group, zero-filled past K in the tail), W's rows loaded meanwhile, then
+    wait and ldmatrix.trans; the stages are free again at the end."""
+    if rows.tokens is None:
+        chunks = [load_tail_chunk(rows.w_rows, rows.x_rows, kc + rows.kq, rows.k) if tail else
+                  load_chunk(rows.w_rows, rows.x_rows, kc + rows.kq) for kc in kcs]
+        for chunk in chunks:
+            accs = mma_chunk(accs, chunk, dtype)
+        return accs
+    stages = [rows.tokens + u * (rows.m_tiles * TOKEN_TILE_BYTES) for u in range(len(kcs))]
+    for stage, kc in zip(stages, kcs):
+        stage_tokens(stage, rows.x_batch, kc, rows.lane, rows.m_tiles, True, rows.k if tail else None)
+    sm80.cp_async_commit()
+    ws = [load_tail_weight(rows.w_rows, kc + rows.kq, rows.k) if tail else
+          [load_stream(w.address(kc + rows.kq)) for w in rows.w_rows] for kc in kcs]
+    sm80.cp_async_wait(0)
+    nvfly.syncwarp()
+    for stage, w_words in zip(stages, ws):
+        accs = mma_chunk(accs, (w_words, load_staged_tokens(stage, rows.lane, rows.m_tiles)), dtype)
+    nvfly.syncwarp()  # every lane has read the stages before the next copies overwrite them
+    return accs
+
+
 @nvfly.func
-def stream_column_major(w, x, batch, group, split, warp, lane, m, n, k, chunks_per_split, WARPS, UNROLL, SPLITS,
-                        M_TILES):
+def stream_column_major(w, x, tokens, batch, group, split, warp, lane, m, n, k, chunks_per_split, WARPS, UNROLL,
+                        SPLITS, M_TILES):
     """This warp's share of the CTA's K range, W rows loaded straight into registers; accumulators
-    [token tile][4]."""
+    [token tile][4]. ``tokens``: the shared address of the CTA's token stages when the tokens are staged
+    (``stages_tokens``), else None."""
     dtype = w.dtype
     g = lane // 4
-    kq = (lane % 4) * VECTOR
     # rows past N and tokens past M are clamped: they only feed results that are not stored
     w_rows = (w[batch, nvfly.minimum(group * ROWS + g, n - 1), :],
               w[batch, nvfly.minimum(group * ROWS + g + 8, n - 1), :])
     x_rows = [x[batch, nvfly.minimum(g + 8 * t, m - 1), :] for t in nvfly.static_range(M_TILES)]
+    warp_tokens = None if tokens is None else tokens + warp * (UNROLL * M_TILES * TOKEN_TILE_BYTES)
+    rows = ColumnMajorRows(w_rows, x_rows, x[batch, :, :], warp_tokens, (lane % 4) * VECTOR, lane, k, M_TILES)
     accs = [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(M_TILES)]
     full_chunks = k // CHUNK_K
     c_begin = split * chunks_per_split
@@ -442,13 +619,12 @@ def stream_column_major(w, x, batch, group, split, warp, lane, m, n, k, chunks_p
     groups = (c_end - c_begin) // UNROLL
     for gi in range(warp, groups, WARPS):
         first = c_begin + gi * UNROLL
-        chunks = [load_chunk(w_rows, x_rows, (first + u) * CHUNK_K + kq) for u in nvfly.static_range(UNROLL)]
-        for u in nvfly.static_range(UNROLL):
-            accs = mma_chunk(accs, chunks[u], dtype)
+        accs = column_major_chunks(accs, rows, [(first + u) * CHUNK_K for u in nvfly.static_range(UNROLL)], False,
+                                   dtype)
     for c in range(c_begin + groups * UNROLL + warp, c_end, WARPS):
-        accs = mma_chunk(accs, load_chunk(w_rows, x_rows, c * CHUNK_K + kq), dtype)
+        accs = column_major_chunks(accs, rows, [c * CHUNK_K], False, dtype)
     if (split == SPLITS - 1) & (warp == WARPS - 1) & (full_chunks * CHUNK_K < k):
-        accs = mma_chunk(accs, load_tail_chunk(w_rows, x_rows, full_chunks * CHUNK_K + kq, k), dtype)
+        accs = column_major_chunks(accs, rows, [full_chunks * CHUNK_K], True, dtype)
     return accs
 
 
@@ -477,22 +653,32 @@ def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in
     g = lane // 4
 
     # per warp: (column within the group, token, partial sum) of each accumulator (PTX's C layout), and where
-    # its partial tile goes in shared memory
-    RING_BYTES = WARPS * UNROLL * CHUNK_BYTES
+    # its partial tile goes in shared memory. Staged tokens: every warp's token stages in dynamic shared memory
+    # (after the rings with row-major B), then all shared memory is dynamic (the arrival count too)
+    RING_BYTES = WARPS * UNROLL * CHUNK_BYTES if ROW_B else 0
+    STAGED = stages_tokens(x[batch, :, :], CFG, M_TILES, ROW_B)
+    TOKEN_BYTES = staged_token_bytes(CFG, M_TILES) if STAGED else 0
+    tokens = None
+    if STAGED:
+        tokens = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (TOKEN_BYTES,), offset_bytes=RING_BYTES))
     if ROW_B:
         # the ring is reused for the partial sums: a warp's first stage (4 KB) holds its 64 x 16 tile
         ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (RING_BYTES,)))
         c_begin = split * chunks_per_split
         c_end = nvfly.minimum(c_begin + chunks_per_split, (k + CHUNK_K - 1) // CHUNK_K)
-        tiles = stream_row_major(w, x, ring, batch, group * COLS, c_begin, c_end, warp, lane, m, n, k, WARPS,
+        tiles = stream_row_major(w, x, ring, tokens, batch, group * COLS, c_begin, c_end, warp, lane, m, n, k, WARPS,
                                  UNROLL, M_TILES, CFG.token_vectors)
         partial = nvfly.dynamic_shared_tensor(nvfly.f32, (RING_BYTES // 4,))
         WARP_STRIDE = UNROLL * CHUNK_BYTES // 4
     else:
-        tiles = [stream_column_major(w, x, batch, group, split, warp, lane, m, n, k, chunks_per_split, WARPS,
+        tiles = [stream_column_major(w, x, tokens, batch, group, split, warp, lane, m, n, k, chunks_per_split, WARPS,
                                      UNROLL, SPLITS, M_TILES)]
-        partial = nvfly.shared_tensor(nvfly.f32, (WARPS * TILE,))
-        WARP_STRIDE = TILE
+        if STAGED:  # a warp's token stages (at least one chunk's: 512 bytes a token tile) hold its 16 x TOKENS tile
+            partial = nvfly.dynamic_shared_tensor(nvfly.f32, (TOKEN_BYTES // 4,))
+            WARP_STRIDE = UNROLL * M_TILES * TOKEN_TILE_BYTES // 4
+        else:
+            partial = nvfly.shared_tensor(nvfly.f32, (WARPS * TILE,))
+            WARP_STRIDE = TILE
 
     # every warp's fragments into shared memory as [warp][token][column], then one thread per output sums them
     for ct in nvfly.static_range(len(tiles)):
@@ -522,10 +708,12 @@ def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in
             if valid:
                 red_add(workspace.address(slot), total)
         nvfly.threadfence()  # this thread's sums are visible GPU-wide before the CTA counts itself in
-        # row-major B keeps all its shared memory dynamic (row_b_smem_bytes): a static array would add 1 KB
-        # before the 1024-byte aligned dynamic region, unseen by the launch's opt-in decision
-        if ROW_B:
-            arrived = nvfly.dynamic_shared_tensor(nvfly.i32, (ARRIVAL_BYTES // 4,), offset_bytes=RING_BYTES)
+        # row-major B and staged tokens keep all shared memory dynamic (row_b_smem_bytes,
+        # column_b_staged_smem_bytes): a static array would add 1 KB before the 1024-byte aligned dynamic region,
+        # unseen by the launch's opt-in decision
+        if ROW_B or STAGED:
+            arrived = nvfly.dynamic_shared_tensor(nvfly.i32, (ARRIVAL_BYTES // 4,),
+                                                  offset_bytes=RING_BYTES + TOKEN_BYTES)
         else:
             arrived = nvfly.shared_tensor(nvfly.i32, (1,))
         nvfly.syncthreads()
@@ -638,6 +826,13 @@ def make_plan(m: int, n: int, k: int, batches: int, has_c: bool, activation: str
                       epilogue)
 
 
+def one_batch(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D operand as a batch of one with batch stride 0: static in the kernel's specialisation, so that a batch's
+    view keeps the operand's alignment (unsqueeze's stride, M for column-major tokens, may be odd, and the staged
+    tokens need 16-byte aligned batches: ``tokens_stageable``)."""
+    return t.as_strided((1, *t.shape), (0, *t.stride()))
+
+
 def prepared_launch(plan: SkinnyPlan, shape: tuple) -> Callable[..., None]:
     """``run(a, b, c, out, alpha, beta)`` for one call signature of ``plan`` (2-D or 3-D operands of output
     shape ``shape``; c None or broadcastable): a prepared launch, so a call costs little more than the driver's."""
@@ -650,7 +845,7 @@ def prepared_launch(plan: SkinnyPlan, shape: tuple) -> Callable[..., None]:
         if kernel.warm:  # the generated launch reads only addresses: the kernel's views start where these do
             w, a3, out3, c3 = b, a, out, c
         else:
-            a3, b3, out3 = (a, b, out) if batched else (a.unsqueeze(0), b.unsqueeze(0), out.unsqueeze(0))
+            a3, b3, out3 = (a, b, out) if batched else (one_batch(a), b.unsqueeze(0), out.unsqueeze(0))
             c3 = None if c is None else c.expand(shape) if batched else c.expand(shape).unsqueeze(0)
             w = b3 if plan.row_b else b3.transpose(-1, -2)
         if cfg.splits == 1:
@@ -667,11 +862,13 @@ def prepared_launch(plan: SkinnyPlan, shape: tuple) -> Callable[..., None]:
 def compile_kernel(m: int, k: int = 4096, n: int = 4096, dtype: Any = nvfly.bf16, out_dtype: Any = None,
                    has_c: bool = False, activation: str = "none", scaled: bool = False,
                    config: SkinnyConfig = SkinnyConfig(), x_contiguous: bool = True, row_b: bool = False,
-                   target: str = "sm_90a") -> Any:
-    """Compile the kernel for one problem class without a GPU; returns the CompiledKernel."""
+                   x_k_stride: Optional[int] = None, target: str = "sm_90a") -> Any:
+    """Compile the kernel for one problem class without a GPU; returns the CompiledKernel. ``x_contiguous``
+    False: column-major tokens, k elements ``x_k_stride`` (default M) apart."""
     from nvfly.runtime.torch_args import TensorDesc
     w = TensorDesc(dtype, (1, k, n) if row_b else (1, n, k))
-    x = TensorDesc(dtype, (1, m, k), None if x_contiguous else (m * k, 1, m))
+    x_k_stride = x_k_stride or m
+    x = TensorDesc(dtype, (1, m, k), None if x_contiguous else (x_k_stride * k, 1, x_k_stride))
     out = TensorDesc(out_dtype or dtype, (1, m, n))
     c = TensorDesc(dtype, (1, m, n), (0, 0, 1)) if has_c else None
     split = config.splits > 1

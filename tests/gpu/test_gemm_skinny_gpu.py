@@ -1,6 +1,7 @@
 """The skinny (decode) GEMM against a float32 reference, for column-major and row-major B (with and without
 SkinnyConfig.token_vectors): token counts 1-16, odd N, K tails, epilogues, batches, split K through the shared
-workspace (which must be left zeroed: every case runs twice), poisoned outputs and token padding."""
+workspace (which must be left zeroed: every case runs twice), poisoned outputs and token padding; column-major
+tokens (staged in shared memory by cp.async where their k stride allows) with NaN padding."""
 import dataclasses
 
 import pytest
@@ -24,6 +25,16 @@ def tokens(m, k, dtype, batch=None, major="row", padding=None):
     if padding is not None:
         return torch.full((*lead, m, pad), padding, device="cuda", dtype=dtype)[..., :k]
     return torch.randn(*lead, m, pad, device="cuda").to(dtype)[..., :k]
+
+
+def column_tokens(m, k, dtype, batch=None, padding=float("nan")):
+    """Column-major tokens A [(batch,) m, k]: the transpose of [(batch,) k, m] storage whose rows are padded to a
+    multiple of 8 tokens (16-byte k strides, as matmul needs for M > 1; M = 1 too, unlike ``tokens``' column-major
+    M = 1, which is K-contiguous) and which runs 8 rows past K, all padding ``padding``: the staged tokens copy
+    whole 8-token rows and must zero-fill k past K (run_twice refills only the view)."""
+    lead = (batch,) if batch else ()
+    storage = torch.full((*lead, k + 8, -(-m // 8) * 8), padding, device="cuda", dtype=dtype)
+    return storage[..., :k, :m].transpose(-1, -2)
 
 
 def weight(n, k, dtype, batch=None):
@@ -111,6 +122,7 @@ def test_bmm_and_column_major_tokens(hopper, m, splits):
     batch, n, k = 3, 300, 1000
     a, b = tokens(m, k, torch.bfloat16, batch), weight(n, k, torch.bfloat16, batch)
     run_twice(a, b, 1e-2, config=SkinnyConfig(splits=splits))
+    run_twice(column_tokens(m, k, torch.bfloat16, batch), b, 1e-2, config=SkinnyConfig(splits=splits))
     at = tokens(m, k, torch.bfloat16, batch, major="col")
     if m * at.element_size() % 16 and m > 1:  # a column stride TMA cannot describe: matmul declines it
         assert "not a multiple of 16 bytes" in gemm.eligibility(at, b)
@@ -184,12 +196,13 @@ def test_row_major_configs_and_splits(hopper, m, config, token_vectors):
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("token_vectors", [False, True], ids=["pairs", "token_vectors"])
 def test_row_major_bmm_and_column_major_tokens(hopper, m, splits, token_vectors):
-    """Column-major tokens keep the pair-by-pair loads with token_vectors too."""
+    """Batched column-major tokens: staged, in either k order (with M = 1 and no padding: K-contiguous)."""
     batch, n, k = 3, 296, 1000
     a, b = tokens(m, k, torch.bfloat16, batch), row_weight(n, k, torch.bfloat16, batch)
     assert gemm.path(a, b).startswith("skinny-rowB")
     config = SkinnyConfig(4, 4, splits, token_vectors)
     run_twice(a, b, 1e-2, config=config)
+    run_twice(column_tokens(m, k, torch.bfloat16, batch), b, 1e-2, config=config)
     at = tokens(m, k, torch.bfloat16, batch, major="col")
     if m * at.element_size() % 16 and m > 1:
         return
@@ -221,3 +234,48 @@ def test_row_major_matches_the_wgmma_path_and_the_column_major_kernel(hopper):
     check(out, gemm.matmul(a, b, skinny=False).float(), 1e-2)
     check(out, gemm.matmul(a, b.t().contiguous().t()).float(), 1e-2)  # the column-major skinny kernel
     assert wide[:, 4096:].isnan().all()
+
+
+# ---------------------------------------------------------------------------------------------- column-major tokens
+def planned_config(variant, m, n, k):
+    """The config matmul plans for this shape (split K included), with the variant's token_vectors."""
+    row_b, token_vectors = VARIANTS[variant]
+    plan = gemm_skinny.make_plan(m, n, k, 1, False, "none", False, None, plan_sm_count(0), row_b=row_b)
+    return dataclasses.replace(plan.config, token_vectors=token_vectors)
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("nk", [(4096, 4096), (520, 4104), (1000, 1023), (64, 8), (4096, 14336), (104, 40)])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_column_major_tokens(hopper, m, nk, variant):
+    """Column-major tokens padded with NaN past K and past M, with the planned config: staged (whole 8-token
+    rows; the chunk holding K's end zero-filled past K), odd K included; fp16 at K = 1023."""
+    n, k = nk
+    dtype = torch.float16 if k == 1023 else torch.bfloat16
+    a = column_tokens(m, k, dtype)
+    b = row_weight(n, k, dtype) if VARIANTS[variant][0] else weight(n, k, dtype)
+    config = planned_config(variant, m, n, k)
+    assert gemm.path(a, b, config=config).startswith("skinny-rowB" if VARIANTS[variant][0] else "skinny")
+    run_twice(a, b, 1e-2, config=config)
+
+
+@pytest.mark.parametrize("m", [1, 9, 16])
+@pytest.mark.parametrize("config", [SkinnyConfig(8, 4, 1), SkinnyConfig(8, 4, 3), SkinnyConfig(4, 2, 7),
+                                    SkinnyConfig(2, 1, 16), SkinnyConfig(16, 8, 2)])
+def test_column_major_tokens_configs_and_splits(hopper, m, config):
+    """Column-major B: load groups of 1 to 8 chunks, split K; 16 warps x 8 chunks x 16 tokens stage 128 KB (the
+    launch opts in past 48 KB)."""
+    a, b = column_tokens(m, 3000, torch.bfloat16), weight(1000, 3000, torch.bfloat16)
+    run_twice(a, b, 1e-2, config=config)
+
+
+@pytest.mark.parametrize("m", [1, 9, 16])
+@pytest.mark.parametrize("config", [SkinnyConfig(4, 4, 1), SkinnyConfig(4, 4, 3), SkinnyConfig(8, 2, 7),
+                                    SkinnyConfig(2, 3, 16), SkinnyConfig(16, 3, 2), SkinnyConfig(8, 6, 2)])
+@pytest.mark.parametrize("token_vectors", [False, True], ids=["isa_order", "token_vectors"])
+def test_row_major_column_major_tokens_configs_and_splits(hopper, m, config, token_vectors):
+    """Row-major B: ring depths 2 to 6, split K; 16 x 3 and 8 x 6 stages hold 9 to 16 tokens only without token
+    stages (past 227 KB with them): those keep the pair-by-pair loads."""
+    config = dataclasses.replace(config, token_vectors=token_vectors)
+    a, b = column_tokens(m, 3000, torch.bfloat16), row_weight(1000, 3000, torch.bfloat16)
+    run_twice(a, b, 1e-2, config=config)

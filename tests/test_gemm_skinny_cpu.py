@@ -497,7 +497,20 @@ def fake_tokens(k_stride, align=16, token_stride=1):
     return types.SimpleNamespace(stride=(token_stride, stride), dtype=nvfly.bf16, align=align)
 
 
-def test_which_tokens_are_staged():
+@pytest.fixture
+def column_b_staging(monkeypatch):
+    """The column-major-B kernel's staged tokens switched on (measured slower: off by default)."""
+    monkeypatch.setattr(gemm_skinny, "COLUMN_B_STAGED_TOKENS", True)
+
+
+def test_column_b_kernel_keeps_its_token_loads_by_default():
+    x = fake_tokens((16,))
+    assert gemm_skinny.tokens_stageable(x)
+    assert not gemm_skinny.stages_tokens(x, SkinnyConfig(8, 4, 2), 2, False)
+    assert gemm_skinny.stages_tokens(x, SkinnyConfig(8, 4, 2), 2, True)
+
+
+def test_which_tokens_are_staged(column_b_staging):
     """Staged: tokens contiguous with a k stride of whole 16-byte rows and a 16-byte aligned base, when the
     stages fit the CTA's shared memory; the rest (row-major tokens, other strides, too many stages) keep their
     register loads."""
@@ -524,7 +537,7 @@ STAGED_VARIANTS = {"colB": (False, SkinnyConfig(8, 4, 2)), "rowB": (True, Skinny
 @pytest.mark.parametrize("k", [4096, 4104])
 @pytest.mark.parametrize("m", [1, 8, 16])
 @pytest.mark.parametrize("variant", list(STAGED_VARIANTS))
-def test_column_major_tokens_are_staged(variant, m, k):
+def test_column_major_tokens_are_staged(column_b_staging, variant, m, k):
     """Column-major tokens (k stride 8 or 16 tokens: 16-byte rows; M = 1 in a padded column), K with and without
     a tail: no spills or stack, at most 128 registers, all shared memory dynamic and as planned, no 16-bit
     global load anywhere (the chunk holding K's end is staged too), and in the main loop the tokens arrive by
@@ -556,7 +569,7 @@ def test_column_major_tokens_are_staged(variant, m, k):
 
 
 @pytest.mark.parametrize("row_b", [False, True], ids=["colB", "rowB"])
-def test_tokens_that_cannot_be_staged_keep_their_loads(row_b):
+def test_tokens_that_cannot_be_staged_keep_their_loads(column_b_staging, row_b):
     """Column-major tokens with an odd k stride, and (row-major B) stages past 227 KB with 16 tokens: the
     16-bit token loads as before, and no token stages in shared memory."""
     odd = gemm_skinny.compile_kernel(16, config=SkinnyConfig(4, 4), row_b=row_b, x_contiguous=False, x_k_stride=17)
@@ -568,7 +581,7 @@ def test_tokens_that_cannot_be_staged_keep_their_loads(row_b):
         assert big.count("LDG.E.U16") > 0 and big.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(config)
 
 
-def test_staging_is_part_of_the_compile_key():
+def test_staging_is_part_of_the_compile_key(column_b_staging):
     """The choice follows x's specialisation (k stride divisible by 8 or not), so the kernels differ in key."""
     options = dict(config=SkinnyConfig(4, 4), x_contiguous=False)
     staged = gemm_skinny.compile_kernel(16, x_k_stride=16, **options)
@@ -805,7 +818,7 @@ def test_benchmark_reports_a_failing_config_and_goes_on(monkeypatch):
 
 
 @pytest.mark.parametrize("major", ["col", "row"])
-def test_matmul_stages_2d_column_major_tokens(matmul_launches, major):
+def test_matmul_stages_2d_column_major_tokens(column_b_staging, matmul_launches, major):
     """gemm.matmul on 2-D column-major tokens as the benchmark's --tokens col makes them, M = 9 in 16-token
     columns: the kernel's batch of one has stride 0 (one_batch; unsqueeze's stride 9 would leave a batch's tokens
     2-byte aligned), so the tokens are staged: ldmatrix and no 16-bit token loads."""

@@ -278,10 +278,20 @@ def tokens_stageable(x_batch: Any) -> bool:
     return k_divisor * x_batch.dtype.itemsize % 16 == 0 and x_batch.align % 16 == 0
 
 
+# Staged column-major tokens in the column-major-B kernel: off. Measured on the H200 (suite of 2026-11-29,
+# commit d53f47c): 16x4096x4096 colxcol 22.3 -> 35.2 us, 16x4096x14336 52.4 -> 95.3 us (its W loads go straight
+# to registers, so each load group's token copies add a cp.async wait the loads cannot hide). In the row-B
+# kernel, whose ring already waits on cp.async, staging pays: 16x4096x4096 colxrow 23.0 -> 20.8 us.
+COLUMN_B_STAGED_TOKENS = False
+
+
 def stages_tokens(x_batch: Any, config: SkinnyConfig, m_tiles: int, row_b: bool) -> bool:
     """Whether the kernel stages its tokens in shared memory (decided at trace time, so part of the compile key
     through x's specialisation): tokens_stageable ones whose stages fit the CTA's shared memory beside the
-    rest; other tokens keep their loads into registers."""
+    rest (the column-major-B kernel only with COLUMN_B_STAGED_TOKENS); other tokens keep their loads into
+    registers."""
+    if not (row_b or COLUMN_B_STAGED_TOKENS):
+        return False
     smem = row_b_smem_bytes(config, m_tiles) if row_b else column_b_staged_smem_bytes(config, m_tiles)
     return tokens_stageable(x_batch) and smem <= MAX_SMEM
 

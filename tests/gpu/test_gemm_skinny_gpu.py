@@ -220,7 +220,7 @@ def test_row_major_nan_token_padding(hopper, dtype, m, nk, token_vectors):
     past K are zero: NaN would still poison the sums)."""
     n, k = nk
     a, b = tokens(m, k, dtype, padding=float("nan")), row_weight(n, k, dtype)
-    config = dataclasses.replace(gemm_skinny.default_config(n, k, 1, plan_sm_count(0), row_b=True),
+    config = dataclasses.replace(gemm_skinny.default_config(m, n, k, 1, plan_sm_count(0), row_b=True),
                                  token_vectors=token_vectors)
     assert gemm.path(a, b, config=config).startswith("skinny-rowB")
     run_twice(a, b, 1e-2, config=config)
@@ -262,9 +262,11 @@ def test_column_major_tokens(hopper, m, nk, variant):
 @pytest.mark.parametrize("m", [1, 9, 16])
 @pytest.mark.parametrize("config", [SkinnyConfig(8, 4, 1), SkinnyConfig(8, 4, 3), SkinnyConfig(4, 2, 7),
                                     SkinnyConfig(2, 1, 16), SkinnyConfig(16, 8, 2)])
-def test_column_major_tokens_configs_and_splits(hopper, m, config):
-    """Column-major B: load groups of 1 to 8 chunks, split K; 16 warps x 8 chunks x 16 tokens stage 128 KB (the
-    launch opts in past 48 KB)."""
+@pytest.mark.parametrize("staged", [False, True], ids=["loads", "staged"])
+def test_column_major_tokens_configs_and_splits(hopper, monkeypatch, m, config, staged):
+    """Column-major B: load groups of 1 to 8 chunks, split K; staged (gemm_skinny.COLUMN_B_STAGED_TOKENS, off by
+    default), 16 warps x 8 chunks x 16 tokens stage 128 KB (the launch opts in past 48 KB)."""
+    monkeypatch.setattr(gemm_skinny, "COLUMN_B_STAGED_TOKENS", staged)
     a, b = column_tokens(m, 3000, torch.bfloat16), weight(1000, 3000, torch.bfloat16)
     run_twice(a, b, 1e-2, config=config)
 

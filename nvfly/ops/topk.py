@@ -771,15 +771,16 @@ def _smem_bytes(cap: int, k_pow2: int, threads: int) -> int:
     return (cap + k_pow2) * 8 + 2 * HIST * 4 + threads * 4 + 256 + 128 + 16
 
 
-def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, sm_count: int) -> tuple[int, int, int]:
+def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, sm_count: int,
+               max_parts: int = MAX_PARTS) -> tuple[int, int, int]:
     """(parts, slice_len, unroll): how the rows are cut into slices, one block each. Slices are whole sweeps of
     ``threads * vec`` elements (the last one of a row may be short). Few rows: enough slices for about
     BLOCKS_PER_SM blocks on every SM, as long as a slice holds 4k elements or more and the merge reads at most
-    MERGE_RANKS ranks a row (parts * k). A slice of c sweeps takes ceil(c / max_unroll) iterations of an unroll
-    that spreads the sweeps evenly over them."""
+    MERGE_RANKS ranks a row (parts * k), and at most ``max_parts``. A slice of c sweeps takes ceil(c /
+    max_unroll) iterations of an unroll that spreads the sweeps evenly over them."""
     sweep = threads * vec
     sweeps = -(-n // sweep)
-    parts = max(1, min(BLOCKS_PER_SM * sm_count // m, sweeps, n // (4 * k), MERGE_RANKS // k, MAX_PARTS))
+    parts = max(1, min(BLOCKS_PER_SM * sm_count // m, sweeps, n // (4 * k), MERGE_RANKS // k, max_parts))
     per_slice = -(-sweeps // parts)
     iterations = -(-per_slice // max_unroll)
     unroll = -(-per_slice // iterations)
@@ -791,8 +792,9 @@ def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, 
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int) -> TopkPlan:
-    """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements)."""
+def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS) -> TopkPlan:
+    """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements); ``max_parts``
+    caps the slices of a row (``benchmarks.topk --compare-plans`` times fewer than the default)."""
     if k <= WARP_MAX_K and n <= WARP_MAX_N:
         return TopkPlan(True, vec, warps=max(1, min(8, m // (2 * sm_count))))
     k_pow2 = max(2, 1 << (k - 1).bit_length())
@@ -802,7 +804,7 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int) -> Topk
     if BLOCKS_PER_SM * (_smem_bytes(_capacity(threads * vec * max_unroll, k_pow2, threads), k_pow2, threads) +
                         1024) > SM_SMEM_BYTES:
         threads = STREAM_THREADS
-    parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count)
+    parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts)
     merge_cap = max(parts * k, k_pow2) if parts > 1 else 0  # (the sort exchanges k_pow2 entries through it)
     return TopkPlan(False, vec, unroll=unroll, threads=threads,
                     cap=_capacity(threads * vec * unroll, k_pow2, threads), k_pow2=k_pow2, parts=parts,

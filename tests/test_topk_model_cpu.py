@@ -276,6 +276,16 @@ def test_register_bitonic_sort_model(size, threads):
 
 
 # ---------------------------------------------------------------------------------------------- the kernel
+def flagged_bits(loaded, bit, vec, packed):
+    """``topk.flagged_bits``: the flagged element's bits picked from the thread's loads (lists of bit patterns)
+    by ``topk.pick``'s tree of selects."""
+    select = lambda cond, a, b: a if cond else b  # noqa: E731
+    if packed:  # 16-bit values two to a little-endian u32 word
+        words = [row[2 * w] | row[2 * w + 1] << 16 for row in loaded for w in range(vec // 2)]
+        return (topk.pick(words, bit & 15, select) >> ((bit >> 4) << 4)) & 0xFFFF
+    return topk.pick([v for row in loaded for v in row], bit, select)
+
+
 def stream_block(bits, start, stop, k, vec, unroll, threads, cap, k_pow2, fmt, largest, rng, stats):
     """One block of ``topk_radix_kernel`` over columns [start, stop) of a row (bit patterns): the maxima
     select, the flagged stream with its trips, the overflow selects and the final one; returns the kept ranks
@@ -285,7 +295,6 @@ def stream_block(bits, start, stop, k, vec, unroll, threads, cap, k_pow2, fmt, l
     limit = cap - per_iter
     packed = fmt != "f32" and vec > 1
     keys = order_keys(bits, fmt, largest)
-    values = as_floats(bits, fmt)
 
     def rank(col):
         return rank_of(int(keys[col]), col) if col < stop else ABSENT
@@ -306,19 +315,24 @@ def stream_block(bits, start, stop, k, vec, unroll, threads, cap, k_pow2, fmt, l
         appended = []
         for t in range(threads):
             col0 = start + (it * unroll * threads + t) * vec
+            loaded = [[int(bits[c]) if c < stop else 0 for c in range(col0 + u * threads * vec,
+                                                                     col0 + u * threads * vec + vec)]
+                      for u in range(unroll)]  # (masked loads past the end read 0)
+            hits = flagged(as_floats(np.array(loaded).ravel(), fmt), flag_value, largest)
             pending = 0
             for u in range(unroll):
                 for e in range(vec):
-                    col = col0 + u * threads * vec + e
-                    value = values[col] if col < stop else 0.0  # (masked loads past the end read 0)
-                    if flagged(value, flag_value, largest):
+                    if hits[u * vec + e]:
                         pending |= 1 << topk.flag_bit(u, e, vec, packed)
-            while pending:  # the trips: lowest flag first, decoded back to a column, checked exactly
+            while pending:  # the trips: lowest flag first, decoded back to a column, picked, checked exactly
                 lowest = pending & -pending
                 pending ^= lowest
-                u, e = topk.flag_element(lowest.bit_length() - 1, vec, packed)
+                bit = lowest.bit_length() - 1
+                u, e = topk.flag_element(bit, vec, packed)
                 col = col0 + u * threads * vec + e
-                if col < stop and rank(col) >= threshold:
+                picked = flagged_bits(loaded, bit, vec, packed)
+                assert picked == loaded[u][e]
+                if col < stop and rank_of(int(order_keys(np.array([picked]), fmt, largest)[0]), col) >= threshold:
                     appended.append(rank(col))
         exact = [rank(c) for c in range(start + it * per_iter, min(stop, start + (it + 1) * per_iter))]
         assert sorted(appended) == sorted(r for r in exact if r >= threshold), \

@@ -23,8 +23,9 @@ Three kernels:
   values per ``set.gtu.u32.bf16x2``, NaN unordered, so flagged) sets a bit of a per-thread 32-bit mask: a
   superset of the candidates (-0.0/+0.0 and, in the first iteration, T's own key included; later every column
   lies beyond T's, so an element with T's key ranks below it). The flagged elements then go one per lane a
-  round: reloaded (an L1 hit), checked exactly, appended with a ballot and one shared atomic per warp. About
-  1-2 instructions an element while T is high instead of ~15 for the rank test and ~20 more to append.
+  round: picked from the loads in registers (``pick``: a tree of selects), checked exactly, appended with a
+  ballot and one shared atomic per warp. About 1-2 instructions an element while T is high instead of ~15 for
+  the rank test and ~20 more to append.
   Select: one sweep counts the real candidates and their key range (one barrier); radix passes with 11-bit
   digits from the highest differing key bit, skipping the ~index bits above the row's highest index bit (ones
   in every rank), each pass shared-memory atomics into one of two histograms and ``locate_bucket`` (every
@@ -46,7 +47,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import nvfly
 from nvfly.arch.ptx import asm
@@ -80,22 +81,34 @@ _NAN_ABOVE = {"f32": 0x7F800000, "bf16": 0x7F80, "f16": 0x7C00}  # |bits| above 
 
 # ---------------------------------------------------------------------------------------------- ranks
 @nvfly.func
-def order_key(value, LARGEST):
-    """The u32 key of a bf16/f16/f32 value: larger key = earlier in the output (NaN first when LARGEST)."""
+def value_bits(value):
+    """The bits of a bf16/f16/f32 value as a u32 (16-bit floats in the low half)."""
     if value.dtype == nvfly.f32:
-        bits = value.bitcast(nvfly.u32)
-        sign_fill = (value.bitcast(nvfly.i32) >> 31).bitcast(nvfly.u32)
+        return value.bitcast(nvfly.u32)
+    return (value.bitcast(nvfly.i16).to(nvfly.i32) & 0xFFFF).bitcast(nvfly.u32)
+
+
+@nvfly.func
+def bits_key(bits, dtype, LARGEST):
+    """``order_key`` of the value with these bits (``value_bits``) and dtype."""
+    if dtype == nvfly.f32:
+        sign_fill = (bits.bitcast(nvfly.i32) >> 31).bitcast(nvfly.u32)
         key = bits ^ (sign_fill | _KEY_MSB)
         key = nvfly.select((bits & 0x7FFFFFFF) > _NAN_ABOVE["f32"], 0xFFFFFFFF, key)
         inverted = 0xFFFFFFFF
     else:
-        bits = (value.bitcast(nvfly.i16).to(nvfly.i32) & 0xFFFF).bitcast(nvfly.u32)
         key = bits ^ (((bits >> 15) * 0x7FFF) | 0x8000)
-        key = nvfly.select((bits & 0x7FFF) > _NAN_ABOVE[value.dtype.name], 0xFFFF, key)
+        key = nvfly.select((bits & 0x7FFF) > _NAN_ABOVE[dtype.name], 0xFFFF, key)
         inverted = 0xFFFF
     if not LARGEST:
         key = key ^ inverted
     return key
+
+
+@nvfly.func
+def order_key(value, LARGEST):
+    """The u32 key of a bf16/f16/f32 value: larger key = earlier in the output (NaN first when LARGEST)."""
+    return bits_key(value_bits(value), value.dtype, LARGEST)
 
 
 @nvfly.func
@@ -475,13 +488,11 @@ def sort_descending(buf, spare, kept, tid, lane, SIZE, THREADS):
 
 # ---------------------------------------------------------------------------------------------- kernels
 @nvfly.func
-def element_filter(element, col, stop, threshold_key, threshold_low, LARGEST):
-    """(take, key) of one streamed element: take when it is in the slice and ranks >= the threshold, whose
+def element_filter(key, col, stop, threshold_key, threshold_low):
+    """Whether the element with this key at this column is in the slice and ranks >= the threshold, whose
     (key, ~index) halves are given: u32 work instead of a 64-bit rank per element."""
-    key = order_key(element, LARGEST)
     low = (~col).bitcast(nvfly.u32)
-    take = (col < stop) & ((key > threshold_key) | ((key == threshold_key) & (low >= threshold_low)))
-    return take, key
+    return (col < stop) & ((key > threshold_key) | ((key == threshold_key) & (low >= threshold_low)))
 
 
 _PACKED = {"bf16": "bf16x2", "f16": "f16x2"}
@@ -537,6 +548,32 @@ def flag_element(bit: Any, vec: int, packed: bool) -> tuple[Any, Any]:
         return word >> words_log2, ((word & (vec // 2 - 1)) << 1) | (bit >> 4)
     vec_log2 = vec.bit_length() - 1
     return bit >> vec_log2, bit & (vec - 1)
+
+
+def pick(items: list, index: Any, select: Callable[[Any, Any, Any], Any]) -> Any:
+    """``items[index]`` for a traced index in range: a tree of ``select(cond, a, b)`` on the index's bits, one
+    fewer than there are items (Python values with a Python ``select`` too)."""
+    level = 0
+    while len(items) > 1:
+        odd = ((index >> level) & 1) != 0
+        items = [select(odd, items[i + 1], items[i]) if i + 1 < len(items) else items[i]
+                 for i in range(0, len(items), 2)]
+        level += 1
+    return items[0]
+
+
+@nvfly.func
+def flagged_bits(current, bit, VEC, PACKED):
+    """The bits (``value_bits``) of the element that flag bit ``bit`` stands for, picked from the thread's
+    loads in registers: its u32 word (packed: ``flag_bit``'s word, bit & 15), then its half (bit >> 4)."""
+    if PACKED:
+        words = [current[u].bitcast(nvfly.u32)[w] for u in nvfly.static_range(len(current))
+                 for w in nvfly.static_range(VEC // 2)]
+        word = pick(words, bit & 15, nvfly.select)
+        return (word >> ((bit >> 4) << 4).bitcast(nvfly.u32)) & 0xFFFF
+    elements = [value_bits(current[u][e] if VEC > 1 else current[u]) for u in nvfly.static_range(len(current))
+                for e in nvfly.static_range(VEC)]
+    return pick(elements, bit, nvfly.select)
 
 
 @nvfly.func
@@ -673,17 +710,16 @@ def topk_radix_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tens
         flag = key_bits(flag_key(threshold_key, it == 0, x.dtype), x.dtype, LARGEST)
         pending = candidate_flags(current, flag, VEC, UNROLL, LARGEST)
         overflow = nvfly.i32(0)  # set where a warp's append fills the buffer past the limit
-        # one flagged element per lane a round, reloaded (an L1 hit) and checked exactly: rare once the threshold
-        # has risen, and the register file holds no per-element state through the loop
+        # one flagged element per lane a round, picked from the loads in registers (a tree of selects: no
+        # dependent reload) and checked exactly: rare once the threshold has risen
         while vote_any(pending != 0):
             next_flag = pending & (0 - pending)
             pending = pending ^ next_flag
-            u, e = flag_element(highest_bit(next_flag).bitcast(nvfly.i32), VEC, packed)
+            bit = highest_bit(next_flag).bitcast(nvfly.i32)
+            u, e = flag_element(bit, VEC, packed)
             col = col0 + u * THREADS * VEC + e
-            flagged = next_flag != 0
-            element = x.load(row, col, mask=flagged & (col < stop))
-            take, key = element_filter(element, col, stop, threshold_key, threshold_low, LARGEST)
-            take = take & flagged
+            key = bits_key(flagged_bits(current, bit, VEC, packed), x.dtype, LARGEST)
+            take = element_filter(key, col, stop, threshold_key, threshold_low) & (next_flag != 0)
             position, size = append_slots(state, take, lane)
             buf.store(rank64(key, col), position, mask=take)
             overflow = overflow | (size > limit).to(nvfly.i32)

@@ -5,6 +5,11 @@ torch's sort is stable), and exactly the documented stable-sort order. Then the 
 bandwidth counts one read of the input (the floor for any TopK). Inductor is not timed: it lowers topk to the
 same aten kernel. Usage: python -m benchmarks.topk [--quick] [--shapes M,N,K ...]   (or: nvfly bench topk)
 Writes benchmarks/results/topk_h200.json and topk_h200.png.
+
+``--compare-plans``: per sampling shape (bf16; ``--shapes`` for others), the implementation before the
+topk-sampling branch (``benchmarks/topk_baseline.py``), the default plan and, for rows cut into slices, plans
+with half the slices and with none; each is checked against the documented order before it is timed. Writes
+benchmarks/results/topk_plans_h200.json.
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, plot, write_results  # noqa: E402
 from nvfly.ops import topk  # noqa: E402
+from nvfly.ops.rmsnorm import vector_width  # noqa: E402
+from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 
 SAMPLING = [(m, n, k) for m in (1, 64, 256) for n in (128256, 151936) for k in (50, 1024)]
 ROUTING = [(m, n, k) for m in (64, 4096, 16384) for n in (128, 256) for k in (2, 8)]
@@ -47,11 +54,69 @@ def run(m: int, n: int, k: int, dtype: torch.dtype, kind: str) -> dict:
     return row
 
 
+def plan_variants(x: torch.Tensor, k: int) -> dict:
+    """name -> call() of the current implementation under its default plan and, when rows are cut into
+    slices, with half the slices and with none (``topk.plan``'s max_parts)."""
+    m, n = x.shape
+    vec = vector_width(n, (x,), x.element_size())
+    sms = plan_sm_count(x.get_device())
+    default = topk.plan(n, k, m, vec, x.element_size(), sms)
+    caps = {"default": topk.MAX_PARTS}
+    if not default.warp and default.parts > 1:
+        caps.update({f"parts<={default.parts // 2}": default.parts // 2, "parts=1": 1})
+    calls = {}
+    for name, max_parts in caps.items():
+        run = topk._runner(topk.plan(n, k, m, vec, x.element_size(), sms, max_parts), m, n, k, True)
+
+        def call(run=run):
+            values = torch.empty((m, k), dtype=x.dtype, device=x.device)
+            indices = torch.empty((m, k), dtype=torch.int64, device=x.device)
+            run(x, values, indices)
+            return values, indices
+        calls[name] = call
+    return calls
+
+
+def compare_plans(cases: list[tuple[int, int, int]]) -> int:
+    """--compare-plans: one line per shape: torch.topk, the baseline, the default plan (*) and its variants."""
+    from benchmarks import topk_baseline
+    rows = []
+    t_start = time.time()
+    for m, n, k in cases:
+        x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+        expected = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
+        calls = {"baseline": lambda: topk_baseline.topk(x, k), **plan_variants(x, k)}
+        row = {"M": m, "N": n, "k": k, "dtype": "bfloat16", "torch_ms": bench_ms(lambda: torch.topk(x, k))}
+        for name, call in calls.items():
+            values, indices = call()
+            row[f"{name}_correct"] = bool(torch.equal(indices, expected) and torch.equal(values, x.gather(1, expected)))
+            row[f"{name}_ms"] = bench_ms(call) if row[f"{name}_correct"] else None
+        rows.append(row)
+        print(f"{m:>6}x{n:<7} k={k:<5} torch {row['torch_ms'] * 1e3:7.1f} us | " + " | ".join(
+            f"{name}{'*' if name == 'default' else ''} " +
+            (f"{row[f'{name}_ms'] * 1e3:7.1f} us x{row['torch_ms'] / row[f'{name}_ms']:5.2f}"
+             if row[f"{name}_ms"] else "MISMATCH") for name in calls), flush=True)
+        torch.cuda.empty_cache()
+    timed = [r for r in rows if r["default_ms"] and r["baseline_ms"]]
+    summary = {"all_correct": all(v for r in rows for key, v in r.items() if key.endswith("_correct")),
+               "default_geomean_vs_torch": geomean([r["torch_ms"] / r["default_ms"] for r in timed]),
+               "default_min_vs_torch": min((r["torch_ms"] / r["default_ms"] for r in timed), default=None),
+               "default_geomean_vs_baseline": geomean([r["baseline_ms"] / r["default_ms"] for r in timed]),
+               "seconds": time.time() - t_start}
+    print(summary)
+    print("wrote", write_results("topk_plans", rows, {"summary": summary}))
+    return 0 if summary["all_correct"] else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="bf16 only")
     p.add_argument("--shapes", nargs="*", default=None, help="M,N,K triples (bf16)")
+    p.add_argument("--compare-plans", action="store_true",
+                   help="the baseline implementation, the default plan and fewer slices, on the sampling shapes")
     args = p.parse_args(argv)
+    if args.compare_plans:
+        return compare_plans([tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SAMPLING)
     if args.shapes:
         cases = [(*(int(v) for v in s.split(",")), torch.bfloat16, "custom") for s in args.shapes]
     else:

@@ -172,9 +172,8 @@ def test_topk_streaming_kernel_compiles(dtype, n, k, m):
     x = torch.randn(m, n).to(dtype)
     kernels = compiled(topk.topk, x, k)
     p = topk.plan(n, k, m, 16 // x.element_size(), x.element_size(), 132)
-    assert len(kernels) == (1 if p.parts == 1 else 2)  # few long rows: slices, then a merge
+    assert [kern.name for kern in kernels] == ["topk_radix_kernel"] + ["topk_merge_kernel"] * (p.parts > 1)
     for kern in kernels:
-        assert kern.name == "topk_radix_kernel"
         assert_clean(kern)
     kern = kernels[0]
     assert kern.dynamic_smem_bytes == p.smem_bytes <= 227 * 1024
@@ -186,9 +185,13 @@ def test_topk_streaming_kernel_compiles(dtype, n, k, m):
 def test_topk_few_rows_split_then_merge():
     x = torch.randn(1, 151936).to(torch.bfloat16)
     first, merge = compiled(topk.topk, x, 1024)
-    assert first.name == merge.name == "topk_radix_kernel"
+    assert (first.name, merge.name) == ("topk_radix_kernel", "topk_merge_kernel")
     for kern in (first, merge):
         assert_clean(kern)
+    p = topk.plan(151936, 1024, 1, 8, 2, 132)
+    assert merge.dynamic_smem_bytes == p.merge_smem_bytes <= 227 * 1024 and p.merge_cap >= p.parts * 1024
+    assert merge.count("LDG.E.128") >= topk.SWEEP  # the ranks, two a load, straight into shared memory
+    assert "set.gtu" not in merge.ptx and merge.count("ATOMS.ADD") == 0  # no stream: one select, the sort
     assert topk.plan(151936, 1024, 1, 8, 2, 132).parts > 1
     assert topk.plan(151936, 1024, 256, 8, 2, 132).parts == 1
 
@@ -198,22 +201,25 @@ def test_topk_few_rows_split_then_merge():
                                            (128256, 1024, 64, True), (151936, 2048, 1, True)])
 def test_topk_slice_variants_compile(dtype, n, k, m, largest):
     """Every first-pass shape the suite's few-row plans make (256 threads, unroll 1 to 4; 512 for k = 2048), with
-    the vector fast reject (packed NaN-propagating max/min), and their merges: clean, registers for 2 blocks."""
+    the candidate flags (one packed compare per two 16-bit values, unordered included), and their merges: clean,
+    registers for 2 blocks (the merge's 512 threads: one block a row, its shared memory holds every rank)."""
     x = torch.randn(m, n).to(dtype)
     itemsize = x.element_size()
     p = topk.plan(n, k, m, 16 // itemsize, itemsize, 132)
     first, merge = compiled(topk.topk, x, k, largest=largest)
+    assert (first.name, merge.name) == ("topk_radix_kernel", "topk_merge_kernel")
     for kern in (first, merge):
-        assert kern.name == "topk_radix_kernel"
         assert_clean(kern)
         assert kern.resources.registers <= 65536 // (topk.BLOCKS_PER_SM * 256)
-    assert first.dynamic_smem_bytes == p.smem_bytes
+    assert first.dynamic_smem_bytes == p.smem_bytes and merge.dynamic_smem_bytes == p.merge_smem_bytes
     if p.threads == topk.SLICE_THREADS:
         assert topk.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk.SM_SMEM_BYTES
     assert first.count("LDG.E.128") >= p.unroll
-    packed = {torch.bfloat16: "max.NaN.bf16x2", torch.float16: "max.NaN.f16x2", torch.float32: "max.NaN.f32"}[dtype]
-    assert packed.replace("max", "max" if largest else "min") in first.ptx
-    assert "max.NaN" not in merge.ptx and "min.NaN" not in merge.ptx  # ranks: no fast reject
+    compare = {torch.bfloat16: "u32.bf16x2", torch.float16: "u32.f16x2", torch.float32: "u32.f32"}[dtype]
+    assert f"set.{'gtu' if largest else 'ltu'}.{compare}" in first.ptx
+    if dtype != torch.float32:
+        assert first.count("HSET2") == p.unroll * 4  # one per 16-byte load's word
+    assert "set.gtu" not in merge.ptx and "set.ltu" not in merge.ptx  # ranks, loaded as they are
 
 
 def test_topk_plans_for_the_sampling_suite():
@@ -230,6 +236,24 @@ def test_topk_plans_for_the_sampling_suite():
                 p = topk.plan(n, k, 256, vec, itemsize, sms)
                 assert p.parts == 1 and p.threads == 256 and p.unroll == 64 // (vec * itemsize)
     assert topk.plan(151936, 2048, 1, 8, 2, sms).threads == 512  # 2 blocks of 256 would not fit
+
+
+def test_topk_compare_plans_variants_and_baseline_compile():
+    """``benchmarks.topk --compare-plans``: the baseline module and the plans with fewer slices compile clean."""
+    from benchmarks import topk as bench
+    from benchmarks import topk_baseline
+    x = torch.randn(1, 151936).to(torch.bfloat16)
+    with nvfly.compile_only() as kernels:
+        calls = bench.plan_variants(x, 1024)
+        for call in calls.values():
+            call()
+        topk_baseline.topk(x, 1024)
+    p = topk.plan(151936, 1024, 1, 8, 2, 132)
+    assert list(calls) == ["default", f"parts<={p.parts // 2}", "parts=1"]
+    assert [topk.plan(151936, 1024, 1, 8, 2, 132, cap).parts for cap in (p.parts // 2, 1)] == [p.parts // 2, 1]
+    assert {kern.name for kern in kernels} == {"topk_radix_kernel", "topk_merge_kernel"}
+    for kern in kernels:
+        assert_clean(kern)
 
 
 def test_topk_slice_plan_model():
@@ -260,6 +284,9 @@ def test_topk_slice_plan_model():
         assert p.cap - per_iter >= 2 * p.k_pow2 and p.cap % p.threads == 0  # room for k survivors + an iteration
         assert p.smem_bytes <= 227 * 1024
         assert topk.HIST % p.threads == 0
+        if p.parts > 1:  # the merge holds all of a row's ranks (and the sort's k_pow2) in shared memory
+            assert p.merge_cap >= max(p.parts * k, p.k_pow2) and p.merge_smem_bytes <= 227 * 1024
+            assert p.merge_vec == (2 if p.parts * k % 2 == 0 else 1)
 
 
 def _order_key_model(bits, width, largest):

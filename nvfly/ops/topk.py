@@ -9,35 +9,49 @@ CUDA picks the same elements (everything strictly better than the k-th value, th
 it) and lists them in the same order when k > 32 (its sort is stable there); for k <= 32 its bitonic sort may
 list equal values in another index order. Values are gathered from the input by index, bit for bit.
 
-Two kernels:
+Three kernels:
 - ``topk_warp_kernel`` (k <= 32, rows up to 1024 elements, e.g. MoE routing): one warp per row, each lane
   holds ``N/32`` ranks in registers; k rounds of "lane max, warp max (redux.sync), retire the winner", so the
   output comes out sorted. One read of the row.
 - ``topk_radix_kernel`` (everything else, e.g. sampling over 128K-152K vocabularies): one block per row (or per
-  slice of a row, then a merge) streams the row once with 16-byte loads, appending every element that beats a
-  running threshold T to a shared-memory candidate buffer. T starts at the k-th largest of the maxima of
-  2k-4k disjoint groups of the first elements (a lower bound of the k-th largest rank). When the buffer may
-  overflow, a block-wide radix select (11-bit digits over the bits where the candidates differ, shared-memory
-  histograms) finds the k-th largest rank, raises T to it and compacts the buffer to k entries. After the row,
-  one more select leaves exactly k candidates, which a bitonic sort orders. For typical data T is high from
-  the start, so the stream costs one read of the row and a few selects over a few thousand candidates.
-  Vector fast reject: per 16-byte vector a packed NaN-propagating max (min when smallest) is compared with the
-  f32 value of T's key; a warp whose vectors are all strictly below it (as floats: NaN, -0.0 vs +0.0 and
-  values equal to T's are never rejected) skips the per-element filter, about one instruction per element.
+  slice of a row, then ``topk_merge_kernel``) streams the row once with 16-byte loads, appending every element
+  that ranks at or above a running threshold T to a shared-memory candidate buffer. T starts at the k-th
+  largest of the maxima of 2k-4k disjoint groups of the first elements (a lower bound of the k-th largest
+  rank). When the buffer may overflow, a select keeps the k largest candidates and raises T to the smallest
+  of them; after the row one more select leaves exactly k, which a bitonic sort orders.
+  Stream: per element one float compare with the value of a key just below T's (``flag_key``; two 16-bit
+  values per ``set.gtu.u32.bf16x2``, NaN unordered, so flagged) sets a bit of a per-thread 32-bit mask: a
+  superset of the candidates (-0.0/+0.0 and, in the first iteration, T's own key included; later every column
+  lies beyond T's, so an element with T's key ranks below it). The flagged elements then go one per lane a
+  round: picked from the loads in registers (``pick``: a tree of selects), checked exactly, appended with a
+  ballot and one shared atomic per warp. About 1-2 instructions an element while T is high instead of ~15 for
+  the rank test and ~20 more to append.
+  Select: one sweep counts the real candidates and their key range (one barrier); radix passes with 11-bit
+  digits from the highest differing key bit, skipping the ~index bits above the row's highest index bit (ones
+  in every rank), each pass shared-memory atomics into one of two histograms and ``locate_bucket`` (every
+  thread finds the bucket from warp, lane and bucket sums: two barriers a pass, the other histogram zeroed on
+  the way); a compaction with a block scan instead of per-warp atomics. Nothing runs when k or fewer are real.
+  Sort (``sort_descending``): each thread holds R consecutive entries in registers (``sort_per_thread``: 4 for
+  1024 entries over 256 threads; 128 or fewer stay in one warp); strides below R swap in the thread, below 32R
+  through warp shuffles, larger ones through shared memory (1024 entries: 6 barriers for the 55 stages).
   Blocks have 256 threads (two per SM; 512 when k = 2048). Fewer rows than 2 blocks per SM: each row is cut
   into slices of whole 256 x vec sweeps (``slice_plan``: down to one sweep, at least 4k elements, at most
   MERGE_RANKS / k slices), each slice writes its k best ranks and a second launch merges them.
+- ``topk_merge_kernel``: one block of 512 threads a row loads the slices' parts * k ranks straight into shared
+  memory, selects once and sorts.
+
+Where the time goes (estimates, H200): ``benchmarks/results/topk_notes.md``.
 """
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import nvfly
 from nvfly.arch.ptx import asm
-from nvfly.frontend.language import atomic_add, count_leading_zeros, redux_sync, syncthreads_or, vote_any
+from nvfly.frontend.language import atomic_add, redux_sync, syncthreads_or, vote_any
 from nvfly.ops.rmsnorm import vector_width
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.torch_args import layout_key
@@ -51,6 +65,7 @@ WARP_MAX_K = 32           # the warp kernel's k rounds each cost a warp reductio
 WARP_MAX_N = 1024         # and each lane holds N/32 ranks in registers
 HIST_BITS = 11            # radix digit of the select: 2048 shared-memory counters
 HIST = 1 << HIST_BITS
+SWEEP = 4                 # candidates a thread loads at once in the select's sweeps over shared memory
 STREAM_BYTES = 64         # loaded per thread per streaming iteration (and as much prefetched): 32 KB per block
 STREAM_THREADS = 512      # the merge's blocks (and the first pass's when k is 2048)
 SLICE_THREADS = 256       # the first pass's blocks: two to an SM
@@ -66,22 +81,34 @@ _NAN_ABOVE = {"f32": 0x7F800000, "bf16": 0x7F80, "f16": 0x7C00}  # |bits| above 
 
 # ---------------------------------------------------------------------------------------------- ranks
 @nvfly.func
-def order_key(value, LARGEST):
-    """The u32 key of a bf16/f16/f32 value: larger key = earlier in the output (NaN first when LARGEST)."""
+def value_bits(value):
+    """The bits of a bf16/f16/f32 value as a u32 (16-bit floats in the low half)."""
     if value.dtype == nvfly.f32:
-        bits = value.bitcast(nvfly.u32)
-        sign_fill = (value.bitcast(nvfly.i32) >> 31).bitcast(nvfly.u32)
+        return value.bitcast(nvfly.u32)
+    return (value.bitcast(nvfly.i16).to(nvfly.i32) & 0xFFFF).bitcast(nvfly.u32)
+
+
+@nvfly.func
+def bits_key(bits, dtype, LARGEST):
+    """``order_key`` of the value with these bits (``value_bits``) and dtype."""
+    if dtype == nvfly.f32:
+        sign_fill = (bits.bitcast(nvfly.i32) >> 31).bitcast(nvfly.u32)
         key = bits ^ (sign_fill | _KEY_MSB)
         key = nvfly.select((bits & 0x7FFFFFFF) > _NAN_ABOVE["f32"], 0xFFFFFFFF, key)
         inverted = 0xFFFFFFFF
     else:
-        bits = (value.bitcast(nvfly.i16).to(nvfly.i32) & 0xFFFF).bitcast(nvfly.u32)
         key = bits ^ (((bits >> 15) * 0x7FFF) | 0x8000)
-        key = nvfly.select((bits & 0x7FFF) > _NAN_ABOVE[value.dtype.name], 0xFFFF, key)
+        key = nvfly.select((bits & 0x7FFF) > _NAN_ABOVE[dtype.name], 0xFFFF, key)
         inverted = 0xFFFF
     if not LARGEST:
         key = key ^ inverted
     return key
+
+
+@nvfly.func
+def order_key(value, LARGEST):
+    """The u32 key of a bf16/f16/f32 value: larger key = earlier in the output (NaN first when LARGEST)."""
+    return bits_key(value_bits(value), value.dtype, LARGEST)
 
 
 @nvfly.func
@@ -142,7 +169,7 @@ def topk_warp_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tenso
             values[row, lane] = x[row, index]
 
 
-# ---------------------------------------------------------------------------------------------- block helpers
+# ---------------------------------------------------------------------------------------------- warp helpers
 @nvfly.func
 def warp_inclusive_sum(value, lane):
     """Inclusive prefix sum over the lanes of a warp (5 shuffles)."""
@@ -153,165 +180,319 @@ def warp_inclusive_sum(value, lane):
 
 
 @nvfly.func
-def reserve(state, count, lane):
-    """Reserve ``count`` slots per thread of the candidate buffer (one atomic on ``state[0]`` per warp):
-    returns (this thread's first slot, the buffer size after this warp's reservation as seen by lane 31)."""
-    inclusive = warp_inclusive_sum(count, lane)
-    total = nvfly.shfl_idx(inclusive, 31)
+def ballot(pred):
+    """The lanes of the (whole, converged) warp where ``pred`` holds, as a u32 bit mask."""
+    return asm("{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, -1; }", [pred.to(nvfly.u32)],
+               nvfly.u32)
+
+
+@nvfly.func
+def popc(bits):
+    return asm("popc.b32 $0, $1;", [bits], nvfly.i32, side_effects=False)
+
+
+@nvfly.func
+def highest_bit(bits):
+    """The index of the highest set bit of a u32 (0xFFFFFFFF when none)."""
+    return asm("bfind.u32 $0, $1;", [bits], nvfly.u32, side_effects=False)
+
+
+@nvfly.func
+def append_slots(state, take, lane):
+    """Candidate-buffer slots for the lanes where ``take`` holds, one shared atomic on ``state[0]`` per warp:
+    (this lane's slot, the buffer size after the warp's appends)."""
+    votes = ballot(take)
+    total = popc(votes)
     base = nvfly.i32(0)
-    if lane == 31:
+    if (lane == 0) & (total > 0):
         base = atomic_add(state, 0, total)
-    base = nvfly.shfl_idx(base, 31)
-    return base + inclusive - count, base + total
+    base = nvfly.shfl_idx(base, 0)
+    below = asm("mov.u32 $0, %lanemask_lt;", [], nvfly.u32, side_effects=False)
+    return base + popc(votes & below), base + total
+
+
+# ---------------------------------------------------------------------------------------------- the select
+@nvfly.func
+def rank_key(rank):
+    """The u32 key of a 64-bit rank (``rank64``'s inverse for the high half)."""
+    return ((rank >> 32).to(nvfly.i32) ^ _KEY_MSB).bitcast(nvfly.u32)
 
 
 @nvfly.func
-def block_max_min(high, low, scratch, lane, warp, WARPS):
-    """(max of ``high``, min of ``low``) over the block (i64); ``scratch`` holds 64 i64 slots."""
-    high = nvfly.warp_reduce(high, "max")
-    low = nvfly.warp_reduce(low, "min")
+def sweep_loads(buf, first, count, THREADS):
+    """``buf[first + j*THREADS]`` for j < SWEEP (ABSENT past ``count``): one step of a thread's strided sweep
+    over the candidates, its shared-memory loads issued together."""
+    return [buf.load(first + j * THREADS, mask=first + j * THREADS < count, other=ABSENT)
+            for j in nvfly.static_range(SWEEP)]
+
+
+@nvfly.func
+def block_count_key_range(reals, key_high, key_low, warp_sums, lane, warp, WARPS):
+    """(sum of ``reals``, max of ``key_high``, min of ``key_low``) over the block: one barrier."""
+    reals = redux_sync(reals, "add")
+    key_high = redux_sync(key_high, "max")
+    key_low = redux_sync(key_low, "min")
     if lane == 0:
-        scratch[warp] = high
-        scratch[32 + warp] = low
+        warp_sums[warp] = reals
+        warp_sums[16 + warp] = key_high.bitcast(nvfly.i32)
+        warp_sums[32 + warp] = key_low.bitcast(nvfly.i32)
     nvfly.syncthreads()
-    high = scratch.load(lane, mask=lane < WARPS, other=ABSENT)
-    low = scratch.load(32 + lane, mask=lane < WARPS, other=-1 - ABSENT)
-    return nvfly.warp_reduce(high, "max"), nvfly.warp_reduce(low, "min")
+    reals = warp_sums[0]
+    key_high = warp_sums[16].bitcast(nvfly.u32)
+    key_low = warp_sums[32].bitcast(nvfly.u32)
+    for w in nvfly.static_range(1, WARPS):
+        reals = reals + warp_sums[w]
+        key_high = nvfly.maximum(key_high, warp_sums[16 + w].bitcast(nvfly.u32))
+        key_low = nvfly.minimum(key_low, warp_sums[32 + w].bitcast(nvfly.u32))
+    return reals, key_high, key_low
 
 
 @nvfly.func
-def find_bucket(hist, state, warp_sums, needed, tid, lane, warp, THREADS):
-    """The histogram bucket holding the ``needed``-th largest rank, counting from the top bucket:
-    (bucket, ranks in higher buckets, ranks in the bucket). Thread t owns buckets [t*HB, (t+1)*HB)."""
-    per_thread = HIST // THREADS
-    counts = [hist[tid * per_thread + i] for i in nvfly.static_range(per_thread)]
-    mine = counts[0]
+def locate_bucket(hist, lane_sums, warp_sums, offset, other, needed, tid, lane, warp, THREADS):
+    """(bucket, ranks in higher buckets, ranks in the bucket) of the ``needed``-th largest rank counted in
+    ``hist[offset:offset + HIST]``, in every thread after one barrier; zeroes ``hist[other:other + HIST]`` for the
+    next pass. Thread t owns buckets [t*PER, (t+1)*PER): it publishes the ranks counted in its and the higher
+    lanes' buckets of its warp (and lane 0 the warp's total); then every thread finds the warp, the lane and the
+    bucket from the top."""
+    PER = HIST // THREADS
+    counts = [hist[offset + tid * PER + i] for i in nvfly.static_range(PER)]
+    for i in nvfly.static_range(PER):
+        hist[other + tid * PER + i] = 0
+    suffix = counts[0]
     for c in counts[1:]:
-        mine = mine + c
-    # suffix sums: how many ranks are in the buckets of higher threads
-    suffix = mine
-    for offset in nvfly.static_range(5):
-        moved = nvfly.shfl_down(suffix, 1 << offset)
-        suffix = suffix + nvfly.select(lane + (1 << offset) < 32, moved, 0)
+        suffix = suffix + c
+    for step in nvfly.static_range(5):
+        moved = nvfly.shfl_down(suffix, 1 << step)
+        suffix = suffix + nvfly.select(lane + (1 << step) < 32, moved, 0)
+    lane_sums[tid] = suffix
     if lane == 0:
         warp_sums[warp] = suffix
     nvfly.syncthreads()
-    later_warps = nvfly.warp_reduce(warp_sums.load(lane, mask=(lane > warp) & (lane < THREADS // 32), other=0),
-                                    "add")
-    above = later_warps + suffix - mine
-    for i in nvfly.static_range(per_thread - 1, -1, -1):
-        if (above < needed) & (needed <= above + counts[i]):
-            state[1] = tid * per_thread + i
-            state[2] = above
-            state[3] = counts[i]
-        above = above + counts[i]
-    nvfly.syncthreads()
-    return state[1], state[2], state[3]
+    target = nvfly.i32(0)
+    above = nvfly.i32(0)
+    higher = nvfly.i32(0)
+    for w in nvfly.static_range(THREADS // 32 - 1, -1, -1):
+        in_warp = warp_sums[w]
+        hit = (higher < needed) & (needed <= higher + in_warp)
+        target = nvfly.select(hit, w, target)
+        above = nvfly.select(hit, higher, above)
+        higher = higher + in_warp
+    lane_suffix = lane_sums[target * 32 + lane]
+    owner_lane = highest_bit(ballot(above + lane_suffix >= needed)).bitcast(nvfly.i32)  # suffixes fall with the lane
+    next_suffix = nvfly.shfl_idx(lane_suffix, nvfly.minimum(owner_lane + 1, 31))
+    above = above + nvfly.select(owner_lane == 31, 0, next_suffix)
+    owner = target * 32 + owner_lane
+    bucket = nvfly.i32(0)
+    bucket_above = nvfly.i32(0)
+    in_bucket = nvfly.i32(0)
+    for i in nvfly.static_range(PER - 1, -1, -1):
+        c = hist[offset + owner * PER + i]
+        hit = (above < needed) & (needed <= above + c)
+        bucket = nvfly.select(hit, owner * PER + i, bucket)
+        bucket_above = nvfly.select(hit, above, bucket_above)
+        in_bucket = nvfly.select(hit, c, in_bucket)
+        above = above + c
+    return bucket, bucket_above, in_bucket
 
 
 @nvfly.func
-def select_top(buf, kept_buf, hist, state, warp_sums, scratch, needed, tid, lane, warp, THREADS):
-    """Keep the ``needed`` largest ranks of ``buf[:state[0]]`` (all of them if there are no more) at
-    ``buf[:kept]``, ``state[0] = kept``; returns T, a rank such that exactly the kept ranks are >= T.
+def radix_threshold(buf, hist, lane_sums, warp_sums, count, needed, key_high, key_low, index_top, tid, lane, warp,
+                    THREADS):
+    """(a bound such that exactly the ``needed`` largest real ranks of ``buf[:count]`` (more than ``needed`` are
+    real) are >= it; the offset of the histogram the last pass left to zero).
 
-    Radix select: the digits are the 11 bits below the highest bit where the candidates differ, then the next
-    11, ... until the bucket of the needed-th rank holds exactly the ranks still needed. The candidates stay
-    in shared memory (each pass reads them again); the kept ones go through ``kept_buf``."""
-    count = state[0]
-    high = nvfly.i64(ABSENT)
-    low = nvfly.i64(-1 - ABSENT)
-    for i in range(tid, count, THREADS):
-        r = buf[i]
-        high = nvfly.maximum(high, r)
-        low = nvfly.minimum(low, r)
-    high, low = block_max_min(high, low, scratch, lane, warp, THREADS // 32)
-    if tid == 0:
-        state[0] = 0  # everyone read the count before the barrier in block_max_min
+    Radix select on u = rank ^ ABSENT (ranks as unsigned numbers): 11-bit digits from the highest bit where the
+    real keys differ (or, when they are all equal, the highest index bit: ``~index`` has ones above bit
+    ``index_top`` of every real index), skipping those constant index bits when the digits reach them, until the
+    bucket of the needed-th rank holds exactly the ranks still needed. A pass is one sweep of shared-memory
+    atomics into one of two histograms and ``locate_bucket``: two barriers."""
+    keys_differ = key_high != key_low
+    top = nvfly.select(keys_differ, highest_bit(key_high ^ key_low).bitcast(nvfly.i32) + 32, index_top)
+    index_ones = nvfly.u32(0xFFFFFFFF) & ~((nvfly.u32(2) << index_top.bitcast(nvfly.u32)) - 1)
+    span = (nvfly.i64(2) << top.to(nvfly.i64)) - 1  # (2 << 63 wraps to 0: span -1, all bits free)
+    range_low = ((key_high.to(nvfly.i64) << 32) & ~span) | nvfly.select(keys_differ, 0, index_ones).to(nvfly.i64)
+    range_high = range_low | span
+    shift = nvfly.maximum(top - (HIST_BITS - 1), 0)
     threshold = nvfly.i64(ABSENT)
-    if count > needed:
-        # work on the unsigned bits u = rank ^ ABSENT; [range_low, range_high] holds the ranks still in play
-        top = 63 - count_leading_zeros((high ^ low) | 1)  # (| 1: only ABSENT duplicates can make them equal)
-        shift = nvfly.maximum(top - (HIST_BITS - 1), 0)
-        span = ((nvfly.i64(1) << top.to(nvfly.i64)) << 1) - 1
-        range_low = ((high ^ ABSENT) & ~span) ^ ABSENT
-        range_high = ((high ^ ABSENT) | span) ^ ABSENT
-        searching = nvfly.i32(1)
-        while searching != 0:
-            for j in nvfly.static_range(HIST // THREADS):
-                hist[j * THREADS + tid] = 0
-            nvfly.syncthreads()
-            for i in range(tid, count, THREADS):
-                r = buf[i]
-                if (r >= range_low) & (r <= range_high):
-                    atomic_add(hist, (((r ^ ABSENT) >> shift.to(nvfly.i64)) & (HIST - 1)).to(nvfly.i32), 1)
-            nvfly.syncthreads()
-            bucket, above, in_bucket = find_bucket(hist, state, warp_sums, needed, tid, lane, warp, THREADS)
-            needed = needed - above
-            range_low = ((range_low ^ ABSENT) | (bucket.to(nvfly.i64) << shift.to(nvfly.i64))) ^ ABSENT
-            range_high = ((range_low ^ ABSENT) | ((nvfly.i64(1) << shift.to(nvfly.i64)) - 1)) ^ ABSENT
-            if (in_bucket == needed) | (shift == 0):
-                searching = nvfly.i32(0)
-                threshold = range_low
-            else:
-                shift = nvfly.maximum(shift - HIST_BITS, 0)
-    # compaction: the trip count is the same in every thread, so the warp appends may shuffle
-    for first in range(0, count, THREADS):
-        r = buf.load(first + tid, mask=first + tid < count, other=ABSENT)
-        keep = (r != ABSENT) & (r >= threshold)
-        if vote_any(keep):
-            position, _ = reserve(state, keep.to(nvfly.i32), lane)
+    parity = nvfly.i32(0)
+    searching = nvfly.i32(1)
+    while searching != 0:
+        low = nvfly.maximum(range_low ^ ABSENT, ABSENT + 1)  # (ABSENT entries never count)
+        high = range_high ^ ABSENT
+        offset = parity * HIST
+        for first in range(tid, count, SWEEP * THREADS):
+            for r in sweep_loads(buf, first, count, THREADS):
+                if (r >= low) & (r <= high):
+                    atomic_add(hist, offset + (((r ^ ABSENT) >> shift.to(nvfly.i64)) & (HIST - 1)).to(nvfly.i32), 1)
+        nvfly.syncthreads()
+        bucket, above, in_bucket = locate_bucket(hist, lane_sums, warp_sums, offset, HIST - offset, needed, tid,
+                                                 lane, warp, THREADS)
+        needed = needed - above
+        range_low = range_low | (bucket.to(nvfly.i64) << shift.to(nvfly.i64))
+        if (in_bucket == needed) | (shift == 0):
+            searching = nvfly.i32(0)
+            threshold = range_low ^ ABSENT
+        else:
+            next_top = shift - 1
+            if (next_top < 32) & (next_top > index_top):  # skip the index bits that are ones in every real rank
+                range_low = range_low | ((nvfly.i64(1) << shift.to(nvfly.i64)) - 1) & \
+                    ~((nvfly.i64(2) << index_top.to(nvfly.i64)) - 1)
+                next_top = index_top
+            range_high = range_low | ((nvfly.i64(2) << next_top.to(nvfly.i64)) - 1)
+            shift = nvfly.maximum(next_top - (HIST_BITS - 1), 0)
+            parity = parity ^ 1
+    return threshold, parity * HIST
+
+
+@nvfly.func
+def compact(buf, kept_buf, hist, warp_sums, warp_lows, state, count, threshold, dirty, tid, lane, warp, THREADS):
+    """Keep the real ranks >= ``threshold`` of ``buf[:count]`` at ``buf[:kept]`` (in another order),
+    ``state[0] = kept``; returns the smallest kept rank; zeroes this thread's buckets of ``hist[dirty:dirty +
+    HIST]`` (the last pass's) once every thread is done reading them. Each thread counts its keepers, a block
+    scan (one barrier) gives its first slot, it writes them to ``kept_buf``, and the block copies them back."""
+    PER = HIST // THREADS
+    mine = nvfly.i32(0)
+    lowest = nvfly.i64(-1 - ABSENT)
+    for first in range(tid, count, SWEEP * THREADS):
+        for r in sweep_loads(buf, first, count, THREADS):
+            keep = (r != ABSENT) & (r >= threshold)
+            mine = mine + keep.to(nvfly.i32)
+            lowest = nvfly.select(keep, nvfly.minimum(lowest, r), lowest)
+    inclusive = warp_inclusive_sum(mine, lane)
+    lowest = nvfly.warp_reduce(lowest, "min")
+    if lane == 31:
+        warp_sums[48 + warp] = inclusive
+        warp_lows[warp] = lowest
+    nvfly.syncthreads()
+    position = inclusive - mine
+    kept = nvfly.i32(0)
+    for w in nvfly.static_range(THREADS // 32):
+        in_warp = warp_sums[48 + w]
+        position = position + nvfly.select(w < warp, in_warp, 0)
+        kept = kept + in_warp
+        lowest = nvfly.minimum(lowest, warp_lows[w])
+    for first in range(tid, count, SWEEP * THREADS):
+        for r in sweep_loads(buf, first, count, THREADS):  # (the same order as the count)
+            keep = (r != ABSENT) & (r >= threshold)
             kept_buf.store(r, position, mask=keep)
+            position = position + keep.to(nvfly.i32)
+    for i in nvfly.static_range(PER):
+        hist[dirty + tid * PER + i] = 0
     nvfly.syncthreads()
-    kept = state[0]
-    for i in range(tid, kept, THREADS):
-        buf[i] = kept_buf[i]
+    for first in range(tid, kept, SWEEP * THREADS):
+        for j, r in enumerate(sweep_loads(kept_buf, first, kept, THREADS)):
+            buf.store(r, first + j * THREADS, mask=first + j * THREADS < kept)
+    if tid == 0:
+        state[0] = kept
     nvfly.syncthreads()
+    return lowest
+
+
+@nvfly.func
+def select_top(buf, kept_buf, hist, lane_sums, warp_sums, warp_lows, state, needed, index_top, tid, lane, warp,
+               THREADS):
+    """Keep the ``needed`` largest real ranks of ``buf[:state[0]]`` (all of them if there are no more) at
+    ``buf[:kept]``, ``state[0] = kept``; returns T: the needed-th largest rank, the smallest kept (an element's
+    rank, so an element of a later column with T's key ranks below it), or ABSENT when all are kept. One sweep
+    counts the real ranks and finds their key range (one barrier); the radix passes run only when more than
+    ``needed`` are real, the compaction only when something is dropped."""
+    count = state[0]
+    reals = nvfly.i32(0)
+    key_high = nvfly.u32(0)
+    key_low = nvfly.u32(0xFFFFFFFF)
+    for first in range(tid, count, SWEEP * THREADS):
+        for r in sweep_loads(buf, first, count, THREADS):
+            real = r != ABSENT
+            key = rank_key(r)
+            reals = reals + real.to(nvfly.i32)
+            key_high = nvfly.select(real, nvfly.maximum(key_high, key), key_high)
+            key_low = nvfly.select(real, nvfly.minimum(key_low, key), key_low)
+    reals, key_high, key_low = block_count_key_range(reals, key_high, key_low, warp_sums, lane, warp, THREADS // 32)
+    bound = nvfly.i64(ABSENT)
+    dirty = nvfly.i32(0)
+    if reals > needed:
+        bound, dirty = radix_threshold(buf, hist, lane_sums, warp_sums, count, needed, key_high, key_low,
+                                       index_top, tid, lane, warp, THREADS)
+    threshold = nvfly.i64(ABSENT)
+    if (reals > needed) | (reals != count):
+        lowest = compact(buf, kept_buf, hist, warp_sums, warp_lows, state, count, bound, dirty, tid, lane, warp,
+                         THREADS)
+        threshold = nvfly.select(reals > needed, lowest, threshold)
     return threshold
 
 
-@nvfly.func
-def bitonic_sort_descending(buf, tid, SIZE, THREADS):
-    """Sort ``buf[:SIZE]`` (a power of two) in decreasing order; the block's threads share the pairs."""
-    pairs = SIZE // 2
-    size = 2
-    while size <= SIZE:
-        stride = size // 2
+# ---------------------------------------------------------------------------------------------- the sort
+def sort_per_thread(size: int, threads: int) -> int:
+    """Entries per thread of the register bitonic sort of ``size`` entries: at least 4 (or all of a warp's
+    share when fewer), so that strides below 4 stay in registers and those below 128 within a warp."""
+    return max(1, size // threads, min(4, size // 32))
+
+
+def bitonic_stages(size: int) -> list[tuple[int, int]]:
+    """(block, stride) of each compare-exchange stage of a bitonic sort of ``size`` (a power of two) entries:
+    entry i meets entry i ^ stride and keeps the larger when i is the lower one and (i & block) == 0."""
+    stages = []
+    block = 2
+    while block <= size:
+        stride = block // 2
         while stride >= 1:
-            for j in nvfly.static_range((pairs + THREADS - 1) // THREADS):
-                pair = j * THREADS + tid
-                first = ((pair >> int(math.log2(stride))) << int(math.log2(stride) + 1)) | (pair & (stride - 1))
-                a = buf[first]
-                b = buf[first + stride]
-                descending = (first & size) == 0
-                swap = nvfly.select(descending, a < b, a > b)
-                if pairs % THREADS == 0 or pair < pairs:
-                    buf[first] = nvfly.select(swap, b, a)
-                    buf[first + stride] = nvfly.select(swap, a, b)
-            nvfly.syncthreads()
+            stages.append((block, stride))
             stride //= 2
-        size *= 2
-
-
-# ---------------------------------------------------------------------------------------------- streaming kernel
-@nvfly.func
-def element_filter(element, col, stop, threshold, threshold_key, threshold_low, LARGEST, FROM_RANKS):
-    """(take, rank-or-key) of one streamed element: take when it is in the slice and ranks >= threshold."""
-    if FROM_RANKS:
-        take = (col < stop) & (element != ABSENT) & (element >= threshold)
-        key = element
-    else:
-        # compare (key, ~col) with the threshold's halves: u32 work instead of a 64-bit rank per element
-        key = order_key(element, LARGEST)
-        low = (~col).bitcast(nvfly.u32)
-        take = (col < stop) & ((key > threshold_key) | ((key == threshold_key) & (low >= threshold_low)))
-    return take, key
+        block *= 2
+    return stages
 
 
 @nvfly.func
-def element_rank(element, col, stop, LARGEST, FROM_RANKS):
-    """The 64-bit rank of one streamed element (ABSENT past the end of the slice)."""
-    r = element if FROM_RANKS else rank64(order_key(element, LARGEST), col)
-    return nvfly.select(col < stop, r, ABSENT)
+def sort_descending(buf, spare, kept, tid, lane, SIZE, THREADS):
+    """``buf[:kept]`` followed by ABSENT up to ``SIZE`` in decreasing order, in registers: thread t holds entries
+    [t*R, (t+1)*R) (R = ``sort_per_thread``). Strides below R are exchanged within the thread, strides up to
+    32R by warp shuffles, larger ones through shared memory (``spare`` and ``buf`` in turn: one barrier each).
+    Returns this thread's R sorted entries."""
+    R = sort_per_thread(SIZE, THREADS)
+    first = tid * R
+    active = first < SIZE
+    items = [buf.load(first + j, mask=first + j < kept, other=ABSENT) for j in nvfly.static_range(R)]
+    exchanges = 0
+    for block, stride in bitonic_stages(SIZE):
+        # entry first + j is in a descending run when (first + j) & block == 0: for a block smaller than R
+        # j decides (first is a multiple of R), for a larger one first does (j < R adds no carry past bit R)
+        descending = (first & block) == 0
+        if stride < R:
+            for j in nvfly.static_range(R):
+                if j & stride == 0:
+                    a, b = items[j], items[j | stride]
+                    larger, smaller = nvfly.maximum(a, b), nvfly.minimum(a, b)
+                    if block < R:
+                        items[j], items[j | stride] = (larger, smaller) if j & block == 0 else (smaller, larger)
+                    else:
+                        items[j] = nvfly.select(descending, larger, smaller)
+                        items[j | stride] = nvfly.select(descending, smaller, larger)
+        else:
+            if stride < 32 * R:
+                lower = (lane & (stride // R)) == 0
+                others = [nvfly.shfl_xor(items[j], stride // R) for j in nvfly.static_range(R)]
+            else:
+                area = spare if exchanges % 2 == 0 else buf
+                exchanges += 1
+                for j in nvfly.static_range(R):
+                    area.store(items[j], first + j, mask=active)
+                nvfly.syncthreads()
+                lower = (first & stride) == 0
+                others = [area.load((first + j) ^ stride, mask=active, other=ABSENT) for j in nvfly.static_range(R)]
+            for j in nvfly.static_range(R):
+                keep_larger = lower == descending  # (stride >= R: the block is larger than R)
+                items[j] = nvfly.select(keep_larger, nvfly.maximum(items[j], others[j]),
+                                        nvfly.minimum(items[j], others[j]))
+    return items
+
+
+# ---------------------------------------------------------------------------------------------- kernels
+@nvfly.func
+def element_filter(key, col, stop, threshold_key, threshold_low):
+    """Whether the element with this key at this column is in the slice and ranks >= the threshold, whose
+    (key, ~index) halves are given: u32 work instead of a 64-bit rank per element."""
+    low = (~col).bitcast(nvfly.u32)
+    return (col < stop) & ((key > threshold_key) | ((key == threshold_key) & (low >= threshold_low)))
 
 
 _PACKED = {"bf16": "bf16x2", "f16": "f16x2"}
@@ -327,89 +508,173 @@ def half_to_f32(bits, dtype):
 
 
 @nvfly.func
-def key_value(key, dtype, LARGEST):
-    """The f32 value of an order key (``order_key``'s inverse); NaN for the NaN key and for key 0 (the key of
-    ABSENT), so that comparisons with it are false."""
+def key_bits(key, dtype, LARGEST):
+    """The bits (u32; 16-bit floats in the low half) of the value whose order key is ``key`` (``order_key``'s
+    inverse; NaN for the NaN key and for key 0, the key of ABSENT)."""
     if not LARGEST:
         key = key ^ (0xFFFFFFFF if dtype == nvfly.f32 else 0xFFFF)
     if dtype == nvfly.f32:
-        value = nvfly.select((key & _KEY_MSB) != 0, key ^ _KEY_MSB, ~key).bitcast(nvfly.f32)
-    else:
-        value = half_to_f32(nvfly.select((key & 0x8000) != 0, key ^ 0x8000, key ^ 0xFFFF), dtype)
-    return value
+        return nvfly.select((key & _KEY_MSB) != 0, key ^ _KEY_MSB, ~key)
+    return nvfly.select((key & 0x8000) != 0, key ^ 0x8000, key ^ 0xFFFF)
+
+
+_ZERO_BELOW = {"f32": 0x7FFFFFFF, "bf16": 0x7FFF, "f16": 0x7FFF}  # key of the zero ranked lower (-0.0 when largest)
 
 
 @nvfly.func
-def vector_may_take(v, threshold_value, LARGEST):
-    """False only when no element of the vector ``v`` can rank at or above a threshold whose value (its key's
-    f32 value, ``key_value``) is ``threshold_value``: every element is strictly below it (above it when not
-    LARGEST) as floats. The extreme is taken with NaN-propagating packed max/min, so a vector holding a NaN is
-    never rejected, and neither is one whose extreme equals the value (-0.0 == +0.0 as floats: conservative)."""
-    op = "max" if LARGEST else "min"
-    if v.dtype == nvfly.f32:
-        parts = [v[e] for e in nvfly.static_range(v.size)]
-        while len(parts) > 1:
-            parts = [asm(f"{op}.NaN.f32 $0, $1, $2;", [parts[2 * i], parts[2 * i + 1]], nvfly.f32,
-                         side_effects=False) for i in nvfly.static_range(len(parts) // 2)]
-        first = parts[0]
-        second = parts[0]
+def flag_key(threshold_key, ties, dtype):
+    """The key whose value flags elements: every element that ranks at or above a threshold with key
+    ``threshold_key`` compares above that value as a float (below it when smallest) or is unordered with it.
+    ``ties``: an element with the threshold's key may rank above it (a lower index), so one key lower; the
+    lower-ranked zero one key lower again (-0.0 < +0.0 as keys, not as floats). Key 0 (NaN) flags everything."""
+    flag = threshold_key - nvfly.select(ties & (threshold_key != 0), 1, 0).bitcast(nvfly.u32)
+    return flag - nvfly.select(flag == _ZERO_BELOW[dtype.name], 1, 0).bitcast(nvfly.u32)
+
+
+def flag_bit(u: int, e: int, vec: int, packed: bool) -> int:
+    """The bit of a thread's per-iteration flags that stands for element ``e`` of its load ``u``. Packed (16-bit
+    values compared two to a u32 word): word w = u * vec/2 + e/2 takes bit w for its low half, w + 16 for its
+    high half (so one AND of the compare's 0xFFFF halves with 0x00010001 << w places both)."""
+    if packed:
+        return u * (vec // 2) + e // 2 + 16 * (e % 2)
+    return u * vec + e
+
+
+def flag_element(bit: Any, vec: int, packed: bool) -> tuple[Any, Any]:
+    """(u, e) of a flag bit: ``flag_bit``'s inverse (Python ints or traced i32)."""
+    if packed:
+        words_log2 = (vec // 2).bit_length() - 1
+        word = bit & 15
+        return word >> words_log2, ((word & (vec // 2 - 1)) << 1) | (bit >> 4)
+    vec_log2 = vec.bit_length() - 1
+    return bit >> vec_log2, bit & (vec - 1)
+
+
+def pick(items: list, index: Any, select: Callable[[Any, Any, Any], Any]) -> Any:
+    """``items[index]`` for a traced index in range: a tree of ``select(cond, a, b)`` on the index's bits, one
+    fewer than there are items (Python values with a Python ``select`` too)."""
+    level = 0
+    while len(items) > 1:
+        odd = ((index >> level) & 1) != 0
+        items = [select(odd, items[i + 1], items[i]) if i + 1 < len(items) else items[i]
+                 for i in range(0, len(items), 2)]
+        level += 1
+    return items[0]
+
+
+@nvfly.func
+def flagged_bits(current, bit, VEC, PACKED):
+    """The bits (``value_bits``) of the element that flag bit ``bit`` stands for, picked from the thread's
+    loads in registers: its u32 word (packed: ``flag_bit``'s word, bit & 15), then its half (bit >> 4)."""
+    if PACKED:
+        words = [current[u].bitcast(nvfly.u32)[w] for u in nvfly.static_range(len(current))
+                 for w in nvfly.static_range(VEC // 2)]
+        word = pick(words, bit & 15, nvfly.select)
+        return (word >> ((bit >> 4) << 4).bitcast(nvfly.u32)) & 0xFFFF
+    elements = [value_bits(current[u][e] if VEC > 1 else current[u]) for u in nvfly.static_range(len(current))
+                for e in nvfly.static_range(VEC)]
+    return pick(elements, bit, nvfly.select)
+
+
+@nvfly.func
+def candidate_flags(current, flag, VEC, UNROLL, LARGEST):
+    """A thread's u32 flags (``flag_bit``) of the elements of this iteration's loads that may rank at or above
+    the threshold: compared with ``flag`` (``flag_key``'s value) as floats, NaN-unordered included, two 16-bit
+    values per instruction. A superset of the candidates: the append checks each flagged element exactly."""
+    flags = nvfly.u32(0)
+    cmp = "gtu" if LARGEST else "ltu"
+    dtype = current[0].dtype
+    if dtype != nvfly.f32 and VEC > 1:
+        pair = flag | (flag << 16)
+        for u in nvfly.static_range(UNROLL):
+            words = current[u].bitcast(nvfly.u32)
+            for w in nvfly.static_range(VEC // 2):
+                hit = asm(f"set.{cmp}.u32.{_PACKED[dtype.name]} $0, $1, $2;", [words[w], pair], nvfly.u32,
+                          side_effects=False)
+                flags = flags | (hit & (0x00010001 << flag_bit(u, 2 * w, VEC, True)))
     else:
-        words = v.bitcast(nvfly.u32)
-        parts = [words[i] for i in nvfly.static_range(words.size)]
-        while len(parts) > 1:
-            parts = [asm(f"{op}.NaN.{_PACKED[v.dtype.name]} $0, $1, $2;", [parts[2 * i], parts[2 * i + 1]],
-                         nvfly.u32, side_effects=False) for i in nvfly.static_range(len(parts) // 2)]
-        first = half_to_f32(parts[0], v.dtype)
-        second = half_to_f32(parts[0] >> 16, v.dtype)
-    if LARGEST:
-        rejected = (first < threshold_value) & (second < threshold_value)
-    else:
-        rejected = (first > threshold_value) & (second > threshold_value)
-    return ~rejected
+        flag_value = flag.bitcast(nvfly.f32) if dtype == nvfly.f32 else half_to_f32(flag, dtype)
+        for u in nvfly.static_range(UNROLL):
+            for e in nvfly.static_range(VEC):
+                v = current[u][e] if VEC > 1 else current[u]
+                if dtype != nvfly.f32:
+                    v = half_to_f32((v.bitcast(nvfly.i16).to(nvfly.i32) & 0xFFFF).bitcast(nvfly.u32), dtype)
+                hit = asm(f"set.{cmp}.u32.f32 $0, $1, $2;", [v, flag_value], nvfly.u32, side_effects=False)
+                flags = flags | (hit & (1 << flag_bit(u, e, VEC, False)))
+    return flags
 
 
 @nvfly.func
 def threshold_halves(threshold):
     """(key, ~index) of a rank, as the u32 pair the streaming filter compares against."""
-    return ((threshold >> 32).to(nvfly.i32) ^ _KEY_MSB).bitcast(nvfly.u32), threshold.to(nvfly.i32).bitcast(nvfly.u32)
+    return rank_key(threshold), threshold.to(nvfly.i32).bitcast(nvfly.u32)
+
+
+@nvfly.func
+def shared_state(CAP, K_POW2, THREADS, tid):
+    """The block's shared memory (``_smem_bytes``): the candidate buffer, the compaction's (and sort's) spare,
+    two histograms (zeroed), the lane and warp sums, the warps' smallest kept ranks, the state ([0]: candidates
+    in the buffer, zeroed). The caller's barrier publishes the zeroes."""
+    buf = nvfly.dynamic_shared_tensor(nvfly.i64, (CAP,))
+    kept_buf = nvfly.dynamic_shared_tensor(nvfly.i64, (K_POW2,), CAP * 8)
+    tail = (CAP + K_POW2) * 8
+    hist = nvfly.dynamic_shared_tensor(nvfly.i32, (2 * HIST,), tail)  # two: the passes of a select alternate
+    lane_sums = nvfly.dynamic_shared_tensor(nvfly.i32, (THREADS,), tail + 8 * HIST)
+    warp_sums = nvfly.dynamic_shared_tensor(nvfly.i32, (64,), tail + 8 * HIST + 4 * THREADS)
+    warp_lows = nvfly.dynamic_shared_tensor(nvfly.i64, (16,), tail + 8 * HIST + 4 * THREADS + 256)
+    state = nvfly.dynamic_shared_tensor(nvfly.i32, (4,), tail + 8 * HIST + 4 * THREADS + 384)
+    for j in nvfly.static_range(2 * HIST // THREADS):
+        hist[j * THREADS + tid] = 0  # (a select leaves both zeroed)
+    if tid == 0:
+        state[0] = 0
+    return buf, kept_buf, hist, lane_sums, warp_sums, warp_lows, state
+
+
+@nvfly.func
+def highest_index_bit(x):
+    """The highest bit of any column index of ``x``'s rows: ``~index`` has ones above it in every real rank."""
+    return highest_bit(nvfly.maximum(x.shape[1] - 1, 1).bitcast(nvfly.u32)).bitcast(nvfly.i32)
+
+
+@nvfly.func
+def write_sorted(x, values, indices, buf, kept_buf, kept, k, row, tid, lane, K_POW2, THREADS):
+    """Sort the ``kept`` candidates of ``buf`` and write the first k: indices and the values gathered by index."""
+    items = sort_descending(buf, kept_buf, kept, tid, lane, K_POW2, THREADS)
+    first = tid * sort_per_thread(K_POW2, THREADS)
+    for j in nvfly.static_range(len(items)):
+        if first + j < k:
+            index = rank_index(items[j])
+            indices[row, first + j] = index.to(nvfly.i64)
+            values[row, first + j] = x[row, index]
 
 
 @nvfly.kernel
-def topk_radix_kernel(x: nvfly.Tensor, ranks_in: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor,
-                      ranks_out: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32, VEC: nvfly.Constexpr,
-                      UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr, CAP: nvfly.Constexpr,
-                      K_POW2: nvfly.Constexpr, LARGEST: nvfly.Constexpr, FROM_RANKS: nvfly.Constexpr,
-                      TO_RANKS: nvfly.Constexpr):
+def topk_radix_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, ranks_out: nvfly.Tensor,
+                      k: nvfly.i32, slice_len: nvfly.i32, VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr,
+                      THREADS: nvfly.Constexpr, CAP: nvfly.Constexpr, K_POW2: nvfly.Constexpr,
+                      LARGEST: nvfly.Constexpr, TO_RANKS: nvfly.Constexpr):
     """Block (row, part) streams columns [part*slice_len, (part+1)*slice_len) of its row once, keeping the
-    candidates that beat the running threshold in shared memory (see the module doc).
-
-    FROM_RANKS: the elements are 64-bit ranks (``ranks_in``, from a first pass over slices) instead of values.
-    TO_RANKS: write the slice's k best ranks to ``ranks_out[row, part*k:]`` (unsorted) instead of the sorted
-    values and indices."""
+    candidates that beat the running threshold in shared memory (see the module doc). TO_RANKS: write the
+    slice's k best ranks to ``ranks_out[row, part*k:]`` (unsorted, ABSENT where the slice has fewer) for
+    ``topk_merge_kernel`` instead of the sorted values and indices."""
+    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))  # a 128-register budget (ptxas spills at its default 64)
     row = nvfly.block_idx.x  # rows along x: up to 2**31 - 1 blocks (y stops at 65535)
     part = nvfly.block_idx.y
     tid = nvfly.thread_idx.x
     lane = tid & 31
     warp = tid >> 5
-    src = ranks_in if FROM_RANKS else x
     start = part * slice_len
-    stop = nvfly.minimum(start + slice_len, src.shape[1])
-    buf = nvfly.dynamic_shared_tensor(nvfly.i64, (CAP,))
-    kept_buf = nvfly.dynamic_shared_tensor(nvfly.i64, (K_POW2,), CAP * 8)
-    tail = (CAP + K_POW2) * 8
-    hist = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST,), tail)
-    scratch = nvfly.dynamic_shared_tensor(nvfly.i64, (64,), tail + HIST * 4)
-    warp_sums = nvfly.dynamic_shared_tensor(nvfly.i32, (32,), tail + HIST * 4 + 512)
-    state = nvfly.dynamic_shared_tensor(nvfly.i32, (4,), tail + HIST * 4 + 640)  # [0]: candidates in buf
-    if tid == 0:
-        state[0] = 0
+    stop = nvfly.minimum(start + slice_len, x.shape[1])
+    index_top = highest_index_bit(x)
+    smem = shared_state(CAP, K_POW2, THREADS, tid)
+    buf, kept_buf, state = smem[0], smem[1], smem[-1]
     nvfly.syncthreads()
     per_iter = THREADS * VEC * UNROLL
     limit = CAP - per_iter  # a buffer filled up to here still has room for one more iteration's appends
     current = []
     for u in nvfly.static_range(UNROLL):
         col = start + (u * THREADS + tid) * VEC
-        current.append(src.load(row, col, width=VEC, mask=col < stop))
+        current.append(x.load(row, col, width=VEC, mask=col < stop))
     # a first threshold: the k-th largest of the maxima of GROUPS * THREADS disjoint groups of the first
     # iteration's elements. k distinct elements rank at least that high, so no top-k element ranks lower, and
     # the first select sees a few thousand maxima instead of a whole iteration (whose top bits crowd a few
@@ -419,68 +684,50 @@ def topk_radix_kernel(x: nvfly.Tensor, ranks_in: nvfly.Tensor, values: nvfly.Ten
     for u in nvfly.static_range(UNROLL):
         for e in nvfly.static_range(VEC):
             col = start + (u * THREADS + tid) * VEC + e
-            r = element_rank(current[u][e] if VEC > 1 else current[u], col, stop, LARGEST, FROM_RANKS)
-            maxima[(u * VEC + e) % groups] = nvfly.maximum(maxima[(u * VEC + e) % groups], r)
+            r = rank64(order_key(current[u][e] if VEC > 1 else current[u], LARGEST), col)
+            maxima[(u * VEC + e) % groups] = nvfly.maximum(maxima[(u * VEC + e) % groups],
+                                                           nvfly.select(col < stop, r, ABSENT))
     for g in nvfly.static_range(groups):
         buf[g * THREADS + tid] = maxima[g]
     if tid == 0:
         state[0] = groups * THREADS
     nvfly.syncthreads()
-    threshold = select_top(buf, kept_buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS)
+    threshold = select_top(*smem, k, index_top, tid, lane, warp, THREADS)
     if tid == 0:
         state[0] = 0  # drop the maxima: the stream appends them again, with everything else above the threshold
     nvfly.syncthreads()
     threshold_key, threshold_low = threshold_halves(threshold)
-    # vector fast reject (values, 16-byte vectors of 2+ elements): skip the per-element filter of a warp whose
-    # vectors all lie strictly below the threshold's value
-    fast = not FROM_RANKS and VEC > 1
-    threshold_value = key_value(threshold_key, x.dtype, LARGEST) if fast else None
+    packed = x.dtype != nvfly.f32 and VEC > 1
     for it in range((stop - start + per_iter - 1) // per_iter):
         # the next iteration's loads are in flight while this one is filtered (and across the barrier)
         upcoming = []
         for u in nvfly.static_range(UNROLL):
             col = start + (((it + 1) * UNROLL + u) * THREADS + tid) * VEC
-            upcoming.append(src.load(row, col, width=VEC, mask=col < stop))
-        count = nvfly.i32(0)
-        if fast:
-            may = vector_may_take(current[0], threshold_value, LARGEST)
-            for u in nvfly.static_range(1, UNROLL):
-                may = may | vector_may_take(current[u], threshold_value, LARGEST)
-            if vote_any(may):
-                for u in nvfly.static_range(UNROLL):
-                    for e in nvfly.static_range(VEC):
-                        col = start + ((it * UNROLL + u) * THREADS + tid) * VEC + e
-                        take, _ = element_filter(current[u][e], col, stop, threshold, threshold_key, threshold_low,
-                                                 LARGEST, FROM_RANKS)
-                        count = count + take.to(nvfly.i32)
-        else:
-            for u in nvfly.static_range(UNROLL):
-                for e in nvfly.static_range(VEC):
-                    col = start + ((it * UNROLL + u) * THREADS + tid) * VEC + e
-                    take, _ = element_filter(current[u][e] if VEC > 1 else current[u], col, stop, threshold,
-                                             threshold_key, threshold_low, LARGEST, FROM_RANKS)
-                    count = count + take.to(nvfly.i32)
-        overflow = count < 0  # false; set by lane 31 of a warp whose append fills the buffer past the limit
-        if vote_any(count > 0):
-            # rare once the threshold has risen: reload the elements (an L1 hit) and filter them again rather
-            # than keep their keys and flags in registers through the loop
-            position, size = reserve(state, count, lane)
-            overflow = (lane == 31) & (size > limit)
-            for u in nvfly.static_range(UNROLL):
-                col0 = start + ((it * UNROLL + u) * THREADS + tid) * VEC
-                again = src.load(row, col0, width=VEC, mask=col0 < stop)
-                for e in nvfly.static_range(VEC):
-                    take, key = element_filter(again[e] if VEC > 1 else again, col0 + e, stop, threshold,
-                                               threshold_key, threshold_low, LARGEST, FROM_RANKS)
-                    buf.store(key if FROM_RANKS else rank64(key, col0 + e), position, mask=take)
-                    position = position + take.to(nvfly.i32)
-        if syncthreads_or(overflow):  # candidates are the elements ranked >= threshold
-            threshold = select_top(buf, kept_buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS)
+            upcoming.append(x.load(row, col, width=VEC, mask=col < stop))
+        col0 = start + (it * UNROLL * THREADS + tid) * VEC
+        # the threshold is an element's rank: in later iterations every column lies beyond its column, so an
+        # element with its key ranks below it
+        flag = key_bits(flag_key(threshold_key, it == 0, x.dtype), x.dtype, LARGEST)
+        pending = candidate_flags(current, flag, VEC, UNROLL, LARGEST)
+        overflow = nvfly.i32(0)  # set where a warp's append fills the buffer past the limit
+        # one flagged element per lane a round, picked from the loads in registers (a tree of selects: no
+        # dependent reload) and checked exactly: rare once the threshold has risen
+        while vote_any(pending != 0):
+            next_flag = pending & (0 - pending)
+            pending = pending ^ next_flag
+            bit = highest_bit(next_flag).bitcast(nvfly.i32)
+            u, e = flag_element(bit, VEC, packed)
+            col = col0 + u * THREADS * VEC + e
+            key = bits_key(flagged_bits(current, bit, VEC, packed), x.dtype, LARGEST)
+            take = element_filter(key, col, stop, threshold_key, threshold_low) & (next_flag != 0)
+            position, size = append_slots(state, take, lane)
+            buf.store(rank64(key, col), position, mask=take)
+            overflow = overflow | (size > limit).to(nvfly.i32)
+        if syncthreads_or(overflow != 0):  # candidates are the elements ranked >= threshold
+            threshold = select_top(*smem, k, index_top, tid, lane, warp, THREADS)
             threshold_key, threshold_low = threshold_halves(threshold)
-            if fast:
-                threshold_value = key_value(threshold_key, x.dtype, LARGEST)
         current = upcoming
-    select_top(buf, kept_buf, hist, state, warp_sums, scratch, k, tid, lane, warp, THREADS)
+    select_top(*smem, k, index_top, tid, lane, warp, THREADS)
     kept = state[0]  # k, or fewer when the slice is shorter
     if TO_RANKS:
         for j in nvfly.static_range((K_POW2 + THREADS - 1) // THREADS):
@@ -488,25 +735,41 @@ def topk_radix_kernel(x: nvfly.Tensor, ranks_in: nvfly.Tensor, values: nvfly.Ten
             if i < k:
                 ranks_out[row, part * k + i] = buf.load(i, mask=i < kept, other=ABSENT)
     else:
-        for j in nvfly.static_range((K_POW2 + THREADS - 1) // THREADS):
-            i = j * THREADS + tid
-            if (i >= kept) & (i < K_POW2):
-                buf[i] = ABSENT
-        nvfly.syncthreads()
-        bitonic_sort_descending(buf, tid, K_POW2, THREADS)
-        for j in nvfly.static_range((K_POW2 + THREADS - 1) // THREADS):
-            i = j * THREADS + tid
-            if i < k:
-                index = rank_index(buf[i])
-                indices[row, i] = index.to(nvfly.i64)
-                values[row, i] = x[row, index]
+        write_sorted(x, values, indices, buf, kept_buf, kept, k, row, tid, lane, K_POW2, THREADS)
+
+
+@nvfly.kernel
+def topk_merge_kernel(x: nvfly.Tensor, ranks: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor,
+                      k: nvfly.i32, VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr, CAP: nvfly.Constexpr,
+                      K_POW2: nvfly.Constexpr):
+    """Block ``row`` merges the ranks the slices of its row wrote (their k best each): all of them into shared
+    memory (CAP >= their count), one select, the sort."""
+    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
+    row = nvfly.block_idx.x
+    tid = nvfly.thread_idx.x
+    lane = tid & 31
+    warp = tid >> 5
+    count = ranks.shape[1]
+    smem = shared_state(CAP, K_POW2, THREADS, tid)
+    buf, kept_buf, state = smem[0], smem[1], smem[-1]
+    for first in range(tid * VEC, count, SWEEP * THREADS * VEC):
+        loaded = [ranks.load(row, first + j * THREADS * VEC, width=VEC, mask=first + j * THREADS * VEC < count)
+                  for j in nvfly.static_range(SWEEP)]
+        for j in nvfly.static_range(SWEEP):
+            buf.store(loaded[j], first + j * THREADS * VEC, mask=first + j * THREADS * VEC < count)
+    if tid == 0:
+        state[0] = count  # (ABSENT ones, from slices shorter than k, are no candidates)
+    nvfly.syncthreads()
+    select_top(*smem, k, highest_index_bit(x), tid, lane, warp, THREADS)
+    write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
 
 
 # ---------------------------------------------------------------------------------------------- host side
 @dataclass(frozen=True)
 class TopkPlan:
     """Launch shape of a TopK: the warp kernel (``warps`` rows per block) or the streaming kernel
-    (``threads`` per block, ``parts`` slices per row merged by a second launch when rows are few)."""
+    (``threads`` per block, ``parts`` slices per row merged by ``topk_merge_kernel`` when rows are few: it holds
+    all ``parts * k`` ranks of a row in ``merge_cap`` entries, loaded ``merge_vec`` at a time)."""
     warp: bool
     vec: int
     warps: int = 1
@@ -516,10 +779,16 @@ class TopkPlan:
     k_pow2: int = 0
     parts: int = 1
     slice_len: int = 0
+    merge_cap: int = 0
+    merge_vec: int = 0
 
     @property
     def smem_bytes(self) -> int:
-        return _smem_bytes(self.cap, self.k_pow2) if not self.warp else 0
+        return _smem_bytes(self.cap, self.k_pow2, self.threads) if not self.warp else 0
+
+    @property
+    def merge_smem_bytes(self) -> int:
+        return _smem_bytes(self.merge_cap, self.k_pow2, STREAM_THREADS) if self.parts > 1 else 0
 
 
 def _unroll(vec: int, itemsize: int) -> int:
@@ -532,19 +801,22 @@ def _capacity(per_iter: int, k_pow2: int, threads: int = STREAM_THREADS) -> int:
     return per_iter + -(-margin // threads) * threads
 
 
-def _smem_bytes(cap: int, k_pow2: int) -> int:
-    return (cap + k_pow2) * 8 + HIST * 4 + 656
+def _smem_bytes(cap: int, k_pow2: int, threads: int) -> int:
+    """The candidate buffer, the compaction's (and sort's) spare of k_pow2, two histograms, the lane and warp
+    sums, the warps' smallest kept ranks and the state of ``topk_radix_kernel``."""
+    return (cap + k_pow2) * 8 + 2 * HIST * 4 + threads * 4 + 256 + 128 + 16
 
 
-def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, sm_count: int) -> tuple[int, int, int]:
+def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, sm_count: int,
+               max_parts: int = MAX_PARTS) -> tuple[int, int, int]:
     """(parts, slice_len, unroll): how the rows are cut into slices, one block each. Slices are whole sweeps of
     ``threads * vec`` elements (the last one of a row may be short). Few rows: enough slices for about
     BLOCKS_PER_SM blocks on every SM, as long as a slice holds 4k elements or more and the merge reads at most
-    MERGE_RANKS ranks a row (parts * k). A slice of c sweeps takes ceil(c / max_unroll) iterations of an unroll
-    that spreads the sweeps evenly over them."""
+    MERGE_RANKS ranks a row (parts * k), and at most ``max_parts``. A slice of c sweeps takes ceil(c /
+    max_unroll) iterations of an unroll that spreads the sweeps evenly over them."""
     sweep = threads * vec
     sweeps = -(-n // sweep)
-    parts = max(1, min(BLOCKS_PER_SM * sm_count // m, sweeps, n // (4 * k), MERGE_RANKS // k, MAX_PARTS))
+    parts = max(1, min(BLOCKS_PER_SM * sm_count // m, sweeps, n // (4 * k), MERGE_RANKS // k, max_parts))
     per_slice = -(-sweeps // parts)
     iterations = -(-per_slice // max_unroll)
     unroll = -(-per_slice // iterations)
@@ -556,21 +828,24 @@ def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, 
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int) -> TopkPlan:
-    """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements)."""
+def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS) -> TopkPlan:
+    """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements); ``max_parts``
+    caps the slices of a row (``benchmarks.topk --compare-plans`` times fewer than the default)."""
     if k <= WARP_MAX_K and n <= WARP_MAX_N:
         return TopkPlan(True, vec, warps=max(1, min(8, m // (2 * sm_count))))
     k_pow2 = max(2, 1 << (k - 1).bit_length())
     max_unroll = _unroll(vec, itemsize)
     # blocks of SLICE_THREADS, two to an SM, unless their shared memory is too large (k = 2048)
     threads = SLICE_THREADS
-    if BLOCKS_PER_SM * (_smem_bytes(_capacity(threads * vec * max_unroll, k_pow2, threads), k_pow2) + 1024) > \
-            SM_SMEM_BYTES:
+    if BLOCKS_PER_SM * (_smem_bytes(_capacity(threads * vec * max_unroll, k_pow2, threads), k_pow2, threads) +
+                        1024) > SM_SMEM_BYTES:
         threads = STREAM_THREADS
-    parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count)
+    parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts)
+    merge_cap = max(parts * k, k_pow2) if parts > 1 else 0  # (the sort exchanges k_pow2 entries through it)
     return TopkPlan(False, vec, unroll=unroll, threads=threads,
                     cap=_capacity(threads * vec * unroll, k_pow2, threads), k_pow2=k_pow2, parts=parts,
-                    slice_len=slice_len)
+                    slice_len=slice_len, merge_cap=merge_cap,
+                    merge_vec=(2 if parts * k % 2 == 0 else 1) if parts > 1 else 0)
 
 
 def _check(x: Any, k: Any, dim: Any) -> int:
@@ -704,22 +979,19 @@ def _runner(p: TopkPlan, m: int, n: int, k: int, largest: bool) -> Any:
         return lambda rows, values, indices: warp.launch(rows, values, indices, *tail)
     if p.parts == 1:
         single = topk_radix_kernel.prepared((m, 1, 1), p.threads)
-        tail = (k, n, p.vec, p.unroll, p.threads, p.cap, p.k_pow2, largest, False, False)
-        return lambda rows, values, indices: single.launch(rows, rows, values, indices, rows, *tail)
+        tail = (k, n, p.vec, p.unroll, p.threads, p.cap, p.k_pow2, largest, False)
+        return lambda rows, values, indices: single.launch(rows, values, indices, rows, *tail)
     # slices of each row write their k best ranks; a second launch merges them (2 ranks per 16-byte access).
     # The ranks are a fresh allocation each call (the caching allocator's, a few microseconds): a buffer kept
     # across calls would need one per stream and would break under CUDA graph capture.
     first = topk_radix_kernel.prepared((m, p.parts, 1), p.threads)
-    first_tail = (k, p.slice_len, p.vec, p.unroll, p.threads, p.cap, p.k_pow2, largest, False, True)
-    merge_vec = 2 if p.parts * k % 2 == 0 else 1
-    merge_unroll = _unroll(merge_vec, 8)
-    merge_cap = _capacity(STREAM_THREADS * merge_vec * merge_unroll, p.k_pow2, STREAM_THREADS)
-    merge = topk_radix_kernel.prepared((m, 1, 1), STREAM_THREADS)
-    merge_tail = (k, p.parts * k, merge_vec, merge_unroll, STREAM_THREADS, merge_cap, p.k_pow2, largest, True, False)
+    first_tail = (k, p.slice_len, p.vec, p.unroll, p.threads, p.cap, p.k_pow2, largest, True)
+    merge = topk_merge_kernel.prepared((m, 1, 1), STREAM_THREADS)
+    merge_tail = (k, p.merge_vec, STREAM_THREADS, p.merge_cap, p.k_pow2)
     ranks_shape = (m, p.parts * k)
 
     def run(rows: "torch.Tensor", values: "torch.Tensor", indices: "torch.Tensor") -> None:
         ranks = torch.empty(ranks_shape, dtype=torch.int64, device=rows.device)
-        first.launch(rows, rows, values, indices, ranks, *first_tail)
-        merge.launch(rows, ranks, values, indices, ranks, *merge_tail)
+        first.launch(rows, values, indices, ranks, *first_tail)
+        merge.launch(rows, ranks, values, indices, *merge_tail)
     return run

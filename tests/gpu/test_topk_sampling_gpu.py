@@ -1,0 +1,104 @@
+"""TopK's streaming radix kernel and merge on the GPU against the documented order, computed independently of
+torch's float sorts: a stable sort of the order keys (the value's bits made monotone: -0.0 below +0.0, NaN above
++inf; inverted when smallest). Random rows, heavy ties, NaN/inf, mixed -0.0/+0.0, sorted rows; k = 1/50/1024/2048,
+M = 1/3/64, N = 8 to 152K; the plans with fewer slices than the default (``max_parts``) too."""
+import pytest
+import torch
+
+from nvfly.ops import topk
+from nvfly.ops.rmsnorm import vector_width
+from nvfly.runtime.driver import plan_sm_count
+
+pytestmark = pytest.mark.gpu
+
+BITS = {torch.bfloat16: (torch.int16, 16), torch.float16: (torch.int16, 16), torch.float32: (torch.int32, 32)}
+
+
+def documented_order(x, k, largest):
+    """(indices, values) of the k best elements per row: a stable sort of the order keys."""
+    view, width = BITS[x.dtype]
+    full = (1 << width) - 1
+    bits = x.view(view).long() & full
+    keys = bits ^ torch.where(bits >> (width - 1) == 1, full, 1 << (width - 1))
+    keys = torch.where(x.isnan(), full, keys)
+    if not largest:
+        keys = full - keys
+    indices = torch.sort(keys, dim=-1, descending=True, stable=True).indices[:, :k]
+    return indices, x.gather(1, indices)
+
+
+def rows(kind, m, n, dtype):
+    if kind == "randn":
+        x = torch.randn(m, n, device="cuda")
+    elif kind == "ties":  # five values: most of the top k are ties
+        x = torch.randint(-2, 3, (m, n), device="cuda").float()
+    elif kind == "special":  # NaN, +-inf and mixed zeros among normal values
+        x = torch.randn(m, n, device="cuda")
+        s = torch.rand(m, n, device="cuda")
+        x[s < 0.01] = float("nan")
+        x[(s >= 0.01) & (s < 0.02)] = float("inf")
+        x[(s >= 0.02) & (s < 0.03)] = -float("inf")
+        x[(s >= 0.03) & (s < 0.05)] = 0.0
+        x[(s >= 0.05) & (s < 0.07)] = -0.0
+    elif kind == "zeros":  # only -0.0 and +0.0
+        x = torch.where(torch.rand(m, n, device="cuda") < 0.5, -0.0, 0.0)
+    elif kind == "rising":  # every element beats the running threshold
+        x = torch.arange(n, device="cuda").float().repeat(m, 1)
+    else:  # falling: the first elements are the answer
+        x = -torch.arange(n, device="cuda").float().repeat(m, 1)
+    return x.to(dtype)
+
+
+def assert_documented(x, k, largest, values, indices):
+    ref_i, ref_v = documented_order(x, k, largest)
+    assert torch.equal(indices, ref_i)
+    assert torch.equal(values.view(BITS[x.dtype][0]), ref_v.view(BITS[x.dtype][0]))  # bit for bit
+
+
+SHAPES = [(1, 151936, 50), (1, 128256, 1024), (1, 151936, 2048), (3, 151936, 1024), (64, 128256, 50),
+          (64, 151936, 1024), (3, 40_000, 1), (1, 4097, 2048), (3, 1000, 50), (64, 1100, 8), (1, 8, 8),
+          (3, 30_001, 33), (64, 5000, 2048)]
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("kind", ["randn", "ties", "special"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_topk_matches_the_documented_order(m, n, k, kind, dtype):
+    x = rows(kind, m, n, dtype)
+    for largest in (True, False):
+        values, indices = topk.topk(x, k, largest=largest)
+        assert_documented(x, k, largest, values, indices)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 151936, 1024), (3, 20_000, 50), (64, 151936, 50)])
+@pytest.mark.parametrize("kind", ["zeros", "rising", "falling"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_topk_zeros_and_sorted_rows(m, n, k, kind, dtype):
+    x = rows(kind, m, n, dtype)
+    for largest in (True, False):
+        values, indices = topk.topk(x, k, largest=largest)
+        assert_documented(x, k, largest, values, indices)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 151936, 50), (1, 151936, 1024), (3, 128256, 2048), (64, 151936, 1024)])
+def test_topk_plans_with_fewer_slices(m, n, k):
+    """The plans ``benchmarks.topk --compare-plans`` times: half the slices and none, same result."""
+    x = rows("randn", m, n, torch.bfloat16)
+    vec = vector_width(n, (x,), 2)
+    sms = plan_sm_count(x.get_device())
+    default = topk.plan(n, k, m, vec, 2, sms)
+    for max_parts in sorted({topk.MAX_PARTS, max(1, default.parts // 2), 1}):
+        run = topk._runner(topk.plan(n, k, m, vec, 2, sms, max_parts), m, n, k, True)
+        values = torch.full((m, k), float("nan"), dtype=x.dtype, device="cuda")
+        indices = torch.full((m, k), -1, dtype=torch.int64, device="cuda")
+        run(x, values, indices)
+        assert_documented(x, k, True, values, indices)
+
+
+def test_topk_matches_torch_on_the_sampling_suite():
+    """Values equal to torch.topk's and the same indices (k > 32: torch's sort is stable there)."""
+    for m, n, k in [(m, n, k) for m in (1, 64, 256) for n in (128256, 151936) for k in (50, 1024)]:
+        x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+        values, indices = topk.topk(x, k)
+        ref_v, ref_i = torch.topk(x, k)
+        assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k)

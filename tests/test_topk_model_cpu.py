@@ -1,0 +1,437 @@
+"""TopK's streaming radix kernel modelled in Python, step by step as the device code computes it (no GPU needed):
+the candidate flags (one compare per element against ``flag_key``'s value, a superset of the candidates), the
+trip loop that decodes flag bits back to columns (``flag_element``), the select (key range, radix passes with
+the index-bit skip, ``locate_bucket``'s warp/lane/bucket search, the compaction's slots, the smallest kept rank
+as the next threshold), the register bitonic sort (``sort_per_thread``, ``bitonic_stages`` and each stage's keep
+rule) and the slices + ``topk_merge_kernel`` (every rank of a row in shared memory, one select). The model runs
+the kernel's plans on random rows, heavy ties, NaN/inf/zeros and sorted rows and must return exactly the
+documented order (a stable sort, NaN largest)."""
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from nvfly.ops import topk
+
+ABSENT = topk.ABSENT
+M32 = (1 << 32) - 1
+M64 = (1 << 64) - 1
+FORMATS = {"bf16": 16, "f16": 16, "f32": 32}
+
+
+# ---------------------------------------------------------------------------------------------- values and ranks
+def as_floats(bits, fmt):
+    """float64 values of bit patterns (numpy u32 array)."""
+    bits = np.asarray(bits, dtype=np.uint32)
+    with np.errstate(invalid="ignore"):  # (NaN patterns)
+        if fmt == "f32":
+            return bits.view(np.float32).astype(np.float64)
+        if fmt == "bf16":
+            return (bits << 16).view(np.float32).astype(np.float64)
+        return bits.astype(np.uint16).view(np.float16).astype(np.float64)
+
+
+def order_keys(bits, fmt, largest):
+    """``topk.order_key`` for bit patterns (numpy u32 array)."""
+    width = FORMATS[fmt]
+    full = (1 << width) - 1
+    sign = 1 << (width - 1)
+    bits = np.asarray(bits, dtype=np.int64)
+    key = bits ^ np.where(bits & sign, full, sign)
+    nan_above = {"f32": 0x7F800000, "bf16": 0x7F80, "f16": 0x7C00}[fmt]
+    key = np.where((bits & (full >> 1)) > nan_above, full, key)
+    return key ^ full if not largest else key
+
+
+def to_signed(u):
+    """A 64-bit pattern (0..2**64-1) as the kernel's signed i64."""
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def rank_of(key, col):
+    """``rank64``: (key << 32 | ~col) with the top bit flipped, signed."""
+    return to_signed(((key << 32) | (~col & M32)) ^ (1 << 63))
+
+
+def rank_u(r):
+    """u = rank ^ ABSENT: the rank as an unsigned number (0 for ABSENT)."""
+    return (r & M64) ^ (1 << 63)
+
+
+def reference(bits, k, fmt, largest):
+    """The documented result: a stable sort of the values, NaN largest (the columns, in order)."""
+    keys = order_keys(bits, fmt, largest)
+    return sorted(range(len(bits)), key=lambda c: (-int(keys[c]), c))[:k]
+
+
+# ---------------------------------------------------------------------------------------------- flags
+def key_bits(key, fmt, largest):
+    """``topk.key_bits``: the bit pattern whose order key is ``key``."""
+    width = FORMATS[fmt]
+    full = (1 << width) - 1
+    sign = 1 << (width - 1)
+    if not largest:
+        key ^= full
+    return key ^ sign if key & sign else ~key & full
+
+
+def flag_key(threshold_key, ties, fmt):
+    """``topk.flag_key``."""
+    flag = (threshold_key - (1 if ties and threshold_key != 0 else 0)) & M32
+    return (flag - (1 if flag == {"f32": 0x7FFFFFFF}.get(fmt, 0x7FFF) else 0)) & M32
+
+
+def flagged(values, flag_value, largest):
+    """``set.gtu`` (largest) / ``set.ltu``: above (below) the flag value, or unordered with it."""
+    with np.errstate(invalid="ignore"):
+        return ~(values <= flag_value) if largest else ~(values >= flag_value)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "f16", "f32"])
+@pytest.mark.parametrize("largest", [True, False])
+def test_flags_are_a_superset_of_the_candidates(fmt, largest):
+    """Every bit pattern that ranks at or above a threshold (ties by index: in the first iteration an element
+    with the threshold's key may have a lower index) is flagged by the one float compare with flag_key's value:
+    over all 16-bit patterns (a sample of f32 ones) and thresholds at zeros, infinities, NaN, ABSENT's key 0,
+    denormals and random keys."""
+    width = FORMATS[fmt]
+    rng = np.random.default_rng(1)
+    if width == 16:
+        patterns = np.arange(1 << 16, dtype=np.uint32)
+    else:
+        special = [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00000, 0xFFC00000, 1, 0x80000001, 0x7F7FFFFF,
+                   0xFF7FFFFF, 0x00800000, 0x80800000]
+        patterns = np.concatenate([np.array(special, dtype=np.uint32),
+                                   rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)])
+    keys = order_keys(patterns, fmt, largest)
+    values = as_floats(patterns, fmt)
+    full = (1 << width) - 1
+    thresholds = {0, 1, 2, full, full - 1} | {int(order_keys(np.array([b]), fmt, largest)[0]) for b in
+                                               ([0, 1 << (width - 1), 1, (1 << (width - 1)) + 1] +
+                                                [int(b) for b in rng.choice(patterns, 300)])}
+    for tkey in sorted(thresholds):
+        for ties in (True, False):
+            flag_value = as_floats(np.array([key_bits(flag_key(tkey, ties, fmt), fmt, largest)]), fmt)[0]
+            hit = flagged(values, flag_value, largest)
+            must = keys >= tkey if ties else keys > tkey
+            missed = np.flatnonzero(must & ~hit)
+            assert missed.size == 0, (fmt, largest, hex(tkey), ties, [hex(int(patterns[i])) for i in missed[:5]])
+            if tkey not in (0, 1) and not math.isnan(flag_value):  # and little else is flagged
+                assert np.count_nonzero(hit & ~must) <= np.count_nonzero(np.isnan(values)) + 2 + (keys == tkey).sum()
+
+
+@pytest.mark.parametrize("vec,unroll,packed", [(8, 4, True), (8, 1, True), (2, 8, True), (4, 4, False),
+                                               (1, 8, False), (2, 4, False), (8, 2, True), (4, 2, False)])
+def test_flag_bits_cover_each_element_of_an_iteration_once(vec, unroll, packed):
+    bits = [topk.flag_bit(u, e, vec, packed) for u in range(unroll) for e in range(vec)]
+    assert len(set(bits)) == len(bits) and all(0 <= b < 32 for b in bits)
+    for u in range(unroll):
+        for e in range(vec):
+            assert topk.flag_element(topk.flag_bit(u, e, vec, packed), vec, packed) == (u, e)
+    if packed:  # both halves of word w sit at w and w + 16: one AND with 0x00010001 << w places them
+        for u in range(unroll):
+            for w in range(vec // 2):
+                assert topk.flag_bit(u, 2 * w + 1, vec, packed) == topk.flag_bit(u, 2 * w, vec, packed) + 16
+
+
+# ---------------------------------------------------------------------------------------------- the select
+def locate_bucket(hist, needed, threads):
+    """``topk.locate_bucket``: thread ownership, lane suffix sums, warp sums, the ballot of the lanes."""
+    per = topk.HIST // threads
+    totals = [sum(hist[t * per:(t + 1) * per]) for t in range(threads)]
+    suffix = [sum(totals[t - t % 32 + lane] for lane in range(t % 32, 32)) for t in range(threads)]
+    warp_sums = [suffix[w * 32] for w in range(threads // 32)]
+    target = above = higher = 0
+    for w in range(threads // 32 - 1, -1, -1):
+        if higher < needed <= higher + warp_sums[w]:
+            target, above = w, higher
+        higher += warp_sums[w]
+    lane_suffix = [suffix[target * 32 + lane] for lane in range(32)]
+    reach = [lane for lane in range(32) if above + lane_suffix[lane] >= needed]
+    assert reach, "the ballot of the target warp is empty"
+    owner_lane = max(reach)
+    above += 0 if owner_lane == 31 else lane_suffix[owner_lane + 1]
+    owner = target * 32 + owner_lane
+    found = None
+    for i in range(per - 1, -1, -1):
+        c = hist[owner * per + i]
+        if above < needed <= above + c:
+            found = (owner * per + i, above, c)
+        above += c
+    assert found is not None
+    return found
+
+
+def radix_threshold(buf, needed, key_high, key_low, index_top, threads, passes):
+    """``topk.radix_threshold`` on Python ints (u-space patterns masked to 64 bits)."""
+    keys_differ = key_high != key_low
+    top = (key_high ^ key_low).bit_length() - 1 + 32 if keys_differ else index_top
+    index_ones = M32 & ~((2 << index_top) - 1)
+    span = ((2 << top) - 1) & M64
+    range_low = ((key_high << 32) & ~span & M64) | (0 if keys_differ else index_ones)
+    range_high = range_low | span
+    shift = max(top - (topk.HIST_BITS - 1), 0)
+    while True:
+        passes.append(shift)
+        low = max(to_signed(range_low ^ (1 << 63)), ABSENT + 1)
+        high = to_signed(range_high ^ (1 << 63))
+        hist = [0] * topk.HIST
+        for r in buf:
+            if low <= r <= high:
+                hist[(rank_u(r) >> shift) & (topk.HIST - 1)] += 1
+        bucket, above, in_bucket = locate_bucket(hist, needed, threads)
+        needed -= above
+        range_low |= bucket << shift
+        if in_bucket == needed or shift == 0:
+            return to_signed(range_low ^ (1 << 63))
+        next_top = shift - 1
+        if index_top < next_top < 32:
+            range_low |= ((1 << shift) - 1) & ~((2 << index_top) - 1)
+            next_top = index_top
+        range_high = range_low | ((2 << next_top) - 1)
+        shift = max(next_top - (topk.HIST_BITS - 1), 0)
+
+
+def compaction_slots(buf, threshold, threads):
+    """``topk.compact``'s slots: each thread's keepers (strided over the buffer) after a block scan."""
+    keeps = [[i for i in range(t, len(buf), threads) if buf[i] != ABSENT and buf[i] >= threshold]
+             for t in range(threads)]
+    slots = {}
+    position = 0
+    for t in range(threads):  # the warp inclusive sums and the earlier warps' totals: an exclusive scan
+        for i in keeps[t]:
+            slots[i] = position
+            position += 1
+    return slots
+
+
+def select_top(buf, needed, index_top, threads, stats):
+    """``topk.select_top``: (threshold: the smallest kept rank or ABSENT, the kept ranks in their new order)."""
+    reals = [r for r in buf if r != ABSENT]
+    bound = threshold = ABSENT
+    if len(reals) > needed:
+        keys = [(rank_u(r) >> 32) for r in reals]
+        passes = []
+        bound = radix_threshold(buf, needed, max(keys), min(keys), index_top, threads, passes)
+        stats.append((len(buf), len(passes)))
+    if len(reals) > needed or len(reals) != len(buf):
+        slots = compaction_slots(buf, bound, threads)
+        kept = [None] * len(slots)
+        for i, s in slots.items():
+            kept[s] = buf[i]
+        assert sorted(kept) == sorted(r for r in reals if r >= bound)
+        buf = kept
+        if len(reals) > needed:
+            threshold = min(kept)
+    assert len(buf) == min(len(reals), needed)
+    if len(reals) > needed:  # exactly the kept ranks are >= the bound and >= T
+        assert sum(r >= bound for r in reals) == needed == sum(r >= threshold for r in reals)
+    return threshold, buf
+
+
+# ---------------------------------------------------------------------------------------------- the sort
+def sort_descending(buf, kept, size, threads):
+    """``topk.sort_descending``: per-thread registers, each stage's keep rule as the device computes it."""
+    per = topk.sort_per_thread(size, threads)
+    items = [[buf[t * per + j] if t * per + j < kept else ABSENT for j in range(per)] for t in range(threads)]
+    for block, stride in topk.bitonic_stages(size):
+        new = [row[:] for row in items]
+        for t in range(threads):
+            first = t * per
+            if first >= size:
+                continue
+            descending = (first & block) == 0
+            for j in range(per):
+                if stride < per:
+                    if j & stride:
+                        continue
+                    a, b = items[t][j], items[t][j | stride]
+                    down = (j & block) == 0 if block < per else descending
+                    new[t][j], new[t][j | stride] = (max(a, b), min(a, b)) if down else (min(a, b), max(a, b))
+                    continue
+                if stride < 32 * per:  # a shuffle: lane ^ stride / per, same j
+                    lane = t % 32
+                    other = items[(t - lane) + (lane ^ (stride // per))][j]
+                    lower = (lane & (stride // per)) == 0
+                else:  # through shared memory
+                    partner = (first + j) ^ stride
+                    other = items[partner // per][partner % per]
+                    lower = (first & stride) == 0
+                mine = items[t][j]
+                new[t][j] = max(mine, other) if lower == descending else min(mine, other)
+        items = new
+    return [v for row in items[:-(-size // per)] for v in row][:size]
+
+
+@pytest.mark.parametrize("size,threads", [(2, 256), (4, 256), (32, 256), (64, 256), (128, 256), (256, 256),
+                                          (1024, 256), (2048, 512), (2048, 256), (512, 512)])
+def test_register_bitonic_sort_model(size, threads):
+    rng = random.Random(size + threads)
+    for kept in {size, size // 2 + 1, 1, max(1, size - 3)}:
+        ranks = list({rng.randrange(-(1 << 62), 1 << 62) for _ in range(kept)})
+        out = sort_descending(ranks + [ABSENT] * (size - kept), kept, size, threads)
+        assert out == sorted(ranks, reverse=True) + [ABSENT] * (size - kept)
+
+
+# ---------------------------------------------------------------------------------------------- the kernel
+def flagged_bits(loaded, bit, vec, packed):
+    """``topk.flagged_bits``: the flagged element's bits picked from the thread's loads (lists of bit patterns)
+    by ``topk.pick``'s tree of selects."""
+    select = lambda cond, a, b: a if cond else b  # noqa: E731
+    if packed:  # 16-bit values two to a little-endian u32 word
+        words = [row[2 * w] | row[2 * w + 1] << 16 for row in loaded for w in range(vec // 2)]
+        return (topk.pick(words, bit & 15, select) >> ((bit >> 4) << 4)) & 0xFFFF
+    return topk.pick([v for row in loaded for v in row], bit, select)
+
+
+def stream_block(bits, start, stop, k, vec, unroll, threads, cap, k_pow2, fmt, largest, rng, stats):
+    """One block of ``topk_radix_kernel`` over columns [start, stop) of a row (bit patterns): the maxima
+    select, the flagged stream with its trips, the overflow selects and the final one; returns the kept ranks
+    (``buf[:kept]``)."""
+    index_top = max(len(bits) - 1, 1).bit_length() - 1
+    per_iter = threads * vec * unroll
+    limit = cap - per_iter
+    packed = fmt != "f32" and vec > 1
+    keys = order_keys(bits, fmt, largest)
+
+    def rank(col):
+        return rank_of(int(keys[col]), col) if col < stop else ABSENT
+
+    groups = min(vec * unroll, 2 * ((k_pow2 + threads - 1) // threads))
+    maxima = [ABSENT] * (groups * threads)
+    for t in range(threads):
+        for u in range(unroll):
+            for e in range(vec):
+                col = start + (u * threads + t) * vec + e
+                g = (u * vec + e) % groups
+                maxima[g * threads + t] = max(maxima[g * threads + t], rank(col))
+    threshold, _ = select_top(maxima, k, index_top, threads, stats)
+    buf = []
+    for it in range(-(-(stop - start) // per_iter)):
+        tkey = rank_u(threshold) >> 32
+        flag_value = as_floats(np.array([key_bits(flag_key(tkey, it == 0, fmt), fmt, largest)]), fmt)[0]
+        appended = []
+        for t in range(threads):
+            col0 = start + (it * unroll * threads + t) * vec
+            loaded = [[int(bits[c]) if c < stop else 0 for c in range(col0 + u * threads * vec,
+                                                                     col0 + u * threads * vec + vec)]
+                      for u in range(unroll)]  # (masked loads past the end read 0)
+            hits = flagged(as_floats(np.array(loaded).ravel(), fmt), flag_value, largest)
+            pending = 0
+            for u in range(unroll):
+                for e in range(vec):
+                    if hits[u * vec + e]:
+                        pending |= 1 << topk.flag_bit(u, e, vec, packed)
+            while pending:  # the trips: lowest flag first, decoded back to a column, picked, checked exactly
+                lowest = pending & -pending
+                pending ^= lowest
+                bit = lowest.bit_length() - 1
+                u, e = topk.flag_element(bit, vec, packed)
+                col = col0 + u * threads * vec + e
+                picked = flagged_bits(loaded, bit, vec, packed)
+                assert picked == loaded[u][e]
+                if col < stop and rank_of(int(order_keys(np.array([picked]), fmt, largest)[0]), col) >= threshold:
+                    appended.append(rank(col))
+        exact = [rank(c) for c in range(start + it * per_iter, min(stop, start + (it + 1) * per_iter))]
+        assert sorted(appended) == sorted(r for r in exact if r >= threshold), \
+            "the flags missed a candidate, or the trips visited one twice"
+        rng.shuffle(appended)  # the warps append in any order
+        buf += appended
+        if len(buf) > limit:
+            threshold, buf = select_top(buf, k, index_top, threads, stats)
+    _, buf = select_top(buf, k, index_top, threads, stats)
+    return buf
+
+
+def model_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0):
+    """The kernels' plan for m_rows rows like this one, run on this row: the columns of the top k."""
+    n = len(bits)
+    itemsize = FORMATS[fmt] // 8
+    vec = 16 // itemsize
+    while n % vec:  # (rmsnorm.vector_width for contiguous rows)
+        vec //= 2
+    p = topk.plan(n, k, m_rows, vec, itemsize, sm_count)
+    assert not p.warp
+    rng = random.Random(seed)
+    stats = []
+    if p.parts == 1:
+        kept = stream_block(bits, 0, n, k, vec, p.unroll, p.threads, p.cap, p.k_pow2, fmt, largest, rng, stats)
+    else:
+        ranks = []
+        for part in range(p.parts):
+            start = part * p.slice_len
+            kept = stream_block(bits, start, min(start + p.slice_len, n), k, vec, p.unroll, p.threads, p.cap,
+                                p.k_pow2, fmt, largest, rng, stats)
+            ranks += kept + [ABSENT] * (k - len(kept))
+        assert len(ranks) <= p.merge_cap  # topk_merge_kernel: every rank into shared memory, one select
+        _, kept = select_top(ranks, k, max(n - 1, 1).bit_length() - 1, topk.STREAM_THREADS, stats)
+    threads = p.threads if p.parts == 1 else topk.STREAM_THREADS
+    out = sort_descending(kept + [ABSENT] * (p.k_pow2 - len(kept)), len(kept), p.k_pow2, threads)
+    return [~r & M32 for r in out[:k]], stats
+
+
+def rows(kind, n, fmt, seed):
+    """Bit patterns of a test row."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[fmt]
+    if kind == "randn":
+        x = torch.randn(n, generator=g)
+    elif kind == "ties":
+        x = torch.randint(-2, 3, (n,), generator=g).float()
+    elif kind == "zeros":
+        x = torch.zeros(n)
+        x[torch.rand(n, generator=g) < 0.5] = -0.0
+    elif kind == "special":
+        x = torch.randn(n, generator=g)
+        s = torch.rand(n, generator=g)
+        x[s < 0.01] = float("nan")
+        x[(s >= 0.01) & (s < 0.02)] = float("inf")
+        x[(s >= 0.02) & (s < 0.03)] = -float("inf")
+        x[(s >= 0.03) & (s < 0.05)] = 0.0
+    elif kind == "rising":
+        x = torch.arange(n).float()
+    else:
+        x = -torch.arange(n).float()
+    x = x.to(dtype)
+    view = {16: torch.int16, 32: torch.int32}[FORMATS[fmt]]
+    return (x.view(view).numpy().astype(np.int64) & ((1 << FORMATS[fmt]) - 1)).astype(np.uint32)
+
+
+CASES = [  # (n, k, rows the plan is for): one block per row, slices + merge, k = 1 ... 2048
+    (20_000, 50, 256), (20_000, 1024, 256), (40_000, 50, 1), (40_000, 1024, 1), (40_000, 2048, 1),
+    (9_000, 1, 256), (30_001, 33, 3), (12_000, 1000, 64), (4097, 2048, 64), (1100, 8, 1), (40, 40, 2),
+]
+
+
+@pytest.mark.parametrize("n,k,m", CASES)
+@pytest.mark.parametrize("fmt", ["bf16", "f32"])
+def test_model_matches_the_stable_sort_on_random_rows(n, k, m, fmt):
+    for largest in (True, False):
+        bits = rows("randn", n, fmt, seed=n + k)
+        got, _ = model_topk(bits, min(k, n), fmt, largest, m)
+        assert got == reference(bits, min(k, n), fmt, largest)
+
+
+@pytest.mark.parametrize("kind", ["ties", "zeros", "special", "rising", "falling"])
+@pytest.mark.parametrize("n,k,m", [(20_000, 50, 256), (20_000, 1024, 1), (5000, 100, 2)])
+@pytest.mark.parametrize("fmt", ["bf16", "f16", "f32"])
+def test_model_matches_the_stable_sort_on_ties_nan_and_sorted_rows(kind, n, k, m, fmt):
+    for largest in (True, False):
+        bits = rows(kind, n, fmt, seed=7)
+        got, _ = model_topk(bits, k, fmt, largest, m)
+        assert got == reference(bits, k, fmt, largest)
+
+
+def test_model_select_passes_skip_the_constant_index_bits():
+    """bf16 rows: the key digits, then index digits from the row's highest index bit (not bit 31): at most
+    one pass on the key and two on the index (N < 2**22) per select."""
+    bits = rows("randn", 40_000, "bf16", seed=3)
+    _, stats = model_topk(bits, 1024, "bf16", True, 256)
+    assert stats and max(passes for _, passes in stats) <= 4, stats
+    index_top = 40_000 .bit_length() - 1
+    passes = []
+    ranks = [rank_of(0x4000, c) for c in range(0, 40_000, 7)]  # one key: only the index decides
+    radix_threshold(ranks, 100, 0x4000, 0x4000, index_top, 256, passes)
+    assert passes[0] == max(index_top - 10, 0) and len(passes) <= 2

@@ -6,10 +6,10 @@ bandwidth counts one read of the input (the floor for any TopK). Inductor is not
 same aten kernel. Usage: python -m benchmarks.topk [--quick] [--shapes M,N,K ...]   (or: nvfly bench topk)
 Writes benchmarks/results/topk_h200.json and topk_h200.png.
 
-``--compare-plans``: per sampling shape (bf16; ``--shapes`` for others), the implementation before the
-topk-sampling branch (``benchmarks/topk_baseline.py``), the default plan and, for rows cut into slices, plans
-with half the slices and with none; each is checked against the documented order before it is timed. Writes
-benchmarks/results/topk_plans_h200.json.
+``--compare-plans``: per sampling shape (bf16; ``--shapes`` for others), the default plan and, for rows cut into
+slices, plans with half the slices and with none; each is checked against the documented order before it is
+timed. Writes benchmarks/results/topk_plans_h200.json. (The implementation before 2026-11-29's rewrite was timed
+beside them once, from a copy at commit 8d20c2b: benchmarks/results/topk_plans_h200.log.)
 """
 from __future__ import annotations
 
@@ -78,14 +78,13 @@ def plan_variants(x: torch.Tensor, k: int) -> dict:
 
 
 def compare_plans(cases: list[tuple[int, int, int]]) -> int:
-    """--compare-plans: one line per shape: torch.topk, the baseline, the default plan (*) and its variants."""
-    from benchmarks import topk_baseline
+    """--compare-plans: one line per shape: torch.topk, the default plan (*) and its variants."""
     rows = []
     t_start = time.time()
     for m, n, k in cases:
         x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
         expected = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
-        calls = {"baseline": lambda: topk_baseline.topk(x, k), **plan_variants(x, k)}
+        calls = plan_variants(x, k)
         row = {"M": m, "N": n, "k": k, "dtype": "bfloat16", "torch_ms": bench_ms(lambda: torch.topk(x, k))}
         for name, call in calls.items():
             values, indices = call()
@@ -97,11 +96,10 @@ def compare_plans(cases: list[tuple[int, int, int]]) -> int:
             (f"{row[f'{name}_ms'] * 1e3:7.1f} us x{row['torch_ms'] / row[f'{name}_ms']:5.2f}"
              if row[f"{name}_ms"] else "MISMATCH") for name in calls), flush=True)
         torch.cuda.empty_cache()
-    timed = [r for r in rows if r["default_ms"] and r["baseline_ms"]]
+    timed = [r for r in rows if r["default_ms"]]
     summary = {"all_correct": all(v for r in rows for key, v in r.items() if key.endswith("_correct")),
                "default_geomean_vs_torch": geomean([r["torch_ms"] / r["default_ms"] for r in timed]),
                "default_min_vs_torch": min((r["torch_ms"] / r["default_ms"] for r in timed), default=None),
-               "default_geomean_vs_baseline": geomean([r["baseline_ms"] / r["default_ms"] for r in timed]),
                "seconds": time.time() - t_start}
     print(summary)
     print("wrote", write_results("topk_plans", rows, {"summary": summary}))
@@ -113,7 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="bf16 only")
     p.add_argument("--shapes", nargs="*", default=None, help="M,N,K triples (bf16)")
     p.add_argument("--compare-plans", action="store_true",
-                   help="the baseline implementation, the default plan and fewer slices, on the sampling shapes")
+                   help="the default plan and fewer slices, on the sampling shapes")
     args = p.parse_args(argv)
     if args.compare_plans:
         return compare_plans([tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SAMPLING)

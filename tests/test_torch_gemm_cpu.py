@@ -167,9 +167,9 @@ def fake_gpu_database(monkeypatch, tmp_path):
     monkeypatch.setattr(autotune_module, "database", lambda device=None: db)
     monkeypatch.setattr(autotune_module, "analyze", lambda a, b, c=None: (Workload(
         1, a.shape[0], b.shape[1], a.shape[1], a.dtype, a.dtype, "K", "K"), None))
-    autotune_module._EAGER.clear()
+    autotune_module._forget_eager_decisions()
     yield db
-    autotune_module._EAGER.clear()
+    autotune_module._forget_eager_decisions()
 
 
 def test_eager_routing_follows_the_database(fake_gpu_database):
@@ -183,6 +183,18 @@ def test_eager_routing_follows_the_database(fake_gpu_database):
     assert _eager("mm", a, b) == (None, "bm=64,bn=32")
     assert "out=" in _eager("mm", a, b, out=torch.empty(0, dtype=torch.bfloat16))[0]
     assert "complex" in _eager("addmm", a, b, torch.zeros(32).bfloat16(), beta=1j)[0]
+
+
+def test_database_updates_drop_the_eager_launches_with_the_decisions(fake_gpu_database):
+    """A routed signature's bound launches belong to the config its decision picked: a database update forgets
+    both, so the next call decides and binds again."""
+    autotune_module = importlib.import_module("nvfly.torch.autotune")
+    a, b = torch.randn(16, 64).bfloat16(), torch.randn(64, 32).bfloat16()
+    _eager("mm", a, b)
+    autotune_module._EAGER_CALLS[autotune_module._eager_key(a, b, None, None, 1, 1)] = "launches of the old config"
+    key = Workload(1, 16, 32, 64, torch.bfloat16, torch.bfloat16, "K", "K").key()
+    fake_gpu_database.update([_entry(key, best="bm=64,bn=32", best_ms=0.5, torch_ms=1.0)])
+    assert autotune_module._EAGER == {} and autotune_module._EAGER_CALLS == {}
 
 
 def test_eager_routes_decline_cpu_tensors_and_fall_through():

@@ -103,7 +103,7 @@ class Database:
                 json.dump(doc, f, indent=1)
             os.replace(tmp, self.path)  # readers see the old file or the new one, never a partial one
             self._entries = merged
-        _EAGER.clear()
+        _forget_eager_decisions()
 
     def _read(self) -> dict[str, Entry]:
         try:
@@ -327,6 +327,13 @@ _EAGER: dict[tuple, tuple[Optional[str], str]] = {}  # operand signature -> (why
 _EAGER_CALLS: dict[tuple, Any] = {}  # operand signature -> gemm.bind's launches of the decided config
 
 
+def _forget_eager_decisions() -> None:
+    """Drop the eager decisions and, with them, the launches bound for their configs (never one without the
+    other: a call bound for a config the database no longer picks would keep running it)."""
+    _EAGER.clear()
+    _EAGER_CALLS.clear()
+
+
 def _eager_key(a: Tensor, b: Tensor, c: Optional[Tensor], out: Optional[Tensor], beta: Any, alpha: Any) -> tuple:
     return layout_key(a), layout_key(b), layout_key(c), layout_key(out), type(beta), type(alpha), beta != 0, alpha != 1
 
@@ -349,8 +356,7 @@ def _eager(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, out: Optio
                 reason, config = _expected_faster(w, a.device.index)
         record(Decision.of("eager", op, a, b, reason=reason, candidates=(config,) if config else ()))
         if len(_EAGER) >= 4096:
-            _EAGER.clear()
-            _EAGER_CALLS.clear()
+            _forget_eager_decisions()
         hit = _EAGER[key] = (reason, config)
     return hit
 

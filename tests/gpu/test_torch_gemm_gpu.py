@@ -42,7 +42,7 @@ def operand(rows, cols, major, batches=None):
 def fresh_state():
     clear_decisions()
     gemm_ops._BOUND.clear()
-    autotune_module._EAGER.clear()
+    autotune_module._forget_eager_decisions()
     yield
     nvfly.torch.uninstall()
     nvfly.torch.disable_routing()

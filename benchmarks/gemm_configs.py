@@ -29,7 +29,7 @@ import argparse
 import os
 import sys
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -71,32 +71,36 @@ def label(cfg: GemmConfig) -> str:
     return f"{cfg.bm}x{cfg.bn}s{cfg.stages}c{cfg.cluster_m}{'pp' if cfg.pingpong else ''}{store}{tail}"
 
 
-def with_and_without_tail(m: int, n: int, k: int) -> list[GemmConfig]:
-    """The default config of a shape and the two other default tiles, each with and without the stream-K tail."""
+def other_default_tiles(m: int, n: int, k: int) -> list[GemmConfig]:
+    """The two large default tiles (gemm._TILES) other than the tile of the shape's default config."""
     first = gemm.default_config(m, n, k)
-    tiles = [first] + [cfg for cfg, _ in gemm._TILES[:3] if (cfg.bm, cfg.bn) != (first.bm, first.bn)]
+    return [cfg for cfg, _ in gemm._TILES[:3] if (cfg.bm, cfg.bn) != (first.bm, first.bn)]
+
+
+def with_and_without_tail(m: int, n: int, k: int) -> list[GemmConfig]:
+    """The default config of a shape and the two other default tiles, each with and without stream K."""
+    tiles = [gemm.default_config(m, n, k)] + other_default_tiles(m, n, k)
     return [replace(cfg, stream_k=on) for cfg in tiles for on in (True, False)]
 
 
-def region_configs(m: int, n: int, k: int) -> list[Optional[GemmConfig]]:
-    """None (the default call) and the default tiles other than the shape's default config."""
-    first = gemm.default_config(m, n, k)
-    return [None] + [cfg for cfg, _ in gemm._TILES[:3] if (cfg.bm, cfg.bn) != (first.bm, first.bn)]
+def checked_ms(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, what: Any, **options: Any) -> float:
+    """Median ms of ``gemm.matmul(a, b, **options)``, after checking one call against ``ref``."""
+    out = gemm.matmul(a, b, **options)
+    assert rel_err(out, ref) < 1e-2, (what, rel_err(out, ref))
+    return bench_ms(lambda: gemm.matmul(a, b, out=out, **options))
 
 
 def time_regions(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float) -> list[str]:
-    """Each region_configs config under each stream-K region, in TFLOP/s (plans are cached per call signature,
-    so the cache is emptied whenever the region changes)."""
+    """The default call and the other default tiles under each stream-K region, in TFLOP/s (plans are cached per
+    call signature, so the cache is emptied whenever the region changes)."""
     cells = []
     default_region = gemm.STREAM_K_REGION
     try:
-        for cfg in region_configs(a.shape[0], b.shape[1], a.shape[1]):
+        for cfg in [None] + other_default_tiles(a.shape[0], b.shape[1], a.shape[1]):
             for region in gemm.STREAM_K_REGIONS:
                 gemm.STREAM_K_REGION = region
                 gemm._CALLS.clear()
-                out = gemm.matmul(a, b, config=cfg)
-                assert rel_err(out, ref) < 1e-2, (cfg, region, rel_err(out, ref))
-                ms = bench_ms(lambda: gemm.matmul(a, b, config=cfg, out=out))
+                ms = checked_ms(a, b, ref, (cfg, region), config=cfg)
                 name = "default" if cfg is None else label(cfg)
                 cells.append(f"{name}/{region} ({gemm.path(a, b, config=cfg)}) {flops / ms / 1e9:.0f}")
     finally:
@@ -125,9 +129,7 @@ def time_tiles(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float
     cells = []
     for name in ["default"] + names:
         cfg, swap = (None, None) if name == "default" else named_tile(name)
-        out = gemm.matmul(a, b, config=cfg, swap=swap)
-        assert rel_err(out, ref) < 1e-2, (name, rel_err(out, ref))
-        ms = bench_ms(lambda: gemm.matmul(a, b, config=cfg, swap=swap, out=out))
+        ms = checked_ms(a, b, ref, name, config=cfg, swap=swap)
         where = f" ({gemm.path(a, b)})" if cfg is None else ""
         cells.append(f"{name}{where} {flops / ms / 1e9:.0f}")
     return cells
@@ -165,9 +167,7 @@ def main(argv=None) -> int:
                 print(" | ".join(line + time_regions(a, b, ref, 2 * m * n * k)), flush=True)
                 continue
             for cfg in with_and_without_tail(m, n, k) if args.compare_stream_k else configs:
-                out = gemm.matmul(a, b, config=cfg)
-                assert rel_err(out, ref) < 1e-2, (cfg, rel_err(out, ref))
-                ms = bench_ms(lambda: gemm.matmul(a, b, config=cfg, out=out))
+                ms = checked_ms(a, b, ref, cfg, config=cfg)
                 line.append(f"{label(cfg)} ({gemm.path(a, b, config=cfg)}) {2 * m * n * k / ms / 1e9:.0f}")
             print(" | ".join(line), flush=True)
     return 0

@@ -289,9 +289,12 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     dp_tiles, block_iters = stream_k_plan(tiles, k_tiles, sms) if config.stream_k and split == 1 and cm == 1 \
         else (0, 0)
     sk_tiles = tiles - dp_tiles if block_iters else 0
-    # stream K: dp_tiles is a multiple of the grid (whole waves); without whole waves, as many blocks as ranges
-    grid = sms if dp_tiles else math.ceil(sk_tiles * k_tiles / block_iters) if block_iters else \
-        min(tiles, sms // cm * cm)
+    if not block_iters:
+        grid = min(tiles, sms // cm * cm)
+    elif dp_tiles:
+        grid = sms  # the whole tiles are whole waves: dp_tiles is a multiple of the grid
+    else:
+        grid = math.ceil(sk_tiles * k_tiles / block_iters)  # as many blocks as k ranges
     return _Plan(config, swap, a_major, b_major, m, n, k_tiles, batches, grid,
                  128 * (1 + config.consumers), a_box, a_swizzle, b_box, b_swizzle,
                  Epilogue(has_c=has_c, activation=activation, partial=split > 1, scaled=scaled and split == 1),

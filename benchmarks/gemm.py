@@ -2,7 +2,7 @@
 
 Correctness first (relative error vs a float32 reference on fresh random inputs, poisoned outputs), then the
 median time of each. Usage: python -m benchmarks.gemm [--quick] [--no-triton] [--shapes M,N,K ...]
-[--layout rowxcol] [--compare-paths]. Every shape runs in all four operand majors (row-major only with
+[--layout rowxcol] [--compare-paths] [--name gemm_part]. Every shape runs in all four operand majors (row-major only with
 --quick; one layout with --layout). Each row names the nvfly kernel that ran (``path``); --compare-paths
 also times the wgmma kernel where the skinny one ran (``wgmma_ms``). --layout rowxcol is the F.linear case
 (the skinny kernel's). Writes benchmarks/results/gemm_h200.json and gemm_h200.png.
@@ -53,6 +53,8 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="*", default=None)
     p.add_argument("--layout", default=None, help="one A x B layout for every shape, e.g. rowxcol")
     p.add_argument("--compare-paths", action="store_true", help="also time the wgmma kernel where skinny ran")
+    p.add_argument("--name", default="gemm", help="results file stem: benchmarks/results/<name>_h200.json (and .png), "
+                                                   "so that a partial run does not replace the suite's")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else \
         (ANCHORS if args.quick else SUITE)
@@ -104,10 +106,10 @@ def main(argv=None) -> int:
                "geomean_vs_cublas_m_512_up": geomean([r["vs_cublas"] for r in rows if r["M"] >= 512]),
                "rows_below_0.9_vs_cublas": sum(r["vs_cublas"] < 0.9 for r in rows), "rows": len(rows)}
     print(summary)
-    path = write_results("gemm", rows, {"summary": summary})
+    path = write_results(args.name, rows, {"summary": summary})
     labels = [f"{r['M']}x{r['N']}x{r['K']} {r['layout']}" for r in rows]
-    plot("gemm", labels, {"nvfly": [r["nvfly_tflops"] for r in rows],
-                          "cuBLAS": [r["cublas_tflops"] for r in rows]}, "TFLOP/s")
+    plot(args.name, labels, {"nvfly": [r["nvfly_tflops"] for r in rows],
+                             "cuBLAS": [r["cublas_tflops"] for r in rows]}, "TFLOP/s")
     print("wrote", path)
     return 0
 

@@ -239,7 +239,8 @@ def test_topk_plans_for_the_sampling_suite():
 
 
 def test_topk_compare_plans_variants_compile():
-    """``benchmarks.topk --compare-plans``: the plans with fewer slices compile clean."""
+    """``benchmarks.topk --compare-plans``: the plans with fewer slices and the row-threshold plan compile
+    clean."""
     from benchmarks import topk as bench
     x = torch.randn(1, 151936).to(torch.bfloat16)
     with nvfly.compile_only() as kernels:
@@ -247,9 +248,10 @@ def test_topk_compare_plans_variants_compile():
         for call in calls.values():
             call()
     p = topk.plan(151936, 1024, 1, 8, 2, 132)
-    assert list(calls) == ["default", f"parts<={p.parts // 2}", "parts=1"]
+    assert list(calls) == ["default", f"parts<={p.parts // 2}", "parts=1", "row-threshold"]
     assert [topk.plan(151936, 1024, 1, 8, 2, 132, cap).parts for cap in (p.parts // 2, 1)] == [p.parts // 2, 1]
-    assert {kern.name for kern in kernels} == {"topk_radix_kernel", "topk_merge_kernel"}
+    assert {kern.name for kern in kernels} == {"topk_radix_kernel", "topk_merge_kernel", "topk_row_histogram_kernel",
+                                               "topk_row_select_kernel"}
     for kern in kernels:
         assert_clean(kern)
 

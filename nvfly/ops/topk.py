@@ -39,6 +39,9 @@ Three kernels:
   MERGE_RANKS / k slices), each slice writes its k best ranks and a second launch merges them.
 - ``topk_merge_kernel``: one block of 512 threads a row loads the slices' parts * k ranks straight into shared
   memory, selects once and sorts.
+- On request (``plan(..., row_threshold=True)``, not the default yet), rows cut into slices run ``topk_row``'s
+  kernels instead: a row-wide histogram of the top key bits, then every slice appends its elements in the k-th
+  key's bucket or above and the row's last block selects and sorts them (``stream_top`` when there are too many).
 
 Where the time goes (estimates, H200): ``benchmarks/results/topk_notes.md``.
 """

@@ -7,7 +7,8 @@ same aten kernel. Usage: python -m benchmarks.topk [--quick] [--shapes M,N,K ...
 Writes benchmarks/results/topk_h200.json and topk_h200.png.
 
 ``--compare-plans``: per sampling shape (bf16; ``--shapes`` for others), the default plan and, for rows cut into
-slices, plans with half the slices and with none; each is checked against the documented order before it is
+slices, plans with half the slices, with none, and the row-threshold plan (``topk.plan(..., row_threshold=True)``,
+``nvfly/ops/topk_row.py``); each is checked against the documented order before it is
 timed. Writes benchmarks/results/topk_plans_h200.json. (The implementation before 2026-11-29's rewrite was timed
 beside them once, from a copy at commit 8d20c2b: benchmarks/results/topk_plans_h200.log.)
 """
@@ -56,17 +57,19 @@ def run(m: int, n: int, k: int, dtype: torch.dtype, kind: str) -> dict:
 
 def plan_variants(x: torch.Tensor, k: int) -> dict:
     """name -> call() of the current implementation under its default plan and, when rows are cut into
-    slices, with half the slices and with none (``topk.plan``'s max_parts)."""
+    slices, with half the slices and with none (``topk.plan``'s max_parts), and the row-threshold plan."""
     m, n = x.shape
     vec = vector_width(n, (x,), x.element_size())
     sms = plan_sm_count(x.get_device())
-    default = topk.plan(n, k, m, vec, x.element_size(), sms)
-    caps = {"default": topk.MAX_PARTS}
+    shape = (n, k, m, vec, x.element_size(), sms)
+    default = topk.plan(*shape)
+    plans = {"default": default}
     if not default.warp and default.parts > 1:
-        caps.update({f"parts<={default.parts // 2}": default.parts // 2, "parts=1": 1})
+        plans.update({f"parts<={default.parts // 2}": topk.plan(*shape, default.parts // 2),
+                      "parts=1": topk.plan(*shape, 1), "row-threshold": topk.plan(*shape, row_threshold=True)})
     calls = {}
-    for name, max_parts in caps.items():
-        run = topk._runner(topk.plan(n, k, m, vec, x.element_size(), sms, max_parts), m, n, k, True)
+    for name, p in plans.items():
+        run = topk._runner(p, m, n, k, True)
 
         def call(run=run):
             values = torch.empty((m, k), dtype=x.dtype, device=x.device)

@@ -239,7 +239,8 @@ def test_topk_plans_for_the_sampling_suite():
 
 
 def test_topk_compare_plans_variants_compile():
-    """``benchmarks.topk --compare-plans``: the plans with fewer slices compile clean."""
+    """``benchmarks.topk --compare-plans``: the plans with fewer slices and the row-threshold plan compile
+    clean."""
     from benchmarks import topk as bench
     x = torch.randn(1, 151936).to(torch.bfloat16)
     with nvfly.compile_only() as kernels:
@@ -247,11 +248,38 @@ def test_topk_compare_plans_variants_compile():
         for call in calls.values():
             call()
     p = topk.plan(151936, 1024, 1, 8, 2, 132)
-    assert list(calls) == ["default", f"parts<={p.parts // 2}", "parts=1"]
+    assert list(calls) == ["default", f"parts<={p.parts // 2}", "parts=1", "row-threshold"]
     assert [topk.plan(151936, 1024, 1, 8, 2, 132, cap).parts for cap in (p.parts // 2, 1)] == [p.parts // 2, 1]
-    assert {kern.name for kern in kernels} == {"topk_radix_kernel", "topk_merge_kernel"}
+    assert {kern.name for kern in kernels} == {"topk_radix_kernel", "topk_merge_kernel", "topk_row_histogram_kernel",
+                                               "topk_row_select_kernel"}
     for kern in kernels:
         assert_clean(kern)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,m,largest", [(151936, 50, 1, True), (128256, 1024, 1, False), (151936, 1024, 64, True),
+                                           (151936, 2048, 1, True), (30_001, 33, 3, False)])
+def test_topk_row_threshold_kernels_compile(dtype, n, k, m, largest):
+    """``plan(..., row_threshold=True)``: the histogram and select kernels (with the last block's select, sort
+    and whole-row stream) compile clean, without local memory, with registers and shared memory for 2 blocks."""
+    x = torch.randn(m, n).to(dtype)
+    itemsize = x.element_size()
+    vec = rmsnorm.vector_width(n, (x,), itemsize)
+    p = topk.plan(n, k, m, vec, itemsize, 132, row_threshold=True)
+    assert p.row_threshold
+    with nvfly.compile_only() as kernels:
+        topk._runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=dtype), torch.empty(m, k, dtype=torch.int64))
+    assert [kern.name for kern in kernels] == ["topk_row_histogram_kernel", "topk_row_select_kernel"]
+    for kern in kernels:
+        assert_clean(kern)
+        assert kern.count("LDL") == 0 and kern.count("STL") == 0
+        assert kern.resources.registers <= 65536 // (topk.BLOCKS_PER_SM * 256)
+    histogram, select = kernels
+    assert histogram.count("ATOMS") > 0 and histogram.count("REDG") > 0  # shared counts, then global adds
+    assert select.dynamic_smem_bytes == p.smem_bytes
+    assert select.count("ATOMG") > 0 and select.count("VOTE.ANY") > 0 and select.count("MEMBAR") > 0
+    if vec > 1:
+        assert histogram.count("LDG.E.128") >= p.unroll and select.count("LDG.E.128") >= 2 * p.unroll
 
 
 def test_topk_slice_plan_model():

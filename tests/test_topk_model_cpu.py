@@ -435,3 +435,120 @@ def test_model_select_passes_skip_the_constant_index_bits():
     ranks = [rank_of(0x4000, c) for c in range(0, 40_000, 7)]  # one key: only the index decides
     radix_threshold(ranks, 100, 0x4000, 0x4000, index_top, 256, passes)
     assert passes[0] == max(index_top - 10, 0) and len(passes) <= 2
+
+
+# ---------------------------------------------------------------------------------------------- row threshold
+def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0):
+    """``topk_row``'s two launches under ``topk.row_plan`` for m_rows rows like this one, run on this row: the
+    slices' bucket counts summed into the row's histogram, ``locate_bucket`` of the k-th largest key, each
+    slice's flagged and checked elements in the bucket or above appended in any order (blocks arrive in any
+    order), the last block's select and sort, or its whole-row stream when the bucket and above exceed the
+    list. Returns (columns, whether the row was streamed)."""
+    n = len(bits)
+    itemsize = FORMATS[fmt] // 8
+    vec = 16 // itemsize
+    while n % vec:
+        vec //= 2
+    p = topk.row_plan(n, k, m_rows, vec, itemsize, sm_count)
+    assert p.row_threshold and p.cap >= max(p.row_cap, p.k_pow2)
+    rng = random.Random(seed)
+    keys = order_keys(bits, fmt, largest)
+    shift = FORMATS[fmt] - topk.HIST_BITS
+    index_top = max(n - 1, 1).bit_length() - 1
+    per_iter = p.threads * vec * p.unroll
+    slices = [(part * p.slice_len, min((part + 1) * p.slice_len, n)) for part in range(p.parts)]
+    hist = np.zeros(topk.HIST, dtype=np.int64)
+    for start, stop in slices:  # topk_row_histogram_kernel: thread t's loop over its vectors
+        cols = np.array([first + u * p.threads * vec + e for t in range(p.threads)
+                         for first in range(start + t * vec, stop, per_iter)
+                         for u in range(p.unroll) for e in range(vec) if first + u * p.threads * vec + e < stop])
+        assert sorted(cols.tolist()) == list(range(start, stop))
+        np.add.at(hist, keys[cols] >> shift, 1)
+    bucket, above, in_bucket = locate_bucket(hist.tolist(), k, p.threads)
+    count = above + in_bucket
+    assert above < k <= count == int((keys >> shift >= bucket).sum())
+    stats = []
+    if count > p.row_cap:  # the last block streams the row
+        kept = stream_block(bits, 0, n, k, vec, p.unroll, p.threads, p.cap, p.k_pow2, fmt, largest, rng, stats)
+    else:
+        lowest = bucket << shift
+        flag_value = as_floats(np.array([key_bits(flag_key(lowest, True, fmt), fmt, largest)]), fmt)[0]
+        values = as_floats(bits, fmt)
+        candidates = []
+        for start, stop in rng.sample(slices, len(slices)):  # stage_candidates: iterations of the slice
+            iterations = -(-(stop - start) // per_iter)
+            cols = np.array([start + ((it * p.unroll + u) * p.threads + t) * vec + e for it in range(iterations)
+                             for u in range(p.unroll) for t in range(p.threads) for e in range(vec)])
+            cols = cols[cols < stop]
+            assert sorted(cols.tolist()) == list(range(start, stop))
+            hit = flagged(values[cols], flag_value, largest)
+            exact = keys[cols] >= lowest
+            assert not (exact & ~hit).any(), "a flag missed a candidate"
+            staged = [rank_of(int(keys[c]), int(c)) for c in cols[exact]]
+            rng.shuffle(staged)
+            candidates += staged
+        assert len(candidates) == count <= p.row_cap
+        _, kept = select_top(candidates, k, index_top, p.threads, stats)
+    out = sort_descending(kept + [ABSENT] * (p.k_pow2 - len(kept)), len(kept), p.k_pow2, p.threads)
+    return [~r & M32 for r in out[:k]], count > p.row_cap
+
+
+ROW_CASES = [(8192, 1, 1), (8192, 50, 1), (40_000, 1024, 1), (40_000, 2048, 3), (151_936, 50, 1),
+             (151_936, 1024, 1), (151_936, 1024, 64), (128_256, 2048, 1), (262_144, 1024, 1), (262_144, 50, 64)]
+
+
+@pytest.mark.parametrize("n,k,m", ROW_CASES)
+@pytest.mark.parametrize("fmt", ["bf16", "f32"])
+def test_row_threshold_model_matches_torch_topk_on_random_rows(n, k, m, fmt):
+    """Random rows: no stream fallback, torch.topk's values (on CPU: its indices list ties in any order) and the
+    indices of torch's stable sort."""
+    for largest in (True, False):
+        bits = rows("randn", n, fmt, seed=n + k)
+        got, streamed = row_threshold_topk(bits, k, fmt, largest, m)
+        assert not streamed and got == reference(bits, k, fmt, largest)
+        x = torch.from_numpy(as_floats(bits, fmt))
+        assert torch.equal(x[got], torch.topk(x, k, largest=largest).values)
+        assert got == torch.sort(x, descending=largest, stable=True).indices[:k].tolist()
+
+
+@pytest.mark.parametrize("kind", ["ties", "zeros", "special", "rising", "falling"])
+@pytest.mark.parametrize("n,k,m", [(20_000, 50, 1), (20_000, 1024, 1), (9000, 2048, 3), (40_000, 1, 1)])
+@pytest.mark.parametrize("fmt", ["bf16", "f16", "f32"])
+def test_row_threshold_model_on_ties_nan_and_sorted_rows(kind, n, k, m, fmt):
+    """Ties, NaN/inf, mixed zeros and sorted rows (some overflow the list: the last block streams the row): the
+    documented order."""
+    for largest in (True, False):
+        bits = rows(kind, n, fmt, seed=7)
+        got, _ = row_threshold_topk(bits, k, fmt, largest, m)
+        assert got == reference(bits, k, fmt, largest)
+
+
+@pytest.mark.parametrize("k", [1, 50, 1024, 2048])
+def test_row_threshold_model_streams_all_equal_rows(k):
+    """An all-equal row (every key in one bucket) overflows any list: the last block streams it, lowest
+    indices first."""
+    bits = rows("ties", 30_000, "bf16", seed=1) * 0 + 0x3F80  # 1.0
+    for largest in (True, False):
+        got, streamed = row_threshold_topk(bits, k, "bf16", largest, 1)
+        assert streamed and got == list(range(k))
+
+
+def test_row_threshold_plans():
+    """The row plan replaces exactly the plans that cut rows into slices; its slices go down to one sweep,
+    cover the row, and two blocks fit an SM."""
+    sms = 132
+    for n, k, m, (vec, itemsize) in [(151936, 50, 1, (8, 2)), (151936, 1024, 1, (8, 2)), (128256, 2048, 1, (8, 2)),
+                                     (151936, 1024, 64, (8, 2)), (151936, 1024, 256, (8, 2)),
+                                     (151936, 1024, 1, (4, 4)), (262144, 2048, 64, (4, 4)), (4097, 2048, 64, (1, 2)),
+                                     (40_000, 33, 3, (8, 2))]:
+        default = topk.plan(n, k, m, vec, itemsize, sms)
+        p = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=True)
+        assert p.row_threshold == (default.parts > 1)
+        if not p.row_threshold:
+            assert p == default
+            continue
+        assert p.parts >= default.parts and (p.parts - 1) * p.slice_len < n <= p.parts * p.slice_len
+        assert p.slice_len % (p.threads * vec) == 0 and p.merge_cap == 0
+        assert topk.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk.SM_SMEM_BYTES
+        assert p.cap >= topk._capacity(p.threads * vec * p.unroll, p.k_pow2, p.threads)  # a whole-row stream fits
+    assert topk.plan(151936, 1024, 1, 8, 2, sms, row_threshold=True).parts == 75  # one sweep a block

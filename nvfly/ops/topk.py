@@ -39,6 +39,9 @@ Three kernels:
   MERGE_RANKS / k slices), each slice writes its k best ranks and a second launch merges them.
 - ``topk_merge_kernel``: one block of 512 threads a row loads the slices' parts * k ranks straight into shared
   memory, selects once and sorts.
+- On request (``plan(..., row_threshold=True)``, not the default yet), rows cut into slices run ``topk_row``'s
+  kernels instead: a row-wide histogram of the top key bits, then every slice appends its elements in the k-th
+  key's bucket or above and the row's last block selects and sorts them (``stream_top`` when there are too many).
 
 Where the time goes (estimates, H200): ``benchmarks/results/topk_notes.md``.
 """
@@ -72,6 +75,7 @@ SLICE_THREADS = 256       # the first pass's blocks: two to an SM
 BLOCKS_PER_SM = 2
 SM_SMEM_BYTES = 228 * 1024  # shared memory of an SM (each block also takes 1 KB of it)
 MERGE_RANKS = 16384       # the most ranks a row's merge reads (parts * k): 128 KB
+ROW_CAP_MAX = 8192        # the most candidates a row-threshold plan collects for a row (``topk_row``)
 MAX_PARTS = 128
 MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses would need too many registers)
 ABSENT = -(1 << 63)       # the rank of "no element": below every real rank (a real ~index is never 0)
@@ -661,14 +665,31 @@ def topk_radix_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tens
     row = nvfly.block_idx.x  # rows along x: up to 2**31 - 1 blocks (y stops at 65535)
     part = nvfly.block_idx.y
     tid = nvfly.thread_idx.x
+    start = part * slice_len
+    smem = shared_state(CAP, K_POW2, THREADS, tid)
+    nvfly.syncthreads()
+    stream_top(x, row, start, nvfly.minimum(start + slice_len, x.shape[1]), k, smem, tid, VEC, UNROLL, THREADS,
+               CAP, K_POW2, LARGEST)
+    buf, kept_buf, state = smem[0], smem[1], smem[-1]
+    kept = state[0]  # k, or fewer when the slice is shorter
+    if TO_RANKS:
+        for j in nvfly.static_range((K_POW2 + THREADS - 1) // THREADS):
+            i = j * THREADS + tid
+            if i < k:
+                ranks_out[row, part * k + i] = buf.load(i, mask=i < kept, other=ABSENT)
+    else:
+        write_sorted(x, values, indices, buf, kept_buf, kept, k, row, tid, tid & 31, K_POW2, THREADS)
+
+
+@nvfly.func
+def stream_top(x, row, start, stop, k, smem, tid, VEC, UNROLL, THREADS, CAP, K_POW2, LARGEST):
+    """Stream columns [start, stop) of ``x``'s row once, keeping the candidates that beat the running threshold
+    in ``smem`` (``shared_state``, zeroed and published), until ``buf[:state[0]]`` holds the k best ranks (all of
+    them when fewer): see the module doc."""
     lane = tid & 31
     warp = tid >> 5
-    start = part * slice_len
-    stop = nvfly.minimum(start + slice_len, x.shape[1])
     index_top = highest_index_bit(x)
-    smem = shared_state(CAP, K_POW2, THREADS, tid)
-    buf, kept_buf, state = smem[0], smem[1], smem[-1]
-    nvfly.syncthreads()
+    buf, state = smem[0], smem[-1]
     per_iter = THREADS * VEC * UNROLL
     limit = CAP - per_iter  # a buffer filled up to here still has room for one more iteration's appends
     current = []
@@ -728,14 +749,6 @@ def topk_radix_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tens
             threshold_key, threshold_low = threshold_halves(threshold)
         current = upcoming
     select_top(*smem, k, index_top, tid, lane, warp, THREADS)
-    kept = state[0]  # k, or fewer when the slice is shorter
-    if TO_RANKS:
-        for j in nvfly.static_range((K_POW2 + THREADS - 1) // THREADS):
-            i = j * THREADS + tid
-            if i < k:
-                ranks_out[row, part * k + i] = buf.load(i, mask=i < kept, other=ABSENT)
-    else:
-        write_sorted(x, values, indices, buf, kept_buf, kept, k, row, tid, lane, K_POW2, THREADS)
 
 
 @nvfly.kernel
@@ -769,7 +782,9 @@ def topk_merge_kernel(x: nvfly.Tensor, ranks: nvfly.Tensor, values: nvfly.Tensor
 class TopkPlan:
     """Launch shape of a TopK: the warp kernel (``warps`` rows per block) or the streaming kernel
     (``threads`` per block, ``parts`` slices per row merged by ``topk_merge_kernel`` when rows are few: it holds
-    all ``parts * k`` ranks of a row in ``merge_cap`` entries, loaded ``merge_vec`` at a time)."""
+    all ``parts * k`` ranks of a row in ``merge_cap`` entries, loaded ``merge_vec`` at a time). ``row_threshold``:
+    the slices run ``topk_row``'s histogram and select kernels instead, collecting at most ``row_cap``
+    candidates a row (``cap``: their shared memory, also enough for a whole-row stream)."""
     warp: bool
     vec: int
     warps: int = 1
@@ -781,6 +796,8 @@ class TopkPlan:
     slice_len: int = 0
     merge_cap: int = 0
     merge_vec: int = 0
+    row_threshold: bool = False
+    row_cap: int = 0
 
     @property
     def smem_bytes(self) -> int:
@@ -788,7 +805,7 @@ class TopkPlan:
 
     @property
     def merge_smem_bytes(self) -> int:
-        return _smem_bytes(self.merge_cap, self.k_pow2, STREAM_THREADS) if self.parts > 1 else 0
+        return _smem_bytes(self.merge_cap, self.k_pow2, STREAM_THREADS) if self.merge_cap else 0
 
 
 def _unroll(vec: int, itemsize: int) -> int:
@@ -808,15 +825,17 @@ def _smem_bytes(cap: int, k_pow2: int, threads: int) -> int:
 
 
 def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, sm_count: int,
-               max_parts: int = MAX_PARTS) -> tuple[int, int, int]:
+               max_parts: int = MAX_PARTS, merged: bool = True) -> tuple[int, int, int]:
     """(parts, slice_len, unroll): how the rows are cut into slices, one block each. Slices are whole sweeps of
     ``threads * vec`` elements (the last one of a row may be short). Few rows: enough slices for about
-    BLOCKS_PER_SM blocks on every SM, as long as a slice holds 4k elements or more and the merge reads at most
-    MERGE_RANKS ranks a row (parts * k), and at most ``max_parts``. A slice of c sweeps takes ceil(c /
-    max_unroll) iterations of an unroll that spreads the sweeps evenly over them."""
+    BLOCKS_PER_SM blocks on every SM, at most ``max_parts``, and when the slices' top k are ``merged``, as long
+    as a slice holds 4k elements or more and the merge reads at most MERGE_RANKS ranks a row (parts * k). A
+    slice of c sweeps takes ceil(c / max_unroll) iterations of an unroll that spreads the sweeps evenly over
+    them."""
     sweep = threads * vec
     sweeps = -(-n // sweep)
-    parts = max(1, min(BLOCKS_PER_SM * sm_count // m, sweeps, n // (4 * k), MERGE_RANKS // k, max_parts))
+    limit = min(n // (4 * k), MERGE_RANKS // k) if merged else sweeps
+    parts = max(1, min(BLOCKS_PER_SM * sm_count // m, sweeps, limit, max_parts))
     per_slice = -(-sweeps // parts)
     iterations = -(-per_slice // max_unroll)
     unroll = -(-per_slice // iterations)
@@ -828,9 +847,11 @@ def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, 
 
 
 @functools.lru_cache(maxsize=4096)
-def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS) -> TopkPlan:
+def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS,
+         row_threshold: bool = False) -> TopkPlan:
     """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements); ``max_parts``
-    caps the slices of a row (``benchmarks.topk --compare-plans`` times fewer than the default)."""
+    caps the slices of a row (``benchmarks.topk --compare-plans`` times fewer than the default);
+    ``row_threshold``: rows this plan cuts into slices run ``topk_row``'s kernels instead (``row_plan``)."""
     if k <= WARP_MAX_K and n <= WARP_MAX_N:
         return TopkPlan(True, vec, warps=max(1, min(8, m // (2 * sm_count))))
     k_pow2 = max(2, 1 << (k - 1).bit_length())
@@ -841,11 +862,31 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
                         1024) > SM_SMEM_BYTES:
         threads = STREAM_THREADS
     parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts)
+    if row_threshold and parts > 1:
+        return row_plan(n, k, m, vec, itemsize, sm_count, max_parts)
     merge_cap = max(parts * k, k_pow2) if parts > 1 else 0  # (the sort exchanges k_pow2 entries through it)
     return TopkPlan(False, vec, unroll=unroll, threads=threads,
                     cap=_capacity(threads * vec * unroll, k_pow2, threads), k_pow2=k_pow2, parts=parts,
                     slice_len=slice_len, merge_cap=merge_cap,
                     merge_vec=(2 if parts * k % 2 == 0 else 1) if parts > 1 else 0)
+
+
+def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS) -> TopkPlan:
+    """The row-threshold plan (``topk_row``): blocks of SLICE_THREADS, slices down to one sweep (no merge
+    bounds them), two blocks an SM: the unroll is lowered until the shared memory (the candidate list, or a
+    whole-row stream's buffer) fits twice."""
+    k_pow2 = max(2, 1 << (k - 1).bit_length())
+    row_cap = min(ROW_CAP_MAX, max(2048, 8 * k_pow2))
+    threads = SLICE_THREADS
+    max_unroll = _unroll(vec, itemsize)
+    while True:
+        parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts, merged=False)
+        cap = max(row_cap, _capacity(threads * vec * unroll, k_pow2, threads))
+        if max_unroll == 1 or BLOCKS_PER_SM * (_smem_bytes(cap, k_pow2, threads) + 1024) <= SM_SMEM_BYTES:
+            break
+        max_unroll //= 2
+    return TopkPlan(False, vec, unroll=unroll, threads=threads, cap=cap, k_pow2=k_pow2, parts=parts,
+                    slice_len=slice_len, row_threshold=True, row_cap=row_cap)
 
 
 def _check(x: Any, k: Any, dim: Any) -> int:
@@ -977,6 +1018,9 @@ def _runner(p: TopkPlan, m: int, n: int, k: int, largest: bool) -> Any:
         warp = topk_warp_kernel.prepared(-(-m // p.warps), 32 * p.warps)
         tail: tuple = (m, k, n, p.vec, p.warps, largest)
         return lambda rows, values, indices: warp.launch(rows, values, indices, *tail)
+    if p.row_threshold:
+        from nvfly.ops import topk_row
+        return topk_row.runner(p, m, k, largest)
     if p.parts == 1:
         single = topk_radix_kernel.prepared((m, 1, 1), p.threads)
         tail = (k, n, p.vec, p.unroll, p.threads, p.cap, p.k_pow2, largest, False)

@@ -1,7 +1,8 @@
 """TopK's streaming radix kernel and merge on the GPU against the documented order, computed independently of
 torch's float sorts: a stable sort of the order keys (the value's bits made monotone: -0.0 below +0.0, NaN above
 +inf; inverted when smallest). Random rows, heavy ties, NaN/inf, mixed -0.0/+0.0, sorted rows; k = 1/50/1024/2048,
-M = 1/3/64, N = 8 to 152K; the plans with fewer slices than the default (``max_parts``) too."""
+M = 1/3/64, N = 8 to 152K; the plans with fewer slices than the default (``max_parts``) and the row-threshold plan
+(``topk_row``) too."""
 import pytest
 import torch
 
@@ -102,3 +103,62 @@ def test_topk_matches_torch_on_the_sampling_suite():
         values, indices = topk.topk(x, k)
         ref_v, ref_i = torch.topk(x, k)
         assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k)
+
+
+def row_threshold_topk(x, k, largest):
+    """``topk.plan(..., row_threshold=True)`` run directly (the default plan does not take it yet)."""
+    m, n = x.shape
+    vec = vector_width(n, (x,), x.element_size())
+    p = topk.plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), row_threshold=True)
+    assert p.row_threshold
+    run = topk._runner(p, m, n, k, largest)
+    values = torch.full((m, k), float("nan"), dtype=x.dtype, device="cuda")
+    indices = torch.full((m, k), -1, dtype=torch.int64, device="cuda")
+    run(x, values, indices)
+    return values, indices
+
+
+ROW_SHAPES = [(1, 151936, 50), (1, 128256, 1024), (1, 151936, 2048), (3, 151936, 1024), (64, 151936, 1024),
+              (64, 128256, 50), (1, 40_000, 1), (3, 30_001, 33), (1, 262144, 1024)]
+
+
+@pytest.mark.parametrize("m,n,k", ROW_SHAPES)
+@pytest.mark.parametrize("kind", ["randn", "ties", "special", "zeros", "rising", "falling"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_threshold_plan_matches_the_documented_order(m, n, k, kind, dtype):
+    """Twice in a row on each input: the workspace (histograms, counters) is left clean by every launch."""
+    x = rows(kind, m, n, dtype)
+    for largest in (True, False, True):
+        values, indices = row_threshold_topk(x, k, largest)
+        assert_documented(x, k, largest, values, indices)
+
+
+def test_row_threshold_plan_matches_torch_on_the_sampling_suite():
+    """Values equal to torch.topk's and the same indices; then an all-equal row (the last block streams it)
+    and a random one again (the workspace is clean after the stream)."""
+    for m, n, k in [(m, n, k) for m in (1, 64) for n in (128256, 151936) for k in (50, 1024)]:
+        x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+        values, indices = row_threshold_topk(x, k, True)
+        ref_v, ref_i = torch.topk(x, k)
+        assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k)
+        same = torch.ones(m, n, device="cuda", dtype=torch.bfloat16)
+        values, indices = row_threshold_topk(same, k, True)
+        assert torch.equal(indices, torch.arange(k, device="cuda").repeat(m, 1)) and bool((values == 1).all())
+        values, indices = row_threshold_topk(x, k, True)
+        assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k)
+
+
+def test_row_threshold_plan_on_two_streams():
+    """One workspace per stream: interleaved launches on two streams stay exact."""
+    x = torch.randn(64, 151936, device="cuda").to(torch.bfloat16)
+    ref = torch.topk(x, 1024)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    results = []
+    for i in range(6):
+        with torch.cuda.stream(streams[i % 2]):
+            results.append(row_threshold_topk(x, 1024, True))
+    torch.cuda.synchronize()
+    for values, indices in results:
+        assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)

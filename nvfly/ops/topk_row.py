@@ -1,0 +1,215 @@
+"""TopK of few long rows through a row-wide threshold (``topk.plan(..., row_threshold=True)``): two launches
+over the slices of each row instead of a top k per slice and a merge.
+
+- ``topk_row_histogram_kernel``, grid (rows, parts): each block counts the top HIST_BITS bits (the bucket) of
+  its slice's order keys in shared memory (COPIES interleaved copies, one per ``lane % COPIES``, so that the
+  few hot buckets of a bell-shaped row see few same-address conflicts) and adds its non-zero buckets into the
+  row's global histogram.
+- ``topk_row_select_kernel``, the same grid: every block finds in the complete histogram the bucket B of the
+  k-th largest key and how many keys lie in B or above (``locate_bucket``). When those fit ``ROW_CAP``, it
+  re-reads its slice (L2 hits), flags the keys in B or above with the stream's packed compares, stages their
+  ranks in shared memory and appends them to the row's global candidate list with one atomic. The last block
+  of the row to arrive (arrival counter) loads the list, keeps its k largest ranks (``select_top``), sorts and
+  writes them, and zeroes the row's histogram and counters. When B and above hold more (heavy ties, e.g. an
+  all-equal row), nothing is appended and the last block streams the whole row alone (``stream_top``): slow,
+  exact.
+
+Workspace, one per (device, stream), zero between launches (each row's last block cleans up after it): the
+histograms (rows x HIST i32), two counters a row (arrivals, appends), the candidate lists (rows x ROW_CAP_MAX
+i64, never cleared). A launch cut short (an error) leaves it dirty, as the split-K GEMM's.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import nvfly
+from nvfly.arch.gpu_scope import arrive
+from nvfly.arch.ptx import asm
+from nvfly.frontend.language import atomic_add, vote_any
+from nvfly.ops.topk import (HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, append_slots, bits_key, candidate_flags,
+                            flag_element, flag_key, flagged_bits, highest_bit, highest_index_bit, key_bits,
+                            locate_bucket, order_key, rank64, select_top, shared_state, stream_top, write_sorted)
+
+COPIES = 8  # shared histograms a block counts into (64 KB)
+
+
+def red_add_u32(address: Any, value: Any) -> None:
+    asm("red.relaxed.gpu.global.add.u32 [$0], $1;", [address, value])
+
+
+def load_relaxed_i64(address: Any) -> Any:
+    return asm("ld.relaxed.gpu.global.b64 $0, [$1];", [address], nvfly.i64)
+
+
+@nvfly.func
+def key_bucket(key, dtype):
+    """The histogram bucket of an order key: its top HIST_BITS bits."""
+    return key >> ((32 if dtype == nvfly.f32 else 16) - HIST_BITS)
+
+
+@nvfly.kernel
+def topk_row_histogram_kernel(x: nvfly.Tensor, hist: nvfly.Tensor, slice_len: nvfly.i32, VEC: nvfly.Constexpr,
+                              UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr, LARGEST: nvfly.Constexpr):
+    """Block (row, part) adds the bucket counts of columns [part*slice_len, (part+1)*slice_len) to
+    ``hist[row]``."""
+    row = nvfly.block_idx.x
+    part = nvfly.block_idx.y
+    tid = nvfly.thread_idx.x
+    counts = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST * COPIES,))  # bucket b, copy c at b * COPIES + c
+    for j in nvfly.static_range(HIST * COPIES // (4 * THREADS)):
+        counts.store(nvfly.full(4, 0, nvfly.i32), (j * THREADS + tid) * 4)
+    start = part * slice_len
+    stop = nvfly.minimum(start + slice_len, x.shape[1])
+    per_iter = THREADS * VEC * UNROLL
+    copy = tid % COPIES
+    nvfly.syncthreads()
+    for first in range(start + tid * VEC, stop, per_iter):
+        loaded = [x.load(row, first + u * THREADS * VEC, width=VEC, mask=first + u * THREADS * VEC < stop)
+                  for u in nvfly.static_range(UNROLL)]
+        for u in nvfly.static_range(UNROLL):
+            for e in nvfly.static_range(VEC):
+                bucket = key_bucket(order_key(loaded[u][e] if VEC > 1 else loaded[u], LARGEST), x.dtype)
+                if first + u * THREADS * VEC + e < stop:
+                    atomic_add(counts, bucket.bitcast(nvfly.i32) * COPIES + copy, 1)
+    nvfly.syncthreads()
+    for j in nvfly.static_range(HIST // THREADS):
+        bucket = j * THREADS + tid
+        total = nvfly.i32(0)
+        for c in nvfly.static_range(COPIES // 4):
+            four = counts.load(bucket * COPIES + 4 * c, width=4)
+            total = total + four[0] + four[1] + four[2] + four[3]
+        if total != 0:
+            red_add_u32(hist.address(row, bucket), total)
+
+
+@nvfly.func
+def stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST):
+    """Append the ranks of the elements of columns [start, stop) whose key is ``lowest`` or above to ``buf``
+    (``state[0]`` counts them): flagged by one packed compare per two 16-bit values, checked and appended one
+    flagged element per lane a round, as in ``stream_top`` with a fixed threshold."""
+    flag = key_bits(flag_key(lowest, True, x.dtype), x.dtype, LARGEST)
+    packed = x.dtype != nvfly.f32 and VEC > 1
+    per_iter = THREADS * VEC * UNROLL
+    current = []
+    for u in nvfly.static_range(UNROLL):
+        col = start + (u * THREADS + tid) * VEC
+        current.append(x.load(row, col, width=VEC, mask=col < stop))
+    for it in range((stop - start + per_iter - 1) // per_iter):
+        upcoming = []
+        for u in nvfly.static_range(UNROLL):
+            col = start + (((it + 1) * UNROLL + u) * THREADS + tid) * VEC
+            upcoming.append(x.load(row, col, width=VEC, mask=col < stop))
+        col0 = start + (it * UNROLL * THREADS + tid) * VEC
+        pending = candidate_flags(current, flag, VEC, UNROLL, LARGEST)
+        while vote_any(pending != 0):
+            next_flag = pending & (0 - pending)
+            pending = pending ^ next_flag
+            bit = highest_bit(next_flag).bitcast(nvfly.i32)
+            u, e = flag_element(bit, VEC, packed)
+            col = col0 + u * THREADS * VEC + e
+            key = bits_key(flagged_bits(current, bit, VEC, packed), x.dtype, LARGEST)
+            take = (key >= lowest) & (col < stop) & (next_flag != 0)
+            position, _ = append_slots(state, take, lane)
+            buf.store(rank64(key, col), position, mask=take)
+        current = upcoming
+
+
+@nvfly.kernel
+def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, hist: nvfly.Tensor,
+                           counters: nvfly.Tensor, candidates: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32,
+                           VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr,
+                           CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr, K_POW2: nvfly.Constexpr,
+                           LARGEST: nvfly.Constexpr):
+    """Block (row, part) appends its slice's elements in the k-th largest key's bucket or above to
+    ``candidates[row]``; the row's last block selects, sorts and writes the k largest and cleans up
+    (``counters[2*row]``: arrivals, ``counters[2*row + 1]``: appends)."""
+    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
+    row = nvfly.block_idx.x
+    part = nvfly.block_idx.y
+    tid = nvfly.thread_idx.x
+    lane = tid & 31
+    warp = tid >> 5
+    start = part * slice_len
+    stop = nvfly.minimum(start + slice_len, x.shape[1])
+    smem = shared_state(CAP, K_POW2, THREADS, tid)
+    buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
+    for j in nvfly.static_range(HIST // THREADS):
+        row_hist[j * THREADS + tid] = hist[row, j * THREADS + tid]
+    nvfly.syncthreads()
+    bucket, above, in_bucket = locate_bucket(row_hist, lane_sums, warp_sums, 0, HIST, k, tid, lane, warp, THREADS)
+    count = above + in_bucket  # the row's keys in the bucket or above: k of them or more
+    if count <= ROW_CAP:
+        lowest = bucket.bitcast(nvfly.u32) << ((32 if x.dtype == nvfly.f32 else 16) - HIST_BITS)
+        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST)
+    nvfly.syncthreads()
+    staged = state[0]
+    if (tid == 0) & (staged > 0):
+        state[1] = atomic_add(counters, 2 * row + 1, staged)
+    for j in nvfly.static_range(HIST // THREADS):
+        row_hist[j * THREADS + tid] = 0  # (the selects start from zeroed histograms)
+    nvfly.syncthreads()
+    base = state[1]
+    for i in range(tid, staged, THREADS):
+        candidates[row, base + i] = buf[i]
+    nvfly.threadfence()  # this thread's appends are visible GPU-wide before the block counts itself in
+    nvfly.syncthreads()
+    if tid == 0:
+        state[0] = 0
+        state[2] = arrive(counters.address(2 * row))
+    nvfly.syncthreads()
+    if state[2] == nvfly.grid_dim.y - 1:  # the row's last block: every other block's appends are in
+        nvfly.threadfence()
+        if count <= ROW_CAP:
+            for first in range(tid, count, SWEEP * THREADS):
+                loaded = [load_relaxed_i64(candidates.address(row, nvfly.minimum(first + j * THREADS, count - 1)))
+                          for j in nvfly.static_range(SWEEP)]
+                for j in nvfly.static_range(SWEEP):
+                    buf.store(loaded[j], first + j * THREADS, mask=first + j * THREADS < count)
+            if tid == 0:
+                state[0] = count
+            nvfly.syncthreads()
+            select_top(*smem, k, highest_index_bit(x), tid, lane, warp, THREADS)
+        else:
+            stream_top(x, row, 0, x.shape[1], k, smem, tid, VEC, UNROLL, THREADS, CAP, K_POW2, LARGEST)
+        write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
+        for j in nvfly.static_range(HIST // THREADS):
+            hist[row, j * THREADS + tid] = 0
+        if tid < 2:
+            counters[2 * row + tid] = 0
+
+
+# ---------------------------------------------------------------------------------------------- host side
+MIN_ROWS = 64  # rows of a first workspace allocation
+_WORKSPACES: dict[tuple[Any, int], tuple[Any, Any, Any]] = {}
+
+
+def workspace(device: Any, rows: int) -> tuple[Any, Any, Any]:
+    """(histograms (rows, HIST) i32, counters (2 * rows,) i32, candidate lists (rows, ROW_CAP_MAX) i64) for
+    launches on torch's current stream of ``device``: the first two zero between launches; grown as needed.
+    Allocate outside CUDA graph capture (the first such call on a stream allocates)."""
+    import torch
+    from nvfly.runtime.torch_args import current_stream
+    key = (device, current_stream(device.index) if device.type == "cuda" else 0)
+    entry = _WORKSPACES.get(key)
+    if entry is None or entry[0].shape[0] < rows:
+        size = max(rows, MIN_ROWS, 0 if entry is None else 2 * entry[0].shape[0])
+        entry = (torch.zeros((size, HIST), dtype=torch.int32, device=device),
+                 torch.zeros(2 * size, dtype=torch.int32, device=device),
+                 torch.empty((size, ROW_CAP_MAX), dtype=torch.int64, device=device))
+        _WORKSPACES[key] = entry
+    hist, counters, candidates = entry
+    return hist[:rows], counters[:2 * rows], candidates[:rows]
+
+
+def runner(p: TopkPlan, m: int, k: int, largest: bool) -> Any:
+    """``run(rows, values, indices)`` for a row-threshold plan: the histogram and the select launch."""
+    histogram = topk_row_histogram_kernel.prepared((m, p.parts, 1), p.threads)
+    select = topk_row_select_kernel.prepared((m, p.parts, 1), p.threads)
+    hist_tail = (p.slice_len, p.vec, p.unroll, p.threads, largest)
+    select_tail = (k, p.slice_len, p.vec, p.unroll, p.threads, p.cap, p.row_cap, p.k_pow2, largest)
+
+    def run(rows: Any, values: Any, indices: Any) -> None:
+        hist, counters, candidates = workspace(rows.device, m)
+        histogram.launch(rows, hist, *hist_tail)
+        select.launch(rows, values, indices, hist, counters, candidates, *select_tail)
+    return run

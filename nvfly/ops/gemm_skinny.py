@@ -54,10 +54,9 @@ aligned keep the pair-by-pair path (``tokens_as_vectors``).
 
 Column-major tokens (A = x.t(), 8 tokens contiguous at each k). Read element by element (``load_tokens``)
 they cost 8 16-bit loads per token tile, chunk and lane, each warp instruction touching 4 sectors of 4 k rows:
-at M = 16 the L1 wavefronts, not DRAM, bound the column-major-B kernel (ncu at 16x4096x14336: L1/TEX 90%, DRAM
-52%). How
-the kernel reads them is chosen at trace time (``token_path``) from the config and x's specialisation, both in
-the compile key:
+at M = 16 the L1 wavefronts, not DRAM, bound the column-major-B kernel (ncu at 16x4096x14336: L1/TEX 90%,
+DRAM 52%). How the kernel reads them is chosen at trace time (``token_path``) from the config and x's
+specialisation, both in the compile key:
 
 - Row-major B stages them (``tokens_stageable``, when the stages fit the CTA's 227 KB beside the rings): each
   chunk's tokens are copied into shared memory by cp.async in the chunk's commit group, 16 bytes = 8 tokens at
@@ -70,17 +69,18 @@ the compile key:
   hold NaN), so the chunk holding K's end needs no token mask; a token tile's copy reads tokens past M whole (16
   aligned bytes holding a real token; those tokens feed results never stored).
 - Column-major B follows ``SkinnyConfig.column_tokens`` (``COLUMN_B_TOKENS`` by default), per load group and
-  with the tokens' loads issued before the group's W loads: "loads", the element loads above; "cp.async", the
-  same stages filled by cp.async, then ``cp.async.wait_group 0`` (the copies hit L2, sooner than W's DRAM loads
-  arrive, but the wait is for all of them); "registers", the same 16-byte copies read by plain ``ld.global.v4``
-  into registers and written to the stages by st.shared.v4, so each store waits only for its own load while
-  W's stay in flight; both then ``__syncwarp`` and the ldmatrix.x4.trans above. "movmatrix" needs no shared
-  memory: for B word w of a token tile, lane 4i + p loads the 32-bit word of tokens 2p, 2p + 1 at chunk k
-  8 * (i // 2) + 2w + i % 2, and ``movmatrix.trans`` hands lane l token l / 4 at k 8 * (l % 4) + 2w + {0, 1},
-  the word the K-contiguous vector would give (``movmatrix_source``); it needs 4-byte aligned token pairs
-  (``token_pairs_loadable``), clamps pairs past M to the one holding token M - 1 and zeroes words past K. The
-  staged paths need ``tokens_stageable`` tokens and stages that fit; tokens a path cannot take use "loads".
-  The warp's token stages hold its partial tile afterwards.
+  with the tokens' loads issued before the group's W loads. "loads": the element loads above. "cp.async": the
+  row-major-B stages (one per chunk of the group), filled by cp.async, then ``cp.async.wait_group 0``: the
+  copies hit L2, sooner than W's DRAM loads arrive, but the wait is for all of them. "registers": the same
+  16-byte copies read by plain ``ld.global.v4`` into registers (rows past K predicated off: zero) and written
+  to the stages by st.shared.v4, so each store waits only for its own load while W's stay in flight. Both
+  then ``__syncwarp`` and the ldmatrix.x4.trans above, and need ``tokens_stageable`` tokens and stages that
+  fit; afterwards a warp's stages hold its partial tile. "movmatrix" needs no shared memory: for B word w of a
+  token tile, lane 4i + p loads the 32-bit word of tokens 2p, 2p + 1 at chunk k 8 * (i // 2) + 2w + i % 2, and
+  ``movmatrix.trans`` hands lane l token l / 4 at k 8 * (l % 4) + 2w + {0, 1}, the word the K-contiguous
+  vector would give (``movmatrix_source``); it needs 4-byte aligned token pairs (``token_pairs_loadable``),
+  clamps pairs past M to the one holding token M - 1 and zeroes words past K. Tokens a path cannot take
+  (K-contiguous ones included) use "loads".
 
 With staged tokens all shared memory is dynamic (``row_b_smem_bytes``, ``column_b_staged_smem_bytes``).
 """
@@ -324,10 +324,10 @@ def finish(value, out, c_in, batch, row, col, alpha, beta, EPI):
 # ---------------------------------------------------------------------------------------------- staged tokens
 def tokens_stageable(x_batch: Any) -> bool:
     """Whether one batch's tokens x [M, K] can be staged by 16-byte copies (cp.async, or vector loads and
-    st.shared) of 8 consecutive tokens at one k: tokens contiguous (column-major A, so never K-contiguous tokens past M = 1), K's stride a multiple of 8
-    elements and a 16-byte aligned base (what x's specialisation proves). Token tile t's copies read tokens
-    8t..8t+7 whole, past M too: 16 aligned bytes that hold token 8t < M, so inside the allocation, and tokens
-    past M only feed results that are not stored."""
+    st.shared) of 8 consecutive tokens at one k: tokens contiguous (column-major A, so never K-contiguous tokens
+    past M = 1), K's stride a multiple of 8 elements and a 16-byte aligned base (what x's specialisation
+    proves). Token tile t's copies read tokens 8t..8t+7 whole, past M too: 16 aligned bytes that hold token
+    8t < M, so inside the allocation, and tokens past M only feed results that are not stored."""
     token_stride, k_stride = x_batch.stride
     if not (isinstance(token_stride, int) and token_stride == 1):
         return False

@@ -213,16 +213,14 @@ def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed, token_ve
     np.testing.assert_allclose(result, b.T @ x.T, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("m_tiles", [1, 2])
-def test_column_major_b_staged_tokens_compute_the_product(seed, m_tiles):
-    """Column-major B with staged tokens: W's fragments as the kernel loads them (a_fragment_source), the tokens
-    through the emulated stage in the vector order (staged_token_words) and picked as mma_chunk picks a token
+def check_column_major_b_product(token_words, seed):
+    """Column-major B: W's fragments as the kernel loads them (a_fragment_source), the tokens' words
+    (token_words[tile][lane][word] = ((k, token), (k, token)) of the word's halves) picked as mma_chunk picks a token
     tile's words; two mma steps per token tile against W @ X^T over the chunk."""
+    m_tiles = len(token_words)
     rng = np.random.default_rng(seed)
     w = rng.standard_normal((16, 32))
     x = rng.standard_normal((8 * m_tiles, 32))
-    token_words = staged_token_words(m_tiles, vector_order=True)
     d = np.zeros((m_tiles, 16, 8))
     for step in range(2):
         a_mat = np.full((16, 16), np.nan)
@@ -245,6 +243,104 @@ def test_column_major_b_staged_tokens_compute_the_product(seed, m_tiles):
         row, token = gemm_skinny.c_fragment_target(lane, i)
         result[row, 8 * t + token] = d[t][isa_c(lane, i)]
     np.testing.assert_allclose(result, w @ x.T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("m_tiles", [1, 2])
+def test_column_major_b_staged_tokens_compute_the_product(seed, m_tiles):
+    """Staged tokens (cp.async and registers fill the same slots): through the emulated stage in the vector
+    order (staged_token_words)."""
+    check_column_major_b_product(staged_token_words(m_tiles, vector_order=True), seed)
+
+
+# ---------------------------------------------------------------------------------------------- movmatrix tokens
+def movmatrix_trans(words):
+    """Emulate movmatrix.sync.aligned.m8n8.trans.b16: lane l holds row l // 4, columns 2 * (l % 4) + h (h the
+    word's half) of an 8 x 8 matrix; it receives the same elements of the transpose, i.e. source row
+    2 * (l % 4) + h, column l // 4."""
+    source = {(lane // 4, 2 * (lane % 4) + h): words[lane][h] for lane in range(32) for h in range(2)}
+    return [tuple(source[2 * (lane % 4) + h, lane // 4] for h in range(2)) for lane in range(32)]
+
+
+def movmatrix_pair(lane, word, tile, m):
+    """(first token, k) of the 32-bit word lane ``lane`` loads for B word ``word`` of token tile ``tile``: the
+    kernel's movmatrix_source, clamped past M as load_token_pairs clamps it (min(token, M - 1) & -2)."""
+    token, k = gemm_skinny.movmatrix_source(lane, word)
+    return min(8 * tile + token, m - 1) & -2, k
+
+
+def movmatrix_token_words(m):
+    """Each token tile's words after the movmatrix path with M = m tokens, as words[tile][lane][word] =
+    ((k, token), (k, token)): every lane's loaded pairs (movmatrix_pair) through the emulated transpose."""
+    words = []
+    for tile in range(-(-m // 8)):
+        per_word = []
+        for word in range(gemm_skinny.VECTOR // 2):
+            loaded = []
+            for lane in range(32):
+                first, k = movmatrix_pair(lane, word, tile, m)
+                loaded.append(((k, first), (k, first + 1)))
+            per_word.append(movmatrix_trans(loaded))
+        words.append([[per_word[word][lane] for word in range(gemm_skinny.VECTOR // 2)] for lane in range(32)])
+    return words
+
+
+def test_movmatrix_lanes_hold_the_vector_words():
+    """After the transpose, lane l's word w of token tile t holds token 8t + l // 4 at k 8 * (l % 4) + 2w + {0, 1}:
+    what load_tokens' 16-byte vector of K-contiguous tokens gives (b_fragment_source), register by register."""
+    words = movmatrix_token_words(16)
+    for t, lane in itertools.product(range(2), range(32)):
+        assert [words[t][lane][w] for w in range(4)] == [
+            tuple((8 * (lane % 4) + 2 * w + h, 8 * t + lane // 4) for h in range(2)) for w in range(4)]
+        for step, register, half in itertools.product(range(2), range(2), range(2)):
+            k, token = gemm_skinny.b_fragment_source(lane, register, half, step)
+            assert words[t][lane][2 * step + gemm_skinny.B_REGISTER_WORDS[register]][half] == (k, 8 * t + token)
+
+
+def test_movmatrix_source_lanes():
+    """Which lane reads which (token, k): lane 4i + p reads tokens 2p, 2p + 1 of the tile at chunk k
+    8 * (i // 2) + 2w + i % 2; a warp's load covers 8 k rows, each the tile's 8 tokens (16 contiguous bytes), and
+    the four words cover the chunk's 32 k once."""
+    rows = collections.Counter()
+    for word in range(4):
+        reads = {gemm_skinny.movmatrix_source(lane, word) for lane in range(32)}
+        assert len(reads) == 32
+        ks = {k for _, k in reads}
+        assert len(ks) == 8 and all({t for t, kk in reads if kk == k} == {0, 2, 4, 6} for k in ks)
+        rows.update(ks)
+    assert rows == collections.Counter(range(32))
+    assert [gemm_skinny.movmatrix_source(lane, 1) for lane in (0, 1, 4, 9, 31)] == [(0, 2), (2, 2), (0, 3), (2, 10),
+                                                                                    (6, 27)]
+
+
+@pytest.mark.parametrize("m", range(1, 17))
+def test_movmatrix_pairs_past_m_stay_in_bounds(m):
+    """Every word read starts at an even token below M (an aligned word holding a real token: within the
+    allocation), and every lane whose token is below M receives exactly its word (clamping touches only tokens
+    past M, whose results are never stored)."""
+    for tile, word, lane in itertools.product(range(-(-m // 8)), range(4), range(32)):
+        first, _ = movmatrix_pair(lane, word, tile, m)
+        assert first % 2 == 0 and 0 <= first < m
+    words = movmatrix_token_words(m)
+    for tile, lane, word in itertools.product(range(len(words)), range(32), range(4)):
+        if 8 * tile + lane // 4 < m:
+            assert words[tile][lane][word] == tuple((8 * (lane % 4) + 2 * word + h, 8 * tile + lane // 4)
+                                                    for h in range(2))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("m", [8, 16])
+def test_column_major_b_movmatrix_tokens_compute_the_product(seed, m):
+    check_column_major_b_product(movmatrix_token_words(m), seed)
+
+
+def test_movmatrix_emulation_catches_a_wrong_source(monkeypatch):
+    """Source rows i in another k order (k 8 * (i // 2) + w + 4 * (i % 2): still every k of the chunk once, but a
+    lane's word no longer holds the k pair W's fragment has): wrong product."""
+    monkeypatch.setattr(gemm_skinny, "movmatrix_source",
+                        lambda lane, word: (2 * (lane % 4), 8 * (lane // 8) + word + 4 * (lane // 4 % 2)))
+    with pytest.raises(AssertionError):
+        test_column_major_b_movmatrix_tokens_compute_the_product(0, 16)
 
 
 def test_staged_tokens_emulation_catches_the_other_k_order(monkeypatch):
@@ -489,104 +585,209 @@ def test_row_major_splits_shrink_with_more_token_tiles():
     assert splits == {(1, 4096): 4, (16, 4096): 1, (16, 14336): 3}
 
 
-# ---------------------------------------------------------------------------------------------- staged tokens
+# ---------------------------------------------------------------------------------------------- column-major tokens
 def fake_tokens(k_stride, align=16, token_stride=1):
-    """What tokens_stageable reads of a batch's traced tokens x [M, K]: strides (static ints, or a dynamic one
-    with the power-of-two divisor the specialisation proves), dtype and base alignment."""
+    """What token_path reads of a batch's traced tokens x [M, K]: strides (static ints, or a dynamic one with the
+    power-of-two divisor the specialisation proves), dtype and base alignment."""
     stride = k_stride if isinstance(k_stride, int) else types.SimpleNamespace(divisor=k_stride[0])
+    token_stride = token_stride if isinstance(token_stride, int) else types.SimpleNamespace(divisor=token_stride[0])
     return types.SimpleNamespace(stride=(token_stride, stride), dtype=nvfly.bf16, align=align)
 
 
-@pytest.fixture
-def column_b_staging(monkeypatch):
-    """The column-major-B kernel's staged tokens switched on (measured slower: off by default)."""
-    monkeypatch.setattr(gemm_skinny, "COLUMN_B_STAGED_TOKENS", True)
+def column_config(path, warps=8, unroll=4, splits=2):
+    return SkinnyConfig(warps, unroll, splits, column_tokens=path)
 
 
 def test_column_b_kernel_keeps_its_token_loads_by_default():
     x = fake_tokens((16,))
-    assert gemm_skinny.tokens_stageable(x)
-    assert not gemm_skinny.stages_tokens(x, SkinnyConfig(8, 4, 2), 2, False)
-    assert gemm_skinny.stages_tokens(x, SkinnyConfig(8, 4, 2), 2, True)
+    assert gemm_skinny.tokens_stageable(x) and gemm_skinny.token_pairs_loadable(x)
+    assert SkinnyConfig().column_tokens == gemm_skinny.COLUMN_B_TOKENS == "loads"
+    assert gemm_skinny.default_config(16, 4096, 4096, 1, 132).column_tokens == gemm_skinny.COLUMN_B_TOKENS
+    assert gemm_skinny.token_path(x, SkinnyConfig(8, 4, 2), 2, False) == "loads"
+    assert gemm_skinny.token_path(x, SkinnyConfig(8, 4, 2), 2, True) == "cp.async"  # row-major B stages them
 
 
-def test_which_tokens_are_staged(column_b_staging):
-    """Staged: tokens contiguous with a k stride of whole 16-byte rows and a 16-byte aligned base, when the
-    stages fit the CTA's shared memory; the rest (row-major tokens, other strides, too many stages) keep their
-    register loads."""
-    stageable = gemm_skinny.tokens_stageable
+def test_which_tokens_take_which_path():
+    """Staged (cp.async, registers): tokens contiguous with a k stride of whole 16-byte rows and a 16-byte aligned
+    base, when the stages fit the CTA's shared memory; movmatrix: tokens contiguous, an even k stride and a 4-byte
+    aligned base; the rest (row-major tokens, other strides, too many stages) keep the loads."""
+    stageable, pairs = gemm_skinny.tokens_stageable, gemm_skinny.token_pairs_loadable
     assert stageable(fake_tokens((16,))) and stageable(fake_tokens((8,))) and stageable(fake_tokens(0))
     assert not stageable(fake_tokens((4,)))  # e.g. M = 12 = K's stride: 24-byte rows
     assert not stageable(fake_tokens((16,), align=8))
     assert not stageable(fake_tokens(1, token_stride=(16,)))  # row-major tokens
     assert not stageable(fake_tokens(1))  # M = 1 column-major: K-contiguous, read as vectors
+    assert pairs(fake_tokens((4,))) and pairs(fake_tokens((2,), align=4)) and pairs(fake_tokens(12, align=4))
+    assert not pairs(fake_tokens(17)) and not pairs(fake_tokens(1)) and not pairs(fake_tokens((16,), align=2))
+    assert not pairs(fake_tokens(1, token_stride=(16,)))
     x = fake_tokens((16,))
-    assert gemm_skinny.stages_tokens(x, SkinnyConfig(8, 4, 2), 2, False)
-    assert gemm_skinny.stages_tokens(x, SkinnyConfig(8, 6, 2), 1, True)  # 48 x (4 + 0.5) KB of stages
-    assert not gemm_skinny.stages_tokens(x, SkinnyConfig(8, 6, 2), 2, True)  # 48 x 5 KB: past 227 KB
-    assert gemm_skinny.stages_tokens(x, SkinnyConfig(32, 8), 1, False)
-    assert not gemm_skinny.stages_tokens(x, SkinnyConfig(32, 8), 2, False)  # 256 x 1 KB
-    assert not gemm_skinny.stages_tokens(fake_tokens((4,)), SkinnyConfig(), 1, False)
+    for path in gemm_skinny.STAGED_TOKENS:
+        assert gemm_skinny.token_path(x, column_config(path), 2, False) == path
+        assert gemm_skinny.token_path(x, column_config(path, 32, 8), 1, False) == path
+        assert gemm_skinny.token_path(x, column_config(path, 32, 8), 2, False) == "loads"  # 256 x 1 KB
+        assert gemm_skinny.token_path(fake_tokens((4,)), column_config(path), 1, False) == "loads"
+    assert gemm_skinny.token_path(x, SkinnyConfig(8, 6, 2), 1, True) == "cp.async"  # 48 x (4 + 0.5) KB of stages
+    assert gemm_skinny.token_path(x, SkinnyConfig(8, 6, 2), 2, True) == "loads"  # 48 x 5 KB: past 227 KB
+    assert gemm_skinny.token_path(fake_tokens((4,)), column_config("movmatrix"), 2, False) == "movmatrix"
+    assert gemm_skinny.token_path(fake_tokens(17), column_config("movmatrix"), 2, False) == "loads"
+    assert gemm_skinny.token_path(fake_tokens(1, token_stride=(16,)), column_config("movmatrix"), 2, False) == "loads"
 
 
-# (row-major B, config) per kernel variant: the committed row-B default and the token_vectors one
-STAGED_VARIANTS = {"colB": (False, SkinnyConfig(8, 4, 2)), "rowB": (True, SkinnyConfig(4, 4)),
+@pytest.mark.parametrize("config,why", [
+    (column_config("shared"), "one of 'loads', 'cp.async', 'registers', 'movmatrix'"),
+    (column_config("cp.async", 32, 16), "262160 bytes of shared memory"),
+    (column_config("registers", 32, 16), "262160 bytes of shared memory")])
+def test_column_tokens_check_declines_with_a_reason(config, why):
+    assert why in config.check()
+    with pytest.raises(ValueError, match="column_tokens"):
+        gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, config, 132)
+    assert column_config("movmatrix", 32, 16).check() is None  # no shared memory
+    assert column_config("registers", 32, 14).check() is None  # 448 token tiles of 512 bytes + the arrival count
+
+
+@pytest.mark.parametrize("path", ["cp.async", "registers", "movmatrix"])
+def test_column_tokens_is_a_column_major_b_option(path):
+    assert "column-major-B" in column_config(path).check(row_b=True)
+    with pytest.raises(ValueError, match="column_tokens"):
+        gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, column_config(path, 4), 132, row_b=True)
+    plan = gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, column_config(path), 132)
+    assert plan.config.column_tokens == path  # kept through planning
+
+
+# (row-major B, config) per kernel variant with staged tokens: the committed row-B default and the token_vectors
+# one, and column-major B's two staged paths
+STAGED_VARIANTS = {"colB-cp.async": (False, column_config("cp.async")),
+                   "colB-registers": (False, column_config("registers")),
+                   "rowB": (True, SkinnyConfig(4, 4)),
                    "rowB-token-vectors": (True, SkinnyConfig(8, 2, 3, token_vectors=True))}
 
 
-@pytest.mark.parametrize("k", [4096, 4104])
-@pytest.mark.parametrize("m", [1, 8, 16])
+def check_column_tokens_kernel(kernel):
+    """No spills, stack or local memory, at most 128 registers, no ptxas warnings, and no 16-bit global load
+    anywhere (the chunk holding K's end is handled by the path too)."""
+    ops = kernel.sass_opcodes()
+    r = kernel.resources
+    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 128, r
+    assert not any(op.startswith(("LDL", "STL")) for op in ops), sorted(ops)
+    assert not kernel.warnings, kernel.warnings
+    assert not any(op.startswith("LDG.E.U16") for op in ops), sorted(ops)
+
+
+@pytest.mark.parametrize("k", [4096, 4100])
+@pytest.mark.parametrize("m", [1, 2, 8, 12, 16])
 @pytest.mark.parametrize("variant", list(STAGED_VARIANTS))
-def test_column_major_tokens_are_staged(column_b_staging, variant, m, k):
+def test_column_major_tokens_are_staged(variant, m, k):
     """Column-major tokens (k stride 8 or 16 tokens: 16-byte rows; M = 1 in a padded column), K with and without
-    a tail: no spills or stack, at most 128 registers, all shared memory dynamic and as planned, no 16-bit
-    global load anywhere (the chunk holding K's end is staged too), and in the main loop the tokens arrive by
-    cp.async (one 16-byte copy per token tile and chunk beside B's 8 with row-major B) and ldmatrix.trans (one
-    x4 per token tile and chunk), with no token load from global memory and no PRMT."""
+    a tail: check_column_tokens_kernel, all shared memory dynamic and as planned, and in the main loop the tokens
+    arrive by 16-byte copies (one per token tile and chunk; cp.async, beside B's 8 with row-major B, or a vector
+    load and st.shared) and ldmatrix.trans (one x4 per token tile and chunk), with no PRMT."""
     row_b, config = STAGED_VARIANTS[variant]
     tiles = -(-m // 8)
     kernel = gemm_skinny.compile_kernel(m, k, config=config, row_b=row_b, x_contiguous=False, x_k_stride=8 * tiles)
-    r = kernel.resources
-    assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 128, r
-    assert not kernel.warnings, kernel.warnings
-    assert r.static_smem_bytes == 0
+    check_column_tokens_kernel(kernel)
+    assert kernel.resources.static_smem_bytes == 0
     assert kernel.dynamic_smem_bytes == (gemm_skinny.row_b_smem_bytes(config, tiles) if row_b else
                                          gemm_skinny.column_b_staged_smem_bytes(config, tiles))
-    assert not any(op.startswith("LDG.E.U16") for op in kernel.sass_opcodes())
     loop, _ = main_loop(kernel)
     chunks = sum(n for op, n in loop.items() if op.startswith("HMMA")) // (2 * tiles * (4 if row_b else 1))
     assert chunks == (1 if row_b else config.unroll)  # one ring stage a trip; one load group a trip
     b_copies = gemm_skinny.CHUNK_BYTES // 16 // 32 if row_b else 0
-    assert loop["LDGSTS.E.BYPASS.128"] == (b_copies + tiles) * chunks, sorted(loop.items())
+    registers = config.column_tokens == "registers"
+    assert loop["LDGSTS.E.BYPASS.128"] == (b_copies + (0 if registers else tiles)) * chunks, sorted(loop.items())
     assert loop["LDSM.16.MT88.4"] == ((8 if row_b else 0) + tiles) * chunks, sorted(loop.items())
+    assert loop["STS.128"] == (tiles * chunks if registers else 0), sorted(loop.items())
     global_loads = token_loads(loop)
     if row_b:
         assert global_loads == {}, global_loads
-    else:  # W's two 16-byte streaming loads per chunk only
-        assert all(op.startswith("LDG.E.NA") and ".128" in op for op in global_loads), global_loads
-        assert sum(global_loads.values()) == 2 * chunks
+    else:  # W's two 16-byte streaming loads per chunk, and the registers path's 16-byte token loads
+        assert sum(n for op, n in global_loads.items() if op.startswith("LDG.E.NA") and ".128" in op) == 2 * chunks
+        assert global_loads.get("LDG.E.128", 0) == (tiles * chunks if registers else 0), global_loads
+        assert sum(global_loads.values()) == (2 + (tiles if registers else 0)) * chunks, global_loads
     assert loop["PRMT"] == 0
 
 
-@pytest.mark.parametrize("row_b", [False, True], ids=["colB", "rowB"])
-def test_tokens_that_cannot_be_staged_keep_their_loads(column_b_staging, row_b):
-    """Column-major tokens with an odd k stride, and (row-major B) stages past 227 KB with 16 tokens: the
-    16-bit token loads as before, and no token stages in shared memory."""
-    odd = gemm_skinny.compile_kernel(16, config=SkinnyConfig(4, 4), row_b=row_b, x_contiguous=False, x_k_stride=17)
-    assert odd.count("LDG.E.U16") > 0
-    assert odd.dynamic_smem_bytes == (gemm_skinny.row_b_smem_bytes(SkinnyConfig(4, 4)) if row_b else 0)
-    if row_b:
-        config = SkinnyConfig(8, 6, 2)
-        big = gemm_skinny.compile_kernel(16, config=config, row_b=True, x_contiguous=False)
-        assert big.count("LDG.E.U16") > 0 and big.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(config)
+@pytest.mark.parametrize("k", [4096, 4100])
+@pytest.mark.parametrize("m", [1, 2, 8, 12, 16])
+def test_column_major_tokens_by_movmatrix(m, k):
+    """The movmatrix path, column-major tokens with an even k stride (16-byte rows as matmul makes them, and M = 12
+    in 12-token columns: 24-byte rows, not stageable), K with and without a tail: check_column_tokens_kernel, no
+    shared memory beyond the plain kernel's, and in the main loop per chunk and token tile four 32-bit token
+    loads and four MOVM, beside W's two 16-byte loads; no ldmatrix, cp.async or PRMT."""
+    tiles = -(-m // 8)
+    config = column_config("movmatrix")
+    for k_stride in {8 * tiles, m + m % 2}:
+        kernel = gemm_skinny.compile_kernel(m, k, config=config, x_contiguous=False, x_k_stride=k_stride)
+        check_column_tokens_kernel(kernel)
+        assert kernel.dynamic_smem_bytes == 0
+        assert kernel.resources.static_smem_bytes == \
+            gemm_skinny.compile_kernel(m, k, config=column_config("loads"), x_contiguous=False,
+                                       x_k_stride=k_stride).resources.static_smem_bytes
+        loop, _ = main_loop(kernel)
+        chunks = sum(n for op, n in loop.items() if op.startswith("HMMA")) // (2 * tiles)
+        assert chunks == config.unroll
+        assert loop["MOVM.16.MT88"] == 4 * tiles * chunks, sorted(loop.items())
+        assert token_loads(loop) == {"LDG.E": 4 * tiles * chunks, "LDG.E.NA.LTC256B.128.CONSTANT": 2 * chunks}
+        assert not any(op.startswith(("LDSM", "LDGSTS", "PRMT")) for op in loop), sorted(loop.items())
 
 
-def test_staging_is_part_of_the_compile_key(column_b_staging):
-    """The choice follows x's specialisation (k stride divisible by 8 or not), so the kernels differ in key."""
-    options = dict(config=SkinnyConfig(4, 4), x_contiguous=False)
-    staged = gemm_skinny.compile_kernel(16, x_k_stride=16, **options)
-    loaded = gemm_skinny.compile_kernel(16, x_k_stride=20, **options)
-    assert staged.key != loaded.key and "cp.async" in staged.ptx and "cp.async" not in loaded.ptx
+@pytest.mark.parametrize("m", [2, 8, 12, 16])
+@pytest.mark.parametrize("path", gemm_skinny.COLUMN_TOKENS)
+def test_every_column_token_path_compiles(path, m):
+    """Each path at K = 4100 (a tail) with column-major tokens in 16-byte rows, under other configs (one chunk a
+    group, split K; 16 warps x 8 chunks): check_column_tokens_kernel, and SASS with what the path uses: LDSM
+    for the staged paths, MOVM for movmatrix, 16-bit token loads only for loads."""
+    tiles = -(-m // 8)
+    for config in (column_config(path, 4, 1, 3), column_config(path, 16, 8, 1)):
+        kernel = gemm_skinny.compile_kernel(m, 4100, config=config, x_contiguous=False, x_k_stride=8 * tiles)
+        ops = kernel.sass_opcodes()
+        if path == "loads":
+            assert ops["LDG.E.U16"] > 0 and "LDSM.16.MT88.4" not in ops and "MOVM.16.MT88" not in ops
+            r = kernel.resources
+            assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 128, r
+            continue
+        check_column_tokens_kernel(kernel)
+        assert (ops["LDSM.16.MT88.4"] > 0) == (path in gemm_skinny.STAGED_TOKENS), sorted(ops)
+        assert (ops["MOVM.16.MT88"] > 0) == (path == "movmatrix"), sorted(ops)
+        assert (ops["LDGSTS.E.BYPASS.128"] > 0) == (path == "cp.async"), sorted(ops)
+        assert ops["HMMA.16816.F32.BF16"] >= 2 * tiles * (config.unroll + 1)
+
+
+@pytest.mark.parametrize("path", ["cp.async", "registers", "movmatrix"])
+def test_tokens_a_path_cannot_take_keep_their_loads(path):
+    """Column-major tokens with an odd k stride, K-contiguous tokens, and (staged paths) 12-token columns
+    (24-byte rows): the kernel is the loads path's, byte for byte."""
+    cases = [dict(x_contiguous=False, x_k_stride=17), dict(x_contiguous=True)]
+    if path != "movmatrix":
+        cases.append(dict(x_contiguous=False, x_k_stride=12))
+    for options in cases:
+        kernel = gemm_skinny.compile_kernel(12, 4100, config=column_config(path), **options)
+        assert kernel.ptx == gemm_skinny.compile_kernel(12, 4100, config=column_config("loads"), **options).ptx
+        assert kernel.dynamic_smem_bytes == 0
+
+
+def test_row_major_b_tokens_that_cannot_be_staged_keep_their_loads():
+    """Row-major B: column-major tokens with an odd k stride, and stages past 227 KB with 16 tokens: the 16-bit
+    token loads as before, and no token stages in shared memory."""
+    odd = gemm_skinny.compile_kernel(16, config=SkinnyConfig(4, 4), row_b=True, x_contiguous=False, x_k_stride=17)
+    assert odd.count("LDG.E.U16") > 0 and odd.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(SkinnyConfig(4, 4))
+    config = SkinnyConfig(8, 6, 2)
+    big = gemm_skinny.compile_kernel(16, config=config, row_b=True, x_contiguous=False)
+    assert big.count("LDG.E.U16") > 0 and big.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(config)
+
+
+def test_token_paths_are_part_of_the_compile_key():
+    """column_tokens is a field of CFG, so each path is its own kernel (a module constant flipped at run time would
+    not be in the key); the row-major-B choice follows x's specialisation (k stride divisible by 8 or not)."""
+    options = dict(x_contiguous=False, x_k_stride=16)
+    kernels = {path: gemm_skinny.compile_kernel(16, config=column_config(path), **options)
+               for path in gemm_skinny.COLUMN_TOKENS}
+    assert len({kernel.key for kernel in kernels.values()}) == len(gemm_skinny.COLUMN_TOKENS)
+    assert "cp.async" in kernels["cp.async"].ptx and "st.shared.v4" in kernels["registers"].ptx
+    assert "movmatrix" in kernels["movmatrix"].ptx and "ldmatrix" not in kernels["loads"].ptx
+    for config, row_b in ((SkinnyConfig(4, 4), True), (column_config("registers"), False)):
+        staged = gemm_skinny.compile_kernel(16, config=config, row_b=row_b, **options)
+        loaded = gemm_skinny.compile_kernel(16, config=config, row_b=row_b, x_contiguous=False, x_k_stride=20)
+        assert staged.key != loaded.key and staged.count("LDSM") > 0 and loaded.count("LDG.E.U16") > 0
 
 
 # ---------------------------------------------------------------------------------------------- planning
@@ -773,19 +974,46 @@ def test_benchmark_sweeps_plan_every_config_or_decline_it():
                 assert 1 <= plan.grid[0] < 2 ** 31 and plan.grid[1:] == (1, 1)
 
 
-@pytest.mark.parametrize("layout", ["rowxrow", "rowxrow-token-vectors", "rowxcol"])
+def test_benchmark_column_tokens_sweep_and_grid_filter():
+    """--column-tokens: each config once per path, in the given order, all accepted by SkinnyConfig.check;
+    --warps/--unroll/--splits replace the grid's values (those not given keep it)."""
+    grid = ((8,), (2, 4), (1, 2, 3, 4))
+    configs, declined = bench.sweep(False, column_tokens=gemm_skinny.COLUMN_TOKENS, grid=grid)
+    assert declined == [] and len(configs) == 8 * len(gemm_skinny.COLUMN_TOKENS)
+    assert [c.column_tokens for c in configs[:4]] == list(gemm_skinny.COLUMN_TOKENS)
+    assert {(c.warps, c.unroll, c.splits) for c in configs} == set(itertools.product(*grid))
+    configs, _ = bench.sweep(False, grid=((8,), None, None))
+    assert configs == [c for c in bench.CONFIGS if c.warps == 8]
+    configs, declined = bench.sweep(True, grid=(None, (8,), (1,)))
+    assert [(c.warps, c.unroll) for c in configs] == [(2, 8), (4, 8)] and [c.warps for c, _ in declined] == [8]
+    assert bench.integers("1,2,,4") == (1, 2, 4) and bench.names("loads,movmatrix") == ("loads", "movmatrix")
+
+
+@pytest.mark.parametrize("argv", [["--column-tokens", "registers"], ["--column-tokens", "registers", "--tokens",
+                                                                     "col", "--layout", "rowxrow"],
+                                  ["--column-tokens", "shared", "--tokens", "col"]])
+def test_benchmark_declines_column_tokens_it_cannot_time(argv, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert "--column-tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["rowxrow", "rowxrow-token-vectors", "rowxcol", "colxcol-column-tokens"])
 def test_benchmark_sweep_compiles_and_fits_a_launch(matmul_launches, layout):
     """Every config the benchmark runs, through gemm.matmul as the benchmark calls it (CPU tensors, recorded
-    launches) on a 16-token shape (8 tokens for column-major B, where the benchmark runs unroll 8 only there):
+    launches) on a 16-token shape (8 tokens for column-major B, where the benchmark runs unroll 8 only there;
+    with --column-tokens, 16 column-major tokens under every path on the filtered grid the H200 sweep uses):
     it compiles without spills and its launch fits the device (launch_problem); with --token-vectors, the
     kernels of the configs with token_vectors on load 16-byte token vectors."""
     row_b = layout.startswith("rowxrow")
     token_vectors = layout.endswith("token-vectors")
-    m, n, k = (16, 4096, 4096) if row_b else (8, 4096, 4096)
-    a = torch.empty(m, k, dtype=torch.bfloat16)
+    column_tokens = gemm_skinny.COLUMN_TOKENS if layout.endswith("column-tokens") else ()
+    m, n, k = (16, 4096, 4096) if row_b or column_tokens else (8, 4096, 4096)
+    a = bench.tokens(m, k, "col", device="cpu") if column_tokens else torch.empty(m, k, dtype=torch.bfloat16)
     b = torch.empty(k, n, dtype=torch.bfloat16) if row_b else torch.empty(n, k, dtype=torch.bfloat16).t()
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    configs, _ = bench.sweep(row_b, token_vectors)
+    grid = ((8,), (2, 4), (1, 2, 3, 4)) if column_tokens else None
+    configs, _ = bench.sweep(row_b, token_vectors, column_tokens, grid)
     if token_vectors:
         configs = [cfg for cfg in configs if cfg.token_vectors]  # the others: the rowxrow case
     for cfg in configs:
@@ -801,6 +1029,10 @@ def test_benchmark_sweep_compiles_and_fits_a_launch(matmul_launches, layout):
             assert r.static_smem_bytes == 0 and kernel.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(cfg)
         if token_vectors:
             check_token_vectors_kernel(kernel, m, cfg)
+        if column_tokens:  # the path the config names, not the loads' fallback
+            ops = kernel.sass_opcodes()
+            assert (ops["LDG.E.U16"] > 0, ops["LDGSTS.E.BYPASS.128"] > 0, ops["STS.128"] > 0, ops["MOVM.16.MT88"] > 0) \
+                == tuple(cfg.column_tokens == path for path in gemm_skinny.COLUMN_TOKENS), (cfg, sorted(ops))
         assert grid == (math.ceil(n / (64 if row_b else 16)) * cfg.splits, 1, 1)
 
 
@@ -818,14 +1050,16 @@ def test_benchmark_reports_a_failing_config_and_goes_on(monkeypatch):
 
 
 @pytest.mark.parametrize("major", ["col", "row"])
-def test_matmul_stages_2d_column_major_tokens(column_b_staging, matmul_launches, major):
+def test_matmul_stages_2d_column_major_tokens(matmul_launches, major):
     """gemm.matmul on 2-D column-major tokens as the benchmark's --tokens col makes them, M = 9 in 16-token
     columns: the kernel's batch of one has stride 0 (one_batch; unsqueeze's stride 9 would leave a batch's tokens
-    2-byte aligned), so the tokens are staged: ldmatrix and no 16-bit token loads."""
+    2-byte aligned), so the tokens are staged (row-major B by default, column-major B with column_tokens
+    "cp.async"): ldmatrix and no 16-bit token loads."""
     m, n, k = 9, 1024, 4096
     a = bench.tokens(m, k, "col", device="cpu")
     assert a.shape == (m, k) and a.stride() == (1, 16)
     b = torch.empty(n, k, dtype=torch.bfloat16).t() if major == "col" else torch.empty(k, n, dtype=torch.bfloat16)
-    gemm.matmul(a, b, out=torch.empty(m, n, dtype=torch.bfloat16))
+    config = column_config("cp.async") if major == "col" else None
+    gemm.matmul(a, b, out=torch.empty(m, n, dtype=torch.bfloat16), config=config)
     [(kernel, _)] = matmul_launches()
     assert kernel.count("LDSM") > 0 and kernel.count("LDG.E.U16") == 0

@@ -52,23 +52,37 @@ loaded before the current chunk's wait, the loop running two chunks an iteration
 mmas read them, and only the chunk holding K's end is masked. Token rows that are not K-contiguous and 16-byte
 aligned keep the pair-by-pair path (``tokens_as_vectors``).
 
-Staged tokens (both variants, chosen at trace time from x's specialisation: ``stages_tokens``). Column-major
-tokens (A = x.t(), 8 tokens contiguous at each k) would otherwise be loaded element by element and packed after
-the wait. When they are contiguous with a k stride of whole 16-byte rows and a 16-byte aligned base
-(``tokens_stageable``; matmul's TMA-describable column-major tokens always are) and their stages fit the CTA's
-227 KB, each chunk's tokens are copied into shared memory by cp.async, 16 bytes = 8 tokens at one k a copy (M
-<= 8: one per lane and chunk, else two), and read by one ldmatrix.x4.trans per token tile and chunk. A stored
-8 x 8 matrix of 8 k rows (8 tokens each) gives lane l, transposed, k rows 2 * (l % 4) + {0, 1} of token l / 4:
-the m16n8k16 B fragment. The k a row holds (``token_slot_k``) follows the weight's k order: each lane's 8
-consecutive k for column-major B and for row-major B with token_vectors, the ISA's order otherwise, so the
-weight path is unchanged. Slots are 8-row matrices per token tile, rows XORed with 4 * tile
-(``token_slot_offset``): conflict-free copies and ldmatrix. Row-major B copies a chunk's tokens into a token
-stage beside its ring stage in the same commit group; column-major B copies a load group's tokens before
-loading its W rows, then waits (the copies hit L2, sooner than W's DRAM loads arrive). Rows past K are
-zero-filled (the padding could hold NaN), so the chunk holding K's end needs no token mask; a token tile's copy
-reads tokens past M whole (16 aligned bytes holding a real token; those tokens feed results never stored). All
-shared memory is then dynamic (``row_b_smem_bytes``, ``column_b_staged_smem_bytes``). Other tokens keep the
-loads above.
+Column-major tokens (A = x.t(), 8 tokens contiguous at each k). Read element by element (``load_tokens``)
+they cost 8 16-bit loads per token tile, chunk and lane, each warp instruction touching 4 sectors of 4 k rows:
+at M = 16 the L1 wavefronts, not DRAM, bound the column-major-B kernel (ncu at 16x4096x14336: L1/TEX 90%,
+DRAM 52%). How the kernel reads them is chosen at trace time (``token_path``) from the config and x's
+specialisation, both in the compile key:
+
+- Row-major B stages them (``tokens_stageable``, when the stages fit the CTA's 227 KB beside the rings): each
+  chunk's tokens are copied into shared memory by cp.async in the chunk's commit group, 16 bytes = 8 tokens at
+  one k a copy (M <= 8: one per lane and chunk, else two), and read by one ldmatrix.x4.trans per token tile and
+  chunk. A stored 8 x 8 matrix of 8 k rows (8 tokens each) gives lane l, transposed, k rows 2 * (l % 4) + {0, 1}
+  of token l / 4: the m16n8k16 B fragment. The k a row holds (``token_slot_k``) follows the weight's k order:
+  each lane's 8 consecutive k for column-major B and for row-major B with token_vectors, the ISA's order
+  otherwise, so the weight path is unchanged. Slots are 8-row matrices per token tile, rows XORed with 4 * tile
+  (``token_slot_offset``): conflict-free copies and ldmatrix. Rows past K are zero-filled (the padding could
+  hold NaN), so the chunk holding K's end needs no token mask; a token tile's copy reads tokens past M whole (16
+  aligned bytes holding a real token; those tokens feed results never stored).
+- Column-major B follows ``SkinnyConfig.column_tokens`` (``COLUMN_B_TOKENS`` by default), per load group and
+  with the tokens' loads issued before the group's W loads. "loads": the element loads above. "cp.async": the
+  row-major-B stages (one per chunk of the group), filled by cp.async, then ``cp.async.wait_group 0``: the
+  copies hit L2, sooner than W's DRAM loads arrive, but the wait is for all of them. "registers": the same
+  16-byte copies read by plain ``ld.global.v4`` into registers (rows past K predicated off: zero) and written
+  to the stages by st.shared.v4, so each store waits only for its own load while W's stay in flight. Both
+  then ``__syncwarp`` and the ldmatrix.x4.trans above, and need ``tokens_stageable`` tokens and stages that
+  fit; afterwards a warp's stages hold its partial tile. "movmatrix" needs no shared memory: for B word w of a
+  token tile, lane 4i + p loads the 32-bit word of tokens 2p, 2p + 1 at chunk k 8 * (i // 2) + 2w + i % 2, and
+  ``movmatrix.trans`` hands lane l token l / 4 at k 8 * (l % 4) + 2w + {0, 1}, the word the K-contiguous
+  vector would give (``movmatrix_source``); it needs 4-byte aligned token pairs (``token_pairs_loadable``),
+  clamps pairs past M to the one holding token M - 1 and zeroes words past K. Tokens a path cannot take
+  (K-contiguous ones included) use "loads".
+
+With staged tokens all shared memory is dynamic (``row_b_smem_bytes``, ``column_b_staged_smem_bytes``).
 """
 from __future__ import annotations
 
@@ -81,7 +95,7 @@ import torch
 import nvfly
 from nvfly.arch import sm80
 from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add
-from nvfly.arch.ptx import asm_multi, smem_address
+from nvfly.arch.ptx import asm, asm_multi, smem_address
 from nvfly.frontend import dtypes
 from nvfly.ops import split_workspace
 from nvfly.ops.gemm_kernel import Epilogue, activate
@@ -113,17 +127,28 @@ A_REGISTER_WORDS = ((0, 0), (1, 0), (0, 1), (1, 1))
 B_REGISTER_WORDS = (0, 1)
 
 
+# how the column-major-B kernel gets column-major tokens (SkinnyConfig.column_tokens; the module docstring's
+# "Column-major tokens"): element loads, or per load group 16-byte copies of 8 tokens at one k into shared memory
+# read back by ldmatrix.trans (by cp.async, or by vector loads into registers and st.shared), or 32-bit token
+# pairs transposed in registers by movmatrix
+COLUMN_TOKENS = ("loads", "cp.async", "registers", "movmatrix")
+STAGED_TOKENS = ("cp.async", "registers")  # the ones that use token stages in shared memory
+
+
 @dataclass(frozen=True)
 class SkinnyConfig:
     """warps: per CTA, splitting its K range; unroll: 32-wide k chunks a warp loads before its mmas (1 KB of W
     each), or with row-major B the depth of each warp's cp.async ring (4 KB stages, at least 2); splits: CTAs
     per column group, each reducing one K range (fp32 workspace when > 1); token_vectors (row-major B only):
     permute k in the ldmatrix addressing so that the tokens load as one 16-byte vector per token tile and chunk,
-    a chunk ahead, instead of pair by pair (where the tokens' rows allow it; untimed, hence off by default)."""
+    a chunk ahead, instead of pair by pair (where the tokens' rows allow it; untimed, hence off by default);
+    column_tokens (column-major B only): how column-major tokens reach the mmas, one of COLUMN_TOKENS (where x's
+    layout allows it, else "loads": ``token_path``). Every field is part of the kernel's compile key (CFG)."""
     warps: int = 8
     unroll: int = 4
     splits: int = 1
     token_vectors: bool = False
+    column_tokens: str = "loads"
 
     def check(self, row_b: bool = False) -> Optional[str]:
         """None when the kernel (with ``row_b``, its row-major-B variant) can be built and launched with this
@@ -137,6 +162,14 @@ class SkinnyConfig:
         if self.token_vectors and not row_b:
             return ("token_vectors: an option of the row-major-B kernel (column-major B loads its tokens as 16-byte "
                     "vectors already)")
+        if self.column_tokens not in COLUMN_TOKENS:
+            return f"column_tokens={self.column_tokens!r}: one of {', '.join(map(repr, COLUMN_TOKENS))}"
+        if self.column_tokens != "loads" and row_b:
+            return (f"column_tokens={self.column_tokens!r}: an option of the column-major-B kernel (row-major B "
+                    "stages column-major tokens with its ring's cp.async copies)")
+        if self.column_tokens in STAGED_TOKENS and column_b_staged_smem_bytes(self, 1) > MAX_SMEM:
+            return (f"column_tokens={self.column_tokens!r}: warps={self.warps} x unroll={self.unroll} token stages "
+                    f"need {column_b_staged_smem_bytes(self, 1)} bytes of shared memory per CTA; at most {MAX_SMEM}")
         if row_b:
             if self.unroll < 2:
                 return f"unroll={self.unroll}: row-major B needs a ring of at least 2 stages"
@@ -200,6 +233,30 @@ def load_stream_predicated(address: Any, valid: Any) -> list:
     return asm_multi("{ .reg .pred p; setp.ne.b32 p, $4, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
                      "mov.b32 $3, 0; @p ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$5]; }",
                      [dtypes.i32] * 4, [valid.to(dtypes.i32), address], side_effects=False)
+
+
+def load_global_v4(address: Any, valid: Any = None) -> list:
+    """16 bytes at a global address as four i32 words (a plain, L1-cached ``ld.global.v4``); with ``valid``
+    (i1) false, four zero words and nothing read."""
+    if valid is None:
+        return asm_multi("ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", [dtypes.i32] * 4, [address], side_effects=False)
+    return asm_multi("{ .reg .pred p; setp.ne.b32 p, $4, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
+                     "mov.b32 $3, 0; @p ld.global.v4.u32 {$0, $1, $2, $3}, [$5]; }",
+                     [dtypes.i32] * 4, [valid.to(dtypes.i32), address], side_effects=False)
+
+
+def load_global_b32(address: Any, valid: Any = None) -> Any:
+    """The 32-bit word at a global address (a plain, L1-cached ``ld.global``); with ``valid`` (i1) false, zero
+    and nothing read."""
+    if valid is None:
+        return asm("ld.global.b32 $0, [$1];", [address], dtypes.i32, side_effects=False)
+    return asm("{ .reg .pred p; setp.ne.b32 p, $1, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$2]; }",
+               [valid.to(dtypes.i32), address], dtypes.i32, side_effects=False)
+
+
+def store_shared_v4(address: Any, words: list) -> None:
+    """Four i32 words to 16 aligned bytes at shared address ``address`` (``st.shared.v4``)."""
+    asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", [address, *words])
 
 
 def keep_first(words: list, valid: Any) -> list:
@@ -266,11 +323,11 @@ def finish(value, out, c_in, batch, row, col, alpha, beta, EPI):
 
 # ---------------------------------------------------------------------------------------------- staged tokens
 def tokens_stageable(x_batch: Any) -> bool:
-    """Whether one batch's tokens x [M, K] can be staged by 16-byte cp.async copies of 8 consecutive tokens at one
-    k: tokens contiguous (column-major A, so never K-contiguous tokens past M = 1), K's stride a multiple of 8
-    elements and a 16-byte aligned base (what x's specialisation proves). Token tile t's copies read tokens
-    8t..8t+7 whole, past M too: 16 aligned bytes that hold token 8t < M, so inside the allocation, and tokens
-    past M only feed results that are not stored."""
+    """Whether one batch's tokens x [M, K] can be staged by 16-byte copies (cp.async, or vector loads and
+    st.shared) of 8 consecutive tokens at one k: tokens contiguous (column-major A, so never K-contiguous tokens
+    past M = 1), K's stride a multiple of 8 elements and a 16-byte aligned base (what x's specialisation
+    proves). Token tile t's copies read tokens 8t..8t+7 whole, past M too: 16 aligned bytes that hold token
+    8t < M, so inside the allocation, and tokens past M only feed results that are not stored."""
     token_stride, k_stride = x_batch.stride
     if not (isinstance(token_stride, int) and token_stride == 1):
         return False
@@ -278,22 +335,33 @@ def tokens_stageable(x_batch: Any) -> bool:
     return k_divisor * x_batch.dtype.itemsize % 16 == 0 and x_batch.align % 16 == 0
 
 
-# Staged column-major tokens in the column-major-B kernel: off. Measured on the H200 (suite of 2026-11-29,
-# commit d53f47c): 16x4096x4096 colxcol 22.3 -> 35.2 us, 16x4096x14336 52.4 -> 95.3 us (its W loads go straight
-# to registers, so each load group's token copies add a cp.async wait the loads cannot hide). In the row-B
-# kernel, whose ring already waits on cp.async, staging pays: 16x4096x4096 colxrow 23.0 -> 20.8 us.
-COLUMN_B_STAGED_TOKENS = False
-
-
-def stages_tokens(x_batch: Any, config: SkinnyConfig, m_tiles: int, row_b: bool) -> bool:
-    """Whether the kernel stages its tokens in shared memory (decided at trace time, so part of the compile key
-    through x's specialisation): tokens_stageable ones whose stages fit the CTA's shared memory beside the
-    rest (the column-major-B kernel only with COLUMN_B_STAGED_TOKENS); other tokens keep their loads into
-    registers."""
-    if not (row_b or COLUMN_B_STAGED_TOKENS):
+def token_pairs_loadable(x_batch: Any) -> bool:
+    """Whether one batch's tokens x [M, K] can be read as 32-bit words of two consecutive tokens at one k (the
+    movmatrix path): tokens contiguous, K's stride even and a 4-byte aligned base, so that every even token starts
+    an aligned word (what x's specialisation proves)."""
+    token_stride, k_stride = x_batch.stride
+    if not (isinstance(token_stride, int) and token_stride == 1):
         return False
-    smem = row_b_smem_bytes(config, m_tiles) if row_b else column_b_staged_smem_bytes(config, m_tiles)
-    return tokens_stageable(x_batch) and smem <= MAX_SMEM
+    k_divisor = abs(k_stride) if isinstance(k_stride, int) else k_stride.divisor
+    return k_divisor * x_batch.dtype.itemsize % 4 == 0 and x_batch.align % 4 == 0
+
+
+def token_path(x_batch: Any, config: SkinnyConfig, m_tiles: int, row_b: bool) -> str:
+    """How the kernel gets its tokens, one of COLUMN_TOKENS, decided at trace time from CFG and x's specialisation
+    (both in the compile key). Row-major B: "cp.async" (staged in its ring's commit groups) for tokens_stageable
+    tokens whose stages fit the CTA's shared memory beside the rings. Column-major B: config.column_tokens where
+    the tokens allow it (the staged paths: tokens_stageable and stages that fit; movmatrix: token_pairs_loadable).
+    Everything else, K-contiguous tokens included, is "loads" (16-byte vectors for K-contiguous rows, else
+    element by element)."""
+    if row_b:
+        wanted, smem = "cp.async", row_b_smem_bytes(config, m_tiles)
+    else:
+        wanted, smem = config.column_tokens, column_b_staged_smem_bytes(config, m_tiles)
+    if wanted in STAGED_TOKENS and tokens_stageable(x_batch) and smem <= MAX_SMEM:
+        return wanted
+    if wanted == "movmatrix" and token_pairs_loadable(x_batch):
+        return wanted
+    return "loads"
 
 
 def token_slot_k(matrix: Any, row: Any, vector_order: bool) -> Any:
@@ -323,20 +391,42 @@ def token_copy_slot(lane: Any, j: int, m_tiles: int) -> tuple[Any, Any, Any]:
     return (32 * j + lane) % m_tiles, slot // 8, slot % 8
 
 
+def token_copies(kc: Any, lane: Any, m_tiles: int, vector_order: bool) -> list:
+    """(token tile, k, byte offset in a token stage) of each of lane ``lane``'s m_tiles 16-byte copies (8 tokens
+    at one k) of the tokens of the chunk at k ``kc``."""
+    copies = []
+    for j in nvfly.static_range(m_tiles):
+        tile, matrix, row = token_copy_slot(lane, j, m_tiles)
+        copies.append((tile, kc + token_slot_k(matrix, row, vector_order), token_slot_offset(tile, matrix, row)))
+    return copies
+
+
 def stage_tokens(stage: Any, x_batch: Any, kc: Any, lane: Any, m_tiles: int, vector_order: bool, k: Any = None,
                  wanted: Any = None) -> None:
     """cp.async the tokens of the chunk at k ``kc`` into the token stage at shared address ``stage`` (no commit):
     m_tiles 16-byte copies per lane. With ``k``, rows at or past K (and every row unless ``wanted``) are
     zero-filled, nothing read (the address is clamped in bounds): the padding past K could hold NaN."""
-    for j in nvfly.static_range(m_tiles):
-        tile, matrix, row = token_copy_slot(lane, j, m_tiles)
-        kg = kc + token_slot_k(matrix, row, vector_order)
-        target = stage + token_slot_offset(tile, matrix, row)
+    for tile, kg, offset in token_copies(kc, lane, m_tiles, vector_order):
         if k is None:
-            sm80.cp_async(target, x_batch.address(8 * tile, kg))
+            sm80.cp_async(stage + offset, x_batch.address(8 * tile, kg))
         else:
             ok = kg < k if wanted is None else wanted & (kg < k)
-            sm80.cp_async(target, x_batch.address(8 * tile, nvfly.minimum(kg, k - 1)), 16, ok)
+            sm80.cp_async(stage + offset, x_batch.address(8 * tile, nvfly.minimum(kg, k - 1)), 16, ok)
+
+
+def load_token_copies(x_batch: Any, kc: Any, lane: Any, m_tiles: int, k: Any = None) -> list:
+    """The registers path's loads of the chunk at ``kc``: each of this lane's ``token_copies`` (vector k order)
+    as (byte offset in a token stage, its 16 bytes as four i32 words), read by plain vector loads. With ``k``,
+    rows at or past K are zero, nothing read (the padding past K could hold NaN)."""
+    return [(offset, load_global_v4(x_batch.address(8 * tile, kg), None if k is None else kg < k))
+            for tile, kg, offset in token_copies(kc, lane, m_tiles, True)]
+
+
+def store_token_copies(stage: Any, copies: list) -> None:
+    """st.shared ``load_token_copies``' words into their slots of the token stage at shared address ``stage``
+    (the slots stage_tokens' cp.async copies fill)."""
+    for offset, words in copies:
+        store_shared_v4(stage + offset, words)
 
 
 def load_staged_tokens(stage: Any, lane: Any, m_tiles: int) -> list:
@@ -344,6 +434,35 @@ def load_staged_tokens(stage: Any, lane: Any, m_tiles: int) -> list:
     (``token_slot_k``)."""
     return [sm80.ldmatrix_x4(stage + token_slot_offset(t, lane // 8, lane % 8), transpose=True)
             for t in range(m_tiles)]
+
+
+# ---------------------------------------------------------------------------------------------- movmatrix tokens
+def movmatrix_source(lane: Any, word: int) -> tuple[Any, Any]:
+    """(first token within the n8 tile, k within the chunk) of the 32-bit word (that token and the next, at one
+    k) lane ``lane`` loads for B word ``word`` (0..3) of a token tile: lane 4i + p holds row i, columns 2p and
+    2p + 1 of an 8 x 8 matrix whose row i is k 8 * (i // 2) + 2 * word + i % 2 and whose column c is token c.
+    movmatrix.trans then gives lane l column l // 4 (token l // 4) of rows 2 * (l % 4) + {0, 1}, i.e. k
+    8 * (l % 4) + 2 * word + {0, 1}: word ``word`` of the lane's 8 consecutive k, as ``load_tokens`` reads
+    K-contiguous tokens (``b_fragment_source``)."""
+    i, p = lane // 4, lane % 4
+    return 2 * p, VECTOR * (i // 2) + 2 * word + i % 2
+
+
+def load_token_pairs(x_batch: Any, kc: Any, lane: Any, m: Any, m_tiles: int, k: Any = None) -> list:
+    """The movmatrix path's loads of the chunk at ``kc``: each token tile's four source words
+    (``movmatrix_source``), 32-bit loads of two consecutive tokens. A pair past M is clamped to the pair holding
+    token M - 1 (in bounds: an aligned word holding a real token; it only feeds results that are not stored);
+    with ``k``, words at or past K are zero, nothing read (the padding past K could hold NaN)."""
+    words = []
+    for t in nvfly.static_range(m_tiles):
+        tile_words = []
+        for word in nvfly.static_range(VECTOR // 2):
+            token, kw = movmatrix_source(lane, word)
+            first = nvfly.minimum(8 * t + token, m - 1) & -2
+            kg = kc + kw
+            tile_words.append(load_global_b32(x_batch.address(first, kg), None if k is None else kg < k))
+        words.append(tile_words)
+    return words
 
 
 # ---------------------------------------------------------------------------------------------- row-major B
@@ -536,7 +655,7 @@ def stream_row_major(w, x, ring, tokens, batch, n0, c_begin, c_end, warp, lane, 
                      TOKEN_VECTORS):
     """This warp's chunks c_begin + warp, + WARPS, ... through its own STAGES-deep cp.async ring (only
     wait_group and __syncwarp: no CTA barrier); accumulators [column tile][token tile][4]. ``tokens``: the shared
-    address of the CTA's token stages when the tokens are staged (``stages_tokens``), else None. TOKEN_VECTORS,
+    address of the CTA's token stages when the tokens are staged (``token_path``), else None. TOKEN_VECTORS,
     where x's rows allow it: k-permuted stages and the tokens as 16-byte vectors, a chunk ahead (staged tokens
     follow either k order)."""
     g = lane // 4
@@ -572,35 +691,58 @@ def stream_row_major(w, x, ring, tokens, batch, n0, c_begin, c_end, warp, lane, 
 
 class ColumnMajorRows(NamedTuple):
     """What a warp of the column-major-B kernel streams: W rows g and g + 8 (``w_rows``), each token tile's row g
-    (``x_rows``) and this lane's k in a chunk (``kq``); ``tokens``: with staged tokens, the shared address of the
-    warp's token stages (one per chunk of a load group) and the batch's tokens ``x_batch``, else None."""
+    (``x_rows``), this lane's k in a chunk (``kq``), the batch's tokens ``x_batch`` and how they are read
+    (``path``: ``token_path``); ``tokens``: on the staged paths, the shared address of the warp's token stages
+    (one per chunk of a load group), else None."""
     w_rows: tuple
     x_rows: list
     x_batch: Any
     tokens: Any
     kq: Any
     lane: Any
+    m: Any
     k: Any
     m_tiles: int
+    path: str
+
+
+def load_weight(rows: ColumnMajorRows, kcs: list, tail: bool) -> list:
+    """W rows g and g + 8 of the chunks at k ``kcs`` at this lane's k (``tail``: the partial chunk, masked at K)."""
+    return [load_tail_weight(rows.w_rows, kc + rows.kq, rows.k) if tail else
+            [load_stream(w.address(kc + rows.kq)) for w in rows.w_rows] for kc in kcs]
 
 
 def column_major_chunks(accs: list, rows: ColumnMajorRows, kcs: list, tail: bool, dtype: Any) -> list:
-    """Load the chunks at k ``kcs`` (``tail``: the one partial chunk, masked at K), then accumulate them. Staged
-    tokens: cp.async'd first (one commit group, zero-filled past K in the tail), W's rows loaded meanwhile, then
-    wait and ldmatrix.trans; the stages are free again at the end."""
-    if rows.tokens is None:
+    """Load the chunks at k ``kcs`` (``tail``: the one partial chunk, masked at K), then accumulate them. The
+    tokens' loads are issued before W's (the module docstring's "Column-major tokens"): cp.async copies (one
+    commit group, zero-filled past K in the tail) then wait, or vector loads then st.shared, each followed by
+    __syncwarp and ldmatrix.trans (the stages are free again at the end); or 32-bit pairs then movmatrix."""
+    if rows.path == "loads":
         chunks = [load_tail_chunk(rows.w_rows, rows.x_rows, kc + rows.kq, rows.k) if tail else
                   load_chunk(rows.w_rows, rows.x_rows, kc + rows.kq) for kc in kcs]
         for chunk in chunks:
             accs = mma_chunk(accs, chunk, dtype)
         return accs
+    mask = rows.k if tail else None
+    if rows.path == "movmatrix":
+        pairs = [load_token_pairs(rows.x_batch, kc, rows.lane, rows.m, rows.m_tiles, mask) for kc in kcs]
+        ws = load_weight(rows, kcs, tail)
+        for w_words, tile_words in zip(ws, pairs):
+            x_words = [[sm80.movmatrix_trans(word) for word in words] for words in tile_words]
+            accs = mma_chunk(accs, (w_words, x_words), dtype)
+        return accs
     stages = [rows.tokens + u * (rows.m_tiles * TOKEN_TILE_BYTES) for u in range(len(kcs))]
-    for stage, kc in zip(stages, kcs):
-        stage_tokens(stage, rows.x_batch, kc, rows.lane, rows.m_tiles, True, rows.k if tail else None)
-    sm80.cp_async_commit()
-    ws = [load_tail_weight(rows.w_rows, kc + rows.kq, rows.k) if tail else
-          [load_stream(w.address(kc + rows.kq)) for w in rows.w_rows] for kc in kcs]
-    sm80.cp_async_wait(0)
+    if rows.path == "cp.async":
+        for stage, kc in zip(stages, kcs):
+            stage_tokens(stage, rows.x_batch, kc, rows.lane, rows.m_tiles, True, mask)
+        sm80.cp_async_commit()
+        ws = load_weight(rows, kcs, tail)
+        sm80.cp_async_wait(0)
+    else:  # registers: the st.shared waits for its own loads (L2 hits) only, W's stay in flight
+        copies = [load_token_copies(rows.x_batch, kc, rows.lane, rows.m_tiles, mask) for kc in kcs]
+        ws = load_weight(rows, kcs, tail)
+        for stage, chunk_copies in zip(stages, copies):
+            store_token_copies(stage, chunk_copies)
     nvfly.syncwarp()
     for stage, w_words in zip(stages, ws):
         accs = mma_chunk(accs, (w_words, load_staged_tokens(stage, rows.lane, rows.m_tiles)), dtype)
@@ -610,10 +752,10 @@ def column_major_chunks(accs: list, rows: ColumnMajorRows, kcs: list, tail: bool
 
 @nvfly.func
 def stream_column_major(w, x, tokens, batch, group, split, warp, lane, m, n, k, chunks_per_split, WARPS, UNROLL,
-                        SPLITS, M_TILES):
+                        SPLITS, M_TILES, TOKEN_PATH):
     """This warp's share of the CTA's K range, W rows loaded straight into registers; accumulators
-    [token tile][4]. ``tokens``: the shared address of the CTA's token stages when the tokens are staged
-    (``stages_tokens``), else None."""
+    [token tile][4]. TOKEN_PATH: how the tokens are read (``token_path``); ``tokens``: on the staged paths, the
+    shared address of the CTA's token stages, else None."""
     dtype = w.dtype
     g = lane // 4
     # rows past N and tokens past M are clamped: they only feed results that are not stored
@@ -621,7 +763,8 @@ def stream_column_major(w, x, tokens, batch, group, split, warp, lane, m, n, k, 
               w[batch, nvfly.minimum(group * ROWS + g + 8, n - 1), :])
     x_rows = [x[batch, nvfly.minimum(g + 8 * t, m - 1), :] for t in nvfly.static_range(M_TILES)]
     warp_tokens = None if tokens is None else tokens + warp * (UNROLL * M_TILES * TOKEN_TILE_BYTES)
-    rows = ColumnMajorRows(w_rows, x_rows, x[batch, :, :], warp_tokens, (lane % 4) * VECTOR, lane, k, M_TILES)
+    rows = ColumnMajorRows(w_rows, x_rows, x[batch, :, :], warp_tokens, (lane % 4) * VECTOR, lane, m, k, M_TILES,
+                           TOKEN_PATH)
     accs = [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(M_TILES)]
     full_chunks = k // CHUNK_K
     c_begin = split * chunks_per_split
@@ -666,7 +809,8 @@ def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in
     # its partial tile goes in shared memory. Staged tokens: every warp's token stages in dynamic shared memory
     # (after the rings with row-major B), then all shared memory is dynamic (the arrival count too)
     RING_BYTES = WARPS * UNROLL * CHUNK_BYTES if ROW_B else 0
-    STAGED = stages_tokens(x[batch, :, :], CFG, M_TILES, ROW_B)
+    TOKEN_PATH = token_path(x[batch, :, :], CFG, M_TILES, ROW_B)
+    STAGED = TOKEN_PATH in STAGED_TOKENS
     TOKEN_BYTES = staged_token_bytes(CFG, M_TILES) if STAGED else 0
     tokens = None
     if STAGED:
@@ -682,7 +826,7 @@ def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in
         WARP_STRIDE = UNROLL * CHUNK_BYTES // 4
     else:
         tiles = [stream_column_major(w, x, tokens, batch, group, split, warp, lane, m, n, k, chunks_per_split, WARPS,
-                                     UNROLL, SPLITS, M_TILES)]
+                                     UNROLL, SPLITS, M_TILES, TOKEN_PATH)]
         if STAGED:  # a warp's token stages (at least one chunk's: 512 bytes a token tile) hold its 16 x TOKENS tile
             partial = nvfly.dynamic_shared_tensor(nvfly.f32, (TOKEN_BYTES // 4,))
             WARP_STRIDE = UNROLL * M_TILES * TOKEN_TILE_BYTES // 4
@@ -790,6 +934,12 @@ class SkinnyPlan:
 # its start and reduction than it saves); to be tuned on the H200 (benchmarks/gemm_skinny_configs.py)
 TARGET_CTAS_PER_SM = 2
 MIN_CHUNKS_PER_WARP = 8
+# column-major B: how column-major tokens are read by default (SkinnyConfig.column_tokens; tokens that the path
+# cannot take fall back to "loads" at trace time). "loads" until the other paths are measured on the H200
+# (benchmarks/gemm_skinny_configs.py --tokens col --column-tokens ...); the earlier cp.async measurement
+# (16x4096x4096 colxcol 22.3 -> 35.2 us, 16x4096x14336 52.4 -> 95.3 us at d53f47c) is doubtful: the module constant
+# that switched it was not in the compile key, so that process may have run the other binary
+COLUMN_B_TOKENS = "loads"
 # row-major B: 8 warps, each with a 2-stage ring (64 KB of shared memory per CTA), tokens as 16-byte vectors.
 # Its split rule scales a warp's fewest chunks per split with the square of the token tiles: each split adds an
 # M x N fp32 reduction and a larger M already keeps more loads in flight per CTA. Swept on the H200
@@ -801,7 +951,7 @@ ROW_B_MIN_CHUNKS_PER_WARP = 4
 
 def default_config(m: int, n: int, k: int, batches: int, sms: int, row_b: bool = False) -> SkinnyConfig:
     """Split K across CTAs up to TARGET_CTAS_PER_SM CTAs per SM, keeping each warp's share long."""
-    cfg = ROW_B_CONFIG if row_b else SkinnyConfig()
+    cfg = ROW_B_CONFIG if row_b else SkinnyConfig(column_tokens=COLUMN_B_TOKENS)
     groups = math.ceil(n / (COLS_ROW_B if row_b else ROWS)) * batches
     chunks = math.ceil(k / CHUNK_K)
     wanted = TARGET_CTAS_PER_SM * sms // groups

@@ -1,7 +1,8 @@
 """The skinny (decode) GEMM against a float32 reference, for column-major and row-major B (with and without
 SkinnyConfig.token_vectors): token counts 1-16, odd N, K tails, epilogues, batches, split K through the shared
 workspace (which must be left zeroed: every case runs twice), poisoned outputs and token padding; column-major
-tokens (staged in shared memory by cp.async where their k stride allows) with NaN padding."""
+tokens with NaN padding, for row-major B staged in shared memory by cp.async where their k stride allows, for
+column-major B through each SkinnyConfig.column_tokens path."""
 import dataclasses
 
 import pytest
@@ -262,13 +263,45 @@ def test_column_major_tokens(hopper, m, nk, variant):
 @pytest.mark.parametrize("m", [1, 9, 16])
 @pytest.mark.parametrize("config", [SkinnyConfig(8, 4, 1), SkinnyConfig(8, 4, 3), SkinnyConfig(4, 2, 7),
                                     SkinnyConfig(2, 1, 16), SkinnyConfig(16, 8, 2)])
-@pytest.mark.parametrize("staged", [False, True], ids=["loads", "staged"])
-def test_column_major_tokens_configs_and_splits(hopper, monkeypatch, m, config, staged):
-    """Column-major B: load groups of 1 to 8 chunks, split K; staged (gemm_skinny.COLUMN_B_STAGED_TOKENS, off by
-    default), 16 warps x 8 chunks x 16 tokens stage 128 KB (the launch opts in past 48 KB)."""
-    monkeypatch.setattr(gemm_skinny, "COLUMN_B_STAGED_TOKENS", staged)
+@pytest.mark.parametrize("path", gemm_skinny.COLUMN_TOKENS)
+def test_column_major_tokens_configs_and_splits(hopper, m, config, path):
+    """Column-major B: load groups of 1 to 8 chunks, split K, each SkinnyConfig.column_tokens path; staged, 16
+    warps x 8 chunks x 16 tokens stage 128 KB (the launch opts in past 48 KB)."""
     a, b = column_tokens(m, 3000, torch.bfloat16), weight(1000, 3000, torch.bfloat16)
-    run_twice(a, b, 1e-2, config=config)
+    run_twice(a, b, 1e-2, config=dataclasses.replace(config, column_tokens=path))
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 12, 16])
+@pytest.mark.parametrize("k", [4096, 4100, 1000, 40])
+@pytest.mark.parametrize("config", [SkinnyConfig(8, 4, 1), SkinnyConfig(8, 2, 3), SkinnyConfig(4, 1, 5)],
+                         ids=["8x4", "8x2-splitK3", "4x1-splitK5"])
+@pytest.mark.parametrize("path", gemm_skinny.COLUMN_TOKENS)
+def test_column_token_paths(hopper, path, config, m, k):
+    """Every column_tokens path against the float32 reference, K with tails (K % 32 = 4, 8, and K = 40: one full
+    chunk and the tail), into NaN-poisoned outputs: column-major tokens in 8-token columns whose padding (past M
+    and past K) is NaN, where the path runs; K-contiguous tokens, which every path reads as loads' 16-byte
+    vectors."""
+    config = dataclasses.replace(config, column_tokens=path)
+    b = weight(520, k, torch.bfloat16)
+    run_twice(column_tokens(m, k, torch.bfloat16), b, 1e-2, config=config)
+    run_twice(tokens(m, k, torch.bfloat16, padding=float("nan")), b, 1e-2, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 12, 16])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("path", gemm_skinny.COLUMN_TOKENS)
+def test_column_token_paths_batched(hopper, path, splits, m, dtype):
+    """Every column_tokens path on batches (each batch's tokens 16-byte aligned), with and without split K:
+    NaN-padded column-major tokens, the benchmark's 2-D column-major tokens (batch of one) and K-contiguous
+    tokens, K = 1000 (a tail of 8)."""
+    batch, n, k = 3, 300, 1000
+    config = SkinnyConfig(8, 2, splits, column_tokens=path)
+    b = weight(n, k, dtype, batch)
+    run_twice(column_tokens(m, k, dtype, batch), b, 1e-2, config=config)
+    run_twice(tokens(m, k, dtype, batch), b, 1e-2, config=config)
+    a2 = torch.randn(k, -(-m // 8) * 8, device="cuda").to(dtype)[:, :m].t()  # benchmarks.gemm_skinny_configs.tokens
+    run_twice(a2, weight(n, k, dtype), 1e-2, config=config)
 
 
 @pytest.mark.parametrize("m", [1, 9, 16])

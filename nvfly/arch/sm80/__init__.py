@@ -1,7 +1,9 @@
-"""Ampere (sm_80) atoms, also available on Hopper: cp.async with commit/wait groups, ldmatrix, mma.sync.
+"""Ampere (sm_80) atoms, also available on Hopper: cp.async with commit/wait groups, ldmatrix, movmatrix,
+mma.sync.
 
 Register fragments follow PTX's ``mma.m16n8k16`` layouts: A is four 32-bit registers (eight 16-bit values),
-B two, C/D four f32. ``ldmatrix_x4`` fills an A fragment (or two B fragments) from shared memory.
+B two, C/D four f32. ``ldmatrix_x4`` fills an A fragment (or two B fragments) from shared memory;
+``movmatrix_trans`` transposes an 8 x 8 matrix held in registers in that layout.
 """
 from __future__ import annotations
 
@@ -48,6 +50,14 @@ def ldmatrix_x4(smem: Scalar, transpose: bool = False) -> list[Scalar]:
     lane gets one 32-bit register per matrix."""
     return asm_multi(f"ldmatrix.sync.aligned.m8n8.x4{'.trans' if transpose else ''}.shared.b16 "
                      "{$0, $1, $2, $3}, [$4];", [dtypes.i32] * 4, [smem])
+
+
+@traced
+def movmatrix_trans(word: Scalar) -> Scalar:
+    """Transpose an 8 x 8 b16 matrix across the warp (``movmatrix.sync.aligned.m8n8.trans.b16``, sm_75+): lane l
+    holds row l // 4, columns 2 * (l % 4) + {0, 1} of the matrix in one 32-bit register (low half first) and
+    gets the same elements of its transpose, i.e. source rows 2 * (l % 4) + {0, 1} of column l // 4."""
+    return asm("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", [word], dtypes.i32)
 
 
 @traced

@@ -48,6 +48,15 @@ PLAN_VARIANTS = {
     "rows before 256": rmsnorm.ForwardOptions(block_threads=256, target_vectors=8, early_weight=False),
     "persistent": rmsnorm.ForwardOptions(persistent=True),
     "persistent hints": rmsnorm.ForwardOptions(persistent=True, cache_hints=True),
+    # the two-pass kernel (Inductor's structure: a block a row, the row read twice, few registers, many warps);
+    # "two-pass" takes the fewest threads that cover the row in one step of 2 vectors a thread
+    "two-pass": rmsnorm.ForwardOptions(two_pass=True),
+    "two-pass hints": rmsnorm.ForwardOptions(two_pass=True, cache_hints=True),
+    "two-pass 256": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=256),
+    "two-pass 512": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=512),
+    "two-pass 1024": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=1024),
+    "two-pass 256x4": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=256, two_pass_vectors=4),
+    "two-pass 1024x1": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=1024, two_pass_vectors=1),
 }
 PLAN_MAX_ERR = 1e-2  # --compare-plans: max |y - reference| / max |reference| (bf16 rounding: about 4e-3)
 

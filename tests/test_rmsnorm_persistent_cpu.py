@@ -72,8 +72,8 @@ def test_forward_plan_takes_the_row_kernel_and_the_persistent_one_on_request():
     assert rmsnorm.forward_plan(2048, 8, 16384, SMS, has_residual=True, options=forced).blocks_per_sm == 4
     assert rmsnorm.forward_plan(8192, 8, 16384, SMS, options=forced).threads == 256
     assert rmsnorm.forward_plan(16384, 8, 16384, SMS, options=forced).threads == 512
-    # rows too long for two tiles in registers: declined; longer ones still loop
-    assert rmsnorm.forward_plan(65536, 8, 65536, SMS).looped
+    # rows too long for two tiles in registers: declined; rows too long for registers take the two-pass kernel
+    assert rmsnorm.forward_plan(65536, 8, 65536, SMS).two_pass
     with pytest.raises(ValueError, match="persistent"):
         rmsnorm.forward_plan(32768, 8, 65536, SMS, options=forced)
     few = rmsnorm.forward_plan(2048, 8, 256, SMS, options=forced)
@@ -93,9 +93,13 @@ def test_row_kernel_loads_the_weight_early_where_registers_allow():
 
 def test_forward_options_are_checked():
     for bad in [dict(block_threads=48), dict(block_threads=128.0), dict(block_threads=1024), dict(target_vectors=0),
-                dict(target_vectors=9), dict(persistent=1), dict(persistent=None), dict(early_weight=None), dict(cache_hints="yes")]:
+                dict(target_vectors=9), dict(persistent=1), dict(persistent=None), dict(early_weight=None), dict(cache_hints="yes"),
+                dict(two_pass=1), dict(two_pass_threads=64), dict(two_pass_threads=384), dict(two_pass_threads=2048),
+                dict(two_pass_threads=256.0), dict(two_pass_vectors=0), dict(two_pass_vectors=9)]:
         with pytest.raises(ValueError, match=f"options.{next(iter(bad))}"):
             rmsnorm.ForwardOptions(**bad)
+    with pytest.raises(ValueError, match="options.two_pass"):
+        rmsnorm.ForwardOptions(persistent=True, two_pass=True)
 
 
 def test_persistent_grid_is_the_resident_blocks_or_the_tiles(recorded_launches):
@@ -191,5 +195,97 @@ def test_compare_plans_variants_compile_clean(n, fused_add):
         k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=False, options=options)
         assert_clean(k)
         p = rmsnorm.plan_of(x, w, r, options=options)
-        assert k.name == ("rms_norm_persistent_kernel" if p.persistent else "rms_norm_kernel"), name
-        assert k.block == (p.threads, 1, 1), name
+        kernel = "rms_norm_two_pass_kernel" if p.two_pass else \
+            "rms_norm_persistent_kernel" if p.persistent else "rms_norm_kernel"
+        assert k.name == kernel and k.block == (p.threads, 1, 1), name
+
+
+# ---------------------------------------------------------------------------------------------- the two-pass kernel
+def test_two_pass_plan_covers_the_row_in_one_step_or_takes_the_options():
+    two_pass = rmsnorm.ForwardOptions(two_pass=True)
+    p = rmsnorm.forward_plan(8192, 8, 16384, SMS, options=two_pass)
+    # the fewest threads that take the row in one step of 2 vectors: 512 for bf16 rows of 8192 (as Inductor's block)
+    assert p.two_pass and not p.persistent and (p.threads, p.rows, p.vectors) == (512, 1, 2)
+    assert rmsnorm.forward_plan(7168, 8, 16384, SMS, options=two_pass).threads == 512
+    assert rmsnorm.forward_plan(16384, 8, 16384, SMS, options=two_pass).threads == 1024
+    assert rmsnorm.forward_plan(2048, 8, 16384, SMS, options=two_pass).threads == 128
+    assert rmsnorm.forward_plan(8192, 4, 16384, SMS, options=two_pass).threads == 1024  # fp32
+    # rows too long for registers take it without the option, in several steps of 1024 threads
+    long_rows = rmsnorm.forward_plan(300_000, 8, 64, SMS)
+    assert long_rows.two_pass and (long_rows.threads, long_rows.vectors) == (1024, 2)
+    # narrow accesses (odd lengths): as many more a step as the row kernel's budget allows them
+    assert rmsnorm.forward_plan(1001, 1, 64, SMS, 32, options=two_pass).vectors == 8
+    assert rmsnorm.forward_plan(1002, 2, 64, SMS, 16, options=two_pass).vectors == 4
+    chosen = rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=256, two_pass_vectors=4, cache_hints=True)
+    p = rmsnorm.forward_plan(8192, 8, 16384, SMS, has_residual=True, options=chosen)
+    assert (p.threads, p.vectors, p.cache_hints) == (256, 4, True)
+
+
+def two_pass_budget(p, variant, dtype, n):
+    """The registers the kernel targets: a full SM (32) where its estimate fits, else at least 32 warps (64)."""
+    streams = (1 + (variant == "residual"), 1 + (variant != "plain") + (variant == "residual"))
+    estimate = rmsnorm.two_pass_registers(*streams, p.vectors, p.vec, torch.empty((), dtype=dtype).element_size(),
+                                          -(-n // (p.threads * p.vectors * p.vec)))
+    return rmsnorm.FULL_SM_REGISTERS if estimate <= rmsnorm.FULL_SM_REGISTERS else 64
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2048, 7168, 8192, 16384, 1001, 4097, 300_000])
+@pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
+@pytest.mark.parametrize("want_rstd", [True, False])
+def test_two_pass_kernel_compiles_clean_within_its_register_budget(dtype, n, variant, want_rstd):
+    """No local memory and the registers of its budget; 16-byte accesses (element ones for odd lengths); one
+    barrier (the block reduction) and one rsqrt; a row of one step issues every load before its first store."""
+    x, w, r = tensors(16384 if n < 300_000 else 64, n, dtype, variant)
+    options = rmsnorm.ForwardOptions(two_pass=True)
+    k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=want_rstd, options=options)
+    p = rmsnorm.plan_of(x, w, r, options=options)
+    assert k.name == "rms_norm_two_pass_kernel" and k.block == (p.threads, 1, 1)
+    assert_clean(k)
+    assert k.resources.registers <= two_pass_budget(p, variant, dtype, n), k.summary()
+    wide = p.vec * x.element_size() == 16
+    assert (k.count("LDG.E.128") == k.count("LDG")) if wide else k.count("LDG.E.128") == 0
+    assert k.count("BAR.SYNC") == 1 and k.count("MUFU.RSQ") == 1
+    streams_in = 1 + (variant != "plain") + 2 * (variant == "residual")  # x twice, weight, residual twice
+    vectors = -(-n // (p.threads * p.vec))  # a thread's vectors of the row
+    if vectors <= p.vectors:  # one step: no loop
+        texts = [t for _, t in instructions(k)]
+        assert k.count("LDG") == vectors * (streams_in + 1) == loads_before_first_store(texts)
+
+
+@pytest.mark.parametrize("n", [7168, 8192])
+@pytest.mark.parametrize("variant", ["weight", "residual"])
+def test_two_pass_kernel_holds_a_full_sm_of_warps(n, variant):
+    """The point of the kernel: bf16 rows in Inductor's block (512 threads) and 32 registers, 64 warps an SM (the
+    row kernel: 16); with the residual (three streams in the second pass) 48 warps at least."""
+    x, w, r = tensors(16384, n, torch.bfloat16, variant)
+    k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=False,
+                 options=rmsnorm.ForwardOptions(two_pass=True))
+    assert k.block == (512, 1, 1)
+    assert rmsnorm.resident_warps(k.resources.registers, 512) >= (64 if variant == "weight" else 48), k.summary()
+
+
+@pytest.mark.parametrize("variant", ["weight", "residual"])
+def test_two_pass_cache_hints_keep_x_for_the_second_read(variant):
+    """First read kept in L1 (LDG .EL, as the weight), second read evicted first (.EF), stores past L1 (.NA)."""
+    x, w, r = tensors(16384, 8192, torch.bfloat16, variant)
+    k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r,
+                 options=rmsnorm.ForwardOptions(two_pass=True, cache_hints=True))
+    assert_clean(k)
+    streams = 1 + (variant == "residual")
+    assert k.count("LDG.E.EL.128") == 2 * streams + 2  # 2 vectors a thread of x (and the residual), the weight
+    assert k.count("LDG.E.EF.128") == 2 * streams
+    assert k.count("STG.E.NA.128") == 2 * streams
+    assert k.count("LDG.E.128") == k.count("STG.E.128") == 0
+
+
+def test_two_pass_kernel_strided_rows():
+    """Rows 4160 elements apart, starting 16 bytes in (x and the residual): still 16-byte accesses."""
+    base = torch.empty(64, 4096 + 64, dtype=torch.bfloat16)
+    x, r = base[:, 8:4096 + 8], base[:, 16:4096 + 16]
+    w = torch.empty(4096, dtype=torch.bfloat16)
+    options = rmsnorm.ForwardOptions(two_pass=True)
+    assert rmsnorm.plan_of(x, w, r, options=options).vec == 8
+    k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, options=options)
+    assert_clean(k)
+    assert k.name == "rms_norm_two_pass_kernel" and k.count("LDG.E.128") == k.count("LDG") > 0

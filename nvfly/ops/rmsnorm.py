@@ -15,8 +15,11 @@ Design (forward, the row-in-registers kernel):
   ROW_BLOCK_THREADS), long rows get a block each with a shared-memory step across warps.
 - with many rows, the persistent kernel instead: a few blocks per SM loop over the row tiles, loading the next
   tile while reducing and storing this one, with the weight read once per block (``forward_plan`` says when).
-- rows that do not fit the registers (N > 512*8*VEC: 32768 bf16, 16384 fp32) use a looped kernel that reads
-  them twice (the second time mostly from L2).
+- the two-pass kernel (Inductor's structure), for rows that do not fit the registers (N > 512*8*VEC: 32768 bf16,
+  16384 fp32) and for any row on request (``ForwardOptions(two_pass=True)``): a block per row streams the row
+  through registers in steps of a few vectors a thread, twice: the first pass only sums squares, the second
+  reads the row again (from L1/L2) and writes y (and x + residual, recomputed). Nothing is held across the
+  reduction, so about 32 registers a thread: a full SM of warps, each with its loads in flight.
 Backward loops persistently over rows (about two blocks per SM), accumulating each block's weight gradient in
 registers; dy and x are read once from memory and once more from L1/L2 after the row's reduction. One small
 kernel then sums the per-block partials of the weight gradient.
@@ -42,7 +45,6 @@ TARGET_VECTORS_PER_THREAD = 8   # enough bytes in flight per thread to cover mem
 MAX_VECTORS_PER_THREAD = 8      # more 16-byte vectors of a row per thread spill (x and residual both in flight)
 NARROW_MAX_ELEMENTS = 32        # the same limit for rows read in narrower accesses (odd lengths), in elements
 MAX_GROUP = 512                 # threads per row: blocks of 512 keep a 128-register budget (1024 would allow 64)
-LOOPED_UNROLL = 4               # vectors per thread in flight in the looped kernel
 BACKWARD_VECTORS_PER_THREAD = 2  # backward also keeps the weight-gradient sums in registers
 BACKWARD_MAX_ELEMENTS = 16      # of a row per thread in the backward kernel (1024 threads): more would spill
 SM_SUB_PARTITIONS = 4           # warp schedulers per SM, each with a quarter of the register file
@@ -53,10 +55,16 @@ SM_SUB_PARTITIONS = 4           # warp schedulers per SM, each with a quarter of
 # use 16), and smaller blocks hold no more warps.
 ROW_BLOCK_THREADS = 32 * SM_SUB_PARTITIONS
 BACKWARD_ROW_BLOCK_THREADS = 256  # the persistent backward launches about two blocks per SM: 16 warps
-LOOPED_THREADS = 1024           # the looped kernel for rows too long for registers
+# The two-pass kernel (rows too long for registers; any row on request): TWO_PASS_VECTORS 16-byte vectors a thread
+# per step, blocks of 128 to 1024 threads (two_pass_plan), registers as two_pass_registers estimates them
+TWO_PASS_VECTORS = 2
+TWO_PASS_MIN_THREADS = 128
+TWO_PASS_MAX_THREADS = 1024
+TWO_PASS_OTHER_REGISTERS = 16   # besides the loaded vectors and the sum: row addresses, the column, rstd
 COLUMN_SUM_COLS = 32            # columns per block of the weight-gradient partial sum
 SM_REGISTERS = 65536            # sm_90 limits for resident_warps
 SM_MAX_WARPS = 64
+FULL_SM_REGISTERS = SM_REGISTERS // (SM_MAX_WARPS * 32)  # 32 registers a thread: 64 warps an SM
 SM_MAX_BLOCKS = 32
 REGISTER_ALLOCATION_UNIT = 256  # registers are given to a warp in multiples of this
 # The persistent forward (forward_plan): it holds two row tiles (the one it normalises, the next one in flight) and
@@ -109,7 +117,8 @@ def row_layout(M, GROUP, ROWS):
 
 # ---------------------------------------------------------------------------------------------- device helpers (rows)
 def cache_policy(priority: str) -> Any:
-    """An L2 eviction policy (``evict_first`` or ``evict_last``) for every access it is given to."""
+    """An L2 eviction policy (``evict_first``, ``evict_normal`` or ``evict_last``) for every access it is given
+    to."""
     return asm(f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;", result=nvfly.i64, side_effects=False)
 
 
@@ -303,41 +312,143 @@ def rms_norm_persistent_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: 
         parity = parity ^ 1
 
 
-@nvfly.kernel
-def rms_norm_looped_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tensor, y: nvfly.Tensor,
-                           residual_out: nvfly.Tensor, rstd_out: nvfly.Tensor, eps: nvfly.f32,
-                           N: nvfly.Constexpr, VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr,
-                           UNROLL: nvfly.Constexpr, HAS_WEIGHT: nvfly.Constexpr, HAS_RESIDUAL: nvfly.Constexpr,
-                           HAS_RSTD: nvfly.Constexpr):
-    """One block per row for rows too long for registers: the first pass sums squares (and writes x + r),
-    the second reads the row again (mostly from L2) and writes y; UNROLL vectors per thread in flight."""
-    row = nvfly.block_idx.x
+# Cache hints of the two-pass kernel (RowPlan.cache_hints): the first pass keeps x's (and the residual's) lines
+# in L1 for the second, which reads them for the last time. In L2 the first read stays normal: a second read that
+# hits L1 never reaches L2 to lower an evict_last line again. The weight and the outputs as in row_hints.
+FIRST_READ = "L1::evict_last"
+LAST_READ = "L1::evict_first"
+
+
+def two_pass_hints(CACHE_HINTS: bool) -> tuple[Optional[tuple], Optional[tuple], Optional[tuple], Optional[tuple]]:
+    """(first read, last read, weight, stores) hints of ``load_vector``/``store_vector``, or four Nones."""
+    if not CACHE_HINTS:
+        return None, None, None, None
+    drop = cache_policy("evict_first")
+    return ((FIRST_READ, cache_policy("evict_normal")), (LAST_READ, drop), (KEEP_L1, cache_policy("evict_last")),
+            (STREAM_L1, drop))
+
+
+def step_columns(base: Any, lane: Any, N: int, VEC: int, THREADS: int, VECTORS: int) -> list:
+    """(column, mask) of this thread's vectors in the step of THREADS * VECTORS vectors starting at column
+    ``base``: a traced base is a whole step inside the row (no masks); a static one (the last step) leaves out
+    vectors wholly past the row end and masks the one that crosses it."""
+    out = []
+    for v in range(VECTORS):
+        col = base + (v * THREADS + lane) * VEC
+        if isinstance(base, int):
+            if base + v * THREADS * VEC >= N:
+                break
+            out.append((col, col < N if base + (v + 1) * THREADS * VEC > N else None))
+        else:
+            out.append((col, None))
+    return out
+
+
+def load_step(t: Any, row: Any, columns: list, VEC: int, hint: Optional[tuple]) -> list:
+    """``t``'s vectors at ``columns`` (of ``step_columns``) of row ``row`` (of a 1-D ``t`` when None)."""
+    return [load_vector(t, (col,) if row is None else (row, col), VEC, mask, hint) for col, mask in columns]
+
+
+def square_step(x: Any, residual: Any, row: Any, columns: list, squares: Any, VEC: int, HAS_RESIDUAL: bool,
+                hint: Optional[tuple]) -> Any:
+    """The first pass over one step: ``squares`` plus the squares of x (+ residual); every load of the step is
+    issued before the first use (masked-off vectors read as zeros)."""
+    xs = load_step(x, row, columns, VEC, hint)
+    if HAS_RESIDUAL:
+        xs = add_residual(xs, load_step(residual, row, columns, VEC, hint))
+    for xv in xs:
+        xf = xv.to(nvfly.f32)
+        squares = nvfly.fma(xf, xf, squares)
+    return squares
+
+
+def normalize_step(x: Any, weight: Any, residual: Any, y: Any, residual_out: Any, row: Any, columns: list,
+                   rstd: Any, VEC: int, HAS_WEIGHT: bool, HAS_RESIDUAL: bool, hints: tuple) -> None:
+    """The second pass over one step: x (+ residual, recomputed and written here) and the weight loaded, then
+    y = x * rstd * weight stored."""
+    _, last_read, weight_hint, store_hint = hints
+    xs = load_step(x, row, columns, VEC, last_read)
+    if HAS_RESIDUAL:
+        xs = add_residual(xs, load_step(residual, row, columns, VEC, last_read))
+    weights = load_step(weight, None, columns, VEC, weight_hint) if HAS_WEIGHT else None
+    for v, (col, mask) in enumerate(columns):
+        out = xs[v].to(nvfly.f32) * rstd
+        if HAS_WEIGHT:
+            out = out * weights[v].to(nvfly.f32)
+        store_vector(y, out, (row, col), VEC, mask, store_hint)
+        if HAS_RESIDUAL:
+            store_vector(residual_out, xs[v], (row, col), VEC, mask, store_hint)
+
+
+def two_pass_registers(first_streams: int, second_streams: int, vectors: int, vec: int, itemsize: int,
+                       steps: int) -> int:
+    """The two-pass kernel's registers a thread, estimated: what it holds at once and TWO_PASS_OTHER_REGISTERS.
+    The first pass holds ``first_streams`` (x, the residual) x ``vectors`` accesses of ``vec`` elements (twice that
+    when the row takes several steps: LLVM unrolls that loop by two) and the fp32 sum of squares, the second pass
+    ``second_streams`` (x, the residual, the weight) x ``vectors`` accesses. Where it is FULL_SM_REGISTERS or
+    fewer the kernel asks ptxas for a full SM of warps; otherwise ptxas chooses (a cap below its choice spills)."""
+    words = -(-vec * itemsize // 4)
+    first = first_streams * vectors * words * (2 if steps > 1 else 1) + vec
+    return TWO_PASS_OTHER_REGISTERS + max(first, second_streams * vectors * words)
+
+
+@nvfly.func
+def block_sum(value, scratch, THREADS):
+    """Sum ``value`` over the block; every thread gets the total (one barrier: each warp sums the warps' partial
+    sums from ``scratch``, THREADS // 32 f32 slots, with shuffles)."""
+    warps = THREADS // 32
     tid = nvfly.thread_idx.x
-    step = THREADS * VEC
+    lane = tid & 31
+    value = nvfly.warp_reduce(value, "add")
+    if lane == 0:
+        scratch[tid >> 5] = value
+    nvfly.syncthreads()
+    return nvfly.warp_reduce(scratch[lane & (warps - 1)], "add", warps)
+
+
+@nvfly.kernel
+def rms_norm_two_pass_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tensor, y: nvfly.Tensor,
+                             residual_out: nvfly.Tensor, rstd_out: nvfly.Tensor, eps: nvfly.f32,
+                             N: nvfly.Constexpr, VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr,
+                             VECTORS: nvfly.Constexpr, HAS_WEIGHT: nvfly.Constexpr, HAS_RESIDUAL: nvfly.Constexpr,
+                             HAS_RSTD: nvfly.Constexpr, CACHE_HINTS: nvfly.Constexpr):
+    """A block per row that streams the row through registers twice, VECTORS vectors a thread per step: the
+    first pass only sums squares (nothing held across steps or the reduction: few registers, many warps), the
+    second reads the row again (from L1/L2: read moments earlier) and writes y.
+
+    With the residual, the second pass reads x and the residual again and recomputes x + residual (the same
+    rounding), writing it next to y: the first pass has no stores, and no just-written line is read back from
+    L2, which the streaming already keeps busy."""
+    step = THREADS * VECTORS * VEC
+    registers = two_pass_registers(1 + HAS_RESIDUAL, 1 + HAS_WEIGHT + HAS_RESIDUAL, VECTORS, VEC, x.dtype.itemsize,
+                                   -(-N // step))
+    if registers <= FULL_SM_REGISTERS:
+        nvfly.min_blocks_per_sm(SM_MAX_WARPS * 32 // THREADS)
+    row = nvfly.block_idx.x
+    lane = nvfly.thread_idx.x
+    hints = two_pass_hints(CACHE_HINTS)
+    whole = N // step * step   # columns covered by whole steps; the rest is the masked last step
     squares = nvfly.full(VEC, 0.0, nvfly.f32)
-    for first in range(tid * VEC, N, step * UNROLL):
-        for u in nvfly.static_range(UNROLL):
-            col = first + u * step
-            xv = x.load(row, col, width=VEC, mask=col < N)
-            if HAS_RESIDUAL:
-                xv = (xv.to(nvfly.f32) + residual.load(row, col, width=VEC, mask=col < N).to(nvfly.f32)).to(x.dtype)
-                residual_out.store(xv, row, col, mask=col < N)
-            xf = xv.to(nvfly.f32)
-            squares = nvfly.fma(xf, xf, squares)
+    for base in range(0, whole, step):
+        asm('.pragma "nounroll";')  # ptxas would unroll the steps past the register budget (spills)
+        squares = square_step(x, residual, row, step_columns(base, lane, N, VEC, THREADS, VECTORS), squares, VEC,
+                              HAS_RESIDUAL, hints[0])
+    if whole < N:
+        squares = square_step(x, residual, row, step_columns(whole, lane, N, VEC, THREADS, VECTORS), squares, VEC,
+                              HAS_RESIDUAL, hints[0])
     scratch = nvfly.shared_tensor(nvfly.f32, (THREADS // 32,))
-    total = group_sum(squares.sum(), scratch, 0, 0, tid >> 5, tid & 31, THREADS)
-    rstd = nvfly.rsqrt(total * (1.0 / N) + eps)
-    for first in range(tid * VEC, N, step * UNROLL):
-        for u in nvfly.static_range(UNROLL):
-            col = first + u * step
-            # the same thread wrote these residual_out elements in the first pass: it reads its own writes
-            source = residual_out if HAS_RESIDUAL else x
-            out = source.load(row, col, width=VEC, mask=col < N).to(nvfly.f32) * rstd
-            if HAS_WEIGHT:
-                out = out * weight.load(col, width=VEC, mask=col < N).to(nvfly.f32)
-            y.store(out.to(y.dtype), row, col, mask=col < N)
+    rstd = nvfly.rsqrt(block_sum(squares.sum(), scratch, THREADS) * (1.0 / N) + eps)
+    for base in range(0, whole, step):
+        asm('.pragma "nounroll";')  # ptxas would unroll the steps past the register budget (spills)
+        normalize_step(x, weight, residual, y, residual_out, row,
+                       step_columns(base, lane, N, VEC, THREADS, VECTORS), rstd, VEC, HAS_WEIGHT, HAS_RESIDUAL,
+                       hints)
+    if whole < N:
+        normalize_step(x, weight, residual, y, residual_out, row,
+                       step_columns(whole, lane, N, VEC, THREADS, VECTORS), rstd, VEC, HAS_WEIGHT, HAS_RESIDUAL,
+                       hints)
     if HAS_RSTD:
-        if tid == 0:
+        if lane == 0:
             rstd_out[row] = rstd
 
 
@@ -440,6 +551,8 @@ class RowPlan:
     looped: bool
     persistent: bool = False    # the forward's persistent kernel, ``blocks_per_sm`` blocks per SM
     blocks_per_sm: int = 0
+    two_pass: bool = False      # the forward's two-pass kernel (a block of ``group`` threads a row), ``vectors``
+    vectors: int = 0            # accesses of ``vec`` elements a thread per step of each pass
     early_weight: bool = False  # the forward's row kernel reads the weight with the row
     cache_hints: bool = False
 
@@ -458,6 +571,9 @@ class ForwardOptions:
     target_vectors: Optional[int] = None    # 16-byte vectors of a row per thread (None: forward_plan's, persistent 4)
     early_weight: bool = EARLY_WEIGHT
     cache_hints: bool = CACHE_HINTS
+    two_pass: bool = False                  # the two-pass kernel for any row (rows too long for registers take it)
+    two_pass_threads: Optional[int] = None  # its block, a row each: a power of two, 128 to 1024 (None: forward_plan's)
+    two_pass_vectors: int = TWO_PASS_VECTORS  # its 16-byte vectors a thread per step of each pass, 1 to 8
 
     def __post_init__(self) -> None:
         # checked here, not per call: options equal as values (128 == 128.0) share a cached plan
@@ -467,10 +583,20 @@ class ForwardOptions:
         if vectors is not None and (type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD):
             raise ValueError(f"options.target_vectors: expected None or 1 to {MAX_VECTORS_PER_THREAD}, "
                              f"got {vectors!r}")
-        for name in ("persistent", "early_weight", "cache_hints"):
+        for name in ("persistent", "early_weight", "cache_hints", "two_pass"):
             value = getattr(self, name)
             if type(value) is not bool:
                 raise ValueError(f"options.{name}: expected a bool, got {value!r}")
+        if self.persistent and self.two_pass:
+            raise ValueError("options.two_pass: not with options.persistent (two kernels)")
+        threads = self.two_pass_threads
+        if threads is not None and (type(threads) is not int or threads & (threads - 1) or
+                                    not TWO_PASS_MIN_THREADS <= threads <= TWO_PASS_MAX_THREADS):
+            raise ValueError(f"options.two_pass_threads: expected None or a power of two from {TWO_PASS_MIN_THREADS} "
+                             f"to {TWO_PASS_MAX_THREADS}, got {threads!r}")
+        vectors = self.two_pass_vectors
+        if type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD:
+            raise ValueError(f"options.two_pass_vectors: expected 1 to {MAX_VECTORS_PER_THREAD}, got {vectors!r}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -488,7 +614,7 @@ def plan(n: int, vec: int, m: int, sm_count: int, target_vectors: int = TARGET_V
     while group < max_group and group * target_vectors < row_vectors:
         group *= 2
     if -(-row_vectors // group) > max_vectors:
-        return RowPlan(vec, LOOPED_THREADS, 1, True)
+        return RowPlan(vec, TWO_PASS_MAX_THREADS, 1, True)
     # whole warps only (rows of less than a warp are packed by 32 // group)
     per_warp = max(1, 32 // group)
     rows = max(per_warp, min(block_threads // group, m // (2 * sm_count)) // per_warp * per_warp)
@@ -499,7 +625,7 @@ def plan(n: int, vec: int, m: int, sm_count: int, target_vectors: int = TARGET_V
 def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX_VECTORS_PER_THREAD,
                  has_residual: bool = False, options: ForwardOptions = ForwardOptions()) -> RowPlan:
     """The forward's kernel and launch shape: the row kernel (one row tile per block), the persistent one, or the
-    looped one for rows too long for registers.
+    two-pass one (``two_pass_plan``: rows too long for registers, or any row with ``options.two_pass``).
 
     The row kernel (one row tile per block, the weight loaded with the row where registers allow) is the default;
     rows of at most SHORT_ROW_VECTORS vectors take SHORT_ROW_TARGET_VECTORS a thread. The persistent kernel (a grid
@@ -514,8 +640,8 @@ def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX
     target = options.target_vectors or (SHORT_ROW_TARGET_VECTORS if row_vectors <= SHORT_ROW_VECTORS
                                         else TARGET_VECTORS_PER_THREAD)
     rows = plan(n, vec, m, sm_count, target, max_vectors, block_threads=options.block_threads)
-    if rows.looped:
-        return rows
+    if rows.looped or options.two_pass:
+        return two_pass_plan(n, vec, max_vectors, options)
     if options.persistent:
         vectors = options.target_vectors or PERSISTENT_VECTORS_PER_THREAD
         tiled = plan(n, vec, m, sm_count, vectors, max_vectors, block_threads=options.block_threads)
@@ -530,6 +656,20 @@ def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX
     streams = 2 + has_residual
     early_weight = options.early_weight and -(-n // (vec * rows.group)) * streams <= 2 * max_vectors
     return dataclasses.replace(rows, early_weight=early_weight, cache_hints=options.cache_hints)
+
+
+def two_pass_plan(n: int, vec: int, max_vectors: int, options: ForwardOptions) -> RowPlan:
+    """The two-pass kernel's block and accesses a thread per step: ``options.two_pass_vectors`` 16-byte vectors (of
+    narrower accesses, ``max_vectors / MAX_VECTORS_PER_THREAD`` times as many, as the row kernel's budget), and
+    ``options.two_pass_threads`` threads, else the fewest (a power of two, TWO_PASS_MIN_THREADS to
+    TWO_PASS_MAX_THREADS) that take the row in one step: longer rows loop over steps."""
+    vectors = options.two_pass_vectors * max_vectors // MAX_VECTORS_PER_THREAD
+    threads = options.two_pass_threads
+    if threads is None:
+        threads = TWO_PASS_MIN_THREADS
+        while threads < TWO_PASS_MAX_THREADS and threads * vectors * vec < n:
+            threads *= 2
+    return RowPlan(vec, threads, 1, False, two_pass=True, vectors=vectors, cache_hints=options.cache_hints)
 
 
 def resident_warps(registers: int, threads: int) -> int:
@@ -750,9 +890,9 @@ def _forward_plan(key: Any, x: Any, weight: Any, eps: Any, residual: Any,
     vec = p.vec
     flags = (weight is not None, residual is not None, bool(want_rstd))
     eps = default_eps() if eps is None else float(eps)
-    if p.looped:
-        launch = rms_norm_looped_kernel.prepared(m, LOOPED_THREADS)
-        tail: tuple = (eps, n, vec, LOOPED_THREADS, LOOPED_UNROLL, *flags)
+    if p.two_pass:
+        launch = rms_norm_two_pass_kernel.prepared(m, p.threads)
+        tail: tuple = (eps, n, vec, p.threads, p.vectors, *flags, p.cache_hints)
     elif p.persistent:
         launch = rms_norm_persistent_kernel.prepared(min(-(-m // p.rows), p.blocks_per_sm * sms), p.threads)
         tail = (m, eps, n, vec, p.group, p.rows, p.blocks_per_sm, *flags, p.cache_hints)

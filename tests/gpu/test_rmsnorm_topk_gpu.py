@@ -162,6 +162,71 @@ def test_persistent_plan_agrees_with_the_row_kernel():
     assert torch.allclose(y.float(), rows.float(), rtol=2 ** -7, atol=0)
 
 
+# ---------------------------------------------------------------------------------------------- RMSNorm two-pass
+# one step a row (8192: exactly; 7168 and 2048: the last vector of some threads past the row end), rows of several
+# steps (16384 at 256 threads, 300_008: a masked last step, and the default's 1024 threads), odd lengths read in
+# element accesses (1001, 4097), a single row
+TWO_PASS_SHAPES = [(4099, 7168), (1001, 8192), (300, 2048), (64, 16384), (3, 300_008), (777, 1001), (33, 4097),
+                   (1, 8192)]
+TWO_PASS_OPTIONS = {
+    "default": rmsnorm.ForwardOptions(two_pass=True),
+    "hints": rmsnorm.ForwardOptions(two_pass=True, cache_hints=True),
+    "256x4": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=256, two_pass_vectors=4),
+    "1024x1": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=1024, two_pass_vectors=1),
+}
+
+
+@pytest.mark.parametrize("dtype,options", [(torch.bfloat16, name) for name in TWO_PASS_OPTIONS] +
+                         [(torch.float16, "default"), (torch.float32, "default"), (torch.float32, "hints")])
+@pytest.mark.parametrize("shape", TWO_PASS_SHAPES)
+@pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
+def test_two_pass_rms_norm_matches_float32(dtype, options, shape, variant):
+    m, n = shape
+    x = (torch.randn(shape, device="cuda") * 3).to(dtype)
+    w = torch.randn(n, device="cuda").to(dtype) if variant != "plain" else None
+    r = torch.randn(shape, device="cuda").to(dtype) if variant == "residual" else None
+    chosen = TWO_PASS_OPTIONS[options]
+    assert rmsnorm.plan_of(x, w, r, options=chosen).two_pass
+    poison_allocator((shape, dtype), (shape, dtype), ((m,), torch.float32))
+    y, h, rstd = rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=chosen)
+    if r is not None:
+        assert torch.equal(h, x + r)  # every element written, rounded like the unfused add
+    ref, ref_rstd = rms_norm_float32(x + r if r is not None else x, w, 1e-6)
+    assert torch.isfinite(y).all() and torch.isfinite(rstd).all()
+    tol = TOL[dtype]
+    assert torch.allclose(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    assert torch.allclose(rstd, ref_rstd, rtol=1e-5)
+
+
+@pytest.mark.parametrize("options", ["default", "hints"])
+def test_two_pass_rms_norm_strided_rows(options):
+    """x and the residual as views of wider rows (4160 elements apart, starting 16 and 32 bytes in), 3-D."""
+    base = torch.randn(4, 6, 4096 + 64, device="cuda").to(torch.bfloat16)
+    x, r = base[..., 8:4096 + 8], base[..., 16:4096 + 16]
+    w = torch.randn(4096, device="cuda").to(torch.bfloat16)
+    chosen = TWO_PASS_OPTIONS[options]
+    p = rmsnorm.plan_of(x, w, r, options=chosen)
+    assert p.two_pass and p.vec == 8
+    poison_allocator((x.shape, x.dtype), (x.shape, x.dtype), ((24,), torch.float32))
+    y, h, rstd = rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=chosen)
+    assert torch.equal(h, x + r)
+    ref, ref_rstd = rms_norm_float32((x + r).reshape(24, 4096), w, 1e-6)
+    assert torch.allclose(y.reshape(24, 4096).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    assert torch.allclose(rstd, ref_rstd, rtol=1e-5)
+
+
+def test_two_pass_plan_agrees_with_the_row_kernel():
+    x = torch.randn(16384, 8192, device="cuda").to(torch.bfloat16)
+    w = torch.randn(8192, device="cuda").to(torch.bfloat16)
+    two_pass = rmsnorm.ForwardOptions(two_pass=True)
+    assert rmsnorm.plan_of(x, w, options=two_pass).two_pass and not rmsnorm.plan_of(x, w).two_pass
+    poison_allocator((x.shape, x.dtype))
+    y = rmsnorm.rms_norm_forward(x, w, 1e-6, options=two_pass)[0]
+    rows = rmsnorm.rms_norm(x, w, 1e-6)
+    # the same fp32 math but another order of the sum of squares: at most a rounding step of bf16 apart
+    assert torch.allclose(y.float(), rows.float(), rtol=2 ** -7, atol=0)
+
+
 # ---------------------------------------------------------------------------------------------- TopK
 def permuted_levels(shape, dtype):
     """Rows holding a random permutation of evenly spaced levels, exact in the dtype: distinct values in fp32,

@@ -7,8 +7,8 @@ same aten kernel. Usage: python -m benchmarks.topk [--quick] [--shapes M,N,K ...
 Writes benchmarks/results/topk_h200.json and topk_h200.png.
 
 ``--compare-plans``: per sampling shape (bf16; ``--shapes`` for others), the default plan and, for rows cut into
-slices, plans with half the slices, with none, and the row-threshold plan (``topk.plan(..., row_threshold=True)``,
-``nvfly/ops/topk_row.py``); each is checked against the documented order before it is
+slices, the slices + merge plan (``row_threshold=False``) with all, half and one of its slices, and the
+row-threshold plan (``topk.plan(..., row_threshold=True)``, ``nvfly/ops/topk_row.py``); each is checked against the documented order before it is
 timed. Writes benchmarks/results/topk_plans_h200.json. (The implementation before 2026-11-29's rewrite was timed
 beside them once, from a copy at commit 8d20c2b: benchmarks/results/topk_plans_h200.log.)
 """
@@ -62,11 +62,11 @@ def plan_variants(x: torch.Tensor, k: int) -> dict:
     vec = vector_width(n, (x,), x.element_size())
     sms = plan_sm_count(x.get_device())
     shape = (n, k, m, vec, x.element_size(), sms)
-    default = topk.plan(*shape)
-    plans = {"default": default}
-    if not default.warp and default.parts > 1:
-        plans.update({f"parts<={default.parts // 2}": topk.plan(*shape, default.parts // 2),
-                      "parts=1": topk.plan(*shape, 1), "row-threshold": topk.plan(*shape, row_threshold=True)})
+    plans = {"default": topk.plan(*shape)}
+    sliced = topk.plan(*shape, row_threshold=False)
+    if not sliced.warp and sliced.parts > 1:
+        plans.update({"slices": sliced, f"parts<={sliced.parts // 2}": topk.plan(*shape, sliced.parts // 2, False),
+                      "parts=1": topk.plan(*shape, 1, False), "row-threshold": topk.plan(*shape, row_threshold=True)})
     calls = {}
     for name, p in plans.items():
         run = topk._runner(p, m, n, k, True)

@@ -352,7 +352,7 @@ def model_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0):
     vec = 16 // itemsize
     while n % vec:  # (rmsnorm.vector_width for contiguous rows)
         vec //= 2
-    p = topk.plan(n, k, m_rows, vec, itemsize, sm_count)
+    p = topk.plan(n, k, m_rows, vec, itemsize, sm_count, row_threshold=False)
     assert not p.warp
     rng = random.Random(seed)
     stats = []
@@ -535,15 +535,18 @@ def test_row_threshold_model_streams_all_equal_rows(k):
 
 def test_row_threshold_plans():
     """The row plan replaces exactly the plans that cut rows into slices; its slices go down to one sweep,
-    cover the row, and two blocks fit an SM."""
+    cover the row, and two blocks fit an SM. By default it runs where k or the slices are large."""
     sms = 132
     for n, k, m, (vec, itemsize) in [(151936, 50, 1, (8, 2)), (151936, 1024, 1, (8, 2)), (128256, 2048, 1, (8, 2)),
                                      (151936, 1024, 64, (8, 2)), (151936, 1024, 256, (8, 2)),
                                      (151936, 1024, 1, (4, 4)), (262144, 2048, 64, (4, 4)), (4097, 2048, 64, (1, 2)),
                                      (40_000, 33, 3, (8, 2))]:
-        default = topk.plan(n, k, m, vec, itemsize, sms)
+        default = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=False)
         p = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=True)
         assert p.row_threshold == (default.parts > 1)
+        auto = topk.plan(n, k, m, vec, itemsize, sms)
+        wanted = k >= topk.ROW_THRESHOLD_MIN_K or default.parts >= topk.ROW_THRESHOLD_MIN_PARTS
+        assert auto == (p if wanted else default)
         if not p.row_threshold:
             assert p == default
             continue

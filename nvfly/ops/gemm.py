@@ -7,8 +7,8 @@ Every operand major-ness works without copies (row- or column-major A and B); ta
 PyTorch. ``config_space`` is the space the autotuner searches; ``default_config`` picks a config per shape
 without tuning. Small M is computed as the transposed problem (swap A/B) so tokens fill wgmma's N; few
 output tiles with long K are split along K; a short last wave of tiles is split along K over the idle SMs
-(``stream_k_plan``). Up to ``SKINNY_MAX_M`` tokens (``SKINNY_MAX_M_COLUMN_TOKENS`` when A is column-major)
-with a column-major B (the ``F.linear`` weight) or a 16-byte aligned row-major B (``SKINNY_ROW_B``) run the
+(``stream_k_plan``). Up to ``SKINNY_MAX_M`` tokens (``SKINNY_MAX_M_COLUMN_TOKENS`` when A is column-major and B
+row-major) with a column-major B (the ``F.linear`` weight) or a 16-byte aligned row-major B (``SKINNY_ROW_B``) run the
 memory-bound skinny kernel instead (``gemm_skinny``); ``path`` says which ran.
 """
 from __future__ import annotations
@@ -36,11 +36,12 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKINNY_MAX_M = 16
 # whether a row-major B (N contiguous) picks the skinny kernel's cp.async + ldmatrix.trans variant too
 SKINNY_ROW_B = True
-# column-major tokens (A = x.t(): M contiguous) up to which matmul picks the skinny kernel. Measured on the H200
-# (benchmarks/results/gemm_skinny_paths_h200.json, skinny vs the wgmma kernel, us): with two token tiles the
-# skinny kernel's token loads cost more than the wgmma kernel's TMA, whose tiles take any major: 16x4096x14336
-# colxcol 52.9 vs 44.6, colxrow 49.0 vs 43.8, 16x4096x4096 colxcol 22.4 vs 20.6, colxrow 21.4 vs 20.7; with one
-# tile the skinny kernel wins: 8x14336x4096 colxcol 40.8 vs 47.1, colxrow 41.2 vs 46.6
+# column-major tokens (A = x.t(): M contiguous) with a row-major B: the tokens up to which matmul picks the skinny
+# kernel. Measured on the H200 (benchmarks/results/gemm_skinny_paths_h200.json, skinny vs the wgmma kernel, us):
+# with two token tiles the row-B kernel's staged tokens cost more than the wgmma kernel's TMA, whose tiles take any
+# major: 16x4096x14336 colxrow 49.0 vs 43.8, 16x4096x4096 21.4 vs 20.7; with one tile the skinny kernel wins:
+# 8x14336x4096 colxrow 41.2 vs 46.6. (A column-major B reads column-major tokens through registers at every M:
+# 16x4096x14336 colxcol 38.0 us vs the wgmma kernel's 45.0, gemm_skinny.COLUMN_B_TOKENS)
 SKINNY_MAX_M_COLUMN_TOKENS = 8
 
 
@@ -362,7 +363,7 @@ def store_reason(out3: torch.Tensor) -> Optional[str]:
 def _skinny_wanted(a: torch.Tensor, b: torch.Tensor, config: Any, skinny: Optional[bool]) -> bool:
     """Whether this call runs the skinny kernel: forced by ``skinny=True`` or a SkinnyConfig (an error when it
     cannot), else automatic for column-major (or 16-byte aligned row-major) B and at most SKINNY_MAX_M rows
-    (SKINNY_MAX_M_COLUMN_TOKENS when A is column-major) when no GemmConfig is given."""
+    (SKINNY_MAX_M_COLUMN_TOKENS when A is column-major and B row-major) when no GemmConfig is given."""
     forced = skinny is True or isinstance(config, SkinnyConfig)
     if skinny is False or isinstance(config, GemmConfig):
         if forced:
@@ -371,10 +372,10 @@ def _skinny_wanted(a: torch.Tensor, b: torch.Tensor, config: Any, skinny: Option
     why = gemm_skinny.reason(a, b)
     if forced and why:
         raise ValueError(f"nvfly.ops.gemm.matmul: the skinny kernel cannot run this: {why}")
-    m = a.shape[-2]
-    column_tokens = m > 1 and a.stride(-2) == 1
-    return forced or (why is None and m <= (SKINNY_MAX_M_COLUMN_TOKENS if column_tokens else SKINNY_MAX_M) and
-                      (SKINNY_ROW_B or gemm_skinny.b_major(b) == "col"))
+    m, b_major = a.shape[-2], gemm_skinny.b_major(b)
+    row_b_column_tokens = b_major == "row" and m > 1 and a.stride(-2) == 1
+    return forced or (why is None and m <= (SKINNY_MAX_M_COLUMN_TOKENS if row_b_column_tokens else SKINNY_MAX_M) and
+                      (SKINNY_ROW_B or b_major == "col"))
 
 
 def _new_plan(a: torch.Tensor, b: torch.Tensor, use_c: bool, activation: str, out_dtype: Optional[torch.dtype],

@@ -935,11 +935,11 @@ class SkinnyPlan:
 TARGET_CTAS_PER_SM = 2
 MIN_CHUNKS_PER_WARP = 8
 # column-major B: how column-major tokens are read by default (SkinnyConfig.column_tokens; tokens that the path
-# cannot take fall back to "loads" at trace time). "loads" until the other paths are measured on the H200
-# (benchmarks/gemm_skinny_configs.py --tokens col --column-tokens ...); the earlier cp.async measurement
-# (16x4096x4096 colxcol 22.3 -> 35.2 us, 16x4096x14336 52.4 -> 95.3 us at d53f47c) is doubtful: the module constant
-# that switched it was not in the compile key, so that process may have run the other binary
-COLUMN_B_TOKENS = "loads"
+# cannot take fall back to "loads" at trace time). Measured on the H200 (benchmarks/results/
+# gemm_skinny_column_tokens_h200.log, best of 8 warps x unroll 2/4 x splits 1/2, us): 16x4096x4096 colxcol loads 20.0,
+# cp.async 35.8, registers 15.8, movmatrix 16.8 (cuBLAS 19.2); 16x4096x14336 49.8 / 94.2 / 38.0 / 38.3 (cuBLAS 42.9);
+# 8x14336x4096 40.2 / 55.3 / 37.8 / 38.9 (cuBLAS 41.1). cp.async's wait stalls the weight loads behind it
+COLUMN_B_TOKENS = "registers"
 # row-major B: 8 warps, each with a 2-stage ring (64 KB of shared memory per CTA), tokens as 16-byte vectors.
 # Its split rule scales a warp's fewest chunks per split with the square of the token tiles: each split adds an
 # M x N fp32 reduction and a larger M already keeps more loads in flight per CTA. Swept on the H200

@@ -39,9 +39,10 @@ Three kernels:
   MERGE_RANKS / k slices), each slice writes its k best ranks and a second launch merges them.
 - ``topk_merge_kernel``: one block of 512 threads a row loads the slices' parts * k ranks straight into shared
   memory, selects once and sorts.
-- On request (``plan(..., row_threshold=True)``, not the default yet), rows cut into slices run ``topk_row``'s
-  kernels instead: a row-wide histogram of the top key bits, then every slice appends its elements in the k-th
-  key's bucket or above and the row's last block selects and sorts them (``stream_top`` when there are too many).
+- Rows cut into slices run ``topk_row``'s kernels instead where that measured faster (``plan``'s ``row_threshold``,
+  by default ``ROW_THRESHOLD_MIN_K`` / ``ROW_THRESHOLD_MIN_PARTS``): a row-wide histogram of the top key bits, then
+  every slice appends its elements in the k-th key's bucket or above and the row's last block selects and sorts
+  them (``stream_top`` when there are too many: heavy ties at the threshold make it slow, not wrong).
 
 Where the time goes (estimates, H200): ``benchmarks/results/topk_notes.md``.
 """
@@ -77,6 +78,12 @@ SM_SMEM_BYTES = 228 * 1024  # shared memory of an SM (each block also takes 1 KB
 MERGE_RANKS = 16384       # the most ranks a row's merge reads (parts * k): 128 KB
 ROW_CAP_MAX = 8192        # the most candidates a row-threshold plan collects for a row (``topk_row``)
 MAX_PARTS = 128
+# rows cut into slices take the row-threshold plan when k or the slices are this many. Measured on the H200
+# (benchmarks/results/topk_plans_h200.json, us, slices+merge -> row threshold): 1x151936 k=50 (37-75 slices)
+# 21.1 -> 15.5, k=1024 43.7 -> 23.3, 64x151936 k=1024 (4 slices) 64.0 -> 46.8, but 64x151936 k=50 (4 slices)
+# 29.5 -> 31.9; the thresholds between those points are not measured
+ROW_THRESHOLD_MIN_K = 256
+ROW_THRESHOLD_MIN_PARTS = 8
 MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses would need too many registers)
 ABSENT = -(1 << 63)       # the rank of "no element": below every real rank (a real ~index is never 0)
 _KEY_MSB = 0x80000000
@@ -848,10 +855,11 @@ def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, 
 
 @functools.lru_cache(maxsize=4096)
 def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS,
-         row_threshold: bool = False) -> TopkPlan:
+         row_threshold: Optional[bool] = None) -> TopkPlan:
     """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements); ``max_parts``
     caps the slices of a row (``benchmarks.topk --compare-plans`` times fewer than the default);
-    ``row_threshold``: rows this plan cuts into slices run ``topk_row``'s kernels instead (``row_plan``)."""
+    ``row_threshold``: rows this plan cuts into slices run ``topk_row``'s kernels instead (``row_plan``); None: where
+    k >= ROW_THRESHOLD_MIN_K or the slices are at least ROW_THRESHOLD_MIN_PARTS."""
     if k <= WARP_MAX_K and n <= WARP_MAX_N:
         return TopkPlan(True, vec, warps=max(1, min(8, m // (2 * sm_count))))
     k_pow2 = max(2, 1 << (k - 1).bit_length())
@@ -862,6 +870,8 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
                         1024) > SM_SMEM_BYTES:
         threads = STREAM_THREADS
     parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts)
+    if row_threshold is None:
+        row_threshold = k >= ROW_THRESHOLD_MIN_K or parts >= ROW_THRESHOLD_MIN_PARTS
     if row_threshold and parts > 1:
         return row_plan(n, k, m, vec, itemsize, sm_count, max_parts)
     merge_cap = max(parts * k, k_pow2) if parts > 1 else 0  # (the sort exchanges k_pow2 entries through it)

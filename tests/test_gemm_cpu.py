@@ -120,3 +120,13 @@ def test_column_major_tokens_take_the_skinny_kernel_up_to_one_token_tile(m, b_ma
     assert gemm._skinny_wanted(a_col, b, None, None) == (m <= limit)
     assert gemm._skinny_wanted(a_row, b, None, None) == (m <= gemm.SKINNY_MAX_M)
     assert gemm.SKINNY_MAX_M_COLUMN_TOKENS < gemm.SKINNY_MAX_M
+
+
+def test_a_single_partial_wave_of_long_k_tiles_narrows_to_fill_the_sms():
+    """512x7168x16384: 112 tiles of 128x256 on 132 SMs become 128 tiles of 128x224 (a config that compiles and
+    fits); shapes with more than one wave, or whose narrow tiles would overflow the wave, keep 128x256."""
+    cfg = gemm.default_config(512, 7168, 16384)
+    assert (cfg.bm, cfg.bn) == (128, gemm.WAVE_FIT_BN) and cfg.check(2) is None and not cfg.pingpong
+    for m, n, k in [(2048, 4096, 14336), (4096, 14336, 4096), (4096, 10240, 8192)]:
+        assert (gemm.default_config(m, n, k).bm, gemm.default_config(m, n, k).bn) == (128, 256)
+    assert gemm.default_config(512, 7168, 2048).bn != gemm.WAVE_FIT_BN  # short K: the ping-pong tile

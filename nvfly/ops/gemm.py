@@ -166,6 +166,10 @@ _TILES = ((GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, store_buffe
           (GemmConfig(64, 64, MAX_STAGES, 1), 0.45))
 LONG_K = 4096
 LONG_K_EFFICIENCY = {(128, 256): 1.02}
+# a single partial wave of long-K 128x256 tiles narrows them to 128x224 when that covers more SMs in one wave:
+# 512x7168x16384 (112 -> 128 tiles on 132 SMs) 672 -> 722 TFLOP/s rowxcol, 666 -> 702 rowxrow (H200,
+# benchmarks.gemm_configs --tiles 128x224,128x240, benchmarks/results/gemm_tiles_h200.log)
+WAVE_FIT_BN = 224
 
 
 @functools.lru_cache(maxsize=4096)
@@ -185,6 +189,11 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
     assert best is not None
     cfg = best[1]
     tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
+    if (k >= LONG_K and (cfg.bm, cfg.bn) == (128, 256) and not cfg.pingpong and 2 * tiles > sms and
+            tiles < (narrow := math.ceil(m / 128) * math.ceil(n / WAVE_FIT_BN) * batches) <= sms):
+        cfg = next(c for c in (replace(cfg, bn=WAVE_FIT_BN, stages=s) for s in range(MAX_STAGES, cfg.stages - 1, -1))
+                   if c.check(itemsize) is None)
+        tiles = narrow
     if cfg.pingpong and tiles <= sms:
         # one tile per block: ping-pong would leave its second consumer idle, the cooperative schedule splits
         # the tile between both

@@ -16,6 +16,7 @@ import nvfly
 from benchmarks import gemm_skinny_configs as bench
 from nvfly.ops import gemm, gemm_skinny
 from nvfly.ops.gemm_skinny import SkinnyConfig
+from nvfly.runtime import driver
 
 
 # ---------------------------------------------------------------------------------------------- index math
@@ -876,13 +877,12 @@ def test_few_column_groups_split_k_up_to_one_wave():
 
 
 # ---------------------------------------------------------------------------------------------- launch limits
-# what cuLaunchKernel accepts (sm_90), with the runtime's opt-in rule: runtime.driver.LoadedFunction sets
-# CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (to the dynamic size) only when the dynamic size alone exceeds
-# 48 KB; without it a launch may use 48 KB of static plus dynamic shared memory, with it 227 KB
+# what cuLaunchKernel accepts (sm_90), with the runtime's opt-in rule (runtime.driver.smem_opt_in: past 48 KB of
+# static plus dynamic shared memory LoadedFunction sets CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, up to 227 KB)
 def launch_problem(kernel, grid):
     """None when a launch of ``kernel`` on ``grid`` fits the device's limits, else why not."""
     static, dynamic = kernel.resources.static_smem_bytes, kernel.dynamic_smem_bytes
-    limit = gemm_skinny.MAX_SMEM if dynamic > gemm_skinny.DEFAULT_SMEM else gemm_skinny.DEFAULT_SMEM
+    limit = gemm_skinny.MAX_SMEM if driver.smem_opt_in(static, dynamic) else driver.DEFAULT_SMEM_BYTES
     if static + dynamic > limit:
         return f"{static} static + {dynamic} dynamic bytes of shared memory exceed {limit}"
     if kernel.threads > 1024 or kernel.resources.registers * kernel.threads > 65536:
@@ -892,16 +892,17 @@ def launch_problem(kernel, grid):
     return None
 
 
-def test_launch_problem_catches_static_shared_memory_past_48_kb():
-    """The H200 failure of the row-major-B sweep (CUDA_ERROR_INVALID_VALUE at launch): 2 warps x 6 stages or
-    4 x 3 with split K asked for exactly 48 KB of dynamic shared memory (so the runtime did not opt in) while the
-    split-K arrival flag, a static array before the 1024-byte aligned dynamic region, added 1 KB of static."""
+def test_launch_problem_counts_static_shared_memory():
+    """An H200 failure of the row-major-B sweep (CUDA_ERROR_INVALID_VALUE at launch): exactly 48 KB of dynamic
+    shared memory plus the split-K arrival flag's 1 KB of static, when the runtime opted in by the dynamic size
+    alone. It now counts both (driver.smem_opt_in), and so does this model of the launch."""
     def fake(static, dynamic, registers=115, threads=128):
         return types.SimpleNamespace(resources=types.SimpleNamespace(static_smem_bytes=static, registers=registers),
                                      dynamic_smem_bytes=dynamic, threads=threads)
     assert launch_problem(fake(0, 48 * 1024), (64, 1, 1)) is None
-    assert "exceed 49152" in launch_problem(fake(1024, 48 * 1024), (64, 1, 1))
-    assert launch_problem(fake(1024, 48 * 1024 + 16), (64, 1, 1)) is None  # opted in
+    assert not driver.smem_opt_in(0, 48 * 1024) and driver.smem_opt_in(1024, 48 * 1024)
+    assert launch_problem(fake(1024, 48 * 1024), (64, 1, 1)) is None  # opted in by static + dynamic
+    assert launch_problem(fake(1024, 226 * 1024), (64, 1, 1)) is None
     assert "exceed 232448" in launch_problem(fake(1024, 227 * 1024), (64, 1, 1))
     assert "registers" in launch_problem(fake(0, 0, 255, 512), (1, 1, 1))
     assert "grid" in launch_problem(fake(0, 0), (1, 65536, 1))

@@ -109,11 +109,9 @@ VECTOR = 8              # elements per lane per row per chunk (16 bytes)
 COLS_ROW_B = 64
 SEGMENTS = COLS_ROW_B // VECTOR          # 16-byte segments per staged k row
 CHUNK_BYTES = CHUNK_K * COLS_ROW_B * 2   # one ring stage (4 KB)
-# shared memory per CTA: the opt-in maximum (sm_90: 227 KB of dynamic plus static), and the most a launch may
-# use without the opt-in attribute, which the runtime (runtime.driver.LoadedFunction) sets only when the
-# *dynamic* size alone exceeds it; a CTA's static shared memory counts towards both limits
+# shared memory per CTA: the opt-in maximum (sm_90: 227 KB of dynamic plus static; the runtime opts in past 48 KB,
+# runtime.driver.smem_opt_in)
 MAX_SMEM = 227 * 1024
-DEFAULT_SMEM = 48 * 1024
 # row-major B with split K: the CTA's arrival count lives in dynamic shared memory right after the rings (a
 # static array would sit before the 1024-byte aligned dynamic region and take 1 KB of static shared memory)
 ARRIVAL_BYTES = 16

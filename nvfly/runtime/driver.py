@@ -118,6 +118,16 @@ def make_current(device: int) -> None:
         check(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+# shared memory a CTA may use (static and dynamic together) without the opt-in attribute
+DEFAULT_SMEM_BYTES = 48 * 1024
+
+
+def smem_opt_in(static: int, dynamic: int) -> bool:
+    """Whether a launch with ``static`` + ``dynamic`` bytes of shared memory needs the opt-in attribute (set by
+    LoadedFunction, to the dynamic size, up to the device's opt-in maximum)."""
+    return static + dynamic > DEFAULT_SMEM_BYTES
+
+
 class LoadedFunction:
     """A kernel function loaded into one device's primary context."""
 
@@ -130,10 +140,9 @@ class LoadedFunction:
             self.module = check(cu.cuModuleLoadData(image), f"cuModuleLoadData({name})")
             self.function = check(cu.cuModuleGetFunction(self.module, name.encode()), f"cuModuleGetFunction({name})")
         self.device = device
-        # a launch without the opt-in attribute gets 48 KiB of static and dynamic shared memory together
         static = check(cu.cuFuncGetAttribute(cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES,
                                              self.function), "cuFuncGetAttribute")
-        if static + dynamic_smem_bytes > 48 * 1024:
+        if smem_opt_in(static, dynamic_smem_bytes):
             limit = device_attribute(device, "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN")
             if static + dynamic_smem_bytes > limit:
                 raise CudaError(f"{name} needs {static} + {dynamic_smem_bytes} bytes of static and dynamic shared "

@@ -599,11 +599,15 @@ def column_config(path, warps=8, unroll=4, splits=2):
     return SkinnyConfig(warps, unroll, splits, column_tokens=path)
 
 
-def test_column_b_kernel_keeps_its_token_loads_by_default():
+def test_column_b_kernel_reads_column_major_tokens_through_registers_by_default():
+    """The heuristic's config takes COLUMN_B_TOKENS (measured fastest); an explicit SkinnyConfig keeps the loads
+    unless it names a path (row-major B declines any other value)."""
     x = fake_tokens((16,))
     assert gemm_skinny.tokens_stageable(x) and gemm_skinny.token_pairs_loadable(x)
-    assert SkinnyConfig().column_tokens == gemm_skinny.COLUMN_B_TOKENS == "loads"
+    assert gemm_skinny.COLUMN_B_TOKENS == "registers" and SkinnyConfig().column_tokens == "loads"
     assert gemm_skinny.default_config(16, 4096, 4096, 1, 132).column_tokens == gemm_skinny.COLUMN_B_TOKENS
+    assert gemm_skinny.default_config(16, 4096, 4096, 1, 132, row_b=True).column_tokens == "loads"
+    assert gemm_skinny.token_path(x, gemm_skinny.default_config(16, 4096, 4096, 1, 132), 2, False) == "registers"
     assert gemm_skinny.token_path(x, SkinnyConfig(8, 4, 2), 2, False) == "loads"
     assert gemm_skinny.token_path(x, SkinnyConfig(8, 4, 2), 2, True) == "cp.async"  # row-major B stages them
 
@@ -1061,6 +1065,7 @@ def test_matmul_stages_2d_column_major_tokens(matmul_launches, major):
     assert a.shape == (m, k) and a.stride() == (1, 16)
     b = torch.empty(n, k, dtype=torch.bfloat16).t() if major == "col" else torch.empty(k, n, dtype=torch.bfloat16)
     config = column_config("cp.async") if major == "col" else None
-    gemm.matmul(a, b, out=torch.empty(m, n, dtype=torch.bfloat16), config=config)
+    # (a row-major B takes the wgmma kernel above SKINNY_MAX_M_COLUMN_TOKENS column-major tokens unless forced)
+    gemm.matmul(a, b, out=torch.empty(m, n, dtype=torch.bfloat16), config=config, skinny=True)
     [(kernel, _)] = matmul_launches()
     assert kernel.count("LDSM") > 0 and kernel.count("LDG.E.U16") == 0

@@ -22,6 +22,17 @@ def compiled(fn, *args, **kwargs):
     return kernels
 
 
+def sliced_kernels(x, k, largest=True):
+    """The kernels of the slices + merge plan (``row_threshold=False``; the default for some of these shapes is the
+    row-threshold plan) for a 2-D x, compiled without a GPU."""
+    m, n = x.shape
+    p = topk.plan(n, k, m, rmsnorm.vector_width(n, (x,), x.element_size()), x.element_size(), 132,
+                  row_threshold=False)
+    with nvfly.compile_only() as kernels:
+        topk._runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=x.dtype), torch.empty(m, k, dtype=torch.int64))
+    return kernels
+
+
 def assert_clean(k):
     assert k.cubin is not None and ".target sm_90a" in k.ptx
     assert k.resources.spill_stores == 0 and k.resources.spill_loads == 0, k.summary()
@@ -170,8 +181,8 @@ def test_topk_warp_kernel_compiles(dtype, n, k):
                                    (32768, 8, 4096)])
 def test_topk_streaming_kernel_compiles(dtype, n, k, m):
     x = torch.randn(m, n).to(dtype)
-    kernels = compiled(topk.topk, x, k)
-    p = topk.plan(n, k, m, 16 // x.element_size(), x.element_size(), 132)
+    kernels = sliced_kernels(x, k)
+    p = topk.plan(n, k, m, 16 // x.element_size(), x.element_size(), 132, row_threshold=False)
     assert [kern.name for kern in kernels] == ["topk_radix_kernel"] + ["topk_merge_kernel"] * (p.parts > 1)
     for kern in kernels:
         assert_clean(kern)
@@ -184,15 +195,15 @@ def test_topk_streaming_kernel_compiles(dtype, n, k, m):
 
 def test_topk_few_rows_split_then_merge():
     x = torch.randn(1, 151936).to(torch.bfloat16)
-    first, merge = compiled(topk.topk, x, 1024)
+    first, merge = sliced_kernels(x, 1024)
     assert (first.name, merge.name) == ("topk_radix_kernel", "topk_merge_kernel")
     for kern in (first, merge):
         assert_clean(kern)
-    p = topk.plan(151936, 1024, 1, 8, 2, 132)
+    p = topk.plan(151936, 1024, 1, 8, 2, 132, row_threshold=False)
     assert merge.dynamic_smem_bytes == p.merge_smem_bytes <= 227 * 1024 and p.merge_cap >= p.parts * 1024
     assert merge.count("LDG.E.128") >= topk.SWEEP  # the ranks, two a load, straight into shared memory
     assert "set.gtu" not in merge.ptx and merge.count("ATOMS.ADD") == 0  # no stream: one select, the sort
-    assert topk.plan(151936, 1024, 1, 8, 2, 132).parts > 1
+    assert topk.plan(151936, 1024, 1, 8, 2, 132, row_threshold=False).parts > 1
     assert topk.plan(151936, 1024, 256, 8, 2, 132).parts == 1
 
 
@@ -205,8 +216,8 @@ def test_topk_slice_variants_compile(dtype, n, k, m, largest):
     registers for 2 blocks (the merge's 512 threads: one block a row, its shared memory holds every rank)."""
     x = torch.randn(m, n).to(dtype)
     itemsize = x.element_size()
-    p = topk.plan(n, k, m, 16 // itemsize, itemsize, 132)
-    first, merge = compiled(topk.topk, x, k, largest=largest)
+    p = topk.plan(n, k, m, 16 // itemsize, itemsize, 132, row_threshold=False)
+    first, merge = sliced_kernels(x, k, largest)
     assert (first.name, merge.name) == ("topk_radix_kernel", "topk_merge_kernel")
     for kern in (first, merge):
         assert_clean(kern)
@@ -223,19 +234,23 @@ def test_topk_slice_variants_compile(dtype, n, k, m, largest):
 
 
 def test_topk_plans_for_the_sampling_suite():
+    """The slices + merge plans of the sampling suite, and which of them the row-threshold plan replaces by
+    default (k >= ROW_THRESHOLD_MIN_K or ROW_THRESHOLD_MIN_PARTS slices: all but M = 64, k = 50)."""
     sms = 132
     for n in (128256, 151936):
         for vec, itemsize in ((8, 2), (4, 4)):
-            p = topk.plan(n, 50, 1, vec, itemsize, sms)
+            p = topk.plan(n, 50, 1, vec, itemsize, sms, row_threshold=False)
             assert p.parts >= 60 and p.unroll <= 2  # one row: a slice of 2048 elements per block, 60+ SMs
-            p = topk.plan(n, 1024, 1, vec, itemsize, sms)
+            p = topk.plan(n, 1024, 1, vec, itemsize, sms, row_threshold=False)
             assert 8 <= p.parts and p.parts * 1024 <= topk.MERGE_RANKS  # k = 1024: a merge of 16K ranks at most
+            assert all(topk.plan(n, k, 1, vec, itemsize, sms).row_threshold for k in (50, 1024))
             for k in (50, 1024):
-                p = topk.plan(n, k, 64, vec, itemsize, sms)
+                p = topk.plan(n, k, 64, vec, itemsize, sms, row_threshold=False)
                 assert p.parts == 4 and p.threads == 256  # 256 blocks: two per SM
+                assert topk.plan(n, k, 64, vec, itemsize, sms).row_threshold == (k == 1024)
                 p = topk.plan(n, k, 256, vec, itemsize, sms)
                 assert p.parts == 1 and p.threads == 256 and p.unroll == 64 // (vec * itemsize)
-    assert topk.plan(151936, 2048, 1, 8, 2, sms).threads == 512  # 2 blocks of 256 would not fit
+    assert topk.plan(151936, 2048, 1, 8, 2, sms, row_threshold=False).threads == 512  # 2 blocks of 256 would not fit
 
 
 def test_topk_compare_plans_variants_compile():
@@ -247,9 +262,9 @@ def test_topk_compare_plans_variants_compile():
         calls = bench.plan_variants(x, 1024)
         for call in calls.values():
             call()
-    p = topk.plan(151936, 1024, 1, 8, 2, 132)
-    assert list(calls) == ["default", f"parts<={p.parts // 2}", "parts=1", "row-threshold"]
-    assert [topk.plan(151936, 1024, 1, 8, 2, 132, cap).parts for cap in (p.parts // 2, 1)] == [p.parts // 2, 1]
+    p = topk.plan(151936, 1024, 1, 8, 2, 132, row_threshold=False)
+    assert list(calls) == ["default", "slices", f"parts<={p.parts // 2}", "parts=1", "row-threshold"]
+    assert [topk.plan(151936, 1024, 1, 8, 2, 132, cap, False).parts for cap in (p.parts // 2, 1)] == [p.parts // 2, 1]
     assert {kern.name for kern in kernels} == {"topk_radix_kernel", "topk_merge_kernel", "topk_row_histogram_kernel",
                                                "topk_row_select_kernel"}
     for kern in kernels:
@@ -292,7 +307,7 @@ def test_topk_slice_plan_model():
             (1, 2, 7, 64, 132, 256, 4096), ((8, 2), (4, 2), (1, 2), (4, 4), (2, 4), (1, 4))):
         if k > n:
             continue
-        p = topk.plan(n, k, m, vec, itemsize, sms)
+        p = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=False)
         assert not p.warp
         per_iter = p.threads * vec * p.unroll
         assert 1 <= p.unroll <= topk._unroll(vec, itemsize)

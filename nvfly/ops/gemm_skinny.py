@@ -141,7 +141,8 @@ class SkinnyConfig:
     permute k in the ldmatrix addressing so that the tokens load as one 16-byte vector per token tile and chunk,
     a chunk ahead, instead of pair by pair (where the tokens' rows allow it; untimed, hence off by default);
     column_tokens (column-major B only): how column-major tokens reach the mmas, one of COLUMN_TOKENS (where x's
-    layout allows it, else "loads": ``token_path``). Every field is part of the kernel's compile key (CFG)."""
+    layout allows it, else "loads": ``token_path``); "loads" in an explicit config, COLUMN_B_TOKENS in the
+    heuristic's (``default_config``). Every field is part of the kernel's compile key (CFG)."""
     warps: int = 8
     unroll: int = 4
     splits: int = 1

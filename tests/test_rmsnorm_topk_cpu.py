@@ -308,6 +308,7 @@ def test_topk_row_two_level_kernels_compile(dtype, n, k, m, largest):
     assert topk.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk.SM_SMEM_BYTES
     assert select.count("ATOMG") > 0 and select.count("VOTE.ANY") > 0 and select.count("MEMBAR") > 0
     assert select.count("REDG") > 0 and "ld.relaxed.gpu.global.b32" in select.ptx  # the second level's adds, loads
+    assert "ld.relaxed.gpu.global.v2.b64" in select.ptx  # the list, two ranks a load
     assert select.count("ATOMS") > 0
     if vec > 1:
         assert select.count("LDG.E.128") >= 2 * p.unroll

@@ -3,7 +3,9 @@ the candidate flags (one compare per element against ``flag_key``'s value, a sup
 trip loop that decodes flag bits back to columns (``flag_element``), the select (key range, radix passes with
 the index-bit skip, ``locate_bucket``'s warp/lane/bucket search, the compaction's slots, the smallest kept rank
 as the next threshold), the register bitonic sort (``sort_per_thread``, ``bitonic_stages`` and each stage's keep
-rule) and the slices + ``topk_merge_kernel`` (every rank of a row in shared memory, one select). The model runs
+rule) and the slices + ``topk_merge_kernel`` (every rank of a row in shared memory, one select); ``topk_row``'s
+row-threshold launches and their opt-in two-level select (the second-level histogram of the threshold bucket,
+the last block's one sweep over the list with packed appends, the counting and select paths). The model runs
 the kernel's plans on random rows, heavy ties, NaN/inf/zeros and sorted rows and must return exactly the
 documented order (a stable sort, NaN largest)."""
 import dataclasses
@@ -510,6 +512,52 @@ def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0, two_
     return [~r & M32 for r in out[:k]], count > p.row_cap
 
 
+def classify(candidates, prefix, shift2, sure, threads, rng):
+    """The last block's sweep over the list as ``topk_row.list_loads`` and ``append_two`` do it: steps of
+    2 * SWEEP * threads entries, thread t's j-th 16-byte load the pair ``first / 2 + j * threads + t`` (clamped to
+    the last pair), the warps of a step in any order, each with one atomic on the packed counter (above the prefix
+    in the low 16 bits, at it in the high) and every lane's slots from the ballots below it. Returns ``buf``."""
+    count = len(candidates)
+    step = 2 * topk.SWEEP * threads
+    last_pair = (count - 1) >> 1
+    buf = {}
+    counter = 0
+    for first in range(0, count, step):
+        warps = list(range(threads // 32))
+        rng.shuffle(warps)
+        for w in warps:
+            flags = []  # per lane: ([higher] * 2 SWEEP, [at] * 2 SWEEP, the loaded ranks)
+            for t in range(32 * w, 32 * w + 32):
+                loaded, higher, at = [], [], []
+                for j in range(topk.SWEEP):
+                    pair = min(first // 2 + j * threads + t, last_pair)
+                    for h in range(2):
+                        real = first + 2 * (j * threads + t) + h < count
+                        assert not real or 2 * pair + h == first + 2 * (j * threads + t) + h
+                        r = candidates[min(2 * pair + h, count - 1)]  # (past count: anything, not taken)
+                        digits = rank_u(r) >> 32 >> shift2
+                        loaded.append(r)
+                        higher.append(real and digits > prefix)
+                        at.append(real and digits == prefix)
+                flags.append((higher, at, loaded))
+            votes = [[flags[lane][c][i] for lane in range(32)] for c in range(2) for i in range(2 * topk.SWEEP)]
+            totals = [sum(v) for v in votes]
+            packed = sum(totals[:2 * topk.SWEEP]) | sum(totals[2 * topk.SWEEP:]) << 16
+            base, counter = counter, counter + packed
+            for c in range(2):
+                at_slot = base & 0xFFFF if c == 0 else base >> 16
+                for i in range(2 * topk.SWEEP):
+                    v = votes[c * 2 * topk.SWEEP + i]
+                    for lane in range(32):
+                        if v[lane]:
+                            slot = at_slot + sum(v[:lane]) + (0 if c == 0 else sure)
+                            assert slot not in buf
+                            buf[slot] = flags[lane][2][i]
+                    at_slot += sum(v)
+    assert sorted(buf) == list(range(len(buf)))
+    return [buf[i] for i in range(len(buf))]
+
+
 def two_level_select(candidates, hist2, bucket, above, k, fmt, index_top, threads, rng, stats, paths):
     """The last block of ``topk_row_two_level_kernel``: ``locate_bucket`` in the second-level histogram, the one
     sweep over the candidate list that puts the ranks above the second-level prefix at ``buf[:sure]`` and those at
@@ -521,12 +569,10 @@ def two_level_select(candidates, hist2, bucket, above, k, fmt, index_top, thread
     sure = above + above2
     prefix = (bucket << bits2) | bucket2
     assert sure < k <= sure + inside
-    order = list(candidates)
-    rng.shuffle(order)  # (blocks and warps append in any order)
-    higher = [r for r in order if rank_u(r) >> 32 >> shift2 > prefix]
-    at = [r for r in order if rank_u(r) >> 32 >> shift2 == prefix]
-    assert len(higher) == sure and len(at) == inside
-    buf = higher + at
+    buf = classify(candidates, prefix, shift2, sure, threads, rng)
+    assert sorted(buf[:sure]) == sorted(r for r in candidates if rank_u(r) >> 32 >> shift2 > prefix)
+    assert sorted(buf[sure:]) == sorted(r for r in candidates if rank_u(r) >> 32 >> shift2 == prefix)
+    assert len(buf) == sure + inside
     need = k - sure
     if inside == need:
         path = "all"

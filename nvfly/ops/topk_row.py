@@ -24,7 +24,7 @@ from typing import Any
 
 import nvfly
 from nvfly.arch.gpu_scope import arrive
-from nvfly.arch.ptx import asm
+from nvfly.arch.ptx import asm, asm_multi
 from nvfly.frontend.language import atomic_add, vote_any
 from nvfly.ops.topk import (ABSENT, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, append_slots, ballot, bits_key,
                             candidate_flags, flag_element, flag_key, flagged_bits, highest_bit, highest_index_bit,
@@ -199,18 +199,52 @@ def load_relaxed_i32(address: Any) -> Any:
     return asm("ld.relaxed.gpu.global.b32 $0, [$1];", [address], nvfly.i32)
 
 
+def load_relaxed_i64x2(address: Any) -> list[Any]:
+    """Two i64 from the 16-byte aligned ``address`` (relaxed, GPU scope)."""
+    return asm_multi("ld.relaxed.gpu.global.v2.b64 {$0, $1}, [$2];", [nvfly.i64, nvfly.i64], [address])
+
+
 @nvfly.func
-def append_slot(state, slot, take, lane):
-    """This lane's slot in an append counted by ``state[slot]`` where ``take`` holds: a ballot and one shared
-    atomic per warp, as ``append_slots``."""
-    votes = ballot(take)
-    total = popc(votes)
-    base = nvfly.i32(0)
-    if (lane == 0) & (total > 0):
-        base = atomic_add(state, slot, total)
-    base = nvfly.shfl_idx(base, 0)
+def list_loads(candidates, row, first, count, tid, THREADS):
+    """A thread's share of ``candidates[row, first:first + 2 * SWEEP * THREADS]``, flat: SWEEP 16-byte loads of
+    two ranks (entry ``first + 2 * (j * THREADS + tid) + h`` at ``2 * j + h``), issued together; pairs past
+    ``count`` read the last one (the list's rows hold ROW_CAP_MAX entries: every address is inside)."""
+    last_pair = (count - 1) >> 1
+    loaded = []
+    for j in nvfly.static_range(SWEEP):
+        pair = nvfly.minimum((first >> 1) + j * THREADS + tid, last_pair)
+        loaded += load_relaxed_i64x2(candidates.address(row, 2 * pair))
+    return loaded
+
+
+@nvfly.func
+def append_two(state, firsts, seconds, lane):
+    """Slots for two appends of several elements a lane at once (the lanes where ``firsts[i]`` / ``seconds[i]``
+    hold), counted by ``state[0]``: the first's count in its low 16 bits, the second's in the high ones (each
+    below 2**15: ROW_CAP_MAX), so one ballot an element and one shared atomic per warp for all of them."""
     below = asm("mov.u32 $0, %lanemask_lt;", [], nvfly.u32, side_effects=False)
-    return base + popc(votes & below)
+    votes = [ballot(t) for t in firsts] + [ballot(t) for t in seconds]
+    totals = [popc(v) for v in votes]
+    first_total = totals[0]
+    for t in totals[1:len(firsts)]:
+        first_total = first_total + t
+    second_total = totals[len(firsts)]
+    for t in totals[len(firsts) + 1:]:
+        second_total = second_total + t
+    packed = first_total | (second_total << 16)
+    base = nvfly.i32(0)
+    if (lane == 0) & (packed != 0):
+        base = atomic_add(state, 0, packed)
+    base = nvfly.shfl_idx(base, 0)
+    positions = []
+    for i in nvfly.static_range(len(votes)):
+        if i == 0:
+            at = base & 0xFFFF
+        elif i == len(firsts):
+            at = base >> 16
+        positions.append(at + popc(votes[i] & below))
+        at = at + totals[i]
+    return positions[:len(firsts)], positions[len(firsts):]
 
 
 @nvfly.func
@@ -234,9 +268,10 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
     """``topk_row_select_kernel`` with a second level (``plan(..., two_level=True)``): while it appends, every
     block also counts the next key bits (``level_shifts``) of its elements in the first-level bucket B of the k-th
     key and adds its non-zero counts into ``hist2[row]``. The row's last block locates the k-th key's second-level
-    bucket B2 in that histogram, then reads the candidate list once: keys above B2's prefix (``sure``: fewer than
-    k, all taken) go to ``buf[:sure]``, those at it (``inside``) to ``buf[sure:sure + inside]``, the rest are
-    dropped. Only the ``need = k - sure`` best of the inside ones remain to be chosen: all when ``inside ==
+    bucket B2 in that histogram, then reads the candidate list once (two ranks a 16-byte load; the first step's
+    loads are in flight during the locate, the next step's during this one's): keys above B2's prefix (``sure``:
+    fewer than k, all taken) go to ``buf[:sure]``, those at it (``inside``) to ``buf[sure:sure + inside]`` (one
+    shared atomic a warp and step for both, ``append_two``), the rest are dropped. Only the ``need = k - sure`` best of the inside ones remain to be chosen: all when ``inside ==
     need``; else by counting, for each (inside <= THREADS), the inside ones that rank above it (16-bit keys:
     ranks differ only in the index, so the lowest indices are kept); else (heavy ties at the threshold) by a
     select of the k best of ``buf[:sure + inside]``. Then the sort of the k. The last block zeroes the row's
@@ -282,12 +317,13 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
     nvfly.syncthreads()
     if tid == 0:
         state[0] = 0
-        state[3] = 0
         state[2] = arrive(counters.address(2 * row))
     nvfly.syncthreads()
     if state[2] == nvfly.grid_dim.y - 1:  # the row's last block: every other block's appends and counts are in
         nvfly.threadfence()
         if count <= ROW_CAP:
+            STEP = 2 * SWEEP * THREADS
+            current = list_loads(candidates, row, 0, count, tid, THREADS)  # (in flight during the locate)
             for j in nvfly.static_range((HIST2 + THREADS - 1) // THREADS):
                 digit = j * THREADS + tid
                 if digit < HIST2:
@@ -298,18 +334,20 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
                                                     THREADS)
             sure = above + above2  # below k; inside >= k - sure
             prefix = (bucket.bitcast(nvfly.u32) << bits2) | bucket2.bitcast(nvfly.u32)
-            for first in range(0, count, SWEEP * THREADS):  # (uniform trips: the appends vote over whole warps)
-                loaded = [load_relaxed_i64(candidates.address(row, nvfly.minimum(first + j * THREADS + tid, count - 1)))
-                          for j in nvfly.static_range(SWEEP)]
-                for j in nvfly.static_range(SWEEP):
-                    real = first + j * THREADS + tid < count
-                    digits = rank_key(loaded[j]) >> shift2
-                    higher = real & (digits > prefix)
-                    at = real & (digits == prefix)
-                    slot = append_slot(state, 0, higher, lane)
-                    buf.store(loaded[j], slot, mask=higher)
-                    slot = append_slot(state, 3, at, lane)
-                    buf.store(loaded[j], sure + slot, mask=at)
+            for first in range(0, count, STEP):  # (uniform trips: the appends vote over whole warps)
+                upcoming = list_loads(candidates, row, first + STEP, count, tid, THREADS)
+                highers = []
+                ats = []
+                for i in nvfly.static_range(2 * SWEEP):
+                    real = first + 2 * ((i // 2) * THREADS + tid) + i % 2 < count
+                    digits = rank_key(current[i]) >> shift2
+                    highers.append(real & (digits > prefix))
+                    ats.append(real & (digits == prefix))
+                higher_slots, at_slots = append_two(state, highers, ats, lane)
+                for i in nvfly.static_range(2 * SWEEP):
+                    buf.store(current[i], higher_slots[i], mask=highers[i])
+                    buf.store(current[i], sure + at_slots[i], mask=ats[i])
+                current = upcoming
             nvfly.syncthreads()
             need = k - sure
             if (inside != need) & (inside <= THREADS):

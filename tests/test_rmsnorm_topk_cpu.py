@@ -247,7 +247,7 @@ def test_topk_compare_plans_variants_compile():
         calls = bench.plan_variants(x, 1024)
         for call in calls.values():
             call()
-    p = topk.plan(151936, 1024, 1, 8, 2, 132, row_threshold=False)  # (the default is the row-threshold plan)
+    p = topk.plan(151936, 1024, 1, 8, 2, 132, row_threshold=False)
     assert list(calls) == ["default", "slices", f"parts<={p.parts // 2}", "parts=1", "row-threshold", "two-level"]
     assert [topk.plan(151936, 1024, 1, 8, 2, 132, cap, False).parts for cap in (p.parts // 2, 1)] == [p.parts // 2, 1]
     assert {kern.name for kern in kernels} == {"topk_radix_kernel", "topk_merge_kernel", "topk_row_histogram_kernel",

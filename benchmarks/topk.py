@@ -7,9 +7,10 @@ same aten kernel. Usage: python -m benchmarks.topk [--quick] [--shapes M,N,K ...
 Writes benchmarks/results/topk_h200.json and topk_h200.png.
 
 ``--compare-plans``: per sampling shape (bf16; ``--shapes`` for others), the default plan and, for rows cut into
-slices, the slices + merge plan (``row_threshold=False``) with all, half and one of its slices, and the
-row-threshold plan (``topk.plan(..., row_threshold=True)``, ``nvfly/ops/topk_row.py``); each is checked against the documented order before it is
-timed. Writes benchmarks/results/topk_plans_h200.json. (The implementation before 2026-11-29's rewrite was timed
+slices, the slices + merge plan (``row_threshold=False``) with all, half and one of its slices, the
+row-threshold plan (``topk.plan(..., row_threshold=True)``, ``nvfly/ops/topk_row.py``) and its opt-in two-level
+select (``two-level``: ``topk.plan(..., row_threshold=True, two_level=True)``); each is checked against the
+documented order before it is timed. Writes benchmarks/results/topk_plans_h200.json. (The implementation before 2026-11-29's rewrite was timed
 beside them once, from a copy at commit 8d20c2b: benchmarks/results/topk_plans_h200.log.)
 """
 from __future__ import annotations
@@ -57,7 +58,8 @@ def run(m: int, n: int, k: int, dtype: torch.dtype, kind: str) -> dict:
 
 def plan_variants(x: torch.Tensor, k: int) -> dict:
     """name -> call() of the current implementation under its default plan and, when rows are cut into
-    slices, with half the slices and with none (``topk.plan``'s max_parts), and the row-threshold plan."""
+    slices, with half the slices and with none (``topk.plan``'s max_parts), the row-threshold plan and its
+    two-level select."""
     m, n = x.shape
     vec = vector_width(n, (x,), x.element_size())
     sms = plan_sm_count(x.get_device())
@@ -66,7 +68,8 @@ def plan_variants(x: torch.Tensor, k: int) -> dict:
     sliced = topk.plan(*shape, row_threshold=False)
     if not sliced.warp and sliced.parts > 1:
         plans.update({"slices": sliced, f"parts<={sliced.parts // 2}": topk.plan(*shape, sliced.parts // 2, False),
-                      "parts=1": topk.plan(*shape, 1, False), "row-threshold": topk.plan(*shape, row_threshold=True)})
+                      "parts=1": topk.plan(*shape, 1, False), "row-threshold": topk.plan(*shape, row_threshold=True),
+                      "two-level": topk.plan(*shape, row_threshold=True, two_level=True)})
     calls = {}
     for name, p in plans.items():
         run = topk._runner(p, m, n, k, True)

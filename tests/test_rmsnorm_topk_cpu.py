@@ -263,10 +263,10 @@ def test_topk_compare_plans_variants_compile():
         for call in calls.values():
             call()
     p = topk.plan(151936, 1024, 1, 8, 2, 132, row_threshold=False)
-    assert list(calls) == ["default", "slices", f"parts<={p.parts // 2}", "parts=1", "row-threshold"]
+    assert list(calls) == ["default", "slices", f"parts<={p.parts // 2}", "parts=1", "row-threshold", "two-level"]
     assert [topk.plan(151936, 1024, 1, 8, 2, 132, cap, False).parts for cap in (p.parts // 2, 1)] == [p.parts // 2, 1]
     assert {kern.name for kern in kernels} == {"topk_radix_kernel", "topk_merge_kernel", "topk_row_histogram_kernel",
-                                               "topk_row_select_kernel"}
+                                               "topk_row_select_kernel", "topk_row_two_level_kernel"}
     for kern in kernels:
         assert_clean(kern)
 
@@ -295,6 +295,38 @@ def test_topk_row_threshold_kernels_compile(dtype, n, k, m, largest):
     assert select.count("ATOMG") > 0 and select.count("VOTE.ANY") > 0 and select.count("MEMBAR") > 0
     if vec > 1:
         assert histogram.count("LDG.E.128") >= p.unroll and select.count("LDG.E.128") >= 2 * p.unroll
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,m,largest", [(151936, 50, 1, True), (128256, 1024, 1, False), (151936, 1024, 64, True),
+                                           (151936, 2048, 1, True), (262144, 1024, 3, False), (30_001, 33, 3, False),
+                                           (8192, 1, 1, True)])
+def test_topk_row_two_level_kernels_compile(dtype, n, k, m, largest):
+    """``plan(..., row_threshold=True, two_level=True)``: the histogram kernel and the two-level select (its
+    second-level counts and global adds, the last block's relaxed loads, one sweep with two ballot appends, the
+    counting and select paths, the sort and the whole-row stream) compile clean, without local memory, with
+    registers and shared memory for 2 blocks."""
+    x = torch.randn(m, n).to(dtype)
+    itemsize = x.element_size()
+    vec = rmsnorm.vector_width(n, (x,), itemsize)
+    p = topk.plan(n, k, m, vec, itemsize, 132, row_threshold=True, two_level=True)
+    assert p.row_threshold and p.two_level
+    with nvfly.compile_only() as kernels:
+        topk._runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=dtype), torch.empty(m, k, dtype=torch.int64))
+    assert [kern.name for kern in kernels] == ["topk_row_histogram_kernel", "topk_row_two_level_kernel"]
+    for kern in kernels:
+        assert_clean(kern)
+        assert kern.count("LDL") == 0 and kern.count("STL") == 0, kern.summary()
+        assert kern.resources.registers <= 65536 // (topk.BLOCKS_PER_SM * 256)
+    select = kernels[1]
+    assert select.dynamic_smem_bytes == p.smem_bytes
+    assert topk.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk.SM_SMEM_BYTES
+    assert select.count("ATOMG") > 0 and select.count("VOTE.ANY") > 0 and select.count("MEMBAR") > 0
+    assert select.count("REDG") > 0 and "ld.relaxed.gpu.global.b32" in select.ptx  # the second level's adds, loads
+    assert "ld.relaxed.gpu.global.v2.b64" in select.ptx  # the list, two ranks a load
+    assert select.count("ATOMS") > 0
+    if vec > 1:
+        assert select.count("LDG.E.128") >= 2 * p.unroll
 
 
 def test_topk_slice_plan_model():

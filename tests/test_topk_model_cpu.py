@@ -3,9 +3,12 @@ the candidate flags (one compare per element against ``flag_key``'s value, a sup
 trip loop that decodes flag bits back to columns (``flag_element``), the select (key range, radix passes with
 the index-bit skip, ``locate_bucket``'s warp/lane/bucket search, the compaction's slots, the smallest kept rank
 as the next threshold), the register bitonic sort (``sort_per_thread``, ``bitonic_stages`` and each stage's keep
-rule) and the slices + ``topk_merge_kernel`` (every rank of a row in shared memory, one select). The model runs
+rule) and the slices + ``topk_merge_kernel`` (every rank of a row in shared memory, one select); ``topk_row``'s
+row-threshold launches and their opt-in two-level select (the second-level histogram of the threshold bucket,
+the last block's one sweep over the list with packed appends, the counting and select paths). The model runs
 the kernel's plans on random rows, heavy ties, NaN/inf/zeros and sorted rows and must return exactly the
 documented order (a stable sort, NaN largest)."""
+import dataclasses
 import math
 import random
 
@@ -13,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from nvfly.ops import topk
+from nvfly.ops import topk, topk_row
 
 ABSENT = topk.ABSENT
 M32 = (1 << 32) - 1
@@ -438,19 +441,20 @@ def test_model_select_passes_skip_the_constant_index_bits():
 
 
 # ---------------------------------------------------------------------------------------------- row threshold
-def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0):
+def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0, two_level=False, paths=None):
     """``topk_row``'s two launches under ``topk.row_plan`` for m_rows rows like this one, run on this row: the
     slices' bucket counts summed into the row's histogram, ``locate_bucket`` of the k-th largest key, each
     slice's flagged and checked elements in the bucket or above appended in any order (blocks arrive in any
     order), the last block's select and sort, or its whole-row stream when the bucket and above exceed the
-    list. Returns (columns, whether the row was streamed)."""
+    list. ``two_level``: ``topk_row_two_level_kernel`` instead (``two_level_select``); ``paths`` (a list) gets the
+    last block's path. Returns (columns, whether the row was streamed)."""
     n = len(bits)
     itemsize = FORMATS[fmt] // 8
     vec = 16 // itemsize
     while n % vec:
         vec //= 2
-    p = topk.row_plan(n, k, m_rows, vec, itemsize, sm_count)
-    assert p.row_threshold and p.cap >= max(p.row_cap, p.k_pow2)
+    p = topk.row_plan(n, k, m_rows, vec, itemsize, sm_count, two_level=two_level)
+    assert p.row_threshold and p.cap >= max(p.row_cap, p.k_pow2) and p.two_level == two_level
     rng = random.Random(seed)
     keys = order_keys(bits, fmt, largest)
     shift = FORMATS[fmt] - topk.HIST_BITS
@@ -470,11 +474,16 @@ def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0):
     stats = []
     if count > p.row_cap:  # the last block streams the row
         kept = stream_block(bits, 0, n, k, vec, p.unroll, p.threads, p.cap, p.k_pow2, fmt, largest, rng, stats)
+        if paths is not None:
+            paths.append("stream")
     else:
         lowest = bucket << shift
         flag_value = as_floats(np.array([key_bits(flag_key(lowest, True, fmt), fmt, largest)]), fmt)[0]
         values = as_floats(bits, fmt)
         candidates = []
+        shift1, bits2, shift2 = topk_row.level_shifts(FORMATS[fmt])
+        assert shift1 == shift
+        hist2 = np.zeros(topk.HIST, dtype=np.int64)  # the second level, summed over the blocks
         for start, stop in rng.sample(slices, len(slices)):  # stage_candidates: iterations of the slice
             iterations = -(-(stop - start) // per_iter)
             cols = np.array([start + ((it * p.unroll + u) * p.threads + t) * vec + e for it in range(iterations)
@@ -487,10 +496,102 @@ def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0):
             staged = [rank_of(int(keys[c]), int(c)) for c in cols[exact]]
             rng.shuffle(staged)
             candidates += staged
+            if two_level:  # the staged ones in the bucket count their next bits (a block's shared counts, red.add)
+                block = np.zeros(1 << bits2, dtype=np.int64)
+                staged_keys = keys[cols[exact]]
+                np.add.at(block, (staged_keys[staged_keys >> shift1 == bucket] >> shift2) & ((1 << bits2) - 1), 1)
+                hist2[:1 << bits2] += block
         assert len(candidates) == count <= p.row_cap
-        _, kept = select_top(candidates, k, index_top, p.threads, stats)
+        if two_level:
+            assert hist2.sum() == in_bucket
+            kept = two_level_select(candidates, hist2, bucket, above, k, fmt, index_top, p.threads, rng, stats,
+                                    paths)
+        else:
+            _, kept = select_top(candidates, k, index_top, p.threads, stats)
     out = sort_descending(kept + [ABSENT] * (p.k_pow2 - len(kept)), len(kept), p.k_pow2, p.threads)
     return [~r & M32 for r in out[:k]], count > p.row_cap
+
+
+def classify(candidates, prefix, shift2, sure, threads, rng):
+    """The last block's sweep over the list as ``topk_row.list_loads`` and ``append_two`` do it: steps of
+    2 * SWEEP * threads entries, thread t's j-th 16-byte load the pair ``first / 2 + j * threads + t`` (clamped to
+    the last pair), the warps of a step in any order, each with one atomic on the packed counter (above the prefix
+    in the low 16 bits, at it in the high) and every lane's slots from the ballots below it. Returns ``buf``."""
+    count = len(candidates)
+    step = 2 * topk.SWEEP * threads
+    last_pair = (count - 1) >> 1
+    buf = {}
+    counter = 0
+    for first in range(0, count, step):
+        warps = list(range(threads // 32))
+        rng.shuffle(warps)
+        for w in warps:
+            flags = []  # per lane: ([higher] * 2 SWEEP, [at] * 2 SWEEP, the loaded ranks)
+            for t in range(32 * w, 32 * w + 32):
+                loaded, higher, at = [], [], []
+                for j in range(topk.SWEEP):
+                    pair = min(first // 2 + j * threads + t, last_pair)
+                    for h in range(2):
+                        real = first + 2 * (j * threads + t) + h < count
+                        assert not real or 2 * pair + h == first + 2 * (j * threads + t) + h
+                        r = candidates[min(2 * pair + h, count - 1)]  # (past count: anything, not taken)
+                        digits = rank_u(r) >> 32 >> shift2
+                        loaded.append(r)
+                        higher.append(real and digits > prefix)
+                        at.append(real and digits == prefix)
+                flags.append((higher, at, loaded))
+            votes = [[flags[lane][c][i] for lane in range(32)] for c in range(2) for i in range(2 * topk.SWEEP)]
+            totals = [sum(v) for v in votes]
+            packed = sum(totals[:2 * topk.SWEEP]) | sum(totals[2 * topk.SWEEP:]) << 16
+            base, counter = counter, counter + packed
+            for c in range(2):
+                at_slot = base & 0xFFFF if c == 0 else base >> 16
+                for i in range(2 * topk.SWEEP):
+                    v = votes[c * 2 * topk.SWEEP + i]
+                    for lane in range(32):
+                        if v[lane]:
+                            slot = at_slot + sum(v[:lane]) + (0 if c == 0 else sure)
+                            assert slot not in buf
+                            buf[slot] = flags[lane][2][i]
+                    at_slot += sum(v)
+    assert sorted(buf) == list(range(len(buf)))
+    return [buf[i] for i in range(len(buf))]
+
+
+def two_level_select(candidates, hist2, bucket, above, k, fmt, index_top, threads, rng, stats, paths):
+    """The last block of ``topk_row_two_level_kernel``: ``locate_bucket`` in the second-level histogram, the one
+    sweep over the candidate list that puts the ranks above the second-level prefix at ``buf[:sure]`` and those at
+    it after them (appends in any warp order), then the ``need`` best inside ones: all, by counting (each of
+    ``inside <= threads`` threads counts the inside ranks above its own and moves it to ``sure + that``), or by
+    a select of the k best of ``buf[:sure + inside]``. Returns the k kept ranks."""
+    _, bits2, shift2 = topk_row.level_shifts(FORMATS[fmt])
+    bucket2, above2, inside = locate_bucket(hist2.tolist(), k - above, threads)
+    sure = above + above2
+    prefix = (bucket << bits2) | bucket2
+    assert sure < k <= sure + inside
+    buf = classify(candidates, prefix, shift2, sure, threads, rng)
+    assert sorted(buf[:sure]) == sorted(r for r in candidates if rank_u(r) >> 32 >> shift2 > prefix)
+    assert sorted(buf[sure:]) == sorted(r for r in candidates if rank_u(r) >> 32 >> shift2 == prefix)
+    assert len(buf) == sure + inside
+    need = k - sure
+    if inside == need:
+        path = "all"
+    elif inside <= threads:
+        path = "count"
+        mine = [buf[sure + t] if t < inside else ABSENT for t in range(threads)]
+        counted = [sum(buf[sure + j] > mine[t] for j in range(inside)) for t in range(threads)]  # ranks_above
+        for t in range(threads):  # the moves, after the barrier
+            if t < inside and counted[t] < need:
+                buf[sure + counted[t]] = mine[t]
+    else:
+        path = "select"
+        _, kept = select_top(buf, k, index_top, threads, stats)
+        buf = kept
+    if paths is not None:
+        paths.append(path)
+    kept = buf[:k]
+    assert sorted(kept) == sorted(candidates)[-k:]
+    return kept
 
 
 ROW_CASES = [(8192, 1, 1), (8192, 50, 1), (40_000, 1024, 1), (40_000, 2048, 3), (151_936, 50, 1),
@@ -555,3 +656,85 @@ def test_row_threshold_plans():
         assert topk.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk.SM_SMEM_BYTES
         assert p.cap >= topk._capacity(p.threads * vec * p.unroll, p.k_pow2, p.threads)  # a whole-row stream fits
     assert topk.plan(151936, 1024, 1, 8, 2, sms, row_threshold=True).parts == 75  # one sweep a block
+
+
+# ---------------------------------------------------------------------------------------------- two levels
+TWO_LEVEL_CASES = [(8192, 1, 1), (8192, 50, 3), (16_384, 2048, 1), (40_000, 1024, 1), (40_000, 2048, 3),
+                   (151_936, 50, 1), (151_936, 1024, 1), (151_936, 1024, 64), (128_256, 2048, 1), (151_936, 2048, 64),
+                   (262_144, 1024, 1), (262_144, 50, 64), (262_144, 2048, 3)]
+
+
+@pytest.mark.parametrize("n,k,m", TWO_LEVEL_CASES)
+@pytest.mark.parametrize("fmt", ["bf16", "f16", "f32"])
+def test_two_level_model_matches_torch_topk_on_random_rows(n, k, m, fmt):
+    """``plan(..., two_level=True)`` on random rows: no stream fallback, torch.topk's values and the indices of
+    torch's stable sort (torch.topk on CUDA lists them so for k > 32)."""
+    paths = []
+    for largest in (True, False):
+        bits = rows("randn", n, fmt, seed=n + k + m)
+        got, streamed = row_threshold_topk(bits, k, fmt, largest, m, two_level=True, paths=paths)
+        assert not streamed and got == reference(bits, k, fmt, largest)
+        x = torch.from_numpy(as_floats(bits, fmt))
+        assert torch.equal(x[got], torch.topk(x, k, largest=largest).values)
+        assert got == torch.sort(x, descending=largest, stable=True).indices[:k].tolist()
+    assert "select" not in paths, paths  # random rows: the second-level bucket holds few keys
+
+
+@pytest.mark.parametrize("kind", ["ties", "zeros", "special", "rising", "falling"])
+@pytest.mark.parametrize("n,k,m", [(8192, 1, 1), (20_000, 50, 1), (20_000, 1024, 1), (9000, 2048, 3),
+                                   (40_000, 1, 64), (151_936, 1024, 64)])
+@pytest.mark.parametrize("fmt", ["bf16", "f16", "f32"])
+def test_two_level_model_on_ties_nan_and_sorted_rows(kind, n, k, m, fmt):
+    """Ties (many equal values at the threshold: the select over sure + inside), NaN/+-inf, mixed -0.0/+0.0 (the
+    second level separates them: -0.0 ranks below +0.0), sorted rows, and rows whose bucket overflows the list
+    (the whole-row stream): the documented order, torch.topk's values."""
+    for largest in (True, False):
+        bits = rows(kind, n, fmt, seed=11)
+        got, _ = row_threshold_topk(bits, k, fmt, largest, m, two_level=True)
+        assert got == reference(bits, k, fmt, largest)
+        x = torch.from_numpy(as_floats(bits, fmt))
+        assert torch.equal(x[got].view(-1).nan_to_num(7.0), torch.topk(x, k, largest=largest).values.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("k", [1, 50, 1024, 2048])
+@pytest.mark.parametrize("fmt", ["bf16", "f32"])
+def test_two_level_model_streams_all_equal_rows(k, fmt):
+    """An all-equal row overflows any list: the last block streams it, lowest indices first."""
+    one = 0x3F80 if fmt == "bf16" else 0x3F800000
+    bits = np.full(30_000, one, dtype=np.uint32)
+    for largest in (True, False):
+        paths = []
+        got, streamed = row_threshold_topk(bits, k, fmt, largest, 1, two_level=True, paths=paths)
+        assert streamed and paths == ["stream"] and got == list(range(k))
+
+
+def test_two_level_model_takes_every_path():
+    """Each way the last block chooses the inside ones is exercised: all of them (f32: the second level leaves
+    10 key bits, most buckets hold one key), by counting (bf16: the k-th value's ties), by a select (a few
+    hundred ties at the threshold), and the stream (the bucket overflows the list)."""
+    paths = []
+    for fmt, n, k in [("f32", 151_936, 1024), ("f32", 40_000, 50), ("bf16", 151_936, 1024), ("bf16", 40_000, 50)]:
+        row_threshold_topk(rows("randn", n, fmt, seed=5), k, fmt, True, 1, two_level=True, paths=paths)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40_000, generator=g)
+    x[torch.randperm(40_000, generator=g)[:3000]] = 2.5  # 3000 ties around the k-th value
+    bits = (x.to(torch.bfloat16).view(torch.int16).numpy().astype(np.int64) & 0xFFFF).astype(np.uint32)
+    got, _ = row_threshold_topk(bits, 1024, "bf16", True, 1, two_level=True, paths=paths)
+    assert got == reference(bits, 1024, "bf16", True)
+    row_threshold_topk(bits, 50, "bf16", True, 1, two_level=True, paths=paths)
+    assert {"all", "count", "select", "stream"} <= set(paths), paths
+
+
+def test_two_level_plans():
+    """``two_level`` only marks row-threshold plans (same launch shape); elsewhere it is ignored."""
+    sms = 132
+    for n, k, m, (vec, itemsize) in [(151936, 50, 1, (8, 2)), (151936, 1024, 1, (8, 2)), (151936, 1024, 64, (8, 2)),
+                                     (262144, 2048, 64, (4, 4)), (151936, 50, 64, (8, 2)), (151936, 1024, 256, (8, 2))]:
+        one = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=True)
+        two = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=True, two_level=True)
+        if one.row_threshold:
+            assert two.two_level and two == dataclasses.replace(one, two_level=True)
+        else:
+            assert two == one and not two.two_level
+        assert not topk.plan(n, k, m, vec, itemsize, sms).two_level  # not the default
+    assert topk_row.level_shifts(16) == (5, 5, 0) and topk_row.level_shifts(32) == (21, 11, 10)

@@ -42,7 +42,9 @@ Three kernels:
 - Rows cut into slices run ``topk_row``'s kernels instead where that measured faster (``plan``'s ``row_threshold``,
   by default ``ROW_THRESHOLD_MIN_K`` / ``ROW_THRESHOLD_MIN_PARTS``): a row-wide histogram of the top key bits, then
   every slice appends its elements in the k-th key's bucket or above and the row's last block selects and sorts
-  them (``stream_top`` when there are too many: heavy ties at the threshold make it slow, not wrong).
+  them (``stream_top`` when there are too many: heavy ties at the threshold make it slow, not wrong). Opt-in
+  ``plan(..., two_level=True)``: the select launch also counts the threshold bucket's next key bits, so the last
+  block knows the k-th key's second-level bucket and selects without radix passes.
 
 Where the time goes (estimates, H200): ``benchmarks/results/topk_notes.md``.
 """
@@ -791,7 +793,8 @@ class TopkPlan:
     (``threads`` per block, ``parts`` slices per row merged by ``topk_merge_kernel`` when rows are few: it holds
     all ``parts * k`` ranks of a row in ``merge_cap`` entries, loaded ``merge_vec`` at a time). ``row_threshold``:
     the slices run ``topk_row``'s histogram and select kernels instead, collecting at most ``row_cap``
-    candidates a row (``cap``: their shared memory, also enough for a whole-row stream)."""
+    candidates a row (``cap``: their shared memory, also enough for a whole-row stream); ``two_level``: its
+    select launch also counts the next key bits of the threshold bucket (``topk_row_two_level_kernel``)."""
     warp: bool
     vec: int
     warps: int = 1
@@ -805,6 +808,7 @@ class TopkPlan:
     merge_vec: int = 0
     row_threshold: bool = False
     row_cap: int = 0
+    two_level: bool = False
 
     @property
     def smem_bytes(self) -> int:
@@ -855,11 +859,14 @@ def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, 
 
 @functools.lru_cache(maxsize=4096)
 def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS,
-         row_threshold: Optional[bool] = None) -> TopkPlan:
+         row_threshold: Optional[bool] = None, two_level: bool = False) -> TopkPlan:
     """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements); ``max_parts``
     caps the slices of a row (``benchmarks.topk --compare-plans`` times fewer than the default);
     ``row_threshold``: rows this plan cuts into slices run ``topk_row``'s kernels instead (``row_plan``); None: where
-    k >= ROW_THRESHOLD_MIN_K or the slices are at least ROW_THRESHOLD_MIN_PARTS."""
+    k >= ROW_THRESHOLD_MIN_K or the slices are at least ROW_THRESHOLD_MIN_PARTS. ``two_level`` (opt-in, not
+    measured yet): a row-threshold plan's select launch also builds the second-level histogram of the threshold
+    bucket, so that the row's last block selects without radix passes (``topk_row_two_level_kernel``); ignored
+    where the plan is not a row-threshold one."""
     if k <= WARP_MAX_K and n <= WARP_MAX_N:
         return TopkPlan(True, vec, warps=max(1, min(8, m // (2 * sm_count))))
     k_pow2 = max(2, 1 << (k - 1).bit_length())
@@ -873,7 +880,7 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
     if row_threshold is None:
         row_threshold = k >= ROW_THRESHOLD_MIN_K or parts >= ROW_THRESHOLD_MIN_PARTS
     if row_threshold and parts > 1:
-        return row_plan(n, k, m, vec, itemsize, sm_count, max_parts)
+        return row_plan(n, k, m, vec, itemsize, sm_count, max_parts, two_level)
     merge_cap = max(parts * k, k_pow2) if parts > 1 else 0  # (the sort exchanges k_pow2 entries through it)
     return TopkPlan(False, vec, unroll=unroll, threads=threads,
                     cap=_capacity(threads * vec * unroll, k_pow2, threads), k_pow2=k_pow2, parts=parts,
@@ -881,7 +888,8 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
                     merge_vec=(2 if parts * k % 2 == 0 else 1) if parts > 1 else 0)
 
 
-def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS) -> TopkPlan:
+def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS,
+             two_level: bool = False) -> TopkPlan:
     """The row-threshold plan (``topk_row``): blocks of SLICE_THREADS, slices down to one sweep (no merge
     bounds them), two blocks an SM: the unroll is lowered until the shared memory (the candidate list, or a
     whole-row stream's buffer) fits twice."""
@@ -896,7 +904,7 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
             break
         max_unroll //= 2
     return TopkPlan(False, vec, unroll=unroll, threads=threads, cap=cap, k_pow2=k_pow2, parts=parts,
-                    slice_len=slice_len, row_threshold=True, row_cap=row_cap)
+                    slice_len=slice_len, row_threshold=True, row_cap=row_cap, two_level=two_level)
 
 
 def _check(x: Any, k: Any, dim: Any) -> int:

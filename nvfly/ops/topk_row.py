@@ -24,11 +24,12 @@ from typing import Any
 
 import nvfly
 from nvfly.arch.gpu_scope import arrive
-from nvfly.arch.ptx import asm
+from nvfly.arch.ptx import asm, asm_multi
 from nvfly.frontend.language import atomic_add, vote_any
-from nvfly.ops.topk import (HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, append_slots, bits_key, candidate_flags,
-                            flag_element, flag_key, flagged_bits, highest_bit, highest_index_bit, key_bits,
-                            locate_bucket, order_key, rank64, select_top, shared_state, stream_top, write_sorted)
+from nvfly.ops.topk import (ABSENT, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, append_slots, ballot, bits_key,
+                            candidate_flags, flag_element, flag_key, flagged_bits, highest_bit, highest_index_bit,
+                            key_bits, locate_bucket, order_key, popc, rank64, rank_key, select_top, shared_state,
+                            stream_top, write_sorted)
 
 COPIES = 8  # shared histograms a block counts into (64 KB)
 
@@ -82,11 +83,22 @@ def topk_row_histogram_kernel(x: nvfly.Tensor, hist: nvfly.Tensor, slice_len: nv
             red_add_u32(hist.address(row, bucket), total)
 
 
+def level_shifts(key_width: int) -> tuple[int, int, int]:
+    """(shift of the first-level bucket, bits of the second level, its shift) for keys of ``key_width`` bits: the
+    first level is the top HIST_BITS bits; the second the next ones, up to HIST_BITS (16-bit keys: the 5 left, so
+    a second-level bucket is one key; 32-bit keys: 11, leaving 10 bits)."""
+    shift1 = key_width - HIST_BITS
+    bits2 = min(HIST_BITS, shift1)
+    return shift1, bits2, shift1 - bits2
+
+
 @nvfly.func
-def stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST):
+def stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, counts):
     """Append the ranks of the elements of columns [start, stop) whose key is ``lowest`` or above to ``buf``
     (``state[0]`` counts them): flagged by one packed compare per two 16-bit values, checked and appended one
-    flagged element per lane a round, as in ``stream_top`` with a fixed threshold."""
+    flagged element per lane a round, as in ``stream_top`` with a fixed threshold. ``counts`` (a shared histogram
+    or None): those in ``lowest``'s first-level bucket also count their second-level bucket at
+    ``counts[HIST + digit]``."""
     flag = key_bits(flag_key(lowest, True, x.dtype), x.dtype, LARGEST)
     packed = x.dtype != nvfly.f32 and VEC > 1
     per_iter = THREADS * VEC * UNROLL
@@ -111,6 +123,10 @@ def stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UN
             take = (key >= lowest) & (col < stop) & (next_flag != 0)
             position, _ = append_slots(state, take, lane)
             buf.store(rank64(key, col), position, mask=take)
+            if counts is not None:
+                shift1, bits2, shift2 = level_shifts(32 if x.dtype == nvfly.f32 else 16)
+                if take & ((key >> shift1) == (lowest >> shift1)):
+                    atomic_add(counts, HIST + ((key >> shift2) & ((1 << bits2) - 1)).bitcast(nvfly.i32), 1)
         current = upcoming
 
 
@@ -140,7 +156,7 @@ def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly
     count = above + in_bucket  # the row's keys in the bucket or above: k of them or more
     if count <= ROW_CAP:
         lowest = bucket.bitcast(nvfly.u32) << ((32 if x.dtype == nvfly.f32 else 16) - HIST_BITS)
-        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST)
+        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None)
     nvfly.syncthreads()
     staged = state[0]
     if (tid == 0) & (staged > 0):
@@ -178,15 +194,195 @@ def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly
             counters[2 * row + tid] = 0
 
 
+# ---------------------------------------------------------------------------------------------- two levels
+def load_relaxed_i32(address: Any) -> Any:
+    return asm("ld.relaxed.gpu.global.b32 $0, [$1];", [address], nvfly.i32)
+
+
+def load_relaxed_i64x2(address: Any) -> list[Any]:
+    """Two i64 from the 16-byte aligned ``address`` (relaxed, GPU scope)."""
+    return asm_multi("ld.relaxed.gpu.global.v2.b64 {$0, $1}, [$2];", [nvfly.i64, nvfly.i64], [address])
+
+
+@nvfly.func
+def list_loads(candidates, row, first, count, tid, THREADS):
+    """A thread's share of ``candidates[row, first:first + 2 * SWEEP * THREADS]``, flat: SWEEP 16-byte loads of
+    two ranks (entry ``first + 2 * (j * THREADS + tid) + h`` at ``2 * j + h``), issued together; pairs past
+    ``count`` read the last one (the list's rows hold ROW_CAP_MAX entries: every address is inside)."""
+    last_pair = (count - 1) >> 1
+    loaded = []
+    for j in nvfly.static_range(SWEEP):
+        pair = nvfly.minimum((first >> 1) + j * THREADS + tid, last_pair)
+        loaded += load_relaxed_i64x2(candidates.address(row, 2 * pair))
+    return loaded
+
+
+@nvfly.func
+def append_two(state, firsts, seconds, lane):
+    """Slots for two appends of several elements a lane at once (the lanes where ``firsts[i]`` / ``seconds[i]``
+    hold), counted by ``state[0]``: the first's count in its low 16 bits, the second's in the high ones (each
+    below 2**15: ROW_CAP_MAX), so one ballot an element and one shared atomic per warp for all of them."""
+    below = asm("mov.u32 $0, %lanemask_lt;", [], nvfly.u32, side_effects=False)
+    votes = [ballot(t) for t in firsts] + [ballot(t) for t in seconds]
+    totals = [popc(v) for v in votes]
+    first_total = totals[0]
+    for t in totals[1:len(firsts)]:
+        first_total = first_total + t
+    second_total = totals[len(firsts)]
+    for t in totals[len(firsts) + 1:]:
+        second_total = second_total + t
+    packed = first_total | (second_total << 16)
+    base = nvfly.i32(0)
+    if (lane == 0) & (packed != 0):
+        base = atomic_add(state, 0, packed)
+    base = nvfly.shfl_idx(base, 0)
+    positions = []
+    for i in nvfly.static_range(len(votes)):
+        if i == 0:
+            at = base & 0xFFFF
+        elif i == len(firsts):
+            at = base >> 16
+        positions.append(at + popc(votes[i] & below))
+        at = at + totals[i]
+    return positions[:len(firsts)], positions[len(firsts):]
+
+
+@nvfly.func
+def ranks_above(buf, first, size, mine):
+    """How many of ``buf[first:first + size]`` rank above ``mine`` (the same address in every thread: shared-memory
+    broadcasts, four in flight)."""
+    higher = nvfly.i32(0)
+    for j in range(0, size, 4):
+        for u in nvfly.static_range(4):
+            r = buf.load(first + j + u, mask=j + u < size, other=ABSENT)
+            higher = higher + (r > mine).to(nvfly.i32)
+    return higher
+
+
+@nvfly.kernel
+def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, hist: nvfly.Tensor,
+                              hist2: nvfly.Tensor, counters: nvfly.Tensor, candidates: nvfly.Tensor, k: nvfly.i32,
+                              slice_len: nvfly.i32, VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr,
+                              THREADS: nvfly.Constexpr, CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr,
+                              K_POW2: nvfly.Constexpr, LARGEST: nvfly.Constexpr):
+    """``topk_row_select_kernel`` with a second level (``plan(..., two_level=True)``): while it appends, every
+    block also counts the next key bits (``level_shifts``) of its elements in the first-level bucket B of the k-th
+    key and adds its non-zero counts into ``hist2[row]``. The row's last block locates the k-th key's second-level
+    bucket B2 in that histogram, then reads the candidate list once (two ranks a 16-byte load; the first step's
+    loads are in flight during the locate, the next step's during this one's): keys above B2's prefix (``sure``:
+    fewer than k, all taken) go to ``buf[:sure]``, those at it (``inside``) to ``buf[sure:sure + inside]`` (one
+    shared atomic a warp and step for both, ``append_two``), the rest are dropped. Only the ``need = k - sure`` best of the inside ones remain to be chosen: all when ``inside ==
+    need``; else by counting, for each (inside <= THREADS), the inside ones that rank above it (16-bit keys:
+    ranks differ only in the index, so the lowest indices are kept); else (heavy ties at the threshold) by a
+    select of the k best of ``buf[:sure + inside]``. Then the sort of the k. The last block zeroes the row's
+    second-level histogram as it loads it; the rest of the workspace as ``topk_row_select_kernel``."""
+    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
+    row = nvfly.block_idx.x
+    part = nvfly.block_idx.y
+    tid = nvfly.thread_idx.x
+    lane = tid & 31
+    warp = tid >> 5
+    start = part * slice_len
+    stop = nvfly.minimum(start + slice_len, x.shape[1])
+    shift1, bits2, shift2 = level_shifts(32 if x.dtype == nvfly.f32 else 16)
+    HIST2 = 1 << bits2
+    smem = shared_state(CAP, K_POW2, THREADS, tid)
+    buf, kept_buf, counts, lane_sums, warp_sums, warp_lows, state = smem  # counts: the two levels' histograms
+    for j in nvfly.static_range(HIST // THREADS):
+        counts[j * THREADS + tid] = hist[row, j * THREADS + tid]
+    nvfly.syncthreads()
+    bucket, above, in_bucket = locate_bucket(counts, lane_sums, warp_sums, 0, HIST, k, tid, lane, warp, THREADS)
+    count = above + in_bucket  # the row's keys in the bucket or above: k of them or more
+    if count <= ROW_CAP:
+        lowest = bucket.bitcast(nvfly.u32) << shift1
+        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, counts)
+    nvfly.syncthreads()
+    staged = state[0]
+    if (tid == 0) & (staged > 0):
+        state[1] = atomic_add(counters, 2 * row + 1, staged)
+    for j in nvfly.static_range(HIST // THREADS):
+        counts[j * THREADS + tid] = 0  # (the last block's select starts from zeroed histograms)
+    for j in nvfly.static_range((HIST2 + THREADS - 1) // THREADS):
+        digit = j * THREADS + tid
+        if digit < HIST2:
+            c = counts[HIST + digit]
+            if c != 0:
+                red_add_u32(hist2.address(row, digit), c)
+                counts[HIST + digit] = 0
+    nvfly.syncthreads()
+    base = state[1]
+    for i in range(tid, staged, THREADS):
+        candidates[row, base + i] = buf[i]
+    nvfly.threadfence()  # this thread's appends and second-level counts are visible before the block counts itself in
+    nvfly.syncthreads()
+    if tid == 0:
+        state[0] = 0
+        state[2] = arrive(counters.address(2 * row))
+    nvfly.syncthreads()
+    if state[2] == nvfly.grid_dim.y - 1:  # the row's last block: every other block's appends and counts are in
+        nvfly.threadfence()
+        if count <= ROW_CAP:
+            STEP = 2 * SWEEP * THREADS
+            current = list_loads(candidates, row, 0, count, tid, THREADS)  # (in flight during the locate)
+            for j in nvfly.static_range((HIST2 + THREADS - 1) // THREADS):
+                digit = j * THREADS + tid
+                if digit < HIST2:
+                    counts[HIST + digit] = load_relaxed_i32(hist2.address(row, digit))
+                    hist2[row, digit] = 0
+            nvfly.syncthreads()
+            bucket2, above2, inside = locate_bucket(counts, lane_sums, warp_sums, HIST, 0, k - above, tid, lane, warp,
+                                                    THREADS)
+            sure = above + above2  # below k; inside >= k - sure
+            prefix = (bucket.bitcast(nvfly.u32) << bits2) | bucket2.bitcast(nvfly.u32)
+            for first in range(0, count, STEP):  # (uniform trips: the appends vote over whole warps)
+                upcoming = list_loads(candidates, row, first + STEP, count, tid, THREADS)
+                highers = []
+                ats = []
+                for i in nvfly.static_range(2 * SWEEP):
+                    real = first + 2 * ((i // 2) * THREADS + tid) + i % 2 < count
+                    digits = rank_key(current[i]) >> shift2
+                    highers.append(real & (digits > prefix))
+                    ats.append(real & (digits == prefix))
+                higher_slots, at_slots = append_two(state, highers, ats, lane)
+                for i in nvfly.static_range(2 * SWEEP):
+                    buf.store(current[i], higher_slots[i], mask=highers[i])
+                    buf.store(current[i], sure + at_slots[i], mask=ats[i])
+                current = upcoming
+            nvfly.syncthreads()
+            need = k - sure
+            if (inside != need) & (inside <= THREADS):
+                mine = buf.load(sure + tid, mask=tid < inside, other=ABSENT)
+                higher = ranks_above(buf, sure, inside, mine)
+                nvfly.syncthreads()
+                if (tid < inside) & (higher < need):
+                    buf[sure + higher] = mine  # (ranks are unique: the kept ones fill buf[sure:k])
+            if (inside != need) & (inside > THREADS):
+                if tid == 0:
+                    state[0] = sure + inside
+                nvfly.syncthreads()
+                select_top(*smem, k, highest_index_bit(x), tid, lane, warp, THREADS)
+            if tid == 0:
+                state[0] = k
+            nvfly.syncthreads()
+        else:
+            stream_top(x, row, 0, x.shape[1], k, smem, tid, VEC, UNROLL, THREADS, CAP, K_POW2, LARGEST)
+        write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
+        for j in nvfly.static_range(HIST // THREADS):
+            hist[row, j * THREADS + tid] = 0
+        if tid < 2:
+            counters[2 * row + tid] = 0
+
+
 # ---------------------------------------------------------------------------------------------- host side
 MIN_ROWS = 64  # rows of a first workspace allocation
-_WORKSPACES: dict[tuple[Any, int], tuple[Any, Any, Any]] = {}
+_WORKSPACES: dict[tuple[Any, int], tuple[Any, Any, Any, Any]] = {}
 
 
-def workspace(device: Any, rows: int) -> tuple[Any, Any, Any]:
-    """(histograms (rows, HIST) i32, counters (2 * rows,) i32, candidate lists (rows, ROW_CAP_MAX) i64) for
-    launches on torch's current stream of ``device``: the first two zero between launches; grown as needed.
-    Allocate outside CUDA graph capture (the first such call on a stream allocates)."""
+def workspace(device: Any, rows: int) -> tuple[Any, Any, Any, Any]:
+    """(histograms (rows, HIST) i32, counters (2 * rows,) i32, candidate lists (rows, ROW_CAP_MAX) i64,
+    second-level histograms (rows, HIST) i32) for launches on torch's current stream of ``device``: all but the
+    lists zero between launches; grown as needed. Allocate outside CUDA graph capture (the first such call on a
+    stream allocates)."""
     import torch
     from nvfly.runtime.torch_args import current_stream
     key = (device, current_stream(device.index) if device.type == "cuda" else 0)
@@ -195,21 +391,31 @@ def workspace(device: Any, rows: int) -> tuple[Any, Any, Any]:
         size = max(rows, MIN_ROWS, 0 if entry is None else 2 * entry[0].shape[0])
         entry = (torch.zeros((size, HIST), dtype=torch.int32, device=device),
                  torch.zeros(2 * size, dtype=torch.int32, device=device),
-                 torch.empty((size, ROW_CAP_MAX), dtype=torch.int64, device=device))
+                 torch.empty((size, ROW_CAP_MAX), dtype=torch.int64, device=device),
+                 torch.zeros((size, HIST), dtype=torch.int32, device=device))
         _WORKSPACES[key] = entry
-    hist, counters, candidates = entry
-    return hist[:rows], counters[:2 * rows], candidates[:rows]
+    hist, counters, candidates, hist2 = entry
+    return hist[:rows], counters[:2 * rows], candidates[:rows], hist2[:rows]
 
 
 def runner(p: TopkPlan, m: int, k: int, largest: bool) -> Any:
-    """``run(rows, values, indices)`` for a row-threshold plan: the histogram and the select launch."""
+    """``run(rows, values, indices)`` for a row-threshold plan: the histogram and the select launch (with the
+    second level when ``p.two_level``)."""
     histogram = topk_row_histogram_kernel.prepared((m, p.parts, 1), p.threads)
-    select = topk_row_select_kernel.prepared((m, p.parts, 1), p.threads)
     hist_tail = (p.slice_len, p.vec, p.unroll, p.threads, largest)
     select_tail = (k, p.slice_len, p.vec, p.unroll, p.threads, p.cap, p.row_cap, p.k_pow2, largest)
+    if p.two_level:
+        two_level = topk_row_two_level_kernel.prepared((m, p.parts, 1), p.threads)
+
+        def run_two_level(rows: Any, values: Any, indices: Any) -> None:
+            hist, counters, candidates, hist2 = workspace(rows.device, m)
+            histogram.launch(rows, hist, *hist_tail)
+            two_level.launch(rows, values, indices, hist, hist2, counters, candidates, *select_tail)
+        return run_two_level
+    select = topk_row_select_kernel.prepared((m, p.parts, 1), p.threads)
 
     def run(rows: Any, values: Any, indices: Any) -> None:
-        hist, counters, candidates = workspace(rows.device, m)
+        hist, counters, candidates, _ = workspace(rows.device, m)
         histogram.launch(rows, hist, *hist_tail)
         select.launch(rows, values, indices, hist, counters, candidates, *select_tail)
     return run

@@ -2,11 +2,11 @@
 torch's float sorts: a stable sort of the order keys (the value's bits made monotone: -0.0 below +0.0, NaN above
 +inf; inverted when smallest). Random rows, heavy ties, NaN/inf, mixed -0.0/+0.0, sorted rows; k = 1/50/1024/2048,
 M = 1/3/64, N = 8 to 152K; the plans with fewer slices than the default (``max_parts``) and the row-threshold plan
-(``topk_row``) too."""
+(``topk_row``) too, with and without its two-level select."""
 import pytest
 import torch
 
-from nvfly.ops import topk
+from nvfly.ops import topk, topk_row
 from nvfly.ops.rmsnorm import vector_width
 from nvfly.runtime.driver import plan_sm_count
 
@@ -105,12 +105,13 @@ def test_topk_matches_torch_on_the_sampling_suite():
         assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k)
 
 
-def row_threshold_topk(x, k, largest):
-    """``topk.plan(..., row_threshold=True)`` run directly (the default plan does not take it yet)."""
+def row_threshold_topk(x, k, largest, two_level=False):
+    """``topk.plan(..., row_threshold=True)`` run directly (``two_level``: with the opt-in two-level select)."""
     m, n = x.shape
     vec = vector_width(n, (x,), x.element_size())
-    p = topk.plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), row_threshold=True)
-    assert p.row_threshold
+    p = topk.plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), row_threshold=True,
+                  two_level=two_level)
+    assert p.row_threshold and p.two_level == two_level
     run = topk._runner(p, m, n, k, largest)
     values = torch.full((m, k), float("nan"), dtype=x.dtype, device="cuda")
     indices = torch.full((m, k), -1, dtype=torch.int64, device="cuda")
@@ -162,3 +163,75 @@ def test_row_threshold_plan_on_two_streams():
     torch.cuda.synchronize()
     for values, indices in results:
         assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)
+
+
+# ---------------------------------------------------------------------------------------------- two levels
+def assert_workspace_clean(device, m):
+    """The row-threshold workspace of the current stream is zero again (lists aside) once the launches are done."""
+    torch.cuda.synchronize()
+    hist, counters, _, hist2 = topk_row.workspace(device, m)
+    assert int(hist.abs().sum()) == 0 and int(counters.abs().sum()) == 0 and int(hist2.abs().sum()) == 0
+
+
+def threshold_ties(m, n, dtype, k):
+    """Random rows with a few hundred to thousands of copies of one value near the k-th largest: the two-level
+    last block's select over sure + inside (or the stream when the bucket overflows the list)."""
+    x = torch.randn(m, n, device="cuda")
+    value = torch.sort(x, dim=-1, descending=True).values[:, min(k, n - 1):min(k, n - 1) + 1]
+    ties = torch.rand(m, n, device="cuda") < min(0.2, 3 * max(k, 64) / n)
+    return torch.where(ties, value, x).to(dtype)
+
+
+@pytest.mark.parametrize("m,n,k", ROW_SHAPES + [(1, 8192, 2048), (64, 151936, 2048), (3, 262144, 50)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "special", "zeros", "rising", "falling", "threshold-ties"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_two_level_plan_matches_the_documented_order(m, n, k, kind, dtype):
+    """``plan(..., two_level=True)``, three times in a row on each input (largest, smallest, largest): the
+    documented order bit for bit, and the workspace (histograms of both levels, counters) zero afterwards."""
+    x = threshold_ties(m, n, dtype, k) if kind == "threshold-ties" else rows(kind, m, n, dtype)
+    for largest in (True, False, True):
+        values, indices = row_threshold_topk(x, k, largest, two_level=True)
+        assert_documented(x, k, largest, values, indices)
+    assert_workspace_clean(x.device, m)
+
+
+def test_two_level_plan_matches_torch_on_the_sampling_suite():
+    """Values equal to torch.topk's and the same indices, bf16 and fp32; then an all-equal row (the last block
+    streams it), ties at the threshold, the one-level plan on the same workspace, and the random rows again."""
+    for m, n, k in [(m, n, k) for m in (1, 64) for n in (128256, 151936) for k in (50, 1024, 2048)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, n, device="cuda").to(dtype)
+            ref_v, ref_i = torch.topk(x, k)
+            values, indices = row_threshold_topk(x, k, True, two_level=True)
+            assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k, dtype)
+            same = torch.ones(m, n, device="cuda", dtype=dtype)
+            values, indices = row_threshold_topk(same, k, True, two_level=True)
+            assert torch.equal(indices, torch.arange(k, device="cuda").repeat(m, 1)) and bool((values == 1).all())
+            tied = threshold_ties(m, n, dtype, k)
+            values, indices = row_threshold_topk(tied, k, True, two_level=True)
+            assert_documented(tied, k, True, values, indices)
+            values, indices = row_threshold_topk(x, k, True)
+            assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k, dtype)
+            values, indices = row_threshold_topk(x, k, True, two_level=True)
+            assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k, dtype)
+            assert_workspace_clean(x.device, m)
+
+
+def test_two_level_plan_on_two_streams():
+    """One workspace per stream: interleaved two-level and one-level launches on two streams stay exact, and
+    both streams' workspaces end clean."""
+    x = torch.randn(64, 151936, device="cuda").to(torch.bfloat16)
+    ref = torch.topk(x, 1024)
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    results = []
+    for i in range(8):
+        with torch.cuda.stream(streams[i % 2]):
+            results.append(row_threshold_topk(x, 1024, True, two_level=i % 4 != 3))
+    torch.cuda.synchronize()
+    for values, indices in results:
+        assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)
+    for stream in streams:
+        with torch.cuda.stream(stream):
+            assert_workspace_clean(x.device, 64)

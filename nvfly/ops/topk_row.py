@@ -130,39 +130,39 @@ def stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UN
         current = upcoming
 
 
-@nvfly.kernel
-def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, hist: nvfly.Tensor,
-                           counters: nvfly.Tensor, candidates: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32,
-                           VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr,
-                           CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr, K_POW2: nvfly.Constexpr,
-                           LARGEST: nvfly.Constexpr):
-    """Block (row, part) appends its slice's elements in the k-th largest key's bucket or above to
-    ``candidates[row]``; the row's last block selects, sorts and writes the k largest and cleans up
-    (``counters[2*row]``: arrivals, ``counters[2*row + 1]``: appends)."""
-    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
+def block_slice(x: Any, slice_len: Any) -> tuple:
+    """(row, tid, lane, warp, start, stop) of block (row, part): its slice [start, stop) of the row."""
     row = nvfly.block_idx.x
     part = nvfly.block_idx.y
     tid = nvfly.thread_idx.x
     lane = tid & 31
     warp = tid >> 5
     start = part * slice_len
-    stop = nvfly.minimum(start + slice_len, x.shape[1])
-    smem = shared_state(CAP, K_POW2, THREADS, tid)
-    buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
+    return row, tid, lane, warp, start, nvfly.minimum(start + slice_len, x.shape[1])
+
+
+@nvfly.func
+def locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS):
+    """The row's histogram into shared memory, then the bucket of its k-th key: (bucket, keys above it, keys in it
+    or above: k or more)."""
     for j in nvfly.static_range(HIST // THREADS):
         row_hist[j * THREADS + tid] = hist[row, j * THREADS + tid]
     nvfly.syncthreads()
     bucket, above, in_bucket = locate_bucket(row_hist, lane_sums, warp_sums, 0, HIST, k, tid, lane, warp, THREADS)
-    count = above + in_bucket  # the row's keys in the bucket or above: k of them or more
-    if count <= ROW_CAP:
-        lowest = bucket.bitcast(nvfly.u32) << ((32 if x.dtype == nvfly.f32 else 16) - HIST_BITS)
-        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None)
-    nvfly.syncthreads()
+    return bucket, above, above + in_bucket
+
+
+@nvfly.func
+def publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS):
+    """Append the block's staged candidates (``state[0]`` of them in ``buf``) to the row's list, zero its copy of
+    the histogram (the last block's selects start from zeroed histograms) and count the block in; whether it is
+    the row's last block, every other block's appends in (``counters[2*row]``: arrivals, ``[2*row + 1]``:
+    appends)."""
     staged = state[0]
     if (tid == 0) & (staged > 0):
         state[1] = atomic_add(counters, 2 * row + 1, staged)
     for j in nvfly.static_range(HIST // THREADS):
-        row_hist[j * THREADS + tid] = 0  # (the selects start from zeroed histograms)
+        row_hist[j * THREADS + tid] = 0
     nvfly.syncthreads()
     base = state[1]
     for i in range(tid, staged, THREADS):
@@ -173,7 +173,38 @@ def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly
         state[0] = 0
         state[2] = arrive(counters.address(2 * row))
     nvfly.syncthreads()
-    if state[2] == nvfly.grid_dim.y - 1:  # the row's last block: every other block's appends are in
+    return state[2] == nvfly.grid_dim.y - 1
+
+
+@nvfly.func
+def finish_row(x, values, indices, hist, counters, buf, kept_buf, state, k, row, tid, lane, K_POW2, THREADS):
+    """The last block's end: the sorted k results written, the row's histogram and counters zeroed."""
+    write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
+    for j in nvfly.static_range(HIST // THREADS):
+        hist[row, j * THREADS + tid] = 0
+    if tid < 2:
+        counters[2 * row + tid] = 0
+
+
+@nvfly.kernel
+def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, hist: nvfly.Tensor,
+                           counters: nvfly.Tensor, candidates: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32,
+                           VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr,
+                           CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr, K_POW2: nvfly.Constexpr,
+                           LARGEST: nvfly.Constexpr):
+    """Block (row, part) appends its slice's elements in the k-th largest key's bucket or above to
+    ``candidates[row]``; the row's last block selects, sorts and writes the k largest and cleans up
+    (``counters[2*row]``: arrivals, ``counters[2*row + 1]``: appends)."""
+    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
+    row, tid, lane, warp, start, stop = block_slice(x, slice_len)
+    smem = shared_state(CAP, K_POW2, THREADS, tid)
+    buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
+    bucket, above, count = locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS)
+    if count <= ROW_CAP:
+        lowest = bucket.bitcast(nvfly.u32) << ((32 if x.dtype == nvfly.f32 else 16) - HIST_BITS)
+        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None)
+    nvfly.syncthreads()
+    if publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS):
         nvfly.threadfence()
         if count <= ROW_CAP:
             for first in range(tid, count, SWEEP * THREADS):
@@ -187,11 +218,7 @@ def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly
             select_top(*smem, k, highest_index_bit(x), tid, lane, warp, THREADS)
         else:
             stream_top(x, row, 0, x.shape[1], k, smem, tid, VEC, UNROLL, THREADS, CAP, K_POW2, LARGEST)
-        write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
-        for j in nvfly.static_range(HIST // THREADS):
-            hist[row, j * THREADS + tid] = 0
-        if tid < 2:
-            counters[2 * row + tid] = 0
+        finish_row(x, values, indices, hist, counters, buf, kept_buf, state, k, row, tid, lane, K_POW2, THREADS)
 
 
 # ---------------------------------------------------------------------------------------------- two levels
@@ -277,49 +304,24 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
     select of the k best of ``buf[:sure + inside]``. Then the sort of the k. The last block zeroes the row's
     second-level histogram as it loads it; the rest of the workspace as ``topk_row_select_kernel``."""
     nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
-    row = nvfly.block_idx.x
-    part = nvfly.block_idx.y
-    tid = nvfly.thread_idx.x
-    lane = tid & 31
-    warp = tid >> 5
-    start = part * slice_len
-    stop = nvfly.minimum(start + slice_len, x.shape[1])
+    row, tid, lane, warp, start, stop = block_slice(x, slice_len)
     shift1, bits2, shift2 = level_shifts(32 if x.dtype == nvfly.f32 else 16)
     HIST2 = 1 << bits2
     smem = shared_state(CAP, K_POW2, THREADS, tid)
     buf, kept_buf, counts, lane_sums, warp_sums, warp_lows, state = smem  # counts: the two levels' histograms
-    for j in nvfly.static_range(HIST // THREADS):
-        counts[j * THREADS + tid] = hist[row, j * THREADS + tid]
-    nvfly.syncthreads()
-    bucket, above, in_bucket = locate_bucket(counts, lane_sums, warp_sums, 0, HIST, k, tid, lane, warp, THREADS)
-    count = above + in_bucket  # the row's keys in the bucket or above: k of them or more
+    bucket, above, count = locate_row_bucket(hist, counts, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS)
     if count <= ROW_CAP:
         lowest = bucket.bitcast(nvfly.u32) << shift1
         stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, counts)
     nvfly.syncthreads()
-    staged = state[0]
-    if (tid == 0) & (staged > 0):
-        state[1] = atomic_add(counters, 2 * row + 1, staged)
-    for j in nvfly.static_range(HIST // THREADS):
-        counts[j * THREADS + tid] = 0  # (the last block's select starts from zeroed histograms)
     for j in nvfly.static_range((HIST2 + THREADS - 1) // THREADS):
         digit = j * THREADS + tid
         if digit < HIST2:
             c = counts[HIST + digit]
-            if c != 0:
+            if c != 0:  # (before publish_candidates' fence: the last block reads these)
                 red_add_u32(hist2.address(row, digit), c)
                 counts[HIST + digit] = 0
-    nvfly.syncthreads()
-    base = state[1]
-    for i in range(tid, staged, THREADS):
-        candidates[row, base + i] = buf[i]
-    nvfly.threadfence()  # this thread's appends and second-level counts are visible before the block counts itself in
-    nvfly.syncthreads()
-    if tid == 0:
-        state[0] = 0
-        state[2] = arrive(counters.address(2 * row))
-    nvfly.syncthreads()
-    if state[2] == nvfly.grid_dim.y - 1:  # the row's last block: every other block's appends and counts are in
+    if publish_candidates(candidates, counters, counts, buf, state, row, tid, THREADS):
         nvfly.threadfence()
         if count <= ROW_CAP:
             STEP = 2 * SWEEP * THREADS
@@ -366,11 +368,7 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
             nvfly.syncthreads()
         else:
             stream_top(x, row, 0, x.shape[1], k, smem, tid, VEC, UNROLL, THREADS, CAP, K_POW2, LARGEST)
-        write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
-        for j in nvfly.static_range(HIST // THREADS):
-            hist[row, j * THREADS + tid] = 0
-        if tid < 2:
-            counters[2 * row + tid] = 0
+        finish_row(x, values, indices, hist, counters, buf, kept_buf, state, k, row, tid, lane, K_POW2, THREADS)
 
 
 # ---------------------------------------------------------------------------------------------- host side

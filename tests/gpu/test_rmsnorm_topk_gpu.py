@@ -124,22 +124,20 @@ def rms_norm_float32(x, weight, eps):
 PERSISTENT_SHAPES = [(16421, 2048), (4099, 7168), (1001, 4096), (5, 2048), (777, 1001), (3001, 8192), (2051, 16384)]
 
 
-@pytest.mark.parametrize("dtype,hints", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False),
-                                         (torch.float32, False)])
-@pytest.mark.parametrize("shape", PERSISTENT_SHAPES)
-@pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
-def test_persistent_rms_norm_matches_float32(dtype, hints, shape, variant):
-    m, n = shape
+def forward_inputs(shape, dtype, variant):
+    """x (scaled randn), and the weight and residual the variant ("plain", "weight", "residual") uses."""
     x = (torch.randn(shape, device="cuda") * 3).to(dtype)
-    w = torch.randn(n, device="cuda").to(dtype) if variant != "plain" else None
+    w = torch.randn(shape[1], device="cuda").to(dtype) if variant != "plain" else None
     r = torch.randn(shape, device="cuda").to(dtype) if variant == "residual" else None
-    options = rmsnorm.ForwardOptions(persistent=True, cache_hints=hints)
-    if dtype == torch.float32 and n == 16384:  # two tiles of fp32 rows of 16384 do not fit the registers
-        with pytest.raises(ValueError, match="persistent"):
-            rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=options)
-        return
-    assert rmsnorm.plan_of(x, w, r, options=options).persistent
-    poison_allocator((shape, dtype), (shape, dtype), ((m,), torch.float32))
+    return x, w, r
+
+
+def check_forward_on_request(shape, dtype, variant, options, kind):
+    """The forward under ``options`` (whose plan must be ``kind``: "persistent", "two_pass") against a float32
+    reference, outputs poisoned: y, rstd, and x + r bit for bit."""
+    x, w, r = forward_inputs(shape, dtype, variant)
+    assert getattr(rmsnorm.plan_of(x, w, r, options=options), kind)
+    poison_allocator((shape, dtype), (shape, dtype), ((shape[0],), torch.float32))
     y, h, rstd = rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=options)
     if r is not None:
         assert torch.equal(h, x + r)  # every element written, rounded like the unfused add
@@ -148,6 +146,20 @@ def test_persistent_rms_norm_matches_float32(dtype, hints, shape, variant):
     tol = TOL[dtype]
     assert torch.allclose(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
     assert torch.allclose(rstd, ref_rstd, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,hints", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False),
+                                         (torch.float32, False)])
+@pytest.mark.parametrize("shape", PERSISTENT_SHAPES)
+@pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
+def test_persistent_rms_norm_matches_float32(dtype, hints, shape, variant):
+    options = rmsnorm.ForwardOptions(persistent=True, cache_hints=hints)
+    if dtype == torch.float32 and shape[1] == 16384:  # two tiles of fp32 rows of 16384 do not fit the registers
+        x, w, r = forward_inputs(shape, dtype, variant)
+        with pytest.raises(ValueError, match="persistent"):
+            rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=options)
+        return
+    check_forward_on_request(shape, dtype, variant, options, "persistent")
 
 
 @pytest.mark.parametrize("option, m, n", [("persistent", 16421, 2048), ("two_pass", 16384, 8192)])
@@ -182,21 +194,7 @@ TWO_PASS_OPTIONS = {
 @pytest.mark.parametrize("shape", TWO_PASS_SHAPES)
 @pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
 def test_two_pass_rms_norm_matches_float32(dtype, options, shape, variant):
-    m, n = shape
-    x = (torch.randn(shape, device="cuda") * 3).to(dtype)
-    w = torch.randn(n, device="cuda").to(dtype) if variant != "plain" else None
-    r = torch.randn(shape, device="cuda").to(dtype) if variant == "residual" else None
-    chosen = TWO_PASS_OPTIONS[options]
-    assert rmsnorm.plan_of(x, w, r, options=chosen).two_pass
-    poison_allocator((shape, dtype), (shape, dtype), ((m,), torch.float32))
-    y, h, rstd = rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=chosen)
-    if r is not None:
-        assert torch.equal(h, x + r)  # every element written, rounded like the unfused add
-    ref, ref_rstd = rms_norm_float32(x + r if r is not None else x, w, 1e-6)
-    assert torch.isfinite(y).all() and torch.isfinite(rstd).all()
-    tol = TOL[dtype]
-    assert torch.allclose(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
-    assert torch.allclose(rstd, ref_rstd, rtol=1e-5)
+    check_forward_on_request(shape, dtype, variant, TWO_PASS_OPTIONS[options], "two_pass")
 
 
 @pytest.mark.parametrize("options", ["default", "hints"])

@@ -149,22 +149,6 @@ def test_row_threshold_plan_matches_torch_on_the_sampling_suite():
         assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k)
 
 
-def test_row_threshold_plan_on_two_streams():
-    """One workspace per stream: interleaved launches on two streams stay exact."""
-    x = torch.randn(64, 151936, device="cuda").to(torch.bfloat16)
-    ref = torch.topk(x, 1024)
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    for stream in streams:
-        stream.wait_stream(torch.cuda.current_stream())
-    results = []
-    for i in range(6):
-        with torch.cuda.stream(streams[i % 2]):
-            results.append(row_threshold_topk(x, 1024, True))
-    torch.cuda.synchronize()
-    for values, indices in results:
-        assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)
-
-
 # ---------------------------------------------------------------------------------------------- two levels
 def assert_workspace_clean(device, m):
     """The row-threshold workspace of the current stream is zero again (lists aside) once the launches are done."""
@@ -218,8 +202,8 @@ def test_two_level_plan_matches_torch_on_the_sampling_suite():
 
 
 def test_two_level_plan_on_two_streams():
-    """One workspace per stream: interleaved two-level and one-level launches on two streams stay exact, and
-    both streams' workspaces end clean."""
+    """One workspace per stream: interleaved two-level and one-level (every fourth) launches on two streams stay
+    exact, and both streams' workspaces end clean."""
     x = torch.randn(64, 151936, device="cuda").to(torch.bfloat16)
     ref = torch.topk(x, 1024)
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]

@@ -19,16 +19,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import rel_err  # noqa: E402
 
 
-def _gemm(m: int, n: int, k: int, layout: str) -> Callable[[], torch.Tensor]:
+def _gemm(m: int, n: int, k: int, layout: str, cublas: bool = False) -> Callable[[], torch.Tensor]:
+    """nvfly's matmul (or, with ``cublas``, torch.mm: the peer to profile beside it) of one layout."""
     from benchmarks.gemm_skinny_configs import tokens
     from nvfly.ops import gemm
     a = tokens(m, k, "row" if layout[:3] == "row" else "col")
     b = torch.randn(n, k, device="cuda").to(torch.bfloat16)
     b = b.t() if layout[-3:] == "col" else b.t().contiguous()
     ref = a.float() @ b.float()
-    out = gemm.matmul(a, b)
-    assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
-    return lambda: gemm.matmul(a, b)
+    run = (lambda: torch.mm(a, b)) if cublas else (lambda: gemm.matmul(a, b))
+    assert rel_err(run(), ref) < 1e-2
+    return run
 
 
 def _rmsnorm(m: int, n: int, inductor: bool) -> Callable[[], torch.Tensor]:
@@ -58,6 +59,8 @@ CASES: dict[str, Callable[[], Callable]] = {
     "gemm-rowxcol-16x4096x14336": lambda: _gemm(16, 4096, 14336, "rowxcol"),
     "gemm-colxrow-16x4096x14336": lambda: _gemm(16, 4096, 14336, "colxrow"),
     "gemm-rowxrow-16x4096x14336": lambda: _gemm(16, 4096, 14336, "rowxrow"),
+    "gemm-rowxcol-336x4104x1024": lambda: _gemm(336, 4104, 1024, "rowxcol"),
+    "gemm-rowxcol-336x4104x1024-cublas": lambda: _gemm(336, 4104, 1024, "rowxcol", cublas=True),
     "rmsnorm-16384x2048": lambda: _rmsnorm(16384, 2048, False),
     "rmsnorm-16384x2048-inductor": lambda: _rmsnorm(16384, 2048, True),
     "rmsnorm-16384x8192": lambda: _rmsnorm(16384, 8192, False),

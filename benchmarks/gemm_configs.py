@@ -17,8 +17,9 @@ stream-K region (gemm.STREAM_K_REGIONS: which tiles are dealt out as contiguous 
     python -m benchmarks.gemm_configs --compare-regions --layouts rowxrow \
         --shapes 64x6144x4096,336x4104x1024,512x7168x16384,2048x4096x14336,1024x7168x2048
 
-``--tiles``: the default call beside named tiles (BMxBN, ``pp`` ping-pong, ``swap:`` on the transposed problem;
-TMA store, the deepest ring that fits up to 7 stages or sS), e.g. tiles that fit the waves better than the default ones:
+``--tiles``: the default call beside named tiles (BMxBN, ``pp`` ping-pong, ``kK`` split K, ``swap:`` on the transposed
+problem; TMA store but with split K, the deepest ring that fits up to 7 stages or sS), e.g. tiles that fit the waves better than the
+default ones (336x4104x1024, the suite's last shape under 0.9x cuBLAS: ``--tiles 128x128k2,128x256k2,64x256``):
 
     python -m benchmarks.gemm_configs --tiles 128x128pp,128x96pp,64x48,swap:64x64 \
         --shapes 336x4104x1024,64x6144x4096,4096x4096x4096
@@ -110,15 +111,16 @@ def time_regions(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: flo
 
 
 def named_tile(name: str) -> tuple[GemmConfig, bool]:
-    """(config, swap) of a --tiles name: BMxBN[pp][sS], optionally prefixed with 'swap:' (S stages: at most S,
-    default 7)."""
+    """(config, swap) of a --tiles name: BMxBN[pp][kK][sS], optionally prefixed with 'swap:' (K: split-K factor;
+    S stages: at most S, default 7)."""
     swap = name.startswith("swap:")
     body = name[len("swap:"):] if swap else name
     body, _, stages = body.partition("s")
+    body, _, split = body.partition("k")
     pingpong = body.endswith("pp")
     bm, bn = (int(x) for x in body.removesuffix("pp").split("x"))
     base = GemmConfig(bm, bn, int(stages or 7), 2 if bm == 128 or pingpong else 1, pingpong=pingpong,
-                      tma_store=not swap, store_buffers=1)
+                      split_k=int(split or 1), tma_store=not (swap or split), store_buffers=1)
     cfg = deepest(base)
     if cfg is None:
         raise SystemExit(f"--tiles {name}: {base.check(2)}")

@@ -589,6 +589,29 @@ def flagged_bits(current, bit, VEC, PACKED):
     return pick(elements, bit, nvfly.select)
 
 
+def step_loads(x: Any, row: Any, start: Any, stop: Any, step: Any, tid: Any, VEC: int, UNROLL: int,
+               THREADS: int) -> list:
+    """This thread's UNROLL loads of streaming step ``step`` over columns [start, stop) (masked at ``stop``)."""
+    loads = []
+    for u in nvfly.static_range(UNROLL):
+        col = start + ((step * UNROLL + u) * THREADS + tid) * VEC
+        loads.append(x.load(row, col, width=VEC, mask=col < stop))
+    return loads
+
+
+def next_flagged(pending: Any, current: list, col0: Any, dtype: Any, VEC: int, THREADS: int, packed: bool,
+                 LARGEST: bool) -> tuple[Any, Any, Any, Any]:
+    """Take the lowest of this lane's pending candidate flags (``candidate_flags``): (the flags left, the flag
+    taken (0 when none was left), the flagged element's key and column, picked from the loads in registers)."""
+    next_flag = pending & (0 - pending)
+    pending = pending ^ next_flag
+    bit = highest_bit(next_flag).bitcast(nvfly.i32)
+    u, e = flag_element(bit, VEC, packed)
+    col = col0 + u * THREADS * VEC + e
+    key = bits_key(flagged_bits(current, bit, VEC, packed), dtype, LARGEST)
+    return pending, next_flag, key, col
+
+
 @nvfly.func
 def candidate_flags(current, flag, VEC, UNROLL, LARGEST):
     """A thread's u32 flags (``flag_bit``) of the elements of this iteration's loads that may rank at or above
@@ -701,10 +724,7 @@ def stream_top(x, row, start, stop, k, smem, tid, VEC, UNROLL, THREADS, CAP, K_P
     buf, state = smem[0], smem[-1]
     per_iter = THREADS * VEC * UNROLL
     limit = CAP - per_iter  # a buffer filled up to here still has room for one more iteration's appends
-    current = []
-    for u in nvfly.static_range(UNROLL):
-        col = start + (u * THREADS + tid) * VEC
-        current.append(x.load(row, col, width=VEC, mask=col < stop))
+    current = step_loads(x, row, start, stop, 0, tid, VEC, UNROLL, THREADS)
     # a first threshold: the k-th largest of the maxima of GROUPS * THREADS disjoint groups of the first
     # iteration's elements. k distinct elements rank at least that high, so no top-k element ranks lower, and
     # the first select sees a few thousand maxima instead of a whole iteration (whose top bits crowd a few
@@ -730,10 +750,7 @@ def stream_top(x, row, start, stop, k, smem, tid, VEC, UNROLL, THREADS, CAP, K_P
     packed = x.dtype != nvfly.f32 and VEC > 1
     for it in range((stop - start + per_iter - 1) // per_iter):
         # the next iteration's loads are in flight while this one is filtered (and across the barrier)
-        upcoming = []
-        for u in nvfly.static_range(UNROLL):
-            col = start + (((it + 1) * UNROLL + u) * THREADS + tid) * VEC
-            upcoming.append(x.load(row, col, width=VEC, mask=col < stop))
+        upcoming = step_loads(x, row, start, stop, it + 1, tid, VEC, UNROLL, THREADS)
         col0 = start + (it * UNROLL * THREADS + tid) * VEC
         # the threshold is an element's rank: in later iterations every column lies beyond its column, so an
         # element with its key ranks below it
@@ -743,12 +760,7 @@ def stream_top(x, row, start, stop, k, smem, tid, VEC, UNROLL, THREADS, CAP, K_P
         # one flagged element per lane a round, picked from the loads in registers (a tree of selects: no
         # dependent reload) and checked exactly: rare once the threshold has risen
         while vote_any(pending != 0):
-            next_flag = pending & (0 - pending)
-            pending = pending ^ next_flag
-            bit = highest_bit(next_flag).bitcast(nvfly.i32)
-            u, e = flag_element(bit, VEC, packed)
-            col = col0 + u * THREADS * VEC + e
-            key = bits_key(flagged_bits(current, bit, VEC, packed), x.dtype, LARGEST)
+            pending, next_flag, key, col = next_flagged(pending, current, col0, x.dtype, VEC, THREADS, packed, LARGEST)
             take = element_filter(key, col, stop, threshold_key, threshold_low) & (next_flag != 0)
             position, size = append_slots(state, take, lane)
             buf.store(rank64(key, col), position, mask=take)

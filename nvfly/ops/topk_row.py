@@ -26,10 +26,10 @@ import nvfly
 from nvfly.arch.gpu_scope import arrive
 from nvfly.arch.ptx import asm, asm_multi
 from nvfly.frontend.language import atomic_add, vote_any
-from nvfly.ops.topk import (ABSENT, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, append_slots, ballot, bits_key,
-                            candidate_flags, flag_element, flag_key, flagged_bits, highest_bit, highest_index_bit,
-                            key_bits, locate_bucket, order_key, popc, rank64, rank_key, select_top, shared_state,
-                            stream_top, write_sorted)
+from nvfly.ops.topk import (ABSENT, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, append_slots, ballot,
+                            candidate_flags, flag_key, highest_index_bit, key_bits, locate_bucket, next_flagged,
+                            order_key, popc, rank64, rank_key, select_top, shared_state, step_loads, stream_top,
+                            write_sorted)
 
 COPIES = 8  # shared histograms a block counts into (64 KB)
 
@@ -102,24 +102,13 @@ def stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UN
     flag = key_bits(flag_key(lowest, True, x.dtype), x.dtype, LARGEST)
     packed = x.dtype != nvfly.f32 and VEC > 1
     per_iter = THREADS * VEC * UNROLL
-    current = []
-    for u in nvfly.static_range(UNROLL):
-        col = start + (u * THREADS + tid) * VEC
-        current.append(x.load(row, col, width=VEC, mask=col < stop))
+    current = step_loads(x, row, start, stop, 0, tid, VEC, UNROLL, THREADS)
     for it in range((stop - start + per_iter - 1) // per_iter):
-        upcoming = []
-        for u in nvfly.static_range(UNROLL):
-            col = start + (((it + 1) * UNROLL + u) * THREADS + tid) * VEC
-            upcoming.append(x.load(row, col, width=VEC, mask=col < stop))
+        upcoming = step_loads(x, row, start, stop, it + 1, tid, VEC, UNROLL, THREADS)
         col0 = start + (it * UNROLL * THREADS + tid) * VEC
         pending = candidate_flags(current, flag, VEC, UNROLL, LARGEST)
         while vote_any(pending != 0):
-            next_flag = pending & (0 - pending)
-            pending = pending ^ next_flag
-            bit = highest_bit(next_flag).bitcast(nvfly.i32)
-            u, e = flag_element(bit, VEC, packed)
-            col = col0 + u * THREADS * VEC + e
-            key = bits_key(flagged_bits(current, bit, VEC, packed), x.dtype, LARGEST)
+            pending, next_flag, key, col = next_flagged(pending, current, col0, x.dtype, VEC, THREADS, packed, LARGEST)
             take = (key >= lowest) & (col < stop) & (next_flag != 0)
             position, _ = append_slots(state, take, lane)
             buf.store(rank64(key, col), position, mask=take)

@@ -94,6 +94,15 @@ def test_heuristic_prefers_big_tiles_and_splits_long_k():
     assert gemm.default_config(8192, 8192, 2048) == GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True,
                                                                store_buffers=1)
     assert gemm.default_config(2048, 2112, 7168).bn == 128  # 9 x 16 = 144 tiles of 128x256: 2 waves
+    # 68 tiles of 128x128 on 132 SMs: 128x64 fills the wave (132 tiles)
+    half = gemm.default_config(512, 2112, 7168)
+    assert (half.bm, half.bn, half.split_k) == (128, 64, 1) and half.check(2) is None
+    # every default config fits shared memory with its staging buffers (128x64 at 9 stages plus the TMA-store
+    # staging did not: 238592 bytes)
+    for m in (128, 336, 512, 1024, 2048, 4096):
+        for n, k in [(2112, 7168), (4104, 1024), (6144, 4096), (7168, 16384), (24576, 1536), (32768, 512)]:
+            assert gemm.default_config(m, n, k).check(2) is None, (m, n, k)
+            assert gemm.small_m_config(m, n, k, 1, 2, 132).check(2) is None, (m, n, k)
     small = gemm.default_config(128, 1024, 16384)
     assert small.split_k > 1 and small.check(2) is None
     swapped = gemm.small_m_config(16, 4096, 4096, 1, 2, 132)

@@ -199,3 +199,15 @@ def test_plans_decide_the_epilogue():
     assert "contiguous" in gemm.store_reason(torch.empty(1, 4096, 333, dtype=torch.bfloat16).transpose(1, 2))
     assert "multiple of 16 bytes" in gemm.store_reason(torch.empty(1, 8, 4104, dtype=torch.bfloat16)[..., :4097])
     assert "address" in gemm.store_reason(torch.empty(8 * 4096 + 1, dtype=torch.bfloat16)[1:].view(1, 8, 4096))
+
+
+def test_widened_mn_major_tiles_keep_within_shared_memory():
+    """An MN-major B widens bn to whole 32-byte swizzle rows; the ring then sheds stages to fit (a swapped 128x168
+    tile of 6 stages over a column-major A: the H200 refused the 128x176 launch, 234496 bytes, before)."""
+    cfg = GemmConfig(128, 168, 6, 2)
+    assert cfg.check(2) is None and GemmConfig(128, 176, 6, 2).check(2) is not None
+    a = torch.randn(1024, 336).to(torch.bfloat16).t()  # column-major A: B of the swapped problem is MN-major
+    b = torch.randn(4104, 1024).to(torch.bfloat16).t()
+    plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", cfg, False, swap=True)
+    assert plan.swap and plan.b_major == "MN" and plan.config.bn == 176
+    assert plan.config.stages == 5 and plan.config.check(2, "MN") is None

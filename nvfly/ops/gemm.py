@@ -26,7 +26,7 @@ from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import current_stream, layout_key
 from nvfly.ops import gemm_skinny, split_workspace
-from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel, store_box
+from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, SMEM_LIMIT, GemmConfig, gemm_kernel, split_k_reduce_kernel, store_box
 from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan
 
 _DTYPES = {torch.bfloat16: nvfly.bf16, torch.float16: nvfly.f16}
@@ -147,15 +147,18 @@ def _capability(device: int) -> tuple[int, int]:
 MAX_STAGES = 10
 
 
-def _max_stages(bm: int, bn: int, itemsize: int) -> int:
+def _deepest(cfg: GemmConfig, itemsize: int) -> GemmConfig:
+    """``cfg`` with the deepest ring up to MAX_STAGES that fits beside its staging buffers."""
     stages = MAX_STAGES
-    while GemmConfig(bm, bn, stages).smem_bytes(itemsize) > 232448:
+    while replace(cfg, stages=stages).smem_bytes(itemsize) > SMEM_LIMIT:
         stages -= 1
-    return stages
+    return replace(cfg, stages=stages)
 
 
 # candidate tiles and their relative throughput per output element, measured on the H200
-# (benchmarks/gemm_configs.py): the 128x128 ping-pong tile hides its epilogue and wins on short K; the 128x256
+# (benchmarks/gemm_configs.py): the 128x128 ping-pong tile hides its epilogue and wins on short K; 128x64 fills a
+# wave that 128x128 tiles leave half empty (512x2112x7168: 68 -> 132 tiles, 394 -> 471 TFLOP/s rowxcol, 389 -> 512
+# rowxrow; it ties 64x128, which stays first: 128x6144x4096 255 vs 246); the 128x256
 # cooperative tile, whose epilogue is rarer per k-block, wins from K = 4096 on (LONG_K_EFFICIENCY; side by side,
 # --compare-regions and --compare-stream-k: 2048x4096x14336 738 vs 680 TFLOP/s rowxrow and 749 vs 710 colxcol,
 # 512x7168x16384 682 vs 660 and 682 vs 653, 4096x10240x8192 684 vs 659, 4096x14336x4096 681 vs 667)
@@ -163,9 +166,14 @@ _TILES = ((GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, store_buffe
           (GemmConfig(128, 256, 4, 2, tma_store=True, store_buffers=1), 0.97),
           (GemmConfig(256, 128, 4, 2, tma_store=True, store_buffers=1), 0.94),
           (GemmConfig(64, 256, MAX_STAGES, 1), 0.7), (GemmConfig(64, 128, MAX_STAGES, 1), 0.6),
+          (GemmConfig(128, 64, MAX_STAGES, 2, tma_store=True, store_buffers=1), 0.6),
           (GemmConfig(64, 64, MAX_STAGES, 1), 0.45))
 LONG_K = 4096
-LONG_K_EFFICIENCY = {(128, 256): 1.02}
+LONG_K_EFFICIENCY = {(128, 256): 1.04}
+# the cost of a short last wave that stream K deals out over all SMs, in waves (its share and the fix-up), fitted
+# to 1024x2112x7168 (H200, benchmarks.gemm_configs --tiles): 136 tiles of 128x128 611 TFLOP/s, 80 of 128x224 471,
+# 264 of 128x64 490
+STREAM_K_TAIL_WAVES = 0.3
 # a single partial wave of long-K 128x256 tiles narrows them to 128x224 when that covers more SMs in one wave:
 # 512x7168x16384 (112 -> 128 tiles on 132 SMs) 672 -> 722 TFLOP/s rowxcol, 666 -> 702 rowxrow (H200,
 # benchmarks.gemm_configs --tiles 128x224,128x240, benchmarks/results/gemm_tiles_h200.log)
@@ -182,10 +190,13 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
         if k >= LONG_K:
             eff = LONG_K_EFFICIENCY.get((cfg.bm, cfg.bn), eff)
         tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
-        # padded work over the SMs, in units of one 128x128 tile
-        cost = math.ceil(tiles / sms) * (cfg.bm * cfg.bn) / (128 * 128) / eff
+        # padded work over the SMs, in units of one 128x128 tile; a short last wave that stream K deals out over
+        # all SMs costs its share of a wave plus the fix-up (STREAM_K_TAIL_WAVES)
+        full, tail = divmod(tiles, sms)
+        waves = full + (max(tail / sms, STREAM_K_TAIL_WAVES) if stream_k_plan(tiles, k_tiles, sms)[1] else tail > 0)
+        cost = waves * (cfg.bm * cfg.bn) / (128 * 128) / eff
         if best is None or cost < best[0] - 1e-9:
-            best = (cost, replace(cfg, stages=min(cfg.stages, _max_stages(cfg.bm, cfg.bn, itemsize))))
+            best = (cost, replace(cfg, stages=min(cfg.stages, _deepest(cfg, itemsize).stages)))
     assert best is not None
     cfg = best[1]
     tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
@@ -216,7 +227,7 @@ def small_m_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int
     tiles = math.ceil(n / 128) * batches
     bm, consumers = (128, 2) if tiles >= sms else (64, 1)
     tiles = math.ceil(n / bm) * batches
-    cfg = GemmConfig(bm, bn, _max_stages(bm, bn, itemsize), consumers)
+    cfg = _deepest(GemmConfig(bm, bn, MAX_STAGES, consumers), itemsize)
     k_tiles = math.ceil(k / (128 // itemsize))
     if tiles * 2 <= sms and k_tiles >= 16:
         split = min(max(1, sms // tiles), k_tiles // 4, 16)
@@ -288,6 +299,11 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     narrowest = 32 // itemsize  # an MN-major tile must span at least one 32-byte swizzle row
     if b_major == "MN" and config.bn % narrowest:
         config = replace(config, bn=narrowest * math.ceil(config.bn / narrowest))
+        # the wider tile may not fit the ring the narrower one did (64x168 with 7 stages fits, 64x176 does not)
+        while config.stages > 2 and config.check(itemsize, "MN") is not None:
+            config = replace(config, stages=config.stages - 1)
+        if (reason := config.check(itemsize, "MN")) is not None:
+            raise ValueError(f"config: widened to bn={config.bn} for the MN-major B operand, {reason}")
     bk = config.bk(itemsize)
     k_tiles = math.ceil(k / bk)
     # every split gets at least one k-block

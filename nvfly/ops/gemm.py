@@ -169,10 +169,11 @@ _TILES = ((GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, store_buffe
           (GemmConfig(128, 64, MAX_STAGES, 2, tma_store=True, store_buffers=1), 0.6),
           (GemmConfig(64, 64, MAX_STAGES, 1), 0.45))
 LONG_K = 4096
-LONG_K_EFFICIENCY = {(128, 256): 1.04}
+LONG_K_EFFICIENCY = {(128, 256): 1.02}
 # the cost of a short last wave that stream K deals out over all SMs, in waves (its share and the fix-up), fitted
 # to 1024x2112x7168 (H200, benchmarks.gemm_configs --tiles): 136 tiles of 128x128 611 TFLOP/s, 80 of 128x224 471,
-# 264 of 128x64 490
+# 264 of 128x64 490; 336x6144x4096 144 of 128x128 422, 84 of 128x224 406. Counted after at most two whole waves:
+# after five, 336x28672x4096's 672 streamed 128x128 tiles lost to 336 of 128x256 (520 vs 572)
 STREAM_K_TAIL_WAVES = 0.3
 # a single partial wave of long-K 128x256 tiles narrows them to 128x224 when that covers more SMs in one wave:
 # 512x7168x16384 (112 -> 128 tiles on 132 SMs) 672 -> 722 TFLOP/s rowxcol, 666 -> 702 rowxrow (H200,
@@ -191,9 +192,10 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
             eff = LONG_K_EFFICIENCY.get((cfg.bm, cfg.bn), eff)
         tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
         # padded work over the SMs, in units of one 128x128 tile; a short last wave that stream K deals out over
-        # all SMs costs its share of a wave plus the fix-up (STREAM_K_TAIL_WAVES)
+        # all SMs costs its share of a wave plus the fix-up (STREAM_K_TAIL_WAVES) after at most two whole waves
         full, tail = divmod(tiles, sms)
-        waves = full + (max(tail / sms, STREAM_K_TAIL_WAVES) if stream_k_plan(tiles, k_tiles, sms)[1] else tail > 0)
+        streamed = full <= 2 and stream_k_plan(tiles, k_tiles, sms)[1]
+        waves = full + (max(tail / sms, STREAM_K_TAIL_WAVES) if streamed else tail > 0)
         cost = waves * (cfg.bm * cfg.bn) / (128 * 128) / eff
         if best is None or cost < best[0] - 1e-9:
             best = (cost, replace(cfg, stages=min(cfg.stages, _deepest(cfg, itemsize).stages)))

@@ -211,3 +211,23 @@ def test_widened_mn_major_tiles_keep_within_shared_memory():
     plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", cfg, False, swap=True)
     assert plan.swap and plan.b_major == "MN" and plan.config.bn == 176
     assert plan.config.stages == 5 and plan.config.check(2, "MN") is None
+
+
+@pytest.mark.parametrize("b_major", ["row", "col"])
+def test_a_partial_single_wave_narrows_its_tiles_for_a_k_major_b(b_major):
+    """336x4104x1024: 99 tiles of 128x128 on 132 SMs; a K-major (column-major) B takes 129 tiles of 128x96, which
+    compile to HGMMA.64x96 with the TMA-store epilogue and no spills; a row-major B keeps 128x128 (a 96-wide
+    MN-major tile loses the 128-byte swizzle)."""
+    a = torch.randn(336, 1024).to(torch.bfloat16)
+    b = torch.randn(1024, 4104).to(torch.bfloat16) if b_major == "row" else torch.randn(4104, 1024).to(
+        torch.bfloat16).t()
+    plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False)
+    cfg = plan.config
+    assert (cfg.bm, cfg.bn) == ((128, 96) if b_major == "col" else (128, 128))
+    assert cfg.check(2) is None and plan.grid == (129 if b_major == "col" else 99)
+    if b_major == "col":
+        (k,) = gemm.compile_configs([cfg], majors=[("K", "K")])
+        check_kernel(k, cfg)
+    # a caller's config is kept as given
+    given = GemmConfig(128, 128, 6, 2, tma_store=True, store_buffers=1)
+    assert gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", given, False).config.bn == 128

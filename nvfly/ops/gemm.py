@@ -222,6 +222,25 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
     return cfg
 
 
+# A single wave of 128x128 tiles at most WAVE_FIT_FILL full narrows its tiles (to a multiple of 32 columns) to fill
+# the SMs when B is K-major: 336x4104x1024 rowxcol 99 -> 129 tiles of 128x96, 232 -> 241 and 226 -> 254 TFLOP/s
+# (colxcol 233 vs 229: even). A row-major (MN-major) B tile 96 wide loses its 128-byte swizzle: 224 -> 213 rowxrow
+# (H200, benchmarks.gemm_configs --tiles 128x96, benchmarks/results/gemm_tiles_h200.log).
+WAVE_FIT_FILL = 0.8
+
+
+def fill_wave_k_major(cfg: GemmConfig, m: int, n: int, batches: int, itemsize: int, sms: int) -> GemmConfig:
+    """The default ``cfg`` or, for a K-major B, its narrower twin that fills a partial single wave (see above)."""
+    row_tiles = math.ceil(m / cfg.bm) * batches
+    tiles = row_tiles * math.ceil(n / cfg.bn)
+    if (cfg.bm, cfg.bn, cfg.split_k) != (128, 128, 1) or tiles > WAVE_FIT_FILL * sms or sms < row_tiles:
+        return cfg
+    width = 32 * math.ceil(n / (32 * (sms // row_tiles)))
+    if not 64 < width < cfg.bn:
+        return cfg
+    return _deepest(replace(cfg, bn=width, pingpong=False), itemsize)
+
+
 @functools.lru_cache(maxsize=4096)
 def small_m_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int) -> GemmConfig:
     """Config of the swapped problem (N x M) for small M: M becomes wgmma's N (a multiple of 8)."""
@@ -291,6 +310,7 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     sms = plan_sm_count(a3.get_device())
     if swap is None:
         swap = config is None and m <= 64 < n
+    chosen = config is None  # the heuristic's config, not the caller's
     if config is None:
         config = small_m_config(m, n, k, batches, itemsize, sms) if swap else \
             default_config(m, n, k, batches, itemsize, sms)
@@ -298,6 +318,8 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
         a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
         m, n = n, m
     a_major, b_major = _operand_major(a3, -1), _operand_major(b3, -2)
+    if chosen and not swap and b_major == "K":
+        config = fill_wave_k_major(config, m, n, batches, itemsize, sms)
     narrowest = 32 // itemsize  # an MN-major tile must span at least one 32-byte swizzle row
     if b_major == "MN" and config.bn % narrowest:
         config = replace(config, bn=narrowest * math.ceil(config.bn / narrowest))

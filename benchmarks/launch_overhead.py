@@ -1,7 +1,9 @@
 """Host overhead of a cached kernel launch: nvfly next to Triton and torch, in the same process.
 
 Each launcher issues N launches of a tiny kernel back to back; the GPU work is negligible, so the time per
-launch is the host's. Usage: python -m benchmarks.launch_overhead   (or: nvfly bench launch_overhead)
+launch is the host's. Also the suites' timing floor: ``bench_ms`` (do_bench, L2 flushed) of the same tiny kernels,
+the least any one-kernel op can measure there (e.g. MoE routing's torch.topk, 14.4 us, can be beaten by at most its
+ratio to this floor). Usage: python -m benchmarks.launch_overhead   (or: nvfly bench launch_overhead)
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nvfly  # noqa: E402
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import bench_ms, write_results  # noqa: E402
 
 
 @nvfly.kernel
@@ -69,6 +71,9 @@ def main(argv=None) -> int:
         "triton_us": per_launch_us(lambda: triton_add[(8,)](x, y, out, n, B=128)),
         "torch_add_out_us": per_launch_us(lambda: torch.add(x, y, out=out)),
     }
+    results["bench_ms_floor_nvfly_us"] = bench_ms(lambda: launch_nvfly(x, y, out, n)) * 1e3
+    results["bench_ms_floor_triton_us"] = bench_ms(lambda: triton_add[(8,)](x, y, out, n, B=128)) * 1e3
+    results["bench_ms_floor_torch_zero_us"] = bench_ms(lambda: out.zero_()) * 1e3
     t0 = time.perf_counter()
     for _ in range(100000):
         tiny_add._binder((x, y, out, n))

@@ -256,6 +256,8 @@ def compare_plans(shapes: list[tuple[int, int]], fused_add_shapes: list[tuple[in
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="M in {256, 16384} only, no fp32, no backward")
+    p.add_argument("--name", default="rmsnorm", help="results file stem: benchmarks/results/<name>_h200.json (and "
+                                                      ".png), so that a partial run does not replace the suite's")
     p.add_argument("--shapes", nargs="*", default=None, help="M,N pairs (forward, bf16)")
     p.add_argument("--compare-plans", action="store_true",
                    help="time nvfly's forward under each plan variant next to torch and Inductor (quick-suite and "
@@ -291,9 +293,9 @@ def main(argv=None) -> int:
                "min_pct_of_peak_copy_M_ge_4096": min((r["pct_of_peak_copy"] for r in big), default=None),
                "max_rel_err": max(r["rel_err"] for r in rows), "seconds": time.time() - t_start}
     print(summary)
-    path = write_results("rmsnorm", rows, {"summary": summary, "copy_tbps": COPY_TBPS})
+    path = write_results(args.name, rows, {"summary": summary, "copy_tbps": COPY_TBPS})
     labels = [f"{r['variant'][:3]} {r['M']}x{r['N']} {r['dtype']}" for r in rows]
-    plot("rmsnorm", labels, {"nvfly": [r["nvfly_tbps"] for r in rows], "torch": [r["torch_tbps"] for r in rows],
+    plot(args.name, labels, {"nvfly": [r["nvfly_tbps"] for r in rows], "torch": [r["torch_tbps"] for r in rows],
                              "inductor": [r["inductor_tbps"] for r in rows]}, "TB/s (read + write)")
     print("wrote", path)
     return 0

@@ -139,3 +139,19 @@ def test_a_single_partial_wave_of_long_k_tiles_narrows_to_fill_the_sms():
     for m, n, k in [(2048, 4096, 14336), (4096, 14336, 4096), (4096, 10240, 8192)]:
         assert (gemm.default_config(m, n, k).bm, gemm.default_config(m, n, k).bn) == (128, 256)
     assert gemm.default_config(512, 7168, 2048).bn != gemm.WAVE_FIT_BN  # short K: the ping-pong tile
+
+
+def test_the_autotune_space_holds_every_heuristic_pick():
+    """The heuristic's config of every suite-like shape and B major is in ``config_space`` (split K aside: the
+    space lists whole-K configs), so autotuning over the space can always find what the heuristic runs."""
+    space = set(gemm.config_space())
+    for m in (128, 256, 336, 384, 512, 1024, 2048, 4096, 16384):
+        for n, k in [(6144, 4096), (4096, 14336), (10240, 8192), (2112, 7168), (24576, 1536), (32768, 512),
+                     (7168, 16384), (4104, 1024), (14336, 4096), (28672, 8192)]:
+            for b_major in ("row", "col"):
+                a = torch.empty(m, k, dtype=torch.bfloat16)
+                b = torch.empty(k, n, dtype=torch.bfloat16) if b_major == "row" else \
+                    torch.empty(n, k, dtype=torch.bfloat16).t()
+                cfg = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False).config
+                if cfg.split_k == 1:
+                    assert cfg in space, (m, n, k, b_major, cfg)

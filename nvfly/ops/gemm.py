@@ -122,12 +122,14 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
             if cfg.check(itemsize) is None:
                 space.append(cfg)
     # the TMA-store epilogue (stmatrix + TMA store through shared memory): its staging buffers cost ring stages
+    # (with every tile the heuristic picks: 128x64, 128x96 and 128x224 fill waves, see default_config)
     for bm, bn, consumers, pingpong in ((128, 128, 2, True), (64, 256, 2, True), (128, 64, 2, True),
                                         (128, 256, 2, False), (256, 128, 2, False), (128, 128, 2, False),
-                                        (64, 256, 1, False), (128, 192, 2, False), (64, 128, 1, False)):
-        for store_buffers in (2, 1):
-            if store_buffers == 1 and bn <= GemmConfig(bn=bn).store_width:
-                continue  # one slice per tile: the same as 2 buffers
+                                        (64, 256, 1, False), (128, 192, 2, False), (64, 128, 1, False),
+                                        (128, 64, 2, False), (128, 96, 2, False), (128, 224, 2, False)):
+        for store_buffers in (1, 2):
+            if store_buffers == 2 and bn <= GemmConfig(bn=bn).store_width:
+                continue  # one slice per tile: the same as 1 buffer
             for cluster_m in (1, 2) if not pingpong else (1,):
                 fits = [cfg for cfg in (GemmConfig(bm, bn, stages, consumers, cluster_m=cluster_m, pingpong=pingpong,
                                                    tma_store=True, store_buffers=store_buffers)

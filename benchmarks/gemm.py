@@ -2,8 +2,9 @@
 
 Correctness first (relative error vs a float32 reference on fresh random inputs, poisoned outputs), then the
 median time of each. Usage: python -m benchmarks.gemm [--quick] [--no-triton] [--shapes M,N,K ...]
-[--layout rowxcol] [--compare-paths] [--name gemm_part]. Every shape runs in all four operand majors (row-major only with
---quick; one layout with --layout). Each row names the nvfly kernel that ran (``path``); --compare-paths
+[--layout rowxcol] [--compare-paths] [--name gemm_part] [--full-suite] [--repeat N]. Every shape runs in all four
+operand majors (row-major only with --quick; one layout with --layout); --full-suite: the anchors' 112 dense shapes;
+--repeat N: nvfly and cuBLAS timed N times in turn on fresh operands, medians kept (single rows move up to 10%). Each row names the nvfly kernel that ran (``path``); --compare-paths
 also times the wgmma kernel where the skinny one ran (``wgmma_ms``). --layout rowxcol is the F.linear case
 (the skinny kernel's). Writes benchmarks/results/gemm_h200.json and gemm_h200.png.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -28,6 +30,13 @@ SUITE = ANCHORS + [(1, 4096, 4096), (64, 6144, 4096), (512, 28672, 4096), (2048,
                    (4096, 24576, 1536), (4096, 32768, 512), (512, 7168, 16384), (16384, 4096, 7168),
                    (16, 4096, 14336), (336, 4104, 1024), (512, 2112, 7168)]
 MAJORS = [("row", "row"), ("row", "col"), ("col", "row"), ("col", "col")]
+# the whole dense suite of ../shared/docs/anchors.md: every M with every model's (N, K) (--full-suite; long: pair it
+# with --layout and --no-triton)
+FULL_SUITE_M = [1, 16, 64, 128, 512, 2048, 4096, 16384]
+FULL_SUITE_NK = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336),  # Llama-3-8B
+                 (10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672),  # Llama-3-70B
+                 (2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168), (7168, 2048)]  # DeepSeek-V3
+FULL_SUITE = [(m, n, k) for m in FULL_SUITE_M for n, k in FULL_SUITE_NK]
 
 
 def make(m, n, k, majors, dtype=torch.bfloat16):
@@ -51,13 +60,18 @@ def main(argv=None) -> int:
     p.add_argument("--no-triton", action="store_true")
     p.add_argument("--triton-shapes", type=int, default=len(ANCHORS), help="time Triton on the first N shapes")
     p.add_argument("--shapes", nargs="*", default=None)
+    p.add_argument("--full-suite", action="store_true", help="all 112 shapes of the anchors' dense suite")
+    p.add_argument("--repeat", type=int, default=1, help="time nvfly and cuBLAS this many times in turn, each on "
+                                                         "fresh operands, and keep the medians")
     p.add_argument("--layout", default=None, help="one A x B layout for every shape, e.g. rowxcol")
     p.add_argument("--compare-paths", action="store_true", help="also time the wgmma kernel where skinny ran")
     p.add_argument("--name", default="gemm", help="results file stem: benchmarks/results/<name>_h200.json (and .png), "
                                                    "so that a partial run does not replace the suite's")
     args = p.parse_args(argv)
+    if args.repeat < 1:
+        p.error(f"--repeat: expected at least 1, got {args.repeat}")
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else \
-        (ANCHORS if args.quick else SUITE)
+        (ANCHORS if args.quick else FULL_SUITE if args.full_suite else SUITE)
     tmm = None if args.no_triton else triton_mm()
     rows = []
     t_start = time.time()
@@ -76,10 +90,18 @@ def main(argv=None) -> int:
             err = rel_err(out, a.float() @ b.float())
             row = {"M": m, "N": n, "K": k, "layout": f"{majors[0]}x{majors[1]}", "dtype": "bf16",
                    "rel_err": err, "path": gemm.path(a, b)}
-            row["nvfly_ms"] = bench_ms(lambda: gemm.matmul(a, b, out=out))
+            nvfly_runs, cublas_runs = [], []
+            for run in range(args.repeat):
+                if run:  # fresh operands, in fresh allocations (placement can move a large row by 10%)
+                    a, b = make(m, n, k, majors)
+                nvfly_runs.append(bench_ms(lambda: gemm.matmul(a, b, out=out)))
+                cublas_runs.append(bench_ms(lambda: torch.mm(a, b, out=out)))
+            row["nvfly_ms"] = statistics.median(nvfly_runs)
+            row["cublas_ms"] = statistics.median(cublas_runs)
+            if args.repeat > 1:
+                row["nvfly_ms_runs"], row["cublas_ms_runs"] = nvfly_runs, cublas_runs
             if args.compare_paths and row["path"].startswith("skinny"):
                 row["wgmma_ms"] = bench_ms(lambda: gemm.matmul(a, b, out=out, skinny=False))
-            row["cublas_ms"] = bench_ms(lambda: torch.mm(a, b, out=out))
             if tmm is not None and idx < args.triton_shapes and majors == ("row", "row"):
                 tmm(a, b)
                 row["triton_ms"] = bench_ms(lambda: tmm(a, b))

@@ -4,9 +4,9 @@ Correctness first (relative error vs a float32 reference on fresh random inputs,
 median time of each. Usage: python -m benchmarks.gemm [--quick] [--no-triton] [--shapes M,N,K ...]
 [--layout rowxcol] [--compare-paths] [--name gemm_part] [--full-suite] [--repeat N]. Every shape runs in all four
 operand majors (row-major only with --quick; one layout with --layout); --full-suite: the anchors' 112 dense shapes;
---repeat N: nvfly and cuBLAS timed N times in turn on fresh operands, medians kept (single rows move up to 10%). Each row names the nvfly kernel that ran (``path``); --compare-paths
-also times the wgmma kernel where the skinny one ran (``wgmma_ms``). --layout rowxcol is the F.linear case
-(the skinny kernel's). Writes benchmarks/results/gemm_h200.json and gemm_h200.png.
+--repeat N: nvfly and cuBLAS timed N times in turn on fresh operands, medians kept (single rows move up to 10%).
+Each row names the nvfly kernel that ran (``path``); --compare-paths also times the wgmma kernel where the skinny
+one ran (``wgmma_ms``). --layout rowxcol is the F.linear case (the skinny kernel's). Writes benchmarks/results/gemm_h200.json and gemm_h200.png.
 """
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ routing rows: a one-element ``zero_()`` measures 3.6 us under do_bench, torch.to
 slices, the slices + merge plan (``row_threshold=False``) with all, half and one of its slices, the
 row-threshold plan (``topk.plan(..., row_threshold=True)``, ``nvfly/ops/topk_row.py``) and its opt-in two-level
 select (``two-level``: ``topk.plan(..., row_threshold=True, two_level=True)``); each is checked against the
-documented order before it is timed. Writes benchmarks/results/topk_plans_h200.json. (The implementation before 2026-11-29's rewrite was timed
-beside them once, from a copy at commit 8d20c2b: benchmarks/results/topk_plans_h200.log.)
+documented order before it is timed. Writes benchmarks/results/topk_plans_h200.json (and its printed table:
+topk_plans_h200.log).
 """
 from __future__ import annotations
 

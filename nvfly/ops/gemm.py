@@ -26,7 +26,8 @@ from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import current_stream, layout_key
 from nvfly.ops import gemm_skinny, split_workspace
-from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, SMEM_LIMIT, GemmConfig, gemm_kernel, split_k_reduce_kernel, store_box
+from nvfly.ops.gemm_kernel import (ACTIVATIONS, SMEM_LIMIT, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel,
+                                   store_box)
 from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan
 
 _DTYPES = {torch.bfloat16: nvfly.bf16, torch.float16: nvfly.f16}
@@ -226,8 +227,9 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
 
 # A single wave of 128x128 tiles at most WAVE_FIT_FILL full narrows its tiles (to a multiple of 32 columns) to fill
 # the SMs when B is K-major: 336x4104x1024 rowxcol 99 -> 129 tiles of 128x96, 232 -> 241 and 226 -> 254 TFLOP/s
-# (colxcol 233 vs 229: even). A row-major (MN-major) B tile 96 wide loses its 128-byte swizzle: 224 -> 213 rowxrow
-# (H200, benchmarks.gemm_configs --tiles 128x96, benchmarks/results/gemm_tiles_h200.log).
+# (colxcol 233 vs 229: even; with the rule 0.91-1.01x cuBLAS rowxcol, 0.94-0.96 colxcol in three runs). A row-major
+# (MN-major) B tile 96 wide loses its 128-byte swizzle: 224 -> 213 rowxrow (H200, benchmarks.gemm_configs --tiles
+# 128x96, benchmarks/results/gemm_tiles_h200.log).
 WAVE_FIT_FILL = 0.8
 
 
@@ -325,7 +327,7 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     narrowest = 32 // itemsize  # an MN-major tile must span at least one 32-byte swizzle row
     if b_major == "MN" and config.bn % narrowest:
         config = replace(config, bn=narrowest * math.ceil(config.bn / narrowest))
-        # the wider tile may not fit the ring the narrower one did (64x168 with 7 stages fits, 64x176 does not)
+        # the wider tile may not fit the ring the narrower one did (128x168 with 6 stages fits, 128x176 does not)
         while config.stages > 2 and config.check(itemsize, "MN") is not None:
             config = replace(config, stages=config.stages - 1)
         if (reason := config.check(itemsize, "MN")) is not None:

@@ -61,6 +61,13 @@ CASES: dict[str, Callable[[], Callable]] = {
     "gemm-rowxrow-16x4096x14336": lambda: _gemm(16, 4096, 14336, "rowxrow"),
     "gemm-rowxcol-336x4104x1024": lambda: _gemm(336, 4104, 1024, "rowxcol"),
     "gemm-rowxcol-336x4104x1024-cublas": lambda: _gemm(336, 4104, 1024, "rowxcol", cublas=True),
+    # the weak class of 2026-11-29 (M 256-1024, a partial last wave) and the unsteady 8192^3 colxcol, with cuBLAS
+    "gemm-rowxcol-336x6144x4096": lambda: _gemm(336, 6144, 4096, "rowxcol"),
+    "gemm-rowxcol-336x6144x4096-cublas": lambda: _gemm(336, 6144, 4096, "rowxcol", cublas=True),
+    "gemm-rowxcol-1024x2112x7168": lambda: _gemm(1024, 2112, 7168, "rowxcol"),
+    "gemm-rowxcol-1024x2112x7168-cublas": lambda: _gemm(1024, 2112, 7168, "rowxcol", cublas=True),
+    "gemm-colxcol-8192x8192x8192": lambda: _gemm(8192, 8192, 8192, "colxcol"),
+    "gemm-colxcol-8192x8192x8192-cublas": lambda: _gemm(8192, 8192, 8192, "colxcol", cublas=True),
     "rmsnorm-16384x2048": lambda: _rmsnorm(16384, 2048, False),
     "rmsnorm-16384x2048-inductor": lambda: _rmsnorm(16384, 2048, True),
     "rmsnorm-16384x8192": lambda: _rmsnorm(16384, 8192, False),

@@ -6,6 +6,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from typing import Any, Callable, Optional, Sequence
@@ -45,7 +46,6 @@ def graph_ms(fn: Callable[[], Any], calls: int = 32, replays: int = 20) -> Optio
     """Milliseconds per call of ``fn`` replayed from one CUDA graph of ``calls`` back-to-back calls: no launch or
     event overhead per call and a warm L2, as ops run under torch.compile's CUDA graphs ("reduce-overhead"); the
     median over ``replays``. None when ``fn`` cannot be captured (what failed is printed)."""
-    import statistics
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -48,10 +48,8 @@ STORE_BASES = [GemmConfig(128, 128, 6, 2, pingpong=True), GemmConfig(128, 256, 4
 
 
 def deepest(cfg: GemmConfig) -> Optional[GemmConfig]:
-    for stages in range(cfg.stages, 1, -1):
-        if replace(cfg, stages=stages).check(2) is None:
-            return replace(cfg, stages=stages)
-    return None
+    """``cfg`` at the deepest ring of at most its stages that fits (bf16)."""
+    return gemm.deepest_ring(cfg, 2, most=cfg.stages)
 
 
 def with_store(configs: list[GemmConfig]) -> list[GemmConfig]:

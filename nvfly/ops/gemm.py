@@ -26,8 +26,7 @@ from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import current_stream, layout_key
 from nvfly.ops import gemm_skinny, split_workspace
-from nvfly.ops.gemm_kernel import (ACTIVATIONS, SMEM_LIMIT, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel,
-                                   store_box)
+from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel, store_box
 from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan
 
 _DTYPES = {torch.bfloat16: nvfly.bf16, torch.float16: nvfly.f16}
@@ -150,12 +149,13 @@ def _capability(device: int) -> tuple[int, int]:
 MAX_STAGES = 10
 
 
-def _deepest(cfg: GemmConfig, itemsize: int) -> GemmConfig:
-    """``cfg`` with the deepest ring up to MAX_STAGES that fits beside its staging buffers."""
-    stages = MAX_STAGES
-    while replace(cfg, stages=stages).smem_bytes(itemsize) > SMEM_LIMIT:
-        stages -= 1
-    return replace(cfg, stages=stages)
+def deepest_ring(cfg: GemmConfig, itemsize: int, b_major: str = "K", most: int = MAX_STAGES) -> Optional[GemmConfig]:
+    """``cfg`` with the deepest ring of at most ``most`` stages that passes ``check`` (its staging buffers and
+    everything else counted), or None when no depth does."""
+    for stages in range(most, 1, -1):
+        if replace(cfg, stages=stages).check(itemsize, b_major) is None:
+            return replace(cfg, stages=stages)
+    return None
 
 
 # candidate tiles and their relative throughput per output element, measured on the H200
@@ -198,10 +198,10 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
         # all SMs costs its share of a wave plus the fix-up (STREAM_K_TAIL_WAVES) after at most two whole waves
         full, tail = divmod(tiles, sms)
         streamed = full <= 2 and stream_k_plan(tiles, k_tiles, sms)[1]
-        waves = full + (max(tail / sms, STREAM_K_TAIL_WAVES) if streamed else tail > 0)
+        waves = full + max(tail / sms, STREAM_K_TAIL_WAVES) if streamed else math.ceil(tiles / sms)
         cost = waves * (cfg.bm * cfg.bn) / (128 * 128) / eff
         if best is None or cost < best[0] - 1e-9:
-            best = (cost, replace(cfg, stages=min(cfg.stages, _deepest(cfg, itemsize).stages)))
+            best = (cost, deepest_ring(cfg, itemsize, most=cfg.stages))
     assert best is not None
     cfg = best[1]
     tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
@@ -242,7 +242,7 @@ def fill_wave_k_major(cfg: GemmConfig, m: int, n: int, batches: int, itemsize: i
     width = 32 * math.ceil(n / (32 * (sms // row_tiles)))
     if not 64 < width < cfg.bn:
         return cfg
-    return _deepest(replace(cfg, bn=width, pingpong=False), itemsize)
+    return deepest_ring(replace(cfg, bn=width, pingpong=False), itemsize)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -252,7 +252,7 @@ def small_m_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int
     tiles = math.ceil(n / 128) * batches
     bm, consumers = (128, 2) if tiles >= sms else (64, 1)
     tiles = math.ceil(n / bm) * batches
-    cfg = _deepest(GemmConfig(bm, bn, MAX_STAGES, consumers), itemsize)
+    cfg = deepest_ring(GemmConfig(bm, bn, MAX_STAGES, consumers), itemsize)
     k_tiles = math.ceil(k / (128 // itemsize))
     if tiles * 2 <= sms and k_tiles >= 16:
         split = min(max(1, sms // tiles), k_tiles // 4, 16)
@@ -326,12 +326,12 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
         config = fill_wave_k_major(config, m, n, batches, itemsize, sms)
     narrowest = 32 // itemsize  # an MN-major tile must span at least one 32-byte swizzle row
     if b_major == "MN" and config.bn % narrowest:
-        config = replace(config, bn=narrowest * math.ceil(config.bn / narrowest))
+        widened = replace(config, bn=narrowest * math.ceil(config.bn / narrowest))
         # the wider tile may not fit the ring the narrower one did (128x168 with 6 stages fits, 128x176 does not)
-        while config.stages > 2 and config.check(itemsize, "MN") is not None:
-            config = replace(config, stages=config.stages - 1)
-        if (reason := config.check(itemsize, "MN")) is not None:
-            raise ValueError(f"config: widened to bn={config.bn} for the MN-major B operand, {reason}")
+        config = deepest_ring(widened, itemsize, "MN", most=widened.stages)
+        if config is None:
+            raise ValueError(f"config: widened to bn={widened.bn} for the MN-major B operand, "
+                             f"{replace(widened, stages=2).check(itemsize, 'MN')}")
     bk = config.bk(itemsize)
     k_tiles = math.ceil(k / bk)
     # every split gets at least one k-block

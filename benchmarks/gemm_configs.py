@@ -117,7 +117,7 @@ def named_tile(name: str) -> tuple[GemmConfig, bool]:
     body, _, split = body.partition("k")
     pingpong = body.endswith("pp")
     bm, bn = (int(x) for x in body.removesuffix("pp").split("x"))
-    base = GemmConfig(bm, bn, int(stages or 7), 2 if bm == 128 or pingpong else 1, pingpong=pingpong,
+    base = GemmConfig(bm, bn, int(stages or 7), 1 if bm == 64 and not pingpong else 2, pingpong=pingpong,
                       split_k=int(split or 1), tma_store=not (swap or split), store_buffers=1)
     cfg = deepest(base)
     if cfg is None:

@@ -42,6 +42,8 @@ CASES = [
     ("wgmma split-K bias", lambda: (_bf(128, 2048), _bf(2048, 256)),
      {"config": GemmConfig(128, 128, 4, 2, split_k=4), "c": _bf(256), "alpha": 0.5}),
     ("wgmma swap-AB", lambda: (_bf(24, 256), _bf(256, 512)), {"skinny": False}),
+    ("wgmma swap-AB split-K bias", lambda: (_bf(40, 2048), _bf(2048, 256)),
+     {"config": GemmConfig(64, 40, 4, 1, split_k=4), "swap": True, "c": _bf(40, 1), "alpha": 0.5}),
     ("wgmma stream-K tail", lambda: (_bf(2000, 2560), _bf(2560, 2104)), {"c": _bf(2104), "alpha": 0.5}),
     ("wgmma batched", lambda: (_bf(2, 128, 64), _bf(2, 64, 128)), {}),
     ("skinny", lambda: (_bf(4, 512), _bf(256, 512).t()), {}),

@@ -249,8 +249,10 @@ def fill_wave_k_major(cfg: GemmConfig, m: int, n: int, batches: int, itemsize: i
 def small_m_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int) -> GemmConfig:
     """Config of the swapped problem (N x M) for small M: M becomes wgmma's N (a multiple of 8)."""
     bn = max(8, min(256, 8 * math.ceil(m / 8)))
-    tiles = math.ceil(n / 128) * batches
-    bm, consumers = (128, 2) if tiles >= sms else (64, 1)
+    # 64-row tiles (one consumer) only while they fit one wave: beyond it, half as many 128-row tiles stream more
+    # bytes per SM (64x10240x8192 rowxcol: 160 tiles of 64x64 159 TFLOP/s, 80 of 128x64 202, cuBLAS 210; H200,
+    # benchmarks.gemm_configs --tiles swap:128x64)
+    bm, consumers = (64, 1) if math.ceil(n / 64) * batches <= sms else (128, 2)
     tiles = math.ceil(n / bm) * batches
     cfg = deepest_ring(GemmConfig(bm, bn, MAX_STAGES, consumers), itemsize)
     k_tiles = math.ceil(k / (128 // itemsize))
@@ -547,6 +549,10 @@ class _WgmmaCall:
         self.main = gemm_kernel.prepared(plan.grid, plan.threads, (cfg.cluster_m, 1, 1))
         self.reduce = None if plan.reduce_epilogue is None else split_k_reduce_kernel.prepared(
             (math.ceil(plan.m * plan.n / 256), plan.batches), 256)
+        # split K: f32 partials laid out like the caller's output (a swapped plan writes their transpose), so that
+        # the reduce kernel reads and writes both in memory order
+        self.out_m, self.out_n = (plan.n, plan.m) if plan.swap else (plan.m, plan.n)
+        self.partial_sums = plan.batches * cfg.split_k * plan.m * plan.n if self.reduce is not None else 0
         # stream K: one workspace slot and arrival count per streamed consumer tile
         self.sk_slots = plan.sk_tiles * (1 if cfg.pingpong else cfg.consumers)
         self.slot_sums = cfg.wg_m * cfg.bn
@@ -555,23 +561,35 @@ class _WgmmaCall:
     def run(self, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], out: torch.Tensor, alpha: float,
             beta: float) -> None:
         plan = self.plan
+        cfg = self.config
         addresses = (a.data_ptr(), b.data_ptr(), out.data_ptr() if self.tma_store else 0)
         descs = self._descriptors.get(addresses)
-        sums = counts = None
+        sums = counts = partials = None
         if self.sk_slots:
             sums, counts = split_workspace.workspace(a.device, current_stream(a.device.index), self.sk_slots,
                                                  self.slot_sums)
-        if descs is not None and self.reduce is None and self.main.warm:
-            # the generated launch reads only addresses: the kernel's 3-D (transposed, broadcast) views of out
-            # and C start where out and C do
+        if self.partial_sums:
+            partials = split_workspace.partials(a.device, current_stream(a.device.index), self.partial_sums)
+        if descs is not None and self.main.warm and (self.reduce is None or self.reduce.warm):
+            # the generated launches read only addresses: the kernels' 3-D (transposed, broadcast) views of out,
+            # C and the partials start where out, C and the flat buffer do
             a_desc, b_desc, out_desc = descs
-            self.main(a_desc, b_desc, out, c, out_desc, plan.m, plan.n, plan.k_tiles, plan.batches, alpha, beta,
-                      sums, counts, plan.dp_tiles, plan.block_iters, self.config, plan.a_major, plan.b_major,
-                      plan.epilogue)
+            if partials is None:
+                self.main(a_desc, b_desc, out, c, out_desc, plan.m, plan.n, plan.k_tiles, plan.batches, alpha, beta,
+                          sums, counts, plan.dp_tiles, plan.block_iters, cfg, plan.a_major, plan.b_major,
+                          plan.epilogue)
+            else:
+                self.main(a_desc, b_desc, partials, None, None, plan.m, plan.n, plan.k_tiles, plan.batches, 1.0,
+                          0.0, None, None, 0, 0, cfg, plan.a_major, plan.b_major, plan.epilogue)
+                self.reduce(partials, out, c, self.out_m, self.out_n, alpha, beta, cfg.split_k,
+                            plan.reduce_epilogue)
             return
         a3, b3 = (a, b) if self.batched else (a.unsqueeze(0), b.unsqueeze(0))
         out3 = out if self.batched else out.unsqueeze(0)
         c3 = None if c is None else (c.expand(self.shape) if self.batched else c.expand(self.shape).unsqueeze(0))
+        if partials is not None:
+            partials = partials[:self.partial_sums].view(plan.batches * cfg.split_k, self.out_m, self.out_n)
+            reduce_out3, reduce_c3 = out3, c3
         if plan.swap:
             a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
             out3 = out3.transpose(-1, -2)
@@ -582,17 +600,15 @@ class _WgmmaCall:
                 self._descriptors.clear()
             self._descriptors[addresses] = descs
         a_desc, b_desc, out_desc = descs
-        if self.reduce is None:
+        if partials is None:
             self.main(a_desc, b_desc, out3, c3, out_desc, plan.m, plan.n, plan.k_tiles, plan.batches, alpha, beta,
-                      sums, counts, plan.dp_tiles, plan.block_iters, self.config, plan.a_major, plan.b_major,
-                      plan.epilogue)
+                      sums, counts, plan.dp_tiles, plan.block_iters, cfg, plan.a_major, plan.b_major, plan.epilogue)
             return
-        cfg = self.config
-        partials = torch.empty((plan.batches * cfg.split_k, plan.m, plan.n), dtype=torch.float32,
-                               device=a.device)
-        self.main(a_desc, b_desc, partials, None, None, plan.m, plan.n, plan.k_tiles, plan.batches, 1.0, 0.0, None,
-                  None, 0, 0, cfg, plan.a_major, plan.b_major, plan.epilogue)
-        self.reduce(partials, out3, c3, plan.m, plan.n, alpha, beta, cfg.split_k, plan.reduce_epilogue)
+        self.main(a_desc, b_desc, partials.transpose(-1, -2) if plan.swap else partials, None, None, plan.m, plan.n,
+                  plan.k_tiles, plan.batches, 1.0, 0.0, None, None, 0, 0, cfg, plan.a_major, plan.b_major,
+                  plan.epilogue)
+        self.reduce(partials, reduce_out3, reduce_c3, self.out_m, self.out_n, alpha, beta, cfg.split_k,
+                    plan.reduce_epilogue)
 
     def _describe(self, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor) -> tuple:
         plan = self.plan

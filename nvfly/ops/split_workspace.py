@@ -1,6 +1,8 @@
-"""The zeroed f32 workspace and arrival counters of kernels that reduce across CTAs: the skinny GEMM's split K and
-the wgmma GEMM's stream-K tail (see ``nvfly.arch.gpu_scope``). Every launch leaves them zeroed, so the next one
-needs no memset; launches on one stream are ordered, so they share one pair per (device, stream)."""
+"""Per-stream scratch of kernels that reduce across CTAs. ``workspace``: the zeroed f32 sums and arrival counters of
+the skinny GEMM's split K and the wgmma GEMM's stream-K tail (see ``nvfly.arch.gpu_scope``); every launch leaves
+them zeroed, so the next one needs no memset. ``partials``: the f32 partial products of the wgmma GEMM's split K,
+which its reduce kernel reads back. Launches on one stream are ordered, so they share one of each per
+(device, stream)."""
 from __future__ import annotations
 
 import torch
@@ -23,3 +25,19 @@ def workspace(device: torch.device, stream: int, tiles: int, tile_slots: int) ->
                  torch.zeros(max(tiles, MIN_COUNTERS, counts), dtype=torch.int32, device=device))
         _WORKSPACES[key] = entry
     return entry
+
+
+_PARTIALS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def partials(device: torch.device, stream: int, numel: int) -> torch.Tensor:
+    """A flat f32 buffer of at least ``numel`` elements (contents undefined) for launches on ``stream`` of
+    ``device``; grown as needed. Under CUDA graph capture a new tensor of the graph's memory pool, not kept: a
+    captured graph keeps writing to its buffer, which a later growth here would free."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.empty(numel, dtype=torch.float32, device=device)
+    key = (device.index, stream)
+    buffer = _PARTIALS.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _PARTIALS[key] = torch.empty(max(numel, MIN_SUMS), dtype=torch.float32, device=device)
+    return buffer

@@ -261,3 +261,50 @@ def test_stream_k_epilogue_and_batches(hopper, stream_k_region, config, activati
     ab = torch.randn(3, 512, 520, device="cuda").to(torch.bfloat16)  # 3 x 4 x 12 = 144 tiles of 128x128
     bb = torch.randn(3, 520, 1536, device="cuda").to(torch.bfloat16)
     check(gemm.matmul(ab, bb, config=config), gemm.reference(ab, bb), tol=1e-2)
+
+
+@pytest.mark.parametrize("m", [40, 64])
+@pytest.mark.parametrize("bias", ["none", "row", "column", "full"])
+@pytest.mark.parametrize("batch", [None, 3])
+def test_split_k_partials_and_repeat_calls(hopper, m, bias, batch):
+    """Split K on the swapped small-M problem, whose f32 partials are laid out like the output (the reduce reads
+    and writes in memory order), with C broadcast every way, alpha/beta and an activation; a second call on other
+    tensors takes the cached launches (addresses only) and the per-stream partials buffer."""
+    n, k = 1536 if batch is None else 512, 4096
+    batch_dims = () if batch is None else (batch,)
+    shapes = {"row": (n,), "column": (m, 1), "full": (*batch_dims, m, n)}
+    for _ in range(2):
+        a = torch.randn(*batch_dims, m, k, device="cuda").to(torch.bfloat16)
+        b = torch.randn(*batch_dims, k, n, device="cuda").to(torch.bfloat16)
+        c = None if bias == "none" else torch.randn(shapes[bias], device="cuda").to(torch.bfloat16)
+        assert "-swapAB-splitK" in gemm.path(a, b, c=c, activation="gelu_tanh")
+        out = torch.full((*batch_dims, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        gemm.matmul(a, b, c=c, alpha=0.5, beta=2.0, activation="gelu_tanh", out=out)
+        check(out, gemm.reference(a, b, c, 0.5, 2.0, "gelu_tanh"), tol=1.5e-2)
+
+
+def test_split_k_in_cuda_graph(hopper):
+    """A split-K call captured in a CUDA graph owns its partials (a buffer of the graph's pool): replays after other
+    split-K calls on the same stream, which use the per-stream buffer, still give the right product."""
+    a = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
+    b = torch.randn(4096, 2048, device="cuda").to(torch.bfloat16)
+    assert "-splitK" in gemm.path(a, b)
+    out = torch.empty(64, 2048, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemm.matmul(a, b, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        gemm.matmul(a, b, out=out)
+    with torch.cuda.stream(stream):  # eager calls on the capture stream, growing its buffer
+        big_a = torch.randn(64, 8192, device="cuda").to(torch.bfloat16)
+        big_b = torch.randn(8192, 4096, device="cuda").to(torch.bfloat16)
+        check(gemm.matmul(big_a, big_b), gemm.reference(big_a, big_b), tol=1e-2)
+    torch.cuda.synchronize()
+    a.copy_(torch.randn_like(a))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out, gemm.reference(a, b), tol=1e-2)

@@ -134,14 +134,19 @@ def test_column_major_tokens_take_the_skinny_kernel_up_to_one_token_tile(m, b_ma
     assert gemm.SKINNY_MAX_M_COLUMN_TOKENS < gemm.SKINNY_MAX_M
 
 
-def test_a_single_partial_wave_of_long_k_tiles_narrows_to_fill_the_sms():
-    """512x7168x16384: 112 tiles of 128x256 on 132 SMs become 128 tiles of 128x224 (a config that compiles and
-    fits); shapes with more than one wave, or whose narrow tiles would overflow the wave, keep 128x256."""
-    cfg = gemm.default_config(512, 7168, 16384)
-    assert (cfg.bm, cfg.bn) == (128, gemm.WAVE_FIT_BN) and cfg.check(2) is None and not cfg.pingpong
+def test_wave_fit_takes_the_width_that_fills_the_waves():
+    """A few waves of 128-row tiles take the width that minimises waves x (128 + width), a config that compiles
+    and fits: 512x7168x16384 112 tiles of 128x256 -> 128 of 128x224, 512x6144x4096 -> 128 of 128x192,
+    512x10240x8192 320 ping-pong tiles -> 256 of 128x160; whole waves of 128x256 (2048x4096x14336: 2 x 128) and
+    many waves keep their tile, as does short K's ping-pong tile in well-filled waves (512x8192x1024)."""
+    for (m, n, k), width in [((512, 7168, 16384), 224), ((512, 6144, 4096), 192), ((512, 10240, 8192), 160),
+                             ((336, 7168, 2048), 192)]:
+        cfg = gemm.default_config(m, n, k)
+        assert (cfg.bm, cfg.bn, cfg.pingpong) == (128, width, False) and cfg.check(2) is None, (m, n, k, cfg)
     for m, n, k in [(2048, 4096, 14336), (4096, 14336, 4096), (4096, 10240, 8192)]:
         assert (gemm.default_config(m, n, k).bm, gemm.default_config(m, n, k).bn) == (128, 256)
-    assert gemm.default_config(512, 7168, 2048).bn != gemm.WAVE_FIT_BN  # short K: the ping-pong tile
+    assert gemm.default_config(512, 8192, 1024).pingpong  # short K, 256 tiles: 97% of two waves
+    assert not gemm.default_config(336, 8192, 1024).pingpong  # short K, 192 tiles: 73%
 
 
 def test_the_autotune_space_holds_every_heuristic_pick():

@@ -122,11 +122,12 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
             if cfg.check(itemsize) is None:
                 space.append(cfg)
     # the TMA-store epilogue (stmatrix + TMA store through shared memory): its staging buffers cost ring stages
-    # (with every tile the heuristic picks: 128x64, 128x96 and 128x224 fill waves, see default_config)
+    # (with every tile the heuristic picks: 128x64, 128x96, 128x160, 128x192 and 128x224 fill waves, see wave_fit)
     for bm, bn, consumers, pingpong in ((128, 128, 2, True), (64, 256, 2, True), (128, 64, 2, True),
                                         (128, 256, 2, False), (256, 128, 2, False), (128, 128, 2, False),
                                         (64, 256, 1, False), (128, 192, 2, False), (64, 128, 1, False),
-                                        (128, 64, 2, False), (128, 96, 2, False), (128, 224, 2, False)):
+                                        (128, 64, 2, False), (128, 96, 2, False), (128, 160, 2, False),
+                                        (128, 224, 2, False)):
         for store_buffers in (1, 2):
             if store_buffers == 2 and bn <= GemmConfig(bn=bn).store_width:
                 continue  # one slice per tile: the same as 1 buffer
@@ -178,10 +179,24 @@ LONG_K_EFFICIENCY = {(128, 256): 1.02}
 # 264 of 128x64 490; 336x6144x4096 144 of 128x128 422, 84 of 128x224 406. Counted after at most two whole waves:
 # after five, 336x28672x4096's 672 streamed 128x128 tiles lost to 336 of 128x256 (520 vs 572)
 STREAM_K_TAIL_WAVES = 0.3
-# a single partial wave of long-K 128x256 tiles narrows them to 128x224 when that covers more SMs in one wave:
-# 512x7168x16384 (112 -> 128 tiles on 132 SMs) 672 -> 722 TFLOP/s rowxcol, 666 -> 702 rowxrow (H200,
-# benchmarks.gemm_configs --tiles 128x224,128x240, benchmarks/results/gemm_tiles_h200.log)
-WAVE_FIT_BN = 224
+# Wave fit: a few waves of 128-row tiles at least 128 wide take the width (WAVE_FIT_WIDTHS) that minimises
+# waves x (128 + width): a block's time per k-block goes with the bytes it loads (128 + width rows), so the same
+# waves of narrower tiles are faster, and fewer waves of wider ones can be. Measured side by side on the H200
+# (benchmarks.gemm_configs --tiles, rowxcol, TFLOP/s): 512x10240x8192 128x160 (256 tiles) 697 vs 128x128
+# ping-pong (320) 592, 128x192 (216) 634, 128x256 (160) 503, cuBLAS 740; 512x6144x4096 128x192 (128 tiles) 673
+# vs 128x224 (112) 608, 128x256 (96) 564, cuBLAS 661; 512x7168x16384 128x224 (128 tiles) 722 vs 128x256 (112) 672
+# (benchmarks/results/gemm_tiles_h200.log). Over the 45 shapes of M 128-3072 whose default it changed, the old
+# and new defaults side by side: +7.8% rowxcol, +7.1% rowxrow (geomean; 0.93 -> 1.00 and 0.94 -> 1.01 of cuBLAS;
+# benchmarks/results/gemm_wave_fit_widths_h200.log). Up to WAVE_FIT_MAX_WAVES waves and from half a wave on
+# (below it, split K fills the SMs); a streamed short tail (stream K) already fills its last wave.
+# Short K (under WAVE_FIT_SHORT_K_TILES k-blocks: K < 1536 in 16 bits) keeps a ping-pong tile whose waves are at
+# least WAVE_FIT_FULL full: its hidden epilogue outweighs the model there (512x8192x1024: 128 tiles of 128x256 448
+# vs 256 ping-pong 472; 768x8192x1024 128x192 532 vs 539), while less full waves still gain (336x8192x1024, 73%:
+# 309 -> 357), as do full ones from K = 1536 on (256x24576x1536, 97%: 539 -> 557).
+WAVE_FIT_WIDTHS = (128, 160, 192, 224, 256)
+WAVE_FIT_MAX_WAVES = 3
+WAVE_FIT_SHORT_K_TILES = 24
+WAVE_FIT_FULL = 0.9
 
 
 @functools.lru_cache(maxsize=4096)
@@ -203,13 +218,8 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
         if best is None or cost < best[0] - 1e-9:
             best = (cost, deepest_ring(cfg, itemsize, most=cfg.stages))
     assert best is not None
-    cfg = best[1]
+    cfg = wave_fit(best[1], m, n, k_tiles, batches, itemsize, sms)
     tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
-    if (k >= LONG_K and (cfg.bm, cfg.bn) == (128, 256) and not cfg.pingpong and 2 * tiles > sms and
-            tiles < (narrow := math.ceil(m / 128) * math.ceil(n / WAVE_FIT_BN) * batches) <= sms):
-        cfg = next(c for c in (replace(cfg, bn=WAVE_FIT_BN, stages=s) for s in range(MAX_STAGES, cfg.stages - 1, -1))
-                   if c.check(itemsize) is None)
-        tiles = narrow
     if cfg.pingpong and tiles <= sms:
         # one tile per block: ping-pong would leave its second consumer idle, the cooperative schedule splits
         # the tile between both
@@ -223,6 +233,26 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
     # 2-block clusters multicasting B (cluster_m=2) measured within noise of cluster_m=1 on the H200
     # (benchmarks/gemm_configs.py), so the heuristic leaves them to the autotuner
     return cfg
+
+
+def wave_fit(cfg: GemmConfig, m: int, n: int, k_tiles: int, batches: int, itemsize: int, sms: int) -> GemmConfig:
+    """``cfg`` or, for a few waves of 128-row tiles, the cooperative 128-row tile of the width that fits the waves
+    best (see WAVE_FIT_WIDTHS)."""
+    def tiles(width: int) -> int:
+        return math.ceil(m / 128) * math.ceil(n / width) * batches
+
+    def cost(width: int) -> int:
+        return math.ceil(tiles(width) / sms) * (128 + width)
+    now = tiles(cfg.bn)
+    if (cfg.bm != 128 or cfg.bn < 128 or cfg.split_k > 1 or not sms < 2 * now <= 2 * WAVE_FIT_MAX_WAVES * sms
+            or stream_k_plan(now, k_tiles, sms)[1]):
+        return cfg
+    if cfg.pingpong and k_tiles < WAVE_FIT_SHORT_K_TILES and now >= WAVE_FIT_FULL * math.ceil(now / sms) * sms:
+        return cfg  # short K in well-filled waves: the ping-pong tile's hidden epilogue weighs more
+    width = min(WAVE_FIT_WIDTHS, key=lambda w: (cost(w), -w))
+    if cost(width) >= cost(cfg.bn):
+        return cfg
+    return deepest_ring(replace(cfg, bn=width, pingpong=False), itemsize)
 
 
 # A single wave of 128x128 tiles at most WAVE_FIT_FILL full narrows its tiles (to a multiple of 32 columns) to fill

@@ -108,7 +108,10 @@ TMA_STORE_CONFIGS = [GemmConfig(128, 128, 5, 2, pingpong=True, tma_store=True),
                      GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, store_buffers=1),
                      GemmConfig(128, 256, 4, 2, tma_store=True), GemmConfig(256, 128, 4, 2, tma_store=True, store_buffers=1),
                      GemmConfig(64, 256, 5, 1, tma_store=True), GemmConfig(128, 256, 4, 2, cluster_m=2, tma_store=True),
-                     GemmConfig(128, 96, 6, 2, tma_store=True), GemmConfig(64, 48, 7, 1, tma_store=True)]
+                     GemmConfig(128, 96, 6, 2, tma_store=True), GemmConfig(64, 48, 7, 1, tma_store=True),
+                     # the wave-fit widths (gemm.wave_fit)
+                     GemmConfig(128, 160, 6, 2, tma_store=True, store_buffers=1),
+                     GemmConfig(128, 192, 5, 2, tma_store=True, store_buffers=1)]
 
 
 def padded(rows, cols, dtype, major, pad=8):

@@ -123,15 +123,17 @@ def test_eligibility_reasons_on_cpu():
 @pytest.mark.parametrize("b_major", ["row", "col"])
 def test_column_major_tokens_take_the_skinny_kernel_up_to_one_token_tile(m, b_major):
     """Column-major A (x.t()) with a row-major B runs the skinny kernel up to SKINNY_MAX_M_COLUMN_TOKENS tokens and
-    the wgmma kernel above; with a column-major B, and row-major A, up to SKINNY_MAX_M. M = 1 is K-contiguous."""
+    the wgmma kernel above; with a column-major B up to SKINNY_MAX_M, with row-major A and B up to
+    SKINNY_MAX_M_ROW_B. M = 1 is K-contiguous."""
     a_col = torch.randn(4096, m).to(torch.bfloat16).t()
     a_row = torch.randn(m, 4096).to(torch.bfloat16)
     b = torch.randn(4096, 4096).to(torch.bfloat16)
     b = b.t() if b_major == "col" else b
-    limit = gemm.SKINNY_MAX_M_COLUMN_TOKENS if m > 1 and b_major == "row" else gemm.SKINNY_MAX_M
+    row_limit = gemm.SKINNY_MAX_M if b_major == "col" else gemm.SKINNY_MAX_M_ROW_B
+    limit = gemm.SKINNY_MAX_M_COLUMN_TOKENS if m > 1 and b_major == "row" else row_limit
     assert gemm._skinny_wanted(a_col, b, None, None) == (m <= limit)
-    assert gemm._skinny_wanted(a_row, b, None, None) == (m <= gemm.SKINNY_MAX_M)
-    assert gemm.SKINNY_MAX_M_COLUMN_TOKENS < gemm.SKINNY_MAX_M
+    assert gemm._skinny_wanted(a_row, b, None, None) == (m <= row_limit)
+    assert gemm.SKINNY_MAX_M_ROW_B < gemm.SKINNY_MAX_M_COLUMN_TOKENS < gemm.SKINNY_MAX_M
 
 
 def test_wave_fit_takes_the_width_that_fills_the_waves():

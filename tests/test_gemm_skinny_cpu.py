@@ -806,7 +806,8 @@ def weight(n, k, major):
 def test_skinny_path_for_small_m(m, major):
     a = torch.randn(m, 4096).to(torch.bfloat16)
     b = weight(4096, 4096, major)
-    assert gemm._skinny_wanted(a, b, None, None) == (m <= gemm.SKINNY_MAX_M)
+    assert gemm._skinny_wanted(a, b, None, None) == (m <= (gemm.SKINNY_MAX_M if major == "col" else
+                                                          gemm.SKINNY_MAX_M_ROW_B))
     assert not gemm._skinny_wanted(a, b, None, False)
     assert not gemm._skinny_wanted(a, b, gemm.GemmConfig(), None)
     assert gemm_skinny.b_major(b) == major  # which variant _new_plan plans (row_b=True for "row")
@@ -817,12 +818,19 @@ def test_skinny_path_for_small_m(m, major):
             gemm._skinny_wanted(a, b, None, True)
 
 
-def test_row_major_b_can_be_switched_off(monkeypatch):
-    monkeypatch.setattr(gemm, "SKINNY_ROW_B", False)
+def test_row_major_b_takes_the_skinny_kernel_for_fewer_tokens(monkeypatch):
+    """8 row-major tokens: the skinny kernel with the F.linear weight, the wgmma kernel with a row-major B
+    (unless forced); at most SKINNY_MAX_M_ROW_B tokens take the skinny kernel with either, and 0 switches the
+    row-major B variant off."""
     a = torch.randn(8, 4096).to(torch.bfloat16)
+    assert gemm.SKINNY_MAX_M_ROW_B < 8 <= gemm.SKINNY_MAX_M
     assert not gemm._skinny_wanted(a, weight(4096, 4096, "row"), None, None)
     assert gemm._skinny_wanted(a, weight(4096, 4096, "col"), None, None)
     assert gemm._skinny_wanted(a, weight(4096, 4096, "row"), None, True)
+    few = torch.randn(gemm.SKINNY_MAX_M_ROW_B, 4096).to(torch.bfloat16)
+    assert gemm._skinny_wanted(few, weight(4096, 4096, "row"), None, None)
+    monkeypatch.setattr(gemm, "SKINNY_MAX_M_ROW_B", 0)
+    assert not gemm._skinny_wanted(few, weight(4096, 4096, "row"), None, None)
 
 
 def test_unaligned_row_major_b_is_declined():

@@ -7,9 +7,9 @@ Every operand major-ness works without copies (row- or column-major A and B); ta
 PyTorch. ``config_space`` is the space the autotuner searches; ``default_config`` picks a config per shape
 without tuning. Small M is computed as the transposed problem (swap A/B) so tokens fill wgmma's N; few
 output tiles with long K are split along K; a short last wave of tiles is split along K over the idle SMs
-(``stream_k_plan``). Up to ``SKINNY_MAX_M`` tokens (``SKINNY_MAX_M_COLUMN_TOKENS`` when A is column-major and B
-row-major) with a column-major B (the ``F.linear`` weight) or a 16-byte aligned row-major B (``SKINNY_ROW_B``) run the
-memory-bound skinny kernel instead (``gemm_skinny``); ``path`` says which ran.
+(``stream_k_plan``). Up to ``SKINNY_MAX_M`` tokens with a column-major B (the ``F.linear`` weight), and with a
+16-byte aligned row-major B up to ``SKINNY_MAX_M_ROW_B`` row-major tokens or ``SKINNY_MAX_M_COLUMN_TOKENS``
+column-major ones, run the memory-bound skinny kernel instead (``gemm_skinny``); ``path`` says which ran.
 """
 from __future__ import annotations
 
@@ -34,8 +34,12 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # tokens (M) up to which matmul picks the skinny kernel when B is column-major (it supports up to
 # gemm_skinny.MAX_M); tuned on the H200
 SKINNY_MAX_M = 16
-# whether a row-major B (N contiguous) picks the skinny kernel's cp.async + ldmatrix.trans variant too
-SKINNY_ROW_B = True
+# row-major tokens (A K-contiguous) with a row-major B (N contiguous: the skinny kernel's cp.async +
+# ldmatrix.trans variant): the tokens up to which matmul picks the skinny kernel. Measured on the H200 over the
+# dense suite's 14 (N, K) (benchmarks/results/gemm_row_b_paths_h200.json, --compare-paths, rowxrow): the wgmma
+# kernel on the swapped problem was faster at M = 16 on 13 of 14 (geomean 1.08x; 16x2112x7168 22.7 -> 18.6 us)
+# and at M = 8 on 9 of 14 (1.03x), the skinny kernel at M = 1 (4096x4096: 17.2 vs 18.8 us); M 2-7 unmeasured.
+SKINNY_MAX_M_ROW_B = 4
 # column-major tokens (A = x.t(): M contiguous) with a row-major B: the tokens up to which matmul picks the skinny
 # kernel. Measured on the H200 (benchmarks/results/gemm_skinny_paths_h200.json, skinny vs the wgmma kernel, us):
 # with two token tiles the row-B kernel's staged tokens cost more than the wgmma kernel's TMA, whose tiles take any
@@ -447,8 +451,9 @@ def store_reason(out3: torch.Tensor) -> Optional[str]:
 
 def _skinny_wanted(a: torch.Tensor, b: torch.Tensor, config: Any, skinny: Optional[bool]) -> bool:
     """Whether this call runs the skinny kernel: forced by ``skinny=True`` or a SkinnyConfig (an error when it
-    cannot), else automatic for column-major (or 16-byte aligned row-major) B and at most SKINNY_MAX_M rows
-    (SKINNY_MAX_M_COLUMN_TOKENS when A is column-major and B row-major) when no GemmConfig is given."""
+    cannot), else automatic when no GemmConfig is given for at most SKINNY_MAX_M rows with a column-major B, and
+    with a 16-byte aligned row-major B at most SKINNY_MAX_M_ROW_B rows (SKINNY_MAX_M_COLUMN_TOKENS when A is
+    column-major)."""
     forced = skinny is True or isinstance(config, SkinnyConfig)
     if skinny is False or isinstance(config, GemmConfig):
         if forced:
@@ -458,9 +463,11 @@ def _skinny_wanted(a: torch.Tensor, b: torch.Tensor, config: Any, skinny: Option
     if forced and why:
         raise ValueError(f"nvfly.ops.gemm.matmul: the skinny kernel cannot run this: {why}")
     m, b_major = a.shape[-2], gemm_skinny.b_major(b)
-    row_b_column_tokens = b_major == "row" and m > 1 and a.stride(-2) == 1
-    return forced or (why is None and m <= (SKINNY_MAX_M_COLUMN_TOKENS if row_b_column_tokens else SKINNY_MAX_M) and
-                      (SKINNY_ROW_B or b_major == "col"))
+    if b_major == "col":
+        limit = SKINNY_MAX_M
+    else:
+        limit = SKINNY_MAX_M_COLUMN_TOKENS if m > 1 and a.stride(-2) == 1 else SKINNY_MAX_M_ROW_B
+    return forced or (why is None and m <= limit)
 
 
 def _new_plan(a: torch.Tensor, b: torch.Tensor, use_c: bool, activation: str, out_dtype: Optional[torch.dtype],

@@ -135,7 +135,7 @@ def test_matches_the_wgmma_path_and_strided_output(hopper):
     a, b = tokens(16, 4096, torch.bfloat16), weight(4096, 4096, torch.bfloat16)
     assert gemm.path(a, b, skinny=False).startswith("wgmma")
     wide = torch.full((16, 5000), float("nan"), device="cuda", dtype=torch.bfloat16)
-    out = gemm.matmul(a, b, out=wide[:, :4096])
+    out = gemm.matmul(a, b, out=wide[:, :4096], skinny=True)
     ref = gemm.matmul(a, b, skinny=False)
     check(out, ref.float(), 1e-2)
     assert wide[:, 4096:].isnan().all()  # nothing written outside the output view
@@ -176,9 +176,14 @@ def test_row_major_shapes(hopper, dtype, m, nk):
         assert gemm.path(a, b).startswith("wgmma")
         with pytest.raises(ValueError, match="skinny"):
             gemm.matmul(a, b, skinny=True)
-    else:
-        assert gemm.path(a, b).startswith("skinny-rowB")
+        run_twice(a, b, 1e-2)
+        return
+    # the automatic path (the wgmma kernel above SKINNY_MAX_M_ROW_B tokens), then the skinny kernel at any M
+    assert gemm.path(a, b).startswith("skinny-rowB" if m <= gemm.SKINNY_MAX_M_ROW_B else "wgmma")
     run_twice(a, b, 1e-2)
+    if m > gemm.SKINNY_MAX_M_ROW_B:
+        assert gemm.path(a, b, skinny=True).startswith("skinny-rowB")
+        run_twice(a, b, 1e-2, skinny=True)
 
 
 @pytest.mark.parametrize("m", [1, 9, 16])
@@ -200,8 +205,8 @@ def test_row_major_bmm_and_column_major_tokens(hopper, m, splits, token_vectors)
     """Batched column-major tokens: staged, in either k order (with M = 1 and no padding: K-contiguous)."""
     batch, n, k = 3, 296, 1000
     a, b = tokens(m, k, torch.bfloat16, batch), row_weight(n, k, torch.bfloat16, batch)
-    assert gemm.path(a, b).startswith("skinny-rowB")
     config = SkinnyConfig(4, 4, splits, token_vectors)
+    assert gemm.path(a, b, config=config).startswith("skinny-rowB")
     run_twice(a, b, 1e-2, config=config)
     run_twice(column_tokens(m, k, torch.bfloat16, batch), b, 1e-2, config=config)
     at = tokens(m, k, torch.bfloat16, batch, major="col")
@@ -231,7 +236,7 @@ def test_row_major_matches_the_wgmma_path_and_the_column_major_kernel(hopper):
     a, b = tokens(16, 4096, torch.bfloat16), row_weight(4096, 4096, torch.bfloat16)
     assert gemm.path(a, b, skinny=False).startswith("wgmma")
     wide = torch.full((16, 5000), float("nan"), device="cuda", dtype=torch.bfloat16)
-    out = gemm.matmul(a, b, out=wide[:, :4096])
+    out = gemm.matmul(a, b, out=wide[:, :4096], skinny=True)
     check(out, gemm.matmul(a, b, skinny=False).float(), 1e-2)
     check(out, gemm.matmul(a, b.t().contiguous().t()).float(), 1e-2)  # the column-major skinny kernel
     assert wide[:, 4096:].isnan().all()

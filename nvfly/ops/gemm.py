@@ -25,7 +25,7 @@ from nvfly.arch import sm90
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import current_stream, layout_key
-from nvfly.ops import gemm_skinny, split_workspace
+from nvfly.ops import gemm_skinny, scratch
 from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel, store_box
 from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan
 
@@ -603,10 +603,10 @@ class _WgmmaCall:
         descs = self._descriptors.get(addresses)
         sums = counts = partials = None
         if self.sk_slots:
-            sums, counts = split_workspace.workspace(a.device, current_stream(a.device.index), self.sk_slots,
+            sums, counts = scratch.workspace(a.device, current_stream(a.device.index), self.sk_slots,
                                                  self.slot_sums)
         if self.partial_sums:
-            partials = split_workspace.partials(a.device, current_stream(a.device.index), self.partial_sums)
+            partials = scratch.partials(a.device, current_stream(a.device.index), self.partial_sums)
         if descs is not None and self.main.warm and (self.reduce is None or self.reduce.warm):
             # the generated launches read only addresses: the kernels' 3-D (transposed, broadcast) views of out,
             # C and the partials start where out, C and the flat buffer do

@@ -20,7 +20,7 @@ that gives too few CTAs for the memory system, ``splits`` CTAs share a group, ea
 add fp32 partial sums into a zero-initialised workspace (``red.global.add``) and count arrivals on a
 per-tile counter; the last CTA to arrive applies the epilogue, writes the output and resets its workspace
 slice and counter to zero, so the next launch needs no memset and there is no second kernel. The workspace is
-``split_workspace``'s, one per (device, stream), shared with the wgmma kernel's stream-K tail.
+``scratch.workspace``'s, one per (device, stream), shared with the wgmma kernel's stream-K tail.
 
 Row-major B (``ROW_B``: B [K, N] with N contiguous, e.g. ``x @ W`` with W stored K x N). W's 16 rows of one
 mma are now 32-byte pieces of B's k rows, too short for DRAM bursts and not in fragment order, so B goes
@@ -97,7 +97,7 @@ from nvfly.arch import sm80
 from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add
 from nvfly.arch.ptx import asm, asm_multi, smem_address
 from nvfly.frontend import dtypes
-from nvfly.ops import split_workspace
+from nvfly.ops import scratch
 from nvfly.ops.gemm_kernel import Epilogue, activate
 from nvfly.runtime.torch_args import current_stream
 
@@ -1012,7 +1012,7 @@ def prepared_launch(plan: SkinnyPlan, shape: tuple) -> Callable[..., None]:
                    plan.m_tiles, plan.epilogue, plan.row_b)
             return
         stream = current_stream(a.device.index)
-        partials, counters = split_workspace.workspace(a.device, stream, plan.tiles, plan.tile_slots)
+        partials, counters = scratch.workspace(a.device, stream, plan.tiles, plan.tile_slots)
         kernel(w, a3, out3, c3, partials, counters, plan.m, plan.n, plan.k, plan.chunks_per_split, alpha, beta, cfg,
                plan.m_tiles, plan.epilogue, plan.row_b, stream=stream)
     return run

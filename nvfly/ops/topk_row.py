@@ -20,6 +20,7 @@ i64, never cleared). A launch cut short (an error) leaves it dirty, as the split
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import nvfly
@@ -362,26 +363,31 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
 
 # ---------------------------------------------------------------------------------------------- host side
 MIN_ROWS = 64  # rows of a first workspace allocation
-_WORKSPACES: dict[tuple[Any, int], tuple[Any, Any, Any, Any]] = {}
+
+
+def _allocate_workspace(device: Any, sizes: tuple[int, ...]) -> tuple[Any, Any, Any, Any]:
+    import torch
+    rows = sizes[0]
+    return (torch.zeros((rows, HIST), dtype=torch.int32, device=device),
+            torch.zeros(2 * rows, dtype=torch.int32, device=device),
+            torch.empty((rows, ROW_CAP_MAX), dtype=torch.int64, device=device),
+            torch.zeros((rows, HIST), dtype=torch.int32, device=device))
+
+
+@functools.lru_cache(maxsize=None)
+def _workspaces() -> Any:
+    """The scratch.StreamScratch of the workspaces, made on first use (torch is imported only when launching)."""
+    from nvfly.ops import scratch
+    return scratch.StreamScratch(_allocate_workspace, (MIN_ROWS,))
 
 
 def workspace(device: Any, rows: int) -> tuple[Any, Any, Any, Any]:
     """(histograms (rows, HIST) i32, counters (2 * rows,) i32, candidate lists (rows, ROW_CAP_MAX) i64,
     second-level histograms (rows, HIST) i32) for launches on torch's current stream of ``device``: all but the
-    lists zero between launches; grown as needed. Allocate outside CUDA graph capture (the first such call on a
-    stream allocates)."""
-    import torch
+    lists zero between launches (``nvfly.ops.scratch``: per stream, grown as needed, a graph capture's own)."""
     from nvfly.runtime.torch_args import current_stream
-    key = (device, current_stream(device.index) if device.type == "cuda" else 0)
-    entry = _WORKSPACES.get(key)
-    if entry is None or entry[0].shape[0] < rows:
-        size = max(rows, MIN_ROWS, 0 if entry is None else 2 * entry[0].shape[0])
-        entry = (torch.zeros((size, HIST), dtype=torch.int32, device=device),
-                 torch.zeros(2 * size, dtype=torch.int32, device=device),
-                 torch.empty((size, ROW_CAP_MAX), dtype=torch.int64, device=device),
-                 torch.zeros((size, HIST), dtype=torch.int32, device=device))
-        _WORKSPACES[key] = entry
-    hist, counters, candidates, hist2 = entry
+    stream = current_stream(device.index) if device.type == "cuda" else 0
+    hist, counters, candidates, hist2 = _workspaces().get(device, stream, (rows,))
     return hist[:rows], counters[:2 * rows], candidates[:rows], hist2[:rows]
 
 

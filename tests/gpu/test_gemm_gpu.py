@@ -4,6 +4,7 @@ import torch
 
 from nvfly.ops import gemm
 from nvfly.ops.gemm_kernel import GemmConfig
+from nvfly.ops.gemm_skinny import SkinnyConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -286,13 +287,23 @@ def test_split_k_partials_and_repeat_calls(hopper, m, bias, batch):
         check(out, gemm.reference(a, b, c, 0.5, 2.0, "gelu_tanh"), tol=1.5e-2)
 
 
-def test_split_k_in_cuda_graph(hopper):
-    """A split-K call captured in a CUDA graph owns its partials (a buffer of the graph's pool): replays after other
-    split-K calls on the same stream, which use the per-stream buffer, still give the right product."""
-    a = torch.randn(64, 4096, device="cuda").to(torch.bfloat16)
-    b = torch.randn(4096, 2048, device="cuda").to(torch.bfloat16)
-    assert "-splitK" in gemm.path(a, b)
-    out = torch.empty(64, 2048, device="cuda", dtype=torch.bfloat16)
+REDUCTIONS_IN_GRAPHS = [  # (captured call's M, N, K; its path; an eager call needing more of the same scratch)
+    ((64, 2048, 4096), "-splitK", (256, 2048, 8192), GemmConfig(128, 128, 4, 2, split_k=8)),  # partials
+    ((2000, 2104, 2560), "-streamK", (2560, 3584, 2560),  # the stream-K tail's zeroed workspace
+     GemmConfig(128, 256, 4, 2, tma_store=True, store_buffers=1)),
+    ((16, 2048, 4096), "skinny-splitK", (16, 32768, 8192), SkinnyConfig(splits=8))]  # the skinny kernel's
+
+
+@pytest.mark.parametrize("mnk,path,big,big_config", REDUCTIONS_IN_GRAPHS, ids=[p for _, p, _, _ in REDUCTIONS_IN_GRAPHS])
+def test_reductions_in_cuda_graph(hopper, mnk, path, big, big_config):
+    """A call captured in a CUDA graph owns its scratch (nvfly.ops.scratch: the graph's pool, zero-filled by a
+    captured fill where the kernel expects zeros): replays after a bigger eager call on the capture stream, which
+    grows (reallocates) that stream's cached scratch, still give the right product."""
+    m, n, k = mnk
+    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(n, k, device="cuda").to(torch.bfloat16).t()
+    assert path in gemm.path(a, b)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -301,13 +312,15 @@ def test_split_k_in_cuda_graph(hopper):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         gemm.matmul(a, b, out=out)
-    with torch.cuda.stream(stream):  # eager calls on the capture stream, growing its buffer
-        big_a = torch.randn(64, 8192, device="cuda").to(torch.bfloat16)
-        big_b = torch.randn(8192, 4096, device="cuda").to(torch.bfloat16)
-        check(gemm.matmul(big_a, big_b), gemm.reference(big_a, big_b), tol=1e-2)
+    with torch.cuda.stream(stream):  # an eager call on the capture stream, growing its scratch
+        big_a = torch.randn(big[0], big[2], device="cuda").to(torch.bfloat16)
+        big_b = torch.randn(big[1], big[2], device="cuda").to(torch.bfloat16).t()
+        assert path in gemm.path(big_a, big_b, config=big_config)
+        check(gemm.matmul(big_a, big_b, config=big_config), gemm.reference(big_a, big_b), tol=1e-2)
     torch.cuda.synchronize()
-    a.copy_(torch.randn_like(a))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(out, gemm.reference(a, b), tol=1e-2)
+    for _ in range(2):
+        a.copy_(torch.randn_like(a))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        check(out, gemm.reference(a, b), tol=1e-2)

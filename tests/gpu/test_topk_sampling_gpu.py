@@ -219,3 +219,38 @@ def test_two_level_plan_on_two_streams():
     for stream in streams:
         with torch.cuda.stream(stream):
             assert_workspace_clean(x.device, 64)
+
+
+@pytest.mark.parametrize("two_level", [False, True], ids=["row-threshold", "two-level"])
+def test_row_threshold_plan_in_cuda_graph(two_level):
+    """Captured in a CUDA graph, the row-threshold launches own their workspace (nvfly.ops.scratch: zero-filled
+    by a captured fill): replays after an eager call with more rows, which grows the capture stream's cached
+    workspace, still match torch.topk."""
+    m, n, k = 3, 151936, 1024
+    x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        row_threshold_topk(x, k, True, two_level)
+    torch.cuda.synchronize()
+    vec = vector_width(n, (x,), x.element_size())
+    p = topk.plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), row_threshold=True,
+                  two_level=two_level)
+    run = topk._runner(p, m, n, k, True)
+    values = torch.empty((m, k), dtype=x.dtype, device="cuda")
+    indices = torch.empty((m, k), dtype=torch.int64, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        run(x, values, indices)
+    with torch.cuda.stream(stream):  # more rows than the cached workspace holds (topk_row.MIN_ROWS)
+        many = torch.randn(2 * topk_row.MIN_ROWS, n, device="cuda").to(torch.bfloat16)
+        got, _ = row_threshold_topk(many, k, True, two_level)
+        assert torch.equal(got, torch.topk(many, k).values)
+    torch.cuda.synchronize()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x, dtype=torch.float32))
+        values.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_v, ref_i = torch.topk(x, k)
+        assert torch.equal(values, ref_v) and torch.equal(indices, ref_i)

@@ -1,0 +1,62 @@
+"""Per-stream scratch tensors of the ops' launches: launches on one stream are ordered, so they share one set per
+(device, stream), grown as needed.
+
+``workspace``: the zeroed f32 sums and arrival counters of kernels that reduce across CTAs, the skinny GEMM's split
+K and the wgmma GEMM's stream-K tail (see ``nvfly.arch.gpu_scope``); every launch leaves them zeroed, so the next
+one needs no memset. ``partials``: the f32 partial products of the wgmma GEMM's split K, which its reduce kernel
+reads back. ``StreamScratch`` is the rule they (and TopK's row-threshold lists) share.
+
+Under CUDA graph capture every request gets tensors of its own from the graph's memory pool, zero-filled by a
+captured fill where the kernels expect zeros: a graph keeps writing to what it captured, may replay on any stream,
+and must not see a buffer that a later growth here frees."""
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+import torch
+
+Tensors = TypeVar("Tensors")
+
+
+class StreamScratch(Generic[Tensors]):
+    """``get(device, stream, sizes)``: tensors of at least ``sizes`` (one int per tensor family, in the units
+    ``allocate`` takes), cached per (device, stream) and grown to the largest request seen (at least ``floor``);
+    under graph capture fresh tensors of exactly ``sizes``, not cached."""
+
+    def __init__(self, allocate: Callable[[torch.device, tuple[int, ...]], Tensors], floor: tuple[int, ...]):
+        self._allocate = allocate
+        self._floor = floor
+        self._entries: dict[tuple[int, int], tuple[tuple[int, ...], Tensors]] = {}
+
+    def get(self, device: torch.device, stream: int, sizes: tuple[int, ...]) -> Tensors:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return self._allocate(device, sizes)
+        key = (device.index, stream)
+        entry = self._entries.get(key)
+        if entry is None or any(need > have for need, have in zip(sizes, entry[0])):
+            grown = tuple(max(need, least, have) for need, least, have in
+                          zip(sizes, self._floor, entry[0] if entry else self._floor))
+            entry = self._entries[key] = (grown, self._allocate(device, grown))
+        return entry[1]
+
+
+MIN_SUMS = 1 << 18  # f32 sums of a first allocation (1 MB), so that most calls never grow it
+MIN_COUNTERS = 1024
+
+_WORKSPACE = StreamScratch(lambda device, sizes: (torch.zeros(sizes[0], dtype=torch.float32, device=device),
+                                                  torch.zeros(sizes[1], dtype=torch.int32, device=device)),
+                           (MIN_SUMS, MIN_COUNTERS))
+_PARTIALS = StreamScratch(lambda device, sizes: torch.empty(sizes[0], dtype=torch.float32, device=device),
+                          (MIN_SUMS,))
+
+
+def workspace(device: torch.device, stream: int, tiles: int, tile_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(f32 sums, i32 arrival counters) for ``tiles`` output tiles of ``tile_slots`` sums each, zero between
+    launches, for launches on ``stream`` of ``device``."""
+    return _WORKSPACE.get(device, stream, (tiles * tile_slots, tiles))
+
+
+def partials(device: torch.device, stream: int, numel: int) -> torch.Tensor:
+    """A flat f32 buffer of at least ``numel`` elements (contents undefined) for launches on ``stream`` of
+    ``device``."""
+    return _PARTIALS.get(device, stream, (numel,))

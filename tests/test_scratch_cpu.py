@@ -1,0 +1,43 @@
+"""nvfly.ops.scratch: per-stream scratch that grows to the largest request, and a graph capture's own tensors."""
+from types import SimpleNamespace
+
+import torch
+
+from nvfly.ops import scratch
+
+
+def make(made: list) -> scratch.StreamScratch:
+    def allocate(device, sizes):
+        made.append(sizes)
+        return tuple(torch.zeros(size) for size in sizes)
+    return scratch.StreamScratch(allocate, (8, 2))
+
+
+def test_one_set_per_stream_grown_to_the_largest_request():
+    made: list = []
+    cache = make(made)
+    cpu = torch.device("cpu")
+    first = cache.get(cpu, 1, (4, 1))
+    assert made == [(8, 2)] and cache.get(cpu, 1, (8, 2)) is first  # the floor covers it: no new allocation
+    grown = cache.get(cpu, 1, (20, 1))
+    assert made[-1] == (20, 2) and grown is not first and cache.get(cpu, 1, (3, 2)) is grown
+    other = cache.get(cpu, 2, (1, 1))  # another stream: its own set
+    assert made[-1] == (8, 2) and other is not grown
+
+
+def test_graph_capture_gets_tensors_of_its_own(monkeypatch):
+    """Under capture: exact sizes, nothing cached (a later growth must never free what a graph writes to), and
+    the stream's cached set is left as it was."""
+    made: list = []
+    cache = make(made)
+    gpu = SimpleNamespace(type="cuda", index=0)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    eager = cache.get(gpu, 7, (4, 1))
+    capturing[0] = True
+    captured = cache.get(gpu, 7, (4, 1))
+    assert captured is not eager and made[-1] == (4, 1) and cache.get(gpu, 7, (4, 1)) is not captured
+    big = cache.get(gpu, 7, (100, 1))
+    assert made[-1] == (100, 1) and big is not captured
+    capturing[0] = False
+    assert cache.get(gpu, 7, (4, 1)) is eager

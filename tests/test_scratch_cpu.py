@@ -41,3 +41,13 @@ def test_graph_capture_gets_tensors_of_its_own(monkeypatch):
     assert made[-1] == (100, 1) and big is not captured
     capturing[0] = False
     assert cache.get(gpu, 7, (4, 1)) is eager
+
+
+def test_zeroed_views_share_one_fill_and_start_aligned():
+    a, b, c = scratch.zeroed_i32(torch.device("cpu"), (5, 3, 8))
+    assert [t.numel() for t in (a, b, c)] == [5, 3, 8] and all(t.data_ptr() % 16 == 0 for t in (a, b, c))
+    assert a.untyped_storage().data_ptr() == c.untyped_storage().data_ptr()
+    assert not any(t.any() for t in (a, b, c))
+    sums, counters = scratch.workspace(torch.device("cpu"), 0, 3, 10)
+    assert sums.dtype == torch.float32 and sums.numel() >= 30 and counters.numel() >= 3
+    assert not sums.any() and not counters.any()

@@ -43,9 +43,23 @@ class StreamScratch(Generic[Tensors]):
 MIN_SUMS = 1 << 18  # f32 sums of a first allocation (1 MB), so that most calls never grow it
 MIN_COUNTERS = 1024
 
-_WORKSPACE = StreamScratch(lambda device, sizes: (torch.zeros(sizes[0], dtype=torch.float32, device=device),
-                                                  torch.zeros(sizes[1], dtype=torch.int32, device=device)),
-                           (MIN_SUMS, MIN_COUNTERS))
+
+
+def zeroed_i32(device: torch.device, counts: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+    """Flat zeroed i32 tensors of ``counts`` elements, views of one allocation (one fill under graph capture),
+    each starting 16-byte aligned."""
+    padded = [-(-count // 4) * 4 for count in counts]
+    whole = torch.zeros(sum(padded), dtype=torch.int32, device=device)
+    starts = [sum(padded[:i]) for i in range(len(counts))]
+    return tuple(whole[start:start + count] for start, count in zip(starts, counts))
+
+
+def _allocate_workspace(device: torch.device, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    sums, counters = zeroed_i32(device, sizes)
+    return sums.view(torch.float32), counters  # all-zero bits: 0.0
+
+
+_WORKSPACE = StreamScratch(_allocate_workspace, (MIN_SUMS, MIN_COUNTERS))
 _PARTIALS = StreamScratch(lambda device, sizes: torch.empty(sizes[0], dtype=torch.float32, device=device),
                           (MIN_SUMS,))
 

@@ -367,11 +367,11 @@ MIN_ROWS = 64  # rows of a first workspace allocation
 
 def _allocate_workspace(device: Any, sizes: tuple[int, ...]) -> tuple[Any, Any, Any, Any]:
     import torch
+    from nvfly.ops import scratch
     rows = sizes[0]
-    return (torch.zeros((rows, HIST), dtype=torch.int32, device=device),
-            torch.zeros(2 * rows, dtype=torch.int32, device=device),
-            torch.empty((rows, ROW_CAP_MAX), dtype=torch.int64, device=device),
-            torch.zeros((rows, HIST), dtype=torch.int32, device=device))
+    hist, counters, hist2 = scratch.zeroed_i32(device, (rows * HIST, 2 * rows, rows * HIST))
+    return (hist.view(rows, HIST), counters, torch.empty((rows, ROW_CAP_MAX), dtype=torch.int64, device=device),
+            hist2.view(rows, HIST))
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,6 +17,13 @@ stream-K region (gemm.STREAM_K_REGIONS: which tiles are dealt out as contiguous 
     python -m benchmarks.gemm_configs --compare-regions --layouts rowxrow \
         --shapes 64x6144x4096,336x4104x1024,512x7168x16384,2048x4096x14336,1024x7168x2048
 
+``--compare-wave-fit``: the default call beside the config it would run without the wave fit (gemm.wave_fit),
+alternately twice each with cuBLAS, on the shapes whose default the wave fit changes (others are listed as
+unchanged), e.g.
+
+    python -m benchmarks.gemm_configs --compare-wave-fit --layouts rowxcol,rowxrow \
+        --shapes 512x10240x8192,512x6144x4096,768x4096x7168,512x8192x1024
+
 ``--tiles``: the default call beside named tiles (BMxBN, ``pp`` ping-pong, ``kK`` split K, ``swap:`` on the transposed
 problem; TMA store but with split K, the deepest ring that fits up to 7 stages or sS), e.g. tiles that fit the waves better than the
 default ones (336x4104x1024, the suite's last shape under 0.9x cuBLAS: ``--tiles 128x128k2,128x256k2,64x256``):
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from dataclasses import replace
 from typing import Any, Optional
@@ -139,6 +147,26 @@ def time_tiles(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float
     return cells
 
 
+def time_wave_fit(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float) -> list[str]:
+    """The default call and the config without the wave fit, alternately twice each with cuBLAS (medians)."""
+    m, k = a.shape
+    n = b.shape[1]
+    unfitted = gemm.default_config(m, n, k, fit_waves=False)
+    if unfitted == gemm.default_config(m, n, k):
+        return ["unchanged by the wave fit"]
+    times: dict[str, list[float]] = {"without": [], "default": [], "cuBLAS": []}
+    checked_ms(a, b, ref, "wave fit off", config=unfitted)
+    for _ in range(2):
+        times["without"].append(bench_ms(lambda: gemm.matmul(a, b, config=unfitted)))
+        times["default"].append(checked_ms(a, b, ref, "default"))
+        times["cuBLAS"].append(bench_ms(lambda: torch.mm(a, b)))
+    rate = {name: flops / statistics.median(ms) / 1e9 for name, ms in times.items()}
+    fitted = gemm.default_config(m, n, k)
+    return [f"without the wave fit {label(unfitted)} {rate['without']:.0f}",
+            f"default {label(fitted)} {rate['default']:.0f}", f"cuBLAS {rate['cuBLAS']:.0f}",
+            f"gain {rate['default'] / rate['without']:.3f}"]
+
+
 def operand(rows: int, cols: int, major: str) -> torch.Tensor:
     if major == "row":
         return torch.randn(rows, cols, device="cuda").to(torch.bfloat16)
@@ -153,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--compare-stream-k", action="store_true", help="default tiles with and without the stream-K tail")
     p.add_argument("--compare-regions", action="store_true", help="the default call and tiles under each stream-K region")
     p.add_argument("--tiles", help="comma-separated named tiles to time beside the default call (see above)")
+    p.add_argument("--compare-wave-fit", action="store_true", help="the default call and the config without the "
+                                                                   "wave fit, where it changes the default")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     configs = with_store(STORE_BASES) if args.compare_store else CONFIGS
@@ -166,6 +196,9 @@ def main(argv=None) -> int:
             line = [f"{layout} {m}x{n}x{k}: cuBLAS {2 * m * n * k / cublas / 1e9:.0f}"]
             if args.tiles:
                 print(" | ".join(line + time_tiles(a, b, ref, 2 * m * n * k, args.tiles.split(","))), flush=True)
+                continue
+            if args.compare_wave_fit:
+                print(" | ".join(line + time_wave_fit(a, b, ref, 2 * m * n * k)), flush=True)
                 continue
             if args.compare_regions:
                 print(" | ".join(line + time_regions(a, b, ref, 2 * m * n * k)), flush=True)

@@ -186,3 +186,16 @@ def test_every_heuristic_plan_fits_the_hardware(m, n, k, batches, a_major, b_maj
     assert cfg.check(2, plan.b_major) is None, (cfg, plan.b_major)
     assert cfg.smem_bytes(2) <= SMEM_LIMIT
     assert 1 <= plan.grid <= 132
+
+
+def test_benchmark_named_tiles():
+    """benchmarks.gemm_configs --tiles names: 128- and 256-row tiles get two consumers, 64-row tiles one; split K
+    and swap parse; an impossible tile says why."""
+    from benchmarks.gemm_configs import named_tile
+    cfg, swap = named_tile("256x128")
+    assert (cfg.bm, cfg.bn, cfg.consumers, swap) == (256, 128, 2, False) and cfg.check(2) is None
+    cfg, swap = named_tile("swap:64x32k2")
+    assert (cfg.bm, cfg.bn, cfg.consumers, cfg.split_k, swap) == (64, 32, 1, 2, True)
+    assert named_tile("128x160")[0].tma_store and named_tile("128x128pp")[0].pingpong
+    with pytest.raises(ValueError, match="accumulator registers"):
+        named_tile("256x192")

@@ -204,9 +204,11 @@ WAVE_FIT_FULL = 0.9
 
 
 @functools.lru_cache(maxsize=4096)
-def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, sms: int = 132) -> GemmConfig:
+def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, sms: int = 132,
+                   fit_waves: bool = True) -> GemmConfig:
     """A good config for one problem without tuning: the tile that best balances waves over ``sms`` SMs
-    and tile efficiency, and K splits when there are few output tiles but long K."""
+    and tile efficiency (``fit_waves``: then the width that fits a few waves best, see WAVE_FIT_WIDTHS), and K
+    splits when there are few output tiles but long K."""
     best: Optional[tuple[float, GemmConfig]] = None
     k_tiles = math.ceil(k / (128 // itemsize))
     for cfg, eff in _TILES:
@@ -222,7 +224,7 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
         if best is None or cost < best[0] - 1e-9:
             best = (cost, deepest_ring(cfg, itemsize, most=cfg.stages))
     assert best is not None
-    cfg = wave_fit(best[1], m, n, k_tiles, batches, itemsize, sms)
+    cfg = wave_fit(best[1], m, n, k_tiles, batches, itemsize, sms) if fit_waves else best[1]
     tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) * batches
     if cfg.pingpong and tiles <= sms:
         # one tile per block: ping-pong would leave its second consumer idle, the cooperative schedule splits

@@ -107,11 +107,12 @@ def plot(suite: str, labels: Sequence[str], series: dict[str, Sequence[float]], 
     path = os.path.join(out_dir, f"{suite}_h200.png")
     n = len(series)
     width = 0.8 / max(1, n)
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(labels) * n), 4.5))
+    # at most 40 inches wide: a whole-suite run (hundreds of rows) stays a readable, small file
+    fig, ax = plt.subplots(figsize=(min(40, max(6, 0.6 * len(labels) * n)), 4.5))
     for i, (name, values) in enumerate(series.items()):
         ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
     ax.set_xticks([x + width * (n - 1) / 2 for x in range(len(labels))])
-    ax.set_xticklabels(labels, rotation=45, ha="right", fontsize=7)
+    ax.set_xticklabels(labels, rotation=45 if len(labels) <= 100 else 90, ha="right", fontsize=7 if len(labels) <= 100 else 3)
     ax.set_ylabel(ylabel)
     ax.set_title(f"{suite} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
     ax.legend()

@@ -25,7 +25,7 @@ unchanged), e.g.
         --shapes 512x10240x8192,512x6144x4096,768x4096x7168,512x8192x1024
 
 ``--tiles``: the default call beside named tiles (BMxBN, ``pp`` ping-pong, ``kK`` split K, ``swap:`` on the transposed
-problem; TMA store but with split K, the deepest ring that fits up to 7 stages or sS), e.g. tiles that fit the waves better than the
+problem, ``@REGION`` under that stream-K region, e.g. ``swap:64x64@tail``: M = 64's tiles streamed instead of split; TMA store but with split K, the deepest ring that fits up to 7 stages or sS), e.g. tiles that fit the waves better than the
 default ones (336x4104x1024, the suite's last shape under 0.9x cuBLAS: ``--tiles 128x128k2,128x256k2,64x256``):
 
     python -m benchmarks.gemm_configs --tiles 128x128pp,128x96pp,64x48,swap:64x64 \
@@ -134,16 +134,27 @@ def named_tile(name: str) -> tuple[GemmConfig, bool]:
 
 
 def time_tiles(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float, names: list[str]) -> list[str]:
+    """The default call and each named tile (``@REGION``: under that stream-K region), in TFLOP/s, with the
+    path each took."""
     cells = []
-    for name in ["default"] + names:
-        try:
-            cfg, swap = (None, None) if name == "default" else named_tile(name)
-        except ValueError as e:  # one impossible tile must not end the run
-            cells.append(f"{name} declined ({e})")
-            continue
-        ms = checked_ms(a, b, ref, name, config=cfg, swap=swap)
-        where = f" ({gemm.path(a, b)})" if cfg is None else ""
-        cells.append(f"{name}{where} {flops / ms / 1e9:.0f}")
+    default_region = gemm.STREAM_K_REGION
+    try:
+        for name in ["default"] + names:
+            tile, _, region = name.partition("@")
+            try:
+                cfg, swap = (None, None) if tile == "default" else named_tile(tile)
+                if region and region not in gemm.STREAM_K_REGIONS:
+                    raise ValueError(f"stream-K region {region!r}: expected one of {gemm.STREAM_K_REGIONS}")
+            except ValueError as e:  # one impossible tile must not end the run
+                cells.append(f"{name} declined ({e})")
+                continue
+            gemm.STREAM_K_REGION = region or default_region
+            gemm._CALLS.clear()  # plans are cached per call signature, regions aside
+            ms = checked_ms(a, b, ref, name, config=cfg, swap=swap)
+            cells.append(f"{name} ({gemm.path(a, b, config=cfg, swap=swap)}) {flops / ms / 1e9:.0f}")
+    finally:
+        gemm.STREAM_K_REGION = default_region
+        gemm._CALLS.clear()
     return cells
 
 

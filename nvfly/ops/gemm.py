@@ -659,11 +659,11 @@ class _WgmmaCall:
 
 def path(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, activation: str = "none",
          out_dtype: Optional[torch.dtype] = None, config: Union[GemmConfig, SkinnyConfig, None] = None,
-         skinny: Optional[bool] = None, scaled: bool = False) -> str:
+         skinny: Optional[bool] = None, scaled: bool = False, swap: Optional[bool] = None) -> str:
     """Which kernel ``matmul`` runs for these operands (for benchmarks): 'skinny' (with '-rowB' for a row-major
-    B and '-splitK<s>' when they apply), or
-    'wgmma' with '-swapAB', '-splitK<s>' and '-streamK<tiles>x<k-blocks per block>' when they apply; raises when matmul would."""
-    plan = _new_plan(a, b, c is not None, activation, out_dtype, c, config, skinny, scaled)
+    B and '-splitK<s>' when they apply), or 'wgmma' with '-swapAB', '-splitK<s>' and
+    '-streamK<tiles>x<k-blocks per block>' when they apply; raises when matmul would."""
+    plan = _new_plan(a, b, c is not None, activation, out_dtype, c, config, skinny, scaled, swap)
     if isinstance(plan, SkinnyPlan):
         return "skinny" + ("-rowB" if plan.row_b else "") + \
             (f"-splitK{plan.config.splits}" if plan.config.splits > 1 else "")

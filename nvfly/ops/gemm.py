@@ -606,7 +606,7 @@ class _WgmmaCall:
         sums = counts = partials = None
         if self.sk_slots:
             sums, counts = scratch.workspace(a.device, current_stream(a.device.index), self.sk_slots,
-                                                 self.slot_sums)
+                                             self.slot_sums)
         if self.partial_sums:
             partials = scratch.partials(a.device, current_stream(a.device.index), self.partial_sums)
         if descs is not None and self.main.warm and (self.reduce is None or self.reduce.warm):

@@ -127,9 +127,11 @@ def main(argv=None) -> int:
                "geomean_vs_cublas_m_below_512": geomean([r["vs_cublas"] for r in rows if r["M"] < 512]),
                "geomean_vs_cublas_m_512_up": geomean([r["vs_cublas"] for r in rows if r["M"] >= 512]),
                "rows_below_0.9_vs_cublas": sum(r["vs_cublas"] < 0.9 for r in rows), "rows": len(rows)}
+    labels = [f"{r['M']}x{r['N']}x{r['K']} {r['layout']}" for r in rows]
+    summary["below_0.9_vs_cublas"] = {label: round(r["vs_cublas"], 3) for label, r in zip(labels, rows)
+                                      if r["vs_cublas"] < 0.9}
     print(summary)
     path = write_results(args.name, rows, {"summary": summary})
-    labels = [f"{r['M']}x{r['N']}x{r['K']} {r['layout']}" for r in rows]
     plot(args.name, labels, {"nvfly": [r["nvfly_tflops"] for r in rows],
                              "cuBLAS": [r["cublas_tflops"] for r in rows]}, "TFLOP/s")
     print("wrote", path)

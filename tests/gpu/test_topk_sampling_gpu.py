@@ -228,17 +228,17 @@ def test_row_threshold_plan_in_cuda_graph(two_level):
     workspace, still match torch.topk."""
     m, n, k = 3, 151936, 1024
     x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        row_threshold_topk(x, k, True, two_level)
-    torch.cuda.synchronize()
     vec = vector_width(n, (x,), x.element_size())
     p = topk.plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), row_threshold=True,
                   two_level=two_level)
     run = topk._runner(p, m, n, k, True)
     values = torch.empty((m, k), dtype=x.dtype, device="cuda")
     indices = torch.empty((m, k), dtype=torch.int64, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compiled, loaded and launched once before the capture
+        run(x, values, indices)
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         run(x, values, indices)

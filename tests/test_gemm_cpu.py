@@ -199,3 +199,16 @@ def test_benchmark_named_tiles():
     assert named_tile("128x160")[0].tma_store and named_tile("128x128pp")[0].pingpong
     with pytest.raises(ValueError, match="accumulator registers"):
         named_tile("256x192")
+
+
+def test_benchmark_reruns_the_rows_under_a_ratio(tmp_path):
+    """benchmarks.gemm --rerun-below: the (shape, layout) rows of a results file under the ratio, in file order."""
+    import json
+    from benchmarks.gemm import rerun_cases
+    rows = [{"M": 64, "N": 4096, "K": 4096, "layout": "rowxcol", "vs_cublas": 0.85},
+            {"M": 512, "N": 6144, "K": 4096, "layout": "colxrow", "vs_cublas": 1.01},
+            {"M": 16, "N": 2112, "K": 7168, "layout": "rowxrow", "vs_cublas": 0.76}]
+    path = tmp_path / "gemm_full_h200.json"
+    path.write_text(json.dumps({"meta": {}, "rows": rows}))
+    assert rerun_cases(str(path), 0.9) == [(0, (64, 4096, 4096), ("row", "col")), (2, (16, 2112, 7168), ("row", "row"))]
+    assert rerun_cases(str(path), 0.5) == []

@@ -164,15 +164,8 @@ def _variants(w: Workload, sms: int) -> list[str]:
     if whole:
         options.append(GemmConfig(128, 256, 4, 2, group_m=base.group_m, cluster_m=2, tma_store=True))
     options.append(replace(base, group_m=16 if base.group_m == 8 else 8))
-    return [encode_config(c) for c in (_deepest_ring(c, w.itemsize) for c in options) if c is not None]
-
-
-def _deepest_ring(cfg: GemmConfig, itemsize: int) -> Optional[GemmConfig]:
-    """The config with the most stages that still compiles (None if none does)."""
-    for stages in range(7, 1, -1):
-        if replace(cfg, stages=stages).check(itemsize) is None:
-            return replace(cfg, stages=stages)
-    return None
+    # each at the deepest ring of at most 7 stages that fits
+    return [encode_config(c) for c in (gemm.deepest_ring(c, w.itemsize, most=7) for c in options) if c is not None]
 
 
 def candidates(w: Workload, entry: Optional[Entry] = None, limit: Optional[int] = 4,

@@ -112,7 +112,8 @@ def plot(suite: str, labels: Sequence[str], series: dict[str, Sequence[float]], 
     for i, (name, values) in enumerate(series.items()):
         ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
     ax.set_xticks([x + width * (n - 1) / 2 for x in range(len(labels))])
-    ax.set_xticklabels(labels, rotation=45 if len(labels) <= 100 else 90, ha="right", fontsize=7 if len(labels) <= 100 else 3)
+    many = len(labels) > 100
+    ax.set_xticklabels(labels, rotation=90 if many else 45, ha="right", fontsize=3 if many else 7)
     ax.set_ylabel(ylabel)
     ax.set_title(f"{suite} on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}")
     ax.legend()

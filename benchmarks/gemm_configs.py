@@ -25,8 +25,9 @@ unchanged), e.g.
         --shapes 512x10240x8192,512x6144x4096,768x4096x7168,512x8192x1024
 
 ``--tiles``: the default call beside named tiles (BMxBN, ``pp`` ping-pong, ``kK`` split K, ``swap:`` on the transposed
-problem, ``@REGION`` under that stream-K region, e.g. ``swap:64x64@tail``: M = 64's tiles streamed instead of split; TMA store but with split K, the deepest ring that fits up to 7 stages or sS), e.g. tiles that fit the waves better than the
-default ones (336x4104x1024, the suite's last shape under 0.9x cuBLAS: ``--tiles 128x128k2,128x256k2,64x256``):
+problem, ``@REGION`` under that stream-K region, e.g. ``swap:64x64@tail``: M = 64's tiles streamed instead of
+split; TMA store but with split K, the deepest ring that fits up to 7 stages or sS), e.g. tiles that fit the waves
+better than the default ones (336x4104x1024, the suite's last shape under 0.9x cuBLAS: ``--tiles 128x128k2,128x256k2,64x256``):
 
     python -m benchmarks.gemm_configs --tiles 128x128pp,128x96pp,64x48,swap:64x64 \
         --shapes 336x4104x1024,64x6144x4096,4096x4096x4096
@@ -34,11 +35,12 @@ default ones (336x4104x1024, the suite's last shape under 0.9x cuBLAS: ``--tiles
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -97,22 +99,29 @@ def checked_ms(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, what: Any, *
     return bench_ms(lambda: gemm.matmul(a, b, out=out, **options))
 
 
-def time_regions(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float) -> list[str]:
-    """The default call and the other default tiles under each stream-K region, in TFLOP/s (plans are cached per
-    call signature, so the cache is emptied whenever the region changes)."""
-    cells = []
+@contextlib.contextmanager
+def under_region(region: Optional[str]) -> Iterator[None]:
+    """gemm.STREAM_K_REGION set to ``region`` (None: left as it is) inside the block; plans are cached per call
+    signature, regions aside, so the cache is emptied on the way in and out."""
     default_region = gemm.STREAM_K_REGION
+    gemm.STREAM_K_REGION = region or default_region
+    gemm._CALLS.clear()
     try:
-        for cfg in [None] + other_default_tiles(a.shape[0], b.shape[1], a.shape[1]):
-            for region in gemm.STREAM_K_REGIONS:
-                gemm.STREAM_K_REGION = region
-                gemm._CALLS.clear()
-                ms = checked_ms(a, b, ref, (cfg, region), config=cfg)
-                name = "default" if cfg is None else label(cfg)
-                cells.append(f"{name}/{region} ({gemm.path(a, b, config=cfg)}) {flops / ms / 1e9:.0f}")
+        yield
     finally:
         gemm.STREAM_K_REGION = default_region
         gemm._CALLS.clear()
+
+
+def time_regions(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float) -> list[str]:
+    """The default call and the other default tiles under each stream-K region, in TFLOP/s."""
+    cells = []
+    for cfg in [None] + other_default_tiles(a.shape[0], b.shape[1], a.shape[1]):
+        for region in gemm.STREAM_K_REGIONS:
+            with under_region(region):
+                ms = checked_ms(a, b, ref, (cfg, region), config=cfg)
+                name = "default" if cfg is None else label(cfg)
+                cells.append(f"{name}/{region} ({gemm.path(a, b, config=cfg)}) {flops / ms / 1e9:.0f}")
     return cells
 
 
@@ -137,24 +146,18 @@ def time_tiles(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float
     """The default call and each named tile (``@REGION``: under that stream-K region), in TFLOP/s, with the
     path each took."""
     cells = []
-    default_region = gemm.STREAM_K_REGION
-    try:
-        for name in ["default"] + names:
-            tile, _, region = name.partition("@")
-            try:
-                cfg, swap = (None, None) if tile == "default" else named_tile(tile)
-                if region and region not in gemm.STREAM_K_REGIONS:
-                    raise ValueError(f"stream-K region {region!r}: expected one of {gemm.STREAM_K_REGIONS}")
-            except ValueError as e:  # one impossible tile must not end the run
-                cells.append(f"{name} declined ({e})")
-                continue
-            gemm.STREAM_K_REGION = region or default_region
-            gemm._CALLS.clear()  # plans are cached per call signature, regions aside
+    for name in ["default"] + names:
+        tile, _, region = name.partition("@")
+        try:
+            cfg, swap = (None, None) if tile == "default" else named_tile(tile)
+            if region and region not in gemm.STREAM_K_REGIONS:
+                raise ValueError(f"stream-K region {region!r}: expected one of {gemm.STREAM_K_REGIONS}")
+        except ValueError as e:  # one impossible tile must not end the run
+            cells.append(f"{name} declined ({e})")
+            continue
+        with under_region(region or None):
             ms = checked_ms(a, b, ref, name, config=cfg, swap=swap)
             cells.append(f"{name} ({gemm.path(a, b, config=cfg, swap=swap)}) {flops / ms / 1e9:.0f}")
-    finally:
-        gemm.STREAM_K_REGION = default_region
-        gemm._CALLS.clear()
     return cells
 
 
@@ -166,10 +169,11 @@ def time_wave_fit(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: fl
     if unfitted == gemm.default_config(m, n, k):
         return ["unchanged by the wave fit"]
     times: dict[str, list[float]] = {"without": [], "default": [], "cuBLAS": []}
-    checked_ms(a, b, ref, "wave fit off", config=unfitted)
+    for config, what in ((unfitted, "wave fit off"), (None, "default")):  # each checked once, then timed
+        assert rel_err(gemm.matmul(a, b, config=config), ref) < 1e-2, what
     for _ in range(2):
         times["without"].append(bench_ms(lambda: gemm.matmul(a, b, config=unfitted)))
-        times["default"].append(checked_ms(a, b, ref, "default"))
+        times["default"].append(bench_ms(lambda: gemm.matmul(a, b)))
         times["cuBLAS"].append(bench_ms(lambda: torch.mm(a, b)))
     rate = {name: flops / statistics.median(ms) / 1e9 for name, ms in times.items()}
     fitted = gemm.default_config(m, n, k)

@@ -11,6 +11,7 @@ captured fill where the kernels expect zeros: a graph keeps writing to what it c
 and must not see a buffer that a later growth here frees."""
 from __future__ import annotations
 
+import itertools
 from typing import Callable, Generic, TypeVar
 
 import torch
@@ -44,13 +45,12 @@ MIN_SUMS = 1 << 18  # f32 sums of a first allocation (1 MB), so that most calls 
 MIN_COUNTERS = 1024
 
 
-
 def zeroed_i32(device: torch.device, counts: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
     """Flat zeroed i32 tensors of ``counts`` elements, views of one allocation (one fill under graph capture),
     each starting 16-byte aligned."""
     padded = [-(-count // 4) * 4 for count in counts]
     whole = torch.zeros(sum(padded), dtype=torch.int32, device=device)
-    starts = [sum(padded[:i]) for i in range(len(counts))]
+    starts = itertools.accumulate(padded, initial=0)
     return tuple(whole[start:start + count] for start, count in zip(starts, counts))
 
 

@@ -68,6 +68,9 @@ CASES: dict[str, Callable[[], Callable]] = {
     "gemm-rowxcol-1024x2112x7168-cublas": lambda: _gemm(1024, 2112, 7168, "rowxcol", cublas=True),
     "gemm-colxcol-8192x8192x8192": lambda: _gemm(8192, 8192, 8192, "colxcol"),
     "gemm-colxcol-8192x8192x8192-cublas": lambda: _gemm(8192, 8192, 8192, "colxcol", cublas=True),
+    # M = 64 with split K (2026-11-30): the main kernel and its reduce beside cuBLAS's single kernel
+    "gemm-rowxcol-64x4096x4096": lambda: _gemm(64, 4096, 4096, "rowxcol"),
+    "gemm-rowxcol-64x4096x4096-cublas": lambda: _gemm(64, 4096, 4096, "rowxcol", cublas=True),
     "rmsnorm-16384x2048": lambda: _rmsnorm(16384, 2048, False),
     "rmsnorm-16384x2048-inductor": lambda: _rmsnorm(16384, 2048, True),
     "rmsnorm-16384x8192": lambda: _rmsnorm(16384, 8192, False),

@@ -9,8 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import nvfly
 from nvfly.ops import gemm
-from nvfly.ops.gemm_kernel import SMEM_LIMIT, GemmConfig
+from nvfly.ops.gemm_kernel import (REDUCE_THREADS, SMEM_LIMIT, Epilogue, GemmConfig, reduce_vector,
+                                   split_k_reduce_kernel)
 
 CONFIGS = [GemmConfig(128, 256, 4, 2), GemmConfig(256, 128, 4, 2), GemmConfig(128, 128, 6, 2),
            GemmConfig(64, 256, 4, 1), GemmConfig(64, 16, 7, 1, split_k=4), GemmConfig(128, 64, 7, 2, group_m=16),
@@ -136,6 +138,16 @@ def test_column_major_tokens_take_the_skinny_kernel_up_to_one_token_tile(m, b_ma
     assert gemm.SKINNY_MAX_M_ROW_B < gemm.SKINNY_MAX_M_COLUMN_TOKENS < gemm.SKINNY_MAX_M
 
 
+@pytest.mark.parametrize("a_major", ["row", "col"])
+def test_short_k_takes_the_skinny_kernel_only_up_to_8_tokens(a_major):
+    """With a column-major B and K under SKINNY_SHORT_K the skinny kernel runs up to SKINNY_MAX_M_SHORT_K tokens
+    (the wgmma kernel wins at 16 there); from SKINNY_SHORT_K on, up to SKINNY_MAX_M."""
+    for m, k, want in [(16, 512, False), (9, 512, False), (8, 512, True), (16, 1024, True), (16, 4096, True)]:
+        a = torch.randn(m, k).to(torch.bfloat16) if a_major == "row" else torch.randn(k, m).to(torch.bfloat16).t()
+        b = torch.randn(32768, k).to(torch.bfloat16).t()
+        assert gemm._skinny_wanted(a, b, None, None) == want, (m, k)
+
+
 def test_wave_fit_takes_the_width_that_fills_the_waves():
     """A few waves of 128-row tiles take the width that minimises waves x (128 + width), a config that compiles
     and fits: 512x7168x16384 112 tiles of 128x256 -> 128 of 128x224, 512x6144x4096 -> 128 of 128x192,
@@ -155,7 +167,7 @@ def test_the_autotune_space_holds_every_heuristic_pick():
     """The heuristic's config of every suite-like shape and B major is in ``config_space`` (split K aside: the
     space lists whole-K configs), so autotuning over the space can always find what the heuristic runs."""
     space = set(gemm.config_space())
-    for m in (128, 256, 336, 384, 512, 1024, 2048, 4096, 16384):
+    for m in (64, 128, 256, 336, 384, 512, 1024, 2048, 4096, 16384):
         for n, k in [(6144, 4096), (4096, 14336), (10240, 8192), (2112, 7168), (24576, 1536), (32768, 512),
                      (7168, 16384), (4104, 1024), (14336, 4096), (28672, 8192)]:
             for b_major in ("row", "col"):
@@ -212,3 +224,49 @@ def test_benchmark_reruns_the_rows_under_a_ratio(tmp_path):
     path.write_text(json.dumps({"meta": {}, "rows": rows}))
     assert rerun_cases(str(path), 0.9) == [(0, (64, 4096, 4096), ("row", "col")), (2, (16, 2112, 7168), ("row", "row"))]
     assert rerun_cases(str(path), 0.5) == []
+
+
+@pytest.mark.parametrize("vec,out_dtype,epi", [
+    (8, nvfly.bf16, Epilogue()), (4, nvfly.f16, Epilogue(has_c=True, scaled=True, activation="silu")),
+    (8, nvfly.f32, Epilogue(activation="gelu_tanh")), (1, nvfly.bf16, Epilogue(scaled=True))])
+def test_split_k_reduce_reads_and_writes_whole_vectors(vec, out_dtype, epi):
+    """The split-K reduce moves vec elements of a row per thread in 16-byte (or narrower whole-vector) accesses:
+    vec f32 partials of each split in 128-bit loads, the outputs in one store (no scalar splitting)."""
+    from nvfly.runtime.torch_args import TensorDesc
+    splits, m, n = 3, 64, 4096
+    partials = TensorDesc(nvfly.f32, (splits, m, n))
+    out = TensorDesc(out_dtype, (1, m, n))
+    c_in = TensorDesc(out_dtype, (1, m, n)) if epi.has_c else None
+    k = split_k_reduce_kernel.compile(partials, out, c_in, m, n, 1.0, 0.0, SPLITS=splits, EPI=epi, VEC=vec,
+                                      block=REDUCE_THREADS, target="sm_90a")
+    ops = k.sass_opcodes()
+    wide_loads = sum(ops[op] for op in ops if op.startswith("LDG.E.128"))
+    assert wide_loads == splits * vec // 4, sorted(ops)
+    store_bits = vec * out_dtype.itemsize * 8
+    stores = sum(ops[op] for op in ops if op.startswith("STG"))
+    assert stores == max(1, store_bits // 128), sorted(ops)
+    assert k.resources.spill_stores == 0 and k.count("LDL") == 0
+
+
+def test_reduce_vector_widths():
+    assert reduce_vector(4096, 4096, 0, 2) == 8
+    assert reduce_vector(4100, 4100, 0, 2) == 4
+    assert reduce_vector(4098, 4098, 0, 2) == 2
+    assert reduce_vector(4097, 4097, 0, 2) == 1
+    assert reduce_vector(4096, 4100, 0, 2) == 4       # rows 4100 apart
+    assert reduce_vector(4096, 4096, 8, 2) == 4       # an 8-byte aligned output
+
+
+@pytest.mark.parametrize("majors", list(itertools.product(["row", "col"], ["row", "col"])))
+def test_token_tile_takes_one_wave_of_64_rows(majors):
+    """48 < M <= 64 with 32-wide tiles filling one wave (N = 4096 on 132 SMs) runs unswapped 64x32 tiles on a
+    14-stage ring with no K split; fewer tiles, more tiles, fewer tokens or a short K keep the swapped plan."""
+    for m, n, k in [(64, 4096, 4096), (56, 4096, 7168), (64, 4104, 14336)]:
+        a, b = make(m, n, k, *majors)
+        plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False)
+        assert not plan.swap and (plan.config.bm, plan.config.bn, plan.config.split_k) == (64, 32, 1), (m, n, k)
+        assert plan.config.stages == 14 and plan.config.check(2, plan.b_major) is None
+        assert plan.reduce_epilogue is None and plan.grid == -(-n // 32)
+    for m, n, k in [(64, 2112, 7168), (64, 6144, 4096), (48, 4096, 4096), (64, 4096, 1024)]:
+        a, b = make(m, n, k, *majors)
+        assert gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False).swap, (m, n, k)

@@ -26,7 +26,8 @@ from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import current_stream, layout_key
 from nvfly.ops import gemm_skinny, scratch
-from nvfly.ops.gemm_kernel import ACTIVATIONS, Epilogue, GemmConfig, gemm_kernel, split_k_reduce_kernel, store_box
+from nvfly.ops.gemm_kernel import (ACTIVATIONS, REDUCE_THREADS, Epilogue, GemmConfig, gemm_kernel, reduce_vector,
+                                   split_k_reduce_kernel, store_box)
 from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan
 
 _DTYPES = {torch.bfloat16: nvfly.bf16, torch.float16: nvfly.f16}
@@ -34,6 +35,11 @@ _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # tokens (M) up to which matmul picks the skinny kernel when B is column-major (it supports up to
 # gemm_skinny.MAX_M); tuned on the H200
 SKINNY_MAX_M = 16
+# ... and with K under SKINNY_SHORT_K: the wgmma kernel wins at M = 16 (16x32768x512 17.3 vs 18.6 us rowxcol,
+# 17.9 vs 20.8 colxcol; cuBLAS 17.4 / 17.1), the skinny kernel still at M = 8 (14.4 vs 16.7, 18.5 vs 19.5)
+# (H200, --compare-paths, benchmarks/results/gemm_16x32768_h200.json)
+SKINNY_SHORT_K = 1024
+SKINNY_MAX_M_SHORT_K = 8
 # row-major tokens (A K-contiguous) with a row-major B (N contiguous: the skinny kernel's cp.async +
 # ldmatrix.trans variant): the tokens up to which matmul picks the skinny kernel. Measured on the H200 over the
 # dense suite's 14 (N, K) (benchmarks/results/gemm_row_b_paths_h200.json, --compare-paths, rowxrow): the wgmma
@@ -140,6 +146,7 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
                                                    tma_store=True, store_buffers=store_buffers)
                                         for stages in range(MAX_STAGES, 2, -1)) if cfg.check(itemsize) is None]
                 space.extend(fits[:2])  # the deepest two rings that fit next to the staging buffers
+    space.append(deepest_ring(TOKEN_TILE, itemsize))
     return space
 
 
@@ -150,8 +157,12 @@ def _capability(device: int) -> tuple[int, int]:
 
 # the deepest ring the heuristic builds: narrow tiles of small-M (memory-bound) problems need the bytes in
 # flight (H200, benchmarks/results/gemm_tiles_h200.log: swapped 64x6144x4096 on 64x64 tiles 124 -> 142 TFLOP/s
-# from 7 to 10 stages, 14 no better; 128x4096x14336 on 64x128 tiles 286 -> 313 from 7 to 9)
-MAX_STAGES = 10
+# from 7 to 10 stages, 14 no better; 128x4096x14336 on 64x128 tiles 286 -> 313 from 7 to 9). Only tiles of at
+# most 16 KB a stage (64 x 64 and narrower) fit more than 10: 128x4096x4096 / 128x4096x7168 on 64x64 tiles
+# 219 -> 226 / 255 -> 287 TFLOP/s rowxcol, 219 -> 240 / 254 -> 271 colxrow from 10 to 14 (cuBLAS 218 / 278,
+# 235 / 280; benchmarks.gemm_configs --tiles 64x64s14, m128_tiles log); the swapped 64x64 split-K tiles of
+# 64x4096x4096 105 either way.
+MAX_STAGES = 14
 
 
 def deepest_ring(cfg: GemmConfig, itemsize: int, b_major: str = "K", most: int = MAX_STAGES) -> Optional[GemmConfig]:
@@ -299,6 +310,29 @@ def small_m_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int
     return cfg
 
 
+# One 64-row token tile: 48 < M <= 64 tokens fill wgmma's M, and 32-wide weight tiles give one block per SM
+# (N = 4096: 128 tiles) with no K split and so no reduce launch; a 14-stage ring (168 KB) keeps the bytes in
+# flight that 10 stages of the 12 KB stage did not. H200, rowxcol / rowxrow, TFLOP/s (benchmarks.gemm_configs
+# --tiles 64x32s14; m64_tiles logs): 64x4096x4096 119 / 116 against the swapped 64x64 split-K-2 tiles' 105 / 106
+# (cuBLAS 119 / 122; the swapped main kernel alone was faster than cuBLAS's in ncu, 12.0 vs 13.0 us, but its
+# reduce took 3.1 us more), 64x4096x7168 143 / 136 vs 132 / 135 (cuBLAS 150 / 138); 10 stages: 114 / 107.
+# With half a wave or less (64x2112x7168: 66 tiles) the split swapped tiles win (99 vs 97), and past one wave
+# (64x6144x4096, 64x7168x2048) the swapped 64x64 tiles do (140 vs 111).
+TOKEN_TILE_M = (48, 64)          # M in (48, 64]
+TOKEN_TILE_WAVE = 0.9            # the tiles fill at least this much of one wave, and no more than one
+TOKEN_TILE_MIN_K_TILES = 32
+TOKEN_TILE = GemmConfig(64, 32, MAX_STAGES, 1, tma_store=True, store_buffers=1)
+
+
+def token_tile_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int) -> Optional[GemmConfig]:
+    """TOKEN_TILE for 48 < M <= 64 when its tiles fill one wave (see above), else None."""
+    tiles = math.ceil(n / TOKEN_TILE.bn) * batches
+    if not (TOKEN_TILE_M[0] < m <= TOKEN_TILE_M[1] and TOKEN_TILE_WAVE * sms <= tiles <= sms
+            and math.ceil(k / TOKEN_TILE.bk(itemsize)) >= TOKEN_TILE_MIN_K_TILES):
+        return None
+    return deepest_ring(TOKEN_TILE, itemsize)
+
+
 # ---------------------------------------------------------------------------------------------- launching
 @functools.lru_cache(maxsize=None)
 def _operand_box(rows: int, bk: int, dtype: Any, major: str, rank: int, parts: int = 1) -> tuple[tuple[int, ...], int]:
@@ -350,9 +384,12 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     dtype = _DTYPES[a3.dtype]
     itemsize = a3.element_size()
     sms = plan_sm_count(a3.get_device())
+    chosen = config is None  # the heuristic's config, not the caller's
+    if chosen and not swap:
+        config = token_tile_config(m, n, k, batches, itemsize, sms)
+        swap = False if config is not None else swap
     if swap is None:
         swap = config is None and m <= 64 < n
-    chosen = config is None  # the heuristic's config, not the caller's
     if config is None:
         config = small_m_config(m, n, k, batches, itemsize, sms) if swap else \
             default_config(m, n, k, batches, itemsize, sms)
@@ -466,7 +503,7 @@ def _skinny_wanted(a: torch.Tensor, b: torch.Tensor, config: Any, skinny: Option
         raise ValueError(f"nvfly.ops.gemm.matmul: the skinny kernel cannot run this: {why}")
     m, b_major = a.shape[-2], gemm_skinny.b_major(b)
     if b_major == "col":
-        limit = SKINNY_MAX_M
+        limit = SKINNY_MAX_M if a.shape[-1] >= SKINNY_SHORT_K else SKINNY_MAX_M_SHORT_K
     else:
         limit = SKINNY_MAX_M_COLUMN_TOKENS if m > 1 and a.stride(-2) == 1 else SKINNY_MAX_M_ROW_B
     return forced or (why is None and m <= limit)
@@ -586,11 +623,19 @@ class _WgmmaCall:
         self.config = cfg
         self.tma_store = cfg.tma_store
         self.main = gemm_kernel.prepared(plan.grid, plan.threads, (cfg.cluster_m, 1, 1))
-        self.reduce = None if plan.reduce_epilogue is None else split_k_reduce_kernel.prepared(
-            (math.ceil(plan.m * plan.n / 256), plan.batches), 256)
         # split K: f32 partials laid out like the caller's output (a swapped plan writes their transpose), so that
-        # the reduce kernel reads and writes both in memory order
+        # the reduce kernel reads and writes both in memory order, several elements of a row per thread
         self.out_m, self.out_n = (plan.n, plan.m) if plan.swap else (plan.m, plan.n)
+        self.reduce_vec = 1
+        self.reduce = None
+        if plan.reduce_epilogue is not None:
+            out_itemsize = torch.empty((), dtype=out_dtype).element_size()
+            if out is None:
+                self.reduce_vec = reduce_vector(self.out_n, self.out_n, 0, out_itemsize)
+            elif out.stride(-1) == 1:
+                self.reduce_vec = reduce_vector(self.out_n, out.stride(-2), out.data_ptr(), out_itemsize)
+            self.reduce = split_k_reduce_kernel.prepared(
+                (math.ceil(plan.m * plan.n / (REDUCE_THREADS * self.reduce_vec)), plan.batches), REDUCE_THREADS)
         self.partial_sums = plan.batches * cfg.split_k * plan.m * plan.n if self.reduce is not None else 0
         # stream K: one workspace slot and arrival count per streamed consumer tile
         self.sk_slots = plan.sk_tiles * (1 if cfg.pingpong else cfg.consumers)
@@ -621,7 +666,7 @@ class _WgmmaCall:
                 self.main(a_desc, b_desc, partials, None, None, plan.m, plan.n, plan.k_tiles, plan.batches, 1.0,
                           0.0, None, None, 0, 0, cfg, plan.a_major, plan.b_major, plan.epilogue)
                 self.reduce(partials, out, c, self.out_m, self.out_n, alpha, beta, cfg.split_k,
-                            plan.reduce_epilogue)
+                            plan.reduce_epilogue, self.reduce_vec)
             return
         a3, b3 = (a, b) if self.batched else (a.unsqueeze(0), b.unsqueeze(0))
         out3 = out if self.batched else out.unsqueeze(0)
@@ -647,7 +692,7 @@ class _WgmmaCall:
                   plan.k_tiles, plan.batches, 1.0, 0.0, None, None, 0, 0, cfg, plan.a_major, plan.b_major,
                   plan.epilogue)
         self.reduce(partials, reduce_out3, reduce_c3, self.out_m, self.out_n, alpha, beta, cfg.split_k,
-                    plan.reduce_epilogue)
+                    plan.reduce_epilogue, self.reduce_vec)
 
     def _describe(self, a3: torch.Tensor, b3: torch.Tensor, out3: torch.Tensor) -> tuple:
         plan = self.plan

@@ -45,6 +45,7 @@ CONSUMER_REGS = 232
 BARRIER_BYTES = 1024  # barriers first; the ring starts 1024-byte aligned (swizzle atoms need it)
 SMEM_LIMIT = 232448
 STORE_BARRIER = 4  # named barriers 4 and 5: each consumer warpgroup's epilogue (2 and 3: ping-pong turns)
+REDUCE_THREADS = 256  # threads per block of split_k_reduce_kernel
 ARRIVAL_OFFSET = 512  # stream-K: each consumer's arrival count, in the barrier area after the ring's barriers
 
 
@@ -630,18 +631,35 @@ def stage_tile(out_desc, c_in, accs, own, batch, tile_row, tile_col, row0, col0,
 
 @nvfly.kernel
 def split_k_reduce_kernel(partials: nvfly.Tensor, out: nvfly.Tensor, c_in, m: nvfly.i32, n: nvfly.i32,
-                          alpha: nvfly.f32, beta: nvfly.f32, SPLITS: nvfly.Constexpr, EPI: nvfly.Constexpr):
-    """out[b] = act(alpha * sum_s partials[b * SPLITS + s] + beta * C_in[b]), one element per thread."""
-    i = nvfly.block_idx.x * 256 + nvfly.thread_idx.x
+                          alpha: nvfly.f32, beta: nvfly.f32, SPLITS: nvfly.Constexpr, EPI: nvfly.Constexpr,
+                          VEC: nvfly.Constexpr):
+    """out[b] = act(alpha * sum_s partials[b * SPLITS + s] + beta * C_in[b]), VEC consecutive elements of a row per
+    thread (``reduce_vector``: VEC divides n, and out's rows take VEC-wide stores)."""
+    i = (nvfly.block_idx.x * REDUCE_THREADS + nvfly.thread_idx.x) * VEC
     batch = nvfly.block_idx.y
     if i < m * n:
         row = i // n
         col = i - row * n
-        acc = nvfly.f32(0.0)
-        for s in nvfly.static_range(SPLITS):
-            acc = acc + partials[batch * SPLITS + s, row, col]
-        if EPI.scaled:
-            acc = acc * alpha
-        if EPI.has_c:
-            acc = acc + beta * c_in[batch, row, col].to(nvfly.f32)
-        out[batch, row, col] = activate(acc, EPI.activation).to(out.dtype)
+        acc = partials.load(batch * SPLITS, row, col, width=VEC)
+        for s in nvfly.static_range(1, SPLITS):
+            acc = acc + partials.load(batch * SPLITS + s, row, col, width=VEC)
+        if EPI.scaled or EPI.has_c or EPI.activation != "none":
+            sums = []
+            for j in nvfly.static_range(VEC):
+                v = acc[j] if VEC > 1 else acc
+                if EPI.scaled:
+                    v = v * alpha
+                if EPI.has_c:
+                    v = v + beta * c_in[batch, row, col + j].to(nvfly.f32)
+                sums.append(activate(v, EPI.activation))
+            acc = nvfly.make_vector(sums) if VEC > 1 else sums[0]
+        out.store(acc.to(out.dtype), batch, row, col)
+
+
+def reduce_vector(n: int, out_row_stride: int, out_address: int, out_itemsize: int) -> int:
+    """Elements per thread of ``split_k_reduce_kernel``: 8, 4 or 2 when they divide n and out's rows take stores that
+    wide (16-byte aligned f32 partials need n % 4 == 0 for 4), else 1."""
+    for vec in (8, 4, 2):
+        if n % vec == 0 and out_row_stride % vec == 0 and out_address % (vec * out_itemsize) == 0:
+            return vec
+    return 1

@@ -287,6 +287,41 @@ def test_split_k_partials_and_repeat_calls(hopper, m, bias, batch):
         check(out, gemm.reference(a, b, c, 0.5, 2.0, "gelu_tanh"), tol=1.5e-2)
 
 
+@pytest.mark.parametrize("n", [1536, 1540, 1538, 1537])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_split_k_reduce_vector_widths(hopper, n, out_dtype):
+    """The reduce moves 8, 4, 2 or 1 elements of a row per thread (reduce_vector: what divides N and the output's
+    row stride); every width and output type reduces every element (the output is poisoned first), also into a
+    given output whose rows are 8 elements longer than N."""
+    m, k = 64, 4096
+    a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+    assert "-swapAB-splitK" in gemm.path(a, b, out_dtype=out_dtype)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
+    gemm.matmul(a, b, out_dtype=out_dtype, out=out)
+    check(out, gemm.reference(a, b), tol=1e-2)
+    wide = torch.full((m, n + 8), float("nan"), device="cuda", dtype=out_dtype)
+    gemm.matmul(a, b, out_dtype=out_dtype, out=wide[:, :n])
+    check(wide[:, :n], gemm.reference(a, b), tol=1e-2)
+    assert wide[:, n:].isnan().all()
+
+
+@pytest.mark.parametrize("a_major", ["row", "col"])
+@pytest.mark.parametrize("b_major", ["row", "col"])
+def test_token_tile_layouts_and_epilogues(hopper, a_major, b_major):
+    """48 < M <= 64 over N = 4096 runs unswapped 64x32 tiles (gemm.token_tile_config): every operand major, C
+    and an activation through the TMA-store epilogue, and an f32 output through the register epilogue."""
+    m, n, k = 56, 4096, 4096  # 112-byte columns: TMA-describable column-major tokens
+    a = operand(m, k, torch.bfloat16, a_major)
+    b = operand(k, n, torch.bfloat16, b_major)
+    c = torch.randn(n, device="cuda").to(torch.bfloat16)
+    assert gemm.path(a, b) == "wgmma"
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm.matmul(a, b, c=c, alpha=0.5, beta=2.0, activation="silu", out=out)
+    check(out, gemm.reference(a, b, c, 0.5, 2.0, "silu"), tol=1.5e-2)
+    check(gemm.matmul(a, b, out_dtype=torch.float32), gemm.reference(a, b), tol=2e-3)
+
+
 REDUCTIONS_IN_GRAPHS = [  # (captured call's M, N, K; its path; an eager call needing more of the same scratch)
     ((64, 2048, 4096), "-splitK", (256, 2048, 8192), GemmConfig(128, 128, 4, 2, split_k=8)),  # partials
     ((2000, 2104, 2560), "-streamK", (2560, 3584, 2560),  # the stream-K tail's zeroed workspace

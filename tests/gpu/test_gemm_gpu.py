@@ -295,7 +295,7 @@ def test_split_k_reduce_vector_widths(hopper, n, out_dtype):
     given output whose rows are 8 elements longer than N."""
     m, k = 64, 4096
     a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
-    b = torch.randn(k, n, device="cuda").to(torch.bfloat16)
+    b = torch.randn(n, k, device="cuda").to(torch.bfloat16).t()  # column-major: any N is TMA-describable
     assert "-swapAB-splitK" in gemm.path(a, b, out_dtype=out_dtype)
     out = torch.full((m, n), float("nan"), device="cuda", dtype=out_dtype)
     gemm.matmul(a, b, out_dtype=out_dtype, out=out)

@@ -44,7 +44,8 @@ SKINNY_MAX_M_SHORT_K = 8
 # ldmatrix.trans variant): the tokens up to which matmul picks the skinny kernel. Measured on the H200 over the
 # dense suite's 14 (N, K) (benchmarks/results/gemm_row_b_paths_h200.json, --compare-paths, rowxrow): the wgmma
 # kernel on the swapped problem was faster at M = 16 on 13 of 14 (geomean 1.08x; 16x2112x7168 22.7 -> 18.6 us)
-# and at M = 8 on 9 of 14 (1.03x), the skinny kernel at M = 1 (4096x4096: 17.2 vs 18.8 us); M 2-7 unmeasured.
+# and at M = 8 on 9 of 14 (1.03x), the skinny kernel at M = 1 (4096x4096: 17.2 vs 18.8 us); at M = 2 and 4 the two
+# trade places within a few percent (skinny faster on 7 of 14 at each, gemm_row_b_small_m_h200.json).
 SKINNY_MAX_M_ROW_B = 4
 # column-major tokens (A = x.t(): M contiguous) with a row-major B: the tokens up to which matmul picks the skinny
 # kernel. Measured on the H200 (benchmarks/results/gemm_skinny_paths_h200.json, skinny vs the wgmma kernel, us):
@@ -386,8 +387,7 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     sms = plan_sm_count(a3.get_device())
     chosen = config is None  # the heuristic's config, not the caller's
     if chosen and not swap:
-        config = token_tile_config(m, n, k, batches, itemsize, sms)
-        swap = False if config is not None else swap
+        config = token_tile_config(m, n, k, batches, itemsize, sms)  # unswapped when it applies
     if swap is None:
         swap = config is None and m <= 64 < n
     if config is None:

@@ -71,6 +71,13 @@ CASES: dict[str, Callable[[], Callable]] = {
     # M = 64 with split K (2026-11-30): the main kernel and its reduce beside cuBLAS's single kernel
     "gemm-rowxcol-64x4096x4096": lambda: _gemm(64, 4096, 4096, "rowxcol"),
     "gemm-rowxcol-64x4096x4096-cublas": lambda: _gemm(64, 4096, 4096, "rowxcol", cublas=True),
+    "gemm-rowxcol-64x2112x7168": lambda: _gemm(64, 2112, 7168, "rowxcol"),  # split K 4: the vectorised reduce
+    "gemm-rowxcol-64x2112x7168-cublas": lambda: _gemm(64, 2112, 7168, "rowxcol", cublas=True),
+    # the 0.89-0.94x band of short kernels (2026-11-30): swapped K = 512, and M = 128 on 64x128 tiles
+    "gemm-rowxrow-64x32768x512": lambda: _gemm(64, 32768, 512, "rowxrow"),
+    "gemm-rowxrow-64x32768x512-cublas": lambda: _gemm(64, 32768, 512, "rowxrow", cublas=True),
+    "gemm-colxcol-128x7168x2048": lambda: _gemm(128, 7168, 2048, "colxcol"),
+    "gemm-colxcol-128x7168x2048-cublas": lambda: _gemm(128, 7168, 2048, "colxcol", cublas=True),
     "rmsnorm-16384x2048": lambda: _rmsnorm(16384, 2048, False),
     "rmsnorm-16384x2048-inductor": lambda: _rmsnorm(16384, 2048, True),
     "rmsnorm-16384x8192": lambda: _rmsnorm(16384, 8192, False),

@@ -153,7 +153,9 @@ def _variants(w: Workload, sms: int) -> list[str]:
         splits = sorted({max(1, base.split_k // 2), base.split_k * 2} - {base.split_k})  # base itself is "auto"
         options = [replace(base, split_k=s) for s in splits]
         options.append(replace(base, bm=128, consumers=2) if base.bm == 64 else replace(base, bm=64, consumers=1))
-        return [encode_config(c, swap=True) for c in options if c.check(w.itemsize) is None]
+        # the other tile height at the deepest ring that fits (128 rows hold fewer stages than 64)
+        options = [gemm.deepest_ring(c, w.itemsize, most=c.stages) for c in options]
+        return [encode_config(c, swap=True) for c in options if c is not None]
     base = gemm.default_config(w.m, w.n, w.k, w.batches, w.itemsize, sms)
     whole = base.split_k == 1  # ping-pong, the TMA-store epilogue and clusters need whole tiles
     # the heuristic's other large tiles as they are tuned (ping-pong or not, their epilogue), then 128x256 with

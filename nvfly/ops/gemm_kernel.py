@@ -657,8 +657,8 @@ def split_k_reduce_kernel(partials: nvfly.Tensor, out: nvfly.Tensor, c_in, m: nv
 
 
 def reduce_vector(n: int, out_row_stride: int, out_address: int, out_itemsize: int) -> int:
-    """Elements per thread of ``split_k_reduce_kernel``: 8, 4 or 2 when they divide n and out's rows take stores that
-    wide (16-byte aligned f32 partials need n % 4 == 0 for 4), else 1."""
+    """Elements per thread of ``split_k_reduce_kernel``: the widest of 8, 4 and 2 that divides n (the partials' rows)
+    and out's row stride and address (whole-vector accesses), else 1."""
     for vec in (8, 4, 2):
         if n % vec == 0 and out_row_stride % vec == 0 and out_address % (vec * out_itemsize) == 0:
             return vec

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, graph_ms, plot, write_results  # noqa: E402
 from nvfly.ops import topk  # noqa: E402
-from nvfly.ops.rmsnorm import vector_width  # noqa: E402
+from nvfly.runtime.torch_args import vector_width  # noqa: E402
 from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 
 SAMPLING = [(m, n, k) for m in (1, 64, 256) for n in (128256, 151936) for k in (50, 1024)]

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import nvfly
 from nvfly.ops import gemm
-from nvfly.ops.gemm_kernel import (REDUCE_THREADS, SMEM_LIMIT, Epilogue, GemmConfig, reduce_vector,
-                                   split_k_reduce_kernel)
+from nvfly.ops.gemm_kernel import REDUCE_THREADS, SMEM_LIMIT, Epilogue, GemmConfig, split_k_reduce_kernel
+from nvfly.runtime.torch_args import vector_width
 
 CONFIGS = [GemmConfig(128, 256, 4, 2), GemmConfig(256, 128, 4, 2), GemmConfig(128, 128, 6, 2),
            GemmConfig(64, 256, 4, 1), GemmConfig(64, 16, 7, 1, split_k=4), GemmConfig(128, 64, 7, 2, group_m=16),
@@ -249,12 +249,16 @@ def test_split_k_reduce_reads_and_writes_whole_vectors(vec, out_dtype, epi):
 
 
 def test_reduce_vector_widths():
-    assert reduce_vector(4096, 4096, 0, 2) == 8
-    assert reduce_vector(4100, 4100, 0, 2) == 4
-    assert reduce_vector(4098, 4098, 0, 2) == 2
-    assert reduce_vector(4097, 4097, 0, 2) == 1
-    assert reduce_vector(4096, 4100, 0, 2) == 4       # rows 4100 apart
-    assert reduce_vector(4096, 4096, 8, 2) == 4       # an 8-byte aligned output
+    """The split-K reduce's width (vector_width of its output; None: a new contiguous one)."""
+    assert vector_width(4096, (None,), 2) == 8
+    assert vector_width(4100, (None,), 2) == 4
+    assert vector_width(4098, (None,), 2) == 2
+    assert vector_width(4097, (None,), 2) == 1
+    assert vector_width(4096, (torch.empty(64, 4100, dtype=torch.bfloat16)[:, :4096],), 2) == 4  # rows 4100 apart
+    eight_byte_aligned = torch.empty(64 * 4096 + 4, dtype=torch.bfloat16)[4:].view(64, 4096)
+    assert vector_width(4096, (eight_byte_aligned,), 2) == 4
+    batched = torch.empty(3, 64, 4096 + 8, dtype=torch.bfloat16)  # a batched output: every row start counts
+    assert vector_width(4096, (batched[:, :, :4096],), 2) == 8 and vector_width(4096, (batched[:, :, 1:4097],), 2) == 1
 
 
 @pytest.mark.parametrize("majors", list(itertools.product(["row", "col"], ["row", "col"])))

@@ -9,6 +9,7 @@ import torch
 import nvfly
 from benchmarks import rmsnorm as bench
 from nvfly.ops import rmsnorm
+from nvfly.runtime.torch_args import vector_width
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SMS = 132
@@ -125,7 +126,7 @@ def test_persistent_kernel_compiles_clean_and_prefetches_the_next_tile(dtype, n,
     m = 16384
     x, w, r = tensors(m, n, dtype, variant)
     forced = rmsnorm.ForwardOptions(persistent=True)
-    vec = rmsnorm.vector_width(n, (x, w, r), x.element_size())
+    vec = vector_width(n, (x, w, r), x.element_size())
     if -(-n // (vec * rmsnorm.MAX_GROUP)) > rmsnorm.PERSISTENT_VECTORS_PER_THREAD:  # fp32 rows of 16384
         with pytest.raises(ValueError, match="do not fit the persistent kernel"):
             rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=forced)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import nvfly
 import nvfly.torch.ops  # noqa: F401  (registers the nvfly:: custom ops)
 from nvfly.ops import rmsnorm, topk
+from nvfly.runtime.torch_args import vector_width
 from nvfly.torch.routing import Route, _routed, disable_routing, enable_routing, install_routing, installed, \
     register_route, routing, routing_enabled
 
@@ -26,7 +27,7 @@ def sliced_kernels(x, k, largest=True):
     """The kernels of the slices + merge plan (``row_threshold=False``; the default for some of these shapes is the
     row-threshold plan) for a 2-D x, compiled without a GPU."""
     m, n = x.shape
-    p = topk.plan(n, k, m, rmsnorm.vector_width(n, (x,), x.element_size()), x.element_size(), 132,
+    p = topk.plan(n, k, m, vector_width(n, (x,), x.element_size()), x.element_size(), 132,
                   row_threshold=False)
     with nvfly.compile_only() as kernels:
         topk._runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=x.dtype), torch.empty(m, k, dtype=torch.int64))
@@ -279,7 +280,7 @@ def test_topk_row_threshold_kernels_compile(dtype, n, k, m, largest):
     and whole-row stream) compile clean, without local memory, with registers and shared memory for 2 blocks."""
     x = torch.randn(m, n).to(dtype)
     itemsize = x.element_size()
-    vec = rmsnorm.vector_width(n, (x,), itemsize)
+    vec = vector_width(n, (x,), itemsize)
     p = topk.plan(n, k, m, vec, itemsize, 132, row_threshold=True)
     assert p.row_threshold
     with nvfly.compile_only() as kernels:
@@ -308,7 +309,7 @@ def test_topk_row_two_level_kernels_compile(dtype, n, k, m, largest):
     registers and shared memory for 2 blocks."""
     x = torch.randn(m, n).to(dtype)
     itemsize = x.element_size()
-    vec = rmsnorm.vector_width(n, (x,), itemsize)
+    vec = vector_width(n, (x,), itemsize)
     p = topk.plan(n, k, m, vec, itemsize, 132, row_threshold=True, two_level=True)
     assert p.row_threshold and p.two_level
     with nvfly.compile_only() as kernels:

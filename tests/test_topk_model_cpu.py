@@ -353,7 +353,7 @@ def model_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0):
     n = len(bits)
     itemsize = FORMATS[fmt] // 8
     vec = 16 // itemsize
-    while n % vec:  # (rmsnorm.vector_width for contiguous rows)
+    while n % vec:  # (runtime.torch_args.vector_width for contiguous rows)
         vec //= 2
     p = topk.plan(n, k, m_rows, vec, itemsize, sm_count, row_threshold=False)
     assert not p.warp

@@ -24,9 +24,9 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
-from nvfly.runtime.torch_args import current_stream, layout_key
+from nvfly.runtime.torch_args import current_stream, layout_key, vector_width
 from nvfly.ops import gemm_skinny, scratch
-from nvfly.ops.gemm_kernel import (ACTIVATIONS, REDUCE_THREADS, Epilogue, GemmConfig, gemm_kernel, reduce_vector,
+from nvfly.ops.gemm_kernel import (ACTIVATIONS, REDUCE_THREADS, Epilogue, GemmConfig, gemm_kernel,
                                    split_k_reduce_kernel, store_box)
 from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan
 
@@ -629,11 +629,8 @@ class _WgmmaCall:
         self.reduce_vec = 1
         self.reduce = None
         if plan.reduce_epilogue is not None:
-            out_itemsize = torch.empty((), dtype=out_dtype).element_size()
-            if out is None:
-                self.reduce_vec = reduce_vector(self.out_n, self.out_n, 0, out_itemsize)
-            elif out.stride(-1) == 1:
-                self.reduce_vec = reduce_vector(self.out_n, out.stride(-2), out.data_ptr(), out_itemsize)
+            if out is None or out.stride(-1) == 1:  # None: a new contiguous output
+                self.reduce_vec = vector_width(self.out_n, (out,), out_dtype.itemsize)
             self.reduce = split_k_reduce_kernel.prepared(
                 (math.ceil(plan.m * plan.n / (REDUCE_THREADS * self.reduce_vec)), plan.batches), REDUCE_THREADS)
         self.partial_sums = plan.batches * cfg.split_k * plan.m * plan.n if self.reduce is not None else 0

@@ -634,7 +634,7 @@ def split_k_reduce_kernel(partials: nvfly.Tensor, out: nvfly.Tensor, c_in, m: nv
                           alpha: nvfly.f32, beta: nvfly.f32, SPLITS: nvfly.Constexpr, EPI: nvfly.Constexpr,
                           VEC: nvfly.Constexpr):
     """out[b] = act(alpha * sum_s partials[b * SPLITS + s] + beta * C_in[b]), VEC consecutive elements of a row per
-    thread (``reduce_vector``: VEC divides n, and out's rows take VEC-wide stores)."""
+    thread (VEC divides n, and out's rows start VEC-aligned: runtime.torch_args.vector_width)."""
     i = (nvfly.block_idx.x * REDUCE_THREADS + nvfly.thread_idx.x) * VEC
     batch = nvfly.block_idx.y
     if i < m * n:
@@ -655,11 +655,3 @@ def split_k_reduce_kernel(partials: nvfly.Tensor, out: nvfly.Tensor, c_in, m: nv
             acc = nvfly.make_vector(sums) if VEC > 1 else sums[0]
         out.store(acc.to(out.dtype), batch, row, col)
 
-
-def reduce_vector(n: int, out_row_stride: int, out_address: int, out_itemsize: int) -> int:
-    """Elements per thread of ``split_k_reduce_kernel``: the widest of 8, 4 and 2 that divides n (the partials' rows)
-    and out's row stride and address (whole-vector accesses), else 1."""
-    for vec in (8, 4, 2):
-        if n % vec == 0 and out_row_stride % vec == 0 and out_address % (vec * out_itemsize) == 0:
-            return vec
-    return 1

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import nvfly
 from nvfly.arch.ptx import asm, asm_multi
 from nvfly.runtime import driver
-from nvfly.runtime.torch_args import layout_key
+from nvfly.runtime.torch_args import layout_key, vector_width
 
 if TYPE_CHECKING:
     import torch
@@ -680,18 +680,6 @@ def resident_warps(registers: int, threads: int) -> int:
     per_warp = -(-registers * 32 // REGISTER_ALLOCATION_UNIT) * REGISTER_ALLOCATION_UNIT
     by_registers = SM_REGISTERS // SM_SUB_PARTITIONS // per_warp * SM_SUB_PARTITIONS
     return min(by_registers // warps, SM_MAX_WARPS // warps, SM_MAX_BLOCKS) * warps
-
-
-def vector_width(n: int, tensors: Sequence[Optional["torch.Tensor"]], itemsize: int) -> int:
-    """The widest vector (16 bytes at most) that divides the row length and keeps every row start aligned."""
-    vec = 16 // itemsize
-    while vec > 1:
-        if n % vec == 0 and all(t is None or (t.data_ptr() % min(16, vec * t.element_size()) == 0 and
-                                             (t.dim() < 2 or t.shape[0] <= 1 or t.stride(0) % vec == 0))
-                                for t in tensors):
-            return vec
-        vec //= 2
-    return 1
 
 
 def _is_tensor(value: Any) -> bool:

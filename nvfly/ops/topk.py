@@ -58,9 +58,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import nvfly
 from nvfly.arch.ptx import asm
 from nvfly.frontend.language import atomic_add, redux_sync, syncthreads_or, vote_any
-from nvfly.ops.rmsnorm import vector_width
 from nvfly.runtime.driver import plan_sm_count
-from nvfly.runtime.torch_args import layout_key
+from nvfly.runtime.torch_args import layout_key, vector_width
 
 if TYPE_CHECKING:
     import torch

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from nvfly.errors import LaunchError
 from nvfly.frontend import dtypes
@@ -107,6 +107,24 @@ def layout_key(t: Any) -> Optional[tuple]:
     """What of a torch tensor (or None) decides an op's launch plan: shape, strides, dtype, device and the base
     address modulo 16 (vector widths, TMA), not its contents or address; a cache key part."""
     return None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15)
+
+
+def vector_width(n: int, tensors: Sequence[Any], itemsize: int) -> int:
+    """The widest vector (16 bytes of ``itemsize`` elements at most) that divides the row length ``n`` and keeps
+    every row start of every tensor (None: a new contiguous one) aligned: its address and each stride of a leading
+    dimension with more than one index. Rows are the last dimension, taken as contiguous."""
+    vec = 16 // itemsize
+    while vec > 1:
+        if n % vec == 0 and all(t is None or _rows_aligned(t, vec) for t in tensors):
+            return vec
+        vec //= 2
+    return 1
+
+
+def _rows_aligned(t: Any, vec: int) -> bool:
+    """Whether every row of ``t`` starts on a ``vec``-element boundary (16 bytes at most)."""
+    return t.data_ptr() % min(16, vec * t.element_size()) == 0 and \
+        all(stride % vec == 0 for extent, stride in zip(t.shape[:-1], t.stride()[:-1]) if extent > 1)
 
 
 def current_stream(device: int) -> int:

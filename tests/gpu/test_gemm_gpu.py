@@ -290,9 +290,9 @@ def test_split_k_partials_and_repeat_calls(hopper, m, bias, batch):
 @pytest.mark.parametrize("n", [1536, 1540, 1538, 1537])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_split_k_reduce_vector_widths(hopper, n, out_dtype):
-    """The reduce moves 8, 4, 2 or 1 elements of a row per thread (reduce_vector: what divides N and the output's
-    row stride); every width and output type reduces every element (the output is poisoned first), also into a
-    given output whose rows are 8 elements longer than N."""
+    """The reduce moves 8, 4, 2 or 1 elements of a row per thread (runtime.torch_args.vector_width: what divides N
+    and the output's row stride); every width and output type reduces every element (the output is poisoned
+    first), also into a given output whose rows are 8 elements longer than N."""
     m, k = 64, 4096
     a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     b = torch.randn(n, k, device="cuda").to(torch.bfloat16).t()  # column-major: any N is TMA-describable

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nvfly.ops import topk, topk_row
-from nvfly.ops.rmsnorm import vector_width
+from nvfly.runtime.torch_args import vector_width
 from nvfly.runtime.driver import plan_sm_count
 
 pytestmark = pytest.mark.gpu

@@ -228,7 +228,7 @@ def test_benchmark_reruns_the_rows_under_a_ratio(tmp_path):
 
 @pytest.mark.parametrize("vec,out_dtype,epi", [
     (8, nvfly.bf16, Epilogue()), (4, nvfly.f16, Epilogue(has_c=True, scaled=True, activation="silu")),
-    (8, nvfly.f32, Epilogue(activation="gelu_tanh")), (1, nvfly.bf16, Epilogue(scaled=True))])
+    (8, nvfly.f32, Epilogue(activation="gelu_tanh")), (4, nvfly.f32, Epilogue()), (1, nvfly.bf16, Epilogue(scaled=True))])
 def test_split_k_reduce_reads_and_writes_whole_vectors(vec, out_dtype, epi):
     """The split-K reduce moves vec elements of a row per thread in 16-byte (or narrower whole-vector) accesses:
     vec f32 partials of each split in 128-bit loads, the outputs in one store (no scalar splitting)."""

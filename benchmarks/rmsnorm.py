@@ -22,6 +22,7 @@ import functools
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +58,12 @@ PLAN_VARIANTS = {
     "two-pass 1024": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=1024),
     "two-pass 256x4": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=256, two_pass_vectors=4),
     "two-pass 1024x1": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=1024, two_pass_vectors=1),
+    # the bulk-copy kernel: rows streamed into a shared-memory ring by bulk copies, a block a row at a time
+    "bulk": rmsnorm.ForwardOptions(bulk=True),
+    "bulk 4 stages": rmsnorm.ForwardOptions(bulk=True, bulk_stages=4),
+    "bulk 1 block": rmsnorm.ForwardOptions(bulk=True, bulk_blocks_per_sm=1),
+    "bulk 128x4": rmsnorm.ForwardOptions(bulk=True, bulk_threads=128, bulk_blocks_per_sm=4),
+    "bulk 512": rmsnorm.ForwardOptions(bulk=True, bulk_threads=512),
 }
 PLAN_MAX_ERR = 1e-2  # --compare-plans: max |y - reference| / max |reference| (bf16 rounding: about 4e-3)
 
@@ -168,12 +175,13 @@ def _poison(*shapes_dtypes: tuple) -> None:
     del blocks
 
 
-def plan_rows(m: int, n: int, dtype: torch.dtype, fused_add: bool) -> list[dict]:
+def plan_rows(m: int, n: int, dtype: torch.dtype, fused_add: bool, only: Optional[list[str]] = None) -> list[dict]:
     """nvfly's forward (with a weight; with the residual add when ``fused_add``) under the default plan and each of
     PLAN_VARIANTS, one row each, with eager torch's and Inductor's times on the same inputs. Correctness first:
     every plan's output (allocated over NaN) must be within PLAN_MAX_ERR of the float64 reference, row by row,
     and x + residual exact, before anything is timed. A variant whose plan is an earlier one's is left out, as is
-    one that does not apply to the shape (the persistent kernel for rows too long for it)."""
+    one that does not apply to the shape (the persistent kernel for rows too long for it), and those not in
+    ``only`` (if given)."""
     x = torch.randn(m, n, device="cuda").to(dtype)
     w = torch.randn(n, device="cuda").to(dtype)
     r = torch.randn(m, n, device="cuda").to(dtype) if fused_add else None
@@ -181,6 +189,8 @@ def plan_rows(m: int, n: int, dtype: torch.dtype, fused_add: bool) -> list[dict]
     moved = (4 if fused_add else 2) * m * n * x.element_size() + n * w.element_size()
     rows, runs, plans = [], [], []
     for name, options in {"default": rmsnorm.ForwardOptions(), **PLAN_VARIANTS}.items():
+        if only and name != "default" and name not in only:
+            continue
         try:
             p = rmsnorm.plan_of(x, w, r, options=options)
         except ValueError:
@@ -222,13 +232,14 @@ def plan_rows(m: int, n: int, dtype: torch.dtype, fused_add: bool) -> list[dict]
     return rows
 
 
-def compare_plans(shapes: list[tuple[int, int]], fused_add_shapes: list[tuple[int, int]]) -> int:
+def compare_plans(shapes: list[tuple[int, int]], fused_add_shapes: list[tuple[int, int]],
+                  only: Optional[list[str]] = None, name: str = "rmsnorm_plans") -> int:
     """--compare-plans: one line per shape and plan, the default first (marked *), then torch and Inductor."""
     _allow_recompiles()
     rows = []
     t_start = time.time()
     for variant, m, n in [("forward", m, n) for m, n in shapes] + [("fused_add", m, n) for m, n in fused_add_shapes]:
-        shape_rows = plan_rows(m, n, torch.bfloat16, variant == "fused_add")
+        shape_rows = plan_rows(m, n, torch.bfloat16, variant == "fused_add", only)
         rows += shape_rows
         best = min(r["nvfly_ms"] for r in shape_rows)
         for r in shape_rows:
@@ -249,7 +260,7 @@ def compare_plans(shapes: list[tuple[int, int]], fused_add_shapes: list[tuple[in
                "best_plan": {f"{r['variant']} {r['M']}x{r['N']}": r["plan"] for r in rows if r["vs_best"] == 1},
                "seconds": time.time() - t_start}
     print(summary)
-    print("wrote", write_results("rmsnorm_plans", rows, {"summary": summary, "copy_tbps": COPY_TBPS}))
+    print("wrote", write_results(name, rows, {"summary": summary, "copy_tbps": COPY_TBPS}))
     return 0
 
 
@@ -259,6 +270,9 @@ def main(argv=None) -> int:
     p.add_argument("--name", default="rmsnorm", help="results file stem: benchmarks/results/<name>_h200.json (and "
                                                       ".png), so that a partial run does not replace the suite's")
     p.add_argument("--shapes", nargs="*", default=None, help="M,N pairs (forward, bf16)")
+    p.add_argument("--fused-add-shapes", nargs="*", default=None,
+                   help="--compare-plans: M,N pairs of the fused add (default: the suite's, or none with --shapes)")
+    p.add_argument("--plans", nargs="*", default=None, help="--compare-plans: only these variants (and the default)")
     p.add_argument("--compare-plans", action="store_true",
                    help="time nvfly's forward under each plan variant next to torch and Inductor (quick-suite and "
                         "fused-add shapes)")
@@ -268,7 +282,12 @@ def main(argv=None) -> int:
     else:
         shapes = [(m, n) for m in ([256, 16384] if args.quick or args.compare_plans else SUITE_M) for n in SUITE_N]
     if args.compare_plans:
-        return compare_plans(shapes, [] if args.shapes else FUSED_ADD)
+        fused = FUSED_ADD if args.fused_add_shapes is None and not args.shapes else \
+            [tuple(int(v) for v in s.split(",")) for s in args.fused_add_shapes or []]
+        unknown = set(args.plans or []) - set(PLAN_VARIANTS)
+        if unknown:
+            p.error(f"--plans: unknown {sorted(unknown)}; known: {sorted(PLAN_VARIANTS)}")
+        return compare_plans(shapes, fused, args.plans, "rmsnorm_plans" if args.name == "rmsnorm" else args.name)
     _allow_recompiles()
     cases = [("forward", m, n, torch.bfloat16) for m, n in shapes]
     if not args.quick and not args.shapes:

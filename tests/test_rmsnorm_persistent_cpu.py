@@ -99,7 +99,7 @@ def test_forward_options_are_checked():
                 dict(two_pass_threads=256.0), dict(two_pass_vectors=0), dict(two_pass_vectors=9)]:
         with pytest.raises(ValueError, match=f"options.{next(iter(bad))}"):
             rmsnorm.ForwardOptions(**bad)
-    with pytest.raises(ValueError, match="options.two_pass"):
+    with pytest.raises(ValueError, match="at most one of persistent, two_pass and bulk"):
         rmsnorm.ForwardOptions(persistent=True, two_pass=True)
 
 
@@ -190,14 +190,19 @@ def test_row_kernel_issues_the_weight_loads_before_any_store(dtype, n):
 @pytest.mark.parametrize("n", [2048, 4096, 7168, 8192, 16384])
 @pytest.mark.parametrize("fused_add", [False, True])
 def test_compare_plans_variants_compile_clean(n, fused_add):
-    """Every plan ``benchmarks/rmsnorm.py --compare-plans`` times at its 16384 rows compiles without spills."""
+    """Every plan ``benchmarks/rmsnorm.py --compare-plans`` times at its 16384 rows compiles without spills (the
+    bulk variants that do not apply, declined: 128 threads for rows of 16384)."""
     x, w, r = tensors(16384, n, torch.bfloat16, "residual" if fused_add else "weight")
     for name, options in bench.PLAN_VARIANTS.items():
+        try:
+            p = rmsnorm.plan_of(x, w, r, options=options)
+        except ValueError:
+            assert name == "bulk 128x4" and n == 16384
+            continue
         k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=False, options=options)
         assert_clean(k)
-        p = rmsnorm.plan_of(x, w, r, options=options)
-        kernel = "rms_norm_two_pass_kernel" if p.two_pass else \
-            "rms_norm_persistent_kernel" if p.persistent else "rms_norm_kernel"
+        kernel = "rms_norm_two_pass_kernel" if p.two_pass else "rms_norm_persistent_kernel" if p.persistent else \
+            "rms_norm_bulk_kernel" if p.bulk else "rms_norm_kernel"
         assert k.name == kernel and k.block == (p.threads, 1, 1), name
 
 
@@ -290,3 +295,55 @@ def test_two_pass_kernel_strided_rows():
     k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, options=options)
     assert_clean(k)
     assert k.name == "rms_norm_two_pass_kernel" and k.count("LDG.E.128") == k.count("LDG") > 0
+
+
+# ---------------------------------------------------------------------------------------------- the bulk-copy kernel
+def test_bulk_plan_sizes_block_ring_and_blocks_per_sm():
+    """The fewest threads holding the row in 4 vectors, two blocks an SM up to 256 threads (one above), as many
+    stages as the shared memory of the SM's blocks holds (up to 8); what cannot be done is declined, named."""
+    def bulk(n, itemsize=2, residual=False, **options):
+        return rmsnorm.bulk_plan(n, 16 // itemsize, itemsize, residual, rmsnorm.ForwardOptions(bulk=True, **options))
+
+    p = bulk(8192)
+    assert (p.threads, p.blocks_per_sm, p.stages, p.bulk) == (256, 2, 6, True)
+    assert 2 * (p.stages * 16384 + rmsnorm.BULK_BARRIER_BYTES) <= rmsnorm.BULK_SMEM_PER_SM
+    assert (bulk(8192, residual=True).stages, bulk(2048).threads, bulk(2048).stages) == (3, 128, 8)
+    assert (bulk(16384).threads, bulk(16384).blocks_per_sm, bulk(16384).stages) == (512, 1, 6)
+    assert bulk(8192, bulk_stages=3).stages == 3
+    assert (bulk(8192, bulk_threads=128, bulk_blocks_per_sm=4).stages) == 3
+    with pytest.raises(ValueError, match="options.bulk: rows of 1001"):
+        rmsnorm.bulk_plan(1001, 1, 2, False, rmsnorm.ForwardOptions(bulk=True))
+    with pytest.raises(ValueError, match="options.bulk: rows of 16384 elements on 1024 threads"):
+        bulk(16384, itemsize=4)
+    with pytest.raises(ValueError, match="128 registers"):
+        bulk(8192, bulk_threads=512, bulk_blocks_per_sm=2)
+    for bad, field in [(dict(bulk_threads=96), "bulk_threads"), (dict(bulk_stages=1), "bulk_stages"),
+                       (dict(bulk_blocks_per_sm=5), "bulk_blocks_per_sm"), (dict(two_pass=True), "at most one")]:
+        with pytest.raises(ValueError, match=field):
+            rmsnorm.ForwardOptions(bulk=True, **bad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2048, 7168, 8192, 16384])
+@pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
+def test_bulk_kernel_compiles_clean_with_one_copy_a_row(dtype, n, variant):
+    """No local memory; rows come in by bulk copies (UBLKCP: the ring's first fill and one refill a row, twice with
+    the residual) and are read from shared memory in 16-byte vectors; the weight is the only global load; two
+    barriers (the ring's start and the row's reduction); 16-byte stores."""
+    x, w, r = tensors(16384, n, dtype, variant)
+    options = rmsnorm.ForwardOptions(bulk=True)
+    try:
+        p = rmsnorm.plan_of(x, w, r, options=options)
+    except ValueError:
+        assert dtype == torch.float32 and n == 16384
+        return
+    k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, options=options)
+    assert k.name == "rms_norm_bulk_kernel" and k.block == (p.threads, 1, 1)
+    assert_clean(k)
+    copies = 1 + (variant == "residual")
+    assert k.count("UBLKCP") >= copies * (p.stages + 1)
+    assert k.count("LDS") == k.count("LDS.128") > 0
+    assert k.count("LDG") == k.count("LDG.E.128") == (-(-n // (p.vec * p.threads)) if variant != "plain" else 0)
+    assert k.count("BAR.SYNC") == 2 and k.count("MUFU.RSQ") == 1
+    assert k.count("STG.E.128") >= 1 and k.count("STG") - k.count("STG.E.128") <= 1  # the rstd's
+    assert k.resources.registers <= 65536 // (p.threads * p.blocks_per_sm)

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import nvfly
-from nvfly.arch.ptx import asm, asm_multi
+from nvfly.arch import sm90
+from nvfly.arch.ptx import asm, asm_multi, smem_address
 from nvfly.runtime import driver
 from nvfly.runtime.torch_args import layout_key, vector_width
 
@@ -77,6 +78,17 @@ PERSISTENT_REGISTERS = (96, 128)
 # fused add 65536x2048 263 -> 256 us; longer rows at 2 vectors a thread lose: 16384x8192 136 -> 155 us)
 SHORT_ROW_VECTORS = 512
 SHORT_ROW_TARGET_VECTORS = 2
+# The bulk-copy kernel (rms_norm_bulk_kernel): rows padded to BULK_ROW_ALIGN bytes in its ring, which starts
+# BULK_BARRIER_BYTES into dynamic shared memory (after the stage barriers); BULK_SMEM_PER_SM bytes of an SM's
+# shared memory (228 KB, less 1 KB a block the driver reserves and the static scratch) shared by its blocks
+BULK_ROW_ALIGN = 128
+BULK_BARRIER_BYTES = 1024
+BULK_SMEM_PER_SM = 224 * 1024
+BULK_MAX_STAGES = 8
+BULK_VECTORS_PER_THREAD = 4   # the fewest threads (BULK_MIN_THREADS to TWO_PASS_MAX_THREADS) holding the row in 4
+BULK_MIN_THREADS = 128
+BULK_BLOCKS_PER_SM = 2
+BULK_SM_THREADS = 512         # threads an SM at most: 128 registers a thread (the row and the weight in registers)
 EARLY_WEIGHT = True   # the row kernel loads the weight with the row: one round trip, not one per vector
 CACHE_HINTS = False   # L1/L2 eviction hints on the forward's accesses (see STREAM_L1)
 
@@ -452,6 +464,89 @@ def rms_norm_two_pass_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nv
             rstd_out[row] = rstd
 
 
+# ---------------------------------------------------------------------------------------------- bulk-copy kernel
+def bulk_row_bytes(n: int, itemsize: int) -> int:
+    """A row's bytes in a stage of the bulk kernel's ring: padded to BULK_ROW_ALIGN."""
+    return -(-n * itemsize // BULK_ROW_ALIGN) * BULK_ROW_ALIGN
+
+
+def bulk_stage_bytes(n: int, itemsize: int, has_residual: bool) -> int:
+    """One stage of the bulk kernel's ring: the row of x (and of the residual)."""
+    return bulk_row_bytes(n, itemsize) * (1 + has_residual)
+
+
+@nvfly.func
+def fetch_row(x, residual, row, M, bar, stage, ROW_BYTES, RESIDUAL_OFFSET, HAS_RESIDUAL):
+    """Thread 0: the bulk copies of row ``row`` of x (and of the residual) into the stage at shared address
+    ``stage``, completing on ``bar``; nothing past the last row."""
+    if row < M:
+        sm90.mbarrier_arrive_expect_tx(bar, ROW_BYTES * (1 + HAS_RESIDUAL))
+        sm90.bulk_load(stage, x.address(row, 0), ROW_BYTES, bar)
+        if HAS_RESIDUAL:
+            sm90.bulk_load(stage + RESIDUAL_OFFSET, residual.address(row, 0), ROW_BYTES, bar)
+
+
+@nvfly.kernel
+def rms_norm_bulk_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tensor, y: nvfly.Tensor,
+                         residual_out: nvfly.Tensor, rstd_out: nvfly.Tensor, M: nvfly.i32, eps: nvfly.f32,
+                         N: nvfly.Constexpr, VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr,
+                         STAGES: nvfly.Constexpr, BLOCKS_PER_SM: nvfly.Constexpr, HAS_WEIGHT: nvfly.Constexpr,
+                         HAS_RESIDUAL: nvfly.Constexpr, HAS_RSTD: nvfly.Constexpr):
+    """A persistent block of THREADS threads a row at a time (rows b, b + grid, ...), its rows streamed into a
+    shared-memory ring of STAGES stages by bulk copies (one instruction a row, issued by thread 0): STAGES rows a
+    block are in flight whatever the registers, the reads never wait behind the block's own reduction. Each
+    thread reads its vectors of the row from the stage, the block sums the squares (one barrier, after which the
+    stage is refilled with the row STAGES ahead) and the thread stores y from registers; the weight is read once
+    per block."""
+    nvfly.min_blocks_per_sm(BLOCKS_PER_SM)  # the grid is sized for exactly this many resident blocks
+    tid = nvfly.thread_idx.x
+    itemsize = x.dtype.itemsize
+    ROW_BYTES = N * itemsize
+    STAGE_BYTES = bulk_stage_bytes(N, itemsize, HAS_RESIDUAL)
+    RESIDUAL_OFFSET = bulk_row_bytes(N, itemsize)
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (STAGES,)))
+    # stage s: row s of x's view, the residual's row RESIDUAL_OFFSET bytes on
+    ring = nvfly.dynamic_shared_tensor(x.dtype, (STAGES * (1 + HAS_RESIDUAL), RESIDUAL_OFFSET // itemsize),
+                                       offset_bytes=BULK_BARRIER_BYTES)
+    ring_address = smem_address(ring)
+    first = nvfly.block_idx.x
+    step = nvfly.grid_dim.x
+    if tid == 0:
+        for s in nvfly.static_range(STAGES):
+            sm90.mbarrier_init(bars + 8 * s, 1)
+        sm90.fence_barrier_init()
+        for s in nvfly.static_range(STAGES):
+            fetch_row(x, residual, first + s * step, M, bars + 8 * s, ring_address + s * STAGE_BYTES, ROW_BYTES,
+                      RESIDUAL_OFFSET, HAS_RESIDUAL)
+    weights = load_row(weight, None, tid, None, N, VEC, THREADS, None) if HAS_WEIGHT else None
+    # two scratch halves, alternating by row, so one barrier a row is enough (as in the persistent kernel)
+    scratch = nvfly.shared_tensor(nvfly.f32, (2 * THREADS // 32,))
+    nvfly.syncthreads()  # the barriers are initialised before anyone waits on them
+    state = sm90.PipelineState.start(STAGES)
+    parity = nvfly.i32(0)
+    for row in range(first, M, step):
+        asm('.pragma "nounroll";')  # an unrolled copy of the row's vectors would double the registers
+        sm90.mbarrier_wait(bars + state.stage * 8, state.phase)
+        xs = load_row(ring, state.stage * (1 + HAS_RESIDUAL), tid, None, N, VEC, THREADS, None)
+        if HAS_RESIDUAL:
+            xs = add_residual(xs, load_row(ring, state.stage * 2 + 1, tid, None, N, VEC, THREADS, None))
+        total = group_sum(square_sum(xs, VEC), scratch, parity * (THREADS // 32), 0, tid >> 5, tid & 31, THREADS)
+        # every thread's reads of the stage are done (they fed the sum): refill it with the row STAGES ahead
+        if tid == 0:
+            fetch_row(x, residual, row + STAGES * step, M, bars + state.stage * 8,
+                      ring_address + state.stage * STAGE_BYTES, ROW_BYTES, RESIDUAL_OFFSET, HAS_RESIDUAL)
+        rstd = nvfly.rsqrt(total * (1.0 / N) + eps)
+        valid = row < M  # always: a traced true for the stores' masks
+        if HAS_RESIDUAL:
+            store_row(residual_out, xs, row, tid, valid, N, VEC, THREADS, None)
+        normalize_row(y, None, xs, weights, None, rstd, row, tid, valid, N, VEC, THREADS, (None, None))
+        if HAS_RSTD:
+            if tid == 0:
+                rstd_out[row] = rstd
+        state = state.advance()
+        parity = parity ^ 1
+
+
 # ---------------------------------------------------------------------------------------------- backward kernels
 @nvfly.kernel
 def rms_norm_backward_kernel(grad_out: nvfly.Tensor, x: nvfly.Tensor, weight: nvfly.Tensor, rstd: nvfly.Tensor,
@@ -555,6 +650,8 @@ class RowPlan:
     vectors: int = 0            # accesses of ``vec`` elements a thread per step of each pass
     early_weight: bool = False  # the forward's row kernel reads the weight with the row
     cache_hints: bool = False
+    bulk: bool = False          # the forward's bulk-copy kernel: a block of ``group`` threads a row, ``stages``
+    stages: int = 0             # rows a block in flight, ``blocks_per_sm`` blocks an SM
 
     @property
     def threads(self) -> int:
@@ -574,6 +671,10 @@ class ForwardOptions:
     two_pass: bool = False                  # the two-pass kernel for any row (rows too long for registers take it)
     two_pass_threads: Optional[int] = None  # its block, a row each: a power of two, 128 to 1024 (None: forward_plan's)
     two_pass_vectors: int = TWO_PASS_VECTORS  # its 16-byte vectors a thread per step of each pass, 1 to 8
+    bulk: bool = False                      # the bulk-copy kernel (rows of whole 16-byte vectors)
+    bulk_threads: Optional[int] = None      # its block: a power of two, 128 to 1024 (None: bulk_plan's)
+    bulk_stages: Optional[int] = None       # its ring's rows a block (None: as many as fit, up to BULK_MAX_STAGES)
+    bulk_blocks_per_sm: Optional[int] = None  # 1 to 4 (None: two blocks of up to 256 threads, else one)
 
     def __post_init__(self) -> None:
         # checked here, not per call: options equal as values (128 == 128.0) share a cached plan
@@ -583,12 +684,12 @@ class ForwardOptions:
         if vectors is not None and (type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD):
             raise ValueError(f"options.target_vectors: expected None or 1 to {MAX_VECTORS_PER_THREAD}, "
                              f"got {vectors!r}")
-        for name in ("persistent", "early_weight", "cache_hints", "two_pass"):
+        for name in ("persistent", "early_weight", "cache_hints", "two_pass", "bulk"):
             value = getattr(self, name)
             if type(value) is not bool:
                 raise ValueError(f"options.{name}: expected a bool, got {value!r}")
-        if self.persistent and self.two_pass:
-            raise ValueError("options.two_pass: not with options.persistent (two kernels)")
+        if self.persistent + self.two_pass + self.bulk > 1:
+            raise ValueError("options: at most one of persistent, two_pass and bulk (each is a kernel)")
         threads = self.two_pass_threads
         if threads is not None and (type(threads) is not int or threads & (threads - 1) or
                                     not TWO_PASS_MIN_THREADS <= threads <= TWO_PASS_MAX_THREADS):
@@ -597,6 +698,17 @@ class ForwardOptions:
         vectors = self.two_pass_vectors
         if type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD:
             raise ValueError(f"options.two_pass_vectors: expected 1 to {MAX_VECTORS_PER_THREAD}, got {vectors!r}")
+        threads = self.bulk_threads
+        if threads is not None and (type(threads) is not int or threads & (threads - 1) or
+                                    not BULK_MIN_THREADS <= threads <= TWO_PASS_MAX_THREADS):
+            raise ValueError(f"options.bulk_threads: expected None or a power of two from {BULK_MIN_THREADS} to "
+                             f"{TWO_PASS_MAX_THREADS}, got {threads!r}")
+        stages = self.bulk_stages
+        if stages is not None and (type(stages) is not int or not 2 <= stages <= BULK_MAX_STAGES):
+            raise ValueError(f"options.bulk_stages: expected None or 2 to {BULK_MAX_STAGES}, got {stages!r}")
+        blocks = self.bulk_blocks_per_sm
+        if blocks is not None and (type(blocks) is not int or not 1 <= blocks <= 4):
+            raise ValueError(f"options.bulk_blocks_per_sm: expected None or 1 to 4, got {blocks!r}")
 
 
 @functools.lru_cache(maxsize=4096)
@@ -670,6 +782,32 @@ def two_pass_plan(n: int, vec: int, max_vectors: int, options: ForwardOptions) -
         while threads < TWO_PASS_MAX_THREADS and threads * vectors * vec < n:
             threads *= 2
     return RowPlan(vec, threads, 1, False, two_pass=True, vectors=vectors, cache_hints=options.cache_hints)
+
+
+def bulk_plan(n: int, vec: int, itemsize: int, has_residual: bool, options: ForwardOptions) -> RowPlan:
+    """The bulk-copy kernel's block, ring and blocks per SM (ValueError where it cannot take the rows: they must
+    be whole 16-byte vectors, few enough a thread, and two stages must fit): ``options.bulk_threads`` threads, else
+    the fewest that hold the row in BULK_VECTORS_PER_THREAD vectors a thread; as many stages as fit the shared
+    memory of ``options.bulk_blocks_per_sm`` blocks, up to ``options.bulk_stages`` (or BULK_MAX_STAGES)."""
+    if vec * itemsize != 16 or n % vec:
+        raise ValueError(f"options.bulk: rows of {n} elements of {itemsize} bytes read {vec} at a time are not whole "
+                         "16-byte vectors (the bulk copies move 16-byte units from 16-byte aligned rows)")
+    row_vectors = n // vec
+    threads = options.bulk_threads
+    if threads is None:
+        threads = BULK_MIN_THREADS
+        while threads < TWO_PASS_MAX_THREADS and threads * BULK_VECTORS_PER_THREAD < row_vectors:
+            threads *= 2
+    blocks = options.bulk_blocks_per_sm or (BULK_BLOCKS_PER_SM if threads <= BULK_SM_THREADS // 2 else 1)
+    if -(-row_vectors // threads) > MAX_VECTORS_PER_THREAD or threads * blocks > BULK_SM_THREADS:
+        raise ValueError(f"options.bulk: rows of {n} elements on {threads} threads, {blocks} blocks an SM: over the "
+                         f"kernel's {MAX_VECTORS_PER_THREAD} vectors or 128 registers a thread")
+    budget = BULK_SMEM_PER_SM // blocks - BULK_BARRIER_BYTES
+    stages = min(options.bulk_stages or BULK_MAX_STAGES, budget // bulk_stage_bytes(n, itemsize, has_residual))
+    if stages < 2:
+        raise ValueError(f"options.bulk: two stages of rows of {n} elements do not fit the shared memory of "
+                         f"{blocks} blocks an SM")
+    return RowPlan(vec, threads, 1, False, bulk=True, stages=stages, blocks_per_sm=blocks)
 
 
 def resident_warps(registers: int, threads: int) -> int:
@@ -878,9 +1016,12 @@ def _forward_plan(key: Any, x: Any, weight: Any, eps: Any, residual: Any,
     vec = p.vec
     flags = (weight is not None, residual is not None, bool(want_rstd))
     eps = default_eps() if eps is None else float(eps)
-    if p.two_pass:
+    if p.bulk:
+        launch = rms_norm_bulk_kernel.prepared(min(m, p.blocks_per_sm * sms), p.threads)
+        tail: tuple = (m, eps, n, vec, p.threads, p.stages, p.blocks_per_sm, *flags)
+    elif p.two_pass:
         launch = rms_norm_two_pass_kernel.prepared(m, p.threads)
-        tail: tuple = (eps, n, vec, p.threads, p.vectors, *flags, p.cache_hints)
+        tail = (eps, n, vec, p.threads, p.vectors, *flags, p.cache_hints)
     elif p.persistent:
         launch = rms_norm_persistent_kernel.prepared(min(-(-m // p.rows), p.blocks_per_sm * sms), p.threads)
         tail = (m, eps, n, vec, p.group, p.rows, p.blocks_per_sm, *flags, p.cache_hints)
@@ -899,6 +1040,8 @@ def _forward_plan_of(x: "torch.Tensor", weight: Optional["torch.Tensor"], residu
     """forward_plan for checked arguments: the vector width their layouts allow and its register budget."""
     vec = vector_width(n, (_rows(x, n), weight.reshape(-1).contiguous() if weight is not None else None,
                            _rows(residual, n) if residual is not None else None), x.element_size())
+    if options.bulk:
+        return bulk_plan(n, vec, x.element_size(), residual is not None, options)
     max_vectors = MAX_VECTORS_PER_THREAD if vec * x.element_size() == 16 else NARROW_MAX_ELEMENTS // vec
     return forward_plan(n, vec, m, sm_count, max_vectors, residual is not None, options)
 

@@ -175,6 +175,52 @@ def test_forward_plan_on_request_agrees_with_the_row_kernel(option, m, n):
     assert torch.allclose(y.float(), rows.float(), rtol=2 ** -7, atol=0)
 
 
+# ---------------------------------------------------------------------------------------------- RMSNorm bulk copies
+# rows a block walks past its ring more than once (4099, 5000), fewer rows than blocks (1, 64, 133), rows whose
+# last vector some threads do not have (7168 at 256 threads), rows of a block of 512 (16384)
+BULK_SHAPES = [(4099, 7168), (1001, 8192), (300, 2048), (64, 16384), (1, 8192), (133, 4096), (5000, 4096)]
+BULK_OPTIONS = {
+    "default": rmsnorm.ForwardOptions(bulk=True),
+    "2 stages": rmsnorm.ForwardOptions(bulk=True, bulk_stages=2),
+    "128x4": rmsnorm.ForwardOptions(bulk=True, bulk_threads=128, bulk_blocks_per_sm=4),
+    "1 block": rmsnorm.ForwardOptions(bulk=True, bulk_blocks_per_sm=1),
+}
+
+
+@pytest.mark.parametrize("dtype,options", [(torch.bfloat16, name) for name in BULK_OPTIONS] +
+                         [(torch.float16, "default"), (torch.float32, "default")])
+@pytest.mark.parametrize("shape", BULK_SHAPES)
+@pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
+def test_bulk_rms_norm_matches_float32(dtype, options, shape, variant):
+    chosen = BULK_OPTIONS[options]
+    x, w, r = forward_inputs(shape, dtype, variant)
+    try:
+        rmsnorm.plan_of(x, w, r, options=chosen)
+    except ValueError as e:  # fp32 rows of 16384 (1024 threads), 128 threads with rows of 16384: said, not run
+        assert "options.bulk" in str(e) and shape[1] * x.element_size() // 16 > 128 * rmsnorm.MAX_VECTORS_PER_THREAD
+        return
+    check_forward_on_request(shape, dtype, variant, chosen, "bulk")
+
+
+def test_bulk_rms_norm_strided_rows_and_odd_lengths():
+    """x and the residual as views of wider rows (4160 elements apart, starting 16 and 32 bytes in), 3-D; rows
+    that are not whole 16-byte vectors are declined with the reason."""
+    base = torch.randn(4, 6, 4096 + 64, device="cuda").to(torch.bfloat16)
+    x, r = base[..., 8:4096 + 8], base[..., 16:4096 + 16]
+    w = torch.randn(4096, device="cuda").to(torch.bfloat16)
+    chosen = BULK_OPTIONS["default"]
+    assert rmsnorm.plan_of(x, w, r, options=chosen).bulk
+    poison_allocator((x.shape, x.dtype), (x.shape, x.dtype), ((24,), torch.float32))
+    y, h, rstd = rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=chosen)
+    assert torch.equal(h, x + r)
+    ref, ref_rstd = rms_norm_float32((x + r).reshape(24, 4096), w, 1e-6)
+    assert torch.allclose(y.reshape(24, 4096).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    assert torch.allclose(rstd, ref_rstd, rtol=1e-5)
+    odd = torch.randn(8, 1001, device="cuda").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="options.bulk"):
+        rmsnorm.rms_norm_forward(odd, None, 1e-6, options=chosen)
+
+
 # ---------------------------------------------------------------------------------------------- RMSNorm two-pass
 # one step a row (8192: exactly; 7168 and 2048: the last vector of some threads past the row end), rows of several
 # steps (16384 at 256 threads, 300_008: a masked last step, and the default's 1024 threads), odd lengths read in

@@ -49,6 +49,15 @@ def tma_load(desc: TmaDescriptorValue, smem: Scalar, coords: Sequence[Any], bar:
 
 
 @traced
+def bulk_load(smem: Scalar, src: Any, nbytes: Any, bar: Scalar) -> None:
+    """Copy ``nbytes`` (a multiple of 16) of contiguous global memory at ``src`` (16-byte aligned) into shared
+    memory at ``smem`` (16-byte aligned); the bytes complete on ``bar``. The non-tensor bulk copy: no descriptor,
+    one instruction for a whole row."""
+    asm("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+        [smem, src, nbytes, bar])
+
+
+@traced
 def tma_store(desc: TmaDescriptorValue, smem: Scalar, coords: Sequence[Any]) -> None:
     """Copy a box from shared memory at ``smem`` to global memory at ``coords`` (out-of-bounds parts are
     skipped). Complete with ``tma_store_commit`` + ``tma_store_wait``."""

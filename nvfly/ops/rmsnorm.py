@@ -85,7 +85,9 @@ BULK_ROW_ALIGN = 128
 BULK_BARRIER_BYTES = 1024
 BULK_SMEM_PER_SM = 224 * 1024
 BULK_MAX_STAGES = 8
-BULK_VECTORS_PER_THREAD = 4   # the fewest threads (BULK_MIN_THREADS to TWO_PASS_MAX_THREADS) holding the row in 4
+# a thread holds at most 4 vectors of the row and 4 of the weight (8 of each spill at 128 registers); a block is
+# the fewest threads (BULK_MIN_THREADS to TWO_PASS_MAX_THREADS) that hold the row so
+BULK_VECTORS_PER_THREAD = 4
 BULK_MIN_THREADS = 128
 BULK_BLOCKS_PER_SM = 2
 BULK_SM_THREADS = 512         # threads an SM at most: 128 registers a thread (the row and the weight in registers)
@@ -799,9 +801,9 @@ def bulk_plan(n: int, vec: int, itemsize: int, has_residual: bool, options: Forw
         while threads < TWO_PASS_MAX_THREADS and threads * BULK_VECTORS_PER_THREAD < row_vectors:
             threads *= 2
     blocks = options.bulk_blocks_per_sm or (BULK_BLOCKS_PER_SM if threads <= BULK_SM_THREADS // 2 else 1)
-    if -(-row_vectors // threads) > MAX_VECTORS_PER_THREAD or threads * blocks > BULK_SM_THREADS:
+    if -(-row_vectors // threads) > BULK_VECTORS_PER_THREAD or threads * blocks > BULK_SM_THREADS:
         raise ValueError(f"options.bulk: rows of {n} elements on {threads} threads, {blocks} blocks an SM: over the "
-                         f"kernel's {MAX_VECTORS_PER_THREAD} vectors or 128 registers a thread")
+                         f"kernel's {BULK_VECTORS_PER_THREAD} vectors or 128 registers a thread")
     budget = BULK_SMEM_PER_SM // blocks - BULK_BARRIER_BYTES
     stages = min(options.bulk_stages or BULK_MAX_STAGES, budget // bulk_stage_bytes(n, itemsize, has_residual))
     if stages < 2:

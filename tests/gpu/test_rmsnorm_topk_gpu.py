@@ -196,8 +196,8 @@ def test_bulk_rms_norm_matches_float32(dtype, options, shape, variant):
     x, w, r = forward_inputs(shape, dtype, variant)
     try:
         rmsnorm.plan_of(x, w, r, options=chosen)
-    except ValueError as e:  # fp32 rows of 16384 (1024 threads), 128 threads with rows of 16384: said, not run
-        assert "options.bulk" in str(e) and shape[1] * x.element_size() // 16 > 128 * rmsnorm.MAX_VECTORS_PER_THREAD
+    except ValueError as e:  # fp32 rows of 16384 (1024 threads), 128 threads for rows over 4096: said, not run
+        assert "options.bulk" in str(e) and shape[1] * x.element_size() // 16 > 128 * rmsnorm.BULK_VECTORS_PER_THREAD
         return
     check_forward_on_request(shape, dtype, variant, chosen, "bulk")
 

@@ -64,6 +64,14 @@ PLAN_VARIANTS = {
     "bulk 1 block": rmsnorm.ForwardOptions(bulk=True, bulk_blocks_per_sm=1),
     "bulk 128x4": rmsnorm.ForwardOptions(bulk=True, bulk_threads=128, bulk_blocks_per_sm=4),
     "bulk 512": rmsnorm.ForwardOptions(bulk=True, bulk_threads=512),
+    "bulk 2 stages": rmsnorm.ForwardOptions(bulk=True, bulk_stages=2),
+    "bulk 2 stages 1 block": rmsnorm.ForwardOptions(bulk=True, bulk_stages=2, bulk_blocks_per_sm=1),
+    # Inductor's reduction loop: 512 threads, 8-byte accesses, 2048 (4096) columns a step
+    "two-pass 512x1 8B": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=512, two_pass_vectors=1,
+                                                vector_bytes=8),
+    "two-pass 512x2 8B": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=512, two_pass_vectors=2,
+                                                vector_bytes=8),
+    "rows 8B": rmsnorm.ForwardOptions(vector_bytes=8),
 }
 PLAN_MAX_ERR = 1e-2  # --compare-plans: max |y - reference| / max |reference| (bf16 rounding: about 4e-3)
 

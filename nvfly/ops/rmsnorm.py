@@ -677,6 +677,7 @@ class ForwardOptions:
     bulk_threads: Optional[int] = None      # its block: a power of two, 128 to 1024 (None: bulk_plan's)
     bulk_stages: Optional[int] = None       # its ring's rows a block (None: as many as fit, up to BULK_MAX_STAGES)
     bulk_blocks_per_sm: Optional[int] = None  # 1 to 4 (None: two blocks of up to 256 threads, else one)
+    vector_bytes: Optional[int] = None      # narrower accesses than the layout allows: 4 or 8 (None: up to 16)
 
     def __post_init__(self) -> None:
         # checked here, not per call: options equal as values (128 == 128.0) share a cached plan
@@ -708,6 +709,8 @@ class ForwardOptions:
         stages = self.bulk_stages
         if stages is not None and (type(stages) is not int or not 2 <= stages <= BULK_MAX_STAGES):
             raise ValueError(f"options.bulk_stages: expected None or 2 to {BULK_MAX_STAGES}, got {stages!r}")
+        if self.vector_bytes not in (None, 4, 8):
+            raise ValueError(f"options.vector_bytes: expected None, 4 or 8, got {self.vector_bytes!r}")
         blocks = self.bulk_blocks_per_sm
         if blocks is not None and (type(blocks) is not int or not 1 <= blocks <= 4):
             raise ValueError(f"options.bulk_blocks_per_sm: expected None or 1 to 4, got {blocks!r}")
@@ -1042,6 +1045,8 @@ def _forward_plan_of(x: "torch.Tensor", weight: Optional["torch.Tensor"], residu
     """forward_plan for checked arguments: the vector width their layouts allow and its register budget."""
     vec = vector_width(n, (_rows(x, n), weight.reshape(-1).contiguous() if weight is not None else None,
                            _rows(residual, n) if residual is not None else None), x.element_size())
+    if options.vector_bytes:
+        vec = max(1, min(vec, options.vector_bytes // x.element_size()))
     if options.bulk:
         return bulk_plan(n, vec, x.element_size(), residual is not None, options)
     max_vectors = MAX_VECTORS_PER_THREAD if vec * x.element_size() == 16 else NARROW_MAX_ELEMENTS // vec

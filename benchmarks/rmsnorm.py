@@ -72,6 +72,11 @@ PLAN_VARIANTS = {
     "two-pass 512x2 8B": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=512, two_pass_vectors=2,
                                                 vector_bytes=8),
     "rows 8B": rmsnorm.ForwardOptions(vector_bytes=8),
+    # Inductor's cache hints: loads hinted (the two-pass's first read evict_last in L1 and L2), stores plain
+    "rows load hints": rmsnorm.ForwardOptions(cache_hints=rmsnorm.LOAD_HINTS),
+    "two-pass load hints": rmsnorm.ForwardOptions(two_pass=True, cache_hints=rmsnorm.LOAD_HINTS),
+    "two-pass 512x4 8B load hints": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=512, two_pass_vectors=4,
+                                                           vector_bytes=8, cache_hints=rmsnorm.LOAD_HINTS),
 }
 PLAN_MAX_ERR = 1e-2  # --compare-plans: max |y - reference| / max |reference| (bf16 rounding: about 4e-3)
 

@@ -93,6 +93,7 @@ BULK_BLOCKS_PER_SM = 2
 BULK_SM_THREADS = 512         # threads an SM at most: 128 registers a thread (the row and the weight in registers)
 EARLY_WEIGHT = True   # the row kernel loads the weight with the row: one round trip, not one per vector
 CACHE_HINTS = False   # L1/L2 eviction hints on the forward's accesses (see STREAM_L1)
+LOAD_HINTS = "loads"  # the cache_hints value that hints the loads only (row_hints, two_pass_hints)
 
 
 # ---------------------------------------------------------------------------------------------- device helpers
@@ -142,44 +143,53 @@ STREAM_L1 = "L1::no_allocate"
 KEEP_L1 = "L1::evict_last"
 
 
-def row_hints(CACHE_HINTS: bool) -> tuple[Optional[tuple], Optional[tuple]]:
-    """(hint for the streamed rows, hint for the weight) of ``load_vector``/``store_vector``, or (None, None)."""
+def row_hints(CACHE_HINTS: Any) -> tuple[Optional[tuple], Optional[tuple], Optional[tuple]]:
+    """(hint for the streamed rows' loads, for the weight, for the stores) of ``load_vector``/``store_vector``:
+    none (False), all three (True), or the loads' only (LOAD_HINTS: the stores plain, as Inductor's)."""
     if not CACHE_HINTS:
-        return None, None
-    return (STREAM_L1, cache_policy("evict_first")), (KEEP_L1, cache_policy("evict_last"))
+        return None, None, None
+    stream = (STREAM_L1, cache_policy("evict_first"))
+    return stream, (KEEP_L1, cache_policy("evict_last")), None if CACHE_HINTS == LOAD_HINTS else stream
 
 
 def load_vector(t: Any, coord: tuple, width: int, mask: Any, hint: Optional[tuple]) -> Any:
     """``t.load(*coord, width=width, mask=mask)``; with ``hint`` = (L1 eviction qualifier, L2 policy) and a
-    16-byte vector, one cache-hinted ld.global instead (zeros where ``mask`` is false: nothing is read)."""
-    if hint is None or width * t.dtype.itemsize != 16:
+    16- or 8-byte vector, one cache-hinted ld.global instead (zeros where ``mask`` is false: nothing is read)."""
+    words = width * t.dtype.itemsize // 4
+    if hint is None or words not in (2, 4):
         return t.load(*coord, width=width, mask=mask)
     l1, policy = hint
-    load = f"ld.global.{l1}.L2::cache_hint.v4.u32 {{$0, $1, $2, $3}}, [$4], $5;"
+    outs = ", ".join(f"${i}" for i in range(words))
+    load = f"ld.global.{l1}.L2::cache_hint.v{words}.u32 {{{outs}}}, [${words}], ${words + 1};"
     if mask is None:
-        words = asm_multi(load, [nvfly.i32] * 4, [t.address(*coord), policy], side_effects=False)
+        loaded = asm_multi(load, [nvfly.i32] * words, [t.address(*coord), policy], side_effects=False)
     else:
-        predicated = load.replace("[$4], $5", "[$5], $6")
-        words = asm_multi("{ .reg .pred p; setp.ne.b32 p, $4, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
-                          f"mov.b32 $3, 0; @p {predicated} }}", [nvfly.i32] * 4,
-                          [mask.to(nvfly.i32), t.address(*coord), policy], side_effects=False)
-    return nvfly.make_vector(words, nvfly.i32).bitcast(t.dtype)
+        predicated = load.replace(f"[${words}], ${words + 1}", f"[${words + 1}], ${words + 2}")
+        zeros = " ".join(f"mov.b32 ${i}, 0;" for i in range(words))
+        loaded = asm_multi(f"{{ .reg .pred p; setp.ne.b32 p, ${words}, 0; {zeros} @p {predicated} }}",
+                           [nvfly.i32] * words, [mask.to(nvfly.i32), t.address(*coord), policy], side_effects=False)
+    return nvfly.make_vector(loaded, nvfly.i32).bitcast(t.dtype)
 
 
 def store_vector(t: Any, value: Any, coord: tuple, width: int, mask: Any, hint: Optional[tuple]) -> None:
-    """``t.store(value, *coord, mask=mask)`` of ``width`` elements; with ``hint`` and a 16-byte vector, one
+    """``t.store(value, *coord, mask=mask)`` of ``width`` elements; with ``hint`` and a 16- or 8-byte vector, one
     cache-hinted st.global."""
     value = value.to(t.dtype)
-    if hint is None or width * t.dtype.itemsize != 16:
+    words = width * t.dtype.itemsize // 4
+    if hint is None or words not in (2, 4):
         t.store(value, *coord, mask=mask)
         return
     l1, policy = hint
-    words = value.bitcast(nvfly.i32).tolist()
+    parts = value.bitcast(nvfly.i32).tolist()
+
+    def store(first: int) -> str:  # operand ``first`` is the address, then the words, then the policy
+        ins = ", ".join(f"${first + 1 + i}" for i in range(words))
+        return f"st.global.{l1}.L2::cache_hint.v{words}.u32 [${first}], {{{ins}}}, ${first + 1 + words};"
     if mask is None:
-        asm(f"st.global.{l1}.L2::cache_hint.v4.u32 [$0], {{$1, $2, $3, $4}}, $5;", [t.address(*coord), *words, policy])
+        asm(store(0), [t.address(*coord), *parts, policy])
     else:
-        asm(f"{{ .reg .pred p; setp.ne.b32 p, $0, 0; @p st.global.{l1}.L2::cache_hint.v4.u32 [$1], "
-            "{$2, $3, $4, $5}, $6; }", [mask.to(nvfly.i32), t.address(*coord), *words, policy])
+        asm(f"{{ .reg .pred p; setp.ne.b32 p, $0, 0; @p {store(1)} }}",
+            [mask.to(nvfly.i32), t.address(*coord), *parts, policy])
 
 
 def row_vectors(N: int, VEC: int, GROUP: int) -> tuple[int, bool]:
@@ -227,12 +237,12 @@ def store_row(t: Any, xs: list, row: Any, lane: Any, valid: Any, N: int, VEC: in
 
 def normalize_row(y: Any, residual_out: Any, xs: list, weights: Optional[list], weight: Any, rstd: Any, row: Any,
                   lane: Any, valid: Any, N: int, VEC: int, GROUP: int,
-                  hints: tuple[Optional[tuple], Optional[tuple]]) -> None:
+                  hints: tuple[Optional[tuple], Optional[tuple], Optional[tuple]]) -> None:
     """y = x * rstd (* weight) for this thread's vectors of ``row``, each followed by x + residual to
     ``residual_out`` (None: not here); nothing is written past the row end or where ``valid`` is false. The
     weight's vectors are ``weights`` (loaded earlier), else read from ``weight`` (None: no weight) before each
     store."""
-    stream, keep_hint = hints
+    _, keep_hint, store_hint = hints
     vectors, tail = row_vectors(N, VEC, GROUP)
     for v in range(vectors):
         col = (v * GROUP + lane) * VEC
@@ -243,9 +253,9 @@ def normalize_row(y: Any, residual_out: Any, xs: list, weights: Optional[list], 
         elif weight is not None:
             w = load_vector(weight, (col,), VEC, keep if tail and v == vectors - 1 else None, keep_hint)
             out = out * w.to(nvfly.f32)
-        store_vector(y, out, (row, col), VEC, keep, stream)
+        store_vector(y, out, (row, col), VEC, keep, store_hint)
         if residual_out is not None:
-            store_vector(residual_out, xs[v], (row, col), VEC, keep, stream)
+            store_vector(residual_out, xs[v], (row, col), VEC, keep, store_hint)
 
 
 @nvfly.kernel
@@ -262,7 +272,7 @@ def rms_norm_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tenso
     nvfly.min_blocks_per_sm(max(1, 512 // (GROUP * ROWS)))  # a 128-register budget (ptxas may spill small blocks)
     row, valid, lane, group, warp, warp_lane = row_layout(M, GROUP, ROWS)
     hints = row_hints(CACHE_HINTS)
-    stream, keep = hints
+    stream, keep, _ = hints
     xs = load_row(x, row, lane, None, N, VEC, GROUP, stream)
     if HAS_RESIDUAL:
         xs = add_residual(xs, load_row(residual, row, lane, None, N, VEC, GROUP, stream))
@@ -294,7 +304,7 @@ def rms_norm_persistent_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: 
     group = tid >> int(math.log2(GROUP))
     warp = tid >> 5
     hints = row_hints(CACHE_HINTS)
-    stream, keep = hints
+    stream, keep, store = hints
     weights = load_row(weight, None, lane, None, N, VEC, GROUP, keep) if HAS_WEIGHT else None
     first = nvfly.block_idx.x * ROWS + group
     xs_next = load_row(x, nvfly.minimum(first, M - 1), lane, first < M, N, VEC, GROUP, stream)
@@ -316,7 +326,7 @@ def rms_norm_persistent_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: 
             rs_next = load_row(residual, ahead, lane, following < M, N, VEC, GROUP, stream)
             xs = add_residual(xs, rs)
             # stored now: only the fp32 x + residual stays in registers through the reduction (fewer registers)
-            store_row(residual_out, xs, row, lane, valid, N, VEC, GROUP, stream)
+            store_row(residual_out, xs, row, lane, valid, N, VEC, GROUP, store)
         total = group_sum(square_sum(xs, VEC), scratch, parity * slots, group, warp, tid & 31, GROUP)
         rstd = nvfly.rsqrt(total * (1.0 / N) + eps)
         normalize_row(y, None, xs, weights, None, rstd, row, lane, valid, N, VEC, GROUP, hints)
@@ -333,11 +343,15 @@ FIRST_READ = "L1::evict_last"
 LAST_READ = "L1::evict_first"
 
 
-def two_pass_hints(CACHE_HINTS: bool) -> tuple[Optional[tuple], Optional[tuple], Optional[tuple], Optional[tuple]]:
-    """(first read, last read, weight, stores) hints of ``load_vector``/``store_vector``, or four Nones."""
+def two_pass_hints(CACHE_HINTS: Any) -> tuple[Optional[tuple], Optional[tuple], Optional[tuple], Optional[tuple]]:
+    """(first read, last read, weight, stores) hints of ``load_vector``/``store_vector``, or four Nones. With
+    LOAD_HINTS, Inductor's: the first read also kept in L2 (evict_last), the stores plain."""
     if not CACHE_HINTS:
         return None, None, None, None
     drop = cache_policy("evict_first")
+    if CACHE_HINTS == LOAD_HINTS:
+        keep = cache_policy("evict_last")
+        return (FIRST_READ, keep), (LAST_READ, drop), (KEEP_L1, keep), None
     return ((FIRST_READ, cache_policy("evict_normal")), (LAST_READ, drop), (KEEP_L1, cache_policy("evict_last")),
             (STREAM_L1, drop))
 
@@ -651,7 +665,7 @@ class RowPlan:
     two_pass: bool = False      # the forward's two-pass kernel (a block of ``group`` threads a row), ``vectors``
     vectors: int = 0            # accesses of ``vec`` elements a thread per step of each pass
     early_weight: bool = False  # the forward's row kernel reads the weight with the row
-    cache_hints: bool = False
+    cache_hints: Any = False    # False, True or LOAD_HINTS
     bulk: bool = False          # the forward's bulk-copy kernel: a block of ``group`` threads a row, ``stages``
     stages: int = 0             # rows a block in flight, ``blocks_per_sm`` blocks an SM
 
@@ -669,7 +683,7 @@ class ForwardOptions:
     persistent: bool = False                # the persistent kernel (forward_plan: measured slower by default)
     target_vectors: Optional[int] = None    # 16-byte vectors of a row per thread (None: forward_plan's, persistent 4)
     early_weight: bool = EARLY_WEIGHT
-    cache_hints: bool = CACHE_HINTS
+    cache_hints: Any = CACHE_HINTS          # False, True (loads and stores) or LOAD_HINTS (the loads only)
     two_pass: bool = False                  # the two-pass kernel for any row (rows too long for registers take it)
     two_pass_threads: Optional[int] = None  # its block, a row each: a power of two, 128 to 1024 (None: forward_plan's)
     two_pass_vectors: int = TWO_PASS_VECTORS  # its 16-byte vectors a thread per step of each pass, 1 to 8
@@ -687,7 +701,9 @@ class ForwardOptions:
         if vectors is not None and (type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD):
             raise ValueError(f"options.target_vectors: expected None or 1 to {MAX_VECTORS_PER_THREAD}, "
                              f"got {vectors!r}")
-        for name in ("persistent", "early_weight", "cache_hints", "two_pass", "bulk"):
+        if self.cache_hints not in (False, True, LOAD_HINTS) or type(self.cache_hints) not in (bool, str):
+            raise ValueError(f"options.cache_hints: expected False, True or {LOAD_HINTS!r}, got {self.cache_hints!r}")
+        for name in ("persistent", "early_weight", "two_pass", "bulk"):
             value = getattr(self, name)
             if type(value) is not bool:
                 raise ValueError(f"options.{name}: expected a bool, got {value!r}")

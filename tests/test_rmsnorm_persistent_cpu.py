@@ -61,9 +61,19 @@ def test_forward_plan_takes_the_row_kernel_and_the_persistent_one_on_request():
     # rows of at most 8 KB: 2 vectors a thread (128 threads a row), else 8 (the row kernel), never persistent
     assert not p.persistent and (p.group, p.early_weight) == (128, True)
     assert rmsnorm.forward_plan(4096, 8, 16384, SMS).group == 256
-    assert rmsnorm.forward_plan(8192, 8, 16384, SMS).group == 128
+    assert rmsnorm.forward_plan(8192, 8, 256, SMS).group == 128
     assert rmsnorm.forward_plan(2048, 4, 16384, SMS).group == 256  # fp32: 8 KB rows
-    assert rmsnorm.forward_plan(4096, 4, 16384, SMS).group == 128  # 16 KB: 8 vectors a thread
+    assert rmsnorm.forward_plan(4096, 4, 256, SMS).group == 128  # 16 KB: 8 vectors a thread
+    # rows of 12 KB or more, 1024 rows or more: the two-pass kernel with Inductor's hints (not with options that ask
+    # for another plan)
+    for n, vec, m, threads in [(8192, 8, 16384, 512), (7168, 8, 1024, 512), (4096, 4, 16384, 512),
+                               (16384, 8, 4096, 1024)]:
+        p = rmsnorm.forward_plan(n, vec, m, SMS)
+        assert p.two_pass and p.cache_hints == rmsnorm.LOAD_HINTS and p.threads == threads, (n, vec, m)
+    assert not rmsnorm.forward_plan(7168, 8, 1023, SMS).two_pass and not rmsnorm.forward_plan(4096, 8, 16384, SMS).two_pass
+    for other in [rmsnorm.ForwardOptions(target_vectors=8), rmsnorm.ForwardOptions(cache_hints=True)]:
+        assert not rmsnorm.forward_plan(8192, 8, 16384, SMS, options=other).two_pass
+    assert rmsnorm.forward_plan(65536, 8, 64, SMS).cache_hints == rmsnorm.LOAD_HINTS  # too long for registers
     four = rmsnorm.ForwardOptions(target_vectors=4)
     assert rmsnorm.forward_plan(2048, 8, 16384, SMS, options=four).group == 64
     forced = rmsnorm.ForwardOptions(persistent=True)
@@ -83,13 +93,13 @@ def test_forward_plan_takes_the_row_kernel_and_the_persistent_one_on_request():
 
 def test_row_kernel_loads_the_weight_early_where_registers_allow():
     options = rmsnorm.ForwardOptions()
-    assert rmsnorm.forward_plan(8192, 8, 16384, SMS, options=options).early_weight
+    assert rmsnorm.forward_plan(8192, 8, 256, SMS, options=options).early_weight
     # x, the residual and the weight at 8 vectors a thread spill: the weight stays after the reduction
-    assert not rmsnorm.forward_plan(8192, 8, 16384, SMS, has_residual=True, options=options).early_weight
+    assert not rmsnorm.forward_plan(8192, 8, 256, SMS, has_residual=True, options=options).early_weight
     four = rmsnorm.ForwardOptions(target_vectors=4)
     assert rmsnorm.forward_plan(8192, 8, 16384, SMS, has_residual=True, options=four).early_weight
     before = rmsnorm.ForwardOptions(early_weight=False)
-    assert not rmsnorm.forward_plan(8192, 8, 16384, SMS, options=before).early_weight
+    assert not rmsnorm.forward_plan(8192, 8, 256, SMS, options=before).early_weight
 
 
 def test_forward_options_are_checked():
@@ -154,7 +164,7 @@ def test_persistent_kernel_compiles_clean_and_prefetches_the_next_tile(dtype, n,
 def test_cache_hints_mark_every_access(n, variant, persistent):
     """x, the residual and both outputs stream past L1 (LDG/STG .NA), the weight is kept (LDG .EL); the L2
     policies go in the access descriptors, not extra instructions."""
-    x, w, r = tensors(16384, n, torch.bfloat16, variant)
+    x, w, r = tensors(16384 if persistent else 256, n, torch.bfloat16, variant)  # 256 rows: the row kernel
     hinted = rmsnorm.ForwardOptions(persistent=persistent, cache_hints=True)
     k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, options=hinted)
     plain = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, options=rmsnorm.ForwardOptions(persistent=persistent))
@@ -174,7 +184,7 @@ def test_cache_hints_mark_every_access(n, variant, persistent):
 def test_row_kernel_issues_the_weight_loads_before_any_store(dtype, n):
     """The SASS finding behind EARLY_WEIGHT: loaded after the reduction, the weight's loads sit between the
     stores (each waits for the store before it); loaded early, every load precedes the first store."""
-    x, w, _ = tensors(16384, n, dtype, "weight")
+    x, w, _ = tensors(256, n, dtype, "weight")  # 256 rows: the row kernel whatever the row length
     early = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, options=rmsnorm.ForwardOptions())
     late = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6,
                     options=rmsnorm.ForwardOptions(early_weight=False))

@@ -78,6 +78,14 @@ PERSISTENT_REGISTERS = (96, 128)
 # fused add 65536x2048 263 -> 256 us; longer rows at 2 vectors a thread lose: 16384x8192 136 -> 155 us)
 SHORT_ROW_VECTORS = 512
 SHORT_ROW_TARGET_VECTORS = 2
+# The two-pass kernel with Inductor's cache hints (LOAD_HINTS: x's first read kept in L1 and L2, the stores plain)
+# is the default for rows of TWO_PASS_MIN_ROW_BYTES or more, TWO_PASS_MIN_ROWS rows or more: measured side by side
+# on the H200 (benchmarks/results/rmsnorm_plans_hints_h200.json) bf16 16384x7168 117.5 -> 113.0 us (Inductor 113.1),
+# 16384x8192 134.7 -> 129.2 (129.2), 65536x8192 520.6 -> 498.8 (498.8), fused add 16384x8192 262.8 -> 257.3 (266.6);
+# the same kernel with the stores hinted evict_first and the first read evict_normal in L2 was no faster than the
+# row kernel (135.1 at 16384x8192), nor was the bulk-copy kernel (141.6: rms_norm_bulk_kernel)
+TWO_PASS_MIN_ROW_BYTES = 12 * 1024
+TWO_PASS_MIN_ROWS = 1024
 # The bulk-copy kernel (rms_norm_bulk_kernel): rows padded to BULK_ROW_ALIGN bytes in its ring, which starts
 # BULK_BARRIER_BYTES into dynamic shared memory (after the stage barriers); BULK_SMEM_PER_SM bytes of an SM's
 # shared memory (228 KB, less 1 KB a block the driver reserves and the static scratch) shared by its blocks
@@ -555,7 +563,7 @@ def rms_norm_bulk_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.
         valid = row < M  # always: a traced true for the stores' masks
         if HAS_RESIDUAL:
             store_row(residual_out, xs, row, tid, valid, N, VEC, THREADS, None)
-        normalize_row(y, None, xs, weights, None, rstd, row, tid, valid, N, VEC, THREADS, (None, None))
+        normalize_row(y, None, xs, weights, None, rstd, row, tid, valid, N, VEC, THREADS, (None, None, None))
         if HAS_RSTD:
             if tid == 0:
                 rstd_out[row] = rstd
@@ -758,7 +766,8 @@ def plan(n: int, vec: int, m: int, sm_count: int, target_vectors: int = TARGET_V
 def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX_VECTORS_PER_THREAD,
                  has_residual: bool = False, options: ForwardOptions = ForwardOptions()) -> RowPlan:
     """The forward's kernel and launch shape: the row kernel (one row tile per block), the persistent one, or the
-    two-pass one (``two_pass_plan``: rows too long for registers, or any row with ``options.two_pass``).
+    two-pass one (``two_pass_plan``: rows too long for registers, or any row with ``options.two_pass``; and rows of
+    TWO_PASS_MIN_ROW_BYTES or more when there are TWO_PASS_MIN_ROWS of them, with LOAD_HINTS).
 
     The row kernel (one row tile per block, the weight loaded with the row where registers allow) is the default;
     rows of at most SHORT_ROW_VECTORS vectors take SHORT_ROW_TARGET_VECTORS a thread. The persistent kernel (a grid
@@ -773,8 +782,14 @@ def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX
     target = options.target_vectors or (SHORT_ROW_TARGET_VECTORS if row_vectors <= SHORT_ROW_VECTORS
                                         else TARGET_VECTORS_PER_THREAD)
     rows = plan(n, vec, m, sm_count, target, max_vectors, block_threads=options.block_threads)
-    if rows.looped or options.two_pass:
+    if options.two_pass:
         return two_pass_plan(n, vec, max_vectors, options)
+    # long rows, many of them, no other kernel asked for: Inductor's structure and cache hints (LOAD_HINTS)
+    chosen = options.target_vectors is None and not options.persistent and not options.cache_hints
+    wide = max_vectors == MAX_VECTORS_PER_THREAD  # 16-byte vectors: the row is n * 16 // vec bytes
+    if rows.looped or chosen and wide and n * 16 // vec >= TWO_PASS_MIN_ROW_BYTES and m >= TWO_PASS_MIN_ROWS:
+        return two_pass_plan(n, vec, max_vectors, dataclasses.replace(
+            options, cache_hints=options.cache_hints or LOAD_HINTS))
     if options.persistent:
         vectors = options.target_vectors or PERSISTENT_VECTORS_PER_THREAD
         tiled = plan(n, vec, m, sm_count, vectors, max_vectors, block_threads=options.block_threads)

@@ -29,7 +29,8 @@ from benchmarks.common import bench_ms, graph_ms  # noqa: E402
 from nvfly.arch.ptx import asm  # noqa: E402
 from nvfly.frontend.language import syncthreads_or  # noqa: E402
 from nvfly.ops import topk, topk_row  # noqa: E402
-from nvfly.ops.topk import HIST, HIST_BITS, highest_index_bit, select_top, shared_state, stream_top, write_sorted  # noqa: E402
+from nvfly.ops.topk import (HIST, HIST_BITS, highest_index_bit, select_top, shared_state, stream_top,  # noqa: E402
+                            write_sorted)
 from nvfly.ops.topk_row import (block_slice, bucket_starts, clean_row, count_fine_buckets, fine_shift_of,  # noqa: E402
                                 load_list, locate_row_bucket, publish_candidates, scatter_kept, stage_candidates,
                                 write_ranked)
@@ -112,6 +113,10 @@ def stamped_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.
         stamp(stamps, row, part, 9, tid)
         clean_row(hist, counters, row, tid, THREADS)
         stamp(stamps, row, part, 10, tid)
+
+
+def us(ms: Any) -> str:
+    return "-" if ms is None else f"{ms * 1e3:.1f}"
 
 
 def row_plan(x: torch.Tensor, k: int) -> topk.TopkPlan:
@@ -215,14 +220,14 @@ def main(argv: Any = None) -> int:
         x = torch.randn(m, n, device="cuda").to(dtype)
         expected = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
         line = [f"{m}x{n} k={k} {args.dtype}: torch {bench_ms(lambda: torch.topk(x, k)) * 1e3:.1f} us "
-                f"(graph {graph_ms(lambda: torch.topk(x, k)) * 1e3:.1f})"]
+                f"(graph {us(graph_ms(lambda: torch.topk(x, k)))})"]
         for name, call in variants(x, k, base).items():
             values, indices = call()
             correct = bool(torch.equal(indices, expected) and torch.equal(values, x.gather(1, expected)))
             ok &= correct
             kernels = ", ".join(f"{kname} {t:.1f}" for kname, t in kernel_us(call).items())
             line.append(f"{name}{'' if correct else ' MISMATCH'} {bench_ms(call) * 1e3:.1f} us "
-                        f"(graph {graph_ms(call) * 1e3:.1f}; kernels: {kernels})")
+                        f"(graph {us(graph_ms(call))}; kernels: {kernels})")
         print(" | ".join(line), flush=True)
         if args.stamps:
             stamped(x, k, args.repeat)

@@ -710,21 +710,26 @@ def test_row_threshold_model_streams_all_equal_rows(k):
 
 
 def test_row_threshold_model_finish_takes_every_path():
-    """The last block's counting finish (random rows, NaN/inf/zeros: values rebuilt from the keys), its fallback to
-    ``select_top`` when a kept fine bucket holds more than CROWDED (a few thousand ties at the k-th value: one
-    16-bit key) and the stream (the threshold bucket overflows the list)."""
+    """The last block's counting finish (random rows, a few NaN/inf/zeros: values rebuilt from the keys), its
+    fallback to ``select_top`` when a kept fine bucket holds more than CROWDED (hundreds of NaN and inf in the top
+    bucket, thousands of ties at the k-th value) and the stream (the threshold bucket overflows the list)."""
     paths = []
-    for kind, fmt in [("randn", "f32"), ("special", "bf16"), ("special", "f16")]:
-        bits = rows(kind, 20_000, fmt, seed=3)
+    rng = np.random.default_rng(3)
+    for kind, fmt in [("randn", "f32"), ("sprinkled", "bf16"), ("sprinkled", "f16"), ("special", "bf16")]:
+        bits = rows("special" if kind == "special" else "randn", 20_000, fmt, seed=3)
+        if kind == "sprinkled":  # a few NaN (payloads differ: gathered by index), +-inf and zeros of both signs
+            nans = [0x7FC0, 0xFFC1, 0x7F81] if fmt == "bf16" else [0x7E00, 0xFE01, 0x7C01]
+            specials = nans + ([0x7F80, 0xFF80] if fmt == "bf16" else [0x7C00, 0xFC00]) + [0x0000, 0x8000]
+            bits[rng.choice(len(bits), 70, replace=False)] = np.repeat(specials, 10)
         assert row_threshold_topk(bits, 1024, fmt, True, 1, paths=paths)[0] == reference(bits, 1024, fmt, True)
-    assert paths == ["count"] * 3
+    assert paths == ["count"] * 3 + ["select"], paths  # special: 1% NaN, 1% inf crowd the top fine bucket
     g = torch.Generator().manual_seed(2)
     x = torch.randn(40_000, generator=g)
     x[torch.randperm(40_000, generator=g)[:3000]] = 2.5  # 3000 ties near the k-th value
     bits = (x.to(torch.bfloat16).view(torch.int16).numpy().astype(np.int64) & 0xFFFF).astype(np.uint32)
     for k in (50, 1024):
         assert row_threshold_topk(bits, k, "bf16", True, 1, paths=paths)[0] == reference(bits, k, "bf16", True)
-    assert paths[3:] == ["stream", "select"], paths  # k = 50: a list of 2048 only
+    assert paths[4:] == ["stream", "select"], paths  # k = 50: a list of 2048 only
 
 
 def test_row_threshold_plans():

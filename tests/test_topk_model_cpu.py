@@ -507,9 +507,82 @@ def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0, two_
             kept = two_level_select(candidates, hist2, bucket, above, k, fmt, index_top, p.threads, rng, stats,
                                     paths)
         else:
+            ordered = counting_finish(candidates, lowest, k, fmt, largest, bits, p.threads, p.cap, rng, paths)
+            if ordered is not None:
+                return [~r & M32 for r in ordered], False
             _, kept = select_top(candidates, k, index_top, p.threads, stats)
     out = sort_descending(kept + [ABSENT] * (p.k_pow2 - len(kept)), len(kept), p.k_pow2, p.threads)
     return [~r & M32 for r in out[:k]], count > p.row_cap
+
+
+def bucket_starts(hist, k, threads):
+    """``topk_row.bucket_starts``: thread t owns buckets [t*PER, (t+1)*PER), warp suffix sums, the higher warps'
+    totals. Returns (starts, where the k-th's bucket ends, whether a kept bucket holds more than CROWDED)."""
+    per = topk.HIST // threads
+    totals = [sum(hist[t * per:(t + 1) * per]) for t in range(threads)]
+    suffix = [sum(totals[t - t % 32 + lane] for lane in range(t % 32, 32)) for t in range(threads)]
+    warp_sums = [suffix[w * 32] for w in range(threads // 32)]
+    starts = [0] * topk.HIST
+    placed = None
+    crowded = False
+    for t in range(threads):
+        above = suffix[t] - totals[t] + sum(warp_sums[w] for w in range(t // 32 + 1, threads // 32))
+        for i in range(per - 1, -1, -1):
+            b = t * per + i
+            starts[b] = above
+            above += hist[b]
+            crowded |= starts[b] < k and hist[b] > topk_row.CROWDED
+            if starts[b] < k <= above:
+                assert placed is None
+                placed = above
+    assert starts == [sum(hist[b + 1:]) for b in range(topk.HIST)]
+    return starts, placed, crowded
+
+
+def counting_finish(candidates, lowest, k, fmt, largest, bits, threads, cap, rng, paths):
+    """``topk_row.finish_list``: the key range (the largest key of the list), the fine buckets, their starts,
+    the kept buckets copied grouped in any order (shared atomics), each candidate's position by counting, the
+    values rebuilt from the keys (NaN gathered). Returns the k ranks in order, or None for the fallback
+    (``select_top`` and the sort)."""
+    count = len(candidates)
+    key_high = max(rank_u(r) >> 32 for r in candidates)
+    span = min(key_high - lowest, (topk_row.FINE_SPAN << (FORMATS[fmt] - topk.HIST_BITS)) - 1)
+    fine_shift = max((span | 1).bit_length() - 1 - (topk.HIST_BITS - 1), 0)
+    bucket = lambda r: min(((rank_u(r) >> 32) - lowest) >> fine_shift, topk.HIST - 1)  # noqa: E731
+    assert fine_shift == 0 or FORMATS[fmt] == 32  # 16-bit keys: a bucket a key (the top one: all beyond)
+    hist = [0] * topk.HIST
+    for r in candidates:
+        hist[bucket(r)] += 1
+    starts, placed, crowded = bucket_starts(hist, k, threads)
+    if crowded or count + placed > cap:
+        if paths is not None:
+            paths.append("select")
+        return None
+    if paths is not None:
+        paths.append("count")
+    cursors = starts[:]
+    placed_ranks = [None] * placed
+    for r in rng.sample(candidates, count):  # the atomics of the warps in any order
+        b = bucket(r)
+        if starts[b] < k:
+            placed_ranks[cursors[b]] = r
+            cursors[b] += 1
+    assert None not in placed_ranks and cursors[bucket(placed_ranks[-1])] == placed
+    out = [None] * k
+    for r in placed_ranks:  # write_ranked
+        b = bucket(r)
+        position = starts[b] + sum(o > r for o in placed_ranks[starts[b]:cursors[b]])
+        if position < k:
+            assert out[position] is None
+            out[position] = r
+    assert out == sorted(candidates, reverse=True)[:k]
+    width = FORMATS[fmt]
+    for r in out:  # write_result: the value from the key, bit for bit unless NaN
+        value_bits = key_bits(rank_u(r) >> 32, fmt, largest)
+        nan = (value_bits & ((1 << (width - 1)) - 1)) > {"f32": 0x7F800000, "bf16": 0x7F80, "f16": 0x7C00}[fmt]
+        assert nan == bool(np.isnan(as_floats(np.array([bits[~r & M32]]), fmt)[0]))
+        assert nan or value_bits == bits[~r & M32]
+    return out
 
 
 def classify(candidates, prefix, shift2, sure, threads, rng):
@@ -603,13 +676,15 @@ ROW_CASES = [(8192, 1, 1), (8192, 50, 1), (40_000, 1024, 1), (40_000, 2048, 3), 
 def test_row_threshold_model_matches_torch_topk_on_random_rows(n, k, m, fmt):
     """Random rows: no stream fallback, torch.topk's values (on CPU: its indices list ties in any order) and the
     indices of torch's stable sort."""
+    paths = []
     for largest in (True, False):
         bits = rows("randn", n, fmt, seed=n + k)
-        got, streamed = row_threshold_topk(bits, k, fmt, largest, m)
+        got, streamed = row_threshold_topk(bits, k, fmt, largest, m, paths=paths)
         assert not streamed and got == reference(bits, k, fmt, largest)
         x = torch.from_numpy(as_floats(bits, fmt))
         assert torch.equal(x[got], torch.topk(x, k, largest=largest).values)
         assert got == torch.sort(x, descending=largest, stable=True).indices[:k].tolist()
+    assert paths == ["count", "count"]  # random rows: the counting finish, no select
 
 
 @pytest.mark.parametrize("kind", ["ties", "zeros", "special", "rising", "falling"])
@@ -632,6 +707,29 @@ def test_row_threshold_model_streams_all_equal_rows(k):
     for largest in (True, False):
         got, streamed = row_threshold_topk(bits, k, "bf16", largest, 1)
         assert streamed and got == list(range(k))
+
+
+def test_row_threshold_model_finish_takes_every_path():
+    """The last block's counting finish (random rows, a few NaN/inf/zeros: values rebuilt from the keys), its
+    fallback to ``select_top`` when a kept fine bucket holds more than CROWDED (hundreds of NaN and inf in the top
+    bucket, thousands of ties at the k-th value) and the stream (the threshold bucket overflows the list)."""
+    paths = []
+    rng = np.random.default_rng(3)
+    for kind, fmt in [("randn", "f32"), ("sprinkled", "bf16"), ("sprinkled", "f16"), ("special", "bf16")]:
+        bits = rows("special" if kind == "special" else "randn", 20_000, fmt, seed=3)
+        if kind == "sprinkled":  # a few NaN (payloads differ: gathered by index), +-inf and zeros of both signs
+            nans = [0x7FC0, 0xFFC1, 0x7F81] if fmt == "bf16" else [0x7E00, 0xFE01, 0x7C01]
+            specials = nans + ([0x7F80, 0xFF80] if fmt == "bf16" else [0x7C00, 0xFC00]) + [0x0000, 0x8000]
+            bits[rng.choice(len(bits), 70, replace=False)] = np.repeat(specials, 10)
+        assert row_threshold_topk(bits, 1024, fmt, True, 1, paths=paths)[0] == reference(bits, 1024, fmt, True)
+    assert paths == ["count"] * 3 + ["select"], paths  # special: 1% NaN, 1% inf crowd the top fine bucket
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40_000, generator=g)
+    x[torch.randperm(40_000, generator=g)[:3000]] = 2.5  # 3000 ties near the k-th value
+    bits = (x.to(torch.bfloat16).view(torch.int16).numpy().astype(np.int64) & 0xFFFF).astype(np.uint32)
+    for k in (50, 1024):
+        assert row_threshold_topk(bits, k, "bf16", True, 1, paths=paths)[0] == reference(bits, k, "bf16", True)
+    assert paths[4:] == ["stream", "select"], paths  # k = 50: a list of 2048 only
 
 
 def test_row_threshold_plans():

@@ -9,8 +9,9 @@ over the slices of each row instead of a top k per slice and a merge.
   k-th largest key and how many keys lie in B or above (``locate_bucket``). When those fit ``ROW_CAP``, it
   re-reads its slice (L2 hits), flags the keys in B or above with the stream's packed compares, stages their
   ranks in shared memory and appends them to the row's global candidate list with one atomic. The last block
-  of the row to arrive (arrival counter) loads the list, keeps its k largest ranks (``select_top``), sorts and
-  writes them, and zeroes the row's histogram and counters. When B and above hold more (heavy ties, e.g. an
+  of the row to arrive (arrival counter) loads the list, orders its k largest by a counting sort over fine key
+  buckets (``finish_list``; heavy ties fall back to ``select_top`` and the bitonic sort), writes them, and
+  zeroes the row's histogram and counters. When B and above hold more (heavy ties, e.g. an
   all-equal row), nothing is appended and the last block streams the whole row alone (``stream_top``): slow,
   exact.
 
@@ -26,21 +27,17 @@ from typing import Any
 import nvfly
 from nvfly.arch.gpu_scope import arrive
 from nvfly.arch.ptx import asm, asm_multi
-from nvfly.frontend.language import atomic_add, vote_any
-from nvfly.ops.topk import (ABSENT, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, append_slots, ballot,
-                            candidate_flags, flag_key, highest_index_bit, key_bits, locate_bucket, next_flagged,
-                            order_key, popc, rank64, rank_key, select_top, shared_state, step_loads, stream_top,
-                            write_sorted)
+from nvfly.frontend.language import atomic_add, redux_sync, syncthreads_or, vote_any
+from nvfly.ops.topk import (_NAN_ABOVE, ABSENT, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, append_slots,
+                            ballot, candidate_flags, flag_key, highest_bit, highest_index_bit, key_bits,
+                            locate_bucket, next_flagged, order_key, popc, rank64, rank_index, rank_key, select_top,
+                            shared_state, step_loads, stream_top, sweep_loads, write_sorted)
 
 COPIES = 8  # shared histograms a block counts into (64 KB)
 
 
 def red_add_u32(address: Any, value: Any) -> None:
     asm("red.relaxed.gpu.global.add.u32 [$0], $1;", [address, value])
-
-
-def load_relaxed_i64(address: Any) -> Any:
-    return asm("ld.relaxed.gpu.global.b64 $0, [$1];", [address], nvfly.i64)
 
 
 @nvfly.func
@@ -167,53 +164,19 @@ def publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THR
 
 
 @nvfly.func
-def finish_row(x, values, indices, hist, counters, buf, kept_buf, state, k, row, tid, lane, K_POW2, THREADS):
-    """The last block's end: the sorted k results written, the row's histogram and counters zeroed."""
-    write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
+def clean_row(hist, counters, row, tid, THREADS):
+    """The last block's end: the row's histogram and counters zeroed for the next launch."""
     for j in nvfly.static_range(HIST // THREADS):
         hist[row, j * THREADS + tid] = 0
     if tid < 2:
         counters[2 * row + tid] = 0
 
 
-@nvfly.kernel
-def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, hist: nvfly.Tensor,
-                           counters: nvfly.Tensor, candidates: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32,
-                           VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr,
-                           CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr, K_POW2: nvfly.Constexpr,
-                           LARGEST: nvfly.Constexpr):
-    """Block (row, part) appends its slice's elements in the k-th largest key's bucket or above to
-    ``candidates[row]``; the row's last block selects, sorts and writes the k largest and cleans up
-    (``counters[2*row]``: arrivals, ``counters[2*row + 1]``: appends)."""
-    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
-    row, tid, lane, warp, start, stop = block_slice(x, slice_len)
-    smem = shared_state(CAP, K_POW2, THREADS, tid)
-    buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
-    bucket, above, count = locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS)
-    if count <= ROW_CAP:
-        lowest = bucket.bitcast(nvfly.u32) << ((32 if x.dtype == nvfly.f32 else 16) - HIST_BITS)
-        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None)
-    nvfly.syncthreads()
-    if publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS):
-        nvfly.threadfence()
-        if count <= ROW_CAP:
-            for first in range(tid, count, SWEEP * THREADS):
-                loaded = [load_relaxed_i64(candidates.address(row, nvfly.minimum(first + j * THREADS, count - 1)))
-                          for j in nvfly.static_range(SWEEP)]
-                for j in nvfly.static_range(SWEEP):
-                    buf.store(loaded[j], first + j * THREADS, mask=first + j * THREADS < count)
-            if tid == 0:
-                state[0] = count
-            nvfly.syncthreads()
-            select_top(*smem, k, highest_index_bit(x), tid, lane, warp, THREADS)
-        else:
-            stream_top(x, row, 0, x.shape[1], k, smem, tid, VEC, UNROLL, THREADS, CAP, K_POW2, LARGEST)
-        finish_row(x, values, indices, hist, counters, buf, kept_buf, state, k, row, tid, lane, K_POW2, THREADS)
-
-
-# ---------------------------------------------------------------------------------------------- two levels
-def load_relaxed_i32(address: Any) -> Any:
-    return asm("ld.relaxed.gpu.global.b32 $0, [$1];", [address], nvfly.i32)
+@nvfly.func
+def finish_row(x, values, indices, hist, counters, buf, kept_buf, state, k, row, tid, lane, K_POW2, THREADS):
+    """The last block's end: the sorted k results written, the row's histogram and counters zeroed."""
+    write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
+    clean_row(hist, counters, row, tid, THREADS)
 
 
 def load_relaxed_i64x2(address: Any) -> list[Any]:
@@ -232,6 +195,211 @@ def list_loads(candidates, row, first, count, tid, THREADS):
         pair = nvfly.minimum((first >> 1) + j * THREADS + tid, last_pair)
         loaded += load_relaxed_i64x2(candidates.address(row, 2 * pair))
     return loaded
+
+
+@nvfly.func
+def ranks_above(buf, first, size, mine):
+    """How many of ``buf[first:first + size]`` rank above ``mine`` (the same address in every thread: shared-memory
+    broadcasts, four in flight)."""
+    higher = nvfly.i32(0)
+    for j in range(0, size, 4):
+        for u in nvfly.static_range(4):
+            r = buf.load(first + j + u, mask=j + u < size, other=ABSENT)
+            higher = higher + (r > mine).to(nvfly.i32)
+    return higher
+
+
+CROWDED = 256  # the most candidates in one kept fine bucket that the last block ranks by counting (more: select_top)
+
+
+@nvfly.func
+def load_list(candidates, buf, warp_sums, row, count, tid, lane, warp, THREADS):
+    """``buf[:count]`` = the row's candidate list (relaxed 16-byte loads of two ranks, the next step's in flight
+    while this one is stored); returns the largest key in it, in every thread after one barrier."""
+    STEP = 2 * SWEEP * THREADS
+    key_high = nvfly.u32(0)
+    current = list_loads(candidates, row, 0, count, tid, THREADS)
+    for first in range(0, count, STEP):
+        upcoming = list_loads(candidates, row, first + STEP, count, tid, THREADS)
+        for i in nvfly.static_range(2 * SWEEP):
+            at = first + 2 * ((i // 2) * THREADS + tid) + i % 2
+            real = at < count
+            buf.store(current[i], at, mask=real)
+            key_high = nvfly.select(real, nvfly.maximum(key_high, rank_key(current[i])), key_high)
+        current = upcoming
+    key_high = redux_sync(key_high, "max")
+    if lane == 0:
+        warp_sums[16 + warp] = key_high.bitcast(nvfly.i32)
+    nvfly.syncthreads()
+    for w in nvfly.static_range(THREADS // 32):
+        key_high = nvfly.maximum(key_high, warp_sums[16 + w].bitcast(nvfly.u32))
+    return key_high
+
+
+FINE_SPAN = 8  # first-level buckets above the threshold's that the fine buckets spread over at most
+
+
+@nvfly.func
+def fine_shift_of(lowest, key_high, dtype):
+    """The shift that cuts the keys from ``lowest`` up to ``key_high`` (at most FINE_SPAN first-level buckets of
+    them) into at most HIST fine buckets: 0 for 16-bit keys (a bucket a key), 32-bit keys of random rows ~13. Keys
+    beyond share the top bucket (``fine_bucket``), so that an outlier does not coarsen the buckets near the k-th."""
+    span = nvfly.minimum(key_high - lowest, (FINE_SPAN << ((32 if dtype == nvfly.f32 else 16) - HIST_BITS)) - 1)
+    return nvfly.maximum(highest_bit(span | 1).bitcast(nvfly.i32) - (HIST_BITS - 1), 0).bitcast(nvfly.u32)
+
+
+@nvfly.func
+def fine_bucket(rank, lowest, fine_shift):
+    """The fine bucket of a candidate (its key >= lowest): a higher bucket holds only higher ranks."""
+    return nvfly.minimum((rank_key(rank) - lowest) >> fine_shift, HIST - 1).bitcast(nvfly.i32)
+
+
+@nvfly.func
+def count_fine_buckets(buf, hist, count, lowest, fine_shift, tid, THREADS):
+    """``hist[b]`` = the candidates of ``buf[:count]`` in fine bucket b (shared atomics), published by a barrier."""
+    for first in range(tid, count, SWEEP * THREADS):
+        for j, r in enumerate(sweep_loads(buf, first, count, THREADS)):
+            if first + j * THREADS < count:
+                atomic_add(hist, fine_bucket(r, lowest, fine_shift), 1)
+    nvfly.syncthreads()
+
+
+@nvfly.func
+def bucket_starts(hist, warp_sums, state, k, tid, lane, warp, THREADS):
+    """Each fine bucket's first output position (the candidates in higher buckets), in ``hist[b]`` and in its
+    cursor ``hist[HIST + b]``; ``state[1]`` = where the bucket of the k-th largest ends (the candidates of the kept
+    buckets, those starting below k). Thread t owns buckets [t*PER, (t+1)*PER): warp suffix sums by shuffles,
+    the higher warps' totals after one barrier. Returns whether this thread owns a kept bucket of more than
+    CROWDED (the block then falls back to ``select_top``)."""
+    PER = HIST // THREADS
+    counts = [hist[tid * PER + i] for i in nvfly.static_range(PER)]
+    total = counts[0]
+    for c in counts[1:]:
+        total = total + c
+    suffix = total
+    for step in nvfly.static_range(5):
+        moved = nvfly.shfl_down(suffix, 1 << step)
+        suffix = suffix + nvfly.select(lane + (1 << step) < 32, moved, 0)
+    if lane == 0:
+        warp_sums[warp] = suffix
+    nvfly.syncthreads()
+    above = suffix - total
+    for w in nvfly.static_range(THREADS // 32):
+        above = above + nvfly.select(w > warp, warp_sums[w], 0)
+    crowded = nvfly.i32(0)
+    for i in nvfly.static_range(PER - 1, -1, -1):
+        start = above
+        above = above + counts[i]
+        hist[tid * PER + i] = start
+        hist[HIST + tid * PER + i] = start
+        crowded = crowded | ((start < k) & (counts[i] > CROWDED)).to(nvfly.i32)
+        if (start < k) & (k <= above):
+            state[1] = above
+    return crowded != 0
+
+
+@nvfly.func
+def scatter_kept(buf, hist, count, k, lowest, fine_shift, tid, THREADS):
+    """The candidates of the kept fine buckets to ``buf[count:]``, each bucket's at [start, end) in any order (a
+    shared atomic on its cursor), published by a barrier."""
+    for first in range(tid, count, SWEEP * THREADS):
+        for j, r in enumerate(sweep_loads(buf, first, count, THREADS)):
+            real = first + j * THREADS < count
+            bucket = nvfly.select(real, fine_bucket(r, lowest, fine_shift), 0)
+            if real & (hist[bucket] < k):
+                buf[count + atomic_add(hist, HIST + bucket, 1)] = r
+    nvfly.syncthreads()
+
+
+@nvfly.func
+def write_result(x, values, indices, rank, row, position, LARGEST):
+    """Output ``position`` of the row: the index, and the value rebuilt from the key (gathered from x only for
+    NaN, whose payload the key drops)."""
+    index = rank_index(rank)
+    indices[row, position] = index.to(nvfly.i64)
+    bits = key_bits(rank_key(rank), x.dtype, LARGEST)
+    if x.dtype == nvfly.f32:
+        nan = (bits & 0x7FFFFFFF) > _NAN_ABOVE["f32"]
+        value = bits.bitcast(nvfly.f32)
+    else:
+        nan = (bits & 0x7FFF) > _NAN_ABOVE[x.dtype.name]
+        value = bits.bitcast(nvfly.i32).to(nvfly.i16).bitcast(x.dtype)
+    values[row, position] = nvfly.select(nan, x.load(row, index, mask=nan), value)
+
+
+@nvfly.func
+def write_ranked(x, values, indices, buf, hist, count, placed, k, lowest, fine_shift, row, tid, THREADS, LARGEST):
+    """Each of the ``placed`` candidates at ``buf[count:]`` goes to its bucket's start plus the candidates of its
+    bucket that rank above it (ranks are unique); those at k or beyond (the k-th's bucket's rest) are dropped."""
+    for i in range(tid, placed, THREADS):
+        mine = buf[count + i]
+        bucket = fine_bucket(mine, lowest, fine_shift)
+        start = hist[bucket]
+        position = start + ranks_above(buf, count + start, hist[HIST + bucket] - start, mine)
+        if position < k:
+            write_result(x, values, indices, mine, row, position, LARGEST)
+
+
+@nvfly.func
+def finish_list(x, values, indices, candidates, smem, count, lowest, k, row, tid, lane, warp, THREADS, CAP, K_POW2,
+                LARGEST):
+    """The last block's k largest of the row's list (``count`` candidates, keys ``lowest`` and above), written in
+    order. A counting sort: the candidates are counted in HIST fine buckets of their keys (exact keys for 16-bit
+    floats), every bucket's start is the count above it, the buckets that start below k are copied to
+    ``buf[count:]`` grouped, and each candidate's position is its bucket's start plus those of its bucket that rank
+    above it. Five barriers instead of ``select_top``'s radix passes and compaction and the bitonic sort's 55
+    stages. A kept bucket of more than CROWDED (heavy ties) or no room for the copy: ``select_top`` and the sort."""
+    buf, kept_buf, hist, lane_sums, warp_sums, warp_lows, state = smem
+    key_high = load_list(candidates, buf, warp_sums, row, count, tid, lane, warp, THREADS)
+    fine_shift = fine_shift_of(lowest, key_high, x.dtype)
+    count_fine_buckets(buf, hist, count, lowest, fine_shift, tid, THREADS)
+    crowded = syncthreads_or(bucket_starts(hist, warp_sums, state, k, tid, lane, warp, THREADS))
+    placed = state[1]  # (the kept buckets' candidates: k and the rest of the k-th's bucket)
+    if crowded | (count + placed > CAP):
+        for j in nvfly.static_range(2 * HIST // THREADS):
+            hist[j * THREADS + tid] = 0  # (select_top counts from zeroed histograms)
+        if tid == 0:
+            state[0] = count
+        nvfly.syncthreads()
+        select_top(*smem, k, highest_index_bit(x), tid, lane, warp, THREADS)
+        write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
+    else:
+        scatter_kept(buf, hist, count, k, lowest, fine_shift, tid, THREADS)
+        write_ranked(x, values, indices, buf, hist, count, placed, k, lowest, fine_shift, row, tid, THREADS, LARGEST)
+
+
+@nvfly.kernel
+def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, hist: nvfly.Tensor,
+                           counters: nvfly.Tensor, candidates: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32,
+                           VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr,
+                           CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr, K_POW2: nvfly.Constexpr,
+                           LARGEST: nvfly.Constexpr):
+    """Block (row, part) appends its slice's elements in the k-th largest key's bucket or above to
+    ``candidates[row]``; the row's last block writes the k largest in order (``finish_list``) and cleans up
+    (``counters[2*row]``: arrivals, ``counters[2*row + 1]``: appends)."""
+    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
+    row, tid, lane, warp, start, stop = block_slice(x, slice_len)
+    smem = shared_state(CAP, K_POW2, THREADS, tid)
+    buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
+    bucket, above, count = locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS)
+    lowest = bucket.bitcast(nvfly.u32) << ((32 if x.dtype == nvfly.f32 else 16) - HIST_BITS)
+    if count <= ROW_CAP:
+        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None)
+    nvfly.syncthreads()
+    if publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS):
+        nvfly.threadfence()
+        if count <= ROW_CAP:
+            finish_list(x, values, indices, candidates, smem, count, lowest, k, row, tid, lane, warp, THREADS, CAP,
+                        K_POW2, LARGEST)
+        else:
+            stream_top(x, row, 0, x.shape[1], k, smem, tid, VEC, UNROLL, THREADS, CAP, K_POW2, LARGEST)
+            write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
+        clean_row(hist, counters, row, tid, THREADS)
+
+
+# ---------------------------------------------------------------------------------------------- two levels
+def load_relaxed_i32(address: Any) -> Any:
+    return asm("ld.relaxed.gpu.global.b32 $0, [$1];", [address], nvfly.i32)
 
 
 @nvfly.func
@@ -262,18 +430,6 @@ def append_two(state, firsts, seconds, lane):
         positions.append(at + popc(votes[i] & below))
         at = at + totals[i]
     return positions[:len(firsts)], positions[len(firsts):]
-
-
-@nvfly.func
-def ranks_above(buf, first, size, mine):
-    """How many of ``buf[first:first + size]`` rank above ``mine`` (the same address in every thread: shared-memory
-    broadcasts, four in flight)."""
-    higher = nvfly.i32(0)
-    for j in range(0, size, 4):
-        for u in nvfly.static_range(4):
-            r = buf.load(first + j + u, mask=j + u < size, other=ABSENT)
-            higher = higher + (r > mine).to(nvfly.i32)
-    return higher
 
 
 @nvfly.kernel

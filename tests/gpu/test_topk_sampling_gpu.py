@@ -179,6 +179,28 @@ def test_two_level_plan_matches_the_documented_order(m, n, k, kind, dtype):
     assert_workspace_clean(x.device, m)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 151936, 1024), (1, 151936, 50), (1, 128256, 2048), (64, 151936, 1024),
+                                   (3, 40_000, 256)])
+@pytest.mark.parametrize("kind", ["randn", "special", "threshold-ties", "outlier"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_row_threshold_counting_finish(m, n, k, kind, dtype):
+    """The row-threshold last block's counting finish (values rebuilt from the keys, NaN gathered by index; an
+    outlier widens the fine buckets) and its fallback to select + sort (threshold-ties: a crowded fine bucket):
+    the documented order bit for bit (largest, smallest, largest) and the workspace zero afterwards."""
+    if kind == "threshold-ties":
+        x = threshold_ties(m, n, dtype, k)
+    elif kind == "outlier":  # one huge value a row: the keys above the threshold span many binades
+        x = torch.randn(m, n, device="cuda")
+        x[:, n // 3] = 3e4 if dtype == torch.float16 else 1e30
+        x = x.to(dtype)
+    else:
+        x = rows(kind, m, n, dtype)
+    for largest in (True, False, True):
+        values, indices = row_threshold_topk(x, k, largest)
+        assert_documented(x, k, largest, values, indices)
+    assert_workspace_clean(x.device, m)
+
+
 def test_two_level_plan_matches_torch_on_the_sampling_suite():
     """Values equal to torch.topk's and the same indices, bf16 and fp32; then an all-equal row (the last block
     streams it), ties at the threshold, the one-level plan on the same workspace, and the random rows again."""

@@ -199,13 +199,15 @@ def list_loads(candidates, row, first, count, tid, THREADS):
 
 @nvfly.func
 def ranks_above(buf, first, size, mine):
-    """How many of ``buf[first:first + size]`` rank above ``mine`` (the same address in every thread: shared-memory
-    broadcasts, four in flight)."""
+    """How many of ``buf[first:first + size]`` (size >= 1) rank above ``mine`` (the same address in every thread of
+    a bucket: shared-memory broadcasts). Four loads in flight: unmasked (a masked load is a branch each), at
+    indices clamped to the last entry, whose extra compares are masked out."""
     higher = nvfly.i32(0)
+    last = first + size - 1
     for j in range(0, size, 4):
         for u in nvfly.static_range(4):
-            r = buf.load(first + j + u, mask=j + u < size, other=ABSENT)
-            higher = higher + (r > mine).to(nvfly.i32)
+            r = buf[nvfly.minimum(first + j + u, last)]
+            higher = higher + ((r > mine) & (j + u < size)).to(nvfly.i32)
     return higher
 
 

@@ -19,7 +19,11 @@ Design (forward, the row-in-registers kernel):
   16384 fp32) and for any row on request (``ForwardOptions(two_pass=True)``): a block per row streams the row
   through registers in steps of a few vectors a thread, twice: the first pass only sums squares, the second
   reads the row again (from L1/L2) and writes y (and x + residual, recomputed). Nothing is held across the
-  reduction, so about 32 registers a thread: a full SM of warps, each with its loads in flight.
+  reduction, so about 32 registers a thread: a full SM of warps, each with its loads in flight. With Inductor's
+  cache hints (LOAD_HINTS: the first read kept in L1 and L2, the stores plain) it is also the default for long rows
+  when there are many (TWO_PASS_MIN_ROW_BYTES, TWO_PASS_MIN_ROWS): it ties Inductor there, the row kernel did not.
+- the bulk-copy kernel (``ForwardOptions(bulk=True)``, opt-in: measured slower): a persistent block streams its rows
+  into a shared-memory ring with one cp.async.bulk a row and normalises them from there.
 Backward loops persistently over rows (about two blocks per SM), accumulating each block's weight gradient in
 registers; dy and x are read once from memory and once more from L1/L2 after the row's reduction. One small
 kernel then sums the per-block partials of the weight gradient.

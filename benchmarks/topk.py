@@ -24,6 +24,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -80,17 +81,19 @@ def plan_variants(x: torch.Tensor, k: int) -> dict:
         plans.update({"slices": sliced, f"parts<={sliced.parts // 2}": topk.plan(*shape, sliced.parts // 2, False),
                       "parts=1": topk.plan(*shape, 1, False), "row-threshold": topk.plan(*shape, row_threshold=True),
                       "two-level": topk.plan(*shape, row_threshold=True, two_level=True)})
-    calls = {}
-    for name, p in plans.items():
-        run = topk._runner(p, m, n, k, True)
+    return {name: allocating_call(topk._runner(p, m, n, k, True), x, k) for name, p in plans.items()}
 
-        def call(run=run):
-            values = torch.empty((m, k), dtype=x.dtype, device=x.device)
-            indices = torch.empty((m, k), dtype=torch.int64, device=x.device)
-            run(x, values, indices)
-            return values, indices
-        calls[name] = call
-    return calls
+
+def allocating_call(run: Callable[..., None], x: torch.Tensor, k: int) -> Callable[[], tuple]:
+    """call() -> (values, indices): ``run(x, values, indices)`` into fresh outputs, as topk.topk allocates them."""
+    m = x.shape[0]
+
+    def call():
+        values = torch.empty((m, k), dtype=x.dtype, device=x.device)
+        indices = torch.empty((m, k), dtype=torch.int64, device=x.device)
+        run(x, values, indices)
+        return values, indices
+    return call
 
 
 def compare_plans(cases: list[tuple[int, int, int]]) -> int:

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nvfly  # noqa: E402
 from benchmarks.common import bench_ms, graph_ms  # noqa: E402
+from benchmarks.topk import allocating_call  # noqa: E402
 from nvfly.arch.ptx import asm  # noqa: E402
 from nvfly.frontend.language import syncthreads_or  # noqa: E402
 from nvfly.ops import topk, topk_row  # noqa: E402
@@ -139,15 +140,7 @@ def variants(x: torch.Tensor, k: int, base: Any) -> dict[str, Callable[[], Any]]
     runs = {"current": topk_row.runner(p, m, k, True)}
     if base is not None:
         runs["base"] = base.runner(p, m, k, True)
-    calls = {}
-    for name, run in runs.items():
-        def call(run=run):
-            values = torch.empty((m, k), dtype=x.dtype, device=x.device)
-            indices = torch.empty((m, k), dtype=torch.int64, device=x.device)
-            run(x, values, indices)
-            return values, indices
-        calls[name] = call
-    return calls
+    return {name: allocating_call(run, x, k) for name, run in runs.items()}
 
 
 def kernel_us(fn: Callable[[], Any], repeat: int = 50) -> dict[str, float]:

@@ -175,6 +175,22 @@ def test_forward_plan_on_request_agrees_with_the_row_kernel(option, m, n):
     assert torch.allclose(y.float(), rows.float(), rtol=2 ** -7, atol=0)
 
 
+def check_strided_rows(options, kind):
+    """x and the residual as views of wider rows (4160 elements apart, starting 16 and 32 bytes in), 3-D, under
+    ``options`` (whose plan must be ``kind``, in 16-byte vectors): y, rstd, and x + r bit for bit."""
+    base = torch.randn(4, 6, 4096 + 64, device="cuda").to(torch.bfloat16)
+    x, r = base[..., 8:4096 + 8], base[..., 16:4096 + 16]
+    w = torch.randn(4096, device="cuda").to(torch.bfloat16)
+    p = rmsnorm.plan_of(x, w, r, options=options)
+    assert getattr(p, kind) and p.vec == 8
+    poison_allocator((x.shape, x.dtype), (x.shape, x.dtype), ((24,), torch.float32))
+    y, h, rstd = rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=options)
+    assert torch.equal(h, x + r)
+    ref, ref_rstd = rms_norm_float32((x + r).reshape(24, 4096), w, 1e-6)
+    assert torch.allclose(y.reshape(24, 4096).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    assert torch.allclose(rstd, ref_rstd, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- RMSNorm bulk copies
 # rows a block walks past its ring more than once (4099, 5000), fewer rows than blocks (1, 64, 133), rows whose
 # last vector some threads do not have (7168 at 256 threads), rows of a block of 512 (16384)
@@ -205,20 +221,10 @@ def test_bulk_rms_norm_matches_float32(dtype, options, shape, variant):
 def test_bulk_rms_norm_strided_rows_and_odd_lengths():
     """x and the residual as views of wider rows (4160 elements apart, starting 16 and 32 bytes in), 3-D; rows
     that are not whole 16-byte vectors are declined with the reason."""
-    base = torch.randn(4, 6, 4096 + 64, device="cuda").to(torch.bfloat16)
-    x, r = base[..., 8:4096 + 8], base[..., 16:4096 + 16]
-    w = torch.randn(4096, device="cuda").to(torch.bfloat16)
-    chosen = BULK_OPTIONS["default"]
-    assert rmsnorm.plan_of(x, w, r, options=chosen).bulk
-    poison_allocator((x.shape, x.dtype), (x.shape, x.dtype), ((24,), torch.float32))
-    y, h, rstd = rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=chosen)
-    assert torch.equal(h, x + r)
-    ref, ref_rstd = rms_norm_float32((x + r).reshape(24, 4096), w, 1e-6)
-    assert torch.allclose(y.reshape(24, 4096).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-    assert torch.allclose(rstd, ref_rstd, rtol=1e-5)
+    check_strided_rows(BULK_OPTIONS["default"], "bulk")
     odd = torch.randn(8, 1001, device="cuda").to(torch.bfloat16)
     with pytest.raises(ValueError, match="options.bulk"):
-        rmsnorm.rms_norm_forward(odd, None, 1e-6, options=chosen)
+        rmsnorm.rms_norm_forward(odd, None, 1e-6, options=BULK_OPTIONS["default"])
 
 
 # ---------------------------------------------------------------------------------------------- RMSNorm two-pass
@@ -246,18 +252,7 @@ def test_two_pass_rms_norm_matches_float32(dtype, options, shape, variant):
 @pytest.mark.parametrize("options", ["default", "hints"])
 def test_two_pass_rms_norm_strided_rows(options):
     """x and the residual as views of wider rows (4160 elements apart, starting 16 and 32 bytes in), 3-D."""
-    base = torch.randn(4, 6, 4096 + 64, device="cuda").to(torch.bfloat16)
-    x, r = base[..., 8:4096 + 8], base[..., 16:4096 + 16]
-    w = torch.randn(4096, device="cuda").to(torch.bfloat16)
-    chosen = TWO_PASS_OPTIONS[options]
-    p = rmsnorm.plan_of(x, w, r, options=chosen)
-    assert p.two_pass and p.vec == 8
-    poison_allocator((x.shape, x.dtype), (x.shape, x.dtype), ((24,), torch.float32))
-    y, h, rstd = rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=chosen)
-    assert torch.equal(h, x + r)
-    ref, ref_rstd = rms_norm_float32((x + r).reshape(24, 4096), w, 1e-6)
-    assert torch.allclose(y.reshape(24, 4096).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-    assert torch.allclose(rstd, ref_rstd, rtol=1e-5)
+    check_strided_rows(TWO_PASS_OPTIONS[options], "two_pass")
 
 
 # ---------------------------------------------------------------------------------------------- TopK

@@ -721,19 +721,11 @@ class ForwardOptions:
                 raise ValueError(f"options.{name}: expected a bool, got {value!r}")
         if self.persistent + self.two_pass + self.bulk > 1:
             raise ValueError("options: at most one of persistent, two_pass and bulk (each is a kernel)")
-        threads = self.two_pass_threads
-        if threads is not None and (type(threads) is not int or threads & (threads - 1) or
-                                    not TWO_PASS_MIN_THREADS <= threads <= TWO_PASS_MAX_THREADS):
-            raise ValueError(f"options.two_pass_threads: expected None or a power of two from {TWO_PASS_MIN_THREADS} "
-                             f"to {TWO_PASS_MAX_THREADS}, got {threads!r}")
+        _check_block_or_none("two_pass_threads", self.two_pass_threads, TWO_PASS_MIN_THREADS)
         vectors = self.two_pass_vectors
         if type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD:
             raise ValueError(f"options.two_pass_vectors: expected 1 to {MAX_VECTORS_PER_THREAD}, got {vectors!r}")
-        threads = self.bulk_threads
-        if threads is not None and (type(threads) is not int or threads & (threads - 1) or
-                                    not BULK_MIN_THREADS <= threads <= TWO_PASS_MAX_THREADS):
-            raise ValueError(f"options.bulk_threads: expected None or a power of two from {BULK_MIN_THREADS} to "
-                             f"{TWO_PASS_MAX_THREADS}, got {threads!r}")
+        _check_block_or_none("bulk_threads", self.bulk_threads, BULK_MIN_THREADS)
         stages = self.bulk_stages
         if stages is not None and (type(stages) is not int or not 2 <= stages <= BULK_MAX_STAGES):
             raise ValueError(f"options.bulk_stages: expected None or 2 to {BULK_MAX_STAGES}, got {stages!r}")
@@ -742,6 +734,23 @@ class ForwardOptions:
         blocks = self.bulk_blocks_per_sm
         if blocks is not None and (type(blocks) is not int or not 1 <= blocks <= 4):
             raise ValueError(f"options.bulk_blocks_per_sm: expected None or 1 to 4, got {blocks!r}")
+
+
+def _check_block_or_none(name: str, threads: Any, least: int) -> None:
+    """ForwardOptions' block sizes of a row a block: None or a power of two from ``least`` to TWO_PASS_MAX_THREADS."""
+    if threads is not None and (type(threads) is not int or threads & (threads - 1) or
+                                not least <= threads <= TWO_PASS_MAX_THREADS):
+        raise ValueError(f"options.{name}: expected None or a power of two from {least} to {TWO_PASS_MAX_THREADS}, "
+                         f"got {threads!r}")
+
+
+def fewest_threads(least: int, per_thread: int, amount: int) -> int:
+    """The fewest threads, a power of two from ``least`` to TWO_PASS_MAX_THREADS, that cover ``amount`` at
+    ``per_thread`` each (TWO_PASS_MAX_THREADS where none does)."""
+    threads = least
+    while threads < TWO_PASS_MAX_THREADS and threads * per_thread < amount:
+        threads *= 2
+    return threads
 
 
 @functools.lru_cache(maxsize=4096)
@@ -816,11 +825,7 @@ def two_pass_plan(n: int, vec: int, max_vectors: int, options: ForwardOptions) -
     ``options.two_pass_threads`` threads, else the fewest (a power of two, TWO_PASS_MIN_THREADS to
     TWO_PASS_MAX_THREADS) that take the row in one step: longer rows loop over steps."""
     vectors = options.two_pass_vectors * max_vectors // MAX_VECTORS_PER_THREAD
-    threads = options.two_pass_threads
-    if threads is None:
-        threads = TWO_PASS_MIN_THREADS
-        while threads < TWO_PASS_MAX_THREADS and threads * vectors * vec < n:
-            threads *= 2
+    threads = options.two_pass_threads or fewest_threads(TWO_PASS_MIN_THREADS, vectors * vec, n)
     return RowPlan(vec, threads, 1, False, two_pass=True, vectors=vectors, cache_hints=options.cache_hints)
 
 
@@ -833,11 +838,7 @@ def bulk_plan(n: int, vec: int, itemsize: int, has_residual: bool, options: Forw
         raise ValueError(f"options.bulk: rows of {n} elements of {itemsize} bytes read {vec} at a time are not whole "
                          "16-byte vectors (the bulk copies move 16-byte units from 16-byte aligned rows)")
     row_vectors = n // vec
-    threads = options.bulk_threads
-    if threads is None:
-        threads = BULK_MIN_THREADS
-        while threads < TWO_PASS_MAX_THREADS and threads * BULK_VECTORS_PER_THREAD < row_vectors:
-            threads *= 2
+    threads = options.bulk_threads or fewest_threads(BULK_MIN_THREADS, BULK_VECTORS_PER_THREAD, row_vectors)
     blocks = options.bulk_blocks_per_sm or (BULK_BLOCKS_PER_SM if threads <= BULK_SM_THREADS // 2 else 1)
     if -(-row_vectors // threads) > BULK_VECTORS_PER_THREAD or threads * blocks > BULK_SM_THREADS:
         raise ValueError(f"options.bulk: rows of {n} elements on {threads} threads, {blocks} blocks an SM: over the "

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import statistics
 import sys
 from dataclasses import replace
@@ -126,16 +127,17 @@ def time_regions(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: flo
 
 
 def named_tile(name: str) -> tuple[GemmConfig, bool]:
-    """(config, swap) of a --tiles name: BMxBN[pp][kK][sS], optionally prefixed with 'swap:' (K: split-K factor;
-    S stages: at most S, default 7)."""
+    """(config, swap) of a --tiles name: BMxBN[pp][cC][kK][sS], optionally prefixed with 'swap:' (C: blocks per
+    cluster along M, which multicast the B tile; K: split-K factor; S stages: at most S, default 7)."""
     swap = name.startswith("swap:")
-    body = name[len("swap:"):] if swap else name
-    body, _, stages = body.partition("s")
-    body, _, split = body.partition("k")
-    pingpong = body.endswith("pp")
-    bm, bn = (int(x) for x in body.removesuffix("pp").split("x"))
+    parsed = re.fullmatch(r"(\d+)x(\d+)(pp)?(?:c(\d+))?(?:k(\d+))?(?:s(\d+))?", name[len("swap:"):] if swap else name)
+    if parsed is None:
+        raise ValueError(f"--tiles {name}: expected [swap:]BMxBN[pp][cC][kK][sS]")
+    bm, bn, pingpong, cluster, split, stages = parsed.groups()
+    bm, bn, pingpong = int(bm), int(bn), bool(pingpong)
     base = GemmConfig(bm, bn, int(stages or 7), 1 if bm == 64 and not pingpong else 2, pingpong=pingpong,
-                      split_k=int(split or 1), tma_store=not (swap or split), store_buffers=1)
+                      split_k=int(split or 1), cluster_m=int(cluster or 1), tma_store=not (swap or split),
+                      store_buffers=1)
     cfg = deepest(base)
     if cfg is None:
         raise ValueError(f"--tiles {name}: {base.check(2)}")
@@ -156,7 +158,11 @@ def time_tiles(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float
             cells.append(f"{name} declined ({e})")
             continue
         with under_region(region or None):
-            ms = checked_ms(a, b, ref, name, config=cfg, swap=swap)
+            try:
+                ms = checked_ms(a, b, ref, name, config=cfg, swap=swap)
+            except ValueError as e:  # e.g. a tile this call's operand majors cannot take
+                cells.append(f"{name} declined ({e})")
+                continue
             cells.append(f"{name} ({gemm.path(a, b, config=cfg, swap=swap)}) {flops / ms / 1e9:.0f}")
     return cells
 

@@ -211,6 +211,28 @@ def test_benchmark_named_tiles():
     assert named_tile("128x160")[0].tma_store and named_tile("128x128pp")[0].pingpong
     with pytest.raises(ValueError, match="accumulator registers"):
         named_tile("256x192")
+    cfg, swap = named_tile("swap:128x64c2s14")
+    assert (cfg.bm, cfg.bn, cfg.cluster_m, swap) == (128, 64, 2, True) and cfg.stages > 7
+    with pytest.raises(ValueError, match="expected"):
+        named_tile("128x64q")
+
+
+def test_two_block_clusters_split_narrow_b_tiles():
+    """cluster_m=2: each block loads half of the B tile and multicasts it, so any bn of whole 8-row swizzle atoms
+    (K-major B) or of whole 32-byte swizzle rows (MN-major: a 64-wide tile's 32-column halves take the 64-byte
+    swizzle); a config the call's B cannot take is declined with the reason."""
+    narrow = gemm.deepest_ring(GemmConfig(128, 64, 9, 2, cluster_m=2), 2)
+    assert narrow.check(2, "K") is None and narrow.check(2, "MN") is None
+    assert GemmConfig(64, 112, 9, 1, cluster_m=2).check(2, "K") is None
+    assert "cluster_m=2" in GemmConfig(64, 112, 9, 1, cluster_m=2).check(2, "MN")  # halves of 56 columns
+    assert "cluster_m=2" in GemmConfig(128, 8, 9, 2, cluster_m=2).check(2, "K")
+    assert gemm._operand_box(64, 64, nvfly.bf16, "MN", 2, 2)[1] == 64
+    assert gemm._operand_box(64, 64, nvfly.bf16, "MN", 2)[1] == 128
+    for k in gemm.compile_configs([narrow], majors=[("K", "K"), ("K", "MN")]):
+        assert k.count("UTMALDG.2D.MULTICAST") > 0 and k.resources.spill_stores == 0, k.summary()
+    a, b = make(128, 7168, 256, "col", "row")  # B row-major: MN-major
+    with pytest.raises(ValueError, match="cluster_m=2 with bn=112.*MN-major here"):
+        gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", GemmConfig(64, 112, 9, 1, cluster_m=2), False)
 
 
 def test_benchmark_reruns_the_rows_under_a_ratio(tmp_path):

@@ -231,3 +231,17 @@ def test_a_partial_single_wave_narrows_its_tiles_for_a_k_major_b(b_major):
     # a caller's config is kept as given
     given = GemmConfig(128, 128, 6, 2, tma_store=True, store_buffers=1)
     assert gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", given, False).config.bn == 128
+
+
+@pytest.mark.parametrize("b_major", ["row", "col"])
+def test_a_partial_wave_of_64_row_tiles_narrows_them_for_a_k_major_b(b_major):
+    """128x6144x4096: 96 tiles of 64x128; a K-major B takes 128 tiles of 64x96 (one consumer, the deepest ring),
+    a row-major B keeps 64x128."""
+    a = torch.empty(128, 4096, dtype=torch.bfloat16)
+    b = torch.empty(4096, 6144, dtype=torch.bfloat16) if b_major == "row" else \
+        torch.empty(6144, 4096, dtype=torch.bfloat16).t()
+    plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False)
+    cfg = plan.config
+    assert (cfg.bm, cfg.bn, cfg.consumers) == ((64, 96, 1) if b_major == "col" else (64, 128, 1))
+    assert plan.grid == (128 if b_major == "col" else 96) and cfg.check(2, plan.b_major) is None
+    assert cfg.stages == gemm.deepest_ring(cfg, 2, plan.b_major).stages

@@ -51,3 +51,43 @@ def test_zeroed_views_share_one_fill_and_start_aligned():
     sums, counters = scratch.workspace(torch.device("cpu"), 0, 3, 10)
     assert sums.dtype == torch.float32 and sums.numel() >= 30 and counters.numel() >= 3
     assert not sums.any() and not counters.any()
+
+
+def test_views_are_kept_until_the_tensors_grow(monkeypatch):
+    """``view``: made once per request size and handed out again while the tensors stand; a growth makes new
+    views of the new tensors; under capture a fresh view of fresh tensors every time."""
+    made: list = []
+    views: list = []
+    cache = make(made)
+    cpu = torch.device("cpu")
+
+    def first(tensors, sizes):
+        views.append(sizes)
+        return tuple(t[:size] for t, size in zip(tensors, sizes))
+    small = cache.get(cpu, 1, (4, 1), first)
+    assert [t.numel() for t in small] == [4, 1] and cache.get(cpu, 1, (4, 1), first) is small and views == [(4, 1)]
+    other = cache.get(cpu, 1, (6, 2), first)
+    assert [t.numel() for t in other] == [6, 2] and len(views) == 2
+    assert other[0].data_ptr() == small[0].data_ptr()  # views of the same tensors
+    grown = cache.get(cpu, 1, (30, 1), first)
+    again = cache.get(cpu, 1, (4, 1), first)
+    assert made[-1] == (30, 2) and again is not small and again[0].data_ptr() == grown[0].data_ptr()
+    gpu = SimpleNamespace(type="cuda", index=0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    one, two = cache.get(gpu, 1, (4, 1), first), cache.get(gpu, 1, (4, 1), first)
+    assert one is not two and made[-2:] == [(4, 1), (4, 1)]
+
+
+def test_views_kept_per_stream_are_bounded(monkeypatch):
+    monkeypatch.setattr(scratch, "MAX_VIEWS", 2)
+    cache = make([])
+    cpu = torch.device("cpu")
+    calls: list = []
+
+    def view(tensors, sizes):
+        calls.append(sizes)
+        return tensors[0][:sizes[0]]
+    kept = cache.get(cpu, 1, (1, 1), view)
+    cache.get(cpu, 1, (2, 1), view)
+    cache.get(cpu, 1, (3, 1), view)  # a third size: the kept views are dropped first
+    assert cache.get(cpu, 1, (1, 1), view) is not kept and calls == [(1, 1), (2, 1), (3, 1), (1, 1)]

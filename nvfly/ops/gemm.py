@@ -123,7 +123,7 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
         for bn in (256, 192, 128, 96, 64, 32, 16, 8):
             for stages in range(MAX_STAGES, 2, -1):
                 for group_m in (8, 16):
-                    for cluster_m in (1, 2):
+                    for cluster_m in (1, 2) if bn % 128 == 0 else (1,):  # narrower multicasts measured no gain
                         cfg = GemmConfig(bm, bn, stages, consumers, group_m, cluster_m=cluster_m)
                         if cfg.check(itemsize) is None:
                             space.append(cfg)
@@ -142,7 +142,7 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
         for store_buffers in (1, 2):
             if store_buffers == 2 and bn <= GemmConfig(bn=bn).store_width:
                 continue  # one slice per tile: the same as 1 buffer
-            for cluster_m in (1, 2) if not pingpong else (1,):
+            for cluster_m in (1, 2) if not pingpong and bn % 128 == 0 else (1,):
                 fits = [cfg for cfg in (GemmConfig(bm, bn, stages, consumers, cluster_m=cluster_m, pingpong=pingpong,
                                                    tma_store=True, store_buffers=store_buffers)
                                         for stages in range(MAX_STAGES, 2, -1)) if cfg.check(itemsize) is None]
@@ -277,7 +277,9 @@ def wave_fit(cfg: GemmConfig, m: int, n: int, k_tiles: int, batches: int, itemsi
 # the SMs when B is K-major: 336x4104x1024 rowxcol 99 -> 129 tiles of 128x96, 232 -> 241 and 226 -> 254 TFLOP/s
 # (colxcol 233 vs 229: even; with the rule 0.91-1.01x cuBLAS rowxcol, 0.94-0.96 colxcol in three runs). A row-major
 # (MN-major) B tile 96 wide loses its 128-byte swizzle: 224 -> 213 rowxrow (H200, benchmarks.gemm_configs --tiles
-# 128x96, benchmarks/results/gemm_tiles_h200.log).
+# 128x96, benchmarks/results/gemm_tiles_h200.log). The same for 64-row tiles: 128x6144x4096 on 128 tiles of 64x96
+# instead of 96 of 64x128, 259 -> 268 TFLOP/s rowxcol, 255 -> 277 colxcol (cuBLAS 278 / 279; rowxrow 257 -> 237, MN-major;
+# 128x7168x2048 on 64x112: even; gemm_tiles_m128_h200.log).
 WAVE_FIT_FILL = 0.8
 
 
@@ -285,7 +287,7 @@ def fill_wave_k_major(cfg: GemmConfig, m: int, n: int, batches: int, itemsize: i
     """The default ``cfg`` or, for a K-major B, its narrower twin that fills a partial single wave (see above)."""
     row_tiles = math.ceil(m / cfg.bm) * batches
     tiles = row_tiles * math.ceil(n / cfg.bn)
-    if (cfg.bm, cfg.bn, cfg.split_k) != (128, 128, 1) or tiles > WAVE_FIT_FILL * sms or sms < row_tiles:
+    if cfg.bm not in (64, 128) or (cfg.bn, cfg.split_k) != (128, 1) or tiles > WAVE_FIT_FILL * sms or sms < row_tiles:
         return cfg
     width = 32 * math.ceil(n / (32 * (sms // row_tiles)))
     if not 64 < width < cfg.bn:
@@ -339,7 +341,7 @@ def token_tile_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: 
 def _operand_box(rows: int, bk: int, dtype: Any, major: str, rank: int, parts: int = 1) -> tuple[tuple[int, ...], int]:
     """(TMA box, swizzle) of an operand viewed as [(B,) MN, K] (K-major) or [(B,) K, MN] (MN-major): one
     k-block of ``rows`` rows (split in ``parts`` slices) and a batch of 1."""
-    swizzle = sm90.choose_swizzle(rows, dtype, major)
+    swizzle = sm90.choose_swizzle(rows // parts, dtype, major)  # each slice a whole number of swizzle rows
     layout = sm90.operand_layout(rows, bk, dtype, major, swizzle)
     box, _ = sm90.operand_boxes(layout, rows, bk, dtype, major, swizzle, parts)
     return (1,) * (rank - 2) + tuple(box), swizzle
@@ -416,6 +418,9 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
         # split-K stores f32 partials, and the swapped problem's output is transposed (its contiguous dim is
         # the kernel's M, which stmatrix would need .trans and a transposed box for): the register epilogue
         config = replace(config, tma_store=False)
+    why = config.check(itemsize, b_major)  # a caller's config, checked against this call's B
+    if why:
+        raise ValueError(f"config: {why} (B is {b_major}-major here)")
     rank = 3 if batched else 2
     a_box, a_swizzle = _operand_box(config.bm, bk, dtype, a_major, rank)
     b_box, b_swizzle = _operand_box(config.bn, bk, dtype, b_major, rank, config.cluster_m)

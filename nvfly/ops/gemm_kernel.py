@@ -121,8 +121,13 @@ class GemmConfig:
             return f"{wg_m}x{self.bn} per consumer needs more than 128 accumulator registers"
         if self.stages < 2:
             return "at least 2 stages"
-        if self.cluster_m not in (1, 2) or (self.cluster_m == 2 and self.bn % 128):
-            return f"cluster_m={self.cluster_m}: 1, or 2 with bn a multiple of 128 (each block loads half of B)"
+        if self.cluster_m not in (1, 2):
+            return f"cluster_m={self.cluster_m}: 1 or 2"
+        # each block of a 2-block cluster loads half of the B tile: whole 8-row swizzle atoms (K-major) or whole
+        # swizzle rows of at least 32 bytes (MN-major)
+        if self.cluster_m == 2 and (self.bn % 16 or (b_major == "MN" and self.bn // 2 % (32 // itemsize))):
+            return (f"cluster_m=2 with bn={self.bn}: each block loads half of B, a multiple of 8 rows (K-major) or "
+                    f"of {32 // itemsize} columns (MN-major)")
         if self.cluster_m == 2 and self.group_m % 2:
             return "a 2-block cluster needs an even group_m"
         if self.tma_store:

@@ -545,7 +545,12 @@ def workspace(device: Any, rows: int) -> tuple[Any, Any, Any, Any]:
     lists zero between launches (``nvfly.ops.scratch``: per stream, grown as needed, a graph capture's own)."""
     from nvfly.runtime.torch_args import current_stream
     stream = current_stream(device.index) if device.type == "cuda" else 0
-    hist, counters, candidates, hist2 = _workspaces().get(device, stream, (rows,))
+    return _workspaces().get(device, stream, (rows,), _first_rows)
+
+
+def _first_rows(tensors: tuple[Any, Any, Any, Any], sizes: tuple[int]) -> tuple[Any, Any, Any, Any]:
+    hist, counters, candidates, hist2 = tensors
+    rows = sizes[0]
     return hist[:rows], counters[:2 * rows], candidates[:rows], hist2[:rows]
 
 

@@ -91,6 +91,29 @@ def test_configs(hopper, config):
     check(gemm.matmul(a, bt, config=config), gemm.reference(a, bt), tol=1e-2)
 
 
+@pytest.mark.parametrize("a_major", ["row", "col"])
+@pytest.mark.parametrize("config", [GemmConfig(128, 64, 9, 2, cluster_m=2), GemmConfig(128, 32, 9, 2, cluster_m=2),
+                                    GemmConfig(256, 64, 5, 2, cluster_m=2)], ids=str)
+def test_narrow_two_block_clusters_on_swapped_tokens(hopper, a_major, config):
+    """Each block of a 2-block cluster loads half of a narrow B tile and multicasts it: the swapped small-M
+    problem, whose B is the tokens (K-major from row-major A, MN-major from column-major A), with ragged N
+    (an odd count of weight tiles, so a cluster's second block sometimes has none) and ragged tokens."""
+    for m, n in ((64, 4104), (40, 1000)):
+        a = operand(m, 1000, torch.bfloat16, a_major)
+        b = operand(1000, n, torch.bfloat16, "col")
+        check(gemm.matmul(a, b, config=config, swap=True), gemm.reference(a, b), tol=1e-2)
+
+
+def test_narrow_two_block_cluster_unswapped(hopper):
+    """A 64x112 tile pair sharing a K-major B tile (halves of 56 rows); a row-major (MN-major) B is declined."""
+    a = torch.randn(200, 2048, device="cuda").to(torch.bfloat16)
+    bt = torch.randn(7000, 2048, device="cuda").to(torch.bfloat16).t()
+    config = GemmConfig(64, 112, 10, 1, cluster_m=2)
+    check(gemm.matmul(a, bt, config=config), gemm.reference(a, bt), tol=1e-2)
+    with pytest.raises(ValueError, match="MN-major here"):
+        gemm.matmul(a, bt.contiguous(), config=config)
+
+
 def test_zero_sizes_and_declined_inputs(hopper):
     a = torch.randn(0, 64, device="cuda").to(torch.bfloat16)
     b = torch.randn(64, 32, device="cuda").to(torch.bfloat16)

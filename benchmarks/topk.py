@@ -69,8 +69,8 @@ def run(m: int, n: int, k: int, dtype: torch.dtype, kind: str, graphs: bool = Fa
 
 def plan_variants(x: torch.Tensor, k: int) -> dict:
     """name -> call() of the current implementation under its default plan and, when rows are cut into
-    slices, with half the slices and with none (``topk.plan``'s max_parts), the row-threshold plan and its
-    two-level select."""
+    slices, with half the slices and with none (``topk.plan``'s max_parts), the row-threshold plan (in two
+    launches, and in one where its blocks fit the GPU at once) and its two-level select."""
     m, n = x.shape
     vec = vector_width(n, (x,), x.element_size())
     sms = plan_sm_count(x.get_device())
@@ -79,8 +79,12 @@ def plan_variants(x: torch.Tensor, k: int) -> dict:
     sliced = topk.plan(*shape, row_threshold=False)
     if not sliced.warp and sliced.parts > 1:
         plans.update({"slices": sliced, f"parts<={sliced.parts // 2}": topk.plan(*shape, sliced.parts // 2, False),
-                      "parts=1": topk.plan(*shape, 1, False), "row-threshold": topk.plan(*shape, row_threshold=True),
-                      "two-level": topk.plan(*shape, row_threshold=True, two_level=True)})
+                      "parts=1": topk.plan(*shape, 1, False),
+                      "row-threshold": topk.plan(*shape, row_threshold=True, one_launch=False)})
+        one = topk.plan(*shape, row_threshold=True)
+        if one.one_launch:
+            plans["one-launch"] = one
+        plans["two-level"] = topk.plan(*shape, row_threshold=True, two_level=True)
     return {name: allocating_call(topk._runner(p, m, n, k, True), x, k) for name, p in plans.items()}
 
 
@@ -96,8 +100,9 @@ def allocating_call(run: Callable[..., None], x: torch.Tensor, k: int) -> Callab
     return call
 
 
-def compare_plans(cases: list[tuple[int, int, int]]) -> int:
-    """--compare-plans: one line per shape: torch.topk, the default plan (*) and its variants."""
+def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False) -> int:
+    """--compare-plans: one line per shape: torch.topk, the default plan (*) and its variants (``graphs``: a
+    second line of each replayed from CUDA graphs)."""
     rows = []
     t_start = time.time()
     for m, n, k in cases:
@@ -109,11 +114,19 @@ def compare_plans(cases: list[tuple[int, int, int]]) -> int:
             values, indices = call()
             row[f"{name}_correct"] = bool(torch.equal(indices, expected) and torch.equal(values, x.gather(1, expected)))
             row[f"{name}_ms"] = bench_ms(call) if row[f"{name}_correct"] else None
+            if graphs and row[f"{name}_correct"]:
+                row[f"{name}_graph_ms"] = graph_ms(call)
+        if graphs:
+            row["torch_graph_ms"] = graph_ms(lambda: torch.topk(x, k))
         rows.append(row)
         print(f"{m:>6}x{n:<7} k={k:<5} torch {row['torch_ms'] * 1e3:7.1f} us | " + " | ".join(
             f"{name}{'*' if name == 'default' else ''} " +
             (f"{row[f'{name}_ms'] * 1e3:7.1f} us x{row['torch_ms'] / row[f'{name}_ms']:5.2f}"
              if row[f"{name}_ms"] else "MISMATCH") for name in calls), flush=True)
+        if graphs:
+            print(f"{'graphs':>22} torch {row['torch_graph_ms'] * 1e3:7.1f} us | " + " | ".join(
+                f"{name} {row[f'{name}_graph_ms'] * 1e3:7.1f} us x{row['torch_graph_ms'] / row[f'{name}_graph_ms']:5.2f}"
+                for name in calls if row.get(f"{name}_graph_ms")), flush=True)
         torch.cuda.empty_cache()
     timed = [r for r in rows if r["default_ms"]]
     summary = {"all_correct": all(v for r in rows for key, v in r.items() if key.endswith("_correct")),
@@ -136,7 +149,8 @@ def main(argv=None) -> int:
                    help="the default plan and fewer slices, on the sampling shapes")
     args = p.parse_args(argv)
     if args.compare_plans:
-        return compare_plans([tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SAMPLING)
+        return compare_plans([tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SAMPLING,
+                             args.graphs)
     if args.shapes:
         cases = [(*(int(v) for v in s.split(",")), torch.bfloat16, "custom") for s in args.shapes]
     else:

@@ -38,7 +38,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def recorded_launches(monkeypatch):
     """Kernels 'launch' on CPU tensors: the real binder and generated launch code (``nvfly.Kernel._prepare``
-    replaced), and a cuLaunchKernel that records (kernel name, grid, packed parameters) in the list yielded."""
+    replaced), and a cuLaunchKernel (and cuLaunchKernelEx) that records (kernel name, grid, packed parameters) in
+    the list yielded."""
     import ctypes
     import gc
     import struct
@@ -59,10 +60,13 @@ def recorded_launches(monkeypatch):
         def cu(*args):
             launches.append((compiled.name, args[1:4], struct.unpack(fmt, raw.raw)))
             return 0
+
+        def launch_ex(grid, stream, params):  # cluster and cooperative launches (cuLaunchKernelEx)
+            launches.append((compiled.name, tuple(grid), struct.unpack(fmt, raw.raw)))
         obj = types.SimpleNamespace(device=device, compiled=compiled)
-        obj.launch = make_launch(compiled, fmt, 1, cu, local, buffers, device, None, None)
+        obj.launch = make_launch(compiled, fmt, 1, cu, local, buffers, device, None, launch_ex)
         obj.prepared = lambda grid, raw_args, so, cs, bp, fb: make_prepared_launch(
-            compiled, fmt, 1, cu, local, buffers, device, None, None, grid, raw_args, so, cs, bp, fb)
+            compiled, fmt, 1, cu, local, buffers, device, None, launch_ex, grid, raw_args, so, cs, bp, fb)
         return obj
     import nvfly
     from nvfly.runtime import torch_args

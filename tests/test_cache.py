@@ -138,3 +138,23 @@ def test_fingerprint_follows_helper_sources(tmp_path, monkeypatch):
         import user_kernels
         prints.append(fingerprint(user_kernels.kern))
     assert None not in prints and len(set(prints)) == 3
+
+
+def test_a_cooperative_kernel_has_its_own_key_and_keeps_the_flag_on_disk(cache_dir):
+    """``nvfly.cooperative()`` changes how the kernel is launched, not its IR: the flag is part of the key (the same
+    body without it is another binary) and of the cached metadata, also when served from disk without a trace."""
+
+    def body(x: nvfly.Tensor, n: nvfly.i32, COOPERATIVE: nvfly.Constexpr):
+        if COOPERATIVE:
+            nvfly.cooperative()
+        i = nvfly.block_idx.x * 128 + nvfly.thread_idx.x
+        if i < n:
+            x[i] = x[i] * 2.0
+
+    plain = nvfly.Kernel(body).compile(X, 4096, COOPERATIVE=False)
+    together = nvfly.Kernel(body).compile(X, 4096, COOPERATIVE=True)
+    assert together.cooperative and not plain.cooperative
+    assert together.ptx.replace(together.name, "") == plain.ptx.replace(plain.name, "") and together.key != plain.key
+    k = nvfly.Kernel(body)
+    again = k.compile(X, 4096, COOPERATIVE=True)
+    assert k.stats.disk_hits == 1 and k.stats.traced == 0 and again.cooperative and again.key == together.key

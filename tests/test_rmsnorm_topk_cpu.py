@@ -265,10 +265,12 @@ def test_topk_compare_plans_variants_compile():
         for call in calls.values():
             call()
     p = topk.plan(151936, 1024, 1, 8, 2, 132, row_threshold=False)
-    assert list(calls) == ["default", "slices", f"parts<={p.parts // 2}", "parts=1", "row-threshold", "two-level"]
+    assert list(calls) == ["default", "slices", f"parts<={p.parts // 2}", "parts=1", "row-threshold", "one-launch",
+                           "two-level"]
     assert [topk.plan(151936, 1024, 1, 8, 2, 132, cap, False).parts for cap in (p.parts // 2, 1)] == [p.parts // 2, 1]
     assert {kern.name for kern in kernels} == {"topk_radix_kernel", "topk_merge_kernel", "topk_row_histogram_kernel",
-                                               "topk_row_select_kernel", "topk_row_two_level_kernel"}
+                                               "topk_row_select_kernel", "topk_row_one_launch_kernel",
+                                               "topk_row_two_level_kernel"}
     for kern in kernels:
         assert_clean(kern)
 
@@ -282,8 +284,8 @@ def test_topk_row_threshold_kernels_compile(dtype, n, k, m, largest):
     x = torch.randn(m, n).to(dtype)
     itemsize = x.element_size()
     vec = vector_width(n, (x,), itemsize)
-    p = topk.plan(n, k, m, vec, itemsize, 132, row_threshold=True)
-    assert p.row_threshold
+    p = topk.plan(n, k, m, vec, itemsize, 132, row_threshold=True, one_launch=False)
+    assert p.row_threshold and not p.one_launch
     with nvfly.compile_only() as kernels:
         topk._runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=dtype), torch.empty(m, k, dtype=torch.int64))
     assert [kern.name for kern in kernels] == ["topk_row_histogram_kernel", "topk_row_select_kernel"]
@@ -299,6 +301,44 @@ def test_topk_row_threshold_kernels_compile(dtype, n, k, m, largest):
     assert "ld.relaxed.gpu.global.v2.b64" in select.ptx and select.count("BAR.RED.OR") >= 1
     if vec > 1:
         assert histogram.count("LDG.E.128") >= p.unroll and select.count("LDG.E.128") >= 2 * p.unroll
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,m,largest", [(151936, 50, 1, True), (128256, 1024, 1, False), (151936, 2048, 1, True),
+                                           (40_000, 1, 1, False)])
+def test_topk_row_one_launch_kernel_compiles(dtype, n, k, m, largest):
+    """A row whose slices fit one block an SM: one cooperative launch (``topk_row_one_launch_kernel``) whose blocks
+    count their slices (shared counts, global adds), wait for the row's other blocks (an acquire spin on the
+    arrival counter) and select; clean, no local memory, its shared memory the select's and the counts' side by
+    side, within one SM's."""
+    from nvfly.ops import topk_row
+    x = torch.randn(m, n).to(dtype)
+    itemsize = x.element_size()
+    vec = vector_width(n, (x,), itemsize)
+    p = topk.plan(n, k, m, vec, itemsize, 132)
+    assert p.row_threshold and p.one_launch and m * p.parts <= 132
+    with nvfly.compile_only() as kernels:
+        topk._runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=dtype), torch.empty(m, k, dtype=torch.int64))
+    (kern,) = kernels
+    assert kern.name == "topk_row_one_launch_kernel" and kern.cooperative
+    assert_clean(kern)
+    assert kern.count("LDL") == 0 and kern.count("STL") == 0
+    assert kern.dynamic_smem_bytes == topk_row.one_launch_smem_bytes(p.cap, p.k_pow2, p.threads) <= topk.SM_SMEM_BYTES
+    assert "ld.acquire.gpu.global.b32" in kern.ptx and "ld.relaxed.gpu.global.b32" in kern.ptx  # the wait, the hist
+    assert kern.count("ATOMS") > 0 and kern.count("REDG") > 0 and kern.count("ATOMG") > 0
+
+
+def test_topk_one_launch_plan_choice():
+    """One launch where the row's slices fit one block an SM (M = 1 sampling rows); two where they do not (M = 3,
+    64), with the two-level select, or when asked; asking for one where it cannot be is an error that says why."""
+    sms = 132
+    assert topk.plan(151936, 1024, 1, 8, 2, sms).one_launch and topk.plan(128256, 50, 1, 4, 4, sms).one_launch
+    assert not topk.plan(151936, 1024, 3, 8, 2, sms).one_launch and not topk.plan(151936, 50, 64, 8, 2, sms).one_launch
+    assert not topk.plan(151936, 1024, 1, 8, 2, sms, row_threshold=True, two_level=True).one_launch
+    assert not topk.plan(151936, 1024, 1, 8, 2, sms, one_launch=False).one_launch
+    assert not topk.plan(151936, 1024, 1, 8, 2, 64).one_launch  # 75 slices on 64 SMs
+    with pytest.raises(ValueError, match="one_launch: 3 rows of 75 slices need 225 resident blocks"):
+        topk.plan(151936, 1024, 3, 8, 2, sms, one_launch=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -108,6 +108,32 @@ def test_generated_launch_packs_parameters_and_adopts_a_context_once():
     assert struct.unpack(fmt, buffers.raw.raw) == (0xABC0, 1000, bf16_bits(1.5))
 
 
+def test_cluster_and_cooperative_kernels_launch_through_launch_ex():
+    """A kernel with a cluster shape or launched cooperatively goes through cuLaunchKernelEx (``launch_ex``),
+    the plain one through cuLaunchKernel."""
+    from dataclasses import replace
+
+    from nvfly.runtime.launcher import make_launch, make_prepared_launch
+    k = _fake_compiled()
+    fmt, _, size = _layout(k.abi)
+    buffers = _Buffers(size)
+    x = torch.randn(8)
+    raw = ((x.data_ptr(), x.shape, x.stride()), 1.0, 3, None)
+    off = type("Off", (), {"get": lambda self: None})()
+    for variant, expect_ex in ((k, False), (replace(k, cooperative=True), True), (replace(k, cluster=(2, 1, 1)), True)):
+        plain, ex = [], []
+        launch = make_launch(variant, fmt, 77, lambda *a: plain.append(a) or 0, buffers.local, buffers, 0, None,
+                             lambda grid, stream, params: ex.append((grid, stream, params)))
+        launch((6, 1, 1), 5, raw)
+        prepared = make_prepared_launch(variant, fmt, 77, lambda *a: plain.append(a) or 0, buffers.local, buffers, 0,
+                                        None, lambda grid, stream, params: ex.append((grid, stream, params)),
+                                        (6, 1, 1), raw, int, lambda d: 0, off, None)
+        prepared(x, 1.0, 3, None, stream=5)
+        assert (len(ex), len(plain)) == ((2, 0) if expect_ex else (0, 2))
+        if expect_ex:
+            assert ex == [((6, 1, 1), 5, 1234)] * 2
+
+
 def _fake_compiled():
     from nvfly.compiler.artifact import CompiledKernel
     abi = [AbiParam("ptr", None, (0, "ptr")), AbiParam("int", "i32", (0, ("shape", 0))),

@@ -59,6 +59,7 @@ class CompiledKernel:
     cubin: Optional[bytes]
     ptxas_log: str = ""
     resources: Resources = field(default_factory=Resources)
+    cooperative: bool = False  # launched with every block resident at once (``nvfly.cooperative``)
     _sass: Optional[str] = field(default=None, repr=False)
 
     @property
@@ -107,7 +108,7 @@ class CompiledKernel:
                 "abi": [asdict(p) for p in self.abi], "block": list(self.block),
                 "cluster": list(self.cluster) if self.cluster else None,
                 "dynamic_smem_bytes": self.dynamic_smem_bytes, "ptxas_log": self.ptxas_log,
-                "resources": asdict(self.resources)}
+                "resources": asdict(self.resources), "cooperative": self.cooperative}
 
     def files(self) -> dict[str, bytes]:
         out = {"meta.json": json.dumps(self.meta(), sort_keys=True).encode(),
@@ -126,7 +127,8 @@ class CompiledKernel:
             cluster=tuple(meta["cluster"]) if meta["cluster"] else None,
             dynamic_smem_bytes=meta["dynamic_smem_bytes"], mlir=files["kernel.mlir"].decode(),
             llvm_mlir=files["kernel.llvm.mlir"].decode(), ptx=files["kernel.ptx"].decode(),
-            cubin=files.get("kernel.cubin"), ptxas_log=meta["ptxas_log"], resources=Resources(**meta["resources"]))
+            cubin=files.get("kernel.cubin"), ptxas_log=meta["ptxas_log"], resources=Resources(**meta["resources"]),
+            cooperative=meta.get("cooperative", False))
 
 
 def _tuplify(x: Any) -> Any:

@@ -62,6 +62,7 @@ class TracedKernel:
     target: str
     dynamic_smem_bytes: int = 0
     tma_params: list[int] = field(default_factory=list)
+    cooperative: bool = False
 
     @property
     def module(self) -> ir.Module:
@@ -169,4 +170,5 @@ def trace_kernel(fn: Callable[..., Any], lazy: _Lazy, params: Sequence[Param], s
         filename, lineno = user_traceback_location(sys.exc_info()[2])
         raise CompileError(f"{type(exc).__name__}: {exc}", filename, lineno) from exc
     tma_params = [k for k, p in enumerate(abi) if p.kind == "tma"]
-    return TracedKernel(kernel_name, builder, abi, block, cluster, target, builder.dynamic_smem_bytes, tma_params)
+    return TracedKernel(kernel_name, builder, abi, block, cluster, target, builder.dynamic_smem_bytes, tma_params,
+                        builder.cooperative)

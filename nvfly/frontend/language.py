@@ -472,6 +472,14 @@ def min_blocks_per_sm(count: int) -> None:
     current().kernel_attrs["nvvm.minctasm"] = f"{count} : i32"
 
 
+@traced
+def cooperative() -> None:
+    """Launch this kernel cooperatively: every block of its grid resident at once, so that blocks may wait for
+    each other (a barrier across blocks); a grid that cannot be resident together fails to launch (CUDA's
+    "cooperative launch too large") instead of hanging. Call it once, anywhere in the kernel body."""
+    current().cooperative = True
+
+
 # ---------------------------------------------------------------------------------------------- printf
 @traced
 def printf(fmt: str, *args: Any) -> None:

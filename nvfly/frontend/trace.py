@@ -68,6 +68,7 @@ class KernelBuilder:
         self.dynamic_smem_bytes = 0
         self.static_smem_count = 0
         self.kernel_attrs: dict[str, str] = {}
+        self.cooperative = False  # launch with all blocks resident at once (``nvfly.cooperative``)
         self.context = ir.Context()
         self.context.allow_unregistered_dialects = False
         self._diagnostics: list[str] = []

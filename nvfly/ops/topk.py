@@ -805,7 +805,8 @@ class TopkPlan:
     all ``parts * k`` ranks of a row in ``merge_cap`` entries, loaded ``merge_vec`` at a time). ``row_threshold``:
     the slices run ``topk_row``'s histogram and select kernels instead, collecting at most ``row_cap``
     candidates a row (``cap``: their shared memory, also enough for a whole-row stream); ``two_level``: its
-    select launch also counts the next key bits of the threshold bucket (``topk_row_two_level_kernel``)."""
+    select launch also counts the next key bits of the threshold bucket (``topk_row_two_level_kernel``);
+    ``one_launch``: both launches as one cooperative launch (``topk_row_one_launch_kernel``)."""
     warp: bool
     vec: int
     warps: int = 1
@@ -820,6 +821,7 @@ class TopkPlan:
     row_threshold: bool = False
     row_cap: int = 0
     two_level: bool = False
+    one_launch: bool = False
 
     @property
     def smem_bytes(self) -> int:
@@ -870,14 +872,16 @@ def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, 
 
 @functools.lru_cache(maxsize=4096)
 def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS,
-         row_threshold: Optional[bool] = None, two_level: bool = False) -> TopkPlan:
+         row_threshold: Optional[bool] = None, two_level: bool = False, one_launch: Optional[bool] = None
+         ) -> TopkPlan:
     """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements); ``max_parts``
     caps the slices of a row (``benchmarks.topk --compare-plans`` times fewer than the default);
     ``row_threshold``: rows this plan cuts into slices run ``topk_row``'s kernels instead (``row_plan``); None: where
     k >= ROW_THRESHOLD_MIN_K or the slices are at least ROW_THRESHOLD_MIN_PARTS. ``two_level`` (opt-in, not
     measured yet): a row-threshold plan's select launch also builds the second-level histogram of the threshold
     bucket, so that the row's last block selects without radix passes (``topk_row_two_level_kernel``); ignored
-    where the plan is not a row-threshold one."""
+    where the plan is not a row-threshold one. ``one_launch``: a (one-level) row-threshold plan runs as one
+    cooperative launch; None: where its blocks fit one to an SM (``row_plan``)."""
     if k <= WARP_MAX_K and n <= WARP_MAX_N:
         return TopkPlan(True, vec, warps=max(1, min(8, m // (2 * sm_count))))
     k_pow2 = max(2, 1 << (k - 1).bit_length())
@@ -891,7 +895,7 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
     if row_threshold is None:
         row_threshold = k >= ROW_THRESHOLD_MIN_K or parts >= ROW_THRESHOLD_MIN_PARTS
     if row_threshold and parts > 1:
-        return row_plan(n, k, m, vec, itemsize, sm_count, max_parts, two_level)
+        return row_plan(n, k, m, vec, itemsize, sm_count, max_parts, two_level, one_launch)
     merge_cap = max(parts * k, k_pow2) if parts > 1 else 0  # (the sort exchanges k_pow2 entries through it)
     return TopkPlan(False, vec, unroll=unroll, threads=threads,
                     cap=_capacity(threads * vec * unroll, k_pow2, threads), k_pow2=k_pow2, parts=parts,
@@ -900,10 +904,12 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
 
 
 def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS,
-             two_level: bool = False) -> TopkPlan:
+             two_level: bool = False, one_launch: Optional[bool] = None) -> TopkPlan:
     """The row-threshold plan (``topk_row``): blocks of SLICE_THREADS, slices down to one sweep (no merge
     bounds them), two blocks an SM: the unroll is lowered until the shared memory (the candidate list, or a
-    whole-row stream's buffer) fits twice."""
+    whole-row stream's buffer) fits twice. ``one_launch`` (None: whenever it can): the histogram and the select
+    in one cooperative launch, which needs every block resident at once: one an SM at most (its shared memory
+    is the select's and the histogram's, side by side), and the one-level select."""
     k_pow2 = max(2, 1 << (k - 1).bit_length())
     row_cap = min(ROW_CAP_MAX, max(2048, 8 * k_pow2))
     threads = SLICE_THREADS
@@ -914,8 +920,13 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
         if max_unroll == 1 or BLOCKS_PER_SM * (_smem_bytes(cap, k_pow2, threads) + 1024) <= SM_SMEM_BYTES:
             break
         max_unroll //= 2
+    fits = not two_level and m * parts <= sm_count
+    if one_launch and not fits:
+        raise ValueError(f"one_launch: {m} rows of {parts} slices need {m * parts} resident blocks (at most "
+                         f"{sm_count}: one an SM) and the one-level select (two_level={two_level})")
     return TopkPlan(False, vec, unroll=unroll, threads=threads, cap=cap, k_pow2=k_pow2, parts=parts,
-                    slice_len=slice_len, row_threshold=True, row_cap=row_cap, two_level=two_level)
+                    slice_len=slice_len, row_threshold=True, row_cap=row_cap, two_level=two_level,
+                    one_launch=fits if one_launch is None else one_launch)
 
 
 def _check(x: Any, k: Any, dim: Any) -> int:

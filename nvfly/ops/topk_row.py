@@ -28,10 +28,10 @@ import nvfly
 from nvfly.arch.gpu_scope import arrive
 from nvfly.arch.ptx import asm, asm_multi
 from nvfly.frontend.language import atomic_add, redux_sync, syncthreads_or, vote_any
-from nvfly.ops.topk import (_NAN_ABOVE, ABSENT, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, append_slots,
-                            ballot, candidate_flags, flag_key, highest_bit, highest_index_bit, key_bits,
-                            locate_bucket, next_flagged, order_key, popc, rank64, rank_index, rank_key, select_top,
-                            shared_state, step_loads, stream_top, sweep_loads, write_sorted)
+from nvfly.ops.topk import (_NAN_ABOVE, ABSENT, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, _smem_bytes,
+                            append_slots, ballot, candidate_flags, flag_key, highest_bit, highest_index_bit,
+                            key_bits, locate_bucket, next_flagged, order_key, popc, rank64, rank_index, rank_key,
+                            select_top, shared_state, step_loads, stream_top, sweep_loads, write_sorted)
 
 COPIES = 8  # shared histograms a block counts into (64 KB)
 
@@ -52,13 +52,19 @@ def topk_row_histogram_kernel(x: nvfly.Tensor, hist: nvfly.Tensor, slice_len: nv
     """Block (row, part) adds the bucket counts of columns [part*slice_len, (part+1)*slice_len) to
     ``hist[row]``."""
     row = nvfly.block_idx.x
-    part = nvfly.block_idx.y
     tid = nvfly.thread_idx.x
-    counts = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST * COPIES,))  # bucket b, copy c at b * COPIES + c
+    start = nvfly.block_idx.y * slice_len
+    counts = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST * COPIES,))
+    count_slice(x, hist, counts, row, start, nvfly.minimum(start + slice_len, x.shape[1]), tid, VEC, UNROLL,
+                THREADS, LARGEST)
+
+
+@nvfly.func
+def count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LARGEST):
+    """The bucket counts of columns [start, stop) of the row added to ``hist[row]``: counted in ``counts`` (shared,
+    HIST * COPIES: bucket b, copy c at b * COPIES + c) first."""
     for j in nvfly.static_range(HIST * COPIES // (4 * THREADS)):
         counts.store(nvfly.full(4, 0, nvfly.i32), (j * THREADS + tid) * 4)
-    start = part * slice_len
-    stop = nvfly.minimum(start + slice_len, x.shape[1])
     per_iter = THREADS * VEC * UNROLL
     copy = tid % COPIES
     nvfly.syncthreads()
@@ -128,23 +134,31 @@ def block_slice(x: Any, slice_len: Any) -> tuple:
     return row, tid, lane, warp, start, nvfly.minimum(start + slice_len, x.shape[1])
 
 
+def load_relaxed_i32(address: Any) -> Any:
+    return asm("ld.relaxed.gpu.global.b32 $0, [$1];", [address], nvfly.i32)
+
+
 @nvfly.func
-def locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS):
+def locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS, RELAXED):
     """The row's histogram into shared memory, then the bucket of its k-th key: (bucket, keys above it, keys in it
-    or above: k or more)."""
+    or above: k or more). ``RELAXED``: read with GPU-scope loads (the histogram was completed by other blocks of
+    this launch, so this SM's L1 must not answer)."""
     for j in nvfly.static_range(HIST // THREADS):
-        row_hist[j * THREADS + tid] = hist[row, j * THREADS + tid]
+        if RELAXED:
+            row_hist[j * THREADS + tid] = load_relaxed_i32(hist.address(row, j * THREADS + tid))
+        else:
+            row_hist[j * THREADS + tid] = hist[row, j * THREADS + tid]
     nvfly.syncthreads()
     bucket, above, in_bucket = locate_bucket(row_hist, lane_sums, warp_sums, 0, HIST, k, tid, lane, warp, THREADS)
     return bucket, above, above + in_bucket
 
 
 @nvfly.func
-def publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS):
+def publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS, LAST):
     """Append the block's staged candidates (``state[0]`` of them in ``buf``) to the row's list, zero its copy of
     the histogram (the last block's selects start from zeroed histograms) and count the block in; whether it is
-    the row's last block, every other block's appends in (``counters[2*row]``: arrivals, ``[2*row + 1]``:
-    appends)."""
+    the row's last block (the arrivals counted before it: ``LAST``), every other block's appends in
+    (``counters[2*row]``: arrivals, ``[2*row + 1]``: appends)."""
     staged = state[0]
     if (tid == 0) & (staged > 0):
         state[1] = atomic_add(counters, 2 * row + 1, staged)
@@ -160,7 +174,7 @@ def publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THR
         state[0] = 0
         state[2] = arrive(counters.address(2 * row))
     nvfly.syncthreads()
-    return state[2] == nvfly.grid_dim.y - 1
+    return state[2] == LAST
 
 
 @nvfly.func
@@ -382,13 +396,23 @@ def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly
     nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
     row, tid, lane, warp, start, stop = block_slice(x, slice_len)
     smem = shared_state(CAP, K_POW2, THREADS, tid)
+    select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
+                      nvfly.grid_dim.y - 1, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, False)
+
+
+@nvfly.func
+def select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
+                      last, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, RELAXED):
+    """The select's work once the row's histogram is complete: the k-th key's bucket, the block's candidates
+    published, and the row's last block (``last`` arrivals before it) writes the k largest and cleans up."""
     buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
-    bucket, above, count = locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS)
+    bucket, above, count = locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS,
+                                             RELAXED)
     lowest = bucket.bitcast(nvfly.u32) << ((32 if x.dtype == nvfly.f32 else 16) - HIST_BITS)
     if count <= ROW_CAP:
         stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None)
     nvfly.syncthreads()
-    if publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS):
+    if publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS, last):
         nvfly.threadfence()
         if count <= ROW_CAP:
             finish_list(x, values, indices, candidates, smem, count, lowest, k, row, tid, lane, warp, THREADS, CAP,
@@ -399,11 +423,57 @@ def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly
         clean_row(hist, counters, row, tid, THREADS)
 
 
+def load_acquire_i32(address: Any) -> Any:
+    return asm("ld.acquire.gpu.global.b32 $0, [$1];", [address], nvfly.i32)
+
+
+@nvfly.func
+def wait_for_row(counters, row, tid):
+    """A barrier over the row's blocks, all resident (a cooperative launch): each block's histogram adds are
+    fenced, the block counts itself in on ``counters[2*row]`` and waits until every block of the row has."""
+    nvfly.threadfence()
+    nvfly.syncthreads()
+    if tid == 0:
+        arrive(counters.address(2 * row))
+        seen = load_acquire_i32(counters.address(2 * row))
+        while seen < nvfly.grid_dim.y:
+            seen = load_acquire_i32(counters.address(2 * row))
+    nvfly.threadfence()
+    nvfly.syncthreads()
+
+
+@nvfly.kernel
+def topk_row_one_launch_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, hist: nvfly.Tensor,
+                               counters: nvfly.Tensor, candidates: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32,
+                               VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr,
+                               CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr, K_POW2: nvfly.Constexpr,
+                               LARGEST: nvfly.Constexpr):
+    """The histogram and select launches in one, for grids whose blocks all fit on the GPU at once (a cooperative
+    launch; ``topk.plan`` decides): block (row, part) counts its slice into ``hist[row]``, waits for the row's
+    other blocks (``wait_for_row``: their arrivals on ``counters[2*row]``), then selects as
+    ``topk_row_select_kernel``, whose arrivals then count on from the row's block count (the last block is the
+    2 * blocks-th). One launch fewer: a launch gap and its host work."""
+    nvfly.cooperative()
+    nvfly.min_blocks_per_sm(1)  # (without it ptxas held this kernel to 64 registers and spilled)
+    row, tid, lane, warp, start, stop = block_slice(x, slice_len)
+    smem = shared_state(CAP, K_POW2, THREADS, tid)
+    counts = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST * COPIES,), one_launch_counts_offset(CAP, K_POW2, THREADS))
+    count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LARGEST)
+    wait_for_row(counters, row, tid)
+    select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
+                      2 * nvfly.grid_dim.y - 1, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, True)
+
+
+def one_launch_counts_offset(cap: int, k_pow2: int, threads: int) -> int:
+    """Where ``topk_row_one_launch_kernel``'s slice counts start in shared memory: after the select's state."""
+    return -(-_smem_bytes(cap, k_pow2, threads) // 1024) * 1024
+
+
+def one_launch_smem_bytes(cap: int, k_pow2: int, threads: int) -> int:
+    return one_launch_counts_offset(cap, k_pow2, threads) + HIST * COPIES * 4
+
+
 # ---------------------------------------------------------------------------------------------- two levels
-def load_relaxed_i32(address: Any) -> Any:
-    return asm("ld.relaxed.gpu.global.b32 $0, [$1];", [address], nvfly.i32)
-
-
 @nvfly.func
 def append_two(state, firsts, seconds, lane):
     """Slots for two appends of several elements a lane at once (the lanes where ``firsts[i]`` / ``seconds[i]``
@@ -457,7 +527,8 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
     HIST2 = 1 << bits2
     smem = shared_state(CAP, K_POW2, THREADS, tid)
     buf, kept_buf, counts, lane_sums, warp_sums, warp_lows, state = smem  # counts: the two levels' histograms
-    bucket, above, count = locate_row_bucket(hist, counts, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS)
+    bucket, above, count = locate_row_bucket(hist, counts, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS,
+                                             False)
     if count <= ROW_CAP:
         lowest = bucket.bitcast(nvfly.u32) << shift1
         stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, counts)
@@ -469,7 +540,7 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
             if c != 0:  # (before publish_candidates' fence: the last block reads these)
                 red_add_u32(hist2.address(row, digit), c)
                 counts[HIST + digit] = 0
-    if publish_candidates(candidates, counters, counts, buf, state, row, tid, THREADS):
+    if publish_candidates(candidates, counters, counts, buf, state, row, tid, THREADS, nvfly.grid_dim.y - 1):
         nvfly.threadfence()
         if count <= ROW_CAP:
             STEP = 2 * SWEEP * THREADS
@@ -556,10 +627,17 @@ def _first_rows(tensors: tuple[Any, Any, Any, Any], sizes: tuple[int]) -> tuple[
 
 def runner(p: TopkPlan, m: int, k: int, largest: bool) -> Any:
     """``run(rows, values, indices)`` for a row-threshold plan: the histogram and the select launch (with the
-    second level when ``p.two_level``)."""
+    second level when ``p.two_level``), or the one cooperative launch of both (``p.one_launch``)."""
     histogram = topk_row_histogram_kernel.prepared((m, p.parts, 1), p.threads)
     hist_tail = (p.slice_len, p.vec, p.unroll, p.threads, largest)
     select_tail = (k, p.slice_len, p.vec, p.unroll, p.threads, p.cap, p.row_cap, p.k_pow2, largest)
+    if p.one_launch:
+        one = topk_row_one_launch_kernel.prepared((m, p.parts, 1), p.threads)
+
+        def run_one_launch(rows: Any, values: Any, indices: Any) -> None:
+            hist, counters, candidates, _ = workspace(rows.device, m)
+            one.launch(rows, values, indices, hist, counters, candidates, *select_tail)
+        return run_one_launch
     if p.two_level:
         two_level = topk_row_two_level_kernel.prepared((m, p.parts, 1), p.threads)
 

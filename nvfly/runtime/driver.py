@@ -163,17 +163,27 @@ def launch(fn: LoadedFunction, grid: tuple[int, int, int], block: tuple[int, int
         check(status, "cuLaunchKernel")
 
 
-def launch_cluster(fn: LoadedFunction, grid: tuple[int, int, int], block: tuple[int, int, int],
-                   cluster: tuple[int, int, int], smem: int, stream: Any, params_address: int) -> None:
+def launch_ex(fn: LoadedFunction, grid: tuple[int, int, int], block: tuple[int, int, int],
+              cluster: Optional[tuple[int, int, int]], cooperative: bool, smem: int, stream: Any,
+              params_address: int) -> None:
+    """cuLaunchKernelEx with a cluster shape and/or as a cooperative launch (every block resident at once)."""
     cu = _cu()
     config = cu.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
     config.blockDimX, config.blockDimY, config.blockDimZ = block
     config.sharedMemBytes = smem
     config.hStream = stream
-    attr = cu.CUlaunchAttribute()
-    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
-    config.attrs = [attr]
-    config.numAttrs = 1
+    attrs = []
+    if cluster is not None:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+        attrs.append(attr)
+    if cooperative:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+        attr.value.cooperative = 1
+        attrs.append(attr)
+    config.attrs = attrs
+    config.numAttrs = len(attrs)
     check(cu.cuLaunchKernelEx(config, fn.function, params_address, 0), "cuLaunchKernelEx")

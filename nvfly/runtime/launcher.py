@@ -104,12 +104,12 @@ class Launcher:
         self._local = threading.local()
         self._fmt, self._offsets, self._size = _layout(compiled.abi)
         self.launch = make_launch(compiled, self._fmt, int(self.function.function), _cu_launch_kernel(),
-                                  self._local, self._buffers, device, driver.make_current, self._launch_cluster)
+                                  self._local, self._buffers, device, driver.make_current, self._launch_ex)
 
-    def _launch_cluster(self, grid: tuple[int, int, int], stream: int, params: int) -> None:
+    def _launch_ex(self, grid: tuple[int, int, int], stream: int, params: int) -> None:
         c = self.compiled
-        driver.launch_cluster(self.function, grid, c.block, c.cluster, c.dynamic_smem_bytes,
-                              driver.stream_handle(stream), params)
+        driver.launch_ex(self.function, grid, c.block, c.cluster, c.cooperative, c.dynamic_smem_bytes,
+                         driver.stream_handle(stream), params)
 
     def prepared(self, grid: tuple[int, int, int], raw: Sequence[Any], stream_of: Callable[[Any], int],
                  current_stream: Callable[[int], int], bypass: Any, fallback: Callable[..., None]
@@ -118,7 +118,7 @@ class Launcher:
         make_prepared_launch); it shares this launcher's parameter buffers."""
         return make_prepared_launch(self.compiled, self._fmt, int(self.function.function), _cu_launch_kernel(),
                                     self._local, self._buffers, self.device, driver.make_current,
-                                    self._launch_cluster, grid, raw, stream_of, current_stream, bypass, fallback)
+                                    self._launch_ex, grid, raw, stream_of, current_stream, bypass, fallback)
 
     def _buffers(self) -> tuple[Any, int]:
         """This thread's parameter buffer (64-byte aligned) and the address of its ``void*[]``."""
@@ -159,7 +159,7 @@ def _launch_body(compiled: CompiledKernel, values: Sequence[str], grid: str) -> 
              "    except AttributeError:",
              "        view, params = buffers()",
              f"    pack_into(view, 0, {', '.join(values)})" if values else "    pass"]
-    if compiled.cluster is None:
+    if compiled.cluster is None and not compiled.cooperative:
         call = (f"cu_launch(function, {grid}, {bx}, {by}, {bz}, {compiled.dynamic_smem_bytes}, stream, params, "
                 "None)")
         lines += [f"    status = {call}",
@@ -170,17 +170,17 @@ def _launch_body(compiled: CompiledKernel, values: Sequence[str], grid: str) -> 
                   "        if status:",
                   "            fail(status, name)"]
     else:
-        lines += [f"    launch_cluster(({grid}), stream, params)"]
+        lines += [f"    launch_ex(({grid}), stream, params)"]
     return lines
 
 
 def _exec(lines: Sequence[str], compiled: CompiledKernel, fmt: str, function: int, cu_launch: Callable[..., int],
           local: Any, buffers: Callable[[], tuple[Any, int]], device: int, make_current: Callable[[int], None],
-          launch_cluster: Callable[..., None], **extra: Any) -> Callable[..., None]:
+          launch_ex: Callable[..., None], **extra: Any) -> Callable[..., None]:
     namespace: dict[str, Any] = {
         "local": local, "buffers": buffers, "pack_into": struct.Struct(fmt).pack_into, "bf16_bits": bf16_bits,
         "cu_launch": cu_launch, "function": function, "fail": _raise, "name": compiled.name,
-        "launch_cluster": launch_cluster, "invalid_context": _INVALID_CONTEXT, "make_current": make_current,
+        "launch_ex": launch_ex, "invalid_context": _INVALID_CONTEXT, "make_current": make_current,
         "device": device, **extra}
     exec("\n".join(lines), namespace)  # noqa: S102 - code generated from the kernel's ABI only
     return namespace["launch"]
@@ -188,21 +188,22 @@ def _exec(lines: Sequence[str], compiled: CompiledKernel, fmt: str, function: in
 
 def make_launch(compiled: CompiledKernel, fmt: str, function: int, cu_launch: Callable[..., int], local: Any,
                 buffers: Callable[[], tuple[Any, int]], device: int, make_current: Callable[[int], None],
-                launch_cluster: Callable[..., None]) -> Callable[..., None]:
+                launch_ex: Callable[..., None]) -> Callable[..., None]:
     """``launch(grid, stream, raw)`` for one compiled kernel: straight-line packing and the driver call.
 
     ``cu_launch`` is cuLaunchKernel (ctypes); a thread without a current CUDA context adopts the device's
-    primary context and retries once. Cluster launches go through ``launch_cluster(grid, stream, params)``.
+    primary context and retries once. Cluster and cooperative launches go through ``launch_ex(grid, stream,
+    params)`` (cuLaunchKernelEx).
     """
     values = _param_values(compiled, "raw[{i}][0]", "raw[{i}]", "raw[{i}]",
                            lambda i, part, d: f"raw[{i}][{part}][{d}]")
     lines = ["def launch(grid, stream, raw):"] + _launch_body(compiled, values, "grid[0], grid[1], grid[2]")
-    return _exec(lines, compiled, fmt, function, cu_launch, local, buffers, device, make_current, launch_cluster)
+    return _exec(lines, compiled, fmt, function, cu_launch, local, buffers, device, make_current, launch_ex)
 
 
 def make_prepared_launch(compiled: CompiledKernel, fmt: str, function: int, cu_launch: Callable[..., int],
                          local: Any, buffers: Callable[[], tuple[Any, int]], device: int,
-                         make_current: Callable[[int], None], launch_cluster: Callable[..., None],
+                         make_current: Callable[[int], None], launch_ex: Callable[..., None],
                          grid: tuple[int, int, int], raw: Sequence[Any], stream_of: Callable[[Any], int],
                          current_stream: Callable[[int], int], bypass: Any, fallback: Callable[..., None]
                          ) -> Callable[..., None]:
@@ -223,7 +224,7 @@ def make_prepared_launch(compiled: CompiledKernel, fmt: str, function: int, cu_l
              f"        return fallback(({''.join(n + ', ' for n in names)}), stream)",
              "    stream = current_stream(device) if stream is None else stream_of(stream)"]
     lines += _launch_body(compiled, values, ", ".join(str(int(g)) for g in grid))
-    return _exec(lines, compiled, fmt, function, cu_launch, local, buffers, device, make_current, launch_cluster,
+    return _exec(lines, compiled, fmt, function, cu_launch, local, buffers, device, make_current, launch_ex,
                  stream_of=stream_of, current_stream=current_stream, bypass=bypass, fallback=fallback)
 
 

@@ -105,13 +105,14 @@ def test_topk_matches_torch_on_the_sampling_suite():
         assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k)
 
 
-def row_threshold_topk(x, k, largest, two_level=False):
-    """``topk.plan(..., row_threshold=True)`` run directly (``two_level``: with the opt-in two-level select)."""
+def row_threshold_topk(x, k, largest, two_level=False, one_launch=False):
+    """``topk.plan(..., row_threshold=True)`` run directly (``two_level``: with the opt-in two-level select;
+    ``one_launch``: as one cooperative launch)."""
     m, n = x.shape
     vec = vector_width(n, (x,), x.element_size())
     p = topk.plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), row_threshold=True,
-                  two_level=two_level)
-    assert p.row_threshold and p.two_level == two_level
+                  two_level=two_level, one_launch=one_launch)
+    assert p.row_threshold and p.two_level == two_level and p.one_launch == one_launch
     run = topk._runner(p, m, n, k, largest)
     values = torch.full((m, k), float("nan"), dtype=x.dtype, device="cuda")
     indices = torch.full((m, k), -1, dtype=torch.int64, device="cuda")
@@ -132,6 +133,57 @@ def test_row_threshold_plan_matches_the_documented_order(m, n, k, kind, dtype):
     for largest in (True, False, True):
         values, indices = row_threshold_topk(x, k, largest)
         assert_documented(x, k, largest, values, indices)
+
+
+ONE_LAUNCH_SHAPES = [(1, 151936, 50), (1, 128256, 1024), (1, 151936, 2048), (1, 40_000, 1), (1, 262144, 1024),
+                     (1, 30_001, 33), (2, 65536, 64)]
+
+
+@pytest.mark.parametrize("m,n,k", ONE_LAUNCH_SHAPES)
+@pytest.mark.parametrize("kind", ["randn", "ties", "special", "zeros", "rising", "falling", "threshold-ties"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_one_launch_plan_matches_the_documented_order(m, n, k, kind, dtype):
+    """The histogram and select as one cooperative launch (blocks wait for their row's others between them):
+    the documented order bit for bit three times in a row (largest, smallest, largest), the workspace zero
+    afterwards."""
+    x = threshold_ties(m, n, dtype, k) if kind == "threshold-ties" else rows(kind, m, n, dtype)
+    for largest in (True, False, True):
+        values, indices = row_threshold_topk(x, k, largest, one_launch=True)
+        assert_documented(x, k, largest, values, indices)
+    assert_workspace_clean(x.device, m)
+
+
+def test_one_launch_plan_beside_other_work():
+    """One-launch TopKs on two streams at once, while a large GEMM keeps the SMs busy on a third: every result
+    exact (a block that waits for its row's others only waits for SMs that other work frees), workspaces clean."""
+    x = torch.randn(1, 151936, device="cuda").to(torch.bfloat16)
+    ref = torch.topk(x, 1024)
+    a = torch.randn(8192, 8192, device="cuda").to(torch.bfloat16)
+    streams = [torch.cuda.Stream() for _ in range(3)]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    results = []
+    with torch.cuda.stream(streams[2]):
+        for _ in range(3):
+            a @ a
+    for i in range(16):
+        with torch.cuda.stream(streams[i % 2]):
+            results.append(row_threshold_topk(x, 1024, True, one_launch=True))
+    torch.cuda.synchronize()
+    for values, indices in results:
+        assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)
+    for stream in streams[:2]:
+        with torch.cuda.stream(stream):
+            assert_workspace_clean(x.device, 1)
+
+
+def test_default_plan_of_a_sampling_row_is_one_launch():
+    """topk.topk of one 151936-wide row runs the one-launch plan (and matches torch.topk)."""
+    x = torch.randn(1, 151936, device="cuda").to(torch.bfloat16)
+    assert topk.plan(151936, 50, 1, 8, 2, plan_sm_count(x.get_device())).one_launch
+    values, indices = topk.topk(x, 50)
+    ref = torch.topk(x, 50)
+    assert torch.equal(values, ref.values) and torch.equal(indices, ref.indices)
 
 
 def test_row_threshold_plan_matches_torch_on_the_sampling_suite():
@@ -243,16 +295,17 @@ def test_two_level_plan_on_two_streams():
             assert_workspace_clean(x.device, 64)
 
 
-@pytest.mark.parametrize("two_level", [False, True], ids=["row-threshold", "two-level"])
-def test_row_threshold_plan_in_cuda_graph(two_level):
+@pytest.mark.parametrize("m,two_level,one_launch", [(3, False, False), (3, True, False), (1, False, True)],
+                         ids=["row-threshold", "two-level", "one-launch"])
+def test_row_threshold_plan_in_cuda_graph(m, two_level, one_launch):
     """Captured in a CUDA graph, the row-threshold launches own their workspace (nvfly.ops.scratch: zero-filled
     by a captured fill): replays after an eager call with more rows, which grows the capture stream's cached
-    workspace, still match torch.topk."""
-    m, n, k = 3, 151936, 1024
+    workspace, still match torch.topk. The one-launch plan's cooperative launch is captured too."""
+    n, k = 151936, 1024
     x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
     vec = vector_width(n, (x,), x.element_size())
     p = topk.plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), row_threshold=True,
-                  two_level=two_level)
+                  two_level=two_level, one_launch=one_launch)
     run = topk._runner(p, m, n, k, True)
     values = torch.empty((m, k), dtype=x.dtype, device="cuda")
     indices = torch.empty((m, k), dtype=torch.int64, device="cuda")

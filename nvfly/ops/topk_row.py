@@ -62,20 +62,18 @@ def topk_row_histogram_kernel(x: nvfly.Tensor, hist: nvfly.Tensor, slice_len: nv
 @nvfly.func
 def count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LARGEST):
     """The bucket counts of columns [start, stop) of the row added to ``hist[row]``: counted in ``counts`` (shared,
-    HIST * COPIES: bucket b, copy c at b * COPIES + c) first."""
+    HIST * COPIES: bucket b, copy c at b * COPIES + c) first. Returns this thread's loads of the first step
+    (``step_loads`` step 0), which a select of the same slice can use again."""
     for j in nvfly.static_range(HIST * COPIES // (4 * THREADS)):
         counts.store(nvfly.full(4, 0, nvfly.i32), (j * THREADS + tid) * 4)
     per_iter = THREADS * VEC * UNROLL
     copy = tid % COPIES
+    first_loads = step_loads(x, row, start, stop, 0, tid, VEC, UNROLL, THREADS)  # in flight over the barrier
     nvfly.syncthreads()
-    for first in range(start + tid * VEC, stop, per_iter):
-        loaded = [x.load(row, first + u * THREADS * VEC, width=VEC, mask=first + u * THREADS * VEC < stop)
-                  for u in nvfly.static_range(UNROLL)]
-        for u in nvfly.static_range(UNROLL):
-            for e in nvfly.static_range(VEC):
-                bucket = key_bucket(order_key(loaded[u][e] if VEC > 1 else loaded[u], LARGEST), x.dtype)
-                if first + u * THREADS * VEC + e < stop:
-                    atomic_add(counts, bucket.bitcast(nvfly.i32) * COPIES + copy, 1)
+    count_loads(counts, first_loads, start + tid * VEC, stop, copy, x.dtype, VEC, UNROLL, THREADS, LARGEST)
+    for it in range(1, (stop - start + per_iter - 1) // per_iter):
+        count_loads(counts, step_loads(x, row, start, stop, it, tid, VEC, UNROLL, THREADS),
+                    start + (it * UNROLL * THREADS + tid) * VEC, stop, copy, x.dtype, VEC, UNROLL, THREADS, LARGEST)
     nvfly.syncthreads()
     for j in nvfly.static_range(HIST // THREADS):
         bucket = j * THREADS + tid
@@ -85,6 +83,18 @@ def count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LA
             total = total + four[0] + four[1] + four[2] + four[3]
         if total != 0:
             red_add_u32(hist.address(row, bucket), total)
+    return first_loads
+
+
+@nvfly.func
+def count_loads(counts, loaded, col0, stop, copy, dtype, VEC, UNROLL, THREADS, LARGEST):
+    """Count one step's loads (``step_loads``, unroll u at columns ``col0 + u * THREADS * VEC``) before ``stop``
+    into their buckets of copy ``copy`` of ``counts``."""
+    for u in nvfly.static_range(UNROLL):
+        for e in nvfly.static_range(VEC):
+            bucket = key_bucket(order_key(loaded[u][e] if VEC > 1 else loaded[u], LARGEST), dtype)
+            if col0 + u * THREADS * VEC + e < stop:
+                atomic_add(counts, bucket.bitcast(nvfly.i32) * COPIES + copy, 1)
 
 
 def level_shifts(key_width: int) -> tuple[int, int, int]:
@@ -97,16 +107,18 @@ def level_shifts(key_width: int) -> tuple[int, int, int]:
 
 
 @nvfly.func
-def stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, counts):
+def stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, counts,
+                     current=None):
     """Append the ranks of the elements of columns [start, stop) whose key is ``lowest`` or above to ``buf``
     (``state[0]`` counts them): flagged by one packed compare per two 16-bit values, checked and appended one
     flagged element per lane a round, as in ``stream_top`` with a fixed threshold. ``counts`` (a shared histogram
     or None): those in ``lowest``'s first-level bucket also count their second-level bucket at
-    ``counts[HIST + digit]``."""
+    ``counts[HIST + digit]``. ``current``: the first step's loads when the caller has them."""
     flag = key_bits(flag_key(lowest, True, x.dtype), x.dtype, LARGEST)
     packed = x.dtype != nvfly.f32 and VEC > 1
     per_iter = THREADS * VEC * UNROLL
-    current = step_loads(x, row, start, stop, 0, tid, VEC, UNROLL, THREADS)
+    if current is None:
+        current = step_loads(x, row, start, stop, 0, tid, VEC, UNROLL, THREADS)
     for it in range((stop - start + per_iter - 1) // per_iter):
         upcoming = step_loads(x, row, start, stop, it + 1, tid, VEC, UNROLL, THREADS)
         col0 = start + (it * UNROLL * THREADS + tid) * VEC
@@ -397,20 +409,25 @@ def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly
     row, tid, lane, warp, start, stop = block_slice(x, slice_len)
     smem = shared_state(CAP, K_POW2, THREADS, tid)
     select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
-                      nvfly.grid_dim.y - 1, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, False)
+                      nvfly.grid_dim.y - 1, None, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, False)
 
 
 @nvfly.func
 def select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
-                      last, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, RELAXED):
+                      last, first_loads, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, RELAXED):
     """The select's work once the row's histogram is complete: the k-th key's bucket, the block's candidates
-    published, and the row's last block (``last`` arrivals before it) writes the k largest and cleans up."""
+    published, and the row's last block (``last`` arrivals before it) writes the k largest and cleans up.
+    ``first_loads``: the slice's first step as loaded by the caller (None: loaded here, in flight while the
+    histogram is read)."""
     buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
+    if first_loads is None:
+        first_loads = step_loads(x, row, start, stop, 0, tid, VEC, UNROLL, THREADS)
     bucket, above, count = locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS,
                                              RELAXED)
     lowest = bucket.bitcast(nvfly.u32) << ((32 if x.dtype == nvfly.f32 else 16) - HIST_BITS)
     if count <= ROW_CAP:
-        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None)
+        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None,
+                         first_loads)
     nvfly.syncthreads()
     if publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS, last):
         nvfly.threadfence()
@@ -429,16 +446,17 @@ def load_acquire_i32(address: Any) -> Any:
 
 @nvfly.func
 def wait_for_row(counters, row, tid):
-    """A barrier over the row's blocks, all resident (a cooperative launch): each block's histogram adds are
-    fenced, the block counts itself in on ``counters[2*row]`` and waits until every block of the row has."""
-    nvfly.threadfence()
+    """A barrier over the row's blocks, all resident (a cooperative launch): the block's histogram adds, ordered
+    before the block barrier, are fenced by its first thread (cumulative), which counts the block in on
+    ``counters[2*row]`` and waits until every block of the row has (as CUDA's grid sync does)."""
     nvfly.syncthreads()
     if tid == 0:
+        nvfly.threadfence()
         arrive(counters.address(2 * row))
         seen = load_acquire_i32(counters.address(2 * row))
         while seen < nvfly.grid_dim.y:
             seen = load_acquire_i32(counters.address(2 * row))
-    nvfly.threadfence()
+        nvfly.threadfence()
     nvfly.syncthreads()
 
 
@@ -452,16 +470,18 @@ def topk_row_one_launch_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: n
     launch; ``topk.plan`` decides): block (row, part) counts its slice into ``hist[row]``, waits for the row's
     other blocks (``wait_for_row``: their arrivals on ``counters[2*row]``), then selects as
     ``topk_row_select_kernel``, whose arrivals then count on from the row's block count (the last block is the
-    2 * blocks-th). One launch fewer: a launch gap and its host work."""
+    2 * blocks-th), with the slice's first step still in registers. One launch fewer: a launch gap and its host
+    work."""
     nvfly.cooperative()
     nvfly.min_blocks_per_sm(1)  # (without it ptxas held this kernel to 64 registers and spilled)
     row, tid, lane, warp, start, stop = block_slice(x, slice_len)
     smem = shared_state(CAP, K_POW2, THREADS, tid)
     counts = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST * COPIES,), one_launch_counts_offset(CAP, K_POW2, THREADS))
-    count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LARGEST)
+    first_loads = count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LARGEST)
     wait_for_row(counters, row, tid)
     select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
-                      2 * nvfly.grid_dim.y - 1, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, True)
+                      2 * nvfly.grid_dim.y - 1, first_loads, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST,
+                      True)
 
 
 def one_launch_counts_offset(cap: int, k_pow2: int, threads: int) -> int:

@@ -1,5 +1,5 @@
-"""TopK of few long rows through a row-wide threshold (``topk.plan(..., row_threshold=True)``): two launches
-over the slices of each row instead of a top k per slice and a merge.
+"""TopK of few long rows through a row-wide threshold (``topk.plan(..., row_threshold=True)``): two launches (or
+one) over the slices of each row instead of a top k per slice and a merge.
 
 - ``topk_row_histogram_kernel``, grid (rows, parts): each block counts the top HIST_BITS bits (the bucket) of
   its slice's order keys in shared memory (COPIES interleaved copies, one per ``lane % COPIES``, so that the
@@ -14,6 +14,11 @@ over the slices of each row instead of a top k per slice and a merge.
   zeroes the row's histogram and counters. When B and above hold more (heavy ties, e.g. an
   all-equal row), nothing is appended and the last block streams the whole row alone (``stream_top``): slow,
   exact.
+- ``topk_row_one_launch_kernel`` (``TopkPlan.one_launch``, the default where all of the rows' blocks fit one an SM:
+  M = 1 sampling rows): both in one cooperative launch, the blocks of a row waiting for each other between the
+  count and the select (an arrival counter). One launch and its host work fewer: 12.0 vs 13.0 us a call
+  eagerly (1x151936 k=50 bf16, do_bench); in CUDA graphs, where launches cost little, 0.2-0.5 us slower, the
+  barrier costing more than the launch boundary (topk_host_and_one_launch_h200.log).
 
 Workspace, one per (device, stream), zero between launches (each row's last block cleans up after it): the
 histograms (rows x HIST i32), two counters a row (arrivals, appends), the candidate lists (rows x ROW_CAP_MAX

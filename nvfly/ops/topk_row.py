@@ -445,6 +445,7 @@ def select_and_finish(x, values, indices, hist, counters, candidates, smem, k, r
         clean_row(hist, counters, row, tid, THREADS)
 
 
+# ---------------------------------------------------------------------------------------------- one launch
 def load_acquire_i32(address: Any) -> Any:
     return asm("ld.acquire.gpu.global.b32 $0, [$1];", [address], nvfly.i32)
 

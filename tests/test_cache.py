@@ -1,9 +1,12 @@
 """The compile cache: hits skip tracing and lowering, keys change with what changes the code, corrupt entries are
 rebuilt, and several processes can fill one cache at once."""
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -158,3 +161,97 @@ def test_a_cooperative_kernel_has_its_own_key_and_keeps_the_flag_on_disk(cache_d
     k = nvfly.Kernel(body)
     again = k.compile(X, 4096, COOPERATIVE=True)
     assert k.stats.disk_hits == 1 and k.stats.traced == 0 and again.cooperative and again.key == together.key
+
+
+# ---------------------------------------------------------------------------------------------- names
+# A CompiledKernel's name is the cubin entry point a launch looks up, so kernels of one source under different names
+# must never be served each other's binary, from memory, from disk, or across processes.
+_TWIN_SOURCE = """import nvfly
+
+
+def twin(x: nvfly.Tensor, n: nvfly.i32):
+    i = nvfly.block_idx.x * 128 + nvfly.thread_idx.x
+    if i < n:
+        x[i] = x[i] * 2.0
+"""
+
+
+def write_twins(folder: os.PathLike) -> str:
+    """Two modules of one text, so two distinct functions of identical source (and ``__qualname__``)."""
+    os.makedirs(folder, exist_ok=True)
+    for module in ("twin_a", "twin_b"):
+        with open(os.path.join(folder, module + ".py"), "w") as f:
+            f.write(_TWIN_SOURCE)
+    return str(folder)
+
+
+def twin_kernels(folder: str) -> list[nvfly.Kernel]:
+    """New kernel objects: one function under two names, the other function of the same text under a third name
+    and under its own."""
+    a, b = (_load(os.path.join(folder, module + ".py"), module).twin for module in ("twin_a", "twin_b"))
+    return [nvfly.Kernel(a, name="alpha"), nvfly.Kernel(a, name="beta"), nvfly.Kernel(b, name="gamma"),
+            nvfly.Kernel(b)]
+
+
+def _load(path: str, module: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(module, path)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+def compiled_names(kernels: list[nvfly.Kernel]) -> dict[str, dict]:
+    """For each kernel's name: its compiled kernel's name, its PTX's entry points and its key."""
+    out = {}
+    for k in kernels:
+        c = k.compile(X, 4096, block=128)
+        out[k.name] = {"name": c.name, "entries": re.findall(r"\.entry\s+(\w+)", c.ptx), "key": c.key}
+    return out
+
+
+def assert_own_names(compiled: dict[str, dict]) -> None:
+    assert sorted(compiled) == ["alpha", "beta", "gamma", "twin"]
+    for name, c in compiled.items():
+        assert (c["name"], c["entries"]) == (name, [name])
+    assert len({c["key"] for c in compiled.values()}) == len(compiled)
+
+
+def test_same_source_under_different_names_keeps_each_name(cache_dir, tmp_path):
+    from nvfly.frontend.fingerprint import fingerprint
+    folder = write_twins(tmp_path / "src")
+    kernels = twin_kernels(folder)
+    assert len({fingerprint(k.fn) for k in kernels}) == 1  # the premise: one source text for all four
+    first = compiled_names(kernels)
+    assert_own_names(first)
+    # new objects in the other order: each is a spec-hash disk hit (no trace), still under its own name
+    fresh = twin_kernels(folder)[::-1]
+    assert compiled_names(fresh) == first
+    assert all((k.stats.traced, k.stats.disk_hits) == (0, 1) for k in fresh)
+
+
+_NAMES_WORKER = """
+import json, sys
+sys.path.insert(0, {root!r})
+from tests.test_cache import compiled_names, twin_kernels
+kernels = twin_kernels({folder!r})
+print(json.dumps(compiled_names(kernels[{shift}:] + kernels[:{shift}])))
+"""
+
+
+def test_concurrent_processes_keep_each_names_binary(cache_dir, tmp_path):
+    folder = write_twins(tmp_path / "src")
+    env = dict(os.environ, NVFLY_CACHE_DIR=str(cache_dir))
+    procs = [subprocess.Popen([sys.executable, "-c", _NAMES_WORKER.format(root=ROOT, folder=folder, shift=i)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(4)]  # each compiles the four in another order
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    results = [json.loads(out) for out, _ in outs]
+    for compiled in results:
+        assert_own_names(compiled)
+    assert all(compiled == results[0] for compiled in results)
+    # what the processes left on disk serves new objects here by spec hash, each under its own name
+    fresh = twin_kernels(folder)
+    assert compiled_names(fresh) == results[0]
+    assert all((k.stats.traced, k.stats.disk_hits) == (0, 1) for k in fresh)

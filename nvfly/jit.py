@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import json
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -78,6 +79,9 @@ def compile_only(target: Optional[str] = None) -> Iterator[list[CompiledKernel]]
 
 
 # ---------------------------------------------------------------------------------------------- kernels
+_PTX_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")  # what a kernel's name (its PTX entry's) may be
+
+
 @dataclass
 class KernelStats:
     """What this kernel object did: for tests and ``nvfly explain``."""
@@ -94,6 +98,10 @@ class Kernel:
         functools.update_wrapper(self, fn)
         self.fn = fn
         self.name = name or fn.__name__
+        if not _PTX_NAME.fullmatch(self.name):
+            # the name becomes the PTX entry's: ptxas (or LLVM, before it) rejects anything else
+            raise ValueError(f"name: a kernel name must be a PTX identifier (letters, digits and '_', not "
+                             f"starting with a digit), got {self.name!r}")
         self.params: list[Param] = analyze_signature(fn)
         self._binder = make_binder([p.kind for p in self.params], torch_args.auto_key)
         self._lazy = _Lazy(fn)

@@ -144,3 +144,14 @@ def test_unsupported_dtype_is_reported():
 
     with pytest.raises(LaunchError, match="complex64"):
         kern.compile(torch.zeros(4, dtype=torch.complex64))
+
+
+def test_a_kernel_name_that_is_not_a_ptx_identifier_is_refused():
+    """The name becomes the PTX entry's: one ptxas or LLVM would reject is an error naming the argument, at once."""
+    def body(x: nvfly.Tensor):
+        x[0] = 1.0
+
+    for bad in ("my.kernel", "a-b", "1st", "k\u00e9"):
+        with pytest.raises(ValueError, match="name: a kernel name must be a PTX identifier"):
+            nvfly.Kernel(body, name=bad)
+    assert nvfly.Kernel(body, name="my_kernel_2").name == "my_kernel_2"

@@ -15,7 +15,9 @@ routing rows: a one-element ``zero_()`` measures 3.6 us under do_bench, torch.to
 slices, the slices + merge plan (``row_threshold=False``) with all, half and one of its slices, the
 row-threshold plan (``topk.plan(..., row_threshold=True)``, ``nvfly/ops/topk_row.py``) and its opt-in two-level
 select (``two-level``: ``topk.plan(..., row_threshold=True, two_level=True)``); each is checked against the
-documented order before it is timed. Writes benchmarks/results/topk_plans_h200.json (and its printed table:
+documented order before it is timed. ``--graphs`` adds their times from CUDA graphs, ``--kernels`` their kernels'
+GPU time (e.g. the row-threshold plan in one cooperative launch against two: ``--compare-plans --graphs --kernels
+--shapes 1,151936,50 1,151936,1024``). Writes benchmarks/results/topk_plans_h200.json (and its printed table:
 topk_plans_h200.log).
 """
 from __future__ import annotations
@@ -100,9 +102,11 @@ def allocating_call(run: Callable[..., None], x: torch.Tensor, k: int) -> Callab
     return call
 
 
-def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False) -> int:
+def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False, kernels: bool = False) -> int:
     """--compare-plans: one line per shape: torch.topk, the default plan (*) and its variants (``graphs``: a
-    second line of each replayed from CUDA graphs)."""
+    second line of each replayed from CUDA graphs; ``kernels``: a third with the GPU time of their kernels, from
+    torch.profiler, back to back)."""
+    from benchmarks.device_time import kernel_times
     rows = []
     t_start = time.time()
     for m, n, k in cases:
@@ -116,6 +120,8 @@ def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False) -> in
             row[f"{name}_ms"] = bench_ms(call) if row[f"{name}_correct"] else None
             if graphs and row[f"{name}_correct"]:
                 row[f"{name}_graph_ms"] = graph_ms(call)
+            if kernels and row[f"{name}_correct"]:
+                row[f"{name}_kernels_us"] = kernel_times(call, calls=50)
         if graphs:
             row["torch_graph_ms"] = graph_ms(lambda: torch.topk(x, k))
         rows.append(row)
@@ -127,6 +133,10 @@ def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False) -> in
             print(f"{'graphs':>22} torch {row['torch_graph_ms'] * 1e3:7.1f} us | " + " | ".join(
                 f"{name} {row[f'{name}_graph_ms'] * 1e3:7.1f} us x{row['torch_graph_ms'] / row[f'{name}_graph_ms']:5.2f}"
                 for name in calls if row.get(f"{name}_graph_ms")), flush=True)
+        if kernels:
+            print(f"{'kernels':>22} " + " | ".join(
+                f"{name} {sum(row[f'{name}_kernels_us'].values()):5.2f} us ({len(row[f'{name}_kernels_us'])})"
+                for name in calls if f"{name}_kernels_us" in row), flush=True)
         torch.cuda.empty_cache()
     timed = [r for r in rows if r["default_ms"]]
     summary = {"all_correct": all(v for r in rows for key, v in r.items() if key.endswith("_correct")),
@@ -145,12 +155,14 @@ def main(argv=None) -> int:
     p.add_argument("--graphs", action="store_true",
                    help="also time both replayed from CUDA graphs (no per-call event floor, warm L2: "
                         "torch.compile's reduce-overhead mode)")
+    p.add_argument("--kernels", action="store_true",
+                   help="--compare-plans: also each plan's kernel time (torch.profiler), the launch gaps left out")
     p.add_argument("--compare-plans", action="store_true",
                    help="the default plan and fewer slices, on the sampling shapes")
     args = p.parse_args(argv)
     if args.compare_plans:
         return compare_plans([tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SAMPLING,
-                             args.graphs)
+                             args.graphs, args.kernels)
     if args.shapes:
         cases = [(*(int(v) for v in s.split(",")), torch.bfloat16, "custom") for s in args.shapes]
     else:

@@ -3,6 +3,7 @@ TMA descriptors are consistent for every operand major-ness and shape class, and
 reasons."""
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nvfly
+from nvfly.arch import sm90
 from nvfly.ops import gemm
 from nvfly.ops.gemm_kernel import REDUCE_THREADS, SMEM_LIMIT, Epilogue, GemmConfig, split_k_reduce_kernel
 from nvfly.runtime.torch_args import vector_width
@@ -83,7 +85,8 @@ def test_plans_and_descriptors_for_every_layout(mnk, majors):
     a3, b3 = a.unsqueeze(0), b.unsqueeze(0)
     plan = gemm._make_plan(a3, b3, False, "none", None, False)
     assert plan.config.check(2) is None
-    assert plan.swap == (m <= 64 < n)
+    token_tile = gemm.token_tile_config(m, n, k, 1, 2, 132, "K" if majors[1] == "col" else "MN")
+    assert plan.swap == (m <= 64 < n and token_tile is None)
     if plan.swap:
         a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
     a_desc, b_desc = gemm._descriptors(plan, a3, b3, False)
@@ -164,8 +167,9 @@ def test_wave_fit_takes_the_width_that_fills_the_waves():
 
 
 def test_the_autotune_space_holds_every_heuristic_pick():
-    """The heuristic's config of every suite-like shape and B major is in ``config_space`` (split K aside: the
-    space lists whole-K configs), so autotuning over the space can always find what the heuristic runs."""
+    """The heuristic's config of every suite-like shape and B major is in ``config_space`` (split K and the L2 load
+    hints aside: the space lists whole-K configs, and the hints follow the call's operand sizes), so autotuning over
+    the space can always find the tile the heuristic runs."""
     space = set(gemm.config_space())
     for m in (64, 128, 256, 336, 384, 512, 1024, 2048, 4096, 16384):
         for n, k in [(6144, 4096), (4096, 14336), (10240, 8192), (2112, 7168), (24576, 1536), (32768, 512),
@@ -176,7 +180,7 @@ def test_the_autotune_space_holds_every_heuristic_pick():
                     torch.empty(n, k, dtype=torch.bfloat16).t()
                 cfg = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False).config
                 if cfg.split_k == 1:
-                    assert cfg in space, (m, n, k, b_major, cfg)
+                    assert replace(cfg, stream_a=False, stream_b=False) in space, (m, n, k, b_major, cfg)
 
 
 @settings(max_examples=300, deadline=None)
@@ -285,14 +289,47 @@ def test_reduce_vector_widths():
 
 @pytest.mark.parametrize("majors", list(itertools.product(["row", "col"], ["row", "col"])))
 def test_token_tile_takes_one_wave_of_64_rows(majors):
-    """48 < M <= 64 with 32-wide tiles filling one wave (N = 4096 on 132 SMs) runs unswapped 64x32 tiles on a
-    14-stage ring with no K split; fewer tiles, more tiles, fewer tokens or a short K keep the swapped plan."""
-    for m, n, k in [(64, 4096, 4096), (56, 4096, 7168), (64, 4104, 14336)]:
+    """48 < M <= 64 runs unswapped 64-row tiles as narrow as one wave of at least 80% of the SMs allows (widths of
+    16, of 32 with an MN-major B), with the TMA-store epilogue and no K split; too few tiles, more than one wave of
+    the widest, fewer tokens, or a short K the swapped tiles split keep the swapped plan."""
+    k_major_b = majors[1] == "col"
+    for m, n, k, width in [(64, 4096, 4096, 32), (56, 4096, 7168, 32), (64, 4104, 14336, 32),
+                           (64, 10240, 8192, 80 if k_major_b else 96), (64, 32768, 512, 256),
+                           (64, 28672, 4096, 224), (64, 24576, 1536, 192), (64, 7168, 2048, 64)]:
         a, b = make(m, n, k, *majors)
         plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False)
-        assert not plan.swap and (plan.config.bm, plan.config.bn, plan.config.split_k) == (64, 32, 1), (m, n, k)
-        assert plan.config.stages == 14 and plan.config.check(2, plan.b_major) is None
-        assert plan.reduce_epilogue is None and plan.grid == -(-n // 32)
-    for m, n, k in [(64, 2112, 7168), (64, 6144, 4096), (48, 4096, 4096), (64, 4096, 1024)]:
+        assert not plan.swap and (plan.config.bm, plan.config.bn, plan.config.split_k) == (64, width, 1), (m, n, k)
+        assert plan.config.tma_store and plan.config.check(2, plan.b_major) is None
+        assert plan.config == gemm.deepest_ring(plan.config, 2, plan.b_major)
+        assert plan.reduce_epilogue is None and 0.8 * 132 <= plan.grid == -(-n // width) <= 132
+    swapped = [(64, 2112, 7168), (48, 4096, 4096), (64, 4096, 1024), (64, 57344, 8192)]
+    for m, n, k in swapped + ([] if k_major_b else [(64, 6144, 4096)]):  # MN-major: 96 tiles of 64
         a, b = make(m, n, k, *majors)
         assert gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False).swap, (m, n, k)
+
+
+def test_weights_read_once_between_one_and_eight_l2s_are_hinted():
+    """stream_hints marks the operand one row of tiles reads once (the weights of small M, B unswapped and A
+    swapped) when it spans [1, 8) L2s; smaller or larger weights, operands re-read and a caller's config stay
+    unhinted; the hinted loads carry .L2::cache_hint (the weights evict_first, the tokens evict_last)."""
+    l2 = 50 << 20
+    token = gemm.token_tile_config(64, 10240, 8192, 1, 2, 132)
+    assert gemm.stream_hints(token, 64, 10240, 8192, 1, 2, l2) == replace(token, stream_b=True)  # 160 MiB
+    assert gemm.stream_hints(token, 64, 32768, 512, 1, 2, l2) == token  # 32 MiB: may stay in L2
+    assert gemm.stream_hints(token, 64, 57344, 8192, 1, 2, l2) == token  # 896 MiB: 18 L2s
+    swapped = gemm.small_m_config(16, 4096, 14336, 1, 2, 132)  # the swapped problem is 4096 x 16
+    assert gemm.stream_hints(swapped, 4096, 16, 14336, 1, 2, l2) == replace(swapped, stream_a=True)
+    big = gemm.default_config(4096, 10240, 8192)
+    assert gemm.stream_hints(big, 4096, 10240, 8192, 1, 2, l2) == big  # B re-read by 32 rows of tiles
+    a, b = make(64, 10240, 8192, "row", "col")
+    assert gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False).config.stream_b
+    assert not gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", token, False).config.stream_b
+    assert replace(token, stream_a=True, stream_b=True).check(2) is not None
+    (hinted,) = gemm.compile_configs([replace(token, stream_b=True)], majors=[("K", "K")])
+    (plain,) = gemm.compile_configs([token], majors=[("K", "K")])
+    loads = [line for line in hinted.ptx.splitlines() if "cp.async.bulk.tensor" in line and "global.mbarrier" in line]
+    assert loads and all(".L2::cache_hint" in line for line in loads)
+    policies = {name: str(value) for name, value in sm90.CACHE_HINTS.items()}  # the 64-bit policies, in decimal
+    assert policies["evict_first"] in hinted.ptx and policies["evict_last"] in hinted.ptx
+    assert ".L2::cache_hint" not in plain.ptx and hinted.count("UTMALDG") > 0
+    assert not hinted.warnings and hinted.resources.spill_stores == 0

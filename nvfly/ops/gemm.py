@@ -22,7 +22,7 @@ import torch
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.runtime.driver import plan_sm_count
+from nvfly.runtime.driver import plan_l2_bytes, plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import current_stream, layout_key, vector_width
 from nvfly.ops import gemm_skinny, scratch
@@ -147,7 +147,12 @@ def config_space(dtype: torch.dtype = torch.bfloat16) -> list[GemmConfig]:
                                                    tma_store=True, store_buffers=store_buffers)
                                         for stages in range(MAX_STAGES, 2, -1)) if cfg.check(itemsize) is None]
                 space.extend(fits[:2])  # the deepest two rings that fit next to the staging buffers
-    space.append(deepest_ring(TOKEN_TILE, itemsize))
+    # the token tiles of token_tile_config: 64 rows, each width one wave may take, at the deepest ring for each B
+    for bn in range(TOKEN_TILE.bn, 257, TOKEN_TILE_STEP["K"]):
+        for b_major in ("K", "MN"):
+            cfg = deepest_ring(replace(TOKEN_TILE, bn=bn), itemsize, b_major)
+            if cfg is not None and cfg not in space:
+                space.append(cfg)
     return space
 
 
@@ -248,6 +253,13 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
             # split-K runs the cooperative schedule (ping-pong needs whole tiles per consumer)
             return replace(cfg, split_k=split, pingpong=False,
                            consumers=1 if cfg.bm == 64 else 2)
+    if cfg.bm == 64 and not cfg.tma_store:
+        # whole 64-row tiles store through TMA, one staging slice: the register epilogue's 4-byte stores down 64
+        # rows end a block's only tile, TMA writes whole lines. Faster on all 16 suite rows (M = 128) that ran the
+        # register epilogue (H200, do_bench / CUDA graphs, ratio to cuBLAS, gemm_small_tile_store_h200.log):
+        # 128x7168x2048 rowxrow 0.96 / 0.78 -> 1.00 / 1.02 (64x128, 9 stages either way), 128x4096x4096 rowxcol
+        # 0.99 / 1.05 -> 1.03 / 1.27 (64x64, 14 -> 13 stages), 128x6144x4096 rowxcol 0.98 / 0.93 -> 0.99 / 0.95
+        cfg = deepest_ring(replace(cfg, tma_store=True, store_buffers=1), itemsize, most=cfg.stages)
     # 2-block clusters multicasting B (cluster_m=2) measured within noise of cluster_m=1 on the H200
     # (benchmarks/gemm_configs.py), so the heuristic leaves them to the autotuner
     return cfg
@@ -313,27 +325,63 @@ def small_m_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int
     return cfg
 
 
-# One 64-row token tile: 48 < M <= 64 tokens fill wgmma's M, and 32-wide weight tiles give one block per SM
-# (N = 4096: 128 tiles) with no K split and so no reduce launch; a 14-stage ring (168 KB) keeps the bytes in
-# flight that 10 stages of the 12 KB stage did not. H200, rowxcol / rowxrow, TFLOP/s (benchmarks.gemm_configs
-# --tiles 64x32s14; m64_tiles logs): 64x4096x4096 119 / 116 against the swapped 64x64 split-K-2 tiles' 105 / 106
-# (cuBLAS 119 / 122; the swapped main kernel alone was faster than cuBLAS's in ncu, 12.0 vs 13.0 us, but its
-# reduce took 3.1 us more), 64x4096x7168 143 / 136 vs 132 / 135 (cuBLAS 150 / 138); 10 stages: 114 / 107.
-# With half a wave or less (64x2112x7168: 66 tiles) the split swapped tiles win (99 vs 97), and past one wave
-# (64x6144x4096, 64x7168x2048) the swapped 64x64 tiles do (140 vs 111).
+# One 64-row token tile: 48 < M <= 64 tokens fill wgmma's M, and weight tiles as narrow as one wave allows give
+# one block per SM with no K split and so no reduce launch. A block streams its weights at ~45 GB/s whatever its
+# tile (ncu, 64x10240x8192: ours 3.62 TB/s from 80 blocks of the swapped 128x64 tile, cuBLAS's 112-wide tiles
+# 3.97 TB/s from 92; ncu_gemm_small_m_h200.md), so the blocks a small-M call runs set its bandwidth. H200, do_bench
+# / CUDA-graph ratio to cuBLAS, swapped default -> token tile (gemm_small_m_plans_h200.log, 'old' -> 'fill'):
+# rowxcol 64x10240x8192 on 64x80 0.93 / 0.91 -> 0.99 / 0.98, 64x32768x512 on 64x256 0.96 / 0.77 -> 1.00 / 0.99,
+# 64x24576x1536 on 64x192 0.95 / 0.88 -> 0.99 / 1.03, 64x7168x2048 on 64x64 1.01 / 1.04 -> 1.03 / 1.09. Widths
+# are multiples of 16, which the TMA-store epilogue needs (64x56 with the register epilogue lost there, 0.97 / 1.04
+# -> 0.95 / 0.99, gemm_small_m_plans_first_h200.log), and of 32 with an MN-major B, whose tile then has 64- or
+# 128-byte swizzle rows (rowxrow 64x10240x8192 on 64x96 0.94 / 0.92 -> 1.00 / 0.97; on 64x80, 32-byte rows, 0.98 /
+# 0.96 -> 0.90 / 0.86, and 64x6144x4096 on 64x48 0.96 / 0.97 -> 0.85 / 0.83: gemm_token_fill_probe_h200.log).
+# Earlier, on N = 4096 (64x32 tiles, m64_tiles logs): 64x4096x4096 119 / 116 TFLOP/s rowxcol / rowxrow against the
+# swapped 64x64 split-K-2 tiles' 105 / 106 (cuBLAS 119 / 122); with half a wave or less (64x2112x7168: 66 tiles)
+# and short K the split swapped tiles win (99 vs 97). A 14-stage ring keeps the bytes in flight that 10 did not.
 TOKEN_TILE_M = (48, 64)          # M in (48, 64]
-TOKEN_TILE_WAVE = 0.9            # the tiles fill at least this much of one wave, and no more than one
-TOKEN_TILE_MIN_K_TILES = 32
-TOKEN_TILE = GemmConfig(64, 32, MAX_STAGES, 1, tma_store=True, store_buffers=1)
+TOKEN_TILE_WAVE = 0.8            # the tiles fill at least this much of one wave, and no more than one
+TOKEN_TILE_STEP = {"K": 16, "MN": 32}  # tile widths, by B's major (see above)
+TOKEN_TILE_MIN_K_TILES = 32      # below it, where the swapped tiles split K, they win
+TOKEN_TILE = GemmConfig(64, 32, MAX_STAGES, 1, tma_store=True, store_buffers=1)  # the narrowest
 
 
-def token_tile_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int) -> Optional[GemmConfig]:
-    """TOKEN_TILE for 48 < M <= 64 when its tiles fill one wave (see above), else None."""
-    tiles = math.ceil(n / TOKEN_TILE.bn) * batches
-    if not (TOKEN_TILE_M[0] < m <= TOKEN_TILE_M[1] and TOKEN_TILE_WAVE * sms <= tiles <= sms
-            and math.ceil(k / TOKEN_TILE.bk(itemsize)) >= TOKEN_TILE_MIN_K_TILES):
+def token_tile_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: int,
+                      b_major: str = "K") -> Optional[GemmConfig]:
+    """The token tile for 48 < M <= 64, as narrow as one wave of blocks allows (see above), else None."""
+    if not TOKEN_TILE_M[0] < m <= TOKEN_TILE_M[1] or batches > sms:
         return None
-    return deepest_ring(TOKEN_TILE, itemsize)
+    step = TOKEN_TILE_STEP[b_major]
+    bn = max(TOKEN_TILE.bn, step * math.ceil(n / (step * (sms // batches))))
+    if bn > 256 or math.ceil(n / bn) * batches < TOKEN_TILE_WAVE * sms:
+        return None
+    if (math.ceil(k / TOKEN_TILE.bk(itemsize)) < TOKEN_TILE_MIN_K_TILES
+            and small_m_config(m, n, k, batches, itemsize, sms).split_k > 1):
+        return None
+    return deepest_ring(replace(TOKEN_TILE, bn=bn), itemsize, b_major)
+
+
+# L2 eviction hints: an operand read once (one row of tiles covers the other) that is larger than the L2 can never
+# be an L2 hit, so its loads go first and the other operand's last. H200, do_bench (cold L2) / CUDA graph (warm)
+# ratio to cuBLAS, without -> with (gemm_small_m_plans_h200.log): rowxcol 64x10240x8192 on 64x80 0.99 / 0.98 ->
+# 1.06 / 1.01, rowxrow 64x24576x1536 on 64x192 0.99 / 0.99 -> 1.13 / 1.02, rowxrow 16x4096x14336 swapped 0.97 /
+# 1.02 -> 1.08 / 1.05, rowxcol 128x24576x1536 1.00 / 1.03 -> 1.12 / 1.10. Weights that fit stay unhinted:
+# back-to-back calls re-read them from L2, which the hint forfeits (64x32768x512, 32 MiB: graphs 0.99 -> 0.71,
+# gemm_token_fill_probe_h200.log). Nor past 8 L2s, where do_bench lost 1-7% (57344x8192 at M = 16, 64, 128;
+# 8192x28672 at M = 16; gemm_small_m_plans_first_h200.log). Likely cause of the cold gain: the dirty lines the
+# hinted stream no longer evicts (do_bench flushes L2 by writing it), which bounds the gain while the stream's
+# cost grows; not measured apart.
+STREAM_HINT_L2S = (1, 8)  # hinted: operands of [1, 8) L2 sizes
+
+
+def stream_hints(cfg: GemmConfig, m: int, n: int, k: int, batches: int, itemsize: int, l2_bytes: int) -> GemmConfig:
+    """``cfg`` with stream_a / stream_b set for an operand read once of STREAM_HINT_L2S L2 sizes (see above)."""
+    low, high = STREAM_HINT_L2S[0] * l2_bytes, STREAM_HINT_L2S[1] * l2_bytes
+    if math.ceil(m / (cfg.bm * cfg.cluster_m)) == 1 and low <= n * k * batches * itemsize < high:
+        return replace(cfg, stream_b=True)
+    if math.ceil(n / cfg.bn) == 1 and low <= m * k * batches * itemsize < high:
+        return replace(cfg, stream_a=True)
+    return cfg
 
 
 # ---------------------------------------------------------------------------------------------- launching
@@ -388,8 +436,8 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     itemsize = a3.element_size()
     sms = plan_sm_count(a3.get_device())
     chosen = config is None  # the heuristic's config, not the caller's
-    if chosen and not swap:
-        config = token_tile_config(m, n, k, batches, itemsize, sms)  # unswapped when it applies
+    if chosen and not swap:  # unswapped when it applies
+        config = token_tile_config(m, n, k, batches, itemsize, sms, _operand_major(b3, -2))
     if swap is None:
         swap = config is None and m <= 64 < n
     if config is None:
@@ -401,6 +449,8 @@ def _make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str,
     a_major, b_major = _operand_major(a3, -1), _operand_major(b3, -2)
     if chosen and not swap and b_major == "K":
         config = fill_wave_k_major(config, m, n, batches, itemsize, sms)
+    if chosen:
+        config = stream_hints(config, m, n, k, batches, itemsize, plan_l2_bytes(a3.get_device()))
     narrowest = 32 // itemsize  # an MN-major tile must span at least one 32-byte swizzle row
     if b_major == "MN" and config.bn % narrowest:
         widened = replace(config, bn=narrowest * math.ceil(config.bn / narrowest))

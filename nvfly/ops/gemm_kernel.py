@@ -74,6 +74,8 @@ class GemmConfig:
     tma_store: bool = False
     store_buffers: int = 2
     stream_k: bool = True
+    stream_a: bool = False
+    stream_b: bool = False
 
     def bk(self, itemsize: int) -> int:
         return BK_BYTES // itemsize
@@ -121,6 +123,8 @@ class GemmConfig:
             return f"{wg_m}x{self.bn} per consumer needs more than 128 accumulator registers"
         if self.stages < 2:
             return "at least 2 stages"
+        if self.stream_a and self.stream_b:
+            return "stream_a and stream_b: at most one operand is streamed"
         if self.cluster_m not in (1, 2):
             return f"cluster_m={self.cluster_m}: 1 or 2"
         # each block of a 2-block cluster loads half of the B tile: whole 8-row swizzle atoms (K-major) or whole
@@ -140,6 +144,13 @@ class GemmConfig:
         if self.smem_bytes(itemsize) > SMEM_LIMIT:
             return f"{self.smem_bytes(itemsize)} bytes of shared memory exceed {SMEM_LIMIT}"
         return None
+
+
+def load_hint(cfg: GemmConfig, operand: str) -> Optional[str]:
+    """The L2 eviction hint of operand ``operand``'s ("A" or "B") loads: None when neither is streamed."""
+    if not (cfg.stream_a or cfg.stream_b):
+        return None
+    return "evict_first" if (cfg.stream_a if operand == "A" else cfg.stream_b) else "evict_last"
 
 
 def store_width(bn: int) -> int:
@@ -339,7 +350,7 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
                         kk = kt * BK + box.k_offset
                         coords = (mm, kk) if A_MAJOR == "K" else (kk, mm)
                         sm90.tma_load(a_desc, base + box.smem_offset, (batch,) + coords if BATCHED else coords,
-                                      full)
+                                      full, cache_hint=load_hint(CFG, "A"))
                     for r in nvfly.static_range(CM):
                         if rank == r:  # this block loads slice r of B (for every block of the cluster)
                             for box in b_parts[r]:
@@ -348,7 +359,8 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
                                 coords = (nn, kk) if B_MAJOR == "K" else (kk, nn)
                                 sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
                                               (batch,) + coords if BATCHED else coords, full,
-                                              multicast_mask=(1 << CM) - 1 if CM > 1 else None)
+                                              multicast_mask=(1 << CM) - 1 if CM > 1 else None,
+                                              cache_hint=load_hint(CFG, "B"))
                     state = state.advance()
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)

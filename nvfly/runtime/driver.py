@@ -97,6 +97,11 @@ def sm_count(device: int) -> int:
     return device_attribute(device, "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT")
 
 
+def plan_l2_bytes(device: int) -> int:
+    """The L2 size launch plans are made for: ``device``'s, or an H100/H200's 50 MiB for a CPU tensor."""
+    return device_attribute(device, "CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE") if device >= 0 else 50 << 20
+
+
 def plan_sm_count(device: int) -> int:
     """The SM count launch plans are made for: ``device``'s, or an H100/H200's 132 for a CPU tensor (device -1:
     compiling without a GPU)."""

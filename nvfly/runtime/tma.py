@@ -49,6 +49,9 @@ def check_tma_layout(what: str, dtype: DType, shape: Sequence[int], stride: Sequ
                           f"{swizzle} bytes, got {inner_bytes}")
 
 
+L2_PROMOTIONS = (0, 64, 128, 256)  # bytes an L2 miss of a TMA load fetches at least (0: no promotion)
+
+
 class TmaDescriptor(TmaDescriptorType):
     """A TMA descriptor for a tensor and a box (in the tensor's dimension order, outermost first).
 
@@ -58,6 +61,8 @@ class TmaDescriptor(TmaDescriptorType):
 
     def __init__(self, tensor: Any, box: Sequence[int], swizzle: int = 128, l2_promotion: int = 128):
         box = tuple(int(b) for b in box)
+        if l2_promotion not in L2_PROMOTIONS:
+            raise ValueError(f"l2_promotion={l2_promotion!r}: expected one of {L2_PROMOTIONS} (bytes; 0: none)")
         if isinstance(tensor, TensorDesc):
             dtype, shape, stride, address, device = tensor.dtype, tensor.shape, tensor.strides(), 0, -1
         else:
@@ -96,16 +101,16 @@ _CACHE: "collections.OrderedDict[tuple, TmaDescriptor]" = collections.OrderedDic
 _CACHE_LIMIT = 1024
 
 
-def cached_descriptor(tensor: Any, box: Sequence[int], swizzle: int = 128) -> TmaDescriptor:
-    """``TmaDescriptor(tensor, box, swizzle)``, reused while address, shape, strides and dtype match.
+def cached_descriptor(tensor: Any, box: Sequence[int], swizzle: int = 128, l2_promotion: int = 128) -> TmaDescriptor:
+    """``TmaDescriptor(tensor, box, swizzle, l2_promotion)``, reused while address, shape, strides and dtype match.
 
     A descriptor depends only on those (not on the tensor object), so a reused address is harmless.
     """
     key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.get_device(),
-           tuple(box), swizzle)
+           tuple(box), swizzle, l2_promotion)
     desc = _CACHE.get(key)
     if desc is None:
-        desc = TmaDescriptor(tensor, box, swizzle)
+        desc = TmaDescriptor(tensor, box, swizzle, l2_promotion)
         _CACHE[key] = desc
         if len(_CACHE) > _CACHE_LIMIT:
             _CACHE.popitem(last=False)

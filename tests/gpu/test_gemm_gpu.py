@@ -345,6 +345,53 @@ def test_token_tile_layouts_and_epilogues(hopper, a_major, b_major):
     check(gemm.matmul(a, b, out_dtype=torch.float32), gemm.reference(a, b), tol=2e-3)
 
 
+TOKEN_WIDTHS = [  # (M, N, K): widths 80 / 96 (K- / MN-major B), 256, 192, 224, 64, and an N tail on 48 (K-major B)
+    (64, 10240, 512), (56, 32768, 512), (64, 24576, 1024), (64, 28672, 512), (56, 7168, 2048), (64, 6152, 4096)]
+
+
+@pytest.mark.parametrize("mnk", TOKEN_WIDTHS, ids=["x".join(map(str, s)) for s in TOKEN_WIDTHS])
+@pytest.mark.parametrize("a_major", ["row", "col"])
+@pytest.mark.parametrize("b_major", ["row", "col"])
+def test_token_tiles_of_every_width(hopper, mnk, a_major, b_major):
+    """The wave-filling token tiles (gemm.token_tile_config) of each width, on every operand major, into a poisoned
+    output; one call adds a bias and an activation, and one writes a strided output view."""
+    m, n, k = mnk
+    a = operand(m, k, torch.bfloat16, a_major)
+    b = operand(k, n, torch.bfloat16, b_major)
+    plan = gemm._new_plan(a, b, False, "none", None, None, None, None, False)
+    if plan.swap:  # an MN-major B of this N takes the swapped plan (too few 32-multiple tiles)
+        assert (b_major, n) == ("row", 6152)
+    else:
+        assert plan.config.bm == 64 and plan.config.split_k == 1 and plan.grid >= 0.8 * 132
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm.matmul(a, b, out=out)
+    check(out, gemm.reference(a, b), tol=1e-2)
+    c = torch.randn(n, device="cuda").to(torch.bfloat16)
+    wide = torch.full((m, n + 16), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm.matmul(a, b, c=c, activation="gelu_tanh", out=wide[:, :n])
+    check(wide[:, :n], gemm.reference(a, b, c, 1.0, 1.0, "gelu_tanh"), tol=1.5e-2)
+    assert wide[:, n:].isnan().all()
+
+
+HINTED = [(64, 10240, 8192, "stream_b"), (16, 4096, 14336, "stream_a"), (128, 24576, 1536, "stream_b")]
+
+
+@pytest.mark.parametrize("m,n,k,hint", HINTED, ids=[f"{m}x{n}x{k}" for m, n, k, _ in HINTED])
+@pytest.mark.parametrize("b_major", ["row", "col"])
+def test_l2_hinted_weights(hopper, m, n, k, hint, b_major):
+    """Calls whose weights (read once, 1-8 L2s) load with L2 eviction hints compute the same product: the token
+    tile (B hinted), the swapped split-K plan (A hinted) and a 128-row tile covering M."""
+    a = operand(m, k, torch.bfloat16, "row")
+    b = operand(k, n, torch.bfloat16, b_major)
+    plan = gemm._new_plan(a, b, False, "none", None, None, None, None, False)
+    if not isinstance(plan, gemm._Plan):
+        pytest.skip("the skinny kernel takes this call")
+    assert getattr(plan.config, hint), plan.config
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm.matmul(a, b, out=out)
+    check(out, gemm.reference(a, b), tol=1e-2)
+
+
 REDUCTIONS_IN_GRAPHS = [  # (captured call's M, N, K; its path; an eager call needing more of the same scratch)
     ((64, 2048, 4096), "-splitK", (256, 2048, 8192), GemmConfig(128, 128, 4, 2, split_k=8)),  # partials
     ((2000, 2104, 2560), "-streamK", (2560, 3584, 2560),  # the stream-K tail's zeroed workspace

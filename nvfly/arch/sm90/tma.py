@@ -26,26 +26,37 @@ def _placeholders(first: int, n: int) -> str:
     return ", ".join(f"${first + i}" for i in range(n))
 
 
+# L2 eviction priorities of a load's lines (createpolicy.fractional with fraction 1.0; the values CUTLASS names
+# CacheHintSm90): a stream read once goes first, a tile every block re-reads last
+CACHE_HINTS = {"evict_first": 0x12F0000000000000, "evict_normal": 0x1000000000000000,
+               "evict_last": 0x14F0000000000000}
+
+
 @traced
 def tma_load(desc: TmaDescriptorValue, smem: Scalar, coords: Sequence[Any], bar: Scalar,
-             multicast_mask: Optional[Any] = None) -> None:
+             multicast_mask: Optional[Any] = None, cache_hint: Optional[str] = None) -> None:
     """Copy the box at ``coords`` into shared memory at ``smem``; its bytes complete on ``bar``.
 
     With ``multicast_mask`` (a 16-bit mask of cluster ranks) the box lands at the same offset in each
-    block of the mask, completing on each block's ``bar``.
+    block of the mask, completing on each block's ``bar``. ``cache_hint`` (a CACHE_HINTS name) sets the L2
+    eviction priority of the lines it reads.
     """
     c = _coords(desc, coords)
     rank = len(c)
     args: list[Any] = [smem, desc.ptr, *c, bar]
     coord_list = _placeholders(2, rank)
-    if multicast_mask is None:
-        text = (f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes "
-                f"[$0], [$1, {{{coord_list}}}], [${2 + rank}];")
-    else:
+    text = (f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes"
+            f"{'' if multicast_mask is None else '.multicast::cluster'}{'' if cache_hint is None else '.L2::cache_hint'}"
+            f" [$0], [$1, {{{coord_list}}}], [${2 + rank}]")
+    if multicast_mask is not None:
         args.append(as_value(multicast_mask, dtypes.i32).to(dtypes.i16))  # the mask operand is 16 bits
-        text = (f"cp.async.bulk.tensor.{rank}d.shared::cluster.global.mbarrier::complete_tx::bytes"
-                f".multicast::cluster [$0], [$1, {{{coord_list}}}], [${2 + rank}], ${3 + rank};")
-    asm(text, args)
+        text += f", ${len(args) - 1}"
+    if cache_hint is not None:
+        if cache_hint not in CACHE_HINTS:
+            raise CompileError(f"tma_load: cache_hint={cache_hint!r}: expected one of {sorted(CACHE_HINTS)}")
+        args.append(as_value(CACHE_HINTS[cache_hint], dtypes.i64))
+        text += f", ${len(args) - 1}"
+    asm(text + ";", args)
 
 
 @traced

@@ -75,10 +75,14 @@ def count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LA
     copy = tid % COPIES
     first_loads = step_loads(x, row, start, stop, 0, tid, VEC, UNROLL, THREADS)  # in flight over the barrier
     nvfly.syncthreads()
-    count_loads(counts, first_loads, start + tid * VEC, stop, copy, x.dtype, VEC, UNROLL, THREADS, LARGEST)
-    for it in range(1, (stop - start + per_iter - 1) // per_iter):
-        count_loads(counts, step_loads(x, row, start, stop, it, tid, VEC, UNROLL, THREADS),
-                    start + (it * UNROLL * THREADS + tid) * VEC, stop, copy, x.dtype, VEC, UNROLL, THREADS, LARGEST)
+    # each step's loads are issued before the previous step is counted: two steps in flight, not one (a slice of
+    # a few steps otherwise waits out a full memory latency per step)
+    current = first_loads
+    for it in range((stop - start + per_iter - 1) // per_iter):
+        upcoming = step_loads(x, row, start, stop, it + 1, tid, VEC, UNROLL, THREADS)
+        count_loads(counts, current, start + (it * UNROLL * THREADS + tid) * VEC, stop, copy, x.dtype, VEC, UNROLL,
+                    THREADS, LARGEST)
+        current = upcoming
     nvfly.syncthreads()
     for j in nvfly.static_range(HIST // THREADS):
         bucket = j * THREADS + tid

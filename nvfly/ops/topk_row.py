@@ -80,8 +80,13 @@ def count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LA
     current = first_loads
     for it in range((stop - start + per_iter - 1) // per_iter):
         upcoming = step_loads(x, row, start, stop, it + 1, tid, VEC, UNROLL, THREADS)
-        count_loads(counts, current, start + (it * UNROLL * THREADS + tid) * VEC, stop, copy, x.dtype, VEC, UNROLL,
-                    THREADS, LARGEST)
+        col0 = start + (it * UNROLL * THREADS + tid) * VEC
+        # a whole step counts without a bounds check per element (ncu: the per-element branches were most of the
+        # histogram kernel's issue slots); only the slice's last step can be partial
+        if start + (it + 1) * per_iter <= stop:
+            count_loads(counts, current, col0, stop, copy, x.dtype, VEC, UNROLL, THREADS, LARGEST, False)
+        else:
+            count_loads(counts, current, col0, stop, copy, x.dtype, VEC, UNROLL, THREADS, LARGEST, True)
         current = upcoming
     nvfly.syncthreads()
     for j in nvfly.static_range(HIST // THREADS):
@@ -96,13 +101,16 @@ def count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LA
 
 
 @nvfly.func
-def count_loads(counts, loaded, col0, stop, copy, dtype, VEC, UNROLL, THREADS, LARGEST):
-    """Count one step's loads (``step_loads``, unroll u at columns ``col0 + u * THREADS * VEC``) before ``stop``
-    into their buckets of copy ``copy`` of ``counts``."""
+def count_loads(counts, loaded, col0, stop, copy, dtype, VEC, UNROLL, THREADS, LARGEST, CHECKED):
+    """Count one step's loads (``step_loads``, unroll u at columns ``col0 + u * THREADS * VEC``) into their buckets
+    of copy ``copy`` of ``counts``: those before ``stop`` when ``CHECKED``, all of them when not (a whole step)."""
     for u in nvfly.static_range(UNROLL):
         for e in nvfly.static_range(VEC):
             bucket = key_bucket(order_key(loaded[u][e] if VEC > 1 else loaded[u], LARGEST), dtype)
-            if col0 + u * THREADS * VEC + e < stop:
+            if CHECKED:
+                if col0 + u * THREADS * VEC + e < stop:
+                    atomic_add(counts, bucket.bitcast(nvfly.i32) * COPIES + copy, 1)
+            else:
                 atomic_add(counts, bucket.bitcast(nvfly.i32) * COPIES + copy, 1)
 
 

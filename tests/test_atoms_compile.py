@@ -1,4 +1,5 @@
 """Each hardware atom compiles to the instruction it stands for, with no local-memory spills."""
+import pytest
 import torch
 
 import nvfly
@@ -21,6 +22,34 @@ def test_tma_load_and_store():
     assert k.count("UTMALDG.2D") == 1 and k.count("UTMASTG.2D") == 1
     assert k.count("SYNCS.ARRIVE.TRANS64") >= 1 and k.count("SYNCS.PHASECHK.TRANS64.TRYWAIT") >= 1
     no_spills(k)
+
+
+@nvfly.kernel
+def hinted_load_kernel(src: nvfly.TmaDescriptor, out: nvfly.Tensor, HINT: nvfly.Constexpr):
+    tile = nvfly.dynamic_shared_tensor(nvfly.bf16, (64, 64), offset_bytes=1024)
+    bar = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (1,)))
+    if nvfly.thread_idx.x == 0:
+        sm90.mbarrier_init(bar, 1)
+        sm90.fence_barrier_init()
+        sm90.mbarrier_arrive_expect_tx(bar, 64 * 64 * 2)
+        sm90.tma_load(src, smem_address(tile), (0, 0), bar, cache_hint=HINT)
+    sm90.mbarrier_wait(bar, 0)
+
+
+def test_tma_load_cache_hints():
+    """A hinted TMA load carries .L2::cache_hint with the named 64-bit policy; an unknown hint is a CompileError
+    naming the choices; TMA descriptors accept only the driver's L2 promotion sizes."""
+    desc = nvfly.TmaDescriptor(TensorDesc(nvfly.bf16, (256, 256)), (64, 64))
+    out = torch.zeros(4, 4).to(torch.bfloat16)
+    for hint in sm90.CACHE_HINTS:
+        k = hinted_load_kernel.compile(desc, out, HINT=hint)
+        assert ".L2::cache_hint" in k.ptx and str(sm90.CACHE_HINTS[hint]) in k.ptx and k.count("UTMALDG.2D") == 1
+        no_spills(k)
+    assert ".L2::cache_hint" not in hinted_load_kernel.compile(desc, out, HINT=None).ptx
+    with pytest.raises(nvfly.CompileError, match="evict_first"):
+        hinted_load_kernel.compile(desc, out, HINT="keep")
+    with pytest.raises(ValueError, match="l2_promotion=100"):
+        nvfly.TmaDescriptor(TensorDesc(nvfly.bf16, (256, 256)), (64, 64), l2_promotion=100)
 
 
 def test_wgmma_bf16_tiles_for_both_b_majors():

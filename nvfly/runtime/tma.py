@@ -101,16 +101,16 @@ _CACHE: "collections.OrderedDict[tuple, TmaDescriptor]" = collections.OrderedDic
 _CACHE_LIMIT = 1024
 
 
-def cached_descriptor(tensor: Any, box: Sequence[int], swizzle: int = 128, l2_promotion: int = 128) -> TmaDescriptor:
-    """``TmaDescriptor(tensor, box, swizzle, l2_promotion)``, reused while address, shape, strides and dtype match.
+def cached_descriptor(tensor: Any, box: Sequence[int], swizzle: int = 128) -> TmaDescriptor:
+    """``TmaDescriptor(tensor, box, swizzle)``, reused while address, shape, strides and dtype match.
 
     A descriptor depends only on those (not on the tensor object), so a reused address is harmless.
     """
     key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.get_device(),
-           tuple(box), swizzle, l2_promotion)
+           tuple(box), swizzle)
     desc = _CACHE.get(key)
     if desc is None:
-        desc = TmaDescriptor(tensor, box, swizzle, l2_promotion)
+        desc = TmaDescriptor(tensor, box, swizzle)
         _CACHE[key] = desc
         if len(_CACHE) > _CACHE_LIMIT:
             _CACHE.popitem(last=False)

@@ -68,8 +68,10 @@ def test_config_space_is_valid_and_broad():
 
 
 def make(m, n, k, a_major, b_major):
-    a = torch.randn(m, k).to(torch.bfloat16) if a_major == "row" else torch.randn(k, m).to(torch.bfloat16).t()
-    b = torch.randn(k, n).to(torch.bfloat16) if b_major == "row" else torch.randn(n, k).to(torch.bfloat16).t()
+    """Operands of each major, without values: plans read only shapes and strides (and filling 470 MB of weights
+    with random numbers takes seconds)."""
+    a = torch.empty(m, k, dtype=torch.bfloat16) if a_major == "row" else torch.empty(k, m, dtype=torch.bfloat16).t()
+    b = torch.empty(k, n, dtype=torch.bfloat16) if b_major == "row" else torch.empty(n, k, dtype=torch.bfloat16).t()
     return a, b
 
 

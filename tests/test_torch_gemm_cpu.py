@@ -455,6 +455,10 @@ def test_explain_without_a_gpu(capsys):
     assert explain_main(["16", "4096", "4096", "--majors", "K,MN", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["majors"] == ["K", "MN"] and doc["key"] == "bf16>bf16 b1 m16 n4096 k4096 K/MN"
+    assert doc["auto"].startswith("wgmma-swapAB-splitK2: 64x16 tile of the transposed problem")
+    # what "auto" runs, planned without a GPU: the token tile filling a wave, the weights streamed
+    assert "auto (the heuristic's plan): wgmma: 64x80 tile on 128 blocks" in str(explain(64, 10240, 8192))
+    assert explain(64, 10240, 8192).auto.endswith("B streamed (L2 evict_first)")
     with pytest.raises(SystemExit):
         explain_main(["16", "4096", "4096", "--majors", "K"])
 
@@ -464,6 +468,6 @@ def test_explain_verdicts():
     fast = _entry(w.key(), best="auto", best_ms=0.5, torch_ms=1.0)
     slow = _entry(w.key(), best="auto", best_ms=2.0, torch_ms=1.0)
     from nvfly.torch.explain import Explanation
-    assert "nvfly wins (autotune database)" in Explanation(w, None, [], fast, None, []).verdict()
-    assert "nvfly loses (measured now)" in Explanation(w, None, [], fast, slow, []).verdict()
-    assert "not measured" in Explanation(w, None, [], None, None, []).verdict()
+    assert "nvfly wins (autotune database)" in Explanation(w, None, "", [], fast, None, []).verdict()
+    assert "nvfly loses (measured now)" in Explanation(w, None, "", [], fast, slow, []).verdict()
+    assert "not measured" in Explanation(w, None, "", [], None, None, []).verdict()

@@ -572,6 +572,12 @@ def _new_plan(a: torch.Tensor, b: torch.Tensor, use_c: bool, activation: str, ou
     reason = eligibility(a, b, c, out_dtype)
     if reason:
         raise ValueError(f"nvfly.ops.gemm.matmul: {reason}")
+    return _eligible_plan(a, b, use_c, activation, config, skinny, scaled, swap)
+
+
+def _eligible_plan(a: torch.Tensor, b: torch.Tensor, use_c: bool, activation: str, config: Any,
+                   skinny: Optional[bool], scaled: bool, swap: Optional[bool]) -> Union[_Plan, SkinnyPlan]:
+    """``_new_plan`` past its checks (operands of any device, meta included: plans read shapes and strides)."""
     if swap is not None and (skinny or isinstance(config, SkinnyConfig)):
         raise ValueError("nvfly.ops.gemm.matmul: swap applies to the wgmma kernel, not to the skinny kernel")
     a3, b3 = (a, b) if a.dim() == 3 else (a.unsqueeze(0), b.unsqueeze(0))
@@ -760,13 +766,43 @@ def path(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, 
     """Which kernel ``matmul`` runs for these operands (for benchmarks): 'skinny' (with '-rowB' for a row-major
     B and '-splitK<s>' when they apply), or 'wgmma' with '-swapAB', '-splitK<s>' and
     '-streamK<tiles>x<k-blocks per block>' when they apply; raises when matmul would."""
-    plan = _new_plan(a, b, c is not None, activation, out_dtype, c, config, skinny, scaled, swap)
+    return _plan_name(_new_plan(a, b, c is not None, activation, out_dtype, c, config, skinny, scaled, swap))
+
+
+def _plan_name(plan: Union[_Plan, SkinnyPlan]) -> str:
     if isinstance(plan, SkinnyPlan):
         return "skinny" + ("-rowB" if plan.row_b else "") + \
             (f"-splitK{plan.config.splits}" if plan.config.splits > 1 else "")
     return "wgmma" + ("-swapAB" if plan.swap else "") + \
         (f"-splitK{plan.config.split_k}" if plan.config.split_k > 1 else "") + \
         (f"-streamK{plan.sk_tiles}x{plan.block_iters}" if plan.block_iters else "")
+
+
+def describe(m: int, n: int, k: int, *, batches: int = 1, dtype: torch.dtype = torch.bfloat16,
+             majors: tuple[str, str] = ("K", "K")) -> str:
+    """What ``matmul`` runs without a config on densely packed ``[batches x] m x n x k`` operands (A: [M, K], B:
+    [K, N], each "K"- or "MN"-major), eligibility aside and planned for an H100/H200 (132 SMs, 50 MiB of L2; no GPU
+    needed): the kernel as ``path`` names it, then its tile and what the heuristic added, e.g. "wgmma: 64x80 tile
+    on 128 blocks, 12 stages, TMA-store epilogue, B streamed (L2 evict_first)"."""
+    def operand(rows: int, cols: int, rows_contiguous: bool) -> torch.Tensor:
+        shape = (batches, cols, rows) if rows_contiguous else (batches, rows, cols)
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        t = t.transpose(-1, -2) if rows_contiguous else t
+        return t if batches > 1 else t[0]
+    a = operand(m, k, majors[0] == "MN")
+    b = operand(k, n, majors[1] == "K")
+    plan = _eligible_plan(a, b, False, "none", None, None, False, None)
+    if isinstance(plan, SkinnyPlan):
+        return f"{_plan_name(plan)}: {plan.config}"
+    cfg = plan.config
+    what = [f"{cfg.bm}x{cfg.bn} tile" + (" of the transposed problem" if plan.swap else "") +
+            f" on {plan.grid} block{'s' if plan.grid != 1 else ''}", f"{cfg.stages} stages"]
+    what += ["ping-pong consumers"] if cfg.pingpong else []
+    what += [f"{cfg.cluster_m}-block clusters"] if cfg.cluster_m > 1 else []
+    what += ["TMA-store epilogue"] if cfg.tma_store else []
+    what += [f"{operand_name} streamed (L2 evict_first)" for operand_name, on in (("A", cfg.stream_a),
+                                                                               ("B", cfg.stream_b)) if on]
+    return f"{_plan_name(plan)}: " + ", ".join(what)
 
 
 def _descriptors(plan: _Plan, a3: torch.Tensor, b3: torch.Tensor, batched: bool) -> tuple[Any, Any]:

@@ -1,5 +1,6 @@
-"""``nvfly explain``: for one GEMM shape, whether nvfly can run it, the candidates Inductor would benchmark, their
-times (from the autotune database, or measured now), the winner, and why nvfly was declined or lost.
+"""``nvfly explain``: for one GEMM shape, whether nvfly can run it, what its heuristic runs (``gemm.describe``:
+kernel, tile, blocks, epilogue, L2 hints), the candidates Inductor would benchmark, their times (from the autotune
+database, or measured now), the winner, and why nvfly was declined or lost.
 
     print(nvfly.torch.explain(16, 4096, 4096))                 # no GPU needed (then nothing is measured)
     print(nvfly.torch.explain(16, 4096, 4096, benchmark=True))  # times the candidates and torch on the GPU
@@ -17,6 +18,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from nvfly.ops import gemm
 from nvfly.runtime.driver import sm_count
 from nvfly.torch.autotune import Candidate, Entry, TORCH, candidates, database, make_operands, measure
 from nvfly.torch.gemm_ops import Decision, TensorInfo, Workload, analyze, decisions
@@ -29,6 +31,7 @@ class Explanation:
     """What nvfly does with one GEMM shape (see the module docstring); ``str()`` renders it as a report."""
     workload: Workload
     declined: Optional[str]
+    auto: str  # what the heuristic's config ("auto") runs: gemm.describe
     candidates: list[Candidate]
     entry: Optional[Entry]
     measured: Optional[Entry]
@@ -58,7 +61,7 @@ class Explanation:
     def to_dict(self) -> dict[str, Any]:
         w = self.workload
         return {"shape": {"batches": w.batches, "m": w.m, "n": w.n, "k": w.k}, "dtype": str(w.dtype),
-                "majors": [w.a_major, w.b_major], "key": w.key(), "declined": self.declined,
+                "majors": [w.a_major, w.b_major], "key": w.key(), "declined": self.declined, "auto": self.auto,
                 "candidates": [dataclasses.asdict(c) for c in self.candidates],
                 "database": dataclasses.asdict(self.entry) if self.entry else None,
                 "measured": dataclasses.asdict(self.measured) if self.measured else None,
@@ -72,6 +75,7 @@ class Explanation:
         console = Console(file=buffer, width=130, no_color=True)
         console.print(f"GEMM {self.workload} (shape class {self.workload.key()})")
         console.print(f"eligibility: {self.declined or 'eligible'}")
+        console.print(f"auto (the heuristic's plan): {self.auto}")
         table = Table(title="candidates (what Inductor benchmarks beside ATen and Triton)")
         for column in ("config", "source", "database ms", "measured ms"):
             table.add_column(column)
@@ -115,7 +119,8 @@ def explain(m: int, n: int, k: int, *, batches: int = 1, dtype: torch.dtype = to
         a, b = make_operands(w, torch.device("cuda", device))
         measured = measure(w, a, b, [c.config for c in found])
     shape = (batches, m, n, k)
-    return Explanation(w, declined, found, entry, measured, [d for d in decisions() if d.shape == shape])
+    auto = gemm.describe(m, n, k, batches=batches, dtype=dtype, majors=majors)
+    return Explanation(w, declined, auto, found, entry, measured, [d for d in decisions() if d.shape == shape])
 
 
 def _eligibility(w: Workload, device: int) -> Optional[str]:

@@ -373,6 +373,21 @@ def test_token_tiles_of_every_width(hopper, mnk, a_major, b_major):
     assert wide[:, n:].isnan().all()
 
 
+@pytest.mark.parametrize("b_major", ["row", "col"])
+def test_token_tiles_batched(hopper, b_major):
+    """bmm with 48 < M <= 64 rows a batch: token tiles whose width fills one wave over all batches (3 x 43 tiles
+    of 64x96 for N = 4096), rank-3 descriptors and the TMA-store epilogue, into a poisoned output."""
+    batch, m, n, k = 3, 64, 4096, 2048
+    a = torch.randn(batch, m, k, device="cuda").to(torch.bfloat16)
+    b = torch.randn(batch, k, n, device="cuda").to(torch.bfloat16)
+    b = b if b_major == "row" else b.transpose(1, 2).contiguous().transpose(1, 2)
+    plan = gemm._new_plan(a, b, False, "none", None, None, None, None, False)
+    assert not plan.swap and (plan.config.bm, plan.config.bn) == (64, 96) and plan.grid == 129
+    out = torch.full((batch, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    gemm.matmul(a, b, out=out)
+    check(out, gemm.reference(a, b), tol=1e-2)
+
+
 HINTED = [(64, 10240, 8192, "stream_b"), (16, 4096, 14336, "stream_a"), (128, 24576, 1536, "stream_b")]
 
 

@@ -295,13 +295,19 @@ def wave_fit(cfg: GemmConfig, m: int, n: int, k_tiles: int, batches: int, itemsi
 WAVE_FIT_FILL = 0.8
 
 
+def one_wave_width(n: int, rows_of_tiles: int, sms: int, step: int) -> int:
+    """The narrowest tile width, a multiple of ``step``, that cuts N into at most one wave's share of tiles per row
+    of tiles (``rows_of_tiles`` rows over ``sms`` SMs)."""
+    return step * math.ceil(n / (step * (sms // rows_of_tiles)))
+
+
 def fill_wave_k_major(cfg: GemmConfig, m: int, n: int, batches: int, itemsize: int, sms: int) -> GemmConfig:
     """The default ``cfg`` or, for a K-major B, its narrower twin that fills a partial single wave (see above)."""
     row_tiles = math.ceil(m / cfg.bm) * batches
     tiles = row_tiles * math.ceil(n / cfg.bn)
     if cfg.bm not in (64, 128) or (cfg.bn, cfg.split_k) != (128, 1) or tiles > WAVE_FIT_FILL * sms or sms < row_tiles:
         return cfg
-    width = 32 * math.ceil(n / (32 * (sms // row_tiles)))
+    width = one_wave_width(n, row_tiles, sms, 32)
     if not 64 < width < cfg.bn:
         return cfg
     return deepest_ring(replace(cfg, bn=width, pingpong=False), itemsize)
@@ -352,7 +358,7 @@ def token_tile_config(m: int, n: int, k: int, batches: int, itemsize: int, sms: 
     if not TOKEN_TILE_M[0] < m <= TOKEN_TILE_M[1] or batches > sms:
         return None
     step = TOKEN_TILE_STEP[b_major]
-    bn = max(TOKEN_TILE.bn, step * math.ceil(n / (step * (sms // batches))))
+    bn = max(TOKEN_TILE.bn, one_wave_width(n, batches, sms, step))
     if bn > 256 or math.ceil(n / bn) * batches < TOKEN_TILE_WAVE * sms:
         return None
     if (math.ceil(k / TOKEN_TILE.bk(itemsize)) < TOKEN_TILE_MIN_K_TILES

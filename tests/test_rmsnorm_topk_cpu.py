@@ -206,7 +206,7 @@ def test_topk_few_rows_split_then_merge():
     assert merge.count("LDG.E.128") >= topk.SWEEP  # the ranks, two a load, straight into shared memory
     assert "set.gtu" not in merge.ptx and merge.count("ATOMS.ADD") == 0  # no stream: one select, the sort
     assert topk.plan(151936, 1024, 1, 8, 2, 132, row_threshold=False).parts > 1
-    assert topk.plan(151936, 1024, 256, 8, 2, 132).parts == 1
+    assert topk.plan(151936, 1024, 256, 8, 2, 132, row_threshold=False).parts == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -237,7 +237,9 @@ def test_topk_slice_variants_compile(dtype, n, k, m, largest):
 
 def test_topk_plans_for_the_sampling_suite():
     """The slices + merge plans of the sampling suite, and which of them the row-threshold plan replaces by
-    default (k >= ROW_THRESHOLD_MIN_K or ROW_THRESHOLD_MIN_PARTS slices: all but M = 64, k = 50)."""
+    default (k >= ROW_THRESHOLD_MIN_K, ROW_THRESHOLD_MIN_PARTS slices, or 512-thread blocks: all of them), with
+    which blocks (``row_threads``): one row with k = 1024 and 64 rows (two slices a row, one block an SM, one
+    launch) take 512 threads; 256 rows of one slice take two slices when k = 1024 (the radix kernel when k = 50)."""
     sms = 132
     for n in (128256, 151936):
         for vec, itemsize in ((8, 2), (4, 4)):
@@ -246,12 +248,21 @@ def test_topk_plans_for_the_sampling_suite():
             p = topk.plan(n, 1024, 1, vec, itemsize, sms, row_threshold=False)
             assert 8 <= p.parts and p.parts * 1024 <= topk.MERGE_RANKS  # k = 1024: a merge of 16K ranks at most
             assert all(topk.plan(n, k, 1, vec, itemsize, sms).row_threshold for k in (50, 1024))
+            assert topk.plan(n, 50, 1, vec, itemsize, sms).threads == 256
+            assert topk.plan(n, 1024, 1, vec, itemsize, sms).threads == 512
             for k in (50, 1024):
                 p = topk.plan(n, k, 64, vec, itemsize, sms, row_threshold=False)
                 assert p.parts == 4 and p.threads == 256  # 256 blocks: two per SM
-                assert topk.plan(n, k, 64, vec, itemsize, sms).row_threshold == (k == 1024)
+                p = topk.plan(n, k, 64, vec, itemsize, sms)
+                assert p.row_threshold and p.threads == 512 and p.parts == 2 and p.one_launch  # 128 blocks
                 p = topk.plan(n, k, 256, vec, itemsize, sms)
-                assert p.parts == 1 and p.threads == 256 and p.unroll == 64 // (vec * itemsize)
+                if k == 50:
+                    assert not p.row_threshold and p.parts == 1 and p.threads == 256
+                    assert p.unroll == 64 // (vec * itemsize)
+                else:
+                    assert p.row_threshold and p.parts == 2 and p.threads == 256 and not p.one_launch
+    assert not topk.plan(4096, 1024, 256, 8, 2, sms).row_threshold  # rows shorter than ROW_SPLIT_MIN_N: one slice
+    assert topk.plan(151936, 1024, 16, 8, 2, sms).threads == 256  # 16 slices a row
     assert topk.plan(151936, 2048, 1, 8, 2, sms, row_threshold=False).threads == 512  # 2 blocks of 256 would not fit
 
 
@@ -329,14 +340,15 @@ def test_topk_row_one_launch_kernel_compiles(dtype, n, k, m, largest):
 
 
 def test_topk_one_launch_plan_choice():
-    """One launch where the row's slices fit one block an SM (M = 1 sampling rows); two where they do not (M = 3,
-    64), with the two-level select, or when asked; asking for one where it cannot be is an error that says why."""
+    """One launch where the row's slices fit one block an SM (M = 1 sampling rows, M = 64 in two slices of 512
+    threads); two where they do not (M = 3, 16), with the two-level select, or when asked; asking for one where it cannot be is an error that says why."""
     sms = 132
     assert topk.plan(151936, 1024, 1, 8, 2, sms).one_launch and topk.plan(128256, 50, 1, 4, 4, sms).one_launch
-    assert not topk.plan(151936, 1024, 3, 8, 2, sms).one_launch and not topk.plan(151936, 50, 64, 8, 2, sms).one_launch
+    assert not topk.plan(151936, 1024, 3, 8, 2, sms).one_launch and not topk.plan(151936, 50, 16, 8, 2, sms).one_launch
+    assert topk.plan(151936, 50, 64, 8, 2, sms).one_launch  # two slices of 512 threads a row: 128 blocks
     assert not topk.plan(151936, 1024, 1, 8, 2, sms, row_threshold=True, two_level=True).one_launch
     assert not topk.plan(151936, 1024, 1, 8, 2, sms, one_launch=False).one_launch
-    assert not topk.plan(151936, 1024, 1, 8, 2, 64).one_launch  # 75 slices on 64 SMs
+    assert not topk.plan(151936, 50, 1, 8, 2, 64).one_launch  # 75 slices on 64 SMs
     with pytest.raises(ValueError, match="one_launch: 3 rows of 75 slices need 225 resident blocks"):
         topk.plan(151936, 1024, 3, 8, 2, sms, one_launch=True)
 

@@ -733,27 +733,35 @@ def test_row_threshold_model_finish_takes_every_path():
 
 
 def test_row_threshold_plans():
-    """The row plan replaces exactly the plans that cut rows into slices; its slices go down to one sweep,
-    cover the row, and two blocks fit an SM. By default it runs where k or the slices are large."""
+    """The row plan replaces the plans that cut rows into slices, and those of one slice a row with a large k on
+    long rows that two slices a row fit in two waves; its slices (two at least) go down to one sweep, cover the
+    row, and two blocks fit an SM. By default it runs where k or the slices are large, or where ``row_threads``
+    gives it 512-thread blocks."""
     sms = 132
     for n, k, m, (vec, itemsize) in [(151936, 50, 1, (8, 2)), (151936, 1024, 1, (8, 2)), (128256, 2048, 1, (8, 2)),
-                                     (151936, 1024, 64, (8, 2)), (151936, 1024, 256, (8, 2)),
+                                     (151936, 1024, 64, (8, 2)), (151936, 1024, 256, (8, 2)), (151936, 50, 64, (8, 2)),
                                      (151936, 1024, 1, (4, 4)), (262144, 2048, 64, (4, 4)), (4097, 2048, 64, (1, 2)),
-                                     (40_000, 33, 3, (8, 2))]:
+                                     (40_000, 33, 3, (8, 2)), (151936, 1024, 300, (8, 2)), (4096, 1024, 256, (8, 2))]:
         default = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=False)
         p = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=True)
-        assert p.row_threshold == (default.parts > 1)
+        split = k >= topk.ROW_THRESHOLD_MIN_K and n >= topk.ROW_SPLIT_MIN_N and m <= topk.BLOCKS_PER_SM * sms
+        assert p.row_threshold == (default.parts > 1 or split)
         auto = topk.plan(n, k, m, vec, itemsize, sms)
-        wanted = k >= topk.ROW_THRESHOLD_MIN_K or default.parts >= topk.ROW_THRESHOLD_MIN_PARTS
+        wide = topk.row_threads(k, m, default.parts, sms) == topk.WIDE_THREADS
+        wanted = k >= topk.ROW_THRESHOLD_MIN_K or default.parts >= topk.ROW_THRESHOLD_MIN_PARTS or wide
         assert auto == (p if wanted else default)
         if not p.row_threshold:
             assert p == default
             continue
-        assert p.parts >= default.parts and (p.parts - 1) * p.slice_len < n <= p.parts * p.slice_len
+        assert p.threads == (topk.WIDE_THREADS if wide else topk.SLICE_THREADS)
+        assert p.parts >= 2 and (p.parts - 1) * p.slice_len < n <= p.parts * p.slice_len
         assert p.slice_len % (p.threads * vec) == 0 and p.merge_cap == 0
         assert topk.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk.SM_SMEM_BYTES
         assert p.cap >= topk._capacity(p.threads * vec * p.unroll, p.k_pow2, p.threads)  # a whole-row stream fits
-    assert topk.plan(151936, 1024, 1, 8, 2, sms, row_threshold=True).parts == 75  # one sweep a block
+        if wide and m > 1:
+            assert m * p.parts <= sms and p.one_launch  # one block an SM, one wave
+    assert topk.plan(151936, 50, 1, 8, 2, sms).parts == 75  # one sweep of 256 threads a block
+    assert topk.plan(151936, 1024, 1, 8, 2, sms).parts == 38  # one sweep of 512 threads a block
 
 
 # ---------------------------------------------------------------------------------------------- two levels

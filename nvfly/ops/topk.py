@@ -85,6 +85,12 @@ MAX_PARTS = 128
 # 29.5 -> 31.9; the thresholds between those points are not measured
 ROW_THRESHOLD_MIN_K = 256
 ROW_THRESHOLD_MIN_PARTS = 8
+# rows of one slice take the row-threshold plan's two slices when k >= ROW_THRESHOLD_MIN_K, the rows are this long
+# and few enough for two waves: 256x128256 k=1024 bf16 76.0 -> 66.0 us, 256x151936 82.3 -> 74.7 (CUDA graphs,
+# topk_threads_probe_h200.log; the radix kernel raises its threshold through many selects at k = 1024). Shorter
+# rows are not measured
+ROW_SPLIT_MIN_N = 65536
+WIDE_THREADS = 512        # the row-threshold plan's blocks where ``row_threads`` says
 MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses would need too many registers)
 ABSENT = -(1 << 63)       # the rank of "no element": below every real rank (a real ~index is never 0)
 _KEY_MSB = 0x80000000
@@ -169,10 +175,8 @@ def topk_warp_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tenso
                 ranks.append(r)
         mine = absent  # lanes < K get the j-th winner below
         for j in nvfly.static_range(K):
-            best = ranks[0]
-            for r in ranks[1:]:
-                best = nvfly.maximum(best, r)
-            best = redux_sync(best, "max") if packed else nvfly.warp_reduce(best, "max")
+            best = tree_max(ranks)
+            best = redux_sync(best, "max") if packed else warp_max_rank64(best)
             ranks = [nvfly.select(r == best, absent, r) for r in ranks]  # ranks are unique: retire the winner
             mine = nvfly.select(lane == j, best, mine)
         if lane < K:
@@ -182,6 +186,25 @@ def topk_warp_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tenso
 
 
 # ---------------------------------------------------------------------------------------------- warp helpers
+def tree_max(values: list) -> Any:
+    """The largest of ``values`` by a tree of pairwise maxima: log2(n) dependent steps, not n - 1 (a 64-bit
+    maximum is four dependent instructions)."""
+    while len(values) > 1:
+        values = [nvfly.maximum(a, b) for a, b in zip(values[::2], values[1::2])] + values[len(values) & ~1:]
+    return values[0]
+
+
+@nvfly.func
+def warp_max_rank64(rank):
+    """The largest 64-bit rank of the (whole, converged) warp in every lane: two ``redux.sync`` (the high words,
+    then the low words of the lanes that hold the highest) instead of five rounds of 64-bit shuffles and
+    compares."""
+    high = (rank >> 32).to(nvfly.i32)
+    top = redux_sync(high, "max")
+    low = redux_sync(nvfly.select(high == top, rank.to(nvfly.i32).bitcast(nvfly.u32), nvfly.u32(0)), "max")
+    return (top.to(nvfly.i64) << 32) | low.to(nvfly.i64)
+
+
 @nvfly.func
 def warp_inclusive_sum(value, lane):
     """Inclusive prefix sum over the lanes of a warp (5 shuffles)."""
@@ -849,17 +872,18 @@ def _smem_bytes(cap: int, k_pow2: int, threads: int) -> int:
 
 
 def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, sm_count: int,
-               max_parts: int = MAX_PARTS, merged: bool = True) -> tuple[int, int, int]:
+               max_parts: int = MAX_PARTS, merged: bool = True, blocks_per_sm: int = BLOCKS_PER_SM,
+               min_parts: int = 1) -> tuple[int, int, int]:
     """(parts, slice_len, unroll): how the rows are cut into slices, one block each. Slices are whole sweeps of
     ``threads * vec`` elements (the last one of a row may be short). Few rows: enough slices for about
-    BLOCKS_PER_SM blocks on every SM, at most ``max_parts``, and when the slices' top k are ``merged``, as long
-    as a slice holds 4k elements or more and the merge reads at most MERGE_RANKS ranks a row (parts * k). A
-    slice of c sweeps takes ceil(c / max_unroll) iterations of an unroll that spreads the sweeps evenly over
-    them."""
+    ``blocks_per_sm`` blocks on every SM (``min_parts`` at least), at most ``max_parts``, and when the slices'
+    top k are ``merged``, as long as a slice holds 4k elements or more and the merge reads at most MERGE_RANKS
+    ranks a row (parts * k). A slice of c sweeps takes ceil(c / max_unroll) iterations of an unroll that spreads
+    the sweeps evenly over them."""
     sweep = threads * vec
     sweeps = -(-n // sweep)
     limit = min(n // (4 * k), MERGE_RANKS // k) if merged else sweeps
-    parts = max(1, min(BLOCKS_PER_SM * sm_count // m, sweeps, limit, max_parts))
+    parts = max(1, min(max(min_parts, blocks_per_sm * sm_count // m), sweeps, limit, max_parts))
     per_slice = -(-sweeps // parts)
     iterations = -(-per_slice // max_unroll)
     unroll = -(-per_slice // iterations)
@@ -892,9 +916,12 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
                         1024) > SM_SMEM_BYTES:
         threads = STREAM_THREADS
     parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts)
+    wide = row_threads(k, m, parts, sm_count) == WIDE_THREADS
     if row_threshold is None:
-        row_threshold = k >= ROW_THRESHOLD_MIN_K or parts >= ROW_THRESHOLD_MIN_PARTS
-    if row_threshold and parts > 1:
+        row_threshold = k >= ROW_THRESHOLD_MIN_K or parts >= ROW_THRESHOLD_MIN_PARTS or wide
+    # rows of one slice each, with a large k and few enough for two slices a row in two waves: two slices
+    split = parts == 1 and k >= ROW_THRESHOLD_MIN_K and n >= ROW_SPLIT_MIN_N and m <= BLOCKS_PER_SM * sm_count
+    if row_threshold and (parts > 1 or split):
         return row_plan(n, k, m, vec, itemsize, sm_count, max_parts, two_level, one_launch)
     merge_cap = max(parts * k, k_pow2) if parts > 1 else 0  # (the sort exchanges k_pow2 entries through it)
     return TopkPlan(False, vec, unroll=unroll, threads=threads,
@@ -904,18 +931,22 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
 
 
 def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS,
-             two_level: bool = False, one_launch: Optional[bool] = None) -> TopkPlan:
-    """The row-threshold plan (``topk_row``): blocks of SLICE_THREADS, slices down to one sweep (no merge
-    bounds them), two blocks an SM: the unroll is lowered until the shared memory (the candidate list, or a
-    whole-row stream's buffer) fits twice. ``one_launch`` (None: whenever it can): the histogram and the select
+             two_level: bool = False, one_launch: Optional[bool] = None, threads: Optional[int] = None) -> TopkPlan:
+    """The row-threshold plan (``topk_row``): blocks of ``threads`` (None: ``row_threads``), two slices a row at
+    least, down to one sweep (no merge bounds them), for two blocks an SM (one of WIDE_THREADS): the unroll is
+    lowered until the shared memory (the candidate list, or a whole-row stream's buffer) fits twice. ``one_launch`` (None: whenever it can): the histogram and the select
     in one cooperative launch, which needs every block resident at once: one an SM at most (its shared memory
     is the select's and the histogram's, side by side), and the one-level select."""
     k_pow2 = max(2, 1 << (k - 1).bit_length())
     row_cap = min(ROW_CAP_MAX, max(2048, 8 * k_pow2))
-    threads = SLICE_THREADS
     max_unroll = _unroll(vec, itemsize)
+    if threads is None:
+        narrow_parts = slice_plan(n, k, m, vec, max_unroll, SLICE_THREADS, sm_count, max_parts, merged=False)[0]
+        threads = row_threads(k, m, narrow_parts, sm_count)
+    blocks_per_sm = 1 if threads == WIDE_THREADS else BLOCKS_PER_SM
     while True:
-        parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts, merged=False)
+        parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts, merged=False,
+                                              blocks_per_sm=blocks_per_sm, min_parts=2)
         cap = max(row_cap, _capacity(threads * vec * unroll, k_pow2, threads))
         if max_unroll == 1 or BLOCKS_PER_SM * (_smem_bytes(cap, k_pow2, threads) + 1024) <= SM_SMEM_BYTES:
             break
@@ -927,6 +958,22 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
     return TopkPlan(False, vec, unroll=unroll, threads=threads, cap=cap, k_pow2=k_pow2, parts=parts,
                     slice_len=slice_len, row_threshold=True, row_cap=row_cap, two_level=two_level,
                     one_launch=fits if one_launch is None else one_launch)
+
+
+def row_threads(k: int, m: int, parts: int, sm_count: int) -> int:
+    """The row-threshold plan's block: WIDE_THREADS (one block an SM) where that measured faster than
+    SLICE_THREADS, else SLICE_THREADS; ``parts``: the slices a row of SLICE_THREADS blocks would get.
+    Measured on the H200, bf16 randn rows of 128256-151936, us from CUDA graphs / do_bench, 256 -> 512 threads
+    (benchmarks/results/topk_threads_probe_h200.log): one row, k = 1024: 13.6 / 16.3 -> 12.6 / 15.5 (the row's
+    last block selects and orders the k with 16 warps instead of 8), k = 50: 9.1 / 11.2 -> 9.4 / 11.4, so only for
+    k >= ROW_THRESHOLD_MIN_K; 64 rows, two slices of 512 instead of four of 256 (one wave of 128 blocks): k = 50
+    21.5 / 27.1 -> 18.3 / 21.2, k = 1024 27.9 / 32.5 -> 24.4 / 27.7. Not faster: 4 rows (16.0 / 21.5 -> 16.3 /
+    19.6), 16 rows (19.2 / 23.7 -> 20.5 / 24.4), 256 rows of two slices (66.0 -> 77.5: two blocks an SM no
+    longer fit). So: one row with a large k, and rows that SLICE_THREADS blocks cut into at most 4 slices while
+    WIDE_THREADS blocks still give each row two in one wave."""
+    if m == 1:
+        return WIDE_THREADS if k >= ROW_THRESHOLD_MIN_K else SLICE_THREADS
+    return WIDE_THREADS if 1 < parts <= 4 and sm_count // m >= 2 else SLICE_THREADS
 
 
 def _check(x: Any, k: Any, dim: Any) -> int:

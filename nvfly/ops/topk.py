@@ -40,7 +40,8 @@ Three kernels:
 - ``topk_merge_kernel``: one block of 512 threads a row loads the slices' parts * k ranks straight into shared
   memory, selects once and sorts.
 - Rows cut into slices run ``topk_row``'s kernels instead where that measured faster (``plan``'s ``row_threshold``,
-  by default ``ROW_THRESHOLD_MIN_K`` / ``ROW_THRESHOLD_MIN_PARTS``): a row-wide histogram of the top key bits, then
+  by default ``ROW_THRESHOLD_MIN_K`` / ``ROW_THRESHOLD_MIN_PARTS``; blocks of 512 threads, one an SM, where
+  ``row_threads`` says; rows of one slice with k >= 256 in two slices): a row-wide histogram of the top key bits, then
   every slice appends its elements in the k-th key's bucket or above and the row's last block selects and sorts
   them (``stream_top`` when there are too many: heavy ties at the threshold make it slow, not wrong). Opt-in
   ``plan(..., two_level=True)``: the select launch also counts the threshold bucket's next key bits, so the last

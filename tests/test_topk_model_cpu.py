@@ -845,3 +845,37 @@ def test_two_level_plans():
             assert two == one and not two.two_level
         assert not topk.plan(n, k, m, vec, itemsize, sms).two_level  # not the default
     assert topk_row.level_shifts(16) == (5, 5, 0) and topk_row.level_shifts(32) == (21, 11, 10)
+
+
+# ---------------------------------------------------------------------------------------------- packed keys
+def pair_keys_model(words, nan_above, largest):
+    """``topk_row.pair_keys`` on int64 tensors of u32 words, operation for operation."""
+    negative = (words >> 15) & 0x00010001
+    keys = words ^ ((negative * 0x7FFF) | 0x80008000)
+    offset = 0x8000 - (nan_above + 1)
+    nan = (((words & 0x7FFF7FFF) + (offset | (offset << 16))) & 0x80008000) >> 15
+    keys = keys | (nan * 0xFFFF)
+    return keys if largest else keys ^ 0xFFFFFFFF
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("largest", [True, False])
+def test_pair_keys_match_the_order_key_of_each_half(dtype, largest):
+    """Every 16-bit pattern, in the low half beside every pattern's neighbour and in the high half beside random
+    ones: both halves of the packed keys equal ``bits_key`` of their value (sign flip, any NaN to the top key, or
+    the bottom when smallest) and the histogram buckets taken from them are the halves' top HIST_BITS bits."""
+    nan_above = topk._NAN_ABOVE[dtype]
+    bits = torch.arange(1 << 16, dtype=torch.int64)
+    partner = bits[torch.randperm(1 << 16, generator=torch.Generator().manual_seed(0))]
+
+    def reference(b):
+        key = b ^ torch.where(b >> 15 == 1, 0xFFFF, 0x8000)
+        key = torch.where((b & 0x7FFF) > nan_above, 0xFFFF, key)
+        return key if largest else key ^ 0xFFFF
+
+    for low, high in ((bits, partner), (partner, bits)):
+        keys = pair_keys_model(low | (high << 16), nan_above, largest)
+        assert torch.equal(keys & 0xFFFF, reference(low)) and torch.equal(keys >> 16, reference(high))
+        shift = 16 - topk.HIST_BITS
+        assert torch.equal((keys >> shift) & (topk.HIST - 1), reference(low) >> shift)
+        assert torch.equal(keys >> (32 - topk.HIST_BITS), reference(high) >> shift)

@@ -935,9 +935,10 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
              two_level: bool = False, one_launch: Optional[bool] = None, threads: Optional[int] = None) -> TopkPlan:
     """The row-threshold plan (``topk_row``): blocks of ``threads`` (None: ``row_threads``), two slices a row at
     least, down to one sweep (no merge bounds them), for two blocks an SM (one of WIDE_THREADS): the unroll is
-    lowered until the shared memory (the candidate list, or a whole-row stream's buffer) fits twice. ``one_launch`` (None: whenever it can): the histogram and the select
-    in one cooperative launch, which needs every block resident at once: one an SM at most (its shared memory
-    is the select's and the histogram's, side by side), and the one-level select."""
+    lowered until the shared memory (the candidate list, or a whole-row stream's buffer) fits twice.
+    ``one_launch`` (None: whenever it can): the histogram and the select in one cooperative launch, which needs
+    every block resident at once: one an SM at most (its shared memory is the select's and the histogram's, side
+    by side), and the one-level select."""
     k_pow2 = max(2, 1 << (k - 1).bit_length())
     row_cap = min(ROW_CAP_MAX, max(2048, 8 * k_pow2))
     max_unroll = _unroll(vec, itemsize)

@@ -747,7 +747,7 @@ def test_row_threshold_plans():
         split = k >= topk.ROW_THRESHOLD_MIN_K and n >= topk.ROW_SPLIT_MIN_N and m <= topk.BLOCKS_PER_SM * sms
         assert p.row_threshold == (default.parts > 1 or split)
         auto = topk.plan(n, k, m, vec, itemsize, sms)
-        wide = topk.row_threads(k, m, default.parts, sms) == topk.WIDE_THREADS
+        wide = topk.row_threads(n, k, m, vec, itemsize, sms) == topk.WIDE_THREADS
         wanted = k >= topk.ROW_THRESHOLD_MIN_K or default.parts >= topk.ROW_THRESHOLD_MIN_PARTS or wide
         assert auto == (p if wanted else default)
         if not p.row_threshold:

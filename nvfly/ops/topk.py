@@ -917,13 +917,13 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
                         1024) > SM_SMEM_BYTES:
         threads = STREAM_THREADS
     parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts)
-    wide = row_threads(k, m, parts, sm_count) == WIDE_THREADS
+    row_block = row_threads(n, k, m, vec, itemsize, sm_count, max_parts)
     if row_threshold is None:
-        row_threshold = k >= ROW_THRESHOLD_MIN_K or parts >= ROW_THRESHOLD_MIN_PARTS or wide
+        row_threshold = k >= ROW_THRESHOLD_MIN_K or parts >= ROW_THRESHOLD_MIN_PARTS or row_block == WIDE_THREADS
     # rows of one slice each, with a large k and few enough for two slices a row in two waves: two slices
     split = parts == 1 and k >= ROW_THRESHOLD_MIN_K and n >= ROW_SPLIT_MIN_N and m <= BLOCKS_PER_SM * sm_count
     if row_threshold and (parts > 1 or split):
-        return row_plan(n, k, m, vec, itemsize, sm_count, max_parts, two_level, one_launch)
+        return row_plan(n, k, m, vec, itemsize, sm_count, max_parts, two_level, one_launch, row_block)
     merge_cap = max(parts * k, k_pow2) if parts > 1 else 0  # (the sort exchanges k_pow2 entries through it)
     return TopkPlan(False, vec, unroll=unroll, threads=threads,
                     cap=_capacity(threads * vec * unroll, k_pow2, threads), k_pow2=k_pow2, parts=parts,
@@ -943,8 +943,7 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
     row_cap = min(ROW_CAP_MAX, max(2048, 8 * k_pow2))
     max_unroll = _unroll(vec, itemsize)
     if threads is None:
-        narrow_parts = slice_plan(n, k, m, vec, max_unroll, SLICE_THREADS, sm_count, max_parts, merged=False)[0]
-        threads = row_threads(k, m, narrow_parts, sm_count)
+        threads = row_threads(n, k, m, vec, itemsize, sm_count, max_parts)
     blocks_per_sm = 1 if threads == WIDE_THREADS else BLOCKS_PER_SM
     while True:
         parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts, merged=False,
@@ -962,9 +961,10 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
                     one_launch=fits if one_launch is None else one_launch)
 
 
-def row_threads(k: int, m: int, parts: int, sm_count: int) -> int:
+def row_threads(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int,
+                max_parts: int = MAX_PARTS) -> int:
     """The row-threshold plan's block: WIDE_THREADS (one block an SM) where that measured faster than
-    SLICE_THREADS, else SLICE_THREADS; ``parts``: the slices a row of SLICE_THREADS blocks would get.
+    SLICE_THREADS, else SLICE_THREADS; from the slices a row of SLICE_THREADS blocks would get in that plan.
     Measured on the H200, bf16 randn rows of 128256-151936, us from CUDA graphs / do_bench, 256 -> 512 threads
     (benchmarks/results/topk_threads_probe_h200.log): one row, k = 1024: 13.6 / 16.3 -> 12.6 / 15.5 (the row's
     last block selects and orders the k with 16 warps instead of 8), k = 50: 9.1 / 11.2 -> 9.4 / 11.4, so only for
@@ -975,6 +975,7 @@ def row_threads(k: int, m: int, parts: int, sm_count: int) -> int:
     WIDE_THREADS blocks still give each row two in one wave."""
     if m == 1:
         return WIDE_THREADS if k >= ROW_THRESHOLD_MIN_K else SLICE_THREADS
+    parts = slice_plan(n, k, m, vec, _unroll(vec, itemsize), SLICE_THREADS, sm_count, max_parts, merged=False)[0]
     return WIDE_THREADS if 1 < parts <= 4 and sm_count // m >= 2 else SLICE_THREADS
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -784,19 +784,25 @@ def _plan_name(plan: Union[_Plan, SkinnyPlan]) -> str:
         (f"-streamK{plan.sk_tiles}x{plan.block_iters}" if plan.block_iters else "")
 
 
+def dense_operand(batches: int, rows: int, cols: int, last_contiguous: bool,
+                  make: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
+    """A densely packed [(batches,) rows, cols] matrix whose last dimension is contiguous, or whose rows are (a
+    transposed view), on a contiguous tensor from ``make(shape)`` (it chooses the device, dtype and values)."""
+    t = make((batches, rows, cols) if last_contiguous else (batches, cols, rows))
+    t = t if last_contiguous else t.transpose(-1, -2)
+    return t if batches > 1 else t[0]
+
+
 def describe(m: int, n: int, k: int, *, batches: int = 1, dtype: torch.dtype = torch.bfloat16,
              majors: tuple[str, str] = ("K", "K")) -> str:
     """What ``matmul`` runs without a config on densely packed ``[batches x] m x n x k`` operands (A: [M, K], B:
     [K, N], each "K"- or "MN"-major), eligibility aside and planned for an H100/H200 (132 SMs, 50 MiB of L2; no GPU
     needed): the kernel as ``path`` names it, then its tile and what the heuristic added, e.g. "wgmma: 64x80 tile
     on 128 blocks, 12 stages, TMA-store epilogue, B streamed (L2 evict_first)"."""
-    def operand(rows: int, cols: int, rows_contiguous: bool) -> torch.Tensor:
-        shape = (batches, cols, rows) if rows_contiguous else (batches, rows, cols)
-        t = torch.empty(shape, dtype=dtype, device="meta")
-        t = t.transpose(-1, -2) if rows_contiguous else t
-        return t if batches > 1 else t[0]
-    a = operand(m, k, majors[0] == "MN")
-    b = operand(k, n, majors[1] == "K")
+    def meta(shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    a = dense_operand(batches, m, k, majors[0] == "K", meta)
+    b = dense_operand(batches, k, n, majors[1] == "MN", meta)
     plan = _eligible_plan(a, b, False, "none", None, None, False, None)
     if isinstance(plan, SkinnyPlan):
         return f"{_plan_name(plan)}: {plan.config}"

@@ -210,10 +210,8 @@ def search_space(w: Workload, space: str = "pruned", sms: int = 132) -> list[str
 def _matrix(batches: int, rows: int, cols: int, dtype: torch.dtype, last_contiguous: bool,
             device: torch.device) -> Tensor:
     """A [(batches,) rows, cols] random matrix whose last dimension is contiguous, or whose rows are."""
-    shape = (batches, rows, cols) if last_contiguous else (batches, cols, rows)
-    t = torch.randn(shape, device=device).to(dtype)
-    t = t if last_contiguous else t.transpose(-1, -2)
-    return t if batches > 1 else t[0]
+    return gemm.dense_operand(batches, rows, cols, last_contiguous,
+                              lambda shape: torch.randn(shape, device=device).to(dtype))
 
 
 def make_operands(w: Workload, device: torch.device) -> tuple[Tensor, Tensor]:

@@ -1,14 +1,14 @@
 """Where the row-threshold TopK's time goes: the current ``topk_row`` against a baseline copy of the module, and
-the phases of the select launch from ``%globaltimer`` stamps.
+the phases of the one-launch kernel from ``%globaltimer`` stamps.
 
 Per shape (bf16 unless ``--dtype``): each variant is checked against the documented order (a stable sort), then
 timed with ``bench_ms`` (do_bench, L2 flushed), ``graph_ms`` (CUDA graph replay, warm L2) and the torch profiler's
-kernel durations (histogram launch, select launch). ``--base FILE``: a copy of an older ``nvfly/ops/topk_row.py``
+kernel durations (``--kernels``). ``--base FILE``: a copy of an older ``nvfly/ops/topk_row.py``
 (e.g. ``git show c86307c:nvfly/ops/topk_row.py > tmp_device/topk_row_base.py``) timed beside the current one.
-``--stamps``: a copy of the current select kernel that writes ``%globaltimer`` (ns) at the phase ends of every
-block (the row's last block also its finish's phases) to a debug tensor; printed as microseconds from the first
-block's start, medians over ``--repeat`` launches. The production kernel is not touched: the stamped copy lives
-here and calls the same helpers.
+``--stamps``: a copy of the one-launch kernel (the default where a row's blocks fit one an SM, e.g. M = 1) that
+writes ``%globaltimer`` (ns) at the phase ends of every block to a debug tensor; printed as microseconds from the
+first block's start (the median block's and the last block's), medians over ``--repeat`` launches. The
+production kernel is not touched: the stamped copy lives here and calls the same helpers.
 
 Usage: python -m benchmarks.topk_finish_probe [--base tmp_device/topk_row_base.py] [--stamps] [--shapes M,N,K ...]
 """
@@ -30,17 +30,17 @@ from benchmarks.topk import allocating_call  # noqa: E402
 from nvfly.arch.ptx import asm  # noqa: E402
 from nvfly.frontend.language import syncthreads_or  # noqa: E402
 from nvfly.ops import topk, topk_row  # noqa: E402
-from nvfly.ops.topk import (HIST, HIST_BITS, highest_index_bit, select_top, shared_state, stream_top,  # noqa: E402
-                            write_sorted)
-from nvfly.ops.topk_row import (block_slice, bucket_starts, clean_row, count_fine_buckets, fine_shift_of,  # noqa: E402
-                                load_list, locate_row_bucket, publish_candidates, scatter_kept, stage_candidates,
-                                write_ranked)
+from nvfly.ops.topk import HIST, HIST_BITS, highest_index_bit, select_top, shared_state, write_sorted  # noqa: E402
+from nvfly.ops.topk_row import (COPIES, atom_add_relaxed_u32, block_slice, bucket_starts, clean_row,  # noqa: E402
+                                count_fine_buckets, count_slice, fine_shift_of, finish_alone, load_list,
+                                locate_row_bucket, one_launch_counts_offset, publish_candidates, scatter_kept,
+                                stage_candidates, wait_for_count, wait_for_row, write_ranked)
 from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 from nvfly.runtime.torch_args import vector_width  # noqa: E402
 
 SHAPES = [(1, 151936, 1024), (1, 151936, 50), (1, 128256, 1024), (64, 151936, 1024), (64, 151936, 50)]
-BLOCK_PHASES = ["start", "located", "staged", "published"]
-LAST_PHASES = ["fenced", "list loaded", "counted", "starts", "scattered / selected", "written", "cleaned"]
+PHASES = ["start", "counted", "row complete", "located", "staged", "published", "all appended", "list loaded",
+          "fine counts", "starts", "scattered / selected", "written", "cleaned"]
 SLOTS = 16
 
 
@@ -57,63 +57,80 @@ def stamp(stamps, row, part, slot, tid):
 
 
 @nvfly.kernel
-def stamped_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, hist: nvfly.Tensor,
-                          counters: nvfly.Tensor, candidates: nvfly.Tensor, stamps: nvfly.Tensor, k: nvfly.i32,
-                          slice_len: nvfly.i32, VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr,
-                          THREADS: nvfly.Constexpr, CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr,
-                          K_POW2: nvfly.Constexpr, LARGEST: nvfly.Constexpr):
-    """``topk_row.topk_row_select_kernel`` with stamps (slots: BLOCK_PHASES, then LAST_PHASES in the last block;
-    slot SLOTS - 1 = 1 marks the last block). The finish is ``topk_row.finish_list`` inlined with stamps."""
-    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
+def stamped_one_launch_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, hist: nvfly.Tensor,
+                              counters: nvfly.Tensor, candidates: nvfly.Tensor, stamps: nvfly.Tensor, k: nvfly.i32,
+                              slice_len: nvfly.i32, VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr,
+                              THREADS: nvfly.Constexpr, CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr,
+                              K_POW2: nvfly.Constexpr, LARGEST: nvfly.Constexpr, SHARED: nvfly.Constexpr):
+    """``topk_row.topk_row_one_launch_kernel`` with a stamp at the end of each of PHASES in every block (the last
+    one only in the block that cleans up): ``select_and_finish`` and ``finish_list`` inlined. Not ``SHARED``, and
+    rows whose list overflows (the whole-row stream): the last block's finish is not stamped."""
+    nvfly.cooperative()
+    nvfly.min_blocks_per_sm(1)
     row, tid, lane, warp, start, stop = block_slice(x, slice_len)
     part = nvfly.block_idx.y
+    parts = nvfly.grid_dim.y
     if tid == 0:
         stamps[row, part * SLOTS] = globaltimer()
     smem = shared_state(CAP, K_POW2, THREADS, tid)
     buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
-    bucket, above, count = locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS)
+    counts = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST * COPIES,), one_launch_counts_offset(CAP, K_POW2, THREADS))
+    first_loads = count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LARGEST)
     stamp(stamps, row, part, 1, tid)
+    wait_for_row(counters, row, tid)
+    stamp(stamps, row, part, 2, tid)
+    bucket, above, count = locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS,
+                                             True)
+    stamp(stamps, row, part, 3, tid)
     lowest = bucket.bitcast(nvfly.u32) << ((32 if x.dtype == nvfly.f32 else 16) - HIST_BITS)
     if count <= ROW_CAP:
-        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None)
-    stamp(stamps, row, part, 2, tid)
-    last = publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS)
+        stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None,
+                         first_loads)
+    stamp(stamps, row, part, 4, tid)
+    last = 2 * parts - 1
+    is_last = publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS, last)
     if tid == 0:
-        stamps[row, part * SLOTS + 3] = globaltimer()
-    if last:
+        stamps[row, part * SLOTS + 5] = globaltimer()
+    if not SHARED:
+        if is_last:
+            finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp,
+                         VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST)
+    elif count <= ROW_CAP:
+        wait_for_count(counters, row, tid, last + 1, nvfly.select(is_last, last + 1, 0))
+        leaving = nvfly.i32(0)
         if tid == 0:
-            stamps[row, part * SLOTS + SLOTS - 1] = 1
-        nvfly.threadfence()
-        stamp(stamps, row, part, 4, tid)
-        if count <= ROW_CAP:
-            key_high = load_list(candidates, buf, warp_sums, row, count, tid, lane, warp, THREADS)
-            stamp(stamps, row, part, 5, tid)
-            fine_shift = fine_shift_of(lowest, key_high, x.dtype)
-            count_fine_buckets(buf, row_hist, count, lowest, fine_shift, tid, THREADS)
-            stamp(stamps, row, part, 6, tid)
-            crowded = syncthreads_or(bucket_starts(row_hist, warp_sums, state, k, tid, lane, warp, THREADS))
-            placed = state[1]
-            stamp(stamps, row, part, 7, tid)
-            if crowded | (count + placed > CAP):
+            leaving = atom_add_relaxed_u32(counters.address(2 * row), 1)
+        stamp(stamps, row, part, 6, tid)
+        key_high = load_list(candidates, buf, warp_sums, row, count, tid, lane, warp, THREADS)
+        stamp(stamps, row, part, 7, tid)
+        fine_shift = fine_shift_of(lowest, key_high, x.dtype)
+        count_fine_buckets(buf, row_hist, count, lowest, fine_shift, tid, THREADS)
+        stamp(stamps, row, part, 8, tid)
+        crowded = syncthreads_or(bucket_starts(row_hist, warp_sums, state, k, tid, lane, warp, THREADS))
+        placed = state[1]
+        stamp(stamps, row, part, 9, tid)
+        if crowded | (count + placed > CAP):
+            if is_last:
                 for j in nvfly.static_range(2 * HIST // THREADS):
                     row_hist[j * THREADS + tid] = 0
                 if tid == 0:
                     state[0] = count
                 nvfly.syncthreads()
                 select_top(*smem, k, highest_index_bit(x), tid, lane, warp, THREADS)
-                stamp(stamps, row, part, 8, tid)
+                stamp(stamps, row, part, 10, tid)
                 write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
-            else:
-                scatter_kept(buf, row_hist, count, k, lowest, fine_shift, tid, THREADS)
-                stamp(stamps, row, part, 8, tid)
-                write_ranked(x, values, indices, buf, row_hist, count, placed, k, lowest, fine_shift, row, tid,
-                             THREADS, LARGEST)
         else:
-            stream_top(x, row, 0, x.shape[1], k, smem, tid, VEC, UNROLL, THREADS, CAP, K_POW2, LARGEST)
-            write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
-        stamp(stamps, row, part, 9, tid)
-        clean_row(hist, counters, row, tid, THREADS)
-        stamp(stamps, row, part, 10, tid)
+            scatter_kept(buf, row_hist, count, k, lowest, fine_shift, tid, THREADS)
+            stamp(stamps, row, part, 10, tid)
+            write_ranked(x, values, indices, buf, row_hist, count, placed, k, lowest, fine_shift, row, part, parts,
+                         tid, THREADS, LARGEST)
+        stamp(stamps, row, part, 11, tid)
+        if syncthreads_or(leaving == last + parts):
+            clean_row(hist, counters, row, tid, THREADS)
+            stamp(stamps, row, part, 12, tid)
+    elif is_last:
+        finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp,
+                     VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST)
 
 
 def us(ms: Any) -> str:
@@ -161,39 +178,36 @@ def kernel_us(fn: Callable[[], Any], repeat: int = 50) -> dict[str, float]:
 
 
 def stamped(x: torch.Tensor, k: int, repeat: int) -> None:
-    """Phase times of the stamped select launch (after the real histogram launch), medians over ``repeat``."""
+    """Phase times of the stamped one-launch kernel (plans whose blocks fit one an SM), medians over ``repeat``."""
     m, n = x.shape
     p = row_plan(x, k)
-    histogram = topk_row.topk_row_histogram_kernel.prepared((m, p.parts, 1), p.threads)
-    select = stamped_select_kernel.prepared((m, p.parts, 1), p.threads)
+    if not p.one_launch:
+        print(f"  stamps of {m}x{n} k={k}: not a one-launch plan ({m} rows x {p.parts} slices), skipped")
+        return
+    launch = stamped_one_launch_kernel.prepared((m, p.parts, 1), p.threads)
     stamps = torch.zeros((m, p.parts * SLOTS), dtype=torch.int64, device=x.device)
     values = torch.empty((m, k), dtype=x.dtype, device=x.device)
     indices = torch.empty((m, k), dtype=torch.int64, device=x.device)
     expected = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
-    blocks: dict[str, list[float]] = {}
-    last: dict[str, list[float]] = {}
+    phases: dict[str, list[float]] = {}
     for i in range(repeat + 3):
         hist, counters, candidates, _ = topk_row.workspace(x.device, m)
         stamps.zero_()
-        histogram.launch(x, hist, p.slice_len, p.vec, p.unroll, p.threads, True)
-        select.launch(x, values, indices, hist, counters, candidates, stamps, k, p.slice_len, p.vec, p.unroll,
-                      p.threads, p.cap, p.row_cap, p.k_pow2, True)
+        launch.launch(x, values, indices, hist, counters, candidates, stamps, k, p.slice_len, p.vec, p.unroll,
+                      p.threads, p.cap, p.row_cap, p.k_pow2, True, p.shared_finish)
         torch.cuda.synchronize()
         assert torch.equal(indices, expected), "stamped kernel: wrong indices"
         if i < 3:
             continue
-        s = stamps[0].view(p.parts, SLOTS).cpu()  # row 0
-        t0 = int(s[:, 0].min())
-        for j, name in enumerate(BLOCK_PHASES):
-            blocks.setdefault(name + " (median block)", []).append((float(s[:, j].median()) - t0) / 1e3)
-            blocks.setdefault(name + " (last block)", []).append((float(s[:, j].max()) - t0) / 1e3)
-        owner = int(torch.nonzero(s[:, SLOTS - 1] == 1)[0, 0])
-        for j, name in enumerate(LAST_PHASES):
-            value = int(s[owner, 4 + j])
-            if value:
-                last.setdefault(name, []).append((value - t0) / 1e3)
-    print(f"  stamps of {m}x{n} k={k} (us from the first block's start; the select launch only):")
-    for name, t in {**blocks, **{"last block: " + n: v for n, v in last.items()}}.items():
+        s = stamps[0].view(p.parts, SLOTS).cpu().double()  # row 0
+        t0 = float(s[:, 0].min())
+        for j, name in enumerate(PHASES):
+            stamped_blocks = s[:, j][s[:, j] > 0]
+            if len(stamped_blocks):
+                phases.setdefault(name + " (median block)", []).append((float(stamped_blocks.median()) - t0) / 1e3)
+                phases.setdefault(name + " (last block)", []).append((float(stamped_blocks.max()) - t0) / 1e3)
+    print(f"  stamps of {m}x{n} k={k} ({p.parts} blocks of {p.threads}; us from the first block's start):")
+    for name, t in phases.items():
         print(f"    {name:<40} {statistics.median(t):7.2f}")
 
 
@@ -202,8 +216,11 @@ def main(argv: Any = None) -> int:
     parser.add_argument("--shapes", nargs="*", default=None, help="M,N,K triples")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--base", default=None, help="a copy of an older nvfly/ops/topk_row.py to time beside")
-    parser.add_argument("--stamps", action="store_true", help="phase stamps of the select launch")
+    parser.add_argument("--stamps", action="store_true", help="phase stamps of the one-launch kernel")
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--kernels", action="store_true",
+                        help="kernel durations from the torch profiler (CUDA graphs replayed after it in the same "
+                             "process measured ~0.5 us a launch slower: give it a run of its own)")
     args = parser.parse_args(argv)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else SHAPES
     dtype = getattr(torch, args.dtype)
@@ -218,9 +235,10 @@ def main(argv: Any = None) -> int:
             values, indices = call()
             correct = bool(torch.equal(indices, expected) and torch.equal(values, x.gather(1, expected)))
             ok &= correct
-            kernels = ", ".join(f"{kname} {t:.1f}" for kname, t in kernel_us(call).items())
-            line.append(f"{name}{'' if correct else ' MISMATCH'} {bench_ms(call) * 1e3:.1f} us "
-                        f"(graph {us(graph_ms(call))}; kernels: {kernels})")
+            timed = f"{name}{'' if correct else ' MISMATCH'} {bench_ms(call) * 1e3:.1f} us (graph {us(graph_ms(call))}"
+            if args.kernels:
+                timed += "; kernels: " + ", ".join(f"{kname} {t:.1f}" for kname, t in kernel_us(call).items())
+            line.append(timed + ")")
         print(" | ".join(line), flush=True)
         if args.stamps:
             stamped(x, k, args.repeat)

@@ -337,6 +337,8 @@ def test_topk_row_one_launch_kernel_compiles(dtype, n, k, m, largest):
     assert kern.count("LDL") == 0 and kern.count("STL") == 0
     assert kern.dynamic_smem_bytes == topk_row.one_launch_smem_bytes(p.cap, p.k_pow2, p.threads) <= topk.SM_SMEM_BYTES
     assert "ld.acquire.gpu.global.b32" in kern.ptx and "ld.relaxed.gpu.global.b32" in kern.ptx  # the wait, the hist
+    # a shared finish: every block leaves through a relaxed count, the last to leave cleans up
+    assert ("atom.relaxed.gpu.global.add.u32" in kern.ptx) == p.shared_finish == (k >= topk.SHARED_FINISH_MIN_K)
     assert kern.count("ATOMS") > 0 and kern.count("REDG") > 0 and kern.count("ATOMG") > 0
 
 
@@ -353,6 +355,12 @@ def test_topk_one_launch_plan_choice():
     assert not topk.plan(151936, 50, 1, 8, 2, 64).one_launch  # 75 slices on 64 SMs
     with pytest.raises(ValueError, match="one_launch: 3 rows of 75 slices need 225 resident blocks"):
         topk.plan(151936, 1024, 3, 8, 2, sms, one_launch=True)
+    # every block of a row writes a share of its k in one launch from k = 256; the row's last block below, and in two
+    assert [topk.plan(151936, k, 1, 8, 2, sms).shared_finish for k in (50, 255, 256, 1024, 2048)] == [
+        False, False, True, True, True]
+    assert topk.plan(128256, 1024, 64, 8, 2, sms).shared_finish
+    assert not topk.plan(151936, 1024, 3, 8, 2, sms).shared_finish
+    assert not topk.plan(151936, 1024, 1, 8, 2, sms, one_launch=False).shared_finish
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

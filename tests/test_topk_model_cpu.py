@@ -507,7 +507,8 @@ def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0, two_
             kept = two_level_select(candidates, hist2, bucket, above, k, fmt, index_top, p.threads, rng, stats,
                                     paths)
         else:
-            ordered = counting_finish(candidates, lowest, k, fmt, largest, bits, p.threads, p.cap, rng, paths)
+            parts = len(slices) if p.one_launch else 1  # (one launch: every block writes its share)
+            ordered = counting_finish(candidates, lowest, k, fmt, largest, bits, p.threads, p.cap, rng, paths, parts)
             if ordered is not None:
                 return [~r & M32 for r in ordered], False
             _, kept = select_top(candidates, k, index_top, p.threads, stats)
@@ -539,10 +540,11 @@ def bucket_starts(hist, k, threads):
     return starts, placed, crowded
 
 
-def counting_finish(candidates, lowest, k, fmt, largest, bits, threads, cap, rng, paths):
-    """``topk_row.finish_list``: the key range (the largest key of the list), the fine buckets, their starts,
-    the kept buckets copied grouped in any order (shared atomics), each candidate's position by counting, the
-    values rebuilt from the keys (NaN gathered). Returns the k ranks in order, or None for the fallback
+def counting_finish(candidates, lowest, k, fmt, largest, bits, threads, cap, rng, paths, parts=1):
+    """``topk_row.finish_list`` run by ``parts`` blocks: the key range (the largest key of the list), the fine
+    buckets, their starts, the kept buckets copied grouped in any order (shared atomics: each block its own
+    order), each of the block's share of buckets' candidates placed by counting, the values rebuilt from the keys
+    (NaN gathered). Every output written once. Returns the k ranks in order, or None for the fallback
     (``select_top`` and the sort)."""
     count = len(candidates)
     key_high = max(rank_u(r) >> 32 for r in candidates)
@@ -560,21 +562,23 @@ def counting_finish(candidates, lowest, k, fmt, largest, bits, threads, cap, rng
         return None
     if paths is not None:
         paths.append("count")
-    cursors = starts[:]
-    placed_ranks = [None] * placed
-    for r in rng.sample(candidates, count):  # the atomics of the warps in any order
-        b = bucket(r)
-        if starts[b] < k:
-            placed_ranks[cursors[b]] = r
-            cursors[b] += 1
-    assert None not in placed_ranks and cursors[bucket(placed_ranks[-1])] == placed
     out = [None] * k
-    for r in placed_ranks:  # write_ranked
-        b = bucket(r)
-        position = starts[b] + sum(o > r for o in placed_ranks[starts[b]:cursors[b]])
-        if position < k:
-            assert out[position] is None
-            out[position] = r
+    for part in range(parts):
+        cursors = starts[:]
+        placed_ranks = [None] * placed
+        for r in rng.sample(candidates, count):  # the atomics of the warps in any order
+            b = bucket(r)
+            if starts[b] < k:
+                placed_ranks[cursors[b]] = r
+                cursors[b] += 1
+        assert None not in placed_ranks and cursors[bucket(placed_ranks[-1])] == placed
+        for r in placed_ranks:  # write_ranked: the buckets that start in the block's share of [0, k)
+            b = bucket(r)
+            if 0 <= starts[b] * parts - part * k < k:
+                position = starts[b] + sum(o > r for o in placed_ranks[starts[b]:cursors[b]])
+                if position < k:
+                    assert out[position] is None
+                    out[position] = r
     assert out == sorted(candidates, reverse=True)[:k]
     width = FORMATS[fmt]
     for r in out:  # write_result: the value from the key, bit for bit unless NaN

@@ -92,6 +92,9 @@ ROW_THRESHOLD_MIN_PARTS = 8
 # rows are not measured
 ROW_SPLIT_MIN_N = 65536
 WIDE_THREADS = 512        # the row-threshold plan's blocks where ``row_threads`` says
+# One launch: every block of a row writes a share of its k from k = 256 (H200, bf16, one row of 128256-151936, CUDA
+# graphs: k = 1024 12.8 -> 11.7 us; k = 50 9.0 -> 9.7, the shared finish's extra wait not paid back by its shares)
+SHARED_FINISH_MIN_K = 256
 MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses would need too many registers)
 ABSENT = -(1 << 63)       # the rank of "no element": below every real rank (a real ~index is never 0)
 _KEY_MSB = 0x80000000
@@ -830,7 +833,8 @@ class TopkPlan:
     the slices run ``topk_row``'s histogram and select kernels instead, collecting at most ``row_cap``
     candidates a row (``cap``: their shared memory, also enough for a whole-row stream); ``two_level``: its
     select launch also counts the next key bits of the threshold bucket (``topk_row_two_level_kernel``);
-    ``one_launch``: both launches as one cooperative launch (``topk_row_one_launch_kernel``)."""
+    ``one_launch``: both launches as one cooperative launch (``topk_row_one_launch_kernel``), whose blocks all
+    write a share of a row's k when ``shared_finish`` (else its last block writes them)."""
     warp: bool
     vec: int
     warps: int = 1
@@ -846,6 +850,7 @@ class TopkPlan:
     row_cap: int = 0
     two_level: bool = False
     one_launch: bool = False
+    shared_finish: bool = False
 
     @property
     def smem_bytes(self) -> int:
@@ -956,9 +961,10 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
     if one_launch and not fits:
         raise ValueError(f"one_launch: {m} rows of {parts} slices need {m * parts} resident blocks (at most "
                          f"{sm_count}: one an SM) and the one-level select (two_level={two_level})")
+    one_launch = fits if one_launch is None else one_launch
     return TopkPlan(False, vec, unroll=unroll, threads=threads, cap=cap, k_pow2=k_pow2, parts=parts,
                     slice_len=slice_len, row_threshold=True, row_cap=row_cap, two_level=two_level,
-                    one_launch=fits if one_launch is None else one_launch)
+                    one_launch=one_launch, shared_finish=one_launch and k >= SHARED_FINISH_MIN_K)
 
 
 def row_threads(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int,

@@ -45,6 +45,10 @@ def red_add_u32(address: Any, value: Any) -> None:
     asm("red.relaxed.gpu.global.add.u32 [$0], $1;", [address, value])
 
 
+def atom_add_relaxed_u32(address: Any, value: Any) -> Any:
+    return asm("atom.relaxed.gpu.global.add.u32 $0, [$1], $2;", [address, value], nvfly.i32)
+
+
 @nvfly.func
 def key_bucket(key, dtype):
     """The histogram bucket of an order key: its top HIST_BITS bits."""
@@ -397,27 +401,36 @@ def write_result(x, values, indices, rank, row, position, LARGEST):
 
 
 @nvfly.func
-def write_ranked(x, values, indices, buf, hist, count, placed, k, lowest, fine_shift, row, tid, THREADS, LARGEST):
-    """Each of the ``placed`` candidates at ``buf[count:]`` goes to its bucket's start plus the candidates of its
-    bucket that rank above it (ranks are unique); those at k or beyond (the k-th's bucket's rest) are dropped."""
+def write_ranked(x, values, indices, buf, hist, count, placed, k, lowest, fine_shift, row, part, parts, tid, THREADS,
+                 LARGEST):
+    """Each of the ``placed`` candidates at ``buf[count:]`` (grouped by bucket) whose bucket is the block's goes to
+    its bucket's start plus the candidates of its bucket that rank above it (ranks are unique); those at k or
+    beyond (the k-th's bucket's rest) are dropped. Block ``part`` of ``parts`` has the buckets that start in the
+    part-th of ``parts`` equal shares of [0, k): whole buckets, since the order inside one differs between the
+    blocks' copies."""
     for i in range(tid, placed, THREADS):
         mine = buf[count + i]
         bucket = fine_bucket(mine, lowest, fine_shift)
         start = hist[bucket]
-        position = start + ranks_above(buf, count + start, hist[HIST + bucket] - start, mine)
-        if position < k:
-            write_result(x, values, indices, mine, row, position, LARGEST)
+        share = start * parts - part * k
+        if (share >= 0) & (share < k):
+            position = start + ranks_above(buf, count + start, hist[HIST + bucket] - start, mine)
+            if position < k:
+                write_result(x, values, indices, mine, row, position, LARGEST)
 
 
 @nvfly.func
-def finish_list(x, values, indices, candidates, smem, count, lowest, k, row, tid, lane, warp, THREADS, CAP, K_POW2,
-                LARGEST):
-    """The last block's k largest of the row's list (``count`` candidates, keys ``lowest`` and above), written in
-    order. A counting sort: the candidates are counted in HIST fine buckets of their keys (exact keys for 16-bit
-    floats), every bucket's start is the count above it, the buckets that start below k are copied to
-    ``buf[count:]`` grouped, and each candidate's position is its bucket's start plus those of its bucket that rank
-    above it. Five barriers instead of ``select_top``'s radix passes and compaction and the bitonic sort's 55
-    stages. A kept bucket of more than CROWDED (heavy ties) or no room for the copy: ``select_top`` and the sort."""
+def finish_list(x, values, indices, candidates, smem, count, lowest, k, row, part, parts, alone, tid, lane, warp,
+                THREADS, CAP, K_POW2, LARGEST):
+    """The k largest of the row's list (``count`` candidates, keys ``lowest`` and above), written in order by
+    ``parts`` blocks together (each run it; one, ``part`` 0 of 1, when the row's last block finishes alone). A
+    counting sort: the candidates are counted in HIST fine buckets of their keys (exact keys for 16-bit floats),
+    every bucket's start is the count above it, the buckets that start below k are copied to ``buf[count:]``
+    grouped, and each candidate's position is its bucket's start plus those of its bucket that rank above it.
+    Every block computes the same starts and its own copy; block ``part`` ranks and writes the candidates of its
+    share of the buckets (``write_ranked``). Five barriers instead of ``select_top``'s radix passes and compaction and the bitonic
+    sort's 55 stages. A kept bucket of more than CROWDED (heavy ties) or no room for the copy: ``select_top`` and
+    the sort, by the block that is ``alone`` (every block sees the same list, so they agree on this)."""
     buf, kept_buf, hist, lane_sums, warp_sums, warp_lows, state = smem
     key_high = load_list(candidates, buf, warp_sums, row, count, tid, lane, warp, THREADS)
     fine_shift = fine_shift_of(lowest, key_high, x.dtype)
@@ -425,16 +438,18 @@ def finish_list(x, values, indices, candidates, smem, count, lowest, k, row, tid
     crowded = syncthreads_or(bucket_starts(hist, warp_sums, state, k, tid, lane, warp, THREADS))
     placed = state[1]  # (the kept buckets' candidates: k and the rest of the k-th's bucket)
     if crowded | (count + placed > CAP):
-        for j in nvfly.static_range(2 * HIST // THREADS):
-            hist[j * THREADS + tid] = 0  # (select_top counts from zeroed histograms)
-        if tid == 0:
-            state[0] = count
-        nvfly.syncthreads()
-        select_top(*smem, k, highest_index_bit(x), tid, lane, warp, THREADS)
-        write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
+        if alone:
+            for j in nvfly.static_range(2 * HIST // THREADS):
+                hist[j * THREADS + tid] = 0  # (select_top counts from zeroed histograms)
+            if tid == 0:
+                state[0] = count
+            nvfly.syncthreads()
+            select_top(*smem, k, highest_index_bit(x), tid, lane, warp, THREADS)
+            write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
     else:
         scatter_kept(buf, hist, count, k, lowest, fine_shift, tid, THREADS)
-        write_ranked(x, values, indices, buf, hist, count, placed, k, lowest, fine_shift, row, tid, THREADS, LARGEST)
+        write_ranked(x, values, indices, buf, hist, count, placed, k, lowest, fine_shift, row, part, parts, tid,
+                     THREADS, LARGEST)
 
 
 @nvfly.kernel
@@ -450,35 +465,64 @@ def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly
     row, tid, lane, warp, start, stop = block_slice(x, slice_len)
     smem = shared_state(CAP, K_POW2, THREADS, tid)
     select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
-                      nvfly.grid_dim.y - 1, None, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, False)
+                      nvfly.grid_dim.y - 1, None, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, False, False)
 
 
 @nvfly.func
 def select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
-                      last, first_loads, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, RELAXED):
+                      last, first_loads, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, RESIDENT, SHARED):
     """The select's work once the row's histogram is complete: the k-th key's bucket, the block's candidates
-    published, and the row's last block (``last`` arrivals before it) writes the k largest and cleans up.
+    published, and the k largest written in order; the row's last block (``last`` arrivals before it) cleans up.
     ``first_loads``: the slice's first step as loaded by the caller (None: loaded here, in flight while the
-    histogram is read)."""
+    histogram is read). ``RESIDENT`` (one cooperative launch: the row's blocks all run at once): the histogram was
+    completed by this launch, so it is read with GPU-scope loads; and when ``SHARED``, every block waits for the
+    row's appends, then writes a share of the k (``finish_list``), and the last to leave cleans up. Else the last
+    block writes them all."""
     buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
     if first_loads is None:
         first_loads = step_loads(x, row, start, stop, 0, tid, VEC, UNROLL, THREADS)
     bucket, above, count = locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS,
-                                             RELAXED)
+                                             RESIDENT)
     lowest = bucket.bitcast(nvfly.u32) << ((32 if x.dtype == nvfly.f32 else 16) - HIST_BITS)
     if count <= ROW_CAP:
         stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None,
                          first_loads)
     nvfly.syncthreads()
-    if publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS, last):
-        nvfly.threadfence()
+    is_last = publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS, last)
+    if SHARED:
         if count <= ROW_CAP:
-            finish_list(x, values, indices, candidates, smem, count, lowest, k, row, tid, lane, warp, THREADS, CAP,
-                        K_POW2, LARGEST)
-        else:
-            stream_top(x, row, 0, x.shape[1], k, smem, tid, VEC, UNROLL, THREADS, CAP, K_POW2, LARGEST)
-            write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
-        clean_row(hist, counters, row, tid, THREADS)
+            parts = nvfly.grid_dim.y
+            # the last block's arrival acquired every append; the others wait for it (one GPU-scope load or more)
+            wait_for_count(counters, row, tid, last + 1, nvfly.select(is_last, last + 1, 0))
+            leaving = nvfly.i32(0)
+            if tid == 0:  # (relaxed, after the acquiring wait: its result is needed only at the end)
+                leaving = atom_add_relaxed_u32(counters.address(2 * row), 1)
+            finish_list(x, values, indices, candidates, smem, count, lowest, k, row, nvfly.block_idx.y, parts,
+                        is_last, tid, lane, warp, THREADS, CAP, K_POW2, LARGEST)
+            if syncthreads_or(leaving == last + parts):  # every block has passed the wait: the counters are free
+                clean_row(hist, counters, row, tid, THREADS)
+        elif is_last:
+            finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp,
+                         VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST)
+    elif is_last:
+        finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp,
+                     VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST)
+
+
+@nvfly.func
+def finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp, VEC,
+                 UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST):
+    """The row's last block writes the k largest: from the list (``finish_list``) or, when the threshold's bucket
+    and above held more than ROW_CAP (nothing was appended), by streaming the whole row; then cleans up."""
+    buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
+    nvfly.threadfence()
+    if count <= ROW_CAP:
+        finish_list(x, values, indices, candidates, smem, count, lowest, k, row, 0, 1, True, tid, lane, warp,
+                    THREADS, CAP, K_POW2, LARGEST)
+    else:
+        stream_top(x, row, 0, x.shape[1], k, smem, tid, VEC, UNROLL, THREADS, CAP, K_POW2, LARGEST)
+        write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
+    clean_row(hist, counters, row, tid, THREADS)
 
 
 # ---------------------------------------------------------------------------------------------- one launch
@@ -495,8 +539,16 @@ def wait_for_row(counters, row, tid):
     if tid == 0:
         nvfly.threadfence()
         red_add_u32(counters.address(2 * row), 1)  # (no result to wait for)
-        seen = load_acquire_i32(counters.address(2 * row))
-        while seen < nvfly.grid_dim.y:
+    wait_for_count(counters, row, tid, nvfly.grid_dim.y, nvfly.i32(0))
+
+
+@nvfly.func
+def wait_for_count(counters, row, tid, target, seen):
+    """The block waits until the row's arrivals (``counters[2*row]``) reach ``target``: its first thread loads
+    them (acquire, GPU scope) until they do, starting from ``seen`` (a count it already acquired: no load when
+    that is enough), then fences."""
+    if tid == 0:
+        while seen < target:
             seen = load_acquire_i32(counters.address(2 * row))
         nvfly.threadfence()
     nvfly.syncthreads()
@@ -507,13 +559,14 @@ def topk_row_one_launch_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: n
                                counters: nvfly.Tensor, candidates: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32,
                                VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr,
                                CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr, K_POW2: nvfly.Constexpr,
-                               LARGEST: nvfly.Constexpr):
+                               LARGEST: nvfly.Constexpr, SHARED: nvfly.Constexpr):
     """The histogram and select launches in one, for grids whose blocks all fit on the GPU at once (a cooperative
     launch; ``topk.plan`` decides): block (row, part) counts its slice into ``hist[row]``, waits for the row's
     other blocks (``wait_for_row``: their arrivals on ``counters[2*row]``), then selects as
     ``topk_row_select_kernel``, whose arrivals then count on from the row's block count (the last block is the
-    2 * blocks-th), with the slice's first step still in registers. One launch fewer: a launch gap and its host
-    work."""
+    2 * blocks-th), with the slice's first step still in registers.
+    ``SHARED`` (``TopkPlan.shared_finish``): every block of the row writes a share of the k. One launch fewer
+    than two: a launch gap and its host work."""
     nvfly.cooperative()
     nvfly.min_blocks_per_sm(1)  # (without it ptxas held this kernel to 64 registers and spilled)
     row, tid, lane, warp, start, stop = block_slice(x, slice_len)
@@ -523,7 +576,7 @@ def topk_row_one_launch_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: n
     wait_for_row(counters, row, tid)
     select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
                       2 * nvfly.grid_dim.y - 1, first_loads, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST,
-                      True)
+                      True, SHARED)
 
 
 def one_launch_counts_offset(cap: int, k_pow2: int, threads: int) -> int:
@@ -698,7 +751,7 @@ def runner(p: TopkPlan, m: int, k: int, largest: bool) -> Any:
 
         def run_one_launch(rows: Any, values: Any, indices: Any) -> None:
             hist, counters, candidates, _ = workspace(rows.device, m)
-            one.launch(rows, values, indices, hist, counters, candidates, *select_tail)
+            one.launch(rows, values, indices, hist, counters, candidates, *select_tail, p.shared_finish)
         return run_one_launch
     if p.two_level:
         two_level = topk_row_two_level_kernel.prepared((m, p.parts, 1), p.threads)

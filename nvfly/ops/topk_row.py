@@ -18,9 +18,12 @@ one) over the slices of each row instead of a top k per slice and a merge.
   M = 1 sampling rows): both in one cooperative launch, the blocks of a row waiting for each other between the
   count and the select (an arrival counter). One launch and its host work fewer: 12.0 vs 13.0 us a call
   eagerly (1x151936 k=50 bf16, do_bench); in CUDA graphs, where launches cost little, 0.2-0.5 us slower, the
-  barrier costing more than the launch boundary (topk_host_and_one_launch_h200.log).
+  barrier costing more than the launch boundary (topk_host_and_one_launch_h200.log). From k = 256
+  (``TopkPlan.shared_finish``) every block of the row then waits for the row's appends and writes a share of the k
+  (``finish_list``: the same bucket starts in every block, each ranking the buckets that start in its share):
+  1x128256 k=1024 bf16 13.0 -> 11.7 us from CUDA graphs (topk_shared_finish_probe_h200.log).
 
-Workspace, one per (device, stream), zero between launches (each row's last block cleans up after it): the
+Workspace, one per (device, stream), zero between launches (each row's last block, or last to leave, cleans up): the
 histograms (rows x HIST i32), two counters a row (arrivals, appends), the candidate lists (rows x ROW_CAP_MAX
 i64, never cleared). A launch cut short (an error) leaves it dirty, as the split-K GEMM's.
 """
@@ -428,8 +431,8 @@ def finish_list(x, values, indices, candidates, smem, count, lowest, k, row, par
     every bucket's start is the count above it, the buckets that start below k are copied to ``buf[count:]``
     grouped, and each candidate's position is its bucket's start plus those of its bucket that rank above it.
     Every block computes the same starts and its own copy; block ``part`` ranks and writes the candidates of its
-    share of the buckets (``write_ranked``). Five barriers instead of ``select_top``'s radix passes and compaction and the bitonic
-    sort's 55 stages. A kept bucket of more than CROWDED (heavy ties) or no room for the copy: ``select_top`` and
+    share of the buckets (``write_ranked``). Five barriers instead of ``select_top``'s radix passes and compaction
+    and the bitonic sort's 55 stages. A kept bucket of more than CROWDED (heavy ties) or no room for the copy: ``select_top`` and
     the sort, by the block that is ``alone`` (every block sees the same list, so they agree on this)."""
     buf, kept_buf, hist, lane_sums, warp_sums, warp_lows, state = smem
     key_high = load_list(candidates, buf, warp_sums, row, count, tid, lane, warp, THREADS)

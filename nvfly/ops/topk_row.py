@@ -432,8 +432,9 @@ def finish_list(x, values, indices, candidates, smem, count, lowest, k, row, par
     grouped, and each candidate's position is its bucket's start plus those of its bucket that rank above it.
     Every block computes the same starts and its own copy; block ``part`` ranks and writes the candidates of its
     share of the buckets (``write_ranked``). Five barriers instead of ``select_top``'s radix passes and compaction
-    and the bitonic sort's 55 stages. A kept bucket of more than CROWDED (heavy ties) or no room for the copy: ``select_top`` and
-    the sort, by the block that is ``alone`` (every block sees the same list, so they agree on this)."""
+    and the bitonic sort's 55 stages. A kept bucket of more than CROWDED (heavy ties) or no room for the copy:
+    ``select_top`` and the sort, by the block that is ``alone`` (every block sees the same list, so they agree on
+    this)."""
     buf, kept_buf, hist, lane_sums, warp_sums, warp_lows, state = smem
     key_high = load_list(candidates, buf, warp_sums, row, count, tid, lane, warp, THREADS)
     fine_shift = fine_shift_of(lowest, key_high, x.dtype)

@@ -105,7 +105,8 @@ def allocating_call(run: Callable[..., None], x: torch.Tensor, k: int) -> Callab
 def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False, kernels: bool = False) -> int:
     """--compare-plans: one line per shape: torch.topk, the default plan (*) and its variants (``graphs``: a
     second line of each replayed from CUDA graphs; ``kernels``: a third with the GPU time of their kernels, from
-    torch.profiler, back to back)."""
+    torch.profiler, back to back, taken after every shape's other timings: CUDA graphs replayed after the profiler
+    has run in a process measured ~0.5 us a launch slower, topk_notes.md)."""
     from benchmarks.device_time import kernel_times
     rows = []
     t_start = time.time()
@@ -120,8 +121,6 @@ def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False, kerne
             row[f"{name}_ms"] = bench_ms(call) if row[f"{name}_correct"] else None
             if graphs and row[f"{name}_correct"]:
                 row[f"{name}_graph_ms"] = graph_ms(call)
-            if kernels and row[f"{name}_correct"]:
-                row[f"{name}_kernels_us"] = kernel_times(call, calls=50)
         if graphs:
             row["torch_graph_ms"] = graph_ms(lambda: torch.topk(x, k))
         rows.append(row)
@@ -133,11 +132,19 @@ def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False, kerne
             print(f"{'graphs':>22} torch {row['torch_graph_ms'] * 1e3:7.1f} us | " + " | ".join(
                 f"{name} {row[f'{name}_graph_ms'] * 1e3:7.1f} us x{row['torch_graph_ms'] / row[f'{name}_graph_ms']:5.2f}"
                 for name in calls if row.get(f"{name}_graph_ms")), flush=True)
-        if kernels:
-            print(f"{'kernels':>22} " + " | ".join(
+        torch.cuda.empty_cache()
+    if kernels:
+        for row in rows:
+            m, n, k = row["M"], row["N"], row["k"]
+            x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
+            calls = plan_variants(x, k)
+            for name, call in calls.items():
+                if row[f"{name}_correct"]:
+                    row[f"{name}_kernels_us"] = kernel_times(call, calls=50)
+            print(f"{m:>6}x{n:<7} k={k:<5} kernels " + " | ".join(
                 f"{name} {sum(row[f'{name}_kernels_us'].values()):5.2f} us ({len(row[f'{name}_kernels_us'])})"
                 for name in calls if f"{name}_kernels_us" in row), flush=True)
-        torch.cuda.empty_cache()
+            torch.cuda.empty_cache()
     timed = [r for r in rows if r["default_ms"]]
     summary = {"all_correct": all(v for r in rows for key, v in r.items() if key.endswith("_correct")),
                "default_geomean_vs_torch": geomean([r["torch_ms"] / r["default_ms"] for r in timed]),

@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nvfly  # noqa: E402
 from benchmarks.common import bench_ms, graph_ms  # noqa: E402
+from benchmarks.device_time import kernel_times  # noqa: E402
 from benchmarks.topk import allocating_call  # noqa: E402
 from nvfly.arch.ptx import asm  # noqa: E402
 from nvfly.frontend.language import syncthreads_or  # noqa: E402
@@ -160,23 +161,6 @@ def variants(x: torch.Tensor, k: int, base: Any) -> dict[str, Callable[[], Any]]
     return {name: allocating_call(run, x, k) for name, run in runs.items()}
 
 
-def kernel_us(fn: Callable[[], Any], repeat: int = 50) -> dict[str, float]:
-    """Median device duration (us) of each kernel ``fn`` launches, from the torch profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeat):
-            fn()
-        torch.cuda.synchronize()
-    times: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA and "topk" in event.name:
-            times.setdefault(event.name.split("(")[0], []).append(event.device_time)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def stamped(x: torch.Tensor, k: int, repeat: int) -> None:
     """Phase times of the stamped one-launch kernel (plans whose blocks fit one an SM), medians over ``repeat``."""
     m, n = x.shape
@@ -237,7 +221,8 @@ def main(argv: Any = None) -> int:
             ok &= correct
             timed = f"{name}{'' if correct else ' MISMATCH'} {bench_ms(call) * 1e3:.1f} us (graph {us(graph_ms(call))}"
             if args.kernels:
-                timed += "; kernels: " + ", ".join(f"{kname} {t:.1f}" for kname, t in kernel_us(call).items())
+                timed += "; kernels: " + ", ".join(f"{kname[:40]} {t:.1f}" for kname, t in
+                                                   kernel_times(call, calls=50).items() if "topk" in kname)
             line.append(timed + ")")
         print(" | ".join(line), flush=True)
         if args.stamps:

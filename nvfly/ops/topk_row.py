@@ -635,8 +635,9 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
     bucket B2 in that histogram, then reads the candidate list once (two ranks a 16-byte load; the first step's
     loads are in flight during the locate, the next step's during this one's): keys above B2's prefix (``sure``:
     fewer than k, all taken) go to ``buf[:sure]``, those at it (``inside``) to ``buf[sure:sure + inside]`` (one
-    shared atomic a warp and step for both, ``append_two``), the rest are dropped. Only the ``need = k - sure`` best of the inside ones remain to be chosen: all when ``inside ==
-    need``; else by counting, for each (inside <= THREADS), the inside ones that rank above it (16-bit keys:
+    shared atomic a warp and step for both, ``append_two``), the rest are dropped. Only the ``need = k - sure``
+    best of the inside ones remain to be chosen: all when ``inside == need``; else by counting, for each
+    (inside <= THREADS), the inside ones that rank above it (16-bit keys:
     ranks differ only in the index, so the lowest indices are kept); else (heavy ties at the threshold) by a
     select of the k best of ``buf[:sure + inside]``. Then the sort of the k. The last block zeroes the row's
     second-level histogram as it loads it; the rest of the workspace as ``topk_row_select_kernel``."""

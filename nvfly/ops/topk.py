@@ -93,7 +93,8 @@ ROW_THRESHOLD_MIN_PARTS = 8
 ROW_SPLIT_MIN_N = 65536
 WIDE_THREADS = 512        # the row-threshold plan's blocks where ``row_threads`` says
 # One launch: every block of a row writes a share of its k from k = 256 (H200, bf16, one row of 128256-151936, CUDA
-# graphs: k = 1024 12.8 -> 11.7 us; k = 50 9.0 -> 9.7, the shared finish's extra wait not paid back by its shares)
+# graphs: k = 1024 12.8 -> 11.7 us; k = 50 9.0 -> 9.7, the shared finish's extra wait not paid back by its shares;
+# benchmarks/results/topk_shared_finish_every_k_probe_h200.log)
 SHARED_FINISH_MIN_K = 256
 MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses would need too many registers)
 ABSENT = -(1 << 63)       # the rank of "no element": below every real rank (a real ~index is never 0)

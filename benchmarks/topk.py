@@ -109,6 +109,7 @@ def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False, kerne
     has run in a process measured ~0.5 us a launch slower, topk_notes.md)."""
     from benchmarks.device_time import kernel_times
     rows = []
+    profiled = []  # (row, its variants) for the kernel times, after every other timing
     t_start = time.time()
     for m, n, k in cases:
         x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
@@ -124,6 +125,8 @@ def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False, kerne
         if graphs:
             row["torch_graph_ms"] = graph_ms(lambda: torch.topk(x, k))
         rows.append(row)
+        if kernels:
+            profiled.append((row, calls))
         print(f"{m:>6}x{n:<7} k={k:<5} torch {row['torch_ms'] * 1e3:7.1f} us | " + " | ".join(
             f"{name}{'*' if name == 'default' else ''} " +
             (f"{row[f'{name}_ms'] * 1e3:7.1f} us x{row['torch_ms'] / row[f'{name}_ms']:5.2f}"
@@ -133,18 +136,13 @@ def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False, kerne
                 f"{name} {row[f'{name}_graph_ms'] * 1e3:7.1f} us x{row['torch_graph_ms'] / row[f'{name}_graph_ms']:5.2f}"
                 for name in calls if row.get(f"{name}_graph_ms")), flush=True)
         torch.cuda.empty_cache()
-    if kernels:
-        for row in rows:
-            m, n, k = row["M"], row["N"], row["k"]
-            x = torch.randn(m, n, device="cuda").to(torch.bfloat16)
-            calls = plan_variants(x, k)
-            for name, call in calls.items():
-                if row[f"{name}_correct"]:
-                    row[f"{name}_kernels_us"] = kernel_times(call, calls=50)
-            print(f"{m:>6}x{n:<7} k={k:<5} kernels " + " | ".join(
-                f"{name} {sum(row[f'{name}_kernels_us'].values()):5.2f} us ({len(row[f'{name}_kernels_us'])})"
-                for name in calls if f"{name}_kernels_us" in row), flush=True)
-            torch.cuda.empty_cache()
+    for row, calls in profiled:
+        for name, call in calls.items():
+            if row[f"{name}_correct"]:
+                row[f"{name}_kernels_us"] = kernel_times(call, calls=50)
+        print(f"{row['M']:>6}x{row['N']:<7} k={row['k']:<5} kernels " + " | ".join(
+            f"{name} {sum(row[f'{name}_kernels_us'].values()):5.2f} us ({len(row[f'{name}_kernels_us'])})"
+            for name in calls if f"{name}_kernels_us" in row), flush=True)
     timed = [r for r in rows if r["default_ms"]]
     summary = {"all_correct": all(v for r in rows for key, v in r.items() if key.endswith("_correct")),
                "default_geomean_vs_torch": geomean([r["torch_ms"] / r["default_ms"] for r in timed]),

@@ -163,6 +163,29 @@ def test_a_cooperative_kernel_has_its_own_key_and_keeps_the_flag_on_disk(cache_d
     assert k.stats.disk_hits == 1 and k.stats.traced == 0 and again.cooperative and again.key == together.key
 
 
+def test_a_dependent_kernel_keeps_its_launch_flag_on_disk(cache_dir):
+    """``nvfly.wait_prior_grid()`` emits ``griddepcontrol.wait`` and marks the kernel for a programmatic dependent
+    launch; the flag survives the disk cache (served without a trace). ``launch_dependents`` only emits its
+    instruction."""
+
+    def body(x: nvfly.Tensor, n: nvfly.i32, DEPENDENT: nvfly.Constexpr):
+        nvfly.launch_dependents()
+        if DEPENDENT:
+            nvfly.wait_prior_grid()
+        i = nvfly.block_idx.x * 128 + nvfly.thread_idx.x
+        if i < n:
+            x[i] = x[i] * 2.0
+
+    plain = nvfly.Kernel(body).compile(X, 4096, DEPENDENT=False)
+    dependent = nvfly.Kernel(body).compile(X, 4096, DEPENDENT=True)
+    assert dependent.dependent and not plain.dependent and dependent.key != plain.key
+    assert "griddepcontrol.wait;" in dependent.ptx and "griddepcontrol.wait;" not in plain.ptx
+    assert "griddepcontrol.launch_dependents;" in plain.ptx
+    k = nvfly.Kernel(body)
+    again = k.compile(X, 4096, DEPENDENT=True)
+    assert k.stats.disk_hits == 1 and k.stats.traced == 0 and again.dependent and again.key == dependent.key
+
+
 # ---------------------------------------------------------------------------------------------- names
 # A CompiledKernel's name is the cubin entry point a launch looks up, so kernels of one source under different names
 # must never be served each other's binary, from memory, from disk, or across processes.

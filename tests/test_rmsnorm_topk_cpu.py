@@ -1,6 +1,7 @@
 """RMSNorm and TopK without a GPU: every kernel variant compiles for sm_90a with 16-byte accesses and no
 spills, the launch plans, eligibility reasons and argument errors, the custom ops' fake implementations and
 autograd (on CPU they compute with torch), and routing, which must leave CPU calls untouched."""
+import dataclasses
 import logging
 
 import pytest
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 import nvfly
 import nvfly.torch.ops  # noqa: F401  (registers the nvfly:: custom ops)
-from nvfly.ops import rmsnorm, topk
+from nvfly.ops import rmsnorm, topk, topk_row
 from nvfly.runtime.torch_args import vector_width
 from nvfly.torch.routing import Route, _routed, disable_routing, enable_routing, install_routing, installed, \
     register_route, routing, routing_enabled
@@ -323,7 +324,6 @@ def test_topk_row_one_launch_kernel_compiles(dtype, n, k, m, largest):
     count their slices (shared counts, global adds), wait for the row's other blocks (an acquire spin on the
     arrival counter) and select; clean, no local memory, its shared memory the select's and the counts' side by
     side, within one SM's."""
-    from nvfly.ops import topk_row
     x = torch.randn(m, n).to(dtype)
     itemsize = x.element_size()
     vec = vector_width(n, (x,), itemsize)
@@ -362,6 +362,27 @@ def test_topk_one_launch_plan_choice():
     assert not topk.plan(151936, 1024, 3, 8, 2, sms).shared_finish
     assert not topk.plan(151936, 1024, 1, 8, 2, sms, one_launch=False).shared_finish
 
+
+def test_topk_reversed_select_plan_choice():
+    """The two-launch plan's select takes the slices in reverse order once the rows outgrow the L2 (the histogram
+    launch's last slices are still cached): 256x128256 bf16 (63 MB) and fp32 from 128 rows, not 128 bf16 rows
+    (31 MB), nor one launch or the two-level select; its kernel then maps its blocks from the grid's far end."""
+    sms = 132
+    big = topk.plan(128256, 1024, 256, 8, 2, sms)
+    assert big.row_threshold and not big.one_launch and big.reversed_select
+    assert topk.plan(128256, 1024, 128, 4, 4, sms).reversed_select
+    assert not topk.plan(128256, 1024, 128, 8, 2, sms).reversed_select
+    assert not topk.plan(128256, 1024, 256, 8, 2, sms, row_threshold=True, two_level=True).reversed_select
+    assert not topk.plan(151936, 1024, 1, 8, 2, sms).reversed_select
+    x = torch.randn(4, 4096).to(torch.bfloat16)
+    p = topk.plan(4096, 64, 4, 8, 2, sms, row_threshold=True, one_launch=False)
+    ptx = {}
+    for reverse in (False, True):
+        with nvfly.compile_only() as kernels:
+            topk_row.runner(dataclasses.replace(p, reversed_select=reverse), 4, 64, True)(
+                x, torch.empty(4, 64, dtype=x.dtype), torch.empty(4, 64, dtype=torch.int64))
+        ptx[reverse] = kernels[1].ptx
+    assert "%nctaid.x" in ptx[True] and "%nctaid.x" not in ptx[False]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,m,largest", [(151936, 50, 1, True), (128256, 1024, 1, False), (151936, 1024, 64, True),

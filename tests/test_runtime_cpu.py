@@ -108,9 +108,9 @@ def test_generated_launch_packs_parameters_and_adopts_a_context_once():
     assert struct.unpack(fmt, buffers.raw.raw) == (0xABC0, 1000, bf16_bits(1.5))
 
 
-def test_cluster_and_cooperative_kernels_launch_through_launch_ex():
-    """A kernel with a cluster shape or launched cooperatively goes through cuLaunchKernelEx (``launch_ex``),
-    the plain one through cuLaunchKernel."""
+def test_cluster_cooperative_and_dependent_kernels_launch_through_launch_ex():
+    """A kernel with a cluster shape, launched cooperatively or as a programmatic dependent goes through
+    cuLaunchKernelEx (``launch_ex``), the plain one through cuLaunchKernel."""
     from dataclasses import replace
 
     from nvfly.runtime.launcher import make_launch, make_prepared_launch
@@ -120,7 +120,8 @@ def test_cluster_and_cooperative_kernels_launch_through_launch_ex():
     x = torch.randn(8)
     raw = ((x.data_ptr(), x.shape, x.stride()), 1.0, 3, None)
     off = type("Off", (), {"get": lambda self: None})()
-    for variant, expect_ex in ((k, False), (replace(k, cooperative=True), True), (replace(k, cluster=(2, 1, 1)), True)):
+    for variant, expect_ex in ((k, False), (replace(k, cooperative=True), True), (replace(k, cluster=(2, 1, 1)), True),
+                              (replace(k, dependent=True), True)):
         plain, ex = [], []
         launch = make_launch(variant, fmt, 77, lambda *a: plain.append(a) or 0, buffers.local, buffers, 0, None,
                              lambda grid, stream, params: ex.append((grid, stream, params)))

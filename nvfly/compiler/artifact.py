@@ -60,6 +60,7 @@ class CompiledKernel:
     ptxas_log: str = ""
     resources: Resources = field(default_factory=Resources)
     cooperative: bool = False  # launched with every block resident at once (``nvfly.cooperative``)
+    dependent: bool = False  # launched as a programmatic dependent of the stream's previous kernel
     _sass: Optional[str] = field(default=None, repr=False)
 
     @property
@@ -108,7 +109,8 @@ class CompiledKernel:
                 "abi": [asdict(p) for p in self.abi], "block": list(self.block),
                 "cluster": list(self.cluster) if self.cluster else None,
                 "dynamic_smem_bytes": self.dynamic_smem_bytes, "ptxas_log": self.ptxas_log,
-                "resources": asdict(self.resources), "cooperative": self.cooperative}
+                "resources": asdict(self.resources), "cooperative": self.cooperative,
+                "dependent": self.dependent}
 
     def files(self) -> dict[str, bytes]:
         out = {"meta.json": json.dumps(self.meta(), sort_keys=True).encode(),
@@ -128,7 +130,7 @@ class CompiledKernel:
             dynamic_smem_bytes=meta["dynamic_smem_bytes"], mlir=files["kernel.mlir"].decode(),
             llvm_mlir=files["kernel.llvm.mlir"].decode(), ptx=files["kernel.ptx"].decode(),
             cubin=files.get("kernel.cubin"), ptxas_log=meta["ptxas_log"], resources=Resources(**meta["resources"]),
-            cooperative=meta.get("cooperative", False))
+            cooperative=meta.get("cooperative", False), dependent=meta.get("dependent", False))
 
 
 def _tuplify(x: Any) -> Any:

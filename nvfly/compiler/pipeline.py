@@ -42,7 +42,7 @@ LOWER_PASSES = (
 def ir_key(traced: TracedKernel, module_text: str) -> str:
     """Content hash of everything that determines the binary."""
     blob = json.dumps({"ir": module_text, "target": traced.target, "tma_params": traced.tma_params,
-                       "cooperative": traced.cooperative,
+                       "cooperative": traced.cooperative, "dependent": traced.dependent,
                        "toolchain": toolchain.fingerprint(), "settings": settings.codegen_fingerprint()},
                       sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -131,7 +131,8 @@ def compile_traced(traced: TracedKernel, key: Optional[str] = None) -> CompiledK
     return CompiledKernel(name=traced.name, target=traced.target, key=key, abi=traced.abi, block=traced.block,
                           cluster=traced.cluster, dynamic_smem_bytes=traced.dynamic_smem_bytes, mlir=mlir_text,
                           llvm_mlir=llvm_text, ptx=ptx, cubin=cubin, ptxas_log=log,
-                          resources=Resources.from_ptxas_log(log), cooperative=traced.cooperative)
+                          resources=Resources.from_ptxas_log(log), cooperative=traced.cooperative,
+                          dependent=traced.dependent)
 
 
 def _assemble(ptx: str, target: str) -> tuple[Optional[bytes], str]:

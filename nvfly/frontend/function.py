@@ -63,6 +63,7 @@ class TracedKernel:
     dynamic_smem_bytes: int = 0
     tma_params: list[int] = field(default_factory=list)
     cooperative: bool = False
+    dependent: bool = False
 
     @property
     def module(self) -> ir.Module:
@@ -171,4 +172,4 @@ def trace_kernel(fn: Callable[..., Any], lazy: _Lazy, params: Sequence[Param], s
         raise CompileError(f"{type(exc).__name__}: {exc}", filename, lineno) from exc
     tma_params = [k for k, p in enumerate(abi) if p.kind == "tma"]
     return TracedKernel(kernel_name, builder, abi, block, cluster, target, builder.dynamic_smem_bytes, tma_params,
-                        builder.cooperative)
+                        builder.cooperative, builder.dependent)

@@ -480,6 +480,25 @@ def cooperative() -> None:
     current().cooperative = True
 
 
+@traced
+def wait_prior_grid() -> None:
+    """Wait here until the stream's previous kernel has ended and its writes are visible (``griddepcontrol.wait``),
+    and launch this kernel as its programmatic dependent: its blocks may start while that kernel still runs, so
+    the work before this call (shared-memory setup, index math) hides the launch gap. Before it, read or write no
+    global memory another kernel of the stream may touch. Where the previous work is not a kernel launched so, the
+    wait returns at once."""
+    current().dependent = True
+    nvvm.griddepcontrol(nvvm.GridDepActionKind.wait)
+
+
+@traced
+def launch_dependents() -> None:
+    """Let the stream's next kernel, if it is a programmatic dependent (``wait_prior_grid``), start launching now;
+    it still waits for this kernel's end before it reads (``griddepcontrol.launch_dependents``). Without this call
+    it launches when this kernel's blocks have ended."""
+    nvvm.griddepcontrol(nvvm.GridDepActionKind.launch_dependents)
+
+
 # ---------------------------------------------------------------------------------------------- printf
 @traced
 def printf(fmt: str, *args: Any) -> None:

@@ -69,6 +69,7 @@ class KernelBuilder:
         self.static_smem_count = 0
         self.kernel_attrs: dict[str, str] = {}
         self.cooperative = False  # launch with all blocks resident at once (``nvfly.cooperative``)
+        self.dependent = False  # may start before the stream's previous kernel ends (``nvfly.wait_prior_grid``)
         self.context = ir.Context()
         self.context.allow_unregistered_dialects = False
         self._diagnostics: list[str] = []

@@ -96,6 +96,11 @@ WIDE_THREADS = 512        # the row-threshold plan's blocks where ``row_threads`
 # graphs: k = 1024 12.8 -> 11.7 us; k = 50 9.0 -> 9.7, the shared finish's extra wait not paid back by its shares;
 # benchmarks/results/topk_shared_finish_every_k_probe_h200.log)
 SHARED_FINISH_MIN_K = 256
+# The select launch re-reads the rows the histogram launch just read: once they outgrow the L2 (50 MB), reading them
+# in reverse order starts on what is still cached. Measured (topk_reversed_select_h200.log, bf16 k = 1024, us from
+# CUDA graphs): 256x128256 (63 MB) 66.3 -> 60.0, 256x151936 (74 MB) 75.9 -> 69.0, 192x128256 (47 MB) 53.3 -> 51.2; below
+# the L2 a little slower (128x128256, 31 MB: 35.2 -> 36.0; 160 rows, 39 MB: 49.9 -> 50.3); fp32 unchanged either way.
+REVERSED_SELECT_MIN_BYTES = 44 << 20
 MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses would need too many registers)
 ABSENT = -(1 << 63)       # the rank of "no element": below every real rank (a real ~index is never 0)
 _KEY_MSB = 0x80000000
@@ -835,7 +840,9 @@ class TopkPlan:
     candidates a row (``cap``: their shared memory, also enough for a whole-row stream); ``two_level``: its
     select launch also counts the next key bits of the threshold bucket (``topk_row_two_level_kernel``);
     ``one_launch``: both launches as one cooperative launch (``topk_row_one_launch_kernel``), whose blocks all
-    write a share of a row's k when ``shared_finish`` (else its last block writes them)."""
+    write a share of a row's k when ``shared_finish`` (else its last block writes them); ``reversed_select``: the
+    select launch takes the slices in the reverse of the histogram launch's order, its first blocks reading what
+    that launch read last, still in L2 (``REVERSED_SELECT_MIN_BYTES``)."""
     warp: bool
     vec: int
     warps: int = 1
@@ -852,6 +859,7 @@ class TopkPlan:
     two_level: bool = False
     one_launch: bool = False
     shared_finish: bool = False
+    reversed_select: bool = False
 
     @property
     def smem_bytes(self) -> int:
@@ -965,7 +973,9 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
     one_launch = fits if one_launch is None else one_launch
     return TopkPlan(False, vec, unroll=unroll, threads=threads, cap=cap, k_pow2=k_pow2, parts=parts,
                     slice_len=slice_len, row_threshold=True, row_cap=row_cap, two_level=two_level,
-                    one_launch=one_launch, shared_finish=one_launch and k >= SHARED_FINISH_MIN_K)
+                    one_launch=one_launch, shared_finish=one_launch and k >= SHARED_FINISH_MIN_K,
+                    reversed_select=(not one_launch and not two_level
+                                     and m * n * itemsize >= REVERSED_SELECT_MIN_BYTES))
 
 
 def row_threads(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int,

@@ -183,10 +183,14 @@ def stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UN
         current = upcoming
 
 
-def block_slice(x: Any, slice_len: Any) -> tuple:
-    """(row, tid, lane, warp, start, stop) of block (row, part): its slice [start, stop) of the row."""
+def block_slice(x: Any, slice_len: Any, REVERSED: bool = False) -> tuple:
+    """(row, tid, lane, warp, start, stop) of block (row, part): its slice [start, stop) of the row; ``REVERSED``:
+    of block (rows - 1 - row, parts - 1 - part), the grid's blocks taking the slices in reverse order."""
     row = nvfly.block_idx.x
     part = nvfly.block_idx.y
+    if REVERSED:
+        row = nvfly.grid_dim.x - 1 - row
+        part = nvfly.grid_dim.y - 1 - part
     tid = nvfly.thread_idx.x
     lane = tid & 31
     warp = tid >> 5
@@ -461,12 +465,13 @@ def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly
                            counters: nvfly.Tensor, candidates: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32,
                            VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr,
                            CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr, K_POW2: nvfly.Constexpr,
-                           LARGEST: nvfly.Constexpr):
+                           LARGEST: nvfly.Constexpr, REVERSED: nvfly.Constexpr):
     """Block (row, part) appends its slice's elements in the k-th largest key's bucket or above to
     ``candidates[row]``; the row's last block writes the k largest in order (``finish_list``) and cleans up
-    (``counters[2*row]``: arrivals, ``counters[2*row + 1]``: appends)."""
+    (``counters[2*row]``: arrivals, ``counters[2*row + 1]``: appends). ``REVERSED`` (``TopkPlan.reversed_select``):
+    the blocks take the slices in reverse order."""
     nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
-    row, tid, lane, warp, start, stop = block_slice(x, slice_len)
+    row, tid, lane, warp, start, stop = block_slice(x, slice_len, REVERSED)
     smem = shared_state(CAP, K_POW2, THREADS, tid)
     select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
                       nvfly.grid_dim.y - 1, None, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, False, False)
@@ -771,5 +776,5 @@ def runner(p: TopkPlan, m: int, k: int, largest: bool) -> Any:
     def run(rows: Any, values: Any, indices: Any) -> None:
         hist, counters, candidates, _ = workspace(rows.device, m)
         histogram.launch(rows, hist, *hist_tail)
-        select.launch(rows, values, indices, hist, counters, candidates, *select_tail)
+        select.launch(rows, values, indices, hist, counters, candidates, *select_tail, p.reversed_select)
     return run

@@ -169,9 +169,11 @@ def launch(fn: LoadedFunction, grid: tuple[int, int, int], block: tuple[int, int
 
 
 def launch_ex(fn: LoadedFunction, grid: tuple[int, int, int], block: tuple[int, int, int],
-              cluster: Optional[tuple[int, int, int]], cooperative: bool, smem: int, stream: Any,
+              cluster: Optional[tuple[int, int, int]], cooperative: bool, dependent: bool, smem: int, stream: Any,
               params_address: int) -> None:
-    """cuLaunchKernelEx with a cluster shape and/or as a cooperative launch (every block resident at once)."""
+    """cuLaunchKernelEx with a cluster shape, as a cooperative launch (every block resident at once) and/or as a
+    programmatic dependent launch (``dependent``: it may start while the stream's previous kernel runs, and waits
+    for it at ``griddepcontrol.wait``)."""
     cu = _cu()
     config = cu.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
@@ -188,6 +190,11 @@ def launch_ex(fn: LoadedFunction, grid: tuple[int, int, int], block: tuple[int, 
         attr = cu.CUlaunchAttribute()
         attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
         attr.value.cooperative = 1
+        attrs.append(attr)
+    if dependent:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
         attrs.append(attr)
     config.attrs = attrs
     config.numAttrs = len(attrs)

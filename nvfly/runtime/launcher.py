@@ -108,7 +108,7 @@ class Launcher:
 
     def _launch_ex(self, grid: tuple[int, int, int], stream: int, params: int) -> None:
         c = self.compiled
-        driver.launch_ex(self.function, grid, c.block, c.cluster, c.cooperative, c.dynamic_smem_bytes,
+        driver.launch_ex(self.function, grid, c.block, c.cluster, c.cooperative, c.dependent, c.dynamic_smem_bytes,
                          driver.stream_handle(stream), params)
 
     def prepared(self, grid: tuple[int, int, int], raw: Sequence[Any], stream_of: Callable[[Any], int],
@@ -159,7 +159,7 @@ def _launch_body(compiled: CompiledKernel, values: Sequence[str], grid: str) -> 
              "    except AttributeError:",
              "        view, params = buffers()",
              f"    pack_into(view, 0, {', '.join(values)})" if values else "    pass"]
-    if compiled.cluster is None and not compiled.cooperative:
+    if compiled.cluster is None and not compiled.cooperative and not compiled.dependent:
         call = (f"cu_launch(function, {grid}, {bx}, {by}, {bz}, {compiled.dynamic_smem_bytes}, stream, params, "
                 "None)")
         lines += [f"    status = {call}",
@@ -192,7 +192,7 @@ def make_launch(compiled: CompiledKernel, fmt: str, function: int, cu_launch: Ca
     """``launch(grid, stream, raw)`` for one compiled kernel: straight-line packing and the driver call.
 
     ``cu_launch`` is cuLaunchKernel (ctypes); a thread without a current CUDA context adopts the device's
-    primary context and retries once. Cluster and cooperative launches go through ``launch_ex(grid, stream,
+    primary context and retries once. Cluster, cooperative and dependent launches go through ``launch_ex(grid, stream,
     params)`` (cuLaunchKernelEx).
     """
     values = _param_values(compiled, "raw[{i}][0]", "raw[{i}]", "raw[{i}]",

@@ -181,6 +181,54 @@ def test_cluster_launch():
 
 
 @nvfly.kernel
+def slow_producer(x: nvfly.Tensor, out: nvfly.Tensor, rounds: nvfly.i32):
+    nvfly.launch_dependents()  # the consumer's blocks may launch now, and must still wait for these writes
+    i = nvfly.block_idx.x * 256 + nvfly.thread_idx.x
+    v = x[i]
+    for _ in range(rounds):
+        v = v * 1.0001
+    out[i] = v
+
+
+@nvfly.kernel
+def dependent_consumer(inp: nvfly.Tensor, out: nvfly.Tensor):
+    i = nvfly.block_idx.x * 256 + nvfly.thread_idx.x
+    nvfly.wait_prior_grid()
+    out[i] = inp[i] + 1.0
+
+
+def test_dependent_launch_waits_for_the_previous_kernel():
+    """A programmatic dependent launch (``wait_prior_grid``) after a slow kernel that lets it launch at once
+    (``launch_dependents``): it reads the producer's writes, never the poison before them, eagerly and replayed
+    from a CUDA graph."""
+    n = 132 * 4 * 256
+    x = torch.randn(n, device="cuda")
+    middle, out = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
+    assert dependent_consumer.compile(middle, out, block=256).dependent
+
+    def pair():
+        middle.fill_(float("nan"))
+        out.fill_(float("nan"))
+        slow_producer[n // 256, 256](x, middle, 2000)
+        dependent_consumer[n // 256, 256](middle, out)
+
+    expected = x.clone()
+    for _ in range(2000):
+        expected = expected * 1.0001
+    for _ in range(5):
+        pair()
+        torch.testing.assert_close(out, expected + 1.0)
+    graph = torch.cuda.CUDAGraph()
+    pair()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        pair()
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.testing.assert_close(out, expected + 1.0)
+
+@nvfly.kernel
 def tma_bytes_kernel(desc: nvfly.TmaDescriptor, out: nvfly.Tensor):
     from nvfly.frontend.tensor import Tensor
     words = Tensor(desc.ptr, nvfly.i64, (16,), (1,), "generic", 64)

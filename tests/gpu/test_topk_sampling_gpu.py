@@ -3,6 +3,8 @@ torch's float sorts: a stable sort of the order keys (the value's bits made mono
 +inf; inverted when smallest). Random rows, heavy ties, NaN/inf, mixed -0.0/+0.0, sorted rows; k = 1/50/1024/2048,
 M = 1/3/64, N = 8 to 152K; the plans with fewer slices than the default (``max_parts``) and the row-threshold plan
 (``topk_row``) too, with and without its two-level select."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -105,14 +107,17 @@ def test_topk_matches_torch_on_the_sampling_suite():
         assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k)
 
 
-def row_threshold_topk(x, k, largest, two_level=False, one_launch=False):
+def row_threshold_topk(x, k, largest, two_level=False, one_launch=False, reversed_select=None):
     """``topk.plan(..., row_threshold=True)`` run directly (``two_level``: with the opt-in two-level select;
-    ``one_launch``: as one cooperative launch)."""
+    ``one_launch``: as one cooperative launch; ``reversed_select``: the select launch's slices in reverse order,
+    None: as the plan says)."""
     m, n = x.shape
     vec = vector_width(n, (x,), x.element_size())
     p = topk.plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), row_threshold=True,
                   two_level=two_level, one_launch=one_launch)
     assert p.row_threshold and p.two_level == two_level and p.one_launch == one_launch
+    if reversed_select is not None:
+        p = dataclasses.replace(p, reversed_select=reversed_select)
     run = topk._runner(p, m, n, k, largest)
     values = torch.full((m, k), float("nan"), dtype=x.dtype, device="cuda")
     indices = torch.full((m, k), -1, dtype=torch.int64, device="cuda")
@@ -134,6 +139,20 @@ def test_row_threshold_plan_matches_the_documented_order(m, n, k, kind, dtype):
         values, indices = row_threshold_topk(x, k, largest)
         assert_documented(x, k, largest, values, indices)
 
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 151936, 1024), (64, 128256, 50), (3, 30_001, 33), (200, 65536, 256)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "threshold-ties", "falling"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_reversed_select_matches_the_documented_order(m, n, k, kind, dtype):
+    """The two-launch plan with its select launch taking the slices in reverse order (the default where the rows
+    outgrow the L2, ``topk.REVERSED_SELECT_MIN_BYTES``), forced on smaller inputs: the documented order bit for
+    bit (largest, smallest, largest), the workspace zero afterwards."""
+    x = threshold_ties(m, n, dtype, k) if kind == "threshold-ties" else rows(kind, m, n, dtype)
+    for largest in (True, False, True):
+        values, indices = row_threshold_topk(x, k, largest, reversed_select=True)
+        assert_documented(x, k, largest, values, indices)
+    assert_workspace_clean(x.device, m)
 
 ONE_LAUNCH_SHAPES = [(1, 151936, 50), (1, 128256, 1024), (1, 151936, 2048), (1, 40_000, 1), (1, 262144, 1024),
                      (1, 30_001, 33), (2, 65536, 64), (64, 151936, 50), (64, 128256, 1024)]

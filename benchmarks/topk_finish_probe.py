@@ -92,41 +92,44 @@ def stamped_one_launch_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
     is_last = publish_candidates(candidates, counters, row_hist, buf, state, row, tid, THREADS, last)
     if tid == 0:
         stamps[row, part * SLOTS + 5] = globaltimer()
-    if SHARED:
-        if count <= ROW_CAP:
-            wait_for_count(counters, row, tid, last + 1, nvfly.select(is_last, last + 1, 0))
-            leaving = nvfly.i32(0)
-            if tid == 0:
-                leaving = atom_add_relaxed_u32(counters.address(2 * row), 1)
-            stamp(stamps, row, part, 6, tid)
-            key_high = load_list(candidates, buf, warp_sums, row, count, tid, lane, warp, THREADS)
-            stamp(stamps, row, part, 7, tid)
-            fine_shift = fine_shift_of(lowest, key_high, x.dtype)
-            count_fine_buckets(buf, row_hist, count, lowest, fine_shift, tid, THREADS)
-            stamp(stamps, row, part, 8, tid)
-            crowded = syncthreads_or(bucket_starts(row_hist, warp_sums, state, k, tid, lane, warp, THREADS))
-            placed = state[1]
-            stamp(stamps, row, part, 9, tid)
-            if crowded | (count + placed > CAP):
-                if is_last:
-                    for j in nvfly.static_range(2 * HIST // THREADS):
-                        row_hist[j * THREADS + tid] = 0
-                    if tid == 0:
-                        state[0] = count
-                    nvfly.syncthreads()
-                    select_top(*smem, k, highest_index_bit(x), tid, lane, warp, THREADS)
-                    stamp(stamps, row, part, 10, tid)
-                    write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
-            else:
-                scatter_kept(buf, row_hist, count, k, lowest, fine_shift, tid, THREADS)
+    if not SHARED:
+        if is_last:
+            finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp,
+                         VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST)
+    elif count <= ROW_CAP:
+        wait_for_count(counters, row, tid, last + 1, nvfly.select(is_last, last + 1, 0))
+        leaving = nvfly.i32(0)
+        if tid == 0:
+            leaving = atom_add_relaxed_u32(counters.address(2 * row), 1)
+        stamp(stamps, row, part, 6, tid)
+        key_high = load_list(candidates, buf, warp_sums, row, count, tid, lane, warp, THREADS)
+        stamp(stamps, row, part, 7, tid)
+        fine_shift = fine_shift_of(lowest, key_high, x.dtype)
+        count_fine_buckets(buf, row_hist, count, lowest, fine_shift, tid, THREADS)
+        stamp(stamps, row, part, 8, tid)
+        crowded = syncthreads_or(bucket_starts(row_hist, warp_sums, state, k, tid, lane, warp, THREADS))
+        placed = state[1]
+        stamp(stamps, row, part, 9, tid)
+        if crowded | (count + placed > CAP):
+            if is_last:
+                for j in nvfly.static_range(2 * HIST // THREADS):
+                    row_hist[j * THREADS + tid] = 0
+                if tid == 0:
+                    state[0] = count
+                nvfly.syncthreads()
+                select_top(*smem, k, highest_index_bit(x), tid, lane, warp, THREADS)
                 stamp(stamps, row, part, 10, tid)
-                write_ranked(x, values, indices, buf, row_hist, count, placed, k, lowest, fine_shift, row, part, parts,
-                             tid, THREADS, LARGEST)
-            stamp(stamps, row, part, 11, tid)
-            if syncthreads_or(leaving == last + parts):
-                clean_row(hist, counters, row, tid, THREADS)
-                stamp(stamps, row, part, 12, tid)
-    if (is_last & (count > ROW_CAP)) if SHARED else is_last:
+                write_sorted(x, values, indices, buf, kept_buf, state[0], k, row, tid, lane, K_POW2, THREADS)
+        else:
+            scatter_kept(buf, row_hist, count, k, lowest, fine_shift, tid, THREADS)
+            stamp(stamps, row, part, 10, tid)
+            write_ranked(x, values, indices, buf, row_hist, count, placed, k, lowest, fine_shift, row, part, parts,
+                         tid, THREADS, LARGEST)
+        stamp(stamps, row, part, 11, tid)
+        if syncthreads_or(leaving == last + parts):
+            clean_row(hist, counters, row, tid, THREADS)
+            stamp(stamps, row, part, 12, tid)
+    elif is_last:
         finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp,
                      VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST)
 

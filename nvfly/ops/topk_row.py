@@ -510,7 +510,10 @@ def select_and_finish(x, values, indices, hist, counters, candidates, smem, k, r
                         is_last, tid, lane, warp, THREADS, CAP, K_POW2, LARGEST)
             if syncthreads_or(leaving == last + parts):  # every block has passed the wait: the counters are free
                 clean_row(hist, counters, row, tid, THREADS)
-    if (is_last & (count > ROW_CAP)) if SHARED else is_last:  # (shared: only the whole-row stream is the last's)
+        elif is_last:  # (one call site for both branches compiled slower: topk_finish_fold_probe_h200.log)
+            finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp,
+                         VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST)
+    elif is_last:
         finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp,
                      VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST)
 

@@ -384,6 +384,18 @@ def test_topk_reversed_select_plan_choice():
         ptx[reverse] = kernels[1].ptx
     assert "%nctaid.x" in ptx[True] and "%nctaid.x" not in ptx[False]
 
+
+def test_topk_histogram_launch_in_one_wave():
+    """Where the select's slices would take the histogram launch (three 64 KB blocks an SM) over one wave, it cuts
+    the rows into fewer, longer slices of its own: one a row at 256x128256, none of its own at 192 rows or in one
+    launch."""
+    sms = 132
+    p = topk.plan(128256, 1024, 256, 8, 2, sms)
+    assert p.parts == 2 and p.hist_parts == 1 and p.hist_slice_len >= 128256 and p.hist_slice_len % (p.threads * 8) == 0
+    assert topk.plan(151936, 1024, 256, 4, 4, sms).hist_parts == 1
+    assert topk.plan(128256, 1024, 192, 8, 2, sms).hist_parts == 0
+    assert topk.plan(128256, 1024, 64, 8, 2, sms).hist_parts == 0  # one launch
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,m,largest", [(151936, 50, 1, True), (128256, 1024, 1, False), (151936, 1024, 64, True),
                                            (151936, 2048, 1, True), (262144, 1024, 3, False), (30_001, 33, 3, False),

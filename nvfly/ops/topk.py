@@ -96,6 +96,7 @@ WIDE_THREADS = 512        # the row-threshold plan's blocks where ``row_threads`
 # graphs: k = 1024 12.8 -> 11.7 us; k = 50 9.0 -> 9.7, the shared finish's extra wait not paid back by its shares;
 # benchmarks/results/topk_shared_finish_every_k_probe_h200.log)
 SHARED_FINISH_MIN_K = 256
+COPIES = 8  # shared histograms a row-threshold histogram block counts into (64 KB, ``topk_row``)
 # The select launch re-reads the rows the histogram launch just read: once they outgrow the L2 (50 MB), reading them
 # in reverse order starts on what is still cached. Measured (topk_reversed_select_h200.log, bf16 k = 1024, us from
 # CUDA graphs): 256x128256 (63 MB) 66.3 -> 60.0, 256x151936 (74 MB) 75.9 -> 69.0, 192x128256 (47 MB) 53.3 -> 51.2; below
@@ -842,7 +843,8 @@ class TopkPlan:
     ``one_launch``: both launches as one cooperative launch (``topk_row_one_launch_kernel``), whose blocks all
     write a share of a row's k when ``shared_finish`` (else its last block writes them); ``reversed_select``: the
     select launch takes the slices in the reverse of the histogram launch's order, its first blocks reading what
-    that launch read last, still in L2 (``REVERSED_SELECT_MIN_BYTES``)."""
+    that launch read last, still in L2 (``REVERSED_SELECT_MIN_BYTES``); ``hist_parts`` slices of ``hist_slice_len``:
+    the histogram launch's own slicing, where the select's slices would take it over one wave (0: the same)."""
     warp: bool
     vec: int
     warps: int = 1
@@ -860,6 +862,8 @@ class TopkPlan:
     one_launch: bool = False
     shared_finish: bool = False
     reversed_select: bool = False
+    hist_parts: int = 0
+    hist_slice_len: int = 0
 
     @property
     def smem_bytes(self) -> int:
@@ -971,11 +975,21 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
         raise ValueError(f"one_launch: {m} rows of {parts} slices need {m * parts} resident blocks (at most "
                          f"{sm_count}: one an SM) and the one-level select (two_level={two_level})")
     one_launch = fits if one_launch is None else one_launch
+    hist_parts, hist_slice_len = 0, 0
+    hist_wave = SM_SMEM_BYTES // (HIST * COPIES * 4 + 1024) * sm_count  # histogram blocks resident at once
+    if not one_launch and m * parts > hist_wave:
+        # in one wave (whole rows) instead of a wave and a tail: 256x128256 bf16 24.2 -> 23.0 us for the histogram
+        # launch alone (topk_reversed_select_h200.log)
+        sweep = threads * vec
+        sweeps = -(-n // sweep)
+        hist_slice_len = -(-sweeps // max(1, hist_wave // m)) * sweep
+        hist_parts = -(-n // hist_slice_len)
     return TopkPlan(False, vec, unroll=unroll, threads=threads, cap=cap, k_pow2=k_pow2, parts=parts,
                     slice_len=slice_len, row_threshold=True, row_cap=row_cap, two_level=two_level,
                     one_launch=one_launch, shared_finish=one_launch and k >= SHARED_FINISH_MIN_K,
                     reversed_select=(not one_launch and not two_level
-                                     and m * n * itemsize >= REVERSED_SELECT_MIN_BYTES))
+                                     and m * n * itemsize >= REVERSED_SELECT_MIN_BYTES),
+                    hist_parts=hist_parts, hist_slice_len=hist_slice_len)
 
 
 def row_threads(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int,

@@ -36,13 +36,10 @@ import nvfly
 from nvfly.arch.gpu_scope import arrive
 from nvfly.arch.ptx import asm, asm_multi
 from nvfly.frontend.language import atomic_add, redux_sync, syncthreads_or, vote_any
-from nvfly.ops.topk import (_NAN_ABOVE, ABSENT, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, _smem_bytes,
+from nvfly.ops.topk import (_NAN_ABOVE, ABSENT, COPIES, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, _smem_bytes,
                             append_slots, ballot, candidate_flags, flag_key, highest_bit, highest_index_bit,
                             key_bits, locate_bucket, next_flagged, order_key, popc, rank64, rank_index, rank_key,
                             select_top, shared_state, step_loads, stream_top, sweep_loads, write_sorted)
-
-COPIES = 8  # shared histograms a block counts into (64 KB)
-
 
 def red_add_u32(address: Any, value: Any) -> None:
     asm("red.relaxed.gpu.global.add.u32 [$0], $1;", [address, value])
@@ -753,8 +750,8 @@ def _first_rows(tensors: tuple[Any, Any, Any, Any], sizes: tuple[int]) -> tuple[
 def runner(p: TopkPlan, m: int, k: int, largest: bool) -> Any:
     """``run(rows, values, indices)`` for a row-threshold plan: the histogram and the select launch (with the
     second level when ``p.two_level``), or the one cooperative launch of both (``p.one_launch``)."""
-    histogram = topk_row_histogram_kernel.prepared((m, p.parts, 1), p.threads)
-    hist_tail = (p.slice_len, p.vec, p.unroll, p.threads, largest)
+    histogram = topk_row_histogram_kernel.prepared((m, p.hist_parts or p.parts, 1), p.threads)
+    hist_tail = (p.hist_slice_len or p.slice_len, p.vec, p.unroll, p.threads, largest)
     select_tail = (k, p.slice_len, p.vec, p.unroll, p.threads, p.cap, p.row_cap, p.k_pow2, largest)
     if p.one_launch:
         one = topk_row_one_launch_kernel.prepared((m, p.parts, 1), p.threads)

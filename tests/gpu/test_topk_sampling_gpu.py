@@ -107,10 +107,11 @@ def test_topk_matches_torch_on_the_sampling_suite():
         assert torch.equal(values, ref_v) and torch.equal(indices, ref_i), (m, n, k)
 
 
-def row_threshold_topk(x, k, largest, two_level=False, one_launch=False, reversed_select=None):
+def row_threshold_topk(x, k, largest, two_level=False, one_launch=False, reversed_select=None,
+                       whole_row_histogram=False):
     """``topk.plan(..., row_threshold=True)`` run directly (``two_level``: with the opt-in two-level select;
     ``one_launch``: as one cooperative launch; ``reversed_select``: the select launch's slices in reverse order,
-    None: as the plan says)."""
+    None: as the plan says; ``whole_row_histogram``: the histogram launch in one slice a row)."""
     m, n = x.shape
     vec = vector_width(n, (x,), x.element_size())
     p = topk.plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), row_threshold=True,
@@ -118,6 +119,9 @@ def row_threshold_topk(x, k, largest, two_level=False, one_launch=False, reverse
     assert p.row_threshold and p.two_level == two_level and p.one_launch == one_launch
     if reversed_select is not None:
         p = dataclasses.replace(p, reversed_select=reversed_select)
+    if whole_row_histogram:
+        sweep = p.threads * p.vec
+        p = dataclasses.replace(p, hist_parts=1, hist_slice_len=-(-n // sweep) * sweep)
     run = topk._runner(p, m, n, k, largest)
     values = torch.full((m, k), float("nan"), dtype=x.dtype, device="cuda")
     indices = torch.full((m, k), -1, dtype=torch.int64, device="cuda")
@@ -144,13 +148,14 @@ def test_row_threshold_plan_matches_the_documented_order(m, n, k, kind, dtype):
 @pytest.mark.parametrize("m,n,k", [(3, 151936, 1024), (64, 128256, 50), (3, 30_001, 33), (200, 65536, 256)])
 @pytest.mark.parametrize("kind", ["randn", "ties", "threshold-ties", "falling"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_reversed_select_matches_the_documented_order(m, n, k, kind, dtype):
-    """The two-launch plan with its select launch taking the slices in reverse order (the default where the rows
-    outgrow the L2, ``topk.REVERSED_SELECT_MIN_BYTES``), forced on smaller inputs: the documented order bit for
-    bit (largest, smallest, largest), the workspace zero afterwards."""
+def test_many_row_layout_matches_the_documented_order(m, n, k, kind, dtype):
+    """The two-launch plan as it runs on many long rows, forced on smaller inputs: the select launch taking the
+    slices in reverse order (``topk.REVERSED_SELECT_MIN_BYTES``) and the histogram launch in one slice a row
+    (``TopkPlan.hist_parts``): the documented order bit for bit (largest, smallest, largest), the workspace zero
+    afterwards."""
     x = threshold_ties(m, n, dtype, k) if kind == "threshold-ties" else rows(kind, m, n, dtype)
     for largest in (True, False, True):
-        values, indices = row_threshold_topk(x, k, largest, reversed_select=True)
+        values, indices = row_threshold_topk(x, k, largest, reversed_select=True, whole_row_histogram=True)
         assert_documented(x, k, largest, values, indices)
     assert_workspace_clean(x.device, m)
 

@@ -978,8 +978,9 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
     hist_parts, hist_slice_len = 0, 0
     hist_wave = SM_SMEM_BYTES // (HIST * COPIES * 4 + 1024) * sm_count  # histogram blocks resident at once
     if not one_launch and m * parts > hist_wave:
-        # in one wave (whole rows) instead of a wave and a tail: 256x128256 bf16 24.2 -> 23.0 us for the histogram
-        # launch alone (topk_reversed_select_h200.log)
+        # in one wave instead of a wave and a tail (256x128256 bf16: the histogram launch alone 24.2 -> 23.0 us,
+        # topk_reversed_select_h200.log); whole calls at 224-256 rows 2.4-6.3 us faster under do_bench, from CUDA
+        # graphs -4.6 to +0.7 us (topk_histogram_one_wave_h200.log)
         sweep = threads * vec
         sweeps = -(-n // sweep)
         hist_slice_len = -(-sweeps // max(1, hist_wave // m)) * sweep

@@ -13,7 +13,10 @@ one) over the slices of each row instead of a top k per slice and a merge.
   buckets (``finish_list``; heavy ties fall back to ``select_top`` and the bitonic sort), writes them, and
   zeroes the row's histogram and counters. When B and above hold more (heavy ties, e.g. an
   all-equal row), nothing is appended and the last block streams the whole row alone (``stream_top``): slow,
-  exact.
+  exact. Where the rows outgrow the L2 (``TopkPlan.reversed_select``) the select's blocks take the slices in
+  reverse order, the first ones re-reading what the histogram launch read last (still cached); where the
+  select's slices would take the histogram launch over one wave, that launch cuts the rows into fewer slices of
+  its own (``TopkPlan.hist_parts``).
 - ``topk_row_one_launch_kernel`` (``TopkPlan.one_launch``, the default where all of the rows' blocks fit one an SM:
   M = 1 sampling rows): both in one cooperative launch, the blocks of a row waiting for each other between the
   count and the select (an arrival counter). One launch and its host work fewer: 12.0 vs 13.0 us a call

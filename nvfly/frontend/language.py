@@ -485,8 +485,8 @@ def wait_prior_grid() -> None:
     """Wait here until the stream's previous kernel has ended and its writes are visible (``griddepcontrol.wait``),
     and launch this kernel as its programmatic dependent: its blocks may start while that kernel still runs, so
     the work before this call (shared-memory setup, index math) hides the launch gap. Before it, read or write no
-    global memory another kernel of the stream may touch. Where the previous work is not a kernel launched so, the
-    wait returns at once."""
+    global memory another kernel of the stream may touch. Where this kernel could not start early (a copy before it,
+    a previous kernel already ended), the wait returns at once."""
     current().dependent = True
     nvvm.griddepcontrol(nvvm.GridDepActionKind.wait)
 

@@ -44,6 +44,7 @@ from nvfly.ops.topk import (_NAN_ABOVE, ABSENT, COPIES, HIST, HIST_BITS, ROW_CAP
                             key_bits, locate_bucket, next_flagged, order_key, popc, rank64, rank_index, rank_key,
                             select_top, shared_state, step_loads, stream_top, sweep_loads, write_sorted)
 
+
 def red_add_u32(address: Any, value: Any) -> None:
     asm("red.relaxed.gpu.global.add.u32 [$0], $1;", [address, value])
 

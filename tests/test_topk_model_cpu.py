@@ -836,15 +836,15 @@ def test_two_level_model_takes_every_path():
 
 
 def test_two_level_plans():
-    """``two_level`` only marks row-threshold plans (same launch shape, in two launches); elsewhere it is
-    ignored."""
+    """``two_level`` only marks row-threshold plans (same launch shape, in two launches, the select's slices in
+    the histogram's order: only the one-level select reads them reversed); elsewhere it is ignored."""
     sms = 132
     for n, k, m, (vec, itemsize) in [(151936, 50, 1, (8, 2)), (151936, 1024, 1, (8, 2)), (151936, 1024, 64, (8, 2)),
                                      (262144, 2048, 64, (4, 4)), (151936, 50, 64, (8, 2)), (151936, 1024, 256, (8, 2))]:
         one = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=True, one_launch=False)
         two = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=True, two_level=True)
         if one.row_threshold:
-            assert two.two_level and two == dataclasses.replace(one, two_level=True)
+            assert two.two_level and two == dataclasses.replace(one, two_level=True, reversed_select=False)
         else:
             assert two == one and not two.two_level
         assert not topk.plan(n, k, m, vec, itemsize, sms).two_level  # not the default

@@ -396,6 +396,7 @@ def test_topk_histogram_launch_in_one_wave():
     assert topk.plan(128256, 1024, 192, 8, 2, sms).hist_parts == 0
     assert topk.plan(128256, 1024, 64, 8, 2, sms).hist_parts == 0  # one launch
 
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,m,largest", [(151936, 50, 1, True), (128256, 1024, 1, False), (151936, 1024, 64, True),
                                            (151936, 2048, 1, True), (262144, 1024, 3, False), (30_001, 33, 3, False),

@@ -903,14 +903,23 @@ def slice_plan(n: int, k: int, m: int, vec: int, max_unroll: int, threads: int, 
     sweeps = -(-n // sweep)
     limit = min(n // (4 * k), MERGE_RANKS // k) if merged else sweeps
     parts = max(1, min(max(min_parts, blocks_per_sm * sm_count // m), sweeps, limit, max_parts))
-    per_slice = -(-sweeps // parts)
+    parts, slice_len = whole_sweep_slices(n, sweep, parts)
+    per_slice = slice_len // sweep
     iterations = -(-per_slice // max_unroll)
     unroll = -(-per_slice // iterations)
     if parts == 1:
         unroll = max_unroll  # (as many loads in flight as the registers allow)
     elif vec == 1:
         unroll = max(unroll, 2)  # (ptxas spills a register at unroll 1 with scalar loads)
-    return -(-sweeps // per_slice), per_slice * sweep, unroll
+    return parts, slice_len, unroll
+
+
+def whole_sweep_slices(n: int, sweep: int, parts: int) -> tuple[int, int]:
+    """(parts, slice_len): a row of n cut into at most ``parts`` slices of whole sweeps (``sweep`` elements; the
+    last slice may be short), as even as whole sweeps allow."""
+    sweeps = -(-n // sweep)
+    per_slice = -(-sweeps // parts)
+    return -(-sweeps // per_slice), per_slice * sweep
 
 
 @functools.lru_cache(maxsize=4096)
@@ -981,10 +990,7 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
         # in one wave instead of a wave and a tail (256x128256 bf16: the histogram launch alone 24.2 -> 23.0 us,
         # topk_reversed_select_h200.log); whole calls at 224-256 rows 2.4-6.3 us faster under do_bench, from CUDA
         # graphs -4.6 to +0.7 us (topk_histogram_one_wave_h200.log)
-        sweep = threads * vec
-        sweeps = -(-n // sweep)
-        hist_slice_len = -(-sweeps // max(1, hist_wave // m)) * sweep
-        hist_parts = -(-n // hist_slice_len)
+        hist_parts, hist_slice_len = whole_sweep_slices(n, threads * vec, max(1, hist_wave // m))
     return TopkPlan(False, vec, unroll=unroll, threads=threads, cap=cap, k_pow2=k_pow2, parts=parts,
                     slice_len=slice_len, row_threshold=True, row_cap=row_cap, two_level=two_level,
                     one_launch=one_launch, shared_finish=one_launch and k >= SHARED_FINISH_MIN_K,

@@ -228,6 +228,7 @@ def test_dependent_launch_waits_for_the_previous_kernel():
         graph.replay()
         torch.testing.assert_close(out, expected + 1.0)
 
+
 @nvfly.kernel
 def tma_bytes_kernel(desc: nvfly.TmaDescriptor, out: nvfly.Tensor):
     from nvfly.frontend.tensor import Tensor

@@ -120,8 +120,8 @@ def row_threshold_topk(x, k, largest, two_level=False, one_launch=False, reverse
     if reversed_select is not None:
         p = dataclasses.replace(p, reversed_select=reversed_select)
     if whole_row_histogram:
-        sweep = p.threads * p.vec
-        p = dataclasses.replace(p, hist_parts=1, hist_slice_len=-(-n // sweep) * sweep)
+        hist_parts, hist_slice_len = topk.whole_sweep_slices(n, p.threads * p.vec, 1)
+        p = dataclasses.replace(p, hist_parts=hist_parts, hist_slice_len=hist_slice_len)
     run = topk._runner(p, m, n, k, largest)
     values = torch.full((m, k), float("nan"), dtype=x.dtype, device="cuda")
     indices = torch.full((m, k), -1, dtype=torch.int64, device="cuda")
@@ -144,7 +144,6 @@ def test_row_threshold_plan_matches_the_documented_order(m, n, k, kind, dtype):
         assert_documented(x, k, largest, values, indices)
 
 
-
 @pytest.mark.parametrize("m,n,k", [(3, 151936, 1024), (64, 128256, 50), (3, 30_001, 33), (200, 65536, 256)])
 @pytest.mark.parametrize("kind", ["randn", "ties", "threshold-ties", "falling"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -158,6 +157,7 @@ def test_many_row_layout_matches_the_documented_order(m, n, k, kind, dtype):
         values, indices = row_threshold_topk(x, k, largest, reversed_select=True, whole_row_histogram=True)
         assert_documented(x, k, largest, values, indices)
     assert_workspace_clean(x.device, m)
+
 
 ONE_LAUNCH_SHAPES = [(1, 151936, 50), (1, 128256, 1024), (1, 151936, 2048), (1, 40_000, 1), (1, 262144, 1024),
                      (1, 30_001, 33), (2, 65536, 64), (64, 151936, 50), (64, 128256, 1024)]

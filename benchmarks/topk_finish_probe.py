@@ -15,6 +15,7 @@ Usage: python -m benchmarks.topk_finish_probe [--base tmp_device/topk_row_base.p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import statistics
@@ -40,6 +41,7 @@ from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 from nvfly.runtime.torch_args import vector_width  # noqa: E402
 
 SHAPES = [(1, 151936, 1024), (1, 151936, 50), (1, 128256, 1024), (64, 151936, 1024), (64, 151936, 50)]
+THREADS_VARIANTS = (256, 512)  # the row plan with blocks of these threads too, where it differs (one launch only)
 PHASES = ["start", "counted", "row complete", "located", "staged", "published", "all appended", "list loaded",
           "fine counts", "starts", "scattered / selected", "written", "cleaned"]
 SLOTS = 16
@@ -78,7 +80,7 @@ def stamped_one_launch_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
     counts = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST * COPIES,), one_launch_counts_offset(CAP, K_POW2, THREADS))
     first_loads = count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LARGEST)
     stamp(stamps, row, part, 1, tid)
-    wait_for_row(counters, row, tid)
+    wait_for_row(counters, row, tid, nvfly.grid_dim.y)
     stamp(stamps, row, part, 2, tid)
     bucket, above, count = locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS,
                                              True)
@@ -156,6 +158,12 @@ def variants(x: torch.Tensor, k: int, base: Any) -> dict[str, Callable[[], Any]]
     m, n = x.shape
     p = row_plan(x, k)
     runs = {"current": topk_row.runner(p, m, k, True)}
+    if p.exact_stride:  # the same kernel without its exact finish: the list path
+        runs["list"] = topk_row.runner(dataclasses.replace(p, exact_stride=0), m, k, True)
+    for threads in THREADS_VARIANTS:
+        other = topk.row_plan(n, k, m, p.vec, x.element_size(), plan_sm_count(x.get_device()), threads=threads)
+        if other != p and other.one_launch:
+            runs[f"{threads} threads"] = topk_row.runner(other, m, k, True)
     if base is not None:
         runs["base"] = base.runner(p, m, k, True)
     return {name: allocating_call(run, x, k) for name, run in runs.items()}
@@ -175,7 +183,7 @@ def stamped(x: torch.Tensor, k: int, repeat: int) -> None:
     expected = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
     phases: dict[str, list[float]] = {}
     for i in range(repeat + 3):
-        hist, counters, candidates, _ = topk_row.workspace(x.device, m)
+        hist, counters, candidates, _, _ = topk_row.workspace(x.device, m)
         stamps.zero_()
         launch.launch(x, values, indices, hist, counters, candidates, stamps, k, p.slice_len, p.vec, p.unroll,
                       p.threads, p.cap, p.row_cap, p.k_pow2, True, p.shared_finish)

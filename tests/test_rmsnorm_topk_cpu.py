@@ -240,8 +240,8 @@ def test_topk_slice_variants_compile(dtype, n, k, m, largest):
 def test_topk_plans_for_the_sampling_suite():
     """The slices + merge plans of the sampling suite, and which of them the row-threshold plan replaces by
     default (k >= ROW_THRESHOLD_MIN_K, ROW_THRESHOLD_MIN_PARTS slices, or 512-thread blocks: all of them), with
-    which blocks (``row_threads``): one row with k = 1024 and 64 rows (two slices a row, one block an SM, one
-    launch) take 512 threads; 256 rows of one slice take two slices when k = 1024 (the radix kernel when k = 50)."""
+    which blocks (``row_threads``): one row of f32 with k = 1024 (16-bit keys: the exact finish, 256) and 64 rows
+    (two slices a row, one block an SM, one launch) take 512 threads; 256 rows of one slice take two slices when k = 1024 (the radix kernel when k = 50)."""
     sms = 132
     for n in (128256, 151936):
         for vec, itemsize in ((8, 2), (4, 4)):
@@ -251,7 +251,7 @@ def test_topk_plans_for_the_sampling_suite():
             assert 8 <= p.parts and p.parts * 1024 <= topk.MERGE_RANKS  # k = 1024: a merge of 16K ranks at most
             assert all(topk.plan(n, k, 1, vec, itemsize, sms).row_threshold for k in (50, 1024))
             assert topk.plan(n, 50, 1, vec, itemsize, sms).threads == 256
-            assert topk.plan(n, 1024, 1, vec, itemsize, sms).threads == 512
+            assert topk.plan(n, 1024, 1, vec, itemsize, sms).threads == (256 if itemsize == 2 else 512)
             for k in (50, 1024):
                 p = topk.plan(n, k, 64, vec, itemsize, sms, row_threshold=False)
                 assert p.parts == 4 and p.threads == 256  # 256 blocks: two per SM
@@ -338,7 +338,12 @@ def test_topk_row_one_launch_kernel_compiles(dtype, n, k, m, largest):
     assert kern.dynamic_smem_bytes == topk_row.one_launch_smem_bytes(p.cap, p.k_pow2, p.threads) <= topk.SM_SMEM_BYTES
     assert "ld.acquire.gpu.global.b32" in kern.ptx and "ld.relaxed.gpu.global.b32" in kern.ptx  # the wait, the hist
     # a shared finish: every block leaves through a relaxed count, the last to leave cleans up
-    assert ("atom.relaxed.gpu.global.add.u32" in kern.ptx) == p.shared_finish == (k >= topk.SHARED_FINISH_MIN_K)
+    assert ("atom.relaxed.gpu.global.add.u32" in kern.ptx) == (p.shared_finish or p.exact_stride > 0)
+    assert p.shared_finish == (k >= topk.SHARED_FINISH_MIN_K)
+    # the exact finish (16-bit keys): the totals and the block's keys' earlier counts, read after a second wait
+    assert (p.exact_stride > 0) == (itemsize == 2)
+    waits = 1 + (p.exact_stride > 0) + p.shared_finish  # the row's blocks: counted, (placed,) (appended)
+    assert kern.ptx.count("ld.acquire.gpu.global.b32") == waits
     assert kern.count("ATOMS") > 0 and kern.count("REDG") > 0 and kern.count("ATOMG") > 0
 
 
@@ -361,6 +366,27 @@ def test_topk_one_launch_plan_choice():
     assert topk.plan(128256, 1024, 64, 8, 2, sms).shared_finish
     assert not topk.plan(151936, 1024, 3, 8, 2, sms).shared_finish
     assert not topk.plan(151936, 1024, 1, 8, 2, sms, one_launch=False).shared_finish
+
+
+def test_topk_exact_finish_plan_choice():
+    """The exact finish (``TopkPlan.exact_stride``: parts rounded up to a power of two, at least 4) in one-launch
+    plans of 16-bit keys whose slices fit a block's buffer, with blocks of 256 at one row (512 for f32); not for
+    f32, two launches, slices of several sweeps (64 rows in two slices), or when asked not to; asking for it where
+    it cannot run is an error that says why."""
+    sms = 132
+    p = topk.plan(128256, 50, 1, 8, 2, sms)
+    assert p.one_launch and p.parts == 63 and p.exact_stride == 64 and p.threads == 256
+    assert topk.plan(151936, 1024, 1, 8, 2, sms).exact_stride == 128  # 75 slices of 256
+    assert topk.plan(151936, 1024, 1, 8, 2, sms).threads == 256
+    assert topk.plan(65536, 64, 2, 8, 2, sms).exact_stride == 32
+    assert topk.plan(8192, 64, 1, 8, 2, sms, row_threshold=True).exact_stride == 4  # 4 slices
+    f32 = topk.plan(151936, 1024, 1, 4, 4, sms)
+    assert f32.exact_stride == 0 and f32.threads == 512
+    assert topk.plan(151936, 1024, 3, 8, 2, sms).exact_stride == 0  # two launches
+    assert topk.plan(151936, 50, 64, 8, 2, sms).exact_stride == 0  # slices of many sweeps
+    assert topk.plan(128256, 50, 1, 8, 2, sms, exact=False).exact_stride == 0
+    with pytest.raises(ValueError, match="exact: needs a one-launch plan"):
+        topk.plan(128256, 50, 1, 4, 4, sms, exact=True)
 
 
 def test_topk_reversed_select_plan_choice():

@@ -441,19 +441,21 @@ def test_model_select_passes_skip_the_constant_index_bits():
 
 
 # ---------------------------------------------------------------------------------------------- row threshold
-def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0, two_level=False, paths=None):
+def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0, two_level=False, paths=None,
+                       exact=False):
     """``topk_row``'s two launches under ``topk.row_plan`` for m_rows rows like this one, run on this row: the
     slices' bucket counts summed into the row's histogram, ``locate_bucket`` of the k-th largest key, each
     slice's flagged and checked elements in the bucket or above appended in any order (blocks arrive in any
     order), the last block's select and sort, or its whole-row stream when the bucket and above exceed the
-    list. ``two_level``: ``topk_row_two_level_kernel`` instead (``two_level_select``); ``paths`` (a list) gets the
-    last block's path. Returns (columns, whether the row was streamed)."""
+    list. ``two_level``: ``topk_row_two_level_kernel`` instead (``two_level_select``); ``exact`` (as
+    ``topk.plan``'s): a one-launch plan's exact finish where the keys allow (``exact_finish``); ``paths`` (a list)
+    gets the path. Returns (columns, whether the row was streamed)."""
     n = len(bits)
     itemsize = FORMATS[fmt] // 8
     vec = 16 // itemsize
     while n % vec:
         vec //= 2
-    p = topk.row_plan(n, k, m_rows, vec, itemsize, sm_count, two_level=two_level)
+    p = topk.row_plan(n, k, m_rows, vec, itemsize, sm_count, two_level=two_level, exact=exact)
     assert p.row_threshold and p.cap >= max(p.row_cap, p.k_pow2) and p.two_level == two_level
     rng = random.Random(seed)
     keys = order_keys(bits, fmt, largest)
@@ -472,6 +474,10 @@ def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0, two_
     count = above + in_bucket
     assert above < k <= count == int((keys >> shift >= bucket).sum())
     stats = []
+    if p.exact_stride:
+        ordered = exact_finish(keys, slices, hist.tolist(), bucket, above, k, fmt, largest, bits, p, rng, paths)
+        if ordered is not None:
+            return [~r & M32 for r in ordered], False
     if count > p.row_cap:  # the last block streams the row
         kept = stream_block(bits, 0, n, k, vec, p.unroll, p.threads, p.cap, p.k_pow2, fmt, largest, rng, stats)
         if paths is not None:
@@ -585,6 +591,75 @@ def counting_finish(candidates, lowest, k, fmt, largest, bits, threads, cap, rng
         value_bits = key_bits(rank_u(r) >> 32, fmt, largest)
         nan = (value_bits & ((1 << (width - 1)) - 1)) > {"f32": 0x7F800000, "bf16": 0x7F80, "f16": 0x7C00}[fmt]
         assert nan == bool(np.isnan(as_floats(np.array([bits[~r & M32]]), fmt)[0]))
+        assert nan or value_bits == bits[~r & M32]
+    return out
+
+
+def exact_finish(keys, slices, hist, bucket, above, k, fmt, largest, bits, p, rng, paths):
+    """``topk_row.exact_finish``: where every key above the k-th's bucket lies within EXACT_SPAN buckets of it
+    (``exact_bins``), each slice's candidates (its keys in the bucket or above, staged in any order) counted by
+    exact key into the block's column of the table (entries of other columns and keys: garbage) and the row's
+    totals; then in each block the totals' suffix sums (warp shuffles, the warps' sums), the earlier parts' counts
+    of the block's keys (lanes past the stride re-read its last four parts, masked off), and each candidate
+    placed at its key's start plus those of its key staged in its block above it. Every output written once.
+    Returns the k ranks in order, or None (the list path)."""
+    assert FORMATS[fmt] == 16 and p.one_launch and p.threads >= topk.EXACT_BINS
+    shift = 16 - topk.HIST_BITS
+    span = topk.EXACT_BINS >> shift
+    inside = [hist[bucket + j] if bucket + j < topk.HIST else 0 for j in range(1, span)]
+    top = bucket + max([0] + [j + 1 for j, c in enumerate(inside) if c > 0])
+    if sum(inside) != above:
+        if paths is not None:
+            paths.append("list")
+        return None
+    bins = (top - bucket + 1) << shift
+    lowest = bucket << shift
+    stride = p.exact_stride
+    assert stride >= len(slices) and stride & (stride - 1) == 0 and stride % 4 == 0
+    table = np.array([[rng.randrange(-1000, 1000) for _ in range(stride)] for _ in range(topk.EXACT_BINS)])
+    staged_parts = []
+    for part, (start, stop) in enumerate(slices):
+        cols = [c for c in range(start, stop) if keys[c] >= lowest]
+        staged = [rank_of(int(keys[c]), c) for c in cols]
+        rng.shuffle(staged)
+        assert len(staged) <= p.cap
+        counts = [0] * topk.EXACT_BINS
+        for r in staged:
+            b = (rank_u(r) >> 32) - lowest
+            assert 0 <= b < bins
+            counts[b] += 1
+        table[:bins, part] = counts[:bins]
+        staged_parts.append(staged)
+    out = [None] * k
+    parts = len(slices)
+    totals = [int(table[b, :parts].sum()) if b < bins else 0 for b in range(p.threads)]
+    for part, staged in enumerate(staged_parts):
+        total = totals
+        listed = {(rank_u(r) >> 32) - lowest for r in staged}
+        earlier = [0] * topk.EXACT_BINS
+        for b in listed:  # lane l reads parts 4 * min(l, stride / 4 - 1) + e; those below the block's count
+            parts_read = [4 * min(lane, stride // 4 - 1) + e for lane in range(32) for e in range(4)]
+            earlier[b] = sum(int(table[b, q]) for q in parts_read if q < part)
+        suffix = [sum(total[t - t % 32 + lane] for lane in range(t % 32, 32)) for t in range(p.threads)]
+        warp_sums = [suffix[w * 32] for w in range(p.threads // 32)]
+        first = [suffix[b] - total[b] + sum(warp_sums[w] for w in range(b // 32 + 1, topk.EXACT_BINS // 32))
+                 + earlier[b] for b in range(topk.EXACT_BINS)]
+        for b in range(topk.EXACT_BINS):
+            assert first[b] == sum(total[b + 1:]) + earlier[b]
+        for r in staged:
+            b = (rank_u(r) >> 32) - lowest
+            if first[b] < k:
+                position = first[b] + sum(o > r and o <= r | M32 for o in staged)
+                if position < k:
+                    assert out[position] is None
+                    out[position] = r
+    assert None not in out
+    if paths is not None:
+        paths.append("exact")
+    width = FORMATS[fmt]
+    for r in out:  # write_result: the value from the key, bit for bit unless NaN
+        value_bits = key_bits(rank_u(r) >> 32, fmt, largest)
+        nan = (value_bits & ((1 << (width - 1)) - 1)) > {"bf16": 0x7F80, "f16": 0x7C00}[fmt]
         assert nan or value_bits == bits[~r & M32]
     return out
 
@@ -736,6 +811,30 @@ def test_row_threshold_model_finish_takes_every_path():
     assert paths[4:] == ["stream", "select"], paths  # k = 50: a list of 2048 only
 
 
+EXACT_CASES = [(8192, 1, 1), (40_000, 1024, 1), (151_936, 50, 1), (65_536, 64, 2), (30_001, 33, 1)]
+
+
+@pytest.mark.parametrize("n,k,m", EXACT_CASES)
+@pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "special", "rising", "falling", "outlier"])
+@pytest.mark.parametrize("fmt", ["bf16", "f16"])
+def test_exact_finish_model(n, k, m, kind, fmt):
+    """The one-launch plans of 16-bit keys (``TopkPlan.exact_stride``): every block places its own candidates
+    (``exact_finish``) on random rows, ties and mixed zeros, and on rows whose keys above the k-th's bucket reach
+    beyond EXACT_SPAN buckets (NaN/inf, one outlier; sorted rows, whose smallest keys span many octaves) through
+    the list instead: the documented order."""
+    bits = rows("randn" if kind == "outlier" else kind, n, fmt, seed=n + k)
+    if kind == "outlier":
+        bits[n // 3] = 0x4780 if fmt == "bf16" else 0x7800  # 65536 (f16: 32768): far above the rest
+    for largest in (True, False):
+        paths = []
+        got, _ = row_threshold_topk(bits, k, fmt, largest, m, paths=paths, exact=None)
+        assert got == reference(bits, k, fmt, largest)
+        if kind in ("ties", "zeros") or (kind == "randn" and fmt == "bf16"):  # (f16's buckets: 1/32 octave)
+            assert paths == ["exact"], paths
+        elif kind == "outlier" and largest and k > 1:  # (k = 1: the outlier is the k-th)
+            assert paths[0] == "list", paths
+
+
 def test_row_threshold_plans():
     """The row plan replaces the plans that cut rows into slices, and those of one slice a row with a large k on
     long rows that two slices a row fit in two waves; its slices (two at least) go down to one sweep, cover the
@@ -765,7 +864,8 @@ def test_row_threshold_plans():
         if wide and m > 1:
             assert m * p.parts <= sms and p.one_launch  # one block an SM, one wave
     assert topk.plan(151936, 50, 1, 8, 2, sms).parts == 75  # one sweep of 256 threads a block
-    assert topk.plan(151936, 1024, 1, 8, 2, sms).parts == 38  # one sweep of 512 threads a block
+    assert topk.plan(151936, 1024, 1, 8, 2, sms).parts == 75  # 16-bit keys: the exact finish, blocks of 256
+    assert topk.plan(151936, 1024, 1, 4, 4, sms).threads == 512  # f32: no exact finish, wider blocks
 
 
 # ---------------------------------------------------------------------------------------------- two levels

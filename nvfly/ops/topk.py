@@ -102,6 +102,7 @@ COPIES = 8  # shared histograms a row-threshold histogram block counts into (64 
 # CUDA graphs): 256x128256 (63 MB) 66.3 -> 60.0, 256x151936 (74 MB) 75.9 -> 69.0, 192x128256 (47 MB) 53.3 -> 51.2; below
 # the L2 a little slower (128x128256, 31 MB: 35.2 -> 36.0; 160 rows, 39 MB: 49.9 -> 50.3); fp32 unchanged either way.
 REVERSED_SELECT_MIN_BYTES = 44 << 20
+EXACT_BINS = 256  # 16-bit keys the one-launch plan's exact finish counts (8 first-level buckets), a thread each
 MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses would need too many registers)
 ABSENT = -(1 << 63)       # the rank of "no element": below every real rank (a real ~index is never 0)
 _KEY_MSB = 0x80000000
@@ -844,7 +845,10 @@ class TopkPlan:
     write a share of a row's k when ``shared_finish`` (else its last block writes them); ``reversed_select``: the
     select launch takes the slices in the reverse of the histogram launch's order, its first blocks reading what
     that launch read last, still in L2 (``REVERSED_SELECT_MIN_BYTES``); ``hist_parts`` slices of ``hist_slice_len``:
-    the histogram launch's own slicing, where the select's slices would take it over one wave (0: the same)."""
+    the histogram launch's own slicing, where the select's slices would take it over one wave (0: the same);
+    ``exact_stride`` (a one-launch plan of 16-bit keys): its blocks write their own candidates at their places
+    where the keys from the k-th's bucket up are few (``topk_row.exact_finish``), through a table of this many
+    parts a row (``parts`` rounded up to a power of two; 0: never)."""
     warp: bool
     vec: int
     warps: int = 1
@@ -864,6 +868,7 @@ class TopkPlan:
     reversed_select: bool = False
     hist_parts: int = 0
     hist_slice_len: int = 0
+    exact_stride: int = 0
 
     @property
     def smem_bytes(self) -> int:
@@ -924,8 +929,8 @@ def whole_sweep_slices(n: int, sweep: int, parts: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=4096)
 def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS,
-         row_threshold: Optional[bool] = None, two_level: bool = False, one_launch: Optional[bool] = None
-         ) -> TopkPlan:
+         row_threshold: Optional[bool] = None, two_level: bool = False, one_launch: Optional[bool] = None,
+         exact: Optional[bool] = None) -> TopkPlan:
     """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements); ``max_parts``
     caps the slices of a row (``benchmarks.topk --compare-plans`` times fewer than the default);
     ``row_threshold``: rows this plan cuts into slices run ``topk_row``'s kernels instead (``row_plan``); None: where
@@ -933,7 +938,8 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
     measured yet): a row-threshold plan's select launch also builds the second-level histogram of the threshold
     bucket, so that the row's last block selects without radix passes (``topk_row_two_level_kernel``); ignored
     where the plan is not a row-threshold one. ``one_launch``: a (one-level) row-threshold plan runs as one
-    cooperative launch; None: where its blocks fit one to an SM (``row_plan``)."""
+    cooperative launch; None: where its blocks fit one to an SM (``row_plan``). ``exact``: a one-launch plan's
+    exact finish (``TopkPlan.exact_stride``), None: where it can run."""
     if k <= WARP_MAX_K and n <= WARP_MAX_N:
         return TopkPlan(True, vec, warps=max(1, min(8, m // (2 * sm_count))))
     k_pow2 = max(2, 1 << (k - 1).bit_length())
@@ -950,7 +956,7 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
     # rows of one slice each, with a large k and few enough for two slices a row in two waves: two slices
     split = parts == 1 and k >= ROW_THRESHOLD_MIN_K and n >= ROW_SPLIT_MIN_N and m <= BLOCKS_PER_SM * sm_count
     if row_threshold and (parts > 1 or split):
-        return row_plan(n, k, m, vec, itemsize, sm_count, max_parts, two_level, one_launch, row_block)
+        return row_plan(n, k, m, vec, itemsize, sm_count, max_parts, two_level, one_launch, row_block, exact)
     merge_cap = max(parts * k, k_pow2) if parts > 1 else 0  # (the sort exchanges k_pow2 entries through it)
     return TopkPlan(False, vec, unroll=unroll, threads=threads,
                     cap=_capacity(threads * vec * unroll, k_pow2, threads), k_pow2=k_pow2, parts=parts,
@@ -959,13 +965,16 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
 
 
 def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS,
-             two_level: bool = False, one_launch: Optional[bool] = None, threads: Optional[int] = None) -> TopkPlan:
+             two_level: bool = False, one_launch: Optional[bool] = None, threads: Optional[int] = None,
+             exact: Optional[bool] = None) -> TopkPlan:
     """The row-threshold plan (``topk_row``): blocks of ``threads`` (None: ``row_threads``), two slices a row at
     least, down to one sweep (no merge bounds them), for two blocks an SM (one of WIDE_THREADS): the unroll is
     lowered until the shared memory (the candidate list, or a whole-row stream's buffer) fits twice.
     ``one_launch`` (None: whenever it can): the histogram and the select in one cooperative launch, which needs
     every block resident at once: one an SM at most (its shared memory is the select's and the histogram's, side
-    by side), and the one-level select."""
+    by side), and the one-level select. ``exact`` (None: whenever it can): a one-launch plan of 16-bit keys whose
+    blocks hold a whole slice's candidates and have a thread for each of EXACT_BINS keys writes them in place
+    (``TopkPlan.exact_stride``)."""
     k_pow2 = max(2, 1 << (k - 1).bit_length())
     row_cap = min(ROW_CAP_MAX, max(2048, 8 * k_pow2))
     max_unroll = _unroll(vec, itemsize)
@@ -991,12 +1000,18 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
         # topk_reversed_select_h200.log); whole calls at 224-256 rows 2.4-6.3 us faster under do_bench, from CUDA
         # graphs -4.6 to +0.7 us (topk_histogram_one_wave_h200.log)
         hist_parts, hist_slice_len = whole_sweep_slices(n, threads * vec, max(1, hist_wave // m))
+    can_exact = one_launch and itemsize == 2 and slice_len <= cap and threads >= EXACT_BINS
+    if exact and not can_exact:
+        raise ValueError(f"exact: needs a one-launch plan (one_launch={one_launch}) of 16-bit keys (itemsize "
+                         f"{itemsize}) whose slices fit a block's buffer ({slice_len} <= {cap}) and blocks of "
+                         f"{EXACT_BINS} threads or more ({threads})")
+    exact_stride = max(4, 1 << (parts - 1).bit_length()) if (can_exact if exact is None else exact) else 0
     return TopkPlan(False, vec, unroll=unroll, threads=threads, cap=cap, k_pow2=k_pow2, parts=parts,
                     slice_len=slice_len, row_threshold=True, row_cap=row_cap, two_level=two_level,
                     one_launch=one_launch, shared_finish=one_launch and k >= SHARED_FINISH_MIN_K,
                     reversed_select=(not one_launch and not two_level
                                      and m * n * itemsize >= REVERSED_SELECT_MIN_BYTES),
-                    hist_parts=hist_parts, hist_slice_len=hist_slice_len)
+                    hist_parts=hist_parts, hist_slice_len=hist_slice_len, exact_stride=exact_stride)
 
 
 def row_threads(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int,
@@ -1010,9 +1025,11 @@ def row_threads(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int,
     21.5 / 27.1 -> 18.3 / 21.2, k = 1024 27.9 / 32.5 -> 24.4 / 27.7. Not faster: 4 rows (16.0 / 21.5 -> 16.3 /
     19.6), 16 rows (19.2 / 23.7 -> 20.5 / 24.4), 256 rows of two slices (66.0 -> 77.5: two blocks an SM no
     longer fit). So: one row with a large k, and rows that SLICE_THREADS blocks cut into at most 4 slices while
-    WIDE_THREADS blocks still give each row two in one wave."""
+    WIDE_THREADS blocks still give each row two in one wave. One row of 16-bit keys keeps SLICE_THREADS: its
+    blocks write their own candidates in place (``TopkPlan.exact_stride``), and smaller slices are faster there
+    (topk_exact_finish_h200.log: 1x128256 k=1024 bf16 10.2 -> 9.6 us from CUDA graphs, k=256 9.1 -> 8.5)."""
     if m == 1:
-        return WIDE_THREADS if k >= ROW_THRESHOLD_MIN_K else SLICE_THREADS
+        return WIDE_THREADS if k >= ROW_THRESHOLD_MIN_K and itemsize != 2 else SLICE_THREADS
     parts = slice_plan(n, k, m, vec, _unroll(vec, itemsize), SLICE_THREADS, sm_count, max_parts, merged=False)[0]
     return WIDE_THREADS if 1 < parts <= 4 and sm_count // m >= 2 else SLICE_THREADS
 

@@ -39,10 +39,11 @@ import nvfly
 from nvfly.arch.gpu_scope import arrive
 from nvfly.arch.ptx import asm, asm_multi
 from nvfly.frontend.language import atomic_add, redux_sync, syncthreads_or, vote_any
-from nvfly.ops.topk import (_NAN_ABOVE, ABSENT, COPIES, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan, _smem_bytes,
-                            append_slots, ballot, candidate_flags, flag_key, highest_bit, highest_index_bit,
-                            key_bits, locate_bucket, next_flagged, order_key, popc, rank64, rank_index, rank_key,
-                            select_top, shared_state, step_loads, stream_top, sweep_loads, write_sorted)
+from nvfly.ops.topk import (_NAN_ABOVE, ABSENT, COPIES, EXACT_BINS, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan,
+                            _smem_bytes, append_slots, ballot, candidate_flags, flag_key, highest_bit,
+                            highest_index_bit, key_bits, locate_bucket, next_flagged, order_key, popc, rank64,
+                            rank_index, rank_key, select_top, shared_state, step_loads, stream_top, sweep_loads,
+                            write_sorted)
 
 
 def red_add_u32(address: Any, value: Any) -> None:
@@ -480,19 +481,41 @@ def topk_row_select_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly
 
 @nvfly.func
 def select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
-                      last, first_loads, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, RESIDENT, SHARED):
+                      last, first_loads, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, RESIDENT, SHARED,
+                      table=None, totals=None, EXACT_STRIDE=0):
     """The select's work once the row's histogram is complete: the k-th key's bucket, the block's candidates
     published, and the k largest written in order; the row's last block (``last`` arrivals before it) cleans up.
     ``first_loads``: the slice's first step as loaded by the caller (None: loaded here, in flight while the
     histogram is read). ``RESIDENT`` (one cooperative launch: the row's blocks all run at once): the histogram was
     completed by this launch, so it is read with GPU-scope loads; and when ``SHARED``, every block waits for the
     row's appends, then writes a share of the k (``finish_list``), and the last to leave cleans up. Else the last
-    block writes them all."""
+    block writes them all. ``EXACT_STRIDE`` (one launch, 16-bit keys): where the keys from the k-th's bucket up
+    span at most FINE_SPAN buckets, every block writes its own candidates at their places instead
+    (``exact_finish``, through ``table`` and ``totals``)."""
     buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
     if first_loads is None:
         first_loads = step_loads(x, row, start, stop, 0, tid, VEC, UNROLL, THREADS)
     bucket, above, count = locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, warp, THREADS,
                                              RESIDENT)
+    if EXACT_STRIDE:
+        bins, inside = exact_bins(row_hist, bucket, above)
+        if inside:
+            exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket, bins, k, row, tid, lane,
+                         warp, start, stop, first_loads, VEC, UNROLL, THREADS, LARGEST, EXACT_STRIDE)
+        else:
+            list_finish(x, values, indices, hist, counters, candidates, smem, bucket, count, k, row, tid, lane, warp,
+                        start, stop, last, first_loads, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, SHARED)
+    else:
+        list_finish(x, values, indices, hist, counters, candidates, smem, bucket, count, k, row, tid, lane, warp,
+                    start, stop, last, first_loads, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, SHARED)
+
+
+@nvfly.func
+def list_finish(x, values, indices, hist, counters, candidates, smem, bucket, count, k, row, tid, lane, warp, start,
+                stop, last, first_loads, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST, SHARED):
+    """``select_and_finish`` through the row's candidate list: the block's candidates (keys in ``bucket`` or
+    above, ``count`` in the row) appended, then the k written by the last block, or in shares (``SHARED``)."""
+    buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
     lowest = bucket.bitcast(nvfly.u32) << ((32 if x.dtype == nvfly.f32 else 16) - HIST_BITS)
     if count <= ROW_CAP:
         stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None,
@@ -519,6 +542,125 @@ def select_and_finish(x, values, indices, hist, counters, candidates, smem, k, r
                      VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST)
 
 
+# ---------------------------------------------------------------------------------------------- exact keys
+EXACT_SPAN = EXACT_BINS >> (16 - HIST_BITS)  # first-level buckets of 16-bit keys that the exact bins cover
+EXACT_UNROLL = 4  # the block's keys a warp reads the table for at once
+
+
+@nvfly.func
+def exact_bins(row_hist, bucket, above):
+    """(bins, inside) for 16-bit keys: ``bins`` exact keys from the k-th key's bucket's lowest up to the end of the
+    highest non-empty bucket among the EXACT_SPAN from it, and whether every key above the bucket (``above``) lies
+    there. Read from the row's histogram in shared memory: the same in every block."""
+    top = bucket
+    counted = nvfly.i32(0)
+    for j in nvfly.static_range(1, EXACT_SPAN):
+        c = nvfly.select(bucket + j < HIST, row_hist[nvfly.minimum(bucket + j, HIST - 1)], 0)
+        counted = counted + c
+        top = nvfly.select(c > 0, bucket + j, top)
+    return (top - bucket + 1) << (16 - HIST_BITS), counted == above
+
+
+def tree_sum(items: list) -> Any:
+    """The sum of ``items`` as a tree of adds (independent ones first)."""
+    while len(items) > 1:
+        items = [items[i] + items[i + 1] if i + 1 < len(items) else items[i] for i in range(0, len(items), 2)]
+    return items[0]
+
+
+@nvfly.func
+def same_key_above(buf, size, mine):
+    """How many of ``buf[:size]`` have ``mine``'s key and rank above it (a lower index); four loads in flight, at
+    indices clamped to the last entry (whose extra compares are masked out)."""
+    higher = nvfly.i32(0)
+    ceiling = mine | 0xFFFFFFFF  # (the highest rank of mine's key)
+    last = size - 1
+    for j in range(0, size, 4):
+        for u in nvfly.static_range(4):
+            r = buf[nvfly.minimum(j + u, last)]
+            higher = higher + ((r > mine) & (r <= ceiling) & (j + u < size)).to(nvfly.i32)
+    return higher
+
+
+@nvfly.func
+def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket, bins, k, row, tid, lane, warp, start,
+                 stop, first_loads, VEC, UNROLL, THREADS, LARGEST, STRIDE):
+    """Every block writes its own candidates (16-bit keys in ``bucket`` or above: ``bins`` exact keys) at their
+    output positions, with no list and no last block: the position of a candidate of key K is the row's elements
+    of keys above K, plus those of key K in the earlier slices (lower indices), plus those of key K in its own
+    slice that rank above it. The block stages its candidates and counts them by key; it writes every key's count
+    to its column of the row's table (``table[(row * EXACT_BINS + key) * STRIDE + part]``, STRIDE >= parts) and
+    adds the non-zero ones to the row's ``totals``. After a second wait for the row's blocks, thread b loads key
+    b's total, and each warp sums the earlier parts' counts of some of the keys the block holds (one 16-byte load a
+    lane, a warp reduction); the totals' suffix sums plus those give each key's first position. Candidates at k or
+    beyond are dropped. The table is never cleared (every entry read was written by this launch); the last block
+    to leave zeroes the totals and cleans up (arrivals: the row's blocks twice, then their leaving)."""
+    buf, kept_buf, row_hist, lane_sums, warp_sums, warp_lows, state = smem
+    WARPS = THREADS // 32
+    lowest = bucket.bitcast(nvfly.u32) << (16 - HIST_BITS)
+    parts = nvfly.grid_dim.y
+    part = nvfly.block_idx.y
+    stage_candidates(x, row, start, stop, lowest, buf, state, tid, lane, VEC, UNROLL, THREADS, LARGEST, None,
+                     first_loads)
+    if tid == 0:
+        state[1] = 0  # (the block's keys, listed in lane_sums)
+    nvfly.syncthreads()
+    staged = state[0]
+    counts = HIST  # row_hist[HIST:HIST + EXACT_BINS]: the block's counts (zeroed by the locate), then the starts
+    earlier = HIST + EXACT_BINS  # row_hist[earlier + key]: the earlier parts' counts of the block's keys (zeroed too)
+    for i in range(tid, staged, THREADS):
+        atomic_add(row_hist, counts + (rank_key(buf[i]) - lowest).bitcast(nvfly.i32), 1)
+    nvfly.syncthreads()
+    if tid < bins:
+        c = row_hist[counts + tid]
+        table[(row * EXACT_BINS + tid) * STRIDE + part] = c
+        if c != 0:
+            red_add_u32(totals.address(row, tid), c)
+            lane_sums[atomic_add(state, 1, 1)] = tid
+    wait_for_row(counters, row, tid, 2 * parts)
+    total = nvfly.i32(0)
+    if tid < bins:
+        total = load_relaxed_i32(totals.address(row, tid))
+    listed = state[1]
+    for first in range(warp, listed, WARPS * EXACT_UNROLL):
+        keys = [lane_sums[nvfly.minimum(first + u * WARPS, listed - 1)] for u in nvfly.static_range(EXACT_UNROLL)]
+        # lanes past the stride re-read its last 16 bytes, whose parts are not earlier than any block's
+        column = 4 * nvfly.minimum(lane, STRIDE // 4 - 1)
+        loaded = [table.load((row * EXACT_BINS + key) * STRIDE + column, width=4) for key in keys]
+        for u in nvfly.static_range(EXACT_UNROLL):
+            before = tree_sum([nvfly.select(4 * lane + e < part, loaded[u][e], 0) for e in nvfly.static_range(4)])
+            before = redux_sync(before, "add")
+            if (lane == 0) & (first + u * WARPS < listed):
+                row_hist[earlier + keys[u]] = before
+    suffix = total
+    for step in nvfly.static_range(5):
+        moved = nvfly.shfl_down(suffix, 1 << step)
+        suffix = suffix + nvfly.select(lane + (1 << step) < 32, moved, 0)
+    if lane == 0:
+        warp_sums[warp] = suffix
+    nvfly.syncthreads()
+    leaving = nvfly.i32(0)
+    if tid == 0:  # (relaxed, after this block's loads of the totals: their results are in)
+        leaving = atom_add_relaxed_u32(counters.address(2 * row), 1)
+    above = suffix - total
+    for w in nvfly.static_range(EXACT_BINS // 32):
+        above = above + nvfly.select(w > warp, warp_sums[w], 0)
+    if tid < EXACT_BINS:
+        row_hist[counts + tid] = above + row_hist[earlier + tid]
+    nvfly.syncthreads()
+    for i in range(tid, staged, THREADS):
+        mine = buf[i]
+        first = row_hist[counts + (rank_key(mine) - lowest).bitcast(nvfly.i32)]
+        if first < k:
+            position = first + same_key_above(buf, staged, mine)
+            if position < k:
+                write_result(x, values, indices, mine, row, position, LARGEST)
+    if syncthreads_or(leaving == 3 * parts - 1):  # every block has read the totals: they and the counters are free
+        if tid < EXACT_BINS:
+            totals[row, tid] = 0
+        clean_row(hist, counters, row, tid, THREADS)
+
+
 @nvfly.func
 def finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp, VEC,
                  UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST):
@@ -541,15 +683,15 @@ def load_acquire_i32(address: Any) -> Any:
 
 
 @nvfly.func
-def wait_for_row(counters, row, tid):
-    """A barrier over the row's blocks, all resident (a cooperative launch): the block's histogram adds, ordered
+def wait_for_row(counters, row, tid, target):
+    """A barrier over the row's blocks, all resident (a cooperative launch): the block's global writes, ordered
     before the block barrier, are fenced by its first thread (cumulative), which counts the block in on
-    ``counters[2*row]`` and waits until every block of the row has (as CUDA's grid sync does)."""
+    ``counters[2*row]`` and waits until the arrivals reach ``target`` (as CUDA's grid sync does)."""
     nvfly.syncthreads()
     if tid == 0:
         nvfly.threadfence()
         red_add_u32(counters.address(2 * row), 1)  # (no result to wait for)
-    wait_for_count(counters, row, tid, nvfly.grid_dim.y, nvfly.i32(0))
+    wait_for_count(counters, row, tid, target, nvfly.i32(0))
 
 
 @nvfly.func
@@ -566,27 +708,32 @@ def wait_for_count(counters, row, tid, target, seen):
 
 @nvfly.kernel
 def topk_row_one_launch_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tensor, hist: nvfly.Tensor,
-                               counters: nvfly.Tensor, candidates: nvfly.Tensor, k: nvfly.i32, slice_len: nvfly.i32,
-                               VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr, THREADS: nvfly.Constexpr,
-                               CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr, K_POW2: nvfly.Constexpr,
-                               LARGEST: nvfly.Constexpr, SHARED: nvfly.Constexpr):
+                               counters: nvfly.Tensor, candidates: nvfly.Tensor, table: nvfly.Tensor,
+                               totals: nvfly.Tensor, k: nvfly.i32,
+                               slice_len: nvfly.i32, VEC: nvfly.Constexpr, UNROLL: nvfly.Constexpr,
+                               THREADS: nvfly.Constexpr, CAP: nvfly.Constexpr, ROW_CAP: nvfly.Constexpr,
+                               K_POW2: nvfly.Constexpr, LARGEST: nvfly.Constexpr, SHARED: nvfly.Constexpr,
+                               EXACT_STRIDE: nvfly.Constexpr):
     """The histogram and select launches in one, for grids whose blocks all fit on the GPU at once (a cooperative
     launch; ``topk.plan`` decides): block (row, part) counts its slice into ``hist[row]``, waits for the row's
     other blocks (``wait_for_row``: their arrivals on ``counters[2*row]``), then selects as
     ``topk_row_select_kernel``, whose arrivals then count on from the row's block count (the last block is the
     2 * blocks-th), with the slice's first step still in registers.
-    ``SHARED`` (``TopkPlan.shared_finish``): every block of the row writes a share of the k. One launch fewer
-    than two: a launch gap and its host work."""
+    ``SHARED`` (``TopkPlan.shared_finish``): every block of the row writes a share of the k. ``EXACT_STRIDE``
+    (``TopkPlan.exact_stride``, 16-bit keys): where the keys from the k-th's bucket up are few enough, every
+    block writes its own candidates at their places (``exact_finish``; ``table``: i32, the candidate lists'
+    memory; ``totals``: the second-level histograms, zero between launches). One launch fewer than two: a launch
+    gap and its host work."""
     nvfly.cooperative()
     nvfly.min_blocks_per_sm(1)  # (without it ptxas held this kernel to 64 registers and spilled)
     row, tid, lane, warp, start, stop = block_slice(x, slice_len)
     smem = shared_state(CAP, K_POW2, THREADS, tid)
     counts = nvfly.dynamic_shared_tensor(nvfly.i32, (HIST * COPIES,), one_launch_counts_offset(CAP, K_POW2, THREADS))
     first_loads = count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LARGEST)
-    wait_for_row(counters, row, tid)
+    wait_for_row(counters, row, tid, nvfly.grid_dim.y)
     select_and_finish(x, values, indices, hist, counters, candidates, smem, k, row, tid, lane, warp, start, stop,
                       2 * nvfly.grid_dim.y - 1, first_loads, VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST,
-                      True, SHARED)
+                      True, SHARED, table, totals, EXACT_STRIDE)
 
 
 def one_launch_counts_offset(cap: int, k_pow2: int, threads: int) -> int:
@@ -736,19 +883,22 @@ def _workspaces() -> Any:
     return scratch.StreamScratch(_allocate_workspace, (MIN_ROWS,))
 
 
-def workspace(device: Any, rows: int) -> tuple[Any, Any, Any, Any]:
+def workspace(device: Any, rows: int) -> tuple[Any, Any, Any, Any, Any]:
     """(histograms (rows, HIST) i32, counters (2 * rows,) i32, candidate lists (rows, ROW_CAP_MAX) i64,
-    second-level histograms (rows, HIST) i32) for launches on torch's current stream of ``device``: all but the
-    lists zero between launches (``nvfly.ops.scratch``: per stream, grown as needed, a graph capture's own)."""
+    second-level histograms (rows, HIST) i32, the lists' memory as flat i32: ``exact_finish``'s tables) for
+    launches on torch's current stream of ``device``: all but the lists zero between launches
+    (``nvfly.ops.scratch``: per stream, grown as needed, a graph capture's own)."""
     from nvfly.runtime.torch_args import current_stream
     stream = current_stream(device.index) if device.type == "cuda" else 0
     return _workspaces().get(device, stream, (rows,), _first_rows)
 
 
-def _first_rows(tensors: tuple[Any, Any, Any, Any], sizes: tuple[int]) -> tuple[Any, Any, Any, Any]:
+def _first_rows(tensors: tuple[Any, Any, Any, Any], sizes: tuple[int]) -> tuple[Any, Any, Any, Any, Any]:
+    import torch
     hist, counters, candidates, hist2 = tensors
     rows = sizes[0]
-    return hist[:rows], counters[:2 * rows], candidates[:rows], hist2[:rows]
+    table = candidates[:rows].view(torch.int32).view(-1)
+    return hist[:rows], counters[:2 * rows], candidates[:rows], hist2[:rows], table
 
 
 def runner(p: TopkPlan, m: int, k: int, largest: bool) -> Any:
@@ -759,23 +909,27 @@ def runner(p: TopkPlan, m: int, k: int, largest: bool) -> Any:
     select_tail = (k, p.slice_len, p.vec, p.unroll, p.threads, p.cap, p.row_cap, p.k_pow2, largest)
     if p.one_launch:
         one = topk_row_one_launch_kernel.prepared((m, p.parts, 1), p.threads)
+        # the exact finish's table lives in the candidate lists' memory (unused by that path): rows of ROW_CAP_MAX
+        # i64 hold 2 * ROW_CAP_MAX i32 each
+        rows_needed = max(m, -(-m * EXACT_BINS * p.exact_stride // (2 * ROW_CAP_MAX)))
 
         def run_one_launch(rows: Any, values: Any, indices: Any) -> None:
-            hist, counters, candidates, _ = workspace(rows.device, m)
-            one.launch(rows, values, indices, hist, counters, candidates, *select_tail, p.shared_finish)
+            hist, counters, candidates, totals, table = workspace(rows.device, rows_needed)
+            one.launch(rows, values, indices, hist, counters, candidates, table, totals, *select_tail,
+                       p.shared_finish, p.exact_stride)
         return run_one_launch
     if p.two_level:
         two_level = topk_row_two_level_kernel.prepared((m, p.parts, 1), p.threads)
 
         def run_two_level(rows: Any, values: Any, indices: Any) -> None:
-            hist, counters, candidates, hist2 = workspace(rows.device, m)
+            hist, counters, candidates, hist2, _ = workspace(rows.device, m)
             histogram.launch(rows, hist, *hist_tail)
             two_level.launch(rows, values, indices, hist, hist2, counters, candidates, *select_tail)
         return run_two_level
     select = topk_row_select_kernel.prepared((m, p.parts, 1), p.threads)
 
     def run(rows: Any, values: Any, indices: Any) -> None:
-        hist, counters, candidates, _ = workspace(rows.device, m)
+        hist, counters, candidates, _, _ = workspace(rows.device, m)
         histogram.launch(rows, hist, *hist_tail)
         select.launch(rows, values, indices, hist, counters, candidates, *select_tail, p.reversed_select)
     return run

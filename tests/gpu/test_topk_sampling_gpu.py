@@ -108,14 +108,15 @@ def test_topk_matches_torch_on_the_sampling_suite():
 
 
 def row_threshold_topk(x, k, largest, two_level=False, one_launch=False, reversed_select=None,
-                       whole_row_histogram=False):
+                       whole_row_histogram=False, exact=None):
     """``topk.plan(..., row_threshold=True)`` run directly (``two_level``: with the opt-in two-level select;
     ``one_launch``: as one cooperative launch; ``reversed_select``: the select launch's slices in reverse order,
-    None: as the plan says; ``whole_row_histogram``: the histogram launch in one slice a row)."""
+    None: as the plan says; ``whole_row_histogram``: the histogram launch in one slice a row; ``exact``: the one
+    launch's exact finish, None: as the plan says)."""
     m, n = x.shape
     vec = vector_width(n, (x,), x.element_size())
     p = topk.plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), row_threshold=True,
-                  two_level=two_level, one_launch=one_launch)
+                  two_level=two_level, one_launch=one_launch, exact=exact)
     assert p.row_threshold and p.two_level == two_level and p.one_launch == one_launch
     if reversed_select is not None:
         p = dataclasses.replace(p, reversed_select=reversed_select)
@@ -177,6 +178,35 @@ def test_one_launch_plan_matches_the_documented_order(m, n, k, kind, dtype):
     assert_workspace_clean(x.device, m)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 151936, 50), (1, 128256, 1024), (2, 65536, 64)])
+@pytest.mark.parametrize("kind", ["randn", "ties", "threshold-ties"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_launch_list_path_of_16_bit_keys(m, n, k, kind, dtype):
+    """16-bit keys in one launch without the exact finish (``exact=False``: the list path, which the exact plans
+    keep for rows whose keys above the k-th's bucket reach far): the documented order, the workspace zero."""
+    x = threshold_ties(m, n, dtype, k) if kind == "threshold-ties" else rows(kind, m, n, dtype)
+    for largest in (True, False):
+        values, indices = row_threshold_topk(x, k, largest, one_launch=True, exact=False)
+        assert_documented(x, k, largest, values, indices)
+    assert_workspace_clean(x.device, m)
+
+
+def test_exact_finish_on_far_keys_and_outliers():
+    """bf16 rows where the exact finish runs (random rows: ``TopkPlan.exact_stride``) and where it hands over to
+    the list (one outlier far above the rest, or the smallest of a rising row: keys beyond EXACT_SPAN buckets of
+    the k-th's): the documented order, the same on the next launch, the workspace zero."""
+    x = rows("randn", 1, 128256, torch.bfloat16)
+    assert topk.plan(128256, 50, 1, 8, 2, plan_sm_count(x.get_device())).exact_stride == 64
+    far = x.clone()
+    far[0, 1000] = 60000.0
+    for row in (x, far, rows("rising", 1, 128256, torch.bfloat16), x):
+        for k in (1, 50, 1024):
+            for largest in (True, False):
+                values, indices = row_threshold_topk(row, k, largest, one_launch=True)
+                assert_documented(row, k, largest, values, indices)
+    assert_workspace_clean(x.device, 1)
+
+
 def test_one_launch_plan_beside_other_work():
     """One-launch TopKs on two streams at once, while a large GEMM keeps the SMs busy on a third: every result
     exact (a block that waits for its row's others only waits for SMs that other work frees), workspaces clean."""
@@ -229,7 +259,7 @@ def test_row_threshold_plan_matches_torch_on_the_sampling_suite():
 def assert_workspace_clean(device, m):
     """The row-threshold workspace of the current stream is zero again (lists aside) once the launches are done."""
     torch.cuda.synchronize()
-    hist, counters, _, hist2 = topk_row.workspace(device, m)
+    hist, counters, _, hist2, _ = topk_row.workspace(device, m)
     assert int(hist.abs().sum()) == 0 and int(counters.abs().sum()) == 0 and int(hist2.abs().sum()) == 0
 
 

@@ -698,11 +698,11 @@ def wait_for_row(counters, row, tid, target):
 def wait_for_count(counters, row, tid, target, seen):
     """The block waits until the row's arrivals (``counters[2*row]``) reach ``target``: its first thread loads
     them (acquire, GPU scope) until they do, starting from ``seen`` (a count it already acquired: no load when
-    that is enough), then fences."""
+    that is enough); the block barrier then orders every thread's loads after that acquire (as CUTLASS's
+    ``GenericBarrier::wait_eq``: no fence after it)."""
     if tid == 0:
         while seen < target:
             seen = load_acquire_i32(counters.address(2 * row))
-        nvfly.threadfence()
     nvfly.syncthreads()
 
 

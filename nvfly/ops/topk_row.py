@@ -24,11 +24,17 @@ one) over the slices of each row instead of a top k per slice and a merge.
   barrier costing more than the launch boundary (topk_host_and_one_launch_h200.log). From k = 256
   (``TopkPlan.shared_finish``) every block of the row then waits for the row's appends and writes a share of the k
   (``finish_list``: the same bucket starts in every block, each ranking the buckets that start in its share):
-  1x128256 k=1024 bf16 13.0 -> 11.7 us from CUDA graphs (topk_shared_finish_probe_h200.log).
+  1x128256 k=1024 bf16 13.0 -> 11.7 us from CUDA graphs (topk_shared_finish_probe_h200.log). With 16-bit keys
+  (``TopkPlan.exact_stride``) the blocks skip the list: where every key above B lies within EXACT_SPAN buckets of
+  it, each block counts its candidates by exact key, writes the counts to its column of a table and adds them to
+  the row's totals, waits for the row's blocks once more, and writes its own candidates at their places (keys
+  above, plus the same key in earlier slices, plus the same key above it in its own; ``exact_finish``):
+  1x128256 bf16 k=50 9.1 -> 8.1 us, k=1024 11.6 -> 9.6 us from CUDA graphs (topk_exact_finish_h200.log).
 
 Workspace, one per (device, stream), zero between launches (each row's last block, or last to leave, cleans up): the
 histograms (rows x HIST i32), two counters a row (arrivals, appends), the candidate lists (rows x ROW_CAP_MAX
-i64, never cleared). A launch cut short (an error) leaves it dirty, as the split-K GEMM's.
+i64, never cleared; also the exact finish's tables), the second-level histograms (also the exact finish's
+totals). A launch cut short (an error) leaves it dirty, as the split-K GEMM's.
 """
 from __future__ import annotations
 

@@ -227,6 +227,29 @@ def warp_inclusive_sum(value, lane):
 
 
 @nvfly.func
+def warp_suffix_sum(value, lane):
+    """The sum of ``value`` over this lane and the warp's higher lanes (5 shuffles)."""
+    for step in nvfly.static_range(5):
+        moved = nvfly.shfl_down(value, 1 << step)
+        value = value + nvfly.select(lane + (1 << step) < 32, moved, 0)
+    return value
+
+
+@nvfly.func
+def block_sum_above(value, warp_sums, lane, warp, WARPS):
+    """The sum of ``value`` over the block's higher threads: the warp's higher lanes, then the higher warps' totals
+    through ``warp_sums[:WARPS]`` after one barrier."""
+    suffix = warp_suffix_sum(value, lane)
+    if lane == 0:
+        warp_sums[warp] = suffix
+    nvfly.syncthreads()
+    above = suffix - value
+    for w in nvfly.static_range(WARPS):
+        above = above + nvfly.select(w > warp, warp_sums[w], 0)
+    return above
+
+
+@nvfly.func
 def ballot(pred):
     """The lanes of the (whole, converged) warp where ``pred`` holds, as a u32 bit mask."""
     return asm("{ .reg .pred p; setp.ne.u32 p, $1, 0; vote.sync.ballot.b32 $0, p, -1; }", [pred.to(nvfly.u32)],
@@ -308,9 +331,7 @@ def locate_bucket(hist, lane_sums, warp_sums, offset, other, needed, tid, lane, 
     suffix = counts[0]
     for c in counts[1:]:
         suffix = suffix + c
-    for step in nvfly.static_range(5):
-        moved = nvfly.shfl_down(suffix, 1 << step)
-        suffix = suffix + nvfly.select(lane + (1 << step) < 32, moved, 0)
+    suffix = warp_suffix_sum(suffix, lane)
     lane_sums[tid] = suffix
     if lane == 0:
         warp_sums[warp] = suffix

@@ -46,7 +46,7 @@ from nvfly.arch.gpu_scope import arrive
 from nvfly.arch.ptx import asm, asm_multi
 from nvfly.frontend.language import atomic_add, redux_sync, syncthreads_or, vote_any
 from nvfly.ops.topk import (_NAN_ABOVE, ABSENT, COPIES, EXACT_BINS, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan,
-                            _smem_bytes, append_slots, ballot, candidate_flags, flag_key, highest_bit,
+                            _smem_bytes, append_slots, ballot, block_sum_above, candidate_flags, flag_key, highest_bit,
                             highest_index_bit, key_bits, locate_bucket, next_flagged, order_key, popc, rank64,
                             rank_index, rank_key, select_top, shared_state, step_loads, stream_top, sweep_loads,
                             write_sorted)
@@ -364,16 +364,7 @@ def bucket_starts(hist, warp_sums, state, k, tid, lane, warp, THREADS):
     total = counts[0]
     for c in counts[1:]:
         total = total + c
-    suffix = total
-    for step in nvfly.static_range(5):
-        moved = nvfly.shfl_down(suffix, 1 << step)
-        suffix = suffix + nvfly.select(lane + (1 << step) < 32, moved, 0)
-    if lane == 0:
-        warp_sums[warp] = suffix
-    nvfly.syncthreads()
-    above = suffix - total
-    for w in nvfly.static_range(THREADS // 32):
-        above = above + nvfly.select(w > warp, warp_sums[w], 0)
+    above = block_sum_above(total, warp_sums, lane, warp, THREADS // 32)
     crowded = nvfly.i32(0)
     for i in nvfly.static_range(PER - 1, -1, -1):
         start = above
@@ -638,19 +629,10 @@ def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket
             before = redux_sync(before, "add")
             if (lane == 0) & (first + u * WARPS < listed):
                 row_hist[earlier + keys[u]] = before
-    suffix = total
-    for step in nvfly.static_range(5):
-        moved = nvfly.shfl_down(suffix, 1 << step)
-        suffix = suffix + nvfly.select(lane + (1 << step) < 32, moved, 0)
-    if lane == 0:
-        warp_sums[warp] = suffix
-    nvfly.syncthreads()
+    above = block_sum_above(total, warp_sums, lane, warp, EXACT_BINS // 32)  # (the totals of later warps: 0)
     leaving = nvfly.i32(0)
-    if tid == 0:  # (relaxed, after this block's loads of the totals: their results are in)
+    if tid == 0:  # (relaxed, after the block barrier that follows every thread's load of the totals)
         leaving = atom_add_relaxed_u32(counters.address(2 * row), 1)
-    above = suffix - total
-    for w in nvfly.static_range(EXACT_BINS // 32):
-        above = above + nvfly.select(w > warp, warp_sums[w], 0)
     if tid < EXACT_BINS:
         row_hist[counts + tid] = above + row_hist[earlier + tid]
     nvfly.syncthreads()

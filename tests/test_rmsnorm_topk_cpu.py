@@ -385,6 +385,7 @@ def test_topk_exact_finish_plan_choice():
     assert topk.plan(151936, 1024, 3, 8, 2, sms).exact_stride == 0  # two launches
     assert topk.plan(151936, 50, 64, 8, 2, sms).exact_stride == 0  # slices of many sweeps
     assert topk.plan(128256, 50, 1, 8, 2, sms, exact=False).exact_stride == 0
+    assert topk.plan(128256, 1024, 1, 8, 2, sms, exact=False).threads == 512  # (fp16: the list path's blocks)
     with pytest.raises(ValueError, match="exact: needs a one-launch plan"):
         topk.plan(128256, 50, 1, 4, 4, sms, exact=True)
 
@@ -773,6 +774,16 @@ def _calls():
         ("topk dim 0", lambda: (torch.randn(128, 6).to(bf),), lambda x: topk.topk(x, 4, 0)),
         ("topk split", lambda: (torch.randn(1, 151936).to(bf),), lambda x: topk.topk(x, 1024)),
     ]
+
+
+def test_topk_f16_rows_keep_the_list_path(fake_launches):
+    """One bf16 row of 128256 with k = 1024 launches the exact finish's plan (63 slices of 256 threads); one fp16
+    row the list path's (32 slices of 512: f16's first-level buckets are 1/32 octave, too narrow for the exact
+    finish's window on most rows)."""
+    for dtype, parts in ((torch.bfloat16, 63), (torch.float16, 32)):
+        topk.topk(torch.randn(1, 128256).to(dtype), 1024)
+        name, grid, _ = fake_launches[-1]
+        assert name == "topk_row_one_launch_kernel" and tuple(grid)[:2] == (1, parts), (dtype, grid)
 
 
 @pytest.mark.parametrize("name,make,call", _calls(), ids=[c[0] for c in _calls()])

@@ -971,7 +971,7 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
                         1024) > SM_SMEM_BYTES:
         threads = STREAM_THREADS
     parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts)
-    row_block = row_threads(n, k, m, vec, itemsize, sm_count, max_parts)
+    row_block = row_threads(n, k, m, vec, itemsize, sm_count, max_parts, exact)
     if row_threshold is None:
         row_threshold = k >= ROW_THRESHOLD_MIN_K or parts >= ROW_THRESHOLD_MIN_PARTS or row_block == WIDE_THREADS
     # rows of one slice each, with a large k and few enough for two slices a row in two waves: two slices
@@ -1000,7 +1000,7 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
     row_cap = min(ROW_CAP_MAX, max(2048, 8 * k_pow2))
     max_unroll = _unroll(vec, itemsize)
     if threads is None:
-        threads = row_threads(n, k, m, vec, itemsize, sm_count, max_parts)
+        threads = row_threads(n, k, m, vec, itemsize, sm_count, max_parts, exact)
     blocks_per_sm = 1 if threads == WIDE_THREADS else BLOCKS_PER_SM
     while True:
         parts, slice_len, unroll = slice_plan(n, k, m, vec, max_unroll, threads, sm_count, max_parts, merged=False,
@@ -1036,7 +1036,7 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
 
 
 def row_threads(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int,
-                max_parts: int = MAX_PARTS) -> int:
+                max_parts: int = MAX_PARTS, exact: Optional[bool] = None) -> int:
     """The row-threshold plan's block: WIDE_THREADS (one block an SM) where that measured faster than
     SLICE_THREADS, else SLICE_THREADS; from the slices a row of SLICE_THREADS blocks would get in that plan.
     Measured on the H200, bf16 randn rows of 128256-151936, us from CUDA graphs / do_bench, 256 -> 512 threads
@@ -1046,11 +1046,13 @@ def row_threads(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int,
     21.5 / 27.1 -> 18.3 / 21.2, k = 1024 27.9 / 32.5 -> 24.4 / 27.7. Not faster: 4 rows (16.0 / 21.5 -> 16.3 /
     19.6), 16 rows (19.2 / 23.7 -> 20.5 / 24.4), 256 rows of two slices (66.0 -> 77.5: two blocks an SM no
     longer fit). So: one row with a large k, and rows that SLICE_THREADS blocks cut into at most 4 slices while
-    WIDE_THREADS blocks still give each row two in one wave. One row of 16-bit keys keeps SLICE_THREADS: its
-    blocks write their own candidates in place (``TopkPlan.exact_stride``), and smaller slices are faster there
-    (topk_exact_finish_h200.log: 1x128256 k=1024 bf16 10.2 -> 9.6 us from CUDA graphs, k=256 9.1 -> 8.5)."""
+    WIDE_THREADS blocks still give each row two in one wave. One row of 16-bit keys (unless ``exact`` is False)
+    keeps SLICE_THREADS: its blocks write their own candidates in place (``TopkPlan.exact_stride``), and smaller
+    slices are faster there (topk_exact_finish_h200.log: 1x128256 k=1024 bf16 10.2 -> 9.6 us from CUDA graphs,
+    k=256 9.1 -> 8.5)."""
     if m == 1:
-        return WIDE_THREADS if k >= ROW_THRESHOLD_MIN_K and itemsize != 2 else SLICE_THREADS
+        exact_keys = itemsize == 2 and exact is not False
+        return WIDE_THREADS if k >= ROW_THRESHOLD_MIN_K and not exact_keys else SLICE_THREADS
     parts = slice_plan(n, k, m, vec, _unroll(vec, itemsize), SLICE_THREADS, sm_count, max_parts, merged=False)[0]
     return WIDE_THREADS if 1 < parts <= 4 and sm_count // m >= 2 else SLICE_THREADS
 
@@ -1161,7 +1163,11 @@ def _plan_call(key: Any, x: Any, k: Any, dim: Any, largest: Any) -> _Topk:
     run = None
     if k and m:
         vec = vector_width(n, (_rows_like(x, dim, m, n),), x.element_size())
-        run = _runner(plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device())), m, n, k, bool(largest))
+        # f16's first-level buckets are 1/32 of an octave, so the exact finish's 8 rarely hold a row's top keys:
+        # f16 keeps the list path and its wider blocks (bf16's buckets are a quarter octave)
+        exact = False if str(x.dtype) == "torch.float16" else None
+        run = _runner(plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), exact=exact), m, n, k,
+                      bool(largest))
     t = _Topk(m, n, k, dim, direct and run is not None, run)
     if key is not None:
         if len(_TOPK) >= _PLAN_LIMIT:

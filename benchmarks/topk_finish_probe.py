@@ -161,9 +161,11 @@ def variants(x: torch.Tensor, k: int, base: Any) -> dict[str, Callable[[], Any]]
     if p.exact_stride:  # the same kernel without its exact finish: the list path
         runs["list"] = topk_row.runner(dataclasses.replace(p, exact_stride=0), m, k, True)
     for threads in THREADS_VARIANTS:
-        other = topk.row_plan(n, k, m, p.vec, x.element_size(), plan_sm_count(x.get_device()), threads=threads)
-        if other != p and other.one_launch:
-            runs[f"{threads} threads"] = topk_row.runner(other, m, k, True)
+        for exact in (None, False):
+            other = topk.row_plan(n, k, m, p.vec, x.element_size(), plan_sm_count(x.get_device()), threads=threads,
+                                  exact=exact)
+            if other != p and other.one_launch and (exact is None or p.exact_stride):
+                runs[f"{threads} threads{', list' if exact is False else ''}"] = topk_row.runner(other, m, k, True)
     if base is not None:
         runs["base"] = base.runner(p, m, k, True)
     return {name: allocating_call(run, x, k) for name, run in runs.items()}

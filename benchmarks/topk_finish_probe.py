@@ -164,7 +164,8 @@ def variants(x: torch.Tensor, k: int, base: Any) -> dict[str, Callable[[], Any]]
         for exact in (None, False):
             other = topk.row_plan(n, k, m, p.vec, x.element_size(), plan_sm_count(x.get_device()), threads=threads,
                                   exact=exact)
-            if other != p and other.one_launch and (exact is None or p.exact_stride):
+            listed = exact is False and (threads == p.threads or not p.exact_stride)  # (timed as "list" already)
+            if other != p and other.one_launch and not listed:
                 runs[f"{threads} threads{', list' if exact is False else ''}"] = topk_row.runner(other, m, k, True)
     if base is not None:
         runs["base"] = base.runner(p, m, k, True)

@@ -619,7 +619,7 @@ def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket
     if tid < bins:
         total = load_relaxed_i32(totals.address(row, tid))
     listed = state[1]
-    for first in range(warp, listed, WARPS * EXACT_UNROLL):
+    for first in range(warp, listed, WARPS * EXACT_UNROLL):  # (warp w: the listed keys w, w + WARPS, ...)
         keys = [lane_sums[nvfly.minimum(first + u * WARPS, listed - 1)] for u in nvfly.static_range(EXACT_UNROLL)]
         # lanes past the stride re-read its last 16 bytes, whose parts are not earlier than any block's
         column = 4 * nvfly.minimum(lane, STRIDE // 4 - 1)
@@ -638,9 +638,9 @@ def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket
     nvfly.syncthreads()
     for i in range(tid, staged, THREADS):
         mine = buf[i]
-        first = row_hist[counts + (rank_key(mine) - lowest).bitcast(nvfly.i32)]
-        if first < k:
-            position = first + same_key_above(buf, staged, mine)
+        key_start = row_hist[counts + (rank_key(mine) - lowest).bitcast(nvfly.i32)]
+        if key_start < k:
+            position = key_start + same_key_above(buf, staged, mine)
             if position < k:
                 write_result(x, values, indices, mine, row, position, LARGEST)
     if syncthreads_or(leaving == 3 * parts - 1):  # every block has read the totals: they and the counters are free

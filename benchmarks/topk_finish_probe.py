@@ -3,11 +3,13 @@ the phases of the one-launch kernel from ``%globaltimer`` stamps.
 
 Per shape (bf16 unless ``--dtype``): each variant is checked against the documented order (a stable sort), then
 timed with ``bench_ms`` (do_bench, L2 flushed), ``graph_ms`` (CUDA graph replay, warm L2) and the torch profiler's
-kernel durations (``--kernels``). ``--base FILE``: a copy of an older ``nvfly/ops/topk_row.py``
-(e.g. ``git show c86307c:nvfly/ops/topk_row.py > tmp_device/topk_row_base.py``) timed beside the current one.
-``--stamps``: a copy of the one-launch kernel (the default where a row's blocks fit one an SM, e.g. M = 1) that
-writes ``%globaltimer`` (ns) at the phase ends of every block to a debug tensor; printed as microseconds from the
-first block's start (the median block's and the last block's), medians over ``--repeat`` launches. The
+kernel durations (``--kernels``). Variants: the row plan ("current"); where it has the exact finish, the same
+plan without it ("list"); the row plan with blocks of THREADS_VARIANTS, with and without the exact finish.
+``--base FILE``: a copy of an older ``nvfly/ops/topk_row.py`` (e.g.
+``git show c86307c:nvfly/ops/topk_row.py > tmp_device/topk_row_base.py``) timed beside the current one.
+``--stamps``: a copy of the one-launch kernel's list path (the one-launch plan is the default where a row's
+blocks fit one an SM, e.g. M = 1) that writes ``%globaltimer`` (ns) at the phase ends of every block to a debug
+tensor; printed as microseconds from the first block's start (the median block's and the last block's), medians over ``--repeat`` launches. The
 production kernel is not touched: the stamped copy lives here and calls the same helpers.
 
 Usage: python -m benchmarks.topk_finish_probe [--base tmp_device/topk_row_base.py] [--stamps] [--shapes M,N,K ...]

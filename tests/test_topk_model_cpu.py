@@ -5,7 +5,8 @@ the index-bit skip, ``locate_bucket``'s warp/lane/bucket search, the compaction'
 as the next threshold), the register bitonic sort (``sort_per_thread``, ``bitonic_stages`` and each stage's keep
 rule) and the slices + ``topk_merge_kernel`` (every rank of a row in shared memory, one select); ``topk_row``'s
 row-threshold launches and their opt-in two-level select (the second-level histogram of the threshold bucket,
-the last block's one sweep over the list with packed appends, the counting and select paths). The model runs
+the last block's one sweep over the list with packed appends, the counting and select paths), and the one-launch
+exact finish of 16-bit keys (every block placing its own candidates from per-key counts). The model runs
 the kernel's plans on random rows, heavy ties, NaN/inf/zeros and sorted rows and must return exactly the
 documented order (a stable sort, NaN largest)."""
 import dataclasses

@@ -9,8 +9,9 @@ plan without it ("list"); the row plan with blocks of THREADS_VARIANTS, with and
 ``git show c86307c:nvfly/ops/topk_row.py > tmp_device/topk_row_base.py``) timed beside the current one.
 ``--stamps``: a copy of the one-launch kernel's list path (the one-launch plan is the default where a row's
 blocks fit one an SM, e.g. M = 1) that writes ``%globaltimer`` (ns) at the phase ends of every block to a debug
-tensor; printed as microseconds from the first block's start (the median block's and the last block's), medians over ``--repeat`` launches. The
-production kernel is not touched: the stamped copy lives here and calls the same helpers.
+tensor; printed as microseconds from the first block's start (the median block's and the last block's),
+medians over ``--repeat`` launches. The production kernel is not touched: the stamped copy lives here and calls
+the same helpers.
 
 Usage: python -m benchmarks.topk_finish_probe [--base tmp_device/topk_row_base.py] [--stamps] [--shapes M,N,K ...]
 """

@@ -187,7 +187,7 @@ def topk_warp_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tenso
                 ranks.append(r)
         mine = absent  # lanes < K get the j-th winner below
         for j in nvfly.static_range(K):
-            best = tree_max(ranks)
+            best = tree_reduce(ranks, nvfly.maximum)
             best = redux_sync(best, "max") if packed else warp_max_rank64(best)
             ranks = [nvfly.select(r == best, absent, r) for r in ranks]  # ranks are unique: retire the winner
             mine = nvfly.select(lane == j, best, mine)
@@ -198,11 +198,11 @@ def topk_warp_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tenso
 
 
 # ---------------------------------------------------------------------------------------------- warp helpers
-def tree_max(values: list) -> Any:
-    """The largest of ``values`` by a tree of pairwise maxima: log2(n) dependent steps, not n - 1 (a 64-bit
+def tree_reduce(values: list, combine: Callable[[Any, Any], Any]) -> Any:
+    """``values`` combined by a tree of pairwise ``combine``: log2(n) dependent steps, not n - 1 (a 64-bit
     maximum is four dependent instructions)."""
     while len(values) > 1:
-        values = [nvfly.maximum(a, b) for a, b in zip(values[::2], values[1::2])] + values[len(values) & ~1:]
+        values = [combine(a, b) for a, b in zip(values[::2], values[1::2])] + values[len(values) & ~1:]
     return values[0]
 
 

@@ -39,6 +39,7 @@ totals). A launch cut short (an error) leaves it dirty, as the split-K GEMM's.
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any
 
 import nvfly
@@ -49,7 +50,7 @@ from nvfly.ops.topk import (_NAN_ABOVE, ABSENT, COPIES, EXACT_BINS, HIST, HIST_B
                             _smem_bytes, append_slots, ballot, block_sum_above, candidate_flags, flag_key, highest_bit,
                             highest_index_bit, key_bits, locate_bucket, next_flagged, order_key, popc, rank64,
                             rank_index, rank_key, select_top, shared_state, step_loads, stream_top, sweep_loads,
-                            write_sorted)
+                            tree_reduce, write_sorted)
 
 
 def red_add_u32(address: Any, value: Any) -> None:
@@ -284,16 +285,19 @@ def list_loads(candidates, row, first, count, tid, THREADS):
 
 
 @nvfly.func
-def ranks_above(buf, first, size, mine):
+def ranks_above(buf, first, size, mine, ceiling=None):
     """How many of ``buf[first:first + size]`` (size >= 1) rank above ``mine`` (the same address in every thread of
-    a bucket: shared-memory broadcasts). Four loads in flight: unmasked (a masked load is a branch each), at
-    indices clamped to the last entry, whose extra compares are masked out."""
+    a bucket: shared-memory broadcasts), and at most ``ceiling`` when given. Four loads in flight: unmasked (a
+    masked load is a branch each), at indices clamped to the last entry, whose extra compares are masked out."""
     higher = nvfly.i32(0)
     last = first + size - 1
     for j in range(0, size, 4):
         for u in nvfly.static_range(4):
             r = buf[nvfly.minimum(first + j + u, last)]
-            higher = higher + ((r > mine) & (j + u < size)).to(nvfly.i32)
+            counted = r > mine
+            if ceiling is not None:
+                counted = counted & (r <= ceiling)
+            higher = higher + (counted & (j + u < size)).to(nvfly.i32)
     return higher
 
 
@@ -558,27 +562,6 @@ def exact_bins(row_hist, bucket, above):
     return (top - bucket + 1) << (16 - HIST_BITS), counted == above
 
 
-def tree_sum(items: list) -> Any:
-    """The sum of ``items`` as a tree of adds (independent ones first)."""
-    while len(items) > 1:
-        items = [items[i] + items[i + 1] if i + 1 < len(items) else items[i] for i in range(0, len(items), 2)]
-    return items[0]
-
-
-@nvfly.func
-def same_key_above(buf, size, mine):
-    """How many of ``buf[:size]`` have ``mine``'s key and rank above it (a lower index); four loads in flight, at
-    indices clamped to the last entry (whose extra compares are masked out)."""
-    higher = nvfly.i32(0)
-    ceiling = mine | 0xFFFFFFFF  # (the highest rank of mine's key)
-    last = size - 1
-    for j in range(0, size, 4):
-        for u in nvfly.static_range(4):
-            r = buf[nvfly.minimum(j + u, last)]
-            higher = higher + ((r > mine) & (r <= ceiling) & (j + u < size)).to(nvfly.i32)
-    return higher
-
-
 @nvfly.func
 def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket, bins, k, row, tid, lane, warp, start,
                  stop, first_loads, VEC, UNROLL, THREADS, LARGEST, STRIDE):
@@ -625,7 +608,8 @@ def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket
         column = 4 * nvfly.minimum(lane, STRIDE // 4 - 1)
         loaded = [table.load((row * EXACT_BINS + key) * STRIDE + column, width=4) for key in keys]
         for u in nvfly.static_range(EXACT_UNROLL):
-            before = tree_sum([nvfly.select(4 * lane + e < part, loaded[u][e], 0) for e in nvfly.static_range(4)])
+            before = tree_reduce([nvfly.select(4 * lane + e < part, loaded[u][e], 0) for e in nvfly.static_range(4)],
+                                 operator.add)
             before = redux_sync(before, "add")
             if (lane == 0) & (first + u * WARPS < listed):
                 row_hist[earlier + keys[u]] = before
@@ -640,7 +624,7 @@ def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket
         mine = buf[i]
         key_start = row_hist[counts + (rank_key(mine) - lowest).bitcast(nvfly.i32)]
         if key_start < k:
-            position = key_start + same_key_above(buf, staged, mine)
+            position = key_start + ranks_above(buf, 0, staged, mine, mine | 0xFFFFFFFF)  # (mine's key only)
             if position < k:
                 write_result(x, values, indices, mine, row, position, LARGEST)
     if syncthreads_or(leaving == 3 * parts - 1):  # every block has read the totals: they and the counters are free

@@ -42,6 +42,16 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def interleaved_ms(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """``bench_ms`` of each of ``fns`` in turn, ``rounds`` times over: what drifts during a run (clocks, the host,
+    another process) lands on every function alike, and the spread of the rounds shows the noise."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench_ms(fn))
+    return times
+
+
 def graph_ms(fn: Callable[[], Any], calls: int = 32, replays: int = 20) -> Optional[float]:
     """Milliseconds per call of ``fn`` replayed from one CUDA graph of ``calls`` back-to-back calls: no launch or
     event overhead per call and a warm L2, as ops run under torch.compile's CUDA graphs ("reduce-overhead"); the

@@ -105,12 +105,13 @@ def test_row_kernel_loads_the_weight_early_where_registers_allow():
 def test_forward_options_are_checked():
     for bad in [dict(block_threads=48), dict(block_threads=128.0), dict(block_threads=1024), dict(target_vectors=0),
                 dict(target_vectors=9), dict(persistent=1), dict(persistent=None), dict(early_weight=None), dict(cache_hints="yes"),
-                dict(two_pass=1), dict(two_pass_threads=64), dict(two_pass_threads=384), dict(two_pass_threads=2048),
+                dict(two_pass=1), dict(two_pass_threads=64), dict(two_pass_threads=400), dict(two_pass_threads=2048),
                 dict(two_pass_threads=256.0), dict(two_pass_vectors=0), dict(two_pass_vectors=9)]:
         with pytest.raises(ValueError, match=f"options.{next(iter(bad))}"):
             rmsnorm.ForwardOptions(**bad)
     with pytest.raises(ValueError, match="at most one of persistent, two_pass and bulk"):
         rmsnorm.ForwardOptions(persistent=True, two_pass=True)
+    assert rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=448).two_pass_threads == 448  # 14 warps
 
 
 def test_persistent_grid_is_the_resident_blocks_or_the_tiles(recorded_launches):
@@ -267,6 +268,21 @@ def test_two_pass_kernel_compiles_clean_within_its_register_budget(dtype, n, var
     if vectors <= p.vectors:  # one step: no loop
         texts = [t for _, t in instructions(k)]
         assert k.count("LDG") == vectors * (streams_in + 1) == loads_before_first_store(texts)
+
+
+@pytest.mark.parametrize("threads", [448, 160])
+def test_two_pass_blocks_of_any_warp_count(threads):
+    """Blocks of 14 and 5 warps: the block sum reads the warps' partial sums over the next power of two of lanes
+    (the lanes past the last warp add zero), one barrier. 448 threads (a 7168-element bf16 row in one step)
+    keep the registers of 4 blocks: 56 warps an SM."""
+    x, w, r = tensors(4096, 7168, torch.bfloat16, "weight")
+    k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=False, options=rmsnorm.ForwardOptions(
+        two_pass=True, two_pass_threads=threads, cache_hints=rmsnorm.LOAD_HINTS))
+    assert_clean(k)
+    assert k.block == (threads, 1, 1) and k.count("BAR.SYNC") == 1
+    if threads == 448:
+        assert rmsnorm.resident_warps(k.resources.registers, threads) == 56, k.summary()
+    assert k.count("SHFL.BFLY") == 5 + (4 if threads == 448 else 3)  # the warp's sum, then 16 (8) lanes
 
 
 @pytest.mark.parametrize("n", [7168, 8192])

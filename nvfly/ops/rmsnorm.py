@@ -435,15 +435,20 @@ def two_pass_registers(first_streams: int, second_streams: int, vectors: int, ve
 @nvfly.func
 def block_sum(value, scratch, THREADS):
     """Sum ``value`` over the block; every thread gets the total (one barrier: each warp sums the warps' partial
-    sums from ``scratch``, THREADS // 32 f32 slots, with shuffles)."""
+    sums from ``scratch``, THREADS // 32 f32 slots, with shuffles over the next power of two of lanes, the lanes
+    past the last warp adding zero)."""
     warps = THREADS // 32
+    width = 1 << (warps - 1).bit_length()
     tid = nvfly.thread_idx.x
     lane = tid & 31
     value = nvfly.warp_reduce(value, "add")
     if lane == 0:
         scratch[tid >> 5] = value
     nvfly.syncthreads()
-    return nvfly.warp_reduce(scratch[lane & (warps - 1)], "add", warps)
+    slot = lane & (width - 1)
+    if warps == width:
+        return nvfly.warp_reduce(scratch[slot], "add", width)
+    return nvfly.warp_reduce(nvfly.select(slot < warps, scratch[nvfly.minimum(slot, warps - 1)], 0.0), "add", width)
 
 
 @nvfly.kernel
@@ -697,7 +702,7 @@ class ForwardOptions:
     early_weight: bool = EARLY_WEIGHT
     cache_hints: Any = CACHE_HINTS          # False, True (loads and stores) or LOAD_HINTS (the loads only)
     two_pass: bool = False                  # the two-pass kernel for any row (rows too long for registers take it)
-    two_pass_threads: Optional[int] = None  # its block, a row each: a power of two, 128 to 1024 (None: forward_plan's)
+    two_pass_threads: Optional[int] = None  # its block, a row each: whole warps, 128 to 1024 (None: forward_plan's)
     two_pass_vectors: int = TWO_PASS_VECTORS  # its 16-byte vectors a thread per step of each pass, 1 to 8
     bulk: bool = False                      # the bulk-copy kernel (rows of whole 16-byte vectors)
     bulk_threads: Optional[int] = None      # its block: a power of two, 128 to 1024 (None: bulk_plan's)
@@ -721,7 +726,11 @@ class ForwardOptions:
                 raise ValueError(f"options.{name}: expected a bool, got {value!r}")
         if self.persistent + self.two_pass + self.bulk > 1:
             raise ValueError("options: at most one of persistent, two_pass and bulk (each is a kernel)")
-        _check_block_or_none("two_pass_threads", self.two_pass_threads, TWO_PASS_MIN_THREADS)
+        block = self.two_pass_threads  # whole warps (block_sum takes any count)
+        if block is not None and (type(block) is not int or block % 32 or
+                                  not TWO_PASS_MIN_THREADS <= block <= TWO_PASS_MAX_THREADS):
+            raise ValueError(f"options.two_pass_threads: expected None or a multiple of 32 from {TWO_PASS_MIN_THREADS}"
+                             f" to {TWO_PASS_MAX_THREADS}, got {block!r}")
         vectors = self.two_pass_vectors
         if type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD:
             raise ValueError(f"options.two_pass_vectors: expected 1 to {MAX_VECTORS_PER_THREAD}, got {vectors!r}")

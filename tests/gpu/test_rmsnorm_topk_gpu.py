@@ -238,6 +238,9 @@ TWO_PASS_OPTIONS = {
     "hints": rmsnorm.ForwardOptions(two_pass=True, cache_hints=True),
     "256x4": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=256, two_pass_vectors=4),
     "1024x1": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=1024, two_pass_vectors=1),
+    # blocks of 14 and 5 warps: block_sum over a warp count that is not a power of two
+    "448": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=448, cache_hints=rmsnorm.LOAD_HINTS),
+    "160x4": rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=160, two_pass_vectors=4),
 }
 
 

@@ -2,11 +2,13 @@
 
 Correctness first (relative error against a float64 reference on fresh random inputs), then the median time of
 each (the three timed in turn, ``--rounds`` times over, the median of the rounds kept: long rows at the DRAM
-roofline differ by less than one reading's noise), and the bandwidth: bytes read + written (x, weight, y; also the residual and x + residual for the fused
-add; dy, x, weight, dx for the backward) per second, next to a device-to-device copy of the same number of bytes
-timed the same way in the same run (``pct_of_copy``: the copy's time over nvfly's) and to the card's large-copy
-bandwidth (``pct_of_peak_copy``: about 4.3 TB/s; each row's ``copy_tbps`` says what a copy of its size reaches).
-Usage: python -m benchmarks.rmsnorm [--quick] [--shapes M,N ...] [--rounds R]   (or: nvfly bench rmsnorm)
+roofline differ by less than one reading's noise), and the bandwidth: bytes read + written (x, weight, y; also the
+residual and x + residual for the fused add; dy, x, weight, dx for the backward) per second, next to a
+device-to-device copy of the same number of bytes timed the same way in the same run (``pct_of_copy``: the copy's
+time over nvfly's) and to the card's large-copy bandwidth (``pct_of_peak_copy``: about 4.3 TB/s; each row's
+``copy_tbps`` says what a copy of its size reaches). ``--graphs`` adds each one's time replayed from CUDA graphs:
+a few-microsecond launch's do_bench time also holds the host's launch path (Inductor's wrapper code, nvfly's).
+Usage: python -m benchmarks.rmsnorm [--quick] [--graphs] [--shapes M,N ...] [--rounds R]   (or: nvfly bench rmsnorm)
 Writes benchmarks/results/rmsnorm_h200.json and rmsnorm_h200.png.
 
 ``--compare-plans``: nvfly's forward under the default plan and each of PLAN_VARIANTS (the row kernel as it was,
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, geomean, interleaved_ms, plot, rel_err, write_results  # noqa: E402
+from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot, rel_err, write_results  # noqa: E402
 import nvfly  # noqa: E402
 from nvfly.ops import rmsnorm  # noqa: E402
 
@@ -110,7 +112,7 @@ def _torch_forward(n: int, fused_add: bool):
     return run_torch
 
 
-def forward_row(m: int, n: int, dtype: torch.dtype, fused_add: bool, rounds: int = 1) -> dict:
+def forward_row(m: int, n: int, dtype: torch.dtype, fused_add: bool, rounds: int = 1, graphs: bool = False) -> dict:
     x = torch.randn(m, n, device="cuda").to(dtype)
     w = torch.randn(n, device="cuda").to(dtype)
     r = torch.randn(m, n, device="cuda").to(dtype) if fused_add else None
@@ -134,11 +136,11 @@ def forward_row(m: int, n: int, dtype: torch.dtype, fused_add: bool, rounds: int
     if fused_add:
         row["residual_exact"] = bool(torch.equal(out[1], x + r))
     compiled(*args)
-    _time(row, run_nvfly, lambda: run_torch(*args), lambda: compiled(*args), rounds)
+    _time(row, run_nvfly, lambda: run_torch(*args), lambda: compiled(*args), rounds, graphs)
     return _bandwidth(row, moved)
 
 
-def backward_row(m: int, n: int, dtype: torch.dtype, rounds: int = 1) -> dict:
+def backward_row(m: int, n: int, dtype: torch.dtype, rounds: int = 1, graphs: bool = False) -> dict:
     x = torch.randn(m, n, device="cuda").to(dtype)
     w = (1 + 0.1 * torch.randn(n, device="cuda")).to(dtype)
     dy = torch.randn(m, n, device="cuda").to(dtype)
@@ -156,24 +158,45 @@ def backward_row(m: int, n: int, dtype: torch.dtype, rounds: int = 1) -> dict:
     row = {"M": m, "N": n, "dtype": str(dtype).replace("torch.", ""), "variant": "backward",
            "rel_err": max(rel_err(gx, ref_x), rel_err(gw, ref_w))}
     compiled(dy, x, rstd, w)
-    _time(row, run_nvfly, lambda: run_torch(dy, x, rstd, w), lambda: compiled(dy, x, rstd, w), rounds)
+    _time(row, run_nvfly, lambda: run_torch(dy, x, rstd, w), lambda: compiled(dy, x, rstd, w), rounds, graphs)
     return _bandwidth(row, 3 * m * n * x.element_size() + 2 * n * w.element_size())
 
 
-def _time(row: dict, run_nvfly, run_torch, run_inductor, rounds: int) -> None:
+def _time(row: dict, run_nvfly, run_torch, run_inductor, rounds: int, graphs: bool) -> None:
     """nvfly's, eager torch's and Inductor's median times, interleaved over ``rounds`` (the median of the rounds'
-    medians); with several rounds, also each round's Inductor / nvfly ratio (``vs_inductor_rounds``)."""
-    times = interleaved_ms({"nvfly": run_nvfly, "torch": run_torch, "inductor": run_inductor}, rounds)
+    medians); with several rounds, also each round's Inductor / nvfly ratio (``vs_inductor_rounds``). With
+    ``graphs``, each also replayed from a CUDA graph (``*_graph_ms``, ``vs_inductor_graph``): a few-microsecond
+    kernel's do_bench time holds the host's launch path too (Inductor's wrapper, nvfly's), the graph's does not."""
+    fns = {"nvfly": run_nvfly, "torch": run_torch, "inductor": run_inductor}
+    times = interleaved_ms(fns, rounds)
     for impl, t in times.items():
         row[f"{impl}_ms"] = statistics.median(t)
     if rounds > 1:
         row["vs_inductor_rounds"] = [i / n for i, n in zip(times["inductor"], times["nvfly"])]
+    if graphs:
+        for impl, fn in fns.items():
+            row[f"{impl}_graph_ms"] = graph_ms(fn)
+        if row["nvfly_graph_ms"] and row["inductor_graph_ms"]:
+            row["vs_inductor_graph"] = row["inductor_graph_ms"] / row["nvfly_graph_ms"]
+            row["vs_torch_graph"] = row["torch_graph_ms"] / row["nvfly_graph_ms"]
 
 
 def _ratio_range(row: dict) -> list[float]:
     """The lowest and highest Inductor / nvfly ratio over the rounds (the median's alone with one round)."""
     rounds = row.get("vs_inductor_rounds") or [row["vs_inductor"]]
     return [min(rounds), max(rounds)]
+
+
+def _below(row: dict) -> dict:
+    """A row's ratios to Inductor: the median and the rounds' range under do_bench, and from CUDA graphs."""
+    return {"vs_inductor": row["vs_inductor"], "rounds": _ratio_range(row), "graph": row.get("vs_inductor_graph")}
+
+
+def _graph_line(row: dict) -> str:
+    if "vs_inductor_graph" not in row:
+        return ""
+    return (f"  graphs: nvfly {1e3 * row['nvfly_graph_ms']:.2f} us, inductor {1e3 * row['inductor_graph_ms']:.2f}"
+            f" x{row['vs_inductor_graph']:.3f}")
 
 
 def _round_range(row: dict) -> str:
@@ -209,7 +232,8 @@ def _poison(*shapes_dtypes: tuple) -> None:
     del blocks
 
 
-def plan_rows(m: int, n: int, dtype: torch.dtype, fused_add: bool, only: Optional[list[str]] = None) -> list[dict]:
+def plan_rows(m: int, n: int, dtype: torch.dtype, fused_add: bool, only: Optional[list[str]] = None,
+              rounds: int = 1, graphs: bool = False) -> list[dict]:
     """nvfly's forward (with a weight; with the residual add when ``fused_add``) under the default plan and each of
     PLAN_VARIANTS, one row each, with eager torch's and Inductor's times on the same inputs. Correctness first:
     every plan's output (allocated over NaN) must be within PLAN_MAX_ERR of the float64 reference, row by row,
@@ -257,23 +281,31 @@ def plan_rows(m: int, n: int, dtype: torch.dtype, fused_add: bool, only: Optiona
     args = (x, r, w) if fused_add else (x, w)
     compiled = torch.compile(run_torch, dynamic=False)
     compiled(*args)
-    torch_ms = bench_ms(lambda: run_torch(*args))
-    inductor_ms = bench_ms(lambda: compiled(*args))
-    for row, run in zip(rows, runs):
-        row["nvfly_ms"] = bench_ms(run)
-        row["torch_ms"], row["inductor_ms"] = torch_ms, inductor_ms
+    peers = {"torch": lambda: run_torch(*args), "inductor": lambda: compiled(*args)}
+    fns = {**{row["plan"]: run for row, run in zip(rows, runs)}, **peers}
+    times = {name: statistics.median(t) for name, t in interleaved_ms(fns, rounds).items()}
+    graphed = {name: graph_ms(fn) for name, fn in fns.items()} if graphs else {}
+    for row in rows:
+        row["nvfly_ms"], row["torch_ms"], row["inductor_ms"] = times[row["plan"]], times["torch"], times["inductor"]
+        if graphs:
+            row["nvfly_graph_ms"], row["inductor_graph_ms"] = graphed[row["plan"]], graphed["inductor"]
+            row["torch_graph_ms"] = graphed["torch"]
+            if row["nvfly_graph_ms"] and row["inductor_graph_ms"]:
+                row["vs_inductor_graph"] = row["inductor_graph_ms"] / row["nvfly_graph_ms"]
         _bandwidth(row, moved)
     return rows
 
 
 def compare_plans(shapes: list[tuple[int, int]], fused_add_shapes: list[tuple[int, int]],
-                  only: Optional[list[str]] = None, name: str = "rmsnorm_plans") -> int:
-    """--compare-plans: one line per shape and plan, the default first (marked *), then torch and Inductor."""
+                  only: Optional[list[str]] = None, name: str = "rmsnorm_plans", rounds: int = 1,
+                  graphs: bool = False) -> int:
+    """--compare-plans: one line per shape and plan, the default first (marked *), then torch and Inductor; each
+    timed in turn ``rounds`` times over (and from CUDA graphs with ``graphs``)."""
     _allow_recompiles()
     rows = []
     t_start = time.time()
     for variant, m, n in [("forward", m, n) for m, n in shapes] + [("fused_add", m, n) for m, n in fused_add_shapes]:
-        shape_rows = plan_rows(m, n, torch.bfloat16, variant == "fused_add", only)
+        shape_rows = plan_rows(m, n, torch.bfloat16, variant == "fused_add", only, rounds, graphs)
         rows += shape_rows
         best = min(r["nvfly_ms"] for r in shape_rows)
         for r in shape_rows:
@@ -281,7 +313,7 @@ def compare_plans(shapes: list[tuple[int, int]], fused_add_shapes: list[tuple[in
             print(f"{variant:>9} {m:>6}x{n:<6} bf16 {r['plan']:<16}{'*' if r['default'] else ' '} "
                   f"{r['kernel']:<26} {r['threads']:>4} threads {r['registers']:>3} regs {r['resident_warps']:>2} "
                   f"warps/SM  {1e3 * r['nvfly_ms']:8.1f} us {r['pct_of_copy']:3.0f}% of copy  "
-                  f"x{r['vs_inductor']:.2f} vs inductor  x{r['vs_torch']:.2f} vs torch", flush=True)
+                  f"x{r['vs_inductor']:.3f} vs inductor  x{r['vs_torch']:.2f} vs torch{_graph_line(r)}", flush=True)
         print(f"{variant:>9} {m:>6}x{n:<6} bf16 torch {1e3 * shape_rows[0]['torch_ms']:.1f} us, inductor "
               f"{1e3 * shape_rows[0]['inductor_ms']:.1f} us", flush=True)
         torch.cuda.empty_cache()
@@ -294,7 +326,7 @@ def compare_plans(shapes: list[tuple[int, int]], fused_add_shapes: list[tuple[in
                "best_plan": {f"{r['variant']} {r['M']}x{r['N']}": r["plan"] for r in rows if r["vs_best"] == 1},
                "seconds": time.time() - t_start}
     print(summary)
-    print("wrote", write_results(name, rows, {"summary": summary, "copy_tbps": COPY_TBPS}))
+    print("wrote", write_results(name, rows, {"summary": summary, "copy_tbps": COPY_TBPS, "rounds": rounds}))
     return 0
 
 
@@ -307,7 +339,9 @@ def main(argv=None) -> int:
     p.add_argument("--fused-add-shapes", nargs="*", default=None,
                    help="--compare-plans: M,N pairs of the fused add (default: the suite's, or none with --shapes)")
     p.add_argument("--rounds", type=int, default=3,
-                   help="time nvfly, torch and Inductor in turn this many times over, the median kept (suite runs)")
+                   help="time nvfly (each plan), torch and Inductor in turn this many times over, the median kept")
+    p.add_argument("--graphs", action="store_true",
+                   help="also replay each from CUDA graphs (no host launch path in the time, a warm L2)")
     p.add_argument("--plans", nargs="*", default=None, help="--compare-plans: only these variants (and the default)")
     p.add_argument("--compare-plans", action="store_true",
                    help="time nvfly's forward under each plan variant next to torch and Inductor (quick-suite and "
@@ -323,7 +357,8 @@ def main(argv=None) -> int:
         unknown = set(args.plans or []) - set(PLAN_VARIANTS)
         if unknown:
             p.error(f"--plans: unknown {sorted(unknown)}; known: {sorted(PLAN_VARIANTS)}")
-        return compare_plans(shapes, fused, args.plans, "rmsnorm_plans" if args.name == "rmsnorm" else args.name)
+        return compare_plans(shapes, fused, args.plans, "rmsnorm_plans" if args.name == "rmsnorm" else args.name,
+                             args.rounds, args.graphs)
     _allow_recompiles()
     cases = [("forward", m, n, torch.bfloat16) for m, n in shapes]
     if not args.quick and not args.shapes:
@@ -333,13 +368,13 @@ def main(argv=None) -> int:
     rows = []
     t_start = time.time()
     for variant, m, n, dtype in cases:
-        row = backward_row(m, n, dtype, args.rounds) if variant == "backward" else \
-            forward_row(m, n, dtype, variant == "fused_add", args.rounds)
+        row = backward_row(m, n, dtype, args.rounds, args.graphs) if variant == "backward" else \
+            forward_row(m, n, dtype, variant == "fused_add", args.rounds, args.graphs)
         rows.append(row)
         print(f"{variant:>9} {m:>6}x{n:<6} {row['dtype']:>8}  err {row['rel_err']:.1e}  nvfly "
               f"{row['nvfly_tbps']:5.2f} TB/s ({row['pct_of_copy']:3.0f}% of copy)  torch {row['torch_tbps']:5.2f}"
               f"  inductor {row['inductor_tbps']:5.2f}  x{row['vs_torch']:.2f} vs torch  x{row['vs_inductor']:.3f}"
-              f" vs inductor{_round_range(row)}", flush=True)
+              f" vs inductor{_round_range(row)}{_graph_line(row)}", flush=True)
         torch.cuda.empty_cache()
     big = [r for r in rows if r["variant"] == "forward" and r["M"] >= 4096]
     summary = {"geomean_vs_torch": geomean([r["vs_torch"] for r in rows]),
@@ -349,8 +384,11 @@ def main(argv=None) -> int:
                "min_pct_of_peak_copy_M_ge_4096": min((r["pct_of_peak_copy"] for r in big), default=None),
                "max_rel_err": max(r["rel_err"] for r in rows), "seconds": time.time() - t_start,
                # rows under Inductor at the median, with the rounds' range of the ratio: within it, a tie
-               "below_inductor": {f"{r['variant']} {r['M']}x{r['N']} {r['dtype']}":
-                                  [r["vs_inductor"], *_ratio_range(r)] for r in rows if r["vs_inductor"] < 1}}
+               "geomean_vs_inductor_graph": geomean([r.get("vs_inductor_graph") for r in rows]),
+               "min_vs_inductor_graph": min((r["vs_inductor_graph"] for r in rows if "vs_inductor_graph" in r),
+                                            default=None),
+               "below_inductor": {f"{r['variant']} {r['M']}x{r['N']} {r['dtype']}": _below(r) for r in rows
+                                  if r["vs_inductor"] < 1 or r.get("vs_inductor_graph", 1) < 1}}
     print(summary)
     path = write_results(args.name, rows, {"summary": summary, "copy_tbps": COPY_TBPS, "rounds": args.rounds})
     labels = [f"{r['variant'][:3]} {r['M']}x{r['N']} {r['dtype']}" for r in rows]

@@ -58,19 +58,20 @@ def tensors(m, n, dtype, variant):
 # ---------------------------------------------------------------------------------------------- the plan model
 def test_forward_plan_takes_the_row_kernel_and_the_persistent_one_on_request():
     p = rmsnorm.forward_plan(2048, 8, 16384, SMS)
-    # rows of at most 8 KB: 2 vectors a thread (128 threads a row), else 8 (the row kernel), never persistent
+    # rows of at most 8 KB: 2 vectors a thread (128 threads a row), else 8 (the row kernel) below SMS rows
     assert not p.persistent and (p.group, p.early_weight) == (128, True)
     assert rmsnorm.forward_plan(4096, 8, 16384, SMS).group == 256
-    assert rmsnorm.forward_plan(8192, 8, 256, SMS).group == 128
+    assert rmsnorm.forward_plan(8192, 8, 64, SMS).group == 128
     assert rmsnorm.forward_plan(2048, 4, 16384, SMS).group == 256  # fp32: 8 KB rows
-    assert rmsnorm.forward_plan(4096, 4, 256, SMS).group == 128  # 16 KB: 8 vectors a thread
-    # rows of 12 KB or more, 1024 rows or more: the two-pass kernel with Inductor's hints (not with options that ask
-    # for another plan)
-    for n, vec, m, threads in [(8192, 8, 16384, 512), (7168, 8, 1024, 512), (4096, 4, 16384, 512),
-                               (16384, 8, 4096, 1024)]:
+    assert rmsnorm.forward_plan(4096, 4, 64, SMS).group == 128  # 16 KB: 8 vectors a thread
+    # rows of 12 KB or more, 1024 rows or more (past the persistent kernel's rows): the two-pass kernel with
+    # Inductor's hints (not with options that ask for another plan)
+    for n, vec, m, threads in [(8192, 8, 16384, 512), (7168, 8, 4096, 512), (4096, 4, 16384, 512),
+                               (16384, 8, 4096, 1024), (32768, 8, 1024, 1024)]:
         p = rmsnorm.forward_plan(n, vec, m, SMS)
         assert p.two_pass and p.cache_hints == rmsnorm.LOAD_HINTS and p.threads == threads, (n, vec, m)
-    assert not rmsnorm.forward_plan(7168, 8, 1023, SMS).two_pass and not rmsnorm.forward_plan(4096, 8, 16384, SMS).two_pass
+    assert not rmsnorm.forward_plan(4096, 8, 16384, SMS).two_pass
+    assert rmsnorm.forward_plan(7168, 8, 1024, SMS, has_residual=True).two_pass  # with the residual, as before
     for other in [rmsnorm.ForwardOptions(target_vectors=8), rmsnorm.ForwardOptions(cache_hints=True)]:
         assert not rmsnorm.forward_plan(8192, 8, 16384, SMS, options=other).two_pass
     assert rmsnorm.forward_plan(65536, 8, 64, SMS).cache_hints == rmsnorm.LOAD_HINTS  # too long for registers
@@ -89,6 +90,31 @@ def test_forward_plan_takes_the_row_kernel_and_the_persistent_one_on_request():
         rmsnorm.forward_plan(32768, 8, 65536, SMS, options=forced)
     few = rmsnorm.forward_plan(2048, 8, 256, SMS, options=forced)
     assert few.persistent and (few.threads, few.blocks_per_sm) == (64, 10)  # few rows: a row a tile
+
+
+def test_forward_plan_of_long_rows_by_their_count():
+    """Rows over 8 KB (no residual), SMS to PERSISTENT_MAX_ROWS of them: under two an SM (rows up to 16 KB) the
+    row kernel at 2 vectors a thread; else the persistent kernel where its grid shares the tiles evenly (the
+    two-pass kernel where it would not); fewer rows, more rows and the residual keep the plans before."""
+    few = rmsnorm.forward_plan(7168, 8, SMS, SMS)
+    assert not few.persistent and not few.two_pass and few.group == 512 and few.early_weight
+    assert rmsnorm.forward_plan(4096, 4, 256, SMS).group == 512  # fp32, 16 KB rows
+    assert rmsnorm.forward_plan(7168, 8, SMS - 1, SMS).group == 128  # fewer rows than SMs: 8 vectors a thread
+    for n, m, threads, blocks_per_sm in [(7168, 512, 256, 2), (8192, 2048, 256, 2), (5120, 1024, 256, 2),
+                                         (16384, 256, 512, 1), (16384, 384, 512, 1)]:
+        p = rmsnorm.forward_plan(n, 8, m, SMS)
+        assert p.persistent and (p.threads, p.rows, p.blocks_per_sm) == (threads, 1, blocks_per_sm), (n, m)
+    # 384 and 600 tiles on 264 blocks: the last round 73% and 76% busy
+    for m in (384, 600):
+        p = rmsnorm.forward_plan(7168, 8, m, SMS)
+        assert p.two_pass and p.cache_hints == rmsnorm.LOAD_HINTS and p.threads == 512
+    assert rmsnorm.forward_plan(7168, 8, rmsnorm.PERSISTENT_MAX_ROWS + 1, SMS).two_pass
+    assert not rmsnorm.forward_plan(7168, 8, 512, SMS, has_residual=True).persistent
+    assert not rmsnorm.forward_plan(4096, 8, 512, SMS).persistent  # 8 KB rows: the row kernel
+    assert not rmsnorm.forward_plan(7001, 1, 512, SMS, 32).persistent  # odd lengths: element accesses
+    for other in [rmsnorm.ForwardOptions(target_vectors=8), rmsnorm.ForwardOptions(cache_hints=rmsnorm.LOAD_HINTS)]:
+        p = rmsnorm.forward_plan(7168, 8, 512, SMS, options=other)
+        assert not p.persistent and not p.two_pass and p.group == 128
 
 
 def test_row_kernel_loads_the_weight_early_where_registers_allow():

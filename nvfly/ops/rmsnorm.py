@@ -82,6 +82,19 @@ PERSISTENT_REGISTERS = (96, 128)
 # fused add 65536x2048 263 -> 256 us; longer rows at 2 vectors a thread lose: 16384x8192 136 -> 155 us)
 SHORT_ROW_VECTORS = 512
 SHORT_ROW_TARGET_VECTORS = 2
+# Long rows (over SHORT_ROW_VECTORS, of 16-byte vectors, no residual) when there are sm_count to
+# PERSISTENT_MAX_ROWS of them, measured side by side on the H200 (benchmarks/results/rmsnorm_few_rows_plans_h200.json,
+# rmsnorm_persistent_mid_plans_h200.json; us from CUDA graphs, warm L2): fewer than two a SM of rows up to
+# 2 x SHORT_ROW_VECTORS take the row kernel at SHORT_ROW_TARGET_VECTORS a thread (a 512-thread block fills an SM's
+# warps where 128 threads of 7-8 vectors leave it 8: 256x7168 3.15 -> 2.86, 256x8192 3.35 -> 3.02); the others
+# take the persistent kernel (512x7168 4.13 -> 3.87, 768x8192 6.21 -> 5.52, 1024x8192 7.38 -> 6.30, 2048x7168
+# 16.16 -> 15.13, 256x16384 4.72 -> 4.65; at 4096 rows every plan ties, and beyond it the persistent one loses).
+# Fewer rows than SMs keep 8 vectors a thread (32x7168: 1.88 us, 2.05 with 2).
+PERSISTENT_MAX_ROWS = 2048
+# ... where its blocks share the tiles evenly: busy PERSISTENT_MIN_BALANCE of the last round or more (384 rows on
+# 264 blocks leave 144 idle for the second round: 3.52 us, the two-pass kernel with LOAD_HINTS 3.28, which they
+# take instead; 512 rows on 264 blocks: 3.84 us, two-pass 4.09; rmsnorm_rows_rule_plans_h200.json)
+PERSISTENT_MIN_BALANCE = 0.9
 # The two-pass kernel with Inductor's cache hints (LOAD_HINTS: x's first read kept in L1 and L2, the stores plain)
 # is the default for rows of TWO_PASS_MIN_ROW_BYTES or more, TWO_PASS_MIN_ROWS rows or more: measured side by side
 # on the H200 (benchmarks/results/rmsnorm_plans_hints_h200.json) bf16 16384x7168 117.5 -> 113.0 us (Inductor 113.1),
@@ -795,32 +808,42 @@ def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX
     rows of at most SHORT_ROW_VECTORS vectors take SHORT_ROW_TARGET_VECTORS a thread. The persistent kernel (a grid
     of ``blocks_per_sm`` x SMs blocks looping over tiles, the next tile's loads issued before each tile's
     reduction and stores, the weight read once; PERSISTENT_VECTORS_PER_THREAD vectors of two tiles a thread) is
-    taken only with ``options.persistent`` (ValueError where two tiles of a row do not fit): measured side by side
-    on the H200 (``benchmarks/rmsnorm.py --compare-plans``) it lost to the row kernel on every large shape
-    (16384x2048 37.0 vs 35.1 us, 16384x8192 141.9 vs 133.4, fused add 16384x8192 276.6 vs 262.0) and won only
-    a few microseconds on 256-row launches of long rows.
+    taken with ``options.persistent`` (ValueError where two tiles of a row do not fit) and for long rows when there
+    are sm_count to PERSISTENT_MAX_ROWS of them (fewer than two an SM of rows up to 2 x SHORT_ROW_VECTORS take the
+    row kernel at SHORT_ROW_TARGET_VECTORS instead, and tile counts its grid would share unevenly the two-pass
+    kernel: see PERSISTENT_MAX_ROWS). Measured side by side on the H200
+    (``benchmarks/rmsnorm.py --compare-plans``) it lost to the row kernel on large shapes (16384x2048 37.0 vs
+    35.1 us, 16384x8192 141.9 vs 133.4, fused add 16384x8192 276.6 vs 262.0).
     """
     row_vectors = -(-n // vec)
-    target = options.target_vectors or (SHORT_ROW_TARGET_VECTORS if row_vectors <= SHORT_ROW_VECTORS
+    chosen = options.target_vectors is None and not options.persistent and not options.cache_hints
+    wide = max_vectors == MAX_VECTORS_PER_THREAD  # 16-byte vectors: the row is n * 16 // vec bytes
+    # long rows, sm_count to PERSISTENT_MAX_ROWS of them (that fit the persistent kernel), no kernel asked for
+    by_rows = chosen and wide and not has_residual and SHORT_ROW_VECTORS < row_vectors <= \
+        MAX_GROUP * PERSISTENT_VECTORS_PER_THREAD and sm_count <= m <= PERSISTENT_MAX_ROWS
+    one_wave = by_rows and m < 2 * sm_count and row_vectors <= 2 * SHORT_ROW_VECTORS
+    target = options.target_vectors or (SHORT_ROW_TARGET_VECTORS if row_vectors <= SHORT_ROW_VECTORS or one_wave
                                         else TARGET_VECTORS_PER_THREAD)
     rows = plan(n, vec, m, sm_count, target, max_vectors, block_threads=options.block_threads)
     if options.two_pass:
         return two_pass_plan(n, vec, max_vectors, options)
-    # long rows, many of them, no other kernel asked for: Inductor's structure and cache hints (LOAD_HINTS)
-    chosen = options.target_vectors is None and not options.persistent and not options.cache_hints
-    wide = max_vectors == MAX_VECTORS_PER_THREAD  # 16-byte vectors: the row is n * 16 // vec bytes
-    if rows.looped or chosen and wide and n * 16 // vec >= TWO_PASS_MIN_ROW_BYTES and m >= TWO_PASS_MIN_ROWS:
-        return two_pass_plan(n, vec, max_vectors, dataclasses.replace(
-            options, cache_hints=options.cache_hints or LOAD_HINTS))
-    if options.persistent:
+    if options.persistent or by_rows and not one_wave:
         vectors = options.target_vectors or PERSISTENT_VECTORS_PER_THREAD
         tiled = plan(n, vec, m, sm_count, vectors, max_vectors, block_threads=options.block_threads)
         if tiled.looped or -(-n // (vec * tiled.group)) > vectors:
             raise ValueError(f"options: rows of {n} elements do not fit the persistent kernel "
                              f"({vectors} vectors of {vec} per thread)")
         blocks_per_sm = max(1, SM_REGISTERS // (PERSISTENT_REGISTERS[has_residual] * tiled.threads))
-        return dataclasses.replace(tiled, persistent=True, blocks_per_sm=blocks_per_sm,
-                                   cache_hints=options.cache_hints)
+        tiles = -(-m // tiled.rows)
+        grid = min(tiles, blocks_per_sm * sm_count)
+        if options.persistent or tiles / (-(-tiles // grid) * grid) >= PERSISTENT_MIN_BALANCE:
+            return dataclasses.replace(tiled, persistent=True, blocks_per_sm=blocks_per_sm,
+                                       cache_hints=options.cache_hints)
+        return two_pass_plan(n, vec, max_vectors, dataclasses.replace(options, cache_hints=LOAD_HINTS))
+    # long rows, many of them, no other kernel asked for: Inductor's structure and cache hints (LOAD_HINTS)
+    if rows.looped or chosen and wide and n * 16 // vec >= TWO_PASS_MIN_ROW_BYTES and m >= TWO_PASS_MIN_ROWS:
+        return two_pass_plan(n, vec, max_vectors, dataclasses.replace(
+            options, cache_hints=options.cache_hints or LOAD_HINTS))
     # the weight read with the row is a third stream of vectors in registers with the residual's: only where
     # the row kernel's budget (two streams of max_vectors) holds it
     streams = 2 + has_residual

@@ -33,7 +33,9 @@ def rms_norm_float64(x, weight, eps, dims):
 # ---------------------------------------------------------------------------------------------- RMSNorm
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(1, 2048), (37, 4096), (256, 7168), (64, 8192), (9, 16384), (4096, 128),
-                                   (5, 1001), (3, 4097), (2, 300_000), (1000, 2048)])
+                                   (5, 1001), (3, 4097), (2, 300_000), (1000, 2048),
+                                   # long rows by their count: the row kernel at 2 vectors, persistent, two-pass
+                                   (132, 8192), (512, 7168), (1000, 5120), (257, 16384), (384, 8192)])
 @pytest.mark.parametrize("with_weight", [True, False])
 def test_rms_norm_matches_float64(dtype, shape, with_weight):
     x = (torch.randn(shape, device="cuda") * 3).to(dtype)

@@ -94,20 +94,20 @@ def test_forward_plan_takes_the_row_kernel_and_the_persistent_one_on_request():
 
 def test_forward_plan_of_long_rows_by_their_count():
     """Rows over 8 KB (no residual), SMS to PERSISTENT_MAX_ROWS of them: under two an SM (rows up to 16 KB) the
-    row kernel at 2 vectors a thread; else the persistent kernel where its grid shares the tiles evenly (the
-    two-pass kernel where it would not); fewer rows, more rows and the residual keep the plans before."""
+    row kernel at 2 vectors a thread; else the persistent kernel where its blocks take 1.75 tiles or more each
+    (the two-pass kernel where they would not); fewer rows, more rows and the residual keep the plans before."""
     few = rmsnorm.forward_plan(7168, 8, SMS, SMS)
     assert not few.persistent and not few.two_pass and few.group == 512 and few.early_weight
     assert rmsnorm.forward_plan(4096, 4, 256, SMS).group == 512  # fp32, 16 KB rows
     assert rmsnorm.forward_plan(7168, 8, SMS - 1, SMS).group == 128  # fewer rows than SMs: 8 vectors a thread
-    for n, m, threads, blocks_per_sm in [(7168, 512, 256, 2), (8192, 2048, 256, 2), (5120, 1024, 256, 2),
-                                         (16384, 256, 512, 1), (16384, 384, 512, 1)]:
+    for n, m, threads, blocks_per_sm in [(7168, 462, 256, 2), (8192, 2048, 256, 2), (5120, 1024, 256, 2),
+                                         (16384, 231, 512, 1), (16384, 384, 512, 1), (7168, 600, 256, 2)]:
         p = rmsnorm.forward_plan(n, 8, m, SMS)
         assert p.persistent and (p.threads, p.rows, p.blocks_per_sm) == (threads, 1, blocks_per_sm), (n, m)
-    # 384 and 600 tiles on 264 blocks: the last round 73% and 76% busy
-    for m in (384, 600):
-        p = rmsnorm.forward_plan(7168, 8, m, SMS)
-        assert p.two_pass and p.cache_hints == rmsnorm.LOAD_HINTS and p.threads == 512
+    # under 1.75 x 264 and 1.75 x 132 tiles
+    for n, m, threads in [(7168, 461, 512), (8192, 300, 512), (16384, 230, 1024), (16384, SMS, 1024)]:
+        p = rmsnorm.forward_plan(n, 8, m, SMS)
+        assert p.two_pass and p.cache_hints == rmsnorm.LOAD_HINTS and p.threads == threads, (n, m)
     assert rmsnorm.forward_plan(7168, 8, rmsnorm.PERSISTENT_MAX_ROWS + 1, SMS).two_pass
     assert not rmsnorm.forward_plan(7168, 8, 512, SMS, has_residual=True).persistent
     assert not rmsnorm.forward_plan(4096, 8, 512, SMS).persistent  # 8 KB rows: the row kernel

@@ -91,10 +91,11 @@ SHORT_ROW_TARGET_VECTORS = 2
 # 16.16 -> 15.13, 256x16384 4.72 -> 4.65; at 4096 rows every plan ties, and beyond it the persistent one loses).
 # Fewer rows than SMs keep 8 vectors a thread (32x7168: 1.88 us, 2.05 with 2).
 PERSISTENT_MAX_ROWS = 2048
-# ... where its blocks share the tiles evenly: busy PERSISTENT_MIN_BALANCE of the last round or more (384 rows on
-# 264 blocks leave 144 idle for the second round: 3.52 us, the two-pass kernel with LOAD_HINTS 3.28, which they
-# take instead; 512 rows on 264 blocks: 3.84 us, two-pass 4.09; rmsnorm_rows_rule_plans_h200.json)
-PERSISTENT_MIN_BALANCE = 0.9
+# ... where its blocks take PERSISTENT_MIN_TILES tiles each or more on average (the point of the kernel: the next
+# tile's loads in flight under this one's reduction); with fewer, the two-pass kernel (LOAD_HINTS), a block a row,
+# holds more warps an SM (384x7168 on 264 blocks: 3.56 us, two-pass 3.11; 384x8192 3.92, 3.63; 600x7168 4.31,
+# 4.69; 512x7168 3.84, 4.00: rmsnorm_rows_rule_check_h200.json)
+PERSISTENT_MIN_TILES = 1.75
 # The two-pass kernel with Inductor's cache hints (LOAD_HINTS: x's first read kept in L1 and L2, the stores plain)
 # is the default for rows of TWO_PASS_MIN_ROW_BYTES or more, TWO_PASS_MIN_ROWS rows or more: measured side by side
 # on the H200 (benchmarks/results/rmsnorm_plans_hints_h200.json) bf16 16384x7168 117.5 -> 113.0 us (Inductor 113.1),
@@ -810,7 +811,7 @@ def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX
     reduction and stores, the weight read once; PERSISTENT_VECTORS_PER_THREAD vectors of two tiles a thread) is
     taken with ``options.persistent`` (ValueError where two tiles of a row do not fit) and for long rows when there
     are sm_count to PERSISTENT_MAX_ROWS of them (fewer than two an SM of rows up to 2 x SHORT_ROW_VECTORS take the
-    row kernel at SHORT_ROW_TARGET_VECTORS instead, and tile counts its grid would share unevenly the two-pass
+    row kernel at SHORT_ROW_TARGET_VECTORS instead, and fewer than PERSISTENT_MIN_TILES tiles a block the two-pass
     kernel: see PERSISTENT_MAX_ROWS). Measured side by side on the H200
     (``benchmarks/rmsnorm.py --compare-plans``) it lost to the row kernel on large shapes (16384x2048 37.0 vs
     35.1 us, 16384x8192 141.9 vs 133.4, fused add 16384x8192 276.6 vs 262.0).
@@ -834,9 +835,7 @@ def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX
             raise ValueError(f"options: rows of {n} elements do not fit the persistent kernel "
                              f"({vectors} vectors of {vec} per thread)")
         blocks_per_sm = max(1, SM_REGISTERS // (PERSISTENT_REGISTERS[has_residual] * tiled.threads))
-        tiles = -(-m // tiled.rows)
-        grid = min(tiles, blocks_per_sm * sm_count)
-        if options.persistent or tiles / (-(-tiles // grid) * grid) >= PERSISTENT_MIN_BALANCE:
+        if options.persistent or -(-m // tiled.rows) >= PERSISTENT_MIN_TILES * blocks_per_sm * sm_count:
             return dataclasses.replace(tiled, persistent=True, blocks_per_sm=blocks_per_sm,
                                        cache_hints=options.cache_hints)
         return two_pass_plan(n, vec, max_vectors, dataclasses.replace(options, cache_hints=LOAD_HINTS))

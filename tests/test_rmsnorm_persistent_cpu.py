@@ -104,10 +104,13 @@ def test_forward_plan_of_long_rows_by_their_count():
                                          (16384, 231, 512, 1), (16384, 384, 512, 1), (7168, 600, 256, 2)]:
         p = rmsnorm.forward_plan(n, 8, m, SMS)
         assert p.persistent and (p.threads, p.rows, p.blocks_per_sm) == (threads, 1, blocks_per_sm), (n, m)
-    # under 1.75 x 264 and 1.75 x 132 tiles
-    for n, m, threads in [(7168, 461, 512), (8192, 300, 512), (16384, 230, 1024), (16384, SMS, 1024)]:
+    # under 1.75 x 264 tiles: the two-pass kernel; under 1.75 x 132 tiles of 32 KB rows: the row kernel
+    for n, m in [(7168, 461), (8192, 300), (7168, SMS * 2)]:
         p = rmsnorm.forward_plan(n, 8, m, SMS)
-        assert p.two_pass and p.cache_hints == rmsnorm.LOAD_HINTS and p.threads == threads, (n, m)
+        assert p.two_pass and p.cache_hints == rmsnorm.LOAD_HINTS and p.threads == 512, (n, m)
+    for m in (SMS, 230):
+        p = rmsnorm.forward_plan(16384, 8, m, SMS)
+        assert not p.two_pass and not p.persistent and (p.group, p.rows) == (256, 1)
     assert rmsnorm.forward_plan(7168, 8, rmsnorm.PERSISTENT_MAX_ROWS + 1, SMS).two_pass
     assert not rmsnorm.forward_plan(7168, 8, 512, SMS, has_residual=True).persistent
     assert not rmsnorm.forward_plan(4096, 8, 512, SMS).persistent  # 8 KB rows: the row kernel

@@ -94,7 +94,9 @@ PERSISTENT_MAX_ROWS = 2048
 # ... where its blocks take PERSISTENT_MIN_TILES tiles each or more on average (the point of the kernel: the next
 # tile's loads in flight under this one's reduction); with fewer, the two-pass kernel (LOAD_HINTS), a block a row,
 # holds more warps an SM (384x7168 on 264 blocks: 3.56 us, two-pass 3.11; 384x8192 3.92, 3.63; 600x7168 4.31,
-# 4.69; 512x7168 3.84, 4.00: rmsnorm_rows_rule_check_h200.json)
+# 4.69; 512x7168 3.84, 4.00: rmsnorm_rows_rule_check_h200.json). Rows over 2 x SHORT_ROW_VECTORS keep the row
+# kernel there instead: its 1024-thread blocks lose (132x16384 3.86, the row kernel 3.60; 200x16384 4.45, 4.13;
+# rmsnorm_tiles_rule_check_h200.json).
 PERSISTENT_MIN_TILES = 1.75
 # The two-pass kernel with Inductor's cache hints (LOAD_HINTS: x's first read kept in L1 and L2, the stores plain)
 # is the default for rows of TWO_PASS_MIN_ROW_BYTES or more, TWO_PASS_MIN_ROWS rows or more: measured side by side
@@ -838,7 +840,8 @@ def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX
         if options.persistent or -(-m // tiled.rows) >= PERSISTENT_MIN_TILES * blocks_per_sm * sm_count:
             return dataclasses.replace(tiled, persistent=True, blocks_per_sm=blocks_per_sm,
                                        cache_hints=options.cache_hints)
-        return two_pass_plan(n, vec, max_vectors, dataclasses.replace(options, cache_hints=LOAD_HINTS))
+        if row_vectors <= 2 * SHORT_ROW_VECTORS:  # longer rows: the row kernel's 8 vectors (see PERSISTENT_MIN_TILES)
+            return two_pass_plan(n, vec, max_vectors, dataclasses.replace(options, cache_hints=LOAD_HINTS))
     # long rows, many of them, no other kernel asked for: Inductor's structure and cache hints (LOAD_HINTS)
     if rows.looped or chosen and wide and n * 16 // vec >= TWO_PASS_MIN_ROW_BYTES and m >= TWO_PASS_MIN_ROWS:
         return two_pass_plan(n, vec, max_vectors, dataclasses.replace(

@@ -13,15 +13,19 @@ Design (forward, the row-in-registers kernel):
 - ``GROUP`` grows with N so that every thread has about 8 vectors in flight; short rows are packed
   ``128 // GROUP`` to a block (a warp or less per row: a shuffle-only reduction; why 128 threads: see
   ROW_BLOCK_THREADS), long rows get a block each with a shared-memory step across warps.
-- with many rows, the persistent kernel instead: a few blocks per SM loop over the row tiles, loading the next
-  tile while reducing and storing this one, with the weight read once per block (``forward_plan`` says when).
+- the persistent kernel: a few blocks per SM loop over the row tiles, loading the next tile while reducing and
+  storing this one, with the weight read once per block; the default for long rows (over 8 KB) when there are a
+  few hundred to PERSISTENT_MAX_ROWS of them, each block taking PERSISTENT_MIN_TILES tiles or more
+  (``forward_plan`` says when).
 - the two-pass kernel (Inductor's structure), for rows that do not fit the registers (N > 512*8*VEC: 32768 bf16,
   16384 fp32) and for any row on request (``ForwardOptions(two_pass=True)``): a block per row streams the row
   through registers in steps of a few vectors a thread, twice: the first pass only sums squares, the second
   reads the row again (from L1/L2) and writes y (and x + residual, recomputed). Nothing is held across the
   reduction, so about 32 registers a thread: a full SM of warps, each with its loads in flight. With Inductor's
   cache hints (LOAD_HINTS: the first read kept in L1 and L2, the stores plain) it is also the default for long rows
-  when there are many (TWO_PASS_MIN_ROW_BYTES, TWO_PASS_MIN_ROWS): it ties Inductor there, the row kernel did not.
+  when there are many (TWO_PASS_MIN_ROW_BYTES, TWO_PASS_MIN_ROWS, past the persistent kernel's rows): it ties
+  Inductor there, the row kernel did not; and for the counts of long rows too few to give each persistent block
+  PERSISTENT_MIN_TILES tiles.
 - the bulk-copy kernel (``ForwardOptions(bulk=True)``, opt-in: measured slower): a persistent block streams its rows
   into a shared-memory ring with one cp.async.bulk a row and normalises them from there.
 Backward loops persistently over rows (about two blocks per SM), accumulating each block's weight gradient in

@@ -88,7 +88,7 @@ SHORT_ROW_VECTORS = 512
 SHORT_ROW_TARGET_VECTORS = 2
 # Long rows (over SHORT_ROW_VECTORS, of 16-byte vectors, no residual) when there are sm_count to
 # PERSISTENT_MAX_ROWS of them, measured side by side on the H200 (benchmarks/results/rmsnorm_few_rows_plans_h200.json,
-# rmsnorm_persistent_mid_plans_h200.json; us from CUDA graphs, warm L2): fewer than two a SM of rows up to
+# rmsnorm_persistent_mid_plans_h200.json; us from CUDA graphs, warm L2): fewer than two an SM of rows up to
 # 2 x SHORT_ROW_VECTORS take the row kernel at SHORT_ROW_TARGET_VECTORS a thread (a 512-thread block fills an SM's
 # warps where 128 threads of 7-8 vectors leave it 8: 256x7168 3.15 -> 2.86, 256x8192 3.35 -> 3.02); the others
 # take the persistent kernel (512x7168 4.13 -> 3.87, 768x8192 6.21 -> 5.52, 1024x8192 7.38 -> 6.30, 2048x7168

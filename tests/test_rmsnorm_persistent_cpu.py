@@ -404,3 +404,25 @@ def test_bulk_kernel_compiles_clean_with_one_copy_a_row(dtype, n, variant):
     assert k.count("BAR.SYNC") == 2 and k.count("MUFU.RSQ") == 1
     assert k.count("STG.E.128") >= 1 and k.count("STG") - k.count("STG.E.128") <= 1  # the rstd's
     assert k.resources.registers <= 65536 // (p.threads * p.blocks_per_sm)
+
+
+def test_suite_times_each_in_turn_and_keeps_the_median_of_the_rounds(monkeypatch):
+    """benchmarks/rmsnorm.py's timing: nvfly, torch and Inductor measured round-robin (a drift lands on all three),
+    each the median of its rounds, every round's Inductor / nvfly ratio kept, and a row under Inductor reported
+    with the rounds' range."""
+    import benchmarks.common as common
+    readings = {"nvfly": iter([10.0, 30.0, 11.0]), "torch": iter([20.0, 21.0, 22.0]),
+                "inductor": iter([9.0, 33.0, 10.0])}
+    order = []
+
+    def fake_bench_ms(fn):
+        order.append(fn())
+        return next(readings[order[-1]])
+    monkeypatch.setattr(common, "bench_ms", fake_bench_ms)
+    row = {"variant": "forward", "M": 4, "N": 8, "dtype": "bfloat16"}
+    bench._time(row, lambda: "nvfly", lambda: "torch", lambda: "inductor", 3, graphs=False)
+    assert order == ["nvfly", "torch", "inductor"] * 3
+    assert (row["nvfly_ms"], row["torch_ms"], row["inductor_ms"]) == (11.0, 21.0, 10.0)
+    assert row["vs_inductor_rounds"] == [0.9, 1.1, 10.0 / 11.0]
+    row["vs_inductor"] = row["inductor_ms"] / row["nvfly_ms"]
+    assert bench._below(row) == {"vs_inductor": 10.0 / 11.0, "rounds": [0.9, 1.1], "graph": None}

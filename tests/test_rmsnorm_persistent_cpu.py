@@ -194,7 +194,7 @@ def test_persistent_kernel_compiles_clean_and_prefetches_the_next_tile(dtype, n,
 def test_cache_hints_mark_every_access(n, variant, persistent):
     """x, the residual and both outputs stream past L1 (LDG/STG .NA), the weight is kept (LDG .EL); the L2
     policies go in the access descriptors, not extra instructions."""
-    x, w, r = tensors(16384 if persistent else 256, n, torch.bfloat16, variant)  # 256 rows: the row kernel
+    x, w, r = tensors(16384 if persistent else 64, n, torch.bfloat16, variant)  # 64 rows: the row kernel
     hinted = rmsnorm.ForwardOptions(persistent=persistent, cache_hints=True)
     k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, options=hinted)
     plain = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, options=rmsnorm.ForwardOptions(persistent=persistent))
@@ -214,7 +214,7 @@ def test_cache_hints_mark_every_access(n, variant, persistent):
 def test_row_kernel_issues_the_weight_loads_before_any_store(dtype, n):
     """The SASS finding behind EARLY_WEIGHT: loaded after the reduction, the weight's loads sit between the
     stores (each waits for the store before it); loaded early, every load precedes the first store."""
-    x, w, _ = tensors(256, n, dtype, "weight")  # 256 rows: the row kernel whatever the row length
+    x, w, _ = tensors(64, n, dtype, "weight")  # fewer rows than SMs: the row kernel whatever the row length
     early = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, options=rmsnorm.ForwardOptions())
     late = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6,
                     options=rmsnorm.ForwardOptions(early_weight=False))

@@ -176,9 +176,14 @@ def _time(row: dict, run_nvfly, run_torch, run_inductor, rounds: int, graphs: bo
     if graphs:
         for impl, fn in fns.items():
             row[f"{impl}_graph_ms"] = graph_ms(fn)
-        if row["nvfly_graph_ms"] and row["inductor_graph_ms"]:
-            row["vs_inductor_graph"] = row["inductor_graph_ms"] / row["nvfly_graph_ms"]
-            row["vs_torch_graph"] = row["torch_graph_ms"] / row["nvfly_graph_ms"]
+        _graph_ratios(row)
+
+
+def _graph_ratios(row: dict) -> None:
+    """``vs_inductor_graph`` and ``vs_torch_graph`` of a row's CUDA-graph times (none where a capture failed)."""
+    for peer in ("inductor", "torch"):
+        if row["nvfly_graph_ms"] and row[f"{peer}_graph_ms"]:
+            row[f"vs_{peer}_graph"] = row[f"{peer}_graph_ms"] / row["nvfly_graph_ms"]
 
 
 def _ratio_range(row: dict) -> list[float]:
@@ -290,8 +295,7 @@ def plan_rows(m: int, n: int, dtype: torch.dtype, fused_add: bool, only: Optiona
         if graphs:
             row["nvfly_graph_ms"], row["inductor_graph_ms"] = graphed[row["plan"]], graphed["inductor"]
             row["torch_graph_ms"] = graphed["torch"]
-            if row["nvfly_graph_ms"] and row["inductor_graph_ms"]:
-                row["vs_inductor_graph"] = row["inductor_graph_ms"] / row["nvfly_graph_ms"]
+            _graph_ratios(row)
         _bandwidth(row, moved)
     return rows
 
@@ -347,6 +351,8 @@ def main(argv=None) -> int:
                    help="time nvfly's forward under each plan variant next to torch and Inductor (quick-suite and "
                         "fused-add shapes)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds: expected 1 or more, got {args.rounds}")
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
     else:
@@ -383,10 +389,10 @@ def main(argv=None) -> int:
                "min_pct_of_copy_M_ge_4096": min((r["pct_of_copy"] for r in big), default=None),
                "min_pct_of_peak_copy_M_ge_4096": min((r["pct_of_peak_copy"] for r in big), default=None),
                "max_rel_err": max(r["rel_err"] for r in rows), "seconds": time.time() - t_start,
-               # rows under Inductor at the median, with the rounds' range of the ratio: within it, a tie
                "geomean_vs_inductor_graph": geomean([r.get("vs_inductor_graph") for r in rows]),
                "min_vs_inductor_graph": min((r["vs_inductor_graph"] for r in rows if "vs_inductor_graph" in r),
                                             default=None),
+               # rows under Inductor (median or graphs), with the rounds' range of the ratio: within it, a tie
                "below_inductor": {f"{r['variant']} {r['M']}x{r['N']} {r['dtype']}": _below(r) for r in rows
                                   if r["vs_inductor"] < 1 or r.get("vs_inductor_graph", 1) < 1}}
     print(summary)

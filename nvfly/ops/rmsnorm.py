@@ -746,11 +746,8 @@ class ForwardOptions:
                 raise ValueError(f"options.{name}: expected a bool, got {value!r}")
         if self.persistent + self.two_pass + self.bulk > 1:
             raise ValueError("options: at most one of persistent, two_pass and bulk (each is a kernel)")
-        block = self.two_pass_threads  # whole warps (block_sum takes any count)
-        if block is not None and (type(block) is not int or block % 32 or
-                                  not TWO_PASS_MIN_THREADS <= block <= TWO_PASS_MAX_THREADS):
-            raise ValueError(f"options.two_pass_threads: expected None or a multiple of 32 from {TWO_PASS_MIN_THREADS}"
-                             f" to {TWO_PASS_MAX_THREADS}, got {block!r}")
+        # whole warps (block_sum takes any count)
+        _check_block_or_none("two_pass_threads", self.two_pass_threads, TWO_PASS_MIN_THREADS, any_warps=True)
         vectors = self.two_pass_vectors
         if type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD:
             raise ValueError(f"options.two_pass_vectors: expected 1 to {MAX_VECTORS_PER_THREAD}, got {vectors!r}")
@@ -765,11 +762,13 @@ class ForwardOptions:
             raise ValueError(f"options.bulk_blocks_per_sm: expected None or 1 to 4, got {blocks!r}")
 
 
-def _check_block_or_none(name: str, threads: Any, least: int) -> None:
-    """ForwardOptions' block sizes of a row a block: None or a power of two from ``least`` to TWO_PASS_MAX_THREADS."""
-    if threads is not None and (type(threads) is not int or threads & (threads - 1) or
-                                not least <= threads <= TWO_PASS_MAX_THREADS):
-        raise ValueError(f"options.{name}: expected None or a power of two from {least} to {TWO_PASS_MAX_THREADS}, "
+def _check_block_or_none(name: str, threads: Any, least: int, any_warps: bool = False) -> None:
+    """ForwardOptions' block sizes of a row a block: None or a power of two (with ``any_warps``, a multiple of 32)
+    from ``least`` to TWO_PASS_MAX_THREADS."""
+    if threads is not None and (type(threads) is not int or (threads % 32 if any_warps else threads & (threads - 1))
+                                or not least <= threads <= TWO_PASS_MAX_THREADS):
+        kind = "a multiple of 32" if any_warps else "a power of two"
+        raise ValueError(f"options.{name}: expected None or {kind} from {least} to {TWO_PASS_MAX_THREADS}, "
                          f"got {threads!r}")
 
 
@@ -828,7 +827,8 @@ def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX
     # long rows, sm_count to PERSISTENT_MAX_ROWS of them (that fit the persistent kernel), no kernel asked for
     by_rows = chosen and wide and not has_residual and SHORT_ROW_VECTORS < row_vectors <= \
         MAX_GROUP * PERSISTENT_VECTORS_PER_THREAD and sm_count <= m <= PERSISTENT_MAX_ROWS
-    one_wave = by_rows and m < 2 * sm_count and row_vectors <= 2 * SHORT_ROW_VECTORS
+    to_16_kb = row_vectors <= 2 * SHORT_ROW_VECTORS
+    one_wave = by_rows and m < 2 * sm_count and to_16_kb
     target = options.target_vectors or (SHORT_ROW_TARGET_VECTORS if row_vectors <= SHORT_ROW_VECTORS or one_wave
                                         else TARGET_VECTORS_PER_THREAD)
     rows = plan(n, vec, m, sm_count, target, max_vectors, block_threads=options.block_threads)
@@ -844,7 +844,7 @@ def forward_plan(n: int, vec: int, m: int, sm_count: int, max_vectors: int = MAX
         if options.persistent or -(-m // tiled.rows) >= PERSISTENT_MIN_TILES * blocks_per_sm * sm_count:
             return dataclasses.replace(tiled, persistent=True, blocks_per_sm=blocks_per_sm,
                                        cache_hints=options.cache_hints)
-        if row_vectors <= 2 * SHORT_ROW_VECTORS:  # longer rows: the row kernel's 8 vectors (see PERSISTENT_MIN_TILES)
+        if to_16_kb:  # longer rows: the row kernel's 8 vectors (see PERSISTENT_MIN_TILES)
             return two_pass_plan(n, vec, max_vectors, dataclasses.replace(options, cache_hints=LOAD_HINTS))
     # long rows, many of them, no other kernel asked for: Inductor's structure and cache hints (LOAD_HINTS)
     if rows.looped or chosen and wide and n * 16 // vec >= TWO_PASS_MIN_ROW_BYTES and m >= TWO_PASS_MIN_ROWS:

@@ -1,9 +1,9 @@
-"""nvfly.ops.scratch: per-stream scratch that grows to the largest request, and a graph capture's own tensors."""
+"""nvfly.ops.common.scratch: per-stream scratch that grows to the largest request, and a graph capture's own tensors."""
 from types import SimpleNamespace
 
 import torch
 
-from nvfly.ops import scratch
+from nvfly.ops.common import scratch
 
 
 def make(made: list) -> scratch.StreamScratch:

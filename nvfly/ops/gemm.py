@@ -25,7 +25,8 @@ from nvfly.arch import sm90
 from nvfly.runtime.driver import plan_l2_bytes, plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import current_stream, layout_key, vector_width
-from nvfly.ops import gemm_skinny, scratch
+from nvfly.ops import gemm_skinny
+from nvfly.ops.common import scratch
 from nvfly.ops.gemm_kernel import (ACTIVATIONS, REDUCE_THREADS, Epilogue, GemmConfig, gemm_kernel,
                                    split_k_reduce_kernel, store_box)
 from nvfly.ops.gemm_skinny import SkinnyConfig, SkinnyPlan

@@ -97,7 +97,7 @@ from nvfly.arch import sm80
 from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add
 from nvfly.arch.ptx import asm, asm_multi, smem_address
 from nvfly.frontend import dtypes
-from nvfly.ops import scratch
+from nvfly.ops.common import scratch
 from nvfly.ops.gemm_kernel import Epilogue, activate
 from nvfly.runtime.torch_args import current_stream
 

@@ -841,7 +841,7 @@ MIN_ROWS = 64  # rows of a first workspace allocation
 
 def _allocate_workspace(device: Any, sizes: tuple[int, ...]) -> tuple[Any, Any, Any, Any]:
     import torch
-    from nvfly.ops import scratch
+    from nvfly.ops.common import scratch
     rows = sizes[0]
     hist, counters, hist2 = scratch.zeroed_i32(device, (rows * HIST, 2 * rows, rows * HIST))
     return (hist.view(rows, HIST), counters, torch.empty((rows, ROW_CAP_MAX), dtype=torch.int64, device=device),
@@ -851,7 +851,7 @@ def _allocate_workspace(device: Any, sizes: tuple[int, ...]) -> tuple[Any, Any, 
 @functools.lru_cache(maxsize=None)
 def _workspaces() -> Any:
     """The scratch.StreamScratch of the workspaces, made on first use (torch is imported only when launching)."""
-    from nvfly.ops import scratch
+    from nvfly.ops.common import scratch
     return scratch.StreamScratch(_allocate_workspace, (MIN_ROWS,))
 
 
@@ -859,7 +859,7 @@ def workspace(device: Any, rows: int) -> tuple[Any, Any, Any, Any, Any]:
     """(histograms (rows, HIST) i32, counters (2 * rows,) i32, candidate lists (rows, ROW_CAP_MAX) i64,
     second-level histograms (rows, HIST) i32, the lists' memory as flat i32: ``exact_finish``'s tables) for
     launches on torch's current stream of ``device``: all but the lists zero between launches
-    (``nvfly.ops.scratch``: per stream, grown as needed, a graph capture's own)."""
+    (``nvfly.ops.common.scratch``: per stream, grown as needed, a graph capture's own)."""
     from nvfly.runtime.torch_args import current_stream
     stream = current_stream(device.index) if device.type == "cuda" else 0
     return _workspaces().get(device, stream, (rows,), _first_rows)

@@ -416,7 +416,7 @@ REDUCTIONS_IN_GRAPHS = [  # (captured call's M, N, K; its path; an eager call ne
 
 @pytest.mark.parametrize("mnk,path,big,big_config", REDUCTIONS_IN_GRAPHS, ids=[p for _, p, _, _ in REDUCTIONS_IN_GRAPHS])
 def test_reductions_in_cuda_graph(hopper, mnk, path, big, big_config):
-    """A call captured in a CUDA graph owns its scratch (nvfly.ops.scratch: the graph's pool, zero-filled by a
+    """A call captured in a CUDA graph owns its scratch (nvfly.ops.common.scratch: the graph's pool, zero-filled by a
     captured fill where the kernel expects zeros): replays after a bigger eager call on the capture stream, which
     grows (reallocates) that stream's cached scratch, still give the right product."""
     m, n, k = mnk

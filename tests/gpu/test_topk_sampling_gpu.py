@@ -352,7 +352,7 @@ def test_two_level_plan_on_two_streams():
 @pytest.mark.parametrize("m,two_level,one_launch", [(3, False, False), (3, True, False), (1, False, True)],
                          ids=["row-threshold", "two-level", "one-launch"])
 def test_row_threshold_plan_in_cuda_graph(m, two_level, one_launch):
-    """Captured in a CUDA graph, the row-threshold launches own their workspace (nvfly.ops.scratch: zero-filled
+    """Captured in a CUDA graph, the row-threshold launches own their workspace (nvfly.ops.common.scratch: zero-filled
     by a captured fill): replays after an eager call with more rows, which grows the capture stream's cached
     workspace, still match torch.topk. The one-launch plan's cooperative launch is captured too."""
     n, k = 151936, 1024

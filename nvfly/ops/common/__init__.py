@@ -1,0 +1,1 @@
+"""Parts every op family shares: per-stream scratch, the host op-call mechanism, the persistent tile scheduler."""

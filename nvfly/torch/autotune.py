@@ -395,3 +395,8 @@ def register_routes() -> None:
     for op, with_c in (("mm", False), ("bmm", False), ("addmm", True), ("baddbmm", True)):
         for overload in (op, f"{op}.out"):
             routing.register_route(f"aten::{overload}", *_route(op, with_c))
+
+
+# GEMM adds its routes when this module is imported (nvfly.torch imports it), so routing needs no import of it;
+# like every route they take effect at install_routing
+register_routes()

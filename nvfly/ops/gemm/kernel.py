@@ -15,7 +15,7 @@ Stream K (a ``workspace`` given; ``plan.stream_k_plan`` decides): the blocks wal
 ``dp_tiles`` whole tiles (data-parallel waves), then each block one contiguous range of ``block_iters``
 k-blocks of the remaining tiles taken in order, so that a short last wave (or a single partial wave) spreads
 over all SMs instead of leaving some idle; a block's range touches one or more tiles, each a unit
-(``unit_work``). A part of a tile that other blocks share is added by its consumer into the tile's f32
+(``schedule.unit_work``). A part of a tile that other blocks share is added by its consumer into the tile's f32
 workspace slot (``red.global.add.v4``) and counted in; the part counted last reads the sums back, zeroes slot
 and count for the next launch and runs the normal epilogue (``fix_up``): one kernel, no memset, no waiting on
 other blocks (so no deadlock whatever the residency).
@@ -29,7 +29,6 @@ threads on a named barrier and lets one thread issue a TMA store per slice (TMA 
 buffer is reused only after ``cp.async.bulk.wait_group.read``, so a tile's stores drain while the consumer
 runs the next tile's mainloop.
 """
-
 from __future__ import annotations
 
 from typing import Any

@@ -204,7 +204,7 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
                            consumers=1 if cfg.bm == 64 else 2)
     if cfg.bm == 64 and not cfg.tma_store:
         # whole 64-row tiles store through TMA, one staging slice: the register epilogue's 4-byte stores down 64
-        # rows end a block's only tile, TMA writes whole lines (docs/ops/gemm.md, "Epilogue")
+        # rows end a block's only tile, TMA writes whole lines (docs/ops/gemm.md, "Epilogue of 64-row tiles")
         cfg = deepest_ring(replace(cfg, tma_store=True, store_buffers=1), itemsize, most=cfg.stages)
     # 2-block clusters multicasting B (cluster_m=2) measured within noise of cluster_m=1, so the heuristic leaves
     # them to the autotuner

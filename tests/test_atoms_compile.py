@@ -226,8 +226,8 @@ def test_stmatrix_fences_elect_setmaxnreg_clusters():
     k = stmatrix_kernel.compile(torch.zeros(128, dtype=torch.int32), block=32)
     assert k.count("STSM.16.M88.4") == 1 and k.count("FENCE.VIEW.ASYNC.S") == 1
     from nvfly.ops import gemm
-    from nvfly.ops.gemm_kernel import GemmConfig
-    (g,) = gemm.compile_configs([GemmConfig(128, 256, 4, 2, cluster_m=2)])
+    from nvfly.ops.gemm import GemmConfig
+    (g,) = gemm.api.compile_configs([GemmConfig(128, 256, 4, 2, cluster_m=2)])
     assert g.count("USETMAXREG") == 2 and g.count("UTMALDG.2D.MULTICAST") > 0
     assert g.count("UCGABAR_ARV") >= 1 and g.count("UCGABAR_WAIT") >= 1 and g.count("ELECT") >= 1
 

@@ -11,11 +11,11 @@ The kernel computes out[b] = act(alpha * A[b] @ B[b] + beta * C_in[b]) for every
 be K-major or MN-major (wgmma transposes 16-bit operands), tails in M, N, K come from TMA's zero fill and
 masked stores. With ``split_k`` > 1 each split reduces its K range into an f32 workspace slice instead.
 
-Stream K (a ``workspace`` given; ``gemm.stream_k_plan`` decides): the blocks walk work units, first
+Stream K (a ``workspace`` given; ``plan.stream_k_plan`` decides): the blocks walk work units, first
 ``dp_tiles`` whole tiles (data-parallel waves), then each block one contiguous range of ``block_iters``
 k-blocks of the remaining tiles taken in order, so that a short last wave (or a single partial wave) spreads
 over all SMs instead of leaving some idle; a block's range touches one or more tiles, each a unit
-(``unit_work``). A part of a tile that other blocks share is added by its consumer into the tile's f32
+(``schedule.unit_work``). A part of a tile that other blocks share is added by its consumer into the tile's f32
 workspace slot (``red.global.add.v4``) and counted in; the part counted last reads the sums back, zeroes slot
 and count for the next launch and runs the normal epilogue (``fix_up``): one kernel, no memset, no waiting on
 other blocks (so no deadlock whatever the residency).
@@ -31,133 +31,15 @@ runs the next tile's mainloop.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.gpu_scope import arrive, load_relaxed_x4, red_add_x4, store_zeros_x4
 from nvfly.arch.ptx import smem_address
-
-BK_BYTES = 128   # one 128-byte swizzle row of K per k-block
-PRODUCER_REGS = 40
-CONSUMER_REGS = 232
-BARRIER_BYTES = 1024  # barriers first; the ring starts 1024-byte aligned (swizzle atoms need it)
-SMEM_LIMIT = 232448
-STORE_BARRIER = 4  # named barriers 4 and 5: each consumer warpgroup's epilogue (2 and 3: ping-pong turns)
-REDUCE_THREADS = 256  # threads per block of split_k_reduce_kernel
-ARRIVAL_OFFSET = 512  # stream-K: each consumer's arrival count, in the barrier area after the ring's barriers
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """One point of the GEMM config space.
-
-    bm x bn: the block's output tile; consumers: consumer warpgroups splitting bm; stages: ring depth;
-    group_m: tiles per rasterisation group along M; split_k: K splits (f32 partials reduced afterwards);
-    cluster_m: blocks per cluster along M, which share (multicast) the B tile; pingpong: the two consumers
-    take alternate whole tiles (bm rows each) and take turns issuing wgmma, so one's epilogue runs under the
-    other's mainloop (instead of both splitting every tile); tma_store: the epilogue goes through shared
-    memory (stmatrix + TMA store, 16-bit outputs; others fall back to the register epilogue), staging
-    store_buffers column slices of store_width(bn) columns per consumer warpgroup; stream_k: a short last wave
-    of tiles (gemm.stream_k_plan says which) is dealt out as contiguous k ranges over all blocks (without
-    split_k or a cluster).
-    """
-    bm: int = 128
-    bn: int = 256
-    stages: int = 4
-    consumers: int = 2
-    group_m: int = 8
-    split_k: int = 1
-    cluster_m: int = 1
-    pingpong: bool = False
-    tma_store: bool = False
-    store_buffers: int = 2
-    stream_k: bool = True
-    stream_a: bool = False
-    stream_b: bool = False
-
-    def bk(self, itemsize: int) -> int:
-        return BK_BYTES // itemsize
-
-    @property
-    def store_width(self) -> int:
-        """Columns of one staging slice (one TMA store box): 64 (128-byte swizzle rows), else 32 or 16."""
-        return store_width(self.bn)
-
-    @property
-    def store_slices(self) -> int:
-        """Staging slices per consumer warpgroup (the tile's column slices, at most store_buffers)."""
-        return min(self.store_buffers, self.bn // self.store_width)
-
-    def staging_bytes(self, out_itemsize: int = 2) -> int:
-        """Shared memory of the TMA-store epilogue's staging buffers (all consumers)."""
-        if not self.tma_store:
-            return 0
-        rows = self.wg_m * self.consumers  # ping-pong: 2 x bm; cooperative: bm
-        return rows * self.store_width * out_itemsize * self.store_slices
-
-    def ring_end(self, itemsize: int) -> int:
-        return BARRIER_BYTES + self.stages * (self.bm + self.bn) * self.bk(itemsize) * itemsize
-
-    def smem_bytes(self, itemsize: int) -> int:
-        return self.ring_end(itemsize) + self.staging_bytes()
-
-    @property
-    def wg_m(self) -> int:
-        """Rows of the tile one consumer warpgroup computes."""
-        return self.bm if self.pingpong else self.bm // self.consumers
-
-    def check(self, itemsize: int, b_major: str = "K") -> Optional[str]:
-        """None if this config can be compiled (for a B operand of this major-ness), else why not."""
-        if self.pingpong and (self.consumers != 2 or self.split_k != 1 or self.cluster_m != 1):
-            return "ping-pong needs 2 consumers, no K split and no cluster"
-        wg_m = self.wg_m
-        if self.consumers not in (1, 2) or self.bm % self.consumers or wg_m % 64 or wg_m > 128:
-            return f"bm={self.bm} with {self.consumers} consumers: each consumer needs 64 or 128 rows"
-        if self.bn % 8 or not 8 <= self.bn <= 256:
-            return f"bn={self.bn}: must be a multiple of 8 in [8, 256]"
-        if b_major == "MN" and self.bn % (32 // itemsize):
-            return f"bn={self.bn}: an MN-major B tile spans at least one 32-byte swizzle row"
-        if (wg_m // 64) * self.bn // 2 > 128:
-            return f"{wg_m}x{self.bn} per consumer needs more than 128 accumulator registers"
-        if self.stages < 2:
-            return "at least 2 stages"
-        if self.stream_a and self.stream_b:
-            return "stream_a and stream_b: at most one operand is streamed"
-        if self.cluster_m not in (1, 2):
-            return f"cluster_m={self.cluster_m}: 1 or 2"
-        # each block of a 2-block cluster loads half of the B tile: whole 8-row swizzle atoms (K-major) or whole
-        # swizzle rows of at least 32 bytes (MN-major)
-        if self.cluster_m == 2 and (self.bn % 16 or (b_major == "MN" and self.bn // 2 % (32 // itemsize))):
-            return (f"cluster_m=2 with bn={self.bn}: each block loads half of B, a multiple of 8 rows (K-major) or "
-                    f"of {32 // itemsize} columns (MN-major)")
-        if self.cluster_m == 2 and self.group_m % 2:
-            return "a 2-block cluster needs an even group_m"
-        if self.tma_store:
-            if self.bn % 16:
-                return f"bn={self.bn}: the TMA-store epilogue needs a multiple of 16 (stmatrix pairs of 8 columns)"
-            if self.split_k != 1:
-                return "the TMA-store epilogue does not store split-K partials (f32)"
-            if self.store_buffers < 1:
-                return "the TMA-store epilogue needs at least one staging buffer"
-        if self.smem_bytes(itemsize) > SMEM_LIMIT:
-            return f"{self.smem_bytes(itemsize)} bytes of shared memory exceed {SMEM_LIMIT}"
-        return None
-
-
-def load_hint(cfg: GemmConfig, operand: str) -> Optional[str]:
-    """The L2 eviction hint of operand ``operand``'s ("A" or "B") loads: None when neither is streamed."""
-    if not (cfg.stream_a or cfg.stream_b):
-        return None
-    return "evict_first" if (cfg.stream_a if operand == "A" else cfg.stream_b) else "evict_last"
-
-
-def store_width(bn: int) -> int:
-    for w in (64, 32, 16):
-        if bn % w == 0:
-            return w
-    return 0
+from nvfly.ops.gemm.config import (ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, REDUCE_THREADS,
+                                   STORE_BARRIER, GemmConfig, load_hint, store_box)
+from nvfly.ops.gemm.schedule import stream_k_units, unit_work
 
 
 def staging_offset(row: Any, chunk: Any, row_bytes: int) -> Any:
@@ -175,19 +57,6 @@ def staging_lane_xor(lane_row: Any, lane: Any, row_bytes: int) -> Any:
     return ((((lane_row * row_bytes) >> 7) & (row_bytes // 16 - 1)) ^ (lane // 16)) << 4
 
 
-@dataclass(frozen=True)
-class Epilogue:
-    """What the epilogue applies: out = act(alpha * acc + beta * C_in) (``scaled``: alpha is not 1);
-    ``partial``: write raw f32 partial sums (split-K) instead."""
-    has_c: bool = False
-    activation: str = "none"  # none, relu, gelu_tanh, silu
-    partial: bool = False
-    scaled: bool = False
-
-
-ACTIVATIONS = ("none", "relu", "gelu_tanh", "silu")
-
-
 @nvfly.func
 def activate(x, KIND):
     if KIND == "relu":
@@ -197,72 +66,6 @@ def activate(x, KIND):
     elif KIND == "silu":
         x = x / (1.0 + nvfly.exp2(x * -1.4426950408889634))
     return x
-
-
-@nvfly.func
-def tile_coords(tile, tiles_m, tiles_n, GROUP_M):
-    """(batch, tile row, tile column) of a linear tile index, rasterised in groups of GROUP_M tile rows."""
-    per_batch = tiles_m * tiles_n
-    batch = tile // per_batch
-    t = tile - batch * per_batch
-    group = GROUP_M * tiles_n
-    gid = t // group
-    first_m = gid * GROUP_M
-    size_m = nvfly.minimum(tiles_m - first_m, GROUP_M)
-    local = t - gid * group
-    return batch, first_m + local % size_m, local // size_m
-
-
-@nvfly.func
-def stream_k_units(block, blocks, k_tiles, num_tiles, dp_tiles, block_iters):
-    """The end of a block's work units under stream K: its share of the ``dp_tiles`` whole tiles (units
-    ``block``, ``block + blocks``, ... below ``dp_tiles``, a multiple of ``blocks``), then one unit per tile
-    its range of ``block_iters`` k-blocks of the stream-K tiles touches (units ``dp_tiles + j * blocks +
-    block``)."""
-    total = (num_tiles - dp_tiles) * k_tiles
-    start = nvfly.minimum(block * block_iters, total)
-    end = nvfly.minimum(start + block_iters, total)
-    segments = nvfly.select(end > start, (end - 1) // k_tiles - start // k_tiles + 1, 0)
-    return dp_tiles + segments * blocks
-
-
-@nvfly.func
-def unit_work(unit, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, block_iters, blocks, num_tiles, CFG,
-              CM, STREAM_K):
-    """``tile_work`` of a work unit, plus its stream-K slot and contributor count. With STREAM_K, units below
-    ``dp_tiles`` are whole tiles; the remaining tiles' k-blocks, in order, are dealt out as one contiguous range
-    of ``block_iters`` to each block (stream K), and unit ``dp_tiles + j * blocks + b`` is block b's j-th tile:
-    the part of that tile inside the block's range. The slot is the tile's index among the stream-K tiles
-    (negative for a whole tile); the count is how many blocks' ranges share the tile (1: no fix-up)."""
-    if STREAM_K:
-        tail = unit >= dp_tiles
-        v = nvfly.maximum(unit - dp_tiles, 0)
-        start = (v % blocks) * block_iters
-        slot = start // k_tiles + v // blocks
-        tile_start = slot * k_tiles
-        total = (num_tiles - dp_tiles) * k_tiles
-        tile_end = nvfly.minimum(tile_start + k_tiles, total)
-        k_begin = nvfly.select(tail, nvfly.maximum(start, tile_start) - tile_start, 0)
-        k_end = nvfly.select(tail, nvfly.minimum(start + block_iters, tile_end) - tile_start, k_tiles)
-        contributors = nvfly.select(tail, (tile_end - 1) // block_iters - tile_start // block_iters + 1, 1)
-        batch, tm, tn = tile_coords(nvfly.select(tail, dp_tiles + slot, unit), tiles_m, tiles_n, CFG.group_m)
-        split = 0
-        slot = nvfly.select(tail, slot, -1)
-    else:
-        batch, tm, tn, split, k_begin, k_end = tile_work(unit, tiles_m, tiles_n, k_per_split, k_tiles, rank, CFG, CM)
-        slot = -1
-        contributors = 1
-    return batch, tm, tn, split, k_begin, k_end, slot, contributors
-
-
-@nvfly.func
-def tile_work(tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, CFG, CM):
-    """(batch, tile row, tile column, K split, first and end k-block) of a linear tile index; tile rows are
-    counted in cluster rows, and ``rank`` picks this block's row of its cluster."""
-    split = tile % CFG.split_k
-    batch, ctm, tn = tile_coords(tile // CFG.split_k, tiles_m, tiles_n, CFG.group_m // CM)
-    k_begin = split * k_per_split
-    return batch, ctm * CM + rank, tn, split, k_begin, nvfly.minimum(k_begin + k_per_split, k_tiles)
 
 
 @nvfly.kernel
@@ -578,12 +381,6 @@ def check_store_descriptor(desc: Any, cfg: GemmConfig, batched: bool) -> None:
     if info.dtype.itemsize != 2 or tuple(info.box) != box or info.swizzle != swizzle:
         raise CompileError(f"out_desc: expected a 16-bit descriptor with box {box} and swizzle {swizzle}, got "
                            f"{info.dtype.name} box {tuple(info.box)} swizzle {info.swizzle}")
-
-
-def store_box(cfg: GemmConfig, batched: bool) -> tuple[tuple[int, ...], int]:
-    """(TMA box, swizzle) of the output descriptor of the TMA-store epilogue (16-bit outputs)."""
-    width = cfg.store_width
-    return (1,) * batched + (cfg.wg_m, width), width * 2
 
 
 @nvfly.func

@@ -22,181 +22,85 @@ per-tile counter; the last CTA to arrive applies the epilogue, writes the output
 slice and counter to zero, so the next launch needs no memset and there is no second kernel. The workspace is
 ``scratch.workspace``'s, one per (device, stream), shared with the wgmma kernel's stream-K tail.
 
-Row-major B (``ROW_B``: B [K, N] with N contiguous, e.g. ``x @ W`` with W stored K x N). W's 16 rows of one
-mma are now 32-byte pieces of B's k rows, too short for DRAM bursts and not in fragment order, so B goes
-through shared memory. A CTA owns 64 consecutive columns (128 bytes of every k row of B) and its warps split
-its K range chunk by chunk (chunk c + warp + i * warps); each warp owns a ring of ``unroll`` 32 x 64 chunk
-stages (4 KB each) that it fills with 16-byte ``cp.async`` copies (one warp instruction: four whole 128-byte
-rows) and drains with ``ldmatrix.x4.trans``, which turns a 16 k x 16 n block of the N-contiguous stage into the
-m16n8k16 A fragment (16 n rows x 16 k). The ring is private to its warp, so the pipeline needs only
-``cp.async.wait_group`` and ``__syncwarp`` (no CTA barrier until the reduction): ``unroll - 1`` chunks (12 KB
-with the default 4 warps x 4 stages, 64 KB of shared memory per CTA) are in flight per warp. Giving each warp
-all 64 columns (rather than a 16-column slice) lets one token fragment feed four mmas and keeps every copy a
-full row. Stages are XOR-swizzled (16-byte segment s of row r at s ^ (r % 8)) so ldmatrix is conflict-free.
-ldmatrix leaves k in natural order, so the tokens use the ISA's B layout (two consecutive k per register,
-loaded element-wise, masked at K). Every chunk, the partial last one included, is staged: rows past K and
-columns past N are zero-filled by cp.async (nothing read), so only the tokens need masking. N must be a
-multiple of 8 and B's rows 16-byte aligned (``reason``; the wgmma kernel runs the rest). After the loop a
-warp's first stage holds its 64 x 16 partial tile, and the shared reduction / split-K epilogue follows. All of
-this variant's shared memory is dynamic (``row_b_smem_bytes``: the rings, then split K's arrival count): the
-runtime opts in to more than 48 KB by the dynamic size alone, and a static array would have added 1 KB ahead of
-the 1024-byte aligned dynamic region (exactly 48 KB of rings with split K then failed to launch).
-``SkinnyConfig.check(row_b=True)`` declines rings that do not fit 227 KB.
+Row-major B (``ROW_B``: B [K, N] with N contiguous, e.g. ``x @ W`` with W stored K x N). W's 16 rows of one mma are
+now 32-byte pieces of B's k rows, too short for DRAM bursts and not in fragment order, so B goes through shared
+memory. A CTA owns 64 consecutive columns (128 bytes of every k row of B) and its warps split its K range chunk by
+chunk (chunk c + warp + i * warps); each warp owns a ring of ``unroll`` 32 x 64 chunk stages (4 KB each) that it
+fills with 16-byte ``cp.async`` copies (one warp instruction: four whole 128-byte rows) and drains with
+``ldmatrix.x4.trans``, which turns a 16 k x 16 n block of the N-contiguous stage into the m16n8k16 A fragment (16 n
+rows x 16 k). The ring is private to its warp, so the pipeline needs only ``cp.async.wait_group`` and
+``__syncwarp`` (no CTA barrier until the reduction): ``unroll - 1`` chunks (12 KB with the default 4 warps x 4
+stages, 64 KB of shared memory per CTA) are in flight per warp. Giving each warp all 64 columns (rather than a
+16-column slice) lets one token fragment feed four mmas and keeps every copy a full row. Stages are XOR-swizzled
+(16-byte segment s of row r at s ^ (r % 8)) so ldmatrix is conflict-free. ldmatrix leaves k in natural order, so
+the tokens use the ISA's B layout (two consecutive k per register, loaded element-wise, masked at K). Every chunk,
+the partial last one included, is staged: rows past K and columns past N are zero-filled by cp.async (nothing
+read), so only the tokens need masking. N must be a multiple of 8 and B's rows 16-byte aligned
+(``skinny_plan.reason``; the wgmma kernel runs the rest). After the loop a warp's first stage holds its 64 x 16
+partial tile, and the shared reduction / split-K epilogue follows. All of this variant's shared memory is dynamic
+(``row_b_smem_bytes``: the rings, then split K's arrival count): the runtime opts in to more than 48 KB by the
+dynamic size alone, and a static array would have added 1 KB ahead of the 1024-byte aligned dynamic region (exactly
+48 KB of rings with split K then failed to launch). ``SkinnyConfig.check(row_b=True)`` declines rings that do not
+fit 227 KB.
 
-Token vectors (``SkinnyConfig.token_vectors``, row-major B only, on by default: 0.82 -> 0.98x cuBLAS at 16x4096x4096). The pair-by-pair
-tokens cost 8 predicated 16-bit loads and their packing per token tile and chunk, issued after the wait. With
-the option, k is permuted in the ldmatrix addressing instead (``ldmatrix_row``) so that each lane's B fragments
-over a chunk are the 8 consecutive k of one 16-byte token vector, as in the column-major kernel; the permuted
-rows an ldmatrix matrix reads need another swizzle (``segment_swizzle``). The tokens of the next chunk are
-loaded before the current chunk's wait, the loop running two chunks an iteration so that they land where its
-mmas read them, and only the chunk holding K's end is masked. Token rows that are not K-contiguous and 16-byte
-aligned keep the pair-by-pair path (``tokens_as_vectors``).
+Token vectors (``SkinnyConfig.token_vectors``, row-major B only, on by default; measured in docs/ops/gemm.md). The
+pair-by-pair tokens cost 8 predicated 16-bit loads and their packing per token tile and chunk, issued after the
+wait. With the option, k is permuted in the ldmatrix addressing instead (``ldmatrix_row``) so that each lane's B
+fragments over a chunk are the 8 consecutive k of one 16-byte token vector, as in the column-major kernel; the
+permuted rows an ldmatrix matrix reads need another swizzle (``segment_swizzle``). The tokens of the next chunk are
+loaded before the current chunk's wait, the loop running two chunks an iteration so that they land where its mmas
+read them, and only the chunk holding K's end is masked. Token rows that are not K-contiguous and 16-byte aligned
+keep the pair-by-pair path (``tokens_as_vectors``).
 
-Column-major tokens (A = x.t(), 8 tokens contiguous at each k). Read element by element (``load_tokens``)
-they cost 8 16-bit loads per token tile, chunk and lane, each warp instruction touching 4 sectors of 4 k rows:
-at M = 16 the L1 wavefronts, not DRAM, bound the column-major-B kernel (ncu at 16x4096x14336: L1/TEX 90%,
-DRAM 52%). How the kernel reads them is chosen at trace time (``token_path``) from the config and x's
-specialisation, both in the compile key:
+Column-major tokens (A = x.t(), 8 tokens contiguous at each k). Read element by element (``load_tokens``) they cost
+8 16-bit loads per token tile, chunk and lane, each warp instruction touching 4 sectors of 4 k rows: at M = 16 the
+L1 wavefronts, not DRAM, bound the column-major-B kernel (the profile: docs/ops/gemm.md). How the kernel reads them
+is chosen at trace time (``token_path``) from the config and x's specialisation, both in the compile key:
 
 - Row-major B stages them (``tokens_stageable``, when the stages fit the CTA's 227 KB beside the rings): each
-  chunk's tokens are copied into shared memory by cp.async in the chunk's commit group, 16 bytes = 8 tokens at
-  one k a copy (M <= 8: one per lane and chunk, else two), and read by one ldmatrix.x4.trans per token tile and
-  chunk. A stored 8 x 8 matrix of 8 k rows (8 tokens each) gives lane l, transposed, k rows 2 * (l % 4) + {0, 1}
-  of token l / 4: the m16n8k16 B fragment. The k a row holds (``token_slot_k``) follows the weight's k order:
-  each lane's 8 consecutive k for column-major B and for row-major B with token_vectors, the ISA's order
-  otherwise, so the weight path is unchanged. Slots are 8-row matrices per token tile, rows XORed with 4 * tile
-  (``token_slot_offset``): conflict-free copies and ldmatrix. Rows past K are zero-filled (the padding could
-  hold NaN), so the chunk holding K's end needs no token mask; a token tile's copy reads tokens past M whole (16
-  aligned bytes holding a real token; those tokens feed results never stored).
-- Column-major B follows ``SkinnyConfig.column_tokens`` (``COLUMN_B_TOKENS`` by default), per load group and
-  with the tokens' loads issued before the group's W loads. "loads": the element loads above. "cp.async": the
-  row-major-B stages (one per chunk of the group), filled by cp.async, then ``cp.async.wait_group 0``: the
-  copies hit L2, sooner than W's DRAM loads arrive, but the wait is for all of them. "registers": the same
-  16-byte copies read by plain ``ld.global.v4`` into registers (rows past K predicated off: zero) and written
-  to the stages by st.shared.v4, so each store waits only for its own load while W's stay in flight. Both
-  then ``__syncwarp`` and the ldmatrix.x4.trans above, and need ``tokens_stageable`` tokens and stages that
-  fit; afterwards a warp's stages hold its partial tile. "movmatrix" needs no shared memory: for B word w of a
-  token tile, lane 4i + p loads the 32-bit word of tokens 2p, 2p + 1 at chunk k 8 * (i // 2) + 2w + i % 2, and
-  ``movmatrix.trans`` hands lane l token l / 4 at k 8 * (l % 4) + 2w + {0, 1}, the word the K-contiguous
-  vector would give (``movmatrix_source``); it needs 4-byte aligned token pairs (``token_pairs_loadable``),
-  clamps pairs past M to the one holding token M - 1 and zeroes words past K. Tokens a path cannot take
-  (K-contiguous ones included) use "loads".
+  chunk's tokens are copied into shared memory by cp.async in the chunk's commit group, 16 bytes = 8 tokens at one
+  k a copy (M <= 8: one per lane and chunk, else two), and read by one ldmatrix.x4.trans per token tile and chunk.
+  A stored 8 x 8 matrix of 8 k rows (8 tokens each) gives lane l, transposed, k rows 2 * (l % 4) + {0, 1} of token
+  l / 4: the m16n8k16 B fragment. The k a row holds (``token_slot_k``) follows the weight's k order: each lane's 8
+  consecutive k for column-major B and for row-major B with token_vectors, the ISA's order otherwise, so the weight
+  path is unchanged. Slots are 8-row matrices per token tile, rows XORed with 4 * tile (``token_slot_offset``):
+  conflict-free copies and ldmatrix. Rows past K are zero-filled (the padding could hold NaN), so the chunk holding
+  K's end needs no token mask; a token tile's copy reads tokens past M whole (16 aligned bytes holding a real
+  token; those tokens feed results never stored).
+- Column-major B follows ``SkinnyConfig.column_tokens`` (``skinny_plan.COLUMN_B_TOKENS`` by default), per load
+  group and with the tokens' loads issued before the group's W loads. "loads": the element loads above. "cp.async":
+  the row-major-B stages (one per chunk of the group), filled by cp.async, then ``cp.async.wait_group 0``: the
+  copies hit L2, sooner than W's DRAM loads arrive, but the wait is for all of them. "registers": the same 16-byte
+  copies read by plain ``ld.global.v4`` into registers (rows past K predicated off: zero) and written to the stages
+  by st.shared.v4, so each store waits only for its own load while W's stay in flight. Both then ``__syncwarp`` and
+  the ldmatrix.x4.trans above, and need ``tokens_stageable`` tokens and stages that fit; afterwards a warp's stages
+  hold its partial tile. "movmatrix" needs no shared memory: for B word w of a token tile, lane 4i + p loads the
+  32-bit word of tokens 2p, 2p + 1 at chunk k 8 * (i // 2) + 2w + i % 2, and ``movmatrix.trans`` hands lane l token
+  l / 4 at k 8 * (l % 4) + 2w + {0, 1}, the word the K-contiguous vector would give (``movmatrix_source``); it
+  needs 4-byte aligned token pairs (``token_pairs_loadable``), clamps pairs past M to the one holding token M - 1
+  and zeroes words past K. Tokens a path cannot take (K-contiguous ones included) use "loads".
 
 With staged tokens all shared memory is dynamic (``row_b_smem_bytes``, ``column_b_staged_smem_bytes``).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple, Optional
-
-import torch
 
 import nvfly
 from nvfly.arch import sm80
 from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add
 from nvfly.arch.ptx import asm, asm_multi, smem_address
 from nvfly.frontend import dtypes
-from nvfly.ops.common import scratch
-from nvfly.ops.gemm_kernel import Epilogue, activate
-from nvfly.runtime.torch_args import current_stream
-
-MAX_M = 16              # two n8 mma tiles of tokens
-ROWS = 16               # output columns (W rows) per CTA: the mma's M
-CHUNK_K = 32            # k per chunk: 32 lanes x 16 bytes cover 16 rows x 32 k, two k16 mma steps
-VECTOR = 8              # elements per lane per row per chunk (16 bytes)
-# row-major B: a CTA owns 64 consecutive columns (128-byte rows of B per k) staged in 32 x 64 chunks
-COLS_ROW_B = 64
-SEGMENTS = COLS_ROW_B // VECTOR          # 16-byte segments per staged k row
-CHUNK_BYTES = CHUNK_K * COLS_ROW_B * 2   # one ring stage (4 KB)
-# shared memory per CTA: the opt-in maximum (sm_90: 227 KB of dynamic plus static; the runtime opts in past 48 KB,
-# runtime.driver.smem_opt_in)
-MAX_SMEM = 227 * 1024
-# row-major B with split K: the CTA's arrival count lives in dynamic shared memory right after the rings (a
-# static array would sit before the 1024-byte aligned dynamic region and take 1 KB of static shared memory)
-ARRIVAL_BYTES = 16
-# staged (column-major) tokens: one n8 token tile of a chunk in shared memory, 32 k rows of 8 tokens (16 bytes)
-TOKEN_TILE_BYTES = CHUNK_K * VECTOR * 2
+from nvfly.ops.gemm.kernel import activate
+from nvfly.ops.gemm.skinny_config import (ARRIVAL_BYTES, CHUNK_BYTES, CHUNK_K, COLS_ROW_B, MAX_M, MAX_SMEM, ROWS,
+                                          SEGMENTS, STAGED_TOKENS, TOKEN_TILE_BYTES, VECTOR, SkinnyConfig,
+                                          column_b_staged_smem_bytes, row_b_smem_bytes, staged_token_bytes)
 
 # mma fragment registers from the loaded 32-bit words (each word: two consecutive k of one row).
 # A (W): register r of k16 step s is word 2 * s + offset of row g (half 0) or g + 8 (half 1), with
 # (half, offset) = A_REGISTER_WORDS[r]; B (A's token row g): register r of step s is word 2 * s + r.
 A_REGISTER_WORDS = ((0, 0), (1, 0), (0, 1), (1, 1))
 B_REGISTER_WORDS = (0, 1)
-
-
-# how the column-major-B kernel gets column-major tokens (SkinnyConfig.column_tokens; the module docstring's
-# "Column-major tokens"): element loads, or per load group 16-byte copies of 8 tokens at one k into shared memory
-# read back by ldmatrix.trans (by cp.async, or by vector loads into registers and st.shared), or 32-bit token
-# pairs transposed in registers by movmatrix
-COLUMN_TOKENS = ("loads", "cp.async", "registers", "movmatrix")
-STAGED_TOKENS = ("cp.async", "registers")  # the ones that use token stages in shared memory
-
-
-@dataclass(frozen=True)
-class SkinnyConfig:
-    """warps: per CTA, splitting its K range; unroll: 32-wide k chunks a warp loads before its mmas (1 KB of W
-    each), or with row-major B the depth of each warp's cp.async ring (4 KB stages, at least 2); splits: CTAs
-    per column group, each reducing one K range (fp32 workspace when > 1); token_vectors (row-major B only):
-    permute k in the ldmatrix addressing so that the tokens load as one 16-byte vector per token tile and chunk,
-    a chunk ahead, instead of pair by pair (where the tokens' rows allow it; untimed, hence off by default);
-    column_tokens (column-major B only): how column-major tokens reach the mmas, one of COLUMN_TOKENS (where x's
-    layout allows it, else "loads": ``token_path``); "loads" in an explicit config, COLUMN_B_TOKENS in the
-    heuristic's (``default_config``). Every field is part of the kernel's compile key (CFG)."""
-    warps: int = 8
-    unroll: int = 4
-    splits: int = 1
-    token_vectors: bool = False
-    column_tokens: str = "loads"
-
-    def check(self, row_b: bool = False) -> Optional[str]:
-        """None when the kernel (with ``row_b``, its row-major-B variant) can be built and launched with this
-        config, else why not."""
-        if not 1 <= self.warps <= 32:
-            return f"warps={self.warps}: 1 to 32"
-        if not 1 <= self.unroll <= 16:
-            return f"unroll={self.unroll}: 1 to 16"
-        if self.splits < 1:
-            return f"splits={self.splits}: at least 1"
-        if self.token_vectors and not row_b:
-            return ("token_vectors: an option of the row-major-B kernel (column-major B loads its tokens as 16-byte "
-                    "vectors already)")
-        if self.column_tokens not in COLUMN_TOKENS:
-            return f"column_tokens={self.column_tokens!r}: one of {', '.join(map(repr, COLUMN_TOKENS))}"
-        if self.column_tokens != "loads" and row_b:
-            return (f"column_tokens={self.column_tokens!r}: an option of the column-major-B kernel (row-major B "
-                    "stages column-major tokens with its ring's cp.async copies)")
-        if self.column_tokens in STAGED_TOKENS and column_b_staged_smem_bytes(self, 1) > MAX_SMEM:
-            return (f"column_tokens={self.column_tokens!r}: warps={self.warps} x unroll={self.unroll} token stages "
-                    f"need {column_b_staged_smem_bytes(self, 1)} bytes of shared memory per CTA; at most {MAX_SMEM}")
-        if row_b:
-            if self.unroll < 2:
-                return f"unroll={self.unroll}: row-major B needs a ring of at least 2 stages"
-            smem = row_b_smem_bytes(self)
-            if smem > MAX_SMEM:
-                return (f"warps={self.warps} x unroll={self.unroll} ring stages of {CHUNK_BYTES} bytes need {smem} "
-                        f"bytes of shared memory per CTA; at most {MAX_SMEM}")
-        return None
-
-
-def staged_token_bytes(config: SkinnyConfig, m_tiles: int) -> int:
-    """Shared memory of staged tokens (``stage_tokens``): ``unroll`` chunks of ``m_tiles`` token tiles per warp
-    (row-major B: a token stage beside each ring stage; column-major B: one per chunk of a warp's load group)."""
-    return config.warps * config.unroll * m_tiles * TOKEN_TILE_BYTES
-
-
-def row_b_smem_bytes(config: SkinnyConfig, staged_token_tiles: int = 0) -> int:
-    """Dynamic shared memory of the row-major-B kernel (it has no static shared memory): every warp's ring of
-    ``unroll`` stages (reused for the warps' partial tiles), the token stages when ``staged_token_tiles`` token
-    tiles are staged, and, with split K, the arrival count after them."""
-    return (config.warps * config.unroll * CHUNK_BYTES + staged_token_bytes(config, staged_token_tiles) +
-            (ARRIVAL_BYTES if config.splits > 1 else 0))
-
-
-def column_b_staged_smem_bytes(config: SkinnyConfig, m_tiles: int) -> int:
-    """Dynamic shared memory of the column-major-B kernel with staged tokens (then all of its shared memory is
-    dynamic): every warp's token stages (reused for its partial tile) and, with split K, the arrival count."""
-    return staged_token_bytes(config, m_tiles) + (ARRIVAL_BYTES if config.splits > 1 else 0)
 
 
 # ---------------------------------------------------------------------------------------------- index maps
@@ -882,159 +786,3 @@ def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in
                     finish(total, out, c_in, batch, token, col, alpha, beta, EPI)
             if tid == 0:
                 counters[tile] = 0
-
-
-# ---------------------------------------------------------------------------------------------- host side
-def b_major(b: torch.Tensor) -> str:
-    """'col' when B's columns (W's rows) are K-contiguous, 'row' when B's rows are N-contiguous."""
-    return "col" if b.stride(-2) == 1 else "row"
-
-
-def reason(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
-    """None when the skinny kernel can run ``a @ b`` (after ``gemm.eligibility`` accepted it), else why not."""
-    if a.shape[-2] > MAX_M:
-        return f"M={a.shape[-2]} exceeds {MAX_M}"
-    n, batches = b.shape[-1], (b.shape[0] if b.dim() == 3 else 1)
-    if b.stride(-2) == 1:
-        if b.data_ptr() % 16 or (n > 1 and b.stride(-1) % VECTOR) or (batches > 1 and b.stride(0) % VECTOR):
-            return "B^T's rows are not 16-byte aligned"
-        return None
-    if b.stride(-1) != 1:
-        return "B is neither column- nor row-major"
-    k = b.shape[-2]
-    if n % VECTOR:
-        return f"B is row-major and N={n} is not a multiple of {VECTOR} (16-byte row vectors)"
-    if b.data_ptr() % 16 or (k > 1 and b.stride(-2) % VECTOR) or (batches > 1 and b.stride(0) % VECTOR):
-        return "B's rows are not 16-byte aligned"
-    return None
-
-
-@dataclass(frozen=True)
-class SkinnyPlan:
-    """Launch parameters of one skinny GEMM signature (cached by ``gemm.matmul``)."""
-    config: SkinnyConfig
-    m_tiles: int
-    m: int
-    n: int
-    k: int
-    chunks_per_split: int
-    grid: tuple[int, int, int]
-    tiles: int
-    epilogue: Epilogue
-    row_b: bool = False
-
-    @property
-    def tile_slots(self) -> int:
-        return (COLS_ROW_B if self.row_b else ROWS) * MAX_M
-
-
-# CTAs per SM that K splits may fill up to (two 256-thread CTAs of up to 128 registers are resident per SM:
-# one wave, no tail), and the fewest k chunks a warp should stream per split (a shorter split spends more on
-# its start and reduction than it saves); to be tuned on the H200 (benchmarks/gemm_skinny_configs.py)
-TARGET_CTAS_PER_SM = 2
-MIN_CHUNKS_PER_WARP = 8
-# column-major B: how column-major tokens are read by default (SkinnyConfig.column_tokens; tokens that the path
-# cannot take fall back to "loads" at trace time). Measured on the H200 (benchmarks/results/
-# gemm_skinny_column_tokens_h200.log, best of 8 warps x unroll 2/4 x splits 1/2, us): 16x4096x4096 colxcol loads 20.0,
-# cp.async 35.8, registers 15.8, movmatrix 16.8 (cuBLAS 19.2); 16x4096x14336 49.8 / 94.2 / 38.0 / 38.3 (cuBLAS 42.9);
-# 8x14336x4096 40.2 / 55.3 / 37.8 / 38.9 (cuBLAS 41.1). cp.async's wait stalls the weight loads behind it
-COLUMN_B_TOKENS = "registers"
-# row-major B: 8 warps, each with a 2-stage ring (64 KB of shared memory per CTA), tokens as 16-byte vectors.
-# Its split rule scales a warp's fewest chunks per split with the square of the token tiles: each split adds an
-# M x N fp32 reduction and a larger M already keeps more loads in flight per CTA. Swept on the H200
-# (benchmarks/results/gemm_skinny_rowb_token_vectors_h200.log): 1x4096x4096 best at 4 splits (17.2 us, cuBLAS 18.7),
-# 16x4096x4096 at 1 (19.4 us with this ring, cuBLAS 18.6), 16x4096x14336 at 2-4 (43.9-44.8 us, cuBLAS 41.6).
-ROW_B_CONFIG = SkinnyConfig(warps=8, unroll=2, token_vectors=True)
-ROW_B_MIN_CHUNKS_PER_WARP = 4
-
-
-def default_config(m: int, n: int, k: int, batches: int, sms: int, row_b: bool = False) -> SkinnyConfig:
-    """Split K across CTAs up to TARGET_CTAS_PER_SM CTAs per SM, keeping each warp's share long."""
-    cfg = ROW_B_CONFIG if row_b else SkinnyConfig(column_tokens=COLUMN_B_TOKENS)
-    groups = math.ceil(n / (COLS_ROW_B if row_b else ROWS)) * batches
-    chunks = math.ceil(k / CHUNK_K)
-    wanted = TARGET_CTAS_PER_SM * sms // groups
-    per_warp = ROW_B_MIN_CHUNKS_PER_WARP * math.ceil(m / 8) ** 2 if row_b else MIN_CHUNKS_PER_WARP
-    longest = max(1, chunks // (cfg.warps * per_warp))
-    return replace(cfg, splits=max(1, min(wanted, longest)))
-
-
-def make_plan(m: int, n: int, k: int, batches: int, has_c: bool, activation: str, scaled: bool,
-              config: Optional[SkinnyConfig], sms: int, row_b: bool = False) -> SkinnyPlan:
-    config = config or default_config(m, n, k, batches, sms, row_b)
-    problem = config.check(row_b)
-    if problem:
-        raise ValueError(f"config={config}: {problem}" + (" (row-major B)" if row_b else ""))
-    epilogue = Epilogue(has_c=has_c, activation=activation, scaled=scaled)
-    if row_b:
-        # unroll = ring stages per warp; every chunk (the last one partial) is staged, zero-filled past K
-        chunks = max(1, math.ceil(k / CHUNK_K))
-        per_split = math.ceil(chunks / min(config.splits, chunks))
-        splits = math.ceil(chunks / per_split)
-        config = replace(config, splits=splits)
-        groups = math.ceil(n / COLS_ROW_B)
-        return SkinnyPlan(config, math.ceil(m / 8), m, n, k, per_split, (groups * splits, batches, 1),
-                          groups * batches, epilogue, True)
-    full_chunks = k // CHUNK_K
-    # whole unroll groups per split, and no split without chunks (the tail chunk goes to the last split)
-    per_split = max(config.unroll, math.ceil(math.ceil(full_chunks / config.splits) / config.unroll) * config.unroll)
-    splits = max(1, math.ceil(full_chunks / per_split))
-    config = replace(config, splits=splits)
-    groups = math.ceil(n / ROWS)
-    return SkinnyPlan(config, math.ceil(m / 8), m, n, k, per_split, (groups * splits, batches, 1), groups * batches,
-                      epilogue)
-
-
-def one_batch(t: torch.Tensor) -> torch.Tensor:
-    """A 2-D operand as a batch of one with batch stride 0: static in the kernel's specialisation, so that a batch's
-    view keeps the operand's alignment (unsqueeze's stride, M for column-major tokens, may be odd, and the staged
-    tokens need 16-byte aligned batches: ``tokens_stageable``)."""
-    return t.as_strided((1, *t.shape), (0, *t.stride()))
-
-
-def prepared_launch(plan: SkinnyPlan, shape: tuple) -> Callable[..., None]:
-    """``run(a, b, c, out, alpha, beta)`` for one call signature of ``plan`` (2-D or 3-D operands of output
-    shape ``shape``; c None or broadcastable): a prepared launch, so a call costs little more than the driver's."""
-    cfg = plan.config
-    kernel = skinny_gemm_kernel.prepared(plan.grid, cfg.warps * 32)
-    batched = len(shape) == 3
-
-    def run(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], out: torch.Tensor, alpha: float,
-            beta: float) -> None:
-        if kernel.warm:  # the generated launch reads only addresses: the kernel's views start where these do
-            w, a3, out3, c3 = b, a, out, c
-        else:
-            a3, b3, out3 = (a, b, out) if batched else (one_batch(a), b.unsqueeze(0), out.unsqueeze(0))
-            c3 = None if c is None else c.expand(shape) if batched else c.expand(shape).unsqueeze(0)
-            w = b3 if plan.row_b else b3.transpose(-1, -2)
-        if cfg.splits == 1:
-            kernel(w, a3, out3, c3, None, None, plan.m, plan.n, plan.k, plan.chunks_per_split, alpha, beta, cfg,
-                   plan.m_tiles, plan.epilogue, plan.row_b)
-            return
-        stream = current_stream(a.device.index)
-        partials, counters = scratch.workspace(a.device, stream, plan.tiles, plan.tile_slots)
-        kernel(w, a3, out3, c3, partials, counters, plan.m, plan.n, plan.k, plan.chunks_per_split, alpha, beta, cfg,
-               plan.m_tiles, plan.epilogue, plan.row_b, stream=stream)
-    return run
-
-
-def compile_kernel(m: int, k: int = 4096, n: int = 4096, dtype: Any = nvfly.bf16, out_dtype: Any = None,
-                   has_c: bool = False, activation: str = "none", scaled: bool = False,
-                   config: SkinnyConfig = SkinnyConfig(), x_contiguous: bool = True, row_b: bool = False,
-                   x_k_stride: Optional[int] = None, target: str = "sm_90a") -> Any:
-    """Compile the kernel for one problem class without a GPU; returns the CompiledKernel. ``x_contiguous``
-    False: column-major tokens, k elements ``x_k_stride`` (default M) apart."""
-    from nvfly.runtime.torch_args import TensorDesc
-    w = TensorDesc(dtype, (1, k, n) if row_b else (1, n, k))
-    x_k_stride = x_k_stride or m
-    x = TensorDesc(dtype, (1, m, k), None if x_contiguous else (x_k_stride * k, 1, x_k_stride))
-    out = TensorDesc(out_dtype or dtype, (1, m, n))
-    c = TensorDesc(dtype, (1, m, n), (0, 0, 1)) if has_c else None
-    split = config.splits > 1
-    slots = (COLS_ROW_B if row_b else ROWS) * MAX_M
-    partials = TensorDesc(nvfly.f32, (slots * 1024,)) if split else None
-    counters = TensorDesc(nvfly.i32, (1024,)) if split else None
-    return skinny_gemm_kernel.compile(w, x, out, c, partials, counters, m, n, k, 64, 1.0, 0.0, CFG=config,
-                                      M_TILES=math.ceil(m / 8),
-                                      EPI=Epilogue(has_c=has_c, activation=activation, scaled=scaled),
-                                      ROW_B=row_b, block=config.warps * 32, target=target)

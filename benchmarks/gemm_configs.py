@@ -12,12 +12,12 @@ that fits next to the staging buffers, with 2 and with 1 staging slice per consu
         --shapes 2048x2112x7168,1024x7168x2048,8192x8192x8192,4096x14336x4096
 
 ``--compare-regions``: the default call (its own config, swap-AB for small M) and the other default tiles under each
-stream-K region (gemm.STREAM_K_REGIONS: which tiles are dealt out as contiguous k ranges), e.g.
+stream-K region (plan.STREAM_K_REGIONS: which tiles are dealt out as contiguous k ranges), e.g.
 
     python -m benchmarks.gemm_configs --compare-regions --layouts rowxrow \
         --shapes 64x6144x4096,336x4104x1024,512x7168x16384,2048x4096x14336,1024x7168x2048
 
-``--compare-wave-fit``: the default call beside the config it would run without the wave fit (gemm.wave_fit),
+``--compare-wave-fit``: the default call beside the config it would run without the wave fit (plan.wave_fit),
 alternately twice each with cuBLAS, on the shapes whose default the wave fit changes (others are listed as
 unchanged), e.g.
 
@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, rel_err  # noqa: E402
 from nvfly.ops import gemm  # noqa: E402
-from nvfly.ops.gemm_kernel import GemmConfig  # noqa: E402
+from nvfly.ops.gemm import GemmConfig, api, plan  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (4096, 32768, 512), (1024, 7168, 2048), (4096, 4096, 4096), (4096, 24576, 1536)]
 CONFIGS = [GemmConfig(128, 256, 4, 2), GemmConfig(128, 256, 3, 2), GemmConfig(128, 256, 4, 2, cluster_m=2),
@@ -60,7 +60,7 @@ STORE_BASES = [GemmConfig(128, 128, 6, 2, pingpong=True), GemmConfig(128, 256, 4
 
 def deepest(cfg: GemmConfig) -> Optional[GemmConfig]:
     """``cfg`` at the deepest ring of at most its stages that fits (bf16)."""
-    return gemm.deepest_ring(cfg, 2, most=cfg.stages)
+    return plan.deepest_ring(cfg, 2, most=cfg.stages)
 
 
 def with_store(configs: list[GemmConfig]) -> list[GemmConfig]:
@@ -82,14 +82,14 @@ def label(cfg: GemmConfig) -> str:
 
 
 def other_default_tiles(m: int, n: int, k: int) -> list[GemmConfig]:
-    """The two large default tiles (gemm._TILES) other than the tile of the shape's default config."""
-    first = gemm.default_config(m, n, k)
-    return [cfg for cfg, _ in gemm._TILES[:3] if (cfg.bm, cfg.bn) != (first.bm, first.bn)]
+    """The two large default tiles (plan.TILES) other than the tile of the shape's default config."""
+    first = plan.default_config(m, n, k)
+    return [cfg for cfg, _ in plan.TILES[:3] if (cfg.bm, cfg.bn) != (first.bm, first.bn)]
 
 
 def with_and_without_tail(m: int, n: int, k: int) -> list[GemmConfig]:
     """The default config of a shape and the two other default tiles, each with and without stream K."""
-    tiles = [gemm.default_config(m, n, k)] + other_default_tiles(m, n, k)
+    tiles = [plan.default_config(m, n, k)] + other_default_tiles(m, n, k)
     return [replace(cfg, stream_k=on) for cfg in tiles for on in (True, False)]
 
 
@@ -102,23 +102,23 @@ def checked_ms(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, what: Any, *
 
 @contextlib.contextmanager
 def under_region(region: Optional[str]) -> Iterator[None]:
-    """gemm.STREAM_K_REGION set to ``region`` (None: left as it is) inside the block; plans are cached per call
+    """plan.STREAM_K_REGION set to ``region`` (None: left as it is) inside the block; plans are cached per call
     signature, regions aside, so the cache is emptied on the way in and out."""
-    default_region = gemm.STREAM_K_REGION
-    gemm.STREAM_K_REGION = region or default_region
-    gemm._CALLS.clear()
+    default_region = plan.STREAM_K_REGION
+    plan.STREAM_K_REGION = region or default_region
+    api._CALLS.clear()
     try:
         yield
     finally:
-        gemm.STREAM_K_REGION = default_region
-        gemm._CALLS.clear()
+        plan.STREAM_K_REGION = default_region
+        api._CALLS.clear()
 
 
 def time_regions(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float) -> list[str]:
     """The default call and the other default tiles under each stream-K region, in TFLOP/s."""
     cells = []
     for cfg in [None] + other_default_tiles(a.shape[0], b.shape[1], a.shape[1]):
-        for region in gemm.STREAM_K_REGIONS:
+        for region in plan.STREAM_K_REGIONS:
             with under_region(region):
                 ms = checked_ms(a, b, ref, (cfg, region), config=cfg)
                 name = "default" if cfg is None else label(cfg)
@@ -152,8 +152,8 @@ def time_tiles(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: float
         tile, _, region = name.partition("@")
         try:
             cfg, swap = (None, None) if tile == "default" else named_tile(tile)
-            if region and region not in gemm.STREAM_K_REGIONS:
-                raise ValueError(f"stream-K region {region!r}: expected one of {gemm.STREAM_K_REGIONS}")
+            if region and region not in plan.STREAM_K_REGIONS:
+                raise ValueError(f"stream-K region {region!r}: expected one of {plan.STREAM_K_REGIONS}")
         except ValueError as e:  # one impossible tile must not end the run
             cells.append(f"{name} declined ({e})")
             continue
@@ -171,8 +171,8 @@ def time_wave_fit(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: fl
     """The default call and the config without the wave fit, alternately twice each with cuBLAS (medians)."""
     m, k = a.shape
     n = b.shape[1]
-    unfitted = gemm.default_config(m, n, k, fit_waves=False)
-    if unfitted == gemm.default_config(m, n, k):
+    unfitted = plan.default_config(m, n, k, fit_waves=False)
+    if unfitted == plan.default_config(m, n, k):
         return ["unchanged by the wave fit"]
     times: dict[str, list[float]] = {"without": [], "default": [], "cuBLAS": []}
     for config, what in ((unfitted, "wave fit off"), (None, "default")):  # each checked once, then timed
@@ -182,7 +182,7 @@ def time_wave_fit(a: torch.Tensor, b: torch.Tensor, ref: torch.Tensor, flops: fl
         times["default"].append(bench_ms(lambda: gemm.matmul(a, b)))
         times["cuBLAS"].append(bench_ms(lambda: torch.mm(a, b)))
     rate = {name: flops / statistics.median(ms) / 1e9 for name, ms in times.items()}
-    fitted = gemm.default_config(m, n, k)
+    fitted = plan.default_config(m, n, k)
     return [f"without the wave fit {label(unfitted)} {rate['without']:.0f}",
             f"default {label(fitted)} {rate['default']:.0f}", f"cuBLAS {rate['cuBLAS']:.0f}",
             f"gain {rate['default'] / rate['without']:.3f}"]

@@ -1,10 +1,10 @@
 """Time skinny-GEMM configs on decode shapes against cuBLAS and the wgmma kernel (tuning aid for
-gemm_skinny.TARGET_CTAS_PER_SM / MIN_CHUNKS_PER_WARP / SkinnyConfig defaults and gemm.SKINNY_MAX_M):
+gemm.skinny_plan.TARGET_CTAS_PER_SM / MIN_CHUNKS_PER_WARP / SkinnyConfig defaults and gemm.plan.SKINNY_MAX_M):
 python -m benchmarks.gemm_skinny_configs [--shapes M,N,K ...] [--layout rowxcol|rowxrow] [--token-vectors]
 [--tokens row|col] [--column-tokens loads,cp.async,registers,movmatrix] [--warps W,...] [--unroll U,...]
 [--splits S,...].
 rowxcol: B is the F.linear weight (column-major); rowxrow: B is [K, N] row-major (the cp.async + ldmatrix.trans
-variant, whose ``unroll`` is its ring depth: gemm_skinny.ROW_B_CONFIG), and --token-vectors adds each config with
+variant, whose ``unroll`` is its ring depth: gemm.skinny_plan.ROW_B_CONFIG), and --token-vectors adds each config with
 SkinnyConfig.token_vectors on (k-permuted stages, tokens as 16-byte vectors) and reports the best of each side.
 --tokens col: A is column-major (x.t() of a [K, M] tensor, its rows padded to a multiple of 8 tokens as matmul
 needs), the tokens the kernels stage in shared memory; the layout printed then reads colxcol or colxrow.
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, rel_err  # noqa: E402
 from nvfly.ops import gemm  # noqa: E402
-from nvfly.ops.gemm_skinny import COLUMN_TOKENS, SkinnyConfig  # noqa: E402
+from nvfly.ops.gemm.skinny_config import COLUMN_TOKENS, SkinnyConfig  # noqa: E402
 
 SHAPES = [(1, 4096, 4096), (16, 4096, 4096), (16, 4096, 14336), (8, 14336, 4096), (1, 28672, 4096),
           (16, 6144, 4096), (4, 1024, 8192)]

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot, rel_err, write_results  # noqa: E402
 import nvfly  # noqa: E402
 from nvfly.ops import rmsnorm  # noqa: E402
+from nvfly.ops.rmsnorm import plan as rmsnorm_plan  # noqa: E402
 
 COPY_TBPS = 4.3  # measured device copy bandwidth of the H200 on a large copy (reads + writes)
 SUITE_M = [1, 32, 256, 4096, 16384, 65536]
@@ -271,7 +272,7 @@ def plan_rows(m: int, n: int, dtype: torch.dtype, fused_add: bool, only: Optiona
                "forward", "plan": name, "default": name == "default", "options": dataclasses.asdict(options),
                "kernel": kernel.name, "threads": threads, "blocks_per_sm": p.blocks_per_sm,
                "early_weight": p.early_weight, "registers": kernel.resources.registers,
-               "resident_warps": rmsnorm.resident_warps(kernel.resources.registers, threads),
+               "resident_warps": rmsnorm_plan.resident_warps(kernel.resources.registers, threads),
                "rel_err": rel_err(y, reference),
                "max_err": float(((y.double() - reference).abs().amax(1) / reference.abs().amax(1)).max())}
         if p.persistent:  # its grid holds blocks_per_sm blocks per SM, whatever more the registers allow

@@ -24,7 +24,7 @@ from nvfly.frontend.spec import TensorType as Tensor
 from nvfly.frontend.values import Scalar, Vector, full, make_vector
 from nvfly.jit import JitFunction, Kernel, PreparedLaunch, compile, compile_only
 from nvfly.runtime.tma import TmaDescriptor
-from nvfly.runtime.torch_args import TensorDesc
+from nvfly.runtime.tensor_desc import TensorDesc
 from nvfly.version import __version__
 
 

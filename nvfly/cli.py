@@ -43,7 +43,8 @@ def demo_cases() -> list[tuple[str, Callable[[str], list], Callable[[Any], tuple
         return run
 
     from nvfly.jit import compile_only
-    from nvfly.ops import gemm, gemm_skinny, rmsnorm, topk
+    from nvfly.ops import gemm, rmsnorm, topk
+    from nvfly.ops.gemm import api, plan, skinny_plan
 
     def compiled(fn: Callable, make: Callable, target: str) -> list:
         with compile_only(target) as kernels:
@@ -71,13 +72,13 @@ def demo_cases() -> list[tuple[str, Callable[[str], list], Callable[[Any], tuple
 
     def gemm_compile(t: str) -> list:
         a, b = gemm_inputs("cpu")
-        cfg = gemm.default_config(a.shape[0], b.shape[1], a.shape[1])
-        return gemm.compile_configs([cfg], majors=[("K", "MN")], target=t)
+        cfg = plan.default_config(a.shape[0], b.shape[1], a.shape[1])
+        return api.compile_configs([cfg], majors=[("K", "MN")], target=t)
 
     return [
         ("gemm (library)", gemm_compile,
          check(lambda a, b: gemm.matmul(a, b), lambda a, b: a.float() @ b.float(), gemm_inputs, 2.0)),
-        ("gemm decode (library)", lambda t: [gemm_skinny.compile_kernel(16, 4096, 14336, target=t)],
+        ("gemm decode (library)", lambda t: [skinny_plan.compile_kernel(16, 4096, 14336, target=t)],
          check(lambda a, b: gemm.matmul(a, b), lambda a, b: a.float() @ b.float(), decode_inputs, 2.0)),
         ("rmsnorm (library)", lambda t: compiled(lambda x, w: rmsnorm.rms_norm(x, w, 1e-6), rmsnorm_inputs, t),
          check(lambda x, w: rmsnorm.rms_norm(x, w, 1e-6), rms_ref, rmsnorm_inputs, 5e-2)),

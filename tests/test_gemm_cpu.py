@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import nvfly
 from nvfly.arch import sm90
 from nvfly.ops import gemm
-from nvfly.ops.gemm_kernel import REDUCE_THREADS, SMEM_LIMIT, Epilogue, GemmConfig, split_k_reduce_kernel
+from nvfly.ops.gemm.config import REDUCE_THREADS, SMEM_LIMIT, Epilogue, GemmConfig
+from nvfly.ops.gemm.kernel import split_k_reduce_kernel
 from nvfly.runtime.torch_args import vector_width
 
 CONFIGS = [GemmConfig(128, 256, 4, 2), GemmConfig(256, 128, 4, 2), GemmConfig(128, 128, 6, 2),
@@ -24,7 +25,7 @@ MAJORS = list(itertools.product(["K", "MN"], ["K", "MN"]))
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
 def test_configs_compile_to_hopper_instructions(config):
-    for k in gemm.compile_configs([config], majors=MAJORS if config.bn >= 64 else [("K", "K"), ("MN", "K")]):
+    for k in gemm.api.compile_configs([config], majors=MAJORS if config.bn >= 64 else [("K", "K"), ("MN", "K")]):
         ops = k.sass_opcodes()
         assert any(op.startswith(f"HGMMA.64x{config.bn}x16.F32.BF16") for op in ops), sorted(ops)
         assert k.count("UTMALDG") > 0 and k.count("USETMAXREG") == 2
@@ -41,7 +42,7 @@ def test_configs_compile_to_hopper_instructions(config):
 def test_stream_k_configs_compile_without_spills(config):
     """With the stream-K fix-up (workspace adds, the arrival count, the last part's sums read back in a branch):
     no spills or stack, registers in budget, the vector reductions in the SASS."""
-    for k in gemm.compile_configs([config], majors=[("K", "MN"), ("MN", "K")], stream_k=True):
+    for k in gemm.api.compile_configs([config], majors=[("K", "MN"), ("MN", "K")], stream_k=True):
         assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0, k.resources
         assert k.resources.registers <= 65536 // k.threads
         assert not k.warnings, k.warnings
@@ -55,7 +56,7 @@ def test_every_tile_shape_of_the_space_compiles():
         if key not in deepest or cfg.stages > deepest[key].stages:
             deepest[key] = cfg
     for cfg in deepest.values():
-        (k,) = gemm.compile_configs([cfg], majors=[("K", "MN" if cfg.check(2, "MN") is None else "K")])
+        (k,) = gemm.api.compile_configs([cfg], majors=[("K", "MN" if cfg.check(2, "MN") is None else "K")])
         assert k.count("HGMMA") > 0 and k.resources.spill_stores == 0, cfg
         assert not k.warnings, (cfg, k.warnings)
 
@@ -81,17 +82,17 @@ def make(m, n, k, a_major, b_major):
 def test_plans_and_descriptors_for_every_layout(mnk, majors):
     m, n, k = mnk
     a, b = make(m, n, k, *majors)
-    if gemm._tma_reason("A", a, -1 if majors[0] == "row" else -2) or \
-            gemm._tma_reason("B", b, -2 if majors[1] == "col" else -1):
+    if gemm.plan.tma_reason("A", a, -1 if majors[0] == "row" else -2) or \
+            gemm.plan.tma_reason("B", b, -2 if majors[1] == "col" else -1):
         pytest.skip("a stride TMA cannot express: declined by eligibility")
     a3, b3 = a.unsqueeze(0), b.unsqueeze(0)
-    plan = gemm._make_plan(a3, b3, False, "none", None, False)
+    plan = gemm.plan.make_plan(a3, b3, False, "none", None, False)
     assert plan.config.check(2) is None
-    token_tile = gemm.token_tile_config(m, n, k, 1, 2, 132, "K" if majors[1] == "col" else "MN")
+    token_tile = gemm.plan.token_tile_config(m, n, k, 1, 2, 132, "K" if majors[1] == "col" else "MN")
     assert plan.swap == (m <= 64 < n and token_tile is None)
     if plan.swap:
         a3, b3 = b3.transpose(-1, -2), a3.transpose(-1, -2)
-    a_desc, b_desc = gemm._descriptors(plan, a3, b3, False)
+    a_desc, b_desc = gemm.api._descriptors(plan, a3, b3, False)
     assert a_desc.info.box[-1] * 2 == a_desc.info.swizzle or a_desc.info.swizzle == 128
     tiles = -(-plan.m // plan.config.bm) * -(-plan.n // plan.config.bn) * plan.config.split_k
     assert plan.grid == min(tiles, 132)
@@ -100,22 +101,22 @@ def test_plans_and_descriptors_for_every_layout(mnk, majors):
 
 def test_heuristic_prefers_big_tiles_and_splits_long_k():
     # from K = LONG_K on the 128x256 cooperative tile; below it, and with a short last wave, 128x128 ping-pong
-    assert gemm.default_config(8192, 8192, 8192) == GemmConfig(128, 256, 4, 2, tma_store=True, store_buffers=1)
-    assert gemm.default_config(8192, 8192, 2048) == GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True,
-                                                               store_buffers=1)
-    assert gemm.default_config(2048, 2112, 7168).bn == 128  # 9 x 16 = 144 tiles of 128x256: 2 waves
+    assert gemm.plan.default_config(8192, 8192, 8192) == GemmConfig(128, 256, 4, 2, tma_store=True, store_buffers=1)
+    assert gemm.plan.default_config(8192, 8192, 2048) == GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True,
+                                                                    store_buffers=1)
+    assert gemm.plan.default_config(2048, 2112, 7168).bn == 128  # 9 x 16 = 144 tiles of 128x256: 2 waves
     # 68 tiles of 128x128 on 132 SMs: 128x64 fills the wave (132 tiles)
-    half = gemm.default_config(512, 2112, 7168)
+    half = gemm.plan.default_config(512, 2112, 7168)
     assert (half.bm, half.bn, half.split_k) == (128, 64, 1) and half.check(2) is None
     # every default config fits shared memory with its staging buffers (128x64 at 9 stages plus the TMA-store
     # staging did not: 238592 bytes)
     for m in (128, 336, 512, 1024, 2048, 4096):
         for n, k in [(2112, 7168), (4104, 1024), (6144, 4096), (7168, 16384), (24576, 1536), (32768, 512)]:
-            assert gemm.default_config(m, n, k).check(2) is None, (m, n, k)
-            assert gemm.small_m_config(m, n, k, 1, 2, 132).check(2) is None, (m, n, k)
-    small = gemm.default_config(128, 1024, 16384)
+            assert gemm.plan.default_config(m, n, k).check(2) is None, (m, n, k)
+            assert gemm.plan.small_m_config(m, n, k, 1, 2, 132).check(2) is None, (m, n, k)
+    small = gemm.plan.default_config(128, 1024, 16384)
     assert small.split_k > 1 and small.check(2) is None
-    swapped = gemm.small_m_config(16, 4096, 4096, 1, 2, 132)
+    swapped = gemm.plan.small_m_config(16, 4096, 4096, 1, 2, 132)
     assert swapped.bn == 16
 
 
@@ -123,7 +124,7 @@ def test_eligibility_reasons_on_cpu():
     a, b = make(64, 64, 64, "row", "row")
     assert gemm.eligibility(a, b) == "operands are not CUDA tensors"
     odd = torch.randn(64, 1023).to(torch.bfloat16)
-    assert "16 bytes" in gemm._tma_reason("A", odd, -1)
+    assert "16 bytes" in gemm.plan.tma_reason("A", odd, -1)
 
 
 @pytest.mark.parametrize("m", [1, 2, 8, 9, 16])
@@ -136,11 +137,11 @@ def test_column_major_tokens_take_the_skinny_kernel_up_to_one_token_tile(m, b_ma
     a_row = torch.randn(m, 4096).to(torch.bfloat16)
     b = torch.randn(4096, 4096).to(torch.bfloat16)
     b = b.t() if b_major == "col" else b
-    row_limit = gemm.SKINNY_MAX_M if b_major == "col" else gemm.SKINNY_MAX_M_ROW_B
-    limit = gemm.SKINNY_MAX_M_COLUMN_TOKENS if m > 1 and b_major == "row" else row_limit
-    assert gemm._skinny_wanted(a_col, b, None, None) == (m <= limit)
-    assert gemm._skinny_wanted(a_row, b, None, None) == (m <= row_limit)
-    assert gemm.SKINNY_MAX_M_ROW_B < gemm.SKINNY_MAX_M_COLUMN_TOKENS < gemm.SKINNY_MAX_M
+    row_limit = gemm.plan.SKINNY_MAX_M if b_major == "col" else gemm.plan.SKINNY_MAX_M_ROW_B
+    limit = gemm.plan.SKINNY_MAX_M_COLUMN_TOKENS if m > 1 and b_major == "row" else row_limit
+    assert gemm.plan.skinny_wanted(a_col, b, None, None) == (m <= limit)
+    assert gemm.plan.skinny_wanted(a_row, b, None, None) == (m <= row_limit)
+    assert gemm.plan.SKINNY_MAX_M_ROW_B < gemm.plan.SKINNY_MAX_M_COLUMN_TOKENS < gemm.plan.SKINNY_MAX_M
 
 
 @pytest.mark.parametrize("a_major", ["row", "col"])
@@ -150,7 +151,7 @@ def test_short_k_takes_the_skinny_kernel_only_up_to_8_tokens(a_major):
     for m, k, want in [(16, 512, False), (9, 512, False), (8, 512, True), (16, 1024, True), (16, 4096, True)]:
         a = torch.randn(m, k).to(torch.bfloat16) if a_major == "row" else torch.randn(k, m).to(torch.bfloat16).t()
         b = torch.randn(32768, k).to(torch.bfloat16).t()
-        assert gemm._skinny_wanted(a, b, None, None) == want, (m, k)
+        assert gemm.plan.skinny_wanted(a, b, None, None) == want, (m, k)
 
 
 def test_wave_fit_takes_the_width_that_fills_the_waves():
@@ -160,12 +161,12 @@ def test_wave_fit_takes_the_width_that_fills_the_waves():
     many waves keep their tile, as does short K's ping-pong tile in well-filled waves (512x8192x1024)."""
     for (m, n, k), width in [((512, 7168, 16384), 224), ((512, 6144, 4096), 192), ((512, 10240, 8192), 160),
                              ((336, 7168, 2048), 192)]:
-        cfg = gemm.default_config(m, n, k)
+        cfg = gemm.plan.default_config(m, n, k)
         assert (cfg.bm, cfg.bn, cfg.pingpong) == (128, width, False) and cfg.check(2) is None, (m, n, k, cfg)
     for m, n, k in [(2048, 4096, 14336), (4096, 14336, 4096), (4096, 10240, 8192)]:
-        assert (gemm.default_config(m, n, k).bm, gemm.default_config(m, n, k).bn) == (128, 256)
-    assert gemm.default_config(512, 8192, 1024).pingpong  # short K, 256 tiles: 97% of two waves
-    assert not gemm.default_config(336, 8192, 1024).pingpong  # short K, 192 tiles: 73%
+        assert (gemm.plan.default_config(m, n, k).bm, gemm.plan.default_config(m, n, k).bn) == (128, 256)
+    assert gemm.plan.default_config(512, 8192, 1024).pingpong  # short K, 256 tiles: 97% of two waves
+    assert not gemm.plan.default_config(336, 8192, 1024).pingpong  # short K, 192 tiles: 73%
 
 
 def test_the_autotune_space_holds_every_heuristic_pick():
@@ -180,7 +181,7 @@ def test_the_autotune_space_holds_every_heuristic_pick():
                 a = torch.empty(m, k, dtype=torch.bfloat16)
                 b = torch.empty(k, n, dtype=torch.bfloat16) if b_major == "row" else \
                     torch.empty(n, k, dtype=torch.bfloat16).t()
-                cfg = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False).config
+                cfg = gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False).config
                 if cfg.split_k == 1:
                     assert replace(cfg, stream_a=False, stream_b=False) in space, (m, n, k, b_major, cfg)
 
@@ -199,7 +200,7 @@ def test_every_heuristic_plan_fits_the_hardware(m, n, k, batches, a_major, b_maj
         torch.empty(batches, m, k, dtype=dtype)
     b = torch.empty(batches, n, k, dtype=dtype).transpose(1, 2) if b_major == "col" else \
         torch.empty(batches, k, n, dtype=dtype)
-    plan = gemm._make_plan(a, b, False, "none", None, batches > 1)
+    plan = gemm.plan.make_plan(a, b, False, "none", None, batches > 1)
     cfg = plan.config
     assert cfg.check(2, plan.b_major) is None, (cfg, plan.b_major)
     assert cfg.smem_bytes(2) <= SMEM_LIMIT
@@ -227,18 +228,19 @@ def test_two_block_clusters_split_narrow_b_tiles():
     """cluster_m=2: each block loads half of the B tile and multicasts it, so any bn of whole 8-row swizzle atoms
     (K-major B) or of whole 32-byte swizzle rows (MN-major: a 64-wide tile's 32-column halves take the 64-byte
     swizzle); a config the call's B cannot take is declined with the reason."""
-    narrow = gemm.deepest_ring(GemmConfig(128, 64, 9, 2, cluster_m=2), 2)
+    narrow = gemm.plan.deepest_ring(GemmConfig(128, 64, 9, 2, cluster_m=2), 2)
     assert narrow.check(2, "K") is None and narrow.check(2, "MN") is None
     assert GemmConfig(64, 112, 9, 1, cluster_m=2).check(2, "K") is None
     assert "cluster_m=2" in GemmConfig(64, 112, 9, 1, cluster_m=2).check(2, "MN")  # halves of 56 columns
     assert "cluster_m=2" in GemmConfig(128, 8, 9, 2, cluster_m=2).check(2, "K")
-    assert gemm._operand_box(64, 64, nvfly.bf16, "MN", 2, 2)[1] == 64
-    assert gemm._operand_box(64, 64, nvfly.bf16, "MN", 2)[1] == 128
-    for k in gemm.compile_configs([narrow], majors=[("K", "K"), ("K", "MN")]):
+    assert gemm.plan.operand_box(64, 64, nvfly.bf16, "MN", 2, 2)[1] == 64
+    assert gemm.plan.operand_box(64, 64, nvfly.bf16, "MN", 2)[1] == 128
+    for k in gemm.api.compile_configs([narrow], majors=[("K", "K"), ("K", "MN")]):
         assert k.count("UTMALDG.2D.MULTICAST") > 0 and k.resources.spill_stores == 0, k.summary()
     a, b = make(128, 7168, 256, "col", "row")  # B row-major: MN-major
     with pytest.raises(ValueError, match="cluster_m=2 with bn=112.*MN-major here"):
-        gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", GemmConfig(64, 112, 9, 1, cluster_m=2), False)
+        gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", GemmConfig(64, 112, 9, 1, cluster_m=2),
+                            False)
 
 
 def test_benchmark_reruns_the_rows_under_a_ratio(tmp_path):
@@ -299,15 +301,15 @@ def test_token_tile_takes_one_wave_of_64_rows(majors):
                            (64, 10240, 8192, 80 if k_major_b else 96), (64, 32768, 512, 256),
                            (64, 28672, 4096, 224), (64, 24576, 1536, 192), (64, 7168, 2048, 64)]:
         a, b = make(m, n, k, *majors)
-        plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False)
+        plan = gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False)
         assert not plan.swap and (plan.config.bm, plan.config.bn, plan.config.split_k) == (64, width, 1), (m, n, k)
         assert plan.config.tma_store and plan.config.check(2, plan.b_major) is None
-        assert plan.config == gemm.deepest_ring(plan.config, 2, plan.b_major)
+        assert plan.config == gemm.plan.deepest_ring(plan.config, 2, plan.b_major)
         assert plan.reduce_epilogue is None and 0.8 * 132 <= plan.grid == -(-n // width) <= 132
     swapped = [(64, 2112, 7168), (48, 4096, 4096), (64, 4096, 1024), (64, 57344, 8192)]
     for m, n, k in swapped + ([] if k_major_b else [(64, 6144, 4096)]):  # MN-major: 96 tiles of 64
         a, b = make(m, n, k, *majors)
-        assert gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False).swap, (m, n, k)
+        assert gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False).swap, (m, n, k)
 
 
 def test_weights_read_once_between_one_and_eight_l2s_are_hinted():
@@ -315,20 +317,20 @@ def test_weights_read_once_between_one_and_eight_l2s_are_hinted():
     swapped) when it spans [1, 8) L2s; smaller or larger weights, operands re-read and a caller's config stay
     unhinted; the hinted loads carry .L2::cache_hint (the weights evict_first, the tokens evict_last)."""
     l2 = 50 << 20
-    token = gemm.token_tile_config(64, 10240, 8192, 1, 2, 132)
-    assert gemm.stream_hints(token, 64, 10240, 8192, 1, 2, l2) == replace(token, stream_b=True)  # 160 MiB
-    assert gemm.stream_hints(token, 64, 32768, 512, 1, 2, l2) == token  # 32 MiB: may stay in L2
-    assert gemm.stream_hints(token, 64, 57344, 8192, 1, 2, l2) == token  # 896 MiB: 18 L2s
-    swapped = gemm.small_m_config(16, 4096, 14336, 1, 2, 132)  # the swapped problem is 4096 x 16
-    assert gemm.stream_hints(swapped, 4096, 16, 14336, 1, 2, l2) == replace(swapped, stream_a=True)
-    big = gemm.default_config(4096, 10240, 8192)
-    assert gemm.stream_hints(big, 4096, 10240, 8192, 1, 2, l2) == big  # B re-read by 32 rows of tiles
+    token = gemm.plan.token_tile_config(64, 10240, 8192, 1, 2, 132)
+    assert gemm.plan.stream_hints(token, 64, 10240, 8192, 1, 2, l2) == replace(token, stream_b=True)  # 160 MiB
+    assert gemm.plan.stream_hints(token, 64, 32768, 512, 1, 2, l2) == token  # 32 MiB: may stay in L2
+    assert gemm.plan.stream_hints(token, 64, 57344, 8192, 1, 2, l2) == token  # 896 MiB: 18 L2s
+    swapped = gemm.plan.small_m_config(16, 4096, 14336, 1, 2, 132)  # the swapped problem is 4096 x 16
+    assert gemm.plan.stream_hints(swapped, 4096, 16, 14336, 1, 2, l2) == replace(swapped, stream_a=True)
+    big = gemm.plan.default_config(4096, 10240, 8192)
+    assert gemm.plan.stream_hints(big, 4096, 10240, 8192, 1, 2, l2) == big  # B re-read by 32 rows of tiles
     a, b = make(64, 10240, 8192, "row", "col")
-    assert gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False).config.stream_b
-    assert not gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", token, False).config.stream_b
+    assert gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False).config.stream_b
+    assert not gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", token, False).config.stream_b
     assert replace(token, stream_a=True, stream_b=True).check(2) is not None
-    (hinted,) = gemm.compile_configs([replace(token, stream_b=True)], majors=[("K", "K")])
-    (plain,) = gemm.compile_configs([token], majors=[("K", "K")])
+    (hinted,) = gemm.api.compile_configs([replace(token, stream_b=True)], majors=[("K", "K")])
+    (plain,) = gemm.api.compile_configs([token], majors=[("K", "K")])
     loads = [line for line in hinted.ptx.splitlines() if "cp.async.bulk.tensor" in line and "global.mbarrier" in line]
     assert loads and all(".L2::cache_hint" in line for line in loads)
     policies = {name: str(value) for name, value in sm90.CACHE_HINTS.items()}  # the 64-bit policies, in decimal

@@ -10,8 +10,8 @@ import torch
 import nvfly
 from nvfly.arch import sm90
 from nvfly.ops import gemm
-from nvfly.ops.gemm_kernel import (
-    SMEM_LIMIT, Epilogue, GemmConfig, staging_lane_xor, staging_offset, store_box, store_width)
+from nvfly.ops.gemm.config import SMEM_LIMIT, Epilogue, GemmConfig, store_box, store_width
+from nvfly.ops.gemm.kernel import staging_lane_xor, staging_offset
 
 MAJORS = list(itertools.product(["K", "MN"], ["K", "MN"]))
 
@@ -117,7 +117,7 @@ def check_kernel(k, cfg):
 def test_tma_store_configs_compile(config):
     assert config.check(2) is None
     majors = MAJORS if config.bn >= 64 else [("K", "K"), ("MN", "K")]
-    for k in gemm.compile_configs([config], majors=majors):
+    for k in gemm.api.compile_configs([config], majors=majors):
         check_kernel(k, config)
 
 
@@ -128,7 +128,7 @@ def test_tma_store_configs_compile(config):
     (torch.bfloat16, Epilogue(activation="relu", scaled=True), True)])
 def test_tma_store_epilogues_dtypes_and_batches(dtype, epi, batched):
     for cfg in (GemmConfig(128, 128, 5, 2, pingpong=True, tma_store=True), GemmConfig(128, 256, 4, 2, tma_store=True)):
-        (k,) = gemm.compile_configs([cfg], dtype=dtype, majors=[("MN", "K")], epilogue=epi, batched=batched)
+        (k,) = gemm.api.compile_configs([cfg], dtype=dtype, majors=[("MN", "K")], epilogue=epi, batched=batched)
         check_kernel(k, cfg)
         if batched:
             assert k.count("UTMASTG.3D") > 0 and k.count("UTMALDG.3D") > 0
@@ -138,11 +138,11 @@ def test_tma_store_epilogues_dtypes_and_batches(dtype, epi, batched):
 
 def test_f32_output_and_split_k_keep_the_register_epilogue():
     cfg = GemmConfig(128, 128, 5, 2, pingpong=True, tma_store=True)
-    (k,) = gemm.compile_configs([cfg], out_dtype=torch.float32, majors=[("K", "K")])
+    (k,) = gemm.api.compile_configs([cfg], out_dtype=torch.float32, majors=[("K", "K")])
     assert k.count("STSM") == 0 and k.count("UTMASTG") == 0 and k.count("STG") > 0
     assert GemmConfig(128, 128, 5, 2, split_k=2, tma_store=True).check(2)
     # without tma_store nothing changes: no staging, no STSM
-    (k,) = gemm.compile_configs([GemmConfig(128, 128, 6, 2, pingpong=True)], majors=[("K", "K")])
+    (k,) = gemm.api.compile_configs([GemmConfig(128, 128, 6, 2, pingpong=True)], majors=[("K", "K")])
     assert k.count("STSM") == 0 and k.count("UTMASTG") == 0 and k.dynamic_smem_bytes == 197632
 
 
@@ -173,7 +173,7 @@ def test_every_tma_store_kind_of_the_space_compiles():
             deepest[key] = cfg
     assert len(deepest) >= 20
     for cfg in deepest.values():
-        (k,) = gemm.compile_configs([cfg], majors=[("K", "MN")])
+        (k,) = gemm.api.compile_configs([cfg], majors=[("K", "MN")])
         check_kernel(k, cfg)
 
 
@@ -182,23 +182,23 @@ def test_plans_decide_the_epilogue():
     cfg = GemmConfig(128, 128, 5, 2, pingpong=True, tma_store=True)
     a = torch.randn(333, 1024).to(torch.bfloat16)
     b = torch.randn(1024, 4096).to(torch.bfloat16)
-    plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", cfg, False)
+    plan = gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", cfg, False)
     assert plan.config.tma_store and plan.store_box == (128, 64) and plan.store_swizzle == 128
     assert plan.register_config == GemmConfig(128, 128, 5, 2, pingpong=True)
-    plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", cfg, True)
+    plan = gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", cfg, True)
     assert plan.store_box == (1, 128, 64)
-    split = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", GemmConfig(
+    split = gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", GemmConfig(
         128, 128, 5, 2, split_k=2, tma_store=True), False)
     assert split.config.split_k == 2 and not split.config.tma_store and split.store_box is None
     # launch-time decision on the output view
-    assert gemm.store_reason(torch.empty(1, 333, 4096, dtype=torch.bfloat16)) is None
-    assert gemm.store_reason(torch.empty(2, 333, 4096, dtype=torch.float16)) is None
-    assert "16-bit" in gemm.store_reason(torch.empty(1, 333, 4096, dtype=torch.float32))
+    assert gemm.plan.store_reason(torch.empty(1, 333, 4096, dtype=torch.bfloat16)) is None
+    assert gemm.plan.store_reason(torch.empty(2, 333, 4096, dtype=torch.float16)) is None
+    assert "16-bit" in gemm.plan.store_reason(torch.empty(1, 333, 4096, dtype=torch.float32))
     odd = torch.empty(333, 4097, dtype=torch.bfloat16)[:, :4096].unsqueeze(0)
-    assert "16 bytes" in gemm.store_reason(odd)
-    assert "contiguous" in gemm.store_reason(torch.empty(1, 4096, 333, dtype=torch.bfloat16).transpose(1, 2))
-    assert "multiple of 16 bytes" in gemm.store_reason(torch.empty(1, 8, 4104, dtype=torch.bfloat16)[..., :4097])
-    assert "address" in gemm.store_reason(torch.empty(8 * 4096 + 1, dtype=torch.bfloat16)[1:].view(1, 8, 4096))
+    assert "16 bytes" in gemm.plan.store_reason(odd)
+    assert "contiguous" in gemm.plan.store_reason(torch.empty(1, 4096, 333, dtype=torch.bfloat16).transpose(1, 2))
+    assert "multiple of 16 bytes" in gemm.plan.store_reason(torch.empty(1, 8, 4104, dtype=torch.bfloat16)[..., :4097])
+    assert "address" in gemm.plan.store_reason(torch.empty(8 * 4096 + 1, dtype=torch.bfloat16)[1:].view(1, 8, 4096))
 
 
 def test_widened_mn_major_tiles_keep_within_shared_memory():
@@ -208,7 +208,7 @@ def test_widened_mn_major_tiles_keep_within_shared_memory():
     assert cfg.check(2) is None and GemmConfig(128, 176, 6, 2).check(2) is not None
     a = torch.randn(1024, 336).to(torch.bfloat16).t()  # column-major A: B of the swapped problem is MN-major
     b = torch.randn(4104, 1024).to(torch.bfloat16).t()
-    plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", cfg, False, swap=True)
+    plan = gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", cfg, False, swap=True)
     assert plan.swap and plan.b_major == "MN" and plan.config.bn == 176
     assert plan.config.stages == 5 and plan.config.check(2, "MN") is None
 
@@ -221,16 +221,16 @@ def test_a_partial_single_wave_narrows_its_tiles_for_a_k_major_b(b_major):
     a = torch.randn(336, 1024).to(torch.bfloat16)
     b = torch.randn(1024, 4104).to(torch.bfloat16) if b_major == "row" else torch.randn(4104, 1024).to(
         torch.bfloat16).t()
-    plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False)
+    plan = gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False)
     cfg = plan.config
     assert (cfg.bm, cfg.bn) == ((128, 96) if b_major == "col" else (128, 128))
     assert cfg.check(2) is None and plan.grid == (129 if b_major == "col" else 99)
     if b_major == "col":
-        (k,) = gemm.compile_configs([cfg], majors=[("K", "K")])
+        (k,) = gemm.api.compile_configs([cfg], majors=[("K", "K")])
         check_kernel(k, cfg)
     # a caller's config is kept as given
     given = GemmConfig(128, 128, 6, 2, tma_store=True, store_buffers=1)
-    assert gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", given, False).config.bn == 128
+    assert gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", given, False).config.bn == 128
 
 
 @pytest.mark.parametrize("b_major", ["row", "col"])
@@ -240,8 +240,8 @@ def test_a_partial_wave_of_64_row_tiles_narrows_them_for_a_k_major_b(b_major):
     a = torch.empty(128, 4096, dtype=torch.bfloat16)
     b = torch.empty(4096, 6144, dtype=torch.bfloat16) if b_major == "row" else \
         torch.empty(6144, 4096, dtype=torch.bfloat16).t()
-    plan = gemm._make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False)
+    plan = gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False)
     cfg = plan.config
     assert (cfg.bm, cfg.bn, cfg.consumers) == ((64, 96, 1) if b_major == "col" else (64, 128, 1))
     assert plan.grid == (128 if b_major == "col" else 96) and cfg.check(2, plan.b_major) is None
-    assert cfg.stages == gemm.deepest_ring(cfg, 2, plan.b_major).stages
+    assert cfg.stages == gemm.plan.deepest_ring(cfg, 2, plan.b_major).stages

@@ -7,9 +7,9 @@ import struct
 import pytest
 import torch
 
-from nvfly.ops import gemm, gemm_kernel, gemm_skinny
-from nvfly.ops.gemm_kernel import GemmConfig
-from nvfly.ops.gemm_skinny import SkinnyConfig
+from nvfly.ops import gemm
+from nvfly.ops.gemm import GemmConfig, schedule
+from nvfly.ops.gemm.skinny_config import SkinnyConfig
 from nvfly.runtime.tma import TmaDescriptor
 
 
@@ -21,13 +21,14 @@ def fake_launches(recorded_launches, monkeypatch):
         desc = TmaDescriptor(tensor, box, swizzle)
         desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
         return desc
-    monkeypatch.setattr(gemm_skinny, "current_stream", lambda device: 0)
-    monkeypatch.setattr(gemm, "current_stream", lambda device: 0)
-    monkeypatch.setattr(gemm, "eligibility", lambda *args, **kwargs: None)
-    monkeypatch.setattr(gemm, "cached_descriptor", descriptor)
-    gemm._CALLS.clear()
+    monkeypatch.setattr(gemm.skinny_plan, "current_stream", lambda device: 0)
+    monkeypatch.setattr(gemm.api, "current_stream", lambda device: 0)
+    monkeypatch.setattr(gemm.api, "eligibility", lambda *args, **kwargs: None)
+    monkeypatch.setattr(gemm, "eligibility", lambda *args, **kwargs: None)  # as the torch ops look it up
+    monkeypatch.setattr(gemm.api, "cached_descriptor", descriptor)
+    gemm.api._CALLS.clear()
     yield recorded_launches
-    gemm._CALLS.clear()
+    gemm.api._CALLS.clear()
 
 
 def _bf(*shape):
@@ -60,7 +61,7 @@ def test_repeat_calls_launch_what_a_first_call_would(fake_launches, name, make, 
     out2 = gemm.matmul(*second, **options)
     fast = fake_launches[n:]
     assert len(fast) == n > 0
-    gemm._CALLS.clear()
+    gemm.api._CALLS.clear()
     out3 = gemm.matmul(*second, **options)
     c = options.get("c")
     _assert_same_launches(fast, fake_launches[2 * n:], [*second, out2] + ([c] if c is not None else []), out2, out3)
@@ -123,7 +124,7 @@ def test_repeat_op_calls_launch_what_a_first_call_would(fake_launches, monkeypat
     out2 = call(second)
     fast = fake_launches[n:]
     gemm_ops._BOUND.clear()
-    gemm._CALLS.clear()
+    gemm.api._CALLS.clear()
     out3 = call(second)
     _assert_same_launches(fast, fake_launches[2 * n:], [*second, out2], out2, out3)
 
@@ -134,7 +135,7 @@ def test_output_layout_is_part_of_the_signature(fake_launches):
     gemm.matmul(a, b, config=config)
     wide = torch.empty(256, 390).to(torch.bfloat16)[:, :384]  # a row stride TMA cannot store to (780 bytes)
     gemm.matmul(a, b, config=config, out=wide)
-    calls = list(gemm._CALLS.values())
+    calls = list(gemm.api._CALLS.values())
     assert len(calls) == 2 and [c.tma_store for c in calls] == [True, False]
     with pytest.raises(ValueError, match="out: expected"):
         gemm.matmul(a, b, out=torch.empty(256, 383).to(torch.bfloat16))
@@ -143,44 +144,44 @@ def test_output_layout_is_part_of_the_signature(fake_launches):
 def test_stream_k_plan():
     """Which tiles are streamed per region, and each block's range: whole waves stay whole, a block streams at
     least MIN_BLOCK_ITERS k-blocks and a tile is shared by at most MAX_CONTRIBUTORS blocks."""
-    assert gemm.stream_k_plan(272, 112, 132, "short-tail") == (264, 7)  # 8 tiles left: 896 k-blocks, 7 a block
-    assert gemm.stream_k_plan(448, 32, 132, "short-tail") == (0, 0)     # 52 left: not short
-    assert gemm.stream_k_plan(448, 32, 132, "tail") == (396, 13)
-    assert gemm.stream_k_plan(448, 32, 132, "tail+wave") == (264, 45)
-    assert gemm.stream_k_plan(272, 9, 132, "short-tail") == (0, 0)      # K too short
-    assert gemm.stream_k_plan(96, 64, 132, "tail") == (0, 47)           # one partial wave: all of it streamed
-    assert gemm.stream_k_plan(96, 64, 132, "short-tail") == (0, 0)
-    assert gemm.stream_k_plan(132, 112, 132, "tail") == (0, 0)          # whole waves
-    assert gemm.stream_k_plan(133, 112, 132, "tail") == (132, 7)        # 1 tile: 16 blocks of 7 (MAX_CONTRIBUTORS)
-    assert gemm.stream_k_plan(133, 3, 132, "tail") == (132, 4)          # MIN_BLOCK_ITERS
+    assert gemm.plan.stream_k_plan(272, 112, 132, "short-tail") == (264, 7)  # 8 tiles left: 896 k-blocks, 7 a block
+    assert gemm.plan.stream_k_plan(448, 32, 132, "short-tail") == (0, 0)     # 52 left: not short
+    assert gemm.plan.stream_k_plan(448, 32, 132, "tail") == (396, 13)
+    assert gemm.plan.stream_k_plan(448, 32, 132, "tail+wave") == (264, 45)
+    assert gemm.plan.stream_k_plan(272, 9, 132, "short-tail") == (0, 0)      # K too short
+    assert gemm.plan.stream_k_plan(96, 64, 132, "tail") == (0, 47)           # one partial wave: all of it streamed
+    assert gemm.plan.stream_k_plan(96, 64, 132, "short-tail") == (0, 0)
+    assert gemm.plan.stream_k_plan(132, 112, 132, "tail") == (0, 0)          # whole waves
+    assert gemm.plan.stream_k_plan(133, 112, 132, "tail") == (132, 7)        # 1 tile: 16 blocks of 7 (MAX_CONTRIBUTORS)
+    assert gemm.plan.stream_k_plan(133, 3, 132, "tail") == (132, 4)          # MIN_BLOCK_ITERS
     with pytest.raises(ValueError, match="stream-K region"):
-        gemm.stream_k_plan(133, 3, 132, "all")
+        gemm.plan.stream_k_plan(133, 3, 132, "all")
 
 
 @pytest.fixture
 def python_ints(monkeypatch):
     """The device helpers the stream-K unit functions call, on Python ints."""
-    monkeypatch.setattr(gemm_kernel.nvfly, "select", lambda c, a, b: a if c else b)
-    monkeypatch.setattr(gemm_kernel.nvfly, "minimum", min)
-    monkeypatch.setattr(gemm_kernel.nvfly, "maximum", max)
-    monkeypatch.setattr(gemm_kernel, "tile_coords", gemm_kernel.tile_coords.fn)
+    monkeypatch.setattr(schedule.nvfly, "select", lambda c, a, b: a if c else b)
+    monkeypatch.setattr(schedule.nvfly, "minimum", min)
+    monkeypatch.setattr(schedule.nvfly, "maximum", max)
+    monkeypatch.setattr(schedule, "tile_coords", schedule.tile_coords.fn)
 
 
 def stream_k_units(tiles_m, tiles_n, k_tiles, sms, region):
-    """Run the kernel's own unit functions (gemm_kernel.stream_k_units and unit_work) on Python ints for every
-    block of the launch _make_plan sizes: {block: [(tile, k_begin, k_end, slot, contributors)]}."""
+    """Run the kernel's own unit functions (schedule.stream_k_units and unit_work) on Python ints for every
+    block of the launch plan.make_plan sizes: {block: [(tile, k_begin, k_end, slot, contributors)]}."""
     tiles = tiles_m * tiles_n
-    dp, iters = gemm.stream_k_plan(tiles, k_tiles, sms, region)
+    dp, iters = gemm.plan.stream_k_plan(tiles, k_tiles, sms, region)
     assert iters, (tiles, k_tiles, region)
     grid = sms if dp else -(-(tiles - dp) * k_tiles // iters)
     assert grid <= sms and dp % grid == 0
     cfg = GemmConfig(128, 128, 4, 2, pingpong=True)
     work = {}
     for block in range(grid):
-        end = gemm_kernel.stream_k_units.fn(block, grid, k_tiles, tiles, dp, iters)
+        end = schedule.stream_k_units.fn(block, grid, k_tiles, tiles, dp, iters)
         work[block] = []
         for unit in range(block, end, grid):
-            batch, tm, tn, split, k_begin, k_end, slot, count = gemm_kernel.unit_work.fn(
+            batch, tm, tn, split, k_begin, k_end, slot, count = schedule.unit_work.fn(
                 unit, tiles_m, tiles_n, k_tiles, k_tiles, 0, dp, iters, grid, tiles, cfg, 1, True)
             work[block].append(((batch, tm, tn), k_begin, k_end, slot, count))
     return dp, iters, work
@@ -193,7 +194,7 @@ def test_stream_k_units_cover_every_k_block_once(python_ints, region):
     streamed units are consecutive tiles, and no block streams more than one range."""
     for tiles_m, tiles_n, k_tiles in ((17, 16, 112), (8, 56, 32), (8, 12, 64), (3, 33, 16), (4, 56, 256),
                                       (16, 32, 224), (1, 133, 3), (2, 67, 9)):
-        if not gemm.stream_k_plan(tiles_m * tiles_n, k_tiles, 132, region)[1]:
+        if not gemm.plan.stream_k_plan(tiles_m * tiles_n, k_tiles, 132, region)[1]:
             continue
         dp, iters, work = stream_k_units(tiles_m, tiles_n, k_tiles, 132, region)
         covered = {}
@@ -210,7 +211,7 @@ def test_stream_k_units_cover_every_k_block_once(python_ints, region):
             ks = sorted(k for k_begin, k_end, _, _ in parts for k in range(k_begin, k_end))
             assert ks == list(range(k_tiles)), (tile, parts)
             assert {count for *_, count in parts} == {len(parts)}
-            assert len({slot for _, _, slot, _ in parts}) == 1 and len(parts) <= gemm.MAX_CONTRIBUTORS
+            assert len({slot for _, _, slot, _ in parts}) == 1 and len(parts) <= gemm.plan.MAX_CONTRIBUTORS
 
 
 def test_stream_k_plans_and_launches(fake_launches):

@@ -14,8 +14,9 @@ import torch
 
 import nvfly
 from benchmarks import gemm_skinny_configs as bench
-from nvfly.ops import gemm, gemm_skinny
-from nvfly.ops.gemm_skinny import SkinnyConfig
+from nvfly.ops import gemm
+from nvfly.ops.gemm import skinny_config, skinny_kernel, skinny_plan
+from nvfly.ops.gemm.skinny_config import SkinnyConfig
 from nvfly.runtime import driver
 
 
@@ -40,17 +41,17 @@ def isa_c(lane, i):
 
 def test_c_fragment_target_is_the_isa_layout():
     for lane, i in itertools.product(range(32), range(4)):
-        assert gemm_skinny.c_fragment_target(lane, i) == isa_c(lane, i)
+        assert skinny_kernel.c_fragment_target(lane, i) == isa_c(lane, i)
 
 
 def test_each_lane_loads_16_contiguous_bytes_per_row():
     for lane in range(32):
         for row_half in (0, 1):
-            ks = sorted(gemm_skinny.a_fragment_source(lane, r, h, s)[1]
+            ks = sorted(skinny_kernel.a_fragment_source(lane, r, h, s)[1]
                         for r in range(4) for h in range(2) for s in range(2)
-                        if gemm_skinny.A_REGISTER_WORDS[r][0] == row_half)
+                        if skinny_kernel.A_REGISTER_WORDS[r][0] == row_half)
             assert ks == list(range(8 * (lane % 4), 8 * (lane % 4) + 8))
-        ks = sorted(gemm_skinny.b_fragment_source(lane, r, h, s)[0] for r in range(2) for h in range(2)
+        ks = sorted(skinny_kernel.b_fragment_source(lane, r, h, s)[0] for r in range(2) for h in range(2)
                     for s in range(2))
         assert ks == list(range(8 * (lane % 4), 8 * (lane % 4) + 8))
 
@@ -68,12 +69,12 @@ def test_permuted_fragments_compute_the_product(seed):
         b_mat = np.full((16, 8), np.nan)
         for lane in range(32):
             for register, half in itertools.product(range(4), range(2)):
-                row, k = gemm_skinny.a_fragment_source(lane, register, half, step)
+                row, k = skinny_kernel.a_fragment_source(lane, register, half, step)
                 r, col = isa_a(lane, 2 * register + half)
                 assert np.isnan(a_mat[r, col])
                 a_mat[r, col] = w[row, k]
             for register, half in itertools.product(range(2), range(2)):
-                k, token = gemm_skinny.b_fragment_source(lane, register, half, step)
+                k, token = skinny_kernel.b_fragment_source(lane, register, half, step)
                 kk, col = isa_b(lane, 2 * register + half)
                 assert np.isnan(b_mat[kk, col])
                 b_mat[kk, col] = x[token, k]
@@ -81,14 +82,14 @@ def test_permuted_fragments_compute_the_product(seed):
         d += a_mat @ b_mat
     result = np.zeros((16, 8))
     for lane, i in itertools.product(range(32), range(4)):
-        row, token = gemm_skinny.c_fragment_target(lane, i)
+        row, token = skinny_kernel.c_fragment_target(lane, i)
         result[row, token] = d[isa_c(lane, i)]
     np.testing.assert_allclose(result, w @ x.T, rtol=1e-12, atol=1e-12)
 
 
 def test_a_wrong_mapping_is_caught(monkeypatch):
     """The emulation can fail: B registers taken in the other order no longer pair k with k."""
-    monkeypatch.setattr(gemm_skinny, "B_REGISTER_WORDS", (1, 0))
+    monkeypatch.setattr(skinny_kernel, "B_REGISTER_WORDS", (1, 0))
     with pytest.raises(AssertionError):
         test_permuted_fragments_compute_the_product(0)
 
@@ -121,10 +122,10 @@ def row_major_token_k(lane, register, half, step, token_vectors):
     token_vectors picked (vector_token_fragments) from the lane's 16-byte vector at token_vector_k, its words
     modelled as (k, k + 1)."""
     if not token_vectors:
-        return gemm_skinny.row_b_token_source(lane, register, half, step)[0]
-    kq = gemm_skinny.token_vector_k(lane)
-    words = [(kq + 2 * word, kq + 2 * word + 1) for word in range(gemm_skinny.VECTOR // 2)]
-    return gemm_skinny.vector_token_fragments([words])(step)[0][register][half]
+        return skinny_kernel.row_b_token_source(lane, register, half, step)[0]
+    kq = skinny_kernel.token_vector_k(lane)
+    words = [(kq + 2 * word, kq + 2 * word + 1) for word in range(skinny_config.VECTOR // 2)]
+    return skinny_kernel.vector_token_fragments([words])(step)[0][register][half]
 
 
 def staged_token_words(m_tiles, vector_order):
@@ -133,13 +134,13 @@ def staged_token_words(m_tiles, vector_order):
     modelled as (k, token), then each token tile's ldmatrix.x4.trans (load_staged_tokens). Every 8-lane phase
     of the copies and of the ldmatrix is free of bank conflicts, and the copies fill the stage exactly once.
     Returns words[tile][lane][word] = ((k, token), (k, token)) of the word's two halves."""
-    stage = [None] * (m_tiles * gemm_skinny.TOKEN_TILE_BYTES // 2)
+    stage = [None] * (m_tiles * skinny_config.TOKEN_TILE_BYTES // 2)
     for j in range(m_tiles):
         writes = []
         for lane in range(32):
-            tile, matrix, row = gemm_skinny.token_copy_slot(lane, j, m_tiles)
-            k = gemm_skinny.token_slot_k(matrix, row, vector_order)
-            offset = gemm_skinny.token_slot_offset(tile, matrix, row)
+            tile, matrix, row = skinny_kernel.token_copy_slot(lane, j, m_tiles)
+            k = skinny_kernel.token_slot_k(matrix, row, vector_order)
+            offset = skinny_kernel.token_slot_offset(tile, matrix, row)
             assert offset % 16 == 0 and stage[offset // 2:offset // 2 + 8] == [None] * 8, (lane, j)
             stage[offset // 2:offset // 2 + 8] = [(k, 8 * tile + token) for token in range(8)]
             writes.append(offset)
@@ -148,7 +149,7 @@ def staged_token_words(m_tiles, vector_order):
     words = []
     for tile in range(m_tiles):
         # ldmatrix: lane 8i + r gives the address of row r of matrix i
-        addresses = [gemm_skinny.token_slot_offset(tile, lane // 8, lane % 8) for lane in range(32)]
+        addresses = [skinny_kernel.token_slot_offset(tile, lane // 8, lane % 8) for lane in range(32)]
         assert [bank_conflicts(addresses[8 * i:8 * i + 8]) for i in range(4)] == [0] * 4, ("ldmatrix", tile)
         words.append(ldmatrix_trans(stage, addresses))
     return words
@@ -165,16 +166,16 @@ def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed, token_ve
     and the accumulator layout; compare with W @ X^T (W = B^T, 64 columns). Every 8-lane phase of the copies
     and of the ldmatrix is free of bank conflicts."""
     rng = np.random.default_rng(seed)
-    cols, chunk = gemm_skinny.COLS_ROW_B, gemm_skinny.CHUNK_K
+    cols, chunk = skinny_config.COLS_ROW_B, skinny_config.CHUNK_K
     tiles = 2 if staged else 1
     b = rng.standard_normal((chunk, cols))  # [k, n]
     x = rng.standard_normal((8 * tiles, chunk))
-    stage = np.full(gemm_skinny.CHUNK_BYTES // 2, np.nan)
-    for j in range(chunk * gemm_skinny.SEGMENTS // 32):
+    stage = np.full(skinny_config.CHUNK_BYTES // 2, np.nan)
+    for j in range(chunk * skinny_config.SEGMENTS // 32):
         writes = []
         for lane in range(32):
-            row, segment = gemm_skinny.copy_target(lane, j)
-            offset = gemm_skinny.stage_offset(row, segment, token_vectors)
+            row, segment = skinny_kernel.copy_target(lane, j)
+            offset = skinny_kernel.stage_offset(row, segment, token_vectors)
             writes.append(offset)
             assert np.isnan(stage[offset // 2:offset // 2 + 8]).all()
             stage[offset // 2:offset // 2 + 8] = b[row, 8 * segment:8 * segment + 8]
@@ -185,8 +186,8 @@ def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed, token_ve
     for tile in range(cols // 16):
         d = np.zeros((tiles, 16, 8))
         for step in range(chunk // 16):
-            addresses = [gemm_skinny.stage_offset(*gemm_skinny.ldmatrix_row(lane, step, tile, token_vectors),
-                                                  token_vectors) for lane in range(32)]
+            addresses = [skinny_kernel.stage_offset(*skinny_kernel.ldmatrix_row(lane, step, tile, token_vectors),
+                                                    token_vectors) for lane in range(32)]
             for i in range(4):  # one phase per 8 x 8 matrix
                 assert bank_conflicts(addresses[8 * i:8 * i + 8]) == 0, (tile, step, i)
             regs = ldmatrix_trans(stage, addresses)
@@ -200,7 +201,7 @@ def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed, token_ve
                 for lane in range(32):
                     for register, half in itertools.product(range(2), range(2)):
                         if staged:
-                            k, token = gemm_skinny.vector_token_fragments(
+                            k, token = skinny_kernel.vector_token_fragments(
                                 [token_words[t][lane]])(step)[0][register][half]
                         else:
                             k, token = row_major_token_k(lane, register, half, step, token_vectors), lane // 4
@@ -209,7 +210,7 @@ def test_row_major_staging_and_ldmatrix_trans_compute_the_product(seed, token_ve
                         b_mat[kk, col] = x[token, k]
                 d[t] += a_mat @ b_mat
         for lane, i, t in itertools.product(range(32), range(4), range(tiles)):
-            row, token = gemm_skinny.c_fragment_target(lane, i)
+            row, token = skinny_kernel.c_fragment_target(lane, i)
             result[16 * tile + row, 8 * t + token] = d[t][isa_c(lane, i)]
     np.testing.assert_allclose(result, b.T @ x.T, rtol=1e-12, atol=1e-12)
 
@@ -227,13 +228,13 @@ def check_column_major_b_product(token_words, seed):
         a_mat = np.full((16, 16), np.nan)
         for lane in range(32):
             for register, half in itertools.product(range(4), range(2)):
-                row, k = gemm_skinny.a_fragment_source(lane, register, half, step)
+                row, k = skinny_kernel.a_fragment_source(lane, register, half, step)
                 a_mat[isa_a(lane, 2 * register + half)] = w[row, k]
         for t in range(m_tiles):
             b_mat = np.full((16, 8), np.nan)
             for lane in range(32):
                 for register, half in itertools.product(range(2), range(2)):
-                    word = 2 * step + gemm_skinny.B_REGISTER_WORDS[register]  # mma_chunk's B registers
+                    word = 2 * step + skinny_kernel.B_REGISTER_WORDS[register]  # mma_chunk's B registers
                     k, token = token_words[t][lane][word][half]
                     kk, col = isa_b(lane, 2 * register + half)
                     assert np.isnan(b_mat[kk, col]) and token == 8 * t + col
@@ -241,7 +242,7 @@ def check_column_major_b_product(token_words, seed):
             d[t] += a_mat @ b_mat
     result = np.zeros((16, 8 * m_tiles))
     for lane, i, t in itertools.product(range(32), range(4), range(m_tiles)):
-        row, token = gemm_skinny.c_fragment_target(lane, i)
+        row, token = skinny_kernel.c_fragment_target(lane, i)
         result[row, 8 * t + token] = d[t][isa_c(lane, i)]
     np.testing.assert_allclose(result, w @ x.T, rtol=1e-12, atol=1e-12)
 
@@ -266,7 +267,7 @@ def movmatrix_trans(words):
 def movmatrix_pair(lane, word, tile, m):
     """(first token, k) of the 32-bit word lane ``lane`` loads for B word ``word`` of token tile ``tile``: the
     kernel's movmatrix_source, clamped past M as load_token_pairs clamps it (min(token, M - 1) & -2)."""
-    token, k = gemm_skinny.movmatrix_source(lane, word)
+    token, k = skinny_kernel.movmatrix_source(lane, word)
     return min(8 * tile + token, m - 1) & -2, k
 
 
@@ -276,13 +277,13 @@ def movmatrix_token_words(m):
     words = []
     for tile in range(-(-m // 8)):
         per_word = []
-        for word in range(gemm_skinny.VECTOR // 2):
+        for word in range(skinny_config.VECTOR // 2):
             loaded = []
             for lane in range(32):
                 first, k = movmatrix_pair(lane, word, tile, m)
                 loaded.append(((k, first), (k, first + 1)))
             per_word.append(movmatrix_trans(loaded))
-        words.append([[per_word[word][lane] for word in range(gemm_skinny.VECTOR // 2)] for lane in range(32)])
+        words.append([[per_word[word][lane] for word in range(skinny_config.VECTOR // 2)] for lane in range(32)])
     return words
 
 
@@ -294,8 +295,8 @@ def test_movmatrix_lanes_hold_the_vector_words():
         assert [words[t][lane][w] for w in range(4)] == [
             tuple((8 * (lane % 4) + 2 * w + h, 8 * t + lane // 4) for h in range(2)) for w in range(4)]
         for step, register, half in itertools.product(range(2), range(2), range(2)):
-            k, token = gemm_skinny.b_fragment_source(lane, register, half, step)
-            assert words[t][lane][2 * step + gemm_skinny.B_REGISTER_WORDS[register]][half] == (k, 8 * t + token)
+            k, token = skinny_kernel.b_fragment_source(lane, register, half, step)
+            assert words[t][lane][2 * step + skinny_kernel.B_REGISTER_WORDS[register]][half] == (k, 8 * t + token)
 
 
 def test_movmatrix_source_lanes():
@@ -304,14 +305,14 @@ def test_movmatrix_source_lanes():
     the four words cover the chunk's 32 k once."""
     rows = collections.Counter()
     for word in range(4):
-        reads = {gemm_skinny.movmatrix_source(lane, word) for lane in range(32)}
+        reads = {skinny_kernel.movmatrix_source(lane, word) for lane in range(32)}
         assert len(reads) == 32
         ks = {k for _, k in reads}
         assert len(ks) == 8 and all({t for t, kk in reads if kk == k} == {0, 2, 4, 6} for k in ks)
         rows.update(ks)
     assert rows == collections.Counter(range(32))
-    assert [gemm_skinny.movmatrix_source(lane, 1) for lane in (0, 1, 4, 9, 31)] == [(0, 2), (2, 2), (0, 3), (2, 10),
-                                                                                    (6, 27)]
+    assert [skinny_kernel.movmatrix_source(lane, 1) for lane in (0, 1, 4, 9, 31)] == [(0, 2), (2, 2), (0, 3), (2, 10),
+                                                                                      (6, 27)]
 
 
 @pytest.mark.parametrize("m", range(1, 17))
@@ -338,7 +339,7 @@ def test_column_major_b_movmatrix_tokens_compute_the_product(seed, m):
 def test_movmatrix_emulation_catches_a_wrong_source(monkeypatch):
     """Source rows i in another k order (k 8 * (i // 2) + w + 4 * (i % 2): still every k of the chunk once, but a
     lane's word no longer holds the k pair W's fragment has): wrong product."""
-    monkeypatch.setattr(gemm_skinny, "movmatrix_source",
+    monkeypatch.setattr(skinny_kernel, "movmatrix_source",
                         lambda lane, word: (2 * (lane % 4), 8 * (lane // 8) + word + 4 * (lane // 4 % 2)))
     with pytest.raises(AssertionError):
         test_column_major_b_movmatrix_tokens_compute_the_product(0, 16)
@@ -347,9 +348,9 @@ def test_movmatrix_emulation_catches_a_wrong_source(monkeypatch):
 def test_staged_tokens_emulation_catches_the_other_k_order(monkeypatch):
     """Tokens staged in the ISA's k order meet column-major B's vector-ordered W fragments: wrong product (and
     the vector order under row-major B's unpermuted stages: wrong too)."""
-    slot_k = gemm_skinny.token_slot_k
-    monkeypatch.setattr(gemm_skinny, "token_slot_k", lambda matrix, row, vector_order: slot_k(matrix, row,
-                                                                                                not vector_order))
+    slot_k = skinny_kernel.token_slot_k
+    monkeypatch.setattr(skinny_kernel, "token_slot_k", lambda matrix, row, vector_order: slot_k(matrix, row,
+                                                                                                  not vector_order))
     with pytest.raises(AssertionError):
         test_column_major_b_staged_tokens_compute_the_product(0, 2)
     with pytest.raises(AssertionError):
@@ -358,8 +359,8 @@ def test_staged_tokens_emulation_catches_the_other_k_order(monkeypatch):
 
 def test_staged_tokens_emulation_catches_bank_conflicts(monkeypatch):
     """Without the tile swizzle a copy phase's rows of the two token tiles share banks (right product)."""
-    monkeypatch.setattr(gemm_skinny, "token_slot_offset",
-                        lambda tile, matrix, row: tile * gemm_skinny.TOKEN_TILE_BYTES + (8 * matrix + row) * 16)
+    monkeypatch.setattr(skinny_kernel, "token_slot_offset",
+                        lambda tile, matrix, row: tile * skinny_config.TOKEN_TILE_BYTES + (8 * matrix + row) * 16)
     staged_token_words(1, True)  # one tile: no conflict either way
     with pytest.raises(AssertionError, match="'copy', 0"):
         staged_token_words(2, True)
@@ -370,24 +371,24 @@ def test_token_vectors_give_each_lane_8_consecutive_k():
     16-byte vector."""
     for lane in range(32):
         ks = sorted(row_major_token_k(lane, r, h, s, True) for r in range(2) for h in range(2) for s in range(2))
-        kq = gemm_skinny.token_vector_k(lane)
-        assert ks == list(range(kq, kq + gemm_skinny.VECTOR))
+        kq = skinny_kernel.token_vector_k(lane)
+        assert ks == list(range(kq, kq + skinny_config.VECTOR))
 
 
 def test_row_major_emulation_catches_a_wrong_swizzle(monkeypatch):
     """Reading with a different swizzle than the copies wrote breaks the product."""
-    writes = gemm_skinny.stage_offset
-    monkeypatch.setattr(gemm_skinny, "ldmatrix_row", lambda lane, step, tile, token_vectors=False: (
+    writes = skinny_kernel.stage_offset
+    monkeypatch.setattr(skinny_kernel, "ldmatrix_row", lambda lane, step, tile, token_vectors=False: (
         16 * step + 8 * (lane // 8 // 2) + lane % 8, 2 * tile + (lane // 8 + 1) % 2))
     with pytest.raises(AssertionError):
         test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, False, False)
-    assert writes is gemm_skinny.stage_offset
+    assert writes is skinny_kernel.stage_offset
 
 
 def test_token_vectors_emulation_catches_the_isa_token_order(monkeypatch):
     """The k-permuted ldmatrix rows with the tokens in the ISA's order (no permutation on their side) pair
     different k: the product is wrong."""
-    monkeypatch.setattr(gemm_skinny, "vector_token_fragments", lambda words: lambda step: [
+    monkeypatch.setattr(skinny_kernel, "vector_token_fragments", lambda words: lambda step: [
         [(16 * step + 8 * r + 2 * (w[0][0] // 8), 16 * step + 8 * r + 2 * (w[0][0] // 8) + 1) for r in range(2)]
         for w in words])
     with pytest.raises(AssertionError):
@@ -397,7 +398,7 @@ def test_token_vectors_emulation_catches_the_isa_token_order(monkeypatch):
 def test_token_vectors_emulation_catches_bank_conflicts(monkeypatch):
     """The k-permuted rows (c + {0, 1, 8, 9, 16, 17, 24, 25}) under the row % 8 swizzle: right product, but
     pairs of rows share banks."""
-    monkeypatch.setattr(gemm_skinny, "segment_swizzle", lambda row, token_vectors: row % 8)
+    monkeypatch.setattr(skinny_kernel, "segment_swizzle", lambda row, token_vectors: row % 8)
     with pytest.raises(AssertionError, match=r"\(0, 0, 0\)"):
         test_row_major_staging_and_ldmatrix_trans_compute_the_product(0, True, False)
 
@@ -427,9 +428,9 @@ def check_sass(kernel, m, config=SkinnyConfig()):
 def test_kernel_compiles_without_spills(dtype, m, epilogue, splits, row_b):
     options = {"plain": {}, "bias_gelu_f32": dict(has_c=True, activation="gelu_tanh", out_dtype=nvfly.f32),
                "scaled_silu": dict(scaled=True, activation="silu", has_c=True)}[epilogue]
-    base = gemm_skinny.ROW_B_CONFIG if row_b else SkinnyConfig()
+    base = skinny_plan.ROW_B_CONFIG if row_b else SkinnyConfig()
     config = SkinnyConfig(base.warps, base.unroll, splits)
-    kernel = gemm_skinny.compile_kernel(m, dtype=dtype, config=config, row_b=row_b, **options)
+    kernel = skinny_plan.compile_kernel(m, dtype=dtype, config=config, row_b=row_b, **options)
     (check_row_b_sass if row_b else check_sass)(kernel, m, config)
     hmma = {op for op in kernel.sass_opcodes() if op.startswith("HMMA")}
     assert hmma == ({"HMMA.16816.F32.BF16"} if dtype == nvfly.bf16 else {"HMMA.16816.F32"})  # f16 has no suffix
@@ -440,7 +441,7 @@ def test_kernel_compiles_without_spills(dtype, m, epilogue, splits, row_b):
 @pytest.mark.parametrize("m,config", [(16, SkinnyConfig(4, 2)), (1, SkinnyConfig(8, 8)), (16, SkinnyConfig(16, 4, 2)),
                                       (8, SkinnyConfig(2, 4, 3))])
 def test_other_configs_compile(m, config):
-    check_sass(gemm_skinny.compile_kernel(m, config=config), m, config)
+    check_sass(skinny_plan.compile_kernel(m, config=config), m, config)
 
 
 def check_row_b_sass(kernel, m, config):
@@ -462,12 +463,12 @@ def check_row_b_sass(kernel, m, config):
 @pytest.mark.parametrize("m,config", [(16, SkinnyConfig(8, 4)), (1, SkinnyConfig(4, 8)), (16, SkinnyConfig(2, 2, 3)),
                                       (9, SkinnyConfig(16, 3, 2))])
 def test_row_major_b_other_configs_compile(m, config):
-    check_row_b_sass(gemm_skinny.compile_kernel(m, config=config, row_b=True), m, config)
-    check_row_b_sass(gemm_skinny.compile_kernel(m, config=config, row_b=True, x_contiguous=False), m, config)
+    check_row_b_sass(skinny_plan.compile_kernel(m, config=config, row_b=True), m, config)
+    check_row_b_sass(skinny_plan.compile_kernel(m, config=config, row_b=True, x_contiguous=False), m, config)
 
 
 def test_strided_tokens_compile():
-    kernel = gemm_skinny.compile_kernel(7, x_contiguous=False)
+    kernel = skinny_plan.compile_kernel(7, x_contiguous=False)
     assert kernel.count("HMMA") > 0 and kernel.resources.spill_stores == 0
 
 
@@ -525,7 +526,7 @@ def test_row_major_token_vectors_compile_for_every_benchmark_config(m):
     assert len(configs) == len(bench.ROW_B_CONFIGS) - 6  # 8 warps x 8 stages do not fit
     for cfg in configs:
         k = 4096
-        kernel = gemm_skinny.compile_kernel(m, k, config=cfg, row_b=True)
+        kernel = skinny_plan.compile_kernel(m, k, config=cfg, row_b=True)
         r = kernel.resources
         assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 128, (cfg, k, r)
         assert not kernel.warnings, kernel.warnings
@@ -537,9 +538,9 @@ def test_row_major_token_vectors_main_loop_at_m16():
     """The main loop at M = 16 (default ring, split K): with token_vectors, two chunks a trip, each token tile
     one 16-byte load per chunk and no PRMT; without, as before: 16 16-bit token loads a chunk, packed by PRMT."""
     config = SkinnyConfig(4, 4, 4)
-    on_ops, on_chunks = main_loop(gemm_skinny.compile_kernel(16, config=dataclasses.replace(config, token_vectors=True),
+    on_ops, on_chunks = main_loop(skinny_plan.compile_kernel(16, config=dataclasses.replace(config, token_vectors=True),
                                                              row_b=True))
-    off_ops, off_chunks = main_loop(gemm_skinny.compile_kernel(16, config=config, row_b=True))
+    off_ops, off_chunks = main_loop(skinny_plan.compile_kernel(16, config=config, row_b=True))
     assert (on_chunks, off_chunks) == (2, 1)
     assert on_ops["LDSM.16.MT88.4"] == 8 * on_chunks and on_ops["HMMA.16816.F32.BF16"] == 16 * on_chunks
     loads = token_loads(on_ops)
@@ -552,8 +553,8 @@ def test_row_major_token_vectors_main_loop_at_m16():
 
 def test_token_vectors_is_part_of_the_compile_key():
     config = SkinnyConfig(4, 4, 4)
-    off = gemm_skinny.compile_kernel(16, config=config, row_b=True)
-    on = gemm_skinny.compile_kernel(16, config=dataclasses.replace(config, token_vectors=True), row_b=True)
+    off = skinny_plan.compile_kernel(16, config=config, row_b=True)
+    on = skinny_plan.compile_kernel(16, config=dataclasses.replace(config, token_vectors=True), row_b=True)
     assert on.key != off.key and on.ptx != off.ptx
 
 
@@ -562,8 +563,8 @@ def test_token_vectors_fall_back_to_pairs(k, x_contiguous):
     """Token rows the kernel can neither read as aligned 16-byte vectors nor stage (an odd row stride;
     column-major tokens with an odd k stride): the option leaves the code as it is without it."""
     options = dict(k=k, x_contiguous=x_contiguous, row_b=True, x_k_stride=17)
-    on = gemm_skinny.compile_kernel(16, config=SkinnyConfig(4, 4, 4, token_vectors=True), **options)
-    assert on.ptx == gemm_skinny.compile_kernel(16, config=SkinnyConfig(4, 4, 4), **options).ptx
+    on = skinny_plan.compile_kernel(16, config=SkinnyConfig(4, 4, 4, token_vectors=True), **options)
+    assert on.ptx == skinny_plan.compile_kernel(16, config=SkinnyConfig(4, 4, 4), **options).ptx
     assert on.count("LDG.E.U16") > 0
 
 
@@ -572,16 +573,16 @@ def test_token_vectors_is_a_row_major_b_option():
     assert config.check(row_b=True) is None
     assert "row-major-B" in config.check(row_b=False)
     with pytest.raises(ValueError, match="token_vectors"):
-        gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, SkinnyConfig(token_vectors=True), 132)
-    plan = gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, config, 132, row_b=True)
+        skinny_plan.make_plan(16, 4096, 4096, 1, False, "none", False, SkinnyConfig(token_vectors=True), 132)
+    plan = skinny_plan.make_plan(16, 4096, 4096, 1, False, "none", False, config, 132, row_b=True)
     assert plan.config == config  # kept through planning
-    assert gemm_skinny.default_config(16, 4096, 4096, 1, 132, row_b=True).token_vectors  # on by default
+    assert skinny_plan.default_config(16, 4096, 4096, 1, 132, row_b=True).token_vectors  # on by default
 
 
 def test_row_major_splits_shrink_with_more_token_tiles():
     """The row-B split rule at the swept decode shapes (132 SMs, 64 column groups): 4 splits at M = 1, K = 4096,
     1 at M = 16 (each split reduces 16 rows), 3 at M = 16, K = 14336."""
-    splits = {(m, k): gemm_skinny.default_config(m, 4096, k, 1, 132, row_b=True).splits
+    splits = {(m, k): skinny_plan.default_config(m, 4096, k, 1, 132, row_b=True).splits
               for m, k in ((1, 4096), (16, 4096), (16, 14336))}
     assert splits == {(1, 4096): 4, (16, 4096): 1, (16, 14336): 3}
 
@@ -603,20 +604,20 @@ def test_column_b_kernel_reads_column_major_tokens_through_registers_by_default(
     """The heuristic's config takes COLUMN_B_TOKENS (measured fastest); an explicit SkinnyConfig keeps the loads
     unless it names a path (row-major B declines any other value)."""
     x = fake_tokens((16,))
-    assert gemm_skinny.tokens_stageable(x) and gemm_skinny.token_pairs_loadable(x)
-    assert gemm_skinny.COLUMN_B_TOKENS == "registers" and SkinnyConfig().column_tokens == "loads"
-    assert gemm_skinny.default_config(16, 4096, 4096, 1, 132).column_tokens == gemm_skinny.COLUMN_B_TOKENS
-    assert gemm_skinny.default_config(16, 4096, 4096, 1, 132, row_b=True).column_tokens == "loads"
-    assert gemm_skinny.token_path(x, gemm_skinny.default_config(16, 4096, 4096, 1, 132), 2, False) == "registers"
-    assert gemm_skinny.token_path(x, SkinnyConfig(8, 4, 2), 2, False) == "loads"
-    assert gemm_skinny.token_path(x, SkinnyConfig(8, 4, 2), 2, True) == "cp.async"  # row-major B stages them
+    assert skinny_kernel.tokens_stageable(x) and skinny_kernel.token_pairs_loadable(x)
+    assert skinny_plan.COLUMN_B_TOKENS == "registers" and SkinnyConfig().column_tokens == "loads"
+    assert skinny_plan.default_config(16, 4096, 4096, 1, 132).column_tokens == skinny_plan.COLUMN_B_TOKENS
+    assert skinny_plan.default_config(16, 4096, 4096, 1, 132, row_b=True).column_tokens == "loads"
+    assert skinny_kernel.token_path(x, skinny_plan.default_config(16, 4096, 4096, 1, 132), 2, False) == "registers"
+    assert skinny_kernel.token_path(x, SkinnyConfig(8, 4, 2), 2, False) == "loads"
+    assert skinny_kernel.token_path(x, SkinnyConfig(8, 4, 2), 2, True) == "cp.async"  # row-major B stages them
 
 
 def test_which_tokens_take_which_path():
     """Staged (cp.async, registers): tokens contiguous with a k stride of whole 16-byte rows and a 16-byte aligned
     base, when the stages fit the CTA's shared memory; movmatrix: tokens contiguous, an even k stride and a 4-byte
     aligned base; the rest (row-major tokens, other strides, too many stages) keep the loads."""
-    stageable, pairs = gemm_skinny.tokens_stageable, gemm_skinny.token_pairs_loadable
+    stageable, pairs = skinny_kernel.tokens_stageable, skinny_kernel.token_pairs_loadable
     assert stageable(fake_tokens((16,))) and stageable(fake_tokens((8,))) and stageable(fake_tokens(0))
     assert not stageable(fake_tokens((4,)))  # e.g. M = 12 = K's stride: 24-byte rows
     assert not stageable(fake_tokens((16,), align=8))
@@ -626,16 +627,16 @@ def test_which_tokens_take_which_path():
     assert not pairs(fake_tokens(17)) and not pairs(fake_tokens(1)) and not pairs(fake_tokens((16,), align=2))
     assert not pairs(fake_tokens(1, token_stride=(16,)))
     x = fake_tokens((16,))
-    for path in gemm_skinny.STAGED_TOKENS:
-        assert gemm_skinny.token_path(x, column_config(path), 2, False) == path
-        assert gemm_skinny.token_path(x, column_config(path, 32, 8), 1, False) == path
-        assert gemm_skinny.token_path(x, column_config(path, 32, 8), 2, False) == "loads"  # 256 x 1 KB
-        assert gemm_skinny.token_path(fake_tokens((4,)), column_config(path), 1, False) == "loads"
-    assert gemm_skinny.token_path(x, SkinnyConfig(8, 6, 2), 1, True) == "cp.async"  # 48 x (4 + 0.5) KB of stages
-    assert gemm_skinny.token_path(x, SkinnyConfig(8, 6, 2), 2, True) == "loads"  # 48 x 5 KB: past 227 KB
-    assert gemm_skinny.token_path(fake_tokens((4,)), column_config("movmatrix"), 2, False) == "movmatrix"
-    assert gemm_skinny.token_path(fake_tokens(17), column_config("movmatrix"), 2, False) == "loads"
-    assert gemm_skinny.token_path(fake_tokens(1, token_stride=(16,)), column_config("movmatrix"), 2, False) == "loads"
+    for path in skinny_config.STAGED_TOKENS:
+        assert skinny_kernel.token_path(x, column_config(path), 2, False) == path
+        assert skinny_kernel.token_path(x, column_config(path, 32, 8), 1, False) == path
+        assert skinny_kernel.token_path(x, column_config(path, 32, 8), 2, False) == "loads"  # 256 x 1 KB
+        assert skinny_kernel.token_path(fake_tokens((4,)), column_config(path), 1, False) == "loads"
+    assert skinny_kernel.token_path(x, SkinnyConfig(8, 6, 2), 1, True) == "cp.async"  # 48 x (4 + 0.5) KB of stages
+    assert skinny_kernel.token_path(x, SkinnyConfig(8, 6, 2), 2, True) == "loads"  # 48 x 5 KB: past 227 KB
+    assert skinny_kernel.token_path(fake_tokens((4,)), column_config("movmatrix"), 2, False) == "movmatrix"
+    assert skinny_kernel.token_path(fake_tokens(17), column_config("movmatrix"), 2, False) == "loads"
+    assert skinny_kernel.token_path(fake_tokens(1, token_stride=(16,)), column_config("movmatrix"), 2, False) == "loads"
 
 
 @pytest.mark.parametrize("config,why", [
@@ -645,7 +646,7 @@ def test_which_tokens_take_which_path():
 def test_column_tokens_check_declines_with_a_reason(config, why):
     assert why in config.check()
     with pytest.raises(ValueError, match="column_tokens"):
-        gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, config, 132)
+        skinny_plan.make_plan(16, 4096, 4096, 1, False, "none", False, config, 132)
     assert column_config("movmatrix", 32, 16).check() is None  # no shared memory
     assert column_config("registers", 32, 14).check() is None  # 448 token tiles of 512 bytes + the arrival count
 
@@ -654,8 +655,8 @@ def test_column_tokens_check_declines_with_a_reason(config, why):
 def test_column_tokens_is_a_column_major_b_option(path):
     assert "column-major-B" in column_config(path).check(row_b=True)
     with pytest.raises(ValueError, match="column_tokens"):
-        gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, column_config(path, 4), 132, row_b=True)
-    plan = gemm_skinny.make_plan(16, 4096, 4096, 1, False, "none", False, column_config(path), 132)
+        skinny_plan.make_plan(16, 4096, 4096, 1, False, "none", False, column_config(path, 4), 132, row_b=True)
+    plan = skinny_plan.make_plan(16, 4096, 4096, 1, False, "none", False, column_config(path), 132)
     assert plan.config.column_tokens == path  # kept through planning
 
 
@@ -688,15 +689,15 @@ def test_column_major_tokens_are_staged(variant, m, k):
     load and st.shared) and ldmatrix.trans (one x4 per token tile and chunk), with no PRMT."""
     row_b, config = STAGED_VARIANTS[variant]
     tiles = -(-m // 8)
-    kernel = gemm_skinny.compile_kernel(m, k, config=config, row_b=row_b, x_contiguous=False, x_k_stride=8 * tiles)
+    kernel = skinny_plan.compile_kernel(m, k, config=config, row_b=row_b, x_contiguous=False, x_k_stride=8 * tiles)
     check_column_tokens_kernel(kernel)
     assert kernel.resources.static_smem_bytes == 0
-    assert kernel.dynamic_smem_bytes == (gemm_skinny.row_b_smem_bytes(config, tiles) if row_b else
-                                         gemm_skinny.column_b_staged_smem_bytes(config, tiles))
+    assert kernel.dynamic_smem_bytes == (skinny_config.row_b_smem_bytes(config, tiles) if row_b else
+                                         skinny_config.column_b_staged_smem_bytes(config, tiles))
     loop, _ = main_loop(kernel)
     chunks = sum(n for op, n in loop.items() if op.startswith("HMMA")) // (2 * tiles * (4 if row_b else 1))
     assert chunks == (1 if row_b else config.unroll)  # one ring stage a trip; one load group a trip
-    b_copies = gemm_skinny.CHUNK_BYTES // 16 // 32 if row_b else 0
+    b_copies = skinny_config.CHUNK_BYTES // 16 // 32 if row_b else 0
     registers = config.column_tokens == "registers"
     assert loop["LDGSTS.E.BYPASS.128"] == (b_copies + (0 if registers else tiles)) * chunks, sorted(loop.items())
     assert loop["LDSM.16.MT88.4"] == ((8 if row_b else 0) + tiles) * chunks, sorted(loop.items())
@@ -721,11 +722,11 @@ def test_column_major_tokens_by_movmatrix(m, k):
     tiles = -(-m // 8)
     config = column_config("movmatrix")
     for k_stride in {8 * tiles, m + m % 2}:
-        kernel = gemm_skinny.compile_kernel(m, k, config=config, x_contiguous=False, x_k_stride=k_stride)
+        kernel = skinny_plan.compile_kernel(m, k, config=config, x_contiguous=False, x_k_stride=k_stride)
         check_column_tokens_kernel(kernel)
         assert kernel.dynamic_smem_bytes == 0
         assert kernel.resources.static_smem_bytes == \
-            gemm_skinny.compile_kernel(m, k, config=column_config("loads"), x_contiguous=False,
+            skinny_plan.compile_kernel(m, k, config=column_config("loads"), x_contiguous=False,
                                        x_k_stride=k_stride).resources.static_smem_bytes
         loop, _ = main_loop(kernel)
         chunks = sum(n for op, n in loop.items() if op.startswith("HMMA")) // (2 * tiles)
@@ -736,14 +737,14 @@ def test_column_major_tokens_by_movmatrix(m, k):
 
 
 @pytest.mark.parametrize("m", [2, 8, 12, 16])
-@pytest.mark.parametrize("path", gemm_skinny.COLUMN_TOKENS)
+@pytest.mark.parametrize("path", skinny_config.COLUMN_TOKENS)
 def test_every_column_token_path_compiles(path, m):
     """Each path at K = 4100 (a tail) with column-major tokens in 16-byte rows, under other configs (one chunk a
     group, split K; 16 warps x 8 chunks): check_column_tokens_kernel, and SASS with what the path uses: LDSM
     for the staged paths, MOVM for movmatrix, 16-bit token loads only for loads."""
     tiles = -(-m // 8)
     for config in (column_config(path, 4, 1, 3), column_config(path, 16, 8, 1)):
-        kernel = gemm_skinny.compile_kernel(m, 4100, config=config, x_contiguous=False, x_k_stride=8 * tiles)
+        kernel = skinny_plan.compile_kernel(m, 4100, config=config, x_contiguous=False, x_k_stride=8 * tiles)
         ops = kernel.sass_opcodes()
         if path == "loads":
             assert ops["LDG.E.U16"] > 0 and "LDSM.16.MT88.4" not in ops and "MOVM.16.MT88" not in ops
@@ -751,7 +752,7 @@ def test_every_column_token_path_compiles(path, m):
             assert (r.spill_stores, r.spill_loads, r.stack_bytes) == (0, 0, 0) and r.registers <= 128, r
             continue
         check_column_tokens_kernel(kernel)
-        assert (ops["LDSM.16.MT88.4"] > 0) == (path in gemm_skinny.STAGED_TOKENS), sorted(ops)
+        assert (ops["LDSM.16.MT88.4"] > 0) == (path in skinny_config.STAGED_TOKENS), sorted(ops)
         assert (ops["MOVM.16.MT88"] > 0) == (path == "movmatrix"), sorted(ops)
         assert (ops["LDGSTS.E.BYPASS.128"] > 0) == (path == "cp.async"), sorted(ops)
         assert ops["HMMA.16816.F32.BF16"] >= 2 * tiles * (config.unroll + 1)
@@ -765,33 +766,33 @@ def test_tokens_a_path_cannot_take_keep_their_loads(path):
     if path != "movmatrix":
         cases.append(dict(x_contiguous=False, x_k_stride=12))
     for options in cases:
-        kernel = gemm_skinny.compile_kernel(12, 4100, config=column_config(path), **options)
-        assert kernel.ptx == gemm_skinny.compile_kernel(12, 4100, config=column_config("loads"), **options).ptx
+        kernel = skinny_plan.compile_kernel(12, 4100, config=column_config(path), **options)
+        assert kernel.ptx == skinny_plan.compile_kernel(12, 4100, config=column_config("loads"), **options).ptx
         assert kernel.dynamic_smem_bytes == 0
 
 
 def test_row_major_b_tokens_that_cannot_be_staged_keep_their_loads():
     """Row-major B: column-major tokens with an odd k stride, and stages past 227 KB with 16 tokens: the 16-bit
     token loads as before, and no token stages in shared memory."""
-    odd = gemm_skinny.compile_kernel(16, config=SkinnyConfig(4, 4), row_b=True, x_contiguous=False, x_k_stride=17)
-    assert odd.count("LDG.E.U16") > 0 and odd.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(SkinnyConfig(4, 4))
+    odd = skinny_plan.compile_kernel(16, config=SkinnyConfig(4, 4), row_b=True, x_contiguous=False, x_k_stride=17)
+    assert odd.count("LDG.E.U16") > 0 and odd.dynamic_smem_bytes == skinny_config.row_b_smem_bytes(SkinnyConfig(4, 4))
     config = SkinnyConfig(8, 6, 2)
-    big = gemm_skinny.compile_kernel(16, config=config, row_b=True, x_contiguous=False)
-    assert big.count("LDG.E.U16") > 0 and big.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(config)
+    big = skinny_plan.compile_kernel(16, config=config, row_b=True, x_contiguous=False)
+    assert big.count("LDG.E.U16") > 0 and big.dynamic_smem_bytes == skinny_config.row_b_smem_bytes(config)
 
 
 def test_token_paths_are_part_of_the_compile_key():
     """column_tokens is a field of CFG, so each path is its own kernel (a module constant flipped at run time would
     not be in the key); the row-major-B choice follows x's specialisation (k stride divisible by 8 or not)."""
     options = dict(x_contiguous=False, x_k_stride=16)
-    kernels = {path: gemm_skinny.compile_kernel(16, config=column_config(path), **options)
-               for path in gemm_skinny.COLUMN_TOKENS}
-    assert len({kernel.key for kernel in kernels.values()}) == len(gemm_skinny.COLUMN_TOKENS)
+    kernels = {path: skinny_plan.compile_kernel(16, config=column_config(path), **options)
+               for path in skinny_config.COLUMN_TOKENS}
+    assert len({kernel.key for kernel in kernels.values()}) == len(skinny_config.COLUMN_TOKENS)
     assert "cp.async" in kernels["cp.async"].ptx and "st.shared.v4" in kernels["registers"].ptx
     assert "movmatrix" in kernels["movmatrix"].ptx and "ldmatrix" not in kernels["loads"].ptx
     for config, row_b in ((SkinnyConfig(4, 4), True), (column_config("registers"), False)):
-        staged = gemm_skinny.compile_kernel(16, config=config, row_b=row_b, **options)
-        loaded = gemm_skinny.compile_kernel(16, config=config, row_b=row_b, x_contiguous=False, x_k_stride=20)
+        staged = skinny_plan.compile_kernel(16, config=config, row_b=row_b, **options)
+        loaded = skinny_plan.compile_kernel(16, config=config, row_b=row_b, x_contiguous=False, x_k_stride=20)
         assert staged.key != loaded.key and staged.count("LDSM") > 0 and loaded.count("LDG.E.U16") > 0
 
 
@@ -806,16 +807,16 @@ def weight(n, k, major):
 def test_skinny_path_for_small_m(m, major):
     a = torch.randn(m, 4096).to(torch.bfloat16)
     b = weight(4096, 4096, major)
-    assert gemm._skinny_wanted(a, b, None, None) == (m <= (gemm.SKINNY_MAX_M if major == "col" else
-                                                          gemm.SKINNY_MAX_M_ROW_B))
-    assert not gemm._skinny_wanted(a, b, None, False)
-    assert not gemm._skinny_wanted(a, b, gemm.GemmConfig(), None)
-    assert gemm_skinny.b_major(b) == major  # which variant _new_plan plans (row_b=True for "row")
-    if m <= gemm_skinny.MAX_M:
-        assert gemm._skinny_wanted(a, b, SkinnyConfig(), None) and gemm._skinny_wanted(a, b, None, True)
+    assert gemm.plan.skinny_wanted(a, b, None, None) == (m <= (gemm.plan.SKINNY_MAX_M if major == "col" else
+                                                          gemm.plan.SKINNY_MAX_M_ROW_B))
+    assert not gemm.plan.skinny_wanted(a, b, None, False)
+    assert not gemm.plan.skinny_wanted(a, b, gemm.GemmConfig(), None)
+    assert skinny_plan.b_major(b) == major  # which variant _new_plan plans (row_b=True for "row")
+    if m <= skinny_config.MAX_M:
+        assert gemm.plan.skinny_wanted(a, b, SkinnyConfig(), None) and gemm.plan.skinny_wanted(a, b, None, True)
     else:
         with pytest.raises(ValueError, match="skinny"):
-            gemm._skinny_wanted(a, b, None, True)
+            gemm.plan.skinny_wanted(a, b, None, True)
 
 
 def test_row_major_b_takes_the_skinny_kernel_for_fewer_tokens(monkeypatch):
@@ -823,54 +824,54 @@ def test_row_major_b_takes_the_skinny_kernel_for_fewer_tokens(monkeypatch):
     (unless forced); at most SKINNY_MAX_M_ROW_B tokens take the skinny kernel with either, and 0 switches the
     row-major B variant off."""
     a = torch.randn(8, 4096).to(torch.bfloat16)
-    assert gemm.SKINNY_MAX_M_ROW_B < 8 <= gemm.SKINNY_MAX_M
-    assert not gemm._skinny_wanted(a, weight(4096, 4096, "row"), None, None)
-    assert gemm._skinny_wanted(a, weight(4096, 4096, "col"), None, None)
-    assert gemm._skinny_wanted(a, weight(4096, 4096, "row"), None, True)
-    few = torch.randn(gemm.SKINNY_MAX_M_ROW_B, 4096).to(torch.bfloat16)
-    assert gemm._skinny_wanted(few, weight(4096, 4096, "row"), None, None)
-    monkeypatch.setattr(gemm, "SKINNY_MAX_M_ROW_B", 0)
-    assert not gemm._skinny_wanted(few, weight(4096, 4096, "row"), None, None)
+    assert gemm.plan.SKINNY_MAX_M_ROW_B < 8 <= gemm.plan.SKINNY_MAX_M
+    assert not gemm.plan.skinny_wanted(a, weight(4096, 4096, "row"), None, None)
+    assert gemm.plan.skinny_wanted(a, weight(4096, 4096, "col"), None, None)
+    assert gemm.plan.skinny_wanted(a, weight(4096, 4096, "row"), None, True)
+    few = torch.randn(gemm.plan.SKINNY_MAX_M_ROW_B, 4096).to(torch.bfloat16)
+    assert gemm.plan.skinny_wanted(few, weight(4096, 4096, "row"), None, None)
+    monkeypatch.setattr(gemm.plan, "SKINNY_MAX_M_ROW_B", 0)
+    assert not gemm.plan.skinny_wanted(few, weight(4096, 4096, "row"), None, None)
 
 
 def test_unaligned_row_major_b_is_declined():
     a = torch.randn(4, 64).to(torch.bfloat16)
-    assert "multiple of 8" in gemm_skinny.reason(a, torch.randn(64, 33).to(torch.bfloat16))
-    assert "16-byte" in gemm_skinny.reason(a, torch.randn(64, 1028).to(torch.bfloat16)[:, :1020][:, :1016][:, :1016]
+    assert "multiple of 8" in skinny_plan.reason(a, torch.randn(64, 33).to(torch.bfloat16))
+    assert "16-byte" in skinny_plan.reason(a, torch.randn(64, 1028).to(torch.bfloat16)[:, :1020][:, :1016][:, :1016]
                                            .as_strided((64, 1016), (1020, 1)))
-    assert gemm_skinny.reason(a, torch.randn(64, 1032).to(torch.bfloat16)[:, :1000]) is None  # N tail, padded rows
-    assert not gemm._skinny_wanted(a, torch.randn(64, 33).to(torch.bfloat16), None, None)
+    assert skinny_plan.reason(a, torch.randn(64, 1032).to(torch.bfloat16)[:, :1000]) is None  # N tail, padded rows
+    assert not gemm.plan.skinny_wanted(a, torch.randn(64, 33).to(torch.bfloat16), None, None)
     with pytest.raises(ValueError, match="skinny"):
-        gemm._skinny_wanted(a, torch.randn(64, 33).to(torch.bfloat16), None, True)
+        gemm.plan.skinny_wanted(a, torch.randn(64, 33).to(torch.bfloat16), None, True)
 
 
 @pytest.mark.parametrize("mnk", [(1, 4096, 4096), (16, 4096, 14336), (8, 40, 4104), (1, 8, 8), (16, 4104, 1023)])
 def test_row_major_plans_cover_k_exactly(mnk):
     m, n, k = mnk
-    plan = gemm_skinny.make_plan(m, n, k, 1, False, "none", False, None, 132, row_b=True)
+    plan = skinny_plan.make_plan(m, n, k, 1, False, "none", False, None, 132, row_b=True)
     cfg = plan.config
-    chunks = -(-k // gemm_skinny.CHUNK_K)
-    assert plan.row_b and plan.tile_slots == gemm_skinny.COLS_ROW_B * gemm_skinny.MAX_M
+    chunks = -(-k // skinny_config.CHUNK_K)
+    assert plan.row_b and plan.tile_slots == skinny_config.COLS_ROW_B * skinny_config.MAX_M
     assert (cfg.splits - 1) * plan.chunks_per_split < chunks <= cfg.splits * plan.chunks_per_split
     assert plan.grid == (-(-n // 64) * cfg.splits, 1, 1) and plan.tiles == -(-n // 64)
-    assert cfg.splits == 1 or plan.grid[0] <= gemm_skinny.TARGET_CTAS_PER_SM * 132
+    assert cfg.splits == 1 or plan.grid[0] <= skinny_plan.TARGET_CTAS_PER_SM * 132
     with pytest.raises(ValueError, match="shared memory"):
-        gemm_skinny.make_plan(m, n, k, 1, False, "none", False, SkinnyConfig(32, 8), 132, row_b=True)
+        skinny_plan.make_plan(m, n, k, 1, False, "none", False, SkinnyConfig(32, 8), 132, row_b=True)
 
 
 def test_unaligned_weight_rows_are_declined():
     b = torch.randn(64, 1028).to(torch.bfloat16)[:, :1020].t()  # row stride 1028: 8-byte rows only
-    assert "16-byte" in gemm_skinny.reason(torch.randn(1, 1020).to(torch.bfloat16), b)
+    assert "16-byte" in skinny_plan.reason(torch.randn(1, 1020).to(torch.bfloat16), b)
     padded = torch.randn(64, 1024).to(torch.bfloat16)[:, :1023].t()  # K tail, 16-byte aligned rows
-    assert gemm_skinny.reason(torch.randn(1, 1023).to(torch.bfloat16), padded) is None
+    assert skinny_plan.reason(torch.randn(1, 1023).to(torch.bfloat16), padded) is None
 
 
 @pytest.mark.parametrize("mnk", [(1, 4096, 4096), (16, 4096, 14336), (8, 33, 4104), (1, 1, 8), (16, 4097, 1023)])
 def test_plans_cover_k_exactly(mnk):
     m, n, k = mnk
-    plan = gemm_skinny.make_plan(m, n, k, 1, False, "none", False, None, 132)
+    plan = skinny_plan.make_plan(m, n, k, 1, False, "none", False, None, 132)
     cfg = plan.config
-    full = k // gemm_skinny.CHUNK_K
+    full = k // skinny_config.CHUNK_K
     assert plan.chunks_per_split % cfg.unroll == 0
     assert (cfg.splits - 1) * plan.chunks_per_split < max(full, 1) <= cfg.splits * plan.chunks_per_split
     assert plan.grid == (-(-n // 16) * cfg.splits, 1, 1) and plan.m_tiles == -(-m // 8)
@@ -880,12 +881,12 @@ def test_plans_cover_k_exactly(mnk):
 def test_few_column_groups_split_k_up_to_one_wave():
     sms = 132
     for n, k in ((4096, 4096), (4096, 14336), (1024, 4096), (33, 4104), (65536, 4096), (1, 8)):
-        cfg = gemm_skinny.default_config(16, n, k, 1, sms)
+        cfg = skinny_plan.default_config(16, n, k, 1, sms)
         ctas = -(-n // 16) * cfg.splits
-        assert cfg.splits == 1 or ctas <= gemm_skinny.TARGET_CTAS_PER_SM * sms, (n, k, cfg)
-    assert gemm_skinny.default_config(16, 1024, 4096, 1, sms).splits == 2  # 64 groups, 128 chunks
-    assert gemm_skinny.default_config(16, 33, 4104, 1, sms).splits > 1
-    assert gemm_skinny.default_config(16, 65536, 4096, 1, sms).splits == 1
+        assert cfg.splits == 1 or ctas <= skinny_plan.TARGET_CTAS_PER_SM * sms, (n, k, cfg)
+    assert skinny_plan.default_config(16, 1024, 4096, 1, sms).splits == 2  # 64 groups, 128 chunks
+    assert skinny_plan.default_config(16, 33, 4104, 1, sms).splits > 1
+    assert skinny_plan.default_config(16, 65536, 4096, 1, sms).splits == 1
 
 
 # ---------------------------------------------------------------------------------------------- launch limits
@@ -894,7 +895,7 @@ def test_few_column_groups_split_k_up_to_one_wave():
 def launch_problem(kernel, grid):
     """None when a launch of ``kernel`` on ``grid`` fits the device's limits, else why not."""
     static, dynamic = kernel.resources.static_smem_bytes, kernel.dynamic_smem_bytes
-    limit = gemm_skinny.MAX_SMEM if driver.smem_opt_in(static, dynamic) else driver.DEFAULT_SMEM_BYTES
+    limit = skinny_config.MAX_SMEM if driver.smem_opt_in(static, dynamic) else driver.DEFAULT_SMEM_BYTES
     if static + dynamic > limit:
         return f"{static} static + {dynamic} dynamic bytes of shared memory exceed {limit}"
     if kernel.threads > 1024 or kernel.resources.registers * kernel.threads > 65536:
@@ -926,11 +927,11 @@ def test_row_major_b_shared_memory_is_all_dynamic(config):
     """The row-major-B kernel has no static shared memory (the split-K arrival flag lives after the rings), so
     the dynamic size the runtime sees is all the CTA asks for; at 48 KB of rings the split-K flag takes the
     kernel past 48 KB and the runtime opts in."""
-    kernel = gemm_skinny.compile_kernel(16, config=config, row_b=True)
+    kernel = skinny_plan.compile_kernel(16, config=config, row_b=True)
     assert kernel.resources.static_smem_bytes == 0
-    assert kernel.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(config)
-    assert gemm_skinny.row_b_smem_bytes(config) == config.warps * config.unroll * gemm_skinny.CHUNK_BYTES + \
-        (gemm_skinny.ARRIVAL_BYTES if config.splits > 1 else 0)
+    assert kernel.dynamic_smem_bytes == skinny_config.row_b_smem_bytes(config)
+    assert skinny_config.row_b_smem_bytes(config) == config.warps * config.unroll * skinny_config.CHUNK_BYTES + \
+        (skinny_config.ARRIVAL_BYTES if config.splits > 1 else 0)
     assert launch_problem(kernel, (64, 1, 1)) is None
     # the split-K path still counts its arrivals and reads the flag back from shared memory
     assert (kernel.count("ATOMG") > 0) == (config.splits > 1)
@@ -943,7 +944,7 @@ def test_row_major_b_shared_memory_is_all_dynamic(config):
 def test_row_major_b_check_declines_with_a_reason(config, why):
     assert why in config.check(row_b=True)
     with pytest.raises(ValueError, match=r"config=SkinnyConfig\(.*" + why.replace("(", r"\(").replace(")", r"\)")):
-        gemm_skinny.make_plan(1, 4096, 4096, 1, False, "none", False, config, 132, row_b=True)
+        skinny_plan.make_plan(1, 4096, 4096, 1, False, "none", False, config, 132, row_b=True)
     # the largest rings that fit: 56 stages per CTA (with the split-K flag)
     assert SkinnyConfig(8, 7, 2).check(row_b=True) is None and SkinnyConfig(14, 4, 2).check(row_b=True) is None
     assert SkinnyConfig(8, 8).check(row_b=False) is None  # column-major B has no ring
@@ -961,11 +962,11 @@ def matmul_launches(recorded_launches, monkeypatch):
         kernels.append(kernel)
         return kernel
     monkeypatch.setattr(nvfly.Kernel, "compiled_for", record)
-    monkeypatch.setattr(gemm_skinny, "current_stream", lambda device: 0)
-    monkeypatch.setattr(gemm, "eligibility", lambda *args, **kwargs: None)
-    gemm._CALLS.clear()
+    monkeypatch.setattr(skinny_plan, "current_stream", lambda device: 0)
+    monkeypatch.setattr(gemm.api, "eligibility", lambda *args, **kwargs: None)
+    gemm.api._CALLS.clear()
     yield lambda: [(kernel, grid) for kernel, (_, grid, _) in zip(kernels, recorded_launches, strict=True)]
-    gemm._CALLS.clear()
+    gemm.api._CALLS.clear()
 
 
 def test_benchmark_sweeps_plan_every_config_or_decline_it():
@@ -980,9 +981,9 @@ def test_benchmark_sweeps_plan_every_config_or_decline_it():
         for m, n, k in bench.SHAPES:
             for cfg, why in declined:
                 with pytest.raises(ValueError, match="shared memory"):
-                    gemm_skinny.make_plan(m, n, k, 1, False, "none", False, cfg, 132, row_b=row_b)
+                    skinny_plan.make_plan(m, n, k, 1, False, "none", False, cfg, 132, row_b=row_b)
             for cfg in configs:
-                plan = gemm_skinny.make_plan(m, n, k, 1, False, "none", False, cfg, 132, row_b=row_b)
+                plan = skinny_plan.make_plan(m, n, k, 1, False, "none", False, cfg, 132, row_b=row_b)
                 assert plan.config.check(row_b) is None and plan.config.token_vectors == cfg.token_vectors
                 assert 1 <= plan.grid[0] < 2 ** 31 and plan.grid[1:] == (1, 1)
 
@@ -991,9 +992,9 @@ def test_benchmark_column_tokens_sweep_and_grid_filter():
     """--column-tokens: each config once per path, in the given order, all accepted by SkinnyConfig.check;
     --warps/--unroll/--splits replace the grid's values (those not given keep it)."""
     grid = ((8,), (2, 4), (1, 2, 3, 4))
-    configs, declined = bench.sweep(False, column_tokens=gemm_skinny.COLUMN_TOKENS, grid=grid)
-    assert declined == [] and len(configs) == 8 * len(gemm_skinny.COLUMN_TOKENS)
-    assert [c.column_tokens for c in configs[:4]] == list(gemm_skinny.COLUMN_TOKENS)
+    configs, declined = bench.sweep(False, column_tokens=skinny_config.COLUMN_TOKENS, grid=grid)
+    assert declined == [] and len(configs) == 8 * len(skinny_config.COLUMN_TOKENS)
+    assert [c.column_tokens for c in configs[:4]] == list(skinny_config.COLUMN_TOKENS)
     assert {(c.warps, c.unroll, c.splits) for c in configs} == set(itertools.product(*grid))
     configs, _ = bench.sweep(False, grid=((8,), None, None))
     assert configs == [c for c in bench.CONFIGS if c.warps == 8]
@@ -1020,7 +1021,7 @@ def test_benchmark_sweep_compiles_and_fits_a_launch(matmul_launches, layout):
     kernels of the configs with token_vectors on load 16-byte token vectors."""
     row_b = layout.startswith("rowxrow")
     token_vectors = layout.endswith("token-vectors")
-    column_tokens = gemm_skinny.COLUMN_TOKENS if layout.endswith("column-tokens") else ()
+    column_tokens = skinny_config.COLUMN_TOKENS if layout.endswith("column-tokens") else ()
     m, n, k = (16, 4096, 4096) if row_b or column_tokens else (8, 4096, 4096)
     a = bench.tokens(m, k, "col", device="cpu") if column_tokens else torch.empty(m, k, dtype=torch.bfloat16)
     b = torch.empty(k, n, dtype=torch.bfloat16) if row_b else torch.empty(n, k, dtype=torch.bfloat16).t()
@@ -1039,13 +1040,13 @@ def test_benchmark_sweep_compiles_and_fits_a_launch(matmul_launches, layout):
         r = kernel.resources
         assert r.spill_stores == 0 and r.spill_loads == 0 and r.registers <= 128, (cfg, r)
         if row_b:
-            assert r.static_smem_bytes == 0 and kernel.dynamic_smem_bytes == gemm_skinny.row_b_smem_bytes(cfg)
+            assert r.static_smem_bytes == 0 and kernel.dynamic_smem_bytes == skinny_config.row_b_smem_bytes(cfg)
         if token_vectors:
             check_token_vectors_kernel(kernel, m, cfg)
         if column_tokens:  # the path the config names, not the loads' fallback
             ops = kernel.sass_opcodes()
             assert (ops["LDG.E.U16"] > 0, ops["LDGSTS.E.BYPASS.128"] > 0, ops["STS.128"] > 0, ops["MOVM.16.MT88"] > 0) \
-                == tuple(cfg.column_tokens == path for path in gemm_skinny.COLUMN_TOKENS), (cfg, sorted(ops))
+                == tuple(cfg.column_tokens == path for path in skinny_config.COLUMN_TOKENS), (cfg, sorted(ops))
         assert grid == (math.ceil(n / (64 if row_b else 16)) * cfg.splits, 1, 1)
 
 

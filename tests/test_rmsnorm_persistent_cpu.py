@@ -9,6 +9,7 @@ import torch
 import nvfly
 from benchmarks import rmsnorm as bench
 from nvfly.ops import rmsnorm
+from nvfly.ops.rmsnorm import api as rmsnorm_api, plan as rmsnorm_plan
 from nvfly.runtime.torch_args import vector_width
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -57,38 +58,38 @@ def tensors(m, n, dtype, variant):
 
 # ---------------------------------------------------------------------------------------------- the plan model
 def test_forward_plan_takes_the_row_kernel_and_the_persistent_one_on_request():
-    p = rmsnorm.forward_plan(2048, 8, 16384, SMS)
+    p = rmsnorm_plan.forward_plan(2048, 8, 16384, SMS)
     # rows of at most 8 KB: 2 vectors a thread (128 threads a row), else 8 (the row kernel) below SMS rows
     assert not p.persistent and (p.group, p.early_weight) == (128, True)
-    assert rmsnorm.forward_plan(4096, 8, 16384, SMS).group == 256
-    assert rmsnorm.forward_plan(8192, 8, 64, SMS).group == 128
-    assert rmsnorm.forward_plan(2048, 4, 16384, SMS).group == 256  # fp32: 8 KB rows
-    assert rmsnorm.forward_plan(4096, 4, 64, SMS).group == 128  # 16 KB: 8 vectors a thread
+    assert rmsnorm_plan.forward_plan(4096, 8, 16384, SMS).group == 256
+    assert rmsnorm_plan.forward_plan(8192, 8, 64, SMS).group == 128
+    assert rmsnorm_plan.forward_plan(2048, 4, 16384, SMS).group == 256  # fp32: 8 KB rows
+    assert rmsnorm_plan.forward_plan(4096, 4, 64, SMS).group == 128  # 16 KB: 8 vectors a thread
     # rows of 12 KB or more, 1024 rows or more (past the persistent kernel's rows): the two-pass kernel with
     # Inductor's hints (not with options that ask for another plan)
     for n, vec, m, threads in [(8192, 8, 16384, 512), (7168, 8, 4096, 512), (4096, 4, 16384, 512),
                                (16384, 8, 4096, 1024), (32768, 8, 1024, 1024)]:
-        p = rmsnorm.forward_plan(n, vec, m, SMS)
+        p = rmsnorm_plan.forward_plan(n, vec, m, SMS)
         assert p.two_pass and p.cache_hints == rmsnorm.LOAD_HINTS and p.threads == threads, (n, vec, m)
-    assert not rmsnorm.forward_plan(4096, 8, 16384, SMS).two_pass
-    assert rmsnorm.forward_plan(7168, 8, 1024, SMS, has_residual=True).two_pass  # with the residual, as before
+    assert not rmsnorm_plan.forward_plan(4096, 8, 16384, SMS).two_pass
+    assert rmsnorm_plan.forward_plan(7168, 8, 1024, SMS, has_residual=True).two_pass  # with the residual, as before
     for other in [rmsnorm.ForwardOptions(target_vectors=8), rmsnorm.ForwardOptions(cache_hints=True)]:
-        assert not rmsnorm.forward_plan(8192, 8, 16384, SMS, options=other).two_pass
-    assert rmsnorm.forward_plan(65536, 8, 64, SMS).cache_hints == rmsnorm.LOAD_HINTS  # too long for registers
+        assert not rmsnorm_plan.forward_plan(8192, 8, 16384, SMS, options=other).two_pass
+    assert rmsnorm_plan.forward_plan(65536, 8, 64, SMS).cache_hints == rmsnorm.LOAD_HINTS  # too long for registers
     four = rmsnorm.ForwardOptions(target_vectors=4)
-    assert rmsnorm.forward_plan(2048, 8, 16384, SMS, options=four).group == 64
+    assert rmsnorm_plan.forward_plan(2048, 8, 16384, SMS, options=four).group == 64
     forced = rmsnorm.ForwardOptions(persistent=True)
-    p = rmsnorm.forward_plan(2048, 8, 16384, SMS, options=forced)
+    p = rmsnorm_plan.forward_plan(2048, 8, 16384, SMS, options=forced)
     # 4 vectors a thread (two tiles and the weight in registers), 2 rows of 64 threads, 5 blocks an SM (96 registers)
     assert p.persistent and (p.group, p.rows, p.threads, p.blocks_per_sm) == (64, 2, 128, 5)
-    assert rmsnorm.forward_plan(2048, 8, 16384, SMS, has_residual=True, options=forced).blocks_per_sm == 4
-    assert rmsnorm.forward_plan(8192, 8, 16384, SMS, options=forced).threads == 256
-    assert rmsnorm.forward_plan(16384, 8, 16384, SMS, options=forced).threads == 512
+    assert rmsnorm_plan.forward_plan(2048, 8, 16384, SMS, has_residual=True, options=forced).blocks_per_sm == 4
+    assert rmsnorm_plan.forward_plan(8192, 8, 16384, SMS, options=forced).threads == 256
+    assert rmsnorm_plan.forward_plan(16384, 8, 16384, SMS, options=forced).threads == 512
     # rows too long for two tiles in registers: declined; rows too long for registers take the two-pass kernel
-    assert rmsnorm.forward_plan(65536, 8, 65536, SMS).two_pass
+    assert rmsnorm_plan.forward_plan(65536, 8, 65536, SMS).two_pass
     with pytest.raises(ValueError, match="persistent"):
-        rmsnorm.forward_plan(32768, 8, 65536, SMS, options=forced)
-    few = rmsnorm.forward_plan(2048, 8, 256, SMS, options=forced)
+        rmsnorm_plan.forward_plan(32768, 8, 65536, SMS, options=forced)
+    few = rmsnorm_plan.forward_plan(2048, 8, 256, SMS, options=forced)
     assert few.persistent and (few.threads, few.blocks_per_sm) == (64, 10)  # few rows: a row a tile
 
 
@@ -96,39 +97,39 @@ def test_forward_plan_of_long_rows_by_their_count():
     """Rows over 8 KB (no residual), SMS to PERSISTENT_MAX_ROWS of them: under two an SM (rows up to 16 KB) the
     row kernel at 2 vectors a thread; else the persistent kernel where its blocks take 1.75 tiles or more each
     (the two-pass kernel where they would not); fewer rows, more rows and the residual keep the plans before."""
-    few = rmsnorm.forward_plan(7168, 8, SMS, SMS)
+    few = rmsnorm_plan.forward_plan(7168, 8, SMS, SMS)
     assert not few.persistent and not few.two_pass and few.group == 512 and few.early_weight
-    assert rmsnorm.forward_plan(4096, 4, 256, SMS).group == 512  # fp32, 16 KB rows
-    assert rmsnorm.forward_plan(7168, 8, SMS - 1, SMS).group == 128  # fewer rows than SMs: 8 vectors a thread
+    assert rmsnorm_plan.forward_plan(4096, 4, 256, SMS).group == 512  # fp32, 16 KB rows
+    assert rmsnorm_plan.forward_plan(7168, 8, SMS - 1, SMS).group == 128  # fewer rows than SMs: 8 vectors a thread
     for n, m, threads, blocks_per_sm in [(7168, 462, 256, 2), (8192, 2048, 256, 2), (5120, 1024, 256, 2),
                                          (16384, 231, 512, 1), (16384, 384, 512, 1), (7168, 600, 256, 2)]:
-        p = rmsnorm.forward_plan(n, 8, m, SMS)
+        p = rmsnorm_plan.forward_plan(n, 8, m, SMS)
         assert p.persistent and (p.threads, p.rows, p.blocks_per_sm) == (threads, 1, blocks_per_sm), (n, m)
     # under 1.75 x 264 tiles: the two-pass kernel; under 1.75 x 132 tiles of 32 KB rows: the row kernel
     for n, m in [(7168, 461), (8192, 300), (7168, SMS * 2)]:
-        p = rmsnorm.forward_plan(n, 8, m, SMS)
+        p = rmsnorm_plan.forward_plan(n, 8, m, SMS)
         assert p.two_pass and p.cache_hints == rmsnorm.LOAD_HINTS and p.threads == 512, (n, m)
     for m in (SMS, 230):
-        p = rmsnorm.forward_plan(16384, 8, m, SMS)
+        p = rmsnorm_plan.forward_plan(16384, 8, m, SMS)
         assert not p.two_pass and not p.persistent and (p.group, p.rows) == (256, 1)
-    assert rmsnorm.forward_plan(7168, 8, rmsnorm.PERSISTENT_MAX_ROWS + 1, SMS).two_pass
-    assert not rmsnorm.forward_plan(7168, 8, 512, SMS, has_residual=True).persistent
-    assert not rmsnorm.forward_plan(4096, 8, 512, SMS).persistent  # 8 KB rows: the row kernel
-    assert not rmsnorm.forward_plan(7001, 1, 512, SMS, 32).persistent  # odd lengths: element accesses
+    assert rmsnorm_plan.forward_plan(7168, 8, rmsnorm_plan.PERSISTENT_MAX_ROWS + 1, SMS).two_pass
+    assert not rmsnorm_plan.forward_plan(7168, 8, 512, SMS, has_residual=True).persistent
+    assert not rmsnorm_plan.forward_plan(4096, 8, 512, SMS).persistent  # 8 KB rows: the row kernel
+    assert not rmsnorm_plan.forward_plan(7001, 1, 512, SMS, 32).persistent  # odd lengths: element accesses
     for other in [rmsnorm.ForwardOptions(target_vectors=8), rmsnorm.ForwardOptions(cache_hints=rmsnorm.LOAD_HINTS)]:
-        p = rmsnorm.forward_plan(7168, 8, 512, SMS, options=other)
+        p = rmsnorm_plan.forward_plan(7168, 8, 512, SMS, options=other)
         assert not p.persistent and not p.two_pass and p.group == 128
 
 
 def test_row_kernel_loads_the_weight_early_where_registers_allow():
     options = rmsnorm.ForwardOptions()
-    assert rmsnorm.forward_plan(8192, 8, 256, SMS, options=options).early_weight
+    assert rmsnorm_plan.forward_plan(8192, 8, 256, SMS, options=options).early_weight
     # x, the residual and the weight at 8 vectors a thread spill: the weight stays after the reduction
-    assert not rmsnorm.forward_plan(8192, 8, 256, SMS, has_residual=True, options=options).early_weight
+    assert not rmsnorm_plan.forward_plan(8192, 8, 256, SMS, has_residual=True, options=options).early_weight
     four = rmsnorm.ForwardOptions(target_vectors=4)
-    assert rmsnorm.forward_plan(8192, 8, 16384, SMS, has_residual=True, options=four).early_weight
+    assert rmsnorm_plan.forward_plan(8192, 8, 16384, SMS, has_residual=True, options=four).early_weight
     before = rmsnorm.ForwardOptions(early_weight=False)
-    assert not rmsnorm.forward_plan(8192, 8, 256, SMS, options=before).early_weight
+    assert not rmsnorm_plan.forward_plan(8192, 8, 256, SMS, options=before).early_weight
 
 
 def test_forward_options_are_checked():
@@ -144,7 +145,7 @@ def test_forward_options_are_checked():
 
 
 def test_persistent_grid_is_the_resident_blocks_or_the_tiles(recorded_launches):
-    rmsnorm._FORWARD.clear()  # plans cached by other tests hold launchers that would not record
+    rmsnorm_api._FORWARD.clear()  # plans cached by other tests hold launchers that would not record
     w = torch.randn(2048).to(torch.bfloat16)
     forced = rmsnorm.ForwardOptions(persistent=True)
     rmsnorm.rms_norm_forward(torch.randn(16384, 2048).to(torch.bfloat16), w, options=forced)
@@ -152,7 +153,7 @@ def test_persistent_grid_is_the_resident_blocks_or_the_tiles(recorded_launches):
     (name, grid, _), (name2, grid2, _) = recorded_launches
     assert name == name2 == "rms_norm_persistent_kernel"
     assert grid == (5 * SMS, 1, 1) and grid2 == (501, 1, 1)
-    rmsnorm._FORWARD.clear()
+    rmsnorm_api._FORWARD.clear()
 
 
 # ---------------------------------------------------------------------------------------------- the kernels compile
@@ -167,7 +168,7 @@ def test_persistent_kernel_compiles_clean_and_prefetches_the_next_tile(dtype, n,
     x, w, r = tensors(m, n, dtype, variant)
     forced = rmsnorm.ForwardOptions(persistent=True)
     vec = vector_width(n, (x, w, r), x.element_size())
-    if -(-n // (vec * rmsnorm.MAX_GROUP)) > rmsnorm.PERSISTENT_VECTORS_PER_THREAD:  # fp32 rows of 16384
+    if -(-n // (vec * rmsnorm_plan.MAX_GROUP)) > rmsnorm_plan.PERSISTENT_VECTORS_PER_THREAD:  # fp32 rows of 16384
         with pytest.raises(ValueError, match="do not fit the persistent kernel"):
             rmsnorm.rms_norm_forward(x, w, 1e-6, r, options=forced)
         return
@@ -176,7 +177,7 @@ def test_persistent_kernel_compiles_clean_and_prefetches_the_next_tile(dtype, n,
     assert k.name == "rms_norm_persistent_kernel" and p.persistent
     assert_clean(k)
     assert k.block == (p.threads, 1, 1)
-    assert rmsnorm.resident_warps(k.resources.registers, p.threads) >= p.blocks_per_sm * p.threads // 32
+    assert rmsnorm_plan.resident_warps(k.resources.registers, p.threads) >= p.blocks_per_sm * p.threads // 32
     vectors = -(-n // (p.group * p.vec))
     streams = 1 + (variant == "residual")  # x and the residual, loaded before the loop and in it
     loads = vectors * (2 * streams + (variant != "plain"))
@@ -249,30 +250,30 @@ def test_compare_plans_variants_compile_clean(n, fused_add):
 # ---------------------------------------------------------------------------------------------- the two-pass kernel
 def test_two_pass_plan_covers_the_row_in_one_step_or_takes_the_options():
     two_pass = rmsnorm.ForwardOptions(two_pass=True)
-    p = rmsnorm.forward_plan(8192, 8, 16384, SMS, options=two_pass)
+    p = rmsnorm_plan.forward_plan(8192, 8, 16384, SMS, options=two_pass)
     # the fewest threads that take the row in one step of 2 vectors: 512 for bf16 rows of 8192 (as Inductor's block)
     assert p.two_pass and not p.persistent and (p.threads, p.rows, p.vectors) == (512, 1, 2)
-    assert rmsnorm.forward_plan(7168, 8, 16384, SMS, options=two_pass).threads == 512
-    assert rmsnorm.forward_plan(16384, 8, 16384, SMS, options=two_pass).threads == 1024
-    assert rmsnorm.forward_plan(2048, 8, 16384, SMS, options=two_pass).threads == 128
-    assert rmsnorm.forward_plan(8192, 4, 16384, SMS, options=two_pass).threads == 1024  # fp32
+    assert rmsnorm_plan.forward_plan(7168, 8, 16384, SMS, options=two_pass).threads == 512
+    assert rmsnorm_plan.forward_plan(16384, 8, 16384, SMS, options=two_pass).threads == 1024
+    assert rmsnorm_plan.forward_plan(2048, 8, 16384, SMS, options=two_pass).threads == 128
+    assert rmsnorm_plan.forward_plan(8192, 4, 16384, SMS, options=two_pass).threads == 1024  # fp32
     # rows too long for registers take it without the option, in several steps of 1024 threads
-    long_rows = rmsnorm.forward_plan(300_000, 8, 64, SMS)
+    long_rows = rmsnorm_plan.forward_plan(300_000, 8, 64, SMS)
     assert long_rows.two_pass and (long_rows.threads, long_rows.vectors) == (1024, 2)
     # narrow accesses (odd lengths): as many more a step as the row kernel's budget allows them
-    assert rmsnorm.forward_plan(1001, 1, 64, SMS, 32, options=two_pass).vectors == 8
-    assert rmsnorm.forward_plan(1002, 2, 64, SMS, 16, options=two_pass).vectors == 4
+    assert rmsnorm_plan.forward_plan(1001, 1, 64, SMS, 32, options=two_pass).vectors == 8
+    assert rmsnorm_plan.forward_plan(1002, 2, 64, SMS, 16, options=two_pass).vectors == 4
     chosen = rmsnorm.ForwardOptions(two_pass=True, two_pass_threads=256, two_pass_vectors=4, cache_hints=True)
-    p = rmsnorm.forward_plan(8192, 8, 16384, SMS, has_residual=True, options=chosen)
+    p = rmsnorm_plan.forward_plan(8192, 8, 16384, SMS, has_residual=True, options=chosen)
     assert (p.threads, p.vectors, p.cache_hints) == (256, 4, True)
 
 
 def two_pass_budget(p, variant, dtype, n):
     """The registers the kernel targets: a full SM (32) where its estimate fits, else at least 32 warps (64)."""
     streams = (1 + (variant == "residual"), 1 + (variant != "plain") + (variant == "residual"))
-    estimate = rmsnorm.two_pass_registers(*streams, p.vectors, p.vec, torch.empty((), dtype=dtype).element_size(),
+    estimate = rmsnorm_plan.two_pass_registers(*streams, p.vectors, p.vec, torch.empty((), dtype=dtype).element_size(),
                                           -(-n // (p.threads * p.vectors * p.vec)))
-    return rmsnorm.FULL_SM_REGISTERS if estimate <= rmsnorm.FULL_SM_REGISTERS else 64
+    return rmsnorm_plan.FULL_SM_REGISTERS if estimate <= rmsnorm_plan.FULL_SM_REGISTERS else 64
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -310,7 +311,7 @@ def test_two_pass_blocks_of_any_warp_count(threads):
     assert_clean(k)
     assert k.block == (threads, 1, 1) and k.count("BAR.SYNC") == 1
     if threads == 448:
-        assert rmsnorm.resident_warps(k.resources.registers, threads) == 56, k.summary()
+        assert rmsnorm_plan.resident_warps(k.resources.registers, threads) == 56, k.summary()
     assert k.count("SHFL.BFLY") == 5 + (4 if threads == 448 else 3)  # the warp's sum, then 16 (8) lanes
 
 
@@ -323,7 +324,7 @@ def test_two_pass_kernel_holds_a_full_sm_of_warps(n, variant):
     k = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=False,
                  options=rmsnorm.ForwardOptions(two_pass=True))
     assert k.block == (512, 1, 1)
-    assert rmsnorm.resident_warps(k.resources.registers, 512) >= (64 if variant == "weight" else 48), k.summary()
+    assert rmsnorm_plan.resident_warps(k.resources.registers, 512) >= (64 if variant == "weight" else 48), k.summary()
 
 
 @pytest.mark.parametrize("variant", ["weight", "residual"])
@@ -357,11 +358,11 @@ def test_bulk_plan_sizes_block_ring_and_blocks_per_sm():
     """The fewest threads holding the row in 4 vectors, two blocks an SM up to 256 threads (one above), as many
     stages as the shared memory of the SM's blocks holds (up to 8); what cannot be done is declined, named."""
     def bulk(n, itemsize=2, residual=False, **options):
-        return rmsnorm.bulk_plan(n, 16 // itemsize, itemsize, residual, rmsnorm.ForwardOptions(bulk=True, **options))
+        return rmsnorm_plan.bulk_plan(n, 16 // itemsize, itemsize, residual, rmsnorm.ForwardOptions(bulk=True, **options))
 
     p = bulk(8192)
     assert (p.threads, p.blocks_per_sm, p.stages, p.bulk) == (256, 2, 6, True)
-    assert 2 * (p.stages * 16384 + rmsnorm.BULK_BARRIER_BYTES) <= rmsnorm.BULK_SMEM_PER_SM
+    assert 2 * (p.stages * 16384 + rmsnorm_plan.BULK_BARRIER_BYTES) <= rmsnorm_plan.BULK_SMEM_PER_SM
     assert (bulk(8192, residual=True).stages, bulk(2048).threads, bulk(2048).stages) == (3, 128, 8)
     assert (bulk(16384).threads, bulk(16384).blocks_per_sm, bulk(16384).stages) == (512, 1, 6)
     assert bulk(8192, bulk_stages=3).stages == 3
@@ -369,7 +370,7 @@ def test_bulk_plan_sizes_block_ring_and_blocks_per_sm():
     with pytest.raises(ValueError, match="over the kernel's 4 vectors"):
         bulk(8192, bulk_threads=128, bulk_blocks_per_sm=4)
     with pytest.raises(ValueError, match="options.bulk: rows of 1001"):
-        rmsnorm.bulk_plan(1001, 1, 2, False, rmsnorm.ForwardOptions(bulk=True))
+        rmsnorm_plan.bulk_plan(1001, 1, 2, False, rmsnorm.ForwardOptions(bulk=True))
     with pytest.raises(ValueError, match="options.bulk: rows of 16384 elements on 1024 threads"):
         bulk(16384, itemsize=4)
     with pytest.raises(ValueError, match="128 registers"):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import nvfly
 import nvfly.torch.ops  # noqa: F401  (registers the nvfly:: custom ops)
 from nvfly.ops import rmsnorm, topk, topk_row
+from nvfly.ops.rmsnorm import api as rmsnorm_api, plan as rmsnorm_plan
 from nvfly.runtime.torch_args import vector_width
 from nvfly.torch.routing import Route, _routed, disable_routing, enable_routing, install_routing, installed, \
     register_route, routing, routing_enabled
@@ -99,24 +100,24 @@ def test_rms_norm_backward_compiles(dtype, n):
 
 def test_rms_norm_plans():
     sms = 132
-    p = rmsnorm.plan(2048, 8, 65536, sms)
+    p = rmsnorm_plan.row_plan(2048, 8, 65536, sms)
     assert (p.group, p.rows, p.threads) == (32, 4, 128)  # a warp a row, a warp per SM sub-partition
-    assert rmsnorm.plan(2048, 8, 65536, sms, block_threads=256).rows == 8
-    assert rmsnorm.plan(2048, 8, 256, sms).rows == 1  # few rows: one per block, so every SM gets work
-    assert rmsnorm.plan(2048, 8, 256, sms, block_threads=512).rows == 1
-    assert rmsnorm.plan(128, 8, 65536, sms).threads == 128  # 8 rows a warp
-    assert rmsnorm.plan(2048, 4, 16384, sms).rows == 2  # fp32: 64 threads a row
-    assert rmsnorm.plan(7168, 8, 4096, sms).group == 128  # 7 vectors a thread
-    assert rmsnorm.plan(8192, 8, 16384, sms).rows == 1  # bf16: 128 threads a row
-    assert rmsnorm.plan(8192, 8, 16384, sms, block_threads=512).rows == 4
-    assert rmsnorm.plan(8192, 4, 16384, sms).threads == 256  # the row's group fills more than the block
+    assert rmsnorm_plan.row_plan(2048, 8, 65536, sms, block_threads=256).rows == 8
+    assert rmsnorm_plan.row_plan(2048, 8, 256, sms).rows == 1  # few rows: one per block, so every SM gets work
+    assert rmsnorm_plan.row_plan(2048, 8, 256, sms, block_threads=512).rows == 1
+    assert rmsnorm_plan.row_plan(128, 8, 65536, sms).threads == 128  # 8 rows a warp
+    assert rmsnorm_plan.row_plan(2048, 4, 16384, sms).rows == 2  # fp32: 64 threads a row
+    assert rmsnorm_plan.row_plan(7168, 8, 4096, sms).group == 128  # 7 vectors a thread
+    assert rmsnorm_plan.row_plan(8192, 8, 16384, sms).rows == 1  # bf16: 128 threads a row
+    assert rmsnorm_plan.row_plan(8192, 8, 16384, sms, block_threads=512).rows == 4
+    assert rmsnorm_plan.row_plan(8192, 4, 16384, sms).threads == 256  # the row's group fills more than the block
     # the persistent backward keeps blocks of 256 (it launches about two per SM)
-    assert rmsnorm.plan(2048, 8, 16384, sms, 2, 2, 1024, rmsnorm.BACKWARD_ROW_BLOCK_THREADS).threads == 256
-    assert rmsnorm.plan(16384, 8, 4096, sms).group == 256
-    assert rmsnorm.plan(16384, 4, 4096, sms).group == 512  # fp32
-    assert rmsnorm.plan(32768, 8, 4, sms).group == 512 and rmsnorm.plan(65536, 8, 4, sms).looped
+    assert rmsnorm_plan.row_plan(2048, 8, 16384, sms, 2, 2, 1024, rmsnorm_plan.BACKWARD_ROW_BLOCK_THREADS).threads == 256
+    assert rmsnorm_plan.row_plan(16384, 8, 4096, sms).group == 256
+    assert rmsnorm_plan.row_plan(16384, 4, 4096, sms).group == 512  # fp32
+    assert rmsnorm_plan.row_plan(32768, 8, 4, sms).group == 512 and rmsnorm_plan.row_plan(65536, 8, 4, sms).looped
     assert rmsnorm.backward_eligibility(torch.randn(2, 16384)) == "x is on cpu, not CUDA"
-    assert "too long" in rmsnorm._backward_size_reason(32768, 8)
+    assert "too long" in rmsnorm_api._backward_size_reason(32768, 8)
 
 
 def test_row_block_threads_hold_the_most_warps_whatever_the_registers():
@@ -124,11 +125,11 @@ def test_row_block_threads_hold_the_most_warps_whatever_the_registers():
     let an SM hold as many warps as any block size can at every register count; 256-thread blocks lose 4 warps
     when a sub-partition holds an odd number (the bf16 rows of 2048 of issue 6: 88 registers)."""
     for registers in range(1, 256):
-        best = max(rmsnorm.resident_warps(registers, threads) for threads in (32, 64, 128, 256, 512, 1024))
-        assert rmsnorm.resident_warps(registers, rmsnorm.ROW_BLOCK_THREADS) == best, registers
-    assert [rmsnorm.resident_warps(88, threads) for threads in (64, 128, 256, 512)] == [20, 20, 16, 16]
-    assert rmsnorm.resident_warps(32, 128) == 64 and rmsnorm.resident_warps(16, 32) == 32  # warp and block limits
-    assert rmsnorm.resident_warps(56, 128) == 36 and rmsnorm.resident_warps(128, 256) == 16
+        best = max(rmsnorm_plan.resident_warps(registers, threads) for threads in (32, 64, 128, 256, 512, 1024))
+        assert rmsnorm_plan.resident_warps(registers, rmsnorm_plan.ROW_BLOCK_THREADS) == best, registers
+    assert [rmsnorm_plan.resident_warps(88, threads) for threads in (64, 128, 256, 512)] == [20, 20, 16, 16]
+    assert rmsnorm_plan.resident_warps(32, 128) == 64 and rmsnorm_plan.resident_warps(16, 32) == 32  # warp and block limits
+    assert rmsnorm_plan.resident_warps(56, 128) == 36 and rmsnorm_plan.resident_warps(128, 256) == 16
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -145,16 +146,16 @@ def test_rms_norm_block_plans_compile_clean_and_the_default_holds_the_most_warps
     r = torch.empty(m, n, dtype=dtype) if variant == "residual" else None
     vec = 16 // x.element_size()
     warps = {}
-    for block_threads in (rmsnorm.ROW_BLOCK_THREADS, 128, 256, 512):
+    for block_threads in (rmsnorm_plan.ROW_BLOCK_THREADS, 128, 256, 512):
         options = rmsnorm.ForwardOptions(block_threads=block_threads, target_vectors=8, early_weight=early_weight)
         (k,) = compiled(rmsnorm.rms_norm_forward, x, w, 1e-6, r, want_rstd=False, options=options)
         assert k.name == "rms_norm_kernel"
         assert_clean(k)
         assert k.count("LDL") == 0 and k.count("STL") == 0, k.summary()
-        p = rmsnorm.plan(n, vec, m, 132, block_threads=block_threads)
+        p = rmsnorm_plan.row_plan(n, vec, m, 132, block_threads=block_threads)
         assert k.block == (p.threads, 1, 1) == (max(p.group, block_threads), 1, 1)
-        warps[p.threads] = rmsnorm.resident_warps(k.resources.registers, p.threads)
-    assert warps[rmsnorm.plan(n, vec, m, 132).threads] == max(warps.values()), warps
+        warps[p.threads] = rmsnorm_plan.resident_warps(k.resources.registers, p.threads)
+    assert warps[rmsnorm_plan.row_plan(n, vec, m, 132).threads] == max(warps.values()), warps
     if (dtype, n, variant, early_weight) == (torch.bfloat16, 2048, "weight", False):  # issue 6: 20 warps, not 16
         assert warps[128] > warps[256], warps
 
@@ -747,10 +748,10 @@ def test_register_route_is_a_registry_for_other_ops():
 @pytest.fixture
 def fake_launches(recorded_launches):
     """recorded_launches (conftest) with the ops' plan caches cleared before and after."""
-    for cache in (rmsnorm._FORWARD, rmsnorm._BACKWARD, topk._TOPK):
+    for cache in (rmsnorm_api._FORWARD, rmsnorm_api._BACKWARD, topk._TOPK):
         cache.clear()
     yield recorded_launches
-    for cache in (rmsnorm._FORWARD, rmsnorm._BACKWARD, topk._TOPK):
+    for cache in (rmsnorm_api._FORWARD, rmsnorm_api._BACKWARD, topk._TOPK):
         cache.clear()
 
 
@@ -796,7 +797,7 @@ def test_repeat_calls_launch_what_a_first_call_would(fake_launches, name, make, 
     out2 = call(*second)
     fast = fake_launches[n:]
     assert len(fast) == n > 0
-    for cache in (rmsnorm._FORWARD, rmsnorm._BACKWARD, topk._TOPK):
+    for cache in (rmsnorm_api._FORWARD, rmsnorm_api._BACKWARD, topk._TOPK):
         cache.clear()
     out3 = call(*second)
     reference = fake_launches[2 * n:]
@@ -831,7 +832,7 @@ def test_cached_signatures_still_check_arguments(fake_launches):
         topk.topk(x, True)
     with pytest.raises(TypeError, match="weight:"):
         rmsnorm.rms_norm(x, [1.0] * 16)
-    assert len(rmsnorm._FORWARD) == 2 and len(topk._TOPK) == 1  # two forward signatures (options)
+    assert len(rmsnorm_api._FORWARD) == 2 and len(topk._TOPK) == 1  # two forward signatures (options)
 
 
 # ---------------------------------------------------------------------------------------------- language primitives

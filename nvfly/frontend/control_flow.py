@@ -16,8 +16,9 @@ from mlir.dialects import scf
 
 from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
+from nvfly.frontend.language import select
 from nvfly.frontend.trace import traced
-from nvfly.frontend.values import Scalar, Undefined, Vector, _Traced, as_value, constant, python_dtype
+from nvfly.frontend.values import Scalar, Undefined, Vector, _Traced, as_value, condition, constant, python_dtype
 
 
 # ---------------------------------------------------------------------------------------------- flattening
@@ -93,13 +94,6 @@ def _is_traced(x: Any) -> bool:
     return isinstance(x, _Traced)
 
 
-def _condition(cond: Any) -> Scalar:
-    c = as_value(cond) if not isinstance(cond, _Traced) else cond
-    if isinstance(c, Vector):
-        raise CompileError("the condition is a vector; reduce it to one value first")
-    return c if c.dtype == dtypes.i1 else c.to(dtypes.i1)
-
-
 @traced
 def if_(cond: Any, then_fn: Callable[..., tuple], else_fn: Optional[Callable[..., tuple]],
         names: Sequence[str], values: Sequence[Any]) -> tuple:
@@ -107,7 +101,7 @@ def if_(cond: Any, then_fn: Callable[..., tuple], else_fn: Optional[Callable[...
     if not _is_traced(cond):
         branch = then_fn if cond else else_fn
         return tuple(branch(*values)) if branch is not None else tuple(values)
-    c = _condition(cond)
+    c = condition(cond)
     probe = scf.IfOp(c.value, [], has_else=True)
     with ir.InsertionPoint(probe.then_block):
         then_out = tuple(then_fn(*values))
@@ -166,7 +160,6 @@ def ifexp(cond: Any, then_fn: Callable[[], Any], else_fn: Callable[[], Any]) -> 
     """``a if cond else b``: a select of both values when the condition is traced."""
     if not _is_traced(cond):
         return then_fn() if cond else else_fn()
-    from nvfly.frontend.language import select
     return select(cond, then_fn(), else_fn())
 
 
@@ -177,8 +170,8 @@ def and_(lhs: Any, rhs_fn: Callable[[], Any]) -> Any:
         return rhs_fn() if lhs else lhs
     rhs = rhs_fn()
     if not _is_traced(rhs):
-        return _condition(lhs) if rhs else False
-    return _condition(lhs) & _condition(rhs)
+        return condition(lhs) if rhs else False
+    return condition(lhs) & condition(rhs)
 
 
 @traced
@@ -188,15 +181,15 @@ def or_(lhs: Any, rhs_fn: Callable[[], Any]) -> Any:
         return lhs if lhs else rhs_fn()
     rhs = rhs_fn()
     if not _is_traced(rhs):
-        return True if rhs else _condition(lhs)
-    return _condition(lhs) | _condition(rhs)
+        return True if rhs else condition(lhs)
+    return condition(lhs) | condition(rhs)
 
 
 @traced
 def not_(value: Any) -> Any:
     if not _is_traced(value):
         return not value
-    return ~_condition(value)
+    return ~condition(value)
 
 
 # ---------------------------------------------------------------------------------------------- loops
@@ -321,7 +314,7 @@ def while_(cond_fn: Callable[..., Any], body: Callable[..., tuple], names: Seque
     after = op.after.blocks.append(*types)
     with ir.InsertionPoint(before):
         args = _rebuild_args(names, values, idx, leaves, list(before.arguments))
-        c = _condition(cond_fn(*args))
+        c = condition(cond_fn(*args))
         scf.ConditionOp(c.value, list(before.arguments))
     with ir.InsertionPoint(after):
         args = _rebuild_args(names, values, idx, leaves, list(after.arguments))

@@ -13,7 +13,7 @@ from nvfly.frontend import dtypes
 from nvfly.frontend.dtypes import DType
 from nvfly.frontend.tensor import IntLike, Tensor, row_major_strides
 from nvfly.frontend.trace import current, traced
-from nvfly.frontend.values import Scalar, Vector, _Traced, as_value, constant, make_vector
+from nvfly.frontend.values import Scalar, Vector, _Traced, as_value, condition, constant, make_vector
 
 Value = Union[Scalar, Vector]
 
@@ -432,8 +432,7 @@ def minimum(a: Any, b: Any) -> Any:
 @traced
 def select(cond: Any, a: Any, b: Any) -> Any:
     """``a`` where ``cond`` else ``b`` (both are evaluated)."""
-    from nvfly.frontend.control_flow import _condition
-    c = _condition(cond)
+    c = condition(cond)
     if not isinstance(a, _Traced) and not isinstance(b, _Traced):
         a = as_value(a)
     x, y = _common(a, b)

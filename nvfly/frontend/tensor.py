@@ -17,7 +17,7 @@ from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
 from nvfly.frontend.dtypes import DType
 from nvfly.frontend.trace import traced
-from nvfly.frontend.values import Scalar, Vector, as_value, full
+from nvfly.frontend.values import Scalar, Vector, as_value, condition, full
 
 IntLike = Union[int, Scalar]
 
@@ -76,12 +76,6 @@ class Tensor:
     @property
     def rank(self) -> int:
         return len(self.shape)
-
-    @property
-    def layout(self) -> Any:
-        """The tensor's layout as an ``nvfly.layout.Layout`` (shape, stride)."""
-        from nvfly.layout import Layout
-        return Layout(self.shape, self.stride)
 
     # ------------------------------------------------------------------ addressing
     def _index(self, x: IntLike, what: str) -> IntLike:
@@ -186,8 +180,7 @@ class Tensor:
         if mask is None:
             result = emit()
         else:
-            from nvfly.frontend.control_flow import _condition
-            op = scf.IfOp(_condition(mask).value, [value_type], has_else=True)
+            op = scf.IfOp(condition(mask).value, [value_type], has_else=True)
             with ir.InsertionPoint(op.then_block):
                 scf.YieldOp([emit()])
             with ir.InsertionPoint(op.else_block):
@@ -207,8 +200,7 @@ class Tensor:
         if mask is None:
             llvm.store(v.value, addr, alignment=align)
             return
-        from nvfly.frontend.control_flow import _condition
-        op = scf.IfOp(_condition(mask).value, [], has_else=False)
+        op = scf.IfOp(condition(mask).value, [], has_else=False)
         with ir.InsertionPoint(op.then_block):
             llvm.store(v.value, addr, alignment=align)
             scf.YieldOp([])

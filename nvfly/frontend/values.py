@@ -521,3 +521,11 @@ def make_vector(elements: Sequence[Any], dtype: Optional[DType] = None) -> Vecto
         dtype = first.dtype if first is not None else python_dtype(elements[0])
     vals = [as_value(e, dtype).value for e in elements]
     return Vector(vector.from_elements(ir.VectorType.get([len(vals)], dtype.mlir()), vals), dtype)
+
+
+def condition(cond: Any) -> Scalar:
+    """A branch, loop or mask condition as an i1 scalar (Python values become constants)."""
+    c = as_value(cond) if not isinstance(cond, _Traced) else cond
+    if isinstance(c, Vector):
+        raise CompileError("the condition is a vector; reduce it to one value first")
+    return c if c.dtype == dtypes.i1 else c.to(dtypes.i1)

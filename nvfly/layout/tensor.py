@@ -8,7 +8,7 @@ Register fragments (``make_fragment``) are Python lists of traced values indexed
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from mlir import ir
 
@@ -78,11 +78,16 @@ class LayoutTensor:
         return LayoutTensor(self.base, part.layout, _add(self.offset, part.offset))
 
 
-def make_tensor(base: Tensor, layout: AnyLayout) -> LayoutTensor:
-    """View ``base`` (a global or shared Tensor) through ``layout``."""
+def layout_of(t: Tensor) -> Layout:
+    """A frontend tensor's own layout: its shape and strides."""
+    return Layout(t.shape, t.stride)
+
+
+def make_tensor(base: Tensor, layout: Optional[AnyLayout] = None) -> LayoutTensor:
+    """View ``base`` (a global or shared Tensor) through ``layout`` (default: its own, ``layout_of(base)``)."""
     if not isinstance(base, Tensor):
         raise CompileError(f"make_tensor takes a global or shared tensor, got {type(base).__name__}")
-    return LayoutTensor(base, layout)
+    return LayoutTensor(base, layout_of(base) if layout is None else layout)
 
 
 class Fragment:

@@ -10,7 +10,7 @@ from nvfly.errors import LaunchError
 from nvfly.frontend.dtypes import DType
 from nvfly.frontend.tma_types import SWIZZLE_BYTES, TmaDescriptorType, TmaInfo
 from nvfly.runtime import driver
-from nvfly.runtime.torch_args import TensorDesc, _torch_dtype
+from nvfly.runtime.tensor_desc import TensorDesc, torch_dtype
 
 _DATA_TYPE = {"f16": "FLOAT16", "bf16": "BFLOAT16", "f32": "FLOAT32", "f64": "FLOAT64", "i32": "INT32",
               "i64": "INT64", "u8": "UINT8", "i8": "UINT8", "f8e4m3": "UINT8", "f8e5m2": "UINT8",
@@ -66,7 +66,7 @@ class TmaDescriptor(TmaDescriptorType):
         if isinstance(tensor, TensorDesc):
             dtype, shape, stride, address, device = tensor.dtype, tensor.shape, tensor.strides(), 0, -1
         else:
-            dtype = _torch_dtype(tensor)
+            dtype = torch_dtype(tensor)
             shape, stride = tuple(tensor.shape), tuple(tensor.stride())
             address, device = tensor.data_ptr(), tensor.get_device()
         stride = _canonical_strides(shape, stride, dtype.itemsize)

@@ -4,44 +4,13 @@ torch is never imported here: a tensor is recognised by type once the user's pro
 """
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from nvfly.errors import LaunchError
-from nvfly.frontend import dtypes
-from nvfly.frontend.dtypes import DType
 from nvfly.frontend.spec import Param, TensorAnnotation, TensorSpec, TmaSpec, check_tensor_annotation, \
     scalar_spec_of
-from nvfly.frontend.tensor import row_major_strides
-
-
-@dataclass(frozen=True)
-class TensorDesc:
-    """A tensor described without memory, for compiling with no GPU: dtype, shape, strides (row-major by
-    default) and the base address alignment in bytes."""
-    dtype: DType
-    shape: tuple[int, ...]
-    stride: Optional[tuple[int, ...]] = None
-    align: int = 16
-
-    def strides(self) -> tuple[int, ...]:
-        return tuple(self.stride) if self.stride is not None else tuple(row_major_strides(self.shape))  # type: ignore
-
-
-def torch_tensor_type() -> Optional[type]:
-    torch = sys.modules.get("torch")
-    return getattr(torch, "Tensor", None) if torch is not None else None
-
-
-def is_tensor(value: Any) -> bool:
-    tt = torch_tensor_type()
-    return (tt is not None and isinstance(value, tt)) or isinstance(value, TensorDesc)
-
-
-def _torch_dtype(t: Any) -> DType:
-    name = str(t.dtype)
-    return dtypes.from_torch_name(name[6:] if name.startswith("torch.") else name)
+from nvfly.runtime.tensor_desc import TensorDesc, is_tensor, torch_dtype, torch_tensor_type
+from nvfly.runtime.tma import TmaDescriptor
 
 
 def tensor_spec(param: Param, value: Any, need_cuda: bool) -> tuple[TensorSpec, int]:
@@ -57,7 +26,7 @@ def tensor_spec(param: Param, value: Any, need_cuda: bool) -> tuple[TensorSpec, 
         if tt is None or not isinstance(value, tt):
             raise LaunchError(f"argument '{param.name}': expected a tensor, got {type(value).__name__}")
         try:
-            dt = _torch_dtype(value)
+            dt = torch_dtype(value)
         except TypeError as exc:
             raise LaunchError(f"argument '{param.name}': {exc}") from None
         device = value.get_device()
@@ -73,8 +42,8 @@ def arg_spec(param: Param, value: Any, need_cuda: bool) -> tuple[Any, int]:
     """(spec, device index or -1) of one argument."""
     if param.kind == "tensor" or (param.kind == "auto" and is_tensor(value)):
         return tensor_spec(param, value, need_cuda)
-    if param.kind == "tma" or _is_tma(value):
-        if not _is_tma(value):
+    if param.kind == "tma" or isinstance(value, TmaDescriptor):
+        if not isinstance(value, TmaDescriptor):
             raise LaunchError(f"argument '{param.name}': expected an nvfly.TmaDescriptor, got "
                               f"{type(value).__name__}")
         return TmaSpec(value.info), value.device
@@ -83,18 +52,13 @@ def arg_spec(param: Param, value: Any, need_cuda: bool) -> tuple[Any, int]:
     return scalar_spec_of(param, value), -1
 
 
-def _is_tma(value: Any) -> bool:
-    from nvfly.runtime.tma import TmaDescriptor
-    return isinstance(value, TmaDescriptor)
-
-
 def auto_key(value: Any) -> tuple[Any, Any]:
     """(key part, raw value) of an argument to an unannotated parameter (see launcher.make_binder)."""
     tt = torch_tensor_type()
     if tt is not None and isinstance(value, tt):
         p, s, t = value.data_ptr(), value.shape, value.stride()
         return (value.dtype, s, t, p & 15, value.get_device()), (p, s, t)
-    if _is_tma(value):
+    if isinstance(value, TmaDescriptor):
         return (value.info, value.device), value.raw
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value, value

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from nvfly import settings
 from nvfly.ops import gemm
-from nvfly.ops.gemm_kernel import GemmConfig
+from nvfly.ops.gemm import GemmConfig, api, plan
 from nvfly.runtime.driver import sm_count
 from nvfly.torch import routing
 from nvfly.runtime.torch_args import layout_key
@@ -149,25 +149,25 @@ def _variants(w: Workload, sms: int) -> list[str]:
     """Configs near the heuristic's choice: other large tiles (or, for small M, other splits of K), which the
     heuristic's cost model ranks close."""
     if _small_m(w):
-        base = gemm.small_m_config(w.m, w.n, w.k, w.batches, w.itemsize, sms)
+        base = plan.small_m_config(w.m, w.n, w.k, w.batches, w.itemsize, sms)
         splits = sorted({max(1, base.split_k // 2), base.split_k * 2} - {base.split_k})  # base itself is "auto"
         options = [replace(base, split_k=s) for s in splits]
         options.append(replace(base, bm=128, consumers=2) if base.bm == 64 else replace(base, bm=64, consumers=1))
         # the other tile height at the deepest ring that fits (128 rows hold fewer stages than 64)
-        options = [gemm.deepest_ring(c, w.itemsize, most=c.stages) for c in options]
+        options = [plan.deepest_ring(c, w.itemsize, most=c.stages) for c in options]
         return [encode_config(c, swap=True) for c in options if c is not None]
-    base = gemm.default_config(w.m, w.n, w.k, w.batches, w.itemsize, sms)
+    base = plan.default_config(w.m, w.n, w.k, w.batches, w.itemsize, sms)
     whole = base.split_k == 1  # ping-pong, the TMA-store epilogue and clusters need whole tiles
     # the heuristic's other large tiles as they are tuned (ping-pong or not, their epilogue), then 128x256 with
     # a 2-block cluster multicasting B (cuBLAS runs 2-block clusters on these shapes on the H200)
-    tiles = [cfg for cfg, _ in gemm._TILES[:3] if (cfg.bm, cfg.bn) != (base.bm, base.bn)]
+    tiles = [cfg for cfg, _ in plan.TILES[:3] if (cfg.bm, cfg.bn) != (base.bm, base.bn)]
     options = [replace(t, split_k=base.split_k, group_m=base.group_m, pingpong=t.pingpong and whole,
                        tma_store=t.tma_store and whole) for t in tiles]
     if whole:
         options.append(GemmConfig(128, 256, 4, 2, group_m=base.group_m, cluster_m=2, tma_store=True))
     options.append(replace(base, group_m=16 if base.group_m == 8 else 8))
     # each at the deepest ring of at most 7 stages that fits
-    return [encode_config(c) for c in (gemm.deepest_ring(c, w.itemsize, most=7) for c in options) if c is not None]
+    return [encode_config(c) for c in (plan.deepest_ring(c, w.itemsize, most=7) for c in options) if c is not None]
 
 
 def candidates(w: Workload, entry: Optional[Entry] = None, limit: Optional[int] = 4,
@@ -199,7 +199,7 @@ def search_space(w: Workload, space: str = "pruned", sms: int = 132) -> list[str
                 deepest[kind] = cfg
         pool = list(deepest.values())
     if _small_m(w):
-        span = gemm.small_m_config(w.m, w.n, w.k, w.batches, w.itemsize, sms).bn
+        span = plan.small_m_config(w.m, w.n, w.k, w.batches, w.itemsize, sms).bn
         extra = [encode_config(c, swap=True) for c in pool if c.bn == span]
     else:
         extra = [encode_config(c) for c in pool]
@@ -210,8 +210,8 @@ def search_space(w: Workload, space: str = "pruned", sms: int = 132) -> list[str
 def _matrix(batches: int, rows: int, cols: int, dtype: torch.dtype, last_contiguous: bool,
             device: torch.device) -> Tensor:
     """A [(batches,) rows, cols] random matrix whose last dimension is contiguous, or whose rows are."""
-    return gemm.dense_operand(batches, rows, cols, last_contiguous,
-                              lambda shape: torch.randn(shape, device=device).to(dtype))
+    return api.dense_operand(batches, rows, cols, last_contiguous,
+                             lambda shape: torch.randn(shape, device=device).to(dtype))
 
 
 def make_operands(w: Workload, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -395,3 +395,8 @@ def register_routes() -> None:
     for op, with_c in (("mm", False), ("bmm", False), ("addmm", True), ("baddbmm", True)):
         for overload in (op, f"{op}.out"):
             routing.register_route(f"aten::{overload}", *_route(op, with_c))
+
+
+# GEMM adds its routes when this module is imported (nvfly.torch imports it), so routing needs no import of it;
+# like every route they take effect at install_routing
+register_routes()

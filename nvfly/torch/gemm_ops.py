@@ -30,7 +30,7 @@ from torch import Tensor
 import nvfly
 from nvfly import settings
 from nvfly.ops import gemm
-from nvfly.ops.gemm_kernel import GemmConfig
+from nvfly.ops.gemm import GemmConfig, plan
 from nvfly.runtime import driver
 from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import routing
@@ -147,7 +147,7 @@ def analyze(a: Operand, b: Operand, c: Optional[Operand] = None,
         return None, reason
     batches = a.shape[0] if a.dim() == 3 else 1
     return Workload(batches, a.shape[-2], b.shape[-1], a.shape[-1], a.dtype, out_dtype or a.dtype,
-                    gemm._operand_major(a, -1), gemm._operand_major(b, -2)), None
+                    plan.operand_major(a, -1), plan.operand_major(b, -2)), None
 
 
 # ---------------------------------------------------------------------------------------------- decisions

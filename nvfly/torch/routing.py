@@ -173,7 +173,7 @@ def _failed(route: Route, exc: Exception) -> None:
 
 # ---------------------------------------------------------------------------------------------- nvfly's routes
 def _register_default_routes() -> None:
-    """The routes of nvfly's own kernels (RMSNorm, TopK, GEMM)."""
+    """The routes of RMSNorm and TopK (GEMM's come with ``nvfly.torch.autotune``, which the package imports)."""
     global _DEFAULTS_REGISTERED
     if _DEFAULTS_REGISTERED:
         return
@@ -212,8 +212,6 @@ def _register_default_routes() -> None:
     register_route("aten::_fused_rms_norm", rms_norm_eligibility, rms_norm_run)
     register_route("aten::_fused_rms_norm_backward", rms_norm_backward_eligibility, rms_norm_backward_run)
     register_route("aten::topk", topk.eligibility, topk_run)
-    from nvfly.torch.autotune import register_routes as register_gemm_routes
-    register_gemm_routes()  # mm, bmm, addmm, baddbmm: where nvfly's autotune database says nvfly is faster
 
 
 class _RoutingModule(types.ModuleType):

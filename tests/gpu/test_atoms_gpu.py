@@ -44,3 +44,32 @@ def test_mma_sync_tile_gemm(hopper, mnk):
     c = mma_tile_gemm(a, bt)
     ref = a.float() @ bt.float().t()
     assert ((c - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("p_dtype, v_dtype, acc, v_major", [
+    (torch.bfloat16, torch.bfloat16, "f32", "MN"), (torch.bfloat16, torch.bfloat16, "f32", "K"),
+    (torch.float16, torch.float16, "f16", "MN"), (torch.float16, torch.float16, "f32", "K"),
+    (torch.float8_e4m3fn, torch.float8_e4m3fn, "f32", "K"), (torch.float8_e4m3fn, torch.float8_e5m2, "f16", "K"),
+    (torch.float8_e5m2, torch.float8_e5m2, "f32", "K"),
+])
+def test_wgmma_register_a_p_v(hopper, p_dtype, v_dtype, acc, v_major):
+    """O = round(scale * Q @ K^T) @ V with P fed to wgmma from registers matches torch: the register-A
+    fragment layout, the accumulator-to-fragment packing and (fp8) register_a_k_order are right. Small integer
+    inputs make S exact, so P's rounding is torch's and an f32 O is exact."""
+    import nvfly
+    from examples.wgmma_register_a import p_v_tile
+    depth = 128 // torch.empty(0, dtype=p_dtype).element_size()
+    gen = torch.Generator().manual_seed(0)
+
+    def ints(*shape):
+        return torch.randint(-1, 2, shape, generator=gen).float()
+
+    q, k, v = ints(64, depth), ints(depth, depth), ints(depth, 128)
+    o = p_v_tile(q.to(p_dtype).cuda(), k.to(p_dtype).cuda(), v.to(v_dtype).cuda(), acc=getattr(nvfly, acc),
+                 v_major=v_major, scale=0.5)
+    p = (0.5 * (q @ k.t())).to(torch.float16 if acc == "f16" else torch.float32).to(p_dtype).float()
+    ref = p @ v
+    if acc == "f32":
+        assert torch.equal(o.cpu(), ref)
+    else:
+        torch.testing.assert_close(o.cpu(), ref, rtol=2e-3, atol=0.5)

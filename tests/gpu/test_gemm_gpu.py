@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from nvfly.ops import gemm
-from nvfly.ops.gemm_kernel import GemmConfig
-from nvfly.ops.gemm_skinny import SkinnyConfig
+from nvfly.ops.gemm import GemmConfig
+from nvfly.ops.gemm.skinny_config import SkinnyConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -133,7 +133,7 @@ TMA_STORE_CONFIGS = [GemmConfig(128, 128, 5, 2, pingpong=True, tma_store=True),
                      GemmConfig(128, 256, 4, 2, tma_store=True), GemmConfig(256, 128, 4, 2, tma_store=True, store_buffers=1),
                      GemmConfig(64, 256, 5, 1, tma_store=True), GemmConfig(128, 256, 4, 2, cluster_m=2, tma_store=True),
                      GemmConfig(128, 96, 6, 2, tma_store=True), GemmConfig(64, 48, 7, 1, tma_store=True),
-                     # the wave-fit widths (gemm.wave_fit)
+                     # the wave-fit widths (gemm.plan.wave_fit)
                      GemmConfig(128, 160, 6, 2, tma_store=True, store_buffers=1),
                      GemmConfig(128, 192, 5, 2, tma_store=True, store_buffers=1)]
 
@@ -162,7 +162,7 @@ def test_tma_store_epilogue_tails_and_majors(hopper, config, mnk, majors):
     a = padded(m, k, torch.bfloat16, majors[0])
     b = padded(k, n, torch.bfloat16, majors[1])
     out, base = nan_output((m, n), torch.bfloat16)
-    reason = gemm.store_reason(out.unsqueeze(0))
+    reason = gemm.plan.store_reason(out.unsqueeze(0))
     assert reason is None if n % 8 == 0 else "multiple of 16 bytes" in reason  # odd N: register epilogue
     gemm.matmul(a, b, out=out, config=config)
     check(out, gemm.reference(a, b), tol=1e-2)
@@ -210,7 +210,7 @@ def test_tma_store_epilogue_falls_back(hopper):
     # rows 521 elements apart: TMA cannot describe the output, the register epilogue writes it
     base = torch.full((333, 521), float("nan"), device="cuda", dtype=torch.bfloat16)
     out = base[:, :520]
-    assert "16 bytes" in gemm.store_reason(out.unsqueeze(0))
+    assert "16 bytes" in gemm.plan.store_reason(out.unsqueeze(0))
     gemm.matmul(a, b, out=out, config=cfg)
     check(out, ref, tol=1e-2)
     assert torch.isnan(base[:, 520]).all()
@@ -232,9 +232,9 @@ STREAM_K_CONFIGS = [GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, st
 
 @pytest.fixture(params=["short-tail", "tail", "tail+wave"])
 def stream_k_region(request, monkeypatch):
-    """gemm.STREAM_K_REGION for the test (plans are cached per call signature: the cache starts empty)."""
-    monkeypatch.setattr(gemm, "STREAM_K_REGION", request.param)
-    monkeypatch.setattr(gemm, "_CALLS", {})
+    """gemm.plan.STREAM_K_REGION for the test (plans are cached per call signature: the cache starts empty)."""
+    monkeypatch.setattr(gemm.plan, "STREAM_K_REGION", request.param)
+    monkeypatch.setattr(gemm.api, "_CALLS", {})
     return request.param
 
 
@@ -332,7 +332,7 @@ def test_split_k_reduce_vector_widths(hopper, n, out_dtype):
 @pytest.mark.parametrize("a_major", ["row", "col"])
 @pytest.mark.parametrize("b_major", ["row", "col"])
 def test_token_tile_layouts_and_epilogues(hopper, a_major, b_major):
-    """48 < M <= 64 over N = 4096 runs unswapped 64x32 tiles (gemm.token_tile_config): every operand major, C
+    """48 < M <= 64 over N = 4096 runs unswapped 64x32 tiles (gemm.plan.token_tile_config): every operand major, C
     and an activation through the TMA-store epilogue, and an f32 output through the register epilogue."""
     m, n, k = 56, 4096, 4096  # 112-byte columns: TMA-describable column-major tokens
     a = operand(m, k, torch.bfloat16, a_major)
@@ -353,12 +353,12 @@ TOKEN_WIDTHS = [  # (M, N, K): widths 80 / 96 (K- / MN-major B), 256, 192, 224, 
 @pytest.mark.parametrize("a_major", ["row", "col"])
 @pytest.mark.parametrize("b_major", ["row", "col"])
 def test_token_tiles_of_every_width(hopper, mnk, a_major, b_major):
-    """The wave-filling token tiles (gemm.token_tile_config) of each width, on every operand major, into a poisoned
+    """The wave-filling token tiles (gemm.plan.token_tile_config) of each width, on every operand major, into a poisoned
     output; one call adds a bias and an activation, and one writes a strided output view."""
     m, n, k = mnk
     a = operand(m, k, torch.bfloat16, a_major)
     b = operand(k, n, torch.bfloat16, b_major)
-    plan = gemm._new_plan(a, b, False, "none", None, None, None, None, False)
+    plan = gemm.api._new_plan(a, b, False, "none", None, None, None, None, False)
     if plan.swap:  # an MN-major B of this N takes the swapped plan (too few 32-multiple tiles)
         assert (b_major, n) == ("row", 6152)
     else:
@@ -381,7 +381,7 @@ def test_token_tiles_batched(hopper, b_major):
     a = torch.randn(batch, m, k, device="cuda").to(torch.bfloat16)
     b = torch.randn(batch, k, n, device="cuda").to(torch.bfloat16)
     b = b if b_major == "row" else b.transpose(1, 2).contiguous().transpose(1, 2)
-    plan = gemm._new_plan(a, b, False, "none", None, None, None, None, False)
+    plan = gemm.api._new_plan(a, b, False, "none", None, None, None, None, False)
     assert not plan.swap and (plan.config.bm, plan.config.bn) == (64, 96) and plan.grid == 129
     out = torch.full((batch, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     gemm.matmul(a, b, out=out)
@@ -398,8 +398,8 @@ def test_l2_hinted_weights(hopper, m, n, k, hint, b_major):
     tile (B hinted), the swapped split-K plan (A hinted) and a 128-row tile covering M."""
     a = operand(m, k, torch.bfloat16, "row")
     b = operand(k, n, torch.bfloat16, b_major)
-    plan = gemm._new_plan(a, b, False, "none", None, None, None, None, False)
-    if not isinstance(plan, gemm._Plan):
+    plan = gemm.api._new_plan(a, b, False, "none", None, None, None, None, False)
+    if not isinstance(plan, gemm.plan.GemmPlan):
         pytest.skip("the skinny kernel takes this call")
     assert getattr(plan.config, hint), plan.config
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)

@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from nvfly.ops import gemm, gemm_skinny
-from nvfly.ops.gemm_skinny import SkinnyConfig
+from nvfly.ops import gemm
+from nvfly.ops.gemm import skinny_config, skinny_plan
+from nvfly.ops.gemm.skinny_config import SkinnyConfig
 from nvfly.runtime.driver import plan_sm_count
 
 pytestmark = pytest.mark.gpu
@@ -179,9 +180,9 @@ def test_row_major_shapes(hopper, dtype, m, nk):
         run_twice(a, b, 1e-2)
         return
     # the automatic path (the wgmma kernel above SKINNY_MAX_M_ROW_B tokens), then the skinny kernel at any M
-    assert gemm.path(a, b).startswith("skinny-rowB" if m <= gemm.SKINNY_MAX_M_ROW_B else "wgmma")
+    assert gemm.path(a, b).startswith("skinny-rowB" if m <= gemm.plan.SKINNY_MAX_M_ROW_B else "wgmma")
     run_twice(a, b, 1e-2)
-    if m > gemm.SKINNY_MAX_M_ROW_B:
+    if m > gemm.plan.SKINNY_MAX_M_ROW_B:
         assert gemm.path(a, b, skinny=True).startswith("skinny-rowB")
         run_twice(a, b, 1e-2, skinny=True)
 
@@ -226,7 +227,7 @@ def test_row_major_nan_token_padding(hopper, dtype, m, nk, token_vectors):
     past K are zero: NaN would still poison the sums)."""
     n, k = nk
     a, b = tokens(m, k, dtype, padding=float("nan")), row_weight(n, k, dtype)
-    config = dataclasses.replace(gemm_skinny.default_config(m, n, k, 1, plan_sm_count(0), row_b=True),
+    config = dataclasses.replace(skinny_plan.default_config(m, n, k, 1, plan_sm_count(0), row_b=True),
                                  token_vectors=token_vectors)
     assert gemm.path(a, b, config=config).startswith("skinny-rowB")
     run_twice(a, b, 1e-2, config=config)
@@ -246,7 +247,7 @@ def test_row_major_matches_the_wgmma_path_and_the_column_major_kernel(hopper):
 def planned_config(variant, m, n, k):
     """The config matmul plans for this shape (split K included), with the variant's token_vectors."""
     row_b, token_vectors = VARIANTS[variant]
-    plan = gemm_skinny.make_plan(m, n, k, 1, False, "none", False, None, plan_sm_count(0), row_b=row_b)
+    plan = skinny_plan.make_plan(m, n, k, 1, False, "none", False, None, plan_sm_count(0), row_b=row_b)
     return dataclasses.replace(plan.config, token_vectors=token_vectors)
 
 
@@ -268,7 +269,7 @@ def test_column_major_tokens(hopper, m, nk, variant):
 @pytest.mark.parametrize("m", [1, 9, 16])
 @pytest.mark.parametrize("config", [SkinnyConfig(8, 4, 1), SkinnyConfig(8, 4, 3), SkinnyConfig(4, 2, 7),
                                     SkinnyConfig(2, 1, 16), SkinnyConfig(16, 8, 2)])
-@pytest.mark.parametrize("path", gemm_skinny.COLUMN_TOKENS)
+@pytest.mark.parametrize("path", skinny_config.COLUMN_TOKENS)
 def test_column_major_tokens_configs_and_splits(hopper, m, config, path):
     """Column-major B: load groups of 1 to 8 chunks, split K, each SkinnyConfig.column_tokens path; staged, 16
     warps x 8 chunks x 16 tokens stage 128 KB (the launch opts in past 48 KB)."""
@@ -280,7 +281,7 @@ def test_column_major_tokens_configs_and_splits(hopper, m, config, path):
 @pytest.mark.parametrize("k", [4096, 4100, 1000, 40])
 @pytest.mark.parametrize("config", [SkinnyConfig(8, 4, 1), SkinnyConfig(8, 2, 3), SkinnyConfig(4, 1, 5)],
                          ids=["8x4", "8x2-splitK3", "4x1-splitK5"])
-@pytest.mark.parametrize("path", gemm_skinny.COLUMN_TOKENS)
+@pytest.mark.parametrize("path", skinny_config.COLUMN_TOKENS)
 def test_column_token_paths(hopper, path, config, m, k):
     """Every column_tokens path against the float32 reference, K with tails (K % 32 = 4, 8, and K = 40: one full
     chunk and the tail), into NaN-poisoned outputs: column-major tokens in 8-token columns whose padding (past M
@@ -295,7 +296,7 @@ def test_column_token_paths(hopper, path, config, m, k):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [1, 3, 12, 16])
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("path", gemm_skinny.COLUMN_TOKENS)
+@pytest.mark.parametrize("path", skinny_config.COLUMN_TOKENS)
 def test_column_token_paths_batched(hopper, path, splits, m, dtype):
     """Every column_tokens path on batches (each batch's tokens 16-byte aligned), with and without split K:
     NaN-padded column-major tokens, the benchmark's 2-D column-major tokens (batch of one) and K-contiguous

@@ -14,7 +14,8 @@ from torch._inductor.utils import run_and_get_code
 import nvfly
 import nvfly.torch
 from nvfly.ops import gemm
-from nvfly.ops.gemm_kernel import GemmConfig
+from nvfly.ops.gemm import GemmConfig
+from nvfly.ops.gemm.kernel import gemm_kernel
 from nvfly.torch import inductor
 from nvfly.torch.autotune import Database, make_operands, measure
 from nvfly.torch.gemm_ops import AUTO, Workload, clear_decisions, decisions, encode_config, nvfly_gemm, precompile
@@ -92,9 +93,9 @@ def test_precompile_compiles_exactly_what_the_call_launches(hopper):
     c = torch.randn(264, device="cuda").bfloat16()
     config = encode_config(GemmConfig(128, 96, 5, 2))
     precompile(a, b, c, config=config)
-    stats = (gemm.gemm_kernel.stats.traced, gemm.gemm_kernel.stats.lowered, gemm.gemm_kernel.stats.disk_hits)
+    stats = (gemm_kernel.stats.traced, gemm_kernel.stats.lowered, gemm_kernel.stats.disk_hits)
     out = nvfly_gemm(a, b, c, config=config)
-    assert (gemm.gemm_kernel.stats.traced, gemm.gemm_kernel.stats.lowered, gemm.gemm_kernel.stats.disk_hits) == stats
+    assert (gemm_kernel.stats.traced, gemm_kernel.stats.lowered, gemm_kernel.stats.disk_hits) == stats
     assert rel_err(out, gemm.reference(a, b, c)) < 1e-2
 
 

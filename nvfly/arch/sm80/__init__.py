@@ -10,16 +10,16 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from nvfly.arch.ptx import asm, asm_multi
+from nvfly.arch.target import requires
 from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
 from nvfly.frontend.dtypes import DType
-from nvfly.frontend.trace import traced
 from nvfly.frontend.values import Scalar, as_value
 
 _MMA_TYPES = {"bf16": "bf16", "f16": "f16"}
 
 
-@traced
+@requires("sm_80", "cp.async")
 def cp_async(smem: Scalar, src: Any, nbytes: int = 16, valid: Any = None) -> None:
     """Asynchronous global -> shared copy of 4, 8 or 16 bytes (``cp.async``); with ``valid`` false the
     destination is zero-filled instead (a predicated copy for tails)."""
@@ -33,18 +33,18 @@ def cp_async(smem: Scalar, src: Any, nbytes: int = 16, valid: Any = None) -> Non
         asm(f"cp.async.{cache}.shared.global [$0], [$1], {nbytes}, $2;", [smem, src, size])
 
 
-@traced
+@requires("sm_80", "cp.async.commit_group")
 def cp_async_commit() -> None:
     asm("cp.async.commit_group;")
 
 
-@traced
+@requires("sm_80", "cp.async.wait_group")
 def cp_async_wait(pending: int = 0) -> None:
     """Wait until at most ``pending`` committed cp.async groups of this thread are outstanding."""
     asm(f"cp.async.wait_group {pending};")
 
 
-@traced
+@requires("sm_75", "ldmatrix")
 def ldmatrix_x4(smem: Scalar, transpose: bool = False) -> list[Scalar]:
     """Load four 8x8 b16 matrices (``ldmatrix.x4``): lanes 8i..8i+7 give the row addresses of matrix i; each
     lane gets one 32-bit register per matrix."""
@@ -52,7 +52,7 @@ def ldmatrix_x4(smem: Scalar, transpose: bool = False) -> list[Scalar]:
                      "{$0, $1, $2, $3}, [$4];", [dtypes.i32] * 4, [smem])
 
 
-@traced
+@requires("sm_75", "movmatrix")
 def movmatrix_trans(word: Scalar) -> Scalar:
     """Transpose an 8 x 8 b16 matrix across the warp (``movmatrix.sync.aligned.m8n8.trans.b16``, sm_75+): lane l
     holds row l // 4, columns 2 * (l % 4) + {0, 1} of the matrix in one 32-bit register (low half first) and
@@ -60,7 +60,7 @@ def movmatrix_trans(word: Scalar) -> Scalar:
     return asm("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", [word], dtypes.i32)
 
 
-@traced
+@requires("sm_80", "mma.sync.m16n8k16")
 def mma_m16n8k16(a: Sequence[Scalar], b: Sequence[Scalar], c: Sequence[Any], dtype: DType) -> list[Scalar]:
     """D = A @ B + C for one m16n8k16 tile (``mma.sync``, f32 accumulation); A row-major, B column-major."""
     if dtype.name not in _MMA_TYPES:

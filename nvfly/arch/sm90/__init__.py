@@ -1,4 +1,5 @@
-"""Hopper (sm_90a) atoms: TMA copies, mbarriers and pipelines, wgmma, fences, clusters, setmaxnreg."""
+"""Hopper (sm_90a) atoms: TMA copies, mbarriers and pipelines, wgmma (A from shared memory or registers; bf16,
+f16, fp8), fences, clusters, setmaxnreg. Each atom refuses other compile targets (``nvfly.arch.target``)."""
 from nvfly.arch.sm90.pipeline import PipelineState, TmaPipeline
 from nvfly.arch.sm90.sync import (
     cluster_arrive, cluster_sync, cluster_wait, elect_one, fence_barrier_init, fence_proxy_async,
@@ -8,6 +9,6 @@ from nvfly.arch.sm90.sync import (
 from nvfly.arch.sm90.tma import (CACHE_HINTS, bulk_load, tma_load, tma_prefetch_descriptor, tma_store, tma_store_commit,
                                   tma_store_wait)
 from nvfly.arch.sm90.wgmma import (
-    Accumulator, TmaBox, WgmmaAtom, choose_swizzle, commit_group, descriptor_offsets, fence, mma, operand_boxes,
-    operand_layout, smem_descriptor, stmatrix_x4, wait_group,
+    AFragment, Accumulator, TmaBox, WgmmaAtom, choose_swizzle, commit_group, descriptor_offsets, fence, mma,
+    a_fragment_elements, operand_boxes, operand_layout, register_a_k_order, smem_descriptor, stmatrix_x4, wait_group,
 )

@@ -11,7 +11,7 @@ from nvfly.arch.ptx import asm
 from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
 from nvfly.frontend.tma_types import TmaDescriptorValue
-from nvfly.frontend.trace import traced
+from nvfly.arch.target import requires
 from nvfly.frontend.values import Scalar, as_value
 
 
@@ -32,7 +32,7 @@ CACHE_HINTS = {"evict_first": 0x12F0000000000000, "evict_normal": 0x100000000000
                "evict_last": 0x14F0000000000000}
 
 
-@traced
+@requires("sm_90", "cp.async.bulk.tensor")
 def tma_load(desc: TmaDescriptorValue, smem: Scalar, coords: Sequence[Any], bar: Scalar,
              multicast_mask: Optional[Any] = None, cache_hint: Optional[str] = None) -> None:
     """Copy the box at ``coords`` into shared memory at ``smem``; its bytes complete on ``bar``.
@@ -59,7 +59,7 @@ def tma_load(desc: TmaDescriptorValue, smem: Scalar, coords: Sequence[Any], bar:
     asm(text + ";", args)
 
 
-@traced
+@requires("sm_90", "cp.async.bulk")
 def bulk_load(smem: Scalar, src: Any, nbytes: Any, bar: Scalar) -> None:
     """Copy ``nbytes`` (a multiple of 16) of contiguous global memory at ``src`` (16-byte aligned) into shared
     memory at ``smem`` (16-byte aligned); the bytes complete on ``bar``. The non-tensor bulk copy: no descriptor,
@@ -68,7 +68,7 @@ def bulk_load(smem: Scalar, src: Any, nbytes: Any, bar: Scalar) -> None:
         [smem, src, nbytes, bar])
 
 
-@traced
+@requires("sm_90", "cp.async.bulk.tensor")
 def tma_store(desc: TmaDescriptorValue, smem: Scalar, coords: Sequence[Any]) -> None:
     """Copy a box from shared memory at ``smem`` to global memory at ``coords`` (out-of-bounds parts are
     skipped). Complete with ``tma_store_commit`` + ``tma_store_wait``."""
@@ -78,18 +78,18 @@ def tma_store(desc: TmaDescriptorValue, smem: Scalar, coords: Sequence[Any]) -> 
         f"[${1 + rank}];", [desc.ptr, *c, smem])
 
 
-@traced
+@requires("sm_90", "cp.async.bulk.commit_group")
 def tma_store_commit() -> None:
     asm("cp.async.bulk.commit_group;")
 
 
-@traced
+@requires("sm_90", "cp.async.bulk.wait_group")
 def tma_store_wait(pending: int = 0, read_only: bool = True) -> None:
     """Wait until at most ``pending`` committed store groups are outstanding (``read_only``: only until their
     shared-memory source may be overwritten)."""
     asm(f"cp.async.bulk.wait_group{'.read' if read_only else ''} {pending};")
 
 
-@traced
+@requires("sm_90", "prefetch.tensormap")
 def tma_prefetch_descriptor(desc: TmaDescriptorValue) -> None:
     asm("prefetch.tensormap [$0];", [desc.ptr])

@@ -1,0 +1,1 @@
+"""The compiler: MLIR lowering to PTX, ptxas, the compiled-kernel artifact and its disk cache."""

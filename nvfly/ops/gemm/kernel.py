@@ -1,0 +1,471 @@
+"""The Hopper GEMM kernel: persistent, warp-specialised, TMA + mbarrier ring + wgmma, fused epilogue.
+
+One block per SM walks output tiles (grouped rasterisation for L2 reuse). Warpgroup 0 is the producer: one
+thread keeps an N-stage shared-memory ring full with TMA loads of A and B k-blocks. Warpgroups 1..C are
+consumers: each owns BM/C rows of the tile, waits for a stage, issues wgmma from shared memory, keeps one
+wgmma group in flight and releases the previous stage, then runs the epilogue (alpha, beta * C_in, bias
+via C_in's broadcast strides, activation, dtype conversion) while the producer already loads the next tile.
+Registers are rebalanced with setmaxnreg (producer 40, consumers 232).
+
+The kernel computes out[b] = act(alpha * A[b] @ B[b] + beta * C_in[b]) for every batch b; A and B may each
+be K-major or MN-major (wgmma transposes 16-bit operands), tails in M, N, K come from TMA's zero fill and
+masked stores. With ``split_k`` > 1 each split reduces its K range into an f32 workspace slice instead.
+
+Stream K (a ``workspace`` given; ``plan.stream_k_plan`` decides): the blocks walk work units, first
+``dp_tiles`` whole tiles (data-parallel waves), then each block one contiguous range of ``block_iters``
+k-blocks of the remaining tiles taken in order, so that a short last wave (or a single partial wave) spreads
+over all SMs instead of leaving some idle; a block's range touches one or more tiles, each a unit
+(``schedule.unit_work``). A part of a tile that other blocks share is added by its consumer into the tile's f32
+workspace slot (``red.global.add.v4``) and counted in; the part counted last reads the sums back, zeroes slot
+and count for the next launch and runs the normal epilogue (``fix_up``): one kernel, no memset, no waiting on
+other blocks (so no deadlock whatever the residency).
+
+Two epilogues (``GemmConfig.tma_store``): the register epilogue stores each thread's fragments straight to
+global memory as 4-byte pairs (masked on tails). The TMA-store epilogue (16-bit outputs) writes the
+fragments with ``stmatrix`` into a per-consumer staging buffer laid out like the output TMA box (column
+slices of W = 64/32/16 elements, 128/64/32-byte swizzle: the 8 rows one stmatrix matrix writes land in 8
+different 16-byte bank groups), fences the generic proxy against the async one, syncs the consumer's 128
+threads on a named barrier and lets one thread issue a TMA store per slice (TMA clips tails). A slice
+buffer is reused only after ``cp.async.bulk.wait_group.read``, so a tile's stores drain while the consumer
+runs the next tile's mainloop.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.arch.gpu_scope import arrive, load_relaxed_x4, red_add_x4, store_zeros_x4
+from nvfly.arch.ptx import smem_address
+from nvfly.ops.gemm.config import (ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, REDUCE_THREADS,
+                                   STORE_BARRIER, GemmConfig, load_hint, store_box)
+from nvfly.ops.gemm.schedule import stream_k_units, unit_work
+
+
+def staging_offset(row: Any, chunk: Any, row_bytes: int) -> Any:
+    """Byte offset of 16-byte chunk ``chunk`` of row ``row`` in a staging slice of ``row_bytes``-byte rows
+    swizzled as TMA's ``row_bytes`` swizzle (CUTLASS Swizzle<B,4,3> on byte offsets from a 1024-aligned base:
+    address bits 4.. XOR bits 7..)."""
+    offset = row * row_bytes
+    return offset + ((chunk ^ ((offset >> 7) & (row_bytes // 16 - 1))) << 4)
+
+
+def staging_lane_xor(lane_row: Any, lane: Any, row_bytes: int) -> Any:
+    """For stmatrix lane ``lane`` giving the address of row ``lane_row``: the byte term X with
+    staging_offset(lane_row, j + lane // 16, row_bytes) == lane_row * row_bytes + ((16 * j) ^ X) for every
+    even chunk j (the swizzle XOR of the row, and the lane's chunk j + lane // 16 = j ^ (lane // 16))."""
+    return ((((lane_row * row_bytes) >> 7) & (row_bytes // 16 - 1)) ^ (lane // 16)) << 4
+
+
+@nvfly.func
+def activate(x, KIND):
+    if KIND == "relu":
+        x = nvfly.maximum(x, 0.0)
+    elif KIND == "gelu_tanh":
+        x = 0.5 * x * (1.0 + nvfly.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+    elif KIND == "silu":
+        x = x / (1.0 + nvfly.exp2(x * -1.4426950408889634))
+    return x
+
+
+@nvfly.kernel
+def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, c_in, out_desc,
+                m: nvfly.i32, n: nvfly.i32, k_tiles: nvfly.i32, batches: nvfly.i32, alpha: nvfly.f32,
+                beta: nvfly.f32, workspace, counters, dp_tiles: nvfly.i32, block_iters: nvfly.i32,
+                CFG: nvfly.Constexpr, A_MAJOR: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr, EPI: nvfly.Constexpr):
+    dtype = a_desc.info.dtype
+    size = dtype.itemsize
+    BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
+    BK = CFG.bk(size)
+    WG_M = CFG.wg_m
+    ATOMS_M = WG_M // 64
+    PINGPONG = CFG.pingpong
+    BATCHED = a_desc.info.rank == 3
+    atom = sm90.WgmmaAtom(BN, dtype, dtype, A_MAJOR, B_MAJOR)
+    A_SW = a_desc.info.swizzle
+    B_SW = b_desc.info.swizzle
+    a_layout = sm90.operand_layout(BM, BK, dtype, A_MAJOR, A_SW)
+    b_layout = sm90.operand_layout(BN, BK, dtype, B_MAJOR, B_SW)
+    CM = CFG.cluster_m
+    a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, A_MAJOR, A_SW)[1][0]
+    b_parts = sm90.operand_boxes(b_layout, BN, BK, dtype, B_MAJOR, B_SW, parts=CM)[1]
+    a_lbo, a_sbo = sm90.descriptor_offsets(a_layout, dtype, A_MAJOR, A_SW)
+    b_lbo, b_sbo = sm90.descriptor_offsets(b_layout, dtype, B_MAJOR, B_SW)
+    A_BYTES = BM * BK * size
+    STAGE_BYTES = A_BYTES + BN * BK * size
+
+    STREAM_K = workspace is not None
+    PARTS = 1 if PINGPONG else WGS  # consumer tiles per output tile (each has its own slot and count)
+    if STREAM_K:
+        check_stream_k(CFG)
+        arrivals = nvfly.dynamic_shared_tensor(nvfly.i32, (WGS,), offset_bytes=ARRIVAL_OFFSET)
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
+    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
+    TMA_STORE = CFG.tma_store and not EPI.partial
+    if TMA_STORE:
+        check_store_descriptor(out_desc, CFG, BATCHED)
+        staging = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (CFG.staging_bytes(),),
+                                                           offset_bytes=CFG.ring_end(size)))
+    # with a cluster, a stage is free only when the consumers of every block in it are done: each block's
+    # B slice lands in all of them
+    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * (1 if PINGPONG else WGS) * CM)
+
+    tid = nvfly.thread_idx.x
+    warp = nvfly.warp_idx()
+    wg = warp // 4
+    if tid == 0:
+        pipe.init()
+        sm90.tma_prefetch_descriptor(a_desc)
+        sm90.tma_prefetch_descriptor(b_desc)
+        if TMA_STORE:
+            sm90.tma_prefetch_descriptor(out_desc)
+    if CM > 1:
+        sm90.cluster_sync()  # every block's barriers exist before any multicast or remote arrive
+    else:
+        nvfly.syncthreads()
+    rank = nvfly.block_rank_in_cluster() if CM > 1 else 0
+    first_tile = nvfly.cluster_idx.x if CM > 1 else nvfly.block_idx.x
+    tile_step = nvfly.grid_dim.x // CM
+
+    tiles_m = (m + BM * CM - 1) // (BM * CM)  # in units of cluster rows
+    tiles_n = (n + BN - 1) // BN
+    num_tiles = tiles_m * tiles_n * batches * CFG.split_k
+    k_per_split = (k_tiles + CFG.split_k - 1) // CFG.split_k
+    num_units = num_tiles
+    if STREAM_K:  # this block's units end (the other blocks' stream-K ranges are theirs)
+        num_units = stream_k_units(first_tile, tile_step, k_tiles, num_tiles, dp_tiles, block_iters)
+
+    if wg == 0:
+        sm90.setmaxnreg(PRODUCER_REGS, increase=False)
+        if tid == 0:
+            state = sm90.PipelineState.start(S)
+            for tile in range(first_tile, num_units, tile_step):
+                batch, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(
+                    tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, block_iters, tile_step, num_tiles,
+                    CFG, CM, STREAM_K)
+                for kt in range(k_begin, k_end):
+                    pipe.producer_acquire(state)
+                    pipe.producer_expect(state)
+                    base = ring + state.stage * STAGE_BYTES
+                    full = pipe.full(state.stage)
+                    for box in a_boxes:
+                        mm = tm * BM + box.mn_offset
+                        kk = kt * BK + box.k_offset
+                        coords = (mm, kk) if A_MAJOR == "K" else (kk, mm)
+                        sm90.tma_load(a_desc, base + box.smem_offset, (batch,) + coords if BATCHED else coords,
+                                      full, cache_hint=load_hint(CFG, "A"))
+                    for r in nvfly.static_range(CM):
+                        if rank == r:  # this block loads slice r of B (for every block of the cluster)
+                            for box in b_parts[r]:
+                                nn = tn * BN + box.mn_offset
+                                kk = kt * BK + box.k_offset
+                                coords = (nn, kk) if B_MAJOR == "K" else (kk, nn)
+                                sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
+                                              (batch,) + coords if BATCHED else coords, full,
+                                              multicast_mask=(1 << CM) - 1 if CM > 1 else None,
+                                              cache_hint=load_hint(CFG, "B"))
+                    state = state.advance()
+    else:
+        sm90.setmaxnreg(CONSUMER_REGS, increase=True)
+        consumer = wg - 1
+        a_part = 0 if PINGPONG else consumer  # which WG_M-row slice of the A tile this consumer reads
+        lane = nvfly.lane_idx()
+        warp_in_wg = warp % 4
+        state = sm90.PipelineState.start(S)
+        own_first, own_step = first_tile, tile_step
+        if PINGPONG:
+            # consumer c takes every other tile of this block, starting with its c-th; the ring holds the
+            # other consumer's k-blocks in between
+            first_k_blocks = k_tiles
+            if STREAM_K:
+                first_work = unit_work(first_tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles,
+                                       block_iters, tile_step, num_tiles, CFG, CM, STREAM_K)
+                first_k_blocks = first_work[5] - first_work[4]
+            state = state.advance_by(consumer * first_k_blocks)
+            own_first, own_step = first_tile + consumer * tile_step, 2 * tile_step
+        turn = consumer  # ping-pong: the first tile of consumer 0 needs no turn
+        for tile in range(own_first, num_units, own_step):
+            batch, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(
+                tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, block_iters, tile_step, num_tiles,
+                CFG, CM, STREAM_K)
+            if PINGPONG:
+                if turn > 0:
+                    nvfly.named_barrier(2 + consumer, 256)  # wait until the other consumer issued its wgmmas
+                turn = turn + 1
+            # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
+            accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
+            pipe.consumer_wait(state)
+            accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, a_part,
+                                 (a_lbo, a_sbo, A_SW), (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, True)
+            prev = state
+            state = state.advance()
+            for kt in range(k_begin + 1, k_end):
+                pipe.consumer_wait(state)
+                accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, a_part,
+                                     (a_lbo, a_sbo, A_SW), (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, False)
+                sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
+                if lane == 0:
+                    release(pipe, prev, CM)
+                prev = state
+                state = state.advance()
+            if PINGPONG:
+                nvfly.named_barrier_arrive(3 - consumer, 256)  # the other consumer's turn to issue
+            sm90.wait_group(0)
+            if lane == 0:
+                release(pipe, prev, CM)
+            if PINGPONG:  # skip the other consumer's next unit
+                if STREAM_K:
+                    other = unit_work(tile + tile_step, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles,
+                                      block_iters, tile_step, num_tiles, CFG, CM, STREAM_K)
+                    state = state.advance_by(other[5] - other[4])
+                else:
+                    state = state.advance_by(k_tiles)
+            row0 = tm * BM + (0 if PINGPONG else consumer * WG_M) + warp_in_wg * 16 + lane // 4
+            col0 = tn * BN + 2 * (lane % 4)
+            out_batch = batch * CFG.split_k + split if EPI.partial else batch
+            inside = (tm * BM + (WG_M if PINGPONG else (consumer + 1) * WG_M) <= m) & (tn * BN + BN <= n)
+            values = accs
+            finished = True
+            if STREAM_K:
+                # a part of a tile other blocks share: add it into the tile's workspace slot; the part counted
+                # in last takes the whole sum and runs the epilogue
+                values, finished = fix_up(accs, contributors > 1, workspace, counters,
+                                          slot * PARTS + (0 if PINGPONG else consumer), arrivals, consumer,
+                                          warp_in_wg, lane, contributors, ATOMS_M, BN)
+            if finished:
+                if TMA_STORE:
+                    tile_row = tm * BM + (0 if PINGPONG else consumer * WG_M)
+                    own = staging + consumer * (CFG.staging_bytes() // WGS)
+                    # TMA clips the stores; only C reads are bounds-checked (one code copy: C is the rare case)
+                    stage_tile(out_desc, c_in, values, own, batch, tile_row, tn * BN, row0, col0, m, n, alpha, beta,
+                               consumer, warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, EPI.has_c)
+                elif inside:
+                    store_tile(out, c_in, values, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI,
+                               False)
+                else:
+                    store_tile(out, c_in, values, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, True)
+        if TMA_STORE:
+            if (warp_in_wg == 0) & (lane == 0):
+                sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
+    if CM > 1:
+        sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
+
+
+@nvfly.func
+def fix_up(accs, partial, workspace, counters, index, arrivals, consumer, warp_in_wg, lane, contributors, ATOMS_M,
+           BN):
+    """Stream-K fix-up of one consumer tile: (values for the epilogue, whether to run it). A ``partial`` unit
+    (uniform over the warpgroup) adds its fragments into workspace slot ``index`` (each thread's 16-byte vectors
+    2 KB apart, so the warpgroup's adds are coalesced) and counts itself in on ``counters[index]``; the unit
+    that counts in last reads the complete sums back, zeroes the slot and the count for the next launch, and runs
+    the epilogue with them. Whole tiles keep their accumulators."""
+    VECTORS = BN // 8  # 16-byte vectors per atom row of fragments
+    first = index * (ATOMS_M * 64 * BN) + 4 * (warp_in_wg * 32 + lane)
+    if partial:
+        for i in nvfly.static_range(ATOMS_M):
+            for q in nvfly.static_range(VECTORS):
+                red_add_x4(workspace.address(first + 512 * (i * VECTORS + q)),
+                           [accs[i][4 * q + e] for e in range(4)])
+        nvfly.threadfence()  # this thread's adds are visible GPU-wide before the warpgroup counts itself in
+        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+        if (warp_in_wg == 0) & (lane == 0):
+            arrivals[consumer] = arrive(counters.address(index))
+        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+    last = partial & (arrivals[consumer] == contributors - 1)
+    values = [[accs[i][e] for e in range(BN // 2)] for i in range(ATOMS_M)]
+    if last:  # (a branch, not selects: the sums replace the accumulators, so both are never live at once)
+        nvfly.threadfence()
+        values = []
+        for i in nvfly.static_range(ATOMS_M):
+            row = []
+            for q in nvfly.static_range(VECTORS):
+                row += load_relaxed_x4(workspace.address(first + 512 * (i * VECTORS + q)))
+            values.append(row)
+        for j in nvfly.static_range(ATOMS_M * VECTORS):
+            store_zeros_x4(workspace.address(first + 512 * j))
+        if (warp_in_wg == 0) & (lane == 0):
+            counters[index] = 0
+    return values, (~partial) | last
+
+
+def check_stream_k(cfg: GemmConfig) -> None:
+    from nvfly.errors import CompileError
+    if cfg.split_k != 1 or cfg.cluster_m != 1:
+        raise CompileError("a stream-K tail (workspace given) needs split_k=1 and cluster_m=1")
+    if 2 * cfg.stages * 8 > ARRIVAL_OFFSET:
+        raise CompileError(f"{cfg.stages} stages: the ring's barriers would overlap the arrival counts")
+
+
+def release(pipe: Any, state: Any, cluster: int) -> None:
+    """Free a stage: on this block's empty barrier, and on every peer's when their B slices came from us."""
+    if cluster == 1:
+        pipe.consumer_release(state)
+        return
+    for r in range(cluster):
+        sm90.mbarrier_arrive_remote(pipe.empty(state.stage), r)
+
+
+def issue_k_block(atom: Any, accs: list, base: Any, a_layout: Any, b_layout: Any, consumer: Any,
+                  a_desc: tuple[int, int, int], b_desc: tuple[int, int, int], a_bytes: int, wg_m: int, bk: int,
+                  size: int, first: bool) -> list:
+    """Issue one k-block of wgmmas for a consumer from the stage at shared address ``base`` and commit them.
+
+    ``a_desc``/``b_desc``: (leading byte offset, stride byte offset, swizzle) of the operand descriptors.
+    """
+    sm90.fence()
+    for ks in range(bk // atom.k):
+        b_off = b_layout.inner((0, ks * atom.k)) * size
+        db = sm90.smem_descriptor(base + a_bytes + b_off, *b_desc)
+        for i in range(len(accs)):
+            da = sm90.smem_descriptor(base + _a_offset(a_layout, consumer, wg_m, i, ks * atom.k, size), *a_desc)
+            accs[i] = sm90.mma(atom, accs[i], da, db, zero=first and ks == 0)
+    sm90.commit_group()
+    return accs
+
+
+def _a_offset(layout: Any, consumer: Any, wg_m: int, atom_i: int, k: int, size: int) -> Any:
+    """Byte offset of a consumer's i-th 64-row A slice at column k (consumer may be traced)."""
+    static_part = layout.inner((64 * atom_i, k)) * size
+    per_consumer = layout.inner((wg_m, 0)) * size
+    return static_part + consumer * per_consumer if per_consumer else static_part
+
+
+def _unit_stride(t: Any, dim: int) -> bool:
+    """Whether dimension ``dim`` of a traced tensor is statically contiguous (allows vector stores)."""
+    return isinstance(t.stride[dim], int) and t.stride[dim] == 1
+
+
+@nvfly.func
+def store_tile(out, c_in, accs, batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, MASKED):
+    """Write the consumer's fragments: element 4j+2h+e of atom i is (row0 + 64i + 8h, col0 + 8j + e).
+
+    Without MASKED (the tile lies inside the output) no element is bounds-checked.
+    """
+    vec = _unit_stride(out, 2)
+    for i in nvfly.static_range(ATOMS_M):
+        for h in nvfly.static_range(2):
+            row = row0 + 64 * i + 8 * h
+            if not MASKED or row < m:
+                for j in nvfly.static_range(BN // 8):
+                    col = col0 + 8 * j
+                    v0 = accs[i][4 * j + 2 * h]
+                    v1 = accs[i][4 * j + 2 * h + 1]
+                    if not EPI.partial:
+                        if EPI.scaled:
+                            v0 = v0 * alpha
+                            v1 = v1 * alpha
+                        if EPI.has_c:
+                            if not MASKED or col < n:
+                                v0 = v0 + beta * c_in[batch, row, col].to(nvfly.f32)
+                            if not MASKED or col + 1 < n:
+                                v1 = v1 + beta * c_in[batch, row, col + 1].to(nvfly.f32)
+                        v0 = activate(v0, EPI.activation)
+                        v1 = activate(v1, EPI.activation)
+                    if vec and (not MASKED or col + 1 < n):
+                        out.store(nvfly.make_vector([v0, v1]).to(out.dtype), batch, row, col)
+                    else:
+                        if not MASKED or col < n:
+                            out[batch, row, col] = v0.to(out.dtype)
+                        if not MASKED or col + 1 < n:
+                            out[batch, row, col + 1] = v1.to(out.dtype)
+
+
+def check_store_descriptor(desc: Any, cfg: GemmConfig, batched: bool) -> None:
+    """The output descriptor the TMA-store epilogue needs: 16-bit, one (wg_m, store_width) box per slice with
+    the matching swizzle (see ``store_box``)."""
+    from nvfly.errors import CompileError
+    if desc is None or not hasattr(desc, "info"):
+        raise CompileError("GemmConfig.tma_store needs the output's TMA descriptor (out_desc)")
+    box, swizzle = store_box(cfg, batched)
+    info = desc.info
+    if info.dtype.itemsize != 2 or tuple(info.box) != box or info.swizzle != swizzle:
+        raise CompileError(f"out_desc: expected a 16-bit descriptor with box {box} and swizzle {swizzle}, got "
+                           f"{info.dtype.name} box {tuple(info.box)} swizzle {info.swizzle}")
+
+
+@nvfly.func
+def stage_tile(out_desc, c_in, accs, own, batch, tile_row, tile_col, row0, col0, m, n, alpha, beta, consumer,
+               warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, MASKED):
+    """The TMA-store epilogue of one consumer tile (see the module doc). ``own``: this consumer's staging
+    buffers (store_slices slices of wg_m x W elements, W = store_width), ``tile_row``/``tile_col``: the
+    consumer's first output row and column; ``row0``/``col0``: this thread's fragment origin (as store_tile).
+
+    stmatrix.x4 stores four 8x8 matrices: for accumulator column group j (even) and row half h, matrix
+    q = 2 * jj + h holds accumulator elements 4 (j + jj) + 2 h + {0, 1}, i.e. the register order is the
+    accumulator order 4j .. 4j + 7; lane l gives the row address of matrix l // 8: row 16 w + l % 16, column
+    chunk j + l // 16 (jj = l // 16, h = (l // 8) % 2).
+    """
+    W = CFG.store_width
+    ROW_BYTES = W * 2
+    SLICE_BYTES = CFG.wg_m * ROW_BYTES
+    NB = CFG.store_slices
+    NS = CFG.bn // W
+    dtype = out_desc.info.dtype
+    issuer = (warp_in_wg == 0) & (lane == 0)
+    lane_row = warp_in_wg * 16 + lane % 16
+    lane_base = own + lane_row * ROW_BYTES
+    lane_x = staging_lane_xor(lane_row, lane, ROW_BYTES)
+    for s in nvfly.static_range(NS):
+        b = s % NB
+        if s == 0 or s >= NB:
+            # the slice buffer's previous TMA store (this tile's slice s - NB, or the previous tile's) has read it
+            if issuer:
+                sm90.tma_store_wait(0 if s == 0 else NB - 1, read_only=True)
+            nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+        for i in nvfly.static_range(ATOMS_M):
+            for jj in nvfly.static_range(W // 16):
+                j = s * (W // 8) + 2 * jj
+                regs = []
+                for q in nvfly.static_range(4):
+                    e = 4 * j + 2 * q
+                    v0 = accs[i][e]
+                    v1 = accs[i][e + 1]
+                    if EPI.scaled:
+                        v0 = v0 * alpha
+                        v1 = v1 * alpha
+                    if EPI.has_c:
+                        row = row0 + 64 * i + 8 * (q % 2)
+                        col = col0 + 8 * (j + q // 2)
+                        if not MASKED or (row < m) & (col < n):
+                            v0 = v0 + beta * c_in[batch, row, col].to(nvfly.f32)
+                        if not MASKED or (row < m) & (col + 1 < n):
+                            v1 = v1 + beta * c_in[batch, row, col + 1].to(nvfly.f32)
+                    v0 = activate(v0, EPI.activation)
+                    v1 = activate(v1, EPI.activation)
+                    regs.append(nvfly.make_vector([v0, v1]).to(dtype).bitcast(nvfly.i32)[0])
+                sm90.stmatrix_x4(lane_base + (b * SLICE_BYTES + 64 * i * ROW_BYTES) + (((2 * jj) << 4) ^ lane_x),
+                                 regs)
+        sm90.fence_proxy_async()  # the stmatrix writes before the TMA engine's reads
+        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+        if issuer:
+            coords = (tile_row, tile_col + s * W)
+            sm90.tma_store(out_desc, own + b * SLICE_BYTES, (batch,) + coords if BATCHED else coords)
+            sm90.tma_store_commit()
+
+
+@nvfly.kernel
+def split_k_reduce_kernel(partials: nvfly.Tensor, out: nvfly.Tensor, c_in, m: nvfly.i32, n: nvfly.i32,
+                          alpha: nvfly.f32, beta: nvfly.f32, SPLITS: nvfly.Constexpr, EPI: nvfly.Constexpr,
+                          VEC: nvfly.Constexpr):
+    """out[b] = act(alpha * sum_s partials[b * SPLITS + s] + beta * C_in[b]), VEC consecutive elements of a row per
+    thread (VEC divides n, and out's rows start VEC-aligned: runtime.torch_args.vector_width)."""
+    i = (nvfly.block_idx.x * REDUCE_THREADS + nvfly.thread_idx.x) * VEC
+    batch = nvfly.block_idx.y
+    if i < m * n:
+        row = i // n
+        col = i - row * n
+        acc = partials.load(batch * SPLITS, row, col, width=VEC)
+        for s in nvfly.static_range(1, SPLITS):
+            acc = acc + partials.load(batch * SPLITS + s, row, col, width=VEC)
+        if EPI.scaled or EPI.has_c or EPI.activation != "none":
+            sums = []
+            for j in nvfly.static_range(VEC):
+                v = acc[j] if VEC > 1 else acc
+                if EPI.scaled:
+                    v = v * alpha
+                if EPI.has_c:
+                    v = v + beta * c_in[batch, row, col + j].to(nvfly.f32)
+                sums.append(activate(v, EPI.activation))
+            acc = nvfly.make_vector(sums) if VEC > 1 else sums[0]
+        out.store(acc.to(out.dtype), batch, row, col)
+

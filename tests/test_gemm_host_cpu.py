@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nvfly.ops import gemm
-from nvfly.ops.gemm import GemmConfig, schedule
+from nvfly.ops.common import scheduler
+from nvfly.ops.gemm import GemmConfig
 from nvfly.ops.gemm.skinny_config import SkinnyConfig
 from nvfly.runtime.tma import TmaDescriptor
 
@@ -142,76 +143,13 @@ def test_output_layout_is_part_of_the_signature(fake_launches):
 
 
 def test_stream_k_plan():
-    """Which tiles are streamed per region, and each block's range: whole waves stay whole, a block streams at
-    least MIN_BLOCK_ITERS k-blocks and a tile is shared by at most MAX_CONTRIBUTORS blocks."""
-    assert gemm.plan.stream_k_plan(272, 112, 132, "short-tail") == (264, 7)  # 8 tiles left: 896 k-blocks, 7 a block
-    assert gemm.plan.stream_k_plan(448, 32, 132, "short-tail") == (0, 0)     # 52 left: not short
-    assert gemm.plan.stream_k_plan(448, 32, 132, "tail") == (396, 13)
-    assert gemm.plan.stream_k_plan(448, 32, 132, "tail+wave") == (264, 45)
-    assert gemm.plan.stream_k_plan(272, 9, 132, "short-tail") == (0, 0)      # K too short
-    assert gemm.plan.stream_k_plan(96, 64, 132, "tail") == (0, 47)           # one partial wave: all of it streamed
-    assert gemm.plan.stream_k_plan(96, 64, 132, "short-tail") == (0, 0)
-    assert gemm.plan.stream_k_plan(132, 112, 132, "tail") == (0, 0)          # whole waves
-    assert gemm.plan.stream_k_plan(133, 112, 132, "tail") == (132, 7)        # 1 tile: 16 blocks of 7 (MAX_CONTRIBUTORS)
-    assert gemm.plan.stream_k_plan(133, 3, 132, "tail") == (132, 4)          # MIN_BLOCK_ITERS
+    """The GEMM's stream-K split is the scheduler's under STREAM_K_REGION (nvfly.ops.common.scheduler's tests check
+    the splits and that their units cover every k-block once)."""
+    assert gemm.plan.stream_k_plan(272, 112, 132) == scheduler.stream_k_split(272, 112, 132, scheduler.StreamK())
+    assert (gemm.plan.stream_k_plan(448, 32, 132, "tail").dp_tiles, gemm.plan.stream_k_plan(448, 32, 132).dp_tiles) \
+        == (396, 0)
     with pytest.raises(ValueError, match="stream-K region"):
         gemm.plan.stream_k_plan(133, 3, 132, "all")
-
-
-@pytest.fixture
-def python_ints(monkeypatch):
-    """The device helpers the stream-K unit functions call, on Python ints."""
-    monkeypatch.setattr(schedule.nvfly, "select", lambda c, a, b: a if c else b)
-    monkeypatch.setattr(schedule.nvfly, "minimum", min)
-    monkeypatch.setattr(schedule.nvfly, "maximum", max)
-    monkeypatch.setattr(schedule, "tile_coords", schedule.tile_coords.fn)
-
-
-def stream_k_units(tiles_m, tiles_n, k_tiles, sms, region):
-    """Run the kernel's own unit functions (schedule.stream_k_units and unit_work) on Python ints for every
-    block of the launch plan.make_plan sizes: {block: [(tile, k_begin, k_end, slot, contributors)]}."""
-    tiles = tiles_m * tiles_n
-    dp, iters = gemm.plan.stream_k_plan(tiles, k_tiles, sms, region)
-    assert iters, (tiles, k_tiles, region)
-    grid = sms if dp else -(-(tiles - dp) * k_tiles // iters)
-    assert grid <= sms and dp % grid == 0
-    cfg = GemmConfig(128, 128, 4, 2, pingpong=True)
-    work = {}
-    for block in range(grid):
-        end = schedule.stream_k_units.fn(block, grid, k_tiles, tiles, dp, iters)
-        work[block] = []
-        for unit in range(block, end, grid):
-            batch, tm, tn, split, k_begin, k_end, slot, count = schedule.unit_work.fn(
-                unit, tiles_m, tiles_n, k_tiles, k_tiles, 0, dp, iters, grid, tiles, cfg, 1, True)
-            work[block].append(((batch, tm, tn), k_begin, k_end, slot, count))
-    return dp, iters, work
-
-
-@pytest.mark.parametrize("region", ["short-tail", "tail", "tail+wave"])
-def test_stream_k_units_cover_every_k_block_once(python_ints, region):
-    """Over all blocks, every k-block of every tile is computed exactly once; a tile's contributor count is the
-    number of units that touch it (so its last arrival is the last of them), whole tiles have none; a block's
-    streamed units are consecutive tiles, and no block streams more than one range."""
-    for tiles_m, tiles_n, k_tiles in ((17, 16, 112), (8, 56, 32), (8, 12, 64), (3, 33, 16), (4, 56, 256),
-                                      (16, 32, 224), (1, 133, 3), (2, 67, 9)):
-        if not gemm.plan.stream_k_plan(tiles_m * tiles_n, k_tiles, 132, region)[1]:
-            continue
-        dp, iters, work = stream_k_units(tiles_m, tiles_n, k_tiles, 132, region)
-        covered = {}
-        for block, units in work.items():
-            streamed = [u for u in units if u[3] >= 0]
-            assert [u[3] for u in streamed] == list(range(streamed[0][3], streamed[0][3] + len(streamed))) \
-                if streamed else True
-            assert sum(u[2] - u[1] for u in streamed) <= iters
-            for tile, k_begin, k_end, slot, count in units:
-                assert 0 <= k_begin < k_end <= k_tiles, (block, tile, k_begin, k_end)
-                covered.setdefault(tile, []).append((k_begin, k_end, slot, count))
-        assert len(covered) == tiles_m * tiles_n
-        for tile, parts in covered.items():
-            ks = sorted(k for k_begin, k_end, _, _ in parts for k in range(k_begin, k_end))
-            assert ks == list(range(k_tiles)), (tile, parts)
-            assert {count for *_, count in parts} == {len(parts)}
-            assert len({slot for _, _, slot, _ in parts}) == 1 and len(parts) <= gemm.plan.MAX_CONTRIBUTORS
 
 
 def test_stream_k_plans_and_launches(fake_launches):

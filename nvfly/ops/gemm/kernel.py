@@ -11,14 +11,15 @@ The kernel computes out[b] = act(alpha * A[b] @ B[b] + beta * C_in[b]) for every
 be K-major or MN-major (wgmma transposes 16-bit operands), tails in M, N, K come from TMA's zero fill and
 masked stores. With ``split_k`` > 1 each split reduces its K range into an f32 workspace slice instead.
 
-Stream K (a ``workspace`` given; ``plan.stream_k_plan`` decides): the blocks walk work units, first
-``dp_tiles`` whole tiles (data-parallel waves), then each block one contiguous range of ``block_iters``
-k-blocks of the remaining tiles taken in order, so that a short last wave (or a single partial wave) spreads
-over all SMs instead of leaving some idle; a block's range touches one or more tiles, each a unit
-(``schedule.unit_work``). A part of a tile that other blocks share is added by its consumer into the tile's f32
-workspace slot (``red.global.add.v4``) and counted in; the part counted last reads the sums back, zeroes slot
-and count for the next launch and runs the normal epilogue (``fix_up``): one kernel, no memset, no waiting on
-other blocks (so no deadlock whatever the residency).
+The tile schedule is nvfly.ops.common.scheduler's (the config's ``Tiling``: grouped rasterisation, split K,
+clusters along M, the stream-K tail). Stream K (a ``workspace`` given; ``plan.stream_k_plan`` decides): the
+blocks walk work units, first ``dp_tiles`` whole tiles (data-parallel waves), then each block one contiguous
+range of ``block_iters`` k-blocks of the remaining tiles taken in order, so that a short last wave (or a single
+partial wave) spreads over all SMs instead of leaving some idle; a block's range touches one or more tiles, each
+a unit (``scheduler.unit_work``). A part of a tile that other blocks share is added by its consumer into the
+tile's f32 workspace slot (``red.global.add.v4``) and counted in; the part counted last reads the sums back,
+zeroes slot and count for the next launch and runs the normal epilogue (``fix_up``): one kernel, no memset, no
+waiting on other blocks (so no deadlock whatever the residency).
 
 Two epilogues (``GemmConfig.tma_store``): the register epilogue stores each thread's fragments straight to
 global memory as 4-byte pairs (masked on tails). The TMA-store epilogue (16-bit outputs) writes the
@@ -39,7 +40,7 @@ from nvfly.arch.gpu_scope import arrive, load_relaxed_x4, red_add_x4, store_zero
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.gemm.config import (ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, REDUCE_THREADS,
                                    STORE_BARRIER, GemmConfig, load_hint, store_box)
-from nvfly.ops.gemm.schedule import stream_k_units, unit_work
+from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
 
 
 def staging_offset(row: Any, chunk: Any, row_bytes: int) -> Any:
@@ -127,22 +128,16 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
     first_tile = nvfly.cluster_idx.x if CM > 1 else nvfly.block_idx.x
     tile_step = nvfly.grid_dim.x // CM
 
-    tiles_m = (m + BM * CM - 1) // (BM * CM)  # in units of cluster rows
-    tiles_n = (n + BN - 1) // BN
-    num_tiles = tiles_m * tiles_n * batches * CFG.split_k
-    k_per_split = (k_tiles + CFG.split_k - 1) // CFG.split_k
-    num_units = num_tiles
-    if STREAM_K:  # this block's units end (the other blocks' stream-K ranges are theirs)
-        num_units = stream_k_units(first_tile, tile_step, k_tiles, num_tiles, dp_tiles, block_iters)
+    TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k, CM, stream_k=STREAM_K)
+    tiles = tile_grid(m, n, batches, k_tiles, dp_tiles, block_iters, tile_step, None, None, TILING)
+    num_units = block_units(first_tile, tiles, TILING)
 
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
         if tid == 0:
             state = sm90.PipelineState.start(S)
             for tile in range(first_tile, num_units, tile_step):
-                batch, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(
-                    tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, block_iters, tile_step, num_tiles,
-                    CFG, CM, STREAM_K)
+                batch, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, rank, TILING)
                 for kt in range(k_begin, k_end):
                     pipe.producer_acquire(state)
                     pipe.producer_expect(state)
@@ -178,16 +173,12 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
             # other consumer's k-blocks in between
             first_k_blocks = k_tiles
             if STREAM_K:
-                first_work = unit_work(first_tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles,
-                                       block_iters, tile_step, num_tiles, CFG, CM, STREAM_K)
-                first_k_blocks = first_work[5] - first_work[4]
+                first_k_blocks = unit_work(first_tile, tiles, rank, TILING).k_blocks
             state = state.advance_by(consumer * first_k_blocks)
             own_first, own_step = first_tile + consumer * tile_step, 2 * tile_step
         turn = consumer  # ping-pong: the first tile of consumer 0 needs no turn
         for tile in range(own_first, num_units, own_step):
-            batch, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(
-                tile, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles, block_iters, tile_step, num_tiles,
-                CFG, CM, STREAM_K)
+            batch, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, rank, TILING)
             if PINGPONG:
                 if turn > 0:
                     nvfly.named_barrier(2 + consumer, 256)  # wait until the other consumer issued its wgmmas
@@ -215,9 +206,7 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
                 release(pipe, prev, CM)
             if PINGPONG:  # skip the other consumer's next unit
                 if STREAM_K:
-                    other = unit_work(tile + tile_step, tiles_m, tiles_n, k_per_split, k_tiles, rank, dp_tiles,
-                                      block_iters, tile_step, num_tiles, CFG, CM, STREAM_K)
-                    state = state.advance_by(other[5] - other[4])
+                    state = state.advance_by(unit_work(tile + tile_step, tiles, rank, TILING).k_blocks)
                 else:
                     state = state.advance_by(k_tiles)
             row0 = tm * BM + (0 if PINGPONG else consumer * WG_M) + warp_in_wg * 16 + lane // 4

@@ -20,6 +20,8 @@ import torch
 
 import nvfly
 from nvfly.arch import sm90
+from nvfly.ops.common.scheduler import STREAM_K_REGIONS, StreamK, StreamKSplit, grid_schedule, split_count, \
+    stream_k_split
 from nvfly.ops.gemm import skinny_plan
 from nvfly.ops.gemm.config import Epilogue, GemmConfig, store_box
 from nvfly.ops.gemm.skinny_config import SkinnyConfig
@@ -184,7 +186,7 @@ def default_config(m: int, n: int, k: int, batches: int = 1, itemsize: int = 2, 
         # padded work over the SMs, in units of one 128x128 tile; a short last wave that stream K deals out over
         # all SMs costs its share of a wave plus the fix-up (STREAM_K_TAIL_WAVES) after at most two whole waves
         full, tail = divmod(tiles, sms)
-        streamed = full <= 2 and stream_k_plan(tiles, k_tiles, sms)[1]
+        streamed = full <= 2 and stream_k_plan(tiles, k_tiles, sms).streamed
         waves = full + max(tail / sms, STREAM_K_TAIL_WAVES) if streamed else math.ceil(tiles / sms)
         cost = waves * (cfg.bm * cfg.bn) / (128 * 128) / eff
         if best is None or cost < best[0] - 1e-9:
@@ -221,7 +223,7 @@ def wave_fit(cfg: GemmConfig, m: int, n: int, k_tiles: int, batches: int, itemsi
         return math.ceil(tiles(width) / sms) * (128 + width)
     now = tiles(cfg.bn)
     if (cfg.bm != 128 or cfg.bn < 128 or cfg.split_k > 1 or not sms < 2 * now <= 2 * WAVE_FIT_MAX_WAVES * sms
-            or stream_k_plan(now, k_tiles, sms)[1]):
+            or stream_k_plan(now, k_tiles, sms).streamed):
         return cfg
     if cfg.pingpong and k_tiles < WAVE_FIT_SHORT_K_TILES and now >= WAVE_FIT_FULL * math.ceil(now / sms) * sms:
         return cfg  # short K in well-filled waves: the ping-pong tile's hidden epilogue weighs more
@@ -314,36 +316,17 @@ def stream_hints(cfg: GemmConfig, m: int, n: int, k: int, batches: int, itemsize
     return cfg
 
 
-# Stream K. STREAM_K_REGION picks the tiles whose k-blocks are dealt out as contiguous ranges, one per block:
-# "short-tail": a last wave at most 1/MIN_TAIL_SPLIT full after whole waves; "tail": any partial last wave
-# (also a single partial wave); "tail+wave": a partial last wave and the whole wave before it (each block then
-# streams more than one tile, each tile shared by 2-3 blocks); "off". A block gets at least MIN_BLOCK_ITERS
-# k-blocks and a tile is shared by at most MAX_CONTRIBUTORS blocks (each adds its f32 tile to the workspace).
-# Only the short tail paid on the H200 (docs/ops/gemm.md, "Stream K").
-STREAM_K_REGIONS = ("off", "short-tail", "tail", "tail+wave")
+# Stream K (nvfly.ops.common.scheduler.StreamK): STREAM_K_REGION (one of STREAM_K_REGIONS) picks the tiles whose
+# k-blocks are dealt out as contiguous ranges, one per block; only the short tail paid on the H200 (docs/ops/gemm.md,
+# "Stream K")
 STREAM_K_REGION = "short-tail"
-MIN_TAIL_SPLIT = 8
-MIN_BLOCK_ITERS = 4
-MAX_CONTRIBUTORS = 16
 
 
-def stream_k_plan(tiles: int, k_tiles: int, sms: int, region: Optional[str] = None) -> tuple[int, int]:
-    """(dp_tiles, block_iters) of a persistent launch of ``tiles`` output tiles of ``k_tiles`` k-blocks over
-    ``sms`` blocks: the first ``dp_tiles`` tiles (whole waves) run whole, the k-blocks of the rest are dealt out
-    ``block_iters`` to a block in order (``region``, default STREAM_K_REGION, says which tiles); (0, 0) when
-    nothing is streamed (whole waves, or a region the shape has not)."""
-    region = region or STREAM_K_REGION
-    if region not in STREAM_K_REGIONS:
-        raise ValueError(f"stream-K region {region!r}: expected one of {STREAM_K_REGIONS}")
-    full, tail = divmod(tiles, sms)
-    if region == "off" or tail == 0:
-        return 0, 0
-    if region == "short-tail" and (full == 0 or tail > sms // MIN_TAIL_SPLIT
-                                   or k_tiles < MIN_TAIL_SPLIT * MIN_BLOCK_ITERS):
-        return 0, 0
-    sk_tiles = tail + sms if region == "tail+wave" and full else tail
-    block_iters = max(math.ceil(sk_tiles * k_tiles / sms), math.ceil(k_tiles / MAX_CONTRIBUTORS), MIN_BLOCK_ITERS)
-    return tiles - sk_tiles, block_iters
+def stream_k_plan(tiles: int, k_tiles: int, sms: int, region: Optional[str] = None) -> StreamKSplit:
+    """The stream-K split of a persistent launch of ``tiles`` work tiles of ``k_tiles`` k-blocks over ``sms``
+    blocks, for ``region`` (default STREAM_K_REGION): which whole tiles run first, and the k-blocks per block of
+    the rest (nothing streamed for whole waves, or a region the shape has not)."""
+    return stream_k_split(tiles, k_tiles, sms, StreamK(region or STREAM_K_REGION))
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -447,23 +430,16 @@ def make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str, 
         config = widened_for_mn_major_b(config, itemsize)
     bk = config.bk(itemsize)
     k_tiles = math.ceil(k / bk)
-    split = math.ceil(k_tiles / math.ceil(k_tiles / min(config.split_k, k_tiles)))
+    split = split_count(k_tiles, config.split_k)
     config = replace(config, split_k=split, tma_store=config.tma_store and not swap and split == 1)
     why = config.check(itemsize, b_major)  # a caller's config, checked against this call's B
     if why:
         raise ValueError(f"config: {why} (B is {b_major}-major here)")
     # 4. the persistent launch: whole tiles, or a stream-K tail dealt out over the blocks
     cm = config.cluster_m
-    tiles = math.ceil(m / (config.bm * cm)) * cm * math.ceil(n / config.bn) * batches * split
-    dp_tiles, block_iters = stream_k_plan(tiles, k_tiles, sms) if config.stream_k and split == 1 and cm == 1 \
-        else (0, 0)
-    sk_tiles = tiles - dp_tiles if block_iters else 0
-    if not block_iters:
-        grid = min(tiles, sms // cm * cm)
-    elif dp_tiles:
-        grid = sms  # the whole tiles are whole waves: dp_tiles is a multiple of the grid
-    else:
-        grid = math.ceil(sk_tiles * k_tiles / block_iters)  # as many blocks as k ranges
+    schedule = grid_schedule(m, n, k_tiles, config.bm, config.bn, sms=sms, batches=batches, group_m=config.group_m,
+                             split_k=split, cluster_m=cm,
+                             stream_k=StreamK(STREAM_K_REGION) if config.stream_k else None)
     # 5. the TMA boxes and the epilogues
     rank = 3 if batched else 2
     a_box, a_swizzle = operand_box(config.bm, bk, dtype, a_major, rank)
@@ -471,13 +447,13 @@ def make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str, 
     out_box, out_swizzle = store_box(config, batched) if config.tma_store else (None, 0)
     return GemmPlan(
         dtype=dtype.name, config=config, swap=swap, a_major=a_major, b_major=b_major, m=m, n=n, k_tiles=k_tiles,
-        batches=batches, grid=grid, threads=128 * (1 + config.consumers), a_box=a_box, a_swizzle=a_swizzle,
+        batches=batches, grid=schedule.grid, threads=128 * (1 + config.consumers), a_box=a_box, a_swizzle=a_swizzle,
         b_box=b_box, b_swizzle=b_swizzle,
         epilogue=Epilogue(has_c=has_c, activation=activation, partial=split > 1, scaled=scaled and split == 1),
         reduce_epilogue=Epilogue(has_c=has_c, activation=activation, scaled=scaled) if split > 1 else None,
         store_box=out_box, store_swizzle=out_swizzle,
         register_config=replace(config, tma_store=False) if config.tma_store else None,
-        dp_tiles=dp_tiles, block_iters=block_iters, sk_tiles=sk_tiles)
+        dp_tiles=schedule.dp_tiles, block_iters=schedule.block_iters, sk_tiles=schedule.sk_tiles)
 
 
 # ---------------------------------------------------------------------------------------------- the kernel

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, graph_ms, plot, write_results  # noqa: E402
 from nvfly.ops import topk  # noqa: E402
+from nvfly.ops.topk import api as topk_api  # noqa: E402
 from nvfly.runtime.torch_args import vector_width  # noqa: E402
 from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 
@@ -87,7 +88,7 @@ def plan_variants(x: torch.Tensor, k: int) -> dict:
         if one.one_launch:
             plans["one-launch"] = one
         plans["two-level"] = topk.plan(*shape, row_threshold=True, two_level=True)
-    return {name: allocating_call(topk._runner(p, m, n, k, True), x, k) for name, p in plans.items()}
+    return {name: allocating_call(topk_api.runner(p, m, n, k, True), x, k) for name, p in plans.items()}
 
 
 def allocating_call(run: Callable[..., None], x: torch.Tensor, k: int) -> Callable[[], tuple]:

@@ -1,4 +1,4 @@
-"""Where the row-threshold TopK's time goes: the current ``topk_row`` against a baseline copy of the module, and
+"""Where the row-threshold TopK's time goes: the current ``topk.row`` against a baseline copy of the module, and
 the phases of the one-launch kernel from ``%globaltimer`` stamps.
 
 Per shape (bf16 unless ``--dtype``): each variant is checked against the documented order (a stable sort), then
@@ -34,12 +34,16 @@ from benchmarks.device_time import kernel_times  # noqa: E402
 from benchmarks.topk import allocating_call  # noqa: E402
 from nvfly.arch.ptx import asm  # noqa: E402
 from nvfly.frontend.language import syncthreads_or  # noqa: E402
-from nvfly.ops import topk, topk_row  # noqa: E402
-from nvfly.ops.topk import HIST, HIST_BITS, highest_index_bit, select_top, shared_state, write_sorted  # noqa: E402
-from nvfly.ops.topk_row import (COPIES, atom_add_relaxed_u32, block_slice, bucket_starts, clean_row,  # noqa: E402
-                                count_fine_buckets, count_slice, fine_shift_of, finish_alone, load_list,
-                                locate_row_bucket, one_launch_counts_offset, publish_candidates, scatter_kept,
-                                stage_candidates, wait_for_count, wait_for_row, write_ranked)
+from nvfly.ops import topk  # noqa: E402
+from nvfly.ops.topk import api as topk_api, plans as topk_plans  # noqa: E402
+from nvfly.ops.topk.plans import COPIES, HIST, HIST_BITS  # noqa: E402
+from nvfly.ops.topk.primitives import atom_add_relaxed_u32  # noqa: E402
+from nvfly.ops.topk.row import (block_slice, bucket_starts, clean_row, count_fine_buckets, count_slice,  # noqa: E402
+                                fine_shift_of, finish_alone, load_list, locate_row_bucket, one_launch_counts_offset,
+                                publish_candidates, scatter_kept, stage_candidates, wait_for_count, wait_for_row,
+                                write_ranked)
+from nvfly.ops.topk.select import highest_index_bit, select_top, shared_state  # noqa: E402
+from nvfly.ops.topk.sort import write_sorted  # noqa: E402
 from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 from nvfly.runtime.torch_args import vector_width  # noqa: E402
 
@@ -160,16 +164,16 @@ def load_base(path: str) -> Any:
 def variants(x: torch.Tensor, k: int, base: Any) -> dict[str, Callable[[], Any]]:
     m, n = x.shape
     p = row_plan(x, k)
-    runs = {"current": topk_row.runner(p, m, k, True)}
+    runs = {"current": topk_api.row_runner(p, m, k, True)}
     if p.exact_stride:  # the same kernel without its exact finish: the list path
-        runs["list"] = topk_row.runner(dataclasses.replace(p, exact_stride=0), m, k, True)
+        runs["list"] = topk_api.row_runner(dataclasses.replace(p, exact_stride=0), m, k, True)
     for threads in THREADS_VARIANTS:
         for exact in (None, False):
-            other = topk.row_plan(n, k, m, p.vec, x.element_size(), plan_sm_count(x.get_device()), threads=threads,
-                                  exact=exact)
+            other = topk_plans.row_plan(n, k, m, p.vec, x.element_size(), plan_sm_count(x.get_device()),
+                                        threads=threads, exact=exact)
             listed = exact is False and (threads == p.threads or not p.exact_stride)  # (timed as "list" already)
             if other != p and other.one_launch and not listed:
-                runs[f"{threads} threads{', list' if exact is False else ''}"] = topk_row.runner(other, m, k, True)
+                runs[f"{threads} threads{', list' if exact is False else ''}"] = topk_api.row_runner(other, m, k, True)
     if base is not None:
         runs["base"] = base.runner(p, m, k, True)
     return {name: allocating_call(run, x, k) for name, run in runs.items()}
@@ -189,7 +193,7 @@ def stamped(x: torch.Tensor, k: int, repeat: int) -> None:
     expected = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :k]
     phases: dict[str, list[float]] = {}
     for i in range(repeat + 3):
-        hist, counters, candidates, _, _ = topk_row.workspace(x.device, m)
+        hist, counters, candidates, _, _ = topk_api.workspace(x.device, m)
         stamps.zero_()
         launch.launch(x, values, indices, hist, counters, candidates, stamps, k, p.slice_len, p.vec, p.unroll,
                       p.threads, p.cap, p.row_cap, p.k_pow2, True, p.shared_finish)

@@ -9,7 +9,7 @@ Modules, each depending only on those before it: ``plans`` (which kernels and la
 ``primitives`` (warp/block helpers), ``keys`` (ranks and keys), ``select`` and ``sort`` (a block's select and sort
 of candidates in shared memory), ``warp`` (k <= 32 over short rows), ``stream`` (the streaming filter, its slices'
 merge), ``row`` (long rows through a row-wide threshold), ``api`` (``topk``, ``eligibility``, the runners).
-Where the time goes (estimates, H200): ``benchmarks/results/topk_notes.md``.
+Measurements behind the plans' thresholds: ``docs/ops/topk.md``.
 """
 from nvfly.ops.topk.api import eligibility, topk
 from nvfly.ops.topk.plans import TopkPlan, plan

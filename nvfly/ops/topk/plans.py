@@ -32,27 +32,20 @@ SM_SMEM_BYTES = 228 * 1024  # shared memory of an SM (each block also takes 1 KB
 MERGE_RANKS = 16384       # the most ranks a row's merge reads (parts * k): 128 KB
 ROW_CAP_MAX = 8192        # the most candidates a row-threshold plan collects for a row (``row``)
 MAX_PARTS = 128
-# rows cut into slices take the row-threshold plan when k or the slices are this many. Measured on the H200
-# (benchmarks/results/topk_plans_h200.json, us, slices+merge -> row threshold): 1x151936 k=50 (37-75 slices)
-# 21.1 -> 15.5, k=1024 43.7 -> 23.3, 64x151936 k=1024 (4 slices) 64.0 -> 46.8, but 64x151936 k=50 (4 slices)
-# 29.5 -> 31.9; the thresholds between those points are not measured
+# rows cut into slices take the row-threshold plan when k or the slices are this many (where it measured faster:
+# docs/ops/topk.md)
 ROW_THRESHOLD_MIN_K = 256
 ROW_THRESHOLD_MIN_PARTS = 8
 # rows of one slice take the row-threshold plan's two slices when k >= ROW_THRESHOLD_MIN_K, the rows are this long
-# and few enough for two waves: 256x128256 k=1024 bf16 76.0 -> 66.0 us, 256x151936 82.3 -> 74.7 (CUDA graphs,
-# topk_threads_probe_h200.log; the radix kernel raises its threshold through many selects at k = 1024). Shorter
-# rows are not measured
+# and few enough for two waves (docs/ops/topk.md)
 ROW_SPLIT_MIN_N = 65536
 WIDE_THREADS = 512        # the row-threshold plan's blocks where ``row_threads`` says
-# One launch: every block of a row writes a share of its k from k = 256 (H200, bf16, one row of 128256-151936, CUDA
-# graphs: k = 1024 12.8 -> 11.7 us; k = 50 9.0 -> 9.7, the shared finish's extra wait not paid back by its shares;
-# benchmarks/results/topk_shared_finish_every_k_probe_h200.log)
+# one launch: every block of a row writes a share of its k from this k (below, its extra wait does not pay:
+# docs/ops/topk.md)
 SHARED_FINISH_MIN_K = 256
 COPIES = 8  # shared histograms a row-threshold histogram block counts into (64 KB, ``row``)
-# The select launch re-reads the rows the histogram launch just read: once they outgrow the L2 (50 MB), reading them
-# in reverse order starts on what is still cached. Measured (topk_reversed_select_h200.log, bf16 k = 1024, us from
-# CUDA graphs): 256x128256 (63 MB) 66.3 -> 60.0, 256x151936 (74 MB) 75.9 -> 69.0, 192x128256 (47 MB) 53.3 -> 51.2; below
-# the L2 a little slower (128x128256, 31 MB: 35.2 -> 36.0; 160 rows, 39 MB: 49.9 -> 50.3); fp32 unchanged either way.
+# the select launch re-reads the rows the histogram launch just read: once they outgrow the L2 (50 MB), reading them
+# in reverse order starts on what is still cached (below it a little slower: docs/ops/topk.md)
 REVERSED_SELECT_MIN_BYTES = 44 << 20
 EXACT_BINS = 256  # 16-bit keys the one-launch plan's exact finish counts (8 first-level buckets), a thread each
 MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses would need too many registers)
@@ -161,10 +154,10 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
     """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements); ``max_parts``
     caps the slices of a row (``benchmarks.topk --compare-plans`` times fewer than the default);
     ``row_threshold``: rows this plan cuts into slices run ``row``'s kernels instead (``row_plan``); None: where
-    k >= ROW_THRESHOLD_MIN_K or the slices are at least ROW_THRESHOLD_MIN_PARTS. ``two_level`` (opt-in, not
-    measured yet): a row-threshold plan's select launch also builds the second-level histogram of the threshold
-    bucket, so that the row's last block selects without radix passes (``topk_row_two_level_kernel``); ignored
-    where the plan is not a row-threshold one. ``one_launch``: a (one-level) row-threshold plan runs as one
+    k >= ROW_THRESHOLD_MIN_K or the slices are at least ROW_THRESHOLD_MIN_PARTS. ``two_level`` (opt-in:
+    docs/ops/topk.md): a row-threshold plan's select launch also builds the second-level histogram of the
+    threshold bucket, so that the row's last block selects without radix passes (``topk_row_two_level_kernel``);
+    ignored where the plan is not a row-threshold one. ``one_launch``: a (one-level) row-threshold plan runs as one
     cooperative launch; None: where its blocks fit one to an SM (``row_plan``). ``exact``: a one-launch plan's
     exact finish (``TopkPlan.exact_stride``), None: where it can run."""
     if k <= WARP_MAX_K and n <= WARP_MAX_N:
@@ -223,9 +216,7 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
     hist_parts, hist_slice_len = 0, 0
     hist_wave = SM_SMEM_BYTES // (HIST * COPIES * 4 + 1024) * sm_count  # histogram blocks resident at once
     if not one_launch and m * parts > hist_wave:
-        # in one wave instead of a wave and a tail (256x128256 bf16: the histogram launch alone 24.2 -> 23.0 us,
-        # topk_reversed_select_h200.log); whole calls at 224-256 rows 2.4-6.3 us faster under do_bench, from CUDA
-        # graphs -4.6 to +0.7 us (topk_histogram_one_wave_h200.log)
+        # in one wave instead of a wave and a tail (docs/ops/topk.md)
         hist_parts, hist_slice_len = whole_sweep_slices(n, threads * vec, max(1, hist_wave // m))
     can_exact = one_launch and itemsize == 2 and slice_len <= cap and threads >= EXACT_BINS
     if exact and not can_exact:
@@ -244,18 +235,11 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
 def row_threads(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int,
                 max_parts: int = MAX_PARTS, exact: Optional[bool] = None) -> int:
     """The row-threshold plan's block: WIDE_THREADS (one block an SM) where that measured faster than
-    SLICE_THREADS, else SLICE_THREADS; from the slices a row of SLICE_THREADS blocks would get in that plan.
-    Measured on the H200, bf16 randn rows of 128256-151936, us from CUDA graphs / do_bench, 256 -> 512 threads
-    (benchmarks/results/topk_threads_probe_h200.log): one row, k = 1024: 13.6 / 16.3 -> 12.6 / 15.5 (the row's
-    last block selects and orders the k with 16 warps instead of 8), k = 50: 9.1 / 11.2 -> 9.4 / 11.4, so only for
-    k >= ROW_THRESHOLD_MIN_K; 64 rows, two slices of 512 instead of four of 256 (one wave of 128 blocks): k = 50
-    21.5 / 27.1 -> 18.3 / 21.2, k = 1024 27.9 / 32.5 -> 24.4 / 27.7. Not faster: 4 rows (16.0 / 21.5 -> 16.3 /
-    19.6), 16 rows (19.2 / 23.7 -> 20.5 / 24.4), 256 rows of two slices (66.0 -> 77.5: two blocks an SM no
-    longer fit). So: one row with a large k, and rows that SLICE_THREADS blocks cut into at most 4 slices while
-    WIDE_THREADS blocks still give each row two in one wave. One row of 16-bit keys (unless ``exact`` is False)
-    keeps SLICE_THREADS: its blocks write their own candidates in place (``TopkPlan.exact_stride``), and smaller
-    slices are faster there (topk_exact_finish_h200.log: 1x128256 k=1024 bf16 10.2 -> 9.6 us from CUDA graphs,
-    k=256 9.1 -> 8.5)."""
+    SLICE_THREADS (docs/ops/topk.md), else SLICE_THREADS; from the slices a row of SLICE_THREADS blocks would get in
+    that plan. One row with k >= ROW_THRESHOLD_MIN_K (the row's last block selects and orders the k with twice the
+    warps), and rows that SLICE_THREADS blocks cut into at most 4 slices while WIDE_THREADS blocks still give each
+    row two in one wave. One row of 16-bit keys (unless ``exact`` is False) keeps SLICE_THREADS: its blocks write
+    their own candidates in place (``TopkPlan.exact_stride``), and smaller slices are faster there."""
     if m == 1:
         exact_keys = itemsize == 2 and exact is not False
         return WIDE_THREADS if k >= ROW_THRESHOLD_MIN_K and not exact_keys else SLICE_THREADS

@@ -19,17 +19,14 @@ one) over the slices of each row instead of a top k per slice and a merge.
   its own (``TopkPlan.hist_parts``).
 - ``topk_row_one_launch_kernel`` (``TopkPlan.one_launch``, the default where all of the rows' blocks fit one an SM:
   M = 1 sampling rows): both in one cooperative launch, the blocks of a row waiting for each other between the
-  count and the select (an arrival counter). One launch and its host work fewer: 12.0 vs 13.0 us a call
-  eagerly (1x151936 k=50 bf16, do_bench); in CUDA graphs, where launches cost little, 0.2-0.5 us slower, the
-  barrier costing more than the launch boundary (topk_host_and_one_launch_h200.log). From k = 256
+  count and the select (an arrival counter): one launch and its host work fewer. From k = 256
   (``TopkPlan.shared_finish``) every block of the row then waits for the row's appends and writes a share of the k
-  (``finish_list``: the same bucket starts in every block, each ranking the buckets that start in its share):
-  1x128256 k=1024 bf16 13.0 -> 11.7 us from CUDA graphs (topk_shared_finish_probe_h200.log). With 16-bit keys
-  (``TopkPlan.exact_stride``) the blocks skip the list: where every key above B lies within EXACT_SPAN buckets of
-  it, each block counts its candidates by exact key, writes the counts to its column of a table and adds them to
-  the row's totals, waits for the row's blocks once more, and writes its own candidates at their places (keys
-  above, plus the same key in earlier slices, plus the same key above it in its own; ``exact_finish``):
-  1x128256 bf16 k=50 9.1 -> 8.1 us, k=1024 11.6 -> 9.6 us from CUDA graphs (topk_exact_finish_h200.log).
+  (``finish_list``: the same bucket starts in every block, each ranking the buckets that start in its share). With
+  16-bit keys (``TopkPlan.exact_stride``) the blocks skip the list: where every key above B lies within EXACT_SPAN
+  buckets of it, each block counts its candidates by exact key, writes the counts to its column of a table and adds
+  them to the row's totals, waits for the row's blocks once more, and writes its own candidates at their places
+  (keys above, plus the same key in earlier slices, plus the same key above it in its own; ``exact_finish``).
+  Measured against two launches: docs/ops/topk.md.
 - ``topk_row_two_level_kernel`` (opt-in, ``plans.plan(..., two_level=True)``): the select launch also counts the
   threshold bucket's next key bits, so the last block knows the k-th key's second-level bucket and selects without
   radix passes.
@@ -94,8 +91,8 @@ def count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LA
     for it in range((stop - start + per_iter - 1) // per_iter):
         upcoming = step_loads(x, row, start, stop, it + 1, tid, VEC, UNROLL, THREADS)
         col0 = start + (it * UNROLL * THREADS + tid) * VEC
-        # a whole step counts without a bounds check per element (ncu: the per-element branches were most of the
-        # histogram kernel's issue slots); only the slice's last step can be partial
+        # a whole step counts without a bounds check per element (those branches took most of the kernel's issue
+        # slots: docs/ops/topk.md); only the slice's last step can be partial
         if start + (it + 1) * per_iter <= stop:
             count_loads(counts, current, col0, stop, copy, x.dtype, VEC, UNROLL, THREADS, LARGEST, False)
         else:
@@ -525,7 +522,7 @@ def list_finish(x, values, indices, hist, counters, candidates, smem, bucket, co
                         is_last, tid, lane, warp, THREADS, CAP, K_POW2, LARGEST)
             if syncthreads_or(leaving == last + parts):  # every block has passed the wait: the counters are free
                 clean_row(hist, counters, row, tid, THREADS)
-        elif is_last:  # (one call site for both branches compiled slower: topk_finish_fold_probe_h200.log)
+        elif is_last:  # (one call site for both branches compiled slower: docs/ops/topk.md)
             finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp,
                          VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST)
     elif is_last:

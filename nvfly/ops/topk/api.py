@@ -18,7 +18,7 @@ from nvfly.runtime.torch_args import layout_key, vector_width
 if TYPE_CHECKING:
     import torch
 
-SUPPORTED_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
+SUPPORTED_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "f16", "torch.float32": "f32"}  # -> TopkPlan.dtype
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -129,11 +129,8 @@ def _plan_call(key: Any, x: Any, k: Any, dim: Any, largest: Any) -> _Topk:
     run = None
     if k and m:
         vec = vector_width(n, (_rows_like(x, dim, m, n),), x.element_size())
-        # f16's first-level buckets are 1/32 of an octave, so the exact finish's 8 rarely hold a row's top keys:
-        # f16 keeps the list path and its wider blocks (bf16's buckets are a quarter octave)
-        exact = False if str(x.dtype) == "torch.float16" else None
-        run = runner(plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), exact=exact), m, n, k,
-                      bool(largest))
+        p = plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), dtype=SUPPORTED_DTYPES[str(x.dtype)])
+        run = runner(p, m, n, k, bool(largest))
     t = _Topk(m, n, k, dim, direct and run is not None, run)
     if key is not None:
         if len(_TOPK) >= _PLAN_LIMIT:

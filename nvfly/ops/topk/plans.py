@@ -52,9 +52,10 @@ MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses woul
 
 
 # ---------------------------------------------------------------------------------------------- plans
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TopkPlan:
-    """Launch shape of a TopK: the warp kernel (``warps`` rows per block) or the streaming kernel
+    """Launch shape of a TopK of ``dtype`` (nvfly's name of the element type: "bf16", "f16", "f32"; None where it
+    was planned from the element size alone): the warp kernel (``warps`` rows per block) or the streaming kernel
     (``threads`` per block, ``parts`` slices per row merged by ``topk_merge_kernel`` when rows are few: it holds
     all ``parts * k`` ranks of a row in ``merge_cap`` entries, loaded ``merge_vec`` at a time). ``row_threshold``:
     the slices run ``row``'s histogram and select kernels instead, collecting at most ``row_cap``
@@ -70,6 +71,7 @@ class TopkPlan:
     parts a row (``parts`` rounded up to a power of two; 0: never)."""
     warp: bool
     vec: int
+    dtype: Optional[str] = None
     warps: int = 1
     unroll: int = 0
     threads: int = 0
@@ -150,18 +152,20 @@ def whole_sweep_slices(n: int, sweep: int, parts: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=4096)
 def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS,
          row_threshold: Optional[bool] = None, two_level: bool = False, one_launch: Optional[bool] = None,
-         exact: Optional[bool] = None) -> TopkPlan:
-    """How to run a TopK of k over m rows of n elements (16-byte accesses hold ``vec`` elements); ``max_parts``
-    caps the slices of a row (``benchmarks.topk --compare-plans`` times fewer than the default);
+         exact: Optional[bool] = None, dtype: Optional[str] = None) -> TopkPlan:
+    """How to run a TopK of k over m rows of n elements of ``dtype`` (``TopkPlan.dtype``; 16-byte accesses hold
+    ``vec`` elements of ``itemsize`` bytes); ``max_parts`` caps the slices of a row (``benchmarks.topk
+    --compare-plans`` times fewer than the default);
     ``row_threshold``: rows this plan cuts into slices run ``row``'s kernels instead (``row_plan``); None: where
     k >= ROW_THRESHOLD_MIN_K or the slices are at least ROW_THRESHOLD_MIN_PARTS. ``two_level`` (opt-in:
     docs/ops/topk.md): a row-threshold plan's select launch also builds the second-level histogram of the
     threshold bucket, so that the row's last block selects without radix passes (``topk_row_two_level_kernel``);
     ignored where the plan is not a row-threshold one. ``one_launch``: a (one-level) row-threshold plan runs as one
     cooperative launch; None: where its blocks fit one to an SM (``row_plan``). ``exact``: a one-launch plan's
-    exact finish (``TopkPlan.exact_stride``), None: where it can run."""
+    exact finish (``TopkPlan.exact_stride``), None: where it can run (``exact_default``)."""
     if k <= WARP_MAX_K and n <= WARP_MAX_N:
-        return TopkPlan(True, vec, warps=max(1, min(8, m // (2 * sm_count))))
+        return TopkPlan(warp=True, vec=vec, dtype=dtype, warps=max(1, min(8, m // (2 * sm_count))))
+    exact = exact_default(exact, dtype)
     k_pow2 = max(2, 1 << (k - 1).bit_length())
     max_unroll = unroll_limit(vec, itemsize)
     # blocks of SLICE_THREADS, two to an SM, unless their shared memory is too large (k = 2048)
@@ -176,9 +180,9 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
     # rows of one slice each, with a large k and few enough for two slices a row in two waves: two slices
     split = parts == 1 and k >= ROW_THRESHOLD_MIN_K and n >= ROW_SPLIT_MIN_N and m <= BLOCKS_PER_SM * sm_count
     if row_threshold and (parts > 1 or split):
-        return row_plan(n, k, m, vec, itemsize, sm_count, max_parts, two_level, one_launch, row_block, exact)
+        return row_plan(n, k, m, vec, itemsize, sm_count, max_parts, two_level, one_launch, row_block, exact, dtype)
     merge_cap = max(parts * k, k_pow2) if parts > 1 else 0  # (the sort exchanges k_pow2 entries through it)
-    return TopkPlan(False, vec, unroll=unroll, threads=threads,
+    return TopkPlan(warp=False, vec=vec, dtype=dtype, unroll=unroll, threads=threads,
                     cap=candidate_capacity(threads * vec * unroll, k_pow2, threads), k_pow2=k_pow2, parts=parts,
                     slice_len=slice_len, merge_cap=merge_cap,
                     merge_vec=(2 if parts * k % 2 == 0 else 1) if parts > 1 else 0)
@@ -186,7 +190,7 @@ def plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_par
 
 def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max_parts: int = MAX_PARTS,
              two_level: bool = False, one_launch: Optional[bool] = None, threads: Optional[int] = None,
-             exact: Optional[bool] = None) -> TopkPlan:
+             exact: Optional[bool] = None, dtype: Optional[str] = None) -> TopkPlan:
     """The row-threshold plan (``row``): blocks of ``threads`` (None: ``row_threads``), two slices a row at
     least, down to one sweep (no merge bounds them), for two blocks an SM (one of WIDE_THREADS): the unroll is
     lowered until the shared memory (the candidate list, or a whole-row stream's buffer) fits twice.
@@ -194,7 +198,8 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
     every block resident at once: one an SM at most (its shared memory is the select's and the histogram's, side
     by side), and the one-level select. ``exact`` (None: whenever it can): a one-launch plan of 16-bit keys whose
     blocks hold a whole slice's candidates and have a thread for each of EXACT_BINS keys writes them in place
-    (``TopkPlan.exact_stride``)."""
+    (``TopkPlan.exact_stride``; ``exact_default``)."""
+    exact = exact_default(exact, dtype)
     k_pow2 = max(2, 1 << (k - 1).bit_length())
     row_cap = min(ROW_CAP_MAX, max(2048, 8 * k_pow2))
     max_unroll = unroll_limit(vec, itemsize)
@@ -224,12 +229,19 @@ def row_plan(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int, max
                          f"{itemsize}) whose slices fit a block's buffer ({slice_len} <= {cap}) and blocks of "
                          f"{EXACT_BINS} threads or more ({threads})")
     exact_stride = max(4, 1 << (parts - 1).bit_length()) if (can_exact if exact is None else exact) else 0
-    return TopkPlan(False, vec, unroll=unroll, threads=threads, cap=cap, k_pow2=k_pow2, parts=parts,
-                    slice_len=slice_len, row_threshold=True, row_cap=row_cap, two_level=two_level,
+    return TopkPlan(warp=False, vec=vec, dtype=dtype, unroll=unroll, threads=threads, cap=cap, k_pow2=k_pow2,
+                    parts=parts, slice_len=slice_len, row_threshold=True, row_cap=row_cap, two_level=two_level,
                     one_launch=one_launch, shared_finish=one_launch and k >= SHARED_FINISH_MIN_K,
                     reversed_select=(not one_launch and not two_level
                                      and m * n * itemsize >= REVERSED_SELECT_MIN_BYTES),
                     hist_parts=hist_parts, hist_slice_len=hist_slice_len, exact_stride=exact_stride)
+
+
+def exact_default(exact: Optional[bool], dtype: Optional[str]) -> Optional[bool]:
+    """The exact finish asked for (``exact``), else never for f16: its first-level buckets are 1/32 of an octave,
+    so the exact finish's 8 rarely hold a row's top keys, and f16 keeps the list path and its wider blocks
+    (bf16's buckets are a quarter octave). None: wherever it can run."""
+    return False if exact is None and dtype == "f16" else exact
 
 
 def row_threads(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int,

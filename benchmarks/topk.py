@@ -13,7 +13,7 @@ routing rows: a one-element ``zero_()`` measures 3.6 us under do_bench, torch.to
 
 ``--compare-plans``: per sampling shape (bf16; ``--shapes`` for others), the default plan and, for rows cut into
 slices, the slices + merge plan (``row_threshold=False``) with all, half and one of its slices, the
-row-threshold plan (``topk.plan(..., row_threshold=True)``, ``nvfly/ops/topk_row.py``) and its opt-in two-level
+row-threshold plan (``topk.plan(..., row_threshold=True)``, ``nvfly/ops/topk/row.py``) and its opt-in two-level
 select (``two-level``: ``topk.plan(..., row_threshold=True, two_level=True)``); each is checked against the
 documented order before it is timed. ``--graphs`` adds their times from CUDA graphs, ``--kernels`` their kernels'
 GPU time (e.g. the row-threshold plan in one cooperative launch against two: ``--compare-plans --graphs --kernels

@@ -13,7 +13,7 @@ routing rows: a one-element ``zero_()`` measures 3.6 us under do_bench, torch.to
 
 ``--compare-plans``: per sampling shape (bf16; ``--shapes`` for others), the default plan and, for rows cut into
 slices, the slices + merge plan (``row_threshold=False``) with all, half and one of its slices, the
-row-threshold plan (``topk.plan(..., row_threshold=True)``, ``nvfly/ops/topk_row.py``) and its opt-in two-level
+row-threshold plan (``topk.plan(..., row_threshold=True)``, ``nvfly/ops/topk/row.py``) and its opt-in two-level
 select (``two-level``: ``topk.plan(..., row_threshold=True, two_level=True)``); each is checked against the
 documented order before it is timed. ``--graphs`` adds their times from CUDA graphs, ``--kernels`` their kernels'
 GPU time (e.g. the row-threshold plan in one cooperative launch against two: ``--compare-plans --graphs --kernels
@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, graph_ms, plot, write_results  # noqa: E402
 from nvfly.ops import topk  # noqa: E402
+from nvfly.ops.topk import api as topk_api  # noqa: E402
 from nvfly.runtime.torch_args import vector_width  # noqa: E402
 from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 
@@ -87,7 +88,7 @@ def plan_variants(x: torch.Tensor, k: int) -> dict:
         if one.one_launch:
             plans["one-launch"] = one
         plans["two-level"] = topk.plan(*shape, row_threshold=True, two_level=True)
-    return {name: allocating_call(topk._runner(p, m, n, k, True), x, k) for name, p in plans.items()}
+    return {name: allocating_call(topk_api.runner(p, m, n, k, True), x, k) for name, p in plans.items()}
 
 
 def allocating_call(run: Callable[..., None], x: torch.Tensor, k: int) -> Callable[[], tuple]:

@@ -15,8 +15,7 @@ MAX_LINES = 1000
 CONTRACTS = [
     "layers",
     "acyclic",
-    pytest.param("acyclic-ops", marks=pytest.mark.xfail(
-        strict=False, reason="ops packages being split (nvfly.ops.topk <-> nvfly.ops.topk_row)")),
+    "acyclic-ops",
     "op-families",
     "no-torch-below-runtime",
 ]
@@ -55,7 +54,6 @@ def test_a_broken_contract_fails(tmp_path):
     assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout + result.stderr
 
 
-@pytest.mark.xfail(strict=False, reason="ops packages being split")
 def test_no_file_over_1000_lines():
     long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "nvfly").rglob("*.py"))
             if (n := len(p.read_text().splitlines())) > MAX_LINES}

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 import nvfly
 import nvfly.torch.ops  # noqa: F401  (registers the nvfly:: custom ops)
-from nvfly.ops import rmsnorm, topk, topk_row
+from nvfly.ops import rmsnorm, topk
+from nvfly.ops.topk import api as topk_api, plans as topk_plans, row as topk_row
 from nvfly.ops.rmsnorm import api as rmsnorm_api, plan as rmsnorm_plan
 from nvfly.runtime.torch_args import vector_width
 from nvfly.torch.routing import Route, _routed, disable_routing, enable_routing, install_routing, installed, \
@@ -32,7 +33,7 @@ def sliced_kernels(x, k, largest=True):
     p = topk.plan(n, k, m, vector_width(n, (x,), x.element_size()), x.element_size(), 132,
                   row_threshold=False)
     with nvfly.compile_only() as kernels:
-        topk._runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=x.dtype), torch.empty(m, k, dtype=torch.int64))
+        topk_api.runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=x.dtype), torch.empty(m, k, dtype=torch.int64))
     return kernels
 
 
@@ -206,7 +207,7 @@ def test_topk_few_rows_split_then_merge():
         assert_clean(kern)
     p = topk.plan(151936, 1024, 1, 8, 2, 132, row_threshold=False)
     assert merge.dynamic_smem_bytes == p.merge_smem_bytes <= 227 * 1024 and p.merge_cap >= p.parts * 1024
-    assert merge.count("LDG.E.128") >= topk.SWEEP  # the ranks, two a load, straight into shared memory
+    assert merge.count("LDG.E.128") >= topk_plans.SWEEP  # the ranks, two a load, straight into shared memory
     assert "set.gtu" not in merge.ptx and merge.count("ATOMS.ADD") == 0  # no stream: one select, the sort
     assert topk.plan(151936, 1024, 1, 8, 2, 132, row_threshold=False).parts > 1
     assert topk.plan(151936, 1024, 256, 8, 2, 132, row_threshold=False).parts == 1
@@ -226,10 +227,10 @@ def test_topk_slice_variants_compile(dtype, n, k, m, largest):
     assert (first.name, merge.name) == ("topk_radix_kernel", "topk_merge_kernel")
     for kern in (first, merge):
         assert_clean(kern)
-        assert kern.resources.registers <= 65536 // (topk.BLOCKS_PER_SM * 256)
+        assert kern.resources.registers <= 65536 // (topk_plans.BLOCKS_PER_SM * 256)
     assert first.dynamic_smem_bytes == p.smem_bytes and merge.dynamic_smem_bytes == p.merge_smem_bytes
-    if p.threads == topk.SLICE_THREADS:
-        assert topk.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk.SM_SMEM_BYTES
+    if p.threads == topk_plans.SLICE_THREADS:
+        assert topk_plans.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk_plans.SM_SMEM_BYTES
     assert first.count("LDG.E.128") >= p.unroll
     compare = {torch.bfloat16: "u32.bf16x2", torch.float16: "u32.f16x2", torch.float32: "u32.f32"}[dtype]
     assert f"set.{'gtu' if largest else 'ltu'}.{compare}" in first.ptx
@@ -249,7 +250,7 @@ def test_topk_plans_for_the_sampling_suite():
             p = topk.plan(n, 50, 1, vec, itemsize, sms, row_threshold=False)
             assert p.parts >= 60 and p.unroll <= 2  # one row: a slice of 2048 elements per block, 60+ SMs
             p = topk.plan(n, 1024, 1, vec, itemsize, sms, row_threshold=False)
-            assert 8 <= p.parts and p.parts * 1024 <= topk.MERGE_RANKS  # k = 1024: a merge of 16K ranks at most
+            assert 8 <= p.parts and p.parts * 1024 <= topk_plans.MERGE_RANKS  # k = 1024: a merge of 16K ranks at most
             assert all(topk.plan(n, k, 1, vec, itemsize, sms).row_threshold for k in (50, 1024))
             assert topk.plan(n, 50, 1, vec, itemsize, sms).threads == 256
             assert topk.plan(n, 1024, 1, vec, itemsize, sms).threads == (256 if itemsize == 2 else 512)
@@ -301,12 +302,12 @@ def test_topk_row_threshold_kernels_compile(dtype, n, k, m, largest):
     p = topk.plan(n, k, m, vec, itemsize, 132, row_threshold=True, one_launch=False)
     assert p.row_threshold and not p.one_launch
     with nvfly.compile_only() as kernels:
-        topk._runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=dtype), torch.empty(m, k, dtype=torch.int64))
+        topk_api.runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=dtype), torch.empty(m, k, dtype=torch.int64))
     assert [kern.name for kern in kernels] == ["topk_row_histogram_kernel", "topk_row_select_kernel"]
     for kern in kernels:
         assert_clean(kern)
         assert kern.count("LDL") == 0 and kern.count("STL") == 0
-        assert kern.resources.registers <= 65536 // (topk.BLOCKS_PER_SM * 256)
+        assert kern.resources.registers <= 65536 // (topk_plans.BLOCKS_PER_SM * 256)
     histogram, select = kernels
     assert histogram.count("ATOMS") > 0 and histogram.count("REDG") > 0  # shared counts, then global adds
     assert select.dynamic_smem_bytes == p.smem_bytes
@@ -331,16 +332,17 @@ def test_topk_row_one_launch_kernel_compiles(dtype, n, k, m, largest):
     p = topk.plan(n, k, m, vec, itemsize, 132)
     assert p.row_threshold and p.one_launch and m * p.parts <= 132
     with nvfly.compile_only() as kernels:
-        topk._runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=dtype), torch.empty(m, k, dtype=torch.int64))
+        topk_api.runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=dtype), torch.empty(m, k, dtype=torch.int64))
     (kern,) = kernels
     assert kern.name == "topk_row_one_launch_kernel" and kern.cooperative
     assert_clean(kern)
     assert kern.count("LDL") == 0 and kern.count("STL") == 0
-    assert kern.dynamic_smem_bytes == topk_row.one_launch_smem_bytes(p.cap, p.k_pow2, p.threads) <= topk.SM_SMEM_BYTES
+    assert kern.dynamic_smem_bytes == topk_row.one_launch_smem_bytes(p.cap, p.k_pow2, p.threads) <= \
+        topk_plans.SM_SMEM_BYTES
     assert "ld.acquire.gpu.global.b32" in kern.ptx and "ld.relaxed.gpu.global.b32" in kern.ptx  # the wait, the hist
     # a shared finish: every block leaves through a relaxed count, the last to leave cleans up
     assert ("atom.relaxed.gpu.global.add.u32" in kern.ptx) == (p.shared_finish or p.exact_stride > 0)
-    assert p.shared_finish == (k >= topk.SHARED_FINISH_MIN_K)
+    assert p.shared_finish == (k >= topk_plans.SHARED_FINISH_MIN_K)
     # the exact finish (16-bit keys): the totals and the block's keys' earlier counts, read after a second wait
     assert (p.exact_stride > 0) == (itemsize == 2)
     waits = 1 + (p.exact_stride > 0) + p.shared_finish  # the row's blocks: counted, (placed,) (appended)
@@ -407,7 +409,7 @@ def test_topk_reversed_select_plan_choice():
     ptx = {}
     for reverse in (False, True):
         with nvfly.compile_only() as kernels:
-            topk_row.runner(dataclasses.replace(p, reversed_select=reverse), 4, 64, True)(
+            topk_api.row_runner(dataclasses.replace(p, reversed_select=reverse), 4, 64, True)(
                 x, torch.empty(4, 64, dtype=x.dtype), torch.empty(4, 64, dtype=torch.int64))
         ptx[reverse] = kernels[1].ptx
     assert "%nctaid.x" in ptx[True] and "%nctaid.x" not in ptx[False]
@@ -440,15 +442,15 @@ def test_topk_row_two_level_kernels_compile(dtype, n, k, m, largest):
     p = topk.plan(n, k, m, vec, itemsize, 132, row_threshold=True, two_level=True)
     assert p.row_threshold and p.two_level
     with nvfly.compile_only() as kernels:
-        topk._runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=dtype), torch.empty(m, k, dtype=torch.int64))
+        topk_api.runner(p, m, n, k, largest)(x, torch.empty(m, k, dtype=dtype), torch.empty(m, k, dtype=torch.int64))
     assert [kern.name for kern in kernels] == ["topk_row_histogram_kernel", "topk_row_two_level_kernel"]
     for kern in kernels:
         assert_clean(kern)
         assert kern.count("LDL") == 0 and kern.count("STL") == 0, kern.summary()
-        assert kern.resources.registers <= 65536 // (topk.BLOCKS_PER_SM * 256)
+        assert kern.resources.registers <= 65536 // (topk_plans.BLOCKS_PER_SM * 256)
     select = kernels[1]
     assert select.dynamic_smem_bytes == p.smem_bytes
-    assert topk.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk.SM_SMEM_BYTES
+    assert topk_plans.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk_plans.SM_SMEM_BYTES
     assert select.count("ATOMG") > 0 and select.count("VOTE.ANY") > 0 and select.count("MEMBAR") > 0
     assert select.count("REDG") > 0 and "ld.relaxed.gpu.global.b32" in select.ptx  # the second level's adds, loads
     assert "ld.relaxed.gpu.global.v2.b64" in select.ptx  # the list, two ranks a load
@@ -470,7 +472,7 @@ def test_topk_slice_plan_model():
         p = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=False)
         assert not p.warp
         per_iter = p.threads * vec * p.unroll
-        assert 1 <= p.unroll <= topk._unroll(vec, itemsize)
+        assert 1 <= p.unroll <= topk_plans.unroll_limit(vec, itemsize)
         assert p.slice_len % (p.threads * vec) == 0 and p.slice_len % vec == 0
         assert (p.parts - 1) * p.slice_len < n <= p.parts * p.slice_len  # every slice non-empty, the row covered
         covered = []
@@ -480,11 +482,11 @@ def test_topk_slice_plan_model():
             covered += [c for it in range(iterations) for c in range(start + it * per_iter,
                                                                      start + (it + 1) * per_iter) if c < stop]
         assert covered == list(range(n))
-        assert p.parts == 1 or p.parts * k <= topk.MERGE_RANKS
-        assert p.parts <= max(1, topk.BLOCKS_PER_SM * sms // m)
+        assert p.parts == 1 or p.parts * k <= topk_plans.MERGE_RANKS
+        assert p.parts <= max(1, topk_plans.BLOCKS_PER_SM * sms // m)
         assert p.cap - per_iter >= 2 * p.k_pow2 and p.cap % p.threads == 0  # room for k survivors + an iteration
         assert p.smem_bytes <= 227 * 1024
-        assert topk.HIST % p.threads == 0
+        assert topk_plans.HIST % p.threads == 0
         if p.parts > 1:  # the merge holds all of a row's ranks (and the sort's k_pow2) in shared memory
             assert p.merge_cap >= max(p.parts * k, p.k_pow2) and p.merge_smem_bytes <= 227 * 1024
             assert p.merge_vec == (2 if p.parts * k % 2 == 0 else 1)
@@ -748,10 +750,10 @@ def test_register_route_is_a_registry_for_other_ops():
 @pytest.fixture
 def fake_launches(recorded_launches):
     """recorded_launches (conftest) with the ops' plan caches cleared before and after."""
-    for cache in (rmsnorm_api._FORWARD, rmsnorm_api._BACKWARD, topk._TOPK):
+    for cache in (rmsnorm_api._FORWARD, rmsnorm_api._BACKWARD, topk_api._TOPK):
         cache.clear()
     yield recorded_launches
-    for cache in (rmsnorm_api._FORWARD, rmsnorm_api._BACKWARD, topk._TOPK):
+    for cache in (rmsnorm_api._FORWARD, rmsnorm_api._BACKWARD, topk_api._TOPK):
         cache.clear()
 
 
@@ -797,7 +799,7 @@ def test_repeat_calls_launch_what_a_first_call_would(fake_launches, name, make, 
     out2 = call(*second)
     fast = fake_launches[n:]
     assert len(fast) == n > 0
-    for cache in (rmsnorm_api._FORWARD, rmsnorm_api._BACKWARD, topk._TOPK):
+    for cache in (rmsnorm_api._FORWARD, rmsnorm_api._BACKWARD, topk_api._TOPK):
         cache.clear()
     out3 = call(*second)
     reference = fake_launches[2 * n:]
@@ -832,7 +834,7 @@ def test_cached_signatures_still_check_arguments(fake_launches):
         topk.topk(x, True)
     with pytest.raises(TypeError, match="weight:"):
         rmsnorm.rms_norm(x, [1.0] * 16)
-    assert len(rmsnorm_api._FORWARD) == 2 and len(topk._TOPK) == 1  # two forward signatures (options)
+    assert len(rmsnorm_api._FORWARD) == 2 and len(topk_api._TOPK) == 1  # two forward signatures (options)
 
 
 # ---------------------------------------------------------------------------------------------- language primitives

@@ -17,9 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from nvfly.ops import topk, topk_row
+from nvfly.ops import topk
+from nvfly.ops.topk import keys as topk_keys, plans as topk_plans, row as topk_row, select as topk_select, \
+    sort as topk_sort, stream as topk_stream
 
-ABSENT = topk.ABSENT
+ABSENT = topk_keys.ABSENT
 M32 = (1 << 32) - 1
 M64 = (1 << 64) - 1
 FORMATS = {"bf16": 16, "f16": 16, "f32": 32}
@@ -38,7 +40,7 @@ def as_floats(bits, fmt):
 
 
 def order_keys(bits, fmt, largest):
-    """``topk.order_key`` for bit patterns (numpy u32 array)."""
+    """``topk_keys.order_key`` for bit patterns (numpy u32 array)."""
     width = FORMATS[fmt]
     full = (1 << width) - 1
     sign = 1 << (width - 1)
@@ -72,7 +74,7 @@ def reference(bits, k, fmt, largest):
 
 # ---------------------------------------------------------------------------------------------- flags
 def key_bits(key, fmt, largest):
-    """``topk.key_bits``: the bit pattern whose order key is ``key``."""
+    """``topk_keys.key_bits``: the bit pattern whose order key is ``key``."""
     width = FORMATS[fmt]
     full = (1 << width) - 1
     sign = 1 << (width - 1)
@@ -82,7 +84,7 @@ def key_bits(key, fmt, largest):
 
 
 def flag_key(threshold_key, ties, fmt):
-    """``topk.flag_key``."""
+    """``topk_keys.flag_key``."""
     flag = (threshold_key - (1 if ties and threshold_key != 0 else 0)) & M32
     return (flag - (1 if flag == {"f32": 0x7FFFFFFF}.get(fmt, 0x7FFF) else 0)) & M32
 
@@ -129,21 +131,21 @@ def test_flags_are_a_superset_of_the_candidates(fmt, largest):
 @pytest.mark.parametrize("vec,unroll,packed", [(8, 4, True), (8, 1, True), (2, 8, True), (4, 4, False),
                                                (1, 8, False), (2, 4, False), (8, 2, True), (4, 2, False)])
 def test_flag_bits_cover_each_element_of_an_iteration_once(vec, unroll, packed):
-    bits = [topk.flag_bit(u, e, vec, packed) for u in range(unroll) for e in range(vec)]
+    bits = [topk_keys.flag_bit(u, e, vec, packed) for u in range(unroll) for e in range(vec)]
     assert len(set(bits)) == len(bits) and all(0 <= b < 32 for b in bits)
     for u in range(unroll):
         for e in range(vec):
-            assert topk.flag_element(topk.flag_bit(u, e, vec, packed), vec, packed) == (u, e)
+            assert topk_keys.flag_element(topk_keys.flag_bit(u, e, vec, packed), vec, packed) == (u, e)
     if packed:  # both halves of word w sit at w and w + 16: one AND with 0x00010001 << w places them
         for u in range(unroll):
             for w in range(vec // 2):
-                assert topk.flag_bit(u, 2 * w + 1, vec, packed) == topk.flag_bit(u, 2 * w, vec, packed) + 16
+                assert topk_keys.flag_bit(u, 2 * w + 1, vec, packed) == topk_keys.flag_bit(u, 2 * w, vec, packed) + 16
 
 
 # ---------------------------------------------------------------------------------------------- the select
 def locate_bucket(hist, needed, threads):
-    """``topk.locate_bucket``: thread ownership, lane suffix sums, warp sums, the ballot of the lanes."""
-    per = topk.HIST // threads
+    """``topk_select.locate_bucket``: thread ownership, lane suffix sums, warp sums, the ballot of the lanes."""
+    per = topk_plans.HIST // threads
     totals = [sum(hist[t * per:(t + 1) * per]) for t in range(threads)]
     suffix = [sum(totals[t - t % 32 + lane] for lane in range(t % 32, 32)) for t in range(threads)]
     warp_sums = [suffix[w * 32] for w in range(threads // 32)]
@@ -169,22 +171,22 @@ def locate_bucket(hist, needed, threads):
 
 
 def radix_threshold(buf, needed, key_high, key_low, index_top, threads, passes):
-    """``topk.radix_threshold`` on Python ints (u-space patterns masked to 64 bits)."""
+    """``topk_select.radix_threshold`` on Python ints (u-space patterns masked to 64 bits)."""
     keys_differ = key_high != key_low
     top = (key_high ^ key_low).bit_length() - 1 + 32 if keys_differ else index_top
     index_ones = M32 & ~((2 << index_top) - 1)
     span = ((2 << top) - 1) & M64
     range_low = ((key_high << 32) & ~span & M64) | (0 if keys_differ else index_ones)
     range_high = range_low | span
-    shift = max(top - (topk.HIST_BITS - 1), 0)
+    shift = max(top - (topk_plans.HIST_BITS - 1), 0)
     while True:
         passes.append(shift)
         low = max(to_signed(range_low ^ (1 << 63)), ABSENT + 1)
         high = to_signed(range_high ^ (1 << 63))
-        hist = [0] * topk.HIST
+        hist = [0] * topk_plans.HIST
         for r in buf:
             if low <= r <= high:
-                hist[(rank_u(r) >> shift) & (topk.HIST - 1)] += 1
+                hist[(rank_u(r) >> shift) & (topk_plans.HIST - 1)] += 1
         bucket, above, in_bucket = locate_bucket(hist, needed, threads)
         needed -= above
         range_low |= bucket << shift
@@ -195,11 +197,11 @@ def radix_threshold(buf, needed, key_high, key_low, index_top, threads, passes):
             range_low |= ((1 << shift) - 1) & ~((2 << index_top) - 1)
             next_top = index_top
         range_high = range_low | ((2 << next_top) - 1)
-        shift = max(next_top - (topk.HIST_BITS - 1), 0)
+        shift = max(next_top - (topk_plans.HIST_BITS - 1), 0)
 
 
 def compaction_slots(buf, threshold, threads):
-    """``topk.compact``'s slots: each thread's keepers (strided over the buffer) after a block scan."""
+    """``topk_select.compact``'s slots: each thread's keepers (strided over the buffer) after a block scan."""
     keeps = [[i for i in range(t, len(buf), threads) if buf[i] != ABSENT and buf[i] >= threshold]
              for t in range(threads)]
     slots = {}
@@ -212,7 +214,7 @@ def compaction_slots(buf, threshold, threads):
 
 
 def select_top(buf, needed, index_top, threads, stats):
-    """``topk.select_top``: (threshold: the smallest kept rank or ABSENT, the kept ranks in their new order)."""
+    """``topk_select.select_top``: (threshold: the smallest kept rank or ABSENT, the kept ranks in their new order)."""
     reals = [r for r in buf if r != ABSENT]
     bound = threshold = ABSENT
     if len(reals) > needed:
@@ -237,10 +239,10 @@ def select_top(buf, needed, index_top, threads, stats):
 
 # ---------------------------------------------------------------------------------------------- the sort
 def sort_descending(buf, kept, size, threads):
-    """``topk.sort_descending``: per-thread registers, each stage's keep rule as the device computes it."""
-    per = topk.sort_per_thread(size, threads)
+    """``topk_sort.sort_descending``: per-thread registers, each stage's keep rule as the device computes it."""
+    per = topk_sort.sort_per_thread(size, threads)
     items = [[buf[t * per + j] if t * per + j < kept else ABSENT for j in range(per)] for t in range(threads)]
-    for block, stride in topk.bitonic_stages(size):
+    for block, stride in topk_sort.bitonic_stages(size):
         new = [row[:] for row in items]
         for t in range(threads):
             first = t * per
@@ -281,13 +283,13 @@ def test_register_bitonic_sort_model(size, threads):
 
 # ---------------------------------------------------------------------------------------------- the kernel
 def flagged_bits(loaded, bit, vec, packed):
-    """``topk.flagged_bits``: the flagged element's bits picked from the thread's loads (lists of bit patterns)
-    by ``topk.pick``'s tree of selects."""
+    """``topk_stream.flagged_bits``: the flagged element's bits picked from the thread's loads (lists of bit patterns)
+    by ``topk_stream.pick``'s tree of selects."""
     select = lambda cond, a, b: a if cond else b  # noqa: E731
     if packed:  # 16-bit values two to a little-endian u32 word
         words = [row[2 * w] | row[2 * w + 1] << 16 for row in loaded for w in range(vec // 2)]
-        return (topk.pick(words, bit & 15, select) >> ((bit >> 4) << 4)) & 0xFFFF
-    return topk.pick([v for row in loaded for v in row], bit, select)
+        return (topk_stream.pick(words, bit & 15, select) >> ((bit >> 4) << 4)) & 0xFFFF
+    return topk_stream.pick([v for row in loaded for v in row], bit, select)
 
 
 def stream_block(bits, start, stop, k, vec, unroll, threads, cap, k_pow2, fmt, largest, rng, stats):
@@ -327,12 +329,12 @@ def stream_block(bits, start, stop, k, vec, unroll, threads, cap, k_pow2, fmt, l
             for u in range(unroll):
                 for e in range(vec):
                     if hits[u * vec + e]:
-                        pending |= 1 << topk.flag_bit(u, e, vec, packed)
+                        pending |= 1 << topk_keys.flag_bit(u, e, vec, packed)
             while pending:  # the trips: lowest flag first, decoded back to a column, picked, checked exactly
                 lowest = pending & -pending
                 pending ^= lowest
                 bit = lowest.bit_length() - 1
-                u, e = topk.flag_element(bit, vec, packed)
+                u, e = topk_keys.flag_element(bit, vec, packed)
                 col = col0 + u * threads * vec + e
                 picked = flagged_bits(loaded, bit, vec, packed)
                 assert picked == loaded[u][e]
@@ -370,8 +372,8 @@ def model_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0):
                                 p.k_pow2, fmt, largest, rng, stats)
             ranks += kept + [ABSENT] * (k - len(kept))
         assert len(ranks) <= p.merge_cap  # topk_merge_kernel: every rank into shared memory, one select
-        _, kept = select_top(ranks, k, max(n - 1, 1).bit_length() - 1, topk.STREAM_THREADS, stats)
-    threads = p.threads if p.parts == 1 else topk.STREAM_THREADS
+        _, kept = select_top(ranks, k, max(n - 1, 1).bit_length() - 1, topk_plans.STREAM_THREADS, stats)
+    threads = p.threads if p.parts == 1 else topk_plans.STREAM_THREADS
     out = sort_descending(kept + [ABSENT] * (p.k_pow2 - len(kept)), len(kept), p.k_pow2, threads)
     return [~r & M32 for r in out[:k]], stats
 
@@ -444,7 +446,7 @@ def test_model_select_passes_skip_the_constant_index_bits():
 # ---------------------------------------------------------------------------------------------- row threshold
 def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0, two_level=False, paths=None,
                        exact=False):
-    """``topk_row``'s two launches under ``topk.row_plan`` for m_rows rows like this one, run on this row: the
+    """``topk_row``'s two launches under ``topk_plans.row_plan`` for m_rows rows like this one, run on this row: the
     slices' bucket counts summed into the row's histogram, ``locate_bucket`` of the k-th largest key, each
     slice's flagged and checked elements in the bucket or above appended in any order (blocks arrive in any
     order), the last block's select and sort, or its whole-row stream when the bucket and above exceed the
@@ -456,15 +458,15 @@ def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0, two_
     vec = 16 // itemsize
     while n % vec:
         vec //= 2
-    p = topk.row_plan(n, k, m_rows, vec, itemsize, sm_count, two_level=two_level, exact=exact)
+    p = topk_plans.row_plan(n, k, m_rows, vec, itemsize, sm_count, two_level=two_level, exact=exact)
     assert p.row_threshold and p.cap >= max(p.row_cap, p.k_pow2) and p.two_level == two_level
     rng = random.Random(seed)
     keys = order_keys(bits, fmt, largest)
-    shift = FORMATS[fmt] - topk.HIST_BITS
+    shift = FORMATS[fmt] - topk_plans.HIST_BITS
     index_top = max(n - 1, 1).bit_length() - 1
     per_iter = p.threads * vec * p.unroll
     slices = [(part * p.slice_len, min((part + 1) * p.slice_len, n)) for part in range(p.parts)]
-    hist = np.zeros(topk.HIST, dtype=np.int64)
+    hist = np.zeros(topk_plans.HIST, dtype=np.int64)
     for start, stop in slices:  # topk_row_histogram_kernel: thread t's loop over its vectors
         cols = np.array([first + u * p.threads * vec + e for t in range(p.threads)
                          for first in range(start + t * vec, stop, per_iter)
@@ -490,7 +492,7 @@ def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0, two_
         candidates = []
         shift1, bits2, shift2 = topk_row.level_shifts(FORMATS[fmt])
         assert shift1 == shift
-        hist2 = np.zeros(topk.HIST, dtype=np.int64)  # the second level, summed over the blocks
+        hist2 = np.zeros(topk_plans.HIST, dtype=np.int64)  # the second level, summed over the blocks
         for start, stop in rng.sample(slices, len(slices)):  # stage_candidates: iterations of the slice
             iterations = -(-(stop - start) // per_iter)
             cols = np.array([start + ((it * p.unroll + u) * p.threads + t) * vec + e for it in range(iterations)
@@ -526,11 +528,11 @@ def row_threshold_topk(bits, k, fmt, largest, m_rows, sm_count=132, seed=0, two_
 def bucket_starts(hist, k, threads):
     """``topk_row.bucket_starts``: thread t owns buckets [t*PER, (t+1)*PER), warp suffix sums, the higher warps'
     totals. Returns (starts, where the k-th's bucket ends, whether a kept bucket holds more than CROWDED)."""
-    per = topk.HIST // threads
+    per = topk_plans.HIST // threads
     totals = [sum(hist[t * per:(t + 1) * per]) for t in range(threads)]
     suffix = [sum(totals[t - t % 32 + lane] for lane in range(t % 32, 32)) for t in range(threads)]
     warp_sums = [suffix[w * 32] for w in range(threads // 32)]
-    starts = [0] * topk.HIST
+    starts = [0] * topk_plans.HIST
     placed = None
     crowded = False
     for t in range(threads):
@@ -543,7 +545,7 @@ def bucket_starts(hist, k, threads):
             if starts[b] < k <= above:
                 assert placed is None
                 placed = above
-    assert starts == [sum(hist[b + 1:]) for b in range(topk.HIST)]
+    assert starts == [sum(hist[b + 1:]) for b in range(topk_plans.HIST)]
     return starts, placed, crowded
 
 
@@ -555,11 +557,11 @@ def counting_finish(candidates, lowest, k, fmt, largest, bits, threads, cap, rng
     (``select_top`` and the sort)."""
     count = len(candidates)
     key_high = max(rank_u(r) >> 32 for r in candidates)
-    span = min(key_high - lowest, (topk_row.FINE_SPAN << (FORMATS[fmt] - topk.HIST_BITS)) - 1)
-    fine_shift = max((span | 1).bit_length() - 1 - (topk.HIST_BITS - 1), 0)
-    bucket = lambda r: min(((rank_u(r) >> 32) - lowest) >> fine_shift, topk.HIST - 1)  # noqa: E731
+    span = min(key_high - lowest, (topk_row.FINE_SPAN << (FORMATS[fmt] - topk_plans.HIST_BITS)) - 1)
+    fine_shift = max((span | 1).bit_length() - 1 - (topk_plans.HIST_BITS - 1), 0)
+    bucket = lambda r: min(((rank_u(r) >> 32) - lowest) >> fine_shift, topk_plans.HIST - 1)  # noqa: E731
     assert fine_shift == 0 or FORMATS[fmt] == 32  # 16-bit keys: a bucket a key (the top one: all beyond)
-    hist = [0] * topk.HIST
+    hist = [0] * topk_plans.HIST
     for r in candidates:
         hist[bucket(r)] += 1
     starts, placed, crowded = bucket_starts(hist, k, threads)
@@ -604,10 +606,10 @@ def exact_finish(keys, slices, hist, bucket, above, k, fmt, largest, bits, p, rn
     of the block's keys (lanes past the stride re-read its last four parts, masked off), and each candidate
     placed at its key's start plus those of its key staged in its block above it. Every output written once.
     Returns the k ranks in order, or None (the list path)."""
-    assert FORMATS[fmt] == 16 and p.one_launch and p.threads >= topk.EXACT_BINS
-    shift = 16 - topk.HIST_BITS
-    span = topk.EXACT_BINS >> shift
-    inside = [hist[bucket + j] if bucket + j < topk.HIST else 0 for j in range(1, span)]
+    assert FORMATS[fmt] == 16 and p.one_launch and p.threads >= topk_plans.EXACT_BINS
+    shift = 16 - topk_plans.HIST_BITS
+    span = topk_plans.EXACT_BINS >> shift
+    inside = [hist[bucket + j] if bucket + j < topk_plans.HIST else 0 for j in range(1, span)]
     top = bucket + max([0] + [j + 1 for j, c in enumerate(inside) if c > 0])
     if sum(inside) != above:
         if paths is not None:
@@ -617,14 +619,14 @@ def exact_finish(keys, slices, hist, bucket, above, k, fmt, largest, bits, p, rn
     lowest = bucket << shift
     stride = p.exact_stride
     assert stride >= len(slices) and stride & (stride - 1) == 0 and stride % 4 == 0
-    table = np.array([[rng.randrange(-1000, 1000) for _ in range(stride)] for _ in range(topk.EXACT_BINS)])
+    table = np.array([[rng.randrange(-1000, 1000) for _ in range(stride)] for _ in range(topk_plans.EXACT_BINS)])
     staged_parts = []
     for part, (start, stop) in enumerate(slices):
         cols = [c for c in range(start, stop) if keys[c] >= lowest]
         staged = [rank_of(int(keys[c]), c) for c in cols]
         rng.shuffle(staged)
         assert len(staged) <= p.cap
-        counts = [0] * topk.EXACT_BINS
+        counts = [0] * topk_plans.EXACT_BINS
         for r in staged:
             b = (rank_u(r) >> 32) - lowest
             assert 0 <= b < bins
@@ -637,15 +639,15 @@ def exact_finish(keys, slices, hist, bucket, above, k, fmt, largest, bits, p, rn
     for part, staged in enumerate(staged_parts):
         total = totals
         listed = {(rank_u(r) >> 32) - lowest for r in staged}
-        earlier = [0] * topk.EXACT_BINS
+        earlier = [0] * topk_plans.EXACT_BINS
         for b in listed:  # lane l reads parts 4 * min(l, stride / 4 - 1) + e; those below the block's count
             parts_read = [4 * min(lane, stride // 4 - 1) + e for lane in range(32) for e in range(4)]
             earlier[b] = sum(int(table[b, q]) for q in parts_read if q < part)
         suffix = [sum(total[t - t % 32 + lane] for lane in range(t % 32, 32)) for t in range(p.threads)]
         warp_sums = [suffix[w * 32] for w in range(p.threads // 32)]
-        first = [suffix[b] - total[b] + sum(warp_sums[w] for w in range(b // 32 + 1, topk.EXACT_BINS // 32))
-                 + earlier[b] for b in range(topk.EXACT_BINS)]
-        for b in range(topk.EXACT_BINS):
+        first = [suffix[b] - total[b] + sum(warp_sums[w] for w in range(b // 32 + 1, topk_plans.EXACT_BINS // 32))
+                 + earlier[b] for b in range(topk_plans.EXACT_BINS)]
+        for b in range(topk_plans.EXACT_BINS):
             assert first[b] == sum(total[b + 1:]) + earlier[b]
         for r in staged:
             b = (rank_u(r) >> 32) - lowest
@@ -671,7 +673,7 @@ def classify(candidates, prefix, shift2, sure, threads, rng):
     the last pair), the warps of a step in any order, each with one atomic on the packed counter (above the prefix
     in the low 16 bits, at it in the high) and every lane's slots from the ballots below it. Returns ``buf``."""
     count = len(candidates)
-    step = 2 * topk.SWEEP * threads
+    step = 2 * topk_plans.SWEEP * threads
     last_pair = (count - 1) >> 1
     buf = {}
     counter = 0
@@ -682,7 +684,7 @@ def classify(candidates, prefix, shift2, sure, threads, rng):
             flags = []  # per lane: ([higher] * 2 SWEEP, [at] * 2 SWEEP, the loaded ranks)
             for t in range(32 * w, 32 * w + 32):
                 loaded, higher, at = [], [], []
-                for j in range(topk.SWEEP):
+                for j in range(topk_plans.SWEEP):
                     pair = min(first // 2 + j * threads + t, last_pair)
                     for h in range(2):
                         real = first + 2 * (j * threads + t) + h < count
@@ -693,14 +695,14 @@ def classify(candidates, prefix, shift2, sure, threads, rng):
                         higher.append(real and digits > prefix)
                         at.append(real and digits == prefix)
                 flags.append((higher, at, loaded))
-            votes = [[flags[lane][c][i] for lane in range(32)] for c in range(2) for i in range(2 * topk.SWEEP)]
+            votes = [[flags[lane][c][i] for lane in range(32)] for c in range(2) for i in range(2 * topk_plans.SWEEP)]
             totals = [sum(v) for v in votes]
-            packed = sum(totals[:2 * topk.SWEEP]) | sum(totals[2 * topk.SWEEP:]) << 16
+            packed = sum(totals[:2 * topk_plans.SWEEP]) | sum(totals[2 * topk_plans.SWEEP:]) << 16
             base, counter = counter, counter + packed
             for c in range(2):
                 at_slot = base & 0xFFFF if c == 0 else base >> 16
-                for i in range(2 * topk.SWEEP):
-                    v = votes[c * 2 * topk.SWEEP + i]
+                for i in range(2 * topk_plans.SWEEP):
+                    v = votes[c * 2 * topk_plans.SWEEP + i]
                     for lane in range(32):
                         if v[lane]:
                             slot = at_slot + sum(v[:lane]) + (0 if c == 0 else sure)
@@ -848,20 +850,22 @@ def test_row_threshold_plans():
                                      (40_000, 33, 3, (8, 2)), (151936, 1024, 300, (8, 2)), (4096, 1024, 256, (8, 2))]:
         default = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=False)
         p = topk.plan(n, k, m, vec, itemsize, sms, row_threshold=True)
-        split = k >= topk.ROW_THRESHOLD_MIN_K and n >= topk.ROW_SPLIT_MIN_N and m <= topk.BLOCKS_PER_SM * sms
+        split = k >= topk_plans.ROW_THRESHOLD_MIN_K and n >= topk_plans.ROW_SPLIT_MIN_N and \
+            m <= topk_plans.BLOCKS_PER_SM * sms
         assert p.row_threshold == (default.parts > 1 or split)
         auto = topk.plan(n, k, m, vec, itemsize, sms)
-        wide = topk.row_threads(n, k, m, vec, itemsize, sms) == topk.WIDE_THREADS
-        wanted = k >= topk.ROW_THRESHOLD_MIN_K or default.parts >= topk.ROW_THRESHOLD_MIN_PARTS or wide
+        wide = topk_plans.row_threads(n, k, m, vec, itemsize, sms) == topk_plans.WIDE_THREADS
+        wanted = k >= topk_plans.ROW_THRESHOLD_MIN_K or default.parts >= topk_plans.ROW_THRESHOLD_MIN_PARTS or wide
         assert auto == (p if wanted else default)
         if not p.row_threshold:
             assert p == default
             continue
-        assert p.threads == (topk.WIDE_THREADS if wide else topk.SLICE_THREADS)
+        assert p.threads == (topk_plans.WIDE_THREADS if wide else topk_plans.SLICE_THREADS)
         assert p.parts >= 2 and (p.parts - 1) * p.slice_len < n <= p.parts * p.slice_len
         assert p.slice_len % (p.threads * vec) == 0 and p.merge_cap == 0
-        assert topk.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk.SM_SMEM_BYTES
-        assert p.cap >= topk._capacity(p.threads * vec * p.unroll, p.k_pow2, p.threads)  # a whole-row stream fits
+        assert topk_plans.BLOCKS_PER_SM * (p.smem_bytes + 1024) <= topk_plans.SM_SMEM_BYTES
+        # a whole-row stream fits
+        assert p.cap >= topk_plans.candidate_capacity(p.threads * vec * p.unroll, p.k_pow2, p.threads)
         if wide and m > 1:
             assert m * p.parts <= sms and p.one_launch  # one block an SM, one wave
     assert topk.plan(151936, 50, 1, 8, 2, sms).parts == 75  # one sweep of 256 threads a block
@@ -969,7 +973,7 @@ def test_pair_keys_match_the_order_key_of_each_half(dtype, largest):
     """Every 16-bit pattern, in the low half beside every pattern's neighbour and in the high half beside random
     ones: both halves of the packed keys equal ``bits_key`` of their value (sign flip, any NaN to the top key, or
     the bottom when smallest) and the histogram buckets taken from them are the halves' top HIST_BITS bits."""
-    nan_above = topk._NAN_ABOVE[dtype]
+    nan_above = topk_keys.NAN_ABOVE[dtype]
     bits = torch.arange(1 << 16, dtype=torch.int64)
     partner = bits[torch.randperm(1 << 16, generator=torch.Generator().manual_seed(0))]
 
@@ -981,6 +985,6 @@ def test_pair_keys_match_the_order_key_of_each_half(dtype, largest):
     for low, high in ((bits, partner), (partner, bits)):
         keys = pair_keys_model(low | (high << 16), nan_above, largest)
         assert torch.equal(keys & 0xFFFF, reference(low)) and torch.equal(keys >> 16, reference(high))
-        shift = 16 - topk.HIST_BITS
-        assert torch.equal((keys >> shift) & (topk.HIST - 1), reference(low) >> shift)
-        assert torch.equal(keys >> (32 - topk.HIST_BITS), reference(high) >> shift)
+        shift = 16 - topk_plans.HIST_BITS
+        assert torch.equal((keys >> shift) & (topk_plans.HIST - 1), reference(low) >> shift)
+        assert torch.equal(keys >> (32 - topk_plans.HIST_BITS), reference(high) >> shift)

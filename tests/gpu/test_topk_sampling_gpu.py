@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from nvfly.ops import topk, topk_row
+from nvfly.ops import topk
+from nvfly.ops.topk import api as topk_api, plans as topk_plans
 from nvfly.runtime.torch_args import vector_width
 from nvfly.runtime.driver import plan_sm_count
 
@@ -90,8 +91,8 @@ def test_topk_plans_with_fewer_slices(m, n, k):
     vec = vector_width(n, (x,), 2)
     sms = plan_sm_count(x.get_device())
     default = topk.plan(n, k, m, vec, 2, sms)
-    for max_parts in sorted({topk.MAX_PARTS, max(1, default.parts // 2), 1}):
-        run = topk._runner(topk.plan(n, k, m, vec, 2, sms, max_parts), m, n, k, True)
+    for max_parts in sorted({topk_plans.MAX_PARTS, max(1, default.parts // 2), 1}):
+        run = topk_api.runner(topk.plan(n, k, m, vec, 2, sms, max_parts), m, n, k, True)
         values = torch.full((m, k), float("nan"), dtype=x.dtype, device="cuda")
         indices = torch.full((m, k), -1, dtype=torch.int64, device="cuda")
         run(x, values, indices)
@@ -121,9 +122,9 @@ def row_threshold_topk(x, k, largest, two_level=False, one_launch=False, reverse
     if reversed_select is not None:
         p = dataclasses.replace(p, reversed_select=reversed_select)
     if whole_row_histogram:
-        hist_parts, hist_slice_len = topk.whole_sweep_slices(n, p.threads * p.vec, 1)
+        hist_parts, hist_slice_len = topk_plans.whole_sweep_slices(n, p.threads * p.vec, 1)
         p = dataclasses.replace(p, hist_parts=hist_parts, hist_slice_len=hist_slice_len)
-    run = topk._runner(p, m, n, k, largest)
+    run = topk_api.runner(p, m, n, k, largest)
     values = torch.full((m, k), float("nan"), dtype=x.dtype, device="cuda")
     indices = torch.full((m, k), -1, dtype=torch.int64, device="cuda")
     run(x, values, indices)
@@ -150,7 +151,7 @@ def test_row_threshold_plan_matches_the_documented_order(m, n, k, kind, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_many_row_layout_matches_the_documented_order(m, n, k, kind, dtype):
     """The two-launch plan as it runs on many long rows, forced on smaller inputs: the select launch taking the
-    slices in reverse order (``topk.REVERSED_SELECT_MIN_BYTES``) and the histogram launch in one slice a row
+    slices in reverse order (``topk_plans.REVERSED_SELECT_MIN_BYTES``) and the histogram launch in one slice a row
     (``TopkPlan.hist_parts``): the documented order bit for bit (largest, smallest, largest), the workspace zero
     afterwards."""
     x = threshold_ties(m, n, dtype, k) if kind == "threshold-ties" else rows(kind, m, n, dtype)
@@ -259,7 +260,7 @@ def test_row_threshold_plan_matches_torch_on_the_sampling_suite():
 def assert_workspace_clean(device, m):
     """The row-threshold workspace of the current stream is zero again (lists aside) once the launches are done."""
     torch.cuda.synchronize()
-    hist, counters, _, hist2, _ = topk_row.workspace(device, m)
+    hist, counters, _, hist2, _ = topk_api.workspace(device, m)
     assert int(hist.abs().sum()) == 0 and int(counters.abs().sum()) == 0 and int(hist2.abs().sum()) == 0
 
 
@@ -360,7 +361,7 @@ def test_row_threshold_plan_in_cuda_graph(m, two_level, one_launch):
     vec = vector_width(n, (x,), x.element_size())
     p = topk.plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), row_threshold=True,
                   two_level=two_level, one_launch=one_launch)
-    run = topk._runner(p, m, n, k, True)
+    run = topk_api.runner(p, m, n, k, True)
     values = torch.empty((m, k), dtype=x.dtype, device="cuda")
     indices = torch.empty((m, k), dtype=torch.int64, device="cuda")
     stream = torch.cuda.Stream()
@@ -371,8 +372,8 @@ def test_row_threshold_plan_in_cuda_graph(m, two_level, one_launch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
         run(x, values, indices)
-    with torch.cuda.stream(stream):  # more rows than the cached workspace holds (topk_row.MIN_ROWS)
-        many = torch.randn(2 * topk_row.MIN_ROWS, n, device="cuda").to(torch.bfloat16)
+    with torch.cuda.stream(stream):  # more rows than the cached workspace holds (topk_api.MIN_ROWS)
+        many = torch.randn(2 * topk_api.MIN_ROWS, n, device="cuda").to(torch.bfloat16)
         got, _ = row_threshold_topk(many, k, True, two_level)
         assert torch.equal(got, torch.topk(many, k).values)
     torch.cuda.synchronize()

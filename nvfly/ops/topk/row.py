@@ -1,4 +1,4 @@
-"""TopK of few long rows through a row-wide threshold (``topk.plan(..., row_threshold=True)``): two launches (or
+"""TopK of few long rows through a row-wide threshold (``plans.plan(..., row_threshold=True)``): two launches (or
 one) over the slices of each row instead of a top k per slice and a merge.
 
 - ``topk_row_histogram_kernel``, grid (rows, parts): each block counts the top HIST_BITS bits (the bucket) of
@@ -19,17 +19,17 @@ one) over the slices of each row instead of a top k per slice and a merge.
   its own (``TopkPlan.hist_parts``).
 - ``topk_row_one_launch_kernel`` (``TopkPlan.one_launch``, the default where all of the rows' blocks fit one an SM:
   M = 1 sampling rows): both in one cooperative launch, the blocks of a row waiting for each other between the
-  count and the select (an arrival counter). One launch and its host work fewer: 12.0 vs 13.0 us a call
-  eagerly (1x151936 k=50 bf16, do_bench); in CUDA graphs, where launches cost little, 0.2-0.5 us slower, the
-  barrier costing more than the launch boundary (topk_host_and_one_launch_h200.log). From k = 256
+  count and the select (an arrival counter): one launch and its host work fewer. From k = 256
   (``TopkPlan.shared_finish``) every block of the row then waits for the row's appends and writes a share of the k
-  (``finish_list``: the same bucket starts in every block, each ranking the buckets that start in its share):
-  1x128256 k=1024 bf16 13.0 -> 11.7 us from CUDA graphs (topk_shared_finish_probe_h200.log). With 16-bit keys
-  (``TopkPlan.exact_stride``) the blocks skip the list: where every key above B lies within EXACT_SPAN buckets of
-  it, each block counts its candidates by exact key, writes the counts to its column of a table and adds them to
-  the row's totals, waits for the row's blocks once more, and writes its own candidates at their places (keys
-  above, plus the same key in earlier slices, plus the same key above it in its own; ``exact_finish``):
-  1x128256 bf16 k=50 9.1 -> 8.1 us, k=1024 11.6 -> 9.6 us from CUDA graphs (topk_exact_finish_h200.log).
+  (``finish_list``: the same bucket starts in every block, each ranking the buckets that start in its share). With
+  16-bit keys (``TopkPlan.exact_stride``) the blocks skip the list: where every key above B lies within EXACT_SPAN
+  buckets of it, each block counts its candidates by exact key, writes the counts to its column of a table and adds
+  them to the row's totals, waits for the row's blocks once more, and writes its own candidates at their places
+  (keys above, plus the same key in earlier slices, plus the same key above it in its own; ``exact_finish``).
+  Measured against two launches: docs/ops/topk.md.
+- ``topk_row_two_level_kernel`` (opt-in, ``plans.plan(..., two_level=True)``): the select launch also counts the
+  threshold bucket's next key bits, so the last block knows the k-th key's second-level bucket and selects without
+  radix passes.
 
 Workspace, one per (device, stream), zero between launches (each row's last block, or last to leave, cleans up): the
 histograms (rows x HIST i32), two counters a row (arrivals, appends), the candidate lists (rows x ROW_CAP_MAX
@@ -38,29 +38,23 @@ totals). A launch cut short (an error) leaves it dirty, as the split-K GEMM's.
 """
 from __future__ import annotations
 
-import functools
 import operator
 from typing import Any
 
 import nvfly
 from nvfly.arch.gpu_scope import arrive
-from nvfly.arch.ptx import asm, asm_multi
 from nvfly.frontend.language import atomic_add, redux_sync, syncthreads_or, vote_any
-from nvfly.ops.topk import (_NAN_ABOVE, ABSENT, COPIES, EXACT_BINS, HIST, HIST_BITS, ROW_CAP_MAX, SWEEP, TopkPlan,
-                            _smem_bytes, append_slots, ballot, block_sum_above, candidate_flags, flag_key, highest_bit,
-                            highest_index_bit, key_bits, locate_bucket, next_flagged, order_key, popc, rank64,
-                            rank_index, rank_key, select_top, shared_state, step_loads, stream_top, sweep_loads,
-                            tree_reduce, write_sorted)
+from nvfly.ops.topk.keys import ABSENT, NAN_ABOVE, flag_key, key_bits, order_key, rank64, rank_index, rank_key
+from nvfly.ops.topk.plans import COPIES, EXACT_BINS, HIST, HIST_BITS, SWEEP, shared_state_bytes
+from nvfly.ops.topk.primitives import (atom_add_relaxed_u32, ballot, block_sum_above, highest_bit, lanemask_lt,
+                                       load_acquire_i32, load_relaxed_i32, load_relaxed_i64x2, popc, red_add_u32,
+                                       tree_reduce)
+from nvfly.ops.topk.select import highest_index_bit, locate_bucket, select_top, shared_state, sweep_loads
+from nvfly.ops.topk.sort import write_sorted
+from nvfly.ops.topk.stream import append_slots, candidate_flags, next_flagged, step_loads, stream_top
 
 
-def red_add_u32(address: Any, value: Any) -> None:
-    asm("red.relaxed.gpu.global.add.u32 [$0], $1;", [address, value])
-
-
-def atom_add_relaxed_u32(address: Any, value: Any) -> Any:
-    return asm("atom.relaxed.gpu.global.add.u32 $0, [$1], $2;", [address, value], nvfly.i32)
-
-
+# ---------------------------------------------------------------------------------------------- the histogram
 @nvfly.func
 def key_bucket(key, dtype):
     """The histogram bucket of an order key: its top HIST_BITS bits."""
@@ -97,8 +91,8 @@ def count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LA
     for it in range((stop - start + per_iter - 1) // per_iter):
         upcoming = step_loads(x, row, start, stop, it + 1, tid, VEC, UNROLL, THREADS)
         col0 = start + (it * UNROLL * THREADS + tid) * VEC
-        # a whole step counts without a bounds check per element (ncu: the per-element branches were most of the
-        # histogram kernel's issue slots); only the slice's last step can be partial
+        # a whole step counts without a bounds check per element (those branches took most of the kernel's issue
+        # slots: docs/ops/topk.md); only the slice's last step can be partial
         if start + (it + 1) * per_iter <= stop:
             count_loads(counts, current, col0, stop, copy, x.dtype, VEC, UNROLL, THREADS, LARGEST, False)
         else:
@@ -146,7 +140,7 @@ def pair_keys(word, dtype, LARGEST):
     a half's magnitude plus the NaN offset stays below 0x10000), about 4 instructions an element instead of 8."""
     negative = (word >> 15) & 0x00010001
     keys = word ^ ((negative * 0x7FFF) | 0x80008000)
-    offset = 0x8000 - (_NAN_ABOVE[dtype.name] + 1)  # bit 15 of magnitude + offset: the half is NaN
+    offset = 0x8000 - (NAN_ABOVE[dtype.name] + 1)  # bit 15 of magnitude + offset: the half is NaN
     nan = (((word & 0x7FFF7FFF) + (offset | (offset << 16))) & 0x80008000) >> 15
     keys = keys | (nan * 0xFFFF)
     if not LARGEST:
@@ -154,6 +148,7 @@ def pair_keys(word, dtype, LARGEST):
     return keys
 
 
+# ---------------------------------------------------------------------------------------------- the select's appends
 def level_shifts(key_width: int) -> tuple[int, int, int]:
     """(shift of the first-level bucket, bits of the second level, its shift) for keys of ``key_width`` bits: the
     first level is the top HIST_BITS bits; the second the next ones, up to HIST_BITS (16-bit keys: the 5 left, so
@@ -205,10 +200,6 @@ def block_slice(x: Any, slice_len: Any, REVERSED: bool = False) -> tuple:
     warp = tid >> 5
     start = part * slice_len
     return row, tid, lane, warp, start, nvfly.minimum(start + slice_len, x.shape[1])
-
-
-def load_relaxed_i32(address: Any) -> Any:
-    return asm("ld.relaxed.gpu.global.b32 $0, [$1];", [address], nvfly.i32)
 
 
 @nvfly.func
@@ -266,11 +257,7 @@ def finish_row(x, values, indices, hist, counters, buf, kept_buf, state, k, row,
     clean_row(hist, counters, row, tid, THREADS)
 
 
-def load_relaxed_i64x2(address: Any) -> list[Any]:
-    """Two i64 from the 16-byte aligned ``address`` (relaxed, GPU scope)."""
-    return asm_multi("ld.relaxed.gpu.global.v2.b64 {$0, $1}, [$2];", [nvfly.i64, nvfly.i64], [address])
-
-
+# ---------------------------------------------------------------------------------------------- the list's finish
 @nvfly.func
 def list_loads(candidates, row, first, count, tid, THREADS):
     """A thread's share of ``candidates[row, first:first + 2 * SWEEP * THREADS]``, flat: SWEEP 16-byte loads of
@@ -402,10 +389,10 @@ def write_result(x, values, indices, rank, row, position, LARGEST):
     indices[row, position] = index.to(nvfly.i64)
     bits = key_bits(rank_key(rank), x.dtype, LARGEST)
     if x.dtype == nvfly.f32:
-        nan = (bits & 0x7FFFFFFF) > _NAN_ABOVE["f32"]
+        nan = (bits & 0x7FFFFFFF) > NAN_ABOVE["f32"]
         value = bits.bitcast(nvfly.f32)
     else:
-        nan = (bits & 0x7FFF) > _NAN_ABOVE[x.dtype.name]
+        nan = (bits & 0x7FFF) > NAN_ABOVE[x.dtype.name]
         value = bits.bitcast(nvfly.i32).to(nvfly.i16).bitcast(x.dtype)
     values[row, position] = nvfly.select(nan, x.load(row, index, mask=nan), value)
 
@@ -535,7 +522,7 @@ def list_finish(x, values, indices, hist, counters, candidates, smem, bucket, co
                         is_last, tid, lane, warp, THREADS, CAP, K_POW2, LARGEST)
             if syncthreads_or(leaving == last + parts):  # every block has passed the wait: the counters are free
                 clean_row(hist, counters, row, tid, THREADS)
-        elif is_last:  # (one call site for both branches compiled slower: topk_finish_fold_probe_h200.log)
+        elif is_last:  # (one call site for both branches compiled slower: docs/ops/topk.md)
             finish_alone(x, values, indices, hist, counters, candidates, smem, count, lowest, k, row, tid, lane, warp,
                          VEC, UNROLL, THREADS, CAP, ROW_CAP, K_POW2, LARGEST)
     elif is_last:
@@ -650,10 +637,6 @@ def finish_alone(x, values, indices, hist, counters, candidates, smem, count, lo
 
 
 # ---------------------------------------------------------------------------------------------- one launch
-def load_acquire_i32(address: Any) -> Any:
-    return asm("ld.acquire.gpu.global.b32 $0, [$1];", [address], nvfly.i32)
-
-
 @nvfly.func
 def wait_for_row(counters, row, tid, target):
     """A barrier over the row's blocks, all resident (a cooperative launch): the block's global writes, ordered
@@ -687,7 +670,7 @@ def topk_row_one_launch_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: n
                                K_POW2: nvfly.Constexpr, LARGEST: nvfly.Constexpr, SHARED: nvfly.Constexpr,
                                EXACT_STRIDE: nvfly.Constexpr):
     """The histogram and select launches in one, for grids whose blocks all fit on the GPU at once (a cooperative
-    launch; ``topk.plan`` decides): block (row, part) counts its slice into ``hist[row]``, waits for the row's
+    launch; ``plans.row_plan`` decides): block (row, part) counts its slice into ``hist[row]``, waits for the row's
     other blocks (``wait_for_row``: their arrivals on ``counters[2*row]``), then selects as
     ``topk_row_select_kernel``, whose arrivals then count on from the row's block count (the last block is the
     2 * blocks-th), with the slice's first step still in registers.
@@ -710,7 +693,7 @@ def topk_row_one_launch_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: n
 
 def one_launch_counts_offset(cap: int, k_pow2: int, threads: int) -> int:
     """Where ``topk_row_one_launch_kernel``'s slice counts start in shared memory: after the select's state."""
-    return -(-_smem_bytes(cap, k_pow2, threads) // 1024) * 1024
+    return -(-shared_state_bytes(cap, k_pow2, threads) // 1024) * 1024
 
 
 def one_launch_smem_bytes(cap: int, k_pow2: int, threads: int) -> int:
@@ -723,7 +706,7 @@ def append_two(state, firsts, seconds, lane):
     """Slots for two appends of several elements a lane at once (the lanes where ``firsts[i]`` / ``seconds[i]``
     hold), counted by ``state[0]``: the first's count in its low 16 bits, the second's in the high ones (each
     below 2**15: ROW_CAP_MAX), so one ballot an element and one shared atomic per warp for all of them."""
-    below = asm("mov.u32 $0, %lanemask_lt;", [], nvfly.u32, side_effects=False)
+    below = lanemask_lt()
     votes = [ballot(t) for t in firsts] + [ballot(t) for t in seconds]
     totals = [popc(v) for v in votes]
     first_total = totals[0]
@@ -834,74 +817,3 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
             stream_top(x, row, 0, x.shape[1], k, smem, tid, VEC, UNROLL, THREADS, CAP, K_POW2, LARGEST)
         finish_row(x, values, indices, hist, counters, buf, kept_buf, state, k, row, tid, lane, K_POW2, THREADS)
 
-
-# ---------------------------------------------------------------------------------------------- host side
-MIN_ROWS = 64  # rows of a first workspace allocation
-
-
-def _allocate_workspace(device: Any, sizes: tuple[int, ...]) -> tuple[Any, Any, Any, Any]:
-    import torch
-    from nvfly.ops.common import scratch
-    rows = sizes[0]
-    hist, counters, hist2 = scratch.zeroed_i32(device, (rows * HIST, 2 * rows, rows * HIST))
-    return (hist.view(rows, HIST), counters, torch.empty((rows, ROW_CAP_MAX), dtype=torch.int64, device=device),
-            hist2.view(rows, HIST))
-
-
-@functools.lru_cache(maxsize=None)
-def _workspaces() -> Any:
-    """The scratch.StreamScratch of the workspaces, made on first use (torch is imported only when launching)."""
-    from nvfly.ops.common import scratch
-    return scratch.StreamScratch(_allocate_workspace, (MIN_ROWS,))
-
-
-def workspace(device: Any, rows: int) -> tuple[Any, Any, Any, Any, Any]:
-    """(histograms (rows, HIST) i32, counters (2 * rows,) i32, candidate lists (rows, ROW_CAP_MAX) i64,
-    second-level histograms (rows, HIST) i32, the lists' memory as flat i32: ``exact_finish``'s tables) for
-    launches on torch's current stream of ``device``: all but the lists zero between launches
-    (``nvfly.ops.common.scratch``: per stream, grown as needed, a graph capture's own)."""
-    from nvfly.runtime.torch_args import current_stream
-    stream = current_stream(device.index) if device.type == "cuda" else 0
-    return _workspaces().get(device, stream, (rows,), _first_rows)
-
-
-def _first_rows(tensors: tuple[Any, Any, Any, Any], sizes: tuple[int]) -> tuple[Any, Any, Any, Any, Any]:
-    import torch
-    hist, counters, candidates, hist2 = tensors
-    rows = sizes[0]
-    table = candidates[:rows].view(torch.int32).view(-1)
-    return hist[:rows], counters[:2 * rows], candidates[:rows], hist2[:rows], table
-
-
-def runner(p: TopkPlan, m: int, k: int, largest: bool) -> Any:
-    """``run(rows, values, indices)`` for a row-threshold plan: the histogram and the select launch (with the
-    second level when ``p.two_level``), or the one cooperative launch of both (``p.one_launch``)."""
-    histogram = topk_row_histogram_kernel.prepared((m, p.hist_parts or p.parts, 1), p.threads)
-    hist_tail = (p.hist_slice_len or p.slice_len, p.vec, p.unroll, p.threads, largest)
-    select_tail = (k, p.slice_len, p.vec, p.unroll, p.threads, p.cap, p.row_cap, p.k_pow2, largest)
-    if p.one_launch:
-        one = topk_row_one_launch_kernel.prepared((m, p.parts, 1), p.threads)
-        # the exact finish's table lives in the candidate lists' memory (unused by that path): rows of ROW_CAP_MAX
-        # i64 hold 2 * ROW_CAP_MAX i32 each
-        rows_needed = max(m, -(-m * EXACT_BINS * p.exact_stride // (2 * ROW_CAP_MAX)))
-
-        def run_one_launch(rows: Any, values: Any, indices: Any) -> None:
-            hist, counters, candidates, totals, table = workspace(rows.device, rows_needed)
-            one.launch(rows, values, indices, hist, counters, candidates, table, totals, *select_tail,
-                       p.shared_finish, p.exact_stride)
-        return run_one_launch
-    if p.two_level:
-        two_level = topk_row_two_level_kernel.prepared((m, p.parts, 1), p.threads)
-
-        def run_two_level(rows: Any, values: Any, indices: Any) -> None:
-            hist, counters, candidates, hist2, _ = workspace(rows.device, m)
-            histogram.launch(rows, hist, *hist_tail)
-            two_level.launch(rows, values, indices, hist, hist2, counters, candidates, *select_tail)
-        return run_two_level
-    select = topk_row_select_kernel.prepared((m, p.parts, 1), p.threads)
-
-    def run(rows: Any, values: Any, indices: Any) -> None:
-        hist, counters, candidates, _, _ = workspace(rows.device, m)
-        histogram.launch(rows, hist, *hist_tail)
-        select.launch(rows, values, indices, hist, counters, candidates, *select_tail, p.reversed_select)
-    return run

@@ -26,7 +26,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 def fresh_add_kernel():
     """A new kernel object for the same function: what a new process sees."""
-    from examples import vector_add
+    from nvfly.examples import vector_add
     return nvfly.Kernel(vector_add.add_kernel.fn)
 
 
@@ -103,7 +103,7 @@ def test_spec_index_points_at_an_existing_binary(cache_dir):
 _WORKER = """
 import sys, torch, nvfly
 sys.path.insert(0, {root!r})
-from examples import vector_add
+from nvfly.examples import vector_add
 x = torch.randn(4096)
 k = nvfly.Kernel(vector_add.add_kernel.fn)
 c = k.compile(x, x, x, 4096, BLOCK={block})

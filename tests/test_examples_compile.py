@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import nvfly
-from examples.softmax import softmax
-from examples.tiled_transpose import transpose
-from examples.vector_add import add, add_kernel
+from nvfly.examples.softmax import softmax
+from nvfly.examples.tiled_transpose import transpose
+from nvfly.examples.vector_add import add, add_kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

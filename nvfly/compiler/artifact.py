@@ -76,8 +76,8 @@ class CompiledKernel:
     def sass(self) -> str:
         """The cubin's SASS (runs cuobjdump once)."""
         if self._sass is None:
-            if self.cubin is None:
-                raise RuntimeError(f"{self.name}: no cubin (ptxas was not available), so no SASS")
+            if self.cubin is None:  # compiled without ptxas (the cache key says so): say how to get it
+                raise toolchain.missing("ptxas")
             with tempfile.TemporaryDirectory() as tmp:
                 path = os.path.join(tmp, "kernel.cubin")
                 with open(path, "wb") as f:

@@ -18,46 +18,63 @@ def _cuda_homes() -> list[str]:
     return [h for h in homes if h] + ["/usr/local/cuda"]
 
 
-def _find(name: str, setting: str, extra: tuple[str, ...] = ()) -> Optional[str]:
-    explicit = settings.get(setting)
+# How to get each tool, for the error that says it is missing.
+_HOW_TO_GET = {
+    "ptxas": "pip install nvidia-cuda-nvcc (a dependency of nvfly), put a CUDA toolkit's bin on PATH, or set "
+             "NVFLY_PTXAS",
+    "cuobjdump": "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm (dependencies of nvfly), put a CUDA "
+                 "toolkit's bin on PATH, or set NVFLY_CUOBJDUMP",
+}
+
+
+def _wheel_bins(name: str) -> list[str]:
+    """``name`` in NVIDIA's pip wheels: nvidia-cuda-nvcc installs nvidia/cu13/bin/ptxas, nvidia-cuda-cuobjdump
+    nvidia/cu13/bin/cuobjdump (CUDA 12's wheels used nvidia/cuda_nvcc/bin and the like)."""
+    try:
+        import nvidia  # a namespace package, present once any of those wheels is installed
+    except ImportError:
+        return []
+    return [os.path.join(root, sub, "bin", name) for root in getattr(nvidia, "__path__", [])
+            for sub in ("cu13", "cu12", "cuda_nvcc", "cuda_cuobjdump")]
+
+
+def _find(name: str) -> Optional[str]:
+    """``name`` from NVFLY_<NAME>, else a CUDA toolkit (PATH, then $CUDA_HOME/bin), else NVIDIA's pip wheels.
+    A toolkit comes first so that ptxas and cuobjdump come from one CUDA release when one is installed."""
+    explicit = settings.get(name)
     if explicit:
         if not os.path.isfile(explicit):
-            raise ToolchainError(f"NVFLY_{setting.upper()}={explicit} does not exist")
+            raise ToolchainError(f"NVFLY_{name.upper()}={explicit} does not exist")
         return explicit
-    for candidate in extra:
-        if os.path.isfile(candidate):
-            return candidate
     found = shutil.which(name)
     if found:
         return found
-    for home in _cuda_homes():
-        path = os.path.join(home, "bin", name)
-        if os.path.isfile(path):
-            return path
-    return None
+    candidates = [os.path.join(home, "bin", name) for home in _cuda_homes()] + _wheel_bins(name)
+    return next((path for path in candidates if os.path.isfile(path)), None)
+
+
+def missing(name: str) -> ToolchainError:
+    """The one-line error for a missing ``ptxas`` or ``cuobjdump``, saying how to get it."""
+    return ToolchainError(f"{name} not found: {_HOW_TO_GET[name]}")
+
+
+def require(name: str) -> str:
+    """The path of tool ``name`` (``ptxas`` or ``cuobjdump``); raises ``missing(name)`` when it is absent."""
+    path = ptxas_path() if name == "ptxas" else cuobjdump_path()
+    if path is None:
+        raise missing(name)
+    return path
 
 
 @functools.lru_cache(maxsize=None)
 def ptxas_path() -> Optional[str]:
-    """ptxas from NVFLY_PTXAS, PATH or CUDA_HOME/bin; None when absent (the driver then JIT-compiles PTX)."""
-    return _find("ptxas", "ptxas")
-
-
-def _wheel_cuobjdump() -> tuple[str, ...]:
-    try:
-        import nvidia  # the nvidia-cuda-cuobjdump wheel installs nvidia/cu13/bin/cuobjdump
-    except ImportError:
-        return ()
-    paths = []
-    for root in getattr(nvidia, "__path__", []):
-        for sub in ("cu13", "cu12", "cuda_cuobjdump"):
-            paths.append(os.path.join(root, sub, "bin", "cuobjdump"))
-    return tuple(paths)
+    """ptxas (see ``_find``); None when absent (the driver then JIT-compiles PTX, and there is no SASS)."""
+    return _find("ptxas")
 
 
 @functools.lru_cache(maxsize=None)
 def cuobjdump_path() -> Optional[str]:
-    return _find("cuobjdump", "cuobjdump", _wheel_cuobjdump())
+    return _find("cuobjdump")
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,9 +132,7 @@ def fingerprint() -> tuple[tuple[str, str], ...]:
 
 def run_ptxas(ptx_path: str, cubin_path: str, arch: str, opt_level: int, extra: list[str]) -> str:
     """Assemble PTX to a cubin; returns ptxas's -v log. Raises ToolchainError with ptxas's message on failure."""
-    path = ptxas_path()
-    if path is None:
-        raise ToolchainError("ptxas not found (set NVFLY_PTXAS or put CUDA's bin on PATH)")
+    path = require("ptxas")
     cmd = [path, f"-arch={arch}", f"-O{opt_level}", "-v", "--warn-on-spills", *extra, ptx_path, "-o", cubin_path]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     log = proc.stdout + proc.stderr
@@ -127,10 +142,7 @@ def run_ptxas(ptx_path: str, cubin_path: str, arch: str, opt_level: int, extra: 
 
 
 def disassemble(cubin_path: str) -> str:
-    path = cuobjdump_path()
-    if path is None:
-        raise ToolchainError("cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, or set "
-                             "NVFLY_CUOBJDUMP)")
+    path = require("cuobjdump")
     env = dict(os.environ)
     # cuobjdump runs nvdisasm; the pip wheels put it beside cuobjdump
     env["PATH"] = os.path.dirname(path) + os.pathsep + env.get("PATH", "")

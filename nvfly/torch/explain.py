@@ -10,11 +10,9 @@ It also lists what Inductor, eager routing and the nvfly ops decided for that sh
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
-import json
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -22,9 +20,6 @@ from nvfly.ops import gemm
 from nvfly.runtime.driver import sm_count
 from nvfly.torch.autotune import Candidate, Entry, TORCH, candidates, database, make_operands, measure
 from nvfly.torch.gemm_ops import Decision, TensorInfo, Workload, analyze, decisions
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 @dataclasses.dataclass
 class Explanation:
@@ -58,6 +53,17 @@ class Explanation:
             return f"Inductor picked {won[-1].winner} (no nvfly timing stored for this shape class)"
         return "not measured: pass benchmark=True (--benchmark) on a GPU, or run nvfly.torch.autotune"
 
+    def empty_columns(self) -> list[str]:
+        """Why the table's time columns are empty, when they are."""
+        notes = []
+        if self.entry is None:
+            notes.append("database ms is empty: no autotune result is stored for this shape class on this GPU "
+                         "(nvfly.torch.autotune, or Inductor max-autotune with nvfly installed, stores them)")
+        if self.measured is None:
+            notes.append("measured ms is empty: nothing was timed now; --benchmark (benchmark=True) times the "
+                         "candidates and torch on a CUDA GPU, for a shape nvfly is eligible for")
+        return notes
+
     def to_dict(self) -> dict[str, Any]:
         w = self.workload
         return {"shape": {"batches": w.batches, "m": w.m, "n": w.n, "k": w.k}, "dtype": str(w.dtype),
@@ -72,17 +78,19 @@ class Explanation:
         from rich.table import Table
 
         buffer = io.StringIO()
-        console = Console(file=buffer, width=130, no_color=True)
+        console = Console(file=buffer, width=80, no_color=True)  # fits a terminal and a log; long configs fold
         console.print(f"GEMM {self.workload} (shape class {self.workload.key()})")
         console.print(f"eligibility: {self.declined or 'eligible'}")
         console.print(f"auto (the heuristic's plan): {self.auto}")
         table = Table(title="candidates (what Inductor benchmarks beside ATen and Triton)")
         for column in ("config", "source", "database ms", "measured ms"):
-            table.add_column(column)
+            table.add_column(column, overflow="fold")
         rows = [(c.config, c.source) for c in self.candidates] + [(TORCH, "torch (cuBLAS)")]
         for config, source in rows:
             table.add_row(config, source, _ms(self.entry, config), _ms(self.measured, config))
         console.print(table)
+        for note in self.empty_columns():
+            console.print(note)
         for d in self.decisions:
             outcome = [f"candidates {', '.join(d.candidates)}"] if d.candidates else []
             outcome += [f"winner {d.winner}"] if d.winner else []
@@ -135,25 +143,3 @@ def _eligibility(w: Workload, device: int) -> Optional[str]:
     a = info(w.m, w.k, w.a_major == "MN")
     b = info(w.k, w.n, w.b_major == "K")
     return analyze(a, b)[1]
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``nvfly explain M N K [--batches B] [--dtype bf16|fp16] [--majors K,K] [--benchmark] [--json]``."""
-    p = argparse.ArgumentParser(prog="nvfly explain", description=__doc__.split("\n\n")[0])
-    p.add_argument("m", type=int)
-    p.add_argument("n", type=int)
-    p.add_argument("k", type=int)
-    p.add_argument("--batches", type=int, default=1)
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
-    p.add_argument("--majors", default="K,K", help="A and B majors, each K or MN (K,K: x @ W^T of a Linear)")
-    p.add_argument("--benchmark", action="store_true", help="time the candidates and torch now (GPU)")
-    p.add_argument("--device", type=int, default=None)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    majors = tuple(args.majors.upper().split(","))
-    if len(majors) != 2 or any(x not in ("K", "MN") for x in majors):
-        p.error(f"--majors: expected two of K/MN separated by a comma, got {args.majors!r}")
-    result = explain(args.m, args.n, args.k, batches=args.batches, dtype=_DTYPES[args.dtype],
-                     majors=majors, benchmark=args.benchmark, device=args.device)
-    print(json.dumps(result.to_dict(), indent=1, default=str) if args.json else result)
-    return 0

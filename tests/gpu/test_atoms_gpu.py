@@ -3,8 +3,8 @@ through nvfly's swizzled layout), and a single-CTA TMA + mbarrier + wgmma GEMM t
 import pytest
 import torch
 
-from examples.tma_copy import tma_copy
-from examples.wgmma_tile_gemm import tile_gemm
+from nvfly.examples.tma_copy import tma_copy
+from nvfly.examples.wgmma_tile_gemm import tile_gemm
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,7 @@ def test_wgmma_tile_gemm(hopper, bn, b_major, mnk):
 
 @pytest.mark.parametrize("mnk", [(16, 8, 16), (64, 32, 128), (256, 128, 512)])
 def test_mma_sync_tile_gemm(hopper, mnk):
-    from examples.mma_sync_tile import mma_tile_gemm
+    from nvfly.examples.mma_sync_tile import mma_tile_gemm
     m, n, k = mnk
     a = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     bt = torch.randn(n, k, device="cuda").to(torch.bfloat16)
@@ -57,7 +57,7 @@ def test_wgmma_register_a_p_v(hopper, p_dtype, v_dtype, acc, v_major):
     fragment layout, the accumulator-to-fragment packing and (fp8) register_a_k_order are right. Small integer
     inputs make S exact, so P's rounding is torch's and an f32 O is exact."""
     import nvfly
-    from examples.wgmma_register_a import p_v_tile
+    from nvfly.examples.wgmma_register_a import p_v_tile
     depth = 128 // torch.empty(0, dtype=p_dtype).element_size()
     gen = torch.Generator().manual_seed(0)
 

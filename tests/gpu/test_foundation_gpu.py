@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import nvfly
-from examples.softmax import softmax
-from examples.tiled_transpose import transpose
-from examples.vector_add import add
+from nvfly.examples.softmax import softmax
+from nvfly.examples.tiled_transpose import transpose
+from nvfly.examples.vector_add import add
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -293,11 +293,11 @@ import sys; sys.path.insert(0, {root!r})
 order = {order!r}
 if order == "nvfly-first":
     import nvfly
-    from examples.vector_add import add
+    from nvfly.examples.vector_add import add
 import torch, triton, triton.language as tl
 if order == "torch-first":
     import nvfly
-    from examples.vector_add import add
+    from nvfly.examples.vector_add import add
 
 @triton.jit
 def triton_add(x, y, o, n, B: tl.constexpr):

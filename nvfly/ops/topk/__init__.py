@@ -11,7 +11,19 @@ of candidates in shared memory), ``warp`` (k <= 32 over short rows), ``stream`` 
 merge), ``row`` (long rows through a row-wide threshold), ``api`` (``topk``, ``eligibility``, the runners).
 Measurements behind the plans' thresholds: ``docs/ops/topk.md``.
 """
+import sys
+import types
+
 from nvfly.ops.topk.api import eligibility, topk
 from nvfly.ops.topk.plans import TopkPlan, plan
 
 __all__ = ["TopkPlan", "eligibility", "plan", "topk"]
+
+
+class _CallablePackage(types.ModuleType):
+    """``nvfly.ops.topk`` names both this package and its function (``from nvfly.ops import topk``): calling the
+    package calls ``topk``, whichever of the two a caller imported."""
+    __call__ = staticmethod(topk)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

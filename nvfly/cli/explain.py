@@ -1,0 +1,70 @@
+"""``nvfly explain M N K``: for one GEMM shape, whether nvfly can run it, what its heuristic runs, the
+candidates Inductor would benchmark, their times, the winner and why (``nvfly.torch.explain``). Without a GPU
+nothing is timed; ``--benchmark`` times the candidates and torch now, on a CUDA GPU."""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+
+from nvfly.cli.usage import UsageError, positive_int
+
+DTYPES = ("bf16", "fp16")
+MAJORS = ("K", "MN")
+
+
+def _majors(text: str) -> tuple[str, str]:
+    """An argparse type: ``A,B`` with each of K or MN."""
+    majors = tuple(text.upper().split(","))
+    if len(majors) != 2 or any(m not in MAJORS for m in majors):
+        raise argparse.ArgumentTypeError(f"expected two of K/MN separated by a comma (e.g. K,K), got {text!r}")
+    return majors  # type: ignore[return-value]
+
+
+def _device(text: str) -> int:
+    """An argparse type: a CUDA device index."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a device index (0, 1, ...), got {text!r}")
+    return int(text)
+
+
+def add_parser(commands: Any) -> None:
+    parser = commands.add_parser("explain", help="how a GEMM shape is served: candidates, times, winner, why",
+                                 description=__doc__)
+    for dim, meaning in (("m", "rows of A and of the output"), ("n", "columns of B and of the output"),
+                         ("k", "the reduced dimension")):
+        parser.add_argument(dim, type=positive_int, metavar=dim.upper(), help=meaning)
+    parser.add_argument("--batches", type=positive_int, default=1, help="batch count (bmm); default 1")
+    parser.add_argument("--dtype", choices=DTYPES, default="bf16")
+    parser.add_argument("--majors", type=_majors, default=("K", "K"),
+                        help="A and B majors, each K or MN (default K,K: x @ W^T of a Linear layer)")
+    parser.add_argument("--benchmark", action="store_true",
+                        help="time the candidates and torch now (needs a CUDA GPU)")
+    parser.add_argument("--device", type=_device, default=None, help="CUDA device index (default: current)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of a report")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True, highlight=False)
+    with console.status("loading torch and nvfly"):
+        import torch
+
+        from nvfly.torch.explain import explain
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.benchmark and not gpus:
+        raise UsageError("nvfly explain", "--benchmark times the candidates and torch on a CUDA GPU, and torch "
+                                          "sees none here (leave it out to explain without timing)")
+    if args.device is not None and args.device >= gpus:
+        raise UsageError("nvfly explain", f"--device {args.device}: torch sees {gpus} CUDA device(s)")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    with console.status("timing the candidates and torch" if args.benchmark else "planning"):
+        result = explain(args.m, args.n, args.k, batches=args.batches, dtype=dtype, majors=args.majors,
+                         benchmark=args.benchmark, device=args.device)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=1, default=str))
+    else:
+        print(result, end="")  # the report ends with its own newline
+    return 0

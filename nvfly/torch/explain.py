@@ -78,7 +78,8 @@ class Explanation:
         from rich.table import Table
 
         buffer = io.StringIO()
-        console = Console(file=buffer, width=80, no_color=True)  # fits a terminal and a log; long configs fold
+        # the table fits 80 columns (long configs fold); lines of text stay whole, for logs and grep
+        console = Console(file=buffer, width=80, no_color=True, soft_wrap=True)
         console.print(f"GEMM {self.workload} (shape class {self.workload.key()})")
         console.print(f"eligibility: {self.declined or 'eligible'}")
         console.print(f"auto (the heuristic's plan): {self.auto}")

@@ -9,11 +9,20 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import torch
+from rich.progress import track
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+T = TypeVar("T")
+
+
+def progress(cases: Sequence[T], suite: str) -> Iterable[T]:
+    """The suite's cases with a progress bar on a terminal (the rows the suite prints scroll above it)."""
+    return track(cases, description=suite, transient=True)
 
 
 def meta(command: Optional[str] = None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import RESULTS, bench_ms, geomean, plot, rel_err, write_results  # noqa: E402
+from benchmarks.common import RESULTS, bench_ms, geomean, plot, progress, rel_err, write_results  # noqa: E402
 from nvfly.ops import gemm  # noqa: E402
 
 # the anchor shapes (../shared/docs/anchors.md) first, then more of the suite
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     tmm = None if args.no_triton else triton_mm()
     rows = []
     t_start = time.time()
-    for idx, (m, n, k), majors in cases:
+    for idx, (m, n, k), majors in progress(cases, "gemm"):
         a, b = make(m, n, k, majors)
         reason = gemm.eligibility(a, b)
         if reason:

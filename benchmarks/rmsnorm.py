@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot, rel_err, write_results  # noqa: E402
+from benchmarks.common import (bench_ms, geomean, graph_ms, interleaved_ms, plot, progress, rel_err,  # noqa: E402
+                               write_results)
 import nvfly  # noqa: E402
 from nvfly.ops import rmsnorm  # noqa: E402
 from nvfly.ops.rmsnorm import plan as rmsnorm_plan  # noqa: E402
@@ -374,7 +375,7 @@ def main(argv=None) -> int:
         cases += [("backward", m, n, torch.bfloat16) for m, n in BACKWARD]
     rows = []
     t_start = time.time()
-    for variant, m, n, dtype in cases:
+    for variant, m, n, dtype in progress(cases, "rmsnorm"):
         row = backward_row(m, n, dtype, args.rounds, args.graphs) if variant == "backward" else \
             forward_row(m, n, dtype, variant == "fused_add", args.rounds, args.graphs)
         rows.append(row)

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, geomean, graph_ms, plot, write_results  # noqa: E402
+from benchmarks.common import bench_ms, geomean, graph_ms, plot, progress, write_results  # noqa: E402
 from nvfly.ops import topk  # noqa: E402
 from nvfly.ops.topk import api as topk_api  # noqa: E402
 from nvfly.runtime.torch_args import vector_width  # noqa: E402
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
             cases += [(m, n, k, torch.float32, "routing") for m, n, k in ROUTING]
     rows = []
     t_start = time.time()
-    for m, n, k, dtype, kind in cases:
+    for m, n, k, dtype, kind in progress(cases, "topk"):
         row = run(m, n, k, dtype, kind, args.graphs)
         rows.append(row)
         ok = row["values_match_torch"] and row["index_sets_match_torch"] and row["matches_stable_sort"]

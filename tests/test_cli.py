@@ -69,6 +69,12 @@ def test_a_missing_ptxas_says_how_to_get_it(capsys, monkeypatch):
     assert "NVFLY_PTXAS" in err
 
 
+def test_a_missing_torch_says_how_to_get_it(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch fails as where it is not installed
+    err = _one_line_error(capsys, ["explain"], main(["explain", "16", "4096", "4096"]))
+    assert err.startswith("nvfly: error: this command runs on torch tensors: pip install torch")
+
+
 def test_ptxas_lookup_honours_nvfly_ptxas_then_path_then_the_wheel(monkeypatch, tmp_path):
     fake = tmp_path / "ptxas"
     fake.write_text("#!/bin/sh\n")

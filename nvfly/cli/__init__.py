@@ -7,13 +7,13 @@ import sys
 from typing import Optional, Sequence
 
 from nvfly.cli import bench, demo, explain
-from nvfly.cli.usage import USAGE_ERROR, Parser, UsageError
+from nvfly.cli.usage import USAGE_ERROR, Parser, UsageError, help_text
 from nvfly.errors import ToolchainError
 from nvfly.version import __version__
 
 
 def build_parser() -> Parser:
-    parser = Parser(prog="nvfly", description=__doc__)
+    parser = Parser(prog="nvfly", description=help_text(__doc__))
     parser.add_argument("--version", action="version", version=f"nvfly {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo.add_parser(commands)
@@ -29,6 +29,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return args.run(args)
     except UsageError as exc:
         print(f"{exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+        print("nvfly: error: this command runs on torch tensors: pip install torch (the CPU build is enough)",
+              file=sys.stderr)
         return USAGE_ERROR
     except ToolchainError as exc:  # a missing ptxas or cuobjdump: the message says how to get it
         print(f"nvfly: error: {exc}", file=sys.stderr)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from rich.console import Console
 from rich.table import Table
 
-from nvfly.cli.usage import UsageError
+from nvfly.cli.usage import UsageError, help_text
 
 # suite -> what it measures; each is benchmarks/<suite>.py in a checkout
 SUITES = {
@@ -35,7 +35,7 @@ SUITES = {
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser("bench", help="list the benchmark suites, or run one (needs a GPU)",
-                                 description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 description=help_text(__doc__))
     parser.add_argument("suite", nargs="?", help="the suite to run; leave out to list them")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the suite's own options (see SUITE --help)")
     parser.set_defaults(run=run)

@@ -14,9 +14,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+import nvfly
 import nvfly.examples
 from nvfly import settings
-from nvfly.cli.usage import UsageError
+from nvfly.cli.usage import UsageError, help_text
+from nvfly.compiler import toolchain
 from nvfly.version import __version__
 
 HOPPER = "sm_90a"
@@ -157,7 +159,7 @@ class KernelReport:
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser("demo", help="compile the kernel library and examples; say what the SASS shows",
-                                 description=__doc__)
+                                 description=help_text(__doc__))
     parser.add_argument("--target", choices=TARGETS,
                         help=f"compile target (default: NVFLY_ARCH, else {HOPPER}); on sm_80 the Hopper-only "
                              "kernels are listed, not compiled")
@@ -174,8 +176,6 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     with _progress(console) as progress:
         loading = progress.add_task("loading torch, MLIR and the kernel library", total=None)
-        import nvfly
-        from nvfly.compiler import toolchain
         toolchain.require("ptxas")  # the demo reads SASS: without ptxas, say how to get it before compiling
         gpu = nvfly.gpu_available()
         cases = demo_cases()
@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         reports: list[KernelReport] = []
         skipped: list[DemoCase] = []
         for case in cases:
-            progress.update(task, description=f"compiling {case.name}")
+            progress.update(task, description=f"compiling {case.name}, reading its SASS")
             if case.needs and case.needs != target:
                 skipped.append(case)
                 progress.advance(task)
@@ -203,14 +203,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         console.print(_table(reports, gpu))
         for line in _summary(reports, skipped, target, gpu, elapsed):
-            console.print(line)
+            console.print(line, soft_wrap=True)  # whole lines: paths and commands stay unbroken
     return 1 if any(r.check and not r.check.startswith("ok") for r in reports) else 0
 
 
 def _progress(console: Console) -> Progress:
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console,
-                    transient=True)
+                    transient=True, disable=not console.is_terminal)  # a log gets no bar, nor its blank line
 
 
 def _check(case: DemoCase) -> str:
@@ -253,8 +253,8 @@ def _summary(reports: list[KernelReport], skipped: list[DemoCase], target: str, 
              f"16-byte vector accesses in {len(vectorised)} of {len({r.case for r in reports})} cases; "
              + (f"register spills in {', '.join(spilling)}." if spilling else "no kernel spills registers.")]
     if skipped:
-        lines.append("Not compiled, " + ", ".join(f"{c.name} ({c.shows})" for c in skipped)
-                     + f": {HOPPER} only.")
+        lines.append(f"{HOPPER} only, so not compiled for {target}: "
+                     + ", ".join(f"{c.name} ({c.shows})" for c in skipped) + ".")
     if gpu:
         failed = [r.case for r in reports if r.check and not r.check.startswith("ok")]
         lines.append(f"Checked against torch on the GPU: {'FAILED: ' + ', '.join(failed) if failed else 'all ok'}.")

@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from nvfly.cli.usage import UsageError, positive_int
+from nvfly.cli.usage import UsageError, help_text, positive_int
 
 DTYPES = ("bf16", "fp16")
 MAJORS = ("K", "MN")
@@ -32,7 +32,7 @@ def _device(text: str) -> int:
 
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser("explain", help="how a GEMM shape is served: candidates, times, winner, why",
-                                 description=__doc__)
+                                 description=help_text(__doc__))
     for dim, meaning in (("m", "rows of A and of the output"), ("n", "columns of B and of the output"),
                          ("k", "the reduced dimension")):
         parser.add_argument(dim, type=positive_int, metavar=dim.upper(), help=meaning)

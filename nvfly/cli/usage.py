@@ -32,3 +32,8 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def help_text(doc: str) -> str:
+    """A module docstring as --help shows it: without the reStructuredText literal quotes."""
+    return doc.replace("``", "")

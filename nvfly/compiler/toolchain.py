@@ -44,7 +44,8 @@ def _find(name: str) -> Optional[str]:
     explicit = settings.get(name)
     if explicit:
         if not os.path.isfile(explicit):
-            raise ToolchainError(f"NVFLY_{name.upper()}={explicit} does not exist")
+            raise ToolchainError(f"NVFLY_{name.upper()}={explicit} does not exist (unset it to use the {name} on "
+                                 f"PATH, in $CUDA_HOME/bin or in NVIDIA's pip wheels)")
         return explicit
     found = shutil.which(name)
     if found:

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import nvfly
+from nvfly.arch import sm90
+from nvfly.arch.ptx import smem_address
 from nvfly.examples.mma_sync_tile import mma_tile_kernel
 from nvfly.examples.tma_copy import tma_copy_kernel
 from nvfly.examples.wgmma_register_a import p_v_tile
 from nvfly.examples.wgmma_tile_gemm import tile_gemm
-from nvfly.arch import sm90
-from nvfly.arch.ptx import smem_address
 from nvfly.runtime.torch_args import TensorDesc
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import nvfly
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _progress(console: Console) -> Progress:
     return Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=20),
-                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console,
+                    MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                     transient=True, disable=not console.is_terminal)  # a log gets no bar, nor its blank line
 
 

@@ -21,6 +21,7 @@ from nvfly.runtime.driver import sm_count
 from nvfly.torch.autotune import Candidate, Entry, TORCH, candidates, database, make_operands, measure
 from nvfly.torch.gemm_ops import Decision, TensorInfo, Workload, analyze, decisions
 
+
 @dataclasses.dataclass
 class Explanation:
     """What nvfly does with one GEMM shape (see the module docstring); ``str()`` renders it as a report."""

@@ -1,0 +1,127 @@
+"""Decode attention plans: the tile, the shared-memory ring and the split-KV count, chosen per shape (pure Python).
+
+A CTA of ``WARPS`` warps owns one (batch, KV head, 16-row query tile, KV split); the query tile's rows are the
+Sq x G query rows (query token, head in the group) that share the KV head, so K and V are read once for all of
+them. Every stage of the ring holds ``BLOCK_N`` keys of K and V; warp w computes keys 16w..16w+15 of each stage
+with its own online softmax, and the warps merge at the end. docs/ops/attention.md explains the choices.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+WARPS = 4                  # 16-key slices of a stage, one a warp (or a pair: column_warps): 4 sub-partitions busy
+ROWS = 16                  # query rows of a CTA: the M of mma.m16n8k16
+BLOCK_N = WARPS * 16       # keys of one ring stage
+SMEM_PER_SM = 228 * 1024   # H100/H200 shared memory an SM gives its CTAs
+SMEM_RESERVED = 1024       # what the driver keeps per resident CTA
+MAX_SMEM = 227 * 1024      # one CTA's opt-in limit
+REGISTERS_PER_SM = 65536
+MIN_THREAD_REGISTERS = 168 # what a thread keeps (Dv = 128 uses ~180 at two CTAs an SM, Dv = 64 ~110 at three)
+MAX_SPLITS = 128           # FA3's cap: the combine reads at most this many partials a row
+HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64 (whole 128-byte swizzle groups) whose O fits a warp's registers
+MAX_SQ = 16
+WAVE_FILL = 0.8            # FA3: no split when one wave already fills 80% of the CTA slots
+SPLIT_EFFICIENCY = 0.85    # FA3: the fewest splits within 85% of the best wave efficiency
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What the decode kernel is compiled for (its Constexpr) and how it is launched.
+
+    sq: query tokens per sequence; group: query heads per KV head (G); dqk, dv: head dims; paged/page_size: KV read
+    through a block table of pages of ``page_size`` tokens; causal: queries aligned to the end of their sequence;
+    stages: ring depth; splits: CTAs sharing one sequence's keys (1: no combine)."""
+    sq: int
+    group: int
+    dqk: int
+    dv: int
+    paged: bool
+    page_size: int
+    causal: bool
+    stages: int
+    splits: int
+
+    @property
+    def column_warps(self) -> int:
+        """Warps sharing one 16-key slice, each with Dv / column_warps of O's columns: 2 for Dv = 256, whose full
+        16 x 256 f32 accumulator (128 registers a thread) spills beside the rest."""
+        return 2 if self.dv > 192 else 1
+
+    @property
+    def threads(self) -> int:
+        return WARPS * self.column_warps * 32
+
+    @property
+    def rows(self) -> int:
+        """Query rows sharing a KV head: the packed M."""
+        return self.sq * self.group
+
+    @property
+    def m_tiles(self) -> int:
+        return -(-self.rows // ROWS)
+
+    @property
+    def q_bytes(self) -> int:
+        return ROWS * self.dqk * 2
+
+    @property
+    def stage_bytes(self) -> int:
+        return BLOCK_N * (self.dqk + self.dv) * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the ring, the query tile, then the warps' row maxima and sums (f32)."""
+        return self.stages * self.stage_bytes + self.q_bytes + 2 * WARPS * ROWS * 4
+
+    def grid(self, batch: int, kv_heads: int) -> tuple[int, int, int]:
+        """(splits x query tiles, KV heads, batch): the query tiles of one split are neighbours, so the CTAs that
+        read the same keys run together and all but the first find them in L2."""
+        return self.splits * self.m_tiles, kv_heads, batch
+
+
+def stages_for(dqk: int, dv: int) -> int:
+    """Ring depth: 4 stages of 16 KB (d = 64, three CTAs an SM), 3 of 32 KB (d = 128, two CTAs an SM) or of 64 KB
+    (d = 256, one CTA): 64-128 KB of K/V in flight per SM either way."""
+    return 4 if BLOCK_N * (dqk + dv) * 2 <= 16 * 1024 else 3
+
+
+def ctas_per_sm(plan: DecodePlan) -> int:
+    """Resident CTAs an SM holds, by shared memory and by registers (up to 255 a thread)."""
+    by_smem = SMEM_PER_SM // (plan.smem_bytes + SMEM_RESERVED)
+    by_registers = REGISTERS_PER_SM // (plan.threads * MIN_THREAD_REGISTERS)
+    return max(1, min(by_smem, by_registers, 4))
+
+
+def num_splits(ctas: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """FA3's heuristic on CTA slots (SMs x resident CTAs): 1 split when ``ctas`` fill WAVE_FILL of the slots or the
+    keys are at most 4 stages, else the fewest splits (at most one per stage, ``max_splits``, ``slots``) whose
+    wave efficiency (waves / ceil(waves)) is within SPLIT_EFFICIENCY of the best."""
+    if ctas >= WAVE_FILL * slots or n_blocks <= 4:
+        return 1
+    limit = max(1, min(max_splits, slots, n_blocks))
+    efficiency = []
+    for splits in range(1, limit + 1):
+        waves = ctas * splits / slots
+        efficiency.append(waves / math.ceil(waves))
+    best = max(efficiency)
+    return next(s for s, e in enumerate(efficiency, start=1) if e >= SPLIT_EFFICIENCY * best)
+
+
+def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: int, max_seqlen: int, sm_count: int,
+                paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0) -> DecodePlan:
+    """The plan for one call shape; ``splits`` > 0 forces a split count (for tests and comparisons)."""
+    plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal, stages_for(dqk, dv), 1)
+    if splits <= 0:
+        ctas = batch * kv_heads * plan.m_tiles
+        splits = num_splits(ctas, sm_count * ctas_per_sm(plan), -(-max_seqlen // BLOCK_N))
+    return DecodePlan(**{**plan.__dict__, "splits": min(splits, MAX_SPLITS)})
+
+
+def split_range(seqlen: int, splits: int, split: int) -> tuple[int, int]:
+    """The stages [begin, end) of split ``split`` of a sequence of ``seqlen`` keys (the kernel's arithmetic):
+    the sequence's stages divided evenly, so ragged batches split every sequence by its own length."""
+    n_blocks = -(-seqlen // BLOCK_N)
+    per_split = -(-n_blocks // splits)
+    begin = split * per_split
+    return begin, max(begin, min(begin + per_split, n_blocks))

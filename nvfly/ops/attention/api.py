@@ -159,18 +159,19 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     """
     import torch
     capacity, pages = _check(q, k_cache, v_cache, cache_seqlens, block_table)
-    if q.device.type != "cuda":
-        raise _error(ValueError, "q", f"on {q.device.type}; {OP} runs on CUDA devices")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not _aligned(t):
             raise _error(ValueError, name, "rows must be 16-byte aligned (a 16-byte aligned base and strides but the "
                                            f"last a multiple of 8 elements), got strides {tuple(t.stride())}")
     mods = _mods(score_mod, mask_mod)
-    captured = _kernel_captured(mods, q.device)
-    if len(captured) > MAX_CAPTURED:
-        raise _error(ValueError, "score_mod/mask_mod", f"capture {len(captured)} tensors, at most {MAX_CAPTURED}")
-    if validate and not torch.cuda.is_current_stream_capturing():
+    if len(captured_tensors(mods)) > MAX_CAPTURED:
+        raise _error(ValueError, "score_mod/mask_mod", f"capture {len(captured_tensors(mods))} tensors, at most "
+                                                       f"{MAX_CAPTURED}")
+    if validate and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _check_values(cache_seqlens, block_table, capacity, pages)
+    if q.device.type != "cuda":
+        raise _error(ValueError, "q", f"on {q.device.type}; {OP} runs on CUDA devices")
+    captured = _kernel_captured(mods, q.device)
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     out = torch.empty(batch, sq, hq, dv, dtype=q.dtype, device=q.device)

@@ -143,7 +143,8 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
            cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None,
            scale: Optional[float] = None, causal: bool = True, score_mod: Optional[Callable[..., Any]] = None,
            mask_mod: Optional[Callable[..., Any]] = None, return_lse: bool = False, validate: bool = True,
-           splits: int = 0) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
+           splits: int = 0, out: Optional["torch.Tensor"] = None
+           ) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
     """softmax(q kᵀ scale + mods) v for Sq = 1..16 query tokens per sequence, fp32 accumulation.
 
     q (B, Sq, Hq, Dqk); k_cache (B, S, Hkv, Dqk) and v_cache (B, S, Hkv, Dv), any strides with the last dimension
@@ -155,7 +156,8 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     ``nvfly.ops.attention.mods``; q_idx is the query's position in its sequence). Returns out (B, Sq, Hq, Dv) in
     q's dtype, and with ``return_lse`` the log-sum-exp (B, Hq, Sq) float32 (natural log; -inf for a row with no key,
     whose output is zeros). ``validate`` reads cache_seqlens and block_table to check them (a device sync; skipped
-    under CUDA graph capture). ``splits`` > 0 forces the split-KV count.
+    under CUDA graph capture). ``splits`` > 0 forces the split-KV count. ``out``: a contiguous (B, Sq, Hq, Dv)
+    tensor of q's dtype to write (else a new one).
     """
     import torch
     capacity, pages = _check(q, k_cache, v_cache, cache_seqlens, block_table)
@@ -174,7 +176,11 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     captured = _kernel_captured(mods, q.device)
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
-    out = torch.empty(batch, sq, hq, dv, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(batch, sq, hq, dv, dtype=q.dtype, device=q.device)
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, sq, hq, dv) or out.dtype != q.dtype
+          or out.device != q.device or not out.is_contiguous()):
+        raise _error(ValueError, "out", f"expected a contiguous {(batch, sq, hq, dv)} {q.dtype} tensor on {q.device}")
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
     if batch:
         seqlens = (torch.full((batch,), capacity, dtype=torch.int32, device=q.device) if cache_seqlens is None
@@ -199,8 +205,8 @@ def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens:
     batch, sq, hq, _ = q.shape
     grid = plan.grid(batch, k.shape[2])
     if plan.splits == 1:
-        attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, None, None, *captured, scale,
-                                               PLAN=plan, MODS=mods)
+        attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, None, None, *captured,
+                                                    scale, PLAN=plan, MODS=mods)
         return
     rows = batch * sq * hq
     slots = plan.splits * rows
@@ -208,7 +214,7 @@ def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens:
     partial_o = buffer[:slots * plan.dv].view(slots, plan.dv)
     partial_lse = buffer[slots * plan.dv:slots * (plan.dv + 1)]
     attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse,
-                                           *captured, scale, PLAN=plan, MODS=mods)
+                                                *captured, scale, PLAN=plan, MODS=mods)
     attention_combine_kernel[-(-rows // COMBINE_WARPS), COMBINE_WARPS * 32](
         partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=plan.dv)
 

@@ -4,9 +4,9 @@
     contiguous cache: P = B, key j of sequence b at [b, j]; paged: P pages of S = PAGE tokens, key j of sequence b
     at [block_table[b, j // PAGE], j % PAGE]; seqlens [B] int32: keys of each sequence.
 
-Grid (splits x query tiles, Hkv, B); a CTA of 4 warps (8 for Dv = 256: ``plan.column_warps``) owns 16 packed query rows of one KV head (row r: query token
-r // G, head hkv * G + r % G; rows past Sq * G are padding, computed and never stored) and the stages
-[begin, end) of its split (``plan.split_range``). Keys stream through a ``stages``-deep shared-memory ring filled by
+Grid (splits x query tiles, Hkv, B); a CTA of 4 warps (8 for Dv = 256: ``plan.column_warps``) owns 16 packed
+query rows of one KV head (row r: query token r // G, head hkv * G + r % G; rows past Sq * G are padding, computed
+and never stored) and the stages [begin, end) of its split (``plan.split_range``). Keys stream through a ``stages``-deep shared-memory ring filled by
 16-byte cp.async copies from all threads (one commit group a stage, zero-filled past the sequence's end so that
 padding keys are 0, never NaN, and masked); one __syncthreads a stage orders the refill of the stage every warp has
 finished with. Rows of K, V and Q are 16-byte segments XOR-swizzled by row % 8, so that ldmatrix reads 8 rows with
@@ -146,16 +146,20 @@ def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, warp: Any, lane: An
         for i in range(4):
             row = ctx.rows[i // 2]
             key = key0 + 8 * t + 2 * (lane & 3) + (i % 2)
+            if not plain:
+                # the mods see indices within the sequence (their tables cover it); elements outside are masked
+                mod_key = nvfly.maximum(nvfly.minimum(key, ctx.seqlen - 1), 0)
+                mod_position = nvfly.maximum(row.position, 0)
             if mods.score_mod is None:
                 score = s[t][i] * ctx.scale_log2
             else:
-                score = apply_score_mod(mods, ctx.captured, s[t][i] * ctx.scale, ctx.b, row.head, row.position,
-                                        key) * LOG2E
+                score = apply_score_mod(mods, ctx.captured, s[t][i] * ctx.scale, ctx.b, row.head, mod_position,
+                                        mod_key) * LOG2E
             keep = key < ctx.seqlen
             if plan.causal:
                 keep = keep & (key <= row.position)
             if not plain:
-                kept = apply_mask_mod(mods, ctx.captured, ctx.b, row.head, row.position, key)
+                kept = apply_mask_mod(mods, ctx.captured, ctx.b, row.head, mod_position, mod_key)
                 if kept is not None:
                     keep = keep & kept
             tile.append(nvfly.select(keep, score, NEG_INF))

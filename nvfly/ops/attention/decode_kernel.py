@@ -6,10 +6,10 @@
 
 Grid (splits x query tiles, Hkv, B); a CTA of 4 warps (8 for Dv = 256: ``plan.column_warps``) owns 16 packed
 query rows of one KV head (row r: query token r // G, head hkv * G + r % G; rows past Sq * G are padding, computed
-and never stored) and the stages [begin, end) of its split (``plan.split_range``). Keys stream through a ``stages``-deep shared-memory ring filled by
-16-byte cp.async copies from all threads (one commit group a stage, zero-filled past the sequence's end so that
-padding keys are 0, never NaN, and masked); one __syncthreads a stage orders the refill of the stage every warp has
-finished with. Rows of K, V and Q are 16-byte segments XOR-swizzled by row % 8, so that ldmatrix reads 8 rows with
+and never stored) and the stages [begin, end) of its split (``plan.split_range``). Keys stream through a
+``stages``-deep shared-memory ring filled by 16-byte cp.async copies from all threads (one commit group a stage,
+zero-filled past the sequence's end so that padding keys are 0, never NaN, and masked); one __syncthreads a stage
+orders the refill of the stage every warp has finished with. Rows of K, V and Q are 16-byte segments XOR-swizzled by row % 8, so that ldmatrix reads 8 rows with
 no bank conflict.
 
 Warp w owns keys 16w..16w+15 of every stage (with 8 warps, warps w and w + 4 share them, each with half of O's

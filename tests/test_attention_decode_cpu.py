@@ -1,8 +1,10 @@
 """Decode attention without a GPU: the split heuristic's invariants, the split + combine arithmetic against the
 float32 reference, the reference itself, argument errors, mods tracing, and every plan family compiling for sm_90a
 to mma.sync, 16-byte cp.async and ldmatrix with no local-memory spills."""
+import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,6 +13,7 @@ import nvfly
 from nvfly.ops import attention
 from nvfly.ops.attention import mods as M
 from nvfly.ops.attention import plan as P
+from nvfly.ops.attention import decode_kernel as K
 from nvfly.ops.attention.api import reference
 
 
@@ -65,6 +68,92 @@ def test_shared_memory_fits(dqk, dv):
     assert plan.smem_bytes <= P.MAX_SMEM
     assert P.WARPS * P.ROWS * dv * 4 <= plan.stages * plan.stage_bytes  # the warps' merge reuses the ring
     assert P.BLOCK_N * (dqk // 8) % plan.threads == 0 and P.BLOCK_N * (dv // 8) % plan.threads == 0
+
+
+# ---------------------------------------------------------------------------------------------- fragment maps
+# PTX ISA, ldmatrix and mma.m16n8k16 with 16-bit inputs (g = lane / 4, q = lane % 4, element i = 2 * register + half)
+def stage_memory(tile):
+    """A [rows, d] tile as the kernel's cp.async copies lay it out in shared memory (2-byte elements)."""
+    rows, d = tile.shape
+    memory = np.full(rows * d, np.nan)
+    for row, segment in itertools.product(range(rows), range(d // 8)):
+        offset = K.swizzled(row, segment, d // 8) // 2
+        memory[offset:offset + 8] = tile[row, 8 * segment:8 * segment + 8]
+    return memory
+
+
+def ldmatrix_x4(memory, sources, segments, transpose=False):
+    """Each lane's four registers (two values each) from the (row, segment) every lane addresses."""
+    matrices = []
+    for j in range(4):
+        rows = []
+        for r in range(8):
+            offset = K.swizzled(*sources[8 * j + r], segments) // 2
+            rows.append(memory[offset:offset + 8])
+        matrices.append(np.array(rows))
+    out = []
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        out.append([(m[2 * q, g], m[2 * q + 1, g]) if transpose else (m[g, 2 * q], m[g, 2 * q + 1])
+                    for m in matrices])
+    return out
+
+
+def mma(a, b, c):
+    """D = A B + C from every lane's fragments (a: 4 registers, b: 2, c: 4 values)."""
+    A, B = np.full((16, 16), np.nan), np.full((16, 8), np.nan)
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        for i in range(8):
+            A[g + 8 * ((i // 2) % 2), 2 * q + i % 2 + 8 * (i // 4)] = a[lane][i // 2][i % 2]
+        for i in range(4):
+            B[2 * q + i % 2 + 8 * (i // 2), g] = b[lane][i // 2][i % 2]
+    D = A @ B
+    return [[c[lane][i] + D[K.accumulator_coords(lane, i)] for i in range(4)] for lane in range(32)]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fragment_maps_compute_scores_and_values(d):
+    """Emulate a warp of each key slice: S = Q Kᵀ from the shared tiles through the kernel's ldmatrix sources, and
+    O = P V with P's A fragment taken from S's accumulators (P_FRAGMENT) and V by ldmatrix.trans."""
+    rng = np.random.default_rng(d)
+    q, k, v = rng.standard_normal((16, d)), rng.standard_normal((64, d)), rng.standard_normal((64, d))
+    p = rng.standard_normal((16, 64))
+    q_mem, k_mem, v_mem = stage_memory(q), stage_memory(k), stage_memory(v)
+    zero = [[0.0] * 4 for _ in range(32)]
+    for warp in range(P.WARPS):
+        s = [zero, zero]
+        for step in range(d // 16):
+            a = ldmatrix_x4(q_mem, [K.q_fragment_source(lane, step) for lane in range(32)], d // 8)
+            kb = ldmatrix_x4(k_mem, [K.k_fragment_source(lane, step, warp) for lane in range(32)], d // 8)
+            s = [mma(a, [regs[0:2] for regs in kb], s[0]), mma(a, [regs[2:4] for regs in kb], s[1])]
+        want = q @ k[16 * warp:16 * warp + 16].T
+        for t, lane, i in itertools.product(range(2), range(32), range(4)):
+            row, col = K.accumulator_coords(lane, i)
+            assert s[t][lane][i] == pytest.approx(want[row, 8 * t + col])
+        # P in S's accumulator layout -> A fragment
+        p_acc = [[[p[K.accumulator_coords(lane, i)[0], 16 * warp + 8 * t + K.accumulator_coords(lane, i)[1]]
+                   for i in range(4)] for lane in range(32)] for t in range(2)]
+        a = [[(p_acc[lo[0]][lane][lo[1]], p_acc[hi[0]][lane][hi[1]]) for lo, hi in K.P_FRAGMENT] for lane in range(32)]
+        want = p[:, 16 * warp:16 * warp + 16] @ v[16 * warp:16 * warp + 16]
+        for pair in range(d // 16):
+            vb = ldmatrix_x4(v_mem, [K.v_fragment_source(lane, pair, warp) for lane in range(32)], d // 8, True)
+            for half in range(2):
+                acc = mma(a, [regs[2 * half:2 * half + 2] for regs in vb], zero)
+                for lane, i in itertools.product(range(32), range(4)):
+                    row, col = K.accumulator_coords(lane, i)
+                    assert acc[lane][i] == pytest.approx(want[row, 16 * pair + 8 * half + col])
+
+
+@pytest.mark.parametrize("segments", [8, 16, 24, 32])
+def test_ldmatrix_phases_are_conflict_free(segments):
+    """The 8 rows one matrix of an ldmatrix reads fall in 8 different 16-byte bank groups."""
+    for step, warp in itertools.product(range(segments // 2), range(P.WARPS)):
+        for source in (lambda lane: K.q_fragment_source(lane, step), lambda lane: K.k_fragment_source(lane, step, warp),
+                       lambda lane: K.v_fragment_source(lane, step, warp)):
+            for j in range(4):
+                groups = {K.swizzled(*source(8 * j + r), segments) // 16 % 8 for r in range(8)}
+                assert len(groups) == 8
 
 
 # ---------------------------------------------------------------------------------------------- the arithmetic
@@ -237,15 +326,20 @@ def test_plan_families_compile_without_spills(name):
         assert not any(op.startswith(("LDL", "STL")) for op in kernels[1].sass_opcodes())
 
 
-def test_mods_trace_into_the_kernel():
-    """Soft-capping's tanh and the sliding window's compare are in the kernel; ALiBi's captured slopes are a
-    kernel input, loaded in the kernel."""
-    plan = P.decode_plan(2, 2, 2, 4, 128, 128, 1024, 132, splits=1)
-    capped = attention.compile_kernels(plan, M.Mods(M.soft_cap(30.0), M.sliding_window(128)))[0]
+MOD_PLAN = P.decode_plan(2, 2, 2, 4, 128, 128, 1024, 132, splits=1)
+
+
+def test_score_and_mask_mods_trace_into_the_kernel():
+    """Soft-capping's tanh is in the kernel's IR, with the sliding window's mask beside it."""
+    capped = attention.compile_kernels(MOD_PLAN, M.Mods(M.soft_cap(30.0), M.sliding_window(128)))[0]
     assert "math.tanh" in capped.mlir
     check_sass(capped)
-    plain = attention.compile_kernels(plan)[0]
+
+
+def test_captured_tensors_are_kernel_inputs():
+    """ALiBi's captured slopes are a kernel input, loaded in the kernel."""
+    plain = attention.compile_kernels(MOD_PLAN)[0]
     slopes = torch.tensor(M.alibi_slopes(8))
-    alibi = attention.compile_kernels(plan, M.Mods(M.alibi(slopes)))[0]
+    alibi = attention.compile_kernels(MOD_PLAN, M.Mods(M.alibi(slopes)))[0]
     check_sass(alibi)
-    assert alibi.sass_opcodes()["LDG.E"] > plain.sass_opcodes()["LDG.E"]  # the slopes are read in the kernel
+    assert alibi.sass_opcodes()["LDG.E"] > plain.sass_opcodes()["LDG.E"]

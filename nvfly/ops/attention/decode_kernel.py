@@ -4,24 +4,23 @@
     contiguous cache: P = B, key j of sequence b at [b, j]; paged: P pages of S = PAGE tokens, key j of sequence b
     at [block_table[b, j // PAGE], j % PAGE]; seqlens [B] int32: keys of each sequence.
 
-Grid (splits x query tiles, Hkv, B); a CTA of 4 warps (8 for Dv = 256: ``plan.column_warps``) owns 16 packed
-query rows of one KV head (row r: query token r // G, head hkv * G + r % G; rows past Sq * G are padding, computed
-and never stored) and the stages [begin, end) of its split (``plan.split_range``). Keys stream through a
-``stages``-deep shared-memory ring filled by 16-byte cp.async copies from all threads (one commit group a stage,
-zero-filled past the sequence's end so that padding keys are 0, never NaN, and masked); one __syncthreads a stage
-orders the refill of the stage every warp has finished with. Rows of K, V and Q are 16-byte segments XOR-swizzled by row % 8, so that ldmatrix reads 8 rows with
-no bank conflict.
+Grid (splits x query tiles, Hkv, B); a CTA of 4 warps (8 for Dv = 256: ``plan.column_warps``) owns 16 packed query
+rows of one KV head (row r: query token r // G, head hkv * G + r % G; rows past Sq * G are padding, computed and
+never stored) and the stages [begin, end) of its split (``plan.split_range``). Keys stream through a ``stages``-deep
+shared-memory ring filled by 16-byte cp.async copies from all threads (one commit group a stage, zero-filled past
+the sequence's end so that padding keys are 0, never NaN, and masked); one __syncthreads a stage orders the refill
+of the stage every warp has finished with. Rows of K, V and Q are 16-byte segments XOR-swizzled by row % 8, so that
+ldmatrix reads 8 rows with no bank conflict.
 
 Warp w owns keys 16w..16w+15 of every stage (with 8 warps, warps w and w + 4 share them, each with half of O's
-columns): S (16 rows x 16 keys) = Q Kᵀ by mma.m16n8k16 with Q's A fragments
-ldmatrix'ed from the shared query tile and K's B fragments by ldmatrix (K rows are Kᵀ's columns); scores are
-scaled (the mods see natural units), modded, masked (past the sequence, causal: key <= the query's position
-seqlen - Sq + token, mask_mod) and kept in log2 units for exp2. The online softmax keeps each row's max m and
-lane-partial sum l; P in registers is the A fragment of O += P V (the S accumulators of keys 0-7 and 8-15 are the
-A registers of one k16 step), V's B fragments come from ldmatrix.trans. After the last stage the four warps merge
-(m, l, O) through shared memory (the ring, now free); the result is O / l and LSE = m + log l (natural log), or for
-a fully masked row zeros and -inf. With splits, a CTA writes its normalised partial O and LSE in f32 for
-``combine_kernel``.
+columns): S (16 rows x 16 keys) = Q Kᵀ by mma.m16n8k16 with Q's A fragments ldmatrix'ed from the shared query tile
+and K's B fragments by ldmatrix (K rows are Kᵀ's columns); scores are scaled (the mods see natural units), modded,
+masked (past the sequence, causal: key <= the query's position seqlen - Sq + token, mask_mod) and kept in log2 units
+for exp2. The online softmax keeps each row's max m and lane-partial sum l; P in registers is the A fragment of O +=
+P V (the S accumulators of keys 0-7 and 8-15 are the A registers of one k16 step), V's B fragments come from
+ldmatrix.trans. After the last stage the four warps merge (m, l, O) through shared memory (the ring, now free); the
+result is O / l and LSE = m + log l (natural log), or for a fully masked row zeros and -inf. With splits, a CTA
+writes its normalised partial O and LSE in f32 for ``combine_kernel``.
 """
 from __future__ import annotations
 
@@ -43,6 +42,36 @@ def swizzled(row: Any, segment: Any, segments: int) -> Any:
     """Byte offset of 16-byte segment ``segment`` of row ``row`` in a tile of rows of ``segments`` segments:
     segments XORed with row % 8 (within their group of 8), so 8 consecutive rows' same segment hit 8 bank groups."""
     return row * (segments * 16) + (segment ^ (row & 7)) * 16
+
+
+# ---------------------------------------------------------------------------------------------- fragment maps
+# (row, 16-byte segment) of the shared tile whose address lane ``lane`` gives an ldmatrix.x4 (matrix lane // 8); the
+# CPU tests emulate ldmatrix and mma.m16n8k16 on these maps
+def q_fragment_source(lane: Any, step: Any) -> tuple[Any, Any]:
+    """Q's A fragment of k16 step ``step``: matrices (rows +8, k +8) = (bit 0, bit 1) of lane // 8, i.e. A registers
+    a0a1, a2a3, a4a5, a6a7."""
+    return (lane & 7) + 8 * ((lane >> 3) & 1), 2 * step + (lane >> 4)
+
+
+def k_fragment_source(lane: Any, step: Any, warp: Any) -> tuple[Any, Any]:
+    """K rows 16 * warp.. as the B fragments of k16 step ``step`` for keys +0..7 (registers 0, 1) and +8..15 (2, 3):
+    matrices (k +8, keys +8) = (bit 0, bit 1) of lane // 8."""
+    return 16 * warp + (lane & 7) + 8 * (lane >> 4), 2 * step + ((lane >> 3) & 1)
+
+
+def v_fragment_source(lane: Any, pair: Any, warp: Any) -> tuple[Any, Any]:
+    """V rows 16 * warp.. (ldmatrix.trans) as the B fragments of columns 16 * pair + 0..7 (registers 0, 1) and
+    + 8..15 (2, 3): matrices (keys +8, columns +8) = (bit 0, bit 1) of lane // 8."""
+    return 16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * pair + (lane >> 4)
+
+
+def accumulator_coords(lane: Any, index: int) -> tuple[Any, Any]:
+    """(row, column) of accumulator ``index`` of an m16n8 tile (PTX's C layout)."""
+    return (lane >> 2) + 8 * (index // 2), 2 * (lane & 3) + index % 2
+
+
+# P's A fragment from the S accumulators [key tile t][index]: registers a0a1, a2a3, a4a5, a6a7
+P_FRAGMENT = (((0, 0), (0, 1)), ((0, 2), (0, 3)), ((1, 0), (1, 1)), ((1, 2), (1, 3)))
 
 
 class RowCoords(NamedTuple):
@@ -131,11 +160,9 @@ def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, warp: Any, lane: An
     plan = ctx.plan
     segments = plan.dqk // 8
     s = [[nvfly.f32(0.0)] * 4 for _ in range(2)]
-    q_row = (lane & 7) + 8 * ((lane >> 3) & 1)        # A matrix lane // 8: rows +8 (bit 0), k +8 (bit 1)
-    k_row = 16 * warp + (lane & 7) + 8 * (lane >> 4)  # B matrix lane // 8: k +8 (bit 0), keys +8 (bit 1)
     for step in nvfly.static_range(plan.dqk // 16):
-        a = sm80.ldmatrix_x4(q_tile + swizzled(q_row, 2 * step + (lane >> 4), segments))
-        kb = sm80.ldmatrix_x4(stage + swizzled(k_row, 2 * step + ((lane >> 3) & 1), segments))
+        a = sm80.ldmatrix_x4(q_tile + swizzled(*q_fragment_source(lane, step), segments))
+        kb = sm80.ldmatrix_x4(stage + swizzled(*k_fragment_source(lane, step, warp), segments))
         s[0] = sm80.mma_m16n8k16(a, kb[0:2], s[0], dtype)
         s[1] = sm80.mma_m16n8k16(a, kb[2:4], s[1], dtype)
     mods = ctx.mods
@@ -145,7 +172,7 @@ def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, warp: Any, lane: An
         tile = []
         for i in range(4):
             row = ctx.rows[i // 2]
-            key = key0 + 8 * t + 2 * (lane & 3) + (i % 2)
+            key = key0 + 8 * t + accumulator_coords(lane, i)[1]
             if not plain:
                 # the mods see indices within the sequence (their tables cover it); elements outside are masked
                 mod_key = nvfly.maximum(nvfly.minimum(key, ctx.seqlen - 1), 0)
@@ -190,16 +217,14 @@ def attend_stage(state: Softmax, ctx: StageContext, stage: Any, q_tile: Any, war
         maxima.append(new_max)
         sums.append(total)
         scales.append(scale)
-    a = [pack(p[0][0], p[0][1], dtype), pack(p[0][2], p[0][3], dtype),
-         pack(p[1][0], p[1][1], dtype), pack(p[1][2], p[1][3], dtype)]
+    a = [pack(p[lo[0]][lo[1]], p[hi[0]][hi[1]], dtype) for lo, hi in P_FRAGMENT]
     segments = plan.dv // 8
     v_tile = stage + BLOCK_N * plan.dqk * 2
-    v_row = 16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1)  # trans matrix lane // 8: keys +8 (bit 0), columns +8
     acc = [[o * scales[i // 2] for i, o in enumerate(tile)] for tile in state.acc]
     PAIRS = plan.dv // 16 // plan.column_warps
     for pair in nvfly.static_range(PAIRS):
-        segment = 2 * (pair + half * PAIRS) + (lane >> 4)
-        vb = sm80.ldmatrix_x4(v_tile + swizzled(v_row, segment, segments), transpose=True)
+        vb = sm80.ldmatrix_x4(v_tile + swizzled(*v_fragment_source(lane, pair + half * PAIRS, warp), segments),
+                              transpose=True)
         acc[2 * pair] = sm80.mma_m16n8k16(a, vb[0:2], acc[2 * pair], dtype)
         acc[2 * pair + 1] = sm80.mma_m16n8k16(a, vb[2:4], acc[2 * pair + 1], dtype)
     return Softmax(maxima, sums, acc)
@@ -238,7 +263,7 @@ def merge_warps(state, stats, partial, warp, half, lane, DV, COLUMN_WARPS):
     into ``partial`` [slice][row][DV] (column half ``half`` of it with COLUMN_WARPS = 2), then a barrier."""
     g = lane >> 2
     sums = []
-    for r in nvfly.static_range(2):
+    for r in nvfly.static_range(2):  # the 4 lanes of a row hold parts of its sum
         total = state.sums[r] + nvfly.shfl_xor(state.sums[r], 1)
         sums.append(total + nvfly.shfl_xor(total, 2))
     if ((lane & 3) == 0) & (half == 0):  # both column halves hold the same statistics
@@ -248,8 +273,8 @@ def merge_warps(state, stats, partial, warp, half, lane, DV, COLUMN_WARPS):
     COLUMNS = DV // COLUMN_WARPS
     for j in nvfly.static_range(COLUMNS // 8):
         for i in nvfly.static_range(4):
-            column = half * COLUMNS + 8 * j + 2 * (lane & 3) + i % 2
-            partial[(warp * ROWS + g + 8 * (i // 2)) * DV + column] = state.acc[j][i]
+            row, column = accumulator_coords(lane, i)
+            partial[(warp * ROWS + row) * DV + half * COLUMNS + 8 * j + column] = state.acc[j][i]
     nvfly.syncthreads()
 
 

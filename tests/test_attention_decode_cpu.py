@@ -34,7 +34,9 @@ def test_few_sequences_are_split_to_fill_the_sms(batch, kv_heads, group, seqlen)
         return waves / math.ceil(waves)
     best = max(efficiency(s) for s in range(1, min(P.MAX_SPLITS, n_blocks) + 1))
     assert plan.splits > 1
-    assert efficiency(plan.splits) >= P.SPLIT_EFFICIENCY * best and efficiency(plan.splits) > 0.8
+    assert efficiency(plan.splits) >= P.SPLIT_EFFICIENCY * best
+    if ctas * n_blocks >= slots_of(plan):  # enough stages to fill every slot
+        assert efficiency(plan.splits) > 0.8
     assert all(efficiency(s) < P.SPLIT_EFFICIENCY * best for s in range(1, plan.splits))  # the fewest such
     assert plan.splits <= n_blocks  # every split has stages
 
@@ -63,8 +65,10 @@ def test_split_ranges_partition_every_sequence():
 
 @pytest.mark.parametrize("dqk", P.HEAD_DIMS)
 @pytest.mark.parametrize("dv", P.HEAD_DIMS)
-def test_shared_memory_fits(dqk, dv):
-    plan = P.decode_plan(1, 1, 1, 8, dqk, dv, 4096, 132, splits=1)
+@pytest.mark.parametrize("sq", [1, 4, 8])
+def test_shared_memory_fits(dqk, dv, sq):
+    plan = P.decode_plan(1, sq, 1, 8, dqk, dv, 4096, 132, splits=1)
+    assert plan.row_warps == {1: 1, 4: 2, 8: 4}[sq] and plan.tile_rows >= min(64, sq * 8)
     assert plan.smem_bytes <= P.MAX_SMEM
     assert P.WARPS * P.ROWS * dv * 4 <= plan.stages * plan.stage_bytes  # the warps' merge reuses the ring
     assert P.BLOCK_N * (dqk // 8) % plan.threads == 0 and P.BLOCK_N * (dv // 8) % plan.threads == 0
@@ -305,8 +309,10 @@ def check_sass(kernel, mma="HMMA.16816.F32.BF16"):
 FAMILIES = {
     "d64-sq1-g4": dict(sq=1, group=4, dqk=64, dv=64, splits=1),
     "d128-sq4-g8-paged16-split": dict(sq=4, group=8, dqk=128, dv=128, paged=True, page_size=16, splits=8),
+    "d128-sq8-g6-64rows": dict(sq=8, group=6, dqk=128, dv=128, splits=1),
     "d128-sq1-g6-paged64-fp16": dict(sq=1, group=6, dqk=128, dv=128, paged=True, page_size=64, splits=1),
     "d256-sq2-g8-split": dict(sq=2, group=8, dqk=256, dv=256, splits=4),
+    "d256-sq8-g8-64rows-paged128": dict(sq=8, group=8, dqk=256, dv=256, paged=True, page_size=128, splits=2),
     "dqk192-dv128-g16": dict(sq=1, group=16, dqk=192, dv=128, splits=1),
 }
 
@@ -317,7 +323,7 @@ def test_plan_families_compile_without_spills(name):
     splits = spec.pop("splits")
     paged, page_size = spec.pop("paged", False), spec.pop("page_size", 0)
     plan = P.DecodePlan(paged=paged, page_size=page_size, causal=True, stages=P.stages_for(spec["dqk"], spec["dv"]),
-                        splits=splits, **spec)
+                        splits=splits, row_warps=P.row_warps_for(spec["sq"] * spec["group"]), **spec)
     dtype = nvfly.f16 if "fp16" in name else nvfly.bf16
     kernels = attention.compile_kernels(plan, dtype=dtype, seqlen=1024)
     check_sass(kernels[0], "HMMA.16816.F32" if dtype == nvfly.f16 else "HMMA.16816.F32.BF16")

@@ -4,23 +4,25 @@
     contiguous cache: P = B, key j of sequence b at [b, j]; paged: P pages of S = PAGE tokens, key j of sequence b
     at [block_table[b, j // PAGE], j % PAGE]; seqlens [B] int32: keys of each sequence.
 
-Grid (splits x query tiles, Hkv, B); a CTA of 4 warps (8 for Dv = 256: ``plan.column_warps``) owns 16 packed query
-rows of one KV head (row r: query token r // G, head hkv * G + r % G; rows past Sq * G are padding, computed and
-never stored) and the stages [begin, end) of its split (``plan.split_range``). Keys stream through a ``stages``-deep
-shared-memory ring filled by 16-byte cp.async copies from all threads (one commit group a stage, zero-filled past
-the sequence's end so that padding keys are 0, never NaN, and masked); one __syncthreads a stage orders the refill
-of the stage every warp has finished with. Rows of K, V and Q are 16-byte segments XOR-swizzled by row % 8, so that
-ldmatrix reads 8 rows with no bank conflict.
+Grid (splits x query tiles, Hkv, B). A CTA owns ``tile_rows`` (16, 32 or 64) packed query rows of one KV head (row
+r: query token r // G, head hkv * G + r % G; rows past Sq * G are padding, computed and never stored) and the stages
+[begin, end) of its split (``plan.split_range``). Keys stream through a ``stages``-deep shared-memory ring filled by
+16-byte cp.async copies from all threads (one commit group a stage, zero-filled past the sequence's end so that
+padding keys are 0, never NaN, and masked); one __syncthreads a stage orders the refill of the stage every warp has
+finished with. Rows of K, V and Q are 16-byte segments XOR-swizzled by row % 8, so that ldmatrix reads 8 rows with
+no bank conflict.
 
-Warp w owns keys 16w..16w+15 of every stage (with 8 warps, warps w and w + 4 share them, each with half of O's
-columns): S (16 rows x 16 keys) = Q Kᵀ by mma.m16n8k16 with Q's A fragments ldmatrix'ed from the shared query tile
-and K's B fragments by ldmatrix (K rows are Kᵀ's columns); scores are scaled (the mods see natural units), modded,
-masked (past the sequence, causal: key <= the query's position seqlen - Sq + token, mask_mod) and kept in log2 units
-for exp2. The online softmax keeps each row's max m and lane-partial sum l; P in registers is the A fragment of O +=
-P V (the S accumulators of keys 0-7 and 8-15 are the A registers of one k16 step), V's B fragments come from
-ldmatrix.trans. After the last stage the four warps merge (m, l, O) through shared memory (the ring, now free); the
-result is O / l and LSE = m + log l (natural log), or for a fully masked row zeros and -inf. With splits, a CTA
-writes its normalised partial O and LSE in f32 for ``combine_kernel``.
+The 4 warps are row_warps x key_warps (``WarpRole``): a warp owns 16 rows of the tile and the 16-key slices
+key_warp, key_warp + key_warps, ... of every stage (with Dv = 256, 8 warps: pairs share rows and slices, each with
+half of O's columns). Per slice: S (16 rows x 16 keys) = Q Kᵀ by mma.m16n8k16 with Q's A fragments ldmatrix'ed from
+the shared query tile and K's B fragments by ldmatrix (K rows are Kᵀ's columns); scores are scaled (the mods see
+natural units), modded, masked (past the sequence, causal: key <= the query's position seqlen - Sq + token,
+mask_mod) and kept in log2 units for exp2. The online softmax keeps each row's max m and lane-partial sum l; P in
+registers is the A fragment of O += P V (the S accumulators of keys 0-7 and 8-15 are the A registers of one k16
+step), V's B fragments come from ldmatrix.trans. After the last stage the warps that share rows merge (m, l, O)
+through shared memory (the ring, now free); the result is O / l and LSE = m + log l (natural log), or for a fully
+masked row zeros and -inf. With splits, a CTA writes its normalised partial O and LSE in f32 for
+``combine_kernel``.
 """
 from __future__ import annotations
 
@@ -53,16 +55,16 @@ def q_fragment_source(lane: Any, step: Any) -> tuple[Any, Any]:
     return (lane & 7) + 8 * ((lane >> 3) & 1), 2 * step + (lane >> 4)
 
 
-def k_fragment_source(lane: Any, step: Any, warp: Any) -> tuple[Any, Any]:
-    """K rows 16 * warp.. as the B fragments of k16 step ``step`` for keys +0..7 (registers 0, 1) and +8..15 (2, 3):
-    matrices (k +8, keys +8) = (bit 0, bit 1) of lane // 8."""
-    return 16 * warp + (lane & 7) + 8 * (lane >> 4), 2 * step + ((lane >> 3) & 1)
+def k_fragment_source(lane: Any, step: Any, key_slice: Any) -> tuple[Any, Any]:
+    """K rows 16 * key_slice.. as the B fragments of k16 step ``step`` for keys +0..7 (registers 0, 1) and +8..15
+    (2, 3): matrices (k +8, keys +8) = (bit 0, bit 1) of lane // 8."""
+    return 16 * key_slice + (lane & 7) + 8 * (lane >> 4), 2 * step + ((lane >> 3) & 1)
 
 
-def v_fragment_source(lane: Any, pair: Any, warp: Any) -> tuple[Any, Any]:
-    """V rows 16 * warp.. (ldmatrix.trans) as the B fragments of columns 16 * pair + 0..7 (registers 0, 1) and
+def v_fragment_source(lane: Any, pair: Any, key_slice: Any) -> tuple[Any, Any]:
+    """V rows 16 * key_slice.. (ldmatrix.trans) as the B fragments of columns 16 * pair + 0..7 (registers 0, 1) and
     + 8..15 (2, 3): matrices (keys +8, columns +8) = (bit 0, bit 1) of lane // 8."""
-    return 16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * pair + (lane >> 4)
+    return 16 * key_slice + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * pair + (lane >> 4)
 
 
 def accumulator_coords(lane: Any, index: int) -> tuple[Any, Any]:
@@ -91,16 +93,26 @@ def row_coords(packed: Any, hkv: Any, seqlen: Any, sq: int, group: int) -> RowCo
     return RowCoords(hkv * group + packed % group, token, seqlen - sq + token, valid)
 
 
+class WarpRole(NamedTuple):
+    """What a warp computes: 16 rows of the query tile from ``row0``, the key slices key_warp, key_warp + key_warps,
+    ... of every stage, and column half ``half`` of O (column_warps = 2)."""
+    row0: Any
+    key_warp: Any
+    half: Any
+    lane: Any
+
+
 @nvfly.func
 def stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN):
-    """cp.async the CTA's 16 packed query rows into the swizzled query tile (padding rows zero-filled)."""
+    """cp.async the CTA's packed query rows into the swizzled query tile (padding rows zero-filled)."""
     SEGMENTS = PLAN.dqk // 8
     THREADS = PLAN.threads
-    for i in nvfly.static_range(-(-ROWS * SEGMENTS // THREADS)):
-        copy = nvfly.minimum(tid + i * THREADS, ROWS * SEGMENTS - 1)  # a repeated copy where threads do not divide
+    COPIES = PLAN.tile_rows * SEGMENTS
+    for i in nvfly.static_range(-(-COPIES // THREADS)):
+        copy = nvfly.minimum(tid + i * THREADS, COPIES - 1)  # a repeated copy where the threads do not divide
         row = copy // SEGMENTS
         segment = copy % SEGMENTS
-        coords = row_coords(m_tile * ROWS + row, hkv, seqlen, PLAN.sq, PLAN.group)
+        coords = row_coords(m_tile * PLAN.tile_rows + row, hkv, seqlen, PLAN.sq, PLAN.group)
         sm80.cp_async(q_tile + swizzled(row, segment, SEGMENTS), q.address(b, coords.token, coords.head, segment * 8),
                       16, coords.valid)
 
@@ -154,15 +166,18 @@ class StageContext(NamedTuple):
     mods: Any
 
 
-def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, warp: Any, lane: Any, key0: Any, dtype: Any) -> list:
-    """The warp's 16 x 16 scores of this stage in log2 units, masked to -inf: [key tile t][4] in mma's C layout
-    (row g + 8 * (i // 2), key key0 + 8t + 2 * (lane % 4) + i % 2)."""
+def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key_slice: Any, key0: Any,
+                 dtype: Any) -> list:
+    """The warp's 16 rows x 16 keys (slice ``key_slice`` of the stage, from key ``key0``) in log2 units, masked to
+    -inf: [key tile t][4] in mma's C layout (row g + 8 * (i // 2), key key0 + 8t + 2 * (lane % 4) + i % 2)."""
     plan = ctx.plan
+    lane = role.lane
     segments = plan.dqk // 8
     s = [[nvfly.f32(0.0)] * 4 for _ in range(2)]
     for step in nvfly.static_range(plan.dqk // 16):
-        a = sm80.ldmatrix_x4(q_tile + swizzled(*q_fragment_source(lane, step), segments))
-        kb = sm80.ldmatrix_x4(stage + swizzled(*k_fragment_source(lane, step, warp), segments))
+        q_row, q_segment = q_fragment_source(lane, step)
+        a = sm80.ldmatrix_x4(q_tile + swizzled(role.row0 + q_row, q_segment, segments))
+        kb = sm80.ldmatrix_x4(stage + swizzled(*k_fragment_source(lane, step, key_slice), segments))
         s[0] = sm80.mma_m16n8k16(a, kb[0:2], s[0], dtype)
         s[1] = sm80.mma_m16n8k16(a, kb[2:4], s[1], dtype)
     mods = ctx.mods
@@ -194,12 +209,13 @@ def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, warp: Any, lane: An
     return out
 
 
-def attend_stage(state: Softmax, ctx: StageContext, stage: Any, q_tile: Any, warp: Any, half: Any, lane: Any,
+def attend_slice(state: Softmax, ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key_slice: Any,
                  key0: Any, dtype: Any) -> Softmax:
-    """Fold the 16 keys of key slice ``warp`` of one ring stage into the warp's online softmax and its O columns
-    (column half ``half`` of Dv with column_warps = 2)."""
+    """Fold the 16 keys of slice ``key_slice`` of one ring stage (from key ``key0``) into the warp's online softmax
+    and its O columns."""
     plan = ctx.plan
-    s = stage_scores(ctx, stage, q_tile, warp, lane, key0, dtype)
+    lane = role.lane
+    s = stage_scores(ctx, stage, q_tile, role, key_slice, key0, dtype)
     maxima, sums, scales, p = [], [], [], [[None] * 4 for _ in range(2)]
     for r in range(2):
         top = nvfly.maximum(nvfly.maximum(s[0][2 * r], s[0][2 * r + 1]),
@@ -223,17 +239,16 @@ def attend_stage(state: Softmax, ctx: StageContext, stage: Any, q_tile: Any, war
     acc = [[o * scales[i // 2] for i, o in enumerate(tile)] for tile in state.acc]
     PAIRS = plan.dv // 16 // plan.column_warps
     for pair in nvfly.static_range(PAIRS):
-        vb = sm80.ldmatrix_x4(v_tile + swizzled(*v_fragment_source(lane, pair + half * PAIRS, warp), segments),
-                              transpose=True)
+        source = v_fragment_source(lane, pair + role.half * PAIRS, key_slice)
+        vb = sm80.ldmatrix_x4(v_tile + swizzled(*source, segments), transpose=True)
         acc[2 * pair] = sm80.mma_m16n8k16(a, vb[0:2], acc[2 * pair], dtype)
         acc[2 * pair + 1] = sm80.mma_m16n8k16(a, vb[2:4], acc[2 * pair + 1], dtype)
     return Softmax(maxima, sums, acc)
 
 
 @nvfly.func
-def stream_keys(k, v, block_table, ring, q_tile, ctx, hkv, begin, count, tid, warp, half, lane, PLAN):
-    """The CTA's ``count`` stages from ``begin`` through the ring; returns the warp's Softmax (key slice ``warp``,
-    column half ``half``)."""
+def stream_keys(k, v, block_table, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN):
+    """The CTA's ``count`` stages from ``begin`` through the ring; returns the warp's Softmax (``role``)."""
     STAGE = PLAN.stage_bytes
     dtype = k.dtype
     for i in nvfly.static_range(PLAN.stages - 1):
@@ -250,31 +265,39 @@ def stream_keys(k, v, block_table, ring, q_tile, ctx, hkv, begin, count, tid, wa
             load_stage(k, v, block_table, ring + (ahead % PLAN.stages) * STAGE, ctx.b, hkv, begin + ahead, ctx.seqlen,
                        tid, PLAN)
         sm80.cp_async_commit()
-        state = attend_stage(state, ctx, ring + (i % PLAN.stages) * STAGE, q_tile, warp, half, lane,
-                             (begin + i) * BLOCK_N + 16 * warp, dtype)
+        stage = ring + (i % PLAN.stages) * STAGE
+        # the warp's key slices of the stage, as a loop: unrolled, ptxas interleaves the slices and spills at d > 128
+        for j in range(PLAN.row_warps):
+            key_slice = role.key_warp + j * PLAN.key_warps
+            state = attend_slice(state, ctx, stage, q_tile, role, key_slice, (begin + i) * BLOCK_N + 16 * key_slice,
+                                 dtype)
     sm80.cp_async_wait(0)
     nvfly.syncthreads()  # the ring is free for the merge
     return state
 
 
 @nvfly.func
-def merge_warps(state, stats, partial, warp, half, lane, DV, COLUMN_WARPS):
-    """Each key slice's row maxima and sums (quad-reduced) into ``stats`` [maxima | sums][slice][row] and its O
-    into ``partial`` [slice][row][DV] (column half ``half`` of it with COLUMN_WARPS = 2), then a barrier."""
+def merge_warps(state, stats, partial, role, PLAN):
+    """Each warp's row maxima and sums (quad-reduced) into ``stats`` [maxima | sums][key warp][tile row] and its O
+    into ``partial`` [key warp][tile row][Dv] (its column half with column_warps = 2), then a barrier."""
+    lane = role.lane
+    DV = PLAN.dv
+    TILE_ROWS = PLAN.tile_rows
     g = lane >> 2
     sums = []
     for r in nvfly.static_range(2):  # the 4 lanes of a row hold parts of its sum
         total = state.sums[r] + nvfly.shfl_xor(state.sums[r], 1)
         sums.append(total + nvfly.shfl_xor(total, 2))
-    if ((lane & 3) == 0) & (half == 0):  # both column halves hold the same statistics
+    base = role.key_warp * TILE_ROWS + role.row0
+    if ((lane & 3) == 0) & (role.half == 0):  # both column halves hold the same statistics
         for r in nvfly.static_range(2):
-            stats[warp * ROWS + g + 8 * r] = state.maxima[r]
-            stats[WARPS * ROWS + warp * ROWS + g + 8 * r] = sums[r]
-    COLUMNS = DV // COLUMN_WARPS
+            stats[base + g + 8 * r] = state.maxima[r]
+            stats[WARPS * ROWS + base + g + 8 * r] = sums[r]
+    COLUMNS = DV // PLAN.column_warps
     for j in nvfly.static_range(COLUMNS // 8):
         for i in nvfly.static_range(4):
             row, column = accumulator_coords(lane, i)
-            partial[(warp * ROWS + row) * DV + half * COLUMNS + 8 * j + column] = state.acc[j][i]
+            partial[(base + row) * DV + role.half * COLUMNS + 8 * j + column] = state.acc[j][i]
     nvfly.syncthreads()
 
 
@@ -289,9 +312,10 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     nvfly.min_blocks_per_sm(ctas_per_sm(PLAN))
     SQ, G, DV, SPLITS, M_TILES = PLAN.sq, PLAN.group, PLAN.dv, PLAN.splits, PLAN.m_tiles
     tid = nvfly.thread_idx.x
-    warp = nvfly.warp_idx() % WARPS  # the key slice
-    half = nvfly.warp_idx() // WARPS  # the column half (column_warps = 2)
+    warp = nvfly.warp_idx() % WARPS
     lane = nvfly.lane_idx()
+    role = WarpRole(ROWS * (warp // PLAN.key_warps), warp % PLAN.key_warps, nvfly.warp_idx() // WARPS, lane)
+    TILE_ROWS = PLAN.tile_rows
     b = nvfly.block_idx.z
     hkv = nvfly.block_idx.y
     split = nvfly.block_idx.x // M_TILES
@@ -309,35 +333,36 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     count = nvfly.maximum(nvfly.minimum(per_split, n_blocks - begin), 0)
 
     stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN)
-    g = lane >> 2
-    rows = (row_coords(m_tile * ROWS + g, hkv, seqlen, SQ, G), row_coords(m_tile * ROWS + g + 8, hkv, seqlen, SQ, G))
+    first = m_tile * TILE_ROWS + role.row0 + (lane >> 2)
+    rows = (row_coords(first, hkv, seqlen, SQ, G), row_coords(first + 8, hkv, seqlen, SQ, G))
     ctx = StageContext(b, seqlen, rows, scale, scale * LOG2E, (captured0, captured1), PLAN, MODS)
-    state = stream_keys(k, v, block_table, ring, q_tile, ctx, hkv, begin, count, tid, warp, half, lane, PLAN)
-    merge_warps(state, stats, partial, warp, half, lane, DV, PLAN.column_warps)
+    state = stream_keys(k, v, block_table, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN)
+    merge_warps(state, stats, partial, role, PLAN)
 
-    # thread t: row t // PARTS, columns (t % PARTS) * DV / PARTS ..: the key slices' (m, l, O) merged
-    PARTS = PLAN.threads // ROWS
+    # thread t: tile row t // PARTS, columns (t % PARTS) * DV / PARTS ..: the key warps' (m, l, O) merged
+    KEY_WARPS = PLAN.key_warps
+    PARTS = PLAN.threads // TILE_ROWS
     row = tid // PARTS
     part = tid % PARTS
-    maxima = [stats[w * ROWS + row] for w in nvfly.static_range(WARPS)]
+    maxima = [stats[w * TILE_ROWS + row] for w in nvfly.static_range(KEY_WARPS)]
     top = maxima[0]
-    for w in nvfly.static_range(1, WARPS):
+    for w in nvfly.static_range(1, KEY_WARPS):
         top = nvfly.maximum(top, maxima[w])
     reference = nvfly.select(top == NEG_INF, 0.0, top)
     weights = [nvfly.exp2(m - reference) for m in maxima]
     total = stats[WARPS * ROWS + row] * weights[0]
-    for w in nvfly.static_range(1, WARPS):
-        total = total + stats[WARPS * ROWS + w * ROWS + row] * weights[w]
+    for w in nvfly.static_range(1, KEY_WARPS):
+        total = total + stats[WARPS * ROWS + w * TILE_ROWS + row] * weights[w]
     kept = total > 0.0
     inverse = nvfly.select(kept, 1.0 / nvfly.maximum(total, 1e-30), 0.0)
     row_lse = nvfly.select(kept, (reference + nvfly.log2(nvfly.maximum(total, 1e-30))) * LN2, NEG_INF)
-    coords = row_coords(m_tile * ROWS + row, hkv, seqlen, SQ, G)
+    coords = row_coords(m_tile * TILE_ROWS + row, hkv, seqlen, SQ, G)
     COLUMNS = DV // PARTS
     for c in nvfly.static_range(COLUMNS // 4):
         column = part * COLUMNS + 4 * c
         merged = partial.load(row * DV + column, width=4) * weights[0]
-        for w in nvfly.static_range(1, WARPS):
-            merged = merged + partial.load((w * ROWS + row) * DV + column, width=4) * weights[w]
+        for w in nvfly.static_range(1, KEY_WARPS):
+            merged = merged + partial.load((w * TILE_ROWS + row) * DV + column, width=4) * weights[w]
         merged = merged * inverse
         if SPLITS == 1:
             out.store(merged.to(out.dtype), b, coords.token, coords.head, column, mask=coords.valid)

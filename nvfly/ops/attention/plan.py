@@ -1,17 +1,18 @@
 """Decode attention plans: the tile, the shared-memory ring and the split-KV count, chosen per shape (pure Python).
 
-A CTA of ``WARPS`` warps owns one (batch, KV head, 16-row query tile, KV split); the query tile's rows are the
-Sq x G query rows (query token, head in the group) that share the KV head, so K and V are read once for all of
-them. Every stage of the ring holds ``BLOCK_N`` keys of K and V; warp w computes keys 16w..16w+15 of each stage
-with its own online softmax, and the warps merge at the end. docs/ops/attention.md explains the choices.
+A CTA of ``WARPS`` warps owns one (batch, KV head, query tile, KV split); the query tile's rows are the Sq x G query
+rows (query token, head in the group) that share the KV head, so K and V are read once for all of them. Every stage
+of the ring holds ``BLOCK_N`` keys of K and V in 16-key slices. The warps are ``row_warps`` x ``key_warps``: a warp
+owns 16 rows of the tile and every key_warps-th slice of each stage, with its own online softmax; the warps sharing
+rows merge at the end. docs/ops/attention.md explains the choices.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-WARPS = 4                  # 16-key slices of a stage, one a warp (or a pair: column_warps): 4 sub-partitions busy
-ROWS = 16                  # query rows of a CTA: the M of mma.m16n8k16
+WARPS = 4                  # 4 sub-partitions' tensor cores busy (8 warps, in pairs, with column_warps = 2)
+ROWS = 16                  # query rows of a warp: the M of mma.m16n8k16
 BLOCK_N = WARPS * 16       # keys of one ring stage
 SMEM_PER_SM = 228 * 1024   # H100/H200 shared memory an SM gives its CTAs
 SMEM_RESERVED = 1024       # what the driver keeps per resident CTA
@@ -31,7 +32,8 @@ class DecodePlan:
 
     sq: query tokens per sequence; group: query heads per KV head (G); dqk, dv: head dims; paged/page_size: KV read
     through a block table of pages of ``page_size`` tokens; causal: queries aligned to the end of their sequence;
-    stages: ring depth; splits: CTAs sharing one sequence's keys (1: no combine)."""
+    stages: ring depth; splits: CTAs sharing one sequence's keys (1: no combine); row_warps: warps that split the
+    query tile's rows (16 each; the other WARPS / row_warps split the keys)."""
     sq: int
     group: int
     dqk: int
@@ -41,6 +43,16 @@ class DecodePlan:
     causal: bool
     stages: int
     splits: int
+    row_warps: int = 1
+
+    @property
+    def key_warps(self) -> int:
+        return WARPS // self.row_warps
+
+    @property
+    def tile_rows(self) -> int:
+        """Query rows of a CTA."""
+        return ROWS * self.row_warps
 
     @property
     def column_warps(self) -> int:
@@ -59,11 +71,12 @@ class DecodePlan:
 
     @property
     def m_tiles(self) -> int:
-        return -(-self.rows // ROWS)
+        """Query tiles (CTAs) per KV head and split."""
+        return -(-self.rows // self.tile_rows)
 
     @property
     def q_bytes(self) -> int:
-        return ROWS * self.dqk * 2
+        return self.tile_rows * self.dqk * 2
 
     @property
     def stage_bytes(self) -> int:
@@ -71,7 +84,8 @@ class DecodePlan:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: the ring, the query tile, then the warps' row maxima and sums (f32)."""
+        """Dynamic shared memory: the ring, the query tile, then the warps' row maxima and sums (f32; key_warps x
+        tile_rows = WARPS x ROWS of each)."""
         return self.stages * self.stage_bytes + self.q_bytes + 2 * WARPS * ROWS * 4
 
     def grid(self, batch: int, kv_heads: int) -> tuple[int, int, int]:
@@ -108,10 +122,20 @@ def num_splits(ctas: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLIT
     return next(s for s, e in enumerate(efficiency, start=1) if e >= SPLIT_EFFICIENCY * best)
 
 
+def row_warps_for(rows: int) -> int:
+    """Warps splitting the query rows: as few as hold them, up to all four (64 rows), so that K and V are read once
+    for up to 64 rows; more rows take more CTAs, which find the keys in L2. Each warp's mma work grows with its key
+    slices (row_warps of them a stage), still under the stage's DRAM time."""
+    return 1 if rows <= ROWS else 2 if rows <= 2 * ROWS else WARPS
+
+
 def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: int, max_seqlen: int, sm_count: int,
-                paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0) -> DecodePlan:
-    """The plan for one call shape; ``splits`` > 0 forces a split count (for tests and comparisons)."""
-    plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal, stages_for(dqk, dv), 1)
+                paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0,
+                row_warps: int = 0) -> DecodePlan:
+    """The plan for one call shape; ``splits`` > 0 forces a split count and ``row_warps`` > 0 the row split (for
+    tests and comparisons)."""
+    plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal, stages_for(dqk, dv), 1,
+                      row_warps or row_warps_for(sq * group))
     if splits <= 0:
         ctas = batch * kv_heads * plan.m_tiles
         splits = num_splits(ctas, sm_count * ctas_per_sm(plan), -(-max_seqlen // BLOCK_N))

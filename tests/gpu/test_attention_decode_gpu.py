@@ -36,7 +36,9 @@ def make_cache(batch, capacity, hkv, dqk, dv, dtype, layout="bshd", page=0, seed
 
 
 def poison_partials():
-    scratch.partials(torch.device("cuda"), current_stream(torch.cuda.current_device()), 1 << 22).fill_(float("nan"))
+    """NaN in the split partials' buffer of this stream (every split must write all of its rows)."""
+    device = torch.cuda.current_device()
+    scratch.partials(torch.device("cuda", device), current_stream(device), 1 << 22).fill_(float("nan"))
 
 
 def check(q, k, v, *, tol=1e-2, **kwargs):
@@ -102,28 +104,28 @@ def test_not_causal():
           causal=False)
 
 
-def mod_cases():
-    batch, capacity, hq = 2, 1200, 8
-    slopes = torch.tensor(M.alibi_slopes(hq), device="cuda")
-    prefix = torch.tensor([100, 7], dtype=torch.int32, device="cuda")
-    documents = (torch.arange(capacity, device="cuda") // 300).repeat(batch, 1).to(torch.int32)
-    return {
-        "softcap": dict(score_mod=M.soft_cap(5.0)),
-        "alibi": dict(score_mod=M.alibi(slopes)),
-        "sliding-window": dict(mask_mod=M.sliding_window(100)),
-        "prefix-lm": dict(mask_mod=M.prefix_lm(prefix), causal=False),
-        "document": dict(mask_mod=M.document_mask(documents)),
-        "softcap+window": dict(score_mod=M.soft_cap(5.0), mask_mod=M.sliding_window(3)),
-    }
+MODS = ("softcap", "alibi", "sliding-window", "prefix-lm", "document", "softcap+window")
 
 
-@pytest.mark.parametrize("mod", list(mod_cases()))
+def mod_kwargs(name, batch=2, capacity=1200, hq=8):
+    """decode's mod arguments for one of MODS (captured tensors made on the GPU when the test runs)."""
+    if name == "alibi":
+        return dict(score_mod=M.alibi(torch.tensor(M.alibi_slopes(hq), device="cuda")))
+    if name == "prefix-lm":
+        return dict(mask_mod=M.prefix_lm(torch.tensor([100, 7], dtype=torch.int32, device="cuda")), causal=False)
+    if name == "document":
+        documents = (torch.arange(capacity, device="cuda") // 300).repeat(batch, 1).to(torch.int32)
+        return dict(mask_mod=M.document_mask(documents))
+    return {"softcap": dict(score_mod=M.soft_cap(5.0)), "sliding-window": dict(mask_mod=M.sliding_window(100)),
+            "softcap+window": dict(score_mod=M.soft_cap(5.0), mask_mod=M.sliding_window(3))}[name]
+
+
+@pytest.mark.parametrize("mod", MODS)
 def test_mods(mod):
-    kwargs = mod_cases()[mod]
     k, v, table = make_cache(2, 1200, 2, 128, 128, torch.bfloat16, page=64)
     q = query(2, 4, 8, 128, torch.bfloat16) * 3  # larger scores: the soft cap bites
     check(q, k, v, cache_seqlens=torch.tensor([1200, 250], dtype=torch.int32, device="cuda"), block_table=table,
-          **kwargs)
+          **mod_kwargs(mod))
 
 
 def test_cuda_graph_replays_with_changed_lengths():

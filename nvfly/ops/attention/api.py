@@ -2,6 +2,7 @@
 and a compile helper for tests without a GPU."""
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import nvfly
@@ -10,6 +11,7 @@ from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.decode_kernel import attention_decode_kernel
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, captured_tensors
 from nvfly.ops.attention.plan import HEAD_DIMS, MAX_SQ, DecodePlan, decode_plan
+from nvfly.runtime.torch_args import layout_key
 
 if TYPE_CHECKING:
     import torch
@@ -160,15 +162,8 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     tensor of q's dtype to write (else a new one).
     """
     import torch
-    capacity, pages = _check(q, k_cache, v_cache, cache_seqlens, block_table)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if not _aligned(t):
-            raise _error(ValueError, name, "rows must be 16-byte aligned (a 16-byte aligned base and strides but the "
-                                           f"last a multiple of 8 elements), got strides {tuple(t.stride())}")
     mods = _mods(score_mod, mask_mod)
-    if len(captured_tensors(mods)) > MAX_CAPTURED:
-        raise _error(ValueError, "score_mod/mask_mod", f"capture {len(captured_tensors(mods))} tensors, at most "
-                                                       f"{MAX_CAPTURED}")
+    capacity, pages = _checked(q, k_cache, v_cache, cache_seqlens, block_table, mods)
     if validate and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _check_values(cache_seqlens, block_table, capacity, pages)
     if q.device.type != "cuda":
@@ -185,11 +180,43 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     if batch:
         seqlens = (torch.full((batch,), capacity, dtype=torch.int32, device=q.device) if cache_seqlens is None
                    else cache_seqlens.to(torch.int32))
-        plan = decode_plan(batch, sq, hkv, hq // hkv, dqk, v_cache.shape[3], capacity, _sm_count(q.device),
-                           block_table is not None, k_cache.shape[1], causal, splits)
+        plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
+                     k_cache.shape[1], bool(causal), int(splits))
         _launch(plan, q, k_cache, v_cache, block_table, seqlens, out, lse, captured, mods,
                 dqk ** -0.5 if scale is None else float(scale))
     return (out, lse) if return_lse else out
+
+
+# Per-call checks and plans: the first call of a layout (shapes, strides, dtypes, devices, 16-byte alignment of
+# every tensor, and the mods) runs the checks, which raise naming the argument; later calls look them up.
+_CALL_LIMIT = 4096
+_CHECKED: dict = {}
+_plan = functools.lru_cache(maxsize=_CALL_LIMIT)(decode_plan)
+
+
+def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, mods: Mods) -> tuple[int, int]:
+    """``_check``, the rows' alignment and the mods' captures, once per layout; (cache capacity, pages or 0)."""
+    try:
+        key = (layout_key(q), layout_key(k_cache), layout_key(v_cache), layout_key(cache_seqlens),
+               layout_key(block_table), mods)
+        found = _CHECKED.get(key)
+    except (AttributeError, TypeError):  # not tensors: the checks explain
+        key = found = None
+    if found is not None:
+        return found
+    found = _check(q, k_cache, v_cache, cache_seqlens, block_table)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not _aligned(t):
+            raise _error(ValueError, name, "rows must be 16-byte aligned (a 16-byte aligned base and strides but the "
+                                           f"last a multiple of 8 elements), got strides {tuple(t.stride())}")
+    captures = len(captured_tensors(mods))
+    if captures > MAX_CAPTURED:
+        raise _error(ValueError, "score_mod/mask_mod", f"capture {captures} tensors, at most {MAX_CAPTURED}")
+    if key is not None:
+        if len(_CHECKED) >= _CALL_LIMIT:
+            _CHECKED.clear()
+        _CHECKED[key] = found
+    return found
 
 
 def _sm_count(device: Any) -> int:

@@ -13,7 +13,7 @@ finished with. Rows of K, V and Q are 16-byte segments XOR-swizzled by row % 8, 
 no bank conflict.
 
 The 4 warps are row_warps x key_warps (``WarpRole``): a warp owns 16 rows of the tile and the 16-key slices
-key_warp, key_warp + key_warps, ... of every stage (with Dv = 256, 8 warps: pairs share rows and slices, each with
+key_warp, key_warp + key_warps, ... of every stage (with Dv > 128, 8 warps: pairs share rows and slices, each with
 half of O's columns). Per slice: S (16 rows x 16 keys) = Q Kᵀ by mma.m16n8k16 with Q's A fragments ldmatrix'ed from
 the shared query tile and K's B fragments by ldmatrix (K rows are Kᵀ's columns); scores are scaled (the mods see
 natural units), modded, masked (past the sequence, causal: key <= the query's position seqlen - Sq + token,

@@ -20,7 +20,7 @@ MAX_SMEM = 227 * 1024      # one CTA's opt-in limit
 REGISTERS_PER_SM = 65536
 MIN_THREAD_REGISTERS = 168 # what a thread keeps (Dv = 128 uses ~180 at two CTAs an SM, Dv = 64 ~110 at three)
 MAX_SPLITS = 128           # FA3's cap: the combine reads at most this many partials a row
-HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64 (whole 128-byte swizzle groups) whose O fits a warp's registers
+HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64: whole 128-byte swizzle groups, 16-byte copies that divide
 MAX_SQ = 16
 WAVE_FILL = 0.8            # FA3: no split when one wave already fills 80% of the CTA slots
 SPLIT_EFFICIENCY = 0.85    # FA3: the fewest splits within 85% of the best wave efficiency
@@ -56,9 +56,9 @@ class DecodePlan:
 
     @property
     def column_warps(self) -> int:
-        """Warps sharing one 16-key slice, each with Dv / column_warps of O's columns: 2 for Dv = 256, whose full
-        16 x 256 f32 accumulator (128 registers a thread) spills beside the rest."""
-        return 2 if self.dv > 192 else 1
+        """Warps sharing rows and key slices, each with Dv / column_warps of O's columns: 2 for Dv > 128, whose full
+        16 x Dv f32 accumulator (96-128 registers a thread) spills beside the rest."""
+        return 2 if self.dv > 128 else 1
 
     @property
     def threads(self) -> int:

@@ -266,11 +266,14 @@ def stream_keys(k, v, block_table, ring, q_tile, ctx, hkv, begin, count, tid, ro
                        tid, PLAN)
         sm80.cp_async_commit()
         stage = ring + (i % PLAN.stages) * STAGE
-        # the warp's key slices of the stage, as a loop: unrolled, ptxas interleaves the slices and spills at d > 128
-        for j in range(PLAN.row_warps):
-            key_slice = role.key_warp + j * PLAN.key_warps
-            state = attend_slice(state, ctx, stage, q_tile, role, key_slice, (begin + i) * BLOCK_N + 16 * key_slice,
-                                 dtype)
+        if PLAN.row_warps == 1:  # one slice a warp
+            state = attend_slice(state, ctx, stage, q_tile, role, role.key_warp,
+                                 (begin + i) * BLOCK_N + 16 * role.key_warp, dtype)
+        else:  # the warp's slices as a loop: unrolled, ptxas interleaves them and spills at d > 128
+            for j in range(PLAN.row_warps):
+                key_slice = role.key_warp + j * PLAN.key_warps
+                state = attend_slice(state, ctx, stage, q_tile, role, key_slice,
+                                     (begin + i) * BLOCK_N + 16 * key_slice, dtype)
     sm80.cp_async_wait(0)
     nvfly.syncthreads()  # the ring is free for the merge
     return state

@@ -8,7 +8,8 @@ lengths); paged rows time nvfly on a shuffled page table and the peers on the co
 (none of them takes pages). Queries are the cache's last Sq positions (causal aligned to the end: SDPA gets
 ``causal_lower_right``, flex a block mask); mod rows give the same function to nvfly and flex (flex's q_idx is the
 query's index, so it is shifted to the position) and SDPA is not timed on them.
-Usage: python benchmarks/attention.py --decode [--quick] [--sq 1 4 8] [--no-flex] [--name NAME]
+Usage: python benchmarks/attention.py --decode [--quick] [--sq 1 4 8] [--layouts ...] [--models ...] [--no-mods]
+[--no-flex] [--name NAME]; paged layouts run at Sq = 1.
 Writes benchmarks/results/attention_decode_h200.json and .png.
 """
 from __future__ import annotations
@@ -149,9 +150,12 @@ def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool) -> di
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--decode", action="store_true", help="the decode suite (the only one so far)")
-    p.add_argument("--quick", action="store_true", help="four shapes: B1 128K, B16 48/8 32K at Sq 1 and 4, paged")
+    p.add_argument("--quick", action="store_true", help="five rows: B1 128K, B16 48/8 32K at Sq 1 and 4, B32 4K paged 16, a soft-cap row")
     p.add_argument("--sq", type=int, nargs="*", default=[1, 4, 8], help="query tokens of the suite's rows")
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
+    p.add_argument("--models", nargs="*", default=None, choices=sorted({shape[0] for shape in SUITE}),
+                   help="only these rows of the suite (the whole suite takes over 10 minutes with flex)")
+    p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True, help="the mod rows")
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")
     p.add_argument("--name", default="attention_decode", help="results file stem (benchmarks/results/<name>_h200)")
     args = p.parse_args(argv)
@@ -162,8 +166,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         cases.append((MOD_SHAPE, 1, "bshd", "softcap50"))
     else:
         cases = [(shape, sq, layout, "none") for shape in SUITE for sq in args.sq for layout in args.layouts
-                 if layout == "bshd" or sq == 1]
-        cases += [(MOD_SHAPE, 1, "bshd", mod) for mod in make_mods(MOD_SHAPE[3])]
+                 if (layout == "bshd" or sq == 1) and (args.models is None or shape[0] in args.models)]
+        if args.mods:
+            cases += [(MOD_SHAPE, 1, "bshd", mod) for mod in make_mods(MOD_SHAPE[3])]
     import torch._dynamo
     torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
     rows, started = [], time.time()

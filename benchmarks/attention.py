@@ -150,7 +150,8 @@ def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool) -> di
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--decode", action="store_true", help="the decode suite (the only one so far)")
-    p.add_argument("--quick", action="store_true", help="five rows: B1 128K, B16 48/8 32K at Sq 1 and 4, B32 4K paged 16, a soft-cap row")
+    p.add_argument("--quick", action="store_true",
+                   help="five rows: B1 128K, B16 48/8 32K at Sq 1 and 4, B32 4K paged 16, a soft-cap row")
     p.add_argument("--sq", type=int, nargs="*", default=[1, 4, 8], help="query tokens of the suite's rows")
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--models", nargs="*", default=None, choices=sorted({shape[0] for shape in SUITE}),

@@ -72,7 +72,7 @@ CASES = {
     "minimax-48-8-sq8-paged64": (3, 8, 48, 8, 128, 128, 2000, [2000, 777, 64], "bf16", "bshd", 64),
     "mqa-paged16": (2, 1, 16, 1, 128, 128, 3000, [3000, 17], "bf16", "bshd", 16),
     "d256-sq2-paged256": (2, 2, 16, 2, 256, 256, 1500, [1500, 300], "bf16", "bshd", 256),
-    "bhsd": (2, 3, 8, 8, 128, 128, 900, [900, 500], "bf16", "bhsd", 0),
+    "bhsd-32-row-tiles": (2, 3, 16, 2, 128, 128, 900, [900, 500], "bf16", "bhsd", 0),
     "dqk192-dv128": (2, 1, 8, 2, 192, 128, 500, None, "bf16", "bshd", 0),
     "sq16-g16": (1, 16, 32, 2, 64, 64, 4000, None, "bf16", "bshd", 0),
 }
@@ -99,7 +99,7 @@ def test_split_counts_agree():
 
 def test_not_causal():
     k, v, table = make_cache(2, 600, 2, 64, 64, torch.bfloat16, page=32)
-    q = query(2, 4, 8, 64, torch.bfloat16)
+    q = query(2, 4, 12, 64, torch.bfloat16)  # G = 6: 24 rows, a 32-row tile
     check(q, k, v, cache_seqlens=torch.tensor([600, 40], dtype=torch.int32, device="cuda"), block_table=table,
           causal=False)
 

@@ -117,12 +117,23 @@ def stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN):
                       16, coords.valid)
 
 
-def cache_address(cache: Any, block_table: Any, b: Any, hkv: Any, key: Any, column: Any, plan: Any) -> Any:
-    """Address of ``cache``'s element (key ``key`` of sequence b, KV head hkv, ``column``)."""
+def cache_address(cache: Any, b: Any, hkv: Any, key: Any, column: Any, plan: Any, page: Any) -> Any:
+    """Address of ``cache``'s element (key ``key`` of sequence b, KV head hkv, ``column``); paged: in ``page``."""
     if plan.paged:
-        page = block_table[b, key // plan.page_size]
         return cache.address(page, key % plan.page_size, hkv, column)
     return cache.address(b, key, hkv, column)
+
+
+def key_page(pages: dict, block_table: Any, b: Any, key: Any, plan: Any, slot: tuple) -> Any:
+    """The page of ``key`` (None for a contiguous cache), looked up once per ``slot`` (a copy's row: K's and V's
+    copies read the same rows when Dqk == Dv) or once per stage when pages are whole stages (``pages["stage"]``)."""
+    if not plan.paged:
+        return None
+    if "stage" in pages:
+        return pages["stage"]
+    if slot not in pages:
+        pages[slot] = block_table[b, key // plan.page_size]
+    return pages[slot]
 
 
 @nvfly.func
@@ -130,6 +141,9 @@ def load_stage(k, v, block_table, stage, b, hkv, block, seqlen, tid, PLAN):
     """cp.async keys block * BLOCK_N .. + BLOCK_N - 1 of K (rows of Dqk) then of V (rows of Dv) into the ring stage
     at shared address ``stage``; keys past ``seqlen`` are zero-filled (nothing read, the address clamped)."""
     THREADS = PLAN.threads
+    pages = {}
+    if PLAN.paged and PLAN.page_size % BLOCK_N == 0:  # the stage lies in one page: one lookup
+        pages["stage"] = block_table[b, block * BLOCK_N // PLAN.page_size]
     for cache, dim, base in ((k, PLAN.dqk, stage), (v, PLAN.dv, stage + BLOCK_N * PLAN.dqk * 2)):
         SEGMENTS = dim // 8
         for i in nvfly.static_range(BLOCK_N * SEGMENTS // THREADS):  # dims are multiples of 64: it divides
@@ -137,8 +151,10 @@ def load_stage(k, v, block_table, stage, b, hkv, block, seqlen, tid, PLAN):
             row = copy // SEGMENTS
             segment = copy % SEGMENTS
             key = block * BLOCK_N + row
-            src = cache_address(cache, block_table, b, hkv, nvfly.minimum(key, seqlen - 1), segment * 8, PLAN)
-            sm80.cp_async(base + swizzled(row, segment, SEGMENTS), src, 16, key < seqlen)
+            clamped = nvfly.minimum(key, seqlen - 1)
+            page = key_page(pages, block_table, b, clamped, PLAN, (SEGMENTS, i))
+            sm80.cp_async(base + swizzled(row, segment, SEGMENTS),
+                          cache_address(cache, b, hkv, clamped, segment * 8, PLAN, page), 16, key < seqlen)
 
 
 class Softmax(NamedTuple):

@@ -14,6 +14,7 @@ from nvfly.ops import attention
 from nvfly.ops.attention import mods as M
 from nvfly.ops.attention import plan as P
 from nvfly.ops.attention import decode_kernel as K
+from nvfly.ops.attention import api
 from nvfly.ops.attention.api import reference
 
 
@@ -265,6 +266,47 @@ def test_bad_arguments_raise_naming_the_argument(make, kind, needle):
 def test_eligibility_gives_reasons():
     assert "not CUDA" in attention.eligibility(bf16(2, 1, 8, 64), bf16(2, 32, 2, 64), bf16(2, 32, 2, 64))
     assert "query heads" in attention.eligibility(bf16(2, 1, 6, 64), bf16(2, 32, 4, 64), bf16(2, 32, 4, 64))
+
+
+# ---------------------------------------------------------------------------------------------- host path
+@pytest.fixture
+def cpu_launches(recorded_launches, monkeypatch):
+    """decode's host path on CPU tensors: kernels compile and 'launch' through the real binder (conftest's
+    recorded_launches), on a 132-SM device."""
+    monkeypatch.setattr(api, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(api, "_sm_count", lambda device: 132)
+    return recorded_launches
+
+
+def test_host_path_launches_the_decode_kernel(cpu_launches):
+    q, k, v = bf16(2, 1, 8, 64), bf16(2, 4096, 2, 64), bf16(2, 4096, 2, 64)
+    out, lse = attention.decode(q, k, v, cache_seqlens=torch.tensor([4096, 3], dtype=torch.int32), splits=1,
+                                return_lse=True)
+    assert out.shape == (2, 1, 8, 64) and lse.shape == (2, 8, 1) and lse.dtype == torch.float32
+    assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_decode_kernel", (1, 2, 2))]
+    assert out.data_ptr() in cpu_launches[0][2] and lse.data_ptr() in cpu_launches[0][2]
+
+
+def test_host_path_splits_then_combines(cpu_launches):
+    """Paged, 48/8 at Sq = 8 (one 64-row tile), split by the heuristic: the decode grid is (splits, Hkv, B), then
+    the combine runs a warp per (sequence, token, head) row."""
+    k, v = bf16(64, 64, 8, 128), bf16(64, 64, 8, 128)
+    table = torch.randperm(64).view(1, 64).to(torch.int32)
+    q = bf16(1, 8, 48, 128)
+    out = attention.decode(q, k, v, block_table=table)
+    plan = P.decode_plan(1, 8, 8, 6, 128, 128, 4096, 132, paged=True, page_size=64)
+    assert plan.splits > 1 and plan.m_tiles == 1
+    assert [(name, grid) for name, grid, _ in cpu_launches] == [
+        ("attention_decode_kernel", (plan.splits, 8, 1)), ("attention_combine_kernel", (8 * 48 // 4, 1, 1))]
+    assert out.data_ptr() in cpu_launches[1][2]
+
+
+def test_host_path_passes_captured_tensors(cpu_launches):
+    slopes = torch.tensor(M.alibi_slopes(8))
+    q, k, v = bf16(1, 1, 8, 64), bf16(1, 256, 2, 64), bf16(1, 256, 2, 64)
+    attention.decode(q, k, v, score_mod=M.alibi(slopes), splits=1)
+    params = cpu_launches[0][2]
+    assert len(cpu_launches) == 1 and any(p == slopes.data_ptr() for p in params)
 
 
 # ---------------------------------------------------------------------------------------------- mods

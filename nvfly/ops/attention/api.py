@@ -166,8 +166,7 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     capacity, pages = _checked(q, k_cache, v_cache, cache_seqlens, block_table, mods)
     if validate and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         _check_values(cache_seqlens, block_table, capacity, pages)
-    if q.device.type != "cuda":
-        raise _error(ValueError, "q", f"on {q.device.type}; {OP} runs on CUDA devices")
+    _require_cuda(q)
     captured = _kernel_captured(mods, q.device)
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
@@ -217,6 +216,11 @@ def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table
             _CHECKED.clear()
         _CHECKED[key] = found
     return found
+
+
+def _require_cuda(q: Any) -> None:
+    if q.device.type != "cuda":
+        raise _error(ValueError, "q", f"on {q.device.type}; {OP} runs on CUDA devices")
 
 
 def _sm_count(device: Any) -> int:

@@ -9,7 +9,9 @@ import torch
 
 from nvfly.ops import attention
 from nvfly.ops.attention import mods as M
+from nvfly.ops.attention import plan as P
 from nvfly.ops.common import scratch
+from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.torch_args import current_stream
 
 pytestmark = pytest.mark.gpu
@@ -41,12 +43,12 @@ def poison_partials():
     scratch.partials(torch.device("cuda", device), current_stream(device), 1 << 22).fill_(float("nan"))
 
 
-def check(q, k, v, *, tol=1e-2, **kwargs):
-    """decode (into a NaN-poisoned out, with the LSE) against the reference: relative error of out and, row by row,
-    the LSE (-inf exactly where the reference has no key)."""
+def check(q, k, v, *, tol=1e-2, splits=0, **kwargs):
+    """decode (into a NaN-poisoned out, with the LSE; ``splits`` forced when > 0) against the reference: relative
+    error of out and, row by row, the LSE (-inf exactly where the reference has no key)."""
     poison_partials()
     out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=q.dtype, device="cuda")
-    got, lse = attention.decode(q, k, v, return_lse=True, out=out, **kwargs)
+    got, lse = attention.decode(q, k, v, return_lse=True, out=out, splits=splits, **kwargs)
     want, want_lse = attention.reference(q, k, v, **kwargs)
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any() and not lse.isnan().any()
@@ -93,6 +95,7 @@ def test_split_counts_agree():
     k, v, _ = make_cache(2, 5000, 2, 128, 128, torch.bfloat16)
     q = query(2, 2, 8, 128, torch.bfloat16)
     seqlens = torch.tensor([5000, 129], dtype=torch.int32, device="cuda")
+    assert P.decode_plan(2, 2, 2, 4, 128, 128, 5000, plan_sm_count(torch.cuda.current_device())).splits > 1
     for splits in (1, 3, 37, 0):
         check(q, k, v, cache_seqlens=seqlens, splits=splits)
 

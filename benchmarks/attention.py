@@ -183,8 +183,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in rows),
                "min_nvfly_tbs_sq1": min((r["nvfly_tbs"] for r in rows if r["sq"] == 1), default=None),
                "min_nvfly_tbs_sq_gt1": min((r["nvfly_tbs"] for r in rows if r["sq"] > 1), default=None),
-               **{f"geomean_vs_{peer}": geomean([r.get(f"vs_{peer}") for r in rows])
-                  for peer in (*SDPA_BACKENDS, "flex")}}
+               **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in rows if f"vs_{peer}" in r])
+                  for peer in (*SDPA_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in rows)}}
     print(summary)
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     path = write_results(args.name, rows, {"summary": summary, "command": command,

@@ -1,0 +1,204 @@
+"""Decode attention: nvfly vs SDPA (each backend that accepts the inputs: cuDNN, flash, efficient, math, via
+``torch.nn.attention.sdpa_kernel``) vs ``torch.compile``d flex_attention (its Triton decode), in one process.
+
+For each shape, correctness first (nvfly against the float32 reference of ``nvfly.ops.attention.reference`` on fresh
+random inputs), then the median time of each (``do_bench``, L2 flushed between calls) and the bandwidth: bytes of
+q, k, v read and o written per second (``bytes_moved``). Every sequence has the whole cache (peers have no ragged
+lengths); paged rows time nvfly on a shuffled page table and the peers on the contiguous cache of the same bytes
+(none of them takes pages). Queries are the cache's last Sq positions (causal aligned to the end: SDPA gets
+``causal_lower_right``, flex a block mask); mod rows give the same function to nvfly and flex (flex's q_idx is the
+query's index, so it is shifted to the position) and SDPA is not timed on them.
+Usage: python benchmarks/attention.py --decode [--quick] [--sq 1 4 8] [--layouts ...] [--models ...] [--no-mods]
+[--no-flex] [--name NAME]; paged layouts run at Sq = 1.
+Writes benchmarks/results/attention_decode_h200.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import bench_ms, geomean, plot, rel_err, write_results  # noqa: E402
+from nvfly.ops import attention  # noqa: E402
+from nvfly.ops.attention import mods as M  # noqa: E402
+
+# (name, batch, skv, hq, hkv, d): the decode suite of ../shared/docs/anchors.md
+SUITE = [("llama8b", 1, 131072, 32, 8, 128), ("llama8b", 32, 4096, 32, 8, 128), ("llama8b", 128, 4096, 32, 8, 128),
+         ("llama70b", 64, 8192, 64, 8, 128), ("minimax", 1, 32768, 48, 8, 128), ("minimax", 16, 32768, 48, 8, 128),
+         ("minimax", 64, 8192, 48, 8, 128)]
+QUICK = [(("llama8b", 1, 131072, 32, 8, 128), 1, "bshd"), (("minimax", 16, 32768, 48, 8, 128), 1, "bshd"),
+         (("minimax", 16, 32768, 48, 8, 128), 4, "bshd"), (("llama8b", 32, 4096, 32, 8, 128), 1, "paged16")]
+LAYOUTS = ("bshd", "paged16", "paged64")
+MOD_SHAPE = ("llama8b", 16, 8192, 32, 8, 128)
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+
+
+def make_mods(hq: int) -> dict[str, dict[str, Any]]:
+    slopes = torch.tensor(M.alibi_slopes(hq), device="cuda")
+    return {"softcap50": {"score_mod": M.soft_cap(50.0)}, "alibi": {"score_mod": M.alibi(slopes)},
+            "window4096": {"mask_mod": M.sliding_window(4096)}}
+
+
+def paged(k: torch.Tensor, v: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cache as shuffled pages of ``page`` tokens and its block table."""
+    batch, skv = k.shape[:2]
+    pages = skv // page
+    order = torch.randperm(batch * pages, device="cuda")
+    k_pages = torch.empty(batch * pages, page, *k.shape[2:], dtype=k.dtype, device="cuda")
+    v_pages = torch.empty(batch * pages, page, *v.shape[2:], dtype=v.dtype, device="cuda")
+    k_pages[order] = k.reshape(batch * pages, page, *k.shape[2:])
+    v_pages[order] = v.reshape(batch * pages, page, *v.shape[2:])
+    return k_pages, v_pages, order.view(batch, pages).to(torch.int32)
+
+
+def sdpa_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """SDPA per backend on (B, H, S, D) views; the backends that refuse the inputs are left out."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+    sq, skv = q.shape[1], k.shape[1]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    mask = causal_lower_right(sq, skv) if sq > 1 else None
+    calls = {}
+    for name in SDPA_BACKENDS:
+        backend = getattr(SDPBackend, {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
+                                       "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}[name])
+
+        def call(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+        try:
+            call()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a backend that does not take these inputs is not timed
+            print(f"    sdpa {name}: not run ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
+            continue
+        calls[name] = call
+    return calls
+
+
+_FLEX: dict = {}
+
+
+def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: dict[str, Any]) -> Optional[Callable]:
+    """torch.compile'd flex_attention with the same causal alignment and mods (q_idx shifted to the position)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if "flex" not in _FLEX:
+        _FLEX["flex"] = torch.compile(flex_attention, dynamic=False)
+    sq, skv = q.shape[1], k.shape[1]
+    shift = skv - sq
+    user_mask, user_score = mods.get("mask_mod"), mods.get("score_mod")
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = kv_idx <= q_idx + shift
+        return keep & user_mask(b, h, q_idx + shift, kv_idx) if user_mask is not None else keep
+
+    score_mod = None
+    if user_score is not None:
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return user_score(score, b, h, q_idx + shift, kv_idx)
+    block_mask = create_block_mask(mask_mod, None, None, sq, skv, device="cuda")
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    fn = _FLEX["flex"]
+
+    def call():
+        return fn(qt, kt, vt, score_mod=score_mod, block_mask=block_mask, enable_gqa=True)
+    try:
+        call()
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001
+        print(f"    flex: not run ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
+        return None
+    return call
+
+
+def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool) -> dict[str, Any]:
+    name, batch, skv, hq, hkv, d = shape
+    torch.manual_seed(0)
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, skv, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, skv, hkv, d, device="cuda", dtype=torch.bfloat16)
+    mods = make_mods(hq)[mod] if mod != "none" else {}
+    nk, nv, table = (k, v, None) if layout == "bshd" else paged(k, v, int(layout[len("paged"):]))
+    out = attention.decode(q, nk, nv, block_table=table, **mods)
+    want, _ = attention.reference(q, nk, nv, block_table=table, **mods)
+    err = rel_err(out.float(), want)
+    del want
+    row: dict[str, Any] = {"model": name, "batch": batch, "sq": sq, "skv": skv, "hq": hq, "hkv": hkv, "d": d,
+                           "layout": layout, "mod": mod, "nvfly_err": err, "ok": err < 2e-2}
+    nbytes = attention.bytes_moved(q, nk, nv, block_table=table)
+    row["nvfly_ms"] = bench_ms(lambda: attention.decode(q, nk, nv, block_table=table, validate=False, **mods))
+    row["nvfly_tbs"] = nbytes / row["nvfly_ms"] / 1e9
+    if not mods:
+        for peer, call in sdpa_calls(q, k, v).items():
+            row[f"{peer}_ms"] = bench_ms(call)
+    if with_flex:
+        call = flex_call(q, k, v, mods)
+        if call is not None:
+            row["flex_ms"] = bench_ms(call)
+    for key in [key for key in row if key.endswith("_ms") and key != "nvfly_ms"]:
+        row[key[:-3] + "_tbs"] = nbytes / row[key] / 1e9
+        row["vs_" + key[:-3]] = row[key] / row["nvfly_ms"]
+    return row
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--decode", action="store_true", help="the decode suite (the only one so far)")
+    p.add_argument("--quick", action="store_true",
+                   help="five rows: B1 128K, B16 48/8 32K at Sq 1 and 4, B32 4K paged 16, a soft-cap row")
+    p.add_argument("--sq", type=int, nargs="*", default=[1, 4, 8], help="query tokens of the suite's rows")
+    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
+    p.add_argument("--models", nargs="*", default=None, choices=sorted({shape[0] for shape in SUITE}),
+                   help="only these rows of the suite (the whole suite takes over 10 minutes with flex)")
+    p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True, help="the mod rows")
+    p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")
+    p.add_argument("--name", default="attention_decode", help="results file stem (benchmarks/results/<name>_h200)")
+    args = p.parse_args(argv)
+    if not args.decode:
+        p.error("--decode: the only suite so far")
+    if args.quick:
+        cases = [(shape, sq, layout, "none") for shape, sq, layout in QUICK]
+        cases.append((MOD_SHAPE, 1, "bshd", "softcap50"))
+    else:
+        cases = [(shape, sq, layout, "none") for shape in SUITE for sq in args.sq for layout in args.layouts
+                 if (layout == "bshd" or sq == 1) and (args.models is None or shape[0] in args.models)]
+        if args.mods:
+            cases += [(MOD_SHAPE, 1, "bshd", mod) for mod in make_mods(MOD_SHAPE[3])]
+    import torch._dynamo
+    torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
+    rows, started = [], time.time()
+    for shape, sq, layout, mod in cases:
+        row = run_row(shape, sq, layout, mod, not args.no_flex)
+        rows.append(row)
+        peers = "  ".join(f"{key[:-4]} {row[key]:.2f}" for key in row if key.endswith("_tbs") and key != "nvfly_tbs")
+        print(f"{row['model']:>9} B{row['batch']:<3} Skv{row['skv']:<6} {row['hq']}/{row['hkv']} sq{sq} {layout:>7} "
+              f"{mod:>10}  err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s  ({peers})", flush=True)
+        torch.cuda.empty_cache()
+    summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in rows),
+               "min_nvfly_tbs_sq1": min((r["nvfly_tbs"] for r in rows if r["sq"] == 1), default=None),
+               "min_nvfly_tbs_sq_gt1": min((r["nvfly_tbs"] for r in rows if r["sq"] > 1), default=None),
+               **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in rows if f"vs_{peer}" in r])
+                  for peer in (*SDPA_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in rows)}}
+    print(summary)
+    command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    path = write_results(args.name, rows, {"summary": summary, "command": command,
+                                           "card": torch.cuda.get_device_name()})
+    labels = [f"B{r['batch']} {r['skv'] // 1024}K {r['hq']}/{r['hkv']} sq{r['sq']} {r['layout']} {r['mod']}"
+              for r in rows]
+    series = {"nvfly": [r["nvfly_tbs"] for r in rows]}
+    for peer in (*SDPA_BACKENDS, "flex"):
+        if any(f"{peer}_tbs" in r for r in rows):
+            series[peer] = [r.get(f"{peer}_tbs", 0.0) for r in rows]
+    plot(args.name, labels, series, "TB/s (q + k + v + o)")
+    print("wrote", path)
+    return 0 if summary["all_ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""Decode attention's host functions: argument checks and eligibility, the plan, the launches, a float32 reference
+and a compile helper for tests without a GPU."""
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+
+import nvfly
+from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
+from nvfly.ops.attention.combine_kernel import attention_combine_kernel
+from nvfly.ops.attention.decode_kernel import attention_decode_kernel
+from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, captured_tensors
+from nvfly.ops.attention.plan import HEAD_DIMS, MAX_SQ, DecodePlan, decode_plan
+from nvfly.runtime.torch_args import layout_key
+
+if TYPE_CHECKING:
+    import torch
+
+OP = "attention.decode"
+DTYPES = ("torch.bfloat16", "torch.float16")
+_MODS: dict = {}  # (score_mod, mask_mod) -> Mods: one compile key per pair of functions
+
+
+def _error(kind: type, argument: str, message: str) -> Exception:
+    return kind(f"{OP}: {argument}: {message}")
+
+
+def _tensor(value: Any, name: str, rank: int) -> None:
+    import torch
+    if not isinstance(value, torch.Tensor):
+        raise _error(TypeError, name, f"expected a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != rank:
+        raise _error(ValueError, name, f"expected {rank} dimensions, got shape {tuple(value.shape)}")
+
+
+def _aligned(t: "torch.Tensor") -> bool:
+    """16-byte copies of every row: a 16-byte aligned base and every stride but the last a multiple of 8."""
+    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+
+
+def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any) -> tuple[int, int]:
+    """Validate shapes, dtypes, devices and layouts (errors name the argument); returns (cache capacity, pages or 0)."""
+    _tensor(q, "q", 4)
+    _tensor(k_cache, "k_cache", 4)
+    _tensor(v_cache, "v_cache", 4)
+    if str(q.dtype) not in DTYPES:
+        raise _error(TypeError, "q", f"dtype {q.dtype} is not supported (bfloat16, float16)")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise _error(TypeError, name, f"dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            raise _error(ValueError, name, f"on {t.device}, q on {q.device}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise _error(ValueError, name, f"the last dimension must be contiguous (stride 1), got strides "
+                                           f"{tuple(t.stride())}")
+    batch, sq, hq, dqk = q.shape
+    if not 1 <= sq <= MAX_SQ:
+        raise _error(ValueError, "q", f"{sq} query tokens per sequence (dimension 1); decode takes 1 to {MAX_SQ}")
+    if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
+        raise _error(ValueError, "v_cache", f"shape {tuple(v_cache.shape)} does not match k_cache's "
+                                            f"{tuple(k_cache.shape)} in its first three dimensions")
+    hkv = k_cache.shape[2]
+    if hkv == 0 or hq % hkv != 0:
+        raise _error(ValueError, "q", f"{hq} query heads are not a multiple of k_cache's {hkv} KV heads")
+    if k_cache.shape[3] != dqk:
+        raise _error(ValueError, "k_cache", f"head dim {k_cache.shape[3]} differs from q's {dqk}")
+    for name, d in (("q", dqk), ("v_cache", v_cache.shape[3])):
+        if d not in HEAD_DIMS:
+            raise _error(ValueError, name, f"head dim {d} is not supported ({', '.join(map(str, HEAD_DIMS))})")
+    pages = 0
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise _error(ValueError, "k_cache", f"{k_cache.shape[0]} sequences (dimension 0), q has {batch}")
+        capacity = k_cache.shape[1]
+    else:
+        _tensor(block_table, "block_table", 2)
+        if str(block_table.dtype) != "torch.int32":
+            raise _error(TypeError, "block_table", f"expected int32, got {block_table.dtype}")
+        if block_table.shape[0] != batch:
+            raise _error(ValueError, "block_table", f"{block_table.shape[0]} rows, q has {batch} sequences")
+        if block_table.device != q.device:
+            raise _error(ValueError, "block_table", f"on {block_table.device}, q on {q.device}")
+        pages = k_cache.shape[0]
+        capacity = block_table.shape[1] * k_cache.shape[1]
+    if cache_seqlens is not None:
+        _tensor(cache_seqlens, "cache_seqlens", 1)
+        if str(cache_seqlens.dtype) not in ("torch.int32", "torch.int64"):
+            raise _error(TypeError, "cache_seqlens", f"expected int32 or int64, got {cache_seqlens.dtype}")
+        if cache_seqlens.shape[0] != batch:
+            raise _error(ValueError, "cache_seqlens", f"{cache_seqlens.shape[0]} lengths, q has {batch} sequences")
+        if cache_seqlens.device != q.device:
+            raise _error(ValueError, "cache_seqlens", f"on {cache_seqlens.device}, q on {q.device}")
+    return capacity, pages
+
+
+def _check_values(cache_seqlens: Any, block_table: Any, capacity: int, pages: int) -> None:
+    """Lengths within the cache and page numbers within k_cache (reads them: a device sync)."""
+    if cache_seqlens is not None and cache_seqlens.numel():
+        low, high = int(cache_seqlens.min()), int(cache_seqlens.max())
+        if low < 0 or high > capacity:
+            raise _error(ValueError, "cache_seqlens", f"lengths from {low} to {high}, the cache holds {capacity}")
+    if block_table is not None and block_table.numel():
+        low, high = int(block_table.min()), int(block_table.max())
+        if low < 0 or high >= pages:
+            raise _error(ValueError, "block_table", f"page numbers from {low} to {high}, k_cache has {pages} pages")
+
+
+def eligibility(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None, block_table: Any = None,
+                score_mod: Optional[Callable[..., Any]] = None,
+                mask_mod: Optional[Callable[..., Any]] = None) -> Optional[str]:
+    """None when ``decode`` computes this call, else the reason it declines."""
+    try:
+        _check(q, k_cache, v_cache, cache_seqlens, block_table)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}, not CUDA"
+    if not all(_aligned(t) for t in (q, k_cache, v_cache)):
+        return "q, k_cache and v_cache need 16-byte aligned rows (strides but the last a multiple of 8 elements)"
+    if len(captured_tensors(Mods(score_mod, mask_mod))) > MAX_CAPTURED:
+        return f"the mods capture more than {MAX_CAPTURED} tensors"
+    return None
+
+
+def _mods(score_mod: Optional[Callable[..., Any]], mask_mod: Optional[Callable[..., Any]]) -> Mods:
+    key = (score_mod, mask_mod)
+    found = _MODS.get(key)
+    if found is None:
+        found = _MODS[key] = Mods(score_mod, mask_mod)
+    return found
+
+
+def _kernel_captured(mods: Mods, device: Any) -> list:
+    """The captured tensors as the kernel reads them: on the device, contiguous, 32-bit."""
+    import torch
+    out = []
+    for t in captured_tensors(mods):
+        dtype = {torch.int64: torch.int32, torch.float64: torch.float32, torch.bool: torch.int32}.get(t.dtype, t.dtype)
+        out.append(t.to(device=device, dtype=dtype).contiguous())
+    return out
+
+
+def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", *,
+           cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None,
+           scale: Optional[float] = None, causal: bool = True, score_mod: Optional[Callable[..., Any]] = None,
+           mask_mod: Optional[Callable[..., Any]] = None, return_lse: bool = False, validate: bool = True,
+           splits: int = 0, out: Optional["torch.Tensor"] = None
+           ) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
+    """softmax(q kᵀ scale + mods) v for Sq = 1..16 query tokens per sequence, fp32 accumulation.
+
+    q (B, Sq, Hq, Dqk); k_cache (B, S, Hkv, Dqk) and v_cache (B, S, Hkv, Dv), any strides with the last dimension
+    contiguous (a (B, Hkv, S, D) cache is passed as ``cache.transpose(1, 2)``); or, with ``block_table``
+    (B, max_pages) int32, paged caches (pages, page_size, Hkv, D) with sequence b's key j in page
+    block_table[b, j // page_size]. ``cache_seqlens`` (B,) int32/int64: keys of each sequence (default: all of
+    the cache). Queries are the last Sq positions of their sequence; ``causal`` masks keys after each query.
+    ``score_mod(score, b, h, q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` as in flex_attention (see
+    ``nvfly.ops.attention.mods``; q_idx is the query's position in its sequence). Returns out (B, Sq, Hq, Dv) in
+    q's dtype, and with ``return_lse`` the log-sum-exp (B, Hq, Sq) float32 (natural log; -inf for a row with no key,
+    whose output is zeros). ``validate`` reads cache_seqlens and block_table to check them (a device sync; skipped
+    under CUDA graph capture). ``splits`` > 0 forces the split-KV count. ``out``: a contiguous (B, Sq, Hq, Dv)
+    tensor of q's dtype to write (else a new one).
+    """
+    import torch
+    mods = _mods(score_mod, mask_mod)
+    capacity, pages = _checked(q, k_cache, v_cache, cache_seqlens, block_table, mods)
+    if validate and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        _check_values(cache_seqlens, block_table, capacity, pages)
+    _require_cuda(q)
+    captured = _kernel_captured(mods, q.device)
+    batch, sq, hq, dqk = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    if out is None:
+        out = torch.empty(batch, sq, hq, dv, dtype=q.dtype, device=q.device)
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, sq, hq, dv) or out.dtype != q.dtype
+          or out.device != q.device or not out.is_contiguous()):
+        raise _error(ValueError, "out", f"expected a contiguous {(batch, sq, hq, dv)} {q.dtype} tensor on {q.device}")
+    lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
+    if batch:
+        seqlens = (torch.full((batch,), capacity, dtype=torch.int32, device=q.device) if cache_seqlens is None
+                   else cache_seqlens.to(torch.int32))
+        plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
+                     k_cache.shape[1], bool(causal), int(splits))
+        _launch(plan, q, k_cache, v_cache, block_table, seqlens, out, lse, captured, mods,
+                dqk ** -0.5 if scale is None else float(scale))
+    return (out, lse) if return_lse else out
+
+
+# Per-call checks and plans: the first call of a layout (shapes, strides, dtypes, devices, 16-byte alignment of
+# every tensor, and the mods) runs the checks, which raise naming the argument; later calls look them up.
+_CALL_LIMIT = 4096
+_CHECKED: dict = {}
+_plan = functools.lru_cache(maxsize=_CALL_LIMIT)(decode_plan)
+
+
+def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, mods: Mods) -> tuple[int, int]:
+    """``_check``, the rows' alignment and the mods' captures, once per layout; (cache capacity, pages or 0)."""
+    try:
+        key = (layout_key(q), layout_key(k_cache), layout_key(v_cache), layout_key(cache_seqlens),
+               layout_key(block_table), mods)
+        found = _CHECKED.get(key)
+    except (AttributeError, TypeError):  # not tensors: the checks explain
+        key = found = None
+    if found is not None:
+        return found
+    found = _check(q, k_cache, v_cache, cache_seqlens, block_table)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not _aligned(t):
+            raise _error(ValueError, name, "rows must be 16-byte aligned (a 16-byte aligned base and strides but the "
+                                           f"last a multiple of 8 elements), got strides {tuple(t.stride())}")
+    captures = len(captured_tensors(mods))
+    if captures > MAX_CAPTURED:
+        raise _error(ValueError, "score_mod/mask_mod", f"capture {captures} tensors, at most {MAX_CAPTURED}")
+    if key is not None:
+        if len(_CHECKED) >= _CALL_LIMIT:
+            _CHECKED.clear()
+        _CHECKED[key] = found
+    return found
+
+
+def _require_cuda(q: Any) -> None:
+    if q.device.type != "cuda":
+        raise _error(ValueError, "q", f"on {q.device.type}; {OP} runs on CUDA devices")
+
+
+def _sm_count(device: Any) -> int:
+    from nvfly.runtime.driver import plan_sm_count
+    return plan_sm_count(device.index if device.index is not None else 0)
+
+
+def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens: Any, out: Any, lse: Any,
+            captured: list, mods: Mods, scale: float) -> None:
+    from nvfly.ops.common import scratch
+    from nvfly.runtime.torch_args import current_stream
+    captured = captured + [None] * (MAX_CAPTURED - len(captured))
+    batch, sq, hq, _ = q.shape
+    grid = plan.grid(batch, k.shape[2])
+    if plan.splits == 1:
+        attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, None, None, *captured,
+                                                    scale, PLAN=plan, MODS=mods)
+        return
+    rows = batch * sq * hq
+    slots = plan.splits * rows
+    buffer = scratch.partials(q.device, current_stream(q.device.index), slots * (plan.dv + 1))
+    partial_o = buffer[:slots * plan.dv].view(slots, plan.dv)
+    partial_lse = buffer[slots * plan.dv:slots * (plan.dv + 1)]
+    attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse,
+                                                *captured, scale, PLAN=plan, MODS=mods)
+    attention_combine_kernel[-(-rows // COMBINE_WARPS), COMBINE_WARPS * 32](
+        partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=plan.dv)
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", *,
+              cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None,
+              scale: Optional[float] = None, causal: bool = True, score_mod: Optional[Callable[..., Any]] = None,
+              mask_mod: Optional[Callable[..., Any]] = None) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(out, lse) of ``decode``'s arguments in float32 (out float32), sequence by sequence: the definition the
+    kernels are tested against."""
+    import torch
+    batch, sq, hq, dqk = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    scale = dqk ** -0.5 if scale is None else scale
+    out = torch.zeros(batch, sq, hq, v_cache.shape[3], dtype=torch.float32, device=q.device)
+    lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(batch):
+        if block_table is None:
+            length = k_cache.shape[1] if cache_seqlens is None else int(cache_seqlens[b])
+            keys, values = k_cache[b, :length], v_cache[b, :length]
+        else:
+            page = k_cache.shape[1]
+            length = block_table.shape[1] * page if cache_seqlens is None else int(cache_seqlens[b])
+            slots = torch.arange(length, device=q.device)
+            index = block_table[b].long().repeat_interleave(page)[:length] * page + slots % page
+            keys = k_cache.flatten(0, 1)[index]
+            values = v_cache.flatten(0, 1)[index]
+        keys = keys.float().repeat_interleave(group, dim=1)      # (L, Hq, D)
+        values = values.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[b].float(), keys) * scale  # (Hq, Sq, L)
+        heads = torch.arange(hq, device=q.device)[:, None, None]
+        positions = (length - sq + torch.arange(sq, device=q.device))[None, :, None]
+        kv = torch.arange(length, device=q.device)[None, None, :]
+        index_b = torch.tensor(b, device=q.device)
+        if score_mod is not None:
+            scores = score_mod(scores, index_b, heads, positions, kv).float()
+        keep = torch.ones_like(scores, dtype=torch.bool)
+        if causal:
+            keep = keep & (kv <= positions)
+        if mask_mod is not None:
+            keep = keep & mask_mod(index_b, heads, positions, kv).bool()
+        scores = scores.masked_fill(~keep, float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # (Hq, Sq)
+        weights = torch.exp(scores - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
+        out[b] = torch.einsum("hqk,khd->qhd", weights, values)
+        lse[b] = row_lse
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------- compile only
+def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf16, batch: int = 2, kv_heads: int = 2,
+                    seqlen: int = 1024, return_lse: bool = True, target: str = "sm_90a") -> list:
+    """The decode kernel (and the combine kernel with splits) for ``plan`` compiled without a GPU:
+    [CompiledKernel, ...]. A paged plan gets a cache of seqlen / page_size pages per sequence."""
+    from nvfly.runtime.tensor_desc import TensorDesc, torch_dtype
+    hq = kv_heads * plan.group
+    q = TensorDesc(dtype, (batch, plan.sq, hq, plan.dqk))
+    if plan.paged:
+        pages = seqlen // plan.page_size
+        k = TensorDesc(dtype, (batch * pages, plan.page_size, kv_heads, plan.dqk))
+        v = TensorDesc(dtype, (batch * pages, plan.page_size, kv_heads, plan.dv))
+        table = TensorDesc(nvfly.i32, (batch, pages))
+    else:
+        k = TensorDesc(dtype, (batch, seqlen, kv_heads, plan.dqk))
+        v = TensorDesc(dtype, (batch, seqlen, kv_heads, plan.dv))
+        table = None
+    seqlens = TensorDesc(nvfly.i32, (batch,))
+    out = TensorDesc(dtype, (batch, plan.sq, hq, plan.dv))
+    lse = TensorDesc(nvfly.f32, (batch, hq, plan.sq)) if return_lse else None
+    captured = [TensorDesc(torch_dtype(t) if str(t.dtype) not in ("torch.int64", "torch.bool") else nvfly.i32,
+                           tuple(t.shape)) for t in captured_tensors(mods)]
+    captured = captured + [None] * (MAX_CAPTURED - len(captured))
+    rows = batch * plan.sq * hq
+    split = plan.splits > 1
+    partial_o = TensorDesc(nvfly.f32, (plan.splits * rows, plan.dv)) if split else None
+    partial_lse = TensorDesc(nvfly.f32, (plan.splits * rows,)) if split else None
+    kernels = [attention_decode_kernel.compile(q, k, v, table, seqlens, out, lse, partial_o, partial_lse, *captured,
+                                               0.125, PLAN=plan, MODS=mods, block=plan.threads, target=target)]
+    if split:
+        kernels.append(attention_combine_kernel.compile(partial_o, partial_lse, out, lse, rows, hq, plan.splits,
+                                                        SQ=plan.sq, DV=plan.dv, block=COMBINE_WARPS * 32,
+                                                        target=target))
+    return kernels
+
+
+def bytes_moved(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor",
+                cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None) -> int:
+    """Bytes of q, the keys and values read (each sequence's length) and o written: what TB/s is counted on."""
+    batch, sq, hq, dqk = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+    keys = batch * capacity if cache_seqlens is None else int(cache_seqlens.sum())
+    item = q.element_size()
+    return item * (q.numel() + keys * hkv * (dqk + dv) + batch * sq * hq * dv)
+
+

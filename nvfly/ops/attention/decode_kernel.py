@@ -1,0 +1,396 @@
+"""Decode attention: softmax(q kᵀ scale + mods) v for a few query tokens over a long KV cache, at the HBM roofline.
+
+    q [B, Sq, Hq, Dqk], k [P, S, Hkv, Dqk], v [P, S, Hkv, Dv] (last dims contiguous, other strides free)
+    contiguous cache: P = B, key j of sequence b at [b, j]; paged: P pages of S = PAGE tokens, key j of sequence b
+    at [block_table[b, j // PAGE], j % PAGE]; seqlens [B] int32: keys of each sequence.
+
+Grid (splits x query tiles, Hkv, B). A CTA owns ``tile_rows`` (16, 32 or 64) packed query rows of one KV head (row
+r: query token r // G, head hkv * G + r % G; rows past Sq * G are padding, computed and never stored) and the stages
+[begin, end) of its split (``plan.split_range``). Keys stream through a ``stages``-deep shared-memory ring filled by
+16-byte cp.async copies from all threads (one commit group a stage, zero-filled past the sequence's end so that
+padding keys are 0, never NaN, and masked); one __syncthreads a stage orders the refill of the stage every warp has
+finished with. Rows of K, V and Q are 16-byte segments XOR-swizzled by row % 8, so that ldmatrix reads 8 rows with
+no bank conflict.
+
+The 4 warps are row_warps x key_warps (``WarpRole``): a warp owns 16 rows of the tile and the 16-key slices
+key_warp, key_warp + key_warps, ... of every stage (with Dv > 128, 8 warps: pairs share rows and slices, each with
+half of O's columns). Per slice: S (16 rows x 16 keys) = Q Kᵀ by mma.m16n8k16 with Q's A fragments ldmatrix'ed from
+the shared query tile and K's B fragments by ldmatrix (K rows are Kᵀ's columns); scores are scaled (the mods see
+natural units), modded, masked (past the sequence, causal: key <= the query's position seqlen - Sq + token,
+mask_mod) and kept in log2 units for exp2. The online softmax keeps each row's max m and lane-partial sum l; P in
+registers is the A fragment of O += P V (the S accumulators of keys 0-7 and 8-15 are the A registers of one k16
+step), V's B fragments come from ldmatrix.trans. After the last stage the warps that share rows merge (m, l, O)
+through shared memory (the ring, now free); the result is O / l and LSE = m + log l (natural log), or for a fully
+masked row zeros and -inf. With splits, a CTA writes its normalised partial O and LSE in f32 for
+``combine_kernel``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import nvfly
+from nvfly.arch import sm80
+from nvfly.arch.ptx import smem_address
+from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
+from nvfly.ops.attention.plan import BLOCK_N, ROWS, WARPS, ctas_per_sm
+
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
+NEG_INF = float("-inf")
+
+
+def swizzled(row: Any, segment: Any, segments: int) -> Any:
+    """Byte offset of 16-byte segment ``segment`` of row ``row`` in a tile of rows of ``segments`` segments:
+    segments XORed with row % 8 (within their group of 8), so 8 consecutive rows' same segment hit 8 bank groups."""
+    return row * (segments * 16) + (segment ^ (row & 7)) * 16
+
+
+# ---------------------------------------------------------------------------------------------- fragment maps
+# (row, 16-byte segment) of the shared tile whose address lane ``lane`` gives an ldmatrix.x4 (matrix lane // 8); the
+# CPU tests emulate ldmatrix and mma.m16n8k16 on these maps
+def q_fragment_source(lane: Any, step: Any) -> tuple[Any, Any]:
+    """Q's A fragment of k16 step ``step``: matrices (rows +8, k +8) = (bit 0, bit 1) of lane // 8, i.e. A registers
+    a0a1, a2a3, a4a5, a6a7."""
+    return (lane & 7) + 8 * ((lane >> 3) & 1), 2 * step + (lane >> 4)
+
+
+def k_fragment_source(lane: Any, step: Any, key_slice: Any) -> tuple[Any, Any]:
+    """K rows 16 * key_slice.. as the B fragments of k16 step ``step`` for keys +0..7 (registers 0, 1) and +8..15
+    (2, 3): matrices (k +8, keys +8) = (bit 0, bit 1) of lane // 8."""
+    return 16 * key_slice + (lane & 7) + 8 * (lane >> 4), 2 * step + ((lane >> 3) & 1)
+
+
+def v_fragment_source(lane: Any, pair: Any, key_slice: Any) -> tuple[Any, Any]:
+    """V rows 16 * key_slice.. (ldmatrix.trans) as the B fragments of columns 16 * pair + 0..7 (registers 0, 1) and
+    + 8..15 (2, 3): matrices (keys +8, columns +8) = (bit 0, bit 1) of lane // 8."""
+    return 16 * key_slice + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * pair + (lane >> 4)
+
+
+def accumulator_coords(lane: Any, index: int) -> tuple[Any, Any]:
+    """(row, column) of accumulator ``index`` of an m16n8 tile (PTX's C layout)."""
+    return (lane >> 2) + 8 * (index // 2), 2 * (lane & 3) + index % 2
+
+
+# P's A fragment from the S accumulators [key tile t][index]: registers a0a1, a2a3, a4a5, a6a7
+P_FRAGMENT = (((0, 0), (0, 1)), ((0, 2), (0, 3)), ((1, 0), (1, 1)), ((1, 2), (1, 3)))
+
+
+class RowCoords(NamedTuple):
+    """One packed query row as the masks and mods see it, and whether it is a real row."""
+    head: Any
+    token: Any
+    position: Any
+    valid: Any
+
+
+def row_coords(packed: Any, hkv: Any, seqlen: Any, sq: int, group: int) -> RowCoords:
+    """Query token packed // G of head hkv * G + packed % G, at position seqlen - Sq + token; padding rows are
+    clamped to the last real one (their indices stay in range for the mods' tables)."""
+    valid = packed < sq * group
+    packed = nvfly.minimum(packed, sq * group - 1)
+    token = packed // group
+    return RowCoords(hkv * group + packed % group, token, seqlen - sq + token, valid)
+
+
+class WarpRole(NamedTuple):
+    """What a warp computes: 16 rows of the query tile from ``row0``, the key slices key_warp, key_warp + key_warps,
+    ... of every stage, and column half ``half`` of O (column_warps = 2)."""
+    row0: Any
+    key_warp: Any
+    half: Any
+    lane: Any
+
+
+@nvfly.func
+def stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN):
+    """cp.async the CTA's packed query rows into the swizzled query tile (padding rows zero-filled)."""
+    SEGMENTS = PLAN.dqk // 8
+    THREADS = PLAN.threads
+    COPIES = PLAN.tile_rows * SEGMENTS
+    for i in nvfly.static_range(-(-COPIES // THREADS)):
+        copy = nvfly.minimum(tid + i * THREADS, COPIES - 1)  # a repeated copy where the threads do not divide
+        row = copy // SEGMENTS
+        segment = copy % SEGMENTS
+        coords = row_coords(m_tile * PLAN.tile_rows + row, hkv, seqlen, PLAN.sq, PLAN.group)
+        sm80.cp_async(q_tile + swizzled(row, segment, SEGMENTS), q.address(b, coords.token, coords.head, segment * 8),
+                      16, coords.valid)
+
+
+def cache_address(cache: Any, b: Any, hkv: Any, key: Any, column: Any, plan: Any, page: Any) -> Any:
+    """Address of ``cache``'s element (key ``key`` of sequence b, KV head hkv, ``column``); paged: in ``page``."""
+    if plan.paged:
+        return cache.address(page, key % plan.page_size, hkv, column)
+    return cache.address(b, key, hkv, column)
+
+
+def key_page(pages: dict, block_table: Any, b: Any, key: Any, plan: Any, slot: tuple) -> Any:
+    """The page of ``key`` (None for a contiguous cache), looked up once per ``slot`` (a copy's row: K's and V's
+    copies read the same rows when Dqk == Dv) or once per stage when pages are whole stages (``pages["stage"]``)."""
+    if not plan.paged:
+        return None
+    if "stage" in pages:
+        return pages["stage"]
+    if slot not in pages:
+        pages[slot] = block_table[b, key // plan.page_size]
+    return pages[slot]
+
+
+@nvfly.func
+def load_stage(k, v, block_table, stage, b, hkv, block, seqlen, tid, PLAN):
+    """cp.async keys block * BLOCK_N .. + BLOCK_N - 1 of K (rows of Dqk) then of V (rows of Dv) into the ring stage
+    at shared address ``stage``; keys past ``seqlen`` are zero-filled (nothing read, the address clamped)."""
+    THREADS = PLAN.threads
+    pages = {}
+    if PLAN.paged and PLAN.page_size % BLOCK_N == 0:  # the stage lies in one page: one lookup
+        pages["stage"] = block_table[b, block * BLOCK_N // PLAN.page_size]
+    for cache, dim, base in ((k, PLAN.dqk, stage), (v, PLAN.dv, stage + BLOCK_N * PLAN.dqk * 2)):
+        SEGMENTS = dim // 8
+        for i in nvfly.static_range(BLOCK_N * SEGMENTS // THREADS):  # dims are multiples of 64: it divides
+            copy = tid + i * THREADS
+            row = copy // SEGMENTS
+            segment = copy % SEGMENTS
+            key = block * BLOCK_N + row
+            clamped = nvfly.minimum(key, seqlen - 1)
+            page = key_page(pages, block_table, b, clamped, PLAN, (SEGMENTS, i))
+            sm80.cp_async(base + swizzled(row, segment, SEGMENTS),
+                          cache_address(cache, b, hkv, clamped, segment * 8, PLAN, page), 16, key < seqlen)
+
+
+class Softmax(NamedTuple):
+    """A warp's running state for its lane's rows g and g + 8: row maxima (log2 units), lane-partial row sums, and
+    the O accumulators [Dv / 8 column tiles][4] (mma's C layout)."""
+    maxima: list
+    sums: list
+    acc: list
+
+
+def pack(a: Any, b: Any, dtype: Any) -> Any:
+    """Two f32 as one 32-bit word of two 16-bit ``dtype`` values (low half first)."""
+    return nvfly.make_vector([a, b], nvfly.f32).to(dtype).bitcast(nvfly.i32).tolist()[0]
+
+
+class StageContext(NamedTuple):
+    """What every stage's scores need: the sequence, the lane's two rows, the scales and the mods."""
+    b: Any
+    seqlen: Any
+    rows: tuple
+    scale: Any
+    scale_log2: Any
+    captured: tuple
+    plan: Any
+    mods: Any
+
+
+def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key_slice: Any, key0: Any,
+                 dtype: Any) -> list:
+    """The warp's 16 rows x 16 keys (slice ``key_slice`` of the stage, from key ``key0``) in log2 units, masked to
+    -inf: [key tile t][4] in mma's C layout (row g + 8 * (i // 2), key key0 + 8t + 2 * (lane % 4) + i % 2)."""
+    plan = ctx.plan
+    lane = role.lane
+    segments = plan.dqk // 8
+    s = [[nvfly.f32(0.0)] * 4 for _ in range(2)]
+    for step in nvfly.static_range(plan.dqk // 16):
+        q_row, q_segment = q_fragment_source(lane, step)
+        a = sm80.ldmatrix_x4(q_tile + swizzled(role.row0 + q_row, q_segment, segments))
+        kb = sm80.ldmatrix_x4(stage + swizzled(*k_fragment_source(lane, step, key_slice), segments))
+        s[0] = sm80.mma_m16n8k16(a, kb[0:2], s[0], dtype)
+        s[1] = sm80.mma_m16n8k16(a, kb[2:4], s[1], dtype)
+    mods = ctx.mods
+    plain = mods.score_mod is None and mods.mask_mod is None
+    out = []
+    for t in range(2):
+        tile = []
+        for i in range(4):
+            row = ctx.rows[i // 2]
+            key = key0 + 8 * t + accumulator_coords(lane, i)[1]
+            if not plain:
+                # the mods see indices within the sequence (their tables cover it); elements outside are masked
+                mod_key = nvfly.maximum(nvfly.minimum(key, ctx.seqlen - 1), 0)
+                mod_position = nvfly.maximum(row.position, 0)
+            if mods.score_mod is None:
+                score = s[t][i] * ctx.scale_log2
+            else:
+                score = apply_score_mod(mods, ctx.captured, s[t][i] * ctx.scale, ctx.b, row.head, mod_position,
+                                        mod_key) * LOG2E
+            keep = key < ctx.seqlen
+            if plan.causal:
+                keep = keep & (key <= row.position)
+            if not plain:
+                kept = apply_mask_mod(mods, ctx.captured, ctx.b, row.head, mod_position, mod_key)
+                if kept is not None:
+                    keep = keep & kept
+            tile.append(nvfly.select(keep, score, NEG_INF))
+        out.append(tile)
+    return out
+
+
+def attend_slice(state: Softmax, ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key_slice: Any,
+                 key0: Any, dtype: Any) -> Softmax:
+    """Fold the 16 keys of slice ``key_slice`` of one ring stage (from key ``key0``) into the warp's online softmax
+    and its O columns."""
+    plan = ctx.plan
+    lane = role.lane
+    s = stage_scores(ctx, stage, q_tile, role, key_slice, key0, dtype)
+    maxima, sums, scales, p = [], [], [], [[None] * 4 for _ in range(2)]
+    for r in range(2):
+        top = nvfly.maximum(nvfly.maximum(s[0][2 * r], s[0][2 * r + 1]),
+                            nvfly.maximum(s[1][2 * r], s[1][2 * r + 1]))
+        top = nvfly.maximum(top, nvfly.shfl_xor(top, 1))  # the 4 lanes of a row
+        top = nvfly.maximum(top, nvfly.shfl_xor(top, 2))
+        new_max = nvfly.maximum(state.maxima[r], top)
+        reference = nvfly.select(new_max == NEG_INF, 0.0, new_max)  # nothing kept yet: no -inf - -inf
+        scale = nvfly.exp2(state.maxima[r] - reference)
+        total = state.sums[r] * scale
+        for t in range(2):
+            for j in range(2):
+                p[t][2 * r + j] = nvfly.exp2(s[t][2 * r + j] - reference)
+                total = total + p[t][2 * r + j]
+        maxima.append(new_max)
+        sums.append(total)
+        scales.append(scale)
+    a = [pack(p[lo[0]][lo[1]], p[hi[0]][hi[1]], dtype) for lo, hi in P_FRAGMENT]
+    segments = plan.dv // 8
+    v_tile = stage + BLOCK_N * plan.dqk * 2
+    acc = [[o * scales[i // 2] for i, o in enumerate(tile)] for tile in state.acc]
+    PAIRS = plan.dv // 16 // plan.column_warps
+    for pair in nvfly.static_range(PAIRS):
+        source = v_fragment_source(lane, pair + role.half * PAIRS, key_slice)
+        vb = sm80.ldmatrix_x4(v_tile + swizzled(*source, segments), transpose=True)
+        acc[2 * pair] = sm80.mma_m16n8k16(a, vb[0:2], acc[2 * pair], dtype)
+        acc[2 * pair + 1] = sm80.mma_m16n8k16(a, vb[2:4], acc[2 * pair + 1], dtype)
+    return Softmax(maxima, sums, acc)
+
+
+@nvfly.func
+def stream_keys(k, v, block_table, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN):
+    """The CTA's ``count`` stages from ``begin`` through the ring; returns the warp's Softmax (``role``)."""
+    STAGE = PLAN.stage_bytes
+    dtype = k.dtype
+    for i in nvfly.static_range(PLAN.stages - 1):
+        if i < count:
+            load_stage(k, v, block_table, ring + i * STAGE, ctx.b, hkv, begin + i, ctx.seqlen, tid, PLAN)
+        sm80.cp_async_commit()  # the first group also holds the query tile
+    state = Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2,
+                    [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(PLAN.dv // 8 // PLAN.column_warps)])
+    for i in range(count):
+        sm80.cp_async_wait(PLAN.stages - 2)
+        nvfly.syncthreads()  # stage i landed for every thread; every warp is done with stage i - 1
+        ahead = i + PLAN.stages - 1
+        if ahead < count:
+            load_stage(k, v, block_table, ring + (ahead % PLAN.stages) * STAGE, ctx.b, hkv, begin + ahead, ctx.seqlen,
+                       tid, PLAN)
+        sm80.cp_async_commit()
+        stage = ring + (i % PLAN.stages) * STAGE
+        if PLAN.row_warps == 1:  # one slice a warp
+            state = attend_slice(state, ctx, stage, q_tile, role, role.key_warp,
+                                 (begin + i) * BLOCK_N + 16 * role.key_warp, dtype)
+        else:  # the warp's slices as a loop: unrolled, ptxas interleaves them and spills at d > 128
+            for j in range(PLAN.row_warps):
+                key_slice = role.key_warp + j * PLAN.key_warps
+                state = attend_slice(state, ctx, stage, q_tile, role, key_slice,
+                                     (begin + i) * BLOCK_N + 16 * key_slice, dtype)
+    sm80.cp_async_wait(0)
+    nvfly.syncthreads()  # the ring is free for the merge
+    return state
+
+
+@nvfly.func
+def merge_warps(state, stats, partial, role, PLAN):
+    """Each warp's row maxima and sums (quad-reduced) into ``stats`` [maxima | sums][key warp][tile row] and its O
+    into ``partial`` [key warp][tile row][Dv] (its column half with column_warps = 2), then a barrier."""
+    lane = role.lane
+    DV = PLAN.dv
+    TILE_ROWS = PLAN.tile_rows
+    g = lane >> 2
+    sums = []
+    for r in nvfly.static_range(2):  # the 4 lanes of a row hold parts of its sum
+        total = state.sums[r] + nvfly.shfl_xor(state.sums[r], 1)
+        sums.append(total + nvfly.shfl_xor(total, 2))
+    base = role.key_warp * TILE_ROWS + role.row0
+    if ((lane & 3) == 0) & (role.half == 0):  # both column halves hold the same statistics
+        for r in nvfly.static_range(2):
+            stats[base + g + 8 * r] = state.maxima[r]
+            stats[WARPS * ROWS + base + g + 8 * r] = sums[r]
+    COLUMNS = DV // PLAN.column_warps
+    for j in nvfly.static_range(COLUMNS // 8):
+        for i in nvfly.static_range(4):
+            row, column = accumulator_coords(lane, i)
+            partial[(base + row) * DV + role.half * COLUMNS + 8 * j + column] = state.acc[j][i]
+    nvfly.syncthreads()
+
+
+@nvfly.kernel
+def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, block_table, seqlens: nvfly.Tensor,
+                            out, lse, partial_o, partial_lse, captured0, captured1, scale: nvfly.f32,
+                            PLAN: nvfly.Constexpr, MODS: nvfly.Constexpr):
+    """One (split x query tile, KV head, batch) CTA of ``WARPS`` warps (module docstring). Without splits it writes
+    out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] (f32, natural log; None: not wanted); with splits partial_o
+    [splits * B * Sq * Hq, Dv] and partial_lse [splits * B * Sq * Hq] (f32; row ((split * B + b) * Sq + token) * Hq
+    + head). captured0/1: the mods' captured tensors (``mods.captured_tensors``) or None."""
+    nvfly.min_blocks_per_sm(ctas_per_sm(PLAN))
+    SQ, G, DV, SPLITS, M_TILES = PLAN.sq, PLAN.group, PLAN.dv, PLAN.splits, PLAN.m_tiles
+    tid = nvfly.thread_idx.x
+    warp = nvfly.warp_idx() % WARPS
+    lane = nvfly.lane_idx()
+    role = WarpRole(ROWS * (warp // PLAN.key_warps), warp % PLAN.key_warps, nvfly.warp_idx() // WARPS, lane)
+    TILE_ROWS = PLAN.tile_rows
+    b = nvfly.block_idx.z
+    hkv = nvfly.block_idx.y
+    split = nvfly.block_idx.x // M_TILES
+    m_tile = nvfly.block_idx.x % M_TILES
+    seqlen = seqlens[b]
+    RING = PLAN.stages * PLAN.stage_bytes
+    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (PLAN.smem_bytes,)))
+    q_tile = ring + RING
+    stats = nvfly.dynamic_shared_tensor(nvfly.f32, (2 * WARPS * ROWS,), offset_bytes=RING + PLAN.q_bytes)
+    partial = nvfly.dynamic_shared_tensor(nvfly.f32, (WARPS * ROWS * DV,))  # over the ring, after the loop
+
+    n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
+    per_split = (n_blocks + SPLITS - 1) // SPLITS
+    begin = split * per_split
+    count = nvfly.maximum(nvfly.minimum(per_split, n_blocks - begin), 0)
+
+    stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN)
+    first = m_tile * TILE_ROWS + role.row0 + (lane >> 2)
+    rows = (row_coords(first, hkv, seqlen, SQ, G), row_coords(first + 8, hkv, seqlen, SQ, G))
+    ctx = StageContext(b, seqlen, rows, scale, scale * LOG2E, (captured0, captured1), PLAN, MODS)
+    state = stream_keys(k, v, block_table, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN)
+    merge_warps(state, stats, partial, role, PLAN)
+
+    # thread t: tile row t // PARTS, columns (t % PARTS) * DV / PARTS ..: the key warps' (m, l, O) merged
+    KEY_WARPS = PLAN.key_warps
+    PARTS = PLAN.threads // TILE_ROWS
+    row = tid // PARTS
+    part = tid % PARTS
+    maxima = [stats[w * TILE_ROWS + row] for w in nvfly.static_range(KEY_WARPS)]
+    top = maxima[0]
+    for w in nvfly.static_range(1, KEY_WARPS):
+        top = nvfly.maximum(top, maxima[w])
+    reference = nvfly.select(top == NEG_INF, 0.0, top)
+    weights = [nvfly.exp2(m - reference) for m in maxima]
+    total = stats[WARPS * ROWS + row] * weights[0]
+    for w in nvfly.static_range(1, KEY_WARPS):
+        total = total + stats[WARPS * ROWS + w * TILE_ROWS + row] * weights[w]
+    kept = total > 0.0
+    inverse = nvfly.select(kept, 1.0 / nvfly.maximum(total, 1e-30), 0.0)
+    row_lse = nvfly.select(kept, (reference + nvfly.log2(nvfly.maximum(total, 1e-30))) * LN2, NEG_INF)
+    coords = row_coords(m_tile * TILE_ROWS + row, hkv, seqlen, SQ, G)
+    COLUMNS = DV // PARTS
+    for c in nvfly.static_range(COLUMNS // 4):
+        column = part * COLUMNS + 4 * c
+        merged = partial.load(row * DV + column, width=4) * weights[0]
+        for w in nvfly.static_range(1, KEY_WARPS):
+            merged = merged + partial.load((w * TILE_ROWS + row) * DV + column, width=4) * weights[w]
+        merged = merged * inverse
+        if SPLITS == 1:
+            out.store(merged.to(out.dtype), b, coords.token, coords.head, column, mask=coords.valid)
+        else:
+            slot = ((split * q.shape[0] + b) * SQ + coords.token) * q.shape[2] + coords.head
+            partial_o.store(merged, slot, column, mask=coords.valid)
+    if coords.valid & (part == 0):
+        if SPLITS == 1:
+            if lse is not None:
+                lse[b, coords.head, coords.token] = row_lse
+        else:
+            partial_lse[((split * q.shape[0] + b) * SQ + coords.token) * q.shape[2] + coords.head] = row_lse

@@ -1,0 +1,275 @@
+"""flex_attention's ``score_mod`` and ``mask_mod`` traced into the decode kernel.
+
+The mods are plain Python functions with flex_attention's signatures,
+``score_mod(score, b, h, q_idx, kv_idx) -> score`` and ``mask_mod(b, h, q_idx, kv_idx) -> bool``, written with
+torch operations. The kernel calls them once per score element with ``ModValue``s wrapping its traced scalars;
+a ModValue implements Python's operators and, through ``__torch_function__``, the torch functions in
+``TORCH_FUNCTIONS``, so ``torch.tanh(score / 50) * 50`` becomes the kernel's ``tanh``. Tensors the functions
+capture (closure cells, or globals they name) become kernel inputs: indexing one with traced indices
+(``slopes[h]``, ``bias[h, kv_idx]``) is a load from the kernel's copy of it. ``q_idx`` is the query's position
+in its sequence (queries are aligned to the end), so mods written for prefill mean the same in decode.
+
+A mod is compiled once per function object (the compile key holds the functions): numbers it captures are
+constants of that compilation, captured tensors are read at run time.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import nvfly
+from nvfly.frontend.values import Scalar, Vector
+
+MAX_CAPTURED = 2  # captured tensors the kernel takes (kernel parameters ``captured0``, ``captured1``)
+
+
+@dataclass(frozen=True)
+class Mods:
+    """The mods of a call (the decode kernel's Constexpr; equal by function identity)."""
+    score_mod: Optional[Callable[..., Any]] = None
+    mask_mod: Optional[Callable[..., Any]] = None
+
+    @property
+    def name(self) -> str:
+        names = [getattr(f, "__name__", "mod") for f in (self.score_mod, self.mask_mod) if f is not None]
+        return "+".join(names) or "none"
+
+
+def captured_tensors(mods: Mods) -> list:
+    """The torch tensors the mods capture, in a fixed order: each function's closure cells, then the globals its
+    code names (nested functions' code too), without repeats."""
+    import torch
+    found: list = []
+
+    def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor) and not any(value is t for t in found):
+            found.append(value)
+
+    def names(code: Any) -> Iterator[str]:
+        yield from code.co_names
+        for const in code.co_consts:
+            if hasattr(const, "co_names"):
+                yield from names(const)
+
+    for fn in (mods.score_mod, mods.mask_mod):
+        if fn is None:
+            continue
+        for cell in fn.__closure__ or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                add(cell.cell_contents)
+        for name in names(fn.__code__):
+            add(fn.__globals__.get(name))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- tracing
+_ACTIVE: list = []  # the captured-tensor map of the trace in progress: [(torch tensor, kernel tensor), ...]
+
+
+@contextlib.contextmanager
+def _capturing(mods: Mods, kernel_tensors: tuple) -> Iterator[None]:
+    """While a mod is traced: indexing a captured torch tensor reads ``kernel_tensors`` (the kernel's parameters
+    for them, in ``captured_tensors`` order)."""
+    _ACTIVE.append(list(zip(captured_tensors(mods), kernel_tensors)))
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+def _raw(x: Any) -> Any:
+    return x.value if isinstance(x, ModValue) else x
+
+
+def _wrap(x: Any) -> Any:
+    return ModValue(x) if isinstance(x, (Scalar, Vector)) else x
+
+
+def _as_f32(x: Any) -> Any:
+    """Floats as f32 (scores are f32; bf16 tables are widened on load)."""
+    if isinstance(x, (Scalar, Vector)) and x.dtype.is_float and x.dtype != nvfly.f32:
+        return x.to(nvfly.f32)
+    return x
+
+
+def _index(tensor: Any, index: Any) -> "ModValue":
+    for captured, kernel_tensor in (_ACTIVE[-1] if _ACTIVE else ()):
+        if captured is tensor:
+            coords = index if isinstance(index, tuple) else (index,)
+            value = kernel_tensor[tuple(_raw(c) for c in coords)]
+            return ModValue(_as_f32(value))
+    raise TypeError("attention: a score_mod/mask_mod indexed a tensor it does not capture (pass tensors through "
+                    "the function's closure or module globals)")
+
+
+def _binary(op: Callable[[Any, Any], Any]) -> Callable[..., "ModValue"]:
+    def apply(a: Any, b: Any, *_: Any, **__: Any) -> "ModValue":
+        return _wrap(op(_as_f32(_raw(a)), _as_f32(_raw(b))))
+    return apply
+
+
+def _unary(op: Callable[[Any], Any]) -> Callable[..., "ModValue"]:
+    def apply(a: Any, *_: Any, **__: Any) -> "ModValue":
+        return _wrap(op(_as_f32(_raw(a))))
+    return apply
+
+
+def _where(cond: Any, a: Any, b: Any) -> "ModValue":
+    return _wrap(nvfly.select(_raw(cond), _as_f32(_raw(a)), _as_f32(_raw(b))))
+
+
+def _clamp(x: Any, min: Any = None, max: Any = None) -> "ModValue":  # noqa: A002 - torch's keyword names
+    value = _raw(x)
+    if min is not None:
+        value = nvfly.maximum(value, _raw(min))
+    if max is not None:
+        value = nvfly.minimum(value, _raw(max))
+    return _wrap(value)
+
+
+def _torch_functions() -> dict:
+    import operator
+
+    import torch
+    Tensor = torch.Tensor
+    return {
+        torch.tanh: _unary(nvfly.tanh), Tensor.tanh: _unary(nvfly.tanh),
+        torch.exp: _unary(nvfly.exp), Tensor.exp: _unary(nvfly.exp),
+        torch.exp2: _unary(nvfly.exp2), torch.log: _unary(nvfly.log), torch.log2: _unary(nvfly.log2),
+        torch.sqrt: _unary(nvfly.sqrt), torch.rsqrt: _unary(nvfly.rsqrt), torch.erf: _unary(nvfly.erf),
+        torch.sin: _unary(nvfly.sin), torch.cos: _unary(nvfly.cos),
+        torch.sigmoid: _unary(lambda x: 1.0 / (1.0 + nvfly.exp(-x))),
+        torch.abs: _unary(abs), Tensor.abs: _unary(abs), torch.neg: _unary(operator.neg),
+        torch.where: _where, torch.clamp: _clamp, Tensor.clamp: _clamp,
+        torch.minimum: _binary(nvfly.minimum), torch.maximum: _binary(nvfly.maximum),
+        torch.add: _binary(operator.add), torch.sub: _binary(operator.sub), torch.mul: _binary(operator.mul),
+        torch.div: _binary(operator.truediv),
+        torch.logical_and: _binary(operator.and_), torch.logical_or: _binary(operator.or_),
+        torch.logical_not: _unary(lambda x: ~x),
+        Tensor.__getitem__: _index,
+    }
+
+
+_FUNCTIONS: dict = {}
+
+
+class ModValue:
+    """A traced scalar as the mods see it: Python operators and the torch functions of ``_torch_functions``."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if not _FUNCTIONS:
+            _FUNCTIONS.update(_torch_functions())
+        handler = _FUNCTIONS.get(func)
+        if handler is None:
+            name = getattr(func, "__name__", repr(func))
+            raise TypeError(f"attention: torch.{name} is not supported in a score_mod/mask_mod (supported: "
+                            f"arithmetic, comparisons, &, |, ~, tensor indexing, "
+                            f"{', '.join(sorted({getattr(f, '__name__', '?') for f in _FUNCTIONS}))})")
+        return handler(*args, **(kwargs or {}))
+
+    def __bool__(self) -> bool:
+        raise TypeError("attention: a score_mod/mask_mod branched on a traced value; use torch.where, &, | and ~")
+
+    def _op(self, other: Any, op: Callable[[Any, Any], Any], reverse: bool = False) -> "ModValue":
+        a, b = _as_f32(self.value), _as_f32(_raw(other))
+        return _wrap(op(b, a) if reverse else op(a, b))
+
+    def __add__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a + b)
+    def __radd__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a + b, True)
+    def __sub__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a - b)
+    def __rsub__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a - b, True)
+    def __mul__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a * b)
+    def __rmul__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a * b, True)
+    def __truediv__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a / b)
+    def __rtruediv__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a / b, True)
+    def __floordiv__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a // b)
+    def __mod__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a % b)
+    def __lt__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a < b)
+    def __le__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a <= b)
+    def __gt__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a > b)
+    def __ge__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a >= b)
+    def __eq__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a == b)  # type: ignore[override]
+    def __ne__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a != b)  # type: ignore[override]
+    def __and__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a & b)
+    def __rand__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a & b, True)
+    def __or__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a | b)
+    def __ror__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a | b, True)
+    def __invert__(self) -> "ModValue": return _wrap(~self.value)
+    def __neg__(self) -> "ModValue": return _wrap(-self.value)
+    def __abs__(self) -> "ModValue": return _wrap(abs(self.value))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def apply_score_mod(mods: Mods, captured: tuple, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """The score after ``mods.score_mod`` (f32), or ``score`` without one; ``captured``: the kernel's tensors for
+    ``captured_tensors(mods)``."""
+    if mods.score_mod is None:
+        return score
+    with _capturing(mods, captured):
+        out = _raw(mods.score_mod(ModValue(score), ModValue(b), ModValue(h), ModValue(q_idx), ModValue(kv_idx)))
+    return out.to(nvfly.f32) if isinstance(out, Scalar) else nvfly.f32(float(out))
+
+
+def apply_mask_mod(mods: Mods, captured: tuple, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """Whether ``mods.mask_mod`` keeps the element (an i1), or None without one."""
+    if mods.mask_mod is None:
+        return None
+    with _capturing(mods, captured):
+        out = _raw(mods.mask_mod(ModValue(b), ModValue(h), ModValue(q_idx), ModValue(kv_idx)))
+    if not isinstance(out, Scalar):
+        return nvfly.i1(bool(out)) if isinstance(out, bool) else out
+    return out if out.dtype == nvfly.i1 else out != 0
+
+
+# ---------------------------------------------------------------------------------------------- shipped examples
+def soft_cap(cap: float) -> Callable[..., Any]:
+    """Gemma-2-style tanh soft-capping: cap * tanh(score / cap)."""
+    import torch
+
+    def tanh_softcap(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+    return tanh_softcap
+
+
+def alibi_slopes(heads: int) -> list[float]:
+    """ALiBi's per-head slopes 2**(-8 (h + 1) / heads) (power-of-two head counts, as in the paper)."""
+    return [2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)]
+
+
+def alibi(slopes: Any) -> Callable[..., Any]:
+    """ALiBi: score + slopes[h] * (kv_idx - q_idx), ``slopes`` a float tensor of one slope per query head (a
+    captured tensor: a kernel input)."""
+    def alibi_bias(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    return alibi_bias
+
+
+def sliding_window(window: int) -> Callable[..., Any]:
+    """Keys at most ``window - 1`` positions before the query (with causal: the last ``window`` keys)."""
+    def sliding_window_mask(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < window
+    return sliding_window_mask
+
+
+def prefix_lm(prefix_lengths: Any) -> Callable[..., Any]:
+    """Prefix-LM without causal: every query sees its sequence's first ``prefix_lengths[b]`` keys, and the keys up
+    to its own position (call with causal=False)."""
+    def prefix_lm_mask(b, h, q_idx, kv_idx):
+        return (kv_idx < prefix_lengths[b]) | (kv_idx <= q_idx)
+    return prefix_lm_mask
+
+
+def document_mask(document_ids: Any) -> Callable[..., Any]:
+    """Keys of the query's own document: ``document_ids`` (batch, cache length) int32, the document of each key
+    position."""
+    def document_mask_mod(b, h, q_idx, kv_idx):
+        return document_ids[b, kv_idx] == document_ids[b, q_idx]
+    return document_mask_mod
+

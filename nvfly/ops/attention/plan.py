@@ -1,0 +1,151 @@
+"""Decode attention plans: the tile, the shared-memory ring and the split-KV count, chosen per shape (pure Python).
+
+A CTA of ``WARPS`` warps owns one (batch, KV head, query tile, KV split); the query tile's rows are the Sq x G query
+rows (query token, head in the group) that share the KV head, so K and V are read once for all of them. Every stage
+of the ring holds ``BLOCK_N`` keys of K and V in 16-key slices. The warps are ``row_warps`` x ``key_warps``: a warp
+owns 16 rows of the tile and every key_warps-th slice of each stage, with its own online softmax; the warps sharing
+rows merge at the end. docs/ops/attention.md explains the choices.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+WARPS = 4                  # 4 sub-partitions' tensor cores busy (8 warps, in pairs, with column_warps = 2)
+ROWS = 16                  # query rows of a warp: the M of mma.m16n8k16
+BLOCK_N = WARPS * 16       # keys of one ring stage
+SMEM_PER_SM = 228 * 1024   # H100/H200 shared memory an SM gives its CTAs
+SMEM_RESERVED = 1024       # what the driver keeps per resident CTA
+MAX_SMEM = 227 * 1024      # one CTA's opt-in limit
+REGISTERS_PER_SM = 65536
+MIN_THREAD_REGISTERS = 168 # what a thread keeps (Dv = 128 uses ~180 at two CTAs an SM, Dv = 64 ~110 at three)
+MAX_SPLITS = 128           # FA3's cap: the combine reads at most this many partials a row
+HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64: whole 128-byte swizzle groups, 16-byte copies that divide
+MAX_SQ = 16
+WAVE_FILL = 0.8            # FA3: no split when one wave already fills 80% of the CTA slots
+SPLIT_EFFICIENCY = 0.85    # FA3: the fewest splits within 85% of the best wave efficiency
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What the decode kernel is compiled for (its Constexpr) and how it is launched.
+
+    sq: query tokens per sequence; group: query heads per KV head (G); dqk, dv: head dims; paged/page_size: KV read
+    through a block table of pages of ``page_size`` tokens; causal: queries aligned to the end of their sequence;
+    stages: ring depth; splits: CTAs sharing one sequence's keys (1: no combine); row_warps: warps that split the
+    query tile's rows (16 each; the other WARPS / row_warps split the keys)."""
+    sq: int
+    group: int
+    dqk: int
+    dv: int
+    paged: bool
+    page_size: int
+    causal: bool
+    stages: int
+    splits: int
+    row_warps: int = 1
+
+    @property
+    def key_warps(self) -> int:
+        return WARPS // self.row_warps
+
+    @property
+    def tile_rows(self) -> int:
+        """Query rows of a CTA."""
+        return ROWS * self.row_warps
+
+    @property
+    def column_warps(self) -> int:
+        """Warps sharing rows and key slices, each with Dv / column_warps of O's columns: 2 for Dv > 128, whose full
+        16 x Dv f32 accumulator (96-128 registers a thread) spills beside the rest."""
+        return 2 if self.dv > 128 else 1
+
+    @property
+    def threads(self) -> int:
+        return WARPS * self.column_warps * 32
+
+    @property
+    def rows(self) -> int:
+        """Query rows sharing a KV head: the packed M."""
+        return self.sq * self.group
+
+    @property
+    def m_tiles(self) -> int:
+        """Query tiles (CTAs) per KV head and split."""
+        return -(-self.rows // self.tile_rows)
+
+    @property
+    def q_bytes(self) -> int:
+        return self.tile_rows * self.dqk * 2
+
+    @property
+    def stage_bytes(self) -> int:
+        return BLOCK_N * (self.dqk + self.dv) * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: the ring, the query tile, then the warps' row maxima and sums (f32; key_warps x
+        tile_rows = WARPS x ROWS of each)."""
+        return self.stages * self.stage_bytes + self.q_bytes + 2 * WARPS * ROWS * 4
+
+    def grid(self, batch: int, kv_heads: int) -> tuple[int, int, int]:
+        """(splits x query tiles, KV heads, batch): the query tiles of one split are neighbours, so the CTAs that
+        read the same keys run together and all but the first find them in L2."""
+        return self.splits * self.m_tiles, kv_heads, batch
+
+
+def stages_for(dqk: int, dv: int) -> int:
+    """Ring depth: 4 stages of 16 KB (d = 64, three CTAs an SM), 3 of 32 KB (d = 128, two CTAs an SM) or of 64 KB
+    (d = 256, one CTA): 64-128 KB of K/V in flight per SM either way."""
+    return 4 if BLOCK_N * (dqk + dv) * 2 <= 16 * 1024 else 3
+
+
+def ctas_per_sm(plan: DecodePlan) -> int:
+    """Resident CTAs an SM holds, by shared memory and by registers (up to 255 a thread)."""
+    by_smem = SMEM_PER_SM // (plan.smem_bytes + SMEM_RESERVED)
+    by_registers = REGISTERS_PER_SM // (plan.threads * MIN_THREAD_REGISTERS)
+    return max(1, min(by_smem, by_registers, 4))
+
+
+def num_splits(ctas: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+    """FA3's heuristic on CTA slots (SMs x resident CTAs): 1 split when ``ctas`` fill WAVE_FILL of the slots or the
+    keys are at most 4 stages, else the fewest splits (at most one per stage, ``max_splits``, ``slots``) whose
+    wave efficiency (waves / ceil(waves)) is within SPLIT_EFFICIENCY of the best."""
+    if ctas >= WAVE_FILL * slots or n_blocks <= 4:
+        return 1
+    limit = max(1, min(max_splits, slots, n_blocks))
+    efficiency = []
+    for splits in range(1, limit + 1):
+        waves = ctas * splits / slots
+        efficiency.append(waves / math.ceil(waves))
+    best = max(efficiency)
+    return next(s for s, e in enumerate(efficiency, start=1) if e >= SPLIT_EFFICIENCY * best)
+
+
+def row_warps_for(rows: int) -> int:
+    """Warps splitting the query rows: as few as hold them, up to all four (64 rows), so that K and V are read once
+    for up to 64 rows; more rows take more CTAs, which find the keys in L2. Each warp's mma work grows with its key
+    slices (row_warps of them a stage), still under the stage's DRAM time."""
+    return 1 if rows <= ROWS else 2 if rows <= 2 * ROWS else WARPS
+
+
+def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: int, max_seqlen: int, sm_count: int,
+                paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0,
+                row_warps: int = 0) -> DecodePlan:
+    """The plan for one call shape; ``splits`` > 0 forces a split count and ``row_warps`` > 0 the row split (for
+    tests and comparisons)."""
+    plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal, stages_for(dqk, dv), 1,
+                      row_warps or row_warps_for(sq * group))
+    if splits <= 0:
+        ctas = batch * kv_heads * plan.m_tiles
+        splits = num_splits(ctas, sm_count * ctas_per_sm(plan), -(-max_seqlen // BLOCK_N))
+    return DecodePlan(**{**plan.__dict__, "splits": min(splits, MAX_SPLITS)})
+
+
+def split_range(seqlen: int, splits: int, split: int) -> tuple[int, int]:
+    """The stages [begin, end) of split ``split`` of a sequence of ``seqlen`` keys (the kernel's arithmetic):
+    the sequence's stages divided evenly, so ragged batches split every sequence by its own length."""
+    n_blocks = -(-seqlen // BLOCK_N)
+    per_split = -(-n_blocks // splits)
+    begin = split * per_split
+    return begin, max(begin, min(begin + per_split, n_blocks))

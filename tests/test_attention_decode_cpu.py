@@ -1,0 +1,393 @@
+"""Decode attention without a GPU: the split heuristic's invariants, the split + combine arithmetic against the
+float32 reference, the reference itself, argument errors, mods tracing, and every plan family compiling for sm_90a
+to mma.sync, 16-byte cp.async and ldmatrix with no local-memory spills."""
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nvfly
+from nvfly.ops import attention
+from nvfly.ops.attention import mods as M
+from nvfly.ops.attention import plan as P
+from nvfly.ops.attention import decode_kernel as K
+from nvfly.ops.attention import api
+from nvfly.ops.attention.api import reference
+
+
+# ---------------------------------------------------------------------------------------------- split heuristic
+def slots_of(plan):
+    return 132 * P.ctas_per_sm(plan)
+
+
+@pytest.mark.parametrize("batch,kv_heads,group,seqlen", [(1, 8, 4, 128 * 1024), (1, 8, 6, 32 * 1024),
+                                                         (16, 8, 6, 32 * 1024), (1, 1, 32, 8192)])
+def test_few_sequences_are_split_to_fill_the_sms(batch, kv_heads, group, seqlen):
+    plan = P.decode_plan(batch, 1, kv_heads, group, 128, 128, seqlen, 132)
+    ctas = batch * kv_heads * plan.m_tiles
+    n_blocks = -(-seqlen // P.BLOCK_N)
+
+    def efficiency(splits):
+        waves = ctas * splits / slots_of(plan)
+        return waves / math.ceil(waves)
+    best = max(efficiency(s) for s in range(1, min(P.MAX_SPLITS, n_blocks) + 1))
+    assert plan.splits > 1
+    assert efficiency(plan.splits) >= P.SPLIT_EFFICIENCY * best
+    if ctas * n_blocks >= slots_of(plan):  # enough stages to fill every slot
+        assert efficiency(plan.splits) > 0.8
+    assert all(efficiency(s) < P.SPLIT_EFFICIENCY * best for s in range(1, plan.splits))  # the fewest such
+    assert plan.splits <= n_blocks  # every split has stages
+
+
+@pytest.mark.parametrize("batch,kv_heads,group,seqlen", [(128, 8, 4, 4096), (32, 8, 4, 4096), (64, 8, 8, 8192),
+                                                         (4, 8, 4, 200)])
+def test_full_grids_and_short_sequences_are_not_split(batch, kv_heads, group, seqlen):
+    assert P.decode_plan(batch, 1, kv_heads, group, 128, 128, seqlen, 132).splits == 1
+
+
+def test_fa3_example():
+    """hopper-kernels.md §3: 48 CTAs on 108 SMs take 2 splits (efficiency 0.89), not 3 (0.67)."""
+    assert P.num_splits(48, 108, 100) == 2
+
+
+def test_split_ranges_partition_every_sequence():
+    for seqlen in (0, 1, 63, 64, 65, 1000, 4097, 131072):
+        n_blocks = -(-seqlen // P.BLOCK_N)
+        for splits in (1, 2, 3, 7, 29, 128):
+            covered = []
+            for split in range(splits):
+                begin, end = P.split_range(seqlen, splits, split)
+                covered.extend(range(begin, end))
+            assert covered == list(range(n_blocks)), (seqlen, splits)
+
+
+@pytest.mark.parametrize("dqk", P.HEAD_DIMS)
+@pytest.mark.parametrize("dv", P.HEAD_DIMS)
+@pytest.mark.parametrize("sq", [1, 4, 8])
+def test_shared_memory_fits(dqk, dv, sq):
+    plan = P.decode_plan(1, sq, 1, 8, dqk, dv, 4096, 132, splits=1)
+    assert plan.row_warps == {1: 1, 4: 2, 8: 4}[sq] and plan.tile_rows >= min(64, sq * 8)
+    assert plan.smem_bytes <= P.MAX_SMEM
+    assert P.WARPS * P.ROWS * dv * 4 <= plan.stages * plan.stage_bytes  # the warps' merge reuses the ring
+    assert P.BLOCK_N * (dqk // 8) % plan.threads == 0 and P.BLOCK_N * (dv // 8) % plan.threads == 0
+
+
+# ---------------------------------------------------------------------------------------------- fragment maps
+# PTX ISA, ldmatrix and mma.m16n8k16 with 16-bit inputs (g = lane / 4, q = lane % 4, element i = 2 * register + half)
+def stage_memory(tile):
+    """A [rows, d] tile as the kernel's cp.async copies lay it out in shared memory (2-byte elements)."""
+    rows, d = tile.shape
+    memory = np.full(rows * d, np.nan)
+    for row, segment in itertools.product(range(rows), range(d // 8)):
+        offset = K.swizzled(row, segment, d // 8) // 2
+        memory[offset:offset + 8] = tile[row, 8 * segment:8 * segment + 8]
+    return memory
+
+
+def ldmatrix_x4(memory, sources, segments, transpose=False):
+    """Each lane's four registers (two values each) from the (row, segment) every lane addresses."""
+    matrices = []
+    for j in range(4):
+        rows = []
+        for r in range(8):
+            offset = K.swizzled(*sources[8 * j + r], segments) // 2
+            rows.append(memory[offset:offset + 8])
+        matrices.append(np.array(rows))
+    out = []
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        out.append([(m[2 * q, g], m[2 * q + 1, g]) if transpose else (m[g, 2 * q], m[g, 2 * q + 1])
+                    for m in matrices])
+    return out
+
+
+def mma(a, b, c):
+    """D = A B + C from every lane's fragments (a: 4 registers, b: 2, c: 4 values)."""
+    A, B = np.full((16, 16), np.nan), np.full((16, 8), np.nan)
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        for i in range(8):
+            A[g + 8 * ((i // 2) % 2), 2 * q + i % 2 + 8 * (i // 4)] = a[lane][i // 2][i % 2]
+        for i in range(4):
+            B[2 * q + i % 2 + 8 * (i // 2), g] = b[lane][i // 2][i % 2]
+    D = A @ B
+    return [[c[lane][i] + D[K.accumulator_coords(lane, i)] for i in range(4)] for lane in range(32)]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fragment_maps_compute_scores_and_values(d):
+    """Emulate a warp of each key slice: S = Q Kᵀ from the shared tiles through the kernel's ldmatrix sources, and
+    O = P V with P's A fragment taken from S's accumulators (P_FRAGMENT) and V by ldmatrix.trans."""
+    rng = np.random.default_rng(d)
+    q, k, v = rng.standard_normal((16, d)), rng.standard_normal((64, d)), rng.standard_normal((64, d))
+    p = rng.standard_normal((16, 64))
+    q_mem, k_mem, v_mem = stage_memory(q), stage_memory(k), stage_memory(v)
+    zero = [[0.0] * 4 for _ in range(32)]
+    for warp in range(P.WARPS):
+        s = [zero, zero]
+        for step in range(d // 16):
+            a = ldmatrix_x4(q_mem, [K.q_fragment_source(lane, step) for lane in range(32)], d // 8)
+            kb = ldmatrix_x4(k_mem, [K.k_fragment_source(lane, step, warp) for lane in range(32)], d // 8)
+            s = [mma(a, [regs[0:2] for regs in kb], s[0]), mma(a, [regs[2:4] for regs in kb], s[1])]
+        want = q @ k[16 * warp:16 * warp + 16].T
+        for t, lane, i in itertools.product(range(2), range(32), range(4)):
+            row, col = K.accumulator_coords(lane, i)
+            assert s[t][lane][i] == pytest.approx(want[row, 8 * t + col])
+        # P in S's accumulator layout -> A fragment
+        p_acc = [[[p[K.accumulator_coords(lane, i)[0], 16 * warp + 8 * t + K.accumulator_coords(lane, i)[1]]
+                   for i in range(4)] for lane in range(32)] for t in range(2)]
+        a = [[(p_acc[lo[0]][lane][lo[1]], p_acc[hi[0]][lane][hi[1]]) for lo, hi in K.P_FRAGMENT] for lane in range(32)]
+        want = p[:, 16 * warp:16 * warp + 16] @ v[16 * warp:16 * warp + 16]
+        for pair in range(d // 16):
+            vb = ldmatrix_x4(v_mem, [K.v_fragment_source(lane, pair, warp) for lane in range(32)], d // 8, True)
+            for half in range(2):
+                acc = mma(a, [regs[2 * half:2 * half + 2] for regs in vb], zero)
+                for lane, i in itertools.product(range(32), range(4)):
+                    row, col = K.accumulator_coords(lane, i)
+                    assert acc[lane][i] == pytest.approx(want[row, 16 * pair + 8 * half + col])
+
+
+@pytest.mark.parametrize("segments", [8, 16, 24, 32])
+def test_ldmatrix_phases_are_conflict_free(segments):
+    """The 8 rows one matrix of an ldmatrix reads fall in 8 different 16-byte bank groups."""
+    for step, warp in itertools.product(range(segments // 2), range(P.WARPS)):
+        for source in (lambda lane: K.q_fragment_source(lane, step), lambda lane: K.k_fragment_source(lane, step, warp),
+                       lambda lane: K.v_fragment_source(lane, step, warp)):
+            for j in range(4):
+                groups = {K.swizzled(*source(8 * j + r), segments) // 16 % 8 for r in range(8)}
+                assert len(groups) == 8
+
+
+# ---------------------------------------------------------------------------------------------- the arithmetic
+def random_case(batch=3, sq=3, hq=8, hkv=2, d=64, capacity=300, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, sq, hq, d, generator=gen)
+    k = torch.randn(batch, capacity, hkv, d, generator=gen)
+    v = torch.randn(batch, capacity, hkv, d, generator=gen)
+    return q, k, v
+
+
+def combine(outs, lses):
+    """The combine kernel's arithmetic on the splits' normalised partials."""
+    lse = torch.stack(lses)  # (splits, B, Hq, Sq)
+    top = lse.max(dim=0).values
+    ref = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    weights = torch.exp(lse - ref)
+    total = weights.sum(dim=0)
+    w = weights.permute(0, 1, 3, 2)[..., None]  # (splits, B, Sq, Hq, 1)
+    out = (torch.stack(outs) * w).sum(dim=0) / torch.where(total > 0, total, 1.0).permute(0, 2, 1)[..., None]
+    return out, torch.where(total > 0, ref + torch.log(total), torch.full_like(total, float("-inf")))
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_and_combine_equal_the_whole(splits):
+    """Each split attends its stages (plan.split_range of its own sequence's length), the combine merges them: the
+    result is the reference's, with a length-0 sequence and queries before a length-1 sequence's start giving
+    zeros and -inf."""
+    q, k, v = random_case()
+    seqlens = torch.tensor([0, 1, 300])
+    outs, lses = [], []
+    for split in range(splits):
+        ranges = [P.split_range(int(n), splits, split) for n in seqlens]
+        lo = torch.tensor([b * P.BLOCK_N for b, _ in ranges])
+        hi = torch.tensor([e * P.BLOCK_N for _, e in ranges])
+
+        def in_split(b, h, q_idx, kv_idx):
+            return (kv_idx >= lo[b]) & (kv_idx < hi[b])
+        out, lse = reference(q, k, v, cache_seqlens=seqlens, mask_mod=in_split)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = combine(outs, lses)
+    want_out, want_lse = reference(q, k, v, cache_seqlens=seqlens)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse)
+    assert torch.all(want_out[0] == 0) and torch.all(torch.isinf(want_lse[0]))
+    assert torch.all(want_out[1, :2] == 0) and torch.all(torch.isfinite(want_lse[1, :, 2]))
+    assert not torch.isnan(out).any()
+
+
+def test_reference_matches_sdpa():
+    q, k, v = random_case(batch=2, sq=1, capacity=100)
+    out, _ = reference(q, k, v, causal=False)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True)
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_reference_reads_the_pages():
+    q, k, v = random_case(capacity=256)
+    page = 16
+    pages = k.shape[1] // page
+    perm = torch.randperm(k.shape[0] * pages, generator=torch.Generator().manual_seed(1))
+    k_pages = torch.empty(k.shape[0] * pages, page, *k.shape[2:])
+    v_pages = torch.empty_like(k_pages)
+    k_pages[perm] = k.reshape(-1, page, *k.shape[2:])
+    v_pages[perm] = v.reshape(-1, page, *v.shape[2:])
+    table = perm.view(k.shape[0], pages).to(torch.int32)
+    seqlens = torch.tensor([5, 200, 256])
+    got = reference(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table)
+    want = reference(q, k, v, cache_seqlens=seqlens)
+    torch.testing.assert_close(got, want)
+
+
+# ---------------------------------------------------------------------------------------------- argument errors
+def bf16(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("make,kind,needle", [
+    (lambda: (bf16(2, 1, 12, 64), bf16(2, 32, 5, 64), bf16(2, 32, 5, 64), {}), ValueError, "q: 12 query heads"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 32, 2, 64).half(), bf16(2, 32, 2, 64), {}), TypeError, "k_cache: dtype"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 64, 2, 32).transpose(1, 3), bf16(2, 32, 2, 64), {}), ValueError,
+     "k_cache: the last dimension must be contiguous"),
+    (lambda: (bf16(2, 17, 8, 64), bf16(2, 32, 2, 64), bf16(2, 32, 2, 64), {}), ValueError, "q: 17 query tokens"),
+    (lambda: (bf16(2, 1, 8, 96), bf16(2, 32, 2, 96), bf16(2, 32, 2, 96), {}), ValueError, "q: head dim 96"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(8, 16, 2, 64), bf16(8, 16, 2, 64),
+              {"block_table": torch.zeros(3, 4, dtype=torch.int32)}), ValueError, "block_table: 3 rows"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(8, 16, 2, 64), bf16(8, 16, 2, 64),
+              {"block_table": torch.zeros(2, 4, dtype=torch.int64)}), TypeError, "block_table: expected int32"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(8, 16, 2, 64), bf16(8, 16, 2, 64),
+              {"block_table": torch.full((2, 4), 8, dtype=torch.int32)}), ValueError, "block_table: page numbers"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 32, 2, 64), bf16(2, 32, 2, 64),
+              {"cache_seqlens": torch.tensor([3, 33], dtype=torch.int32)}), ValueError, "cache_seqlens: lengths"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 32, 2, 64), bf16(2, 32, 2, 64),
+              {"cache_seqlens": torch.tensor([3], dtype=torch.int32)}), ValueError, "cache_seqlens: 1 lengths"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(3, 32, 2, 64), bf16(3, 32, 2, 64), {}), ValueError, "k_cache: 3 sequences"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 32, 2, 64), bf16(2, 32, 2, 64), {}), ValueError, "q: on cpu"),
+])
+def test_bad_arguments_raise_naming_the_argument(make, kind, needle):
+    q, k, v, kwargs = make()
+    with pytest.raises(kind, match=f"attention.decode: {needle}"):
+        attention.decode(q, k, v, **kwargs)
+
+
+def test_eligibility_gives_reasons():
+    assert "not CUDA" in attention.eligibility(bf16(2, 1, 8, 64), bf16(2, 32, 2, 64), bf16(2, 32, 2, 64))
+    assert "query heads" in attention.eligibility(bf16(2, 1, 6, 64), bf16(2, 32, 4, 64), bf16(2, 32, 4, 64))
+
+
+# ---------------------------------------------------------------------------------------------- host path
+@pytest.fixture
+def cpu_launches(recorded_launches, monkeypatch):
+    """decode's host path on CPU tensors: kernels compile and 'launch' through the real binder (conftest's
+    recorded_launches), on a 132-SM device."""
+    monkeypatch.setattr(api, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(api, "_sm_count", lambda device: 132)
+    return recorded_launches
+
+
+def test_host_path_launches_the_decode_kernel(cpu_launches):
+    q, k, v = bf16(2, 1, 8, 64), bf16(2, 4096, 2, 64), bf16(2, 4096, 2, 64)
+    out, lse = attention.decode(q, k, v, cache_seqlens=torch.tensor([4096, 3], dtype=torch.int32), splits=1,
+                                return_lse=True)
+    assert out.shape == (2, 1, 8, 64) and lse.shape == (2, 8, 1) and lse.dtype == torch.float32
+    assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_decode_kernel", (1, 2, 2))]
+    assert out.data_ptr() in cpu_launches[0][2] and lse.data_ptr() in cpu_launches[0][2]
+
+
+def test_host_path_splits_then_combines(cpu_launches):
+    """Paged, 48/8 at Sq = 8 (one 64-row tile), split by the heuristic: the decode grid is (splits, Hkv, B), then
+    the combine runs a warp per (sequence, token, head) row."""
+    k, v = bf16(64, 64, 8, 128), bf16(64, 64, 8, 128)
+    table = torch.randperm(64).view(1, 64).to(torch.int32)
+    q = bf16(1, 8, 48, 128)
+    out = attention.decode(q, k, v, block_table=table)
+    plan = P.decode_plan(1, 8, 8, 6, 128, 128, 4096, 132, paged=True, page_size=64)
+    assert plan.splits > 1 and plan.m_tiles == 1
+    assert [(name, grid) for name, grid, _ in cpu_launches] == [
+        ("attention_decode_kernel", (plan.splits, 8, 1)), ("attention_combine_kernel", (8 * 48 // 4, 1, 1))]
+    assert out.data_ptr() in cpu_launches[1][2]
+
+
+def test_host_path_passes_captured_tensors(cpu_launches):
+    slopes = torch.tensor(M.alibi_slopes(8))
+    q, k, v = bf16(1, 1, 8, 64), bf16(1, 256, 2, 64), bf16(1, 256, 2, 64)
+    attention.decode(q, k, v, score_mod=M.alibi(slopes), splits=1)
+    params = cpu_launches[0][2]
+    assert len(cpu_launches) == 1 and any(p == slopes.data_ptr() for p in params)
+
+
+# ---------------------------------------------------------------------------------------------- mods
+GLOBAL_BIAS = torch.zeros(4, 4)
+
+
+def test_captured_tensors_come_from_closures_and_globals():
+    slopes = torch.ones(8)
+
+    def uses_both(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] + GLOBAL_BIAS[h, kv_idx]
+    found = M.captured_tensors(M.Mods(uses_both, M.document_mask(GLOBAL_BIAS)))
+    assert len(found) == 2 and found[0] is slopes and found[1] is GLOBAL_BIAS
+
+
+def test_unsupported_torch_functions_are_named():
+    def cumulative(score, b, h, q_idx, kv_idx):
+        return torch.cumsum(score, 0)
+    plan = P.decode_plan(1, 1, 1, 4, 64, 64, 1024, 132, splits=1)
+    with pytest.raises(nvfly.CompileError, match="cumsum is not supported"):
+        attention.compile_kernels(plan, M.Mods(cumulative))
+
+
+def test_branching_on_traced_values_is_refused():
+    def branchy(b, h, q_idx, kv_idx):
+        return kv_idx < 10 if q_idx > 5 else kv_idx > 3
+    plan = P.decode_plan(1, 1, 1, 4, 64, 64, 1024, 132, splits=1)
+    with pytest.raises(nvfly.CompileError, match="torch.where"):
+        attention.compile_kernels(plan, M.Mods(None, branchy))
+
+
+# ---------------------------------------------------------------------------------------------- compiled kernels
+def check_sass(kernel, mma="HMMA.16816.F32.BF16"):
+    ops = kernel.sass_opcodes()
+    assert not any(op.startswith(("LDL", "STL")) for op in ops), sorted(ops)
+    assert kernel.resources.spill_stores == 0
+    assert ops[mma] > 0
+    assert ops["LDGSTS.E.BYPASS.128"] > 0   # 16-byte cp.async copies of K, V and Q
+    assert ops["LDSM.16.M88.4"] > 0 and ops["LDSM.16.MT88.4"] > 0  # Q/K fragments, V transposed
+
+
+FAMILIES = {
+    "d64-sq1-g4": dict(sq=1, group=4, dqk=64, dv=64, splits=1),
+    "d128-sq4-g8-paged16-split": dict(sq=4, group=8, dqk=128, dv=128, paged=True, page_size=16, splits=8),
+    "d128-sq8-g6-64rows": dict(sq=8, group=6, dqk=128, dv=128, splits=1),
+    "d128-sq1-g6-paged64-fp16": dict(sq=1, group=6, dqk=128, dv=128, paged=True, page_size=64, splits=1),
+    "d256-sq2-g8-split": dict(sq=2, group=8, dqk=256, dv=256, splits=4),
+    "d256-sq8-g8-64rows-paged128": dict(sq=8, group=8, dqk=256, dv=256, paged=True, page_size=128, splits=2),
+    "dqk192-dv128-g16": dict(sq=1, group=16, dqk=192, dv=128, splits=1),
+}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_plan_families_compile_without_spills(name):
+    spec = dict(FAMILIES[name])
+    splits = spec.pop("splits")
+    paged, page_size = spec.pop("paged", False), spec.pop("page_size", 0)
+    plan = P.DecodePlan(paged=paged, page_size=page_size, causal=True, stages=P.stages_for(spec["dqk"], spec["dv"]),
+                        splits=splits, row_warps=P.row_warps_for(spec["sq"] * spec["group"]), **spec)
+    dtype = nvfly.f16 if "fp16" in name else nvfly.bf16
+    kernels = attention.compile_kernels(plan, dtype=dtype, seqlen=1024)
+    check_sass(kernels[0], "HMMA.16816.F32" if dtype == nvfly.f16 else "HMMA.16816.F32.BF16")
+    assert len(kernels) == (2 if splits > 1 else 1)
+    if splits > 1:
+        assert not any(op.startswith(("LDL", "STL")) for op in kernels[1].sass_opcodes())
+
+
+MOD_PLAN = P.decode_plan(2, 2, 2, 4, 128, 128, 1024, 132, splits=1)
+
+
+def test_score_and_mask_mods_trace_into_the_kernel():
+    """Soft-capping's tanh is in the kernel's IR, with the sliding window's mask beside it."""
+    capped = attention.compile_kernels(MOD_PLAN, M.Mods(M.soft_cap(30.0), M.sliding_window(128)))[0]
+    assert "math.tanh" in capped.mlir
+    check_sass(capped)
+
+
+def test_captured_tensors_are_kernel_inputs():
+    """ALiBi's captured slopes are a kernel input, loaded in the kernel."""
+    plain = attention.compile_kernels(MOD_PLAN)[0]
+    slopes = torch.tensor(M.alibi_slopes(8))
+    alibi = attention.compile_kernels(MOD_PLAN, M.Mods(M.alibi(slopes)))[0]
+    check_sass(alibi)
+    assert alibi.sass_opcodes()["LDG.E"] > plain.sass_opcodes()["LDG.E"]

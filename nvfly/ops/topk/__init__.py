@@ -11,7 +11,7 @@ of candidates in shared memory), ``warp`` (k <= 32 over short rows), ``stream`` 
 merge), ``row`` (long rows through a row-wide threshold), ``api`` (``topk``, ``eligibility``, the runners).
 Measurements behind the plans' thresholds: ``docs/ops/topk.md``.
 """
-from nvfly.ops.topk.api import eligibility, topk
+from nvfly.ops.topk.api import check_shapes, eligibility, topk
 from nvfly.ops.topk.plans import TopkPlan, plan
 
-__all__ = ["TopkPlan", "eligibility", "plan", "topk"]
+__all__ = ["TopkPlan", "check_shapes", "eligibility", "plan", "topk"]

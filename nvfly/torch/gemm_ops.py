@@ -243,10 +243,10 @@ def _gemm(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: f
     would refuse too, named as the caller named them: ``names``) and runs ``nvfly_gemm``; later ones go straight to
     the bound launches, which read only addresses (one cache lookup per call)."""
     c_used = c if c is not None and beta != 0 else None
-    key = _signature(a, b, c_used, out, config, alpha)
+    key = _signature(a, b, c, c_used is not None, out, config, alpha)
     bound = _BOUND.get(key)
     if bound is None:
-        _check(op, a, b, c_used, out, names)
+        _check(op, a, b, c, out, names)
         op = op.removesuffix("_out")
         _, reason = analyze(a, b, c_used)
         if reason is not None:
@@ -273,15 +273,15 @@ def bound_reason(*operands: Tensor, out: Optional[Tensor] = None, alpha: float =
                  config: str = AUTO) -> Optional[str]:
     """Why the ops run torch for these operands (``(a, b)`` or ``(c, a, b)``) since an earlier call, or None."""
     *c, a, b = operands
-    bound = _BOUND.get(_signature(a, b, c[0] if c and beta != 0 else None, out, config, alpha))
+    bound = _BOUND.get(_signature(a, b, c[0] if c else None, bool(c) and beta != 0, out, config, alpha))
     return bound.reason if type(bound) is Declined else None
 
 
-def _signature(a: Tensor, b: Tensor, c_used: Optional[Tensor], out: Optional[Tensor], config: str,
+def _signature(a: Tensor, b: Tensor, c: Optional[Tensor], c_used: bool, out: Optional[Tensor], config: str,
                alpha: float) -> tuple:
-    """The ops' cache key: what decides whether and how nvfly runs these operands (``c_used``: C when beta is
-    not 0)."""
-    return layout_key(a), layout_key(b), layout_key(c_used), layout_key(out), config, alpha != 1.0
+    """The ops' cache key: what decides whether and how nvfly runs these operands (``c_used``: c is added, beta is
+    not 0; c's layout is checked either way, as torch does)."""
+    return layout_key(a), layout_key(b), layout_key(c), c_used, layout_key(out), config, alpha != 1.0
 
 
 def _fail(op: str, key: tuple, a: Tensor, b: Tensor, exc: Exception) -> None:
@@ -367,11 +367,12 @@ def _check_linear_ranks(x: Tensor, weight: Tensor) -> None:
         raise ValueError(f"nvfly::linear: weight: expected a 2-D tensor, got {weight.dim()}-D")
 
 
-def _check(op: str, a: Tensor, b: Tensor, c_used: Optional[Tensor], out: Optional[Tensor],
+def _check(op: str, a: Tensor, b: Tensor, c: Optional[Tensor], out: Optional[Tensor],
            names: tuple[str, str, str, str] = ("a", "b", "c", "out")) -> tuple[int, ...]:
-    """``gemm.product_shape`` of an op's operands (torch's rules, any device and dtype), errors named for the op."""
+    """``gemm.product_shape`` of an op's operands (torch's rules, any device and dtype; c must broadcast to the
+    output even with beta 0), errors named for the op."""
     with named(f"nvfly::{op}"):
-        return gemm.product_shape(a, b, c_used, out, names)
+        return gemm.product_shape(a, b, c, out, names)
 
 
 def _bmm_fake(a: Tensor, b: Tensor, *, config: str = AUTO) -> Tensor:
@@ -387,7 +388,7 @@ def _mm_fake(a: Tensor, b: Tensor, *, config: str = AUTO) -> Tensor:
 def _addmm_fake(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1.0, alpha: float = 1.0,
                 config: str = AUTO) -> Tensor:
     _check_rank("addmm", a, b, 2)
-    return a.new_empty(_check("addmm", a, b, c if beta != 0 else None, None))
+    return a.new_empty(_check("addmm", a, b, c, None))
 
 
 def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, config: str = AUTO) -> Tensor:
@@ -402,7 +403,7 @@ def _mm_out_fake(a: Tensor, b: Tensor, out: Tensor, *, config: str = AUTO) -> No
 
 def _addmm_out_fake(c: Tensor, a: Tensor, b: Tensor, out: Tensor, *, beta: float = 1.0, alpha: float = 1.0,
                     config: str = AUTO) -> None:
-    _check("addmm_out", a, b, c if beta != 0 else None, out)
+    _check("addmm_out", a, b, c, out)
 
 
 for _name, _fake in (("mm", _mm_fake), ("bmm", _bmm_fake), ("addmm", _addmm_fake),

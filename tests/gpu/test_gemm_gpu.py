@@ -4,6 +4,7 @@ import torch
 
 from nvfly.ops import gemm
 from nvfly.ops.gemm import GemmConfig
+from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.gemm.skinny_config import SkinnyConfig
 
 pytestmark = pytest.mark.gpu
@@ -234,7 +235,7 @@ STREAM_K_CONFIGS = [GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, st
 def stream_k_region(request, monkeypatch):
     """gemm.plan.STREAM_K_REGION for the test (plans are cached per call signature: the cache starts empty)."""
     monkeypatch.setattr(gemm.plan, "STREAM_K_REGION", request.param)
-    monkeypatch.setattr(gemm.api, "_CALLS", {})
+    monkeypatch.setattr(gemm.api, "_CALLS", OpCalls())
     return request.param
 
 

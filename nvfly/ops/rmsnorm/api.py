@@ -199,6 +199,17 @@ def _forward(op: str, x: "torch.Tensor", weight: Optional["torch.Tensor"], eps: 
         key = f = None
     if f is None:
         f = _FORWARD.plan(op, key, _forward_plan, x, weight, eps, residual, normalized_shape, want_rstd, options)
+    if not f.direct:
+        return _forward_general(f, x, weight, residual, want_rstd)
+    import torch
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else None
+    rstd = torch.empty(f.m, dtype=torch.float32, device=x.device) if want_rstd else None
+    f.launch.launch(x, x if weight is None else weight, x if residual is None else residual, y,
+                    x if h is None else h, x if rstd is None else rstd, *f.scalars.values)
+    return y, h, rstd
+
+
 def _forward_general(f: _Forward, x: "torch.Tensor", weight: Optional["torch.Tensor"],
                      residual: Optional["torch.Tensor"], want_rstd: bool) -> tuple:
     """Any layout: (m, n) row views of x, the residual and the outputs (copies where rows are not unit-stride)."""

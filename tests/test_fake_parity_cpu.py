@@ -37,8 +37,8 @@ INVALID = [
      "nvfly::mm_out: out: expected shape (8, 8), got (8, 9)"),
     ("addmm_out", lambda: (_t(3, 8), _t(8, 16), _t(16, 8), _t(8, 8)), {}, ValueError, "nvfly::addmm_out: c: shape"),
     ("rms_norm", lambda: (_t(4, 16), [16], _t(8)), {}, ValueError, "nvfly::rms_norm: weight: expected shape (16,)"),
-    ("rms_norm", lambda: (_t(4, 16), [8]), {}, ValueError, "nvfly::rms_norm: normalized_shape: normalized_shape (8,) "
-                                                           "must be non-empty and match the last dimensions of x"),
+    ("rms_norm", lambda: (_t(4, 16), [8]), {}, ValueError, "nvfly::rms_norm: normalized_shape: (8,) must "
+                                                           "be non-empty and match the last dimensions of x"),
     ("rms_norm", lambda: (_t(4, 16), [16]), {"eps": -1.0}, ValueError, "nvfly::rms_norm: eps: expected a "
                                                                        "non-negative float"),
     ("fused_add_rms_norm", lambda: (_t(4, 16), _t(4, 8), [16]), {}, ValueError,

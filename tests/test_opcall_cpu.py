@@ -196,7 +196,7 @@ def test_rms_norm_blames_the_argument_passed():
     assert _error(lambda: rmsnorm.rms_norm(x, torch.randn(8), normalized_shape=(16,))) == (
         ValueError, "nvfly.ops.rmsnorm.rms_norm: weight: expected shape (16,) (normalized_shape), got (8,)")
     assert _error(lambda: rmsnorm.rms_norm(x, normalized_shape=(8,)))[1].startswith(
-        "nvfly.ops.rmsnorm.rms_norm: normalized_shape: normalized_shape (8,) must")
+        "nvfly.ops.rmsnorm.rms_norm: normalized_shape: (8,) must")
     assert _error(lambda: rmsnorm.rms_norm(x.double(), torch.randn(8).double()))[1].startswith(
         "nvfly.ops.rmsnorm.rms_norm: weight: shape")  # the shape before the dtype
     assert _error(lambda: rmsnorm.rms_norm_forward(x.double())) == (

@@ -187,11 +187,11 @@ def _bound(op: str, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor],
     except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
         key = call = None
     if call is None:
-        call = _CALLS.plan(op, key, _new_call, op, a, b, c, scaled, activation, out_dtype, out, config, skinny, swap)
+        call = _CALLS.plan(op, key, _new_call, a, b, c, scaled, activation, out_dtype, out, config, skinny, swap)
     return call
 
 
-def _new_call(op: str, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], scaled: bool, activation: str,
+def _new_call(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], scaled: bool, activation: str,
               out_dtype: Optional[torch.dtype], out: Optional[torch.Tensor], config: Any, skinny: Optional[bool],
               swap: Optional[bool]) -> Any:
     """A signature's first call: its checks (they raise), then its launches."""

@@ -40,12 +40,14 @@ def _row_shape(x: "torch.Tensor", weight: Optional["torch.Tensor"],
         name, shape = "normalized_shape", tuple(int(s) for s in normalized_shape)
     elif weight is not None:
         name, shape = "weight", tuple(weight.shape)
+    elif x.dim():
+        name, shape = "x", (x.shape[-1],)
     else:
-        name, shape = "x", (x.shape[-1],) if x.dim() else ()
+        raise ValueError("x: expected a dimension to normalise, got a 0-dimensional tensor")
     axis = x.dim() - len(shape)
     if not shape or axis < 0 or tuple(x.shape[axis:]) != shape:
-        what = "normalized_shape" if name == "normalized_shape" else "shape"
-        raise ValueError(f"{name}: {what} {shape} must be non-empty and match the last dimensions of x, whose shape "
+        what = "" if name == "normalized_shape" else "shape "
+        raise ValueError(f"{name}: {what}{shape} must be non-empty and match the last dimensions of x, whose shape "
                          f"is {tuple(x.shape)}")
     if weight is not None and tuple(weight.shape) != shape:
         raise ValueError(f"weight: expected shape {shape} (normalized_shape), got {tuple(weight.shape)}")

@@ -182,7 +182,7 @@ def _register_default_routes() -> None:
 
     def rms_norm_eligibility(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
                              eps: Optional[float]) -> Optional[str]:
-        return rmsnorm.eligibility(x, weight, None, normalized_shape)
+        return rmsnorm.eligibility(x, weight, None, normalized_shape, eps)
 
     def rms_norm_run(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
                      eps: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:

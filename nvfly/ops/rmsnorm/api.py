@@ -179,20 +179,13 @@ class _Forward:
 
 def rms_norm_forward(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, eps: Optional[float] = None,
                      residual: Optional["torch.Tensor"] = None, normalized_shape: Optional[Sequence[int]] = None,
-                     want_rstd: bool = True, options: Optional[ForwardOptions] = None
+                     want_rstd: bool = True, options: Optional[ForwardOptions] = None, *, op: str = RMS_NORM_FORWARD
                      ) -> tuple["torch.Tensor", Optional["torch.Tensor"], Optional["torch.Tensor"]]:
     """(y, x + residual or None, rstd or None); ``rstd`` has one fp32 entry per row (for the backward).
 
-    ``options`` replaces the default plan choices (ForwardOptions): for comparing plans.
+    ``options`` replaces the default plan choices (ForwardOptions): for comparing plans. ``op``: the public
+    function whose call this is, as its errors name it (``rms_norm`` gives its own name).
     """
-    return _forward(RMS_NORM_FORWARD, x, weight, eps, residual, normalized_shape, want_rstd, options)
-
-
-def _forward(op: str, x: "torch.Tensor", weight: Optional["torch.Tensor"], eps: Optional[float],
-             residual: Optional["torch.Tensor"], normalized_shape: Optional[Sequence[int]], want_rstd: bool,
-             options: Optional[ForwardOptions]
-             ) -> tuple["torch.Tensor", Optional["torch.Tensor"], Optional["torch.Tensor"]]:
-    """``rms_norm_forward`` for the public function ``op`` (its errors say its name)."""
     try:
         key = (layout_key(x), layout_key(weight), layout_key(residual), eps, type(eps),
                normalized_shape if normalized_shape is None else tuple(normalized_shape), want_rstd, options)
@@ -318,7 +311,7 @@ def rms_norm(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, eps: Op
     Returns ``y``, or ``(y, x + residual)`` when ``residual`` is given. ``eps=None`` means the fp32 epsilon
     (as torch). Any row length and row stride; fp32 math for bf16/fp16/fp32 inputs.
     """
-    y, residual_out, _ = _forward(RMS_NORM, x, weight, eps, residual, normalized_shape, False, None)
+    y, residual_out, _ = rms_norm_forward(x, weight, eps, residual, normalized_shape, False, op=RMS_NORM)
     return y if residual is None else (y, residual_out)
 
 

@@ -336,7 +336,8 @@ def addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1.0, alpha: float = 
 @operator("linear")
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, config: str = AUTO) -> Tensor:
     """``F.linear``: x @ weight^T + bias for x of shape [..., K] and weight [N, K]."""
-    _check_linear_ranks(x, weight)
+    if weight.dim() != 2 or not x.dim():  # before x.reshape and weight.mT, which would raise otherwise
+        _check_linear_ranks(x, weight)
     y = _gemm("linear", x.reshape(-1, x.shape[-1]), weight.mT, bias, config=config, names=_LINEAR_NAMES)
     return y.view(*x.shape[:-1], weight.shape[0])
 
@@ -355,9 +356,9 @@ def addmm_out(c: Tensor, a: Tensor, b: Tensor, out: Tensor, *, beta: float = 1.0
 
 
 def _check_rank(op: str, a: Tensor, b: Tensor, rank: int) -> None:
-    for name, t in (("a", a), ("b", b)):
-        if t.dim() != rank:
-            raise ValueError(f"nvfly::{op}: {name}: expected a {rank}-D tensor, got {t.dim()}-D")
+    if a.dim() != rank or b.dim() != rank:
+        name, t = ("a", a) if a.dim() != rank else ("b", b)
+        raise ValueError(f"nvfly::{op}: {name}: expected a {rank}-D tensor, got {t.dim()}-D")
 
 
 def _check_linear_ranks(x: Tensor, weight: Tensor) -> None:

@@ -33,8 +33,8 @@ INVALID = [
                                                                   "(8, 16) do not multiply"),
     ("linear", lambda: (_t(2, 4, 16), _t(16)), {}, ValueError, "nvfly::linear: weight: expected a 2-D tensor"),
     ("linear", lambda: (_t(4, 16), _t(6, 16), _t(5)), {}, ValueError, "nvfly::linear: bias: shape (5,)"),
-    ("linear", lambda: (torch.tensor(1.0).to(bf), _t(6, 16)), {}, ValueError, "nvfly::linear: x: expected a tensor of at least 1 "
-                                                          "dimension, got 0-D"),
+    ("linear", lambda: (torch.tensor(1.0).to(bf), _t(6, 16)), {}, ValueError,
+     "nvfly::linear: x: expected a tensor of at least 1 dimension, got 0-D"),
     ("mm_out", lambda: (_t(8, 16), _t(16, 8), _t(8, 9)), {}, ValueError,
      "nvfly::mm_out: out: expected shape (8, 8), got (8, 9)"),
     ("addmm_out", lambda: (_t(3, 8), _t(8, 16), _t(16, 8), _t(8, 8)), {}, ValueError, "nvfly::addmm_out: c: shape"),

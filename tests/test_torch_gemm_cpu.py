@@ -191,7 +191,8 @@ def test_database_updates_drop_the_eager_launches_with_the_decisions(fake_gpu_da
     autotune_module = importlib.import_module("nvfly.torch.autotune")
     a, b = torch.randn(16, 64).bfloat16(), torch.randn(64, 32).bfloat16()
     _eager("mm", a, b)
-    autotune_module._EAGER_CALLS.remember(autotune_module._eager_key(a, b, None, None, 1, 1), "launches of the old config")
+    signature = autotune_module._eager_key(a, b, None, None, 1, 1)
+    autotune_module._EAGER_CALLS.remember(signature, "launches of the old config")
     key = Workload(1, 16, 32, 64, torch.bfloat16, torch.bfloat16, "K", "K").key()
     fake_gpu_database.update([_entry(key, best="bm=64,bn=32", best_ms=0.5, torch_ms=1.0)])
     assert len(autotune_module._EAGER) == 0 and len(autotune_module._EAGER_CALLS) == 0

@@ -27,7 +27,10 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, Hashable, Iterator, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, Iterator, Optional, TypeVar
+
+if TYPE_CHECKING:
+    import nvfly
 
 Plan = TypeVar("Plan")
 
@@ -116,7 +119,7 @@ class KernelScalars:
     values: tuple[Any, ...]
 
     @classmethod
-    def of(cls, kernel: Any, **by_name: Any) -> "KernelScalars":
+    def of(cls, kernel: "nvfly.Kernel", **by_name: Any) -> "KernelScalars":
         names = tuple(p.name for p in kernel.params if p.kind != "tensor")
         if set(names) != set(by_name):
             raise TypeError(f"{kernel.name}: expected the arguments {names}, got {tuple(by_name)}")

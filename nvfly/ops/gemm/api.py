@@ -80,7 +80,7 @@ def check(a: Any, b: Any, c: Any = None, out_dtype: Optional[torch.dtype] = None
 
 def _check_types(a: Any, b: Any, c: Any, out: Any) -> None:
     for name, t in (("a", a), ("b", b), ("c", c), ("out", out)):
-        if not isinstance(t, torch.Tensor) and (t is not None or name in "ab"):
+        if not isinstance(t, torch.Tensor) and (t is not None or name in ("a", "b")):
             raise TypeError(f"{name}: expected a torch.Tensor{' or None' if name in ('c', 'out') else ''}, got "
                             f"{type(t).__name__}")
 

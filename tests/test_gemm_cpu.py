@@ -122,7 +122,7 @@ def test_heuristic_prefers_big_tiles_and_splits_long_k():
 
 def test_eligibility_reasons_on_cpu():
     a, b = make(64, 64, 64, "row", "row")
-    assert gemm.eligibility(a, b) == "operands are not CUDA tensors"
+    assert gemm.eligibility(a, b) == "a is on cpu, not CUDA"
     odd = torch.randn(64, 1023).to(torch.bfloat16)
     assert "16 bytes" in gemm.plan.tma_reason("A", odd, -1)
 

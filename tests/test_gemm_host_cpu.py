@@ -9,6 +9,7 @@ import torch
 
 from nvfly.ops import gemm
 from nvfly.ops.common import scheduler
+from nvfly.ops.common.opcall import Declined, OpCalls
 from nvfly.ops.gemm import GemmConfig
 from nvfly.ops.gemm.skinny_config import SkinnyConfig
 from nvfly.runtime.tma import TmaDescriptor
@@ -109,7 +110,7 @@ def test_repeat_op_calls_launch_what_a_first_call_would(fake_launches, monkeypat
     import nvfly.torch  # noqa: F401  (defines torch.ops.nvfly)
     from nvfly.torch import gemm_ops
     options = {k: v() if callable(v) else v for k, v in options.items()}
-    monkeypatch.setattr(gemm_ops, "_BOUND", {})
+    monkeypatch.setattr(gemm_ops, "_BOUND", OpCalls())
 
     def call(operands):
         *c, a, b = operands
@@ -121,7 +122,7 @@ def test_repeat_op_calls_launch_what_a_first_call_would(fake_launches, monkeypat
     first, second = make(), make()
     call(first)
     n = len(fake_launches)
-    assert n > 0 and all(type(v) is not str for v in gemm_ops._BOUND.values())
+    assert n > 0 and all(type(v) is not Declined for v in gemm_ops._BOUND.values())
     out2 = call(second)
     fast = fake_launches[n:]
     gemm_ops._BOUND.clear()

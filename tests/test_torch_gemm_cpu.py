@@ -71,7 +71,7 @@ def test_workload_analysis_of_compile_time_metadata(hopper_metadata):
 
 @pytest.mark.parametrize("a,b,expected", [
     (info((64, 64), (64, 1), device=torch.device("cpu")), info((64, 64), (64, 1), device=torch.device("cpu")),
-     "not CUDA tensors"),
+     "a is on cpu, not CUDA"),
     (info((64, 64), (64, 1), torch.float32), info((64, 64), (64, 1), torch.float32), "bf16 or fp16"),
     (info((64, 1023), (1023, 1)), info((1023, 64), (64, 1)), "not a multiple of 16 bytes"),
     (info((64, 64), (64, 1), byte_offset=2), info((64, 64), (64, 1)), "not 16-byte aligned"),
@@ -192,10 +192,11 @@ def test_database_updates_drop_the_eager_launches_with_the_decisions(fake_gpu_da
     autotune_module = importlib.import_module("nvfly.torch.autotune")
     a, b = torch.randn(16, 64).bfloat16(), torch.randn(64, 32).bfloat16()
     _eager("mm", a, b)
-    autotune_module._EAGER_CALLS[autotune_module._eager_key(a, b, None, None, 1, 1)] = "launches of the old config"
+    signature = autotune_module._eager_key(a, b, None, None, 1, 1)
+    autotune_module._EAGER_CALLS.remember(signature, "launches of the old config")
     key = Workload(1, 16, 32, 64, torch.bfloat16, torch.bfloat16, "K", "K").key()
     fake_gpu_database.update([_entry(key, best="bm=64,bn=32", best_ms=0.5, torch_ms=1.0)])
-    assert autotune_module._EAGER == {} and autotune_module._EAGER_CALLS == {}
+    assert len(autotune_module._EAGER) == 0 and len(autotune_module._EAGER_CALLS) == 0
 
 
 def test_eager_routes_decline_cpu_tensors_and_fall_through():
@@ -203,8 +204,9 @@ def test_eager_routes_decline_cpu_tensors_and_fall_through():
     ops = {r.op for r in routing.routes()}
     assert {"aten::mm", "aten::mm.out", "aten::bmm", "aten::addmm", "aten::addmm.out", "aten::baddbmm"} <= ops
     eligibility, _ = _route("addmm", with_c=True)
-    c, a, b = torch.zeros(3), torch.randn(2, 4), torch.randn(4, 3)
-    assert eligibility(c, a, b, beta=1, alpha=1) == "operands are not CUDA tensors"
+    c, a, b = torch.zeros(3).bfloat16(), torch.randn(2, 4).bfloat16(), torch.randn(4, 3).bfloat16()
+    assert eligibility(c, a, b, beta=1, alpha=1) == "a is on cpu, not CUDA"
+    assert "a: dtype torch.float32 is not supported" in eligibility(c.float(), a.float(), b.float(), beta=1, alpha=1)
 
     class Fallthrough:
         calls = []
@@ -245,7 +247,9 @@ def test_custom_ops_fall_back_to_torch_and_differentiate():
     assert torch.autograd.gradcheck(lambda a, b: torch.ops.nvfly.bmm(a, b), (x, wb))
     assert torch.autograd.gradcheck(lambda x, w, c: torch.ops.nvfly.linear(x, w, c), (x, w, c))
     assert torch.autograd.gradcheck(lambda x, w: torch.ops.nvfly.linear(x, w), (x, w))
-    assert {d.reason for d in decisions() if d.where == "op"} == {"operands are not CUDA tensors"}
+    # shapes and dtypes are checked before the device
+    assert {d.reason for d in decisions() if d.where == "op"} == {
+        "a: dtype torch.float64 is not supported: nvfly's GEMM takes bf16 or fp16 operands"}
     out = torch.empty(5, 3, dtype=torch.float64)
     torch.ops.nvfly.addmm_out(c.detach(), a.detach(), b.detach(), out, beta=0.5, alpha=2.0)
     assert torch.allclose(out, torch.addmm(c, a, b, beta=0.5, alpha=2.0))
@@ -313,9 +317,9 @@ OPERANDS = (torch.randn(48), torch.randn(64, 32), torch.randn(32, 48))
 
 def test_inductor_declines_cpu_gemms_with_a_reason(compile_addmm):
     nvfly.torch.install()
-    assert "nvfly" not in compile_addmm(*OPERANDS)
+    assert "nvfly" not in compile_addmm(*(t.bfloat16() for t in OPERANDS))
     (d,) = [d for d in decisions() if d.where == "inductor"]
-    assert d.op == "addmm" and d.shape == (1, 64, 48, 32) and d.reason == "operands are not CUDA tensors"
+    assert d.op == "addmm" and d.shape == (1, 64, 48, 32) and d.reason == "a is on cpu, not CUDA"
 
 
 def test_inductor_emits_the_nvfly_op_when_it_wins(compile_addmm, eligible_on_cpu, monkeypatch):
@@ -342,7 +346,7 @@ def test_inductor_drops_candidates_that_fail_to_compile(compile_addmm, eligible_
         raise nvfly.CompileError("injected compile failure")
     monkeypatch.setattr(inductor.NvflyCaller, "_compile", broken)
     nvfly.torch.install()
-    assert "nvfly" not in compile_addmm(*OPERANDS)
+    assert "nvfly" not in compile_addmm(*(t.bfloat16() for t in OPERANDS))
     (d,) = [d for d in decisions() if d.where == "inductor"]
     assert d.winner == "aten addmm" and "failed to compile" in d.reason and "injected" in d.reason
 
@@ -447,12 +451,12 @@ def test_importing_nvfly_torch_installs_nothing():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what explain says on a machine without a GPU")
 def test_explain_without_a_gpu(capsys):
     clear_decisions()
-    _gemm("mm", torch.randn(16, 64), torch.randn(64, 48))  # recorded for shape (1, 16, 48, 64)
+    _gemm("mm", torch.randn(16, 64).bfloat16(), torch.randn(64, 48).bfloat16())  # recorded for shape (1, 16, 48, 64)
     result = explain(16, 48, 64)
     assert "no CUDA GPU" in result.declined and result.candidates[0].config == AUTO
-    assert [d.reason for d in result.decisions] == ["operands are not CUDA tensors"]
+    assert [d.reason for d in result.decisions] == ["a is on cpu, not CUDA"]
     text = str(result)
-    assert "verdict: nvfly is declined" in text and "operands are not CUDA tensors" in text and "auto" in text
+    assert "verdict: nvfly is declined" in text and "a is on cpu, not CUDA" in text and "auto" in text
     assert cli_main(["explain", "16", "4096", "4096", "--majors", "K,MN", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["majors"] == ["K", "MN"] and doc["key"] == "bf16>bf16 b1 m16 n4096 k4096 K/MN"

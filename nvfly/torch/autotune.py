@@ -33,6 +33,7 @@ from torch import Tensor
 
 from nvfly import settings
 from nvfly.ops import gemm
+from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.gemm import GemmConfig, api, plan
 from nvfly.runtime.driver import sm_count
 from nvfly.torch import routing
@@ -316,8 +317,8 @@ def _try(fn: Any, *args: Any, **kwargs: Any) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------- eager routes
-_EAGER: dict[tuple, tuple[Optional[str], str]] = {}  # operand signature -> (why torch runs it, nvfly config)
-_EAGER_CALLS: dict[tuple, Any] = {}  # operand signature -> gemm.bind's launches of the decided config
+_EAGER: OpCalls[tuple[Optional[str], str]] = OpCalls()  # operand signature -> (why torch runs it, nvfly config)
+_EAGER_CALLS: OpCalls[Any] = OpCalls()  # operand signature -> gemm.bind's launches of the decided config
 
 
 def _forget_eager_decisions() -> None:
@@ -348,9 +349,8 @@ def _eager(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, out: Optio
             else:
                 reason, config = _expected_faster(w, a.device.index)
         record(Decision.of("eager", op, a, b, reason=reason, candidates=(config,) if config else ()))
-        if len(_EAGER) >= 4096:
-            _forget_eager_decisions()
-        hit = _EAGER[key] = (reason, config)
+        hit = (reason, config)
+        _EAGER.remember(key, hit)
     return hit
 
 
@@ -382,7 +382,8 @@ def _route(op: str, with_c: bool) -> tuple[Any, Any]:
         call = _EAGER_CALLS.get(key)
         if call is None:
             config = _eager(op, a, b, c, out, beta, alpha, key)[1]
-            call = _EAGER_CALLS[key] = bind_config(a, b, c_used, alpha=float(alpha), out=out, config=config)
+            call = bind_config(a, b, c_used, alpha=float(alpha), out=out, config=config)
+            _EAGER_CALLS.remember(key, call)
         result = torch.empty(call.shape, dtype=call.out_dtype, device=a.device) if out is None else out
         call.run(a, b, c_used, result, float(alpha), float(beta))
         return result

@@ -30,6 +30,7 @@ from torch import Tensor
 import nvfly
 from nvfly import settings
 from nvfly.ops import gemm
+from nvfly.ops.common.opcall import Declined, OpCalls, named
 from nvfly.ops.gemm import GemmConfig, plan
 from nvfly.runtime import driver
 from nvfly.runtime.torch_args import layout_key
@@ -228,41 +229,43 @@ def precompile(a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, config: str 
         nvfly_gemm(a, b, c, config=config)
 
 
-_SIGNATURE_LIMIT = 4096
 # operand signature -> nvfly's bound launches (gemm.bind), or why torch runs these operands
-_BOUND: dict[tuple, Any] = {}
+_BOUND: OpCalls[Any] = OpCalls()
 
 
 def _gemm(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, *, alpha: float = 1.0, beta: float = 1.0,
-          out: Optional[Tensor] = None, config: str = AUTO) -> Tensor:
-    """``nvfly_gemm``, or torch when nvfly declines these operands or failed on them before.
+          out: Optional[Tensor] = None, config: str = AUTO, names: tuple[str, str, str, str] = ("a", "b", "c", "out")
+          ) -> Tensor:
+    """``nvfly_gemm``, or torch when nvfly declines these operands or failed on them before; ``op`` is the custom
+    op's name (its errors and decisions say it; an ``_out`` op's decisions are its product's).
 
-    The first call of a signature checks the operands and runs ``nvfly_gemm``; later ones go straight to the
-    bound launches, which read only addresses (one cache lookup per call)."""
+    The first call of a signature checks the operands (``_check``: ValueError or TypeError for operands torch
+    would refuse too, named as the caller named them: ``names``) and runs ``nvfly_gemm``; later ones go straight to
+    the bound launches, which read only addresses (one cache lookup per call)."""
     c_used = c if c is not None and beta != 0 else None
-    key = _signature(a, b, c_used, out, config, alpha)
+    key = _signature(a, b, c, c_used is not None, out, config, alpha)
     bound = _BOUND.get(key)
     if bound is None:
-        if len(_BOUND) >= _SIGNATURE_LIMIT:
-            _BOUND.clear()
+        _check(op, a, b, c, out, names)
+        op = op.removesuffix("_out")
         _, reason = analyze(a, b, c_used)
         if reason is not None:
-            _BOUND[key] = reason
+            _BOUND.remember(key, Declined(reason))
             record(Decision.of("op", op, a, b, reason=reason))
         else:
             try:
                 result = nvfly_gemm(a, b, c_used, alpha=alpha, beta=beta, out=out, config=config)
-                _BOUND[key] = bind_config(a, b, c_used, alpha=alpha, out=out, config=config)
+                _BOUND.remember(key, bind_config(a, b, c_used, alpha=alpha, out=out, config=config))
                 return result
             except Exception as exc:
                 _fail(op, key, a, b, exc)
-    elif type(bound) is not str:
+    elif type(bound) is not Declined:
         try:
             result = torch.empty(bound.shape, dtype=bound.out_dtype, device=a.device) if out is None else out
             bound.run(a, b, c_used, result, alpha, beta)
             return result
         except Exception as exc:
-            _fail(op, key, a, b, exc)
+            _fail(op.removesuffix("_out"), key, a, b, exc)
     return _torch_gemm(a, b, c, alpha=alpha, beta=beta, out=out)
 
 
@@ -270,21 +273,21 @@ def bound_reason(*operands: Tensor, out: Optional[Tensor] = None, alpha: float =
                  config: str = AUTO) -> Optional[str]:
     """Why the ops run torch for these operands (``(a, b)`` or ``(c, a, b)``) since an earlier call, or None."""
     *c, a, b = operands
-    bound = _BOUND.get(_signature(a, b, c[0] if c and beta != 0 else None, out, config, alpha))
-    return bound if type(bound) is str else None
+    bound = _BOUND.get(_signature(a, b, c[0] if c else None, bool(c) and beta != 0, out, config, alpha))
+    return bound.reason if type(bound) is Declined else None
 
 
-def _signature(a: Tensor, b: Tensor, c_used: Optional[Tensor], out: Optional[Tensor], config: str,
+def _signature(a: Tensor, b: Tensor, c: Optional[Tensor], c_used: bool, out: Optional[Tensor], config: str,
                alpha: float) -> tuple:
-    """The ops' cache key: what decides whether and how nvfly runs these operands (``c_used``: C when beta is
-    not 0)."""
-    return layout_key(a), layout_key(b), layout_key(c_used), layout_key(out), config, alpha != 1.0
+    """The ops' cache key: what decides whether and how nvfly runs these operands (``c_used``: c is added, beta is
+    not 0; c's layout is checked either way, as torch does)."""
+    return layout_key(a), layout_key(b), layout_key(c), c_used, layout_key(out), config, alpha != 1.0
 
 
 def _fail(op: str, key: tuple, a: Tensor, b: Tensor, exc: Exception) -> None:
     """Never break the model: torch computes this signature from now on."""
     reason = f"nvfly raised {type(exc).__name__}: {exc}"
-    _BOUND[key] = reason
+    _BOUND.remember(key, Declined(reason))
     decision = record(Decision.of("op", op, a, b, reason=reason))
     log.warning("nvfly: %s %s: %s; falling back to torch for these operands", op, decision.problem, reason)
 
@@ -304,6 +307,11 @@ def _torch_gemm(a: Tensor, b: Tensor, c: Optional[Tensor], *, alpha: float, beta
 
 
 # ---------------------------------------------------------------------------------------------- custom ops
+# Each op and its fake run the same checks, so that tracing refuses what a call would, with the same error: the
+# ranks on every call (one op's signature may be another's), the rest (``_check``) on a signature's first call.
+_LINEAR_NAMES = ("x", "weight.mT", "bias", "out")
+
+
 @operator("mm")
 def mm(a: Tensor, b: Tensor, *, config: str = AUTO) -> Tensor:
     """``torch.mm`` on nvfly (2-D)."""
@@ -328,51 +336,78 @@ def addmm(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1.0, alpha: float = 
 @operator("linear")
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, config: str = AUTO) -> Tensor:
     """``F.linear``: x @ weight^T + bias for x of shape [..., K] and weight [N, K]."""
-    y = _gemm("linear", x.reshape(-1, x.shape[-1]), weight.mT, bias, config=config)
+    if weight.dim() != 2 or not x.dim():  # before x.reshape and weight.mT, which would raise otherwise
+        _check_linear_ranks(x, weight)
+    y = _gemm("linear", x.reshape(-1, x.shape[-1]), weight.mT, bias, config=config, names=_LINEAR_NAMES)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
 @operator("mm_out", mutates_args=("out",))
 def mm_out(a: Tensor, b: Tensor, out: Tensor, *, config: str = AUTO) -> None:
     """out = a @ b (2-D or 3-D)."""
-    _gemm("mm", a, b, out=out, config=config)
+    _gemm("mm_out", a, b, out=out, config=config)
 
 
 @operator("addmm_out", mutates_args=("out",))
 def addmm_out(c: Tensor, a: Tensor, b: Tensor, out: Tensor, *, beta: float = 1.0, alpha: float = 1.0,
               config: str = AUTO) -> None:
     """out = beta * c + alpha * a @ b (2-D or 3-D, c broadcast)."""
-    _gemm("addmm", a, b, c, alpha=alpha, beta=beta, out=out, config=config)
+    _gemm("addmm_out", a, b, c, alpha=alpha, beta=beta, out=out, config=config)
 
 
 def _check_rank(op: str, a: Tensor, b: Tensor, rank: int) -> None:
     if a.dim() != rank or b.dim() != rank:
-        raise ValueError(f"nvfly::{op}: expected {rank}-D operands, got {a.dim()}-D and {b.dim()}-D")
+        name, t = ("a", a) if a.dim() != rank else ("b", b)
+        raise ValueError(f"nvfly::{op}: {name}: expected a {rank}-D tensor, got {t.dim()}-D")
 
 
-def _product_fake(a: Tensor, b: Tensor, *, config: str = AUTO) -> Tensor:
-    return a.new_empty((*a.shape[:-1], b.shape[-1]))
+def _check_linear_ranks(x: Tensor, weight: Tensor) -> None:
+    if x.dim() < 1:
+        raise ValueError("nvfly::linear: x: expected a tensor of at least 1 dimension, got 0-D")
+    if weight.dim() != 2:
+        raise ValueError(f"nvfly::linear: weight: expected a 2-D tensor, got {weight.dim()}-D")
+
+
+def _check(op: str, a: Tensor, b: Tensor, c: Optional[Tensor], out: Optional[Tensor],
+           names: tuple[str, str, str, str] = ("a", "b", "c", "out")) -> tuple[int, ...]:
+    """``gemm.product_shape`` of an op's operands (torch's rules, any device and dtype; c must broadcast to the
+    output even with beta 0), errors named for the op."""
+    with named(f"nvfly::{op}"):
+        return gemm.product_shape(a, b, c, out, names)
+
+
+def _bmm_fake(a: Tensor, b: Tensor, *, config: str = AUTO) -> Tensor:
+    _check_rank("bmm", a, b, 3)
+    return a.new_empty(_check("bmm", a, b, None, None))
+
+
+def _mm_fake(a: Tensor, b: Tensor, *, config: str = AUTO) -> Tensor:
+    _check_rank("mm", a, b, 2)
+    return a.new_empty(_check("mm", a, b, None, None))
 
 
 def _addmm_fake(c: Tensor, a: Tensor, b: Tensor, *, beta: float = 1.0, alpha: float = 1.0,
                 config: str = AUTO) -> Tensor:
-    return _product_fake(a, b)
+    _check_rank("addmm", a, b, 2)
+    return a.new_empty(_check("addmm", a, b, c, None))
 
 
 def _linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, *, config: str = AUTO) -> Tensor:
+    _check_linear_ranks(x, weight)
+    _check("linear", x.reshape(-1, x.shape[-1]), weight.mT, bias, None, _LINEAR_NAMES)
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _mm_out_fake(a: Tensor, b: Tensor, out: Tensor, *, config: str = AUTO) -> None:
-    return None
+    _check("mm_out", a, b, None, out)
 
 
 def _addmm_out_fake(c: Tensor, a: Tensor, b: Tensor, out: Tensor, *, beta: float = 1.0, alpha: float = 1.0,
                     config: str = AUTO) -> None:
-    return None
+    _check("addmm_out", a, b, c, out)
 
 
-for _name, _fake in (("mm", _product_fake), ("bmm", _product_fake), ("addmm", _addmm_fake),
+for _name, _fake in (("mm", _mm_fake), ("bmm", _bmm_fake), ("addmm", _addmm_fake),
                      ("linear", _linear_fake), ("mm_out", _mm_out_fake), ("addmm_out", _addmm_out_fake)):
     register_fake(_name, _fake)
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from nvfly.ops import rmsnorm as _rms
+from nvfly.ops.common.opcall import named
 from nvfly.ops import topk as _topk
 from nvfly.torch.library import operator, register_fake
 
@@ -72,14 +73,23 @@ def topk_reference(x: Tensor, k: int, dim: int = -1, largest: bool = True) -> tu
 def rms_norm(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor] = None,
              eps: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """(y, rstd) of RMSNorm over ``normalized_shape`` (the last dimensions of x)."""
-    if _rms.eligibility(x, weight, None, normalized_shape) is None:
+    if _rms.eligibility(x, weight, None, normalized_shape, eps) is None:
         y, _, rstd = _rms.rms_norm_forward(x, weight, eps, None, normalized_shape)
         return y, rstd.view(_stat_shape(x, normalized_shape))
+    _check_norm("rms_norm", x, weight, None, eps, normalized_shape)
     return rms_norm_reference(x, normalized_shape, weight, eps)
+
+
+def _check_norm(op: str, x: Tensor, weight: Optional[Tensor], residual: Optional[Tensor], eps: Optional[float],
+                normalized_shape: Sequence[int]) -> None:
+    """What a norm op and its fake refuse on every device and dtype (nvfly declines the rest: torch computes it)."""
+    with named(f"nvfly::{op}"):
+        _rms.check_shapes(x, weight, residual, eps, normalized_shape)
 
 
 def _rms_norm_fake(x: Tensor, normalized_shape: list[int], weight: Optional[Tensor] = None,
                    eps: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    _check_norm("rms_norm", x, weight, None, eps, normalized_shape)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty(_stat_shape(x, normalized_shape), dtype=_acc_dtype(x.dtype)))
 
@@ -88,9 +98,10 @@ def _rms_norm_fake(x: Tensor, normalized_shape: list[int], weight: Optional[Tens
 def fused_add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: list[int], weight: Optional[Tensor] = None,
                        eps: Optional[float] = None) -> tuple[Tensor, Tensor, Tensor]:
     """(rms_norm(x + residual), x + residual, rstd); the sum is rounded to x's dtype before the norm."""
-    if _rms.eligibility(x, weight, residual, normalized_shape) is None:
+    if _rms.eligibility(x, weight, residual, normalized_shape, eps) is None:
         y, h, rstd = _rms.rms_norm_forward(x, weight, eps, residual, normalized_shape)
         return y, h, rstd.view(_stat_shape(x, normalized_shape))
+    _check_norm("fused_add_rms_norm", x, weight, residual, eps, normalized_shape)
     h = (x + residual).contiguous()
     y, rstd = rms_norm_reference(h, normalized_shape, weight, eps)
     return y, h, rstd
@@ -99,6 +110,7 @@ def fused_add_rms_norm(x: Tensor, residual: Tensor, normalized_shape: list[int],
 def _fused_add_rms_norm_fake(x: Tensor, residual: Tensor, normalized_shape: list[int],
                              weight: Optional[Tensor] = None, eps: Optional[float] = None
                              ) -> tuple[Tensor, Tensor, Tensor]:
+    _check_norm("fused_add_rms_norm", x, weight, residual, eps, normalized_shape)
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format),
             x.new_empty(_stat_shape(x, normalized_shape), dtype=_acc_dtype(x.dtype)))
@@ -117,6 +129,7 @@ def rms_norm_backward(grad_out: Tensor, x: Tensor, normalized_shape: list[int], 
         grad_x, grad_w = _rms.rms_norm_backward(grad_out, x, rstd.reshape(-1), weight, normalized_shape,
                                                 grad_residual, needs_weight_grad)
     else:
+        _check_norm_backward(grad_out, x, normalized_shape, rstd, weight, grad_residual)
         grad_x, grad_w = rms_norm_backward_reference(grad_out, x, normalized_shape, rstd, weight)
         if grad_residual is not None:
             grad_x = grad_x + grad_residual
@@ -128,8 +141,15 @@ def rms_norm_backward(grad_out: Tensor, x: Tensor, normalized_shape: list[int], 
 def _rms_norm_backward_fake(grad_out: Tensor, x: Tensor, normalized_shape: list[int], rstd: Tensor,
                             weight: Optional[Tensor], grad_residual: Optional[Tensor],
                             output_mask: list[bool]) -> tuple[Tensor, Tensor]:
+    _check_norm_backward(grad_out, x, normalized_shape, rstd, weight, grad_residual)
     grad_w = torch.empty_like(weight) if weight is not None and output_mask[1] else x.new_empty((0,))
     return torch.empty_like(x, memory_format=torch.contiguous_format), grad_w
+
+
+def _check_norm_backward(grad_out: Tensor, x: Tensor, normalized_shape: Sequence[int], rstd: Tensor,
+                         weight: Optional[Tensor], grad_residual: Optional[Tensor]) -> None:
+    with named("nvfly::rms_norm_backward"):
+        _rms.check_backward_shapes(grad_out, x, rstd, weight, normalized_shape, grad_residual)
 
 
 def _save_norm(ctx: Any, normed: Tensor, weight: Optional[Tensor], rstd: Tensor,
@@ -181,11 +201,18 @@ def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = 
     """(values, int64 indices) like ``torch.topk``; always sorted; ties lowest index first."""
     if _topk.eligibility(x, k, dim, largest, sorted) is None:
         return _topk.topk(x, k, dim, largest, sorted)
+    _check_topk(x, k, dim)
     return topk_reference(x, k, dim, largest)
+
+
+def _check_topk(x: Tensor, k: int, dim: int) -> None:
+    with named("nvfly::topk"):
+        _topk.check_shapes(x, k, dim)
 
 
 def _topk_fake(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True
                ) -> tuple[Tensor, Tensor]:
+    _check_topk(x, k, dim)
     shape = list(x.shape)
     if shape:
         shape[dim] = k

@@ -38,6 +38,7 @@ from typing import Any, Callable, ContextManager, Iterator, Optional
 import torch
 
 from nvfly import settings
+from nvfly.ops.common.opcall import Eligibility
 
 log = logging.getLogger("nvfly")
 
@@ -48,7 +49,7 @@ _SWITCH: contextvars.ContextVar[bool] = contextvars.ContextVar("nvfly_routing") 
 class Route:
     """An aten overload (``"aten::topk"``, ``"aten::mm.out"``) routed to nvfly on ``dispatch_key``."""
     op: str
-    eligibility: Callable[..., Optional[str]]
+    eligibility: Eligibility
     run: Callable[..., Any]
     dispatch_key: str = "CUDA"
 
@@ -93,7 +94,7 @@ def routing(enabled: bool = True) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------- registry
-def register_route(op: str, eligibility: Callable[..., Optional[str]], run: Callable[..., Any],
+def register_route(op: str, eligibility: Eligibility, run: Callable[..., Any],
                    dispatch_key: str = "CUDA") -> None:
     """Add a route (it takes effect at the next ``install_routing``). ``eligibility`` and ``run`` receive the
     aten arguments in schema order (keyword-only ones as keywords); ``run`` returns what the op returns."""
@@ -182,7 +183,7 @@ def _register_default_routes() -> None:
 
     def rms_norm_eligibility(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
                              eps: Optional[float]) -> Optional[str]:
-        return rmsnorm.eligibility(x, weight, None, normalized_shape)
+        return rmsnorm.eligibility(x, weight, None, normalized_shape, eps)
 
     def rms_norm_run(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
                      eps: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,6 +4,7 @@ import torch
 
 from nvfly.ops import gemm
 from nvfly.ops.gemm import GemmConfig
+from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.gemm.skinny_config import SkinnyConfig
 
 pytestmark = pytest.mark.gpu
@@ -234,7 +235,7 @@ STREAM_K_CONFIGS = [GemmConfig(128, 128, 6, 2, pingpong=True, tma_store=True, st
 def stream_k_region(request, monkeypatch):
     """gemm.plan.STREAM_K_REGION for the test (plans are cached per call signature: the cache starts empty)."""
     monkeypatch.setattr(gemm.plan, "STREAM_K_REGION", request.param)
-    monkeypatch.setattr(gemm.api, "_CALLS", {})
+    monkeypatch.setattr(gemm.api, "_CALLS", OpCalls())
     return request.param
 
 
@@ -358,7 +359,7 @@ def test_token_tiles_of_every_width(hopper, mnk, a_major, b_major):
     m, n, k = mnk
     a = operand(m, k, torch.bfloat16, a_major)
     b = operand(k, n, torch.bfloat16, b_major)
-    plan = gemm.api._new_plan(a, b, False, "none", None, None, None, None, False)
+    plan = gemm.api._new_plan(gemm.api.MATMUL, a, b, None, "none", None, None, None, None, False)
     if plan.swap:  # an MN-major B of this N takes the swapped plan (too few 32-multiple tiles)
         assert (b_major, n) == ("row", 6152)
     else:
@@ -381,7 +382,7 @@ def test_token_tiles_batched(hopper, b_major):
     a = torch.randn(batch, m, k, device="cuda").to(torch.bfloat16)
     b = torch.randn(batch, k, n, device="cuda").to(torch.bfloat16)
     b = b if b_major == "row" else b.transpose(1, 2).contiguous().transpose(1, 2)
-    plan = gemm.api._new_plan(a, b, False, "none", None, None, None, None, False)
+    plan = gemm.api._new_plan(gemm.api.MATMUL, a, b, None, "none", None, None, None, None, False)
     assert not plan.swap and (plan.config.bm, plan.config.bn) == (64, 96) and plan.grid == 129
     out = torch.full((batch, m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     gemm.matmul(a, b, out=out)
@@ -398,7 +399,7 @@ def test_l2_hinted_weights(hopper, m, n, k, hint, b_major):
     tile (B hinted), the swapped split-K plan (A hinted) and a 128-row tile covering M."""
     a = operand(m, k, torch.bfloat16, "row")
     b = operand(k, n, torch.bfloat16, b_major)
-    plan = gemm.api._new_plan(a, b, False, "none", None, None, None, None, False)
+    plan = gemm.api._new_plan(gemm.api.MATMUL, a, b, None, "none", None, None, None, None, False)
     if not isinstance(plan, gemm.plan.GemmPlan):
         pytest.skip("the skinny kernel takes this call")
     assert getattr(plan.config, hint), plan.config

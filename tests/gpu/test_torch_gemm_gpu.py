@@ -15,6 +15,7 @@ import nvfly
 import nvfly.torch
 from nvfly.ops import gemm
 from nvfly.ops.gemm import GemmConfig
+from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.gemm.kernel import gemm_kernel
 from nvfly.torch import inductor
 from nvfly.torch.autotune import Database, make_operands, measure
@@ -139,7 +140,7 @@ def test_routed_calls_reuse_their_bound_launches(hopper, monkeypatch):
     """A routed signature binds its launches once; later calls with other tensors (and out=, and addmm's beta 0
     or alpha != 1, other signatures) compute their own products."""
     monkeypatch.setattr(autotune_module, "_expected_faster", lambda w, device: (None, AUTO))
-    monkeypatch.setattr(autotune_module, "_EAGER_CALLS", {})
+    monkeypatch.setattr(autotune_module, "_EAGER_CALLS", OpCalls())
     with nvfly.torch.routing():
         for _ in range(3):
             a, b = operand(192, 256, "row"), operand(256, 320, "col")

@@ -4,9 +4,9 @@ operand major-ness without copies, tails in M, N and K. Two kernels: the persist
 (``skinny_kernel``, planned by ``skinny_plan``); ``api`` holds the host functions re-exported here, and
 docs/ops/gemm.md the measurements behind the heuristics.
 """
-from nvfly.ops.gemm.api import bind, describe, eligibility, matmul, path, reference
+from nvfly.ops.gemm.api import bind, check, describe, eligibility, matmul, path, product_shape, reference
 from nvfly.ops.gemm.config import ACTIVATIONS, Epilogue, GemmConfig
 from nvfly.ops.gemm.plan import config_space
 
-__all__ = ["ACTIVATIONS", "Epilogue", "GemmConfig", "bind", "config_space", "describe", "eligibility", "matmul",
-           "path", "reference"]
+__all__ = ["ACTIVATIONS", "Epilogue", "GemmConfig", "bind", "check", "config_space", "describe", "eligibility",
+           "matmul", "path", "product_shape", "reference"]

@@ -13,6 +13,7 @@ import torch
 
 import nvfly
 from nvfly.ops.common import scratch
+from nvfly.ops.common.opcall import OpCalls, named
 from nvfly.ops.gemm import skinny_plan
 from nvfly.ops.gemm.config import ACTIVATIONS, REDUCE_THREADS, Epilogue, GemmConfig, store_box
 from nvfly.ops.gemm.kernel import gemm_kernel, split_k_reduce_kernel
@@ -23,27 +24,81 @@ from nvfly.ops.gemm.skinny_plan import SkinnyPlan
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import current_stream, layout_key, vector_width
 
+MATMUL = "nvfly.ops.gemm.matmul"
+PATH = "nvfly.ops.gemm.path"
+BIND = "nvfly.ops.gemm.bind"
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def eligibility(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = None,
-                out_dtype: Optional[torch.dtype] = None) -> Optional[str]:
-    """None when ``matmul(a, b, c=c)`` runs on nvfly, else the reason it is declined."""
-    if not (a.is_cuda and b.is_cuda):
-        return "operands are not CUDA tensors"
-    if a.device != b.device or (c is not None and c.device != a.device):
-        return "operands are on different devices"
-    if _capability(a.device.index)[0] != 9:
-        return "nvfly's GEMM needs an sm_90 (Hopper) GPU"
-    if a.dtype not in OPERAND_DTYPES or b.dtype != a.dtype:
-        return f"dtypes {a.dtype} x {b.dtype}: nvfly's GEMM takes bf16 or fp16 operands of one dtype"
-    if (out_dtype or a.dtype) not in _OUT_DTYPES:
-        return f"output dtype {out_dtype} is not bf16, fp16 or fp32"
-    if a.dim() not in (2, 3) or b.dim() != a.dim():
-        return f"ranks {a.dim()} and {b.dim()}: expected two 2-D or two 3-D operands"
-    if a.shape[-1] != b.shape[-2] or (a.dim() == 3 and a.shape[0] != b.shape[0]):
-        return f"shapes {tuple(a.shape)} and {tuple(b.shape)} do not multiply"
-    for name, t, kdim in (("A", a, -1), ("B", b, -2)):
+# ---------------------------------------------------------------------------------------------- checks
+# In the order a caller needs them: shapes and dtypes (``product_shape``, ``check``: the same on every device, so
+# that the torch ops' fakes raise what the ops do), then the device, then the layouts (``eligibility``). Errors
+# and reasons start with the argument's name.
+def product_shape(a: Any, b: Any, c: Any = None, out: Any = None,
+                  names: tuple[str, str, str, str] = ("a", "b", "c", "out")) -> tuple[int, ...]:
+    """The output shape of ``a @ b (+ c)`` for 2-D or 3-D tensors (or TensorInfos) of one dtype, any dtype and
+    device; raises ValueError (TypeError for the dtypes) naming the argument (``names``: as the caller calls a, b, c
+    and out) when they do not multiply, c does not broadcast to the output or out has another shape."""
+    a_name, b_name, c_name, out_name = names
+    if a.dim() not in (2, 3):
+        raise ValueError(f"{a_name}: expected a 2-D or 3-D tensor, got {a.dim()}-D")
+    if b.dim() != a.dim():
+        raise ValueError(f"{b_name}: expected a {a.dim()}-D tensor as {a_name} is, got {b.dim()}-D")
+    if a.shape[-1] != b.shape[-2]:
+        raise ValueError(f"{b_name}: shape {tuple(b.shape)} and {a_name}'s {tuple(a.shape)} do not multiply "
+                         f"(K is {a.shape[-1]} in {a_name}, {b.shape[-2]} in {b_name})")
+    if a.dim() == 3 and a.shape[0] != b.shape[0]:
+        raise ValueError(f"{b_name}: {b.shape[0]} batches, {a_name} has {a.shape[0]}")
+    if b.dtype != a.dtype:
+        raise TypeError(f"{b_name}: dtype {b.dtype} differs from {a_name}'s {a.dtype}")
+    shape = (a.shape[0], a.shape[1], b.shape[2]) if a.dim() == 3 else (a.shape[0], b.shape[1])
+    if c is not None:
+        try:
+            torch.broadcast_shapes(tuple(c.shape), shape)
+        except RuntimeError:
+            raise ValueError(f"{c_name}: shape {tuple(c.shape)} does not broadcast to the output's {shape}") from None
+    if out is not None and tuple(out.shape) != shape:
+        raise ValueError(f"{out_name}: expected shape {shape}, got {tuple(out.shape)}")
+    return shape
+
+
+def check(a: Any, b: Any, c: Any = None, out_dtype: Optional[torch.dtype] = None, out: Any = None,
+          activation: str = "none") -> tuple[int, ...]:
+    """``product_shape``, then what nvfly's GEMM takes of any device: bf16 or fp16 operands, a bf16, fp16 or fp32
+    output, a known activation; raises TypeError or ValueError naming the argument. Returns the output shape."""
+    shape = product_shape(a, b, c, out)
+    if a.dtype not in OPERAND_DTYPES:
+        raise TypeError(f"a: dtype {a.dtype} is not supported: nvfly's GEMM takes bf16 or fp16 operands")
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"out_dtype: {out_dtype} is not bf16, fp16 or fp32")
+    if out is not None and out.dtype != (out_dtype or a.dtype):
+        raise TypeError(f"out: expected dtype {out_dtype or a.dtype}, got {out.dtype}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
+    return shape
+
+
+def _check_types(a: Any, b: Any, c: Any, out: Any) -> None:
+    for name, t in (("a", a), ("b", b), ("c", c), ("out", out)):
+        if not isinstance(t, torch.Tensor) and (t is not None or name in ("a", "b")):
+            raise TypeError(f"{name}: expected a torch.Tensor{' or None' if name in ('c', 'out') else ''}, got "
+                            f"{type(t).__name__}")
+
+
+def _device_reason(a: Any, b: Any, c: Any = None, out: Any = None) -> Optional[str]:
+    if not a.is_cuda:
+        return f"a is on {a.device}, not CUDA"
+    for name, t in (("b", b), ("c", c), ("out", out)):
+        if t is not None and t.device != a.device:
+            return f"{name} is on {t.device}, a on {a.device}"
+    major, minor = _capability(a.device.index)
+    if major != 9:
+        return f"a is on an sm_{major}{minor} GPU: nvfly's GEMM needs an sm_90 (Hopper) GPU"
+    return None
+
+
+def _layout_reason(a: Any, b: Any) -> Optional[str]:
+    for name, t, kdim in (("a", a, -1), ("b", b, -2)):
         major = operand_major(t, kdim)
         if major is None:
             return f"{name}: neither of its last two dimensions is contiguous"
@@ -51,13 +106,18 @@ def eligibility(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor] = No
         reason = tma_reason(name, t, unit)
         if reason:
             return reason
-    if c is not None:
-        shape = (a.shape[0],) * (a.dim() == 3) + (a.shape[-2], b.shape[-1])
-        try:
-            torch.broadcast_shapes(c.shape, shape)
-        except RuntimeError:
-            return f"C of shape {tuple(c.shape)} does not broadcast to {shape}"
     return None
+
+
+def eligibility(a: Any, b: Any, c: Any = None, out_dtype: Optional[torch.dtype] = None,
+                out: Any = None) -> Optional[str]:
+    """None when ``matmul(a, b, c=c, out_dtype=out_dtype, out=out)`` runs on nvfly, else the reason it is declined
+    (``check``'s error, then the device's, then the layouts'). Takes tensors or TensorInfos."""
+    try:
+        check(a, b, c, out_dtype, out)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    return _device_reason(a, b, c, out) or _layout_reason(a, b)
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,15 +125,24 @@ def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _new_plan(a: torch.Tensor, b: torch.Tensor, use_c: bool, activation: str, out_dtype: Optional[torch.dtype],
-              c: Optional[torch.Tensor], config: Any, skinny: Optional[bool],
+def _new_plan(op: str, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], activation: str,
+              out_dtype: Optional[torch.dtype], out: Optional[torch.Tensor], config: Any, skinny: Optional[bool],
               scaled: bool, swap: Optional[bool] = None) -> Union[GemmPlan, SkinnyPlan]:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
-    reason = eligibility(a, b, c, out_dtype)
+    """The plan of a call after its checks, in the caller's order; errors name ``op`` and the argument."""
+    with named(op):
+        _check_types(a, b, c, out)
+        check(a, b, c, out_dtype, out, activation)
+        return _checked_plan(a, b, c, activation, out_dtype, out, config, skinny, scaled, swap)
+
+
+def _checked_plan(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], activation: str,
+                  out_dtype: Optional[torch.dtype], out: Optional[torch.Tensor], config: Any, skinny: Optional[bool],
+                  scaled: bool, swap: Optional[bool]) -> Union[GemmPlan, SkinnyPlan]:
+    """The plan of arguments that passed ``check``: the device and the layouts (``eligibility``), then the plan."""
+    reason = eligibility(a, b, c, out_dtype, out)
     if reason:
-        raise ValueError(f"nvfly.ops.gemm.matmul: {reason}")
-    return plan_call(a, b, use_c, activation, config, skinny, scaled, swap)
+        raise ValueError(reason)
+    return plan_call(a, b, c is not None, activation, config, skinny, scaled, swap)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, alpha: float = 1.0,
@@ -84,10 +153,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None
 
     ``skinny``: None picks the kernel, True forces the skinny kernel (as does a SkinnyConfig ``config``),
     False the wgmma kernel. ``swap``: None computes small M as the transposed problem when no config is given,
-    True always does (``config`` then applies to the transposed problem), False never."""
+    True always does (``config`` then applies to the transposed problem), False never. Raises TypeError or
+    ValueError naming the argument when nvfly cannot run it."""
     use_c = c is not None and beta != 0
-    call = bind(a, b, c=c if use_c else None, scaled=alpha != 1.0, activation=activation, out_dtype=out_dtype,
-                out=out, config=config, skinny=skinny, swap=swap)
+    call = _bound(MATMUL, a, b, c if use_c else None, alpha != 1.0, activation, out_dtype, out, config, skinny, swap)
     if out is None:
         out = torch.empty(call.shape, dtype=call.out_dtype, device=a.device)
     call.run(a, b, c if use_c else None, out, alpha, beta)
@@ -102,31 +171,41 @@ def bind(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, 
     with ``shape``, ``out_dtype`` and ``run(a, b, c, out, alpha, beta)``: out = act(alpha * a @ b + beta * c)
     for tensors of the same layouts as the bound ones (c given iff bound with one; alpha other than 1 only when
     ``scaled``; ``out`` as bound, or a new contiguous tensor when bound with None). After its first launch a
-    call reads only the tensors' addresses. Raises ValueError (naming the argument) when nvfly cannot run it."""
-    # everything that decides the kernels and their launch
-    key = (layout_key(a), layout_key(b), layout_key(c), layout_key(out), activation, out_dtype, config, scaled,
-           skinny, swap)
-    call = _CALLS.get(key)
+    call reads only the tensors' addresses. Raises TypeError or ValueError (naming the argument) when nvfly cannot
+    run it."""
+    return _bound(BIND, a, b, c, scaled, activation, out_dtype, out, config, skinny, swap)
+
+
+def _bound(op: str, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], scaled: bool, activation: str,
+           out_dtype: Optional[torch.dtype], out: Optional[torch.Tensor], config: Any, skinny: Optional[bool],
+           swap: Optional[bool]) -> Any:
+    try:
+        # everything that decides the kernels and their launch
+        key = (layout_key(a), layout_key(b), layout_key(c), layout_key(out), activation, out_dtype, config, scaled,
+               skinny, swap)
+        call = _CALLS.get(key)
+    except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
+        key = call = None
     if call is None:
-        shape = (a.shape[0], a.shape[1], b.shape[2]) if a.dim() == 3 else (a.shape[0], b.shape[1])
-        if a.dim() == b.dim() and a.dim() in (2, 3) and a.shape[-1] == b.shape[-2] and 0 in (*shape[-2:], a.shape[-1]):
-            call = _EmptyCall(shape, out_dtype or a.dtype, activation)
-        else:
-            plan = _new_plan(a, b, c is not None, activation, out_dtype, c, config, skinny, scaled, swap)
-            out_dtype = out_dtype or a.dtype
-            if out is not None and (out.shape != shape or out.dtype != out_dtype or out.device != a.device):
-                raise ValueError(f"out: expected a {out_dtype} tensor of shape {shape} on {a.device}, got "
-                                 f"{out.dtype} {tuple(out.shape)} on {out.device}")
-            call = _SkinnyCall(plan, shape, out_dtype) if type(plan) is SkinnyPlan else \
-                _WgmmaCall(plan, out, shape, out_dtype)
-        if len(_CALLS) >= _CALL_LIMIT:
-            _CALLS.clear()
-        _CALLS[key] = call
+        call = _CALLS.plan(op, key, _new_call, a, b, c, scaled, activation, out_dtype, out, config, skinny, swap)
     return call
 
 
-_CALLS: dict[tuple, Any] = {}  # call signature -> _WgmmaCall, _SkinnyCall or _EmptyCall
-_CALL_LIMIT = 4096
+def _new_call(a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], scaled: bool, activation: str,
+              out_dtype: Optional[torch.dtype], out: Optional[torch.Tensor], config: Any, skinny: Optional[bool],
+              swap: Optional[bool]) -> Any:
+    """A signature's first call: its checks (they raise), then its launches."""
+    _check_types(a, b, c, out)
+    shape = check(a, b, c, out_dtype, out, activation)
+    if 0 in (*shape[-2:], a.shape[-1]):
+        return _EmptyCall(shape, out_dtype or a.dtype, activation)
+    plan = _checked_plan(a, b, c, activation, out_dtype, out, config, skinny, scaled, swap)
+    out_dtype = out_dtype or a.dtype
+    return _SkinnyCall(plan, shape, out_dtype) if type(plan) is SkinnyPlan else _WgmmaCall(plan, out, shape, out_dtype)
+
+
+# call signature -> _WgmmaCall, _SkinnyCall or _EmptyCall
+_CALLS: OpCalls[Union["_WgmmaCall", "_SkinnyCall", "_EmptyCall"]] = OpCalls()
 
 
 class _EmptyCall:
@@ -254,7 +333,7 @@ def path(a: torch.Tensor, b: torch.Tensor, *, c: Optional[torch.Tensor] = None, 
     """Which kernel ``matmul`` runs for these operands (for benchmarks): 'skinny' (with '-rowB' for a row-major
     B and '-splitK<s>' when they apply), or 'wgmma' with '-swapAB', '-splitK<s>' and
     '-streamK<tiles>x<k-blocks per block>' when they apply; raises when matmul would."""
-    return _plan_name(_new_plan(a, b, c is not None, activation, out_dtype, c, config, skinny, scaled, swap))
+    return _plan_name(_new_plan(PATH, a, b, c, activation, out_dtype, None, config, skinny, scaled, swap))
 
 
 def _plan_name(plan: Union[GemmPlan, SkinnyPlan]) -> str:

@@ -465,11 +465,11 @@ def skinny_wanted(a: torch.Tensor, b: torch.Tensor, config: Any, skinny: Optiona
     forced = skinny is True or isinstance(config, SkinnyConfig)
     if skinny is False or isinstance(config, GemmConfig):
         if forced:
-            raise ValueError("nvfly.ops.gemm.matmul: skinny=True contradicts a GemmConfig or skinny=False")
+            raise ValueError("skinny: skinny=True or a SkinnyConfig contradicts a GemmConfig or skinny=False")
         return False
     why = skinny_plan.reason(a, b)
     if forced and why:
-        raise ValueError(f"nvfly.ops.gemm.matmul: the skinny kernel cannot run this: {why}")
+        raise ValueError(f"skinny: the skinny kernel cannot run this: {why}")
     m, b_major = a.shape[-2], skinny_plan.b_major(b)
     if b_major == "col":
         limit = SKINNY_MAX_M if a.shape[-1] >= SKINNY_SHORT_K else SKINNY_MAX_M_SHORT_K
@@ -483,7 +483,7 @@ def plan_call(a: torch.Tensor, b: torch.Tensor, use_c: bool, activation: str, co
     """The plan of a ``matmul`` call that ``api.eligibility`` accepted: the skinny kernel's or the wgmma kernel's
     (operands of any device, meta included: plans read shapes and strides)."""
     if swap is not None and (skinny or isinstance(config, SkinnyConfig)):
-        raise ValueError("nvfly.ops.gemm.matmul: swap applies to the wgmma kernel, not to the skinny kernel")
+        raise ValueError("swap: swap applies to the wgmma kernel, not to the skinny kernel")
     a3, b3 = (a, b) if a.dim() == 3 else (a.unsqueeze(0), b.unsqueeze(0))
     if skinny_wanted(a, b, config, False if swap is not None else skinny):
         batches, m, k = a3.shape

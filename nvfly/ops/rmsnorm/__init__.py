@@ -8,9 +8,9 @@ Modules: ``api`` (the host functions re-exported here), ``plan`` (plans and the 
 ``kernels`` (device code), ``memory`` (its reductions and cache-hinted accesses); docs/ops/rmsnorm.md has the
 measurements behind the plans.
 """
-from nvfly.ops.rmsnorm.api import (backward_eligibility, eligibility, plan_of, rms_norm, rms_norm_backward,
-                                   rms_norm_forward)
+from nvfly.ops.rmsnorm.api import (backward_eligibility, check_backward_shapes, check_shapes, eligibility, plan_of,
+                                   rms_norm, rms_norm_backward, rms_norm_forward)
 from nvfly.ops.rmsnorm.plan import LOAD_HINTS, ForwardOptions, RowPlan
 
-__all__ = ["ForwardOptions", "LOAD_HINTS", "RowPlan", "backward_eligibility", "eligibility", "plan_of", "rms_norm",
-           "rms_norm_backward", "rms_norm_forward"]
+__all__ = ["ForwardOptions", "LOAD_HINTS", "RowPlan", "backward_eligibility", "check_backward_shapes", "check_shapes",
+           "eligibility", "plan_of", "rms_norm", "rms_norm_backward", "rms_norm_forward"]

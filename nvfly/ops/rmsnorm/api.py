@@ -12,6 +12,7 @@ from nvfly.ops.rmsnorm.kernels import (column_sum_kernel, rms_norm_backward_kern
 from nvfly.ops.rmsnorm.plan import (BACKWARD_MAX_ELEMENTS, BACKWARD_ROW_BLOCK_THREADS, BACKWARD_VECTORS_PER_THREAD,
                                     COLUMN_SUM_COLS, MAX_VECTORS_PER_THREAD, NARROW_MAX_ELEMENTS, ForwardOptions,
                                     RowPlan, bulk_plan, forward_plan, row_plan)
+from nvfly.ops.common.opcall import KernelScalars, OpCalls
 from nvfly.runtime import driver
 from nvfly.runtime.torch_args import layout_key, vector_width
 
@@ -33,48 +34,84 @@ def default_eps() -> float:
 
 def _row_shape(x: "torch.Tensor", weight: Optional["torch.Tensor"],
                normalized_shape: Optional[Sequence[int]]) -> tuple[int, int]:
-    """(M, N): the number of rows and the normalised size (the product of the last dimensions)."""
-    if normalized_shape is None:
-        normalized_shape = tuple(weight.shape) if weight is not None else (x.shape[-1],) if x.dim() else ()
-    normalized_shape = tuple(int(s) for s in normalized_shape)
-    axis = x.dim() - len(normalized_shape)
-    if not normalized_shape or axis < 0 or tuple(x.shape[axis:]) != normalized_shape:
-        raise ValueError(f"normalized_shape: {normalized_shape} must be non-empty and match the last dimensions of "
-                         f"x, whose shape is {tuple(x.shape)}")
-    if weight is not None and tuple(weight.shape) != normalized_shape:
-        raise ValueError(f"weight: expected shape {normalized_shape}, got {tuple(weight.shape)}")
-    return math.prod(x.shape[:axis]), math.prod(normalized_shape)
+    """(M, N): the number of rows and the normalised size (the product of the last dimensions: ``normalized_shape``,
+    else the weight's shape, else x's last dimension); errors blame the argument the caller passed."""
+    if normalized_shape is not None:
+        name, shape = "normalized_shape", tuple(int(s) for s in normalized_shape)
+    elif weight is not None:
+        name, shape = "weight", tuple(weight.shape)
+    elif x.dim():
+        name, shape = "x", (x.shape[-1],)
+    else:
+        raise ValueError("x: expected a dimension to normalise, got a 0-dimensional tensor")
+    axis = x.dim() - len(shape)
+    if not shape or axis < 0 or tuple(x.shape[axis:]) != shape:
+        what = "" if name == "normalized_shape" else "shape "
+        raise ValueError(f"{name}: {what}{shape} must be non-empty and match the last dimensions of x, whose shape "
+                         f"is {tuple(x.shape)}")
+    if weight is not None and tuple(weight.shape) != shape:
+        raise ValueError(f"weight: expected shape {shape} (normalized_shape), got {tuple(weight.shape)}")
+    return math.prod(x.shape[:axis]), math.prod(shape)
 
 
-def _check(x: Any, weight: Any, residual: Any, eps: Any,
-           normalized_shape: Optional[Sequence[int]]) -> tuple[int, int]:
-    """Validate arguments (errors name the argument); returns (M, N) as ``_row_shape``."""
-    if not _is_tensor(x):
-        raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if str(x.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(f"x: dtype {x.dtype} is not supported (bfloat16, float16, float32)")
-    for name, t in (("weight", weight), ("residual", residual)):
-        if t is None:
-            continue
-        if not _is_tensor(t):
-            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
-        if t.device != x.device:
-            raise ValueError(f"{name}: on {t.device}, x on {x.device}")
-        if str(t.dtype) not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name}: dtype {t.dtype} is not supported (bfloat16, float16, float32)")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"residual: expected shape {tuple(x.shape)} and dtype {x.dtype}, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
+def check_shapes(x: Any, weight: Any = None, residual: Any = None, eps: Any = None,
+                 normalized_shape: Optional[Sequence[int]] = None, residual_name: str = "residual") -> tuple[int, int]:
+    """(M, N) as ``_row_shape`` for arguments of any dtype and device: raises TypeError (not tensors) or
+    ValueError (shapes, eps) naming the argument (``residual_name``: as the caller calls the residual). The torch
+    ops and their fakes check with it too."""
+    for name, t in (("x", x), ("weight", weight), (residual_name, residual)):
+        if not _is_tensor(t) and (t is not None or name == "x"):
+            raise TypeError(f"{name}: expected a torch.Tensor{'' if name == 'x' else ' or None'}, got "
+                            f"{type(t).__name__}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"{residual_name}: expected shape {tuple(x.shape)} (x's), got {tuple(residual.shape)}")
+    m, n = _row_shape(x, weight, normalized_shape)
     if eps is not None and (not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0):
         raise ValueError(f"eps: expected a non-negative float or None, got {eps!r}")
-    return _row_shape(x, weight, normalized_shape)
+    return m, n
+
+
+def _check(x: Any, weight: Any, residual: Any, eps: Any, normalized_shape: Optional[Sequence[int]],
+           residual_name: str = "residual") -> tuple[int, int]:
+    """Validate arguments in the caller's order: shapes, dtypes, devices (errors name the argument); returns (M, N)
+    as ``_row_shape``."""
+    m, n = check_shapes(x, weight, residual, eps, normalized_shape, residual_name)
+    _check_dtypes_and_devices(x, weight, residual, residual_name)
+    return m, n
+
+
+def _check_dtypes_and_devices(x: "torch.Tensor", weight: Optional["torch.Tensor"],
+                              residual: Optional["torch.Tensor"], residual_name: str) -> None:
+    for name, t in (("x", x), ("weight", weight), (residual_name, residual)):
+        if t is not None and str(t.dtype) not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported (bfloat16, float16, float32)")
+    if residual is not None and residual.dtype != x.dtype:
+        raise TypeError(f"{residual_name}: expected dtype {x.dtype} (x's), got {residual.dtype}")
+    for name, t in (("weight", weight), (residual_name, residual)):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, x on {x.device}")
+
+
+def check_backward_shapes(grad_out: Any, x: Any, rstd: Any, weight: Any = None,
+                          normalized_shape: Optional[Sequence[int]] = None, grad_residual: Any = None
+                          ) -> tuple[int, int]:
+    """(M, N) of ``rms_norm_backward``'s arguments of any dtype and device, as ``check_shapes``."""
+    m, n = check_shapes(x, weight, grad_residual, None, normalized_shape, "grad_residual")
+    for name, t in (("grad_out", grad_out), ("rstd", rstd)):
+        if not _is_tensor(t):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if grad_out.shape != x.shape:
+        raise ValueError(f"grad_out: expected shape {tuple(x.shape)} (x's), got {tuple(grad_out.shape)}")
+    if rstd.numel() != m:
+        raise ValueError(f"rstd: expected {m} values (one per row), got shape {tuple(rstd.shape)}")
+    return m, n
 
 
 def eligibility(x: Any, weight: Any = None, residual: Any = None,
-                normalized_shape: Optional[Sequence[int]] = None) -> Optional[str]:
+                normalized_shape: Optional[Sequence[int]] = None, eps: Any = None) -> Optional[str]:
     """None when nvfly computes this RMSNorm, else the reason it declines (callers then use torch)."""
     try:
-        _check(x, weight, residual, None, normalized_shape)
+        _check(x, weight, residual, eps, normalized_shape)
     except (TypeError, ValueError) as exc:
         return str(exc)
     if x.numel() == 0:
@@ -115,36 +152,16 @@ def _is_rows(t: "torch.Tensor", m: int, n: int) -> bool:
     return t.dim() == 2 and t.shape[0] == m and t.is_contiguous()
 
 
-# Per-call plans. The host path of a call is one dictionary lookup keyed on everything the argument checks and
-# the launch shape depend on: for each tensor its shape, strides, dtype, device and base address modulo 16
-# (vector widths), and the other arguments' values (with their types: True == 1 but is not a valid eps). The
-# first call of a key runs the checks (which raise, naming the argument) and makes the plan; later calls
-# allocate the outputs and launch (nvfly.PreparedLaunch: only addresses and scalars are read).
-_PLAN_LIMIT = 4096
-_FORWARD: dict[Any, "_Forward"] = {}
-_BACKWARD: dict[Any, "_Backward"] = {}
-
-
-def _remember(cache: dict, key: Any, value: Any) -> None:
-    if key is not None:
-        if len(cache) >= _PLAN_LIMIT:
-            cache.clear()
-        cache[key] = value
-
-
-@dataclass(frozen=True)
-class KernelScalars:
-    """A kernel's arguments after its tensors, given by parameter name (``of`` checks the names against the
-    kernel's signature); ``values`` holds them in the kernel's order, as PreparedLaunch.launch takes them."""
-    names: tuple[str, ...]
-    values: tuple[Any, ...]
-
-    @classmethod
-    def of(cls, kernel: nvfly.Kernel, **by_name: Any) -> "KernelScalars":
-        names = tuple(p.name for p in kernel.params if p.kind != "tensor")
-        if set(names) != set(by_name):
-            raise TypeError(f"{kernel.name}: expected the arguments {names}, got {tuple(by_name)}")
-        return cls(names, tuple(by_name[name] for name in names))
+# Per-call plans (nvfly.ops.common.opcall). The host path of a call is one dictionary lookup keyed on everything
+# the argument checks and the launch shape depend on: for each tensor its layout_key (shape, strides, dtype, device
+# and base address modulo 16: vector widths), and the other arguments' values (with their types: True == 1 but is
+# not a valid eps). The first call of a key runs the checks (which raise, naming the argument) and makes the plan;
+# later calls allocate the outputs and launch (nvfly.PreparedLaunch: only addresses and scalars are read).
+RMS_NORM = "nvfly.ops.rmsnorm.rms_norm"
+RMS_NORM_FORWARD = "nvfly.ops.rmsnorm.rms_norm_forward"
+RMS_NORM_BACKWARD = "nvfly.ops.rmsnorm.rms_norm_backward"
+_FORWARD: OpCalls["_Forward"] = OpCalls()
+_BACKWARD: OpCalls["_Backward"] = OpCalls()
 
 
 @dataclass(frozen=True)
@@ -162,11 +179,12 @@ class _Forward:
 
 def rms_norm_forward(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, eps: Optional[float] = None,
                      residual: Optional["torch.Tensor"] = None, normalized_shape: Optional[Sequence[int]] = None,
-                     want_rstd: bool = True, options: Optional[ForwardOptions] = None
+                     want_rstd: bool = True, options: Optional[ForwardOptions] = None, *, op: str = RMS_NORM_FORWARD
                      ) -> tuple["torch.Tensor", Optional["torch.Tensor"], Optional["torch.Tensor"]]:
     """(y, x + residual or None, rstd or None); ``rstd`` has one fp32 entry per row (for the backward).
 
-    ``options`` replaces the default plan choices (ForwardOptions): for comparing plans.
+    ``options`` replaces the default plan choices (ForwardOptions): for comparing plans. ``op``: the public
+    function whose call this is, as its errors name it (``rms_norm`` gives its own name).
     """
     try:
         key = (layout_key(x), layout_key(weight), layout_key(residual), eps, type(eps),
@@ -175,7 +193,7 @@ def rms_norm_forward(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None,
     except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
         key = f = None
     if f is None:
-        f = _forward_plan(key, x, weight, eps, residual, normalized_shape, want_rstd, options)
+        f = _FORWARD.plan(op, key, _forward_plan, x, weight, eps, residual, normalized_shape, want_rstd, options)
     if not f.direct:
         return _forward_general(f, x, weight, residual, want_rstd)
     import torch
@@ -218,15 +236,13 @@ def _forward_empty(f: _Forward, x: "torch.Tensor", residual: Optional["torch.Ten
     return y, residual_out, rstd
 
 
-def _forward_plan(key: Any, x: Any, weight: Any, eps: Any, residual: Any,
-                  normalized_shape: Optional[Sequence[int]], want_rstd: bool, options: Any) -> _Forward:
-    """The first call of a key: the checks (they raise), then the plan, remembered under ``key``."""
+def _forward_plan(x: Any, weight: Any, eps: Any, residual: Any, normalized_shape: Optional[Sequence[int]],
+                  want_rstd: bool, options: Any) -> _Forward:
+    """The first call of a signature: the checks (they raise), then the plan."""
     m, n = _check(x, weight, residual, eps, normalized_shape)
     options = _check_options(options)
     if m == 0 or n == 0:  # nothing to launch
-        f = _Forward(m, n, tuple(x.shape), False, None, None)
-        _remember(_FORWARD, key, f)
-        return f
+        return _Forward(m, n, tuple(x.shape), False, None, None)
     sms = driver.plan_sm_count(x.get_device())
     p = _forward_plan_of(x, weight, residual, m, n, sms, options)
     flags = dict(HAS_WEIGHT=weight is not None, HAS_RESIDUAL=residual is not None, HAS_RSTD=bool(want_rstd))
@@ -253,9 +269,7 @@ def _forward_plan(key: Any, x: Any, weight: Any, eps: Any, residual: Any,
                                    EARLY_WEIGHT=p.early_weight and weight is not None, CACHE_HINTS=p.cache_hints)
     direct = _is_rows(x, m, n) and (residual is None or _is_rows(residual, m, n)) and \
         (weight is None or (weight.dim() == 1 and weight.is_contiguous()))
-    f = _Forward(m, n, tuple(x.shape), direct, launch, scalars)
-    _remember(_FORWARD, key, f)
-    return f
+    return _Forward(m, n, tuple(x.shape), direct, launch, scalars)
 
 
 def _forward_plan_of(x: "torch.Tensor", weight: Optional["torch.Tensor"], residual: Optional["torch.Tensor"], m: int,
@@ -297,7 +311,7 @@ def rms_norm(x: "torch.Tensor", weight: Optional["torch.Tensor"] = None, eps: Op
     Returns ``y``, or ``(y, x + residual)`` when ``residual`` is given. ``eps=None`` means the fp32 epsilon
     (as torch). Any row length and row stride; fp32 math for bf16/fp16/fp32 inputs.
     """
-    y, residual_out, _ = rms_norm_forward(x, weight, eps, residual, normalized_shape, want_rstd=False)
+    y, residual_out, _ = rms_norm_forward(x, weight, eps, residual, normalized_shape, False, op=RMS_NORM)
     return y if residual is None else (y, residual_out)
 
 
@@ -317,7 +331,8 @@ def rms_norm_backward(grad_out: "torch.Tensor", x: "torch.Tensor", rstd: "torch.
     except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
         key = b = None
     if b is None:
-        b = _backward_plan(key, grad_out, x, rstd, weight, normalized_shape, grad_residual, needs_weight_grad)
+        b = _BACKWARD.plan(RMS_NORM_BACKWARD, key, _backward_plan, grad_out, x, rstd, weight, normalized_shape,
+                           grad_residual, needs_weight_grad)
     import torch
     if b.launch is None:  # nothing to launch
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -361,23 +376,22 @@ class _Backward:
     column_sum_scalars: Optional[KernelScalars] = None
 
 
-def _backward_plan(key: Any, grad_out: Any, x: Any, rstd: Any, weight: Any,
-                   normalized_shape: Optional[Sequence[int]], grad_residual: Any, needs_weight_grad: Any) -> _Backward:
-    """The first call of a key: the checks (they raise), then the plan, remembered under ``key``."""
+def _backward_plan(grad_out: Any, x: Any, rstd: Any, weight: Any, normalized_shape: Optional[Sequence[int]],
+                   grad_residual: Any, needs_weight_grad: Any) -> _Backward:
+    """The first call of a signature: the checks (they raise), then the plan."""
     import torch
-    m, n = _check(x, weight, grad_residual, None, normalized_shape)
-    if not _is_tensor(grad_out) or grad_out.shape != x.shape or grad_out.device != x.device:
-        raise ValueError(f"grad_out: expected a tensor of shape {tuple(x.shape)} on {x.device}")
-    if not _is_tensor(rstd) or rstd.numel() != m or rstd.dtype != torch.float32:
-        raise ValueError(f"rstd: expected {m} float32 values (one per row), got "
-                         f"{getattr(rstd, 'dtype', type(rstd).__name__)} with {getattr(rstd, 'shape', '?')}")
+    m, n = check_backward_shapes(grad_out, x, rstd, weight, normalized_shape, grad_residual)
+    if rstd.dtype != torch.float32:
+        raise TypeError(f"rstd: expected dtype torch.float32, got {rstd.dtype}")
+    _check_dtypes_and_devices(x, weight, grad_residual, "grad_residual")
+    for name, t in (("grad_out", grad_out), ("rstd", rstd)):
+        if t.device != x.device:
+            raise ValueError(f"{name}: on {t.device}, x on {x.device}")
     needs_weight_grad = bool(needs_weight_grad) and weight is not None
     weight_flat = weight is not None and weight.dim() == 1 and weight.is_contiguous()
     rstd_flat = rstd.dim() == 1  # as rstd.reshape(-1) would be
     if m == 0 or n == 0:
-        b = _Backward(m, n, tuple(x.shape), False, weight_flat, rstd_flat, needs_weight_grad, None)
-        _remember(_BACKWARD, key, b)
-        return b
+        return _Backward(m, n, tuple(x.shape), False, weight_flat, rstd_flat, needs_weight_grad, None)
     dy2, x2 = _rows(grad_out, n), _rows(x, n)
     dr2 = _rows(grad_residual, n) if grad_residual is not None else None
     w = weight.reshape(-1).contiguous() if weight is not None else None
@@ -400,8 +414,6 @@ def _backward_plan(key: Any, grad_out: Any, x: Any, rstd: Any, weight: Any,
     if needs_weight_grad:
         column_sum = column_sum_kernel.prepared(padded_n // COLUMN_SUM_COLS, 256)
         column_sum_scalars = KernelScalars.of(column_sum_kernel, P=grid * p.rows, N=n)
-    b = _Backward(m, n, tuple(x.shape), direct, weight_flat, rstd_flat, needs_weight_grad,
-                  rms_norm_backward_kernel.prepared(grid, p.threads), scalars, (grid * p.rows, padded_n), column_sum,
-                  column_sum_scalars)
-    _remember(_BACKWARD, key, b)
-    return b
+    return _Backward(m, n, tuple(x.shape), direct, weight_flat, rstd_flat, needs_weight_grad,
+                     rms_norm_backward_kernel.prepared(grid, p.threads), scalars, (grid * p.rows, padded_n),
+                     column_sum, column_sum_scalars)

@@ -14,10 +14,10 @@ Measurements behind the plans' thresholds: ``docs/ops/topk.md``.
 import sys
 import types
 
-from nvfly.ops.topk.api import eligibility, topk
+from nvfly.ops.topk.api import check_shapes, eligibility, topk
 from nvfly.ops.topk.plans import TopkPlan, plan
 
-__all__ = ["TopkPlan", "eligibility", "plan", "topk"]
+__all__ = ["TopkPlan", "check_shapes", "eligibility", "plan", "topk"]
 
 
 class _CallablePackage(types.ModuleType):

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.topk.plans import EXACT_BINS, HIST, MAX_K, ROW_CAP_MAX, STREAM_THREADS, TopkPlan, plan
 from nvfly.ops.topk.row import (topk_row_histogram_kernel, topk_row_one_launch_kernel, topk_row_select_kernel,
                                 topk_row_two_level_kernel)
@@ -22,19 +23,26 @@ SUPPORTED_DTYPES = {"torch.bfloat16": "bf16", "torch.float16": "f16", "torch.flo
 
 
 # ---------------------------------------------------------------------------------------------- checks
-def _check(x: Any, k: Any, dim: Any) -> int:
-    """Validate arguments (errors name the argument); returns the wrapped dim."""
+def check_shapes(x: Any, k: Any, dim: Any) -> int:
+    """The wrapped dim of a TopK's arguments of any dtype and device (raises TypeError or ValueError naming the
+    argument when they are wrong for any TopK: the torch op and its fake check with it too)."""
     import torch
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-    if str(x.dtype) not in SUPPORTED_DTYPES:
-        raise TypeError(f"x: dtype {x.dtype} is not supported (bfloat16, float16, float32)")
     if isinstance(dim, bool) or not isinstance(dim, int) or not -max(1, x.dim()) <= dim < max(1, x.dim()):
         raise ValueError(f"dim: {dim!r} is out of range for a {x.dim()}-dimensional x")
     dim %= max(1, x.dim())
     size = x.shape[dim] if x.dim() else 1
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= size:
         raise ValueError(f"k: expected an int in [0, {size}] (the size of dimension {dim}), got {k!r}")
+    return dim
+
+
+def _check(x: Any, k: Any, dim: Any) -> int:
+    """``check_shapes``, then what nvfly's TopK takes (errors name the argument); returns the wrapped dim."""
+    dim = check_shapes(x, k, dim)
+    if str(x.dtype) not in SUPPORTED_DTYPES:
+        raise TypeError(f"x: dtype {x.dtype} is not supported (bfloat16, float16, float32)")
     if k > MAX_K:
         raise ValueError(f"k: at most {MAX_K} is supported, got {k}")
     return dim
@@ -58,10 +66,10 @@ def eligibility(x: Any, k: Any, dim: Any = -1, largest: bool = True, sorted: boo
 
 
 # ---------------------------------------------------------------------------------------------- calls
-# Per-call plans, keyed on everything the argument checks and the launches depend on (see rmsnorm._FORWARD): the
-# first call of a key checks and plans, later ones allocate the outputs and launch.
-_PLAN_LIMIT = 4096
-_TOPK: dict[Any, "_Topk"] = {}
+# Per-call plans (nvfly.ops.common.opcall), keyed on everything the argument checks and the launches depend on
+# (see rmsnorm.api): the first call of a key checks and plans, later ones allocate the outputs and launch.
+TOPK = "nvfly.ops.topk.topk"
+_TOPK: OpCalls["_Topk"] = OpCalls()
 
 
 @dataclass
@@ -87,7 +95,7 @@ def topk(x: "torch.Tensor", k: int, dim: int = -1, largest: bool = True,
     except Exception:  # noqa: BLE001 - not a tensor, an unhashable argument: the checks explain
         key = t = None
     if t is None:
-        t = _plan_call(key, x, k, dim, largest)
+        t = _TOPK.plan(TOPK, key, _plan_call, x, k, dim, largest)
     import torch
     if t.direct:
         values = torch.empty((t.m, t.k), dtype=x.dtype, device=x.device)
@@ -120,8 +128,8 @@ def _topk_general(t: _Topk, x: "torch.Tensor") -> tuple["torch.Tensor", "torch.T
     return place(values), place(indices)
 
 
-def _plan_call(key: Any, x: Any, k: Any, dim: Any, largest: Any) -> _Topk:
-    """The first call of a key: the checks (they raise), then the plan, remembered under ``key``."""
+def _plan_call(x: Any, k: Any, dim: Any, largest: Any) -> _Topk:
+    """The first call of a signature: the checks (they raise), then the plan."""
     dim = _check(x, k, dim)
     n = x.shape[dim] if x.dim() else 1
     m = math.prod(s for i, s in enumerate(x.shape) if i != dim)
@@ -131,12 +139,7 @@ def _plan_call(key: Any, x: Any, k: Any, dim: Any, largest: Any) -> _Topk:
         vec = vector_width(n, (_rows_like(x, dim, m, n),), x.element_size())
         p = plan(n, k, m, vec, x.element_size(), plan_sm_count(x.get_device()), dtype=SUPPORTED_DTYPES[str(x.dtype)])
         run = runner(p, m, n, k, bool(largest))
-    t = _Topk(m, n, k, dim, direct and run is not None, run)
-    if key is not None:
-        if len(_TOPK) >= _PLAN_LIMIT:
-            _TOPK.clear()
-        _TOPK[key] = t
-    return t
+    return _Topk(m, n, k, dim, direct and run is not None, run)
 
 
 def _rows_like(x: "torch.Tensor", dim: int, m: int, n: int) -> "torch.Tensor":

@@ -483,6 +483,23 @@ def test_host_path_passes_captured_tensors(cpu_launches):
     assert len(cpu_launches) == 1 and any(p == slopes.data_ptr() for p in params)
 
 
+def test_host_path_passes_fp8_caches_as_bytes_with_scales(cpu_launches):
+    q, k, v = bf16(2, 1, 8, 64), fp8(2, 256, 2, 64), fp8(2, 256, 2, 64)
+    attention.decode(q, k, v, k_scale=torch.tensor([0.5, 2.0]), v_scale=torch.tensor(3.0), splits=1)
+    attention.decode(q, k, v, splits=1)  # no scales: 1
+    assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"] * 2
+    assert all(k.data_ptr() in params and v.data_ptr() in params for _, _, params in cpu_launches)
+
+
+def test_host_path_passes_block_mask_tables(cpu_launches):
+    q, k, v = bf16(2, 4, 8, 64), bf16(2, 512, 2, 64), bf16(2, 512, 2, 64)
+    mask, _ = random_block_mask(2, 1, 4, 256, mask_mod=head_parity)
+    out = attention.decode(q, k, v, block_mask=mask, splits=3, cache_seqlens=torch.tensor([512, 100]))
+    assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_decode_kernel", (3, 2, 2)),
+                                                                ("attention_combine_kernel", (2 * 4 * 8 // 4, 1, 1))]
+    assert out.shape == (2, 4, 8, 64)
+
+
 # ---------------------------------------------------------------------------------------------- mods
 GLOBAL_BIAS = torch.zeros(4, 4)
 
@@ -530,6 +547,13 @@ FAMILIES = {
     "d256-sq2-g8-split": dict(sq=2, group=8, dqk=256, dv=256, splits=4),
     "d256-sq8-g8-64rows-paged128": dict(sq=8, group=8, dqk=256, dv=256, paged=True, page_size=128, splits=2),
     "dqk192-dv128-g16": dict(sq=1, group=16, dqk=192, dv=128, splits=1),
+    "d64-sq1-g4-fp8": dict(sq=1, group=4, dqk=64, dv=64, splits=1, fp8=True),
+    "d128-sq4-g8-paged16-split-fp8-blockmask": dict(sq=4, group=8, dqk=128, dv=128, paged=True, page_size=16,
+                                                    splits=8, fp8=True, kv_block=128),
+    "d128-sq1-g6-paged64-fp16-fp8": dict(sq=1, group=6, dqk=128, dv=128, paged=True, page_size=64, splits=1,
+                                         fp8=True),
+    "d256-sq8-g8-64rows-split-fp8": dict(sq=8, group=8, dqk=256, dv=256, splits=2, fp8=True),
+    "d128-sq8-g6-64rows-blockmask256-window": dict(sq=8, group=6, dqk=128, dv=128, splits=1, kv_block=256),
 }
 
 
@@ -538,11 +562,17 @@ def test_plan_families_compile_without_spills(name):
     spec = dict(FAMILIES[name])
     splits = spec.pop("splits")
     paged, page_size = spec.pop("paged", False), spec.pop("page_size", 0)
-    plan = P.DecodePlan(paged=paged, page_size=page_size, causal=True, stages=P.stages_for(spec["dqk"], spec["dv"]),
-                        splits=splits, row_warps=P.row_warps_for(spec["sq"] * spec["group"]), **spec)
+    fp8 = spec.get("fp8", False)
+    plan = P.DecodePlan(paged=paged, page_size=page_size, causal=True,
+                        stages=P.stages_for(spec["dqk"], spec["dv"], fp8), splits=splits,
+                        row_warps=P.row_warps_for(spec["sq"] * spec["group"]), **spec)
     dtype = nvfly.f16 if "fp16" in name else nvfly.bf16
-    kernels = attention.compile_kernels(plan, dtype=dtype, seqlen=1024)
+    mods = M.Mods(None, M.sliding_window(300)) if "window" in name else M.Mods()
+    kernels = attention.compile_kernels(plan, mods, dtype=dtype, seqlen=1024)
     check_sass(kernels[0], "HMMA.16816.F32" if dtype == nvfly.f16 else "HMMA.16816.F32.BF16")
+    ops = kernels[0].sass_opcodes()
+    assert (ops["F2FP.F16.E4M3.UNPACK_B"] > 0) == fp8  # e4m3 pairs converted in the kernel
+    assert (ops["STS.128"] > 0) == fp8                   # into the 16-bit tile, 16 bytes a store
     assert len(kernels) == (2 if splits > 1 else 1)
     if splits > 1:
         assert not any(op.startswith(("LDL", "STL")) for op in kernels[1].sass_opcodes())

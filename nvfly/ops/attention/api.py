@@ -376,14 +376,24 @@ def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf
 
 
 def bytes_moved(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor",
-                cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None) -> int:
-    """Bytes of q, the keys and values read (each sequence's length, at the caches' element size: 1 for fp8) and o
-    written: what TB/s is counted on."""
+                cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None,
+                block_mask: Any = None) -> int:
+    """Bytes of q, the keys and values read (each sequence's length, at the caches' element size: 1 for fp8; with
+    a block mask the keys of the stages read) and o written: what TB/s is counted on."""
+    import torch
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
-    keys = batch * capacity if cache_seqlens is None else int(cache_seqlens.sum())
+    if block_mask is None:
+        head_keys = hkv * (batch * capacity if cache_seqlens is None else int(cache_seqlens.sum()))
+    else:
+        seqlens = (torch.full((batch,), capacity, dtype=torch.int32, device=q.device) if cache_seqlens is None
+                   else cache_seqlens.to(torch.int32))
+        _, stage_list, stage_count = block_mask_tables(block_mask, batch, hq, hkv, seqlens, capacity)
+        read = torch.arange(stage_list.shape[2], device=q.device) < stage_count[..., None]
+        keys = (seqlens[:, None, None] - stage_list * BLOCK_N).clamp(0, BLOCK_N)  # of each stage in the sequence
+        head_keys = int((keys * read).sum())
     return (q.element_size() * (q.numel() + batch * sq * hq * dv)
-            + keys * hkv * (dqk * k_cache.element_size() + dv * v_cache.element_size()))
+            + head_keys * (dqk * k_cache.element_size() + dv * v_cache.element_size()))
 
 

@@ -23,6 +23,12 @@ step), V's B fragments come from ldmatrix.trans. After the last stage the warps 
 through shared memory (the ring, now free); the result is O / l and LSE = m + log l (natural log), or for a fully
 masked row zeros and -inf. With splits, a CTA writes its normalised partial O and LSE in f32 for
 ``combine_kernel``.
+
+fp8 (e4m3) K/V: the ring holds the bytes; after a stage lands all threads convert it into one 16-bit tile in the
+swizzled layout above (``convert_stage``, a second barrier), so the fragment maps are the 16-bit ones; K's scale
+is folded into the scores' scale and V's into the final normalisation. A flex BlockMask: the CTA reads only the
+stages its ``stage_list`` names (those of blocks non-empty for a head of its group), split evenly like a
+sequence's stages, and each row masks by its own head's block state (``kv_state``).
 """
 from __future__ import annotations
 

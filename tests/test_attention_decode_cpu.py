@@ -322,6 +322,23 @@ def test_reference_block_mask_is_flex_attention():
     assert int(mask.kv_num_blocks.sum()) + int(mask.full_kv_num_blocks.sum()) < 2 * 5  # blocks were skipped
 
 
+def test_sliced_prefill_mask_with_a_positional_mask_mod():
+    """A prefill BlockMask sliced at the queries' block (flex's decode recipe) with mask_mod given for its partial
+    blocks: the reference equals the plain mask, and the kernel's tables list only the window's stages."""
+    q, k, v = random_case(batch=2, sq=4, hq=8, hkv=2, capacity=640)
+    window = M.sliding_window(200)
+
+    def causal_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & window(b, h, q_idx, kv_idx)
+    sliced = create_block_mask(causal_window, 2, 1, 1024, 1024, device="cpu")[:, :, 636 // 128]
+    out, lse = reference(q, k, v, block_mask=sliced, mask_mod=causal_window)
+    want, want_lse = reference(q, k, v, mask_mod=window)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    _, _, count = kv_options.block_mask_tables(sliced, 2, 8, 2, torch.full((2,), 640, dtype=torch.int32), 640)
+    assert torch.equal(count, torch.full((2, 2), 6, dtype=torch.int32))  # stages 4-9 of 10: blocks 2-4 of 5
+
+
 def test_reference_dequantises_fp8():
     """fp8 caches in the reference: value * its KV head's scale (per tensor and per head), in float32."""
     q, k, v = random_case(hq=8, hkv=2)
@@ -417,10 +434,10 @@ def fp8(*shape):
      "block_mask: 2 KV blocks of 128 cover 256 keys, the cache holds 512"),
     (lambda: (bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64),
               {"block_mask": random_block_mask(2, 8, 2, mask_mod=head_parity)[0],
-               "mask_mod": M.sliding_window(64)}), ValueError, "mask_mod: a block mask applies its own mask_mod"),
+               "mask_mod": M.sliding_window(64)}), ValueError, "mask_mod: differs from the block mask's own mask_mod"),
     (lambda: (bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64),
               {"block_mask": create_block_mask(M.sliding_window(64), 2, 1, 1024, 256, device="cpu")[:, :, 7]}),
-     ValueError, "block_mask: its mask_mod is torch's placeholder for a sliced mask"),
+     ValueError, "block_mask: a sliced mask's mask_mod is torch's placeholder; pass mask_mod="),
     (lambda: (bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64),
               {"block_mask": BlockMask.from_kv_blocks(torch.full((2, 8, 1), 2, dtype=torch.int32),
                                                       torch.full((2, 8, 1, 2), 5, dtype=torch.int32),

@@ -115,7 +115,7 @@ def eligibility(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None
         check_scales(k_scale, v_scale, q, k_cache)
         if block_mask is not None:
             check_block_mask(block_mask, mask_mod, q, k_cache.shape[2], capacity)
-            mask_mod = mask_mod_of(block_mask)
+            mask_mod = mask_mod_of(block_mask, mask_mod)
     except (TypeError, ValueError) as exc:
         return str(exc)
     if q.device.type != "cuda":
@@ -171,15 +171,16 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     (Hkv,) (per KV head); None is a scale of 1. ``block_mask``: a flex_attention ``BlockMask`` whose query
     dimension is one block covering the Sq queries (kv_num_blocks (1 or B, 1 or Hq, 1)) and whose KV block size is
     a multiple of 64: keys in its empty blocks are masked and not read, its partial blocks apply its ``mask_mod``
-    (called like ``mask_mod``, with q_idx the query's position), its full blocks keep every key (``mask_mod`` must
-    then be None or the block mask's).
+    (called like ``mask_mod``, with q_idx the query's position), its full blocks keep every key. ``mask_mod`` with
+    a block mask is the mask of its partial blocks: the block mask's own (then pass None or the same function), or
+    one given for a mask without its own (flex's no-op, or a prefill mask sliced with ``block_mask[:, :, i]``).
     """
     import torch
     capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if block_mask is not None:
         capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)
         check_block_mask(block_mask, mask_mod, q, k_cache.shape[2], capacity, validate and not capturing)
-        mask_mod = mask_mod_of(block_mask)
+        mask_mod = mask_mod_of(block_mask, mask_mod)
     mods = _mods(score_mod, mask_mod)
     capacity, pages = _checked(q, k_cache, v_cache, cache_seqlens, block_table, mods)
     check_scales(k_scale, v_scale, q, k_cache)
@@ -319,7 +320,7 @@ def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor
         if causal:
             keep = keep & (kv <= positions)
         if block_mask is not None:
-            keep = keep & reference_block_keep(block_mask, b, hq, positions, kv)
+            keep = keep & reference_block_keep(block_mask, mask_mod, b, hq, positions, kv)
         elif mask_mod is not None:
             keep = keep & mask_mod(index_b, heads, positions, kv).bool()
         scores = scores.masked_fill(~keep, float("-inf"))

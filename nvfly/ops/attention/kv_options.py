@@ -55,10 +55,23 @@ def kernel_scales(k_scale: Optional["torch.Tensor"], v_scale: Optional["torch.Te
 
 
 # ---------------------------------------------------------------------------------------------- block mask
-def mask_mod_of(block_mask: Any) -> Optional[Callable[..., Any]]:
-    """The block mask's mask_mod for its partial blocks; None for flex's no-op mask."""
+def _sliced(block_mask: Any) -> bool:
+    """Whether the block mask's mask_mod is torch's placeholder for a mask sliced with ``block_mask[:, :, i]``."""
+    return getattr(block_mask.mask_mod, "__name__", "") == "_sliced_mask_mod_error"
+
+
+def _own_mask_mod(block_mask: Any) -> bool:
+    """Whether the block mask carries a mask_mod of its own (not flex's no-op, not the sliced placeholder)."""
     from torch.nn.attention.flex_attention import noop_mask
-    return None if block_mask.mask_mod is noop_mask else block_mask.mask_mod
+    return block_mask.mask_mod is not noop_mask and not _sliced(block_mask)
+
+
+def mask_mod_of(block_mask: Any, mask_mod: Optional[Callable[..., Any]] = None) -> Optional[Callable[..., Any]]:
+    """The mask of the block mask's partial blocks: ``mask_mod`` when given, else the block mask's own (None for
+    flex's no-op)."""
+    if mask_mod is not None:
+        return mask_mod
+    return block_mask.mask_mod if _own_mask_mod(block_mask) else None
 
 
 def _pairs(block_mask: Any) -> list:
@@ -81,11 +94,12 @@ def check_block_mask(block_mask: Any, mask_mod: Any, q: Any, hkv: int, capacity:
     if kv_block % BLOCK_N:
         raise error(ValueError, "block_mask", f"KV block size {kv_block} is not a multiple of the kernel's "
                                               f"{BLOCK_N}-key stage (create the mask with BLOCK_SIZE=(128, 128))")
-    if mask_mod is not None and mask_mod is not block_mask.mask_mod:
-        raise error(ValueError, "mask_mod", "a block mask applies its own mask_mod; pass mask_mod=None")
-    if getattr(block_mask.mask_mod, "__name__", "") == "_sliced_mask_mod_error":
-        raise error(ValueError, "block_mask", "its mask_mod is torch's placeholder for a sliced mask; set "
-                                              "block_mask.mask_mod to the mask (q_idx: the query's position)")
+    if mask_mod is not None and _own_mask_mod(block_mask) and mask_mod is not block_mask.mask_mod:
+        raise error(ValueError, "mask_mod", "differs from the block mask's own mask_mod, which its partial blocks "
+                                            "apply; pass mask_mod=None")
+    if mask_mod is None and _sliced(block_mask):
+        raise error(ValueError, "block_mask", "a sliced mask's mask_mod is torch's placeholder; pass mask_mod= "
+                                              "(q_idx: the query's position) or set block_mask.mask_mod")
     for name, num, indices, _ in _pairs(block_mask):
         if num.dim() != 3 or num.shape[0] not in (1, batch) or num.shape[1] not in (1, hq):
             raise error(ValueError, "block_mask", f"{name} shape {tuple(num.shape)}; expected (1 or {batch}, 1 or "
@@ -135,10 +149,11 @@ def block_mask_tables(block_mask: Any, batch: int, hq: int, hkv: int, seqlens: "
     return [kv_state, stage_list, stage_count.contiguous()]
 
 
-def reference_block_keep(block_mask: Any, b: int, hq: int, positions: "torch.Tensor",
-                         kv: "torch.Tensor") -> "torch.Tensor":
-    """(Hq, Sq, L) bool: the keys the block mask keeps for sequence b's queries at ``positions`` (1, Sq, 1) and
-    keys ``kv`` (1, 1, L), written from flex's definition (independent of ``block_mask_tables``)."""
+def reference_block_keep(block_mask: Any, mask_mod: Optional[Callable[..., Any]], b: int, hq: int,
+                         positions: "torch.Tensor", kv: "torch.Tensor") -> "torch.Tensor":
+    """(Hq, Sq, L) bool: the keys the block mask (its partial blocks masked by ``mask_mod_of(block_mask, mask_mod)``)
+    keeps for sequence b's queries at ``positions`` (1, Sq, 1) and keys ``kv`` (1, 1, L), written from flex's
+    definition (independent of ``block_mask_tables``)."""
     import torch
     kv_block = int(block_mask.BLOCK_SIZE[1])
     length = kv.shape[-1]
@@ -152,7 +167,7 @@ def reference_block_keep(block_mask: Any, b: int, hq: int, positions: "torch.Ten
                 listed[h, 0, block * kv_block:(block + 1) * kv_block] = True
         in_blocks[name] = listed
     keep = in_blocks["kv_num_blocks"]
-    mask_mod = mask_mod_of(block_mask)
+    mask_mod = mask_mod_of(block_mask, mask_mod)
     if mask_mod is not None:
         heads = torch.arange(hq, device=kv.device)[:, None, None]
         keep = keep & mask_mod(torch.tensor(b, device=kv.device), heads, positions, kv).bool()

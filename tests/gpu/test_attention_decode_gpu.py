@@ -284,6 +284,20 @@ def test_block_mask_sliding_window_skips_blocks():
     check(q, k, v, block_mask=mask, read=poison_unread(k, v, kinds, 128, 4))
 
 
+@pytest.mark.slow
+def test_block_mask_sliced_prefill_recipe():
+    """flex's decode recipe: a prefill mask sliced at the queries' block, the positional mask given as mask_mod."""
+    k, v, table = make_cache(2, 4096, 8, 128, 128, FP8, page=64)
+    q = query(2, 2, 48, 128, torch.bfloat16)
+    window = M.sliding_window(1000)
+
+    def causal_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & window(b, h, q_idx, kv_idx)
+    prefill = create_block_mask(causal_window, 2, 1, 4096, 4096, device="cuda")
+    check(q, k, v, block_table=table, block_mask=prefill[:, :, 4094 // 128], mask_mod=causal_window,
+          k_scale=kv_scale("head", 8, 1))
+
+
 def test_block_mask_per_head_ragged_splits():
     """Random empty/partial/full blocks per (sequence, query head), ragged lengths (0 included), a mask_mod on the
     partial blocks, 7 splits (a split's stages begin mid-block; the slow sweep has the heuristic's counts)."""

@@ -67,8 +67,9 @@ def paged(k: torch.Tensor, v: torch.Tensor, page: int) -> tuple[torch.Tensor, to
     order = torch.randperm(batch * pages, device="cuda")
     k_pages = torch.empty(batch * pages, page, *k.shape[2:], dtype=k.dtype, device="cuda")
     v_pages = torch.empty(batch * pages, page, *v.shape[2:], dtype=v.dtype, device="cuda")
-    k_pages[order] = k.reshape(batch * pages, page, *k.shape[2:])
-    v_pages[order] = v.reshape(batch * pages, page, *v.shape[2:])
+    as_bits = (lambda t: t.view(torch.uint8)) if k.element_size() == 1 else (lambda t: t)  # fp8: copy bytes
+    as_bits(k_pages)[order] = as_bits(k).reshape(batch * pages, page, *k.shape[2:])
+    as_bits(v_pages)[order] = as_bits(v).reshape(batch * pages, page, *v.shape[2:])
     return k_pages, v_pages, order.view(batch, pages).to(torch.int32)
 
 
@@ -137,8 +138,8 @@ def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: s
     torch.manual_seed(0)
     q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch.bfloat16)
     kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
-    k = torch.randn(batch, skv, hkv, d, device="cuda").to(kv_dtype)
-    v = torch.randn(batch, skv, hkv, d, device="cuda").to(kv_dtype)
+    k = torch.randn(batch, skv, hkv, d, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+    v = torch.randn(batch, skv, hkv, d, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
     mods = make_mods(hq)[mod] if mod != "none" else {}
     flex_mods = mods
     if mod == "window4096-blockmask":

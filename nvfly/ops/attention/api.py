@@ -280,6 +280,15 @@ def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens:
 
 
 # ---------------------------------------------------------------------------------------------- reference
+def _gather_rows(cache: "torch.Tensor", index: "torch.Tensor") -> "torch.Tensor":
+    """``cache.flatten(0, 1)[index]``, through a byte view for fp8 (torch does not index fp8 on every device)."""
+    import torch
+    flat = cache.flatten(0, 1)
+    if str(cache.dtype) == FP8:
+        return flat.view(torch.uint8)[index].view(cache.dtype)
+    return flat[index]
+
+
 def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", *,
               cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None,
               scale: Optional[float] = None, causal: bool = True, score_mod: Optional[Callable[..., Any]] = None,
@@ -305,8 +314,7 @@ def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor
             length = block_table.shape[1] * page if cache_seqlens is None else int(cache_seqlens[b])
             slots = torch.arange(length, device=q.device)
             index = block_table[b].long().repeat_interleave(page)[:length] * page + slots % page
-            keys = k_cache.flatten(0, 1)[index]
-            values = v_cache.flatten(0, 1)[index]
+            keys, values = _gather_rows(k_cache, index), _gather_rows(v_cache, index)
         keys = (keys.float() * per_head(k_scale, hkv, q.device)[:, None]).repeat_interleave(group, dim=1)  # (L, Hq, D)
         values = (values.float() * per_head(v_scale, hkv, q.device)[:, None]).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[b].float(), keys) * scale  # (Hq, Sq, L)

@@ -7,9 +7,12 @@ q, k, v read and o written per second (``bytes_moved``). Every sequence has the 
 lengths); paged rows time nvfly on a shuffled page table and the peers on the contiguous cache of the same bytes
 (none of them takes pages). Queries are the cache's last Sq positions (causal aligned to the end: SDPA gets
 ``causal_lower_right``, flex a block mask); mod rows give the same function to nvfly and flex (flex's q_idx is the
-query's index, so it is shifted to the position) and SDPA is not timed on them.
+query's index, so it is shifted to the position) and SDPA is not timed on them. The ``window4096-blockmask`` row
+gives nvfly the window as a flex BlockMask (its empty blocks not read; TB/s on the bytes of the blocks read, for
+every column) and flex the window's mask_mod. ``--fp8`` adds each row's shape with fp8 (e4m3) K/V caches and
+per-head scales (``kv`` = "fp8"; nvfly only, no peer takes fp8 caches; TB/s on the bytes moved, K/V at 1 byte).
 Usage: python benchmarks/attention.py --decode [--quick] [--sq 1 4 8] [--layouts ...] [--models ...] [--no-mods]
-[--no-flex] [--name NAME]; paged layouts run at Sq = 1.
+[--no-flex] [--fp8] [--name NAME]; paged layouts run at Sq = 1.
 Writes benchmarks/results/attention_decode_h200.json and .png.
 """
 from __future__ import annotations
@@ -42,7 +45,19 @@ SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 def make_mods(hq: int) -> dict[str, dict[str, Any]]:
     slopes = torch.tensor(M.alibi_slopes(hq), device="cuda")
     return {"softcap50": {"score_mod": M.soft_cap(50.0)}, "alibi": {"score_mod": M.alibi(slopes)},
-            "window4096": {"mask_mod": M.sliding_window(4096)}}
+            "window4096": {"mask_mod": M.sliding_window(4096)}, "window4096-blockmask": {}}
+
+
+def window_block_mask(batch: int, sq: int, skv: int, window: int) -> Any:
+    """The sliding window as a BlockMask for the Sq queries at the end of skv-key sequences (mask_mod: positions)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    mask_mod = M.sliding_window(window)
+
+    def at_positions(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx + skv - sq, kv_idx)
+    block_mask = create_block_mask(at_positions, batch, None, sq, skv, device="cuda")
+    block_mask.mask_mod = mask_mod
+    return block_mask
 
 
 def paged(k: torch.Tensor, v: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,8 +67,9 @@ def paged(k: torch.Tensor, v: torch.Tensor, page: int) -> tuple[torch.Tensor, to
     order = torch.randperm(batch * pages, device="cuda")
     k_pages = torch.empty(batch * pages, page, *k.shape[2:], dtype=k.dtype, device="cuda")
     v_pages = torch.empty(batch * pages, page, *v.shape[2:], dtype=v.dtype, device="cuda")
-    k_pages[order] = k.reshape(batch * pages, page, *k.shape[2:])
-    v_pages[order] = v.reshape(batch * pages, page, *v.shape[2:])
+    as_bits = (lambda t: t.view(torch.uint8)) if k.element_size() == 1 else (lambda t: t)  # fp8: copy bytes
+    as_bits(k_pages)[order] = as_bits(k).reshape(batch * pages, page, *k.shape[2:])
+    as_bits(v_pages)[order] = as_bits(v).reshape(batch * pages, page, *v.shape[2:])
     return k_pages, v_pages, order.view(batch, pages).to(torch.int32)
 
 
@@ -117,28 +133,35 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: dict[str,
     return call
 
 
-def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool) -> dict[str, Any]:
+def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: str = "bf16") -> dict[str, Any]:
     name, batch, skv, hq, hkv, d = shape
     torch.manual_seed(0)
     q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, skv, hkv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(batch, skv, hkv, d, device="cuda", dtype=torch.bfloat16)
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    k = torch.randn(batch, skv, hkv, d, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
+    v = torch.randn(batch, skv, hkv, d, device="cuda", dtype=torch.bfloat16).to(kv_dtype)
     mods = make_mods(hq)[mod] if mod != "none" else {}
+    flex_mods = mods
+    if mod == "window4096-blockmask":
+        mods, flex_mods = {"block_mask": window_block_mask(batch, sq, skv, 4096)}, make_mods(hq)["window4096"]
+    if kv == "fp8":
+        scales = torch.rand(2, hkv, device="cuda") + 0.5
+        mods = {**mods, "k_scale": scales[0], "v_scale": scales[1]}
     nk, nv, table = (k, v, None) if layout == "bshd" else paged(k, v, int(layout[len("paged"):]))
     out = attention.decode(q, nk, nv, block_table=table, **mods)
     want, _ = attention.reference(q, nk, nv, block_table=table, **mods)
     err = rel_err(out.float(), want)
     del want
     row: dict[str, Any] = {"model": name, "batch": batch, "sq": sq, "skv": skv, "hq": hq, "hkv": hkv, "d": d,
-                           "layout": layout, "mod": mod, "nvfly_err": err, "ok": err < 2e-2}
-    nbytes = attention.bytes_moved(q, nk, nv, block_table=table)
+                           "layout": layout, "mod": mod, "kv": kv, "nvfly_err": err, "ok": err < 2e-2}
+    nbytes = attention.bytes_moved(q, nk, nv, block_table=table, block_mask=mods.get("block_mask"))
     row["nvfly_ms"] = bench_ms(lambda: attention.decode(q, nk, nv, block_table=table, validate=False, **mods))
     row["nvfly_tbs"] = nbytes / row["nvfly_ms"] / 1e9
-    if not mods:
+    if not mods and kv == "bf16":
         for peer, call in sdpa_calls(q, k, v).items():
             row[f"{peer}_ms"] = bench_ms(call)
-    if with_flex:
-        call = flex_call(q, k, v, mods)
+    if with_flex and kv == "bf16":
+        call = flex_call(q, k, v, flex_mods)
         if call is not None:
             row["flex_ms"] = bench_ms(call)
     for key in [key for key in row if key.endswith("_ms") and key != "nvfly_ms"]:
@@ -151,20 +174,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--decode", action="store_true", help="the decode suite (the only one so far)")
     p.add_argument("--quick", action="store_true",
-                   help="five rows: B1 128K, B16 48/8 32K at Sq 1 and 4, B32 4K paged 16, a soft-cap row")
+                   help="six rows: B1 128K, B16 48/8 32K at Sq 1 and 4, B32 4K paged 16, soft-cap and block-mask rows")
     p.add_argument("--sq", type=int, nargs="*", default=[1, 4, 8], help="query tokens of the suite's rows")
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--models", nargs="*", default=None, choices=sorted({shape[0] for shape in SUITE}),
                    help="only these rows of the suite (the whole suite takes over 10 minutes with flex)")
     p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True, help="the mod rows")
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")
+    p.add_argument("--fp8", action="store_true", help="also each row's shape with fp8 (e4m3) K/V caches (nvfly only)")
     p.add_argument("--name", default="attention_decode", help="results file stem (benchmarks/results/<name>_h200)")
     args = p.parse_args(argv)
     if not args.decode:
         p.error("--decode: the only suite so far")
     if args.quick:
         cases = [(shape, sq, layout, "none") for shape, sq, layout in QUICK]
-        cases.append((MOD_SHAPE, 1, "bshd", "softcap50"))
+        cases += [(MOD_SHAPE, 1, "bshd", "softcap50"), (MOD_SHAPE, 1, "bshd", "window4096-blockmask")]
     else:
         cases = [(shape, sq, layout, "none") for shape in SUITE for sq in args.sq for layout in args.layouts
                  if (layout == "bshd" or sq == 1) and (args.models is None or shape[0] in args.models)]
@@ -172,17 +196,23 @@ def main(argv: Optional[list[str]] = None) -> int:
             cases += [(MOD_SHAPE, 1, "bshd", mod) for mod in make_mods(MOD_SHAPE[3])]
     import torch._dynamo
     torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
+    if args.fp8:
+        cases = [(*case, kv) for case in cases for kv in ("bf16", "fp8")]
+    else:
+        cases = [(*case, "bf16") for case in cases]
     rows, started = [], time.time()
-    for shape, sq, layout, mod in cases:
-        row = run_row(shape, sq, layout, mod, not args.no_flex)
+    for shape, sq, layout, mod, kv in cases:
+        row = run_row(shape, sq, layout, mod, not args.no_flex, kv)
         rows.append(row)
         peers = "  ".join(f"{key[:-4]} {row[key]:.2f}" for key in row if key.endswith("_tbs") and key != "nvfly_tbs")
         print(f"{row['model']:>9} B{row['batch']:<3} Skv{row['skv']:<6} {row['hq']}/{row['hkv']} sq{sq} {layout:>7} "
-              f"{mod:>10}  err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s  ({peers})", flush=True)
+              f"{mod:>10} {kv}  err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s  ({peers})", flush=True)
         torch.cuda.empty_cache()
+    bf16 = [r for r in rows if r["kv"] == "bf16"]
     summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in rows),
-               "min_nvfly_tbs_sq1": min((r["nvfly_tbs"] for r in rows if r["sq"] == 1), default=None),
-               "min_nvfly_tbs_sq_gt1": min((r["nvfly_tbs"] for r in rows if r["sq"] > 1), default=None),
+               "min_nvfly_tbs_sq1": min((r["nvfly_tbs"] for r in bf16 if r["sq"] == 1), default=None),
+               "min_nvfly_tbs_sq_gt1": min((r["nvfly_tbs"] for r in bf16 if r["sq"] > 1), default=None),
+               "min_nvfly_tbs_fp8": min((r["nvfly_tbs"] for r in rows if r["kv"] == "fp8"), default=None),
                **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in rows if f"vs_{peer}" in r])
                   for peer in (*SDPA_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in rows)}}
     print(summary)
@@ -190,7 +220,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     path = write_results(args.name, rows, {"summary": summary, "command": command,
                                            "card": torch.cuda.get_device_name()})
     labels = [f"B{r['batch']} {r['skv'] // 1024}K {r['hq']}/{r['hkv']} sq{r['sq']} {r['layout']} {r['mod']}"
-              for r in rows]
+              + (" fp8" if r["kv"] == "fp8" else "") for r in rows]
     series = {"nvfly": [r["nvfly_tbs"] for r in rows]}
     for peer in (*SDPA_BACKENDS, "flex"):
         if any(f"{peer}_tbs" in r for r in rows):

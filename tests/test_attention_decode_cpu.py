@@ -1,6 +1,7 @@
 """Decode attention without a GPU: the split heuristic's invariants, the split + combine arithmetic against the
-float32 reference, the reference itself, argument errors, mods tracing, and every plan family compiling for sm_90a
-to mma.sync, 16-byte cp.async and ldmatrix with no local-memory spills."""
+float32 reference (with a flex BlockMask's tables too), the reference itself (fp8 dequantised), the fp8 stage
+conversion's layout, argument errors, mods tracing, and every plan family (fp8 and block masks included) compiling
+for sm_90a to mma.sync, 16-byte cp.async and ldmatrix with no local-memory spills."""
 import itertools
 import math
 
@@ -15,7 +16,9 @@ from nvfly.ops.attention import mods as M
 from nvfly.ops.attention import plan as P
 from nvfly.ops.attention import decode_kernel as K
 from nvfly.ops.attention import api
+from nvfly.ops.attention import kv_options
 from nvfly.ops.attention.api import reference
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
 # ---------------------------------------------------------------------------------------------- split heuristic
@@ -73,6 +76,10 @@ def test_shared_memory_fits(dqk, dv, sq):
     assert plan.smem_bytes <= P.MAX_SMEM
     assert P.WARPS * P.ROWS * dv * 4 <= plan.stages * plan.stage_bytes  # the warps' merge reuses the ring
     assert P.BLOCK_N * (dqk // 8) % plan.threads == 0 and P.BLOCK_N * (dv // 8) % plan.threads == 0
+    fp8 = P.decode_plan(1, sq, 1, 8, dqk, dv, 4096, 132, splits=1, fp8=True)
+    assert fp8.smem_bytes == plan.smem_bytes and P.ctas_per_sm(fp8) == P.ctas_per_sm(plan)  # same occupancy
+    assert fp8.stages == 2 * plan.stages - 2 and fp8.stage_bytes * 2 == fp8.tile_bytes == plan.stage_bytes
+    assert P.WARPS * P.ROWS * dv * 4 <= fp8.ring_bytes
 
 
 # ---------------------------------------------------------------------------------------------- fragment maps
@@ -161,6 +168,22 @@ def test_ldmatrix_phases_are_conflict_free(segments):
                 assert len(groups) == 8
 
 
+@pytest.mark.parametrize("dim", P.HEAD_DIMS)
+def test_fp8_conversion_lays_out_swizzled_rows(dim):
+    """convert_stage's copies turn a stage of fp8 rows (dim bytes each, as cp.async stored them) into the swizzled
+    16-bit tile the fragment maps read: every element once, in its row and column."""
+    source = np.arange(P.BLOCK_N * dim)  # element (row, column) = row * dim + column, one byte each
+    tile = np.full(P.BLOCK_N * dim, -1)  # 16-bit elements by byte offset / 2
+    for copy in range(P.BLOCK_N * dim // 16):
+        src, low, high = K.fp8_conversion_map(copy, dim)
+        assert low % 16 == 0 and high % 16 == 0 and src % 16 == 0
+        tile[low // 2:low // 2 + 8] = source[src:src + 8]
+        tile[high // 2:high // 2 + 8] = source[src + 8:src + 16]
+    rows, columns = np.meshgrid(np.arange(P.BLOCK_N), np.arange(dim), indexing="ij")
+    offsets = np.vectorize(lambda r, c: K.swizzled(r, c // 8, dim // 8) // 2 + c % 8)(rows, columns)
+    assert np.array_equal(tile[offsets], rows * dim + columns)
+
+
 # ---------------------------------------------------------------------------------------------- the arithmetic
 def random_case(batch=3, sq=3, hq=8, hkv=2, d=64, capacity=300, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -209,6 +232,126 @@ def test_split_and_combine_equal_the_whole(splits):
     assert not torch.isnan(out).any()
 
 
+def random_block_mask(batch, heads, blocks, kv_block=128, seed=0, full=True, mask_mod=None):
+    """A BlockMask (one query block) with random partial, full (``full``) and empty KV blocks per (batch, head),
+    listed in a random order with garbage past each count, as from_kv_blocks takes them."""
+    gen = torch.Generator().manual_seed(seed)
+    kind = torch.randint(0, 3 if full else 2, (batch, heads, blocks), generator=gen)  # 0 empty, 1 partial, 2 full
+
+    def listed(value):
+        num = (kind == value).sum(-1, keepdim=True).to(torch.int32)
+        order = torch.argsort(torch.rand(batch, heads, blocks, generator=gen) + (kind != value) * 2.0, dim=-1)
+        indices = torch.where(torch.arange(blocks) < num, order, torch.randint(0, blocks, order.shape,
+                                                                              generator=gen))
+        return num, indices[:, :, None].to(torch.int32)
+    num, indices = listed(1)
+    full_num, full_indices = listed(2) if full else (None, None)
+    return BlockMask.from_kv_blocks(num, indices, full_num, full_indices, BLOCK_SIZE=(128, kv_block),
+                                    mask_mod=mask_mod), kind
+
+
+def head_parity(b, h, q_idx, kv_idx):
+    return (kv_idx + h + b) % 3 != 0
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("heads,kv_block", [(8, 128), (1, 192)])
+def test_block_mask_tables_with_splits_equal_the_reference(splits, heads, kv_block):
+    """The kernel's block-mask arithmetic: a KV head's CTAs read the stages in stage_list[:stage_count] (split as
+    plan.split_range splits a sequence's stages), each row keeps a key of a full block, of a partial block where
+    mask_mod does, none of an empty block; combined, that is the reference's BlockMask (per-head masks under GQA,
+    ragged lengths, a split beginning mid-block)."""
+    q, k, v = random_case(capacity=700)
+    batch, sq, hq, _ = q.shape
+    hkv, group = k.shape[2], hq // k.shape[2]
+    seqlens = torch.tensor([0, 300, 700])
+    mask, _ = random_block_mask(batch, heads, -(-700 // kv_block), kv_block, mask_mod=head_parity)
+    kv_state, stage_list, stage_count = kv_options.block_mask_tables(mask, batch, hq, hkv,
+                                                                     seqlens.to(torch.int32), 700)
+    assert stage_list.dtype == stage_count.dtype == kv_state.dtype == torch.int32
+    keys = torch.arange(700)
+    outs, lses = [], []
+    for split in range(splits):
+        allowed = torch.zeros(batch, hq, 700, dtype=torch.bool)
+        for b in range(batch):
+            for h in range(hq):
+                count = int(stage_count[b, h // group])
+                per_split = -(-count // splits)
+                stages = stage_list[b, h // group, split * per_split:min(count, (split + 1) * per_split)].long()
+                in_split = torch.isin(keys // P.BLOCK_N, stages)
+                state = kv_state[b, h, keys // kv_block]
+                kept = (state == K.BLOCK_FULL) | ((state == K.BLOCK_PARTIAL) & head_parity(b, h, 0, keys))
+                allowed[b, h] = in_split & kept
+
+        def in_split_mask(b, h, q_idx, kv_idx):
+            return allowed[int(b)][h.reshape(-1)][:, kv_idx.reshape(-1)][:, None, :]
+        out, lse = reference(q, k, v, cache_seqlens=seqlens, mask_mod=in_split_mask)
+        outs.append(out)
+        lses.append(lse)
+    out, lse = combine(outs, lses)
+    want_out, want_lse = reference(q, k, v, cache_seqlens=seqlens, block_mask=mask)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse)
+    assert not torch.allclose(want_out, reference(q, k, v, cache_seqlens=seqlens)[0])  # the mask masks
+    # nothing past a sequence or in a block empty for every head of the group is listed
+    for b in range(batch):
+        for g in range(hkv):
+            listed = stage_list[b, g, :int(stage_count[b, g])].long()
+            assert torch.all(listed[1:] > listed[:-1]) and torch.all(listed < -(-int(seqlens[b]) // P.BLOCK_N))
+            heads_state = kv_state[b, g * group:(g + 1) * group]
+            blocks = listed * P.BLOCK_N // kv_block
+            assert torch.all((heads_state[:, blocks] != K.BLOCK_EMPTY).any(0))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_reference_block_mask_is_flex_attention():
+    """The reference's BlockMask semantics are flex_attention's (one query block at the sequence's end, uniform
+    lengths): create_block_mask of a sliding window, q_idx shifted to the queries' positions."""
+    from torch.nn.attention.flex_attention import flex_attention
+    q, k, v = random_case(batch=2, sq=4, hq=8, hkv=2, capacity=640)
+    window = M.sliding_window(200)
+
+    def shifted(b, h, q_idx, kv_idx):  # flex's q_idx 0..Sq-1 are positions 636..639
+        return window(b, h, q_idx + 636, kv_idx)
+    mask = create_block_mask(shifted, 2, 1, 4, 640, device="cpu")
+    mask.mask_mod = window  # decode calls mask_mod with positions
+    want = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=create_block_mask(
+        shifted, 2, 1, 4, 640, device="cpu"), enable_gqa=True).transpose(1, 2)
+    out, _ = reference(q, k, v, block_mask=mask, causal=False)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert int(mask.kv_num_blocks.sum()) + int(mask.full_kv_num_blocks.sum()) < 2 * 5  # blocks were skipped
+
+
+def test_sliced_prefill_mask_with_a_positional_mask_mod():
+    """A prefill BlockMask sliced at the queries' block (flex's decode recipe) with mask_mod given for its partial
+    blocks: the reference equals the plain mask, and the kernel's tables list only the window's stages."""
+    q, k, v = random_case(batch=2, sq=4, hq=8, hkv=2, capacity=640)
+    window = M.sliding_window(200)
+
+    def causal_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & window(b, h, q_idx, kv_idx)
+    sliced = create_block_mask(causal_window, 2, 1, 1024, 1024, device="cpu")[:, :, 636 // 128]
+    out, lse = reference(q, k, v, block_mask=sliced, mask_mod=causal_window)
+    want, want_lse = reference(q, k, v, mask_mod=window)
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    _, _, count = kv_options.block_mask_tables(sliced, 2, 8, 2, torch.full((2,), 640, dtype=torch.int32), 640)
+    assert torch.equal(count, torch.full((2, 2), 6, dtype=torch.int32))  # stages 4-9 of 10: blocks 2-4 of 5
+
+
+def test_reference_dequantises_fp8():
+    """fp8 caches in the reference: value * its KV head's scale (per tensor and per head), in float32."""
+    q, k, v = random_case(hq=8, hkv=2)
+    k8, v8 = (k * 4).to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    k_scale, v_scale = torch.tensor(0.25), torch.tensor([0.5, 2.0])
+    out, lse = reference(q, k8, v8, k_scale=k_scale, v_scale=v_scale)
+    want, want_lse = reference(q, k8.float() * 0.25, v8.float() * v_scale[:, None])
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(lse, want_lse)
+    plain, _ = reference(q, k8, v8)  # no scale: 1
+    torch.testing.assert_close(plain, reference(q, k8.float(), v8.float())[0])
+
+
 def test_reference_matches_sdpa():
     q, k, v = random_case(batch=2, sq=1, capacity=100)
     out, _ = reference(q, k, v, causal=False)
@@ -237,6 +380,10 @@ def bf16(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16)
 
 
+def fp8(*shape):
+    return torch.zeros(*shape, dtype=torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("make,kind,needle", [
     (lambda: (bf16(2, 1, 12, 64), bf16(2, 32, 5, 64), bf16(2, 32, 5, 64), {}), ValueError, "q: 12 query heads"),
     (lambda: (bf16(2, 1, 8, 64), bf16(2, 32, 2, 64).half(), bf16(2, 32, 2, 64), {}), TypeError, "k_cache: dtype"),
@@ -256,6 +403,46 @@ def bf16(*shape):
               {"cache_seqlens": torch.tensor([3], dtype=torch.int32)}), ValueError, "cache_seqlens: 1 lengths"),
     (lambda: (bf16(2, 1, 8, 64), bf16(3, 32, 2, 64), bf16(3, 32, 2, 64), {}), ValueError, "k_cache: 3 sequences"),
     (lambda: (bf16(2, 1, 8, 64), bf16(2, 32, 2, 64), bf16(2, 32, 2, 64), {}), ValueError, "q: on cpu"),
+    # fp8 caches and their scales
+    (lambda: (bf16(2, 1, 8, 64), fp8(2, 32, 2, 64), bf16(2, 32, 2, 64), {}), TypeError,
+     "v_cache: dtype torch.bfloat16: with a torch.float8_e4m3fn k_cache"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 32, 2, 64), fp8(2, 32, 2, 64), {}), TypeError, "v_cache: dtype"),
+    (lambda: (bf16(2, 1, 8, 64), fp8(2, 32, 2, 64), fp8(2, 32, 2, 64), {"k_scale": torch.ones(3)}), ValueError,
+     r"k_scale: shape \(3,\); expected \(\) or \(1,\) \(per tensor\) or \(2,\)"),
+    (lambda: (bf16(2, 1, 8, 64), fp8(2, 32, 2, 64), fp8(2, 32, 2, 64), {"v_scale": torch.ones(2).half()}),
+     TypeError, "v_scale: expected float32"),
+    (lambda: (bf16(2, 1, 8, 64), fp8(2, 32, 2, 64), fp8(2, 32, 2, 64), {"v_scale": 0.5}), TypeError,
+     "v_scale: expected a float32 torch.Tensor"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 32, 2, 64), bf16(2, 32, 2, 64), {"k_scale": torch.ones(())}), ValueError,
+     "k_scale: given for torch.bfloat16 caches"),
+    (lambda: (bf16(2, 1, 8, 64), fp8(2, 32, 2, 64)[:, :, :, :48], fp8(2, 32, 2, 64), {}), ValueError,
+     "k_cache: head dim 48"),
+    # block masks
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64), {"block_mask": "causal"}), TypeError,
+     "block_mask: expected a flex_attention BlockMask"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64),
+              {"block_mask": random_block_mask(2, 8, 8, kv_block=32)[0]}), ValueError,
+     "block_mask: KV block size 32 is not a multiple of the kernel's 64-key stage"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64),
+              {"block_mask": random_block_mask(2, 4, 2)[0]}), ValueError,
+     r"block_mask: kv_num_blocks shape \(2, 4, 1\); expected \(1 or 2, 1 or 8, 1\)"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64),
+              {"block_mask": create_block_mask(M.sliding_window(64), 2, 8, 256, 256, device="cpu")}), ValueError,
+     "block_mask: 2 query blocks; decode takes one"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 512, 2, 64), bf16(2, 512, 2, 64),
+              {"block_mask": random_block_mask(2, 8, 2)[0]}), ValueError,
+     "block_mask: 2 KV blocks of 128 cover 256 keys, the cache holds 512"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64),
+              {"block_mask": random_block_mask(2, 8, 2, mask_mod=head_parity)[0],
+               "mask_mod": M.sliding_window(64)}), ValueError, "mask_mod: differs from the block mask's own mask_mod"),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64),
+              {"block_mask": create_block_mask(M.sliding_window(64), 2, 1, 1024, 256, device="cpu")[:, :, 7]}),
+     ValueError, "block_mask: a sliced mask's mask_mod is torch's placeholder; pass mask_mod="),
+    (lambda: (bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64),
+              {"block_mask": BlockMask.from_kv_blocks(torch.full((2, 8, 1), 2, dtype=torch.int32),
+                                                      torch.full((2, 8, 1, 2), 5, dtype=torch.int32),
+                                                      compute_q_blocks=False)}),
+     ValueError, r"block_mask: kv_num_blocks or its indices out of range \(0..2\)"),
 ])
 def test_bad_arguments_raise_naming_the_argument(make, kind, needle):
     q, k, v, kwargs = make()
@@ -266,6 +453,10 @@ def test_bad_arguments_raise_naming_the_argument(make, kind, needle):
 def test_eligibility_gives_reasons():
     assert "not CUDA" in attention.eligibility(bf16(2, 1, 8, 64), bf16(2, 32, 2, 64), bf16(2, 32, 2, 64))
     assert "query heads" in attention.eligibility(bf16(2, 1, 6, 64), bf16(2, 32, 4, 64), bf16(2, 32, 4, 64))
+    assert "k_scale: shape" in attention.eligibility(bf16(2, 1, 8, 64), fp8(2, 32, 2, 64), fp8(2, 32, 2, 64),
+                                                     k_scale=torch.ones(4))
+    assert "not a multiple of the kernel's 64-key stage" in attention.eligibility(
+        bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64), block_mask=random_block_mask(2, 8, 3, 96)[0])
 
 
 # ---------------------------------------------------------------------------------------------- host path
@@ -307,6 +498,23 @@ def test_host_path_passes_captured_tensors(cpu_launches):
     attention.decode(q, k, v, score_mod=M.alibi(slopes), splits=1)
     params = cpu_launches[0][2]
     assert len(cpu_launches) == 1 and any(p == slopes.data_ptr() for p in params)
+
+
+def test_host_path_passes_fp8_caches_as_bytes_with_scales(cpu_launches):
+    q, k, v = bf16(2, 1, 8, 64), fp8(2, 256, 2, 64), fp8(2, 256, 2, 64)
+    attention.decode(q, k, v, k_scale=torch.tensor([0.5, 2.0]), v_scale=torch.tensor(3.0), splits=1)
+    attention.decode(q, k, v, splits=1)  # no scales: 1
+    assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"] * 2
+    assert all(k.data_ptr() in params and v.data_ptr() in params for _, _, params in cpu_launches)
+
+
+def test_host_path_passes_block_mask_tables(cpu_launches):
+    q, k, v = bf16(2, 4, 8, 64), bf16(2, 512, 2, 64), bf16(2, 512, 2, 64)
+    mask, _ = random_block_mask(2, 1, 4, 256, mask_mod=head_parity)
+    out = attention.decode(q, k, v, block_mask=mask, splits=3, cache_seqlens=torch.tensor([512, 100]))
+    assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_decode_kernel", (3, 2, 2)),
+                                                                ("attention_combine_kernel", (2 * 4 * 8 // 4, 1, 1))]
+    assert out.shape == (2, 4, 8, 64)
 
 
 # ---------------------------------------------------------------------------------------------- mods
@@ -356,6 +564,13 @@ FAMILIES = {
     "d256-sq2-g8-split": dict(sq=2, group=8, dqk=256, dv=256, splits=4),
     "d256-sq8-g8-64rows-paged128": dict(sq=8, group=8, dqk=256, dv=256, paged=True, page_size=128, splits=2),
     "dqk192-dv128-g16": dict(sq=1, group=16, dqk=192, dv=128, splits=1),
+    "d64-sq1-g4-fp8": dict(sq=1, group=4, dqk=64, dv=64, splits=1, fp8=True),
+    "d128-sq4-g8-paged16-split-fp8-blockmask": dict(sq=4, group=8, dqk=128, dv=128, paged=True, page_size=16,
+                                                    splits=8, fp8=True, kv_block=128),
+    "d128-sq1-g6-paged64-fp16-fp8": dict(sq=1, group=6, dqk=128, dv=128, paged=True, page_size=64, splits=1,
+                                         fp8=True),
+    "d256-sq8-g8-64rows-split-fp8": dict(sq=8, group=8, dqk=256, dv=256, splits=2, fp8=True),
+    "d128-sq8-g6-64rows-blockmask256-window": dict(sq=8, group=6, dqk=128, dv=128, splits=1, kv_block=256),
 }
 
 
@@ -364,11 +579,17 @@ def test_plan_families_compile_without_spills(name):
     spec = dict(FAMILIES[name])
     splits = spec.pop("splits")
     paged, page_size = spec.pop("paged", False), spec.pop("page_size", 0)
-    plan = P.DecodePlan(paged=paged, page_size=page_size, causal=True, stages=P.stages_for(spec["dqk"], spec["dv"]),
-                        splits=splits, row_warps=P.row_warps_for(spec["sq"] * spec["group"]), **spec)
+    fp8 = spec.get("fp8", False)
+    plan = P.DecodePlan(paged=paged, page_size=page_size, causal=True,
+                        stages=P.stages_for(spec["dqk"], spec["dv"], fp8), splits=splits,
+                        row_warps=P.row_warps_for(spec["sq"] * spec["group"]), **spec)
     dtype = nvfly.f16 if "fp16" in name else nvfly.bf16
-    kernels = attention.compile_kernels(plan, dtype=dtype, seqlen=1024)
+    mods = M.Mods(None, M.sliding_window(300)) if "window" in name else M.Mods()
+    kernels = attention.compile_kernels(plan, mods, dtype=dtype, seqlen=1024)
     check_sass(kernels[0], "HMMA.16816.F32" if dtype == nvfly.f16 else "HMMA.16816.F32.BF16")
+    ops = kernels[0].sass_opcodes()
+    assert (ops["F2FP.F16.E4M3.UNPACK_B"] > 0) == fp8  # e4m3 pairs converted in the kernel
+    assert (ops["STS.128"] > 0) == fp8                   # into the 16-bit tile, 16 bytes a store
     assert len(kernels) == (2 if splits > 1 else 1)
     if splits > 1:
         assert not any(op.startswith(("LDL", "STL")) for op in kernels[1].sass_opcodes())

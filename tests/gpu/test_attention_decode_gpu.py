@@ -1,11 +1,13 @@
 """Decode attention against the float32 reference on fresh random inputs: ragged lengths (0 and 1 included), query
 tokens 1-16, GQA groups (power of two or not, MQA), head dims, contiguous (B, S, H, D) and (B, H, S, D) caches,
-paged caches with shuffled pages of 16-256 tokens, split-KV with its combine, each shipped mod, and a CUDA graph
-replayed with changed lengths. Outputs are NaN-poisoned, and so is the split partials' workspace."""
+paged caches with shuffled pages of 16-256 tokens, split-KV with its combine, each shipped mod, fp8 (e4m3) caches
+with per-tensor and per-head scales, flex BlockMasks (keys in empty blocks NaN: they must not be read), and CUDA
+graphs replayed with changed lengths. Outputs are NaN-poisoned, and so is the split partials' workspace."""
 import random
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from nvfly.ops import attention
 from nvfly.ops.attention import mods as M
@@ -43,12 +45,13 @@ def poison_partials():
     scratch.partials(torch.device("cuda", device), current_stream(device), 1 << 22).fill_(float("nan"))
 
 
-def check(q, k, v, *, tol=1e-2, splits=0, **kwargs):
-    """decode (into a NaN-poisoned out, with the LSE; ``splits`` forced when > 0) against the reference: relative
-    error of out and, row by row, the LSE (-inf exactly where the reference has no key)."""
+def check(q, k, v, *, tol=1e-2, splits=0, read=None, **kwargs):
+    """decode (into a NaN-poisoned out, with the LSE; ``splits`` forced when > 0; reading the caches ``read``, else
+    k and v) against the reference: relative error of out and, row by row, the LSE (-inf exactly where the
+    reference has no key)."""
     poison_partials()
     out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=q.dtype, device="cuda")
-    got, lse = attention.decode(q, k, v, return_lse=True, out=out, splits=splits, **kwargs)
+    got, lse = attention.decode(q, *(read or (k, v)), return_lse=True, out=out, splits=splits, **kwargs)
     want, want_lse = attention.reference(q, k, v, **kwargs)
     assert got.data_ptr() == out.data_ptr()
     assert not got.isnan().any() and not lse.isnan().any()
@@ -176,3 +179,201 @@ def test_one_long_sequence():
     k, v, _ = make_cache(1, 128 * 1024, 8, 128, 128, torch.bfloat16)
     q = query(1, 1, 32, 128, torch.bfloat16)
     check(q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------- fp8 caches
+FP8 = torch.float8_e4m3fn
+
+
+def kv_scale(kind, hkv, seed=0):
+    """None, a per-tensor (shape () or (1,)) or a per-KV-head (Hkv,) float32 scale."""
+    if kind is None:
+        return None
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = {"tensor": (), "tensor1": (1,), "head": (hkv,)}[kind]
+    return torch.rand(shape, device="cuda", generator=gen) * 2 + 0.05
+
+
+FP8_CASES = {
+    # name: (batch, sq, hq, hkv, d, capacity, lengths or None, q dtype, layout, page, k scale, v scale)
+    "48-8-sq4-paged64-fp16-per-tensor": (3, 4, 48, 8, 128, 2000, [2000, 777, 0], "fp16", "bshd", 64, "tensor",
+                                         "tensor1"),
+}
+FP8_SLOW_CASES = {  # bf16 q over fp8 caches runs by default in the block-mask tests below
+    "ragged-per-head": (2, 1, 32, 8, 128, 1000, [1000, 1], "bf16", "bshd", 0, "head", "head"),
+    "long-split-k-scale-only-bhsd": (1, 1, 32, 8, 128, 20000, None, "bf16", "bhsd", 0, "head", None),
+    "d64-sq2-lengths-0-1-no-scales": (4, 2, 8, 2, 64, 700, [0, 1, 65, 700], "bf16", "bshd", 0, None, None),
+    "d256-sq8-paged16": (2, 8, 16, 2, 256, 900, [900, 300], "bf16", "bshd", 16, "tensor", "head"),
+}
+
+
+def fp8_case(batch, sq, hq, hkv, d, capacity, lengths, dtype, layout, page, k_kind, v_kind):
+    k, v, table = make_cache(batch, capacity, hkv, d, d, FP8, layout, page)
+    q = query(batch, sq, hq, d, DTYPES[dtype])
+    seqlens = None if lengths is None else torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    check(q, k, v, cache_seqlens=seqlens, block_table=table, k_scale=kv_scale(k_kind, hkv, 1),
+          v_scale=kv_scale(v_kind, hkv, 2))
+
+
+@pytest.mark.parametrize("name", FP8_CASES)
+def test_fp8_matches_reference(name):
+    fp8_case(*FP8_CASES[name])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FP8_SLOW_CASES)
+def test_fp8_more_shapes(name):
+    fp8_case(*FP8_SLOW_CASES[name])
+
+
+# ---------------------------------------------------------------------------------------------- block masks
+def block_mask_of(kinds, kv_block, mask_mod=None):
+    """A BlockMask (one query block) from (B', H', KV blocks) kinds: 0 empty, 1 partial, 2 full."""
+    def listed(value):
+        hit = kinds == value
+        order = torch.argsort((~hit).to(torch.int32), dim=-1, stable=True).to(torch.int32)
+        return hit.sum(-1, keepdim=True).to(torch.int32), order[:, :, None]
+    return BlockMask.from_kv_blocks(*listed(1), *listed(2), BLOCK_SIZE=(128, kv_block), mask_mod=mask_mod)
+
+
+def poison_unread(k, v, kinds, kv_block, group, table=None):
+    """Copies of the caches with NaN in every KV block that is empty for all the query heads of a KV head (the
+    kernel must not read them; NaN would reach the output if it did)."""
+    k, v = k.clone(), v.clone()
+    nan = 0x7F if k.dtype == FP8 else float("nan")  # e4m3fn's NaN, written through a byte view
+    k_view, v_view = (k.view(torch.uint8), v.view(torch.uint8)) if k.dtype == FP8 else (k, v)
+    batch, hkv = k.shape[0] if table is None else table.shape[0], k.shape[2]
+    kinds = kinds.expand(batch, hkv * group, -1)
+    for b in range(batch):
+        for h in range(hkv):
+            for block in torch.nonzero((kinds[b, h * group:(h + 1) * group] == 0).all(0)).flatten().tolist():
+                keys = torch.arange(block * kv_block, (block + 1) * kv_block, device="cuda")
+                if table is None:
+                    keys = keys[keys < k.shape[1]]
+                    k_view[b, keys, h] = nan
+                    v_view[b, keys, h] = nan
+                else:
+                    page = k.shape[1]
+                    keys = keys[keys < table.shape[1] * page]
+                    k_view[table[b, keys // page].long(), keys % page, h] = nan
+                    v_view[table[b, keys // page].long(), keys % page, h] = nan
+    return k, v
+
+
+def head_parity(b, h, q_idx, kv_idx):
+    return (kv_idx + h + q_idx) % 3 != 0
+
+
+def test_block_mask_sliding_window_skips_blocks():
+    """create_block_mask of a 700-key window for the 4 queries at the end of 4096-key sequences (32/8 GQA): the
+    blocks before the window are empty (NaN in the caches), the window's edge is partial, the rest full."""
+    k, v, _ = make_cache(2, 4096, 8, 128, 128, torch.bfloat16)
+    q = query(2, 4, 32, 128, torch.bfloat16)
+    window = M.sliding_window(700)
+
+    def at_positions(b, h, q_idx, kv_idx):
+        return window(b, h, q_idx + 4092, kv_idx)
+    mask = create_block_mask(at_positions, 2, 1, 4, 4096, device="cuda")
+    mask.mask_mod = window  # decode calls mask_mod with the queries' positions
+    kinds = torch.zeros(2, 1, 32, dtype=torch.int32, device="cuda")
+    for num, indices, kind in ((mask.kv_num_blocks, mask.kv_indices, 1),
+                               (mask.full_kv_num_blocks, mask.full_kv_indices, 2)):
+        for b in range(2):
+            kinds[b, 0, indices[b, 0, 0, :int(num[b, 0, 0])].long()] = kind
+    assert int((kinds == 0).sum()) >= 2 * 26
+    check(q, k, v, block_mask=mask, read=poison_unread(k, v, kinds, 128, 4))
+
+
+@pytest.mark.slow
+def test_block_mask_sliced_prefill_recipe():
+    """flex's decode recipe: a prefill mask sliced at the queries' block, the positional mask given as mask_mod."""
+    k, v, table = make_cache(2, 4096, 8, 128, 128, FP8, page=64)
+    q = query(2, 2, 48, 128, torch.bfloat16)
+    window = M.sliding_window(1000)
+
+    def causal_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & window(b, h, q_idx, kv_idx)
+    prefill = create_block_mask(causal_window, 2, 1, 4096, 4096, device="cuda")
+    check(q, k, v, block_table=table, block_mask=prefill[:, :, 4094 // 128], mask_mod=causal_window,
+          k_scale=kv_scale("head", 8, 1))
+
+
+def test_block_mask_per_head_ragged_splits():
+    """Random empty/partial/full blocks per (sequence, query head), ragged lengths (0 included), a mask_mod on the
+    partial blocks, 7 splits (a split's stages begin mid-block; the slow sweep has the heuristic's counts)."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    kinds = torch.randint(0, 3, (3, 16, 24), device="cuda", generator=gen)
+    kinds[:, :, 0] = 0  # the first block empty for every head
+    k, v, table = make_cache(3, 3000, 2, 64, 64, torch.bfloat16, page=64)
+    q = query(3, 2, 16, 64, torch.bfloat16)
+    seqlens = torch.tensor([3000, 129, 0], dtype=torch.int32, device="cuda")
+    check(q, k, v, cache_seqlens=seqlens, block_table=table, splits=7,
+          block_mask=block_mask_of(kinds, 128, head_parity), read=poison_unread(k, v, kinds, 128, 8, table))
+
+
+def test_block_mask_with_fp8_caches():
+    """fp8 caches (per-head scales) under a broadcast (1, 1) block mask of 256-key blocks without a mask_mod."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    kinds = torch.randint(0, 3, (1, 1, 8), device="cuda", generator=gen)
+    kinds[0, 0, 1] = 0
+    k, v, _ = make_cache(2, 2048, 2, 128, 128, FP8)
+    q = query(2, 1, 16, 128, torch.bfloat16)
+    check(q, k, v, cache_seqlens=torch.tensor([2048, 1500], dtype=torch.int32, device="cuda"),
+          block_mask=block_mask_of(kinds, 256), k_scale=kv_scale("head", 2, 1), v_scale=kv_scale("tensor", 2, 2),
+          read=poison_unread(k, v, kinds, 256, 8))
+
+
+def test_cuda_graph_replays_block_mask_and_fp8_with_changed_lengths():
+    """The block mask's tables are built by device operations: a captured decode replays with new lengths."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    kinds = torch.randint(0, 3, (1, 1, 8), device="cuda", generator=gen)
+    k, v, _ = make_cache(2, 2048, 2, 128, 128, FP8)
+    q = query(2, 1, 16, 128, torch.bfloat16)
+    seqlens = torch.tensor([2048, 1500], dtype=torch.int32, device="cuda")
+    kwargs = dict(cache_seqlens=seqlens, block_mask=block_mask_of(kinds, 256), k_scale=kv_scale("head", 2, 1),
+                  v_scale=kv_scale("tensor", 2, 2))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attention.decode(q, k, v, **kwargs)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = attention.decode(q, k, v, **kwargs)
+    for lengths in ([2048, 1500], [700, 0], [1, 2047]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, _ = attention.reference(q, k, v, **kwargs)
+        err = ((out.float() - want).norm() / want.norm().clamp_min(1e-12)).item()
+        assert not out.isnan().any() and err < 1e-2, (lengths, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(12))
+def test_random_fp8_and_block_masks(seed):
+    rng = random.Random(seed)
+    hkv, group = rng.choice([1, 2, 8]), rng.choice([1, 4, 6, 16])
+    sq, d, batch = rng.choice([1, 2, 4, 8]), rng.choice([64, 128, 256]), rng.choice([1, 2, 3])
+    capacity, page = rng.choice([513, 3000, 9000]), rng.choice([0, 16, 64, 256])
+    fp8, masked = rng.random() < 0.6, rng.random() < 0.6 or seed == 0
+    dtype = rng.choice(list(DTYPES.values()))
+    k, v, table = make_cache(batch, capacity, hkv, d, d, FP8 if fp8 else dtype, rng.choice(["bshd", "bhsd"]), page,
+                             seed)
+    q = query(batch, sq, hkv * group, d, dtype, seed)
+    lengths = [rng.choice([0, 1, capacity, rng.randrange(capacity + 1)]) for _ in range(batch)]
+    kwargs = dict(cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device="cuda"), block_table=table,
+                  splits=rng.choice([0, 0, 3, 16]))
+    if fp8:
+        kwargs.update(k_scale=kv_scale(rng.choice([None, "tensor", "head"]), hkv, seed),
+                      v_scale=kv_scale(rng.choice([None, "tensor1", "head"]), hkv, seed + 1))
+    if masked:
+        kv_block = rng.choice([64, 128, 256, 192])
+        blocks = -(-(capacity if table is None else table.shape[1] * k.shape[1]) // kv_block)
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        kinds = torch.randint(0, 3, (rng.choice([1, batch]), rng.choice([1, hkv * group]), blocks), device="cuda",
+                              generator=gen)
+        kwargs["block_mask"] = block_mask_of(kinds, kv_block, rng.choice([None, head_parity]))
+        kwargs["read"] = poison_unread(k, v, kinds, kv_block, group, table)
+    check(q, k, v, **kwargs)

@@ -9,33 +9,30 @@ import nvfly
 from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.decode_kernel import attention_decode_kernel
+from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_tables, check_block_mask, check_scales, error,
+                                            kernel_scales, mask_mod_of, per_head, reference_block_keep)
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, captured_tensors
-from nvfly.ops.attention.plan import HEAD_DIMS, MAX_SQ, DecodePlan, decode_plan
+from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, decode_plan
 from nvfly.runtime.torch_args import layout_key
 
 if TYPE_CHECKING:
     import torch
 
-OP = "attention.decode"
 DTYPES = ("torch.bfloat16", "torch.float16")
 _MODS: dict = {}  # (score_mod, mask_mod) -> Mods: one compile key per pair of functions
-
-
-def _error(kind: type, argument: str, message: str) -> Exception:
-    return kind(f"{OP}: {argument}: {message}")
 
 
 def _tensor(value: Any, name: str, rank: int) -> None:
     import torch
     if not isinstance(value, torch.Tensor):
-        raise _error(TypeError, name, f"expected a torch.Tensor, got {type(value).__name__}")
+        raise error(TypeError, name, f"expected a torch.Tensor, got {type(value).__name__}")
     if value.dim() != rank:
-        raise _error(ValueError, name, f"expected {rank} dimensions, got shape {tuple(value.shape)}")
+        raise error(ValueError, name, f"expected {rank} dimensions, got shape {tuple(value.shape)}")
 
 
 def _aligned(t: "torch.Tensor") -> bool:
-    """16-byte copies of every row: a 16-byte aligned base and every stride but the last a multiple of 8."""
-    return t.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in t.stride()[:-1])
+    """16-byte copies of every row: a 16-byte aligned base and every stride but the last a multiple of 16 bytes."""
+    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
 def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any) -> tuple[int, int]:
@@ -44,53 +41,56 @@ def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: 
     _tensor(k_cache, "k_cache", 4)
     _tensor(v_cache, "v_cache", 4)
     if str(q.dtype) not in DTYPES:
-        raise _error(TypeError, "q", f"dtype {q.dtype} is not supported (bfloat16, float16)")
+        raise error(TypeError, "q", f"dtype {q.dtype} is not supported (bfloat16, float16)")
+    fp8 = str(k_cache.dtype) == FP8
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise _error(TypeError, name, f"dtype {t.dtype} differs from q's {q.dtype}")
+        if fp8 and str(t.dtype) != FP8:
+            raise error(TypeError, name, f"dtype {t.dtype}: with a {FP8} k_cache, v_cache must be {FP8} too")
+        if not fp8 and t.dtype != q.dtype:
+            raise error(TypeError, name, f"dtype {t.dtype} differs from q's {q.dtype} (or use {FP8} K and V)")
         if t.device != q.device:
-            raise _error(ValueError, name, f"on {t.device}, q on {q.device}")
+            raise error(ValueError, name, f"on {t.device}, q on {q.device}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise _error(ValueError, name, f"the last dimension must be contiguous (stride 1), got strides "
+            raise error(ValueError, name, f"the last dimension must be contiguous (stride 1), got strides "
                                            f"{tuple(t.stride())}")
     batch, sq, hq, dqk = q.shape
     if not 1 <= sq <= MAX_SQ:
-        raise _error(ValueError, "q", f"{sq} query tokens per sequence (dimension 1); decode takes 1 to {MAX_SQ}")
+        raise error(ValueError, "q", f"{sq} query tokens per sequence (dimension 1); decode takes 1 to {MAX_SQ}")
     if tuple(k_cache.shape[:3]) != tuple(v_cache.shape[:3]):
-        raise _error(ValueError, "v_cache", f"shape {tuple(v_cache.shape)} does not match k_cache's "
+        raise error(ValueError, "v_cache", f"shape {tuple(v_cache.shape)} does not match k_cache's "
                                             f"{tuple(k_cache.shape)} in its first three dimensions")
     hkv = k_cache.shape[2]
     if hkv == 0 or hq % hkv != 0:
-        raise _error(ValueError, "q", f"{hq} query heads are not a multiple of k_cache's {hkv} KV heads")
+        raise error(ValueError, "q", f"{hq} query heads are not a multiple of k_cache's {hkv} KV heads")
     if k_cache.shape[3] != dqk:
-        raise _error(ValueError, "k_cache", f"head dim {k_cache.shape[3]} differs from q's {dqk}")
+        raise error(ValueError, "k_cache", f"head dim {k_cache.shape[3]} differs from q's {dqk}")
     for name, d in (("q", dqk), ("v_cache", v_cache.shape[3])):
         if d not in HEAD_DIMS:
-            raise _error(ValueError, name, f"head dim {d} is not supported ({', '.join(map(str, HEAD_DIMS))})")
+            raise error(ValueError, name, f"head dim {d} is not supported ({', '.join(map(str, HEAD_DIMS))})")
     pages = 0
     if block_table is None:
         if k_cache.shape[0] != batch:
-            raise _error(ValueError, "k_cache", f"{k_cache.shape[0]} sequences (dimension 0), q has {batch}")
+            raise error(ValueError, "k_cache", f"{k_cache.shape[0]} sequences (dimension 0), q has {batch}")
         capacity = k_cache.shape[1]
     else:
         _tensor(block_table, "block_table", 2)
         if str(block_table.dtype) != "torch.int32":
-            raise _error(TypeError, "block_table", f"expected int32, got {block_table.dtype}")
+            raise error(TypeError, "block_table", f"expected int32, got {block_table.dtype}")
         if block_table.shape[0] != batch:
-            raise _error(ValueError, "block_table", f"{block_table.shape[0]} rows, q has {batch} sequences")
+            raise error(ValueError, "block_table", f"{block_table.shape[0]} rows, q has {batch} sequences")
         if block_table.device != q.device:
-            raise _error(ValueError, "block_table", f"on {block_table.device}, q on {q.device}")
+            raise error(ValueError, "block_table", f"on {block_table.device}, q on {q.device}")
         pages = k_cache.shape[0]
         capacity = block_table.shape[1] * k_cache.shape[1]
     if cache_seqlens is not None:
         _tensor(cache_seqlens, "cache_seqlens", 1)
         if str(cache_seqlens.dtype) not in ("torch.int32", "torch.int64"):
-            raise _error(TypeError, "cache_seqlens", f"expected int32 or int64, got {cache_seqlens.dtype}")
+            raise error(TypeError, "cache_seqlens", f"expected int32 or int64, got {cache_seqlens.dtype}")
         if cache_seqlens.shape[0] != batch:
-            raise _error(ValueError, "cache_seqlens", f"{cache_seqlens.shape[0]} lengths, q has {batch} sequences")
+            raise error(ValueError, "cache_seqlens", f"{cache_seqlens.shape[0]} lengths, q has {batch} sequences")
         if cache_seqlens.device != q.device:
-            raise _error(ValueError, "cache_seqlens", f"on {cache_seqlens.device}, q on {q.device}")
+            raise error(ValueError, "cache_seqlens", f"on {cache_seqlens.device}, q on {q.device}")
     return capacity, pages
 
 
@@ -99,19 +99,23 @@ def _check_values(cache_seqlens: Any, block_table: Any, capacity: int, pages: in
     if cache_seqlens is not None and cache_seqlens.numel():
         low, high = int(cache_seqlens.min()), int(cache_seqlens.max())
         if low < 0 or high > capacity:
-            raise _error(ValueError, "cache_seqlens", f"lengths from {low} to {high}, the cache holds {capacity}")
+            raise error(ValueError, "cache_seqlens", f"lengths from {low} to {high}, the cache holds {capacity}")
     if block_table is not None and block_table.numel():
         low, high = int(block_table.min()), int(block_table.max())
         if low < 0 or high >= pages:
-            raise _error(ValueError, "block_table", f"page numbers from {low} to {high}, k_cache has {pages} pages")
+            raise error(ValueError, "block_table", f"page numbers from {low} to {high}, k_cache has {pages} pages")
 
 
 def eligibility(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None, block_table: Any = None,
-                score_mod: Optional[Callable[..., Any]] = None,
-                mask_mod: Optional[Callable[..., Any]] = None) -> Optional[str]:
+                score_mod: Optional[Callable[..., Any]] = None, mask_mod: Optional[Callable[..., Any]] = None,
+                k_scale: Any = None, v_scale: Any = None, block_mask: Any = None) -> Optional[str]:
     """None when ``decode`` computes this call, else the reason it declines."""
     try:
-        _check(q, k_cache, v_cache, cache_seqlens, block_table)
+        capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)
+        check_scales(k_scale, v_scale, q, k_cache)
+        if block_mask is not None:
+            check_block_mask(block_mask, mask_mod, q, k_cache.shape[2], capacity)
+            mask_mod = mask_mod_of(block_mask, mask_mod)
     except (TypeError, ValueError) as exc:
         return str(exc)
     if q.device.type != "cuda":
@@ -145,7 +149,8 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
            cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None,
            scale: Optional[float] = None, causal: bool = True, score_mod: Optional[Callable[..., Any]] = None,
            mask_mod: Optional[Callable[..., Any]] = None, return_lse: bool = False, validate: bool = True,
-           splits: int = 0, out: Optional["torch.Tensor"] = None
+           splits: int = 0, out: Optional["torch.Tensor"] = None, k_scale: Optional["torch.Tensor"] = None,
+           v_scale: Optional["torch.Tensor"] = None, block_mask: Any = None
            ) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
     """softmax(q kᵀ scale + mods) v for Sq = 1..16 query tokens per sequence, fp32 accumulation.
 
@@ -160,11 +165,26 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     whose output is zeros). ``validate`` reads cache_seqlens and block_table to check them (a device sync; skipped
     under CUDA graph capture). ``splits`` > 0 forces the split-KV count. ``out``: a contiguous (B, Sq, Hq, Dv)
     tensor of q's dtype to write (else a new one).
+
+    fp8 caches: ``k_cache`` and ``v_cache`` of dtype torch.float8_e4m3fn (q stays bf16/fp16), dequantised in the
+    kernel as value * scale by ``k_scale`` and ``v_scale``: float32 tensors of shape () or (1,) (per tensor) or
+    (Hkv,) (per KV head); None is a scale of 1. ``block_mask``: a flex_attention ``BlockMask`` whose query
+    dimension is one block covering the Sq queries (kv_num_blocks (1 or B, 1 or Hq, 1)) and whose KV block size is
+    a multiple of 64: keys in its empty blocks are masked and not read, its partial blocks apply its ``mask_mod``
+    (called like ``mask_mod``, with q_idx the query's position), its full blocks keep every key. ``mask_mod`` with
+    a block mask is the mask of its partial blocks: the block mask's own (then pass None or the same function), or
+    one given for a mask without its own (flex's no-op, or a prefill mask sliced with ``block_mask[:, :, i]``).
     """
     import torch
+    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if block_mask is not None:
+        capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)
+        check_block_mask(block_mask, mask_mod, q, k_cache.shape[2], capacity, validate and not capturing)
+        mask_mod = mask_mod_of(block_mask, mask_mod)
     mods = _mods(score_mod, mask_mod)
     capacity, pages = _checked(q, k_cache, v_cache, cache_seqlens, block_table, mods)
-    if validate and not (q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    check_scales(k_scale, v_scale, q, k_cache)
+    if validate and not capturing:
         _check_values(cache_seqlens, block_table, capacity, pages)
     _require_cuda(q)
     captured = _kernel_captured(mods, q.device)
@@ -174,14 +194,21 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
         out = torch.empty(batch, sq, hq, dv, dtype=q.dtype, device=q.device)
     elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, sq, hq, dv) or out.dtype != q.dtype
           or out.device != q.device or not out.is_contiguous()):
-        raise _error(ValueError, "out", f"expected a contiguous {(batch, sq, hq, dv)} {q.dtype} tensor on {q.device}")
+        raise error(ValueError, "out", f"expected a contiguous {(batch, sq, hq, dv)} {q.dtype} tensor on {q.device}")
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
     if batch:
         seqlens = (torch.full((batch,), capacity, dtype=torch.int32, device=q.device) if cache_seqlens is None
                    else cache_seqlens.to(torch.int32))
+        fp8 = str(k_cache.dtype) == FP8
         plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
-                     k_cache.shape[1], bool(causal), int(splits))
-        _launch(plan, q, k_cache, v_cache, block_table, seqlens, out, lse, captured, mods,
+                     k_cache.shape[1], bool(causal), int(splits), fp8=fp8,
+                     kv_block=0 if block_mask is None else int(block_mask.BLOCK_SIZE[1]))
+        extra = [kernel_scales(k_scale, v_scale, hkv, q.device) if fp8 else None]
+        if fp8:  # the kernel copies and converts bytes (MLIR's LLVM dialect has no pointer arithmetic on f8 types)
+            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        extra += (block_mask_tables(block_mask, batch, hq, hkv, seqlens, capacity) if block_mask is not None
+                  else [None] * 3)
+        _launch(plan, q, k_cache, v_cache, block_table, seqlens, out, lse, captured, extra, mods,
                 dqk ** -0.5 if scale is None else float(scale))
     return (out, lse) if return_lse else out
 
@@ -206,11 +233,11 @@ def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table
     found = _check(q, k_cache, v_cache, cache_seqlens, block_table)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not _aligned(t):
-            raise _error(ValueError, name, "rows must be 16-byte aligned (a 16-byte aligned base and strides but the "
+            raise error(ValueError, name, "rows must be 16-byte aligned (a 16-byte aligned base and strides but the "
                                            f"last a multiple of 8 elements), got strides {tuple(t.stride())}")
     captures = len(captured_tensors(mods))
     if captures > MAX_CAPTURED:
-        raise _error(ValueError, "score_mod/mask_mod", f"capture {captures} tensors, at most {MAX_CAPTURED}")
+        raise error(ValueError, "score_mod/mask_mod", f"capture {captures} tensors, at most {MAX_CAPTURED}")
     if key is not None:
         if len(_CHECKED) >= _CALL_LIMIT:
             _CHECKED.clear()
@@ -220,7 +247,7 @@ def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table
 
 def _require_cuda(q: Any) -> None:
     if q.device.type != "cuda":
-        raise _error(ValueError, "q", f"on {q.device.type}; {OP} runs on CUDA devices")
+        raise error(ValueError, "q", f"on {q.device.type}; {OP} runs on CUDA devices")
 
 
 def _sm_count(device: Any) -> int:
@@ -229,7 +256,9 @@ def _sm_count(device: Any) -> int:
 
 
 def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens: Any, out: Any, lse: Any,
-            captured: list, mods: Mods, scale: float) -> None:
+            captured: list, extra: list, mods: Mods, scale: float) -> None:
+    """The decode kernel (and the combine with splits); ``extra``: the kernel's kv_scales, kv_state, stage_list and
+    stage_count (None where unused)."""
     from nvfly.ops.common import scratch
     from nvfly.runtime.torch_args import current_stream
     captured = captured + [None] * (MAX_CAPTURED - len(captured))
@@ -237,7 +266,7 @@ def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens:
     grid = plan.grid(batch, k.shape[2])
     if plan.splits == 1:
         attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, None, None, *captured,
-                                                    scale, PLAN=plan, MODS=mods)
+                                                    *extra, scale, PLAN=plan, MODS=mods)
         return
     rows = batch * sq * hq
     slots = plan.splits * rows
@@ -245,18 +274,30 @@ def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens:
     partial_o = buffer[:slots * plan.dv].view(slots, plan.dv)
     partial_lse = buffer[slots * plan.dv:slots * (plan.dv + 1)]
     attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse,
-                                                *captured, scale, PLAN=plan, MODS=mods)
+                                                *captured, *extra, scale, PLAN=plan, MODS=mods)
     attention_combine_kernel[-(-rows // COMBINE_WARPS), COMBINE_WARPS * 32](
         partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=plan.dv)
 
 
 # ---------------------------------------------------------------------------------------------- reference
+def _gather_rows(cache: "torch.Tensor", index: "torch.Tensor") -> "torch.Tensor":
+    """``cache.flatten(0, 1)[index]``, through a byte view for fp8 (torch does not index fp8 on every device)."""
+    import torch
+    flat = cache.flatten(0, 1)
+    if str(cache.dtype) == FP8:
+        return flat.view(torch.uint8)[index].view(cache.dtype)
+    return flat[index]
+
+
 def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", *,
               cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None,
               scale: Optional[float] = None, causal: bool = True, score_mod: Optional[Callable[..., Any]] = None,
-              mask_mod: Optional[Callable[..., Any]] = None) -> tuple["torch.Tensor", "torch.Tensor"]:
+              mask_mod: Optional[Callable[..., Any]] = None, k_scale: Optional["torch.Tensor"] = None,
+              v_scale: Optional["torch.Tensor"] = None, block_mask: Any = None
+              ) -> tuple["torch.Tensor", "torch.Tensor"]:
     """(out, lse) of ``decode``'s arguments in float32 (out float32), sequence by sequence: the definition the
-    kernels are tested against."""
+    kernels are tested against. fp8 caches are dequantised in float32 (value * its KV head's scale); a block mask
+    keeps a key of a full block, of a partial block where its mask_mod does, and none of an empty block."""
     import torch
     batch, sq, hq, dqk = q.shape
     hkv = k_cache.shape[2]
@@ -273,10 +314,9 @@ def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor
             length = block_table.shape[1] * page if cache_seqlens is None else int(cache_seqlens[b])
             slots = torch.arange(length, device=q.device)
             index = block_table[b].long().repeat_interleave(page)[:length] * page + slots % page
-            keys = k_cache.flatten(0, 1)[index]
-            values = v_cache.flatten(0, 1)[index]
-        keys = keys.float().repeat_interleave(group, dim=1)      # (L, Hq, D)
-        values = values.float().repeat_interleave(group, dim=1)
+            keys, values = _gather_rows(k_cache, index), _gather_rows(v_cache, index)
+        keys = (keys.float() * per_head(k_scale, hkv, q.device)[:, None]).repeat_interleave(group, dim=1)  # (L, Hq, D)
+        values = (values.float() * per_head(v_scale, hkv, q.device)[:, None]).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[b].float(), keys) * scale  # (Hq, Sq, L)
         heads = torch.arange(hq, device=q.device)[:, None, None]
         positions = (length - sq + torch.arange(sq, device=q.device))[None, :, None]
@@ -287,7 +327,9 @@ def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor
         keep = torch.ones_like(scores, dtype=torch.bool)
         if causal:
             keep = keep & (kv <= positions)
-        if mask_mod is not None:
+        if block_mask is not None:
+            keep = keep & reference_block_keep(block_mask, mask_mod, b, hq, positions, kv)
+        elif mask_mod is not None:
             keep = keep & mask_mod(index_b, heads, positions, kv).bool()
         scores = scores.masked_fill(~keep, float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # (Hq, Sq)
@@ -301,19 +343,28 @@ def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor
 def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf16, batch: int = 2, kv_heads: int = 2,
                     seqlen: int = 1024, return_lse: bool = True, target: str = "sm_90a") -> list:
     """The decode kernel (and the combine kernel with splits) for ``plan`` compiled without a GPU:
-    [CompiledKernel, ...]. A paged plan gets a cache of seqlen / page_size pages per sequence."""
+    [CompiledKernel, ...]. A paged plan gets a cache of seqlen / page_size pages per sequence; an fp8 plan e4m3
+    caches and their scales; a block-mask plan its tables."""
     from nvfly.runtime.tensor_desc import TensorDesc, torch_dtype
     hq = kv_heads * plan.group
     q = TensorDesc(dtype, (batch, plan.sq, hq, plan.dqk))
+    kv_dtype = nvfly.u8 if plan.fp8 else dtype  # decode passes fp8 caches as bytes
     if plan.paged:
         pages = seqlen // plan.page_size
-        k = TensorDesc(dtype, (batch * pages, plan.page_size, kv_heads, plan.dqk))
-        v = TensorDesc(dtype, (batch * pages, plan.page_size, kv_heads, plan.dv))
+        k = TensorDesc(kv_dtype, (batch * pages, plan.page_size, kv_heads, plan.dqk))
+        v = TensorDesc(kv_dtype, (batch * pages, plan.page_size, kv_heads, plan.dv))
         table = TensorDesc(nvfly.i32, (batch, pages))
     else:
-        k = TensorDesc(dtype, (batch, seqlen, kv_heads, plan.dqk))
-        v = TensorDesc(dtype, (batch, seqlen, kv_heads, plan.dv))
+        k = TensorDesc(kv_dtype, (batch, seqlen, kv_heads, plan.dqk))
+        v = TensorDesc(kv_dtype, (batch, seqlen, kv_heads, plan.dv))
         table = None
+    extra = [TensorDesc(nvfly.f32, (2, kv_heads)) if plan.fp8 else None]
+    if plan.kv_block:
+        extra += [TensorDesc(nvfly.i32, (batch, hq, -(-seqlen // plan.kv_block))),
+                  TensorDesc(nvfly.i32, (batch, kv_heads, -(-seqlen // BLOCK_N))),
+                  TensorDesc(nvfly.i32, (batch, kv_heads))]
+    else:
+        extra += [None] * 3
     seqlens = TensorDesc(nvfly.i32, (batch,))
     out = TensorDesc(dtype, (batch, plan.sq, hq, plan.dv))
     lse = TensorDesc(nvfly.f32, (batch, hq, plan.sq)) if return_lse else None
@@ -325,7 +376,7 @@ def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf
     partial_o = TensorDesc(nvfly.f32, (plan.splits * rows, plan.dv)) if split else None
     partial_lse = TensorDesc(nvfly.f32, (plan.splits * rows,)) if split else None
     kernels = [attention_decode_kernel.compile(q, k, v, table, seqlens, out, lse, partial_o, partial_lse, *captured,
-                                               0.125, PLAN=plan, MODS=mods, block=plan.threads, target=target)]
+                                               *extra, 0.125, PLAN=plan, MODS=mods, block=plan.threads, target=target)]
     if split:
         kernels.append(attention_combine_kernel.compile(partial_o, partial_lse, out, lse, rows, hq, plan.splits,
                                                         SQ=plan.sq, DV=plan.dv, block=COMBINE_WARPS * 32,
@@ -334,13 +385,24 @@ def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf
 
 
 def bytes_moved(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor",
-                cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None) -> int:
-    """Bytes of q, the keys and values read (each sequence's length) and o written: what TB/s is counted on."""
+                cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None,
+                block_mask: Any = None) -> int:
+    """Bytes of q, the keys and values read (each sequence's length, at the caches' element size: 1 for fp8; with
+    a block mask the keys of the stages read) and o written: what TB/s is counted on."""
+    import torch
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
-    keys = batch * capacity if cache_seqlens is None else int(cache_seqlens.sum())
-    item = q.element_size()
-    return item * (q.numel() + keys * hkv * (dqk + dv) + batch * sq * hq * dv)
+    if block_mask is None:
+        head_keys = hkv * (batch * capacity if cache_seqlens is None else int(cache_seqlens.sum()))
+    else:
+        seqlens = (torch.full((batch,), capacity, dtype=torch.int32, device=q.device) if cache_seqlens is None
+                   else cache_seqlens.to(torch.int32))
+        _, stage_list, stage_count = block_mask_tables(block_mask, batch, hq, hkv, seqlens, capacity)
+        read = torch.arange(stage_list.shape[2], device=q.device) < stage_count[..., None]
+        keys = (seqlens[:, None, None] - stage_list * BLOCK_N).clamp(0, BLOCK_N)  # of each stage in the sequence
+        head_keys = int((keys * read).sum())
+    return (q.element_size() * (q.numel() + batch * sq * hq * dv)
+            + head_keys * (dqk * k_cache.element_size() + dv * v_cache.element_size()))
 
 

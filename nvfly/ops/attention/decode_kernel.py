@@ -23,6 +23,12 @@ step), V's B fragments come from ldmatrix.trans. After the last stage the warps 
 through shared memory (the ring, now free); the result is O / l and LSE = m + log l (natural log), or for a fully
 masked row zeros and -inf. With splits, a CTA writes its normalised partial O and LSE in f32 for
 ``combine_kernel``.
+
+fp8 (e4m3) K/V: the ring holds the bytes; after a stage lands all threads convert it into one 16-bit tile in the
+swizzled layout above (``convert_stage``, a second barrier), so the fragment maps are the 16-bit ones; K's scale
+is folded into the scores' scale and V's into the final normalisation. A flex BlockMask: the CTA reads only the
+stages its ``stage_list`` names (those of blocks non-empty for a head of its group), split evenly like a
+sequence's stages, and each row masks by its own head's block state (``kv_state``).
 """
 from __future__ import annotations
 
@@ -31,11 +37,13 @@ from typing import Any, NamedTuple
 
 import nvfly
 from nvfly.arch import sm80
+from nvfly.arch.fp8 import convert_shared_e4m3x16
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.plan import BLOCK_N, ROWS, WARPS, ctas_per_sm
 
 LOG2E = 1.0 / math.log(2.0)
+BLOCK_EMPTY, BLOCK_PARTIAL, BLOCK_FULL = 0, 1, 2  # a flex BlockMask's KV blocks, per (batch, query head) (api.py)
 LN2 = math.log(2.0)
 NEG_INF = float("-inf")
 
@@ -139,13 +147,15 @@ def key_page(pages: dict, block_table: Any, b: Any, key: Any, plan: Any, slot: t
 @nvfly.func
 def load_stage(k, v, block_table, stage, b, hkv, block, seqlen, tid, PLAN):
     """cp.async keys block * BLOCK_N .. + BLOCK_N - 1 of K (rows of Dqk) then of V (rows of Dv) into the ring stage
-    at shared address ``stage``; keys past ``seqlen`` are zero-filled (nothing read, the address clamped)."""
+    at shared address ``stage``; keys past ``seqlen`` are zero-filled (nothing read, the address clamped). 16-bit
+    rows are swizzled 16-byte segments; fp8 rows are stored as they are (``convert_stage`` swizzles)."""
     THREADS = PLAN.threads
+    ITEM = 1 if PLAN.fp8 else 2
     pages = {}
     if PLAN.paged and PLAN.page_size % BLOCK_N == 0:  # the stage lies in one page: one lookup
         pages["stage"] = block_table[b, block * BLOCK_N // PLAN.page_size]
-    for cache, dim, base in ((k, PLAN.dqk, stage), (v, PLAN.dv, stage + BLOCK_N * PLAN.dqk * 2)):
-        SEGMENTS = dim // 8
+    for cache, dim, base in ((k, PLAN.dqk, stage), (v, PLAN.dv, stage + BLOCK_N * PLAN.dqk * ITEM)):
+        SEGMENTS = dim * ITEM // 16
         for i in nvfly.static_range(BLOCK_N * SEGMENTS // THREADS):  # dims are multiples of 64: it divides
             copy = tid + i * THREADS
             row = copy // SEGMENTS
@@ -153,8 +163,29 @@ def load_stage(k, v, block_table, stage, b, hkv, block, seqlen, tid, PLAN):
             key = block * BLOCK_N + row
             clamped = nvfly.minimum(key, seqlen - 1)
             page = key_page(pages, block_table, b, clamped, PLAN, (SEGMENTS, i))
-            sm80.cp_async(base + swizzled(row, segment, SEGMENTS),
-                          cache_address(cache, b, hkv, clamped, segment * 8, PLAN, page), 16, key < seqlen)
+            target = base + (copy * 16 if PLAN.fp8 else swizzled(row, segment, SEGMENTS))
+            sm80.cp_async(target, cache_address(cache, b, hkv, clamped, segment * 16 // ITEM, PLAN, page), 16,
+                          key < seqlen)
+
+
+def fp8_conversion_map(copy: Any, dim: int) -> tuple[Any, Any, Any]:
+    """Copy ``copy`` of converting an fp8 tile of rows of ``dim`` bytes: (byte offset of its 16 e4m3 values,
+    and the byte offsets in the 16-bit tile of values 0-7 and 8-15: row copy // (dim / 16), segments 2s and 2s + 1
+    of the swizzled row). The CPU tests emulate it."""
+    segments = dim // 16
+    row = copy // segments
+    segment = copy % segments
+    return copy * 16, swizzled(row, 2 * segment, 2 * segments), swizzled(row, 2 * segment + 1, 2 * segments)
+
+
+def convert_stage(stage: Any, tile: Any, tid: Any, plan: Any, dtype: Any) -> None:
+    """The fp8 ring stage at ``stage`` (K rows, then V rows) as 16-bit K and V in the swizzled ``tile``: each
+    thread converts 16-byte pieces of both (the caller's barrier then publishes the tile)."""
+    for dim, source, target in ((plan.dqk, stage, tile), (plan.dv, stage + BLOCK_N * plan.dqk,
+                                                          tile + BLOCK_N * plan.dqk * 2)):
+        for i in nvfly.static_range(BLOCK_N * dim // 16 // plan.threads):
+            src, low, high = fp8_conversion_map(tid + i * plan.threads, dim)
+            convert_shared_e4m3x16(source + src, target + low, target + high, dtype)
 
 
 class Softmax(NamedTuple):
@@ -180,6 +211,8 @@ class StageContext(NamedTuple):
     captured: tuple
     plan: Any
     mods: Any
+    dtype: Any
+    kv_state: Any
 
 
 def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key_slice: Any, key0: Any,
@@ -198,11 +231,15 @@ def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key
         s[1] = sm80.mma_m16n8k16(a, kb[2:4], s[1], dtype)
     mods = ctx.mods
     plain = mods.score_mod is None and mods.mask_mod is None
+    states = [None, None]
+    if plan.kv_block:  # the block mask's state of this stage's block for each of the lane's rows (their heads)
+        states = [ctx.kv_state[ctx.b, row.head, key0 // plan.kv_block] for row in ctx.rows]
     out = []
     for t in range(2):
         tile = []
         for i in range(4):
             row = ctx.rows[i // 2]
+            state = states[i // 2]
             key = key0 + 8 * t + accumulator_coords(lane, i)[1]
             if not plain:
                 # the mods see indices within the sequence (their tables cover it); elements outside are masked
@@ -216,10 +253,12 @@ def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key
             keep = key < ctx.seqlen
             if plan.causal:
                 keep = keep & (key <= row.position)
-            if not plain:
-                kept = apply_mask_mod(mods, ctx.captured, ctx.b, row.head, mod_position, mod_key)
-                if kept is not None:
-                    keep = keep & kept
+            kept = None if plain else apply_mask_mod(mods, ctx.captured, ctx.b, row.head, mod_position, mod_key)
+            if state is not None:  # an empty block keeps no key, a full one every key, a partial one asks the mask
+                kept = (state != BLOCK_EMPTY if kept is None
+                        else (state == BLOCK_FULL) | ((state == BLOCK_PARTIAL) & kept))
+            if kept is not None:
+                keep = keep & kept
             tile.append(nvfly.select(keep, score, NEG_INF))
         out.append(tile)
     return out
@@ -262,14 +301,23 @@ def attend_slice(state: Softmax, ctx: StageContext, stage: Any, q_tile: Any, rol
     return Softmax(maxima, sums, acc)
 
 
+def stage_index(stage_list: Any, b: Any, hkv: Any, index: Any, plan: Any) -> Any:
+    """The ``index``-th stage the CTA's sequence reads: every stage, or with a block mask the ``index``-th of the
+    stages in its non-empty blocks (``stage_list``, ascending)."""
+    return stage_list[b, hkv, index] if plan.kv_block else index
+
+
 @nvfly.func
-def stream_keys(k, v, block_table, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN):
-    """The CTA's ``count`` stages from ``begin`` through the ring; returns the warp's Softmax (``role``)."""
+def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN):
+    """The CTA's ``count`` stages from the ``begin``-th (``stage_index``) through the ring; returns the warp's
+    Softmax (``role``)."""
     STAGE = PLAN.stage_bytes
-    dtype = k.dtype
+    dtype = ctx.dtype
+    tile = ring + PLAN.stages * STAGE  # with fp8: the converted stage
     for i in nvfly.static_range(PLAN.stages - 1):
         if i < count:
-            load_stage(k, v, block_table, ring + i * STAGE, ctx.b, hkv, begin + i, ctx.seqlen, tid, PLAN)
+            load_stage(k, v, block_table, ring + i * STAGE, ctx.b, hkv,
+                       stage_index(stage_list, ctx.b, hkv, begin + i, PLAN), ctx.seqlen, tid, PLAN)
         sm80.cp_async_commit()  # the first group also holds the query tile
     state = Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2,
                     [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(PLAN.dv // 8 // PLAN.column_warps)])
@@ -278,18 +326,21 @@ def stream_keys(k, v, block_table, ring, q_tile, ctx, hkv, begin, count, tid, ro
         nvfly.syncthreads()  # stage i landed for every thread; every warp is done with stage i - 1
         ahead = i + PLAN.stages - 1
         if ahead < count:
-            load_stage(k, v, block_table, ring + (ahead % PLAN.stages) * STAGE, ctx.b, hkv, begin + ahead, ctx.seqlen,
-                       tid, PLAN)
+            load_stage(k, v, block_table, ring + (ahead % PLAN.stages) * STAGE, ctx.b, hkv,
+                       stage_index(stage_list, ctx.b, hkv, begin + ahead, PLAN), ctx.seqlen, tid, PLAN)
         sm80.cp_async_commit()
         stage = ring + (i % PLAN.stages) * STAGE
+        if PLAN.fp8:  # every warp is done with the tile (the barrier above); the second barrier publishes it
+            convert_stage(stage, tile, tid, PLAN, dtype)
+            nvfly.syncthreads()
+            stage = tile
+        first = stage_index(stage_list, ctx.b, hkv, begin + i, PLAN) * BLOCK_N
         if PLAN.row_warps == 1:  # one slice a warp
-            state = attend_slice(state, ctx, stage, q_tile, role, role.key_warp,
-                                 (begin + i) * BLOCK_N + 16 * role.key_warp, dtype)
+            state = attend_slice(state, ctx, stage, q_tile, role, role.key_warp, first + 16 * role.key_warp, dtype)
         else:  # the warp's slices as a loop: unrolled, ptxas interleaves them and spills at d > 128
             for j in range(PLAN.row_warps):
                 key_slice = role.key_warp + j * PLAN.key_warps
-                state = attend_slice(state, ctx, stage, q_tile, role, key_slice,
-                                     (begin + i) * BLOCK_N + 16 * key_slice, dtype)
+                state = attend_slice(state, ctx, stage, q_tile, role, key_slice, first + 16 * key_slice, dtype)
     sm80.cp_async_wait(0)
     nvfly.syncthreads()  # the ring is free for the merge
     return state
@@ -322,12 +373,16 @@ def merge_warps(state, stats, partial, role, PLAN):
 
 @nvfly.kernel
 def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, block_table, seqlens: nvfly.Tensor,
-                            out, lse, partial_o, partial_lse, captured0, captured1, scale: nvfly.f32,
-                            PLAN: nvfly.Constexpr, MODS: nvfly.Constexpr):
+                            out, lse, partial_o, partial_lse, captured0, captured1, kv_scales, kv_state, stage_list,
+                            stage_count, scale: nvfly.f32, PLAN: nvfly.Constexpr, MODS: nvfly.Constexpr):
     """One (split x query tile, KV head, batch) CTA of ``WARPS`` warps (module docstring). Without splits it writes
     out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] (f32, natural log; None: not wanted); with splits partial_o
     [splits * B * Sq * Hq, Dv] and partial_lse [splits * B * Sq * Hq] (f32; row ((split * B + b) * Sq + token) * Hq
-    + head). captured0/1: the mods' captured tensors (``mods.captured_tensors``) or None."""
+    + head). captured0/1: the mods' captured tensors (``mods.captured_tensors``) or None. fp8 K/V: kv_scales
+    [2, Hkv] f32 (K's, V's dequantisation scale per KV head), else None. A block mask: kv_state [B, Hq, KV blocks]
+    i32 (BLOCK_EMPTY/PARTIAL/FULL), stage_list [B, Hkv, stages] i32 (the stages of the blocks non-empty for a
+    head of the group and within the sequence, ascending, then the rest) and stage_count [B, Hkv] i32 (how many),
+    else None."""
     nvfly.min_blocks_per_sm(ctas_per_sm(PLAN))
     SQ, G, DV, SPLITS, M_TILES = PLAN.sq, PLAN.group, PLAN.dv, PLAN.splits, PLAN.m_tiles
     tid = nvfly.thread_idx.x
@@ -340,13 +395,20 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     split = nvfly.block_idx.x // M_TILES
     m_tile = nvfly.block_idx.x % M_TILES
     seqlen = seqlens[b]
-    RING = PLAN.stages * PLAN.stage_bytes
+    RING = PLAN.ring_bytes
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (PLAN.smem_bytes,)))
     q_tile = ring + RING
     stats = nvfly.dynamic_shared_tensor(nvfly.f32, (2 * WARPS * ROWS,), offset_bytes=RING + PLAN.q_bytes)
+    k_scale = v_scale = 1.0
+    if PLAN.fp8:  # K's scale goes into the scores' scale, V's into the output's normalisation
+        k_scale = kv_scales[0, hkv]
+        v_scale = kv_scales[1, hkv]
     partial = nvfly.dynamic_shared_tensor(nvfly.f32, (WARPS * ROWS * DV,))  # over the ring, after the loop
 
-    n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
+    if PLAN.kv_block:
+        n_blocks = stage_count[b, hkv]
+    else:
+        n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
     per_split = (n_blocks + SPLITS - 1) // SPLITS
     begin = split * per_split
     count = nvfly.maximum(nvfly.minimum(per_split, n_blocks - begin), 0)
@@ -354,8 +416,9 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN)
     first = m_tile * TILE_ROWS + role.row0 + (lane >> 2)
     rows = (row_coords(first, hkv, seqlen, SQ, G), row_coords(first + 8, hkv, seqlen, SQ, G))
-    ctx = StageContext(b, seqlen, rows, scale, scale * LOG2E, (captured0, captured1), PLAN, MODS)
-    state = stream_keys(k, v, block_table, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN)
+    ctx = StageContext(b, seqlen, rows, scale * k_scale, scale * k_scale * LOG2E, (captured0, captured1), PLAN, MODS,
+                       q.dtype, kv_state)
+    state = stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN)
     merge_warps(state, stats, partial, role, PLAN)
 
     # thread t: tile row t // PARTS, columns (t % PARTS) * DV / PARTS ..: the key warps' (m, l, O) merged
@@ -373,7 +436,7 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     for w in nvfly.static_range(1, KEY_WARPS):
         total = total + stats[WARPS * ROWS + w * TILE_ROWS + row] * weights[w]
     kept = total > 0.0
-    inverse = nvfly.select(kept, 1.0 / nvfly.maximum(total, 1e-30), 0.0)
+    inverse = nvfly.select(kept, v_scale / nvfly.maximum(total, 1e-30), 0.0)
     row_lse = nvfly.select(kept, (reference + nvfly.log2(nvfly.maximum(total, 1e-30))) * LN2, NEG_INF)
     coords = row_coords(m_tile * TILE_ROWS + row, hkv, seqlen, SQ, G)
     COLUMNS = DV // PARTS

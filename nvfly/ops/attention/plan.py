@@ -33,7 +33,9 @@ class DecodePlan:
     sq: query tokens per sequence; group: query heads per KV head (G); dqk, dv: head dims; paged/page_size: KV read
     through a block table of pages of ``page_size`` tokens; causal: queries aligned to the end of their sequence;
     stages: ring depth; splits: CTAs sharing one sequence's keys (1: no combine); row_warps: warps that split the
-    query tile's rows (16 each; the other WARPS / row_warps split the keys)."""
+    query tile's rows (16 each; the other WARPS / row_warps split the keys); fp8: K and V are e4m3 (the ring holds
+    their bytes, each stage converted to 16 bits in a tile after it lands); kv_block: a flex BlockMask's KV block
+    size (a multiple of BLOCK_N; 0: no block mask)."""
     sq: int
     group: int
     dqk: int
@@ -44,6 +46,8 @@ class DecodePlan:
     stages: int
     splits: int
     row_warps: int = 1
+    fp8: bool = False
+    kv_block: int = 0
 
     @property
     def key_warps(self) -> int:
@@ -79,14 +83,25 @@ class DecodePlan:
         return self.tile_rows * self.dqk * 2
 
     @property
-    def stage_bytes(self) -> int:
+    def tile_bytes(self) -> int:
+        """One stage of K and V in 16 bits: what the warps' ldmatrix read."""
         return BLOCK_N * (self.dqk + self.dv) * 2
+
+    @property
+    def stage_bytes(self) -> int:
+        """One ring stage: the tile, or with fp8 its bytes."""
+        return self.tile_bytes // 2 if self.fp8 else self.tile_bytes
+
+    @property
+    def ring_bytes(self) -> int:
+        """The ring, then with fp8 the 16-bit tile each stage is converted into."""
+        return self.stages * self.stage_bytes + (self.tile_bytes if self.fp8 else 0)
 
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the ring, the query tile, then the warps' row maxima and sums (f32; key_warps x
         tile_rows = WARPS x ROWS of each)."""
-        return self.stages * self.stage_bytes + self.q_bytes + 2 * WARPS * ROWS * 4
+        return self.ring_bytes + self.q_bytes + 2 * WARPS * ROWS * 4
 
     def grid(self, batch: int, kv_heads: int) -> tuple[int, int, int]:
         """(splits x query tiles, KV heads, batch): the query tiles of one split are neighbours, so the CTAs that
@@ -94,10 +109,12 @@ class DecodePlan:
         return self.splits * self.m_tiles, kv_heads, batch
 
 
-def stages_for(dqk: int, dv: int) -> int:
+def stages_for(dqk: int, dv: int, fp8: bool = False) -> int:
     """Ring depth: 4 stages of 16 KB (d = 64, three CTAs an SM), 3 of 32 KB (d = 128, two CTAs an SM) or of 64 KB
-    (d = 256, one CTA): 64-128 KB of K/V in flight per SM either way."""
-    return 4 if BLOCK_N * (dqk + dv) * 2 <= 16 * 1024 else 3
+    (d = 256, one CTA): 64-128 KB of K/V in flight per SM either way. fp8 stages are half as big and the converted
+    tile takes two of them: 2s - 2 stages fill the same shared memory (6 at d = 64, 4 at d = 128 and 256)."""
+    stages = 4 if BLOCK_N * (dqk + dv) * 2 <= 16 * 1024 else 3
+    return 2 * stages - 2 if fp8 else stages
 
 
 def ctas_per_sm(plan: DecodePlan) -> int:
@@ -131,11 +148,11 @@ def row_warps_for(rows: int) -> int:
 
 def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: int, max_seqlen: int, sm_count: int,
                 paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0,
-                row_warps: int = 0) -> DecodePlan:
+                row_warps: int = 0, fp8: bool = False, kv_block: int = 0) -> DecodePlan:
     """The plan for one call shape; ``splits`` > 0 forces a split count and ``row_warps`` > 0 the row split (for
     tests and comparisons)."""
-    plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal, stages_for(dqk, dv), 1,
-                      row_warps or row_warps_for(sq * group))
+    plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal, stages_for(dqk, dv, fp8), 1,
+                      row_warps or row_warps_for(sq * group), fp8, kv_block)
     if splits <= 0:
         ctas = batch * kv_heads * plan.m_tiles
         splits = num_splits(ctas, sm_count * ctas_per_sm(plan), -(-max_seqlen // BLOCK_N))

@@ -71,7 +71,7 @@ BULK_MIN_THREADS = 128
 BULK_BLOCKS_PER_SM = 2
 BULK_SM_THREADS = 512         # threads an SM at most: 128 registers a thread (the row and the weight in registers)
 EARLY_WEIGHT = True   # the row kernel loads the weight with the row: one round trip, not one per vector
-CACHE_HINTS = False   # L1/L2 eviction hints on the forward's accesses (see memory.STREAM_L1)
+CACHE_HINTS = False   # L1/L2 eviction hints on the forward's accesses (see hints.STREAM_L1)
 LOAD_HINTS = "loads"  # the cache_hints value that hints the loads only (hints.row_hints, hints.two_pass_hints)
 
 

@@ -222,6 +222,8 @@ def misuse(x: nvfly.Tensor, f: nvfly.Tensor, CASE: nvfly.Constexpr):
         "compare_operand": lambda: compare_mask(x[0], x[1], "gt", nvfly.f32),
         "f16": lambda: f16_to_f32(x[0]),
         "no_unroll": nvfly.no_unroll,
+        "group": lambda: reduce.group_reduce(f[0], f, 0, 0, 0, tid & 31, 48),
+        "warps": lambda: reduce.block_scan(x[0], x, tid & 31, 0, 0),
     }
     cases[CASE]()
 
@@ -234,6 +236,7 @@ def misuse(x: nvfly.Tensor, f: nvfly.Tensor, CASE: nvfly.Constexpr):
     ("policy", "expected one of evict_first"), ("policy_dtype", "i64"), ("predicate", "predicate"),
     ("shared_words", "store_shared"), ("compare", "cmp must be"), ("compare_dtype", "compare_mask compares"),
     ("compare_operand", "compare_mask of f32"), ("f16", "f16_to_f32"), ("no_unroll", "dynamic loop"),
+    ("group", "GROUP: expected a power of two"), ("warps", "WARPS: expected 1 to 32 warps"),
 ])
 def test_bad_arguments_are_compile_errors(case, message):
     with pytest.raises(nvfly.CompileError, match=message):

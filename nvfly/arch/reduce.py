@@ -22,6 +22,8 @@ from nvfly.frontend.dtypes import DType
 from nvfly.frontend.function import DeviceFunction
 from nvfly.frontend.language import (maximum, minimum, redux_sync, select, shfl_down, shfl_up, static_range,
                                      syncthreads, thread_idx, warp_reduce)
+from nvfly.frontend.tensor import Tensor
+from nvfly.frontend.trace import traced
 from nvfly.frontend.values import Scalar, as_value
 
 OPS: dict[str, Callable[[Any, Any], Any]] = {"add": operator.add, "max": maximum, "min": minimum}
@@ -79,6 +81,7 @@ def _exclusive(inclusive: Any, value: Scalar, lane: Any, op: str, reverse: bool)
     return select(lane >= 1, moved, identity_of(op, value.dtype))
 
 
+@traced
 def warp_scan(value: Any, lane: Any, op: str = "add", exclusive: bool = False, reverse: bool = False) -> Any:
     """Scan of ``value`` over the lanes of a (whole, converged) warp, ``lane`` being this lane's index: the
     ``op`` of the lanes at and below this one (prefix), or with ``reverse`` at and above it (suffix); with
@@ -98,6 +101,7 @@ def warp_scan(value: Any, lane: Any, op: str = "add", exclusive: bool = False, r
     return _exclusive(scan, v, lane, op, reverse) if exclusive else scan
 
 
+@traced
 def warp_max_i64(value: Any) -> Scalar:
     """The largest i64 of the (whole, converged) warp in every lane: two ``redux.sync`` (the high words, then the
     low words of the lanes that hold the highest) instead of five rounds of 64-bit shuffles and compares."""
@@ -110,12 +114,20 @@ def warp_max_i64(value: Any) -> Scalar:
     return (top.to(dtypes.i64) << 32) | low.to(dtypes.i64)
 
 
+def _check_count(what: str, count: Any, fits: Callable[[int], bool], expected: str) -> None:
+    """A CompileError unless ``count`` is a Python int for which ``fits`` holds."""
+    if isinstance(count, bool) or not isinstance(count, int) or not fits(count):
+        raise CompileError(f"{what}: expected {expected} (a Python int), got {count!r}")
+
+
 @DeviceFunction
-def group_reduce(value, scratch, base, group, warp, lane, GROUP, op="add"):
+def group_reduce(value: Any, scratch: Tensor, base: Any, group: Any, warp: Any, lane: Any, GROUP: int,
+                 op: str = "add") -> Any:
     """``op`` of ``value`` over the GROUP threads (a power of two; consecutive threads) of group ``group``; every
-    thread of the group gets the result. Shuffles; for GROUP > 32 also the GROUP // 32 warps' results through
-    ``scratch[base : base + warps of the block]`` after a barrier (``warp``, ``lane``: the thread's warp and lane
-    in the block)."""
+    thread of the group gets the result. Butterfly shuffles (``shfl.sync.bfly``); for GROUP > 32 also the
+    GROUP // 32 warps' results through ``scratch[base : base + warps of the block]`` after a barrier
+    (``bar.sync``; ``warp``, ``lane``: the thread's warp and lane in the block)."""
+    _check_count("group_reduce GROUP", GROUP, lambda n: n > 0 and n & (n - 1) == 0, "a power of two")
     combine = combine_of(op)
     if GROUP <= 32:
         total = warp_reduce(value, op, GROUP)
@@ -132,10 +144,12 @@ def group_reduce(value, scratch, base, group, warp, lane, GROUP, op="add"):
 
 
 @DeviceFunction
-def block_reduce(value, scratch, THREADS, op="add"):
+def block_reduce(value: Any, scratch: Tensor, THREADS: int, op: str = "add") -> Any:
     """``op`` of ``value`` over the block's THREADS threads (whole warps); every thread gets the result. One
-    barrier: each warp combines the warps' results from ``scratch`` (THREADS // 32 slots) with shuffles over the
-    next power of two of lanes, the lanes past the last warp adding the identity."""
+    barrier (``bar.sync``): each warp combines the warps' results from ``scratch`` (THREADS // 32 slots) with
+    butterfly shuffles (``shfl.sync.bfly``) over the next power of two of lanes, the lanes past the last warp
+    adding the identity."""
+    _check_count("block_reduce THREADS", THREADS, lambda n: 0 < n <= 1024 and n % 32 == 0, "whole warps")
     identity = identity_of(op, as_value(value).dtype)
     warps = THREADS // 32
     width = 1 << (warps - 1).bit_length()
@@ -152,10 +166,12 @@ def block_reduce(value, scratch, THREADS, op="add"):
 
 
 @DeviceFunction
-def block_scan(value, warp_totals, lane, warp, WARPS, op="add", exclusive=False, reverse=False):
+def block_scan(value: Any, warp_totals: Tensor, lane: Any, warp: Any, WARPS: int, op: str = "add",
+               exclusive: bool = False, reverse: bool = False) -> Any:
     """Scan of ``value`` over the block's WARPS warps in thread order (``warp_scan``'s prefix / suffix, inclusive
-    / exclusive): the warp's scan, then the other warps' totals through ``warp_totals[:WARPS]`` after one
-    barrier."""
+    / exclusive): the warp's scan (``shfl.sync.up`` / ``.down``), then the other warps' totals through
+    ``warp_totals[:WARPS]`` after one barrier (``bar.sync``)."""
+    _check_count("block_scan WARPS", WARPS, lambda n: 1 <= n <= 32, "1 to 32 warps")
     combine = combine_of(op)
     identity = identity_of(op, as_value(value).dtype)
     scan = warp_scan(value, lane, op, reverse=reverse)

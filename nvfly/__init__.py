@@ -15,8 +15,8 @@ from nvfly.frontend.language import (
     assume_divisible, atomic_add, block_dim, block_idx, block_idx_in_cluster, block_rank_in_cluster, cluster_dim,
     cluster_idx, cooperative, cos, count_leading_zeros, dynamic_shared_tensor, erf, exp, exp2, fma, grid_dim,
     lane_idx, launch_dependents, linear_thread_idx, log, log2, maximum, min_blocks_per_sm, minimum, named_barrier,
-    named_barrier_arrive, printf, redux_sync, rsqrt, select, shared_tensor, shfl_down, shfl_idx, shfl_up, shfl_xor,
-    sin, sqrt, static_range, syncthreads, syncthreads_or, syncwarp, tanh, thread_idx, threadfence, vote_any,
+    named_barrier_arrive, no_unroll, printf, redux_sync, rsqrt, select, shared_tensor, shfl_down, shfl_idx, shfl_up,
+    shfl_xor, sin, sqrt, static_range, syncthreads, syncthreads_or, syncwarp, tanh, thread_idx, threadfence, vote_any,
     wait_prior_grid, warp_idx, warp_reduce,
 )
 from nvfly.frontend.spec import Constexpr, TensorAnnotation

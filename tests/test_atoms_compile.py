@@ -7,6 +7,7 @@ import torch
 
 import nvfly
 from nvfly.arch import sm90
+from nvfly.arch.memory import L2Policy
 from nvfly.arch.ptx import smem_address
 from nvfly.examples.mma_sync_tile import mma_tile_kernel
 from nvfly.examples.tma_copy import tma_copy_kernel
@@ -45,9 +46,9 @@ def test_tma_load_cache_hints():
     naming the choices; TMA descriptors accept only the driver's L2 promotion sizes."""
     desc = nvfly.TmaDescriptor(TensorDesc(nvfly.bf16, (256, 256)), (64, 64))
     out = torch.zeros(4, 4).to(torch.bfloat16)
-    for hint in sm90.CACHE_HINTS:
-        k = hinted_load_kernel.compile(desc, out, HINT=hint)
-        assert ".L2::cache_hint" in k.ptx and str(sm90.CACHE_HINTS[hint]) in k.ptx and k.count("UTMALDG.2D") == 1
+    for hint in L2Policy:
+        k = hinted_load_kernel.compile(desc, out, HINT=hint.value)
+        assert ".L2::cache_hint" in k.ptx and str(hint.descriptor) in k.ptx and k.count("UTMALDG.2D") == 1
         no_spills(k)
     assert ".L2::cache_hint" not in hinted_load_kernel.compile(desc, out, HINT=None).ptx
     with pytest.raises(nvfly.CompileError, match="evict_first"):

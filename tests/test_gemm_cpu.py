@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nvfly
-from nvfly.arch import sm90
+from nvfly.arch.memory import L2Policy
 from nvfly.ops import gemm
 from nvfly.ops.gemm.config import REDUCE_THREADS, SMEM_LIMIT, Epilogue, GemmConfig
 from nvfly.ops.gemm.kernel import split_k_reduce_kernel
@@ -333,7 +333,7 @@ def test_weights_read_once_between_one_and_eight_l2s_are_hinted():
     (plain,) = gemm.api.compile_configs([token], majors=[("K", "K")])
     loads = [line for line in hinted.ptx.splitlines() if "cp.async.bulk.tensor" in line and "global.mbarrier" in line]
     assert loads and all(".L2::cache_hint" in line for line in loads)
-    policies = {name: str(value) for name, value in sm90.CACHE_HINTS.items()}  # the 64-bit policies, in decimal
-    assert policies["evict_first"] in hinted.ptx and policies["evict_last"] in hinted.ptx
+    # the 64-bit policies, in decimal
+    assert str(L2Policy.EVICT_FIRST.descriptor) in hinted.ptx and str(L2Policy.EVICT_LAST.descriptor) in hinted.ptx
     assert ".L2::cache_hint" not in plain.ptx and hinted.count("UTMALDG") > 0
     assert not hinted.warnings and hinted.resources.spill_stores == 0

@@ -515,6 +515,17 @@ def printf(fmt: str, *args: Any) -> None:
     gpu.printf(ir.StringAttr.get(fmt), *vals)
 
 
+@traced
+def no_unroll() -> None:
+    """Keep ptxas from unrolling the dynamic loop (``range``, ``while``) whose body this call opens
+    (``.pragma "nounroll";``), e.g. where unrolled copies of the body would spill registers."""
+    owner = ir.InsertionPoint.current.block.owner
+    if owner is None or owner.operation.name not in ("scf.for", "scf.while"):
+        raise CompileError("nvfly.no_unroll() belongs in the body of a dynamic loop (range() or while on a traced "
+                           "condition), before its other statements")
+    llvm.inline_asm(None, [], '.pragma "nounroll";', "", has_side_effects=True)
+
+
 def static_range(*args: int) -> range:
     """A compile-time loop: the body is unrolled at trace time with Python ints."""
     for a in args:

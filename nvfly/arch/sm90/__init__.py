@@ -6,7 +6,7 @@ from nvfly.arch.sm90.sync import (
     mbarrier_arrive, mbarrier_arrive_expect_tx, mbarrier_arrive_remote, mbarrier_expect_tx, mbarrier_init,
     mbarrier_wait, setmaxnreg,
 )
-from nvfly.arch.sm90.tma import (CACHE_HINTS, bulk_load, tma_load, tma_prefetch_descriptor, tma_store, tma_store_commit,
+from nvfly.arch.sm90.tma import (bulk_load, tma_load, tma_prefetch_descriptor, tma_store, tma_store_commit,
                                   tma_store_wait)
 from nvfly.arch.sm90.wgmma import (
     AFragment, Accumulator, TmaBox, WgmmaAtom, choose_swizzle, commit_group, descriptor_offsets, fence, mma,

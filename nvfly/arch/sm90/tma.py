@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from nvfly.arch.memory import Policy, policy_operand
 from nvfly.arch.ptx import asm
 from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
@@ -26,20 +27,14 @@ def _placeholders(first: int, n: int) -> str:
     return ", ".join(f"${first + i}" for i in range(n))
 
 
-# L2 eviction priorities of a load's lines (createpolicy.fractional with fraction 1.0; the values CUTLASS names
-# CacheHintSm90): a stream read once goes first, a tile every block re-reads last
-CACHE_HINTS = {"evict_first": 0x12F0000000000000, "evict_normal": 0x1000000000000000,
-               "evict_last": 0x14F0000000000000}
-
-
 @requires("sm_90", "cp.async.bulk.tensor")
 def tma_load(desc: TmaDescriptorValue, smem: Scalar, coords: Sequence[Any], bar: Scalar,
-             multicast_mask: Optional[Any] = None, cache_hint: Optional[str] = None) -> None:
+             multicast_mask: Optional[Any] = None, cache_hint: Optional[Policy] = None) -> None:
     """Copy the box at ``coords`` into shared memory at ``smem``; its bytes complete on ``bar``.
 
     With ``multicast_mask`` (a 16-bit mask of cluster ranks) the box lands at the same offset in each
-    block of the mask, completing on each block's ``bar``. ``cache_hint`` (a CACHE_HINTS name) sets the L2
-    eviction priority of the lines it reads.
+    block of the mask, completing on each block's ``bar``. ``cache_hint`` (an ``nvfly.arch.memory.L2Policy``
+    or its name, or a ``create_policy`` register) sets the L2 eviction priority of the lines it reads.
     """
     c = _coords(desc, coords)
     rank = len(c)
@@ -52,9 +47,7 @@ def tma_load(desc: TmaDescriptorValue, smem: Scalar, coords: Sequence[Any], bar:
         args.append(as_value(multicast_mask, dtypes.i32).to(dtypes.i16))  # the mask operand is 16 bits
         text += f", ${len(args) - 1}"
     if cache_hint is not None:
-        if cache_hint not in CACHE_HINTS:
-            raise CompileError(f"tma_load: cache_hint={cache_hint!r}: expected one of {sorted(CACHE_HINTS)}")
-        args.append(as_value(CACHE_HINTS[cache_hint], dtypes.i64))
+        args.append(policy_operand(cache_hint, "tma_load"))
         text += f", ${len(args) - 1}"
     asm(text + ";", args)
 

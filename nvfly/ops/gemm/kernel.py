@@ -36,7 +36,7 @@ from typing import Any
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.arch.gpu_scope import arrive, load_relaxed_x4, red_add_x4, store_zeros_x4
+from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add, store_zeros_x4
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.gemm.config import (ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, REDUCE_THREADS,
                                    STORE_BARRIER, GemmConfig, load_hint, store_box)
@@ -253,8 +253,7 @@ def fix_up(accs, partial, workspace, counters, index, arrivals, consumer, warp_i
     if partial:
         for i in nvfly.static_range(ATOMS_M):
             for q in nvfly.static_range(VECTORS):
-                red_add_x4(workspace.address(first + 512 * (i * VECTORS + q)),
-                           [accs[i][4 * q + e] for e in range(4)])
+                red_add(workspace.address(first + 512 * (i * VECTORS + q)), [accs[i][4 * q + e] for e in range(4)])
         nvfly.threadfence()  # this thread's adds are visible GPU-wide before the warpgroup counts itself in
         nvfly.named_barrier(STORE_BARRIER + consumer, 128)
         if (warp_in_wg == 0) & (lane == 0):
@@ -268,7 +267,7 @@ def fix_up(accs, partial, workspace, counters, index, arrivals, consumer, warp_i
         for i in nvfly.static_range(ATOMS_M):
             row = []
             for q in nvfly.static_range(VECTORS):
-                row += load_relaxed_x4(workspace.address(first + 512 * (i * VECTORS + q)))
+                row += load_relaxed(workspace.address(first + 512 * (i * VECTORS + q)), nvfly.f32, 4)
             values.append(row)
         for j in nvfly.static_range(ATOMS_M * VECTORS):
             store_zeros_x4(workspace.address(first + 512 * j))

@@ -89,8 +89,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import nvfly
 from nvfly.arch import sm80
 from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add
-from nvfly.arch.ptx import asm, asm_multi, smem_address
-from nvfly.frontend import dtypes
+from nvfly.arch.memory import L1Eviction, load_global, store_shared
+from nvfly.arch.ptx import smem_address
 from nvfly.ops.gemm.kernel import activate
 from nvfly.ops.gemm.skinny_config import (ARRIVAL_BYTES, CHUNK_BYTES, CHUNK_K, COLS_ROW_B, MAX_M, MAX_SMEM, ROWS,
                                           SEGMENTS, STAGED_TOKENS, TOKEN_TILE_BYTES, VECTOR, SkinnyConfig,
@@ -127,39 +127,12 @@ def c_fragment_target(lane: int, index: int) -> tuple[int, int]:
 def load_stream(address: Any) -> list:
     """16 bytes of the streamed weight as four i32 words: read-only path, not kept in L1, 256-byte L2
     prefetch (every byte is read once)."""
-    return asm_multi("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {$0, $1, $2, $3}, [$4];",
-                     [dtypes.i32] * 4, [address], side_effects=False)
+    return load_global(address, 4, non_coherent=True, l1=L1Eviction.NO_ALLOCATE, prefetch=256)
 
 
 def load_stream_predicated(address: Any, valid: Any) -> list:
     """``load_stream`` where ``valid`` (i1) holds, else four zero words (nothing is read)."""
-    return asm_multi("{ .reg .pred p; setp.ne.b32 p, $4, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
-                     "mov.b32 $3, 0; @p ld.global.nc.L1::no_allocate.v4.u32 {$0, $1, $2, $3}, [$5]; }",
-                     [dtypes.i32] * 4, [valid.to(dtypes.i32), address], side_effects=False)
-
-
-def load_global_v4(address: Any, valid: Any = None) -> list:
-    """16 bytes at a global address as four i32 words (a plain, L1-cached ``ld.global.v4``); with ``valid``
-    (i1) false, four zero words and nothing read."""
-    if valid is None:
-        return asm_multi("ld.global.v4.u32 {$0, $1, $2, $3}, [$4];", [dtypes.i32] * 4, [address], side_effects=False)
-    return asm_multi("{ .reg .pred p; setp.ne.b32 p, $4, 0; mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; "
-                     "mov.b32 $3, 0; @p ld.global.v4.u32 {$0, $1, $2, $3}, [$5]; }",
-                     [dtypes.i32] * 4, [valid.to(dtypes.i32), address], side_effects=False)
-
-
-def load_global_b32(address: Any, valid: Any = None) -> Any:
-    """The 32-bit word at a global address (a plain, L1-cached ``ld.global``); with ``valid`` (i1) false, zero
-    and nothing read."""
-    if valid is None:
-        return asm("ld.global.b32 $0, [$1];", [address], dtypes.i32, side_effects=False)
-    return asm("{ .reg .pred p; setp.ne.b32 p, $1, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$2]; }",
-               [valid.to(dtypes.i32), address], dtypes.i32, side_effects=False)
-
-
-def store_shared_v4(address: Any, words: list) -> None:
-    """Four i32 words to 16 aligned bytes at shared address ``address`` (``st.shared.v4``)."""
-    asm("st.shared.v4.b32 [$0], {$1, $2, $3, $4};", [address, *words])
+    return load_global(address, 4, valid, non_coherent=True, l1=L1Eviction.NO_ALLOCATE)
 
 
 def keep_first(words: list, valid: Any) -> list:
@@ -321,7 +294,7 @@ def load_token_copies(x_batch: Any, kc: Any, lane: Any, m_tiles: int, k: Any = N
     """The registers path's loads of the chunk at ``kc``: each of this lane's ``token_copies`` (vector k order)
     as (byte offset in a token stage, its 16 bytes as four i32 words), read by plain vector loads. With ``k``,
     rows at or past K are zero, nothing read (the padding past K could hold NaN)."""
-    return [(offset, load_global_v4(x_batch.address(8 * tile, kg), None if k is None else kg < k))
+    return [(offset, load_global(x_batch.address(8 * tile, kg), 4, None if k is None else kg < k))
             for tile, kg, offset in token_copies(kc, lane, m_tiles, True)]
 
 
@@ -329,7 +302,7 @@ def store_token_copies(stage: Any, copies: list) -> None:
     """st.shared ``load_token_copies``' words into their slots of the token stage at shared address ``stage``
     (the slots stage_tokens' cp.async copies fill)."""
     for offset, words in copies:
-        store_shared_v4(stage + offset, words)
+        store_shared(stage + offset, words)
 
 
 def load_staged_tokens(stage: Any, lane: Any, m_tiles: int) -> list:
@@ -363,7 +336,7 @@ def load_token_pairs(x_batch: Any, kc: Any, lane: Any, m: Any, m_tiles: int, k: 
             token, kw = movmatrix_source(lane, word)
             first = nvfly.minimum(8 * t + token, m - 1) & -2
             kg = kc + kw
-            tile_words.append(load_global_b32(x_batch.address(first, kg), None if k is None else kg < k))
+            tile_words.append(load_global(x_batch.address(first, kg), 1, None if k is None else kg < k))
         words.append(tile_words)
     return words
 
@@ -781,7 +754,7 @@ def skinny_gemm_kernel(w: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, c_in
             nvfly.threadfence()
             for partial_sum, token, col, valid, slot in totals:
                 if valid:
-                    total = load_relaxed(workspace.address(slot))
+                    total = load_relaxed(workspace.address(slot), nvfly.f32)
                     workspace[slot] = 0.0
                     finish(total, out, c_in, batch, token, col, alpha, beta, EPI)
             if tid == 0:

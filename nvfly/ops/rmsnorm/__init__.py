@@ -5,8 +5,8 @@
 input's dtype (as the unfused ``x + residual`` would be), written out, and normalised.
 
 Modules: ``api`` (the host functions re-exported here), ``plan`` (plans and the heuristics choosing them),
-``kernels`` (device code), ``memory`` (its reductions and cache-hinted accesses); docs/ops/rmsnorm.md has the
-measurements behind the plans.
+``kernels`` (device code), ``hints`` (the cache hints of its accesses); the reductions and the cache-hinted
+accesses are ``nvfly.arch``'s (``reduce``, ``memory``); docs/ops/rmsnorm.md has the measurements behind the plans.
 """
 from nvfly.ops.rmsnorm.api import (backward_eligibility, check_backward_shapes, check_shapes, eligibility, plan_of,
                                    rms_norm, rms_norm_backward, rms_norm_forward)

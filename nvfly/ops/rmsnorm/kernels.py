@@ -35,8 +35,10 @@ from typing import Any, Optional
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.arch.ptx import asm, smem_address
-from nvfly.ops.rmsnorm.memory import block_sum, group_sum, load_vector, row_hints, store_vector, two_pass_hints
+from nvfly.arch.memory import CacheHint, load_hinted, store_hinted
+from nvfly.arch.ptx import smem_address
+from nvfly.arch.reduce import block_reduce, group_reduce
+from nvfly.ops.rmsnorm.hints import row_hints, two_pass_hints
 from nvfly.ops.rmsnorm.plan import (BULK_BARRIER_BYTES, FULL_SM_REGISTERS, SM_MAX_WARPS, bulk_row_bytes,
                                     bulk_stage_bytes, two_pass_registers)
 
@@ -59,7 +61,7 @@ def row_vectors(N: int, VEC: int, GROUP: int) -> tuple[int, bool]:
     return -(-N // (GROUP * VEC)), N % (GROUP * VEC) != 0
 
 
-def load_row(t: Any, row: Any, lane: Any, mask: Any, N: int, VEC: int, GROUP: int, hint: Optional[tuple]) -> list:
+def load_row(t: Any, row: Any, lane: Any, mask: Any, N: int, VEC: int, GROUP: int, hint: Optional[CacheHint]) -> list:
     """This thread's vectors of ``t``'s row ``row`` (of a 1-D ``t`` when ``row`` is None): columns
     ``(v * GROUP + lane) * VEC``; nothing is read past the row end or where ``mask`` (None: anywhere) is false."""
     vectors, tail = row_vectors(N, VEC, GROUP)
@@ -69,7 +71,7 @@ def load_row(t: Any, row: Any, lane: Any, mask: Any, N: int, VEC: int, GROUP: in
         in_row = mask
         if tail and v == vectors - 1:
             in_row = col < N if mask is None else mask & (col < N)
-        out.append(load_vector(t, (col,) if row is None else (row, col), VEC, in_row, hint))
+        out.append(load_hinted(t, (col,) if row is None else (row, col), VEC, in_row, hint))
     return out
 
 
@@ -89,17 +91,17 @@ def square_sum(xs: list, VEC: int) -> Any:
 
 # ---------------------------------------------------------------------------------------------- forward kernels
 def store_row(t: Any, xs: list, row: Any, lane: Any, valid: Any, N: int, VEC: int, GROUP: int,
-              hint: Optional[tuple]) -> None:
+              hint: Optional[CacheHint]) -> None:
     """This thread's vectors ``xs`` to ``t``'s row ``row``; nothing past the row end or where ``valid`` is false."""
     vectors, tail = row_vectors(N, VEC, GROUP)
     for v in range(vectors):
         col = (v * GROUP + lane) * VEC
-        store_vector(t, xs[v], (row, col), VEC, valid & (col < N) if tail and v == vectors - 1 else valid, hint)
+        store_hinted(t, xs[v], (row, col), VEC, valid & (col < N) if tail and v == vectors - 1 else valid, hint)
 
 
 def normalize_row(y: Any, residual_out: Any, xs: list, weights: Optional[list], weight: Any, rstd: Any, row: Any,
                   lane: Any, valid: Any, N: int, VEC: int, GROUP: int,
-                  hints: tuple[Optional[tuple], Optional[tuple], Optional[tuple]]) -> None:
+                  hints: tuple[Optional[CacheHint], Optional[CacheHint], Optional[CacheHint]]) -> None:
     """y = x * rstd (* weight) for this thread's vectors of ``row``, each followed by x + residual to
     ``residual_out`` (None: not here); nothing is written past the row end or where ``valid`` is false. The
     weight's vectors are ``weights`` (loaded earlier), else read from ``weight`` (None: no weight) before each
@@ -113,11 +115,11 @@ def normalize_row(y: Any, residual_out: Any, xs: list, weights: Optional[list], 
         if weights is not None:
             out = out * weights[v].to(nvfly.f32)
         elif weight is not None:
-            w = load_vector(weight, (col,), VEC, keep if tail and v == vectors - 1 else None, keep_hint)
+            w = load_hinted(weight, (col,), VEC, keep if tail and v == vectors - 1 else None, keep_hint)
             out = out * w.to(nvfly.f32)
-        store_vector(y, out, (row, col), VEC, keep, store_hint)
+        store_hinted(y, out, (row, col), VEC, keep, store_hint)
         if residual_out is not None:
-            store_vector(residual_out, xs[v], (row, col), VEC, keep, store_hint)
+            store_hinted(residual_out, xs[v], (row, col), VEC, keep, store_hint)
 
 
 @nvfly.kernel
@@ -140,7 +142,7 @@ def rms_norm_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.Tenso
         xs = add_residual(xs, load_row(residual, row, lane, None, N, VEC, GROUP, stream))
     weights = load_row(weight, None, lane, None, N, VEC, GROUP, keep) if HAS_WEIGHT and EARLY_WEIGHT else None
     scratch = nvfly.shared_tensor(nvfly.f32, (max(1, ROWS * GROUP // 32),))
-    total = group_sum(square_sum(xs, VEC), scratch, 0, group, warp, warp_lane, GROUP)
+    total = group_reduce(square_sum(xs, VEC), scratch, 0, group, warp, warp_lane, GROUP)
     rstd = nvfly.rsqrt(total * (1.0 / N) + eps)
     normalize_row(y, residual_out if HAS_RESIDUAL else None, xs, weights, weight if HAS_WEIGHT else None, rstd, row,
                   lane, valid, N, VEC, GROUP, hints)
@@ -189,7 +191,7 @@ def rms_norm_persistent_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: 
             xs = add_residual(xs, rs)
             # stored now: only the fp32 x + residual stays in registers through the reduction (fewer registers)
             store_row(residual_out, xs, row, lane, valid, N, VEC, GROUP, store)
-        total = group_sum(square_sum(xs, VEC), scratch, parity * slots, group, warp, tid & 31, GROUP)
+        total = group_reduce(square_sum(xs, VEC), scratch, parity * slots, group, warp, tid & 31, GROUP)
         rstd = nvfly.rsqrt(total * (1.0 / N) + eps)
         normalize_row(y, None, xs, weights, None, rstd, row, lane, valid, N, VEC, GROUP, hints)
         if HAS_RSTD:
@@ -216,13 +218,13 @@ def step_columns(base: Any, lane: Any, N: int, VEC: int, THREADS: int, VECTORS: 
     return out
 
 
-def load_step(t: Any, row: Any, columns: list, VEC: int, hint: Optional[tuple]) -> list:
+def load_step(t: Any, row: Any, columns: list, VEC: int, hint: Optional[CacheHint]) -> list:
     """``t``'s vectors at ``columns`` (of ``step_columns``) of row ``row`` (of a 1-D ``t`` when None)."""
-    return [load_vector(t, (col,) if row is None else (row, col), VEC, mask, hint) for col, mask in columns]
+    return [load_hinted(t, (col,) if row is None else (row, col), VEC, mask, hint) for col, mask in columns]
 
 
 def square_step(x: Any, residual: Any, row: Any, columns: list, squares: Any, VEC: int, HAS_RESIDUAL: bool,
-                hint: Optional[tuple]) -> Any:
+                hint: Optional[CacheHint]) -> Any:
     """The first pass over one step: ``squares`` plus the squares of x (+ residual); every load of the step is
     issued before the first use (masked-off vectors read as zeros)."""
     xs = load_step(x, row, columns, VEC, hint)
@@ -247,9 +249,9 @@ def normalize_step(x: Any, weight: Any, residual: Any, y: Any, residual_out: Any
         out = xs[v].to(nvfly.f32) * rstd
         if HAS_WEIGHT:
             out = out * weights[v].to(nvfly.f32)
-        store_vector(y, out, (row, col), VEC, mask, store_hint)
+        store_hinted(y, out, (row, col), VEC, mask, store_hint)
         if HAS_RESIDUAL:
-            store_vector(residual_out, xs[v], (row, col), VEC, mask, store_hint)
+            store_hinted(residual_out, xs[v], (row, col), VEC, mask, store_hint)
 
 
 @nvfly.kernel
@@ -276,16 +278,16 @@ def rms_norm_two_pass_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nv
     whole = N // step * step   # columns covered by whole steps; the rest is the masked last step
     squares = nvfly.full(VEC, 0.0, nvfly.f32)
     for base in range(0, whole, step):
-        asm('.pragma "nounroll";')  # ptxas would unroll the steps past the register budget (spills)
+        nvfly.no_unroll()  # ptxas would unroll the steps past the register budget (spills)
         squares = square_step(x, residual, row, step_columns(base, lane, N, VEC, THREADS, VECTORS), squares, VEC,
                               HAS_RESIDUAL, hints[0])
     if whole < N:
         squares = square_step(x, residual, row, step_columns(whole, lane, N, VEC, THREADS, VECTORS), squares, VEC,
                               HAS_RESIDUAL, hints[0])
     scratch = nvfly.shared_tensor(nvfly.f32, (THREADS // 32,))
-    rstd = nvfly.rsqrt(block_sum(squares.sum(), scratch, THREADS) * (1.0 / N) + eps)
+    rstd = nvfly.rsqrt(block_reduce(squares.sum(), scratch, THREADS) * (1.0 / N) + eps)
     for base in range(0, whole, step):
-        asm('.pragma "nounroll";')  # ptxas would unroll the steps past the register budget (spills)
+        nvfly.no_unroll()  # ptxas would unroll the steps past the register budget (spills)
         normalize_step(x, weight, residual, y, residual_out, row,
                        step_columns(base, lane, N, VEC, THREADS, VECTORS), rstd, VEC, HAS_WEIGHT, HAS_RESIDUAL,
                        hints)
@@ -349,12 +351,12 @@ def rms_norm_bulk_kernel(x: nvfly.Tensor, weight: nvfly.Tensor, residual: nvfly.
     state = sm90.PipelineState.start(STAGES)
     parity = nvfly.i32(0)
     for row in range(first, M, step):
-        asm('.pragma "nounroll";')  # an unrolled copy of the row's vectors would double the registers
+        nvfly.no_unroll()  # an unrolled copy of the row's vectors would double the registers
         sm90.mbarrier_wait(bars + state.stage * 8, state.phase)
         xs = load_row(ring, state.stage * (1 + HAS_RESIDUAL), tid, None, N, VEC, THREADS, None)
         if HAS_RESIDUAL:
             xs = add_residual(xs, load_row(ring, state.stage * 2 + 1, tid, None, N, VEC, THREADS, None))
-        total = group_sum(square_sum(xs, VEC), scratch, parity * (THREADS // 32), 0, tid >> 5, tid & 31, THREADS)
+        total = group_reduce(square_sum(xs, VEC), scratch, parity * (THREADS // 32), 0, tid >> 5, tid & 31, THREADS)
         # every thread's reads of the stage are done (they fed the sum): refill it with the row STAGES ahead
         if tid == 0:
             fetch_row(x, residual, row + STAGES * step, M, bars + state.stage * 8,
@@ -412,7 +414,7 @@ def rms_norm_backward_kernel(grad_out: nvfly.Tensor, x: nvfly.Tensor, weight: nv
             if HAS_WEIGHT:  # read for every row (an L1 hit) rather than held in registers
                 g = g * weight.load(col, width=VEC, mask=in_row).to(nvfly.f32)
             dot = nvfly.fma(g, x.load(row, col, width=VEC, mask=in_row).to(nvfly.f32), dot)
-        mean_dot = group_sum(dot.sum(), scratch, parity * slots, group, warp, tid & 31, GROUP) * r * (1.0 / N)
+        mean_dot = group_reduce(dot.sum(), scratch, parity * slots, group, warp, tid & 31, GROUP) * r * (1.0 / N)
         for v in nvfly.static_range(vectors):
             col = (v * GROUP + lane) * VEC
             keep = valid & (col < N) if tail and v == vectors - 1 else valid

@@ -71,8 +71,8 @@ BULK_MIN_THREADS = 128
 BULK_BLOCKS_PER_SM = 2
 BULK_SM_THREADS = 512         # threads an SM at most: 128 registers a thread (the row and the weight in registers)
 EARLY_WEIGHT = True   # the row kernel loads the weight with the row: one round trip, not one per vector
-CACHE_HINTS = False   # L1/L2 eviction hints on the forward's accesses (see memory.STREAM_L1)
-LOAD_HINTS = "loads"  # the cache_hints value that hints the loads only (memory.row_hints, memory.two_pass_hints)
+CACHE_HINTS = False   # L1/L2 eviction hints on the forward's accesses (see hints.STREAM_L1)
+LOAD_HINTS = "loads"  # the cache_hints value that hints the loads only (hints.row_hints, hints.two_pass_hints)
 
 
 @dataclass(frozen=True)
@@ -135,7 +135,7 @@ class ForwardOptions:
                 raise ValueError(f"options.{name}: expected a bool, got {value!r}")
         if self.persistent + self.two_pass + self.bulk > 1:
             raise ValueError("options: at most one of persistent, two_pass and bulk (each is a kernel)")
-        # whole warps (block_sum takes any count)
+        # whole warps (block_reduce takes any count)
         _check_block_or_none("two_pass_threads", self.two_pass_threads, TWO_PASS_MIN_THREADS, any_warps=True)
         vectors = self.two_pass_vectors
         if type(vectors) is not int or not 1 <= vectors <= MAX_VECTORS_PER_THREAD:

@@ -6,10 +6,11 @@ elements and lists them in the same order when k > 32; for k <= 32 its bitonic s
 index order. Values are gathered from the input by index, bit for bit.
 
 Modules, each depending only on those before it: ``plans`` (which kernels and launch shapes, pure Python),
-``primitives`` (warp/block helpers), ``keys`` (ranks and keys), ``select`` and ``sort`` (a block's select and sort
-of candidates in shared memory), ``warp`` (k <= 32 over short rows), ``stream`` (the streaming filter, its slices'
-merge), ``row`` (long rows through a row-wide threshold), ``api`` (``topk``, ``eligibility``, the runners).
-Measurements behind the plans' thresholds: ``docs/ops/topk.md``.
+``keys`` (ranks and keys), ``select`` and ``sort`` (a block's select and sort of candidates in shared memory),
+``warp`` (k <= 32 over short rows), ``stream`` (the streaming filter, its slices' merge), ``row`` (long rows through
+a row-wide threshold), ``api`` (``topk``, ``eligibility``, the runners). The warp and block building blocks (votes,
+scans, GPU-scope atomics) are ``nvfly.arch``'s (``warp``, ``reduce``, ``gpu_scope``, ``floats``). Measurements
+behind the plans' thresholds: ``docs/ops/topk.md``.
 """
 import sys
 import types

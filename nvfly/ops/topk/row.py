@@ -42,13 +42,12 @@ import operator
 from typing import Any
 
 import nvfly
-from nvfly.arch.gpu_scope import arrive
+from nvfly.arch.gpu_scope import arrive, atom_add, load_acquire, load_relaxed, red_add
+from nvfly.arch.reduce import block_scan, tree_reduce
+from nvfly.arch.warp import ballot, highest_bit, lanemask, popc
 from nvfly.frontend.language import atomic_add, redux_sync, syncthreads_or, vote_any
 from nvfly.ops.topk.keys import ABSENT, NAN_ABOVE, flag_key, key_bits, order_key, rank64, rank_index, rank_key
 from nvfly.ops.topk.plans import COPIES, EXACT_BINS, HIST, HIST_BITS, SWEEP, shared_state_bytes
-from nvfly.ops.topk.primitives import (atom_add_relaxed_u32, ballot, block_sum_above, highest_bit, lanemask_lt,
-                                       load_acquire_i32, load_relaxed_i32, load_relaxed_i64x2, popc, red_add_u32,
-                                       tree_reduce)
 from nvfly.ops.topk.select import highest_index_bit, locate_bucket, select_top, shared_state, sweep_loads
 from nvfly.ops.topk.sort import write_sorted
 from nvfly.ops.topk.stream import append_slots, candidate_flags, next_flagged, step_loads, stream_top
@@ -106,7 +105,7 @@ def count_slice(x, hist, counts, row, start, stop, tid, VEC, UNROLL, THREADS, LA
             four = counts.load(bucket * COPIES + 4 * c, width=4)
             total = total + four[0] + four[1] + four[2] + four[3]
         if total != 0:
-            red_add_u32(hist.address(row, bucket), total)
+            red_add(hist.address(row, bucket), total)
     return first_loads
 
 
@@ -209,7 +208,7 @@ def locate_row_bucket(hist, row_hist, lane_sums, warp_sums, row, k, tid, lane, w
     this launch, so this SM's L1 must not answer)."""
     for j in nvfly.static_range(HIST // THREADS):
         if RELAXED:
-            row_hist[j * THREADS + tid] = load_relaxed_i32(hist.address(row, j * THREADS + tid))
+            row_hist[j * THREADS + tid] = load_relaxed(hist.address(row, j * THREADS + tid), nvfly.i32)
         else:
             row_hist[j * THREADS + tid] = hist[row, j * THREADS + tid]
     nvfly.syncthreads()
@@ -267,7 +266,7 @@ def list_loads(candidates, row, first, count, tid, THREADS):
     loaded = []
     for j in nvfly.static_range(SWEEP):
         pair = nvfly.minimum((first >> 1) + j * THREADS + tid, last_pair)
-        loaded += load_relaxed_i64x2(candidates.address(row, 2 * pair))
+        loaded += load_relaxed(candidates.address(row, 2 * pair), nvfly.i64, 2)
     return loaded
 
 
@@ -355,7 +354,7 @@ def bucket_starts(hist, warp_sums, state, k, tid, lane, warp, THREADS):
     total = counts[0]
     for c in counts[1:]:
         total = total + c
-    above = block_sum_above(total, warp_sums, lane, warp, THREADS // 32)
+    above = block_scan(total, warp_sums, lane, warp, THREADS // 32, exclusive=True, reverse=True)
     crowded = nvfly.i32(0)
     for i in nvfly.static_range(PER - 1, -1, -1):
         start = above
@@ -517,7 +516,7 @@ def list_finish(x, values, indices, hist, counters, candidates, smem, bucket, co
             wait_for_count(counters, row, tid, last + 1, nvfly.select(is_last, last + 1, 0))
             leaving = nvfly.i32(0)
             if tid == 0:  # (relaxed, after the acquiring wait: its result is needed only at the end)
-                leaving = atom_add_relaxed_u32(counters.address(2 * row), 1)
+                leaving = atom_add(counters.address(2 * row), 1)
             finish_list(x, values, indices, candidates, smem, count, lowest, k, row, nvfly.block_idx.y, parts,
                         is_last, tid, lane, warp, THREADS, CAP, K_POW2, LARGEST)
             if syncthreads_or(leaving == last + parts):  # every block has passed the wait: the counters are free
@@ -582,12 +581,12 @@ def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket
         c = row_hist[counts + tid]
         table[(row * EXACT_BINS + tid) * STRIDE + part] = c
         if c != 0:
-            red_add_u32(totals.address(row, tid), c)
+            red_add(totals.address(row, tid), c)
             lane_sums[atomic_add(state, 1, 1)] = tid
     wait_for_row(counters, row, tid, 2 * parts)
     total = nvfly.i32(0)
     if tid < bins:
-        total = load_relaxed_i32(totals.address(row, tid))
+        total = load_relaxed(totals.address(row, tid), nvfly.i32)
     listed = state[1]
     for first in range(warp, listed, WARPS * EXACT_UNROLL):  # (warp w: the listed keys w, w + WARPS, ...)
         keys = [lane_sums[nvfly.minimum(first + u * WARPS, listed - 1)] for u in nvfly.static_range(EXACT_UNROLL)]
@@ -600,10 +599,11 @@ def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket
             before = redux_sync(before, "add")
             if (lane == 0) & (first + u * WARPS < listed):
                 row_hist[earlier + keys[u]] = before
-    above = block_sum_above(total, warp_sums, lane, warp, EXACT_BINS // 32)  # (the totals of later warps: 0)
+    # (the totals of later warps: 0)
+    above = block_scan(total, warp_sums, lane, warp, EXACT_BINS // 32, exclusive=True, reverse=True)
     leaving = nvfly.i32(0)
     if tid == 0:  # (relaxed, after the block barrier that follows every thread's load of the totals)
-        leaving = atom_add_relaxed_u32(counters.address(2 * row), 1)
+        leaving = atom_add(counters.address(2 * row), 1)
     if tid < EXACT_BINS:
         row_hist[counts + tid] = above + row_hist[earlier + tid]
     nvfly.syncthreads()
@@ -645,7 +645,7 @@ def wait_for_row(counters, row, tid, target):
     nvfly.syncthreads()
     if tid == 0:
         nvfly.threadfence()
-        red_add_u32(counters.address(2 * row), 1)  # (no result to wait for)
+        red_add(counters.address(2 * row), 1)  # (no result to wait for)
     wait_for_count(counters, row, tid, target, nvfly.i32(0))
 
 
@@ -657,7 +657,7 @@ def wait_for_count(counters, row, tid, target, seen):
     ``GenericBarrier::wait_eq``: no fence after it)."""
     if tid == 0:
         while seen < target:
-            seen = load_acquire_i32(counters.address(2 * row))
+            seen = load_acquire(counters.address(2 * row), nvfly.i32)
     nvfly.syncthreads()
 
 
@@ -706,7 +706,7 @@ def append_two(state, firsts, seconds, lane):
     """Slots for two appends of several elements a lane at once (the lanes where ``firsts[i]`` / ``seconds[i]``
     hold), counted by ``state[0]``: the first's count in its low 16 bits, the second's in the high ones (each
     below 2**15: ROW_CAP_MAX), so one ballot an element and one shared atomic per warp for all of them."""
-    below = lanemask_lt()
+    below = lanemask("lt")
     votes = [ballot(t) for t in firsts] + [ballot(t) for t in seconds]
     totals = [popc(v) for v in votes]
     first_total = totals[0]
@@ -766,7 +766,7 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
         if digit < HIST2:
             c = counts[HIST + digit]
             if c != 0:  # (before publish_candidates' fence: the last block reads these)
-                red_add_u32(hist2.address(row, digit), c)
+                red_add(hist2.address(row, digit), c)
                 counts[HIST + digit] = 0
     if publish_candidates(candidates, counters, counts, buf, state, row, tid, THREADS, nvfly.grid_dim.y - 1):
         nvfly.threadfence()
@@ -776,7 +776,7 @@ def topk_row_two_level_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nv
             for j in nvfly.static_range((HIST2 + THREADS - 1) // THREADS):
                 digit = j * THREADS + tid
                 if digit < HIST2:
-                    counts[HIST + digit] = load_relaxed_i32(hist2.address(row, digit))
+                    counts[HIST + digit] = load_relaxed(hist2.address(row, digit), nvfly.i32)
                     hist2[row, digit] = 0
             nvfly.syncthreads()
             bucket2, above2, inside = locate_bucket(counts, lane_sums, warp_sums, HIST, 0, k - above, tid, lane, warp,

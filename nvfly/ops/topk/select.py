@@ -10,10 +10,11 @@ with a block scan instead of per-warp atomics. Nothing runs when k or fewer are 
 from __future__ import annotations
 
 import nvfly
+from nvfly.arch.reduce import warp_scan
+from nvfly.arch.warp import ballot, highest_bit
 from nvfly.frontend.language import atomic_add, redux_sync
 from nvfly.ops.topk.keys import ABSENT, rank_key
 from nvfly.ops.topk.plans import HIST, HIST_BITS, SWEEP
-from nvfly.ops.topk.primitives import ballot, highest_bit, warp_inclusive_sum, warp_suffix_sum
 
 
 # ---------------------------------------------------------------------------------------------- the select
@@ -60,7 +61,7 @@ def locate_bucket(hist, lane_sums, warp_sums, offset, other, needed, tid, lane, 
     suffix = counts[0]
     for c in counts[1:]:
         suffix = suffix + c
-    suffix = warp_suffix_sum(suffix, lane)
+    suffix = warp_scan(suffix, lane, reverse=True)
     lane_sums[tid] = suffix
     if lane == 0:
         warp_sums[warp] = suffix
@@ -155,7 +156,7 @@ def compact(buf, kept_buf, hist, warp_sums, warp_lows, state, count, threshold, 
             keep = (r != ABSENT) & (r >= threshold)
             mine = mine + keep.to(nvfly.i32)
             lowest = nvfly.select(keep, nvfly.minimum(lowest, r), lowest)
-    inclusive = warp_inclusive_sum(mine, lane)
+    inclusive = warp_scan(mine, lane)
     lowest = nvfly.warp_reduce(lowest, "min")
     if lane == 31:
         warp_sums[48 + warp] = inclusive

@@ -24,17 +24,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import nvfly
-from nvfly.arch.ptx import asm
+from nvfly.arch.floats import compare_mask, f16_to_f32
+from nvfly.arch.warp import ballot, highest_bit, lanemask, popc
 from nvfly.frontend.language import atomic_add, syncthreads_or, vote_any
 from nvfly.ops.topk.keys import (ABSENT, bits_key, flag_bit, flag_element, flag_key, key_bits, order_key, rank64,
                                  rank_key, value_bits)
 from nvfly.ops.topk.plans import SWEEP
-from nvfly.ops.topk.primitives import ballot, highest_bit, lanemask_lt, popc
 from nvfly.ops.topk.select import highest_index_bit, select_top, shared_state
 from nvfly.ops.topk.sort import write_sorted
-
-_PACKED = {"bf16": "bf16x2", "f16": "f16x2"}
-
 
 # ---------------------------------------------------------------------------------------------- the filter
 @nvfly.func
@@ -47,7 +44,7 @@ def append_slots(state, take, lane):
     if (lane == 0) & (total > 0):
         base = atomic_add(state, 0, total)
     base = nvfly.shfl_idx(base, 0)
-    below = lanemask_lt()
+    below = lanemask("lt")
     return base + popc(votes & below), base + total
 
 
@@ -65,7 +62,7 @@ def half_to_f32(bits, dtype):
     if dtype == nvfly.bf16:
         return (bits << 16).bitcast(nvfly.f32)
     half = (bits & 0xFFFF).bitcast(nvfly.i32).to(nvfly.i16)
-    return asm("cvt.f32.f16 $0, $1;", [half], nvfly.f32, side_effects=False)
+    return f16_to_f32(half)
 
 
 def pick(items: list, index: Any, select: Callable[[Any, Any, Any], Any]) -> Any:
@@ -130,8 +127,7 @@ def candidate_flags(current, flag, VEC, UNROLL, LARGEST):
         for u in nvfly.static_range(UNROLL):
             words = current[u].bitcast(nvfly.u32)
             for w in nvfly.static_range(VEC // 2):
-                hit = asm(f"set.{cmp}.u32.{_PACKED[dtype.name]} $0, $1, $2;", [words[w], pair], nvfly.u32,
-                          side_effects=False)
+                hit = compare_mask(words[w], pair, cmp, dtype)
                 flags = flags | (hit & (0x00010001 << flag_bit(u, 2 * w, VEC, True)))
     else:
         flag_value = flag.bitcast(nvfly.f32) if dtype == nvfly.f32 else half_to_f32(flag, dtype)
@@ -140,7 +136,7 @@ def candidate_flags(current, flag, VEC, UNROLL, LARGEST):
                 v = current[u][e] if VEC > 1 else current[u]
                 if dtype != nvfly.f32:
                     v = half_to_f32((v.bitcast(nvfly.i16).to(nvfly.i32) & 0xFFFF).bitcast(nvfly.u32), dtype)
-                hit = asm(f"set.{cmp}.u32.f32 $0, $1, $2;", [v, flag_value], nvfly.u32, side_effects=False)
+                hit = compare_mask(v, flag_value, cmp, nvfly.f32)
                 flags = flags | (hit & (1 << flag_bit(u, e, VEC, False)))
     return flags
 

@@ -6,9 +6,9 @@ retire the winner", so the output comes out sorted. One read of the row.
 from __future__ import annotations
 
 import nvfly
+from nvfly.arch.reduce import tree_reduce, warp_max_i64
 from nvfly.frontend.language import redux_sync
 from nvfly.ops.topk.keys import ABSENT, order_key, rank64, rank_index
-from nvfly.ops.topk.primitives import tree_reduce, warp_max_rank64
 
 
 @nvfly.kernel
@@ -43,7 +43,7 @@ def topk_warp_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: nvfly.Tenso
         mine = absent  # lanes < K get the j-th winner below
         for j in nvfly.static_range(K):
             best = tree_reduce(ranks, nvfly.maximum)
-            best = redux_sync(best, "max") if packed else warp_max_rank64(best)
+            best = redux_sync(best, "max") if packed else warp_max_i64(best)
             ranks = [nvfly.select(r == best, absent, r) for r in ranks]  # ranks are unique: retire the winner
             mine = nvfly.select(lane == j, best, mine)
         if lane < K:

@@ -38,8 +38,24 @@ def _covering_sample(items, pairs: bool) -> set:
     """Indices of a deterministic subset of one test's parametrized instances such that every value of every
     parameter occurs (and, with ``pairs``, every pair of values of two parameters that occurs in the sweep):
     greedy, the instance covering most uncovered values first, ties to the earliest collected."""
+    def value(v):
+        try:
+            hash(v)
+            return v
+        except TypeError:
+            return repr(v)
+
     def tuples(item):
-        axes = sorted(item.callspec.indices.items())
+        params = item.callspec.params
+        groups = []  # the arguments of one parametrize call form one axis ("m,n,k": a shape)
+        for mark in item.iter_markers("parametrize"):
+            names = mark.args[0] if mark.args else mark.kwargs["argnames"]
+            names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+            if all(n in params for n in names):
+                groups.append(tuple(names))
+        grouped = {n for g in groups for n in g}
+        groups += [(n,) for n in params if n not in grouped]  # parametrized fixtures
+        axes = sorted(((g, tuple(value(params[n]) for n in g)) for g in groups), key=repr)
         got = {(ax,) for ax in axes}
         if pairs:
             got |= {(a, b) for i, a in enumerate(axes) for b in axes[i + 1:]}
@@ -174,7 +190,7 @@ def pytest_sessionfinish(session, exitstatus):
     except ImportError:
         gpu, torch_version = None, None
     doc = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "gpu": gpu, "torch": torch_version, "command": " ".join(sys.argv),
+                    "gpu": gpu, "torch": torch_version, "command": " ".join(["python -m pytest", *session.config.invocation_params.args]),
                     "commit": os.environ.get("NVFLY_COMMIT")},
            "summary": {k: sum(1 for v in outcomes.values() if v == k) for k in ("passed", "failed", "skipped",
                                                                                 "error")},

@@ -420,6 +420,7 @@ def check_sass(kernel, m, config=SkinnyConfig()):
     assert hmma >= 2 * tiles * (config.unroll + 1)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", [nvfly.bf16, nvfly.f16])
 @pytest.mark.parametrize("m", [1, 8, 16])
 @pytest.mark.parametrize("epilogue", ["plain", "bias_gelu_f32", "scaled_silu"])
@@ -679,6 +680,7 @@ def check_column_tokens_kernel(kernel):
     assert not any(op.startswith("LDG.E.U16") for op in ops), sorted(ops)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("k", [4096, 4100])
 @pytest.mark.parametrize("m", [1, 2, 8, 12, 16])
 @pytest.mark.parametrize("variant", list(STAGED_VARIANTS))
@@ -712,6 +714,7 @@ def test_column_major_tokens_are_staged(variant, m, k):
     assert loop["PRMT"] == 0
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("k", [4096, 4100])
 @pytest.mark.parametrize("m", [1, 2, 8, 12, 16])
 def test_column_major_tokens_by_movmatrix(m, k):

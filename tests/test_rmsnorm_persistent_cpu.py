@@ -157,6 +157,7 @@ def test_persistent_grid_is_the_resident_blocks_or_the_tiles(recorded_launches):
 
 
 # ---------------------------------------------------------------------------------------------- the kernels compile
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2048, 4096, 7168, 8192, 16384, 1001])
 @pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
@@ -189,6 +190,7 @@ def test_persistent_kernel_compiles_clean_and_prefetches_the_next_tile(dtype, n,
     assert loads_before_first_store(loop_body(k)) == vectors * streams
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("n", [2048, 8192])
 @pytest.mark.parametrize("variant", ["weight", "residual"])
 @pytest.mark.parametrize("persistent", [True, False])
@@ -210,6 +212,7 @@ def test_cache_hints_mark_every_access(n, variant, persistent):
     assert k.count("LDG") == plain.count("LDG") and k.count("STG") == plain.count("STG")
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2048, 7168, 8192])
 def test_row_kernel_issues_the_weight_loads_before_any_store(dtype, n):
@@ -228,6 +231,7 @@ def test_row_kernel_issues_the_weight_loads_before_any_store(dtype, n):
     assert loads_before_first_store(late_texts) <= late.count("LDG") // 2 + 1
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("n", [2048, 4096, 7168, 8192, 16384])
 @pytest.mark.parametrize("fused_add", [False, True])
 def test_compare_plans_variants_compile_clean(n, fused_add):
@@ -276,6 +280,7 @@ def two_pass_budget(p, variant, dtype, n):
     return rmsnorm_plan.FULL_SM_REGISTERS if estimate <= rmsnorm_plan.FULL_SM_REGISTERS else 64
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2048, 7168, 8192, 16384, 1001, 4097, 300_000])
 @pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
@@ -381,6 +386,7 @@ def test_bulk_plan_sizes_block_ring_and_blocks_per_sm():
             rmsnorm.ForwardOptions(bulk=True, **bad)
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2048, 7168, 8192, 16384])
 @pytest.mark.parametrize("variant", ["plain", "weight", "residual"])

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import sys
 import tempfile
@@ -13,7 +14,7 @@ if ROOT not in sys.path:
 os.environ.setdefault("NVFLY_CACHE_DIR", tempfile.mkdtemp(prefix="nvfly-test-cache-"))
 
 # hypothesis: the same examples on every run (CI must not flake on a new draw), no example database in the tree.
-# ``--hypothesis-profile=thorough`` (docs/testing.md) draws ten times as many, at random.
+# ``--hypothesis-profile=thorough`` (docs/testing.md): 1000 random examples where a test does not set its own count.
 try:
     from hypothesis import settings as _hsettings
 
@@ -34,16 +35,38 @@ def _run_slow(config) -> bool:
     return config.getoption("--run-slow") or os.environ.get("NVFLY_SLOW", "") not in ("", "0")
 
 
+def _value(v):
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return repr(v)
+
+
+def _greedy_cover(covers: list) -> set:
+    """Indices of a subset of ``covers`` (sets) whose union is theirs: the one covering most that is still
+    uncovered first, ties to the earliest; deterministic."""
+    todo = set().union(*covers) if covers else set()
+    chosen: set = set()
+    while todo:
+        best = max(range(len(covers)), key=lambda i: (len(covers[i] & todo), -i))
+        chosen.add(best)
+        todo -= covers[best]
+    return chosen
+
+
+def _axes_tuples(axes, pairs: bool) -> set:
+    axes = sorted(axes, key=repr)
+    got = {(ax,) for ax in axes}
+    if pairs:
+        got |= {(a, b) for i, a in enumerate(axes) for b in axes[i + 1:]}
+    return got
+
+
 def _covering_sample(items, pairs: bool) -> set:
     """Indices of a deterministic subset of one test's parametrized instances such that every value of every
-    parameter occurs (and, with ``pairs``, every pair of values of two parameters that occurs in the sweep):
-    greedy, the instance covering most uncovered values first, ties to the earliest collected."""
-    def value(v):
-        try:
-            hash(v)
-            return v
-        except TypeError:
-            return repr(v)
+    parameter occurs (and, with ``pairs``, every pair of values of two parameters that occurs in the sweep)."""
+    value = _value
 
     def tuples(item):
         params = item.callspec.params
@@ -55,19 +78,32 @@ def _covering_sample(items, pairs: bool) -> set:
                 groups.append(tuple(names))
         grouped = {n for g in groups for n in g}
         groups += [(n,) for n in params if n not in grouped]  # parametrized fixtures
-        axes = sorted(((g, tuple(value(params[n]) for n in g)) for g in groups), key=repr)
-        got = {(ax,) for ax in axes}
-        if pairs:
-            got |= {(a, b) for i, a in enumerate(axes) for b in axes[i + 1:]}
-        return got
-    covers = [tuples(item) for item in items]
-    todo = set().union(*covers)
-    chosen: set = set()
-    while todo:
-        best = max(range(len(items)), key=lambda i: (len(covers[i] & todo), -i))
-        chosen.add(best)
-        todo -= covers[best]
-    return chosen
+        return _axes_tuples([(g, tuple(value(params[n]) for n in g)) for g in groups], pairs)
+    return _greedy_cover([tuples(item) for item in items])
+
+
+@pytest.fixture
+def config_sample(request):
+    """For a test that loops over a config space itself (every config of a benchmark sweep, every tile shape):
+    ``config_sample(configs)`` is all of them under --run-slow, else a covering sample in their order, in which
+    every value of every field (of dataclass configs; of a tuple's items; or the value itself) occurs;
+    ``pairs=True``: every pair of values of two fields."""
+    full = _run_slow(request.config)
+
+    def sample(configs, pairs: bool = False) -> list:
+        configs = list(configs)
+        if full:
+            return configs
+
+        def fields(cfg):
+            if dataclasses.is_dataclass(cfg):
+                return [(f.name, _value(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)]
+            if isinstance(cfg, tuple):
+                return [(i, _value(v)) for i, v in enumerate(cfg)]
+            return [(0, _value(cfg))]
+        keep = _greedy_cover([_axes_tuples(fields(cfg), pairs) for cfg in configs])
+        return [cfg for i, cfg in enumerate(configs) if i in keep]
+    return sample
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -190,7 +226,8 @@ def pytest_sessionfinish(session, exitstatus):
     except ImportError:
         gpu, torch_version = None, None
     doc = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "gpu": gpu, "torch": torch_version, "command": " ".join(["python -m pytest", *session.config.invocation_params.args]),
+                    "gpu": gpu, "torch": torch_version,
+                    "command": " ".join(["python -m pytest", *session.config.invocation_params.args]),
                     "commit": os.environ.get("NVFLY_COMMIT")},
            "summary": {k: sum(1 for v in outcomes.values() if v == k) for k in ("passed", "failed", "skipped",
                                                                                 "error")},

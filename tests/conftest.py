@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import sys
 import tempfile
@@ -8,8 +9,134 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-# every test run compiles into its own cache folder, so results never depend on an earlier run's cache
+# every test run compiles into its own cache folder, so results never depend on an earlier run's cache; pytest-xdist
+# workers inherit the controller's environment, so all of a run's workers share one folder (and its compiled kernels)
 os.environ.setdefault("NVFLY_CACHE_DIR", tempfile.mkdtemp(prefix="nvfly-test-cache-"))
+
+# hypothesis: the same examples on every run (CI must not flake on a new draw), no example database in the tree.
+# ``--hypothesis-profile=thorough`` (docs/testing.md): 1000 random examples where a test does not set its own count.
+try:
+    from hypothesis import settings as _hsettings
+
+    _hsettings.register_profile("default", derandomize=True, database=None, deadline=None)
+    _hsettings.register_profile("thorough", max_examples=1000, deadline=None)
+    _hsettings.load_profile("default")
+except ImportError:  # the test extra is not installed: pytest fails on the test modules' imports anyway
+    pass
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run tests marked slow: every instance of a sweep, the long tests (NVFLY_SLOW=1 "
+                          "does the same); see docs/testing.md")
+
+
+def _run_slow(config) -> bool:
+    return config.getoption("--run-slow") or os.environ.get("NVFLY_SLOW", "") not in ("", "0")
+
+
+def _value(v):
+    try:
+        hash(v)
+        return v
+    except TypeError:
+        return repr(v)
+
+
+def _greedy_cover(covers: list) -> set:
+    """Indices of a subset of ``covers`` (sets) whose union is theirs: the one covering most that is still
+    uncovered first, ties to the earliest; deterministic."""
+    todo = set().union(*covers) if covers else set()
+    chosen: set = set()
+    while todo:
+        best = max(range(len(covers)), key=lambda i: (len(covers[i] & todo), -i))
+        chosen.add(best)
+        todo -= covers[best]
+    return chosen
+
+
+def _axes_tuples(axes, pairs: bool) -> set:
+    axes = sorted(axes, key=repr)
+    got = {(ax,) for ax in axes}
+    if pairs:
+        got |= {(a, b) for i, a in enumerate(axes) for b in axes[i + 1:]}
+    return got
+
+
+def _covering_sample(items, pairs: bool) -> set:
+    """Indices of a deterministic subset of one test's parametrized instances such that every value of every
+    parameter occurs (and, with ``pairs``, every pair of values of two parameters that occurs in the sweep)."""
+    value = _value
+
+    def tuples(item):
+        params = item.callspec.params
+        groups = []  # the arguments of one parametrize call form one axis ("m,n,k": a shape)
+        for mark in item.iter_markers("parametrize"):
+            names = mark.args[0] if mark.args else mark.kwargs["argnames"]
+            names = [n.strip() for n in names.split(",")] if isinstance(names, str) else list(names)
+            if all(n in params for n in names):
+                groups.append(tuple(names))
+        grouped = {n for g in groups for n in g}
+        groups += [(n,) for n in params if n not in grouped]  # parametrized fixtures
+        return _axes_tuples([(g, tuple(value(params[n]) for n in g)) for g in groups], pairs)
+    return _greedy_cover([tuples(item) for item in items])
+
+
+@pytest.fixture
+def config_sample(request):
+    """For a test that loops over a config space itself (every config of a benchmark sweep, every tile shape):
+    ``config_sample(configs)`` is all of them under --run-slow, else a covering sample in their order, in which
+    every value of every field (of dataclass configs; of a tuple's items; or the value itself) occurs;
+    ``pairs=True``: every pair of values of two fields."""
+    full = _run_slow(request.config)
+
+    def sample(configs, pairs: bool = False) -> list:
+        configs = list(configs)
+        if full:
+            return configs
+
+        def fields(cfg):
+            if dataclasses.is_dataclass(cfg):
+                return [(f.name, _value(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)]
+            if isinstance(cfg, tuple):
+                return [(i, _value(v)) for i, v in enumerate(cfg)]
+            return [(0, _value(cfg))]
+        keep = _greedy_cover([_axes_tuples(fields(cfg), pairs) for cfg in configs])
+        return [cfg for i, cfg in enumerate(configs) if i in keep]
+    return sample
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    # sweeps: the instances outside the covering sample become slow (tryfirst: before ``-m`` selects on marks)
+    groups: dict = {}
+    for item in items:
+        mark = item.get_closest_marker("sweep")
+        if mark is not None and hasattr(item, "callspec"):
+            groups.setdefault(item.nodeid.split("[")[0], (mark, []))[1].append(item)
+    for mark, group in groups.values():
+        keep = _covering_sample(group, pairs=mark.kwargs.get("pairs", True))
+        for i, item in enumerate(group):
+            if i not in keep:
+                item.add_marker(pytest.mark.slow)
+    if not _run_slow(config):
+        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    reason = _gpu_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    if _run_slow(config):
+        return "nvfly: slow tests included (--run-slow / NVFLY_SLOW=1)"
+    return "nvfly: slow tests (whole sweeps, long tests) deselected; --run-slow runs them (docs/testing.md)"
 
 
 def _gpu_reason():
@@ -23,16 +150,6 @@ def _gpu_reason():
     if not nvfly.gpu_available():
         return "CUDA driver unusable by nvfly"
     return None
-
-
-def pytest_collection_modifyitems(config, items):
-    reason = _gpu_reason()
-    if reason is None:
-        return
-    skip = pytest.mark.skip(reason=f"gpu test: {reason}")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture
@@ -90,8 +207,8 @@ def hopper():
 def pytest_sessionfinish(session, exitstatus):
     """With NVFLY_TEST_REPORT=path, write what ran and how it ended (kept in benchmarks/results for GPU runs)."""
     path = os.environ.get("NVFLY_TEST_REPORT")
-    if not path:
-        return
+    if not path or hasattr(session.config, "workerinput"):
+        return  # under pytest-xdist only the controller writes: its terminal reporter holds every worker's results
     import datetime
     import json
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
@@ -109,7 +226,8 @@ def pytest_sessionfinish(session, exitstatus):
     except ImportError:
         gpu, torch_version = None, None
     doc = {"meta": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "gpu": gpu, "torch": torch_version, "command": " ".join(sys.argv),
+                    "gpu": gpu, "torch": torch_version,
+                    "command": " ".join(["python -m pytest", *session.config.invocation_params.args]),
                     "commit": os.environ.get("NVFLY_COMMIT")},
            "summary": {k: sum(1 for v in outcomes.values() if v == k) for k in ("passed", "failed", "skipped",
                                                                                 "error")},

@@ -154,10 +154,15 @@ def test_stream_k_plan():
 
 
 def test_stream_k_plans_and_launches(fake_launches):
-    a, b = _bf(2048, 7168), _bf(2112, 7168).t()
-    assert gemm.path(a, b) == "wgmma-streamK8x7"
+    a, b = _bf(2048, 7168), _bf(2112, 7168).t()  # 16 x 9 = 144 tiles of 128x128 on 132 SMs: a short last wave
+    # the plan's invariants, not the tuned split: a whole first wave of data-parallel tiles, the rest dealt out
+    plan = gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", None, False)
+    tiles = -(-plan.m // plan.config.bm) * -(-plan.n // plan.config.bn)
+    assert plan.block_iters > 0 and plan.dp_tiles + plan.sk_tiles == tiles and plan.dp_tiles % plan.grid == 0
+    assert plan.config.check(2) is None and plan.grid <= 132
+    assert gemm.path(a, b) == f"wgmma-streamK{plan.sk_tiles}x{plan.block_iters}"
     assert gemm.path(a, b, config=GemmConfig(128, 128, 6, 2, pingpong=True, stream_k=False)) == "wgmma"
     gemm.matmul(a, b)
     (name, grid, params), = fake_launches
-    assert name == "gemm_kernel" and grid == (132, 1, 1)
-    assert (264, 7) in {params[i:i + 2] for i in range(len(params) - 1)}  # dp_tiles, block_iters
+    assert name == "gemm_kernel" and grid == (plan.grid, 1, 1)
+    assert (plan.dp_tiles, plan.block_iters) in {params[i:i + 2] for i in range(len(params) - 1)}

@@ -420,6 +420,7 @@ def check_sass(kernel, m, config=SkinnyConfig()):
     assert hmma >= 2 * tiles * (config.unroll + 1)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("dtype", [nvfly.bf16, nvfly.f16])
 @pytest.mark.parametrize("m", [1, 8, 16])
 @pytest.mark.parametrize("epilogue", ["plain", "bias_gelu_f32", "scaled_silu"])
@@ -516,7 +517,7 @@ def check_token_vectors_kernel(kernel, m, config):
 
 
 @pytest.mark.parametrize("m", [1])  # M = 16: test_benchmark_sweep_compiles_and_fits_a_launch[rowxrow-token-vectors]
-def test_row_major_token_vectors_compile_for_every_benchmark_config(m):
+def test_row_major_token_vectors_compile_for_every_benchmark_config(m, config_sample):
     """Every row-major-B config of the benchmark sweep with token_vectors on, at K = 4096 (token rows 16-byte
     aligned, as gemm.eligibility requires): no spills or stack (ptxas; so no LDL/STL), 16-byte token loads and no
     16-bit ones in the PTX, and the SASS checks once per distinct cubin. With the sweep test's M = 16 every
@@ -524,7 +525,7 @@ def test_row_major_token_vectors_compile_for_every_benchmark_config(m):
     K's row stride through its 16-byte alignment only."""
     configs = [cfg for cfg in bench.sweep(True, token_vectors=True)[0] if cfg.token_vectors]
     assert len(configs) == len(bench.ROW_B_CONFIGS) - 6  # 8 warps x 8 stages do not fit
-    for cfg in configs:
+    for cfg in config_sample(configs, pairs=True):  # every config under --run-slow
         k = 4096
         kernel = skinny_plan.compile_kernel(m, k, config=cfg, row_b=True)
         r = kernel.resources
@@ -679,6 +680,7 @@ def check_column_tokens_kernel(kernel):
     assert not any(op.startswith("LDG.E.U16") for op in ops), sorted(ops)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("k", [4096, 4100])
 @pytest.mark.parametrize("m", [1, 2, 8, 12, 16])
 @pytest.mark.parametrize("variant", list(STAGED_VARIANTS))
@@ -712,6 +714,7 @@ def test_column_major_tokens_are_staged(variant, m, k):
     assert loop["PRMT"] == 0
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("k", [4096, 4100])
 @pytest.mark.parametrize("m", [1, 2, 8, 12, 16])
 def test_column_major_tokens_by_movmatrix(m, k):
@@ -1013,7 +1016,7 @@ def test_benchmark_declines_column_tokens_it_cannot_time(argv, capsys):
 
 
 @pytest.mark.parametrize("layout", ["rowxrow", "rowxrow-token-vectors", "rowxcol", "colxcol-column-tokens"])
-def test_benchmark_sweep_compiles_and_fits_a_launch(matmul_launches, layout):
+def test_benchmark_sweep_compiles_and_fits_a_launch(matmul_launches, layout, config_sample):
     """Every config the benchmark runs, through gemm.matmul as the benchmark calls it (CPU tensors, recorded
     launches) on a 16-token shape (8 tokens for column-major B, where the benchmark runs unroll 8 only there;
     with --column-tokens, 16 column-major tokens under every path on the filtered grid the H200 sweep uses):
@@ -1030,6 +1033,7 @@ def test_benchmark_sweep_compiles_and_fits_a_launch(matmul_launches, layout):
     configs, _ = bench.sweep(row_b, token_vectors, column_tokens, grid)
     if token_vectors:
         configs = [cfg for cfg in configs if cfg.token_vectors]  # the others: the rowxrow case
+    configs = config_sample(configs, pairs=True)  # every config under --run-slow
     for cfg in configs:
         gemm.matmul(a, b, out=out, config=cfg)
     launches = matmul_launches()

@@ -157,6 +157,7 @@ def test_persistent_grid_is_the_resident_blocks_or_the_tiles(recorded_launches):
 
 
 # ---------------------------------------------------------------------------------------------- the kernels compile
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2048, 4096, 7168, 8192, 16384, 1001])
 @pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
@@ -189,6 +190,7 @@ def test_persistent_kernel_compiles_clean_and_prefetches_the_next_tile(dtype, n,
     assert loads_before_first_store(loop_body(k)) == vectors * streams
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("n", [2048, 8192])
 @pytest.mark.parametrize("variant", ["weight", "residual"])
 @pytest.mark.parametrize("persistent", [True, False])
@@ -210,6 +212,7 @@ def test_cache_hints_mark_every_access(n, variant, persistent):
     assert k.count("LDG") == plain.count("LDG") and k.count("STG") == plain.count("STG")
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2048, 7168, 8192])
 def test_row_kernel_issues_the_weight_loads_before_any_store(dtype, n):
@@ -228,13 +231,17 @@ def test_row_kernel_issues_the_weight_loads_before_any_store(dtype, n):
     assert loads_before_first_store(late_texts) <= late.count("LDG") // 2 + 1
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("n", [2048, 4096, 7168, 8192, 16384])
 @pytest.mark.parametrize("fused_add", [False, True])
-def test_compare_plans_variants_compile_clean(n, fused_add):
+def test_compare_plans_variants_compile_clean(n, fused_add, config_sample):
     """Every plan ``benchmarks/rmsnorm.py --compare-plans`` times at its 16384 rows compiles without spills (the
     bulk variants that do not apply, declined: 128 threads for rows over 4096)."""
     x, w, r = tensors(16384, n, torch.bfloat16, "residual" if fused_add else "weight")
+    chosen = config_sample(bench.PLAN_VARIANTS.values())  # every variant under --run-slow
     for name, options in bench.PLAN_VARIANTS.items():
+        if options not in chosen:
+            continue
         try:
             p = rmsnorm.plan_of(x, w, r, options=options)
         except ValueError:
@@ -276,6 +283,7 @@ def two_pass_budget(p, variant, dtype, n):
     return rmsnorm_plan.FULL_SM_REGISTERS if estimate <= rmsnorm_plan.FULL_SM_REGISTERS else 64
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2048, 7168, 8192, 16384, 1001, 4097, 300_000])
 @pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
@@ -381,6 +389,7 @@ def test_bulk_plan_sizes_block_ring_and_blocks_per_sm():
             rmsnorm.ForwardOptions(bulk=True, **bad)
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2048, 7168, 8192, 16384])
 @pytest.mark.parametrize("variant", ["plain", "weight", "residual"])

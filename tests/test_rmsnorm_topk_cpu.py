@@ -44,6 +44,7 @@ def assert_clean(k):
 
 
 # ---------------------------------------------------------------------------------------------- RMSNorm compiles
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2048, 4096, 7168, 8192, 16384, 128])
 @pytest.mark.parametrize("variant", ["plain", "weight", "residual"])
@@ -86,6 +87,7 @@ def test_rms_norm_strided_rows_and_multi_dim_normalized_shape():
     assert_clean(k2)
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2048, 4096, 7168, 16384, 1001, 4097])
 def test_rms_norm_backward_compiles(dtype, n):
@@ -133,6 +135,7 @@ def test_row_block_threads_hold_the_most_warps_whatever_the_registers():
     assert rmsnorm_plan.resident_warps(56, 128) == 36 and rmsnorm_plan.resident_warps(128, 256) == 16
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [2048, 4096, 7168, 8192])
 @pytest.mark.parametrize("variant", ["weight", "residual"])
@@ -168,6 +171,7 @@ def test_rms_norm_backward_keeps_256_thread_blocks():
 
 
 # ---------------------------------------------------------------------------------------------- TopK compiles
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k", [(128, 2), (256, 8), (256, 1), (8, 8), (1000, 32), (512, 16)])
 def test_topk_warp_kernel_compiles(dtype, n, k):
@@ -182,6 +186,7 @@ def test_topk_warp_kernel_compiles(dtype, n, k):
     assert kern.count("REDUX") == (2 * k if dtype == torch.float32 else k) and kern.count("SHFL") <= 1
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,m", [(151936, 50, 256), (128256, 1024, 256), (151936, 2048, 64), (4096, 33, 64),
                                    (32768, 8, 4096)])
@@ -213,6 +218,7 @@ def test_topk_few_rows_split_then_merge():
     assert topk.plan(151936, 1024, 256, 8, 2, 132, row_threshold=False).parts == 1
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,m,largest", [(128256, 50, 1, True), (151936, 1024, 1, False), (151936, 50, 1, False),
                                            (128256, 1024, 64, True), (151936, 2048, 1, True)])
@@ -290,6 +296,7 @@ def test_topk_compare_plans_variants_compile():
         assert_clean(kern)
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,m,largest", [(151936, 50, 1, True), (128256, 1024, 1, False), (151936, 1024, 64, True),
                                            (151936, 2048, 1, True), (30_001, 33, 3, False)])
@@ -318,6 +325,7 @@ def test_topk_row_threshold_kernels_compile(dtype, n, k, m, largest):
         assert histogram.count("LDG.E.128") >= p.unroll and select.count("LDG.E.128") >= 2 * p.unroll
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,m,largest", [(151936, 50, 1, True), (128256, 1024, 1, False), (151936, 2048, 1, True),
                                            (40_000, 1, 1, False)])
@@ -427,6 +435,7 @@ def test_topk_histogram_launch_in_one_wave():
     assert topk.plan(128256, 1024, 64, 8, 2, sms).hist_parts == 0  # one launch
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n,k,m,largest", [(151936, 50, 1, True), (128256, 1024, 1, False), (151936, 1024, 64, True),
                                            (151936, 2048, 1, True), (262144, 1024, 3, False), (30_001, 33, 3, False),

@@ -411,6 +411,7 @@ CASES = [  # (n, k, rows the plan is for): one block per row, slices + merge, k 
 ]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("n,k,m", CASES)
 @pytest.mark.parametrize("fmt", ["bf16", "f32"])
 def test_model_matches_the_stable_sort_on_random_rows(n, k, m, fmt):
@@ -420,6 +421,7 @@ def test_model_matches_the_stable_sort_on_random_rows(n, k, m, fmt):
         assert got == reference(bits, min(k, n), fmt, largest)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("kind", ["ties", "zeros", "special", "rising", "falling"])
 @pytest.mark.parametrize("n,k,m", [(20_000, 50, 256), (20_000, 1024, 1), (5000, 100, 2)])
 @pytest.mark.parametrize("fmt", ["bf16", "f16", "f32"])
@@ -753,6 +755,7 @@ ROW_CASES = [(8192, 1, 1), (8192, 50, 1), (40_000, 1024, 1), (40_000, 2048, 3), 
              (151_936, 1024, 1), (151_936, 1024, 64), (128_256, 2048, 1), (262_144, 1024, 1), (262_144, 50, 64)]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("n,k,m", ROW_CASES)
 @pytest.mark.parametrize("fmt", ["bf16", "f32"])
 def test_row_threshold_model_matches_torch_topk_on_random_rows(n, k, m, fmt):
@@ -769,6 +772,7 @@ def test_row_threshold_model_matches_torch_topk_on_random_rows(n, k, m, fmt):
     assert paths == ["count", "count"]  # random rows: the counting finish, no select
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("kind", ["ties", "zeros", "special", "rising", "falling"])
 @pytest.mark.parametrize("n,k,m", [(20_000, 50, 1), (20_000, 1024, 1), (9000, 2048, 3), (40_000, 1, 1)])
 @pytest.mark.parametrize("fmt", ["bf16", "f16", "f32"])
@@ -817,6 +821,7 @@ def test_row_threshold_model_finish_takes_every_path():
 EXACT_CASES = [(8192, 1, 1), (40_000, 1024, 1), (151_936, 50, 1), (65_536, 64, 2), (30_001, 33, 1)]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("n,k,m", EXACT_CASES)
 @pytest.mark.parametrize("kind", ["randn", "ties", "zeros", "special", "rising", "falling", "outlier"])
 @pytest.mark.parametrize("fmt", ["bf16", "f16"])
@@ -879,6 +884,7 @@ TWO_LEVEL_CASES = [(8192, 1, 1), (8192, 50, 3), (16_384, 2048, 1), (40_000, 1024
                    (262_144, 1024, 1), (262_144, 50, 64), (262_144, 2048, 3)]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("n,k,m", TWO_LEVEL_CASES)
 @pytest.mark.parametrize("fmt", ["bf16", "f16", "f32"])
 def test_two_level_model_matches_torch_topk_on_random_rows(n, k, m, fmt):
@@ -895,6 +901,7 @@ def test_two_level_model_matches_torch_topk_on_random_rows(n, k, m, fmt):
     assert "select" not in paths, paths  # random rows: the second-level bucket holds few keys
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("kind", ["ties", "zeros", "special", "rising", "falling"])
 @pytest.mark.parametrize("n,k,m", [(8192, 1, 1), (20_000, 50, 1), (20_000, 1024, 1), (9000, 2048, 3),
                                    (40_000, 1, 64), (151_936, 1024, 64)])

@@ -64,6 +64,7 @@ SHAPES = [(1, 151936, 50), (1, 128256, 1024), (1, 151936, 2048), (3, 151936, 102
           (3, 30_001, 33), (64, 5000, 2048), (256, 151936, 1024), (64, 131072, 2048)]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("kind", ["randn", "ties", "special"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -135,6 +136,7 @@ ROW_SHAPES = [(1, 151936, 50), (1, 128256, 1024), (1, 151936, 2048), (3, 151936,
               (64, 128256, 50), (1, 40_000, 1), (3, 30_001, 33), (1, 262144, 1024)]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("m,n,k", ROW_SHAPES)
 @pytest.mark.parametrize("kind", ["randn", "ties", "special", "zeros", "rising", "falling"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -165,6 +167,7 @@ ONE_LAUNCH_SHAPES = [(1, 151936, 50), (1, 128256, 1024), (1, 151936, 2048), (1, 
                      (1, 30_001, 33), (2, 65536, 64), (64, 151936, 50), (64, 128256, 1024)]
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("m,n,k", ONE_LAUNCH_SHAPES)
 @pytest.mark.parametrize("kind", ["randn", "ties", "special", "zeros", "rising", "falling", "threshold-ties"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -273,6 +276,7 @@ def threshold_ties(m, n, dtype, k):
     return torch.where(ties, value, x).to(dtype)
 
 
+@pytest.mark.sweep
 @pytest.mark.parametrize("m,n,k", ROW_SHAPES + [(1, 16384, 2048), (64, 151936, 2048), (3, 262144, 50)])
 @pytest.mark.parametrize("kind", ["randn", "ties", "special", "zeros", "rising", "falling", "threshold-ties"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

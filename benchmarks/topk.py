@@ -9,7 +9,7 @@ topk). Writes benchmarks/results/topk_h200.json and topk_h200.png.
 ``--graphs``: both also replayed from CUDA graphs (``graph_ms``: no per-call event floor, warm L2, as under
 torch.compile's reduce-overhead mode); the do_bench columns stay the headline. The floor matters on the small
 routing rows: a one-element ``zero_()`` measures 3.6 us under do_bench, torch.topk 64x128 14.4 us
-(benchmarks/results/bench_floor_h200.log).
+(git show 7b6b5ce:benchmarks/results/bench_floor_h200.log).
 
 ``--compare-plans``: per sampling shape (bf16; ``--shapes`` for others), the default plan and, for rows cut into
 slices, the slices + merge plan (``row_threshold=False``) with all, half and one of its slices, the
@@ -107,7 +107,7 @@ def compare_plans(cases: list[tuple[int, int, int]], graphs: bool = False, kerne
     """--compare-plans: one line per shape: torch.topk, the default plan (*) and its variants (``graphs``: a
     second line of each replayed from CUDA graphs; ``kernels``: a third with the GPU time of their kernels, from
     torch.profiler, back to back, taken after every shape's other timings: CUDA graphs replayed after the profiler
-    has run in a process measured ~0.5 us a launch slower, topk_notes.md)."""
+    has run in a process measured ~0.5 us a launch slower: git show 7b6b5ce:benchmarks/results/topk_notes.md)."""
     from benchmarks.device_time import kernel_times
     rows = []
     profiled = []  # (row, its variants) for the kernel times, after every other timing

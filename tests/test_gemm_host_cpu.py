@@ -166,3 +166,50 @@ def test_stream_k_plans_and_launches(fake_launches):
     (name, grid, params), = fake_launches
     assert name == "gemm_kernel" and grid == (plan.grid, 1, 1)
     assert (plan.dp_tiles, plan.block_iters) in {params[i:i + 2] for i in range(len(params) - 1)}
+
+
+@pytest.mark.parametrize("name,make", [
+    ("split-K", lambda: (_bf(256, 2816), _bf(1024, 2816).t())),  # an MLP's down projection: wgmma-splitK2
+    ("stream-K tail", lambda: (_bf(2048, 7168), _bf(2112, 7168).t())),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_op_calls_in_a_private_pool_keep_no_tensor(fake_launches, monkeypatch, name, make):
+    """An op call whose allocations land in a private memory pool (cudagraph trees' warm-up run of an Inductor
+    graph whose nvfly_mm_out choice won autotuning) leaves no tensor it allocated alive but its output: cudagraph
+    trees then require every live block of the pool to be an output ("tensor(s) in the cudagraph pool not tracked
+    as outputs"). The first call of a signature and a bound one, with the scratch cache of the stream empty."""
+    import gc
+
+    import nvfly.torch  # noqa: F401  (defines torch.ops.nvfly)
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from nvfly.ops.common import scratch
+    from nvfly.torch import gemm_ops
+    monkeypatch.setattr(gemm_ops, "_BOUND", OpCalls())
+    for cache in (scratch._WORKSPACE, scratch._PARTIALS):
+        monkeypatch.setattr(cache, "_entries", {})
+    monkeypatch.setattr(scratch, "in_private_pool", lambda tensors: True)
+
+    class Allocations(TorchDispatchMode):
+        """Weak references to the storage of every tensor an op makes during the call."""
+        def __init__(self):
+            super().__init__()
+            self.storages: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            for t in result if isinstance(result, (tuple, list)) else (result,):
+                if isinstance(t, torch.Tensor):
+                    self.storages.append(StorageWeakRef(t.untyped_storage()))
+            return result
+    a, b = make()
+    assert gemm.path(a, b).startswith("wgmma-s")
+    for _ in range(2):  # a signature's first call (planned, bound), then the bound launches
+        out = torch.empty(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+        mine = {StorageWeakRef(t.untyped_storage()).cdata for t in (a, b, out)}
+        with Allocations() as made:  # the op's body: a mode would see torch.ops.nvfly.mm_out as one op
+            gemm_ops._gemm("mm_out", a, b, out=out)
+        gc.collect()
+        alive = [ref for ref in made.storages if not ref.expired() and ref.cdata not in mine]
+        assert made.storages and not alive, f"{len(alive)} tensor(s) allocated by the call outlive it"
+    assert all(type(v) is not Declined for v in gemm_ops._BOUND.values())
+    assert any(params for kernel, _, params in fake_launches if kernel == "gemm_kernel")

@@ -91,3 +91,31 @@ def test_views_kept_per_stream_are_bounded(monkeypatch):
     cache.get(cpu, 1, (2, 1), view)
     cache.get(cpu, 1, (3, 1), view)  # a third size: the kept views are dropped first
     assert cache.get(cpu, 1, (1, 1), view) is not kept and calls == [(1, 1), (2, 1), (3, 1), (1, 1)]
+
+
+def test_tensors_in_a_private_pool_are_not_kept(monkeypatch):
+    """Tensors that land in a private memory pool outside capture (cudagraph trees' warm-up run routes the thread's
+    allocations to the graph's pool, then requires every live block there to be an output) serve that call only:
+    nothing cached, dead once the caller drops them, and the stream's set is made again once the pool is left."""
+    import gc
+    import weakref
+    made: list = []
+    cache = make(made)
+    cpu = torch.device("cpu")
+    pooled = [True]
+    monkeypatch.setattr(scratch, "in_private_pool", lambda tensors: pooled[0])
+    first = cache.get(cpu, 3, (4, 1))
+    dead = [weakref.ref(t) for t in first]
+    viewed = cache.get(cpu, 3, (4, 1), lambda tensors, sizes: tensors[0][:sizes[0]])
+    dead.append(weakref.ref(viewed._base))
+    assert made == [(8, 2), (8, 2)] and cache.get(cpu, 3, (4, 1)) is not first
+    del first, viewed
+    gc.collect()
+    assert not [ref for ref in dead if ref() is not None]
+    pooled[0] = False
+    kept = cache.get(cpu, 3, (4, 1))
+    assert cache.get(cpu, 3, (4, 1)) is kept
+
+
+def test_in_private_pool_is_false_off_cuda():
+    assert not scratch.in_private_pool(torch.zeros(4)) and not scratch.in_private_pool((torch.zeros(2), None))

@@ -213,6 +213,36 @@ def test_compiled_mlp_matches_eager_and_records_every_choice(hopper, max_autotun
     assert ("torch.ops.nvfly." in code) == any(d.winner.startswith("nvfly") for d in tuned)
 
 
+def test_cudagraph_trees_with_a_split_k_choice_keep_no_scratch_in_the_pool(hopper, max_autotune, monkeypatch):
+    """mode="max-autotune" (cudagraph trees) with "nvfly auto" winning every GEMM: the down projection
+    (256x1024x2816) runs split K, whose f32 partials come from the per-stream scratch. Cudagraph trees warm a graph
+    up by running it once on their own stream with every allocation routed to the graph's pool, then require each
+    live block of the pool to be an output: a scratch set cached for that stream failed them ("tensor(s) in the
+    cudagraph pool not tracked as outputs"). The scratch caches start empty, so the warm-up allocates whatever the
+    tests before left; then warm-up, recording and replays all match eager."""
+    from nvfly.ops.common import scratch
+    for cache in (scratch._WORKSPACE, scratch._PARTIALS):
+        monkeypatch.setattr(cache, "_entries", {})
+    timed = inductor.NvflyCaller.benchmark
+
+    def auto_wins(self, *args, out):
+        elapsed = timed(self, *args, out=out)  # the real call and timing, so that a failure still drops it
+        return 1e-6 if self.kwargs["config"] == AUTO else elapsed
+    monkeypatch.setattr(inductor.NvflyCaller, "benchmark", auto_wins)
+    nvfly.torch.install(max_candidates=2)
+    torch.manual_seed(0)
+    model = MLP().cuda().bfloat16()
+    x = torch.randn(256, 1024, device="cuda").bfloat16()
+    assert gemm.path(x @ model.gate.weight.t(), model.down.weight.t()).startswith("wgmma-splitK")
+    compiled = torch.compile(model, mode="max-autotune")
+    with torch.no_grad():
+        expected = model(x)
+        outs = [compiled(x).clone() for _ in range(4)]  # warm-up, recording, replays
+    assert all(rel_err(out, expected) < 2e-2 for out in outs)
+    tuned = [d for d in decisions() if d.where == "inductor"]
+    assert tuned and all(d.winner.startswith("nvfly") for d in tuned)
+
+
 def test_injected_compile_failure_leaves_the_model_correct(hopper, max_autotune, monkeypatch):
     def broken(*args, **kwargs):
         raise nvfly.CompileError("injected compile failure")

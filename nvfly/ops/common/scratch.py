@@ -8,7 +8,11 @@ reads back. ``StreamScratch`` is the rule they (and TopK's row-threshold lists) 
 
 Under CUDA graph capture every request gets tensors of its own from the graph's memory pool, zero-filled by a
 captured fill where the kernels expect zeros: a graph keeps writing to what it captured, may replay on any stream,
-and must not see a buffer that a later growth here frees."""
+and must not see a buffer that a later growth here frees. Tensors that land in a private memory pool outside capture
+are not kept either (``in_private_pool``): Inductor's cudagraph trees run a graph's first (warm-up) call eagerly on
+their own stream with every allocation of the thread routed to the graph's pool, and then require every live block
+of that pool to be one of the graph's outputs ("tensor(s) in the cudagraph pool not tracked as outputs"); a cached
+set would stay alive there for good."""
 from __future__ import annotations
 
 import itertools
@@ -23,9 +27,10 @@ MAX_VIEWS = 64  # views kept per (device, stream): one per distinct request size
 class StreamScratch(Generic[Tensors]):
     """``get(device, stream, sizes)``: tensors of at least ``sizes`` (one int per tensor family, in the units
     ``allocate`` takes), cached per (device, stream) and grown to the largest request seen (at least ``floor``);
-    under graph capture fresh tensors of exactly ``sizes``, not cached. With ``view``, what ``view(tensors,
-    sizes)`` returns (e.g. the first rows of each), kept beside the tensors until they grow: slicing tensors
-    costs the host microseconds a launch does not have to spend."""
+    under graph capture fresh tensors of exactly ``sizes``, not cached; tensors that ``in_private_pool`` finds in a
+    private memory pool are not cached either. With ``view``, what ``view(tensors, sizes)`` returns (e.g. the first
+    rows of each), kept beside the tensors until they grow: slicing tensors costs the host microseconds a launch
+    does not have to spend."""
 
     def __init__(self, allocate: Callable[[torch.device, tuple[int, ...]], Tensors], floor: tuple[int, ...]):
         self._allocate = allocate
@@ -42,7 +47,10 @@ class StreamScratch(Generic[Tensors]):
         if entry is None or any(need > have for need, have in zip(sizes, entry[0])):
             grown = tuple(max(need, least, have) for need, least, have in
                           zip(sizes, self._floor, entry[0] if entry else self._floor))
-            entry = self._entries[key] = (grown, self._allocate(device, grown), {})
+            tensors = self._allocate(device, grown)
+            if in_private_pool(tensors):  # e.g. a cudagraph tree's warm-up: this call's only, like capture's
+                return tensors if view is None else view(tensors, sizes)
+            entry = self._entries[key] = (grown, tensors, {})
         if view is None:
             return entry[1]
         views = entry[2]
@@ -52,6 +60,22 @@ class StreamScratch(Generic[Tensors]):
                 views.clear()
             found = views[sizes] = view(entry[1], sizes)
         return found
+
+
+def in_private_pool(tensors: Any) -> bool:
+    """Whether the memory of CUDA tensors (a tensor or a tuple of views of one allocation) came from a private
+    memory pool (a CUDA graph's, cudagraph trees' warm-up, ``torch.cuda.use_mem_pool``) rather than the caching
+    allocator's own, and so must not outlive the call that allocated it. Reads the allocator's snapshot (what
+    cudagraph trees' own check reads): for the rare calls that allocate here."""
+    first = tensors if isinstance(tensors, torch.Tensor) else next(
+        (t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None or first.device.type != "cuda" or not first.numel():
+        return False
+    address = first.untyped_storage().data_ptr()
+    for segment in torch.cuda.memory_snapshot():
+        if segment["address"] <= address < segment["address"] + segment["total_size"]:
+            return tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0)
+    return False
 
 
 MIN_SUMS = 1 << 18  # f32 sums of a first allocation (1 MB), so that most calls never grow it

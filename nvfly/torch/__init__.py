@@ -2,13 +2,15 @@
 
     import nvfly.torch
     nvfly.torch.install()                       # nvfly joins torch.compile(mode="max-autotune") GEMM autotuning
-    with nvfly.torch.routing():                 # eager: mm/addmm/bmm (and RMSNorm, TopK) to nvfly where faster
+    with nvfly.torch.routing():                 # eager: mm/addmm/bmm, decode SDPA (and RMSNorm, TopK) to nvfly
+                                                # where faster
         y = model(x)
     nvfly.torch.autotune([(16, 4096, 4096)])    # fills the database that routing and Inductor's candidates read
     print(nvfly.torch.explain(16, 4096, 4096))  # candidates, times, winner, and why nvfly was declined or lost
 
-Importing this package registers nvfly's GEMM custom ops (``torch.ops.nvfly.*``) and changes nothing else:
-Inductor hooks are installed by ``install()`` only, aten routes by ``routing()`` / ``enable_routing()`` only.
+Importing this package registers nvfly's GEMM and attention-decode custom ops (``torch.ops.nvfly.*``) and
+changes nothing else: Inductor hooks are installed by ``install()`` only, aten routes by ``routing()`` /
+``enable_routing()`` only.
 No GPU is needed to import it.
 """
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 # ``routing`` is the routing module, callable as its switch (``with nvfly.torch.routing():``). ``autotune`` and
 # ``explain`` name both a submodule and its main function: importing the function here, after the submodule,
 # leaves the function as the package attribute (reach the modules with ``from nvfly.torch.autotune import ...``)
-from nvfly.torch import routing
+from nvfly.torch import attention_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode, SDPA route)
 from nvfly.torch.autotune import autotune, database
 from nvfly.torch.explain import explain
 from nvfly.torch.routing import install_routing, routing_enabled

@@ -154,12 +154,12 @@ def analyze(a: Operand, b: Operand, c: Optional[Operand] = None,
 # ---------------------------------------------------------------------------------------------- decisions
 @dataclasses.dataclass
 class Decision:
-    """What happened to one GEMM: ``where`` ("inductor", "eager", "op", "autotune"), its operands (``shape`` is
-    (batches, m, n, k)), and either why nvfly was declined or failed (``reason``), or the candidates, the time
-    of every backend (ms) and the winner."""
+    """What happened to one GEMM (or attention call): ``where`` ("inductor", "eager", "op", "autotune"), its
+    operands (``shape`` is (batches, m, n, k) for a GEMM, (B, Hq, Hkv, Sq, Skv, Dqk, Dv) for SDPA), and either why
+    nvfly was declined or failed (``reason``), or the candidates, the time of every backend (ms) and the winner."""
     where: str
     op: str
-    shape: tuple[int, int, int, int]
+    shape: tuple[int, ...]
     problem: str
     reason: Optional[str] = None
     candidates: tuple[str, ...] = ()

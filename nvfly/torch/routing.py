@@ -13,7 +13,10 @@ function to call, both taking the aten arguments. ``install_routing`` registers,
 ``torch.library`` implementation for the CUDA dispatch key that checks the switch and the eligibility, calls
 nvfly, and otherwise (declined, switched off, or nvfly raised) falls through to the kernel torch had there
 (``torch.library.get_kernel(...).call_boxed``). It sits below autograd, so backward passes keep torch's
-formulas and reach routed ops again. Other ops (GEMM, SDPA) add themselves with ``register_route``.
+formulas and reach routed ops again. Other ops (GEMM, SDPA) add themselves with ``register_route``. An op
+torch implements as a composite (``aten::scaled_dot_product_attention``) is routed on ``AutogradCUDA`` (above
+autograd: its fallthrough, the composite, keeps torch's backward) and on ``CUDA`` (reached under
+``torch.inference_mode``, which skips autograd keys), both falling through to the composite.
 
 Which aten ops F.rms_norm reaches (torch 2.8 to 2.13): ``aten::rms_norm`` is CompositeImplicitAutograd and, for
 CUDA inputs whose weight has the input's dtype (not channels-last, not complex), calls ``aten::_fused_rms_norm``,
@@ -112,17 +115,22 @@ def install_routing() -> None:
     global _LIBRARY
     _register_default_routes()
     with _LOCK:
+        # every kernel torch has is read before any route registers: one op routed on two keys (SDPA on CUDA and
+        # AutogradCUDA) falls through to torch's composite on both, which a CUDA registration would otherwise
+        # change for AutogradCUDA
+        pending = {}
         for key, route in _ROUTES.items():
             if key in _INSTALLED:
                 continue
-            if _LIBRARY is None:
-                _LIBRARY = torch.library.Library("aten", "IMPL")
             try:
-                fallthrough = torch.library.get_kernel(route.op, route.dispatch_key)
+                pending[key] = torch.library.get_kernel(route.op, route.dispatch_key)
             except RuntimeError as exc:  # e.g. a CPU-only torch build has no CUDA kernel to fall back to
                 log.debug("nvfly: not routing %s: %s", route.op, exc)
                 _INSTALLED[key] = None
-                continue
+        for key, fallthrough in pending.items():
+            route = _ROUTES[key]
+            if _LIBRARY is None:
+                _LIBRARY = torch.library.Library("aten", "IMPL")
             _LIBRARY.impl(route.op.split("::", 1)[1], _routed(route, fallthrough), route.dispatch_key,
                           with_keyset=True)
             _INSTALLED[key] = fallthrough
@@ -130,7 +138,7 @@ def install_routing() -> None:
 
 def installed() -> list[str]:
     """The aten overloads routed now."""
-    return [op for (op, _), kernel in _INSTALLED.items() if kernel is not None]
+    return list(dict.fromkeys(op for (op, _), kernel in _INSTALLED.items() if kernel is not None))
 
 
 def _routed(route: Route, fallthrough: Any) -> Callable[..., Any]:

@@ -94,6 +94,14 @@ def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: 
     return capacity, pages
 
 
+def check_arguments(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None, block_table: Any = None,
+                    k_scale: Any = None, v_scale: Any = None) -> None:
+    """``decode``'s checks of shapes, dtypes, devices and layouts, raising as it does: what reads no tensor values or
+    addresses (so a fake implementation under FakeTensorMode runs them too)."""
+    _check(q, k_cache, v_cache, cache_seqlens, block_table)
+    check_scales(k_scale, v_scale, q, k_cache)
+
+
 def _check_values(cache_seqlens: Any, block_table: Any, capacity: int, pages: int) -> None:
     """Lengths within the cache and page numbers within k_cache (reads them: a device sync)."""
     if cache_seqlens is not None and cache_seqlens.numel():

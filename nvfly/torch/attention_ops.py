@@ -1,0 +1,202 @@
+"""Decode attention from PyTorch: the ``nvfly::attention_decode`` custom op and the eager SDPA route.
+
+- ``torch.ops.nvfly.attention_decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, *, scale=None,
+  causal=True, k_scale=None, v_scale=None) -> (out, lse)``: ``nvfly.ops.attention.decode`` (q (B, Sq, Hq, D),
+  caches (B, S, Hkv, D) or paged, bottom-right causal: the queries are the last Sq positions) with its LSE,
+  (B, Hq, Sq) float32 in natural log: the layout and base of torch's flash/flex logsumexp. The fake runs decode's
+  argument checks (``check_arguments``), so tracing refuses what a call refuses, with the same error. Inputs the
+  kernel declines (a CPU tensor, unaligned rows) and kernel failures are computed by the float32 reference in
+  torch; argument errors are raised. No backward.
+- Under ``nvfly.torch.routing()``, ``F.scaled_dot_product_attention`` with q (B, Hq, Sq, D) and k/v
+  (B, Hkv, Skv, D) runs decode (its (B, S, H, D) view of the (B, H, S, D) tensors, by strides) when
+  ``sdpa_eligibility`` finds nothing against it, and torch's SDPA otherwise, with the reason logged and kept
+  in ``nvfly.torch.gemm_ops.decisions()`` (once per signature). An exception in decode falls back to torch's
+  SDPA and declines that signature from then on.
+
+The route sits on ``aten::scaled_dot_product_attention``, torch's composite (not on the flash/cuDNN kernels it
+picks), so it sees the caller's arguments: masks, dropout, ``is_causal`` and ``enable_gqa`` mean what torch
+says. Its kernels are registered for ``AutogradCUDA`` (a call that needs gradients keeps the composite and its
+backward) and ``CUDA`` (what ``torch.inference_mode`` reaches), both falling through to the composite.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from nvfly.ops import attention
+from nvfly.ops.attention.api import check_arguments
+from nvfly.ops.attention.kv_options import OP
+from nvfly.ops.attention.plan import MAX_SQ
+from nvfly.ops.common.opcall import OpCalls
+from nvfly.runtime.torch_args import layout_key
+from nvfly.torch import routing
+from nvfly.torch.gemm_ops import Decision, record
+from nvfly.torch.library import operator, register_fake
+
+log = logging.getLogger("nvfly")
+
+SDPA = "aten::scaled_dot_product_attention"
+
+# Routing rule, measured on the H200 (benchmarks/results/attention_decode_h200.json, torch 2.11): at Sq >= 2
+# torch's kernels run each query head over its KV head's keys (flash and cuDNN 0.46-0.56 TB/s at Sq = 4, 48/8,
+# 32K, nvfly 4.2: 7.5-9x), at Sq = 1 flash packs the group like nvfly does (nvfly 1.03-1.5x flash) and cuDNN
+# measured 2-8% faster than nvfly (so Sq = 1 stays with cuDNN where torch picks it). Below MIN_KV_BYTES of K and V
+# a call moves less than ~4 us of HBM traffic: launch-bound either way, and nvfly's Python host path (~6-11 us a
+# launch, launch_overhead_h200.json) would cost more than the bandwidth it saves.
+MIN_KV_BYTES = 16 << 20
+_FLOATS = (torch.bfloat16, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------- the custom op
+@operator("attention_decode")
+def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor] = None,
+                     block_table: Optional[Tensor] = None, *, scale: Optional[float] = None, causal: bool = True,
+                     k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(out (B, Sq, Hq, Dv) in q's dtype, lse (B, Hq, Sq) float32) of ``nvfly.ops.attention.decode``."""
+    options = {"cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
+    check_arguments(q, k_cache, v_cache, **options)
+    reason = attention.eligibility(q, k_cache, v_cache, **options)
+    if reason is None:
+        try:
+            return attention.decode(q, k_cache, v_cache, scale=scale, causal=causal, return_lse=True, **options)
+        except Exception as exc:
+            if isinstance(exc, (TypeError, ValueError)) and str(exc).startswith(OP + ": "):
+                raise  # an argument error (lengths or pages out of range): the caller's
+            reason = f"nvfly raised {type(exc).__name__}: {exc}"  # a compile or launch failure: torch computes it
+        log.warning("nvfly: attention_decode: %s; computed by the float32 reference in torch", reason)
+    else:
+        log.debug("nvfly: attention_decode computed by the float32 reference in torch: %s", reason)
+    out, lse = attention.reference(q, k_cache, v_cache, scale=scale, causal=causal, **options)
+    return out.to(q.dtype), lse
+
+
+def _attention_decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor] = None,
+                           block_table: Optional[Tensor] = None, *, scale: Optional[float] = None,
+                           causal: bool = True, k_scale: Optional[Tensor] = None,
+                           v_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    check_arguments(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_scale=k_scale,
+                    v_scale=v_scale)
+    batch, sq, hq, _ = q.shape
+    return q.new_empty((batch, sq, hq, v_cache.shape[3])), q.new_empty((batch, hq, sq), dtype=torch.float32)
+
+
+register_fake("attention_decode", _attention_decode_fake)
+
+
+# ---------------------------------------------------------------------------------------------- SDPA routing
+_SDPA_DECIDED: OpCalls[tuple[Optional[str]]] = OpCalls()  # signature -> (why torch runs it, or None)
+
+
+def _flags() -> tuple[bool, bool, bool, bool]:
+    """The SDPA backends torch may use now (``torch.nn.attention.sdpa_kernel`` changes them)."""
+    b = torch.backends.cuda
+    return b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(), b.math_sdp_enabled()
+
+
+def _signature(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool) -> tuple:
+    return layout_key(q), layout_key(k), layout_key(v), bool(is_causal), bool(enable_gqa), grad, _flags()
+
+
+def sdpa_eligibility(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, *, scale: Optional[float] = None,
+                     enable_gqa: bool = False) -> Optional[str]:
+    """None when the routed SDPA runs nvfly's decode for these arguments, else why torch's SDPA runs them.
+    The arguments are ``aten::scaled_dot_product_attention``'s (``F.scaled_dot_product_attention``'s)."""
+    if attn_mask is not None:
+        return "attn_mask is given (boolean and additive masks are not read by nvfly's decode yet)"
+    if dropout_p != 0.0:
+        return f"dropout_p={dropout_p} (nvfly has no dropout)"
+    if any(type(t) is not Tensor for t in (query, key, value)):  # FakeTensor, FunctionalTensor: a trace
+        return f"q is a {type(query).__name__}, not a plain tensor (traced calls keep torch's SDPA)"
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    signature = _signature(query, key, value, is_causal, enable_gqa, grad)
+    decided = _SDPA_DECIDED.get(signature)
+    if decided is None:
+        reason = _sdpa_reason(query, key, value, bool(is_causal), bool(enable_gqa), grad)
+        decided = (reason,)
+        _SDPA_DECIDED.remember(signature, decided)
+        _record(query, key, value, is_causal, enable_gqa, reason)
+    return decided[0]
+
+
+def _sdpa_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool) -> Optional[str]:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return (f"q, k, v are not all 4-D (B, H, S, D): shapes {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}")
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}, not CUDA"
+    if q.dtype not in _FLOATS or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: nvfly's decode takes bfloat16 or float16, all alike"
+    if grad:
+        return "an input requires grad (nvfly's decode has no backward: torch's SDPA keeps autograd)"
+    batch, hq, sq, _ = q.shape
+    _, hkv, skv, dqk = k.shape
+    if sq > MAX_SQ:
+        return f"Sq = {sq} query tokens: decode takes 1 to {MAX_SQ} (longer queries are prefill)"
+    if k.shape[0] != batch or v.shape[0] != batch or v.shape[1] != hkv or v.shape[2] != skv:
+        return (f"k {tuple(k.shape)} and v {tuple(v.shape)} do not share q's batch {batch} and each other's heads "
+                "and length (torch broadcasts or refuses them)")
+    if hq != hkv and not enable_gqa:
+        return f"{hq} query heads, {hkv} KV heads without enable_gqa (torch's own behaviour)"
+    if hq % hkv:
+        return f"{hq} query heads are not a multiple of {hkv} KV heads"
+    if is_causal and sq != skv:
+        return (f"is_causal=True with Sq = {sq} < Skv = {skv}: torch's causal mask is top-left aligned (query i sees "
+                "keys 0..i), nvfly's decode aligns the queries to the end of the keys (a decode step passes "
+                "is_causal=False)")
+    kv_bytes = batch * skv * hkv * (dqk + v.shape[3]) * q.element_size()
+    if kv_bytes < MIN_KV_BYTES:
+        return (f"{kv_bytes / 2**20:.1f} MiB of K and V (< {MIN_KV_BYTES >> 20} MiB): launch-bound, where nvfly's "
+                "host path costs more than its bandwidth saves")
+    flash, efficient, cudnn, _ = _flags()
+    if not (flash or efficient or cudnn):
+        return "torch.nn.attention.sdpa_kernel allows only the math backend (kept as asked)"
+    if sq == 1 and _torch_backend(q, k, v, enable_gqa) == "cudnn":
+        return "Sq = 1 and torch picks cuDNN, measured 2-8% faster than nvfly's decode at Sq = 1 on the H200"
+    declined = attention.eligibility(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return None if declined is None else f"nvfly's decode declines: {declined}"
+
+
+def _torch_backend(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> str:
+    """The SDPA backend torch picks for these inputs (without mask and dropout): "cudnn", "flash", ..."""
+    from torch.nn.attention import SDPBackend
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, False, scale=None, enable_gqa=enable_gqa)
+    return {SDPBackend.CUDNN_ATTENTION.value: "cudnn", SDPBackend.FLASH_ATTENTION.value: "flash",
+            SDPBackend.EFFICIENT_ATTENTION.value: "efficient", SDPBackend.MATH.value: "math"}.get(int(choice), "other")
+
+
+def _record(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, reason: Optional[str]) -> None:
+    shape = ((q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
+             if q.dim() == k.dim() == v.dim() == 4 else tuple(q.shape))
+    problem = (f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} {q.dtype} on {q.device} "
+               f"is_causal={bool(is_causal)} enable_gqa={bool(enable_gqa)}")
+    record(Decision("eager", "sdpa", shape, problem, reason=reason, candidates=() if reason else ("decode",)))
+
+
+def sdpa_run(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+             dropout_p: float = 0.0, is_causal: bool = False, *, scale: Optional[float] = None,
+             enable_gqa: bool = False) -> Tensor:
+    """SDPA by nvfly's decode on the (B, S, H, D) views; an exception declines this signature from now on (and
+    routing runs torch's SDPA for the call)."""
+    try:
+        out = attention.decode(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scale,
+                               causal=bool(is_causal), validate=False)
+    except Exception as exc:
+        reason = f"nvfly raised {type(exc).__name__}: {exc}"
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+        _SDPA_DECIDED.remember(_signature(query, key, value, is_causal, enable_gqa, grad), (reason,))
+        _record(query, key, value, is_causal, enable_gqa, reason)
+        raise
+    return out.transpose(1, 2)  # (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv) memory, as torch's flash and cuDNN return
+
+
+def forget_decisions() -> None:
+    """Decide every SDPA signature again (e.g. after changing ``MIN_KV_BYTES`` in a test)."""
+    _SDPA_DECIDED.clear()
+
+
+for _key in ("AutogradCUDA", "CUDA"):
+    routing.register_route(SDPA, sdpa_eligibility, sdpa_run, _key)

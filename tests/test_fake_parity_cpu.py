@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import nvfly.torch.attention_ops  # noqa: F401  (defines torch.ops.nvfly.attention_decode)
 import nvfly.torch.ops  # noqa: F401  (defines torch.ops.nvfly: the GEMM's ops, RMSNorm's and TopK's)
 
 bf, f16 = torch.bfloat16, torch.float16
@@ -51,15 +52,28 @@ INVALID = [
      ValueError, "nvfly::rms_norm_backward: rstd: expected 4 values (one per row)"),
     ("topk", lambda: (_t(4, 16), 17), {}, ValueError, "nvfly::topk: k: expected an int in [0, 16]"),
     ("topk", lambda: (_t(4, 16), 2), {"dim": 2}, ValueError, "nvfly::topk: dim: 2 is out of range"),
+    # decode's own checks (its errors name the function and the argument)
+    ("attention_decode", lambda: (_t(2, 1, 7, 64), _t(2, 32, 2, 64), _t(2, 32, 2, 64)), {}, ValueError,
+     "attention.decode: q: 7 query heads are not a multiple of k_cache's 2 KV heads"),
+    ("attention_decode", lambda: (_t(2, 1, 8, 64), _t(2, 32, 2, 64, dtype=f16), _t(2, 32, 2, 64)), {}, TypeError,
+     "attention.decode: k_cache: dtype torch.float16 differs from q's torch.bfloat16"),
+    ("attention_decode", lambda: (_t(2, 17, 8, 64), _t(2, 32, 2, 64), _t(2, 32, 2, 64)), {}, ValueError,
+     "attention.decode: q: 17 query tokens per sequence"),
+    ("attention_decode", lambda: (_t(2, 1, 8, 96), _t(2, 32, 2, 96), _t(2, 32, 2, 96)), {}, ValueError,
+     "attention.decode: q: head dim 96 is not supported"),
+    ("attention_decode", lambda: (_t(2, 1, 8, 64), _t(2, 32, 2, 64), _t(2, 32, 2, 64), torch.tensor([3])), {},
+     ValueError, "attention.decode: cache_seqlens: 1 lengths, q has 2 sequences"),
 ]
 
-# inputs nvfly declines but the ops accept (torch computes them): the fakes accept them too, with the same result
+# inputs nvfly declines but the ops accept (torch computes them: on CPU every one; the last one's rows are also
+# unaligned for the kernel): the fakes accept them too, with the same result
 VALID = [
     ("mm", lambda: (_t(8, 16, dtype=torch.float32), _t(16, 8, dtype=torch.float32)), {}),
     ("bmm", lambda: (_t(2, 8, 16, dtype=torch.float64), _t(2, 16, 8, dtype=torch.float64)), {}),
     ("linear", lambda: (_t(2, 4, 16), _t(6, 16), _t(6)), {}),
     ("rms_norm", lambda: (_t(4, 16, dtype=torch.float64), [16], _t(16, dtype=torch.float64)), {}),
     ("topk", lambda: (_t(4, 16, dtype=torch.float64), 3), {"dim": 0}),
+    ("attention_decode", lambda: (_t(2, 2, 8, 72)[..., 8:], _t(2, 32, 2, 65)[..., 1:], _t(2, 32, 2, 64)), {}),
 ]
 
 

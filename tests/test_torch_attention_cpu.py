@@ -20,6 +20,12 @@ from nvfly.torch.gemm_ops import clear_decisions, decisions
 bf = torch.bfloat16
 
 
+@pytest.fixture(autouse=True)
+def fresh_decisions():
+    clear_decisions()
+    A.forget_decisions()
+
+
 def _decode_inputs(batch=2, sq=3, hq=8, hkv=2, skv=40, d=64, dtype=bf):
     torch.manual_seed(0)
     return (torch.randn(batch, sq, hq, d).to(dtype), torch.randn(batch, skv, hkv, d).to(dtype),
@@ -122,7 +128,6 @@ def test_sdpa_math_only_is_kept(fake_cuda):
 
 
 def test_sdpa_eligibility_front_checks_and_decisions():
-    clear_decisions()
     q, k = torch.empty(1, 32, 1, 128, dtype=bf), torch.empty(1, 8, 32768, 128, dtype=bf)
     assert "attn_mask is given" in A.sdpa_eligibility(q, k, k, torch.ones(1, 32768, dtype=torch.bool))
     assert "dropout_p=0.1" in A.sdpa_eligibility(q, k, k, None, 0.1)
@@ -137,9 +142,7 @@ def test_sdpa_eligibility_front_checks_and_decisions():
     assert "is_causal=True" in recorded[1].problem
 
 
-def test_sdpa_run_failure_declines_the_signature(caplog):
-    clear_decisions()
-    A.forget_decisions()
+def test_sdpa_run_failure_declines_the_signature():
     q, k = torch.randn(1, 4, 1, 64, dtype=bf), torch.randn(1, 2, 64, 64, dtype=bf)
     with pytest.raises(ValueError, match="runs on CUDA devices"):
         A.sdpa_run(q, k, k, enable_gqa=True)

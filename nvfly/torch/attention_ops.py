@@ -96,6 +96,10 @@ def _flags() -> tuple[bool, bool, bool, bool]:
     return b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled(), b.math_sdp_enabled()
 
 
+def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
 def _signature(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool) -> tuple:
     return layout_key(q), layout_key(k), layout_key(v), bool(is_causal), bool(enable_gqa), grad, _flags()
 
@@ -111,7 +115,7 @@ def sdpa_eligibility(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optio
         return f"dropout_p={dropout_p} (nvfly has no dropout)"
     if any(type(t) is not Tensor for t in (query, key, value)):  # FakeTensor, FunctionalTensor: a trace
         return f"q is a {type(query).__name__}, not a plain tensor (traced calls keep torch's SDPA)"
-    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    grad = _needs_grad(query, key, value)
     signature = _signature(query, key, value, is_causal, enable_gqa, grad)
     decided = _SDPA_DECIDED.get(signature)
     if decided is None:
@@ -186,15 +190,15 @@ def sdpa_run(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tens
                                causal=bool(is_causal), validate=False)
     except Exception as exc:
         reason = f"nvfly raised {type(exc).__name__}: {exc}"
-        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-        _SDPA_DECIDED.remember(_signature(query, key, value, is_causal, enable_gqa, grad), (reason,))
+        signature = _signature(query, key, value, is_causal, enable_gqa, _needs_grad(query, key, value))
+        _SDPA_DECIDED.remember(signature, (reason,))
         _record(query, key, value, is_causal, enable_gqa, reason)
         raise
     return out.transpose(1, 2)  # (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv) memory, as torch's flash and cuDNN return
 
 
 def forget_decisions() -> None:
-    """Decide every SDPA signature again (e.g. after changing ``MIN_KV_BYTES`` in a test)."""
+    """Decide every SDPA signature again (tests start from none)."""
     _SDPA_DECIDED.clear()
 
 

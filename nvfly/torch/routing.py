@@ -118,7 +118,7 @@ def install_routing() -> None:
         # every kernel torch has is read before any route registers: one op routed on two keys (SDPA on CUDA and
         # AutogradCUDA) falls through to torch's composite on both, which a CUDA registration would otherwise
         # change for AutogradCUDA
-        pending = {}
+        pending: dict[tuple[str, str], Any] = {}
         for key, route in _ROUTES.items():
             if key in _INSTALLED:
                 continue

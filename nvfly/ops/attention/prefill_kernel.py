@@ -111,7 +111,7 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
         lane = nvfly.lane_idx()
         warp_in_wg = warp % 4
         row0 = m_block * BM + consumer * 64 + warp_in_wg * 16 + lane // 4  # the thread's rows: row0, row0 + 8
-        ctx = BlockContext(q_tile + q_layout.inner((64 * consumer, 0)) * size, k_ring, v_ring, k_pipe, v_pipe,
+        ctx = BlockContext(q_tile + consumer * (q_layout.inner((64, 0)) * size), k_ring, v_ring, k_pipe, v_pipe,
                            s_atom, pv_atom, q_layout, k_layout, v_layout, q_desc_offsets, k_desc_offsets,
                            v_desc_offsets, K_BYTES, V_BYTES, size, scale_log2, skv, causal_offset, row0, lane)
         state = Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2, sm90.Accumulator.zeros(pv_atom),

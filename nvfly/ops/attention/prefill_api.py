@@ -94,8 +94,8 @@ def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, .
 
 
 def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: bool = False,
-            scale: Optional[float] = None, return_lse: bool = False, causal_alignment: str = "bottom_right"
-            ) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
+            scale: Optional[float] = None, return_lse: bool = False, causal_alignment: str = "bottom_right",
+            out: Optional["torch.Tensor"] = None) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
     """softmax(q kᵀ scale) v with fp32 accumulation, for long query sequences.
 
     q (B, Sq, Hq, D), k (B, Skv, Hkv, D), v (B, Skv, Hkv, D): bf16 or fp16, any strides with the last dimension
@@ -104,7 +104,8 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
     ``causal``: query i sees keys up to i + Skv - Sq (``causal_alignment="bottom_right"``, flash-attn's and decode's
     convention) or up to i (``"top_left"``, torch SDPA's is_causal); they agree when Sq = Skv. ``scale``: default
     D^-0.5. Returns out (B, Sq, Hq, D) in q's dtype and, with ``return_lse``, the log-sum-exp (B, Hq, Sq) float32
-    (natural log; -inf for a row that sees no key, whose output is zeros).
+    (natural log; -inf for a row that sees no key, whose output is zeros). ``out``: a contiguous (B, Sq, Hq, D)
+    tensor of q's dtype to write (else a new one).
     """
     import torch
     _check(q, k, v, scale, causal_alignment)
@@ -115,7 +116,12 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
         raise ValueError(f"{OP}: {reason}")
     batch, sq, hq, dqk = q.shape
     skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
-    out = torch.empty(batch, sq, hq, dv, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(batch, sq, hq, dv, dtype=q.dtype, device=q.device)
+    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, sq, hq, dv) or out.dtype != q.dtype
+          or out.device != q.device or not out.is_contiguous()):
+        raise error(ValueError, "out", f"expected a contiguous {(batch, sq, hq, dv)} {q.dtype} tensor on {q.device}",
+                    OP)
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
     if batch and sq and hq:
         if skv == 0:  # no key: TMA cannot describe an empty tensor, and there is nothing to attend

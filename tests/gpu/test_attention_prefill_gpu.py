@@ -1,0 +1,87 @@
+"""Prefill attention against the float32 reference on fresh random inputs: tails in Sq and Skv (1, odd, not a
+multiple of the tiles), Sq != Skv both ways, GQA groups (power of two or not, MQA), D 64 and 128, bf16 and fp16,
+(B, S, H, D) and (B, H, S, D) layouts, causal in both alignments (rows that see no key: zeros and LSE -inf), the LSE
+row by row. Outputs are NaN-poisoned: every row must be written."""
+import random
+
+import pytest
+import torch
+
+from nvfly.ops import attention
+
+pytestmark = pytest.mark.gpu
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_inputs(batch, sq, skv, hq, hkv, d, dtype, layout="bshd", seed=0):
+    """q, k, v as (B, S, H, D) tensors (views of (B, H, S, D) storage with ``layout="bhsd"``), fresh random."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def tensor(s, h):
+        if layout == "bhsd":
+            return torch.randn(batch, h, s, d, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+        return torch.randn(batch, s, h, d, device="cuda", generator=gen).to(dtype)
+    return tensor(sq, hq), tensor(skv, hkv), tensor(skv, hkv)
+
+
+def check(q, k, v, tol=1e-2, **kwargs):
+    """prefill (into a NaN-poisoned out, with the LSE) against the reference: relative error of out and, row by row,
+    the LSE (-inf exactly where the reference's row sees no key)."""
+    out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=q.dtype, device="cuda")
+    got, lse = attention.prefill(q, k, v, return_lse=True, out=out, **kwargs)
+    want, want_lse = attention.prefill_reference(q, k, v, **kwargs)
+    assert got.data_ptr() == out.data_ptr()
+    assert not got.isnan().any() and not lse.isnan().any()
+    err = ((got.float() - want).norm() / want.norm().clamp_min(1e-12)).item()
+    assert err < tol, err
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert (got[empty.permute(0, 2, 1)] == 0).all()
+    torch.testing.assert_close(lse[~empty], want_lse[~empty], atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize("batch, sq, skv, hq, hkv, d, causal, alignment, dtype, layout", [
+    (2, 256, 256, 4, 4, 128, False, "bottom_right", "bf16", "bshd"),
+    (2, 256, 256, 4, 4, 128, True, "bottom_right", "bf16", "bshd"),
+    (1, 1000, 1000, 8, 2, 64, True, "bottom_right", "bf16", "bshd"),
+    (3, 77, 301, 6, 2, 128, True, "bottom_right", "fp16", "bhsd"),
+    (2, 301, 77, 6, 3, 64, True, "bottom_right", "bf16", "bshd"),      # early rows see no key
+    (2, 301, 77, 6, 3, 64, True, "top_left", "bf16", "bshd"),
+    (1, 77, 301, 4, 1, 128, True, "top_left", "bf16", "bhsd"),          # MQA
+    (2, 1, 129, 4, 2, 128, False, "bottom_right", "bf16", "bshd"),
+    (1, 129, 1, 4, 2, 64, False, "bottom_right", "fp16", "bshd"),
+    (1, 513, 700, 12, 4, 64, False, "bottom_right", "fp16", "bhsd"),
+])
+def test_shapes_against_the_reference(batch, sq, skv, hq, hkv, d, causal, alignment, dtype, layout):
+    q, k, v = make_inputs(batch, sq, skv, hq, hkv, d, DTYPES[dtype], layout, seed=sq * 1000 + skv)
+    check(q, k, v, causal=causal, causal_alignment=alignment)
+
+
+def test_scale_and_no_lse():
+    q, k, v = make_inputs(1, 200, 200, 4, 2, 128, torch.bfloat16, seed=7)
+    check(q, k, v, causal=True, scale=0.3)
+    got = attention.prefill(q, k, v, causal=True)
+    want, _ = attention.prefill_reference(q, k, v, causal=True)
+    assert ((got.float() - want).norm() / want.norm()).item() < 1e-2
+
+
+def test_no_keys_and_eligibility():
+    q, k, v = make_inputs(2, 5, 1, 4, 2, 64, torch.bfloat16)
+    out, lse = attention.prefill(q, k[:, :0], v[:, :0], return_lse=True)
+    assert (out == 0).all() and torch.isinf(lse).all()
+    assert attention.prefill_eligibility(q, k, v) is None
+    odd = torch.zeros(1, 8, 2, 72, dtype=torch.bfloat16, device="cuda")[..., :64]  # rows 144 bytes apart
+    assert "16 bytes" in attention.prefill_eligibility(odd, odd, odd)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(24))
+def test_random_sweep(seed):
+    rng = random.Random(seed)
+    hkv = rng.choice([1, 2, 3, 8])
+    d = rng.choice([64, 128])
+    causal = rng.random() < 0.5
+    sq, skv = rng.randint(1, 3000), rng.randint(1, 3000)
+    q, k, v = make_inputs(rng.randint(1, 3), sq, skv, hkv * rng.choice([1, 2, 3, 4, 8]), hkv, d,
+                          DTYPES[rng.choice(list(DTYPES))], rng.choice(["bshd", "bhsd"]), seed=seed)
+    check(q, k, v, causal=causal, causal_alignment=rng.choice(["bottom_right", "top_left"]))

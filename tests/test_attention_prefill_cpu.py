@@ -4,6 +4,7 @@ kernel's blocked online softmax (exp2, folded scale, P rounded to the input type
 bad arguments raise errors naming them."""
 import math
 import re
+import struct
 
 import pytest
 import torch
@@ -175,3 +176,29 @@ def test_option_errors_and_eligibility_reasons():
     with pytest.raises(ValueError, match=r"^attention\.prefill: q: on cpu"):
         attention.prefill(q, k, v)
     assert attention.prefill_eligibility(q, k, v) == "q is on cpu, not CUDA"
+
+
+def test_host_path_launches_the_prefill_kernel(recorded_launches, monkeypatch):
+    """prefill's host path on CPU tensors through the real binder (conftest's recorded_launches; TMA descriptors
+    holding their tensor's address in place of the driver's encoding): grid (query tiles, Hq, B), the descriptors
+    of q (a (B, H, S, D) view), k and v, out and lse passed; no launch without keys."""
+    from nvfly.ops.attention import prefill_api
+    from nvfly.runtime.tma import TmaDescriptor
+
+    def descriptor(tensor, box, swizzle=128):
+        desc = TmaDescriptor(tensor, box, swizzle)
+        desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
+        return desc
+    monkeypatch.setattr(prefill_api, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(prefill_api, "cached_descriptor", descriptor)
+    q, k, v = _inputs(b=2, sq=300, skv=77, hq=6, hkv=2, d=128)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out, lse = attention.prefill(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (2, 300, 6, 128) and lse.shape == (2, 6, 300) and lse.dtype == torch.float32
+    assert [(name, grid) for name, grid, _ in recorded_launches] == [("attention_prefill_kernel", (3, 6, 2))]
+    params = recorded_launches[0][2]
+    packed = b"".join(p for p in params if isinstance(p, bytes))
+    assert all(struct.pack("<Q", t.data_ptr()) in packed for t in (q, k, v))
+    assert out.data_ptr() in params and lse.data_ptr() in params
+    out, lse = attention.prefill(q, k[:, :0], v[:, :0], return_lse=True)
+    assert len(recorded_launches) == 1 and (out == 0).all() and torch.isinf(lse).all()

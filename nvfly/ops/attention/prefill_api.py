@@ -11,6 +11,8 @@ from nvfly.ops.attention.api import _aligned, _tensor, reference
 from nvfly.ops.attention.kv_options import error
 from nvfly.ops.attention.prefill_kernel import attention_prefill_kernel
 from nvfly.ops.attention.prefill_plan import HEAD_DIMS, SWIZZLE, PrefillPlan, causal_offset, prefill_plan
+from nvfly.runtime.tensor_desc import torch_dtype
+from nvfly.runtime.tma import cached_descriptor
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +88,11 @@ def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None
 _plan = functools.lru_cache(maxsize=64)(prefill_plan)
 
 
+def _require_cuda(q: Any) -> None:
+    if q.device.type != "cuda":
+        raise error(ValueError, "q", f"on {q.device.type}; {OP} runs on CUDA devices", OP)
+
+
 def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The (B, S, H, D) boxes of the Q loads and of the K and V loads: a tile's rows of one head, one 128-byte
     swizzle row wide (the boxes ``sm90.operand_boxes`` lays out in the kernel)."""
@@ -109,8 +116,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
     """
     import torch
     _check(q, k, v, scale, causal_alignment)
-    if q.device.type != "cuda":
-        raise error(ValueError, "q", f"on {q.device.type}; {OP} runs on CUDA devices", OP)
+    _require_cuda(q)
     reason = _layout_reason(q, k, v)
     if reason:
         raise ValueError(f"{OP}: {reason}")
@@ -135,8 +141,6 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
 
 
 def _launch(plan: PrefillPlan, q: Any, k: Any, v: Any, out: Any, lse: Any, scale: float, offset: int) -> None:
-    from nvfly.runtime.tma import cached_descriptor
-    from nvfly.runtime.tensor_desc import torch_dtype
     q_box, kv_box = _boxes(plan, torch_dtype(q))
     descriptors = [cached_descriptor(q, q_box, SWIZZLE)] + [cached_descriptor(t, kv_box, SWIZZLE) for t in (k, v)]
     batch, sq, hq, _ = q.shape

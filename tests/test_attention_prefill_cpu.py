@@ -11,7 +11,7 @@ import torch
 
 import nvfly
 from nvfly.ops import attention
-from nvfly.ops.attention.prefill_plan import HEAD_DIMS, PrefillPlan, causal_offset, key_blocks
+from nvfly.ops.attention.prefill_plan import HEAD_DIMS, MAX_SMEM, PrefillPlan, causal_offset, key_blocks
 
 
 def gmma_count(kernel, shape, a_from_registers):
@@ -20,20 +20,20 @@ def gmma_count(kernel, shape, a_from_registers):
     return len(re.findall(rf"HGMMA\.{shape}\.F32\.BF16 R\d+, {a_operand}gdesc\[", kernel.sass()))
 
 
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("dqk, dv", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_plans_compile_to_hgmma_without_spills(d, causal):
-    plan = attention.prefill_plan(d, d, causal)
+def test_plans_compile_to_hgmma_without_spills(dqk, dv, causal):
+    plan = attention.prefill_plan(dqk, dv, causal)
     kernel = attention.compile_prefill(plan)
-    steps = d // 16 + plan.block_n // 16  # S's k-steps and P·V's, in each of the unmasked and the masked loop
-    assert gmma_count(kernel, f"64x{plan.block_n}x16", a_from_registers=False) == 2 * (d // 16)
-    assert gmma_count(kernel, f"64x{d}x16", a_from_registers=True) == 2 * (plan.block_n // 16)
-    assert kernel.sass().count("HGMMA") == 2 * steps
+    s_steps, pv_steps = dqk // 16, plan.block_n // 16  # in each of the unmasked and the masked loop
+    assert gmma_count(kernel, f"64x{plan.block_n}x16", a_from_registers=False) == 2 * s_steps
+    assert gmma_count(kernel, f"64x{dv}x16", a_from_registers=True) == 2 * pv_steps
+    assert kernel.sass().count("HGMMA") == 2 * (s_steps + pv_steps)
     assert "LDL" not in kernel.sass() and "STL" not in kernel.sass()
     assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
     assert not kernel.warnings  # no serialised wgmma (C7515/C7511), setmaxnreg honoured
     assert kernel.count("USETMAXREG") == 2 and kernel.count("UTMALDG.4D") >= 3  # ptxas unrolls the producer loop
-    assert plan.smem_bytes(2) <= 227 * 1024
+    assert plan.smem_bytes(2) <= MAX_SMEM
 
 
 def test_fp16_and_no_lse_compile():
@@ -43,10 +43,10 @@ def test_fp16_and_no_lse_compile():
 
 
 @pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
-def test_key_blocks_keep_exactly_the_visible_keys(alignment):
+@pytest.mark.parametrize("bm, bn", [(8, 4), (8, 5), (4, 8)])  # as 128 x 128, 128 x 80 (D 256), and wider keys
+def test_key_blocks_keep_exactly_the_visible_keys(alignment, bm, bn):
     """Blocks below ``unmasked`` are visible to every row of the tile (no mask needed), blocks from ``total`` on to
     none of its real rows (never loaded), for lengths around the block sizes."""
-    bm, bn = 8, 4
     for sq in (1, 3, 8, 9, 17):
         for skv in (1, 4, 5, 13, 24):
             offset = causal_offset(sq, skv, alignment)
@@ -112,16 +112,18 @@ def blocked_model(q, k, v, causal, scale, alignment, bm=16, bn=8):
 
 
 @pytest.mark.parametrize("sq, skv, causal, alignment", [
-    (37, 37, True, "bottom_right"), (20, 45, True, "bottom_right"), (45, 20, True, "bottom_right"),
+    (37, 37, True, "bottom_right"), (64, 64, True, "bottom_right"), (20, 45, True, "bottom_right"), (45, 20, True, "bottom_right"),
     (45, 20, True, "top_left"), (20, 45, True, "top_left"), (33, 19, False, "bottom_right"),
 ])
-def test_blocked_model_matches_the_reference(sq, skv, causal, alignment):
+@pytest.mark.parametrize("bn", [8, 5])
+def test_blocked_model_matches_the_reference(sq, skv, causal, alignment, bn):
+    """Dv != Dqk as DeepSeek's 192/128; key blocks dividing the query tile or not (128 x 80 at D 256)."""
     torch.manual_seed(sq * 100 + skv)
     q = torch.randn(1, sq, 4, 16).to(torch.bfloat16)
     k = torch.randn(1, skv, 2, 16).to(torch.bfloat16)
-    v = torch.randn(1, skv, 2, 16).to(torch.bfloat16)
+    v = torch.randn(1, skv, 2, 12).to(torch.bfloat16)
     scale = 16 ** -0.5
-    out, lse = blocked_model(q, k, v, causal, scale, alignment)
+    out, lse = blocked_model(q, k, v, causal, scale, alignment, bn=bn)
     ref_out, ref_lse = attention.prefill_reference(q, k, v, causal=causal, scale=scale, causal_alignment=alignment)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     finite = torch.isfinite(ref_lse)
@@ -155,7 +157,8 @@ def _inputs(b=1, sq=8, skv=8, hq=4, hkv=2, d=64, dtype=torch.bfloat16):
     (lambda q, k, v: (q, k[..., :32], v), "k", ValueError, "head dim 32 differs"),
     (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "q", ValueError, "head dim 32 is not supported"),
     (lambda q, k, v: (q, k, v[:, :5]), "v", ValueError, "does not match k's"),
-    (lambda q, k, v: (q, k, torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)), "v", ValueError, "Dqk != Dv"),
+    (lambda q, k, v: (q, k, torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)), "v", ValueError,
+     "head dim 128 with Dqk 64 is not supported"),
     (lambda q, k, v: (q, k[:, :, :, ::2].repeat(1, 1, 1, 2)[..., :64].transpose(-1, -2).contiguous()
                       .transpose(-1, -2), v), "k", ValueError, "last dimension must be contiguous"),
 ])

@@ -1,28 +1,31 @@
 """Prefill attention against the float32 reference on fresh random inputs: tails in Sq and Skv (1, odd, not a
-multiple of the tiles), Sq != Skv both ways, GQA groups (power of two or not, MQA), D 64 and 128, bf16 and fp16,
-(B, S, H, D) and (B, H, S, D) layouts, causal in both alignments (rows that see no key: zeros and LSE -inf), the LSE
-row by row. Outputs are NaN-poisoned: every row must be written."""
+multiple of the tiles), Sq != Skv both ways, GQA groups (power of two or not, MQA), every (Dqk, Dv) pair (64, 128,
+192/128, 256 with its 80-key blocks), bf16 and fp16, (B, S, H, D) and (B, H, S, D) layouts, causal in both
+alignments (rows that see no key: zeros and LSE -inf), the LSE row by row. Outputs are NaN-poisoned: every row must
+be written."""
 import random
 
 import pytest
 import torch
 
 from nvfly.ops import attention
+from nvfly.ops.attention.prefill_plan import HEAD_DIMS
 from tests.gpu.test_attention_decode_gpu import assert_matches
 
 pytestmark = pytest.mark.gpu
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def make_inputs(batch, sq, skv, hq, hkv, d, dtype, layout="bshd", seed=0):
-    """q, k, v as (B, S, H, D) tensors (views of (B, H, S, D) storage with ``layout="bhsd"``), fresh random."""
+def make_inputs(batch, sq, skv, hq, hkv, d, dtype, layout="bshd", seed=0, dv=None):
+    """q, k, v as (B, S, H, D) tensors (views of (B, H, S, D) storage with ``layout="bhsd"``), fresh random; v's
+    head dim ``dv`` (default d)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
-    def tensor(s, h):
+    def tensor(s, h, dim):
         if layout == "bhsd":
-            return torch.randn(batch, h, s, d, device="cuda", generator=gen).to(dtype).transpose(1, 2)
-        return torch.randn(batch, s, h, d, device="cuda", generator=gen).to(dtype)
-    return tensor(sq, hq), tensor(skv, hkv), tensor(skv, hkv)
+            return torch.randn(batch, h, s, dim, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+        return torch.randn(batch, s, h, dim, device="cuda", generator=gen).to(dtype)
+    return tensor(sq, hq, d), tensor(skv, hkv, d), tensor(skv, hkv, dv or d)
 
 
 def check(q, k, v, tol=1e-2, **kwargs):
@@ -46,9 +49,14 @@ def check(q, k, v, tol=1e-2, **kwargs):
     (2, 1, 129, 4, 2, 128, False, "bottom_right", "bf16", "bshd"),
     (1, 129, 1, 4, 2, 64, False, "bottom_right", "fp16", "bshd"),
     (1, 513, 700, 12, 4, 64, False, "bottom_right", "fp16", "bhsd"),
+    (2, 333, 333, 4, 2, 256, True, "bottom_right", "bf16", "bshd"),     # 80-key blocks
+    (1, 250, 411, 4, 4, 256, False, "bottom_right", "fp16", "bhsd"),
+    (1, 300, 300, 8, 8, (192, 128), True, "bottom_right", "bf16", "bshd"),  # DeepSeek-like Dqk 192 / Dv 128
+    (2, 129, 260, 8, 2, (192, 128), False, "bottom_right", "bf16", "bhsd"),
 ])
 def test_shapes_against_the_reference(batch, sq, skv, hq, hkv, d, causal, alignment, dtype, layout):
-    q, k, v = make_inputs(batch, sq, skv, hq, hkv, d, DTYPES[dtype], layout, seed=sq * 1000 + skv)
+    dqk, dv = d if isinstance(d, tuple) else (d, d)
+    q, k, v = make_inputs(batch, sq, skv, hq, hkv, dqk, DTYPES[dtype], layout, seed=sq * 1000 + skv, dv=dv)
     check(q, k, v, causal=causal, causal_alignment=alignment)
 
 
@@ -74,9 +82,9 @@ def test_no_keys_and_eligibility():
 def test_random_sweep(seed):
     rng = random.Random(seed)
     hkv = rng.choice([1, 2, 3, 8])
-    d = rng.choice([64, 128])
+    dqk, dv = rng.choice(HEAD_DIMS)
     causal = rng.random() < 0.5
     sq, skv = rng.randint(1, 3000), rng.randint(1, 3000)
-    q, k, v = make_inputs(rng.randint(1, 3), sq, skv, hkv * rng.choice([1, 2, 3, 4, 8]), hkv, d,
-                          DTYPES[rng.choice(list(DTYPES))], rng.choice(["bshd", "bhsd"]), seed=seed)
+    q, k, v = make_inputs(rng.randint(1, 3), sq, skv, hkv * rng.choice([1, 2, 3, 4, 8]), hkv, dqk,
+                          DTYPES[rng.choice(list(DTYPES))], rng.choice(["bshd", "bhsd"]), seed=seed, dv=dv)
     check(q, k, v, causal=causal, causal_alignment=rng.choice(["bottom_right", "top_left"]))

@@ -49,11 +49,12 @@ def _check(q: Any, k: Any, v: Any, scale: Optional[float], causal_alignment: str
         raise error(ValueError, "q", f"{hq} query heads are not a multiple of k's {hkv} KV heads", OP)
     if k.shape[3] != dqk:
         raise error(ValueError, "k", f"head dim {k.shape[3]} differs from q's {dqk}", OP)
-    if dqk not in HEAD_DIMS:
-        raise error(ValueError, "q", f"head dim {dqk} is not supported yet ({', '.join(map(str, HEAD_DIMS))})", OP)
-    if v.shape[3] != dqk:
-        raise error(ValueError, "v", f"head dim {v.shape[3]} differs from q's {dqk} (Dqk != Dv is not supported "
-                                     "yet)", OP)
+    pairs = ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS)
+    if dqk not in {a for a, _ in HEAD_DIMS}:
+        raise error(ValueError, "q", f"head dim {dqk} is not supported yet (Dqk/Dv: {pairs})", OP)
+    if (dqk, v.shape[3]) not in HEAD_DIMS:
+        raise error(ValueError, "v", f"head dim {v.shape[3]} with Dqk {dqk} is not supported yet (Dqk/Dv: {pairs})",
+                    OP)
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         raise error(ValueError, "scale", f"expected a positive finite number, got {scale!r}", OP)
     if causal_alignment not in ALIGNMENTS:
@@ -105,13 +106,14 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             out: Optional["torch.Tensor"] = None) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
     """softmax(q kᵀ scale) v with fp32 accumulation, for long query sequences.
 
-    q (B, Sq, Hq, D), k (B, Skv, Hkv, D), v (B, Skv, Hkv, D): bf16 or fp16, any strides with the last dimension
+    q (B, Sq, Hq, Dqk), k (B, Skv, Hkv, Dqk), v (B, Skv, Hkv, Dv): bf16 or fp16, any strides with the last dimension
     contiguous and the others multiples of 16 bytes (a (B, H, S, D) tensor is passed as ``t.transpose(1, 2)``);
-    Hq a multiple of Hkv (GQA, MQA); Sq and Skv any lengths (tails are masked in the kernel). D is 64 or 128.
+    Hq a multiple of Hkv (GQA, MQA); Sq and Skv any lengths (tails are masked in the kernel). v's head dim Dv may
+    differ from q's and k's Dqk: (Dqk, Dv) is one of 64/64, 128/128, 192/128 (DeepSeek-like), 256/256.
     ``causal``: query i sees keys up to i + Skv - Sq (``causal_alignment="bottom_right"``, flash-attn's and decode's
     convention) or up to i (``"top_left"``, torch SDPA's is_causal); they agree when Sq = Skv. ``scale``: default
-    D^-0.5. Returns out (B, Sq, Hq, D) in q's dtype and, with ``return_lse``, the log-sum-exp (B, Hq, Sq) float32
-    (natural log; -inf for a row that sees no key, whose output is zeros). ``out``: a contiguous (B, Sq, Hq, D)
+    Dqk^-0.5. Returns out (B, Sq, Hq, Dv) in q's dtype and, with ``return_lse``, the log-sum-exp (B, Hq, Sq) float32
+    (natural log; -inf for a row that sees no key, whose output is zeros). ``out``: a contiguous (B, Sq, Hq, Dv)
     tensor of q's dtype to write (else a new one).
     """
     import torch

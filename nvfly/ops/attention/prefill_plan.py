@@ -10,9 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-HEAD_DIMS = (64, 128)       # first cut: Dqk = Dv, whole 128-byte swizzle rows; 96/192/256 come with wider tiles
+# (Dqk, Dv) pairs, whole 128-byte swizzle rows, and the keys of a ring stage for each Dqk. S is 64 x block_n f32 a
+# warpgroup (block_n / 2 registers a thread), O 64 x Dv (Dv / 2): 128 keys up to Dqk 192 (DeepSeek's 192/128:
+# 209 KB of shared memory), 80 at 256 (FlashAttention-3's tile: 225 KB, under the 227 KB a CTA may have)
+HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
+BLOCK_N = {64: 128, 128: 128, 192: 128, 256: 80}
 BLOCK_M = 128               # two consumer warpgroups of 64 rows (wgmma's M)
-BLOCK_N = 128               # S is 64 x 128 f32 a warpgroup: 64 registers a thread, O another Dv / 2
+MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
 STAGES = 2                  # K and V rings each; FA3 uses 2 (the loads run a whole block ahead of the math)
 PRODUCER_REGS = 24          # the producer only issues TMA
 CONSUMER_REGS = 240         # 24 * 128 + 240 * 256 = 64512 of the SM's 65536 registers
@@ -31,7 +35,7 @@ class PrefillPlan:
     dv: int
     causal: bool
     block_m: int = BLOCK_M
-    block_n: int = BLOCK_N
+    block_n: int = 128
     stages: int = STAGES
 
     @property
@@ -61,7 +65,8 @@ class PrefillPlan:
 
 
 def prefill_plan(dqk: int, dv: int, causal: bool) -> PrefillPlan:
-    return PrefillPlan(dqk, dv, causal)
+    """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``)."""
+    return PrefillPlan(dqk, dv, causal, block_n=BLOCK_N[dqk])
 
 
 def causal_offset(sq: int, skv: int, alignment: str) -> int:

@@ -15,7 +15,7 @@ Usage: python benchmarks/attention.py --decode [--quick] [--sq 1 4 8] [--layouts
 [--no-flex] [--fp8] [--name NAME]; paged layouts run at Sq = 1.
 Writes benchmarks/results/attention_decode_h200.json and .png.
 
-Prefill (``--prefill [--quick] [--no-flex]``): the prefill suite of ../shared/docs/anchors.md (B·S = 16K tokens at
+Prefill (``--prefill [--quick] [--prefill-models ...] [--no-flex] [--name NAME]``): the prefill suite of ../shared/docs/anchors.md (B·S = 16K tokens at
 H·D = 2048 for D 64/128/256, GQA 32/8 and 64/8, DeepSeek-like Dqk 192/Dv 128 H 128, MiniMax-like 48/8), each
 non-causal and causal (Sq = Skv, so SDPA's and flex's causal masks are nvfly's). Correctness first: nvfly's last
 ``CHECK_ROWS`` query rows of the first sequence and first two KV heads' query heads against the float32 reference
@@ -238,7 +238,8 @@ def run_prefill_row(shape: tuple, causal: bool, with_flex: bool) -> dict[str, An
 
 
 def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
-    suite = PREFILL_QUICK if args.quick else PREFILL_SUITE
+    suite = [shape for shape in (PREFILL_QUICK if args.quick else PREFILL_SUITE)
+             if args.prefill_models is None or shape[0] in args.prefill_models]
     import torch._dynamo
     torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
     rows, started = [], time.time()
@@ -286,6 +287,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--models", nargs="*", default=None, choices=sorted({shape[0] for shape in SUITE}),
                    help="only these rows of the suite (the whole suite takes over 10 minutes with flex)")
+    p.add_argument("--prefill-models", nargs="*", default=None, choices=sorted({shape[0] for shape in PREFILL_SUITE}),
+                   help="prefill: only these rows (the whole suite with flex takes longer than one 10-minute run)")
     p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True, help="the mod rows")
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")
     p.add_argument("--fp8", action="store_true", help="also each row's shape with fp8 (e4m3) K/V caches (nvfly only)")

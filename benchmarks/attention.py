@@ -14,6 +14,15 @@ per-head scales (``kv`` = "fp8"; nvfly only, no peer takes fp8 caches; TB/s on t
 Usage: python benchmarks/attention.py --decode [--quick] [--sq 1 4 8] [--layouts ...] [--models ...] [--no-mods]
 [--no-flex] [--fp8] [--name NAME]; paged layouts run at Sq = 1.
 Writes benchmarks/results/attention_decode_h200.json and .png.
+
+Prefill (``--prefill [--quick] [--prefill-models ...] [--no-flex] [--name NAME]``): the prefill suite of ../shared/docs/anchors.md (B·S = 16K tokens at
+H·D = 2048 for D 64/128/256, GQA 32/8 and 64/8, DeepSeek-like Dqk 192/Dv 128 H 128, MiniMax-like 48/8), each
+non-causal and causal (Sq = Skv, so SDPA's and flex's causal masks are nvfly's). Correctness first: nvfly's last
+``CHECK_ROWS`` query rows of the first sequence and first two KV heads' query heads against the float32 reference
+(the whole problem's reference would not fit), then nvfly, SDPA per backend (cuDNN, flash, efficient) and compiled
+flex_attention timed in the same process; TFLOP/s count the unmasked work only (``prefill_flops``: causal about
+halves it). Shapes nvfly declines (its eligibility reason in ``nvfly_skipped``) still time the peers.
+Writes benchmarks/results/attention_prefill_h200.json and .png.
 """
 from __future__ import annotations
 
@@ -73,15 +82,17 @@ def paged(k: torch.Tensor, v: torch.Tensor, page: int) -> tuple[torch.Tensor, to
     return k_pages, v_pages, order.view(batch, pages).to(torch.int32)
 
 
-def sdpa_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Callable[[], Any]]:
-    """SDPA per backend on (B, H, S, D) views; the backends that refuse the inputs are left out."""
+def sdpa_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+               backends: tuple[str, ...] = SDPA_BACKENDS) -> dict[str, Callable[[], Any]]:
+    """SDPA per backend of ``backends`` on (B, H, S, D) views, causal aligned to the end (or not at all); the
+    backends that refuse the inputs are left out."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
     sq, skv = q.shape[1], k.shape[1]
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    mask = causal_lower_right(sq, skv) if sq > 1 else None
+    mask = causal_lower_right(sq, skv) if causal and sq > 1 else None
     calls = {}
-    for name in SDPA_BACKENDS:
+    for name in backends:
         backend = getattr(SDPBackend, {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
                                        "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}[name])
 
@@ -101,8 +112,10 @@ def sdpa_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, C
 _FLEX: dict = {}
 
 
-def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: dict[str, Any]) -> Optional[Callable]:
-    """torch.compile'd flex_attention with the same causal alignment and mods (q_idx shifted to the position)."""
+def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: dict[str, Any],
+              causal: bool = True) -> Optional[Callable]:
+    """torch.compile'd flex_attention with the same causal alignment (or none) and mods (q_idx shifted to the
+    position)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     if "flex" not in _FLEX:
         _FLEX["flex"] = torch.compile(flex_attention, dynamic=False)
@@ -111,14 +124,15 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: dict[str,
     user_mask, user_score = mods.get("mask_mod"), mods.get("score_mod")
 
     def mask_mod(b, h, q_idx, kv_idx):
-        keep = kv_idx <= q_idx + shift
+        keep = kv_idx <= q_idx + shift if causal else kv_idx >= 0
         return keep & user_mask(b, h, q_idx + shift, kv_idx) if user_mask is not None else keep
 
     score_mod = None
     if user_score is not None:
         def score_mod(score, b, h, q_idx, kv_idx):
             return user_score(score, b, h, q_idx + shift, kv_idx)
-    block_mask = create_block_mask(mask_mod, None, None, sq, skv, device="cuda")
+    block_mask = (create_block_mask(mask_mod, None, None, sq, skv, device="cuda") if causal or user_mask is not None
+                  else None)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     fn = _FLEX["flex"]
 
@@ -170,22 +184,120 @@ def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: s
     return row
 
 
+# ---------------------------------------------------------------------------------------------- prefill
+# (name, batch, s, hq, hkv, dqk, dv): the prefill suite of ../shared/docs/anchors.md
+PREFILL_SUITE = ([(f"d{d}", 16384 // s, s, 2048 // d, 2048 // d, d, d) for d in (64, 128, 256)
+                  for s in (1024, 2048, 4096, 8192, 16384)]
+                 + [("gqa32/8", 4, 4096, 32, 8, 128, 128), ("gqa64/8", 1, 16384, 64, 8, 128, 128),
+                    ("deepseek", 1, 4096, 128, 128, 192, 128), ("minimax", 1, 32768, 48, 8, 128, 128)])
+PREFILL_QUICK = [("d128", 4, 4096, 32, 32, 128, 128), ("d128", 2, 8192, 16, 16, 128, 128),
+                 ("d128", 1, 16384, 16, 16, 128, 128), ("d64", 8, 2048, 32, 32, 64, 64),
+                 ("gqa64/8", 1, 16384, 64, 8, 128, 128)]
+PREFILL_BACKENDS = ("cudnn", "flash", "efficient")  # math would materialise S: not a peer at these sizes
+CHECK_ROWS = 256
+
+
+def prefill_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool) -> float:
+    """nvfly's relative error on the last CHECK_ROWS queries of sequence 0 and the query heads of its first two KV
+    heads (Sq = Skv: those rows see the same keys as in the whole problem)."""
+    heads = 2 * (q.shape[2] // k.shape[2])
+    want, _ = attention.prefill_reference(q[:1, -CHECK_ROWS:, :heads], k[:1, :, :2], v[:1, :, :2], causal=causal)
+    return rel_err(out[:1, -CHECK_ROWS:, :heads].float(), want)
+
+
+def run_prefill_row(shape: tuple, causal: bool, with_flex: bool) -> dict[str, Any]:
+    name, batch, s, hq, hkv, dqk, dv = shape
+    torch.manual_seed(0)
+    q = torch.randn(batch, s, hq, dqk, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, s, hkv, dqk, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, s, hkv, dv, device="cuda", dtype=torch.bfloat16)
+    row: dict[str, Any] = {"model": name, "batch": batch, "sq": s, "skv": s, "hq": hq, "hkv": hkv, "dqk": dqk,
+                           "dv": dv, "causal": causal, "mod": "none"}
+    flops = attention.prefill_flops(batch, s, s, hq, dqk, dv, causal)
+    reason = attention.prefill_eligibility(q, k, v)
+    if reason is None:
+        out = torch.full((batch, s, hq, dv), float("nan"), dtype=q.dtype, device="cuda")
+        attention.prefill(q, k, v, causal=causal, out=out)
+        row["nvfly_err"] = prefill_error(q, k, v, out, causal)
+        row["ok"] = row["nvfly_err"] < 2e-2 and not out.isnan().any().item()  # every row written
+        del out
+        row["nvfly_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal))
+    else:
+        row["nvfly_skipped"] = reason
+    for peer, call in sdpa_calls(q, k, v, causal, PREFILL_BACKENDS).items():
+        row[f"{peer}_ms"] = bench_ms(call)
+    if with_flex:
+        call = flex_call(q, k, v, {}, causal)
+        if call is not None:
+            row["flex_ms"] = bench_ms(call)
+    for key in [key for key in row if key.endswith("_ms")]:
+        row[key[:-3] + "_tflops"] = flops / row[key] / 1e9
+        if key != "nvfly_ms" and "nvfly_ms" in row:
+            row["vs_" + key[:-3]] = row[key] / row["nvfly_ms"]
+    return row
+
+
+def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
+    suite = [shape for shape in (PREFILL_QUICK if args.quick else PREFILL_SUITE)
+             if args.prefill_models is None or shape[0] in args.prefill_models]
+    import torch._dynamo
+    torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
+    rows, started = [], time.time()
+    for shape in suite:
+        for causal in (False, True):
+            row = run_prefill_row(shape, causal, not args.no_flex)
+            rows.append(row)
+            peers = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row
+                              if key.endswith("_tflops") and key != "nvfly_tflops")
+            mine = (f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tflops']:.0f} TFLOP/s" if "nvfly_ms" in row
+                    else f"nvfly: {row['nvfly_skipped']}")
+            print(f"{row['model']:>9} B{row['batch']:<3} S{row['sq']:<6} {row['hq']}/{row['hkv']} "
+                  f"{row['dqk']}/{row['dv']} {'causal' if causal else 'full':>6}  {mine}  ({peers})", flush=True)
+            torch.cuda.empty_cache()
+    timed = [r for r in rows if "nvfly_ms" in r]
+    summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in timed),
+               "declined": len(rows) - len(timed),
+               **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in timed if f"vs_{peer}" in r])
+                  for peer in (*PREFILL_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in timed)}}
+    print(summary)
+    command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    path = write_results(args.name or "attention_prefill", rows,
+                         {"summary": summary, "command": command, "card": torch.cuda.get_device_name()})
+    labels = [f"{r['model']} B{r['batch']} S{r['sq'] // 1024}K {r['hq']}/{r['hkv']} {'c' if r['causal'] else 'f'}"
+              for r in rows]
+    series = {"nvfly": [r.get("nvfly_tflops", 0.0) for r in rows]}
+    for peer in (*PREFILL_BACKENDS, "flex"):
+        if any(f"{peer}_tflops" in r for r in rows):
+            series[peer] = [r.get(f"{peer}_tflops", 0.0) for r in rows]
+    plot(args.name or "attention_prefill", labels, series, "TFLOP/s (unmasked work)")
+    print("wrote", path)
+    return 0 if summary["all_ok"] else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--decode", action="store_true", help="the decode suite (the only one so far)")
+    suites = p.add_mutually_exclusive_group(required=True)
+    suites.add_argument("--decode", action="store_true", help="the decode suite")
+    suites.add_argument("--prefill", action="store_true", help="the prefill suite")
     p.add_argument("--quick", action="store_true",
-                   help="six rows: B1 128K, B16 48/8 32K at Sq 1 and 4, B32 4K paged 16, soft-cap and block-mask rows")
+                   help="decode: six rows: B1 128K, B16 48/8 32K at Sq 1 and 4, B32 4K paged 16, soft-cap and "
+                        "block-mask rows; prefill: five shapes (D 128 at 4K, 8K, 16K, D 64 at 2K, GQA 64/8 16K), "
+                        "each non-causal and causal")
     p.add_argument("--sq", type=int, nargs="*", default=[1, 4, 8], help="query tokens of the suite's rows")
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--models", nargs="*", default=None, choices=sorted({shape[0] for shape in SUITE}),
                    help="only these rows of the suite (the whole suite takes over 10 minutes with flex)")
+    p.add_argument("--prefill-models", nargs="*", default=None, choices=sorted({shape[0] for shape in PREFILL_SUITE}),
+                   help="prefill: only these rows (the whole suite with flex takes longer than one 10-minute run)")
     p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True, help="the mod rows")
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")
     p.add_argument("--fp8", action="store_true", help="also each row's shape with fp8 (e4m3) K/V caches (nvfly only)")
-    p.add_argument("--name", default="attention_decode", help="results file stem (benchmarks/results/<name>_h200)")
+    p.add_argument("--name", default=None, help="results file stem (benchmarks/results/<name>_h200; default "
+                                                 "attention_decode or attention_prefill)")
     args = p.parse_args(argv)
-    if not args.decode:
-        p.error("--decode: the only suite so far")
+    if args.prefill:
+        return run_prefill(args, argv)
+    args.name = args.name or "attention_decode"
     if args.quick:
         cases = [(shape, sq, layout, "none") for shape, sq, layout in QUICK]
         cases += [(MOD_SHAPE, 1, "bshd", "softcap50"), (MOD_SHAPE, 1, "bshd", "window4096-blockmask")]

@@ -22,12 +22,12 @@ DTYPES = ("torch.bfloat16", "torch.float16")
 _MODS: dict = {}  # (score_mod, mask_mod) -> Mods: one compile key per pair of functions
 
 
-def _tensor(value: Any, name: str, rank: int) -> None:
+def _tensor(value: Any, name: str, rank: int, op: str = OP) -> None:
     import torch
     if not isinstance(value, torch.Tensor):
-        raise error(TypeError, name, f"expected a torch.Tensor, got {type(value).__name__}")
+        raise error(TypeError, name, f"expected a torch.Tensor, got {type(value).__name__}", op)
     if value.dim() != rank:
-        raise error(ValueError, name, f"expected {rank} dimensions, got shape {tuple(value.shape)}")
+        raise error(ValueError, name, f"expected {rank} dimensions, got shape {tuple(value.shape)}", op)
 
 
 def _aligned(t: "torch.Tensor") -> bool:

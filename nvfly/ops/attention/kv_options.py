@@ -14,8 +14,9 @@ OP = "attention.decode"
 FP8 = "torch.float8_e4m3fn"
 
 
-def error(kind: type, argument: str, message: str) -> Exception:
-    return kind(f"{OP}: {argument}: {message}")
+def error(kind: type, argument: str, message: str, op: str = OP) -> Exception:
+    """``kind`` with a message naming the op and the argument (``op``: decode's unless prefill's)."""
+    return kind(f"{op}: {argument}: {message}")
 
 
 # ---------------------------------------------------------------------------------------------- fp8 scales

@@ -1,0 +1,251 @@
+"""Prefill attention: softmax(q kᵀ scale) v for long query sequences, compute-bound, on Hopper's TMA and wgmma.
+
+    q [B, Sq, Hq, Dqk], k [B, Skv, Hkv, Dqk], v [B, Skv, Hkv, Dv] through 4-D TMA descriptors (any strides with the
+    last dimension contiguous); out [B, Sq, Hq, Dv]; lse [B, Hq, Sq] f32 (natural log) or None.
+
+Grid (query tiles, Hq, B), heaviest causal tiles first (block x counts down the tiles). A CTA is a producer
+warpgroup and ``consumers`` consumer warpgroups (``prefill_plan``). The producer's thread 0 loads the Q tile once
+(its own mbarrier) and then K and V of each key block it needs into two ``stages``-deep rings (full/empty
+mbarriers, ``sm90.TmaPipeline``): separate rings let S = Q Kᵀ start as soon as K lands. TMA zero-fills rows past
+Sq and Skv (the S dimension is its own descriptor dimension: nothing leaks across sequences), so tails read zeros
+and are masked, never NaN.
+
+A consumer warpgroup owns 64 query rows. Per key block: S (64 x block_n f32) = Q Kᵀ by wgmma from shared memory
+(K-major K), K's stage released; the online softmax keeps each thread's two rows' maximum (raw score units) and
+thread-partial sum, with the scale folded into exp2's one FFMA (p = exp2(s · scale·log2e − max · scale·log2e));
+O is rescaled in registers; P is rounded to the input type and fed as the A operand of O += P V straight from
+registers (register-A wgmma, V MN-major from the ring: no transpose in shared memory), then V's stage is released.
+Blocks fully visible to the whole tile run without any mask; the tail block and blocks crossing the causal
+diagonal apply it (``prefill_plan.key_blocks``); blocks past the diagonal are never loaded. The end divides by the
+quad-reduced sum (rows with no key: zeros, LSE −inf) and stores O as 4-byte pairs straight from registers.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.arch.ptx import smem_address
+from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, SWIZZLE, key_blocks)
+
+LN2 = math.log(2.0)
+NEG_INF = float("-inf")
+
+
+@nvfly.kernel
+def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescriptor, v_desc: nvfly.TmaDescriptor,
+                             out: nvfly.Tensor, lse, sq: nvfly.i32, skv: nvfly.i32, group: nvfly.i32,
+                             causal_offset: nvfly.i32, scale_log2: nvfly.f32, PLAN: nvfly.Constexpr):
+    dtype = q_desc.info.dtype
+    size = dtype.itemsize
+    BM, BN, S, WGS = PLAN.block_m, PLAN.block_n, PLAN.stages, PLAN.consumers
+    DQK, DV = PLAN.dqk, PLAN.dv
+    s_atom = sm90.WgmmaAtom(BN, dtype, dtype, "K", "K")
+    pv_atom = sm90.WgmmaAtom(DV, dtype, dtype, "K", "MN", a_source="registers")
+    q_layout = sm90.operand_layout(BM, DQK, dtype, "K", SWIZZLE)
+    k_layout = sm90.operand_layout(BN, DQK, dtype, "K", SWIZZLE)
+    v_layout = sm90.operand_layout(DV, BN, dtype, "MN", SWIZZLE)
+    q_boxes = sm90.operand_boxes(q_layout, BM, DQK, dtype, "K", SWIZZLE)[1][0]
+    k_boxes = sm90.operand_boxes(k_layout, BN, DQK, dtype, "K", SWIZZLE)[1][0]
+    v_boxes = sm90.operand_boxes(v_layout, DV, BN, dtype, "MN", SWIZZLE)[1][0]
+    q_desc_offsets = sm90.descriptor_offsets(q_layout, dtype, "K", SWIZZLE) + (SWIZZLE,)
+    k_desc_offsets = sm90.descriptor_offsets(k_layout, dtype, "K", SWIZZLE) + (SWIZZLE,)
+    v_desc_offsets = sm90.descriptor_offsets(v_layout, dtype, "MN", SWIZZLE) + (SWIZZLE,)
+    Q_BYTES = PLAN.q_bytes(size)
+    K_BYTES = PLAN.k_stage_bytes(size)
+    V_BYTES = PLAN.v_stage_bytes(size)
+
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (1 + 4 * S,)))
+    q_tile = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (Q_BYTES,), offset_bytes=BARRIER_BYTES))
+    k_ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * K_BYTES,), offset_bytes=BARRIER_BYTES + Q_BYTES))
+    v_ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * V_BYTES,),
+                                                      offset_bytes=BARRIER_BYTES + Q_BYTES + S * K_BYTES))
+    q_bar = bars
+    k_pipe = sm90.TmaPipeline(bars + 8, S, K_BYTES, consumer_arrivals=4 * WGS)
+    v_pipe = sm90.TmaPipeline(bars + 8 + 16 * S, S, V_BYTES, consumer_arrivals=4 * WGS)
+
+    tid = nvfly.thread_idx.x
+    warp = nvfly.warp_idx()
+    wg = warp // 4
+    if tid == 0:
+        sm90.mbarrier_init(q_bar, 1)
+        k_pipe.init()
+        v_pipe.init()
+        sm90.tma_prefetch_descriptor(q_desc)
+        sm90.tma_prefetch_descriptor(k_desc)
+        sm90.tma_prefetch_descriptor(v_desc)
+    nvfly.syncthreads()
+
+    m_block = nvfly.grid_dim.x - 1 - nvfly.block_idx.x  # causal: the longest tiles start first
+    head = nvfly.block_idx.y
+    batch = nvfly.block_idx.z
+    kv_head = head // group
+    unmasked, total = key_blocks(m_block, skv, PLAN.causal, causal_offset, BM, BN, nvfly.minimum, nvfly.maximum)
+
+    if wg == 0:
+        sm90.setmaxnreg(PRODUCER_REGS, increase=False)
+        if tid == 0:
+            sm90.mbarrier_arrive_expect_tx(q_bar, Q_BYTES)
+            for box in q_boxes:
+                sm90.tma_load(q_desc, q_tile + box.smem_offset,
+                              (batch, m_block * BM + box.mn_offset, head, box.k_offset), q_bar)
+            k_state = sm90.PipelineState.start(S)
+            v_state = sm90.PipelineState.start(S)
+            for n in range(total):
+                k_pipe.producer_acquire(k_state)
+                k_pipe.producer_expect(k_state)
+                for box in k_boxes:
+                    sm90.tma_load(k_desc, k_ring + k_state.stage * K_BYTES + box.smem_offset,
+                                  (batch, n * BN + box.mn_offset, kv_head, box.k_offset), k_pipe.full(k_state.stage))
+                k_state = k_state.advance()
+                v_pipe.producer_acquire(v_state)
+                v_pipe.producer_expect(v_state)
+                for box in v_boxes:  # MN-major: the box's K offset is the key, its MN offset the column
+                    sm90.tma_load(v_desc, v_ring + v_state.stage * V_BYTES + box.smem_offset,
+                                  (batch, n * BN + box.k_offset, kv_head, box.mn_offset), v_pipe.full(v_state.stage))
+                v_state = v_state.advance()
+    else:
+        sm90.setmaxnreg(CONSUMER_REGS, increase=True)
+        consumer = wg - 1
+        lane = nvfly.lane_idx()
+        warp_in_wg = warp % 4
+        row0 = m_block * BM + consumer * 64 + warp_in_wg * 16 + lane // 4  # the thread's rows: row0, row0 + 8
+        ctx = BlockContext(q_tile + consumer * (q_layout.inner((64, 0)) * size), k_ring, v_ring, k_pipe, v_pipe,
+                           s_atom, pv_atom, q_layout, k_layout, v_layout, q_desc_offsets, k_desc_offsets,
+                           v_desc_offsets, K_BYTES, V_BYTES, size, scale_log2, skv, causal_offset, row0, lane)
+        state = Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2, sm90.Accumulator.zeros(pv_atom),
+                        sm90.PipelineState.start(S), sm90.PipelineState.start(S))
+        sm90.mbarrier_wait(q_bar, 0)
+        for n in range(unmasked):
+            state = attend_block(state, ctx, n, PLAN, False)
+        for n in range(unmasked, total):
+            state = attend_block(state, ctx, n, PLAN, True)
+        store_rows(state, out, lse, batch, head, row0, sq, lane, scale_log2, DV)
+
+
+class Softmax(NamedTuple):
+    """A consumer thread's running state: its two rows' maxima (raw score units) and thread-partial sums, the O
+    accumulator (64 x Dv for the warpgroup), and the K and V rings' positions."""
+    maxima: list
+    sums: list
+    acc: Any
+    k_state: Any
+    v_state: Any
+
+
+class BlockContext(NamedTuple):
+    """What every key block of a consumer warpgroup needs: its Q slice's and the rings' shared addresses, the
+    pipelines, atoms, operand layouts and descriptor fields (leading, stride byte offsets, swizzle), the scale in
+    log2 units, and what the mask reads (Skv, the causal offset, the thread's first row and its lane)."""
+    q_tile: Any
+    k_ring: Any
+    v_ring: Any
+    k_pipe: Any
+    v_pipe: Any
+    s_atom: Any
+    pv_atom: Any
+    q_layout: Any
+    k_layout: Any
+    v_layout: Any
+    q_desc: tuple
+    k_desc: tuple
+    v_desc: tuple
+    k_bytes: int
+    v_bytes: int
+    size: int
+    scale_log2: Any
+    skv: Any
+    causal_offset: Any
+    row0: Any
+    lane: Any
+
+
+def row_of(i: int) -> int:
+    """Which of the thread's two rows accumulator element ``i`` belongs to (element 4j + 2h + e is row h)."""
+    return (i // 2) % 2
+
+
+@nvfly.func
+def attend_block(state, ctx, n, PLAN, MASKED):
+    """Fold key block ``n`` into the warpgroup's online softmax and O; ``MASKED``: apply the tail and causal mask
+    (a separate trace, so fully visible blocks carry no mask code)."""
+    size = ctx.size
+    k_stage = ctx.k_ring + state.k_state.stage * ctx.k_bytes
+    ctx.k_pipe.consumer_wait(state.k_state)
+    s = sm90.Accumulator.undefined(ctx.s_atom)
+    sm90.fence()
+    for ks in nvfly.static_range(PLAN.dqk // ctx.s_atom.k):
+        dq = sm90.smem_descriptor(ctx.q_tile + ctx.q_layout.inner((0, ks * ctx.s_atom.k)) * size, *ctx.q_desc)
+        dk = sm90.smem_descriptor(k_stage + ctx.k_layout.inner((0, ks * ctx.s_atom.k)) * size, *ctx.k_desc)
+        s = sm90.mma(ctx.s_atom, s, dq, dk, zero=ks == 0)
+    sm90.commit_group()
+    sm90.wait_group(0)
+    if ctx.lane == 0:
+        ctx.k_pipe.consumer_release(state.k_state)
+
+    scores = [s[i] for i in range(len(s))]
+    if MASKED:
+        first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
+        for i in nvfly.static_range(len(scores)):
+            key = first_key + 8 * (i // 4) + i % 2
+            keep = key < ctx.skv
+            if PLAN.causal:
+                keep = keep & (key <= ctx.row0 + 8 * row_of(i) + ctx.causal_offset)
+            scores[i] = nvfly.select(keep, scores[i], NEG_INF)
+    maxima, sums, shifts, rescales = [], [], [], []
+    for r in nvfly.static_range(2):
+        top = state.maxima[r]
+        for i in nvfly.static_range(r * 2, len(scores), 4):
+            top = nvfly.maximum(top, nvfly.maximum(scores[i], scores[i + 1]))
+        top = nvfly.maximum(top, nvfly.shfl_xor(top, 1))  # the 4 lanes of a row
+        top = nvfly.maximum(top, nvfly.shfl_xor(top, 2))
+        if MASKED:  # a row with no key kept yet: shift by 0, not -inf
+            reference = nvfly.select(top == NEG_INF, 0.0, top)
+        else:
+            reference = top
+        shift = reference * ctx.scale_log2
+        rescales.append(nvfly.exp2(state.maxima[r] * ctx.scale_log2 - shift))
+        shifts.append(shift)
+        maxima.append(top)
+    p = [nvfly.exp2(x * ctx.scale_log2 - shifts[row_of(i)]) for i, x in enumerate(scores)]
+    for r in nvfly.static_range(2):
+        total = state.sums[r] * rescales[r]
+        for i in nvfly.static_range(r * 2, len(p), 4):
+            total = total + p[i] + p[i + 1]
+        sums.append(total)
+    fragments = s.map(lambda x, i: p[i]).to_a_fragments(ctx.pv_atom)
+    acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
+
+    v_stage = ctx.v_ring + state.v_state.stage * ctx.v_bytes
+    ctx.v_pipe.consumer_wait(state.v_state)
+    sm90.fence()  # P's and O's registers were written since the last wgmma
+    for ks in nvfly.static_range(len(fragments)):
+        dv = sm90.smem_descriptor(v_stage + ctx.v_layout.inner((0, ks * ctx.pv_atom.k)) * size, *ctx.v_desc)
+        acc = sm90.mma(ctx.pv_atom, acc, fragments[ks], dv)
+    sm90.commit_group()
+    sm90.wait_group(0)
+    if ctx.lane == 0:
+        ctx.v_pipe.consumer_release(state.v_state)
+    return Softmax(maxima, sums, acc, state.k_state.advance(), state.v_state.advance())
+
+
+@nvfly.func
+def store_rows(state, out, lse, batch, head, row0, sq, lane, scale_log2, DV):
+    """O / l for the thread's two rows (zeros for a row with no key) as 4-byte pairs, and its LSE (natural log,
+    −inf for a row with no key) from the quad's first lane."""
+    for r in nvfly.static_range(2):
+        row = row0 + 8 * r
+        total = state.sums[r] + nvfly.shfl_xor(state.sums[r], 1)
+        total = total + nvfly.shfl_xor(total, 2)
+        kept = total > 0.0
+        inverse = nvfly.select(kept, 1.0 / nvfly.maximum(total, 1e-30), 0.0)
+        inside = row < sq
+        for j in nvfly.static_range(DV // 8):
+            col = 8 * j + 2 * (lane % 4)
+            pair = nvfly.make_vector([state.acc[4 * j + 2 * r] * inverse, state.acc[4 * j + 2 * r + 1] * inverse])
+            out.store(pair.to(out.dtype), batch, row, head, col, mask=inside)
+        if lse is not None:
+            if inside & (lane % 4 == 0):
+                row_lse = (state.maxima[r] * scale_log2 + nvfly.log2(nvfly.maximum(total, 1e-30))) * LN2
+                lse[batch, head, row] = nvfly.select(kept, row_lse, NEG_INF)

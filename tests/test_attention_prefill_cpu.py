@@ -1,0 +1,212 @@
+"""Prefill attention without a GPU: the kernel compiles for sm_90a to HGMMA (register-A for P·V) without spills or
+ptxas warnings, the causal tile arithmetic the kernel traces keeps exactly the visible keys, a float model of the
+kernel's blocked online softmax (exp2, folded scale, P rounded to the input type) matches the float32 reference, and
+bad arguments raise errors naming them."""
+import math
+import re
+import struct
+
+import pytest
+import torch
+
+import nvfly
+from nvfly.ops import attention
+from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, HEAD_DIMS, MAX_SMEM, PRODUCER_REGS, PrefillPlan,
+                                              causal_offset, key_blocks)
+
+
+def gmma_count(kernel, shape, a_from_registers):
+    """HGMMA instructions of ``shape`` whose A operand is a register (``R.., R.., gdesc``) or a descriptor."""
+    a_operand = r"R\d+, " if a_from_registers else ""
+    return len(re.findall(rf"HGMMA\.{shape}\.F32\.BF16 R\d+, {a_operand}gdesc\[", kernel.sass()))
+
+
+@pytest.mark.parametrize("dqk, dv", HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_plans_compile_to_hgmma_without_spills(dqk, dv, causal):
+    plan = attention.prefill_plan(dqk, dv, causal)
+    kernel = attention.compile_prefill(plan)
+    s_steps, pv_steps = dqk // 16, plan.block_n // 16  # in each of the unmasked and the masked loop
+    assert gmma_count(kernel, f"64x{plan.block_n}x16", a_from_registers=False) == 2 * s_steps
+    assert gmma_count(kernel, f"64x{dv}x16", a_from_registers=True) == 2 * pv_steps
+    assert kernel.sass().count("HGMMA") == 2 * (s_steps + pv_steps)
+    assert "LDL" not in kernel.sass() and "STL" not in kernel.sass()
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert not kernel.warnings  # no serialised wgmma (C7515/C7511), setmaxnreg honoured
+    assert kernel.count("UTMALDG.4D") >= 3  # Q, K, V (ptxas unrolls the producer loop)
+    # the register budgets as planned: the producer gives registers back, the consumers take them
+    assert re.search(rf"USETMAXREG\.DEALLOC\.CTAPOOL {PRODUCER_REGS:#x} ;", kernel.sass())
+    assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {CONSUMER_REGS:#x} ;", kernel.sass())
+    assert PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * plan.consumers <= 65536
+    assert plan.smem_bytes(2) <= MAX_SMEM
+
+
+def test_fp16_and_no_lse_compile():
+    kernel = attention.compile_prefill(PrefillPlan(64, 64, True), dtype=nvfly.f16, return_lse=False)
+    assert re.search(r"HGMMA\.64x64x16\.F32 R\d+, R\d+, gdesc\[", kernel.sass())
+    assert not kernel.warnings
+
+
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+@pytest.mark.parametrize("bm, bn", [(8, 4), (8, 5), (4, 8)])  # as 128 x 128, 128 x 80 (D 256), and wider keys
+def test_key_blocks_keep_exactly_the_visible_keys(alignment, bm, bn):
+    """Blocks below ``unmasked`` are visible to every row of the tile (no mask needed), blocks from ``total`` on to
+    none of its real rows (never loaded), for lengths around the block sizes."""
+    for sq in (1, 3, 8, 9, 17):
+        for skv in (1, 4, 5, 13, 24):
+            offset = causal_offset(sq, skv, alignment)
+            for causal in (False, True):
+                for m in range(-(-sq // bm)):
+                    unmasked, total = key_blocks(m, skv, causal, offset, bm, bn)
+                    assert 0 <= unmasked <= total <= -(-skv // bn)
+                    for n in range(-(-skv // bn)):
+                        keys = range(n * bn, n * bn + bn)
+                        seen = [(key < skv) and (not causal or key <= row + offset)
+                                for row in range(m * bm, m * bm + bm) for key in keys]
+                        real = [(key < skv) and (not causal or key <= row + offset)
+                                for row in range(m * bm, min(m * bm + bm, sq)) for key in keys]
+                        if n < unmasked:
+                            assert all(seen), (sq, skv, causal, m, n)
+                        if n >= total:
+                            assert not any(real), (sq, skv, causal, m, n)
+
+
+def blocked_model(q, k, v, causal, scale, alignment, bm=16, bn=8):
+    """The kernel's algorithm in float32 on the CPU for one (B=1) head group: tiles of ``bm`` rows walk the key
+    blocks of ``key_blocks``, the unmasked ones without a mask; maxima in raw score units, exp2 with the scale
+    folded, thread sums rescaled, P rounded to the input type before P·V; then O / l and LSE."""
+    sq, hq, d = q.shape[1:]
+    skv, hkv = k.shape[1:3]
+    offset = causal_offset(sq, skv, alignment)
+    scale_log2 = scale / math.log(2.0)
+    out = torch.zeros(1, sq, hq, v.shape[3])
+    lse = torch.full((1, hq, sq), float("-inf"))
+    for h in range(hq):
+        for m in range(-(-sq // bm)):
+            rows = torch.arange(m * bm, m * bm + bm)
+            qt = torch.zeros(bm, d)
+            valid = rows < sq
+            qt[valid] = q[0, rows[valid], h].float()
+            top = torch.full((bm,), float("-inf"))
+            total = torch.zeros(bm)
+            acc = torch.zeros(bm, v.shape[3])
+            unmasked, blocks = key_blocks(m, skv, causal, offset, bm, bn)
+            for n in range(blocks):
+                keys = torch.arange(n * bn, n * bn + bn)
+                kt = torch.zeros(bn, d)
+                vt = torch.zeros(bn, v.shape[3])
+                inside = keys < skv
+                kt[inside] = k[0, keys[inside], h // (hq // hkv)].float()
+                vt[inside] = v[0, keys[inside], h // (hq // hkv)].float()
+                s = qt @ kt.T
+                if n >= unmasked:
+                    keep = inside[None, :] & ((keys[None, :] <= rows[:, None] + offset) if causal else True)
+                    s = s.masked_fill(~keep, float("-inf"))
+                new_top = torch.maximum(top, s.max(dim=1).values)
+                reference = torch.where(new_top == float("-inf"), 0.0, new_top)
+                rescale = torch.exp2(top * scale_log2 - reference * scale_log2)
+                p = torch.exp2(s * scale_log2 - (reference * scale_log2)[:, None])
+                total = total * rescale + p.sum(dim=1)
+                acc = acc * rescale[:, None] + p.to(q.dtype).float() @ vt
+                top = new_top
+            kept = total > 0
+            out[0, rows[valid], h] = torch.where(kept[:, None], acc / total.clamp_min(1e-30)[:, None], 0.0)[valid]
+            row_lse = (top * scale_log2 + torch.log2(total.clamp_min(1e-30))) * math.log(2.0)
+            lse[0, h, rows[valid]] = torch.where(kept, row_lse, float("-inf"))[valid]
+    return out, lse
+
+
+@pytest.mark.parametrize("sq, skv, causal, alignment", [
+    (37, 37, True, "bottom_right"), (64, 64, True, "bottom_right"), (20, 45, True, "bottom_right"), (45, 20, True, "bottom_right"),
+    (45, 20, True, "top_left"), (20, 45, True, "top_left"), (33, 19, False, "bottom_right"),
+])
+@pytest.mark.parametrize("bn", [8, 5])
+def test_blocked_model_matches_the_reference(sq, skv, causal, alignment, bn):
+    """Dv != Dqk as DeepSeek's 192/128; key blocks dividing the query tile or not (128 x 80 at D 256)."""
+    torch.manual_seed(sq * 100 + skv)
+    q = torch.randn(1, sq, 4, 16).to(torch.bfloat16)
+    k = torch.randn(1, skv, 2, 16).to(torch.bfloat16)
+    v = torch.randn(1, skv, 2, 12).to(torch.bfloat16)
+    scale = 16 ** -0.5
+    out, lse = blocked_model(q, k, v, causal, scale, alignment, bn=bn)
+    ref_out, ref_lse = attention.prefill_reference(q, k, v, causal=causal, scale=scale, causal_alignment=alignment)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
+
+
+def test_visible_pairs_and_flops():
+    from nvfly.ops.attention.prefill_api import visible_pairs
+    for sq, skv in ((5, 5), (3, 7), (7, 3), (1, 1)):
+        for alignment in ("bottom_right", "top_left"):
+            offset = causal_offset(sq, skv, alignment)
+            count = sum(1 for i in range(sq) for j in range(skv) if j <= i + offset)
+            assert visible_pairs(sq, skv, True, alignment) == count
+        assert visible_pairs(sq, skv, False) == sq * skv
+    assert attention.prefill_flops(1, 4096, 4096, 16, 128, 128, False) == 4 * 4096 * 4096 * 16 * 128
+    assert attention.prefill_flops(1, 4096, 4096, 16, 128, 128, True) == 2 * 256 * 16 * 4096 * 4097 // 2
+
+
+def _inputs(b=1, sq=8, skv=8, hq=4, hkv=2, d=64, dtype=torch.bfloat16):
+    return (torch.zeros(b, sq, hq, d, dtype=dtype), torch.zeros(b, skv, hkv, d, dtype=dtype),
+            torch.zeros(b, skv, hkv, d, dtype=dtype))
+
+
+@pytest.mark.parametrize("change, argument, kind, message", [
+    (lambda q, k, v: (q.float(), k, v), "q", TypeError, "dtype torch.float32 is not supported"),
+    (lambda q, k, v: (q, k.half(), v), "k", TypeError, "differs from q's"),
+    (lambda q, k, v: (q[0], k, v), "q", ValueError, "expected 4 dimensions"),
+    (lambda q, k, v: (q, [k], v), "k", TypeError, "expected a torch.Tensor"),
+    (lambda q, k, v: (q[..., :3, :], k, v), "q", ValueError, "3 query heads are not a multiple of k's 2"),
+    (lambda q, k, v: (q, k[..., :32], v), "k", ValueError, "head dim 32 differs"),
+    (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "q", ValueError, "head dim 32 is not supported"),
+    (lambda q, k, v: (q, k, v[:, :5]), "v", ValueError, "does not match k's"),
+    (lambda q, k, v: (q, k, torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)), "v", ValueError,
+     "head dim 128 with Dqk 64 is not supported"),
+    (lambda q, k, v: (q, k[:, :, :, ::2].repeat(1, 1, 1, 2)[..., :64].transpose(-1, -2).contiguous()
+                      .transpose(-1, -2), v), "k", ValueError, "last dimension must be contiguous"),
+])
+def test_argument_errors_name_the_argument(change, argument, kind, message):
+    q, k, v = change(*_inputs())
+    with pytest.raises(kind, match=rf"^attention\.prefill: {argument}: .*{re.escape(message)}"):
+        attention.prefill(q, k, v)
+    reason = attention.prefill_eligibility(q, k, v)
+    assert reason is not None and reason.startswith(f"attention.prefill: {argument}: ")
+
+
+def test_option_errors_and_eligibility_reasons():
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match=r"^attention\.prefill: scale: expected a positive"):
+        attention.prefill(q, k, v, scale=-1.0)
+    with pytest.raises(ValueError, match=r"^attention\.prefill: causal_alignment: expected one of"):
+        attention.prefill(q, k, v, causal=True, causal_alignment="diagonal")
+    with pytest.raises(ValueError, match=r"^attention\.prefill: q: on cpu"):
+        attention.prefill(q, k, v)
+    assert attention.prefill_eligibility(q, k, v) == "q is on cpu, not CUDA"
+
+
+def test_host_path_launches_the_prefill_kernel(recorded_launches, monkeypatch):
+    """prefill's host path on CPU tensors through the real binder (conftest's recorded_launches; TMA descriptors
+    holding their tensor's address in place of the driver's encoding): grid (query tiles, Hq, B), the descriptors
+    of q (a (B, H, S, D) view), k and v, out and lse passed; no launch without keys."""
+    from nvfly.ops.attention import prefill_api
+    from nvfly.runtime.tma import TmaDescriptor
+
+    def descriptor(tensor, box, swizzle=128):
+        desc = TmaDescriptor(tensor, box, swizzle)
+        desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
+        return desc
+    monkeypatch.setattr(prefill_api, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(prefill_api, "cached_descriptor", descriptor)
+    q, k, v = _inputs(b=2, sq=300, skv=77, hq=6, hkv=2, d=128)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out, lse = attention.prefill(q, k, v, causal=True, return_lse=True)
+    assert out.shape == (2, 300, 6, 128) and lse.shape == (2, 6, 300) and lse.dtype == torch.float32
+    assert [(name, grid) for name, grid, _ in recorded_launches] == [("attention_prefill_kernel", (3, 6, 2))]
+    params = recorded_launches[0][2]
+    packed = b"".join(p for p in params if isinstance(p, bytes))
+    assert all(struct.pack("<Q", t.data_ptr()) in packed for t in (q, k, v))
+    assert out.data_ptr() in params and lse.data_ptr() in params
+    out, lse = attention.prefill(q, k[:, :0], v[:, :0], return_lse=True)
+    assert len(recorded_launches) == 1 and (out == 0).all() and torch.isinf(lse).all()

@@ -1,11 +1,11 @@
-"""The e4m3 conversion atoms of ``nvfly.arch.fp8``: compiled for sm_90a to the hardware conversion (and refused for
+"""The e4m3 conversion atoms of ``nvfly.arch.floats``: compiled for sm_90a to the hardware conversion (and refused for
 targets without it); on a GPU, every one of the 256 e4m3 bytes converted by both atoms to f16 and bf16 equals
 torch's conversion (NaN where torch has NaN), which also pins the byte order."""
 import pytest
 import torch
 
 import nvfly
-from nvfly.arch.fp8 import convert_shared_e4m3x16, e4m3x4_to_16bit
+from nvfly.arch.floats import convert_shared_e4m3x16, e4m3x4_to_16bit
 from nvfly.arch.ptx import smem_address
 
 
@@ -43,7 +43,7 @@ def test_conversions_compile_to_the_hardware_cvt(dtype):
 
 
 def test_conversions_need_sm_89():
-    with pytest.raises(nvfly.CompileError, match=r"fp8\.e4m3x4_to_16bit \(cvt\.rn\.f16x2\.e4m3x2\) needs target "
+    with pytest.raises(nvfly.CompileError, match=r"floats\.e4m3x4_to_16bit \(cvt\.rn\.f16x2\.e4m3x2\) needs target "
                                                  r"sm_89 or newer; this kernel is compiled for sm_80"):
         e4m3_table_kernel.compile(*table_args(), DTYPE=nvfly.f16, block=64, target="sm_80")
 

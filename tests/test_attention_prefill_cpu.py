@@ -197,7 +197,7 @@ def test_host_path_launches_the_prefill_kernel(recorded_launches, monkeypatch):
         desc = TmaDescriptor(tensor, box, swizzle)
         desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
         return desc
-    monkeypatch.setattr(prefill_api, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(prefill_api, "_require_cuda", lambda q, op: None)
     monkeypatch.setattr(prefill_api, "cached_descriptor", descriptor)
     q, k, v = _inputs(b=2, sq=300, skv=77, hq=6, hkv=2, d=128)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)

@@ -13,6 +13,7 @@ from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_tables, check_bl
                                             kernel_scales, mask_mod_of, per_head, reference_block_keep)
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, captured_tensors
 from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, decode_plan
+from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls
 from nvfly.runtime.torch_args import layout_key
 
 if TYPE_CHECKING:
@@ -223,9 +224,8 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
 
 # Per-call checks and plans: the first call of a layout (shapes, strides, dtypes, devices, 16-byte alignment of
 # every tensor, and the mods) runs the checks, which raise naming the argument; later calls look them up.
-_CALL_LIMIT = 4096
-_CHECKED: dict = {}
-_plan = functools.lru_cache(maxsize=_CALL_LIMIT)(decode_plan)
+_CHECKED: OpCalls[tuple[int, int]] = OpCalls()
+_plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
 
 
 def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, mods: Mods) -> tuple[int, int]:
@@ -246,16 +246,13 @@ def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table
     captures = len(captured_tensors(mods))
     if captures > MAX_CAPTURED:
         raise error(ValueError, "score_mod/mask_mod", f"capture {captures} tensors, at most {MAX_CAPTURED}")
-    if key is not None:
-        if len(_CHECKED) >= _CALL_LIMIT:
-            _CHECKED.clear()
-        _CHECKED[key] = found
+    _CHECKED.remember(key, found)
     return found
 
 
-def _require_cuda(q: Any) -> None:
+def _require_cuda(q: Any, op: str = OP) -> None:
     if q.device.type != "cuda":
-        raise error(ValueError, "q", f"on {q.device.type}; {OP} runs on CUDA devices")
+        raise error(ValueError, "q", f"on {q.device.type}; {op} runs on CUDA devices", op)
 
 
 def _sm_count(device: Any) -> int:

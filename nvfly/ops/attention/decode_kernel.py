@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import nvfly
 from nvfly.arch import sm80
-from nvfly.arch.fp8 import convert_shared_e4m3x16
+from nvfly.arch.floats import convert_shared_e4m3x16
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.plan import BLOCK_N, ROWS, WARPS, ctas_per_sm

@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import nvfly
-from nvfly.ops.attention.api import _aligned, _tensor, reference
+from nvfly.ops.attention.api import _aligned, _require_cuda, _tensor, reference
 from nvfly.ops.attention.kv_options import error
 from nvfly.ops.attention.prefill_kernel import attention_prefill_kernel
 from nvfly.ops.attention.prefill_plan import HEAD_DIMS, SWIZZLE, PrefillPlan, causal_offset, prefill_plan
@@ -89,11 +89,6 @@ def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None
 _plan = functools.lru_cache(maxsize=64)(prefill_plan)
 
 
-def _require_cuda(q: Any) -> None:
-    if q.device.type != "cuda":
-        raise error(ValueError, "q", f"on {q.device.type}; {OP} runs on CUDA devices", OP)
-
-
 def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The (B, S, H, D) boxes of the Q loads and of the K and V loads: a tile's rows of one head, one 128-byte
     swizzle row wide (the boxes ``sm90.operand_boxes`` lays out in the kernel)."""
@@ -118,7 +113,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
     """
     import torch
     _check(q, k, v, scale, causal_alignment)
-    _require_cuda(q)
+    _require_cuda(q, OP)
     reason = _layout_reason(q, k, v)
     if reason:
         raise ValueError(f"{OP}: {reason}")

@@ -11,6 +11,7 @@ import torch
 
 import nvfly
 from nvfly.ops import attention
+from nvfly.ops.attention.prefill_api import masking
 from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, HEAD_DIMS, MAX_SMEM, PRODUCER_REGS, PrefillPlan,
                                               causal_offset, key_blocks)
 
@@ -47,37 +48,44 @@ def test_fp16_and_no_lse_compile():
     assert not kernel.warnings
 
 
+WINDOWS = [(None, None), (None, 0), (3, 0), (0, 0), (2, None), (5, 2), (None, 4), (11, 1)]
+
+
 @pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
 @pytest.mark.parametrize("bm, bn", [(8, 4), (8, 5), (4, 8)])  # as 128 x 128, 128 x 80 (D 256), and wider keys
 def test_key_blocks_keep_exactly_the_visible_keys(alignment, bm, bn):
-    """Blocks below ``unmasked`` are visible to every row of the tile (no mask needed), blocks from ``total`` on to
-    none of its real rows (never loaded), for lengths around the block sizes."""
+    """Blocks in [unmasked_start, unmasked_end) are visible to every row of the tile (no mask needed), blocks before
+    start and from total on to none of its real rows (never loaded), for lengths around the block sizes, causal
+    and sliding windows (left, right) of every kind."""
     for sq in (1, 3, 8, 9, 17):
         for skv in (1, 4, 5, 13, 24):
-            offset = causal_offset(sq, skv, alignment)
-            for causal in (False, True):
+            for window in WINDOWS:
+                b = masking(False, window, alignment)
+                offset = causal_offset(sq, skv, alignment)
+
+                def visible(row, key):
+                    return (key < skv and (not b.causal or key <= row + offset + b.right)
+                            and (not b.window or key >= row + offset - b.left))
                 for m in range(-(-sq // bm)):
-                    unmasked, total = key_blocks(m, skv, causal, offset, bm, bn)
-                    assert 0 <= unmasked <= total <= -(-skv // bn)
+                    start, low, high, total = key_blocks(m, skv, b.causal, b.window, offset, b.left, b.right, bm, bn)
+                    assert 0 <= start <= low <= high <= total <= -(-skv // bn)
                     for n in range(-(-skv // bn)):
                         keys = range(n * bn, n * bn + bn)
-                        seen = [(key < skv) and (not causal or key <= row + offset)
-                                for row in range(m * bm, m * bm + bm) for key in keys]
-                        real = [(key < skv) and (not causal or key <= row + offset)
-                                for row in range(m * bm, min(m * bm + bm, sq)) for key in keys]
-                        if n < unmasked:
-                            assert all(seen), (sq, skv, causal, m, n)
-                        if n >= total:
-                            assert not any(real), (sq, skv, causal, m, n)
+                        if low <= n < high:
+                            assert all(visible(row, key) for row in range(m * bm, m * bm + bm) for key in keys)
+                        if n < start or n >= total:
+                            assert not any(visible(row, key) for row in range(m * bm, min(m * bm + bm, sq))
+                                           for key in keys), (sq, skv, window, m, n)
 
 
-def blocked_model(q, k, v, causal, scale, alignment, bm=16, bn=8):
+def blocked_model(q, k, v, causal, scale, alignment, bm=16, bn=8, window=None):
     """The kernel's algorithm in float32 on the CPU for one (B=1) head group: tiles of ``bm`` rows walk the key
     blocks of ``key_blocks``, the unmasked ones without a mask; maxima in raw score units, exp2 with the scale
     folded, thread sums rescaled, P rounded to the input type before P·V; then O / l and LSE."""
     sq, hq, d = q.shape[1:]
     skv, hkv = k.shape[1:3]
     offset = causal_offset(sq, skv, alignment)
+    b = masking(causal, window, alignment)
     scale_log2 = scale / math.log(2.0)
     out = torch.zeros(1, sq, hq, v.shape[3])
     lse = torch.full((1, hq, sq), float("-inf"))
@@ -90,8 +98,8 @@ def blocked_model(q, k, v, causal, scale, alignment, bm=16, bn=8):
             top = torch.full((bm,), float("-inf"))
             total = torch.zeros(bm)
             acc = torch.zeros(bm, v.shape[3])
-            unmasked, blocks = key_blocks(m, skv, causal, offset, bm, bn)
-            for n in range(blocks):
+            start, low, high, blocks = key_blocks(m, skv, b.causal, b.window, offset, b.left, b.right, bm, bn)
+            for n in range(start, blocks):
                 keys = torch.arange(n * bn, n * bn + bn)
                 kt = torch.zeros(bn, d)
                 vt = torch.zeros(bn, v.shape[3])
@@ -99,8 +107,12 @@ def blocked_model(q, k, v, causal, scale, alignment, bm=16, bn=8):
                 kt[inside] = k[0, keys[inside], h // (hq // hkv)].float()
                 vt[inside] = v[0, keys[inside], h // (hq // hkv)].float()
                 s = qt @ kt.T
-                if n >= unmasked:
-                    keep = inside[None, :] & ((keys[None, :] <= rows[:, None] + offset) if causal else True)
+                if not low <= n < high:
+                    keep = inside[None, :].expand(bm, bn)
+                    if b.causal:
+                        keep = keep & (keys[None, :] <= rows[:, None] + offset + b.right)
+                    if b.window:
+                        keep = keep & (keys[None, :] >= rows[:, None] + offset - b.left)
                     s = s.masked_fill(~keep, float("-inf"))
                 new_top = torch.maximum(top, s.max(dim=1).values)
                 reference = torch.where(new_top == float("-inf"), 0.0, new_top)
@@ -116,20 +128,24 @@ def blocked_model(q, k, v, causal, scale, alignment, bm=16, bn=8):
     return out, lse
 
 
-@pytest.mark.parametrize("sq, skv, causal, alignment", [
-    (37, 37, True, "bottom_right"), (64, 64, True, "bottom_right"), (20, 45, True, "bottom_right"), (45, 20, True, "bottom_right"),
-    (45, 20, True, "top_left"), (20, 45, True, "top_left"), (33, 19, False, "bottom_right"),
+@pytest.mark.parametrize("sq, skv, causal, alignment, window", [
+    (37, 37, True, "bottom_right", None), (64, 64, True, "bottom_right", None), (20, 45, True, "bottom_right", None),
+    (45, 20, True, "bottom_right", None), (45, 20, True, "top_left", None), (20, 45, True, "top_left", None),
+    (33, 19, False, "bottom_right", None), (50, 50, True, "bottom_right", (9, None)),
+    (40, 70, False, "top_left", (13, 4)), (70, 40, False, "bottom_right", (20, -1)),
 ])
 @pytest.mark.parametrize("bn", [8, 5])
-def test_blocked_model_matches_the_reference(sq, skv, causal, alignment, bn):
-    """Dv != Dqk as DeepSeek's 192/128; key blocks dividing the query tile or not (128 x 80 at D 256)."""
+def test_blocked_model_matches_the_reference(sq, skv, causal, alignment, window, bn):
+    """Dv != Dqk as DeepSeek's 192/128; key blocks dividing the query tile or not (128 x 80 at D 256); sliding
+    windows with and without causal (rows with no key in the window: zeros, LSE -inf)."""
     torch.manual_seed(sq * 100 + skv)
     q = torch.randn(1, sq, 4, 16).to(torch.bfloat16)
     k = torch.randn(1, skv, 2, 16).to(torch.bfloat16)
     v = torch.randn(1, skv, 2, 12).to(torch.bfloat16)
     scale = 16 ** -0.5
-    out, lse = blocked_model(q, k, v, causal, scale, alignment, bn=bn)
-    ref_out, ref_lse = attention.prefill_reference(q, k, v, causal=causal, scale=scale, causal_alignment=alignment)
+    out, lse = blocked_model(q, k, v, causal, scale, alignment, bn=bn, window=window)
+    ref_out, ref_lse = attention.prefill_reference(q, k, v, causal=causal, scale=scale, causal_alignment=alignment,
+                                                   window=window)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-4)

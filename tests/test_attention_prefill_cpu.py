@@ -226,3 +226,235 @@ def test_host_path_launches_the_prefill_kernel(recorded_launches, monkeypatch):
     assert out.data_ptr() in params and lse.data_ptr() in params
     out, lse = attention.prefill(q, k[:, :0], v[:, :0], return_lse=True)
     assert len(recorded_launches) == 1 and (out == 0).all() and torch.isinf(lse).all()
+
+
+# ---------------------------------------------------------------------------------------------- mods, windows,
+# block masks, packed sequences
+from nvfly.ops.attention import mods as M  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
+
+SLOPES = torch.tensor(M.alibi_slopes(4))
+DOCUMENTS = torch.zeros(2, 1000, dtype=torch.int32)
+BIAS = torch.zeros(4, 63)
+MOD_FAMILIES = {  # name: (plan, mods, attend_block traces)
+    "d128-causal-window": (attention.prefill_plan(128, 128, True, window=True), M.Mods(), 3),
+    "d64-window-softcap": (attention.prefill_plan(64, 64, False, window=True), M.Mods(M.soft_cap(30.0)), 3),
+    "d128-causal-alibi": (attention.prefill_plan(128, 128, True), M.Mods(M.alibi(SLOPES)), 2),
+    "d64-document": (attention.prefill_plan(64, 64, False), M.Mods(None, M.document_mask(DOCUMENTS)), 2),
+    "d128-relative-bias-prefix": (attention.prefill_plan(128, 128, False),
+                                  M.Mods(M.relative_position_bias(BIAS), M.prefix_lm(SLOPES)), 2),
+    "d192-blockmask-window": (attention.prefill_plan(192, 128, False, kv_block=128, q_block=128),
+                              M.Mods(None, M.sliding_window(300)), 2),
+    "d128-blockmask256-causal-softcap": (attention.prefill_plan(128, 128, True, kv_block=256, q_block=256),
+                                         M.Mods(M.soft_cap(20.0)), 2),
+    "d128-varlen-causal-window": (attention.prefill_plan(128, 128, True, window=True, varlen=True), M.Mods(), 3),
+    "d64-varlen-document": (attention.prefill_plan(64, 64, False, varlen=True),
+                            M.Mods(None, M.document_mask(DOCUMENTS)), 2),
+    "d256-causal-window-softcap": (attention.prefill_plan(256, 256, True, window=True), M.Mods(M.soft_cap(30.0)), 3),
+}
+
+
+@pytest.mark.parametrize("name", MOD_FAMILIES)
+def test_mod_window_blockmask_varlen_plans_compile_without_spills(name):
+    """Each variant compiles to HGMMA (register-A P·V) once per attend_block trace (three loops: a window's left
+    edge, fully visible, the diagonal and tail; a block mask's partial and full lists), with no spills and no ptxas
+    warnings; the mods' code is in the kernel (tanh, the captured tables' loads). Without a window the first loop is
+    empty at trace time."""
+    plan, mods, traces = MOD_FAMILIES[name]
+    kernel = attention.compile_prefill(plan, mods=mods)
+    s_steps, pv_steps = plan.dqk // 16, plan.block_n // 16
+    assert gmma_count(kernel, f"64x{plan.block_n}x16", a_from_registers=False) == traces * s_steps
+    assert gmma_count(kernel, f"64x{plan.dv}x16", a_from_registers=True) == traces * pv_steps
+    assert "LDL" not in kernel.sass() and "STL" not in kernel.sass()
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert not kernel.warnings
+    assert ("math.tanh" in kernel.mlir) == ("softcap" in name)
+    if M.captured_tensors(mods) or plan.kv_block or plan.varlen:
+        assert kernel.sass_opcodes()["LDG.E"] > 0  # captured tables, block lists or cu_seqlens read in the kernel
+
+
+def flex(q, k, v, score_mod=None, block_mask=None, scale=None):
+    """flex_attention on (B, S, H, D) tensors in float32 (eager, on the CPU) with its LSE."""
+    out, lse = flex_attention(q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+                              score_mod=score_mod, block_mask=block_mask, enable_gqa=True, return_lse=True,
+                              scale=scale)
+    return out.transpose(1, 2), lse
+
+
+def _case(sq=300, skv=300, hq=4, hkv=2, d=16, seed=0):
+    torch.manual_seed(seed)
+    return (torch.randn(2, sq, hq, d).to(torch.bfloat16), torch.randn(2, skv, hkv, d).to(torch.bfloat16),
+            torch.randn(2, skv, hkv, d).to(torch.bfloat16))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("mod", ["soft_cap", "alibi", "relative_bias", "document", "prefix_lm", "window",
+                                 "causal_window_blockmask"])
+def test_reference_with_mods_is_flex_attention(mod):
+    """prefill_reference's mods, windows and block masks mean what flex_attention's do (q_idx the row): the same
+    outputs and LSE as flex on the same mods, with a BlockMask of the mask where there is one."""
+    q, k, v = _case(sq=300, skv=260)
+    documents = torch.randint(0, 3, (2, 300)).sort(dim=1).values.to(torch.int32)
+    score_mod = mask_mod = None
+    kwargs = {}
+    if mod == "soft_cap":
+        score_mod = M.soft_cap(2.0)
+    elif mod == "alibi":
+        score_mod = M.alibi(SLOPES)
+    elif mod == "relative_bias":
+        score_mod = M.relative_position_bias(torch.randn(4, 31))
+    elif mod == "document":
+        mask_mod = M.document_mask(documents)
+    elif mod == "prefix_lm":
+        mask_mod = M.prefix_lm(torch.tensor([5, 200], dtype=torch.int32))
+    elif mod == "window":  # flash-attn's window (left 37, right 5), bottom-right aligned like its causal
+        kwargs["window"] = (37, 5)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx >= q_idx + 260 - 300 - 37) & (kv_idx <= q_idx + 260 - 300 + 5)
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < 260)
+    block_mask = None if mask_mod is None else create_block_mask(mask_mod, 2, 1, 300, 260, device="cpu")
+    want, want_lse = flex(q, k, v, score_mod, block_mask)
+    if mod == "window":
+        got, lse = attention.prefill_reference(q, k, v, **kwargs)
+    elif mod == "causal_window_blockmask":
+        got, lse = attention.prefill_reference(q, k, v, block_mask=block_mask)
+        assert int(block_mask.full_kv_num_blocks.sum()) > 0 and int(block_mask.kv_num_blocks.sum()) > 0
+    else:
+        got, lse = attention.prefill_reference(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    seen = torch.isfinite(lse)
+    assert torch.equal(seen, torch.isfinite(want_lse)) or mod == "window"  # flex gives rows with no key lse -inf
+    torch.testing.assert_close(got[seen.permute(0, 2, 1)[..., None].expand_as(got)],
+                               want[seen.permute(0, 2, 1)[..., None].expand_as(want)], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse[seen], want_lse[seen], atol=1e-4, rtol=1e-4)
+
+
+def test_varlen_reference_is_the_padded_reference():
+    """prefill_reference with cu_seqlens: each packed sequence equals the reference of that sequence alone (causal
+    both ways with a window, a mod whose b is the sequence); rows outside every sequence are 0 and -inf."""
+    torch.manual_seed(3)
+    lengths_q, lengths_k = [5, 0, 130, 1], [9, 4, 100, 1]
+    q = torch.randn(sum(lengths_q) + 3, 4, 16).to(torch.bfloat16)
+    k = torch.randn(sum(lengths_k), 2, 16).to(torch.bfloat16)
+    v = torch.randn(sum(lengths_k), 2, 16).to(torch.bfloat16)
+    cu_q = torch.tensor([0, 5, 5, 135, 136], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 13, 113, 114], dtype=torch.int32)
+    offsets = torch.tensor([0.5, 1.0, -1.0, 2.0])
+
+    def per_sequence(score, b, h, q_idx, kv_idx):
+        return score + offsets[b]
+    for alignment in ("bottom_right", "top_left"):
+        kwargs = dict(causal=True, causal_alignment=alignment, window=(40, None), score_mod=per_sequence)
+        out, lse = attention.prefill_reference(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kwargs)
+        for b in range(4):
+            (q0, q1), (k0, k1) = cu_q[b:b + 2].tolist(), cu_k[b:b + 2].tolist()
+
+            def shifted(score, bb, h, q_idx, kv_idx, b=b):
+                return score + offsets[b]
+            want, want_lse = attention.prefill_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                                         **dict(kwargs, score_mod=shifted))
+            torch.testing.assert_close(out[q0:q1], want[0])
+            torch.testing.assert_close(lse[:, q0:q1], want_lse[0])
+        assert (out[136:] == 0).all() and torch.isinf(lse[:, 136:]).all()
+
+
+def _cpu_prefill(monkeypatch):
+    from nvfly.ops.attention import prefill_api
+    from nvfly.runtime.tma import TmaDescriptor
+
+    def descriptor(tensor, box, swizzle=128):
+        desc = TmaDescriptor(tensor, box, swizzle)
+        desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
+        return desc
+    monkeypatch.setattr(prefill_api, "_require_cuda", lambda q, op: None)
+    monkeypatch.setattr(prefill_api, "cached_descriptor", descriptor)
+
+
+def test_host_path_passes_varlen_offsets(recorded_launches, monkeypatch):
+    """prefill_varlen launches (longest sequence's query tiles, Hq, B) with the packed tensors and both cu_seqlens;
+    the window's left and right and the alignment are scalars of the launch."""
+    _cpu_prefill(monkeypatch)
+    q, k, v = torch.zeros(400, 6, 64, dtype=torch.bfloat16), torch.zeros(90, 2, 64, dtype=torch.bfloat16), \
+        torch.zeros(90, 2, 64, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 300, 301, 400], dtype=torch.int32)
+    cu_k = torch.tensor([0, 30, 60, 90], dtype=torch.int32)
+    out, lse = attention.prefill_varlen(q, k, v, cu_q, cu_k, causal=True, window=(17, None), return_lse=True)
+    assert out.shape == (400, 6, 64) and lse.shape == (6, 400)
+    assert [(name, grid) for name, grid, _ in recorded_launches] == [("attention_prefill_kernel", (3, 6, 3))]
+    params = recorded_launches[0][2]
+    assert cu_q.data_ptr() in params and cu_k.data_ptr() in params and out.data_ptr() in params
+    assert params[-5:-1] == (3, 1, 17, 0)  # group, bottom-right, left, right
+
+
+def test_host_path_passes_block_mask_tables(recorded_launches, monkeypatch):
+    """A broadcast (1, 1) BlockMask's tables reach the kernel expanded to (B, Hq, ...) int32, partial and full."""
+    _cpu_prefill(monkeypatch)
+    q, k, v = _inputs(b=2, sq=300, skv=500, hq=4, hkv=2, d=128)
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 200, 1, 1, 300, 500, device="cpu")
+    out = attention.prefill(q, k, v, block_mask=mask)
+
+    def out_pointer(params):
+        return out.data_ptr()
+    assert [(name, grid) for name, grid, _ in recorded_launches] == [("attention_prefill_kernel", (3, 4, 2))]
+    params = recorded_launches[0][2]
+    pointers = [p for p in params if isinstance(p, int) and p > 1 << 20]
+    assert out_pointer(params) in pointers and len(pointers) == 1 + 4  # out and the four tables (no lse)
+
+
+def _mask(q_len, kv_len, block=(128, 128)):
+    return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, 1, 1, q_len, kv_len, device="cpu",
+                             BLOCK_SIZE=block)
+
+
+@pytest.mark.parametrize("call, argument, kind, message", [
+    (lambda q, k, v: attention.prefill(q, k, v, window=(3,)), "window", ValueError, "expected (left, right)"),
+    (lambda q, k, v: attention.prefill(q, k, v, window=(-2, 0)), "window", ValueError, "non-negative"),
+    (lambda q, k, v: attention.prefill(q, k, v, score_mod=3), "score_mod", TypeError, "expected a function"),
+    (lambda q, k, v: attention.prefill(q, k, v, block_mask=object()), "block_mask", TypeError, "BlockMask"),
+    (lambda q, k, v: attention.prefill(q, k, v, block_mask=_mask(8, 8, (128, 64))), "block_mask", ValueError,
+     "KV block size 64 is not a multiple of the kernel's 128-key stage"),
+    (lambda q, k, v: attention.prefill(q, k, v, block_mask=_mask(8, 8, (64, 128))), "block_mask", ValueError,
+     "query block size 64 is not a multiple of the kernel's 128-row tile"),
+    (lambda q, k, v: attention.prefill(q, *[t.repeat(1, 40, 1, 1) for t in (k, v)], block_mask=_mask(8, 8)),
+     "block_mask", ValueError, "1 KV blocks of 128 cover 128 keys, the cache holds 320"),
+    (lambda q, k, v: attention.prefill(torch.zeros(1, 300, 4, 64, dtype=torch.bfloat16), k, v,
+                                       block_mask=_mask(128, 8)), "block_mask", ValueError, "cover 128 queries"),
+    (lambda q, k, v: attention.prefill(*[t.repeat(1, 1, 1, 4) for t in (q, k, v)], block_mask=_mask(8, 8)),
+     "block_mask", ValueError, "80-key stages"),
+    (lambda q, k, v: attention.prefill(q, k, v, score_mod=lambda s, b, h, i, j: s + SLOPES[h] + BIAS[h, j]
+                                       + DOCUMENTS[b, i]), "score_mod", ValueError, "at most 2"),
+])
+def test_mod_and_block_mask_errors_name_the_argument(call, argument, kind, message):
+    with pytest.raises(kind, match=rf"^attention\.prefill: {argument}: .*{re.escape(message)}"):
+        call(*_inputs())
+
+
+@pytest.mark.parametrize("cu_q, cu_k, max_q, argument, message", [
+    ([0, 5, 3], [0, 4, 8], None, "cu_seqlens_q", "non-decreasing"),
+    ([0, 5, 8], [0, 4, 9], None, "cu_seqlens_k", "beyond the 8 packed tokens"),
+    ([0, 5, 8], [0, 4], None, "cu_seqlens_k", "2 offsets"),
+    ([0, 5, 8], [0, 4, 8], 4, "max_seqlen_q", "shorter than a sequence of 5"),
+])
+def test_varlen_errors_name_the_argument(cu_q, cu_k, max_q, argument, message):
+    q, k, v = (t[0] for t in _inputs())
+    with pytest.raises(ValueError, match=rf"^attention\.prefill: {argument}: .*{re.escape(message)}"):
+        attention.prefill_varlen(q, k, v, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+                                 max_q)
+    with pytest.raises(TypeError, match=r"^attention\.prefill: cu_seqlens_q: expected int32"):
+        attention.prefill_varlen(q, k, v, torch.tensor(cu_q), torch.tensor(cu_k, dtype=torch.int32))
+
+
+def test_untraceable_mods_point_at_the_users_line():
+    def cumulative(score, b, h, q_idx, kv_idx):
+        return torch.cumsum(score, 0)
+
+    def branchy(b, h, q_idx, kv_idx):
+        return kv_idx < 10 if q_idx > 5 else kv_idx > 3
+    plan = attention.prefill_plan(64, 64, False)
+    for mods, needle, code in ((M.Mods(cumulative), "cumsum is not supported", cumulative.__code__),
+                               (M.Mods(None, branchy), "torch.where", branchy.__code__)):
+        with pytest.raises(nvfly.CompileError, match=needle) as info:
+            attention.compile_prefill(plan, mods=mods)
+        assert info.value.filename == __file__ and info.value.lineno == code.co_firstlineno + 1

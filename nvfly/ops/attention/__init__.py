@@ -1,6 +1,7 @@
 """Attention. Decode: softmax(q kᵀ scale + mods) v over a (paged, ragged) KV cache at the HBM roofline, with
 split-KV, GQA packing and flex_attention-style score and mask mods traced into the kernel. Prefill: the compute-bound
-case on TMA and wgmma (FlashAttention-3's structure; first cut, see docs).
+case on TMA and wgmma (FlashAttention-3's structure), with causal and sliding-window tile skipping, the same mods, flex
+BlockMasks and packed variable-length sequences (``prefill_varlen``).
 
 Modules: ``api`` (decode's host functions re-exported here), ``plan`` (plans and the split heuristic),
 ``decode_kernel`` and ``combine_kernel`` (device code), ``mods`` (score_mod/mask_mod tracing and the shipped
@@ -8,13 +9,14 @@ examples); ``prefill_api``, ``prefill_plan`` and ``prefill_kernel`` likewise for
 explains the design.
 """
 from nvfly.ops.attention.api import bytes_moved, compile_kernels, decode, eligibility, reference
-from nvfly.ops.attention.mods import Mods, alibi, alibi_slopes, document_mask, prefix_lm, sliding_window, soft_cap
+from nvfly.ops.attention.mods import (Mods, alibi, alibi_slopes, document_mask, prefix_lm, relative_position_bias,
+                                     sliding_window, soft_cap)
 from nvfly.ops.attention.plan import DecodePlan, decode_plan, num_splits
 from nvfly.ops.attention.prefill_api import (compile_prefill, prefill, prefill_eligibility, prefill_flops,
-                                             prefill_reference)
+                                             prefill_reference, prefill_varlen)
 from nvfly.ops.attention.prefill_plan import PrefillPlan, prefill_plan
 
 __all__ = ["DecodePlan", "Mods", "PrefillPlan", "alibi", "alibi_slopes", "bytes_moved", "compile_kernels",
            "compile_prefill", "decode", "decode_plan", "document_mask", "eligibility", "num_splits", "prefill",
-           "prefill_eligibility", "prefill_flops", "prefill_plan", "prefill_reference", "prefix_lm", "reference",
-           "sliding_window", "soft_cap"]
+           "prefill_eligibility", "prefill_flops", "prefill_plan", "prefill_reference", "prefill_varlen", "prefix_lm",
+           "reference", "relative_position_bias", "sliding_window", "soft_cap"]

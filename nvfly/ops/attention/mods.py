@@ -251,6 +251,18 @@ def alibi(slopes: Any) -> Callable[..., Any]:
     return alibi_bias
 
 
+def relative_position_bias(bias: Any) -> Callable[..., Any]:
+    """A learned relative-position bias (T5-like, without buckets): score + bias[h, clamp(kv_idx - q_idx, -(R - 1),
+    R - 1) + R - 1], ``bias`` a float tensor (heads, 2R - 1) of one value per head and distance (a captured tensor:
+    a kernel input); distances beyond R - 1 share the last entry."""
+    import torch
+    reach = (bias.shape[1] - 1) // 2
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, torch.clamp(kv_idx - q_idx, -reach, reach) + reach]
+    return relative_bias
+
+
 def sliding_window(window: int) -> Callable[..., Any]:
     """Keys at most ``window - 1`` positions before the query (with causal: the last ``window`` keys)."""
     def sliding_window_mask(b, h, q_idx, kv_idx):

@@ -298,7 +298,7 @@ def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD):
                 keep = kept if keep is None else keep & kept
             if keep is not None:
                 scores[i] = nvfly.select(keep, scores[i], NEG_INF)
-    MASKED = MASKED or mask_mod  # rows may have no key kept yet
+    MASKED = MASKED or mask_mod or mods.score_mod is not None  # rows may have no key kept yet (or -inf scores)
     maxima, sums, shifts, rescales = [], [], [], []
     for r in nvfly.static_range(2):
         top = state.maxima[r]

@@ -178,8 +178,8 @@ def _inputs(b=1, sq=8, skv=8, hq=4, hkv=2, d=64, dtype=torch.bfloat16):
     (lambda q, k, v: (q, k[..., :32], v), "k", ValueError, "head dim 32 differs"),
     (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "q", ValueError, "head dim 32 is not supported"),
     (lambda q, k, v: (q, k, v[:, :5]), "v", ValueError, "does not match k's"),
-    (lambda q, k, v: (q, k, torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)), "v", ValueError,
-     "head dim 128 with Dqk 64 is not supported"),
+    (lambda q, k, v: (q, k, torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16)), "v", ValueError,
+     "head dim 256 with Dqk 64 is not supported"),
     (lambda q, k, v: (q, k[:, :, :, ::2].repeat(1, 1, 1, 2)[..., :64].transpose(-1, -2).contiguous()
                       .transpose(-1, -2), v), "k", ValueError, "last dimension must be contiguous"),
 ])

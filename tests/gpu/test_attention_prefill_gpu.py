@@ -57,6 +57,10 @@ def check(q, k, v, tol=1e-2, clean=None, **kwargs):
     (1, 250, 411, 4, 4, 256, False, "bottom_right", "fp16", "bhsd"),
     (1, 300, 300, 8, 8, (192, 128), True, "bottom_right", "bf16", "bshd"),  # DeepSeek-like Dqk 192 / Dv 128
     (2, 129, 260, 8, 2, (192, 128), False, "bottom_right", "bf16", "bhsd"),
+    (2, 333, 333, 8, 2, 96, True, "bottom_right", "bf16", "bshd"),      # 64-byte swizzle rows
+    (1, 250, 700, 6, 3, 96, False, "top_left", "fp16", "bhsd"),
+    (2, 300, 300, 4, 2, (64, 128), True, "bottom_right", "bf16", "bshd"),
+    (1, 129, 400, 4, 4, (128, 64), False, "bottom_right", "fp16", "bshd"),
 ])
 def test_shapes_against_the_reference(batch, sq, skv, hq, hkv, d, causal, alignment, dtype, layout):
     dqk, dv = d if isinstance(d, tuple) else (d, d)

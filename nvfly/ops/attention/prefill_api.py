@@ -12,8 +12,7 @@ from nvfly.ops.attention.api import _aligned, _kernel_captured, _mods, _require_
 from nvfly.ops.attention.kv_options import check_block_mask, error, mask_mod_of, reference_block_keep
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, captured_tensors
 from nvfly.ops.attention.prefill_kernel import attention_prefill_kernel
-from nvfly.ops.attention.prefill_plan import (BLOCK_M, BLOCK_N, HEAD_DIMS, SWIZZLE, PrefillPlan, causal_offset,
-                                              prefill_plan)
+from nvfly.ops.attention.prefill_plan import BLOCK_M, BLOCK_N, HEAD_DIMS, PrefillPlan, causal_offset, prefill_plan
 from nvfly.runtime.tensor_desc import torch_dtype
 from nvfly.runtime.tma import cached_descriptor
 
@@ -97,9 +96,9 @@ _plan = functools.lru_cache(maxsize=64)(prefill_plan)
 
 
 def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The (B, S, H, D) boxes of the Q loads and of the K and V loads: a tile's rows of one head, one 128-byte
-    swizzle row wide (the boxes ``sm90.operand_boxes`` lays out in the kernel)."""
-    width = SWIZZLE // dtype.itemsize
+    """The (B, S, H, D) boxes of the Q loads and of the K and V loads: a tile's rows of one head, one swizzle row
+    (128 or 64 bytes) wide (the boxes ``sm90.operand_boxes`` lays out in the kernel)."""
+    width = plan.swizzle // dtype.itemsize
     return (1, plan.block_m, 1, width), (1, plan.block_n, 1, width)
 
 
@@ -171,9 +170,9 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
     q (B, Sq, Hq, Dqk), k (B, Skv, Hkv, Dqk), v (B, Skv, Hkv, Dv): bf16 or fp16, any strides with the last dimension
     contiguous and the others multiples of 16 bytes (a (B, H, S, D) tensor is passed as ``t.transpose(1, 2)``);
     Hq a multiple of Hkv (GQA, MQA); Sq and Skv any lengths (tails are masked in the kernel). v's head dim Dv may
-    differ from q's and k's Dqk: (Dqk, Dv) is one of 64/64, 128/128, 192/128 (DeepSeek-like), 256/256.
-    ``causal``: query i sees keys up to i + Skv - Sq (``causal_alignment="bottom_right"``, flash-attn's and decode's
-    convention) or up to i (``"top_left"``, torch SDPA's is_causal); they agree when Sq = Skv. ``window=(left,
+    differ from q's and k's Dqk: (Dqk, Dv) is one of 64/64, 96/96, 128/128, 64/128, 128/64, 192/128 (DeepSeek-like),
+    256/256. ``causal``: query i sees keys up to i + Skv - Sq (``causal_alignment="bottom_right"``, flash-attn's and
+    decode's convention) or up to i (``"top_left"``, torch SDPA's is_causal); they agree when Sq = Skv. ``window=(left,
     right)``: query i sees keys from its position (i + the alignment's offset) minus left to its position plus right
     (flash-attn's window_size; None or -1 for an unbounded side; causal caps right at 0); key blocks outside are
     skipped. ``score_mod(score, b, h, q_idx, kv_idx)``/``mask_mod(b, h, q_idx, kv_idx)``: flex_attention's mods
@@ -247,7 +246,7 @@ def _launch(plan: PrefillPlan, mods: Mods, q: Any, k: Any, v: Any, out: Any, lse
             tables: list, scale: float, bounds: Masking, sq: int, skv: int, grid: tuple) -> None:
     """One launch: q, k, v, out (B, S, H, D) and lse (B, H, S) as the kernel takes them (packed sequences: B = 1)."""
     q_box, kv_box = _boxes(plan, torch_dtype(q))
-    descriptors = [cached_descriptor(q, q_box, SWIZZLE)] + [cached_descriptor(t, kv_box, SWIZZLE) for t in (k, v)]
+    descriptors = [cached_descriptor(t, box, plan.swizzle) for t, box in ((q, q_box), (k, kv_box), (v, kv_box))]
     captured = _kernel_captured(mods, q.device)
     captured = captured + [None] * (MAX_CAPTURED - len(captured))
     attention_prefill_kernel[grid, plan.threads](
@@ -420,9 +419,9 @@ def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, 
     from nvfly.runtime.tensor_desc import TensorDesc
     q_box, kv_box = _boxes(plan, dtype)
     rows = 1 if plan.varlen else batch
-    q = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, sq, heads, plan.dqk)), q_box, SWIZZLE)
-    k = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, skv, kv_heads, plan.dqk)), kv_box, SWIZZLE)
-    v = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, skv, kv_heads, plan.dv)), kv_box, SWIZZLE)
+    q = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, sq, heads, plan.dqk)), q_box, plan.swizzle)
+    k = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, skv, kv_heads, plan.dqk)), kv_box, plan.swizzle)
+    v = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, skv, kv_heads, plan.dv)), kv_box, plan.swizzle)
     out = TensorDesc(dtype, (rows, sq, heads, plan.dv))
     lse = TensorDesc(nvfly.f32, (rows, heads, sq)) if return_lse else None
     cu_seqlens = [TensorDesc(nvfly.i32, (batch + 1,))] * 2 if plan.varlen else [None, None]

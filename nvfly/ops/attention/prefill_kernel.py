@@ -28,7 +28,7 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
-from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, SWIZZLE, key_blocks)
+from nvfly.ops.attention.prefill_plan import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, key_blocks
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -45,6 +45,7 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
     size = dtype.itemsize
     BM, BN, S, WGS = PLAN.block_m, PLAN.block_n, PLAN.stages, PLAN.consumers
     DQK, DV = PLAN.dqk, PLAN.dv
+    SWIZZLE = PLAN.swizzle
     s_atom = sm90.WgmmaAtom(BN, dtype, dtype, "K", "K")
     pv_atom = sm90.WgmmaAtom(DV, dtype, dtype, "K", "MN", a_source="registers")
     q_layout = sm90.operand_layout(BM, DQK, dtype, "K", SWIZZLE)

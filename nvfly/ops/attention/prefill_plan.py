@@ -10,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-# (Dqk, Dv) pairs, whole 128-byte swizzle rows, and the keys of a ring stage for each Dqk. S is 64 x block_n f32 a
-# warpgroup (block_n / 2 registers a thread), O 64 x Dv (Dv / 2): 128 keys up to Dqk 192 (DeepSeek's 192/128:
-# 209 KB of shared memory), 80 at 256 (FlashAttention-3's tile: 225 KB, under the 227 KB a CTA may have)
-HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
-BLOCK_N = {64: 128, 128: 128, 192: 128, 256: 80}
+# (Dqk, Dv) pairs and the keys of a ring stage for each Dqk. S is 64 x block_n f32 a warpgroup (block_n / 2 registers
+# a thread), O 64 x Dv (Dv / 2): 128 keys up to Dqk 192 (DeepSeek's 192/128: 209 KB of shared memory), 80 at 256
+# (FlashAttention-3's tile: 225 KB, under the 227 KB a CTA may have). Rows are whole 128-byte swizzle rows, or
+# 64-byte ones where a head dim is an odd multiple of 32 (96)
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (64, 128), (128, 64), (192, 128), (256, 256))
+BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 128, 256: 80}
 BLOCK_M = 128               # two consumer warpgroups of 64 rows (wgmma's M)
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
 STAGES = 2                  # K and V rings each; FA3 uses 2 (the loads run a whole block ahead of the math)
@@ -44,6 +45,11 @@ class PrefillPlan:
     block_m: int = BLOCK_M
     block_n: int = 128
     stages: int = STAGES
+
+    @property
+    def swizzle(self) -> int:
+        """Bytes of a shared-memory swizzle row: 128 when both head dims are multiples of 64 elements, else 64."""
+        return SWIZZLE if self.dqk % 64 == 0 and self.dv % 64 == 0 else SWIZZLE // 2
 
     @property
     def consumers(self) -> int:

@@ -22,6 +22,7 @@ def gmma_count(kernel, shape, a_from_registers):
     return len(re.findall(rf"HGMMA\.{shape}\.F32\.BF16 R\d+, {a_operand}gdesc\[", kernel.sass()))
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dqk, dv", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_plans_compile_to_hgmma_without_spills(dqk, dv, causal):

@@ -21,7 +21,11 @@ non-causal and causal (Sq = Skv, so SDPA's and flex's causal masks are nvfly's).
 ``CHECK_ROWS`` query rows of the first sequence and first two KV heads' query heads against the float32 reference
 (the whole problem's reference would not fit), then nvfly, SDPA per backend (cuDNN, flash, efficient) and compiled
 flex_attention timed in the same process; TFLOP/s count the unmasked work only (``prefill_flops``: causal about
-halves it). Shapes nvfly declines (its eligibility reason in ``nvfly_skipped``) still time the peers.
+halves it). Shapes nvfly declines (its eligibility reason in ``nvfly_skipped``) still time the peers. Mod rows
+(``--mods``, the default; not with ``--prefill-models``): causal GQA 32/8 at B 4 x 4K with soft-capping, ALiBi, a
+1024-key sliding window (nvfly's ``window``) and 4 documents a sequence (nvfly: a BlockMask of the mask) against
+compiled flex_attention with the same functions and its BlockMask; TFLOP/s on the pairs the mask keeps. ``--quick``
+times flex on the mod rows only.
 Writes benchmarks/results/attention_prefill_h200.json and .png.
 """
 from __future__ import annotations
@@ -195,39 +199,100 @@ PREFILL_QUICK = [("d128", 4, 4096, 32, 32, 128, 128), ("d128", 2, 8192, 16, 16, 
                  ("gqa64/8", 1, 16384, 64, 8, 128, 128)]
 PREFILL_BACKENDS = ("cudnn", "flash", "efficient")  # math would materialise S: not a peer at these sizes
 CHECK_ROWS = 256
+PREFILL_MOD_SHAPE = ("gqa32/8", 4, 4096, 32, 8, 128, 128)  # the mod rows (all causal): Llama-like GQA at 4K
+PREFILL_MODS = ("softcap50", "alibi", "window1024", "documents")
+WINDOW = 1024
 
 
-def prefill_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool) -> float:
+def prefill_mods(mod: str, batch: int, s: int, hq: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(nvfly's keyword arguments, flex's mods) of a mod row: the same functions; the window is nvfly's first-class
+    ``window`` and flex's mask_mod; the documents (4 per sequence, random lengths) a BlockMask of the mask for nvfly
+    and the same mask_mod for flex (which builds its BlockMask)."""
+    if mod == "softcap50":
+        return {"score_mod": M.soft_cap(50.0)}, {"score_mod": M.soft_cap(50.0)}
+    if mod == "alibi":
+        slopes = torch.tensor(M.alibi_slopes(hq), device="cuda")
+        return {"score_mod": M.alibi(slopes)}, {"score_mod": M.alibi(slopes)}
+    if mod == "window1024":
+        return {"window": (WINDOW - 1, 0)}, {"mask_mod": M.sliding_window(WINDOW)}
+    from torch.nn.attention.flex_attention import create_block_mask
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    cuts = torch.sort(torch.randint(1, s, (batch, 3), device="cuda", generator=gen), dim=1).values
+    ids = (torch.arange(s, device="cuda")[None, :, None] >= cuts[:, None, :]).sum(-1).to(torch.int32)
+    documents = M.document_mask(ids)
+
+    def causal_documents(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & documents(b, h, q_idx, kv_idx)
+    return ({"block_mask": create_block_mask(causal_documents, batch, None, s, s, device="cuda")},
+            {"mask_mod": documents})
+
+
+def kept_pairs(nvfly_mods: dict[str, Any], flex_mods: dict[str, Any], batch: int, s: int, causal: bool) -> int:
+    """(query, key) pairs of one head kept by causal and the mask, summed over the batch (the mask evaluated)."""
+    if "window" in nvfly_mods:
+        return batch * attention.prefill_flops(1, s, s, 1, 1, 0, causal, window=nvfly_mods["window"]) // 2
+    mask_mod = flex_mods.get("mask_mod")
+    if mask_mod is None:
+        return batch * attention.prefill_flops(1, s, s, 1, 1, 0, causal) // 2
+    rows, keys = torch.arange(s, device="cuda")[:, None], torch.arange(s, device="cuda")[None, :]
+    total = 0
+    for b in range(batch):
+        keep = mask_mod(torch.tensor(b, device="cuda"), torch.tensor(0, device="cuda"), rows, keys)
+        total += int((keep & (keys <= rows) if causal else keep).sum())
+    return total
+
+
+def shifted(mods: dict[str, Any], shift: int) -> dict[str, Any]:
+    """The mods for the last rows of a sequence as their own queries: q_idx moved by ``shift``; a block mask
+    replaced by its mask_mod (it is built from it)."""
+    out = {key: value for key, value in mods.items() if key not in ("score_mod", "mask_mod", "block_mask")}
+    score_mod, mask_mod = mods.get("score_mod"), mods.get("mask_mod")
+    if "block_mask" in mods:
+        mask_mod = mods["block_mask"].mask_mod
+    if score_mod is not None:
+        out["score_mod"] = lambda score, b, h, q_idx, kv_idx: score_mod(score, b, h, q_idx + shift, kv_idx)
+    if mask_mod is not None:
+        out["mask_mod"] = lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + shift, kv_idx)
+    return out
+
+
+def prefill_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool,
+                  mods: Optional[dict[str, Any]] = None) -> float:
     """nvfly's relative error on the last CHECK_ROWS queries of sequence 0 and the query heads of its first two KV
-    heads (Sq = Skv: those rows see the same keys as in the whole problem)."""
+    heads (Sq = Skv: those rows see the same keys as in the whole problem, bottom-right aligned; the mods see their
+    rows' indices in the whole sequence)."""
     heads = 2 * (q.shape[2] // k.shape[2])
-    want, _ = attention.prefill_reference(q[:1, -CHECK_ROWS:, :heads], k[:1, :, :2], v[:1, :, :2], causal=causal)
-    return rel_err(out[:1, -CHECK_ROWS:, :heads].float(), want)
+    rows = min(CHECK_ROWS, q.shape[1])
+    want, _ = attention.prefill_reference(q[:1, -rows:, :heads], k[:1, :, :2], v[:1, :, :2], causal=causal,
+                                          **shifted(mods or {}, q.shape[1] - rows))
+    return rel_err(out[:1, -rows:, :heads].float(), want)
 
 
-def run_prefill_row(shape: tuple, causal: bool, with_flex: bool) -> dict[str, Any]:
+def run_prefill_row(shape: tuple, causal: bool, with_flex: bool, mod: str = "none") -> dict[str, Any]:
     name, batch, s, hq, hkv, dqk, dv = shape
     torch.manual_seed(0)
     q = torch.randn(batch, s, hq, dqk, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, s, hkv, dqk, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, s, hkv, dv, device="cuda", dtype=torch.bfloat16)
     row: dict[str, Any] = {"model": name, "batch": batch, "sq": s, "skv": s, "hq": hq, "hkv": hkv, "dqk": dqk,
-                           "dv": dv, "causal": causal, "mod": "none"}
-    flops = attention.prefill_flops(batch, s, s, hq, dqk, dv, causal)
-    reason = attention.prefill_eligibility(q, k, v)
+                           "dv": dv, "causal": causal, "mod": mod}
+    mods, flex_mods = prefill_mods(mod, batch, s, hq) if mod != "none" else ({}, {})
+    flops = 2 * (dqk + dv) * hq * kept_pairs(mods, flex_mods, batch, s, causal)
+    reason = attention.prefill_eligibility(q, k, v, **mods)
     if reason is None:
         out = torch.full((batch, s, hq, dv), float("nan"), dtype=q.dtype, device="cuda")
-        attention.prefill(q, k, v, causal=causal, out=out)
-        row["nvfly_err"] = prefill_error(q, k, v, out, causal)
+        attention.prefill(q, k, v, causal=causal, out=out, **mods)
+        row["nvfly_err"] = prefill_error(q, k, v, out, causal, mods)
         row["ok"] = row["nvfly_err"] < 2e-2 and not out.isnan().any().item()  # every row written
         del out
-        row["nvfly_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal))
+        row["nvfly_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal, validate=False, **mods))
     else:
         row["nvfly_skipped"] = reason
-    for peer, call in sdpa_calls(q, k, v, causal, PREFILL_BACKENDS).items():
-        row[f"{peer}_ms"] = bench_ms(call)
+    if mod == "none":
+        for peer, call in sdpa_calls(q, k, v, causal, PREFILL_BACKENDS).items():
+            row[f"{peer}_ms"] = bench_ms(call)
     if with_flex:
-        call = flex_call(q, k, v, {}, causal)
+        call = flex_call(q, k, v, flex_mods, causal)
         if call is not None:
             row["flex_ms"] = bench_ms(call)
     for key in [key for key in row if key.endswith("_ms")]:
@@ -242,29 +307,35 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
              if args.prefill_models is None or shape[0] in args.prefill_models]
     import torch._dynamo
     torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
+    cases = [(shape, causal, "none") for shape in suite for causal in (False, True)]
+    if args.mods and args.prefill_models is None:
+        cases += [(PREFILL_MOD_SHAPE, True, mod) for mod in PREFILL_MODS]
     rows, started = [], time.time()
-    for shape in suite:
-        for causal in (False, True):
-            row = run_prefill_row(shape, causal, not args.no_flex)
-            rows.append(row)
-            peers = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row
-                              if key.endswith("_tflops") and key != "nvfly_tflops")
-            mine = (f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tflops']:.0f} TFLOP/s" if "nvfly_ms" in row
-                    else f"nvfly: {row['nvfly_skipped']}")
-            print(f"{row['model']:>9} B{row['batch']:<3} S{row['sq']:<6} {row['hq']}/{row['hkv']} "
-                  f"{row['dqk']}/{row['dv']} {'causal' if causal else 'full':>6}  {mine}  ({peers})", flush=True)
-            torch.cuda.empty_cache()
+    for shape, causal, mod in cases:
+        # --quick times flex on the mod rows only (its compiles are most of the time; SDPA is the plain rows' peer)
+        row = run_prefill_row(shape, causal, not args.no_flex and (mod != "none" or not args.quick), mod)
+        rows.append(row)
+        peers = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row
+                          if key.endswith("_tflops") and key != "nvfly_tflops")
+        mine = (f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tflops']:.0f} TFLOP/s" if "nvfly_ms" in row
+                else f"nvfly: {row['nvfly_skipped']}")
+        print(f"{row['model']:>9} B{row['batch']:<3} S{row['sq']:<6} {row['hq']}/{row['hkv']} "
+              f"{row['dqk']}/{row['dv']} {'causal' if causal else 'full':>6} {mod:>10}  {mine}  ({peers})",
+              flush=True)
+        torch.cuda.empty_cache()
     timed = [r for r in rows if "nvfly_ms" in r]
     summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in timed),
                "declined": len(rows) - len(timed),
                **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in timed if f"vs_{peer}" in r])
                   for peer in (*PREFILL_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in timed)}}
+    if any("vs_flex" in r and r["mod"] != "none" for r in timed):
+        summary["geomean_mods_vs_flex"] = geomean([r["vs_flex"] for r in timed if "vs_flex" in r and r["mod"] != "none"])
     print(summary)
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     path = write_results(args.name or "attention_prefill", rows,
                          {"summary": summary, "command": command, "card": torch.cuda.get_device_name()})
     labels = [f"{r['model']} B{r['batch']} S{r['sq'] // 1024}K {r['hq']}/{r['hkv']} {'c' if r['causal'] else 'f'}"
-              for r in rows]
+              + (f" {r['mod']}" if r["mod"] != "none" else "") for r in rows]
     series = {"nvfly": [r.get("nvfly_tflops", 0.0) for r in rows]}
     for peer in (*PREFILL_BACKENDS, "flex"):
         if any(f"{peer}_tflops" in r for r in rows):
@@ -282,14 +353,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="decode: six rows: B1 128K, B16 48/8 32K at Sq 1 and 4, B32 4K paged 16, soft-cap and "
                         "block-mask rows; prefill: five shapes (D 128 at 4K, 8K, 16K, D 64 at 2K, GQA 64/8 16K), "
-                        "each non-causal and causal")
+                        "each non-causal and causal, and the four mod rows (flex timed on those only)")
     p.add_argument("--sq", type=int, nargs="*", default=[1, 4, 8], help="query tokens of the suite's rows")
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--models", nargs="*", default=None, choices=sorted({shape[0] for shape in SUITE}),
                    help="only these rows of the suite (the whole suite takes over 10 minutes with flex)")
     p.add_argument("--prefill-models", nargs="*", default=None, choices=sorted({shape[0] for shape in PREFILL_SUITE}),
                    help="prefill: only these rows (the whole suite with flex takes longer than one 10-minute run)")
-    p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True, help="the mod rows")
+    p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True,
+                   help="the mod rows (prefill: soft-cap, ALiBi, sliding window, documents)")
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")
     p.add_argument("--fp8", action="store_true", help="also each row's shape with fp8 (e4m3) K/V caches (nvfly only)")
     p.add_argument("--name", default=None, help="results file stem (benchmarks/results/<name>_h200; default "

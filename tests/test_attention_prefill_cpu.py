@@ -161,6 +161,11 @@ def test_visible_pairs_and_flops():
             count = sum(1 for i in range(sq) for j in range(skv) if j <= i + offset)
             assert visible_pairs(sq, skv, True, alignment) == count
         assert visible_pairs(sq, skv, False) == sq * skv
+        for window in WINDOWS:
+            b = masking(False, window, "top_left")
+            count = sum(1 for i in range(sq) for j in range(skv) if (not b.causal or j <= i + b.right)
+                        and (not b.window or j >= i - b.left))
+            assert visible_pairs(sq, skv, False, "top_left", window) == count
     assert attention.prefill_flops(1, 4096, 4096, 16, 128, 128, False) == 4 * 4096 * 4096 * 16 * 128
     assert attention.prefill_flops(1, 4096, 4096, 16, 128, 128, True) == 2 * 256 * 16 * 4096 * 4097 // 2
 

@@ -396,18 +396,24 @@ def prefill_reference(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *
     return out, lse
 
 
-def visible_pairs(sq: int, skv: int, causal: bool, causal_alignment: str = "bottom_right") -> int:
-    """(query, key) pairs a head computes: Sq · Skv, or under the causal mask the keys each query sees."""
-    if not causal:
-        return sq * skv
+def visible_pairs(sq: int, skv: int, causal: bool, causal_alignment: str = "bottom_right",
+                  window: Optional[tuple] = None) -> int:
+    """(query, key) pairs a head computes: Sq · Skv, or under the causal mask and a window the keys each query
+    sees."""
+    bounds = masking(causal, window, causal_alignment)
     offset = causal_offset(sq, skv, causal_alignment)
-    return sum(min(max(i + offset + 1, 0), skv) for i in range(sq))
+    total = 0
+    for i in range(sq):
+        first = max(i + offset - bounds.left, 0) if bounds.window else 0
+        last = min(i + offset + bounds.right, skv - 1) if bounds.causal else skv - 1
+        total += max(last - first + 1, 0)
+    return total
 
 
 def prefill_flops(batch: int, sq: int, skv: int, hq: int, dqk: int, dv: int, causal: bool,
-          causal_alignment: str = "bottom_right") -> int:
+                  causal_alignment: str = "bottom_right", window: Optional[tuple] = None) -> int:
     """The unmasked work the benchmark's TFLOP/s counts: 2 · (Dqk + Dv) per visible (query, key) pair and head."""
-    return 2 * (dqk + dv) * batch * hq * visible_pairs(sq, skv, causal, causal_alignment)
+    return 2 * (dqk + dv) * batch * hq * visible_pairs(sq, skv, causal, causal_alignment, window)
 
 
 # ---------------------------------------------------------------------------------------------- compile only

@@ -208,10 +208,9 @@ def test_option_errors_and_eligibility_reasons():
     assert attention.prefill_eligibility(q, k, v) == "q is on cpu, not CUDA"
 
 
-def test_host_path_launches_the_prefill_kernel(recorded_launches, monkeypatch):
-    """prefill's host path on CPU tensors through the real binder (conftest's recorded_launches; TMA descriptors
-    holding their tensor's address in place of the driver's encoding): grid (query tiles, Hq, B), the descriptors
-    of q (a (B, H, S, D) view), k and v, out and lse passed; no launch without keys."""
+def _cpu_prefill(monkeypatch):
+    """prefill on CPU tensors: no CUDA check, TMA descriptors holding their tensor's address in place of the
+    driver's encoding."""
     from nvfly.ops.attention import prefill_api
     from nvfly.runtime.tma import TmaDescriptor
 
@@ -221,6 +220,13 @@ def test_host_path_launches_the_prefill_kernel(recorded_launches, monkeypatch):
         return desc
     monkeypatch.setattr(prefill_api, "_require_cuda", lambda q, op: None)
     monkeypatch.setattr(prefill_api, "cached_descriptor", descriptor)
+
+
+def test_host_path_launches_the_prefill_kernel(recorded_launches, monkeypatch):
+    """prefill's host path on CPU tensors through the real binder (conftest's recorded_launches; TMA descriptors
+    holding their tensor's address in place of the driver's encoding): grid (query tiles, Hq, B), the descriptors
+    of q (a (B, H, S, D) view), k and v, out and lse passed; no launch without keys."""
+    _cpu_prefill(monkeypatch)
     q, k, v = _inputs(b=2, sq=300, skv=77, hq=6, hkv=2, d=128)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
     out, lse = attention.prefill(q, k, v, causal=True, return_lse=True)
@@ -364,18 +370,6 @@ def test_varlen_reference_is_the_padded_reference():
             torch.testing.assert_close(out[q0:q1], want[0])
             torch.testing.assert_close(lse[:, q0:q1], want_lse[0])
         assert (out[136:] == 0).all() and torch.isinf(lse[:, 136:]).all()
-
-
-def _cpu_prefill(monkeypatch):
-    from nvfly.ops.attention import prefill_api
-    from nvfly.runtime.tma import TmaDescriptor
-
-    def descriptor(tensor, box, swizzle=128):
-        desc = TmaDescriptor(tensor, box, swizzle)
-        desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
-        return desc
-    monkeypatch.setattr(prefill_api, "_require_cuda", lambda q, op: None)
-    monkeypatch.setattr(prefill_api, "cached_descriptor", descriptor)
 
 
 def test_host_path_passes_varlen_offsets(recorded_launches, monkeypatch):

@@ -329,7 +329,8 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
                **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in timed if f"vs_{peer}" in r])
                   for peer in (*PREFILL_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in timed)}}
     if any("vs_flex" in r and r["mod"] != "none" for r in timed):
-        summary["geomean_mods_vs_flex"] = geomean([r["vs_flex"] for r in timed if "vs_flex" in r and r["mod"] != "none"])
+        summary["geomean_mods_vs_flex"] = geomean([r["vs_flex"] for r in timed
+                                                   if "vs_flex" in r and r["mod"] != "none"])
     print(summary)
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     path = write_results(args.name or "attention_prefill", rows,

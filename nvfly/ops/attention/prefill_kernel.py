@@ -1,23 +1,33 @@
-"""Prefill attention: softmax(q kᵀ scale) v for long query sequences, compute-bound, on Hopper's TMA and wgmma.
+"""Prefill attention: softmax(q kᵀ scale + mods) v for long query sequences, compute-bound, on Hopper's TMA and wgmma.
 
     q [B, Sq, Hq, Dqk], k [B, Skv, Hkv, Dqk], v [B, Skv, Hkv, Dv] through 4-D TMA descriptors (any strides with the
-    last dimension contiguous); out [B, Sq, Hq, Dv]; lse [B, Hq, Sq] f32 (natural log) or None.
+    last dimension contiguous); out [B, Sq, Hq, Dv]; lse [B, Hq, Sq] f32 (natural log) or None. Packed sequences
+    (``PLAN.varlen``): B = 1 and sequence b (block z) is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q, out and lse
+    and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v.
 
 Grid (query tiles, Hq, B), heaviest causal tiles first (block x counts down the tiles). A CTA is a producer
 warpgroup and ``consumers`` consumer warpgroups (``prefill_plan``). The producer's thread 0 loads the Q tile once
 (its own mbarrier) and then K and V of each key block it needs into two ``stages``-deep rings (full/empty
 mbarriers, ``sm90.TmaPipeline``): separate rings let S = Q Kᵀ start as soon as K lands. TMA zero-fills rows past
 Sq and Skv (the S dimension is its own descriptor dimension: nothing leaks across sequences), so tails read zeros
-and are masked, never NaN.
+and are masked, never NaN. Packed sequences share the S dimension: a tile's rows past its sequence read the next
+sequence's (finite) rows, which the tail mask drops and whose output rows are not stored.
 
 A consumer warpgroup owns 64 query rows. Per key block: S (64 x block_n f32) = Q Kᵀ by wgmma from shared memory
-(K-major K), K's stage released; the online softmax keeps each thread's two rows' maximum (raw score units) and
-thread-partial sum, with the scale folded into exp2's one FFMA (p = exp2(s · scale·log2e − max · scale·log2e));
-O is rescaled in registers; P is rounded to the input type and fed as the A operand of O += P V straight from
-registers (register-A wgmma, V MN-major from the ring: no transpose in shared memory), then V's stage is released.
-Blocks fully visible to the whole tile run without any mask; the tail block and blocks crossing the causal
-diagonal apply it (``prefill_plan.key_blocks``); blocks past the diagonal are never loaded. The end divides by the
-quad-reduced sum (rows with no key: zeros, LSE −inf) and stores O as 4-byte pairs straight from registers.
+(K-major K), K's stage released; the score_mod if any (on the scaled score; the mods see the batch, the query head,
+the row and the key in the sequence); the online softmax keeps each thread's two rows' maximum (score units) and
+thread-partial sum, with the scale folded into exp2's one FFMA (p = exp2(s · scale·log2e − max · scale·log2e), or
+log2e after a score_mod); O is rescaled in registers; P is rounded to the input type and fed as the A operand of
+O += P V straight from registers (register-A wgmma, V MN-major from the ring: no transpose in shared memory), then
+V's stage is released.
+
+Which key blocks: without a BlockMask, ``prefill_plan.key_blocks`` splits a tile's blocks by the causal and window
+bounds into blocks fully visible to the whole tile, run without any positional mask, and edge blocks (a window's
+left edge, the causal diagonal, the sequence's tail) that apply it; blocks outside the bounds are never loaded. A
+mask_mod is evaluated on every loaded block. With a BlockMask (``PLAN.kv_block``), the producer and the consumers
+walk its partial list (positional bounds and the mask_mod) then its full list (positional bounds only) for the
+tile's query block; unlisted blocks are never loaded. The end divides by the quad-reduced sum (rows with no key:
+zeros, LSE −inf) and stores O as 4-byte pairs straight from registers.
 """
 from __future__ import annotations
 

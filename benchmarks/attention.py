@@ -22,7 +22,7 @@ non-causal and causal (Sq = Skv, so SDPA's and flex's causal masks are nvfly's).
 (the whole problem's reference would not fit), then nvfly, SDPA per backend (cuDNN, flash, efficient) and compiled
 flex_attention timed in the same process; TFLOP/s count the unmasked work only (``prefill_flops``: causal about
 halves it). Shapes nvfly declines (its eligibility reason in ``nvfly_skipped``) still time the peers. Mod rows
-(``--mods``, the default; not with ``--prefill-models``): causal GQA 32/8 at B 4 x 4K with soft-capping, ALiBi, a
+(``--mods``, the default; with ``--prefill-models`` only if it names ``mods``): causal GQA 32/8 at B 4 x 4K with soft-capping, ALiBi, a
 1024-key sliding window (nvfly's ``window``) and 4 documents a sequence (nvfly: a BlockMask of the mask) against
 compiled flex_attention with the same functions and its BlockMask; TFLOP/s on the pairs the mask keeps. ``--quick``
 times flex on the mod rows only.
@@ -308,7 +308,7 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     import torch._dynamo
     torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
     cases = [(shape, causal, "none") for shape in suite for causal in (False, True)]
-    if args.mods and args.prefill_models is None:
+    if args.mods and (args.prefill_models is None or "mods" in args.prefill_models):
         cases += [(PREFILL_MOD_SHAPE, True, mod) for mod in PREFILL_MODS]
     rows, started = [], time.time()
     for shape, causal, mod in cases:
@@ -359,8 +359,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--models", nargs="*", default=None, choices=sorted({shape[0] for shape in SUITE}),
                    help="only these rows of the suite (the whole suite takes over 10 minutes with flex)")
-    p.add_argument("--prefill-models", nargs="*", default=None, choices=sorted({shape[0] for shape in PREFILL_SUITE}),
-                   help="prefill: only these rows (the whole suite with flex takes longer than one 10-minute run)")
+    p.add_argument("--prefill-models", nargs="*", default=None,
+                   choices=sorted({shape[0] for shape in PREFILL_SUITE} | {"mods"}),
+                   help="prefill: only these rows, 'mods' for the mod rows (the whole suite with flex takes longer "
+                        "than one 10-minute run)")
     p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True,
                    help="the mod rows (prefill: soft-cap, ALiBi, sliding window, documents)")
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")

@@ -79,54 +79,105 @@ def test_key_blocks_keep_exactly_the_visible_keys(alignment, bm, bn):
                                            for key in keys), (sq, skv, window, m, n)
 
 
-def blocked_model(q, k, v, causal, scale, alignment, bm=16, bn=8, window=None):
-    """The kernel's algorithm in float32 on the CPU for one (B=1) head group: tiles of ``bm`` rows walk the key
-    blocks of ``key_blocks``, the unmasked ones without a mask; maxima in raw score units, exp2 with the scale
-    folded, thread sums rescaled, P rounded to the input type before P·V; then O / l and LSE."""
-    sq, hq, d = q.shape[1:]
-    skv, hkv = k.shape[1:3]
-    offset = causal_offset(sq, skv, alignment)
+def tile_blocks(m, sq, skv, b, offset, bm, bn, block_mask, batch, head):
+    """The kernel's walk over a tile's key blocks: (block, positional mask, mask_mod) in order — ``key_blocks``'s
+    three loops, or a BlockMask's partial then full list, each listed block as kv_block / bn stages
+    (``listed_block``)."""
+    if block_mask is None:
+        start, low, high, total = key_blocks(m, skv, b.causal, b.window, offset, b.left, b.right, bm, bn)
+        return ([(n, True, True) for n in range(start, low)] + [(n, False, True) for n in range(low, high)]
+                + [(n, True, True) for n in range(high, total)])
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    parts = kv_block // bn
+    walk = []
+    for t, (num, indices) in enumerate(((block_mask.kv_num_blocks, block_mask.kv_indices),
+                                        (block_mask.full_kv_num_blocks, block_mask.full_kv_indices))):
+        if num is None:
+            continue
+        bb, hh, qb = min(batch, num.shape[0] - 1), min(head, num.shape[1] - 1), m * bm // q_block
+        for i in range(int(num[bb, hh, qb]) * parts):
+            walk.append((int(indices[bb, hh, qb, i // parts]) * parts + i % parts, True, t == 0))
+    return walk
+
+
+def blocked_model(q, k, v, causal, scale, alignment, bm=16, bn=8, window=None, score_mod=None, mask_mod=None,
+                  block_mask=None, cu_seqlens=None):
+    """The kernel's algorithm in float32 on the CPU: tiles of ``bm`` rows walk ``tile_blocks``; rows and keys are
+    read from the (packed) tensors from the sequence's start, past its end too (the next sequence's rows; zeros
+    past the tensor, as TMA fills), and masked by the tail, causal and window bounds in masked blocks; the mods see
+    the row and key clamped to the sequence; maxima in score units, exp2 with the scale (or log2 e after a
+    score_mod) folded, sums rescaled, P rounded to the input type before P·V; then O / l and LSE. Padded (B, S, H,
+    D) tensors, or packed (T, H, D) ones with ``cu_seqlens`` (q's, k's)."""
+    packed = cu_seqlens is not None
+    if packed:
+        starts_q, starts_k = cu_seqlens[0].tolist(), cu_seqlens[1].tolist()
+    else:
+        starts_q = [i * q.shape[1] for i in range(q.shape[0] + 1)]
+        starts_k = [i * k.shape[1] for i in range(k.shape[0] + 1)]
+        q, k, v = q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+    hq, dv = q.shape[1], v.shape[2]
+    hkv = k.shape[1]
     b = masking(causal, window, alignment)
-    scale_log2 = scale / math.log(2.0)
-    out = torch.zeros(1, sq, hq, v.shape[3])
-    lse = torch.full((1, hq, sq), float("-inf"))
-    for h in range(hq):
-        for m in range(-(-sq // bm)):
-            rows = torch.arange(m * bm, m * bm + bm)
-            qt = torch.zeros(bm, d)
-            valid = rows < sq
-            qt[valid] = q[0, rows[valid], h].float()
-            top = torch.full((bm,), float("-inf"))
-            total = torch.zeros(bm)
-            acc = torch.zeros(bm, v.shape[3])
-            start, low, high, blocks = key_blocks(m, skv, b.causal, b.window, offset, b.left, b.right, bm, bn)
-            for n in range(start, blocks):
-                keys = torch.arange(n * bn, n * bn + bn)
-                kt = torch.zeros(bn, d)
-                vt = torch.zeros(bn, v.shape[3])
-                inside = keys < skv
-                kt[inside] = k[0, keys[inside], h // (hq // hkv)].float()
-                vt[inside] = v[0, keys[inside], h // (hq // hkv)].float()
-                s = qt @ kt.T
-                if not low <= n < high:
-                    keep = inside[None, :].expand(bm, bn)
-                    if b.causal:
-                        keep = keep & (keys[None, :] <= rows[:, None] + offset + b.right)
-                    if b.window:
-                        keep = keep & (keys[None, :] >= rows[:, None] + offset - b.left)
+    fold = math.log2(math.e) if score_mod is not None else scale / math.log(2.0)
+    out = torch.zeros(q.shape[0], hq, dv)
+    lse = torch.full((hq, q.shape[0]), float("-inf"))
+
+    def rows_of(source, first, count):
+        """``count`` rows of ``source`` from ``first``, zeros past its end."""
+        tile = torch.zeros(count, *source.shape[1:])
+        present = source[first:first + count]
+        tile[:present.shape[0]] = present.float()
+        return tile
+    sequences = len(starts_q) - 1
+    for seq in range(sequences):
+        q0, k0 = starts_q[seq], starts_k[seq]
+        sq, skv = starts_q[seq + 1] - q0, starts_k[seq + 1] - k0
+        # padded sequences end at their tensor's end (TMA zero-fills); packed ones read on into the next sequence
+        q_end, k_end = (q.shape[0], k.shape[0]) if packed else (q0 + sq, k0 + skv)
+        offset = (skv - sq) if alignment == "bottom_right" else 0
+        for h in range(hq):
+            for m in range(-(-sq // bm)):
+                rows = torch.arange(m * bm, m * bm + bm)
+                qt = rows_of(q[:q_end, h], q0 + m * bm, bm)
+                top = torch.full((bm,), float("-inf"))
+                total = torch.zeros(bm)
+                acc = torch.zeros(bm, dv)
+                for n, masked, with_mask_mod in tile_blocks(m, sq, skv, b, offset, bm, bn, block_mask, seq, h):
+                    keys = torch.arange(n * bn, n * bn + bn)
+                    kv_h = h // (hq // hkv)
+                    kt, vt = rows_of(k[:k_end, kv_h], k0 + n * bn, bn), rows_of(v[:k_end, kv_h], k0 + n * bn, bn)
+                    s = qt @ kt.T
+                    mod_rows = rows.clamp(max=sq - 1)[:, None]
+                    mod_keys = (keys.clamp(0, skv - 1) if masked else keys)[None, :]
+                    if score_mod is not None:
+                        s = score_mod(s * scale, torch.tensor(seq), torch.tensor(h), mod_rows, mod_keys).float()
+                    keep = torch.ones(bm, bn, dtype=torch.bool)
+                    if masked:
+                        keep = keep & (keys[None, :] < skv)
+                        if b.causal:
+                            keep = keep & (keys[None, :] <= rows[:, None] + offset + b.right)
+                        if b.window:
+                            keep = keep & (keys[None, :] >= rows[:, None] + offset - b.left)
+                    mod = mask_mod if block_mask is None else block_mask.mask_mod
+                    if mod is not None and with_mask_mod:
+                        keep = keep & mod(torch.tensor(seq), torch.tensor(h), mod_rows, mod_keys).bool()
                     s = s.masked_fill(~keep, float("-inf"))
-                new_top = torch.maximum(top, s.max(dim=1).values)
-                reference = torch.where(new_top == float("-inf"), 0.0, new_top)
-                rescale = torch.exp2(top * scale_log2 - reference * scale_log2)
-                p = torch.exp2(s * scale_log2 - (reference * scale_log2)[:, None])
-                total = total * rescale + p.sum(dim=1)
-                acc = acc * rescale[:, None] + p.to(q.dtype).float() @ vt
-                top = new_top
-            kept = total > 0
-            out[0, rows[valid], h] = torch.where(kept[:, None], acc / total.clamp_min(1e-30)[:, None], 0.0)[valid]
-            row_lse = (top * scale_log2 + torch.log2(total.clamp_min(1e-30))) * math.log(2.0)
-            lse[0, h, rows[valid]] = torch.where(kept, row_lse, float("-inf"))[valid]
-    return out, lse
+                    new_top = torch.maximum(top, s.max(dim=1).values)
+                    reference = torch.where(new_top == float("-inf"), 0.0, new_top)
+                    rescale = torch.exp2(top * fold - reference * fold)
+                    p = torch.exp2(s * fold - (reference * fold)[:, None])
+                    total = total * rescale + p.sum(dim=1)
+                    acc = acc * rescale[:, None] + p.to(q.dtype).float() @ vt
+                    top = new_top
+                kept = total > 0
+                valid = rows < sq
+                out[q0 + rows[valid], h] = torch.where(kept[:, None], acc / total.clamp_min(1e-30)[:, None],
+                                                       0.0)[valid]
+                row_lse = (top * fold + torch.log2(total.clamp_min(1e-30))) * math.log(2.0)
+                lse[h, q0 + rows[valid]] = torch.where(kept, row_lse, float("-inf"))[valid]
+    if packed:
+        return out, lse
+    return out.reshape(sequences, -1, hq, dv), lse.reshape(hq, sequences, -1).transpose(0, 1).contiguous()
 
 
 @pytest.mark.parametrize("sq, skv, causal, alignment, window", [
@@ -458,3 +509,85 @@ def test_untraceable_mods_point_at_the_users_line():
         with pytest.raises(nvfly.CompileError, match=needle) as info:
             attention.compile_prefill(plan, mods=mods)
         assert info.value.filename == __file__ and info.value.lineno == code.co_firstlineno + 1
+
+
+def _model_case(batch, sq, skv, seed):
+    torch.manual_seed(seed)
+    return (torch.randn(batch, sq, 4, 16).to(torch.bfloat16), torch.randn(batch, skv, 2, 16).to(torch.bfloat16),
+            torch.randn(batch, skv, 2, 12).to(torch.bfloat16))
+
+
+def _assert_model_matches(got, got_lse, want, want_lse):
+    assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(got_lse[finite], want_lse[finite], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("case", ["softcap-documents", "alibi-causal-window", "relative-bias-prefix"])
+def test_blocked_model_with_mods_matches_the_reference(case):
+    """The kernel's mod handling (score_mod on the scaled score with log2 e folded, mask_mod in every block, the
+    mods' indices clamped to the sequence in masked blocks, tails and key-less rows) equals the reference."""
+    q, k, v = _model_case(2, 45, 37, seed=len(case))
+    ids = torch.tensor([[0] * 10 + [1] * 20 + [2] * 15, [0] * 30 + [1] * 15], dtype=torch.int32)
+    kwargs = {"softcap-documents": dict(score_mod=M.soft_cap(1.5), mask_mod=M.document_mask(ids), causal=False),
+              "alibi-causal-window": dict(score_mod=M.alibi(SLOPES), causal=True, window=(11, None)),
+              "relative-bias-prefix": dict(score_mod=M.relative_position_bias(torch.randn(4, 9)),
+                                           mask_mod=M.prefix_lm(torch.tensor([3, 40], dtype=torch.int32)))}[case]
+    kwargs.setdefault("causal", False)
+    got, got_lse = blocked_model(q, k, v, scale=0.25, alignment="top_left", **kwargs)
+    want, want_lse = attention.prefill_reference(q, k, v, scale=0.25, causal_alignment="top_left", **kwargs)
+    _assert_model_matches(got, got_lse, want, want_lse)
+
+
+@pytest.mark.parametrize("kind", ["create_block_mask", "random"])
+def test_blocked_model_with_block_masks_matches_the_reference(kind):
+    """The kernel's BlockMask walk (each tile's query block's partial list with the mask_mod and positional bounds,
+    then its full list; KV blocks of two ring stages, query blocks of two tiles) equals the reference's flex
+    semantics."""
+    from torch.nn.attention.flex_attention import BlockMask
+    sq, skv, q_block, kv_block = 70, 90, 32, 16  # the model's tiles: 16 rows x 8 keys
+    q, k, v = _model_case(2, sq, skv, seed=7)
+    if kind == "create_block_mask":
+        def causal_window(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx + 20) & (q_idx + 20 - kv_idx < 60 + 10 * b)
+        mask = create_block_mask(causal_window, 2, None, sq, skv, device="cpu", BLOCK_SIZE=(q_block, kv_block))
+        assert int(mask.full_kv_num_blocks.sum()) > 0
+    else:
+        rng = torch.Generator().manual_seed(3)
+        q_blocks, kv_blocks = -(-sq // q_block), -(-skv // kv_block)
+        order = torch.argsort(torch.rand(2, 4, q_blocks, kv_blocks, generator=rng), dim=-1).to(torch.int32)
+        listed = torch.randint(0, kv_blocks + 1, (2, 4, q_blocks), generator=rng, dtype=torch.int32)
+        cut = (listed.float() * torch.rand(listed.shape, generator=rng)).to(torch.int32)
+        full = torch.stack([torch.roll(row, -int(n)) for row, n in zip(order.view(-1, kv_blocks), cut.view(-1))])
+
+        def stripes(b, h, q_idx, kv_idx):  # partial blocks: the first ``cut`` of a random order; full: the next
+            return (q_idx + 2 * kv_idx + h) % 3 != 0
+        mask = BlockMask.from_kv_blocks(cut, order, listed - cut, full.view_as(order),
+                                        BLOCK_SIZE=(q_block, kv_block), mask_mod=stripes, seq_lengths=(sq, skv))
+    got, got_lse = blocked_model(q, k, v, causal=False, scale=0.25, alignment="bottom_right", block_mask=mask)
+    want, want_lse = attention.prefill_reference(q, k, v, scale=0.25, block_mask=mask)
+    _assert_model_matches(got, got_lse, want, want_lse)
+
+
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+def test_blocked_model_packed_matches_the_reference(alignment):
+    """Packed sequences as the kernel reads them (each from its cu_seqlens row, on into the next sequence's rows,
+    dropped by the tail mask; finite rows after the last one) with causal, a window and a mod whose b is the
+    sequence, against the reference sequence by sequence."""
+    torch.manual_seed(5)
+    lengths_q, lengths_k = [37, 0, 50, 1, 20], [20, 9, 61, 1, 0]
+    q = torch.randn(sum(lengths_q) + 3, 4, 16).to(torch.bfloat16)
+    k = torch.randn(sum(lengths_k) + 3, 2, 16).to(torch.bfloat16)
+    v = torch.randn(sum(lengths_k) + 3, 2, 12).to(torch.bfloat16)
+    cu_q = torch.tensor([0, 37, 37, 87, 88, 108], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 29, 90, 91, 91], dtype=torch.int32)
+    offsets = torch.tensor([0.5, 1.0, -1.0, 2.0, 0.0])
+
+    def per_sequence(score, b, h, q_idx, kv_idx):
+        return score + offsets[b] * (kv_idx - q_idx) / 8
+    kwargs = dict(causal=True, window=(15, None), score_mod=per_sequence)
+    got, got_lse = blocked_model(q, k, v, scale=0.25, alignment=alignment, cu_seqlens=(cu_q, cu_k), **kwargs)
+    want, want_lse = attention.prefill_reference(q, k, v, scale=0.25, causal_alignment=alignment, cu_seqlens_q=cu_q,
+                                                 cu_seqlens_k=cu_k, **kwargs)
+    _assert_model_matches(got[:108], got_lse[:, :108], want[:108], want_lse[:, :108])

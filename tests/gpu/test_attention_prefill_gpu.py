@@ -164,7 +164,8 @@ def test_block_mask_from_create_block_mask():
     check(q, k, v, block_mask=mask)
 
 
-@pytest.mark.parametrize("kv_block, d, gqa", [(128, 64, (8, 2)), (256, 128, (6, 3)), (128, (192, 128), (4, 4))])
+@pytest.mark.parametrize("kv_block, d, gqa", [(128, 64, (8, 2)), (256, 128, (6, 3)), (128, (192, 128), (4, 4)),
+                                              (128, 256, (4, 2))])  # D 256: 64-key stages
 def test_random_block_masks_skip_unlisted_blocks(kv_block, d, gqa):
     """Random per-(batch, head, query block) lists of partial and full key blocks (BlockMask.from_kv_blocks) with a
     mask_mod on the partial ones; blocks no head of a batch lists hold NaN in K and V (the kernel must not read

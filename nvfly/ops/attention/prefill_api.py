@@ -12,7 +12,7 @@ from nvfly.ops.attention.api import _aligned, _kernel_captured, _mods, _require_
 from nvfly.ops.attention.kv_options import check_block_mask, error, mask_mod_of, reference_block_keep
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, captured_tensors
 from nvfly.ops.attention.prefill_kernel import attention_prefill_kernel
-from nvfly.ops.attention.prefill_plan import BLOCK_M, BLOCK_N, HEAD_DIMS, PrefillPlan, causal_offset, prefill_plan
+from nvfly.ops.attention.prefill_plan import BLOCK_M, HEAD_DIMS, PrefillPlan, causal_offset, prefill_plan
 from nvfly.runtime.tensor_desc import torch_dtype
 from nvfly.runtime.tma import cached_descriptor
 
@@ -146,11 +146,7 @@ def _check_mods(q: Any, k: Any, score_mod: Any, mask_mod: Any, block_mask: Any, 
         if fn is not None and not callable(fn):
             raise error(TypeError, name, f"expected a function, got {type(fn).__name__}", OP)
     if block_mask is not None:
-        dqk = q.shape[-1]
-        if BLOCK_N[dqk] != 128:
-            raise error(ValueError, "block_mask", f"head dim {dqk} uses {BLOCK_N[dqk]}-key stages; block masks are "
-                                                  "supported with 128-key stages (head dims up to 192)", OP)
-        check_block_mask(block_mask, mask_mod, q, k.shape[2], k.shape[1], read, OP, BLOCK_N[dqk], BLOCK_M)
+        check_block_mask(block_mask, mask_mod, q, k.shape[2], k.shape[1], read, OP, 128, BLOCK_M)
         mask_mod = mask_mod_of(block_mask, mask_mod)
     mods = _mods(score_mod, mask_mod)
     if len(captured_tensors(mods)) > MAX_CAPTURED:
@@ -177,8 +173,8 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
     (flash-attn's window_size; None or -1 for an unbounded side; causal caps right at 0); key blocks outside are
     skipped. ``score_mod(score, b, h, q_idx, kv_idx)``/``mask_mod(b, h, q_idx, kv_idx)``: flex_attention's mods
     (q_idx, kv_idx the row and key index in the sequence; ``nvfly.ops.attention.mods``), traced into the kernel.
-    ``block_mask``: a flex ``BlockMask`` (128-row query blocks or multiples, KV blocks of 128 keys or multiples;
-    head dims up to 192): its partial blocks apply its mask_mod (or ``mask_mod=``), its full blocks no mask_mod,
+    ``block_mask``: a flex ``BlockMask`` (128-row query blocks or multiples, KV blocks of 128 keys or multiples):
+    its partial blocks apply its mask_mod (or ``mask_mod=``), its full blocks no mask_mod,
     other blocks are not read; ``validate`` reads its block numbers (a device sync). ``scale``: default Dqk^-0.5.
     Returns out (B, Sq, Hq, Dv) in q's dtype and, with ``return_lse``, the log-sum-exp (B, Hq, Sq) float32 (natural
     log; -inf for a row that sees no key, whose output is zeros). ``out``: a contiguous (B, Sq, Hq, Dv) tensor of

@@ -16,6 +16,7 @@ from typing import Any, Callable
 # 64-byte ones where a head dim is an odd multiple of 32 (96)
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (64, 128), (128, 64), (192, 128), (256, 256))
 BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 128, 256: 80}
+MASK_BLOCK_N = 64  # D 256 with a BlockMask: stages that divide its 128-key blocks (80 does not)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows (wgmma's M)
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
 STAGES = 2                  # K and V rings each; FA3 uses 2 (the loads run a whole block ahead of the math)
@@ -80,7 +81,13 @@ class PrefillPlan:
 def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block: int = 0, q_block: int = 0,
                  varlen: bool = False) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``) and its masking options."""
-    return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=BLOCK_N[dqk])
+    return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=stage_keys(dqk, kv_block))
+
+
+def stage_keys(dqk: int, kv_block: int = 0) -> int:
+    """Keys of a ring stage: ``BLOCK_N``, or with a BlockMask a divisor of its 128-key blocks."""
+    block_n = BLOCK_N[dqk]
+    return block_n if not kv_block or 128 % block_n == 0 else MASK_BLOCK_N
 
 
 def causal_offset(sq: int, skv: int, alignment: str) -> int:

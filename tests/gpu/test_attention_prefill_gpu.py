@@ -252,3 +252,24 @@ def test_varlen_mods_see_the_sequence():
     def per_sequence_alibi(score, b, h, q_idx, kv_idx):
         return score + offsets[b] * 0.1 + slopes[h] * (kv_idx - q_idx)
     check_varlen(q, k, v, cu_q, cu_k, causal=True, score_mod=per_sequence_alibi, max_seqlen_q=700, max_seqlen_k=700)
+
+
+def test_varlen_cuda_graph_replays_with_new_offsets():
+    """prefill_varlen captured in a CUDA graph (max_seqlen given: nothing is read back) and replayed after the
+    offsets change in place: the kernel reads cu_seqlens at run time."""
+    q, k, v, cu_q, cu_k = packed([300, 200, 500], [300, 200, 500], 8, 2, 128, 128, seed=4)
+    out = torch.full((q.shape[0], 8, 128), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.empty(8, q.shape[0], device="cuda")
+    kwargs = dict(causal=True, max_seqlen_q=700, max_seqlen_k=700)
+    attention.prefill_varlen(q, k, v, cu_q, cu_k, out=out, **kwargs)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, graph_lse = attention.prefill_varlen(q, k, v, cu_q, cu_k, out=out, return_lse=True, **kwargs)
+    for offsets in ([0, 300, 500, 1000], [0, 700, 701, 1000]):
+        cu_q.copy_(torch.tensor(offsets, dtype=torch.int32))
+        cu_k.copy_(cu_q)
+        out.fill_(float("nan"))
+        graph.replay()
+        lse.copy_(graph_lse)
+        want, want_lse = attention.prefill_reference(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
+        assert_matches(out[None, :1000], lse[None, :, :1000], want[None, :1000], want_lse[None, :, :1000], 1e-2)

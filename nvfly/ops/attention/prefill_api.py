@@ -183,7 +183,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
     import torch
     _check(q, k, v, scale, causal_alignment)
     bounds = masking(causal, window, causal_alignment)
-    mods = _check_mods(q, k, score_mod, mask_mod, block_mask, validate)
+    mods = _check_mods(q, k, score_mod, mask_mod, block_mask, validate and not _capturing(q))
     _require_cuda(q, OP)
     reason = _layout_reason(q, k, v)
     if reason:
@@ -205,6 +205,12 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv,
                     plan.grid(batch, hq, sq))
     return (out, lse) if return_lse else out
+
+
+def _capturing(q: Any) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (no reading tensors back then)."""
+    import torch
+    return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _scale(scale: Optional[float], dqk: int) -> float:
@@ -252,9 +258,10 @@ def _launch(plan: PrefillPlan, mods: Mods, q: Any, k: Any, v: Any, out: Any, lse
 
 # ---------------------------------------------------------------------------------------------- packed sequences
 def _check_varlen(q: Any, k: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
-                  validate: bool) -> tuple[int, int]:
+                  validate: bool, capturing: bool) -> tuple[int, int]:
     """cu_seqlens int32 (B + 1,) on q's device; with ``validate`` (a device sync) non-decreasing from >= 0 to at
-    most the packed length and the max lengths at least every sequence's. Returns (max_seqlen_q, max_seqlen_k)."""
+    most the packed length and the max lengths at least every sequence's (read from them when None; under CUDA
+    graph capture, which reads nothing back, they must be given). Returns (max_seqlen_q, max_seqlen_k)."""
     import torch
     maxima = []
     for name, cu, t, given, max_name in (("cu_seqlens_q", cu_seqlens_q, q, max_seqlen_q, "max_seqlen_q"),
@@ -269,7 +276,9 @@ def _check_varlen(q: Any, k: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seql
                                           f"(cu_seqlens_q has {cu_seqlens_q.shape[0]})", OP)
         if given is not None and (not isinstance(given, int) or given < 0):
             raise error(ValueError, max_name, f"expected a non-negative int, got {given!r}", OP)
-        if validate or given is None:
+        if given is None and capturing:
+            raise error(ValueError, max_name, "needed under CUDA graph capture (cu_seqlens cannot be read back)", OP)
+        if (validate or given is None) and not capturing:
             values = cu.tolist()
             lengths = [b - a for a, b in zip(values, values[1:])]
             if values[0] < 0 or any(n < 0 for n in lengths):
@@ -296,8 +305,9 @@ def prefill_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_s
     Dqk), k (total_k, Hkv, Dqk), v (total_k, Hkv, Dv); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q
     and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v (int32 (B + 1,) tensors). Causal, window and mods apply per
     sequence (the mods' b is the sequence, q_idx and kv_idx indices within it). ``max_seqlen_q``/``max_seqlen_k``:
-    the longest sequences (read from cu_seqlens when None: a device sync, as is ``validate``'s check that the
-    offsets are non-decreasing and within the tensors). Returns out (total_q, Hq, Dv) and, with ``return_lse``, LSE
+    the longest sequences (read from cu_seqlens when None: a device sync; under CUDA graph capture they must be
+    given). ``validate`` (skipped under capture) reads cu_seqlens: a device sync checking the offsets are
+    non-decreasing and within the tensors. Returns out (total_q, Hq, Dv) and, with ``return_lse``, LSE
     (Hq, total_q) float32. Rows outside every sequence are left unwritten."""
     import torch
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -305,7 +315,7 @@ def prefill_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_s
     _check(q[None], k[None], v[None], scale, causal_alignment)
     bounds = masking(causal, window, causal_alignment)
     mods = _check_mods(q[None], k[None], score_mod, mask_mod, None, False)
-    max_q, _ = _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate)
+    max_q, _ = _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate, _capturing(q))
     _require_cuda(q, OP)
     reason = _layout_reason(q, k, v)
     if reason:

@@ -105,7 +105,7 @@ def test_random_sweep(seed):
     (513, 300, 64, False, (None, 20), "bottom_right"),       # right bound only; early rows see no key
     (300, 300, 128, True, (0, 0), "bottom_right"),           # the diagonal only
     (600, 333, 256, True, (150, 0), "bottom_right"),         # 80-key blocks
-    (257, 400, (192, 128), False, (130, 130), "bottom_right"),
+    pytest.param(257, 400, (192, 128), False, (130, 130), "bottom_right", marks=pytest.mark.slow),
 ])
 def test_sliding_windows(sq, skv, d, causal, window, alignment):
     dqk, dv = d if isinstance(d, tuple) else (d, d)
@@ -138,7 +138,7 @@ def _mod(name, hq, batch, skv):
     ("alibi", 500, 64, True, "fp16"),
     ("relative_position_bias", 333, 128, False, "bf16"),
     ("sliding_window", 600, 256, True, "bf16"),
-    ("prefix_lm", 400, 64, False, "bf16"),
+    pytest.param("prefix_lm", 400, 64, False, "bf16", marks=pytest.mark.slow),
     ("document_mask", 640, (192, 128), False, "bf16"),
     ("soft_cap+document_mask", 300, 128, True, "fp16"),
 ])
@@ -164,8 +164,9 @@ def test_block_mask_from_create_block_mask():
     check(q, k, v, block_mask=mask)
 
 
-@pytest.mark.parametrize("kv_block, d, gqa", [(128, 64, (8, 2)), (256, 128, (6, 3)), (128, (192, 128), (4, 4)),
-                                              (128, 256, (4, 2))])  # D 256: 64-key stages
+@pytest.mark.parametrize("kv_block, d, gqa", [(128, 64, (8, 2)), (256, 128, (6, 3)),
+                                              (128, 256, (4, 2)),  # D 256: 64-key stages
+                                              pytest.param(128, (192, 128), (4, 4), marks=pytest.mark.slow)])
 def test_random_block_masks_skip_unlisted_blocks(kv_block, d, gqa):
     """Random per-(batch, head, query block) lists of partial and full key blocks (BlockMask.from_kv_blocks) with a
     mask_mod on the partial ones; blocks no head of a batch lists hold NaN in K and V (the kernel must not read
@@ -235,7 +236,7 @@ def packed(lengths_q, lengths_k, hq, hkv, dqk, dv, dtype=torch.bfloat16, padding
     ([77, 500, 3], [500, 77, 260], 64, True, "top_left", {}),
     ([640, 129, 1], [640, 0, 33], (192, 128), False, "bottom_right", {}),  # a sequence without keys
     ([1000, 200], None, 256, True, "bottom_right", {"window": (128, None)}),
-    ([513, 257, 5], None, 128, False, "bottom_right", {"window": (64, 64)}),
+    pytest.param([513, 257, 5], None, 128, False, "bottom_right", {"window": (64, 64)}, marks=pytest.mark.slow),
 ])
 def test_varlen_against_the_reference(lengths_q, lengths_k, d, causal, alignment, extra):
     dqk, dv = d if isinstance(d, tuple) else (d, d)

@@ -36,6 +36,11 @@ def _aligned(t: "torch.Tensor") -> bool:
     return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
+def _is_mla(q: Any, k_cache: Any) -> bool:
+    """A 576-column q (no head dim of the general kernel): MLA decode's call (``mla_api``)."""
+    return getattr(q, "ndim", 0) == 4 and q.shape[-1] == 576
+
+
 def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any) -> tuple[int, int]:
     """Validate shapes, dtypes, devices and layouts (errors name the argument); returns (cache capacity, pages or 0)."""
     _tensor(q, "q", 4)
@@ -99,6 +104,10 @@ def check_arguments(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = 
                     k_scale: Any = None, v_scale: Any = None) -> None:
     """``decode``'s checks of shapes, dtypes, devices and layouts, raising as it does: what reads no tensor values or
     addresses (so a fake implementation under FakeTensorMode runs them too)."""
+    if _is_mla(q, k_cache):
+        from nvfly.ops.attention.mla_api import check_mla_arguments
+        check_mla_arguments(q, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale)
+        return
     _check(q, k_cache, v_cache, cache_seqlens, block_table)
     check_scales(k_scale, v_scale, q, k_cache)
 
@@ -119,6 +128,11 @@ def eligibility(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None
                 score_mod: Optional[Callable[..., Any]] = None, mask_mod: Optional[Callable[..., Any]] = None,
                 k_scale: Any = None, v_scale: Any = None, block_mask: Any = None) -> Optional[str]:
     """None when ``decode`` computes this call, else the reason it declines."""
+    if _is_mla(q, k_cache):
+        from nvfly.ops.attention.mla_api import mla_eligibility
+        if any(x is not None for x in (score_mod, mask_mod, k_scale, v_scale, block_mask)):
+            return "mods, fp8 scales and block masks are not supported with MLA's 576-column latent cache"
+        return mla_eligibility(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table)
     try:
         capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)
         check_scales(k_scale, v_scale, q, k_cache)
@@ -185,6 +199,12 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     one given for a mask without its own (flex's no-op, or a prefill mask sliced with ``block_mask[:, :, i]``).
     """
     import torch
+    if _is_mla(q, k_cache):  # DeepSeek's 576-column latent cache: its own kernel (mla_api)
+        from nvfly.ops.attention.mla_api import from_decode
+        return from_decode(q, k_cache, v_cache, score_mod=score_mod, mask_mod=mask_mod, k_scale=k_scale,
+                           v_scale=v_scale, block_mask=block_mask, cache_seqlens=cache_seqlens,
+                           block_table=block_table, scale=scale, causal=causal, return_lse=return_lse,
+                           validate=validate, splits=splits, out=out)
     capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if block_mask is not None:
         capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)

@@ -16,7 +16,7 @@ from nvfly.arch import sm90
 from nvfly.arch.sm90.wgmma import a_fragment_elements
 from nvfly.ops import attention
 from nvfly.ops.attention import mla_api
-from nvfly.ops.attention.mla_kernel import layouts
+from nvfly.ops.attention.mla_kernel import layouts, p_store_offset
 
 DQK, DV = 576, 512
 MP = importlib.import_module("nvfly.ops.attention.mla_plan")  # the package exports the function mla_plan
@@ -70,11 +70,22 @@ def test_v_is_the_k_tiles_first_512_columns():
     assert lay.v_desc[0] == MP.BLOCK_N * 128  # 64-column chunks of the tile: N = 256 spans four of them
 
 
+def hardware_swizzle_128(byte_offset):
+    """What a 128-byte-swizzled wgmma operand or TMA box of a 1024-byte aligned tile holds at canonical byte offset
+    ``byte_offset``: the 16-byte chunk (bits 4-6) XORed with the row within 8 (bits 7-9)."""
+    return byte_offset ^ (((byte_offset >> 7) & 7) << 4)
+
+
 def test_p_stores_match_the_shared_p_operand():
     """The softmax warpgroup stores register r of P's k-step s (rows w16 + l/4 + 8(r%2), columns 16s + 8(r//2) +
-    2(l%4)) at p_layout(row, column); those are the accumulator elements a_fragment_elements packs, so the value
-    warpgroup's descriptor-A P is the register-A P."""
+    2(l%4)) where the hardware's swizzle puts the canonical K-major (row, column) the value warpgroup's descriptor
+    reads; those are the accumulator elements a_fragment_elements packs, so the descriptor-A P is the register-A P."""
     lay = layouts(nvfly.bf16)
+    for row in range(MP.BLOCK_M):
+        for column in range(MP.BLOCK_N):
+            canonical = lay.p_layout.inner((row, column)) * 2  # the descriptor's view: rows of 128 bytes
+            assert canonical == row * 128 + column * 2
+            assert p_store_offset(lay, row, column) == hardware_swizzle_128(canonical)
     seen = set()
     for thread in range(128):
         warp, lane = thread // 32, thread % 32

@@ -107,6 +107,12 @@ class Running(NamedTuple):
     stage: Any
 
 
+def p_store_offset(lay: Layouts, row: Any, column: Any) -> Any:
+    """Byte offset of P's (row, column) in the shared P tile: the swizzled layout (``p_layout(...)``, what the
+    hardware's 128-byte swizzle makes of the canonical offset ``p_layout.inner(...)`` that descriptors carry)."""
+    return lay.p_layout((row, column)) * 2
+
+
 def row_of(i: int) -> int:
     """Which of the thread's two rows accumulator element ``i`` belongs to (element 4j + 2h + e is row h)."""
     return (i // 2) % 2
@@ -184,7 +190,7 @@ def softmax_tile(state, t, n, PLAN, MASKED):
         for reg in nvfly.static_range(4):  # register r: row + 8 (r % 2), columns 8 (r // 2) + 2 (lane % 4) + {0, 1}
             row = warp_row + 8 * (reg % 2)
             column = 16 * step + 8 * (reg // 2) + 2 * (t.lane % 4)
-            store_shared(t.p_tile + lay.p_layout.inner((row, column)) * 2, [fragments[step].registers[reg]])
+            store_shared(t.p_tile + p_store_offset(lay, row, column), [fragments[step].registers[reg]])
     if t.lane % 4 == 0:
         t.rescale[warp_row] = rescales[0]
         t.rescale[warp_row + 8] = rescales[1]

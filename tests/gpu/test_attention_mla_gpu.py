@@ -10,6 +10,7 @@ import torch
 from nvfly.ops import attention
 from nvfly.ops.common import scratch
 from nvfly.runtime.torch_args import current_stream
+from tests.gpu.test_attention_decode_gpu import assert_matches
 
 pytestmark = pytest.mark.gpu
 DQK, DV = 576, 512
@@ -53,16 +54,6 @@ def reference(q, cache, table, seqlens, causal, scale=None):
                                scale=scale)
 
 
-def assert_matches(got, lse, want, want_lse, tol=1e-2):
-    assert not got.isnan().any() and not lse.isnan().any()
-    err = ((got.float() - want).norm() / want.norm().clamp_min(1e-12)).item()
-    assert err < tol, err
-    empty = torch.isinf(want_lse)
-    assert torch.equal(torch.isinf(lse), empty)
-    torch.testing.assert_close(lse[~empty], want_lse[~empty], atol=2e-3, rtol=1e-3)
-    assert torch.all(got.float().permute(0, 2, 1, 3)[empty] == 0)
-
-
 CASES = {
     # name: (batch, sq, hq, lengths, dtype, page, causal, splits)
     "v3_paged64": (4, 1, 128, [1000, 0, 64, 2049], torch.bfloat16, 64, True, 0),
@@ -85,7 +76,7 @@ def test_mla_matches_the_reference(name):
     got, lse = attention.decode_mla(q, cache, cache_seqlens=seqlens, block_table=table, causal=causal,
                                     return_lse=True, splits=splits, out=out)
     assert got.data_ptr() == out.data_ptr()
-    assert_matches(got, lse, *reference(q, cache, table, seqlens, causal))
+    assert_matches(got, lse, *reference(q, cache, table, seqlens, causal), 1e-2)
 
 
 def test_decode_routes_576_columns_to_mla():
@@ -107,7 +98,7 @@ def test_whole_contiguous_cache_without_lengths():
     q = torch.randn(2, 1, 64, DQK, device="cuda", generator=gen).bfloat16()
     cache = torch.randn(2, 1000, 1, DQK, device="cuda", generator=gen).bfloat16()
     got, lse = attention.decode_mla(q, cache, return_lse=True)
-    assert_matches(got, lse, *attention.reference(q, cache, cache[..., :DV]))
+    assert_matches(got, lse, *attention.reference(q, cache, cache[..., :DV]), 1e-2)
 
 
 def test_cuda_graph_replays_with_new_lengths():

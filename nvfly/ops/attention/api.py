@@ -270,6 +270,17 @@ def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table
     return found
 
 
+def hopper_reason(q: Any, what: str) -> Optional[str]:
+    """None when q is on an sm_90 GPU, else why ``what`` (a kernel family's name) cannot run there."""
+    if q.device.type != "cuda":
+        return f"q is on {q.device.type}, not CUDA"
+    import torch
+    major, minor = torch.cuda.get_device_capability(q.device)
+    if major != 9:
+        return f"q is on an sm_{major}{minor} GPU: nvfly's {what} needs an sm_90 (Hopper) GPU"
+    return None
+
+
 def _require_cuda(q: Any, op: str = OP) -> None:
     if q.device.type != "cuda":
         raise error(ValueError, "q", f"on {q.device.type}; {op} runs on CUDA devices", op)

@@ -8,7 +8,7 @@ import math
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import nvfly
-from nvfly.ops.attention.api import _aligned, _check_values, _require_cuda, _sm_count, _tensor
+from nvfly.ops.attention.api import _aligned, _check_values, _require_cuda, _sm_count, _tensor, hopper_reason
 from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.kv_options import error
@@ -111,13 +111,7 @@ def mla_eligibility(q: Any, k_cache: Any, v_cache: Any = None, *, cache_seqlens:
         _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, OP)
     except (TypeError, ValueError) as exc:
         return str(exc)
-    if q.device.type != "cuda":
-        return f"q is on {q.device.type}, not CUDA"
-    import torch
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major != 9:
-        return f"q is on an sm_{major}{minor} GPU: nvfly's MLA decode needs an sm_90 (Hopper) GPU"
-    return None
+    return hopper_reason(q, "MLA decode")
 
 
 _plan = functools.lru_cache(maxsize=256)(mla_plan)

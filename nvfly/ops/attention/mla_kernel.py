@@ -37,9 +37,9 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mla_plan import (BLOCK_M, BLOCK_N, CONSUMER_REGS, DQK, DV, FINAL_OFFSET, P_OFFSET,
                                           PRODUCER_REGS, Q_BYTES, Q_OFFSET, RESCALE_OFFSET, RING_OFFSET, STAGE_BYTES,
                                           STAGES, SWIZZLE, unmasked_end)
+from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
 
 LN2 = math.log(2.0)
-NEG_INF = float("-inf")
 HALF = DV // 2             # O columns of a consumer warpgroup
 CONSUMER_THREADS = 256
 # hardware barriers (0 is __syncthreads)
@@ -113,11 +113,6 @@ def p_store_offset(lay: Layouts, row: Any, column: Any) -> Any:
     return lay.p_layout((row, column)) * 2
 
 
-def row_of(i: int) -> int:
-    """Which of the thread's two rows accumulator element ``i`` belongs to (element 4j + 2h + e is row h)."""
-    return (i // 2) % 2
-
-
 @nvfly.func
 def zero_tail_rows(stage, valid, chunk0, thread):
     """Zero V rows [valid, 64) of the stage's 64-column chunks chunk0 .. chunk0 + 3 (a row of a chunk is 128
@@ -159,27 +154,8 @@ def softmax_tile(state, t, n, PLAN, MASKED):
             if PLAN.causal:
                 keep = keep & (key <= t.positions[row_of(i)])
             scores[i] = nvfly.select(keep, scores[i], NEG_INF)
-    maxima, sums, shifts, rescales = [], [], [], []
-    for r in nvfly.static_range(2):
-        top = state.maxima[r]
-        for i in nvfly.static_range(r * 2, len(scores), 4):
-            top = nvfly.maximum(top, nvfly.maximum(scores[i], scores[i + 1]))
-        top = nvfly.maximum(top, nvfly.shfl_xor(top, 1))  # the 4 lanes of a row
-        top = nvfly.maximum(top, nvfly.shfl_xor(top, 2))
-        if MASKED:  # a row with no key kept yet: shift by 0, not -inf
-            reference = nvfly.select(top == NEG_INF, 0.0, top)
-        else:
-            reference = top
-        shift = reference * t.scale_log2
-        rescales.append(nvfly.exp2(state.maxima[r] * t.scale_log2 - shift))
-        shifts.append(shift)
-        maxima.append(top)
-    p = [nvfly.exp2(x * t.scale_log2 - shifts[row_of(i)]) for i, x in enumerate(scores)]
-    for r in nvfly.static_range(2):
-        total = state.sums[r] * rescales[r]
-        for i in nvfly.static_range(r * 2, len(p), 4):
-            total = total + p[i] + p[i + 1]
-        sums.append(total)
+    soft = online_softmax(scores, state.maxima, state.sums, t.scale_log2, MASKED)
+    rescales, p = soft.rescales, soft.p
     fragments = s.map(lambda x, i: p[i]).to_a_fragments(lay.pv_registers)
 
     # P and the rescales to shared memory for the value warpgroup, once it is done with the last tile's
@@ -208,7 +184,7 @@ def softmax_tile(state, t, n, PLAN, MASKED):
     sm90.wait_group(0)
     if t.lane == 0:
         t.pipe.consumer_release(state.stage)
-    return Running(maxima, sums, acc, state.stage.advance())
+    return Running(soft.maxima, soft.sums, acc, state.stage.advance())
 
 
 @nvfly.func

@@ -148,8 +148,8 @@ def cpu_launches(recorded_launches, monkeypatch):
         desc = TmaDescriptor(tensor, box, swizzle)
         desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
         return desc
-    monkeypatch.setattr(mla_api, "_require_cuda", lambda q, op: None)
-    monkeypatch.setattr(mla_api, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(mla_api, "require_cuda", lambda q, op: None)
+    monkeypatch.setattr(mla_api, "sm_count", lambda device: 132)
     monkeypatch.setattr(mla_api, "cached_descriptor", descriptor)
     return recorded_launches
 

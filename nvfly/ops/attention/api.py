@@ -6,6 +6,11 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import nvfly
+from nvfly.ops.attention.checks import aligned as _aligned
+from nvfly.ops.attention.checks import check_values as _check_values
+from nvfly.ops.attention.checks import require_cuda as _require_cuda
+from nvfly.ops.attention.checks import sm_count as _sm_count
+from nvfly.ops.attention.checks import tensor_argument as _tensor
 from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.decode_kernel import attention_decode_kernel
@@ -21,19 +26,6 @@ if TYPE_CHECKING:
 
 DTYPES = ("torch.bfloat16", "torch.float16")
 _MODS: dict = {}  # (score_mod, mask_mod) -> Mods: one compile key per pair of functions
-
-
-def _tensor(value: Any, name: str, rank: int, op: str = OP) -> None:
-    import torch
-    if not isinstance(value, torch.Tensor):
-        raise error(TypeError, name, f"expected a torch.Tensor, got {type(value).__name__}", op)
-    if value.dim() != rank:
-        raise error(ValueError, name, f"expected {rank} dimensions, got shape {tuple(value.shape)}", op)
-
-
-def _aligned(t: "torch.Tensor") -> bool:
-    """16-byte copies of every row: a 16-byte aligned base and every stride but the last a multiple of 16 bytes."""
-    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
 def _is_mla(q: Any, k_cache: Any) -> bool:
@@ -110,18 +102,6 @@ def check_arguments(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = 
         return
     _check(q, k_cache, v_cache, cache_seqlens, block_table)
     check_scales(k_scale, v_scale, q, k_cache)
-
-
-def _check_values(cache_seqlens: Any, block_table: Any, capacity: int, pages: int) -> None:
-    """Lengths within the cache and page numbers within k_cache (reads them: a device sync)."""
-    if cache_seqlens is not None and cache_seqlens.numel():
-        low, high = int(cache_seqlens.min()), int(cache_seqlens.max())
-        if low < 0 or high > capacity:
-            raise error(ValueError, "cache_seqlens", f"lengths from {low} to {high}, the cache holds {capacity}")
-    if block_table is not None and block_table.numel():
-        low, high = int(block_table.min()), int(block_table.max())
-        if low < 0 or high >= pages:
-            raise error(ValueError, "block_table", f"page numbers from {low} to {high}, k_cache has {pages} pages")
 
 
 def eligibility(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None, block_table: Any = None,
@@ -268,27 +248,6 @@ def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table
         raise error(ValueError, "score_mod/mask_mod", f"capture {captures} tensors, at most {MAX_CAPTURED}")
     _CHECKED.remember(key, found)
     return found
-
-
-def hopper_reason(q: Any, what: str) -> Optional[str]:
-    """None when q is on an sm_90 GPU, else why ``what`` (a kernel family's name) cannot run there."""
-    if q.device.type != "cuda":
-        return f"q is on {q.device.type}, not CUDA"
-    import torch
-    major, minor = torch.cuda.get_device_capability(q.device)
-    if major != 9:
-        return f"q is on an sm_{major}{minor} GPU: nvfly's {what} needs an sm_90 (Hopper) GPU"
-    return None
-
-
-def _require_cuda(q: Any, op: str = OP) -> None:
-    if q.device.type != "cuda":
-        raise error(ValueError, "q", f"on {q.device.type}; {op} runs on CUDA devices", op)
-
-
-def _sm_count(device: Any) -> int:
-    from nvfly.runtime.driver import plan_sm_count
-    return plan_sm_count(device.index if device.index is not None else 0)
 
 
 def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens: Any, out: Any, lse: Any,

@@ -8,7 +8,7 @@ import math
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import nvfly
-from nvfly.ops.attention.api import _aligned, _check_values, _require_cuda, _sm_count, _tensor, hopper_reason
+from nvfly.ops.attention.checks import aligned, check_values, hopper_reason, require_cuda, sm_count, tensor_argument
 from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.kv_options import error
@@ -30,8 +30,8 @@ def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: 
     """Shapes, dtypes, devices, layouts and options (errors name the argument); returns (cache capacity, pages or
     0). ``addresses``: also check the cache's alignment and that v_cache shares k_cache's storage (not for fake
     tensors, which have no addresses)."""
-    _tensor(q, "q", 4, op)
-    _tensor(k_cache, "k_cache", 4, op)
+    tensor_argument(q, "q", 4, op)
+    tensor_argument(k_cache, "k_cache", 4, op)
     if str(q.dtype) not in DTYPES:
         raise error(TypeError, "q", f"dtype {q.dtype} is not supported (bfloat16, float16)", op)
     if k_cache.dtype != q.dtype:
@@ -52,11 +52,11 @@ def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: 
         if t.stride(-1) != 1:
             raise error(ValueError, name, f"the last dimension must be contiguous (stride 1), got strides "
                                           f"{tuple(t.stride())}", op)
-    if addresses and not _aligned(k_cache):
+    if addresses and not aligned(k_cache):
         raise error(ValueError, "k_cache", "TMA needs a 16-byte aligned base and strides but the last multiples of "
                                            f"16 bytes, got strides {tuple(k_cache.stride())}", op)
     if v_cache is not None:
-        _tensor(v_cache, "v_cache", 4, op)
+        tensor_argument(v_cache, "v_cache", 4, op)
         same = ((not addresses or v_cache.data_ptr() == k_cache.data_ptr()) and v_cache.dtype == k_cache.dtype
                 and tuple(v_cache.shape) == tuple(k_cache.shape[:3]) + (DV,)
                 and tuple(v_cache.stride()) == tuple(k_cache.stride()))
@@ -70,7 +70,7 @@ def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: 
             raise error(ValueError, "k_cache", f"{k_cache.shape[0]} sequences (dimension 0), q has {batch}", op)
         capacity = k_cache.shape[1]
     else:
-        _tensor(block_table, "block_table", 2, op)
+        tensor_argument(block_table, "block_table", 2, op)
         if str(block_table.dtype) != "torch.int32":
             raise error(TypeError, "block_table", f"expected int32, got {block_table.dtype}", op)
         if block_table.shape[0] != batch:
@@ -83,7 +83,7 @@ def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: 
         pages = k_cache.shape[0]
         capacity = block_table.shape[1] * k_cache.shape[1]
     if cache_seqlens is not None:
-        _tensor(cache_seqlens, "cache_seqlens", 1, op)
+        tensor_argument(cache_seqlens, "cache_seqlens", 1, op)
         if str(cache_seqlens.dtype) not in ("torch.int32", "torch.int64"):
             raise error(TypeError, "cache_seqlens", f"expected int32 or int64, got {cache_seqlens.dtype}", op)
         if cache_seqlens.shape[0] != batch:
@@ -159,8 +159,8 @@ def _decode(op: str, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, blo
     capacity, pages = _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, op)
     capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if validate and not capturing:
-        _check_values(cache_seqlens, block_table, capacity, pages)
-    _require_cuda(q, op)
+        check_values(cache_seqlens, block_table, capacity, pages, op)
+    require_cuda(q, op)
     batch, sq, hq, _ = q.shape
     if out is None:
         out = torch.empty(batch, sq, hq, DV, dtype=q.dtype, device=q.device)
@@ -172,7 +172,7 @@ def _decode(op: str, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, blo
     if batch:
         seqlens = (torch.full((batch,), capacity, dtype=torch.int32, device=q.device) if cache_seqlens is None
                    else cache_seqlens.to(torch.int32))
-        plan = _plan(batch, sq, hq, capacity, _sm_count(q.device), block_table is not None,
+        plan = _plan(batch, sq, hq, capacity, sm_count(q.device), block_table is not None,
                      k_cache.shape[1] if block_table is not None else 0, bool(causal), int(splits))
         _launch(plan, q, k_cache, block_table, seqlens, out, lse, DQK ** -0.5 if scale is None else float(scale))
     return (out, lse) if return_lse else out
@@ -182,7 +182,7 @@ def _rows(q: "torch.Tensor") -> "torch.Tensor":
     """q as the kernel's (B, Sq * Hq, 576) rows for its TMA descriptor (a copy only where q's token and head
     dimensions do not merge or its rows are not 16-byte aligned)."""
     rows = q.reshape(q.shape[0], q.shape[1] * q.shape[2], DQK)
-    return rows if _aligned(rows) else rows.contiguous()
+    return rows if aligned(rows) else rows.contiguous()
 
 
 def _boxes(dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -16,6 +16,8 @@ from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.decode_kernel import attention_decode_kernel
 from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_tables, check_block_mask, check_scales, error,
                                             kernel_scales, mask_mod_of, per_head, reference_block_keep)
+from nvfly.ops.attention.mla_api import check_mla_arguments, from_decode, mla_eligibility
+from nvfly.ops.attention.mla_plan import DQK as MLA_DQK
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, captured_tensors
 from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, decode_plan
 from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls
@@ -30,7 +32,7 @@ _MODS: dict = {}  # (score_mod, mask_mod) -> Mods: one compile key per pair of f
 
 def _is_mla(q: Any, k_cache: Any) -> bool:
     """A 576-column q (no head dim of the general kernel): MLA decode's call (``mla_api``)."""
-    return getattr(q, "ndim", 0) == 4 and q.shape[-1] == 576
+    return getattr(q, "ndim", 0) == 4 and q.shape[-1] == MLA_DQK
 
 
 def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any) -> tuple[int, int]:
@@ -97,7 +99,6 @@ def check_arguments(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = 
     """``decode``'s checks of shapes, dtypes, devices and layouts, raising as it does: what reads no tensor values or
     addresses (so a fake implementation under FakeTensorMode runs them too)."""
     if _is_mla(q, k_cache):
-        from nvfly.ops.attention.mla_api import check_mla_arguments
         check_mla_arguments(q, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale)
         return
     _check(q, k_cache, v_cache, cache_seqlens, block_table)
@@ -109,7 +110,6 @@ def eligibility(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None
                 k_scale: Any = None, v_scale: Any = None, block_mask: Any = None) -> Optional[str]:
     """None when ``decode`` computes this call, else the reason it declines."""
     if _is_mla(q, k_cache):
-        from nvfly.ops.attention.mla_api import mla_eligibility
         if any(x is not None for x in (score_mod, mask_mod, k_scale, v_scale, block_mask)):
             return "mods, fp8 scales and block masks are not supported with MLA's 576-column latent cache"
         return mla_eligibility(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table)
@@ -180,7 +180,6 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     """
     import torch
     if _is_mla(q, k_cache):  # DeepSeek's 576-column latent cache: its own kernel (mla_api)
-        from nvfly.ops.attention.mla_api import from_decode
         return from_decode(q, k_cache, v_cache, score_mod=score_mod, mask_mod=mask_mod, k_scale=k_scale,
                            v_scale=v_scale, block_mask=block_mask, cache_seqlens=cache_seqlens,
                            block_table=block_table, scale=scale, causal=causal, return_lse=return_lse,

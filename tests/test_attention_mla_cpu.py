@@ -2,9 +2,11 @@
 compiles for sm_90a to the planned HGMMAs (S from shared memory, P V register-A in one consumer warpgroup and from the
 shared P tile in the other) without spills or ptxas warnings, within the planned registers and shared memory; the
 layouts the kernel relies on hold (V is the K tile's first 512 columns as an MN-major operand; P's register stores
-land where the shared P operand reads them); the split and mask arithmetic keeps exactly the visible keys; the host
-path launches the kernel (and the combine); bad arguments raise errors naming them, through decode_mla and decode."""
+land where the shared P operand reads them); the split and mask arithmetic keeps exactly the visible keys, and a
+float32 model of the kernel's arithmetic matches the reference; the host path launches the kernel (and the
+combine); bad arguments raise errors naming them, through decode_mla and decode."""
 import importlib
+import math
 import re
 import struct
 
@@ -115,6 +117,105 @@ def test_split_and_mask_arithmetic_keeps_the_visible_keys(sq, causal):
             keys = range(n * MP.BLOCK_N, (n + 1) * MP.BLOCK_N)
             visible = all(key < seqlen and (not causal or key <= seqlen - sq + t) for key in keys for t in range(sq))
             assert visible == (n < middle), (seqlen, n)
+
+
+def kernel_model(q, cache, table, seqlens, causal, splits, scale):
+    """The MLA kernel's arithmetic in float32 on CPU tensors: per (sequence, row block, split) the 64 packed rows'
+    tiles of the split as the kernel reads them (paged: the page from the table, the whole 576 columns, NaN past the
+    length left in), mask only from ``unmasked_end`` on, V rows past the length zeroed there, the online softmax
+    with P rounded to the input type, the value half rescaled by the softmax half's factors; then the combine
+    (with one split: the normalised rows directly)."""
+    batch, sq, hq, _ = q.shape
+    rows_total = sq * hq
+    scale_log2 = scale / math.log(2.0)
+    partial_o = torch.zeros(splits, batch, rows_total, DV)
+    partial_lse = torch.full((splits, batch, rows_total), float("-inf"))
+    for b in range(batch):
+        seqlen = int(seqlens[b])
+        middle = MP.unmasked_end(seqlen, sq, causal)
+        for m in range(-(-rows_total // MP.BLOCK_M)):
+            packed = torch.arange(m * MP.BLOCK_M, (m + 1) * MP.BLOCK_M)
+            valid_rows = packed < rows_total
+            qt = torch.zeros(MP.BLOCK_M, DQK)
+            qt[valid_rows] = q[b].reshape(rows_total, DQK)[packed[valid_rows]].float()
+            positions = seqlen - sq + packed // hq
+            for split in range(splits):
+                begin, end = MP.split_blocks(seqlen, splits, split)
+                top = torch.full((MP.BLOCK_M,), float("-inf"))
+                total = torch.zeros(MP.BLOCK_M)
+                acc = torch.zeros(MP.BLOCK_M, DV)
+                for n in range(begin, end):
+                    keys = torch.arange(n * MP.BLOCK_N, (n + 1) * MP.BLOCK_N)
+                    if table is None:
+                        tile = torch.zeros(MP.BLOCK_N, DQK)  # TMA's zero fill past the capacity
+                        inside = keys < cache.shape[1]
+                        tile[inside] = cache[b, keys[inside], 0].float()
+                    else:
+                        page = int(table[b, n * MP.BLOCK_N // cache.shape[1]])
+                        first = n * MP.BLOCK_N % cache.shape[1]
+                        tile = cache[page, first:first + MP.BLOCK_N, 0].float()
+                    s = qt @ tile.T
+                    values = tile[:, :DV].clone()
+                    if n >= middle:
+                        keep = (keys[None, :] < seqlen) & ((keys[None, :] <= positions[:, None]) if causal else True)
+                        s = torch.where(keep, s, float("-inf"))
+                        values[keys >= seqlen] = 0.0
+                    new_top = torch.maximum(top, s.max(dim=1).values)
+                    reference = torch.where(new_top == float("-inf"), 0.0, new_top) if n >= middle else new_top
+                    rescale = torch.exp2(top * scale_log2 - reference * scale_log2)
+                    p = torch.exp2(s * scale_log2 - (reference * scale_log2)[:, None])
+                    total = total * rescale + p.sum(dim=1)
+                    p16 = p.to(q.dtype).float()
+                    acc[:, :DV // 2] = acc[:, :DV // 2] * rescale[:, None] + p16 @ values[:, :DV // 2]
+                    acc[:, DV // 2:] = acc[:, DV // 2:] * rescale[:, None] + p16 @ values[:, DV // 2:]
+                    top = new_top
+                kept = total > 0
+                o = torch.where(kept[:, None], acc / total.clamp_min(1e-30)[:, None], 0.0)
+                row_lse = torch.where(kept, (top * scale_log2 + torch.log2(total.clamp_min(1e-30))) * math.log(2.0),
+                                      float("-inf"))
+                partial_o[split, b, packed[valid_rows]] = o[valid_rows]
+                partial_lse[split, b, packed[valid_rows]] = row_lse[valid_rows]
+    top = partial_lse.max(dim=0).values
+    weights = torch.exp(partial_lse - torch.where(top == float("-inf"), 0.0, top))
+    total = weights.sum(dim=0)
+    out = (weights[..., None] * partial_o).sum(dim=0) / torch.where(total > 0, total, 1.0)[..., None]
+    lse = torch.where(total > 0, top + torch.log(total.clamp_min(1e-30)), float("-inf"))
+    return out.view(batch, sq, hq, DV), lse.view(batch, sq, hq).transpose(1, 2)
+
+
+@pytest.mark.parametrize("sq, hq, paged, causal, splits", [
+    (1, 16, True, True, 1), (2, 16, False, True, 3), (4, 32, True, False, 2), (3, 24, False, True, 5),
+])
+def test_kernel_model_matches_the_reference(sq, hq, paged, causal, splits):
+    """The kernel's tiling, masking and combine reproduce the float32 reference on ragged lengths around tile edges
+    (0, 1, 63, 64, 65, 200) with NaN in every cache row past a length (read, masked and zeroed, never mixed in)."""
+    gen = torch.Generator().manual_seed(sq * 100 + hq)
+    lengths = [0, 1, 63, 64, 65, 200]
+    batch = len(lengths)
+    q = torch.randn(batch, sq, hq, DQK, generator=gen).bfloat16()
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    if paged:
+        pages_per = 4  # 256 tokens, pages of 64
+        cache = torch.randn(batch * pages_per, 64, 1, DQK, generator=gen).bfloat16()
+        table = torch.randperm(batch * pages_per, generator=gen).view(batch, pages_per).to(torch.int32)
+        slots = torch.arange(pages_per * 64)
+        for b, n in enumerate(lengths):
+            cache[table[b, slots[n:] // 64].long(), slots[n:] % 64] = float("nan")
+    else:
+        cache = torch.randn(batch, 230, 1, DQK, generator=gen).bfloat16()
+        table = None
+        for b, n in enumerate(lengths):
+            cache[b, n:] = float("nan")
+    scale = DQK ** -0.5
+    got, got_lse = kernel_model(q, cache, table, seqlens, causal, splits, scale)
+    clean = torch.nan_to_num(cache, nan=0.0)
+    want, want_lse = attention.reference(q, clean, clean[..., :DV], cache_seqlens=seqlens, block_table=table,
+                                         causal=causal)
+    assert not got.isnan().any()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(got_lse), empty) and empty.any()
+    torch.testing.assert_close(got_lse[~empty], want_lse[~empty], atol=2e-3, rtol=1e-3)
 
 
 def test_plan_splits_and_grid():

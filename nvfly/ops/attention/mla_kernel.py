@@ -265,15 +265,15 @@ def attention_mla_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescripto
                               q_bar)
             loading = sm90.PipelineState.start(STAGES)
             for n in range(begin, end):
-                pipe.producer_acquire(loading)
-                pipe.producer_expect(loading)
                 key = n * BLOCK_N
-                if PLAN.paged:
+                if PLAN.paged:  # the table's load is in flight while the stage frees up
                     page = block_table[b, key // PLAN.page_size]
                     row = key % PLAN.page_size
                 else:
                     page = b
                     row = key
+                pipe.producer_acquire(loading)
+                pipe.producer_expect(loading)
                 for box in boxes:
                     sm90.tma_load(k_desc, ring + loading.stage * STAGE_BYTES + box.smem_offset,
                                   (page, row, 0, box.k_offset), pipe.full(loading.stage))

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 import nvfly
-from nvfly.arch import sm90
 from nvfly.arch.sm90.wgmma import a_fragment_elements
 from nvfly.ops import attention
 from nvfly.ops.attention import mla_api

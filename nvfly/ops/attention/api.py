@@ -14,7 +14,7 @@ from nvfly.ops.attention.checks import tensor_argument as _tensor
 from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.decode_kernel import attention_decode_kernel
-from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_tables, check_block_mask, check_scales, error,
+from nvfly.ops.attention.kv_options import (FP8, block_mask_tables, check_block_mask, check_scales, error,
                                             kernel_scales, mask_mod_of, per_head, reference_block_keep)
 from nvfly.ops.attention.mla_api import check_mla_arguments, from_decode, mla_eligibility
 from nvfly.ops.attention.mla_plan import DQK as MLA_DQK

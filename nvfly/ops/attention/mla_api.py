@@ -13,7 +13,7 @@ from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.kv_options import error
 from nvfly.ops.attention.mla_kernel import attention_mla_kernel
-from nvfly.ops.attention.mla_plan import (BLOCK_M, BLOCK_N, DQK, DV, MAX_SQ, SWIZZLE, THREADS, MlaPlan, mla_plan)
+from nvfly.ops.attention.mla_plan import BLOCK_M, BLOCK_N, DQK, DV, MAX_SQ, SWIZZLE, THREADS, MlaPlan, mla_plan
 from nvfly.runtime.tensor_desc import torch_dtype
 from nvfly.runtime.tma import cached_descriptor
 
@@ -257,8 +257,7 @@ def compile_mla(plan: MlaPlan, dtype: Any = nvfly.bf16, batch: int = 2, seqlen: 
                                             PLAN=plan, block=THREADS, target=target)]
     if split:
         kernels.append(attention_combine_kernel.compile(
-            TensorDesc(nvfly.f32, (plan.splits * batch * rows, DV)), TensorDesc(nvfly.f32, (plan.splits * batch * rows,)),
-            TensorDesc(dtype, (batch, plan.sq, plan.heads, DV)),
+            partial_o, partial_lse, TensorDesc(dtype, (batch, plan.sq, plan.heads, DV)),
             TensorDesc(nvfly.f32, (batch, plan.heads, plan.sq)) if return_lse else None,
             batch * rows, plan.heads, plan.splits, SQ=plan.sq, DV=DV, block=COMBINE_WARPS * 32, target=target))
     return kernels

@@ -5,9 +5,9 @@ latent cache (V its first 512 columns) on TMA and wgmma, through ``decode`` or `
 
 Modules: ``api`` (decode's host functions re-exported here), ``plan`` (plans and the split heuristic),
 ``decode_kernel`` and ``combine_kernel`` (device code), ``mods`` (score_mod/mask_mod tracing and the shipped
-examples); ``prefill_api``, ``prefill_plan`` and ``prefill_kernel`` likewise for prefill, ``mla_api``, ``mla_plan`` and
-``mla_kernel`` for MLA decode; docs/ops/attention.md
-explains the design.
+examples), ``checks`` (the host checks the three share); ``prefill_api``, ``prefill_plan`` and ``prefill_kernel``
+likewise for prefill, ``mla_api``, ``mla_plan`` and ``mla_kernel`` for MLA decode; ``softmax`` (the wgmma kernels'
+online softmax step). docs/ops/attention.md explains the design.
 """
 from nvfly.ops.attention.api import bytes_moved, compile_kernels, decode, eligibility, reference
 from nvfly.ops.attention.mla_api import compile_mla, decode_mla, mla_bytes, mla_eligibility, mla_flops

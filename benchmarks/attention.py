@@ -15,6 +15,14 @@ Usage: python benchmarks/attention.py --decode [--quick] [--sq 1 4 8] [--layouts
 [--no-flex] [--fp8] [--name NAME]; paged layouts run at Sq = 1.
 Writes benchmarks/results/attention_decode_h200.json and .png.
 
+MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (one KV head of 576 columns, V its
+first 512) at Sq = 1, B 1/32/128, 128 heads (V3) and 16, S 4K and 32K, nvfly on shuffled pages of 64 tokens. The
+peers see the same problem as one head of Hq query rows (MQA absorbed: q (B, 1, Hq, 576), k = the cache (B, 1, S,
+576), v its first 512 columns as a view; no expanded copy): SDPA efficient and math, and compiled flex_attention.
+Correctness first (nvfly's first sequence against a float32 computation), then the median times; TB/s count the
+cache once (576 columns a key) plus q and o (``mla_bytes``), TFLOP/s 2 · (576 + 512) per (query head, key)
+(``mla_flops``). Writes benchmarks/results/attention_mla_h200.json and .png.
+
 Prefill (``--prefill [--quick] [--prefill-models ...] [--no-flex] [--name NAME]``): the prefill suite of ../shared/docs/anchors.md (B·S = 16K tokens at
 H·D = 2048 for D 64/128/256, GQA 32/8 and 64/8, DeepSeek-like Dqk 192/Dv 128 H 128, MiniMax-like 48/8), each
 non-causal and causal (Sq = Skv, so SDPA's and flex's causal masks are nvfly's). Correctness first: nvfly's last
@@ -43,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, plot, rel_err, write_results  # noqa: E402
 from nvfly.ops import attention  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
+from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 
 # (name, batch, skv, hq, hkv, d): the decode suite of ../shared/docs/anchors.md
 SUITE = [("llama8b", 1, 131072, 32, 8, 128), ("llama8b", 32, 4096, 32, 8, 128), ("llama8b", 128, 4096, 32, 8, 128),
@@ -186,6 +195,90 @@ def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: s
         row[key[:-3] + "_tbs"] = nbytes / row[key] / 1e9
         row["vs_" + key[:-3]] = row[key] / row["nvfly_ms"]
     return row
+
+
+# ---------------------------------------------------------------------------------------------- MLA decode
+# (name, batch, skv, hq): DeepSeek-V3 (128 heads; V2-Lite and TP-8 V3 shards have 16)
+MLA_SUITE = [(f"mla{hq}", batch, skv, hq) for hq in (128, 16) for batch in (1, 32, 128) for skv in (4096, 32768)]
+MLA_QUICK = [("mla128", 1, 32768, 128), ("mla128", 32, 4096, 128), ("mla128", 128, 4096, 128),
+             ("mla16", 32, 32768, 16)]
+MLA_PAGE = 64
+MLA_BACKENDS = ("efficient", "math")  # flash and cuDNN take head dims up to 256
+
+
+def mla_error(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> float:
+    """nvfly's relative error on the first sequence against float32 softmax(q kᵀ / sqrt(576)) v (Sq = 1: every key
+    visible)."""
+    rows = q[0].reshape(-1, 576).float()
+    keys = cache[0, :, 0].float()
+    weights = torch.softmax(rows @ keys.T * 576 ** -0.5, dim=-1)
+    return rel_err(out[0].reshape(-1, 512).float(), weights @ keys[:, :512])
+
+
+def run_mla_row(shape: tuple, with_flex: bool) -> dict[str, Any]:
+    name, batch, skv, hq = shape
+    torch.manual_seed(0)
+    q = torch.randn(batch, 1, hq, 576, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(batch, skv, 1, 576, device="cuda", dtype=torch.bfloat16)
+    order = torch.randperm(batch * skv // MLA_PAGE, device="cuda")  # the cache as shuffled pages
+    pages = torch.empty(batch * skv // MLA_PAGE, MLA_PAGE, 1, 576, device="cuda", dtype=torch.bfloat16)
+    pages[order] = cache.reshape(-1, MLA_PAGE, 1, 576)
+    table = order.view(batch, -1).to(torch.int32)
+    row: dict[str, Any] = {"model": name, "batch": batch, "sq": 1, "skv": skv, "hq": hq, "hkv": 1, "dqk": 576,
+                           "dv": 512, "layout": f"paged{MLA_PAGE}"}
+    out = torch.full((batch, 1, hq, 512), float("nan"), dtype=q.dtype, device="cuda")
+    attention.decode(q, pages, pages[..., :512], block_table=table, out=out)
+    row["nvfly_err"] = mla_error(q, cache, out)
+    row["ok"] = row["nvfly_err"] < 2e-2 and not out.isnan().any().item()
+    row["splits"] = attention.mla_plan(batch, 1, hq, skv, plan_sm_count(0), True, MLA_PAGE).splits
+    row["nvfly_ms"] = bench_ms(lambda: attention.decode_mla(q, pages, block_table=table, validate=False))
+    # the peers ((B, S, H, D) arguments): one head of Hq query rows over the contiguous cache and its V view
+    rows_q, values = q.view(batch, hq, 1, 576), cache[..., :512]
+    for peer, call in sdpa_calls(rows_q, cache, values, False, MLA_BACKENDS).items():
+        row[f"{peer}_ms"] = bench_ms(call)
+    if with_flex:
+        call = flex_call(rows_q, cache, values, {}, False)
+        if call is not None:
+            row["flex_ms"] = bench_ms(call)
+    nbytes = attention.mla_bytes(q, None, skv)
+    flops = attention.mla_flops(q, None, skv)
+    for key in [key for key in row if key.endswith("_ms")]:
+        row[key[:-3] + "_tbs"] = nbytes / row[key] / 1e9
+        row[key[:-3] + "_tflops"] = flops / row[key] / 1e9
+        if key != "nvfly_ms":
+            row["vs_" + key[:-3]] = row[key] / row["nvfly_ms"]
+    return row
+
+
+def run_mla(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
+    import torch._dynamo
+    torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
+    rows, started = [], time.time()
+    for shape in MLA_QUICK if args.quick else MLA_SUITE:
+        row = run_mla_row(shape, not args.no_flex)
+        rows.append(row)
+        peers = "  ".join(f"{key[:-4]} {row[key]:.2f}" for key in row if key.endswith("_tbs") and key != "nvfly_tbs")
+        print(f"{row['model']:>7} B{row['batch']:<3} Skv{row['skv']:<6} splits {row['splits']:<3} "
+              f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s {row['nvfly_tflops']:.0f} TFLOP/s  "
+              f"(TB/s: {peers})", flush=True)
+        torch.cuda.empty_cache()
+    summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in rows),
+               "min_nvfly_tbs": min(r["nvfly_tbs"] for r in rows),
+               "max_nvfly_tflops": max(r["nvfly_tflops"] for r in rows),
+               **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in rows if f"vs_{peer}" in r])
+                  for peer in (*MLA_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in rows)}}
+    print(summary)
+    command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    name = args.name or "attention_mla"
+    path = write_results(name, rows, {"summary": summary, "command": command, "card": torch.cuda.get_device_name()})
+    labels = [f"{r['model']} B{r['batch']} {r['skv'] // 1024}K" for r in rows]
+    series = {"nvfly": [r["nvfly_tbs"] for r in rows]}
+    for peer in (*MLA_BACKENDS, "flex"):
+        if any(f"{peer}_tbs" in r for r in rows):
+            series[peer] = [r.get(f"{peer}_tbs", 0.0) for r in rows]
+    plot(name, labels, series, "TB/s (the cache once + q + o)")
+    print("wrote", path)
+    return 0 if summary["all_ok"] else 1
 
 
 # ---------------------------------------------------------------------------------------------- prefill
@@ -366,12 +459,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True,
                    help="the mod rows (prefill: soft-cap, ALiBi, sliding window, documents)")
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")
+    p.add_argument("--mla", action="store_true", help="decode: the MLA suite (DeepSeek's 576/512 latent cache) "
+                                                       "instead; with --quick four rows")
     p.add_argument("--fp8", action="store_true", help="also each row's shape with fp8 (e4m3) K/V caches (nvfly only)")
     p.add_argument("--name", default=None, help="results file stem (benchmarks/results/<name>_h200; default "
                                                  "attention_decode or attention_prefill)")
     args = p.parse_args(argv)
     if args.prefill:
         return run_prefill(args, argv)
+    if args.mla:
+        return run_mla(args, argv)
     args.name = args.name or "attention_decode"
     if args.quick:
         cases = [(shape, sq, layout, "none") for shape, sq, layout in QUICK]

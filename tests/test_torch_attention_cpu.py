@@ -1,8 +1,10 @@
-"""Decode attention from PyTorch without a GPU: ``nvfly::attention_decode`` (torch fallback equal to SDPA, fake
-shapes, tracing by torch.compile; its fake's errors are tested in test_fake_parity_cpu.py) and the eager SDPA route: its eligibility table and reasons (on fake CUDA
-tensors), the decisions it records, its failure bookkeeping, and the dispatch mechanics of a composite op routed
-on an autograd key and a backend key (exercised on the CPU keys: fallthrough, inference_mode, autograd kept,
-an nvfly exception falling back)."""
+"""Attention from PyTorch without a GPU: ``nvfly::attention_decode`` and ``nvfly::attention_prefill`` (torch
+fallback equal to SDPA, LSE, fake shapes, tracing by torch.compile; their fakes' errors are tested in
+test_fake_parity_cpu.py), prefill's gradients by torch's backward kernels on nvfly's LSE (the CPU kernel here; the
+choice of kernel for CUDA inputs), and the eager SDPA route: its eligibility table and reasons for decode and prefill
+(on fake CUDA tensors), the decisions it records, its failure bookkeeping, and the dispatch mechanics of a composite
+op routed on an autograd key and a backend key (exercised on the CPU keys: fallthrough, inference_mode, autograd
+kept, training through the route, an nvfly exception falling back)."""
 import logging
 import math
 import warnings
@@ -67,6 +69,87 @@ def test_op_fake_shapes_and_compile():
     torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
 
 
+def _prefill_inputs(batch=2, sq=40, skv=40, hq=8, hkv=2, d=64, dv=None, grad=False):
+    torch.manual_seed(1)
+    q, k = torch.randn(batch, sq, hq, d).to(bf), torch.randn(batch, skv, hkv, d).to(bf)
+    v = torch.randn(batch, skv, hkv, dv or d).to(bf)
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def _sdpa_f32(q, k, v, **kwargs):
+    """float32 SDPA of (B, S, H, D) tensors, in that layout, and its float32 leaves."""
+    leaves = [t.detach().float().requires_grad_(t.requires_grad) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), enable_gqa=True, **kwargs)
+    return out.transpose(1, 2), leaves
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("sq,skv,causal,alignment", [
+    (40, 40, False, "bottom_right"), (40, 40, True, "top_left"), (50, 30, True, "top_left"),
+    (20, 45, True, "bottom_right")])
+def test_prefill_op_on_cpu_equals_sdpa_with_lse(sq, skv, causal, alignment):
+    q, k, v = _prefill_inputs(sq=sq, skv=skv)
+    out, lse = torch.ops.nvfly.attention_prefill(q, k, v, causal=causal, scale=0.2, causal_alignment=alignment)
+    assert out.shape == q.shape and out.dtype == bf and lse.shape == (2, 8, sq) and lse.dtype == torch.float32
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(4, dim=2)) * 0.2
+    if causal:  # query i sees keys up to i (top-left) or i + Skv - Sq (bottom-right)
+        shift = 0 if alignment == "top_left" else skv - sq
+        visible = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + shift
+        scores = scores.masked_fill(~visible, float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1), atol=1e-4, rtol=1e-4)
+    want = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.float().repeat_interleave(4, dim=2))
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("sq,skv,hkv,d,dv", [(40, 40, 2, 64, None), (50, 30, 8, 64, None), (33, 20, 1, 128, None)])
+def test_prefill_op_gradients_by_torchs_backward_on_its_lse(sq, skv, hkv, d, dv):
+    """Top-left causal with GQA, Sq > Skv, MQA: torch's CPU flash backward, fed the op's out and LSE,
+    gives float32 SDPA's gradients."""
+    q, k, v = _prefill_inputs(sq=sq, skv=skv, hkv=hkv, d=d, dv=dv, grad=True)
+    out, _ = torch.ops.nvfly.attention_prefill(q, k, v, causal=True, causal_alignment="top_left")
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want, leaves = _sdpa_f32(q, k, v, is_causal=True)
+    want.backward(grad.float())
+    for got, ref in zip((q.grad, k.grad, v.grad), leaves):
+        assert got.shape == ref.shape and _rel(got, ref.grad) < 2e-2
+
+
+def test_prefill_op_fake_and_compile():
+    q, k, v = _prefill_inputs()
+    with FakeTensorMode() as mode:
+        out, lse = torch.ops.nvfly.attention_prefill(*map(mode.from_tensor, (q, k, v)), causal=True)
+        assert out.shape == q.shape and lse.shape == (2, 8, 40) and lse.dtype == torch.float32
+
+    def layer(q, k, v):
+        return torch.ops.nvfly.attention_prefill(q, k, v, causal=True, causal_alignment="top_left")[0] * 2
+
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), layer(q, k, v))
+
+
+@pytest.mark.parametrize("sq,skv,dqk,dv,causal,alignment,device,kernel", [
+    (64, 64, 128, 128, True, "top_left", "cuda", "flash"),  # square: both alignments agree
+    (64, 128, 128, 128, True, "bottom_right", "cuda", "flash"),
+    (64, 128, 128, 128, False, "top_left", "cuda", "flash"),
+    (64, 128, 128, 128, True, "top_left", "cuda", "efficient"),  # flash's causal is bottom-right
+    (64, 64, 192, 128, True, "top_left", "cuda", "efficient"),  # flash needs Dqk = Dv
+    (64, 128, 128, 128, True, "top_left", "cpu", "cpu_flash"),
+    (64, 128, 128, 128, True, "bottom_right", "cpu", None),
+    (64, 64, 192, 128, False, "top_left", "cpu", None),
+])
+def test_backward_kernel_choice(sq, skv, dqk, dv, causal, alignment, device, kernel):
+    from nvfly.torch.attention_backward import backward_kernel, why_no_backward
+    with FakeTensorMode():
+        q = torch.empty(1, sq, 8, dqk, dtype=bf, device=device)
+        k, v = torch.empty(1, skv, 2, dqk, dtype=bf, device=device), torch.empty(1, skv, 2, dv, dtype=bf, device=device)
+    assert backward_kernel(q, k, v, causal, alignment) == kernel
+    assert (why_no_backward(q, k, v, causal, alignment) is None) == (kernel is not None)
+
+
 # ---------------------------------------------------------------------------------------------- SDPA eligibility
 def _sdpa_shapes(batch=1, hq=32, hkv=8, sq=1, skv=32768, d=128):
     return (batch, hq, sq, d), (batch, hkv, skv, d)
@@ -76,6 +159,7 @@ def _sdpa_shapes(batch=1, hq=32, hkv=8, sq=1, skv=32768, d=128):
 def fake_cuda(monkeypatch):
     """Fake CUDA tensors (no GPU) and torch's backend choice pinned to flash (``_fused_sdp_choice`` needs a GPU)."""
     monkeypatch.setattr(A, "_torch_backend", lambda *args: "flash")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # prefill asks for sm_90
     with warnings.catch_warnings(), FakeTensorMode():
         warnings.simplefilter("ignore")  # data_ptr of a FakeTensor (0): the alignment check reads it
         yield lambda shape, dtype=bf: torch.empty(shape, dtype=dtype, device="cuda")
@@ -87,25 +171,36 @@ TABLE = [
     ("Sq 4, MiniMax 48/8", {"hq": 48, "sq": 4}, None),
     ("Sq 16", {"sq": 16}, None),
     ("equal heads without enable_gqa", {"hq": 8, "gqa": False}, None),
-    ("Sq 17", {"sq": 17}, "Sq = 17 query tokens: decode takes 1 to 16"),
-    ("float32", {"dtype": torch.float32}, "nvfly's decode takes bfloat16 or float16"),
+    ("float32", {"dtype": torch.float32}, "nvfly's attention takes bfloat16 or float16"),
     ("GQA without enable_gqa", {"gqa": False}, "32 query heads, 8 KV heads without enable_gqa"),
     ("heads not a multiple", {"hq": 12}, "12 query heads are not a multiple of 8 KV heads"),
     ("top-left causal", {"sq": 4, "causal": True}, "torch's causal mask is top-left aligned"),
     ("short cache", {"skv": 2048}, "8.0 MiB of K and V (< 16 MiB): launch-bound"),
     ("head dim 96", {"d": 96}, "nvfly's decode declines: attention.decode: q: head dim 96 is not supported"),
-    ("grad", {"grad": True}, "an input requires grad"),
+    ("grad", {"grad": True}, "an input requires grad at Sq = 1 (nvfly's decode has no backward"),
     ("3-D", {"rank3": True}, "q, k, v are not all 4-D"),
+    # prefill: Sq > 16
+    ("prefill Sq 17", {"sq": 17}, None),
+    ("prefill Llama 4K causal 32/8", {"sq": 4096, "skv": 4096, "causal": True}, None),
+    ("prefill top-left causal Sq < Skv", {"sq": 1024, "skv": 4096, "causal": True}, None),
+    ("prefill training", {"sq": 4096, "skv": 4096, "causal": True, "grad": True}, None),
+    ("prefill DeepSeek 192/128 training", {"hq": 128, "hkv": 128, "sq": 4096, "skv": 4096, "d": 192, "dv": 128,
+                                           "causal": True, "grad": True}, None),
+    ("prefill head dim 96", {"sq": 4096, "skv": 4096, "d": 96},
+     "nvfly's prefill declines: attention.prefill: q: head dim 96 is not supported"),
+    ("prefill small", {"sq": 64, "skv": 64}, "GFLOP (< 4): launch-bound"),
+    ("prefill GQA without enable_gqa", {"sq": 4096, "skv": 4096, "gqa": False}, "without enable_gqa"),
 ]
 
 
 @pytest.mark.parametrize("case,kw,expected", TABLE, ids=[c[0] for c in TABLE])
 def test_sdpa_eligibility_table(fake_cuda, case, kw, expected):
-    qs, ks = _sdpa_shapes(**{n: kw[n] for n in ("hq", "sq", "skv", "d") if n in kw})
+    qs, ks = _sdpa_shapes(**{n: kw[n] for n in ("hq", "hkv", "sq", "skv", "d") if n in kw})
     if kw.get("rank3"):
         qs, ks = qs[1:], ks[1:]
     q, k = fake_cuda(qs, kw.get("dtype", bf)), fake_cuda(ks, kw.get("dtype", bf))
-    reason = A._sdpa_reason(q, k, k, kw.get("causal", False), kw.get("gqa", True), kw.get("grad", False))
+    v = fake_cuda(ks[:-1] + (kw["dv"],)) if "dv" in kw else k
+    reason = A._sdpa_reason(q, k, v, kw.get("causal", False), kw.get("gqa", True), kw.get("grad", False))
     if expected is None:
         assert reason is None
     else:
@@ -120,6 +215,14 @@ def test_sdpa_sq1_stays_with_cudnn(fake_cuda, monkeypatch):
     assert A._sdpa_reason(q4, k, k, False, True, False) is None  # Sq >= 2 goes to nvfly whatever torch picks
 
 
+def test_sdpa_prefill_stays_with_cudnn(fake_cuda, monkeypatch):
+    q, k = fake_cuda(_sdpa_shapes(sq=4096, skv=4096)[0]), fake_cuda(_sdpa_shapes(sq=4096, skv=4096)[1])
+    picked = []
+    monkeypatch.setattr(A, "_torch_backend", lambda q, k, v, gqa, causal: picked.append(causal) or "cudnn")
+    assert "torch picks cuDNN, measured faster than nvfly's prefill" in A._sdpa_reason(q, k, k, True, True, False)
+    assert picked == [True]  # asked with the call's is_causal
+
+
 def test_sdpa_math_only_is_kept(fake_cuda):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q, k = fake_cuda(_sdpa_shapes()[0]), fake_cuda(_sdpa_shapes()[1])
@@ -131,6 +234,7 @@ def test_sdpa_eligibility_front_checks_and_decisions():
     q, k = torch.empty(1, 32, 1, 128, dtype=bf), torch.empty(1, 8, 32768, 128, dtype=bf)
     assert "attn_mask is given" in A.sdpa_eligibility(q, k, k, torch.ones(1, 32768, dtype=torch.bool))
     assert "dropout_p=0.1" in A.sdpa_eligibility(q, k, k, None, 0.1)
+    assert "scale=-0.5" in A.sdpa_eligibility(q, k, k, scale=-0.5)
     with FakeTensorMode() as mode:
         assert "FakeTensor, not a plain tensor" in A.sdpa_eligibility(mode.from_tensor(q), k, k)
     for _ in range(3):  # decided once per signature
@@ -232,3 +336,47 @@ def test_nvfly_exception_falls_back_to_torch(cpu_route, caplog):
     assert stub.calls == [False]
     torch.testing.assert_close(got, want)
     assert "injected launch failure" in caplog.text and "falls back to torch" in caplog.text
+
+
+class _Route:
+    """The real ``sdpa_run`` behind an eligibility that accepts every call (the CPU keys stand for CUDA's)."""
+
+    def __init__(self):
+        self.run = A.sdpa_run
+
+    @staticmethod
+    def eligibility(*args, **kwargs):
+        return None
+
+
+@pytest.mark.parametrize("sq,skv", [(40, 40), (50, 30)])
+def test_training_through_the_route_uses_torchs_backward_on_nvflys_lse(cpu_route, monkeypatch, sq, skv):
+    """A routed SDPA that needs gradients runs prefill (here its float32 reference on CPU, top-left causal) in an
+    autograd.Function whose backward is torch's kernel on prefill's out and LSE: the gradients are unrouted SDPA's."""
+    from nvfly.ops import attention
+    calls = []
+
+    def cpu_prefill(q, k, v, *, causal=False, scale=None, return_lse=False, causal_alignment="bottom_right"):
+        calls.append((causal, scale, causal_alignment, return_lse))
+        out, lse = attention.prefill_reference(q, k, v, causal=causal, scale=scale, causal_alignment=causal_alignment)
+        return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
+
+    monkeypatch.setattr(A.attention, "prefill", cpu_prefill)
+    cpu_route(_Route())
+    torch.manual_seed(3)
+    q = torch.randn(2, 8, sq, 64).to(bf).requires_grad_()
+    k, v = (torch.randn(2, 2, skv, 64).to(bf).requires_grad_() for _ in range(2))
+    with nvfly.torch.routing():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1, enable_gqa=True)
+    assert calls == [(True, 0.1, "top_left", True)] and out.shape == (2, 8, sq, 64)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.1, enable_gqa=True)
+    want.backward(grad.float())
+    assert _rel(out, want) < 1e-2
+    for got, ref in zip((q, k, v), leaves):
+        assert _rel(got.grad, ref.grad) < 2e-2
+    with nvfly.torch.routing(), torch.no_grad():  # without gradients: prefill alone, no LSE
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1, enable_gqa=True)
+    assert calls[-1] == (True, 0.1, "top_left", False)

@@ -13,7 +13,7 @@ also natural log, (B, H, Sq) padded to a multiple of 32 query rows. So a trainin
   its ``custom_mask_type`` 1, bottom-right 2): it takes as many KV heads as query heads, so k and v are expanded
   (a view) and the group's key and value gradients summed.
 - on CPU (no GPU; the tests' path): ``_scaled_dot_product_flash_attention_for_cpu_backward``, top-left causal, LSE
-  (B, H, Sq) over (B, Sq, H) memory, equal heads.
+  (B, H, Sq) over (B, Sq, H) memory, equal heads (k and v expanded as for the memory-efficient kernel), Dqk = Dv.
 
 All take q (B, Sq, Hq, D), k and v (B, Skv, Hkv, D), out (B, Sq, Hq, Dv): the nvfly ops' layout.
 """
@@ -34,8 +34,8 @@ def backward_kernel(q: Tensor, k: Tensor, v: Tensor, causal: bool, causal_alignm
     sq, skv = q.shape[1], k.shape[1]
     dqk, dv = q.shape[3], v.shape[3]
     if q.device.type == "cpu":
-        square = not causal or sq == skv or causal_alignment == "top_left"
-        return "cpu_flash" if square else None
+        top_left = not causal or sq == skv or causal_alignment == "top_left"
+        return "cpu_flash" if top_left and dqk == dv else None
     if q.device.type != "cuda":
         return None
     bottom_right = not causal or sq == skv or causal_alignment == "bottom_right"
@@ -51,7 +51,8 @@ def why_no_backward(q: Tensor, k: Tensor, v: Tensor, causal: bool, causal_alignm
     if backward_kernel(q, k, v, causal, causal_alignment) is not None:
         return None
     if q.device.type == "cpu":
-        return "on CPU only top-left causal (or Sq = Skv) gradients are computed (torch's CPU flash backward)"
+        return ("on CPU only equal head dims and top-left causal (or Sq = Skv) gradients are computed (torch's CPU "
+                "flash backward)")
     if q.device.type != "cuda":
         return f"q is on {q.device.type}: torch's attention backward kernels run on CUDA"
     return (f"head dims {q.shape[3]}/{v.shape[3]} are not multiples of 8 (torch's flash and memory-efficient "

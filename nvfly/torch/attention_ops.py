@@ -1,4 +1,5 @@
-"""Decode attention from PyTorch: the ``nvfly::attention_decode`` custom op and the eager SDPA route.
+"""Attention from PyTorch: the ``nvfly::attention_decode`` and ``nvfly::attention_prefill`` custom ops and the
+eager SDPA route (docs/torch-attention.md).
 
 - ``torch.ops.nvfly.attention_decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, *, scale=None,
   causal=True, k_scale=None, v_scale=None) -> (out, lse)``: ``nvfly.ops.attention.decode`` (q (B, Sq, Hq, D),
@@ -7,16 +8,21 @@
   argument checks (``check_arguments``), so tracing refuses what a call refuses, with the same error. Inputs the
   kernel declines (a CPU tensor, unaligned rows) and kernel failures are computed by the float32 reference in
   torch; argument errors are raised. No backward.
+- ``torch.ops.nvfly.attention_prefill(q, k, v, *, causal=False, scale=None, causal_alignment="bottom_right")
+  -> (out, lse)``: ``nvfly.ops.attention.prefill`` with its LSE (same convention); the fake runs prefill's argument
+  checks; declined inputs and kernel failures are computed by the float32 reference. Differentiable in q, k, v:
+  the backward is torch's own flash or memory-efficient kernel fed this out and LSE (``attention_backward``).
 - Under ``nvfly.torch.routing()``, ``F.scaled_dot_product_attention`` with q (B, Hq, Sq, D) and k/v
-  (B, Hkv, Skv, D) runs decode (its (B, S, H, D) view of the (B, H, S, D) tensors, by strides) when
-  ``sdpa_eligibility`` finds nothing against it, and torch's SDPA otherwise, with the reason logged and kept
-  in ``nvfly.torch.gemm_ops.decisions()`` (once per signature). An exception in decode falls back to torch's
-  SDPA and declines that signature from then on.
+  (B, Hkv, Skv, D) runs decode (Sq <= 16) or prefill (Sq > 16, top-left causal as torch's ``is_causal``) on the
+  (B, S, H, D) views of the (B, H, S, D) tensors when ``sdpa_eligibility`` finds nothing against it, and torch's
+  SDPA otherwise, with the reason logged and kept in ``nvfly.torch.gemm_ops.decisions()`` (once per signature). A
+  call that needs gradients runs prefill in an autograd.Function whose backward is torch's kernel on nvfly's LSE.
+  An exception in nvfly falls back to torch's SDPA and declines that signature from then on.
 
 The route sits on ``aten::scaled_dot_product_attention``, torch's composite (not on the flash/cuDNN kernels it
 picks), so it sees the caller's arguments: masks, dropout, ``is_causal`` and ``enable_gqa`` mean what torch
-says. Its kernels are registered for ``AutogradCUDA`` (a call that needs gradients keeps the composite and its
-backward) and ``CUDA`` (what ``torch.inference_mode`` reaches), both falling through to the composite.
+says. Its kernels are registered for ``AutogradCUDA`` (a call that needs gradients reaches it there) and ``CUDA``
+(what ``torch.inference_mode`` reaches), both falling through to the composite.
 """
 from __future__ import annotations
 

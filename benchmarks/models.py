@@ -56,9 +56,9 @@ class LlamaLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, start: int = 0, cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
                 ) -> torch.Tensor:
         """x (B, S, hidden): the tokens at positions start.. start + S - 1. Without a cache: causal attention over
-        the S tokens (prefill). With a (B, Hkv, Smax, D) cache pair (a decode step, S = 1): the token's key and value are written at its
-        position and its query attends to the cache up to it (the position is a Python int, so the step
-        can be captured in a CUDA graph)."""
+        the S tokens (prefill). With a (B, Hkv, Smax, D) cache pair (a decode step, S = 1): the token's key and
+        value are written at its position and its query attends to the cache up to it (the position is a Python
+        int, so the step can be captured in a CUDA graph)."""
         batch, tokens, _ = x.shape
         positions = torch.arange(start, start + tokens, device=x.device)
         h = F.rms_norm(x, (HIDDEN,), self.attn_norm, EPS)

@@ -380,3 +380,30 @@ def test_training_through_the_route_uses_torchs_backward_on_nvflys_lse(cpu_route
     with nvfly.torch.routing(), torch.no_grad():  # without gradients: prefill alone, no LSE
         F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1, enable_gqa=True)
     assert calls[-1] == (True, 0.1, "top_left", False)
+
+
+# ---------------------------------------------------------------------------------------------- explain
+def test_explain_sdpa_names_the_kernel_and_this_process_decisions():
+    q, k = torch.empty(1, 32, 4096, 128, dtype=bf), torch.empty(1, 8, 4096, 128, dtype=bf)
+    A.sdpa_eligibility(q, k, k, is_causal=True, enable_gqa=True)  # a decision for this shape (CPU: declined)
+    report = nvfly.torch.explain_sdpa(1, 32, 8, 4096, 4096, 128, is_causal=True)
+    assert report.kernel == "prefill" and "PrefillPlan(dqk=128, dv=128, causal=True" in report.plan
+    assert [d.reason for d in report.decisions] == ["q is on cpu, not CUDA"]
+    text = str(report)
+    assert "eager sdpa q (1, 32, 4096, 128)" in text and "q is on cpu, not CUDA" in text
+    if not torch.cuda.is_available():
+        assert report.declined == "no CUDA GPU in this process (eligibility not checked)"
+        assert report.verdict().startswith("torch's SDPA runs it: no CUDA GPU")
+    assert nvfly.torch.explain_sdpa(2, 48, 8, 4, 32768, 128).kernel == "decode"
+    assert nvfly.torch.explain_sdpa(1, 8, 8, 4096, 4096, 96).plan == "no plan for these head dims"
+
+
+def test_explain_sdpa_command(capsys):
+    from nvfly.cli import main
+    assert main(["explain", "--sdpa", "1,128,128,4096,4096,192,128", "--causal", "--json"]) == 0
+    doc = __import__("json").loads(capsys.readouterr().out)
+    assert doc["kernel"] == "prefill" and doc["shape"]["dv"] == 128 and doc["is_causal"] is True
+    for argv, message in ((["explain", "--sdpa", "1,2,3"], "expected B,HQ,HKV,SQ,SKV,D[,DV]"),
+                          (["explain", "16", "4096", "4096", "--sdpa", "1,2,2,3,4,64"], "not both")):
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err

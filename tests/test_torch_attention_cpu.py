@@ -407,3 +407,111 @@ def test_explain_sdpa_command(capsys):
                           (["explain", "16", "4096", "4096", "--sdpa", "1,2,2,3,4,64"], "not both")):
         assert main(argv) == 2
         assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- torch.compile pass
+def _sdpa_graph(target, q_shape, kv_shape, *, causal=True, lse_used=False, extra=()):
+    """A post-grad-like graph: one fused SDPA node of ``target`` on placeholders with fake CUDA values."""
+    import operator
+    graph = torch.fx.Graph()
+    nodes = [graph.placeholder(name) for name in "qkv"]
+    for node, shape in zip(nodes, (q_shape, kv_shape, kv_shape)):
+        node.meta["val"] = torch.empty(shape, dtype=bf, device="cuda")
+    sdpa = graph.call_function(target, (*nodes, *extra), {"is_causal": causal, "scale": None})
+    outputs = [graph.call_function(operator.getitem, (sdpa, i)) for i in ((0, 1) if lse_used else (0,))]
+    graph.output(tuple(outputs) if lse_used else outputs[0])
+    return graph
+
+
+def _targets(graph):
+    return [n.target for n in graph.nodes if n.op == "call_function"]
+
+
+def test_compile_pass_rewrites_prefill_and_decode_nodes(fake_cuda):
+    from nvfly.torch import attention_compile as C
+    aten = torch.ops.aten
+    graph = _sdpa_graph(aten._scaled_dot_product_flash_attention.default, (1, 32, 4096, 128), (1, 8, 4096, 128))
+    assert C.rewrite(graph) == 1
+    (call,) = [n for n in graph.nodes if n.target is torch.ops.nvfly.attention_prefill.default]
+    assert call.kwargs == {"causal": True, "scale": None, "causal_alignment": "top_left"}
+    result = graph.output_node().args[0]
+    assert result.target is aten.transpose.int and result.meta["val"].shape == (1, 32, 4096, 128)
+    assert aten._scaled_dot_product_flash_attention.default not in _targets(graph)
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert decision.reason is None and decision.candidates == ("prefill",)
+    assert decision.shape == (1, 32, 8, 4096, 4096, 128, 128) and "torch picked flash" in decision.problem
+
+    decode = _sdpa_graph(aten._scaled_dot_product_efficient_attention.default, (1, 32, 4, 128), (1, 32, 32768, 128),
+                         causal=False, extra=(None, False))
+    assert C.rewrite(decode) == 1 and torch.ops.nvfly.attention_decode.default in _targets(decode)
+
+
+@pytest.mark.parametrize("case,fragment", [
+    ("cudnn", "torch picks cuDNN"),
+    ("lse", "uses the kernel's other outputs"),
+    ("dropout", "dropout_p=0.1"),
+    ("offset", "not 16-byte aligned"),
+])
+def test_compile_pass_leaves_what_nvfly_loses_or_cannot_run(fake_cuda, case, fragment):
+    from nvfly.torch import attention_compile as C
+    aten = torch.ops.aten
+    target = aten._scaled_dot_product_cudnn_attention.default if case == "cudnn" else \
+        aten._scaled_dot_product_flash_attention.default
+    extra = (None, False) if case == "cudnn" else (0.1,) if case == "dropout" else ()
+    graph = _sdpa_graph(target, (1, 32, 4096, 128), (1, 8, 4096, 128), lse_used=case == "lse", extra=extra)
+    if case == "offset":
+        q = graph.find_nodes(op="placeholder")[0]
+        q.meta["val"] = torch.empty(1, 32, 4096, 136, dtype=bf, device="meta")[..., 3:131]  # 6 bytes in
+    assert C.rewrite(graph) == 0 and target in _targets(graph)
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert fragment in decision.reason, decision.reason
+
+
+def test_compile_pass_rewritten_graph_computes_sdpa():
+    """The rewritten graph run on CPU tensors (nvfly's ops fall back to their float32 reference there) equals SDPA:
+    the transposes and top-left causal alignment are right."""
+    from nvfly.torch import attention_compile as C
+    aten = torch.ops.aten
+    with warnings.catch_warnings(), FakeTensorMode():
+        warnings.simplefilter("ignore")
+        graph = _sdpa_graph(aten._scaled_dot_product_flash_attention.default, (1, 8, 40, 64), (1, 2, 56, 64))
+    with pytest.MonkeyPatch.context() as mp:  # decide as on an H200 where torch picked flash, without the size floor
+        mp.setattr(A, "MIN_PREFILL_FLOPS", 0)
+        mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert C.rewrite(graph) == 1
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 8, 40, 64).to(bf), torch.randn(1, 2, 56, 64).to(bf), torch.randn(1, 2, 56, 64).to(bf)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    got = module(q, k, v)
+    assert got.shape == want.shape and _rel(got, want) < 1e-2
+
+
+def test_compile_pass_install_chains_and_keys_the_cache():
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from nvfly.torch import attention_compile as C
+
+    class Prior(CustomGraphPass):
+        calls = 0
+
+        def __call__(self, graph):
+            Prior.calls += 1
+
+        def uuid(self):
+            return "prior"
+
+    with inductor_config.patch(post_grad_custom_pre_pass=Prior()):
+        C.install()
+        C.install()  # idempotent
+        current = inductor_config.post_grad_custom_pre_pass
+        assert isinstance(current, C.SdpaPass) and isinstance(current.prior, Prior) and C.installed()
+        key = current.uuid()
+        assert key[0].startswith("nvfly-sdpa-") and key[1] == "prior"
+        current(torch.fx.Graph())
+        assert Prior.calls == 1
+        C.uninstall()
+        assert isinstance(inductor_config.post_grad_custom_pre_pass, Prior) and not C.installed()

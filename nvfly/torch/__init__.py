@@ -1,7 +1,8 @@
 """PyTorch integration: custom ops, eager routing of aten calls to nvfly kernels, and TorchInductor hooks.
 
     import nvfly.torch
-    nvfly.torch.install()                       # nvfly joins torch.compile(mode="max-autotune") GEMM autotuning
+    nvfly.torch.install()                       # nvfly joins torch.compile(mode="max-autotune") GEMM autotuning,
+                                                # and compiled SDPA goes to nvfly's attention where it wins
     with nvfly.torch.routing():                 # eager: mm/addmm/bmm, SDPA (decode, prefill, training; and
                                                 # RMSNorm, TopK) to nvfly where faster
         y = model(x)
@@ -32,17 +33,25 @@ __all__ = ["install", "uninstall", "routing", "enable_routing", "disable_routing
            "install_routing", "autotune", "database", "explain", "explain_sdpa"]
 
 
-def install(*, max_candidates: int = 4) -> None:
-    """Make nvfly a GEMM backend of ``torch.compile(mode="max-autotune")`` (see ``nvfly.torch.inductor``)."""
+def install(*, max_candidates: int = 4, attention: bool = True) -> None:
+    """Make nvfly a GEMM backend of ``torch.compile(mode="max-autotune")`` (see ``nvfly.torch.inductor``) and, with
+    ``attention``, rewrite the SDPA calls of graphs compiled in any mode to nvfly's attention where the eager rule
+    accepts them (see ``nvfly.torch.attention_compile``)."""
     from nvfly.torch.inductor import install as install_inductor
+    if attention:
+        from nvfly.torch import attention_compile
+        attention_compile.install()
     install_inductor(max_candidates=max_candidates)
 
 
 def uninstall() -> None:
-    """Undo ``install()``: GEMMs compiled from now on are tuned without nvfly."""
+    """Undo ``install()``: GEMMs and SDPA compiled from now on are left to torch."""
     inductor = sys.modules.get("nvfly.torch.inductor")
     if inductor is not None:
         inductor.uninstall()
+    attention_compile = sys.modules.get("nvfly.torch.attention_compile")
+    if attention_compile is not None:
+        attention_compile.uninstall()
 
 
 def enable_routing() -> None:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -184,7 +184,10 @@ def sdpa_eligibility(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optio
     return decided[0]
 
 
-def _sdpa_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool) -> Optional[str]:
+def _sdpa_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool,
+                 backend: Optional[str] = None) -> Optional[str]:
+    """Why torch's SDPA runs these inputs, or None (nvfly runs them); ``backend``: what torch picks for them, when
+    known (a compiled graph names it), else asked of torch when the rule needs it."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return (f"q, k, v are not all 4-D (B, H, S, D): shapes {tuple(q.shape)}, {tuple(k.shape)}, "
                 f"{tuple(v.shape)}")
@@ -204,12 +207,14 @@ def _sdpa_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: b
     flash, efficient, cudnn, _ = _flags()
     if not (flash or efficient or cudnn):
         return "torch.nn.attention.sdpa_kernel allows only the math backend (kept as asked)"
+    picks = (lambda: backend) if backend else (lambda: _torch_backend(q, k, v, enable_gqa, is_causal))
     if sq <= MAX_SQ:
-        return _decode_reason(q, k, v, is_causal, enable_gqa, grad)
-    return _prefill_reason(q, k, v, is_causal, enable_gqa, grad)
+        return _decode_reason(q, k, v, is_causal, grad, picks)
+    return _prefill_reason(q, k, v, is_causal, grad, picks)
 
 
-def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool) -> Optional[str]:
+def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
+                   picks: Callable[[], str]) -> Optional[str]:
     """Sq <= 16: nvfly's decode, or why not."""
     batch, hq, sq, dqk = q.shape
     _, hkv, skv, _ = k.shape
@@ -224,14 +229,14 @@ def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa:
     if kv_bytes < MIN_KV_BYTES:
         return (f"{kv_bytes / 2**20:.1f} MiB of K and V (< {MIN_KV_BYTES >> 20} MiB): launch-bound, where nvfly's "
                 "host path costs more than its bandwidth saves")
-    if sq == 1 and _torch_backend(q, k, v, enable_gqa, is_causal) == "cudnn":
+    if sq == 1 and picks() == "cudnn":
         return "Sq = 1 and torch picks cuDNN, measured 2-8% faster than nvfly's decode at Sq = 1 on the H200"
     declined = attention.eligibility(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return None if declined is None else f"nvfly's decode declines: {declined}"
 
 
-def _prefill_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool
-                    ) -> Optional[str]:
+def _prefill_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
+                    picks: Callable[[], str]) -> Optional[str]:
     """Sq > 16: nvfly's prefill (top-left causal: torch's is_causal), or why not."""
     batch, hq, sq, dqk = q.shape
     skv, dv = k.shape[2], v.shape[3]
@@ -247,8 +252,7 @@ def _prefill_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa
         missing = why_no_backward(qs, ks, vs, is_causal, "top_left")
         if missing is not None:
             return f"an input requires grad and no torch backward takes nvfly's LSE here: {missing}"
-    picked = _torch_backend(q, k, v, enable_gqa, is_causal)
-    if picked == "cudnn":
+    if picks() == "cudnn":
         return ("torch picks cuDNN, measured faster than nvfly's prefill (0.91x cuDNN's TFLOP/s on the H200; nvfly "
                 "runs where torch would pick flash, 1.54x, memory-efficient or math)")
     return None

@@ -279,3 +279,42 @@ def test_cuda_graph_of_a_routed_decode_step_replays_new_inputs():
         torch.cuda.synchronize()
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
         assert not out.isnan().any() and rel_err(out, want) < 1e-2, seed
+
+
+# ---------------------------------------------------------------------------------------------- torch.compile
+class _Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+
+
+@pytest.mark.parametrize("sq,skv", [(2048, 2048), (4, 32768)])
+def test_compiled_sdpa_calls_nvfly(sq, skv):
+    """Under nvfly.torch.install(), the compiled graph calls nvfly's prefill (decode) op: the generated code says so,
+    the decision is recorded, and the result is eager SDPA's."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    q, k, v = sdpa_inputs(1, 32, 8, sq, skv)
+    causal = sq == skv  # decode steps are not causal (torch's is_causal would be top-left)
+    model = _Attention() if causal else type("Decode", (torch.nn.Module,), {
+        "forward": lambda self, q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True) * 2})()
+    nvfly.torch.install()
+    try:
+        with sdpa_kernel(NO_CUDNN), torch.no_grad():
+            got, (code, *_) = run_and_get_code(torch.compile(model, fullgraph=True), q, k, v)
+            want = model(q, k, v)
+    finally:
+        nvfly.torch.uninstall()
+        torch._dynamo.reset()
+    kernel = "prefill" if causal else "decode"
+    assert f"torch.ops.nvfly.attention_{kernel}.default(" in code
+    (decision,) = [d for d in decisions() if d.where == "inductor" and d.op == "sdpa"]
+    assert decision.reason is None and decision.candidates == (kernel,)
+    ref = model(q.float(), k.float(), v.float())
+    assert rel_err(got, ref) < 1e-2 and rel_err(want, ref) < 1e-2
+
+
+def test_explain_sdpa_on_the_gpu():
+    report = nvfly.torch.explain_sdpa(1, 32, 8, 4096, 4096, 128, is_causal=True, benchmark=True)
+    assert report.torch_backend in ("cudnn", "flash", "efficient", "math")
+    assert ("torch picks cuDNN" in report.declined) if report.torch_backend == "cudnn" else report.declined is None
+    assert report.measured_ms["torch"] > 0 and (report.declined or report.measured_ms["nvfly"] > 0)

@@ -283,8 +283,12 @@ def test_cuda_graph_of_a_routed_decode_step_replays_new_inputs():
 
 # ---------------------------------------------------------------------------------------------- torch.compile
 class _Attention(torch.nn.Module):
+    def __init__(self, causal):
+        super().__init__()
+        self.causal = causal
+
     def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=True) * 2
 
 
 @pytest.mark.parametrize("sq,skv", [(2048, 2048), (4, 32768)])
@@ -295,8 +299,7 @@ def test_compiled_sdpa_calls_nvfly(sq, skv):
     torch._dynamo.reset()
     q, k, v = sdpa_inputs(1, 32, 8, sq, skv)
     causal = sq == skv  # decode steps are not causal (torch's is_causal would be top-left)
-    model = _Attention() if causal else type("Decode", (torch.nn.Module,), {
-        "forward": lambda self, q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True) * 2})()
+    model = _Attention(causal)
     nvfly.torch.install()
     try:
         with sdpa_kernel(NO_CUDNN), torch.no_grad():

@@ -46,7 +46,7 @@ def _sdpa_shape(text: str) -> tuple[int, ...]:
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("explain", help="how a GEMM (or SDPA, --sdpa) shape is served: candidates, times, winner, why",
+    parser = commands.add_parser("explain", help="how a GEMM (or, with --sdpa, an SDPA) shape is served, and why",
                                  description=help_text(__doc__))
     for dim, meaning in (("m", "rows of A and of the output"), ("n", "columns of B and of the output"),
                          ("k", "the reduced dimension")):

@@ -7,9 +7,9 @@ When Dynamo and AOTAutograd trace ``F.scaled_dot_product_attention``, torch's co
 inputs and the post-grad graph holds its kernel: ``aten._scaled_dot_product_flash_attention``,
 ``_scaled_dot_product_efficient_attention`` or ``_scaled_dot_product_cudnn_attention`` on (B, H, S, D) tensors. The
 pass (``config.post_grad_custom_pre_pass``: before Inductor's own post-grad passes, and apart from the
-``post_grad_custom_post_pass`` slot nvfly's GEMM hooks may use; chained with any pass already there) replaces each such node whose only
-used output is the attention output (an inference graph; a training graph also saves the logsumexp for torch's
-backward and keeps its kernel) and which the eager rule accepts — the same ``_sdpa_reason``, with the backend torch
+``post_grad_custom_post_pass`` slot nvfly's GEMM hooks may use; chained with any pass already there) replaces each
+such node whose only used output is the attention output (an inference graph; a training graph also saves the
+logsumexp for torch's backward and keeps its kernel) and which the eager rule accepts — the same ``_sdpa_reason``, with the backend torch
 picked read from the node — by ``torch.ops.nvfly.attention_decode`` (Sq <= 16) or ``attention_prefill``
 (top-left causal) on the (B, S, H, D) views, and a transpose back. Inductor emits the custom op as an extern call
 (its fake gives the shapes), so the compiled code, FX-graph cache and AOTInductor call nvfly by name. A node left

@@ -42,7 +42,7 @@ log = logging.getLogger("nvfly")
 
 VERSION = 1  # of the rewrite: part of uuid()
 aten = torch.ops.aten
-# the fused SDPA kernels a traced SDPA decomposes to -> (torch's backend name, the argument naming is_causal)
+# the fused SDPA kernels a traced SDPA decomposes to -> torch's name of that backend
 FUSED = {
     aten._scaled_dot_product_flash_attention.default: "flash",
     aten._scaled_dot_product_efficient_attention.default: "efficient",

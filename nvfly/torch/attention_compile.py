@@ -26,17 +26,17 @@ import json
 import logging
 import operator
 import warnings
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch._inductor import config as inductor_config
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from nvfly import settings
 from nvfly.compiler import toolchain
 from nvfly.ops.attention.plan import MAX_SQ
 from nvfly.torch import attention_ops
 from nvfly.torch.gemm_ops import Decision, record
+from nvfly.torch.inductor import ChainedPass
 
 log = logging.getLogger("nvfly")
 
@@ -50,28 +50,15 @@ FUSED = {
 }
 
 
-class SdpaPass(CustomGraphPass):
-    """The post-grad pass: runs the pass(es) it replaced, then rewrites SDPA nodes nvfly wins."""
+class SdpaPass(ChainedPass):
+    """The post-grad pass: runs the pass(es) it replaced, then rewrites the SDPA nodes nvfly wins."""
 
-    def __init__(self, prior: Any):
-        self.prior = prior
-
-    def _priors(self) -> Sequence[Any]:
-        if self.prior is None:
-            return ()
-        return tuple(self.prior) if isinstance(self.prior, (list, tuple)) else (self.prior,)
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        for p in self._priors():
-            p(graph)
+    def run(self, graph: torch.fx.Graph) -> None:
         rewrite(graph)
 
-    def uuid(self) -> Any:
-        priors = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self._priors()]
-        if None in priors:
-            return None  # a prior pass without a uuid: Inductor bypasses the cache, as it would without nvfly
+    def own_uuid(self) -> str:
         blob = json.dumps([toolchain.fingerprint(), settings.codegen_fingerprint(), VERSION], default=str)
-        return ("nvfly-sdpa-" + hashlib.sha256(blob.encode()).hexdigest()[:32], *priors)
+        return "nvfly-sdpa-" + hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
 def install() -> None:

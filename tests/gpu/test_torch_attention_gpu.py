@@ -321,3 +321,30 @@ def test_explain_sdpa_on_the_gpu():
     assert report.torch_backend in ("cudnn", "flash", "efficient", "math")
     assert ("torch picks cuDNN" in report.declined) if report.torch_backend == "cudnn" else report.declined is None
     assert report.measured_ms["torch"] > 0 and (report.declined or report.measured_ms["nvfly"] > 0)
+
+
+def test_cuda_graph_of_the_decode_op_replays_changed_lengths():
+    """Serving: one decode step through torch.ops.nvfly.attention_decode captured once, replayed with each
+    sequence's length (and the inputs) changed in place."""
+    torch.manual_seed(5)
+    q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(4, 8192, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(4, 8192, 8, 128, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor([8192, 100, 4000, 1], dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.nvfly.attention_decode(q, k, v, seqlens, causal=False)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out, lse = torch.ops.nvfly.attention_decode(q, k, v, seqlens, causal=False)
+    for lengths in ([17, 8192, 3, 5000], [1, 1, 1, 1], [6000, 7000, 8000, 8192]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, want_lse = attention.reference(q, k, v, cache_seqlens=seqlens, causal=False)
+        assert not out.isnan().any() and rel_err(out, want) < 1e-2, lengths
+        torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)

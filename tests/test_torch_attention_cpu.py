@@ -435,7 +435,7 @@ def test_compile_pass_rewrites_prefill_and_decode_nodes(fake_cuda):
     (call,) = [n for n in graph.nodes if n.target is torch.ops.nvfly.attention_prefill.default]
     assert call.kwargs == {"causal": True, "scale": None, "causal_alignment": "top_left"}
     result = graph.output_node().args[0]
-    assert result.target is aten.transpose.int and result.meta["val"].shape == (1, 32, 4096, 128)
+    assert result.target is aten.permute.default and result.meta["val"].shape == (1, 32, 4096, 128)
     assert aten._scaled_dot_product_flash_attention.default not in _targets(graph)
     (decision,) = [d for d in decisions() if d.where == "inductor"]
     assert decision.reason is None and decision.candidates == ("prefill",)
@@ -515,3 +515,32 @@ def test_compile_pass_install_chains_and_keys_the_cache():
         assert Prior.calls == 1
         C.uninstall()
         assert isinstance(inductor_config.post_grad_custom_pre_pass, Prior) and not C.installed()
+
+
+def test_compile_pass_end_to_end_through_inductor(monkeypatch):
+    """torch.compile with the pass installed, on CPU: the CPU flash node stands for CUDA's (FUSED) and the rule
+    accepts it; Inductor compiles the rewritten graph into a call of nvfly's op (computing its float32 reference on
+    CPU), with SDPA's result."""
+    from torch._inductor.utils import run_and_get_code
+
+    from nvfly.torch import attention_compile as C
+    monkeypatch.setattr(C, "FUSED", {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: "flash"})
+    monkeypatch.setattr(A, "_sdpa_reason", lambda *args, **kwargs: None)
+
+    def layer(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+
+    torch.manual_seed(4)
+    q, k, v = torch.randn(1, 8, 40, 64).to(bf), torch.randn(1, 8, 56, 64).to(bf), torch.randn(1, 8, 56, 64).to(bf)
+    torch._dynamo.reset()
+    C.install()
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):  # the pass runs (a cached graph would skip it)
+            got, codes = run_and_get_code(torch.compile(layer), q, k, v)
+    finally:
+        C.uninstall()
+        torch._dynamo.reset()
+    assert any("nvfly.attention_prefill" in code for code in codes)
+    assert _rel(got, layer(q.float(), k.float(), v.float())) < 1e-2
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert decision.reason is None and decision.shape == (1, 8, 8, 40, 56, 64, 64)

@@ -11,7 +11,7 @@ pass (``config.post_grad_custom_pre_pass``: before Inductor's own post-grad pass
 such node whose only used output is the attention output (an inference graph; a training graph also saves the
 logsumexp for torch's backward and keeps its kernel) and which the eager rule accepts — the same ``_sdpa_reason``, with the backend torch
 picked read from the node — by ``torch.ops.nvfly.attention_decode`` (Sq <= 16) or ``attention_prefill``
-(top-left causal) on the (B, S, H, D) views, and a transpose back. Inductor emits the custom op as an extern call
+(top-left causal) on the (B, S, H, D) views, and a permute back. Inductor emits the custom op as an extern call
 (its fake gives the shapes), so the compiled code, FX-graph cache and AOTInductor call nvfly by name. A node left
 to torch is logged with its reason and recorded (``Decision("inductor", "sdpa", ...)``, shown by ``explain_sdpa``).
 At run time the ops compute a call nvfly declines or fails on with the float32 reference in torch (never an error).
@@ -41,6 +41,7 @@ from nvfly.torch.inductor import ChainedPass
 log = logging.getLogger("nvfly")
 
 VERSION = 1  # of the rewrite: part of uuid()
+SWAP_S_H = [0, 2, 1, 3]  # (B, H, S, D) <-> (B, S, H, D)
 aten = torch.ops.aten
 # the fused SDPA kernels a traced SDPA decomposes to -> torch's name of that backend
 FUSED = {
@@ -164,7 +165,7 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, arguments: dict[str, An
     with graph.inserting_before(node):
         views = []
         for t in (q, k, v):
-            view = graph.call_function(aten.transpose.int, (t, 1, 2))
+            view = graph.call_function(aten.permute.default, (t, SWAP_S_H))  # post-grad graphs hold no transpose
             with fake_mode:
                 view.meta["val"] = _val(t).transpose(1, 2)
             views.append(view)
@@ -180,7 +181,7 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, arguments: dict[str, An
         call.meta["val"] = (out_val, lse_val)
         out = graph.call_function(operator.getitem, (call, 0))
         out.meta["val"] = out_val
-        result = graph.call_function(aten.transpose.int, (out, 1, 2))
+        result = graph.call_function(aten.permute.default, (out, SWAP_S_H))
         with fake_mode:
             result.meta["val"] = out_val.transpose(1, 2)
     for user in list(node.users):  # every user is getitem(node, 0) (_reason checked)

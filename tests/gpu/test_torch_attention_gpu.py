@@ -302,14 +302,14 @@ def test_compiled_sdpa_calls_nvfly(sq, skv):
     model = _Attention(causal)
     nvfly.torch.install()
     try:
-        with sdpa_kernel(NO_CUDNN), torch.no_grad():
-            got, (code, *_) = run_and_get_code(torch.compile(model, fullgraph=True), q, k, v)
+        with sdpa_kernel(NO_CUDNN), torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+            got, codes = run_and_get_code(torch.compile(model, fullgraph=True), q, k, v)
             want = model(q, k, v)
     finally:
         nvfly.torch.uninstall()
         torch._dynamo.reset()
     kernel = "prefill" if causal else "decode"
-    assert f"nvfly.attention_{kernel}" in code, code
+    assert any(f"nvfly.attention_{kernel}" in code for code in codes), codes
     (decision,) = [d for d in decisions() if d.where == "inductor" and d.op == "sdpa"]
     assert decision.reason is None and decision.candidates == (kernel,)
     ref = model(q.float(), k.float(), v.float())

@@ -504,17 +504,20 @@ def test_compile_pass_install_chains_and_keys_the_cache():
         def uuid(self):
             return "prior"
 
-    with inductor_config.patch(post_grad_custom_pre_pass=Prior()):
+    with inductor_config.patch(post_grad_custom_pre_pass=Prior(), pre_grad_custom_pass=None):
         C.install()
         C.install()  # idempotent
         current = inductor_config.post_grad_custom_pre_pass
         assert isinstance(current, C.SdpaPass) and isinstance(current.prior, Prior) and C.installed()
+        assert isinstance(inductor_config.pre_grad_custom_pass, C.SdpaTrainingPass)
         key = current.uuid()
         assert key[0].startswith("nvfly-sdpa-") and key[1] == "prior"
+        assert inductor_config.pre_grad_custom_pass.uuid()[0].startswith("nvfly-sdpa-training-")
         current(torch.fx.Graph())
         assert Prior.calls == 1
         C.uninstall()
         assert isinstance(inductor_config.post_grad_custom_pre_pass, Prior) and not C.installed()
+        assert inductor_config.pre_grad_custom_pass is None
 
 
 def test_compile_pass_end_to_end_through_inductor(monkeypatch):
@@ -544,3 +547,45 @@ def test_compile_pass_end_to_end_through_inductor(monkeypatch):
     assert _rel(got, layer(q.float(), k.float(), v.float())) < 1e-2
     (decision,) = [d for d in decisions() if d.where == "inductor"]
     assert decision.reason is None and decision.shape == (1, 8, 8, 40, 56, 64, 64)
+
+
+def test_compiled_training_through_inductor(monkeypatch):
+    """torch.compile of a layer whose inputs require grad, on CPU: the pre-grad pass puts nvfly's prefill op (its
+    float32 reference on CPU) in the graph, AOTAutograd traces its registered backward (torch's CPU flash backward on
+    the op's LSE here; flash or memory-efficient on CUDA): output and gradients are eager SDPA's."""
+    from torch._inductor.utils import run_and_get_code
+
+    from nvfly.torch import attention_compile as C
+    monkeypatch.setattr(A, "_sdpa_reason", lambda *args, **kwargs: None)
+
+    def layer(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2) * 2
+
+    torch.manual_seed(6)
+    leaves = [torch.randn(1, 8, s, 64).to(bf).requires_grad_() for s in (40, 56, 56)]
+    grad = torch.randn(1, 8, 40, 64).to(bf)
+    torch._dynamo.reset()
+    C.install()
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            compiled = torch.compile(layer)
+
+            def step():
+                out = compiled(*leaves)
+                out.backward(grad)  # compiles the backward graph too
+                return out
+
+            got, codes = run_and_get_code(step)
+    finally:
+        C.uninstall()
+        torch._dynamo.reset()
+    assert any("nvfly.attention_prefill" in code for code in codes)
+    assert any("flash_attention_for_cpu_backward" in code for code in codes)
+    f32 = [t.detach().float().requires_grad_() for t in leaves]
+    want = layer(*f32)
+    want.backward(grad.float())
+    assert _rel(got, want) < 1e-2
+    for mine, exact in zip(leaves, f32):
+        assert _rel(mine.grad, exact.grad) < 2e-2
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert decision.reason is None and "(training)" in decision.problem

@@ -1,4 +1,4 @@
-"""SDPA inside ``torch.compile`` on nvfly: a post-grad graph pass (docs/torch-attention.md).
+"""SDPA inside ``torch.compile`` on nvfly: graph passes (docs/torch-attention.md).
 
     nvfly.torch.install()                        # (also nvfly's max-autotune GEMM choices)
     model = torch.compile(model)                 # any mode: SDPA nodes nvfly wins become nvfly's custom ops
@@ -16,11 +16,17 @@ picked read from the node — by ``torch.ops.nvfly.attention_decode`` (Sq <= 16)
 to torch is logged with its reason and recorded (``Decision("inductor", "sdpa", ...)``, shown by ``explain_sdpa``).
 At run time the ops compute a call nvfly declines or fails on with the float32 reference in torch (never an error).
 
-The pass's ``uuid()`` (nvfly's toolchain fingerprint and the pass's version, plus the chained passes') is in the
+Training graphs: a pre-grad pass (``config.pre_grad_custom_pass``) replaces the ``F.scaled_dot_product_attention``
+calls whose inputs require grad, and which the eager rule accepts with gradients, by ``nvfly.attention_prefill``
+before AOTAutograd: the joint graph then holds nvfly's forward and the op's registered backward, torch's flash or
+memory-efficient backward kernel on nvfly's LSE (as the eager route runs them).
+
+The passes' ``uuid()`` (nvfly's toolchain fingerprint and the rewrite's version, plus the chained passes') is in the
 FX-graph cache key, so a cached graph is reused only with the same nvfly.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -58,37 +64,62 @@ class SdpaPass(ChainedPass):
         rewrite(graph)
 
     def own_uuid(self) -> str:
-        blob = json.dumps([toolchain.fingerprint(), settings.codegen_fingerprint(), VERSION], default=str)
-        return "nvfly-sdpa-" + hashlib.sha256(blob.encode()).hexdigest()[:32]
+        return "nvfly-sdpa-" + _fingerprint()
+
+
+class SdpaTrainingPass(ChainedPass):
+    """The pre-grad pass: runs the pass(es) it replaced, then rewrites the SDPA calls that need gradients and that
+    nvfly wins (``rewrite_training``)."""
+
+    def run(self, graph: torch.fx.Graph) -> None:
+        rewrite_training(graph)
+
+    def own_uuid(self) -> str:
+        return "nvfly-sdpa-training-" + _fingerprint()
+
+
+def _fingerprint() -> str:
+    """What decides the rewritten graphs: nvfly's toolchain and sources, codegen settings, the rewrite's version."""
+    blob = json.dumps([toolchain.fingerprint(), settings.codegen_fingerprint(), VERSION], default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+_SLOTS = (("post_grad_custom_pre_pass", SdpaPass), ("pre_grad_custom_pass", SdpaTrainingPass))
 
 
 def install() -> None:
     """Rewrite SDPA in graphs compiled from now on (idempotent)."""
-    if not installed():
-        inductor_config.post_grad_custom_pre_pass = SdpaPass(inductor_config.post_grad_custom_pre_pass)
+    for slot, kind in _SLOTS:
+        if _find(slot, kind) is None:
+            setattr(inductor_config, slot, kind(getattr(inductor_config, slot)))
 
 
 def uninstall() -> None:
-    """Stop rewriting (graphs compiled before keep calling nvfly's ops). Removes the pass wherever it sits in the
-    chain of wrapping passes."""
-    current = inductor_config.post_grad_custom_pre_pass
-    if isinstance(current, SdpaPass):
-        inductor_config.post_grad_custom_pre_pass = current.prior
-        return
-    while current is not None and hasattr(current, "prior"):
-        if isinstance(current.prior, SdpaPass):
-            current.prior = current.prior.prior
-            return
-        current = current.prior
+    """Stop rewriting (graphs compiled before keep calling nvfly's ops). Removes the passes wherever they sit in the
+    chains of wrapping passes."""
+    for slot, kind in _SLOTS:
+        current = getattr(inductor_config, slot)
+        if isinstance(current, kind):
+            setattr(inductor_config, slot, current.prior)
+            continue
+        while current is not None and hasattr(current, "prior"):
+            if isinstance(current.prior, kind):
+                current.prior = current.prior.prior
+                break
+            current = current.prior
 
 
 def installed() -> bool:
-    current = inductor_config.post_grad_custom_pre_pass
+    return all(_find(slot, kind) is not None for slot, kind in _SLOTS)
+
+
+def _find(slot: str, kind: type) -> Optional[ChainedPass]:
+    current = getattr(inductor_config, slot)
     while current is not None:
-        if isinstance(current, SdpaPass):
-            return True
+        if isinstance(current, kind):
+            return current
         current = getattr(current, "prior", None)
-    return False
+    return None
 
 
 # ---------------------------------------------------------------------------------------------- the rewrite
@@ -201,3 +232,98 @@ def _record(node: torch.fx.Node, arguments: dict[str, Any], reason: Optional[str
     else:
         shape, problem, kernel = (), f"node {node.name}", ""
     record(Decision("inductor", "sdpa", shape, problem, reason=reason, candidates=() if reason else (kernel,)))
+
+
+# ---------------------------------------------------------------------------------------------- training graphs
+def rewrite_training(graph: torch.fx.Graph) -> int:
+    """Replace the ``F.scaled_dot_product_attention`` calls of a Dynamo graph (pre-grad: torch functions, fake
+    ``example_value``s) whose inputs require grad and which the eager rule accepts by ``nvfly.attention_prefill``
+    (top-left causal) on the (B, S, H, D) views: AOTAutograd then traces its forward and its registered backward
+    (torch's flash or memory-efficient backward kernel on nvfly's LSE) into the joint graph. Calls without gradients
+    are left to the post-grad pass, which knows the kernel torch picked. Returns how many were replaced."""
+    replaced = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch._C._nn.scaled_dot_product_attention:
+            continue
+        arguments = _sdpa_arguments(node)
+        q, k, v = (_example(arguments.get(name)) for name in ("query", "key", "value"))
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            continue
+        if not (q.requires_grad or k.requires_grad or v.requires_grad):
+            continue
+        reason = _training_reason(arguments, q, k, v)
+        _record_training(node, arguments, q, k, v, reason)
+        if reason is None:
+            _replace_training(graph, node, arguments)
+            replaced += 1
+        else:
+            log.debug("nvfly: compiled SDPA %s (training) stays on torch: %s", node.name, reason)
+    if replaced:
+        graph.lint()
+    return replaced
+
+
+SDPA_PARAMETERS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def _sdpa_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    arguments = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+    arguments.update(zip(SDPA_PARAMETERS, node.args))
+    arguments.update(node.kwargs)
+    return arguments
+
+
+def _example(x: Any) -> Any:
+    return (x.meta.get("example_value", x.meta.get("val")) if isinstance(x, torch.fx.Node) else None)
+
+
+def _training_reason(arguments: dict[str, Any], q: Any, k: Any, v: Any) -> Optional[str]:
+    from torch._guards import detect_fake_mode
+    if arguments["attn_mask"] is not None:
+        return "attn_mask is given (nvfly's kernels read none yet)"
+    if arguments["dropout_p"]:
+        return f"dropout_p={arguments['dropout_p']} (nvfly has no dropout)"
+    flags = (arguments["is_causal"], arguments["enable_gqa"], arguments["scale"])
+    if any(isinstance(f, torch.fx.Node) for f in flags):
+        return "is_causal, enable_gqa or scale is a traced value, not a constant"
+    scale = arguments["scale"]
+    if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
+        return f"scale={scale!r} is not a positive number known when compiling"
+    if any(isinstance(s, torch.SymInt) for t in (q, k, v) for s in (*t.shape, *t.stride(), t.storage_offset())):
+        return "dynamic shapes (nvfly's SDPA rewrite takes static sizes and strides)"
+    if q.dim() == 4 and q.shape[2] <= MAX_SQ:
+        return f"Sq = {q.shape[2]} needs gradients: nvfly's decode has no backward"
+    fake_mode = detect_fake_mode([q, k, v])
+    try:
+        with warnings.catch_warnings(), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
+            warnings.simplefilter("ignore")  # data_ptr of a FakeTensor
+            return attention_ops._sdpa_reason(q, k, v, bool(arguments["is_causal"]), bool(arguments["enable_gqa"]),
+                                              True)
+    except Exception as exc:  # a broken check declines
+        return f"eligibility check raised {type(exc).__name__}: {exc}"
+
+
+def _replace_training(graph: torch.fx.Graph, node: torch.fx.Node, arguments: dict[str, Any]) -> None:
+    with graph.inserting_before(node):
+        views = [graph.call_function(torch.transpose, (arguments[name], 1, 2)) for name in ("query", "key", "value")]
+        call = graph.call_function(torch.ops.nvfly.attention_prefill.default, tuple(views),
+                                   {"causal": bool(arguments["is_causal"]), "scale": arguments["scale"],
+                                    "causal_alignment": "top_left"})
+        out = graph.call_function(operator.getitem, (call, 0))
+        result = graph.call_function(torch.transpose, (out, 1, 2))
+    for new in (*views, call, out, result):
+        new.meta.update({k: v for k, v in node.meta.items() if k in ("stack_trace", "source_fn_stack")})
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+
+
+def _record_training(node: torch.fx.Node, arguments: dict[str, Any], q: Any, k: Any, v: Any,
+                     reason: Optional[str]) -> None:
+    if q.dim() == k.dim() == v.dim() == 4:
+        shape = tuple(int(s) if not isinstance(s, torch.SymInt) else -1
+                      for s in (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]))
+    else:
+        shape = ()
+    problem = (f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} {q.dtype} "
+               f"is_causal={bool(arguments['is_causal'])} (training)")
+    record(Decision("inductor", "sdpa", shape, problem, reason=reason, candidates=() if reason else ("prefill",)))

@@ -348,3 +348,37 @@ def test_cuda_graph_of_the_decode_op_replays_changed_lengths():
         want, want_lse = attention.reference(q, k, v, cache_seqlens=seqlens, causal=False)
         assert not out.isnan().any() and rel_err(out, want) < 1e-2, lengths
         torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_compiled_training_step_runs_nvfly_forward_and_torchs_backward():
+    """Under nvfly.torch.install(), a compiled SDPA whose inputs require grad runs nvfly's prefill forward and torch's
+    flash backward on its LSE: unrouted SDPA's output and gradients."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    torch.manual_seed(9)
+    leaves = [torch.randn(2, h, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for h in (32, 8, 8)]
+    grad = torch.randn(2, 32, 2048, 128, device="cuda", dtype=torch.bfloat16)
+    model = _Attention(True)
+    nvfly.torch.install()
+    try:
+        with sdpa_kernel(NO_CUDNN), torch._inductor.config.patch(fx_graph_cache=False):
+            compiled = torch.compile(model)
+
+            def step():
+                out = compiled(*leaves)
+                out.backward(grad)
+                return out
+
+            got, codes = run_and_get_code(step)
+    finally:
+        nvfly.torch.uninstall()
+        torch._dynamo.reset()
+    assert any("nvfly.attention_prefill" in code for code in codes)
+    assert any("_scaled_dot_product_flash_attention_backward" in code for code in codes)
+    f32 = [t.detach().float().requires_grad_() for t in leaves]
+    want = model(*f32)
+    want.backward(grad.float())
+    assert rel_err(got, want) < 1e-2
+    for name, mine, exact in zip("qkv", leaves, f32):
+        assert rel_err(mine.grad, exact.grad) < 2e-2, name

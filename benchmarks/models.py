@@ -13,7 +13,8 @@ Cases (bf16, H200 sizes from docs/torch-attention.md):
 
 Every case first checks the routed output against eager (relative error < 2e-2) and records what routing decided
 for each SDPA call (nvfly's kernel, or torch's with the reason). Each row: eager ms, routed ms and their ratio
-(``speedup`` = eager / routed), torch.compile's ms (default mode, without ``--quick``), CUDA-graph replays for decode.
+(``speedup`` = eager / routed), without ``--quick`` torch.compile's ms (default mode) without and with
+``nvfly.torch.install()`` (its SDPA graph passes), CUDA-graph replays for decode.
 
 Usage: python -m benchmarks.models [--quick] [--cases llama-prefill ...]
 Writes benchmarks/results/models_h200.json and models_h200.png.
@@ -21,10 +22,11 @@ Writes benchmarks/results/models_h200.json and models_h200.png.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -108,19 +110,44 @@ def torch_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def timed(row: dict[str, Any], eager: Callable[[], Any], nvfly_call: Callable[[], Any], quick: bool,
-          compiled: Optional[Callable[[], Any]] = None, graphs: bool = False) -> dict[str, Any]:
+          compile_too: bool = False, graphs: bool = False,
+          compile_fn: Callable[[Callable[[], Any]], Callable[[], Any]] = torch.compile) -> dict[str, Any]:
+    """Times eager, routed and (``compile_too``) compiled calls into ``row``; ``compile_fn`` makes the compiled call
+    from the eager one (default: ``torch.compile`` of it)."""
     warm, rep = (10, 40) if quick else (25, 100)
     row["eager_ms"] = bench_ms(eager, warm, rep)
     row["nvfly_ms"] = bench_ms(nvfly_call, warm, rep)
     row["speedup"] = row["eager_ms"] / row["nvfly_ms"]
-    if compiled is not None:
-        row["compiled_ms"] = bench_ms(compiled, warm, rep)
+    if compile_too:  # torch.compile (default mode) without nvfly, then with nvfly.torch.install()
+        for key, with_nvfly in (("compiled", False), ("compiled_nvfly", True)):
+            with compiling(with_nvfly):
+                compiled = compile_fn(eager)
+                out = compiled()  # compiled now, while nvfly's passes are (or are not) installed
+            row[f"{key}_ms"] = bench_ms(compiled, warm, rep)
+            row[f"{key}_rel_err_vs_eager"] = max(rel_err(o, e) for o, e in zip(as_list(out), as_list(eager())))
     if graphs:  # a serving loop replays the step from a CUDA graph: no host time
         row["eager_graph_ms"] = graph_ms(eager, calls=8, replays=10)
         row["nvfly_graph_ms"] = graph_ms(nvfly_call, calls=8, replays=10)
         if row["eager_graph_ms"] and row["nvfly_graph_ms"]:
             row["graph_speedup"] = row["eager_graph_ms"] / row["nvfly_graph_ms"]
     return row
+
+
+@contextlib.contextmanager
+def compiling(with_nvfly: bool) -> Iterator[None]:
+    """A fresh Dynamo cache, and nvfly's graph passes installed in the block (or not)."""
+    torch._dynamo.reset()
+    if with_nvfly:
+        nvfly.torch.install()
+    try:
+        yield
+    finally:
+        if with_nvfly:
+            nvfly.torch.uninstall()
+
+
+def as_list(out: Any) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (list, tuple)) else [out]
 
 
 def checked(row: dict[str, Any], eager_out: torch.Tensor, nvfly_out: torch.Tensor) -> dict[str, Any]:
@@ -143,9 +170,7 @@ def llama_prefill(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
         q = torch.empty(1, Q_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16)
         k = torch.empty(1, KV_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16)
         row["torch_sdpa_backend"] = torch_backend(q, k, k, True)
-        compiled = torch.compile(layer) if compile_too else None
-        call = (lambda: compiled(x)) if compiled else None
-        return [timed(row, eager, nvfly_call, quick, call)]
+        return [timed(row, eager, nvfly_call, quick, compile_too)]
 
 
 def llama_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
@@ -164,9 +189,7 @@ def llama_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
             row.update(sdpa_outcome())
             q = torch.empty(batch, Q_HEADS, 1, HEAD, device="cuda", dtype=torch.bfloat16)
             row["torch_sdpa_backend"] = torch_backend(q, cache[0], cache[1], False)
-            compiled = torch.compile(layer) if compile_too else None
-            call = (lambda: compiled(x, context - 1, cache)) if compiled else None
-            rows.append(timed(row, eager, nvfly_call, quick, call, graphs=True))
+            rows.append(timed(row, eager, nvfly_call, quick, compile_too, graphs=True))
         del cache
     return rows
 
@@ -207,8 +230,12 @@ def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     grad = torch.randn(1, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     params = list(layer.parameters())
 
-    def step() -> list[torch.Tensor]:
-        return list(torch.autograd.grad(layer(x), params, grad))
+    def step(module: torch.nn.Module = layer) -> list[torch.Tensor]:
+        return list(torch.autograd.grad(module(x), params, grad))
+
+    def compiled_step(_: Callable[[], Any]) -> Callable[[], Any]:
+        compiled = torch.compile(layer)  # the forward compiled; its backward graph compiles at the first grad
+        return lambda: step(compiled)
 
     nvfly_step = routed(step)
     clear_decisions()
@@ -221,7 +248,7 @@ def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     q = torch.empty(1, Q_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.empty(1, KV_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     row["torch_sdpa_backend"] = torch_backend(q, k, k, True)
-    return [timed(row, step, nvfly_step, quick)]
+    return [timed(row, step, nvfly_step, quick, compile_too, compile_fn=compiled_step)]
 
 
 CASES: dict[str, Callable[[bool, bool], list[dict[str, Any]]]] = {
@@ -235,7 +262,7 @@ def label(row: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="shorter timing, no torch.compile column (~2 min)")
+    p.add_argument("--quick", action="store_true", help="shorter timing, no torch.compile columns (~2 min)")
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     args = p.parse_args(argv)
     t_start = time.time()
@@ -246,7 +273,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for row in CASES[name](args.quick, not args.quick):
             rows.append(row)
             extra = f"  graph x{row['graph_speedup']:.2f}" if row.get("graph_speedup") else ""
-            extra += f"  compiled {row['compiled_ms']:.3f} ms" if row.get("compiled_ms") else ""
+            extra += (f"  compiled {row['compiled_ms']:.3f} ms, with nvfly {row['compiled_nvfly_ms']:.3f} ms"
+                      if row.get("compiled_ms") else "")
             print(f"{label(row):>22}  eager {row['eager_ms']:.3f} ms  routed {row['nvfly_ms']:.3f} ms "
                   f"(x{row['speedup']:.2f}, err {row['rel_err_vs_eager']:.1e}"
                   f"{'' if row['same_as_eager'] else ' MISMATCH'}){extra}  torch picks {row['torch_sdpa_backend']}; "
@@ -257,8 +285,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(summary)
     print("wrote", write_results("models", rows, {"summary": summary, "quick": args.quick}))
     series = {"routed nvfly": [r["speedup"] for r in rows]}
-    if any("compiled_ms" in r for r in rows):
-        series["torch.compile"] = [r["eager_ms"] / r["compiled_ms"] if r.get("compiled_ms") else 0 for r in rows]
+    for key, name in (("compiled_ms", "torch.compile"), ("compiled_nvfly_ms", "torch.compile + nvfly.install()")):
+        if any(key in r for r in rows):
+            series[name] = [r["eager_ms"] / r[key] if r.get(key) else 0 for r in rows]
     print("wrote", plot("models", [label(r) for r in rows], series, "speedup over eager torch"))
     return 0 if summary["all_same_as_eager"] else 1
 

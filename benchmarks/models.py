@@ -98,9 +98,16 @@ def routed(fn: Callable[[], Any]) -> Callable[[], Any]:
     return call
 
 
+def fresh_decisions() -> None:
+    """Forget what was decided and recorded so far: the case's first routed call decides (and records) again."""
+    clear_decisions()
+    attention_ops.forget_decisions()
+
+
 def sdpa_outcome() -> dict[str, Any]:
     """What routing decided for the SDPA calls so far: nvfly's kernels, or torch's reasons."""
     sdpa = [d for d in decisions() if d.op == "sdpa"]
+    sdpa = [d for d in sdpa if d.where == "eager"]
     return {"nvfly_kernels": sorted({c for d in sdpa for c in d.candidates if d.reason is None}),
             "declined": sorted({d.reason for d in sdpa if d.reason})}
 
@@ -125,6 +132,8 @@ def timed(row: dict[str, Any], eager: Callable[[], Any], nvfly_call: Callable[[]
                 out = compiled()  # compiled now, while nvfly's passes are (or are not) installed
             row[f"{key}_ms"] = bench_ms(compiled, warm, rep)
             row[f"{key}_rel_err_vs_eager"] = max(rel_err(o, e) for o, e in zip(as_list(out), as_list(eager())))
+        row["compiled_nvfly_sdpa"] = sorted({d.reason or f"nvfly {', '.join(d.candidates)}" for d in decisions()
+                                            if d.where == "inductor" and d.op == "sdpa"})
     if graphs:  # a serving loop replays the step from a CUDA graph: no host time
         row["eager_graph_ms"] = graph_ms(eager, calls=8, replays=10)
         row["nvfly_graph_ms"] = graph_ms(nvfly_call, calls=8, replays=10)
@@ -164,7 +173,7 @@ def llama_prefill(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     with torch.no_grad():
         eager = lambda: layer(x)  # noqa: E731
         nvfly_call = routed(eager)
-        clear_decisions()
+        fresh_decisions()
         row = checked({"case": "llama-prefill", "batch": 1, "tokens": tokens}, eager(), nvfly_call())
         row.update(sdpa_outcome())
         q = torch.empty(1, Q_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16)
@@ -184,7 +193,7 @@ def llama_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
         with torch.no_grad():
             eager = lambda: layer(x, context - 1, cache)  # noqa: E731
             nvfly_call = routed(eager)
-            clear_decisions()
+            fresh_decisions()
             row = checked({"case": "llama-decode", "batch": batch, "context": context}, eager(), nvfly_call())
             row.update(sdpa_outcome())
             q = torch.empty(batch, Q_HEADS, 1, HEAD, device="cuda", dtype=torch.bfloat16)
@@ -204,7 +213,7 @@ def attention_rows(case: str, shapes: list[tuple[int, int, int, int, int, int, i
         v = torch.randn(batch, hkv, skv, dv, device="cuda", dtype=torch.bfloat16)
         eager = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)  # noqa
         nvfly_call = routed(eager)
-        clear_decisions()
+        fresh_decisions()
         row = checked({"case": case, "batch": batch, "heads": f"{hq}/{hkv}", "sq": sq, "skv": skv,
                        "head_dims": f"{dqk}/{dv}", "causal": causal}, eager(), nvfly_call())
         row.update(sdpa_outcome())
@@ -238,7 +247,7 @@ def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
         return lambda: step(compiled)
 
     nvfly_step = routed(step)
-    clear_decisions()
+    fresh_decisions()
     eager_grads, nvfly_grads = step(), nvfly_step()
     row: dict[str, Any] = {"case": "llama-train", "batch": 1, "tokens": tokens}
     row["grad_rel_err_vs_eager"] = max(rel_err(n, e) for n, e in zip(nvfly_grads, eager_grads))
@@ -273,8 +282,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for row in CASES[name](args.quick, not args.quick):
             rows.append(row)
             extra = f"  graph x{row['graph_speedup']:.2f}" if row.get("graph_speedup") else ""
-            extra += (f"  compiled {row['compiled_ms']:.3f} ms, with nvfly {row['compiled_nvfly_ms']:.3f} ms"
-                      if row.get("compiled_ms") else "")
+            extra += (f"  compiled {row['compiled_ms']:.3f} ms, with nvfly {row['compiled_nvfly_ms']:.3f} ms "
+                      f"({'; '.join(row['compiled_nvfly_sdpa']) or 'no SDPA rewrite'})" if row.get("compiled_ms") else "")
             print(f"{label(row):>22}  eager {row['eager_ms']:.3f} ms  routed {row['nvfly_ms']:.3f} ms "
                   f"(x{row['speedup']:.2f}, err {row['rel_err_vs_eager']:.1e}"
                   f"{'' if row['same_as_eager'] else ' MISMATCH'}){extra}  torch picks {row['torch_sdpa_backend']}; "

@@ -589,3 +589,24 @@ def test_compiled_training_through_inductor(monkeypatch):
         assert _rel(mine.grad, exact.grad) < 2e-2
     (decision,) = [d for d in decisions() if d.where == "inductor"]
     assert decision.reason is None and "(training)" in decision.problem
+
+
+def test_a_refusing_backward_kernel_falls_back_to_the_reference(monkeypatch, caplog):
+    """Should torch's backward kernel refuse nvfly's tensors at run time, autograd through the float32 reference
+    computes the gradients (and a warning says why): training never breaks."""
+    from nvfly.torch import attention_backward as B
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("injected: kernel refused")
+
+    monkeypatch.setattr(B, "_cpu_flash", refuse)
+    q, k, v = _prefill_inputs(sq=30, skv=50, grad=True)
+    with caplog.at_level(logging.WARNING, logger="nvfly"):
+        out, _ = torch.ops.nvfly.attention_prefill(q, k, v, causal=True, causal_alignment="top_left")
+        grad = torch.randn_like(out)
+        out.backward(grad)
+    assert "injected: kernel refused" in caplog.text and "float32 reference" in caplog.text
+    want, leaves = _sdpa_f32(q, k, v, is_causal=True)
+    want.backward(grad.float())
+    for got, ref in zip((q.grad, k.grad, v.grad), leaves):
+        assert got.dtype == bf and _rel(got, ref.grad) < 2e-2

@@ -19,10 +19,13 @@ All take q (B, Sq, Hq, D), k and v (B, Skv, Hkv, D), out (B, Sq, Hq, Dv): the nv
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger("nvfly")
 
 EFFICIENT_LSE_ROWS = 32  # the memory-efficient kernel's logsumexp is padded to a multiple of this many query rows
 NO_MASK, TOP_LEFT, BOTTOM_RIGHT = 0, 1, 2  # _efficient_attention_backward's custom_mask_type
@@ -62,7 +65,31 @@ def why_no_backward(q: Tensor, k: Tensor, v: Tensor, causal: bool, causal_alignm
 def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
                        causal: bool, scale: Optional[float], causal_alignment: str
                        ) -> tuple[Tensor, Tensor, Tensor]:
-    """(dq, dk, dv) of softmax(q kᵀ scale) v by torch's backward kernels, from nvfly's ``out`` and ``lse``."""
+    """(dq, dk, dv) of softmax(q kᵀ scale) v by torch's backward kernels, from nvfly's ``out`` and ``lse``. Should
+    torch's kernel refuse them at run time, the gradients are computed by autograd through the float32 reference
+    instead (slow, never wrong; a warning says why); while tracing, the error is raised."""
+    try:
+        return _by_torch_kernel(grad_out, q, k, v, out, lse, causal, scale, causal_alignment)
+    except Exception as exc:
+        if any(type(t) is not Tensor for t in (grad_out, q, k, v)):  # FakeTensor, FunctionalTensor: a trace
+            raise
+        log.warning("nvfly: attention backward: torch's kernel raised %s: %s; the gradients are computed through "
+                    "the float32 reference", type(exc).__name__, exc)
+    return _by_reference(grad_out, q, k, v, causal, scale, causal_alignment)
+
+
+def _by_reference(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float],
+                  causal_alignment: str) -> tuple[Tensor, Tensor, Tensor]:
+    from nvfly.ops.attention import prefill_reference
+    with torch.enable_grad():
+        leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        out, _ = prefill_reference(*leaves, causal=causal, scale=scale, causal_alignment=causal_alignment)
+        grads = torch.autograd.grad(out, leaves, grad_out.float())
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))  # type: ignore[return-value]
+
+
+def _by_torch_kernel(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, causal: bool,
+                     scale: Optional[float], causal_alignment: str) -> tuple[Tensor, Tensor, Tensor]:
     kernel = backward_kernel(q, k, v, causal, causal_alignment)
     if kernel is None:
         raise NotImplementedError("nvfly attention backward: " + str(why_no_backward(q, k, v, causal,

@@ -180,7 +180,7 @@ TABLE = [
     ("grad", {"grad": True}, "an input requires grad at Sq = 1 (nvfly's decode has no backward"),
     ("3-D", {"rank3": True}, "q, k, v are not all 4-D"),
     # prefill: Sq > 16
-    ("prefill Sq 17", {"sq": 17}, None),
+    ("prefill Sq 17", {"batch": 8, "sq": 17}, None),
     ("prefill Llama 4K causal 32/8", {"sq": 4096, "skv": 4096, "causal": True}, None),
     ("prefill top-left causal Sq < Skv", {"sq": 1024, "skv": 4096, "causal": True}, None),
     ("prefill training", {"sq": 4096, "skv": 4096, "causal": True, "grad": True}, None),
@@ -189,13 +189,14 @@ TABLE = [
     ("prefill head dim 96", {"sq": 4096, "skv": 4096, "d": 96},
      "nvfly's prefill declines: attention.prefill: q: head dim 96 is not supported"),
     ("prefill small", {"sq": 64, "skv": 64}, "GFLOP (< 4): launch-bound"),
+    ("prefill few tiles", {"hq": 8, "hkv": 8, "sq": 256, "skv": 32768}, "16 query tiles of 128 rows (< 132"),
     ("prefill GQA without enable_gqa", {"sq": 4096, "skv": 4096, "gqa": False}, "without enable_gqa"),
 ]
 
 
 @pytest.mark.parametrize("case,kw,expected", TABLE, ids=[c[0] for c in TABLE])
 def test_sdpa_eligibility_table(fake_cuda, case, kw, expected):
-    qs, ks = _sdpa_shapes(**{n: kw[n] for n in ("hq", "hkv", "sq", "skv", "d") if n in kw})
+    qs, ks = _sdpa_shapes(**{n: kw[n] for n in ("batch", "hq", "hkv", "sq", "skv", "d") if n in kw})
     if kw.get("rank3"):
         qs, ks = qs[1:], ks[1:]
     q, k = fake_cuda(qs, kw.get("dtype", bf)), fake_cuda(ks, kw.get("dtype", bf))
@@ -477,6 +478,7 @@ def test_compile_pass_rewritten_graph_computes_sdpa():
         graph = _sdpa_graph(aten._scaled_dot_product_flash_attention.default, (1, 8, 40, 64), (1, 2, 56, 64))
     with pytest.MonkeyPatch.context() as mp:  # decide as on an H200 where torch picked flash, without the size floor
         mp.setattr(A, "MIN_PREFILL_FLOPS", 0)
+        mp.setattr(A, "MIN_PREFILL_TILES", 0)
         mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

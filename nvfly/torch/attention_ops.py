@@ -38,6 +38,7 @@ from nvfly.ops.attention import prefill_api
 from nvfly.ops.attention.api import check_arguments
 from nvfly.ops.attention.kv_options import OP
 from nvfly.ops.attention.plan import MAX_SQ
+from nvfly.ops.attention.prefill_plan import BLOCK_M
 from nvfly.ops.common.opcall import OpCalls
 from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import routing
@@ -59,6 +60,10 @@ MIN_KV_BYTES = 16 << 20
 # Prefill (Sq > 16) below this much work takes under ~8 us at cuDNN's 500-600 TFLOP/s (anchors.md): launch-bound,
 # where nvfly's host path (6-11 us a launch, launch_overhead_h200.json) would cost more than its kernel saves.
 MIN_PREFILL_FLOPS = 4e9
+# Prefill runs one CTA per (batch, query head, 128 query rows) and does not split the keys; below one wave of the
+# H200's 132 SMs most of the GPU idles, where torch's flash splits the keys (its split-KV forward) and cuDNN tiles
+# finer. The measured prefill shapes (0.91x cuDNN, 1.54x flash) all had more tiles than that.
+MIN_PREFILL_TILES = 132
 _FLOATS = (torch.bfloat16, torch.float16)
 
 
@@ -244,6 +249,10 @@ def _prefill_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool
     if flops < MIN_PREFILL_FLOPS:
         return (f"{flops / 1e9:.2f} GFLOP (< {MIN_PREFILL_FLOPS / 1e9:.0f}): launch-bound, where nvfly's host path "
                 "costs more than its faster kernel saves")
+    tiles = batch * hq * -(-sq // BLOCK_M)
+    if tiles < MIN_PREFILL_TILES:
+        return (f"{tiles} query tiles of {BLOCK_M} rows (< {MIN_PREFILL_TILES}, one wave of the H200's SMs): nvfly's "
+                "prefill does not split the keys, torch's kernels do")
     qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     declined = attention.prefill_eligibility(qs, ks, vs, causal_alignment="top_left")
     if declined is not None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import nvfly.torch.attention_ops  # noqa: F401  (defines torch.ops.nvfly.attention_decode)
+import nvfly.torch.attention_ops  # noqa: F401  (defines torch.ops.nvfly.attention_decode, _prefill)
 import nvfly.torch.ops  # noqa: F401  (defines torch.ops.nvfly: the GEMM's ops, RMSNorm's and TopK's)
 
 bf, f16 = torch.bfloat16, torch.float16
@@ -63,6 +63,14 @@ INVALID = [
      "attention.decode: q: head dim 96 is not supported"),
     ("attention_decode", lambda: (_t(2, 1, 8, 64), _t(2, 32, 2, 64), _t(2, 32, 2, 64), torch.tensor([3])), {},
      ValueError, "attention.decode: cache_seqlens: 1 lengths, q has 2 sequences"),
+    ("attention_prefill", lambda: (_t(2, 40, 7, 64), _t(2, 50, 2, 64), _t(2, 50, 2, 64)), {}, ValueError,
+     "attention.prefill: q: 7 query heads are not a multiple of k's 2 KV heads"),
+    ("attention_prefill", lambda: (_t(2, 40, 8, 192), _t(2, 50, 2, 192), _t(2, 50, 2, 192)), {}, ValueError,
+     "attention.prefill: v: head dim 192 with Dqk 192 is not supported"),
+    ("attention_prefill", lambda: (_t(2, 40, 8, 64), _t(2, 50, 2, 64), _t(2, 50, 2, 64)),
+     {"causal_alignment": "left"}, ValueError, "attention.prefill: causal_alignment: expected one of"),
+    ("attention_prefill", lambda: (_t(2, 40, 8, 64), _t(2, 50, 2, 64), _t(2, 50, 2, 64)), {"scale": -1.0},
+     ValueError, "attention.prefill: scale: expected a positive finite number"),
 ]
 
 # inputs nvfly declines but the ops accept (torch computes them: on CPU every one; the last one's rows are also
@@ -74,6 +82,8 @@ VALID = [
     ("rms_norm", lambda: (_t(4, 16, dtype=torch.float64), [16], _t(16, dtype=torch.float64)), {}),
     ("topk", lambda: (_t(4, 16, dtype=torch.float64), 3), {"dim": 0}),
     ("attention_decode", lambda: (_t(2, 2, 8, 72)[..., 8:], _t(2, 32, 2, 65)[..., 1:], _t(2, 32, 2, 64)), {}),
+    ("attention_prefill", lambda: (_t(1, 33, 4, 192), _t(1, 20, 2, 192), _t(1, 20, 2, 128)),
+     {"causal": True, "causal_alignment": "top_left"}),
 ]
 
 

@@ -1,8 +1,10 @@
-"""Decode attention from PyTorch without a GPU: ``nvfly::attention_decode`` (torch fallback equal to SDPA, fake
-shapes, tracing by torch.compile; its fake's errors are tested in test_fake_parity_cpu.py) and the eager SDPA route: its eligibility table and reasons (on fake CUDA
-tensors), the decisions it records, its failure bookkeeping, and the dispatch mechanics of a composite op routed
-on an autograd key and a backend key (exercised on the CPU keys: fallthrough, inference_mode, autograd kept,
-an nvfly exception falling back)."""
+"""Attention from PyTorch without a GPU: ``nvfly::attention_decode`` and ``nvfly::attention_prefill`` (torch
+fallback equal to SDPA, LSE, fake shapes, tracing by torch.compile; their fakes' errors are tested in
+test_fake_parity_cpu.py), prefill's gradients by torch's backward kernels on nvfly's LSE (the CPU kernel here; the
+choice of kernel for CUDA inputs), and the eager SDPA route: its eligibility table and reasons for decode and prefill
+(on fake CUDA tensors), the decisions it records, its failure bookkeeping, and the dispatch mechanics of a composite
+op routed on an autograd key and a backend key (exercised on the CPU keys: fallthrough, inference_mode, autograd
+kept, training through the route, an nvfly exception falling back)."""
 import logging
 import math
 import warnings
@@ -67,6 +69,87 @@ def test_op_fake_shapes_and_compile():
     torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
 
 
+def _prefill_inputs(batch=2, sq=40, skv=40, hq=8, hkv=2, d=64, dv=None, grad=False):
+    torch.manual_seed(1)
+    q, k = torch.randn(batch, sq, hq, d).to(bf), torch.randn(batch, skv, hkv, d).to(bf)
+    v = torch.randn(batch, skv, hkv, dv or d).to(bf)
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def _sdpa_f32(q, k, v, **kwargs):
+    """float32 SDPA of (B, S, H, D) tensors, in that layout, and its float32 leaves."""
+    leaves = [t.detach().float().requires_grad_(t.requires_grad) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), enable_gqa=True, **kwargs)
+    return out.transpose(1, 2), leaves
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("sq,skv,causal,alignment", [
+    (40, 40, False, "bottom_right"), (40, 40, True, "top_left"), (50, 30, True, "top_left"),
+    (20, 45, True, "bottom_right")])
+def test_prefill_op_on_cpu_equals_sdpa_with_lse(sq, skv, causal, alignment):
+    q, k, v = _prefill_inputs(sq=sq, skv=skv)
+    out, lse = torch.ops.nvfly.attention_prefill(q, k, v, causal=causal, scale=0.2, causal_alignment=alignment)
+    assert out.shape == q.shape and out.dtype == bf and lse.shape == (2, 8, sq) and lse.dtype == torch.float32
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float().repeat_interleave(4, dim=2)) * 0.2
+    if causal:  # query i sees keys up to i (top-left) or i + Skv - Sq (bottom-right)
+        shift = 0 if alignment == "top_left" else skv - sq
+        visible = torch.arange(skv)[None, :] <= torch.arange(sq)[:, None] + shift
+        scores = scores.masked_fill(~visible, float("-inf"))
+    torch.testing.assert_close(lse, torch.logsumexp(scores, dim=-1), atol=1e-4, rtol=1e-4)
+    want = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v.float().repeat_interleave(4, dim=2))
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("sq,skv,hkv,d,dv", [(40, 40, 2, 64, None), (50, 30, 8, 64, None), (33, 20, 1, 128, None)])
+def test_prefill_op_gradients_by_torchs_backward_on_its_lse(sq, skv, hkv, d, dv):
+    """Top-left causal with GQA, Sq > Skv, MQA: torch's CPU flash backward, fed the op's out and LSE,
+    gives float32 SDPA's gradients."""
+    q, k, v = _prefill_inputs(sq=sq, skv=skv, hkv=hkv, d=d, dv=dv, grad=True)
+    out, _ = torch.ops.nvfly.attention_prefill(q, k, v, causal=True, causal_alignment="top_left")
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    want, leaves = _sdpa_f32(q, k, v, is_causal=True)
+    want.backward(grad.float())
+    for got, ref in zip((q.grad, k.grad, v.grad), leaves):
+        assert got.shape == ref.shape and _rel(got, ref.grad) < 2e-2
+
+
+def test_prefill_op_fake_and_compile():
+    q, k, v = _prefill_inputs()
+    with FakeTensorMode() as mode:
+        out, lse = torch.ops.nvfly.attention_prefill(*map(mode.from_tensor, (q, k, v)), causal=True)
+        assert out.shape == q.shape and lse.shape == (2, 8, 40) and lse.dtype == torch.float32
+
+    def layer(q, k, v):
+        return torch.ops.nvfly.attention_prefill(q, k, v, causal=True, causal_alignment="top_left")[0] * 2
+
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), layer(q, k, v))
+
+
+@pytest.mark.parametrize("sq,skv,dqk,dv,causal,alignment,device,kernel", [
+    (64, 64, 128, 128, True, "top_left", "cuda", "flash"),  # square: both alignments agree
+    (64, 128, 128, 128, True, "bottom_right", "cuda", "flash"),
+    (64, 128, 128, 128, False, "top_left", "cuda", "flash"),
+    (64, 128, 128, 128, True, "top_left", "cuda", "efficient"),  # flash's causal is bottom-right
+    (64, 64, 192, 128, True, "top_left", "cuda", "efficient"),  # flash needs Dqk = Dv
+    (64, 128, 128, 128, True, "top_left", "cpu", "cpu_flash"),
+    (64, 128, 128, 128, True, "bottom_right", "cpu", None),
+    (64, 64, 192, 128, False, "top_left", "cpu", None),
+])
+def test_backward_kernel_choice(sq, skv, dqk, dv, causal, alignment, device, kernel):
+    from nvfly.torch.attention_backward import backward_kernel, why_no_backward
+    with FakeTensorMode():
+        q = torch.empty(1, sq, 8, dqk, dtype=bf, device=device)
+        k, v = torch.empty(1, skv, 2, dqk, dtype=bf, device=device), torch.empty(1, skv, 2, dv, dtype=bf, device=device)
+    assert backward_kernel(q, k, v, causal, alignment) == kernel
+    assert (why_no_backward(q, k, v, causal, alignment) is None) == (kernel is not None)
+
+
 # ---------------------------------------------------------------------------------------------- SDPA eligibility
 def _sdpa_shapes(batch=1, hq=32, hkv=8, sq=1, skv=32768, d=128):
     return (batch, hq, sq, d), (batch, hkv, skv, d)
@@ -76,6 +159,7 @@ def _sdpa_shapes(batch=1, hq=32, hkv=8, sq=1, skv=32768, d=128):
 def fake_cuda(monkeypatch):
     """Fake CUDA tensors (no GPU) and torch's backend choice pinned to flash (``_fused_sdp_choice`` needs a GPU)."""
     monkeypatch.setattr(A, "_torch_backend", lambda *args: "flash")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # prefill asks for sm_90
     with warnings.catch_warnings(), FakeTensorMode():
         warnings.simplefilter("ignore")  # data_ptr of a FakeTensor (0): the alignment check reads it
         yield lambda shape, dtype=bf: torch.empty(shape, dtype=dtype, device="cuda")
@@ -87,25 +171,37 @@ TABLE = [
     ("Sq 4, MiniMax 48/8", {"hq": 48, "sq": 4}, None),
     ("Sq 16", {"sq": 16}, None),
     ("equal heads without enable_gqa", {"hq": 8, "gqa": False}, None),
-    ("Sq 17", {"sq": 17}, "Sq = 17 query tokens: decode takes 1 to 16"),
-    ("float32", {"dtype": torch.float32}, "nvfly's decode takes bfloat16 or float16"),
+    ("float32", {"dtype": torch.float32}, "nvfly's attention takes bfloat16 or float16"),
     ("GQA without enable_gqa", {"gqa": False}, "32 query heads, 8 KV heads without enable_gqa"),
     ("heads not a multiple", {"hq": 12}, "12 query heads are not a multiple of 8 KV heads"),
     ("top-left causal", {"sq": 4, "causal": True}, "torch's causal mask is top-left aligned"),
     ("short cache", {"skv": 2048}, "8.0 MiB of K and V (< 16 MiB): launch-bound"),
     ("head dim 96", {"d": 96}, "nvfly's decode declines: attention.decode: q: head dim 96 is not supported"),
-    ("grad", {"grad": True}, "an input requires grad"),
+    ("grad", {"grad": True}, "an input requires grad at Sq = 1 (nvfly's decode has no backward"),
     ("3-D", {"rank3": True}, "q, k, v are not all 4-D"),
+    # prefill: Sq > 16
+    ("prefill Sq 17", {"batch": 8, "sq": 17}, None),
+    ("prefill Llama 4K causal 32/8", {"sq": 4096, "skv": 4096, "causal": True}, None),
+    ("prefill top-left causal Sq < Skv", {"sq": 1024, "skv": 4096, "causal": True}, None),
+    ("prefill training", {"sq": 4096, "skv": 4096, "causal": True, "grad": True}, None),
+    ("prefill DeepSeek 192/128 training", {"hq": 128, "hkv": 128, "sq": 4096, "skv": 4096, "d": 192, "dv": 128,
+                                           "causal": True, "grad": True}, None),
+    ("prefill head dim 96", {"sq": 4096, "skv": 4096, "d": 96},
+     "nvfly's prefill declines: attention.prefill: q: head dim 96 is not supported"),
+    ("prefill small", {"sq": 64, "skv": 64}, "GFLOP (< 4): launch-bound"),
+    ("prefill few tiles", {"hq": 8, "hkv": 8, "sq": 256, "skv": 32768}, "16 query tiles of 128 rows (< 132"),
+    ("prefill GQA without enable_gqa", {"sq": 4096, "skv": 4096, "gqa": False}, "without enable_gqa"),
 ]
 
 
 @pytest.mark.parametrize("case,kw,expected", TABLE, ids=[c[0] for c in TABLE])
 def test_sdpa_eligibility_table(fake_cuda, case, kw, expected):
-    qs, ks = _sdpa_shapes(**{n: kw[n] for n in ("hq", "sq", "skv", "d") if n in kw})
+    qs, ks = _sdpa_shapes(**{n: kw[n] for n in ("batch", "hq", "hkv", "sq", "skv", "d") if n in kw})
     if kw.get("rank3"):
         qs, ks = qs[1:], ks[1:]
     q, k = fake_cuda(qs, kw.get("dtype", bf)), fake_cuda(ks, kw.get("dtype", bf))
-    reason = A._sdpa_reason(q, k, k, kw.get("causal", False), kw.get("gqa", True), kw.get("grad", False))
+    v = fake_cuda(ks[:-1] + (kw["dv"],)) if "dv" in kw else k
+    reason = A._sdpa_reason(q, k, v, kw.get("causal", False), kw.get("gqa", True), kw.get("grad", False))
     if expected is None:
         assert reason is None
     else:
@@ -120,6 +216,14 @@ def test_sdpa_sq1_stays_with_cudnn(fake_cuda, monkeypatch):
     assert A._sdpa_reason(q4, k, k, False, True, False) is None  # Sq >= 2 goes to nvfly whatever torch picks
 
 
+def test_sdpa_prefill_stays_with_cudnn(fake_cuda, monkeypatch):
+    q, k = fake_cuda(_sdpa_shapes(sq=4096, skv=4096)[0]), fake_cuda(_sdpa_shapes(sq=4096, skv=4096)[1])
+    picked = []
+    monkeypatch.setattr(A, "_torch_backend", lambda q, k, v, gqa, causal: picked.append(causal) or "cudnn")
+    assert "torch picks cuDNN, measured faster than nvfly's prefill" in A._sdpa_reason(q, k, k, True, True, False)
+    assert picked == [True]  # asked with the call's is_causal
+
+
 def test_sdpa_math_only_is_kept(fake_cuda):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     q, k = fake_cuda(_sdpa_shapes()[0]), fake_cuda(_sdpa_shapes()[1])
@@ -131,6 +235,7 @@ def test_sdpa_eligibility_front_checks_and_decisions():
     q, k = torch.empty(1, 32, 1, 128, dtype=bf), torch.empty(1, 8, 32768, 128, dtype=bf)
     assert "attn_mask is given" in A.sdpa_eligibility(q, k, k, torch.ones(1, 32768, dtype=torch.bool))
     assert "dropout_p=0.1" in A.sdpa_eligibility(q, k, k, None, 0.1)
+    assert "scale=-0.5" in A.sdpa_eligibility(q, k, k, scale=-0.5)
     with FakeTensorMode() as mode:
         assert "FakeTensor, not a plain tensor" in A.sdpa_eligibility(mode.from_tensor(q), k, k)
     for _ in range(3):  # decided once per signature
@@ -232,3 +337,278 @@ def test_nvfly_exception_falls_back_to_torch(cpu_route, caplog):
     assert stub.calls == [False]
     torch.testing.assert_close(got, want)
     assert "injected launch failure" in caplog.text and "falls back to torch" in caplog.text
+
+
+class _Route:
+    """The real ``sdpa_run`` behind an eligibility that accepts every call (the CPU keys stand for CUDA's)."""
+
+    def __init__(self):
+        self.run = A.sdpa_run
+
+    @staticmethod
+    def eligibility(*args, **kwargs):
+        return None
+
+
+@pytest.mark.parametrize("sq,skv", [(40, 40), (50, 30)])
+def test_training_through_the_route_uses_torchs_backward_on_nvflys_lse(cpu_route, monkeypatch, sq, skv):
+    """A routed SDPA that needs gradients runs prefill (here its float32 reference on CPU, top-left causal) in an
+    autograd.Function whose backward is torch's kernel on prefill's out and LSE: the gradients are unrouted SDPA's."""
+    from nvfly.ops import attention
+    calls = []
+
+    def cpu_prefill(q, k, v, *, causal=False, scale=None, return_lse=False, causal_alignment="bottom_right"):
+        calls.append((causal, scale, causal_alignment, return_lse))
+        out, lse = attention.prefill_reference(q, k, v, causal=causal, scale=scale, causal_alignment=causal_alignment)
+        return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
+
+    monkeypatch.setattr(A.attention, "prefill", cpu_prefill)
+    cpu_route(_Route())
+    torch.manual_seed(3)
+    q = torch.randn(2, 8, sq, 64).to(bf).requires_grad_()
+    k, v = (torch.randn(2, 2, skv, 64).to(bf).requires_grad_() for _ in range(2))
+    with nvfly.torch.routing():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1, enable_gqa=True)
+    assert calls == [(True, 0.1, "top_left", True)] and out.shape == (2, 8, sq, 64)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.1, enable_gqa=True)
+    want.backward(grad.float())
+    assert _rel(out, want) < 1e-2
+    for got, ref in zip((q, k, v), leaves):
+        assert _rel(got.grad, ref.grad) < 2e-2
+    with nvfly.torch.routing(), torch.no_grad():  # without gradients: prefill alone, no LSE
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1, enable_gqa=True)
+    assert calls[-1] == (True, 0.1, "top_left", False)
+
+
+# ---------------------------------------------------------------------------------------------- explain
+def test_explain_sdpa_names_the_kernel_and_this_process_decisions():
+    q, k = torch.empty(1, 32, 4096, 128, dtype=bf), torch.empty(1, 8, 4096, 128, dtype=bf)
+    A.sdpa_eligibility(q, k, k, is_causal=True, enable_gqa=True)  # a decision for this shape (CPU: declined)
+    report = nvfly.torch.explain_sdpa(1, 32, 8, 4096, 4096, 128, is_causal=True)
+    assert report.kernel == "prefill" and "PrefillPlan(dqk=128, dv=128, causal=True" in report.plan
+    assert [d.reason for d in report.decisions] == ["q is on cpu, not CUDA"]
+    text = str(report)
+    assert "eager sdpa q (1, 32, 4096, 128)" in text and "q is on cpu, not CUDA" in text
+    if not torch.cuda.is_available():
+        assert report.declined == "no CUDA GPU in this process (eligibility not checked)"
+        assert report.verdict().startswith("torch's SDPA runs it: no CUDA GPU")
+    assert nvfly.torch.explain_sdpa(2, 48, 8, 4, 32768, 128).kernel == "decode"
+    assert nvfly.torch.explain_sdpa(1, 8, 8, 4096, 4096, 96).plan == "no plan for these head dims"
+
+
+def test_explain_sdpa_command(capsys):
+    from nvfly.cli import main
+    assert main(["explain", "--sdpa", "1,128,128,4096,4096,192,128", "--causal", "--json"]) == 0
+    doc = __import__("json").loads(capsys.readouterr().out)
+    assert doc["kernel"] == "prefill" and doc["shape"]["dv"] == 128 and doc["is_causal"] is True
+    for argv, message in ((["explain", "--sdpa", "1,2,3"], "expected B,HQ,HKV,SQ,SKV,D[,DV]"),
+                          (["explain", "16", "4096", "4096", "--sdpa", "1,2,2,3,4,64"], "not both")):
+        assert main(argv) == 2
+        assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- torch.compile pass
+def _sdpa_graph(target, q_shape, kv_shape, *, causal=True, lse_used=False, extra=()):
+    """A post-grad-like graph: one fused SDPA node of ``target`` on placeholders with fake CUDA values."""
+    import operator
+    graph = torch.fx.Graph()
+    nodes = [graph.placeholder(name) for name in "qkv"]
+    for node, shape in zip(nodes, (q_shape, kv_shape, kv_shape)):
+        node.meta["val"] = torch.empty(shape, dtype=bf, device="cuda")
+    sdpa = graph.call_function(target, (*nodes, *extra), {"is_causal": causal, "scale": None})
+    outputs = [graph.call_function(operator.getitem, (sdpa, i)) for i in ((0, 1) if lse_used else (0,))]
+    graph.output(tuple(outputs) if lse_used else outputs[0])
+    return graph
+
+
+def _targets(graph):
+    return [n.target for n in graph.nodes if n.op == "call_function"]
+
+
+def test_compile_pass_rewrites_prefill_and_decode_nodes(fake_cuda):
+    from nvfly.torch import attention_compile as C
+    aten = torch.ops.aten
+    graph = _sdpa_graph(aten._scaled_dot_product_flash_attention.default, (1, 32, 4096, 128), (1, 8, 4096, 128))
+    assert C.rewrite(graph) == 1
+    (call,) = [n for n in graph.nodes if n.target is torch.ops.nvfly.attention_prefill.default]
+    assert call.kwargs == {"causal": True, "scale": None, "causal_alignment": "top_left"}
+    result = graph.output_node().args[0]
+    assert result.target is aten.permute.default and result.meta["val"].shape == (1, 32, 4096, 128)
+    assert aten._scaled_dot_product_flash_attention.default not in _targets(graph)
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert decision.reason is None and decision.candidates == ("prefill",)
+    assert decision.shape == (1, 32, 8, 4096, 4096, 128, 128) and "torch picked flash" in decision.problem
+
+    decode = _sdpa_graph(aten._scaled_dot_product_efficient_attention.default, (1, 32, 4, 128), (1, 32, 32768, 128),
+                         causal=False, extra=(None, False))
+    assert C.rewrite(decode) == 1 and torch.ops.nvfly.attention_decode.default in _targets(decode)
+
+
+@pytest.mark.parametrize("case,fragment", [
+    ("cudnn", "torch picks cuDNN"),
+    ("lse", "uses the kernel's other outputs"),
+    ("dropout", "dropout_p=0.1"),
+    ("offset", "not 16-byte aligned"),
+])
+def test_compile_pass_leaves_what_nvfly_loses_or_cannot_run(fake_cuda, case, fragment):
+    from nvfly.torch import attention_compile as C
+    aten = torch.ops.aten
+    target = aten._scaled_dot_product_cudnn_attention.default if case == "cudnn" else \
+        aten._scaled_dot_product_flash_attention.default
+    extra = (None, False) if case == "cudnn" else (0.1,) if case == "dropout" else ()
+    graph = _sdpa_graph(target, (1, 32, 4096, 128), (1, 8, 4096, 128), lse_used=case == "lse", extra=extra)
+    if case == "offset":
+        q = graph.find_nodes(op="placeholder")[0]
+        q.meta["val"] = torch.empty(1, 32, 4096, 136, dtype=bf, device="meta")[..., 3:131]  # 6 bytes in
+    assert C.rewrite(graph) == 0 and target in _targets(graph)
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert fragment in decision.reason, decision.reason
+
+
+def test_compile_pass_rewritten_graph_computes_sdpa():
+    """The rewritten graph run on CPU tensors (nvfly's ops fall back to their float32 reference there) equals SDPA:
+    the transposes and top-left causal alignment are right."""
+    from nvfly.torch import attention_compile as C
+    aten = torch.ops.aten
+    with warnings.catch_warnings(), FakeTensorMode():
+        warnings.simplefilter("ignore")
+        graph = _sdpa_graph(aten._scaled_dot_product_flash_attention.default, (1, 8, 40, 64), (1, 2, 56, 64))
+    with pytest.MonkeyPatch.context() as mp:  # decide as on an H200 where torch picked flash, without the size floor
+        mp.setattr(A, "MIN_PREFILL_FLOPS", 0)
+        mp.setattr(A, "MIN_PREFILL_TILES", 0)
+        mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert C.rewrite(graph) == 1
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 8, 40, 64).to(bf), torch.randn(1, 2, 56, 64).to(bf), torch.randn(1, 2, 56, 64).to(bf)
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    got = module(q, k, v)
+    assert got.shape == want.shape and _rel(got, want) < 1e-2
+
+
+def test_compile_pass_install_chains_and_keys_the_cache():
+    from torch._inductor import config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    from nvfly.torch import attention_compile as C
+
+    class Prior(CustomGraphPass):
+        calls = 0
+
+        def __call__(self, graph):
+            Prior.calls += 1
+
+        def uuid(self):
+            return "prior"
+
+    with inductor_config.patch(post_grad_custom_pre_pass=Prior(), pre_grad_custom_pass=None):
+        C.install()
+        C.install()  # idempotent
+        current = inductor_config.post_grad_custom_pre_pass
+        assert isinstance(current, C.SdpaPass) and isinstance(current.prior, Prior) and C.installed()
+        assert isinstance(inductor_config.pre_grad_custom_pass, C.SdpaTrainingPass)
+        key = current.uuid()
+        assert key[0].startswith("nvfly-sdpa-") and key[1] == "prior"
+        assert inductor_config.pre_grad_custom_pass.uuid()[0].startswith("nvfly-sdpa-training-")
+        current(torch.fx.Graph())
+        assert Prior.calls == 1
+        C.uninstall()
+        assert isinstance(inductor_config.post_grad_custom_pre_pass, Prior) and not C.installed()
+        assert inductor_config.pre_grad_custom_pass is None
+
+
+def test_compile_pass_end_to_end_through_inductor(monkeypatch):
+    """torch.compile with the pass installed, on CPU: the CPU flash node stands for CUDA's (FUSED) and the rule
+    accepts it; Inductor compiles the rewritten graph into a call of nvfly's op (computing its float32 reference on
+    CPU), with SDPA's result."""
+    from torch._inductor.utils import run_and_get_code
+
+    from nvfly.torch import attention_compile as C
+    monkeypatch.setattr(C, "FUSED", {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: "flash"})
+    monkeypatch.setattr(A, "_sdpa_reason", lambda *args, **kwargs: None)
+
+    def layer(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2
+
+    torch.manual_seed(4)
+    q, k, v = torch.randn(1, 8, 40, 64).to(bf), torch.randn(1, 8, 56, 64).to(bf), torch.randn(1, 8, 56, 64).to(bf)
+    torch._dynamo.reset()
+    C.install()
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):  # the pass runs (a cached graph would skip it)
+            got, codes = run_and_get_code(torch.compile(layer), q, k, v)
+    finally:
+        C.uninstall()
+        torch._dynamo.reset()
+    assert any("nvfly.attention_prefill" in code for code in codes)
+    assert _rel(got, layer(q.float(), k.float(), v.float())) < 1e-2
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert decision.reason is None and decision.shape == (1, 8, 8, 40, 56, 64, 64)
+
+
+def test_compiled_training_through_inductor(monkeypatch):
+    """torch.compile of a layer whose inputs require grad, on CPU: the pre-grad pass puts nvfly's prefill op (its
+    float32 reference on CPU) in the graph, AOTAutograd traces its registered backward (torch's CPU flash backward on
+    the op's LSE here; flash or memory-efficient on CUDA): output and gradients are eager SDPA's."""
+    from torch._inductor.utils import run_and_get_code
+
+    from nvfly.torch import attention_compile as C
+    monkeypatch.setattr(A, "_sdpa_reason", lambda *args, **kwargs: None)
+
+    def layer(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2) * 2
+
+    torch.manual_seed(6)
+    leaves = [torch.randn(1, 8, s, 64).to(bf).requires_grad_() for s in (40, 56, 56)]
+    grad = torch.randn(1, 8, 40, 64).to(bf)
+    torch._dynamo.reset()
+    C.install()
+    try:
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            compiled = torch.compile(layer)
+
+            def step():
+                out = compiled(*leaves)
+                out.backward(grad)  # compiles the backward graph too
+                return out
+
+            got, codes = run_and_get_code(step)
+    finally:
+        C.uninstall()
+        torch._dynamo.reset()
+    assert any("nvfly.attention_prefill" in code for code in codes)
+    assert any("flash_attention_for_cpu_backward" in code for code in codes)
+    f32 = [t.detach().float().requires_grad_() for t in leaves]
+    want = layer(*f32)
+    want.backward(grad.float())
+    assert _rel(got, want) < 1e-2
+    for mine, exact in zip(leaves, f32):
+        assert _rel(mine.grad, exact.grad) < 2e-2
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert decision.reason is None and "(training)" in decision.problem
+
+
+def test_a_refusing_backward_kernel_falls_back_to_the_reference(monkeypatch, caplog):
+    """Should torch's backward kernel refuse nvfly's tensors at run time, autograd through the float32 reference
+    computes the gradients (and a warning says why): training never breaks."""
+    from nvfly.torch import attention_backward as B
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("injected: kernel refused")
+
+    monkeypatch.setattr(B, "_cpu_flash", refuse)
+    q, k, v = _prefill_inputs(sq=30, skv=50, grad=True)
+    with caplog.at_level(logging.WARNING, logger="nvfly"):
+        out, _ = torch.ops.nvfly.attention_prefill(q, k, v, causal=True, causal_alignment="top_left")
+        grad = torch.randn_like(out)
+        out.backward(grad)
+    assert "injected: kernel refused" in caplog.text and "float32 reference" in caplog.text
+    want, leaves = _sdpa_f32(q, k, v, is_causal=True)
+    want.backward(grad.float())
+    for got, ref in zip((q.grad, k.grad, v.grad), leaves):
+        assert got.dtype == bf and _rel(got, ref.grad) < 2e-2

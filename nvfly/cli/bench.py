@@ -24,6 +24,7 @@ SUITES = {
     "rmsnorm": "RMSNorm forward and backward vs eager torch and Inductor",
     "topk": "TopK vs torch.topk on sampling and MoE-routing shapes",
     "attention": "decode attention (--decode) vs SDPA's backends and flex_attention, in TB/s",
+    "models": "Llama-3-8B layer (prefill, decode, training), MiniMax decode, DeepSeek prefill: eager vs routed",
     "inductor": "torch.compile max-autotune with nvfly installed vs without, on Llama-sized blocks",
     "launch_overhead": "host time of a cached launch: nvfly vs Triton and torch",
     "device_time": "where a call's time goes: kernels vs host",

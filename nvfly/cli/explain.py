@@ -1,6 +1,10 @@
 """``nvfly explain M N K``: for one GEMM shape, whether nvfly can run it, what its heuristic runs, the
 candidates Inductor would benchmark, their times, the winner and why (``nvfly.torch.explain``). Without a GPU
-nothing is timed; ``--benchmark`` times the candidates and torch now, on a CUDA GPU."""
+nothing is timed; ``--benchmark`` times the candidates and torch now, on a CUDA GPU.
+
+``nvfly explain --sdpa B,HQ,HKV,SQ,SKV,D[,DV] [--causal] [--grad]``: what eager routing does with
+``F.scaled_dot_product_attention`` on that shape: nvfly's decode or prefill, or torch's SDPA and why
+(``nvfly.torch.explain_sdpa``); ``--benchmark`` times both."""
 from __future__ import annotations
 
 import argparse
@@ -30,12 +34,23 @@ def _device(text: str) -> int:
     return int(text)
 
 
+def _sdpa_shape(text: str) -> tuple[int, ...]:
+    """An argparse type: B,HQ,HKV,SQ,SKV,D[,DV], positive integers."""
+    try:
+        dims = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) not in (6, 7) or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected B,HQ,HKV,SQ,SKV,D[,DV] (positive integers), got {text!r}")
+    return dims
+
+
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("explain", help="how a GEMM shape is served: candidates, times, winner, why",
+    parser = commands.add_parser("explain", help="how a GEMM (or, with --sdpa, an SDPA) shape is served, and why",
                                  description=help_text(__doc__))
     for dim, meaning in (("m", "rows of A and of the output"), ("n", "columns of B and of the output"),
                          ("k", "the reduced dimension")):
-        parser.add_argument(dim, type=positive_int, metavar=dim.upper(), help=meaning)
+        parser.add_argument(dim, type=positive_int, metavar=dim.upper(), nargs="?", help=meaning + " (a GEMM)")
     parser.add_argument("--batches", type=positive_int, default=1, help="batch count (bmm); default 1")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--majors", type=_majors, default=("K", "K"),
@@ -43,11 +58,23 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--benchmark", action="store_true",
                         help="time the candidates and torch now (needs a CUDA GPU)")
     parser.add_argument("--device", type=_device, default=None, help="CUDA device index (default: current)")
+    parser.add_argument("--sdpa", type=_sdpa_shape, metavar="B,HQ,HKV,SQ,SKV,D[,DV]",
+                        help="explain F.scaled_dot_product_attention on q (B, HQ, SQ, D), k/v (B, HKV, SKV, D|DV) "
+                             "instead of a GEMM")
+    parser.add_argument("--causal", action="store_true", help="with --sdpa: is_causal=True")
+    parser.add_argument("--grad", action="store_true", help="with --sdpa: the inputs require grad (training)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a report")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, parser=parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    dims = [("M", args.m), ("N", args.n), ("K", args.k)]
+    if args.sdpa is None:
+        missing = [name for name, value in dims if value is None]
+        if missing:
+            args.parser.error(f"the following arguments are required: {', '.join(missing)}")
+    elif any(value is not None for _, value in dims):
+        args.parser.error("give M N K (a GEMM) or --sdpa (attention), not both")
     console = Console(stderr=True, highlight=False)
     with console.status("loading torch and nvfly"):
         import torch
@@ -61,8 +88,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("nvfly explain", f"--device {args.device}: torch sees {gpus} CUDA device(s)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     with console.status("timing the candidates and torch" if args.benchmark else "planning"):
-        result = explain(args.m, args.n, args.k, batches=args.batches, dtype=dtype, majors=args.majors,
-                         benchmark=args.benchmark, device=args.device)
+        if args.sdpa is not None:
+            from nvfly.torch.explain import explain_sdpa
+            result = explain_sdpa(*args.sdpa, is_causal=args.causal, dtype=dtype, requires_grad=args.grad,
+                                  benchmark=args.benchmark, device=args.device)
+        else:
+            result = explain(args.m, args.n, args.k, batches=args.batches, dtype=dtype, majors=args.majors,
+                             benchmark=args.benchmark, device=args.device)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, default=str))
     else:

@@ -1,14 +1,16 @@
 """PyTorch integration: custom ops, eager routing of aten calls to nvfly kernels, and TorchInductor hooks.
 
     import nvfly.torch
-    nvfly.torch.install()                       # nvfly joins torch.compile(mode="max-autotune") GEMM autotuning
-    with nvfly.torch.routing():                 # eager: mm/addmm/bmm, decode SDPA (and RMSNorm, TopK) to nvfly
-                                                # where faster
+    nvfly.torch.install()                       # nvfly joins torch.compile(mode="max-autotune") GEMM autotuning,
+                                                # and compiled SDPA goes to nvfly's attention where it wins
+    with nvfly.torch.routing():                 # eager: mm/addmm/bmm, SDPA (decode, prefill, training; and
+                                                # RMSNorm, TopK) to nvfly where faster
         y = model(x)
     nvfly.torch.autotune([(16, 4096, 4096)])    # fills the database that routing and Inductor's candidates read
     print(nvfly.torch.explain(16, 4096, 4096))  # candidates, times, winner, and why nvfly was declined or lost
+    print(nvfly.torch.explain_sdpa(1, 32, 8, 4096, 4096, 128, is_causal=True))  # which kernel runs SDPA, and why
 
-Importing this package registers nvfly's GEMM and attention-decode custom ops (``torch.ops.nvfly.*``) and
+Importing this package registers nvfly's GEMM and attention custom ops (``torch.ops.nvfly.*``) and
 changes nothing else: Inductor hooks are installed by ``install()`` only, aten routes by ``routing()`` /
 ``enable_routing()`` only.
 No GPU is needed to import it.
@@ -24,24 +26,32 @@ import torch
 # leaves the function as the package attribute (reach the modules with ``from nvfly.torch.autotune import ...``)
 from nvfly.torch import attention_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode, SDPA route)
 from nvfly.torch.autotune import autotune, database
-from nvfly.torch.explain import explain
+from nvfly.torch.explain import explain, explain_sdpa
 from nvfly.torch.routing import install_routing, routing_enabled
 
 __all__ = ["install", "uninstall", "routing", "enable_routing", "disable_routing", "routing_enabled",
-           "install_routing", "autotune", "database", "explain"]
+           "install_routing", "autotune", "database", "explain", "explain_sdpa"]
 
 
-def install(*, max_candidates: int = 4) -> None:
-    """Make nvfly a GEMM backend of ``torch.compile(mode="max-autotune")`` (see ``nvfly.torch.inductor``)."""
+def install(*, max_candidates: int = 4, attention: bool = True) -> None:
+    """Make nvfly a GEMM backend of ``torch.compile(mode="max-autotune")`` (see ``nvfly.torch.inductor``) and, with
+    ``attention``, rewrite the SDPA calls of graphs compiled in any mode to nvfly's attention where the eager rule
+    accepts them (see ``nvfly.torch.attention_compile``)."""
     from nvfly.torch.inductor import install as install_inductor
+    if attention:
+        from nvfly.torch import attention_compile
+        attention_compile.install()
     install_inductor(max_candidates=max_candidates)
 
 
 def uninstall() -> None:
-    """Undo ``install()``: GEMMs compiled from now on are tuned without nvfly."""
+    """Undo ``install()``: GEMMs and SDPA compiled from now on are left to torch."""
     inductor = sys.modules.get("nvfly.torch.inductor")
     if inductor is not None:
         inductor.uninstall()
+    attention_compile = sys.modules.get("nvfly.torch.attention_compile")
+    if attention_compile is not None:
+        attention_compile.uninstall()
 
 
 def enable_routing() -> None:

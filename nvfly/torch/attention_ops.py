@@ -1,4 +1,5 @@
-"""Decode attention from PyTorch: the ``nvfly::attention_decode`` custom op and the eager SDPA route.
+"""Attention from PyTorch: the ``nvfly::attention_decode`` and ``nvfly::attention_prefill`` custom ops and the
+eager SDPA route (docs/torch-attention.md).
 
 - ``torch.ops.nvfly.attention_decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, *, scale=None,
   causal=True, k_scale=None, v_scale=None) -> (out, lse)``: ``nvfly.ops.attention.decode`` (q (B, Sq, Hq, D),
@@ -7,32 +8,41 @@
   argument checks (``check_arguments``), so tracing refuses what a call refuses, with the same error. Inputs the
   kernel declines (a CPU tensor, unaligned rows) and kernel failures are computed by the float32 reference in
   torch; argument errors are raised. No backward.
+- ``torch.ops.nvfly.attention_prefill(q, k, v, *, causal=False, scale=None, causal_alignment="bottom_right")
+  -> (out, lse)``: ``nvfly.ops.attention.prefill`` with its LSE (same convention); the fake runs prefill's argument
+  checks; declined inputs and kernel failures are computed by the float32 reference. Differentiable in q, k, v:
+  the backward is torch's own flash or memory-efficient kernel fed this out and LSE (``attention_backward``).
 - Under ``nvfly.torch.routing()``, ``F.scaled_dot_product_attention`` with q (B, Hq, Sq, D) and k/v
-  (B, Hkv, Skv, D) runs decode (its (B, S, H, D) view of the (B, H, S, D) tensors, by strides) when
-  ``sdpa_eligibility`` finds nothing against it, and torch's SDPA otherwise, with the reason logged and kept
-  in ``nvfly.torch.gemm_ops.decisions()`` (once per signature). An exception in decode falls back to torch's
-  SDPA and declines that signature from then on.
+  (B, Hkv, Skv, D) runs decode (Sq <= 16) or prefill (Sq > 16, top-left causal as torch's ``is_causal``) on the
+  (B, S, H, D) views of the (B, H, S, D) tensors when ``sdpa_eligibility`` finds nothing against it, and torch's
+  SDPA otherwise, with the reason logged and kept in ``nvfly.torch.gemm_ops.decisions()`` (once per signature). A
+  call that needs gradients runs prefill in an autograd.Function whose backward is torch's kernel on nvfly's LSE.
+  An exception in nvfly falls back to torch's SDPA and declines that signature from then on.
 
 The route sits on ``aten::scaled_dot_product_attention``, torch's composite (not on the flash/cuDNN kernels it
 picks), so it sees the caller's arguments: masks, dropout, ``is_causal`` and ``enable_gqa`` mean what torch
-says. Its kernels are registered for ``AutogradCUDA`` (a call that needs gradients keeps the composite and its
-backward) and ``CUDA`` (what ``torch.inference_mode`` reaches), both falling through to the composite.
+says. Its kernels are registered for ``AutogradCUDA`` (a call that needs gradients reaches it there) and ``CUDA``
+(what ``torch.inference_mode`` reaches), both falling through to the composite.
 """
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import math
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from nvfly.ops import attention
+from nvfly.ops.attention import prefill_api
 from nvfly.ops.attention.api import check_arguments
 from nvfly.ops.attention.kv_options import OP
 from nvfly.ops.attention.plan import MAX_SQ
+from nvfly.ops.attention.prefill_plan import BLOCK_M
 from nvfly.ops.common.opcall import OpCalls
 from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import routing
+from nvfly.torch.attention_backward import attention_backward, why_no_backward
 from nvfly.torch.gemm_ops import Decision, record
 from nvfly.torch.library import operator, register_fake
 
@@ -47,6 +57,13 @@ SDPA = "aten::scaled_dot_product_attention"
 # a call moves less than ~4 us of HBM traffic: launch-bound either way, and nvfly's Python host path (~6-11 us a
 # launch, launch_overhead_h200.json) would cost more than the bandwidth it saves.
 MIN_KV_BYTES = 16 << 20
+# Prefill (Sq > 16) below this much work takes under ~8 us at cuDNN's 500-600 TFLOP/s (anchors.md): launch-bound,
+# where nvfly's host path (6-11 us a launch, launch_overhead_h200.json) would cost more than its kernel saves.
+MIN_PREFILL_FLOPS = 4e9
+# Prefill runs one CTA per (batch, query head, 128 query rows) and does not split the keys; below one wave of the
+# H200's 132 SMs most of the GPU idles, where torch's flash splits the keys (its split-KV forward) and cuDNN tiles
+# finer. The measured prefill shapes (0.91x cuDNN, 1.54x flash) all had more tiles than that.
+MIN_PREFILL_TILES = 132
 _FLOATS = (torch.bfloat16, torch.float16)
 
 
@@ -86,6 +103,49 @@ def _attention_decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
 register_fake("attention_decode", _attention_decode_fake)
 
 
+@operator("attention_prefill")
+def attention_prefill(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
+                      causal_alignment: str = "bottom_right") -> tuple[Tensor, Tensor]:
+    """(out (B, Sq, Hq, Dv) in q's dtype, lse (B, Hq, Sq) float32) of ``nvfly.ops.attention.prefill``; differentiable
+    in q, k and v through torch's backward kernels fed this LSE (``nvfly.torch.attention_backward``)."""
+    prefill_api._check(q, k, v, scale, causal_alignment)
+    reason = attention.prefill_eligibility(q, k, v, scale=scale, causal_alignment=causal_alignment)
+    if reason is None:
+        try:
+            return attention.prefill(q, k, v, causal=causal, scale=scale, return_lse=True,
+                                     causal_alignment=causal_alignment)
+        except Exception as exc:
+            reason = f"nvfly raised {type(exc).__name__}: {exc}"  # a compile or launch failure: torch computes it
+        log.warning("nvfly: attention_prefill: %s; computed by the float32 reference in torch", reason)
+    else:
+        log.debug("nvfly: attention_prefill computed by the float32 reference in torch: %s", reason)
+    out, lse = attention.prefill_reference(q, k, v, causal=causal, scale=scale, causal_alignment=causal_alignment)
+    return out.to(q.dtype), lse
+
+
+def _attention_prefill_fake(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
+                            causal_alignment: str = "bottom_right") -> tuple[Tensor, Tensor]:
+    prefill_api._check(q, k, v, scale, causal_alignment)
+    batch, sq, hq, _ = q.shape
+    return q.new_empty((batch, sq, hq, v.shape[3])), q.new_empty((batch, hq, sq), dtype=torch.float32)
+
+
+def _prefill_setup(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: tuple[Tensor, Tensor]) -> None:
+    out, lse = output
+    ctx.save_for_backward(*inputs, out, lse)
+    ctx.options = dict(keyword_only_inputs)
+    ctx.mark_non_differentiable(lse)
+
+
+def _prefill_backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple:
+    q, k, v, out, lse = ctx.saved_tensors
+    return attention_backward(grad_out, q, k, v, out, lse, **ctx.options)
+
+
+register_fake("attention_prefill", _attention_prefill_fake)
+torch.library.register_autograd("nvfly::attention_prefill", _prefill_backward, setup_context=_prefill_setup)
+
+
 # ---------------------------------------------------------------------------------------------- SDPA routing
 _SDPA_DECIDED: OpCalls[tuple[Optional[str]]] = OpCalls()  # signature -> (why torch runs it, or None)
 
@@ -107,12 +167,15 @@ def _signature(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: boo
 def sdpa_eligibility(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                      dropout_p: float = 0.0, is_causal: bool = False, *, scale: Optional[float] = None,
                      enable_gqa: bool = False) -> Optional[str]:
-    """None when the routed SDPA runs nvfly's decode for these arguments, else why torch's SDPA runs them.
-    The arguments are ``aten::scaled_dot_product_attention``'s (``F.scaled_dot_product_attention``'s)."""
+    """None when the routed SDPA runs nvfly (decode for Sq <= 16, prefill above) for these arguments, else why
+    torch's SDPA runs them. The arguments are ``aten::scaled_dot_product_attention``'s."""
     if attn_mask is not None:
-        return "attn_mask is given (boolean and additive masks are not read by nvfly's decode yet)"
+        return ("attn_mask is given (boolean and additive masks wait for nvfly's prefill to read a mask or bias "
+                "tensor in its score/mask mods)")
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p} (nvfly has no dropout)"
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        return f"scale={scale!r} (nvfly's kernels take a positive finite scale)"
     if any(type(t) is not Tensor for t in (query, key, value)):  # FakeTensor, FunctionalTensor: a trace
         return f"q is a {type(query).__name__}, not a plain tensor (traced calls keep torch's SDPA)"
     grad = _needs_grad(query, key, value)
@@ -126,20 +189,19 @@ def sdpa_eligibility(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optio
     return decided[0]
 
 
-def _sdpa_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool) -> Optional[str]:
+def _sdpa_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool,
+                 backend: Optional[str] = None) -> Optional[str]:
+    """Why torch's SDPA runs these inputs, or None (nvfly runs them); ``backend``: what torch picks for them, when
+    known (a compiled graph names it), else asked of torch when the rule needs it."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return (f"q, k, v are not all 4-D (B, H, S, D): shapes {tuple(q.shape)}, {tuple(k.shape)}, "
                 f"{tuple(v.shape)}")
     if q.device.type != "cuda":
         return f"q is on {q.device.type}, not CUDA"
     if q.dtype not in _FLOATS or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: nvfly's decode takes bfloat16 or float16, all alike"
-    if grad:
-        return "an input requires grad (nvfly's decode has no backward: torch's SDPA keeps autograd)"
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: nvfly's attention takes bfloat16 or float16, all alike"
     batch, hq, sq, _ = q.shape
-    _, hkv, skv, dqk = k.shape
-    if sq > MAX_SQ:
-        return f"Sq = {sq} query tokens: decode takes 1 to {MAX_SQ} (longer queries are prefill)"
+    _, hkv, skv, _ = k.shape
     if k.shape[0] != batch or v.shape[0] != batch or v.shape[1] != hkv or v.shape[2] != skv:
         return (f"k {tuple(k.shape)} and v {tuple(v.shape)} do not share q's batch {batch} and each other's heads "
                 "and length (torch broadcasts or refuses them)")
@@ -147,6 +209,23 @@ def _sdpa_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: b
         return f"{hq} query heads, {hkv} KV heads without enable_gqa (torch's own behaviour)"
     if hq % hkv:
         return f"{hq} query heads are not a multiple of {hkv} KV heads"
+    flash, efficient, cudnn, _ = _flags()
+    if not (flash or efficient or cudnn):
+        return "torch.nn.attention.sdpa_kernel allows only the math backend (kept as asked)"
+    picks = (lambda: backend) if backend else (lambda: _torch_backend(q, k, v, enable_gqa, is_causal))
+    if sq <= MAX_SQ:
+        return _decode_reason(q, k, v, is_causal, grad, picks)
+    return _prefill_reason(q, k, v, is_causal, grad, picks)
+
+
+def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
+                   picks: Callable[[], str]) -> Optional[str]:
+    """Sq <= 16: nvfly's decode, or why not."""
+    batch, hq, sq, dqk = q.shape
+    _, hkv, skv, _ = k.shape
+    if grad:
+        return (f"an input requires grad at Sq = {sq} (nvfly's decode has no backward: torch's SDPA keeps autograd; "
+                f"prefill's backward route starts above Sq = {MAX_SQ})")
     if is_causal and sq != skv:
         return (f"is_causal=True with Sq = {sq} < Skv = {skv}: torch's causal mask is top-left aligned (query i sees "
                 "keys 0..i), nvfly's decode aligns the queries to the end of the keys (a decode step passes "
@@ -155,39 +234,95 @@ def _sdpa_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: b
     if kv_bytes < MIN_KV_BYTES:
         return (f"{kv_bytes / 2**20:.1f} MiB of K and V (< {MIN_KV_BYTES >> 20} MiB): launch-bound, where nvfly's "
                 "host path costs more than its bandwidth saves")
-    flash, efficient, cudnn, _ = _flags()
-    if not (flash or efficient or cudnn):
-        return "torch.nn.attention.sdpa_kernel allows only the math backend (kept as asked)"
-    if sq == 1 and _torch_backend(q, k, v, enable_gqa) == "cudnn":
+    if sq == 1 and picks() == "cudnn":
         return "Sq = 1 and torch picks cuDNN, measured 2-8% faster than nvfly's decode at Sq = 1 on the H200"
     declined = attention.eligibility(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     return None if declined is None else f"nvfly's decode declines: {declined}"
 
 
-def _torch_backend(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> str:
+def _prefill_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
+                    picks: Callable[[], str]) -> Optional[str]:
+    """Sq > 16: nvfly's prefill (top-left causal: torch's is_causal), or why not."""
+    batch, hq, sq, dqk = q.shape
+    skv, dv = k.shape[2], v.shape[3]
+    flops = attention.prefill_flops(batch, sq, skv, hq, dqk, dv, is_causal, "top_left")
+    if flops < MIN_PREFILL_FLOPS:
+        return (f"{flops / 1e9:.2f} GFLOP (< {MIN_PREFILL_FLOPS / 1e9:.0f}): launch-bound, where nvfly's host path "
+                "costs more than its faster kernel saves")
+    tiles = batch * hq * -(-sq // BLOCK_M)
+    if tiles < MIN_PREFILL_TILES:
+        return (f"{tiles} query tiles of {BLOCK_M} rows (< {MIN_PREFILL_TILES}, one wave of the H200's SMs): nvfly's "
+                "prefill does not split the keys, torch's kernels do")
+    qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    declined = attention.prefill_eligibility(qs, ks, vs, causal_alignment="top_left")
+    if declined is not None:
+        return f"nvfly's prefill declines: {declined}"
+    if grad:
+        missing = why_no_backward(qs, ks, vs, is_causal, "top_left")
+        if missing is not None:
+            return f"an input requires grad and no torch backward takes nvfly's LSE here: {missing}"
+    if picks() == "cudnn":
+        return ("torch picks cuDNN, measured faster than nvfly's prefill (0.91x cuDNN's TFLOP/s on the H200; nvfly "
+                "runs where torch would pick flash, 1.54x, memory-efficient or math)")
+    return None
+
+
+def _torch_backend(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, is_causal: bool = False) -> str:
     """The SDPA backend torch picks for these inputs (without mask and dropout): "cudnn", "flash", ..."""
     from torch.nn.attention import SDPBackend
-    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, False, scale=None, enable_gqa=enable_gqa)
+    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=None, enable_gqa=enable_gqa)
     return {SDPBackend.CUDNN_ATTENTION.value: "cudnn", SDPBackend.FLASH_ATTENTION.value: "flash",
             SDPBackend.EFFICIENT_ATTENTION.value: "efficient", SDPBackend.MATH.value: "math"}.get(int(choice), "other")
 
 
+def _kernel(q: Tensor) -> str:
+    """The nvfly kernel an eligible SDPA call runs: decode up to Sq = 16 query tokens, prefill above."""
+    return "decode" if q.shape[2] <= MAX_SQ else "prefill"
+
+
 def _record(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, reason: Optional[str]) -> None:
-    shape = ((q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3])
-             if q.dim() == k.dim() == v.dim() == 4 else tuple(q.shape))
+    four_d = q.dim() == k.dim() == v.dim() == 4
+    shape = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]) if four_d \
+        else tuple(q.shape)
     problem = (f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} {q.dtype} on {q.device} "
                f"is_causal={bool(is_causal)} enable_gqa={bool(enable_gqa)}")
-    record(Decision("eager", "sdpa", shape, problem, reason=reason, candidates=() if reason else ("decode",)))
+    candidates = () if reason or not four_d else (_kernel(q),)
+    record(Decision("eager", "sdpa", shape, problem, reason=reason, candidates=candidates))
+
+
+class _PrefillSDPA(torch.autograd.Function):
+    """SDPA (top-left causal) by nvfly's prefill, gradients by torch's backward kernels on nvfly's LSE; on the
+    (B, S, H, D) views of SDPA's (B, H, S, D) tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float]) -> Tensor:
+        out, lse = attention.prefill(q, k, v, causal=causal, scale=scale, return_lse=True,
+                                     causal_alignment="top_left")
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale,
+                                        causal_alignment="top_left")
+        return dq, dk, dv, None, None
 
 
 def sdpa_run(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
              dropout_p: float = 0.0, is_causal: bool = False, *, scale: Optional[float] = None,
              enable_gqa: bool = False) -> Tensor:
-    """SDPA by nvfly's decode on the (B, S, H, D) views; an exception declines this signature from now on (and
-    routing runs torch's SDPA for the call)."""
+    """SDPA by nvfly's decode or prefill on the (B, S, H, D) views; an exception declines this signature from now
+    on (and routing runs torch's SDPA for the call)."""
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     try:
-        out = attention.decode(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scale,
-                               causal=bool(is_causal), validate=False)
+        if _kernel(query) == "decode":
+            out = attention.decode(q, k, v, scale=scale, causal=bool(is_causal), validate=False)
+        elif _needs_grad(query, key, value):
+            out = _PrefillSDPA.apply(q, k, v, bool(is_causal), scale)
+        else:
+            out = attention.prefill(q, k, v, causal=bool(is_causal), scale=scale, causal_alignment="top_left")
     except Exception as exc:
         reason = f"nvfly raised {type(exc).__name__}: {exc}"
         signature = _signature(query, key, value, is_causal, enable_gqa, _needs_grad(query, key, value))

@@ -145,3 +145,120 @@ def _eligibility(w: Workload, device: int) -> Optional[str]:
     a = info(w.m, w.k, w.a_major == "MN")
     b = info(w.k, w.n, w.b_major == "K")
     return analyze(a, b)[1]
+
+
+# ---------------------------------------------------------------------------------------------- attention
+@dataclasses.dataclass
+class SdpaExplanation:
+    """What eager routing does with one ``F.scaled_dot_product_attention`` shape (``explain_sdpa``); ``str()``
+    renders it as a report."""
+    shape: tuple[int, int, int, int, int, int, int]  # (B, Hq, Hkv, Sq, Skv, Dqk, Dv)
+    dtype: torch.dtype
+    is_causal: bool
+    requires_grad: bool
+    kernel: str  # the nvfly kernel the shape would run: "decode" or "prefill"
+    declined: Optional[str]
+    torch_backend: Optional[str]  # what torch's SDPA picks for it (None: not asked, no GPU)
+    plan: str
+    measured_ms: dict[str, float]
+    decisions: list[Decision]
+
+    def verdict(self) -> str:
+        if self.declined:
+            return f"torch's SDPA runs it: {self.declined}"
+        nvfly_ms, torch_ms = self.measured_ms.get("nvfly"), self.measured_ms.get("torch")
+        if nvfly_ms and torch_ms:
+            faster = "wins" if nvfly_ms < torch_ms else "loses"
+            return (f"nvfly's {self.kernel} runs it and {faster} (measured now): {nvfly_ms:.4f} ms vs torch "
+                    f"({self.torch_backend}) {torch_ms:.4f} ms, {torch_ms / nvfly_ms:.2f}x")
+        return f"nvfly's {self.kernel} runs it (routed); --benchmark (benchmark=True) times it against torch's"
+
+    def to_dict(self) -> dict[str, Any]:
+        b, hq, hkv, sq, skv, dqk, dv = self.shape
+        return {"shape": {"batch": b, "hq": hq, "hkv": hkv, "sq": sq, "skv": skv, "dqk": dqk, "dv": dv},
+                "dtype": str(self.dtype), "is_causal": self.is_causal, "requires_grad": self.requires_grad,
+                "kernel": self.kernel, "declined": self.declined, "torch_backend": self.torch_backend,
+                "plan": self.plan, "measured_ms": self.measured_ms,
+                "decisions": [dataclasses.asdict(d) for d in self.decisions], "verdict": self.verdict()}
+
+    def __str__(self) -> str:
+        b, hq, hkv, sq, skv, dqk, dv = self.shape
+        lines = [f"SDPA q ({b}, {hq}, {sq}, {dqk}) k ({b}, {hkv}, {skv}, {dqk}) v ({b}, {hkv}, {skv}, {dv}) "
+                 f"{self.dtype} is_causal={self.is_causal} requires_grad={self.requires_grad}",
+                 f"nvfly kernel for this shape: {self.kernel} ({self.plan})",
+                 f"torch's SDPA backend: {self.torch_backend or 'not asked (no CUDA GPU in this process)'}",
+                 f"eligibility: {self.declined or 'eligible'}"]
+        for name, ms in sorted(self.measured_ms.items(), key=lambda item: item[1]):
+            lines.append(f"    {ms:9.4f} ms  {name}")
+        for d in self.decisions:
+            lines.append(f"{d.where} {d.op} {d.problem}: {d.reason or 'nvfly ' + ', '.join(d.candidates)}")
+        lines.append(f"verdict: {self.verdict()}")
+        return "\n".join(lines) + "\n"
+
+
+def explain_sdpa(batch: int, hq: int, hkv: int, sq: int, skv: int, dqk: int, dv: Optional[int] = None, *,
+                 is_causal: bool = False, dtype: torch.dtype = torch.bfloat16, requires_grad: bool = False,
+                 benchmark: bool = False, device: Optional[int] = None) -> SdpaExplanation:
+    """Explain what ``nvfly.torch.routing()`` does with ``F.scaled_dot_product_attention(q, k, v,
+    is_causal=is_causal, enable_gqa=hq != hkv)`` on q (B, Hq, Sq, Dqk), k (B, Hkv, Skv, Dqk), v (B, Hkv, Skv, Dv):
+    which nvfly kernel, whether it is eligible and why not, what torch picks; ``benchmark`` times torch's SDPA and
+    the routed call now (GPU only). Without a GPU, eligibility is not checked (as for GEMMs)."""
+    from nvfly.ops.attention.plan import MAX_SQ
+    from nvfly.ops.attention.prefill_plan import HEAD_DIMS, prefill_plan
+    from nvfly.torch import attention_ops
+    dv = dqk if dv is None else dv
+    shape = (batch, hq, hkv, sq, skv, dqk, dv)
+    kernel = "decode" if sq <= MAX_SQ else "prefill"
+    if kernel == "prefill":
+        plan = repr(prefill_plan(dqk, dv, is_causal)) if (dqk, dv) in HEAD_DIMS else "no plan for these head dims"
+    else:
+        plan = "split-KV decode, GQA packed (nvfly.ops.attention.decode_plan)"
+    declined: Optional[str] = "no CUDA GPU in this process (eligibility not checked)"
+    backend, measured = None, {}
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        q, k, v = (torch.randn(batch, h, s, d, device=dev, dtype=dtype, requires_grad=requires_grad)
+                   for h, s, d in ((hq, sq, dqk), (hkv, skv, dqk), (hkv, skv, dv)))
+        gqa = hq != hkv
+        backend = attention_ops._torch_backend(q, k, v, gqa, is_causal)
+        declined = attention_ops._sdpa_reason(q, k, v, is_causal, gqa, requires_grad and torch.is_grad_enabled())
+        if benchmark:
+            measured = _time_sdpa(q, k, v, is_causal, gqa, routed=declined is None)
+    found = [d for d in decisions() if d.op == "sdpa" and d.shape == shape]
+    return SdpaExplanation(shape, dtype, is_causal, requires_grad, kernel, declined, backend, plan, measured, found)
+
+
+def _time_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, gqa: bool,
+               routed: bool) -> dict[str, float]:
+    """Median ms of torch's SDPA and (when routed) of the routed call, forward only (with backward when the
+    inputs require grad)."""
+    import statistics
+
+    from nvfly.torch import routing
+
+    def call() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+        if out.requires_grad:
+            out.backward(torch.ones_like(out))
+
+    def median_ms(fn: Any) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(20):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    measured = {"torch": median_ms(call)}
+    if routed:
+        def routed_call() -> None:
+            with routing.routing():
+                call()
+        routing.install_routing()
+        measured["nvfly"] = median_ms(routed_call)
+    return measured

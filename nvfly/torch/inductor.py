@@ -140,9 +140,10 @@ def _choices_uuid_in_graph_key() -> bool:
     return "inductor_choices_class" in getattr(inductor_config, "_cache_config_factory_keys", ())
 
 
-class CacheKeyPass(CustomGraphPass):
-    """A post-grad pass that changes nothing but puts nvfly's ``uuid()`` into the FX-graph cache key; it runs
-    the pass(es) it replaced."""
+class ChainedPass(CustomGraphPass):
+    """A custom graph pass that takes the place of the pass(es) it found in its config slot: it runs them, then its
+    own ``run``; its ``uuid()`` is its ``own_uuid()`` and theirs (None, bypassing the cache as Inductor would, when
+    one of them has none)."""
 
     def __init__(self, prior: Any):
         self.prior = prior
@@ -155,12 +156,27 @@ class CacheKeyPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         for p in self._priors():
             p(graph)
+        self.run(graph)
+
+    def run(self, graph: torch.fx.Graph) -> None:
+        """This pass's own change of the graph (none by default)."""
+
+    def own_uuid(self) -> str:
+        raise NotImplementedError
 
     def uuid(self) -> Any:
         priors = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self._priors()]
         if None in priors:
             return None  # a prior pass without a uuid: Inductor bypasses the cache, as it would without nvfly
-        return (uuid(), *priors)
+        return (self.own_uuid(), *priors)
+
+
+class CacheKeyPass(ChainedPass):
+    """A post-grad pass that changes nothing but puts nvfly's ``uuid()`` into the FX-graph cache key; it runs
+    the pass(es) it replaced."""
+
+    def own_uuid(self) -> str:
+        return uuid()
 
 
 # ---------------------------------------------------------------------------------------------- choices

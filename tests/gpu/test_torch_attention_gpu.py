@@ -1,7 +1,9 @@
-"""Decode attention from PyTorch on a Hopper GPU: ``nvfly::attention_decode`` against the float32 reference; under
-``nvfly.torch.routing()``, ``F.scaled_dot_product_attention`` on decode shapes routed to nvfly (the decision says
-so) with the result of unrouted SDPA (both against float32 SDPA), declined cases left to torch with their reason,
-an injected nvfly failure falling back, and a routed decode step captured in a CUDA graph replaying new inputs."""
+"""Attention from PyTorch on a Hopper GPU: ``nvfly::attention_decode`` and ``nvfly::attention_prefill`` against the
+float32 reference (prefill's gradients, by torch's flash and memory-efficient backward kernels fed nvfly's LSE,
+against float32 SDPA's); under ``nvfly.torch.routing()``, ``F.scaled_dot_product_attention`` on decode and prefill
+shapes routed to nvfly (the decision says so) with the result of unrouted SDPA (both against float32 SDPA), a
+training step through the route with unrouted SDPA's gradients, declined cases left to torch with their reason, an
+injected nvfly failure falling back, and a routed decode step captured in a CUDA graph replaying new inputs."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,6 +69,58 @@ def test_op_matches_reference():
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
 
 
+def prefill_inputs(batch, sq, skv, hq, hkv, dqk=128, dv=None, dtype=torch.bfloat16, grad=False):
+    """q (B, Sq, Hq, Dqk), k (B, Skv, Hkv, Dqk), v (B, Skv, Hkv, Dv), fresh random."""
+    q = torch.randn(batch, sq, hq, dqk, device="cuda", dtype=dtype)
+    k = torch.randn(batch, skv, hkv, dqk, device="cuda", dtype=dtype)
+    v = torch.randn(batch, skv, hkv, dv or dqk, device="cuda", dtype=dtype)
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+def sdpa_f32(q, k, v, **kwargs):
+    """float32 SDPA of (B, S, H, D) tensors in that layout, and its float32 leaves (for their gradients)."""
+    leaves = [t.detach().float().requires_grad_(t.requires_grad) for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), enable_gqa=True, **kwargs)
+    return out.transpose(1, 2), leaves
+
+
+@pytest.mark.parametrize("batch,sq,skv,hq,hkv,dqk,dv,alignment", [
+    (2, 1000, 1000, 32, 8, 128, 128, "top_left"),
+    (1, 700, 2048, 16, 2, 128, 128, "top_left"),
+    (1, 700, 2048, 16, 2, 128, 128, "bottom_right"),
+    (1, 513, 513, 16, 16, 192, 128, "top_left"),
+])
+def test_prefill_op_matches_reference(batch, sq, skv, hq, hkv, dqk, dv, alignment):
+    torch.manual_seed(sq + skv)
+    q, k, v = prefill_inputs(batch, sq, skv, hq, hkv, dqk, dv)
+    out, lse = torch.ops.nvfly.attention_prefill(q, k, v, causal=True, causal_alignment=alignment)
+    want, want_lse = attention.prefill_reference(q, k, v, causal=True, causal_alignment=alignment)
+    assert torch.isfinite(out).all() and rel_err(out, want) < 1e-2
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("batch,sq,skv,hq,hkv,dqk,dv,alignment,kernel", [
+    (2, 1024, 1024, 32, 8, 128, 128, "top_left", "flash"),  # Llama's GQA, square causal
+    (1, 700, 2048, 16, 2, 128, 128, "bottom_right", "flash"),
+    (1, 700, 2048, 16, 2, 128, 128, "top_left", "efficient"),  # torch's is_causal with Sq < Skv
+    (1, 513, 513, 16, 16, 192, 128, "top_left", "efficient"),  # DeepSeek's head dims
+])
+def test_prefill_op_gradients_by_torchs_backward(batch, sq, skv, hq, hkv, dqk, dv, alignment, kernel):
+    from nvfly.torch.attention_backward import backward_kernel
+    torch.manual_seed(sq * 3 + skv)
+    q, k, v = prefill_inputs(batch, sq, skv, hq, hkv, dqk, dv, grad=True)
+    assert backward_kernel(q, k, v, True, alignment) == kernel
+    out, _ = torch.ops.nvfly.attention_prefill(q, k, v, causal=True, causal_alignment=alignment)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    shift = 0 if alignment == "top_left" else skv - sq
+    mask = torch.arange(skv, device="cuda")[None, :] <= torch.arange(sq, device="cuda")[:, None] + shift
+    want, leaves = sdpa_f32(q, k, v, attn_mask=mask)
+    want.backward(grad.float())
+    for name, got, ref in zip("qkv", (q.grad, k.grad, v.grad), leaves):
+        assert torch.isfinite(got).all() and rel_err(got, ref.grad) < 2e-2, name
+
+
 # ---------------------------------------------------------------------------------------------- routed SDPA
 @pytest.mark.parametrize("batch,hq,hkv,sq,skv,layout", [
     (1, 32, 8, 4, 32768, "bhsd"),
@@ -123,6 +177,60 @@ def test_declined_sdpa_is_torchs(kwargs, fragment):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("batch,hq,hkv,sq,skv,d,dv,causal,dtype", [
+    (1, 32, 8, 4096, 4096, 128, 128, True, torch.bfloat16),  # Llama-3-8B prefill
+    (2, 16, 2, 1000, 3000, 128, 128, True, torch.bfloat16),  # top-left causal, Sq < Skv (a chunk of prefill)
+    (2, 16, 16, 1024, 1024, 64, 64, False, torch.float16),
+    (1, 128, 128, 1024, 1024, 192, 128, True, torch.bfloat16),  # DeepSeek-V3-like
+])
+def test_routed_prefill_sdpa_matches_torch(batch, hq, hkv, sq, skv, d, dv, causal, dtype):
+    torch.manual_seed(sq + skv)
+    q = torch.randn(batch, hq, sq, d, device="cuda", dtype=dtype)
+    k = torch.randn(batch, hkv, skv, d, device="cuda", dtype=dtype)
+    v = torch.randn(batch, hkv, skv, dv, device="cuda", dtype=dtype)
+    with sdpa_kernel(NO_CUDNN):  # where torch would pick cuDNN, prefill declines (measured faster)
+        got, want, ref, reason = routed_and_torch(q, k, v, is_causal=causal, scale=0.07, enable_gqa=hq != hkv)
+    assert reason is None and sdpa_decisions()[0].candidates == ("prefill",)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert rel_err(got, ref) < 1e-2 and rel_err(want, ref) < 1e-2
+
+
+def test_prefill_follows_torchs_backend():
+    q, k, v = sdpa_inputs(1, 32, 8, 4096, 4096)
+    got, want, ref, reason = routed_and_torch(q, k, v, is_causal=True, enable_gqa=True)
+    if A._torch_backend(q, k, v, True, True) == "cudnn":
+        assert "torch picks cuDNN" in reason
+    else:
+        assert reason is None
+    assert rel_err(got, ref) < 1e-2
+
+
+@pytest.mark.parametrize("hq,hkv,sq,skv,d,dv", [(32, 8, 2048, 2048, 128, 128), (32, 4, 700, 2048, 128, 128),
+                                               (32, 32, 513, 513, 192, 128)])  # each above the work/tile floors
+def test_training_through_routed_prefill_sdpa(hq, hkv, sq, skv, d, dv):
+    """Forward by nvfly's prefill, backward by torch's kernels on its LSE: unrouted SDPA's gradients."""
+    torch.manual_seed(hq + sq)
+    leaves = [torch.randn(2, h, s, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for h, s, dim in ((hq, sq, d), (hkv, skv, d), (hkv, skv, dv))]
+    grad = torch.randn(2, hq, sq, dv, device="cuda", dtype=torch.bfloat16)
+    with sdpa_kernel(NO_CUDNN):
+        with nvfly.torch.routing():
+            got = F.scaled_dot_product_attention(*leaves, is_causal=True, enable_gqa=hq != hkv)
+        got.backward(grad)
+        routed = [t.grad for t in leaves]
+        (decision,) = sdpa_decisions()
+        assert decision.reason is None and decision.candidates == ("prefill",)
+        unrouted = [t.detach().clone().requires_grad_() for t in leaves]
+        want = F.scaled_dot_product_attention(*unrouted, is_causal=True, enable_gqa=hq != hkv)
+        want.backward(grad)
+    f32 = [t.detach().float().requires_grad_() for t in leaves]
+    ref = F.scaled_dot_product_attention(*f32, is_causal=True, enable_gqa=hq != hkv)
+    ref.backward(grad.float())
+    assert rel_err(got, ref) < 1e-2 and rel_err(want, ref) < 1e-2
+    for name, mine, theirs, exact in zip("qkv", routed, unrouted, f32):
+        assert rel_err(mine, exact.grad) < 2e-2 and rel_err(theirs.grad, exact.grad) < 2e-2, name
+
+
 def test_training_keeps_torchs_sdpa_and_gradients():
     q, k, v = sdpa_inputs(1, 32, 8, 4, 8192)
     q.requires_grad_()
@@ -171,3 +279,106 @@ def test_cuda_graph_of_a_routed_decode_step_replays_new_inputs():
         torch.cuda.synchronize()
         want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
         assert not out.isnan().any() and rel_err(out, want) < 1e-2, seed
+
+
+# ---------------------------------------------------------------------------------------------- torch.compile
+class _Attention(torch.nn.Module):
+    def __init__(self, causal):
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=True) * 2
+
+
+@pytest.mark.parametrize("sq,skv", [(2048, 2048), (4, 32768)])
+def test_compiled_sdpa_calls_nvfly(sq, skv):
+    """Under nvfly.torch.install(), the compiled graph calls nvfly's prefill (decode) op: the generated code says so,
+    the decision is recorded, and the result is eager SDPA's."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    q, k, v = sdpa_inputs(1, 32, 8, sq, skv)
+    causal = sq == skv  # decode steps are not causal (torch's is_causal would be top-left)
+    model = _Attention(causal)
+    nvfly.torch.install()
+    try:
+        with sdpa_kernel(NO_CUDNN), torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+            got, codes = run_and_get_code(torch.compile(model, fullgraph=True), q, k, v)
+            want = model(q, k, v)
+    finally:
+        nvfly.torch.uninstall()
+        torch._dynamo.reset()
+    kernel = "prefill" if causal else "decode"
+    assert any(f"nvfly.attention_{kernel}" in code for code in codes), codes
+    (decision,) = [d for d in decisions() if d.where == "inductor" and d.op == "sdpa"]
+    assert decision.reason is None and decision.candidates == (kernel,)
+    ref = model(q.float(), k.float(), v.float())
+    assert rel_err(got, ref) < 1e-2 and rel_err(want, ref) < 1e-2
+
+
+def test_explain_sdpa_on_the_gpu():
+    report = nvfly.torch.explain_sdpa(1, 32, 8, 4096, 4096, 128, is_causal=True, benchmark=True)
+    assert report.torch_backend in ("cudnn", "flash", "efficient", "math")
+    assert ("torch picks cuDNN" in report.declined) if report.torch_backend == "cudnn" else report.declined is None
+    assert report.measured_ms["torch"] > 0 and (report.declined or report.measured_ms["nvfly"] > 0)
+
+
+def test_cuda_graph_of_the_decode_op_replays_changed_lengths():
+    """Serving: one decode step through torch.ops.nvfly.attention_decode captured once, replayed with each
+    sequence's length (and the inputs) changed in place."""
+    torch.manual_seed(5)
+    q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(4, 8192, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(4, 8192, 8, 128, device="cuda", dtype=torch.bfloat16)
+    seqlens = torch.tensor([8192, 100, 4000, 1], dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.nvfly.attention_decode(q, k, v, seqlens, causal=False)  # compiled before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out, lse = torch.ops.nvfly.attention_decode(q, k, v, seqlens, causal=False)
+    for lengths in ([17, 8192, 3, 5000], [1, 1, 1, 1], [6000, 7000, 8000, 8192]):
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, want_lse = attention.reference(q, k, v, cache_seqlens=seqlens, causal=False)
+        assert not out.isnan().any() and rel_err(out, want) < 1e-2, lengths
+        torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_compiled_training_step_runs_nvfly_forward_and_torchs_backward():
+    """Under nvfly.torch.install(), a compiled SDPA whose inputs require grad runs nvfly's prefill forward and torch's
+    flash backward on its LSE: unrouted SDPA's output and gradients."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    torch.manual_seed(9)
+    leaves = [torch.randn(2, h, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for h in (32, 8, 8)]
+    grad = torch.randn(2, 32, 2048, 128, device="cuda", dtype=torch.bfloat16)
+    model = _Attention(True)
+    nvfly.torch.install()
+    try:
+        with sdpa_kernel(NO_CUDNN), torch._inductor.config.patch(fx_graph_cache=False):
+            compiled = torch.compile(model)
+
+            def step():
+                out = compiled(*leaves)
+                out.backward(grad)
+                return out
+
+            got, codes = run_and_get_code(step)
+    finally:
+        nvfly.torch.uninstall()
+        torch._dynamo.reset()
+    assert any("nvfly.attention_prefill" in code for code in codes)
+    assert any("_scaled_dot_product_flash_attention_backward" in code for code in codes)
+    f32 = [t.detach().float().requires_grad_() for t in leaves]
+    want = model(*f32)
+    want.backward(grad.float())
+    assert rel_err(got, want) < 1e-2
+    for name, mine, exact in zip("qkv", leaves, f32):
+        assert rel_err(mine.grad, exact.grad) < 2e-2, name

@@ -1,0 +1,305 @@
+"""Whole model pieces, eager torch vs the same code under ``nvfly.torch.routing()`` (no model change), in one process.
+
+Cases (bf16, H200 sizes from docs/torch-attention.md):
+- ``llama-prefill``: a Llama-3-8B decoder layer (RMSNorm, fused qkv, RoPE, causal SDPA with GQA 32/8, o, RMSNorm,
+  SwiGLU MLP) on 4096 tokens, batch 1.
+- ``llama-decode``: the same layer's decode step (one token a sequence: the new key and value written into a static
+  32K cache, SDPA over the cache's first 32K positions), batch 1 and 32; also replayed from a CUDA graph (serving).
+- ``minimax-decode``: a MiniMax-like 48/8 decode step's attention over a 32K cache, batch 1 and 16.
+- ``deepseek-prefill``: DeepSeek-V3-like prefill attention (128 heads, Dqk 192 / Dv 128, causal, 4096 tokens).
+- ``llama-train``: a training step of the Llama layer (forward and backward) on 4096 tokens: the gradients of
+  every weight through the routed model are checked against eager's first.
+(The Gemma-2-style flex_attention block joins once nvfly is a flex_attention backend.)
+
+Every case first checks the routed output against eager (relative error < 2e-2) and records what routing decided
+for each SDPA call (nvfly's kernel, or torch's with the reason). Each row: eager ms, routed ms and their ratio
+(``speedup`` = eager / routed), without ``--quick`` torch.compile's ms (default mode) without and with
+``nvfly.torch.install()`` (its SDPA graph passes), CUDA-graph replays for decode.
+
+Usage: python -m benchmarks.models [--quick] [--cases llama-prefill ...]
+Writes benchmarks/results/models_h200.json and models_h200.png.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import nvfly.torch  # noqa: E402
+from benchmarks.common import bench_ms, geomean, graph_ms, plot, rel_err, write_results  # noqa: E402
+from nvfly.torch import attention_ops  # noqa: E402
+from nvfly.torch.gemm_ops import clear_decisions, decisions  # noqa: E402
+
+HIDDEN, INTER, HEAD, Q_HEADS, KV_HEADS, EPS = 4096, 14336, 128, 32, 8, 1e-5
+MAX_REL_ERR = 2e-2
+
+
+class LlamaLayer(torch.nn.Module):
+    """A Llama-3-8B decoder layer written as a PyTorch user writes it (F.rms_norm, nn.Linear, SDPA)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn_norm = torch.nn.Parameter(torch.ones(HIDDEN))
+        self.qkv = torch.nn.Linear(HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD, bias=False)
+        self.o = torch.nn.Linear(Q_HEADS * HEAD, HIDDEN, bias=False)
+        self.mlp_norm = torch.nn.Parameter(torch.ones(HIDDEN))
+        self.gate_up = torch.nn.Linear(HIDDEN, 2 * INTER, bias=False)
+        self.down = torch.nn.Linear(INTER, HIDDEN, bias=False)
+        for linear in (self.qkv, self.o, self.gate_up, self.down):
+            torch.nn.init.normal_(linear.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor, start: int = 0, cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                ) -> torch.Tensor:
+        """x (B, S, hidden): the tokens at positions start.. start + S - 1. Without a cache: causal attention over
+        the S tokens (prefill). With a (B, Hkv, Smax, D) cache pair (a decode step, S = 1): the token's key and
+        value are written at its position and its query attends to the cache up to it (the position is a Python
+        int, so the step can be captured in a CUDA graph)."""
+        batch, tokens, _ = x.shape
+        positions = torch.arange(start, start + tokens, device=x.device)
+        h = F.rms_norm(x, (HIDDEN,), self.attn_norm, EPS)
+        q, k, v = self.qkv(h).split([Q_HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], dim=-1)
+        q = rope(q.view(batch, tokens, Q_HEADS, HEAD), positions).transpose(1, 2)
+        k = rope(k.view(batch, tokens, KV_HEADS, HEAD), positions).transpose(1, 2)
+        v = v.view(batch, tokens, KV_HEADS, HEAD).transpose(1, 2)
+        if cache is None:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            cache_k, cache_v = cache
+            end = start + tokens
+            cache_k[:, :, end - tokens:end] = k
+            cache_v[:, :, end - tokens:end] = v
+            attn = F.scaled_dot_product_attention(q, cache_k[:, :, :end], cache_v[:, :, :end], enable_gqa=True)
+        x = x + self.o(attn.transpose(1, 2).reshape(batch, tokens, Q_HEADS * HEAD))
+        gate, up = self.gate_up(F.rms_norm(x, (HIDDEN,), self.mlp_norm, EPS)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 500000.0) -> torch.Tensor:
+    """Rotary embedding of x (B, S, H, D) at ``positions`` (Llama's rotate-half form)."""
+    half = x.shape[-1] // 2
+    freqs = base ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.float()[:, None] * freqs[None, :]
+    cos, sin = angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+    x1, x2 = x.float()[..., :half], x.float()[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def routed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def call() -> Any:
+        with nvfly.torch.routing():
+            return fn()
+    return call
+
+
+def fresh_decisions() -> None:
+    """Forget what was decided and recorded so far: the case's first routed call decides (and records) again."""
+    clear_decisions()
+    attention_ops.forget_decisions()
+
+
+def sdpa_outcome() -> dict[str, Any]:
+    """What routing decided for the SDPA calls so far: nvfly's kernels, or torch's reasons."""
+    sdpa = [d for d in decisions() if d.op == "sdpa"]
+    sdpa = [d for d in sdpa if d.where == "eager"]
+    return {"nvfly_kernels": sorted({c for d in sdpa for c in d.candidates if d.reason is None}),
+            "declined": sorted({d.reason for d in sdpa if d.reason})}
+
+
+def torch_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
+    return attention_ops._torch_backend(q, k, v, q.shape[1] != k.shape[1], causal)
+
+
+def timed(row: dict[str, Any], eager: Callable[[], Any], nvfly_call: Callable[[], Any], quick: bool,
+          compile_too: bool = False, graphs: bool = False,
+          compile_fn: Callable[[Callable[[], Any]], Callable[[], Any]] = torch.compile) -> dict[str, Any]:
+    """Times eager, routed and (``compile_too``) compiled calls into ``row``; ``compile_fn`` makes the compiled call
+    from the eager one (default: ``torch.compile`` of it)."""
+    warm, rep = (10, 40) if quick else (25, 100)
+    row["eager_ms"] = bench_ms(eager, warm, rep)
+    row["nvfly_ms"] = bench_ms(nvfly_call, warm, rep)
+    row["speedup"] = row["eager_ms"] / row["nvfly_ms"]
+    if compile_too:  # torch.compile (default mode) without nvfly, then with nvfly.torch.install()
+        for key, with_nvfly in (("compiled", False), ("compiled_nvfly", True)):
+            with compiling(with_nvfly):
+                compiled = compile_fn(eager)
+                out = compiled()  # compiled now, while nvfly's passes are (or are not) installed
+            row[f"{key}_ms"] = bench_ms(compiled, warm, rep)
+            row[f"{key}_rel_err_vs_eager"] = max(rel_err(o, e) for o, e in zip(as_list(out), as_list(eager())))
+        row["compiled_nvfly_sdpa"] = sorted({d.reason or f"nvfly {', '.join(d.candidates)}" for d in decisions()
+                                            if d.where == "inductor" and d.op == "sdpa"})
+    if graphs:  # a serving loop replays the step from a CUDA graph: no host time
+        row["eager_graph_ms"] = graph_ms(eager, calls=8, replays=10)
+        row["nvfly_graph_ms"] = graph_ms(nvfly_call, calls=8, replays=10)
+        if row["eager_graph_ms"] and row["nvfly_graph_ms"]:
+            row["graph_speedup"] = row["eager_graph_ms"] / row["nvfly_graph_ms"]
+    return row
+
+
+@contextlib.contextmanager
+def compiling(with_nvfly: bool) -> Iterator[None]:
+    """A fresh Dynamo cache, and nvfly's graph passes installed in the block (or not)."""
+    torch._dynamo.reset()
+    if with_nvfly:
+        nvfly.torch.install()
+    try:
+        yield
+    finally:
+        if with_nvfly:
+            nvfly.torch.uninstall()
+
+
+def as_list(out: Any) -> list[torch.Tensor]:
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def checked(row: dict[str, Any], eager_out: torch.Tensor, nvfly_out: torch.Tensor) -> dict[str, Any]:
+    row["rel_err_vs_eager"] = rel_err(nvfly_out, eager_out)
+    row["same_as_eager"] = row["rel_err_vs_eager"] < MAX_REL_ERR
+    return row
+
+
+# ---------------------------------------------------------------------------------------------- cases
+def llama_prefill(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
+    layer = LlamaLayer().cuda().bfloat16().eval()
+    tokens = 4096
+    x = torch.randn(1, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = lambda: layer(x)  # noqa: E731
+        nvfly_call = routed(eager)
+        fresh_decisions()
+        row = checked({"case": "llama-prefill", "batch": 1, "tokens": tokens}, eager(), nvfly_call())
+        row.update(sdpa_outcome())
+        q = torch.empty(1, Q_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(1, KV_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16)
+        row["torch_sdpa_backend"] = torch_backend(q, k, k, True)
+        return [timed(row, eager, nvfly_call, quick, compile_too)]
+
+
+def llama_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
+    layer = LlamaLayer().cuda().bfloat16().eval()
+    rows = []
+    context = 32768
+    for batch in (1, 32):
+        cache = tuple(torch.randn(batch, KV_HEADS, context, HEAD, device="cuda", dtype=torch.bfloat16)
+                      for _ in range(2))
+        x = torch.randn(batch, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            eager = lambda: layer(x, context - 1, cache)  # noqa: E731
+            nvfly_call = routed(eager)
+            fresh_decisions()
+            row = checked({"case": "llama-decode", "batch": batch, "context": context}, eager(), nvfly_call())
+            row.update(sdpa_outcome())
+            q = torch.empty(batch, Q_HEADS, 1, HEAD, device="cuda", dtype=torch.bfloat16)
+            row["torch_sdpa_backend"] = torch_backend(q, cache[0], cache[1], False)
+            rows.append(timed(row, eager, nvfly_call, quick, compile_too, graphs=True))
+        del cache
+    return rows
+
+
+def attention_rows(case: str, shapes: list[tuple[int, int, int, int, int, int, int]], causal: bool,
+                   quick: bool, graphs: bool) -> list[dict[str, Any]]:
+    """SDPA alone on (batch, Hq, Hkv, Sq, Skv, Dqk, Dv)."""
+    rows = []
+    for batch, hq, hkv, sq, skv, dqk, dv in shapes:
+        q = torch.randn(batch, hq, sq, dqk, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, hkv, skv, dqk, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(batch, hkv, skv, dv, device="cuda", dtype=torch.bfloat16)
+        eager = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)  # noqa
+        nvfly_call = routed(eager)
+        fresh_decisions()
+        row = checked({"case": case, "batch": batch, "heads": f"{hq}/{hkv}", "sq": sq, "skv": skv,
+                       "head_dims": f"{dqk}/{dv}", "causal": causal}, eager(), nvfly_call())
+        row.update(sdpa_outcome())
+        row["torch_sdpa_backend"] = torch_backend(q, k, v, causal)
+        rows.append(timed(row, eager, nvfly_call, quick, graphs=graphs))
+        del q, k, v
+    return rows
+
+
+def minimax_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
+    return attention_rows("minimax-decode", [(1, 48, 8, 1, 32768, 128, 128), (16, 48, 8, 1, 32768, 128, 128)],
+                          False, quick, graphs=True)
+
+
+def deepseek_prefill(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
+    return attention_rows("deepseek-prefill", [(1, 128, 128, 4096, 4096, 192, 128)], True, quick, graphs=False)
+
+
+def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
+    layer = LlamaLayer().cuda().bfloat16().train()
+    tokens = 4096
+    x = torch.randn(1, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn(1, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    params = list(layer.parameters())
+
+    def step(module: torch.nn.Module = layer) -> list[torch.Tensor]:
+        return list(torch.autograd.grad(module(x), params, grad))
+
+    def compiled_step(_: Callable[[], Any]) -> Callable[[], Any]:
+        compiled = torch.compile(layer)  # the forward compiled; its backward graph compiles at the first grad
+        return lambda: step(compiled)
+
+    nvfly_step = routed(step)
+    fresh_decisions()
+    eager_grads, nvfly_grads = step(), nvfly_step()
+    row: dict[str, Any] = {"case": "llama-train", "batch": 1, "tokens": tokens}
+    row["grad_rel_err_vs_eager"] = max(rel_err(n, e) for n, e in zip(nvfly_grads, eager_grads))
+    row["rel_err_vs_eager"] = row["grad_rel_err_vs_eager"]
+    row["same_as_eager"] = row["grad_rel_err_vs_eager"] < MAX_REL_ERR
+    row.update(sdpa_outcome())
+    q = torch.empty(1, Q_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.empty(1, KV_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    row["torch_sdpa_backend"] = torch_backend(q, k, k, True)
+    return [timed(row, step, nvfly_step, quick, compile_too, compile_fn=compiled_step)]
+
+
+CASES: dict[str, Callable[[bool, bool], list[dict[str, Any]]]] = {
+    "llama-prefill": llama_prefill, "llama-decode": llama_decode, "minimax-decode": minimax_decode,
+    "deepseek-prefill": deepseek_prefill, "llama-train": llama_train}
+
+
+def label(row: dict[str, Any]) -> str:
+    return f"{row['case']} B{row['batch']}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="shorter timing, no torch.compile columns (~2 min)")
+    p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
+    args = p.parse_args(argv)
+    t_start = time.time()
+    torch.manual_seed(0)
+    nvfly.torch.install_routing()
+    rows: list[dict[str, Any]] = []
+    for name in args.cases:
+        for row in CASES[name](args.quick, not args.quick):
+            rows.append(row)
+            extra = f"  graph x{row['graph_speedup']:.2f}" if row.get("graph_speedup") else ""
+            extra += (f"  compiled {row['compiled_ms']:.3f} ms, with nvfly {row['compiled_nvfly_ms']:.3f} ms "
+                      f"({'; '.join(row['compiled_nvfly_sdpa']) or 'no SDPA rewrite'})" if row.get("compiled_ms") else "")
+            print(f"{label(row):>22}  eager {row['eager_ms']:.3f} ms  routed {row['nvfly_ms']:.3f} ms "
+                  f"(x{row['speedup']:.2f}, err {row['rel_err_vs_eager']:.1e}"
+                  f"{'' if row['same_as_eager'] else ' MISMATCH'}){extra}  torch picks {row['torch_sdpa_backend']}; "
+                  f"nvfly: {row['nvfly_kernels'] or 'none'}; declined: {row['declined'] or 'none'}", flush=True)
+        torch.cuda.empty_cache()
+    summary = {"geomean_speedup": geomean([r["speedup"] for r in rows]),
+               "all_same_as_eager": all(r["same_as_eager"] for r in rows), "seconds": time.time() - t_start}
+    print(summary)
+    print("wrote", write_results("models", rows, {"summary": summary, "quick": args.quick}))
+    series = {"routed nvfly": [r["speedup"] for r in rows]}
+    for key, name in (("compiled_ms", "torch.compile"), ("compiled_nvfly_ms", "torch.compile + nvfly.install()")):
+        if any(key in r for r in rows):
+            series[name] = [r["eager_ms"] / r[key] if r.get(key) else 0 for r in rows]
+    print("wrote", plot("models", [label(r) for r in rows], series, "speedup over eager torch"))
+    return 0 if summary["all_same_as_eager"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -186,8 +186,8 @@ TABLE = [
     ("prefill training", {"sq": 4096, "skv": 4096, "causal": True, "grad": True}, None),
     ("prefill DeepSeek 192/128 training", {"hq": 128, "hkv": 128, "sq": 4096, "skv": 4096, "d": 192, "dv": 128,
                                            "causal": True, "grad": True}, None),
-    ("prefill head dim 96", {"sq": 4096, "skv": 4096, "d": 96},
-     "nvfly's prefill declines: attention.prefill: q: head dim 96 is not supported"),
+    ("prefill head dim 80", {"sq": 4096, "skv": 4096, "d": 80},
+     "nvfly's prefill declines: attention.prefill: q: head dim 80 is not supported"),
     ("prefill small", {"sq": 64, "skv": 64}, "GFLOP (< 4): launch-bound"),
     ("prefill few tiles", {"hq": 8, "hkv": 8, "sq": 256, "skv": 32768}, "16 query tiles of 128 rows (< 132"),
     ("prefill GQA without enable_gqa", {"sq": 4096, "skv": 4096, "gqa": False}, "without enable_gqa"),
@@ -396,7 +396,7 @@ def test_explain_sdpa_names_the_kernel_and_this_process_decisions():
         assert report.declined == "no CUDA GPU in this process (eligibility not checked)"
         assert report.verdict().startswith("torch's SDPA runs it: no CUDA GPU")
     assert nvfly.torch.explain_sdpa(2, 48, 8, 4, 32768, 128).kernel == "decode"
-    assert nvfly.torch.explain_sdpa(1, 8, 8, 4096, 4096, 96).plan == "no plan for these head dims"
+    assert nvfly.torch.explain_sdpa(1, 8, 8, 4096, 4096, 80).plan == "no plan for these head dims"
 
 
 def test_explain_sdpa_command(capsys):

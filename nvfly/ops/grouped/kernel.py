@@ -268,15 +268,16 @@ def zero_k_tail(ring, ring16, stage, consumer, valid, t, WG_M, BK, A_MAJOR, A_SW
     (shared address ``ring``, 16-bit view ``ring16``)
     (thread ``t`` of the consumer's 128), then fence the writes for wgmma (``a_tail_offset`` places the elements).
 
-    K-major: each thread takes one row and zeroes its elements past ``valid`` one by one (2-byte stores). MN-major:
+    K-major: each thread takes one row and zeroes its elements past ``valid`` one by one (2-byte stores, in a
+    loop). MN-major:
     a K row of a swizzle-wide MN chunk is one line of A_SW bytes whatever the swizzle, so each thread zeroes whole
     lines."""
     if A_MAJOR == "K":
         if t < WG_M:
             r = consumer * WG_M + t
-            for c in nvfly.static_range(BK):
-                if c >= valid:
-                    ring16[(stage + a_tail_offset(r, c, BK, A_MAJOR, A_SW, size)) // 2] = nvfly.i16(0)
+            # a loop, not unrolled: the stores run beside the live accumulators
+            for c in range(nvfly.maximum(valid, 0), BK):
+                ring16[(stage + a_tail_offset(r, c, BK, A_MAJOR, A_SW, size)) // 2] = nvfly.i16(0)
     else:
         WIDTH = A_SW // size
         LINES = WG_M // WIDTH * BK

@@ -1,0 +1,178 @@
+"""The grouped GEMM without a GPU: every layout, operand major-ness and epilogue compiles to HGMMA/UTMALDG code
+within its register budget and without spills; the K tail's shared-memory addresses match the wgmma layout; plans,
+argument checks (errors naming the argument), the host offset validation and the float32 reference."""
+import pytest
+import torch
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.ops import grouped
+from nvfly.ops.gemm.config import SMEM_LIMIT, GemmConfig
+from nvfly.ops.grouped.kernel import a_tail_offset, table_bytes
+from nvfly.ops.grouped.plan import MAX_GROUPS, fits, make_plan
+
+VARIANTS = [("contiguous", "none", "K", "K"), ("contiguous", "none", "K", "MN"), ("contiguous", "none", "MN", "MN"),
+            ("masked", "none", "K", "K"), ("masked", "none", "K", "MN"),
+            ("kgrouped", "none", "MN", "MN"), ("kgrouped", "none", "K", "K"),
+            ("contiguous", "silu_mul", "K", "K"), ("contiguous", "silu_mul", "K", "MN"),
+            ("masked", "silu_mul", "K", "MN")]
+TILES = [GemmConfig(128, 256, 4, 2, stream_k=False), GemmConfig(64, 128, 9, 1, stream_k=False)]
+
+
+def _check_kernel(k, bn):
+    ops = k.sass_opcodes()
+    assert any(op.startswith(f"HGMMA.64x{bn}x16.F32.BF16") for op in ops), sorted(ops)
+    assert k.count("UTMALDG") > 0 and k.count("USETMAXREG") == 2
+    assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0, k.resources
+    assert k.resources.registers <= 65536 // k.threads
+    assert not k.warnings, k.warnings  # no serialised wgmma, setmaxnreg honoured
+
+
+@pytest.mark.parametrize("config", TILES, ids=str)
+@pytest.mark.parametrize("variant", VARIANTS, ids="-".join)
+def test_every_variant_compiles(variant, config):
+    (k,) = grouped.compile_variants([variant], config=config)
+    _check_kernel(k, config.bn)
+    layout = variant[0]
+    assert k.dynamic_smem_bytes == config.ring_end(2) + (table_bytes(8) if layout != "kgrouped" else 0)
+    if layout == "kgrouped":  # the K tail is zeroed in shared memory and fenced for wgmma
+        assert "fence.proxy.async.shared::cta" in k.ptx
+    else:  # the group table: a block scan over the device sizes
+        assert "shfl.sync.up" in k.ptx
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float16, None), (torch.bfloat16, torch.float32)])
+def test_dtypes_compile(dtype, out_dtype):
+    (k,) = grouped.compile_variants([("contiguous", "none", "K", "MN")], dtype=dtype, out_dtype=out_dtype,
+                                    config=TILES[0])
+    assert k.count("HGMMA") > 0 and k.resources.spill_stores == 0
+
+
+def test_many_groups_compile_and_fit():
+    """1024 groups: the table (and the scan's three groups a thread) fit next to the deepest ring."""
+    plan = make_plan("contiguous", "none", "bf16", MAX_GROUPS, "K", "MN", 16384, 2048, 7168, 16, 132)
+    assert plan.smem_bytes <= SMEM_LIMIT
+    (k,) = grouped.compile_variants([("contiguous", "none", "K", "MN")], config=plan.config, groups=MAX_GROUPS)
+    assert k.resources.spill_stores == 0 and k.dynamic_smem_bytes == plan.smem_bytes
+
+
+@pytest.mark.parametrize("major", ["K", "MN"])
+@pytest.mark.parametrize("rows", [64, 128])
+def test_k_tail_offsets_match_the_wgmma_layout(major, rows):
+    """zero_k_tail's addresses: K-major, each element's byte; MN-major, each K row of a 64-row chunk is one
+    128-byte line holding exactly that chunk's elements of the row."""
+    layout = sm90.operand_layout(rows, 64, nvfly.bf16, major, 128)
+    for r in range(rows):
+        for c in range(64):
+            byte = layout((r, c)) * 2
+            if major == "K":
+                assert byte == a_tail_offset(r, c, 64, "K", 128, 2)
+            else:
+                line = a_tail_offset(r // 64 * 64, c, 64, "MN", 128, 2)
+                assert line <= byte < line + 128
+
+
+def test_heuristic_tiles():
+    decode = make_plan("contiguous", "none", "bf16", 128, "K", "MN", 1024, 1536, 2048, 8, 132)
+    assert (decode.config.bm, decode.config.consumers) == (64, 1) and decode.config.stages >= 8
+    prefill = make_plan("contiguous", "none", "bf16", 64, "K", "MN", 15952, 2048, 7168, 249, 132)
+    assert (prefill.config.bm, prefill.config.bn, prefill.config.consumers) == (128, 256, 2)
+    assert prefill.grid == 132 and prefill.k_tiles == 7168 // 64
+    fused = make_plan("contiguous", "silu_mul", "bf16", 8, "K", "MN", 8192, 14336, 4096, 1024, 132)
+    assert fused.config.bn == 256 and fused.n == 14336
+    few = make_plan("masked", "none", "bf16", 4, "K", "K", 256, 512, 1024, 256, 132)
+    assert few.config.bn == 128 and few.grid == 4 * 2 * 4  # an upper bound of 32 tiles: 32 blocks
+
+
+def test_configs_are_checked():
+    assert fits(GemmConfig(128, 128, 6, 2, pingpong=True), 8, "contiguous", "K")
+    assert fits(GemmConfig(128, 256, 4, 2, split_k=2), 8, "contiguous", "K")
+    assert fits(GemmConfig(128, 256, 4, 2, stream_k=False), 8, "contiguous", "K") is None
+    # the table costs shared memory: a ring that just fits the GEMM may not fit 1024 groups' table
+    full = GemmConfig(128, 128, 7, 2)
+    assert full.check(2) is None
+    assert full.ring_end(2) + table_bytes(MAX_GROUPS) > SMEM_LIMIT and fits(full, MAX_GROUPS, "contiguous", "K")
+    with pytest.raises(ValueError, match="config: bn=120: the fused gate/up tile"):
+        make_plan("contiguous", "silu_mul", "bf16", 8, "K", "K", 1024, 1024, 1024, 128, 132,
+                  GemmConfig(128, 120, 4, 2, stream_k=False))
+
+
+def _operands(t=64, e=4, k=32, n=48, dtype=torch.bfloat16):
+    a = torch.randn(t, k).to(dtype)
+    b = torch.randn(e, k, n).to(dtype)
+    offs = torch.tensor([10, 10, 40, 64][:e], dtype=torch.int32)
+    return a, b, offs
+
+
+@pytest.mark.parametrize("call,match,kind", [
+    (lambda a, b, o: grouped.check(a.float(), b, o), "a: dtype", TypeError),
+    (lambda a, b, o: grouped.check(a, b.half(), o), "b: dtype", TypeError),
+    (lambda a, b, o: grouped.check(a, b[:, :16], o), "do not multiply", ValueError),
+    (lambda a, b, o: grouped.check(a, b, o.long()), "offs: expected a 1-D int32", TypeError),
+    (lambda a, b, o: grouped.check(a, b, None), "offs: expected", TypeError),
+    (lambda a, b, o: grouped.check(a, b, o[:3]), "offs: 3 groups, b has 4", ValueError),
+    (lambda a, b, o: grouped.check(a, b, o, out_dtype=torch.int8), "out_dtype", TypeError),
+    (lambda a, b, o: grouped.check(a, b, o, out=torch.empty(64, 47, dtype=torch.bfloat16)), "out: expected shape",
+     ValueError),
+    (lambda a, b, o: grouped.check(a, b[:, :, :47], o, fuse="silu_mul"), "2 \\* I", ValueError),
+    (lambda a, b, o: grouped.check(a, b, o, fuse="gelu"), "fuse", ValueError),
+    (lambda a, b, o: grouped.check(a.view(4, 16, 32), b[0], o), "3-D a with a 2-D b", ValueError),
+    (lambda a, b, o: grouped.check(a.view(4, 16, 32), b, o), "offs: 3-D x 3-D", ValueError),
+    (lambda a, b, o: grouped.check(a.view(4, 16, 32)[:2], b, None), "b: 4 groups, a has 2", ValueError),
+    (lambda a, b, o: grouped.check(a, b, torch.zeros(2000, dtype=torch.int32)), "1 to 1024", ValueError),
+])
+def test_bad_input_names_the_argument(call, match, kind):
+    a, b, offs = _operands()
+    with pytest.raises(kind, match=match):
+        call(a, b, offs)
+
+
+def test_grouped_mm_errors_name_the_op():
+    a, b, offs = _operands()
+    with pytest.raises(TypeError, match="^nvfly.ops.grouped.grouped_mm: offs"):
+        grouped.grouped_mm(a, b, offs.float())
+    with pytest.raises(ValueError, match="^nvfly.ops.grouped.grouped_mm: a is on cpu, not CUDA"):
+        grouped.grouped_mm(a, b, offs)
+    with pytest.raises(ValueError, match="^nvfly.ops.grouped.grouped_mm_masked: a, b: the masked layout"):
+        grouped.grouped_mm_masked(a, b, offs)
+
+
+def test_layouts_and_shapes():
+    a, b, offs = _operands()
+    assert grouped.check(a, b, offs) == ("contiguous", (64, 48), 4)
+    assert grouped.check(a, b, offs, fuse="silu_mul") == ("contiguous", (64, 24), 4)
+    wgrad_a, wgrad_b = torch.randn(16, 64).bfloat16(), torch.randn(64, 48).bfloat16()
+    assert grouped.check(wgrad_a, wgrad_b, offs) == ("kgrouped", (4, 16, 48), 4)
+    assert grouped.check(a.view(4, 16, 32), b, offs, masked=True) == ("masked", (4, 16, 48), 4)
+    assert grouped.check(a.view(4, 16, 32), b) == ("batched", (4, 16, 48), 4)
+    assert grouped.eligibility(a, b, offs) == "a is on cpu, not CUDA"
+    assert grouped.eligibility(a, b, offs.long()).startswith("offs: expected a 1-D int32")
+
+
+def test_validate_offsets():
+    grouped.validate_offsets(torch.tensor([0, 5, 5, 9], dtype=torch.int32), 9)
+    with pytest.raises(ValueError, match=r"offs: offsets must not decrease, offs\[2\] = 3 < 5"):
+        grouped.validate_offsets(torch.tensor([0, 5, 3, 9], dtype=torch.int32), 9)
+    with pytest.raises(ValueError, match="offs: the last offset 10 is beyond the 9 rows"):
+        grouped.validate_offsets(torch.tensor([0, 5, 10], dtype=torch.int32), 9)
+    with pytest.raises(ValueError, match="counts: count 17 of group 1 is outside"):
+        grouped.validate_offsets(torch.tensor([3, 17], dtype=torch.int32), 16, masked=True, name="counts")
+
+
+def test_reference_matches_per_group_products():
+    a, b, offs = _operands()
+    ref = grouped.reference(a, b, offs)
+    assert torch.allclose(ref[0:10], a[0:10].float() @ b[0].float())
+    assert torch.allclose(ref[10:40], a[10:40].float() @ b[2].float())
+    fused = grouped.reference(a, b, offs, fuse="silu_mul")
+    full = a[40:].float() @ b[3].float()
+    assert torch.allclose(fused[40:], torch.nn.functional.silu(full[:, :24]) * full[:, 24:])
+    wgrad = grouped.reference(a.t(), a, offs)  # [32, 64] x [64, 32] grouped along the 64
+    assert torch.equal(wgrad[1], torch.zeros(32, 32)) and torch.allclose(wgrad[3], a[40:].float().t() @ a[40:].float())
+    masked = grouped.reference(a.view(4, 16, 32), b, torch.tensor([3, 0, 16, 20], dtype=torch.int32), masked=True)
+    assert masked[0, 3:].isnan().all() and masked[1].isnan().all() and not masked[2].isnan().any()
+
+
+def test_describe():
+    text = grouped.describe("contiguous", 128, 1024, 1536, 2048)
+    assert text.startswith("grouped contiguous: 64x128 tile on 1 consumer")

@@ -368,33 +368,30 @@ def reference(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = N
               masked: bool = False) -> torch.Tensor:
     """The float32 per-group reference of ``grouped_mm`` (``masked``: ``grouped_mm_masked`` with ``offs`` the
     counts); rows no group covers are NaN (the kernels leave them unwritten)."""
-    af, bf = a.float(), b.float()
-
     def finish(x: torch.Tensor) -> torch.Tensor:
         if fuse == "silu_mul":
             half = x.shape[-1] // 2
             return torch.nn.functional.silu(x[..., :half]) * x[..., half:]
         return x
     if masked or (a.dim() == 3 and b.dim() == 3):
-        out = finish(af @ bf)
+        out = torch.stack([finish(a[g].float() @ b[g].float()) for g in range(a.shape[0])])
         if masked:
-            counts = offs.cpu().tolist()
-            for g, c in enumerate(counts):
+            for g, c in enumerate(offs.cpu().tolist()):
                 out[g, max(0, min(c, a.shape[1])):] = float("nan")
         return out
     ends = offs.cpu().tolist()
     starts = [0] + ends[:-1]
-    if a.dim() == 2 and b.dim() == 3:
+    if a.dim() == 2 and b.dim() == 3:  # the weights converted a group at a time: they may be large
         width = b.shape[-1] // 2 if fuse == "silu_mul" else b.shape[-1]
         out = torch.full((a.shape[0], width), float("nan"), device=a.device)
         for g, (s, e) in enumerate(zip(starts, ends)):
             if e > s:
-                out[s:e] = finish(af[s:e] @ bf[g])
+                out[s:e] = finish(a[s:e].float() @ b[g].float())
         return out
     out = torch.zeros(len(ends), a.shape[0], b.shape[1], device=a.device)
     for g, (s, e) in enumerate(zip(starts, ends)):
         if e > s:
-            out[g] = af[:, s:e] @ bf[s:e]
+            out[g] = a[:, s:e].float() @ b[s:e].float()
     return out
 
 

@@ -137,8 +137,7 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
     tile_step = nvfly.grid_dim.x
 
     TILING = Tiling(BM, OUT_BN, CFG.group_m, groups=GROUPS if RAGGED else 0)
-    tiles = tile_grid(m, n, 1 if RAGGED else GROUPS, k_tiles, 0, 0, tile_step, table, None,
-                      TILING)
+    tiles = tile_grid(m, n, 1 if RAGGED else GROUPS, k_tiles, 0, 0, tile_step, table, None, TILING)
     num_units = block_units(first_tile, tiles, TILING)
 
     if wg == 0:
@@ -180,8 +179,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
             pipe.consumer_wait(state)
             stage = ring + state.stage * STAGE_BYTES
             if LAYOUT == "kgrouped":
-                clear_k_tail(ring, ring16, state.stage * STAGE_BYTES, offs, g, k, k_base, 0, consumer, warp_in_wg * 32 + lane, WG_M, BK, A_MAJOR,
-                             A_SW, size, GROUPS)
+                clear_k_tail(ring, ring16, state.stage * STAGE_BYTES, offs, g, k, k_base, 0, consumer,
+                             warp_in_wg * 32 + lane, WG_M, BK, A_MAJOR, A_SW, size, GROUPS)
             accs = issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, (a_lbo, a_sbo, A_SW),
                                  (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, True)
             prev = state
@@ -190,8 +189,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                 pipe.consumer_wait(state)
                 stage = ring + state.stage * STAGE_BYTES
                 if LAYOUT == "kgrouped":
-                    clear_k_tail(ring, ring16, state.stage * STAGE_BYTES, offs, g, k, k_base, kt, consumer, warp_in_wg * 32 + lane, WG_M, BK, A_MAJOR,
-                                 A_SW, size, GROUPS)
+                    clear_k_tail(ring, ring16, state.stage * STAGE_BYTES, offs, g, k, k_base, kt, consumer,
+                                 warp_in_wg * 32 + lane, WG_M, BK, A_MAJOR, A_SW, size, GROUPS)
                 accs = issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, (a_lbo, a_sbo, A_SW),
                                      (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, False)
                 sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free

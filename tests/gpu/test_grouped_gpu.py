@@ -1,0 +1,171 @@
+"""nvfly's grouped GEMM against a float32 per-group reference: ragged groups (empty, smaller than a tile, unaligned),
+both weight majors, the masked layout, K-grouped (weight gradient) with ragged K tails and empty groups, batched
+experts, the fused gate/up SiLU epilogue, dtypes, torch._grouped_mm agreement, poisoned outputs (every row a group
+owns is written, no other row is)."""
+import pytest
+import torch
+
+from nvfly.ops import grouped
+from nvfly.ops.gemm import GemmConfig
+
+pytestmark = pytest.mark.gpu
+
+SMALL = GemmConfig(64, 128, 9, 1, stream_k=False)    # the decode tile
+LARGE = GemmConfig(128, 256, 4, 2, stream_k=False)   # the prefill tile
+NARROW = GemmConfig(128, 128, 6, 2, stream_k=False)
+
+
+def sizes_to_offs(sizes):
+    return torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
+
+
+def weights(e, k, n, major, dtype=torch.bfloat16):
+    """[E, K, N] weights, N contiguous ("MN") or K contiguous ("K": F.linear's [E, N, K] passed as w.mT)."""
+    if major == "MN":
+        return torch.randn(e, k, n, device="cuda").to(dtype)
+    return torch.randn(e, n, k, device="cuda").to(dtype).mT
+
+
+def check(out, ref, tol=1e-2):
+    """Rows the reference leaves NaN (no group's) must still be the poison; the others match and are finite."""
+    unowned = ref.isnan()
+    assert torch.equal(out.float().isnan(), unowned), "a row was written that no group owns, or one was missed"
+    got, want = out.float()[~unowned], ref[~unowned]
+    if want.numel() == 0:
+        return 0.0
+    err = ((got - want).norm() / want.norm().clamp_min(1e-12)).item()
+    assert err < tol, err
+    return err
+
+
+# sizes: empty groups, groups under a tile, unaligned, one large, the last group short of the tokens' end
+CONTIGUOUS_SIZES = [[0, 5, 0, 130, 64, 1, 300, 0], [17] * 8, [0, 0, 0, 513, 0, 0, 0, 0],
+                    [127, 129, 3, 0, 200, 64, 1, 2]]
+
+
+@pytest.mark.parametrize("config", [None, SMALL, LARGE], ids=["heuristic", "64x128", "128x256"])
+@pytest.mark.parametrize("b_major", ["MN", "K"])
+@pytest.mark.parametrize("sizes", CONTIGUOUS_SIZES, ids=["ragged", "even17", "one", "mixed"])
+def test_contiguous_forward(hopper, sizes, b_major, config):
+    k, n = 320, 272  # a K tail and an N tail
+    t = sum(sizes) + 11  # rows past offs[-1]: never written
+    a = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+    b = weights(len(sizes), k, n, b_major)
+    offs = sizes_to_offs(sizes)
+    out = torch.full((t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, b, offs, out=out, config=config)
+    check(out, grouped.reference(a, b, offs))
+
+
+def test_contiguous_column_major_tokens_and_dtypes(hopper):
+    sizes = [40, 0, 90, 7]
+    offs = sizes_to_offs(sizes)
+    a = torch.randn(256, 137, device="cuda").to(torch.float16).t().contiguous().t()[: sum(sizes)]
+    b = weights(4, 137, 200, "MN", torch.float16)
+    for out_dtype in (None, torch.float32, torch.bfloat16):
+        out = grouped.grouped_mm(a, b, offs, out_dtype=out_dtype)
+        assert out.dtype == (out_dtype or torch.float16)
+        check(out, grouped.reference(a, b, offs), tol=1e-2 if out_dtype != torch.float32 else 3e-3)
+
+
+@pytest.mark.parametrize("groups", [128, 1024])
+def test_many_groups(hopper, groups):
+    gen = torch.Generator().manual_seed(groups)
+    sizes = torch.randint(0, 12, (groups,), generator=gen)
+    sizes[torch.randperm(groups, generator=gen)[: groups // 3]] = 0
+    offs = sizes_to_offs(sizes.tolist())
+    a = torch.randn(int(sizes.sum()), 256, device="cuda").to(torch.bfloat16)
+    b = weights(groups, 256, 64, "K")
+    out = torch.full((a.shape[0], 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, b, offs, out=out)
+    check(out, grouped.reference(a, b, offs))
+
+
+@pytest.mark.parametrize("config", [None, SMALL, NARROW], ids=["heuristic", "64x128", "128x128"])
+@pytest.mark.parametrize("b_major", ["MN", "K"])
+def test_masked(hopper, b_major, config):
+    e, mmax, k, n = 6, 200, 192, 160
+    counts = torch.tensor([0, 1, 64, 200, 130, 250], dtype=torch.int32).cuda()  # 250: clamped to Mmax
+    a = torch.randn(e, mmax, k, device="cuda").to(torch.bfloat16)
+    b = weights(e, k, n, b_major)
+    out = torch.full((e, mmax, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm_masked(a, b, counts, out=out, config=config)
+    check(out, grouped.reference(a, b, counts.clamp_max(mmax), masked=True))
+
+
+# K sizes: empty groups (zeros out), under one 64-wide k-block, unaligned tails, several k-blocks
+KGROUPED_SIZES = [[0, 3, 64, 130, 0, 257], [1000], [5, 0, 0, 70]]
+
+
+@pytest.mark.parametrize("majors,config", [(("MN", "MN"), None), (("MN", "MN"), SMALL), (("MN", "MN"), NARROW),
+                                           (("K", "K"), None), (("MN", "K"), SMALL), (("K", "MN"), NARROW)],
+                         ids=["MN-MN", "MN-MN-64x128", "MN-MN-128x128", "K-K", "MN-K-64x128", "K-MN-128x128"])
+@pytest.mark.parametrize("sizes", KGROUPED_SIZES, ids=["ragged", "one", "sparse"])
+def test_kgrouped_weight_gradient(hopper, sizes, majors, config):
+    m, n = 136, 200
+    total = sum(sizes)
+    # the weight gradient: a = x.mT (M contiguous: "MN"), b = dy (N contiguous: "MN"); "K": K contiguous
+    a = (torch.randn(total, m, device="cuda").mT if majors[0] == "MN" else torch.randn(m, total, device="cuda"))
+    b = (torch.randn(total, n, device="cuda") if majors[1] == "MN" else torch.randn(n, total, device="cuda").mT)
+    a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    offs = sizes_to_offs(sizes)
+    out = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=torch.float32)
+    grouped.grouped_mm(a, b, offs, out=out, out_dtype=torch.float32, config=config)
+    ref = grouped.reference(a, b, offs)
+    check(out, ref, tol=3e-3)
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert torch.equal(out[g], torch.zeros_like(out[g]))
+
+
+def test_batched_experts(hopper):
+    a = torch.randn(5, 96, 256, device="cuda").to(torch.bfloat16)
+    b = weights(5, 256, 192, "K")
+    check(grouped.grouped_mm(a, b), grouped.reference(a, b))
+
+
+@pytest.mark.parametrize("b_major", ["MN", "K"])
+@pytest.mark.parametrize("config", [None, SMALL, LARGE], ids=["heuristic", "64x128", "128x256"])
+def test_fused_gate_up(hopper, b_major, config):
+    sizes = [0, 9, 150, 64, 3]
+    inter, k = 200, 256  # I not a multiple of the tile: the gate tile's tail reads up columns, never stored
+    offs = sizes_to_offs(sizes)
+    a = torch.randn(sum(sizes), k, device="cuda").to(torch.bfloat16)
+    b = weights(len(sizes), k, 2 * inter, b_major)
+    out = torch.full((a.shape[0], inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, b, offs, out=out, fuse="silu_mul", config=config)
+    check(out, grouped.reference(a, b, offs, fuse="silu_mul"))
+    # masked and batched fused
+    counts = torch.tensor([5, 0, 33, 64, 17], dtype=torch.int32).cuda()
+    a3 = torch.randn(len(sizes), 64, k, device="cuda").to(torch.bfloat16)
+    out3 = torch.full((len(sizes), 64, inter), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm_masked(a3, b, counts, out=out3, fuse="silu_mul", config=config)
+    check(out3, grouped.reference(a3, b, counts, fuse="silu_mul", masked=True))
+    check(grouped.grouped_mm(a3, b, fuse="silu_mul"), grouped.reference(a3, b, fuse="silu_mul"))
+
+
+def test_agrees_with_torch_grouped_mm(hopper):
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    sizes = [64, 0, 128, 32, 256, 16, 0, 8]  # torch needs 16-byte aligned groups
+    offs = sizes_to_offs(sizes)
+    a = torch.randn(sum(sizes), 512, device="cuda").to(torch.bfloat16)
+    w = torch.randn(8, 384, 512, device="cuda").to(torch.bfloat16)  # F.linear style [E, N, K]
+    ours = grouped.grouped_mm(a, w.mT, offs)
+    theirs = torch._grouped_mm(a, w.mT, offs)
+    assert ((ours.float() - theirs.float()).norm() / theirs.float().norm()).item() < 1e-2
+
+
+def test_offsets_past_the_end_are_clamped(hopper):
+    """Invalid offsets (past the tokens, decreasing) never touch memory outside the operands: the kernel clamps
+    them; validate_offsets (a host sync) reports them."""
+    a = torch.randn(100, 128, device="cuda").to(torch.bfloat16)
+    b = weights(3, 128, 64, "MN")
+    offs = torch.tensor([40, 30, 500], dtype=torch.int32).cuda()
+    out = torch.full((100, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, b, offs, out=out)
+    torch.cuda.synchronize()
+    ref = a[40:100].float() @ b[2].float()  # group 1 is empty after clamping, group 2 ends at the tokens' end
+    assert torch.allclose(out[40:].float(), ref, rtol=2e-2, atol=0.5)
+    with pytest.raises(ValueError, match="offs: offsets must not decrease"):
+        grouped.validate_offsets(offs, 100)

@@ -176,3 +176,43 @@ def test_reference_matches_per_group_products():
 def test_describe():
     text = grouped.describe("contiguous", 128, 1024, 1536, 2048)
     assert text.startswith("grouped contiguous: 64x128 tile on 1 consumer")
+
+
+# ---------------------------------------------------------------------------------------------- torch glue, MoE
+def test_custom_op_fake_autograd_and_route():
+    """nvfly::grouped_mm traces (its fake checks like the op), differentiates (CPU: torch's kernels run it), and the
+    _grouped_mm route is registered."""
+    import nvfly.torch  # noqa: F401
+    from nvfly.torch import routing
+    a, b, offs = _operands()
+    meta = torch.ops.nvfly.grouped_mm(a.to("meta"), b.to("meta"), offs.to("meta"), fuse="silu_mul")
+    assert meta.shape == (64, 24) and meta.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="nvfly::grouped_mm: b: shape"):
+        torch.ops.nvfly.grouped_mm(a.to("meta"), b[:, :8].to("meta"), offs.to("meta"))
+    a.requires_grad_()
+    b.requires_grad_()
+    torch.ops.nvfly.grouped_mm(a, b, offs, fuse="silu_mul").float().square().sum().backward()
+    a32, b32 = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    grouped.reference(a32, b32, offs, fuse="silu_mul").square().sum().backward()
+    for got, want in ((a.grad, a32.grad), (b.grad, b32.grad)):
+        assert ((got.float() - want).norm() / want.norm()).item() < 2e-2
+    assert "aten::_grouped_mm" in [r.op for r in routing.routes()]
+
+
+def test_moe_layer_matches_the_reference_eager_and_compiled():
+    """The layer's routing, permutation and weighted un-permutation (CPU: the pieces fall back to torch)."""
+    from nvfly.ops import moe
+    gen = torch.Generator().manual_seed(1)
+    t, h, inter, e, k = 40, 64, 32, 8, 2
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    router = torch.randn(e, h, generator=gen).bfloat16()
+    w_gate_up = (torch.randn(e, 2 * inter, h, generator=gen) / 8).bfloat16()
+    w_down = (torch.randn(e, h, inter, generator=gen) / 6).bfloat16()
+    ref = moe.reference(x, router, w_gate_up, w_down, k)
+    out = moe.moe(x, router, w_gate_up, w_down, k)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+    compiled = torch.compile(lambda *args: moe.moe(*args, k), backend="eager")
+    assert torch.equal(compiled(x, router, w_gate_up, w_down), out)
+    rows, offs, order = moe.permute(x, torch.tensor([[3, 1], [1, 0], [3, 3]]), 4)
+    assert offs.tolist() == [1, 3, 3, 6] and order.tolist() == [3, 1, 2, 0, 4, 5]
+    assert torch.equal(rows, x[[1, 0, 1, 0, 2, 2]])

@@ -22,7 +22,8 @@ import torch
 # ``routing`` is the routing module, callable as its switch (``with nvfly.torch.routing():``). ``autotune`` and
 # ``explain`` name both a submodule and its main function: importing the function here, after the submodule,
 # leaves the function as the package attribute (reach the modules with ``from nvfly.torch.autotune import ...``)
-from nvfly.torch import attention_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode, SDPA route)
+from nvfly.torch import attention_ops, grouped_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode,
+# SDPA route; grouped_ops: nvfly::grouped_mm, the _grouped_mm route)
 from nvfly.torch.autotune import autotune, database
 from nvfly.torch.explain import explain
 from nvfly.torch.routing import install_routing, routing_enabled

@@ -169,3 +169,64 @@ def test_offsets_past_the_end_are_clamped(hopper):
     assert torch.allclose(out[40:].float(), ref, rtol=2e-2, atol=0.5)
     with pytest.raises(ValueError, match="offs: offsets must not decrease"):
         grouped.validate_offsets(offs, 100)
+
+
+def test_routing_and_autograd(hopper, monkeypatch):
+    """Under nvfly.torch.routing() torch._grouped_mm / F.grouped_mm run on nvfly, forward and backward (torch's
+    autograd formula calls _grouped_mm again: dA as 2-D x 3-D, dB grouped along K)."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    import nvfly.torch
+    calls = []
+    real = grouped.grouped_mm
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(grouped, "grouped_mm", counted)
+    sizes = [64, 0, 32, 96, 8, 56]
+    offs = sizes_to_offs(sizes)
+    a = torch.randn(sum(sizes), 256, device="cuda").to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(6, 128, 256, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+    with nvfly.torch.routing():
+        y = torch.nn.functional.grouped_mm(a, w.mT, offs=offs) if hasattr(torch.nn.functional, "grouped_mm") \
+            else torch._grouped_mm(a, w.mT, offs)
+        y.float().square().sum().backward()
+    assert len(calls) >= 3, calls  # forward, dA, dB
+    a32, w32 = a.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    ref = grouped.reference(a32, w32.mT, offs)
+    check(y, ref)
+    ref.square().sum().backward()
+    for got, want in ((a.grad, a32.grad), (w.grad, w32.grad)):
+        assert ((got.float() - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_custom_op_autograd_fused(hopper):
+    import nvfly.torch  # noqa: F401
+    sizes = [20, 0, 70, 38]
+    offs = sizes_to_offs(sizes)
+    a = torch.randn(sum(sizes), 128, device="cuda").to(torch.bfloat16).requires_grad_()
+    b = (torch.randn(4, 128, 192, device="cuda") / 12).to(torch.bfloat16).requires_grad_()
+    y = torch.ops.nvfly.grouped_mm(a, b, offs, fuse="silu_mul")
+    y.float().square().sum().backward()
+    a32, b32 = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    ref = grouped.reference(a32, b32, offs, fuse="silu_mul")
+    check(y, ref)
+    ref.square().sum().backward()
+    for got, want in ((a.grad, a32.grad), (b.grad, b32.grad)):
+        assert ((got.float() - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_moe_layer_eager_and_compiled(hopper):
+    from nvfly.ops import moe
+    t, h, inter, e, k = 300, 512, 256, 16, 4
+    x = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+    router = torch.randn(e, h, device="cuda").to(torch.bfloat16)
+    w_gate_up = (torch.randn(e, 2 * inter, h, device="cuda") / 22).to(torch.bfloat16)
+    w_down = (torch.randn(e, h, inter, device="cuda") / 16).to(torch.bfloat16)
+    ref = moe.reference(x, router, w_gate_up, w_down, k)
+    out = moe.moe(x, router, w_gate_up, w_down, k)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+    compiled = torch.compile(lambda *args: moe.moe(*args, k))
+    got = compiled(x, router, w_gate_up, w_down)
+    assert ((got.float() - ref).norm() / ref.norm()).item() < 2e-2

@@ -216,3 +216,10 @@ def test_moe_layer_matches_the_reference_eager_and_compiled():
     rows, offs, order = moe.permute(x, torch.tensor([[3, 1], [1, 0], [3, 3]]), 4)
     assert offs.tolist() == [1, 3, 3, 6] and order.tolist() == [3, 1, 2, 0, 4, 5]
     assert torch.equal(rows, x[[1, 0, 1, 0, 2, 2]])
+
+
+def test_explain_covers_grouped_mm():
+    from nvfly.torch.grouped_ops import explain_grouped
+    text = explain_grouped(64, 16384, 2048, 7168)
+    assert "nvfly runs: grouped contiguous: 128x256 tile on 2 consumers" in text
+    assert "nvfly declines: fuse" in explain_grouped(8, 512, 256, 1024, layout="kgrouped", fuse="silu_mul")

@@ -24,7 +24,7 @@ from nvfly.ops import grouped
 from nvfly.ops.common.opcall import Declined, OpCalls, named
 from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import routing
-from nvfly.torch.gemm_ops import Decision, record
+from nvfly.torch.gemm_ops import Decision, decisions, record
 from nvfly.torch.library import operator, register_fake
 
 log = logging.getLogger("nvfly")
@@ -164,6 +164,30 @@ def _backward(ctx: Any, grad: Tensor) -> tuple:
 
 
 torch.library.register_autograd("nvfly::grouped_mm", _backward, setup_context=_setup)
+
+
+# ---------------------------------------------------------------------------------------------- explain
+def explain_grouped(groups: int, m: int, n: int, k: int, *, layout: str = "contiguous", fuse: str = "none",
+                    b_major: str = "K", rows_per_group: Optional[float] = None) -> str:
+    """``nvfly explain --groups``: what nvfly runs for a grouped GEMM (``layout`` "contiguous": m routed rows in
+    all, "masked": m rows of capacity a group, "kgrouped": an m x n output a group, k the sum of the groups' K),
+    what it cannot run, and the grouped decisions of this process."""
+    lines = [f"grouped GEMM, {layout}{' + silu_mul' if fuse != 'none' else ''}: {groups} groups, M={m} N={n} K={k}, "
+             f"B {b_major}-major (bf16)"]
+    try:
+        lines.append("  nvfly runs: " + grouped.describe(layout, groups, m, n, k, fuse=fuse, b_major=b_major,
+                                                          rows_per_group=rows_per_group))
+    except (TypeError, ValueError) as exc:
+        lines.append(f"  nvfly declines: {exc}")
+    lines.append("  routed: torch._grouped_mm / F.grouped_mm under nvfly.torch.routing() (no bias, out_dtype None "
+                 "or a's dtype; the backward's grouped products too); torch.ops.nvfly.grouped_mm under torch.compile")
+    lines.append("  not covered: 3-D x 2-D (groups along N), bias, fp32 operands; Inductor's max-autotune grouped-mm "
+                 "candidates do not include nvfly yet")
+    seen = [d for d in decisions() if d.op.startswith("grouped_mm")]
+    if seen:
+        lines.append("  decisions in this process:")
+        lines += [f"    {d.op} {d.problem}: {d.reason or 'nvfly'}" for d in seen[-10:]]
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------- the route

@@ -93,6 +93,8 @@ def make_plan(layout: str, fuse: str, dtype: str, groups: int, a_major: str, b_m
     import nvfly
     if layout not in LAYOUTS or fuse not in FUSES:
         raise ValueError(f"layout/fuse: expected one of {LAYOUTS} / {FUSES}, got {layout!r} / {fuse!r}")
+    if fuse != "none" and layout == "kgrouped":
+        raise ValueError("fuse: the fused gate/up projection takes 3-D weights, not the K-grouped 2-D x 2-D")
     nv = getattr(nvfly, dtype)
     itemsize = nv.itemsize
     fused = fuse == "silu_mul"

@@ -28,8 +28,14 @@ def _check_kernel(k, bn):
     assert not k.warnings, k.warnings  # no serialised wgmma, setmaxnreg honoured
 
 
-@pytest.mark.parametrize("config", TILES, ids=str)
-@pytest.mark.parametrize("variant", VARIANTS, ids="-".join)
+# every variant on the 128x256 tile; the 64-row tile on one variant of each layout (all of them under --run-slow)
+CASES = [(v, TILES[0]) for v in VARIANTS] + [
+    pytest.param(v, TILES[1], marks=() if v in (VARIANTS[1], VARIANTS[5], VARIANTS[9]) else pytest.mark.slow)
+    for v in VARIANTS]
+
+
+@pytest.mark.parametrize("variant,config", CASES, ids=lambda x: "-".join(x) if isinstance(x, tuple) else
+                         f"{x.bm}x{x.bn}")
 def test_every_variant_compiles(variant, config):
     (k,) = grouped.compile_variants([variant], config=config)
     _check_kernel(k, config.bn)

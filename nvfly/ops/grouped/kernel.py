@@ -264,13 +264,12 @@ def clear_k_tail(ring, ring16, stage, offs, g, k, k_base, kt, consumer, t, WG_M,
 @nvfly.func
 def zero_k_tail(ring, ring16, stage, consumer, valid, t, WG_M, BK, A_MAJOR, A_SW, size):
     """Zero the K columns from ``valid`` on of the consumer's WG_M rows of the A tile at byte ``stage`` of the ring
-    (shared address ``ring``, 16-bit view ``ring16``)
-    (thread ``t`` of the consumer's 128), then fence the writes for wgmma (``a_tail_offset`` places the elements).
+    (shared address ``ring``, 16-bit view ``ring16``; thread ``t`` of the consumer's 128), then fence the writes
+    for wgmma (``a_tail_offset`` places the elements).
 
     K-major: each thread takes one row and zeroes its elements past ``valid`` one by one (2-byte stores, in a
-    loop). MN-major:
-    a K row of a swizzle-wide MN chunk is one line of A_SW bytes whatever the swizzle, so each thread zeroes whole
-    lines."""
+    loop). MN-major: a K row of a swizzle-wide MN chunk is one line of A_SW bytes whatever the swizzle, so each
+    thread zeroes whole lines."""
     if A_MAJOR == "K":
         if t < WG_M:
             r = consumer * WG_M + t

@@ -13,6 +13,7 @@ import torch
 
 import nvfly
 from nvfly.ops.common.opcall import OpCalls, named
+from nvfly.ops.gemm import api as gemm_api
 from nvfly.ops.gemm.config import GemmConfig
 from nvfly.ops.gemm.plan import OPERAND_DTYPES, operand_major, tma_reason
 from nvfly.ops.grouped.kernel import FUSES, grouped_kernel
@@ -109,15 +110,9 @@ def check(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtype] = N
 
 
 def _device_reason(a: Any, b: Any, offs: Any, out: Any, offs_name: str) -> Optional[str]:
-    if not a.is_cuda:
-        return f"a is on {a.device}, not CUDA"
-    for name, t in (("b", b), (offs_name, offs), ("out", out)):
-        if t is not None and t.device != a.device:
-            return f"{name} is on {t.device}, a on {a.device}"
-    major, minor = _capability(a.device.index)
-    if major != 9:
-        return f"a is on an sm_{major}{minor} GPU: nvfly's grouped GEMM needs an sm_90 (Hopper) GPU"
-    return None
+    if offs is not None and a.is_cuda and offs.device != a.device:
+        return f"{offs_name} is on {offs.device}, a on {a.device}"
+    return gemm_api._device_reason(a, b, None, out)  # the GEMM's: CUDA, one device, an sm_90 GPU
 
 
 def _layout_reason(a: Any, b: Any, offs: Any, offs_name: str) -> Optional[str]:
@@ -143,11 +138,6 @@ def eligibility(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtyp
         return str(exc)
     offs_name = "counts" if masked else "offs"
     return _device_reason(a, b, offs, out, offs_name) or _layout_reason(a, b, offs, offs_name)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 # ---------------------------------------------------------------------------------------------- plans

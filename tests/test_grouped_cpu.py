@@ -229,3 +229,47 @@ def test_explain_covers_grouped_mm():
     text = explain_grouped(64, 16384, 2048, 7168)
     assert "nvfly runs: grouped contiguous: 128x256 tile on 2 consumers" in text
     assert "nvfly declines: fuse" in explain_grouped(8, 512, 256, 1024, layout="kgrouped", fuse="silu_mul")
+
+
+@pytest.fixture
+def compile_grouped_mm():
+    """torch.compile(max-autotune) of torch._grouped_mm on CPU with only ATen (and nvfly) to choose from."""
+    import nvfly.torch
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    from nvfly.torch.gemm_ops import clear_decisions
+    torch._dynamo.reset()
+    clear_decisions()
+    patches = {"max_autotune_gemm_backends": "ATEN", "fx_graph_cache": False, "autotune_local_cache": False}
+    with inductor_config.patch(patches):
+        def run(a, b, offs):
+            fn = torch.compile(lambda a, b, o: torch._grouped_mm(a, b, o), mode="max-autotune-no-cudagraphs")
+            out, code = run_and_get_code(fn, a, b, offs)
+            assert torch.allclose(out.float(), torch._grouped_mm(a, b, offs).float())
+            return "\n".join(code)
+        yield run
+    nvfly.torch.uninstall()
+    torch._dynamo.reset()
+
+
+def test_inductor_grouped_mm_candidates(compile_grouped_mm, monkeypatch):
+    """max-autotune's grouped mm: declined on CPU with the reason; when eligible (patched), nvfly's candidates join
+    ATen's, and a winner is emitted as nvfly::grouped_mm_out (which runs torch on CPU, so the result stays right)."""
+    import nvfly.torch
+    from nvfly.torch import inductor
+    from nvfly.torch.gemm_ops import clear_decisions, decisions
+    a, b, offs = _operands()
+    nvfly.torch.install()
+    assert "nvfly" not in compile_grouped_mm(a, b, offs)
+    (d,) = [d for d in decisions() if d.where == "inductor"]
+    assert d.op == "grouped_mm" and d.reason == "a is on cpu, not CUDA"
+
+    clear_decisions()
+    torch._dynamo.reset()
+    monkeypatch.setattr(inductor.grouped, "eligibility", lambda *args, **kwargs: None)
+    monkeypatch.setattr(inductor.NvflyCaller, "_compile", lambda self, operands: None)
+    monkeypatch.setattr(inductor.NvflyCaller, "benchmark", lambda self, *args, out: 1e-6)
+    code = compile_grouped_mm(a, b, offs)
+    assert "torch.ops.nvfly.grouped_mm_out.default(" in code and "config='auto'" in code
+    (d,) = [d for d in decisions() if d.where == "inductor"]
+    assert d.candidates[0] == "auto" and len(d.candidates) == 4 and d.winner == "nvfly auto"

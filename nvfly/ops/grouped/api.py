@@ -48,16 +48,21 @@ def layout_of(a: Any, b: Any, masked: bool = False) -> str:
     raise ValueError(f"a, b: expected 2-D or 3-D operands, got {a.dim()}-D and {b.dim()}-D")
 
 
+def _tensor_like(t: Any) -> bool:
+    """A torch.Tensor, or tensor metadata (shape, strides, dtype, device: Inductor's operands)."""
+    return isinstance(t, torch.Tensor) or all(hasattr(t, attr) for attr in ("shape", "dtype", "dim", "stride"))
+
+
 def check(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtype] = None, out: Any = None,
           fuse: str = "none", masked: bool = False) -> tuple[str, tuple[int, ...], int]:
     """What any device must satisfy (types, ranks, dtypes, shapes that multiply, offsets of the right kind):
     (layout, output shape, groups); raises TypeError or ValueError naming the argument. ``offs`` is the masked
-    layout's counts when ``masked``."""
+    layout's counts when ``masked``. Takes tensors or their metadata (``nvfly.torch.gemm_ops.TensorInfo``)."""
     offs_name = "counts" if masked else "offs"
     for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor):
+        if not _tensor_like(t):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if out is not None and not isinstance(out, torch.Tensor):
+    if out is not None and not _tensor_like(out):
         raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}")
     if fuse not in FUSES:
         raise ValueError(f"fuse: expected one of {FUSES}, got {fuse!r}")
@@ -78,7 +83,7 @@ def check(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtype] = N
             raise ValueError("offs: 3-D x 3-D operands are a batch of equal groups and take no offsets")
         groups = a.shape[0]
     else:
-        if not isinstance(offs, torch.Tensor):
+        if not _tensor_like(offs):
             raise TypeError(f"{offs_name}: expected a 1-D int32 torch.Tensor (required with a 2-D operand), got "
                             f"{type(offs).__name__}")
         if offs.dtype != torch.int32 or offs.dim() != 1:

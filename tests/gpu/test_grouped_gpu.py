@@ -236,3 +236,30 @@ def test_moe_layer_eager_and_compiled(hopper):
     compiled = torch.compile(lambda *args: moe.moe(*args, k))
     got = compiled(x, router, w_gate_up, w_down)
     assert ((got.float() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_inductor_max_autotune_grouped_mm(hopper):
+    """nvfly's grouped candidates join max-autotune's grouped mm (ATen only beside them, to keep the compile short);
+    the compiled result is right whichever wins."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    import nvfly.torch
+    from torch._inductor import config as inductor_config
+    from nvfly.torch.gemm_ops import decisions
+    sizes = [64, 0, 128, 40, 200, 16]
+    offs = sizes_to_offs(sizes)
+    a = torch.randn(sum(sizes), 512, device="cuda").to(torch.bfloat16)
+    w = torch.randn(6, 256, 512, device="cuda").to(torch.bfloat16)
+    torch._dynamo.reset()
+    nvfly.torch.install()
+    try:
+        with inductor_config.patch({"max_autotune_gemm_backends": "ATEN", "fx_graph_cache": False}):
+            fn = torch.compile(lambda a, w, o: torch._grouped_mm(a, w.mT, o), mode="max-autotune-no-cudagraphs")
+            out = fn(a, w, offs)
+    finally:
+        nvfly.torch.uninstall()
+        torch._dynamo.reset()
+    check(out, grouped.reference(a, w.mT, offs))
+    (d,) = [d for d in decisions() if d.where == "inductor" and d.op == "grouped_mm"][-1:]
+    assert d.candidates and d.candidates[0] == "auto", d
+    assert any(name.startswith("nvfly") for name in d.timings_ms), d  # nvfly's choices were benchmarked

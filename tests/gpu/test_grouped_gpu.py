@@ -263,3 +263,35 @@ def test_inductor_max_autotune_grouped_mm(hopper):
     (d,) = [d for d in decisions() if d.where == "inductor" and d.op == "grouped_mm"][-1:]
     assert d.candidates and d.candidates[0] == "auto", d
     assert any(name.startswith("nvfly") for name in d.timings_ms), d  # nvfly's choices were benchmarked
+
+
+def test_cuda_graph_replays_new_group_sizes(hopper):
+    """No host read of the sizes: a captured call replays correctly after the device offsets and counts change (a
+    host sync would also make the capture itself fail)."""
+    e, k, n = 6, 256, 192
+    b = weights(e, k, n, "K")
+    a = torch.randn(400, k, device="cuda").to(torch.bfloat16)
+    offs = sizes_to_offs([50, 0, 100, 7, 200, 43])
+    out = torch.full((400, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    a3 = torch.randn(e, 64, k, device="cuda").to(torch.bfloat16)
+    counts = torch.tensor([3, 64, 0, 17, 1, 40], dtype=torch.int32).cuda()
+    out3 = torch.full((e, 64, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        grouped.grouped_mm(a, b, offs, out=out)
+        grouped.grouped_mm_masked(a3, b, counts, out=out3)
+    step()  # descriptors and kernels made outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    offs.copy_(sizes_to_offs([0, 120, 3, 200, 0, 60]))
+    counts.copy_(torch.tensor([64, 0, 9, 33, 2, 0], dtype=torch.int32))
+    a.copy_(torch.randn_like(a))
+    out.fill_(float("nan"))
+    out3.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(out[:383], grouped.reference(a[:383], b, offs))
+    assert out[383:].isnan().all()
+    check(out3, grouped.reference(a3, b, counts, masked=True))

@@ -62,6 +62,13 @@ def test_many_groups_compile_and_fit():
     assert k.resources.spill_stores == 0 and k.dynamic_smem_bytes == plan.smem_bytes
 
 
+@pytest.mark.parametrize("groups", [1, 3])
+def test_odd_group_counts_compile(groups):
+    """One group (no binary search step) and a count that is no power of two."""
+    (k,) = grouped.compile_variants([("contiguous", "none", "K", "K")], config=TILES[0], groups=groups)
+    assert k.resources.spill_stores == 0 and k.dynamic_smem_bytes == TILES[0].ring_end(2) + table_bytes(groups)
+
+
 @pytest.mark.parametrize("major", ["K", "MN"])
 @pytest.mark.parametrize("rows", [64, 128])
 def test_k_tail_offsets_match_the_wgmma_layout(major, rows):

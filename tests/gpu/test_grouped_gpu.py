@@ -68,6 +68,15 @@ def test_contiguous_column_major_tokens_and_dtypes(hopper):
         check(out, grouped.reference(a, b, offs), tol=1e-2 if out_dtype != torch.float32 else 3e-3)
 
 
+def test_one_group(hopper):
+    a = torch.randn(37, 192, device="cuda").to(torch.bfloat16)
+    b = weights(1, 192, 96, "MN")
+    offs = sizes_to_offs([30])
+    out = torch.full((37, 96), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, b, offs, out=out)
+    check(out, grouped.reference(a, b, offs))
+
+
 @pytest.mark.parametrize("groups", [128, 1024])
 def test_many_groups(hopper, groups):
     gen = torch.Generator().manual_seed(groups)

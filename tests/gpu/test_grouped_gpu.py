@@ -184,6 +184,8 @@ def test_offsets_past_the_end_are_clamped(hopper):
     assert torch.allclose(out[40:].float(), ref, rtol=2e-2, atol=0.5)
     with pytest.raises(ValueError, match="offs: offsets must not decrease"):
         grouped.validate_offsets(offs, 100)
+    with pytest.raises(ValueError, match="^nvfly.ops.grouped.grouped_mm: offs: the last offset 500 is beyond"):
+        grouped.grouped_mm(a, b, torch.tensor([40, 60, 500], dtype=torch.int32).cuda(), check_offsets=True)
 
 
 def test_routing_and_autograd(hopper, monkeypatch):

@@ -273,7 +273,8 @@ def _full_counts(device: torch.device, groups: int, rows: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------- the ops
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = None, *,
                out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None, fuse: str = "none",
-               config: Optional[GemmConfig] = None, rows_per_group: Optional[float] = None) -> torch.Tensor:
+               config: Optional[GemmConfig] = None, rows_per_group: Optional[float] = None,
+               check_offsets: bool = False) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs, out_dtype=out_dtype)`` on bf16/fp16 operands (fp32 accumulation, bf16, fp16
     or fp32 out), each operand of either major-ness:
 
@@ -286,10 +287,14 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = 
     ``fuse="silu_mul"``: b holds the gate columns [0, I) then the up columns [I, 2I) and the output is
     silu(a @ gate) * (a @ up), I columns wide (one kernel). The group sizes are never read on the host: groups of
     any size, 0 and smaller than a tile included; offsets that decrease or pass the end are clamped on the device
-    (no memory outside the operands is touched; ``validate_offsets`` checks them with a host sync). ``config`` a
-    GemmConfig for the kernel (cooperative, no K split), ``rows_per_group`` the heuristic's estimate of a group's
-    rows (default: the average). Raises TypeError or ValueError naming the argument when nvfly cannot run it."""
+    (no memory outside the operands is touched); ``check_offsets=True`` checks them first with a host sync
+    (``validate_offsets``: a ValueError naming ``offs``). ``config`` a GemmConfig for the kernel (cooperative, no K
+    split), ``rows_per_group`` the heuristic's estimate of a group's rows (default: the average). Raises TypeError
+    or ValueError naming the argument when nvfly cannot run it."""
     call = _bound(GROUPED_MM, a, b, offs, out_dtype, out, fuse, False, config, rows_per_group)
+    if check_offsets and offs is not None:
+        with named(GROUPED_MM):
+            validate_offsets(offs, a.shape[0] if b.dim() == 3 else a.shape[1])
     if out is None:
         out = torch.empty(call.shape, dtype=call.out_dtype, device=a.device)
     if type(call) is _GroupedCall and call.plan.layout == "masked":  # fused batched experts: full counts
@@ -301,12 +306,16 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = 
 def grouped_mm_masked(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, *,
                       out_dtype: Optional[torch.dtype] = None, out: Optional[torch.Tensor] = None,
                       fuse: str = "none", config: Optional[GemmConfig] = None,
-                      expected_rows: Optional[float] = None) -> torch.Tensor:
+                      expected_rows: Optional[float] = None, check_offsets: bool = False) -> torch.Tensor:
     """The masked layout (fixed capacity per expert, CUDA-graph decode): a [E, Mmax, K] x b [E, K, N] -> out
     [E, Mmax, N] where group g computes its first ``counts[g]`` rows (int32 [E] on the device, clamped to
     [0, Mmax]); the other rows are not written. ``expected_rows``: the rows a group has on average, for the
-    heuristic (default Mmax; DeepGEMM's expected_m). ``fuse``, ``config`` as ``grouped_mm``."""
+    heuristic (default Mmax; DeepGEMM's expected_m). ``fuse``, ``config``, ``check_offsets`` (of the counts) as
+    ``grouped_mm``."""
     call = _bound(GROUPED_MM_MASKED, a, b, counts, out_dtype, out, fuse, True, config, expected_rows)
+    if check_offsets:
+        with named(GROUPED_MM_MASKED):
+            validate_offsets(counts, a.shape[1], masked=True, name="counts")
     if out is None:
         out = torch.empty(call.shape, dtype=call.out_dtype, device=a.device)
     call.run(a, b, counts, out)

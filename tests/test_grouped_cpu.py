@@ -212,6 +212,14 @@ def test_custom_op_fake_autograd_and_route():
     assert "aten::_grouped_mm" in [r.op for r in routing.routes()]
 
 
+def test_custom_ops_pass_opcheck():
+    a, b, offs = (t.float() if t.dtype != torch.int32 else t for t in _operands())
+    torch.library.opcheck(torch.ops.nvfly.grouped_mm.default, (a, b, offs), {"fuse": "silu_mul"})
+    torch.library.opcheck(torch.ops.nvfly.grouped_mm.default, (a.t().contiguous(), a, offs))
+    torch.library.opcheck(torch.ops.nvfly.grouped_mm_masked.default, (a.view(4, 16, 32), b, offs.clamp_max(16)))
+    torch.library.opcheck(torch.ops.nvfly.grouped_mm_out.default, (a, b, offs, torch.empty(64, 48)))
+
+
 def test_moe_layer_matches_the_reference_eager_and_compiled():
     """The layer's routing, permutation and weighted un-permutation (CPU: the pieces fall back to torch)."""
     from nvfly.ops import moe

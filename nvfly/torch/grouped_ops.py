@@ -53,7 +53,7 @@ def _run(op: str, a: Tensor, b: Tensor, offs: Optional[Tensor], out_dtype: Optio
     decided = _DECIDED.get(key)
     if decided is None:
         with named(f"nvfly::{op}"):
-            grouped.check(a, b, offs, out_dtype, None, fuse, masked)
+            grouped.product(a, b, offs, out_dtype, None, fuse, masked)
         reason = grouped.eligibility(a, b, offs, out_dtype, None, fuse, masked)
         decided = Declined(reason) if reason else True
         _DECIDED.remember(key, decided)
@@ -124,6 +124,8 @@ def grouped_mm_out(a: Tensor, b: Tensor, offs: Optional[Tensor], out: Tensor, *,
     key = _out_signature(a, b, offs, out, config)
     decided = _OUT_DECIDED.get(key)
     if decided is None:
+        with named("nvfly::grouped_mm_out"):
+            grouped.product(a, b, offs, out.dtype, out)
         reason = grouped.eligibility(a, b, offs, out.dtype, out)
         decided = Declined(reason) if reason else True
         _OUT_DECIDED.remember(key, decided)
@@ -183,20 +185,20 @@ def inductor_candidates(a: Any, b: Any, offs: Any, limit: int) -> list[str]:
 
 def _grouped_mm_out_fake(a: Tensor, b: Tensor, offs: Optional[Tensor], out: Tensor, *, config: str = AUTO) -> None:
     with named("nvfly::grouped_mm_out"):
-        grouped.check(a, b, offs, out.dtype, out)
+        grouped.product(a, b, offs, out.dtype, out)
 
 
 def _grouped_mm_fake(a: Tensor, b: Tensor, offs: Optional[Tensor] = None, *,
                      out_dtype: Optional[torch.dtype] = None, fuse: str = "none") -> Tensor:
     with named("nvfly::grouped_mm"):
-        _, shape, _ = grouped.check(a, b, offs, out_dtype, None, fuse)
+        _, shape, _ = grouped.product(a, b, offs, out_dtype, None, fuse)
     return a.new_empty(shape, dtype=out_dtype or a.dtype)
 
 
 def _grouped_mm_masked_fake(a: Tensor, b: Tensor, counts: Tensor, *, out_dtype: Optional[torch.dtype] = None,
                             fuse: str = "none") -> Tensor:
     with named("nvfly::grouped_mm_masked"):
-        _, shape, _ = grouped.check(a, b, counts, out_dtype, None, fuse, True)
+        _, shape, _ = grouped.product(a, b, counts, out_dtype, None, fuse, True)
     return a.new_empty(shape, dtype=out_dtype or a.dtype)
 
 

@@ -5,8 +5,8 @@ kernel (``kernel``) walks every group's tiles without a host read of the sizes; 
 holds the host functions re-exported here, and docs/ops/grouped.md the design and measurements.
 """
 from nvfly.ops.grouped.api import (check, compile_variants, describe, eligibility, grouped_mm, grouped_mm_masked,
-                                   reference, validate_offsets)
+                                   product, reference, validate_offsets)
 from nvfly.ops.grouped.plan import GroupedPlan
 
 __all__ = ["GroupedPlan", "check", "compile_variants", "describe", "eligibility", "grouped_mm", "grouped_mm_masked",
-           "reference", "validate_offsets"]
+           "product", "reference", "validate_offsets"]

@@ -55,9 +55,20 @@ def _tensor_like(t: Any) -> bool:
 
 def check(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtype] = None, out: Any = None,
           fuse: str = "none", masked: bool = False) -> tuple[str, tuple[int, ...], int]:
-    """What any device must satisfy (types, ranks, dtypes, shapes that multiply, offsets of the right kind):
-    (layout, output shape, groups); raises TypeError or ValueError naming the argument. ``offs`` is the masked
-    layout's counts when ``masked``. Takes tensors or their metadata (``nvfly.torch.gemm_ops.TensorInfo``)."""
+    """``product``, then what nvfly's kernel takes of any device: bf16 or fp16 operands; raises TypeError or
+    ValueError naming the argument. Returns (layout, output shape, groups)."""
+    result = product(a, b, offs, out_dtype, out, fuse, masked)
+    if a.dtype not in OPERAND_DTYPES:
+        raise TypeError(f"a: dtype {a.dtype} is not supported: nvfly's grouped GEMM takes bf16 or fp16 operands")
+    return result
+
+
+def product(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtype] = None, out: Any = None,
+            fuse: str = "none", masked: bool = False) -> tuple[str, tuple[int, ...], int]:
+    """The product's rules, any dtype and device (types, ranks, one operand dtype, shapes that multiply, offsets of
+    the right kind): (layout, output shape, groups); raises TypeError or ValueError naming the argument. ``offs`` is
+    the masked layout's counts when ``masked``. Takes tensors or their metadata
+    (``nvfly.torch.gemm_ops.TensorInfo``). The torch ops and their fakes check this much."""
     offs_name = "counts" if masked else "offs"
     for name, t in (("a", a), ("b", b)):
         if not _tensor_like(t):
@@ -67,8 +78,6 @@ def check(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtype] = N
     if fuse not in FUSES:
         raise ValueError(f"fuse: expected one of {FUSES}, got {fuse!r}")
     layout = layout_of(a, b, masked)
-    if a.dtype not in OPERAND_DTYPES:
-        raise TypeError(f"a: dtype {a.dtype} is not supported: nvfly's grouped GEMM takes bf16 or fp16 operands")
     if b.dtype != a.dtype:
         raise TypeError(f"b: dtype {b.dtype} differs from a's {a.dtype}")
     if out_dtype is not None and out_dtype not in _OUT_DTYPES:

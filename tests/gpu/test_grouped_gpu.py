@@ -103,7 +103,7 @@ def test_masked(hopper, b_major, config):
 
 
 # K sizes: empty groups (zeros out), under one 64-wide k-block, unaligned tails, several k-blocks
-KGROUPED_SIZES = [[0, 3, 64, 130, 0, 257], [1000], [5, 0, 0, 70]]
+KGROUPED_SIZES = [[0, 3, 64, 130, 0, 257], [0, 1000, 0, 0, 0, 0], [5, 0, 0, 70, 0, 0]]  # 6 groups: one kernel each
 
 
 @pytest.mark.parametrize("majors,config", [(("MN", "MN"), None), (("MN", "MN"), SMALL), (("MN", "MN"), NARROW),
@@ -137,8 +137,8 @@ def test_batched_experts(hopper):
     check(grouped.grouped_mm(a, b), grouped.reference(a, b))
 
 
-@pytest.mark.parametrize("b_major", ["MN", "K"])
-@pytest.mark.parametrize("config", [None, SMALL, LARGE], ids=["heuristic", "64x128", "128x256"])
+@pytest.mark.parametrize("b_major,config", [("MN", None), ("K", SMALL), ("MN", LARGE), ("K", LARGE)],
+                         ids=["MN-heuristic", "K-64x128", "MN-128x256", "K-128x256"])
 def test_fused_gate_up(hopper, b_major, config):
     sizes = [0, 9, 150, 64, 3]
     inter, k = 200, 256  # I not a multiple of the tile: the gate tile's tail reads up columns, never stored

@@ -2,14 +2,14 @@
 
     import nvfly.torch
     nvfly.torch.install()                       # nvfly joins torch.compile(mode="max-autotune") GEMM autotuning
-    with nvfly.torch.routing():                 # eager: mm/addmm/bmm, decode SDPA (and RMSNorm, TopK) to nvfly
-                                                # where faster
+    with nvfly.torch.routing():                 # eager: mm/addmm/bmm, decode SDPA (and RMSNorm, TopK,
+                                                # torch._grouped_mm) to nvfly where faster
         y = model(x)
     nvfly.torch.autotune([(16, 4096, 4096)])    # fills the database that routing and Inductor's candidates read
     print(nvfly.torch.explain(16, 4096, 4096))  # candidates, times, winner, and why nvfly was declined or lost
 
-Importing this package registers nvfly's GEMM and attention-decode custom ops (``torch.ops.nvfly.*``) and
-changes nothing else: Inductor hooks are installed by ``install()`` only, aten routes by ``routing()`` /
+Importing this package registers nvfly's GEMM, grouped-GEMM and attention-decode custom ops
+(``torch.ops.nvfly.*``) and changes nothing else: Inductor hooks are installed by ``install()`` only, aten routes by ``routing()`` /
 ``enable_routing()`` only.
 No GPU is needed to import it.
 """

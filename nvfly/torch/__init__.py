@@ -9,8 +9,8 @@
     print(nvfly.torch.explain(16, 4096, 4096))  # candidates, times, winner, and why nvfly was declined or lost
 
 Importing this package registers nvfly's GEMM, grouped-GEMM and attention-decode custom ops
-(``torch.ops.nvfly.*``) and changes nothing else: Inductor hooks are installed by ``install()`` only, aten routes by ``routing()`` /
-``enable_routing()`` only.
+(``torch.ops.nvfly.*``) and changes nothing else: Inductor hooks are installed by ``install()`` only, aten routes by
+``routing()`` / ``enable_routing()`` only.
 No GPU is needed to import it.
 """
 from __future__ import annotations

@@ -15,13 +15,25 @@ Usage: python benchmarks/attention.py --decode [--quick] [--sq 1 4 8] [--layouts
 [--no-flex] [--fp8] [--name NAME]; paged layouts run at Sq = 1.
 Writes benchmarks/results/attention_decode_h200.json and .png.
 
+MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (one KV head of 576 columns, V its
+first 512) at Sq = 1, B 1/32/128, 128 heads (V3) and 16, S 4K and 32K, nvfly on shuffled pages of 64 tokens. The
+peers see the same problem as one head of Hq query rows (MQA absorbed: q (B, 1, Hq, 576), k = the cache (B, 1, S,
+576), v its first 512 columns as a view; no expanded copy): SDPA efficient and math, and compiled flex_attention.
+Correctness first (nvfly's first sequence against a float32 computation), then the median times; TB/s count the
+cache once (576 columns a key) plus q and o (``mla_bytes``), TFLOP/s 2 · (576 + 512) per (query head, key)
+(``mla_flops``). Writes benchmarks/results/attention_mla_h200.json and .png.
+
 Prefill (``--prefill [--quick] [--prefill-models ...] [--no-flex] [--name NAME]``): the prefill suite of ../shared/docs/anchors.md (B·S = 16K tokens at
 H·D = 2048 for D 64/128/256, GQA 32/8 and 64/8, DeepSeek-like Dqk 192/Dv 128 H 128, MiniMax-like 48/8), each
 non-causal and causal (Sq = Skv, so SDPA's and flex's causal masks are nvfly's). Correctness first: nvfly's last
 ``CHECK_ROWS`` query rows of the first sequence and first two KV heads' query heads against the float32 reference
 (the whole problem's reference would not fit), then nvfly, SDPA per backend (cuDNN, flash, efficient) and compiled
 flex_attention timed in the same process; TFLOP/s count the unmasked work only (``prefill_flops``: causal about
-halves it). Shapes nvfly declines (its eligibility reason in ``nvfly_skipped``) still time the peers.
+halves it). Shapes nvfly declines (its eligibility reason in ``nvfly_skipped``) still time the peers. Mod rows
+(``--mods``, the default; with ``--prefill-models`` only if it names ``mods``): causal GQA 32/8 at B 4 x 4K with soft-capping, ALiBi, a
+1024-key sliding window (nvfly's ``window``) and 4 documents a sequence (nvfly: a BlockMask of the mask) against
+compiled flex_attention with the same functions and its BlockMask; TFLOP/s on the pairs the mask keeps. ``--quick``
+times flex on the mod rows only.
 Writes benchmarks/results/attention_prefill_h200.json and .png.
 """
 from __future__ import annotations
@@ -39,6 +51,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, plot, rel_err, write_results  # noqa: E402
 from nvfly.ops import attention  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
+from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 
 # (name, batch, skv, hq, hkv, d): the decode suite of ../shared/docs/anchors.md
 SUITE = [("llama8b", 1, 131072, 32, 8, 128), ("llama8b", 32, 4096, 32, 8, 128), ("llama8b", 128, 4096, 32, 8, 128),
@@ -184,6 +197,90 @@ def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: s
     return row
 
 
+# ---------------------------------------------------------------------------------------------- MLA decode
+# (name, batch, skv, hq): DeepSeek-V3 (128 heads; V2-Lite and TP-8 V3 shards have 16)
+MLA_SUITE = [(f"mla{hq}", batch, skv, hq) for hq in (128, 16) for batch in (1, 32, 128) for skv in (4096, 32768)]
+MLA_QUICK = [("mla128", 1, 32768, 128), ("mla128", 32, 4096, 128), ("mla128", 128, 4096, 128),
+             ("mla16", 32, 32768, 16)]
+MLA_PAGE = 64
+MLA_BACKENDS = ("efficient", "math")  # flash and cuDNN take head dims up to 256
+
+
+def mla_error(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> float:
+    """nvfly's relative error on the first sequence against float32 softmax(q kᵀ / sqrt(576)) v (Sq = 1: every key
+    visible)."""
+    rows = q[0].reshape(-1, 576).float()
+    keys = cache[0, :, 0].float()
+    weights = torch.softmax(rows @ keys.T * 576 ** -0.5, dim=-1)
+    return rel_err(out[0].reshape(-1, 512).float(), weights @ keys[:, :512])
+
+
+def run_mla_row(shape: tuple, with_flex: bool) -> dict[str, Any]:
+    name, batch, skv, hq = shape
+    torch.manual_seed(0)
+    q = torch.randn(batch, 1, hq, 576, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(batch, skv, 1, 576, device="cuda", dtype=torch.bfloat16)
+    order = torch.randperm(batch * skv // MLA_PAGE, device="cuda")  # the cache as shuffled pages
+    pages = torch.empty(batch * skv // MLA_PAGE, MLA_PAGE, 1, 576, device="cuda", dtype=torch.bfloat16)
+    pages[order] = cache.reshape(-1, MLA_PAGE, 1, 576)
+    table = order.view(batch, -1).to(torch.int32)
+    row: dict[str, Any] = {"model": name, "batch": batch, "sq": 1, "skv": skv, "hq": hq, "hkv": 1, "dqk": 576,
+                           "dv": 512, "layout": f"paged{MLA_PAGE}"}
+    out = torch.full((batch, 1, hq, 512), float("nan"), dtype=q.dtype, device="cuda")
+    attention.decode(q, pages, pages[..., :512], block_table=table, out=out)
+    row["nvfly_err"] = mla_error(q, cache, out)
+    row["ok"] = row["nvfly_err"] < 2e-2 and not out.isnan().any().item()
+    row["splits"] = attention.mla_plan(batch, 1, hq, skv, plan_sm_count(0), True, MLA_PAGE).splits
+    row["nvfly_ms"] = bench_ms(lambda: attention.decode_mla(q, pages, block_table=table, validate=False))
+    # the peers ((B, S, H, D) arguments): one head of Hq query rows over the contiguous cache and its V view
+    rows_q, values = q.view(batch, hq, 1, 576), cache[..., :512]
+    for peer, call in sdpa_calls(rows_q, cache, values, False, MLA_BACKENDS).items():
+        row[f"{peer}_ms"] = bench_ms(call)
+    if with_flex:
+        call = flex_call(rows_q, cache, values, {}, False)
+        if call is not None:
+            row["flex_ms"] = bench_ms(call)
+    nbytes = attention.mla_bytes(q, None, skv)
+    flops = attention.mla_flops(q, None, skv)
+    for key in [key for key in row if key.endswith("_ms")]:
+        row[key[:-3] + "_tbs"] = nbytes / row[key] / 1e9
+        row[key[:-3] + "_tflops"] = flops / row[key] / 1e9
+        if key != "nvfly_ms":
+            row["vs_" + key[:-3]] = row[key] / row["nvfly_ms"]
+    return row
+
+
+def run_mla(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
+    import torch._dynamo
+    torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
+    rows, started = [], time.time()
+    for shape in MLA_QUICK if args.quick else MLA_SUITE:
+        row = run_mla_row(shape, not args.no_flex)
+        rows.append(row)
+        peers = "  ".join(f"{key[:-4]} {row[key]:.2f}" for key in row if key.endswith("_tbs") and key != "nvfly_tbs")
+        print(f"{row['model']:>7} B{row['batch']:<3} Skv{row['skv']:<6} splits {row['splits']:<3} "
+              f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s {row['nvfly_tflops']:.0f} TFLOP/s  "
+              f"(TB/s: {peers})", flush=True)
+        torch.cuda.empty_cache()
+    summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in rows),
+               "min_nvfly_tbs": min(r["nvfly_tbs"] for r in rows),
+               "max_nvfly_tflops": max(r["nvfly_tflops"] for r in rows),
+               **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in rows if f"vs_{peer}" in r])
+                  for peer in (*MLA_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in rows)}}
+    print(summary)
+    command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    name = args.name or "attention_mla"
+    path = write_results(name, rows, {"summary": summary, "command": command, "card": torch.cuda.get_device_name()})
+    labels = [f"{r['model']} B{r['batch']} {r['skv'] // 1024}K" for r in rows]
+    series = {"nvfly": [r["nvfly_tbs"] for r in rows]}
+    for peer in (*MLA_BACKENDS, "flex"):
+        if any(f"{peer}_tbs" in r for r in rows):
+            series[peer] = [r.get(f"{peer}_tbs", 0.0) for r in rows]
+    plot(name, labels, series, "TB/s (the cache once + q + o)")
+    print("wrote", path)
+    return 0 if summary["all_ok"] else 1
+
+
 # ---------------------------------------------------------------------------------------------- prefill
 # (name, batch, s, hq, hkv, dqk, dv): the prefill suite of ../shared/docs/anchors.md
 PREFILL_SUITE = ([(f"d{d}", 16384 // s, s, 2048 // d, 2048 // d, d, d) for d in (64, 128, 256)
@@ -195,39 +292,100 @@ PREFILL_QUICK = [("d128", 4, 4096, 32, 32, 128, 128), ("d128", 2, 8192, 16, 16, 
                  ("gqa64/8", 1, 16384, 64, 8, 128, 128)]
 PREFILL_BACKENDS = ("cudnn", "flash", "efficient")  # math would materialise S: not a peer at these sizes
 CHECK_ROWS = 256
+PREFILL_MOD_SHAPE = ("gqa32/8", 4, 4096, 32, 8, 128, 128)  # the mod rows (all causal): Llama-like GQA at 4K
+PREFILL_MODS = ("softcap50", "alibi", "window1024", "documents")
+WINDOW = 1024
 
 
-def prefill_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool) -> float:
+def prefill_mods(mod: str, batch: int, s: int, hq: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(nvfly's keyword arguments, flex's mods) of a mod row: the same functions; the window is nvfly's first-class
+    ``window`` and flex's mask_mod; the documents (4 per sequence, random lengths) a BlockMask of the mask for nvfly
+    and the same mask_mod for flex (which builds its BlockMask)."""
+    if mod == "softcap50":
+        return {"score_mod": M.soft_cap(50.0)}, {"score_mod": M.soft_cap(50.0)}
+    if mod == "alibi":
+        slopes = torch.tensor(M.alibi_slopes(hq), device="cuda")
+        return {"score_mod": M.alibi(slopes)}, {"score_mod": M.alibi(slopes)}
+    if mod == "window1024":
+        return {"window": (WINDOW - 1, 0)}, {"mask_mod": M.sliding_window(WINDOW)}
+    from torch.nn.attention.flex_attention import create_block_mask
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    cuts = torch.sort(torch.randint(1, s, (batch, 3), device="cuda", generator=gen), dim=1).values
+    ids = (torch.arange(s, device="cuda")[None, :, None] >= cuts[:, None, :]).sum(-1).to(torch.int32)
+    documents = M.document_mask(ids)
+
+    def causal_documents(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & documents(b, h, q_idx, kv_idx)
+    return ({"block_mask": create_block_mask(causal_documents, batch, None, s, s, device="cuda")},
+            {"mask_mod": documents})
+
+
+def kept_pairs(nvfly_mods: dict[str, Any], flex_mods: dict[str, Any], batch: int, s: int, causal: bool) -> int:
+    """(query, key) pairs of one head kept by causal and the mask, summed over the batch (the mask evaluated)."""
+    if "window" in nvfly_mods:
+        return batch * attention.prefill_flops(1, s, s, 1, 1, 0, causal, window=nvfly_mods["window"]) // 2
+    mask_mod = flex_mods.get("mask_mod")
+    if mask_mod is None:
+        return batch * attention.prefill_flops(1, s, s, 1, 1, 0, causal) // 2
+    rows, keys = torch.arange(s, device="cuda")[:, None], torch.arange(s, device="cuda")[None, :]
+    total = 0
+    for b in range(batch):
+        keep = mask_mod(torch.tensor(b, device="cuda"), torch.tensor(0, device="cuda"), rows, keys)
+        total += int((keep & (keys <= rows) if causal else keep).sum())
+    return total
+
+
+def shifted(mods: dict[str, Any], shift: int) -> dict[str, Any]:
+    """The mods for the last rows of a sequence as their own queries: q_idx moved by ``shift``; a block mask
+    replaced by its mask_mod (it is built from it)."""
+    out = {key: value for key, value in mods.items() if key not in ("score_mod", "mask_mod", "block_mask")}
+    score_mod, mask_mod = mods.get("score_mod"), mods.get("mask_mod")
+    if "block_mask" in mods:
+        mask_mod = mods["block_mask"].mask_mod
+    if score_mod is not None:
+        out["score_mod"] = lambda score, b, h, q_idx, kv_idx: score_mod(score, b, h, q_idx + shift, kv_idx)
+    if mask_mod is not None:
+        out["mask_mod"] = lambda b, h, q_idx, kv_idx: mask_mod(b, h, q_idx + shift, kv_idx)
+    return out
+
+
+def prefill_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, causal: bool,
+                  mods: Optional[dict[str, Any]] = None) -> float:
     """nvfly's relative error on the last CHECK_ROWS queries of sequence 0 and the query heads of its first two KV
-    heads (Sq = Skv: those rows see the same keys as in the whole problem)."""
+    heads (Sq = Skv: those rows see the same keys as in the whole problem, bottom-right aligned; the mods see their
+    rows' indices in the whole sequence)."""
     heads = 2 * (q.shape[2] // k.shape[2])
-    want, _ = attention.prefill_reference(q[:1, -CHECK_ROWS:, :heads], k[:1, :, :2], v[:1, :, :2], causal=causal)
-    return rel_err(out[:1, -CHECK_ROWS:, :heads].float(), want)
+    rows = min(CHECK_ROWS, q.shape[1])
+    want, _ = attention.prefill_reference(q[:1, -rows:, :heads], k[:1, :, :2], v[:1, :, :2], causal=causal,
+                                          **shifted(mods or {}, q.shape[1] - rows))
+    return rel_err(out[:1, -rows:, :heads].float(), want)
 
 
-def run_prefill_row(shape: tuple, causal: bool, with_flex: bool) -> dict[str, Any]:
+def run_prefill_row(shape: tuple, causal: bool, with_flex: bool, mod: str = "none") -> dict[str, Any]:
     name, batch, s, hq, hkv, dqk, dv = shape
     torch.manual_seed(0)
     q = torch.randn(batch, s, hq, dqk, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, s, hkv, dqk, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, s, hkv, dv, device="cuda", dtype=torch.bfloat16)
     row: dict[str, Any] = {"model": name, "batch": batch, "sq": s, "skv": s, "hq": hq, "hkv": hkv, "dqk": dqk,
-                           "dv": dv, "causal": causal, "mod": "none"}
-    flops = attention.prefill_flops(batch, s, s, hq, dqk, dv, causal)
-    reason = attention.prefill_eligibility(q, k, v)
+                           "dv": dv, "causal": causal, "mod": mod}
+    mods, flex_mods = prefill_mods(mod, batch, s, hq) if mod != "none" else ({}, {})
+    flops = 2 * (dqk + dv) * hq * kept_pairs(mods, flex_mods, batch, s, causal)
+    reason = attention.prefill_eligibility(q, k, v, **mods)
     if reason is None:
         out = torch.full((batch, s, hq, dv), float("nan"), dtype=q.dtype, device="cuda")
-        attention.prefill(q, k, v, causal=causal, out=out)
-        row["nvfly_err"] = prefill_error(q, k, v, out, causal)
+        attention.prefill(q, k, v, causal=causal, out=out, **mods)
+        row["nvfly_err"] = prefill_error(q, k, v, out, causal, mods)
         row["ok"] = row["nvfly_err"] < 2e-2 and not out.isnan().any().item()  # every row written
         del out
-        row["nvfly_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal))
+        row["nvfly_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal, validate=False, **mods))
     else:
         row["nvfly_skipped"] = reason
-    for peer, call in sdpa_calls(q, k, v, causal, PREFILL_BACKENDS).items():
-        row[f"{peer}_ms"] = bench_ms(call)
+    if mod == "none":
+        for peer, call in sdpa_calls(q, k, v, causal, PREFILL_BACKENDS).items():
+            row[f"{peer}_ms"] = bench_ms(call)
     if with_flex:
-        call = flex_call(q, k, v, {}, causal)
+        call = flex_call(q, k, v, flex_mods, causal)
         if call is not None:
             row["flex_ms"] = bench_ms(call)
     for key in [key for key in row if key.endswith("_ms")]:
@@ -242,29 +400,36 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
              if args.prefill_models is None or shape[0] in args.prefill_models]
     import torch._dynamo
     torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
+    cases = [(shape, causal, "none") for shape in suite for causal in (False, True)]
+    if args.mods and (args.prefill_models is None or "mods" in args.prefill_models):
+        cases += [(PREFILL_MOD_SHAPE, True, mod) for mod in PREFILL_MODS]
     rows, started = [], time.time()
-    for shape in suite:
-        for causal in (False, True):
-            row = run_prefill_row(shape, causal, not args.no_flex)
-            rows.append(row)
-            peers = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row
-                              if key.endswith("_tflops") and key != "nvfly_tflops")
-            mine = (f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tflops']:.0f} TFLOP/s" if "nvfly_ms" in row
-                    else f"nvfly: {row['nvfly_skipped']}")
-            print(f"{row['model']:>9} B{row['batch']:<3} S{row['sq']:<6} {row['hq']}/{row['hkv']} "
-                  f"{row['dqk']}/{row['dv']} {'causal' if causal else 'full':>6}  {mine}  ({peers})", flush=True)
-            torch.cuda.empty_cache()
+    for shape, causal, mod in cases:
+        # --quick times flex on the mod rows only (its compiles are most of the time; SDPA is the plain rows' peer)
+        row = run_prefill_row(shape, causal, not args.no_flex and (mod != "none" or not args.quick), mod)
+        rows.append(row)
+        peers = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row
+                          if key.endswith("_tflops") and key != "nvfly_tflops")
+        mine = (f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tflops']:.0f} TFLOP/s" if "nvfly_ms" in row
+                else f"nvfly: {row['nvfly_skipped']}")
+        print(f"{row['model']:>9} B{row['batch']:<3} S{row['sq']:<6} {row['hq']}/{row['hkv']} "
+              f"{row['dqk']}/{row['dv']} {'causal' if causal else 'full':>6} {mod:>10}  {mine}  ({peers})",
+              flush=True)
+        torch.cuda.empty_cache()
     timed = [r for r in rows if "nvfly_ms" in r]
     summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in timed),
                "declined": len(rows) - len(timed),
                **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in timed if f"vs_{peer}" in r])
                   for peer in (*PREFILL_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in timed)}}
+    if any("vs_flex" in r and r["mod"] != "none" for r in timed):
+        summary["geomean_mods_vs_flex"] = geomean([r["vs_flex"] for r in timed
+                                                   if "vs_flex" in r and r["mod"] != "none"])
     print(summary)
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     path = write_results(args.name or "attention_prefill", rows,
                          {"summary": summary, "command": command, "card": torch.cuda.get_device_name()})
     labels = [f"{r['model']} B{r['batch']} S{r['sq'] // 1024}K {r['hq']}/{r['hkv']} {'c' if r['causal'] else 'f'}"
-              for r in rows]
+              + (f" {r['mod']}" if r["mod"] != "none" else "") for r in rows]
     series = {"nvfly": [r.get("nvfly_tflops", 0.0) for r in rows]}
     for peer in (*PREFILL_BACKENDS, "flex"):
         if any(f"{peer}_tflops" in r for r in rows):
@@ -282,21 +447,28 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="decode: six rows: B1 128K, B16 48/8 32K at Sq 1 and 4, B32 4K paged 16, soft-cap and "
                         "block-mask rows; prefill: five shapes (D 128 at 4K, 8K, 16K, D 64 at 2K, GQA 64/8 16K), "
-                        "each non-causal and causal")
+                        "each non-causal and causal, and the four mod rows (flex timed on those only)")
     p.add_argument("--sq", type=int, nargs="*", default=[1, 4, 8], help="query tokens of the suite's rows")
     p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
     p.add_argument("--models", nargs="*", default=None, choices=sorted({shape[0] for shape in SUITE}),
                    help="only these rows of the suite (the whole suite takes over 10 minutes with flex)")
-    p.add_argument("--prefill-models", nargs="*", default=None, choices=sorted({shape[0] for shape in PREFILL_SUITE}),
-                   help="prefill: only these rows (the whole suite with flex takes longer than one 10-minute run)")
-    p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True, help="the mod rows")
+    p.add_argument("--prefill-models", nargs="*", default=None,
+                   choices=sorted({shape[0] for shape in PREFILL_SUITE} | {"mods"}),
+                   help="prefill: only these rows, 'mods' for the mod rows (the whole suite with flex takes longer "
+                        "than one 10-minute run)")
+    p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True,
+                   help="the mod rows (prefill: soft-cap, ALiBi, sliding window, documents)")
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")
+    p.add_argument("--mla", action="store_true", help="decode: the MLA suite (DeepSeek's 576/512 latent cache) "
+                                                       "instead; with --quick four rows")
     p.add_argument("--fp8", action="store_true", help="also each row's shape with fp8 (e4m3) K/V caches (nvfly only)")
     p.add_argument("--name", default=None, help="results file stem (benchmarks/results/<name>_h200; default "
                                                  "attention_decode or attention_prefill)")
     args = p.parse_args(argv)
     if args.prefill:
         return run_prefill(args, argv)
+    if args.mla:
+        return run_mla(args, argv)
     args.name = args.name or "attention_decode"
     if args.quick:
         cases = [(shape, sq, layout, "none") for shape, sq, layout in QUICK]

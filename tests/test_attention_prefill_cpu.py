@@ -11,6 +11,7 @@ import torch
 
 import nvfly
 from nvfly.ops import attention
+from nvfly.ops.attention.prefill_api import masking
 from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, HEAD_DIMS, MAX_SMEM, PRODUCER_REGS, PrefillPlan,
                                               causal_offset, key_blocks)
 
@@ -21,6 +22,7 @@ def gmma_count(kernel, shape, a_from_registers):
     return len(re.findall(rf"HGMMA\.{shape}\.F32\.BF16 R\d+, {a_operand}gdesc\[", kernel.sass()))
 
 
+@pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("dqk, dv", HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_plans_compile_to_hgmma_without_spills(dqk, dv, causal):
@@ -47,89 +49,155 @@ def test_fp16_and_no_lse_compile():
     assert not kernel.warnings
 
 
+WINDOWS = [(None, None), (None, 0), (3, 0), (0, 0), (2, None), (5, 2), (None, 4), (11, 1)]
+
+
 @pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
 @pytest.mark.parametrize("bm, bn", [(8, 4), (8, 5), (4, 8)])  # as 128 x 128, 128 x 80 (D 256), and wider keys
 def test_key_blocks_keep_exactly_the_visible_keys(alignment, bm, bn):
-    """Blocks below ``unmasked`` are visible to every row of the tile (no mask needed), blocks from ``total`` on to
-    none of its real rows (never loaded), for lengths around the block sizes."""
+    """Blocks in [unmasked_start, unmasked_end) are visible to every row of the tile (no mask needed), blocks before
+    start and from total on to none of its real rows (never loaded), for lengths around the block sizes, causal
+    and sliding windows (left, right) of every kind."""
     for sq in (1, 3, 8, 9, 17):
         for skv in (1, 4, 5, 13, 24):
-            offset = causal_offset(sq, skv, alignment)
-            for causal in (False, True):
+            for window in WINDOWS:
+                b = masking(False, window, alignment)
+                offset = causal_offset(sq, skv, alignment)
+
+                def visible(row, key):
+                    return (key < skv and (not b.causal or key <= row + offset + b.right)
+                            and (not b.window or key >= row + offset - b.left))
                 for m in range(-(-sq // bm)):
-                    unmasked, total = key_blocks(m, skv, causal, offset, bm, bn)
-                    assert 0 <= unmasked <= total <= -(-skv // bn)
+                    start, low, high, total = key_blocks(m, skv, b.causal, b.window, offset, b.left, b.right, bm, bn)
+                    assert 0 <= start <= low <= high <= total <= -(-skv // bn)
                     for n in range(-(-skv // bn)):
                         keys = range(n * bn, n * bn + bn)
-                        seen = [(key < skv) and (not causal or key <= row + offset)
-                                for row in range(m * bm, m * bm + bm) for key in keys]
-                        real = [(key < skv) and (not causal or key <= row + offset)
-                                for row in range(m * bm, min(m * bm + bm, sq)) for key in keys]
-                        if n < unmasked:
-                            assert all(seen), (sq, skv, causal, m, n)
-                        if n >= total:
-                            assert not any(real), (sq, skv, causal, m, n)
+                        if low <= n < high:
+                            assert all(visible(row, key) for row in range(m * bm, m * bm + bm) for key in keys)
+                        if n < start or n >= total:
+                            assert not any(visible(row, key) for row in range(m * bm, min(m * bm + bm, sq))
+                                           for key in keys), (sq, skv, window, m, n)
 
 
-def blocked_model(q, k, v, causal, scale, alignment, bm=16, bn=8):
-    """The kernel's algorithm in float32 on the CPU for one (B=1) head group: tiles of ``bm`` rows walk the key
-    blocks of ``key_blocks``, the unmasked ones without a mask; maxima in raw score units, exp2 with the scale
-    folded, thread sums rescaled, P rounded to the input type before P·V; then O / l and LSE."""
-    sq, hq, d = q.shape[1:]
-    skv, hkv = k.shape[1:3]
-    offset = causal_offset(sq, skv, alignment)
-    scale_log2 = scale / math.log(2.0)
-    out = torch.zeros(1, sq, hq, v.shape[3])
-    lse = torch.full((1, hq, sq), float("-inf"))
-    for h in range(hq):
-        for m in range(-(-sq // bm)):
-            rows = torch.arange(m * bm, m * bm + bm)
-            qt = torch.zeros(bm, d)
-            valid = rows < sq
-            qt[valid] = q[0, rows[valid], h].float()
-            top = torch.full((bm,), float("-inf"))
-            total = torch.zeros(bm)
-            acc = torch.zeros(bm, v.shape[3])
-            unmasked, blocks = key_blocks(m, skv, causal, offset, bm, bn)
-            for n in range(blocks):
-                keys = torch.arange(n * bn, n * bn + bn)
-                kt = torch.zeros(bn, d)
-                vt = torch.zeros(bn, v.shape[3])
-                inside = keys < skv
-                kt[inside] = k[0, keys[inside], h // (hq // hkv)].float()
-                vt[inside] = v[0, keys[inside], h // (hq // hkv)].float()
-                s = qt @ kt.T
-                if n >= unmasked:
-                    keep = inside[None, :] & ((keys[None, :] <= rows[:, None] + offset) if causal else True)
+def tile_blocks(m, sq, skv, b, offset, bm, bn, block_mask, batch, head):
+    """The kernel's walk over a tile's key blocks: (block, positional mask, mask_mod) in order — ``key_blocks``'s
+    three loops, or a BlockMask's partial then full list, each listed block as kv_block / bn stages
+    (``listed_block``)."""
+    if block_mask is None:
+        start, low, high, total = key_blocks(m, skv, b.causal, b.window, offset, b.left, b.right, bm, bn)
+        return ([(n, True, True) for n in range(start, low)] + [(n, False, True) for n in range(low, high)]
+                + [(n, True, True) for n in range(high, total)])
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    parts = kv_block // bn
+    walk = []
+    for t, (num, indices) in enumerate(((block_mask.kv_num_blocks, block_mask.kv_indices),
+                                        (block_mask.full_kv_num_blocks, block_mask.full_kv_indices))):
+        if num is None:
+            continue
+        bb, hh, qb = min(batch, num.shape[0] - 1), min(head, num.shape[1] - 1), m * bm // q_block
+        for i in range(int(num[bb, hh, qb]) * parts):
+            walk.append((int(indices[bb, hh, qb, i // parts]) * parts + i % parts, True, t == 0))
+    return walk
+
+
+def blocked_model(q, k, v, causal, scale, alignment, bm=16, bn=8, window=None, score_mod=None, mask_mod=None,
+                  block_mask=None, cu_seqlens=None):
+    """The kernel's algorithm in float32 on the CPU: tiles of ``bm`` rows walk ``tile_blocks``; rows and keys are
+    read from the (packed) tensors from the sequence's start, past its end too (the next sequence's rows; zeros
+    past the tensor, as TMA fills), and masked by the tail, causal and window bounds in masked blocks; the mods see
+    the row and key clamped to the sequence; maxima in score units, exp2 with the scale (or log2 e after a
+    score_mod) folded, sums rescaled, P rounded to the input type before P·V; then O / l and LSE. Padded (B, S, H,
+    D) tensors, or packed (T, H, D) ones with ``cu_seqlens`` (q's, k's)."""
+    packed = cu_seqlens is not None
+    if packed:
+        starts_q, starts_k = cu_seqlens[0].tolist(), cu_seqlens[1].tolist()
+    else:
+        starts_q = [i * q.shape[1] for i in range(q.shape[0] + 1)]
+        starts_k = [i * k.shape[1] for i in range(k.shape[0] + 1)]
+        q, k, v = q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+    hq, dv = q.shape[1], v.shape[2]
+    hkv = k.shape[1]
+    b = masking(causal, window, alignment)
+    fold = math.log2(math.e) if score_mod is not None else scale / math.log(2.0)
+    out = torch.zeros(q.shape[0], hq, dv)
+    lse = torch.full((hq, q.shape[0]), float("-inf"))
+
+    def rows_of(source, first, count):
+        """``count`` rows of ``source`` from ``first``, zeros past its end."""
+        tile = torch.zeros(count, *source.shape[1:])
+        present = source[first:first + count]
+        tile[:present.shape[0]] = present.float()
+        return tile
+    sequences = len(starts_q) - 1
+    for seq in range(sequences):
+        q0, k0 = starts_q[seq], starts_k[seq]
+        sq, skv = starts_q[seq + 1] - q0, starts_k[seq + 1] - k0
+        # padded sequences end at their tensor's end (TMA zero-fills); packed ones read on into the next sequence
+        q_end, k_end = (q.shape[0], k.shape[0]) if packed else (q0 + sq, k0 + skv)
+        offset = (skv - sq) if alignment == "bottom_right" else 0
+        for h in range(hq):
+            for m in range(-(-sq // bm)):
+                rows = torch.arange(m * bm, m * bm + bm)
+                qt = rows_of(q[:q_end, h], q0 + m * bm, bm)
+                top = torch.full((bm,), float("-inf"))
+                total = torch.zeros(bm)
+                acc = torch.zeros(bm, dv)
+                for n, masked, with_mask_mod in tile_blocks(m, sq, skv, b, offset, bm, bn, block_mask, seq, h):
+                    keys = torch.arange(n * bn, n * bn + bn)
+                    kv_h = h // (hq // hkv)
+                    kt, vt = rows_of(k[:k_end, kv_h], k0 + n * bn, bn), rows_of(v[:k_end, kv_h], k0 + n * bn, bn)
+                    s = qt @ kt.T
+                    mod_rows = rows.clamp(max=sq - 1)[:, None]
+                    mod_keys = (keys.clamp(0, skv - 1) if masked else keys)[None, :]
+                    if score_mod is not None:
+                        s = score_mod(s * scale, torch.tensor(seq), torch.tensor(h), mod_rows, mod_keys).float()
+                    keep = torch.ones(bm, bn, dtype=torch.bool)
+                    if masked:
+                        keep = keep & (keys[None, :] < skv)
+                        if b.causal:
+                            keep = keep & (keys[None, :] <= rows[:, None] + offset + b.right)
+                        if b.window:
+                            keep = keep & (keys[None, :] >= rows[:, None] + offset - b.left)
+                    mod = mask_mod if block_mask is None else block_mask.mask_mod
+                    if mod is not None and with_mask_mod:
+                        keep = keep & mod(torch.tensor(seq), torch.tensor(h), mod_rows, mod_keys).bool()
                     s = s.masked_fill(~keep, float("-inf"))
-                new_top = torch.maximum(top, s.max(dim=1).values)
-                reference = torch.where(new_top == float("-inf"), 0.0, new_top)
-                rescale = torch.exp2(top * scale_log2 - reference * scale_log2)
-                p = torch.exp2(s * scale_log2 - (reference * scale_log2)[:, None])
-                total = total * rescale + p.sum(dim=1)
-                acc = acc * rescale[:, None] + p.to(q.dtype).float() @ vt
-                top = new_top
-            kept = total > 0
-            out[0, rows[valid], h] = torch.where(kept[:, None], acc / total.clamp_min(1e-30)[:, None], 0.0)[valid]
-            row_lse = (top * scale_log2 + torch.log2(total.clamp_min(1e-30))) * math.log(2.0)
-            lse[0, h, rows[valid]] = torch.where(kept, row_lse, float("-inf"))[valid]
-    return out, lse
+                    new_top = torch.maximum(top, s.max(dim=1).values)
+                    reference = torch.where(new_top == float("-inf"), 0.0, new_top)
+                    rescale = torch.exp2(top * fold - reference * fold)
+                    p = torch.exp2(s * fold - (reference * fold)[:, None])
+                    total = total * rescale + p.sum(dim=1)
+                    acc = acc * rescale[:, None] + p.to(q.dtype).float() @ vt
+                    top = new_top
+                kept = total > 0
+                valid = rows < sq
+                out[q0 + rows[valid], h] = torch.where(kept[:, None], acc / total.clamp_min(1e-30)[:, None],
+                                                       0.0)[valid]
+                row_lse = (top * fold + torch.log2(total.clamp_min(1e-30))) * math.log(2.0)
+                lse[h, q0 + rows[valid]] = torch.where(kept, row_lse, float("-inf"))[valid]
+    if packed:
+        return out, lse
+    return out.reshape(sequences, -1, hq, dv), lse.reshape(hq, sequences, -1).transpose(0, 1).contiguous()
 
 
-@pytest.mark.parametrize("sq, skv, causal, alignment", [
-    (37, 37, True, "bottom_right"), (64, 64, True, "bottom_right"), (20, 45, True, "bottom_right"), (45, 20, True, "bottom_right"),
-    (45, 20, True, "top_left"), (20, 45, True, "top_left"), (33, 19, False, "bottom_right"),
+@pytest.mark.parametrize("sq, skv, causal, alignment, window", [
+    (37, 37, True, "bottom_right", None), (64, 64, True, "bottom_right", None), (20, 45, True, "bottom_right", None),
+    (45, 20, True, "bottom_right", None), (45, 20, True, "top_left", None), (20, 45, True, "top_left", None),
+    (33, 19, False, "bottom_right", None), (50, 50, True, "bottom_right", (9, None)),
+    (40, 70, False, "top_left", (13, 4)), (70, 40, False, "bottom_right", (20, -1)),
 ])
 @pytest.mark.parametrize("bn", [8, 5])
-def test_blocked_model_matches_the_reference(sq, skv, causal, alignment, bn):
-    """Dv != Dqk as DeepSeek's 192/128; key blocks dividing the query tile or not (128 x 80 at D 256)."""
+def test_blocked_model_matches_the_reference(sq, skv, causal, alignment, window, bn):
+    """Dv != Dqk as DeepSeek's 192/128; key blocks dividing the query tile or not (128 x 80 at D 256); sliding
+    windows with and without causal (rows with no key in the window: zeros, LSE -inf)."""
     torch.manual_seed(sq * 100 + skv)
     q = torch.randn(1, sq, 4, 16).to(torch.bfloat16)
     k = torch.randn(1, skv, 2, 16).to(torch.bfloat16)
     v = torch.randn(1, skv, 2, 12).to(torch.bfloat16)
     scale = 16 ** -0.5
-    out, lse = blocked_model(q, k, v, causal, scale, alignment, bn=bn)
-    ref_out, ref_lse = attention.prefill_reference(q, k, v, causal=causal, scale=scale, causal_alignment=alignment)
+    out, lse = blocked_model(q, k, v, causal, scale, alignment, bn=bn, window=window)
+    ref_out, ref_lse = attention.prefill_reference(q, k, v, causal=causal, scale=scale, causal_alignment=alignment,
+                                                   window=window)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     finite = torch.isfinite(ref_lse)
     torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-4)
@@ -144,6 +212,11 @@ def test_visible_pairs_and_flops():
             count = sum(1 for i in range(sq) for j in range(skv) if j <= i + offset)
             assert visible_pairs(sq, skv, True, alignment) == count
         assert visible_pairs(sq, skv, False) == sq * skv
+        for window in WINDOWS:
+            b = masking(False, window, "top_left")
+            count = sum(1 for i in range(sq) for j in range(skv) if (not b.causal or j <= i + b.right)
+                        and (not b.window or j >= i - b.left))
+            assert visible_pairs(sq, skv, False, "top_left", window) == count
     assert attention.prefill_flops(1, 4096, 4096, 16, 128, 128, False) == 4 * 4096 * 4096 * 16 * 128
     assert attention.prefill_flops(1, 4096, 4096, 16, 128, 128, True) == 2 * 256 * 16 * 4096 * 4097 // 2
 
@@ -162,8 +235,8 @@ def _inputs(b=1, sq=8, skv=8, hq=4, hkv=2, d=64, dtype=torch.bfloat16):
     (lambda q, k, v: (q, k[..., :32], v), "k", ValueError, "head dim 32 differs"),
     (lambda q, k, v: (q[..., :32], k[..., :32], v[..., :32]), "q", ValueError, "head dim 32 is not supported"),
     (lambda q, k, v: (q, k, v[:, :5]), "v", ValueError, "does not match k's"),
-    (lambda q, k, v: (q, k, torch.zeros(1, 8, 2, 128, dtype=torch.bfloat16)), "v", ValueError,
-     "head dim 128 with Dqk 64 is not supported"),
+    (lambda q, k, v: (q, k, torch.zeros(1, 8, 2, 256, dtype=torch.bfloat16)), "v", ValueError,
+     "head dim 256 with Dqk 64 is not supported"),
     (lambda q, k, v: (q, k[:, :, :, ::2].repeat(1, 1, 1, 2)[..., :64].transpose(-1, -2).contiguous()
                       .transpose(-1, -2), v), "k", ValueError, "last dimension must be contiguous"),
 ])
@@ -186,10 +259,9 @@ def test_option_errors_and_eligibility_reasons():
     assert attention.prefill_eligibility(q, k, v) == "q is on cpu, not CUDA"
 
 
-def test_host_path_launches_the_prefill_kernel(recorded_launches, monkeypatch):
-    """prefill's host path on CPU tensors through the real binder (conftest's recorded_launches; TMA descriptors
-    holding their tensor's address in place of the driver's encoding): grid (query tiles, Hq, B), the descriptors
-    of q (a (B, H, S, D) view), k and v, out and lse passed; no launch without keys."""
+def _cpu_prefill(monkeypatch):
+    """prefill on CPU tensors: no CUDA check, TMA descriptors holding their tensor's address in place of the
+    driver's encoding."""
     from nvfly.ops.attention import prefill_api
     from nvfly.runtime.tma import TmaDescriptor
 
@@ -199,6 +271,13 @@ def test_host_path_launches_the_prefill_kernel(recorded_launches, monkeypatch):
         return desc
     monkeypatch.setattr(prefill_api, "_require_cuda", lambda q, op: None)
     monkeypatch.setattr(prefill_api, "cached_descriptor", descriptor)
+
+
+def test_host_path_launches_the_prefill_kernel(recorded_launches, monkeypatch):
+    """prefill's host path on CPU tensors through the real binder (conftest's recorded_launches; TMA descriptors
+    holding their tensor's address in place of the driver's encoding): grid (query tiles, Hq, B), the descriptors
+    of q (a (B, H, S, D) view), k and v, out and lse passed; no launch without keys."""
+    _cpu_prefill(monkeypatch)
     q, k, v = _inputs(b=2, sq=300, skv=77, hq=6, hkv=2, d=128)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
     out, lse = attention.prefill(q, k, v, causal=True, return_lse=True)
@@ -210,3 +289,310 @@ def test_host_path_launches_the_prefill_kernel(recorded_launches, monkeypatch):
     assert out.data_ptr() in params and lse.data_ptr() in params
     out, lse = attention.prefill(q, k[:, :0], v[:, :0], return_lse=True)
     assert len(recorded_launches) == 1 and (out == 0).all() and torch.isinf(lse).all()
+
+
+# ---------------------------------------------------------------------------------------------- mods, windows,
+# block masks, packed sequences
+from nvfly.ops.attention import mods as M  # noqa: E402
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # noqa: E402
+
+SLOPES = torch.tensor(M.alibi_slopes(4))
+DOCUMENTS = torch.zeros(2, 1000, dtype=torch.int32)
+BIAS = torch.zeros(4, 63)
+MOD_FAMILIES = {  # name: (plan, mods, attend_block traces)
+    "d128-causal-window": (attention.prefill_plan(128, 128, True, window=True), M.Mods(), 3),
+    "d64-window-softcap": (attention.prefill_plan(64, 64, False, window=True), M.Mods(M.soft_cap(30.0)), 3),
+    "d128-causal-alibi": (attention.prefill_plan(128, 128, True), M.Mods(M.alibi(SLOPES)), 2),
+    "d64-document": (attention.prefill_plan(64, 64, False), M.Mods(None, M.document_mask(DOCUMENTS)), 2),
+    "d128-relative-bias-prefix": (attention.prefill_plan(128, 128, False),
+                                  M.Mods(M.relative_position_bias(BIAS), M.prefix_lm(SLOPES)), 2),
+    "d192-blockmask-window": (attention.prefill_plan(192, 128, False, kv_block=128, q_block=128),
+                              M.Mods(None, M.sliding_window(300)), 2),
+    "d128-blockmask256-causal-softcap": (attention.prefill_plan(128, 128, True, kv_block=256, q_block=256),
+                                         M.Mods(M.soft_cap(20.0)), 2),
+    "d128-varlen-causal-window": (attention.prefill_plan(128, 128, True, window=True, varlen=True), M.Mods(), 3),
+    "d64-varlen-document": (attention.prefill_plan(64, 64, False, varlen=True),
+                            M.Mods(None, M.document_mask(DOCUMENTS)), 2),
+    "d256-causal-window-softcap": (attention.prefill_plan(256, 256, True, window=True), M.Mods(M.soft_cap(30.0)), 3),
+    "d256-blockmask-64key-stages": (attention.prefill_plan(256, 256, False, kv_block=128, q_block=128),
+                                    M.Mods(None, M.sliding_window(300)), 2),
+}
+
+
+SLOW_FAMILIES = ("d64-window-softcap", "d128-relative-bias-prefix", "d128-blockmask256-causal-softcap",
+                 "d64-varlen-document", "d256-causal-window-softcap")
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_FAMILIES else name
+                                  for name in MOD_FAMILIES])
+def test_mod_window_blockmask_varlen_plans_compile_without_spills(name):
+    """Each variant compiles to HGMMA (register-A P·V) once per attend_block trace (three loops: a window's left
+    edge, fully visible, the diagonal and tail; a block mask's partial and full lists), with no spills and no ptxas
+    warnings; the mods' code is in the kernel (tanh, the captured tables' loads). Without a window the first loop is
+    empty at trace time."""
+    plan, mods, traces = MOD_FAMILIES[name]
+    kernel = attention.compile_prefill(plan, mods=mods)
+    s_steps, pv_steps = plan.dqk // 16, plan.block_n // 16
+    assert gmma_count(kernel, f"64x{plan.block_n}x16", a_from_registers=False) == traces * s_steps
+    assert gmma_count(kernel, f"64x{plan.dv}x16", a_from_registers=True) == traces * pv_steps
+    assert "LDL" not in kernel.sass() and "STL" not in kernel.sass()
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert not kernel.warnings
+    assert ("math.tanh" in kernel.mlir) == ("softcap" in name)
+    if M.captured_tensors(mods) or plan.kv_block or plan.varlen:
+        assert kernel.sass_opcodes()["LDG.E"] > 0  # captured tables, block lists or cu_seqlens read in the kernel
+
+
+def flex(q, k, v, score_mod=None, block_mask=None, scale=None):
+    """flex_attention on (B, S, H, D) tensors in float32 (eager, on the CPU) with its LSE."""
+    out, lse = flex_attention(q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+                              score_mod=score_mod, block_mask=block_mask, enable_gqa=True, return_lse=True,
+                              scale=scale)
+    return out.transpose(1, 2), lse
+
+
+def _case(sq=300, skv=300, hq=4, hkv=2, d=16, seed=0):
+    torch.manual_seed(seed)
+    return (torch.randn(2, sq, hq, d).to(torch.bfloat16), torch.randn(2, skv, hkv, d).to(torch.bfloat16),
+            torch.randn(2, skv, hkv, d).to(torch.bfloat16))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("mod", ["soft_cap", "alibi", "relative_bias", "document", "prefix_lm", "window",
+                                 "causal_window_blockmask"])
+def test_reference_with_mods_is_flex_attention(mod):
+    """prefill_reference's mods, windows and block masks mean what flex_attention's do (q_idx the row): the same
+    outputs and LSE as flex on the same mods, with a BlockMask of the mask where there is one."""
+    q, k, v = _case(sq=300, skv=260)
+    documents = torch.randint(0, 3, (2, 300)).sort(dim=1).values.to(torch.int32)
+    score_mod = mask_mod = None
+    kwargs = {}
+    if mod == "soft_cap":
+        score_mod = M.soft_cap(2.0)
+    elif mod == "alibi":
+        score_mod = M.alibi(SLOPES)
+    elif mod == "relative_bias":
+        score_mod = M.relative_position_bias(torch.randn(4, 31))
+    elif mod == "document":
+        mask_mod = M.document_mask(documents)
+    elif mod == "prefix_lm":
+        mask_mod = M.prefix_lm(torch.tensor([5, 200], dtype=torch.int32))
+    elif mod == "window":  # flash-attn's window (left 37, right 5), bottom-right aligned like its causal
+        kwargs["window"] = (37, 5)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx >= q_idx + 260 - 300 - 37) & (kv_idx <= q_idx + 260 - 300 + 5)
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (q_idx - kv_idx < 260)
+    block_mask = None if mask_mod is None else create_block_mask(mask_mod, 2, 1, 300, 260, device="cpu")
+    want, want_lse = flex(q, k, v, score_mod, block_mask)
+    if mod == "window":
+        got, lse = attention.prefill_reference(q, k, v, **kwargs)
+    elif mod == "causal_window_blockmask":
+        got, lse = attention.prefill_reference(q, k, v, block_mask=block_mask)
+        assert int(block_mask.full_kv_num_blocks.sum()) > 0 and int(block_mask.kv_num_blocks.sum()) > 0
+    else:
+        got, lse = attention.prefill_reference(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
+    seen = torch.isfinite(lse)
+    assert torch.equal(seen, torch.isfinite(want_lse)) or mod == "window"  # flex gives rows with no key lse -inf
+    torch.testing.assert_close(got[seen.permute(0, 2, 1)[..., None].expand_as(got)],
+                               want[seen.permute(0, 2, 1)[..., None].expand_as(want)], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lse[seen], want_lse[seen], atol=1e-4, rtol=1e-4)
+
+
+def test_varlen_reference_is_the_padded_reference():
+    """prefill_reference with cu_seqlens: each packed sequence equals the reference of that sequence alone (causal
+    both ways with a window, a mod whose b is the sequence); rows outside every sequence are 0 and -inf."""
+    torch.manual_seed(3)
+    lengths_q, lengths_k = [5, 0, 130, 1], [9, 4, 100, 1]
+    q = torch.randn(sum(lengths_q) + 3, 4, 16).to(torch.bfloat16)
+    k = torch.randn(sum(lengths_k), 2, 16).to(torch.bfloat16)
+    v = torch.randn(sum(lengths_k), 2, 16).to(torch.bfloat16)
+    cu_q = torch.tensor([0, 5, 5, 135, 136], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 13, 113, 114], dtype=torch.int32)
+    offsets = torch.tensor([0.5, 1.0, -1.0, 2.0])
+
+    def per_sequence(score, b, h, q_idx, kv_idx):
+        return score + offsets[b]
+    for alignment in ("bottom_right", "top_left"):
+        kwargs = dict(causal=True, causal_alignment=alignment, window=(40, None), score_mod=per_sequence)
+        out, lse = attention.prefill_reference(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **kwargs)
+        for b in range(4):
+            (q0, q1), (k0, k1) = cu_q[b:b + 2].tolist(), cu_k[b:b + 2].tolist()
+
+            def shifted(score, bb, h, q_idx, kv_idx, b=b):
+                return score + offsets[b]
+            want, want_lse = attention.prefill_reference(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                                                         **dict(kwargs, score_mod=shifted))
+            torch.testing.assert_close(out[q0:q1], want[0])
+            torch.testing.assert_close(lse[:, q0:q1], want_lse[0])
+        assert (out[136:] == 0).all() and torch.isinf(lse[:, 136:]).all()
+
+
+def test_host_path_passes_varlen_offsets(recorded_launches, monkeypatch):
+    """prefill_varlen launches (longest sequence's query tiles, Hq, B) with the packed tensors and both cu_seqlens;
+    the window's left and right and the alignment are scalars of the launch."""
+    _cpu_prefill(monkeypatch)
+    q, k, v = torch.zeros(400, 6, 64, dtype=torch.bfloat16), torch.zeros(90, 2, 64, dtype=torch.bfloat16), \
+        torch.zeros(90, 2, 64, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 300, 301, 400], dtype=torch.int32)
+    cu_k = torch.tensor([0, 30, 60, 90], dtype=torch.int32)
+    out, lse = attention.prefill_varlen(q, k, v, cu_q, cu_k, causal=True, window=(17, None), return_lse=True)
+    assert out.shape == (400, 6, 64) and lse.shape == (6, 400)
+    assert [(name, grid) for name, grid, _ in recorded_launches] == [("attention_prefill_kernel", (3, 6, 3))]
+    params = recorded_launches[0][2]
+    assert cu_q.data_ptr() in params and cu_k.data_ptr() in params and out.data_ptr() in params
+    assert params[-5:-1] == (3, 1, 17, 0)  # group, bottom-right, left, right
+
+
+def test_host_path_passes_block_mask_tables(recorded_launches, monkeypatch):
+    """A broadcast (1, 1) BlockMask's tables reach the kernel expanded to (B, Hq, ...) int32, partial and full."""
+    _cpu_prefill(monkeypatch)
+    q, k, v = _inputs(b=2, sq=300, skv=500, hq=4, hkv=2, d=128)
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 200, 1, 1, 300, 500, device="cpu")
+    out = attention.prefill(q, k, v, block_mask=mask)
+
+    def out_pointer(params):
+        return out.data_ptr()
+    assert [(name, grid) for name, grid, _ in recorded_launches] == [("attention_prefill_kernel", (3, 4, 2))]
+    params = recorded_launches[0][2]
+    pointers = [p for p in params if isinstance(p, int) and p > 1 << 20]
+    assert out_pointer(params) in pointers and len(pointers) == 1 + 4  # out and the four tables (no lse)
+
+
+def _mask(q_len, kv_len, block=(128, 128)):
+    return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, 1, 1, q_len, kv_len, device="cpu",
+                             BLOCK_SIZE=block)
+
+
+@pytest.mark.parametrize("call, argument, kind, message", [
+    (lambda q, k, v: attention.prefill(q, k, v, window=(3,)), "window", ValueError, "expected (left, right)"),
+    (lambda q, k, v: attention.prefill(q, k, v, window=(-2, 0)), "window", ValueError, "non-negative"),
+    (lambda q, k, v: attention.prefill(q, k, v, score_mod=3), "score_mod", TypeError, "expected a function"),
+    (lambda q, k, v: attention.prefill(q, k, v, block_mask=object()), "block_mask", TypeError, "BlockMask"),
+    (lambda q, k, v: attention.prefill(q, k, v, block_mask=_mask(8, 8, (128, 64))), "block_mask", ValueError,
+     "KV block size 64 is not a multiple of the kernel's 128-key stage"),
+    (lambda q, k, v: attention.prefill(q, k, v, block_mask=_mask(8, 8, (64, 128))), "block_mask", ValueError,
+     "query block size 64 is not a multiple of the kernel's 128-row tile"),
+    (lambda q, k, v: attention.prefill(q, *[t.repeat(1, 40, 1, 1) for t in (k, v)], block_mask=_mask(8, 8)),
+     "block_mask", ValueError, "1 KV blocks of 128 cover 128 keys, the cache holds 320"),
+    (lambda q, k, v: attention.prefill(torch.zeros(1, 300, 4, 64, dtype=torch.bfloat16), k, v,
+                                       block_mask=_mask(128, 8)), "block_mask", ValueError, "cover 128 queries"),
+    (lambda q, k, v: attention.prefill(q, k, v, score_mod=lambda s, b, h, i, j: s + SLOPES[h] + BIAS[h, j]
+                                       + DOCUMENTS[b, i]), "score_mod", ValueError, "at most 2"),
+])
+def test_mod_and_block_mask_errors_name_the_argument(call, argument, kind, message):
+    with pytest.raises(kind, match=rf"^attention\.prefill: {argument}: .*{re.escape(message)}"):
+        call(*_inputs())
+
+
+@pytest.mark.parametrize("cu_q, cu_k, max_q, argument, message", [
+    ([0, 5, 3], [0, 4, 8], None, "cu_seqlens_q", "non-decreasing"),
+    ([0, 5, 8], [0, 4, 9], None, "cu_seqlens_k", "beyond the 8 packed tokens"),
+    ([0, 5, 8], [0, 4], None, "cu_seqlens_k", "2 offsets"),
+    ([0, 5, 8], [0, 4, 8], 4, "max_seqlen_q", "shorter than a sequence of 5"),
+])
+def test_varlen_errors_name_the_argument(cu_q, cu_k, max_q, argument, message):
+    q, k, v = (t[0] for t in _inputs())
+    with pytest.raises(ValueError, match=rf"^attention\.prefill: {argument}: .*{re.escape(message)}"):
+        attention.prefill_varlen(q, k, v, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+                                 max_q)
+    with pytest.raises(TypeError, match=r"^attention\.prefill: cu_seqlens_q: expected int32"):
+        attention.prefill_varlen(q, k, v, torch.tensor(cu_q), torch.tensor(cu_k, dtype=torch.int32))
+
+
+def test_untraceable_mods_point_at_the_users_line():
+    def cumulative(score, b, h, q_idx, kv_idx):
+        return torch.cumsum(score, 0)
+
+    def branchy(b, h, q_idx, kv_idx):
+        return kv_idx < 10 if q_idx > 5 else kv_idx > 3
+    plan = attention.prefill_plan(64, 64, False)
+    for mods, needle, code in ((M.Mods(cumulative), "cumsum is not supported", cumulative.__code__),
+                               (M.Mods(None, branchy), "torch.where", branchy.__code__)):
+        with pytest.raises(nvfly.CompileError, match=needle) as info:
+            attention.compile_prefill(plan, mods=mods)
+        assert info.value.filename == __file__ and info.value.lineno == code.co_firstlineno + 1
+
+
+def _model_case(batch, sq, skv, seed):
+    torch.manual_seed(seed)
+    return (torch.randn(batch, sq, 4, 16).to(torch.bfloat16), torch.randn(batch, skv, 2, 16).to(torch.bfloat16),
+            torch.randn(batch, skv, 2, 12).to(torch.bfloat16))
+
+
+def _assert_model_matches(got, got_lse, want, want_lse):
+    assert torch.equal(torch.isinf(got_lse), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(got_lse[finite], want_lse[finite], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("case", ["softcap-documents", "alibi-causal-window", "relative-bias-prefix"])
+def test_blocked_model_with_mods_matches_the_reference(case):
+    """The kernel's mod handling (score_mod on the scaled score with log2 e folded, mask_mod in every block, the
+    mods' indices clamped to the sequence in masked blocks, tails and key-less rows) equals the reference."""
+    q, k, v = _model_case(2, 45, 37, seed=len(case))
+    ids = torch.tensor([[0] * 10 + [1] * 20 + [2] * 15, [0] * 30 + [1] * 15], dtype=torch.int32)
+    kwargs = {"softcap-documents": dict(score_mod=M.soft_cap(1.5), mask_mod=M.document_mask(ids), causal=False),
+              "alibi-causal-window": dict(score_mod=M.alibi(SLOPES), causal=True, window=(11, None)),
+              "relative-bias-prefix": dict(score_mod=M.relative_position_bias(torch.randn(4, 9)),
+                                           mask_mod=M.prefix_lm(torch.tensor([3, 40], dtype=torch.int32)))}[case]
+    kwargs.setdefault("causal", False)
+    got, got_lse = blocked_model(q, k, v, scale=0.25, alignment="top_left", **kwargs)
+    want, want_lse = attention.prefill_reference(q, k, v, scale=0.25, causal_alignment="top_left", **kwargs)
+    _assert_model_matches(got, got_lse, want, want_lse)
+
+
+@pytest.mark.parametrize("kind", ["create_block_mask", "random"])
+def test_blocked_model_with_block_masks_matches_the_reference(kind):
+    """The kernel's BlockMask walk (each tile's query block's partial list with the mask_mod and positional bounds,
+    then its full list; KV blocks of two ring stages, query blocks of two tiles) equals the reference's flex
+    semantics."""
+    from torch.nn.attention.flex_attention import BlockMask
+    sq, skv, q_block, kv_block = 70, 90, 32, 16  # the model's tiles: 16 rows x 8 keys
+    q, k, v = _model_case(2, sq, skv, seed=7)
+    if kind == "create_block_mask":
+        def causal_window(b, h, q_idx, kv_idx):
+            return (kv_idx <= q_idx + 20) & (q_idx + 20 - kv_idx < 60 + 10 * b)
+        mask = create_block_mask(causal_window, 2, None, sq, skv, device="cpu", BLOCK_SIZE=(q_block, kv_block))
+        assert int(mask.full_kv_num_blocks.sum()) > 0
+    else:
+        rng = torch.Generator().manual_seed(3)
+        q_blocks, kv_blocks = -(-sq // q_block), -(-skv // kv_block)
+        order = torch.argsort(torch.rand(2, 4, q_blocks, kv_blocks, generator=rng), dim=-1).to(torch.int32)
+        listed = torch.randint(0, kv_blocks + 1, (2, 4, q_blocks), generator=rng, dtype=torch.int32)
+        cut = (listed.float() * torch.rand(listed.shape, generator=rng)).to(torch.int32)
+        full = torch.stack([torch.roll(row, -int(n)) for row, n in zip(order.view(-1, kv_blocks), cut.view(-1))])
+
+        def stripes(b, h, q_idx, kv_idx):  # partial blocks: the first ``cut`` of a random order; full: the next
+            return (q_idx + 2 * kv_idx + h) % 3 != 0
+        mask = BlockMask.from_kv_blocks(cut, order, listed - cut, full.view_as(order),
+                                        BLOCK_SIZE=(q_block, kv_block), mask_mod=stripes, seq_lengths=(sq, skv))
+    got, got_lse = blocked_model(q, k, v, causal=False, scale=0.25, alignment="bottom_right", block_mask=mask)
+    want, want_lse = attention.prefill_reference(q, k, v, scale=0.25, block_mask=mask)
+    _assert_model_matches(got, got_lse, want, want_lse)
+
+
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+def test_blocked_model_packed_matches_the_reference(alignment):
+    """Packed sequences as the kernel reads them (each from its cu_seqlens row, on into the next sequence's rows,
+    dropped by the tail mask; finite rows after the last one) with causal, a window and a mod whose b is the
+    sequence, against the reference sequence by sequence."""
+    torch.manual_seed(5)
+    lengths_q, lengths_k = [37, 0, 50, 1, 20], [20, 9, 61, 1, 0]
+    q = torch.randn(sum(lengths_q) + 3, 4, 16).to(torch.bfloat16)
+    k = torch.randn(sum(lengths_k) + 3, 2, 16).to(torch.bfloat16)
+    v = torch.randn(sum(lengths_k) + 3, 2, 12).to(torch.bfloat16)
+    cu_q = torch.tensor([0, 37, 37, 87, 88, 108], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 29, 90, 91, 91], dtype=torch.int32)
+    offsets = torch.tensor([0.5, 1.0, -1.0, 2.0, 0.0])
+
+    def per_sequence(score, b, h, q_idx, kv_idx):
+        return score + offsets[b] * (kv_idx - q_idx) / 8
+    kwargs = dict(causal=True, window=(15, None), score_mod=per_sequence)
+    got, got_lse = blocked_model(q, k, v, scale=0.25, alignment=alignment, cu_seqlens=(cu_q, cu_k), **kwargs)
+    want, want_lse = attention.prefill_reference(q, k, v, scale=0.25, causal_alignment=alignment, cu_seqlens_q=cu_q,
+                                                 cu_seqlens_k=cu_k, **kwargs)
+    _assert_model_matches(got[:108], got_lse[:, :108], want[:108], want_lse[:, :108])

@@ -6,11 +6,18 @@ import functools
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import nvfly
+from nvfly.ops.attention.checks import aligned as _aligned
+from nvfly.ops.attention.checks import check_values as _check_values
+from nvfly.ops.attention.checks import require_cuda as _require_cuda
+from nvfly.ops.attention.checks import sm_count as _sm_count
+from nvfly.ops.attention.checks import tensor_argument as _tensor
 from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.decode_kernel import attention_decode_kernel
-from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_tables, check_block_mask, check_scales, error,
+from nvfly.ops.attention.kv_options import (FP8, block_mask_tables, check_block_mask, check_scales, error,
                                             kernel_scales, mask_mod_of, per_head, reference_block_keep)
+from nvfly.ops.attention.mla_api import check_mla_arguments, from_decode, mla_eligibility
+from nvfly.ops.attention.mla_plan import DQK as MLA_DQK
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, captured_tensors
 from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, decode_plan
 from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls
@@ -23,17 +30,9 @@ DTYPES = ("torch.bfloat16", "torch.float16")
 _MODS: dict = {}  # (score_mod, mask_mod) -> Mods: one compile key per pair of functions
 
 
-def _tensor(value: Any, name: str, rank: int, op: str = OP) -> None:
-    import torch
-    if not isinstance(value, torch.Tensor):
-        raise error(TypeError, name, f"expected a torch.Tensor, got {type(value).__name__}", op)
-    if value.dim() != rank:
-        raise error(ValueError, name, f"expected {rank} dimensions, got shape {tuple(value.shape)}", op)
-
-
-def _aligned(t: "torch.Tensor") -> bool:
-    """16-byte copies of every row: a 16-byte aligned base and every stride but the last a multiple of 16 bytes."""
-    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+def _is_mla(q: Any, k_cache: Any) -> bool:
+    """A 576-column q (no head dim of the general kernel): MLA decode's call (``mla_api``)."""
+    return getattr(q, "ndim", 0) == 4 and q.shape[-1] == MLA_DQK
 
 
 def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any) -> tuple[int, int]:
@@ -99,26 +98,21 @@ def check_arguments(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = 
                     k_scale: Any = None, v_scale: Any = None) -> None:
     """``decode``'s checks of shapes, dtypes, devices and layouts, raising as it does: what reads no tensor values or
     addresses (so a fake implementation under FakeTensorMode runs them too)."""
+    if _is_mla(q, k_cache):
+        check_mla_arguments(q, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale)
+        return
     _check(q, k_cache, v_cache, cache_seqlens, block_table)
     check_scales(k_scale, v_scale, q, k_cache)
-
-
-def _check_values(cache_seqlens: Any, block_table: Any, capacity: int, pages: int) -> None:
-    """Lengths within the cache and page numbers within k_cache (reads them: a device sync)."""
-    if cache_seqlens is not None and cache_seqlens.numel():
-        low, high = int(cache_seqlens.min()), int(cache_seqlens.max())
-        if low < 0 or high > capacity:
-            raise error(ValueError, "cache_seqlens", f"lengths from {low} to {high}, the cache holds {capacity}")
-    if block_table is not None and block_table.numel():
-        low, high = int(block_table.min()), int(block_table.max())
-        if low < 0 or high >= pages:
-            raise error(ValueError, "block_table", f"page numbers from {low} to {high}, k_cache has {pages} pages")
 
 
 def eligibility(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None, block_table: Any = None,
                 score_mod: Optional[Callable[..., Any]] = None, mask_mod: Optional[Callable[..., Any]] = None,
                 k_scale: Any = None, v_scale: Any = None, block_mask: Any = None) -> Optional[str]:
     """None when ``decode`` computes this call, else the reason it declines."""
+    if _is_mla(q, k_cache):
+        if any(x is not None for x in (score_mod, mask_mod, k_scale, v_scale, block_mask)):
+            return "mods, fp8 scales and block masks are not supported with MLA's 576-column latent cache"
+        return mla_eligibility(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table)
     try:
         capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)
         check_scales(k_scale, v_scale, q, k_cache)
@@ -185,6 +179,11 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     one given for a mask without its own (flex's no-op, or a prefill mask sliced with ``block_mask[:, :, i]``).
     """
     import torch
+    if _is_mla(q, k_cache):  # DeepSeek's 576-column latent cache: its own kernel (mla_api)
+        return from_decode(q, k_cache, v_cache, score_mod=score_mod, mask_mod=mask_mod, k_scale=k_scale,
+                           v_scale=v_scale, block_mask=block_mask, cache_seqlens=cache_seqlens,
+                           block_table=block_table, scale=scale, causal=causal, return_lse=return_lse,
+                           validate=validate, splits=splits, out=out)
     capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     if block_mask is not None:
         capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)
@@ -248,16 +247,6 @@ def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table
         raise error(ValueError, "score_mod/mask_mod", f"capture {captures} tensors, at most {MAX_CAPTURED}")
     _CHECKED.remember(key, found)
     return found
-
-
-def _require_cuda(q: Any, op: str = OP) -> None:
-    if q.device.type != "cuda":
-        raise error(ValueError, "q", f"on {q.device.type}; {op} runs on CUDA devices", op)
-
-
-def _sm_count(device: Any) -> int:
-    from nvfly.runtime.driver import plan_sm_count
-    return plan_sm_count(device.index if device.index is not None else 0)
 
 
 def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens: Any, out: Any, lse: Any,

@@ -83,46 +83,56 @@ def _pairs(block_mask: Any) -> list:
     return pairs
 
 
-def check_block_mask(block_mask: Any, mask_mod: Any, q: Any, hkv: int, capacity: int, read: bool = False) -> None:
-    """A BlockMask the kernel honours: one query block, (1 or B, 1 or Hq) masks, int32 tables on q's device, KV
-    blocks of a multiple of BLOCK_N keys covering the cache; ``read``: its block numbers in range (a device sync)."""
+def check_block_mask(block_mask: Any, mask_mod: Any, q: Any, hkv: int, capacity: int, read: bool = False,
+                     op: str = OP, kv_stage: int = BLOCK_N, query_rows: int = 0) -> None:
+    """A BlockMask the kernel honours: (1 or B, 1 or Hq) masks, int32 tables on q's device, KV blocks of a multiple
+    of ``kv_stage`` keys covering the cache; decode (``query_rows`` 0): one query block; prefill: query blocks of a
+    multiple of its ``query_rows``-row tiles covering Sq; ``read``: its block numbers in range (a device sync)."""
     import torch
     from torch.nn.attention.flex_attention import BlockMask
     if not isinstance(block_mask, BlockMask):
-        raise error(TypeError, "block_mask", f"expected a flex_attention BlockMask, got {type(block_mask).__name__}")
-    batch, _, hq, _ = q.shape
-    kv_block = int(block_mask.BLOCK_SIZE[1])
-    if kv_block % BLOCK_N:
+        raise error(TypeError, "block_mask", f"expected a flex_attention BlockMask, got {type(block_mask).__name__}",
+                    op)
+    batch, sq, hq, _ = q.shape
+    q_block, kv_block = int(block_mask.BLOCK_SIZE[0]), int(block_mask.BLOCK_SIZE[1])
+    if kv_block % kv_stage:
         raise error(ValueError, "block_mask", f"KV block size {kv_block} is not a multiple of the kernel's "
-                                              f"{BLOCK_N}-key stage (create the mask with BLOCK_SIZE=(128, 128))")
+                                              f"{kv_stage}-key stage (create the mask with BLOCK_SIZE=(128, 128))", op)
+    if query_rows and q_block % query_rows:
+        raise error(ValueError, "block_mask", f"query block size {q_block} is not a multiple of the kernel's "
+                                              f"{query_rows}-row tile (create the mask with BLOCK_SIZE=(128, 128))", op)
     if mask_mod is not None and _own_mask_mod(block_mask) and mask_mod is not block_mask.mask_mod:
         raise error(ValueError, "mask_mod", "differs from the block mask's own mask_mod, which its partial blocks "
-                                            "apply; pass mask_mod=None")
+                                            "apply; pass mask_mod=None", op)
     if mask_mod is None and _sliced(block_mask):
         raise error(ValueError, "block_mask", "a sliced mask's mask_mod is torch's placeholder; pass mask_mod= "
-                                              "(q_idx: the query's position) or set block_mask.mask_mod")
+                                              "(q_idx: the query's position) or set block_mask.mask_mod", op)
+    query_blocks = -(-sq // q_block) if query_rows else 1
     for name, num, indices, _ in _pairs(block_mask):
         if num.dim() != 3 or num.shape[0] not in (1, batch) or num.shape[1] not in (1, hq):
             raise error(ValueError, "block_mask", f"{name} shape {tuple(num.shape)}; expected (1 or {batch}, 1 or "
-                                                  f"{hq}, 1)")
-        if num.shape[2] != 1:
+                                                  f"{hq}, {'query blocks' if query_rows else 1})", op)
+        if not query_rows and num.shape[2] != 1:
             raise error(ValueError, "block_mask", f"{num.shape[2]} query blocks; decode takes one covering the "
-                                                  "Sq queries (create the mask with Q_LEN = Sq, or slice one)")
+                                                  "Sq queries (create the mask with Q_LEN = Sq, or slice one)", op)
+        if num.shape[2] < query_blocks:
+            raise error(ValueError, "block_mask", f"{num.shape[2]} query blocks of {q_block} cover "
+                                                  f"{num.shape[2] * q_block} queries, q has {sq}", op)
         if indices is None or tuple(indices.shape[:3]) != tuple(num.shape) or indices.dim() != 4:
-            raise error(ValueError, "block_mask", f"{name}'s indices do not match its shape {tuple(num.shape)}")
+            raise error(ValueError, "block_mask", f"{name}'s indices do not match its shape {tuple(num.shape)}", op)
         if num.dtype != torch.int32 or indices.dtype != torch.int32:
-            raise error(TypeError, "block_mask", f"{name} and its indices must be int32")
+            raise error(TypeError, "block_mask", f"{name} and its indices must be int32", op)
         if num.device != q.device or indices.device != q.device:
-            raise error(ValueError, "block_mask", f"on {num.device}, q on {q.device}")
+            raise error(ValueError, "block_mask", f"on {num.device}, q on {q.device}", op)
         if indices.shape[3] * kv_block < capacity:
             raise error(ValueError, "block_mask", f"{indices.shape[3]} KV blocks of {kv_block} cover "
-                                                  f"{indices.shape[3] * kv_block} keys, the cache holds {capacity}")
+                                                  f"{indices.shape[3] * kv_block} keys, the cache holds {capacity}", op)
         if read and num.numel():
             blocks = indices.shape[3]
-            listed = torch.arange(blocks, device=q.device) < num.long()
+            listed = torch.arange(blocks, device=q.device) < num.long()[..., None]
             if int(num.min()) < 0 or int(num.max()) > blocks or bool(
-                    (listed & ((indices[:, :, 0] < 0) | (indices[:, :, 0] >= blocks))).any()):
-                raise error(ValueError, "block_mask", f"{name} or its indices out of range (0..{blocks})")
+                    (listed & ((indices < 0) | (indices >= blocks))).any()):
+                raise error(ValueError, "block_mask", f"{name} or its indices out of range (0..{blocks})", op)
 
 
 def block_mask_tables(block_mask: Any, batch: int, hq: int, hkv: int, seqlens: "torch.Tensor",
@@ -151,21 +161,24 @@ def block_mask_tables(block_mask: Any, batch: int, hq: int, hkv: int, seqlens: "
 
 
 def reference_block_keep(block_mask: Any, mask_mod: Optional[Callable[..., Any]], b: int, hq: int,
-                         positions: "torch.Tensor", kv: "torch.Tensor") -> "torch.Tensor":
+                         positions: "torch.Tensor", kv: "torch.Tensor", query_blocks: bool = False) -> "torch.Tensor":
     """(Hq, Sq, L) bool: the keys the block mask (its partial blocks masked by ``mask_mod_of(block_mask, mask_mod)``)
     keeps for sequence b's queries at ``positions`` (1, Sq, 1) and keys ``kv`` (1, 1, L), written from flex's
-    definition (independent of ``block_mask_tables``)."""
+    definition (independent of ``block_mask_tables``). Decode's queries are all in query block 0; with
+    ``query_blocks`` (prefill) query q_idx = position is in block q_idx // BLOCK_SIZE[0]."""
     import torch
-    kv_block = int(block_mask.BLOCK_SIZE[1])
+    q_block, kv_block = int(block_mask.BLOCK_SIZE[0]), int(block_mask.BLOCK_SIZE[1])
     length = kv.shape[-1]
+    rows = positions.shape[1] if query_blocks else 1
     in_blocks = {}
     for name, num, indices, _ in _pairs(block_mask):
-        listed = torch.zeros(hq, 1, length, dtype=torch.bool, device=kv.device)
+        listed = torch.zeros(hq, rows, length, dtype=torch.bool, device=kv.device)
         bb = b if num.shape[0] > 1 else 0
         for h in range(hq):
             hh = h if num.shape[1] > 1 else 0
-            for block in indices[bb, hh, 0, :int(num[bb, hh, 0])].tolist():
-                listed[h, 0, block * kv_block:(block + 1) * kv_block] = True
+            for qb in range(-(-rows // q_block) if query_blocks else 1):
+                for block in indices[bb, hh, qb, :int(num[bb, hh, qb])].tolist():
+                    listed[h, qb * q_block:(qb + 1) * q_block, block * kv_block:(block + 1) * kv_block] = True
         in_blocks[name] = listed
     keep = in_blocks["kv_num_blocks"]
     mask_mod = mask_mod_of(block_mask, mask_mod)

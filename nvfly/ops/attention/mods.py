@@ -1,4 +1,4 @@
-"""flex_attention's ``score_mod`` and ``mask_mod`` traced into the decode kernel.
+"""flex_attention's ``score_mod`` and ``mask_mod`` traced into the decode and prefill kernels.
 
 The mods are plain Python functions with flex_attention's signatures,
 ``score_mod(score, b, h, q_idx, kv_idx) -> score`` and ``mask_mod(b, h, q_idx, kv_idx) -> bool``, written with
@@ -6,8 +6,9 @@ torch operations. The kernel calls them once per score element with ``ModValue``
 a ModValue implements Python's operators and, through ``__torch_function__``, the torch functions in
 ``TORCH_FUNCTIONS``, so ``torch.tanh(score / 50) * 50`` becomes the kernel's ``tanh``. Tensors the functions
 capture (closure cells, or globals they name) become kernel inputs: indexing one with traced indices
-(``slopes[h]``, ``bias[h, kv_idx]``) is a load from the kernel's copy of it. ``q_idx`` is the query's position
-in its sequence (queries are aligned to the end), so mods written for prefill mean the same in decode.
+(``slopes[h]``, ``bias[h, kv_idx]``) is a load from the kernel's copy of it. In decode ``q_idx`` is the query's
+position in its sequence (queries are aligned to the end), so mods written for a whole prefill mean the same in
+decode; in prefill it is flex's index, the query's row (the same when Sq = Skv).
 
 A mod is compiled once per function object (the compile key holds the functions): numbers it captures are
 constants of that compilation, captured tensors are read at run time.
@@ -26,7 +27,7 @@ MAX_CAPTURED = 2  # captured tensors the kernel takes (kernel parameters ``captu
 
 @dataclass(frozen=True)
 class Mods:
-    """The mods of a call (the decode kernel's Constexpr; equal by function identity)."""
+    """The mods of a call (the decode and prefill kernels' Constexpr; equal by function identity)."""
     score_mod: Optional[Callable[..., Any]] = None
     mask_mod: Optional[Callable[..., Any]] = None
 
@@ -249,6 +250,18 @@ def alibi(slopes: Any) -> Callable[..., Any]:
     def alibi_bias(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
     return alibi_bias
+
+
+def relative_position_bias(bias: Any) -> Callable[..., Any]:
+    """A learned relative-position bias (T5-like, without buckets): score + bias[h, clamp(kv_idx - q_idx, -(R - 1),
+    R - 1) + R - 1], ``bias`` a float tensor (heads, 2R - 1) of one value per head and distance (a captured tensor:
+    a kernel input); distances beyond R - 1 share the last entry."""
+    import torch
+    reach = (bias.shape[1] - 1) // 2
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, torch.clamp(kv_idx - q_idx, -reach, reach) + reach]
+    return relative_bias
 
 
 def sliding_window(window: int) -> Callable[..., Any]:

@@ -1,16 +1,18 @@
-"""Prefill attention's host functions: argument checks and eligibility, the launch, a float32 reference (decode's,
-which already takes any Sq), the FLOP count the benchmark reports and a compile helper for tests without a GPU."""
+"""Prefill attention's host functions: argument checks and eligibility, the launches (padded batches and packed
+variable-length sequences), a float32 reference, the FLOP count the benchmark reports and a compile helper for tests
+without a GPU."""
 from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
 
 import nvfly
-from nvfly.ops.attention.api import _aligned, _require_cuda, _tensor, reference
-from nvfly.ops.attention.kv_options import error
+from nvfly.ops.attention.api import _aligned, _kernel_captured, _mods, _require_cuda, _tensor
+from nvfly.ops.attention.kv_options import check_block_mask, error, mask_mod_of, reference_block_keep
+from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, captured_tensors
 from nvfly.ops.attention.prefill_kernel import attention_prefill_kernel
-from nvfly.ops.attention.prefill_plan import HEAD_DIMS, SWIZZLE, PrefillPlan, causal_offset, prefill_plan
+from nvfly.ops.attention.prefill_plan import BLOCK_M, HEAD_DIMS, PrefillPlan, causal_offset, prefill_plan
 from nvfly.runtime.tensor_desc import torch_dtype
 from nvfly.runtime.tma import cached_descriptor
 
@@ -70,11 +72,15 @@ def _layout_reason(q: Any, k: Any, v: Any) -> Optional[str]:
 
 
 def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None,
-                        causal_alignment: str = "bottom_right") -> Optional[str]:
-    """None when ``prefill`` computes this call, else the reason it declines: the argument checks' error, then the
-    device's, then the layouts'."""
+                        causal_alignment: str = "bottom_right", window: Optional[tuple] = None,
+                        score_mod: Optional[Callable[..., Any]] = None, mask_mod: Optional[Callable[..., Any]] = None,
+                        block_mask: Any = None) -> Optional[str]:
+    """None when ``prefill`` computes this call, else the reason it declines: the argument checks' error (mods and
+    block mask included, without reading the block mask), then the device's, then the layouts'."""
     try:
         _check(q, k, v, scale, causal_alignment)
+        _window(window)
+        _check_mods(q, k, score_mod, mask_mod, block_mask, False)
     except (TypeError, ValueError) as exc:
         return str(exc)
     if q.device.type != "cuda":
@@ -90,41 +96,101 @@ _plan = functools.lru_cache(maxsize=64)(prefill_plan)
 
 
 def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The (B, S, H, D) boxes of the Q loads and of the K and V loads: a tile's rows of one head, one 128-byte
-    swizzle row wide (the boxes ``sm90.operand_boxes`` lays out in the kernel)."""
-    width = SWIZZLE // dtype.itemsize
+    """The (B, S, H, D) boxes of the Q loads and of the K and V loads: a tile's rows of one head, one swizzle row
+    (128 or 64 bytes) wide (the boxes ``sm90.operand_boxes`` lays out in the kernel)."""
+    width = plan.swizzle // dtype.itemsize
     return (1, plan.block_m, 1, width), (1, plan.block_n, 1, width)
+
+
+def _window(window: Any) -> tuple[Optional[int], Optional[int]]:
+    """(left, right) of a ``window`` argument, None for an unbounded side (given as None or -1)."""
+    if window is None:
+        return None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise error(ValueError, "window", f"expected (left, right), got {window!r}", OP)
+    bounds = []
+    for side in window:
+        if side is None or (isinstance(side, int) and side == -1):
+            bounds.append(None)
+        elif isinstance(side, int) and not isinstance(side, bool) and side >= 0:
+            bounds.append(int(side))
+        else:
+            raise error(ValueError, "window", f"sides must be non-negative ints or None/-1 (unbounded), got "
+                                              f"{window!r}", OP)
+    return bounds[0], bounds[1]
+
+
+class Masking(NamedTuple):
+    """The plan's masking flags and the kernel's runtime bounds: keys from a query's position minus ``left``
+    (``window``) to its position plus ``right`` (``causal``: 0 for causal), positions bottom-right aligned or not."""
+    causal: bool
+    window: bool
+    left: int
+    right: int
+    bottom_right: int
+
+
+def masking(causal: bool, window: Any, causal_alignment: str) -> Masking:
+    """The bounds of ``causal`` and ``window=(left, right)`` together (causal caps the right side at 0)."""
+    left, right = _window(window)
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    return Masking(right is not None, left is not None, left or 0, right or 0,
+                   int(causal_alignment == "bottom_right"))
+
+
+def _check_mods(q: Any, k: Any, score_mod: Any, mask_mod: Any, block_mask: Any, read: bool) -> Mods:
+    """The mods of a call (a BlockMask's own mask_mod when it has one) after checking the block mask; raises naming
+    the argument."""
+    for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise error(TypeError, name, f"expected a function, got {type(fn).__name__}", OP)
+    if block_mask is not None:
+        check_block_mask(block_mask, mask_mod, q, k.shape[2], k.shape[1], read, OP, 128, BLOCK_M)
+        mask_mod = mask_mod_of(block_mask, mask_mod)
+    mods = _mods(score_mod, mask_mod)
+    if len(captured_tensors(mods)) > MAX_CAPTURED:
+        raise error(ValueError, "score_mod", f"the mods capture {len(captured_tensors(mods))} tensors; at most "
+                                             f"{MAX_CAPTURED}", OP)
+    return mods
 
 
 def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: bool = False,
             scale: Optional[float] = None, return_lse: bool = False, causal_alignment: str = "bottom_right",
-            out: Optional["torch.Tensor"] = None) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
-    """softmax(q kᵀ scale) v with fp32 accumulation, for long query sequences.
+            out: Optional["torch.Tensor"] = None, window: Optional[tuple] = None,
+            score_mod: Optional[Callable[..., Any]] = None, mask_mod: Optional[Callable[..., Any]] = None,
+            block_mask: Any = None, validate: bool = True
+            ) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
+    """softmax(q kᵀ scale + mods) v with fp32 accumulation, for long query sequences.
 
     q (B, Sq, Hq, Dqk), k (B, Skv, Hkv, Dqk), v (B, Skv, Hkv, Dv): bf16 or fp16, any strides with the last dimension
     contiguous and the others multiples of 16 bytes (a (B, H, S, D) tensor is passed as ``t.transpose(1, 2)``);
     Hq a multiple of Hkv (GQA, MQA); Sq and Skv any lengths (tails are masked in the kernel). v's head dim Dv may
-    differ from q's and k's Dqk: (Dqk, Dv) is one of 64/64, 128/128, 192/128 (DeepSeek-like), 256/256.
-    ``causal``: query i sees keys up to i + Skv - Sq (``causal_alignment="bottom_right"``, flash-attn's and decode's
-    convention) or up to i (``"top_left"``, torch SDPA's is_causal); they agree when Sq = Skv. ``scale``: default
-    Dqk^-0.5. Returns out (B, Sq, Hq, Dv) in q's dtype and, with ``return_lse``, the log-sum-exp (B, Hq, Sq) float32
-    (natural log; -inf for a row that sees no key, whose output is zeros). ``out``: a contiguous (B, Sq, Hq, Dv)
-    tensor of q's dtype to write (else a new one).
+    differ from q's and k's Dqk: (Dqk, Dv) is one of 64/64, 96/96, 128/128, 64/128, 128/64, 192/128 (DeepSeek-like),
+    256/256. ``causal``: query i sees keys up to i + Skv - Sq (``causal_alignment="bottom_right"``, flash-attn's and
+    decode's convention) or up to i (``"top_left"``, torch SDPA's is_causal); they agree when Sq = Skv. ``window=(left,
+    right)``: query i sees keys from its position (i + the alignment's offset) minus left to its position plus right
+    (flash-attn's window_size; None or -1 for an unbounded side; causal caps right at 0); key blocks outside are
+    skipped. ``score_mod(score, b, h, q_idx, kv_idx)``/``mask_mod(b, h, q_idx, kv_idx)``: flex_attention's mods
+    (q_idx, kv_idx the row and key index in the sequence; ``nvfly.ops.attention.mods``), traced into the kernel.
+    ``block_mask``: a flex ``BlockMask`` (128-row query blocks or multiples, KV blocks of 128 keys or multiples):
+    its partial blocks apply its mask_mod (or ``mask_mod=``), its full blocks no mask_mod,
+    other blocks are not read; ``validate`` reads its block numbers (a device sync). ``scale``: default Dqk^-0.5.
+    Returns out (B, Sq, Hq, Dv) in q's dtype and, with ``return_lse``, the log-sum-exp (B, Hq, Sq) float32 (natural
+    log; -inf for a row that sees no key, whose output is zeros). ``out``: a contiguous (B, Sq, Hq, Dv) tensor of
+    q's dtype to write (else a new one).
     """
     import torch
     _check(q, k, v, scale, causal_alignment)
+    bounds = masking(causal, window, causal_alignment)
+    mods = _check_mods(q, k, score_mod, mask_mod, block_mask, validate and not _capturing(q))
     _require_cuda(q, OP)
     reason = _layout_reason(q, k, v)
     if reason:
         raise ValueError(f"{OP}: {reason}")
     batch, sq, hq, dqk = q.shape
-    skv, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
-    if out is None:
-        out = torch.empty(batch, sq, hq, dv, dtype=q.dtype, device=q.device)
-    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, sq, hq, dv) or out.dtype != q.dtype
-          or out.device != q.device or not out.is_contiguous()):
-        raise error(ValueError, "out", f"expected a contiguous {(batch, sq, hq, dv)} {q.dtype} tensor on {q.device}",
-                    OP)
+    skv, dv = k.shape[1], v.shape[3]
+    out = _out(out, (batch, sq, hq, dv), q)
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
     if batch and sq and hq:
         if skv == 0:  # no key: TMA cannot describe an empty tensor, and there is nothing to attend
@@ -132,56 +198,253 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             if lse is not None:
                 lse.fill_(float("-inf"))
         else:
-            _launch(_plan(dqk, dv, bool(causal)), q, k, v, out, lse, dqk ** -0.5 if scale is None else float(scale),
-                    causal_offset(sq, skv, causal_alignment))
+            tables = _block_tables(block_mask, batch, hq)
+            q_block = int(block_mask.BLOCK_SIZE[0]) if block_mask is not None else 0
+            kv_block = int(block_mask.BLOCK_SIZE[1]) if block_mask is not None else 0
+            plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block)
+            _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv,
+                    plan.grid(batch, hq, sq))
     return (out, lse) if return_lse else out
 
 
-def _launch(plan: PrefillPlan, q: Any, k: Any, v: Any, out: Any, lse: Any, scale: float, offset: int) -> None:
+def _capturing(q: Any) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (no reading tensors back then)."""
+    import torch
+    return q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _scale(scale: Optional[float], dqk: int) -> float:
+    return dqk ** -0.5 if scale is None else float(scale)
+
+
+def _out(out: Any, shape: tuple, q: Any) -> Any:
+    """``out`` checked (a contiguous tensor of ``shape`` in q's dtype on q's device), or a new one."""
+    import torch
+    if out is None:
+        return torch.empty(*shape, dtype=q.dtype, device=q.device)
+    if (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != q.dtype
+            or out.device != q.device or not out.is_contiguous()):
+        raise error(ValueError, "out", f"expected a contiguous {shape} {q.dtype} tensor on {q.device}", OP)
+    return out
+
+
+def _block_tables(block_mask: Any, batch: int, hq: int) -> list:
+    """A BlockMask's [kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices] as the kernel reads them:
+    (B, Hq, ...) int32, contiguous (broadcast batch and head dimensions expanded); Nones without."""
+    if block_mask is None:
+        return [None] * 4
+    tables = []
+    for num, indices in ((block_mask.kv_num_blocks, block_mask.kv_indices),
+                         (block_mask.full_kv_num_blocks, block_mask.full_kv_indices)):
+        if num is None:
+            tables += [None, None]
+        else:
+            tables += [num.expand(batch, hq, num.shape[2]).contiguous(),
+                       indices.expand(batch, hq, *indices.shape[2:]).contiguous()]
+    return tables
+
+
+def _launch(plan: PrefillPlan, mods: Mods, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens: Any,
+            tables: list, scale: float, bounds: Masking, sq: int, skv: int, grid: tuple) -> None:
+    """One launch: q, k, v, out (B, S, H, D) and lse (B, H, S) as the kernel takes them (packed sequences: B = 1)."""
     q_box, kv_box = _boxes(plan, torch_dtype(q))
-    descriptors = [cached_descriptor(q, q_box, SWIZZLE)] + [cached_descriptor(t, kv_box, SWIZZLE) for t in (k, v)]
-    batch, sq, hq, _ = q.shape
-    attention_prefill_kernel[plan.grid(batch, hq, sq), plan.threads](
-        *descriptors, out, lse, sq, k.shape[1], hq // k.shape[2], offset, scale / math.log(2.0), PLAN=plan)
+    descriptors = [cached_descriptor(t, box, plan.swizzle) for t, box in ((q, q_box), (k, kv_box), (v, kv_box))]
+    captured = _kernel_captured(mods, q.device)
+    captured = captured + [None] * (MAX_CAPTURED - len(captured))
+    attention_prefill_kernel[grid, plan.threads](
+        *descriptors, out, lse, *(cu_seqlens or (None, None)), *captured, *tables, sq, skv, q.shape[2] // k.shape[2],
+        bounds.bottom_right, bounds.left, bounds.right, scale / math.log(2.0), PLAN=plan, MODS=mods)
+
+
+# ---------------------------------------------------------------------------------------------- packed sequences
+def _check_varlen(q: Any, k: Any, cu_seqlens_q: Any, cu_seqlens_k: Any, max_seqlen_q: Any, max_seqlen_k: Any,
+                  validate: bool, capturing: bool) -> tuple[int, int]:
+    """cu_seqlens int32 (B + 1,) on q's device; with ``validate`` (a device sync) non-decreasing from >= 0 to at
+    most the packed length and the max lengths at least every sequence's (read from them when None; under CUDA
+    graph capture, which reads nothing back, they must be given). Returns (max_seqlen_q, max_seqlen_k)."""
+    import torch
+    maxima = []
+    for name, cu, t, given, max_name in (("cu_seqlens_q", cu_seqlens_q, q, max_seqlen_q, "max_seqlen_q"),
+                                         ("cu_seqlens_k", cu_seqlens_k, k, max_seqlen_k, "max_seqlen_k")):
+        _tensor(cu, name, 1, OP)
+        if cu.dtype != torch.int32:
+            raise error(TypeError, name, f"expected int32, got {cu.dtype}", OP)
+        if cu.device != q.device:
+            raise error(ValueError, name, f"on {cu.device}, q on {q.device}", OP)
+        if cu.shape[0] != cu_seqlens_q.shape[0] or cu.shape[0] < 1:
+            raise error(ValueError, name, f"{cu.shape[0]} offsets; cu_seqlens_q and cu_seqlens_k need B + 1 each "
+                                          f"(cu_seqlens_q has {cu_seqlens_q.shape[0]})", OP)
+        if given is not None and (not isinstance(given, int) or given < 0):
+            raise error(ValueError, max_name, f"expected a non-negative int, got {given!r}", OP)
+        if given is None and capturing:
+            raise error(ValueError, max_name, "needed under CUDA graph capture (cu_seqlens cannot be read back)", OP)
+        if (validate or given is None) and not capturing:
+            values = cu.tolist()
+            lengths = [b - a for a, b in zip(values, values[1:])]
+            if values[0] < 0 or any(n < 0 for n in lengths):
+                raise error(ValueError, name, f"offsets must be non-decreasing from 0 or more, got {values}", OP)
+            if values[-1] > t.shape[0]:
+                raise error(ValueError, name, f"the last offset {values[-1]} is beyond the {t.shape[0]} packed "
+                                              "tokens", OP)
+            longest = max(lengths, default=0)
+            if given is not None and given < longest:
+                raise error(ValueError, max_name, f"{given} is shorter than a sequence of {longest}", OP)
+            given = longest if given is None else given
+        maxima.append(given)
+    return maxima[0], maxima[1]
+
+
+def prefill_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_seqlens_q: "torch.Tensor",
+                   cu_seqlens_k: "torch.Tensor", max_seqlen_q: Optional[int] = None,
+                   max_seqlen_k: Optional[int] = None, *, causal: bool = False, scale: Optional[float] = None,
+                   return_lse: bool = False, causal_alignment: str = "bottom_right",
+                   out: Optional["torch.Tensor"] = None, window: Optional[tuple] = None,
+                   score_mod: Optional[Callable[..., Any]] = None, mask_mod: Optional[Callable[..., Any]] = None,
+                   validate: bool = True) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
+    """``prefill`` of B sequences of any lengths packed along S (flash-attn's varlen convention): q (total_q, Hq,
+    Dqk), k (total_k, Hkv, Dqk), v (total_k, Hkv, Dv); sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q
+    and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v (int32 (B + 1,) tensors). Causal, window and mods apply per
+    sequence (the mods' b is the sequence, q_idx and kv_idx indices within it). ``max_seqlen_q``/``max_seqlen_k``:
+    the longest sequences (read from cu_seqlens when None: a device sync; under CUDA graph capture they must be
+    given). ``validate`` (skipped under capture) reads cu_seqlens: a device sync checking the offsets are
+    non-decreasing and within the tensors. Returns out (total_q, Hq, Dv) and, with ``return_lse``, LSE
+    (Hq, total_q) float32. Rows outside every sequence are left unwritten."""
+    import torch
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _tensor(t, name, 3, OP)
+    _check(q[None], k[None], v[None], scale, causal_alignment)
+    bounds = masking(causal, window, causal_alignment)
+    mods = _check_mods(q[None], k[None], score_mod, mask_mod, None, False)
+    max_q, _ = _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate, _capturing(q))
+    _require_cuda(q, OP)
+    reason = _layout_reason(q, k, v)
+    if reason:
+        raise ValueError(f"{OP}: {reason}")
+    total_q, hq, dqk = q.shape
+    dv = v.shape[2]
+    out = _out(out, (total_q, hq, dv), q)
+    lse = torch.empty(hq, total_q, dtype=torch.float32, device=q.device) if return_lse else None
+    batch = cu_seqlens_q.shape[0] - 1
+    if batch and max_q and hq and total_q:
+        if k.shape[0] == 0:
+            out.zero_()
+            if lse is not None:
+                lse.fill_(float("-inf"))
+        else:
+            plan = _plan(dqk, dv, bounds.causal, bounds.window, varlen=True)
+            _launch(plan, mods, q[None], k[None], v[None], out[None], None if lse is None else lse[None],
+                    (cu_seqlens_q, cu_seqlens_k), [None] * 4, _scale(scale, dqk), bounds, 0, 0,
+                    plan.grid(batch, hq, max_q))
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------- reference
+def _attend(q: Any, k: Any, v: Any, scale: float, bounds: Masking, score_mod: Any, mask_mod: Any, b: int,
+            block_mask: Any) -> tuple[Any, Any]:
+    """One sequence in float32: q (Sq, Hq, Dqk), k (Skv, Hkv, Dqk), v (Skv, Hkv, Dv) -> out (Sq, Hq, Dv), lse (Hq,
+    Sq); the mods see q_idx, kv_idx as indices in the sequence, b as ``b``."""
+    import torch
+    sq, hq = q.shape[:2]
+    skv, hkv = k.shape[:2]
+    keys = k.float().repeat_interleave(hq // hkv, dim=1)
+    values = v.float().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale  # (Hq, Sq, Skv)
+    heads = torch.arange(hq, device=q.device)[:, None, None]
+    rows = torch.arange(sq, device=q.device)[None, :, None]
+    kv = torch.arange(skv, device=q.device)[None, None, :]
+    index_b = torch.tensor(b, device=q.device)
+    if score_mod is not None:
+        scores = score_mod(scores, index_b, heads, rows, kv).float()
+    positions = rows + bounds.bottom_right * (skv - sq)
+    keep = torch.ones_like(scores, dtype=torch.bool)
+    if bounds.causal:
+        keep = keep & (kv <= positions + bounds.right)
+    if bounds.window:
+        keep = keep & (kv >= positions - bounds.left)
+    if block_mask is not None:
+        keep = keep & reference_block_keep(block_mask, mask_mod, b, hq, rows, kv, query_blocks=True)
+    elif mask_mod is not None:
+        keep = keep & mask_mod(index_b, heads, rows, kv).bool()
+    scores = scores.masked_fill(~keep, float("-inf"))
+    row_lse = torch.logsumexp(scores, dim=-1)  # (Hq, Sq)
+    weights = torch.exp(scores - torch.where(torch.isinf(row_lse), 0.0, row_lse)[..., None])
+    return torch.einsum("hqk,khd->qhd", weights, values), row_lse
 
 
 def prefill_reference(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: bool = False,
-                      scale: Optional[float] = None, causal_alignment: str = "bottom_right"
+                      scale: Optional[float] = None, causal_alignment: str = "bottom_right",
+                      window: Optional[tuple] = None, score_mod: Optional[Callable[..., Any]] = None,
+                      mask_mod: Optional[Callable[..., Any]] = None, block_mask: Any = None,
+                      cu_seqlens_q: Optional["torch.Tensor"] = None, cu_seqlens_k: Optional["torch.Tensor"] = None
                       ) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """(out, lse) of ``prefill``'s arguments in float32: decode's reference, whose queries are the last Sq
-    positions (bottom-right causal); top-left alignment is its mask shifted by Skv - Sq."""
-    sq, skv = q.shape[1], k.shape[1]
-    shift = causal_offset(sq, skv, "bottom_right") - causal_offset(sq, skv, causal_alignment)
-    if causal and shift:
-        return reference(q, k, v, scale=scale, causal=False,
-                         mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx - shift)
-    return reference(q, k, v, scale=scale, causal=causal)
+    """(out, lse) of ``prefill``'s (or, with cu_seqlens, ``prefill_varlen``'s) arguments in float32, sequence by
+    sequence, from the definitions: the mods applied with torch broadcasting, a block mask from flex's meaning
+    (``reference_block_keep``). Packed: out (total_q, Hq, Dv), lse (Hq, total_q), rows outside every sequence 0 and
+    -inf."""
+    import torch
+    bounds = masking(causal, window, causal_alignment)
+    if block_mask is not None:
+        mask_mod = mask_mod_of(block_mask, mask_mod)
+    scale = _scale(scale, q.shape[-1])
+    if cu_seqlens_q is None:
+        pieces = [_attend(q[b], k[b], v[b], scale, bounds, score_mod, mask_mod, b, block_mask)
+                  for b in range(q.shape[0])]
+        out = torch.stack([o for o, _ in pieces]) if pieces else q.new_zeros(0, *q.shape[1:3], v.shape[3]).float()
+        lse = torch.stack([s for _, s in pieces]) if pieces else q.new_zeros(0, q.shape[2], q.shape[1]).float()
+        return out, lse
+    out = torch.zeros(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(starts_q) - 1):
+        (q0, q1), (k0, k1) = starts_q[b:b + 2], starts_k[b:b + 2]
+        out[q0:q1], lse[:, q0:q1] = _attend(q[q0:q1], k[k0:k1], v[k0:k1], scale, bounds, score_mod, mask_mod, b,
+                                            None)
+    return out, lse
 
 
-def visible_pairs(sq: int, skv: int, causal: bool, causal_alignment: str = "bottom_right") -> int:
-    """(query, key) pairs a head computes: Sq · Skv, or under the causal mask the keys each query sees."""
-    if not causal:
-        return sq * skv
+def visible_pairs(sq: int, skv: int, causal: bool, causal_alignment: str = "bottom_right",
+                  window: Optional[tuple] = None) -> int:
+    """(query, key) pairs a head computes: Sq · Skv, or under the causal mask and a window the keys each query
+    sees."""
+    bounds = masking(causal, window, causal_alignment)
     offset = causal_offset(sq, skv, causal_alignment)
-    return sum(min(max(i + offset + 1, 0), skv) for i in range(sq))
+    total = 0
+    for i in range(sq):
+        first = max(i + offset - bounds.left, 0) if bounds.window else 0
+        last = min(i + offset + bounds.right, skv - 1) if bounds.causal else skv - 1
+        total += max(last - first + 1, 0)
+    return total
 
 
 def prefill_flops(batch: int, sq: int, skv: int, hq: int, dqk: int, dv: int, causal: bool,
-          causal_alignment: str = "bottom_right") -> int:
+                  causal_alignment: str = "bottom_right", window: Optional[tuple] = None) -> int:
     """The unmasked work the benchmark's TFLOP/s counts: 2 · (Dqk + Dv) per visible (query, key) pair and head."""
-    return 2 * (dqk + dv) * batch * hq * visible_pairs(sq, skv, causal, causal_alignment)
+    return 2 * (dqk + dv) * batch * hq * visible_pairs(sq, skv, causal, causal_alignment, window)
 
 
 # ---------------------------------------------------------------------------------------------- compile only
 def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, sq: int = 1000, skv: int = 1000,
-                    heads: int = 4, kv_heads: int = 2, return_lse: bool = True, target: str = "sm_90a") -> Any:
-    """The prefill kernel for ``plan`` compiled without a GPU (a CompiledKernel)."""
+                    heads: int = 4, kv_heads: int = 2, return_lse: bool = True, mods: Mods = Mods(),
+                    target: str = "sm_90a") -> Any:
+    """The prefill kernel for ``plan`` (and ``mods``) compiled without a GPU (a CompiledKernel); a varlen plan gets
+    ``batch`` sequences packed into sq and skv rows, a block-mask plan its tables."""
     from nvfly.runtime.tensor_desc import TensorDesc
     q_box, kv_box = _boxes(plan, dtype)
-    q = nvfly.TmaDescriptor(TensorDesc(dtype, (batch, sq, heads, plan.dqk)), q_box, SWIZZLE)
-    k = nvfly.TmaDescriptor(TensorDesc(dtype, (batch, skv, kv_heads, plan.dqk)), kv_box, SWIZZLE)
-    v = nvfly.TmaDescriptor(TensorDesc(dtype, (batch, skv, kv_heads, plan.dv)), kv_box, SWIZZLE)
-    out = TensorDesc(dtype, (batch, sq, heads, plan.dv))
-    lse = TensorDesc(nvfly.f32, (batch, heads, sq)) if return_lse else None
-    return attention_prefill_kernel.compile(q, k, v, out, lse, sq, skv, heads // kv_heads, skv - sq, 0.18, PLAN=plan,
+    rows = 1 if plan.varlen else batch
+    q = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, sq, heads, plan.dqk)), q_box, plan.swizzle)
+    k = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, skv, kv_heads, plan.dqk)), kv_box, plan.swizzle)
+    v = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, skv, kv_heads, plan.dv)), kv_box, plan.swizzle)
+    out = TensorDesc(dtype, (rows, sq, heads, plan.dv))
+    lse = TensorDesc(nvfly.f32, (rows, heads, sq)) if return_lse else None
+    cu_seqlens = [TensorDesc(nvfly.i32, (batch + 1,))] * 2 if plan.varlen else [None, None]
+    captured = [TensorDesc(nvfly.i32 if str(t.dtype) in ("torch.int64", "torch.bool") else torch_dtype(t),
+                           tuple(t.shape)) for t in captured_tensors(mods)]
+    captured = captured + [None] * (MAX_CAPTURED - len(captured))
+    tables = [None] * 4
+    if plan.kv_block:
+        q_blocks, kv_blocks = -(-sq // plan.q_block), -(-skv // plan.kv_block)
+        tables = [TensorDesc(nvfly.i32, (batch, heads, q_blocks)), TensorDesc(nvfly.i32, (batch, heads, q_blocks,
+                                                                                          kv_blocks))] * 2
+    return attention_prefill_kernel.compile(q, k, v, out, lse, *cu_seqlens, *captured, *tables, sq, skv,
+                                            heads // kv_heads, 1, 0, 0, 0.18, PLAN=plan, MODS=mods,
                                             block=plan.threads, target=target)

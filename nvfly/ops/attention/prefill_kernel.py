@@ -1,23 +1,33 @@
-"""Prefill attention: softmax(q kᵀ scale) v for long query sequences, compute-bound, on Hopper's TMA and wgmma.
+"""Prefill attention: softmax(q kᵀ scale + mods) v for long query sequences, compute-bound, on Hopper's TMA and wgmma.
 
     q [B, Sq, Hq, Dqk], k [B, Skv, Hkv, Dqk], v [B, Skv, Hkv, Dv] through 4-D TMA descriptors (any strides with the
-    last dimension contiguous); out [B, Sq, Hq, Dv]; lse [B, Hq, Sq] f32 (natural log) or None.
+    last dimension contiguous); out [B, Sq, Hq, Dv]; lse [B, Hq, Sq] f32 (natural log) or None. Packed sequences
+    (``PLAN.varlen``): B = 1 and sequence b (block z) is rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] of q, out and lse
+    and cu_seqlens_k[b]:cu_seqlens_k[b + 1] of k and v.
 
 Grid (query tiles, Hq, B), heaviest causal tiles first (block x counts down the tiles). A CTA is a producer
 warpgroup and ``consumers`` consumer warpgroups (``prefill_plan``). The producer's thread 0 loads the Q tile once
 (its own mbarrier) and then K and V of each key block it needs into two ``stages``-deep rings (full/empty
 mbarriers, ``sm90.TmaPipeline``): separate rings let S = Q Kᵀ start as soon as K lands. TMA zero-fills rows past
 Sq and Skv (the S dimension is its own descriptor dimension: nothing leaks across sequences), so tails read zeros
-and are masked, never NaN.
+and are masked, never NaN. Packed sequences share the S dimension: a tile's rows past its sequence read the next
+sequence's (finite) rows, which the tail mask drops and whose output rows are not stored.
 
 A consumer warpgroup owns 64 query rows. Per key block: S (64 x block_n f32) = Q Kᵀ by wgmma from shared memory
-(K-major K), K's stage released; the online softmax keeps each thread's two rows' maximum (raw score units) and
-thread-partial sum, with the scale folded into exp2's one FFMA (p = exp2(s · scale·log2e − max · scale·log2e));
-O is rescaled in registers; P is rounded to the input type and fed as the A operand of O += P V straight from
-registers (register-A wgmma, V MN-major from the ring: no transpose in shared memory), then V's stage is released.
-Blocks fully visible to the whole tile run without any mask; the tail block and blocks crossing the causal
-diagonal apply it (``prefill_plan.key_blocks``); blocks past the diagonal are never loaded. The end divides by the
-quad-reduced sum (rows with no key: zeros, LSE −inf) and stores O as 4-byte pairs straight from registers.
+(K-major K), K's stage released; the score_mod if any (on the scaled score; the mods see the batch, the query head,
+the row and the key in the sequence); the online softmax keeps each thread's two rows' maximum (score units) and
+thread-partial sum, with the scale folded into exp2's one FFMA (p = exp2(s · scale·log2e − max · scale·log2e), or
+log2e after a score_mod); O is rescaled in registers; P is rounded to the input type and fed as the A operand of
+O += P V straight from registers (register-A wgmma, V MN-major from the ring: no transpose in shared memory), then
+V's stage is released.
+
+Which key blocks: without a BlockMask, ``prefill_plan.key_blocks`` splits a tile's blocks by the causal and window
+bounds into blocks fully visible to the whole tile, run without any positional mask, and edge blocks (a window's
+left edge, the causal diagonal, the sequence's tail) that apply it; blocks outside the bounds are never loaded. A
+mask_mod is evaluated on every loaded block. With a BlockMask (``PLAN.kv_block``), the producer and the consumers
+walk its partial list (positional bounds and the mask_mod) then its full list (positional bounds only) for the
+tile's query block; unlisted blocks are never loaded. The end divides by the quad-reduced sum (rows with no key:
+zeros, LSE −inf) and stores O as 4-byte pairs straight from registers.
 """
 from __future__ import annotations
 
@@ -27,20 +37,25 @@ from typing import Any, NamedTuple
 import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, SWIZZLE, key_blocks)
+from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
+from nvfly.ops.attention.prefill_plan import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, key_blocks
 
 LN2 = math.log(2.0)
+LOG2E = 1.0 / LN2
 NEG_INF = float("-inf")
 
 
 @nvfly.kernel
 def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescriptor, v_desc: nvfly.TmaDescriptor,
-                             out: nvfly.Tensor, lse, sq: nvfly.i32, skv: nvfly.i32, group: nvfly.i32,
-                             causal_offset: nvfly.i32, scale_log2: nvfly.f32, PLAN: nvfly.Constexpr):
+                             out: nvfly.Tensor, lse, cu_seqlens_q, cu_seqlens_k, captured0, captured1, kv_num_blocks,
+                             kv_indices, full_kv_num_blocks, full_kv_indices, sq: nvfly.i32, skv: nvfly.i32,
+                             group: nvfly.i32, bottom_right: nvfly.i32, left: nvfly.i32, right: nvfly.i32,
+                             scale_log2: nvfly.f32, PLAN: nvfly.Constexpr, MODS: nvfly.Constexpr):
     dtype = q_desc.info.dtype
     size = dtype.itemsize
     BM, BN, S, WGS = PLAN.block_m, PLAN.block_n, PLAN.stages, PLAN.consumers
     DQK, DV = PLAN.dqk, PLAN.dv
+    SWIZZLE = PLAN.swizzle
     s_atom = sm90.WgmmaAtom(BN, dtype, dtype, "K", "K")
     pv_atom = sm90.WgmmaAtom(DV, dtype, dtype, "K", "MN", a_source="registers")
     q_layout = sm90.operand_layout(BM, DQK, dtype, "K", SWIZZLE)
@@ -81,7 +96,25 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
     head = nvfly.block_idx.y
     batch = nvfly.block_idx.z
     kv_head = head // group
-    unmasked, total = key_blocks(m_block, skv, PLAN.causal, causal_offset, BM, BN, nvfly.minimum, nvfly.maximum)
+    io_batch = batch  # the batch coordinate of q, k, v, out and lse (0 for packed sequences)
+    q_start = 0       # the sequence's first row in them
+    k_start = 0
+    if PLAN.varlen:
+        io_batch = 0
+        q_start = cu_seqlens_q[batch]
+        k_start = cu_seqlens_k[batch]
+        sq = cu_seqlens_q[batch + 1] - q_start
+        skv = cu_seqlens_k[batch + 1] - k_start
+        skv = nvfly.select(m_block * BM < sq, skv, 0)  # a tile past its sequence's end attends to nothing
+    offset = bottom_right * (skv - sq)
+    start, unmasked_start, unmasked_end, total = key_blocks(m_block, skv, PLAN.causal, PLAN.window, offset, left,
+                                                            right, BM, BN, nvfly.minimum, nvfly.maximum)
+    tables = []  # a BlockMask's (count, indices) of its partial key blocks, then of its full ones
+    if PLAN.kv_block:
+        q_block = m_block * BM // PLAN.q_block
+        tables.append((kv_num_blocks[batch, head, q_block], kv_indices))
+        if full_kv_num_blocks is not None:
+            tables.append((full_kv_num_blocks[batch, head, q_block], full_kv_indices))
 
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
@@ -89,39 +122,92 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
             sm90.mbarrier_arrive_expect_tx(q_bar, Q_BYTES)
             for box in q_boxes:
                 sm90.tma_load(q_desc, q_tile + box.smem_offset,
-                              (batch, m_block * BM + box.mn_offset, head, box.k_offset), q_bar)
-            k_state = sm90.PipelineState.start(S)
-            v_state = sm90.PipelineState.start(S)
-            for n in range(total):
-                k_pipe.producer_acquire(k_state)
-                k_pipe.producer_expect(k_state)
-                for box in k_boxes:
-                    sm90.tma_load(k_desc, k_ring + k_state.stage * K_BYTES + box.smem_offset,
-                                  (batch, n * BN + box.mn_offset, kv_head, box.k_offset), k_pipe.full(k_state.stage))
-                k_state = k_state.advance()
-                v_pipe.producer_acquire(v_state)
-                v_pipe.producer_expect(v_state)
-                for box in v_boxes:  # MN-major: the box's K offset is the key, its MN offset the column
-                    sm90.tma_load(v_desc, v_ring + v_state.stage * V_BYTES + box.smem_offset,
-                                  (batch, n * BN + box.k_offset, kv_head, box.mn_offset), v_pipe.full(v_state.stage))
-                v_state = v_state.advance()
+                              (io_batch, q_start + m_block * BM + box.mn_offset, head, box.k_offset), q_bar)
+            loads = LoadContext(k_desc, v_desc, k_ring, v_ring, k_pipe, v_pipe, k_boxes, v_boxes, K_BYTES, V_BYTES,
+                                io_batch, k_start, kv_head)
+            states = (sm90.PipelineState.start(S), sm90.PipelineState.start(S))
+            if PLAN.kv_block:
+                for count, indices in tables:
+                    for i in range(count * (PLAN.kv_block // BN)):
+                        states = load_block(states, loads, listed_block(indices, batch, head, q_block, i, PLAN), BN)
+            else:
+                for n in range(start, total):
+                    states = load_block(states, loads, n, BN)
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
         consumer = wg - 1
         lane = nvfly.lane_idx()
         warp_in_wg = warp % 4
         row0 = m_block * BM + consumer * 64 + warp_in_wg * 16 + lane // 4  # the thread's rows: row0, row0 + 8
+        fold = scale_log2  # what turns a score into log2 units: the scale folded into exp2, or log2(e) after a mod
+        if MODS.score_mod is not None:
+            fold = LOG2E
         ctx = BlockContext(q_tile + consumer * (q_layout.inner((64, 0)) * size), k_ring, v_ring, k_pipe, v_pipe,
                            s_atom, pv_atom, q_layout, k_layout, v_layout, q_desc_offsets, k_desc_offsets,
-                           v_desc_offsets, K_BYTES, V_BYTES, size, scale_log2, skv, causal_offset, row0, lane)
+                           v_desc_offsets, K_BYTES, V_BYTES, size, scale_log2 * LN2, fold, skv, offset - left,
+                           offset + right, row0, lane, batch, head, nvfly.minimum(row0, sq - 1),
+                           nvfly.minimum(row0 + 8, sq - 1), (captured0, captured1), MODS)
         state = Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2, sm90.Accumulator.zeros(pv_atom),
                         sm90.PipelineState.start(S), sm90.PipelineState.start(S))
         sm90.mbarrier_wait(q_bar, 0)
-        for n in range(unmasked):
-            state = attend_block(state, ctx, n, PLAN, False)
-        for n in range(unmasked, total):
-            state = attend_block(state, ctx, n, PLAN, True)
-        store_rows(state, out, lse, batch, head, row0, sq, lane, scale_log2, DV)
+        if PLAN.kv_block:
+            for t, (count, indices) in enumerate(tables):
+                for i in range(count * (PLAN.kv_block // BN)):
+                    state = attend_block(state, ctx, listed_block(indices, batch, head, q_block, i, PLAN), PLAN,
+                                         True, t == 0)
+        else:
+            for n in range(start, unmasked_start):
+                state = attend_block(state, ctx, n, PLAN, True, True)
+            for n in range(unmasked_start, unmasked_end):
+                state = attend_block(state, ctx, n, PLAN, False, True)
+            for n in range(unmasked_end, total):
+                state = attend_block(state, ctx, n, PLAN, True, True)
+        store_rows(state, out, lse, io_batch, head, q_start, row0, sq, lane, fold, DV)
+
+
+class LoadContext(NamedTuple):
+    """What the producer's loads of a key block need: the descriptors, rings, pipelines and boxes of K and V, and
+    the block's coordinates (batch, the sequence's first key, the KV head)."""
+    k_desc: Any
+    v_desc: Any
+    k_ring: Any
+    v_ring: Any
+    k_pipe: Any
+    v_pipe: Any
+    k_boxes: Any
+    v_boxes: Any
+    k_bytes: int
+    v_bytes: int
+    batch: Any
+    k_start: Any
+    kv_head: Any
+
+
+@nvfly.func
+def load_block(states, ctx, n, BN):
+    """TMA-load key block ``n``'s K then V into their rings; returns the rings' next (K, V) states."""
+    k_state, v_state = states
+    ctx.k_pipe.producer_acquire(k_state)
+    ctx.k_pipe.producer_expect(k_state)
+    for box in ctx.k_boxes:
+        sm90.tma_load(ctx.k_desc, ctx.k_ring + k_state.stage * ctx.k_bytes + box.smem_offset,
+                      (ctx.batch, ctx.k_start + n * BN + box.mn_offset, ctx.kv_head, box.k_offset),
+                      ctx.k_pipe.full(k_state.stage))
+    ctx.v_pipe.producer_acquire(v_state)
+    ctx.v_pipe.producer_expect(v_state)
+    for box in ctx.v_boxes:  # MN-major: the box's K offset is the key, its MN offset the column
+        sm90.tma_load(ctx.v_desc, ctx.v_ring + v_state.stage * ctx.v_bytes + box.smem_offset,
+                      (ctx.batch, ctx.k_start + n * BN + box.k_offset, ctx.kv_head, box.mn_offset),
+                      ctx.v_pipe.full(v_state.stage))
+    return (k_state.advance(), v_state.advance())
+
+
+@nvfly.func
+def listed_block(indices, batch, head, q_block, i, PLAN):
+    """The ring-stage key block of entry ``i`` of a BlockMask's list: each listed KV block is kv_block / block_n
+    stages."""
+    parts = PLAN.kv_block // PLAN.block_n
+    return indices[batch, head, q_block, i // parts] * parts + i % parts
 
 
 class Softmax(NamedTuple):
@@ -137,7 +223,10 @@ class Softmax(NamedTuple):
 class BlockContext(NamedTuple):
     """What every key block of a consumer warpgroup needs: its Q slice's and the rings' shared addresses, the
     pipelines, atoms, operand layouts and descriptor fields (leading, stride byte offsets, swizzle), the scale in
-    log2 units, and what the mask reads (Skv, the causal offset, the thread's first row and its lane)."""
+    log2 units (``fold``: the scale, or log2(e) after a score_mod, which sees scaled scores), and what the masks
+    and mods read: Skv, a row's first and last visible key relative to its index (``low``: offset - left, ``high``:
+    offset + right), the thread's first row and lane, the sequence and head, the thread's two rows clamped to the
+    sequence (the mods' q_idx: their tables cover the sequence), the captured tensors and the mods."""
     q_tile: Any
     k_ring: Any
     v_ring: Any
@@ -154,11 +243,19 @@ class BlockContext(NamedTuple):
     k_bytes: int
     v_bytes: int
     size: int
-    scale_log2: Any
+    scale: Any
+    fold: Any
     skv: Any
-    causal_offset: Any
+    low: Any
+    high: Any
     row0: Any
     lane: Any
+    batch: Any
+    head: Any
+    mod_row0: Any
+    mod_row1: Any
+    captured: tuple
+    mods: Any
 
 
 def row_of(i: int) -> int:
@@ -167,9 +264,10 @@ def row_of(i: int) -> int:
 
 
 @nvfly.func
-def attend_block(state, ctx, n, PLAN, MASKED):
-    """Fold key block ``n`` into the warpgroup's online softmax and O; ``MASKED``: apply the tail and causal mask
-    (a separate trace, so fully visible blocks carry no mask code)."""
+def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD):
+    """Fold key block ``n`` into the warpgroup's online softmax and O; ``MASKED``: apply the tail, causal and window
+    bounds (a separate trace, so fully visible blocks carry no mask code); ``MASK_MOD``: the mask_mod if there is
+    one (not on a BlockMask's full blocks). The score_mod applies everywhere."""
     size = ctx.size
     k_stage = ctx.k_ring + state.k_state.stage * ctx.k_bytes
     ctx.k_pipe.consumer_wait(state.k_state)
@@ -185,14 +283,33 @@ def attend_block(state, ctx, n, PLAN, MASKED):
         ctx.k_pipe.consumer_release(state.k_state)
 
     scores = [s[i] for i in range(len(s))]
-    if MASKED:
+    mods = ctx.mods
+    mask_mod = MASK_MOD and mods.mask_mod is not None
+    if MASKED or mods.score_mod is not None or mask_mod:
         first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
+        rows = (ctx.row0, ctx.row0 + 8)
+        mod_rows = (ctx.mod_row0, ctx.mod_row1)
         for i in nvfly.static_range(len(scores)):
             key = first_key + 8 * (i // 4) + i % 2
-            keep = key < ctx.skv
-            if PLAN.causal:
-                keep = keep & (key <= ctx.row0 + 8 * row_of(i) + ctx.causal_offset)
-            scores[i] = nvfly.select(keep, scores[i], NEG_INF)
+            r = row_of(i)
+            # the mods see keys within the sequence (a masked block's tail is clamped; its elements are dropped)
+            mod_key = nvfly.maximum(nvfly.minimum(key, ctx.skv - 1), 0) if MASKED else key
+            if mods.score_mod is not None:
+                scores[i] = apply_score_mod(mods, ctx.captured, scores[i] * ctx.scale, ctx.batch, ctx.head,
+                                            mod_rows[r], mod_key)
+            keep = None
+            if MASKED:
+                keep = key < ctx.skv
+                if PLAN.causal:
+                    keep = keep & (key <= rows[r] + ctx.high)
+                if PLAN.window:
+                    keep = keep & (key >= rows[r] + ctx.low)
+            if mask_mod:
+                kept = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[r], mod_key)
+                keep = kept if keep is None else keep & kept
+            if keep is not None:
+                scores[i] = nvfly.select(keep, scores[i], NEG_INF)
+    MASKED = MASKED or mask_mod or mods.score_mod is not None  # rows may have no key kept yet (or -inf scores)
     maxima, sums, shifts, rescales = [], [], [], []
     for r in nvfly.static_range(2):
         top = state.maxima[r]
@@ -204,11 +321,11 @@ def attend_block(state, ctx, n, PLAN, MASKED):
             reference = nvfly.select(top == NEG_INF, 0.0, top)
         else:
             reference = top
-        shift = reference * ctx.scale_log2
-        rescales.append(nvfly.exp2(state.maxima[r] * ctx.scale_log2 - shift))
+        shift = reference * ctx.fold
+        rescales.append(nvfly.exp2(state.maxima[r] * ctx.fold - shift))
         shifts.append(shift)
         maxima.append(top)
-    p = [nvfly.exp2(x * ctx.scale_log2 - shifts[row_of(i)]) for i, x in enumerate(scores)]
+    p = [nvfly.exp2(x * ctx.fold - shifts[row_of(i)]) for i, x in enumerate(scores)]
     for r in nvfly.static_range(2):
         total = state.sums[r] * rescales[r]
         for i in nvfly.static_range(r * 2, len(p), 4):
@@ -231,9 +348,9 @@ def attend_block(state, ctx, n, PLAN, MASKED):
 
 
 @nvfly.func
-def store_rows(state, out, lse, batch, head, row0, sq, lane, scale_log2, DV):
+def store_rows(state, out, lse, batch, head, q_start, row0, sq, lane, fold, DV):
     """O / l for the thread's two rows (zeros for a row with no key) as 4-byte pairs, and its LSE (natural log,
-    −inf for a row with no key) from the quad's first lane."""
+    −inf for a row with no key) from the quad's first lane; rows from ``q_start`` (a packed sequence's first)."""
     for r in nvfly.static_range(2):
         row = row0 + 8 * r
         total = state.sums[r] + nvfly.shfl_xor(state.sums[r], 1)
@@ -244,8 +361,8 @@ def store_rows(state, out, lse, batch, head, row0, sq, lane, scale_log2, DV):
         for j in nvfly.static_range(DV // 8):
             col = 8 * j + 2 * (lane % 4)
             pair = nvfly.make_vector([state.acc[4 * j + 2 * r] * inverse, state.acc[4 * j + 2 * r + 1] * inverse])
-            out.store(pair.to(out.dtype), batch, row, head, col, mask=inside)
+            out.store(pair.to(out.dtype), batch, q_start + row, head, col, mask=inside)
         if lse is not None:
             if inside & (lane % 4 == 0):
-                row_lse = (state.maxima[r] * scale_log2 + nvfly.log2(nvfly.maximum(total, 1e-30))) * LN2
-                lse[batch, head, row] = nvfly.select(kept, row_lse, NEG_INF)
+                row_lse = (state.maxima[r] * fold + nvfly.log2(nvfly.maximum(total, 1e-30))) * LN2
+                lse[batch, head, q_start + row] = nvfly.select(kept, row_lse, NEG_INF)

@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-# (Dqk, Dv) pairs, whole 128-byte swizzle rows, and the keys of a ring stage for each Dqk. S is 64 x block_n f32 a
-# warpgroup (block_n / 2 registers a thread), O 64 x Dv (Dv / 2): 128 keys up to Dqk 192 (DeepSeek's 192/128:
-# 209 KB of shared memory), 80 at 256 (FlashAttention-3's tile: 225 KB, under the 227 KB a CTA may have)
-HEAD_DIMS = ((64, 64), (128, 128), (192, 128), (256, 256))
-BLOCK_N = {64: 128, 128: 128, 192: 128, 256: 80}
+# (Dqk, Dv) pairs and the keys of a ring stage for each Dqk. S is 64 x block_n f32 a warpgroup (block_n / 2 registers
+# a thread), O 64 x Dv (Dv / 2): 128 keys up to Dqk 192 (DeepSeek's 192/128: 209 KB of shared memory), 80 at 256
+# (FlashAttention-3's tile: 225 KB, under the 227 KB a CTA may have). Rows are whole 128-byte swizzle rows, or
+# 64-byte ones where a head dim is an odd multiple of 32 (96)
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (64, 128), (128, 64), (192, 128), (256, 256))
+BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 128, 256: 80}
+MASK_BLOCK_N = 64  # D 256 with a BlockMask: stages that divide its 128-key blocks (80 does not)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows (wgmma's M)
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
 STAGES = 2                  # K and V rings each; FA3 uses 2 (the loads run a whole block ahead of the math)
@@ -28,15 +30,27 @@ SWIZZLE = 128
 class PrefillPlan:
     """What the prefill kernel is compiled for (its Constexpr) and how it is launched.
 
-    dqk, dv: head dims; causal: a key is masked past its query's position plus the runtime causal offset
-    (Skv - Sq bottom-right aligned, 0 top-left); block_m, block_n: query rows of a CTA and keys of a ring stage;
-    stages: depth of each of the K and V rings."""
+    dqk, dv: head dims; causal: keys past a right bound are masked, the query's position plus the runtime causal
+    offset (Skv - Sq bottom-right aligned, 0 top-left) plus the runtime ``right`` (0 for causal, a sliding window's
+    right extent); window: keys before a left bound (the position minus the runtime ``left``) are masked too;
+    kv_block, q_block: a flex BlockMask's block sizes (0: none) whose tables list the key blocks; varlen: sequences
+    packed along S with cu_seqlens; block_m, block_n: query rows of a CTA and keys of a ring stage; stages: depth of
+    each of the K and V rings."""
     dqk: int
     dv: int
     causal: bool
+    window: bool = False
+    kv_block: int = 0
+    q_block: int = 0
+    varlen: bool = False
     block_m: int = BLOCK_M
     block_n: int = 128
     stages: int = STAGES
+
+    @property
+    def swizzle(self) -> int:
+        """Bytes of a shared-memory swizzle row: 128 when both head dims are multiples of 64 elements, else 64."""
+        return SWIZZLE if self.dqk % 64 == 0 and self.dv % 64 == 0 else SWIZZLE // 2
 
     @property
     def consumers(self) -> int:
@@ -64,9 +78,16 @@ class PrefillPlan:
         return (-(-sq // self.block_m), heads, batch)
 
 
-def prefill_plan(dqk: int, dv: int, causal: bool) -> PrefillPlan:
-    """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``)."""
-    return PrefillPlan(dqk, dv, causal, block_n=BLOCK_N[dqk])
+def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block: int = 0, q_block: int = 0,
+                 varlen: bool = False) -> PrefillPlan:
+    """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``) and its masking options."""
+    return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=stage_keys(dqk, kv_block))
+
+
+def stage_keys(dqk: int, kv_block: int = 0) -> int:
+    """Keys of a ring stage: ``BLOCK_N``, or with a BlockMask a divisor of its 128-key blocks."""
+    block_n = BLOCK_N[dqk]
+    return block_n if not kv_block or 128 % block_n == 0 else MASK_BLOCK_N
 
 
 def causal_offset(sq: int, skv: int, alignment: str) -> int:
@@ -76,18 +97,26 @@ def causal_offset(sq: int, skv: int, alignment: str) -> int:
     return skv - sq if alignment == "bottom_right" else 0
 
 
-def key_blocks(m_block: Any, skv: Any, causal: bool, offset: Any, block_m: int, block_n: int,
-               minimum: Callable[[Any, Any], Any] = min, maximum: Callable[[Any, Any], Any] = max) -> tuple[Any, Any]:
-    """(unmasked, total) key blocks of query tile ``m_block``: blocks [0, unmasked) are fully visible to every row
-    of the tile and need no mask; [unmasked, total) are evaluated with the mask (the sequence's tail block, and
-    causal blocks crossing the diagonal); blocks from total on are fully masked and never loaded. The kernel calls
-    it on traced values with ``nvfly.minimum``/``nvfly.maximum`` (floor divisions of non-negative values only)."""
+def key_blocks(m_block: Any, skv: Any, causal: bool, window: bool, offset: Any, left: Any, right: Any, block_m: int,
+               block_n: int, minimum: Callable[[Any, Any], Any] = min,
+               maximum: Callable[[Any, Any], Any] = max) -> tuple[Any, Any, Any, Any]:
+    """(start, unmasked_start, unmasked_end, total) key blocks of query tile ``m_block``: row r sees keys from
+    r + offset - left (``window``) to r + offset + right (``causal``). Blocks [unmasked_start, unmasked_end) are
+    fully visible to every row of the tile and need no mask; [start, unmasked_start) and [unmasked_end, total) are
+    evaluated with it (a window's left edge, the sequence's tail block, blocks crossing the causal diagonal); blocks
+    before start and from total on are fully masked and never loaded. The kernel calls it on traced values with
+    ``nvfly.minimum``/``nvfly.maximum`` (floor divisions of non-negative values only)."""
     blocks = (skv + block_n - 1) // block_n
     whole = skv // block_n  # blocks without a tail
-    if not causal:
-        return whole, blocks
-    last_key = m_block * block_m + block_m - 1 + offset  # the last key the tile's last row sees
-    total = minimum(blocks, (maximum(last_key + 1, 0) + block_n - 1) // block_n)
-    first_last_key = m_block * block_m + offset  # the last key the tile's first row sees
-    unmasked = minimum(minimum(whole, maximum(first_last_key + 1, 0) // block_n), total)
-    return unmasked, total
+    first_row = m_block * block_m
+    last_row = first_row + block_m - 1
+    total, unmasked_end, start, unmasked_start = blocks, whole, 0, 0
+    if causal:
+        total = minimum(blocks, (maximum(last_row + offset + right + 1, 0) + block_n - 1) // block_n)
+        unmasked_end = minimum(whole, maximum(first_row + offset + right + 1, 0) // block_n)
+    if window:
+        start = minimum(maximum(first_row + offset - left, 0) // block_n, total)
+        unmasked_start = (maximum(last_row + offset - left, 0) + block_n - 1) // block_n
+        unmasked_start = minimum(maximum(unmasked_start, start), total)
+    unmasked_end = maximum(minimum(unmasked_end, total), unmasked_start)
+    return start, unmasked_start, unmasked_end, total

@@ -57,15 +57,27 @@ def test_contiguous_forward(hopper, sizes, b_major, config):
     check(out, grouped.reference(a, b, offs))
 
 
-def test_contiguous_column_major_tokens_and_dtypes(hopper):
+def test_dtypes_and_k_tail(hopper):
     sizes = [40, 0, 90, 7]
     offs = sizes_to_offs(sizes)
-    a = torch.randn(256, 137, device="cuda").to(torch.float16).t().contiguous().t()[: sum(sizes)]
+    a = torch.randn(sum(sizes), 144, device="cuda").to(torch.float16)[:, :137]  # rows padded to 16 bytes
     b = weights(4, 137, 200, "MN", torch.float16)
     for out_dtype in (None, torch.float32, torch.bfloat16):
         out = grouped.grouped_mm(a, b, offs, out_dtype=out_dtype)
         assert out.dtype == (out_dtype or torch.float16)
         check(out, grouped.reference(a, b, offs), tol=1e-2 if out_dtype != torch.float32 else 3e-3)
+
+
+def test_column_major_tokens_are_declined(hopper):
+    """A group may start at any token, and with column-major tokens that start would be a TMA coordinate of the
+    contiguous dimension (an illegal instruction unless a multiple of 16 bytes): nvfly declines them (the torch ops
+    run torch's kernel), it never launches."""
+    offs = sizes_to_offs([40, 0, 90, 7])
+    a = torch.randn(256, 137, device="cuda").to(torch.float16).t().contiguous().t()[:137]
+    b = weights(4, 137, 200, "MN", torch.float16)
+    assert grouped.eligibility(a, b, offs).startswith("a: column-major tokens")
+    with pytest.raises(ValueError, match="a: column-major tokens"):
+        grouped.grouped_mm(a, b, offs)
 
 
 def test_one_group(hopper):
@@ -106,22 +118,23 @@ def test_masked(hopper, b_major, config):
 KGROUPED_SIZES = [[0, 3, 64, 130, 0, 257], [0, 1000, 0, 0, 0, 0], [5, 0, 0, 70, 0, 0]]  # 6 groups: one kernel each
 
 
-@pytest.mark.parametrize("majors,config", [(("MN", "MN"), None), (("MN", "MN"), SMALL), (("MN", "MN"), NARROW),
-                                           (("K", "K"), None), (("MN", "K"), SMALL), (("K", "MN"), NARROW)],
-                         ids=["MN-MN", "MN-MN-64x128", "MN-MN-128x128", "K-K", "MN-K-64x128", "K-MN-128x128"])
-@pytest.mark.parametrize("sizes", KGROUPED_SIZES, ids=["ragged", "one", "sparse"])
-def test_kgrouped_weight_gradient(hopper, sizes, majors, config):
-    m, n = 136, 200
+def kgrouped_operands(sizes, m, n, majors):
+    """The weight gradient's operands: a = x.mT (M contiguous: "MN"), b = dy (N contiguous: "MN"); "K": K
+    contiguous, rows padded to 16 bytes (TMA's stride rule)."""
     total = sum(sizes)
-    # the weight gradient: a = x.mT (M contiguous: "MN"), b = dy (N contiguous: "MN"); "K": K contiguous, rows
-    # padded to 16 bytes (TMA's stride rule)
     padded = 8 * -(-total // 8)
     a = (torch.randn(total, m, device="cuda").mT if majors[0] == "MN"
          else torch.randn(m, padded, device="cuda")[:, :total])
     b = (torch.randn(total, n, device="cuda") if majors[1] == "MN"
          else torch.randn(n, padded, device="cuda")[:, :total].mT)
-    a, b = a.to(torch.bfloat16), b.to(torch.bfloat16)
-    offs = sizes_to_offs(sizes)
+    return a.to(torch.bfloat16), b.to(torch.bfloat16), sizes_to_offs(sizes)
+
+
+@pytest.mark.parametrize("config", [None, SMALL, NARROW], ids=["heuristic", "64x128", "128x128"])
+@pytest.mark.parametrize("sizes", KGROUPED_SIZES, ids=["ragged", "one", "sparse"])
+def test_kgrouped_weight_gradient(hopper, sizes, config):
+    m, n = 136, 200
+    a, b, offs = kgrouped_operands(sizes, m, n, ("MN", "MN"))
     out = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=torch.float32)
     grouped.grouped_mm(a, b, offs, out=out, out_dtype=torch.float32, config=config)
     ref = grouped.reference(a, b, offs)
@@ -129,6 +142,20 @@ def test_kgrouped_weight_gradient(hopper, sizes, majors, config):
     for g, size in enumerate(sizes):
         if size == 0:
             assert torch.equal(out[g], torch.zeros_like(out[g]))
+
+
+@pytest.mark.parametrize("majors", [("K", "K"), ("MN", "K"), ("K", "MN")], ids=["K-K", "MN-K", "K-MN"])
+def test_kgrouped_k_contiguous_operands_are_declined(hopper, majors):
+    """A group's K may start anywhere: with a K-contiguous operand that start would be a TMA coordinate of the
+    contiguous dimension, so nvfly declines (no launch) and nvfly::grouped_mm computes it on torch."""
+    import nvfly.torch  # noqa: F401
+    sizes = KGROUPED_SIZES[0]
+    a, b, offs = kgrouped_operands(sizes, 136, 200, majors)
+    name = "a" if majors[0] == "K" else "b"
+    assert grouped.eligibility(a, b, offs).startswith(f"{name}: K-contiguous")
+    with pytest.raises(ValueError, match=f"{name}: K-contiguous"):
+        grouped.grouped_mm(a, b, offs, out_dtype=torch.float32)
+    check(torch.ops.nvfly.grouped_mm(a, b, offs, out_dtype=torch.float32), grouped.reference(a, b, offs))
 
 
 def test_batched_experts(hopper):
@@ -189,8 +216,8 @@ def test_offsets_past_the_end_are_clamped(hopper):
 
 
 def test_routing_and_autograd(hopper, monkeypatch):
-    """Under nvfly.torch.routing() torch._grouped_mm / F.grouped_mm run on nvfly, forward and backward (torch's
-    autograd formula calls _grouped_mm again: dA as 2-D x 3-D, dB grouped along K)."""
+    """Under nvfly.torch.routing() torch._grouped_mm / F.grouped_mm run on nvfly, forward and dA (torch's autograd
+    formula calls _grouped_mm again: dA as 2-D x 3-D, dB grouped along K, which the route leaves to torch)."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch without _grouped_mm")
     import nvfly.torch
@@ -198,7 +225,7 @@ def test_routing_and_autograd(hopper, monkeypatch):
     real = grouped.grouped_mm
 
     def counted(*args, **kwargs):
-        calls.append(args[0].shape)
+        calls.append((args[0].dim(), args[1].dim()))
         return real(*args, **kwargs)
     monkeypatch.setattr(grouped, "grouped_mm", counted)
     sizes = [64, 0, 32, 96, 8, 56]
@@ -209,7 +236,7 @@ def test_routing_and_autograd(hopper, monkeypatch):
         y = torch.nn.functional.grouped_mm(a, w.mT, offs=offs) if hasattr(torch.nn.functional, "grouped_mm") \
             else torch._grouped_mm(a, w.mT, offs)
         y.float().square().sum().backward()
-    assert len(calls) >= 3, calls  # forward, dA, dB
+    assert calls == [(2, 3), (2, 3)], calls  # forward and dA; dB (K-grouped) stays on torch, where it is faster
     a32, w32 = a.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     ref = grouped.reference(a32, w32.mT, offs)
     check(y, ref)

@@ -142,16 +142,37 @@ def _layout_reason(a: Any, b: Any, offs: Any, offs_name: str) -> Optional[str]:
     return None
 
 
+def _coordinate_reason(layout: str, a: Any, b: Any, fuse: str, n: int) -> Optional[str]:
+    """Why a TMA load of the kernel could start at a coordinate of a contiguous dimension that is not a multiple
+    of 16 bytes (TMA raises an illegal instruction there), or None. The device offsets are unknown on the host, so
+    every contiguous dimension a group boundary can fall in is declined: column-major tokens (a group starts at any
+    row), the weight gradient's K-contiguous operands (a group's K starts anywhere), and a fused MN-major B whose
+    up columns start at an I of fewer than 16-byte multiples."""
+    if layout == "contiguous" and operand_major(a, -1) == "MN":
+        return ("a: column-major tokens (rows contiguous): a group may start at any row, and a TMA load cannot start "
+                "at a row that is not a multiple of 16 bytes along the contiguous dimension")
+    if layout == "kgrouped":
+        for name, t, kdim in (("a", a, -1), ("b", b, -2)):
+            if operand_major(t, kdim) == "K":
+                return (f"{name}: K-contiguous in the K-grouped product: a group's K may start anywhere, and a TMA "
+                        f"load cannot start at a K that is not a multiple of 16 bytes along the contiguous dimension")
+    if fuse == "silu_mul" and operand_major(b, -2) == "MN" and (n * b.element_size()) % 16:
+        return (f"b: the up columns start at column I = {n} of the N-contiguous gate/up weights, not a multiple of "
+                f"16 bytes (where a TMA load must start)")
+    return None
+
+
 def eligibility(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtype] = None, out: Any = None,
                 fuse: str = "none", masked: bool = False) -> Optional[str]:
     """None when nvfly runs the call, else why it is declined (``check``'s error, then the device's, then the
-    layouts')."""
+    layouts', then the TMA coordinates')."""
     try:
-        layout, _, _ = check(a, b, offs, out_dtype, out, fuse, masked)
+        layout, shape, _ = check(a, b, offs, out_dtype, out, fuse, masked)
     except (TypeError, ValueError) as exc:
         return str(exc)
     offs_name = "counts" if masked else "offs"
-    return _device_reason(a, b, offs, out, offs_name) or _layout_reason(a, b, offs, offs_name)
+    return (_device_reason(a, b, offs, out, offs_name) or _layout_reason(a, b, offs, offs_name)
+            or _coordinate_reason(layout, a, b, fuse, shape[-1]))
 
 
 # ---------------------------------------------------------------------------------------------- plans

@@ -98,7 +98,6 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
 
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
-    ring16 = nvfly.dynamic_shared_tensor(nvfly.i16, (S * STAGE_BYTES // 2,), offset_bytes=BARRIER_BYTES)
     pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * WGS)
 
     tid = nvfly.thread_idx.x
@@ -179,8 +178,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
             pipe.consumer_wait(state)
             stage = ring + state.stage * STAGE_BYTES
             if LAYOUT == "kgrouped":
-                clear_k_tail(ring, ring16, state.stage * STAGE_BYTES, offs, g, k, k_base, 0, consumer,
-                             warp_in_wg * 32 + lane, WG_M, BK, A_MAJOR, A_SW, size, GROUPS)
+                clear_k_tail(ring, state.stage * STAGE_BYTES, offs, g, k, k_base, 0, consumer, warp_in_wg * 32 + lane,
+                             WG_M, BK, A_SW, size, GROUPS)
             accs = issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, (a_lbo, a_sbo, A_SW),
                                  (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, True)
             prev = state
@@ -189,8 +188,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                 pipe.consumer_wait(state)
                 stage = ring + state.stage * STAGE_BYTES
                 if LAYOUT == "kgrouped":
-                    clear_k_tail(ring, ring16, state.stage * STAGE_BYTES, offs, g, k, k_base, kt, consumer,
-                                 warp_in_wg * 32 + lane, WG_M, BK, A_MAJOR, A_SW, size, GROUPS)
+                    clear_k_tail(ring, state.stage * STAGE_BYTES, offs, g, k, k_base, kt, consumer,
+                                 warp_in_wg * 32 + lane, WG_M, BK, A_SW, size, GROUPS)
                 accs = issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, (a_lbo, a_sbo, A_SW),
                                      (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, False)
                 sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
@@ -252,50 +251,38 @@ def group_rows_end(offs, g, m, LAYOUT, GROUPS):
 
 
 @nvfly.func
-def clear_k_tail(ring, ring16, stage, offs, g, k, k_base, kt, consumer, t, WG_M, BK, A_MAJOR, A_SW, size, GROUPS):
+def clear_k_tail(ring, stage, offs, g, k, k_base, kt, consumer, t, WG_M, BK, A_SW, size, GROUPS):
     """kgrouped: when k-block ``kt`` of group ``g`` runs past the group's K, zero the consumer's A columns past it
     (``zero_k_tail``) and sync the consumer's warpgroup before its wgmmas read them."""
     valid = k_end_of(offs, g, k, GROUPS) - k_base - kt * BK
     if valid < BK:
-        zero_k_tail(ring, ring16, stage, consumer, valid, t, WG_M, BK, A_MAJOR, A_SW, size)
+        zero_k_tail(ring, stage, consumer, valid, t, WG_M, BK, A_SW, size)
         nvfly.named_barrier(STORE_BARRIER + consumer, 128)
 
 
 @nvfly.func
-def zero_k_tail(ring, ring16, stage, consumer, valid, t, WG_M, BK, A_MAJOR, A_SW, size):
-    """Zero the K columns from ``valid`` on of the consumer's WG_M rows of the A tile at byte ``stage`` of the ring
-    (shared address ``ring``, 16-bit view ``ring16``; thread ``t`` of the consumer's 128), then fence the writes
-    for wgmma (``a_tail_offset`` places the elements).
-
-    K-major: each thread takes one row and zeroes its elements past ``valid`` one by one (2-byte stores, in a
-    loop). MN-major: a K row of a swizzle-wide MN chunk is one line of A_SW bytes whatever the swizzle, so each
-    thread zeroes whole lines."""
-    if A_MAJOR == "K":
-        if t < WG_M:
-            r = consumer * WG_M + t
-            # a loop, not unrolled: the stores run beside the live accumulators
-            for c in range(nvfly.maximum(valid, 0), BK):
-                ring16[(stage + a_tail_offset(r, c, BK, A_MAJOR, A_SW, size)) // 2] = nvfly.i16(0)
-    else:
-        WIDTH = A_SW // size
-        LINES = WG_M // WIDTH * BK
-        if t < LINES:
-            kr = t % BK
-            if kr >= valid:
-                line = ring + stage + a_tail_offset(consumer * WG_M + t // BK * WIDTH, kr, BK, A_MAJOR, A_SW, size)
-                zero = nvfly.i32(0)
-                for q in nvfly.static_range(A_SW // 16):
-                    store_shared(line + 16 * q, [zero, zero, zero, zero])
+def zero_k_tail(ring, stage, consumer, valid, t, WG_M, BK, A_SW, size):
+    """Zero the K columns from ``valid`` on of the consumer's WG_M rows of the MN-major A tile at byte ``stage`` of
+    the ring (shared address ``ring``; thread ``t`` of the consumer's 128), then fence the writes for wgmma
+    (``a_tail_offset`` places the lines). A K row of a swizzle-wide MN chunk is one line of A_SW bytes whatever the
+    swizzle, so each thread zeroes whole lines. (K-major operands are declined in this layout: a group's K start
+    would be a TMA coordinate of the contiguous dimension.)"""
+    WIDTH = A_SW // size
+    LINES = WG_M // WIDTH * BK
+    if t < LINES:
+        kr = t % BK
+        if kr >= valid:
+            line = ring + stage + a_tail_offset(consumer * WG_M + t // BK * WIDTH, kr, BK, A_SW, size)
+            zero = nvfly.i32(0)
+            for q in nvfly.static_range(A_SW // 16):
+                store_shared(line + 16 * q, [zero, zero, zero, zero])
     sm90.fence_proxy_async()
 
 
-def a_tail_offset(r: Any, c: Any, bk: int, major: str, swizzle: int, size: int) -> Any:
-    """Byte offset of element (row r, column c) of an A tile of the kernel's layout (``sm90.operand_layout`` with
-    ``swizzle``; ``tests/test_grouped_cpu.py`` checks it against the layout). K-major: rows of bk elements (one
-    128-byte swizzle row), 16-byte chunk c // 8 at chunk (c // 8) ^ (r % 8). MN-major (r a multiple of the chunk
-    width): the K row c of the swizzle-wide MN chunk holding row r."""
-    if major == "K":
-        return r * (bk * size) + ((((c * size) >> 4) ^ (r % 8)) << 4) + (c * size) % 16
+def a_tail_offset(r: Any, c: Any, bk: int, swizzle: int, size: int) -> Any:
+    """Byte offset of K row c of the swizzle-wide MN chunk holding row r (a multiple of the chunk width) in an
+    MN-major A tile of the kernel's layout (``sm90.operand_layout`` with ``swizzle``; ``tests/test_grouped_cpu.py``
+    checks it against the layout)."""
     width = swizzle // size
     return (r // width) * (width * bk * size) + c * swizzle
 

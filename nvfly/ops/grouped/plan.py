@@ -95,6 +95,11 @@ def make_plan(layout: str, fuse: str, dtype: str, groups: int, a_major: str, b_m
         raise ValueError(f"layout/fuse: expected one of {LAYOUTS} / {FUSES}, got {layout!r} / {fuse!r}")
     if fuse != "none" and layout == "kgrouped":
         raise ValueError("fuse: the fused gate/up projection takes 3-D weights, not the K-grouped 2-D x 2-D")
+    if (layout == "contiguous" and a_major == "MN") or (layout == "kgrouped" and "K" in (a_major, b_major)):
+        # a group boundary (device offsets) would be a TMA coordinate along the contiguous dimension, which must be
+        # a multiple of 16 bytes (else an illegal instruction): api.eligibility declines these
+        takes = "K-major A" if layout == "contiguous" else "MN-major A and B"
+        raise ValueError(f"a_major/b_major: the {layout} layout takes {takes}, got {a_major}/{b_major}")
     nv = getattr(nvfly, dtype)
     itemsize = nv.itemsize
     fused = fuse == "silu_mul"

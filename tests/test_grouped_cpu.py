@@ -272,6 +272,8 @@ def test_explain_covers_grouped_mm():
     text = explain_grouped(64, 16384, 2048, 7168)
     assert "nvfly runs: grouped contiguous: 128x256 tile on 2 consumers" in text
     assert "nvfly declines: fuse" in explain_grouped(8, 512, 256, 1024, layout="kgrouped", fuse="silu_mul")
+    assert "A MN-major, B MN-major" in explain_grouped(8, 512, 256, 1024, layout="kgrouped", b_major="MN")
+    assert "nvfly declines: a_major/b_major" in explain_grouped(8, 512, 256, 1024, layout="kgrouped", b_major="K")
 
 
 @pytest.fixture

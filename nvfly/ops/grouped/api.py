@@ -375,7 +375,7 @@ def validate_offsets(offs: torch.Tensor, limit: int, *, masked: bool = False, na
 def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "none", b_major: str = "MN",
              rows_per_group: Optional[float] = None) -> str:
     """What ``grouped_mm`` (``grouped_mm_masked`` for "masked") runs on densely packed bf16 operands (A K-major,
-    B ``b_major``), planned for an H100/H200 (132 SMs; no GPU needed): the tile, ring and launch."""
+    "kgrouped" MN-major; B ``b_major``), planned for an H100/H200 (132 SMs; no GPU needed): the tile, ring and launch."""
     if layout == "contiguous":
         a = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
         b = torch.empty(groups, k, 2 * n if fuse != "none" else n, dtype=torch.bfloat16, device="meta")
@@ -384,8 +384,8 @@ def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "n
         a = torch.empty(groups, m, k, dtype=torch.bfloat16, device="meta")
         b = torch.empty(groups, k, 2 * n if fuse != "none" else n, dtype=torch.bfloat16, device="meta")
         rows = m
-    else:
-        a = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
+    else:  # the weight gradient's x.mT (M-contiguous) and dy
+        a = torch.empty(k, m, dtype=torch.bfloat16, device="meta").mT
         b = torch.empty(k, n, dtype=torch.bfloat16, device="meta")
         rows = m
     if b_major == "K":

@@ -114,6 +114,18 @@ def test_masked(hopper, b_major, config):
     check(out, grouped.reference(a, b, counts.clamp_max(mmax), masked=True))
 
 
+def test_masked_column_major_tokens(hopper):
+    """The masked layout's tiles start at multiples of the tile rows, so row-contiguous (MN-major) tokens run."""
+    e, mmax, k, n = 3, 128, 192, 160
+    counts = torch.tensor([77, 0, 128], dtype=torch.int32).cuda()
+    a = torch.randn(e, k, mmax, device="cuda").to(torch.bfloat16).mT
+    b = weights(e, k, n, "MN")
+    assert grouped.eligibility(a, b, counts, masked=True) is None
+    out = torch.full((e, mmax, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm_masked(a, b, counts, out=out)
+    check(out, grouped.reference(a, b, counts, masked=True))
+
+
 # K sizes: empty groups (zeros out), under one 64-wide k-block, unaligned tails, several k-blocks
 KGROUPED_SIZES = [[0, 3, 64, 130, 0, 257], [0, 1000, 0, 0, 0, 0], [5, 0, 0, 70, 0, 0]]  # 6 groups: one kernel each
 

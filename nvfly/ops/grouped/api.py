@@ -306,7 +306,8 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = 
                config: Optional[GemmConfig] = None, rows_per_group: Optional[float] = None,
                check_offsets: bool = False) -> torch.Tensor:
     """``torch._grouped_mm(a, b, offs, out_dtype=out_dtype)`` on bf16/fp16 operands (fp32 accumulation, bf16, fp16
-    or fp32 out), each operand of either major-ness:
+    or fp32 out), each operand of either major-ness, except where a group boundary would fall in the contiguous
+    dimension (column-major tokens, K-contiguous weight-gradient operands: see ``eligibility``):
 
     - a [T, K] x b [E, K, N] with ``offs`` (int32 [E], cumulative group ends on the device): out [T, N], rows of
       group g from offs[g-1] to offs[g] (the MoE forward: tokens sorted by expert; rows past offs[-1] are not

@@ -146,7 +146,10 @@ def test_nvfly_ops_exports_the_ops_and_keeps_the_packages():
 
     assert matmul is gemm_api.matmul and rms_norm is rmsnorm_api.rms_norm
     assert topk is sys.modules["nvfly.ops.topk"] and topk.plan and topk.topk is topk_api.topk
-    assert sorted(nvfly.ops.__all__) == ["matmul", "rms_norm", "topk"]
+    from nvfly.ops import grouped_mm
+    from nvfly.ops.grouped import api as grouped_api
+    assert grouped_mm is grouped_api.grouped_mm
+    assert sorted(nvfly.ops.__all__) == ["grouped_mm", "matmul", "rms_norm", "topk"]
     with pytest.raises(nvfly.NvflyError):  # the package called is the function, refusing a CPU tensor
         topk(torch.tensor([[3.0, 1.0, 2.0]]), 2)
     with pytest.raises(AttributeError):

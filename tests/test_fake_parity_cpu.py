@@ -8,6 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nvfly.torch.attention_ops  # noqa: F401  (defines torch.ops.nvfly.attention_decode, _prefill)
+import nvfly.torch.grouped_ops  # noqa: F401  (defines torch.ops.nvfly.grouped_mm*)
 import nvfly.torch.ops  # noqa: F401  (defines torch.ops.nvfly: the GEMM's ops, RMSNorm's and TopK's)
 
 bf, f16 = torch.bfloat16, torch.float16
@@ -52,6 +53,17 @@ INVALID = [
      ValueError, "nvfly::rms_norm_backward: rstd: expected 4 values (one per row)"),
     ("topk", lambda: (_t(4, 16), 17), {}, ValueError, "nvfly::topk: k: expected an int in [0, 16]"),
     ("topk", lambda: (_t(4, 16), 2), {"dim": 2}, ValueError, "nvfly::topk: dim: 2 is out of range"),
+    ("grouped_mm", lambda: (_t(8, 16), _t(2, 12, 8), torch.tensor([3, 8], dtype=torch.int32)), {}, ValueError,
+     "nvfly::grouped_mm: b: shape (2, 12, 8) and a's (8, 16) do not multiply"),
+    ("grouped_mm", lambda: (_t(8, 16), _t(2, 16, 8), torch.tensor([3, 8])), {}, TypeError,
+     "nvfly::grouped_mm: offs: expected a 1-D int32 tensor, got 1-D torch.int64"),
+    ("grouped_mm", lambda: (_t(8, 16), _t(2, 16, 8)), {}, TypeError, "nvfly::grouped_mm: offs: expected a 1-D int32"),
+    ("grouped_mm", lambda: (_t(8, 16), _t(2, 16, 7), torch.tensor([3, 8], dtype=torch.int32)),
+     {"fuse": "silu_mul"}, ValueError, "nvfly::grouped_mm: b: the fused gate/up projection takes gate and up"),
+    ("grouped_mm_masked", lambda: (_t(2, 4, 16), _t(3, 16, 8), torch.tensor([1, 4], dtype=torch.int32)), {},
+     ValueError, "nvfly::grouped_mm_masked: b: 3 groups, a has 2"),
+    ("grouped_mm_out", lambda: (_t(8, 16), _t(2, 16, 8), torch.tensor([3, 8], dtype=torch.int32), _t(8, 9)), {},
+     ValueError, "nvfly::grouped_mm_out: out: expected shape (8, 8), got (8, 9)"),
     # decode's own checks (its errors name the function and the argument)
     ("attention_decode", lambda: (_t(2, 1, 7, 64), _t(2, 32, 2, 64), _t(2, 32, 2, 64)), {}, ValueError,
      "attention.decode: q: 7 query heads are not a multiple of k_cache's 2 KV heads"),
@@ -81,6 +93,10 @@ VALID = [
     ("linear", lambda: (_t(2, 4, 16), _t(6, 16), _t(6)), {}),
     ("rms_norm", lambda: (_t(4, 16, dtype=torch.float64), [16], _t(16, dtype=torch.float64)), {}),
     ("topk", lambda: (_t(4, 16, dtype=torch.float64), 3), {"dim": 0}),
+    ("grouped_mm", lambda: (_t(8, 16, dtype=torch.float32), _t(2, 16, 6, dtype=torch.float32),
+                            torch.tensor([3, 8], dtype=torch.int32)), {"fuse": "silu_mul"}),
+    ("grouped_mm", lambda: (_t(16, 8), _t(8, 6), torch.tensor([3, 8], dtype=torch.int32)), {}),
+    ("grouped_mm_masked", lambda: (_t(2, 4, 16), _t(2, 16, 8), torch.tensor([1, 4], dtype=torch.int32)), {}),
     ("attention_decode", lambda: (_t(2, 2, 8, 72)[..., 8:], _t(2, 32, 2, 65)[..., 1:], _t(2, 32, 2, 64)), {}),
     ("attention_prefill", lambda: (_t(1, 33, 4, 192), _t(1, 20, 2, 192), _t(1, 20, 2, 128)),
      {"causal": True, "causal_alignment": "top_left"}),

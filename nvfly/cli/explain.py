@@ -1,6 +1,8 @@
 """``nvfly explain M N K``: for one GEMM shape, whether nvfly can run it, what its heuristic runs, the
 candidates Inductor would benchmark, their times, the winner and why (``nvfly.torch.explain``). Without a GPU
-nothing is timed; ``--benchmark`` times the candidates and torch now, on a CUDA GPU.
+nothing is timed; ``--benchmark`` times the candidates and torch now, on a CUDA GPU. ``--groups E``: a grouped GEMM
+(MoE experts) of E groups instead, M the routed rows in all (``--layout``, ``--fuse``):
+``nvfly.torch.grouped_ops.explain_grouped``.
 
 ``nvfly explain --sdpa B,HQ,HKV,SQ,SKV,D[,DV] [--causal] [--grad]``: what eager routing does with
 ``F.scaled_dot_product_attention`` on that shape: nvfly's decode or prefill, or torch's SDPA and why
@@ -64,6 +66,13 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--causal", action="store_true", help="with --sdpa: is_causal=True")
     parser.add_argument("--grad", action="store_true", help="with --sdpa: the inputs require grad (training)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a report")
+    parser.add_argument("--groups", type=positive_int, default=None,
+                        help="explain a grouped GEMM of this many groups (MoE experts) instead")
+    parser.add_argument("--layout", choices=("contiguous", "masked", "kgrouped"), default="contiguous",
+                        help="with --groups: tokens sorted by expert with offsets (default), a fixed capacity M "
+                             "per expert, or groups along K (the weight gradient)")
+    parser.add_argument("--fuse", choices=("none", "silu_mul"), default="none",
+                        help="with --groups: the fused gate/up projection (N = I outputs of 2I weight columns)")
     parser.set_defaults(run=run, parser=parser)
 
 
@@ -86,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
                                           "sees none here (leave it out to explain without timing)")
     if args.device is not None and args.device >= gpus:
         raise UsageError("nvfly explain", f"--device {args.device}: torch sees {gpus} CUDA device(s)")
+    if args.groups is not None:
+        from nvfly.torch.grouped_ops import explain_grouped
+        print(explain_grouped(args.groups, args.m, args.n, args.k, layout=args.layout, fuse=args.fuse,
+                              b_major=args.majors[1]), end="")
+        return 0
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     with console.status("timing the candidates and torch" if args.benchmark else "planning"):
         if args.sdpa is not None:

@@ -1,8 +1,8 @@
-"""nvfly's kernel library, written in the DSL: each op family is a subpackage (``gemm``, ``rmsnorm``, ``topk``)
-offering a host function on torch tensors, an eligibility check that explains why an input is declined, and the
-kernels behind it. The host functions are exported here::
+"""nvfly's kernel library, written in the DSL: each op family is a subpackage (``gemm``, ``grouped``, ``rmsnorm``,
+``topk``) offering a host function on torch tensors, an eligibility check that explains why an input is declined,
+and the kernels behind it. The host functions are exported here::
 
-    from nvfly.ops import matmul, rms_norm, topk
+    from nvfly.ops import grouped_mm, matmul, rms_norm, topk
 
 They are imported on first use, so ``import nvfly.ops`` stays cheap. ``topk`` is both the function and the
 subpackage ``nvfly.ops.topk`` (calling the package calls the function), so ``topk.plan`` still works.
@@ -13,7 +13,8 @@ import importlib
 from typing import Any
 
 # exported name -> the subpackage that defines it
-_EXPORTS = {"matmul": "nvfly.ops.gemm", "rms_norm": "nvfly.ops.rmsnorm", "topk": "nvfly.ops.topk"}
+_EXPORTS = {"matmul": "nvfly.ops.gemm", "grouped_mm": "nvfly.ops.grouped", "rms_norm": "nvfly.ops.rmsnorm",
+            "topk": "nvfly.ops.topk"}
 
 __all__ = sorted(_EXPORTS)
 

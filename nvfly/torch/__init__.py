@@ -3,14 +3,14 @@
     import nvfly.torch
     nvfly.torch.install()                       # nvfly joins torch.compile(mode="max-autotune") GEMM autotuning,
                                                 # and compiled SDPA goes to nvfly's attention where it wins
-    with nvfly.torch.routing():                 # eager: mm/addmm/bmm, SDPA (decode, prefill, training; and
-                                                # RMSNorm, TopK) to nvfly where faster
+    with nvfly.torch.routing():                 # eager: mm/addmm/bmm, SDPA (decode, prefill, training;
+                                                # RMSNorm, TopK, torch._grouped_mm) to nvfly where faster
         y = model(x)
     nvfly.torch.autotune([(16, 4096, 4096)])    # fills the database that routing and Inductor's candidates read
     print(nvfly.torch.explain(16, 4096, 4096))  # candidates, times, winner, and why nvfly was declined or lost
     print(nvfly.torch.explain_sdpa(1, 32, 8, 4096, 4096, 128, is_causal=True))  # which kernel runs SDPA, and why
 
-Importing this package registers nvfly's GEMM and attention custom ops (``torch.ops.nvfly.*``) and
+Importing this package registers nvfly's GEMM, grouped-GEMM and attention custom ops (``torch.ops.nvfly.*``) and
 changes nothing else: Inductor hooks are installed by ``install()`` only, aten routes by ``routing()`` /
 ``enable_routing()`` only.
 No GPU is needed to import it.
@@ -24,7 +24,8 @@ import torch
 # ``routing`` is the routing module, callable as its switch (``with nvfly.torch.routing():``). ``autotune`` and
 # ``explain`` name both a submodule and its main function: importing the function here, after the submodule,
 # leaves the function as the package attribute (reach the modules with ``from nvfly.torch.autotune import ...``)
-from nvfly.torch import attention_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode, SDPA route)
+from nvfly.torch import attention_ops, grouped_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode,
+# SDPA route; grouped_ops: nvfly::grouped_mm, the _grouped_mm route)
 from nvfly.torch.autotune import autotune, database
 from nvfly.torch.explain import explain, explain_sdpa
 from nvfly.torch.routing import install_routing, routing_enabled

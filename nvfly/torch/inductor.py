@@ -16,6 +16,10 @@ How a GEMM flows (torch 2.11 and 2.13 alike):
 4. Inductor benchmarks them beside ATen and Triton. A winning nvfly choice is emitted as a call of the custom
    op ``torch.ops.nvfly.mm_out`` / ``addmm_out`` with its config string.
 
+Grouped mm (``aten._grouped_mm``, MoE experts) does not ask ``V.choices``: the ``add_preprocessing_fn`` hook adds
+nvfly's grouped candidates (``grouped_ops.inductor_candidates``) next to the ATen choice, emitted as
+``torch.ops.nvfly.grouped_mm_out``; the rest (compile, benchmark, fallback) is the GEMM's.
+
 Caching: a choice's ``hash_key()`` is its op, config and ``uuid()`` (nvfly's toolchain fingerprint, which
 includes nvfly's version and source hash, plus the codegen settings), identical across processes, so Inductor's
 autotune cache hits. The FX-graph cache key includes the choices class's ``uuid()`` from torch 2.12 on; where it
@@ -49,8 +53,10 @@ from nvfly import settings
 from nvfly.compiler import toolchain
 from nvfly.runtime.driver import sm_count
 from nvfly.torch.autotune import candidates, database
+from nvfly.ops import grouped
 from nvfly.torch.gemm_ops import (Decision, TensorInfo, Workload, analyze, bound_reason, nvfly_gemm, precompile,
                                   record)
+from nvfly.torch.grouped_ops import bench_grouped_mm_out, inductor_candidates, out_bound_reason, precompile_grouped
 
 log = logging.getLogger("nvfly")
 
@@ -209,8 +215,14 @@ _SCALARS = {"mm_out": (), "addmm_out": ("beta", "alpha")}
 
 
 def _preprocess(choices: list[Any]) -> list[Any]:
-    """The hook used when another choices class holds the slot: add nvfly's choices next to the ATen GEMM."""
-    if not (_STATE.active and _STATE.via_preprocessing) or any(isinstance(c, NvflyCaller) for c in choices):
+    """Add nvfly's grouped-mm choices next to ATen's; and, when another choices class holds the slot, nvfly's GEMM
+    choices next to the ATen GEMM."""
+    if not _STATE.active or any(isinstance(c, NvflyCaller) for c in choices):
+        return choices
+    for c in choices:
+        if isinstance(c, ExternKernelCaller) and c.choice.name == "_grouped_mm":
+            return choices + grouped_choices(c)
+    if not _STATE.via_preprocessing:
         return choices
     for c in choices:
         if isinstance(c, ExternKernelCaller) and c.choice.name in _OPS:
@@ -243,6 +255,36 @@ def nvfly_choices(op: str, lowering: Callable[[], tuple[Sequence[Any], dict[str,
             caller.start_compile([*c, a, b], decision)
     except Exception as exc:  # e.g. an unreadable GPU property
         record(Decision.of("inductor", op, a, b, reason=f"candidate generation failed: {exc}"))
+        return []
+    return callers
+
+
+def grouped_choices(aten: Any) -> list[Any]:
+    """nvfly's choices for one grouped-mm lowering, from its ATen choice (inputs a, b, offs; its output layout); []
+    with the reason recorded when nvfly is declined. Never raises."""
+    try:
+        if len(aten.input_nodes) != 3:
+            raise ValueError("no offsets: 3-D x 3-D grouped mm is a bmm (nvfly's GEMM candidates cover bmm)")
+        a, b, offs = [_operand(n) for n in aten.input_nodes]
+    except Exception as exc:
+        record(Decision("inductor", "grouped_mm", (0, 0, 0, 0), "(operands unknown)",
+                        reason=f"workload analysis failed: {type(exc).__name__}: {exc}"))
+        return []
+    out_dtype = aten.kwargs.get("out_dtype")
+    reason = _declined({}) or (f"out_dtype {out_dtype} is not a's dtype" if out_dtype not in (None, a.dtype)
+                               else grouped.eligibility(a, b, offs))
+    if reason:
+        record(Decision.of("inductor", "grouped_mm", a, b, reason=reason))
+        return []
+    try:
+        configs = inductor_candidates(a, b, offs, _STATE.max_candidates)
+        callers = [_extern_choice("grouped_mm_out").bind(aten.input_nodes, aten.layout, config=cfg)
+                   for cfg in configs]
+        decision = record(Decision.of("inductor", "grouped_mm", a, b, candidates=tuple(configs)))
+        for caller in callers:
+            caller.start_compile([a, b, offs], decision)
+    except Exception as exc:
+        record(Decision.of("inductor", "grouped_mm", a, b, reason=f"candidate generation failed: {exc}"))
         return []
     return callers
 
@@ -308,7 +350,9 @@ def _bench_addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, out: torc
     nvfly_gemm(a, b, c, alpha=alpha, beta=beta, out=out, config=config)
 
 
-_BENCH = {"mm_out": _bench_mm, "addmm_out": _bench_addmm}
+_BENCH = {"mm_out": _bench_mm, "addmm_out": _bench_addmm, "grouped_mm_out": bench_grouped_mm_out}
+# why the emitted op ran torch for a benchmark's operands (then its time is torch's)
+_BOUND_REASON = {"mm_out": bound_reason, "addmm_out": bound_reason, "grouped_mm_out": out_bound_reason}
 _EXTERN: dict[str, "NvflyExternChoice"] = {}
 
 
@@ -362,6 +406,12 @@ class NvflyCaller(ExternKernelCaller):
     def _compile(self, operands: Sequence[TensorInfo]) -> None:
         # stand-ins with the operands' sizes and strides give the exact kernel specialisations of the real call
         tensors = [torch.empty_strided(o.shape, o.strides, dtype=o.dtype, device=o.device) for o in operands]
+        if self.choice.op == "grouped_mm_out":
+            layout = self.layout
+            out = torch.empty_strided([int(s) for s in layout.size], [int(s) for s in layout.stride],
+                                      dtype=layout.dtype, device=layout.device)
+            precompile_grouped(*tensors, out=out, config=self.kwargs["config"])
+            return
         *c, a, b = tensors
         precompile(a, b, *c, config=self.kwargs["config"])
 
@@ -383,7 +433,7 @@ class NvflyCaller(ExternKernelCaller):
         except Exception as exc:
             self._fail("benchmark", exc)
         # the op falls back to torch instead of raising: then the time would be torch's
-        fallback = bound_reason(*args, out=out, **self.kwargs)
+        fallback = _BOUND_REASON[self.choice.op](*args, out=out, **self.kwargs)
         if fallback is not None:
             self._fail("benchmark", RuntimeError(fallback))
         return elapsed

@@ -1,0 +1,304 @@
+"""The grouped GEMM kernel (MoE experts): one persistent warp-specialised TMA + wgmma launch walks every group's
+tiles with the shared scheduler; no launch per group and no host read of the group sizes.
+
+Three layouts (``LAYOUT``), each group g a GEMM of its own:
+
+- "contiguous" (the MoE forward, ``torch._grouped_mm`` 2-D x 3-D): tokens sorted by expert in A [T, K], group g
+  rows [offs[g-1], offs[g]) (``offs``: cumulative ends on the device), weights B [E, K, N] (either major), out
+  [T, N]. One 2-D descriptor covers all tokens and a 3-D one all weights with the group as the batch coordinate
+  (DeepGEMM's contiguous layout): an M tile that runs past its group's end loads rows of the next group (or TMA's
+  zero fill) that the epilogue does not store.
+- "masked" (CUDA-graph decode): A [E, Mmax, K], group g rows [0, counts[g]), out [E, Mmax, N]; rows past the count
+  are not written.
+- "kgrouped" (the weight gradient, 2-D x 2-D): A [M, sum K], B [sum K, N], group g the K range
+  [offs[g-1], offs[g]), out [E, M, N]. A group's k-blocks start at its first K (TMA takes any coordinate); its
+  last k-block would read the next group's K, so the consumers zero the A columns past the group's end in shared
+  memory before issuing it (an empty group runs one k-block of zeros: its output is zeros).
+
+The contiguous and masked layouts give group g ceil(rows_g / BM) tile rows: each block computes the table of the
+groups' first tile rows (``scheduler.ragged_schedule``'s ``group_rows``) in shared memory at start from the
+device sizes (a block scan over the groups, each thread summing a few), and the launch is sized from an upper
+bound on the tiles (blocks past the real count exit). Group sizes are clamped to [0, rows] on the device, so even
+invalid offsets never read or write out of bounds.
+
+Warpgroup 0 produces (one thread keeps the TMA ring full), the others consume cooperatively (each owns
+BM / consumers rows of a tile) and store through registers with masks (the GEMM's ``store_tile``). ``FUSE``
+"silu_mul" is the fused gate/up projection: B holds the gate columns [0, I) then the up columns [I, 2I); a BN-wide
+B tile takes BN/2 gate and the same BN/2 up columns, so each thread holds gate and up of its output columns, and
+the epilogue stores silu(gate) * up, I columns wide.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.arch.memory import store_shared
+from nvfly.arch.ptx import smem_address
+from nvfly.arch.reduce import block_scan
+from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
+from nvfly.ops.gemm.config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, Epilogue
+from nvfly.ops.gemm.kernel import activate, issue_k_block, store_tile
+
+LAYOUTS = ("contiguous", "masked", "kgrouped")
+FUSES = ("none", "silu_mul")
+TABLE_WORDS = 32  # after the group table: the block scan's warp totals
+
+
+def table_bytes(groups: int) -> int:
+    """Shared memory of the group table (groups + 1 first tile rows) and the scan's warp totals."""
+    return 4 * (groups + 1 + TABLE_WORDS)
+
+
+@nvfly.func
+def clamped_range(offs, g, limit, LAYOUT, GROUPS):
+    """[start, end) of group g (rows, or K for "kgrouped"), clamped to [0, limit] and end >= start, so that
+    offsets that decrease or pass the end never address memory outside the operands."""
+    if LAYOUT == "masked":
+        start = 0
+        end = nvfly.minimum(nvfly.maximum(offs[g], 0), limit)
+    else:
+        previous = nvfly.select(g > 0, offs[nvfly.maximum(g - 1, 0)], 0)
+        start = nvfly.minimum(nvfly.maximum(previous, 0), limit)
+        end = nvfly.minimum(nvfly.maximum(offs[g], start), limit)
+    return start, end
+
+
+@nvfly.kernel
+def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, offs: nvfly.Tensor,
+                   m: nvfly.i32, n: nvfly.i32, k: nvfly.i32, k_tiles: nvfly.i32,
+                   CFG: nvfly.Constexpr, GROUPS: nvfly.Constexpr, LAYOUT: nvfly.Constexpr,
+                   A_MAJOR: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr, FUSE: nvfly.Constexpr):
+    """``m``: the rows bound (contiguous: T, masked: Mmax, kgrouped: M); ``n``: the output columns (silu_mul: I);
+    ``k``: K (kgrouped: sum K); ``k_tiles``: k-blocks of K (kgrouped: unused). silu_mul: B's up columns start
+    at column n (= I)."""
+    dtype = a_desc.info.dtype
+    size = dtype.itemsize
+    BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
+    BK = CFG.bk(size)
+    WG_M = CFG.wg_m
+    ATOMS_M = WG_M // 64
+    THREADS = 128 * (1 + WGS)
+    RAGGED = LAYOUT != "kgrouped"
+    FUSED = FUSE == "silu_mul"
+    A_RANK3 = a_desc.info.rank == 3
+    B_RANK3 = b_desc.info.rank == 3
+    atom = sm90.WgmmaAtom(BN, dtype, dtype, A_MAJOR, B_MAJOR)
+    A_SW = a_desc.info.swizzle
+    B_SW = b_desc.info.swizzle
+    a_layout = sm90.operand_layout(BM, BK, dtype, A_MAJOR, A_SW)
+    b_layout = sm90.operand_layout(BN, BK, dtype, B_MAJOR, B_SW)
+    a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, A_MAJOR, A_SW)[1][0]
+    b_parts = sm90.operand_boxes(b_layout, BN, BK, dtype, B_MAJOR, B_SW, parts=2 if FUSED else 1)[1]
+    a_lbo, a_sbo = sm90.descriptor_offsets(a_layout, dtype, A_MAJOR, A_SW)
+    b_lbo, b_sbo = sm90.descriptor_offsets(b_layout, dtype, B_MAJOR, B_SW)
+    A_BYTES = BM * BK * size
+    STAGE_BYTES = A_BYTES + BN * BK * size
+    OUT_BN = BN // 2 if FUSED else BN  # output columns of a tile
+
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
+    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
+    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * WGS)
+
+    tid = nvfly.thread_idx.x
+    warp = nvfly.warp_idx()
+    lane = nvfly.lane_idx()
+    wg = warp // 4
+    if tid == 0:
+        pipe.init()
+        sm90.tma_prefetch_descriptor(a_desc)
+        sm90.tma_prefetch_descriptor(b_desc)
+    table = None
+    if RAGGED:
+        # the groups' first tile rows, from the device sizes: each thread sums PER groups' tile rows, a block scan
+        # gives each its first
+        TABLE_OFFSET = BARRIER_BYTES + S * STAGE_BYTES
+        table = nvfly.dynamic_shared_tensor(nvfly.i32, (GROUPS + 1,), offset_bytes=TABLE_OFFSET)
+        totals = nvfly.dynamic_shared_tensor(nvfly.i32, (TABLE_WORDS,), offset_bytes=TABLE_OFFSET + 4 * (GROUPS + 1))
+        PER = (GROUPS + THREADS - 1) // THREADS
+        first_group = tid * PER
+        count = 0
+        for i in nvfly.static_range(PER):
+            g = nvfly.minimum(first_group + i, GROUPS - 1)
+            start, end = clamped_range(offs, g, m, LAYOUT, GROUPS)
+            count = count + nvfly.select(first_group + i < GROUPS, (end - start + BM - 1) // BM, 0)
+        row = block_scan(count, totals, lane, warp, THREADS // 32, exclusive=True)
+        for i in nvfly.static_range(PER):
+            g = first_group + i
+            if g < GROUPS:
+                table[g] = row
+                start, end = clamped_range(offs, g, m, LAYOUT, GROUPS)
+                row = row + (end - start + BM - 1) // BM
+        if tid == THREADS - 1:
+            table[GROUPS] = row
+    nvfly.syncthreads()  # the barriers (and the table) exist before anyone uses them
+    first_tile = nvfly.block_idx.x
+    tile_step = nvfly.grid_dim.x
+
+    TILING = Tiling(BM, OUT_BN, CFG.group_m, groups=GROUPS if RAGGED else 0)
+    tiles = tile_grid(m, n, 1 if RAGGED else GROUPS, k_tiles, 0, 0, tile_step, table, None, TILING)
+    num_units = block_units(first_tile, tiles, TILING)
+
+    if wg == 0:
+        sm90.setmaxnreg(PRODUCER_REGS, increase=False)
+        if tid == 0:
+            state = sm90.PipelineState.start(S)
+            for tile in range(first_tile, num_units, tile_step):
+                g, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, 0, TILING)
+                row_base, k_base, blocks = group_work(offs, g, tm, m, k, k_tiles, BM, BK, LAYOUT, GROUPS)
+                for kt in range(blocks):
+                    pipe.producer_acquire(state)
+                    pipe.producer_expect(state)
+                    base = ring + state.stage * STAGE_BYTES
+                    full = pipe.full(state.stage)
+                    for box in a_boxes:
+                        mm = row_base + box.mn_offset
+                        kk = k_base + kt * BK + box.k_offset
+                        coords = (mm, kk) if A_MAJOR == "K" else (kk, mm)
+                        sm90.tma_load(a_desc, base + box.smem_offset, (g,) + coords if A_RANK3 else coords, full)
+                    for part in nvfly.static_range(len(b_parts)):
+                        for box in b_parts[part]:
+                            # silu_mul: the second half of the tile holds the up columns, n further on
+                            nn = tn * OUT_BN + box.mn_offset + part * (n - OUT_BN)
+                            kk = k_base + kt * BK + box.k_offset
+                            coords = (nn, kk) if B_MAJOR == "K" else (kk, nn)
+                            sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
+                                          (g,) + coords if B_RANK3 else coords, full)
+                    state = state.advance()
+    else:
+        sm90.setmaxnreg(CONSUMER_REGS, increase=True)
+        consumer = wg - 1
+        warp_in_wg = warp % 4
+        state = sm90.PipelineState.start(S)
+        for tile in range(first_tile, num_units, tile_step):
+            g, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, 0, TILING)
+            row_base, k_base, blocks = group_work(offs, g, tm, m, k, k_tiles, BM, BK, LAYOUT, GROUPS)
+            accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
+            # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
+            pipe.consumer_wait(state)
+            stage = ring + state.stage * STAGE_BYTES
+            if LAYOUT == "kgrouped":
+                clear_k_tail(ring, state.stage * STAGE_BYTES, offs, g, k, k_base, 0, consumer, warp_in_wg * 32 + lane,
+                             WG_M, BK, A_SW, size, GROUPS)
+            accs = issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, (a_lbo, a_sbo, A_SW),
+                                 (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, True)
+            prev = state
+            state = state.advance()
+            for kt in range(1, blocks):
+                pipe.consumer_wait(state)
+                stage = ring + state.stage * STAGE_BYTES
+                if LAYOUT == "kgrouped":
+                    clear_k_tail(ring, state.stage * STAGE_BYTES, offs, g, k, k_base, kt, consumer,
+                                 warp_in_wg * 32 + lane, WG_M, BK, A_SW, size, GROUPS)
+                accs = issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, (a_lbo, a_sbo, A_SW),
+                                     (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, False)
+                sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
+                if lane == 0:
+                    pipe.consumer_release(prev)
+                prev = state
+                state = state.advance()
+            sm90.wait_group(0)
+            if lane == 0:
+                pipe.consumer_release(prev)
+            row_end = group_rows_end(offs, g, m, LAYOUT, GROUPS)
+            row0 = row_base + consumer * WG_M + warp_in_wg * 16 + lane // 4
+            col0 = tn * OUT_BN + 2 * (lane % 4)
+            batch = 0 if LAYOUT == "contiguous" else g
+            values = silu_mul(accs, ATOMS_M, BN) if FUSED else accs
+            inside = (row_base + (consumer + 1) * WG_M <= row_end) & (tn * OUT_BN + OUT_BN <= n)
+            if inside:
+                store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M, Epilogue(),
+                           False)
+            else:
+                store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M, Epilogue(),
+                           True)
+
+
+@nvfly.func
+def group_work(offs, g, tm, m, k, k_tiles, BM, BK, LAYOUT, GROUPS):
+    """(first row of the tile in A's rows, first K of the group, k-blocks) of tile row ``tm`` of group ``g``."""
+    if LAYOUT == "contiguous":
+        start, end = clamped_range(offs, g, m, LAYOUT, GROUPS)
+        row_base = start + tm * BM
+        k_base = 0
+        blocks = k_tiles
+    elif LAYOUT == "masked":
+        row_base = tm * BM
+        k_base = 0
+        blocks = k_tiles
+    else:
+        row_base = tm * BM
+        k_base, k_end = clamped_range(offs, g, k, LAYOUT, GROUPS)
+        blocks = nvfly.maximum((k_end - k_base + BK - 1) // BK, 1)  # an empty group: one k-block of zeros
+    return row_base, k_base, blocks
+
+
+@nvfly.func
+def k_end_of(offs, g, k, GROUPS):
+    start, end = clamped_range(offs, g, k, "kgrouped", GROUPS)
+    return end
+
+
+@nvfly.func
+def group_rows_end(offs, g, m, LAYOUT, GROUPS):
+    """The bound of the rows the epilogue stores: the group's end (contiguous: in all tokens' rows; masked: its
+    count; kgrouped: M)."""
+    if LAYOUT == "kgrouped":
+        end = m
+    else:
+        start, end = clamped_range(offs, g, m, LAYOUT, GROUPS)
+    return end
+
+
+@nvfly.func
+def clear_k_tail(ring, stage, offs, g, k, k_base, kt, consumer, t, WG_M, BK, A_SW, size, GROUPS):
+    """kgrouped: when k-block ``kt`` of group ``g`` runs past the group's K, zero the consumer's A columns past it
+    (``zero_k_tail``) and sync the consumer's warpgroup before its wgmmas read them."""
+    valid = k_end_of(offs, g, k, GROUPS) - k_base - kt * BK
+    if valid < BK:
+        zero_k_tail(ring, stage, consumer, valid, t, WG_M, BK, A_SW, size)
+        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+
+
+@nvfly.func
+def zero_k_tail(ring, stage, consumer, valid, t, WG_M, BK, A_SW, size):
+    """Zero the K columns from ``valid`` on of the consumer's WG_M rows of the MN-major A tile at byte ``stage`` of
+    the ring (shared address ``ring``; thread ``t`` of the consumer's 128), then fence the writes for wgmma
+    (``a_tail_offset`` places the lines). A K row of a swizzle-wide MN chunk is one line of A_SW bytes whatever the
+    swizzle, so each thread zeroes whole lines. (K-major operands are declined in this layout: a group's K start
+    would be a TMA coordinate of the contiguous dimension.)"""
+    WIDTH = A_SW // size
+    LINES = WG_M // WIDTH * BK
+    if t < LINES:
+        kr = t % BK
+        if kr >= valid:
+            line = ring + stage + a_tail_offset(consumer * WG_M + t // BK * WIDTH, kr, BK, A_SW, size)
+            zero = nvfly.i32(0)
+            for q in nvfly.static_range(A_SW // 16):
+                store_shared(line + 16 * q, [zero, zero, zero, zero])
+    sm90.fence_proxy_async()
+
+
+def a_tail_offset(r: Any, c: Any, bk: int, swizzle: int, size: int) -> Any:
+    """Byte offset of K row c of the swizzle-wide MN chunk holding row r (a multiple of the chunk width) in an
+    MN-major A tile of the kernel's layout (``sm90.operand_layout`` with ``swizzle``; ``tests/test_grouped_cpu.py``
+    checks it against the layout)."""
+    width = swizzle // size
+    return (r // width) * (width * bk * size) + c * swizzle
+
+
+@nvfly.func
+def silu_mul(accs, ATOMS_M, BN):
+    """silu(gate) * up of a fused gate/up tile: fragment column group j < BN/16 holds gate columns, j + BN/16 the
+    up columns of the same outputs (element 4j + q of an atom's fragments is column 8j + ...)."""
+    HALF = BN // 16
+    values = []
+    for i in nvfly.static_range(ATOMS_M):
+        row = []
+        for j in nvfly.static_range(HALF):
+            for q in nvfly.static_range(4):
+                gate = accs[i][4 * j + q]
+                up = accs[i][4 * (j + HALF) + q]
+                row.append(activate(gate, "silu") * up)
+        values.append(row)
+    return values

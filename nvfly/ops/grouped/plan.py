@@ -1,0 +1,135 @@
+"""What runs for one grouped GEMM call signature: the config heuristic and the plan (pure host logic on shapes and
+strides: it never reads the group sizes, which stay on the device).
+
+The heuristic picks the tile from the rows a group has on average (the kernel cannot see more without a host
+sync): up to ``SMALL_GROUP_ROWS`` (decode: each weight is streamed once, memory-bound) a 64-row tile on one
+consumer warpgroup, 128 columns wide, with the deepest ring that fits (bytes in flight per SM); more rows take the
+GEMM's cooperative 128-row tile on two consumers, 256 columns wide when that still gives every SM a tile, else
+128. The measurements behind it: docs/ops/grouped.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from nvfly.ops.gemm.config import SMEM_LIMIT, GemmConfig
+from nvfly.ops.gemm.plan import operand_box
+from nvfly.ops.grouped.kernel import FUSES, LAYOUTS, table_bytes
+
+MAX_GROUPS = 1024       # the group table lives in shared memory (torch's limit too)
+SMALL_GROUP_ROWS = 64   # at most this many rows a group on average: the 64-row tile (see above)
+MAX_STAGES = 12
+
+
+@dataclass(frozen=True)
+class GroupedPlan:
+    """How the grouped kernel runs one call signature. ``layout``: "contiguous", "masked" or "kgrouped" (see
+    kernel); m: the rows bound (T, Mmax or M), n: output columns (silu_mul: I), k: K (kgrouped: sum of the groups'
+    K), k_tiles: k-blocks of K (not kgrouped); ``grid``: blocks of the persistent launch (from an upper bound on
+    the tiles: blocks past the real count exit at once)."""
+    layout: str
+    fuse: str
+    dtype: str
+    config: GemmConfig
+    groups: int
+    a_major: str
+    b_major: str
+    m: int
+    n: int
+    k: int
+    k_tiles: int
+    grid: int
+    threads: int
+    a_box: tuple
+    a_swizzle: int
+    b_box: tuple
+    b_swizzle: int
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.config.ring_end(2) + (table_bytes(self.groups) if self.layout != "kgrouped" else 0)
+
+
+def fits(cfg: GemmConfig, groups: int, layout: str, b_major: str, itemsize: int = 2) -> Optional[str]:
+    """None if the kernel compiles ``cfg`` (a cooperative config without K splits, clusters or TMA store) with its
+    group table, else why not."""
+    why = cfg.check(itemsize, b_major)
+    if why:
+        return why
+    if cfg.pingpong or cfg.split_k != 1 or cfg.cluster_m != 1 or cfg.tma_store:
+        return "the grouped kernel runs cooperative consumers without K splits, clusters or a TMA-store epilogue"
+    table = table_bytes(groups) if layout != "kgrouped" else 0
+    if cfg.ring_end(itemsize) + table > SMEM_LIMIT:
+        return f"{cfg.ring_end(itemsize) + table} bytes of shared memory exceed {SMEM_LIMIT}"
+    return None
+
+
+def deepest(cfg: GemmConfig, groups: int, layout: str, b_major: str, itemsize: int = 2) -> GemmConfig:
+    for stages in range(MAX_STAGES, 1, -1):
+        if fits(replace(cfg, stages=stages), groups, layout, b_major, itemsize) is None:
+            return replace(cfg, stages=stages)
+    raise ValueError(f"config: no ring depth fits {cfg}")
+
+
+def heuristic_config(rows_per_group: float, row_tiles_128: int, n: int, groups: int, layout: str, b_major: str,
+                     fused: bool, sms: int, itemsize: int = 2) -> GemmConfig:
+    """The tile of a grouped problem (see the module doc): ``rows_per_group`` on average, ``row_tiles_128`` an
+    estimate of the 128-row tile rows of all groups, ``n`` output columns (silu_mul: I, the tile loads twice as
+    many B columns)."""
+    if rows_per_group <= SMALL_GROUP_ROWS:
+        cfg = GemmConfig(64, 128, MAX_STAGES, 1, group_m=8, stream_k=False)
+    else:
+        out_width = 128 if fused else 256
+        wide = row_tiles_128 * math.ceil(n / out_width) >= sms
+        cfg = GemmConfig(128, 256 if wide else 128, MAX_STAGES, 2, group_m=8, stream_k=False)
+    return deepest(cfg, groups, layout, b_major, itemsize)
+
+
+def make_plan(layout: str, fuse: str, dtype: str, groups: int, a_major: str, b_major: str, m: int, n: int, k: int,
+              rows_per_group: float, sms: int, config: Optional[GemmConfig] = None) -> GroupedPlan:
+    """The plan of a checked call: ``m`` the rows bound (T, Mmax or M), ``n`` the output columns, ``k`` (kgrouped:
+    sum K), ``rows_per_group`` the heuristic's estimate; ``config`` the caller's (checked) or the heuristic's."""
+    import nvfly
+    if layout not in LAYOUTS or fuse not in FUSES:
+        raise ValueError(f"layout/fuse: expected one of {LAYOUTS} / {FUSES}, got {layout!r} / {fuse!r}")
+    if fuse != "none" and layout == "kgrouped":
+        raise ValueError("fuse: the fused gate/up projection takes 3-D weights, not the K-grouped 2-D x 2-D")
+    if (layout == "contiguous" and a_major == "MN") or (layout == "kgrouped" and "K" in (a_major, b_major)):
+        # a group boundary (device offsets) would be a TMA coordinate along the contiguous dimension, which must be
+        # a multiple of 16 bytes (else an illegal instruction): api.eligibility declines these
+        takes = "K-major A" if layout == "contiguous" else "MN-major A and B"
+        raise ValueError(f"a_major/b_major: the {layout} layout takes {takes}, got {a_major}/{b_major}")
+    nv = getattr(nvfly, dtype)
+    itemsize = nv.itemsize
+    fused = fuse == "silu_mul"
+    if layout == "contiguous":
+        row_tiles = math.ceil(m / 128) + groups
+    elif layout == "masked":
+        row_tiles = groups * math.ceil(min(m, max(rows_per_group, 1)) / 128)
+    else:
+        row_tiles = groups * math.ceil(m / 128)
+    if config is None:
+        config = heuristic_config(rows_per_group, row_tiles, n, groups, layout, b_major, fused, sms, itemsize)
+    why = fits(config, groups, layout, b_major, itemsize)
+    if why:
+        raise ValueError(f"config: {why}")
+    if fused and (config.bn % 16 or (b_major == "MN" and config.bn // 2 % (32 // itemsize))):
+        raise ValueError(f"config: bn={config.bn}: the fused gate/up tile takes two halves of whole 32-byte "
+                         f"swizzle rows (MN-major B) and of 8 columns")
+    bk = config.bk(itemsize)
+    out_bn = config.bn // 2 if fused else config.bn
+    # the launch: an upper bound on the tile rows (a group adds at most one partial row to the tokens' rows)
+    if layout == "contiguous":
+        bound_rows = math.ceil(m / config.bm) + groups
+    elif layout == "masked":
+        bound_rows = groups * math.ceil(m / config.bm)
+    else:
+        bound_rows = groups * math.ceil(m / config.bm)
+    tiles = bound_rows * math.ceil(n / out_bn)
+    a_box, a_swizzle = operand_box(config.bm, bk, nv, a_major, 3 if layout == "masked" else 2)
+    b_box, b_swizzle = operand_box(config.bn, bk, nv, b_major, 2 if layout == "kgrouped" else 3, 2 if fused else 1)
+    return GroupedPlan(layout=layout, fuse=fuse, dtype=dtype, config=config, groups=groups, a_major=a_major,
+                       b_major=b_major, m=m, n=n, k=k, k_tiles=math.ceil(k / bk), grid=max(1, min(tiles, sms)),
+                       threads=128 * (1 + config.consumers), a_box=a_box, a_swizzle=a_swizzle, b_box=b_box,
+                       b_swizzle=b_swizzle)

@@ -1,0 +1,119 @@
+"""A Mixture-of-Experts layer on nvfly's pieces, with no host read of the routing (CUDA-graph safe):
+
+    out = nvfly.ops.moe.moe(x, router_weight, w_gate_up, w_down, top_k)
+
+router logits (nvfly's GEMM) -> softmax -> top-k experts per token (``nvfly.ops.topk``) -> the token copies sorted
+by expert and the experts' cumulative ends counted on the device (``permute``) -> the fused gate/up projection with
+SiLU-and-multiply (one grouped GEMM) -> the down projection (a grouped GEMM) -> the copies weighted by their routing
+probabilities and summed back per token (``unpermute``). Weights are F.linear-style: ``router_weight`` [E, H],
+``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I]. Inputs nvfly declines (CPU tensors, other
+dtypes) run each piece on torch. Under ``torch.compile`` the nvfly calls run eagerly between compiled regions
+(``torch.compiler.disable``); ``nvfly.torch`` offers the grouped GEMM as a traceable custom op.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from nvfly.ops import gemm, grouped
+from nvfly.ops import topk as topk_op
+
+__all__ = ["moe", "permute", "reference", "route", "unpermute"]
+
+
+@torch.compiler.disable
+def _router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
+    if gemm.eligibility(x, router_weight.mT) is None:
+        return gemm.matmul(x, router_weight.mT, out_dtype=torch.float32)
+    return (x @ router_weight.mT).float()
+
+
+@torch.compiler.disable
+def _topk(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if topk_op.eligibility(probs, k) is None:
+        return topk_op.topk(probs, k)
+    return torch.topk(probs, k)
+
+
+@torch.compiler.disable
+def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, fuse: str) -> torch.Tensor:
+    if grouped.eligibility(a, b, offs, fuse=fuse) is None:
+        return grouped.grouped_mm(a, b, offs, fuse=fuse)
+    return _torch_grouped(a, b, offs, fuse)
+
+
+def _torch_grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, fuse: str) -> torch.Tensor:
+    """The per-group loop on torch (reads the offsets on the host): for inputs nvfly declines."""
+    ends = offs.tolist()
+    out = a.new_zeros(a.shape[0], b.shape[-1])
+    for g, (s, e) in enumerate(zip([0] + ends[:-1], ends)):
+        out[s:e] = a[s:e] @ b[g]
+    if fuse == "silu_mul":
+        half = out.shape[-1] // 2
+        out = torch.nn.functional.silu(out[:, :half]) * out[:, half:]
+    return out
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routing weights [T, k] float32, expert ids [T, k] int64): softmax over the experts, the top k, their
+    probabilities renormalised to sum to 1 (``renormalize``)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = _topk(probs, top_k)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def permute(x: torch.Tensor, ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token copies sorted by expert [T * k, H], the experts' cumulative ends int32 [E], order [T * k]: copy i
+    of the sorted rows is flat routing slot order[i], token order[i] // k). All on the device: a stable sort and a
+    scatter-add count, no host read."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    return x[order // ids.shape[-1]], offs, order
+
+
+def unpermute(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, tokens: int) -> torch.Tensor:
+    """Sum each token's expert outputs ``y`` [T * k, H] (sorted by expert) weighted by its routing ``weights``
+    [T, k], in float32; returns [T, H] in y's dtype."""
+    top_k = weights.shape[-1]
+    scaled = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
+    out = torch.zeros(tokens, y.shape[-1], dtype=torch.float32, device=y.device)
+    out.index_add_(0, order // top_k, scaled)
+    return out.to(y.dtype)
+
+
+def moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+        *, renormalize: bool = True, logits: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The MoE layer's output [T, H] for tokens ``x`` [T, H] (see the module doc); ``logits``: the router's, if
+    already computed."""
+    experts = w_gate_up.shape[0]
+    if logits is None:
+        logits = _router_logits(x, router_weight)
+    weights, ids = route(logits, top_k, renormalize)
+    rows, offs, order = permute(x, ids, experts)
+    hidden = _grouped(rows, w_gate_up.mT, offs, "silu_mul")
+    y = _grouped(hidden, w_down.mT, offs, "none")
+    return unpermute(y, order, weights, x.shape[0])
+
+
+def reference(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+              top_k: int, *, renormalize: bool = True) -> torch.Tensor:
+    """The float32 reference: every token through its top-k experts one by one (torch only)."""
+    xf = x.float()
+    probs = torch.softmax(xf @ router_weight.float().mT, dim=-1)
+    weights, ids = torch.topk(probs, top_k)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(xf)
+    half = w_gate_up.shape[1] // 2
+    for e in ids.unique().tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        h = xf[token] @ w_gate_up[e].float().mT
+        h = torch.nn.functional.silu(h[:, :half]) * h[:, half:]
+        out.index_add_(0, token, (h @ w_down[e].float().mT) * weights[token, slot].unsqueeze(-1))
+    return out

@@ -1,0 +1,320 @@
+"""The grouped GEMM without a GPU: every layout, operand major-ness and epilogue compiles to HGMMA/UTMALDG code
+within its register budget and without spills; the K tail's shared-memory addresses match the wgmma layout; plans,
+argument checks (errors naming the argument), the host offset validation and the float32 reference."""
+import pytest
+import torch
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.ops import grouped
+from nvfly.ops.gemm.config import SMEM_LIMIT, GemmConfig
+from nvfly.ops.grouped.kernel import a_tail_offset, table_bytes
+from nvfly.ops.grouped.plan import MAX_GROUPS, fits, make_plan
+
+VARIANTS = [("contiguous", "none", "K", "K"), ("contiguous", "none", "K", "MN"), ("masked", "none", "MN", "MN"),
+            ("masked", "none", "K", "K"), ("masked", "none", "K", "MN"),
+            ("kgrouped", "none", "MN", "MN"),
+            ("contiguous", "silu_mul", "K", "K"), ("contiguous", "silu_mul", "K", "MN"),
+            ("masked", "silu_mul", "K", "MN")]
+TILES = [GemmConfig(128, 256, 4, 2, stream_k=False), GemmConfig(64, 128, 9, 1, stream_k=False)]
+
+
+def _check_kernel(k, bn):
+    ops = k.sass_opcodes()
+    assert any(op.startswith(f"HGMMA.64x{bn}x16.F32.BF16") for op in ops), sorted(ops)
+    assert k.count("UTMALDG") > 0 and k.count("USETMAXREG") == 2
+    assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0, k.resources
+    assert k.resources.registers <= 65536 // k.threads
+    assert not k.warnings, k.warnings  # no serialised wgmma, setmaxnreg honoured
+
+
+# every variant on the 128x256 tile; the 64-row tile on one variant of each layout (all of them under --run-slow)
+CASES = [(v, TILES[0]) for v in VARIANTS] + [
+    pytest.param(v, TILES[1], marks=() if v in (VARIANTS[1], VARIANTS[5], VARIANTS[8]) else pytest.mark.slow)
+    for v in VARIANTS]
+
+
+@pytest.mark.parametrize("variant,config", CASES, ids=lambda x: "-".join(x) if isinstance(x, tuple) else
+                         f"{x.bm}x{x.bn}")
+def test_every_variant_compiles(variant, config):
+    (k,) = grouped.compile_variants([variant], config=config)
+    _check_kernel(k, config.bn)
+    layout = variant[0]
+    assert k.dynamic_smem_bytes == config.ring_end(2) + (table_bytes(8) if layout != "kgrouped" else 0)
+    if layout == "kgrouped":  # the K tail is zeroed in shared memory and fenced for wgmma
+        assert "fence.proxy.async.shared::cta" in k.ptx
+    else:  # the group table: a block scan over the device sizes
+        assert "shfl.sync.up" in k.ptx
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float16, None), (torch.bfloat16, torch.float32)])
+def test_dtypes_compile(dtype, out_dtype):
+    (k,) = grouped.compile_variants([("contiguous", "none", "K", "MN")], dtype=dtype, out_dtype=out_dtype,
+                                    config=TILES[0])
+    assert k.count("HGMMA") > 0 and k.resources.spill_stores == 0
+
+
+def test_many_groups_compile_and_fit():
+    """1024 groups: the table (and the scan's three groups a thread) fit next to the deepest ring."""
+    plan = make_plan("contiguous", "none", "bf16", MAX_GROUPS, "K", "MN", 16384, 2048, 7168, 16, 132)
+    assert plan.smem_bytes <= SMEM_LIMIT
+    (k,) = grouped.compile_variants([("contiguous", "none", "K", "MN")], config=plan.config, groups=MAX_GROUPS)
+    assert k.resources.spill_stores == 0 and k.dynamic_smem_bytes == plan.smem_bytes
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_odd_group_counts_compile(groups):
+    """One group (no binary search step) and a count that is no power of two."""
+    (k,) = grouped.compile_variants([("contiguous", "none", "K", "K")], config=TILES[0], groups=groups)
+    assert k.resources.spill_stores == 0 and k.dynamic_smem_bytes == TILES[0].ring_end(2) + table_bytes(groups)
+
+
+@pytest.mark.parametrize("rows", [64, 128])
+def test_k_tail_offsets_match_the_wgmma_layout(rows):
+    """zero_k_tail's addresses: each K row of a 64-row chunk of the MN-major A tile is one 128-byte line holding
+    exactly that chunk's elements of the row."""
+    layout = sm90.operand_layout(rows, 64, nvfly.bf16, "MN", 128)
+    for r in range(rows):
+        for c in range(64):
+            byte = layout((r, c)) * 2
+            line = a_tail_offset(r // 64 * 64, c, 64, 128, 2)
+            assert line <= byte < line + 128
+
+
+def test_tma_coordinates_of_group_boundaries_are_declined():
+    """A group boundary that would be a TMA coordinate of a contiguous dimension (an illegal instruction unless a
+    multiple of 16 bytes; the offsets are on the device) is declined: column-major tokens, K-contiguous
+    weight-gradient operands, a fused N-contiguous B whose up columns start off 16 bytes; the plan refuses them."""
+    from nvfly.ops.grouped.api import _coordinate_reason
+    tokens = torch.randn(64, 32).bfloat16()
+    w = torch.randn(4, 32, 48).bfloat16()
+    assert _coordinate_reason("contiguous", tokens, w, "none", 48) is None
+    assert _coordinate_reason("contiguous", tokens, w.mT.contiguous().mT, "none", 48) is None
+    assert _coordinate_reason("contiguous", tokens.t().contiguous().t(), w, "none", 48).startswith(
+        "a: column-major tokens")
+    x, dy = torch.randn(64, 16).bfloat16(), torch.randn(64, 48).bfloat16()  # the weight gradient x.mT @ dy
+    assert _coordinate_reason("kgrouped", x.mT, dy, "none", 48) is None
+    assert _coordinate_reason("kgrouped", x.mT.contiguous(), dy, "none", 48).startswith("a: K-contiguous")
+    assert _coordinate_reason("kgrouped", x.mT, dy.mT.contiguous().mT, "none", 48).startswith("b: K-contiguous")
+    gate_up = torch.randn(4, 32, 2 * 12).bfloat16()  # I = 12: 24 bytes
+    assert "column I = 12" in _coordinate_reason("contiguous", tokens, gate_up, "silu_mul", 12)
+    assert _coordinate_reason("contiguous", tokens, gate_up.mT.contiguous().mT, "silu_mul", 12) is None
+    assert _coordinate_reason("contiguous", tokens, torch.randn(4, 32, 32).bfloat16(), "silu_mul", 16) is None
+    for layout, majors in (("contiguous", ("MN", "K")), ("kgrouped", ("K", "MN")), ("kgrouped", ("MN", "K"))):
+        with pytest.raises(ValueError, match="a_major/b_major"):
+            make_plan(layout, "none", "bf16", 4, *majors, 1024, 1024, 1024, 256, 132)
+
+
+def test_heuristic_tiles():
+    decode = make_plan("contiguous", "none", "bf16", 128, "K", "MN", 1024, 1536, 2048, 8, 132)
+    assert (decode.config.bm, decode.config.consumers) == (64, 1) and decode.config.stages >= 8
+    prefill = make_plan("contiguous", "none", "bf16", 64, "K", "MN", 15952, 2048, 7168, 249, 132)
+    assert (prefill.config.bm, prefill.config.bn, prefill.config.consumers) == (128, 256, 2)
+    assert prefill.grid == 132 and prefill.k_tiles == 7168 // 64
+    fused = make_plan("contiguous", "silu_mul", "bf16", 8, "K", "MN", 8192, 14336, 4096, 1024, 132)
+    assert fused.config.bn == 256 and fused.n == 14336
+    few = make_plan("masked", "none", "bf16", 4, "K", "K", 256, 512, 1024, 256, 132)
+    assert few.config.bn == 128 and few.grid == 4 * 2 * 4  # an upper bound of 32 tiles: 32 blocks
+
+
+def test_configs_are_checked():
+    assert fits(GemmConfig(128, 128, 6, 2, pingpong=True), 8, "contiguous", "K")
+    assert fits(GemmConfig(128, 256, 4, 2, split_k=2), 8, "contiguous", "K")
+    assert fits(GemmConfig(128, 256, 4, 2, stream_k=False), 8, "contiguous", "K") is None
+    # the table costs shared memory: a ring that just fits the GEMM may not fit 1024 groups' table
+    full = GemmConfig(128, 128, 7, 2)
+    assert full.check(2) is None
+    assert full.ring_end(2) + table_bytes(MAX_GROUPS) > SMEM_LIMIT and fits(full, MAX_GROUPS, "contiguous", "K")
+    with pytest.raises(ValueError, match="config: bn=120: the fused gate/up tile"):
+        make_plan("contiguous", "silu_mul", "bf16", 8, "K", "K", 1024, 1024, 1024, 128, 132,
+                  GemmConfig(128, 120, 4, 2, stream_k=False))
+
+
+def _operands(t=64, e=4, k=32, n=48, dtype=torch.bfloat16):
+    a = torch.randn(t, k).to(dtype)
+    b = torch.randn(e, k, n).to(dtype)
+    offs = torch.tensor([10, 10, 40, 64][:e], dtype=torch.int32)
+    return a, b, offs
+
+
+@pytest.mark.parametrize("call,match,kind", [
+    (lambda a, b, o: grouped.check(a.float(), b.float(), o), "a: dtype torch.float32 is not supported", TypeError),
+    (lambda a, b, o: grouped.check(a, b.half(), o), "b: dtype", TypeError),
+    (lambda a, b, o: grouped.check(a, b[:, :16], o), "do not multiply", ValueError),
+    (lambda a, b, o: grouped.check(a, b, o.long()), "offs: expected a 1-D int32", TypeError),
+    (lambda a, b, o: grouped.check(a, b, None), "offs: expected", TypeError),
+    (lambda a, b, o: grouped.check(a, b, o[:3]), "offs: 3 groups, b has 4", ValueError),
+    (lambda a, b, o: grouped.check(a, b, o, out_dtype=torch.int8), "out_dtype", TypeError),
+    (lambda a, b, o: grouped.check(a, b, o, out=torch.empty(64, 47, dtype=torch.bfloat16)), "out: expected shape",
+     ValueError),
+    (lambda a, b, o: grouped.check(a, b[:, :, :47], o, fuse="silu_mul"), "2 \\* I", ValueError),
+    (lambda a, b, o: grouped.check(a, b, o, fuse="gelu"), "fuse", ValueError),
+    (lambda a, b, o: grouped.check(a.view(4, 16, 32), b[0], o), "3-D a with a 2-D b", ValueError),
+    (lambda a, b, o: grouped.check(a.view(4, 16, 32), b, o), "offs: 3-D x 3-D", ValueError),
+    (lambda a, b, o: grouped.check(a.view(4, 16, 32)[:2], b, None), "b: 4 groups, a has 2", ValueError),
+    (lambda a, b, o: grouped.check(a, b, torch.zeros(2000, dtype=torch.int32)), "1 to 1024", ValueError),
+])
+def test_bad_input_names_the_argument(call, match, kind):
+    a, b, offs = _operands()
+    with pytest.raises(kind, match=match):
+        call(a, b, offs)
+
+
+def test_grouped_mm_errors_name_the_op():
+    a, b, offs = _operands()
+    with pytest.raises(TypeError, match="^nvfly.ops.grouped.grouped_mm: offs"):
+        grouped.grouped_mm(a, b, offs.float())
+    with pytest.raises(ValueError, match="^nvfly.ops.grouped.grouped_mm: a is on cpu, not CUDA"):
+        grouped.grouped_mm(a, b, offs)
+    with pytest.raises(ValueError, match="^nvfly.ops.grouped.grouped_mm_masked: a, b: the masked layout"):
+        grouped.grouped_mm_masked(a, b, offs)
+
+
+def test_layouts_and_shapes():
+    a, b, offs = _operands()
+    assert grouped.check(a, b, offs) == ("contiguous", (64, 48), 4)
+    assert grouped.check(a, b, offs, fuse="silu_mul") == ("contiguous", (64, 24), 4)
+    wgrad_a, wgrad_b = torch.randn(16, 64).bfloat16(), torch.randn(64, 48).bfloat16()
+    assert grouped.check(wgrad_a, wgrad_b, offs) == ("kgrouped", (4, 16, 48), 4)
+    assert grouped.check(a.view(4, 16, 32), b, offs, masked=True) == ("masked", (4, 16, 48), 4)
+    assert grouped.check(a.view(4, 16, 32), b) == ("batched", (4, 16, 48), 4)
+    assert grouped.eligibility(a, b, offs) == "a is on cpu, not CUDA"
+    assert grouped.eligibility(a, b, offs.long()).startswith("offs: expected a 1-D int32")
+
+
+def test_validate_offsets():
+    grouped.validate_offsets(torch.tensor([0, 5, 5, 9], dtype=torch.int32), 9)
+    with pytest.raises(ValueError, match=r"offs: offsets must not decrease, offs\[2\] = 3 < 5"):
+        grouped.validate_offsets(torch.tensor([0, 5, 3, 9], dtype=torch.int32), 9)
+    with pytest.raises(ValueError, match="offs: the last offset 10 is beyond the 9 rows"):
+        grouped.validate_offsets(torch.tensor([0, 5, 10], dtype=torch.int32), 9)
+    with pytest.raises(ValueError, match="counts: count 17 of group 1 is outside"):
+        grouped.validate_offsets(torch.tensor([3, 17], dtype=torch.int32), 16, masked=True, name="counts")
+
+
+def test_reference_matches_per_group_products():
+    a, b, offs = _operands()
+    ref = grouped.reference(a, b, offs)
+    assert torch.allclose(ref[0:10], a[0:10].float() @ b[0].float())
+    assert torch.allclose(ref[10:40], a[10:40].float() @ b[2].float())
+    fused = grouped.reference(a, b, offs, fuse="silu_mul")
+    full = a[40:].float() @ b[3].float()
+    assert torch.allclose(fused[40:], torch.nn.functional.silu(full[:, :24]) * full[:, 24:])
+    wgrad = grouped.reference(a.t(), a, offs)  # [32, 64] x [64, 32] grouped along the 64
+    assert torch.equal(wgrad[1], torch.zeros(32, 32)) and torch.allclose(wgrad[3], a[40:].float().t() @ a[40:].float())
+    masked = grouped.reference(a.view(4, 16, 32), b, torch.tensor([3, 0, 16, 20], dtype=torch.int32), masked=True)
+    assert masked[0, 3:].isnan().all() and masked[1].isnan().all() and not masked[2].isnan().any()
+
+
+def test_describe():
+    text = grouped.describe("contiguous", 128, 1024, 1536, 2048)
+    assert text.startswith("grouped contiguous: 64x128 tile on 1 consumer")
+
+
+# ---------------------------------------------------------------------------------------------- torch glue, MoE
+def test_custom_op_fake_autograd_and_route():
+    """nvfly::grouped_mm traces (its fake checks like the op), differentiates (CPU: torch's kernels run it), and the
+    _grouped_mm route is registered."""
+    import nvfly.torch  # noqa: F401
+    from nvfly.torch import routing
+    a, b, offs = _operands()
+    meta = torch.ops.nvfly.grouped_mm(a.to("meta"), b.to("meta"), offs.to("meta"), fuse="silu_mul")
+    assert meta.shape == (64, 24) and meta.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="nvfly::grouped_mm: b: shape"):
+        torch.ops.nvfly.grouped_mm(a.to("meta"), b[:, :8].to("meta"), offs.to("meta"))
+    a.requires_grad_()
+    b.requires_grad_()
+    torch.ops.nvfly.grouped_mm(a, b, offs, fuse="silu_mul").float().square().sum().backward()
+    a32, b32 = a.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+    grouped.reference(a32, b32, offs, fuse="silu_mul").square().sum().backward()
+    for got, want in ((a.grad, a32.grad), (b.grad, b32.grad)):
+        assert ((got.float() - want).norm() / want.norm()).item() < 2e-2
+    assert "aten::_grouped_mm" in [r.op for r in routing.routes()]
+
+
+def test_route_leaves_the_weight_gradient_to_torch():
+    """The route takes only what nvfly measured faster: the K-grouped weight gradient stays on torch."""
+    from nvfly.torch.grouped_ops import WGRAD_TO_TORCH, _route_eligibility
+    a, b, offs = _operands()
+    assert _route_eligibility(torch.randn(16, 64).bfloat16(), torch.randn(64, 48).bfloat16(), offs) == WGRAD_TO_TORCH
+    assert _route_eligibility(a, b, offs) == "a is on cpu, not CUDA"  # the forward goes on to the op's rules
+
+
+def test_custom_ops_pass_opcheck():
+    a, b, offs = (t.float() if t.dtype != torch.int32 else t for t in _operands())
+    torch.library.opcheck(torch.ops.nvfly.grouped_mm.default, (a, b, offs), {"fuse": "silu_mul"})
+    torch.library.opcheck(torch.ops.nvfly.grouped_mm.default, (a.t().contiguous(), a, offs))
+    torch.library.opcheck(torch.ops.nvfly.grouped_mm_masked.default, (a.view(4, 16, 32), b, offs.clamp_max(16)))
+    torch.library.opcheck(torch.ops.nvfly.grouped_mm_out.default, (a, b, offs, torch.empty(64, 48)))
+
+
+def test_moe_layer_matches_the_reference_eager_and_compiled():
+    """The layer's routing, permutation and weighted un-permutation (CPU: the pieces fall back to torch)."""
+    from nvfly.ops import moe
+    gen = torch.Generator().manual_seed(1)
+    t, h, inter, e, k = 40, 64, 32, 8, 2
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    router = torch.randn(e, h, generator=gen).bfloat16()
+    w_gate_up = (torch.randn(e, 2 * inter, h, generator=gen) / 8).bfloat16()
+    w_down = (torch.randn(e, h, inter, generator=gen) / 6).bfloat16()
+    ref = moe.reference(x, router, w_gate_up, w_down, k)
+    out = moe.moe(x, router, w_gate_up, w_down, k)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+    compiled = torch.compile(lambda *args: moe.moe(*args, k), backend="eager")
+    assert torch.equal(compiled(x, router, w_gate_up, w_down), out)
+    rows, offs, order = moe.permute(x, torch.tensor([[3, 1], [1, 0], [3, 3]]), 4)
+    assert offs.tolist() == [1, 3, 3, 6] and order.tolist() == [3, 1, 2, 0, 4, 5]
+    assert torch.equal(rows, x[[1, 0, 1, 0, 2, 2]])
+
+
+def test_explain_covers_grouped_mm():
+    from nvfly.torch.grouped_ops import explain_grouped
+    text = explain_grouped(64, 16384, 2048, 7168)
+    assert "nvfly runs: grouped contiguous: 128x256 tile on 2 consumers" in text
+    assert "nvfly declines: fuse" in explain_grouped(8, 512, 256, 1024, layout="kgrouped", fuse="silu_mul")
+    assert "A MN-major, B MN-major" in explain_grouped(8, 512, 256, 1024, layout="kgrouped", b_major="MN")
+    assert "nvfly declines: a_major/b_major" in explain_grouped(8, 512, 256, 1024, layout="kgrouped", b_major="K")
+
+
+@pytest.fixture
+def compile_grouped_mm():
+    """torch.compile(max-autotune) of torch._grouped_mm on CPU with only ATen (and nvfly) to choose from."""
+    import nvfly.torch
+    from torch._inductor import config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    from nvfly.torch.gemm_ops import clear_decisions
+    torch._dynamo.reset()
+    clear_decisions()
+    patches = {"max_autotune_gemm_backends": "ATEN", "fx_graph_cache": False, "autotune_local_cache": False}
+    with inductor_config.patch(patches):
+        def run(a, b, offs):
+            fn = torch.compile(lambda a, b, o: torch._grouped_mm(a, b, o), mode="max-autotune-no-cudagraphs")
+            out, code = run_and_get_code(fn, a, b, offs)
+            assert torch.allclose(out.float(), torch._grouped_mm(a, b, offs).float())
+            return "\n".join(code)
+        yield run
+    nvfly.torch.uninstall()
+    torch._dynamo.reset()
+
+
+def test_inductor_grouped_mm_candidates(compile_grouped_mm, monkeypatch):
+    """max-autotune's grouped mm: declined on CPU with the reason; when eligible (patched), nvfly's candidates join
+    ATen's, and a winner is emitted as nvfly::grouped_mm_out (which runs torch on CPU, so the result stays right)."""
+    import nvfly.torch
+    from nvfly.torch import inductor
+    from nvfly.torch.gemm_ops import clear_decisions, decisions
+    a, b, offs = _operands()
+    nvfly.torch.install()
+    assert "nvfly" not in compile_grouped_mm(a, b, offs)
+    (d,) = [d for d in decisions() if d.where == "inductor"]
+    assert d.op == "grouped_mm" and d.reason == "a is on cpu, not CUDA"
+
+    clear_decisions()
+    torch._dynamo.reset()
+    monkeypatch.setattr(inductor.grouped, "eligibility", lambda *args, **kwargs: None)
+    monkeypatch.setattr(inductor.NvflyCaller, "_compile", lambda self, operands: None)
+    monkeypatch.setattr(inductor.NvflyCaller, "benchmark", lambda self, *args, out: 1e-6)
+    code = compile_grouped_mm(a, b, offs)
+    assert "torch.ops.nvfly.grouped_mm_out.default(" in code and "config='auto'" in code
+    (d,) = [d for d in decisions() if d.where == "inductor"]
+    assert d.candidates[0] == "auto" and len(d.candidates) == 4 and d.winner == "nvfly auto"

@@ -292,3 +292,100 @@ def test_eligibility(fake_cuda):
 def test_fake_tensors_keep_torch(fake_cuda):
     call = _call(fake_cuda)
     assert "not a plain tensor" in F.decide(call)
+
+
+# ---------------------------------------------------------------------------------------------- torch.compile
+from nvfly.torch import flex_compile as C  # noqa: E402
+
+
+def test_code_callable_reproduces_the_mods():
+    """The op rebuilds the mods from their FX code (aten calls resolved to the translations)."""
+    cases = [(soft_cap, None, soft_cap), (gated, None, gated),
+             (lambda s, b, h, q, kv, t: s + t[h] * (kv - q), SLOPES, alibi),
+             (lambda s, b, h, q, kv, t: s + t[h, torch.clamp(kv - q, -4, 4) + 4], BIAS, relative)]
+    b, h, q, kv = _indices()
+    for traced, buffer, mod in cases:
+        code = _aten_graph(traced, buffer).code
+        fn = C.code_callable("score", code, () if buffer is None else (buffer,))
+        score = torch.randn(2, 4, 300, 300)
+        torch.testing.assert_close(fn(score, b, h, q, kv), mod(score, b, h, q, kv))
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    with TransformGetItemToIndex():
+        code = make_fx(lambda b, h, q, kv, t: t[b, q] == t[b, kv])(*map(torch.tensor, (1, 2, 3, 4)), DOCS).code
+    fn = C.code_callable("mask", code, (DOCS,))
+    assert torch.equal(fn(b, h, q, kv), document(b, h, q, kv))
+
+
+def test_reason_on_meta():
+    def meta(shape, dtype=bf, stride=None):
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        return t if stride is None else t.as_strided(shape, stride)
+    q, k = meta((2, 1024, 8, 128)), meta((2, 1024, 2, 128))
+    assert F.reason_on_meta(F.FlexCall(q, k, k, None, None, None, 0.1, (), (), False)) is None
+    odd = meta((2, 1024, 8, 80))
+    assert "head dim 80" in F.reason_on_meta(F.FlexCall(odd, odd, odd, None, None, None, 0.1, (), (), False))
+    unaligned = meta((2, 1024, 8, 128), stride=(1024 * 8 * 129, 8 * 129, 129, 1))
+    assert "16 bytes" in F.reason_on_meta(F.FlexCall(unaligned, k, k, None, None, None, 0.1, (), (), False))
+
+
+@pytest.fixture
+def compiled_flex(monkeypatch):
+    """nvfly's lowering installed (per-call option), the FX-graph cache off (each test lowers)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    patch = inductor_config.patch(fx_graph_cache=False)
+    patch.__enter__()
+    C.install()
+    torch._dynamo.reset()
+
+    def run(options, q, k, v, **kwargs):
+        fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, kernel_options=options, **kwargs))
+        out, codes = run_and_get_code(fn, q, k, v)
+        return out, any("torch.ops.nvfly.flex_attention" in c for c in codes)
+    yield run
+    C.uninstall()
+    patch.__exit__(None, None, None)
+    torch._dynamo.reset()
+
+
+def test_compiled_flex_calls_nvfly(compiled_flex, monkeypatch):
+    """The per-call option emits nvfly's op (the code says so); on CPU the op computes through the float32
+    reference with the mods rebuilt from the graphs' code: the result is flex's."""
+    monkeypatch.setattr(C, "lowering_reason", lambda *args: (None, "prefill"))  # CPU: the real check declines
+    q, k, v = _qkv(sq=256, skv=256)
+    block_mask = create_block_mask(document, 2, None, 256, 256, device="cpu")
+    want = flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
+    got, calls_nvfly = compiled_flex({"NVFLY": True}, q, k, v, score_mod=alibi, block_mask=block_mask)
+    assert calls_nvfly
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert [d.winner for d in decisions() if d.where == "inductor"] == ["prefill"]
+
+
+def test_compiled_flex_declines_with_reason(compiled_flex):
+    q, k, v = _qkv(sq=256, skv=256)
+    got, calls_nvfly = compiled_flex({"NVFLY": True}, q, k, v, score_mod=soft_cap)
+    assert not calls_nvfly
+    torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=soft_cap), atol=1e-4, rtol=1e-4)
+    [decision] = [d for d in decisions() if d.where == "inductor"]
+    assert decision.reason == "q is on cpu, not CUDA"
+
+
+def test_option_off_and_not_auto_keep_inductor(monkeypatch):
+    """Which calls the lowering takes: the option first, then the auto rule (installed with auto=True)."""
+    C.install(auto=False)
+    try:
+        assert C._wants({"NVFLY": True}, None) and not C._wants({"NVFLY": False}, None)
+        assert not C._wants({}, None)
+        C.install(auto=True)
+
+        class Node:
+            def __init__(self, sq):
+                self.size = [2, 8, sq, 128]
+
+            def get_size(self):
+                return self.size
+        assert C._wants({}, Node(C.AUTO_MIN_SQ)) and not C._wants({}, Node(C.AUTO_MIN_SQ - 1))
+        assert not C._wants({"NVFLY": False}, Node(4096))
+    finally:
+        C.uninstall()
+    assert not C.installed()

@@ -23,6 +23,7 @@ import torch
 # ``explain`` name both a submodule and its main function: importing the function here, after the submodule,
 # leaves the function as the package attribute (reach the modules with ``from nvfly.torch.autotune import ...``)
 from nvfly.torch import attention_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode, SDPA route)
+from nvfly.torch import flex_compile  # noqa: F401  (nvfly::flex_attention: flex under torch.compile)
 from nvfly.torch.autotune import autotune, database
 from nvfly.torch.explain import explain
 from nvfly.torch.routing import install_routing, routing_enabled
@@ -32,9 +33,11 @@ __all__ = ["install", "uninstall", "routing", "enable_routing", "disable_routing
 
 
 def install(*, max_candidates: int = 4) -> None:
-    """Make nvfly a GEMM backend of ``torch.compile(mode="max-autotune")`` (see ``nvfly.torch.inductor``)."""
+    """Make nvfly a GEMM backend of ``torch.compile(mode="max-autotune")`` (see ``nvfly.torch.inductor``) and a
+    flex_attention backend of ``torch.compile`` (``nvfly.torch.flex_compile``: per call, and by its auto rule)."""
     from nvfly.torch.inductor import install as install_inductor
     install_inductor(max_candidates=max_candidates)
+    flex_compile.install(auto=True)
 
 
 def uninstall() -> None:
@@ -42,6 +45,7 @@ def uninstall() -> None:
     inductor = sys.modules.get("nvfly.torch.inductor")
     if inductor is not None:
         inductor.uninstall()
+    flex_compile.uninstall()
 
 
 def enable_routing() -> None:

@@ -367,9 +367,22 @@ def _uses_decode(call: FlexCall) -> bool:
 
 def reason(call: FlexCall, grad: bool) -> Optional[str]:
     """None when nvfly computes this call, else why torch's flex runs it."""
+    if call.q.device.type != "cuda":
+        return f"q is on {call.q.device.type}, not CUDA"
+    return _reason(call, grad, on_device=True)
+
+
+def reason_on_meta(call: FlexCall) -> Optional[str]:
+    """``reason`` for meta tensors of the call's shapes and strides (Inductor's lowering; no device, no addresses:
+    the strides' 16-byte rule is checked here, the base addresses' at run time)."""
+    for name, t in (("q", call.q), ("k", call.k), ("v", call.v)):
+        if any(s * t.element_size() % 16 for s, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
+            return f"{name}: strides {tuple(t.stride())} are not multiples of 16 bytes (TMA, cp.async)"
+    return _reason(call, False, on_device=False)
+
+
+def _reason(call: FlexCall, grad: bool, on_device: bool) -> Optional[str]:
     q, k, v = call.q, call.k, call.v
-    if q.device.type != "cuda":
-        return f"q is on {q.device.type}, not CUDA"
     if q.dtype not in _FLOATS or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {q.dtype}, {k.dtype}, {v.dtype}: nvfly takes bfloat16 or float16, all alike"
     if call.needs_max:
@@ -390,6 +403,7 @@ def reason(call: FlexCall, grad: bool) -> Optional[str]:
     if len(call.score_buffers) + len(call.mask_buffers) > MAX_CAPTURED:
         return (f"the mods capture {len(call.score_buffers) + len(call.mask_buffers)} tensors (nvfly's kernels "
                 f"take {MAX_CAPTURED})")
+    off_device = f"q is on {q.device.type}, not CUDA"
     with CALL_LOCK:
         try:
             score, mask, block_mask = _kernel_mods(call)
@@ -397,13 +411,15 @@ def reason(call: FlexCall, grad: bool) -> Optional[str]:
             return f"the mods cannot be translated: {exc}"
         if _uses_decode(call):
             declined = attention.eligibility(q, k, v, score_mod=score, block_mask=block_mask)
-            if declined is None:
+            if declined is None or (not on_device and declined == off_device):
                 return None
             decode_reason = f"decode declines ({declined}); "
         else:
             decode_reason = ""
         declined = attention.prefill_eligibility(q, k, v, scale=call.scale, score_mod=score, block_mask=block_mask)
-    return None if declined is None else f"{decode_reason}nvfly's prefill declines: {declined}"
+    if declined is None or (not on_device and declined == off_device):
+        return None
+    return f"{decode_reason}nvfly's prefill declines: {declined}"
 
 
 def run(call: FlexCall) -> tuple[Tensor, Tensor, Tensor]:
@@ -534,5 +550,5 @@ def installed() -> bool:
 
 
 __all__ = ["FlexCall", "Unsupported", "check_graph", "decide", "flex_call", "forget_decisions", "graph_callable",
-           "install", "installed", "interpret", "reason", "run", "uninstall"]
+           "install", "installed", "interpret", "reason", "reason_on_meta", "run", "uninstall"]
 

@@ -1,0 +1,193 @@
+"""Eager flex_attention under ``nvfly.torch.routing()`` on a Hopper GPU: routed (nvfly's prefill or decode, the
+decision says which and a spy sees the kernel called) against unrouted flex and float32 flex, with soft-capping,
+ALiBi through captured slopes, a sliding-window BlockMask, a document mask, causal, GQA and a decode-sized call;
+the LSE (natural log, as flex returns it); a training step (nvfly's forward, flex's backward from nvfly's LSE);
+declined cases left to torch with their reason; an injected nvfly failure falling back. Fresh random inputs; the
+memory nvfly's outputs are allocated from is NaN-poisoned first."""
+import math
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+import nvfly.torch
+from nvfly.ops import attention
+from nvfly.torch import flex_ops as F
+from nvfly.torch.gemm_ops import clear_decisions, decisions
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch):
+    clear_decisions()
+    F.forget_decisions()
+    calls = []
+    for name in ("prefill", "decode"):
+        real = getattr(attention, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(attention, name, spy)
+    yield calls
+
+
+def poison():
+    """Fill the allocator's free blocks with NaN: outputs allocated next (torch.empty) start as NaN."""
+    torch.full((64 << 20,), float("nan"), device="cuda")
+    torch.cuda.synchronize()
+
+
+def inputs(batch=2, hq=8, hkv=8, sq=1024, skv=1024, d=128, dtype=torch.bfloat16, grad=False):
+    q = torch.randn(batch, hq, sq, d, device="cuda", dtype=dtype, requires_grad=grad)
+    k = torch.randn(batch, hkv, skv, d, device="cuda", dtype=dtype, requires_grad=grad)
+    v = torch.randn(batch, hkv, skv, d, device="cuda", dtype=dtype, requires_grad=grad)
+    return q, k, v
+
+
+def flex_decisions():
+    return [d for d in decisions() if d.op == "flex_attention"]
+
+
+def rel_err(out, ref):
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def soft_cap(score, b, h, q_idx, kv_idx):
+    return torch.tanh(score / 30.0) * 30.0
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def sliding(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 256)
+
+
+def check(q, k, v, calls, kernel, **kwargs):
+    """Routed vs unrouted vs float32 flex (out and LSE); the decision and the kernel called."""
+    want, want_lse = flex_attention(q, k, v, return_lse=True, **kwargs)
+    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), return_lse=True, **kwargs)
+    poison()
+    with nvfly.torch.routing():
+        got, got_lse = flex_attention(q, k, v, return_lse=True, **kwargs)
+    (decision,) = flex_decisions()
+    assert decision.reason is None and decision.candidates == (kernel,), decision
+    assert calls == [kernel]
+    assert got.shape == want.shape and got.dtype == want.dtype and torch.isfinite(got).all()
+    assert rel_err(got, ref) < 1e-2 and rel_err(got, ref) < 2 * rel_err(want, ref) + 2e-3
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(finite, torch.isfinite(got_lse))
+    torch.testing.assert_close(got_lse[finite], ref_lse[finite], atol=2e-2, rtol=1e-3)
+
+
+def test_causal_block_mask(fresh_state):
+    q, k, v = inputs()
+    check(q, k, v, fresh_state, "prefill", block_mask=create_block_mask(causal, None, None, 1024, 1024))
+
+
+def test_soft_cap_causal_gqa(fresh_state):
+    q, k, v = inputs(hq=32, hkv=8, sq=1000, skv=1000)
+    check(q, k, v, fresh_state, "prefill", score_mod=soft_cap, enable_gqa=True,
+          block_mask=create_block_mask(causal, None, None, 1000, 1000))
+
+
+def test_alibi_captured_slopes(fresh_state):
+    slopes = torch.tensor(attention.alibi_slopes(8), device="cuda")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    q, k, v = inputs(sq=700, skv=900)
+    check(q, k, v, fresh_state, "prefill", score_mod=alibi)
+
+
+def test_sliding_window_block_mask(fresh_state):
+    q, k, v = inputs(batch=1, sq=2048, skv=2048, d=64)
+    check(q, k, v, fresh_state, "prefill", block_mask=create_block_mask(sliding, None, None, 2048, 2048))
+
+
+def test_document_mask(fresh_state):
+    lengths = torch.tensor([300, 500, 224, 1000], device="cuda")
+    documents = torch.repeat_interleave(torch.arange(4, device="cuda"), lengths)[None]  # (1, 2024)
+
+    def document(b, h, q_idx, kv_idx):
+        return (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
+    q, k, v = inputs(batch=1, sq=2024, skv=2024)
+    check(q, k, v, fresh_state, "prefill", score_mod=soft_cap,
+          block_mask=create_block_mask(document, 1, None, 2024, 2024))
+
+
+def test_decode_sized_call(fresh_state):
+    def not_first(b, h, q_idx, kv_idx):
+        return kv_idx != 0
+    q, k, v = inputs(batch=2, hq=32, hkv=8, sq=4, skv=8192)
+    check(q, k, v, fresh_state, "decode", score_mod=soft_cap, enable_gqa=True,
+          block_mask=create_block_mask(not_first, None, None, 4, 8192))
+
+
+def test_q_idx_at_decode_size_runs_prefill(fresh_state):
+    slopes = torch.rand(8, device="cuda")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    q, k, v = inputs(sq=8, skv=2048)
+    check(q, k, v, fresh_state, "prefill", score_mod=alibi)
+
+
+def test_training_step(fresh_state):
+    """nvfly's forward (LSE in the op's log2 convention) and flex's own backward: the gradients of unrouted flex."""
+    block_mask = create_block_mask(causal, None, None, 512, 512)
+    q, k, v = inputs(batch=1, hq=4, hkv=4, sq=512, skv=512, grad=True)
+    grad_out = torch.randn(1, 4, 512, 128, device="cuda", dtype=torch.bfloat16)
+    want = flex_attention(q, k, v, score_mod=soft_cap, block_mask=block_mask)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
+    with nvfly.torch.routing():
+        got = flex_attention(q, k, v, score_mod=soft_cap, block_mask=block_mask)
+        got_grads = torch.autograd.grad(got, (q, k, v), grad_out)
+    assert fresh_state == ["prefill"]
+    assert rel_err(got, want) < 1e-2
+    for g, w in zip(got_grads, want_grads):
+        assert rel_err(g, w) < 2e-2
+
+
+@pytest.mark.parametrize("case", ["float32", "head dim 80", "floor in score_mod"])
+def test_declined_with_reason(fresh_state, case):
+    def floor_mod(score, b, h, q_idx, kv_idx):
+        return torch.floor(score)
+    q, k, v = inputs(dtype=torch.float32 if case == "float32" else torch.bfloat16, d=80 if case == "head dim 80"
+                     else 128, sq=256, skv=256)
+    score_mod = floor_mod if case.startswith("floor") else soft_cap
+    want = flex_attention(q, k, v, score_mod=score_mod)
+    with nvfly.torch.routing():
+        got = flex_attention(q, k, v, score_mod=score_mod)
+    (decision,) = flex_decisions()
+    expected = {"float32": "bfloat16 or float16", "head dim 80": "head dim 80", "floor in score_mod": "floor"}[case]
+    assert expected in decision.reason, decision.reason
+    assert fresh_state == []
+    torch.testing.assert_close(got, want)
+
+
+def test_max_scores_declined(fresh_state):
+    from torch.nn.attention import flex_attention as module
+    if not hasattr(module, "AuxRequest"):
+        pytest.skip("this torch has no return_aux")
+    q, k, v = inputs(sq=256, skv=256)
+    with nvfly.torch.routing():
+        flex_attention(q, k, v, return_aux=module.AuxRequest(lse=True, max_scores=True))
+    (decision,) = flex_decisions()
+    assert "max scores" in decision.reason
+
+
+def test_injected_failure_falls_back(fresh_state, monkeypatch):
+    def broken(call):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(F, "run", broken)
+    q, k, v = inputs(sq=256, skv=256)
+    want = flex_attention(q, k, v, score_mod=soft_cap)
+    with nvfly.torch.routing():
+        got = flex_attention(q, k, v, score_mod=soft_cap)
+    torch.testing.assert_close(got, want)
+    assert "nvfly raised RuntimeError: injected" in flex_decisions()[-1].reason
+    assert math.isfinite(got.float().sum().item())

@@ -351,13 +351,13 @@ def compiled_flex(monkeypatch):
 def test_compiled_flex_calls_nvfly(compiled_flex, monkeypatch):
     """The per-call option emits nvfly's op (the code says so); on CPU the op computes through the float32
     reference with the mods rebuilt from the graphs' code: the result is flex's."""
-    monkeypatch.setattr(C, "lowering_reason", lambda *args: (None, "prefill"))  # CPU: the real check declines
-    q, k, v = _qkv(sq=256, skv=256)
+    monkeypatch.setattr(C, "DEVICES", ("cpu", "cuda"))  # the lowering's checks run on CPU (meta examples)
+    q, k, v = (t.to(bf) for t in _qkv(sq=256, skv=256))
     block_mask = create_block_mask(document, 2, None, 256, 256, device="cpu")
     want = flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
     got, calls_nvfly = compiled_flex({"NVFLY": True}, q, k, v, score_mod=alibi, block_mask=block_mask)
     assert calls_nvfly
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     assert [d.winner for d in decisions() if d.where == "inductor"] == ["prefill"]
 
 

@@ -47,6 +47,7 @@ from nvfly.torch.library import register_fake
 log = logging.getLogger("nvfly")
 
 OPTION = "NVFLY"
+DEVICES = ("cuda",)  # where the lowering emits nvfly's op (the CPU tests add "cpu": the op's reference runs there)
 AUTO_MIN_SQ = 512
 _LN2 = math.log(2.0)
 
@@ -210,7 +211,7 @@ def lowering_reason(query: Any, key: Any, value: Any, subgraph: Any, block_mask:
     if any(_static(n) is None for n in (query, key, value)):
         return "dynamic shapes (nvfly plans on static ones)", ""
     device = query.get_device()
-    if device is None or device.type != "cuda":
+    if device is None or device.type not in DEVICES:
         return f"q is on {getattr(device, 'type', device)}, not CUDA", ""
     if kernel_options.get("OUTPUT_MAX"):
         return "max scores are requested: nvfly returns the LSE only", ""

@@ -191,3 +191,90 @@ def test_injected_failure_falls_back(fresh_state, monkeypatch):
     torch.testing.assert_close(got, want)
     assert "nvfly raised RuntimeError: injected" in flex_decisions()[-1].reason
     assert math.isfinite(got.float().sum().item())
+
+
+# ---------------------------------------------------------------------------------------------- torch.compile
+from nvfly.torch import flex_compile as C  # noqa: E402
+
+
+@pytest.fixture
+def compiled():
+    """nvfly's flex lowering (per-call option), the FX-graph cache off; returns run(options, ...) -> (out, whether
+    the compiled code calls nvfly::flex_attention)."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    patch = inductor_config.patch(fx_graph_cache=False)
+    patch.__enter__()
+    C.install()
+    torch._dynamo.reset()
+
+    def run(options, q, k, v, grad_out=None, **kwargs):
+        fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, kernel_options=options, **kwargs))
+        if grad_out is None:
+            out, codes = run_and_get_code(fn, q, k, v)
+            return out, any("torch.ops.nvfly.flex_attention" in c for c in codes)
+
+        def step(q, k, v):
+            out = fn(q, k, v)
+            return (out,) + torch.autograd.grad(out, (q, k, v), grad_out)
+        outs, codes = run_and_get_code(step, q, k, v)
+        return outs, any("torch.ops.nvfly.flex_attention" in c for c in codes)
+    yield run
+    C.uninstall()
+    patch.__exit__(None, None, None)
+    torch._dynamo.reset()
+
+
+def test_compiled_soft_cap_causal_calls_nvfly(compiled):
+    q, k, v = inputs(hq=16, hkv=4, sq=1024, skv=1024)
+    block_mask = create_block_mask(causal, None, None, 1024, 1024)
+    ref = flex_attention(q.float(), k.float(), v.float(), score_mod=soft_cap, block_mask=block_mask, enable_gqa=True)
+    want, _ = compiled({}, q, k, v, score_mod=soft_cap, block_mask=block_mask, enable_gqa=True)
+    got, calls_nvfly = compiled({"NVFLY": True}, q, k, v, score_mod=soft_cap, block_mask=block_mask,
+                                enable_gqa=True)
+    assert calls_nvfly
+    assert rel_err(got, ref) < 1e-2 and rel_err(got, ref) < 2 * rel_err(want, ref) + 2e-3
+    assert [d.winner for d in decisions() if d.where == "inductor"] == ["prefill"]
+
+
+def test_compiled_alibi_captured_slopes(compiled):
+    slopes = torch.tensor(attention.alibi_slopes(8), device="cuda")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+    q, k, v = inputs(sq=900, skv=900)
+    ref = flex_attention(q.float(), k.float(), v.float(), score_mod=alibi)
+    got, calls_nvfly = compiled({"NVFLY": True}, q, k, v, score_mod=alibi)
+    assert calls_nvfly and rel_err(got, ref) < 1e-2
+
+
+def test_compiled_option_off_keeps_inductor(compiled):
+    q, k, v = inputs(sq=1024, skv=1024)
+    _, calls_nvfly = compiled({"NVFLY": False}, q, k, v, score_mod=soft_cap)
+    assert not calls_nvfly
+
+
+def test_compiled_auto_under_install(compiled):
+    """After nvfly.torch.install() a long prefill takes nvfly without the option; a short one stays on Inductor."""
+    C.install(auto=True)
+    q, k, v = inputs(sq=C.AUTO_MIN_SQ, skv=C.AUTO_MIN_SQ)
+    _, calls_nvfly = compiled({}, q, k, v, score_mod=soft_cap)
+    assert calls_nvfly
+    q, k, v = inputs(sq=128, skv=128)
+    _, calls_nvfly = compiled({}, q, k, v, score_mod=soft_cap)
+    assert not calls_nvfly
+
+
+def test_compiled_training_step(compiled):
+    """nvfly's forward under compile, Inductor's flex backward from nvfly's LSE: the gradients of float32 flex."""
+    block_mask = create_block_mask(causal, None, None, 512, 512)
+    q, k, v = inputs(batch=1, hq=4, hkv=4, sq=512, skv=512, grad=True)
+    grad_out = torch.randn(1, 4, 512, 128, device="cuda", dtype=torch.bfloat16)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = flex_attention(q32, k32, v32, score_mod=soft_cap, block_mask=block_mask)
+    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), grad_out.float())
+    (got, *grads), calls_nvfly = compiled({"NVFLY": True}, q, k, v, grad_out=grad_out, score_mod=soft_cap,
+                                          block_mask=block_mask)
+    assert calls_nvfly and rel_err(got, ref) < 1e-2
+    for g, w in zip(grads, ref_grads):
+        assert rel_err(g, w) < 3e-2

@@ -389,3 +389,34 @@ def test_option_off_and_not_auto_keep_inductor(monkeypatch):
     finally:
         C.uninstall()
     assert not C.installed()
+
+
+# ---------------------------------------------------------------------------------------------- into the kernel
+def test_translated_graphs_compile_into_the_prefill_kernel(monkeypatch):
+    """The mods flex hands over (dynamo graphs with captured slopes and document ids), translated, trace into nvfly's
+    prefill kernel (block-mask plan): soft-cap's tanh in the IR, the captured tables loaded, no spills."""
+    from nvfly.ops.attention.mods import Mods, captured_tensors
+
+    def capped_alibi(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / 20) * 20 + SLOPES[h] * (kv_idx - q_idx)
+    score_graph, score_buffers, _, _ = _graphs_flex_hands_over(monkeypatch, capped_alibi, None)
+    _, _, mask_graph, mask_buffers = _graphs_flex_hands_over(monkeypatch, None, document)
+    score = F.graph_callable("score", score_graph, score_buffers)
+    mask = F.graph_callable("mask", mask_graph, mask_buffers)
+    mods = Mods(score, mask)
+    assert [t.shape for t in captured_tensors(mods)] == [SLOPES.shape, DOCS.shape]
+    plan = attention.prefill_plan(128, 128, False, kv_block=128, q_block=128)
+    kernel = attention.compile_prefill(plan, mods=mods, sq=300, skv=300)
+    assert "math.tanh" in kernel.mlir
+    assert kernel.sass_opcodes()["LDG.E"] > 0
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == 0 and not kernel.warnings
+
+
+def test_code_callable_compiles_into_the_decode_kernel():
+    """The compiled path's mods (rebuilt from aten FX code) trace into nvfly's decode kernel."""
+    from nvfly.ops.attention.mods import Mods
+    code = _aten_graph(lambda s, b, h, q, kv, t: torch.tanh(s / 20) * 20 + t[h] * kv, SLOPES).code
+    mods = Mods(C.code_callable("score", code, (SLOPES,)))
+    plan = attention.decode_plan(2, 4, 2, 4, 128, 128, 8192, 132, causal=False)
+    kernels = attention.compile_kernels(plan, mods=mods)
+    assert any("math.tanh" in k.mlir for k in kernels)

@@ -215,6 +215,8 @@ def lowering_reason(query: Any, key: Any, value: Any, subgraph: Any, block_mask:
         return f"q is on {getattr(device, 'type', device)}, not CUDA", ""
     if kernel_options.get("OUTPUT_MAX"):
         return "max scores are requested: nvfly returns the LSE only", ""
+    if kernel_options.get("BACKEND") == "FLASH":
+        return "BACKEND='FLASH' is asked for (its LSE is natural log, nvfly's op returns the others' log2)", ""
     q, k, v = (_example(n) for n in (query, key, value))
     score_gm = subgraph.graph_module
     mask_gm = block_mask[-1].graph_module

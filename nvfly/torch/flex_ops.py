@@ -222,8 +222,10 @@ def reads_input(fn: Any, position: int) -> bool:
 
 
 def _is_identity_score(gm: Any) -> bool:
+    """Whether a score_mod is flex's default (its ``_identity``, or a graph returning its score input)."""
     if not isinstance(gm, torch.fx.GraphModule):
-        return False
+        from torch.nn.attention import flex_attention as flex
+        return gm is getattr(flex, "_identity", None)
     nodes = list(gm.graph.nodes)
     out = nodes[-1]
     return out.op == "output" and _first(out.args[0]) is nodes[0] and nodes[0].op == "placeholder"

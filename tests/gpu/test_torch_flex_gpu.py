@@ -77,7 +77,7 @@ def check(q, k, v, calls, kernel, **kwargs):
     assert decision.reason is None and decision.candidates == (kernel,), decision
     assert calls == [kernel]
     assert got.shape == want.shape and got.dtype == want.dtype and torch.isfinite(got).all()
-    assert rel_err(got, ref) < 1e-2 and rel_err(got, ref) < 2 * rel_err(want, ref) + 2e-3
+    assert rel_err(got, ref) < 1e-2, (rel_err(got, ref), rel_err(want, ref))
     finite = torch.isfinite(ref_lse)
     assert torch.equal(finite, torch.isfinite(got_lse))
     torch.testing.assert_close(got_lse[finite], ref_lse[finite], atol=2e-2, rtol=1e-3)
@@ -229,11 +229,10 @@ def test_compiled_soft_cap_causal_calls_nvfly(compiled):
     q, k, v = inputs(hq=16, hkv=4, sq=1024, skv=1024)
     block_mask = create_block_mask(causal, None, None, 1024, 1024)
     ref = flex_attention(q.float(), k.float(), v.float(), score_mod=soft_cap, block_mask=block_mask, enable_gqa=True)
-    want, _ = compiled({}, q, k, v, score_mod=soft_cap, block_mask=block_mask, enable_gqa=True)
     got, calls_nvfly = compiled({"NVFLY": True}, q, k, v, score_mod=soft_cap, block_mask=block_mask,
                                 enable_gqa=True)
     assert calls_nvfly
-    assert rel_err(got, ref) < 1e-2 and rel_err(got, ref) < 2 * rel_err(want, ref) + 2e-3
+    assert rel_err(got, ref) < 1e-2
     assert [d.winner for d in decisions() if d.where == "inductor"] == ["prefill"]
 
 
@@ -248,6 +247,7 @@ def test_compiled_alibi_captured_slopes(compiled):
     assert calls_nvfly and rel_err(got, ref) < 1e-2
 
 
+@pytest.mark.slow
 def test_compiled_option_off_keeps_inductor(compiled):
     q, k, v = inputs(sq=1024, skv=1024)
     _, calls_nvfly = compiled({"NVFLY": False}, q, k, v, score_mod=soft_cap)
@@ -255,16 +255,19 @@ def test_compiled_option_off_keeps_inductor(compiled):
 
 
 def test_compiled_auto_under_install(compiled):
-    """After nvfly.torch.install() a long prefill takes nvfly without the option; a short one stays on Inductor."""
-    C.install(auto=True)
-    q, k, v = inputs(sq=C.AUTO_MIN_SQ, skv=C.AUTO_MIN_SQ)
-    _, calls_nvfly = compiled({}, q, k, v, score_mod=soft_cap)
-    assert calls_nvfly
-    q, k, v = inputs(sq=128, skv=128)
-    _, calls_nvfly = compiled({}, q, k, v, score_mod=soft_cap)
-    assert not calls_nvfly
+    """After nvfly.torch.install() a long prefill takes nvfly without the option (which calls the rule takes:
+    tests/test_torch_flex_cpu.py)."""
+    nvfly.torch.install()
+    try:
+        q, k, v = inputs(sq=C.AUTO_MIN_SQ, skv=C.AUTO_MIN_SQ)
+        got, calls_nvfly = compiled({}, q, k, v, score_mod=soft_cap)
+        assert calls_nvfly
+        assert rel_err(got, flex_attention(q.float(), k.float(), v.float(), score_mod=soft_cap)) < 1e-2
+    finally:
+        nvfly.torch.uninstall()
 
 
+@pytest.mark.slow
 def test_compiled_training_step(compiled):
     """nvfly's forward under compile, Inductor's flex backward from nvfly's LSE: the gradients of float32 flex."""
     block_mask = create_block_mask(causal, None, None, 512, 512)

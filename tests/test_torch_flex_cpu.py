@@ -68,10 +68,8 @@ def route_on_cpu():
     F.forget_decisions()
 
 
-@pytest.fixture
-def references(monkeypatch):
-    ran = []
-
+def references_run(ran):
+    """``flex_ops.run`` with nvfly's kernels replaced by their float32 references (``ran`` lists the kernels)."""
     def run(call):
         score, _, block_mask = F._kernel_mods(call)
         kernel = "decode" if F._uses_decode(call) else "prefill"
@@ -83,8 +81,13 @@ def references(monkeypatch):
             out, lse = attention.prefill_reference(call.q, call.k, call.v, scale=call.scale, score_mod=score,
                                                    block_mask=block_mask)
         return out.to(call.q.dtype).transpose(1, 2), lse / math.log(2), lse.new_empty(0)
+    return run
 
-    monkeypatch.setattr(F, "run", run)
+
+@pytest.fixture
+def references(monkeypatch):
+    ran = []
+    monkeypatch.setattr(F, "run", references_run(ran))
     monkeypatch.setattr(F, "reason", lambda call, grad: None)  # CPU tensors: the references take them
     return ran
 
@@ -420,3 +423,36 @@ def test_code_callable_compiles_into_the_decode_kernel():
     plan = attention.decode_plan(2, 4, 2, 4, 128, 128, 8192, 132, causal=False)
     kernels = attention.compile_kernels(plan, mods=mods)
     assert any("math.tanh" in k.mlir for k in kernels)
+
+
+def test_training_through_flex_autograd(monkeypatch, references):
+    """With inputs needing grad, flex's autograd op hands the route its aten forward graph and runs torch's
+    backward from the route's output and LSE (log2): the gradients equal unrouted flex's. (Eager flex refuses
+    backward on CPU, so this calls the op as eager flex does, with the graphs eager flex gives it.)"""
+    from torch._higher_order_ops.flex_attention import flex_attention as hop
+    from torch.nn.attention.flex_attention import _apply_kernel_options
+
+    def capped_alibi(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / 20) * 20 + SLOPES[h] * (kv_idx - q_idx)
+    monkeypatch.setattr(F, "decide", lambda call: seen.append(call) or "captured by the test")
+    seen = []
+    graph, buffers, mask_graph, mask_buffers = _graphs_flex_hands_over(monkeypatch, capped_alibi, causal)
+    monkeypatch.undo()
+    monkeypatch.setattr(F, "run", references_run(references))
+    monkeypatch.setattr(F, "reason", lambda call, grad: None)
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    block_mask = create_block_mask(causal, 2, None, 300, 300, device="cpu").as_tuple()
+    block_mask = block_mask[:-1] + (mask_graph,)
+    options = _apply_kernel_options(q, k, v, True, None)
+    grad_out = torch.randn(2, 4, 300, 64)
+
+    def step():
+        out, lse, _ = hop(q, k, v, graph, block_mask, 0.125, options, buffers, mask_buffers)
+        return (out, lse) + torch.autograd.grad((out * grad_out).sum() + lse.sum(), (q, k, v))
+    want = step()
+    assert references == []
+    with nvfly.torch.routing():
+        got = step()
+    assert references == ["prefill"]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

@@ -71,8 +71,9 @@ def route_on_cpu():
 def references_run(ran):
     """``flex_ops.run`` with nvfly's kernels replaced by their float32 references (``ran`` lists the kernels)."""
     def run(call):
-        score, _, block_mask = F._kernel_mods(call)
-        kernel = "decode" if F._uses_decode(call) else "prefill"
+        decode = F._uses_decode(call)
+        score, _, block_mask = F._kernel_mods(call, decode)
+        kernel = "decode" if decode else "prefill"
         ran.append(kernel)
         if kernel == "decode":
             out, lse = attention.reference(call.q, call.k, call.v, scale=call.scale, causal=False, score_mod=score,
@@ -212,12 +213,27 @@ def test_routed_equals_torch_flex(references, case, score_mod, mask_mod, sq, skv
     assert decision.reason is None and decision.candidates == (references[0],)
 
 
-def test_q_idx_at_small_sq_runs_prefill(references):
-    q, k, v = _qkv(sq=4, skv=300)
+@pytest.mark.parametrize("sq", [1, 4, 16])
+def test_q_idx_at_decode_sizes_is_shifted(references, sq):
+    """Decode's q_idx is the position: mods reading q_idx (ALiBi, a causal block mask) see it shifted back to flex's
+    row by a captured (B,) tensor; the result is flex's."""
+    q, k, v = _qkv(sq=sq, skv=300)
+    block_mask = create_block_mask(window, 2, None, sq, 300, device="cpu")
     with nvfly.torch.routing():
-        got = flex_attention(q, k, v, score_mod=alibi)
-    assert references == ["prefill"]  # decode's q_idx is the position, flex's the row
-    torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=alibi), atol=1e-4, rtol=1e-4)
+        got = flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
+    assert references == ["decode"]
+    torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask), atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_q_idx_with_two_buffers_at_decode_size_runs_prefill(references):
+    q, k, v = _qkv(sq=4, skv=300)
+    block_mask = create_block_mask(document, 2, None, 4, 300, device="cpu")
+    with nvfly.torch.routing():
+        got = flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask)
+    assert references == ["prefill"]  # SLOPES and DOCS take both captured inputs: no room for the shift
+    torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask), atol=1e-4,
+                               rtol=1e-4)
 
 
 def test_gqa(references):
@@ -456,3 +472,17 @@ def test_training_through_flex_autograd(monkeypatch, references):
     assert references == ["prefill"]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_shifted_mods_compile_into_the_decode_kernel(monkeypatch):
+    """Decode-sized calls whose mods read q_idx: the translated ALiBi with its q_idx shifted by a captured (B,)
+    tensor traces into the decode kernel (the slopes and the shift loaded), without spills."""
+    from nvfly.ops.attention.mods import Mods, captured_tensors
+    graph, buffers, _, _ = _graphs_flex_hands_over(monkeypatch, alibi, None)
+    shift = torch.full((2,), 296, dtype=torch.int32)
+    mods = Mods(F.graph_callable("score", graph, buffers, shift))
+    assert {id(t) for t in captured_tensors(mods)} == {id(SLOPES), id(shift)}
+    plan = attention.decode_plan(2, 4, 2, 4, 64, 64, 1024, 132, causal=False)
+    kernels = attention.compile_kernels(plan, mods=mods)
+    assert kernels[0].sass_opcodes()["LDG.E"] > 0
+    assert all(k.resources.spill_stores == 0 and not k.warnings for k in kernels)

@@ -241,7 +241,9 @@ def lowering_reason(query: Any, key: Any, value: Any, subgraph: Any, block_mask:
                              None if flex_ops._is_identity_score(score_gm) else score_gm, mask_gm if masked else None,
                              mask, 1.0, buffers[:len(score_buffers)], buffers[len(score_buffers):], False)
     why = flex_ops.reason_on_meta(call)
-    return why, "decode" if flex_ops._uses_decode(call) else "prefill"
+    # the op rebuilds the mods from code without decode's q_idx shift: decode only for mods that ignore q_idx
+    decode = flex_ops._uses_decode(call) and not flex_ops._reads_q_idx(call)
+    return why, "decode" if decode else "prefill"
 
 
 def _wants(kernel_options: dict, query: Any) -> Optional[bool]:

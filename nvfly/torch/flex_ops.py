@@ -12,10 +12,12 @@ fed the LSE nvfly returns in the op's convention, log2). Outside an enabled ``ro
 declines and when nvfly raises, it calls the op's own ``CompositeExplicitAutograd`` kernel (``sdpa_dense``), which
 is what the op ran before. ``uninstall()`` removes the registration.
 
-Which kernel: decode for Sq <= 16 when neither mod reads ``q_idx`` (decode's q_idx is the query's position,
-flex's the row: they agree only for mods that ignore it), else prefill (q_idx is flex's row there). No causal flag:
-flex says causal with its mask_mod/BlockMask. Routing rule: always when eligible (eager flex is a dense math path
-that materializes the scores; nvfly's fused kernels beat it at every size).
+Which kernel: decode for Sq <= 16, prefill otherwise. Decode's q_idx is the query's position (queries aligned to
+the end of the keys), flex's the row: mods that read q_idx get ``q_idx - shift[b]`` with ``shift`` a (B,) int32
+tensor of Skv - Sq (one more captured tensor; mods already capturing two, or Python-function mods, go to prefill,
+whose q_idx is flex's row). No causal flag: flex says causal with its mask_mod/BlockMask. Routing rule: always
+when eligible (eager flex is a dense math path that materializes the scores; nvfly's fused kernels beat it at
+every size).
 
 The mods: ``graph_callable`` turns an FX graph back into a Python function ``mod(score, b, h, q_idx, kv_idx)``
 interpreting the graph node by node (``operator``/``torch``/aten calls to the same Python operations), so the same
@@ -240,43 +242,50 @@ _CALLABLES: dict = {}
 CALL_LOCK = threading.RLock()  # held while a call's closure cells hold its buffers
 
 
-def _make_callable(kind: str, gm: torch.fx.GraphModule, count: int) -> Callable[..., Any]:
-    """A function of the mod's signature interpreting ``gm``; its buffers are the closure cells buffer0..."""
-    buffer0 = buffer1 = None  # noqa: F841 - the cells; set per call (set_buffers)
+def _make_callable(kind: str, gm: torch.fx.GraphModule, count: int, shifted: bool) -> Callable[..., Any]:
+    """A function of the mod's signature interpreting ``gm``; its buffers are the closure cells buffer0/buffer1;
+    ``shifted``: it gives the graph ``q_idx - shift[b]`` (decode's positions back to flex's rows; the cell ``shift``
+    holds a (B,) int32 tensor of Skv - Sq, a kernel input like the buffers)."""
+    buffer0 = buffer1 = shift = None  # noqa: F841 - the cells; set per call (_set_buffers)
 
     if kind == "score":
         def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's signature
-            return interpret(gm, (score, b, h, q_idx, kv_idx) + (buffer0, buffer1)[:count])
+            row = q_idx - shift[b] if shifted else q_idx
+            return interpret(gm, (score, b, h, row, kv_idx) + (buffer0, buffer1)[:count])
         return score_mod
 
     def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's signature
-        return interpret(gm, (b, h, q_idx, kv_idx) + (buffer0, buffer1)[:count])
+        row = q_idx - shift[b] if shifted else q_idx
+        return interpret(gm, (b, h, row, kv_idx) + (buffer0, buffer1)[:count])
     return mask_mod
 
 
-def _set_buffers(fn: Callable[..., Any], buffers: tuple) -> None:
+def _set_buffers(fn: Callable[..., Any], buffers: tuple, shift: Any = None) -> None:
     cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
     cells["buffer0"].cell_contents = buffers[0] if buffers else None
     cells["buffer1"].cell_contents = buffers[1] if len(buffers) > 1 else None
+    if "shift" in cells:
+        cells["shift"].cell_contents = shift
 
 
-def graph_callable(kind: str, gm: Any, buffers: tuple = ()) -> Callable[..., Any]:
+def graph_callable(kind: str, gm: Any, buffers: tuple = (), shift: Any = None) -> Callable[..., Any]:
     """``gm`` (a score_mod graph when ``kind`` is "score", a mask_mod graph for "mask") as a Python function of
-    flex's signature that captures ``buffers`` (at most ``MAX_CAPTURED`` tensors, appended to the graph's inputs).
-    A plain Python function without buffers is returned as it is. Call under ``CALL_LOCK``: the function is shared
-    by every graph of the same code and its cells hold the latest call's buffers."""
+    flex's signature that captures ``buffers`` (at most ``MAX_CAPTURED`` tensors, appended to the graph's inputs);
+    with ``shift`` (a (B,) int32 tensor) the graph sees ``q_idx - shift[b]`` (for decode, whose q_idx is the
+    position). A plain Python function without buffers or shift is returned as it is. Call under ``CALL_LOCK``: the
+    function is shared by every graph of the same code and its cells hold the latest call's tensors."""
     if not isinstance(gm, torch.fx.GraphModule):
-        if buffers:
-            raise Unsupported("a Python mod with separate buffers")
+        if buffers or shift is not None:
+            raise Unsupported("a Python mod with separate buffers or a shifted q_idx")
         return gm
     if len(buffers) > MAX_CAPTURED:
         raise Unsupported(f"{len(buffers)} captured tensors (nvfly's kernels take {MAX_CAPTURED})")
-    key = (kind, gm.code, len(buffers), tuple(_constant_key(gm)))
+    key = (kind, gm.code, len(buffers), shift is not None, tuple(_constant_key(gm)))
     with _FACTORY_LOCK:
         fn = _CALLABLES.get(key)
         if fn is None:
-            fn = _CALLABLES[key] = _make_callable(kind, gm, len(buffers))
-    _set_buffers(fn, buffers)
+            fn = _CALLABLES[key] = _make_callable(kind, gm, len(buffers), shift is not None)
+    _set_buffers(fn, buffers, shift)
     return fn
 
 
@@ -329,14 +338,19 @@ def flex_call(query: Tensor, key: Tensor, value: Tensor, score_mod: Any, block_m
                     bool(kernel_options.get("OUTPUT_MAX", False)))
 
 
-def _kernel_mods(call: FlexCall) -> tuple[Any, Any, Any]:
+def _kernel_mods(call: FlexCall, decode: bool = False) -> tuple[Any, Any, Any]:
     """(score_mod, mask_mod, block_mask) as nvfly's functions take them: translated callables, the block mask with
-    the translated mask_mod as its own (None when flex's mask has no mask_mod of its own)."""
-    score = None if call.score_mod is None else graph_callable("score", call.score_mod, call.score_buffers)
+    the translated mask_mod as its own (None when flex's mask has no mask_mod of its own). ``decode``: mods that
+    read q_idx get it shifted back from decode's positions to flex's rows."""
+    shift = None
+    if decode and _reads_q_idx(call):
+        q = call.q
+        shift = torch.full((q.shape[0],), call.k.shape[1] - q.shape[1], dtype=torch.int32, device=q.device)
+    score = None if call.score_mod is None else graph_callable("score", call.score_mod, call.score_buffers, shift)
     mask = None
     block_mask = call.block_mask
     if block_mask is not None:
-        mask = graph_callable("mask", call.mask_mod, call.mask_buffers) if _masks(call.mask_mod) else None
+        mask = graph_callable("mask", call.mask_mod, call.mask_buffers, shift) if _masks(call.mask_mod) else None
         block_mask = _with_mask_mod(block_mask, mask)
     return score, mask, block_mask
 
@@ -360,11 +374,22 @@ def _with_mask_mod(block_mask: Any, mask: Any) -> Any:
     return copy
 
 
-def _uses_decode(call: FlexCall) -> bool:
-    """Decode's q_idx is the query's position, flex's its row: decode only for mods that do not read q_idx."""
+def _reads_q_idx(call: FlexCall) -> bool:
     mask_reads = call.block_mask is not None and _masks(call.mask_mod) and reads_input(call.mask_mod, 2)
-    score_reads = call.score_mod is not None and reads_input(call.score_mod, 3)
-    return call.q.shape[1] <= MAX_SQ and not mask_reads and not score_reads
+    return mask_reads or (call.score_mod is not None and reads_input(call.score_mod, 3))
+
+
+def _uses_decode(call: FlexCall) -> bool:
+    """Decode for Sq <= 16. Its q_idx is the query's position, flex's the row: mods that read q_idx get a shifted
+    q_idx (``_kernel_mods``), which needs graphs (not Python functions) and one more captured tensor."""
+    if call.q.shape[1] > MAX_SQ:
+        return False
+    if not _reads_q_idx(call):
+        return True
+    mods = [m for m in (call.score_mod, call.mask_mod if call.block_mask is not None and _masks(call.mask_mod)
+                        else None) if m is not None]
+    captured = len({id(t) for t in call.score_buffers + call.mask_buffers})
+    return all(isinstance(m, torch.fx.GraphModule) for m in mods) and captured < MAX_CAPTURED
 
 
 def reason(call: FlexCall, grad: bool) -> Optional[str]:
@@ -412,7 +437,8 @@ def _reason(call: FlexCall, grad: bool, on_device: bool) -> Optional[str]:
         except Unsupported as exc:
             return f"the mods cannot be translated: {exc}"
         if _uses_decode(call):
-            declined = attention.eligibility(q, k, v, score_mod=score, block_mask=block_mask)
+            score, _, decode_mask = _kernel_mods(call, decode=True)
+            declined = attention.eligibility(q, k, v, score_mod=score, block_mask=decode_mask)
             if declined is None or (not on_device and declined == off_device):
                 return None
             decode_reason = f"decode declines ({declined}); "
@@ -428,8 +454,9 @@ def run(call: FlexCall) -> tuple[Tensor, Tensor, Tensor]:
     """(out (B, Hq, Sq, Dv), lse (B, Hq, Sq) float32 in log2 — the flex op's convention for its non-FLASH
     backends, which flex's wrapper multiplies by ln 2 and its backward reads —, an empty max_scores)."""
     with CALL_LOCK:
-        score, _, block_mask = _kernel_mods(call)
-        if _uses_decode(call):
+        decode = _uses_decode(call)
+        score, _, block_mask = _kernel_mods(call, decode)
+        if decode:
             out, lse = attention.decode(call.q, call.k, call.v, scale=call.scale, causal=False, score_mod=score,
                                         block_mask=block_mask, return_lse=True, validate=False)
         else:

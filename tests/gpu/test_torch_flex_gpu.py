@@ -127,13 +127,17 @@ def test_decode_sized_call(fresh_state):
           block_mask=create_block_mask(not_first, None, None, 4, 8192))
 
 
-def test_q_idx_at_decode_size_runs_prefill(fresh_state):
+def test_q_idx_at_decode_size_is_shifted(fresh_state):
+    """ALiBi and a sliding-window mask read q_idx: decode gets them with q_idx shifted back to flex's row."""
     slopes = torch.rand(8, device="cuda")
 
     def alibi(score, b, h, q_idx, kv_idx):
         return score + slopes[h] * (kv_idx - q_idx)
+
+    def recent(b, h, q_idx, kv_idx):
+        return (q_idx + 2048 - 8 >= kv_idx) & (q_idx + 2048 - 8 - kv_idx < 1000)
     q, k, v = inputs(sq=8, skv=2048)
-    check(q, k, v, fresh_state, "prefill", score_mod=alibi)
+    check(q, k, v, fresh_state, "decode", score_mod=alibi, block_mask=create_block_mask(recent, None, None, 8, 2048))
 
 
 def test_training_step(fresh_state):

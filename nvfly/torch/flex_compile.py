@@ -299,40 +299,15 @@ def _emit(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple, sc
     return out, lse, max_scores
 
 
-@functools.cache
-def _key_pass() -> type:
-    """``FlexCacheKey``: the FX-graph cache key part of the lowering's state (installed, auto), so a graph lowered
-    with nvfly is not reused without it, nor the reverse; read when the key is made. (Made on first use: importing
-    ``nvfly.torch.inductor`` pulls Inductor in, which ``import nvfly.torch`` does not.)"""
-    from nvfly.torch.inductor import CacheKeyPass
-
-    class FlexCacheKey(CacheKeyPass):
-        def uuid(self) -> Any:
-            priors = super().uuid()
-            return None if priors is None else ("nvfly-flex", installed(), _STATE["auto"], AUTO_MIN_SQ, *priors[1:])
-    return FlexCacheKey
-
-
 def install(auto: bool = False) -> None:
     """Wrap Inductor's flex_attention lowering (idempotent): ``kernel_options={"NVFLY": True}`` picks nvfly per call;
     ``auto``: also calls the auto rule picks."""
-    from torch._inductor import config
     from torch._inductor.lowering import lowerings
     hop = torch.ops.higher_order.flex_attention
     _STATE["auto"] = auto
     if _STATE["original"] is None:
         _STATE["original"] = lowerings[hop]
         lowerings[hop] = _lowering
-    if not _has_key(config.post_grad_custom_post_pass):
-        config.post_grad_custom_post_pass = _key_pass()(config.post_grad_custom_post_pass)
-
-
-def _has_key(custom_pass: Any) -> bool:
-    while hasattr(custom_pass, "prior"):  # a chain of nvfly's CacheKeyPasses
-        if isinstance(custom_pass, _key_pass()):
-            return True
-        custom_pass = custom_pass.prior
-    return False
 
 
 def uninstall() -> None:

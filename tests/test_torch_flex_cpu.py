@@ -486,3 +486,10 @@ def test_shifted_mods_compile_into_the_decode_kernel(monkeypatch):
     kernels = attention.compile_kernels(plan, mods=mods)
     assert kernels[0].sass_opcodes()["LDG.E"] > 0
     assert all(k.resources.spill_stores == 0 and not k.warnings for k in kernels)
+
+
+def test_noop_masks_are_no_mask():
+    from torch.nn.attention.flex_attention import noop_mask
+    scalars = map(torch.tensor, (1, 2, 3, 4))
+    aten_noop = make_fx(noop_mask)(*scalars)
+    assert not F._masks(noop_mask) and not F._masks(aten_noop) and F.check_graph(aten_noop) is None

@@ -119,7 +119,8 @@ def _aten_table() -> dict:
         table[packet] = fn
     table.update({aten.where: _where, aten.clamp: torch.clamp, aten.index: _index,
                   aten._to_copy: _to, aten.to: _to, aten.full: _full, aten.scalar_tensor: lambda v, **_: v,
-                  aten.lift_fresh_copy: lambda x: x})
+                  aten.lift_fresh_copy: lambda x: x, aten.new_ones: _constant(True),
+                  aten.new_zeros: _constant(False)})
     if hasattr(torch.ops, "prims") and hasattr(torch.ops.prims, "convert_element_type"):
         table[torch.ops.prims.convert_element_type] = _to
     return table
@@ -362,7 +363,11 @@ def _masks(mask_mod: Any) -> bool:
         return False
     if isinstance(mask_mod, torch.fx.GraphModule):
         out = _first(list(mask_mod.graph.nodes)[-1].args[0])
-        return not (isinstance(out, torch.fx.Node) and out.op == "call_method" and out.target == "new_ones")
+        if not isinstance(out, torch.fx.Node):
+            return out is not True
+        ones = out.target == "new_ones" if out.op == "call_method" else (
+            isinstance(out.target, torch._ops.OpOverload) and out.target.overloadpacket is torch.ops.aten.new_ones)
+        return not ones
     return True
 
 

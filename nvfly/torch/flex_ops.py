@@ -534,9 +534,12 @@ def _routed(torch_kernel: Callable[..., Any]) -> Callable[..., Any]:
                     return run(call)
                 except Exception as exc:  # an nvfly failure never breaks the model: torch's flex runs it
                     why = f"nvfly raised {type(exc).__name__}: {exc}"
-                    _DECIDED.remember(_signature(call, torch.is_grad_enabled()), (why,))
-                    _record(call, why)
                     log.warning("nvfly: flex_attention fell back to torch: %s", why)
+                    try:  # decline this signature from now on
+                        _DECIDED.remember(_signature(call, torch.is_grad_enabled()), (why,))
+                        _record(call, why)
+                    except Exception:  # noqa: BLE001 - bookkeeping never breaks the call
+                        log.debug("nvfly: flex_attention: recording the failure failed", exc_info=True)
             else:
                 level = logging.INFO if settings.get("debug") else logging.DEBUG
                 log.log(level, "nvfly: flex_attention stays on torch: %s", why)

@@ -380,6 +380,29 @@ def test_compiled_flex_calls_nvfly(compiled_flex, monkeypatch):
     assert [d.winner for d in decisions() if d.where == "inductor"] == ["prefill"]
 
 
+def test_compiled_flex_with_computed_inputs(monkeypatch):
+    """q, k, v computed in the compiled function (a projection, its (B, H, S, D) view): realized for the op."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setattr(C, "DEVICES", ("cpu", "cuda"))
+    x = torch.randn(2, 256, 64).to(bf)
+    w = torch.randn(3, 64, 256).to(bf) / 8
+
+    def attend(x, w, options):
+        q, k, v = ((x @ w[i]).view(2, 256, 4, 64).transpose(1, 2) for i in range(3))
+        return flex_attention(q, k, v, score_mod=soft_cap, kernel_options=options)
+    with inductor_config.patch(fx_graph_cache=False):
+        C.install()
+        try:
+            torch._dynamo.reset()
+            got, codes = run_and_get_code(torch.compile(lambda x, w: attend(x, w, {"NVFLY": True})), x, w)
+        finally:
+            C.uninstall()
+            torch._dynamo.reset()
+    assert any("torch.ops.nvfly.flex_attention" in c for c in codes)
+    torch.testing.assert_close(got, attend(x, w, None), atol=3e-2, rtol=3e-2)
+
+
 def test_compiled_flex_declines_with_reason(compiled_flex):
     q, k, v = _qkv(sq=256, skv=256)
     got, calls_nvfly = compiled_flex({"NVFLY": True}, q, k, v, score_mod=soft_cap)

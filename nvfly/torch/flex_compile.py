@@ -264,6 +264,9 @@ def _lowering(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple
     options = {k: v for k, v in kernel_options.items() if k != OPTION}
     if wants:
         try:
+            # computed inputs (a projection's view) realized as buffers: their strides are what the op gets
+            from torch._inductor.ir import ExternKernel
+            query, key, value = (ExternKernel.realize_input(t) for t in (query, key, value))
             why, kernel = lowering_reason(query, key, value, subgraph, block_mask, kernel_options,
                                           score_mod_other_buffers, mask_mod_other_buffers)
         except Exception as exc:

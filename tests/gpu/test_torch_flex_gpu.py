@@ -262,7 +262,7 @@ def test_compiled_projection_inputs(compiled):
         return flex_attention(q, k, v, score_mod=soft_cap, kernel_options=options)
     got, codes = run_and_get_code(torch.compile(lambda x, w: attend(x, w, {"NVFLY": True})), x, w)
     assert any("torch.ops.nvfly.flex_attention" in c for c in codes)
-    q, k, v = ((x.float() @ w[i].float()).view(2, 1024, 8, 128).transpose(1, 2) for i in range(3))
+    q, k, v = ((x @ w[i]).float().view(2, 1024, 8, 128).transpose(1, 2) for i in range(3))
     assert rel_err(got, flex_attention(q, k, v, score_mod=soft_cap)) < 2e-2
 
 

@@ -26,6 +26,7 @@ import torch
 # leaves the function as the package attribute (reach the modules with ``from nvfly.torch.autotune import ...``)
 from nvfly.torch import attention_ops, grouped_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode,
 # SDPA route; grouped_ops: nvfly::grouped_mm, the _grouped_mm route)
+from nvfly.torch import flex_compile  # noqa: F401  (nvfly::flex_attention: flex under torch.compile)
 from nvfly.torch.autotune import autotune, database
 from nvfly.torch.explain import explain, explain_sdpa
 from nvfly.torch.routing import install_routing, routing_enabled
@@ -37,11 +38,13 @@ __all__ = ["install", "uninstall", "routing", "enable_routing", "disable_routing
 def install(*, max_candidates: int = 4, attention: bool = True) -> None:
     """Make nvfly a GEMM backend of ``torch.compile(mode="max-autotune")`` (see ``nvfly.torch.inductor``) and, with
     ``attention``, rewrite the SDPA calls of graphs compiled in any mode to nvfly's attention where the eager rule
-    accepts them (see ``nvfly.torch.attention_compile``)."""
+    accepts them (see ``nvfly.torch.attention_compile``) and make nvfly a flex_attention backend of
+    ``torch.compile`` (``nvfly.torch.flex_compile``: per call, and by its auto rule)."""
     from nvfly.torch.inductor import install as install_inductor
     if attention:
         from nvfly.torch import attention_compile
         attention_compile.install()
+        flex_compile.install(auto=True)
     install_inductor(max_candidates=max_candidates)
 
 
@@ -53,6 +56,7 @@ def uninstall() -> None:
     attention_compile = sys.modules.get("nvfly.torch.attention_compile")
     if attention_compile is not None:
         attention_compile.uninstall()
+    flex_compile.uninstall()
 
 
 def enable_routing() -> None:

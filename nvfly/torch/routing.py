@@ -114,6 +114,7 @@ def install_routing() -> None:
     """Register the nvfly implementation of every route not registered yet (idempotent; never undone)."""
     global _LIBRARY
     _register_default_routes()
+    __import__("nvfly.torch.flex_ops").torch.flex_ops.install()  # flex_attention: a py_impl on its HOP, not aten
     with _LOCK:
         # every kernel torch has is read before any route registers: one op routed on two keys (SDPA on CUDA and
         # AutogradCUDA) falls through to torch's composite on both, which a CUDA registration would otherwise

@@ -1,0 +1,326 @@
+"""flex_attention under ``torch.compile``: nvfly as a backend of Inductor's flex_attention lowering.
+
+    out = torch.compile(flex_attention)(q, k, v, score_mod=..., block_mask=..., kernel_options={"NVFLY": True})
+
+``install()`` (``nvfly.torch.install()`` calls it) wraps the lowering Inductor registered for
+``torch.ops.higher_order.flex_attention`` (re-registered in ``torch._inductor.lowering.lowerings``, torch is not
+patched; ``uninstall()`` puts the original back). For a call the wrapper takes (``kernel_options["NVFLY"]`` true:
+per call; or, after ``install(auto=True)``, any call the rule picks), it emits one call to the custom op
+``nvfly::flex_attention`` (an ``ExternKernel`` fallback: portable to the FX-graph cache) and pops ``NVFLY`` from the
+options before Inductor's own lowering sees them (torch 2.11/2.13 validate ``BACKEND``'s values, not other keys).
+``NVFLY: False`` keeps Inductor's kernel.
+
+The mods: Inductor hands the lowering the score_mod and mask_mod as ``Subgraph``s, aten-level FX graphs. Their
+Python code (``GraphModule.code``) is the op's string argument; the op runs it with ``torch.ops.aten.*`` resolved to
+``flex_ops``' translations (``_TorchShim``), so the same Python function is traced into nvfly's kernel (captured
+buffers: the op's tensor-list arguments, closure cells of that function). A code string is compiled once per
+process (the kernel cache keys on the function). The op returns the LSE in log2, the HOP's convention for
+non-FLASH backends, so Inductor's flex backward runs from nvfly's forward.
+
+Declined at lowering (Inductor's kernel runs, the reason is recorded in ``decisions()``, ``where="inductor"``): what
+eager routing declines (``flex_ops.reason`` on example tensors of the lowering's static shapes), dynamic shapes,
+graphs with tensor constants. At run time an nvfly failure computes the call by the float32 reference
+(``prefill_reference``), with a warning.
+
+Auto rule (``install(auto=True)``): nvfly's prefill for calls with Sq >= 512 (Inductor's Triton flex kernel is
+FlashAttention-2-class, nvfly's prefill FA3-class; unmeasured on flex mods: ``benchmarks/attention.py --prefill
+--prefill-models mods`` decides it), decode-sized calls stay on flex_decoding.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import operator
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from nvfly.ops import attention
+from nvfly.torch import flex_ops
+from nvfly.torch.gemm_ops import Decision, record
+from nvfly.torch.library import operator as define_operator
+from nvfly.torch.library import register_fake
+
+log = logging.getLogger("nvfly")
+
+OPTION = "NVFLY"
+DEVICES = ("cuda",)  # where the lowering emits nvfly's op (the CPU tests add "cpu": the op's reference runs there)
+AUTO_MIN_SQ = 512
+_LN2 = math.log(2.0)
+
+
+# ---------------------------------------------------------------------------------------------- code -> callable
+class _Packet:
+    def __init__(self, packet: Any):
+        self._packet = packet
+
+    def __getattr__(self, overload: str) -> Callable[..., Any]:
+        return flex_ops._function(getattr(self._packet, overload))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return flex_ops._function(self._packet.default)(*args, **kwargs)
+
+
+class _Namespace:
+    def __init__(self, namespace: Any):
+        self._namespace = namespace
+
+    def __getattr__(self, name: str) -> _Packet:
+        return _Packet(getattr(self._namespace, name))
+
+
+class _Ops:
+    def __getattr__(self, name: str) -> _Namespace:
+        return _Namespace(getattr(torch.ops, name))
+
+
+class _TorchShim:
+    """``torch`` for a graph's code: ``torch.ops.<ns>.<op>.<overload>`` is flex_ops' translation, the rest torch."""
+    ops = _Ops()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+@functools.lru_cache(maxsize=256)
+def _forward(code: str) -> Callable[..., Any]:
+    namespace = {"torch": _TorchShim(), "operator": operator, "inf": math.inf, "nan": math.nan,
+                 "device": torch.device, "math": math}
+    exec(compile(code, "<nvfly flex mod>", "exec"), namespace)  # noqa: S102 - the graph's own FX code
+    return namespace["forward"]
+
+
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+_CALLABLES: dict = {}
+_LOCK = threading.Lock()
+
+
+def code_callable(kind: str, code: str, buffers: tuple) -> Callable[..., Any]:
+    """The mod whose FX code is ``code`` as a function of flex's signature capturing ``buffers`` (cells set per
+    call: call under ``flex_ops.CALL_LOCK``)."""
+    key = (kind, code, len(buffers))
+    with _LOCK:
+        fn = _CALLABLES.get(key)
+        if fn is None:
+            fn = _CALLABLES[key] = _make(kind, _forward(code), len(buffers))
+    flex_ops._set_buffers(fn, buffers)
+    return fn
+
+
+def _make(kind: str, forward: Callable[..., Any], count: int) -> Callable[..., Any]:
+    buffer0 = buffer1 = None  # noqa: F841 - the cells; set per call
+
+    if kind == "score":
+        def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's signature
+            return _first(forward(None, score, b, h, q_idx, kv_idx, *(buffer0, buffer1)[:count]))
+        return score_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's signature
+        return _first(forward(None, b, h, q_idx, kv_idx, *(buffer0, buffer1)[:count]))
+    return mask_mod
+
+
+# ---------------------------------------------------------------------------------------------- the custom op
+@define_operator("flex_attention")
+def flex_attention_op(query: Tensor, key: Tensor, value: Tensor, kv_num_blocks: Optional[Tensor],
+                      kv_indices: Optional[Tensor], full_kv_num_blocks: Optional[Tensor],
+                      full_kv_indices: Optional[Tensor], score_buffers: list[Tensor], mask_buffers: list[Tensor], *,
+                      score_code: str, mask_code: str, scale: float, q_block: int, kv_block: int,
+                      path: str) -> tuple[Tensor, Tensor, Tensor]:
+    """flex_attention's HOP by nvfly: query (B, Hq, Sq, D), key/value (B, Hkv, Skv, D) -> (out (B, Hq, Sq, Dv),
+    lse (B, Hq, Sq) float32 in log2, max_scores (unwritten)); out is the (B, Hq, Sq, Dv) view of (B, Sq, Hq, Dv)
+    memory. ``score_code``/``mask_code``: the mods' FX code ("" for
+    none); the tables None without a block mask; ``path``: "prefill" or "decode" (nvfly's kernel)."""
+    from torch.nn.attention.flex_attention import BlockMask, noop_mask
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    with flex_ops.CALL_LOCK:
+        score = code_callable("score", score_code, tuple(score_buffers)) if score_code else None
+        block_mask = None
+        if kv_num_blocks is not None:
+            block_mask = BlockMask.__new__(BlockMask)
+            block_mask.seq_lengths = (q.shape[1], k.shape[1])
+            block_mask.kv_num_blocks, block_mask.kv_indices = kv_num_blocks, kv_indices
+            block_mask.full_kv_num_blocks, block_mask.full_kv_indices = full_kv_num_blocks, full_kv_indices
+            block_mask.BLOCK_SIZE = (q_block, kv_block)
+            block_mask.mask_mod = (code_callable("mask", mask_code, tuple(mask_buffers)) if mask_code
+                                   else noop_mask)
+        try:
+            if q.device.type != "cuda":
+                raise RuntimeError(f"q is on {q.device.type}, not CUDA")
+            if path == "decode":
+                out, lse = attention.decode(q, k, v, scale=scale, causal=False, score_mod=score,
+                                            block_mask=block_mask, return_lse=True, validate=False)
+            else:
+                out, lse = attention.prefill(q, k, v, scale=scale, score_mod=score, block_mask=block_mask,
+                                             return_lse=True, validate=False)
+        except Exception as exc:  # an nvfly failure never breaks the model: the float32 reference computes it
+            if q.device.type == "cuda":
+                log.warning("nvfly: flex_attention (compiled) raised %s: %s; computed by the float32 reference",
+                            type(exc).__name__, exc)
+            out, lse = attention.prefill_reference(q, k, v, scale=scale, score_mod=score, block_mask=block_mask)
+            out = out.to(q.dtype)
+    lse = lse / _LN2
+    return out.transpose(1, 2), lse, torch.empty_like(lse)  # (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv) memory
+
+
+def _fake(query: Tensor, key: Tensor, value: Tensor, kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
+          full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor], score_buffers: list[Tensor],
+          mask_buffers: list[Tensor], *, score_code: str, mask_code: str, scale: float, q_block: int,
+          kv_block: int, path: str) -> tuple[Tensor, Tensor, Tensor]:
+    batch, hq, sq, _ = query.shape
+    out = query.new_empty((batch, sq, hq, value.shape[3])).transpose(1, 2)
+    lse = query.new_empty((batch, hq, sq), dtype=torch.float32)
+    return out, lse, torch.empty_like(lse)
+
+
+register_fake("flex_attention", _fake)
+
+
+# ---------------------------------------------------------------------------------------------- the lowering
+_STATE = {"original": None, "auto": False}
+
+
+def _static(node: Any) -> Optional[tuple]:
+    try:
+        return tuple(int(s) for s in node.get_size())
+    except (TypeError, ValueError):
+        return None
+
+
+def _example(node: Any) -> Tensor:
+    """An empty-strided tensor on the meta-like device of ``node`` (its size, stride, dtype) for the checks."""
+    size = _static(node)
+    stride = tuple(int(s) for s in node.get_stride())
+    return torch.empty_strided(size, stride, dtype=node.get_dtype(), device="meta")
+
+
+def _decline(query: Any, key: Any, why: str) -> None:
+    record(Decision("inductor", "flex_attention", _static(query) or (), f"q {query.get_size()} k {key.get_size()} "
+                    f"{query.get_dtype()}", reason=why))
+
+
+def lowering_reason(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple, kernel_options: dict,
+                    score_buffers: tuple, mask_buffers: tuple) -> tuple[Optional[str], str]:
+    """(None or why Inductor's kernel runs, "prefill" or "decode")."""
+    if any(_static(n) is None for n in (query, key, value)):
+        return "dynamic shapes (nvfly plans on static ones)", ""
+    device = query.get_device()
+    if device is None or device.type not in DEVICES:
+        return f"q is on {getattr(device, 'type', device)}, not CUDA", ""
+    if kernel_options.get("OUTPUT_MAX"):
+        return "max scores are requested: nvfly returns the LSE only", ""
+    if kernel_options.get("BACKEND") == "FLASH":
+        return "BACKEND='FLASH' is asked for (its LSE is natural log, nvfly's op returns the others' log2)", ""
+    q, k, v = (_example(n) for n in (query, key, value))
+    score_gm = subgraph.graph_module
+    mask_gm = block_mask[-1].graph_module
+    masked = int(block_mask[-3]) != flex_ops._NO_MASK_BLOCK
+    for name, gm in (("score_mod", score_gm), ("mask_mod", mask_gm if masked else None)):
+        if gm is None:
+            continue
+        if any(n.op == "get_attr" for n in gm.graph.nodes):
+            return f"{name} holds a tensor constant (nvfly takes captured tensors as inputs)", ""
+    buffers = tuple(_example(b) for b in score_buffers) + tuple(_example(b) for b in mask_buffers)
+    tables = tuple(block_mask[2:10])
+    mask = None
+    if masked:
+        from torch.nn.attention.flex_attention import BlockMask
+        mask = BlockMask.__new__(BlockMask)
+        mask.seq_lengths = (q.shape[2], k.shape[2])
+        nums = [None if t is None else _example(t) for t in tables[:4]]
+        mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices = nums
+        mask.BLOCK_SIZE = (int(block_mask[-3]), int(block_mask[-2]))
+        mask.mask_mod = mask_gm
+    call = flex_ops.FlexCall(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                             None if flex_ops._is_identity_score(score_gm) else score_gm, mask_gm if masked else None,
+                             mask, 1.0, buffers[:len(score_buffers)], buffers[len(score_buffers):], False)
+    why = flex_ops.reason_on_meta(call)
+    # the op rebuilds the mods from code without decode's q_idx shift: decode only for mods that ignore q_idx
+    decode = flex_ops._uses_decode(call) and not flex_ops._reads_q_idx(call)
+    return why, "decode" if decode else "prefill"
+
+
+def _wants(kernel_options: dict, query: Any) -> Optional[bool]:
+    option = kernel_options.get(OPTION)
+    if option is not None:
+        return bool(option)
+    if not _STATE["auto"]:
+        return False
+    size = _static(query)
+    return size is not None and size[2] >= AUTO_MIN_SQ
+
+
+def _lowering(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple, scale: float,
+              kernel_options: dict, score_mod_other_buffers: tuple = (), mask_mod_other_buffers: tuple = ()) -> Any:
+    original = _STATE["original"]
+    explicit = OPTION in kernel_options
+    wants = _wants(kernel_options, query)
+    options = {k: v for k, v in kernel_options.items() if k != OPTION}
+    if wants:
+        try:
+            # computed inputs (a projection's view) realized as buffers: their strides are what the op gets
+            from torch._inductor.ir import ExternKernel
+            query, key, value = (ExternKernel.realize_input(t) for t in (query, key, value))
+            why, kernel = lowering_reason(query, key, value, subgraph, block_mask, kernel_options,
+                                          score_mod_other_buffers, mask_mod_other_buffers)
+        except Exception as exc:
+            why, kernel = f"the lowering check raised {type(exc).__name__}: {exc}", ""
+        if why is None:
+            try:
+                return _emit(query, key, value, subgraph, block_mask, scale, score_mod_other_buffers,
+                             mask_mod_other_buffers, kernel)
+            except Exception as exc:
+                why = f"emitting nvfly's op raised {type(exc).__name__}: {exc}"
+        _decline(query, key, why)
+        if explicit:
+            log.info("nvfly: flex_attention compiled by Inductor: %s", why)
+    return original(query, key, value, subgraph, block_mask, scale, options, score_mod_other_buffers,
+                    mask_mod_other_buffers)
+
+
+def _emit(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple, scale: float, score_buffers: tuple,
+          mask_buffers: tuple, kernel: str) -> Any:
+    from torch._inductor.lowering import fallback_handler
+    score_gm = subgraph.graph_module
+    masked = int(block_mask[-3]) != flex_ops._NO_MASK_BLOCK
+    mask_gm = block_mask[-1].graph_module
+    score_code = "" if flex_ops._is_identity_score(score_gm) else score_gm.code
+    mask_code = mask_gm.code if masked and flex_ops._masks(mask_gm) else ""
+    tables = list(block_mask[2:6]) if masked else [None] * 4
+    handler = fallback_handler(torch.ops.nvfly.flex_attention.default, add_to_fallback_set=False)
+    out, lse, max_scores = handler(query, key, value, *tables, list(score_buffers), list(mask_buffers),
+                                   score_code=score_code, mask_code=mask_code, scale=float(scale),
+                                   q_block=int(block_mask[-3]), kv_block=int(block_mask[-2]), path=kernel)
+    record(Decision("inductor", "flex_attention", _static(query) or (), f"q {query.get_size()} k {key.get_size()} "
+                    f"{query.get_dtype()}", candidates=(kernel,), winner=kernel))
+    return out, lse, max_scores
+
+
+def install(auto: bool = False) -> None:
+    """Wrap Inductor's flex_attention lowering (idempotent): ``kernel_options={"NVFLY": True}`` picks nvfly per call;
+    ``auto``: also calls the auto rule picks."""
+    from torch._inductor.lowering import lowerings
+    hop = torch.ops.higher_order.flex_attention
+    _STATE["auto"] = auto
+    if _STATE["original"] is None:
+        _STATE["original"] = lowerings[hop]
+        lowerings[hop] = _lowering
+
+
+def uninstall() -> None:
+    """Put Inductor's own lowering back."""
+    from torch._inductor.lowering import lowerings
+    if _STATE["original"] is not None:
+        lowerings[torch.ops.higher_order.flex_attention] = _STATE["original"]
+        _STATE["original"] = None
+    _STATE["auto"] = False
+
+
+def installed() -> bool:
+    return _STATE["original"] is not None

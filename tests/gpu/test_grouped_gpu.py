@@ -135,11 +135,11 @@ def kgrouped_operands(sizes, m, n, majors):
     contiguous, rows padded to 16 bytes (TMA's stride rule)."""
     total = sum(sizes)
     padded = 8 * -(-total // 8)
-    a = (torch.randn(total, m, device="cuda").mT if majors[0] == "MN"
-         else torch.randn(m, padded, device="cuda")[:, :total])
-    b = (torch.randn(total, n, device="cuda") if majors[1] == "MN"
-         else torch.randn(n, padded, device="cuda")[:, :total].mT)
-    return a.to(torch.bfloat16), b.to(torch.bfloat16), sizes_to_offs(sizes)
+    def rows(r, c):  # converted before slicing: .to() of a sliced (not dense) view would repack it
+        return torch.randn(r, c, device="cuda").to(torch.bfloat16)
+    a = rows(total, m).mT if majors[0] == "MN" else rows(m, padded)[:, :total]
+    b = rows(total, n) if majors[1] == "MN" else rows(n, padded)[:, :total].mT
+    return a, b, sizes_to_offs(sizes)
 
 
 @pytest.mark.parametrize("config", [None, SMALL, NARROW], ids=["heuristic", "64x128", "128x128"])

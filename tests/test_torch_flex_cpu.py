@@ -166,6 +166,23 @@ def test_aten_graphs_translate():
         torch.testing.assert_close(fn(score, b, h, q, kv), mod(score, b, h, q, kv))
 
 
+def test_operator_methods_translate():
+    """torch 2.11's Dynamo records ``a == b`` on tensors as a ``call_method`` of ``__eq__``: the dunder methods
+    translate like the operators (a document mask written with ``==`` and ``&``)."""
+    documents = torch.repeat_interleave(torch.arange(3), torch.tensor([100, 50, 150])).expand(2, 300)
+    graph = torch.fx.Graph()
+    b, h, q, kv, docs = (graph.placeholder(name) for name in ("b", "h", "q_idx", "kv_idx", "docs"))
+    same = graph.call_method("__eq__", (graph.call_method("__getitem__", (docs, (b, q))),
+                                        graph.call_method("__getitem__", (docs, (b, kv)))))
+    graph.output(graph.call_method("__and__", (same, graph.call_method("__ge__", (q, kv)))))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    assert F.check_graph(gm) is None
+    bi, hi, qi, kvi = _indices()
+    got = F.interpret(gm, (bi, hi, qi, kvi, documents))
+    want = (documents[bi, qi] == documents[bi, kvi]) & (qi >= kvi)
+    assert torch.equal(got, want)
+
+
 def test_same_code_shares_one_function_and_its_cells_follow_the_call(monkeypatch):
     graph, buffers, _, _ = _graphs_flex_hands_over(monkeypatch, alibi, None)
     first = F.graph_callable("score", graph, buffers)

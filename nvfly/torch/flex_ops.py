@@ -98,6 +98,13 @@ _METHODS: dict[str, Callable[..., Any]] = {
     "__getitem__": _index, "to": _to, "float": _to, "bfloat16": _to, "half": _to,
     "new_ones": _constant(True), "new_zeros": _constant(False),
     "logical_and": operator.and_, "logical_or": operator.or_, "logical_not": operator.invert,
+    # operators as methods (torch 2.11's Dynamo records ``a == b`` on tensors as ``a.__eq__(b)``)
+    "__eq__": operator.eq, "__ne__": operator.ne, "__lt__": operator.lt, "__le__": operator.le,
+    "__gt__": operator.gt, "__ge__": operator.ge, "__and__": operator.and_, "__or__": operator.or_,
+    "__invert__": operator.invert, "__neg__": operator.neg, "__add__": operator.add, "__sub__": operator.sub,
+    "__mul__": operator.mul, "__truediv__": operator.truediv, "__radd__": lambda a, b: b + a,
+    "__rsub__": lambda a, b: b - a, "__rmul__": lambda a, b: b * a, "__rtruediv__": lambda a, b: b / a,
+    "__rand__": lambda a, b: b & a, "__ror__": lambda a, b: b | a,
 }
 
 
@@ -205,8 +212,9 @@ def check_graph(gm: Any) -> Optional[str]:
         for node in gm.graph.nodes:
             if node.op == "call_function":
                 _function(node.target)
-            elif node.op == "call_method" and node.target not in _METHODS:
-                raise Unsupported(f"the method .{node.target}()")
+            elif node.op == "call_method":
+                if node.target not in _METHODS:
+                    raise Unsupported(f"the method .{node.target}()")
             elif node.op == "get_attr":
                 _constant_of(gm, node.target)
             elif node.op not in ("placeholder", "output"):

@@ -1,0 +1,311 @@
+"""The scaled GEMM's host functions on torch tensors: ``scaled_mm`` (``torch._scaled_mm`` / ``F.scaled_mm``
+semantics for the fp32 recipes), ``recipe`` (which scaling a call's scales describe), ``check`` and
+``eligibility``, ``path``, ``dequantize`` and ``reference``, and ``compile_variants`` (the kernel compiled without
+a GPU).
+
+Operands follow ``torch._scaled_mm``: ``a`` (M, K) row-major, ``b`` (K, N) column-major (``w.t()`` of a row-major
+(N, K) weight), both fp8 (e4m3, or e5m2 with an e4m3 partner), K and N multiples of 16. Scales (fp32):
+
+    recipe           scale_a                          scale_b
+    tensor           one element                      one element
+    row              (M, 1)                           (1, N)
+    block            (M, ceil(K/128)), any strides    (ceil(K/128), ceil(N/128)), any strides
+                     (1x128: per token, per 128 k)    (128x128 blocks of the weight)
+
+out = (a * sa) @ (b * sb) (+ bias), in bf16 (the default, as ``F.scaled_mm``), fp16 or fp32.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+import nvfly
+from nvfly.ops.common.opcall import OpCalls, named
+from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
+from nvfly.ops.scaled.kernel import scaled_mm_kernel
+from nvfly.ops.scaled.plan import ScaledPlan, make_plan
+from nvfly.runtime.driver import plan_sm_count
+from nvfly.runtime.tma import cached_descriptor
+from nvfly.runtime.torch_args import layout_key
+
+SCALED_MM = "nvfly.ops.scaled.scaled_mm"
+PATH = "nvfly.ops.scaled.path"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+RECIPES = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "block": ("1x128", "128x128")}
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def _ceil(x: int, d: int) -> int:
+    return -(-x // d)
+
+
+def recipe(a: Any, b: Any, scale_a: Any, scale_b: Any) -> str:
+    """The scaling ("tensor", "row" or "block") that the scales' shapes describe for a (M, K) @ b (K, N); raises
+    ValueError naming the scale that matches no recipe or not its partner's."""
+    m, k = a.shape
+    n = b.shape[1]
+    kb = _ceil(k, SCALE_BLOCK)
+    shapes = {"tensor": (None, None), "row": ((m, 1), (1, n)), "block": ((m, kb), (kb, _ceil(n, SCALE_BLOCK)))}
+
+    def which(scale: Any, index: int) -> Optional[str]:
+        if scale.numel() == 1:
+            return "tensor"
+        return next((r for r, pair in shapes.items() if pair[index] == tuple(scale.shape)), None)
+    ra, rb = which(scale_a, 0), which(scale_b, 1)
+    expected = "; ".join(f"{r}: {pair[0] or 'one element'} and {pair[1] or 'one element'}"
+                         for r, pair in shapes.items())
+    if ra is None:
+        raise ValueError(f"scale_a: shape {tuple(scale_a.shape)} matches no scaling of a {tuple(a.shape)} "
+                         f"(expected {expected})")
+    if rb is None:
+        raise ValueError(f"scale_b: shape {tuple(scale_b.shape)} matches no scaling of b {tuple(b.shape)} "
+                         f"(expected {expected})")
+    if ra != rb:
+        raise ValueError(f"scale_b: shape {tuple(scale_b.shape)} is {rb}-wise but scale_a is {ra}-wise (expected "
+                         f"{shapes[ra][1] or 'one element'}; the pairs are {expected})")
+    return ra
+
+
+def check(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
+          out_dtype: torch.dtype = torch.bfloat16, out: Any = None) -> str:
+    """What nvfly's scaled GEMM takes, on any device (the same checks as the op's fake): raises TypeError or
+    ValueError naming the argument; returns the recipe."""
+    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("bias", bias), ("out", out)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+    for name, t in (("a", a), ("b", b)):
+        if t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D tensor, got {t.dim()}-D")
+        if t.dtype not in FP8_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} is not float8_e4m3fn or float8_e5m2")
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise TypeError("b: float8_e5m2 with an float8_e5m2 a: one operand must be float8_e4m3fn (as torch)")
+    m, k = a.shape
+    if b.shape[0] != k:
+        raise ValueError(f"b: shape {tuple(b.shape)} and a's {tuple(a.shape)} do not multiply (K is {k} in a, "
+                         f"{b.shape[0]} in b)")
+    n = b.shape[1]
+    if k % 16 or n % 16:
+        raise ValueError(f"b: K={k} and N={n} must be multiples of 16 (fp8 GEMM rows of 16 bytes)")
+    if a.stride(1) != 1 and a.shape[1] > 1:
+        raise ValueError(f"a: expected a row-major (M, K) tensor (stride 1 along K), got strides {a.stride()}")
+    if b.stride(0) != 1 and b.shape[0] > 1:
+        raise ValueError(f"b: expected a column-major (K, N) tensor (w.t() of a row-major (N, K) weight), got "
+                         f"strides {b.stride()}")
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}: dtype {t.dtype}: expected float32 scales")
+    scaling = recipe(a, b, scale_a, scale_b)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: {out_dtype} is not bf16, fp16 or fp32")
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
+        if bias.dtype not in BIAS_DTYPES:
+            raise TypeError(f"bias: dtype {bias.dtype} is not bf16, fp16 or fp32")
+    if out is not None:
+        if tuple(out.shape) != (m, n):
+            raise ValueError(f"out: expected shape {(m, n)}, got {tuple(out.shape)}")
+        if out.dtype != out_dtype:
+            raise TypeError(f"out: expected dtype {out_dtype}, got {out.dtype}")
+    return scaling
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _aligned_reason(name: str, t: torch.Tensor) -> Optional[str]:
+    if t.data_ptr() % 16:
+        return f"{name}: its address is not 16-byte aligned (TMA needs it)"
+    return None
+
+
+def eligibility(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
+                out_dtype: torch.dtype = torch.bfloat16, out: Any = None) -> Optional[str]:
+    """None when ``scaled_mm`` runs these arguments on nvfly, else why not (``check``'s error, the device's,
+    the operands' alignment)."""
+    try:
+        check(a, b, scale_a, scale_b, bias, out_dtype, out)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    if not a.is_cuda:
+        return f"a is on {a.device}, not CUDA"
+    for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("bias", bias), ("out", out)):
+        if t is not None and t.device != a.device:
+            return f"{name} is on {t.device}, a on {a.device}"
+    major, minor = _capability(a.device.index)
+    if major != 9:
+        return f"a is on an sm_{major}{minor} GPU: nvfly's scaled GEMM needs an sm_90 (Hopper) GPU"
+    if a.shape[0] > 1 and a.stride(0) % 16:
+        return f"a: row stride {a.stride(0)} is not a multiple of 16 bytes (TMA cannot describe it)"
+    if b.shape[1] > 1 and b.stride(1) % 16:
+        return f"b: column stride {b.stride(1)} is not a multiple of 16 bytes (TMA cannot describe it)"
+    return _aligned_reason("a", a) or _aligned_reason("b", b)
+
+
+# ---------------------------------------------------------------------------------------------- calls
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
+              bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+              use_fast_accum: bool = False, out: Optional[torch.Tensor] = None,
+              config: Optional[ScaledConfig] = None, swap: Optional[bool] = None) -> torch.Tensor:
+    """(a * scale_a) @ (b * scale_b) (+ bias) for fp8 ``a`` (M, K) row-major and ``b`` (K, N) column-major with
+    tensor-wise, row-wise or block (1x128 x 128x128) fp32 scales (see the module doc), as ``torch._scaled_mm``.
+
+    ``use_fast_accum``: tensor/row-wise scales accumulate every k-block in the tensor core's accumulator (fast);
+    False (the default, as torch) adds each k-block of 128 into an fp32 sum (promotion); block scales always
+    promote. ``config``/``swap``: the kernel's tile (of the transposed problem when swapped) and whether small M
+    is computed as out^T = b^T a^T (None: the heuristic's). Raises TypeError or ValueError naming the argument when
+    nvfly cannot run it."""
+    call = _bound(SCALED_MM, a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out, config, swap)
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    call.run(a, b, scale_a, scale_b, bias, out)
+    return out
+
+
+def path(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
+         bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False,
+         config: Optional[ScaledConfig] = None, swap: Optional[bool] = None) -> str:
+    """What ``scaled_mm`` runs (for benchmarks and ``nvfly explain``), e.g. "scaled-block-promoted: 128x128 tile
+    on 132 blocks, 6 stages"; raises when it would."""
+    with named(PATH):
+        plan = _plan(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, None, config, swap)
+    return describe_plan(plan)
+
+
+def describe_plan(plan: ScaledPlan) -> str:
+    cfg, epi = plan.config, plan.epilogue
+    name = f"scaled-{epi.scaling}" + ("-promoted" if epi.promote else "") + ("-swapAB" if plan.swap else "")
+    return f"{name}: {cfg.bm}x{cfg.bn} tile on {plan.grid} blocks, {cfg.stages} stages"
+
+
+def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: torch.dtype, use_fast_accum: bool,
+          out: Any, config: Optional[ScaledConfig], swap: Optional[bool]) -> ScaledPlan:
+    scaling = check(a, b, scale_a, scale_b, bias, out_dtype, out)
+    if config is not None and not isinstance(config, ScaledConfig):
+        raise TypeError(f"config: expected a ScaledConfig or None, got {type(config).__name__}")
+    epilogue = ScaledEpilogue(scaling, promote=scaling == "block" or not use_fast_accum, bias=bias is not None)
+    sms = plan_sm_count(a.get_device())
+    return make_plan(a.shape[0], b.shape[1], a.shape[1], epilogue, config, swap, sms)
+
+
+def _bound(op: str, a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: Any, use_fast_accum: bool,
+           out: Any, config: Any, swap: Any) -> "_Call":
+    try:
+        key = (layout_key(a), layout_key(b), layout_key(scale_a), layout_key(scale_b), layout_key(bias),
+               layout_key(out), out_dtype, bool(use_fast_accum), config, swap)
+        call = _CALLS.get(key)
+    except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
+        key = call = None
+    if call is None:
+        call = _CALLS.plan(op, key, _new_call, a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out, config,
+                           swap)
+    return call
+
+
+def _new_call(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: Any, use_fast_accum: bool,
+              out: Any, config: Any, swap: Any) -> "_Call":
+    plan = _plan(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out, config, swap)
+    reason = eligibility(a, b, scale_a, scale_b, bias, out_dtype, out)
+    if reason:
+        raise ValueError(reason)
+    return _Call(plan)
+
+
+@dataclass
+class _Call:
+    """The kernel's launch for one call signature."""
+    plan: ScaledPlan
+
+    def __post_init__(self) -> None:
+        self.launch = scaled_mm_kernel.prepared(self.plan.grid, self.plan.threads)
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+            bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+        plan = self.plan
+        if a.shape[0] == 0 or b.shape[1] == 0:
+            return
+        if a.shape[1] == 0:
+            out.copy_(torch.zeros_like(out) if bias is None else bias.to(out.dtype).expand_as(out))
+            return
+        kernel_a, kernel_b = b.t(), a  # the kernel's operands, both (rows, K) row-major
+        sa, sb = kernel_scales(plan.epilogue.scaling, scale_a, scale_b)
+        out_k = out
+        if plan.swap:
+            sa, sb = sb, sa
+            out_k = out.t()
+        else:
+            kernel_a, kernel_b = kernel_b, kernel_a
+        self.launch(cached_descriptor(kernel_a, plan.a_box, 128), cached_descriptor(kernel_b, plan.b_box, 128),
+                    out_k, sa, sb, bias, plan.m, plan.n, plan.k_tiles, plan.config, plan.epilogue)
+
+
+def kernel_scales(scaling: str, scale_a: torch.Tensor, scale_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales as the kernel indexes them (views, no copies): tensor-wise one element each ([0]); row-wise
+    vectors along M and N; block: scale_a (M, K/128) as given, scale_b as (N/128, K/128)."""
+    if scaling == "tensor":
+        return scale_a.reshape(1), scale_b.reshape(1)
+    if scaling == "row":
+        return scale_a.select(1, 0), scale_b.select(0, 0)
+    return scale_a, scale_b.t()
+
+
+_CALLS: OpCalls[_Call] = OpCalls()
+
+
+# ---------------------------------------------------------------------------------------------- references
+def dequantize(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (1, 1)) -> torch.Tensor:
+    """x * scale in float32, each scale element covering a ``block`` of x (a one-element scale covers all of
+    it; row/column scales broadcast)."""
+    if scale.numel() == 1 or block == (1, 1):
+        return x.float() * scale.float()
+    full = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return x.float() * full[:x.shape[0], :x.shape[1]]
+
+
+def reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The float32 GEMM of the dequantised operands (+ bias): what ``scaled_mm`` approximates."""
+    scaling = recipe(a, b, scale_a, scale_b)
+    blocks = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK)) if scaling == "block" else ((1, 1), (1, 1))
+    r = dequantize(a, scale_a, blocks[0]) @ dequantize(b, scale_b, blocks[1])
+    return r if bias is None else r + bias.float()
+
+
+# ---------------------------------------------------------------------------------------------- compiling
+def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], out_dtype: torch.dtype = torch.bfloat16,
+                     dtypes: tuple[Any, Any] = (nvfly.f8e4m3, nvfly.f8e4m3), target: str = "sm_90a") -> list[Any]:
+    """Compile the kernel for each (config, epilogue) without a GPU (M = N = K = 4096 strides); returns
+    CompiledKernels."""
+    from nvfly.frontend.dtypes import bf16, f16, f32
+    from nvfly.runtime.tensor_desc import TensorDesc
+    out_nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}[out_dtype]
+    size = 4096
+    kernels = []
+    for cfg, epi in variants:
+        a_desc = nvfly.TmaDescriptor(TensorDesc(dtypes[0], (size, size)), (min(cfg.bm, 256), BK), swizzle=128)
+        b_desc = nvfly.TmaDescriptor(TensorDesc(dtypes[1], (size, size)), (min(cfg.bn, 256), BK), swizzle=128)
+        out = TensorDesc(out_nv, (size, size), (1, size) if epi.bias_rows else None)
+        kb = size // SCALE_BLOCK
+        if epi.scaling == "tensor":
+            sa, sb = TensorDesc(f32, (1,)), TensorDesc(f32, (1,))
+        elif epi.scaling == "row":
+            sa, sb = TensorDesc(f32, (size,)), TensorDesc(f32, (size,))
+        else:
+            sa, sb = TensorDesc(f32, (size, kb), (1, size)), TensorDesc(f32, (kb, kb))
+        bias = TensorDesc(bf16, (size,)) if epi.bias else None
+        kernels.append(scaled_mm_kernel.compile(a_desc, b_desc, out, sa, sb, bias, size, size,
+                                                math.ceil(size / BK), CFG=cfg, EPI=epi,
+                                                block=128 * (1 + cfg.consumers), target=target))
+    return kernels

@@ -1,0 +1,197 @@
+"""The scaled (FP8) GEMM kernel: persistent, warp-specialised, TMA + mbarrier ring + fp8 wgmma, scales applied in
+the mainloop (block recipes, promotion) or in the epilogue (tensor-wise and row-wise).
+
+The kernel computes out[i, j] = scale(sum_k A[i, k] * B[j, k]) (+ bias) with A (M x K) and B (N x K) both K-major
+e4m3/e5m2 (fp8 wgmma reads no transposed operand: exactly ``torch._scaled_mm``'s row-major a and column-major b).
+The schedule is the dense GEMM's: one block per SM walks output tiles (nvfly.ops.common.scheduler, grouped
+rasterisation); warpgroup 0's first thread keeps a ring of 128-element k-blocks full with TMA loads; consumer
+warpgroups 1..C each own bm/C rows of the tile.
+
+Two mainloops (``ScaledEpilogue.promote``):
+- accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's
+  mainloop: ``nvfly.ops.gemm.kernel.issue_k_block``), the fastest and torch's ``use_fast_accum=True``;
+- promote (DeepGEMM's scheme, the accuracy DeepSeek-V3 needs): each k-block of 128 is issued into a fresh
+  accumulator, waited for, and added into an fp32 sum, scaled first by sa[row, kb] * sb[n-block, kb] for the block
+  recipe (1x128 activations x 128x128 weights). The tensor core's accumulator then never sums more than 128
+  products (it keeps ~14 bits); the scale loads are issued under the wgmmas. Two consumer warpgroups overlap one's
+  promotion with the other's wgmmas.
+The epilogue multiplies by the tensor-wise scale (sa * sb, read from device memory: no host sync) or the row-wise
+scales (sa[row] * sb[col]), adds the bias and stores each thread's fragments as 4-byte pairs (masked on tails).
+"""
+from __future__ import annotations
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.arch.ptx import smem_address
+from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
+from nvfly.ops.gemm.config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS
+from nvfly.ops.gemm.kernel import issue_k_block
+from nvfly.ops.scaled.config import BK, SCALE_BLOCK
+
+
+@nvfly.kernel
+def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor,
+                     scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, bias, m: nvfly.i32, n: nvfly.i32,
+                     k_tiles: nvfly.i32, CFG: nvfly.Constexpr, EPI: nvfly.Constexpr):
+    dtype = a_desc.info.dtype
+    BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
+    WG_M = CFG.wg_m
+    ATOMS_M = WG_M // 64
+    atom = sm90.WgmmaAtom(BN, dtype, b_desc.info.dtype, "K", "K")
+    a_layout = sm90.operand_layout(BM, BK, dtype, "K", 128)
+    b_layout = sm90.operand_layout(BN, BK, dtype, "K", 128)
+    a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, "K", 128)[1][0]
+    b_boxes = sm90.operand_boxes(b_layout, BN, BK, dtype, "K", 128)[1][0]
+    a_lbo, a_sbo = sm90.descriptor_offsets(a_layout, dtype, "K", 128)
+    b_lbo, b_sbo = sm90.descriptor_offsets(b_layout, dtype, "K", 128)
+    A_BYTES = BM * BK
+    STAGE_BYTES = CFG.stage_bytes
+
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
+    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
+    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * WGS)
+
+    tid = nvfly.thread_idx.x
+    warp = nvfly.warp_idx()
+    wg = warp // 4
+    if tid == 0:
+        pipe.init()
+        sm90.tma_prefetch_descriptor(a_desc)
+        sm90.tma_prefetch_descriptor(b_desc)
+    nvfly.syncthreads()
+    first_tile = nvfly.block_idx.x
+    tile_step = nvfly.grid_dim.x
+    TILING = Tiling(BM, BN, CFG.group_m)
+    tiles = tile_grid(m, n, 1, k_tiles, 0, 0, tile_step, None, None, TILING)
+    num_units = block_units(first_tile, tiles, TILING)
+
+    if wg == 0:
+        sm90.setmaxnreg(PRODUCER_REGS, increase=False)
+        if tid == 0:
+            state = sm90.PipelineState.start(S)
+            for tile in range(first_tile, num_units, tile_step):
+                work = unit_work(tile, tiles, 0, TILING)
+                for kt in range(work.k_begin, work.k_end):
+                    pipe.producer_acquire(state)
+                    pipe.producer_expect(state)
+                    base = ring + state.stage * STAGE_BYTES
+                    full = pipe.full(state.stage)
+                    for box in a_boxes:
+                        sm90.tma_load(a_desc, base + box.smem_offset,
+                                      (work.tile_m * BM + box.mn_offset, kt * BK + box.k_offset), full)
+                    for box in b_boxes:
+                        sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
+                                      (work.tile_n * BN + box.mn_offset, kt * BK + box.k_offset), full)
+                    state = state.advance()
+    else:
+        sm90.setmaxnreg(CONSUMER_REGS, increase=True)
+        consumer = wg - 1
+        lane = nvfly.lane_idx()
+        warp_in_wg = warp % 4
+        a_desc_fields = (a_lbo, a_sbo, 128)
+        b_desc_fields = (b_lbo, b_sbo, 128)
+        alpha = 1.0
+        if EPI.scaling == "tensor":
+            alpha = scale_a[0] * scale_b[0]
+        state = sm90.PipelineState.start(S)
+        for tile in range(first_tile, num_units, tile_step):
+            work = unit_work(tile, tiles, 0, TILING)
+            tm, tn = work.tile_m, work.tile_n
+            row0 = tm * BM + consumer * WG_M + warp_in_wg * 16 + lane // 4
+            col0 = tn * BN + 2 * (lane % 4)
+            if EPI.promote:
+                sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
+                for kt in range(work.k_begin, work.k_end):
+                    pipe.consumer_wait(state)
+                    part = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
+                    part = issue_k_block(atom, part, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
+                                         a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, True)
+                    # the k-block's scales load while its wgmmas run
+                    if EPI.scaling == "block":
+                        sb = scale_b[(tn * BN) // SCALE_BLOCK, kt]
+                        row_scales = [scale_a[nvfly.minimum(row0 + 64 * i + 8 * h, m - 1), kt] * sb
+                                      for i in range(ATOMS_M) for h in range(2)]
+                    sm90.wait_group(0)
+                    if lane == 0:
+                        pipe.consumer_release(state)
+                    state = state.advance()
+                    if EPI.scaling == "block":
+                        sums = [sums[i].map(lambda v, e, i=i: v + part[i][e] * row_scales[2 * i + (e // 2) % 2])
+                                for i in range(ATOMS_M)]
+                    else:
+                        sums = [sums[i].map(lambda v, e, i=i: v + part[i][e]) for i in range(ATOMS_M)]
+                accs = sums
+            else:
+                # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
+                accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
+                pipe.consumer_wait(state)
+                accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
+                                     a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, True)
+                prev = state
+                state = state.advance()
+                for kt in range(work.k_begin + 1, work.k_end):
+                    pipe.consumer_wait(state)
+                    accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
+                                         a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, False)
+                    sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
+                    if lane == 0:
+                        pipe.consumer_release(prev)
+                    prev = state
+                    state = state.advance()
+                sm90.wait_group(0)
+                if lane == 0:
+                    pipe.consumer_release(prev)
+            inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
+            if inside:
+                store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
+            else:
+                store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
+
+
+@nvfly.func
+def store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, MASKED):
+    """Scale, add the bias, convert and write the consumer's fragments: element 4j+2h+e of atom i is
+    (row0 + 64i + 8h, col0 + 8j + e). Without MASKED (the tile lies inside the output) nothing is bounds-checked;
+    with it, scale and bias reads are clamped into range and stores masked."""
+    vec = isinstance(out.stride[1], int) and out.stride[1] == 1
+    ROW = EPI.scaling == "row"
+    col_scales = []
+    col_bias = []
+    for j in nvfly.static_range(BN // 8):
+        for e in nvfly.static_range(2):
+            col = col0 + 8 * j + e
+            if MASKED:
+                col = nvfly.minimum(col, n - 1)
+            if ROW:
+                col_scales.append(scale_b[col])
+            if EPI.bias and not EPI.bias_rows:
+                col_bias.append(bias[col].to(nvfly.f32))
+    for i in nvfly.static_range(ATOMS_M):
+        for h in nvfly.static_range(2):
+            row = row0 + 64 * i + 8 * h
+            safe_row = nvfly.minimum(row, m - 1) if MASKED else row
+            row_scale = alpha
+            if ROW:
+                row_scale = scale_a[safe_row]
+            if EPI.bias and EPI.bias_rows:
+                row_bias = bias[safe_row].to(nvfly.f32)
+            if not MASKED or row < m:
+                for j in nvfly.static_range(BN // 8):
+                    col = col0 + 8 * j
+                    values = []
+                    for e in nvfly.static_range(2):
+                        v = accs[i][4 * j + 2 * h + e]
+                        if EPI.scaling != "block":
+                            v = v * row_scale
+                            if ROW:
+                                v = v * col_scales[2 * j + e]
+                        if EPI.bias:
+                            v = v + (row_bias if EPI.bias_rows else col_bias[2 * j + e])
+                        values.append(v)
+                    if vec and (not MASKED or col + 1 < n):
+                        out.store(nvfly.make_vector(values).to(out.dtype), row, col)
+                    else:
+                        if not MASKED or col < n:
+                            out[row, col] = values[0].to(out.dtype)
+                        if not MASKED or col + 1 < n:
+                            out[row, col + 1] = values[1].to(out.dtype)

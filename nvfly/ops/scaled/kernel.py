@@ -155,43 +155,45 @@ def store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN,
     with it, scale and bias reads are clamped into range and stores masked."""
     vec = isinstance(out.stride[1], int) and out.stride[1] == 1
     ROW = EPI.scaling == "row"
-    col_scales = []
-    col_bias = []
-    for j in nvfly.static_range(BN // 8):
-        for e in nvfly.static_range(2):
-            col = col0 + 8 * j + e
-            if MASKED:
-                col = nvfly.minimum(col, n - 1)
-            if ROW:
-                col_scales.append(scale_b[col])
-            if EPI.bias and not EPI.bias_rows:
-                col_bias.append(bias[col].to(nvfly.f32))
+    rows = []         # the thread's rows (2 per atom), clamped into range for the scale and bias reads
+    row_scales = []
+    row_biases = []
     for i in nvfly.static_range(ATOMS_M):
         for h in nvfly.static_range(2):
             row = row0 + 64 * i + 8 * h
+            rows.append(row)
             safe_row = nvfly.minimum(row, m - 1) if MASKED else row
-            row_scale = alpha
-            if ROW:
-                row_scale = scale_a[safe_row]
+            row_scales.append(scale_a[safe_row] if ROW else alpha)
             if EPI.bias and EPI.bias_rows:
-                row_bias = bias[safe_row].to(nvfly.f32)
+                row_biases.append(bias[safe_row].to(nvfly.f32))
+    # column by column: a column pair's scales and bias are read once and live only while it is stored
+    for j in nvfly.static_range(BN // 8):
+        col = col0 + 8 * j
+        col_scales = []
+        col_biases = []
+        for e in nvfly.static_range(2):
+            safe_col = nvfly.minimum(col + e, n - 1) if MASKED else col + e
+            if ROW:
+                col_scales.append(scale_b[safe_col])
+            if EPI.bias and not EPI.bias_rows:
+                col_biases.append(bias[safe_col].to(nvfly.f32))
+        for r in nvfly.static_range(2 * ATOMS_M):
+            row = rows[r]
             if not MASKED or row < m:
-                for j in nvfly.static_range(BN // 8):
-                    col = col0 + 8 * j
-                    values = []
-                    for e in nvfly.static_range(2):
-                        v = accs[i][4 * j + 2 * h + e]
-                        if EPI.scaling != "block":
-                            v = v * row_scale
-                            if ROW:
-                                v = v * col_scales[2 * j + e]
-                        if EPI.bias:
-                            v = v + (row_bias if EPI.bias_rows else col_bias[2 * j + e])
-                        values.append(v)
-                    if vec and (not MASKED or col + 1 < n):
-                        out.store(nvfly.make_vector(values).to(out.dtype), row, col)
-                    else:
-                        if not MASKED or col < n:
-                            out[row, col] = values[0].to(out.dtype)
-                        if not MASKED or col + 1 < n:
-                            out[row, col + 1] = values[1].to(out.dtype)
+                values = []
+                for e in nvfly.static_range(2):
+                    v = accs[r // 2][4 * j + 2 * (r % 2) + e]
+                    if EPI.scaling != "block":
+                        v = v * row_scales[r]
+                        if ROW:
+                            v = v * col_scales[e]
+                    if EPI.bias:
+                        v = v + (row_biases[r] if EPI.bias_rows else col_biases[e])
+                    values.append(v)
+                if vec and (not MASKED or col + 1 < n):
+                    out.store(nvfly.make_vector(values).to(out.dtype), row, col)
+                else:
+                    if not MASKED or col < n:
+                        out[row, col] = values[0].to(out.dtype)
+                    if not MASKED or col + 1 < n:
+                        out[row, col + 1] = values[1].to(out.dtype)

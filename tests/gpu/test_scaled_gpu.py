@@ -1,0 +1,139 @@
+"""nvfly's FP8 scaled GEMM against the float32 GEMM of the dequantised operands: every recipe (tensor-wise,
+row-wise, 1x128 x 128x128 blocks), promoted and fast accumulation, bias, output dtypes, tails, small M (swap-AB
+and token tiles), e5m2; fresh random inputs, NaN-poisoned outputs."""
+import pytest
+import torch
+
+from nvfly.ops import scaled
+from nvfly.ops.scaled import ScaledConfig
+from nvfly.ops.scaled.quantize import quantize
+
+pytestmark = pytest.mark.gpu
+
+GRANULARITY = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "block": ("1x128", "128x128")}
+
+
+def operands(m, n, k, scaling, a_dtype=torch.float8_e4m3fn, b_dtype=torch.float8_e4m3fn, spread=True):
+    """Quantised a (M, K), b (K, N column-major) and their scales; ``spread``: rows and 128-blocks of very different
+    magnitudes, so that a scale applied to the wrong row, column or block shows."""
+    x = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda")
+    if spread:
+        blocks = torch.randint(-3, 4, (1, -(-k // 128)), device="cuda").float()
+        x = x * torch.exp2(torch.randint(-4, 5, (m, 1), device="cuda").float()) \
+            * torch.exp2(blocks).repeat_interleave(128, 1)[:, :k]
+        w = w * torch.exp2(torch.randint(-4, 5, (n, 1), device="cuda").float())
+    ga, gb = GRANULARITY[scaling]
+    a, sa = quantize(x, ga, a_dtype)
+    b, sb = quantize(w, gb, b_dtype, operand="b")
+    return a, b, sa, sb
+
+
+def poisoned(m, n, dtype):
+    return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+
+
+def rel_error(out, ref):
+    assert torch.isfinite(out).all(), "an element was not written (NaN poison left) or overflowed"
+    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# output rounding (bf16 2^-9, fp16 2^-12 relative) plus accumulation; promoted fp32 outputs hold the tensor core's
+# 128-product partial sums added in fp32
+TOL = {torch.float32: 5e-4, torch.float16: 1e-3, torch.bfloat16: 5e-3}
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("mnk", [(256, 512, 1024), (200, 336, 544), (1000, 1040, 4096)])
+def test_recipes_match_the_dequantised_gemm(hopper, scaling, out_dtype, mnk):
+    m, n, k = mnk
+    a, b, sa, sb = operands(m, n, k, scaling)
+    out = poisoned(m, n, out_dtype)
+    scaled.scaled_mm(a, b, sa, sb, out_dtype=out_dtype, out=out)
+    assert rel_error(out, scaled.reference(a, b, sa, sb)) < TOL[out_dtype]
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_fast_accumulation(hopper, scaling):
+    """use_fast_accum: the tensor core's accumulator sums all of K (less exact than promotion, still close)."""
+    m, n, k = 520, 776, 4096
+    a, b, sa, sb = operands(m, n, k, scaling)
+    out = poisoned(m, n, torch.float32)
+    scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.float32, use_fast_accum=True, out=out)
+    assert rel_error(out, scaled.reference(a, b, sa, sb)) < 5e-3
+    assert "promoted" not in scaled.path(a, b, sa, sb, out_dtype=torch.float32, use_fast_accum=True)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+@pytest.mark.parametrize("m", [1, 8, 37, 64, 100])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16])
+def test_small_m_and_bias(hopper, scaling, m, bias_dtype):
+    """Small M: tensor/row-wise swap A and B (the bias then runs along the kernel's rows), block scales take one
+    64-row token tile."""
+    n, k = 1536, 2048
+    a, b, sa, sb = operands(m, n, k, scaling)
+    bias = None if bias_dtype is None else torch.randn(n, device="cuda").to(bias_dtype)
+    out = poisoned(m, n, torch.bfloat16)
+    scaled.scaled_mm(a, b, sa, sb, bias=bias, out=out)
+    assert rel_error(out, scaled.reference(a, b, sa, sb, bias)) < TOL[torch.bfloat16]
+    if scaling != "block" and m <= 64:
+        assert "swapAB" in scaled.path(a, b, sa, sb, bias=bias)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_bias_fp32_and_configs(hopper, scaling):
+    m, n, k = 384, 640, 1152
+    a, b, sa, sb = operands(m, n, k, scaling)
+    bias = torch.randn(n, device="cuda")
+    ref = scaled.reference(a, b, sa, sb, bias)
+    configs = [ScaledConfig(128, 128, 4, 2), ScaledConfig(64, 64, 6, 1), ScaledConfig(128, 64, 5, 1)]
+    if scaling != "block":
+        configs += [ScaledConfig(128, 256, 4, 2), ScaledConfig(256, 128, 4, 2), ScaledConfig(128, 96, 5, 2)]
+    for config in configs:
+        for fast in (False, True):
+            if fast and scaling == "block":
+                continue
+            if not fast and config.check(promote=True):
+                continue
+            out = poisoned(m, n, torch.float32)
+            scaled.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.float32, out=out, config=config,
+                             use_fast_accum=fast)
+            assert rel_error(out, ref) < (5e-3 if fast else 5e-4), (config, fast)
+
+
+def test_e5m2_operands(hopper):
+    m, n, k = 256, 384, 1024
+    for a_dtype, b_dtype in ((torch.float8_e5m2, torch.float8_e4m3fn), (torch.float8_e4m3fn, torch.float8_e5m2)):
+        a, b, sa, sb = operands(m, n, k, "row", a_dtype, b_dtype)
+        out = scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+        assert rel_error(out, scaled.reference(a, b, sa, sb)) < 5e-4
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_agrees_with_torch_scaled_mm(hopper, scaling):
+    """cuBLAS's _scaled_mm (promoted by default) and nvfly agree closely for the recipes both run."""
+    m, n, k = 512, 1024, 2048
+    a, b, sa, sb = operands(m, n, k, scaling, spread=False)
+    ours = scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    theirs = torch._scaled_mm(a, b, sa if scaling == "row" else sa.reshape(()), sb, out_dtype=torch.float32)
+    assert rel_error(ours, theirs.float()) < 5e-4
+
+
+def test_repeated_calls_and_new_addresses(hopper):
+    """The cached launch reads fresh addresses and scale values on every call."""
+    m, n, k = 300, 512, 768
+    for _ in range(3):
+        a, b, sa, sb = operands(m, n, k, "block")
+        out = poisoned(m, n, torch.bfloat16)
+        scaled.scaled_mm(a, b, sa, sb, out=out)
+        assert rel_error(out, scaled.reference(a, b, sa, sb)) < TOL[torch.bfloat16]
+
+
+def test_declines_with_reasons(hopper):
+    a, b, sa, sb = operands(128, 256, 512, "row")
+    assert scaled.eligibility(a, b, sa, sb) is None
+    assert "scale_b" in scaled.eligibility(a, b, sa, sb[:, :128])
+    assert "not CUDA" in scaled.eligibility(a.cpu(), b.cpu(), sa.cpu(), sb.cpu())
+    with pytest.raises(ValueError, match="nvfly.ops.scaled.scaled_mm: b: expected a column-major"):
+        scaled.scaled_mm(a, b.contiguous(), sa, sb)

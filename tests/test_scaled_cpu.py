@@ -1,0 +1,159 @@
+"""The FP8 scaled GEMM without a GPU: every kernel variant compiles to fp8 wgmma (QGMMA) and TMA code without
+spills, the plans follow the heuristic, the recipes are read off the scales' shapes, bad arguments raise errors
+naming them, and the torch references (quantisation, dequantised GEMM) are what they claim."""
+import math
+
+import pytest
+import torch
+
+import nvfly
+from nvfly.ops import scaled
+from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue
+from nvfly.ops.scaled.api import compile_variants, kernel_scales
+from nvfly.ops.scaled.plan import SWAP_MAX_M, make_plan
+from nvfly.ops.scaled.quantize import quantize
+
+VARIANTS = [
+    (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("block", True)),
+    (ScaledConfig(64, 32, 8, 1), ScaledEpilogue("block", True, bias=True)),
+    (ScaledConfig(128, 64, 8, 1), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 256, 4, 2), ScaledEpilogue("tensor", False)),
+    (ScaledConfig(128, 256, 4, 2), ScaledEpilogue("row", False, bias=True)),
+    (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", True, bias=True)),
+    (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("tensor", True)),
+    (ScaledConfig(64, 16, 8, 1), ScaledEpilogue("row", False, bias=True, bias_rows=True)),
+    (ScaledConfig(128, 64, 8, 2), ScaledEpilogue("tensor", True, bias=True, bias_rows=True)),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].bm}x{v[0].bn}-{v[1].scaling}"
+                         f"{'-promoted' if v[1].promote else ''}{'-bias' if v[1].bias else ''}"
+                         f"{'-rows' if v[1].bias_rows else ''}")
+def test_variants_compile_to_fp8_wgmma_without_spills(variant):
+    cfg, epi = variant
+    (k,) = compile_variants([variant], out_dtype=torch.bfloat16 if epi.scaling != "tensor" else torch.float32)
+    ops = k.sass_opcodes()
+    assert any(op.startswith(f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3") for op in ops), sorted(ops)
+    assert k.count("UTMALDG") > 0 and k.count("USETMAXREG") == 2
+    assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0, k.resources
+    assert k.resources.registers <= 65536 // k.threads
+    assert not k.warnings, k.warnings  # no serialised wgmma, setmaxnreg honoured
+    assert k.dynamic_smem_bytes == cfg.smem_bytes()
+
+
+def test_out_dtypes_and_e5m2_compile():
+    cfg = ScaledConfig(128, 128, 6, 2)
+    for out_dtype in (torch.float16, torch.float32):
+        (k,) = compile_variants([(cfg, ScaledEpilogue("row", True))], out_dtype=out_dtype)
+        assert k.resources.spill_stores == 0 and not k.warnings
+    (k,) = compile_variants([(cfg, ScaledEpilogue("block", True))], dtypes=(nvfly.f8e5m2, nvfly.f8e4m3))
+    assert any(op.startswith("QGMMA.64x128x32.F32.E5M2.E4M3") for op in k.sass_opcodes())
+
+
+def test_config_checks():
+    assert ScaledConfig(128, 128, 6, 2).check(promote=True) is None
+    assert "registers" in ScaledConfig(128, 256, 4, 2).check(promote=True)
+    assert ScaledConfig(128, 256, 4, 2).check() is None
+    assert "shared memory" in ScaledConfig(128, 256, 6, 2).check()
+    assert "consumer" in ScaledConfig(96, 128, 4, 2).check()
+    with pytest.raises(ValueError, match="promote"):
+        ScaledEpilogue("block", promote=False)
+
+
+def operands(m, n, k, scaling, dtype=torch.float8_e4m3fn):
+    ga, gb = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "block": ("1x128", "128x128")}[scaling]
+    a, sa = quantize(torch.randn(m, k), ga, dtype)
+    b, sb = quantize(torch.randn(n, k), gb, dtype, operand="b")
+    return a, b, sa, sb
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_recipes_are_read_off_the_scales(scaling):
+    a, b, sa, sb = operands(200, 336, 544, scaling)
+    assert scaled.recipe(a, b, sa, sb) == scaling
+    assert scaled.check(a, b, sa, sb) == scaling
+    ka, kb = kernel_scales(scaling, sa, sb)
+    assert ka.data_ptr() == sa.data_ptr() and kb.data_ptr() == sb.data_ptr()  # views, no copies
+    if scaling == "block":
+        assert tuple(ka.shape) == (200, 5) and tuple(kb.shape) == (3, 5)
+        assert kb[2, 4] == sb[4, 2]
+
+
+def test_quantize_reference_round_trips_and_picks_amax_scales():
+    x = torch.randn(256, 384)
+    x[3, 130] = 100.0
+    for granularity, shape in (("tensor", ()), ("row", (256, 1)), ("1x128", (256, 3))):
+        q, s = quantize(x, granularity)
+        assert tuple(s.shape) == shape and q.dtype == torch.float8_e4m3fn
+        deq = scaled.dequantize(q, s, (1, 128) if granularity == "1x128" else (1, 1))
+        assert ((deq - x).norm() / x.norm()) < 0.05
+    _, s = quantize(x, "1x128")
+    assert s.stride() == (1, 256) and s[3, 1] == torch.tensor(100.0) / 448
+    q, s = quantize(x.t().contiguous(), "128x128", operand="b")  # a (384 x 256) weight, b = (256, 384) col-major
+    assert q.shape == (256, 384) and q.stride() == (1, 256)
+    assert tuple(s.shape) == (2, 3) and s.stride() == (1, 2)
+    assert s[1, 0] == x[128:256, 0:128].abs().amax() / 448
+    q, s = quantize(torch.zeros(4, 128), "row")
+    assert torch.isfinite(s).all() and (q.float() == 0).all()
+
+
+def test_reference_is_the_dequantised_gemm():
+    a, b, sa, sb = operands(130, 256, 300, "block")
+    ra = a.float() * sa.repeat_interleave(128, 1)[:, :300]
+    rb = b.float() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :256]
+    assert torch.allclose(scaled.reference(a, b, sa, sb), ra @ rb, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_arguments_name_themselves():
+    a, b, sa, sb = operands(128, 256, 512, "row")
+    with pytest.raises(ValueError, match="^scale_b: shape \\(1, 128\\)"):
+        scaled.check(a, b, sa, sb[:, :128])
+    with pytest.raises(ValueError, match="^scale_b: .* is tensor-wise but scale_a is row-wise"):
+        scaled.check(a, b, sa, sb[:, :1])
+    with pytest.raises(TypeError, match="^scale_a: dtype torch.float16"):
+        scaled.check(a, b, sa.half(), sb)
+    with pytest.raises(TypeError, match="^a: dtype torch.bfloat16"):
+        scaled.check(a.bfloat16(), b, sa, sb)
+    with pytest.raises(ValueError, match="^b: expected a column-major"):
+        scaled.check(a, b.contiguous(), sa, sb)
+    with pytest.raises(ValueError, match="^b: K=520 and N=256 must be multiples of 16"):
+        scaled.check(a[:, :520] if False else quantize(torch.randn(128, 520), "row")[0],
+                     quantize(torch.randn(256, 520), "row", operand="b")[0], sa, sb)
+    with pytest.raises(ValueError, match="^bias: expected shape \\(256,\\)"):
+        scaled.check(a, b, sa, sb, bias=torch.zeros(128))
+    with pytest.raises(TypeError, match="^out_dtype"):
+        scaled.check(a, b, sa, sb, out_dtype=torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="^b: float8_e5m2"):
+        scaled.check(a.view(torch.float8_e5m2), b.view(torch.float8_e5m2), sa, sb)
+    with pytest.raises(ValueError, match="^nvfly.ops.scaled.scaled_mm: scale_a"):
+        scaled.scaled_mm(a, b, sa[:64], sb)
+    assert "not CUDA" in scaled.eligibility(a, b, sa, sb)
+    assert scaled.eligibility(a, b, sa[:64], sb).startswith("scale_a")
+    block = operands(128, 256, 512, "block")
+    with pytest.raises(ValueError, match="^scale_b"):
+        scaled.check(*block[:3], block[3][:, :1])  # a 128x128 scale_b with one column too few
+
+
+def test_plans():
+    tensor, block = ScaledEpilogue("tensor", False), ScaledEpilogue("block", True)
+    plan = make_plan(4096, 4096, 4096, tensor, None, None, 132)
+    assert (plan.config.bm, plan.config.bn, plan.swap, plan.grid) == (128, 256, False, 132)
+    plan = make_plan(4096, 4096, 7168, block, None, None, 132)
+    assert (plan.config.bm, plan.config.bn, plan.config.consumers) == (128, 128, 2) and plan.k_tiles == 56
+    assert plan.config.check(promote=True) is None
+    plan = make_plan(16, 7168, 2048, ScaledEpilogue("row", True, bias=True), None, None, 132)
+    assert plan.swap and (plan.m, plan.n) == (7168, 16) and plan.config.bn == 16 and plan.epilogue.bias_rows
+    assert make_plan(SWAP_MAX_M + 1, 7168, 2048, tensor, None, None, 132).swap is False
+    plan = make_plan(16, 4096, 7168, block, None, None, 132)  # a token tile narrow enough to fill the SMs
+    assert not plan.swap and (plan.config.bm, plan.config.bn) == (64, 32) and plan.grid == 128
+    with pytest.raises(ValueError, match="^swap"):
+        make_plan(16, 4096, 7168, block, None, True, 132)
+    with pytest.raises(ValueError, match="^config: bn=96"):
+        make_plan(256, 4096, 7168, block, ScaledConfig(128, 96, 4, 2), None, 132)
+    with pytest.raises(ValueError, match="^config: .*registers"):
+        make_plan(256, 4096, 7168, block, ScaledConfig(128, 256, 4, 2), None, 132)
+    for m, n in ((1, 4096), (64, 4096), (100, 1536), (4096, 2112), (8192, 8192)):
+        for epi in (tensor, block, ScaledEpilogue("row", True)):
+            plan = make_plan(m, n, 4096, epi, None, None, 132)
+            assert plan.config.check(epi.promote) is None and 1 <= plan.grid <= 132
+            assert plan.grid <= math.ceil(plan.m / plan.config.bm) * math.ceil(plan.n / plan.config.bn)

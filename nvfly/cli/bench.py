@@ -23,6 +23,7 @@ SUITES = {
     "gemm": "GEMM vs cuBLAS and Inductor's Triton templates on the anchor shapes",
     "rmsnorm": "RMSNorm forward and backward vs eager torch and Inductor",
     "topk": "TopK vs torch.topk on sampling and MoE-routing shapes",
+    "scaled": "FP8 scaled GEMM (tensor/row-wise, 1x128 x 128x128 blocks) vs cuBLAS _scaled_mm, Triton and bf16",
     "attention": "decode attention (--decode) vs SDPA's backends and flex_attention, in TB/s",
     "inductor": "torch.compile max-autotune with nvfly installed vs without, on Llama-sized blocks",
     "launch_overhead": "host time of a cached launch: nvfly vs Triton and torch",

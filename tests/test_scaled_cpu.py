@@ -157,3 +157,21 @@ def test_plans():
             plan = make_plan(m, n, 4096, epi, None, None, 132)
             assert plan.config.check(epi.promote) is None and 1 <= plan.grid <= 132
             assert plan.grid <= math.ceil(plan.m / plan.config.bm) * math.ceil(plan.n / plan.config.bn)
+
+
+@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128"])
+def test_quantize_kernels_compile(granularity):
+    from nvfly.frontend.dtypes import bf16, f32, i32
+    from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
+    from nvfly.runtime.tensor_desc import TensorDesc
+    plan, scale = {"row": (QuantizePlan(1, 0, False, 256, 8, "f8e4m3", 448.0, 1e-12), TensorDesc(f32, (4096, 1))),
+                   "1x128": (QuantizePlan(1, 128, True, 256, 4, "f8e4m3", 448.0, 1e-12),
+                             TensorDesc(f32, (4096, 32), (1, 4096))),
+                   "128x128": (QuantizePlan(128, 128, False, 256, 8, "f8e5m2", 57344.0, 1e-12),
+                               TensorDesc(f32, (32, 32)))}[granularity]
+    k = quantize_kernel.compile(TensorDesc(bf16, (4096, 4096)), TensorDesc(i32, (4096, 1024)), scale, 4096, 4096,
+                                PLAN=plan, block=256)
+    assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0 and not k.warnings
+    kind = "E4M3" if plan.fp8 == "f8e4m3" else "E5M2"
+    assert any(op.startswith(f"F2FP.SATFINITE.{kind}.F32") for op in k.sass_opcodes())
+    assert "div.rn.f32" in k.ptx  # IEEE division, as torch's reference divides

@@ -74,3 +74,57 @@ def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float
     if granularity == "1x128":
         return q_t, scale.t().contiguous()  # (K/128, N) contiguous (torch's 1x128 scale_b)
     return q_t, scale
+
+
+# ---------------------------------------------------------------------------------------------- the kernels
+KERNEL_GRANULARITIES = ("row", "1x128", "128x128")
+_QUANT_THREADS = 256
+_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_NAMES = {torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2"}
+
+
+def quantize_fp8(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float8_e4m3fn,
+                 operand: str = "a") -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize``'s result (the same values and scales, bit for bit, in the same layouts) from nvfly's
+    memory-bound kernel: x a contiguous CUDA (rows, K) bf16/fp16/fp32 tensor, K a multiple of 16, granularity
+    "row", "1x128" or "128x128" (tensor-wise scales need a global amax first: ``quantize``)."""
+    from nvfly.ops.common.opcall import named
+    from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
+    with named("nvfly.ops.scaled.quantize_fp8"):
+        if granularity not in KERNEL_GRANULARITIES:
+            raise ValueError(f"granularity: expected one of {KERNEL_GRANULARITIES}, got {granularity!r}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _SOURCE_DTYPES:
+            raise TypeError(f"x: expected a 2-D bf16, fp16 or fp32 tensor, got {getattr(x, 'dtype', type(x))}")
+        if not x.is_contiguous() or x.shape[1] % 16:
+            raise ValueError(f"x: expected a contiguous tensor with K a multiple of 16, got shape {tuple(x.shape)} "
+                             f"strides {x.stride()}")
+        if dtype not in _FP8_NAMES:
+            raise TypeError(f"dtype: expected float8_e4m3fn or float8_e5m2, got {dtype}")
+        if operand not in ("a", "b"):
+            raise ValueError(f"operand: expected 'a' or 'b', got {operand!r}")
+    rows, k = x.shape
+    kb = -(-k // SCALE_BLOCK)
+    q = torch.empty((rows, k), dtype=dtype, device=x.device)
+    if granularity == "row":
+        scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+        plan = QuantizePlan(1, 0, False, _QUANT_THREADS, 16 // x.element_size(), _FP8_NAMES[dtype], fp8_max(dtype),
+                            AMAX_FLOOR)
+        blocks = rows
+    elif granularity == "1x128":
+        scale = torch.empty((kb, rows), dtype=torch.float32, device=x.device).t()  # (rows, kb), strides (1, rows)
+        plan = QuantizePlan(1, SCALE_BLOCK, True, _QUANT_THREADS, SCALE_BLOCK // 32, _FP8_NAMES[dtype],
+                            fp8_max(dtype), AMAX_FLOOR)
+        blocks = -(-rows * kb // (_QUANT_THREADS // 32))
+    else:
+        rb = -(-rows // SCALE_BLOCK)
+        scale = torch.empty((rb, kb), dtype=torch.float32, device=x.device)
+        plan = QuantizePlan(SCALE_BLOCK, SCALE_BLOCK, False, _QUANT_THREADS, 16 // x.element_size(),
+                            _FP8_NAMES[dtype], fp8_max(dtype), AMAX_FLOOR)
+        blocks = rb * kb
+    if rows and k:
+        quantize_kernel[blocks, _QUANT_THREADS](x, q.view(torch.int32), scale, rows, k, PLAN=plan)
+    if operand == "a":
+        return q, scale
+    # the weight's transposes: b (K, N) column-major; scale_b row (1, N), 1x128 (kb, N) contiguous, 128x128
+    # (kb, N/128) with strides (1, kb)
+    return q.t(), scale.t()

@@ -175,3 +175,20 @@ def test_quantize_kernels_compile(granularity):
     kind = "E4M3" if plan.fp8 == "f8e4m3" else "E5M2"
     assert any(op.startswith(f"F2FP.SATFINITE.{kind}.F32") for op in k.sass_opcodes())
     assert "div.rn.f32" in k.ptx  # IEEE division, as torch's reference divides
+
+
+def test_routing_eligibility_keeps_torch_semantics():
+    from nvfly.torch import scaled_ops
+    a, b, sa, sb = operands(128, 256, 512, "row")
+    assert "fp8" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb)  # torch's default output is fp8
+    assert "scale_result" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, sa[0], torch.bfloat16)
+    assert "torch refuses" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb, torch.zeros(256), None, torch.float32)
+    assert "not CUDA" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, None, torch.bfloat16)
+    assert "recipes 4/5" in scaled_ops.scaled_mm_v2_eligibility(a, b, [sa], [4], [], [sb], [5], [], None,
+                                                                torch.bfloat16)
+    assert "swizzled" in scaled_ops.scaled_mm_v2_eligibility(a, b, [sa], [1], [1], [sb], [1], [], None,
+                                                             torch.bfloat16)
+    assert "not CUDA" in scaled_ops.scaled_mm_v2_eligibility(a, b, [sa], [1], [], [sb], [1], [], None,
+                                                             torch.bfloat16)
+    one = operands(1, 256, 512, "row")  # M = 1: a (1, 1) scale_a is row-wise next to a (1, N) scale_b
+    assert scaled.recipe(*one) == "row"

@@ -2,8 +2,8 @@
 
     import nvfly.torch
     nvfly.torch.install()                       # nvfly joins torch.compile(mode="max-autotune") GEMM autotuning
-    with nvfly.torch.routing():                 # eager: mm/addmm/bmm, decode SDPA (and RMSNorm, TopK) to nvfly
-                                                # where faster
+    with nvfly.torch.routing():                 # eager: mm/addmm/bmm, _scaled_mm, decode SDPA (and RMSNorm, TopK)
+                                                # to nvfly where faster (_scaled_mm: where eligible)
         y = model(x)
     nvfly.torch.autotune([(16, 4096, 4096)])    # fills the database that routing and Inductor's candidates read
     print(nvfly.torch.explain(16, 4096, 4096))  # candidates, times, winner, and why nvfly was declined or lost
@@ -23,6 +23,7 @@ import torch
 # ``explain`` name both a submodule and its main function: importing the function here, after the submodule,
 # leaves the function as the package attribute (reach the modules with ``from nvfly.torch.autotune import ...``)
 from nvfly.torch import attention_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode, SDPA route)
+from nvfly.torch import scaled_ops  # noqa: F401,E402  (the _scaled_mm routes)
 from nvfly.torch.autotune import autotune, database
 from nvfly.torch.explain import explain
 from nvfly.torch.routing import install_routing, routing_enabled

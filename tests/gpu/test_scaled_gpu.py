@@ -156,3 +156,36 @@ def test_quantize_kernels_match_the_reference_bit_for_bit(hopper, granularity, o
             assert s.stride() == s_ref.stride()
         assert torch.equal(s, s_ref), (s - s_ref).abs().max()
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_routing_sends_scaled_mm_to_nvfly_and_declines_with_reasons(hopper, monkeypatch):
+    import torch.nn.functional as F
+
+    import nvfly.torch
+    from nvfly.ops import scaled as scaled_package
+    calls = []
+    real = scaled_package.scaled_mm
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(scaled_package, "scaled_mm", counted)
+    m, n, k = 256, 512, 1024
+    a, b, sa, sb = operands(m, n, k, "row")
+    bias = torch.randn(n, device="cuda").bfloat16()
+    ref = scaled.reference(a, b, sa, sb, bias)
+    with nvfly.torch.routing():
+        out = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+        fp8_out = torch._scaled_mm(a, b, sa.new_ones(()), sb.new_ones(()))  # fp8 output: stays on torch
+        if hasattr(F, "scaled_mm"):
+            v2 = F.scaled_mm(a, b, sa, F.ScalingType.RowWise, sb, F.ScalingType.RowWise,
+                             output_dtype=torch.bfloat16)
+    assert len(calls) == (2 if hasattr(F, "scaled_mm") else 1)
+    assert rel_error(out, ref) < TOL[torch.bfloat16] and fp8_out.dtype == torch.float8_e4m3fn
+    if hasattr(F, "scaled_mm"):
+        assert rel_error(v2, scaled.reference(a, b, sa, sb)) < TOL[torch.bfloat16]
+    ab, bb, sab, sbb = operands(m, n, k, "block")
+    with nvfly.torch.routing():
+        block = torch._scaled_mm(ab, bb, sab, sbb, out_dtype=torch.bfloat16)
+    assert len(calls) == (3 if hasattr(F, "scaled_mm") else 2)
+    assert rel_error(block, scaled.reference(ab, bb, sab, sbb)) < TOL[torch.bfloat16]

@@ -53,23 +53,25 @@ def recipe(a: Any, b: Any, scale_a: Any, scale_b: Any) -> str:
     kb = _ceil(k, SCALE_BLOCK)
     shapes = {"tensor": (None, None), "row": ((m, 1), (1, n)), "block": ((m, kb), (kb, _ceil(n, SCALE_BLOCK)))}
 
-    def which(scale: Any, index: int) -> Optional[str]:
-        if scale.numel() == 1:
-            return "tensor"
-        return next((r for r, pair in shapes.items() if pair[index] == tuple(scale.shape)), None)
+    def which(scale: Any, index: int) -> set[str]:
+        """The recipes a scale's shape fits (M = 1: a (1, 1) scale_a is tensor-wise and row-wise)."""
+        fits = {r for r, pair in shapes.items() if pair[index] == tuple(scale.shape)}
+        return fits | {"tensor"} if scale.numel() == 1 else fits
     ra, rb = which(scale_a, 0), which(scale_b, 1)
     expected = "; ".join(f"{r}: {pair[0] or 'one element'} and {pair[1] or 'one element'}"
                          for r, pair in shapes.items())
-    if ra is None:
+    if not ra:
         raise ValueError(f"scale_a: shape {tuple(scale_a.shape)} matches no scaling of a {tuple(a.shape)} "
                          f"(expected {expected})")
-    if rb is None:
+    if not rb:
         raise ValueError(f"scale_b: shape {tuple(scale_b.shape)} matches no scaling of b {tuple(b.shape)} "
                          f"(expected {expected})")
-    if ra != rb:
-        raise ValueError(f"scale_b: shape {tuple(scale_b.shape)} is {rb}-wise but scale_a is {ra}-wise (expected "
-                         f"{shapes[ra][1] or 'one element'}; the pairs are {expected})")
-    return ra
+    both = ra & rb
+    if not both:
+        first = min(ra, key=list(shapes).index)
+        raise ValueError(f"scale_b: shape {tuple(scale_b.shape)} is {'/'.join(sorted(rb))}-wise but scale_a is "
+                         f"{first}-wise (expected {shapes[first][1] or 'one element'}; the pairs are {expected})")
+    return min(both, key=list(shapes).index)  # several fit only when they compute the same: the simplest
 
 
 def check(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,

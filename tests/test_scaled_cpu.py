@@ -180,7 +180,7 @@ def test_quantize_kernels_compile(granularity):
 def test_routing_eligibility_keeps_torch_semantics():
     from nvfly.torch import scaled_ops
     a, b, sa, sb = operands(128, 256, 512, "row")
-XX
+    assert "float8_e4m3fn" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb)  # torch's default output: fp8
     assert "scale_result" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, sa[0], torch.bfloat16)
     assert "torch refuses" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb, torch.zeros(256), None, torch.float32)
     assert "not CUDA" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, None, torch.bfloat16)

@@ -2,7 +2,8 @@
 
 Heuristic (``heuristic_config``): the fast-accumulating recipes (tensor/row-wise with ``use_fast_accum``) take
 128x256 tiles, or 128x128 when 128x256 tiles would leave more than a fifth of the last wave idle; promoted
-mainloops keep two accumulators per consumer, so 128x128 (two consumers of 64 rows, 64 + 64 registers each).
+mainloops keep two accumulators per consumer, so 128x128 (two consumers of 64 rows, 64 + 64 registers each); both
+narrow to 64 columns while 128-wide tiles would fill less than FILL of the SMs.
 Small M (at most SWAP_MAX_M rows) with tensor/row scales is computed as the transposed problem (swap A/B: the
 weights fill wgmma's 64-row M, the tokens its N); block scales stay unswapped on one 64-row token tile (their
 activation scales run along the kernel's rows), its width the widest that still fills FILL of the SMs. Measurements: docs/ops/scaled.md.
@@ -46,13 +47,15 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
     if m <= 64:  # one 64-row token tile, as narrow (down to 32) as filling the SMs needs
         bn = next((w for w in (128, 64) if math.ceil(n / w) >= FILL * sms), 32)
         return deepest(ScaledConfig(64, bn, 2, 1), most=12)
-    if promote:
-        return deepest(ScaledConfig(128, 128, 2, 2))
+    if promote:  # two accumulators: at most 128 columns, narrower while the tiles leave SMs idle
+        bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
+        return deepest(ScaledConfig(128, bn, 2, 2))
     wide = math.ceil(m / 128) * math.ceil(n / 256)
     idle = (-wide) % sms / sms
     if wide >= sms and idle <= TAIL_IDLE:
         return deepest(ScaledConfig(128, 256, 2, 2))
-    return deepest(ScaledConfig(128, 128, 2, 2))
+    bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
+    return deepest(ScaledConfig(128, bn, 2, 2))
 
 
 def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional[ScaledConfig],

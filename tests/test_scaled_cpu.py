@@ -23,12 +23,14 @@ VARIANTS = [
     (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("tensor", True)),
     (ScaledConfig(64, 16, 8, 1), ScaledEpilogue("row", False, bias=True, bias_rows=True)),
     (ScaledConfig(128, 64, 8, 2), ScaledEpilogue("tensor", True, bias=True, bias_rows=True)),
+    (ScaledConfig(64, 16, 12, 1, split_k=8), ScaledEpilogue("row", True, bias=True, bias_rows=True, partial=True)),
+    (ScaledConfig(64, 32, 12, 1, split_k=4), ScaledEpilogue("block", True, partial=True)),
 ]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].bm}x{v[0].bn}-{v[1].scaling}"
                          f"{'-promoted' if v[1].promote else ''}{'-bias' if v[1].bias else ''}"
-                         f"{'-rows' if v[1].bias_rows else ''}")
+                         f"{'-rows' if v[1].bias_rows else ''}{'-splitK' if v[1].partial else ''}")
 def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     cfg, epi = variant
     (k,) = compile_variants([variant], out_dtype=torch.bfloat16 if epi.scaling != "tensor" else torch.float32)
@@ -143,9 +145,15 @@ def test_plans():
     assert plan.config.check(promote=True) is None
     plan = make_plan(16, 7168, 2048, ScaledEpilogue("row", True, bias=True), None, None, 132)
     assert plan.swap and (plan.m, plan.n) == (7168, 16) and plan.config.bn == 16 and plan.epilogue.bias_rows
+    assert plan.config.split_k == 1 and not plan.epilogue.partial  # 112 tiles: no idle half to split over
+    plan = make_plan(16, 4096, 7168, ScaledEpilogue("row", True), None, None, 132)
+    assert plan.swap and plan.config.split_k == 2 and plan.epilogue.partial and plan.grid == 128
+    plan = make_plan(1, 2048, 7168, ScaledEpilogue("tensor", False), None, None, 132)  # 32 tiles: 4 splits of 14
+    assert plan.config.split_k == 4 and plan.grid == 128
     assert make_plan(SWAP_MAX_M + 1, 7168, 2048, tensor, None, None, 132).swap is False
     plan = make_plan(16, 4096, 7168, block, None, None, 132)  # a token tile narrow enough to fill the SMs
     assert not plan.swap and (plan.config.bm, plan.config.bn) == (64, 32) and plan.grid == 128
+    assert plan.config.split_k == 1
     with pytest.raises(ValueError, match="^swap"):
         make_plan(16, 4096, 7168, block, None, True, 132)
     with pytest.raises(ValueError, match="^config: bn=96"):
@@ -156,7 +164,9 @@ def test_plans():
         for epi in (tensor, block, ScaledEpilogue("row", True)):
             plan = make_plan(m, n, 4096, epi, None, None, 132)
             assert plan.config.check(epi.promote) is None and 1 <= plan.grid <= 132
-            assert plan.grid <= math.ceil(plan.m / plan.config.bm) * math.ceil(plan.n / plan.config.bn)
+            tiles = math.ceil(plan.m / plan.config.bm) * math.ceil(plan.n / plan.config.bn)
+            assert plan.grid <= tiles * plan.config.split_k and plan.epilogue.partial == (plan.config.split_k > 1)
+            assert plan.config.split_k == 1 or 2 * tiles <= 132
 
 
 @pytest.mark.parametrize("granularity", ["row", "1x128", "128x128"])
@@ -192,3 +202,11 @@ def test_routing_eligibility_keeps_torch_semantics():
                                                              torch.bfloat16)
     one = operands(1, 256, 512, "row")  # M = 1: a (1, 1) scale_a is row-wise next to a (1, N) scale_b
     assert scaled.recipe(*one) == "row"
+
+
+@pytest.mark.parametrize("scaling,vec,bias", [("tensor", 8, True), ("row", 4, False), ("block", 1, True)])
+def test_reduce_kernel_compiles(scaling, vec, bias):
+    from nvfly.ops.scaled.api import compile_reduce
+    k = compile_reduce(scaling, 4, vec, bias)
+    assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0 and not k.warnings
+    assert k.count("LDG.E.128") >= (vec // 4) * 4 if vec >= 4 else True

@@ -70,7 +70,7 @@ def test_fast_accumulation(hopper, scaling):
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16])
 def test_small_m_and_bias(hopper, scaling, m, bias_dtype):
     """Small M: tensor/row-wise swap A and B (the bias then runs along the kernel's rows), block scales take one
-    64-row token tile."""
+    64-row token tile; both split K over the idle SMs here (f32 partials, then the reduce kernel)."""
     n, k = 1536, 2048
     a, b, sa, sb = operands(m, n, k, scaling)
     bias = None if bias_dtype is None else torch.randn(n, device="cuda").to(bias_dtype)
@@ -79,6 +79,8 @@ def test_small_m_and_bias(hopper, scaling, m, bias_dtype):
     assert rel_error(out, scaled.reference(a, b, sa, sb, bias)) < TOL[torch.bfloat16]
     if scaling != "block" and m <= 64:
         assert "swapAB" in scaled.path(a, b, sa, sb, bias=bias)
+    if m <= 64:
+        assert "splitK" in scaled.path(a, b, sa, sb, bias=bias)
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
@@ -87,7 +89,8 @@ def test_bias_fp32_and_configs(hopper, scaling):
     a, b, sa, sb = operands(m, n, k, scaling)
     bias = torch.randn(n, device="cuda")
     ref = scaled.reference(a, b, sa, sb, bias)
-    configs = [ScaledConfig(128, 128, 4, 2), ScaledConfig(64, 64, 6, 1), ScaledConfig(128, 64, 5, 1)]
+    configs = [ScaledConfig(128, 128, 4, 2), ScaledConfig(64, 64, 6, 1), ScaledConfig(128, 64, 5, 1),
+               ScaledConfig(64, 64, 6, 1, split_k=3), ScaledConfig(128, 128, 4, 2, split_k=4)]
     if scaling != "block":
         configs += [ScaledConfig(128, 256, 4, 2), ScaledConfig(256, 128, 4, 2), ScaledConfig(128, 96, 5, 2)]
     for config in configs:

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
 import nvfly
+from nvfly.ops.common import scratch
 from nvfly.ops.common.opcall import OpCalls, named
 from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
-from nvfly.ops.scaled.kernel import scaled_mm_kernel
+from nvfly.ops.scaled.kernel import scaled_mm_kernel, scaled_reduce_kernel
 from nvfly.ops.scaled.plan import ScaledPlan, make_plan
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
-from nvfly.runtime.torch_args import layout_key
+from nvfly.runtime.torch_args import current_stream, layout_key, vector_width
 
 SCALED_MM = "nvfly.ops.scaled.scaled_mm"
 PATH = "nvfly.ops.scaled.path"
@@ -188,7 +188,8 @@ def path(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch
 
 def describe_plan(plan: ScaledPlan) -> str:
     cfg, epi = plan.config, plan.epilogue
-    name = f"scaled-{epi.scaling}" + ("-promoted" if epi.promote else "") + ("-swapAB" if plan.swap else "")
+    name = f"scaled-{epi.scaling}" + ("-promoted" if epi.promote else "") + ("-swapAB" if plan.swap else "") + \
+        (f"-splitK{cfg.split_k}" if cfg.split_k > 1 else "")
     return f"{name}: {cfg.bm}x{cfg.bn} tile on {plan.grid} blocks, {cfg.stages} stages"
 
 
@@ -222,16 +223,27 @@ def _new_call(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: 
     reason = eligibility(a, b, scale_a, scale_b, bias, out_dtype, out)
     if reason:
         raise ValueError(reason)
-    return _Call(plan)
+    return _Call(plan, out, out_dtype)
 
 
-@dataclass
+REDUCE_THREADS = 256
+
+
 class _Call:
-    """The kernel's launch for one call signature."""
-    plan: ScaledPlan
+    """The launches of one call signature: the kernel, and with split K the reduce kernel (f32 partials laid out
+    like the caller's output, so that the reduce reads and writes in memory order; a swapped plan's kernel writes
+    their transpose)."""
 
-    def __post_init__(self) -> None:
-        self.launch = scaled_mm_kernel.prepared(self.plan.grid, self.plan.threads)
+    def __init__(self, plan: ScaledPlan, out: Optional[torch.Tensor], out_dtype: torch.dtype):
+        self.plan = plan
+        self.launch = scaled_mm_kernel.prepared(plan.grid, plan.threads)
+        self.out_m, self.out_n = (plan.n, plan.m) if plan.swap else (plan.m, plan.n)
+        self.reduce = None
+        if plan.epilogue.partial:
+            self.reduce_vec = vector_width(self.out_n, (out,), out_dtype.itemsize) \
+                if out is None or out.stride(-1) == 1 else 1
+            self.reduce = scaled_reduce_kernel.prepared(
+                math.ceil(self.out_m * self.out_n / (REDUCE_THREADS * self.reduce_vec)), REDUCE_THREADS)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
             bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
@@ -241,16 +253,26 @@ class _Call:
         if a.shape[1] == 0:
             out.copy_(torch.zeros_like(out) if bias is None else bias.to(out.dtype).expand_as(out))
             return
-        kernel_a, kernel_b = b.t(), a  # the kernel's operands, both (rows, K) row-major
+        kernel_a, kernel_b = a, b.t()  # the kernel's operands, both (rows, K) row-major
         sa, sb = kernel_scales(plan.epilogue.scaling, scale_a, scale_b)
-        out_k = out
+        caller_sa, caller_sb = sa, sb
+        target = out
         if plan.swap:
-            sa, sb = sb, sa
-            out_k = out.t()
-        else:
             kernel_a, kernel_b = kernel_b, kernel_a
+            sa, sb = sb, sa
+            target = out.t()
+        if self.reduce is not None:
+            splits = plan.config.split_k
+            count = splits * self.out_m * self.out_n
+            buffer = scratch.partials(a.device, current_stream(a.device.index), count)[:count]
+            partials = buffer.view(splits, self.out_m, self.out_n)
+            target = partials.transpose(1, 2) if plan.swap else partials
         self.launch(cached_descriptor(kernel_a, plan.a_box, 128), cached_descriptor(kernel_b, plan.b_box, 128),
-                    out_k, sa, sb, bias, plan.m, plan.n, plan.k_tiles, plan.config, plan.epilogue)
+                    target, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n, plan.k_tiles,
+                    plan.config, plan.epilogue)
+        if self.reduce is not None:
+            self.reduce(partials, out, caller_sa, caller_sb, bias, self.out_m, self.out_n, plan.config.split_k,
+                        plan.epilogue.scaling, self.reduce_vec, REDUCE_THREADS)
 
 
 def kernel_scales(scaling: str, scale_a: torch.Tensor, scale_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,8 +310,8 @@ def reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
 # ---------------------------------------------------------------------------------------------- compiling
 def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], out_dtype: torch.dtype = torch.bfloat16,
                      dtypes: tuple[Any, Any] = (nvfly.f8e4m3, nvfly.f8e4m3), target: str = "sm_90a") -> list[Any]:
-    """Compile the kernel for each (config, epilogue) without a GPU (M = N = K = 4096 strides); returns
-    CompiledKernels."""
+    """Compile the kernel for each (config, epilogue) without a GPU (M = N = K = 4096 strides; ``bias_rows``: a
+    swapped plan's transposed output); returns CompiledKernels."""
     from nvfly.frontend.dtypes import bf16, f16, f32
     from nvfly.runtime.tensor_desc import TensorDesc
     out_nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}[out_dtype]
@@ -299,6 +321,9 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
         a_desc = nvfly.TmaDescriptor(TensorDesc(dtypes[0], (size, size)), (min(cfg.bm, 256), BK), swizzle=128)
         b_desc = nvfly.TmaDescriptor(TensorDesc(dtypes[1], (size, size)), (min(cfg.bn, 256), BK), swizzle=128)
         out = TensorDesc(out_nv, (size, size), (1, size) if epi.bias_rows else None)
+        if epi.partial:  # [split, rows, cols] f32 partial sums (a swapped plan's: transposed)
+            out = TensorDesc(f32, (cfg.split_k, size, size),
+                             (size * size, 1, size) if epi.bias_rows else None)
         kb = size // SCALE_BLOCK
         if epi.scaling == "tensor":
             sa, sb = TensorDesc(f32, (1,)), TensorDesc(f32, (1,))
@@ -311,3 +336,18 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
                                                 math.ceil(size / BK), CFG=cfg, EPI=epi,
                                                 block=128 * (1 + cfg.consumers), target=target))
     return kernels
+
+
+def compile_reduce(scaling: str, splits: int, vec: int, bias: bool, out_dtype: torch.dtype = torch.bfloat16,
+                   target: str = "sm_90a") -> Any:
+    """Compile split K's reduce kernel without a GPU (a 64 x 4096 output)."""
+    from nvfly.frontend.dtypes import bf16, f16, f32
+    from nvfly.runtime.tensor_desc import TensorDesc
+    out_nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}[out_dtype]
+    m, n = 64, 4096
+    scales = {"tensor": ((1,), (1,)), "row": ((m,), (n,)), "block": ((m, 32), (32, 32))}[scaling]
+    return scaled_reduce_kernel.compile(TensorDesc(f32, (splits, m, n)), TensorDesc(out_nv, (m, n)),
+                                        TensorDesc(f32, scales[0]), TensorDesc(f32, scales[1]),
+                                        TensorDesc(bf16, (n,)) if bias else None, m, n, SPLITS=splits,
+                                        SCALING=scaling, VEC=vec, THREADS=REDUCE_THREADS, block=REDUCE_THREADS,
+                                        target=target)

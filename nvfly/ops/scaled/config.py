@@ -1,7 +1,7 @@
 """The scaled (FP8) GEMM kernel's configs and epilogue options. Pure Python: plans, tests and the kernel read them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from nvfly.ops.gemm.config import BARRIER_BYTES, SMEM_LIMIT
@@ -14,12 +14,14 @@ SCALINGS = ("tensor", "row", "block")
 @dataclass(frozen=True)
 class ScaledConfig:
     """One point of the scaled GEMM's config space: a bm x bn output tile split between ``consumers`` warpgroups
-    (64 or 128 rows each), a ring of ``stages`` k-blocks of 128, ``group_m`` tile rows per rasterisation group."""
+    (64 or 128 rows each), a ring of ``stages`` k-blocks of 128, ``group_m`` tile rows per rasterisation group,
+    ``split_k`` K splits (each writes f32 partial sums; a reduce kernel scales and adds them)."""
     bm: int = 128
     bn: int = 128
     stages: int = 6
     consumers: int = 2
     group_m: int = 8
+    split_k: int = 1
 
     @property
     def wg_m(self) -> int:
@@ -45,6 +47,8 @@ class ScaledConfig:
                     f"{', two accumulators when promoting' if promote else ''})")
         if self.stages < 2:
             return "at least 2 stages"
+        if not 1 <= self.split_k <= 32:
+            return f"split_k={self.split_k}: 1 to 32"
         if self.smem_bytes() > SMEM_LIMIT:
             return f"{self.smem_bytes()} bytes of shared memory exceed {SMEM_LIMIT}"
         return None
@@ -53,7 +57,7 @@ class ScaledConfig:
 def deepest(cfg: ScaledConfig, most: int = 8) -> ScaledConfig:
     """``cfg`` with the deepest ring of at most ``most`` stages that fits shared memory."""
     stages = max(2, min(most, (SMEM_LIMIT - BARRIER_BYTES) // cfg.stage_bytes))
-    return ScaledConfig(cfg.bm, cfg.bn, stages, cfg.consumers, cfg.group_m)
+    return replace(cfg, stages=stages)
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,14 @@ class ScaledEpilogue:
     128x128 block of the kernel's B, applied to each k-block's partial sum in the mainloop); promote: accumulate
     each k-block in a fresh wgmma accumulator and add it into an fp32 sum (always with "block"; otherwise
     torch's ``use_fast_accum=False``); bias: a bias vector added last, along the output's columns, or along its
-    rows (``bias_rows``: the swapped problem, whose rows are the caller's columns)."""
+    rows (``bias_rows``: the swapped problem, whose rows are the caller's columns); partial: split K, the kernel
+    writes its K range's unscaled f32 sums (out is [split, rows, cols]) and ``scaled_reduce_kernel`` applies the
+    scales and the bias."""
     scaling: str = "tensor"
     promote: bool = False
     bias: bool = False
     bias_rows: bool = False
+    partial: bool = False
 
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:

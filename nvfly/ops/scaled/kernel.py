@@ -61,7 +61,7 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     nvfly.syncthreads()
     first_tile = nvfly.block_idx.x
     tile_step = nvfly.grid_dim.x
-    TILING = Tiling(BM, BN, CFG.group_m)
+    TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k)
     tiles = tile_grid(m, n, 1, k_tiles, 0, 0, tile_step, None, None, TILING)
     num_units = block_units(first_tile, tiles, TILING)
 
@@ -142,10 +142,36 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                 if lane == 0:
                     pipe.consumer_release(prev)
             inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
-            if inside:
+            if EPI.partial:
+                if inside:
+                    store_partial(out, accs, work.split, row0, col0, m, n, BN, ATOMS_M, False)
+                else:
+                    store_partial(out, accs, work.split, row0, col0, m, n, BN, ATOMS_M, True)
+            elif inside:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
             else:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
+
+
+@nvfly.func
+def store_partial(out, accs, split, row0, col0, m, n, BN, ATOMS_M, MASKED):
+    """Split K: the consumer's unscaled f32 sums into out[split] ([split, rows, cols], any strides)."""
+    vec = isinstance(out.stride[2], int) and out.stride[2] == 1
+    for i in nvfly.static_range(ATOMS_M):
+        for h in nvfly.static_range(2):
+            row = row0 + 64 * i + 8 * h
+            if not MASKED or row < m:
+                for j in nvfly.static_range(BN // 8):
+                    col = col0 + 8 * j
+                    v0 = accs[i][4 * j + 2 * h]
+                    v1 = accs[i][4 * j + 2 * h + 1]
+                    if vec and (not MASKED or col + 1 < n):
+                        out.store(nvfly.make_vector([v0, v1]), split, row, col)
+                    else:
+                        if not MASKED or col < n:
+                            out[split, row, col] = v0
+                        if not MASKED or col + 1 < n:
+                            out[split, row, col + 1] = v1
 
 
 @nvfly.func
@@ -197,3 +223,37 @@ def store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN,
                         out[row, col] = values[0].to(out.dtype)
                     if not MASKED or col + 1 < n:
                         out[row, col + 1] = values[1].to(out.dtype)
+
+
+@nvfly.kernel
+def scaled_reduce_kernel(partials: nvfly.Tensor, out: nvfly.Tensor, scale_a: nvfly.Tensor, scale_b: nvfly.Tensor,
+                         bias, m: nvfly.i32, n: nvfly.i32, SPLITS: nvfly.Constexpr, SCALING: nvfly.Constexpr,
+                         VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr):
+    """Split K's second step, in the caller's orientation: out[r, c] = scale(sum_s partials[s, r, c]) (+ bias[c]),
+    VEC consecutive columns per thread (VEC divides n). Scales as the caller gives them: one element each
+    ("tensor"), or sa per row and sb per column ("row"); "block": none left to apply."""
+    i = (nvfly.block_idx.x * THREADS + nvfly.thread_idx.x) * VEC
+    if i < m * n:
+        row = i // n
+        col = i - row * n
+        acc = partials.load(0, row, col, width=VEC)
+        for s in nvfly.static_range(1, SPLITS):
+            acc = acc + partials.load(s, row, col, width=VEC)
+        if SCALING == "tensor":
+            row_scale = scale_a[0] * scale_b[0]
+        elif SCALING == "row":
+            row_scale = scale_a[row]
+        values = []
+        for e in nvfly.static_range(VEC):
+            v = acc[e] if VEC > 1 else acc
+            if SCALING != "block":  # block scales were applied in the mainloop
+                v = v * row_scale
+            if SCALING == "row":
+                v = v * scale_b[col + e]
+            if bias is not None:
+                v = v + bias[col + e].to(nvfly.f32)
+            values.append(v)
+        if VEC > 1:
+            out.store(nvfly.make_vector(values).to(out.dtype), row, col)
+        else:
+            out[row, col] = values[0].to(out.dtype)

@@ -6,7 +6,8 @@ mainloops keep two accumulators per consumer, so 128x128 (two consumers of 64 ro
 narrow to 64 columns while 128-wide tiles would fill less than FILL of the SMs.
 Small M (at most SWAP_MAX_M rows) with tensor/row scales is computed as the transposed problem (swap A/B: the
 weights fill wgmma's 64-row M, the tokens its N); block scales stay unswapped on one 64-row token tile (their
-activation scales run along the kernel's rows), its width the widest that still fills FILL of the SMs. Measurements: docs/ops/scaled.md.
+activation scales run along the kernel's rows), its width the widest that still fills FILL of the SMs. Small-M tiles that fill at most half the SMs split K
+over the idle ones (f32 partials, then a reduce kernel applies scales and bias). Measurements: docs/ops/scaled.md.
 """
 from __future__ import annotations
 
@@ -14,11 +15,18 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from dataclasses import replace
+
+from nvfly.ops.common.scheduler import split_count
 from nvfly.ops.scaled.config import BK, ScaledConfig, ScaledEpilogue, deepest
 
 SWAP_MAX_M = 64
 TAIL_IDLE = 0.2  # the wide tile's last wave may leave at most this share of the SMs idle
 FILL = 0.8  # token tiles: the widest whose tiles still fill this share of the SMs
+# small M splits K while the tiles fill at most half the SMs: each split at least SPLIT_MIN_K_TILES k-blocks, at
+# most SPLIT_MAX splits
+SPLIT_MIN_K_TILES = 4
+SPLIT_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -43,10 +51,10 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
     if swap:  # tokens along the kernel's N: the narrowest multiple of 8 that holds them
         bn = max(8, 8 * math.ceil(n / 8))
         bm, consumers = (64, 1) if math.ceil(m / 64) <= sms else (128, 2)
-        return deepest(ScaledConfig(bm, bn, 2, consumers), most=12)
+        return split_small_m(deepest(ScaledConfig(bm, bn, 2, consumers), most=12), m, n, k, sms)
     if m <= 64:  # one 64-row token tile, as narrow (down to 32) as filling the SMs needs
         bn = next((w for w in (128, 64) if math.ceil(n / w) >= FILL * sms), 32)
-        return deepest(ScaledConfig(64, bn, 2, 1), most=12)
+        return split_small_m(deepest(ScaledConfig(64, bn, 2, 1), most=12), m, n, k, sms)
     if promote:  # two accumulators: at most 128 columns, narrower while the tiles leave SMs idle
         bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
         return deepest(ScaledConfig(128, bn, 2, 2))
@@ -56,6 +64,16 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
         return deepest(ScaledConfig(128, 256, 2, 2))
     bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
     return deepest(ScaledConfig(128, bn, 2, 2))
+
+
+def split_small_m(cfg: ScaledConfig, m: int, n: int, k: int, sms: int) -> ScaledConfig:
+    """``cfg`` with K split over the idle SMs when its tiles fill at most half of them (see SPLIT_MIN_K_TILES)."""
+    tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn)
+    k_tiles = math.ceil(k / BK)
+    if 2 * tiles > sms:
+        return cfg
+    split = split_count(k_tiles, max(1, min(sms // tiles, k_tiles // SPLIT_MIN_K_TILES, SPLIT_MAX)))
+    return replace(cfg, split_k=split)
 
 
 def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional[ScaledConfig],
@@ -78,7 +96,11 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     if epilogue.scaling == "block" and 128 % config.bn:
         raise ValueError(f"config: bn={config.bn}: with 128x128 weight blocks a tile's columns must lie in one "
                          f"block (bn divides 128)")
-    tiles = math.ceil(m / config.bm) * math.ceil(n / config.bn)
-    return ScaledPlan(config=config, epilogue=epilogue, swap=swap, m=m, n=n, k=k, k_tiles=math.ceil(k / BK),
-                      grid=max(1, min(tiles, sms)), threads=128 * (1 + config.consumers), a_box=(min(config.bm, 256), BK),
-                      b_box=(min(config.bn, 256), BK))
+    k_tiles = math.ceil(k / BK)
+    config = replace(config, split_k=split_count(k_tiles, config.split_k))  # every split at least one k-block
+    if config.split_k > 1:
+        epilogue = replace(epilogue, partial=True)
+    tiles = math.ceil(m / config.bm) * math.ceil(n / config.bn) * config.split_k
+    return ScaledPlan(config=config, epilogue=epilogue, swap=swap, m=m, n=n, k=k, k_tiles=k_tiles,
+                      grid=max(1, min(tiles, sms)), threads=128 * (1 + config.consumers),
+                      a_box=(min(config.bm, 256), BK), b_box=(min(config.bn, 256), BK))

@@ -210,3 +210,12 @@ def test_reduce_kernel_compiles(scaling, vec, bias):
     k = compile_reduce(scaling, 4, vec, bias)
     assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0 and not k.warnings
     assert k.count("LDG.E.128") >= (vec // 4) * 4 if vec >= 4 else True
+
+
+def test_explain_describes_scaled_gemms(capsys):
+    from nvfly.cli import main
+    assert main(["explain", "16", "4096", "7168", "--scaled", "block"]) == 0
+    out = capsys.readouterr().out
+    assert "scaled-block-promoted: 64x32 tile on 128 blocks" in out and "routing" in out
+    assert main(["explain", "8", "4096", "7168", "--scaled", "row", "--fast-accum"]) == 0
+    assert "scaled-row-swapAB-splitK2: 64x8 tile" in capsys.readouterr().out

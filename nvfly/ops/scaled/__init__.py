@@ -3,8 +3,8 @@
 (``kernel``, planned by ``plan``); ``api`` holds the host functions re-exported here, docs/ops/scaled.md the design
 and measurements.
 """
-from nvfly.ops.scaled.api import check, dequantize, eligibility, path, recipe, reference, scaled_mm
+from nvfly.ops.scaled.api import check, dequantize, describe, eligibility, path, recipe, reference, scaled_mm
 from nvfly.ops.scaled.config import ScaledConfig, ScaledEpilogue
 
-__all__ = ["ScaledConfig", "ScaledEpilogue", "check", "dequantize", "eligibility", "path", "recipe", "reference",
-           "scaled_mm"]
+__all__ = ["ScaledConfig", "ScaledEpilogue", "check", "dequantize", "describe", "eligibility", "path", "recipe",
+           "reference", "scaled_mm"]

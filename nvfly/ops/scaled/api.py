@@ -186,6 +186,14 @@ def path(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch
     return describe_plan(plan)
 
 
+def describe(m: int, n: int, k: int, *, scaling: str = "row", use_fast_accum: bool = False,
+             bias: bool = False, sms: int = 132) -> str:
+    """What ``scaled_mm`` runs without a config for an m x n x k call with ``scaling`` ("tensor", "row" or
+    "block") scales, planned for ``sms`` SMs (no GPU needed), as ``path`` names it."""
+    epilogue = ScaledEpilogue(scaling, promote=scaling == "block" or not use_fast_accum, bias=bias)
+    return describe_plan(make_plan(m, n, k, epilogue, None, None, sms))
+
+
 def describe_plan(plan: ScaledPlan) -> str:
     cfg, epi = plan.config, plan.epilogue
     name = f"scaled-{epi.scaling}" + ("-promoted" if epi.promote else "") + ("-swapAB" if plan.swap else "") + \

@@ -7,7 +7,8 @@ Then the median times. Recipes: tensor-wise and row-wise fp32 scales, each with 
 accumulation and with use_fast_accum=True, and 1x128 x 128x128 block scales (always promoted). bf16 outputs.
 
 Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [--shapes M,N,K ...]
-[--recipes tensor row block tensor-fast row-fast] [--name scaled]. --quick: six shapes (< 3 min on the H200; Triton on the first
+[--recipes tensor row block tensor-fast row-fast] [--name scaled] [--no-quantize]. The quantisation kernels
+(bf16 -> e4m3 per row, 1x128, 128x128) are checked bit for bit against the torch reference and timed after. --quick: six shapes (< 3 min on the H200; Triton on the first
 shape's promoted recipes only).
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
 """
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_results  # noqa: E402
 from nvfly.ops import scaled  # noqa: E402
-from nvfly.ops.scaled.quantize import quantize  # noqa: E402
+from nvfly.ops.scaled.quantize import quantize, quantize_fp8  # noqa: E402
 
 # the FP8 anchors (../shared/docs/anchors.md) first, then DeepSeek-V3's projections at decode and prefill sizes
 ANCHORS = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 16384), (128, 8192, 8192), (2048, 24576, 1536)]
@@ -77,6 +78,30 @@ def triton_call(a, b, sa, sb, fast: bool) -> Optional[Any]:
     return lambda: compiled(a, b, sa, sb)
 
 
+QUANTIZE_SHAPES = [(4096, 7168), (16384, 4096), (16, 7168)]
+
+
+def quantize_rows() -> list[dict[str, Any]]:
+    """nvfly's quantisation kernels against the torch reference (the same result bit for bit, checked): GB/s of
+    bf16 read + fp8 written."""
+    rows = []
+    for m, k in QUANTIZE_SHAPES:
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        for granularity in ("row", "1x128", "128x128"):
+            q, s = quantize_fp8(x, granularity)
+            q_ref, s_ref = quantize(x, granularity)
+            exact = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+            nvfly_ms = bench_ms(lambda: quantize_fp8(x, granularity))
+            torch_ms = bench_ms(lambda: quantize(x, granularity))
+            gbytes = 3 * m * k / 1e9
+            row = {"M": m, "K": k, "granularity": granularity, "bit_exact": exact, "nvfly_ms": nvfly_ms,
+                   "torch_ms": torch_ms, "nvfly_gbps": gbytes / nvfly_ms * 1e3, "vs_torch": torch_ms / nvfly_ms}
+            rows.append(row)
+            print(f"quantize {m:>5}x{k:>5} {granularity:>7}  bit-exact {exact}  nvfly {row['nvfly_gbps']:7.1f} GB/s"
+                  f"  x{row['vs_torch']:.1f} vs the torch reference", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="six shapes (< 3 min on the H200)")
@@ -86,6 +111,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="*", default=None)
     p.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
     p.add_argument("--name", default="scaled")
+    p.add_argument("--no-quantize", action="store_true", help="skip the quantisation kernels' rows")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else \
         (QUICK if args.quick else SUITE)
@@ -143,8 +169,11 @@ def main(argv=None) -> int:
         summary[f"geomean_vs_cublas_{recipe}"] = geomean([r["vs_cublas"] for r in mine if "vs_cublas" in r])
         summary[f"geomean_vs_bf16_{recipe}"] = geomean([r["vs_bf16"] for r in mine])
     summary["geomean_vs_triton"] = geomean([r["vs_triton"] for r in rows if "vs_triton" in r])
+    quantized = [] if args.no_quantize else quantize_rows()
+    if quantized:
+        summary["quantize_all_bit_exact"] = all(r["bit_exact"] for r in quantized)
     print(summary)
-    path = write_results(args.name, rows, {"summary": summary})
+    path = write_results(args.name, rows, {"summary": summary, "quantize": quantized})
     labels = [f"{r['M']}x{r['N']}x{r['K']} {r['recipe']}" for r in rows]
     plot(args.name, labels, {"nvfly": [r["nvfly_tflops"] for r in rows],
                              "cuBLAS _scaled_mm": [r.get("cublas_tflops", 0.0) for r in rows],

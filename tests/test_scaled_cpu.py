@@ -219,3 +219,13 @@ def test_explain_describes_scaled_gemms(capsys):
     assert "scaled-block-promoted: 64x32 tile on 128 blocks" in out and "routing" in out
     assert main(["explain", "8", "4096", "7168", "--scaled", "row", "--fast-accum"]) == 0
     assert "scaled-row-swapAB-splitK2: 64x8 tile" in capsys.readouterr().out
+
+
+def test_quantize_fp8_checks_its_arguments():
+    from nvfly.ops.scaled.quantize import quantize_fp8
+    with pytest.raises(ValueError, match="^nvfly.ops.scaled.quantize_fp8: granularity"):
+        quantize_fp8(torch.randn(4, 32), "tensor")
+    with pytest.raises(TypeError, match="^nvfly.ops.scaled.quantize_fp8: x: expected a 2-D"):
+        quantize_fp8(torch.randn(4, 32, dtype=torch.float64), "row")
+    with pytest.raises(ValueError, match="^nvfly.ops.scaled.quantize_fp8: x: .*CUDA"):
+        quantize_fp8(torch.randn(4, 32), "row")

@@ -7,9 +7,13 @@ FP8_MAX)), rounded to nearest even. Layouts are ``torch._scaled_mm``'s (see nvfl
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.scaled.config import SCALE_BLOCK
+from nvfly.runtime.torch_args import layout_key
 
 AMAX_FLOOR = 1e-12
 GRANULARITIES = ("tensor", "row", "1x128", "128x128")
@@ -88,43 +92,67 @@ def quantize_fp8(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.f
     """``quantize``'s result (the same values and scales, bit for bit, in the same layouts) from nvfly's
     memory-bound kernel: x a contiguous CUDA (rows, K) bf16/fp16/fp32 tensor, K a multiple of 16, granularity
     "row", "1x128" or "128x128" (tensor-wise scales need a global amax first: ``quantize``)."""
-    from nvfly.ops.common.opcall import named
-    from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
-    with named("nvfly.ops.scaled.quantize_fp8"):
+    try:
+        key = (layout_key(x), granularity, dtype, operand)
+        call = _QUANT_CALLS.get(key)
+    except Exception:  # noqa: BLE001 - not a tensor, an unhashable argument: the checks explain
+        key = call = None
+    if call is None:
+        call = _QUANT_CALLS.plan("nvfly.ops.scaled.quantize_fp8", key, _QuantizeCall, x, granularity, dtype,
+                                 operand)
+    return call.run(x)
+
+
+class _QuantizeCall:
+    """The quantisation kernel's launch for one call signature (checked on its first call)."""
+
+    def __init__(self, x: Any, granularity: str, dtype: torch.dtype, operand: str):
+        from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
         if granularity not in KERNEL_GRANULARITIES:
             raise ValueError(f"granularity: expected one of {KERNEL_GRANULARITIES}, got {granularity!r}")
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _SOURCE_DTYPES:
             raise TypeError(f"x: expected a 2-D bf16, fp16 or fp32 tensor, got {getattr(x, 'dtype', type(x))}")
-        if not x.is_contiguous() or x.shape[1] % 16:
-            raise ValueError(f"x: expected a contiguous tensor with K a multiple of 16, got shape {tuple(x.shape)} "
-                             f"strides {x.stride()}")
+        if not x.is_contiguous() or x.shape[1] % 16 or not x.is_cuda or x.data_ptr() % 16:
+            raise ValueError(f"x: expected a contiguous, 16-byte aligned CUDA tensor with K a multiple of 16, got "
+                             f"shape {tuple(x.shape)} strides {x.stride()} on {x.device}")
         if dtype not in _FP8_NAMES:
             raise TypeError(f"dtype: expected float8_e4m3fn or float8_e5m2, got {dtype}")
         if operand not in ("a", "b"):
             raise ValueError(f"operand: expected 'a' or 'b', got {operand!r}")
-    rows, k = x.shape
-    kb = -(-k // SCALE_BLOCK)
-    q = torch.empty((rows, k), dtype=dtype, device=x.device)
-    if granularity == "row":
-        scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
-        plan = QuantizePlan(1, 0, False, _QUANT_THREADS, 16 // x.element_size(), _FP8_NAMES[dtype], fp8_max(dtype),
-                            AMAX_FLOOR)
-        blocks = rows
-    elif granularity == "1x128":
-        scale = torch.empty((kb, rows), dtype=torch.float32, device=x.device).t()  # (rows, kb), strides (1, rows)
-        plan = QuantizePlan(1, SCALE_BLOCK, True, _QUANT_THREADS, SCALE_BLOCK // 32, _FP8_NAMES[dtype],
-                            fp8_max(dtype), AMAX_FLOOR)
-        blocks = -(-rows * kb // (_QUANT_THREADS // 32))
-    else:
-        rb = -(-rows // SCALE_BLOCK)
-        scale = torch.empty((rb, kb), dtype=torch.float32, device=x.device)
-        plan = QuantizePlan(SCALE_BLOCK, SCALE_BLOCK, False, _QUANT_THREADS, 16 // x.element_size(),
-                            _FP8_NAMES[dtype], fp8_max(dtype), AMAX_FLOOR)
-        blocks = rb * kb
-    if rows and k:
-        quantize_kernel[blocks, _QUANT_THREADS](x, q.view(torch.int32), scale, rows, k, PLAN=plan)
-    if operand == "a":
-        return q, scale
-    # the weight's transposes: b (K, N) column-major; scale_b row (1, N), 1x128 (kb, N) contiguous, 128x128
-    # (kb, N/128) with strides (1, kb)
-    return q.t(), scale.t()
+        self.granularity, self.dtype, self.operand = granularity, dtype, operand
+        rows, k = x.shape
+        self.kb = -(-k // SCALE_BLOCK)
+        self.rb = -(-rows // SCALE_BLOCK)
+        if granularity == "row":  # a block per row
+            self.plan = QuantizePlan(1, 0, False, _QUANT_THREADS, 16 // x.element_size(), _FP8_NAMES[dtype],
+                                     fp8_max(dtype), AMAX_FLOOR)
+            blocks = rows
+        elif granularity == "1x128":  # a warp per group
+            self.plan = QuantizePlan(1, SCALE_BLOCK, True, _QUANT_THREADS, SCALE_BLOCK // 32, _FP8_NAMES[dtype],
+                                     fp8_max(dtype), AMAX_FLOOR)
+            blocks = -(-rows * self.kb // (_QUANT_THREADS // 32))
+        else:  # a block per 128x128 block
+            self.plan = QuantizePlan(SCALE_BLOCK, SCALE_BLOCK, False, _QUANT_THREADS, 16 // x.element_size(),
+                                     _FP8_NAMES[dtype], fp8_max(dtype), AMAX_FLOOR)
+            blocks = self.rb * self.kb
+        self.launch = quantize_kernel.prepared(max(1, blocks), _QUANT_THREADS)
+
+    def run(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, k = x.shape
+        q = torch.empty((rows, k), dtype=self.dtype, device=x.device)
+        if self.granularity == "row":
+            scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+        elif self.granularity == "1x128":
+            scale = torch.empty((self.kb, rows), dtype=torch.float32, device=x.device).t()  # strides (1, rows)
+        else:
+            scale = torch.empty((self.rb, self.kb), dtype=torch.float32, device=x.device)
+        if rows and k:
+            self.launch(x, q.view(torch.int32), scale, rows, k, self.plan)
+        if self.operand == "a":
+            return q, scale
+        # the weight's transposes: b (K, N) column-major; scale_b row (1, N), 1x128 (kb, N) contiguous, 128x128
+        # (kb, N/128) with strides (1, kb)
+        return q.t(), scale.t()
+
+
+_QUANT_CALLS: OpCalls[_QuantizeCall] = OpCalls()

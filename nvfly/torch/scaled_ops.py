@@ -9,7 +9,7 @@ GPU; with a bias only where torch takes one (bf16/fp16 outputs). Everything else
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -43,43 +43,54 @@ def scaled_mm_run(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale
     return scaled.scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
 
-def _v2_scales(scale_a: Sequence[torch.Tensor], recipe_a: Sequence[int], swizzle_a: Sequence[int],
-               scale_b: Sequence[torch.Tensor], recipe_b: Sequence[int], swizzle_b: Sequence[int],
-               contraction_dim: Sequence[int]) -> tuple[Optional[str], Any, Any]:
-    """(reason or None, scale_a, scale_b) of a _scaled_mm_v2 call nvfly may run."""
+# the _scaled_mm_v2 arguments nvfly reads, by schema name (2.13's schema; a torch whose schema lacks one is declined)
+_V2_NAMES = ("self", "mat2", "scale_a", "recipe_a", "swizzle_a", "scale_b", "recipe_b", "swizzle_b", "bias",
+             "out_dtype", "contraction_dim", "use_fast_accum")
+
+
+def _v2_schema_names() -> tuple[str, ...]:
+    return tuple(arg.name for arg in torch.ops.aten._scaled_mm_v2.default._schema.arguments)
+
+
+def _v2_arguments(args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
+    """A _scaled_mm_v2 call's arguments by name (defaults filled), or None when this torch's schema differs."""
+    schema = torch.ops.aten._scaled_mm_v2.default._schema
+    names = _v2_schema_names()
+    if not set(_V2_NAMES) <= set(names):
+        return None
+    bound = {arg.name: arg.default_value for arg in schema.arguments if arg.has_default_value()}
+    bound.update(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def scaled_mm_v2_eligibility(*args: Any, **kwargs: Any) -> Optional[str]:
+    call = _v2_arguments(args, kwargs)
+    if call is None:
+        return f"this torch's _scaled_mm_v2 schema {_v2_schema_names()} is not the one nvfly reads"
+    scale_a, scale_b, recipe_a, recipe_b = call["scale_a"], call["scale_b"], call["recipe_a"], call["recipe_b"]
     if len(scale_a) != 1 or len(scale_b) != 1 or len(recipe_a) != 1 or len(recipe_b) != 1:
-        return "one scale per operand is supported (no lists)", None, None
-    if any(swizzle_a) or any(swizzle_b):
-        return "swizzled scales (MX/NVFP4 layouts) are not supported", None, None
-    if list(contraction_dim) not in ([], [1, 0]):
-        return f"contraction_dim {list(contraction_dim)}: nvfly contracts a's dim 1 with b's dim 0", None, None
+        return "one scale per operand is supported (no lists)"
+    if any(call["swizzle_a"] or ()) or any(call["swizzle_b"] or ()):
+        return "swizzled scales (MX/NVFP4 layouts) are not supported"
+    if list(call["contraction_dim"] or ()) not in ([], [1, 0]):
+        return f"contraction_dim {list(call['contraction_dim'])}: nvfly contracts a's dim 1 with b's dim 0"
     recipe = _V2_RECIPES.get((recipe_a[0], recipe_b[0]))
     if recipe is None:
         return (f"scale recipes {recipe_a[0]}/{recipe_b[0]}: nvfly routes tensor-wise and row-wise F.scaled_mm "
-                f"(block scales through torch._scaled_mm)"), None, None
-    return None, scale_a[0], scale_b[0]
-
-
-def scaled_mm_v2_eligibility(a: torch.Tensor, b: torch.Tensor, scale_a: Sequence[torch.Tensor],
-                             recipe_a: Sequence[int], swizzle_a: Sequence[int], scale_b: Sequence[torch.Tensor],
-                             recipe_b: Sequence[int], swizzle_b: Sequence[int], bias: Optional[torch.Tensor],
-                             out_dtype: Optional[torch.dtype], contraction_dim: Sequence[int] = (),
-                             use_fast_accum: bool = False) -> Optional[str]:
-    reason, sa, sb = _v2_scales(scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b, contraction_dim)
-    if reason:
-        return reason
-    reason = _common_reason(a, b, sa, sb, bias, out_dtype)
-    if reason is None and scaled.recipe(a, b, sa, sb) != _V2_RECIPES[(recipe_a[0], recipe_b[0])]:
+                f"(block scales through torch._scaled_mm)")
+    a, b, sa, sb = call["self"], call["mat2"], scale_a[0], scale_b[0]
+    reason = _common_reason(a, b, sa, sb, call["bias"], call["out_dtype"])
+    if reason is None and scaled.recipe(a, b, sa, sb) != recipe:
         return "the scales' shapes do not match their recipes"
     return reason
 
 
-def scaled_mm_v2_run(a: torch.Tensor, b: torch.Tensor, scale_a: Sequence[torch.Tensor], recipe_a: Sequence[int],
-                     swizzle_a: Sequence[int], scale_b: Sequence[torch.Tensor], recipe_b: Sequence[int],
-                     swizzle_b: Sequence[int], bias: Optional[torch.Tensor], out_dtype: Optional[torch.dtype],
-                     contraction_dim: Sequence[int] = (), use_fast_accum: bool = False) -> torch.Tensor:
-    return scaled.scaled_mm(a, b, scale_a[0], scale_b[0], bias=bias, out_dtype=out_dtype,
-                            use_fast_accum=use_fast_accum)
+def scaled_mm_v2_run(*args: Any, **kwargs: Any) -> torch.Tensor:
+    call = _v2_arguments(args, kwargs)
+    assert call is not None  # eligibility declined it otherwise
+    return scaled.scaled_mm(call["self"], call["mat2"], call["scale_a"][0], call["scale_b"][0], bias=call["bias"],
+                            out_dtype=call["out_dtype"], use_fast_accum=bool(call["use_fast_accum"]))
 
 
 routing.register_route("aten::_scaled_mm", scaled_mm_eligibility, scaled_mm_run)

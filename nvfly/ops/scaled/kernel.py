@@ -24,9 +24,11 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
-from nvfly.ops.gemm.config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS
-from nvfly.ops.gemm.kernel import issue_k_block
+from nvfly.ops.gemm.config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
+from nvfly.ops.gemm.kernel import issue_k_block, store_tile
 from nvfly.ops.scaled.config import BK, SCALE_BLOCK
+
+PARTIAL = Epilogue(partial=True)
 
 
 @nvfly.kernel
@@ -142,36 +144,15 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                 if lane == 0:
                     pipe.consumer_release(prev)
             inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
-            if EPI.partial:
+            if EPI.partial:  # split K: unscaled f32 sums into out[split] (the dense GEMM's partial store)
                 if inside:
-                    store_partial(out, accs, work.split, row0, col0, m, n, BN, ATOMS_M, False)
+                    store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, False)
                 else:
-                    store_partial(out, accs, work.split, row0, col0, m, n, BN, ATOMS_M, True)
+                    store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, True)
             elif inside:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
             else:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
-
-
-@nvfly.func
-def store_partial(out, accs, split, row0, col0, m, n, BN, ATOMS_M, MASKED):
-    """Split K: the consumer's unscaled f32 sums into out[split] ([split, rows, cols], any strides)."""
-    vec = isinstance(out.stride[2], int) and out.stride[2] == 1
-    for i in nvfly.static_range(ATOMS_M):
-        for h in nvfly.static_range(2):
-            row = row0 + 64 * i + 8 * h
-            if not MASKED or row < m:
-                for j in nvfly.static_range(BN // 8):
-                    col = col0 + 8 * j
-                    v0 = accs[i][4 * j + 2 * h]
-                    v1 = accs[i][4 * j + 2 * h + 1]
-                    if vec and (not MASKED or col + 1 < n):
-                        out.store(nvfly.make_vector([v0, v1]), split, row, col)
-                    else:
-                        if not MASKED or col < n:
-                            out[split, row, col] = v0
-                        if not MASKED or col + 1 < n:
-                            out[split, row, col + 1] = v1
 
 
 @nvfly.func

@@ -90,11 +90,11 @@ def test_quantize_reference_round_trips_and_picks_amax_scales():
         deq = scaled.dequantize(q, s, (1, 128) if granularity == "1x128" else (1, 1))
         assert ((deq - x).norm() / x.norm()) < 0.05
     _, s = quantize(x, "1x128")
-    assert s.stride() == (1, 256) and s[3, 1] == torch.tensor(100.0) / 448
+    assert s.stride() == (1, 256) and s[3, 1] == torch.tensor(100.0) * (1 / 448)
     q, s = quantize(x.t().contiguous(), "128x128", operand="b")  # a (384 x 256) weight, b = (256, 384) col-major
     assert q.shape == (256, 384) and q.stride() == (1, 256)
     assert tuple(s.shape) == (2, 3) and s.stride() == (1, 2)
-    assert s[1, 0] == x[128:256, 0:128].abs().amax() / 448
+    assert s[1, 0] == x[128:256, 0:128].abs().amax() * (1 / 448)
     q, s = quantize(torch.zeros(4, 128), "row")
     assert torch.isfinite(s).all() and (q.float() == 0).all()
 
@@ -174,10 +174,10 @@ def test_quantize_kernels_compile(granularity):
     from nvfly.frontend.dtypes import bf16, f32, i32
     from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
     from nvfly.runtime.tensor_desc import TensorDesc
-    plan, scale = {"row": (QuantizePlan(1, 0, False, 256, 8, "f8e4m3", 448.0, 1e-12), TensorDesc(f32, (4096, 1))),
-                   "1x128": (QuantizePlan(1, 128, True, 256, 4, "f8e4m3", 448.0, 1e-12),
+    plan, scale = {"row": (QuantizePlan(1, 0, False, 256, 8, "f8e4m3", 1 / 448.0, 1e-12), TensorDesc(f32, (4096, 1))),
+                   "1x128": (QuantizePlan(1, 128, True, 256, 4, "f8e4m3", 1 / 448.0, 1e-12),
                              TensorDesc(f32, (4096, 32), (1, 4096))),
-                   "128x128": (QuantizePlan(128, 128, False, 256, 8, "f8e5m2", 57344.0, 1e-12),
+                   "128x128": (QuantizePlan(128, 128, False, 256, 8, "f8e5m2", 1 / 57344.0, 1e-12),
                                TensorDesc(f32, (32, 32)))}[granularity]
     k = quantize_kernel.compile(TensorDesc(bf16, (4096, 4096)), TensorDesc(i32, (4096, 1024)), scale, 4096, 4096,
                                 PLAN=plan, block=256)

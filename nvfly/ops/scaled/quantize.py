@@ -1,9 +1,11 @@
 """Quantisation of bf16/fp16/fp32 tensors to fp8 with the scales ``scaled_mm`` takes, in torch (the reference the
 quantisation kernels must match bit for bit in scale choice).
 
-Scale choice (DeepGEMM's and torchao's): a group's scale is amax / FP8_MAX in fp32 (amax = max |x| over the group,
-at least AMAX_FLOOR so that an all-zero group has a finite scale), and q = fp8(clamp(x / scale, -FP8_MAX,
-FP8_MAX)), rounded to nearest even. Layouts are ``torch._scaled_mm``'s (see nvfly.ops.scaled.api).
+Scale choice (DeepGEMM's and torchao's, amax / FP8_MAX): a group's scale is max(amax, AMAX_FLOOR) * (1 / FP8_MAX)
+in fp32 (amax = max |x| over the group; the floor keeps an all-zero group's scale finite; a multiply by the fp32
+reciprocal, because torch's CUDA division by a scalar multiplies by it, so that the torch reference computes the
+same scale on CPU and GPU), and q = fp8(clamp(x / scale, -FP8_MAX, FP8_MAX)) with an IEEE division, rounded to
+nearest even. Layouts are ``torch._scaled_mm``'s (see nvfly.ops.scaled.api).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def fp8_max(dtype: torch.dtype) -> float:
 def _quantize(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(q, scale) for amax broadcast to x's groups (same shape as x)."""
     top = fp8_max(dtype)
-    scale = amax.float().clamp_min(AMAX_FLOOR) / top
+    scale = amax.float().clamp_min(AMAX_FLOOR) * (1.0 / top)
     return (x.float() / scale).clamp(-top, top).to(dtype), scale
 
 
@@ -125,15 +127,15 @@ class _QuantizeCall:
         self.rb = -(-rows // SCALE_BLOCK)
         if granularity == "row":  # a block per row
             self.plan = QuantizePlan(1, 0, False, _QUANT_THREADS, 16 // x.element_size(), _FP8_NAMES[dtype],
-                                     fp8_max(dtype), AMAX_FLOOR)
+                                     1.0 / fp8_max(dtype), AMAX_FLOOR)
             blocks = rows
         elif granularity == "1x128":  # a warp per group
             self.plan = QuantizePlan(1, SCALE_BLOCK, True, _QUANT_THREADS, SCALE_BLOCK // 32, _FP8_NAMES[dtype],
-                                     fp8_max(dtype), AMAX_FLOOR)
+                                     1.0 / fp8_max(dtype), AMAX_FLOOR)
             blocks = -(-rows * self.kb // (_QUANT_THREADS // 32))
         else:  # a block per 128x128 block
             self.plan = QuantizePlan(SCALE_BLOCK, SCALE_BLOCK, False, _QUANT_THREADS, 16 // x.element_size(),
-                                     _FP8_NAMES[dtype], fp8_max(dtype), AMAX_FLOOR)
+                                     _FP8_NAMES[dtype], 1.0 / fp8_max(dtype), AMAX_FLOOR)
             blocks = self.rb * self.kb
         self.launch = quantize_kernel.prepared(max(1, blocks), _QUANT_THREADS)
 

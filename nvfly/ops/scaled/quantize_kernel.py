@@ -3,8 +3,8 @@ each group read twice (its amax, then its values; the second read hits L1/L2).
 
 A group is ``PLAN.group_rows`` x ``PLAN.group_cols`` elements (group_cols 0: a whole row). Small groups (1x128)
 take one warp each (WARPS groups a block; each lane VEC consecutive elements); large ones (a row, a 128x128 block)
-one block each, the threads walking the group in VEC-element chunks. scale = max(amax, AMAX_FLOOR) / FP8_MAX and
-q = fp8(x / scale) (round to nearest even, saturating: the reference's clamp), four fp8 values stored as one 32-bit
+one block each, the threads walking the group in VEC-element chunks. scale = max(amax, AMAX_FLOOR) * (1 / FP8_MAX)
+(an fp32 multiply, as the reference) and q = fp8(x / scale) (an IEEE division) (round to nearest even, saturating: the reference's clamp), four fp8 values stored as one 32-bit
 word (``q`` is passed as int32 words).
 """
 from __future__ import annotations
@@ -19,15 +19,15 @@ from nvfly.arch.reduce import block_reduce
 @dataclass(frozen=True)
 class QuantizePlan:
     """group_rows x group_cols groups (group_cols 0: whole rows); per_warp: one warp per group (group_cols = 32 *
-    vec), else one block of threads per group; fp8: the target dtype's name; fp8_max, amax_floor: the scale
-    choice."""
+    vec), else one block of threads per group; fp8: the target dtype's name; inv_fp8_max (1 / the dtype's largest
+    value), amax_floor: the scale choice."""
     group_rows: int
     group_cols: int
     per_warp: bool
     threads: int
     vec: int
     fp8: str
-    fp8_max: float
+    inv_fp8_max: float
     amax_floor: float
 
 
@@ -73,7 +73,7 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
             inside = col < cols
             values = _load(x, row, col, inside, VEC)
             amax = nvfly.warp_reduce(_amax(values, 0.0), "max")
-            s = nvfly.maximum(amax, PLAN.amax_floor) / PLAN.fp8_max
+            s = nvfly.maximum(amax, PLAN.amax_floor) * PLAN.inv_fp8_max
             if tid % 32 == 0:
                 scale[row, gcol] = s
             if inside:
@@ -94,7 +94,7 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
             col = gcol * gcols + (c - r * chunks_per_row) * VEC
             amax = _amax(_load(x, row, col, (row < rows) & (col < cols), VEC), amax)
         amax = block_reduce(amax, scratch, PLAN.threads, "max")
-        s = nvfly.maximum(amax, PLAN.amax_floor) / PLAN.fp8_max
+        s = nvfly.maximum(amax, PLAN.amax_floor) * PLAN.inv_fp8_max
         if tid == 0:
             scale[grow, gcol] = s
         for c in range(tid, chunks, PLAN.threads):

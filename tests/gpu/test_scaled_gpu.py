@@ -44,8 +44,9 @@ TOL = {torch.float32: 5e-4, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
-@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("mnk", [(256, 512, 1024), (200, 336, 544), (1000, 1040, 4096)])
+@pytest.mark.parametrize("out_dtype,mnk", [(torch.bfloat16, (256, 512, 1024)), (torch.bfloat16, (1000, 1040, 4096)),
+                                           (torch.float16, (200, 336, 544)), (torch.float32, (200, 336, 544)),
+                                           (torch.float32, (4224, 4096, 2048))])
 def test_recipes_match_the_dequantised_gemm(hopper, scaling, out_dtype, mnk):
     m, n, k = mnk
     a, b, sa, sb = operands(m, n, k, scaling)
@@ -66,8 +67,8 @@ def test_fast_accumulation(hopper, scaling):
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
-@pytest.mark.parametrize("m", [1, 8, 37, 64, 100])
-@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("m,bias_dtype", [(1, None), (8, torch.bfloat16), (37, torch.float16), (64, None),
+                                          (100, torch.bfloat16)])
 def test_small_m_and_bias(hopper, scaling, m, bias_dtype):
     """Small M: tensor/row-wise swap A and B (the bias then runs along the kernel's rows), block scales take one
     64-row token tile; both split K over the idle SMs here (f32 partials, then the reduce kernel)."""

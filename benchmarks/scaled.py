@@ -8,7 +8,7 @@ accumulation and with use_fast_accum=True, and 1x128 x 128x128 block scales (alw
 
 Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [--shapes M,N,K ...]
 [--recipes tensor row block tensor-fast row-fast] [--name scaled] [--no-quantize]. The quantisation kernels
-(bf16 -> e4m3 per row, 1x128, 128x128) are checked bit for bit against the torch reference and timed after. --quick: six shapes (< 3 min on the H200; Triton on the first
+(bf16 -> e4m3 per row, 1x128, 128x128, MXFP8) are checked bit for bit against the torch reference and timed after. --quick: six shapes (< 3 min on the H200; Triton on the first
 shape's promoted recipes only).
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
 """
@@ -87,7 +87,7 @@ def quantize_rows() -> list[dict[str, Any]]:
     rows = []
     for m, k in QUANTIZE_SHAPES:
         x = torch.randn(m, k, device="cuda").bfloat16()
-        for granularity in ("row", "1x128", "128x128"):
+        for granularity in ("row", "1x128", "128x128", "mx"):
             q, s = quantize_fp8(x, granularity)
             q_ref, s_ref = quantize(x, granularity)
             exact = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)

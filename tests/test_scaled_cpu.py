@@ -81,6 +81,21 @@ def test_recipes_are_read_off_the_scales(scaling):
         assert kb[2, 4] == sb[4, 2]
 
 
+def test_mx_reference_picks_ocp_scales():
+    from nvfly.ops.scaled.quantize import dequantize_mx
+    x = torch.randn(64, 256) * 10
+    x[0, :32] = 0
+    x[1, 32:64] = 0.0
+    x[1, 40] = 448.0 * 2  # amax 896 = 1.75 * 2^9: scale 2^(9 - 8), values up to 448 exactly
+    q, s = quantize(x, "mx")
+    assert s.dtype == torch.uint8 and tuple(s.shape) == (64, 8)
+    assert s[0, 0] == 0 and (q[0, :32].float() == 0).all()
+    assert s[1, 1] == 127 + 1 and q[1, 40].float() == 448
+    assert ((dequantize_mx(q, s) - x).norm() / x.norm()) < 0.05
+    with pytest.raises(ValueError, match="^x: K=48 is not a multiple of the MX block"):
+        quantize(torch.randn(4, 48), "mx")
+
+
 def test_quantize_reference_round_trips_and_picks_amax_scales():
     x = torch.randn(256, 384)
     x[3, 130] = 100.0
@@ -169,22 +184,26 @@ def test_plans():
             assert plan.config.split_k == 1 or 2 * tiles <= 132
 
 
-@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128"])
+@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx"])
 def test_quantize_kernels_compile(granularity):
-    from nvfly.frontend.dtypes import bf16, f32, i32
+    from nvfly.frontend.dtypes import bf16, f32, i32, u8
     from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
     from nvfly.runtime.tensor_desc import TensorDesc
     plan, scale = {"row": (QuantizePlan(1, 0, False, 256, 8, "f8e4m3", 1 / 448.0, 1e-12), TensorDesc(f32, (4096, 1))),
                    "1x128": (QuantizePlan(1, 128, True, 256, 4, "f8e4m3", 1 / 448.0, 1e-12),
                              TensorDesc(f32, (4096, 32), (1, 4096))),
                    "128x128": (QuantizePlan(128, 128, False, 256, 8, "f8e5m2", 1 / 57344.0, 1e-12),
-                               TensorDesc(f32, (32, 32)))}[granularity]
+                               TensorDesc(f32, (32, 32))),
+                   "mx": (QuantizePlan(1, 32, True, 256, 4, "f8e4m3", 1 / 448.0, 1e-12, mx_emax=8),
+                          TensorDesc(u8, (4096, 128)))}[granularity]
     k = quantize_kernel.compile(TensorDesc(bf16, (4096, 4096)), TensorDesc(i32, (4096, 1024)), scale, 4096, 4096,
                                 PLAN=plan, block=256)
     assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0 and not k.warnings
     kind = "E4M3" if plan.fp8 == "f8e4m3" else "E5M2"
     assert any(op.startswith(f"F2FP.SATFINITE.{kind}.F32") for op in k.sass_opcodes())
     assert "div.rn.f32" in k.ptx  # IEEE division, as torch's reference divides
+    if granularity == "mx":  # 8 lanes a group: three butterfly steps
+        assert k.ptx.count("shfl.sync.bfly") == 3 and "st.global.b8" in k.ptx
 
 
 def test_routing_eligibility_keeps_torch_semantics():

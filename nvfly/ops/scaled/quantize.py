@@ -18,7 +18,9 @@ from nvfly.ops.scaled.config import SCALE_BLOCK
 from nvfly.runtime.torch_args import layout_key
 
 AMAX_FLOOR = 1e-12
-GRANULARITIES = ("tensor", "row", "1x128", "128x128")
+GRANULARITIES = ("tensor", "row", "1x128", "128x128", "mx")
+MX_BLOCK = 32
+MX_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}  # the largest value's exponent (448 = 1.75 * 2^8)
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -32,20 +34,47 @@ def _quantize(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[
     return (x.float() / scale).clamp(-top, top).to(dtype), scale
 
 
+def _quantize_mx(xf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, e8m0 scale bytes (rows, K/32)) of float32 ``xf`` (K a multiple of 32)."""
+    rows, k = xf.shape
+    if k % MX_BLOCK:
+        raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
+    if dtype not in MX_EMAX:
+        raise TypeError(f"dtype: MX elements are float8_e4m3fn or float8_e5m2, got {dtype}")
+    amax = xf.view(rows, k // MX_BLOCK, MX_BLOCK).abs().amax(dim=2)
+    exponent = (amax.view(torch.int32) >> 23) & 0xFF
+    byte = (exponent - MX_EMAX[dtype]).clamp(0, 254)
+    scale = torch.where(byte == 0, torch.full_like(byte, 0x00400000), byte << 23).view(torch.float32)
+    top = fp8_max(dtype)
+    q = (xf / scale.repeat_interleave(MX_BLOCK, 1)).clamp(-top, top).to(dtype)
+    return q, byte.to(torch.uint8)
+
+
+def dequantize_mx(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q * 2^(scale - 127) in float32 for an MX tensor ``q`` (rows, K) and its e8m0 bytes (rows, K/32)."""
+    byte = scale.to(torch.int32)
+    factor = torch.where(byte == 0, torch.full_like(byte, 0x00400000), byte << 23).view(torch.float32)
+    return q.float() * factor.repeat_interleave(MX_BLOCK, 1)
+
+
 def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float8_e4m3fn,
              operand: str = "a") -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 ``x`` and its scales for ``scaled_mm``: ``operand`` "a" quantises x (M, K) and returns q (M, K)
     row-major; "b" quantises a weight x (N, K) and returns q as (K, N) column-major (``q_w.t()``) with scale_b in
     torch's layout. ``granularity``: "tensor" (one scale), "row" (per row of x: scale_a (M, 1) / scale_b (1, N)),
     "1x128" (per row and 128 k: scale_a (M, K/128), strides (1, M)) or "128x128" (per 128x128 block of the weight:
-    scale_b (K/128, N/128), strides (1, K/128))."""
+    scale_b (K/128, N/128), strides (1, K/128)) or "mx" (MXFP8: an e8m0 scale byte per 32 elements along K, OCP's
+    rule 2^(floor(log2 amax) - emax), values saturated; the scale (rows, K/32) uint8 for either operand, K a multiple
+    of 32)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
     if x.dim() != 2:
         raise ValueError(f"x: expected a 2-D tensor, got {x.dim()}-D")
     rows, k = x.shape
     xf = x.float()
-    if granularity == "tensor":
+    if granularity == "mx":
+        q, scale = _quantize_mx(xf, dtype)
+    elif granularity == "tensor":
         q, scale = _quantize(xf, xf.abs().amax(), dtype)
         scale = scale.reshape(())
     elif granularity == "row":
@@ -66,6 +95,8 @@ def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float
             scale = scale[::SCALE_BLOCK, ::SCALE_BLOCK]
             q = q[:rows]
         q = q[:, :k]
+    if granularity == "mx":
+        return (q if operand == "a" else q.t()), scale
     if operand == "a":
         if granularity == "1x128":
             scale = scale.t().contiguous().t()  # (M, K/128) with strides (1, M), as torch's 1x128 scale_a
@@ -83,7 +114,7 @@ def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float
 
 
 # ---------------------------------------------------------------------------------------------- the kernels
-KERNEL_GRANULARITIES = ("row", "1x128", "128x128")
+KERNEL_GRANULARITIES = ("row", "1x128", "128x128", "mx")
 _QUANT_THREADS = 256
 _SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_NAMES = {torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2"}
@@ -93,7 +124,8 @@ def quantize_fp8(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.f
                  operand: str = "a") -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize``'s result (the same values and scales, bit for bit, in the same layouts) from nvfly's
     memory-bound kernel: x a contiguous CUDA (rows, K) bf16/fp16/fp32 tensor, K a multiple of 16, granularity
-    "row", "1x128" or "128x128" (tensor-wise scales need a global amax first: ``quantize``)."""
+    "row", "1x128", "128x128" or "mx" (MXFP8, K a multiple of 32; tensor-wise scales need a global amax first:
+    ``quantize``)."""
     try:
         key = (layout_key(x), granularity, dtype, operand)
         call = _QUANT_CALLS.get(key)
@@ -133,6 +165,12 @@ class _QuantizeCall:
             self.plan = QuantizePlan(1, SCALE_BLOCK, True, _QUANT_THREADS, SCALE_BLOCK // 32, _FP8_NAMES[dtype],
                                      1.0 / fp8_max(dtype), AMAX_FLOOR)
             blocks = -(-rows * self.kb // (_QUANT_THREADS // 32))
+        elif granularity == "mx":  # 8 lanes (of 4 elements) per 32-element group
+            if k % MX_BLOCK:
+                raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
+            self.plan = QuantizePlan(1, MX_BLOCK, True, _QUANT_THREADS, 4, _FP8_NAMES[dtype], 1.0 / fp8_max(dtype),
+                                     AMAX_FLOOR, mx_emax=MX_EMAX[dtype])
+            blocks = -(-rows * (k // MX_BLOCK) // (_QUANT_THREADS // (MX_BLOCK // 4)))
         else:  # a block per 128x128 block
             self.plan = QuantizePlan(SCALE_BLOCK, SCALE_BLOCK, False, _QUANT_THREADS, 16 // x.element_size(),
                                      _FP8_NAMES[dtype], 1.0 / fp8_max(dtype), AMAX_FLOOR)
@@ -146,12 +184,14 @@ class _QuantizeCall:
             scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
         elif self.granularity == "1x128":
             scale = torch.empty((self.kb, rows), dtype=torch.float32, device=x.device).t()  # strides (1, rows)
+        elif self.granularity == "mx":
+            scale = torch.empty((rows, k // MX_BLOCK), dtype=torch.uint8, device=x.device)
         else:
             scale = torch.empty((self.rb, self.kb), dtype=torch.float32, device=x.device)
         if rows and k:
             self.launch(x, q.view(torch.int32), scale, rows, k, self.plan)
-        if self.operand == "a":
-            return q, scale
+        if self.operand == "a" or self.granularity == "mx":
+            return (q if self.operand == "a" else q.t()), scale
         # the weight's transposes: b (K, N) column-major; scale_b row (1, N), 1x128 (kb, N) contiguous, 128x128
         # (kb, N/128) with strides (1, kb)
         return q.t(), scale.t()

@@ -1,8 +1,8 @@
 """Quantisation to fp8 with amax scales (nvfly.ops.scaled.quantize's scale choice, bit for bit): memory-bound,
 each group read twice (its amax, then its values; the second read hits L1/L2).
 
-A group is ``PLAN.group_rows`` x ``PLAN.group_cols`` elements (group_cols 0: a whole row). Small groups (1x128)
-take one warp each (WARPS groups a block; each lane VEC consecutive elements); large ones (a row, a 128x128 block)
+A group is ``PLAN.group_rows`` x ``PLAN.group_cols`` elements (group_cols 0: a whole row). Small groups (1x128,
+MX's 1x32) take group_cols / VEC lanes each (each lane VEC consecutive elements); large ones (a row, a 128x128 block)
 one block each, the threads walking the group in VEC-element chunks. scale = max(amax, AMAX_FLOOR) * (1 / FP8_MAX)
 (an fp32 multiply, as the reference) and q = fp8(x / scale) (an IEEE division) (round to nearest even, saturating: the reference's clamp), four fp8 values stored as one 32-bit
 word (``q`` is passed as int32 words).
@@ -18,9 +18,10 @@ from nvfly.arch.reduce import block_reduce
 
 @dataclass(frozen=True)
 class QuantizePlan:
-    """group_rows x group_cols groups (group_cols 0: whole rows); per_warp: one warp per group (group_cols = 32 *
-    vec), else one block of threads per group; fp8: the target dtype's name; inv_fp8_max (1 / the dtype's largest
-    value), amax_floor: the scale choice."""
+    """group_rows x group_cols groups (group_cols 0: whole rows); per_warp: group_cols / vec lanes per group (a
+    power of two up to 32), else one block of threads per group; fp8: the target dtype's name; inv_fp8_max (1 /
+    the dtype's largest value), amax_floor: the scale choice; mx_emax >= 0: MX scales instead (an e8m0 byte per
+    group, 2^(floor(log2 amax) - mx_emax), OCP's rule), the scale tensor then uint8."""
     group_rows: int
     group_cols: int
     per_warp: bool
@@ -29,6 +30,7 @@ class QuantizePlan:
     fp8: str
     inv_fp8_max: float
     amax_floor: float
+    mx_emax: int = -1
 
 
 @nvfly.func
@@ -63,20 +65,29 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
     VEC = PLAN.vec
     tid = nvfly.thread_idx.x
     if PLAN.per_warp:
-        WARPS = PLAN.threads // 32
+        LANES = PLAN.group_cols // VEC  # lanes per group
+        GROUPS = PLAN.threads // LANES  # groups per block
         groups_per_row = (cols + PLAN.group_cols - 1) // PLAN.group_cols
-        group = nvfly.block_idx.x * WARPS + tid // 32
+        group = nvfly.block_idx.x * GROUPS + tid // LANES
         row = group // groups_per_row
         gcol = group - row * groups_per_row
-        col = gcol * PLAN.group_cols + (tid % 32) * VEC
-        if row < rows:
-            inside = col < cols
-            values = _load(x, row, col, inside, VEC)
-            amax = nvfly.warp_reduce(_amax(values, 0.0), "max")
+        col = gcol * PLAN.group_cols + (tid % LANES) * VEC
+        # no branch before the shuffles: a warp may hold groups of two rows, or past the last row (masked to 0)
+        valid = (row < rows) & (col < cols)
+        values = _load(x, nvfly.minimum(row, rows - 1), col, valid, VEC)
+        amax = nvfly.warp_reduce(_amax(values, 0.0), "max", LANES)
+        if PLAN.mx_emax >= 0:
+            # e8m0: the biased exponent of amax less emax, in [0, 254]; 2^(byte - 127) (byte 0: the subnormal 2^-127)
+            byte = nvfly.minimum(nvfly.maximum(((amax.bitcast(nvfly.i32) >> 23) & 0xFF) - PLAN.mx_emax, 0), 254)
+            s = nvfly.select(byte == 0, nvfly.i32(0x00400000), byte << 23).bitcast(nvfly.f32)
+            stored = byte.to(nvfly.u8)
+        else:
             s = nvfly.maximum(amax, PLAN.amax_floor) * PLAN.inv_fp8_max
-            if tid % 32 == 0:
-                scale[row, gcol] = s
-            if inside:
+            stored = s
+        if row < rows:
+            if tid % LANES == 0:
+                scale[row, gcol] = stored
+            if col < cols:
                 _store_quantized(q32, values, row, col, s, PLAN)
     else:
         scratch = nvfly.shared_tensor(nvfly.f32, (PLAN.threads // 32,))

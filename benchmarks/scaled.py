@@ -7,9 +7,9 @@ Then the median times. Recipes: tensor-wise and row-wise fp32 scales, each with 
 accumulation and with use_fast_accum=True, and 1x128 x 128x128 block scales (always promoted). bf16 outputs.
 
 Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [--shapes M,N,K ...]
-[--recipes tensor row block tensor-fast row-fast] [--name scaled] [--no-quantize]. The quantisation kernels
-(bf16 -> e4m3 per row, 1x128, 128x128, MXFP8) are checked bit for bit against the torch reference and timed after. --quick: six shapes (< 3 min on the H200; Triton on the first
-shape's promoted recipes only).
+[--recipes tensor row block tensor-fast row-fast] [--name scaled] [--no-quantize]. --quick: six shapes (< 3 min on
+the H200; Triton on the first shape's promoted recipes only). The quantisation kernels (bf16 -> e4m3 per row,
+1x128, 128x128, MXFP8) are checked bit for bit against the torch reference and timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
 """
 from __future__ import annotations

@@ -1,13 +1,14 @@
-"""What runs for one scaled GEMM call: the recipe read off the scales, the config heuristic and the plan.
+"""What runs for one scaled GEMM call: the config heuristic and the plan.
 
 Heuristic (``heuristic_config``): the fast-accumulating recipes (tensor/row-wise with ``use_fast_accum``) take
 128x256 tiles, or 128x128 when 128x256 tiles would leave more than a fifth of the last wave idle; promoted
 mainloops keep two accumulators per consumer, so 128x128 (two consumers of 64 rows, 64 + 64 registers each); both
-narrow to 64 columns while 128-wide tiles would fill less than FILL of the SMs.
-Small M (at most SWAP_MAX_M rows) with tensor/row scales is computed as the transposed problem (swap A/B: the
-weights fill wgmma's 64-row M, the tokens its N); block scales stay unswapped on one 64-row token tile (their
-activation scales run along the kernel's rows), its width the widest that still fills FILL of the SMs. Small-M tiles that fill at most half the SMs split K
-over the idle ones (f32 partials, then a reduce kernel applies scales and bias). Measurements: docs/ops/scaled.md.
+narrow to 64 columns while 128-wide tiles would fill less than FILL of the SMs. Small M (at most SWAP_MAX_M rows)
+with tensor/row scales is computed as the transposed problem (swap A/B: the weights fill wgmma's 64-row M, the
+tokens its N); block scales stay unswapped on one 64-row token tile (their activation scales run along the
+kernel's rows), its width the widest that still fills FILL of the SMs. Small-M tiles that fill at most half the
+SMs split K over the idle ones (f32 partials, then a reduce kernel applies scales and bias). Measurements:
+docs/ops/scaled.md.
 """
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 each group read twice (its amax, then its values; the second read hits L1/L2).
 
 A group is ``PLAN.group_rows`` x ``PLAN.group_cols`` elements (group_cols 0: a whole row). Small groups (1x128,
-MX's 1x32) take group_cols / VEC lanes each (each lane VEC consecutive elements); large ones (a row, a 128x128 block)
-one block each, the threads walking the group in VEC-element chunks. scale = max(amax, AMAX_FLOOR) * (1 / FP8_MAX)
-(an fp32 multiply, as the reference) and q = fp8(x / scale) (an IEEE division) (round to nearest even, saturating: the reference's clamp), four fp8 values stored as one 32-bit
-word (``q`` is passed as int32 words).
+MX's 1x32) take group_cols / VEC lanes each (each lane VEC consecutive elements); large ones (a row, a 128x128
+block) one block each, the threads walking the group in VEC-element chunks. scale = max(amax, AMAX_FLOOR) *
+(1 / FP8_MAX) (an fp32 multiply, as the reference; MX: a power of two) and q = fp8(x / scale) (an IEEE division,
+rounded to nearest even, saturating: the reference's clamp), four fp8 values stored as one 32-bit word (``q`` is
+passed as int32 words).
 """
 from __future__ import annotations
 

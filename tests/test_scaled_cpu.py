@@ -219,6 +219,8 @@ def test_routing_eligibility_keeps_torch_semantics():
                                                              torch.bfloat16)
     assert "not CUDA" in scaled_ops.scaled_mm_v2_eligibility(a, b, [sa], [1], [], [sb], [1], [], None,
                                                              torch.bfloat16)
+    assert len(scaled_ops._DECISIONS) >= 4  # decided once per signature
+    assert "not CUDA" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, None, torch.bfloat16)  # cached
     one = operands(1, 256, 512, "row")  # M = 1: a (1, 1) scale_a is row-wise next to a (1, N) scale_b
     assert scaled.recipe(*one) == "row"
 

@@ -14,6 +14,8 @@ from typing import Any, Optional
 import torch
 
 from nvfly.ops import scaled
+from nvfly.ops.common.opcall import Declined, OpCalls
+from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import routing
 
 # F.ScalingType values (torch 2.10+): TensorWise 0, RowWise 1
@@ -29,12 +31,26 @@ def _common_reason(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scal
     return scaled.eligibility(a, b, scale_a, scale_b, bias, out_dtype)
 
 
+# call signature -> Declined (its reason) or ELIGIBLE: a routed call's checks run once per signature
+_DECISIONS: OpCalls[Any] = OpCalls()
+ELIGIBLE = "eligible"
+
+
 def scaled_mm_eligibility(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                           bias: Optional[torch.Tensor] = None, scale_result: Optional[torch.Tensor] = None,
                           out_dtype: Optional[torch.dtype] = None, use_fast_accum: bool = False) -> Optional[str]:
-    if scale_result is not None:
-        return "scale_result (an fp8 output's scale) is not supported"
-    return _common_reason(a, b, scale_a, scale_b, bias, out_dtype)
+    try:
+        key = (layout_key(a), layout_key(b), layout_key(scale_a), layout_key(scale_b), layout_key(bias),
+               scale_result is None, out_dtype)
+        decision = _DECISIONS.get(key)
+    except Exception:  # noqa: BLE001 - not tensors: the checks explain
+        key = decision = None
+    if decision is None:
+        reason = "scale_result (an fp8 output's scale) is not supported" if scale_result is not None else \
+            _common_reason(a, b, scale_a, scale_b, bias, out_dtype)
+        decision = Declined(reason) if reason else ELIGIBLE
+        _DECISIONS.remember(key, decision)
+    return None if decision is ELIGIBLE else str(decision)
 
 
 def scaled_mm_run(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,

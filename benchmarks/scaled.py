@@ -4,12 +4,13 @@ the same shape (torch.mm), in one process.
 Accuracy first, for every row: nvfly's output against the float32 GEMM of the dequantised operands (relative
 Frobenius error and the largest error over the largest |reference|), next to cuBLAS's where it runs the recipe.
 Then the median times. Recipes: tensor-wise and row-wise fp32 scales, each with torch's default promoted
-accumulation and with use_fast_accum=True, and 1x128 x 128x128 block scales (always promoted). bf16 outputs.
+accumulation and with use_fast_accum=True, and 1x128 x 128x128 and 1x128 x 1x128 block scales (always
+promoted). bf16 outputs.
 
 Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [--shapes M,N,K ...]
-[--recipes tensor row block tensor-fast row-fast] [--name scaled] [--no-quantize]. --quick: six shapes (< 3 min on
-the H200; Triton on the first shape's row-wise recipe only). The quantisation kernels (bf16 -> e4m3 per row,
-1x128, 128x128, MXFP8) are checked bit for bit against the torch reference and timed after.
+[--recipes tensor row block block1x128 tensor-fast row-fast] [--name scaled] [--no-quantize]. --quick: six shapes
+(< 3 min on the H200; Triton on the first shape's row-wise recipe only). The quantisation kernels (bf16 -> e4m3 per
+row, 1x128, 128x128, MXFP8) are checked bit for bit against the torch reference and timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ SUITE = ANCHORS + [(4096, 2112, 7168), (4096, 4096, 7168), (4096, 7168, 2048), (
 QUICK = [(4096, 4096, 4096), (8192, 8192, 8192), (128, 8192, 8192), (4096, 2112, 7168), (16, 4096, 7168),
          (64, 7168, 2048)]
 RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "tensor", True),
-           "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False)}
+           "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False),
+           "block1x128": ("1x128", "1x128", False)}
 
 
 def operands(m: int, n: int, k: int, recipe: str) -> tuple[torch.Tensor, ...]:
@@ -143,7 +145,7 @@ def main(argv=None) -> int:
             row["nvfly_ms"] = bench_ms(lambda: scaled.scaled_mm(a, b, sa, sb, out=out, use_fast_accum=fast))
             if cublas is not None:
                 row["cublas_ms"] = bench_ms(cublas)
-            if idx < triton_shapes and recipe != "block" and not (args.quick and recipe != "row"):
+            if idx < triton_shapes and not recipe.startswith("block") and not (args.quick and recipe != "row"):
                 tri = triton_call(a, b, sa, sb, fast)
                 if tri is not None:
                     row["triton_ms"] = bench_ms(tri)

@@ -25,6 +25,8 @@ VARIANTS = [
     (ScaledConfig(128, 64, 8, 2), ScaledEpilogue("tensor", True, bias=True, bias_rows=True)),
     (ScaledConfig(64, 16, 12, 1, split_k=8), ScaledEpilogue("row", True, bias=True, bias_rows=True, partial=True)),
     (ScaledConfig(64, 32, 12, 1, split_k=4), ScaledEpilogue("block", True, partial=True)),
+    (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("block1x128", True, bias=True)),
+    (ScaledConfig(64, 64, 12, 1, split_k=2), ScaledEpilogue("block1x128", True, partial=True)),
 ]
 
 
@@ -63,13 +65,14 @@ def test_config_checks():
 
 
 def operands(m, n, k, scaling, dtype=torch.float8_e4m3fn):
-    ga, gb = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "block": ("1x128", "128x128")}[scaling]
+    ga, gb = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "block": ("1x128", "128x128"),
+              "block1x128": ("1x128", "1x128")}[scaling]
     a, sa = quantize(torch.randn(m, k), ga, dtype)
     b, sb = quantize(torch.randn(n, k), gb, dtype, operand="b")
     return a, b, sa, sb
 
 
-@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block", "block1x128"])
 def test_recipes_are_read_off_the_scales(scaling):
     a, b, sa, sb = operands(200, 336, 544, scaling)
     assert scaled.recipe(a, b, sa, sb) == scaling
@@ -79,6 +82,8 @@ def test_recipes_are_read_off_the_scales(scaling):
     if scaling == "block":
         assert tuple(ka.shape) == (200, 5) and tuple(kb.shape) == (3, 5)
         assert kb[2, 4] == sb[4, 2]
+    if scaling == "block1x128":
+        assert tuple(sb.shape) == (5, 336) and sb.is_contiguous() and tuple(kb.shape) == (336, 5)
 
 
 def test_mx_reference_picks_ocp_scales():
@@ -112,6 +117,17 @@ def test_quantize_reference_round_trips_and_picks_amax_scales():
     assert s[1, 0] == x[128:256, 0:128].abs().amax() * (1 / 448)
     q, s = quantize(torch.zeros(4, 128), "row")
     assert torch.isfinite(s).all() and (q.float() == 0).all()
+
+
+def test_block1x128_reference_and_plan():
+    a, b, sa, sb = operands(130, 256, 300, "block1x128")
+    rb = b.float() * sb.repeat_interleave(128, 0)[:300]
+    assert torch.allclose(scaled.reference(a, b, sa, sb), scaled.dequantize(a, sa, (1, 128)) @ rb, rtol=1e-5,
+                          atol=1e-5)
+    plan = make_plan(16, 4096, 7168, ScaledEpilogue("block1x128", True), None, None, 132)
+    assert not plan.swap and plan.epilogue.promote and plan.config.check(promote=True) is None
+    plan = make_plan(256, 4096, 7168, ScaledEpilogue("block1x128", True), ScaledConfig(128, 96, 4, 2), None, 132)
+    assert plan.config.bn == 96  # no 128-column weight blocks to stay inside
 
 
 def test_reference_is_the_dequantised_gemm():

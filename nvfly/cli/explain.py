@@ -12,7 +12,7 @@ from rich.console import Console
 from nvfly.cli.usage import UsageError, help_text, positive_int
 
 DTYPES = ("bf16", "fp16")
-SCALINGS = ("tensor", "row", "block")
+SCALINGS = ("tensor", "row", "block", "block1x128")
 MAJORS = ("K", "MN")
 
 
@@ -47,7 +47,7 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a report")
     parser.add_argument("--scaled", choices=SCALINGS, default=None,
                         help="an FP8 scaled GEMM (torch._scaled_mm) with these scales instead: what nvfly.ops.scaled "
-                             "runs (tensor, row, or 1x128 x 128x128 block scales)")
+                             "runs (tensor, row, 1x128 x 128x128 or 1x128 x 1x128 block scales)")
     parser.add_argument("--fast-accum", action="store_true", help="with --scaled: use_fast_accum=True")
     parser.set_defaults(run=run)
 

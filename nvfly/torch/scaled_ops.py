@@ -3,8 +3,9 @@
 imported (nvfly.torch imports it).
 
 Eligible: fp8 operands in _scaled_mm's layouts (a row-major, b column-major), a bf16, fp16 or fp32 output (torch's
-default output, fp8, stays on torch), no ``scale_result``, tensor-wise or row-wise fp32 scales, and 1x128 x 128x128
-block scales through ``_scaled_mm`` (v2's block scale layouts are declined until verified on the GPU), on an sm_90
+default output, fp8, stays on torch), no ``scale_result``, tensor-wise or row-wise fp32 scales, and 1x128 x 128x128 or
+1x128 x 1x128 block scales through ``_scaled_mm`` (v2's block scale layouts are declined until verified on the
+GPU), on an sm_90
 GPU; with a bias only where torch takes one (bf16/fp16 outputs). Everything else stays on torch with a reason.
 """
 from __future__ import annotations

@@ -10,7 +10,8 @@ from nvfly.ops.scaled.quantize import quantize
 
 pytestmark = pytest.mark.gpu
 
-GRANULARITY = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "block": ("1x128", "128x128")}
+GRANULARITY = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "block": ("1x128", "128x128"),
+               "block1x128": ("1x128", "1x128")}
 
 
 def operands(m, n, k, scaling, a_dtype=torch.float8_e4m3fn, b_dtype=torch.float8_e4m3fn, spread=True):
@@ -43,7 +44,7 @@ def rel_error(out, ref):
 TOL = {torch.float32: 5e-4, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 
 
-@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block", "block1x128"])
 @pytest.mark.parametrize("out_dtype,mnk", [(torch.bfloat16, (256, 512, 1024)), (torch.bfloat16, (1000, 1040, 4096)),
                                            (torch.float16, (200, 336, 544)), (torch.float32, (200, 336, 544)),
                                            (torch.float32, (4224, 4096, 2048))])
@@ -66,7 +67,7 @@ def test_fast_accumulation(hopper, scaling):
     assert "promoted" not in scaled.path(a, b, sa, sb, out_dtype=torch.float32, use_fast_accum=True)
 
 
-@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block", "block1x128"])
 @pytest.mark.parametrize("m,bias_dtype", [(1, None), (8, torch.bfloat16), (37, torch.float16), (64, None),
                                           (100, torch.bfloat16)])
 def test_small_m_and_bias(hopper, scaling, m, bias_dtype):
@@ -78,13 +79,13 @@ def test_small_m_and_bias(hopper, scaling, m, bias_dtype):
     out = poisoned(m, n, torch.bfloat16)
     scaled.scaled_mm(a, b, sa, sb, bias=bias, out=out)
     assert rel_error(out, scaled.reference(a, b, sa, sb, bias)) < TOL[torch.bfloat16]
-    if scaling != "block" and m <= 64:
+    if not scaling.startswith("block") and m <= 64:
         assert "swapAB" in scaled.path(a, b, sa, sb, bias=bias)
     if m <= 64:
         assert "splitK" in scaled.path(a, b, sa, sb, bias=bias)
 
 
-@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block", "block1x128"])
 def test_bias_fp32_and_configs(hopper, scaling):
     m, n, k = 384, 640, 1152
     a, b, sa, sb = operands(m, n, k, scaling)
@@ -92,11 +93,11 @@ def test_bias_fp32_and_configs(hopper, scaling):
     ref = scaled.reference(a, b, sa, sb, bias)
     configs = [ScaledConfig(128, 128, 4, 2), ScaledConfig(64, 64, 6, 1), ScaledConfig(128, 64, 5, 1),
                ScaledConfig(64, 64, 6, 1, split_k=3), ScaledConfig(128, 128, 4, 2, split_k=4)]
-    if scaling != "block":
+    if scaling != "block":  # tiles that straddle 128-column weight blocks, or promote with one accumulator only
         configs += [ScaledConfig(128, 256, 4, 2), ScaledConfig(256, 128, 4, 2), ScaledConfig(128, 96, 5, 2)]
     for config in configs:
         for fast in (False, True):
-            if fast and scaling == "block":
+            if fast and scaling.startswith("block"):
                 continue
             if not fast and config.check(promote=True):
                 continue
@@ -106,7 +107,7 @@ def test_bias_fp32_and_configs(hopper, scaling):
             assert rel_error(out, ref) < (5e-3 if fast else 5e-4), (config, fast)
 
 
-@pytest.mark.parametrize("scaling,m", [("row", 16), ("block", 200), ("tensor", 300)])
+@pytest.mark.parametrize("scaling,m", [("row", 16), ("block", 200), ("tensor", 300), ("block1x128", 40)])
 def test_strided_outputs(hopper, scaling, m):
     """A column-major out (a transposed view): the epilogue's and the reduce kernel's element stores."""
     n, k = 768, 2048
@@ -202,8 +203,9 @@ def test_routing_sends_scaled_mm_to_nvfly_and_declines_with_reasons(hopper, monk
     assert rel_error(out, ref) < TOL[torch.bfloat16] and fp8_out.dtype == torch.float8_e4m3fn
     if hasattr(F, "scaled_mm"):
         assert rel_error(by_recipe, scaled.reference(a, b, sa, sb)) < TOL[torch.bfloat16]
-    ab, bb, sab, sbb = operands(m, n, k, "block")
-    with nvfly.torch.routing():
-        block = torch._scaled_mm(ab, bb, sab, sbb, out_dtype=torch.bfloat16)
-    assert len(calls) == 2 + v2
-    assert rel_error(block, scaled.reference(ab, bb, sab, sbb)) < TOL[torch.bfloat16]
+    for recipe in ("block", "block1x128"):
+        ab, bb, sab, sbb = operands(m, n, k, recipe)
+        with nvfly.torch.routing():
+            block = torch._scaled_mm(ab, bb, sab, sbb, out_dtype=torch.bfloat16)
+        assert rel_error(block, scaled.reference(ab, bb, sab, sbb)) < TOL[torch.bfloat16]
+    assert len(calls) == 3 + v2

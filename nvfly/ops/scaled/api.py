@@ -11,6 +11,7 @@ Operands follow ``torch._scaled_mm``: ``a`` (M, K) row-major, ``b`` (K, N) colum
     row              (M, 1)                           (1, N)
     block            (M, ceil(K/128)), any strides    (ceil(K/128), ceil(N/128)), any strides
                      (1x128: per token, per 128 k)    (128x128 blocks of the weight)
+    block1x128       (M, ceil(K/128)), any strides    (ceil(K/128), N), any strides (1x128: per channel, 128 k)
 
 out = (a * sa) @ (b * sb) (+ bias), in bf16 (the default, as ``F.scaled_mm``), fp16 or fp32.
 """
@@ -25,7 +26,7 @@ import torch
 import nvfly
 from nvfly.ops.common import scratch
 from nvfly.ops.common.opcall import OpCalls, named
-from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
+from nvfly.ops.scaled.config import BK, BLOCKWISE, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.kernel import scaled_mm_kernel, scaled_reduce_kernel
 from nvfly.ops.scaled.plan import ScaledPlan, make_plan
 from nvfly.runtime.driver import plan_sm_count
@@ -37,7 +38,6 @@ PATH = "nvfly.ops.scaled.path"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-RECIPES = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "block": ("1x128", "128x128")}
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -46,12 +46,14 @@ def _ceil(x: int, d: int) -> int:
 
 
 def recipe(a: Any, b: Any, scale_a: Any, scale_b: Any) -> str:
-    """The scaling ("tensor", "row" or "block") that the scales' shapes describe for a (M, K) @ b (K, N); raises
+    """The scaling ("tensor", "row", "block" or "block1x128") that the scales' shapes describe for a (M, K) @
+    b (K, N); raises
     ValueError naming the scale that matches no recipe or not its partner's."""
     m, k = a.shape
     n = b.shape[1]
     kb = _ceil(k, SCALE_BLOCK)
-    shapes = {"tensor": (None, None), "row": ((m, 1), (1, n)), "block": ((m, kb), (kb, _ceil(n, SCALE_BLOCK)))}
+    shapes = {"tensor": (None, None), "row": ((m, 1), (1, n)), "block": ((m, kb), (kb, _ceil(n, SCALE_BLOCK))),
+              "block1x128": ((m, kb), (kb, n))}
 
     def which(scale: Any, index: int) -> set[str]:
         """The recipes a scale's shape fits (M = 1: a (1, 1) scale_a is tensor-wise and row-wise)."""
@@ -188,9 +190,9 @@ def path(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch
 
 def describe(m: int, n: int, k: int, *, scaling: str = "row", use_fast_accum: bool = False,
              bias: bool = False, sms: int = 132) -> str:
-    """What ``scaled_mm`` runs without a config for an m x n x k call with ``scaling`` ("tensor", "row" or
-    "block") scales, planned for ``sms`` SMs (no GPU needed), as ``path`` names it."""
-    epilogue = ScaledEpilogue(scaling, promote=scaling == "block" or not use_fast_accum, bias=bias)
+    """What ``scaled_mm`` runs without a config for an m x n x k call with ``scaling`` ("tensor", "row", "block"
+    or "block1x128") scales, planned for ``sms`` SMs (no GPU needed), as ``path`` names it."""
+    epilogue = ScaledEpilogue(scaling, promote=scaling in BLOCKWISE or not use_fast_accum, bias=bias)
     return describe_plan(make_plan(m, n, k, epilogue, None, None, sms))
 
 
@@ -206,7 +208,7 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: torc
     scaling = check(a, b, scale_a, scale_b, bias, out_dtype, out)
     if config is not None and not isinstance(config, ScaledConfig):
         raise TypeError(f"config: expected a ScaledConfig or None, got {type(config).__name__}")
-    epilogue = ScaledEpilogue(scaling, promote=scaling == "block" or not use_fast_accum, bias=bias is not None)
+    epilogue = ScaledEpilogue(scaling, promote=scaling in BLOCKWISE or not use_fast_accum, bias=bias is not None)
     sms = plan_sm_count(a.get_device())
     return make_plan(a.shape[0], b.shape[1], a.shape[1], epilogue, config, swap, sms)
 
@@ -285,7 +287,7 @@ class _Call:
 
 def kernel_scales(scaling: str, scale_a: torch.Tensor, scale_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The scales as the kernel indexes them (views, no copies): tensor-wise one element each ([0]); row-wise
-    vectors along M and N; block: scale_a (M, K/128) as given, scale_b as (N/128, K/128)."""
+    vectors along M and N; block: scale_a (M, K/128) as given, scale_b as (N/128, K/128) (block1x128: (N, K/128))."""
     if scaling == "tensor":
         return scale_a.reshape(1), scale_b.reshape(1)
     if scaling == "row":
@@ -310,7 +312,8 @@ def reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float32 GEMM of the dequantised operands (+ bias): what ``scaled_mm`` approximates."""
     scaling = recipe(a, b, scale_a, scale_b)
-    blocks = ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK)) if scaling == "block" else ((1, 1), (1, 1))
+    blocks = {"block": ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK)),
+              "block1x128": ((1, SCALE_BLOCK), (SCALE_BLOCK, 1))}.get(scaling, ((1, 1), (1, 1)))
     r = dequantize(a, scale_a, blocks[0]) @ dequantize(b, scale_b, blocks[1])
     return r if bias is None else r + bias.float()
 
@@ -337,8 +340,10 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
             sa, sb = TensorDesc(f32, (1,)), TensorDesc(f32, (1,))
         elif epi.scaling == "row":
             sa, sb = TensorDesc(f32, (size,)), TensorDesc(f32, (size,))
-        else:
+        elif epi.scaling == "block":
             sa, sb = TensorDesc(f32, (size, kb), (1, size)), TensorDesc(f32, (kb, kb))
+        else:  # 1x128 x 1x128: the kernel's sb is torch's (K/128, N) transposed
+            sa, sb = TensorDesc(f32, (size, kb), (1, size)), TensorDesc(f32, (size, kb), (1, size))
         bias = TensorDesc(bf16, (size,)) if epi.bias else None
         kernels.append(scaled_mm_kernel.compile(a_desc, b_desc, out, sa, sb, bias, size, size,
                                                 math.ceil(size / BK), CFG=cfg, EPI=epi,
@@ -353,7 +358,8 @@ def compile_reduce(scaling: str, splits: int, vec: int, bias: bool, out_dtype: t
     from nvfly.runtime.tensor_desc import TensorDesc
     out_nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}[out_dtype]
     m, n = 64, 4096
-    scales = {"tensor": ((1,), (1,)), "row": ((m,), (n,)), "block": ((m, 32), (32, 32))}[scaling]
+    scales = {"tensor": ((1,), (1,)), "row": ((m,), (n,)), "block": ((m, 32), (32, 32)),
+              "block1x128": ((m, 32), (n, 32))}[scaling]
     return scaled_reduce_kernel.compile(TensorDesc(f32, (splits, m, n)), TensorDesc(out_nv, (m, n)),
                                         TensorDesc(f32, scales[0]), TensorDesc(f32, scales[1]),
                                         TensorDesc(bf16, (n,)) if bias else None, m, n, SPLITS=splits,

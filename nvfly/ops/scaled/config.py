@@ -8,7 +8,8 @@ from nvfly.ops.gemm.config import BARRIER_BYTES, SMEM_LIMIT
 
 BK = 128           # K elements per k-block: one 128-byte swizzle row of fp8, and the block scales' 128
 SCALE_BLOCK = 128  # the block recipes' block edge (1x128 activations, 128x128 weights)
-SCALINGS = ("tensor", "row", "block")
+SCALINGS = ("tensor", "row", "block", "block1x128")
+BLOCKWISE = ("block", "block1x128")  # scales applied in the mainloop
 
 
 @dataclass(frozen=True)
@@ -63,9 +64,10 @@ def deepest(cfg: ScaledConfig, most: int = 8) -> ScaledConfig:
 @dataclass(frozen=True)
 class ScaledEpilogue:
     """What the kernel applies. scaling: "tensor" (one scale each: alpha = sa * sb, in the epilogue), "row"
-    (sa per output row, sb per output column, in the epilogue) or "block" (sa per row and 128-k block, sb per
-    128x128 block of the kernel's B, applied to each k-block's partial sum in the mainloop); promote: accumulate
-    each k-block in a fresh wgmma accumulator and add it into an fp32 sum (always with "block"; otherwise
+    (sa per output row, sb per output column, in the epilogue), "block" (sa per row and 128-k block, sb per
+    128x128 block of the kernel's B, applied to each k-block's partial sum in the mainloop) or "block1x128" (sb
+    per column and 128-k block instead); promote: accumulate each k-block in a fresh wgmma accumulator and add it
+    into an fp32 sum (always with block scales; otherwise
     torch's ``use_fast_accum=False``); bias: a bias vector added last, along the output's columns, or along its
     rows (``bias_rows``: the swapped problem, whose rows are the caller's columns); partial: split K, the kernel
     writes its K range's unscaled f32 sums (out is [split, rows, cols]) and ``scaled_reduce_kernel`` applies the
@@ -79,5 +81,5 @@ class ScaledEpilogue:
     def __post_init__(self) -> None:
         if self.scaling not in SCALINGS:
             raise ValueError(f"scaling: expected one of {SCALINGS}, got {self.scaling!r}")
-        if self.scaling == "block" and not self.promote:
+        if self.scaling in BLOCKWISE and not self.promote:
             raise ValueError("scaling: block scales are applied by promotion (promote=True)")

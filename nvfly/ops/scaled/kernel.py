@@ -26,7 +26,7 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
 from nvfly.ops.gemm.config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
 from nvfly.ops.gemm.kernel import issue_k_block, store_tile
-from nvfly.ops.scaled.config import BK, SCALE_BLOCK
+from nvfly.ops.scaled.config import BK, BLOCKWISE, SCALE_BLOCK
 
 PARTIAL = Epilogue(partial=True)
 
@@ -113,12 +113,21 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                         sb = scale_b[(tn * BN) // SCALE_BLOCK, kt]
                         row_scales = [scale_a[nvfly.minimum(row0 + 64 * i + 8 * h, m - 1), kt] * sb
                                       for i in range(ATOMS_M) for h in range(2)]
+                    elif EPI.scaling == "block1x128":  # element 4j + 2h + c: column 8j + c
+                        row_scales = [scale_a[nvfly.minimum(row0 + 64 * i + 8 * h, m - 1), kt]
+                                      for i in range(ATOMS_M) for h in range(2)]
+                        col_scales = [scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]
+                                      for j in range(BN // 8) for c in range(2)]
                     sm90.wait_group(0)
                     if lane == 0:
                         pipe.consumer_release(state)
                     state = state.advance()
                     if EPI.scaling == "block":
                         sums = [sums[i].map(lambda v, e, i=i: v + part[i][e] * row_scales[2 * i + (e // 2) % 2])
+                                for i in range(ATOMS_M)]
+                    elif EPI.scaling == "block1x128":
+                        sums = [sums[i].map(lambda v, e, i=i: v + part[i][e] * (row_scales[2 * i + (e // 2) % 2]
+                                                                                 * col_scales[2 * (e // 4) + e % 2]))
                                 for i in range(ATOMS_M)]
                     else:
                         sums = [sums[i].map(lambda v, e, i=i: v + part[i][e]) for i in range(ATOMS_M)]
@@ -190,7 +199,7 @@ def store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN,
                 values = []
                 for e in nvfly.static_range(2):
                     v = accs[r // 2][4 * j + 2 * (r % 2) + e]
-                    if EPI.scaling != "block":
+                    if EPI.scaling not in BLOCKWISE:
                         v = v * row_scales[r]
                         if ROW:
                             v = v * col_scales[e]
@@ -212,7 +221,7 @@ def scaled_reduce_kernel(partials: nvfly.Tensor, out: nvfly.Tensor, scale_a: nvf
                          VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr):
     """Split K's second step, in the caller's orientation: out[r, c] = scale(sum_s partials[s, r, c]) (+ bias[c]),
     VEC consecutive columns per thread (VEC divides n). Scales as the caller gives them: one element each
-    ("tensor"), or sa per row and sb per column ("row"); "block": none left to apply."""
+    ("tensor"), or sa per row and sb per column ("row"); block scales: none left to apply."""
     i = (nvfly.block_idx.x * THREADS + nvfly.thread_idx.x) * VEC
     if i < m * n:
         row = i // n
@@ -227,7 +236,7 @@ def scaled_reduce_kernel(partials: nvfly.Tensor, out: nvfly.Tensor, scale_a: nvf
         values = []
         for e in nvfly.static_range(VEC):
             v = acc[e] if VEC > 1 else acc
-            if SCALING != "block":  # block scales were applied in the mainloop
+            if SCALING not in BLOCKWISE:  # block scales were applied in the mainloop
                 v = v * row_scale
             if SCALING == "row":
                 v = v * scale_b[col + e]

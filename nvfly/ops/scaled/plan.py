@@ -19,7 +19,7 @@ from typing import Optional
 from dataclasses import replace
 
 from nvfly.ops.common.scheduler import split_count
-from nvfly.ops.scaled.config import BK, ScaledConfig, ScaledEpilogue, deepest
+from nvfly.ops.scaled.config import BK, BLOCKWISE, ScaledConfig, ScaledEpilogue, deepest
 
 SWAP_MAX_M = 64
 TAIL_IDLE = 0.2  # the wide tile's last wave may leave at most this share of the SMs idle
@@ -83,8 +83,8 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     plan); ``config`` None: the heuristic's, of the transposed problem when swapped; ``swap`` None: the
     heuristic's choice (small M, tensor/row scales)."""
     if swap is None:
-        swap = m <= SWAP_MAX_M and epilogue.scaling != "block" and config is None
-    if swap and epilogue.scaling == "block":
+        swap = m <= SWAP_MAX_M and epilogue.scaling not in BLOCKWISE and config is None
+    if swap and epilogue.scaling in BLOCKWISE:
         raise ValueError("swap: block scales run unswapped (the activation scales run along the kernel's rows)")
     if swap:
         m, n = n, m

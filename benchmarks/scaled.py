@@ -111,10 +111,13 @@ def main(argv=None) -> int:
     p.add_argument("--triton-shapes", type=int, default=None,
                    help="time Inductor's Triton scaled mm on the first N shapes (default: 1 with --quick, else 3)")
     p.add_argument("--shapes", nargs="*", default=None)
-    p.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=list(RECIPES))
+    p.add_argument("--recipes", nargs="*", default=None, choices=list(RECIPES),
+                   help="default: all (--quick: all but tensor-fast)")
     p.add_argument("--name", default="scaled")
     p.add_argument("--no-quantize", action="store_true", help="skip the quantisation kernels' rows")
     args = p.parse_args(argv)
+    if args.recipes is None:
+        args.recipes = [r for r in RECIPES if not (args.quick and r == "tensor-fast")]
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else \
         (QUICK if args.quick else SUITE)
     triton_shapes = 0 if args.no_triton else (args.triton_shapes if args.triton_shapes is not None

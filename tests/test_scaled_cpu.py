@@ -241,6 +241,35 @@ def test_routing_eligibility_keeps_torch_semantics():
     assert scaled.recipe(*one) == "row"
 
 
+def test_routing_sends_only_what_nvfly_was_measured_faster_on(monkeypatch):
+    """The measured rule (docs/ops/scaled.md): tensor/row-wise scales at M <= 64 go to nvfly, fast-accumulating or
+    not, through _scaled_mm and _scaled_mm_v2; larger M and block scales stay with cuBLAS, saying why. The device
+    checks are taken as passed (they need a GPU), so that the rule itself decides."""
+    from nvfly.torch import scaled_ops
+    monkeypatch.setattr(scaled, "eligibility", lambda *args, **kwargs: None)
+    monkeypatch.setattr(scaled_ops, "_DECISIONS", type(scaled_ops._DECISIONS)())
+    n, k = 256, 512
+    for scaling in ("tensor", "row"):
+        for m in (1, 16, scaled_ops.ROUTE_MAX_M):
+            a, b, sa, sb = operands(m, n, k, scaling)
+            for fast in (False, True):
+                assert scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, None, torch.bfloat16, fast) is None
+            recipe = {"tensor": 0, "row": 1}[scaling]
+            assert scaled_ops.scaled_mm_v2_eligibility(a, b, [sa], [recipe], [], [sb], [recipe], [], None,
+                                                       torch.float16) is None
+        for m in (scaled_ops.ROUTE_MAX_M + 1, 128, 4096):
+            a, b, sa, sb = operands(m, n, k, scaling)
+            reason = scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, None, torch.bfloat16)
+            assert f"M = {m} > 64: cuBLAS measured faster" in reason
+    for scaling in ("block", "block1x128"):
+        for m in (1, 64, 4096):
+            a, b, sa, sb = operands(m, n, k, scaling)
+            reason = scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, None, torch.bfloat16)
+            assert reason.startswith(f"{scaling} scales: cuBLAS measured faster at every M")
+    a, b, sa, sb = operands(16, n, k, "row")  # torch's own limits still come first
+    assert "float8_e4m3fn" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb)
+
+
 @pytest.mark.parametrize("scaling,vec,bias", [("tensor", 8, True), ("row", 4, False), ("block", 1, True)])
 def test_reduce_kernel_compiles(scaling, vec, bias):
     from nvfly.ops.scaled.api import compile_reduce

@@ -6,7 +6,8 @@ Eligible: fp8 operands in _scaled_mm's layouts (a row-major, b column-major), a 
 default output, fp8, stays on torch), no ``scale_result``, tensor-wise or row-wise fp32 scales, and 1x128 x 128x128 or
 1x128 x 1x128 block scales through ``_scaled_mm`` (v2's block scale layouts are declined until verified on the
 GPU), on an sm_90
-GPU; with a bias only where torch takes one (bf16/fp16 outputs). Everything else stays on torch with a reason.
+GPU; with a bias only where torch takes one (bf16/fp16 outputs). Of the eligible calls only those nvfly was measured
+faster on are routed (``slower_reason``, the rule below). Everything else stays on torch with a reason.
 """
 from __future__ import annotations
 
@@ -16,11 +17,29 @@ import torch
 
 from nvfly.ops import scaled
 from nvfly.ops.common.opcall import Declined, OpCalls
+from nvfly.ops.scaled.config import BLOCKWISE
 from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import routing
 
 # F.ScalingType values (torch 2.10+): TensorWise 0, RowWise 1
 _V2_RECIPES = {(0, 0): "tensor", (1, 1): "row"}
+
+# Routing rule, measured on the H200 against cuBLAS's _scaled_mm (benchmarks/scaled.py --quick at f3d627a, torch
+# 2.11, scaled_try_h200.json; docs/ops/scaled.md "Measurements"): nvfly is faster only on tensor/row-wise scales at
+# M <= 64 (swap-AB: x0.97-1.37, geomean x1.09); cuBLAS at M = 128 (x0.94-1.00) and M >= 4096 (x0.72-0.99), and on
+# block scales at every M (x0.64-0.86).
+ROUTE_MAX_M = 64
+
+
+def slower_reason(scaling: str, m: int) -> Optional[str]:
+    """Why cuBLAS stays with an eligible call of this recipe and M (the measured rule above), or None to route it."""
+    if scaling in BLOCKWISE:
+        return (f"{scaling} scales: cuBLAS measured faster at every M (nvfly's promoted block mainloop x0.64-0.86 on "
+                f"the H200, docs/ops/scaled.md)")
+    if m > ROUTE_MAX_M:
+        return (f"M = {m} > {ROUTE_MAX_M}: cuBLAS measured faster (nvfly x0.94-1.00 at M = 128, x0.72-0.99 at "
+                f"M = 4096-8192 on the H200, docs/ops/scaled.md)")
+    return None
 
 
 def _common_reason(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -29,7 +48,8 @@ def _common_reason(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scal
         return f"out_dtype {out_dtype or a.dtype}: nvfly's scaled GEMM writes bf16, fp16 or fp32"
     if bias is not None and out_dtype == torch.float32:
         return "a bias with an fp32 output: torch refuses it, and so its error is kept"
-    return scaled.eligibility(a, b, scale_a, scale_b, bias, out_dtype)
+    reason = scaled.eligibility(a, b, scale_a, scale_b, bias, out_dtype)
+    return reason or slower_reason(scaled.recipe(a, b, scale_a, scale_b), a.shape[0])
 
 
 # call signature -> Declined (its reason) or ELIGIBLE: a routed call's checks run once per signature

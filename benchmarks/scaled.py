@@ -8,9 +8,10 @@ accumulation and with use_fast_accum=True, and 1x128 x 128x128 and 1x128 x 1x128
 promoted). bf16 outputs.
 
 Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [--shapes M,N,K ...]
-[--recipes tensor row block block1x128 tensor-fast row-fast] [--name scaled] [--no-quantize]. --quick: six shapes
-(< 3 min on the H200; Triton on the first shape's row-wise recipe only). The quantisation kernels (bf16 -> e4m3 per
-row, 1x128, 128x128, MXFP8) are checked bit for bit against the torch reference and timed after.
+[--recipes tensor row block block1x128 tensor-fast row-fast] [--name scaled] [--no-quantize] [--issue-ahead].
+--quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise recipe only). The quantisation
+kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8) are checked bit for bit against the torch reference and
+timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Any, Optional
 
 import torch
@@ -26,6 +28,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_results  # noqa: E402
 from nvfly.ops import scaled  # noqa: E402
+from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue  # noqa: E402
+from nvfly.ops.scaled.plan import make_plan  # noqa: E402
 from nvfly.ops.scaled.quantize import quantize, quantize_fp8  # noqa: E402
 
 # the FP8 anchors (../shared/docs/anchors.md) first, then DeepSeek-V3's projections at decode and prefill sizes
@@ -83,6 +87,19 @@ def triton_call(a, b, sa, sb, fast: bool) -> Optional[Any]:
 QUANTIZE_SHAPES = [(4096, 7168), (16384, 4096), (16, 7168)]
 
 
+def issue_ahead_config(m: int, n: int, k: int, recipe: str) -> Optional[ScaledConfig]:
+    """The heuristic's config for this promoted call with ``issue_ahead``, or None where it does not apply (fast
+    accumulation, block1x128, swapped or split-K small-M plans)."""
+    scaling, fast = recipe.removesuffix("-fast"), RECIPES[recipe][2]
+    if fast or scaling == "block1x128":
+        return None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = make_plan(m, n, k, ScaledEpilogue(scaling, promote=True), None, None, sms)
+    if plan.swap or plan.config.split_k > 1:
+        return None
+    return replace(plan.config, issue_ahead=True)
+
+
 def quantize_rows() -> list[dict[str, Any]]:
     """nvfly's quantisation kernels against the torch reference (the same result bit for bit, checked): GB/s of
     bf16 read + fp8 written."""
@@ -115,6 +132,9 @@ def main(argv=None) -> int:
                    help="default: all (--quick: all but tensor-fast)")
     p.add_argument("--name", default="scaled")
     p.add_argument("--no-quantize", action="store_true", help="skip the quantisation kernels' rows")
+    p.add_argument("--issue-ahead", action="store_true",
+                   help="also time the promoted mainloop issuing k-block k+1 before k's add (ScaledConfig."
+                        "issue_ahead) on the heuristic's unswapped tensor/row/block plans (nvfly_ahead_ms)")
     args = p.parse_args(argv)
     if args.recipes is None:
         args.recipes = [r for r in RECIPES if not (args.quick and r == "tensor-fast")]
@@ -148,23 +168,33 @@ def main(argv=None) -> int:
             row["nvfly_ms"] = bench_ms(lambda: scaled.scaled_mm(a, b, sa, sb, out=out, use_fast_accum=fast))
             if cublas is not None:
                 row["cublas_ms"] = bench_ms(cublas)
+            ahead = issue_ahead_config(m, n, k, recipe) if args.issue_ahead else None
+            if ahead is not None:
+                out_ahead = torch.full_like(out, float("nan"))
+                scaled.scaled_mm(a, b, sa, sb, out=out_ahead, config=ahead)
+                row["ahead_rel_err"] = rel_err(out_ahead, ref)
+                row["nvfly_ahead_ms"] = bench_ms(lambda: scaled.scaled_mm(a, b, sa, sb, out=out_ahead, config=ahead))
             if idx < triton_shapes and not recipe.startswith("block") and not (args.quick and recipe != "row"):
                 tri = triton_call(a, b, sa, sb, fast)
                 if tri is not None:
                     row["triton_ms"] = bench_ms(tri)
             row["bf16_ms"] = bf16_ms
             flop = 2.0 * m * n * k
-            for who in ("nvfly", "cublas", "triton", "bf16"):
+            for who in ("nvfly", "nvfly_ahead", "cublas", "triton", "bf16"):
                 if f"{who}_ms" in row:
                     row[f"{who}_tflops"] = flop / row[f"{who}_ms"] / 1e9
             for who in ("cublas", "triton", "bf16"):
                 if f"{who}_ms" in row:
                     row[f"vs_{who}"] = row[f"{who}_ms"] / row["nvfly_ms"]
+            if "nvfly_ahead_ms" in row and "cublas_ms" in row:
+                row["ahead_vs_cublas"] = row["cublas_ms"] / row["nvfly_ahead_ms"]
             rows.append(row)
             print(f"{m:>5}x{n:>5}x{k:>5} {recipe:>11}  err {row['rel_err']:.1e} max {row['max_err']:.1e}"
                   + (f" (cuBLAS {row['cublas_rel_err']:.1e})" if "cublas_rel_err" in row else "")
                   + f"  nvfly {row['nvfly_tflops']:6.1f}"
                   + (f"  cuBLAS {row['cublas_tflops']:6.1f} x{row['vs_cublas']:.2f}" if "cublas_ms" in row else "")
+                  + (f"  ahead {row['nvfly_ahead_tflops']:6.1f} x{row['ahead_vs_cublas']:.2f} (err "
+                     f"{row['ahead_rel_err']:.1e})" if "ahead_vs_cublas" in row else "")
                   + (f"  Triton {row['triton_tflops']:6.1f} x{row['vs_triton']:.2f}" if "triton_ms" in row else "")
                   + f"  bf16 {row['bf16_tflops']:6.1f} TFLOP/s  {row['path']}", flush=True)
     summary: dict[str, Any] = {"seconds": time.time() - t_start, "rows": len(rows),
@@ -173,6 +203,7 @@ def main(argv=None) -> int:
         mine = [r for r in rows if r["recipe"] == recipe]
         summary[f"geomean_vs_cublas_{recipe}"] = geomean([r["vs_cublas"] for r in mine if "vs_cublas" in r])
         summary[f"geomean_vs_bf16_{recipe}"] = geomean([r["vs_bf16"] for r in mine])
+    summary["geomean_ahead_vs_cublas"] = geomean([r["ahead_vs_cublas"] for r in rows if "ahead_vs_cublas" in r])
     summary["geomean_vs_triton"] = geomean([r["vs_triton"] for r in rows if "vs_triton" in r])
     quantized = [] if args.no_quantize else quantize_rows()
     if quantized:

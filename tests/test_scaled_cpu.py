@@ -27,12 +27,16 @@ VARIANTS = [
     (ScaledConfig(64, 32, 12, 1, split_k=4), ScaledEpilogue("block", True, partial=True)),
     (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("block1x128", True, bias=True)),
     (ScaledConfig(64, 64, 12, 1, split_k=2), ScaledEpilogue("block1x128", True, partial=True)),
+    (ScaledConfig(128, 128, 6, 2, issue_ahead=True), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 128, 6, 2, issue_ahead=True), ScaledEpilogue("row", True, bias=True)),
+    (ScaledConfig(64, 64, 12, 1, split_k=2, issue_ahead=True), ScaledEpilogue("tensor", True, partial=True)),
 ]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].bm}x{v[0].bn}-{v[1].scaling}"
                          f"{'-promoted' if v[1].promote else ''}{'-bias' if v[1].bias else ''}"
-                         f"{'-rows' if v[1].bias_rows else ''}{'-splitK' if v[1].partial else ''}")
+                         f"{'-rows' if v[1].bias_rows else ''}{'-splitK' if v[1].partial else ''}"
+                         f"{'-ahead' if v[0].issue_ahead else ''}")
 def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     cfg, epi = variant
     (k,) = compile_variants([variant], out_dtype=torch.bfloat16 if epi.scaling != "tensor" else torch.float32)
@@ -43,6 +47,8 @@ def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     assert k.resources.registers <= 65536 // k.threads
     assert not k.warnings, k.warnings  # no serialised wgmma, setmaxnreg honoured
     assert k.dynamic_smem_bytes == cfg.smem_bytes()
+    # issuing ahead: the next k-block's wgmmas stay in flight while the previous one is promoted
+    assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
 
 
 def test_out_dtypes_and_e5m2_compile():
@@ -62,6 +68,15 @@ def test_config_checks():
     assert "consumer" in ScaledConfig(96, 128, 4, 2).check()
     with pytest.raises(ValueError, match="promote"):
         ScaledEpilogue("block", promote=False)
+    assert ScaledConfig(128, 128, 6, 2, issue_ahead=True).check(promote=True) is None
+    assert "192" in ScaledConfig(128, 256, 4, 2, issue_ahead=True).check(promote=True)
+    assert "only the promoted" in ScaledConfig(128, 128, 6, 2, issue_ahead=True).check()
+    with pytest.raises(ValueError, match="issue_ahead with block1x128"):
+        make_plan(4096, 4096, 4096, ScaledEpilogue("block1x128", True), ScaledConfig(128, 128, 6, 2, issue_ahead=True),
+                  None, 132)
+    assert "-ahead" in scaled.api.describe_plan(
+        make_plan(4096, 4096, 4096, ScaledEpilogue("row", True), ScaledConfig(128, 128, 6, 2, issue_ahead=True),
+                  None, 132))
 
 
 def operands(m, n, k, scaling, dtype=torch.float8_e4m3fn):

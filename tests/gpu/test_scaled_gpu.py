@@ -110,6 +110,21 @@ def test_bias_fp32_and_configs(hopper, scaling):
             assert rel_error(out, ref) < (5e-3 if fast else 5e-4), (config, fast)
 
 
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_issue_ahead_promotion(hopper, scaling):
+    """ScaledConfig.issue_ahead (k-block k+1's wgmmas before k's add, k-blocks in pairs): 1, 2, 5 (a partial last
+    block), 8 and 9 k-blocks (pairs with and without the odd one), two consumers, and one with split K."""
+    m, n = 264, 384
+    configs = [ScaledConfig(128, 128, 4, 2, issue_ahead=True), ScaledConfig(64, 64, 6, 1, split_k=2, issue_ahead=True)]
+    for k in (128, 256, 544, 1024, 1152):
+        a, b, sa, sb = operands(m, n, k, scaling)
+        ref = scaled.reference(a, b, sa, sb)
+        for config in configs:
+            out = poisoned(m, n, torch.float32)
+            scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.float32, out=out, config=config)
+            assert rel_error(out, ref) < 5e-4, (k, config)
+
+
 @pytest.mark.parametrize("scaling,m", [("row", 16), ("block", 200), ("tensor", 300), ("block1x128", 40)])
 def test_strided_outputs(hopper, scaling, m):
     """A column-major out (a transposed view): the epilogue's and the reduce kernel's element stores."""

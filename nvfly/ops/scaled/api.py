@@ -198,8 +198,8 @@ def describe(m: int, n: int, k: int, *, scaling: str = "row", use_fast_accum: bo
 
 def describe_plan(plan: ScaledPlan) -> str:
     cfg, epi = plan.config, plan.epilogue
-    name = f"scaled-{epi.scaling}" + ("-promoted" if epi.promote else "") + ("-swapAB" if plan.swap else "") + \
-        (f"-splitK{cfg.split_k}" if cfg.split_k > 1 else "")
+    name = f"scaled-{epi.scaling}" + ("-promoted" if epi.promote else "") + ("-ahead" if cfg.issue_ahead else "") + \
+        ("-swapAB" if plan.swap else "") + (f"-splitK{cfg.split_k}" if cfg.split_k > 1 else "")
     return f"{name}: {cfg.bm}x{cfg.bn} tile on {plan.grid} blocks, {cfg.stages} stages"
 
 

@@ -16,13 +16,15 @@ BLOCKWISE = ("block", "block1x128")  # scales applied in the mainloop
 class ScaledConfig:
     """One point of the scaled GEMM's config space: a bm x bn output tile split between ``consumers`` warpgroups
     (64 or 128 rows each), a ring of ``stages`` k-blocks of 128, ``group_m`` tile rows per rasterisation group,
-    ``split_k`` K splits (each writes f32 partial sums; a reduce kernel scales and adds them)."""
+    ``split_k`` K splits (each writes f32 partial sums; a reduce kernel scales and adds them); ``issue_ahead``: the
+    promoted mainloop issues k-block k+1's wgmmas before k's fp32 add (a third accumulator)."""
     bm: int = 128
     bn: int = 128
     stages: int = 6
     consumers: int = 2
     group_m: int = 8
     split_k: int = 1
+    issue_ahead: bool = False
 
     @property
     def wg_m(self) -> int:
@@ -41,11 +43,15 @@ class ScaledConfig:
             return f"bm={self.bm} with {self.consumers} consumers: each consumer needs 64 or 128 rows"
         if self.bn % 8 or not 8 <= self.bn <= 256:
             return f"bn={self.bn}: must be a multiple of 8 in [8, 256]"
-        # promotion keeps a second accumulator (the running fp32 sum next to the k-block's partial)
-        registers = (self.wg_m // 64) * self.bn // 2 * (2 if promote else 1)
-        if registers > 128:
-            return (f"{self.wg_m}x{self.bn} per consumer needs {registers} accumulator registers (at most 128"
-                    f"{', two accumulators when promoting' if promote else ''})")
+        if self.issue_ahead and not promote:
+            return "issue_ahead: only the promoted mainloop issues ahead"
+        # promotion keeps a second accumulator (the running fp32 sum next to the k-block's partial), issuing ahead
+        # a third (the next k-block's partial)
+        accumulators = 3 if self.issue_ahead else 2 if promote else 1
+        registers = (self.wg_m // 64) * self.bn // 2 * accumulators
+        if registers > (192 if self.issue_ahead else 128):
+            return (f"{self.wg_m}x{self.bn} per consumer needs {registers} accumulator registers (at most "
+                    f"{'192' if self.issue_ahead else '128'}, {accumulators} accumulator(s))")
         if self.stages < 2:
             return "at least 2 stages"
         if not 1 <= self.split_k <= 32:

@@ -14,11 +14,14 @@ Two mainloops (``ScaledEpilogue.promote``):
   accumulator, waited for, and added into an fp32 sum, scaled first by sa[row, kb] * sb[n-block, kb] for the block
   recipe (1x128 activations x 128x128 weights). The tensor core's accumulator then never sums more than 128
   products (it keeps ~14 bits); the scale loads are issued under the wgmmas. Two consumer warpgroups overlap one's
-  promotion with the other's wgmmas.
+  promotion with the other's wgmmas. With ``ScaledConfig.issue_ahead`` a consumer also issues k-block k+1 (into a
+  second partial accumulator) before k's add, so that its own wgmmas run under its promotion.
 The epilogue multiplies by the tensor-wise scale (sa * sb, read from device memory: no host sync) or the row-wise
 scales (sa[row] * sb[col]), adds the bias and stores each thread's fragments as 4-byte pairs (masked on tails).
 """
 from __future__ import annotations
+
+import functools
 
 import nvfly
 from nvfly.arch import sm90
@@ -101,36 +104,58 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             tm, tn = work.tile_m, work.tile_n
             row0 = tm * BM + consumer * WG_M + warp_in_wg * 16 + lane // 4
             col0 = tn * BN + 2 * (lane % 4)
-            if EPI.promote:
+            # wait for a stage and issue its k-block into fresh accumulators; the k-block's promotion scales
+            issue = functools.partial(issue_fresh, pipe, atom, ring, STAGE_BYTES, a_layout, b_layout, consumer,
+                                      a_desc_fields, b_desc_fields, A_BYTES, WG_M, ATOMS_M)
+            scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
+                                          ATOMS_M=ATOMS_M, EPI=EPI)
+            if EPI.promote and CFG.issue_ahead:
+                # k-block k+1's wgmmas are issued before k's fp32 add, into the other of two partial accumulators;
+                # the loop takes k-blocks in pairs so that each keeps its registers (a swap would serialise wgmma)
+                sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
+                part_a, scales_a, state_a = issue(state), scales_of(kt=work.k_begin), state
+                state = state.advance()
+                for pair in range(work.k_begin + 1, work.k_end - 1, 2):
+                    part_b, scales_b, state_b = issue(state), scales_of(kt=pair), state
+                    state = state.advance()
+                    sm90.wait_group(1)
+                    if lane == 0:
+                        pipe.consumer_release(state_a)
+                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
+                    part_a, scales_a, state_a = issue(state), scales_of(kt=pair + 1), state
+                    state = state.advance()
+                    sm90.wait_group(1)
+                    if lane == 0:
+                        pipe.consumer_release(state_b)
+                    sums = promote(sums, fenced(part_b), scales_b, ATOMS_M, EPI)
+                # one k-block left after the pairs, or none: two endings (handing part_b on as part_a would copy
+                # registers still in flight)
+                if (work.k_end - work.k_begin) % 2 == 0:
+                    part_b, scales_b, state_b = issue(state), scales_of(kt=work.k_end - 1), state
+                    state = state.advance()
+                    sm90.wait_group(1)
+                    if lane == 0:
+                        pipe.consumer_release(state_a)
+                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
+                    sm90.wait_group(0)
+                    if lane == 0:
+                        pipe.consumer_release(state_b)
+                    sums = promote(sums, fenced(part_b), scales_b, ATOMS_M, EPI)
+                else:
+                    sm90.wait_group(0)
+                    if lane == 0:
+                        pipe.consumer_release(state_a)
+                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
+                accs = sums
+            elif EPI.promote:
                 sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
                 for kt in range(work.k_begin, work.k_end):
-                    pipe.consumer_wait(state)
-                    part = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
-                    part = issue_k_block(atom, part, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
-                                         a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, True)
-                    # the k-block's scales load while its wgmmas run
-                    if EPI.scaling == "block":
-                        sb = scale_b[(tn * BN) // SCALE_BLOCK, kt]
-                        row_scales = [scale_a[nvfly.minimum(row0 + 64 * i + 8 * h, m - 1), kt] * sb
-                                      for i in range(ATOMS_M) for h in range(2)]
-                    elif EPI.scaling == "block1x128":  # element 4j + 2h + c: column 8j + c
-                        row_scales = [scale_a[nvfly.minimum(row0 + 64 * i + 8 * h, m - 1), kt]
-                                      for i in range(ATOMS_M) for h in range(2)]
-                        col_scales = [scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]
-                                      for j in range(BN // 8) for c in range(2)]
+                    part, scales = issue(state), scales_of(kt=kt)  # the scales load while the wgmmas run
                     sm90.wait_group(0)
                     if lane == 0:
                         pipe.consumer_release(state)
                     state = state.advance()
-                    if EPI.scaling == "block":
-                        sums = [sums[i].map(lambda v, e, i=i: v + part[i][e] * row_scales[2 * i + (e // 2) % 2])
-                                for i in range(ATOMS_M)]
-                    elif EPI.scaling == "block1x128":
-                        sums = [sums[i].map(lambda v, e, i=i: v + part[i][e] * (row_scales[2 * i + (e // 2) % 2]
-                                                                                 * col_scales[2 * (e // 4) + e % 2]))
-                                for i in range(ATOMS_M)]
-                    else:
-                        sums = [sums[i].map(lambda v, e, i=i: v + part[i][e]) for i in range(ATOMS_M)]
+                    sums = promote(sums, part, scales, ATOMS_M, EPI)
                 accs = sums
             else:
                 # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
@@ -162,6 +187,47 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
             else:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
+
+
+def issue_fresh(pipe, atom, ring, stage_bytes, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m,
+                atoms_m, state) -> list:
+    """Wait for ``state``'s stage and issue its k-block into fresh accumulators (committed, not waited for)."""
+    pipe.consumer_wait(state)
+    return issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(atoms_m)],
+                         ring + state.stage * stage_bytes, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes,
+                         wg_m, BK, 1, True)
+
+
+def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI) -> list:
+    """The k-block's promotion scales for the thread's elements: block, one per row pair (sa[row, kt] * sb[column
+    block, kt]); block1x128, the rows' sa then the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise,
+    none (applied in the epilogue)."""
+    rows = [nvfly.minimum(row0 + 64 * i + 8 * h, m - 1) for i in range(ATOMS_M) for h in range(2)]
+    if EPI.scaling == "block":
+        sb = scale_b[col0 // SCALE_BLOCK, kt]  # the tile's columns lie in one block
+        return [scale_a[row, kt] * sb for row in rows]
+    if EPI.scaling == "block1x128":
+        return [scale_a[row, kt] for row in rows] + [scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]
+                                                     for j in range(BN // 8) for c in range(2)]
+    return []
+
+
+def fenced(part: list) -> list:
+    """A waited-for partial's registers, read no earlier than here: without the fence LLVM may hoist its adds above
+    the wait_group (e.g. out of both arms of an if), and ptxas then serialises every wgmma to keep them correct."""
+    return [acc.fence() for acc in part]
+
+
+def promote(sums: list, part: list, scales: list, ATOMS_M: int, EPI) -> list:
+    """sums + part, each element times its promotion scales (``promotion_scales``)."""
+    if EPI.scaling == "block":
+        return [sums[i].map(lambda v, e, i=i: v + part[i][e] * scales[2 * i + (e // 2) % 2]) for i in range(ATOMS_M)]
+    if EPI.scaling == "block1x128":
+        rows = 2 * ATOMS_M
+        return [sums[i].map(lambda v, e, i=i: v + part[i][e] * (scales[2 * i + (e // 2) % 2]
+                                                                 * scales[rows + 2 * (e // 4) + e % 2]))
+                for i in range(ATOMS_M)]
+    return [sums[i].map(lambda v, e, i=i: v + part[i][e]) for i in range(ATOMS_M)]
 
 
 @nvfly.func

@@ -97,6 +97,9 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     if epilogue.scaling == "block" and 128 % config.bn:
         raise ValueError(f"config: bn={config.bn}: with 128x128 weight blocks a tile's columns must lie in one "
                          f"block (bn divides 128)")
+    if config.issue_ahead and epilogue.scaling == "block1x128":
+        raise ValueError("config: issue_ahead with block1x128 scales: two k-blocks' column scales next to three "
+                         "accumulators spill")
     k_tiles = math.ceil(k / BK)
     config = replace(config, split_k=split_count(k_tiles, config.split_k))  # every split at least one k-block
     if config.split_k > 1:

@@ -89,3 +89,18 @@ def convert_shared_e4m3x16(src: Any, dst_low: Any, dst_high: Any, dtype: DType) 
         out.extend(e4m3x4_to_16bit(word, dtype))
     store_shared(dst_low, out[:4])
     store_shared(dst_high, out[4:])
+
+
+_FP8_KINDS = {"f8e4m3": "e4m3", "f8e5m2": "e5m2"}
+
+
+@requires("sm_89", "cvt.rn.satfinite.e4m3x2.f32")
+def f32x2_to_fp8x2(low: Any, high: Any, dtype: DType) -> Scalar:
+    """Two f32 values rounded to nearest even to ``dtype`` (f8e4m3 or f8e5m2), saturating to the largest finite
+    value, in one 16-bit word, ``low`` in the low byte (``cvt`` names the high one first)."""
+    kind = _FP8_KINDS.get(dtype.name)
+    if kind is None:
+        raise CompileError(f"f32 rounds to f8e4m3 or f8e5m2 here, got {dtype.name}")
+    return asm(f"cvt.rn.satfinite.{kind}x2.f32 $0, $1, $2;", [as_value(high).to(dtypes.f32),
+                                                                as_value(low).to(dtypes.f32)],
+               result=dtypes.i16, side_effects=False)

@@ -24,6 +24,7 @@ SUITES = {
     "rmsnorm": "RMSNorm forward and backward vs eager torch and Inductor",
     "topk": "TopK vs torch.topk on sampling and MoE-routing shapes",
     "grouped": "grouped GEMM (MoE) vs torch._grouped_mm and Inductor's Triton grouped mm (--quick: anchors)",
+    "scaled": "FP8 scaled GEMM (tensor/row-wise, 1x128 x 128x128 blocks) vs cuBLAS _scaled_mm, Triton and bf16",
     "attention": "decode attention (--decode) vs SDPA's backends and flex_attention, in TB/s",
     "models": "Llama-3-8B layer (prefill, decode, training), MiniMax decode, DeepSeek prefill: eager vs routed",
     "inductor": "torch.compile max-autotune with nvfly installed vs without, on Llama-sized blocks",

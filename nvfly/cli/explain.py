@@ -18,6 +18,7 @@ from rich.console import Console
 from nvfly.cli.usage import UsageError, help_text, positive_int
 
 DTYPES = ("bf16", "fp16")
+SCALINGS = ("tensor", "row", "block", "block1x128")
 MAJORS = ("K", "MN")
 
 
@@ -73,6 +74,10 @@ def add_parser(commands: Any) -> None:
                              "per expert, or groups along K (the weight gradient)")
     parser.add_argument("--fuse", choices=("none", "silu_mul"), default="none",
                         help="with --groups: the fused gate/up projection (N = I outputs of 2I weight columns)")
+    parser.add_argument("--scaled", choices=SCALINGS, default=None,
+                        help="an FP8 scaled GEMM (torch._scaled_mm) with these scales instead: what nvfly.ops.scaled "
+                             "runs (tensor, row, 1x128 x 128x128 or 1x128 x 1x128 block scales)")
+    parser.add_argument("--fast-accum", action="store_true", help="with --scaled: use_fast_accum=True")
     parser.set_defaults(run=run, parser=parser)
 
 
@@ -84,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
             args.parser.error(f"the following arguments are required: {', '.join(missing)}")
     elif any(value is not None for _, value in dims):
         args.parser.error("give M N K (a GEMM) or --sdpa (attention), not both")
+    if args.scaled:
+        return _run_scaled(args)
     console = Console(stderr=True, highlight=False)
     with console.status("loading torch and nvfly"):
         import torch
@@ -113,4 +120,19 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=1, default=str))
     else:
         print(result, end="")  # the report ends with its own newline
+    return 0
+
+
+def _run_scaled(args: argparse.Namespace) -> int:
+    """``--scaled``: the FP8 scaled GEMM's plan for the shape (routing takes every eligible call)."""
+    from nvfly.ops import scaled
+    plan = scaled.describe(args.m, args.n, args.k, scaling=args.scaled, use_fast_accum=args.fast_accum)
+    routed = ("under nvfly.torch.routing(), torch._scaled_mm with bf16/fp16/fp32 output runs it on an sm_90 GPU "
+              "(fp8 output, scale_result, other GPUs: torch)")
+    if args.json:
+        print(json.dumps({"m": args.m, "n": args.n, "k": args.k, "scaling": args.scaled,
+                          "use_fast_accum": args.fast_accum, "nvfly": plan, "routing": routed}, indent=1))
+    else:
+        print(f"FP8 scaled GEMM {args.m} x {args.n} x {args.k}, {args.scaled} scales"
+              f"{', fast accumulation' if args.fast_accum else ''}\n  nvfly: {plan}\n  routing: {routed}")
     return 0

@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 from mlir import ir
 from mlir.dialects import llvm, nvvm, vector
 
+from nvfly.arch.floats import f32x2_to_fp8x2
 from nvfly.arch.ptx import asm
 from nvfly.arch.target import requires
 from nvfly.errors import CompileError
@@ -353,10 +354,8 @@ def _pack_16bit(low: Scalar, high: Scalar, dtype: DType) -> Scalar:
 
 
 def _pack_fp8(low: Scalar, high: Scalar, dtype: DType) -> Scalar:
-    """Two values rounded to fp8 in one 16-bit word, ``low`` in the low byte (``cvt`` names the high one first)."""
-    kind = _WGMMA_TYPES[dtype.name]
-    return asm(f"cvt.rn.satfinite.{kind}x2.f32 $0, $1, $2;", [high.to(dtypes.f32), low.to(dtypes.f32)],
-               result=dtypes.i16, side_effects=False)
+    """Two values rounded to fp8 in one 16-bit word, ``low`` in the low byte."""
+    return f32x2_to_fp8x2(low, high, dtype)
 
 
 # ---------------------------------------------------------------------------------------------- descriptors

@@ -1,0 +1,222 @@
+"""FP8 scaled GEMM: nvfly vs cuBLAS (torch._scaled_mm), Inductor max-autotune's Triton scaled mm and a bf16 GEMM of
+the same shape (torch.mm), in one process.
+
+Accuracy first, for every row: nvfly's output against the float32 GEMM of the dequantised operands (relative
+Frobenius error and the largest error over the largest |reference|), next to cuBLAS's where it runs the recipe.
+Then the median times. Recipes: tensor-wise and row-wise fp32 scales, each with torch's default promoted
+accumulation and with use_fast_accum=True, and 1x128 x 128x128 and 1x128 x 1x128 block scales (always
+promoted). bf16 outputs.
+
+Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [--shapes M,N,K ...]
+[--recipes tensor row block block1x128 tensor-fast row-fast] [--name scaled] [--no-quantize] [--issue-ahead].
+--quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise recipe only). The quantisation
+kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8) are checked bit for bit against the torch reference and
+timed after.
+Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_results  # noqa: E402
+from nvfly.ops import scaled  # noqa: E402
+from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue  # noqa: E402
+from nvfly.ops.scaled.plan import make_plan  # noqa: E402
+from nvfly.ops.scaled.quantize import quantize, quantize_fp8  # noqa: E402
+
+# the FP8 anchors (../shared/docs/anchors.md) first, then DeepSeek-V3's projections at decode and prefill sizes
+ANCHORS = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 16384), (128, 8192, 8192), (2048, 24576, 1536)]
+SUITE = ANCHORS + [(4096, 2112, 7168), (4096, 4096, 7168), (4096, 7168, 2048), (1024, 7168, 2048),
+                   (1, 4096, 7168), (16, 4096, 7168), (64, 2112, 7168), (64, 7168, 2048), (16, 24576, 1536)]
+QUICK = [(4096, 4096, 4096), (8192, 8192, 8192), (128, 8192, 8192), (4096, 2112, 7168), (16, 4096, 7168),
+         (64, 7168, 2048)]
+RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "tensor", True),
+           "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False),
+           "block1x128": ("1x128", "1x128", False)}
+
+
+def operands(m: int, n: int, k: int, recipe: str) -> tuple[torch.Tensor, ...]:
+    ga, gb, _ = RECIPES[recipe]
+    a, sa = quantize(torch.randn(m, k, device="cuda"), ga)
+    b, sb = quantize(torch.randn(n, k, device="cuda"), gb, operand="b")
+    return a, b, sa, sb
+
+
+def max_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+def cublas_call(a, b, sa, sb, fast: bool) -> Optional[Any]:
+    """torch._scaled_mm on these operands, or None when cuBLAS refuses the recipe (what it said is printed)."""
+    def run():
+        return torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    try:
+        run()
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        print(f"  cuBLAS _scaled_mm declined: {str(e).splitlines()[0][:160]}")
+        return None
+    return run
+
+
+def triton_call(a, b, sa, sb, fast: bool) -> Optional[Any]:
+    """torch._scaled_mm compiled by Inductor max-autotune with only Triton templates as candidates."""
+    import torch._inductor.config as cfg
+    cfg.max_autotune_gemm_backends = "TRITON"
+
+    def f(a, b, sa, sb):
+        return torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast)
+    compiled = torch.compile(f, mode="max-autotune-no-cudagraphs", dynamic=False)
+    try:
+        compiled(a, b, sa, sb)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - a peer's failure is reported, not fatal
+        print(f"  Inductor scaled mm failed: {str(e).splitlines()[0][:160]}")
+        return None
+    return lambda: compiled(a, b, sa, sb)
+
+
+QUANTIZE_SHAPES = [(4096, 7168), (16384, 4096), (16, 7168)]
+
+
+def issue_ahead_config(m: int, n: int, k: int, recipe: str) -> Optional[ScaledConfig]:
+    """The heuristic's config for this promoted call with ``issue_ahead``, or None where it does not apply (fast
+    accumulation, block1x128, swapped or split-K small-M plans)."""
+    scaling, fast = recipe.removesuffix("-fast"), RECIPES[recipe][2]
+    if fast or scaling == "block1x128":
+        return None
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = make_plan(m, n, k, ScaledEpilogue(scaling, promote=True), None, None, sms)
+    if plan.swap or plan.config.split_k > 1:
+        return None
+    return replace(plan.config, issue_ahead=True)
+
+
+def quantize_rows() -> list[dict[str, Any]]:
+    """nvfly's quantisation kernels against the torch reference (the same result bit for bit, checked): GB/s of
+    bf16 read + fp8 written."""
+    rows = []
+    for m, k in QUANTIZE_SHAPES:
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        for granularity in ("row", "1x128", "128x128", "mx"):
+            q, s = quantize_fp8(x, granularity)
+            q_ref, s_ref = quantize(x, granularity)
+            exact = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+            nvfly_ms = bench_ms(lambda: quantize_fp8(x, granularity))
+            torch_ms = bench_ms(lambda: quantize(x, granularity))
+            gbytes = 3 * m * k / 1e9
+            row = {"M": m, "K": k, "granularity": granularity, "bit_exact": exact, "nvfly_ms": nvfly_ms,
+                   "torch_ms": torch_ms, "nvfly_gbps": gbytes / nvfly_ms * 1e3, "vs_torch": torch_ms / nvfly_ms}
+            rows.append(row)
+            print(f"quantize {m:>5}x{k:>5} {granularity:>7}  bit-exact {exact}  nvfly {row['nvfly_gbps']:7.1f} GB/s"
+                  f"  x{row['vs_torch']:.1f} vs the torch reference", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="six shapes (< 3 min on the H200)")
+    p.add_argument("--no-triton", action="store_true")
+    p.add_argument("--triton-shapes", type=int, default=None,
+                   help="time Inductor's Triton scaled mm on the first N shapes (default: 1 with --quick, else 3)")
+    p.add_argument("--shapes", nargs="*", default=None)
+    p.add_argument("--recipes", nargs="*", default=None, choices=list(RECIPES),
+                   help="default: all (--quick: all but tensor-fast)")
+    p.add_argument("--name", default="scaled")
+    p.add_argument("--no-quantize", action="store_true", help="skip the quantisation kernels' rows")
+    p.add_argument("--issue-ahead", action="store_true",
+                   help="also time the promoted mainloop issuing k-block k+1 before k's add (ScaledConfig."
+                        "issue_ahead) on the heuristic's unswapped tensor/row/block plans (nvfly_ahead_ms)")
+    args = p.parse_args(argv)
+    if args.recipes is None:
+        args.recipes = [r for r in RECIPES if not (args.quick and r == "tensor-fast")]
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else \
+        (QUICK if args.quick else SUITE)
+    triton_shapes = 0 if args.no_triton else (args.triton_shapes if args.triton_shapes is not None
+                                              else 1 if args.quick else 3)
+    rows = []
+    t_start = time.time()
+    for idx, (m, n, k) in progress(list(enumerate(shapes)), "scaled"):
+        a16 = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        b16 = torch.randn(n, k, device="cuda").to(torch.bfloat16).t()
+        bf16_ms = bench_ms(lambda: torch.mm(a16, b16))
+        for recipe in args.recipes:
+            fast = RECIPES[recipe][2]
+            a, b, sa, sb = operands(m, n, k, recipe)
+            reason = scaled.eligibility(a, b, sa, sb)
+            if reason:
+                print(f"{m}x{n}x{k} {recipe}: declined ({reason})")
+                continue
+            ref = scaled.reference(a, b, sa, sb)
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            scaled.scaled_mm(a, b, sa, sb, out=out, use_fast_accum=fast)
+            row = {"M": m, "N": n, "K": k, "recipe": recipe, "out": "bf16",
+                   "path": scaled.path(a, b, sa, sb, use_fast_accum=fast),
+                   "rel_err": rel_err(out, ref), "max_err": max_err(out, ref)}
+            cublas = cublas_call(a, b, sa, sb, fast)
+            if cublas is not None:
+                theirs = cublas()
+                row["cublas_rel_err"], row["cublas_max_err"] = rel_err(theirs, ref), max_err(theirs, ref)
+            row["nvfly_ms"] = bench_ms(lambda: scaled.scaled_mm(a, b, sa, sb, out=out, use_fast_accum=fast))
+            if cublas is not None:
+                row["cublas_ms"] = bench_ms(cublas)
+            ahead = issue_ahead_config(m, n, k, recipe) if args.issue_ahead else None
+            if ahead is not None:
+                out_ahead = torch.full_like(out, float("nan"))
+                scaled.scaled_mm(a, b, sa, sb, out=out_ahead, config=ahead)
+                row["ahead_rel_err"] = rel_err(out_ahead, ref)
+                row["nvfly_ahead_ms"] = bench_ms(lambda: scaled.scaled_mm(a, b, sa, sb, out=out_ahead, config=ahead))
+            if idx < triton_shapes and not recipe.startswith("block") and not (args.quick and recipe != "row"):
+                tri = triton_call(a, b, sa, sb, fast)
+                if tri is not None:
+                    row["triton_ms"] = bench_ms(tri)
+            row["bf16_ms"] = bf16_ms
+            flop = 2.0 * m * n * k
+            for who in ("nvfly", "nvfly_ahead", "cublas", "triton", "bf16"):
+                if f"{who}_ms" in row:
+                    row[f"{who}_tflops"] = flop / row[f"{who}_ms"] / 1e9
+            for who in ("cublas", "triton", "bf16"):
+                if f"{who}_ms" in row:
+                    row[f"vs_{who}"] = row[f"{who}_ms"] / row["nvfly_ms"]
+            if "nvfly_ahead_ms" in row and "cublas_ms" in row:
+                row["ahead_vs_cublas"] = row["cublas_ms"] / row["nvfly_ahead_ms"]
+            rows.append(row)
+            print(f"{m:>5}x{n:>5}x{k:>5} {recipe:>11}  err {row['rel_err']:.1e} max {row['max_err']:.1e}"
+                  + (f" (cuBLAS {row['cublas_rel_err']:.1e})" if "cublas_rel_err" in row else "")
+                  + f"  nvfly {row['nvfly_tflops']:6.1f}"
+                  + (f"  cuBLAS {row['cublas_tflops']:6.1f} x{row['vs_cublas']:.2f}" if "cublas_ms" in row else "")
+                  + (f"  ahead {row['nvfly_ahead_tflops']:6.1f} x{row['ahead_vs_cublas']:.2f} (err "
+                     f"{row['ahead_rel_err']:.1e})" if "ahead_vs_cublas" in row else "")
+                  + (f"  Triton {row['triton_tflops']:6.1f} x{row['vs_triton']:.2f}" if "triton_ms" in row else "")
+                  + f"  bf16 {row['bf16_tflops']:6.1f} TFLOP/s  {row['path']}", flush=True)
+    summary: dict[str, Any] = {"seconds": time.time() - t_start, "rows": len(rows),
+                               "max_rel_err": max(r["rel_err"] for r in rows)}
+    for recipe in args.recipes:
+        mine = [r for r in rows if r["recipe"] == recipe]
+        summary[f"geomean_vs_cublas_{recipe}"] = geomean([r["vs_cublas"] for r in mine if "vs_cublas" in r])
+        summary[f"geomean_vs_bf16_{recipe}"] = geomean([r["vs_bf16"] for r in mine])
+    summary["geomean_ahead_vs_cublas"] = geomean([r["ahead_vs_cublas"] for r in rows if "ahead_vs_cublas" in r])
+    summary["geomean_vs_triton"] = geomean([r["vs_triton"] for r in rows if "vs_triton" in r])
+    quantized = [] if args.no_quantize else quantize_rows()
+    if quantized:
+        summary["quantize_all_bit_exact"] = all(r["bit_exact"] for r in quantized)
+    print(summary)
+    path = write_results(args.name, rows, {"summary": summary, "quantize": quantized})
+    labels = [f"{r['M']}x{r['N']}x{r['K']} {r['recipe']}" for r in rows]
+    plot(args.name, labels, {"nvfly": [r["nvfly_tflops"] for r in rows],
+                             "cuBLAS _scaled_mm": [r.get("cublas_tflops", 0.0) for r in rows],
+                             "bf16 torch.mm": [r["bf16_tflops"] for r in rows]}, "TFLOP/s")
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""FP8 scaled GEMM on Hopper (``torch._scaled_mm`` / ``F.scaled_mm`` semantics): tensor-wise, row-wise and block
+(1x128 activations x 128x128 weights, promoted every k-block) fp32 scales on a persistent TMA + fp8 wgmma kernel
+(``kernel``, planned by ``plan``); ``api`` holds the host functions re-exported here, docs/ops/scaled.md the design
+and measurements.
+"""
+from nvfly.ops.scaled.api import check, dequantize, describe, eligibility, path, recipe, reference, scaled_mm
+from nvfly.ops.scaled.config import ScaledConfig, ScaledEpilogue
+
+__all__ = ["ScaledConfig", "ScaledEpilogue", "check", "dequantize", "describe", "eligibility", "path", "recipe",
+           "reference", "scaled_mm"]

@@ -1,0 +1,367 @@
+"""The scaled GEMM's host functions on torch tensors: ``scaled_mm`` (``torch._scaled_mm`` / ``F.scaled_mm``
+semantics for the fp32 recipes), ``recipe`` (which scaling a call's scales describe), ``check`` and
+``eligibility``, ``path``, ``dequantize`` and ``reference``, and ``compile_variants`` (the kernel compiled without
+a GPU).
+
+Operands follow ``torch._scaled_mm``: ``a`` (M, K) row-major, ``b`` (K, N) column-major (``w.t()`` of a row-major
+(N, K) weight), both fp8 (e4m3, or e5m2 with an e4m3 partner), K and N multiples of 16. Scales (fp32):
+
+    recipe           scale_a                          scale_b
+    tensor           one element                      one element
+    row              (M, 1)                           (1, N)
+    block            (M, ceil(K/128)), any strides    (ceil(K/128), ceil(N/128)), any strides
+                     (1x128: per token, per 128 k)    (128x128 blocks of the weight)
+    block1x128       (M, ceil(K/128)), any strides    (ceil(K/128), N), any strides (1x128: per channel, 128 k)
+
+out = (a * sa) @ (b * sb) (+ bias), in bf16 (the default, as ``F.scaled_mm``), fp16 or fp32.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+
+import nvfly
+from nvfly.ops.common import scratch
+from nvfly.ops.common.opcall import OpCalls, named
+from nvfly.ops.scaled.config import BK, BLOCKWISE, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
+from nvfly.ops.scaled.kernel import scaled_mm_kernel, scaled_reduce_kernel
+from nvfly.ops.scaled.plan import ScaledPlan, make_plan
+from nvfly.runtime.driver import plan_sm_count
+from nvfly.runtime.tma import cached_descriptor
+from nvfly.runtime.torch_args import current_stream, layout_key, vector_width
+
+SCALED_MM = "nvfly.ops.scaled.scaled_mm"
+PATH = "nvfly.ops.scaled.path"
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def _ceil(x: int, d: int) -> int:
+    return -(-x // d)
+
+
+def recipe(a: Any, b: Any, scale_a: Any, scale_b: Any) -> str:
+    """The scaling ("tensor", "row", "block" or "block1x128") that the scales' shapes describe for a (M, K) @
+    b (K, N); raises
+    ValueError naming the scale that matches no recipe or not its partner's."""
+    m, k = a.shape
+    n = b.shape[1]
+    kb = _ceil(k, SCALE_BLOCK)
+    shapes = {"tensor": (None, None), "row": ((m, 1), (1, n)), "block": ((m, kb), (kb, _ceil(n, SCALE_BLOCK))),
+              "block1x128": ((m, kb), (kb, n))}
+
+    def which(scale: Any, index: int) -> set[str]:
+        """The recipes a scale's shape fits (M = 1: a (1, 1) scale_a is tensor-wise and row-wise)."""
+        fits = {r for r, pair in shapes.items() if pair[index] == tuple(scale.shape)}
+        return fits | {"tensor"} if scale.numel() == 1 else fits
+    ra, rb = which(scale_a, 0), which(scale_b, 1)
+    expected = "; ".join(f"{r}: {pair[0] or 'one element'} and {pair[1] or 'one element'}"
+                         for r, pair in shapes.items())
+    if not ra:
+        raise ValueError(f"scale_a: shape {tuple(scale_a.shape)} matches no scaling of a {tuple(a.shape)} "
+                         f"(expected {expected})")
+    if not rb:
+        raise ValueError(f"scale_b: shape {tuple(scale_b.shape)} matches no scaling of b {tuple(b.shape)} "
+                         f"(expected {expected})")
+    both = ra & rb
+    if not both:
+        first = min(ra, key=list(shapes).index)
+        raise ValueError(f"scale_b: shape {tuple(scale_b.shape)} is {'/'.join(sorted(rb))}-wise but scale_a is "
+                         f"{first}-wise (expected {shapes[first][1] or 'one element'}; the pairs are {expected})")
+    return min(both, key=list(shapes).index)  # several fit only when they compute the same: the simplest
+
+
+def check(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
+          out_dtype: torch.dtype = torch.bfloat16, out: Any = None) -> str:
+    """What nvfly's scaled GEMM takes, on any device (the same checks as the op's fake): raises TypeError or
+    ValueError naming the argument; returns the recipe."""
+    for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("bias", bias), ("out", out)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
+    for name, t in (("a", a), ("b", b)):
+        if t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D tensor, got {t.dim()}-D")
+        if t.dtype not in FP8_DTYPES:
+            raise TypeError(f"{name}: dtype {t.dtype} is not float8_e4m3fn or float8_e5m2")
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        raise TypeError("b: float8_e5m2 with an float8_e5m2 a: one operand must be float8_e4m3fn (as torch)")
+    m, k = a.shape
+    if b.shape[0] != k:
+        raise ValueError(f"b: shape {tuple(b.shape)} and a's {tuple(a.shape)} do not multiply (K is {k} in a, "
+                         f"{b.shape[0]} in b)")
+    n = b.shape[1]
+    if k % 16 or n % 16:
+        raise ValueError(f"b: K={k} and N={n} must be multiples of 16 (fp8 GEMM rows of 16 bytes)")
+    if a.stride(1) != 1 and a.shape[1] > 1:
+        raise ValueError(f"a: expected a row-major (M, K) tensor (stride 1 along K), got strides {a.stride()}")
+    if b.stride(0) != 1 and b.shape[0] > 1:
+        raise ValueError(f"b: expected a column-major (K, N) tensor (w.t() of a row-major (N, K) weight), got "
+                         f"strides {b.stride()}")
+    for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}: dtype {t.dtype}: expected float32 scales")
+    scaling = recipe(a, b, scale_a, scale_b)
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: {out_dtype} is not bf16, fp16 or fp32")
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
+        if bias.dtype not in BIAS_DTYPES:
+            raise TypeError(f"bias: dtype {bias.dtype} is not bf16, fp16 or fp32")
+    if out is not None:
+        if tuple(out.shape) != (m, n):
+            raise ValueError(f"out: expected shape {(m, n)}, got {tuple(out.shape)}")
+        if out.dtype != out_dtype:
+            raise TypeError(f"out: expected dtype {out_dtype}, got {out.dtype}")
+    return scaling
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _aligned_reason(name: str, t: torch.Tensor) -> Optional[str]:
+    if t.data_ptr() % 16:
+        return f"{name}: its address is not 16-byte aligned (TMA needs it)"
+    return None
+
+
+def eligibility(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
+                out_dtype: torch.dtype = torch.bfloat16, out: Any = None) -> Optional[str]:
+    """None when ``scaled_mm`` runs these arguments on nvfly, else why not (``check``'s error, the device's,
+    the operands' alignment)."""
+    try:
+        check(a, b, scale_a, scale_b, bias, out_dtype, out)
+    except (TypeError, ValueError) as exc:
+        return str(exc)
+    if not a.is_cuda:
+        return f"a is on {a.device}, not CUDA"
+    for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("bias", bias), ("out", out)):
+        if t is not None and t.device != a.device:
+            return f"{name} is on {t.device}, a on {a.device}"
+    major, minor = _capability(a.device.index)
+    if major != 9:
+        return f"a is on an sm_{major}{minor} GPU: nvfly's scaled GEMM needs an sm_90 (Hopper) GPU"
+    if a.shape[0] > 1 and a.stride(0) % 16:
+        return f"a: row stride {a.stride(0)} is not a multiple of 16 bytes (TMA cannot describe it)"
+    if b.shape[1] > 1 and b.stride(1) % 16:
+        return f"b: column stride {b.stride(1)} is not a multiple of 16 bytes (TMA cannot describe it)"
+    return _aligned_reason("a", a) or _aligned_reason("b", b)
+
+
+# ---------------------------------------------------------------------------------------------- calls
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
+              bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
+              use_fast_accum: bool = False, out: Optional[torch.Tensor] = None,
+              config: Optional[ScaledConfig] = None, swap: Optional[bool] = None) -> torch.Tensor:
+    """(a * scale_a) @ (b * scale_b) (+ bias) for fp8 ``a`` (M, K) row-major and ``b`` (K, N) column-major with
+    tensor-wise, row-wise or block (1x128 x 128x128) fp32 scales (see the module doc), as ``torch._scaled_mm``.
+
+    ``use_fast_accum``: tensor/row-wise scales accumulate every k-block in the tensor core's accumulator (fast);
+    False (the default, as torch) adds each k-block of 128 into an fp32 sum (promotion); block scales always
+    promote. ``config``/``swap``: the kernel's tile (of the transposed problem when swapped) and whether small M
+    is computed as out^T = b^T a^T (None: the heuristic's). Raises TypeError or ValueError naming the argument when
+    nvfly cannot run it."""
+    call = _bound(SCALED_MM, a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out, config, swap)
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+    call.run(a, b, scale_a, scale_b, bias, out)
+    return out
+
+
+def path(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
+         bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False,
+         config: Optional[ScaledConfig] = None, swap: Optional[bool] = None) -> str:
+    """What ``scaled_mm`` runs (for benchmarks and ``nvfly explain``), e.g. "scaled-block-promoted: 128x128 tile
+    on 132 blocks, 6 stages"; raises when it would."""
+    with named(PATH):
+        plan = _plan(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, None, config, swap)
+    return describe_plan(plan)
+
+
+def describe(m: int, n: int, k: int, *, scaling: str = "row", use_fast_accum: bool = False,
+             bias: bool = False, sms: int = 132) -> str:
+    """What ``scaled_mm`` runs without a config for an m x n x k call with ``scaling`` ("tensor", "row", "block"
+    or "block1x128") scales, planned for ``sms`` SMs (no GPU needed), as ``path`` names it."""
+    epilogue = ScaledEpilogue(scaling, promote=scaling in BLOCKWISE or not use_fast_accum, bias=bias)
+    return describe_plan(make_plan(m, n, k, epilogue, None, None, sms))
+
+
+def describe_plan(plan: ScaledPlan) -> str:
+    cfg, epi = plan.config, plan.epilogue
+    name = f"scaled-{epi.scaling}" + ("-promoted" if epi.promote else "") + ("-ahead" if cfg.issue_ahead else "") + \
+        ("-swapAB" if plan.swap else "") + (f"-splitK{cfg.split_k}" if cfg.split_k > 1 else "")
+    return f"{name}: {cfg.bm}x{cfg.bn} tile on {plan.grid} blocks, {cfg.stages} stages"
+
+
+def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: torch.dtype, use_fast_accum: bool,
+          out: Any, config: Optional[ScaledConfig], swap: Optional[bool]) -> ScaledPlan:
+    scaling = check(a, b, scale_a, scale_b, bias, out_dtype, out)
+    if config is not None and not isinstance(config, ScaledConfig):
+        raise TypeError(f"config: expected a ScaledConfig or None, got {type(config).__name__}")
+    epilogue = ScaledEpilogue(scaling, promote=scaling in BLOCKWISE or not use_fast_accum, bias=bias is not None)
+    sms = plan_sm_count(a.get_device())
+    return make_plan(a.shape[0], b.shape[1], a.shape[1], epilogue, config, swap, sms)
+
+
+def _bound(op: str, a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: Any, use_fast_accum: bool,
+           out: Any, config: Any, swap: Any) -> "_Call":
+    try:
+        key = (layout_key(a), layout_key(b), layout_key(scale_a), layout_key(scale_b), layout_key(bias),
+               layout_key(out), out_dtype, bool(use_fast_accum), config, swap)
+        call = _CALLS.get(key)
+    except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
+        key = call = None
+    if call is None:
+        call = _CALLS.plan(op, key, _new_call, a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out, config,
+                           swap)
+    return call
+
+
+def _new_call(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: Any, use_fast_accum: bool,
+              out: Any, config: Any, swap: Any) -> "_Call":
+    plan = _plan(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out, config, swap)
+    reason = eligibility(a, b, scale_a, scale_b, bias, out_dtype, out)
+    if reason:
+        raise ValueError(reason)
+    return _Call(plan, out, out_dtype)
+
+
+REDUCE_THREADS = 256
+
+
+class _Call:
+    """The launches of one call signature: the kernel, and with split K the reduce kernel (f32 partials laid out
+    like the caller's output, so that the reduce reads and writes in memory order; a swapped plan's kernel writes
+    their transpose)."""
+
+    def __init__(self, plan: ScaledPlan, out: Optional[torch.Tensor], out_dtype: torch.dtype):
+        self.plan = plan
+        self.launch = scaled_mm_kernel.prepared(plan.grid, plan.threads)
+        self.out_m, self.out_n = (plan.n, plan.m) if plan.swap else (plan.m, plan.n)
+        self.reduce = None
+        if plan.epilogue.partial:
+            self.reduce_vec = vector_width(self.out_n, (out,), out_dtype.itemsize) \
+                if out is None or out.stride(-1) == 1 else 1
+            self.reduce = scaled_reduce_kernel.prepared(
+                math.ceil(self.out_m * self.out_n / (REDUCE_THREADS * self.reduce_vec)), REDUCE_THREADS)
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+            bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+        plan = self.plan
+        if a.shape[0] == 0 or b.shape[1] == 0:
+            return
+        if a.shape[1] == 0:
+            out.copy_(torch.zeros_like(out) if bias is None else bias.to(out.dtype).expand_as(out))
+            return
+        kernel_a, kernel_b = a, b.t()  # the kernel's operands, both (rows, K) row-major
+        sa, sb = kernel_scales(plan.epilogue.scaling, scale_a, scale_b)
+        caller_sa, caller_sb = sa, sb
+        target = out
+        if plan.swap:
+            kernel_a, kernel_b = kernel_b, kernel_a
+            sa, sb = sb, sa
+            target = out.t()
+        if self.reduce is not None:
+            splits = plan.config.split_k
+            count = splits * self.out_m * self.out_n
+            buffer = scratch.partials(a.device, current_stream(a.device.index), count)[:count]
+            partials = buffer.view(splits, self.out_m, self.out_n)
+            target = partials.transpose(1, 2) if plan.swap else partials
+        self.launch(cached_descriptor(kernel_a, plan.a_box, 128), cached_descriptor(kernel_b, plan.b_box, 128),
+                    target, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n, plan.k_tiles,
+                    plan.config, plan.epilogue)
+        if self.reduce is not None:
+            self.reduce(partials, out, caller_sa, caller_sb, bias, self.out_m, self.out_n, plan.config.split_k,
+                        plan.epilogue.scaling, self.reduce_vec, REDUCE_THREADS)
+
+
+def kernel_scales(scaling: str, scale_a: torch.Tensor, scale_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales as the kernel indexes them (views, no copies): tensor-wise one element each ([0]); row-wise
+    vectors along M and N; block: scale_a (M, K/128) as given, scale_b as (N/128, K/128) (block1x128: (N, K/128))."""
+    if scaling == "tensor":
+        return scale_a.reshape(1), scale_b.reshape(1)
+    if scaling == "row":
+        return scale_a.select(1, 0), scale_b.select(0, 0)
+    return scale_a, scale_b.t()
+
+
+_CALLS: OpCalls[_Call] = OpCalls()
+
+
+# ---------------------------------------------------------------------------------------------- references
+def dequantize(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (1, 1)) -> torch.Tensor:
+    """x * scale in float32, each scale element covering a ``block`` of x (a one-element scale covers all of
+    it; row/column scales broadcast)."""
+    if scale.numel() == 1 or block == (1, 1):
+        return x.float() * scale.float()
+    full = scale.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return x.float() * full[:x.shape[0], :x.shape[1]]
+
+
+def reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The float32 GEMM of the dequantised operands (+ bias): what ``scaled_mm`` approximates."""
+    scaling = recipe(a, b, scale_a, scale_b)
+    blocks = {"block": ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK)),
+              "block1x128": ((1, SCALE_BLOCK), (SCALE_BLOCK, 1))}.get(scaling, ((1, 1), (1, 1)))
+    r = dequantize(a, scale_a, blocks[0]) @ dequantize(b, scale_b, blocks[1])
+    return r if bias is None else r + bias.float()
+
+
+# ---------------------------------------------------------------------------------------------- compiling
+def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], out_dtype: torch.dtype = torch.bfloat16,
+                     dtypes: tuple[Any, Any] = (nvfly.f8e4m3, nvfly.f8e4m3), target: str = "sm_90a") -> list[Any]:
+    """Compile the kernel for each (config, epilogue) without a GPU (M = N = K = 4096 strides; ``bias_rows``: a
+    swapped plan's transposed output); returns CompiledKernels."""
+    from nvfly.frontend.dtypes import bf16, f16, f32
+    from nvfly.runtime.tensor_desc import TensorDesc
+    out_nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}[out_dtype]
+    size = 4096
+    kernels = []
+    for cfg, epi in variants:
+        a_desc = nvfly.TmaDescriptor(TensorDesc(dtypes[0], (size, size)), (min(cfg.bm, 256), BK), swizzle=128)
+        b_desc = nvfly.TmaDescriptor(TensorDesc(dtypes[1], (size, size)), (min(cfg.bn, 256), BK), swizzle=128)
+        out = TensorDesc(out_nv, (size, size), (1, size) if epi.bias_rows else None)
+        if epi.partial:  # [split, rows, cols] f32 partial sums (a swapped plan's: transposed)
+            out = TensorDesc(f32, (cfg.split_k, size, size),
+                             (size * size, 1, size) if epi.bias_rows else None)
+        kb = size // SCALE_BLOCK
+        if epi.scaling == "tensor":
+            sa, sb = TensorDesc(f32, (1,)), TensorDesc(f32, (1,))
+        elif epi.scaling == "row":
+            sa, sb = TensorDesc(f32, (size,)), TensorDesc(f32, (size,))
+        elif epi.scaling == "block":
+            sa, sb = TensorDesc(f32, (size, kb), (1, size)), TensorDesc(f32, (kb, kb))
+        else:  # 1x128 x 1x128: the kernel's sb is torch's (K/128, N) transposed
+            sa, sb = TensorDesc(f32, (size, kb), (1, size)), TensorDesc(f32, (size, kb), (1, size))
+        bias = TensorDesc(bf16, (size,)) if epi.bias else None
+        kernels.append(scaled_mm_kernel.compile(a_desc, b_desc, out, sa, sb, bias, size, size,
+                                                math.ceil(size / BK), CFG=cfg, EPI=epi,
+                                                block=128 * (1 + cfg.consumers), target=target))
+    return kernels
+
+
+def compile_reduce(scaling: str, splits: int, vec: int, bias: bool, out_dtype: torch.dtype = torch.bfloat16,
+                   target: str = "sm_90a") -> Any:
+    """Compile split K's reduce kernel without a GPU (a 64 x 4096 output)."""
+    from nvfly.frontend.dtypes import bf16, f16, f32
+    from nvfly.runtime.tensor_desc import TensorDesc
+    out_nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}[out_dtype]
+    m, n = 64, 4096
+    scales = {"tensor": ((1,), (1,)), "row": ((m,), (n,)), "block": ((m, 32), (32, 32)),
+              "block1x128": ((m, 32), (n, 32))}[scaling]
+    return scaled_reduce_kernel.compile(TensorDesc(f32, (splits, m, n)), TensorDesc(out_nv, (m, n)),
+                                        TensorDesc(f32, scales[0]), TensorDesc(f32, scales[1]),
+                                        TensorDesc(bf16, (n,)) if bias else None, m, n, SPLITS=splits,
+                                        SCALING=scaling, VEC=vec, THREADS=REDUCE_THREADS, block=REDUCE_THREADS,
+                                        target=target)

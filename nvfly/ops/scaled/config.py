@@ -1,0 +1,91 @@
+"""The scaled (FP8) GEMM kernel's configs and epilogue options. Pure Python: plans, tests and the kernel read them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from nvfly.ops.gemm.config import BARRIER_BYTES, SMEM_LIMIT
+
+BK = 128           # K elements per k-block: one 128-byte swizzle row of fp8, and the block scales' 128
+SCALE_BLOCK = 128  # the block recipes' block edge (1x128 activations, 128x128 weights)
+SCALINGS = ("tensor", "row", "block", "block1x128")
+BLOCKWISE = ("block", "block1x128")  # scales applied in the mainloop
+
+
+@dataclass(frozen=True)
+class ScaledConfig:
+    """One point of the scaled GEMM's config space: a bm x bn output tile split between ``consumers`` warpgroups
+    (64 or 128 rows each), a ring of ``stages`` k-blocks of 128, ``group_m`` tile rows per rasterisation group,
+    ``split_k`` K splits (each writes f32 partial sums; a reduce kernel scales and adds them); ``issue_ahead``: the
+    promoted mainloop issues k-block k+1's wgmmas before k's fp32 add (a third accumulator)."""
+    bm: int = 128
+    bn: int = 128
+    stages: int = 6
+    consumers: int = 2
+    group_m: int = 8
+    split_k: int = 1
+    issue_ahead: bool = False
+
+    @property
+    def wg_m(self) -> int:
+        return self.bm // self.consumers
+
+    @property
+    def stage_bytes(self) -> int:
+        return (self.bm + self.bn) * BK
+
+    def smem_bytes(self) -> int:
+        return BARRIER_BYTES + self.stages * self.stage_bytes
+
+    def check(self, promote: bool = False) -> Optional[str]:
+        """None if this config compiles (with a promoted accumulator when ``promote``), else why not."""
+        if self.consumers not in (1, 2) or self.bm % self.consumers or self.wg_m not in (64, 128):
+            return f"bm={self.bm} with {self.consumers} consumers: each consumer needs 64 or 128 rows"
+        if self.bn % 8 or not 8 <= self.bn <= 256:
+            return f"bn={self.bn}: must be a multiple of 8 in [8, 256]"
+        if self.issue_ahead and not promote:
+            return "issue_ahead: only the promoted mainloop issues ahead"
+        # promotion keeps a second accumulator (the running fp32 sum next to the k-block's partial), issuing ahead
+        # a third (the next k-block's partial)
+        accumulators = 3 if self.issue_ahead else 2 if promote else 1
+        registers = (self.wg_m // 64) * self.bn // 2 * accumulators
+        if registers > (192 if self.issue_ahead else 128):
+            return (f"{self.wg_m}x{self.bn} per consumer needs {registers} accumulator registers (at most "
+                    f"{'192' if self.issue_ahead else '128'}, {accumulators} accumulator(s))")
+        if self.stages < 2:
+            return "at least 2 stages"
+        if not 1 <= self.split_k <= 32:
+            return f"split_k={self.split_k}: 1 to 32"
+        if self.smem_bytes() > SMEM_LIMIT:
+            return f"{self.smem_bytes()} bytes of shared memory exceed {SMEM_LIMIT}"
+        return None
+
+
+def deepest(cfg: ScaledConfig, most: int = 8) -> ScaledConfig:
+    """``cfg`` with the deepest ring of at most ``most`` stages that fits shared memory."""
+    stages = max(2, min(most, (SMEM_LIMIT - BARRIER_BYTES) // cfg.stage_bytes))
+    return replace(cfg, stages=stages)
+
+
+@dataclass(frozen=True)
+class ScaledEpilogue:
+    """What the kernel applies. scaling: "tensor" (one scale each: alpha = sa * sb, in the epilogue), "row"
+    (sa per output row, sb per output column, in the epilogue), "block" (sa per row and 128-k block, sb per
+    128x128 block of the kernel's B, applied to each k-block's partial sum in the mainloop) or "block1x128" (sb
+    per column and 128-k block instead); promote: accumulate each k-block in a fresh wgmma accumulator and add it
+    into an fp32 sum (always with block scales; otherwise
+    torch's ``use_fast_accum=False``); bias: a bias vector added last, along the output's columns, or along its
+    rows (``bias_rows``: the swapped problem, whose rows are the caller's columns); partial: split K, the kernel
+    writes its K range's unscaled f32 sums (out is [split, rows, cols]) and ``scaled_reduce_kernel`` applies the
+    scales and the bias."""
+    scaling: str = "tensor"
+    promote: bool = False
+    bias: bool = False
+    bias_rows: bool = False
+    partial: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"scaling: expected one of {SCALINGS}, got {self.scaling!r}")
+        if self.scaling in BLOCKWISE and not self.promote:
+            raise ValueError("scaling: block scales are applied by promotion (promote=True)")

@@ -1,0 +1,315 @@
+"""The scaled (FP8) GEMM kernel: persistent, warp-specialised, TMA + mbarrier ring + fp8 wgmma, scales applied in
+the mainloop (block recipes, promotion) or in the epilogue (tensor-wise and row-wise).
+
+The kernel computes out[i, j] = scale(sum_k A[i, k] * B[j, k]) (+ bias) with A (M x K) and B (N x K) both K-major
+e4m3/e5m2 (fp8 wgmma reads no transposed operand: exactly ``torch._scaled_mm``'s row-major a and column-major b).
+The schedule is the dense GEMM's: one block per SM walks output tiles (nvfly.ops.common.scheduler, grouped
+rasterisation); warpgroup 0's first thread keeps a ring of 128-element k-blocks full with TMA loads; consumer
+warpgroups 1..C each own bm/C rows of the tile.
+
+Two mainloops (``ScaledEpilogue.promote``):
+- accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's
+  mainloop: ``nvfly.ops.gemm.kernel.issue_k_block``), the fastest and torch's ``use_fast_accum=True``;
+- promote (DeepGEMM's scheme, the accuracy DeepSeek-V3 needs): each k-block of 128 is issued into a fresh
+  accumulator, waited for, and added into an fp32 sum, scaled first by sa[row, kb] * sb[n-block, kb] for the block
+  recipe (1x128 activations x 128x128 weights). The tensor core's accumulator then never sums more than 128
+  products (it keeps ~14 bits); the scale loads are issued under the wgmmas. Two consumer warpgroups overlap one's
+  promotion with the other's wgmmas. With ``ScaledConfig.issue_ahead`` a consumer also issues k-block k+1 (into a
+  second partial accumulator) before k's add, so that its own wgmmas run under its promotion.
+The epilogue multiplies by the tensor-wise scale (sa * sb, read from device memory: no host sync) or the row-wise
+scales (sa[row] * sb[col]), adds the bias and stores each thread's fragments as 4-byte pairs (masked on tails).
+"""
+from __future__ import annotations
+
+import functools
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.arch.ptx import smem_address
+from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
+from nvfly.ops.gemm.config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
+from nvfly.ops.gemm.kernel import issue_k_block, store_tile
+from nvfly.ops.scaled.config import BK, BLOCKWISE, SCALE_BLOCK
+
+PARTIAL = Epilogue(partial=True)
+
+
+@nvfly.kernel
+def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor,
+                     scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, bias, m: nvfly.i32, n: nvfly.i32,
+                     k_tiles: nvfly.i32, CFG: nvfly.Constexpr, EPI: nvfly.Constexpr):
+    dtype = a_desc.info.dtype
+    BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
+    WG_M = CFG.wg_m
+    ATOMS_M = WG_M // 64
+    atom = sm90.WgmmaAtom(BN, dtype, b_desc.info.dtype, "K", "K")
+    a_layout = sm90.operand_layout(BM, BK, dtype, "K", 128)
+    b_layout = sm90.operand_layout(BN, BK, dtype, "K", 128)
+    a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, "K", 128)[1][0]
+    b_boxes = sm90.operand_boxes(b_layout, BN, BK, dtype, "K", 128)[1][0]
+    a_lbo, a_sbo = sm90.descriptor_offsets(a_layout, dtype, "K", 128)
+    b_lbo, b_sbo = sm90.descriptor_offsets(b_layout, dtype, "K", 128)
+    A_BYTES = BM * BK
+    STAGE_BYTES = CFG.stage_bytes
+
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
+    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
+    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * WGS)
+
+    tid = nvfly.thread_idx.x
+    warp = nvfly.warp_idx()
+    wg = warp // 4
+    if tid == 0:
+        pipe.init()
+        sm90.tma_prefetch_descriptor(a_desc)
+        sm90.tma_prefetch_descriptor(b_desc)
+    nvfly.syncthreads()
+    first_tile = nvfly.block_idx.x
+    tile_step = nvfly.grid_dim.x
+    TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k)
+    tiles = tile_grid(m, n, 1, k_tiles, 0, 0, tile_step, None, None, TILING)
+    num_units = block_units(first_tile, tiles, TILING)
+
+    if wg == 0:
+        sm90.setmaxnreg(PRODUCER_REGS, increase=False)
+        if tid == 0:
+            state = sm90.PipelineState.start(S)
+            for tile in range(first_tile, num_units, tile_step):
+                work = unit_work(tile, tiles, 0, TILING)
+                for kt in range(work.k_begin, work.k_end):
+                    pipe.producer_acquire(state)
+                    pipe.producer_expect(state)
+                    base = ring + state.stage * STAGE_BYTES
+                    full = pipe.full(state.stage)
+                    for box in a_boxes:
+                        sm90.tma_load(a_desc, base + box.smem_offset,
+                                      (work.tile_m * BM + box.mn_offset, kt * BK + box.k_offset), full)
+                    for box in b_boxes:
+                        sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
+                                      (work.tile_n * BN + box.mn_offset, kt * BK + box.k_offset), full)
+                    state = state.advance()
+    else:
+        sm90.setmaxnreg(CONSUMER_REGS, increase=True)
+        consumer = wg - 1
+        lane = nvfly.lane_idx()
+        warp_in_wg = warp % 4
+        a_desc_fields = (a_lbo, a_sbo, 128)
+        b_desc_fields = (b_lbo, b_sbo, 128)
+        alpha = 1.0
+        if EPI.scaling == "tensor":
+            alpha = scale_a[0] * scale_b[0]
+        state = sm90.PipelineState.start(S)
+        for tile in range(first_tile, num_units, tile_step):
+            work = unit_work(tile, tiles, 0, TILING)
+            tm, tn = work.tile_m, work.tile_n
+            row0 = tm * BM + consumer * WG_M + warp_in_wg * 16 + lane // 4
+            col0 = tn * BN + 2 * (lane % 4)
+            # wait for a stage and issue its k-block into fresh accumulators; the k-block's promotion scales
+            issue = functools.partial(issue_fresh, pipe, atom, ring, STAGE_BYTES, a_layout, b_layout, consumer,
+                                      a_desc_fields, b_desc_fields, A_BYTES, WG_M, ATOMS_M)
+            scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
+                                          ATOMS_M=ATOMS_M, EPI=EPI)
+            if EPI.promote and CFG.issue_ahead:
+                # k-block k+1's wgmmas are issued before k's fp32 add, into the other of two partial accumulators;
+                # the loop takes k-blocks in pairs so that each keeps its registers (a swap would serialise wgmma)
+                sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
+                part_a, scales_a, state_a = issue(state), scales_of(kt=work.k_begin), state
+                state = state.advance()
+                for pair in range(work.k_begin + 1, work.k_end - 1, 2):
+                    part_b, scales_b, state_b = issue(state), scales_of(kt=pair), state
+                    state = state.advance()
+                    sm90.wait_group(1)
+                    if lane == 0:
+                        pipe.consumer_release(state_a)
+                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
+                    part_a, scales_a, state_a = issue(state), scales_of(kt=pair + 1), state
+                    state = state.advance()
+                    sm90.wait_group(1)
+                    if lane == 0:
+                        pipe.consumer_release(state_b)
+                    sums = promote(sums, fenced(part_b), scales_b, ATOMS_M, EPI)
+                # one k-block left after the pairs, or none: two endings (handing part_b on as part_a would copy
+                # registers still in flight)
+                if (work.k_end - work.k_begin) % 2 == 0:
+                    part_b, scales_b, state_b = issue(state), scales_of(kt=work.k_end - 1), state
+                    state = state.advance()
+                    sm90.wait_group(1)
+                    if lane == 0:
+                        pipe.consumer_release(state_a)
+                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
+                    sm90.wait_group(0)
+                    if lane == 0:
+                        pipe.consumer_release(state_b)
+                    sums = promote(sums, fenced(part_b), scales_b, ATOMS_M, EPI)
+                else:
+                    sm90.wait_group(0)
+                    if lane == 0:
+                        pipe.consumer_release(state_a)
+                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
+                accs = sums
+            elif EPI.promote:
+                sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
+                for kt in range(work.k_begin, work.k_end):
+                    part, scales = issue(state), scales_of(kt=kt)  # the scales load while the wgmmas run
+                    sm90.wait_group(0)
+                    if lane == 0:
+                        pipe.consumer_release(state)
+                    state = state.advance()
+                    sums = promote(sums, part, scales, ATOMS_M, EPI)
+                accs = sums
+            else:
+                # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
+                accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
+                pipe.consumer_wait(state)
+                accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
+                                     a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, True)
+                prev = state
+                state = state.advance()
+                for kt in range(work.k_begin + 1, work.k_end):
+                    pipe.consumer_wait(state)
+                    accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
+                                         a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, False)
+                    sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
+                    if lane == 0:
+                        pipe.consumer_release(prev)
+                    prev = state
+                    state = state.advance()
+                sm90.wait_group(0)
+                if lane == 0:
+                    pipe.consumer_release(prev)
+            inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
+            if EPI.partial:  # split K: unscaled f32 sums into out[split] (the dense GEMM's partial store)
+                if inside:
+                    store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, False)
+                else:
+                    store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, True)
+            elif inside:
+                store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
+            else:
+                store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
+
+
+def issue_fresh(pipe, atom, ring, stage_bytes, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m,
+                atoms_m, state) -> list:
+    """Wait for ``state``'s stage and issue its k-block into fresh accumulators (committed, not waited for)."""
+    pipe.consumer_wait(state)
+    return issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(atoms_m)],
+                         ring + state.stage * stage_bytes, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes,
+                         wg_m, BK, 1, True)
+
+
+def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI) -> list:
+    """The k-block's promotion scales for the thread's elements: block, one per row pair (sa[row, kt] * sb[column
+    block, kt]); block1x128, the rows' sa then the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise,
+    none (applied in the epilogue)."""
+    rows = [nvfly.minimum(row0 + 64 * i + 8 * h, m - 1) for i in range(ATOMS_M) for h in range(2)]
+    if EPI.scaling == "block":
+        sb = scale_b[col0 // SCALE_BLOCK, kt]  # the tile's columns lie in one block
+        return [scale_a[row, kt] * sb for row in rows]
+    if EPI.scaling == "block1x128":
+        return [scale_a[row, kt] for row in rows] + [scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]
+                                                     for j in range(BN // 8) for c in range(2)]
+    return []
+
+
+def fenced(part: list) -> list:
+    """A waited-for partial's registers, read no earlier than here: without the fence LLVM may hoist its adds above
+    the wait_group (e.g. out of both arms of an if), and ptxas then serialises every wgmma to keep them correct."""
+    return [acc.fence() for acc in part]
+
+
+def promote(sums: list, part: list, scales: list, ATOMS_M: int, EPI) -> list:
+    """sums + part, each element times its promotion scales (``promotion_scales``)."""
+    if EPI.scaling == "block":
+        return [sums[i].map(lambda v, e, i=i: v + part[i][e] * scales[2 * i + (e // 2) % 2]) for i in range(ATOMS_M)]
+    if EPI.scaling == "block1x128":
+        rows = 2 * ATOMS_M
+        return [sums[i].map(lambda v, e, i=i: v + part[i][e] * (scales[2 * i + (e // 2) % 2]
+                                                                 * scales[rows + 2 * (e // 4) + e % 2]))
+                for i in range(ATOMS_M)]
+    return [sums[i].map(lambda v, e, i=i: v + part[i][e]) for i in range(ATOMS_M)]
+
+
+@nvfly.func
+def store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, MASKED):
+    """Scale, add the bias, convert and write the consumer's fragments: element 4j+2h+e of atom i is
+    (row0 + 64i + 8h, col0 + 8j + e). Without MASKED (the tile lies inside the output) nothing is bounds-checked;
+    with it, scale and bias reads are clamped into range and stores masked."""
+    vec = isinstance(out.stride[1], int) and out.stride[1] == 1
+    ROW = EPI.scaling == "row"
+    rows = []         # the thread's rows (2 per atom), clamped into range for the scale and bias reads
+    row_scales = []
+    row_biases = []
+    for i in nvfly.static_range(ATOMS_M):
+        for h in nvfly.static_range(2):
+            row = row0 + 64 * i + 8 * h
+            rows.append(row)
+            safe_row = nvfly.minimum(row, m - 1) if MASKED else row
+            row_scales.append(scale_a[safe_row] if ROW else alpha)
+            if EPI.bias and EPI.bias_rows:
+                row_biases.append(bias[safe_row].to(nvfly.f32))
+    # column by column: a column pair's scales and bias are read once and live only while it is stored
+    for j in nvfly.static_range(BN // 8):
+        col = col0 + 8 * j
+        col_scales = []
+        col_biases = []
+        for e in nvfly.static_range(2):
+            safe_col = nvfly.minimum(col + e, n - 1) if MASKED else col + e
+            if ROW:
+                col_scales.append(scale_b[safe_col])
+            if EPI.bias and not EPI.bias_rows:
+                col_biases.append(bias[safe_col].to(nvfly.f32))
+        for r in nvfly.static_range(2 * ATOMS_M):
+            row = rows[r]
+            if not MASKED or row < m:
+                values = []
+                for e in nvfly.static_range(2):
+                    v = accs[r // 2][4 * j + 2 * (r % 2) + e]
+                    if EPI.scaling not in BLOCKWISE:
+                        v = v * row_scales[r]
+                        if ROW:
+                            v = v * col_scales[e]
+                    if EPI.bias:
+                        v = v + (row_biases[r] if EPI.bias_rows else col_biases[e])
+                    values.append(v)
+                if vec and (not MASKED or col + 1 < n):
+                    out.store(nvfly.make_vector(values).to(out.dtype), row, col)
+                else:
+                    if not MASKED or col < n:
+                        out[row, col] = values[0].to(out.dtype)
+                    if not MASKED or col + 1 < n:
+                        out[row, col + 1] = values[1].to(out.dtype)
+
+
+@nvfly.kernel
+def scaled_reduce_kernel(partials: nvfly.Tensor, out: nvfly.Tensor, scale_a: nvfly.Tensor, scale_b: nvfly.Tensor,
+                         bias, m: nvfly.i32, n: nvfly.i32, SPLITS: nvfly.Constexpr, SCALING: nvfly.Constexpr,
+                         VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr):
+    """Split K's second step, in the caller's orientation: out[r, c] = scale(sum_s partials[s, r, c]) (+ bias[c]),
+    VEC consecutive columns per thread (VEC divides n). Scales as the caller gives them: one element each
+    ("tensor"), or sa per row and sb per column ("row"); block scales: none left to apply."""
+    i = (nvfly.block_idx.x * THREADS + nvfly.thread_idx.x) * VEC
+    if i < m * n:
+        row = i // n
+        col = i - row * n
+        acc = partials.load(0, row, col, width=VEC)
+        for s in nvfly.static_range(1, SPLITS):
+            acc = acc + partials.load(s, row, col, width=VEC)
+        if SCALING == "tensor":
+            row_scale = scale_a[0] * scale_b[0]
+        elif SCALING == "row":
+            row_scale = scale_a[row]
+        values = []
+        for e in nvfly.static_range(VEC):
+            v = acc[e] if VEC > 1 else acc
+            if SCALING not in BLOCKWISE:  # block scales were applied in the mainloop
+                v = v * row_scale
+            if SCALING == "row":
+                v = v * scale_b[col + e]
+            if bias is not None:
+                v = v + bias[col + e].to(nvfly.f32)
+            values.append(v)
+        if VEC > 1:
+            out.store(nvfly.make_vector(values).to(out.dtype), row, col)
+        else:
+            out[row, col] = values[0].to(out.dtype)

@@ -1,0 +1,110 @@
+"""What runs for one scaled GEMM call: the config heuristic and the plan.
+
+Heuristic (``heuristic_config``): the fast-accumulating recipes (tensor/row-wise with ``use_fast_accum``) take
+128x256 tiles, or 128x128 when 128x256 tiles would leave more than a fifth of the last wave idle; promoted
+mainloops keep two accumulators per consumer, so 128x128 (two consumers of 64 rows, 64 + 64 registers each); both
+narrow to 64 columns while 128-wide tiles would fill less than FILL of the SMs. Small M (at most SWAP_MAX_M rows)
+with tensor/row scales is computed as the transposed problem (swap A/B: the weights fill wgmma's 64-row M, the
+tokens its N); block scales stay unswapped on one 64-row token tile (their activation scales run along the
+kernel's rows), its width the widest that still fills FILL of the SMs. Small-M tiles that fill at most half the
+SMs split K over the idle ones (f32 partials, then a reduce kernel applies scales and bias). Measurements:
+docs/ops/scaled.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from dataclasses import replace
+
+from nvfly.ops.common.scheduler import split_count
+from nvfly.ops.scaled.config import BK, BLOCKWISE, ScaledConfig, ScaledEpilogue, deepest
+
+SWAP_MAX_M = 64
+TAIL_IDLE = 0.2  # the wide tile's last wave may leave at most this share of the SMs idle
+FILL = 0.8  # token tiles: the widest whose tiles still fill this share of the SMs
+# small M splits K while the tiles fill at most half the SMs: each split at least SPLIT_MIN_K_TILES k-blocks, at
+# most SPLIT_MAX splits
+SPLIT_MIN_K_TILES = 4
+SPLIT_MAX = 16
+
+
+@dataclass(frozen=True)
+class ScaledPlan:
+    """How the kernel runs one call signature; with ``swap`` m and n are the transposed problem's (out^T =
+    b^T a^T: the kernel's A is the caller's b)."""
+    config: ScaledConfig
+    epilogue: ScaledEpilogue
+    swap: bool
+    m: int
+    n: int
+    k: int
+    k_tiles: int
+    grid: int
+    threads: int
+    a_box: tuple[int, int]
+    b_box: tuple[int, int]
+
+
+def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int) -> ScaledConfig:
+    """The config of the m x n x k problem the kernel computes (already transposed when ``swap``)."""
+    if swap:  # tokens along the kernel's N: the narrowest multiple of 8 that holds them
+        bn = max(8, 8 * math.ceil(n / 8))
+        bm, consumers = (64, 1) if math.ceil(m / 64) <= sms else (128, 2)
+        return split_small_m(deepest(ScaledConfig(bm, bn, 2, consumers), most=12), m, n, k, sms)
+    if m <= 64:  # one 64-row token tile, as narrow (down to 32) as filling the SMs needs
+        bn = next((w for w in (128, 64) if math.ceil(n / w) >= FILL * sms), 32)
+        return split_small_m(deepest(ScaledConfig(64, bn, 2, 1), most=12), m, n, k, sms)
+    if promote:  # two accumulators: at most 128 columns, narrower while the tiles leave SMs idle
+        bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
+        return deepest(ScaledConfig(128, bn, 2, 2))
+    wide = math.ceil(m / 128) * math.ceil(n / 256)
+    idle = (-wide) % sms / sms
+    if wide >= sms and idle <= TAIL_IDLE:
+        return deepest(ScaledConfig(128, 256, 2, 2))
+    bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
+    return deepest(ScaledConfig(128, bn, 2, 2))
+
+
+def split_small_m(cfg: ScaledConfig, m: int, n: int, k: int, sms: int) -> ScaledConfig:
+    """``cfg`` with K split over the idle SMs when its tiles fill at most half of them (see SPLIT_MIN_K_TILES)."""
+    tiles = math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn)
+    k_tiles = math.ceil(k / BK)
+    if 2 * tiles > sms:
+        return cfg
+    split = split_count(k_tiles, max(1, min(sms // tiles, k_tiles // SPLIT_MIN_K_TILES, SPLIT_MAX)))
+    return replace(cfg, split_k=split)
+
+
+def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional[ScaledConfig],
+              swap: Optional[bool], sms: int) -> ScaledPlan:
+    """The plan of an m x n x k call (the caller's problem) with ``epilogue`` (bias_rows is set here for a swapped
+    plan); ``config`` None: the heuristic's, of the transposed problem when swapped; ``swap`` None: the
+    heuristic's choice (small M, tensor/row scales)."""
+    if swap is None:
+        swap = m <= SWAP_MAX_M and epilogue.scaling not in BLOCKWISE and config is None
+    if swap and epilogue.scaling in BLOCKWISE:
+        raise ValueError("swap: block scales run unswapped (the activation scales run along the kernel's rows)")
+    if swap:
+        m, n = n, m
+        epilogue = ScaledEpilogue(epilogue.scaling, epilogue.promote, epilogue.bias, bias_rows=epilogue.bias)
+    if config is None:
+        config = heuristic_config(m, n, k, epilogue.promote, swap, sms)
+    why = config.check(epilogue.promote)
+    if why:
+        raise ValueError(f"config: {why}")
+    if epilogue.scaling == "block" and 128 % config.bn:
+        raise ValueError(f"config: bn={config.bn}: with 128x128 weight blocks a tile's columns must lie in one "
+                         f"block (bn divides 128)")
+    if config.issue_ahead and epilogue.scaling == "block1x128":
+        raise ValueError("config: issue_ahead with block1x128 scales: two k-blocks' column scales next to three "
+                         "accumulators spill")
+    k_tiles = math.ceil(k / BK)
+    config = replace(config, split_k=split_count(k_tiles, config.split_k))  # every split at least one k-block
+    if config.split_k > 1:
+        epilogue = replace(epilogue, partial=True)
+    tiles = math.ceil(m / config.bm) * math.ceil(n / config.bn) * config.split_k
+    return ScaledPlan(config=config, epilogue=epilogue, swap=swap, m=m, n=n, k=k, k_tiles=k_tiles,
+                      grid=max(1, min(tiles, sms)), threads=128 * (1 + config.consumers),
+                      a_box=(min(config.bm, 256), BK), b_box=(min(config.bn, 256), BK))

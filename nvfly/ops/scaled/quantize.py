@@ -1,0 +1,200 @@
+"""Quantisation of bf16/fp16/fp32 tensors to fp8 with the scales ``scaled_mm`` takes, in torch (the reference the
+quantisation kernels must match bit for bit in scale choice).
+
+Scale choice (DeepGEMM's and torchao's, amax / FP8_MAX): a group's scale is max(amax, AMAX_FLOOR) * (1 / FP8_MAX)
+in fp32 (amax = max |x| over the group; the floor keeps an all-zero group's scale finite; a multiply by the fp32
+reciprocal, because torch's CUDA division by a scalar multiplies by it, so that the torch reference computes the
+same scale on CPU and GPU), and q = fp8(clamp(x / scale, -FP8_MAX, FP8_MAX)) with an IEEE division, rounded to
+nearest even. Layouts are ``torch._scaled_mm``'s (see nvfly.ops.scaled.api).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nvfly.ops.common.opcall import OpCalls
+from nvfly.ops.scaled.config import SCALE_BLOCK
+from nvfly.runtime.torch_args import layout_key
+
+AMAX_FLOOR = 1e-12
+GRANULARITIES = ("tensor", "row", "1x128", "128x128", "mx")
+MX_BLOCK = 32
+MX_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}  # the largest value's exponent (448 = 1.75 * 2^8)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def _quantize(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale) for amax broadcast to x's groups (same shape as x)."""
+    top = fp8_max(dtype)
+    scale = amax.float().clamp_min(AMAX_FLOOR) * (1.0 / top)
+    return (x.float() / scale).clamp(-top, top).to(dtype), scale
+
+
+def _quantize_mx(xf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, e8m0 scale bytes (rows, K/32)) of float32 ``xf`` (K a multiple of 32)."""
+    rows, k = xf.shape
+    if k % MX_BLOCK:
+        raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
+    if dtype not in MX_EMAX:
+        raise TypeError(f"dtype: MX elements are float8_e4m3fn or float8_e5m2, got {dtype}")
+    amax = xf.view(rows, k // MX_BLOCK, MX_BLOCK).abs().amax(dim=2)
+    exponent = (amax.view(torch.int32) >> 23) & 0xFF
+    byte = (exponent - MX_EMAX[dtype]).clamp(0, 254)
+    scale = torch.where(byte == 0, torch.full_like(byte, 0x00400000), byte << 23).view(torch.float32)
+    top = fp8_max(dtype)
+    q = (xf / scale.repeat_interleave(MX_BLOCK, 1)).clamp(-top, top).to(dtype)
+    return q, byte.to(torch.uint8)
+
+
+def dequantize_mx(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q * 2^(scale - 127) in float32 for an MX tensor ``q`` (rows, K) and its e8m0 bytes (rows, K/32)."""
+    byte = scale.to(torch.int32)
+    factor = torch.where(byte == 0, torch.full_like(byte, 0x00400000), byte << 23).view(torch.float32)
+    return q.float() * factor.repeat_interleave(MX_BLOCK, 1)
+
+
+def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float8_e4m3fn,
+             operand: str = "a") -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 ``x`` and its scales for ``scaled_mm``: ``operand`` "a" quantises x (M, K) and returns q (M, K)
+    row-major; "b" quantises a weight x (N, K) and returns q as (K, N) column-major (``q_w.t()``) with scale_b in
+    torch's layout. ``granularity``: "tensor" (one scale), "row" (per row of x: scale_a (M, 1) / scale_b (1, N)),
+    "1x128" (per row and 128 k: scale_a (M, K/128), strides (1, M)) or "128x128" (per 128x128 block of the weight:
+    scale_b (K/128, N/128), strides (1, K/128)) or "mx" (MXFP8: an e8m0 scale byte per 32 elements along K, OCP's
+    rule 2^(floor(log2 amax) - emax), values saturated; the scale (rows, K/32) uint8 for either operand, K a multiple
+    of 32)."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected a 2-D tensor, got {x.dim()}-D")
+    rows, k = x.shape
+    xf = x.float()
+    if granularity == "mx":
+        q, scale = _quantize_mx(xf, dtype)
+    elif granularity == "tensor":
+        q, scale = _quantize(xf, xf.abs().amax(), dtype)
+        scale = scale.reshape(())
+    elif granularity == "row":
+        q, scale = _quantize(xf, xf.abs().amax(dim=1, keepdim=True), dtype)
+    else:
+        kb = -(-k // SCALE_BLOCK)
+        padded = torch.nn.functional.pad(xf, (0, kb * SCALE_BLOCK - k))
+        if granularity == "1x128":
+            amax = padded.view(rows, kb, SCALE_BLOCK).abs().amax(dim=2)                     # (rows, kb)
+            q, scale = _quantize(padded, amax.repeat_interleave(SCALE_BLOCK, 1), dtype)
+            scale = scale[:, ::SCALE_BLOCK]
+        else:
+            rb = -(-rows // SCALE_BLOCK)
+            padded = torch.nn.functional.pad(padded, (0, 0, 0, rb * SCALE_BLOCK - rows))
+            amax = padded.view(rb, SCALE_BLOCK, kb, SCALE_BLOCK).abs().amax(dim=(1, 3))    # (rb, kb)
+            full = amax.repeat_interleave(SCALE_BLOCK, 0).repeat_interleave(SCALE_BLOCK, 1)
+            q, scale = _quantize(padded, full, dtype)
+            scale = scale[::SCALE_BLOCK, ::SCALE_BLOCK]
+            q = q[:rows]
+        q = q[:, :k]
+    if granularity == "mx":
+        return (q if operand == "a" else q.t()), scale
+    if operand == "a":
+        if granularity == "1x128":
+            scale = scale.t().contiguous().t()  # (M, K/128) with strides (1, M), as torch's 1x128 scale_a
+        return q.contiguous(), scale if granularity != "tensor" else scale.reshape(())
+    if operand != "b":
+        raise ValueError(f"operand: expected 'a' or 'b', got {operand!r}")
+    q_t = q.contiguous().t()  # (K, N) column-major
+    if granularity == "row":
+        return q_t, scale.reshape(1, rows)
+    if granularity == "128x128":
+        return q_t, scale.contiguous().t()  # (K/128, N/128) with strides (1, K/128)
+    if granularity == "1x128":
+        return q_t, scale.t().contiguous()  # (K/128, N) contiguous (torch's 1x128 scale_b)
+    return q_t, scale
+
+
+# ---------------------------------------------------------------------------------------------- the kernels
+KERNEL_GRANULARITIES = ("row", "1x128", "128x128", "mx")
+_QUANT_THREADS = 256
+_SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_NAMES = {torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2"}
+
+
+def quantize_fp8(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float8_e4m3fn,
+                 operand: str = "a") -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize``'s result (the same values and scales, bit for bit, in the same layouts) from nvfly's
+    memory-bound kernel: x a contiguous CUDA (rows, K) bf16/fp16/fp32 tensor, K a multiple of 16, granularity
+    "row", "1x128", "128x128" or "mx" (MXFP8, K a multiple of 32; tensor-wise scales need a global amax first:
+    ``quantize``)."""
+    try:
+        key = (layout_key(x), granularity, dtype, operand)
+        call = _QUANT_CALLS.get(key)
+    except Exception:  # noqa: BLE001 - not a tensor, an unhashable argument: the checks explain
+        key = call = None
+    if call is None:
+        call = _QUANT_CALLS.plan("nvfly.ops.scaled.quantize_fp8", key, _QuantizeCall, x, granularity, dtype,
+                                 operand)
+    return call.run(x)
+
+
+class _QuantizeCall:
+    """The quantisation kernel's launch for one call signature (checked on its first call)."""
+
+    def __init__(self, x: Any, granularity: str, dtype: torch.dtype, operand: str):
+        from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
+        if granularity not in KERNEL_GRANULARITIES:
+            raise ValueError(f"granularity: expected one of {KERNEL_GRANULARITIES}, got {granularity!r}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _SOURCE_DTYPES:
+            raise TypeError(f"x: expected a 2-D bf16, fp16 or fp32 tensor, got {getattr(x, 'dtype', type(x))}")
+        if not x.is_contiguous() or x.shape[1] % 16 or not x.is_cuda or x.data_ptr() % 16:
+            raise ValueError(f"x: expected a contiguous, 16-byte aligned CUDA tensor with K a multiple of 16, got "
+                             f"shape {tuple(x.shape)} strides {x.stride()} on {x.device}")
+        if dtype not in _FP8_NAMES:
+            raise TypeError(f"dtype: expected float8_e4m3fn or float8_e5m2, got {dtype}")
+        if operand not in ("a", "b"):
+            raise ValueError(f"operand: expected 'a' or 'b', got {operand!r}")
+        self.granularity, self.dtype, self.operand = granularity, dtype, operand
+        rows, k = x.shape
+        self.kb = -(-k // SCALE_BLOCK)
+        self.rb = -(-rows // SCALE_BLOCK)
+        if granularity == "row":  # a block per row
+            self.plan = QuantizePlan(1, 0, False, _QUANT_THREADS, 16 // x.element_size(), _FP8_NAMES[dtype],
+                                     1.0 / fp8_max(dtype), AMAX_FLOOR)
+            blocks = rows
+        elif granularity == "1x128":  # a warp per group
+            self.plan = QuantizePlan(1, SCALE_BLOCK, True, _QUANT_THREADS, SCALE_BLOCK // 32, _FP8_NAMES[dtype],
+                                     1.0 / fp8_max(dtype), AMAX_FLOOR)
+            blocks = -(-rows * self.kb // (_QUANT_THREADS // 32))
+        elif granularity == "mx":  # 8 lanes (of 4 elements) per 32-element group
+            if k % MX_BLOCK:
+                raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
+            self.plan = QuantizePlan(1, MX_BLOCK, True, _QUANT_THREADS, 4, _FP8_NAMES[dtype], 1.0 / fp8_max(dtype),
+                                     AMAX_FLOOR, mx_emax=MX_EMAX[dtype])
+            blocks = -(-rows * (k // MX_BLOCK) // (_QUANT_THREADS // (MX_BLOCK // 4)))
+        else:  # a block per 128x128 block
+            self.plan = QuantizePlan(SCALE_BLOCK, SCALE_BLOCK, False, _QUANT_THREADS, 16 // x.element_size(),
+                                     _FP8_NAMES[dtype], 1.0 / fp8_max(dtype), AMAX_FLOOR)
+            blocks = self.rb * self.kb
+        self.launch = quantize_kernel.prepared(max(1, blocks), _QUANT_THREADS)
+
+    def run(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, k = x.shape
+        q = torch.empty((rows, k), dtype=self.dtype, device=x.device)
+        if self.granularity == "row":
+            scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+        elif self.granularity == "1x128":
+            scale = torch.empty((self.kb, rows), dtype=torch.float32, device=x.device).t()  # strides (1, rows)
+        elif self.granularity == "mx":
+            scale = torch.empty((rows, k // MX_BLOCK), dtype=torch.uint8, device=x.device)
+        else:
+            scale = torch.empty((self.rb, self.kb), dtype=torch.float32, device=x.device)
+        if rows and k:
+            self.launch(x, q.view(torch.int32), scale, rows, k, self.plan)
+        if self.operand == "a" or self.granularity == "mx":
+            return (q if self.operand == "a" else q.t()), scale
+        # the weight's transposes: b (K, N) column-major; scale_b row (1, N), 1x128 (kb, N) contiguous, 128x128
+        # (kb, N/128) with strides (1, kb)
+        return q.t(), scale.t()
+
+
+_QUANT_CALLS: OpCalls[_QuantizeCall] = OpCalls()

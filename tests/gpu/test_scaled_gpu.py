@@ -1,0 +1,233 @@
+"""nvfly's FP8 scaled GEMM against the float32 GEMM of the dequantised operands: every recipe (tensor-wise,
+row-wise, 1x128 x 128x128 blocks), promoted and fast accumulation, bias, output dtypes, tails, small M (swap-AB
+and token tiles), e5m2; fresh random inputs, NaN-poisoned outputs."""
+import pytest
+import torch
+
+from nvfly.ops import scaled
+from nvfly.ops.scaled import ScaledConfig
+from nvfly.ops.scaled.quantize import quantize
+
+pytestmark = pytest.mark.gpu
+
+GRANULARITY = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "block": ("1x128", "128x128"),
+               "block1x128": ("1x128", "1x128")}
+
+
+def operands(m, n, k, scaling, a_dtype=torch.float8_e4m3fn, b_dtype=torch.float8_e4m3fn, spread=True):
+    """Quantised a (M, K), b (K, N column-major) and their scales; ``spread``: rows and 128-blocks of very different
+    magnitudes, so that a scale applied to the wrong row, column or block shows."""
+    x = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda")
+    if spread:  # factors of 2^-2 .. 2^2 each: fp16 outputs stay finite
+        blocks = torch.randint(-2, 3, (1, -(-k // 128)), device="cuda").float()
+        x = x * torch.exp2(torch.randint(-2, 3, (m, 1), device="cuda").float()) \
+            * torch.exp2(blocks).repeat_interleave(128, 1)[:, :k]
+        w = w * torch.exp2(torch.randint(-2, 3, (n, 1), device="cuda").float())
+    ga, gb = GRANULARITY[scaling]
+    a, sa = quantize(x, ga, a_dtype)
+    b, sb = quantize(w, gb, b_dtype, operand="b")
+    return a, b, sa, sb
+
+
+def poisoned(m, n, dtype):
+    return torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+
+
+def rel_error(out, ref):
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} elements not written (NaN poison left)"
+    if out.dtype == torch.float16:  # the data must fit fp16, so that an inf below is the kernel's
+        assert ref.abs().max() < torch.finfo(torch.float16).max, "the test's data overflow fp16"
+    assert torch.isfinite(out).all(), f"{int(out.isinf().sum())} elements overflowed"
+    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# output rounding (bf16 2^-9, fp16 2^-12 relative) plus accumulation; promoted fp32 outputs hold the tensor core's
+# 128-product partial sums added in fp32
+TOL = {torch.float32: 5e-4, torch.float16: 1e-3, torch.bfloat16: 5e-3}
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block", "block1x128"])
+@pytest.mark.parametrize("out_dtype,mnk", [(torch.bfloat16, (256, 512, 1024)), (torch.bfloat16, (1000, 1040, 4096)),
+                                           (torch.float16, (200, 336, 544)), (torch.float32, (200, 336, 544)),
+                                           (torch.float32, (4224, 4096, 2048))])
+def test_recipes_match_the_dequantised_gemm(hopper, scaling, out_dtype, mnk):
+    m, n, k = mnk
+    a, b, sa, sb = operands(m, n, k, scaling)
+    out = poisoned(m, n, out_dtype)
+    scaled.scaled_mm(a, b, sa, sb, out_dtype=out_dtype, out=out)
+    assert rel_error(out, scaled.reference(a, b, sa, sb)) < TOL[out_dtype]
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_fast_accumulation(hopper, scaling):
+    """use_fast_accum: the tensor core's accumulator sums all of K (less exact than promotion, still close)."""
+    m, n, k = 520, 776, 4096
+    a, b, sa, sb = operands(m, n, k, scaling)
+    out = poisoned(m, n, torch.float32)
+    scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.float32, use_fast_accum=True, out=out)
+    assert rel_error(out, scaled.reference(a, b, sa, sb)) < 5e-3
+    assert "promoted" not in scaled.path(a, b, sa, sb, out_dtype=torch.float32, use_fast_accum=True)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block", "block1x128"])
+@pytest.mark.parametrize("m,bias_dtype", [(1, None), (8, torch.bfloat16), (37, torch.float16), (64, None),
+                                          (100, torch.bfloat16)])
+def test_small_m_and_bias(hopper, scaling, m, bias_dtype):
+    """Small M: tensor/row-wise swap A and B (the bias then runs along the kernel's rows), block scales take one
+    64-row token tile; both split K over the idle SMs here (f32 partials, then the reduce kernel)."""
+    n, k = 1536, 2048
+    a, b, sa, sb = operands(m, n, k, scaling)
+    bias = None if bias_dtype is None else torch.randn(n, device="cuda").to(bias_dtype)
+    out = poisoned(m, n, torch.bfloat16)
+    scaled.scaled_mm(a, b, sa, sb, bias=bias, out=out)
+    assert rel_error(out, scaled.reference(a, b, sa, sb, bias)) < TOL[torch.bfloat16]
+    if not scaling.startswith("block") and m <= 64:
+        assert "swapAB" in scaled.path(a, b, sa, sb, bias=bias)
+    if m <= 64:
+        assert "splitK" in scaled.path(a, b, sa, sb, bias=bias)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block", "block1x128"])
+def test_bias_fp32_and_configs(hopper, scaling):
+    m, n, k = 384, 640, 1152
+    a, b, sa, sb = operands(m, n, k, scaling)
+    bias = torch.randn(n, device="cuda")
+    ref = scaled.reference(a, b, sa, sb, bias)
+    configs = [ScaledConfig(128, 128, 4, 2), ScaledConfig(64, 64, 6, 1), ScaledConfig(128, 64, 5, 1),
+               ScaledConfig(64, 64, 6, 1, split_k=3), ScaledConfig(128, 128, 4, 2, split_k=4)]
+    if scaling != "block":  # tiles that straddle 128-column weight blocks, or promote with one accumulator only
+        configs += [ScaledConfig(128, 256, 4, 2), ScaledConfig(256, 128, 4, 2), ScaledConfig(128, 96, 5, 2)]
+    for config in configs:
+        for fast in (False, True):
+            if fast and scaling.startswith("block"):
+                continue
+            if not fast and config.check(promote=True):
+                continue
+            out = poisoned(m, n, torch.float32)
+            scaled.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.float32, out=out, config=config,
+                             use_fast_accum=fast)
+            assert rel_error(out, ref) < (5e-3 if fast else 5e-4), (config, fast)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_issue_ahead_promotion(hopper, scaling):
+    """ScaledConfig.issue_ahead (k-block k+1's wgmmas before k's add, k-blocks in pairs): 1, 2, 5 (a partial last
+    block), 8 and 9 k-blocks (pairs with and without the odd one), two consumers, and one with split K."""
+    m, n = 264, 384
+    configs = [ScaledConfig(128, 128, 4, 2, issue_ahead=True), ScaledConfig(64, 64, 6, 1, split_k=2, issue_ahead=True)]
+    for k in (128, 256, 544, 1024, 1152):
+        a, b, sa, sb = operands(m, n, k, scaling)
+        ref = scaled.reference(a, b, sa, sb)
+        for config in configs:
+            out = poisoned(m, n, torch.float32)
+            scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.float32, out=out, config=config)
+            assert rel_error(out, ref) < 5e-4, (k, config)
+
+
+@pytest.mark.parametrize("scaling,m", [("row", 16), ("block", 200), ("tensor", 300), ("block1x128", 40)])
+def test_strided_outputs(hopper, scaling, m):
+    """A column-major out (a transposed view): the epilogue's and the reduce kernel's element stores."""
+    n, k = 768, 2048
+    a, b, sa, sb = operands(m, n, k, scaling)
+    out = torch.full((n, m), float("nan"), device="cuda", dtype=torch.bfloat16).t()
+    scaled.scaled_mm(a, b, sa, sb, out=out)
+    assert rel_error(out, scaled.reference(a, b, sa, sb)) < TOL[torch.bfloat16]
+
+
+def test_e5m2_operands(hopper):
+    m, n, k = 256, 384, 1024
+    for a_dtype, b_dtype in ((torch.float8_e5m2, torch.float8_e4m3fn), (torch.float8_e4m3fn, torch.float8_e5m2)):
+        a, b, sa, sb = operands(m, n, k, "row", a_dtype, b_dtype)
+        out = scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+        assert rel_error(out, scaled.reference(a, b, sa, sb)) < 5e-4
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row"])
+def test_agrees_with_torch_scaled_mm(hopper, scaling):
+    """cuBLAS's _scaled_mm (promoted by default) and nvfly agree closely for the recipes both run (bf16 outputs:
+    torch's row-wise kernel writes only bf16; each side rounds once)."""
+    m, n, k = 512, 1024, 2048
+    a, b, sa, sb = operands(m, n, k, scaling, spread=False)
+    ours = scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    theirs = torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    assert rel_error(ours, theirs.float()) < 2 * TOL[torch.bfloat16]
+
+
+def test_repeated_calls_and_new_addresses(hopper):
+    """The cached launch reads fresh addresses and scale values on every call."""
+    m, n, k = 300, 512, 768
+    for _ in range(3):
+        a, b, sa, sb = operands(m, n, k, "block")
+        out = poisoned(m, n, torch.bfloat16)
+        scaled.scaled_mm(a, b, sa, sb, out=out)
+        assert rel_error(out, scaled.reference(a, b, sa, sb)) < TOL[torch.bfloat16]
+
+
+def test_declines_with_reasons(hopper):
+    a, b, sa, sb = operands(128, 256, 512, "row")
+    assert scaled.eligibility(a, b, sa, sb) is None
+    assert "scale_b" in scaled.eligibility(a, b, sa, sb[:, :128])
+    assert "not CUDA" in scaled.eligibility(a.cpu(), b.cpu(), sa.cpu(), sb.cpu())
+    with pytest.raises(ValueError, match="nvfly.ops.scaled.scaled_mm: b: expected a column-major"):
+        scaled.scaled_mm(a, b.contiguous(), sa, sb)
+
+
+@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx"])
+@pytest.mark.parametrize("operand", ["a", "b"])
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32])
+def test_quantize_kernels_match_the_reference_bit_for_bit(hopper, granularity, operand, source):
+    from nvfly.ops.scaled.quantize import quantize_fp8
+    for rows, k in ((300, 1056), (256, 4096)):
+        x = (torch.randn(rows, k, device="cuda") * torch.exp2(torch.randint(-8, 9, (rows, 1), device="cuda"))
+             ).to(source)
+        x[0, :128] = 0  # an all-zero group: the floor keeps its scale finite
+        q, s = quantize_fp8(x, granularity, operand=operand)
+        q_ref, s_ref = quantize(x, granularity, operand=operand)
+        assert q.shape == q_ref.shape and q.stride() == q_ref.stride()
+        assert s.shape == s_ref.shape
+        if granularity != "128x128" or operand == "b":  # the layouts scaled_mm takes
+            assert s.stride() == s_ref.stride()
+        assert torch.equal(s, s_ref), (s - s_ref).abs().max()
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_routing_sends_scaled_mm_to_nvfly_where_faster_and_declines_with_reasons(hopper, monkeypatch):
+    """Small-M tensor/row-wise calls go to nvfly (the measured rule); large M, block scales and fp8 outputs stay on
+    torch with their reasons, and torch's results are what it computes."""
+    import torch.nn.functional as F
+
+    import nvfly.torch
+    from nvfly.ops import scaled as scaled_package
+    from nvfly.torch import scaled_ops
+    # F.scaled_mm reaches _scaled_mm_v2, routed where this torch's schema is the one nvfly reads
+    v2 = int(hasattr(F, "scaled_mm") and set(scaled_ops._V2_NAMES) <= set(scaled_ops._v2_schema_names()))
+    calls = []
+    real = scaled_package.scaled_mm
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(scaled_package, "scaled_mm", counted)
+    m, n, k = 32, 512, 1024
+    a, b, sa, sb = operands(m, n, k, "row")
+    bias = torch.randn(n, device="cuda").bfloat16()
+    ref = scaled.reference(a, b, sa, sb, bias)
+    with nvfly.torch.routing():
+        out = torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+        fp8_out = torch._scaled_mm(a, b, sa.new_ones(()), sb.new_ones(()))  # fp8 output: stays on torch
+        if hasattr(F, "scaled_mm"):
+            by_recipe = F.scaled_mm(a, b, sa, F.ScalingType.RowWise, sb, F.ScalingType.RowWise,
+                                    output_dtype=torch.bfloat16)
+    assert len(calls) == 1 + v2
+    assert rel_error(out, ref) < TOL[torch.bfloat16] and fp8_out.dtype == torch.float8_e4m3fn
+    if hasattr(F, "scaled_mm"):
+        assert rel_error(by_recipe, scaled.reference(a, b, sa, sb)) < TOL[torch.bfloat16]
+    big = operands(256, n, k, "tensor")
+    assert "cuBLAS measured faster" in scaled_ops.scaled_mm_eligibility(*big, None, None, torch.bfloat16)
+    with nvfly.torch.routing():
+        stays = torch._scaled_mm(*big, out_dtype=torch.bfloat16)
+    assert len(calls) == 1 + v2 and rel_error(stays, scaled.reference(*big)) < TOL[torch.bfloat16]
+    for recipe in ("block", "block1x128"):
+        reason = scaled_ops.scaled_mm_eligibility(*operands(m, n, k, recipe), None, None, torch.bfloat16)
+        assert reason.startswith(f"{recipe} scales: cuBLAS measured faster")

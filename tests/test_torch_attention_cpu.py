@@ -242,9 +242,10 @@ def test_sdpa_eligibility_front_checks_and_decisions():
         assert A.sdpa_eligibility(q, k, k, enable_gqa=True) == "q is on cpu, not CUDA"
     assert A.sdpa_eligibility(q, k, k, is_causal=True, enable_gqa=True) == "q is on cpu, not CUDA"
     recorded = [d for d in decisions() if d.op == "sdpa"]
-    assert len(recorded) == 2 and recorded[0].shape == (1, 32, 8, 1, 32768, 128, 128)
-    assert recorded[0].where == "eager" and recorded[0].reason == "q is on cpu, not CUDA"
-    assert "is_causal=True" in recorded[1].problem
+    assert len(recorded) == 3 and recorded[1].shape == (1, 32, 8, 1, 32768, 128, 128)  # the masked call, then two
+    assert "attn_mask (1, 32768) torch.bool" in recorded[0].problem
+    assert recorded[1].where == "eager" and recorded[1].reason == "q is on cpu, not CUDA"
+    assert "is_causal=True" in recorded[2].problem
 
 
 def test_sdpa_run_failure_declines_the_signature():

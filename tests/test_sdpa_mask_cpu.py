@@ -43,6 +43,15 @@ def test_mask_mods_are_cached_per_kind_and_their_tensor_is_an_argument():
     assert varies == (False, True, True, True) and operand.data_ptr() == bias.data_ptr()  # a view, no copy
 
 
+def test_additive_mask_floor_keeps_minus_inf():
+    """finfo.min sums are raised to BIAS_FLOOR (finite after the kernels' log2(e) scaling), -inf stays -inf."""
+    bias = torch.tensor([[[[0.0, torch.finfo(bf).min, float("-inf"), -5.0]]]], dtype=bf)
+    kv = torch.arange(4)
+    got = M.tensor_bias(PADDING)(torch.ones(4), torch.tensor(0), torch.tensor(0), torch.tensor(0), kv, bias)
+    assert got.tolist() == [1.0, torch.tensor(M.BIAS_FLOOR).item(), float("-inf"), -4.0]  # float32
+    assert torch.isfinite(torch.tensor(M.BIAS_FLOOR) * 1.4426950408889634)
+
+
 def test_captured_argument_errors():
     q, k = torch.randn(1, 40, 2, 64, dtype=bf), torch.randn(1, 40, 2, 64, dtype=bf)
     mask = torch.ones(1, 1, 1, 40, dtype=torch.uint8)

@@ -166,7 +166,7 @@ def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 def _signature(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool,
                mask: Optional[Tensor] = None) -> tuple:
-    masked = None if mask is None else (layout_key(mask), mask.requires_grad)
+    masked = None if mask is None else (layout_key(mask), mask.requires_grad and torch.is_grad_enabled())
     return layout_key(q), layout_key(k), layout_key(v), bool(is_causal), bool(enable_gqa), grad, _flags(), masked
 
 

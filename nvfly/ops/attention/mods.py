@@ -340,10 +340,20 @@ def tensor_mask(varies: tuple) -> Callable[..., Any]:
     return sdpa_bool_mask
 
 
+# The lowest finite score an additive mask leaves: the kernels multiply scores by log2(e), which takes bf16's and
+# float32's finfo.min (HF's masking value) past float32's range to -inf, and a row whose first keys are all -inf
+# that way would shift by -inf (NaN); -inf itself (a masked key) stays -inf.
+BIAS_FLOOR = -1.0e38
+
+
 @functools.lru_cache(maxsize=None)
 def tensor_bias(varies: tuple) -> Callable[..., Any]:
     """A score_mod adding SDPA's additive (float) attn_mask, its argument (``captured=(bias,)``), to the scaled
-    score, a (B or 1, H or 1, Sq or 1, Skv or 1) tensor with ``varies`` as in ``tensor_mask``."""
+    score, a (B or 1, H or 1, Sq or 1, Skv or 1) tensor with ``varies`` as in ``tensor_mask``; finite sums below
+    ``BIAS_FLOOR`` are raised to it."""
+    import torch
+
     def sdpa_additive_mask(score, b, h, q_idx, kv_idx, bias):
-        return score + bias[_mask_index(varies, b, h, q_idx, kv_idx)]
+        value = score + bias[_mask_index(varies, b, h, q_idx, kv_idx)]
+        return torch.where((value < BIAS_FLOOR) & (value > float("-inf")), BIAS_FLOOR, value)
     return sdpa_additive_mask

@@ -93,7 +93,8 @@ TABLE = [
     ("decode per-query rows Sq 4", (4, 32, 4, 128), DECODE[1], (4, 1, 4, 32768), torch.bool, {},
      "a row per query at Sq = 4"),
     ("is_causal with a mask", *PREFILL, (2048, 2048), torch.bool, {"causal": True}, "torch refuses the pair"),
-    ("float32 mask, bf16 q", *PREFILL, (2048, 2048), torch.float32, {}, "attn_mask of dtype torch.float32"),
+    ("float32 mask, bf16 q", *PREFILL, (2048, 2048), torch.float32, {}, None),
+    ("float16 mask, bf16 q", *PREFILL, (2048, 2048), torch.float16, {}, "attn_mask of dtype torch.float16"),
     ("int mask", *PREFILL, (2048, 2048), torch.int32, {}, "attn_mask of dtype torch.int32"),
     ("mask not broadcastable", *PREFILL, (2, 1, 1, 1024), torch.bool, {}, "does not broadcast"),
     ("mask of rank 5", *PREFILL, (1, 2, 1, 1, 2048), torch.bool, {}, "does not broadcast"),
@@ -160,9 +161,9 @@ def reference_route(monkeypatch):
 
 def _mask(shape, boolean, generator):
     if boolean:
-        mask = torch.rand(shape, generator=generator) > 0.3
-        return mask
-    return (torch.randn(shape, generator=generator) * 2).to(bf)
+        return torch.rand(shape, generator=generator) > 0.3
+    bias = torch.randn(shape, generator=generator) * 2
+    return bias if len(shape) == 2 else bias.to(bf)  # float32 or q's dtype, both SDPA's
 
 
 @pytest.mark.parametrize("boolean", [True, False], ids=["bool", "additive"])

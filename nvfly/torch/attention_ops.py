@@ -232,9 +232,9 @@ def _mask_reason(q: Tensor, k: Tensor, mask: Tensor, is_causal: bool, grad: bool
     """Why nvfly cannot read this attn_mask as torch means it, or None."""
     if is_causal:
         return "attn_mask with is_causal=True (torch refuses the pair)"
-    if mask.dtype != torch.bool and mask.dtype != q.dtype:
-        return (f"attn_mask of dtype {mask.dtype}: nvfly reads a boolean mask or an additive one of q's dtype "
-                f"{q.dtype} (torch checks the rest)")
+    if mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        return (f"attn_mask of dtype {mask.dtype}: nvfly reads a boolean mask or an additive one of float32 or q's "
+                f"dtype {q.dtype}, what torch takes (torch refuses the rest)")
     if mask.device != q.device:
         return f"attn_mask on {mask.device}, q on {q.device}"
     if mask.requires_grad and torch.is_grad_enabled():

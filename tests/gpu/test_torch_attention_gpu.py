@@ -214,8 +214,7 @@ def test_routed_masked_sdpa_matches_torch(kind, batch, hq, hkv, sq, skv, mask_sh
     q = torch.randn(batch, hq, sq, 128, device="cuda", dtype=dtype)
     k, v = (torch.randn(batch, hkv, skv, 128, device="cuda", dtype=dtype) for _ in range(2))
     mask = _attn_mask(kind, mask_shape, sq, skv, dtype)
-    with sdpa_kernel(NO_CUDNN):
-        got, want, _, reason = routed_and_torch(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+    got, want, reason = masked_routed_and_torch(q, k, v, mask)
     assert reason is None and sdpa_decisions()[0].candidates == ("decode" if sq <= 16 else "prefill",)
     ref_mask = mask if mask.dtype == torch.bool else mask.float()
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=ref_mask, enable_gqa=hq != hkv)
@@ -225,6 +224,18 @@ def test_routed_masked_sdpa_matches_torch(kind, batch, hq, hkv, sq, skv, mask_sh
         again = F.scaled_dot_product_attention(q, k, v, attn_mask=_attn_mask(kind, mask_shape, sq, skv, dtype),
                                                enable_gqa=hq != hkv)
     assert not again.isnan().any()
+
+
+def masked_routed_and_torch(q, k, v, mask):
+    """(routed, unrouted, the route's reason) of SDPA with ``mask``, cuDNN disallowed (torch runs its memory-efficient
+    kernel, which nvfly's rule routes)."""
+    gqa = q.shape[1] != k.shape[1]
+    with sdpa_kernel(NO_CUDNN):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        with nvfly.torch.routing():
+            got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    (decision,) = sdpa_decisions()
+    return got, want, decision.reason
 
 
 def test_routed_fully_masked_rows_are_zeros():
@@ -239,8 +250,7 @@ def test_routed_fully_masked_rows_are_zeros():
     for mask in (keep, bias):
         A.forget_decisions()
         clear_decisions()
-        with sdpa_kernel(NO_CUDNN):
-            got, want, _, reason = routed_and_torch(q, k, v, attn_mask=mask, enable_gqa=True)
+        got, want, reason = masked_routed_and_torch(q, k, v, mask)
         assert reason is None
         rows = [3, 500] if mask.dtype == torch.bool else [7, 900]
         others = [r for r in range(1024) if r not in rows]

@@ -15,7 +15,8 @@ constants of that compilation, captured tensors are read at run time. A mod that
 tensors (a cached mod per kind of mask, each call its own mask) takes them as arguments instead: the call passes
 ``captured=(t, ...)``, and the mods are called with them after their usual arguments,
 ``score_mod(score, b, h, q_idx, kv_idx, *captured)``, ``mask_mod(b, h, q_idx, kv_idx, *captured)`` (kernel inputs
-like closure tensors: the compile key holds their number, the kernel their dtypes; no recompilation per tensor).
+like closure tensors: the compile key holds their number, the kernel's specialisation their dtypes, ranks and
+alignment facts, as for any tensor argument; a new tensor does not recompile).
 """
 from __future__ import annotations
 

@@ -9,6 +9,9 @@ Cases (bf16, H200 sizes from docs/torch-attention.md):
 - ``deepseek-prefill``: DeepSeek-V3-like prefill attention (128 heads, Dqk 192 / Dv 128, causal, 4096 tokens).
 - ``llama-train``: a training step of the Llama layer (forward and backward) on 4096 tokens: the gradients of
   every weight through the routed model are checked against eager's first.
+- ``masked-sdpa``: SDPA with Hugging Face's masks for a padded batch: a (B, 1, 1, Skv) boolean padding mask and a
+  (B, 1, Sq, Skv) bf16 additive causal + padding mask on Llama prefill shapes (B 2, 4096, 32/8), and a padding mask
+  on a decode step (B 16, 8K cache): the mask read by nvfly's kernel vs torch's memory-efficient (or cuDNN) kernel.
 (The Gemma-2-style flex_attention block joins once nvfly is a flex_attention backend.)
 
 Every case first checks the routed output against eager (relative error < 2e-2) and records what routing decided
@@ -112,8 +115,9 @@ def sdpa_outcome() -> dict[str, Any]:
             "declined": sorted({d.reason for d in sdpa if d.reason})}
 
 
-def torch_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
-    return attention_ops._torch_backend(q, k, v, q.shape[1] != k.shape[1], causal)
+def torch_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  mask: Optional[torch.Tensor] = None) -> str:
+    return attention_ops._torch_backend(q, k, v, q.shape[1] != k.shape[1], causal, mask)
 
 
 def timed(row: dict[str, Any], eager: Callable[[], Any], nvfly_call: Callable[[], Any], quick: bool,
@@ -204,20 +208,22 @@ def llama_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
 
 
 def attention_rows(case: str, shapes: list[tuple[int, int, int, int, int, int, int]], causal: bool,
-                   quick: bool, graphs: bool) -> list[dict[str, Any]]:
-    """SDPA alone on (batch, Hq, Hkv, Sq, Skv, Dqk, Dv)."""
+                   quick: bool, graphs: bool, mask: Optional[str] = None) -> list[dict[str, Any]]:
+    """SDPA alone on (batch, Hq, Hkv, Sq, Skv, Dqk, Dv); ``mask``: an attn_mask of ``hf_mask``'s kind."""
     rows = []
     for batch, hq, hkv, sq, skv, dqk, dv in shapes:
         q = torch.randn(batch, hq, sq, dqk, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, hkv, skv, dqk, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(batch, hkv, skv, dv, device="cuda", dtype=torch.bfloat16)
-        eager = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)  # noqa
+        attn_mask = None if mask is None else hf_mask(mask, batch, sq, skv)
+        eager = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,  # noqa
+                                                       enable_gqa=hq != hkv)
         nvfly_call = routed(eager)
         fresh_decisions()
         row = checked({"case": case, "batch": batch, "heads": f"{hq}/{hkv}", "sq": sq, "skv": skv,
-                       "head_dims": f"{dqk}/{dv}", "causal": causal}, eager(), nvfly_call())
+                       "head_dims": f"{dqk}/{dv}", "causal": causal, "attn_mask": mask}, eager(), nvfly_call())
         row.update(sdpa_outcome())
-        row["torch_sdpa_backend"] = torch_backend(q, k, v, causal)
+        row["torch_sdpa_backend"] = torch_backend(q, k, v, causal, attn_mask)
         rows.append(timed(row, eager, nvfly_call, quick, graphs=graphs))
         del q, k, v
     return rows
@@ -230,6 +236,28 @@ def minimax_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
 
 def deepseek_prefill(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     return attention_rows("deepseek-prefill", [(1, 128, 128, 4096, 4096, 192, 128)], True, quick, graphs=False)
+
+
+def hf_mask(kind: str, batch: int, sq: int, skv: int) -> torch.Tensor:
+    """Hugging Face's SDPA masks for a padded batch (sequence b's last b * 64 keys are padding): "padding" boolean
+    (B, 1, 1, Skv); "additive" bf16 (B, 1, Sq, Skv) causal + padding with finfo.min (the eager mask of HF models)."""
+    keys = torch.arange(skv, device="cuda")
+    valid = keys[None, :] < (skv - 64 * torch.arange(batch, device="cuda"))[:, None]  # (B, Skv)
+    if kind == "padding":
+        return valid[:, None, None, :]
+    causal = keys[None, :] <= torch.arange(sq, device="cuda")[:, None] + skv - sq  # (Sq, Skv)
+    keep = (valid[:, None, :] & causal[None])[:, None]
+    return torch.zeros(keep.shape, dtype=torch.bfloat16, device="cuda").masked_fill(~keep, -3.0e38)
+
+
+def masked_sdpa(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
+    """SDPA with HF's masks (the mask read by nvfly's kernel; torch runs its memory-efficient or cuDNN kernel)."""
+    return (attention_rows("masked-prefill-padding", [(2, 32, 8, 4096, 4096, 128, 128)], False, quick, False,
+                           "padding")
+            + attention_rows("masked-prefill-additive", [(2, 32, 8, 4096, 4096, 128, 128)], False, quick, False,
+                             "additive")
+            + attention_rows("masked-decode-padding", [(16, 32, 8, 1, 8192, 128, 128)], False, quick, True,
+                             "padding"))
 
 
 def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
@@ -262,7 +290,7 @@ def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
 
 CASES: dict[str, Callable[[bool, bool], list[dict[str, Any]]]] = {
     "llama-prefill": llama_prefill, "llama-decode": llama_decode, "minimax-decode": minimax_decode,
-    "deepseek-prefill": deepseek_prefill, "llama-train": llama_train}
+    "deepseek-prefill": deepseek_prefill, "llama-train": llama_train, "masked-sdpa": masked_sdpa}
 
 
 def label(row: dict[str, Any]) -> str:

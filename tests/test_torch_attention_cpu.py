@@ -219,7 +219,7 @@ def test_sdpa_sq1_stays_with_cudnn(fake_cuda, monkeypatch):
 def test_sdpa_prefill_stays_with_cudnn(fake_cuda, monkeypatch):
     q, k = fake_cuda(_sdpa_shapes(sq=4096, skv=4096)[0]), fake_cuda(_sdpa_shapes(sq=4096, skv=4096)[1])
     picked = []
-    monkeypatch.setattr(A, "_torch_backend", lambda q, k, v, gqa, causal: picked.append(causal) or "cudnn")
+    monkeypatch.setattr(A, "_torch_backend", lambda q, k, v, gqa, causal, mask=None: picked.append(causal) or "cudnn")
     assert "torch picks cuDNN, measured faster than nvfly's prefill" in A._sdpa_reason(q, k, k, True, True, False)
     assert picked == [True]  # asked with the call's is_causal
 
@@ -233,7 +233,7 @@ def test_sdpa_math_only_is_kept(fake_cuda):
 
 def test_sdpa_eligibility_front_checks_and_decisions():
     q, k = torch.empty(1, 32, 1, 128, dtype=bf), torch.empty(1, 8, 32768, 128, dtype=bf)
-    assert "attn_mask is given" in A.sdpa_eligibility(q, k, k, torch.ones(1, 32768, dtype=torch.bool))
+    assert "q is on cpu" in A.sdpa_eligibility(q, k, k, torch.ones(1, 32768, dtype=torch.bool))
     assert "dropout_p=0.1" in A.sdpa_eligibility(q, k, k, None, 0.1)
     assert "scale=-0.5" in A.sdpa_eligibility(q, k, k, scale=-0.5)
     with FakeTensorMode() as mode:
@@ -242,9 +242,10 @@ def test_sdpa_eligibility_front_checks_and_decisions():
         assert A.sdpa_eligibility(q, k, k, enable_gqa=True) == "q is on cpu, not CUDA"
     assert A.sdpa_eligibility(q, k, k, is_causal=True, enable_gqa=True) == "q is on cpu, not CUDA"
     recorded = [d for d in decisions() if d.op == "sdpa"]
-    assert len(recorded) == 2 and recorded[0].shape == (1, 32, 8, 1, 32768, 128, 128)
-    assert recorded[0].where == "eager" and recorded[0].reason == "q is on cpu, not CUDA"
-    assert "is_causal=True" in recorded[1].problem
+    assert len(recorded) == 3 and recorded[1].shape == (1, 32, 8, 1, 32768, 128, 128)  # the masked call, then two
+    assert "attn_mask (1, 32768) torch.bool" in recorded[0].problem
+    assert recorded[1].where == "eager" and recorded[1].reason == "q is on cpu, not CUDA"
+    assert "is_causal=True" in recorded[2].problem
 
 
 def test_sdpa_run_failure_declines_the_signature():

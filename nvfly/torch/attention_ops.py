@@ -17,7 +17,9 @@ eager SDPA route (docs/torch-attention.md).
   (B, S, H, D) views of the (B, H, S, D) tensors when ``sdpa_eligibility`` finds nothing against it, and torch's
   SDPA otherwise, with the reason logged and kept in ``nvfly.torch.gemm_ops.decisions()`` (once per signature). A
   call that needs gradients runs prefill in an autograd.Function whose backward is torch's kernel on nvfly's LSE.
-  An exception in nvfly falls back to torch's SDPA and declines that signature from then on.
+  An exception in nvfly falls back to torch's SDPA and declines that signature from then on. A boolean or
+  additive ``attn_mask`` is read by the kernel: a cached mask_mod/score_mod per mask kind (boolean or additive, its
+  broadcast pattern) that takes the call's mask as its tensor argument (``captured=``), so no call recompiles.
 
 The route sits on ``aten::scaled_dot_product_attention``, torch's composite (not on the flash/cuDNN kernels it
 picks), so it sees the caller's arguments: masks, dropout, ``is_causal`` and ``enable_gqa`` mean what torch
@@ -36,6 +38,7 @@ from torch import Tensor
 from nvfly.ops import attention
 from nvfly.ops.attention import prefill_api
 from nvfly.ops.attention.api import check_arguments
+from nvfly.ops.attention import mods
 from nvfly.ops.attention.kv_options import OP
 from nvfly.ops.attention.plan import MAX_SQ
 from nvfly.ops.attention.prefill_plan import BLOCK_M
@@ -65,6 +68,7 @@ MIN_PREFILL_FLOPS = 4e9
 # finer. The measured prefill shapes (0.91x cuDNN, 1.54x flash) all had more tiles than that.
 MIN_PREFILL_TILES = 132
 _FLOATS = (torch.bfloat16, torch.float16)
+_MASK_DIMS = ("batch", "heads", "query", "key")
 
 
 # ---------------------------------------------------------------------------------------------- the custom op
@@ -160,8 +164,10 @@ def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _signature(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool) -> tuple:
-    return layout_key(q), layout_key(k), layout_key(v), bool(is_causal), bool(enable_gqa), grad, _flags()
+def _signature(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool,
+               mask: Optional[Tensor] = None) -> tuple:
+    masked = None if mask is None else (layout_key(mask), mask.requires_grad and torch.is_grad_enabled())
+    return layout_key(q), layout_key(k), layout_key(v), bool(is_causal), bool(enable_gqa), grad, _flags(), masked
 
 
 def sdpa_eligibility(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
@@ -169,30 +175,30 @@ def sdpa_eligibility(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optio
                      enable_gqa: bool = False) -> Optional[str]:
     """None when the routed SDPA runs nvfly (decode for Sq <= 16, prefill above) for these arguments, else why
     torch's SDPA runs them. The arguments are ``aten::scaled_dot_product_attention``'s."""
-    if attn_mask is not None:
-        return ("attn_mask is given (boolean and additive masks wait for nvfly's prefill to read a mask or bias "
-                "tensor in its score/mask mods)")
     if dropout_p != 0.0:
         return f"dropout_p={dropout_p} (nvfly has no dropout)"
     if scale is not None and not (math.isfinite(scale) and scale > 0):
         return f"scale={scale!r} (nvfly's kernels take a positive finite scale)"
     if any(type(t) is not Tensor for t in (query, key, value)):  # FakeTensor, FunctionalTensor: a trace
         return f"q is a {type(query).__name__}, not a plain tensor (traced calls keep torch's SDPA)"
+    if attn_mask is not None and type(attn_mask) is not Tensor:
+        return f"attn_mask is a {type(attn_mask).__name__}, not a plain tensor (torch's SDPA takes it)"
     grad = _needs_grad(query, key, value)
-    signature = _signature(query, key, value, is_causal, enable_gqa, grad)
+    signature = _signature(query, key, value, is_causal, enable_gqa, grad, attn_mask)
     decided = _SDPA_DECIDED.get(signature)
     if decided is None:
-        reason = _sdpa_reason(query, key, value, bool(is_causal), bool(enable_gqa), grad)
+        reason = _sdpa_reason(query, key, value, bool(is_causal), bool(enable_gqa), grad, mask=attn_mask)
         decided = (reason,)
         _SDPA_DECIDED.remember(signature, decided)
-        _record(query, key, value, is_causal, enable_gqa, reason)
+        _record(query, key, value, is_causal, enable_gqa, reason, attn_mask)
     return decided[0]
 
 
 def _sdpa_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool,
-                 backend: Optional[str] = None) -> Optional[str]:
+                 backend: Optional[str] = None, mask: Optional[Tensor] = None) -> Optional[str]:
     """Why torch's SDPA runs these inputs, or None (nvfly runs them); ``backend``: what torch picks for them, when
-    known (a compiled graph names it), else asked of torch when the rule needs it."""
+    known (a compiled graph names it), else asked of torch (with ``mask``, SDPA's attn_mask) when the rule needs
+    it."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return (f"q, k, v are not all 4-D (B, H, S, D): shapes {tuple(q.shape)}, {tuple(k.shape)}, "
                 f"{tuple(v.shape)}")
@@ -212,14 +218,63 @@ def _sdpa_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: b
     flash, efficient, cudnn, _ = _flags()
     if not (flash or efficient or cudnn):
         return "torch.nn.attention.sdpa_kernel allows only the math backend (kept as asked)"
-    picks = (lambda: backend) if backend else (lambda: _torch_backend(q, k, v, enable_gqa, is_causal))
+    if mask is not None:
+        declined = _mask_reason(q, k, mask, is_causal, grad)
+        if declined is not None:
+            return declined
+    picks = (lambda: backend) if backend else (lambda: _torch_backend(q, k, v, enable_gqa, is_causal, mask))
     if sq <= MAX_SQ:
-        return _decode_reason(q, k, v, is_causal, grad, picks)
-    return _prefill_reason(q, k, v, is_causal, grad, picks)
+        return _decode_reason(q, k, v, is_causal, grad, picks, mask)
+    return _prefill_reason(q, k, v, is_causal, grad, picks, mask)
+
+
+def _mask_reason(q: Tensor, k: Tensor, mask: Tensor, is_causal: bool, grad: bool) -> Optional[str]:
+    """Why nvfly cannot read this attn_mask as torch means it, or None."""
+    if is_causal:
+        return "attn_mask with is_causal=True (torch refuses the pair)"
+    if mask.dtype not in (torch.bool, torch.float32, q.dtype):
+        return (f"attn_mask of dtype {mask.dtype}: nvfly reads a boolean mask or an additive one of float32 or q's "
+                f"dtype {q.dtype}, what torch takes (torch refuses the rest)")
+    if mask.device != q.device:
+        return f"attn_mask on {mask.device}, q on {q.device}"
+    if mask.requires_grad and torch.is_grad_enabled():
+        return "attn_mask requires grad (nvfly's kernels have no gradient for a bias)"
+    if grad:
+        return "an input requires grad with an attn_mask (no backward of nvfly's route reads the mask yet)"
+    target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if not 2 <= mask.dim() <= 4 or any(m not in (1, t) for m, t in zip(mask.shape[::-1], target[::-1])):
+        return (f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (B, Hq, Sq, Skv) = {target} by "
+                "size-1 dimensions, as 2 to 4 dimensions (torch broadcasts or refuses it)")
+    return None
+
+
+def _mask_operand(mask: Tensor) -> tuple[Tensor, tuple[bool, ...]]:
+    """SDPA's attn_mask as the kernel reads it: 4-D, broadcast dimensions (size 1 or stride 0) cut to size 1,
+    booleans viewed as bytes (no copy), and which of its four dimensions vary."""
+    four = mask
+    while four.dim() < 4:
+        four = four.unsqueeze(0)
+    varies = tuple(four.shape[d] != 1 and four.stride(d) != 0 for d in range(4))
+    for d in range(4):
+        if not varies[d]:
+            four = four.narrow(d, 0, 1)
+    return (four.view(torch.uint8) if four.dtype == torch.bool else four), varies
+
+
+def _mask_mods(mask: Optional[Tensor]) -> dict:
+    """The mods keywords of nvfly's decode/prefill for SDPA's attn_mask: a cached mask_mod (boolean) or score_mod
+    (additive: added to the scaled score, as torch adds it to q·kᵀ·scale) per broadcast pattern, the mask its tensor
+    argument."""
+    if mask is None:
+        return {}
+    operand, varies = _mask_operand(mask)
+    if mask.dtype == torch.bool:
+        return {"mask_mod": mods.tensor_mask(varies), "captured": (operand,)}
+    return {"score_mod": mods.tensor_bias(varies), "captured": (operand,)}
 
 
 def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
-                   picks: Callable[[], str]) -> Optional[str]:
+                   picks: Callable[[], str], mask: Optional[Tensor] = None) -> Optional[str]:
     """Sq <= 16: nvfly's decode, or why not."""
     batch, hq, sq, dqk = q.shape
     _, hkv, skv, _ = k.shape
@@ -234,14 +289,17 @@ def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
     if kv_bytes < MIN_KV_BYTES:
         return (f"{kv_bytes / 2**20:.1f} MiB of K and V (< {MIN_KV_BYTES >> 20} MiB): launch-bound, where nvfly's "
                 "host path costs more than its bandwidth saves")
+    if mask is not None and sq > 1 and _mask_operand(mask)[1][2]:
+        return (f"attn_mask with a row per query at Sq = {sq}: nvfly's decode indexes queries by their position at "
+                "the end of the keys, not by row (a mask broadcast over the queries, such as a padding mask, is read)")
     if sq == 1 and picks() == "cudnn":
         return "Sq = 1 and torch picks cuDNN, measured 2-8% faster than nvfly's decode at Sq = 1 on the H200"
-    declined = attention.eligibility(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    declined = attention.eligibility(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **_mask_mods(mask))
     return None if declined is None else f"nvfly's decode declines: {declined}"
 
 
 def _prefill_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
-                    picks: Callable[[], str]) -> Optional[str]:
+                    picks: Callable[[], str], mask: Optional[Tensor] = None) -> Optional[str]:
     """Sq > 16: nvfly's prefill (top-left causal: torch's is_causal), or why not."""
     batch, hq, sq, dqk = q.shape
     skv, dv = k.shape[2], v.shape[3]
@@ -254,7 +312,7 @@ def _prefill_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool
         return (f"{tiles} query tiles of {BLOCK_M} rows (< {MIN_PREFILL_TILES}, one wave of the H200's SMs): nvfly's "
                 "prefill does not split the keys, torch's kernels do")
     qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    declined = attention.prefill_eligibility(qs, ks, vs, causal_alignment="top_left")
+    declined = attention.prefill_eligibility(qs, ks, vs, causal_alignment="top_left", **_mask_mods(mask))
     if declined is not None:
         return f"nvfly's prefill declines: {declined}"
     if grad:
@@ -267,10 +325,11 @@ def _prefill_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool
     return None
 
 
-def _torch_backend(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, is_causal: bool = False) -> str:
-    """The SDPA backend torch picks for these inputs (without mask and dropout): "cudnn", "flash", ..."""
+def _torch_backend(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, is_causal: bool = False,
+                   mask: Optional[Tensor] = None) -> str:
+    """The SDPA backend torch picks for these inputs and attn_mask (without dropout): "cudnn", "flash", ..."""
     from torch.nn.attention import SDPBackend
-    choice = torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=None, enable_gqa=enable_gqa)
+    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=None, enable_gqa=enable_gqa)
     return {SDPBackend.CUDNN_ATTENTION.value: "cudnn", SDPBackend.FLASH_ATTENTION.value: "flash",
             SDPBackend.EFFICIENT_ATTENTION.value: "efficient", SDPBackend.MATH.value: "math"}.get(int(choice), "other")
 
@@ -280,12 +339,14 @@ def _kernel(q: Tensor) -> str:
     return "decode" if q.shape[2] <= MAX_SQ else "prefill"
 
 
-def _record(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, reason: Optional[str]) -> None:
+def _record(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, reason: Optional[str],
+            mask: Optional[Tensor] = None) -> None:
     four_d = q.dim() == k.dim() == v.dim() == 4
     shape = (q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3]) if four_d \
         else tuple(q.shape)
     problem = (f"q {tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} {q.dtype} on {q.device} "
-               f"is_causal={bool(is_causal)} enable_gqa={bool(enable_gqa)}")
+               f"is_causal={bool(is_causal)} enable_gqa={bool(enable_gqa)}"
+               + ("" if mask is None else f" attn_mask {tuple(mask.shape)} {mask.dtype}"))
     candidates = () if reason or not four_d else (_kernel(q),)
     record(Decision("eager", "sdpa", shape, problem, reason=reason, candidates=candidates))
 
@@ -317,17 +378,19 @@ def sdpa_run(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tens
     on (and routing runs torch's SDPA for the call)."""
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     try:
+        masking = _mask_mods(attn_mask)
         if _kernel(query) == "decode":
-            out = attention.decode(q, k, v, scale=scale, causal=bool(is_causal), validate=False)
-        elif _needs_grad(query, key, value):
+            out = attention.decode(q, k, v, scale=scale, causal=bool(is_causal), validate=False, **masking)
+        elif _needs_grad(query, key, value):  # never with a mask (declined)
             out = _PrefillSDPA.apply(q, k, v, bool(is_causal), scale)
         else:
-            out = attention.prefill(q, k, v, causal=bool(is_causal), scale=scale, causal_alignment="top_left")
+            out = attention.prefill(q, k, v, causal=bool(is_causal), scale=scale, causal_alignment="top_left",
+                                    **masking)
     except Exception as exc:
         reason = f"nvfly raised {type(exc).__name__}: {exc}"
-        signature = _signature(query, key, value, is_causal, enable_gqa, _needs_grad(query, key, value))
+        signature = _signature(query, key, value, is_causal, enable_gqa, _needs_grad(query, key, value), attn_mask)
         _SDPA_DECIDED.remember(signature, (reason,))
-        _record(query, key, value, is_causal, enable_gqa, reason)
+        _record(query, key, value, is_causal, enable_gqa, reason, attn_mask)
         raise
     return out.transpose(1, 2)  # (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv) memory, as torch's flash and cuDNN return
 

@@ -159,7 +159,7 @@ def test_sq1_follows_torchs_backend():
 
 @pytest.mark.parametrize("kwargs,fragment", [
     ({"is_causal": True, "enable_gqa": True}, "top-left aligned"),
-    ({"dropout_p": 0.0, "attn_mask": "bool", "enable_gqa": True}, "attn_mask is given"),
+    ({"dropout_p": 0.0, "attn_mask": "bool", "enable_gqa": True}, "a row per query at Sq = 4"),
     ({"enable_gqa": True, "short": True}, "launch-bound"),
 ])
 def test_declined_sdpa_is_torchs(kwargs, fragment):
@@ -175,6 +175,89 @@ def test_declined_sdpa_is_torchs(kwargs, fragment):
     got, want, _, reason = routed_and_torch(q, k, v, **kwargs)
     assert fragment in reason
     torch.testing.assert_close(got, want)
+
+
+def _attn_mask(kind, shape, sq, skv, dtype):
+    """SDPA masks as models build them: "padding" (B, 1, 1, Skv) boolean with random lengths (at least one key);
+    "bool" random booleans of ``shape`` (the diagonal kept where Sq = Skv); "additive" random floats of ``shape``;
+    "hf" HF's additive causal + left-padding mask (B, 1, Sq, Skv) of q's dtype with its finfo.min (128 or more
+    padding keys: whole key blocks of finfo.min), fully masked rows unmasked as HF does (``_unmask_unattended``)."""
+    if kind == "padding":
+        lengths = torch.randint(1, skv + 1, (shape[0],), device="cuda")
+        return (torch.arange(skv, device="cuda") < lengths[:, None])[:, None, None, :]
+    if kind == "bool":
+        keep = torch.rand(shape, device="cuda") > 0.4
+        return keep | torch.eye(sq, skv, dtype=torch.bool, device="cuda") if sq == skv else keep
+    if kind == "additive":
+        return torch.randn(shape, device="cuda").to(dtype)
+    padding = torch.randint(128, skv // 2, (2,), device="cuda")
+    keys = torch.arange(skv, device="cuda")
+    causal = keys[None, :] <= torch.arange(sq, device="cuda")[:, None] + skv - sq  # (Sq, Skv)
+    keep = causal[None] & (keys >= padding[:, None])[:, None]
+    keep = keep | ~keep.any(-1, keepdim=True)
+    return torch.zeros(keep.shape, dtype=dtype, device="cuda").masked_fill(~keep, torch.finfo(dtype).min)[:, None]
+
+
+@pytest.mark.parametrize("kind,batch,hq,hkv,sq,skv,mask_shape,dtype", [
+    ("padding", 2, 16, 4, 1000, 1500, None, torch.bfloat16),          # prefill, HF's (B, 1, 1, Skv) padding mask
+    ("bool", 2, 16, 4, 1024, 1024, (1024, 1024), torch.bfloat16),      # prefill, one (Sq, Skv) mask for all
+    ("additive", 2, 16, 4, 900, 1200, (2, 16, 900, 1200), torch.bfloat16),  # prefill, a full bias
+    ("hf", 2, 16, 16, 1024, 1024, None, torch.float16),                 # prefill, HF's additive causal + padding
+    ("hf", 2, 16, 4, 1024, 1024, None, torch.bfloat16),                 # bf16's finfo.min: beyond float32 x log2(e)
+    ("padding", 4, 32, 8, 1, 8192, None, torch.bfloat16),              # decode step, padding mask
+    ("additive", 2, 48, 8, 4, 8192, (2, 1, 1, 8192), torch.bfloat16),  # decode Sq = 4, additive per key
+])
+def test_routed_masked_sdpa_matches_torch(kind, batch, hq, hkv, sq, skv, mask_shape, dtype):
+    """Masked SDPA routed to nvfly (the mask read by the kernel) gives unrouted SDPA's result (torch's
+    memory-efficient kernel with cuDNN disallowed), both near float32 SDPA; fresh inputs per case."""
+    torch.manual_seed(sq * 7 + skv)
+    q = torch.randn(batch, hq, sq, 128, device="cuda", dtype=dtype)
+    k, v = (torch.randn(batch, hkv, skv, 128, device="cuda", dtype=dtype) for _ in range(2))
+    mask = _attn_mask(kind, mask_shape, sq, skv, dtype)
+    got, want, reason = masked_routed_and_torch(q, k, v, mask)
+    assert reason is None and sdpa_decisions()[0].candidates == ("decode" if sq <= 16 else "prefill",)
+    ref_mask = mask if mask.dtype == torch.bool else mask.float()
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=ref_mask, enable_gqa=hq != hkv)
+    assert got.shape == want.shape and got.dtype == want.dtype and not got.isnan().any()
+    assert rel_err(got, ref) < 1e-2 and rel_err(want, ref) < 1e-2 and rel_err(got, want) < 1e-2
+    with sdpa_kernel(NO_CUDNN), nvfly.torch.routing():  # another mask of the same kind: the same compiled mod
+        again = F.scaled_dot_product_attention(q, k, v, attn_mask=_attn_mask(kind, mask_shape, sq, skv, dtype),
+                                               enable_gqa=hq != hkv)
+    assert not again.isnan().any()
+
+
+def masked_routed_and_torch(q, k, v, mask):
+    """(routed, unrouted, the route's reason) of SDPA with ``mask``, cuDNN disallowed (torch runs its memory-efficient
+    kernel, which nvfly's rule routes)."""
+    gqa = q.shape[1] != k.shape[1]
+    with sdpa_kernel(NO_CUDNN):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        with nvfly.torch.routing():
+            got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    (decision,) = sdpa_decisions()
+    return got, want, decision.reason
+
+
+def test_routed_fully_masked_rows_are_zeros():
+    """Rows whose every key is masked (False, or -inf) are zeros in nvfly (torch's math backend's answer); torch's
+    memory-efficient kernel gives zeros or NaN there depending on the version (pytorch#110213): the other rows are
+    torch's."""
+    q, k, v = sdpa_inputs(2, 16, 4, 1024, 1024)
+    keep = torch.rand(1024, 1024, device="cuda") > 0.5
+    keep[[3, 500]] = False
+    bias = torch.zeros(1024, 1024, dtype=torch.bfloat16, device="cuda")
+    bias[[7, 900]] = float("-inf")
+    for mask in (keep, bias):
+        A.forget_decisions()
+        clear_decisions()
+        got, want, reason = masked_routed_and_torch(q, k, v, mask)
+        assert reason is None
+        rows = [3, 500] if mask.dtype == torch.bool else [7, 900]
+        others = [r for r in range(1024) if r not in rows]
+        assert (got[:, :, rows] == 0).all() and not got.isnan().any()
+        torch.testing.assert_close(got[:, :, others], want[:, :, others], atol=2e-2, rtol=2e-2)
+        masked_rows = want[:, :, rows]
+        assert bool((masked_rows == 0).all()) or bool(masked_rows.isnan().all())
 
 
 @pytest.mark.parametrize("batch,hq,hkv,sq,skv,d,dv,causal,dtype", [

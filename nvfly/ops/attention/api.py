@@ -14,11 +14,11 @@ from nvfly.ops.attention.checks import tensor_argument as _tensor
 from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.decode_kernel import attention_decode_kernel
-from nvfly.ops.attention.kv_options import (FP8, block_mask_tables, check_block_mask, check_scales, error,
+from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_tables, check_block_mask, check_scales, error,
                                             kernel_scales, mask_mod_of, per_head, reference_block_keep)
 from nvfly.ops.attention.mla_api import check_mla_arguments, from_decode, mla_eligibility
 from nvfly.ops.attention.mla_plan import DQK as MLA_DQK
-from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, captured_tensors
+from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
 from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, decode_plan
 from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls
 from nvfly.runtime.torch_args import layout_key
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPES = ("torch.bfloat16", "torch.float16")
-_MODS: dict = {}  # (score_mod, mask_mod) -> Mods: one compile key per pair of functions
+_MODS: dict = {}  # (score_mod, mask_mod, arguments) -> Mods: one compile key per pair of functions
 
 
 def _is_mla(q: Any, k_cache: Any) -> bool:
@@ -107,10 +107,11 @@ def check_arguments(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = 
 
 def eligibility(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None, block_table: Any = None,
                 score_mod: Optional[Callable[..., Any]] = None, mask_mod: Optional[Callable[..., Any]] = None,
-                k_scale: Any = None, v_scale: Any = None, block_mask: Any = None) -> Optional[str]:
+                k_scale: Any = None, v_scale: Any = None, block_mask: Any = None,
+                captured: tuple = ()) -> Optional[str]:
     """None when ``decode`` computes this call, else the reason it declines."""
     if _is_mla(q, k_cache):
-        if any(x is not None for x in (score_mod, mask_mod, k_scale, v_scale, block_mask)):
+        if any(x is not None for x in (score_mod, mask_mod, k_scale, v_scale, block_mask)) or captured:
             return "mods, fp8 scales and block masks are not supported with MLA's 576-column latent cache"
         return mla_eligibility(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table)
     try:
@@ -119,30 +120,48 @@ def eligibility(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None
         if block_mask is not None:
             check_block_mask(block_mask, mask_mod, q, k_cache.shape[2], capacity)
             mask_mod = mask_mod_of(block_mask, mask_mod)
+        mods = _mods(score_mod, mask_mod, check_captured(captured, q))
     except (TypeError, ValueError) as exc:
         return str(exc)
     if q.device.type != "cuda":
         return f"q is on {q.device.type}, not CUDA"
     if not all(_aligned(t) for t in (q, k_cache, v_cache)):
         return "q, k_cache and v_cache need 16-byte aligned rows (strides but the last a multiple of 8 elements)"
-    if len(captured_tensors(Mods(score_mod, mask_mod))) > MAX_CAPTURED:
-        return f"the mods capture more than {MAX_CAPTURED} tensors"
+    if mods.arguments + len(captured_tensors(mods)) > MAX_CAPTURED:
+        return f"the mods take more than {MAX_CAPTURED} tensors (captured= and captured by the functions)"
     return None
 
 
-def _mods(score_mod: Optional[Callable[..., Any]], mask_mod: Optional[Callable[..., Any]]) -> Mods:
-    key = (score_mod, mask_mod)
+def check_captured(captured: Any, q: Any, op: str = OP) -> int:
+    """The number of tensors in a ``captured=`` argument (a tuple or list of tensors on q's device); raises naming
+    the argument."""
+    import torch
+    if not isinstance(captured, (tuple, list)):
+        raise error(TypeError, "captured", f"expected a tuple of tensors, got {type(captured).__name__}", op)
+    for t in captured:
+        if not isinstance(t, torch.Tensor):
+            raise error(TypeError, "captured", f"expected tensors, got a {type(t).__name__}", op)
+        if t.device != q.device:
+            raise error(ValueError, "captured", f"a tensor on {t.device}, q on {q.device}", op)
+    if len(captured) > MAX_CAPTURED:
+        raise error(ValueError, "captured", f"{len(captured)} tensors; the kernels take at most {MAX_CAPTURED}", op)
+    return len(captured)
+
+
+def _mods(score_mod: Optional[Callable[..., Any]], mask_mod: Optional[Callable[..., Any]], arguments: int = 0) -> Mods:
+    key = (score_mod, mask_mod, arguments)
     found = _MODS.get(key)
     if found is None:
-        found = _MODS[key] = Mods(score_mod, mask_mod)
+        found = _MODS[key] = Mods(score_mod, mask_mod, arguments)
     return found
 
 
-def _kernel_captured(mods: Mods, device: Any) -> list:
-    """The captured tensors as the kernel reads them: on the device, contiguous, 32-bit."""
+def _kernel_captured(mods: Mods, device: Any, captured: tuple = ()) -> list:
+    """The mods' tensors as the kernel reads them (``captured``, the call's arguments, then the functions'):
+    on the device, contiguous, 32-bit."""
     import torch
     out = []
-    for t in captured_tensors(mods):
+    for t in (*captured, *captured_tensors(mods)):
         dtype = {torch.int64: torch.int32, torch.float64: torch.float32, torch.bool: torch.int32}.get(t.dtype, t.dtype)
         out.append(t.to(device=device, dtype=dtype).contiguous())
     return out
@@ -153,7 +172,7 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
            scale: Optional[float] = None, causal: bool = True, score_mod: Optional[Callable[..., Any]] = None,
            mask_mod: Optional[Callable[..., Any]] = None, return_lse: bool = False, validate: bool = True,
            splits: int = 0, out: Optional["torch.Tensor"] = None, k_scale: Optional["torch.Tensor"] = None,
-           v_scale: Optional["torch.Tensor"] = None, block_mask: Any = None
+           v_scale: Optional["torch.Tensor"] = None, block_mask: Any = None, captured: tuple = ()
            ) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
     """softmax(q kᵀ scale + mods) v for Sq = 1..16 query tokens per sequence, fp32 accumulation.
 
@@ -177,9 +196,13 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     (called like ``mask_mod``, with q_idx the query's position), its full blocks keep every key. ``mask_mod`` with
     a block mask is the mask of its partial blocks: the block mask's own (then pass None or the same function), or
     one given for a mask without its own (flex's no-op, or a prefill mask sliced with ``block_mask[:, :, i]``).
+    ``captured``: tensors passed to the mods as trailing arguments (``nvfly.ops.attention.mods``), kernel inputs
+    read at run time: one compiled mod serves calls with different tensors.
     """
     import torch
     if _is_mla(q, k_cache):  # DeepSeek's 576-column latent cache: its own kernel (mla_api)
+        if captured:
+            raise error(ValueError, "captured", "MLA's 576-column latent cache takes no mods")
         return from_decode(q, k_cache, v_cache, score_mod=score_mod, mask_mod=mask_mod, k_scale=k_scale,
                            v_scale=v_scale, block_mask=block_mask, cache_seqlens=cache_seqlens,
                            block_table=block_table, scale=scale, causal=causal, return_lse=return_lse,
@@ -189,13 +212,13 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
         capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)
         check_block_mask(block_mask, mask_mod, q, k_cache.shape[2], capacity, validate and not capturing)
         mask_mod = mask_mod_of(block_mask, mask_mod)
-    mods = _mods(score_mod, mask_mod)
+    mods = _mods(score_mod, mask_mod, check_captured(captured, q))
     capacity, pages = _checked(q, k_cache, v_cache, cache_seqlens, block_table, mods)
     check_scales(k_scale, v_scale, q, k_cache)
     if validate and not capturing:
         _check_values(cache_seqlens, block_table, capacity, pages)
     _require_cuda(q)
-    captured = _kernel_captured(mods, q.device)
+    captured = _kernel_captured(mods, q.device, tuple(captured))
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     if out is None:
@@ -242,9 +265,10 @@ def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table
         if not _aligned(t):
             raise error(ValueError, name, "rows must be 16-byte aligned (a 16-byte aligned base and strides but the "
                                            f"last a multiple of 8 elements), got strides {tuple(t.stride())}")
-    captures = len(captured_tensors(mods))
+    captures = mods.arguments + len(captured_tensors(mods))
     if captures > MAX_CAPTURED:
-        raise error(ValueError, "score_mod/mask_mod", f"capture {captures} tensors, at most {MAX_CAPTURED}")
+        raise error(ValueError, "score_mod/mask_mod", f"take {captures} tensors (captured= and captured by the "
+                                                      f"functions), at most {MAX_CAPTURED}")
     _CHECKED.remember(key, found)
     return found
 
@@ -287,7 +311,7 @@ def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor
               cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None,
               scale: Optional[float] = None, causal: bool = True, score_mod: Optional[Callable[..., Any]] = None,
               mask_mod: Optional[Callable[..., Any]] = None, k_scale: Optional["torch.Tensor"] = None,
-              v_scale: Optional["torch.Tensor"] = None, block_mask: Any = None
+              v_scale: Optional["torch.Tensor"] = None, block_mask: Any = None, captured: tuple = ()
               ) -> tuple["torch.Tensor", "torch.Tensor"]:
     """(out, lse) of ``decode``'s arguments in float32 (out float32), sequence by sequence: the definition the
     kernels are tested against. fp8 caches are dequantised in float32 (value * its KV head's scale); a block mask
@@ -297,6 +321,7 @@ def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor
     hkv = k_cache.shape[2]
     group = hq // hkv
     scale = dqk ** -0.5 if scale is None else scale
+    score_mod, mask_mod = bound(score_mod, tuple(captured)), bound(mask_mod, tuple(captured))
     out = torch.zeros(batch, sq, hq, v_cache.shape[3], dtype=torch.float32, device=q.device)
     lse = torch.full((batch, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
     for b in range(batch):
@@ -335,10 +360,11 @@ def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor
 
 # ---------------------------------------------------------------------------------------------- compile only
 def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf16, batch: int = 2, kv_heads: int = 2,
-                    seqlen: int = 1024, return_lse: bool = True, target: str = "sm_90a") -> list:
+                    seqlen: int = 1024, return_lse: bool = True, target: str = "sm_90a", captured: tuple = ()) -> list:
     """The decode kernel (and the combine kernel with splits) for ``plan`` compiled without a GPU:
     [CompiledKernel, ...]. A paged plan gets a cache of seqlen / page_size pages per sequence; an fp8 plan e4m3
-    caches and their scales; a block-mask plan its tables."""
+    caches and their scales; a block-mask plan its tables; ``captured``: (CPU) tensors standing for the mods'
+    arguments (``mods.arguments`` of them)."""
     from nvfly.runtime.tensor_desc import TensorDesc, torch_dtype
     hq = kv_heads * plan.group
     q = TensorDesc(dtype, (batch, plan.sq, hq, plan.dqk))
@@ -363,7 +389,7 @@ def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf
     out = TensorDesc(dtype, (batch, plan.sq, hq, plan.dv))
     lse = TensorDesc(nvfly.f32, (batch, hq, plan.sq)) if return_lse else None
     captured = [TensorDesc(torch_dtype(t) if str(t.dtype) not in ("torch.int64", "torch.bool") else nvfly.i32,
-                           tuple(t.shape)) for t in captured_tensors(mods)]
+                           tuple(t.shape)) for t in (*captured, *captured_tensors(mods))]
     captured = captured + [None] * (MAX_CAPTURED - len(captured))
     rows = batch * plan.sq * hq
     split = plan.splits > 1

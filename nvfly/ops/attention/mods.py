@@ -11,11 +11,17 @@ position in its sequence (queries are aligned to the end), so mods written for a
 decode; in prefill it is flex's index, the query's row (the same when Sq = Skv).
 
 A mod is compiled once per function object (the compile key holds the functions): numbers it captures are
-constants of that compilation, captured tensors are read at run time.
+constants of that compilation, captured tensors are read at run time. A mod that serves calls with different
+tensors (a cached mod per kind of mask, each call its own mask) takes them as arguments instead: the call passes
+``captured=(t, ...)``, and the mods are called with them after their usual arguments,
+``score_mod(score, b, h, q_idx, kv_idx, *captured)``, ``mask_mod(b, h, q_idx, kv_idx, *captured)`` (kernel inputs
+like closure tensors: the compile key holds their number, the kernel's specialisation their dtypes, ranks and
+alignment facts, as for any tensor argument; a new tensor does not recompile).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
@@ -27,9 +33,12 @@ MAX_CAPTURED = 2  # captured tensors the kernel takes (kernel parameters ``captu
 
 @dataclass(frozen=True)
 class Mods:
-    """The mods of a call (the decode and prefill kernels' Constexpr; equal by function identity)."""
+    """The mods of a call (the decode and prefill kernels' Constexpr; equal by function identity). ``arguments``:
+    how many tensors the call passes to the mods as trailing arguments (``captured=``); they come first among the
+    kernel's captured tensors, then those the functions capture."""
     score_mod: Optional[Callable[..., Any]] = None
     mask_mod: Optional[Callable[..., Any]] = None
+    arguments: int = 0
 
     @property
     def name(self) -> str:
@@ -64,6 +73,13 @@ def captured_tensors(mods: Mods) -> list:
     return found
 
 
+def bound(fn: Optional[Callable[..., Any]], captured: tuple) -> Optional[Callable[..., Any]]:
+    """``fn`` with the call's tensor arguments appended (for the references, which call the mods on torch tensors)."""
+    if fn is None or not captured:
+        return fn
+    return lambda *args: fn(*args, *captured)
+
+
 # ---------------------------------------------------------------------------------------------- tracing
 _ACTIVE: list = []  # the captured-tensor map of the trace in progress: [(torch tensor, kernel tensor), ...]
 
@@ -94,12 +110,15 @@ def _as_f32(x: Any) -> Any:
     return x
 
 
+def _load(kernel_tensor: Any, index: Any) -> "ModValue":
+    coords = index if isinstance(index, tuple) else (index,)
+    return ModValue(_as_f32(kernel_tensor[tuple(_raw(c) for c in coords)]))
+
+
 def _index(tensor: Any, index: Any) -> "ModValue":
     for captured, kernel_tensor in (_ACTIVE[-1] if _ACTIVE else ()):
         if captured is tensor:
-            coords = index if isinstance(index, tuple) else (index,)
-            value = kernel_tensor[tuple(_raw(c) for c in coords)]
-            return ModValue(_as_f32(value))
+            return _load(kernel_tensor, index)
     raise TypeError("attention: a score_mod/mask_mod indexed a tensor it does not capture (pass tensors through "
                     "the function's closure or module globals)")
 
@@ -208,13 +227,31 @@ class ModValue:
     __hash__ = None  # type: ignore[assignment]
 
 
+class ModTensor:
+    """A tensor passed to the mods as an argument (``captured=``), as they see it in the kernel: indexing it with
+    traced indices (or ints) is a load, floats widened to f32."""
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Any):
+        self.tensor = tensor
+
+    def __getitem__(self, index: Any) -> "ModValue":
+        return _load(self.tensor, index)
+
+
+def _arguments(mods: Mods, captured: tuple) -> tuple:
+    """The mods' tensor arguments (the first ``mods.arguments`` kernel tensors) as ModTensors."""
+    return tuple(ModTensor(t) for t in captured[:mods.arguments])
+
+
 def apply_score_mod(mods: Mods, captured: tuple, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-    """The score after ``mods.score_mod`` (f32), or ``score`` without one; ``captured``: the kernel's tensors for
-    ``captured_tensors(mods)``."""
+    """The score after ``mods.score_mod`` (f32), or ``score`` without one; ``captured``: the kernel's captured
+    tensors (the mods' arguments, then the tensors of ``captured_tensors(mods)``)."""
     if mods.score_mod is None:
         return score
-    with _capturing(mods, captured):
-        out = _raw(mods.score_mod(ModValue(score), ModValue(b), ModValue(h), ModValue(q_idx), ModValue(kv_idx)))
+    with _capturing(mods, captured[mods.arguments:]):
+        out = _raw(mods.score_mod(ModValue(score), ModValue(b), ModValue(h), ModValue(q_idx), ModValue(kv_idx),
+                                  *_arguments(mods, captured)))
     return out.to(nvfly.f32) if isinstance(out, Scalar) else nvfly.f32(float(out))
 
 
@@ -222,8 +259,9 @@ def apply_mask_mod(mods: Mods, captured: tuple, b: Any, h: Any, q_idx: Any, kv_i
     """Whether ``mods.mask_mod`` keeps the element (an i1), or None without one."""
     if mods.mask_mod is None:
         return None
-    with _capturing(mods, captured):
-        out = _raw(mods.mask_mod(ModValue(b), ModValue(h), ModValue(q_idx), ModValue(kv_idx)))
+    with _capturing(mods, captured[mods.arguments:]):
+        out = _raw(mods.mask_mod(ModValue(b), ModValue(h), ModValue(q_idx), ModValue(kv_idx),
+                                 *_arguments(mods, captured)))
     if not isinstance(out, Scalar):
         return nvfly.i1(bool(out)) if isinstance(out, bool) else out
     return out if out.dtype == nvfly.i1 else out != 0
@@ -286,3 +324,37 @@ def document_mask(document_ids: Any) -> Callable[..., Any]:
         return document_ids[b, kv_idx] == document_ids[b, q_idx]
     return document_mask_mod
 
+
+
+def _mask_index(varies: tuple, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> tuple:
+    """The index of a (B or 1, H or 1, Sq or 1, Skv or 1) mask: 0 along its broadcast dimensions."""
+    return tuple(i if v else 0 for i, v in zip((b, h, q_idx, kv_idx), varies))
+
+
+@functools.lru_cache(maxsize=None)
+def tensor_mask(varies: tuple) -> Callable[..., Any]:
+    """A mask_mod taking SDPA's boolean attn_mask as its argument (``captured=(mask,)``; True or nonzero = the key
+    takes part), a (B or 1, H or 1, Sq or 1, Skv or 1) tensor: ``varies`` says which of its four dimensions are
+    not broadcast. One function per pattern, so one compilation serves every call's mask."""
+    def sdpa_bool_mask(b, h, q_idx, kv_idx, mask):
+        return mask[_mask_index(varies, b, h, q_idx, kv_idx)] != 0
+    return sdpa_bool_mask
+
+
+# The lowest finite score an additive mask leaves: the kernels multiply scores by log2(e), which takes bf16's and
+# float32's finfo.min (HF's masking value) past float32's range to -inf, and a row whose first keys are all -inf
+# that way would shift by -inf (NaN); -inf itself (a masked key) stays -inf.
+BIAS_FLOOR = -1.0e38
+
+
+@functools.lru_cache(maxsize=None)
+def tensor_bias(varies: tuple) -> Callable[..., Any]:
+    """A score_mod adding SDPA's additive (float) attn_mask, its argument (``captured=(bias,)``), to the scaled
+    score, a (B or 1, H or 1, Sq or 1, Skv or 1) tensor with ``varies`` as in ``tensor_mask``; finite sums below
+    ``BIAS_FLOOR`` are raised to it."""
+    import torch
+
+    def sdpa_additive_mask(score, b, h, q_idx, kv_idx, bias):
+        value = score + bias[_mask_index(varies, b, h, q_idx, kv_idx)]
+        return torch.where((value < BIAS_FLOOR) & (value > float("-inf")), BIAS_FLOOR, value)
+    return sdpa_additive_mask

@@ -8,9 +8,9 @@ import math
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
 
 import nvfly
-from nvfly.ops.attention.api import _aligned, _kernel_captured, _mods, _require_cuda, _tensor
+from nvfly.ops.attention.api import _aligned, _kernel_captured, _mods, _require_cuda, _tensor, check_captured
 from nvfly.ops.attention.kv_options import check_block_mask, error, mask_mod_of, reference_block_keep
-from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, captured_tensors
+from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
 from nvfly.ops.attention.prefill_kernel import attention_prefill_kernel
 from nvfly.ops.attention.prefill_plan import BLOCK_M, HEAD_DIMS, PrefillPlan, causal_offset, prefill_plan
 from nvfly.runtime.tensor_desc import torch_dtype
@@ -74,13 +74,13 @@ def _layout_reason(q: Any, k: Any, v: Any) -> Optional[str]:
 def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None,
                         causal_alignment: str = "bottom_right", window: Optional[tuple] = None,
                         score_mod: Optional[Callable[..., Any]] = None, mask_mod: Optional[Callable[..., Any]] = None,
-                        block_mask: Any = None) -> Optional[str]:
+                        block_mask: Any = None, captured: tuple = ()) -> Optional[str]:
     """None when ``prefill`` computes this call, else the reason it declines: the argument checks' error (mods and
     block mask included, without reading the block mask), then the device's, then the layouts'."""
     try:
         _check(q, k, v, scale, causal_alignment)
         _window(window)
-        _check_mods(q, k, score_mod, mask_mod, block_mask, False)
+        _check_mods(q, k, score_mod, mask_mod, block_mask, False, captured)
     except (TypeError, ValueError) as exc:
         return str(exc)
     if q.device.type != "cuda":
@@ -139,19 +139,20 @@ def masking(causal: bool, window: Any, causal_alignment: str) -> Masking:
                    int(causal_alignment == "bottom_right"))
 
 
-def _check_mods(q: Any, k: Any, score_mod: Any, mask_mod: Any, block_mask: Any, read: bool) -> Mods:
-    """The mods of a call (a BlockMask's own mask_mod when it has one) after checking the block mask; raises naming
-    the argument."""
+def _check_mods(q: Any, k: Any, score_mod: Any, mask_mod: Any, block_mask: Any, read: bool,
+                captured: tuple = ()) -> Mods:
+    """The mods of a call (a BlockMask's own mask_mod when it has one, ``captured``'s count of tensor arguments)
+    after checking the block mask; raises naming the argument."""
     for name, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
         if fn is not None and not callable(fn):
             raise error(TypeError, name, f"expected a function, got {type(fn).__name__}", OP)
     if block_mask is not None:
         check_block_mask(block_mask, mask_mod, q, k.shape[2], k.shape[1], read, OP, 128, BLOCK_M)
         mask_mod = mask_mod_of(block_mask, mask_mod)
-    mods = _mods(score_mod, mask_mod)
-    if len(captured_tensors(mods)) > MAX_CAPTURED:
-        raise error(ValueError, "score_mod", f"the mods capture {len(captured_tensors(mods))} tensors; at most "
-                                             f"{MAX_CAPTURED}", OP)
+    mods = _mods(score_mod, mask_mod, check_captured(captured, q, OP))
+    if mods.arguments + len(captured_tensors(mods)) > MAX_CAPTURED:
+        raise error(ValueError, "score_mod", f"the mods take {mods.arguments + len(captured_tensors(mods))} tensors "
+                                             f"(captured= and captured by the functions); at most {MAX_CAPTURED}", OP)
     return mods
 
 
@@ -159,7 +160,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             scale: Optional[float] = None, return_lse: bool = False, causal_alignment: str = "bottom_right",
             out: Optional["torch.Tensor"] = None, window: Optional[tuple] = None,
             score_mod: Optional[Callable[..., Any]] = None, mask_mod: Optional[Callable[..., Any]] = None,
-            block_mask: Any = None, validate: bool = True
+            block_mask: Any = None, validate: bool = True, captured: tuple = ()
             ) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
     """softmax(q kᵀ scale + mods) v with fp32 accumulation, for long query sequences.
 
@@ -175,7 +176,9 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
     (q_idx, kv_idx the row and key index in the sequence; ``nvfly.ops.attention.mods``), traced into the kernel.
     ``block_mask``: a flex ``BlockMask`` (128-row query blocks or multiples, KV blocks of 128 keys or multiples):
     its partial blocks apply its mask_mod (or ``mask_mod=``), its full blocks no mask_mod,
-    other blocks are not read; ``validate`` reads its block numbers (a device sync). ``scale``: default Dqk^-0.5.
+    other blocks are not read; ``validate`` reads its block numbers (a device sync). ``captured``: tensors passed to
+    the mods as trailing arguments (``score_mod(score, b, h, q_idx, kv_idx, *captured)``), kernel inputs read at run
+    time: one compiled mod serves calls with different tensors. ``scale``: default Dqk^-0.5.
     Returns out (B, Sq, Hq, Dv) in q's dtype and, with ``return_lse``, the log-sum-exp (B, Hq, Sq) float32 (natural
     log; -inf for a row that sees no key, whose output is zeros). ``out``: a contiguous (B, Sq, Hq, Dv) tensor of
     q's dtype to write (else a new one).
@@ -183,7 +186,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
     import torch
     _check(q, k, v, scale, causal_alignment)
     bounds = masking(causal, window, causal_alignment)
-    mods = _check_mods(q, k, score_mod, mask_mod, block_mask, validate and not _capturing(q))
+    mods = _check_mods(q, k, score_mod, mask_mod, block_mask, validate and not _capturing(q), captured)
     _require_cuda(q, OP)
     reason = _layout_reason(q, k, v)
     if reason:
@@ -203,7 +206,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             kv_block = int(block_mask.BLOCK_SIZE[1]) if block_mask is not None else 0
             plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block)
             _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv,
-                    plan.grid(batch, hq, sq))
+                    plan.grid(batch, hq, sq), tuple(captured))
     return (out, lse) if return_lse else out
 
 
@@ -245,11 +248,13 @@ def _block_tables(block_mask: Any, batch: int, hq: int) -> list:
 
 
 def _launch(plan: PrefillPlan, mods: Mods, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens: Any,
-            tables: list, scale: float, bounds: Masking, sq: int, skv: int, grid: tuple) -> None:
-    """One launch: q, k, v, out (B, S, H, D) and lse (B, H, S) as the kernel takes them (packed sequences: B = 1)."""
+            tables: list, scale: float, bounds: Masking, sq: int, skv: int, grid: tuple,
+            arguments: tuple = ()) -> None:
+    """One launch: q, k, v, out (B, S, H, D) and lse (B, H, S) as the kernel takes them (packed sequences: B = 1);
+    ``arguments``: the mods' tensor arguments."""
     q_box, kv_box = _boxes(plan, torch_dtype(q))
     descriptors = [cached_descriptor(t, box, plan.swizzle) for t, box in ((q, q_box), (k, kv_box), (v, kv_box))]
-    captured = _kernel_captured(mods, q.device)
+    captured = _kernel_captured(mods, q.device, arguments)
     captured = captured + [None] * (MAX_CAPTURED - len(captured))
     attention_prefill_kernel[grid, plan.threads](
         *descriptors, out, lse, *(cu_seqlens or (None, None)), *captured, *tables, sq, skv, q.shape[2] // k.shape[2],
@@ -375,8 +380,8 @@ def prefill_reference(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *
                       scale: Optional[float] = None, causal_alignment: str = "bottom_right",
                       window: Optional[tuple] = None, score_mod: Optional[Callable[..., Any]] = None,
                       mask_mod: Optional[Callable[..., Any]] = None, block_mask: Any = None,
-                      cu_seqlens_q: Optional["torch.Tensor"] = None, cu_seqlens_k: Optional["torch.Tensor"] = None
-                      ) -> tuple["torch.Tensor", "torch.Tensor"]:
+                      cu_seqlens_q: Optional["torch.Tensor"] = None, cu_seqlens_k: Optional["torch.Tensor"] = None,
+                      captured: tuple = ()) -> tuple["torch.Tensor", "torch.Tensor"]:
     """(out, lse) of ``prefill``'s (or, with cu_seqlens, ``prefill_varlen``'s) arguments in float32, sequence by
     sequence, from the definitions: the mods applied with torch broadcasting, a block mask from flex's meaning
     (``reference_block_keep``). Packed: out (total_q, Hq, Dv), lse (Hq, total_q), rows outside every sequence 0 and
@@ -385,6 +390,7 @@ def prefill_reference(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *
     bounds = masking(causal, window, causal_alignment)
     if block_mask is not None:
         mask_mod = mask_mod_of(block_mask, mask_mod)
+    score_mod, mask_mod = bound(score_mod, tuple(captured)), bound(mask_mod, tuple(captured))
     scale = _scale(scale, q.shape[-1])
     if cu_seqlens_q is None:
         pieces = [_attend(q[b], k[b], v[b], scale, bounds, score_mod, mask_mod, b, block_mask)
@@ -425,9 +431,10 @@ def prefill_flops(batch: int, sq: int, skv: int, hq: int, dqk: int, dv: int, cau
 # ---------------------------------------------------------------------------------------------- compile only
 def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, sq: int = 1000, skv: int = 1000,
                     heads: int = 4, kv_heads: int = 2, return_lse: bool = True, mods: Mods = Mods(),
-                    target: str = "sm_90a") -> Any:
+                    target: str = "sm_90a", captured: tuple = ()) -> Any:
     """The prefill kernel for ``plan`` (and ``mods``) compiled without a GPU (a CompiledKernel); a varlen plan gets
-    ``batch`` sequences packed into sq and skv rows, a block-mask plan its tables."""
+    ``batch`` sequences packed into sq and skv rows, a block-mask plan its tables; ``captured``: (CPU) tensors
+    standing for the mods' arguments."""
     from nvfly.runtime.tensor_desc import TensorDesc
     q_box, kv_box = _boxes(plan, dtype)
     rows = 1 if plan.varlen else batch
@@ -438,7 +445,7 @@ def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, 
     lse = TensorDesc(nvfly.f32, (rows, heads, sq)) if return_lse else None
     cu_seqlens = [TensorDesc(nvfly.i32, (batch + 1,))] * 2 if plan.varlen else [None, None]
     captured = [TensorDesc(nvfly.i32 if str(t.dtype) in ("torch.int64", "torch.bool") else torch_dtype(t),
-                           tuple(t.shape)) for t in captured_tensors(mods)]
+                           tuple(t.shape)) for t in (*captured, *captured_tensors(mods))]
     captured = captured + [None] * (MAX_CAPTURED - len(captured))
     tables = [None] * 4
     if plan.kv_block:

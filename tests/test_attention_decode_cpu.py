@@ -530,6 +530,16 @@ def test_captured_tensors_come_from_closures_and_globals():
     assert len(found) == 2 and found[0] is slopes and found[1] is GLOBAL_BIAS
 
 
+def test_captured_tensors_of_composed_mods():
+    """A mod built from another (``causal & document(...)``) captures what the inner one captures."""
+    ids = torch.zeros(2, 64, dtype=torch.int32)
+    document = M.document_mask(ids)
+
+    def causal_documents(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & document(b, h, q_idx, kv_idx)
+    assert [t is ids for t in M.captured_tensors(M.Mods(mask_mod=causal_documents))] == [True]
+
+
 def test_unsupported_torch_functions_are_named():
     def cumulative(score, b, h, q_idx, kv_idx):
         return torch.cumsum(score, 0)
@@ -612,3 +622,16 @@ def test_captured_tensors_are_kernel_inputs():
     alibi = attention.compile_kernels(MOD_PLAN, M.Mods(M.alibi(slopes)))[0]
     check_sass(alibi)
     assert alibi.sass_opcodes()["LDG.E"] > plain.sass_opcodes()["LDG.E"]
+
+
+def test_alignment_of_fake_tensors_reads_no_address():
+    """torch.compile's passes check eligibility on fake tensors, which have no address (torch 2.11 raises on
+    data_ptr, 2.13 warns): the storage offset stands for the base."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from nvfly.ops.attention.checks import aligned
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rows = torch.empty(4, 72, dtype=torch.bfloat16)
+        assert aligned(rows[:, :64]) and not aligned(rows[:, 4:68]) and not aligned(torch.empty(4, 68, dtype=torch.bfloat16)[:, :64])

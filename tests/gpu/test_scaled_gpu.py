@@ -62,7 +62,7 @@ def test_recipes_match_the_dequantised_gemm(hopper, scaling, out_dtype, mnk):
 @pytest.mark.parametrize("scaling", ["tensor", "row"])
 def test_fast_accumulation(hopper, scaling):
     """use_fast_accum: the tensor core's accumulator sums all of K (less exact than promotion, still close)."""
-    m, n, k = 520, 776, 4096
+    m, n, k = 520, 784, 4096  # fp8 rows of whole 16 bytes: N a multiple of 16
     a, b, sa, sb = operands(m, n, k, scaling)
     out = poisoned(m, n, torch.float32)
     scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.float32, use_fast_accum=True, out=out)
@@ -186,8 +186,9 @@ def test_quantize_kernels_match_the_reference_bit_for_bit(hopper, granularity, o
         q_ref, s_ref = quantize(x, granularity, operand=operand)
         assert q.shape == q_ref.shape and q.stride() == q_ref.stride()
         assert s.shape == s_ref.shape
-        if granularity != "128x128" or operand == "b":  # the layouts scaled_mm takes
-            assert s.stride() == s_ref.stride()
+        if granularity != "128x128" or operand == "b":  # the layouts scaled_mm takes (a size-1 dim has any stride)
+            assert [st for st, n in zip(s.stride(), s.shape) if n > 1] == \
+                [st for st, n in zip(s_ref.stride(), s_ref.shape) if n > 1]
         assert torch.equal(s, s_ref), (s - s_ref).abs().max()
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 

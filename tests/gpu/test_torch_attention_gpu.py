@@ -177,20 +177,20 @@ def test_declined_sdpa_is_torchs(kwargs, fragment):
     torch.testing.assert_close(got, want)
 
 
-def _attn_mask(kind, shape, sq, skv, dtype):
+def _attn_mask(kind, shape, sq, skv, dtype, batch):
     """SDPA masks as models build them: "padding" (B, 1, 1, Skv) boolean with random lengths (at least one key);
     "bool" random booleans of ``shape`` (the diagonal kept where Sq = Skv); "additive" random floats of ``shape``;
     "hf" HF's additive causal + left-padding mask (B, 1, Sq, Skv) of q's dtype with its finfo.min (128 or more
     padding keys: whole key blocks of finfo.min), fully masked rows unmasked as HF does (``_unmask_unattended``)."""
     if kind == "padding":
-        lengths = torch.randint(1, skv + 1, (shape[0],), device="cuda")
+        lengths = torch.randint(1, skv + 1, (batch,), device="cuda")
         return (torch.arange(skv, device="cuda") < lengths[:, None])[:, None, None, :]
     if kind == "bool":
         keep = torch.rand(shape, device="cuda") > 0.4
         return keep | torch.eye(sq, skv, dtype=torch.bool, device="cuda") if sq == skv else keep
     if kind == "additive":
         return torch.randn(shape, device="cuda").to(dtype)
-    padding = torch.randint(128, skv // 2, (2,), device="cuda")
+    padding = torch.randint(128, skv // 2, (batch,), device="cuda")
     keys = torch.arange(skv, device="cuda")
     causal = keys[None, :] <= torch.arange(sq, device="cuda")[:, None] + skv - sq  # (Sq, Skv)
     keep = causal[None] & (keys >= padding[:, None])[:, None]
@@ -213,7 +213,7 @@ def test_routed_masked_sdpa_matches_torch(kind, batch, hq, hkv, sq, skv, mask_sh
     torch.manual_seed(sq * 7 + skv)
     q = torch.randn(batch, hq, sq, 128, device="cuda", dtype=dtype)
     k, v = (torch.randn(batch, hkv, skv, 128, device="cuda", dtype=dtype) for _ in range(2))
-    mask = _attn_mask(kind, mask_shape, sq, skv, dtype)
+    mask = _attn_mask(kind, mask_shape, sq, skv, dtype, batch)
     got, want, reason = masked_routed_and_torch(q, k, v, mask)
     assert reason is None and sdpa_decisions()[0].candidates == ("decode" if sq <= 16 else "prefill",)
     ref_mask = mask if mask.dtype == torch.bool else mask.float()
@@ -221,7 +221,7 @@ def test_routed_masked_sdpa_matches_torch(kind, batch, hq, hkv, sq, skv, mask_sh
     assert got.shape == want.shape and got.dtype == want.dtype and not got.isnan().any()
     assert rel_err(got, ref) < 1e-2 and rel_err(want, ref) < 1e-2 and rel_err(got, want) < 1e-2
     with sdpa_kernel(NO_CUDNN), nvfly.torch.routing():  # another mask of the same kind: the same compiled mod
-        again = F.scaled_dot_product_attention(q, k, v, attn_mask=_attn_mask(kind, mask_shape, sq, skv, dtype),
+        again = F.scaled_dot_product_attention(q, k, v, attn_mask=_attn_mask(kind, mask_shape, sq, skv, dtype, batch),
                                                enable_gqa=hq != hkv)
     assert not again.isnan().any()
 

@@ -20,8 +20,12 @@ def tensor_argument(value: Any, name: str, rank: int, op: str = OP) -> None:
 
 
 def aligned(t: "torch.Tensor") -> bool:
-    """16-byte copies of every row: a 16-byte aligned base and every stride but the last a multiple of 16 bytes."""
-    return t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+    """16-byte copies of every row: a 16-byte aligned base and every stride but the last a multiple of 16 bytes.
+    A fake tensor (torch.compile's tracing) has no address: its storage offset stands for the base (allocations are
+    16-byte aligned), and the compiled graph's op checks the real address again when it runs."""
+    from torch._subclasses.fake_tensor import is_fake
+    base = t.storage_offset() * t.element_size() if is_fake(t) else t.data_ptr()
+    return base % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
 
 
 def check_values(cache_seqlens: Any, block_table: Any, capacity: int, pages: int, op: str = OP) -> None:

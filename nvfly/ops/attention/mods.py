@@ -21,6 +21,7 @@ alignment facts, as for any tensor argument; a new tensor does not recompile).
 from __future__ import annotations
 
 import contextlib
+import types
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -48,13 +49,11 @@ class Mods:
 
 def captured_tensors(mods: Mods) -> list:
     """The torch tensors the mods capture, in a fixed order: each function's closure cells, then the globals its
-    code names (nested functions' code too), without repeats."""
+    code names (nested functions' code too), without repeats; a Python function found there (a mod composed of
+    others, e.g. ``causal & document(b, h, q, kv)``) is searched the same way where it is found."""
     import torch
     found: list = []
-
-    def add(value: Any) -> None:
-        if isinstance(value, torch.Tensor) and not any(value is t for t in found):
-            found.append(value)
+    visited: list = []
 
     def names(code: Any) -> Iterator[str]:
         yield from code.co_names
@@ -62,14 +61,23 @@ def captured_tensors(mods: Mods) -> list:
             if hasattr(const, "co_names"):
                 yield from names(const)
 
-    for fn in (mods.score_mod, mods.mask_mod):
-        if fn is None:
-            continue
+    def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor) and not any(value is t for t in found):
+            found.append(value)
+        elif isinstance(value, types.FunctionType) and not any(value is f for f in visited):
+            search(value)
+
+    def search(fn: types.FunctionType) -> None:
+        visited.append(fn)
         for cell in fn.__closure__ or ():
             with contextlib.suppress(ValueError):  # an empty cell
                 add(cell.cell_contents)
         for name in names(fn.__code__):
             add(fn.__globals__.get(name))
+
+    for fn in (mods.score_mod, mods.mask_mod):
+        if isinstance(fn, types.FunctionType):
+            search(fn)
     return found
 
 

@@ -26,8 +26,8 @@ _V2_RECIPES = {(0, 0): "tensor", (1, 1): "row"}
 
 # Routing rule, measured on the H200 against cuBLAS's _scaled_mm (benchmarks/scaled.py --quick at f3d627a, torch
 # 2.11, benchmarks/results/scaled_h200.json; docs/ops/scaled.md "Measurements"): nvfly is faster only on
-# tensor/row-wise scales at M <= 64 (swap-AB: x0.97-1.37, geomean x1.09); cuBLAS at M = 128 (x0.94-1.00) and M >= 4096 (x0.72-0.99), and on
-# block scales at every M (x0.64-0.86).
+# tensor/row-wise scales at M <= 64 (swap-AB: x0.97-1.37, geomean x1.09); cuBLAS at M = 128 (x0.94-1.00) and
+# M >= 4096 (x0.72-0.99), and on block scales at every M (x0.64-0.86).
 ROUTE_MAX_M = 64
 
 

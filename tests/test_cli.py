@@ -126,6 +126,15 @@ def test_explain_says_why_its_columns_are_empty(capsys):
     assert json.loads(capsys.readouterr().out)["shape"] == {"batches": 1, "m": 16, "n": 4096, "k": 4096}
 
 
+def test_explain_grouped_defaults_to_each_layouts_usual_majors(capsys):
+    """The weight gradient's usual operands are x^T and dy (both MN-major): without --majors it is explained as
+    nvfly runs it, not declined for the GEMM's K,K default."""
+    assert main(["explain", "4096", "4096", "256", "--groups", "8", "--layout", "kgrouped"]) == 0
+    assert "nvfly runs: grouped kgrouped" in capsys.readouterr().out
+    assert main(["explain", "4096", "4096", "256", "--groups", "8", "--layout", "kgrouped", "--majors", "K,K"]) == 0
+    assert "nvfly declines" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv", [["explain", "0", "-1", "5"], ["bench", "nosuch"]])
 def test_the_real_command_shows_no_traceback(argv, tmp_path):
     """As a user runs it: a fresh interpreter, from another folder."""

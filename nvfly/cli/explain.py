@@ -56,8 +56,9 @@ def add_parser(commands: Any) -> None:
         parser.add_argument(dim, type=positive_int, metavar=dim.upper(), nargs="?", help=meaning + " (a GEMM)")
     parser.add_argument("--batches", type=positive_int, default=1, help="batch count (bmm); default 1")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
-    parser.add_argument("--majors", type=_majors, default=("K", "K"),
-                        help="A and B majors, each K or MN (default K,K: x @ W^T of a Linear layer)")
+    parser.add_argument("--majors", type=_majors, default=None,
+                        help="A and B majors, each K or MN (default K,K: x @ W^T of a Linear layer; with --groups "
+                             "--layout kgrouped MN,MN: the weight gradient's x^T and dy)")
     parser.add_argument("--benchmark", action="store_true",
                         help="time the candidates and torch now (needs a CUDA GPU)")
     parser.add_argument("--device", type=_device, default=None, help="CUDA device index (default: current)")
@@ -104,8 +105,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("nvfly explain", f"--device {args.device}: torch sees {gpus} CUDA device(s)")
     if args.groups is not None:
         from nvfly.torch.grouped_ops import explain_grouped
+        majors = args.majors or (("MN", "MN") if args.layout == "kgrouped" else ("K", "K"))
         print(explain_grouped(args.groups, args.m, args.n, args.k, layout=args.layout, fuse=args.fuse,
-                              b_major=args.majors[1]), end="")
+                              b_major=majors[1]), end="")
         return 0
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     with console.status("timing the candidates and torch" if args.benchmark else "planning"):
@@ -114,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
             result = explain_sdpa(*args.sdpa, is_causal=args.causal, dtype=dtype, requires_grad=args.grad,
                                   benchmark=args.benchmark, device=args.device)
         else:
-            result = explain(args.m, args.n, args.k, batches=args.batches, dtype=dtype, majors=args.majors,
-                             benchmark=args.benchmark, device=args.device)
+            result = explain(args.m, args.n, args.k, batches=args.batches, dtype=dtype,
+                             majors=args.majors or ("K", "K"), benchmark=args.benchmark, device=args.device)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1, default=str))
     else:

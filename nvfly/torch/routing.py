@@ -167,6 +167,8 @@ def _decide(route: Route, args: tuple, kwargs: dict) -> Optional[str]:
 
 
 def _declined(route: Route, reason: str) -> None:
+    if not log.isEnabledFor(logging.INFO):  # neither level logs: skip reading the environment (every call)
+        return
     level = logging.INFO if settings.get("debug") else logging.DEBUG
     if log.isEnabledFor(level):
         log.log(level, "nvfly: %s stays on torch: %s", route.op, reason)

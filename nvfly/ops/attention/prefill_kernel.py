@@ -39,10 +39,10 @@ from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.prefill_plan import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, key_blocks
+from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
-NEG_INF = float("-inf")
 
 
 @nvfly.kernel
@@ -258,11 +258,6 @@ class BlockContext(NamedTuple):
     mods: Any
 
 
-def row_of(i: int) -> int:
-    """Which of the thread's two rows accumulator element ``i`` belongs to (element 4j + 2h + e is row h)."""
-    return (i // 2) % 2
-
-
 @nvfly.func
 def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD):
     """Fold key block ``n`` into the warpgroup's online softmax and O; ``MASKED``: apply the tail, causal and window
@@ -310,27 +305,8 @@ def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD):
             if keep is not None:
                 scores[i] = nvfly.select(keep, scores[i], NEG_INF)
     MASKED = MASKED or mask_mod or mods.score_mod is not None  # rows may have no key kept yet (or -inf scores)
-    maxima, sums, shifts, rescales = [], [], [], []
-    for r in nvfly.static_range(2):
-        top = state.maxima[r]
-        for i in nvfly.static_range(r * 2, len(scores), 4):
-            top = nvfly.maximum(top, nvfly.maximum(scores[i], scores[i + 1]))
-        top = nvfly.maximum(top, nvfly.shfl_xor(top, 1))  # the 4 lanes of a row
-        top = nvfly.maximum(top, nvfly.shfl_xor(top, 2))
-        if MASKED:  # a row with no key kept yet: shift by 0, not -inf
-            reference = nvfly.select(top == NEG_INF, 0.0, top)
-        else:
-            reference = top
-        shift = reference * ctx.fold
-        rescales.append(nvfly.exp2(state.maxima[r] * ctx.fold - shift))
-        shifts.append(shift)
-        maxima.append(top)
-    p = [nvfly.exp2(x * ctx.fold - shifts[row_of(i)]) for i, x in enumerate(scores)]
-    for r in nvfly.static_range(2):
-        total = state.sums[r] * rescales[r]
-        for i in nvfly.static_range(r * 2, len(p), 4):
-            total = total + p[i] + p[i + 1]
-        sums.append(total)
+    step = online_softmax(scores, state.maxima, state.sums, ctx.fold, MASKED)
+    p, maxima, sums, rescales = step.p, step.maxima, step.sums, step.rescales
     fragments = s.map(lambda x, i: p[i]).to_a_fragments(ctx.pv_atom)
     acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
 

@@ -99,6 +99,9 @@ def _allocate_workspace(device: torch.device, sizes: tuple[int, ...]) -> tuple[t
 _WORKSPACE = StreamScratch(_allocate_workspace, (MIN_SUMS, MIN_COUNTERS))
 _PARTIALS = StreamScratch(lambda device, sizes: torch.empty(sizes[0], dtype=torch.float32, device=device),
                           (MIN_SUMS,))
+# split-KV partials: (rows, columns) -> one flat f32 buffer of rows * (columns + 1), rows and columns grown apart
+_ROW_PARTIALS = StreamScratch(lambda device, sizes: torch.empty(sizes[0] * (sizes[1] + 1), dtype=torch.float32,
+                                                                device=device), (1, 1))
 
 
 def workspace(device: torch.device, stream: int, tiles: int, tile_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,3 +114,35 @@ def partials(device: torch.device, stream: int, numel: int) -> torch.Tensor:
     """A flat f32 buffer of at least ``numel`` elements (contents undefined) for launches on ``stream`` of
     ``device``."""
     return _PARTIALS.get(device, stream, (numel,))
+
+
+def _row_views(buffer: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, columns = sizes
+    return buffer[:rows * columns].view(rows, columns), buffer[rows * columns:rows * (columns + 1)]
+
+
+def row_partials(device: torch.device, stream: int, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(f32 [rows, columns], f32 [rows]) partial results and their per-row statistic (split-KV attention's partial
+    outputs and log-sum-exps), the second right after the first in one buffer (contents undefined), for launches on
+    ``stream`` of ``device``; the views are cached, so a call costs a lookup."""
+    return _ROW_PARTIALS.get(device, stream, (rows, columns), _row_views)
+
+
+CONSTANTS_LIMIT = 1024
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def constant(device: torch.device, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A tensor that ``make()`` builds on ``device``, made once per (device, key) and shared by every caller: kernels
+    read it, nothing may write it. Under graph capture (when none is kept yet), in a private memory pool, or past
+    ``CONSTANTS_LIMIT`` kept ones, this call's own: a kept tensor is never dropped, since a captured graph may read
+    it."""
+    found = _CONSTANTS.get((device, key))
+    if found is not None:
+        return found
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return make()
+    made = make()
+    if len(_CONSTANTS) < CONSTANTS_LIMIT and not in_private_pool(made):
+        _CONSTANTS[(device, key)] = made
+    return made

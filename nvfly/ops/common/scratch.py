@@ -15,13 +15,14 @@ of that pool to be one of the graph's outputs ("tensor(s) in the cudagraph pool 
 set would stay alive there for good."""
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 import torch
 
 Tensors = TypeVar("Tensors")
-MAX_VIEWS = 64  # views kept per (device, stream): one per distinct request size
+MAX_VIEWS = 64  # views kept per (device, stream): one per distinct request size and view
 
 
 class StreamScratch(Generic[Tensors]):
@@ -35,7 +36,7 @@ class StreamScratch(Generic[Tensors]):
     def __init__(self, allocate: Callable[[torch.device, tuple[int, ...]], Tensors], floor: tuple[int, ...]):
         self._allocate = allocate
         self._floor = floor
-        self._entries: dict[tuple[int, int], tuple[tuple[int, ...], Tensors, dict[tuple[int, ...], Any]]] = {}
+        self._entries: dict[tuple[int, int], tuple[tuple[int, ...], Tensors, dict[tuple, Any]]] = {}
 
     def get(self, device: torch.device, stream: int, sizes: tuple[int, ...],
             view: Optional[Callable[[Tensors, tuple[int, ...]], Any]] = None) -> Any:
@@ -54,11 +55,11 @@ class StreamScratch(Generic[Tensors]):
         if view is None:
             return entry[1]
         views = entry[2]
-        found = views.get(sizes)
+        found = views.get((sizes, view))
         if found is None:
             if len(views) >= MAX_VIEWS:
                 views.clear()
-            found = views[sizes] = view(entry[1], sizes)
+            found = views[(sizes, view)] = view(entry[1], sizes)
         return found
 
 
@@ -99,9 +100,6 @@ def _allocate_workspace(device: torch.device, sizes: tuple[int, ...]) -> tuple[t
 _WORKSPACE = StreamScratch(_allocate_workspace, (MIN_SUMS, MIN_COUNTERS))
 _PARTIALS = StreamScratch(lambda device, sizes: torch.empty(sizes[0], dtype=torch.float32, device=device),
                           (MIN_SUMS,))
-# split-KV partials: (rows, columns) -> one flat f32 buffer of rows * (columns + 1), rows and columns grown apart
-_ROW_PARTIALS = StreamScratch(lambda device, sizes: torch.empty(sizes[0] * (sizes[1] + 1), dtype=torch.float32,
-                                                                device=device), (1, 1))
 
 
 def workspace(device: torch.device, stream: int, tiles: int, tile_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,16 +114,20 @@ def partials(device: torch.device, stream: int, numel: int) -> torch.Tensor:
     return _PARTIALS.get(device, stream, (numel,))
 
 
-def _row_views(buffer: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    rows, columns = sizes
-    return buffer[:rows * columns].view(rows, columns), buffer[rows * columns:rows * (columns + 1)]
+@functools.lru_cache(maxsize=None)
+def _rows_view(columns: int) -> Callable[[torch.Tensor, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]]:
+    """The view of ``row_partials`` with rows of ``columns`` (one function per width: it keys the cached views)."""
+    def view(buffer: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = sizes[0] // (columns + 1)
+        return buffer[:rows * columns].view(rows, columns), buffer[rows * columns:rows * (columns + 1)]
+    return view
 
 
 def row_partials(device: torch.device, stream: int, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(f32 [rows, columns], f32 [rows]) partial results and their per-row statistic (split-KV attention's partial
-    outputs and log-sum-exps), the second right after the first in one buffer (contents undefined), for launches on
-    ``stream`` of ``device``; the views are cached, so a call costs a lookup."""
-    return _ROW_PARTIALS.get(device, stream, (rows, columns), _row_views)
+    """``partials`` of rows * (columns + 1) elements as (f32 [rows, columns], f32 [rows]): partial results and a
+    statistic per row right after them (split-KV attention's partial outputs and log-sum-exps); the views are
+    cached, so a call costs a lookup."""
+    return _PARTIALS.get(device, stream, (rows * (columns + 1),), _rows_view(columns))
 
 
 CONSTANTS_LIMIT = 1024

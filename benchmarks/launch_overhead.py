@@ -1,11 +1,12 @@
 """Host overhead of a cached kernel launch: nvfly next to Triton and torch, in the same process.
 
 Each launcher issues N launches of a tiny kernel back to back; the GPU work is negligible, so the time per
-launch is the host's. A second row: the host time of an op call with two launches, attention decode (B=1, 32K
-keys, 48/8 heads, D 128, bf16; a few hundred calls, fewer than the launch queue holds, so the GPU never blocks the
-host), beside its do_bench time eager and replayed from a CUDA graph (their gap is the host cost do_bench sees). Also the suites' timing floor: ``bench_ms`` (do_bench, L2 flushed) of the same tiny kernels,
+launch is the host's. Also the suites' timing floor: ``bench_ms`` (do_bench, L2 flushed) of the same tiny kernels,
 the least any one-kernel op can measure there (e.g. MoE routing's torch.topk, 14.4 us, can be beaten by at most its
-ratio to this floor). Usage: python -m benchmarks.launch_overhead   (or: nvfly bench launch_overhead)
+ratio to this floor). A second row: the host time of an op call with two launches, attention decode (B=1, 32K
+keys, 48/8 heads, D 128, bf16; a few hundred calls, fewer than the launch queue holds, so the GPU never blocks the
+host), beside its do_bench time eager and replayed from a CUDA graph (their gap is the host cost do_bench sees).
+Usage: python -m benchmarks.launch_overhead   (or: nvfly bench launch_overhead)
 """
 from __future__ import annotations
 

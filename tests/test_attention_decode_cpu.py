@@ -564,7 +564,7 @@ def test_a_hit_binds_the_call_tensors(counted_host):
     counts, launches = counted_host
     q, k, v = bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64)
     lengths = torch.tensor([256, 3])
-    attention.decode(q, k, v, cache_seqlens=lengths, splits=2)
+    out = attention.decode(q, k, v, cache_seqlens=lengths, splits=2)  # kept: out2 is another tensor
     q2, k2, v2 = bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64)
     out2 = attention.decode(q2, k2, v2, cache_seqlens=torch.tensor([5, 6]), splits=2)
     assert counts["plan"] == 1 and len(api._CALLS) == 1
@@ -572,7 +572,7 @@ def test_a_hit_binds_the_call_tensors(counted_host):
     assert grid == grid2 == (2, 2, 2)
     assert all(t.data_ptr() in params3 for t in (q2, k2, v2)) and q.data_ptr() in params
     assert not {t.data_ptr() for t in (q, k, v)} & set(params3)  # alive: no other tensor's address
-    assert out2.data_ptr() in params4 and params2 != params4
+    assert out.data_ptr() in params2 and out2.data_ptr() in params4 and params2 != params4
     attention.decode(q2, k2, v2, cache_seqlens=torch.tensor([5, 6]), splits=3)
     assert counts["plan"] == 2 and len(api._CALLS) == 2
 

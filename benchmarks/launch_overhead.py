@@ -3,7 +3,10 @@
 Each launcher issues N launches of a tiny kernel back to back; the GPU work is negligible, so the time per
 launch is the host's. Also the suites' timing floor: ``bench_ms`` (do_bench, L2 flushed) of the same tiny kernels,
 the least any one-kernel op can measure there (e.g. MoE routing's torch.topk, 14.4 us, can be beaten by at most its
-ratio to this floor). Usage: python -m benchmarks.launch_overhead   (or: nvfly bench launch_overhead)
+ratio to this floor). A second row: the host time of an op call with two launches, attention decode (B=1, 32K
+keys, 48/8 heads, D 128, bf16; a few hundred calls, fewer than the launch queue holds, so the GPU never blocks the
+host), beside its do_bench time eager and replayed from a CUDA graph (their gap is the host cost do_bench sees).
+Usage: python -m benchmarks.launch_overhead   (or: nvfly bench launch_overhead)
 """
 from __future__ import annotations
 
@@ -39,6 +42,36 @@ def per_launch_us(launch, n: int = 20000, repeats: int = 7) -> float:
         torch.cuda.synchronize()
         samples.append((t1 - t0) / n * 1e6)
     return statistics.median(samples)
+
+
+def decode_row() -> dict:
+    """Host and do_bench time per call of an attention decode step (module docstring)."""
+    from nvfly.ops import attention
+    q = torch.randn(1, 1, 48, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 32768, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+
+    def call():
+        attention.decode(q, k, v, out=out)
+    call()
+    torch.cuda.synchronize()
+    row = {"kernel": "attention decode B=1 32K 48/8 D128 bf16 (2 launches)",
+           "nvfly_us": per_launch_us(call, n=200, repeats=15)}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    row["bench_ms_eager_us"] = bench_ms(call) * 1e3
+    row["bench_ms_graph_us"] = bench_ms(graph.replay) * 1e3
+    for key, value in row.items():
+        if key != "kernel":
+            print(f"{'decode ' + key:>24}: {value:6.2f} us")
+    return {key: round(value, 3) if key != "kernel" else value for key, value in row.items()}
 
 
 def main(argv=None) -> int:
@@ -81,7 +114,7 @@ def main(argv=None) -> int:
     for k, v in results.items():
         print(f"{k:>24}: {v:6.2f} us")
     rows = [{"kernel": "add 1024 f32 (4 args)", **{k: round(v, 3) for k, v in results.items()},
-             "nvfly_over_triton": round(results["nvfly_us"] / results["triton_us"], 3)}]
+             "nvfly_over_triton": round(results["nvfly_us"] / results["triton_us"], 3)}, decode_row()]
     print("wrote", write_results("launch_overhead", rows))
     return 0
 

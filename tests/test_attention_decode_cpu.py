@@ -18,6 +18,7 @@ from nvfly.ops.attention import decode_kernel as K
 from nvfly.ops.attention import api
 from nvfly.ops.attention import kv_options
 from nvfly.ops.attention.api import reference
+from nvfly.ops.common import scratch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 
@@ -466,7 +467,9 @@ def cpu_launches(recorded_launches, monkeypatch):
     recorded_launches), on a 132-SM device."""
     monkeypatch.setattr(api, "_require_cuda", lambda q: None)
     monkeypatch.setattr(api, "_sm_count", lambda device: 132)
-    return recorded_launches
+    api._CALLS.clear()  # cached calls hold prepared launches bound to earlier tests' recorders
+    yield recorded_launches
+    api._CALLS.clear()
 
 
 def test_host_path_launches_the_decode_kernel(cpu_launches):
@@ -515,6 +518,106 @@ def test_host_path_passes_block_mask_tables(cpu_launches):
     assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_decode_kernel", (3, 2, 2)),
                                                                 ("attention_combine_kernel", (2 * 4 * 8 // 4, 1, 1))]
     assert out.shape == (2, 4, 8, 64)
+
+
+@pytest.fixture
+def counted_host(cpu_launches, monkeypatch):
+    """cpu_launches, and how often decode's host path checked, planned and filled default lengths."""
+    counts = {"check": 0, "scales": 0, "plan": 0, "full": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+    monkeypatch.setattr(api, "_check", counting("check", api._check))
+    monkeypatch.setattr(api, "check_scales", counting("scales", api.check_scales))
+    monkeypatch.setattr(api, "_plan", counting("plan", api._plan))
+    monkeypatch.setattr(torch, "full", counting("full", torch.full))
+    monkeypatch.setattr(scratch, "_CONSTANTS", {})
+    api._CHECKED.clear()
+    return counts, cpu_launches
+
+
+def test_a_signature_checks_and_plans_once(counted_host):
+    """The second call of a signature neither checks nor plans nor fills lengths; the prepared launches pack exactly
+    the parameters that the first call's full launch path packed (the same tensors: the same bytes)."""
+    counts, launches = counted_host
+    q, k, v = bf16(1, 1, 48, 128), bf16(1, 32768, 8, 128), bf16(1, 32768, 8, 128)
+    out = torch.empty(1, 1, 48, 128, dtype=torch.bfloat16)
+    attention.decode(q, k, v, out=out)
+    assert counts == {"check": 1, "scales": 1, "plan": 1, "full": 1}
+    first = list(launches)
+    launches.clear()
+    for _ in range(3):
+        attention.decode(q, k, v, out=out)
+    assert counts == {"check": 1, "scales": 1, "plan": 1, "full": 1}
+    assert [name for name, _, _ in first] == ["attention_decode_kernel", "attention_combine_kernel"]
+    assert launches == first * 3
+    lengths = scratch.constant(q.device, ("decode cache_seqlens", 1, 32768), lambda: pytest.fail("not kept"))
+    assert lengths.tolist() == [32768] and lengths.data_ptr() in first[0][2]
+
+
+def test_a_hit_binds_the_call_tensors(counted_host):
+    """New tensors of the same signature: another address of every tensor, the same plan; int64 lengths converted
+    on every call; a new signature plans again."""
+    counts, launches = counted_host
+    q, k, v = bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64)
+    lengths = torch.tensor([256, 3])
+    out = attention.decode(q, k, v, cache_seqlens=lengths, splits=2)  # kept: out2 is another tensor
+    q2, k2, v2 = bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64)
+    out2 = attention.decode(q2, k2, v2, cache_seqlens=torch.tensor([5, 6]), splits=2)
+    assert counts["plan"] == 1 and len(api._CALLS) == 1
+    (_, grid, params), (_, _, params2), (_, grid2, params3), (_, _, params4) = launches
+    assert grid == grid2 == (2, 2, 2)
+    assert all(t.data_ptr() in params3 for t in (q2, k2, v2)) and q.data_ptr() in params
+    assert not {t.data_ptr() for t in (q, k, v)} & set(params3)  # alive: no other tensor's address
+    assert out.data_ptr() in params2 and out2.data_ptr() in params4 and params2 != params4
+    attention.decode(q2, k2, v2, cache_seqlens=torch.tensor([5, 6]), splits=3)
+    assert counts["plan"] == 2 and len(api._CALLS) == 2
+
+
+def test_a_hit_keeps_validating_values(counted_host):
+    counts, _ = counted_host
+    q, k, v = bf16(2, 1, 8, 64), bf16(2, 256, 2, 64), bf16(2, 256, 2, 64)
+    attention.decode(q, k, v, cache_seqlens=torch.tensor([256, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="decode: cache_seqlens: lengths from 3 to 257"):
+        attention.decode(q, k, v, cache_seqlens=torch.tensor([257, 3], dtype=torch.int32))
+    attention.decode(q, k, v, cache_seqlens=torch.tensor([257, 3], dtype=torch.int32), validate=False)
+    with pytest.raises(ValueError, match="decode: out: expected a contiguous"):  # another signature: checked
+        attention.decode(q, k, v, cache_seqlens=torch.tensor([256, 3], dtype=torch.int32),
+                         out=torch.empty(2, 1, 8, 32, dtype=torch.bfloat16))
+    assert counts["check"] == 1 and len(api._CALLS) == 1  # the layouts checked once; a failed call is not kept
+
+
+def test_a_hit_rereads_the_mods_tensors(cpu_launches):
+    """A function's captured tensor rebound to another shape: the next call launches it through the general path."""
+    q, k, v = bf16(1, 1, 8, 64), bf16(1, 256, 2, 64), bf16(1, 256, 2, 64)
+    bias = torch.zeros(8)
+
+    def biased(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+    attention.decode(q, k, v, score_mod=biased, splits=1)
+    bias = torch.zeros(16)
+    attention.decode(q, k, v, score_mod=biased, splits=1)
+    assert len(cpu_launches) == 2 and bias.data_ptr() in cpu_launches[1][2]
+
+
+def test_constants_are_kept_outside_capture_only(monkeypatch):
+    monkeypatch.setattr(scratch, "_CONSTANTS", {})
+    made = []
+
+    def make():
+        made.append(torch.zeros(2))
+        return made[-1]
+    cuda = torch.device("cuda", 0)  # never touched: the tensors made are CPU ones
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert scratch.constant(cuda, "test constant", make) is made[0]
+    assert scratch.constant(cuda, "test constant", make) is made[1]  # captured: this call's own
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    kept = scratch.constant(cuda, "test constant", make)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert scratch.constant(cuda, "test constant", make) is kept is made[2] and len(made) == 3
 
 
 # ---------------------------------------------------------------------------------------------- mods

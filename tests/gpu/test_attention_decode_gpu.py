@@ -163,6 +163,36 @@ def test_cuda_graph_replays_with_changed_lengths():
         assert not out.isnan().any() and err < 1e-2, (lengths, err)
 
 
+def test_cached_signature_binds_new_tensors_and_default_lengths_in_a_graph():
+    """One signature (split, default lengths) called on fresh tensors: the cached call's prepared launches bind each
+    call's addresses; then captured in a graph (the default lengths tensor kept from the eager calls) and replayed
+    on new values copied into the captured inputs."""
+    def inputs(seed):
+        k, v, _ = make_cache(1, 8192, 8, 128, 128, torch.bfloat16, seed=seed)
+        return query(1, 1, 48, 128, torch.bfloat16, seed=seed), k, v
+    for seed in range(3):
+        q, k, v = inputs(seed)
+        check(q, k, v)
+    q, k, v = inputs(3)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attention.decode(q, k, v)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = attention.decode(q, k, v)
+    for seed in (4, 5):
+        for dst, src in zip((q, k, v), inputs(seed)):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, _ = attention.reference(q, k, v)
+        err = ((out.float() - want).norm() / want.norm()).item()
+        assert not out.isnan().any() and err < 1e-2, (seed, err)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(24))
 def test_random_shapes(seed):

@@ -199,7 +199,6 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     ``captured``: tensors passed to the mods as trailing arguments (``nvfly.ops.attention.mods``), kernel inputs
     read at run time: one compiled mod serves calls with different tensors.
     """
-    import torch
     if _is_mla(q, k_cache):  # DeepSeek's 576-column latent cache: its own kernel (mla_api)
         if captured:
             raise error(ValueError, "captured", "MLA's 576-column latent cache takes no mods")
@@ -207,47 +206,152 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
                            v_scale=v_scale, block_mask=block_mask, cache_seqlens=cache_seqlens,
                            block_table=block_table, scale=scale, causal=causal, return_lse=return_lse,
                            validate=validate, splits=splits, out=out)
-    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if block_mask is not None:
-        capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)
-        check_block_mask(block_mask, mask_mod, q, k_cache.shape[2], capacity, validate and not capturing)
-        mask_mod = mask_mod_of(block_mask, mask_mod)
+    if block_mask is None:
+        try:  # everything that decides the checks, the plan and the launches
+            key = (layout_key(q), layout_key(k_cache), layout_key(v_cache), layout_key(cache_seqlens),
+                   layout_key(block_table), layout_key(out), layout_key(k_scale), layout_key(v_scale), score_mod,
+                   mask_mod, type(captured), tuple(map(layout_key, captured)), causal, splits, return_lse)
+            call = _CALLS.get(key)
+        except (AttributeError, TypeError):  # not tensors, unhashable: the checks explain
+            key = call = None
+        if call is None:
+            call = _new_call(q, k_cache, v_cache, cache_seqlens, block_table, out, k_scale, v_scale, score_mod,
+                             mask_mod, captured, causal, splits, return_lse, validate, key is not None)
+            _CALLS.remember(key, call)
+        elif validate and call.reads_values and not (call.cuda and _capturing()):
+            _check_values(cache_seqlens, block_table, call.capacity, call.pages)
+        return call.run(q, k_cache, v_cache, cache_seqlens, block_table, out, k_scale, v_scale, captured, scale)
+    # a block mask's tables come from its values on every call: checked, planned and launched on the general path
+    capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)
+    check_block_mask(block_mask, mask_mod, q, k_cache.shape[2], capacity,
+                     validate and not (q.device.type == "cuda" and _capturing()))
+    call = _new_call(q, k_cache, v_cache, cache_seqlens, block_table, out, k_scale, v_scale, score_mod,
+                     mask_mod_of(block_mask, mask_mod), captured, causal, splits, return_lse, validate, False,
+                     int(block_mask.BLOCK_SIZE[1]))
+    return call.run(q, k_cache, v_cache, cache_seqlens, block_table, out, k_scale, v_scale, captured, scale,
+                    block_mask)
+
+
+def _capturing() -> bool:
+    import torch
+    return torch.cuda.is_current_stream_capturing()
+
+
+# The host path (docs/ops/attention.md): a call signature (the layouts of every tensor argument, the mods, the
+# options) selects a _DecodeCall: its checks ran on its first call (raising errors that name the argument), and it
+# holds the plan, the prepared launches and the shapes of what a call allocates; a later call binds and launches.
+_CALLS: OpCalls["_DecodeCall"] = OpCalls()
+# Per-layout checks (shapes, strides, dtypes, devices, 16-byte alignment of every tensor, and the mods), for the
+# calls not cached whole (block masks)
+_CHECKED: OpCalls[tuple[int, int]] = OpCalls()
+_plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
+
+
+def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,
+              v_scale: Any, score_mod: Any, mask_mod: Any, captured: Any, causal: Any, splits: Any, return_lse: bool,
+              validate: bool, prepared: bool, kv_block: int = 0) -> "_DecodeCall":
+    """A signature's first call (or a call that is not cached): the checks in the order they raise, then its plan;
+    ``prepared``: with prepared launches (a cached call), else through the kernels' general launch path."""
+    import torch
+    capturing = q.device.type == "cuda" and _capturing()
     mods = _mods(score_mod, mask_mod, check_captured(captured, q))
     capacity, pages = _checked(q, k_cache, v_cache, cache_seqlens, block_table, mods)
     check_scales(k_scale, v_scale, q, k_cache)
     if validate and not capturing:
         _check_values(cache_seqlens, block_table, capacity, pages)
     _require_cuda(q)
-    captured = _kernel_captured(mods, q.device, tuple(captured))
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
-    if out is None:
-        out = torch.empty(batch, sq, hq, dv, dtype=q.dtype, device=q.device)
-    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, sq, hq, dv) or out.dtype != q.dtype
-          or out.device != q.device or not out.is_contiguous()):
+    if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, sq, hq, dv)
+                            or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous()):
         raise error(ValueError, "out", f"expected a contiguous {(batch, sq, hq, dv)} {q.dtype} tensor on {q.device}")
-    lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
-    if batch:
-        seqlens = (torch.full((batch,), capacity, dtype=torch.int32, device=q.device) if cache_seqlens is None
-                   else cache_seqlens.to(torch.int32))
-        fp8 = str(k_cache.dtype) == FP8
-        plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
-                     k_cache.shape[1], bool(causal), int(splits), fp8=fp8,
-                     kv_block=0 if block_mask is None else int(block_mask.BLOCK_SIZE[1]))
-        extra = [kernel_scales(k_scale, v_scale, hkv, q.device) if fp8 else None]
-        if fp8:  # the kernel copies and converts bytes (MLIR's LLVM dialect has no pointer arithmetic on f8 types)
-            k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
-        extra += (block_mask_tables(block_mask, batch, hq, hkv, seqlens, capacity) if block_mask is not None
-                  else [None] * 3)
-        _launch(plan, q, k_cache, v_cache, block_table, seqlens, out, lse, captured, extra, mods,
-                dqk ** -0.5 if scale is None else float(scale))
-    return (out, lse) if return_lse else out
+    plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
+                 k_cache.shape[1], bool(causal), int(splits), fp8=str(k_cache.dtype) == FP8,
+                 kv_block=kv_block) if batch else None
+    return _DecodeCall(plan, mods, q, k_cache, v_cache, cache_seqlens, block_table, capacity, pages,
+                       bool(return_lse), captured, prepared and batch > 0)
 
 
-# Per-call checks and plans: the first call of a layout (shapes, strides, dtypes, devices, 16-byte alignment of
-# every tensor, and the mods) runs the checks, which raise naming the argument; later calls look them up.
-_CHECKED: OpCalls[tuple[int, int]] = OpCalls()
-_plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
+class _DecodeCall:
+    """The launches of one call signature: what depends only on it, computed once (the plan, the outputs' shapes,
+    the prepared launches of the split and combine kernels on their grids, the scratch partials' shape); ``run``
+    allocates the outputs, binds the call's tensors and launches."""
+
+    def __init__(self, plan: Optional[DecodePlan], mods: Mods, q: Any, k_cache: Any, v_cache: Any,
+                 cache_seqlens: Any, block_table: Any, capacity: int, pages: int, return_lse: bool, captured: Any,
+                 prepared: bool):
+        import torch
+        from nvfly.ops.common import scratch
+        self.plan, self.mods, self.capacity, self.pages = plan, mods, capacity, pages
+        batch, sq, hq, dqk = q.shape
+        self.batch, self.sq, self.hq, self.hkv = batch, sq, hq, k_cache.shape[2]
+        self.out_shape = (batch, sq, hq, v_cache.shape[3])
+        self.lse_shape = (batch, hq, sq) if return_lse else None
+        self.dtype = q.dtype
+        self.cuda = q.device.type == "cuda"
+        self.reads_values = cache_seqlens is not None or block_table is not None  # what check_values reads
+        self.convert_lengths = cache_seqlens is not None and cache_seqlens.dtype != torch.int32
+        self.fp8 = str(k_cache.dtype) == FP8
+        self.default_scale = dqk ** -0.5
+        self.captures = mods.arguments + len(captured_tensors(mods)) > 0
+        self.rows = batch * sq * hq
+        self.slots = plan.splits * self.rows if plan is not None and plan.splits > 1 else 0
+        self.lengths_key = ("decode cache_seqlens", batch, capacity)  # the default lengths: all of the cache
+        self.empty, self.full, self.float32, self.int32, self.uint8 = (torch.empty, torch.full, torch.float32,
+                                                                        torch.int32, torch.uint8)
+        self.row_partials, self.constant = scratch.row_partials, scratch.constant
+        self.main = self.combine = None
+        self.captured_keys: Optional[tuple] = None
+        if prepared:
+            self.main = attention_decode_kernel.prepared(plan.grid(batch, self.hkv), plan.threads)
+            if self.slots:
+                self.combine = attention_combine_kernel.prepared(-(-self.rows // COMBINE_WARPS), COMBINE_WARPS * 32)
+            if captured_tensors(mods):  # read from the functions per call: a prepared launch needs their layouts
+                self.captured_keys = tuple(map(layout_key, _kernel_captured(mods, q.device, tuple(captured))))
+
+    def run(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,
+            v_scale: Any, captured: Any, scale: Any, block_mask: Any = None) -> Any:
+        device = q.device
+        if out is None:
+            out = self.empty(self.out_shape, dtype=self.dtype, device=device)
+        lse = None if self.lse_shape is None else self.empty(self.lse_shape, dtype=self.float32, device=device)
+        plan = self.plan
+        if plan is not None:
+            if cache_seqlens is None:  # one tensor per (device, batch, capacity), never written
+                seqlens = self.constant(device, self.lengths_key, lambda: self.full(
+                    (self.batch,), self.capacity, dtype=self.int32, device=device))
+            else:
+                seqlens = cache_seqlens.to(self.int32) if self.convert_lengths else cache_seqlens
+            kernel_captured = _kernel_captured(self.mods, device, tuple(captured)) if self.captures else []
+            if self.fp8:  # the kernel copies and converts bytes (MLIR's LLVM dialect has no pointer arithmetic on f8)
+                extra = [kernel_scales(k_scale, v_scale, self.hkv, device)]
+                k, v = k.view(self.uint8), v.view(self.uint8)
+            else:
+                extra = [None]
+            extra += (block_mask_tables(block_mask, self.batch, self.hq, self.hkv, seqlens, self.capacity)
+                      if block_mask is not None else [None] * 3)
+            scale = self.default_scale if scale is None else float(scale)
+            if self.main is None or (self.captured_keys is not None
+                                     and tuple(map(layout_key, kernel_captured)) != self.captured_keys):
+                _launch(plan, q, k, v, block_table, seqlens, out, lse, kernel_captured, extra, self.mods, scale)
+            else:
+                self._launch(q, k, v, block_table, seqlens, out, lse, kernel_captured, extra, scale)
+        return (out, lse) if self.lse_shape is not None else out
+
+    def _launch(self, q: Any, k: Any, v: Any, block_table: Any, seqlens: Any, out: Any, lse: Any, captured: list,
+                extra: list, scale: float) -> None:
+        """``_launch``'s launches through the prepared ones."""
+        from nvfly.runtime import torch_args
+        captured = captured + [None] * (MAX_CAPTURED - len(captured))
+        plan = self.plan
+        if self.combine is None:
+            self.main(q, k, v, block_table, seqlens, out, lse, None, None, *captured, *extra, scale, plan, self.mods)
+            return
+        partial_o, partial_lse = self.row_partials(q.device, torch_args.current_stream(q.device.index), self.slots,
+                                                   plan.dv)
+        self.main(q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse, *captured, *extra, scale, plan,
+                  self.mods)
+        self.combine(partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq, plan.dv)
 
 
 def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, mods: Mods) -> tuple[int, int]:
@@ -287,10 +391,8 @@ def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens:
                                                     *extra, scale, PLAN=plan, MODS=mods)
         return
     rows = batch * sq * hq
-    slots = plan.splits * rows
-    buffer = scratch.partials(q.device, current_stream(q.device.index), slots * (plan.dv + 1))
-    partial_o = buffer[:slots * plan.dv].view(slots, plan.dv)
-    partial_lse = buffer[slots * plan.dv:slots * (plan.dv + 1)]
+    partial_o, partial_lse = scratch.row_partials(q.device, current_stream(q.device.index), plan.splits * rows,
+                                                  plan.dv)
     attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse,
                                                 *captured, *extra, scale, PLAN=plan, MODS=mods)
     attention_combine_kernel[-(-rows // COMBINE_WARPS), COMBINE_WARPS * 32](

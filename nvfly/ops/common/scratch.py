@@ -15,13 +15,14 @@ of that pool to be one of the graph's outputs ("tensor(s) in the cudagraph pool 
 set would stay alive there for good."""
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 import torch
 
 Tensors = TypeVar("Tensors")
-MAX_VIEWS = 64  # views kept per (device, stream): one per distinct request size
+MAX_VIEWS = 64  # views kept per (device, stream): one per distinct request size and view
 
 
 class StreamScratch(Generic[Tensors]):
@@ -35,7 +36,7 @@ class StreamScratch(Generic[Tensors]):
     def __init__(self, allocate: Callable[[torch.device, tuple[int, ...]], Tensors], floor: tuple[int, ...]):
         self._allocate = allocate
         self._floor = floor
-        self._entries: dict[tuple[int, int], tuple[tuple[int, ...], Tensors, dict[tuple[int, ...], Any]]] = {}
+        self._entries: dict[tuple[int, int], tuple[tuple[int, ...], Tensors, dict[tuple, Any]]] = {}
 
     def get(self, device: torch.device, stream: int, sizes: tuple[int, ...],
             view: Optional[Callable[[Tensors, tuple[int, ...]], Any]] = None) -> Any:
@@ -54,11 +55,11 @@ class StreamScratch(Generic[Tensors]):
         if view is None:
             return entry[1]
         views = entry[2]
-        found = views.get(sizes)
+        found = views.get((sizes, view))
         if found is None:
             if len(views) >= MAX_VIEWS:
                 views.clear()
-            found = views[sizes] = view(entry[1], sizes)
+            found = views[(sizes, view)] = view(entry[1], sizes)
         return found
 
 
@@ -111,3 +112,39 @@ def partials(device: torch.device, stream: int, numel: int) -> torch.Tensor:
     """A flat f32 buffer of at least ``numel`` elements (contents undefined) for launches on ``stream`` of
     ``device``."""
     return _PARTIALS.get(device, stream, (numel,))
+
+
+@functools.lru_cache(maxsize=None)
+def _rows_view(columns: int) -> Callable[[torch.Tensor, tuple[int, ...]], tuple[torch.Tensor, torch.Tensor]]:
+    """The view of ``row_partials`` with rows of ``columns`` (one function per width: it keys the cached views)."""
+    def view(buffer: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = sizes[0] // (columns + 1)
+        return buffer[:rows * columns].view(rows, columns), buffer[rows * columns:rows * (columns + 1)]
+    return view
+
+
+def row_partials(device: torch.device, stream: int, rows: int, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``partials`` of rows * (columns + 1) elements as (f32 [rows, columns], f32 [rows]): partial results and a
+    statistic per row right after them (split-KV attention's partial outputs and log-sum-exps); the views are
+    cached, so a call costs a lookup."""
+    return _PARTIALS.get(device, stream, (rows * (columns + 1),), _rows_view(columns))
+
+
+CONSTANTS_LIMIT = 1024
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
+
+
+def constant(device: torch.device, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """A tensor that ``make()`` builds on ``device``, made once per (device, key) and shared by every caller: kernels
+    read it, nothing may write it. Under graph capture (when none is kept yet), in a private memory pool, or past
+    ``CONSTANTS_LIMIT`` kept ones, this call's own: a kept tensor is never dropped, since a captured graph may read
+    it."""
+    found = _CONSTANTS.get((device, key))
+    if found is not None:
+        return found
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return make()
+    made = make()
+    if len(_CONSTANTS) < CONSTANTS_LIMIT and not in_private_pool(made):
+        _CONSTANTS[(device, key)] = made
+    return made

@@ -358,12 +358,13 @@ def overlapped_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
     rescaled by the pending block's factors under S), S waited for alone and block n's softmax run while P·V is in
     flight; then K and V released and block n's P and factors left pending."""
     ctx.k_pipe.consumer_wait(state.k_state)
+    ctx.v_pipe.consumer_wait(state.v_state)  # V of the pending block: loaded before this K
     if PLAN.pingpong:
         scheduler_sync(consumer)
     s = issue_scores(ctx, state.k_state, PLAN)
-    pending, rescales = state.pending
-    acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
-    sm90.fence()
+    pending, factors = state.pending
+    acc = state.acc.map(lambda x, i: x * factors[row_of(i)])
+    sm90.fence()  # O's registers were written since S's fence
     acc = issue_pv(ctx, acc, pending, state.v_state)
     if PLAN.pingpong:
         scheduler_arrive(consumer)
@@ -384,9 +385,10 @@ def overlapped_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
 @nvfly.func
 def last_block(state, ctx):
     """The pending block's P·V (O rescaled first), waited for; V released."""
-    pending, rescales = state.pending
-    acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
-    sm90.fence()
+    pending, factors = state.pending
+    acc = state.acc.map(lambda x, i: x * factors[row_of(i)])
+    ctx.v_pipe.consumer_wait(state.v_state)
+    sm90.fence()  # P's and O's registers were written since the last wgmma
     acc = issue_pv(ctx, acc, pending, state.v_state)
     sm90.wait_group(0)
     if ctx.lane == 0:
@@ -411,10 +413,9 @@ def issue_scores(ctx, k_state, PLAN):
 
 @nvfly.func
 def issue_pv(ctx, acc, fragments, v_state):
-    """O += P V for the V stage of ``v_state`` (waited for here), issued and committed, not waited for."""
+    """O += P V for the V stage of ``v_state`` (landed), issued and committed, not waited for."""
     size = ctx.size
     v_stage = ctx.v_ring + v_state.stage * ctx.v_bytes
-    ctx.v_pipe.consumer_wait(v_state)
     for ks in nvfly.static_range(len(fragments)):
         dv = sm90.smem_descriptor(v_stage + ctx.v_layout.inner((0, ks * ctx.pv_atom.k)) * size, *ctx.v_desc)
         acc = sm90.mma(ctx.pv_atom, acc, fragments[ks], dv)

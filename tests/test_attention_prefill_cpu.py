@@ -13,7 +13,7 @@ import nvfly
 from nvfly.ops import attention
 from nvfly.ops.attention.prefill_api import masking
 from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, HEAD_DIMS, MAX_SMEM, PRODUCER_REGS, PrefillPlan,
-                                              causal_offset, key_blocks)
+                                              causal_offset, key_blocks, pipelined_loops)
 
 
 def gmma_count(kernel, shape, a_from_registers):
@@ -171,6 +171,12 @@ def test_key_blocks_keep_exactly_the_visible_keys(alignment, bm, bn):
                         if n < start or n >= total:
                             assert not any(visible(row, key) for row in range(m * bm, min(m * bm + bm, sq))
                                            for key in keys), (sq, skv, window, m, n)
+                    # the overlapped walk: the first block (masked), then its loops: the same blocks in order, only
+                    # fully visible ones without the mask, and all of those but the first
+                    walk = [(start, True)] + [(n, masked) for first, end, masked
+                                              in pipelined_loops(start, low, high, total) for n in range(first, end)]
+                    assert [n for n, _ in walk] == list(range(start, total)) or start == total
+                    assert all(masked == (not low <= n < high) for n, masked in walk[1:])
 
 
 def tile_blocks(m, sq, skv, b, offset, bm, bn, block_mask, batch, head):

@@ -39,7 +39,7 @@ from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PINGPONG_BARRIER, PRODUCER_REGS,
-                                                  key_blocks)
+                                                  key_blocks, pipelined_loops)
 from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
 
 LN2 = math.log(2.0)
@@ -329,12 +329,9 @@ def attend_overlapped(state, ctx, tables, batch, head, q_block, start, unmasked_
     else:
         if start < total:
             pipe = first_block(state, ctx, start, PLAN, None)
-            for n in range(start + 1, unmasked_start):
-                pipe = overlapped_block(pipe, ctx, n, PLAN, True, True, consumer)
-            for n in range(nvfly.maximum(unmasked_start, start + 1), unmasked_end):
-                pipe = overlapped_block(pipe, ctx, n, PLAN, False, True, consumer)
-            for n in range(nvfly.maximum(unmasked_end, start + 1), total):
-                pipe = overlapped_block(pipe, ctx, n, PLAN, True, True, consumer)
+            for first, end, masked in pipelined_loops(start, unmasked_start, unmasked_end, total, nvfly.maximum):
+                for n in range(first, end):
+                    pipe = overlapped_block(pipe, ctx, n, PLAN, masked, True, consumer)
             state = last_block(pipe, ctx)
     return state
 

@@ -137,3 +137,13 @@ def key_blocks(m_block: Any, skv: Any, causal: bool, window: bool, offset: Any, 
         unmasked_start = minimum(maximum(unmasked_start, start), total)
     unmasked_end = maximum(minimum(unmasked_end, total), unmasked_start)
     return start, unmasked_start, unmasked_end, total
+
+
+def pipelined_loops(start: Any, unmasked_start: Any, unmasked_end: Any, total: Any,
+                    maximum: Callable[[Any, Any], Any] = max) -> tuple[tuple[Any, Any, bool], ...]:
+    """The overlapped walk's loops after its first block (``start``, run with the positional mask): (first, end,
+    masked) for ``key_blocks``'s three ranges, each starting one block later at the earliest; together they run
+    start + 1 ... total - 1 once each, in order, those in [unmasked_start, unmasked_end) without the mask."""
+    after = start + 1
+    return ((after, unmasked_start, True), (maximum(unmasked_start, after), unmasked_end, False),
+            (maximum(unmasked_end, after), total, True))

@@ -469,6 +469,46 @@ def test_compile_pass_leaves_what_nvfly_loses_or_cannot_run(fake_cuda, case, fra
     assert fragment in decision.reason, decision.reason
 
 
+def _training_graph(q_shape, kv_shape):
+    """A Dynamo-like (pre-grad) graph: F.scaled_dot_product_attention on placeholders whose fake CUDA
+    ``example_value``s require grad."""
+    graph = torch.fx.Graph()
+    nodes = [graph.placeholder(name) for name in "qkv"]
+    for node, shape in zip(nodes, (q_shape, kv_shape, kv_shape)):
+        node.meta["example_value"] = torch.empty(shape, dtype=bf, device="cuda").requires_grad_()
+    sdpa = graph.call_function(torch._C._nn.scaled_dot_product_attention, tuple(nodes),
+                               {"is_causal": True, "enable_gqa": True})
+    graph.output(sdpa)
+    return graph
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["post-grad", "pre-grad"])
+def test_compile_passes_decide_whatever_fake_mode_is_active(monkeypatch, training):
+    """On torch 2.11 Inductor's pre-grad pass runs while a fake mode other than the graph's example values' is active
+    (the tracing context's): the rule runs on stand-ins made from the values' metadata, never on the graph's fake
+    tensors (viewing those there raised "Mixing fake modes NYI" and the call stayed on torch)."""
+    from torch._guards import TracingContext, tracing
+
+    from nvfly.torch import attention_compile as C
+    monkeypatch.setattr(A, "_torch_backend", lambda *args: "flash")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    shapes = (1, 32, 4096, 128), (1, 8, 4096, 128)
+    with warnings.catch_warnings(), FakeTensorMode():  # the graph's fake mode
+        warnings.simplefilter("ignore")
+        graph = _training_graph(*shapes) if training else \
+            _sdpa_graph(torch.ops.aten._scaled_dot_product_flash_attention.default, *shapes)
+    active = FakeTensorMode()
+    with tracing(TracingContext(active)), active:
+        replaced = C.rewrite_training(graph) if training else C.rewrite(graph)
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert decision.reason is None and replaced == 1
+    op = torch.ops.nvfly.attention_prefill.default
+    assert op in _targets(graph)
+    if not training:  # the new nodes' values are computed in the graph's own fake mode
+        (call,) = [n for n in graph.nodes if n.target is op]
+        assert call.meta["val"][0].fake_mode is graph.find_nodes(op="placeholder")[0].meta["val"].fake_mode
+
+
 def test_compile_pass_rewritten_graph_computes_sdpa():
     """The rewritten graph run on CPU tensors (nvfly's ops fall back to their float32 reference there) equals SDPA:
     the transposes and top-left causal alignment are right."""

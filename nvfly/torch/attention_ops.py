@@ -273,6 +273,12 @@ def _mask_mods(mask: Optional[Tensor]) -> dict:
     return {"score_mod": mods.tensor_bias(varies), "captured": (operand,)}
 
 
+def _bshd(t: Tensor) -> Tensor:
+    """The (B, S, H, D) view the kernels' checks read, detached: a check records no autograd (a graph pass's stand-in
+    for a CUDA tensor that requires grad has no device to accumulate a gradient on)."""
+    return t.detach().transpose(1, 2)
+
+
 def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
                    picks: Callable[[], str], mask: Optional[Tensor] = None) -> Optional[str]:
     """Sq <= 16: nvfly's decode, or why not."""
@@ -294,7 +300,7 @@ def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
                 "the end of the keys, not by row (a mask broadcast over the queries, such as a padding mask, is read)")
     if sq == 1 and picks() == "cudnn":
         return "Sq = 1 and torch picks cuDNN, measured 2-8% faster than nvfly's decode at Sq = 1 on the H200"
-    declined = attention.eligibility(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **_mask_mods(mask))
+    declined = attention.eligibility(_bshd(q), _bshd(k), _bshd(v), **_mask_mods(mask))
     return None if declined is None else f"nvfly's decode declines: {declined}"
 
 
@@ -311,7 +317,7 @@ def _prefill_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool
     if tiles < MIN_PREFILL_TILES:
         return (f"{tiles} query tiles of {BLOCK_M} rows (< {MIN_PREFILL_TILES}, one wave of the H200's SMs): nvfly's "
                 "prefill does not split the keys, torch's kernels do")
-    qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    qs, ks, vs = _bshd(q), _bshd(k), _bshd(v)
     declined = attention.prefill_eligibility(qs, ks, vs, causal_alignment="top_left", **_mask_mods(mask))
     if declined is not None:
         return f"nvfly's prefill declines: {declined}"

@@ -310,8 +310,8 @@ VARIANT_CASES = {  # name: the test above it reruns; the default plans (overlap,
     (True, True, "d256-varlen-window"),
 ])
 def test_plan_variants(overlap, pingpong, case):
-    """The kernel's variants other than each head dim's default (``PrefillPlan.overlap``, ``.pingpong``) against
-    the reference: causal and not, a window, mods, block masks (a first block from the full list), packed
+    """The kernel's variants (``PrefillPlan.overlap``, ``.pingpong``) forced by ``plan_options``, against the
+    reference: causal and not, a window, mods, block masks (a first block from the full list), packed
     sequences, D 64 ... 256."""
     from nvfly.ops.attention.prefill_api import plan_options
     with plan_options(overlap=overlap, pingpong=pingpong):

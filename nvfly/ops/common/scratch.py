@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 import torch
@@ -128,6 +129,29 @@ def row_partials(device: torch.device, stream: int, rows: int, columns: int) -> 
     statistic per row right after them (split-KV attention's partial outputs and log-sum-exps); the views are
     cached, so a call costs a lookup."""
     return _PARTIALS.get(device, stream, (rows * (columns + 1),), _rows_view(columns))
+
+
+MIN_TABLES = 1 << 14  # i32 elements of a first allocation (64 KB)
+_TABLES = StreamScratch(lambda device, sizes: torch.empty(sizes[0], dtype=torch.int32, device=device),
+                        (MIN_TABLES,))
+
+
+@functools.lru_cache(maxsize=None)
+def _tables_view(shapes: tuple[tuple[int, ...], ...]) -> tuple[int, Callable[[torch.Tensor, tuple[int, ...]], Any]]:
+    """(elements, view) of ``int32_tables`` of ``shapes``: each table starts 16-byte aligned."""
+    padded = [-(-math.prod(shape) // 4) * 4 for shape in shapes]
+    starts = list(itertools.accumulate(padded, initial=0))
+
+    def view(buffer: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(buffer[start:start + math.prod(shape)].view(shape) for start, shape in zip(starts, shapes))
+    return starts[-1], view
+
+
+def int32_tables(device: torch.device, stream: int, shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+    """Contiguous int32 tensors of ``shapes`` (contents undefined), views of one per-stream buffer: tables that one
+    launch on ``stream`` writes for the next to read; the views are cached, so a call costs a lookup."""
+    elements, view = _tables_view(shapes)
+    return _TABLES.get(device, stream, (elements,), view)
 
 
 CONSTANTS_LIMIT = 1024

@@ -529,6 +529,22 @@ def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf
     return kernels
 
 
+def compile_mask_tables(tables: MaskTablesPlan, batch: int = 2, kv_heads: int = 2, seqlen: int = 1024,
+                        target: str = "sm_90a") -> Any:
+    """The block-mask tables kernel (``block_mask_kernel``) for ``tables`` compiled without a GPU: a CompiledKernel
+    for a cache of ``seqlen`` keys (its BlockMask's tables broadcast or not as ``tables`` says)."""
+    from nvfly.runtime.tensor_desc import TensorDesc
+    hq = kv_heads * tables.group
+    blocks, stages = -(-seqlen // tables.kv_block), -(-seqlen // BLOCK_N)
+    num = TensorDesc(nvfly.i32, (1 if tables.batch_broadcast else batch, 1 if tables.head_broadcast else hq, 1))
+    indices = TensorDesc(nvfly.i32, (*num.shape, blocks))
+    full = (num, indices) if tables.full else (None, None)
+    return block_mask_tables_kernel.compile(
+        num, indices, *full, TensorDesc(nvfly.i32, (batch,)), TensorDesc(nvfly.i32, (batch, hq, blocks)),
+        TensorDesc(nvfly.i32, (batch, kv_heads, stages)), TensorDesc(nvfly.i32, (batch, kv_heads)), blocks, stages,
+        TABLES=tables, block=TABLES_THREADS, target=target)
+
+
 def bytes_moved(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor",
                 cache_seqlens: Optional["torch.Tensor"] = None, block_table: Optional["torch.Tensor"] = None,
                 block_mask: Any = None) -> int:

@@ -39,8 +39,9 @@ def block_mask_tables_kernel(num, indices, full_num, full_indices, seqlens: nvfl
                              stage_list: nvfly.Tensor, stage_count: nvfly.Tensor, blocks: nvfly.i32,
                              stages: nvfly.i32, TABLES: nvfly.Constexpr):
     """num/indices: the BlockMask's kv_num_blocks (B', H', 1) and kv_indices (B', H', 1, blocks), full_num/
-    full_indices its full_kv_* or None (``TABLES.full``), int32, B' and H' 1 or B and Hq (``TABLES``: a ``MaskTablesPlan``); seqlens (B,) int32. Writes
-    kv_state (B, Hq, blocks), stage_list (B, Hkv, stages) and stage_count (B, Hkv), int32 (module docstring)."""
+    full_indices its full_kv_* or None (``TABLES.full``), int32, B' and H' 1 or B and Hq (``TABLES``: a
+    ``MaskTablesPlan``); seqlens (B,) int32. Writes kv_state (B, Hq, blocks), stage_list (B, Hkv, stages) and
+    stage_count (B, Hkv), int32 (module docstring)."""
     G = TABLES.group
     hkv = nvfly.block_idx.x
     b = nvfly.block_idx.y

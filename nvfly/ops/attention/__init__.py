@@ -7,8 +7,8 @@ latent cache (V its first 512 columns) on TMA and wgmma, through ``decode`` or `
 Modules: ``api`` (decode's host functions re-exported here), ``plan`` (plans and the split heuristic),
 ``decode_kernel``, ``combine_kernel`` and ``block_mask_kernel`` (device code), ``mods`` (score_mod/mask_mod
 tracing and the shipped examples), ``checks`` (the host checks the three share); ``prefill_api``, ``prefill_plan``
-and ``prefill_kernel`` likewise for prefill, ``mla_api``, ``mla_plan`` and ``mla_kernel`` for MLA decode; ``softmax`` (the wgmma kernels'
-online softmax step). docs/ops/attention.md explains the design.
+and ``prefill_kernel`` likewise for prefill, ``mla_api``, ``mla_plan`` and ``mla_kernel`` for MLA decode;
+``softmax`` (the wgmma kernels' online softmax step). docs/ops/attention.md explains the design.
 """
 from nvfly.ops.attention.api import (bytes_moved, compile_kernels, compile_mask_tables, decode, eligibility,
                                     reference)
@@ -23,6 +23,6 @@ from nvfly.ops.attention.prefill_plan import PrefillPlan, prefill_plan
 
 __all__ = ["DecodePlan", "MaskTablesPlan", "MlaPlan", "Mods", "PrefillPlan", "alibi", "alibi_slopes", "bytes_moved",
            "compile_kernels", "compile_mask_tables", "compile_mla", "compile_prefill", "decode", "decode_mla",
-           "decode_plan", "document_mask", "eligibility", "mla_bytes", "mla_eligibility", "mla_flops", "mla_plan", "num_splits", "prefill",
-           "prefill_eligibility", "prefill_flops", "prefill_plan", "prefill_reference", "prefill_varlen", "prefix_lm",
-           "reference", "relative_position_bias", "sliding_window", "soft_cap"]
+           "decode_plan", "document_mask", "eligibility", "mla_bytes", "mla_eligibility", "mla_flops", "mla_plan",
+           "num_splits", "prefill", "prefill_eligibility", "prefill_flops", "prefill_plan", "prefill_reference",
+           "prefill_varlen", "prefix_lm", "reference", "relative_position_bias", "sliding_window", "soft_cap"]

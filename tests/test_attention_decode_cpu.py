@@ -531,6 +531,23 @@ def test_host_path_passes_block_mask_tables(cpu_launches):
         assert t.data_ptr() in tables and t.data_ptr() in decode_params
 
 
+def test_host_path_binds_a_sliced_mask(cpu_launches):
+    """flex's decode recipe (a prefill mask sliced at the queries' block): its tables are strided views, bound as
+    they are (their strides in the tables launch's parameters)."""
+    q, k, v = bf16(2, 4, 8, 64), bf16(2, 640, 2, 64), bf16(2, 640, 2, 64)
+    window = M.sliding_window(200)
+
+    def causal_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & window(b, h, q_idx, kv_idx)
+    sliced = create_block_mask(causal_window, 2, 1, 1024, 1024, device="cpu")[:, :, 636 // 128]
+    assert not sliced.kv_indices.is_contiguous()
+    attention.decode(q, k, v, block_mask=sliced, mask_mod=causal_window, splits=1)
+    (name, grid, params), _ = cpu_launches
+    assert name == "block_mask_tables_kernel" and grid == (2, 2, 1)
+    assert sliced.kv_indices.data_ptr() in params and sliced.full_kv_indices.data_ptr() in params
+    assert all(stride in params for stride in sliced.kv_indices.stride())
+
+
 def test_a_block_mask_signature_checks_and_plans_once(counted_host):
     """A block-mask call is cached like the others: a new mask of the same layouts and mask_mod (other blocks,
     other tensors) checks and plans nothing and binds its tensors; per call only the tables, decode and combine launch

@@ -4,7 +4,8 @@
 ``workspace``: the zeroed f32 sums and arrival counters of kernels that reduce across CTAs, the skinny GEMM's split
 K and the wgmma GEMM's stream-K tail (see ``nvfly.arch.gpu_scope``); every launch leaves them zeroed, so the next
 one needs no memset. ``partials``: the f32 partial products of the wgmma GEMM's split K, which its reduce kernel
-reads back. ``StreamScratch`` is the rule they (and TopK's row-threshold lists) share.
+reads back. ``int32_tables``: int32 tables one launch writes for the next (attention decode's block-mask tables).
+``StreamScratch`` is the rule they (and TopK's row-threshold lists) share.
 
 Under CUDA graph capture every request gets tensors of its own from the graph's memory pool, zero-filled by a
 captured fill where the kernels expect zeros: a graph keeps writing to what it captured, may replay on any stream,

@@ -2,8 +2,8 @@
 
 ``compare_mask`` (``set.<cmp>.u32.<type>``: all ones where the compare holds, per 16-bit lane for bf16x2 / f16x2)
 filters many values with one instruction a pair and no predicate registers; ``f16_to_f32`` (``cvt.f32.f16``)
-converts a half given as its 16 bits. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper
-``cvt.rn.f16x2.e4m3x2``) turn fp8 (e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit
+converts a half given as its 16 bits; ``e8m0_to_f32`` decodes an MX scale byte. ``e4m3x4_to_16bit`` and
+``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8 (e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit
 tensor-core atoms (e.g. an fp8 KV cache dequantised before ``mma.sync``). Every e4m3 value is exact in f16 and in
 bf16, so they round nothing; bf16 goes through f32 because sm_90 has no e4m3 -> bf16 ``cvt``.
 """
@@ -17,6 +17,7 @@ from nvfly.arch.target import requires
 from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
 from nvfly.frontend.dtypes import DType
+from nvfly.frontend.language import select
 from nvfly.frontend.trace import traced
 from nvfly.frontend.values import Scalar, as_value
 
@@ -104,3 +105,20 @@ def f32x2_to_fp8x2(low: Any, high: Any, dtype: DType) -> Scalar:
     return asm(f"cvt.rn.satfinite.{kind}x2.f32 $0, $1, $2;", [as_value(high).to(dtypes.f32),
                                                                 as_value(low).to(dtypes.f32)],
                result=dtypes.i16, side_effects=False)
+
+
+E8M0_NAN = 0xFF
+_E8M0_ZERO_BITS = 0x00400000  # 2^-127: below f32's normals, the subnormal with the top mantissa bit set
+_F32_NAN_BITS = 0x7FC00000
+
+
+@traced
+def e8m0_to_f32(byte: Any) -> Scalar:
+    """2^(byte - 127) in f32 for an OCP MX e8m0 scale byte (an integer scalar, e.g. a u8 load): integer ops
+    only, the byte shifted into f32's exponent field; byte 0 is the subnormal 2^-127 and 0xFF is NaN."""
+    v = as_value(byte)
+    if not isinstance(v, Scalar) or not v.dtype.is_int:
+        raise CompileError(f"e8m0_to_f32 takes the scale's byte as an integer scalar, got {getattr(v, 'dtype', v)}")
+    bits = v.to(dtypes.i32) & 0xFF  # a signed byte's sign extension masked off
+    bits = select(bits == 0, _E8M0_ZERO_BITS, select(bits == E8M0_NAN, _F32_NAN_BITS, bits << 23))
+    return bits.bitcast(dtypes.f32)

@@ -1,5 +1,5 @@
 """nvfly's FP8 scaled GEMM against the float32 GEMM of the dequantised operands: every recipe (tensor-wise,
-row-wise, 1x128 x 128x128 blocks), promoted and fast accumulation, bias, output dtypes, tails, small M (swap-AB
+row-wise, 1x128 x 128x128 blocks, MXFP8), promoted and fast accumulation, bias, output dtypes, tails, small M (swap-AB
 and token tiles), e5m2; fresh random inputs, NaN-poisoned outputs."""
 import pytest
 import torch
@@ -232,3 +232,61 @@ def test_routing_sends_scaled_mm_to_nvfly_where_faster_and_declines_with_reasons
     for recipe in ("block", "block1x128"):
         reason = scaled_ops.scaled_mm_eligibility(*operands(m, n, k, recipe), None, None, torch.bfloat16)
         assert reason.startswith(f"{recipe} scales: cuBLAS measured faster")
+
+
+# ---------------------------------------------------------------------------------------------- MXFP8
+def mx_operands(m, n, k):
+    """MXFP8 a (M, K), b (K, N column-major) and their (rows, K/32) float8_e8m0fnu scales; rows and 32-blocks of
+    K of very different magnitudes (2^-4 .. 2^4 each), so that a scale read for the wrong row, column or k-step
+    shows."""
+    def spread(rows):
+        x = torch.randn(rows, k, device="cuda")
+        blocks = torch.exp2(torch.randint(-4, 5, (rows, k // 32), device="cuda").float()).repeat_interleave(32, 1)
+        return x * blocks * torch.exp2(torch.randint(-2, 3, (rows, 1), device="cuda").float())
+    a, sa = quantize(spread(m), "mx")
+    b, sb = quantize(spread(n), "mx", operand="b")
+    return a, b, sa.view(torch.float8_e8m0fnu), sb.view(torch.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize("out_dtype,mnk", [(torch.bfloat16, (256, 512, 1024)), (torch.bfloat16, (1000, 1040, 4160)),
+                                           (torch.float32, (200, 336, 544)), (torch.float32, (2112, 2048, 2048)),
+                                           (torch.bfloat16, (16, 1536, 2048))])
+def test_mxfp8_matches_the_dequantised_gemm(hopper, out_dtype, mnk):
+    """Tails in M and N, K tails of whole k-steps (544 = 4 k-blocks + one k-step), small M (one 64-row token tile,
+    split K)."""
+    m, n, k = mnk
+    a, b, sa, sb = mx_operands(m, n, k)
+    out = poisoned(m, n, out_dtype)
+    scaled.scaled_mm(a, b, sa, sb, out_dtype=out_dtype, out=out)
+    assert rel_error(out, scaled.reference(a, b, sa, sb)) < TOL[out_dtype]
+    assert "scaled-mxfp8-promoted" in scaled.path(a, b, sa, sb, out_dtype=out_dtype)
+
+
+def test_mxfp8_configs_bias_and_byte_scales(hopper):
+    m, n, k = 264, 384, 1120  # 8 full k-blocks and a partial one (three k-steps)
+    a, b, sa, sb = mx_operands(m, n, k)
+    bias = torch.randn(n, device="cuda").bfloat16()
+    ref = scaled.reference(a, b, sa, sb, bias)
+    for config in (ScaledConfig(128, 128, 4, 2), ScaledConfig(64, 32, 8, 1), ScaledConfig(128, 64, 5, 1),
+                   ScaledConfig(128, 128, 4, 2, split_k=3)):
+        out = poisoned(m, n, torch.float32)
+        scaled.scaled_mm(a, b, sa.view(torch.uint8), sb.view(torch.uint8), bias=bias, out_dtype=torch.float32,
+                         out=out, config=config)
+        assert rel_error(out, ref) < 5e-4, config
+
+
+def test_mxfp8_decodes_nan_and_the_smallest_scale(hopper):
+    """e8m0 0xFF is NaN (its row's outputs NaN, the others untouched); 0 is 2^-127 (a subnormal, not zero: next to
+    a 2^100 weight scale it leaves 2^-27)."""
+    m, n, k = 128, 256, 512
+    a, b, sa, sb = mx_operands(m, n, k)
+    sa, sb = sa.view(torch.uint8).clone(), sb.view(torch.uint8).clone()
+    sa[3, 5] = 0xFF
+    sa[7, :] = 0
+    sb = torch.where(torch.arange(k // 32, device="cuda") % 2 == 0, torch.full_like(sb, 127 + 100), sb)
+    ref = scaled.reference(a, b, sa, sb)
+    out = scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    assert out[3].isnan().all() and ref[3].isnan().all()
+    keep = torch.arange(m, device="cuda") != 3
+    assert rel_error(out[keep], ref[keep]) < 5e-4
+    assert ref[7].abs().max() > 2.0 ** -40 and rel_error(out[7], ref[7]) < 5e-4

@@ -8,8 +8,10 @@ from nvfly.ops.gemm.config import BARRIER_BYTES, SMEM_LIMIT
 
 BK = 128           # K elements per k-block: one 128-byte swizzle row of fp8, and the block scales' 128
 SCALE_BLOCK = 128  # the block recipes' block edge (1x128 activations, 128x128 weights)
-SCALINGS = ("tensor", "row", "block", "block1x128")
-BLOCKWISE = ("block", "block1x128")  # scales applied in the mainloop
+MX_BLOCK = 32      # OCP MX: an e8m0 scale per 32 elements along K, i.e. per fp8 wgmma k-step
+SCALINGS = ("tensor", "row", "block", "block1x128", "mxfp8")
+MX = ("mxfp8",)  # e8m0 scales per 32 of K for both operands, promoted every k-step
+BLOCKWISE = ("block", "block1x128") + MX  # scales applied in the mainloop
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,9 @@ def deepest(cfg: ScaledConfig, most: int = 8) -> ScaledConfig:
 class ScaledEpilogue:
     """What the kernel applies. scaling: "tensor" (one scale each: alpha = sa * sb, in the epilogue), "row"
     (sa per output row, sb per output column, in the epilogue), "block" (sa per row and 128-k block, sb per
-    128x128 block of the kernel's B, applied to each k-block's partial sum in the mainloop) or "block1x128" (sb
-    per column and 128-k block instead); promote: accumulate each k-block in a fresh wgmma accumulator and add it
+    128x128 block of the kernel's B, applied to each k-block's partial sum in the mainloop), "block1x128" (sb
+    per column and 128-k block instead) or "mxfp8" (e8m0 sa per row and sb per column for every ``scale_k`` = 32
+    of K: each wgmma k-step is promoted); promote: accumulate each k-block in a fresh wgmma accumulator and add it
     into an fp32 sum (always with block scales; otherwise
     torch's ``use_fast_accum=False``); bias: a bias vector added last, along the output's columns, or along its
     rows (``bias_rows``: the swapped problem, whose rows are the caller's columns); partial: split K, the kernel
@@ -89,3 +92,8 @@ class ScaledEpilogue:
             raise ValueError(f"scaling: expected one of {SCALINGS}, got {self.scaling!r}")
         if self.scaling in BLOCKWISE and not self.promote:
             raise ValueError("scaling: block scales are applied by promotion (promote=True)")
+
+    @property
+    def scale_k(self) -> int:
+        """K elements per promotion: a k-block (BK) of 128, or one 32-wide k-step for MX scales."""
+        return MX_BLOCK if self.scaling in MX else BK

@@ -15,7 +15,8 @@ Two mainloops (``ScaledEpilogue.promote``):
   recipe (1x128 activations x 128x128 weights). The tensor core's accumulator then never sums more than 128
   products (it keeps ~14 bits); the scale loads are issued under the wgmmas. Two consumer warpgroups overlap one's
   promotion with the other's wgmmas. With ``ScaledConfig.issue_ahead`` a consumer also issues k-block k+1 (into a
-  second partial accumulator) before k's add, so that its own wgmmas run under its promotion.
+  second partial accumulator) before k's add, so that its own wgmmas run under its promotion. MX scales (an e8m0
+  byte per 32 of K for each row of A and B, ``ScaledEpilogue.scale_k`` = 32) promote every wgmma k-step instead.
 The epilogue multiplies by the tensor-wise scale (sa * sb, read from device memory: no host sync) or the row-wise
 scales (sa[row] * sb[col]), adds the bias and stores each thread's fragments as 4-byte pairs (masked on tails).
 """
@@ -25,11 +26,12 @@ import functools
 
 import nvfly
 from nvfly.arch import sm90
+from nvfly.arch.floats import e8m0_to_f32
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
 from nvfly.ops.gemm.config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
 from nvfly.ops.gemm.kernel import issue_k_block, store_tile
-from nvfly.ops.scaled.config import BK, BLOCKWISE, SCALE_BLOCK
+from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK
 
 PARTIAL = Epilogue(partial=True)
 
@@ -147,6 +149,21 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                         pipe.consumer_release(state_a)
                     sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
                 accs = sums
+            elif EPI.promote and EPI.scale_k < BK:
+                # MX scales change every wgmma k-step: each step of the stage into fresh accumulators, promoted
+                sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
+                for kt in range(work.k_begin, work.k_end):
+                    pipe.consumer_wait(state)
+                    for ks in range(BK // EPI.scale_k):  # a loop, not unrolled: each step's scales alone live
+                        part = issue_k_step(atom, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
+                                            a_desc_fields, b_desc_fields, A_BYTES, WG_M, ATOMS_M, ks)
+                        scales = scales_of(kt=kt * (BK // EPI.scale_k) + ks)
+                        sm90.wait_group(0)
+                        sums = promote(sums, fenced(part), scales, ATOMS_M, EPI)
+                    if lane == 0:
+                        pipe.consumer_release(state)
+                    state = state.advance()
+                accs = sums
             elif EPI.promote:
                 sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
                 for kt in range(work.k_begin, work.k_end):
@@ -198,14 +215,28 @@ def issue_fresh(pipe, atom, ring, stage_bytes, a_layout, b_layout, consumer, a_f
                          wg_m, BK, 1, True)
 
 
+def issue_k_step(atom, base, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m, atoms_m, ks) -> list:
+    """Issue wgmma k-step ``ks`` (atom.k of K; may be traced) of the stage at ``base`` into fresh accumulators
+    (committed, not waited for): the k-block's issue, both operands' start moved by the step's bytes along K (K-major
+    128-byte rows of fp8: k bytes in, for A and B alike)."""
+    assert all(layout.inner((0, s * atom.k)) == s * atom.k for layout in (a_layout, b_layout)
+               for s in range(BK // atom.k)), "k-steps at k bytes into the swizzled rows"
+    return issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(atoms_m)], base + ks * atom.k, a_layout,
+                         b_layout, consumer, a_fields, b_fields, a_bytes, wg_m, atom.k, 1, True)
+
+
 def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI) -> list:
     """The k-block's promotion scales for the thread's elements: block, one per row pair (sa[row, kt] * sb[column
-    block, kt]); block1x128, the rows' sa then the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise,
-    none (applied in the epilogue)."""
+    block, kt]); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0 bytes decoded), the rows' sa then
+    the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none (applied in the epilogue)."""
     rows = [nvfly.minimum(row0 + 64 * i + 8 * h, m - 1) for i in range(ATOMS_M) for h in range(2)]
     if EPI.scaling == "block":
         sb = scale_b[col0 // SCALE_BLOCK, kt]  # the tile's columns lie in one block
         return [scale_a[row, kt] * sb for row in rows]
+    if EPI.scaling in MX:  # e8m0 bytes; a K tail's zero-filled k-steps take the last step's scales
+        kt = nvfly.minimum(kt, scale_a.shape[1] - 1)
+        return [e8m0_to_f32(scale_a[row, kt]) for row in rows] + \
+            [e8m0_to_f32(scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]) for j in range(BN // 8) for c in range(2)]
     if EPI.scaling == "block1x128":
         return [scale_a[row, kt] for row in rows] + [scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]
                                                      for j in range(BN // 8) for c in range(2)]
@@ -222,7 +253,7 @@ def promote(sums: list, part: list, scales: list, ATOMS_M: int, EPI) -> list:
     """sums + part, each element times its promotion scales (``promotion_scales``)."""
     if EPI.scaling == "block":
         return [sums[i].map(lambda v, e, i=i: v + part[i][e] * scales[2 * i + (e // 2) % 2]) for i in range(ATOMS_M)]
-    if EPI.scaling == "block1x128":
+    if EPI.scaling == "block1x128" or EPI.scaling in MX:
         rows = 2 * ATOMS_M
         return [sums[i].map(lambda v, e, i=i: v + part[i][e] * (scales[2 * i + (e // 2) % 2]
                                                                  * scales[rows + 2 * (e // 4) + e % 2]))

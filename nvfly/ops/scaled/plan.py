@@ -19,7 +19,7 @@ from typing import Optional
 from dataclasses import replace
 
 from nvfly.ops.common.scheduler import split_count
-from nvfly.ops.scaled.config import BK, BLOCKWISE, ScaledConfig, ScaledEpilogue, deepest
+from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilogue, deepest
 
 SWAP_MAX_M = 64
 TAIL_IDLE = 0.2  # the wide tile's last wave may leave at most this share of the SMs idle
@@ -100,6 +100,8 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     if config.issue_ahead and epilogue.scaling == "block1x128":
         raise ValueError("config: issue_ahead with block1x128 scales: two k-blocks' column scales next to three "
                          "accumulators spill")
+    if config.issue_ahead and epilogue.scaling in MX:
+        raise ValueError("config: issue_ahead with MX scales: they promote every k-step, not k-blocks")
     k_tiles = math.ceil(k / BK)
     config = replace(config, split_k=split_count(k_tiles, config.split_k))  # every split at least one k-block
     if config.split_k > 1:

@@ -14,12 +14,11 @@ from typing import Any
 import torch
 
 from nvfly.ops.common.opcall import OpCalls
-from nvfly.ops.scaled.config import SCALE_BLOCK
+from nvfly.ops.scaled.config import MX_BLOCK, SCALE_BLOCK
 from nvfly.runtime.torch_args import layout_key
 
 AMAX_FLOOR = 1e-12
 GRANULARITIES = ("tensor", "row", "1x128", "128x128", "mx")
-MX_BLOCK = 32
 MX_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}  # the largest value's exponent (448 = 1.75 * 2^8)
 
 
@@ -50,11 +49,17 @@ def _quantize_mx(xf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return q, byte.to(torch.uint8)
 
 
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """2^(e - 127) in float32 for e8m0 scales (float8_e8m0fnu, or their bytes as uint8): the byte shifted into the
+    exponent field, 0 the subnormal 2^-127, 0xFF NaN (as nvfly.arch.floats.e8m0_to_f32 in kernels)."""
+    byte = scale.view(torch.uint8).to(torch.int32)
+    bits = torch.where(byte == 0, torch.full_like(byte, 0x00400000), byte << 23)
+    return torch.where(byte == 0xFF, torch.full_like(byte, 0x7FC00000), bits).view(torch.float32)
+
+
 def dequantize_mx(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q * 2^(scale - 127) in float32 for an MX tensor ``q`` (rows, K) and its e8m0 bytes (rows, K/32)."""
-    byte = scale.to(torch.int32)
-    factor = torch.where(byte == 0, torch.full_like(byte, 0x00400000), byte << 23).view(torch.float32)
-    return q.float() * factor.repeat_interleave(MX_BLOCK, 1)
+    """q * 2^(scale - 127) in float32 for an MX tensor ``q`` (rows, K) and its e8m0 scales (rows, K/32)."""
+    return q.float() * e8m0_to_float(scale).repeat_interleave(MX_BLOCK, 1)
 
 
 def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float8_e4m3fn,

@@ -1,6 +1,6 @@
 """The FP8 scaled GEMM without a GPU: every kernel variant compiles to fp8 wgmma (QGMMA) and TMA code without
 spills, the plans follow the heuristic, the recipes are read off the scales' shapes, bad arguments raise errors
-naming them, and the torch references (quantisation, dequantised GEMM) are what they claim."""
+naming them, and the torch references (quantisation, dequantised GEMM, MX decoding) are what they claim."""
 import math
 
 import pytest
@@ -35,6 +35,8 @@ VARIANTS = [
     (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("mxfp8", True, bias=True)),
     (ScaledConfig(64, 32, 8, 1), ScaledEpilogue("mxfp8", True)),
     (ScaledConfig(64, 64, 12, 1, split_k=2), ScaledEpilogue("mxfp8", True, partial=True)),
+    (ScaledConfig(128, 128, 5, 2, packed_b=True), ScaledEpilogue("mxfp4", True, bias=True)),
+    (ScaledConfig(64, 32, 8, 1, split_k=2, packed_b=True), ScaledEpilogue("mxfp4", True, partial=True)),
 ]
 
 
@@ -54,8 +56,10 @@ def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     assert k.dynamic_smem_bytes == cfg.smem_bytes()
     # issuing ahead: the next k-block's wgmmas stay in flight while the previous one is promoted
     assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
-    if epi.scaling == "mxfp8":  # a loop over the stage's four k-steps, each one wgmma per atom, promoted
+    if epi.scaling in ("mxfp8", "mxfp4"):  # a loop over the stage's four k-steps, each one wgmma per atom, promoted
         assert k.count("QGMMA") == cfg.wg_m // 64 and "LDG.E.U8" in k.sass()
+    if epi.scaling == "mxfp4":  # the packed tile: 16-byte shared loads, converted, two 16-byte stores, a barrier
+        assert k.count("LDS.128") >= 1 and k.count("STS.128") >= 2 and k.count("BAR.SYNC") == 2
 
 
 def test_out_dtypes_and_e5m2_compile():
@@ -318,323 +322,6 @@ def test_quantize_fp8_checks_its_arguments():
         quantize_fp8(torch.randn(4, 32, dtype=torch.float64), "row")
     with pytest.raises(ValueError, match="^nvfly.ops.scaled.quantize_fp8: x: .*CUDA"):
         quantize_fp8(torch.randn(4, 32), "row")
-"""The FP8 scaled GEMM without a GPU: every kernel variant compiles to fp8 wgmma (QGMMA) and TMA code without
-spills, the plans follow the heuristic, the recipes are read off the scales' shapes, bad arguments raise errors
-naming them, and the torch references (quantisation, dequantised GEMM) are what they claim."""
-import math
-
-import pytest
-import torch
-
-import nvfly
-from nvfly.ops import scaled
-from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue
-from nvfly.ops.scaled.api import compile_variants, kernel_scales
-from nvfly.ops.scaled.plan import SWAP_MAX_M, make_plan
-from nvfly.ops.scaled.quantize import quantize
-
-VARIANTS = [
-    (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("block", True)),
-    (ScaledConfig(64, 32, 8, 1), ScaledEpilogue("block", True, bias=True)),
-    (ScaledConfig(128, 64, 8, 1), ScaledEpilogue("block", True)),
-    (ScaledConfig(128, 256, 4, 2), ScaledEpilogue("tensor", False)),
-    (ScaledConfig(128, 256, 4, 2), ScaledEpilogue("row", False, bias=True)),
-    (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", True, bias=True)),
-    (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("tensor", True)),
-    (ScaledConfig(64, 16, 8, 1), ScaledEpilogue("row", False, bias=True, bias_rows=True)),
-    (ScaledConfig(128, 64, 8, 2), ScaledEpilogue("tensor", True, bias=True, bias_rows=True)),
-    (ScaledConfig(64, 16, 12, 1, split_k=8), ScaledEpilogue("row", True, bias=True, bias_rows=True, partial=True)),
-    (ScaledConfig(64, 32, 12, 1, split_k=4), ScaledEpilogue("block", True, partial=True)),
-    (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("block1x128", True, bias=True)),
-    (ScaledConfig(64, 64, 12, 1, split_k=2), ScaledEpilogue("block1x128", True, partial=True)),
-    (ScaledConfig(128, 128, 6, 2, issue_ahead=True), ScaledEpilogue("block", True)),
-    (ScaledConfig(128, 128, 6, 2, issue_ahead=True), ScaledEpilogue("row", True, bias=True)),
-    (ScaledConfig(64, 64, 12, 1, split_k=2, issue_ahead=True), ScaledEpilogue("tensor", True, partial=True)),
-    (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("mxfp8", True, bias=True)),
-    (ScaledConfig(64, 32, 8, 1), ScaledEpilogue("mxfp8", True)),
-    (ScaledConfig(64, 64, 12, 1, split_k=2), ScaledEpilogue("mxfp8", True, partial=True)),
-]
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0].bm}x{v[0].bn}-{v[1].scaling}"
-                         f"{'-promoted' if v[1].promote else ''}{'-bias' if v[1].bias else ''}"
-                         f"{'-rows' if v[1].bias_rows else ''}{'-splitK' if v[1].partial else ''}"
-                         f"{'-ahead' if v[0].issue_ahead else ''}")
-def test_variants_compile_to_fp8_wgmma_without_spills(variant):
-    cfg, epi = variant
-    (k,) = compile_variants([variant], out_dtype=torch.bfloat16 if epi.scaling != "tensor" else torch.float32)
-    ops = k.sass_opcodes()
-    assert any(op.startswith(f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3") for op in ops), sorted(ops)
-    assert k.count("UTMALDG") > 0 and k.count("USETMAXREG") == 2
-    assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0, k.resources
-    assert k.resources.registers <= 65536 // k.threads
-    assert not k.warnings, k.warnings  # no serialised wgmma, setmaxnreg honoured
-    assert k.dynamic_smem_bytes == cfg.smem_bytes()
-    # issuing ahead: the next k-block's wgmmas stay in flight while the previous one is promoted
-    assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
-    if epi.scaling == "mxfp8":  # a loop over the stage's four k-steps, each one wgmma per atom, promoted
-        assert k.count("QGMMA") == cfg.wg_m // 64 and "LDG.E.U8" in k.sass()
-
-
-def test_out_dtypes_and_e5m2_compile():
-    cfg = ScaledConfig(128, 128, 6, 2)
-    for out_dtype in (torch.float16, torch.float32):
-        (k,) = compile_variants([(cfg, ScaledEpilogue("row", True))], out_dtype=out_dtype)
-        assert k.resources.spill_stores == 0 and not k.warnings
-    (k,) = compile_variants([(cfg, ScaledEpilogue("block", True))], dtypes=(nvfly.f8e5m2, nvfly.f8e4m3))
-    assert any(op.startswith("QGMMA.64x128x32.F32.E5M2.E4M3") for op in k.sass_opcodes())
-
-
-def test_config_checks():
-    assert ScaledConfig(128, 128, 6, 2).check(promote=True) is None
-    assert "registers" in ScaledConfig(128, 256, 4, 2).check(promote=True)
-    assert ScaledConfig(128, 256, 4, 2).check() is None
-    assert "shared memory" in ScaledConfig(128, 256, 6, 2).check()
-    assert "consumer" in ScaledConfig(96, 128, 4, 2).check()
-    with pytest.raises(ValueError, match="promote"):
-        ScaledEpilogue("block", promote=False)
-    assert ScaledConfig(128, 128, 6, 2, issue_ahead=True).check(promote=True) is None
-    assert "192" in ScaledConfig(128, 256, 4, 2, issue_ahead=True).check(promote=True)
-    assert "only the promoted" in ScaledConfig(128, 128, 6, 2, issue_ahead=True).check()
-    with pytest.raises(ValueError, match="issue_ahead with block1x128"):
-        make_plan(4096, 4096, 4096, ScaledEpilogue("block1x128", True), ScaledConfig(128, 128, 6, 2, issue_ahead=True),
-                  None, 132)
-    assert "-ahead" in scaled.api.describe_plan(
-        make_plan(4096, 4096, 4096, ScaledEpilogue("row", True), ScaledConfig(128, 128, 6, 2, issue_ahead=True),
-                  None, 132))
-
-
-def operands(m, n, k, scaling, dtype=torch.float8_e4m3fn):
-    ga, gb = {"tensor": ("tensor", "tensor"), "row": ("row", "row"), "block": ("1x128", "128x128"),
-              "block1x128": ("1x128", "1x128")}[scaling]
-    a, sa = quantize(torch.randn(m, k), ga, dtype)
-    b, sb = quantize(torch.randn(n, k), gb, dtype, operand="b")
-    return a, b, sa, sb
-
-
-@pytest.mark.parametrize("scaling", ["tensor", "row", "block", "block1x128"])
-def test_recipes_are_read_off_the_scales(scaling):
-    a, b, sa, sb = operands(200, 336, 544, scaling)
-    assert scaled.recipe(a, b, sa, sb) == scaling
-    assert scaled.check(a, b, sa, sb) == scaling
-    ka, kb = kernel_scales(scaling, sa, sb)
-    assert ka.data_ptr() == sa.data_ptr() and kb.data_ptr() == sb.data_ptr()  # views, no copies
-    if scaling == "block":
-        assert tuple(ka.shape) == (200, 5) and tuple(kb.shape) == (3, 5)
-        assert kb[2, 4] == sb[4, 2]
-    if scaling == "block1x128":
-        assert tuple(sb.shape) == (5, 336) and sb.is_contiguous() and tuple(kb.shape) == (336, 5)
-
-
-def test_mx_reference_picks_ocp_scales():
-    from nvfly.ops.scaled.quantize import dequantize_mx
-    x = torch.randn(64, 256) * 10
-    x[0, :32] = 0
-    x[1, 32:64] = 0.0
-    x[1, 40] = 448.0 * 2  # amax 896 = 1.75 * 2^9: scale 2^(9 - 8), values up to 448 exactly
-    q, s = quantize(x, "mx")
-    assert s.dtype == torch.uint8 and tuple(s.shape) == (64, 8)
-    assert s[0, 0] == 0 and (q[0, :32].float() == 0).all()
-    assert s[1, 1] == 127 + 1 and q[1, 40].float() == 448
-    assert ((dequantize_mx(q, s) - x).norm() / x.norm()) < 0.05
-    with pytest.raises(ValueError, match="^x: K=48 is not a multiple of the MX block"):
-        quantize(torch.randn(4, 48), "mx")
-
-
-def test_quantize_reference_round_trips_and_picks_amax_scales():
-    x = torch.randn(256, 384)
-    x[3, 130] = 100.0
-    for granularity, shape in (("tensor", ()), ("row", (256, 1)), ("1x128", (256, 3))):
-        q, s = quantize(x, granularity)
-        assert tuple(s.shape) == shape and q.dtype == torch.float8_e4m3fn
-        deq = scaled.dequantize(q, s, (1, 128) if granularity == "1x128" else (1, 1))
-        assert ((deq - x).norm() / x.norm()) < 0.05
-    _, s = quantize(x, "1x128")
-    assert s.stride() == (1, 256) and s[3, 1] == torch.tensor(100.0) * (1 / 448)
-    q, s = quantize(x.t().contiguous(), "128x128", operand="b")  # a (384 x 256) weight, b = (256, 384) col-major
-    assert q.shape == (256, 384) and q.stride() == (1, 256)
-    assert tuple(s.shape) == (2, 3) and s.stride() == (1, 2)
-    assert s[1, 0] == x[128:256, 0:128].abs().amax() * (1 / 448)
-    q, s = quantize(torch.zeros(4, 128), "row")
-    assert torch.isfinite(s).all() and (q.float() == 0).all()
-
-
-def test_block1x128_reference_and_plan():
-    a, b, sa, sb = operands(130, 256, 300, "block1x128")
-    rb = b.float() * sb.repeat_interleave(128, 0)[:300]
-    assert torch.allclose(scaled.reference(a, b, sa, sb), scaled.dequantize(a, sa, (1, 128)) @ rb, rtol=1e-5,
-                          atol=1e-5)
-    plan = make_plan(16, 4096, 7168, ScaledEpilogue("block1x128", True), None, None, 132)
-    assert not plan.swap and plan.epilogue.promote and plan.config.check(promote=True) is None
-    plan = make_plan(256, 4096, 7168, ScaledEpilogue("block1x128", True), ScaledConfig(128, 96, 4, 2), None, 132)
-    assert plan.config.bn == 96  # no 128-column weight blocks to stay inside
-
-
-def test_reference_is_the_dequantised_gemm():
-    a, b, sa, sb = operands(130, 256, 300, "block")
-    ra = a.float() * sa.repeat_interleave(128, 1)[:, :300]
-    rb = b.float() * sb.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :256]
-    assert torch.allclose(scaled.reference(a, b, sa, sb), ra @ rb, rtol=1e-5, atol=1e-5)
-
-
-def test_bad_arguments_name_themselves():
-    a, b, sa, sb = operands(128, 256, 512, "row")
-    with pytest.raises(ValueError, match="^scale_b: shape \\(1, 128\\)"):
-        scaled.check(a, b, sa, sb[:, :128])
-    with pytest.raises(ValueError, match="^scale_b: .* is tensor-wise but scale_a is row-wise"):
-        scaled.check(a, b, sa, sb[:, :1])
-    with pytest.raises(TypeError, match="^scale_a: dtype torch.float16"):
-        scaled.check(a, b, sa.half(), sb)
-    with pytest.raises(TypeError, match="^a: dtype torch.bfloat16"):
-        scaled.check(a.bfloat16(), b, sa, sb)
-    with pytest.raises(ValueError, match="^b: expected a column-major"):
-        scaled.check(a, b.contiguous(), sa, sb)
-    with pytest.raises(ValueError, match="^b: K=520 and N=256 must be multiples of 16"):
-        scaled.check(quantize(torch.randn(128, 520), "row")[0], quantize(torch.randn(256, 520), "row", operand="b")[0],
-                     sa, sb)
-    with pytest.raises(ValueError, match="^bias: expected shape \\(256,\\)"):
-        scaled.check(a, b, sa, sb, bias=torch.zeros(128))
-    with pytest.raises(TypeError, match="^out_dtype"):
-        scaled.check(a, b, sa, sb, out_dtype=torch.float8_e4m3fn)
-    with pytest.raises(TypeError, match="^b: float8_e5m2"):
-        scaled.check(a.view(torch.float8_e5m2), b.view(torch.float8_e5m2), sa, sb)
-    with pytest.raises(ValueError, match="^nvfly.ops.scaled.scaled_mm: scale_a"):
-        scaled.scaled_mm(a, b, sa[:64], sb)
-    assert "not CUDA" in scaled.eligibility(a, b, sa, sb)
-    assert scaled.eligibility(a, b, sa[:64], sb).startswith("scale_a")
-    block = operands(128, 256, 512, "block")
-    with pytest.raises(ValueError, match="^scale_b"):
-        scaled.check(*block[:3], block[3][:, :1])  # a 128x128 scale_b with one column too few
-
-
-def test_plans():
-    tensor, block = ScaledEpilogue("tensor", False), ScaledEpilogue("block", True)
-    plan = make_plan(4096, 4096, 4096, tensor, None, None, 132)
-    assert (plan.config.bm, plan.config.bn, plan.swap, plan.grid) == (128, 256, False, 132)
-    plan = make_plan(4096, 4096, 7168, block, None, None, 132)
-    assert (plan.config.bm, plan.config.bn, plan.config.consumers) == (128, 128, 2) and plan.k_tiles == 56
-    assert plan.config.check(promote=True) is None
-    plan = make_plan(16, 7168, 2048, ScaledEpilogue("row", True, bias=True), None, None, 132)
-    assert plan.swap and (plan.m, plan.n) == (7168, 16) and plan.config.bn == 16 and plan.epilogue.bias_rows
-    assert plan.config.split_k == 1 and not plan.epilogue.partial  # 112 tiles: no idle half to split over
-    plan = make_plan(16, 4096, 7168, ScaledEpilogue("row", True), None, None, 132)
-    assert plan.swap and plan.config.split_k == 2 and plan.epilogue.partial and plan.grid == 128
-    plan = make_plan(1, 2048, 7168, ScaledEpilogue("tensor", False), None, None, 132)  # 32 tiles: 4 splits of 14
-    assert plan.config.split_k == 4 and plan.grid == 128
-    assert make_plan(SWAP_MAX_M + 1, 7168, 2048, tensor, None, None, 132).swap is False
-    plan = make_plan(16, 4096, 7168, block, None, None, 132)  # a token tile narrow enough to fill the SMs
-    assert not plan.swap and (plan.config.bm, plan.config.bn) == (64, 32) and plan.grid == 128
-    assert plan.config.split_k == 1
-    with pytest.raises(ValueError, match="^swap"):
-        make_plan(16, 4096, 7168, block, None, True, 132)
-    with pytest.raises(ValueError, match="^config: bn=96"):
-        make_plan(256, 4096, 7168, block, ScaledConfig(128, 96, 4, 2), None, 132)
-    with pytest.raises(ValueError, match="^config: .*registers"):
-        make_plan(256, 4096, 7168, block, ScaledConfig(128, 256, 4, 2), None, 132)
-    for m, n in ((1, 4096), (64, 4096), (100, 1536), (4096, 2112), (8192, 8192)):
-        for epi in (tensor, block, ScaledEpilogue("row", True)):
-            plan = make_plan(m, n, 4096, epi, None, None, 132)
-            assert plan.config.check(epi.promote) is None and 1 <= plan.grid <= 132
-            tiles = math.ceil(plan.m / plan.config.bm) * math.ceil(plan.n / plan.config.bn)
-            assert plan.grid <= tiles * plan.config.split_k and plan.epilogue.partial == (plan.config.split_k > 1)
-            assert plan.config.split_k == 1 or 2 * tiles <= 132
-
-
-@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx"])
-def test_quantize_kernels_compile(granularity):
-    from nvfly.frontend.dtypes import bf16, f32, i32, u8
-    from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
-    from nvfly.runtime.tensor_desc import TensorDesc
-    plan, scale = {"row": (QuantizePlan(1, 0, False, 256, 8, "f8e4m3", 1 / 448.0, 1e-12), TensorDesc(f32, (4096, 1))),
-                   "1x128": (QuantizePlan(1, 128, True, 256, 4, "f8e4m3", 1 / 448.0, 1e-12),
-                             TensorDesc(f32, (4096, 32), (1, 4096))),
-                   "128x128": (QuantizePlan(128, 128, False, 256, 8, "f8e5m2", 1 / 57344.0, 1e-12),
-                               TensorDesc(f32, (32, 32))),
-                   "mx": (QuantizePlan(1, 32, True, 256, 4, "f8e4m3", 1 / 448.0, 1e-12, mx_emax=8),
-                          TensorDesc(u8, (4096, 128)))}[granularity]
-    k = quantize_kernel.compile(TensorDesc(bf16, (4096, 4096)), TensorDesc(i32, (4096, 1024)), scale, 4096, 4096,
-                                PLAN=plan, block=256)
-    assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0 and not k.warnings
-    kind = "E4M3" if plan.fp8 == "f8e4m3" else "E5M2"
-    assert any(op.startswith(f"F2FP.SATFINITE.{kind}.F32") for op in k.sass_opcodes())
-    assert "div.rn.f32" in k.ptx  # IEEE division, as torch's reference divides
-    if granularity == "mx":  # 8 lanes a group: three butterfly steps
-        assert k.ptx.count("shfl.sync.bfly") == 3 and "st.global.b8" in k.ptx
-
-
-def test_routing_eligibility_keeps_torch_semantics():
-    from nvfly.torch import scaled_ops
-    a, b, sa, sb = operands(128, 256, 512, "row")
-    assert "float8_e4m3fn" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb)  # torch's default output: fp8
-    assert "scale_result" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, sa[0], torch.bfloat16)
-    assert "torch refuses" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb, torch.zeros(256), None, torch.float32)
-    assert "not CUDA" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, None, torch.bfloat16)
-    assert "recipes 4/5" in scaled_ops.scaled_mm_v2_eligibility(a, b, [sa], [4], [], [sb], [5], [], None,
-                                                                torch.bfloat16)
-    assert "swizzled" in scaled_ops.scaled_mm_v2_eligibility(a, b, [sa], [1], [1], [sb], [1], [], None,
-                                                             torch.bfloat16)
-    assert "not CUDA" in scaled_ops.scaled_mm_v2_eligibility(a, b, [sa], [1], [], [sb], [1], [], None,
-                                                             torch.bfloat16)
-    assert len(scaled_ops._DECISIONS) >= 4  # decided once per signature
-    assert "not CUDA" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, None, torch.bfloat16)  # cached
-    one = operands(1, 256, 512, "row")  # M = 1: a (1, 1) scale_a is row-wise next to a (1, N) scale_b
-    assert scaled.recipe(*one) == "row"
-
-
-def test_routing_sends_only_what_nvfly_was_measured_faster_on(monkeypatch):
-    """The measured rule (docs/ops/scaled.md): tensor/row-wise scales at M <= 64 go to nvfly, fast-accumulating or
-    not, through _scaled_mm and _scaled_mm_v2; larger M and block scales stay with cuBLAS, saying why. The device
-    checks are taken as passed (they need a GPU), so that the rule itself decides."""
-    from nvfly.torch import scaled_ops
-    monkeypatch.setattr(scaled, "eligibility", lambda *args, **kwargs: None)
-    monkeypatch.setattr(scaled_ops, "_DECISIONS", type(scaled_ops._DECISIONS)())
-    n, k = 256, 512
-    for scaling in ("tensor", "row"):
-        for m in (1, 16, scaled_ops.ROUTE_MAX_M):
-            a, b, sa, sb = operands(m, n, k, scaling)
-            for fast in (False, True):
-                assert scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, None, torch.bfloat16, fast) is None
-            recipe = {"tensor": 0, "row": 1}[scaling]
-            assert scaled_ops.scaled_mm_v2_eligibility(a, b, [sa], [recipe], [], [sb], [recipe], [], None,
-                                                       torch.float16) is None
-        for m in (scaled_ops.ROUTE_MAX_M + 1, 128, 4096):
-            a, b, sa, sb = operands(m, n, k, scaling)
-            reason = scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, None, torch.bfloat16)
-            assert f"M = {m} > 64: cuBLAS measured faster" in reason
-    for scaling in ("block", "block1x128"):
-        for m in (1, 64, 4096):
-            a, b, sa, sb = operands(m, n, k, scaling)
-            reason = scaled_ops.scaled_mm_eligibility(a, b, sa, sb, None, None, torch.bfloat16)
-            assert reason.startswith(f"{scaling} scales: cuBLAS measured faster at every M")
-    a, b, sa, sb = operands(16, n, k, "row")  # torch's own limits still come first
-    assert "float8_e4m3fn" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb)
-
-
-@pytest.mark.parametrize("scaling,vec,bias", [("tensor", 8, True), ("row", 4, False), ("block", 1, True)])
-def test_reduce_kernel_compiles(scaling, vec, bias):
-    from nvfly.ops.scaled.api import compile_reduce
-    k = compile_reduce(scaling, 4, vec, bias)
-    assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0 and not k.warnings
-    assert k.count("LDG.E.128") >= (vec // 4) * 4 if vec >= 4 else True
-
-
-def test_explain_describes_scaled_gemms(capsys):
-    from nvfly.cli import main
-    assert main(["explain", "16", "4096", "7168", "--scaled", "block"]) == 0
-    out = capsys.readouterr().out
-    assert "scaled-block-promoted: 64x32 tile on 128 blocks" in out and "routing" in out
-    assert main(["explain", "8", "4096", "7168", "--scaled", "row", "--fast-accum"]) == 0
-    assert "scaled-row-swapAB-splitK2: 64x8 tile" in capsys.readouterr().out
-
-
-def test_quantize_fp8_checks_its_arguments():
-    from nvfly.ops.scaled.quantize import quantize_fp8
-    with pytest.raises(ValueError, match="^nvfly.ops.scaled.quantize_fp8: granularity"):
-        quantize_fp8(torch.randn(4, 32), "tensor")
-    with pytest.raises(TypeError, match="^nvfly.ops.scaled.quantize_fp8: x: expected a 2-D"):
-        quantize_fp8(torch.randn(4, 32, dtype=torch.float64), "row")
-    with pytest.raises(ValueError, match="^nvfly.ops.scaled.quantize_fp8: x: .*CUDA"):
-        quantize_fp8(torch.randn(4, 32), "row")
 
 
 # ---------------------------------------------------------------------------------------------- MXFP8
@@ -709,3 +396,67 @@ def test_mx_plans():
     assert scaled.describe(4096, 4096, 4096, scaling="mxfp8").startswith("scaled-mxfp8-promoted: 128x128 tile")
     from nvfly.torch import scaled_ops
     assert "swizzled (blocked) layout" in scaled_ops.slower_reason("mxfp8", 16)
+
+
+# ---------------------------------------------------------------------------------------------- MXFP4 weights
+def mxfp4_operands(m, n, k):
+    """MXFP8 a and MXFP4 b: random e2m1 pairs (every code, -0 included) as float4_e2m1fn_x2 (K/2, N) column-major,
+    e8m0 scales around 2^0."""
+    a, sa = quantize(torch.randn(m, k) * 4, "mx")
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    sb = torch.randint(120, 135, (n, k // 32), dtype=torch.uint8)
+    return a, packed.view(torch.float4_e2m1fn_x2).t(), sa.view(torch.float8_e8m0fnu), sb.view(torch.float8_e8m0fnu)
+
+
+def test_e2m1_values_and_nibble_order_are_torchs():
+    """torch's packing (torch.testing._internal.common_quantized.pack_uint4: ``odd << 4 | even``, the low nibble the
+    lower-numbered value) of the OCP codes (sign bit 3, exponent bits 2-1 with bias 1, mantissa bit 0)."""
+    from nvfly.ops.scaled.quantize import e2m1_to_float
+    codes = torch.arange(16).repeat(3)[torch.randperm(48)]
+    sign, exponent, mantissa = codes >> 3, (codes >> 1) & 3, codes & 1
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent - 1.0) * (1 + 0.5 * mantissa))
+    values = torch.where(sign == 1, -magnitude, magnitude).view(6, 8)
+    packed = (codes[1::2] << 4 | codes[::2]).to(torch.uint8).view(6, 4).view(torch.float4_e2m1fn_x2)
+    decoded = e2m1_to_float(packed)
+    assert torch.equal(decoded, values) and torch.equal(decoded.signbit(), values.signbit())
+
+
+@settings(max_examples=50, deadline=None)
+@given(words=st.lists(st.integers(0, 2 ** 32 - 1), min_size=1, max_size=64))
+def test_e2m1_to_e4m3_conversion_is_exact_times_2_to_the_minus_6(words):
+    """The kernel's conversion's bit operations (nvfly.arch.floats.e2m1x8_to_e4m3x8, run on int64 tensors): each
+    e4m3 byte is its e2m1 value times 2^-6, exactly (signed zero kept)."""
+    from nvfly.arch.floats import e2m1x8_to_e4m3x8_bits
+    from nvfly.ops.scaled.quantize import e2m1_to_float
+    w = torch.tensor(words, dtype=torch.int64)
+    low, high = e2m1x8_to_e4m3x8_bits(w)
+    out = torch.stack([(word >> (8 * i)) & 0xFF for word in (low, high) for i in range(4)], 1).to(torch.uint8)
+    got = out.view(torch.float8_e4m3fn).float() * 64
+    expected = e2m1_to_float(torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], 1).to(torch.uint8))
+    assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
+
+
+def test_mxfp4_recipe_reference_plans_and_errors():
+    a, b, sa, sb = mxfp4_operands(70, 96, 320)
+    assert b.dtype == torch.float4_e2m1fn_x2 and tuple(b.shape) == (160, 96) and b.stride() == (1, 160)
+    assert scaled.recipe(a, b, sa, sb) == "mxfp4" and scaled.check(a, b, sa, sb) == "mxfp4"
+    nibbles = b.t().contiguous().view(torch.uint8).to(torch.int64)
+    w = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    w = torch.cat([w, -w])[torch.stack((nibbles & 15, nibbles >> 4), -1).flatten(1)]  # (N, K), low nibble first
+    wf = w * sb.float().repeat_interleave(32, 1)
+    ref = (a.float() * sa.float().repeat_interleave(32, 1)) @ wf.t()
+    assert torch.allclose(scaled.reference(a, b, sa, sb), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="^b: shape \\(160, 96\\) and a's \\(70, 160\\) do not multiply"):
+        scaled.check(a[:, :160], b, sa[:, :5], sb)
+    with pytest.raises(TypeError, match="^scale_a: dtype torch.float32 next to MX"):
+        scaled.check(a, b, sa.float(), sb.float())
+    with pytest.raises(TypeError, match="^a: dtype torch.float4_e2m1fn_x2 is not float8"):
+        scaled.check(b.t().contiguous(), b, sa, sb)
+    plan = make_plan(4096, 4096, 4096, ScaledEpilogue("mxfp4", True), None, None, 132)
+    assert plan.config.packed_b and plan.b_box == (128, 64) and plan.b_swizzle == 0
+    assert plan.config.check(True) is None and plan.config.stages == 5  # 40 KiB stages
+    plan = make_plan(16, 4096, 7168, ScaledEpilogue("mxfp4", True), ScaledConfig(64, 32, 8, 1), None, 132)
+    assert plan.config.packed_b  # a caller's config gets the packed tile too
+    with pytest.raises(ValueError, match="^config: packed_b with mxfp8"):
+        make_plan(256, 256, 256, ScaledEpilogue("mxfp8", True), ScaledConfig(64, 32, 8, 1, packed_b=True), None, 132)
+    assert "multiple of 16" in ScaledConfig(64, 24, 4, 1, packed_b=True).check(True)

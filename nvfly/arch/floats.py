@@ -2,7 +2,8 @@
 
 ``compare_mask`` (``set.<cmp>.u32.<type>``: all ones where the compare holds, per 16-bit lane for bf16x2 / f16x2)
 filters many values with one instruction a pair and no predicate registers; ``f16_to_f32`` (``cvt.f32.f16``)
-converts a half given as its 16 bits; ``e8m0_to_f32`` decodes an MX scale byte. ``e4m3x4_to_16bit`` and
+converts a half given as its 16 bits; ``e8m0_to_f32`` decodes an MX scale byte, ``e2m1x8_to_e4m3x8`` and
+``convert_shared_e2m1x32`` turn packed MXFP4 values into e4m3 (times 2^-6, exact) for fp8 wgmma. ``e4m3x4_to_16bit`` and
 ``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8 (e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit
 tensor-core atoms (e.g. an fp8 KV cache dequantised before ``mma.sync``). Every e4m3 value is exact in f16 and in
 bf16, so they round nothing; bf16 goes through f32 because sm_90 has no e4m3 -> bf16 ``cvt``.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nvfly.arch.memory import store_shared
+from nvfly.arch.memory import load_shared, store_shared
 from nvfly.arch.ptx import asm, asm_multi
 from nvfly.arch.target import requires
 from nvfly.errors import CompileError
@@ -122,3 +123,37 @@ def e8m0_to_f32(byte: Any) -> Scalar:
     bits = v.to(dtypes.i32) & 0xFF  # a signed byte's sign extension masked off
     bits = select(bits == 0, _E8M0_ZERO_BITS, select(bits == E8M0_NAN, _F32_NAN_BITS, bits << 23))
     return bits.bitcast(dtypes.f32)
+
+
+@traced
+def e2m1x8_to_e4m3x8(word: Any) -> list:
+    """Eight OCP e2m1 values packed in a 32-bit word (two a byte, the lower-numbered in the low nibble, as torch's
+    float4_e2m1fn_x2) as eight e4m3 bytes in two 32-bit words (values 0-3, then 4-7, lowest byte first), each value
+    times 2^-6: the nibble's exponent and mantissa bits move to e4m3's bits 4-2 (e2m1's bias 1 under e4m3's 7) and
+    its sign to bit 7, so every value (0.5 the subnormal included) is exact; fold 2^6 into the scale."""
+    w = as_value(word)
+    if not isinstance(w, Scalar) or w.dtype != dtypes.i32:
+        raise CompileError(f"e2m1x8_to_e4m3x8 takes a 32-bit word as an i32, got {getattr(w, 'dtype', w)}")
+    return e2m1x8_to_e4m3x8_bits(w)
+
+
+def e2m1x8_to_e4m3x8_bits(w: Any) -> list:
+    """``e2m1x8_to_e4m3x8``'s bit operations on anything with integer operators: a traced i32, or (to test them
+    without a GPU) Python ints or int64 tensors holding the word's unsigned value."""
+    out = []
+    for half in (w & 0xFFFF, (w >> 16) & 0xFFFF):
+        spread = (half | (half << 8)) & 0x00FF00FF     # bytes 0, 2: the packed bytes 0, 1
+        nibbles = (spread | (spread << 4)) & 0x0F0F0F0F  # a nibble a byte, in order
+        out.append(((nibbles & 0x08080808) << 4) | ((nibbles & 0x07070707) << 2))
+    return out
+
+
+def convert_shared_e2m1x32(src: Any, dst_low: Any, dst_high: Any) -> None:
+    """Thirty-two packed e2m1 values (16 bytes) at shared address ``src`` (16-byte aligned) as e4m3 times 2^-6
+    (``e2m1x8_to_e4m3x8``): values 0-15 to the 16 bytes at ``dst_low``, 16-31 to ``dst_high`` (so that a converted
+    row may be laid out in swizzled 16-byte segments). One 16-byte shared load and two 16-byte stores."""
+    out = []
+    for word in load_shared(src, 4):
+        out.extend(e2m1x8_to_e4m3x8(word))
+    store_shared(dst_low, out[:4])
+    store_shared(dst_high, out[4:])

@@ -1,6 +1,6 @@
 """nvfly's FP8 scaled GEMM against the float32 GEMM of the dequantised operands: every recipe (tensor-wise,
-row-wise, 1x128 x 128x128 blocks, MXFP8), promoted and fast accumulation, bias, output dtypes, tails, small M (swap-AB
-and token tiles), e5m2; fresh random inputs, NaN-poisoned outputs."""
+row-wise, 1x128 x 128x128 blocks, MXFP8, MXFP4 weights), promoted and fast accumulation, bias, output dtypes,
+tails, small M (swap-AB and token tiles), e5m2; fresh random inputs, NaN-poisoned outputs."""
 import pytest
 import torch
 
@@ -290,3 +290,39 @@ def test_mxfp8_decodes_nan_and_the_smallest_scale(hopper):
     keep = torch.arange(m, device="cuda") != 3
     assert rel_error(out[keep], ref[keep]) < 5e-4
     assert ref[7].abs().max() > 2.0 ** -40 and rel_error(out[7], ref[7]) < 5e-4
+
+
+# ---------------------------------------------------------------------------------------------- MXFP4 weights
+def mxfp4_operands(m, n, k):
+    """MXFP8 a (as ``mx_operands``) and MXFP4 b: random e2m1 pairs (every code) as float4_e2m1fn_x2 (K/2, N)
+    column-major, e8m0 scales 2^-6 .. 2^6 per row and 32 of K."""
+    a, _, sa, _ = mx_operands(m, 16, k)
+    packed = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8)
+    sb = torch.randint(127 - 6, 127 + 7, (n, k // 32), device="cuda", dtype=torch.uint8)
+    return a, packed.view(torch.float4_e2m1fn_x2).t(), sa, sb.view(torch.float8_e8m0fnu)
+
+
+@pytest.mark.parametrize("out_dtype,mnk", [(torch.bfloat16, (256, 512, 1024)), (torch.float32, (1000, 1040, 4160)),
+                                           (torch.float32, (200, 336, 544)), (torch.bfloat16, (16, 1536, 2048))])
+def test_mxfp4_weights_match_the_dequantised_gemm(hopper, out_dtype, mnk):
+    """MXFP8 activations x MXFP4 weights (converted to e4m3 in shared memory): tails in M, N and K, small M."""
+    m, n, k = mnk
+    a, b, sa, sb = mxfp4_operands(m, n, k)
+    out = poisoned(m, n, out_dtype)
+    scaled.scaled_mm(a, b, sa, sb, out_dtype=out_dtype, out=out)
+    assert rel_error(out, scaled.reference(a, b, sa, sb)) < TOL[out_dtype]
+    assert "scaled-mxfp4-promoted" in scaled.path(a, b, sa, sb, out_dtype=out_dtype)
+
+
+def test_mxfp4_configs_and_bias(hopper):
+    """One and two consumers converting the packed tile (2 or 1 chunks a thread, or fewer chunks than threads),
+    split K."""
+    m, n, k = 264, 384, 1120
+    a, b, sa, sb = mxfp4_operands(m, n, k)
+    bias = torch.randn(n, device="cuda").bfloat16()
+    ref = scaled.reference(a, b, sa, sb, bias)
+    for config in (ScaledConfig(128, 128, 4, 2), ScaledConfig(64, 32, 8, 1), ScaledConfig(128, 64, 5, 1),
+                   ScaledConfig(128, 32, 6, 2), ScaledConfig(128, 128, 4, 2, split_k=3)):
+        out = poisoned(m, n, torch.float32)
+        scaled.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.float32, out=out, config=config)
+        assert rel_error(out, ref) < 5e-4, config

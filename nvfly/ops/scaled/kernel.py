@@ -16,7 +16,9 @@ Two mainloops (``ScaledEpilogue.promote``):
   products (it keeps ~14 bits); the scale loads are issued under the wgmmas. Two consumer warpgroups overlap one's
   promotion with the other's wgmmas. With ``ScaledConfig.issue_ahead`` a consumer also issues k-block k+1 (into a
   second partial accumulator) before k's add, so that its own wgmmas run under its promotion. MX scales (an e8m0
-  byte per 32 of K for each row of A and B, ``ScaledEpilogue.scale_k`` = 32) promote every wgmma k-step instead.
+  byte per 32 of K for each row of A and B, ``ScaledEpilogue.scale_k`` = 32) promote every wgmma k-step instead;
+  MXFP4 weights (``ScaledConfig.packed_b``) arrive as packed e2m1, which the consumers convert into the stage's e4m3
+  tile (exact, times 2^-6, folded into B's scales) before its wgmmas.
 The epilogue multiplies by the tensor-wise scale (sa * sb, read from device memory: no host sync) or the row-wise
 scales (sa[row] * sb[col]), adds the bias and stores each thread's fragments as 4-byte pairs (masked on tails).
 """
@@ -26,7 +28,7 @@ import functools
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.arch.floats import e8m0_to_f32
+from nvfly.arch.floats import convert_shared_e2m1x32, e8m0_to_f32
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
 from nvfly.ops.gemm.config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
@@ -44,7 +46,7 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
     WG_M = CFG.wg_m
     ATOMS_M = WG_M // 64
-    atom = sm90.WgmmaAtom(BN, dtype, b_desc.info.dtype, "K", "K")
+    atom = sm90.WgmmaAtom(BN, dtype, nvfly.f8e4m3 if CFG.packed_b else b_desc.info.dtype, "K", "K")
     a_layout = sm90.operand_layout(BM, BK, dtype, "K", 128)
     b_layout = sm90.operand_layout(BN, BK, dtype, "K", 128)
     a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, "K", 128)[1][0]
@@ -56,7 +58,7 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
 
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
-    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * WGS)
+    pipe = sm90.TmaPipeline(bars, S, CFG.load_bytes, consumer_arrivals=4 * WGS)
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
@@ -86,9 +88,12 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                     for box in a_boxes:
                         sm90.tma_load(a_desc, base + box.smem_offset,
                                       (work.tile_m * BM + box.mn_offset, kt * BK + box.k_offset), full)
-                    for box in b_boxes:
-                        sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
-                                      (work.tile_n * BN + box.mn_offset, kt * BK + box.k_offset), full)
+                    if CFG.packed_b:  # e2m1 pairs: one unswizzled BN x 64-byte box, behind the e4m3 tile
+                        sm90.tma_load(b_desc, base + A_BYTES + BN * BK, (work.tile_n * BN, kt * (BK // 2)), full)
+                    else:
+                        for box in b_boxes:
+                            sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
+                                          (work.tile_n * BN + box.mn_offset, kt * BK + box.k_offset), full)
                     state = state.advance()
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -154,6 +159,8 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                 sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
                 for kt in range(work.k_begin, work.k_end):
                     pipe.consumer_wait(state)
+                    if CFG.packed_b:
+                        convert_packed_b(ring + state.stage * STAGE_BYTES + A_BYTES, tid - 128, BN, WGS)
                     for ks in range(BK // EPI.scale_k):  # a loop, not unrolled: each step's scales alone live
                         part = issue_k_step(atom, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
                                             a_desc_fields, b_desc_fields, A_BYTES, WG_M, ATOMS_M, ks)
@@ -225,6 +232,26 @@ def issue_k_step(atom, base, a_layout, b_layout, consumer, a_fields, b_fields, a
                          b_layout, consumer, a_fields, b_fields, a_bytes, wg_m, atom.k, 1, True)
 
 
+@nvfly.func
+def convert_packed_b(tile, thread, BN, WGS):
+    """MXFP4: the consumers' threads (``thread`` counts them from 0) convert B's packed e2m1 tile (BN rows of 64
+    bytes behind the e4m3 tile at ``tile``) into the e4m3 tile (times 2^-6) in wgmma's 128-byte swizzle (16-byte
+    segment s of row r at segment s ^ (r % 8)), each thread 16 packed bytes at a time; then make the writes visible
+    to wgmma (the async proxy) and wait for all of them."""
+    THREADS = 128 * WGS
+    CHUNKS = BN * BK // 2 // 16
+    for i in nvfly.static_range((CHUNKS + THREADS - 1) // THREADS):
+        chunk = thread + i * THREADS
+        if CHUNKS % THREADS == 0 or chunk < CHUNKS:
+            row = chunk // 4
+            seg = 2 * (chunk % 4)
+            dst = tile + row * BK
+            convert_shared_e2m1x32(tile + BN * BK + chunk * 16, dst + (seg ^ (row % 8)) * 16,
+                                   dst + ((seg + 1) ^ (row % 8)) * 16)
+    sm90.fence_proxy_async()
+    nvfly.named_barrier(1, THREADS)
+
+
 def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI) -> list:
     """The k-block's promotion scales for the thread's elements: block, one per row pair (sa[row, kt] * sb[column
     block, kt]); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0 bytes decoded), the rows' sa then
@@ -235,8 +262,10 @@ def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI) -
         return [scale_a[row, kt] * sb for row in rows]
     if EPI.scaling in MX:  # e8m0 bytes; a K tail's zero-filled k-steps take the last step's scales
         kt = nvfly.minimum(kt, scale_a.shape[1] - 1)
+        b_factor = 64.0 if EPI.scaling == "mxfp4" else 1.0  # converted e2m1 is e4m3 times 2^-6
         return [e8m0_to_f32(scale_a[row, kt]) for row in rows] + \
-            [e8m0_to_f32(scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]) for j in range(BN // 8) for c in range(2)]
+            [e8m0_to_f32(scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]) * b_factor for j in range(BN // 8)
+             for c in range(2)]
     if EPI.scaling == "block1x128":
         return [scale_a[row, kt] for row in rows] + [scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]
                                                      for j in range(BN // 8) for c in range(2)]

@@ -62,6 +62,22 @@ def dequantize_mx(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * e8m0_to_float(scale).repeat_interleave(MX_BLOCK, 1)
 
 
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def e2m1_to_float(packed: torch.Tensor) -> torch.Tensor:
+    """The float32 values of packed e2m1 pairs (float4_e2m1fn_x2, or their bytes as uint8) (rows, K/2): (rows, K),
+    the low nibble the lower-numbered value (torch's float4_e2m1fn_x2 and OCP's order)."""
+    byte = packed.view(torch.uint8).to(torch.int64)
+    nibbles = torch.stack((byte & 0xF, byte >> 4), dim=-1).flatten(-2)
+    return torch.tensor(E2M1_VALUES, device=packed.device)[nibbles]
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e2m1 * 2^(scale - 127) in float32 for packed MXFP4 ``packed`` (rows, K/2) and e8m0 scales (rows, K/32)."""
+    return e2m1_to_float(packed) * e8m0_to_float(scale).repeat_interleave(MX_BLOCK, 1)
+
+
 def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float8_e4m3fn,
              operand: str = "a") -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 ``x`` and its scales for ``scaled_mm``: ``operand`` "a" quantises x (M, K) and returns q (M, K)

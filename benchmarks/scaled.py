@@ -4,12 +4,15 @@ the same shape (torch.mm), in one process.
 Accuracy first, for every row: nvfly's output against the float32 GEMM of the dequantised operands (relative
 Frobenius error and the largest error over the largest |reference|), next to cuBLAS's where it runs the recipe.
 Then the median times. Recipes: tensor-wise and row-wise fp32 scales, each with torch's default promoted
-accumulation and with use_fast_accum=True, and 1x128 x 128x128 and 1x128 x 1x128 block scales (always
-promoted). bf16 outputs.
+accumulation and with use_fast_accum=True, 1x128 x 128x128 and 1x128 x 1x128 block scales (always promoted), and
+MXFP8 x MXFP8 (``mxfp8``) and MXFP8 x MXFP4 weights (``mxfp4``), e8m0 scales per 32 of K, promoted every k-step:
+cuBLAS runs no MX on Hopper, so their peers are the bf16 GEMM (bf16_ms) and nvfly's 1x128 x 128x128 block path of
+the same shape (nvfly_block_ms, vs_block). bf16 outputs. Every row carries its ``scaling``.
 
 Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [--shapes M,N,K ...]
-[--recipes tensor row block block1x128 tensor-fast row-fast] [--name scaled] [--no-quantize] [--issue-ahead].
---quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise recipe only). The quantisation
+[--recipes tensor row block block1x128 tensor-fast row-fast mxfp8 mxfp4] [--name scaled] [--no-quantize]
+[--issue-ahead]. --quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise recipe only); only the
+MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name scaled_mx. The quantisation
 kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8) are checked bit for bit against the torch reference and
 timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
@@ -40,13 +43,20 @@ QUICK = [(4096, 4096, 4096), (8192, 8192, 8192), (128, 8192, 8192), (4096, 2112,
          (64, 7168, 2048)]
 RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "tensor", True),
            "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False),
-           "block1x128": ("1x128", "1x128", False)}
+           "block1x128": ("1x128", "1x128", False), "mxfp8": ("mx", "mx", False), "mxfp4": ("mx", "mxfp4", False)}
+MX_RECIPES = ("mxfp8", "mxfp4")
 
 
 def operands(m: int, n: int, k: int, recipe: str) -> tuple[torch.Tensor, ...]:
     ga, gb, _ = RECIPES[recipe]
     a, sa = quantize(torch.randn(m, k, device="cuda"), ga)
-    b, sb = quantize(torch.randn(n, k, device="cuda"), gb, operand="b")
+    if gb == "mxfp4":  # random e2m1 pairs (every code) and e8m0 scales near 2^0: (K/2, N) column-major
+        b = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8).view(torch.float4_e2m1fn_x2).t()
+        sb = torch.randint(124, 131, (n, k // 32), device="cuda", dtype=torch.uint8)
+    else:
+        b, sb = quantize(torch.randn(n, k, device="cuda"), gb, operand="b")
+    if ga == "mx":  # e8m0 scales as torch names them (quantize gives their bytes)
+        sa, sb = sa.view(torch.float8_e8m0fnu), sb.view(torch.float8_e8m0fnu)
     return a, b, sa, sb
 
 
@@ -144,6 +154,7 @@ def main(argv=None) -> int:
                                               else 1 if args.quick else 3)
     rows = []
     t_start = time.time()
+    block_ms: dict[tuple[int, int, int], float] = {}  # nvfly's block path per shape: the MX rows' peer
     for idx, (m, n, k) in progress(list(enumerate(shapes)), "scaled"):
         a16 = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         b16 = torch.randn(n, k, device="cuda").to(torch.bfloat16).t()
@@ -158,14 +169,22 @@ def main(argv=None) -> int:
             ref = scaled.reference(a, b, sa, sb)
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             scaled.scaled_mm(a, b, sa, sb, out=out, use_fast_accum=fast)
-            row = {"M": m, "N": n, "K": k, "recipe": recipe, "out": "bf16",
+            row = {"M": m, "N": n, "K": k, "recipe": recipe, "scaling": scaled.recipe(a, b, sa, sb), "out": "bf16",
                    "path": scaled.path(a, b, sa, sb, use_fast_accum=fast),
                    "rel_err": rel_err(out, ref), "max_err": max_err(out, ref)}
-            cublas = cublas_call(a, b, sa, sb, fast)
+            cublas = None if recipe in MX_RECIPES else cublas_call(a, b, sa, sb, fast)  # no MX on Hopper
             if cublas is not None:
                 theirs = cublas()
                 row["cublas_rel_err"], row["cublas_max_err"] = rel_err(theirs, ref), max_err(theirs, ref)
             row["nvfly_ms"] = bench_ms(lambda: scaled.scaled_mm(a, b, sa, sb, out=out, use_fast_accum=fast))
+            if recipe == "block":
+                block_ms[(m, n, k)] = row["nvfly_ms"]
+            if recipe in MX_RECIPES:
+                if (m, n, k) not in block_ms:
+                    ba, bb, bsa, bsb = operands(m, n, k, "block")
+                    block_out = torch.empty_like(out)
+                    block_ms[(m, n, k)] = bench_ms(lambda: scaled.scaled_mm(ba, bb, bsa, bsb, out=block_out))
+                row["nvfly_block_ms"] = block_ms[(m, n, k)]
             if cublas is not None:
                 row["cublas_ms"] = bench_ms(cublas)
             ahead = issue_ahead_config(m, n, k, recipe) if args.issue_ahead else None
@@ -180,12 +199,14 @@ def main(argv=None) -> int:
                     row["triton_ms"] = bench_ms(tri)
             row["bf16_ms"] = bf16_ms
             flop = 2.0 * m * n * k
-            for who in ("nvfly", "nvfly_ahead", "cublas", "triton", "bf16"):
+            for who in ("nvfly", "nvfly_ahead", "nvfly_block", "cublas", "triton", "bf16"):
                 if f"{who}_ms" in row:
                     row[f"{who}_tflops"] = flop / row[f"{who}_ms"] / 1e9
             for who in ("cublas", "triton", "bf16"):
                 if f"{who}_ms" in row:
                     row[f"vs_{who}"] = row[f"{who}_ms"] / row["nvfly_ms"]
+            if "nvfly_block_ms" in row:
+                row["vs_block"] = row["nvfly_block_ms"] / row["nvfly_ms"]
             if "nvfly_ahead_ms" in row and "cublas_ms" in row:
                 row["ahead_vs_cublas"] = row["cublas_ms"] / row["nvfly_ahead_ms"]
             rows.append(row)
@@ -196,6 +217,8 @@ def main(argv=None) -> int:
                   + (f"  ahead {row['nvfly_ahead_tflops']:6.1f} x{row['ahead_vs_cublas']:.2f} (err "
                      f"{row['ahead_rel_err']:.1e})" if "ahead_vs_cublas" in row else "")
                   + (f"  Triton {row['triton_tflops']:6.1f} x{row['vs_triton']:.2f}" if "triton_ms" in row else "")
+                  + (f"  nvfly block {row['nvfly_block_tflops']:6.1f} x{row['vs_block']:.2f}" if "vs_block" in row
+                     else "")
                   + f"  bf16 {row['bf16_tflops']:6.1f} TFLOP/s  {row['path']}", flush=True)
     summary: dict[str, Any] = {"seconds": time.time() - t_start, "rows": len(rows),
                                "max_rel_err": max(r["rel_err"] for r in rows)}
@@ -203,6 +226,8 @@ def main(argv=None) -> int:
         mine = [r for r in rows if r["recipe"] == recipe]
         summary[f"geomean_vs_cublas_{recipe}"] = geomean([r["vs_cublas"] for r in mine if "vs_cublas" in r])
         summary[f"geomean_vs_bf16_{recipe}"] = geomean([r["vs_bf16"] for r in mine])
+        if recipe in MX_RECIPES:
+            summary[f"geomean_vs_block_{recipe}"] = geomean([r["vs_block"] for r in mine])
     summary["geomean_ahead_vs_cublas"] = geomean([r["ahead_vs_cublas"] for r in rows if "ahead_vs_cublas" in r])
     summary["geomean_vs_triton"] = geomean([r["vs_triton"] for r in rows if "vs_triton" in r])
     quantized = [] if args.no_quantize else quantize_rows()

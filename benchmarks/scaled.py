@@ -13,8 +13,8 @@ Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [
 [--recipes tensor row block block1x128 tensor-fast row-fast mxfp8 mxfp4] [--name scaled] [--no-quantize]
 [--issue-ahead]. --quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise recipe only); only the
 MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name scaled_mx. The quantisation
-kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8) are checked bit for bit against the torch reference and
-timed after.
+kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against the torch
+reference and timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_
 from nvfly.ops import scaled  # noqa: E402
 from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue  # noqa: E402
 from nvfly.ops.scaled.plan import make_plan  # noqa: E402
-from nvfly.ops.scaled.quantize import quantize, quantize_fp8  # noqa: E402
+from nvfly.ops.scaled.quantize import quantize, quantize_fp8, quantize_mxfp4  # noqa: E402
 
 # the FP8 anchors (../shared/docs/anchors.md) first, then DeepSeek-V3's projections at decode and prefill sizes
 ANCHORS = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 16384), (128, 8192, 8192), (2048, 24576, 1536)]
@@ -50,11 +50,7 @@ MX_RECIPES = ("mxfp8", "mxfp4")
 def operands(m: int, n: int, k: int, recipe: str) -> tuple[torch.Tensor, ...]:
     ga, gb, _ = RECIPES[recipe]
     a, sa = quantize(torch.randn(m, k, device="cuda"), ga)
-    if gb == "mxfp4":  # random e2m1 pairs (every code) and e8m0 scales near 2^0: (K/2, N) column-major
-        b = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8).view(torch.float4_e2m1fn_x2).t()
-        sb = torch.randint(124, 131, (n, k // 32), device="cuda", dtype=torch.uint8)
-    else:
-        b, sb = quantize(torch.randn(n, k, device="cuda"), gb, operand="b")
+    b, sb = quantize(torch.randn(n, k, device="cuda"), gb, operand="b")  # mxfp4: packed (K/2, N) column-major
     if ga == "mx":  # e8m0 scales as torch names them (quantize gives their bytes)
         sa, sb = sa.view(torch.float8_e8m0fnu), sb.view(torch.float8_e8m0fnu)
     return a, b, sa, sb
@@ -116,13 +112,15 @@ def quantize_rows() -> list[dict[str, Any]]:
     rows = []
     for m, k in QUANTIZE_SHAPES:
         x = torch.randn(m, k, device="cuda").bfloat16()
-        for granularity in ("row", "1x128", "128x128", "mx"):
-            q, s = quantize_fp8(x, granularity)
+        for granularity in ("row", "1x128", "128x128", "mx", "mxfp4"):
+            def kernel(granularity=granularity):
+                return quantize_mxfp4(x, "a") if granularity == "mxfp4" else quantize_fp8(x, granularity)
+            q, s = kernel()
             q_ref, s_ref = quantize(x, granularity)
             exact = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
-            nvfly_ms = bench_ms(lambda: quantize_fp8(x, granularity))
+            nvfly_ms = bench_ms(kernel)
             torch_ms = bench_ms(lambda: quantize(x, granularity))
-            gbytes = 3 * m * k / 1e9
+            gbytes = (2.5 if granularity == "mxfp4" else 3) * m * k / 1e9  # bf16 read, fp8 / fp4 written
             row = {"M": m, "K": k, "granularity": granularity, "bit_exact": exact, "nvfly_ms": nvfly_ms,
                    "torch_ms": torch_ms, "nvfly_gbps": gbytes / nvfly_ms * 1e3, "vs_torch": torch_ms / nvfly_ms}
             rows.append(row)

@@ -226,9 +226,9 @@ def test_plans():
             assert plan.config.split_k == 1 or 2 * tiles <= 132
 
 
-@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx"])
+@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx", "mxfp4"])
 def test_quantize_kernels_compile(granularity):
-    from nvfly.frontend.dtypes import bf16, f32, i32, u8
+    from nvfly.frontend.dtypes import bf16, f32, i16, i32, u8
     from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
     from nvfly.runtime.tensor_desc import TensorDesc
     plan, scale = {"row": (QuantizePlan(1, 0, False, 256, 8, "f8e4m3", 1 / 448.0, 1e-12), TensorDesc(f32, (4096, 1))),
@@ -237,10 +237,16 @@ def test_quantize_kernels_compile(granularity):
                    "128x128": (QuantizePlan(128, 128, False, 256, 8, "f8e5m2", 1 / 57344.0, 1e-12),
                                TensorDesc(f32, (32, 32))),
                    "mx": (QuantizePlan(1, 32, True, 256, 4, "f8e4m3", 1 / 448.0, 1e-12, mx_emax=8),
-                          TensorDesc(u8, (4096, 128)))}[granularity]
-    k = quantize_kernel.compile(TensorDesc(bf16, (4096, 4096)), TensorDesc(i32, (4096, 1024)), scale, 4096, 4096,
-                                PLAN=plan, block=256)
+                          TensorDesc(u8, (4096, 128))),
+                   "mxfp4": (QuantizePlan(1, 32, True, 256, 4, "e2m1", 1 / 6.0, 1e-12, mx_emax=2),
+                             TensorDesc(u8, (4096, 128)))}[granularity]
+    q = TensorDesc(i16, (4096, 1024)) if granularity == "mxfp4" else TensorDesc(i32, (4096, 1024))
+    k = quantize_kernel.compile(TensorDesc(bf16, (4096, 4096)), q, scale, 4096, 4096, PLAN=plan, block=256)
     assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0 and not k.warnings
+    if granularity == "mxfp4":  # compares, no fp8 cvt; a 16-bit word of four codes, a scale byte
+        assert "div.rn.f32" in k.ptx and k.ptx.count("shfl.sync.bfly") == 3 and "F2FP" not in k.sass()
+        assert "st.global.b16" in k.ptx and "st.global.b8" in k.ptx
+        return
     kind = "E4M3" if plan.fp8 == "f8e4m3" else "E5M2"
     assert any(op.startswith(f"F2FP.SATFINITE.{kind}.F32") for op in k.sass_opcodes())
     assert "div.rn.f32" in k.ptx  # IEEE division, as torch's reference divides
@@ -460,3 +466,37 @@ def test_mxfp4_recipe_reference_plans_and_errors():
     with pytest.raises(ValueError, match="^config: packed_b with mxfp8"):
         make_plan(256, 256, 256, ScaledEpilogue("mxfp8", True), ScaledConfig(64, 32, 8, 1, packed_b=True), None, 132)
     assert "multiple of 16" in ScaledConfig(64, 24, 4, 1, packed_b=True).check(True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(values=st.lists(st.floats(-12, 12, width=32), min_size=1, max_size=64))
+def test_e2m1_rounding_is_nearest_even_and_saturates(values):
+    """The reference's e2m1 codes (``e2m1_codes``, whose thresholds the kernel's ``f32_to_e2m1`` shares) against a
+    brute-force nearest: the closest of the 8 magnitudes, ties to the even code, past 6 saturated, the sign kept."""
+    from nvfly.ops.scaled.quantize import E2M1_VALUES, e2m1_codes
+    y = torch.tensor(values, dtype=torch.float32)
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    distance = (y.abs()[:, None] - magnitudes[None]).abs()
+    best = distance.min(dim=1, keepdim=True).values
+    index = torch.arange(8)
+    nearest = torch.where(distance == best, index % 2 * 100 + index, 1000).argmin(dim=1)  # a tie: the even code
+    expected = nearest | (y.signbit().long() << 3)
+    assert torch.equal(e2m1_codes(y), expected)
+
+
+def test_mxfp4_quantisation_reference():
+    x = torch.randn(64, 256) * 3
+    x[0, :32] = 0
+    x[1, 32:64] = 0.0
+    x[1, 40] = 7.0  # amax 7 = 1.75 * 2^2: scale 2^(2 - 2) = 1, 7 saturates to 6
+    x[1, 41] = -2.5  # a tie: to 2 (the even code)
+    q, s = quantize(x, "mxfp4")
+    assert q.dtype == torch.float4_e2m1fn_x2 and tuple(q.shape) == (64, 128) and tuple(s.shape) == (64, 8)
+    from nvfly.ops.scaled.quantize import dequantize_mxfp4, e2m1_to_float
+    assert s[0, 0] == 0 and (e2m1_to_float(q)[0, :32] == 0).all()
+    assert s[1, 1] == 127 and e2m1_to_float(q)[1, 40] == 6.0 and e2m1_to_float(q)[1, 41] == -2.0
+    assert ((dequantize_mxfp4(q, s) - x).norm() / x.norm()) < 0.2  # 4-bit values
+    qb, sb = quantize(x, "mxfp4", operand="b")
+    assert qb.shape == (128, 64) and qb.stride() == (1, 128) and torch.equal(sb, s)
+    a, sa = quantize(torch.randn(16, 256), "mx")
+    assert scaled.recipe(a, qb, sa, sb) == "mxfp4"

@@ -3,10 +3,11 @@
 ``compare_mask`` (``set.<cmp>.u32.<type>``: all ones where the compare holds, per 16-bit lane for bf16x2 / f16x2)
 filters many values with one instruction a pair and no predicate registers; ``f16_to_f32`` (``cvt.f32.f16``)
 converts a half given as its 16 bits; ``e8m0_to_f32`` decodes an MX scale byte, ``e2m1x8_to_e4m3x8`` and
-``convert_shared_e2m1x32`` turn packed MXFP4 values into e4m3 (times 2^-6, exact) for fp8 wgmma. ``e4m3x4_to_16bit`` and
-``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8 (e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit
-tensor-core atoms (e.g. an fp8 KV cache dequantised before ``mma.sync``). Every e4m3 value is exact in f16 and in
-bf16, so they round nothing; bf16 goes through f32 because sm_90 has no e4m3 -> bf16 ``cvt``.
+``convert_shared_e2m1x32`` turn packed MXFP4 values into e4m3 (times 2^-6, exact) for fp8 wgmma, ``f32_to_e2m1``
+rounds to e2m1. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8
+(e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit tensor-core atoms (e.g. an fp8 KV
+cache dequantised before ``mma.sync``). Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16
+goes through f32 because sm_90 has no e4m3 -> bf16 ``cvt``.
 """
 from __future__ import annotations
 
@@ -157,3 +158,25 @@ def convert_shared_e2m1x32(src: Any, dst_low: Any, dst_high: Any) -> None:
         out.extend(e2m1x8_to_e4m3x8(word))
     store_shared(dst_low, out[:4])
     store_shared(dst_high, out[4:])
+
+
+# e2m1's rounding thresholds (a magnitude's code = how many it passes): at the ties 0.25, 1.25, 2.5 and 5 the even
+# code below wins (strictly above), at 0.75, 1.75 and 3.5 the even code above (at or above); past 6 it saturates
+E2M1_ABOVE = (0.25, 1.25, 2.5, 5.0)
+E2M1_AT_OR_ABOVE = (0.75, 1.75, 3.5)
+
+
+@traced
+def f32_to_e2m1(value: Any) -> Scalar:
+    """The OCP e2m1 code (an i32, 0-15, sign in bit 3) of an f32 value, rounded to nearest even and saturating to
+    +-6, the sign kept (-0 for small negatives); seven compares (sm_90 has no e2m1 ``cvt``)."""
+    v = as_value(value)
+    if not isinstance(v, Scalar) or v.dtype != dtypes.f32:
+        raise CompileError(f"f32_to_e2m1 takes an f32, got {getattr(v, 'dtype', v)}")
+    magnitude = abs(v)
+    code = select(magnitude > E2M1_ABOVE[0], 1, 0)
+    for t in E2M1_ABOVE[1:]:
+        code = code + select(magnitude > t, 1, 0)
+    for t in E2M1_AT_OR_ABOVE:
+        code = code + select(magnitude >= t, 1, 0)
+    return code | ((v.bitcast(dtypes.i32) >> 28) & 8)

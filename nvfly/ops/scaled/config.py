@@ -85,8 +85,8 @@ class ScaledEpilogue:
     (sa per output row, sb per output column, in the epilogue), "block" (sa per row and 128-k block, sb per
     128x128 block of the kernel's B, applied to each k-block's partial sum in the mainloop), "block1x128" (sb
     per column and 128-k block instead), "mxfp8" (e8m0 sa per row and sb per column for every ``scale_k`` = 32
-    of K: each wgmma k-step is promoted) or "mxfp4" (the same with packed e2m1 B); promote: accumulate each k-block in a fresh wgmma accumulator and add it
-    into an fp32 sum (always with block scales; otherwise
+    of K: each wgmma k-step is promoted) or "mxfp4" (the same with packed e2m1 B); promote: accumulate each k-block
+    in a fresh wgmma accumulator and add it into an fp32 sum (always with block scales; otherwise
     torch's ``use_fast_accum=False``); bias: a bias vector added last, along the output's columns, or along its
     rows (``bias_rows``: the swapped problem, whose rows are the caller's columns); partial: split K, the kernel
     writes its K range's unscaled f32 sums (out is [split, rows, cols]) and ``scaled_reduce_kernel`` applies the

@@ -17,7 +17,7 @@ import torch
 
 from nvfly.ops import scaled
 from nvfly.ops.common.opcall import Declined, OpCalls
-from nvfly.ops.scaled.config import BLOCKWISE
+from nvfly.ops.scaled.config import BLOCKWISE, MX
 from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import routing
 
@@ -33,6 +33,9 @@ ROUTE_MAX_M = 64
 
 def slower_reason(scaling: str, m: int) -> Optional[str]:
     """Why cuBLAS stays with an eligible call of this recipe and M (the measured rule above), or None to route it."""
+    if scaling in MX:
+        return (f"{scaling} scales: torch's are cuBLAS's swizzled (blocked) layout, nvfly's scaled_mm reads "
+                f"row-major (rows, K/32) scales")
     if scaling in BLOCKWISE:
         return (f"{scaling} scales: cuBLAS measured faster at every M (nvfly's promoted block mainloop x0.64-0.86 on "
                 f"the H200, docs/ops/scaled.md)")

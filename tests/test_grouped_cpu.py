@@ -117,6 +117,49 @@ def test_heuristic_tiles():
     assert few.config.bn == 128 and few.grid == 4 * 2 * 4  # an upper bound of 32 tiles: 32 blocks
 
 
+KGROUPED = ("kgrouped", "none", "MN", "MN")
+
+
+@pytest.mark.parametrize("tile,out_dtype",
+                         [("heuristic", None), ("cooperative-tma", None), ("heuristic", torch.float32)],
+                         ids=["pingpong-tma", "cooperative-tma", "pingpong-register-f32"])
+def test_kgrouped_epilogues_compile(tile, out_dtype):
+    """The weight gradient's ping-pong consumers and TMA-store epilogue: no spills, stmatrix + UTMASTG where the
+    output is 16-bit (f32 outputs store through registers), the staging buffer after the ring."""
+    from dataclasses import replace
+    from nvfly.ops.grouped.plan import KGROUPED_COOPERATIVE, deepest
+    config = None if tile == "heuristic" else deepest(replace(KGROUPED_COOPERATIVE, tma_store=True, store_buffers=1),
+                                                      8, "kgrouped", "MN")
+    (k,) = grouped.compile_variants([KGROUPED], config=config, out_dtype=out_dtype)
+    plan = make_plan(*KGROUPED[:2], "bf16", 8, *KGROUPED[2:], 4096, 4096, 4096, 4096, 132, config,
+                     4 if out_dtype else 2)
+    _check_kernel(k, plan.config.bn)
+    assert plan.config.pingpong == (tile == "heuristic") and plan.config.tma_store == (out_dtype is None)
+    assert k.dynamic_smem_bytes == plan.smem_bytes <= SMEM_LIMIT
+    assert (k.count("UTMASTG") > 0) == plan.config.tma_store and (k.count("STSM") > 0) == plan.config.tma_store
+    assert "fence.proxy.async.shared::cta" in k.ptx  # the K tail
+
+
+def test_kgrouped_plans():
+    """The heuristic's weight-gradient tile, its 32-bit-output fallback, the store box; ping-pong and the TMA store
+    only where the output has no ragged rows; which outputs a TMA descriptor covers."""
+    from dataclasses import replace
+    from nvfly.ops.grouped.api import _tma_storable
+    from nvfly.ops.grouped.plan import KGROUPED_TILE
+    plan = make_plan("kgrouped", "none", "bf16", 128, "MN", "MN", 2048, 768, 32768, 2048, 132)
+    assert (plan.config.bm, plan.config.bn, plan.config.pingpong, plan.config.tma_store) == (128, 128, True, True)
+    assert plan.store_box == (1, 128, 64) and plan.store_swizzle == 128 and plan.grid == 132
+    f32 = make_plan("kgrouped", "none", "bf16", 128, "MN", "MN", 2048, 768, 32768, 2048, 132, None, 4)
+    assert f32.config.pingpong and not f32.config.tma_store and f32.store_box is None
+    for layout in ("contiguous", "masked"):
+        assert "K-grouped layout only" in fits(replace(KGROUPED_TILE, stages=4), 8, layout, "K")
+    assert fits(replace(KGROUPED_TILE, stages=4), 8, "kgrouped", "MN") is None
+    assert _tma_storable(None, (4, 64, 200), torch.bfloat16)
+    assert not _tma_storable(None, (4, 64, 196), torch.bfloat16)  # 392-byte rows
+    assert not _tma_storable(torch.empty(4, 200, 64).mT, (4, 64, 200), torch.bfloat16)
+    assert _tma_storable(torch.empty(4, 64, 208, dtype=torch.bfloat16)[..., :200], (4, 64, 200), torch.bfloat16)
+
+
 def test_configs_are_checked():
     assert fits(GemmConfig(128, 128, 6, 2, pingpong=True), 8, "contiguous", "K")
     assert fits(GemmConfig(128, 256, 4, 2, split_k=2), 8, "contiguous", "K")

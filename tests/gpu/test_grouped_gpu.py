@@ -156,6 +156,54 @@ def test_kgrouped_weight_gradient(hopper, sizes, config):
             assert torch.equal(out[g], torch.zeros_like(out[g]))
 
 
+def kgrouped_variants():
+    """The weight gradient's tiles: the heuristic's (ping-pong, TMA store), ping-pong storing through registers,
+    cooperative 128 x 256 with the TMA store, and the cooperative register-epilogue tile it replaced."""
+    from dataclasses import replace
+    from nvfly.ops.grouped.plan import KGROUPED_COOPERATIVE, KGROUPED_TILE, deepest
+    return {"pingpong-tma": None,
+            "pingpong-register": deepest(replace(KGROUPED_TILE, tma_store=False), 8, "kgrouped", "MN"),
+            "cooperative-tma": deepest(replace(KGROUPED_COOPERATIVE, tma_store=True, store_buffers=1), 8,
+                                       "kgrouped", "MN"),
+            "cooperative-register": deepest(KGROUPED_COOPERATIVE, 8, "kgrouped", "MN")}
+
+
+@pytest.mark.parametrize("variant", ["pingpong-tma", "pingpong-register", "cooperative-tma", "cooperative-register"])
+def test_kgrouped_bf16_variants(hopper, variant):
+    """bf16 weight gradients of random ragged K (empty groups, 1..7-row groups, unaligned tails, a group of many
+    k-blocks) on each K-grouped tile; M and N tails clipped by the TMA store (136 x 200)."""
+    gen = torch.Generator().manual_seed(len(variant))
+    sizes = [0, 1, 0, 7] + torch.randint(0, 300, (10,), generator=gen).tolist() + [0, 700, 3, 0]
+    config = kgrouped_variants()[variant]
+    m, n = 136, 200
+    a, b, offs = kgrouped_operands(sizes, m, n, ("MN", "MN"))
+    out = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, b, offs, out=out, config=config)
+    check(out, grouped.reference(a, b, offs))
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert torch.equal(out[g].float(), torch.zeros(m, n, device="cuda")), g
+    # a second call with other sizes and the same signature (the plan and descriptors are reused)
+    sizes2 = sizes[::-1]
+    a2, b2, offs2 = kgrouped_operands(sizes2, m, n, ("MN", "MN"))
+    out2 = grouped.grouped_mm(a2, b2, offs2, config=config)
+    check(out2, grouped.reference(a2, b2, offs2))
+
+
+def test_kgrouped_tma_store_needs_a_tma_output(hopper):
+    """An output a TMA descriptor cannot cover (a row of 196 bf16 = 392 bytes) is stored through registers; a
+    strided view (rows of 208 of which 200 are the output) is stored by TMA, which leaves the padding alone."""
+    sizes = [0, 40, 3, 129, 0, 64]
+    for m, n, view in ((72, 196, False), (136, 200, True)):
+        a, b, offs = kgrouped_operands(sizes, m, n, ("MN", "MN"))
+        base = torch.full((len(sizes), m, n + 8 * view), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = base[..., :n]
+        grouped.grouped_mm(a, b, offs, out=out)
+        check(out, grouped.reference(a, b, offs))
+        if view:
+            assert base[..., n:].isnan().all()
+
+
 @pytest.mark.parametrize("majors", [("K", "K"), ("MN", "K"), ("K", "MN")], ids=["K-K", "MN-K", "K-MN"])
 def test_kgrouped_k_contiguous_operands_are_declined(hopper, majors):
     """A group's K may start anywhere: with a K-contiguous operand that start would be a TMA coordinate of the

@@ -313,8 +313,8 @@ def zero_k_tail(ring, stage, a_part, valid, t, WG_M, BK, A_SW, size):
     """Zero the K columns from ``valid`` on of row slice ``a_part`` (WG_M rows) of the MN-major A tile at byte
     ``stage`` of the ring (shared address ``ring``; thread ``t`` of the consumer's 128), then fence the writes for
     wgmma (``a_tail_offset`` places the lines). A K row of a swizzle-wide MN chunk is one line of A_SW bytes
-    whatever the swizzle, so each thread zeroes whole lines. (K-major operands are declined in this layout: a group's K start
-    would be a TMA coordinate of the contiguous dimension.)"""
+    whatever the swizzle, so each thread zeroes whole lines. (K-major operands are declined in this layout: a
+    group's K start would be a TMA coordinate of the contiguous dimension.)"""
     WIDTH = A_SW // size
     LINES = WG_M // WIDTH * BK
     if t < LINES:

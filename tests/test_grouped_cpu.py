@@ -120,21 +120,20 @@ def test_heuristic_tiles():
 KGROUPED = ("kgrouped", "none", "MN", "MN")
 
 
-@pytest.mark.parametrize("tile,out_dtype",
-                         [("heuristic", None), ("cooperative-tma", None), ("heuristic", torch.float32)],
-                         ids=["pingpong-tma", "cooperative-tma", "pingpong-register-f32"])
+@pytest.mark.parametrize("tile,out_dtype", [("heuristic", torch.float32), ("pingpong-tma", None),
+                                            ("pingpong-register", None), ("cooperative-tma", None)])
 def test_kgrouped_epilogues_compile(tile, out_dtype):
-    """The weight gradient's ping-pong consumers and TMA-store epilogue: no spills, stmatrix + UTMASTG where the
-    output is 16-bit (f32 outputs store through registers), the staging buffer after the ring."""
-    from dataclasses import replace
-    from nvfly.ops.grouped.plan import KGROUPED_COOPERATIVE, deepest
-    config = None if tile == "heuristic" else deepest(replace(KGROUPED_COOPERATIVE, tma_store=True, store_buffers=1),
-                                                      8, "kgrouped", "MN")
+    """The weight gradient's ping-pong consumers and TMA-store epilogue (``kgrouped_variants``; the cooperative
+    register tile is test_every_variant_compiles'): no spills, stmatrix + UTMASTG where the config stores by TMA
+    (the heuristic's stores 32-bit outputs through registers), the staging buffer after the ring."""
+    from nvfly.ops.grouped.plan import kgrouped_variants
+    config = None if tile == "heuristic" else kgrouped_variants(8)[tile]
     (k,) = grouped.compile_variants([KGROUPED], config=config, out_dtype=out_dtype)
     plan = make_plan(*KGROUPED[:2], "bf16", 8, *KGROUPED[2:], 4096, 4096, 4096, 4096, 132, config,
                      4 if out_dtype else 2)
     _check_kernel(k, plan.config.bn)
-    assert plan.config.pingpong == (tile == "heuristic") and plan.config.tma_store == (out_dtype is None)
+    assert plan.config.pingpong == tile.startswith(("heuristic", "pingpong"))
+    assert plan.config.tma_store == tile.endswith("-tma")
     assert k.dynamic_smem_bytes == plan.smem_bytes <= SMEM_LIMIT
     assert (k.count("UTMASTG") > 0) == plan.config.tma_store and (k.count("STSM") > 0) == plan.config.tma_store
     assert "fence.proxy.async.shared::cta" in k.ptx  # the K tail

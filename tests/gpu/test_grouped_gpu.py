@@ -7,6 +7,7 @@ import torch
 
 from nvfly.ops import grouped
 from nvfly.ops.gemm import GemmConfig
+from nvfly.ops.grouped.plan import kgrouped_variants
 
 pytestmark = pytest.mark.gpu
 
@@ -156,25 +157,13 @@ def test_kgrouped_weight_gradient(hopper, sizes, config):
             assert torch.equal(out[g], torch.zeros_like(out[g]))
 
 
-def kgrouped_variants():
-    """The weight gradient's tiles: the heuristic's (ping-pong, TMA store), ping-pong storing through registers,
-    cooperative 128 x 256 with the TMA store, and the cooperative register-epilogue tile it replaced."""
-    from dataclasses import replace
-    from nvfly.ops.grouped.plan import KGROUPED_COOPERATIVE, KGROUPED_TILE, deepest
-    return {"pingpong-tma": None,
-            "pingpong-register": deepest(replace(KGROUPED_TILE, tma_store=False), 8, "kgrouped", "MN"),
-            "cooperative-tma": deepest(replace(KGROUPED_COOPERATIVE, tma_store=True, store_buffers=1), 8,
-                                       "kgrouped", "MN"),
-            "cooperative-register": deepest(KGROUPED_COOPERATIVE, 8, "kgrouped", "MN")}
-
-
 @pytest.mark.parametrize("variant", ["pingpong-tma", "pingpong-register", "cooperative-tma", "cooperative-register"])
 def test_kgrouped_bf16_variants(hopper, variant):
     """bf16 weight gradients of random ragged K (empty groups, 1..7-row groups, unaligned tails, a group of many
     k-blocks) on each K-grouped tile; M and N tails clipped by the TMA store (136 x 200)."""
     gen = torch.Generator().manual_seed(len(variant))
     sizes = [0, 1, 0, 7] + torch.randint(0, 300, (10,), generator=gen).tolist() + [0, 700, 3, 0]
-    config = kgrouped_variants()[variant]
+    config = kgrouped_variants(len(sizes))[variant]
     m, n = 136, 200
     a, b, offs = kgrouped_operands(sizes, m, n, ("MN", "MN"))
     out = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=torch.bfloat16)

@@ -83,6 +83,16 @@ def deepest(cfg: GemmConfig, groups: int, layout: str, b_major: str, itemsize: i
     raise ValueError(f"config: no ring depth fits {cfg}")
 
 
+def kgrouped_variants(groups: int, b_major: str = "MN", itemsize: int = 2) -> dict[str, GemmConfig]:
+    """The weight gradient's tiles by name, each with its deepest ring (tests and ``benchmarks.grouped
+    --wgrad-variants`` compare them): the heuristic's ping-pong + TMA store, ping-pong storing through registers,
+    cooperative 128 x 256 with the TMA store, and the cooperative register-epilogue tile it replaced."""
+    variants = {"pingpong-tma": KGROUPED_TILE, "pingpong-register": replace(KGROUPED_TILE, tma_store=False),
+                "cooperative-tma": replace(KGROUPED_COOPERATIVE, tma_store=True, store_buffers=1),
+                "cooperative-register": KGROUPED_COOPERATIVE}
+    return {name: deepest(cfg, groups, "kgrouped", b_major, itemsize) for name, cfg in variants.items()}
+
+
 def heuristic_config(rows_per_group: float, row_tiles_128: int, n: int, groups: int, layout: str, b_major: str,
                      fused: bool, sms: int, itemsize: int = 2) -> GemmConfig:
     """The tile of a grouped problem (see the module doc): ``rows_per_group`` on average, ``row_tiles_128`` an

@@ -370,8 +370,9 @@ def finish_moe_row(row: dict, errors: dict) -> dict:
         row["errors"] = errors
     times = "  ".join(f"{v} {row[v + '_ms']:.3f}" for v in ("eager", "nvfly_route", "nvfly_moe", "nvfly_ops",
                                                              "compiled", "compiled_nvfly") if v + "_ms" in row)
-    print(f"{row['layer']:<20} T{row['tokens']:<5} {row['pass']:<16} ms: {times}  nvfly x{row.get('nvfly_vs_eager', 0):.2f}"
-          f" eager, compiled+nvfly x{row.get('compiled_nvfly_vs_compiled', 0):.2f} compiled"
+    print(f"{row['layer']:<20} T{row['tokens']:<5} {row['pass']:<16} ms: {times}  "
+          f"nvfly x{row.get('nvfly_vs_eager', 0):.2f} eager, "
+          f"compiled+nvfly x{row.get('compiled_nvfly_vs_compiled', 0):.2f} compiled"
           + (f"  FAILED: {errors}" if errors else ""), flush=True)
     return row
 

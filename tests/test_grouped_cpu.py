@@ -360,3 +360,26 @@ def test_inductor_grouped_mm_candidates(compile_grouped_mm, monkeypatch):
     assert "torch.ops.nvfly.grouped_mm_out.default(" in code and "config='auto'" in code
     (d,) = [d for d in decisions() if d.where == "inductor"]
     assert d.candidates[0] == "auto" and len(d.candidates) == 4 and d.winner == "nvfly auto"
+
+
+def test_benchmark_moe_layers_agree():
+    """benchmarks.grouped's MoE layers (eager torch._grouped_mm and nvfly's ops, here on their torch fallback): the
+    float32 layer's output, and the same gradients."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    import nvfly.torch  # noqa: F401  (torch.ops.nvfly.grouped_mm)
+    from benchmarks.grouped import chunked_rel_err, nvfly_moe, torch_moe
+    from nvfly.ops import moe
+    t, h, inter, e, k = 40, 64, 32, 8, 2
+    args = [torch.randn(t, h).bfloat16(), (torch.randn(e, h) / 8).bfloat16(),
+            (torch.randn(e, 2 * inter, h) / 8).bfloat16(), (torch.randn(e, h, inter) / 6).bfloat16()]
+    ref = moe.reference(*args, k)
+    leaves = [a.requires_grad_() for a in args]
+    grad = torch.randn(t, h).bfloat16()
+    grads = []
+    for layer in (torch_moe, nvfly_moe):
+        out = layer(*leaves, k)
+        assert chunked_rel_err(out, ref) < 2e-2
+        grads.append(torch.autograd.grad(out, leaves, grad))
+    for got, want in zip(*grads):
+        assert chunked_rel_err(got, want) < 2e-2

@@ -325,6 +325,31 @@ def test_moe_layer_eager_and_compiled(hopper):
     assert ((got.float() - ref).norm() / ref.norm()).item() < 2e-2
 
 
+def test_moe_layer_gradients(hopper):
+    """benchmarks.grouped's MoE layer on nvfly's differentiable ops (fused gate/up, the K-grouped weight gradients on
+    the heuristic's ping-pong TMA-store tile), eager and compiled: the float32 layer's output, and the gradients of
+    x and every weight of the eager torch._grouped_mm layer."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    import nvfly.torch  # noqa: F401
+    from benchmarks.grouped import chunked_rel_err, nvfly_moe, torch_moe
+    from nvfly.ops import moe
+    t, h, inter, e, k = 300, 512, 256, 16, 4
+    args = [torch.randn(t, h, device="cuda").to(torch.bfloat16),
+            (torch.randn(e, h, device="cuda") / 22).to(torch.bfloat16),
+            (torch.randn(e, 2 * inter, h, device="cuda") / 22).to(torch.bfloat16),
+            (torch.randn(e, h, inter, device="cuda") / 16).to(torch.bfloat16)]
+    ref = moe.reference(*args, k)
+    leaves = [a.requires_grad_() for a in args]
+    grad = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+    want = torch.autograd.grad(torch_moe(*leaves, k), leaves, grad)
+    for layer in (lambda *a: nvfly_moe(*a, k), torch.compile(lambda *a: nvfly_moe(*a, k))):
+        out = layer(*leaves)
+        assert chunked_rel_err(out, ref) < 2e-2
+        for got, w in zip(torch.autograd.grad(out, leaves, grad), want):
+            assert chunked_rel_err(got, w) < 2e-2
+
+
 def test_inductor_max_autotune_grouped_mm(hopper):
     """nvfly's grouped candidates join max-autotune's grouped mm (ATen only beside them, to keep the compile short);
     the compiled result is right whichever wins."""

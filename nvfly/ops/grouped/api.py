@@ -415,7 +415,8 @@ def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "n
     plan = plan_of(layout, a, b, shape, groups, fuse, None, rows_per_group or rows)
     cfg = plan.config
     return (f"grouped {layout}{' silu_mul' if fuse != 'none' else ''}: {cfg.bm}x{cfg.bn} tile on {cfg.consumers} "
-            f"consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages, up to {plan.grid} blocks, "
+            f"{'ping-pong ' if cfg.pingpong else ''}consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages"
+            f"{', TMA-store epilogue' if cfg.tma_store else ''}, up to {plan.grid} blocks, "
             f"A {plan.a_major}-major, B {plan.b_major}-major")
 
 

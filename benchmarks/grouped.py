@@ -14,9 +14,10 @@ for the weight gradient, where torch's kernel asserts on the device otherwise), 
 MoE-layer rows (``--moe``, ``MOE_CASES``): a whole MoE layer (router softmax/top-k, token permutation, gate/up
 grouped GEMM with SiLU * mul, down grouped GEMM, weighted un-permutation) timed in one process as (a) the eager
 layer a user writes on ``torch._grouped_mm`` (``torch_moe``, modelled on torchtitan's ``_run_experts_grouped_mm``
-with a fused w13), (b) nvfly eagerly: the same code under ``nvfly.torch.routing()`` ("route"), ``nvfly.ops.moe``
-("moe", forward only) and the layer on ``torch.ops.nvfly.grouped_mm`` with the fused gate/up ("ops",
-``nvfly_moe``), (c) ``torch.compile`` (default mode) of (a) and (d) of the nvfly-ops layer. Outputs are checked
+with a fused w13), (b) nvfly eagerly: the same code under ``nvfly.torch.routing()`` ("nvfly_route"),
+``nvfly.ops.moe`` ("nvfly_moe", forward only), the layer on ``torch.ops.nvfly.grouped_mm`` with the fused gate/up
+("nvfly_ops", ``nvfly_moe``) and without it ("nvfly_ops_unfused": autograd saves the gate/up activations instead of
+recomputing them), (c) ``torch.compile`` (default mode) of (a) and (d) of the nvfly-ops layer. Outputs are checked
 against the float32 layer (``nvfly.ops.moe.reference``) and, forward+backward, every gradient against the eager
 layer's; nvfly_ms is the fastest nvfly eager version (named in ``nvfly_version``).
 
@@ -261,6 +262,15 @@ def nvfly_moe(x, router_weight, w13, w2, top_k):
     return combine(torch.ops.nvfly.grouped_mm(hidden, w2.mT, offs), token, weight, x.shape[0])
 
 
+def nvfly_moe_unfused(x, router_weight, w13, w2, top_k):
+    """The layer on nvfly's op without the fused epilogue (gate/up out, SiLU * mul on torch): autograd saves the
+    [rows, 2I] activations instead of recomputing them, as the eager layer does."""
+    rows, offs, token, weight = route_tokens(x, router_weight, top_k)
+    gate, up = torch.ops.nvfly.grouped_mm(rows, w13.mT, offs).chunk(2, dim=-1)
+    y = torch.ops.nvfly.grouped_mm(torch.nn.functional.silu(gate) * up, w2.mT, offs)
+    return combine(y, token, weight, x.shape[0])
+
+
 def moe_layer_row(case: MoeCase, compile_too: bool) -> list[dict]:
     """The case's rows (forward; forward+backward when ``case.backward``): every version checked, then timed."""
     import nvfly.torch
@@ -278,7 +288,8 @@ def moe_layer_row(case: MoeCase, compile_too: bool) -> list[dict]:
         with nvfly.torch.routing():
             return torch_moe(*a, k)
     forward = {"eager": lambda *a: torch_moe(*a, k), "nvfly_route": routed,
-               "nvfly_moe": lambda *a: moe.moe(*a, k), "nvfly_ops": lambda *a: nvfly_moe(*a, k)}
+               "nvfly_moe": lambda *a: moe.moe(*a, k), "nvfly_ops": lambda *a: nvfly_moe(*a, k),
+               "nvfly_ops_unfused": lambda *a: nvfly_moe_unfused(*a, k)}
     errors = {}
     if compile_too:
         forward["compiled"] = torch.compile(lambda *a: torch_moe(*a, k))
@@ -355,7 +366,7 @@ def chunked_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def finish_moe_row(row: dict, errors: dict) -> dict:
     """nvfly_ms (the fastest nvfly eager version), the ratios, the failures; prints the row."""
-    eager_versions = [v for v in ("nvfly_route", "nvfly_moe", "nvfly_ops") if f"{v}_ms" in row]
+    eager_versions = [v for v in ("nvfly_route", "nvfly_moe", "nvfly_ops", "nvfly_ops_unfused") if f"{v}_ms" in row]
     if eager_versions:
         best = min(eager_versions, key=lambda v: row[f"{v}_ms"])
         row["nvfly_version"] = best
@@ -369,7 +380,8 @@ def finish_moe_row(row: dict, errors: dict) -> dict:
     if errors:
         row["errors"] = errors
     times = "  ".join(f"{v} {row[v + '_ms']:.3f}" for v in ("eager", "nvfly_route", "nvfly_moe", "nvfly_ops",
-                                                             "compiled", "compiled_nvfly") if v + "_ms" in row)
+                                                             "nvfly_ops_unfused", "compiled", "compiled_nvfly")
+                      if v + "_ms" in row)
     print(f"{row['layer']:<20} T{row['tokens']:<5} {row['pass']:<16} ms: {times}  "
           f"nvfly x{row.get('nvfly_vs_eager', 0):.2f} eager, "
           f"compiled+nvfly x{row.get('compiled_nvfly_vs_compiled', 0):.2f} compiled"

@@ -17,7 +17,8 @@ layer a user writes on ``torch._grouped_mm`` (``torch_moe``, modelled on torchti
 with a fused w13), (b) nvfly eagerly: the same code under ``nvfly.torch.routing()`` ("nvfly_route"),
 ``nvfly.ops.moe`` ("nvfly_moe", forward only), the layer on ``torch.ops.nvfly.grouped_mm`` with the fused gate/up
 ("nvfly_ops", ``nvfly_moe``) and without it ("nvfly_ops_unfused": autograd saves the gate/up activations instead of
-recomputing them), (c) ``torch.compile`` (default mode) of (a) and (d) of the nvfly-ops layer. Outputs are checked
+recomputing them), (c) ``torch.compile`` (default mode) of (a) and (d) of the nvfly-ops layer (fused for the forward rows,
+unfused for forward+backward: ``compiled_nvfly_layer``). Outputs are checked
 against the float32 layer (``nvfly.ops.moe.reference``) and, forward+backward, every gradient against the eager
 layer's; nvfly_ms is the fastest nvfly eager version (named in ``nvfly_version``).
 
@@ -298,7 +299,7 @@ def moe_layer_row(case: MoeCase, compile_too: bool) -> list[dict]:
     base = {"layer": case.layer, "experts": e, "top_k": k, "hidden": h, "inter": inter, "tokens": t,
             "note": case.note}
     rows = []
-    fwd = dict(base, **{"pass": "forward"})
+    fwd = dict(base, **{"pass": "forward", "compiled_nvfly_layer": "fused"})
     with torch.no_grad():
         for name, fn in list(forward.items()):
             try:
@@ -311,7 +312,10 @@ def moe_layer_row(case: MoeCase, compile_too: bool) -> list[dict]:
             fwd[f"{name}_ms"] = bench_ms(lambda fn=fn: fn(*args))
     rows.append(finish_moe_row(fwd, errors))
     if case.backward:
-        rows.append(moe_backward_row(dict(base, **{"pass": "forward+backward"}), forward, args))
+        if compile_too:  # training: the layer that saves its gate/up activations (no recompute in the backward)
+            forward["compiled_nvfly"] = torch.compile(lambda *a: nvfly_moe_unfused(*a, k))
+        rows.append(moe_backward_row(dict(base, **{"pass": "forward+backward", "compiled_nvfly_layer": "unfused"}),
+                                     forward, args))
     return rows
 
 

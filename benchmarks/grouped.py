@@ -17,10 +17,10 @@ layer a user writes on ``torch._grouped_mm`` (``torch_moe``, modelled on torchti
 with a fused w13), (b) nvfly eagerly: the same code under ``nvfly.torch.routing()`` ("nvfly_route"),
 ``nvfly.ops.moe`` ("nvfly_moe", forward only), the layer on ``torch.ops.nvfly.grouped_mm`` with the fused gate/up
 ("nvfly_ops", ``nvfly_moe``) and without it ("nvfly_ops_unfused": autograd saves the gate/up activations instead of
-recomputing them), (c) ``torch.compile`` (default mode) of (a) and (d) of the nvfly-ops layer (fused for the forward rows,
-unfused for forward+backward: ``compiled_nvfly_layer``). Outputs are checked
-against the float32 layer (``nvfly.ops.moe.reference``) and, forward+backward, every gradient against the eager
-layer's; nvfly_ms is the fastest nvfly eager version (named in ``nvfly_version``).
+recomputing them), (c) ``torch.compile`` (default mode) of (a) and (d) of the nvfly-ops layer (fused for the
+forward rows, unfused for forward+backward: ``compiled_nvfly_layer``). Outputs are checked against the float32
+layer (``nvfly.ops.moe.reference``) and, forward+backward, every gradient against the eager layer's; nvfly_ms is
+the fastest nvfly eager version (named in ``nvfly_version``).
 
 Weight-gradient variants (``--wgrad-variants``): the K-grouped weight gradient on each of the kernel's K-grouped
 tiles (``plan.kgrouped_variants``) next to torch._grouped_mm, correctness first.

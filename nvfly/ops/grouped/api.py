@@ -18,7 +18,7 @@ from nvfly.ops.gemm import api as gemm_api
 from nvfly.ops.gemm.config import GemmConfig
 from nvfly.ops.gemm.plan import OPERAND_DTYPES, operand_major, tma_reason
 from nvfly.ops.grouped.kernel import FUSES, grouped_kernel
-from nvfly.ops.grouped.plan import MAX_GROUPS, GroupedPlan, make_plan
+from nvfly.ops.grouped.plan import MAX_GROUPS, GroupedPlan, deepest, make_plan
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import layout_key
@@ -288,8 +288,8 @@ def _new_call(a: torch.Tensor, b: torch.Tensor, offs: Any, out_dtype: Optional[t
         layout = "masked"
     plan = plan_of(layout, a, b, shape, groups, fuse, config, rows_per_group, out_dtype)
     if plan.store_box and not _tma_storable(out, shape, out_dtype):  # the register epilogue stores any layout
-        plan = plan_of(layout, a, b, shape, groups, fuse, replace(plan.config, tma_store=False), rows_per_group,
-                       out_dtype)
+        registers = deepest(replace(plan.config, tma_store=False), groups, layout, plan.b_major, a.dtype.itemsize)
+        plan = plan_of(layout, a, b, shape, groups, fuse, registers, rows_per_group, out_dtype)
     return _GroupedCall(plan, shape, out_dtype)
 
 

@@ -203,7 +203,7 @@ def test_eager_routes_decline_cpu_tensors_and_fall_through():
     register_routes()
     ops = {r.op for r in routing.routes()}
     assert {"aten::mm", "aten::mm.out", "aten::bmm", "aten::addmm", "aten::addmm.out", "aten::baddbmm"} <= ops
-    eligibility, _ = _route("addmm", with_c=True)
+    eligibility, _, _ = _route("addmm", with_c=True)
     c, a, b = torch.zeros(3).bfloat16(), torch.randn(2, 4).bfloat16(), torch.randn(4, 3).bfloat16()
     assert eligibility(c, a, b, beta=1, alpha=1) == "a is on cpu, not CUDA"
     assert "a: dtype torch.float32 is not supported" in eligibility(c.float(), a.float(), b.float(), beta=1, alpha=1)

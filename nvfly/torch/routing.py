@@ -173,13 +173,13 @@ def _routed(route: Route, fallthrough: Any) -> Callable[..., Any]:
 
     def impl(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if switch(False):
-            key = None
+            key = hit = None
             if signature is not None:
                 try:
                     key = signature(*args, **kwargs)
+                    hit = lookup(key)
                 except Exception:  # noqa: BLE001 - not tensors, unhashable: decided without remembering
                     key = None
-            hit = None if key is None else lookup(key)
             if hit is None:
                 hit = (_decide(route, args, kwargs),)
                 decided.remember(key, hit)

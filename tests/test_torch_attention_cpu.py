@@ -323,7 +323,7 @@ def test_sdpa_signature_keeps_what_the_rule_reads():
               A.sdpa_signature(q, k, k, enable_gqa=False), A.sdpa_signature(q, k, k, scale=0.5, enable_gqa=True),
               A.sdpa_signature(q, k, k, None, 0.1, enable_gqa=True), A.sdpa_signature(q, k, k, mask, enable_gqa=True),
               A.sdpa_signature(q, k, k, mask.float().requires_grad_(), enable_gqa=True),
-              A.sdpa_signature(q.transpose(1, 2).contiguous().transpose(1, 2), k, k, enable_gqa=True),
+              A.sdpa_signature(q, k.transpose(1, 2).contiguous().transpose(1, 2), k, enable_gqa=True),
               A.sdpa_signature(q.to(bf), k, k, enable_gqa=True),
               A.sdpa_signature(torch.randn(65)[1:].view(1, 4, 1, 16), k, k, enable_gqa=True)]  # 4 bytes in
     with sdpa_kernel([SDPBackend.MATH]):

@@ -3,10 +3,13 @@ process ("eager + routing never slower than eager", issue 28).
 
 A call's time is the host's: the loop issues ``--calls`` calls back to back without synchronizing (the GPU work of
 these shapes is shorter than their host code, except where a row says nvfly runs it and its kernel is longer),
-the best of ``--repeats`` loops, plain and routed loops interleaved so that drift lands on both. Each row says
-what routing did with the call (``nvfly``: "runs" or the reason it declined, from the route's own eligibility):
-``extra_us`` is then the cost of a declined call (the trampoline into Python, the decision lookup, the
-fallthrough to torch's kernel) or of an accepted one (nvfly's host path in place of torch's).
+the best of ``--repeats`` loops. ``plain_us``: before any route is registered (torch alone); ``off_us``: routes
+installed, switched off (what every call of a routed op pays once nvfly routing is installed: the dispatcher's
+trampoline into the Python kernel and back to torch's); ``routed_us``: inside ``nvfly.torch.routing()``, loops
+interleaved with the switched-off ones. Each row says what routing did with the call (``nvfly``: "runs" or the
+reason it declined, from the route's own eligibility): ``extra_us`` (routed - plain) is then the cost of a declined
+call (the trampoline, the signature and its decision's lookup, the fallthrough) or of an accepted one (nvfly's host
+path in place of torch's).
 
 Usage: python -m benchmarks.routing_overhead [--full] [--cpu]   (quick by default: under 30 s).
 Writes benchmarks/results/routing_overhead_h200.json.
@@ -130,30 +133,35 @@ def main(argv: Any = None) -> int:
     calls = args.calls or (2000 if args.full else 300)
     repeats = args.repeats or (15 if args.full else 7)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = cases(device, args.full)
+    plain = {}
+    for name, fn, *_ in rows:  # before any route is registered: torch alone
+        for _ in range(20):
+            fn()
+        sync()
+        plain[name] = min(host_us(fn, calls, sync) for _ in range(repeats))
     if device == "cpu":
         route_on_cpu()
     else:
         routing.install_routing()
-    rows = []
-    for name, fn, op, op_args, op_kwargs in cases(device, args.full):
+    results = []
+    for name, fn, op, op_args, op_kwargs in rows:
         with routing.routing():
             for _ in range(20):  # compiled, planned and decided before timing
                 fn()
             outcome = decision(op, op_args, op_kwargs)
-        for _ in range(20):
-            fn()
-        sync()
-        plain, routed = float("inf"), float("inf")
-        for _ in range(repeats):
-            plain = min(plain, host_us(fn, calls, sync))
+        off, routed = float("inf"), float("inf")
+        for _ in range(repeats):  # switched off (the routes' Python trampoline alone) and on, interleaved
+            off = min(off, host_us(fn, calls, sync))
             with routing.routing():
                 routed = min(routed, host_us(fn, calls, sync))
-        rows.append({"case": name, "op": op, "plain_us": round(plain, 2), "routed_us": round(routed, 2),
-                     "extra_us": round(routed - plain, 2), "nvfly": outcome})
-        print(f"{name:30s} plain {plain:7.2f} us  routed {routed:7.2f} us  extra {routed - plain:+6.2f} us  "
-              f"{outcome[:90]}", flush=True)
+        results.append({"case": name, "op": op, "plain_us": round(plain[name], 2), "off_us": round(off, 2),
+                        "routed_us": round(routed, 2), "extra_us": round(routed - plain[name], 2),
+                        "nvfly": outcome})
+        print(f"{name:30s} plain {plain[name]:7.2f} us  switched off {off:7.2f} us  routed {routed:7.2f} us  "
+              f"extra {routed - plain[name]:+6.2f} us  {outcome[:80]}", flush=True)
     if device == "cuda":
-        path = write_results("routing_overhead", rows, {"calls": calls, "repeats": repeats})
+        path = write_results("routing_overhead", results, {"calls": calls, "repeats": repeats})
         print("wrote", path)
     return 0
 

@@ -24,8 +24,16 @@ which has a CUDA kernel and an autograd formula using ``aten::_fused_rms_norm_ba
 ``aten::rms_norm`` itself is left alone: a CUDA kernel registered there would replace its composite autograd.
 Other inputs take torch's composite path (pow/mean/rsqrt), which is not routed.
 
-Every fallback is logged at debug level on the "nvfly" logger (at info level when ``NVFLY_DEBUG`` is set);
-an exception inside nvfly is logged (a warning, once per op and error type) and the call falls back.
+A routed call's host cost: the dispatcher's trampoline into the Python kernel and back to torch's (paid while
+switched off too), then the decision. A route with a ``signature`` (GEMM, SDPA, RMSNorm, TopK) decides once per
+call signature (``tensor_key`` of each tensor, the scalars the rule reads, the modes and flags it reads) and later
+calls cost a dictionary lookup: declined calls go straight to torch's kernel, accepted ones to ``run``. What a
+signature leaves out and may change (the GEMM autotune database) calls ``forget_decisions``. Measured by
+``benchmarks/routing_overhead.py`` (plain, switched off, routed).
+
+Every decline is logged at debug level on the "nvfly" logger (at info level when ``NVFLY_DEBUG`` is set), once per
+signature; an exception inside nvfly is logged (a warning, once per op and error type), the call falls back and its
+signature is declined from then on.
 """
 from __future__ import annotations
 

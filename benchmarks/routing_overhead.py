@@ -133,6 +133,8 @@ def main(argv: Any = None) -> int:
     calls = args.calls or (2000 if args.full else 300)
     repeats = args.repeats or (15 if args.full else 7)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cpu":
+        torch.set_num_threads(1)  # the host path is single-threaded; CPU kernels' threads only add noise
     rows = cases(device, args.full)
     plain = {}
     for name, fn, *_ in rows:  # before any route is registered: torch alone

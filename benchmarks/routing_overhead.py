@@ -11,7 +11,8 @@ reason it declined, from the route's own eligibility): ``extra_us`` (routed - pl
 call (the trampoline, the signature and its decision's lookup, the fallthrough) or of an accepted one (nvfly's host
 path in place of torch's).
 
-Usage: python -m benchmarks.routing_overhead [--full] [--cpu]   (quick by default: under 30 s).
+Usage: python -m benchmarks.routing_overhead [--quick | --full] [--cpu]   (--quick is the default: under 30 s;
+or: nvfly bench routing_overhead).
 Writes benchmarks/results/routing_overhead_h200.json.
 
 ``--cpu``: no GPU; the routes are registered on the CPU dispatch keys (what ``install_routing`` does on CUDA's) and
@@ -70,6 +71,7 @@ def cases(device: str, full: bool) -> list[Case]:
         bias, b3 = r(big), r(4, 64, 64)
         wide = r(256, big)
         q4, k32 = r(1, 48, 4, d), r(1, 8, 32768 if gpu else 16, d)
+        logits64 = r(64, 128)
         rows += [
             (f"linear+bias 8x{big}x{big}", lambda: F.linear(a, w, bias), "aten::addmm", (bias, a, w.t()), {}),
             ("bmm 4x64x64x64", lambda: torch.bmm(b3, b3), "aten::bmm", (b3, b3), {}),
@@ -78,7 +80,7 @@ def cases(device: str, full: bool) -> list[Case]:
             (f"sdpa decode 1x48/8 Sq 4 {k32.shape[2]}", lambda: F.scaled_dot_product_attention(q4, k32, k32,
                                                                                              enable_gqa=True),
              sdpa, (q4, k32, k32, None, 0.0, False), {"scale": None, "enable_gqa": True}),
-            ("topk 64x128 k8", lambda: torch.topk(r(64, 128), 8), "aten::topk", None, {}),
+            ("topk 64x128 k8", lambda: torch.topk(logits64, 8), "aten::topk", (logits64, 8, -1, True, True), {}),
         ]
     return rows
 
@@ -115,8 +117,6 @@ def decision(op: str, args: tuple, kwargs: dict) -> str:
     """What the route of ``op`` does with these arguments: "runs" or its reason to decline."""
     if not op:
         return "not routed"
-    if args is None:
-        return "-"
     route = next(r for r in routing.routes() if r.op == op)
     reason = routing._decide(route, args, kwargs)
     return "runs" if reason is None else reason
@@ -124,6 +124,7 @@ def decision(op: str, args: tuple, kwargs: dict) -> str:
 
 def main(argv: Any = None) -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true", help="the default: the quick rows, 300-call loops (< 30 s)")
     p.add_argument("--full", action="store_true", help="more rows, longer loops")
     p.add_argument("--cpu", action="store_true", help="the declined path on CPU (module docstring)")
     p.add_argument("--calls", type=int, default=None)

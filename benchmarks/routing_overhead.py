@@ -9,7 +9,8 @@ trampoline into the Python kernel and back to torch's); ``routed_us``: inside ``
 interleaved with the switched-off ones. Each row says what routing did with the call (``nvfly``: "runs" or the
 reason it declined, from the route's own eligibility): ``extra_us`` (routed - plain) is then the cost of a declined
 call (the trampoline, the signature and its decision's lookup, the fallthrough) or of an accepted one (nvfly's host
-path in place of torch's).
+path in place of torch's). ``decision_us`` (declined rows): the routed kernel's own Python, called directly with a
+no-op fallthrough, switched on minus off: what the decision cache costs without the dispatcher around it.
 
 Usage: python -m benchmarks.routing_overhead [--quick | --full] [--cpu]   (--quick is the default: under 30 s;
 or: nvfly bench routing_overhead).
@@ -113,6 +114,31 @@ def host_us(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> floa
     return elapsed / calls * 1e6
 
 
+class _NoTorch:
+    """A fallthrough that does nothing: the routed kernel's own Python, timed alone."""
+
+    @staticmethod
+    def call_boxed(keyset: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def decision_us(op: str, args: tuple, kwargs: dict, calls: int, repeats: int) -> float:
+    """Host µs of a declined call's Python decision: the route's kernel called directly (no dispatcher, torch's
+    kernel a no-op), switched on minus switched off."""
+    route = next(r for r in routing.routes() if r.op == op)
+    impl = routing._routed(route, _NoTorch)
+    keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)  # read by the fallthrough only
+    call = lambda: impl(keyset, *args, **kwargs)  # noqa: E731
+    with routing.routing():
+        call()
+    on = off = float("inf")
+    for _ in range(repeats):
+        off = min(off, host_us(call, calls, lambda: None))
+        with routing.routing():
+            on = min(on, host_us(call, calls, lambda: None))
+    return on - off
+
+
 def decision(op: str, args: tuple, kwargs: dict) -> str:
     """What the route of ``op`` does with these arguments: "runs" or its reason to decline."""
     if not op:
@@ -158,11 +184,14 @@ def main(argv: Any = None) -> int:
             off = min(off, host_us(fn, calls, sync))
             with routing.routing():
                 routed = min(routed, host_us(fn, calls, sync))
+        declined = op and outcome != "runs"
+        decided = decision_us(op, op_args, op_kwargs, calls, repeats) if declined else None
         results.append({"case": name, "op": op, "plain_us": round(plain[name], 2), "off_us": round(off, 2),
                         "routed_us": round(routed, 2), "extra_us": round(routed - plain[name], 2),
-                        "nvfly": outcome})
+                        "decision_us": None if decided is None else round(decided, 2), "nvfly": outcome})
         print(f"{name:30s} plain {plain[name]:7.2f} us  switched off {off:7.2f} us  routed {routed:7.2f} us  "
-              f"extra {routed - plain[name]:+6.2f} us  {outcome[:80]}", flush=True)
+              f"extra {routed - plain[name]:+6.2f} us  decision {'-' if decided is None else f'{decided:+5.2f}'} us"
+              f"  {outcome[:70]}", flush=True)
     if device == "cuda":
         path = write_results("routing_overhead", results, {"calls": calls, "repeats": repeats})
         print("wrote", path)

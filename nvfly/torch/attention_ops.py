@@ -402,9 +402,28 @@ def sdpa_run(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tens
 
 
 def forget_decisions() -> None:
-    """Decide every SDPA signature again (tests start from none)."""
+    """Decide every SDPA signature again (tests start from none); the routes' too."""
     _SDPA_DECIDED.clear()
+    routing.forget_decisions()
+
+
+_SDP_ENABLED = (torch._C._get_flash_sdp_enabled, torch._C._get_mem_efficient_sdp_enabled,
+                torch._C._get_cudnn_sdp_enabled, torch._C._get_math_sdp_enabled)  # _flags' readings, unwrapped
+
+
+def sdpa_signature(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                   dropout_p: float = 0.0, is_causal: bool = False, *, scale: Optional[float] = None,
+                   enable_gqa: bool = False) -> tuple:
+    """The route's signature: what ``sdpa_eligibility`` reads (``_signature``'s parts, the front checks' arguments
+    and types), in reads that cost least."""
+    tensor_key = routing.tensor_key
+    flash, efficient, cudnn, math_ = _SDP_ENABLED
+    grad = torch.is_grad_enabled()
+    masked = None if attn_mask is None else (tensor_key(attn_mask), type(attn_mask), grad and attn_mask.requires_grad)
+    return (tensor_key(query), tensor_key(key), tensor_key(value), type(query), type(key), type(value), masked,
+            grad and (query.requires_grad or key.requires_grad or value.requires_grad), dropout_p, scale,
+            is_causal, enable_gqa, flash(), efficient(), cudnn(), math_())
 
 
 for _key in ("AutogradCUDA", "CUDA"):
-    routing.register_route(SDPA, sdpa_eligibility, sdpa_run, _key)
+    routing.register_route(SDPA, sdpa_eligibility, sdpa_run, _key, signature=sdpa_signature)

@@ -133,6 +133,15 @@ def scaled_mm_v2_run(*args: Any, **kwargs: Any) -> torch.Tensor:
                             out_dtype=call["out_dtype"], use_fast_accum=bool(call["use_fast_accum"]))
 
 
-routing.register_route("aten::_scaled_mm", scaled_mm_eligibility, scaled_mm_run)
+def scaled_mm_signature(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                        bias: Optional[torch.Tensor] = None, scale_result: Optional[torch.Tensor] = None,
+                        out_dtype: Optional[torch.dtype] = None, use_fast_accum: bool = False) -> tuple:
+    """The route's signature: what ``scaled_mm_eligibility``'s own key holds, in cheaper reads."""
+    key = routing.tensor_key
+    return (key(a), key(b), key(scale_a), key(scale_b), bias is not None and key(bias), scale_result is None,
+            out_dtype)
+
+
+routing.register_route("aten::_scaled_mm", scaled_mm_eligibility, scaled_mm_run, signature=scaled_mm_signature)
 if hasattr(torch.ops.aten, "_scaled_mm_v2"):
     routing.register_route("aten::_scaled_mm_v2", scaled_mm_v2_eligibility, scaled_mm_v2_run)

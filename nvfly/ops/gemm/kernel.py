@@ -3,8 +3,9 @@
 One block per SM walks output tiles (grouped rasterisation for L2 reuse). Warpgroup 0 is the producer: one
 thread keeps an N-stage shared-memory ring full with TMA loads of A and B k-blocks. Warpgroups 1..C are
 consumers: each owns BM/C rows of the tile, waits for a stage, issues wgmma from shared memory, keeps one
-wgmma group in flight and releases the previous stage, then runs the epilogue (alpha, beta * C_in, bias
-via C_in's broadcast strides, activation, dtype conversion) while the producer already loads the next tile.
+wgmma group in flight and releases the previous stage (the mainloop the grouped and scaled kernels share:
+nvfly.ops.common.mainloop), then runs the epilogue (alpha, beta * C_in, bias via C_in's broadcast strides,
+activation, dtype conversion) while the producer already loads the next tile.
 Registers are rebalanced with setmaxnreg (producer 40, consumers 232).
 
 The kernel computes out[b] = act(alpha * A[b] @ B[b] + beta * C_in[b]) for every batch b; A and B may each
@@ -38,9 +39,11 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add, store_zeros_x4
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.gemm.config import (ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, REDUCE_THREADS,
-                                   STORE_BARRIER, GemmConfig, load_hint, store_box)
+from nvfly.ops.common.epilogue import activate, store_tile
+from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, GemmConfig
+from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
+from nvfly.ops.gemm.config import ARRIVAL_OFFSET, REDUCE_THREADS, load_hint, store_box
 
 
 def staging_offset(row: Any, chunk: Any, row_bytes: int) -> Any:
@@ -56,17 +59,6 @@ def staging_lane_xor(lane_row: Any, lane: Any, row_bytes: int) -> Any:
     staging_offset(lane_row, j + lane // 16, row_bytes) == lane_row * row_bytes + ((16 * j) ^ X) for every
     even chunk j (the swizzle XOR of the row, and the lane's chunk j + lane // 16 = j ^ (lane // 16))."""
     return ((((lane_row * row_bytes) >> 7) & (row_bytes // 16 - 1)) ^ (lane // 16)) << 4
-
-
-@nvfly.func
-def activate(x, KIND):
-    if KIND == "relu":
-        x = nvfly.maximum(x, 0.0)
-    elif KIND == "gelu_tanh":
-        x = 0.5 * x * (1.0 + nvfly.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
-    elif KIND == "silu":
-        x = x / (1.0 + nvfly.exp2(x * -1.4426950408889634))
-    return x
 
 
 @nvfly.kernel
@@ -139,26 +131,14 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
             for tile in range(first_tile, num_units, tile_step):
                 batch, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, rank, TILING)
                 for kt in range(k_begin, k_end):
-                    pipe.producer_acquire(state)
-                    pipe.producer_expect(state)
-                    base = ring + state.stage * STAGE_BYTES
-                    full = pipe.full(state.stage)
-                    for box in a_boxes:
-                        mm = tm * BM + box.mn_offset
-                        kk = kt * BK + box.k_offset
-                        coords = (mm, kk) if A_MAJOR == "K" else (kk, mm)
-                        sm90.tma_load(a_desc, base + box.smem_offset, (batch,) + coords if BATCHED else coords,
-                                      full, cache_hint=load_hint(CFG, "A"))
+                    base, full = fill_stage(pipe, state, ring, STAGE_BYTES)
+                    load_boxes(a_desc, a_boxes, tm * BM, kt * BK, A_MAJOR, base, full, batch if BATCHED else None,
+                               cache_hint=load_hint(CFG, "A"))
                     for r in nvfly.static_range(CM):
                         if rank == r:  # this block loads slice r of B (for every block of the cluster)
-                            for box in b_parts[r]:
-                                nn = tn * BN + box.mn_offset
-                                kk = kt * BK + box.k_offset
-                                coords = (nn, kk) if B_MAJOR == "K" else (kk, nn)
-                                sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
-                                              (batch,) + coords if BATCHED else coords, full,
-                                              multicast_mask=(1 << CM) - 1 if CM > 1 else None,
-                                              cache_hint=load_hint(CFG, "B"))
+                            load_boxes(b_desc, b_parts[r], tn * BN, kt * BK, B_MAJOR, base + A_BYTES, full,
+                                       batch if BATCHED else None, multicast_mask=(1 << CM) - 1 if CM > 1 else None,
+                                       cache_hint=load_hint(CFG, "B"))
                     state = state.advance()
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -167,6 +147,11 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
         lane = nvfly.lane_idx()
         warp_in_wg = warp % 4
         state = sm90.PipelineState.start(S)
+
+        def k_block(accs, stage, state, kt, first):
+            return issue_k_block(atom, accs, stage, a_layout, b_layout, a_part, (a_lbo, a_sbo, A_SW),
+                                 (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, first)
+
         own_first, own_step = first_tile, tile_step
         if PINGPONG:
             # consumer c takes every other tile of this block, starting with its c-th; the ring holds the
@@ -185,25 +170,10 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
                 turn = turn + 1
             # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
             accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
-            pipe.consumer_wait(state)
-            accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, a_part,
-                                 (a_lbo, a_sbo, A_SW), (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, True)
-            prev = state
-            state = state.advance()
-            for kt in range(k_begin + 1, k_end):
-                pipe.consumer_wait(state)
-                accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, a_part,
-                                     (a_lbo, a_sbo, A_SW), (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, False)
-                sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
-                if lane == 0:
-                    release(pipe, prev, CM)
-                prev = state
-                state = state.advance()
-            if PINGPONG:
-                nvfly.named_barrier_arrive(3 - consumer, 256)  # the other consumer's turn to issue
-            sm90.wait_group(0)
-            if lane == 0:
-                release(pipe, prev, CM)
+            # ping-pong: once this tile's wgmmas are issued, it is the other consumer's turn to issue
+            accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, k_begin, k_end, lane, accs, k_block, CM,
+                                           (lambda: nvfly.named_barrier_arrive(3 - consumer, 256)) if PINGPONG
+                                           else None)
             if PINGPONG:  # skip the other consumer's next unit
                 if STREAM_K:
                     state = state.advance_by(unit_work(tile + tile_step, tiles, rank, TILING).k_blocks)
@@ -228,11 +198,8 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
                     # TMA clips the stores; only C reads are bounds-checked (one code copy: C is the rare case)
                     stage_tile(out_desc, c_in, values, own, batch, tile_row, tn * BN, row0, col0, m, n, alpha, beta,
                                consumer, warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, EPI.has_c)
-                elif inside:
-                    store_tile(out, c_in, values, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI,
-                               False)
                 else:
-                    store_tile(out, c_in, values, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, True)
+                    store_tile(out, c_in, values, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, inside)
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
@@ -282,80 +249,6 @@ def check_stream_k(cfg: GemmConfig) -> None:
         raise CompileError("a stream-K tail (workspace given) needs split_k=1 and cluster_m=1")
     if 2 * cfg.stages * 8 > ARRIVAL_OFFSET:
         raise CompileError(f"{cfg.stages} stages: the ring's barriers would overlap the arrival counts")
-
-
-def release(pipe: Any, state: Any, cluster: int) -> None:
-    """Free a stage: on this block's empty barrier, and on every peer's when their B slices came from us."""
-    if cluster == 1:
-        pipe.consumer_release(state)
-        return
-    for r in range(cluster):
-        sm90.mbarrier_arrive_remote(pipe.empty(state.stage), r)
-
-
-def issue_k_block(atom: Any, accs: list, base: Any, a_layout: Any, b_layout: Any, consumer: Any,
-                  a_desc: tuple[int, int, int], b_desc: tuple[int, int, int], a_bytes: int, wg_m: int, bk: int,
-                  size: int, first: bool) -> list:
-    """Issue one k-block of wgmmas for a consumer from the stage at shared address ``base`` and commit them.
-
-    ``a_desc``/``b_desc``: (leading byte offset, stride byte offset, swizzle) of the operand descriptors.
-    """
-    sm90.fence()
-    for ks in range(bk // atom.k):
-        b_off = b_layout.inner((0, ks * atom.k)) * size
-        db = sm90.smem_descriptor(base + a_bytes + b_off, *b_desc)
-        for i in range(len(accs)):
-            da = sm90.smem_descriptor(base + _a_offset(a_layout, consumer, wg_m, i, ks * atom.k, size), *a_desc)
-            accs[i] = sm90.mma(atom, accs[i], da, db, zero=first and ks == 0)
-    sm90.commit_group()
-    return accs
-
-
-def _a_offset(layout: Any, consumer: Any, wg_m: int, atom_i: int, k: int, size: int) -> Any:
-    """Byte offset of a consumer's i-th 64-row A slice at column k (consumer may be traced)."""
-    static_part = layout.inner((64 * atom_i, k)) * size
-    per_consumer = layout.inner((wg_m, 0)) * size
-    return static_part + consumer * per_consumer if per_consumer else static_part
-
-
-def _unit_stride(t: Any, dim: int) -> bool:
-    """Whether dimension ``dim`` of a traced tensor is statically contiguous (allows vector stores)."""
-    return isinstance(t.stride[dim], int) and t.stride[dim] == 1
-
-
-@nvfly.func
-def store_tile(out, c_in, accs, batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, MASKED):
-    """Write the consumer's fragments: element 4j+2h+e of atom i is (row0 + 64i + 8h, col0 + 8j + e).
-
-    Without MASKED (the tile lies inside the output) no element is bounds-checked.
-    """
-    vec = _unit_stride(out, 2)
-    for i in nvfly.static_range(ATOMS_M):
-        for h in nvfly.static_range(2):
-            row = row0 + 64 * i + 8 * h
-            if not MASKED or row < m:
-                for j in nvfly.static_range(BN // 8):
-                    col = col0 + 8 * j
-                    v0 = accs[i][4 * j + 2 * h]
-                    v1 = accs[i][4 * j + 2 * h + 1]
-                    if not EPI.partial:
-                        if EPI.scaled:
-                            v0 = v0 * alpha
-                            v1 = v1 * alpha
-                        if EPI.has_c:
-                            if not MASKED or col < n:
-                                v0 = v0 + beta * c_in[batch, row, col].to(nvfly.f32)
-                            if not MASKED or col + 1 < n:
-                                v1 = v1 + beta * c_in[batch, row, col + 1].to(nvfly.f32)
-                        v0 = activate(v0, EPI.activation)
-                        v1 = activate(v1, EPI.activation)
-                    if vec and (not MASKED or col + 1 < n):
-                        out.store(nvfly.make_vector([v0, v1]).to(out.dtype), batch, row, col)
-                    else:
-                        if not MASKED or col < n:
-                            out[batch, row, col] = v0.to(out.dtype)
-                        if not MASKED or col + 1 < n:
-                            out[batch, row, col + 1] = v1.to(out.dtype)
 
 
 def check_store_descriptor(desc: Any, cfg: GemmConfig, batched: bool) -> None:

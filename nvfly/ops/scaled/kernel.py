@@ -9,7 +9,7 @@ warpgroups 1..C each own bm/C rows of the tile.
 
 Two mainloops (``ScaledEpilogue.promote``):
 - accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's
-  mainloop: ``nvfly.ops.gemm.kernel.issue_k_block``), the fastest and torch's ``use_fast_accum=True``;
+  mainloop: ``nvfly.ops.common.mainloop.consume_k_blocks``), the fastest and torch's ``use_fast_accum=True``;
 - promote (DeepGEMM's scheme, the accuracy DeepSeek-V3 needs): each k-block of 128 is issued into a fresh
   accumulator, waited for, and added into an fp32 sum, scaled first by sa[row, kb] * sb[n-block, kb] for the block
   recipe (1x128 activations x 128x128 weights). The tensor core's accumulator then never sums more than 128
@@ -26,9 +26,10 @@ import functools
 import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
+from nvfly.ops.common.epilogue import store_tile
+from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
+from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
-from nvfly.ops.gemm.config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
-from nvfly.ops.gemm.kernel import issue_k_block, store_tile
 from nvfly.ops.scaled.config import BK, BLOCKWISE, SCALE_BLOCK
 
 PARTIAL = Epilogue(partial=True)
@@ -77,16 +78,9 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             for tile in range(first_tile, num_units, tile_step):
                 work = unit_work(tile, tiles, 0, TILING)
                 for kt in range(work.k_begin, work.k_end):
-                    pipe.producer_acquire(state)
-                    pipe.producer_expect(state)
-                    base = ring + state.stage * STAGE_BYTES
-                    full = pipe.full(state.stage)
-                    for box in a_boxes:
-                        sm90.tma_load(a_desc, base + box.smem_offset,
-                                      (work.tile_m * BM + box.mn_offset, kt * BK + box.k_offset), full)
-                    for box in b_boxes:
-                        sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
-                                      (work.tile_n * BN + box.mn_offset, kt * BK + box.k_offset), full)
+                    base, full = fill_stage(pipe, state, ring, STAGE_BYTES)
+                    load_boxes(a_desc, a_boxes, work.tile_m * BM, kt * BK, "K", base, full)
+                    load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full)
                     state = state.advance()
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -158,31 +152,17 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                     sums = promote(sums, part, scales, ATOMS_M, EPI)
                 accs = sums
             else:
+                def accumulate(accs, stage, state, kt, first):
+                    return issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, a_desc_fields,
+                                         b_desc_fields, A_BYTES, WG_M, BK, 1, first)
+
                 # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
                 accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
-                pipe.consumer_wait(state)
-                accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
-                                     a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, True)
-                prev = state
-                state = state.advance()
-                for kt in range(work.k_begin + 1, work.k_end):
-                    pipe.consumer_wait(state)
-                    accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
-                                         a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, False)
-                    sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
-                    if lane == 0:
-                        pipe.consumer_release(prev)
-                    prev = state
-                    state = state.advance()
-                sm90.wait_group(0)
-                if lane == 0:
-                    pipe.consumer_release(prev)
+                accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, work.k_begin, work.k_end, lane, accs,
+                                               accumulate, 1, None)
             inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
             if EPI.partial:  # split K: unscaled f32 sums into out[split] (the dense GEMM's partial store)
-                if inside:
-                    store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, False)
-                else:
-                    store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, True)
+                store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, inside)
             elif inside:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
             else:

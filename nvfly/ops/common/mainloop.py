@@ -5,7 +5,9 @@ The producer (one thread) walks its tiles' k-blocks: ``fill_stage`` claims the n
 the consumers released it, expects its bytes on its full barrier), ``load_boxes`` issues an operand's TMA boxes into
 it. A consumer warpgroup walks the same k-blocks with ``consume_k_blocks``: it waits for each stage, issues its
 wgmmas (the per-k-block body is the kernel's: ``issue_k_block`` from shared memory, after whatever the kernel does
-to the stage first) and keeps one wgmma group in flight, releasing a stage once its wgmmas are done.
+to the stage first) and keeps one wgmma group in flight, releasing a stage once its wgmmas are done. A promoting
+mainloop (FP8 block scales) walks them with ``promote_k_blocks`` instead: each k-block into fresh accumulators,
+added into fp32 sums once done, optionally with the next k-block issued ahead.
 ``operand_box`` is the host side: the TMA box and swizzle of an operand's k-block.
 """
 from __future__ import annotations
@@ -76,6 +78,61 @@ def consume_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, accs,
         release_stage(pipe, prev, CLUSTER)
     return accs, state
 
+
+@nvfly.func
+def promote_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, sums, k_block, promote, AHEAD):
+    """A consumer's k-blocks [k_begin, k_end) of one tile (at least one), each issued into fresh accumulators and
+    added into ``sums`` (DeepGEMM's promotion). For each: wait for its stage, then ``k_block(stage, state, kt)`` (the
+    kernel's per-k-block body) issues k-block kt's wgmmas from the stage at shared address ``stage``, commits them
+    and returns the k-block's partial; once its wgmmas are done and its stage released, ``promote(sums, partial)``
+    returns the new sums. Without AHEAD each k-block is done before the next is issued. With AHEAD k-block k + 1
+    is issued before k is promoted, so that the promotion runs under wgmmas: two partials in flight, the k-blocks
+    taken in pairs so that each partial keeps its registers (handing one on as the other would copy registers
+    still in flight, and ptxas would serialise wgmma). Returns (sums, the state after the tile)."""
+    if AHEAD:
+        partial_a, state_a = issue_stage(pipe, state, ring, stage_bytes, k_block, k_begin), state
+        state = state.advance()
+        for pair in range(k_begin + 1, k_end - 1, 2):
+            partial_b, state_b = issue_stage(pipe, state, ring, stage_bytes, k_block, pair), state
+            state = state.advance()
+            sums = retire(pipe, state_a, lane, sums, partial_a, promote, 1)
+            partial_a, state_a = issue_stage(pipe, state, ring, stage_bytes, k_block, pair + 1), state
+            state = state.advance()
+            sums = retire(pipe, state_b, lane, sums, partial_b, promote, 1)
+        # one k-block left after the pairs, or none: two endings (handing partial_b on as partial_a would copy
+        # registers still in flight)
+        if (k_end - k_begin) % 2 == 0:
+            partial_b, state_b = issue_stage(pipe, state, ring, stage_bytes, k_block, k_end - 1), state
+            state = state.advance()
+            sums = retire(pipe, state_a, lane, sums, partial_a, promote, 1)
+            sums = retire(pipe, state_b, lane, sums, partial_b, promote, 0)
+        else:
+            sums = retire(pipe, state_a, lane, sums, partial_a, promote, 0)
+    else:
+        for kt in range(k_begin, k_end):
+            partial = issue_stage(pipe, state, ring, stage_bytes, k_block, kt)
+            sm90.wait_group(0)
+            if lane == 0:
+                pipe.consumer_release(state)
+            state = state.advance()
+            sums = promote(sums, partial)
+    return sums, state
+
+
+def issue_stage(pipe: Any, state: Any, ring: Any, stage_bytes: int, k_block: Any, kt: Any) -> Any:
+    """Wait for ``state``'s stage and run the per-k-block body ``k_block`` on it (``promote_k_blocks``)."""
+    pipe.consumer_wait(state)
+    return k_block(ring + state.stage * stage_bytes, state, kt)
+
+
+@nvfly.func
+def retire(pipe, state, lane, sums, partial, promote, PENDING):
+    """Wait until at most PENDING wgmma groups are in flight (``partial``'s are done), release ``state``'s stage and
+    promote the partial into the sums."""
+    sm90.wait_group(PENDING)
+    if lane == 0:
+        pipe.consumer_release(state)
+    return promote(sums, partial)
 
 def release_stage(pipe: Any, state: Any, cluster: int) -> None:
     """Free a stage: on this block's empty barrier, and on every peer's when their B slices came from us."""

@@ -15,7 +15,8 @@ Two mainloops (``ScaledEpilogue.promote``):
   recipe (1x128 activations x 128x128 weights). The tensor core's accumulator then never sums more than 128
   products (it keeps ~14 bits); the scale loads are issued under the wgmmas. Two consumer warpgroups overlap one's
   promotion with the other's wgmmas. With ``ScaledConfig.issue_ahead`` a consumer also issues k-block k+1 (into a
-  second partial accumulator) before k's add, so that its own wgmmas run under its promotion.
+  second partial accumulator) before k's add, so that its own wgmmas run under its promotion. Both run as
+  ``nvfly.ops.common.mainloop.promote_k_blocks`` with this kernel's k-block body and promotion.
 The epilogue multiplies by the tensor-wise scale (sa * sb, read from device memory: no host sync) or the row-wise
 scales (sa[row] * sb[col]), adds the bias and stores each thread's fragments as 4-byte pairs (masked on tails).
 """
@@ -28,7 +29,7 @@ from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
-from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes
+from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes, promote_k_blocks
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
 from nvfly.ops.scaled.config import BK, BLOCKWISE, SCALE_BLOCK
 
@@ -98,59 +99,25 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             tm, tn = work.tile_m, work.tile_n
             row0 = tm * BM + consumer * WG_M + warp_in_wg * 16 + lane // 4
             col0 = tn * BN + 2 * (lane % 4)
-            # wait for a stage and issue its k-block into fresh accumulators; the k-block's promotion scales
-            issue = functools.partial(issue_fresh, pipe, atom, ring, STAGE_BYTES, a_layout, b_layout, consumer,
-                                      a_desc_fields, b_desc_fields, A_BYTES, WG_M, ATOMS_M)
+            # the k-block's promotion scales
             scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
                                           ATOMS_M=ATOMS_M, EPI=EPI)
-            if EPI.promote and CFG.issue_ahead:
-                # k-block k+1's wgmmas are issued before k's fp32 add, into the other of two partial accumulators;
-                # the loop takes k-blocks in pairs so that each keeps its registers (a swap would serialise wgmma)
+            if EPI.promote:
+                def fresh_k_block(stage, state, kt):
+                    part = issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)], stage,
+                                         a_layout, b_layout, consumer, a_desc_fields, b_desc_fields, A_BYTES, WG_M,
+                                         BK, 1, True)
+                    return part, scales_of(kt=kt)  # the scales load while the wgmmas run
+
+                def add_partial(sums, partial):
+                    # issued ahead: the partial was waited for with the next k-block's wgmmas in flight
+                    part, scales = partial
+                    return promote(sums, fenced(part) if CFG.issue_ahead else part, scales, ATOMS_M, EPI)
+
+                # issue_ahead: k-block k+1's wgmmas are issued before k's fp32 add, into the other of two partials
                 sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
-                part_a, scales_a, state_a = issue(state), scales_of(kt=work.k_begin), state
-                state = state.advance()
-                for pair in range(work.k_begin + 1, work.k_end - 1, 2):
-                    part_b, scales_b, state_b = issue(state), scales_of(kt=pair), state
-                    state = state.advance()
-                    sm90.wait_group(1)
-                    if lane == 0:
-                        pipe.consumer_release(state_a)
-                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
-                    part_a, scales_a, state_a = issue(state), scales_of(kt=pair + 1), state
-                    state = state.advance()
-                    sm90.wait_group(1)
-                    if lane == 0:
-                        pipe.consumer_release(state_b)
-                    sums = promote(sums, fenced(part_b), scales_b, ATOMS_M, EPI)
-                # one k-block left after the pairs, or none: two endings (handing part_b on as part_a would copy
-                # registers still in flight)
-                if (work.k_end - work.k_begin) % 2 == 0:
-                    part_b, scales_b, state_b = issue(state), scales_of(kt=work.k_end - 1), state
-                    state = state.advance()
-                    sm90.wait_group(1)
-                    if lane == 0:
-                        pipe.consumer_release(state_a)
-                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
-                    sm90.wait_group(0)
-                    if lane == 0:
-                        pipe.consumer_release(state_b)
-                    sums = promote(sums, fenced(part_b), scales_b, ATOMS_M, EPI)
-                else:
-                    sm90.wait_group(0)
-                    if lane == 0:
-                        pipe.consumer_release(state_a)
-                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
-                accs = sums
-            elif EPI.promote:
-                sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
-                for kt in range(work.k_begin, work.k_end):
-                    part, scales = issue(state), scales_of(kt=kt)  # the scales load while the wgmmas run
-                    sm90.wait_group(0)
-                    if lane == 0:
-                        pipe.consumer_release(state)
-                    state = state.advance()
-                    sums = promote(sums, part, scales, ATOMS_M, EPI)
-                accs = sums
+                accs, state = promote_k_blocks(pipe, state, ring, STAGE_BYTES, work.k_begin, work.k_end, lane, sums,
+                                               fresh_k_block, add_partial, CFG.issue_ahead)
             else:
                 def accumulate(accs, stage, state, kt, first):
                     return issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, a_desc_fields,
@@ -167,15 +134,6 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
             else:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
-
-
-def issue_fresh(pipe, atom, ring, stage_bytes, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m,
-                atoms_m, state) -> list:
-    """Wait for ``state``'s stage and issue its k-block into fresh accumulators (committed, not waited for)."""
-    pipe.consumer_wait(state)
-    return issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(atoms_m)],
-                         ring + state.stage * stage_bytes, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes,
-                         wg_m, BK, 1, True)
 
 
 def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI) -> list:

@@ -134,6 +134,7 @@ def retire(pipe, state, lane, sums, partial, promote, PENDING):
         pipe.consumer_release(state)
     return promote(sums, partial)
 
+
 def release_stage(pipe: Any, state: Any, cluster: int) -> None:
     """Free a stage: on this block's empty barrier, and on every peer's when their B slices came from us."""
     if cluster == 1:

@@ -33,7 +33,9 @@ halves it). Shapes nvfly declines (its eligibility reason in ``nvfly_skipped``) 
 (``--mods``, the default; with ``--prefill-models`` only if it names ``mods``): causal GQA 32/8 at B 4 x 4K with soft-capping, ALiBi, a
 1024-key sliding window (nvfly's ``window``) and 4 documents a sequence (nvfly: a BlockMask of the mask) against
 compiled flex_attention with the same functions and its BlockMask; TFLOP/s on the pairs the mask keeps. ``--quick``
-times flex on the mod rows only.
+times flex on the mod rows only. ``--prefill-variants`` also times (after checking) nvfly's kernel with each
+combination of ``PrefillPlan.overlap`` and ``.pingpong`` (``nvfly_<variant>_ms``: serial, overlap, pingpong,
+overlap_pingpong; their geomeans against cuDNN in the summary); ``nvfly_ms`` is the default plan's.
 Writes benchmarks/results/attention_prefill_h200.json and .png.
 """
 from __future__ import annotations
@@ -48,9 +50,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, geomean, plot, rel_err, write_results  # noqa: E402
+from benchmarks.common import bench_ms, geomean, interleaved_ms, plot, rel_err, write_results  # noqa: E402
 from nvfly.ops import attention  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
+from nvfly.ops.attention.prefill_api import plan_options  # noqa: E402
 from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 
 # (name, batch, skv, hq, hkv, d): the decode suite of ../shared/docs/anchors.md
@@ -290,6 +293,11 @@ PREFILL_SUITE = ([(f"d{d}", 16384 // s, s, 2048 // d, 2048 // d, d, d) for d in 
 PREFILL_QUICK = [("d128", 4, 4096, 32, 32, 128, 128), ("d128", 2, 8192, 16, 16, 128, 128),
                  ("d128", 1, 16384, 16, 16, 128, 128), ("d64", 8, 2048, 32, 32, 64, 64),
                  ("gqa64/8", 1, 16384, 64, 8, 128, 128)]
+# --prefill-variants: nvfly's kernel with each combination of the plan's overlap options (the default is one of them)
+PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": dict(overlap=True, pingpong=False),
+                    "pingpong": dict(overlap=False, pingpong=True),
+                    "overlap_pingpong": dict(overlap=True, pingpong=True)}
+VARIANT_ROUNDS = 3
 PREFILL_BACKENDS = ("cudnn", "flash", "efficient")  # math would materialise S: not a peer at these sizes
 CHECK_ROWS = 256
 PREFILL_MOD_SHAPE = ("gqa32/8", 4, 4096, 32, 8, 128, 128)  # the mod rows (all causal): Llama-like GQA at 4K
@@ -361,7 +369,8 @@ def prefill_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     return rel_err(out[:1, -rows:, :heads].float(), want)
 
 
-def run_prefill_row(shape: tuple, causal: bool, with_flex: bool, mod: str = "none") -> dict[str, Any]:
+def run_prefill_row(shape: tuple, causal: bool, with_flex: bool, mod: str = "none",
+                    variants: bool = False) -> dict[str, Any]:
     name, batch, s, hq, hkv, dqk, dv = shape
     torch.manual_seed(0)
     q = torch.randn(batch, s, hq, dqk, device="cuda", dtype=torch.bfloat16)
@@ -378,7 +387,22 @@ def run_prefill_row(shape: tuple, causal: bool, with_flex: bool, mod: str = "non
         row["nvfly_err"] = prefill_error(q, k, v, out, causal, mods)
         row["ok"] = row["nvfly_err"] < 2e-2 and not out.isnan().any().item()  # every row written
         del out
-        row["nvfly_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal, validate=False, **mods))
+        calls = {"nvfly": lambda: attention.prefill(q, k, v, causal=causal, validate=False, **mods)}
+        for variant, options in (PREFILL_VARIANTS.items() if variants else ()):
+            with plan_options(**options):
+                out = torch.full((batch, s, hq, dv), float("nan"), dtype=q.dtype, device="cuda")
+                attention.prefill(q, k, v, causal=causal, out=out, **mods)
+                row[f"nvfly_{variant}_err"] = prefill_error(q, k, v, out, causal, mods)
+                row["ok"] = row["ok"] and row[f"nvfly_{variant}_err"] < 2e-2 and not out.isnan().any().item()
+                del out
+
+            def call(options=options):
+                with plan_options(**options):
+                    attention.prefill(q, k, v, causal=causal, validate=False, **mods)
+            calls[f"nvfly_{variant}"] = call
+        # the variants' differences are a few percent: time them in turn, three rounds, medians
+        for name, times in interleaved_ms(calls, VARIANT_ROUNDS if variants else 1).items():
+            row[f"{name}_ms"] = sorted(times)[len(times) // 2]
     else:
         row["nvfly_skipped"] = reason
     if mod == "none":
@@ -390,7 +414,7 @@ def run_prefill_row(shape: tuple, causal: bool, with_flex: bool, mod: str = "non
             row["flex_ms"] = bench_ms(call)
     for key in [key for key in row if key.endswith("_ms")]:
         row[key[:-3] + "_tflops"] = flops / row[key] / 1e9
-        if key != "nvfly_ms" and "nvfly_ms" in row:
+        if not key.startswith("nvfly") and "nvfly_ms" in row:
             row["vs_" + key[:-3]] = row[key] / row["nvfly_ms"]
     return row
 
@@ -406,7 +430,8 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     rows, started = [], time.time()
     for shape, causal, mod in cases:
         # --quick times flex on the mod rows only (its compiles are most of the time; SDPA is the plain rows' peer)
-        row = run_prefill_row(shape, causal, not args.no_flex and (mod != "none" or not args.quick), mod)
+        row = run_prefill_row(shape, causal, not args.no_flex and (mod != "none" or not args.quick), mod,
+                              args.prefill_variants)
         rows.append(row)
         peers = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row
                           if key.endswith("_tflops") and key != "nvfly_tflops")
@@ -421,6 +446,9 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
                "declined": len(rows) - len(timed),
                **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in timed if f"vs_{peer}" in r])
                   for peer in (*PREFILL_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in timed)}}
+    for variant in (PREFILL_VARIANTS if args.prefill_variants else ()):  # each variant's geomean against cuDNN
+        summary[f"geomean_{variant}_vs_cudnn"] = geomean([r["cudnn_ms"] / r[f"nvfly_{variant}_ms"] for r in timed
+                                                         if "cudnn_ms" in r and f"nvfly_{variant}_ms" in r])
     if any("vs_flex" in r and r["mod"] != "none" for r in timed):
         summary["geomean_mods_vs_flex"] = geomean([r["vs_flex"] for r in timed
                                                    if "vs_flex" in r and r["mod"] != "none"])
@@ -431,6 +459,8 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     labels = [f"{r['model']} B{r['batch']} S{r['sq'] // 1024}K {r['hq']}/{r['hkv']} {'c' if r['causal'] else 'f'}"
               + (f" {r['mod']}" if r["mod"] != "none" else "") for r in rows]
     series = {"nvfly": [r.get("nvfly_tflops", 0.0) for r in rows]}
+    for variant in (PREFILL_VARIANTS if args.prefill_variants else ()):
+        series[f"nvfly {variant}"] = [r.get(f"nvfly_{variant}_tflops", 0.0) for r in rows]
     for peer in (*PREFILL_BACKENDS, "flex"):
         if any(f"{peer}_tflops" in r for r in rows):
             series[peer] = [r.get(f"{peer}_tflops", 0.0) for r in rows]
@@ -459,6 +489,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True,
                    help="the mod rows (prefill: soft-cap, ALiBi, sliding window, documents)")
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")
+    p.add_argument("--prefill-variants", action="store_true",
+                   help="prefill: also time nvfly with each combination of the plan's overlap and ping-pong options "
+                        "(PREFILL_VARIANTS; correctness checked for each) in the same process: nvfly_<variant>_ms")
     p.add_argument("--mla", action="store_true", help="decode: the MLA suite (DeepSeek's 576/512 latent cache) "
                                                        "instead; with --quick four rows")
     p.add_argument("--fp8", action="store_true", help="also each row's shape with fp8 (e4m3) K/V caches (nvfly only)")

@@ -11,9 +11,24 @@ one kernel vs the peer's grouped mm then silu * mul), the masked layout (vs torc
 whole capacity) and the weight gradient (2-D x 2-D grouped along K). Group sizes are whole rows (multiples of 8
 for the weight gradient, where torch's kernel asserts on the device otherwise), not multiples of the tile.
 
-Usage: python -m benchmarks.grouped [--quick] [--no-triton] [--triton-cases N] [--name grouped]. --quick: the
-anchor rows (under 3 minutes on the H200, Inductor on the first case only). Writes
-benchmarks/results/<name>_h200.json and .png.
+MoE-layer rows (``--moe``, ``MOE_CASES``): a whole MoE layer (router softmax/top-k, token permutation, gate/up
+grouped GEMM with SiLU * mul, down grouped GEMM, weighted un-permutation) timed in one process as (a) the eager
+layer a user writes on ``torch._grouped_mm`` (``torch_moe``, modelled on torchtitan's ``_run_experts_grouped_mm``
+with a fused w13), (b) nvfly eagerly: the same code under ``nvfly.torch.routing()`` ("nvfly_route"),
+``nvfly.ops.moe`` ("nvfly_moe", forward only), the layer on ``torch.ops.nvfly.grouped_mm`` with the fused gate/up
+("nvfly_ops", ``nvfly_moe``) and without it ("nvfly_ops_unfused": autograd saves the gate/up activations instead of
+recomputing them), (c) ``torch.compile`` (default mode) of (a) and (d) of the nvfly-ops layer (fused for the
+forward rows, unfused for forward+backward: ``compiled_nvfly_layer``). Outputs are checked against the float32
+layer (``nvfly.ops.moe.reference``) and, forward+backward, every gradient against the eager layer's; nvfly_ms is
+the fastest nvfly eager version (named in ``nvfly_version``).
+
+Weight-gradient variants (``--wgrad-variants``): the K-grouped weight gradient on each of the kernel's K-grouped
+tiles (``plan.kgrouped_variants``) next to torch._grouped_mm, correctness first.
+
+Usage: python -m benchmarks.grouped [--quick] [--moe] [--moe-layers NAME] [--no-compile] [--wgrad-variants]
+[--no-triton] [--triton-cases N] [--name grouped]. --quick: the anchor rows (under 3 minutes on the H200, Inductor on
+the first case only). --moe alone: the MoE-layer rows only; with --quick: both. Writes
+benchmarks/results/<name>_h200.json and .png (default name: grouped, grouped_moe or grouped_wgrad).
 """
 from __future__ import annotations
 
@@ -150,18 +165,298 @@ def setup(case: Case):
     return impls, lambda: grouped.reference(a, b, offs), flop, nbytes, (a, b, offs, "none")
 
 
+# ---------------------------------------------------------------------------------------------- weight gradient
+WGRAD_CASES = [Case("Qwen3 wgrad T4096", "wgrad", 128, 768, 2048, 4096 * 8),
+               Case("Qwen3 wgrad T4096 zipf", "wgrad", 128, 768, 2048, 4096 * 8, "zipf"),
+               Case("Qwen3 gate/up wgrad T4096", "wgrad", 128, 1536, 2048, 4096 * 8),
+               Case("DSv3 down wgrad T4096", "wgrad", 256, 7168, 2048, 4096 * 8)]
+
+
+def wgrad_variants() -> list[dict]:
+    """Each WGRAD_CASES row on every K-grouped tile and on torch._grouped_mm: errors first, then times."""
+    from nvfly.ops.grouped.plan import kgrouped_variants
+    rows = []
+    for case in progress(WGRAD_CASES, "grouped wgrad"):
+        impls, reference, flop, nbytes, (a, b, offs, _) = setup(case)
+        impls = {"torch": impls["torch"]}
+        for name, config in kgrouped_variants(case.experts).items():
+            out = torch.full((case.experts, case.k, case.n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            impls[name] = lambda config=config, out=out: grouped.grouped_mm(a, b, offs, out=out, config=config)
+        ref = reference()
+        row = {"case": case.name, "E": case.experts, "N": case.n, "K": case.k, "rows": case.rows,
+               "routing": case.routing, "heuristic": grouped.describe("kgrouped", case.experts, case.k, case.n,
+                                                                      case.rows)}
+        for name, fn in impls.items():
+            row[f"{name}_rel_err"] = chunked_rel_err(fn(), ref)
+        del ref
+        for name, fn in impls.items():
+            row[f"{name}_ms"] = bench_ms(fn)
+            row[f"{name}_tflops"] = flop / row[f"{name}_ms"] / 1e9
+            if name != "torch":
+                row[f"{name}_vs_torch"] = row["torch_ms"] / row[f"{name}_ms"]
+        rows.append(row)
+        print(f"{case.name:<28} torch {row['torch_tflops']:6.1f} TF  " + "  ".join(
+            f"{name} {row[name + '_tflops']:6.1f} TF x{row[name + '_vs_torch']:.2f} (err {row[name + '_rel_err']:.1e})"
+            for name in impls if name != "torch"), flush=True)
+        del impls, a, b, offs
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- the MoE layer
+@dataclass(frozen=True)
+class MoeCase:
+    """One MoE-layer row: E experts, top-k, hidden size, expert intermediate size, tokens; ``backward``: also time
+    forward+backward (gradients of x and every weight)."""
+    layer: str
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    tokens: int
+    backward: bool
+    note: str = ""
+
+
+MOE_CASES = [MoeCase("DeepSeek-V3-like", 256, 8, 7168, 2048, 4096, True),
+             MoeCase("DeepSeek-V3-like", 256, 8, 7168, 2048, 64, False),
+             MoeCase("Qwen3-30B-A3B-like", 128, 8, 2048, 768, 4096, True),
+             MoeCase("Qwen3-30B-A3B-like", 128, 8, 2048, 768, 64, False)]
+
+
+def route_tokens(x: torch.Tensor, router_weight: torch.Tensor, top_k: int):
+    """The router and the permutation of the eager layers: softmax over float32 logits (DeepSeek-V3's gate runs in
+    float32; one routing for every version, so outputs compare), top-k renormalised, token copies sorted by expert
+    (stable argsort), the experts' cumulative ends counted on the device (no host sync). Returns (rows, offs, the
+    token of each row, its routing weight)."""
+    experts = router_weight.shape[0]
+    probs = torch.softmax(x.float() @ router_weight.float().mT, dim=-1)
+    weights, ids = torch.topk(probs, top_k)
+    weights = weights / weights.sum(dim=-1, keepdim=True)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(experts, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    token = order // top_k
+    return x[token], offs, token, weights.reshape(-1)[order]
+
+
+def combine(y: torch.Tensor, token: torch.Tensor, weight: torch.Tensor, tokens: int) -> torch.Tensor:
+    """The weighted un-permutation: each token's expert outputs times their routing weights, summed in float32."""
+    out = torch.zeros(tokens, y.shape[-1], dtype=torch.float32, device=y.device)
+    return out.index_add(0, token, y.float() * weight.unsqueeze(-1)).to(y.dtype)
+
+
+def torch_moe(x, router_weight, w13, w2, top_k):
+    """The eager MoE layer on torch._grouped_mm (w13 [E, 2I, H]: gate rows then up rows; w2 [E, H, I])."""
+    rows, offs, token, weight = route_tokens(x, router_weight, top_k)
+    gate, up = torch._grouped_mm(rows, w13.mT, offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(torch.nn.functional.silu(gate) * up, w2.mT, offs=offs)
+    return combine(y, token, weight, x.shape[0])
+
+
+def nvfly_moe(x, router_weight, w13, w2, top_k):
+    """The same layer on nvfly's differentiable grouped-GEMM op: the gate/up projection and SiLU * mul in one kernel."""
+    rows, offs, token, weight = route_tokens(x, router_weight, top_k)
+    hidden = torch.ops.nvfly.grouped_mm(rows, w13.mT, offs, fuse="silu_mul")
+    return combine(torch.ops.nvfly.grouped_mm(hidden, w2.mT, offs), token, weight, x.shape[0])
+
+
+def nvfly_moe_unfused(x, router_weight, w13, w2, top_k):
+    """The layer on nvfly's op without the fused epilogue (gate/up out, SiLU * mul on torch): autograd saves the
+    [rows, 2I] activations instead of recomputing them, as the eager layer does."""
+    rows, offs, token, weight = route_tokens(x, router_weight, top_k)
+    gate, up = torch.ops.nvfly.grouped_mm(rows, w13.mT, offs).chunk(2, dim=-1)
+    y = torch.ops.nvfly.grouped_mm(torch.nn.functional.silu(gate) * up, w2.mT, offs)
+    return combine(y, token, weight, x.shape[0])
+
+
+def moe_layer_row(case: MoeCase, compile_too: bool) -> list[dict]:
+    """The case's rows (forward; forward+backward when ``case.backward``): every version checked, then timed."""
+    import nvfly.torch
+    from nvfly.ops import moe
+    e, h, inter, k, t = case.experts, case.hidden, case.inter, case.top_k, case.tokens
+    bf16 = torch.bfloat16
+    torch._dynamo.reset()  # each case compiles afresh (no automatic dynamic shapes from an earlier case)
+    x = torch.randn(t, h, device="cuda").to(bf16)
+    router = (torch.randn(e, h, device="cuda") / math.sqrt(h)).to(bf16)
+    w13 = (torch.randn(e, 2 * inter, h, device="cuda") / math.sqrt(h)).to(bf16)
+    w2 = (torch.randn(e, h, inter, device="cuda") / math.sqrt(inter)).to(bf16)
+    args = (x, router, w13, w2)
+
+    def routed(*a):
+        with nvfly.torch.routing():
+            return torch_moe(*a, k)
+    forward = {"eager": lambda *a: torch_moe(*a, k), "nvfly_route": routed,
+               "nvfly_moe": lambda *a: moe.moe(*a, k), "nvfly_ops": lambda *a: nvfly_moe(*a, k),
+               "nvfly_ops_unfused": lambda *a: nvfly_moe_unfused(*a, k)}
+    errors = {}
+    if compile_too:
+        forward["compiled"] = torch.compile(lambda *a: torch_moe(*a, k))
+        forward["compiled_nvfly"] = torch.compile(lambda *a: nvfly_moe(*a, k))
+    ref = moe.reference(x, router, w13, w2, k)
+    base = {"layer": case.layer, "experts": e, "top_k": k, "hidden": h, "inter": inter, "tokens": t,
+            "note": case.note}
+    rows = []
+    fwd = dict(base, **{"pass": "forward", "compiled_nvfly_layer": "fused"})
+    with torch.no_grad():
+        for name, fn in list(forward.items()):
+            try:
+                fwd[f"{name}_rel_err"] = rel_err(fn(*args).float(), ref)
+            except Exception as exc:  # a version that fails is reported, not timed
+                errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+                del forward[name]
+        del ref
+        for name, fn in forward.items():
+            fwd[f"{name}_ms"] = bench_ms(lambda fn=fn: fn(*args))
+    rows.append(finish_moe_row(fwd, errors))
+    if case.backward:
+        if compile_too:  # training: the layer that saves its gate/up activations (no recompute in the backward)
+            forward["compiled_nvfly"] = torch.compile(lambda *a: nvfly_moe_unfused(*a, k))
+        rows.append(moe_backward_row(dict(base, **{"pass": "forward+backward", "compiled_nvfly_layer": "unfused"}),
+                                     forward, args))
+    return rows
+
+
+def moe_backward_row(row: dict, forward: dict, args: tuple) -> dict:
+    """Forward+backward of every version (torch.autograd.grad: no accumulation into .grad); each version's
+    gradients of x and the three weights against the eager layer's."""
+    import nvfly.torch
+    leaves = [a.detach().requires_grad_() for a in args]
+    grad_out = torch.randn_like(args[0])
+    errors = {}
+
+    def step(name, fn):
+        def run():
+            out = fn(*leaves)
+            return torch.autograd.grad(out, leaves, grad_out)
+        if name == "nvfly_route":  # the backward runs under the route too (on the calling thread)
+            def routed_run():
+                with nvfly.torch.routing():
+                    return run()
+            return routed_run
+        return run
+    steps = {name: step(name, fn) for name, fn in forward.items() if name != "nvfly_moe"}  # nvfly_moe: inference
+    want = steps["eager"]()
+    for name, fn in list(steps.items()):
+        if name == "eager":
+            continue
+        try:
+            got = fn()
+            row[f"{name}_grad_rel_err"] = max(chunked_rel_err(g, w) for g, w in zip(got, want))
+            del got
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+            del steps[name]
+    del want
+    for name, fn in steps.items():
+        row[f"{name}_ms"] = bench_ms(fn)
+    return finish_moe_row(row, errors)
+
+
+def chunked_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``rel_err`` a slice of the first dimension at a time (float64 copies of a DeepSeek-V3 weight gradient would
+    take 60 GB)."""
+    num = den = 0.0
+    for o, r in zip(out.split(8), ref.split(8)):
+        o, r = o.double(), r.double()
+        if torch.isnan(o).any():
+            return math.inf
+        num += float((o - r).square().sum())
+        den += float(r.square().sum())
+    return math.sqrt(num / max(den, 1e-300))
+
+
+def finish_moe_row(row: dict, errors: dict) -> dict:
+    """nvfly_ms (the fastest nvfly eager version), the ratios, the failures; prints the row."""
+    eager_versions = [v for v in ("nvfly_route", "nvfly_moe", "nvfly_ops", "nvfly_ops_unfused") if f"{v}_ms" in row]
+    if eager_versions:
+        best = min(eager_versions, key=lambda v: row[f"{v}_ms"])
+        row["nvfly_version"] = best
+        row["nvfly_ms"] = row[f"{best}_ms"]
+        row["nvfly_vs_eager"] = row["eager_ms"] / row["nvfly_ms"]
+    if "compiled_ms" in row:
+        if "compiled_nvfly_ms" in row:
+            row["compiled_nvfly_vs_compiled"] = row["compiled_ms"] / row["compiled_nvfly_ms"]
+        if "nvfly_ms" in row:
+            row["nvfly_vs_compiled"] = row["compiled_ms"] / row["nvfly_ms"]
+    if errors:
+        row["errors"] = errors
+    times = "  ".join(f"{v} {row[v + '_ms']:.3f}" for v in ("eager", "nvfly_route", "nvfly_moe", "nvfly_ops",
+                                                             "nvfly_ops_unfused", "compiled", "compiled_nvfly")
+                      if v + "_ms" in row)
+    print(f"{row['layer']:<20} T{row['tokens']:<5} {row['pass']:<16} ms: {times}  "
+          f"nvfly x{row.get('nvfly_vs_eager', 0):.2f} eager, "
+          f"compiled+nvfly x{row.get('compiled_nvfly_vs_compiled', 0):.2f} compiled"
+          + (f"  FAILED: {errors}" if errors else ""), flush=True)
+    return row
+
+
+def moe_rows(layers: str, compile_too: bool) -> list[dict]:
+    rows = []
+    for case in progress([c for c in MOE_CASES if layers.lower() in c.layer.lower()], "grouped moe"):
+        rows += moe_layer_row(case, compile_too)
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="the anchor rows only (under 3 minutes)")
+    p.add_argument("--moe", action="store_true", help="the MoE-layer rows (alone, or after --quick's)")
+    p.add_argument("--moe-layers", default="", help="only the MoE layers whose name contains this (e.g. qwen3)")
+    p.add_argument("--no-compile", action="store_true", help="MoE rows without the torch.compile versions")
+    p.add_argument("--wgrad-variants", action="store_true",
+                   help="the K-grouped weight gradient on each of the kernel's K-grouped tiles vs torch (alone)")
     p.add_argument("--no-triton", action="store_true", help="leave out Inductor max-autotune's grouped mm")
     p.add_argument("--triton-cases", type=int, default=None,
                    help="time Inductor on the first N forward cases (default: 1 with --quick, all forward cases)")
-    p.add_argument("--name", default="grouped", help="results file stem: benchmarks/results/<name>_h200.json")
+    p.add_argument("--name", default=None, help="results file stem: benchmarks/results/<name>_h200.json "
+                   "(default grouped; grouped_moe for --moe alone, grouped_wgrad for --wgrad-variants)")
     args = p.parse_args(argv)
-    cases = QUICK if args.quick else FULL
+    t_start = time.time()
+    if args.wgrad_variants:
+        name = args.name or "grouped_wgrad"
+        rows = wgrad_variants()
+        variants = [k[:-len("_vs_torch")] for k in rows[0] if k.endswith("_vs_torch")]
+        summary = {f"geomean_{v}_vs_torch": geomean([r[f"{v}_vs_torch"] for r in rows]) for v in variants}
+        summary["seconds"] = time.time() - t_start
+        print(summary)
+        path = write_results(name, rows, {"summary": summary})
+        plot(name, [r["case"] for r in rows], {v: [r[f"{v}_tflops"] for r in rows] for v in ["torch"] + variants},
+             "TFLOP/s")
+        print("wrote", path)
+        return 0
+    rows, summary = [], {}
+    if args.quick or not args.moe:
+        rows, summary = grouped_rows(QUICK if args.quick else FULL, args)
+    moe = moe_rows(args.moe_layers, not args.no_compile) if args.moe else []
+    if moe:
+        summary["moe"] = {key: [r.get(key) for r in moe] for key in ("layer", "tokens", "pass", "nvfly_vs_eager",
+                                                                      "compiled_nvfly_vs_compiled")}
+    summary["seconds"] = time.time() - t_start
+    print(summary)
+    name = args.name or ("grouped" if rows else "grouped_moe")
+    path = write_results(name, rows + moe, {"summary": summary, "peak_tflops": PEAK_TFLOPS, "peak_tbps": PEAK_TBPS})
+    if rows:
+        series = {"nvfly": [r["nvfly_of_floor"] for r in rows],
+                  "torch._grouped_mm": [r["torch_of_floor"] for r in rows]}
+        if any("inductor_of_floor" in r for r in rows):
+            series["Inductor (Triton)"] = [r.get("inductor_of_floor", 0.0) for r in rows]
+        plot(name, [r["case"] for r in rows], series, "fraction of the max(compute, memory) floor")
+    else:
+        labels = [f"{r['layer']} T{r['tokens']} {r['pass']}" for r in moe]
+        plot(name, labels, {v: [r.get(f"{v}_ms", 0.0) for r in moe]
+                            for v in ("eager", "nvfly", "compiled", "compiled_nvfly")}, "ms (lower is better)")
+    print("wrote", path)
+    return 0
+
+
+def grouped_rows(cases: list[Case], args) -> tuple[list[dict], dict]:
+    """The grouped-GEMM rows of ``cases`` and their summary."""
     triton_cases = args.triton_cases if args.triton_cases is not None else (1 if args.quick else len(cases))
     rows = []
-    t_start = time.time()
     forward_seen = 0
     for case in progress(cases, "grouped"):
         impls, reference, flop, nbytes, peer_args = setup(case)
@@ -213,16 +508,8 @@ def main(argv=None) -> int:
                "min_vs_torch": min(r["vs_torch"] for r in rows),
                "geomean_vs_inductor": geomean([r["vs_inductor"] for r in rows if "vs_inductor" in r]),
                "geomean_of_floor": geomean([r["nvfly_of_floor"] for r in rows]),
-               "max_rel_err": max(r["nvfly_rel_err"] for r in rows), "rows": len(rows),
-               "seconds": time.time() - t_start}
-    print(summary)
-    path = write_results(args.name, rows, {"summary": summary, "peak_tflops": PEAK_TFLOPS, "peak_tbps": PEAK_TBPS})
-    series = {"nvfly": [r["nvfly_of_floor"] for r in rows], "torch._grouped_mm": [r["torch_of_floor"] for r in rows]}
-    if any("inductor_of_floor" in r for r in rows):
-        series["Inductor (Triton)"] = [r.get("inductor_of_floor", 0.0) for r in rows]
-    plot(args.name, [r["case"] for r in rows], series, "fraction of the max(compute, memory) floor")
-    print("wrote", path)
-    return 0
+               "max_rel_err": max(r["nvfly_rel_err"] for r in rows), "rows": len(rows)}
+    return rows, summary
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ launch is the host's. Also the suites' timing floor: ``bench_ms`` (do_bench, L2 
 the least any one-kernel op can measure there (e.g. MoE routing's torch.topk, 14.4 us, can be beaten by at most its
 ratio to this floor). A second row: the host time of an op call with two launches, attention decode (B=1, 32K
 keys, 48/8 heads, D 128, bf16; a few hundred calls, fewer than the launch queue holds, so the GPU never blocks the
-host), beside its do_bench time eager and replayed from a CUDA graph (their gap is the host cost do_bench sees).
+host), beside its do_bench time eager and replayed from a CUDA graph (their gap is the host cost do_bench sees);
+a third: the same for the decode step of ``benchmarks/attention.py``'s window4096-blockmask row (B=16, 8K, 32/8,
+a flex BlockMask: the tables launch, decode and combine).
 Usage: python -m benchmarks.launch_overhead   (or: nvfly bench launch_overhead)
 """
 from __future__ import annotations
@@ -44,20 +46,28 @@ def per_launch_us(launch, n: int = 20000, repeats: int = 7) -> float:
     return statistics.median(samples)
 
 
-def decode_row() -> dict:
-    """Host and do_bench time per call of an attention decode step (module docstring)."""
+def decode_row(masked: bool = False) -> dict:
+    """Host and do_bench time per call of an attention decode step (module docstring); ``masked``: the block-mask
+    row's step instead."""
     from nvfly.ops import attention
-    q = torch.randn(1, 1, 48, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 32768, 8, 128, device="cuda", dtype=torch.bfloat16)
+    if masked:
+        from benchmarks.attention import window_block_mask
+        batch, skv, hq, calls = 16, 8192, 32, 100  # 3 launches a call: 300 stay within the launch queue
+        kwargs = {"block_mask": window_block_mask(batch, 1, skv, 4096)}
+        name = "attention decode B=16 8K 32/8 D128 bf16, window-4096 BlockMask (3 launches)"
+    else:
+        batch, skv, hq, calls, kwargs = 1, 32768, 48, 200, {}
+        name = "attention decode B=1 32K 48/8 D128 bf16 (2 launches)"
+    q = torch.randn(batch, 1, hq, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, skv, 8, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     out = torch.empty_like(q)
 
     def call():
-        attention.decode(q, k, v, out=out)
+        attention.decode(q, k, v, out=out, validate=False, **kwargs)
     call()
     torch.cuda.synchronize()
-    row = {"kernel": "attention decode B=1 32K 48/8 D128 bf16 (2 launches)",
-           "nvfly_us": per_launch_us(call, n=200, repeats=15)}
+    row = {"kernel": name, "nvfly_us": per_launch_us(call, n=calls, repeats=15)}
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -114,7 +124,8 @@ def main(argv=None) -> int:
     for k, v in results.items():
         print(f"{k:>24}: {v:6.2f} us")
     rows = [{"kernel": "add 1024 f32 (4 args)", **{k: round(v, 3) for k, v in results.items()},
-             "nvfly_over_triton": round(results["nvfly_us"] / results["triton_us"], 3)}, decode_row()]
+             "nvfly_over_triton": round(results["nvfly_us"] / results["triton_us"], 3)}, decode_row(),
+            decode_row(masked=True)]
     print("wrote", write_results("launch_overhead", rows))
     return 0
 

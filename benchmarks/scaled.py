@@ -4,14 +4,17 @@ the same shape (torch.mm), in one process.
 Accuracy first, for every row: nvfly's output against the float32 GEMM of the dequantised operands (relative
 Frobenius error and the largest error over the largest |reference|), next to cuBLAS's where it runs the recipe.
 Then the median times. Recipes: tensor-wise and row-wise fp32 scales, each with torch's default promoted
-accumulation and with use_fast_accum=True, and 1x128 x 128x128 and 1x128 x 1x128 block scales (always
-promoted). bf16 outputs.
+accumulation and with use_fast_accum=True, 1x128 x 128x128 and 1x128 x 1x128 block scales (always promoted), and
+MXFP8 x MXFP8 (``mxfp8``) and MXFP8 x MXFP4 weights (``mxfp4``), e8m0 scales per 32 of K, promoted every k-step:
+cuBLAS runs no MX on Hopper, so their peers are the bf16 GEMM (bf16_ms) and nvfly's 1x128 x 128x128 block path of
+the same shape (nvfly_block_ms, vs_block). bf16 outputs. Every row carries its ``scaling``.
 
 Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [--shapes M,N,K ...]
-[--recipes tensor row block block1x128 tensor-fast row-fast] [--name scaled] [--no-quantize] [--issue-ahead].
---quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise recipe only). The quantisation
-kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8) are checked bit for bit against the torch reference and
-timed after.
+[--recipes tensor row block block1x128 tensor-fast row-fast mxfp8 mxfp4] [--name scaled] [--no-quantize]
+[--issue-ahead]. --quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise recipe only); only the
+MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name scaled_mx. The quantisation
+kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against the torch
+reference and timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
 """
 from __future__ import annotations
@@ -30,7 +33,7 @@ from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_
 from nvfly.ops import scaled  # noqa: E402
 from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue  # noqa: E402
 from nvfly.ops.scaled.plan import make_plan  # noqa: E402
-from nvfly.ops.scaled.quantize import quantize, quantize_fp8  # noqa: E402
+from nvfly.ops.scaled.quantize import quantize, quantize_fp8, quantize_mxfp4  # noqa: E402
 
 # the FP8 anchors (../shared/docs/anchors.md) first, then DeepSeek-V3's projections at decode and prefill sizes
 ANCHORS = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 16384), (128, 8192, 8192), (2048, 24576, 1536)]
@@ -40,13 +43,16 @@ QUICK = [(4096, 4096, 4096), (8192, 8192, 8192), (128, 8192, 8192), (4096, 2112,
          (64, 7168, 2048)]
 RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "tensor", True),
            "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False),
-           "block1x128": ("1x128", "1x128", False)}
+           "block1x128": ("1x128", "1x128", False), "mxfp8": ("mx", "mx", False), "mxfp4": ("mx", "mxfp4", False)}
+MX_RECIPES = ("mxfp8", "mxfp4")
 
 
 def operands(m: int, n: int, k: int, recipe: str) -> tuple[torch.Tensor, ...]:
     ga, gb, _ = RECIPES[recipe]
     a, sa = quantize(torch.randn(m, k, device="cuda"), ga)
-    b, sb = quantize(torch.randn(n, k, device="cuda"), gb, operand="b")
+    b, sb = quantize(torch.randn(n, k, device="cuda"), gb, operand="b")  # mxfp4: packed (K/2, N) column-major
+    if ga == "mx":  # e8m0 scales as torch names them (quantize gives their bytes)
+        sa, sb = sa.view(torch.float8_e8m0fnu), sb.view(torch.float8_e8m0fnu)
     return a, b, sa, sb
 
 
@@ -106,13 +112,15 @@ def quantize_rows() -> list[dict[str, Any]]:
     rows = []
     for m, k in QUANTIZE_SHAPES:
         x = torch.randn(m, k, device="cuda").bfloat16()
-        for granularity in ("row", "1x128", "128x128", "mx"):
-            q, s = quantize_fp8(x, granularity)
+        for granularity in ("row", "1x128", "128x128", "mx", "mxfp4"):
+            def kernel(granularity=granularity):
+                return quantize_mxfp4(x, "a") if granularity == "mxfp4" else quantize_fp8(x, granularity)
+            q, s = kernel()
             q_ref, s_ref = quantize(x, granularity)
             exact = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
-            nvfly_ms = bench_ms(lambda: quantize_fp8(x, granularity))
+            nvfly_ms = bench_ms(kernel)
             torch_ms = bench_ms(lambda: quantize(x, granularity))
-            gbytes = 3 * m * k / 1e9
+            gbytes = (2.5 if granularity == "mxfp4" else 3) * m * k / 1e9  # bf16 read, fp8 / fp4 written
             row = {"M": m, "K": k, "granularity": granularity, "bit_exact": exact, "nvfly_ms": nvfly_ms,
                    "torch_ms": torch_ms, "nvfly_gbps": gbytes / nvfly_ms * 1e3, "vs_torch": torch_ms / nvfly_ms}
             rows.append(row)
@@ -144,6 +152,7 @@ def main(argv=None) -> int:
                                               else 1 if args.quick else 3)
     rows = []
     t_start = time.time()
+    block_ms: dict[tuple[int, int, int], float] = {}  # nvfly's block path per shape: the MX rows' peer
     for idx, (m, n, k) in progress(list(enumerate(shapes)), "scaled"):
         a16 = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         b16 = torch.randn(n, k, device="cuda").to(torch.bfloat16).t()
@@ -158,14 +167,22 @@ def main(argv=None) -> int:
             ref = scaled.reference(a, b, sa, sb)
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             scaled.scaled_mm(a, b, sa, sb, out=out, use_fast_accum=fast)
-            row = {"M": m, "N": n, "K": k, "recipe": recipe, "out": "bf16",
+            row = {"M": m, "N": n, "K": k, "recipe": recipe, "scaling": scaled.recipe(a, b, sa, sb), "out": "bf16",
                    "path": scaled.path(a, b, sa, sb, use_fast_accum=fast),
                    "rel_err": rel_err(out, ref), "max_err": max_err(out, ref)}
-            cublas = cublas_call(a, b, sa, sb, fast)
+            cublas = None if recipe in MX_RECIPES else cublas_call(a, b, sa, sb, fast)  # no MX on Hopper
             if cublas is not None:
                 theirs = cublas()
                 row["cublas_rel_err"], row["cublas_max_err"] = rel_err(theirs, ref), max_err(theirs, ref)
             row["nvfly_ms"] = bench_ms(lambda: scaled.scaled_mm(a, b, sa, sb, out=out, use_fast_accum=fast))
+            if recipe == "block":
+                block_ms[(m, n, k)] = row["nvfly_ms"]
+            if recipe in MX_RECIPES:
+                if (m, n, k) not in block_ms:
+                    ba, bb, bsa, bsb = operands(m, n, k, "block")
+                    block_out = torch.empty_like(out)
+                    block_ms[(m, n, k)] = bench_ms(lambda: scaled.scaled_mm(ba, bb, bsa, bsb, out=block_out))
+                row["nvfly_block_ms"] = block_ms[(m, n, k)]
             if cublas is not None:
                 row["cublas_ms"] = bench_ms(cublas)
             ahead = issue_ahead_config(m, n, k, recipe) if args.issue_ahead else None
@@ -180,12 +197,14 @@ def main(argv=None) -> int:
                     row["triton_ms"] = bench_ms(tri)
             row["bf16_ms"] = bf16_ms
             flop = 2.0 * m * n * k
-            for who in ("nvfly", "nvfly_ahead", "cublas", "triton", "bf16"):
+            for who in ("nvfly", "nvfly_ahead", "nvfly_block", "cublas", "triton", "bf16"):
                 if f"{who}_ms" in row:
                     row[f"{who}_tflops"] = flop / row[f"{who}_ms"] / 1e9
             for who in ("cublas", "triton", "bf16"):
                 if f"{who}_ms" in row:
                     row[f"vs_{who}"] = row[f"{who}_ms"] / row["nvfly_ms"]
+            if "nvfly_block_ms" in row:
+                row["vs_block"] = row["nvfly_block_ms"] / row["nvfly_ms"]
             if "nvfly_ahead_ms" in row and "cublas_ms" in row:
                 row["ahead_vs_cublas"] = row["cublas_ms"] / row["nvfly_ahead_ms"]
             rows.append(row)
@@ -196,6 +215,8 @@ def main(argv=None) -> int:
                   + (f"  ahead {row['nvfly_ahead_tflops']:6.1f} x{row['ahead_vs_cublas']:.2f} (err "
                      f"{row['ahead_rel_err']:.1e})" if "ahead_vs_cublas" in row else "")
                   + (f"  Triton {row['triton_tflops']:6.1f} x{row['vs_triton']:.2f}" if "triton_ms" in row else "")
+                  + (f"  nvfly block {row['nvfly_block_tflops']:6.1f} x{row['vs_block']:.2f}" if "vs_block" in row
+                     else "")
                   + f"  bf16 {row['bf16_tflops']:6.1f} TFLOP/s  {row['path']}", flush=True)
     summary: dict[str, Any] = {"seconds": time.time() - t_start, "rows": len(rows),
                                "max_rel_err": max(r["rel_err"] for r in rows)}
@@ -203,6 +224,8 @@ def main(argv=None) -> int:
         mine = [r for r in rows if r["recipe"] == recipe]
         summary[f"geomean_vs_cublas_{recipe}"] = geomean([r["vs_cublas"] for r in mine if "vs_cublas" in r])
         summary[f"geomean_vs_bf16_{recipe}"] = geomean([r["vs_bf16"] for r in mine])
+        if recipe in MX_RECIPES:
+            summary[f"geomean_vs_block_{recipe}"] = geomean([r["vs_block"] for r in mine])
     summary["geomean_ahead_vs_cublas"] = geomean([r["ahead_vs_cublas"] for r in rows if "ahead_vs_cublas" in r])
     summary["geomean_vs_triton"] = geomean([r["vs_triton"] for r in rows if "vs_triton" in r])
     quantized = [] if args.no_quantize else quantize_rows()

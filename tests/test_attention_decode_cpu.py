@@ -512,12 +512,81 @@ def test_host_path_passes_fp8_caches_as_bytes_with_scales(cpu_launches):
 
 
 def test_host_path_passes_block_mask_tables(cpu_launches):
+    """A block mask's tables: written by one launch (grid (Hkv, B)) from the mask's tensors and the lengths, read by
+    the decode launch after it; then split and combined."""
     q, k, v = bf16(2, 4, 8, 64), bf16(2, 512, 2, 64), bf16(2, 512, 2, 64)
     mask, _ = random_block_mask(2, 1, 4, 256, mask_mod=head_parity)
-    out = attention.decode(q, k, v, block_mask=mask, splits=3, cache_seqlens=torch.tensor([512, 100]))
-    assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_decode_kernel", (3, 2, 2)),
-                                                                ("attention_combine_kernel", (2 * 4 * 8 // 4, 1, 1))]
+    lengths = torch.tensor([512, 100], dtype=torch.int32)
+    out = attention.decode(q, k, v, block_mask=mask, splits=3, cache_seqlens=lengths)
+    assert [(name, grid) for name, grid, _ in cpu_launches] == [
+        ("block_mask_tables_kernel", (2, 2, 1)), ("attention_decode_kernel", (3, 2, 2)),
+        ("attention_combine_kernel", (2 * 4 * 8 // 4, 1, 1))]
     assert out.shape == (2, 4, 8, 64)
+    tables, decode_params = cpu_launches[0][2], cpu_launches[1][2]
+    for t in (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices, lengths):
+        assert t.data_ptr() in tables
+    # kv_state of the mask's 4 blocks, stage_list of the cache's 8 stages
+    kv_state, stage_list, stage_count = scratch.int32_tables(q.device, 0, ((2, 8, 4), (2, 2, 8), (2, 2)))
+    for t in (kv_state, stage_list, stage_count):
+        assert t.data_ptr() in tables and t.data_ptr() in decode_params
+
+
+def test_host_path_binds_a_sliced_mask(cpu_launches):
+    """flex's decode recipe (a prefill mask sliced at the queries' block): its tables are strided views, bound as
+    they are (their strides in the tables launch's parameters)."""
+    q, k, v = bf16(2, 4, 8, 64), bf16(2, 640, 2, 64), bf16(2, 640, 2, 64)
+    window = M.sliding_window(200)
+
+    def causal_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & window(b, h, q_idx, kv_idx)
+    sliced = create_block_mask(causal_window, 2, 1, 1024, 1024, device="cpu")[:, :, 636 // 128]
+    assert not sliced.kv_indices.is_contiguous()
+    attention.decode(q, k, v, block_mask=sliced, mask_mod=causal_window, splits=1)
+    (name, grid, params), _ = cpu_launches
+    assert name == "block_mask_tables_kernel" and grid == (2, 2, 1)
+    assert sliced.kv_indices.data_ptr() in params and sliced.full_kv_indices.data_ptr() in params
+    assert all(stride in params for stride in sliced.kv_indices.stride())
+
+
+def test_a_block_mask_signature_checks_and_plans_once(counted_host):
+    """A block-mask call is cached like the others: a new mask of the same layouts and mask_mod (other blocks,
+    other tensors) checks and plans nothing and binds its tensors; per call only the tables, decode and combine launch
+    (no torch operation but out's allocation)."""
+    counts, launches = counted_host
+    q, k, v = bf16(2, 1, 8, 64), bf16(2, 1024, 2, 64), bf16(2, 1024, 2, 64)
+    masks = [random_block_mask(2, 8, 8, seed=seed)[0] for seed in (0, 1)]
+    attention.decode(q, k, v, block_mask=masks[0], validate=False)
+    assert counts == {"check": 2, "scales": 1, "plan": 1, "full": 1}  # the mask's checks need the capacity
+    launches.clear()
+    ops = []
+
+    class Counting(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+    with Counting():
+        attention.decode(q, k, v, block_mask=masks[1], validate=False)
+    assert ops == ["aten.empty.memory_format"]  # out
+    assert counts == {"check": 2, "scales": 1, "plan": 1, "full": 1} and len(api._CALLS) == 1
+    plan = P.decode_plan(2, 1, 2, 4, 64, 64, 1024, 132, kv_block=128)
+    assert [name for name, _, _ in launches] == ["block_mask_tables_kernel", "attention_decode_kernel"] + (
+        ["attention_combine_kernel"] if plan.splits > 1 else [])
+    assert masks[1].kv_indices.data_ptr() in launches[0][2] and masks[0].kv_indices.data_ptr() not in launches[0][2]
+    attention.decode(q, k, v, block_mask=masks[1], validate=False, mask_mod=head_parity)  # another signature
+    assert counts["check"] == 4 and len(api._CALLS) == 2
+
+
+def test_a_block_mask_hit_validates_its_block_numbers(cpu_launches):
+    """With validate, a cached block-mask call still reads its block numbers (out of range: the error), and
+    without it does not."""
+    q, k, v = bf16(2, 1, 8, 64), bf16(2, 512, 2, 64), bf16(2, 512, 2, 64)
+    mask, _ = random_block_mask(2, 8, 4, 128)
+    attention.decode(q, k, v, block_mask=mask)
+    mask.kv_num_blocks[1, 3, 0] = 5
+    with pytest.raises(ValueError, match="decode: block_mask: kv_num_blocks or its indices out of range"):
+        attention.decode(q, k, v, block_mask=mask)
+    attention.decode(q, k, v, block_mask=mask, validate=False)
+    assert len(api._CALLS) == 1
 
 
 @pytest.fixture
@@ -709,6 +778,19 @@ def test_plan_families_compile_without_spills(name):
 
 
 MOD_PLAN = P.decode_plan(2, 2, 2, 4, 128, 128, 1024, 132, splits=1)
+
+
+@pytest.mark.parametrize("group,kv_block,batch_broadcast,head_broadcast,full", [
+    (4, 128, False, False, True), (1, 64, True, True, False), (16, 256, True, False, True)])
+def test_block_mask_tables_kernel_compiles(group, kv_block, batch_broadcast, head_broadcast, full):
+    """The tables kernel: no local memory, and kv_state's read-back after its writes is a coherent load (no
+    read-only LDG.E.CONSTANT anywhere)."""
+    tables = P.MaskTablesPlan(group, kv_block, batch_broadcast, head_broadcast, full)
+    kernel = attention.compile_mask_tables(tables, batch=3, kv_heads=2, seqlen=1000)
+    ops = kernel.sass_opcodes()
+    assert not any(op.startswith(("LDL", "STL")) for op in ops) and kernel.resources.spill_stores == 0
+    assert ops["STG.E"] > 0 and ops["BAR.SYNC.DEFER_BLOCKING"] >= (4 if full else 3)
+    assert not any(op.startswith("LDG") and "CONSTANT" in op for op in ops), sorted(ops)
 
 
 def test_score_and_mask_mods_trace_into_the_kernel():

@@ -13,7 +13,7 @@ import nvfly
 from nvfly.ops import attention
 from nvfly.ops.attention.prefill_api import masking
 from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, HEAD_DIMS, MAX_SMEM, PRODUCER_REGS, PrefillPlan,
-                                              causal_offset, key_blocks)
+                                              causal_offset, key_blocks, pipelined_loops)
 
 
 def gmma_count(kernel, shape, a_from_registers):
@@ -28,10 +28,12 @@ def gmma_count(kernel, shape, a_from_registers):
 def test_plans_compile_to_hgmma_without_spills(dqk, dv, causal):
     plan = attention.prefill_plan(dqk, dv, causal)
     kernel = attention.compile_prefill(plan)
-    s_steps, pv_steps = dqk // 16, plan.block_n // 16  # in each of the unmasked and the masked loop
-    assert gmma_count(kernel, f"64x{plan.block_n}x16", a_from_registers=False) == 2 * s_steps
-    assert gmma_count(kernel, f"64x{dv}x16", a_from_registers=True) == 2 * pv_steps
-    assert kernel.sass().count("HGMMA") == 2 * (s_steps + pv_steps)
+    # in each of the unmasked and the masked loop, and with the overlap the pipeline's first S and last P·V
+    traces = 2 + plan.overlap
+    s_steps, pv_steps = dqk // 16, plan.block_n // 16
+    assert gmma_count(kernel, f"64x{plan.block_n}x16", a_from_registers=False) == traces * s_steps
+    assert gmma_count(kernel, f"64x{dv}x16", a_from_registers=True) == traces * pv_steps
+    assert kernel.sass().count("HGMMA") == traces * (s_steps + pv_steps)
     assert "LDL" not in kernel.sass() and "STL" not in kernel.sass()
     assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
     assert not kernel.warnings  # no serialised wgmma (C7515/C7511), setmaxnreg honoured
@@ -41,6 +43,98 @@ def test_plans_compile_to_hgmma_without_spills(dqk, dv, causal):
     assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {CONSUMER_REGS:#x} ;", kernel.sass())
     assert PRODUCER_REGS * 128 + CONSUMER_REGS * 128 * plan.consumers <= 65536
     assert plan.smem_bytes(2) <= MAX_SMEM
+
+
+def consumer_schedule(kernel):
+    """The consumer's SASS as a sequence of events: S (a 64 x block_n HGMMA from shared memory), PV (register-A
+    HGMMA), WAIT<n> (WARPGROUP.DEPBAR.LE n), EX2, SYNC/ARRIVE (named barriers other than 0), runs of one kind
+    merged."""
+    events = []
+    for line in kernel.sass().splitlines():
+        if "HGMMA" in line:
+            event = "PV" if re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", line) else "S"
+        elif "WARPGROUP.DEPBAR.LE" in line:
+            event = "WAIT" + re.search(r"gsb0, (0x\d+)", line).group(1)[-1]
+        elif "MUFU.EX2" in line:
+            event = "EX2"
+        elif re.search(r"BAR\.SYNC\S* R\d+|BAR\.SYNC\S* 0x[12]\b", line):
+            event = "SYNC"
+        elif re.search(r"BAR\.ARV", line):
+            event = "ARRIVE"
+        else:
+            continue
+        if not events or events[-1][0] != event:
+            events.append([event, 0])
+        events[-1][1] += 1
+    return [tuple(e) for e in events]
+
+
+VARIANTS = [(True, False), (False, True), (False, False)]  # (True, True) at D 128 is the default plan's
+
+
+@pytest.mark.parametrize("overlap, pingpong", VARIANTS)
+def test_overlap_and_pingpong_variants_compile_and_schedule(overlap, pingpong):
+    """Each variant of the D 128 causal plan compiles without spills or warnings within the consumers' register
+    budget, and its SASS is scheduled as designed: with the overlap, each loop issues the next block's S then the
+    pending P·V, waits for S alone (WAIT 1) and runs all of the block's exp2s before waiting for P·V (WAIT 0);
+    without it, S and P·V each wait for everything. Ping-pong: each consumer syncs on its named barrier before
+    issuing and arrives on the other's after."""
+    plan = attention.prefill_plan(128, 128, True, overlap=overlap, pingpong=pingpong)
+    kernel = attention.compile_prefill(plan)
+    sass = kernel.sass()
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert "LDL" not in sass and "STL" not in sass and not kernel.warnings
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < CONSUMER_REGS
+    assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {CONSUMER_REGS:#x} ;", sass)
+    events = consumer_schedule(kernel)
+    kinds = [e for e, _ in events]
+    steps, exps = 128 // 16, plan.block_n // 2  # HGMMAs of a GEMM; exp2s of a block (a thread's S elements)
+    if overlap:
+        # the pipeline's first S (waited for alone), two loops of (S, P·V, WAIT 1, exp2s, WAIT 0), the last P·V
+        loop = ["S", "PV", "WAIT1", "EX2", "WAIT0"]
+        if pingpong:
+            loop = ["SYNC", "S", "PV", "ARRIVE", "WAIT1", "EX2", "WAIT0"]
+        body = [k for k in kinds if k != "ARRIVE" or pingpong]
+        text = " ".join(body)
+        assert text.count(" ".join(loop)) == 2, events
+        for i, (event, count) in enumerate(events):
+            if event == "WAIT1":  # between the waits: every exp2 of the block and its 2 rescale factors
+                assert events[i + 1] == ("EX2", exps + 2) and events[i + 2][0] == "WAIT0", events
+        assert ("S", steps) in events and ("PV", steps) in events
+        assert kinds.count("WAIT1") == 2 and gmma_count(kernel, "64x128x16", True) == 3 * steps
+    else:
+        assert "WAIT1" not in kinds and kinds.count("WAIT0") == 4  # S and P·V of each of the two loops
+    if pingpong:
+        # a sync per loop (without the overlap also one before the first S), as many arrives and consumer 0's first
+        assert kinds.count("SYNC") == (2 if overlap else 3) and sass.count("BAR.ARV") == kinds.count("SYNC") + 1
+    else:
+        assert "SYNC" not in kinds and "BAR.ARV" not in sass
+
+
+def test_plan_options_defaults_and_the_api_hook(monkeypatch):
+    """The measured defaults (no overlap, ping-pong up to head dim 128), a ping-pong plan needs two consumers, and
+    ``plan_options`` reaches the plan ``prefill`` and ``prefill_varlen`` launch."""
+    from nvfly.ops.attention import prefill_api
+    assert not any(attention.prefill_plan(dqk, dv, False).overlap for dqk, dv in HEAD_DIMS)
+    assert [attention.prefill_plan(dqk, dv, True).pingpong for dqk, dv in HEAD_DIMS] == [dqk <= 128 for dqk, _ in
+                                                                                         HEAD_DIMS]
+    with pytest.raises(ValueError, match="two consumer warpgroups"):
+        PrefillPlan(128, 128, False, block_m=192, pingpong=True)
+    _cpu_prefill(monkeypatch)
+    plans = []
+    monkeypatch.setattr(prefill_api, "_launch", lambda plan, *args: plans.append(plan))
+    q, k, v = _inputs(b=1, sq=40, skv=40, hq=2, hkv=2, d=64)
+    attention.prefill(q, k, v)
+    with prefill_api.plan_options(overlap=True, pingpong=True):
+        attention.prefill(q, k, v, causal=True)
+        with prefill_api.plan_options(pingpong=False):
+            attention.prefill(q, k, v)
+        cu = torch.tensor([0, 40], dtype=torch.int32)
+        attention.prefill_varlen(q[0], k[0], v[0], cu, cu)
+    attention.prefill(q, k, v)
+    assert [(p.overlap, p.pingpong, p.causal, p.varlen) for p in plans] == [
+        (False, True, False, False), (True, True, True, False), (False, False, False, False),
+        (True, True, False, True), (False, True, False, False)]
 
 
 def test_fp16_and_no_lse_compile():
@@ -77,6 +171,12 @@ def test_key_blocks_keep_exactly_the_visible_keys(alignment, bm, bn):
                         if n < start or n >= total:
                             assert not any(visible(row, key) for row in range(m * bm, min(m * bm + bm, sq))
                                            for key in keys), (sq, skv, window, m, n)
+                    # the overlapped walk: the first block (masked), then its loops: the same blocks in order, only
+                    # fully visible ones without the mask, and all of those but the first
+                    walk = [(start, True)] + [(n, masked) for first, end, masked
+                                              in pipelined_loops(start, low, high, total) for n in range(first, end)]
+                    assert [n for n, _ in walk] == list(range(start, total)) or start == total
+                    assert all(masked == (not low <= n < high) for n, masked in walk[1:])
 
 
 def tile_blocks(m, sq, skv, b, offset, bm, bn, block_mask, batch, head):
@@ -332,6 +432,7 @@ def test_mod_window_blockmask_varlen_plans_compile_without_spills(name):
     empty at trace time."""
     plan, mods, traces = MOD_FAMILIES[name]
     kernel = attention.compile_prefill(plan, mods=mods)
+    traces += plan.overlap  # the overlap's first S and last P·V
     s_steps, pv_steps = plan.dqk // 16, plan.block_n // 16
     assert gmma_count(kernel, f"64x{plan.block_n}x16", a_from_registers=False) == traces * s_steps
     assert gmma_count(kernel, f"64x{plan.dv}x16", a_from_registers=True) == traces * pv_steps

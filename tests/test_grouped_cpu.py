@@ -117,6 +117,48 @@ def test_heuristic_tiles():
     assert few.config.bn == 128 and few.grid == 4 * 2 * 4  # an upper bound of 32 tiles: 32 blocks
 
 
+KGROUPED = ("kgrouped", "none", "MN", "MN")
+
+
+@pytest.mark.parametrize("tile,out_dtype", [("heuristic", torch.float32), ("pingpong-tma", None),
+                                            ("pingpong-register", None), ("cooperative-tma", None)])
+def test_kgrouped_epilogues_compile(tile, out_dtype):
+    """The weight gradient's ping-pong consumers and TMA-store epilogue (``kgrouped_variants``; the cooperative
+    register tile is test_every_variant_compiles'): no spills, stmatrix + UTMASTG where the config stores by TMA
+    (the heuristic's stores 32-bit outputs through registers), the staging buffer after the ring."""
+    from nvfly.ops.grouped.plan import kgrouped_variants
+    config = None if tile == "heuristic" else kgrouped_variants(8)[tile]
+    (k,) = grouped.compile_variants([KGROUPED], config=config, out_dtype=out_dtype)
+    plan = make_plan(*KGROUPED[:2], "bf16", 8, *KGROUPED[2:], 4096, 4096, 4096, 4096, 132, config,
+                     4 if out_dtype else 2)
+    _check_kernel(k, plan.config.bn)
+    assert plan.config.pingpong == tile.startswith(("heuristic", "pingpong"))
+    assert plan.config.tma_store == tile.endswith("-tma")
+    assert k.dynamic_smem_bytes == plan.smem_bytes <= SMEM_LIMIT
+    assert (k.count("UTMASTG") > 0) == plan.config.tma_store and (k.count("STSM") > 0) == plan.config.tma_store
+    assert "fence.proxy.async.shared::cta" in k.ptx  # the K tail
+
+
+def test_kgrouped_plans():
+    """The heuristic's weight-gradient tile, its 32-bit-output fallback, the store box; ping-pong and the TMA store
+    only where the output has no ragged rows; which outputs a TMA descriptor covers."""
+    from dataclasses import replace
+    from nvfly.ops.grouped.api import _tma_storable
+    from nvfly.ops.grouped.plan import KGROUPED_TILE
+    plan = make_plan("kgrouped", "none", "bf16", 128, "MN", "MN", 2048, 768, 32768, 2048, 132)
+    assert (plan.config.bm, plan.config.bn, plan.config.pingpong, plan.config.tma_store) == (128, 128, True, True)
+    assert plan.store_box == (1, 128, 64) and plan.store_swizzle == 128 and plan.grid == 132
+    f32 = make_plan("kgrouped", "none", "bf16", 128, "MN", "MN", 2048, 768, 32768, 2048, 132, None, 4)
+    assert f32.config.pingpong and not f32.config.tma_store and f32.store_box is None
+    for layout in ("contiguous", "masked"):
+        assert "K-grouped layout only" in fits(replace(KGROUPED_TILE, stages=4), 8, layout, "K")
+    assert fits(replace(KGROUPED_TILE, stages=4), 8, "kgrouped", "MN") is None
+    assert _tma_storable(None, (4, 64, 200), torch.bfloat16)
+    assert not _tma_storable(None, (4, 64, 196), torch.bfloat16)  # 392-byte rows
+    assert not _tma_storable(torch.empty(4, 200, 64).mT, (4, 64, 200), torch.bfloat16)
+    assert _tma_storable(torch.empty(4, 64, 208, dtype=torch.bfloat16)[..., :200], (4, 64, 200), torch.bfloat16)
+
+
 def test_configs_are_checked():
     assert fits(GemmConfig(128, 128, 6, 2, pingpong=True), 8, "contiguous", "K")
     assert fits(GemmConfig(128, 256, 4, 2, split_k=2), 8, "contiguous", "K")
@@ -318,3 +360,26 @@ def test_inductor_grouped_mm_candidates(compile_grouped_mm, monkeypatch):
     assert "torch.ops.nvfly.grouped_mm_out.default(" in code and "config='auto'" in code
     (d,) = [d for d in decisions() if d.where == "inductor"]
     assert d.candidates[0] == "auto" and len(d.candidates) == 4 and d.winner == "nvfly auto"
+
+
+def test_benchmark_moe_layers_agree():
+    """benchmarks.grouped's MoE layers (eager torch._grouped_mm and nvfly's ops, here on their torch fallback): the
+    float32 layer's output, and the same gradients."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    import nvfly.torch  # noqa: F401  (torch.ops.nvfly.grouped_mm)
+    from benchmarks.grouped import chunked_rel_err, nvfly_moe, torch_moe
+    from nvfly.ops import moe
+    t, h, inter, e, k = 40, 64, 32, 8, 2
+    args = [torch.randn(t, h).bfloat16(), (torch.randn(e, h) / 8).bfloat16(),
+            (torch.randn(e, 2 * inter, h) / 8).bfloat16(), (torch.randn(e, h, inter) / 6).bfloat16()]
+    ref = moe.reference(*args, k)
+    leaves = [a.requires_grad_() for a in args]
+    grad = torch.randn(t, h).bfloat16()
+    grads = []
+    for layer in (torch_moe, nvfly_moe):
+        out = layer(*leaves, k)
+        assert chunked_rel_err(out, ref) < 2e-2
+        grads.append(torch.autograd.grad(out, leaves, grad))
+    for got, want in zip(*grads):
+        assert chunked_rel_err(got, want) < 2e-2

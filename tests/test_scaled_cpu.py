@@ -1,10 +1,12 @@
 """The FP8 scaled GEMM without a GPU: every kernel variant compiles to fp8 wgmma (QGMMA) and TMA code without
 spills, the plans follow the heuristic, the recipes are read off the scales' shapes, bad arguments raise errors
-naming them, and the torch references (quantisation, dequantised GEMM) are what they claim."""
+naming them, and the torch references (quantisation, dequantised GEMM, MX decoding) are what they claim."""
 import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nvfly
 from nvfly.ops import scaled
@@ -30,6 +32,11 @@ VARIANTS = [
     (ScaledConfig(128, 128, 6, 2, issue_ahead=True), ScaledEpilogue("block", True)),
     (ScaledConfig(128, 128, 6, 2, issue_ahead=True), ScaledEpilogue("row", True, bias=True)),
     (ScaledConfig(64, 64, 12, 1, split_k=2, issue_ahead=True), ScaledEpilogue("tensor", True, partial=True)),
+    (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("mxfp8", True, bias=True)),
+    (ScaledConfig(64, 32, 8, 1), ScaledEpilogue("mxfp8", True)),
+    (ScaledConfig(64, 64, 12, 1, split_k=2), ScaledEpilogue("mxfp8", True, partial=True)),
+    (ScaledConfig(128, 128, 5, 2, packed_b=True), ScaledEpilogue("mxfp4", True, bias=True)),
+    (ScaledConfig(64, 32, 8, 1, split_k=2, packed_b=True), ScaledEpilogue("mxfp4", True, partial=True)),
 ]
 
 
@@ -49,6 +56,10 @@ def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     assert k.dynamic_smem_bytes == cfg.smem_bytes()
     # issuing ahead: the next k-block's wgmmas stay in flight while the previous one is promoted
     assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
+    if epi.scaling in ("mxfp8", "mxfp4"):  # a loop over the stage's four k-steps, each one wgmma per atom, promoted
+        assert k.count("QGMMA") == cfg.wg_m // 64 and "LDG.E.U8" in k.sass()
+    if epi.scaling == "mxfp4":  # the packed tile: 16-byte shared loads, converted, two 16-byte stores, a barrier
+        assert k.count("LDS.128") >= 1 and k.count("STS.128") >= 2 and k.count("BAR.SYNC") == 2
 
 
 def test_out_dtypes_and_e5m2_compile():
@@ -215,9 +226,9 @@ def test_plans():
             assert plan.config.split_k == 1 or 2 * tiles <= 132
 
 
-@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx"])
+@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx", "mxfp4"])
 def test_quantize_kernels_compile(granularity):
-    from nvfly.frontend.dtypes import bf16, f32, i32, u8
+    from nvfly.frontend.dtypes import bf16, f32, i16, i32, u8
     from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
     from nvfly.runtime.tensor_desc import TensorDesc
     plan, scale = {"row": (QuantizePlan(1, 0, False, 256, 8, "f8e4m3", 1 / 448.0, 1e-12), TensorDesc(f32, (4096, 1))),
@@ -226,10 +237,16 @@ def test_quantize_kernels_compile(granularity):
                    "128x128": (QuantizePlan(128, 128, False, 256, 8, "f8e5m2", 1 / 57344.0, 1e-12),
                                TensorDesc(f32, (32, 32))),
                    "mx": (QuantizePlan(1, 32, True, 256, 4, "f8e4m3", 1 / 448.0, 1e-12, mx_emax=8),
-                          TensorDesc(u8, (4096, 128)))}[granularity]
-    k = quantize_kernel.compile(TensorDesc(bf16, (4096, 4096)), TensorDesc(i32, (4096, 1024)), scale, 4096, 4096,
-                                PLAN=plan, block=256)
+                          TensorDesc(u8, (4096, 128))),
+                   "mxfp4": (QuantizePlan(1, 32, True, 256, 4, "e2m1", 1 / 6.0, 1e-12, mx_emax=2),
+                             TensorDesc(u8, (4096, 128)))}[granularity]
+    q = TensorDesc(i16, (4096, 1024)) if granularity == "mxfp4" else TensorDesc(i32, (4096, 1024))
+    k = quantize_kernel.compile(TensorDesc(bf16, (4096, 4096)), q, scale, 4096, 4096, PLAN=plan, block=256)
     assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0 and not k.warnings
+    if granularity == "mxfp4":  # compares, no fp8 cvt; a 16-bit word of four codes, a scale byte
+        assert "div.rn.f32" in k.ptx and k.ptx.count("shfl.sync.bfly") == 3 and "F2FP" not in k.sass()
+        assert "st.global.b16" in k.ptx and "st.global.b8" in k.ptx
+        return
     kind = "E4M3" if plan.fp8 == "f8e4m3" else "E5M2"
     assert any(op.startswith(f"F2FP.SATFINITE.{kind}.F32") for op in k.sass_opcodes())
     assert "div.rn.f32" in k.ptx  # IEEE division, as torch's reference divides
@@ -285,7 +302,8 @@ def test_routing_sends_only_what_nvfly_was_measured_faster_on(monkeypatch):
     assert "float8_e4m3fn" in scaled_ops.scaled_mm_eligibility(a, b, sa, sb)
 
 
-@pytest.mark.parametrize("scaling,vec,bias", [("tensor", 8, True), ("row", 4, False), ("block", 1, True)])
+@pytest.mark.parametrize("scaling,vec,bias", [("tensor", 8, True), ("row", 4, False), ("block", 1, True),
+                                              ("mxfp8", 8, True)])
 def test_reduce_kernel_compiles(scaling, vec, bias):
     from nvfly.ops.scaled.api import compile_reduce
     k = compile_reduce(scaling, 4, vec, bias)
@@ -300,6 +318,9 @@ def test_explain_describes_scaled_gemms(capsys):
     assert "scaled-block-promoted: 64x32 tile on 128 blocks" in out and "routing" in out
     assert main(["explain", "8", "4096", "7168", "--scaled", "row", "--fast-accum"]) == 0
     assert "scaled-row-swapAB-splitK2: 64x8 tile" in capsys.readouterr().out
+    assert main(["explain", "4096", "4096", "4096", "--scaled", "mxfp4"]) == 0
+    out = capsys.readouterr().out
+    assert "scaled-mxfp4-promoted: 128x128 tile" in out and "swizzled layout" in out
 
 
 def test_quantize_fp8_checks_its_arguments():
@@ -310,3 +331,175 @@ def test_quantize_fp8_checks_its_arguments():
         quantize_fp8(torch.randn(4, 32, dtype=torch.float64), "row")
     with pytest.raises(ValueError, match="^nvfly.ops.scaled.quantize_fp8: x: .*CUDA"):
         quantize_fp8(torch.randn(4, 32), "row")
+
+
+# ---------------------------------------------------------------------------------------------- MXFP8
+def mx_operands(m, n, k, e8m0=True):
+    """MXFP8 a (M, K), b (K, N column-major) and their (rows, K/32) e8m0 scales (float8_e8m0fnu, or uint8 bytes)."""
+    a, sa = quantize(torch.randn(m, k) * 4, "mx")
+    b, sb = quantize(torch.randn(n, k), "mx", operand="b")
+    if e8m0:
+        sa, sb = sa.view(torch.float8_e8m0fnu), sb.view(torch.float8_e8m0fnu)
+    return a, b, sa, sb
+
+
+def test_e8m0_decode_is_torchs_for_every_byte():
+    from nvfly.ops.scaled.quantize import e8m0_to_float
+    byte = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    ours = e8m0_to_float(byte)
+    theirs = byte.view(torch.float8_e8m0fnu).float()
+    assert torch.equal(ours[:255], theirs[:255]) and ours[255].isnan() and theirs[255].isnan()
+    assert ours[0] == 2.0 ** -127 and ours[127] == 1.0 and ours[254] == 2.0 ** 127
+    assert torch.equal(e8m0_to_float(byte.view(torch.float8_e8m0fnu)).nan_to_num(), ours.nan_to_num())
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 5), blocks=st.integers(1, 4), data=st.data())
+def test_mx_dequantisation_matches_a_power_of_two_reference(rows, blocks, data):
+    from nvfly.ops.scaled.quantize import dequantize_mx
+    e = torch.tensor(data.draw(st.lists(st.integers(0, 254), min_size=rows * blocks, max_size=rows * blocks)))
+    e = e.view(rows, blocks)
+    q = (torch.randn(rows, 32 * blocks) * 100).to(torch.float8_e4m3fn)
+    exact = q.double() * torch.pow(2.0, e.double() - 127).repeat_interleave(32, 1)
+    assert torch.equal(dequantize_mx(q, e.to(torch.uint8).view(torch.float8_e8m0fnu)), exact.float())
+
+
+def test_mx_recipe_reference_and_errors():
+    a, b, sa, sb = mx_operands(70, 96, 320)
+    assert scaled.recipe(a, b, sa, sb) == "mxfp8" and scaled.check(a, b, sa, sb) == "mxfp8"
+    assert scaled.check(a, b, sa.view(torch.uint8), sb.view(torch.uint8)) == "mxfp8"  # quantize's bytes
+    ka, kb = kernel_scales("mxfp8", sa, sb)
+    assert ka.dtype == torch.uint8 and ka.data_ptr() == sa.data_ptr() and tuple(kb.shape) == (96, 10)
+    fa = sa.float().repeat_interleave(32, 1)  # torch's own e8m0 -> float32
+    fb = sb.float().repeat_interleave(32, 1)
+    assert torch.allclose(scaled.reference(a, b, sa, sb), (a.float() * fa) @ (b.t().float() * fb).t(), rtol=1e-5,
+                          atol=1e-5)
+    with pytest.raises(ValueError, match="^a: K=304 is not a multiple of 32"):
+        scaled.check(a[:, :304], b[:304], sa[:, :9], sb[:, :9])
+    with pytest.raises(ValueError, match="^scale_a: shape \\(70, 9\\): expected \\(70, 10\\) e8m0"):
+        scaled.check(a, b, sa[:, :9], sb)
+    with pytest.raises(ValueError, match="^scale_b: shape \\(10, 96\\): expected \\(96, 10\\)"):
+        scaled.check(a, b, sa, sb.t())
+    with pytest.raises(TypeError, match="^scale_b: dtype torch.float32 next to MX"):
+        scaled.check(a, b, sa, sb.float())
+    with pytest.raises(ValueError, match="^nvfly.ops.scaled.scaled_mm: scale_a: shape"):
+        scaled.scaled_mm(a, b, sa[:64], sb)
+    flat = torch.zeros(128 * 12, dtype=torch.float8_e8m0fnu)  # cuBLAS's swizzled blocked layout: refused
+    with pytest.raises(ValueError, match="swizzled blocked layout is not taken"):
+        scaled.check(a, b, flat, sb)
+
+
+def test_mx_plans():
+    mx = ScaledEpilogue("mxfp8", True)
+    assert mx.scale_k == 32 and ScaledEpilogue("block", True).scale_k == 128
+    with pytest.raises(ValueError, match="promote"):
+        ScaledEpilogue("mxfp8", promote=False)
+    plan = make_plan(4096, 4096, 4096, mx, None, None, 132)
+    assert (plan.config.bm, plan.config.bn, plan.swap) == (128, 128, False) and plan.config.check(True) is None
+    plan = make_plan(16, 4096, 7168, mx, None, None, 132)
+    assert not plan.swap and plan.config.bm == 64
+    with pytest.raises(ValueError, match="^swap"):
+        make_plan(16, 4096, 7168, mx, None, True, 132)
+    with pytest.raises(ValueError, match="^config: issue_ahead with MX"):
+        make_plan(4096, 4096, 4096, mx, ScaledConfig(128, 128, 6, 2, issue_ahead=True), None, 132)
+    assert scaled.describe(4096, 4096, 4096, scaling="mxfp8").startswith("scaled-mxfp8-promoted: 128x128 tile")
+    from nvfly.torch import scaled_ops
+    assert "swizzled (blocked) layout" in scaled_ops.slower_reason("mxfp8", 16)
+
+
+# ---------------------------------------------------------------------------------------------- MXFP4 weights
+def mxfp4_operands(m, n, k):
+    """MXFP8 a and MXFP4 b: random e2m1 pairs (every code, -0 included) as float4_e2m1fn_x2 (K/2, N) column-major,
+    e8m0 scales around 2^0."""
+    a, sa = quantize(torch.randn(m, k) * 4, "mx")
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8)
+    sb = torch.randint(120, 135, (n, k // 32), dtype=torch.uint8)
+    return a, packed.view(torch.float4_e2m1fn_x2).t(), sa.view(torch.float8_e8m0fnu), sb.view(torch.float8_e8m0fnu)
+
+
+def test_e2m1_values_and_nibble_order_are_torchs():
+    """torch's packing (torch.testing._internal.common_quantized.pack_uint4: ``odd << 4 | even``, the low nibble the
+    lower-numbered value) of the OCP codes (sign bit 3, exponent bits 2-1 with bias 1, mantissa bit 0)."""
+    from nvfly.ops.scaled.quantize import e2m1_to_float
+    codes = torch.arange(16).repeat(3)[torch.randperm(48)]
+    sign, exponent, mantissa = codes >> 3, (codes >> 1) & 3, codes & 1
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, torch.exp2(exponent - 1.0) * (1 + 0.5 * mantissa))
+    values = torch.where(sign == 1, -magnitude, magnitude).view(6, 8)
+    packed = (codes[1::2] << 4 | codes[::2]).to(torch.uint8).view(6, 4).view(torch.float4_e2m1fn_x2)
+    decoded = e2m1_to_float(packed)
+    assert torch.equal(decoded, values) and torch.equal(decoded.signbit(), values.signbit())
+
+
+@settings(max_examples=50, deadline=None)
+@given(words=st.lists(st.integers(0, 2 ** 32 - 1), min_size=1, max_size=64))
+def test_e2m1_to_e4m3_conversion_is_exact_times_2_to_the_minus_6(words):
+    """The kernel's conversion's bit operations (nvfly.arch.floats.e2m1x8_to_e4m3x8, run on int64 tensors): each
+    e4m3 byte is its e2m1 value times 2^-6, exactly (signed zero kept)."""
+    from nvfly.arch.floats import e2m1x8_to_e4m3x8_bits
+    from nvfly.ops.scaled.quantize import e2m1_to_float
+    w = torch.tensor(words, dtype=torch.int64)
+    low, high = e2m1x8_to_e4m3x8_bits(w)
+    out = torch.stack([(word >> (8 * i)) & 0xFF for word in (low, high) for i in range(4)], 1).to(torch.uint8)
+    got = out.view(torch.float8_e4m3fn).float() * 64
+    expected = e2m1_to_float(torch.stack([(w >> (8 * i)) & 0xFF for i in range(4)], 1).to(torch.uint8))
+    assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
+
+
+def test_mxfp4_recipe_reference_plans_and_errors():
+    a, b, sa, sb = mxfp4_operands(70, 96, 320)
+    assert b.dtype == torch.float4_e2m1fn_x2 and tuple(b.shape) == (160, 96) and b.stride() == (1, 160)
+    assert scaled.recipe(a, b, sa, sb) == "mxfp4" and scaled.check(a, b, sa, sb) == "mxfp4"
+    nibbles = b.t().contiguous().view(torch.uint8).to(torch.int64)
+    w = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    w = torch.cat([w, -w])[torch.stack((nibbles & 15, nibbles >> 4), -1).flatten(1)]  # (N, K), low nibble first
+    wf = w * sb.float().repeat_interleave(32, 1)
+    ref = (a.float() * sa.float().repeat_interleave(32, 1)) @ wf.t()
+    assert torch.allclose(scaled.reference(a, b, sa, sb), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="^b: shape \\(160, 96\\) and a's \\(70, 160\\) do not multiply"):
+        scaled.check(a[:, :160], b, sa[:, :5], sb)
+    with pytest.raises(TypeError, match="^scale_a: dtype torch.float32 next to MX"):
+        scaled.check(a, b, sa.float(), sb.float())
+    with pytest.raises(TypeError, match="^a: dtype torch.float4_e2m1fn_x2 is not float8"):
+        scaled.check(b.t().contiguous(), b, sa, sb)
+    plan = make_plan(4096, 4096, 4096, ScaledEpilogue("mxfp4", True), None, None, 132)
+    assert plan.config.packed_b and plan.b_box == (128, 64) and plan.b_swizzle == 0
+    assert plan.config.check(True) is None and plan.config.stages == 5  # 40 KiB stages
+    plan = make_plan(16, 4096, 7168, ScaledEpilogue("mxfp4", True), ScaledConfig(64, 32, 8, 1), None, 132)
+    assert plan.config.packed_b  # a caller's config gets the packed tile too
+    with pytest.raises(ValueError, match="^config: packed_b with mxfp8"):
+        make_plan(256, 256, 256, ScaledEpilogue("mxfp8", True), ScaledConfig(64, 32, 8, 1, packed_b=True), None, 132)
+    assert "multiple of 16" in ScaledConfig(64, 24, 4, 1, packed_b=True).check(True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(values=st.lists(st.floats(-12, 12, width=32), min_size=1, max_size=64))
+def test_e2m1_rounding_is_nearest_even_and_saturates(values):
+    """The reference's e2m1 codes (``e2m1_codes``, whose thresholds the kernel's ``f32_to_e2m1`` shares) against a
+    brute-force nearest: the closest of the 8 magnitudes, ties to the even code, past 6 saturated, the sign kept."""
+    from nvfly.ops.scaled.quantize import E2M1_VALUES, e2m1_codes
+    y = torch.tensor(values, dtype=torch.float32)
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    distance = (y.abs()[:, None] - magnitudes[None]).abs()
+    best = distance.min(dim=1, keepdim=True).values
+    index = torch.arange(8)
+    nearest = torch.where(distance == best, index % 2 * 100 + index, 1000).argmin(dim=1)  # a tie: the even code
+    expected = nearest | (y.signbit().long() << 3)
+    assert torch.equal(e2m1_codes(y), expected)
+
+
+def test_mxfp4_quantisation_reference():
+    x = torch.randn(64, 256) * 3
+    x[0, :32] = 0
+    x[1, 32:64] = 0.0
+    x[1, 40] = 7.0  # amax 7 = 1.75 * 2^2: scale 2^(2 - 2) = 1, 7 saturates to 6
+    x[1, 41] = -2.5  # a tie: to 2 (the even code)
+    q, s = quantize(x, "mxfp4")
+    assert q.dtype == torch.float4_e2m1fn_x2 and tuple(q.shape) == (64, 128) and tuple(s.shape) == (64, 8)
+    from nvfly.ops.scaled.quantize import dequantize_mxfp4, e2m1_to_float
+    assert s[0, 0] == 0 and (e2m1_to_float(q)[0, :32] == 0).all()
+    assert s[1, 1] == 127 and e2m1_to_float(q)[1, 40] == 6.0 and e2m1_to_float(q)[1, 41] == -2.0
+    assert ((dequantize_mxfp4(q, s) - x).norm() / x.norm()) < 0.2  # 4-bit values
+    qb, sb = quantize(x, "mxfp4", operand="b")
+    assert qb.shape == (128, 64) and qb.stride() == (1, 128) and torch.equal(sb, s)
+    a, sa = quantize(torch.randn(16, 256), "mx")
+    assert scaled.recipe(a, qb, sa, sb) == "mxfp4"

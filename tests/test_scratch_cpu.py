@@ -119,3 +119,20 @@ def test_tensors_in_a_private_pool_are_not_kept(monkeypatch):
 
 def test_in_private_pool_is_false_off_cuda():
     assert not scratch.in_private_pool(torch.zeros(4)) and not scratch.in_private_pool((torch.zeros(2), None))
+
+
+def test_int32_tables_are_stream_scratch_views():
+    """int32_tables: contiguous views of one buffer per (device, stream), each 16-byte aligned, the same views on
+    the next call; another stream or a larger request gets its own."""
+    shapes = ((2, 3, 5), (2, 2, 7), (2, 2))
+    cpu = torch.device("cpu")
+    tables = scratch.int32_tables(cpu, 12345, shapes)
+    assert [tuple(t.shape) for t in tables] == list(shapes) and all(t.dtype == torch.int32 for t in tables)
+    assert all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tables)
+    starts = [t.data_ptr() for t in tables]
+    assert starts[1] - starts[0] >= 30 * 4 and starts[2] - starts[1] >= 28 * 4  # disjoint
+    again = scratch.int32_tables(cpu, 12345, shapes)
+    assert all(a is b for a, b in zip(tables, again))
+    assert scratch.int32_tables(cpu, 54321, shapes)[0].data_ptr() != starts[0]
+    (big,) = scratch.int32_tables(cpu, 12345, ((200, 100),))  # past the first allocation: the buffer grows
+    assert big.shape == (200, 100) and scratch.int32_tables(cpu, 12345, shapes)[0] is not tables[0]

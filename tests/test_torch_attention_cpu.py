@@ -295,15 +295,40 @@ class _Stub:
 @pytest.fixture
 def cpu_route():
     """The stub routed on AutogradCPU and CPU as install_routing routes SDPA on CUDA (fallthroughs read first),
-    on a private library that is removed afterwards."""
+    decided once per ``sdpa_signature``, on a private library that is removed afterwards."""
     def install(stub):
         fallthroughs = {key: torch.library.get_kernel(A.SDPA, key) for key in ("AutogradCPU", "CPU")}
         for key, fallthrough in fallthroughs.items():
-            route = routing.Route(A.SDPA, stub.eligibility, stub.run, key)
+            route = routing.Route(A.SDPA, stub.eligibility, stub.run, key, A.sdpa_signature)
             library.impl("scaled_dot_product_attention", routing._routed(route, fallthrough), key, with_keyset=True)
     library = torch.library.Library("aten", "IMPL")
     yield install
     library._destroy()
+
+
+def test_sdpa_signature_keeps_what_the_rule_reads():
+    """The route decides once per sdpa_signature: every argument, flag and mode the rule reads changes it, the
+    tensors' values do not."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 32, 16)
+    base = A.sdpa_signature(q, k, k, enable_gqa=True)
+    assert A.sdpa_signature(torch.randn(1, 4, 1, 16), k, k, enable_gqa=True) == base
+    qg = q.clone().requires_grad_()
+    with torch.no_grad():
+        assert A.sdpa_signature(qg, k, k, enable_gqa=True) == base  # no gradient: the rule sees none
+    with torch.inference_mode():
+        assert A.sdpa_signature(q, k, k, enable_gqa=True) == base
+    mask = torch.ones(1, 32, dtype=torch.bool)
+    others = [A.sdpa_signature(qg, k, k, enable_gqa=True), A.sdpa_signature(q, k, k, is_causal=True, enable_gqa=True),
+              A.sdpa_signature(q, k, k, enable_gqa=False), A.sdpa_signature(q, k, k, scale=0.5, enable_gqa=True),
+              A.sdpa_signature(q, k, k, None, 0.1, enable_gqa=True), A.sdpa_signature(q, k, k, mask, enable_gqa=True),
+              A.sdpa_signature(q, k, k, mask.float().requires_grad_(), enable_gqa=True),
+              A.sdpa_signature(q, k.transpose(1, 2).contiguous().transpose(1, 2), k, enable_gqa=True),
+              A.sdpa_signature(q.to(bf), k, k, enable_gqa=True),
+              A.sdpa_signature(torch.randn(65)[1:].view(1, 4, 1, 16), k, k, enable_gqa=True)]  # 4 bytes in
+    with sdpa_kernel([SDPBackend.MATH]):
+        others.append(A.sdpa_signature(q, k, k, enable_gqa=True))
+    assert len({base, *others}) == len(others) + 1
 
 
 def test_composite_routed_on_both_keys(cpu_route):
@@ -335,8 +360,10 @@ def test_nvfly_exception_falls_back_to_torch(cpu_route, caplog):
     want = F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
     with caplog.at_level(logging.WARNING, logger="nvfly"), nvfly.torch.routing():
         got = F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+        again = F.scaled_dot_product_attention(q, k, k, enable_gqa=True)  # the signature is declined from now on
     assert stub.calls == [False]
     torch.testing.assert_close(got, want)
+    torch.testing.assert_close(again, want)
     assert "injected launch failure" in caplog.text and "falls back to torch" in caplog.text
 
 
@@ -467,6 +494,46 @@ def test_compile_pass_leaves_what_nvfly_loses_or_cannot_run(fake_cuda, case, fra
     assert C.rewrite(graph) == 0 and target in _targets(graph)
     (decision,) = [d for d in decisions() if d.where == "inductor"]
     assert fragment in decision.reason, decision.reason
+
+
+def _training_graph(q_shape, kv_shape):
+    """A Dynamo-like (pre-grad) graph: F.scaled_dot_product_attention on placeholders whose fake CUDA
+    ``example_value``s require grad."""
+    graph = torch.fx.Graph()
+    nodes = [graph.placeholder(name) for name in "qkv"]
+    for node, shape in zip(nodes, (q_shape, kv_shape, kv_shape)):
+        node.meta["example_value"] = torch.empty(shape, dtype=bf, device="cuda").requires_grad_()
+    sdpa = graph.call_function(torch._C._nn.scaled_dot_product_attention, tuple(nodes),
+                               {"is_causal": True, "enable_gqa": True})
+    graph.output(sdpa)
+    return graph
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["post-grad", "pre-grad"])
+def test_compile_passes_decide_whatever_fake_mode_is_active(monkeypatch, training):
+    """On torch 2.11 Inductor's pre-grad pass runs while a fake mode other than the graph's example values' is active
+    (the tracing context's): the rule runs on stand-ins made from the values' metadata, never on the graph's fake
+    tensors (viewing those there raised "Mixing fake modes NYI" and the call stayed on torch)."""
+    from torch._guards import TracingContext, tracing
+
+    from nvfly.torch import attention_compile as C
+    monkeypatch.setattr(A, "_torch_backend", lambda *args: "flash")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    shapes = (1, 32, 4096, 128), (1, 8, 4096, 128)
+    with warnings.catch_warnings(), FakeTensorMode():  # the graph's fake mode
+        warnings.simplefilter("ignore")
+        graph = _training_graph(*shapes) if training else \
+            _sdpa_graph(torch.ops.aten._scaled_dot_product_flash_attention.default, *shapes)
+    active = FakeTensorMode()
+    with tracing(TracingContext(active)), active:
+        replaced = C.rewrite_training(graph) if training else C.rewrite(graph)
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert decision.reason is None and replaced == 1
+    op = torch.ops.nvfly.attention_prefill.default
+    assert op in _targets(graph)
+    if not training:  # the new nodes' values are computed in the graph's own fake mode
+        (call,) = [n for n in graph.nodes if n.target is op]
+        assert call.meta["val"][0].fake_mode is graph.find_nodes(op="placeholder")[0].meta["val"].fake_mode
 
 
 def test_compile_pass_rewritten_graph_computes_sdpa():

@@ -203,7 +203,7 @@ def test_eager_routes_decline_cpu_tensors_and_fall_through():
     register_routes()
     ops = {r.op for r in routing.routes()}
     assert {"aten::mm", "aten::mm.out", "aten::bmm", "aten::addmm", "aten::addmm.out", "aten::baddbmm"} <= ops
-    eligibility, _ = _route("addmm", with_c=True)
+    eligibility, _, _ = _route("addmm", with_c=True)
     c, a, b = torch.zeros(3).bfloat16(), torch.randn(2, 4).bfloat16(), torch.randn(4, 3).bfloat16()
     assert eligibility(c, a, b, beta=1, alpha=1) == "a is on cpu, not CUDA"
     assert "a: dtype torch.float32 is not supported" in eligibility(c.float(), a.float(), b.float(), beta=1, alpha=1)
@@ -475,3 +475,120 @@ def test_explain_verdicts():
     assert "nvfly wins (autotune database)" in Explanation(w, None, "", [], fast, None, []).verdict()
     assert "nvfly loses (measured now)" in Explanation(w, None, "", [], fast, slow, []).verdict()
     assert "not measured" in Explanation(w, None, "", [], None, None, []).verdict()
+
+
+# ---------------------------------------------------------------------------------------------- decision cache
+def _counting_route(eligible, signature=None, run=None):
+    """A route on CPU's topk schema whose eligibility counts its calls; with ``signature`` (default: the tensor's
+    ``routing.tensor_key`` and k) the routed kernel decides once per signature."""
+    checks = []
+
+    def eligibility(x, k, dim=-1, largest=True, sorted=True):
+        checks.append((tuple(x.shape), tuple(x.stride()), x.dtype, k))
+        return eligible(x, k)
+
+    def default_run(x, k, dim=-1, largest=True, sorted=True):
+        return torch.full((1,), 7.0), torch.zeros(1, dtype=torch.int64)
+
+    signature = signature or (lambda x, k, dim=-1, largest=True, sorted=True: (routing.tensor_key(x), k))
+    route = routing.Route("aten::topk", eligibility, run or default_run, "CPU", signature)
+    impl = routing._routed(route, torch.library.get_kernel("aten::topk", "CPU"))
+    keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    return (lambda x, k: impl(keyset, x, k, -1, True, True)), checks
+
+
+def test_a_repeated_declined_call_is_decided_once():
+    call, checks = _counting_route(lambda x, k: "declined for the test")
+    x = torch.randn(4, 32)
+    with routing.routing():
+        for _ in range(5):
+            values, indices = call(x, 3)
+            assert torch.equal(indices, torch.topk(x, 3).indices)  # torch's kernel ran
+        call(torch.randn(4, 32), 3)  # new values, same signature
+    assert len(checks) == 1
+
+
+def test_strides_dtypes_alignment_and_scalars_get_their_own_decisions():
+    """Eligibility reading strides and dtype: each layout is decided on its own, and each keeps its answer."""
+    call, checks = _counting_route(lambda x, k: None if x.stride(-1) == 1 and x.dtype == torch.float32 else "no")
+    base = torch.randn(64, 64)
+    cases = [(base[:8, :32], True), (base.t()[:8, :32], False), (base[:8, :32].double(), False),
+             (base.view(-1)[1:257].view(8, 32), True)]  # 4 bytes in: another alignment, another signature
+    with routing.routing():
+        for _ in range(2):
+            for x, nvfly_runs in cases:
+                got = call(x, 2)[0]
+                assert torch.equal(got, torch.full((1,), 7.0)) == nvfly_runs
+            call(base[:8, :32], 5)  # another k: another signature
+    assert len(checks) == len(cases) + 1
+
+
+def test_a_call_without_a_signature_is_decided_every_time():
+    def unhashable(x, k, *rest):
+        return [x.shape]  # a list: the call is decided without being remembered
+
+    call, checks = _counting_route(lambda x, k: "no", signature=unhashable)
+    with routing.routing():
+        call(torch.randn(2, 8), 1)
+        call(torch.randn(2, 8), 1)
+    assert len(checks) == 2
+
+
+def test_an_nvfly_failure_declines_its_signature():
+    runs = []
+
+    def failing(x, k, dim=-1, largest=True, sorted=True):
+        runs.append(k)
+        raise RuntimeError("boom")
+
+    call, checks = _counting_route(lambda x, k: None, run=failing)
+    x = torch.randn(3, 16)
+    with routing.routing():
+        for _ in range(3):
+            assert torch.equal(call(x, 2)[1], torch.topk(x, 2).indices)
+    assert runs == [2] and len(checks) == 1
+
+
+def test_the_decision_cache_is_bounded():
+    from nvfly.ops.common.opcall import CALL_LIMIT
+    call, checks = _counting_route(lambda x, k: "no")
+    decided = routing._DECIDED[-1]
+    x = torch.randn(1, CALL_LIMIT + 8)
+    with routing.routing():
+        for k in range(1, CALL_LIMIT + 8):
+            call(x, k)
+    assert len(checks) == CALL_LIMIT + 7 and 0 < len(decided) <= CALL_LIMIT
+
+
+def test_an_autotune_entry_added_later_flips_the_routed_gemm(fake_gpu_database):
+    """The real mm route, decided once per signature: declined without an entry (and not asked again), run on
+    nvfly once the database says it wins (the update forgets the routes' decisions)."""
+    _, run, signature = _route("mm", with_c=False)
+    runs = []
+    autotune_module = importlib.import_module("nvfly.torch.autotune")
+    analyzed = []
+    real_eager = autotune_module._eager
+
+    def eager(*args, **kwargs):
+        analyzed.append(args[0])
+        return real_eager(*args, **kwargs)
+
+    def nvfly_mm(a, b, **kwargs):
+        runs.append(a.shape)
+        return torch.zeros(a.shape[0], b.shape[1], dtype=a.dtype)
+
+    clear_decisions()
+    route = routing.Route("aten::mm", lambda a, b, **kw: eager("mm", a, b)[0], nvfly_mm, "CPU", signature)
+    impl = routing._routed(route, torch.library.get_kernel("aten::mm", "CPU"))
+    keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    a, b = torch.randn(16, 64).bfloat16(), torch.randn(64, 32).bfloat16()
+    with routing.routing():
+        for _ in range(3):
+            assert torch.equal(impl(keyset, a, b), a @ b)  # no entry: torch
+        assert analyzed == ["mm"] and runs == []
+        key = Workload(1, 16, 32, 64, torch.bfloat16, torch.bfloat16, "K", "K").key()
+        fake_gpu_database.update([_entry(key, best="bm=64,bn=32", best_ms=0.5, torch_ms=1.0)])
+        for _ in range(2):
+            assert not impl(keyset, a, b).any()  # nvfly (the stub's zeros)
+    assert analyzed == ["mm", "mm"] and runs == [a.shape, a.shape]
+    assert len([d for d in decisions() if d.where == "eager"]) == 2  # recorded once per decision

@@ -2,21 +2,24 @@
 
 ``compare_mask`` (``set.<cmp>.u32.<type>``: all ones where the compare holds, per 16-bit lane for bf16x2 / f16x2)
 filters many values with one instruction a pair and no predicate registers; ``f16_to_f32`` (``cvt.f32.f16``)
-converts a half given as its 16 bits. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper
-``cvt.rn.f16x2.e4m3x2``) turn fp8 (e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit
-tensor-core atoms (e.g. an fp8 KV cache dequantised before ``mma.sync``). Every e4m3 value is exact in f16 and in
-bf16, so they round nothing; bf16 goes through f32 because sm_90 has no e4m3 -> bf16 ``cvt``.
+converts a half given as its 16 bits; ``e8m0_to_f32`` decodes an MX scale byte, ``e2m1x8_to_e4m3x8`` and
+``convert_shared_e2m1x32`` turn packed MXFP4 values into e4m3 (times 2^-6, exact) for fp8 wgmma, ``f32_to_e2m1``
+rounds to e2m1. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8
+(e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit tensor-core atoms (e.g. an fp8 KV
+cache dequantised before ``mma.sync``). Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16
+goes through f32 because sm_90 has no e4m3 -> bf16 ``cvt``.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from nvfly.arch.memory import store_shared
+from nvfly.arch.memory import load_shared, store_shared
 from nvfly.arch.ptx import asm, asm_multi
 from nvfly.arch.target import requires
 from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
 from nvfly.frontend.dtypes import DType
+from nvfly.frontend.language import select
 from nvfly.frontend.trace import traced
 from nvfly.frontend.values import Scalar, as_value
 
@@ -104,3 +107,76 @@ def f32x2_to_fp8x2(low: Any, high: Any, dtype: DType) -> Scalar:
     return asm(f"cvt.rn.satfinite.{kind}x2.f32 $0, $1, $2;", [as_value(high).to(dtypes.f32),
                                                                 as_value(low).to(dtypes.f32)],
                result=dtypes.i16, side_effects=False)
+
+
+E8M0_NAN = 0xFF
+_E8M0_ZERO_BITS = 0x00400000  # 2^-127: below f32's normals, the subnormal with the top mantissa bit set
+_F32_NAN_BITS = 0x7FC00000
+
+
+@traced
+def e8m0_to_f32(byte: Any) -> Scalar:
+    """2^(byte - 127) in f32 for an OCP MX e8m0 scale byte (an integer scalar, e.g. a u8 load): integer ops
+    only, the byte shifted into f32's exponent field; byte 0 is the subnormal 2^-127 and 0xFF is NaN."""
+    v = as_value(byte)
+    if not isinstance(v, Scalar) or not v.dtype.is_int:
+        raise CompileError(f"e8m0_to_f32 takes the scale's byte as an integer scalar, got {getattr(v, 'dtype', v)}")
+    bits = v.to(dtypes.i32) & 0xFF  # a signed byte's sign extension masked off
+    bits = select(bits == 0, _E8M0_ZERO_BITS, select(bits == E8M0_NAN, _F32_NAN_BITS, bits << 23))
+    return bits.bitcast(dtypes.f32)
+
+
+@traced
+def e2m1x8_to_e4m3x8(word: Any) -> list:
+    """Eight OCP e2m1 values packed in a 32-bit word (two a byte, the lower-numbered in the low nibble, as torch's
+    float4_e2m1fn_x2) as eight e4m3 bytes in two 32-bit words (values 0-3, then 4-7, lowest byte first), each value
+    times 2^-6: the nibble's exponent and mantissa bits move to e4m3's bits 4-2 (e2m1's bias 1 under e4m3's 7) and
+    its sign to bit 7, so every value (0.5 the subnormal included) is exact; fold 2^6 into the scale."""
+    w = as_value(word)
+    if not isinstance(w, Scalar) or w.dtype != dtypes.i32:
+        raise CompileError(f"e2m1x8_to_e4m3x8 takes a 32-bit word as an i32, got {getattr(w, 'dtype', w)}")
+    return e2m1x8_to_e4m3x8_bits(w)
+
+
+def e2m1x8_to_e4m3x8_bits(w: Any) -> list:
+    """``e2m1x8_to_e4m3x8``'s bit operations on anything with integer operators: a traced i32, or (to test them
+    without a GPU) Python ints or int64 tensors holding the word's unsigned value."""
+    out = []
+    for half in (w & 0xFFFF, (w >> 16) & 0xFFFF):
+        spread = (half | (half << 8)) & 0x00FF00FF     # bytes 0, 2: the packed bytes 0, 1
+        nibbles = (spread | (spread << 4)) & 0x0F0F0F0F  # a nibble a byte, in order
+        out.append(((nibbles & 0x08080808) << 4) | ((nibbles & 0x07070707) << 2))
+    return out
+
+
+def convert_shared_e2m1x32(src: Any, dst_low: Any, dst_high: Any) -> None:
+    """Thirty-two packed e2m1 values (16 bytes) at shared address ``src`` (16-byte aligned) as e4m3 times 2^-6
+    (``e2m1x8_to_e4m3x8``): values 0-15 to the 16 bytes at ``dst_low``, 16-31 to ``dst_high`` (so that a converted
+    row may be laid out in swizzled 16-byte segments). One 16-byte shared load and two 16-byte stores."""
+    out = []
+    for word in load_shared(src, 4):
+        out.extend(e2m1x8_to_e4m3x8(word))
+    store_shared(dst_low, out[:4])
+    store_shared(dst_high, out[4:])
+
+
+# e2m1's rounding thresholds (a magnitude's code = how many it passes): at the ties 0.25, 1.25, 2.5 and 5 the even
+# code below wins (strictly above), at 0.75, 1.75 and 3.5 the even code above (at or above); past 6 it saturates
+E2M1_ABOVE = (0.25, 1.25, 2.5, 5.0)
+E2M1_AT_OR_ABOVE = (0.75, 1.75, 3.5)
+
+
+@traced
+def f32_to_e2m1(value: Any) -> Scalar:
+    """The OCP e2m1 code (an i32, 0-15, sign in bit 3) of an f32 value, rounded to nearest even and saturating to
+    +-6, the sign kept (-0 for small negatives); seven compares (sm_90 has no e2m1 ``cvt``)."""
+    v = as_value(value)
+    if not isinstance(v, Scalar) or v.dtype != dtypes.f32:
+        raise CompileError(f"f32_to_e2m1 takes an f32, got {getattr(v, 'dtype', v)}")
+    magnitude = abs(v)
+    code = select(magnitude > E2M1_ABOVE[0], 1, 0)
+    for t in E2M1_ABOVE[1:]:
+        code = code + select(magnitude > t, 1, 0)
+    for t in E2M1_AT_OR_ABOVE:
+        code = code + select(magnitude >= t, 1, 0)
+    return code | ((v.bitcast(dtypes.i32) >> 28) & 8)

@@ -161,6 +161,16 @@ def store_global(address: Any, words: Sequence[Any], valid: Any = None,
 
 
 @traced
+def load_shared(address: Any, words: int = 1) -> list:
+    """Load 1, 2 or 4 32-bit words from the 32-bit shared-memory ``address`` (aligned to their size)
+    (``ld.shared[.v2|.v4].b32``)."""
+    if words not in (1, 2, 4):
+        raise CompileError(f"load_shared loads 1, 2 or 4 32-bit words, got {words}")
+    vector = "" if words == 1 else f".v{words}"
+    return asm_multi(f"ld.shared{vector}.b32 {_register_list(0, words)}, [${words}];", [dtypes.i32] * words,
+                     [address])
+
+
 def store_shared(address: Any, words: Sequence[Any]) -> None:
     """Store 1, 2 or 4 32-bit ``words`` at the 32-bit shared-memory ``address`` (aligned to their size)
     (``st.shared[.v2|.v4].b32``)."""

@@ -29,6 +29,7 @@ SUITES = {
     "models": "Llama-3-8B layer (prefill, decode, training), MiniMax decode, DeepSeek prefill: eager vs routed",
     "inductor": "torch.compile max-autotune with nvfly installed vs without, on Llama-sized blocks",
     "launch_overhead": "host time of a cached launch: nvfly vs Triton and torch",
+    "routing_overhead": "host time of an eager call under nvfly.torch.routing(): plain, switched off, routed",
     "device_time": "where a call's time goes: kernels vs host",
     "host_profile": "cProfile of the host side of a call",
     "gemm_configs": "GEMM configs side by side on a few shapes (tuning aid)",

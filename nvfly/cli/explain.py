@@ -18,7 +18,7 @@ from rich.console import Console
 from nvfly.cli.usage import UsageError, help_text, positive_int
 
 DTYPES = ("bf16", "fp16")
-SCALINGS = ("tensor", "row", "block", "block1x128")
+SCALINGS = ("tensor", "row", "block", "block1x128", "mxfp8", "mxfp4")
 MAJORS = ("K", "MN")
 
 
@@ -131,6 +131,9 @@ def _run_scaled(args: argparse.Namespace) -> int:
     plan = scaled.describe(args.m, args.n, args.k, scaling=args.scaled, use_fast_accum=args.fast_accum)
     routed = ("under nvfly.torch.routing(), torch._scaled_mm with bf16/fp16/fp32 output runs it on an sm_90 GPU "
               "(fp8 output, scale_result, other GPUs: torch)")
+    if args.scaled.startswith("mx"):
+        routed = ("torch's MX calls stay on torch (their scales are cuBLAS's swizzled layout); nvfly.ops.scaled."
+                  "scaled_mm takes row-major (rows, K/32) e8m0 scales")
     if args.json:
         print(json.dumps({"m": args.m, "n": args.n, "k": args.k, "scaling": args.scaled,
                           "use_fast_accum": args.fast_accum, "nvfly": plan, "routing": routed}, indent=1))

@@ -32,7 +32,7 @@ import json
 import logging
 import operator
 import warnings
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch._inductor import config as inductor_config
@@ -179,25 +179,44 @@ def _reason(node: torch.fx.Node, arguments: dict[str, Any]) -> Optional[str]:
             return f"{name} starts {t.storage_offset()} elements into its buffer: not 16-byte aligned for TMA"
     hq, hkv = q.shape[1], k.shape[1] if k.dim() == 4 else 0
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # data_ptr of a FakeTensor: alignment is checked above
+        with stand_ins(q, k, v) as (q, k, v):
             return attention_ops._sdpa_reason(q, k, v, bool(arguments.get("is_causal", False)), hq != hkv, False,
                                               backend=FUSED[node.target])
     except Exception as exc:  # a broken check declines
         return f"eligibility check raised {type(exc).__name__}: {exc}"
 
 
+@contextlib.contextmanager
+def stand_ins(*tensors: torch.Tensor) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Tensors with the sizes, strides, storage offsets, dtypes, devices and requires_grad of a graph's traced values
+    (static: SymInts are declined before), made by a private FakeTensorMode with every other dispatch mode off, for
+    the eager eligibility rule to run its checks on. The rule views its inputs; on the graph's own fake tensors a
+    view would run in whatever fake mode is active, which in Inductor's passes need not be theirs ("Mixing fake
+    modes NYI" in the pre-grad pass on torch 2.11), and could add guards to their shape environment."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes(), FakeTensorMode(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # data_ptr of a FakeTensor (alignment reads the storage offset)
+        yield tuple(_stand_in(t) for t in tensors)
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    shape, strides, offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
+    extent = offset + (1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(shape) else 0)
+    storage = torch.empty(extent, dtype=t.dtype, device=t.device)
+    return storage.as_strided(shape, strides, offset).requires_grad_(t.requires_grad)
+
+
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, arguments: dict[str, Any]) -> None:
-    from torch._guards import detect_fake_mode
     q, k, v = (arguments[name] for name in ("query", "key", "value"))
     is_causal, scale = bool(arguments.get("is_causal", False)), arguments.get("scale")
-    decode = _val(q).shape[2] <= MAX_SQ
-    fake_mode = detect_fake_mode([_val(q)])
+    traced = _val(q)
+    decode = traced.shape[2] <= MAX_SQ
     with graph.inserting_before(node):
         views = []
         for t in (q, k, v):
             view = graph.call_function(aten.permute.default, (t, SWAP_S_H))  # post-grad graphs hold no transpose
-            with fake_mode:
+            with _own_mode(traced):
                 view.meta["val"] = _val(t).transpose(1, 2)
             views.append(view)
         if decode:
@@ -207,18 +226,26 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, arguments: dict[str, An
             op = torch.ops.nvfly.attention_prefill.default
             kwargs = {"causal": is_causal, "scale": scale, "causal_alignment": "top_left"}
         call = graph.call_function(op, tuple(views), kwargs)
-        with fake_mode:
+        with _own_mode(traced):
             out_val, lse_val = op(*(view.meta["val"] for view in views), **kwargs)
         call.meta["val"] = (out_val, lse_val)
         out = graph.call_function(operator.getitem, (call, 0))
         out.meta["val"] = out_val
         result = graph.call_function(aten.permute.default, (out, SWAP_S_H))
-        with fake_mode:
+        with _own_mode(traced):
             result.meta["val"] = out_val.transpose(1, 2)
     for user in list(node.users):  # every user is getitem(node, 0) (_reason checked)
         user.replace_all_uses_with(result)
         graph.erase_node(user)
     graph.erase_node(node)
+
+
+@contextlib.contextmanager
+def _own_mode(value: torch.Tensor) -> Iterator[None]:
+    """The fake mode of a traced value (not whichever is active, which may differ), other dispatch modes off."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    with _disable_current_modes(), getattr(value, "fake_mode", None) or contextlib.nullcontext():
+        yield
 
 
 def _record(node: torch.fx.Node, arguments: dict[str, Any], reason: Optional[str]) -> None:
@@ -278,7 +305,6 @@ def _example(x: Any) -> Any:
 
 
 def _training_reason(arguments: dict[str, Any], q: Any, k: Any, v: Any) -> Optional[str]:
-    from torch._guards import detect_fake_mode
     if arguments["attn_mask"] is not None:
         return "attn_mask is given (nvfly's kernels read none yet)"
     if arguments["dropout_p"]:
@@ -293,10 +319,8 @@ def _training_reason(arguments: dict[str, Any], q: Any, k: Any, v: Any) -> Optio
         return "dynamic shapes (nvfly's SDPA rewrite takes static sizes and strides)"
     if q.dim() == 4 and q.shape[2] <= MAX_SQ:
         return f"Sq = {q.shape[2]} needs gradients: nvfly's decode has no backward"
-    fake_mode = detect_fake_mode([q, k, v])
     try:
-        with warnings.catch_warnings(), (fake_mode if fake_mode is not None else contextlib.nullcontext()):
-            warnings.simplefilter("ignore")  # data_ptr of a FakeTensor
+        with stand_ins(q, k, v) as (q, k, v):
             return attention_ops._sdpa_reason(q, k, v, bool(arguments["is_causal"]), bool(arguments["enable_gqa"]),
                                               True)
     except Exception as exc:  # a broken check declines

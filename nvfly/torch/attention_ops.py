@@ -273,6 +273,12 @@ def _mask_mods(mask: Optional[Tensor]) -> dict:
     return {"score_mod": mods.tensor_bias(varies), "captured": (operand,)}
 
 
+def _bshd(t: Tensor) -> Tensor:
+    """The (B, S, H, D) view the kernels' checks read, detached: a check records no autograd (a graph pass's stand-in
+    for a CUDA tensor that requires grad has no device to accumulate a gradient on)."""
+    return t.detach().transpose(1, 2)
+
+
 def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
                    picks: Callable[[], str], mask: Optional[Tensor] = None) -> Optional[str]:
     """Sq <= 16: nvfly's decode, or why not."""
@@ -294,7 +300,7 @@ def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
                 "the end of the keys, not by row (a mask broadcast over the queries, such as a padding mask, is read)")
     if sq == 1 and picks() == "cudnn":
         return "Sq = 1 and torch picks cuDNN, measured 2-8% faster than nvfly's decode at Sq = 1 on the H200"
-    declined = attention.eligibility(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **_mask_mods(mask))
+    declined = attention.eligibility(_bshd(q), _bshd(k), _bshd(v), **_mask_mods(mask))
     return None if declined is None else f"nvfly's decode declines: {declined}"
 
 
@@ -311,7 +317,7 @@ def _prefill_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool
     if tiles < MIN_PREFILL_TILES:
         return (f"{tiles} query tiles of {BLOCK_M} rows (< {MIN_PREFILL_TILES}, one wave of the H200's SMs): nvfly's "
                 "prefill does not split the keys, torch's kernels do")
-    qs, ks, vs = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    qs, ks, vs = _bshd(q), _bshd(k), _bshd(v)
     declined = attention.prefill_eligibility(qs, ks, vs, causal_alignment="top_left", **_mask_mods(mask))
     if declined is not None:
         return f"nvfly's prefill declines: {declined}"
@@ -396,9 +402,28 @@ def sdpa_run(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tens
 
 
 def forget_decisions() -> None:
-    """Decide every SDPA signature again (tests start from none)."""
+    """Decide every SDPA signature again (tests start from none); the routes' too."""
     _SDPA_DECIDED.clear()
+    routing.forget_decisions()
+
+
+_SDP_ENABLED = (torch._C._get_flash_sdp_enabled, torch._C._get_mem_efficient_sdp_enabled,
+                torch._C._get_cudnn_sdp_enabled, torch._C._get_math_sdp_enabled)  # _flags' readings, unwrapped
+
+
+def sdpa_signature(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                   dropout_p: float = 0.0, is_causal: bool = False, *, scale: Optional[float] = None,
+                   enable_gqa: bool = False) -> tuple:
+    """The route's signature: what ``sdpa_eligibility`` reads (``_signature``'s parts, the front checks' arguments
+    and types), in reads that cost least."""
+    tensor_key = routing.tensor_key
+    flash, efficient, cudnn, math_ = _SDP_ENABLED
+    grad = torch.is_grad_enabled()
+    masked = None if attn_mask is None else (tensor_key(attn_mask), type(attn_mask), grad and attn_mask.requires_grad)
+    return (tensor_key(query), tensor_key(key), tensor_key(value), type(query), type(key), type(value), masked,
+            grad and (query.requires_grad or key.requires_grad or value.requires_grad), dropout_p, scale,
+            is_causal, enable_gqa, flash(), efficient(), cudnn(), math_())
 
 
 for _key in ("AutogradCUDA", "CUDA"):
-    routing.register_route(SDPA, sdpa_eligibility, sdpa_run, _key)
+    routing.register_route(SDPA, sdpa_eligibility, sdpa_run, _key, signature=sdpa_signature)

@@ -37,7 +37,7 @@ from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.gemm import GemmConfig, api, plan
 from nvfly.runtime.driver import sm_count
 from nvfly.torch import routing
-from nvfly.runtime.torch_args import layout_key
+from nvfly.torch.routing import tensor_key
 from nvfly.torch.gemm_ops import AUTO, Decision, Workload, analyze, bind_config, encode_config, nvfly_gemm, \
     precompile, record
 from nvfly.version import __version__
@@ -322,14 +322,18 @@ _EAGER_CALLS: OpCalls[Any] = OpCalls()  # operand signature -> gemm.bind's launc
 
 
 def _forget_eager_decisions() -> None:
-    """Drop the eager decisions and, with them, the launches bound for their configs (never one without the
-    other: a call bound for a config the database no longer picks would keep running it)."""
+    """Drop the eager decisions (the routes' too) and, with them, the launches bound for their configs (never one
+    without the other: a call bound for a config the database no longer picks would keep running it)."""
     _EAGER.clear()
     _EAGER_CALLS.clear()
+    routing.forget_decisions()
 
 
 def _eager_key(a: Tensor, b: Tensor, c: Optional[Tensor], out: Optional[Tensor], beta: Any, alpha: Any) -> tuple:
-    return layout_key(a), layout_key(b), layout_key(c), layout_key(out), type(beta), type(alpha), beta != 0, alpha != 1
+    """What decides an eager GEMM: the operands' layouts (``routing.tensor_key``), the scalars' types and whether
+    they are 0 and 1; the autotune database besides (a change forgets every decision)."""
+    return (tensor_key(a), tensor_key(b), c is not None and tensor_key(c), out is not None and tensor_key(out),
+            type(beta), type(alpha), beta != 0, alpha != 1)
 
 
 def _eager(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, out: Optional[Tensor] = None,
@@ -364,8 +368,8 @@ def _expected_faster(w: Workload, device: int) -> tuple[Optional[str], str]:
     return None, entry.best
 
 
-def _route(op: str, with_c: bool) -> tuple[Any, Any]:
-    """(eligibility, run) of an aten GEMM overload; with_c: its first argument is the added matrix."""
+def _route(op: str, with_c: bool) -> tuple[Any, Any, Any]:
+    """(eligibility, run, signature) of an aten GEMM overload; with_c: its first argument is the added matrix."""
     def split(args: tuple, kwargs: dict) -> tuple:
         c, a, b = args[:3] if with_c else (None, *args[:2])
         return c, a, b, kwargs.get("out"), kwargs.get("beta", 1), kwargs.get("alpha", 1)
@@ -373,6 +377,15 @@ def _route(op: str, with_c: bool) -> tuple[Any, Any]:
     def eligibility(*args: Any, **kwargs: Any) -> Optional[str]:
         c, a, b, out, beta, alpha = split(args, kwargs)
         return _eager(op, a, b, c, out, beta, alpha)[0]
+
+    # the route's signature, without split's frame (beta, alpha and out are keyword-only in every schema)
+    if with_c:
+        def signature(c: Tensor, a: Tensor, b: Tensor, *, beta: Any = 1, alpha: Any = 1,
+                      out: Optional[Tensor] = None) -> tuple:
+            return _eager_key(a, b, c, out, beta, alpha)
+    else:
+        def signature(a: Tensor, b: Tensor, *, out: Optional[Tensor] = None) -> tuple:  # type: ignore[misc]
+            return _eager_key(a, b, None, out, 1, 1)
 
     def run(*args: Any, **kwargs: Any) -> Tensor:
         # the launches bound once per signature: a call then reads only addresses
@@ -388,14 +401,15 @@ def _route(op: str, with_c: bool) -> tuple[Any, Any]:
         call.run(a, b, c_used, result, float(alpha), float(beta))
         return result
 
-    return eligibility, run
+    return eligibility, run, signature
 
 
 def register_routes() -> None:
     """Register (again) the GEMM routes with nvfly.torch.routing: mm, bmm, addmm, baddbmm and their out= forms."""
     for op, with_c in (("mm", False), ("bmm", False), ("addmm", True), ("baddbmm", True)):
         for overload in (op, f"{op}.out"):
-            routing.register_route(f"aten::{overload}", *_route(op, with_c))
+            eligibility, run, signature = _route(op, with_c)
+            routing.register_route(f"aten::{overload}", eligibility, run, signature=signature)
 
 
 # GEMM adds its routes when this module is imported (nvfly.torch imports it), so routing needs no import of it;

@@ -294,4 +294,10 @@ def _route_run(a: Tensor, b: Tensor, offs: Optional[Tensor] = None, bias: Option
     return grouped.grouped_mm(a, b, offs)
 
 
-routing.register_route("aten::_grouped_mm", _route_eligibility, _route_run)
+def _route_signature(a: Tensor, b: Tensor, offs: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+                     out_dtype: Optional[torch.dtype] = None) -> tuple:
+    key = routing.tensor_key
+    return key(a), key(b), offs is not None and key(offs), bias is not None, out_dtype
+
+
+routing.register_route("aten::_grouped_mm", _route_eligibility, _route_run, signature=_route_signature)

@@ -24,8 +24,16 @@ which has a CUDA kernel and an autograd formula using ``aten::_fused_rms_norm_ba
 ``aten::rms_norm`` itself is left alone: a CUDA kernel registered there would replace its composite autograd.
 Other inputs take torch's composite path (pow/mean/rsqrt), which is not routed.
 
-Every fallback is logged at debug level on the "nvfly" logger (at info level when ``NVFLY_DEBUG`` is set);
-an exception inside nvfly is logged (a warning, once per op and error type) and the call falls back.
+A routed call's host cost: the dispatcher's trampoline into the Python kernel and back to torch's (paid while
+switched off too), then the decision. A route with a ``signature`` (GEMM, SDPA, RMSNorm, TopK) decides once per
+call signature (``tensor_key`` of each tensor, the scalars the rule reads, the modes and flags it reads) and later
+calls cost a dictionary lookup: declined calls go straight to torch's kernel, accepted ones to ``run``. What a
+signature leaves out and may change (the GEMM autotune database) calls ``forget_decisions``. Measured by
+``benchmarks/routing_overhead.py`` (plain, switched off, routed).
+
+Every decline is logged at debug level on the "nvfly" logger (at info level when ``NVFLY_DEBUG`` is set), once per
+signature; an exception inside nvfly is logged (a warning, once per op and error type), the call falls back and its
+signature is declined from then on.
 """
 from __future__ import annotations
 
@@ -36,12 +44,12 @@ import sys
 import threading
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Optional
+from typing import Any, Callable, ContextManager, Hashable, Iterator, Optional
 
 import torch
 
 from nvfly import settings
-from nvfly.ops.common.opcall import Eligibility
+from nvfly.ops.common.opcall import Eligibility, OpCalls
 
 log = logging.getLogger("nvfly")
 
@@ -50,11 +58,16 @@ _SWITCH: contextvars.ContextVar[bool] = contextvars.ContextVar("nvfly_routing") 
 
 @dataclass(frozen=True)
 class Route:
-    """An aten overload (``"aten::topk"``, ``"aten::mm.out"``) routed to nvfly on ``dispatch_key``."""
+    """An aten overload (``"aten::topk"``, ``"aten::mm.out"``) routed to nvfly on ``dispatch_key``.
+
+    ``signature`` (optional) maps the aten arguments to a hashable key of everything ``eligibility`` depends on
+    (None: this call is not remembered): the routed kernel then decides once per signature and later calls cost a
+    dictionary lookup. What the key leaves out must not change the decision, or must call ``forget_decisions``."""
     op: str
     eligibility: Eligibility
     run: Callable[..., Any]
     dispatch_key: str = "CUDA"
+    signature: Optional[Callable[..., Optional[Hashable]]] = None
 
 
 _ROUTES: dict[tuple[str, str], Route] = {}
@@ -63,6 +76,7 @@ _LIBRARY: Optional[torch.library.Library] = None
 _LOCK = threading.Lock()
 _WARNED: set[tuple[str, str]] = set()
 _DEFAULTS_REGISTERED = False
+_DECIDED: list[OpCalls[tuple[Optional[str]]]] = []  # each routed kernel's signature -> (reason or None,)
 
 
 # ---------------------------------------------------------------------------------------------- the switch
@@ -98,12 +112,25 @@ def routing(enabled: bool = True) -> Iterator[None]:
 
 # ---------------------------------------------------------------------------------------------- registry
 def register_route(op: str, eligibility: Eligibility, run: Callable[..., Any],
-                   dispatch_key: str = "CUDA") -> None:
-    """Add a route (it takes effect at the next ``install_routing``). ``eligibility`` and ``run`` receive the
-    aten arguments in schema order (keyword-only ones as keywords); ``run`` returns what the op returns."""
+                   dispatch_key: str = "CUDA", signature: Optional[Callable[..., Optional[Hashable]]] = None) -> None:
+    """Add a route (it takes effect at the next ``install_routing``). ``eligibility``, ``run`` and ``signature``
+    (``Route``) receive the aten arguments in schema order (keyword-only ones as keywords); ``run`` returns what the
+    op returns."""
     name = op if "::" in op else f"aten::{op}"
     with _LOCK:
-        _ROUTES[(name, dispatch_key)] = Route(name, eligibility, run, dispatch_key)
+        _ROUTES[(name, dispatch_key)] = Route(name, eligibility, run, dispatch_key, signature)
+
+
+def tensor_key(t: torch.Tensor) -> tuple:
+    """A tensor's part of a route signature: shape, strides, dtype, device index (-1 off a GPU) and address modulo
+    16 (five reads: ``get_device`` makes no device object, as ``layout_key``'s ``device`` does)."""
+    return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15
+
+
+def forget_decisions() -> None:
+    """Decide every signature again (what a signature leaves out changed: e.g. the GEMM autotune database)."""
+    for decided in list(_DECIDED):
+        decided.clear()
 
 
 def routes() -> list[Route]:
@@ -143,17 +170,36 @@ def installed() -> list[str]:
 
 
 def _routed(route: Route, fallthrough: Any) -> Callable[..., Any]:
+    """The kernel registered for ``route``: when routing is on, the decision of the call's signature (made once:
+    ``eligibility``, then a dictionary lookup), nvfly's ``run`` if it accepts, else ``fallthrough``. An nvfly
+    failure falls back and declines its signature from then on."""
+    decided: OpCalls[tuple[Optional[str]]] = OpCalls()
+    _DECIDED.append(decided)
+    # bound once: a declined call is the switch, the key, one lookup and torch's kernel
+    switch, lookup, signature, run = _SWITCH.get, decided.get, route.signature, route.run
+    call_torch = fallthrough.call_boxed
+
     def impl(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        if routing_enabled():
-            reason = _decide(route, args, kwargs)
-            if reason is None:
+        if switch(False):
+            key = hit = None
+            if signature is not None:
                 try:
-                    return route.run(*args, **kwargs)
+                    key = signature(*args, **kwargs)
+                    hit = lookup(key)
+                except Exception:  # noqa: BLE001 - not tensors, unhashable: decided without remembering
+                    key = None
+            if hit is None:
+                hit = (_decide(route, args, kwargs),)
+                decided.remember(key, hit)
+                if hit[0] is not None:
+                    _declined(route, hit[0])
+            if hit[0] is None:
+                try:
+                    return run(*args, **kwargs)
                 except Exception as exc:  # an nvfly failure must never break the caller: use torch
                     _failed(route, exc)
-            else:
-                _declined(route, reason)
-        return fallthrough.call_boxed(keyset, *args, **kwargs)
+                    decided.remember(key, (f"nvfly raised {type(exc).__name__}: {exc}",))
+        return call_torch(keyset, *args, **kwargs)
 
     impl.__name__ = f"nvfly_route_{route.op.replace('::', '_').replace('.', '_')}"
     return impl
@@ -167,8 +213,7 @@ def _decide(route: Route, args: tuple, kwargs: dict) -> Optional[str]:
 
 
 def _declined(route: Route, reason: str) -> None:
-    if not log.isEnabledFor(logging.INFO):  # neither level logs: skip reading the environment (every call)
-        return
+    """Log a decline (once per signature where the route has one)."""
     level = logging.INFO if settings.get("debug") else logging.DEBUG
     if log.isEnabledFor(level):
         log.log(level, "nvfly: %s stays on torch: %s", route.op, reason)
@@ -221,9 +266,23 @@ def _register_default_routes() -> None:
                  sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         return topk.topk(x, k, dim, largest, sorted)
 
-    register_route("aten::_fused_rms_norm", rms_norm_eligibility, rms_norm_run)
-    register_route("aten::_fused_rms_norm_backward", rms_norm_backward_eligibility, rms_norm_backward_run)
-    register_route("aten::topk", topk.eligibility, topk_run)
+    def rms_norm_signature(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
+                           eps: Optional[float]) -> tuple:
+        return tensor_key(x), tuple(normalized_shape), weight is not None and tensor_key(weight), eps, type(eps)
+
+    def rms_norm_backward_signature(grad_out: torch.Tensor, x: torch.Tensor, normalized_shape: list[int],
+                                    rstd: torch.Tensor, weight: Optional[torch.Tensor], output_mask: list[bool]
+                                    ) -> tuple:
+        return (tensor_key(grad_out), tensor_key(x), tuple(normalized_shape), rstd.dtype,
+                weight is not None and tensor_key(weight), tuple(output_mask))
+
+    def topk_signature(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple:
+        return tensor_key(x), k, dim, largest, sorted
+
+    register_route("aten::_fused_rms_norm", rms_norm_eligibility, rms_norm_run, signature=rms_norm_signature)
+    register_route("aten::_fused_rms_norm_backward", rms_norm_backward_eligibility, rms_norm_backward_run,
+                   signature=rms_norm_backward_signature)
+    register_route("aten::topk", topk.eligibility, topk_run, signature=topk_signature)
 
 
 class _RoutingModule(types.ModuleType):

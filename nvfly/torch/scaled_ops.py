@@ -17,7 +17,7 @@ import torch
 
 from nvfly.ops import scaled
 from nvfly.ops.common.opcall import Declined, OpCalls
-from nvfly.ops.scaled.config import BLOCKWISE
+from nvfly.ops.scaled.config import BLOCKWISE, MX
 from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import routing
 
@@ -33,6 +33,9 @@ ROUTE_MAX_M = 64
 
 def slower_reason(scaling: str, m: int) -> Optional[str]:
     """Why cuBLAS stays with an eligible call of this recipe and M (the measured rule above), or None to route it."""
+    if scaling in MX:
+        return (f"{scaling} scales: torch's are cuBLAS's swizzled (blocked) layout, nvfly's scaled_mm reads "
+                f"row-major (rows, K/32) scales")
     if scaling in BLOCKWISE:
         return (f"{scaling} scales: cuBLAS measured faster at every M (nvfly's promoted block mainloop x0.64-0.86 on "
                 f"the H200, docs/ops/scaled.md)")
@@ -130,6 +133,15 @@ def scaled_mm_v2_run(*args: Any, **kwargs: Any) -> torch.Tensor:
                             out_dtype=call["out_dtype"], use_fast_accum=bool(call["use_fast_accum"]))
 
 
-routing.register_route("aten::_scaled_mm", scaled_mm_eligibility, scaled_mm_run)
+def scaled_mm_signature(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                        bias: Optional[torch.Tensor] = None, scale_result: Optional[torch.Tensor] = None,
+                        out_dtype: Optional[torch.dtype] = None, use_fast_accum: bool = False) -> tuple:
+    """The route's signature: what ``scaled_mm_eligibility``'s own key holds, in cheaper reads."""
+    key = routing.tensor_key
+    return (key(a), key(b), key(scale_a), key(scale_b), bias is not None and key(bias), scale_result is None,
+            out_dtype)
+
+
+routing.register_route("aten::_scaled_mm", scaled_mm_eligibility, scaled_mm_run, signature=scaled_mm_signature)
 if hasattr(torch.ops.aten, "_scaled_mm_v2"):
     routing.register_route("aten::_scaled_mm_v2", scaled_mm_v2_eligibility, scaled_mm_v2_run)

@@ -414,3 +414,82 @@ def test_random_fp8_and_block_masks(seed):
         kwargs["block_mask"] = block_mask_of(kinds, kv_block, rng.choice([None, head_parity]))
         kwargs["read"] = poison_unread(k, v, kinds, kv_block, group, table)
     check(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("shape,kv_block,full,lengths", [
+    ((3, 16), 128, True, [3000, 129, 0]),      # per (sequence, head), ragged, an empty sequence
+    ((1, 1), 256, False, [2048, 1500, 1]),     # broadcast, partial blocks only
+    ((3, 1), 192, True, [2990, 64, 65]),       # per sequence, blocks of 3 stages, a capacity of odd stages
+    ((1, 16), 64, True, [3000, 3000, 2999])])  # per head, a block a stage
+def test_block_mask_tables_kernel_equals_the_torch_tables(shape, kv_block, full, lengths):
+    """block_mask_kernel's tables (one launch) against kv_options.block_mask_tables (their definition in torch):
+    kv_state and stage_count equal, the listed stages equal and ascending, every stage_list row a permutation of
+    the stages; with garbage past each count in the mask's indices and outputs poisoned first."""
+    from nvfly.ops.attention import kv_options
+    from nvfly.ops.attention.block_mask_kernel import THREADS, block_mask_tables_kernel
+    batch, hq, hkv, capacity = 3, 16, 2, 3000 if kv_block != 192 else 2990
+    gen = torch.Generator(device="cuda").manual_seed(kv_block)
+    blocks = -(-capacity // kv_block)
+    kinds = torch.randint(0, 3 if full else 2, (*shape, blocks), device="cuda", generator=gen)
+    mask = block_mask_of(kinds, kv_block)
+    if not full:
+        mask = BlockMask.from_kv_blocks(mask.kv_num_blocks, mask.kv_indices, BLOCK_SIZE=(128, kv_block))
+    listed = torch.arange(blocks, device="cuda") >= mask.kv_num_blocks  # garbage past the count: out of range too
+    mask.kv_indices[:, :, 0][listed] = torch.randint(-5, blocks + 5, (int(listed.sum()),), device="cuda",
+                                                      dtype=torch.int32, generator=gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    want = kv_options.block_mask_tables(mask, batch, hq, hkv, seqlens, capacity)
+    shapes = kv_options.mask_table_shapes(mask, batch, hq, hkv, capacity)
+    got = [torch.full(s, -7, dtype=torch.int32, device="cuda") for s in shapes]
+    tables = kv_options.mask_tables_plan(mask, batch, hq, hkv)
+    assert (tables.batch_broadcast, tables.head_broadcast, tables.full) == (shape[0] == 1, shape[1] == 1, full)
+    block_mask_tables_kernel[(hkv, batch), THREADS](
+        mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices, seqlens, *got,
+        shapes[0][2], shapes[1][2], TABLES=tables)
+    torch.cuda.synchronize()
+    kv_state, stage_list, stage_count = got
+    assert torch.equal(kv_state, want[0]) and torch.equal(stage_count, want[2])
+    stages = shapes[1][2]
+    assert torch.equal(stage_list.sort(-1).values, torch.arange(stages, device="cuda").expand(batch, hkv, -1).int())
+    for b in range(batch):
+        for h in range(hkv):
+            count = int(stage_count[b, h])
+            assert torch.equal(stage_list[b, h, :count], want[1][b, h, :count])
+    assert int(stage_count.sum()) > 0
+
+
+def test_block_masks_in_a_row_and_in_a_graph_changed_in_place():
+    """Two block masks decoded back to back on one stream (their tables share the stream's scratch) each match the
+    reference; a captured decode replays with the mask's tensors rewritten in place (its tables are computed in
+    the graph), including a head whose blocks are all empty (zeros, LSE -inf)."""
+    k, v, _ = make_cache(2, 2048, 2, 128, 128, torch.bfloat16)
+    q = query(2, 2, 16, 128, torch.bfloat16)
+    seqlens = torch.tensor([2048, 1000], dtype=torch.int32, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    masks = []
+    for _ in range(4):  # the last one is the graph's, rewritten with the others' tensors
+        kinds = torch.randint(0, 3, (2, 16, 16), device="cuda", generator=gen)
+        kinds[1, 5] = 0  # every block of a head empty
+        masks.append(block_mask_of(kinds, 128, head_parity))
+    outs = [attention.decode(q, k, v, cache_seqlens=seqlens, block_mask=m, return_lse=True) for m in masks[:2]]
+    for (out, lse), mask in zip(outs, masks):
+        want, want_lse = attention.reference(q, k, v, cache_seqlens=seqlens, block_mask=mask)
+        assert_matches(out, lse, want, want_lse, 1e-2)
+    mask = masks[3]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # the signature's call made (and its kernels loaded) before the capture
+        attention.decode(q, k, v, cache_seqlens=seqlens, block_mask=mask, return_lse=True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out, lse = attention.decode(q, k, v, cache_seqlens=seqlens, block_mask=mask, return_lse=True)
+    for source, lengths in ((masks[2], [2048, 1000]), (masks[1], [700, 0]), (masks[0], [1, 2047])):
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            getattr(mask, name).copy_(getattr(source, name))
+        seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want, want_lse = attention.reference(q, k, v, cache_seqlens=seqlens, block_mask=source)
+        assert_matches(out, lse, want, want_lse, 1e-2)

@@ -275,3 +275,44 @@ def test_varlen_cuda_graph_replays_with_new_offsets():
         lse.copy_(graph_lse)
         want, want_lse = attention.prefill_reference(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True)
         assert_matches(out[None, :1000], lse[None, :, :1000], want[None, :1000], want_lse[None, :, :1000], 1e-2)
+
+
+# ---------------------------------------------------------------------------------------------- plan variants
+VARIANT_CASES = {  # name: the test above it reruns; the default plans (overlap, ping-pong up to D 128) run them all
+    "d128-causal": lambda: test_shapes_against_the_reference(2, 1000, 1000, 8, 2, 128, True, "bottom_right", "bf16",
+                                                             "bshd"),
+    "d128-sq-gt-skv-fp16-bhsd": lambda: test_shapes_against_the_reference(1, 777, 300, 6, 3, 128, False,
+                                                                          "bottom_right", "fp16", "bhsd"),
+    "d64-causal-top-left-mqa": lambda: test_shapes_against_the_reference(2, 513, 1000, 4, 1, 64, True, "top_left",
+                                                                         "bf16", "bshd"),
+    "d64-window": lambda: test_sliding_windows(700, 900, 64, True, (200, 0), "bottom_right"),
+    "d128-soft-cap": lambda: test_mods("soft_cap", 700, 128, True, "bf16"),
+    "d64-document-mask": lambda: test_mods("document_mask", 640, 64, False, "bf16"),
+    "d256-causal": lambda: test_shapes_against_the_reference(2, 600, 600, 4, 2, 256, True, "bottom_right", "bf16",
+                                                             "bshd"),
+    "d192-alibi": lambda: test_mods("alibi", 500, (192, 128), True, "fp16"),
+    "d64-block-mask": lambda: test_random_block_masks_skip_unlisted_blocks(128, 64, (8, 2)),
+    "d128-block-mask-256": lambda: test_random_block_masks_skip_unlisted_blocks(256, 128, (6, 3)),
+    "d128-varlen": lambda: test_varlen_against_the_reference([300, 1, 0, 129, 1000], None, 128, True,
+                                                             "bottom_right", {}),
+    "d64-varlen-sq-gt-skv": lambda: test_varlen_against_the_reference([77, 500, 3], [500, 77, 260], 64, True,
+                                                                      "bottom_right", {}),
+    "d256-varlen-window": lambda: test_varlen_against_the_reference([1000, 200], None, 256, True, "bottom_right",
+                                                                    {"window": (128, None)}),
+}
+
+
+@pytest.mark.parametrize("overlap, pingpong, case", [
+    (True, False, "d128-causal"), (False, True, "d128-sq-gt-skv-fp16-bhsd"), (False, False, "d64-causal-top-left-mqa"),
+    (True, False, "d64-window"), (False, True, "d128-soft-cap"), (True, False, "d64-document-mask"),
+    (True, True, "d256-causal"), (True, True, "d192-alibi"), (True, False, "d64-block-mask"),
+    (False, True, "d128-block-mask-256"), (True, False, "d128-varlen"), (False, False, "d64-varlen-sq-gt-skv"),
+    (True, True, "d256-varlen-window"),
+])
+def test_plan_variants(overlap, pingpong, case):
+    """The kernel's variants (``PrefillPlan.overlap``, ``.pingpong``) forced by ``plan_options``, against the
+    reference: causal and not, a window, mods, block masks (a first block from the full list), packed
+    sequences, D 64 ... 256."""
+    from nvfly.ops.attention.prefill_api import plan_options
+    with plan_options(overlap=overlap, pingpong=pingpong):
+        VARIANT_CASES[case]()

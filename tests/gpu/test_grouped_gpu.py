@@ -7,6 +7,7 @@ import torch
 
 from nvfly.ops import grouped
 from nvfly.ops.gemm import GemmConfig
+from nvfly.ops.grouped.plan import kgrouped_variants
 
 pytestmark = pytest.mark.gpu
 
@@ -156,6 +157,42 @@ def test_kgrouped_weight_gradient(hopper, sizes, config):
             assert torch.equal(out[g], torch.zeros_like(out[g]))
 
 
+@pytest.mark.parametrize("variant", ["pingpong-tma", "pingpong-register", "cooperative-tma", "cooperative-register"])
+def test_kgrouped_bf16_variants(hopper, variant):
+    """bf16 weight gradients of random ragged K (empty groups, 1..7-row groups, unaligned tails, a group of many
+    k-blocks) on each K-grouped tile; M and N tails clipped by the TMA store (136 x 200)."""
+    gen = torch.Generator().manual_seed(len(variant))
+    sizes = [0, 1, 0, 7] + torch.randint(0, 300, (10,), generator=gen).tolist() + [0, 700, 3, 0]
+    config = kgrouped_variants(len(sizes))[variant]
+    m, n = 136, 200
+    a, b, offs = kgrouped_operands(sizes, m, n, ("MN", "MN"))
+    out = torch.full((len(sizes), m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, b, offs, out=out, config=config)
+    check(out, grouped.reference(a, b, offs))
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert torch.equal(out[g].float(), torch.zeros(m, n, device="cuda")), g
+    # a second call with other sizes and the same signature (the plan and descriptors are reused)
+    sizes2 = sizes[::-1]
+    a2, b2, offs2 = kgrouped_operands(sizes2, m, n, ("MN", "MN"))
+    out2 = grouped.grouped_mm(a2, b2, offs2, config=config)
+    check(out2, grouped.reference(a2, b2, offs2))
+
+
+def test_kgrouped_tma_store_needs_a_tma_output(hopper):
+    """An output a TMA descriptor cannot cover (a row of 196 bf16 = 392 bytes) is stored through registers; a
+    strided view (rows of 208 of which 200 are the output) is stored by TMA, which leaves the padding alone."""
+    sizes = [0, 40, 3, 129, 0, 64]
+    for m, n, view in ((72, 196, False), (136, 200, True)):
+        a, b, offs = kgrouped_operands(sizes, m, n, ("MN", "MN"))
+        base = torch.full((len(sizes), m, n + 8 * view), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = base[..., :n]
+        grouped.grouped_mm(a, b, offs, out=out)
+        check(out, grouped.reference(a, b, offs))
+        if view:
+            assert base[..., n:].isnan().all()
+
+
 @pytest.mark.parametrize("majors", [("K", "K"), ("MN", "K"), ("K", "MN")], ids=["K-K", "MN-K", "K-MN"])
 def test_kgrouped_k_contiguous_operands_are_declined(hopper, majors):
     """A group's K may start anywhere: with a K-contiguous operand that start would be a TMA coordinate of the
@@ -286,6 +323,31 @@ def test_moe_layer_eager_and_compiled(hopper):
     compiled = torch.compile(lambda *args: moe.moe(*args, k))
     got = compiled(x, router, w_gate_up, w_down)
     assert ((got.float() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_moe_layer_gradients(hopper):
+    """benchmarks.grouped's MoE layer on nvfly's differentiable ops (fused gate/up, the K-grouped weight gradients on
+    the heuristic's ping-pong TMA-store tile), eager and compiled: the float32 layer's output, and the gradients of
+    x and every weight of the eager torch._grouped_mm layer."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    import nvfly.torch  # noqa: F401
+    from benchmarks.grouped import chunked_rel_err, nvfly_moe, torch_moe
+    from nvfly.ops import moe
+    t, h, inter, e, k = 300, 512, 256, 16, 4
+    args = [torch.randn(t, h, device="cuda").to(torch.bfloat16),
+            (torch.randn(e, h, device="cuda") / 22).to(torch.bfloat16),
+            (torch.randn(e, 2 * inter, h, device="cuda") / 22).to(torch.bfloat16),
+            (torch.randn(e, h, inter, device="cuda") / 16).to(torch.bfloat16)]
+    ref = moe.reference(*args, k)
+    leaves = [a.requires_grad_() for a in args]
+    grad = torch.randn(t, h, device="cuda").to(torch.bfloat16)
+    want = torch.autograd.grad(torch_moe(*leaves, k), leaves, grad)
+    for layer in (lambda *a: nvfly_moe(*a, k), torch.compile(lambda *a: nvfly_moe(*a, k))):
+        out = layer(*leaves)
+        assert chunked_rel_err(out, ref) < 2e-2
+        for got, w in zip(torch.autograd.grad(out, leaves, grad), want):
+            assert chunked_rel_err(got, w) < 2e-2
 
 
 def test_inductor_max_autotune_grouped_mm(hopper):

@@ -1,6 +1,6 @@
 """nvfly's FP8 scaled GEMM against the float32 GEMM of the dequantised operands: every recipe (tensor-wise,
-row-wise, 1x128 x 128x128 blocks), promoted and fast accumulation, bias, output dtypes, tails, small M (swap-AB
-and token tiles), e5m2; fresh random inputs, NaN-poisoned outputs."""
+row-wise, 1x128 x 128x128 blocks, MXFP8, MXFP4 weights), promoted and fast accumulation, bias, output dtypes,
+tails, small M (swap-AB and token tiles), e5m2; fresh random inputs, NaN-poisoned outputs."""
 import pytest
 import torch
 
@@ -232,3 +232,98 @@ def test_routing_sends_scaled_mm_to_nvfly_where_faster_and_declines_with_reasons
     for recipe in ("block", "block1x128"):
         reason = scaled_ops.scaled_mm_eligibility(*operands(m, n, k, recipe), None, None, torch.bfloat16)
         assert reason.startswith(f"{recipe} scales: cuBLAS measured faster")
+
+
+# ---------------------------------------------------------------------------------------------- MXFP8
+def mx_operands(m, n, k):
+    """MXFP8 a (M, K), b (K, N column-major) and their (rows, K/32) float8_e8m0fnu scales; rows and 32-blocks of
+    K of very different magnitudes (2^-4 .. 2^4 each), so that a scale read for the wrong row, column or k-step
+    shows."""
+    def spread(rows):
+        x = torch.randn(rows, k, device="cuda")
+        blocks = torch.exp2(torch.randint(-4, 5, (rows, k // 32), device="cuda").float()).repeat_interleave(32, 1)
+        return x * blocks * torch.exp2(torch.randint(-2, 3, (rows, 1), device="cuda").float())
+    a, sa = quantize(spread(m), "mx")
+    b, sb = quantize(spread(n), "mx", operand="b")
+    return a, b, sa.view(torch.float8_e8m0fnu), sb.view(torch.float8_e8m0fnu)
+
+
+def test_mxfp8_decodes_nan_and_the_smallest_scale(hopper):
+    """e8m0 0xFF is NaN (its row's outputs NaN, the others untouched); 0 is 2^-127 (a subnormal, not zero: next to
+    a 2^100 weight scale it leaves 2^-27)."""
+    m, n, k = 128, 256, 512
+    a, b, sa, sb = mx_operands(m, n, k)
+    sa, sb = sa.view(torch.uint8).clone(), sb.view(torch.uint8).clone()
+    sa[3, 5] = 0xFF
+    sa[7, :] = 0
+    sb = torch.where(torch.arange(k // 32, device="cuda") % 2 == 0, torch.full_like(sb, 127 + 100), sb)
+    ref = scaled.reference(a, b, sa, sb)
+    out = scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.float32)
+    assert out[3].isnan().all() and ref[3].isnan().all()
+    keep = torch.arange(m, device="cuda") != 3
+    assert rel_error(out[keep], ref[keep]) < 5e-4
+    assert ref[7].abs().max() > 2.0 ** -40 and rel_error(out[7], ref[7]) < 5e-4
+
+
+# ---------------------------------------------------------------------------------------------- MXFP4 weights
+def mxfp4_operands(m, n, k):
+    """MXFP8 a (as ``mx_operands``) and MXFP4 b: random e2m1 pairs (every code) as float4_e2m1fn_x2 (K/2, N)
+    column-major, e8m0 scales 2^-6 .. 2^6 per row and 32 of K."""
+    a, _, sa, _ = mx_operands(m, 16, k)
+    packed = torch.randint(0, 256, (n, k // 2), device="cuda", dtype=torch.uint8)
+    sb = torch.randint(127 - 6, 127 + 7, (n, k // 32), device="cuda", dtype=torch.uint8)
+    return a, packed.view(torch.float4_e2m1fn_x2).t(), sa, sb.view(torch.float8_e8m0fnu)
+
+
+MX_OPERANDS = {"mxfp8": mx_operands, "mxfp4": mxfp4_operands}
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
+@pytest.mark.parametrize("out_dtype,mnk", [(torch.bfloat16, (256, 512, 1024)), (torch.float32, (1000, 1040, 4160)),
+                                           (torch.float32, (200, 336, 544)), (torch.bfloat16, (16, 1536, 2048))])
+def test_mx_recipes_match_the_dequantised_gemm(hopper, recipe, out_dtype, mnk):
+    """MXFP8 activations x MXFP8 or MXFP4 weights (converted to e4m3 in shared memory): tails in M and N, K tails of
+    whole k-steps (544 = 4 k-blocks + one k-step), small M (one 64-row token tile, split K)."""
+    m, n, k = mnk
+    a, b, sa, sb = MX_OPERANDS[recipe](m, n, k)
+    out = poisoned(m, n, out_dtype)
+    scaled.scaled_mm(a, b, sa, sb, out_dtype=out_dtype, out=out)
+    assert rel_error(out, scaled.reference(a, b, sa, sb)) < TOL[out_dtype]
+    assert f"scaled-{recipe}-promoted" in scaled.path(a, b, sa, sb, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
+def test_mx_configs_bias_and_byte_scales(hopper, recipe):
+    """One and two consumers (MXFP4: converting the packed tile 2 or 1 chunks a thread, or fewer chunks than
+    threads), split K; the scales as uint8 bytes."""
+    m, n, k = 264, 384, 1120  # 8 full k-blocks and a partial one (three k-steps)
+    a, b, sa, sb = MX_OPERANDS[recipe](m, n, k)
+    bias = torch.randn(n, device="cuda").bfloat16()
+    ref = scaled.reference(a, b, sa, sb, bias)
+    for config in (ScaledConfig(128, 128, 4, 2), ScaledConfig(64, 32, 8, 1), ScaledConfig(128, 64, 5, 1),
+                   ScaledConfig(128, 32, 6, 2), ScaledConfig(128, 128, 4, 2, split_k=3)):
+        out = poisoned(m, n, torch.float32)
+        scaled.scaled_mm(a, b, sa.view(torch.uint8), sb.view(torch.uint8), bias=bias, out_dtype=torch.float32,
+                         out=out, config=config)
+        assert rel_error(out, ref) < 5e-4, config
+
+
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32])
+def test_quantize_mxfp4_matches_the_reference_bit_for_bit(hopper, source):
+    """nvfly's MXFP4 quantisation kernel against ``quantize(x, "mxfp4")`` (OCP scales, e2m1 rounded to nearest
+    even, saturating), then those weights through scaled_mm."""
+    from nvfly.ops.scaled.quantize import quantize_mxfp4
+    for rows, k in ((300, 1056), (256, 4096)):
+        x = (torch.randn(rows, k, device="cuda") * torch.exp2(torch.randint(-8, 9, (rows, 1), device="cuda"))
+             ).to(source)
+        x[0, :32] = 0  # an all-zero group: scale byte 0
+        x[1, :64] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0], device="cuda").repeat(8).to(source)
+        for operand in ("a", "b"):
+            q, s = quantize_mxfp4(x, operand=operand)
+            q_ref, s_ref = quantize(x, "mxfp4", operand=operand)
+            assert q.dtype == torch.float4_e2m1fn_x2 and q.shape == q_ref.shape and q.stride() == q_ref.stride()
+            assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    a, _, sa, _ = mx_operands(64, 16, k)
+    out = poisoned(64, rows, torch.float32)
+    scaled.scaled_mm(a, q, sa, s, out_dtype=torch.float32, out=out)
+    assert rel_error(out, scaled.reference(a, q, sa, s)) < 5e-4

@@ -14,12 +14,15 @@ from nvfly.ops.attention.checks import tensor_argument as _tensor
 from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.decode_kernel import attention_decode_kernel
-from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_tables, check_block_mask, check_scales, error,
-                                            kernel_scales, mask_mod_of, per_head, reference_block_keep)
+from nvfly.ops.attention.block_mask_kernel import THREADS as TABLES_THREADS
+from nvfly.ops.attention.block_mask_kernel import block_mask_tables_kernel
+from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_key, block_mask_tables, check_block_mask,
+                                            check_block_numbers, check_scales, error, kernel_scales, mask_mod_of,
+                                            mask_table_shapes, mask_tables_plan, per_head, reference_block_keep)
 from nvfly.ops.attention.mla_api import check_mla_arguments, from_decode, mla_eligibility
 from nvfly.ops.attention.mla_plan import DQK as MLA_DQK
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
-from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, decode_plan
+from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, MaskTablesPlan, decode_plan
 from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls
 from nvfly.runtime.torch_args import layout_key
 
@@ -206,28 +209,21 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
                            v_scale=v_scale, block_mask=block_mask, cache_seqlens=cache_seqlens,
                            block_table=block_table, scale=scale, causal=causal, return_lse=return_lse,
                            validate=validate, splits=splits, out=out)
-    if block_mask is None:
-        try:  # everything that decides the checks, the plan and the launches
-            key = (layout_key(q), layout_key(k_cache), layout_key(v_cache), layout_key(cache_seqlens),
-                   layout_key(block_table), layout_key(out), layout_key(k_scale), layout_key(v_scale), score_mod,
-                   mask_mod, type(captured), tuple(map(layout_key, captured)), causal, splits, return_lse)
-            call = _CALLS.get(key)
-        except (AttributeError, TypeError):  # not tensors, unhashable: the checks explain
-            key = call = None
-        if call is None:
-            call = _new_call(q, k_cache, v_cache, cache_seqlens, block_table, out, k_scale, v_scale, score_mod,
-                             mask_mod, captured, causal, splits, return_lse, validate, key is not None)
-            _CALLS.remember(key, call)
-        elif validate and call.reads_values and not (call.cuda and _capturing()):
-            _check_values(cache_seqlens, block_table, call.capacity, call.pages)
-        return call.run(q, k_cache, v_cache, cache_seqlens, block_table, out, k_scale, v_scale, captured, scale)
-    # a block mask's tables come from its values on every call: checked, planned and launched on the general path
-    capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)
-    check_block_mask(block_mask, mask_mod, q, k_cache.shape[2], capacity,
-                     validate and not (q.device.type == "cuda" and _capturing()))
-    call = _new_call(q, k_cache, v_cache, cache_seqlens, block_table, out, k_scale, v_scale, score_mod,
-                     mask_mod_of(block_mask, mask_mod), captured, causal, splits, return_lse, validate, False,
-                     int(block_mask.BLOCK_SIZE[1]))
+    try:  # everything that decides the checks, the plan and the launches
+        key = (layout_key(q), layout_key(k_cache), layout_key(v_cache), layout_key(cache_seqlens),
+               layout_key(block_table), layout_key(out), layout_key(k_scale), layout_key(v_scale), score_mod, mask_mod,
+               type(captured), tuple(map(layout_key, captured)), causal, splits, return_lse, block_mask_key(block_mask))
+        call = _CALLS.get(key)
+    except (AttributeError, TypeError):  # not tensors, unhashable, no BlockMask: the checks explain
+        key = call = None
+    if call is None:
+        call = _new_call(q, k_cache, v_cache, cache_seqlens, block_table, out, k_scale, v_scale, score_mod, mask_mod,
+                         captured, causal, splits, return_lse, validate, key is not None, block_mask)
+        _CALLS.remember(key, call)
+    elif validate and call.reads_values and not (call.cuda and _capturing()):
+        _check_values(cache_seqlens, block_table, call.capacity, call.pages)
+        if block_mask is not None:
+            check_block_numbers(block_mask)
     return call.run(q, k_cache, v_cache, cache_seqlens, block_table, out, k_scale, v_scale, captured, scale,
                     block_mask)
 
@@ -237,23 +233,29 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
-# The host path (docs/ops/attention.md): a call signature (the layouts of every tensor argument, the mods, the
-# options) selects a _DecodeCall: its checks ran on its first call (raising errors that name the argument), and it
-# holds the plan, the prepared launches and the shapes of what a call allocates; a later call binds and launches.
+# The host path (docs/ops/attention.md): a call signature (the layouts of every tensor argument, a block mask's
+# tables included, the mods, the options) selects a _DecodeCall: its checks ran on its first call (raising errors
+# that name the argument), and it holds the plan, the prepared launches and the shapes of what a call allocates; a
+# later call binds and launches.
 _CALLS: OpCalls["_DecodeCall"] = OpCalls()
-# Per-layout checks (shapes, strides, dtypes, devices, 16-byte alignment of every tensor, and the mods), for the
-# calls not cached whole (block masks)
+# Per-layout checks (shapes, strides, dtypes, devices, 16-byte alignment of every tensor, and the mods), shared by
+# the signatures that differ only in other arguments (a new out, other options) and by calls that are not cached
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
 
 
 def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,
               v_scale: Any, score_mod: Any, mask_mod: Any, captured: Any, causal: Any, splits: Any, return_lse: bool,
-              validate: bool, prepared: bool, kv_block: int = 0) -> "_DecodeCall":
+              validate: bool, prepared: bool, block_mask: Any = None) -> "_DecodeCall":
     """A signature's first call (or a call that is not cached): the checks in the order they raise, then its plan;
     ``prepared``: with prepared launches (a cached call), else through the kernels' general launch path."""
     import torch
     capturing = q.device.type == "cuda" and _capturing()
+    kv_block = 0
+    if block_mask is not None:  # its checks need the cache's capacity; its mask_mod is the mods' mask
+        capacity, _ = _check(q, k_cache, v_cache, cache_seqlens, block_table)
+        check_block_mask(block_mask, mask_mod, q, k_cache.shape[2], capacity, validate and not capturing)
+        mask_mod, kv_block = mask_mod_of(block_mask, mask_mod), int(block_mask.BLOCK_SIZE[1])
     mods = _mods(score_mod, mask_mod, check_captured(captured, q))
     capacity, pages = _checked(q, k_cache, v_cache, cache_seqlens, block_table, mods)
     check_scales(k_scale, v_scale, q, k_cache)
@@ -269,7 +271,7 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
                  k_cache.shape[1], bool(causal), int(splits), fp8=str(k_cache.dtype) == FP8,
                  kv_block=kv_block) if batch else None
     return _DecodeCall(plan, mods, q, k_cache, v_cache, cache_seqlens, block_table, capacity, pages,
-                       bool(return_lse), captured, prepared and batch > 0)
+                       bool(return_lse), captured, prepared and batch > 0, block_mask)
 
 
 class _DecodeCall:
@@ -279,7 +281,7 @@ class _DecodeCall:
 
     def __init__(self, plan: Optional[DecodePlan], mods: Mods, q: Any, k_cache: Any, v_cache: Any,
                  cache_seqlens: Any, block_table: Any, capacity: int, pages: int, return_lse: bool, captured: Any,
-                 prepared: bool):
+                 prepared: bool, block_mask: Any = None):
         import torch
         from nvfly.ops.common import scratch
         self.plan, self.mods, self.capacity, self.pages = plan, mods, capacity, pages
@@ -289,7 +291,8 @@ class _DecodeCall:
         self.lse_shape = (batch, hq, sq) if return_lse else None
         self.dtype = q.dtype
         self.cuda = q.device.type == "cuda"
-        self.reads_values = cache_seqlens is not None or block_table is not None  # what check_values reads
+        # what _check_values (and check_block_numbers) read
+        self.reads_values = cache_seqlens is not None or block_table is not None or block_mask is not None
         self.convert_lengths = cache_seqlens is not None and cache_seqlens.dtype != torch.int32
         self.fp8 = str(k_cache.dtype) == FP8
         self.default_scale = dqk ** -0.5
@@ -300,9 +303,17 @@ class _DecodeCall:
         self.empty, self.full, self.float32, self.int32, self.uint8 = (torch.empty, torch.full, torch.float32,
                                                                         torch.int32, torch.uint8)
         self.row_partials, self.constant = scratch.row_partials, scratch.constant
-        self.main = self.combine = None
+        self.main = self.combine = self.tables_launch = None
         self.captured_keys: Optional[tuple] = None
+        self.tables: Optional[MaskTablesPlan] = None
+        if block_mask is not None and plan is not None:  # its tables: written by one launch per call
+            self.tables = mask_tables_plan(block_mask, batch, hq, self.hkv)
+            self.table_shapes = mask_table_shapes(block_mask, batch, hq, self.hkv, capacity)
+            self.blocks, self.stages = self.table_shapes[0][2], self.table_shapes[1][2]
+            self.int32_tables = scratch.int32_tables
         if prepared:
+            if self.tables is not None:
+                self.tables_launch = block_mask_tables_kernel.prepared((self.hkv, batch), TABLES_THREADS)
             self.main = attention_decode_kernel.prepared(plan.grid(batch, self.hkv), plan.threads)
             if self.slots:
                 self.combine = attention_combine_kernel.prepared(-(-self.rows // COMBINE_WARPS), COMBINE_WARPS * 32)
@@ -328,8 +339,7 @@ class _DecodeCall:
                 k, v = k.view(self.uint8), v.view(self.uint8)
             else:
                 extra = [None]
-            extra += (block_mask_tables(block_mask, self.batch, self.hq, self.hkv, seqlens, self.capacity)
-                      if block_mask is not None else [None] * 3)
+            extra += [None] * 3 if self.tables is None else self._mask_tables(block_mask, seqlens, device)
             scale = self.default_scale if scale is None else float(scale)
             if self.main is None or (self.captured_keys is not None
                                      and tuple(map(layout_key, kernel_captured)) != self.captured_keys):
@@ -337,6 +347,19 @@ class _DecodeCall:
             else:
                 self._launch(q, k, v, block_table, seqlens, out, lse, kernel_captured, extra, scale)
         return (out, lse) if self.lse_shape is not None else out
+
+    def _mask_tables(self, block_mask: Any, seqlens: Any, device: Any) -> list:
+        """The decode kernel's [kv_state, stage_list, stage_count] of ``block_mask`` (``block_mask_kernel``), in the
+        stream's scratch tables (the decode launch after this one reads them)."""
+        from nvfly.runtime import torch_args
+        tables = self.int32_tables(device, torch_args.current_stream(device.index), self.table_shapes)
+        args = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                block_mask.full_kv_indices, seqlens, *tables, self.blocks, self.stages)
+        if self.tables_launch is None:
+            block_mask_tables_kernel[(self.hkv, self.batch), TABLES_THREADS](*args, TABLES=self.tables)
+        else:
+            self.tables_launch(*args, self.tables)
+        return list(tables)
 
     def _launch(self, q: Any, k: Any, v: Any, block_table: Any, seqlens: Any, out: Any, lse: Any, captured: list,
                 extra: list, scale: float) -> None:
@@ -504,6 +527,22 @@ def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf
                                                         SQ=plan.sq, DV=plan.dv, block=COMBINE_WARPS * 32,
                                                         target=target))
     return kernels
+
+
+def compile_mask_tables(tables: MaskTablesPlan, batch: int = 2, kv_heads: int = 2, seqlen: int = 1024,
+                        target: str = "sm_90a") -> Any:
+    """The block-mask tables kernel (``block_mask_kernel``) for ``tables`` compiled without a GPU: a CompiledKernel
+    for a cache of ``seqlen`` keys (its BlockMask's tables broadcast or not as ``tables`` says)."""
+    from nvfly.runtime.tensor_desc import TensorDesc
+    hq = kv_heads * tables.group
+    blocks, stages = -(-seqlen // tables.kv_block), -(-seqlen // BLOCK_N)
+    num = TensorDesc(nvfly.i32, (1 if tables.batch_broadcast else batch, 1 if tables.head_broadcast else hq, 1))
+    indices = TensorDesc(nvfly.i32, (*num.shape, blocks))
+    full = (num, indices) if tables.full else (None, None)
+    return block_mask_tables_kernel.compile(
+        num, indices, *full, TensorDesc(nvfly.i32, (batch,)), TensorDesc(nvfly.i32, (batch, hq, blocks)),
+        TensorDesc(nvfly.i32, (batch, kv_heads, stages)), TensorDesc(nvfly.i32, (batch, kv_heads)), blocks, stages,
+        TABLES=tables, block=TABLES_THREADS, target=target)
 
 
 def bytes_moved(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor",

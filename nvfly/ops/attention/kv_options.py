@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from nvfly.ops.attention.decode_kernel import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL
-from nvfly.ops.attention.plan import BLOCK_N
+from nvfly.ops.attention.plan import BLOCK_N, MaskTablesPlan
+from nvfly.runtime.torch_args import layout_key
 
 if TYPE_CHECKING:
     import torch
@@ -127,19 +128,51 @@ def check_block_mask(block_mask: Any, mask_mod: Any, q: Any, hkv: int, capacity:
         if indices.shape[3] * kv_block < capacity:
             raise error(ValueError, "block_mask", f"{indices.shape[3]} KV blocks of {kv_block} cover "
                                                   f"{indices.shape[3] * kv_block} keys, the cache holds {capacity}", op)
-        if read and num.numel():
+    if read:
+        check_block_numbers(block_mask, op)
+
+
+def check_block_numbers(block_mask: Any, op: str = OP) -> None:
+    """A checked BlockMask's counts and listed block numbers in range: reads them (a device sync)."""
+    import torch
+    for name, num, indices, _ in _pairs(block_mask):
+        if num.numel():
             blocks = indices.shape[3]
-            listed = torch.arange(blocks, device=q.device) < num.long()[..., None]
+            listed = torch.arange(blocks, device=num.device) < num.long()[..., None]
             if int(num.min()) < 0 or int(num.max()) > blocks or bool(
                     (listed & ((indices < 0) | (indices >= blocks))).any()):
                 raise error(ValueError, "block_mask", f"{name} or its indices out of range (0..{blocks})", op)
 
 
+def block_mask_key(block_mask: Any) -> Optional[tuple]:
+    """What a BlockMask adds to a decode call's signature (None without one): its type, block size, mask_mod and
+    its tables' layouts; raises AttributeError for an object that is no BlockMask (the checks then explain)."""
+    if block_mask is None:
+        return None
+    return (type(block_mask), tuple(block_mask.BLOCK_SIZE), block_mask.mask_mod,
+            layout_key(block_mask.kv_num_blocks), layout_key(block_mask.kv_indices),
+            layout_key(block_mask.full_kv_num_blocks), layout_key(block_mask.full_kv_indices))
+
+
+def mask_tables_plan(block_mask: Any, batch: int, hq: int, hkv: int) -> MaskTablesPlan:
+    """The tables kernel's plan for a checked BlockMask of a (batch, Hq, Hkv) call."""
+    num = block_mask.kv_num_blocks
+    return MaskTablesPlan(hq // hkv, int(block_mask.BLOCK_SIZE[1]), num.shape[0] < batch, num.shape[1] < hq,
+                          block_mask.full_kv_num_blocks is not None)
+
+
+def mask_table_shapes(block_mask: Any, batch: int, hq: int, hkv: int, capacity: int) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the decode kernel's block-mask tables (``block_mask_tables``)."""
+    return (batch, hq, block_mask.kv_indices.shape[3]), (batch, hkv, -(-capacity // BLOCK_N)), (batch, hkv)
+
+
 def block_mask_tables(block_mask: Any, batch: int, hq: int, hkv: int, seqlens: "torch.Tensor",
                       capacity: int) -> list:
-    """The kernel's [kv_state (B, Hq, KV blocks), stage_list (B, Hkv, stages), stage_count (B, Hkv)], int32, by
-    device operations only (no sync: graph capture works). A KV head's CTA reads the stages of the blocks that
-    are non-empty for any head of its group, within its sequence; each row then masks by its own head's state."""
+    """The decode kernel's [kv_state (B, Hq, KV blocks), stage_list (B, Hkv, stages), stage_count (B, Hkv)], int32,
+    by torch operations (no sync): their definition, which ``block_mask_kernel`` computes in one launch for decode
+    and ``bytes_moved`` reads. A KV head's CTA reads the stages of the blocks that are non-empty for any head of its
+    group, within its sequence (the first stage_count entries of stage_list, ascending; the kernel's table orders
+    the others differently); each row then masks by its own head's state."""
     import torch
     device = seqlens.device
     state = None

@@ -166,3 +166,15 @@ def split_range(seqlen: int, splits: int, split: int) -> tuple[int, int]:
     per_split = -(-n_blocks // splits)
     begin = split * per_split
     return begin, max(begin, min(begin + per_split, n_blocks))
+
+
+@dataclass(frozen=True)
+class MaskTablesPlan:
+    """What ``block_mask_kernel`` is compiled for: G query heads per KV head, the BlockMask's KV block size (a
+    multiple of BLOCK_N), whether its tables are broadcast over the batch and over the heads (a dimension of 1),
+    and whether it lists full blocks."""
+    group: int
+    kv_block: int
+    batch_broadcast: bool
+    head_broadcast: bool
+    full: bool

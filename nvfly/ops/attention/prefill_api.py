@@ -3,9 +3,11 @@ variable-length sequences), a float32 reference, the FLOP count the benchmark re
 without a GPU."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import nvfly
 from nvfly.ops.attention.api import _aligned, _kernel_captured, _mods, _require_cuda, _tensor, check_captured
@@ -93,6 +95,18 @@ def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None
 
 
 _plan = functools.lru_cache(maxsize=64)(prefill_plan)
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None, None))
+
+
+@contextlib.contextmanager
+def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None) -> Iterator[None]:
+    """``prefill`` and ``prefill_varlen`` calls inside run plans with these ``PrefillPlan`` options (None: the
+    plan's default): the benchmark's and the tests' way to run the kernel's variants side by side."""
+    token = _OPTIONS.set((overlap, pingpong))
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
 
 
 def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -204,7 +218,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             tables = _block_tables(block_mask, batch, hq)
             q_block = int(block_mask.BLOCK_SIZE[0]) if block_mask is not None else 0
             kv_block = int(block_mask.BLOCK_SIZE[1]) if block_mask is not None else 0
-            plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block)
+            plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block, False, *_OPTIONS.get())
             _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv,
                     plan.grid(batch, hq, sq), tuple(captured))
     return (out, lse) if return_lse else out
@@ -336,7 +350,7 @@ def prefill_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_s
             if lse is not None:
                 lse.fill_(float("-inf"))
         else:
-            plan = _plan(dqk, dv, bounds.causal, bounds.window, varlen=True)
+            plan = _plan(dqk, dv, bounds.causal, bounds.window, 0, 0, True, *_OPTIONS.get())
             _launch(plan, mods, q[None], k[None], v[None], out[None], None if lse is None else lse[None],
                     (cu_seqlens_q, cu_seqlens_k), [None] * 4, _scale(scale, dqk), bounds, 0, 0,
                     plan.grid(batch, hq, max_q))

@@ -38,7 +38,8 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
-from nvfly.ops.attention.prefill_plan import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, key_blocks
+from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PINGPONG_BARRIER, PRODUCER_REGS,
+                                                  key_blocks, pipelined_loops)
 from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
 
 LN2 = math.log(2.0)
@@ -109,6 +110,7 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
     offset = bottom_right * (skv - sq)
     start, unmasked_start, unmasked_end, total = key_blocks(m_block, skv, PLAN.causal, PLAN.window, offset, left,
                                                             right, BM, BN, nvfly.minimum, nvfly.maximum)
+    q_block = 0
     tables = []  # a BlockMask's (count, indices) of its partial key blocks, then of its full ones
     if PLAN.kv_block:
         q_block = m_block * BM // PLAN.q_block
@@ -149,19 +151,29 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
                            nvfly.minimum(row0 + 8, sq - 1), (captured0, captured1), MODS)
         state = Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2, sm90.Accumulator.zeros(pv_atom),
                         sm90.PipelineState.start(S), sm90.PipelineState.start(S))
+        if PLAN.pingpong:
+            if consumer == 0:  # consumer 0 issues its GEMMs first
+                nvfly.named_barrier_arrive(PINGPONG_BARRIER, 256)
+            if not PLAN.overlap:  # the turn covers the first S (then each P·V with the next S)
+                scheduler_sync(consumer)
         sm90.mbarrier_wait(q_bar, 0)
-        if PLAN.kv_block:
+        if PLAN.overlap:
+            state = attend_overlapped(state, ctx, tables, batch, head, q_block, start, unmasked_start, unmasked_end,
+                                      total, consumer, PLAN)
+        elif PLAN.kv_block:
             for t, (count, indices) in enumerate(tables):
                 for i in range(count * (PLAN.kv_block // BN)):
                     state = attend_block(state, ctx, listed_block(indices, batch, head, q_block, i, PLAN), PLAN,
-                                         True, t == 0)
+                                         True, t == 0, consumer)
         else:
             for n in range(start, unmasked_start):
-                state = attend_block(state, ctx, n, PLAN, True, True)
+                state = attend_block(state, ctx, n, PLAN, True, True, consumer)
             for n in range(unmasked_start, unmasked_end):
-                state = attend_block(state, ctx, n, PLAN, False, True)
+                state = attend_block(state, ctx, n, PLAN, False, True, consumer)
             for n in range(unmasked_end, total):
-                state = attend_block(state, ctx, n, PLAN, True, True)
+                state = attend_block(state, ctx, n, PLAN, True, True, consumer)
+        if PLAN.pingpong and not PLAN.overlap:
+            scheduler_arrive(consumer)
         store_rows(state, out, lse, io_batch, head, q_start, row0, sq, lane, fold, DV)
 
 
@@ -212,12 +224,14 @@ def listed_block(indices, batch, head, q_block, i, PLAN):
 
 class Softmax(NamedTuple):
     """A consumer thread's running state: its two rows' maxima (raw score units) and thread-partial sums, the O
-    accumulator (64 x Dv for the warpgroup), and the K and V rings' positions."""
+    accumulator (64 x Dv for the warpgroup), the K and V rings' positions, and with ``PLAN.overlap`` the P fragments
+    and O's rescale factors of the block whose P·V is not issued yet (V's position is that block's)."""
     maxima: list
     sums: list
     acc: Any
     k_state: Any
     v_state: Any
+    pending: Any = None
 
 
 class BlockContext(NamedTuple):
@@ -259,24 +273,158 @@ class BlockContext(NamedTuple):
 
 
 @nvfly.func
-def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD):
-    """Fold key block ``n`` into the warpgroup's online softmax and O; ``MASKED``: apply the tail, causal and window
-    bounds (a separate trace, so fully visible blocks carry no mask code); ``MASK_MOD``: the mask_mod if there is
-    one (not on a BlockMask's full blocks). The score_mod applies everywhere."""
-    size = ctx.size
-    k_stage = ctx.k_ring + state.k_state.stage * ctx.k_bytes
+def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
+    """Fold key block ``n`` into the warpgroup's online softmax and O, each GEMM waited for before the next step;
+    ``MASKED``: apply the tail, causal and window bounds (a separate trace, so fully visible blocks carry no mask
+    code); ``MASK_MOD``: the mask_mod if there is one (not on a BlockMask's full blocks). The score_mod applies
+    everywhere. Ping-pong: the turn is held from this P·V to the next block's S."""
     ctx.k_pipe.consumer_wait(state.k_state)
+    s = issue_scores(ctx, state.k_state, PLAN)
+    if PLAN.pingpong:
+        scheduler_arrive(consumer)
+    sm90.wait_group(0)
+    if ctx.lane == 0:
+        ctx.k_pipe.consumer_release(state.k_state)
+    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, None)
+    acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
+    ctx.v_pipe.consumer_wait(state.v_state)
+    if PLAN.pingpong:
+        scheduler_sync(consumer)
+    sm90.fence()  # P's and O's registers were written since the last wgmma
+    acc = issue_pv(ctx, acc, fragments, state.v_state)
+    sm90.wait_group(0)
+    if ctx.lane == 0:
+        ctx.v_pipe.consumer_release(state.v_state)
+    return Softmax(maxima, sums, acc, state.k_state.advance(), state.v_state.advance())
+
+
+@nvfly.func
+def attend_overlapped(state, ctx, tables, batch, head, q_block, start, unmasked_start, unmasked_end, total, consumer,
+                      PLAN):
+    """The key blocks of ``attend_block``'s walk with the softmax of block j + 1 under the P·V GEMM of block j
+    (FlashAttention-3's intra-warpgroup overlap): the first block's S alone (always traced with the positional mask,
+    harmless on a fully visible block), then per block S_{j+1} and P_j·V_j issued together, S waited for alone, and
+    the last block's P·V. Nothing runs for a tile without key blocks."""
+    if PLAN.kv_block:
+        parts = PLAN.kv_block // PLAN.block_n
+        counts = [count * parts for count, _ in tables]
+        first = listed_block(tables[0][1], batch, head, q_block, 0, PLAN)
+        partial_first = counts[0] > 0
+        if len(tables) > 1:
+            first = nvfly.select(partial_first, first, listed_block(tables[1][1], batch, head, q_block, 0, PLAN))
+            blocks = counts[0] + counts[1]
+        else:
+            blocks = counts[0]
+        if blocks > 0:
+            # the first block is the partial list's (mask_mod) or, when it is empty, the full list's (no mask_mod)
+            pipe = first_block(state, ctx, first, PLAN, ~partial_first if len(tables) > 1 else None)
+            for i in range(1, counts[0]):
+                pipe = overlapped_block(pipe, ctx, listed_block(tables[0][1], batch, head, q_block, i, PLAN), PLAN,
+                                        True, True, consumer)
+            if len(tables) > 1:
+                for i in range(nvfly.select(partial_first, 0, 1), counts[1]):
+                    pipe = overlapped_block(pipe, ctx, listed_block(tables[1][1], batch, head, q_block, i, PLAN),
+                                            PLAN, True, False, consumer)
+            state = last_block(pipe, ctx)
+    else:
+        if start < total:
+            pipe = first_block(state, ctx, start, PLAN, None)
+            for first, end, masked in pipelined_loops(start, unmasked_start, unmasked_end, total, nvfly.maximum):
+                for n in range(first, end):
+                    pipe = overlapped_block(pipe, ctx, n, PLAN, masked, True, consumer)
+            state = last_block(pipe, ctx)
+    return state
+
+
+@nvfly.func
+def first_block(state, ctx, n, PLAN, mod_off):
+    """The pipeline's first block: S waited for, its softmax; its P (and O's factors) left pending.
+    ``mod_off``: a traced flag that turns the mask_mod off (a BlockMask's full block), or None."""
+    ctx.k_pipe.consumer_wait(state.k_state)
+    s = issue_scores(ctx, state.k_state, PLAN)
+    sm90.wait_group(0)
+    if ctx.lane == 0:
+        ctx.k_pipe.consumer_release(state.k_state)
+    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, True, True, mod_off)
+    return Softmax(maxima, sums, state.acc, state.k_state.advance(), state.v_state, (fragments, rescales))
+
+
+@nvfly.func
+def overlapped_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
+    """S of block ``n`` and P·V of the pending block issued back to back (the ping-pong turn covers both; O is
+    rescaled by the pending block's factors under S), S waited for alone and block n's softmax run while P·V is in
+    flight; then K and V released and block n's P and factors left pending."""
+    ctx.k_pipe.consumer_wait(state.k_state)
+    ctx.v_pipe.consumer_wait(state.v_state)  # V of the pending block: loaded before this K
+    if PLAN.pingpong:
+        scheduler_sync(consumer)
+    s = issue_scores(ctx, state.k_state, PLAN)
+    pending, factors = state.pending
+    acc = state.acc.map(lambda x, i: x * factors[row_of(i)])
+    sm90.fence()  # O's registers were written since S's fence
+    acc = issue_pv(ctx, acc, pending, state.v_state)
+    if PLAN.pingpong:
+        scheduler_arrive(consumer)
+    sm90.wait_group(1)
+    s = s.fence()  # S's registers are read no earlier than its wait
+    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, None)
+    # K's release waits for the row sums (the condition always holds: sums are >= 0, or NaN): ptxas places the
+    # wgmma wait right after the last arrive before it, and would otherwise run the exp2s after P·V, not under it
+    if (ctx.lane == 0) & ~(sums[0] + sums[1] < 0.0):
+        ctx.k_pipe.consumer_release(state.k_state)
+    sm90.wait_group(0)
+    acc = acc.fence()
+    if ctx.lane == 0:
+        ctx.v_pipe.consumer_release(state.v_state)
+    return Softmax(maxima, sums, acc, state.k_state.advance(), state.v_state.advance(), (fragments, rescales))
+
+
+@nvfly.func
+def last_block(state, ctx):
+    """The pending block's P·V (O rescaled first), waited for; V released."""
+    pending, factors = state.pending
+    acc = state.acc.map(lambda x, i: x * factors[row_of(i)])
+    ctx.v_pipe.consumer_wait(state.v_state)
+    sm90.fence()  # P's and O's registers were written since the last wgmma
+    acc = issue_pv(ctx, acc, pending, state.v_state)
+    sm90.wait_group(0)
+    if ctx.lane == 0:
+        ctx.v_pipe.consumer_release(state.v_state)
+    return Softmax(state.maxima, state.sums, acc, state.k_state, state.v_state.advance())
+
+
+@nvfly.func
+def issue_scores(ctx, k_state, PLAN):
+    """S = Q Kᵀ for the K stage of ``k_state`` (landed), issued and committed, not waited for."""
+    size = ctx.size
+    k_stage = ctx.k_ring + k_state.stage * ctx.k_bytes
     s = sm90.Accumulator.undefined(ctx.s_atom)
-    sm90.fence()
+    sm90.fence()  # P's and O's registers were written since the last wgmma
     for ks in nvfly.static_range(PLAN.dqk // ctx.s_atom.k):
         dq = sm90.smem_descriptor(ctx.q_tile + ctx.q_layout.inner((0, ks * ctx.s_atom.k)) * size, *ctx.q_desc)
         dk = sm90.smem_descriptor(k_stage + ctx.k_layout.inner((0, ks * ctx.s_atom.k)) * size, *ctx.k_desc)
         s = sm90.mma(ctx.s_atom, s, dq, dk, zero=ks == 0)
     sm90.commit_group()
-    sm90.wait_group(0)
-    if ctx.lane == 0:
-        ctx.k_pipe.consumer_release(state.k_state)
+    return s
 
+
+@nvfly.func
+def issue_pv(ctx, acc, fragments, v_state):
+    """O += P V for the V stage of ``v_state`` (landed), issued and committed, not waited for."""
+    size = ctx.size
+    v_stage = ctx.v_ring + v_state.stage * ctx.v_bytes
+    for ks in nvfly.static_range(len(fragments)):
+        dv = sm90.smem_descriptor(v_stage + ctx.v_layout.inner((0, ks * ctx.pv_atom.k)) * size, *ctx.v_desc)
+        acc = sm90.mma(ctx.pv_atom, acc, fragments[ks], dv)
+    sm90.commit_group()
+    return acc
+
+
+@nvfly.func
+def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off):
+    """Key block ``n``'s scores (S) through the mods and masks and the online softmax step: (P as the P·V GEMM's
+    A fragments, the new maxima and sums, O's rescale factors). ``mod_off``: None, or a traced flag under which
+    the mask_mod keeps every key (the pipeline's first block when it may be a BlockMask's full block)."""
     scores = [s[i] for i in range(len(s))]
     mods = ctx.mods
     mask_mod = MASK_MOD and mods.mask_mod is not None
@@ -301,26 +449,27 @@ def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD):
                     keep = keep & (key >= rows[r] + ctx.low)
             if mask_mod:
                 kept = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[r], mod_key)
+                if mod_off is not None:
+                    kept = kept | mod_off
                 keep = kept if keep is None else keep & kept
             if keep is not None:
                 scores[i] = nvfly.select(keep, scores[i], NEG_INF)
     MASKED = MASKED or mask_mod or mods.score_mod is not None  # rows may have no key kept yet (or -inf scores)
     step = online_softmax(scores, state.maxima, state.sums, ctx.fold, MASKED)
-    p, maxima, sums, rescales = step.p, step.maxima, step.sums, step.rescales
-    fragments = s.map(lambda x, i: p[i]).to_a_fragments(ctx.pv_atom)
-    acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
+    fragments = s.map(lambda x, i: step.p[i]).to_a_fragments(ctx.pv_atom)
+    return fragments, step.maxima, step.sums, step.rescales
 
-    v_stage = ctx.v_ring + state.v_state.stage * ctx.v_bytes
-    ctx.v_pipe.consumer_wait(state.v_state)
-    sm90.fence()  # P's and O's registers were written since the last wgmma
-    for ks in nvfly.static_range(len(fragments)):
-        dv = sm90.smem_descriptor(v_stage + ctx.v_layout.inner((0, ks * ctx.pv_atom.k)) * size, *ctx.v_desc)
-        acc = sm90.mma(ctx.pv_atom, acc, fragments[ks], dv)
-    sm90.commit_group()
-    sm90.wait_group(0)
-    if ctx.lane == 0:
-        ctx.v_pipe.consumer_release(state.v_state)
-    return Softmax(maxima, sums, acc, state.k_state.advance(), state.v_state.advance())
+
+@nvfly.func
+def scheduler_sync(consumer):
+    """Ping-pong: wait for this consumer's turn to issue GEMMs (the other consumer's ``scheduler_arrive``)."""
+    nvfly.named_barrier(PINGPONG_BARRIER + consumer, 256)
+
+
+@nvfly.func
+def scheduler_arrive(consumer):
+    """Ping-pong: hand the turn to the other consumer, which issues its GEMMs while this one runs its softmax."""
+    nvfly.named_barrier_arrive(PINGPONG_BARRIER + 1 - consumer, 256)
 
 
 @nvfly.func

@@ -120,6 +120,12 @@ def store_width(bn: int) -> int:
     return 0
 
 
+def store_box(cfg: GemmConfig, batched: bool) -> tuple[tuple[int, ...], int]:
+    """(TMA box, swizzle) of the output descriptor of the TMA-store epilogue (16-bit outputs)."""
+    width = cfg.store_width
+    return (1,) * batched + (cfg.wg_m, width), width * 2
+
+
 @dataclass(frozen=True)
 class Epilogue:
     """What the epilogue applies: out = act(alpha * acc + beta * C_in) (``scaled``: alpha is not 1);

@@ -6,8 +6,8 @@ the consumers released it, expects its bytes on its full barrier), ``load_boxes`
 it. A consumer warpgroup walks the same k-blocks with ``consume_k_blocks``: it waits for each stage, issues its
 wgmmas (the per-k-block body is the kernel's: ``issue_k_block`` from shared memory, after whatever the kernel does
 to the stage first) and keeps one wgmma group in flight, releasing a stage once its wgmmas are done. A promoting
-mainloop (FP8 block scales) walks them with ``promote_k_blocks`` instead: each k-block into fresh accumulators,
-added into fp32 sums once done, optionally with the next k-block issued ahead.
+mainloop (FP8 block and MX scales) walks them with ``promote_k_blocks`` instead: each k-block (or each of its
+k-steps) into fresh accumulators, added into fp32 sums once done, optionally with the next k-block issued ahead.
 ``operand_box`` is the host side: the TMA box and swizzle of an operand's k-block.
 """
 from __future__ import annotations
@@ -80,29 +80,44 @@ def consume_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, accs,
 
 
 @nvfly.func
-def promote_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, sums, k_block, promote, AHEAD):
+def promote_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, sums, k_block, promote, AHEAD, STEPS,
+                     prepare):
     """A consumer's k-blocks [k_begin, k_end) of one tile (at least one), each issued into fresh accumulators and
-    added into ``sums`` (DeepGEMM's promotion). For each: wait for its stage, then ``k_block(stage, state, kt)`` (the
-    kernel's per-k-block body) issues k-block kt's wgmmas from the stage at shared address ``stage``, commits them
-    and returns the k-block's partial; once its wgmmas are done and its stage released, ``promote(sums, partial)``
-    returns the new sums. Without AHEAD each k-block is done before the next is issued. With AHEAD k-block k + 1
-    is issued before k is promoted, so that the promotion runs under wgmmas: two partials in flight, the k-blocks
-    taken in pairs so that each partial keeps its registers (handing one on as the other would copy registers
-    still in flight, and ptxas would serialise wgmma). Returns (sums, the state after the tile)."""
-    if AHEAD:
-        partial_a, state_a = issue_stage(pipe, state, ring, stage_bytes, k_block, k_begin), state
+    added into ``sums`` (DeepGEMM's promotion). For each: wait for its stage, run ``prepare(stage)`` on it (None:
+    nothing; e.g. converting an operand in shared memory), then ``k_block(stage, state, kt, step)`` (the kernel's
+    per-k-block body) issues wgmmas of k-block kt from the stage at shared address ``stage``, commits them and
+    returns their partial; once its wgmmas are done, ``promote(sums, partial)`` returns the new sums, and the stage
+    is released after its last partial. ``STEPS``: partials per k-block (each ``step`` in [0, STEPS) a slice of its
+    K, done before the next is issued: scales that change within a k-block, e.g. MX's per 32 of K; a loop, not
+    unrolled, so that only one step's scales live); 1: the whole k-block at once (``step`` 0). Without AHEAD each
+    k-block is done before the next is issued. With AHEAD (STEPS 1 only) k-block k + 1 is issued before k is
+    promoted, so that the promotion runs under wgmmas: two partials in flight, the k-blocks taken in pairs so that
+    each partial keeps its registers (handing one on as the other would copy registers still in flight, and ptxas
+    would serialise wgmma). Returns (sums, the state after the tile)."""
+    if STEPS > 1:
+        for kt in range(k_begin, k_end):
+            stage = wait_stage(pipe, state, ring, stage_bytes, prepare)
+            for step in range(STEPS):
+                partial = k_block(stage, state, kt, step)
+                sm90.wait_group(0)
+                sums = promote(sums, partial)
+            if lane == 0:
+                pipe.consumer_release(state)
+            state = state.advance()
+    elif AHEAD:
+        partial_a, state_a = issue_stage(pipe, state, ring, stage_bytes, k_block, prepare, k_begin), state
         state = state.advance()
         for pair in range(k_begin + 1, k_end - 1, 2):
-            partial_b, state_b = issue_stage(pipe, state, ring, stage_bytes, k_block, pair), state
+            partial_b, state_b = issue_stage(pipe, state, ring, stage_bytes, k_block, prepare, pair), state
             state = state.advance()
             sums = retire(pipe, state_a, lane, sums, partial_a, promote, 1)
-            partial_a, state_a = issue_stage(pipe, state, ring, stage_bytes, k_block, pair + 1), state
+            partial_a, state_a = issue_stage(pipe, state, ring, stage_bytes, k_block, prepare, pair + 1), state
             state = state.advance()
             sums = retire(pipe, state_b, lane, sums, partial_b, promote, 1)
         # one k-block left after the pairs, or none: two endings (handing partial_b on as partial_a would copy
         # registers still in flight)
         if (k_end - k_begin) % 2 == 0:
-            partial_b, state_b = issue_stage(pipe, state, ring, stage_bytes, k_block, k_end - 1), state
+            partial_b, state_b = issue_stage(pipe, state, ring, stage_bytes, k_block, prepare, k_end - 1), state
             state = state.advance()
             sums = retire(pipe, state_a, lane, sums, partial_a, promote, 1)
             sums = retire(pipe, state_b, lane, sums, partial_b, promote, 0)
@@ -110,7 +125,7 @@ def promote_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, sums,
             sums = retire(pipe, state_a, lane, sums, partial_a, promote, 0)
     else:
         for kt in range(k_begin, k_end):
-            partial = issue_stage(pipe, state, ring, stage_bytes, k_block, kt)
+            partial = issue_stage(pipe, state, ring, stage_bytes, k_block, prepare, kt)
             sm90.wait_group(0)
             if lane == 0:
                 pipe.consumer_release(state)
@@ -119,10 +134,19 @@ def promote_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, sums,
     return sums, state
 
 
-def issue_stage(pipe: Any, state: Any, ring: Any, stage_bytes: int, k_block: Any, kt: Any) -> Any:
-    """Wait for ``state``'s stage and run the per-k-block body ``k_block`` on it (``promote_k_blocks``)."""
+def wait_stage(pipe: Any, state: Any, ring: Any, stage_bytes: int, prepare: Any) -> Any:
+    """Wait for ``state``'s stage and run ``prepare`` (None: nothing) on its shared address, which it returns
+    (``promote_k_blocks``)."""
     pipe.consumer_wait(state)
-    return k_block(ring + state.stage * stage_bytes, state, kt)
+    stage = ring + state.stage * stage_bytes
+    if prepare is not None:
+        prepare(stage)
+    return stage
+
+
+def issue_stage(pipe: Any, state: Any, ring: Any, stage_bytes: int, k_block: Any, prepare: Any, kt: Any) -> Any:
+    """Wait for ``state``'s stage and run the per-k-block body ``k_block`` on it, whole (``promote_k_blocks``)."""
+    return k_block(wait_stage(pipe, state, ring, stage_bytes, prepare), state, kt, 0)
 
 
 @nvfly.func

@@ -4,7 +4,8 @@
 ``workspace``: the zeroed f32 sums and arrival counters of kernels that reduce across CTAs, the skinny GEMM's split
 K and the wgmma GEMM's stream-K tail (see ``nvfly.arch.gpu_scope``); every launch leaves them zeroed, so the next
 one needs no memset. ``partials``: the f32 partial products of the wgmma GEMM's split K, which its reduce kernel
-reads back. ``StreamScratch`` is the rule they (and TopK's row-threshold lists) share.
+reads back. ``int32_tables``: int32 tables one launch writes for the next (attention decode's block-mask tables).
+``StreamScratch`` is the rule they (and TopK's row-threshold lists) share.
 
 Under CUDA graph capture every request gets tensors of its own from the graph's memory pool, zero-filled by a
 captured fill where the kernels expect zeros: a graph keeps writing to what it captured, may replay on any stream,
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from typing import Any, Callable, Generic, Optional, TypeVar
 
 import torch
@@ -128,6 +130,29 @@ def row_partials(device: torch.device, stream: int, rows: int, columns: int) -> 
     statistic per row right after them (split-KV attention's partial outputs and log-sum-exps); the views are
     cached, so a call costs a lookup."""
     return _PARTIALS.get(device, stream, (rows * (columns + 1),), _rows_view(columns))
+
+
+MIN_TABLES = 1 << 14  # i32 elements of a first allocation (64 KB)
+_TABLES = StreamScratch(lambda device, sizes: torch.empty(sizes[0], dtype=torch.int32, device=device),
+                        (MIN_TABLES,))
+
+
+@functools.lru_cache(maxsize=None)
+def _tables_view(shapes: tuple[tuple[int, ...], ...]) -> tuple[int, Callable[[torch.Tensor, tuple[int, ...]], Any]]:
+    """(elements, view) of ``int32_tables`` of ``shapes``: each table starts 16-byte aligned."""
+    padded = [-(-math.prod(shape) // 4) * 4 for shape in shapes]
+    starts = list(itertools.accumulate(padded, initial=0))
+
+    def view(buffer: torch.Tensor, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(buffer[start:start + math.prod(shape)].view(shape) for start, shape in zip(starts, shapes))
+    return starts[-1], view
+
+
+def int32_tables(device: torch.device, stream: int, shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+    """Contiguous int32 tensors of ``shapes`` (contents undefined), views of one per-stream buffer: tables that one
+    launch on ``stream`` writes for the next to read; the views are cached, so a call costs a lookup."""
+    elements, view = _tables_view(shapes)
+    return _TABLES.get(device, stream, (elements,), view)
 
 
 CONSTANTS_LIMIT = 1024

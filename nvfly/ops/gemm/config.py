@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from nvfly.ops.common.gemm_config import ACTIVATIONS, SMEM_LIMIT, Epilogue, GemmConfig, store_width
+from nvfly.ops.common.gemm_config import ACTIVATIONS, SMEM_LIMIT, Epilogue, GemmConfig, store_box, store_width
 
 REDUCE_THREADS = 256  # threads per block of split_k_reduce_kernel
 ARRIVAL_OFFSET = 512  # stream-K: each consumer's arrival count, in the barrier area after the ring's barriers
@@ -18,9 +18,3 @@ def load_hint(cfg: GemmConfig, operand: str) -> Optional[str]:
     if not (cfg.stream_a or cfg.stream_b):
         return None
     return "evict_first" if (cfg.stream_a if operand == "A" else cfg.stream_b) else "evict_last"
-
-
-def store_box(cfg: GemmConfig, batched: bool) -> tuple[tuple[int, ...], int]:
-    """(TMA box, swizzle) of the output descriptor of the TMA-store epilogue (16-bit outputs)."""
-    width = cfg.store_width
-    return (1,) * batched + (cfg.wg_m, width), width * 2

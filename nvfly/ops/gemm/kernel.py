@@ -22,43 +22,22 @@ tile's f32 workspace slot (``red.global.add.v4``) and counted in; the part count
 zeroes slot and count for the next launch and runs the normal epilogue (``fix_up``): one kernel, no memset, no
 waiting on other blocks (so no deadlock whatever the residency).
 
-Two epilogues (``GemmConfig.tma_store``): the register epilogue stores each thread's fragments straight to
-global memory as 4-byte pairs (masked on tails). The TMA-store epilogue (16-bit outputs) writes the
-fragments with ``stmatrix`` into a per-consumer staging buffer laid out like the output TMA box (column
-slices of W = 64/32/16 elements, 128/64/32-byte swizzle: the 8 rows one stmatrix matrix writes land in 8
-different 16-byte bank groups), fences the generic proxy against the async one, syncs the consumer's 128
-threads on a named barrier and lets one thread issue a TMA store per slice (TMA clips tails). A slice
-buffer is reused only after ``cp.async.bulk.wait_group.read``, so a tile's stores drain while the consumer
-runs the next tile's mainloop.
+Two epilogues (``GemmConfig.tma_store``), nvfly.ops.common.epilogue's: the register epilogue stores each
+thread's fragments straight to global memory as 4-byte pairs (masked on tails); the TMA-store epilogue (16-bit
+outputs) stages them in shared memory with ``stmatrix`` and stores them with TMA, draining while the consumer runs
+the next tile's mainloop.
 """
 from __future__ import annotations
-
-from typing import Any
 
 import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add, store_zeros_x4
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.common.epilogue import activate, store_tile
+from nvfly.ops.common.epilogue import activate, check_store_descriptor, stage_tile, store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, GemmConfig
 from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
-from nvfly.ops.gemm.config import ARRIVAL_OFFSET, REDUCE_THREADS, load_hint, store_box
-
-
-def staging_offset(row: Any, chunk: Any, row_bytes: int) -> Any:
-    """Byte offset of 16-byte chunk ``chunk`` of row ``row`` in a staging slice of ``row_bytes``-byte rows
-    swizzled as TMA's ``row_bytes`` swizzle (CUTLASS Swizzle<B,4,3> on byte offsets from a 1024-aligned base:
-    address bits 4.. XOR bits 7..)."""
-    offset = row * row_bytes
-    return offset + ((chunk ^ ((offset >> 7) & (row_bytes // 16 - 1))) << 4)
-
-
-def staging_lane_xor(lane_row: Any, lane: Any, row_bytes: int) -> Any:
-    """For stmatrix lane ``lane`` giving the address of row ``lane_row``: the byte term X with
-    staging_offset(lane_row, j + lane // 16, row_bytes) == lane_row * row_bytes + ((16 * j) ^ X) for every
-    even chunk j (the swizzle XOR of the row, and the lane's chunk j + lane // 16 = j ^ (lane // 16))."""
-    return ((((lane_row * row_bytes) >> 7) & (row_bytes // 16 - 1)) ^ (lane // 16)) << 4
+from nvfly.ops.gemm.config import ARRIVAL_OFFSET, REDUCE_THREADS, load_hint
 
 
 @nvfly.kernel
@@ -249,79 +228,6 @@ def check_stream_k(cfg: GemmConfig) -> None:
         raise CompileError("a stream-K tail (workspace given) needs split_k=1 and cluster_m=1")
     if 2 * cfg.stages * 8 > ARRIVAL_OFFSET:
         raise CompileError(f"{cfg.stages} stages: the ring's barriers would overlap the arrival counts")
-
-
-def check_store_descriptor(desc: Any, cfg: GemmConfig, batched: bool) -> None:
-    """The output descriptor the TMA-store epilogue needs: 16-bit, one (wg_m, store_width) box per slice with
-    the matching swizzle (see ``store_box``)."""
-    from nvfly.errors import CompileError
-    if desc is None or not hasattr(desc, "info"):
-        raise CompileError("GemmConfig.tma_store needs the output's TMA descriptor (out_desc)")
-    box, swizzle = store_box(cfg, batched)
-    info = desc.info
-    if info.dtype.itemsize != 2 or tuple(info.box) != box or info.swizzle != swizzle:
-        raise CompileError(f"out_desc: expected a 16-bit descriptor with box {box} and swizzle {swizzle}, got "
-                           f"{info.dtype.name} box {tuple(info.box)} swizzle {info.swizzle}")
-
-
-@nvfly.func
-def stage_tile(out_desc, c_in, accs, own, batch, tile_row, tile_col, row0, col0, m, n, alpha, beta, consumer,
-               warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, MASKED):
-    """The TMA-store epilogue of one consumer tile (see the module doc). ``own``: this consumer's staging
-    buffers (store_slices slices of wg_m x W elements, W = store_width), ``tile_row``/``tile_col``: the
-    consumer's first output row and column; ``row0``/``col0``: this thread's fragment origin (as store_tile).
-
-    stmatrix.x4 stores four 8x8 matrices: for accumulator column group j (even) and row half h, matrix
-    q = 2 * jj + h holds accumulator elements 4 (j + jj) + 2 h + {0, 1}, i.e. the register order is the
-    accumulator order 4j .. 4j + 7; lane l gives the row address of matrix l // 8: row 16 w + l % 16, column
-    chunk j + l // 16 (jj = l // 16, h = (l // 8) % 2).
-    """
-    W = CFG.store_width
-    ROW_BYTES = W * 2
-    SLICE_BYTES = CFG.wg_m * ROW_BYTES
-    NB = CFG.store_slices
-    NS = CFG.bn // W
-    dtype = out_desc.info.dtype
-    issuer = (warp_in_wg == 0) & (lane == 0)
-    lane_row = warp_in_wg * 16 + lane % 16
-    lane_base = own + lane_row * ROW_BYTES
-    lane_x = staging_lane_xor(lane_row, lane, ROW_BYTES)
-    for s in nvfly.static_range(NS):
-        b = s % NB
-        if s == 0 or s >= NB:
-            # the slice buffer's previous TMA store (this tile's slice s - NB, or the previous tile's) has read it
-            if issuer:
-                sm90.tma_store_wait(0 if s == 0 else NB - 1, read_only=True)
-            nvfly.named_barrier(STORE_BARRIER + consumer, 128)
-        for i in nvfly.static_range(ATOMS_M):
-            for jj in nvfly.static_range(W // 16):
-                j = s * (W // 8) + 2 * jj
-                regs = []
-                for q in nvfly.static_range(4):
-                    e = 4 * j + 2 * q
-                    v0 = accs[i][e]
-                    v1 = accs[i][e + 1]
-                    if EPI.scaled:
-                        v0 = v0 * alpha
-                        v1 = v1 * alpha
-                    if EPI.has_c:
-                        row = row0 + 64 * i + 8 * (q % 2)
-                        col = col0 + 8 * (j + q // 2)
-                        if not MASKED or (row < m) & (col < n):
-                            v0 = v0 + beta * c_in[batch, row, col].to(nvfly.f32)
-                        if not MASKED or (row < m) & (col + 1 < n):
-                            v1 = v1 + beta * c_in[batch, row, col + 1].to(nvfly.f32)
-                    v0 = activate(v0, EPI.activation)
-                    v1 = activate(v1, EPI.activation)
-                    regs.append(nvfly.make_vector([v0, v1]).to(dtype).bitcast(nvfly.i32)[0])
-                sm90.stmatrix_x4(lane_base + (b * SLICE_BYTES + 64 * i * ROW_BYTES) + (((2 * jj) << 4) ^ lane_x),
-                                 regs)
-        sm90.fence_proxy_async()  # the stmatrix writes before the TMA engine's reads
-        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
-        if issuer:
-            coords = (tile_row, tile_col + s * W)
-            sm90.tma_store(out_desc, own + b * SLICE_BYTES, (batch,) + coords if BATCHED else coords)
-            sm90.tma_store_commit()
 
 
 @nvfly.kernel

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -17,7 +18,7 @@ from nvfly.ops.common.opcall import OpCalls, named
 from nvfly.ops.gemm import api as gemm_api
 from nvfly.ops.gemm.plan import OPERAND_DTYPES, operand_major, tma_reason
 from nvfly.ops.grouped.kernel import FUSES, grouped_kernel
-from nvfly.ops.grouped.plan import MAX_GROUPS, GroupedPlan, make_plan
+from nvfly.ops.grouped.plan import MAX_GROUPS, GroupedPlan, deepest, make_plan
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import layout_key
@@ -177,8 +178,10 @@ def eligibility(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtyp
 
 # ---------------------------------------------------------------------------------------------- plans
 def plan_of(layout: str, a: torch.Tensor, b: torch.Tensor, shape: tuple, groups: int, fuse: str,
-            config: Optional[GemmConfig], rows_per_group: Optional[float] = None) -> GroupedPlan:
-    """The kernel's plan for checked operands of any device (meta included: it reads shapes and strides)."""
+            config: Optional[GemmConfig], rows_per_group: Optional[float] = None,
+            out_dtype: Optional[torch.dtype] = None) -> GroupedPlan:
+    """The kernel's plan for checked operands of any device (meta included: it reads shapes and strides);
+    ``out_dtype`` the output's (default a's)."""
     if layout == "contiguous":
         m, k = a.shape
         rows = m / groups
@@ -191,7 +194,8 @@ def plan_of(layout: str, a: torch.Tensor, b: torch.Tensor, shape: tuple, groups:
     if rows_per_group is not None:
         rows = rows_per_group
     return make_plan(layout, fuse, OPERAND_DTYPES[a.dtype].name, groups, operand_major(a, -1),
-                     operand_major(b, -2), m, shape[-1], k, rows, plan_sm_count(a.get_device()), config)
+                     operand_major(b, -2), m, shape[-1], k, rows, plan_sm_count(a.get_device()), config,
+                     (out_dtype or a.dtype).itemsize)
 
 
 class _GroupedCall:
@@ -202,28 +206,31 @@ class _GroupedCall:
         self.shape = shape
         self.out_dtype = out_dtype
         self.main = grouped_kernel.prepared(plan.grid, plan.threads)
-        self._descriptors: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._descriptors: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
 
     def run(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
         plan = self.plan
-        descs = self._descriptors.get((a.data_ptr(), b.data_ptr()))
+        addresses = (a.data_ptr(), b.data_ptr(), out.data_ptr() if plan.store_box else 0)
+        descs = self._descriptors.get(addresses)
         if descs is None:
-            descs = self._describe(a, b)
+            descs = self._describe(a, b, out)
             if len(self._descriptors) >= 64:
                 self._descriptors.clear()
-            self._descriptors[(a.data_ptr(), b.data_ptr())] = descs
+            self._descriptors[addresses] = descs
         out3 = out.unsqueeze(0) if plan.layout == "contiguous" else out
-        self.main(descs[0], descs[1], out3, offs, plan.m, plan.n, plan.k, plan.k_tiles, plan.config, plan.groups,
-                  plan.layout, plan.a_major, plan.b_major, plan.fuse)
+        self.main(descs[0], descs[1], out3, offs, descs[2], plan.m, plan.n, plan.k, plan.k_tiles, plan.config,
+                  plan.groups, plan.layout, plan.a_major, plan.b_major, plan.fuse)
 
-    def _describe(self, a: torch.Tensor, b: torch.Tensor) -> tuple[Any, Any]:
+    def _describe(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> tuple[Any, Any, Any]:
         """TMA descriptors of the operands viewed with their contiguous dimension last: A as [(E,) rows, K] or
-        [(E,) K, rows], B as [(E,) N, K] or [(E,) K, N]."""
+        [(E,) K, rows], B as [(E,) N, K] or [(E,) K, N]; the output's [E, M, N] with the TMA-store epilogue (else
+        None)."""
         plan = self.plan
         a_view = a if plan.a_major == "K" else a.transpose(-1, -2)
         b_view = b.transpose(-1, -2) if plan.b_major == "K" else b
+        out_desc = cached_descriptor(out, plan.store_box, plan.store_swizzle) if plan.store_box else None
         return (cached_descriptor(a_view, plan.a_box, plan.a_swizzle),
-                cached_descriptor(b_view, plan.b_box, plan.b_swizzle))
+                cached_descriptor(b_view, plan.b_box, plan.b_swizzle), out_desc)
 
 
 class _ZerosCall:
@@ -279,7 +286,20 @@ def _new_call(a: torch.Tensor, b: torch.Tensor, offs: Any, out_dtype: Optional[t
         return _ZerosCall(shape, out_dtype)
     if layout == "batched":  # fused gate/up of equal groups: the masked layout with full counts
         layout = "masked"
-    return _GroupedCall(plan_of(layout, a, b, shape, groups, fuse, config, rows_per_group), shape, out_dtype)
+    plan = plan_of(layout, a, b, shape, groups, fuse, config, rows_per_group, out_dtype)
+    if plan.store_box and not _tma_storable(out, shape, out_dtype):  # the register epilogue stores any layout
+        registers = deepest(replace(plan.config, tma_store=False), groups, layout, plan.b_major, a.dtype.itemsize)
+        plan = plan_of(layout, a, b, shape, groups, fuse, registers, rows_per_group, out_dtype)
+    return _GroupedCall(plan, shape, out_dtype)
+
+
+def _tma_storable(out: Optional[torch.Tensor], shape: tuple, out_dtype: torch.dtype) -> bool:
+    """Whether a TMA descriptor can cover the output (a new contiguous one when ``out`` is None): its last
+    dimension contiguous, the others' strides and its address multiples of 16 bytes."""
+    size = out_dtype.itemsize
+    strides = out.stride() if out is not None else (shape[-2] * shape[-1], shape[-1], 1)
+    return (strides[-1] == 1 and all(s * size % 16 == 0 for s in strides[:-1])
+            and (out is None or out.data_ptr() % 16 == 0))
 
 
 def _bound(op: str, a: Any, b: Any, offs: Any, out_dtype: Any, out: Any, fuse: str, masked: bool, config: Any,
@@ -395,7 +415,8 @@ def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "n
     plan = plan_of(layout, a, b, shape, groups, fuse, None, rows_per_group or rows)
     cfg = plan.config
     return (f"grouped {layout}{' silu_mul' if fuse != 'none' else ''}: {cfg.bm}x{cfg.bn} tile on {cfg.consumers} "
-            f"consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages, up to {plan.grid} blocks, "
+            f"{'ping-pong ' if cfg.pingpong else ''}consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages"
+            f"{', TMA-store epilogue' if cfg.tma_store else ''}, up to {plan.grid} blocks, "
             f"A {plan.a_major}-major, B {plan.b_major}-major")
 
 
@@ -441,7 +462,7 @@ def compile_variants(variants: Sequence[tuple[str, str, str, str]], config: Opti
     kernels = []
     for layout, fuse, a_major, b_major in variants:
         plan = make_plan(layout, fuse, nv.name, groups, a_major, b_major, 4096, 4096, 4096,
-                         4096 / groups if layout == "contiguous" else 4096, 132, config)
+                         4096 / groups if layout == "contiguous" else 4096, 132, config, out_nv.itemsize)
         a_rank, b_rank = (3 if layout == "masked" else 2), (2 if layout == "kgrouped" else 3)
         a_desc = nvfly.TmaDescriptor(TensorDesc(nv, (groups,) * (a_rank - 2) + (4096, 4096)), plan.a_box,
                                      swizzle=plan.a_swizzle)
@@ -449,7 +470,8 @@ def compile_variants(variants: Sequence[tuple[str, str, str, str]], config: Opti
                                      swizzle=plan.b_swizzle)
         out = TensorDesc(out_nv, (1 if layout == "contiguous" else groups, 4096, 4096))
         offs = TensorDesc(nvfly.i32, (groups,))
-        kernels.append(grouped_kernel.compile(a_desc, b_desc, out, offs, 4096, 4096, 4096, plan.k_tiles,
+        out_desc = nvfly.TmaDescriptor(out, plan.store_box, swizzle=plan.store_swizzle) if plan.store_box else None
+        kernels.append(grouped_kernel.compile(a_desc, b_desc, out, offs, out_desc, 4096, 4096, 4096, plan.k_tiles,
                                               CFG=plan.config, GROUPS=groups, LAYOUT=layout, A_MAJOR=a_major,
                                               B_MAJOR=b_major, FUSE=fuse, block=plan.threads, target=target))
     return kernels

@@ -23,7 +23,8 @@ invalid offsets never read or write out of bounds.
 
 Warpgroup 0 produces (one thread keeps the TMA ring full), the others consume cooperatively (each owns
 BM / consumers rows of a tile; the mainloop is nvfly.ops.common.mainloop's, as in the dense and scaled GEMMs) and
-store through registers with masks (``nvfly.ops.common.epilogue.store_tile``). ``FUSE`` "silu_mul" is the fused
+store through registers with masks (``nvfly.ops.common.epilogue.store_tile``; the K-grouped weight gradient may
+run ping-pong consumers and the TMA-store epilogue, ``stage_tile``, instead). ``FUSE`` "silu_mul" is the fused
 gate/up projection: B holds the gate columns [0, I) then the up columns [I, 2I); a BN-wide B tile takes BN/2 gate
 and the same BN/2 up columns, so each thread holds gate and up of its output columns, and the epilogue stores
 silu(gate) * up, I columns wide.
@@ -37,7 +38,7 @@ from nvfly.arch import sm90
 from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.arch.reduce import block_scan
-from nvfly.ops.common.epilogue import activate, store_tile
+from nvfly.ops.common.epilogue import activate, check_store_descriptor, stage_tile, store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, Epilogue
 from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
@@ -68,12 +69,12 @@ def clamped_range(offs, g, limit, LAYOUT, GROUPS):
 
 @nvfly.kernel
 def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, offs: nvfly.Tensor,
-                   m: nvfly.i32, n: nvfly.i32, k: nvfly.i32, k_tiles: nvfly.i32,
+                   out_desc, m: nvfly.i32, n: nvfly.i32, k: nvfly.i32, k_tiles: nvfly.i32,
                    CFG: nvfly.Constexpr, GROUPS: nvfly.Constexpr, LAYOUT: nvfly.Constexpr,
                    A_MAJOR: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr, FUSE: nvfly.Constexpr):
     """``m``: the rows bound (contiguous: T, masked: Mmax, kgrouped: M); ``n``: the output columns (silu_mul: I);
     ``k``: K (kgrouped: sum K); ``k_tiles``: k-blocks of K (kgrouped: unused). silu_mul: B's up columns start
-    at column n (= I)."""
+    at column n (= I). ``out_desc``: the output's TMA descriptor when ``CFG.tma_store`` (kgrouped only), else None."""
     dtype = a_desc.info.dtype
     size = dtype.itemsize
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
@@ -97,10 +98,18 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
     A_BYTES = BM * BK * size
     STAGE_BYTES = A_BYTES + BN * BK * size
     OUT_BN = BN // 2 if FUSED else BN  # output columns of a tile
+    # kgrouped only (plan.fits): ping-pong consumers (whole tiles each, one's epilogue under the other's mainloop)
+    # and the TMA-store epilogue (the [E, M, N] output has no ragged rows: TMA clips M and N)
+    PINGPONG = CFG.pingpong
+    TMA_STORE = CFG.tma_store
 
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
-    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * WGS)
+    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * (1 if PINGPONG else WGS))
+    if TMA_STORE:
+        check_store_descriptor(out_desc, CFG, True)
+        staging = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (CFG.staging_bytes(),),
+                                                           offset_bytes=CFG.ring_end(size)))
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
@@ -110,6 +119,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
         pipe.init()
         sm90.tma_prefetch_descriptor(a_desc)
         sm90.tma_prefetch_descriptor(b_desc)
+        if TMA_STORE:
+            sm90.tma_prefetch_descriptor(out_desc)
     table = None
     if RAGGED:
         # the groups' first tile rows, from the device sizes: each thread sums PER groups' tile rows, a block scan
@@ -160,29 +171,68 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
         consumer = wg - 1
+        a_part = 0 if PINGPONG else consumer  # which WG_M-row slice of the A tile this consumer reads
         warp_in_wg = warp % 4
         state = sm90.PipelineState.start(S)
-        for tile in range(first_tile, num_units, tile_step):
+        own_first, own_step = first_tile, tile_step
+        if PINGPONG:
+            # consumer c takes every other tile of this block, starting with its c-th; the ring holds the other
+            # consumer's k-blocks (its group's count) in between
+            state = state.advance_by(consumer * tile_blocks(first_tile, num_units, tiles, offs, m, k, k_tiles, BM,
+                                                            BK, LAYOUT, GROUPS, TILING))
+            own_first, own_step = first_tile + consumer * tile_step, 2 * tile_step
+        turn = consumer  # ping-pong: the first tile of consumer 0 needs no turn
+        for tile in range(own_first, num_units, own_step):
             g, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, 0, TILING)
             row_base, k_base, blocks = group_work(offs, g, tm, m, k, k_tiles, BM, BK, LAYOUT, GROUPS)
+            if PINGPONG:
+                if turn > 0:
+                    nvfly.named_barrier(2 + consumer, 256)  # wait until the other consumer issued its wgmmas
+                turn = turn + 1
 
             def k_block(accs, stage, state, kt, first):
                 if LAYOUT == "kgrouped":
-                    clear_k_tail(ring, state.stage * STAGE_BYTES, offs, g, k, k_base, kt, consumer,
+                    clear_k_tail(ring, state.stage * STAGE_BYTES, offs, g, k, k_base, kt, consumer, a_part,
                                  warp_in_wg * 32 + lane, WG_M, BK, A_SW, size, GROUPS)
-                return issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, (a_lbo, a_sbo, A_SW),
+                return issue_k_block(atom, accs, stage, a_layout, b_layout, a_part, (a_lbo, a_sbo, A_SW),
                                      (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, first)
 
             accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
-            # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
-            accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, 0, blocks, lane, accs, k_block, 1, None)
+            # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them;
+            # ping-pong: once this tile's wgmmas are issued, it is the other consumer's turn to issue
+            accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, 0, blocks, lane, accs, k_block, 1,
+                                           (lambda: nvfly.named_barrier_arrive(3 - consumer, 256)) if PINGPONG
+                                           else None)
+            if PINGPONG:  # skip the other consumer's next tile
+                state = state.advance_by(tile_blocks(tile + tile_step, num_units, tiles, offs, m, k, k_tiles, BM, BK,
+                                                     LAYOUT, GROUPS, TILING))
             row_end = group_rows_end(offs, g, m, LAYOUT, GROUPS)
-            row0 = row_base + consumer * WG_M + warp_in_wg * 16 + lane // 4
+            row0 = row_base + a_part * WG_M + warp_in_wg * 16 + lane // 4
             col0 = tn * OUT_BN + 2 * (lane % 4)
             batch = 0 if LAYOUT == "contiguous" else g
             values = silu_mul(accs, ATOMS_M, BN) if FUSED else accs
-            inside = (row_base + (consumer + 1) * WG_M <= row_end) & (tn * OUT_BN + OUT_BN <= n)
-            store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M, Epilogue(), inside)
+            if TMA_STORE:  # kgrouped: TMA clips the tile at M and N
+                own = staging + consumer * (CFG.staging_bytes() // WGS)
+                stage_tile(out_desc, None, values, own, batch, row_base + a_part * WG_M, tn * OUT_BN, row0, col0, m,
+                           n, 1.0, 0.0, consumer, warp_in_wg, lane, CFG, ATOMS_M, Epilogue(), True, False)
+            else:
+                inside = (row_base + (a_part + 1) * WG_M <= row_end) & (tn * OUT_BN + OUT_BN <= n)
+                store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M, Epilogue(),
+                           inside)
+        if TMA_STORE:
+            if (warp_in_wg == 0) & (lane == 0):
+                sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
+
+
+@nvfly.func
+def tile_blocks(tile, num_units, tiles, offs, m, k, k_tiles, BM, BK, LAYOUT, GROUPS, TILING):
+    """The k-blocks of unit ``tile`` (0 past the block's last unit): how far a ping-pong consumer skips the other's
+    tile in the ring."""
+    g, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(
+        nvfly.maximum(nvfly.minimum(tile, num_units - 1), 0), tiles, 0, TILING)
+    row_base, k_base, blocks = group_work(offs, nvfly.maximum(nvfly.minimum(g, GROUPS - 1), 0), tm, m, k, k_tiles, BM,
+                                          BK, LAYOUT, GROUPS)
+    return nvfly.select(tile < num_units, blocks, 0)
 
 
 @nvfly.func
@@ -222,28 +272,29 @@ def group_rows_end(offs, g, m, LAYOUT, GROUPS):
 
 
 @nvfly.func
-def clear_k_tail(ring, stage, offs, g, k, k_base, kt, consumer, t, WG_M, BK, A_SW, size, GROUPS):
-    """kgrouped: when k-block ``kt`` of group ``g`` runs past the group's K, zero the consumer's A columns past it
-    (``zero_k_tail``) and sync the consumer's warpgroup before its wgmmas read them."""
+def clear_k_tail(ring, stage, offs, g, k, k_base, kt, consumer, a_part, t, WG_M, BK, A_SW, size, GROUPS):
+    """kgrouped: when k-block ``kt`` of group ``g`` runs past the group's K, zero the A columns past it of the
+    consumer's row slice ``a_part`` (``zero_k_tail``) and sync the consumer's warpgroup before its wgmmas read
+    them."""
     valid = k_end_of(offs, g, k, GROUPS) - k_base - kt * BK
     if valid < BK:
-        zero_k_tail(ring, stage, consumer, valid, t, WG_M, BK, A_SW, size)
+        zero_k_tail(ring, stage, a_part, valid, t, WG_M, BK, A_SW, size)
         nvfly.named_barrier(STORE_BARRIER + consumer, 128)
 
 
 @nvfly.func
-def zero_k_tail(ring, stage, consumer, valid, t, WG_M, BK, A_SW, size):
-    """Zero the K columns from ``valid`` on of the consumer's WG_M rows of the MN-major A tile at byte ``stage`` of
-    the ring (shared address ``ring``; thread ``t`` of the consumer's 128), then fence the writes for wgmma
-    (``a_tail_offset`` places the lines). A K row of a swizzle-wide MN chunk is one line of A_SW bytes whatever the
-    swizzle, so each thread zeroes whole lines. (K-major operands are declined in this layout: a group's K start
-    would be a TMA coordinate of the contiguous dimension.)"""
+def zero_k_tail(ring, stage, a_part, valid, t, WG_M, BK, A_SW, size):
+    """Zero the K columns from ``valid`` on of row slice ``a_part`` (WG_M rows) of the MN-major A tile at byte
+    ``stage`` of the ring (shared address ``ring``; thread ``t`` of the consumer's 128), then fence the writes for
+    wgmma (``a_tail_offset`` places the lines). A K row of a swizzle-wide MN chunk is one line of A_SW bytes
+    whatever the swizzle, so each thread zeroes whole lines. (K-major operands are declined in this layout: a
+    group's K start would be a TMA coordinate of the contiguous dimension.)"""
     WIDTH = A_SW // size
     LINES = WG_M // WIDTH * BK
     if t < LINES:
         kr = t % BK
         if kr >= valid:
-            line = ring + stage + a_tail_offset(consumer * WG_M + t // BK * WIDTH, kr, BK, A_SW, size)
+            line = ring + stage + a_tail_offset(a_part * WG_M + t // BK * WIDTH, kr, BK, A_SW, size)
             zero = nvfly.i32(0)
             for q in nvfly.static_range(A_SW // 16):
                 store_shared(line + 16 * q, [zero, zero, zero, zero])

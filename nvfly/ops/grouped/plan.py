@@ -13,13 +13,18 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from nvfly.ops.common.gemm_config import SMEM_LIMIT, GemmConfig
+from nvfly.ops.common.gemm_config import SMEM_LIMIT, GemmConfig, store_box
 from nvfly.ops.common.mainloop import operand_box
 from nvfly.ops.grouped.kernel import FUSES, LAYOUTS, table_bytes
 
 MAX_GROUPS = 1024       # the group table lives in shared memory (torch's limit too)
 SMALL_GROUP_ROWS = 64   # at most this many rows a group on average: the 64-row tile (see above)
 MAX_STAGES = 12
+# the weight gradient's tile (K-grouped, 16-bit out): ping-pong 128 x 128 tiles with the TMA-store epilogue
+KGROUPED_TILE = GemmConfig(128, 128, MAX_STAGES, 2, group_m=8, pingpong=True, tma_store=True, store_buffers=1,
+                           stream_k=False)
+# the K-grouped tile before KGROUPED_TILE (cooperative 128 x 256, register epilogue): benchmarks compare both
+KGROUPED_COOPERATIVE = GemmConfig(128, 256, MAX_STAGES, 2, group_m=8, stream_k=False)
 
 
 @dataclass(frozen=True)
@@ -46,22 +51,28 @@ class GroupedPlan:
     b_box: tuple
     b_swizzle: int
 
+    store_box: Optional[tuple] = None  # the TMA-store epilogue's output box and swizzle (config.tma_store)
+    store_swizzle: int = 0
+
     @property
     def smem_bytes(self) -> int:
-        return self.config.ring_end(2) + (table_bytes(self.groups) if self.layout != "kgrouped" else 0)
+        return self.config.smem_bytes(2) + (table_bytes(self.groups) if self.layout != "kgrouped" else 0)
 
 
 def fits(cfg: GemmConfig, groups: int, layout: str, b_major: str, itemsize: int = 2) -> Optional[str]:
-    """None if the kernel compiles ``cfg`` (a cooperative config without K splits, clusters or TMA store) with its
-    group table, else why not."""
+    """None if the kernel compiles ``cfg`` (no K splits or clusters; ping-pong consumers and the TMA-store epilogue
+    only in the K-grouped layout, whose output has no ragged rows) with its group table, else why not."""
     why = cfg.check(itemsize, b_major)
     if why:
         return why
-    if cfg.pingpong or cfg.split_k != 1 or cfg.cluster_m != 1 or cfg.tma_store:
-        return "the grouped kernel runs cooperative consumers without K splits, clusters or a TMA-store epilogue"
+    if cfg.split_k != 1 or cfg.cluster_m != 1:
+        return "the grouped kernel runs without K splits or clusters"
+    if (cfg.pingpong or cfg.tma_store) and layout != "kgrouped":
+        return ("ping-pong consumers and the TMA-store epilogue run in the K-grouped layout only (the others store "
+                "ragged rows through registers)")
     table = table_bytes(groups) if layout != "kgrouped" else 0
-    if cfg.ring_end(itemsize) + table > SMEM_LIMIT:
-        return f"{cfg.ring_end(itemsize) + table} bytes of shared memory exceed {SMEM_LIMIT}"
+    if cfg.smem_bytes(itemsize) + table > SMEM_LIMIT:
+        return f"{cfg.smem_bytes(itemsize) + table} bytes of shared memory exceed {SMEM_LIMIT}"
     return None
 
 
@@ -72,12 +83,26 @@ def deepest(cfg: GemmConfig, groups: int, layout: str, b_major: str, itemsize: i
     raise ValueError(f"config: no ring depth fits {cfg}")
 
 
+def kgrouped_variants(groups: int, b_major: str = "MN", itemsize: int = 2) -> dict[str, GemmConfig]:
+    """The weight gradient's tiles by name, each with its deepest ring (tests and ``benchmarks.grouped
+    --wgrad-variants`` compare them): the heuristic's ping-pong + TMA store, ping-pong storing through registers,
+    cooperative 128 x 256 with the TMA store, and the cooperative register-epilogue tile it replaced."""
+    variants = {"pingpong-tma": KGROUPED_TILE, "pingpong-register": replace(KGROUPED_TILE, tma_store=False),
+                "cooperative-tma": replace(KGROUPED_COOPERATIVE, tma_store=True, store_buffers=1),
+                "cooperative-register": KGROUPED_COOPERATIVE}
+    return {name: deepest(cfg, groups, "kgrouped", b_major, itemsize) for name, cfg in variants.items()}
+
+
 def heuristic_config(rows_per_group: float, row_tiles_128: int, n: int, groups: int, layout: str, b_major: str,
                      fused: bool, sms: int, itemsize: int = 2) -> GemmConfig:
     """The tile of a grouped problem (see the module doc): ``rows_per_group`` on average, ``row_tiles_128`` an
     estimate of the 128-row tile rows of all groups, ``n`` output columns (silu_mul: I, the tile loads twice as
     many B columns)."""
-    if rows_per_group <= SMALL_GROUP_ROWS:
+    if layout == "kgrouped":
+        # a group's K is its tokens (~T·k/E, a few k-blocks), so a tile's epilogue weighs like its mainloop:
+        # ping-pong hides it under the other consumer's mainloop, TMA stores drain it asynchronously
+        cfg = KGROUPED_TILE
+    elif rows_per_group <= SMALL_GROUP_ROWS:
         cfg = GemmConfig(64, 128, MAX_STAGES, 1, group_m=8, stream_k=False)
     else:
         out_width = 128 if fused else 256
@@ -87,9 +112,11 @@ def heuristic_config(rows_per_group: float, row_tiles_128: int, n: int, groups: 
 
 
 def make_plan(layout: str, fuse: str, dtype: str, groups: int, a_major: str, b_major: str, m: int, n: int, k: int,
-              rows_per_group: float, sms: int, config: Optional[GemmConfig] = None) -> GroupedPlan:
+              rows_per_group: float, sms: int, config: Optional[GemmConfig] = None,
+              out_itemsize: int = 2) -> GroupedPlan:
     """The plan of a checked call: ``m`` the rows bound (T, Mmax or M), ``n`` the output columns, ``k`` (kgrouped:
-    sum K), ``rows_per_group`` the heuristic's estimate; ``config`` the caller's (checked) or the heuristic's."""
+    sum K), ``rows_per_group`` the heuristic's estimate; ``config`` the caller's (checked) or the heuristic's;
+    ``out_itemsize`` the output's (a TMA-store config stores through registers for 32-bit outputs)."""
     import nvfly
     if layout not in LAYOUTS or fuse not in FUSES:
         raise ValueError(f"layout/fuse: expected one of {LAYOUTS} / {FUSES}, got {layout!r} / {fuse!r}")
@@ -111,6 +138,8 @@ def make_plan(layout: str, fuse: str, dtype: str, groups: int, a_major: str, b_m
         row_tiles = groups * math.ceil(m / 128)
     if config is None:
         config = heuristic_config(rows_per_group, row_tiles, n, groups, layout, b_major, fused, sms, itemsize)
+    if config.tma_store and out_itemsize != 2:  # the TMA-store epilogue stores 16-bit outputs
+        config = deepest(replace(config, tma_store=False), groups, layout, b_major, itemsize)
     why = fits(config, groups, layout, b_major, itemsize)
     if why:
         raise ValueError(f"config: {why}")
@@ -129,7 +158,8 @@ def make_plan(layout: str, fuse: str, dtype: str, groups: int, a_major: str, b_m
     tiles = bound_rows * math.ceil(n / out_bn)
     a_box, a_swizzle = operand_box(config.bm, bk, nv, a_major, 3 if layout == "masked" else 2)
     b_box, b_swizzle = operand_box(config.bn, bk, nv, b_major, 2 if layout == "kgrouped" else 3, 2 if fused else 1)
+    out_box, out_swizzle = store_box(config, True) if config.tma_store else (None, 0)
     return GroupedPlan(layout=layout, fuse=fuse, dtype=dtype, config=config, groups=groups, a_major=a_major,
                        b_major=b_major, m=m, n=n, k=k, k_tiles=math.ceil(k / bk), grid=max(1, min(tiles, sms)),
                        threads=128 * (1 + config.consumers), a_box=a_box, a_swizzle=a_swizzle, b_box=b_box,
-                       b_swizzle=b_swizzle)
+                       b_swizzle=b_swizzle, store_box=out_box, store_swizzle=out_swizzle)

@@ -1,5 +1,6 @@
 """FP8 scaled GEMM on Hopper (``torch._scaled_mm`` / ``F.scaled_mm`` semantics): tensor-wise, row-wise and block
-(1x128 activations x 128x128 weights, promoted every k-block) fp32 scales on a persistent TMA + fp8 wgmma kernel
+(1x128 activations x 128x128 weights, promoted every k-block) fp32 scales, and MX (e8m0 scales per 32 of K,
+promoted every k-step; MXFP8, or MXFP4 weights converted in shared memory) on a persistent TMA + fp8 wgmma kernel
 (``kernel``, planned by ``plan``); ``api`` holds the host functions re-exported here, docs/ops/scaled.md the design
 and measurements.
 """

@@ -12,8 +12,18 @@ Operands follow ``torch._scaled_mm``: ``a`` (M, K) row-major, ``b`` (K, N) colum
     block            (M, ceil(K/128)), any strides    (ceil(K/128), ceil(N/128)), any strides
                      (1x128: per token, per 128 k)    (128x128 blocks of the weight)
     block1x128       (M, ceil(K/128)), any strides    (ceil(K/128), N), any strides (1x128: per channel, 128 k)
+    mxfp8            (M, K/32) e8m0, any strides      (N, K/32) e8m0, any strides (OCP MX: 2^(e - 127) per 32 k)
+    mxfp4            (M, K/32) e8m0, any strides      (N, K/32) e8m0, any strides, b packed e2m1 (below)
 
 out = (a * sa) @ (b * sb) (+ bias), in bf16 (the default, as ``F.scaled_mm``), fp16 or fp32.
+
+MX scales are ``torch.float8_e8m0fnu`` (or their bytes as uint8, as ``quantize(x, "mx")`` gives them), K a multiple
+of 32, in the plain row-major (rows, K/32) layout: torch's ``ScalingType.BlockWise1x32`` hands cuBLAS (sm100 only;
+Hopper has no MX tensor cores and torch does not run MX there) the swizzled "blocked" layout (128 x 4 tiles padded
+to whole tiles), which nvfly does not take: unswizzle it first. MXFP4 weights (``mxfp4``, with MXFP8 activations):
+``b`` is ``torch.float4_e2m1fn_x2`` (K/2, N) column-major, the ``.t()`` of a row-major (N, K/2) packed weight, two
+e2m1 values a byte along K, the lower-numbered one in the low nibble (torch's and OCP's order); the kernel converts
+them to e4m3 in shared memory (Hopper has no fp4 tensor cores).
 """
 from __future__ import annotations
 
@@ -26,9 +36,10 @@ import torch
 import nvfly
 from nvfly.ops.common import scratch
 from nvfly.ops.common.opcall import OpCalls, named
-from nvfly.ops.scaled.config import BK, BLOCKWISE, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
+from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, MX_BLOCK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.kernel import scaled_mm_kernel, scaled_reduce_kernel
 from nvfly.ops.scaled.plan import ScaledPlan, make_plan
+from nvfly.ops.scaled.quantize import dequantize_mx, dequantize_mxfp4
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import current_stream, layout_key, vector_width
@@ -36,8 +47,10 @@ from nvfly.runtime.torch_args import current_stream, layout_key, vector_width
 SCALED_MM = "nvfly.ops.scaled.scaled_mm"
 PATH = "nvfly.ops.scaled.path"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP4_DTYPE = torch.float4_e2m1fn_x2
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MX_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -45,10 +58,35 @@ def _ceil(x: int, d: int) -> int:
     return -(-x // d)
 
 
+def is_mx(scale: Any) -> bool:
+    """Whether ``scale`` holds MX (e8m0) scales: float8_e8m0fnu, or their bytes as uint8."""
+    return scale.dtype in MX_SCALE_DTYPES
+
+
+def mx_recipe(a: Any, b: Any, scale_a: Any, scale_b: Any) -> str:
+    """"mxfp8" (or "mxfp4" for packed e2m1 ``b``) when the e8m0 scales fit a (M, K) @ b (K, N): scale_a (M, K/32),
+    scale_b (N, K/32), K a multiple of 32; raises TypeError or ValueError naming the argument."""
+    m, k = a.shape
+    n = b.shape[1]
+    if k % MX_BLOCK:
+        raise ValueError(f"a: K={k} is not a multiple of {MX_BLOCK} (MX scales cover 32 elements of K)")
+    for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if not is_mx(scale):
+            raise TypeError(f"{name}: dtype {scale.dtype} next to MX (e8m0) scales or MXFP4 weights: expected "
+                            f"float8_e8m0fnu or uint8 scales for both")
+    for name, scale, rows in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
+        if tuple(scale.shape) != (rows, k // MX_BLOCK):
+            raise ValueError(f"{name}: shape {tuple(scale.shape)}: expected ({rows}, {k // MX_BLOCK}) e8m0 scales, "
+                             f"one per {MX_BLOCK} of K, row-major (cuBLAS's swizzled blocked layout is not taken)")
+    return "mxfp4" if b.dtype == FP4_DTYPE else "mxfp8"
+
+
 def recipe(a: Any, b: Any, scale_a: Any, scale_b: Any) -> str:
-    """The scaling ("tensor", "row", "block" or "block1x128") that the scales' shapes describe for a (M, K) @
-    b (K, N); raises
-    ValueError naming the scale that matches no recipe or not its partner's."""
+    """The scaling ("tensor", "row", "block", "block1x128" or "mxfp8") that the scales' shapes (and e8m0 dtypes)
+    describe for a (M, K) @ b (K, N); raises ValueError naming the scale that matches no recipe or not its
+    partner's."""
+    if is_mx(scale_a) or is_mx(scale_b) or b.dtype == FP4_DTYPE:
+        return mx_recipe(a, b, scale_a, scale_b)
     m, k = a.shape
     n = b.shape[1]
     kb = _ceil(k, SCALE_BLOCK)
@@ -89,14 +127,16 @@ def check(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
     for name, t in (("a", a), ("b", b)):
         if t.dim() != 2:
             raise ValueError(f"{name}: expected a 2-D tensor, got {t.dim()}-D")
-        if t.dtype not in FP8_DTYPES:
-            raise TypeError(f"{name}: dtype {t.dtype} is not float8_e4m3fn or float8_e5m2")
+        if t.dtype not in FP8_DTYPES and not (name == "b" and t.dtype == FP4_DTYPE):
+            raise TypeError(f"{name}: dtype {t.dtype} is not float8_e4m3fn or float8_e5m2"
+                            + (" (or float4_e2m1fn_x2 MXFP4 weights)" if name == "b" else ""))
     if a.dtype == b.dtype == torch.float8_e5m2:
         raise TypeError("b: float8_e5m2 with an float8_e5m2 a: one operand must be float8_e4m3fn (as torch)")
     m, k = a.shape
-    if b.shape[0] != k:
+    packing = 2 if b.dtype == FP4_DTYPE else 1  # e2m1 pairs: b is (K/2, N)
+    if b.shape[0] * packing != k:
         raise ValueError(f"b: shape {tuple(b.shape)} and a's {tuple(a.shape)} do not multiply (K is {k} in a, "
-                         f"{b.shape[0]} in b)")
+                         f"{b.shape[0] * packing} in b)")
     n = b.shape[1]
     if k % 16 or n % 16:
         raise ValueError(f"b: K={k} and N={n} must be multiples of 16 (fp8 GEMM rows of 16 bytes)")
@@ -106,8 +146,8 @@ def check(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
         raise ValueError(f"b: expected a column-major (K, N) tensor (w.t() of a row-major (N, K) weight), got "
                          f"strides {b.stride()}")
     for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name}: dtype {t.dtype}: expected float32 scales")
+        if t.dtype != torch.float32 and not is_mx(t):
+            raise TypeError(f"{name}: dtype {t.dtype}: expected float32 scales (or float8_e8m0fnu MX scales)")
     scaling = recipe(a, b, scale_a, scale_b)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype: {out_dtype} is not bf16, fp16 or fp32")
@@ -277,7 +317,10 @@ class _Call:
             buffer = scratch.partials(a.device, current_stream(a.device.index), count)[:count]
             partials = buffer.view(splits, self.out_m, self.out_n)
             target = partials.transpose(1, 2) if plan.swap else partials
-        self.launch(cached_descriptor(kernel_a, plan.a_box, 128), cached_descriptor(kernel_b, plan.b_box, 128),
+        if kernel_b.dtype == FP4_DTYPE:  # TMA copies the packed pairs as bytes
+            kernel_b = kernel_b.view(torch.uint8)
+        self.launch(cached_descriptor(kernel_a, plan.a_box, 128),
+                    cached_descriptor(kernel_b, plan.b_box, plan.b_swizzle),
                     target, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n, plan.k_tiles,
                     plan.config, plan.epilogue)
         if self.reduce is not None:
@@ -287,11 +330,14 @@ class _Call:
 
 def kernel_scales(scaling: str, scale_a: torch.Tensor, scale_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The scales as the kernel indexes them (views, no copies): tensor-wise one element each ([0]); row-wise
-    vectors along M and N; block: scale_a (M, K/128) as given, scale_b as (N/128, K/128) (block1x128: (N, K/128))."""
+    vectors along M and N; block: scale_a (M, K/128) as given, scale_b as (N/128, K/128) (block1x128: (N, K/128));
+    MX: the e8m0 bytes, (M, K/32) and (N, K/32)."""
     if scaling == "tensor":
         return scale_a.reshape(1), scale_b.reshape(1)
     if scaling == "row":
         return scale_a.select(1, 0), scale_b.select(0, 0)
+    if scaling in MX:  # (M, K/32) and (N, K/32) as given, their bytes
+        return scale_a.view(torch.uint8), scale_b.view(torch.uint8)
     return scale_a, scale_b.t()
 
 
@@ -312,6 +358,10 @@ def reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float32 GEMM of the dequantised operands (+ bias): what ``scaled_mm`` approximates."""
     scaling = recipe(a, b, scale_a, scale_b)
+    if scaling in MX:
+        weight = dequantize_mxfp4(b.t(), scale_b) if scaling == "mxfp4" else dequantize_mx(b.t(), scale_b)
+        r = dequantize_mx(a, scale_a) @ weight.t()
+        return r if bias is None else r + bias.float()
     blocks = {"block": ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK)),
               "block1x128": ((1, SCALE_BLOCK), (SCALE_BLOCK, 1))}.get(scaling, ((1, 1), (1, 1)))
     r = dequantize(a, scale_a, blocks[0]) @ dequantize(b, scale_b, blocks[1])
@@ -323,7 +373,7 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
                      dtypes: tuple[Any, Any] = (nvfly.f8e4m3, nvfly.f8e4m3), target: str = "sm_90a") -> list[Any]:
     """Compile the kernel for each (config, epilogue) without a GPU (M = N = K = 4096 strides; ``bias_rows``: a
     swapped plan's transposed output); returns CompiledKernels."""
-    from nvfly.frontend.dtypes import bf16, f16, f32
+    from nvfly.frontend.dtypes import bf16, f16, f32, u8
     from nvfly.runtime.tensor_desc import TensorDesc
     out_nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}[out_dtype]
     size = 4096
@@ -331,6 +381,8 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
     for cfg, epi in variants:
         a_desc = nvfly.TmaDescriptor(TensorDesc(dtypes[0], (size, size)), (min(cfg.bm, 256), BK), swizzle=128)
         b_desc = nvfly.TmaDescriptor(TensorDesc(dtypes[1], (size, size)), (min(cfg.bn, 256), BK), swizzle=128)
+        if epi.scaling == "mxfp4":  # packed e2m1 pairs, (N, K/2) bytes
+            b_desc = nvfly.TmaDescriptor(TensorDesc(u8, (size, size // 2)), (min(cfg.bn, 256), BK // 2), swizzle=0)
         out = TensorDesc(out_nv, (size, size), (1, size) if epi.bias_rows else None)
         if epi.partial:  # [split, rows, cols] f32 partial sums (a swapped plan's: transposed)
             out = TensorDesc(f32, (cfg.split_k, size, size),
@@ -342,6 +394,8 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
             sa, sb = TensorDesc(f32, (size,)), TensorDesc(f32, (size,))
         elif epi.scaling == "block":
             sa, sb = TensorDesc(f32, (size, kb), (1, size)), TensorDesc(f32, (kb, kb))
+        elif epi.scaling in MX:  # e8m0 bytes, (rows, K/32) row-major
+            sa, sb = TensorDesc(u8, (size, size // MX_BLOCK)), TensorDesc(u8, (size, size // MX_BLOCK))
         else:  # 1x128 x 1x128: the kernel's sb is torch's (K/128, N) transposed
             sa, sb = TensorDesc(f32, (size, kb), (1, size)), TensorDesc(f32, (size, kb), (1, size))
         bias = TensorDesc(bf16, (size,)) if epi.bias else None
@@ -354,14 +408,15 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
 def compile_reduce(scaling: str, splits: int, vec: int, bias: bool, out_dtype: torch.dtype = torch.bfloat16,
                    target: str = "sm_90a") -> Any:
     """Compile split K's reduce kernel without a GPU (a 64 x 4096 output)."""
-    from nvfly.frontend.dtypes import bf16, f16, f32
+    from nvfly.frontend.dtypes import bf16, f16, f32, u8
     from nvfly.runtime.tensor_desc import TensorDesc
     out_nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}[out_dtype]
     m, n = 64, 4096
     scales = {"tensor": ((1,), (1,)), "row": ((m,), (n,)), "block": ((m, 32), (32, 32)),
-              "block1x128": ((m, 32), (n, 32))}[scaling]
+              "block1x128": ((m, 32), (n, 32)), "mxfp8": ((m, 128), (n, 128))}[scaling]
+    scale_nv = u8 if scaling in MX else f32  # unread: block scales were applied in the mainloop
     return scaled_reduce_kernel.compile(TensorDesc(f32, (splits, m, n)), TensorDesc(out_nv, (m, n)),
-                                        TensorDesc(f32, scales[0]), TensorDesc(f32, scales[1]),
+                                        TensorDesc(scale_nv, scales[0]), TensorDesc(scale_nv, scales[1]),
                                         TensorDesc(bf16, (n,)) if bias else None, m, n, SPLITS=splits,
                                         SCALING=scaling, VEC=vec, THREADS=REDUCE_THREADS, block=REDUCE_THREADS,
                                         target=target)

@@ -8,8 +8,10 @@ from nvfly.ops.common.gemm_config import BARRIER_BYTES, SMEM_LIMIT
 
 BK = 128           # K elements per k-block: one 128-byte swizzle row of fp8, and the block scales' 128
 SCALE_BLOCK = 128  # the block recipes' block edge (1x128 activations, 128x128 weights)
-SCALINGS = ("tensor", "row", "block", "block1x128")
-BLOCKWISE = ("block", "block1x128")  # scales applied in the mainloop
+MX_BLOCK = 32      # OCP MX: an e8m0 scale per 32 elements along K, i.e. per fp8 wgmma k-step
+SCALINGS = ("tensor", "row", "block", "block1x128", "mxfp8", "mxfp4")
+MX = ("mxfp8", "mxfp4")  # e8m0 scales per 32 of K for both operands, promoted every k-step (mxfp4: e2m1 weights)
+BLOCKWISE = ("block", "block1x128") + MX  # scales applied in the mainloop
 
 
 @dataclass(frozen=True)
@@ -17,7 +19,9 @@ class ScaledConfig:
     """One point of the scaled GEMM's config space: a bm x bn output tile split between ``consumers`` warpgroups
     (64 or 128 rows each), a ring of ``stages`` k-blocks of 128, ``group_m`` tile rows per rasterisation group,
     ``split_k`` K splits (each writes f32 partial sums; a reduce kernel scales and adds them); ``issue_ahead``: the
-    promoted mainloop issues k-block k+1's wgmmas before k's fp32 add (a third accumulator)."""
+    promoted mainloop issues k-block k+1's wgmmas before k's fp32 add (a third accumulator); ``packed_b``: B arrives
+    as packed e2m1 (MXFP4, set by the plan): each stage also holds B's packed bn x 64-byte tile, which the consumers
+    convert into the stage's e4m3 tile."""
     bm: int = 128
     bn: int = 128
     stages: int = 6
@@ -25,6 +29,7 @@ class ScaledConfig:
     group_m: int = 8
     split_k: int = 1
     issue_ahead: bool = False
+    packed_b: bool = False
 
     @property
     def wg_m(self) -> int:
@@ -32,7 +37,12 @@ class ScaledConfig:
 
     @property
     def stage_bytes(self) -> int:
-        return (self.bm + self.bn) * BK
+        return (self.bm + self.bn) * BK + (self.bn * BK // 2 if self.packed_b else 0)
+
+    @property
+    def load_bytes(self) -> int:
+        """The bytes TMA brings into a stage (B's packed tile rather than its e4m3 one when ``packed_b``)."""
+        return (self.bm + (self.bn // 2 if self.packed_b else self.bn)) * BK
 
     def smem_bytes(self) -> int:
         return BARRIER_BYTES + self.stages * self.stage_bytes
@@ -43,6 +53,8 @@ class ScaledConfig:
             return f"bm={self.bm} with {self.consumers} consumers: each consumer needs 64 or 128 rows"
         if self.bn % 8 or not 8 <= self.bn <= 256:
             return f"bn={self.bn}: must be a multiple of 8 in [8, 256]"
+        if self.packed_b and self.bn % 16:
+            return f"bn={self.bn} with packed (MXFP4) B: a multiple of 16 (stages of whole 1024-byte swizzle atoms)"
         if self.issue_ahead and not promote:
             return "issue_ahead: only the promoted mainloop issues ahead"
         # promotion keeps a second accumulator (the running fp32 sum next to the k-block's partial), issuing ahead
@@ -71,9 +83,10 @@ def deepest(cfg: ScaledConfig, most: int = 8) -> ScaledConfig:
 class ScaledEpilogue:
     """What the kernel applies. scaling: "tensor" (one scale each: alpha = sa * sb, in the epilogue), "row"
     (sa per output row, sb per output column, in the epilogue), "block" (sa per row and 128-k block, sb per
-    128x128 block of the kernel's B, applied to each k-block's partial sum in the mainloop) or "block1x128" (sb
-    per column and 128-k block instead); promote: accumulate each k-block in a fresh wgmma accumulator and add it
-    into an fp32 sum (always with block scales; otherwise
+    128x128 block of the kernel's B, applied to each k-block's partial sum in the mainloop), "block1x128" (sb
+    per column and 128-k block instead), "mxfp8" (e8m0 sa per row and sb per column for every ``scale_k`` = 32
+    of K: each wgmma k-step is promoted) or "mxfp4" (the same with packed e2m1 B); promote: accumulate each k-block
+    in a fresh wgmma accumulator and add it into an fp32 sum (always with block scales; otherwise
     torch's ``use_fast_accum=False``); bias: a bias vector added last, along the output's columns, or along its
     rows (``bias_rows``: the swapped problem, whose rows are the caller's columns); partial: split K, the kernel
     writes its K range's unscaled f32 sums (out is [split, rows, cols]) and ``scaled_reduce_kernel`` applies the
@@ -89,3 +102,8 @@ class ScaledEpilogue:
             raise ValueError(f"scaling: expected one of {SCALINGS}, got {self.scaling!r}")
         if self.scaling in BLOCKWISE and not self.promote:
             raise ValueError("scaling: block scales are applied by promotion (promote=True)")
+
+    @property
+    def scale_k(self) -> int:
+        """K elements per promotion: a k-block (BK) of 128, or one 32-wide k-step for MX scales."""
+        return MX_BLOCK if self.scaling in MX else BK

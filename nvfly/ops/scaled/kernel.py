@@ -15,8 +15,11 @@ Two mainloops (``ScaledEpilogue.promote``):
   recipe (1x128 activations x 128x128 weights). The tensor core's accumulator then never sums more than 128
   products (it keeps ~14 bits); the scale loads are issued under the wgmmas. Two consumer warpgroups overlap one's
   promotion with the other's wgmmas. With ``ScaledConfig.issue_ahead`` a consumer also issues k-block k+1 (into a
-  second partial accumulator) before k's add, so that its own wgmmas run under its promotion. Both run as
-  ``nvfly.ops.common.mainloop.promote_k_blocks`` with this kernel's k-block body and promotion.
+  second partial accumulator) before k's add, so that its own wgmmas run under its promotion. MX scales (an e8m0
+  byte per 32 of K for each row of A and B, ``ScaledEpilogue.scale_k`` = 32) promote every wgmma k-step instead;
+  MXFP4 weights (``ScaledConfig.packed_b``) arrive as packed e2m1, which the consumers convert into the stage's e4m3
+  tile (exact, times 2^-6, folded into B's scales) before its wgmmas. All run as
+  ``nvfly.ops.common.mainloop.promote_k_blocks`` with this kernel's k-block (or k-step) body and promotion.
 The epilogue multiplies by the tensor-wise scale (sa * sb, read from device memory: no host sync) or the row-wise
 scales (sa[row] * sb[col]), adds the bias and stores each thread's fragments as 4-byte pairs (masked on tails).
 """
@@ -26,12 +29,13 @@ import functools
 
 import nvfly
 from nvfly.arch import sm90
+from nvfly.arch.floats import convert_shared_e2m1x32, e8m0_to_f32
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
 from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes, promote_k_blocks
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
-from nvfly.ops.scaled.config import BK, BLOCKWISE, SCALE_BLOCK
+from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK
 
 PARTIAL = Epilogue(partial=True)
 
@@ -44,7 +48,7 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
     WG_M = CFG.wg_m
     ATOMS_M = WG_M // 64
-    atom = sm90.WgmmaAtom(BN, dtype, b_desc.info.dtype, "K", "K")
+    atom = sm90.WgmmaAtom(BN, dtype, nvfly.f8e4m3 if CFG.packed_b else b_desc.info.dtype, "K", "K")
     a_layout = sm90.operand_layout(BM, BK, dtype, "K", 128)
     b_layout = sm90.operand_layout(BN, BK, dtype, "K", 128)
     a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, "K", 128)[1][0]
@@ -56,7 +60,7 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
 
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
-    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * WGS)
+    pipe = sm90.TmaPipeline(bars, S, CFG.load_bytes, consumer_arrivals=4 * WGS)
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
@@ -81,7 +85,10 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                 for kt in range(work.k_begin, work.k_end):
                     base, full = fill_stage(pipe, state, ring, STAGE_BYTES)
                     load_boxes(a_desc, a_boxes, work.tile_m * BM, kt * BK, "K", base, full)
-                    load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full)
+                    if CFG.packed_b:  # e2m1 pairs: one unswizzled BN x 64-byte box, behind the e4m3 tile
+                        sm90.tma_load(b_desc, base + A_BYTES + BN * BK, (work.tile_n * BN, kt * (BK // 2)), full)
+                    else:
+                        load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full)
                     state = state.advance()
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -103,21 +110,33 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
                                           ATOMS_M=ATOMS_M, EPI=EPI)
             if EPI.promote:
-                def fresh_k_block(stage, state, kt):
+                # promotions per k-block: MX scales change every wgmma k-step, the others every k-block
+                STEPS = BK // EPI.scale_k
+
+                def fresh_k_block(stage, state, kt, step):
+                    if STEPS > 1:
+                        part = issue_k_step(atom, stage, a_layout, b_layout, consumer, a_desc_fields, b_desc_fields,
+                                            A_BYTES, WG_M, ATOMS_M, step)
+                        return part, scales_of(kt=kt * STEPS + step)
                     part = issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)], stage,
                                          a_layout, b_layout, consumer, a_desc_fields, b_desc_fields, A_BYTES, WG_M,
                                          BK, 1, True)
                     return part, scales_of(kt=kt)  # the scales load while the wgmmas run
 
                 def add_partial(sums, partial):
-                    # issued ahead: the partial was waited for with the next k-block's wgmmas in flight
+                    # issued ahead, or a k-step's: the partial was waited for with wgmmas in flight, or in a loop
                     part, scales = partial
-                    return promote(sums, fenced(part) if CFG.issue_ahead else part, scales, ATOMS_M, EPI)
+                    return promote(sums, fenced(part) if CFG.issue_ahead or STEPS > 1 else part, scales, ATOMS_M,
+                                   EPI)
+
+                def convert_b(stage):  # MXFP4: the stage's packed e2m1 B into its e4m3 tile, before the wgmmas
+                    convert_packed_b(stage + A_BYTES, tid - 128, BN, WGS)
 
                 # issue_ahead: k-block k+1's wgmmas are issued before k's fp32 add, into the other of two partials
                 sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
                 accs, state = promote_k_blocks(pipe, state, ring, STAGE_BYTES, work.k_begin, work.k_end, lane, sums,
-                                               fresh_k_block, add_partial, CFG.issue_ahead)
+                                               fresh_k_block, add_partial, CFG.issue_ahead, STEPS,
+                                               convert_b if CFG.packed_b else None)
             else:
                 def accumulate(accs, stage, state, kt, first):
                     return issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, a_desc_fields,
@@ -136,14 +155,50 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
 
 
+def issue_k_step(atom, base, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m, atoms_m, ks) -> list:
+    """Issue wgmma k-step ``ks`` (atom.k of K; may be traced) of the stage at ``base`` into fresh accumulators
+    (committed, not waited for): the k-block's issue, both operands' start moved by the step's bytes along K (K-major
+    128-byte rows of fp8: k bytes in, for A and B alike)."""
+    assert all(layout.inner((0, s * atom.k)) == s * atom.k for layout in (a_layout, b_layout)
+               for s in range(BK // atom.k)), "k-steps at k bytes into the swizzled rows"
+    return issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(atoms_m)], base + ks * atom.k, a_layout,
+                         b_layout, consumer, a_fields, b_fields, a_bytes, wg_m, atom.k, 1, True)
+
+
+@nvfly.func
+def convert_packed_b(tile, thread, BN, WGS):
+    """MXFP4: the consumers' threads (``thread`` counts them from 0) convert B's packed e2m1 tile (BN rows of 64
+    bytes behind the e4m3 tile at ``tile``) into the e4m3 tile (times 2^-6) in wgmma's 128-byte swizzle (16-byte
+    segment s of row r at segment s ^ (r % 8)), each thread 16 packed bytes at a time; then make the writes visible
+    to wgmma (the async proxy) and wait for all of them."""
+    THREADS = 128 * WGS
+    CHUNKS = BN * BK // 2 // 16
+    for i in nvfly.static_range((CHUNKS + THREADS - 1) // THREADS):
+        chunk = thread + i * THREADS
+        if CHUNKS % THREADS == 0 or chunk < CHUNKS:
+            row = chunk // 4
+            seg = 2 * (chunk % 4)
+            dst = tile + row * BK
+            convert_shared_e2m1x32(tile + BN * BK + chunk * 16, dst + (seg ^ (row % 8)) * 16,
+                                   dst + ((seg + 1) ^ (row % 8)) * 16)
+    sm90.fence_proxy_async()
+    nvfly.named_barrier(1, THREADS)
+
+
 def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI) -> list:
     """The k-block's promotion scales for the thread's elements: block, one per row pair (sa[row, kt] * sb[column
-    block, kt]); block1x128, the rows' sa then the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise,
-    none (applied in the epilogue)."""
+    block, kt]); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0 bytes decoded), the rows' sa then
+    the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none (applied in the epilogue)."""
     rows = [nvfly.minimum(row0 + 64 * i + 8 * h, m - 1) for i in range(ATOMS_M) for h in range(2)]
     if EPI.scaling == "block":
         sb = scale_b[col0 // SCALE_BLOCK, kt]  # the tile's columns lie in one block
         return [scale_a[row, kt] * sb for row in rows]
+    if EPI.scaling in MX:  # e8m0 bytes; a K tail's zero-filled k-steps take the last step's scales
+        kt = nvfly.minimum(kt, scale_a.shape[1] - 1)
+        b_factor = 64.0 if EPI.scaling == "mxfp4" else 1.0  # converted e2m1 is e4m3 times 2^-6
+        return [e8m0_to_f32(scale_a[row, kt]) for row in rows] + \
+            [e8m0_to_f32(scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]) * b_factor for j in range(BN // 8)
+             for c in range(2)]
     if EPI.scaling == "block1x128":
         return [scale_a[row, kt] for row in rows] + [scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]
                                                      for j in range(BN // 8) for c in range(2)]
@@ -160,7 +215,7 @@ def promote(sums: list, part: list, scales: list, ATOMS_M: int, EPI) -> list:
     """sums + part, each element times its promotion scales (``promotion_scales``)."""
     if EPI.scaling == "block":
         return [sums[i].map(lambda v, e, i=i: v + part[i][e] * scales[2 * i + (e // 2) % 2]) for i in range(ATOMS_M)]
-    if EPI.scaling == "block1x128":
+    if EPI.scaling == "block1x128" or EPI.scaling in MX:
         rows = 2 * ATOMS_M
         return [sums[i].map(lambda v, e, i=i: v + part[i][e] * (scales[2 * i + (e // 2) % 2]
                                                                  * scales[rows + 2 * (e // 4) + e % 2]))

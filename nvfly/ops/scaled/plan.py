@@ -19,7 +19,7 @@ from typing import Optional
 from dataclasses import replace
 
 from nvfly.ops.common.scheduler import split_count
-from nvfly.ops.scaled.config import BK, BLOCKWISE, ScaledConfig, ScaledEpilogue, deepest
+from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilogue, deepest
 
 SWAP_MAX_M = 64
 TAIL_IDLE = 0.2  # the wide tile's last wave may leave at most this share of the SMs idle
@@ -45,6 +45,7 @@ class ScaledPlan:
     threads: int
     a_box: tuple[int, int]
     b_box: tuple[int, int]
+    b_swizzle: int = 128  # packed (MXFP4) B: unswizzled 64-byte rows, converted into the swizzled e4m3 tile
 
 
 def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int) -> ScaledConfig:
@@ -91,6 +92,12 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
         epilogue = ScaledEpilogue(epilogue.scaling, epilogue.promote, epilogue.bias, bias_rows=epilogue.bias)
     if config is None:
         config = heuristic_config(m, n, k, epilogue.promote, swap, sms)
+        if epilogue.scaling == "mxfp4":  # B's packed tile rides every stage too: as deep a ring as still fits
+            config = deepest(replace(config, packed_b=True), most=config.stages)
+    if config.packed_b != (epilogue.scaling == "mxfp4"):
+        if epilogue.scaling != "mxfp4":
+            raise ValueError(f"config: packed_b with {epilogue.scaling} scales: only MXFP4 weights arrive packed")
+        config = replace(config, packed_b=True)
     why = config.check(epilogue.promote)
     if why:
         raise ValueError(f"config: {why}")
@@ -100,11 +107,14 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     if config.issue_ahead and epilogue.scaling == "block1x128":
         raise ValueError("config: issue_ahead with block1x128 scales: two k-blocks' column scales next to three "
                          "accumulators spill")
+    if config.issue_ahead and epilogue.scaling in MX:
+        raise ValueError("config: issue_ahead with MX scales: they promote every k-step, not k-blocks")
     k_tiles = math.ceil(k / BK)
     config = replace(config, split_k=split_count(k_tiles, config.split_k))  # every split at least one k-block
     if config.split_k > 1:
         epilogue = replace(epilogue, partial=True)
     tiles = math.ceil(m / config.bm) * math.ceil(n / config.bn) * config.split_k
+    b_box = (min(config.bn, 256), BK // 2) if config.packed_b else (min(config.bn, 256), BK)
     return ScaledPlan(config=config, epilogue=epilogue, swap=swap, m=m, n=n, k=k, k_tiles=k_tiles,
                       grid=max(1, min(tiles, sms)), threads=128 * (1 + config.consumers),
-                      a_box=(min(config.bm, 256), BK), b_box=(min(config.bn, 256), BK))
+                      a_box=(min(config.bm, 256), BK), b_box=b_box, b_swizzle=0 if config.packed_b else 128)

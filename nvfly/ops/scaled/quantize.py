@@ -13,14 +13,15 @@ from typing import Any
 
 import torch
 
+from nvfly.arch.floats import E2M1_ABOVE, E2M1_AT_OR_ABOVE
 from nvfly.ops.common.opcall import OpCalls
-from nvfly.ops.scaled.config import SCALE_BLOCK
+from nvfly.ops.scaled.config import MX_BLOCK, SCALE_BLOCK
 from nvfly.runtime.torch_args import layout_key
 
 AMAX_FLOOR = 1e-12
-GRANULARITIES = ("tensor", "row", "1x128", "128x128", "mx")
-MX_BLOCK = 32
+GRANULARITIES = ("tensor", "row", "1x128", "128x128", "mx", "mxfp4")
 MX_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}  # the largest value's exponent (448 = 1.75 * 2^8)
+E2M1_EMAX = 2  # 6 = 1.5 * 2^2
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -41,20 +42,69 @@ def _quantize_mx(xf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
         raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
     if dtype not in MX_EMAX:
         raise TypeError(f"dtype: MX elements are float8_e4m3fn or float8_e5m2, got {dtype}")
-    amax = xf.view(rows, k // MX_BLOCK, MX_BLOCK).abs().amax(dim=2)
-    exponent = (amax.view(torch.int32) >> 23) & 0xFF
-    byte = (exponent - MX_EMAX[dtype]).clamp(0, 254)
-    scale = torch.where(byte == 0, torch.full_like(byte, 0x00400000), byte << 23).view(torch.float32)
+    scale, byte = _mx_scales(xf, MX_EMAX[dtype])
     top = fp8_max(dtype)
     q = (xf / scale.repeat_interleave(MX_BLOCK, 1)).clamp(-top, top).to(dtype)
-    return q, byte.to(torch.uint8)
+    return q, byte
+
+
+def _mx_scales(xf: torch.Tensor, emax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """OCP's shared scales of float32 ``xf`` (rows, K) per 32 of K: 2^(floor(log2 amax) - emax) (the biased
+    exponent bits of amax less emax, clamped to [0, 254]; byte 0 the subnormal 2^-127), as float32 and e8m0 bytes."""
+    rows, k = xf.shape
+    amax = xf.view(rows, k // MX_BLOCK, MX_BLOCK).abs().amax(dim=2)
+    exponent = (amax.view(torch.int32) >> 23) & 0xFF
+    byte = (exponent - emax).clamp(0, 254)
+    scale = torch.where(byte == 0, torch.full_like(byte, 0x00400000), byte << 23).view(torch.float32)
+    return scale, byte.to(torch.uint8)
+
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """The OCP e2m1 codes (int64, 0-15: sign bit 3) of float32 ``y``, rounded to nearest even and saturating to
+    +-6, the sign kept (-0 for small negatives)."""
+    mag = y.abs()
+    code = sum((mag > t).long() for t in E2M1_ABOVE) + sum((mag >= t).long() for t in E2M1_AT_OR_ABOVE)
+    return code | (y.signbit().long() << 3)
+
+
+def _quantize_mxfp4(xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed e2m1 pairs (rows, K/2) float4_e2m1fn_x2, the low nibble first; e8m0 scale bytes (rows, K/32)) of
+    float32 ``xf``: OCP's scales with e2m1's emax 2, then x / scale rounded to nearest even, saturating."""
+    rows, k = xf.shape
+    if k % MX_BLOCK:
+        raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
+    scale, byte = _mx_scales(xf, E2M1_EMAX)
+    codes = e2m1_codes(xf / scale.repeat_interleave(MX_BLOCK, 1))
+    return (codes[:, 1::2] << 4 | codes[:, ::2]).to(torch.uint8).view(torch.float4_e2m1fn_x2), byte
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """2^(e - 127) in float32 for e8m0 scales (float8_e8m0fnu, or their bytes as uint8): the byte shifted into the
+    exponent field, 0 the subnormal 2^-127, 0xFF NaN (as nvfly.arch.floats.e8m0_to_f32 in kernels)."""
+    byte = scale.view(torch.uint8).to(torch.int32)
+    bits = torch.where(byte == 0, torch.full_like(byte, 0x00400000), byte << 23)
+    return torch.where(byte == 0xFF, torch.full_like(byte, 0x7FC00000), bits).view(torch.float32)
 
 
 def dequantize_mx(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q * 2^(scale - 127) in float32 for an MX tensor ``q`` (rows, K) and its e8m0 bytes (rows, K/32)."""
-    byte = scale.to(torch.int32)
-    factor = torch.where(byte == 0, torch.full_like(byte, 0x00400000), byte << 23).view(torch.float32)
-    return q.float() * factor.repeat_interleave(MX_BLOCK, 1)
+    """q * 2^(scale - 127) in float32 for an MX tensor ``q`` (rows, K) and its e8m0 scales (rows, K/32)."""
+    return q.float() * e8m0_to_float(scale).repeat_interleave(MX_BLOCK, 1)
+
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def e2m1_to_float(packed: torch.Tensor) -> torch.Tensor:
+    """The float32 values of packed e2m1 pairs (float4_e2m1fn_x2, or their bytes as uint8) (rows, K/2): (rows, K),
+    the low nibble the lower-numbered value (torch's float4_e2m1fn_x2 and OCP's order)."""
+    byte = packed.view(torch.uint8).to(torch.int64)
+    nibbles = torch.stack((byte & 0xF, byte >> 4), dim=-1).flatten(-2)
+    return torch.tensor(E2M1_VALUES, device=packed.device)[nibbles]
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e2m1 * 2^(scale - 127) in float32 for packed MXFP4 ``packed`` (rows, K/2) and e8m0 scales (rows, K/32)."""
+    return e2m1_to_float(packed) * e8m0_to_float(scale).repeat_interleave(MX_BLOCK, 1)
 
 
 def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float8_e4m3fn,
@@ -65,7 +115,8 @@ def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float
     "1x128" (per row and 128 k: scale_a (M, K/128), strides (1, M)) or "128x128" (per 128x128 block of the weight:
     scale_b (K/128, N/128), strides (1, K/128)) or "mx" (MXFP8: an e8m0 scale byte per 32 elements along K, OCP's
     rule 2^(floor(log2 amax) - emax), values saturated; the scale (rows, K/32) uint8 for either operand, K a multiple
-    of 32)."""
+    of 32) or "mxfp4" (the same scales with e2m1's emax 2, values packed two a byte as float4_e2m1fn_x2 (rows, K/2),
+    ``dtype`` unused; "b" returns them as (K/2, N) column-major))."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
     if x.dim() != 2:
@@ -74,6 +125,8 @@ def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float
     xf = x.float()
     if granularity == "mx":
         q, scale = _quantize_mx(xf, dtype)
+    elif granularity == "mxfp4":
+        q, scale = _quantize_mxfp4(xf)
     elif granularity == "tensor":
         q, scale = _quantize(xf, xf.abs().amax(), dtype)
         scale = scale.reshape(())
@@ -95,7 +148,7 @@ def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float
             scale = scale[::SCALE_BLOCK, ::SCALE_BLOCK]
             q = q[:rows]
         q = q[:, :k]
-    if granularity == "mx":
+    if granularity in ("mx", "mxfp4"):
         return (q if operand == "a" else q.t()), scale
     if operand == "a":
         if granularity == "1x128":
@@ -137,19 +190,35 @@ def quantize_fp8(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.f
     return call.run(x)
 
 
+def quantize_mxfp4(x: torch.Tensor, operand: str = "b") -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize(x, "mxfp4", operand=operand)`` (the same packed e2m1 values and e8m0 scales, bit for bit) from
+    nvfly's kernel: x a contiguous CUDA (rows, K) bf16/fp16/fp32 tensor, K a multiple of 32; returns the packed
+    values as float4_e2m1fn_x2 (rows, K/2) ("a"), or their (K/2, N) column-major transpose ("b", as ``scaled_mm``
+    takes MXFP4 weights), and the (rows, K/32) uint8 scales."""
+    try:
+        key = (layout_key(x), "mxfp4", operand)
+        call = _QUANT_CALLS.get(key)
+    except Exception:  # noqa: BLE001 - not a tensor, an unhashable argument: the checks explain
+        key = call = None
+    if call is None:
+        call = _QUANT_CALLS.plan("nvfly.ops.scaled.quantize_mxfp4", key, _QuantizeCall, x, "mxfp4",
+                                 torch.float4_e2m1fn_x2, operand)
+    return call.run(x)
+
+
 class _QuantizeCall:
     """The quantisation kernel's launch for one call signature (checked on its first call)."""
 
     def __init__(self, x: Any, granularity: str, dtype: torch.dtype, operand: str):
         from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
-        if granularity not in KERNEL_GRANULARITIES:
+        if granularity not in KERNEL_GRANULARITIES and granularity != "mxfp4":
             raise ValueError(f"granularity: expected one of {KERNEL_GRANULARITIES}, got {granularity!r}")
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _SOURCE_DTYPES:
             raise TypeError(f"x: expected a 2-D bf16, fp16 or fp32 tensor, got {getattr(x, 'dtype', type(x))}")
         if not x.is_contiguous() or x.shape[1] % 16 or not x.is_cuda or x.data_ptr() % 16:
             raise ValueError(f"x: expected a contiguous, 16-byte aligned CUDA tensor with K a multiple of 16, got "
                              f"shape {tuple(x.shape)} strides {x.stride()} on {x.device}")
-        if dtype not in _FP8_NAMES:
+        if dtype not in _FP8_NAMES and granularity != "mxfp4":
             raise TypeError(f"dtype: expected float8_e4m3fn or float8_e5m2, got {dtype}")
         if operand not in ("a", "b"):
             raise ValueError(f"operand: expected 'a' or 'b', got {operand!r}")
@@ -165,6 +234,12 @@ class _QuantizeCall:
             self.plan = QuantizePlan(1, SCALE_BLOCK, True, _QUANT_THREADS, SCALE_BLOCK // 32, _FP8_NAMES[dtype],
                                      1.0 / fp8_max(dtype), AMAX_FLOOR)
             blocks = -(-rows * self.kb // (_QUANT_THREADS // 32))
+        elif granularity == "mxfp4":  # as MX, four e2m1 codes a 16-bit word
+            if k % MX_BLOCK:
+                raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
+            self.plan = QuantizePlan(1, MX_BLOCK, True, _QUANT_THREADS, 4, "e2m1", 1.0 / 6.0, AMAX_FLOOR,
+                                     mx_emax=E2M1_EMAX)
+            blocks = -(-rows * (k // MX_BLOCK) // (_QUANT_THREADS // (MX_BLOCK // 4)))
         elif granularity == "mx":  # 8 lanes (of 4 elements) per 32-element group
             if k % MX_BLOCK:
                 raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
@@ -179,6 +254,13 @@ class _QuantizeCall:
 
     def run(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows, k = x.shape
+        if self.granularity == "mxfp4":
+            q = torch.empty((rows, k // 2), dtype=torch.uint8, device=x.device)
+            scale = torch.empty((rows, k // MX_BLOCK), dtype=torch.uint8, device=x.device)
+            if rows and k:
+                self.launch(x, q.view(torch.int16), scale, rows, k, self.plan)
+            q = q.view(torch.float4_e2m1fn_x2)
+            return (q if self.operand == "a" else q.t()), scale
         q = torch.empty((rows, k), dtype=self.dtype, device=x.device)
         if self.granularity == "row":
             scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)

@@ -6,22 +6,22 @@ MX's 1x32) take group_cols / VEC lanes each (each lane VEC consecutive elements)
 block) one block each, the threads walking the group in VEC-element chunks. scale = max(amax, AMAX_FLOOR) *
 (1 / FP8_MAX) (an fp32 multiply, as the reference; MX: a power of two) and q = fp8(x / scale) (an IEEE division,
 rounded to nearest even, saturating: the reference's clamp), four fp8 values stored as one 32-bit word (``q`` is
-passed as int32 words).
+passed as int32 words); MXFP4: four e2m1 codes as one 16-bit word (``q`` as int16 words).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import nvfly
-from nvfly.arch.floats import f32x2_to_fp8x2
+from nvfly.arch.floats import f32_to_e2m1, f32x2_to_fp8x2
 from nvfly.arch.reduce import block_reduce
 
 
 @dataclass(frozen=True)
 class QuantizePlan:
     """group_rows x group_cols groups (group_cols 0: whole rows); per_warp: group_cols / vec lanes per group (a
-    power of two up to 32), else one block of threads per group; fp8: the target dtype's name; inv_fp8_max (1 /
-    the dtype's largest value), amax_floor: the scale choice; mx_emax >= 0: MX scales instead (an e8m0 byte per
+    power of two up to 32), else one block of threads per group; fp8: the target dtype's name ("e2m1": MXFP4);
+    inv_fp8_max (1 / the dtype's largest value), amax_floor: the scale choice; mx_emax >= 0: MX scales instead (an e8m0 byte per
     group, 2^(floor(log2 amax) - mx_emax), OCP's rule), the scale tensor then uint8."""
     group_rows: int
     group_cols: int
@@ -43,13 +43,19 @@ def _amax(values, amax):
 
 @nvfly.func
 def _store_quantized(q32, values, row, col, scale_value, PLAN):
-    """``values`` (a multiple of 4) divided by the scale and stored as fp8 words from element (row, col)."""
-    dtype = nvfly.f8e4m3 if PLAN.fp8 == "f8e4m3" else nvfly.f8e5m2
-    for w in nvfly.static_range(len(values) // 4):
-        low = f32x2_to_fp8x2(values[4 * w] / scale_value, values[4 * w + 1] / scale_value, dtype)
-        high = f32x2_to_fp8x2(values[4 * w + 2] / scale_value, values[4 * w + 3] / scale_value, dtype)
-        word = nvfly.make_vector([low, high]).bitcast(nvfly.i32)[0]
-        q32[row, col // 4 + w] = word
+    """``values`` (a multiple of 4) divided by the scale and stored as fp8 words from element (row, col); e2m1: as
+    16-bit words of four codes (the lowest nibble first; ``q32`` then holds 16-bit words)."""
+    if PLAN.fp8 == "e2m1":
+        for w in nvfly.static_range(len(values) // 4):
+            codes = [f32_to_e2m1(values[4 * w + e] / scale_value) for e in range(4)]
+            q32[row, col // 4 + w] = (codes[0] | (codes[1] << 4) | (codes[2] << 8) | (codes[3] << 12)).to(nvfly.i16)
+    else:
+        dtype = nvfly.f8e4m3 if PLAN.fp8 == "f8e4m3" else nvfly.f8e5m2
+        for w in nvfly.static_range(len(values) // 4):
+            low = f32x2_to_fp8x2(values[4 * w] / scale_value, values[4 * w + 1] / scale_value, dtype)
+            high = f32x2_to_fp8x2(values[4 * w + 2] / scale_value, values[4 * w + 3] / scale_value, dtype)
+            word = nvfly.make_vector([low, high]).bitcast(nvfly.i32)[0]
+            q32[row, col // 4 + w] = word
 
 
 @nvfly.func

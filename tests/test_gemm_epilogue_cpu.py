@@ -11,7 +11,7 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.ops import gemm
 from nvfly.ops.gemm.config import SMEM_LIMIT, Epilogue, GemmConfig, store_box, store_width
-from nvfly.ops.gemm.kernel import staging_lane_xor, staging_offset
+from nvfly.ops.common.epilogue import staging_lane_xor, staging_offset
 
 MAJORS = list(itertools.product(["K", "MN"], ["K", "MN"]))
 

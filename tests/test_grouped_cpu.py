@@ -7,7 +7,7 @@ import torch
 import nvfly
 from nvfly.arch import sm90
 from nvfly.ops import grouped
-from nvfly.ops.gemm.config import SMEM_LIMIT, GemmConfig
+from nvfly.ops.common.gemm_config import SMEM_LIMIT, GemmConfig
 from nvfly.ops.grouped.kernel import a_tail_offset, table_bytes
 from nvfly.ops.grouped.plan import MAX_GROUPS, fits, make_plan
 

@@ -1,1 +1,2 @@
-"""Parts every op family shares: per-stream scratch, the host op-call mechanism, the persistent tile scheduler."""
+"""Parts the op families share: per-stream scratch, the host op-call mechanism, the persistent tile scheduler, and the
+wgmma GEMMs' (dense, grouped, scaled) config, mainloop and register epilogue."""

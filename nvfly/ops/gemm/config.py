@@ -1,117 +1,16 @@
-"""The wgmma GEMM kernel's config space and epilogue options, and the constants of its shared-memory layout.
+"""The dense GEMM kernel's own constants and config helpers. The config space, the epilogue options and the
+shared-memory constants it shares with the grouped and scaled kernels are nvfly.ops.common.gemm_config's.
 
 Pure Python (no tracing): plans, the autotuner and the kernel all read these.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
-BK_BYTES = 128   # one 128-byte swizzle row of K per k-block
-PRODUCER_REGS = 40
-CONSUMER_REGS = 232
-BARRIER_BYTES = 1024  # barriers first; the ring starts 1024-byte aligned (swizzle atoms need it)
-SMEM_LIMIT = 232448
-STORE_BARRIER = 4  # named barriers 4 and 5: each consumer warpgroup's epilogue (2 and 3: ping-pong turns)
+from nvfly.ops.common.gemm_config import ACTIVATIONS, SMEM_LIMIT, Epilogue, GemmConfig, store_box, store_width
+
 REDUCE_THREADS = 256  # threads per block of split_k_reduce_kernel
 ARRIVAL_OFFSET = 512  # stream-K: each consumer's arrival count, in the barrier area after the ring's barriers
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """One point of the GEMM config space.
-
-    bm x bn: the block's output tile; consumers: consumer warpgroups splitting bm; stages: ring depth;
-    group_m: tiles per rasterisation group along M; split_k: K splits (f32 partials reduced afterwards);
-    cluster_m: blocks per cluster along M, which share (multicast) the B tile; pingpong: the two consumers
-    take alternate whole tiles (bm rows each) and take turns issuing wgmma, so one's epilogue runs under the
-    other's mainloop (instead of both splitting every tile); tma_store: the epilogue goes through shared
-    memory (stmatrix + TMA store, 16-bit outputs; others fall back to the register epilogue), staging
-    store_buffers column slices of store_width(bn) columns per consumer warpgroup; stream_k: a short last wave
-    of tiles (plan.stream_k_plan says which) is dealt out as contiguous k ranges over all blocks (without
-    split_k or a cluster).
-    """
-    bm: int = 128
-    bn: int = 256
-    stages: int = 4
-    consumers: int = 2
-    group_m: int = 8
-    split_k: int = 1
-    cluster_m: int = 1
-    pingpong: bool = False
-    tma_store: bool = False
-    store_buffers: int = 2
-    stream_k: bool = True
-    stream_a: bool = False
-    stream_b: bool = False
-
-    def bk(self, itemsize: int) -> int:
-        return BK_BYTES // itemsize
-
-    @property
-    def store_width(self) -> int:
-        """Columns of one staging slice (one TMA store box): 64 (128-byte swizzle rows), else 32 or 16."""
-        return store_width(self.bn)
-
-    @property
-    def store_slices(self) -> int:
-        """Staging slices per consumer warpgroup (the tile's column slices, at most store_buffers)."""
-        return min(self.store_buffers, self.bn // self.store_width)
-
-    def staging_bytes(self, out_itemsize: int = 2) -> int:
-        """Shared memory of the TMA-store epilogue's staging buffers (all consumers)."""
-        if not self.tma_store:
-            return 0
-        rows = self.wg_m * self.consumers  # ping-pong: 2 x bm; cooperative: bm
-        return rows * self.store_width * out_itemsize * self.store_slices
-
-    def ring_end(self, itemsize: int) -> int:
-        return BARRIER_BYTES + self.stages * (self.bm + self.bn) * self.bk(itemsize) * itemsize
-
-    def smem_bytes(self, itemsize: int) -> int:
-        return self.ring_end(itemsize) + self.staging_bytes()
-
-    @property
-    def wg_m(self) -> int:
-        """Rows of the tile one consumer warpgroup computes."""
-        return self.bm if self.pingpong else self.bm // self.consumers
-
-    def check(self, itemsize: int, b_major: str = "K") -> Optional[str]:
-        """None if this config can be compiled (for a B operand of this major-ness), else why not."""
-        if self.pingpong and (self.consumers != 2 or self.split_k != 1 or self.cluster_m != 1):
-            return "ping-pong needs 2 consumers, no K split and no cluster"
-        wg_m = self.wg_m
-        if self.consumers not in (1, 2) or self.bm % self.consumers or wg_m % 64 or wg_m > 128:
-            return f"bm={self.bm} with {self.consumers} consumers: each consumer needs 64 or 128 rows"
-        if self.bn % 8 or not 8 <= self.bn <= 256:
-            return f"bn={self.bn}: must be a multiple of 8 in [8, 256]"
-        if b_major == "MN" and self.bn % (32 // itemsize):
-            return f"bn={self.bn}: an MN-major B tile spans at least one 32-byte swizzle row"
-        if (wg_m // 64) * self.bn // 2 > 128:
-            return f"{wg_m}x{self.bn} per consumer needs more than 128 accumulator registers"
-        if self.stages < 2:
-            return "at least 2 stages"
-        if self.stream_a and self.stream_b:
-            return "stream_a and stream_b: at most one operand is streamed"
-        if self.cluster_m not in (1, 2):
-            return f"cluster_m={self.cluster_m}: 1 or 2"
-        # each block of a 2-block cluster loads half of the B tile: whole 8-row swizzle atoms (K-major) or whole
-        # swizzle rows of at least 32 bytes (MN-major)
-        if self.cluster_m == 2 and (self.bn % 16 or (b_major == "MN" and self.bn // 2 % (32 // itemsize))):
-            return (f"cluster_m=2 with bn={self.bn}: each block loads half of B, a multiple of 8 rows (K-major) or "
-                    f"of {32 // itemsize} columns (MN-major)")
-        if self.cluster_m == 2 and self.group_m % 2:
-            return "a 2-block cluster needs an even group_m"
-        if self.tma_store:
-            if self.bn % 16:
-                return f"bn={self.bn}: the TMA-store epilogue needs a multiple of 16 (stmatrix pairs of 8 columns)"
-            if self.split_k != 1:
-                return "the TMA-store epilogue does not store split-K partials (f32)"
-            if self.store_buffers < 1:
-                return "the TMA-store epilogue needs at least one staging buffer"
-        if self.smem_bytes(itemsize) > SMEM_LIMIT:
-            return f"{self.smem_bytes(itemsize)} bytes of shared memory exceed {SMEM_LIMIT}"
-        return None
 
 
 def load_hint(cfg: GemmConfig, operand: str) -> Optional[str]:
@@ -119,29 +18,3 @@ def load_hint(cfg: GemmConfig, operand: str) -> Optional[str]:
     if not (cfg.stream_a or cfg.stream_b):
         return None
     return "evict_first" if (cfg.stream_a if operand == "A" else cfg.stream_b) else "evict_last"
-
-
-def store_width(bn: int) -> int:
-    for w in (64, 32, 16):
-        if bn % w == 0:
-            return w
-    return 0
-
-
-def store_box(cfg: GemmConfig, batched: bool) -> tuple[tuple[int, ...], int]:
-    """(TMA box, swizzle) of the output descriptor of the TMA-store epilogue (16-bit outputs)."""
-    width = cfg.store_width
-    return (1,) * batched + (cfg.wg_m, width), width * 2
-
-
-@dataclass(frozen=True)
-class Epilogue:
-    """What the epilogue applies: out = act(alpha * acc + beta * C_in) (``scaled``: alpha is not 1);
-    ``partial``: write raw f32 partial sums (split-K) instead."""
-    has_c: bool = False
-    activation: str = "none"  # none, relu, gelu_tanh, silu
-    partial: bool = False
-    scaled: bool = False
-
-
-ACTIVATIONS = ("none", "relu", "gelu_tanh", "silu")

@@ -3,8 +3,9 @@
 One block per SM walks output tiles (grouped rasterisation for L2 reuse). Warpgroup 0 is the producer: one
 thread keeps an N-stage shared-memory ring full with TMA loads of A and B k-blocks. Warpgroups 1..C are
 consumers: each owns BM/C rows of the tile, waits for a stage, issues wgmma from shared memory, keeps one
-wgmma group in flight and releases the previous stage, then runs the epilogue (alpha, beta * C_in, bias
-via C_in's broadcast strides, activation, dtype conversion) while the producer already loads the next tile.
+wgmma group in flight and releases the previous stage (the mainloop the grouped and scaled kernels share:
+nvfly.ops.common.mainloop), then runs the epilogue (alpha, beta * C_in, bias via C_in's broadcast strides,
+activation, dtype conversion) while the producer already loads the next tile.
 Registers are rebalanced with setmaxnreg (producer 40, consumers 232).
 
 The kernel computes out[b] = act(alpha * A[b] @ B[b] + beta * C_in[b]) for every batch b; A and B may each
@@ -21,52 +22,22 @@ tile's f32 workspace slot (``red.global.add.v4``) and counted in; the part count
 zeroes slot and count for the next launch and runs the normal epilogue (``fix_up``): one kernel, no memset, no
 waiting on other blocks (so no deadlock whatever the residency).
 
-Two epilogues (``GemmConfig.tma_store``): the register epilogue stores each thread's fragments straight to
-global memory as 4-byte pairs (masked on tails). The TMA-store epilogue (16-bit outputs) writes the
-fragments with ``stmatrix`` into a per-consumer staging buffer laid out like the output TMA box (column
-slices of W = 64/32/16 elements, 128/64/32-byte swizzle: the 8 rows one stmatrix matrix writes land in 8
-different 16-byte bank groups), fences the generic proxy against the async one, syncs the consumer's 128
-threads on a named barrier and lets one thread issue a TMA store per slice (TMA clips tails). A slice
-buffer is reused only after ``cp.async.bulk.wait_group.read``, so a tile's stores drain while the consumer
-runs the next tile's mainloop.
+Two epilogues (``GemmConfig.tma_store``), nvfly.ops.common.epilogue's: the register epilogue stores each
+thread's fragments straight to global memory as 4-byte pairs (masked on tails); the TMA-store epilogue (16-bit
+outputs) stages them in shared memory with ``stmatrix`` and stores them with TMA, draining while the consumer runs
+the next tile's mainloop.
 """
 from __future__ import annotations
-
-from typing import Any
 
 import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add, store_zeros_x4
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.gemm.config import (ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, REDUCE_THREADS,
-                                   STORE_BARRIER, GemmConfig, load_hint, store_box)
+from nvfly.ops.common.epilogue import activate, check_store_descriptor, stage_tile, store_tile
+from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, GemmConfig
+from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
-
-
-def staging_offset(row: Any, chunk: Any, row_bytes: int) -> Any:
-    """Byte offset of 16-byte chunk ``chunk`` of row ``row`` in a staging slice of ``row_bytes``-byte rows
-    swizzled as TMA's ``row_bytes`` swizzle (CUTLASS Swizzle<B,4,3> on byte offsets from a 1024-aligned base:
-    address bits 4.. XOR bits 7..)."""
-    offset = row * row_bytes
-    return offset + ((chunk ^ ((offset >> 7) & (row_bytes // 16 - 1))) << 4)
-
-
-def staging_lane_xor(lane_row: Any, lane: Any, row_bytes: int) -> Any:
-    """For stmatrix lane ``lane`` giving the address of row ``lane_row``: the byte term X with
-    staging_offset(lane_row, j + lane // 16, row_bytes) == lane_row * row_bytes + ((16 * j) ^ X) for every
-    even chunk j (the swizzle XOR of the row, and the lane's chunk j + lane // 16 = j ^ (lane // 16))."""
-    return ((((lane_row * row_bytes) >> 7) & (row_bytes // 16 - 1)) ^ (lane // 16)) << 4
-
-
-@nvfly.func
-def activate(x, KIND):
-    if KIND == "relu":
-        x = nvfly.maximum(x, 0.0)
-    elif KIND == "gelu_tanh":
-        x = 0.5 * x * (1.0 + nvfly.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
-    elif KIND == "silu":
-        x = x / (1.0 + nvfly.exp2(x * -1.4426950408889634))
-    return x
+from nvfly.ops.gemm.config import ARRIVAL_OFFSET, REDUCE_THREADS, load_hint
 
 
 @nvfly.kernel
@@ -139,26 +110,14 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
             for tile in range(first_tile, num_units, tile_step):
                 batch, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, rank, TILING)
                 for kt in range(k_begin, k_end):
-                    pipe.producer_acquire(state)
-                    pipe.producer_expect(state)
-                    base = ring + state.stage * STAGE_BYTES
-                    full = pipe.full(state.stage)
-                    for box in a_boxes:
-                        mm = tm * BM + box.mn_offset
-                        kk = kt * BK + box.k_offset
-                        coords = (mm, kk) if A_MAJOR == "K" else (kk, mm)
-                        sm90.tma_load(a_desc, base + box.smem_offset, (batch,) + coords if BATCHED else coords,
-                                      full, cache_hint=load_hint(CFG, "A"))
+                    base, full = fill_stage(pipe, state, ring, STAGE_BYTES)
+                    load_boxes(a_desc, a_boxes, tm * BM, kt * BK, A_MAJOR, base, full, batch if BATCHED else None,
+                               cache_hint=load_hint(CFG, "A"))
                     for r in nvfly.static_range(CM):
                         if rank == r:  # this block loads slice r of B (for every block of the cluster)
-                            for box in b_parts[r]:
-                                nn = tn * BN + box.mn_offset
-                                kk = kt * BK + box.k_offset
-                                coords = (nn, kk) if B_MAJOR == "K" else (kk, nn)
-                                sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
-                                              (batch,) + coords if BATCHED else coords, full,
-                                              multicast_mask=(1 << CM) - 1 if CM > 1 else None,
-                                              cache_hint=load_hint(CFG, "B"))
+                            load_boxes(b_desc, b_parts[r], tn * BN, kt * BK, B_MAJOR, base + A_BYTES, full,
+                                       batch if BATCHED else None, multicast_mask=(1 << CM) - 1 if CM > 1 else None,
+                                       cache_hint=load_hint(CFG, "B"))
                     state = state.advance()
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -167,6 +126,11 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
         lane = nvfly.lane_idx()
         warp_in_wg = warp % 4
         state = sm90.PipelineState.start(S)
+
+        def k_block(accs, stage, state, kt, first):
+            return issue_k_block(atom, accs, stage, a_layout, b_layout, a_part, (a_lbo, a_sbo, A_SW),
+                                 (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, first)
+
         own_first, own_step = first_tile, tile_step
         if PINGPONG:
             # consumer c takes every other tile of this block, starting with its c-th; the ring holds the
@@ -185,25 +149,10 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
                 turn = turn + 1
             # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
             accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
-            pipe.consumer_wait(state)
-            accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, a_part,
-                                 (a_lbo, a_sbo, A_SW), (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, True)
-            prev = state
-            state = state.advance()
-            for kt in range(k_begin + 1, k_end):
-                pipe.consumer_wait(state)
-                accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, a_part,
-                                     (a_lbo, a_sbo, A_SW), (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, False)
-                sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
-                if lane == 0:
-                    release(pipe, prev, CM)
-                prev = state
-                state = state.advance()
-            if PINGPONG:
-                nvfly.named_barrier_arrive(3 - consumer, 256)  # the other consumer's turn to issue
-            sm90.wait_group(0)
-            if lane == 0:
-                release(pipe, prev, CM)
+            # ping-pong: once this tile's wgmmas are issued, it is the other consumer's turn to issue
+            accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, k_begin, k_end, lane, accs, k_block, CM,
+                                           (lambda: nvfly.named_barrier_arrive(3 - consumer, 256)) if PINGPONG
+                                           else None)
             if PINGPONG:  # skip the other consumer's next unit
                 if STREAM_K:
                     state = state.advance_by(unit_work(tile + tile_step, tiles, rank, TILING).k_blocks)
@@ -228,11 +177,8 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
                     # TMA clips the stores; only C reads are bounds-checked (one code copy: C is the rare case)
                     stage_tile(out_desc, c_in, values, own, batch, tile_row, tn * BN, row0, col0, m, n, alpha, beta,
                                consumer, warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, EPI.has_c)
-                elif inside:
-                    store_tile(out, c_in, values, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI,
-                               False)
                 else:
-                    store_tile(out, c_in, values, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, True)
+                    store_tile(out, c_in, values, out_batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, inside)
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
@@ -282,153 +228,6 @@ def check_stream_k(cfg: GemmConfig) -> None:
         raise CompileError("a stream-K tail (workspace given) needs split_k=1 and cluster_m=1")
     if 2 * cfg.stages * 8 > ARRIVAL_OFFSET:
         raise CompileError(f"{cfg.stages} stages: the ring's barriers would overlap the arrival counts")
-
-
-def release(pipe: Any, state: Any, cluster: int) -> None:
-    """Free a stage: on this block's empty barrier, and on every peer's when their B slices came from us."""
-    if cluster == 1:
-        pipe.consumer_release(state)
-        return
-    for r in range(cluster):
-        sm90.mbarrier_arrive_remote(pipe.empty(state.stage), r)
-
-
-def issue_k_block(atom: Any, accs: list, base: Any, a_layout: Any, b_layout: Any, consumer: Any,
-                  a_desc: tuple[int, int, int], b_desc: tuple[int, int, int], a_bytes: int, wg_m: int, bk: int,
-                  size: int, first: bool) -> list:
-    """Issue one k-block of wgmmas for a consumer from the stage at shared address ``base`` and commit them.
-
-    ``a_desc``/``b_desc``: (leading byte offset, stride byte offset, swizzle) of the operand descriptors.
-    """
-    sm90.fence()
-    for ks in range(bk // atom.k):
-        b_off = b_layout.inner((0, ks * atom.k)) * size
-        db = sm90.smem_descriptor(base + a_bytes + b_off, *b_desc)
-        for i in range(len(accs)):
-            da = sm90.smem_descriptor(base + _a_offset(a_layout, consumer, wg_m, i, ks * atom.k, size), *a_desc)
-            accs[i] = sm90.mma(atom, accs[i], da, db, zero=first and ks == 0)
-    sm90.commit_group()
-    return accs
-
-
-def _a_offset(layout: Any, consumer: Any, wg_m: int, atom_i: int, k: int, size: int) -> Any:
-    """Byte offset of a consumer's i-th 64-row A slice at column k (consumer may be traced)."""
-    static_part = layout.inner((64 * atom_i, k)) * size
-    per_consumer = layout.inner((wg_m, 0)) * size
-    return static_part + consumer * per_consumer if per_consumer else static_part
-
-
-def _unit_stride(t: Any, dim: int) -> bool:
-    """Whether dimension ``dim`` of a traced tensor is statically contiguous (allows vector stores)."""
-    return isinstance(t.stride[dim], int) and t.stride[dim] == 1
-
-
-@nvfly.func
-def store_tile(out, c_in, accs, batch, row0, col0, m, n, alpha, beta, BN, ATOMS_M, EPI, MASKED):
-    """Write the consumer's fragments: element 4j+2h+e of atom i is (row0 + 64i + 8h, col0 + 8j + e).
-
-    Without MASKED (the tile lies inside the output) no element is bounds-checked.
-    """
-    vec = _unit_stride(out, 2)
-    for i in nvfly.static_range(ATOMS_M):
-        for h in nvfly.static_range(2):
-            row = row0 + 64 * i + 8 * h
-            if not MASKED or row < m:
-                for j in nvfly.static_range(BN // 8):
-                    col = col0 + 8 * j
-                    v0 = accs[i][4 * j + 2 * h]
-                    v1 = accs[i][4 * j + 2 * h + 1]
-                    if not EPI.partial:
-                        if EPI.scaled:
-                            v0 = v0 * alpha
-                            v1 = v1 * alpha
-                        if EPI.has_c:
-                            if not MASKED or col < n:
-                                v0 = v0 + beta * c_in[batch, row, col].to(nvfly.f32)
-                            if not MASKED or col + 1 < n:
-                                v1 = v1 + beta * c_in[batch, row, col + 1].to(nvfly.f32)
-                        v0 = activate(v0, EPI.activation)
-                        v1 = activate(v1, EPI.activation)
-                    if vec and (not MASKED or col + 1 < n):
-                        out.store(nvfly.make_vector([v0, v1]).to(out.dtype), batch, row, col)
-                    else:
-                        if not MASKED or col < n:
-                            out[batch, row, col] = v0.to(out.dtype)
-                        if not MASKED or col + 1 < n:
-                            out[batch, row, col + 1] = v1.to(out.dtype)
-
-
-def check_store_descriptor(desc: Any, cfg: GemmConfig, batched: bool) -> None:
-    """The output descriptor the TMA-store epilogue needs: 16-bit, one (wg_m, store_width) box per slice with
-    the matching swizzle (see ``store_box``)."""
-    from nvfly.errors import CompileError
-    if desc is None or not hasattr(desc, "info"):
-        raise CompileError("GemmConfig.tma_store needs the output's TMA descriptor (out_desc)")
-    box, swizzle = store_box(cfg, batched)
-    info = desc.info
-    if info.dtype.itemsize != 2 or tuple(info.box) != box or info.swizzle != swizzle:
-        raise CompileError(f"out_desc: expected a 16-bit descriptor with box {box} and swizzle {swizzle}, got "
-                           f"{info.dtype.name} box {tuple(info.box)} swizzle {info.swizzle}")
-
-
-@nvfly.func
-def stage_tile(out_desc, c_in, accs, own, batch, tile_row, tile_col, row0, col0, m, n, alpha, beta, consumer,
-               warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, MASKED):
-    """The TMA-store epilogue of one consumer tile (see the module doc). ``own``: this consumer's staging
-    buffers (store_slices slices of wg_m x W elements, W = store_width), ``tile_row``/``tile_col``: the
-    consumer's first output row and column; ``row0``/``col0``: this thread's fragment origin (as store_tile).
-
-    stmatrix.x4 stores four 8x8 matrices: for accumulator column group j (even) and row half h, matrix
-    q = 2 * jj + h holds accumulator elements 4 (j + jj) + 2 h + {0, 1}, i.e. the register order is the
-    accumulator order 4j .. 4j + 7; lane l gives the row address of matrix l // 8: row 16 w + l % 16, column
-    chunk j + l // 16 (jj = l // 16, h = (l // 8) % 2).
-    """
-    W = CFG.store_width
-    ROW_BYTES = W * 2
-    SLICE_BYTES = CFG.wg_m * ROW_BYTES
-    NB = CFG.store_slices
-    NS = CFG.bn // W
-    dtype = out_desc.info.dtype
-    issuer = (warp_in_wg == 0) & (lane == 0)
-    lane_row = warp_in_wg * 16 + lane % 16
-    lane_base = own + lane_row * ROW_BYTES
-    lane_x = staging_lane_xor(lane_row, lane, ROW_BYTES)
-    for s in nvfly.static_range(NS):
-        b = s % NB
-        if s == 0 or s >= NB:
-            # the slice buffer's previous TMA store (this tile's slice s - NB, or the previous tile's) has read it
-            if issuer:
-                sm90.tma_store_wait(0 if s == 0 else NB - 1, read_only=True)
-            nvfly.named_barrier(STORE_BARRIER + consumer, 128)
-        for i in nvfly.static_range(ATOMS_M):
-            for jj in nvfly.static_range(W // 16):
-                j = s * (W // 8) + 2 * jj
-                regs = []
-                for q in nvfly.static_range(4):
-                    e = 4 * j + 2 * q
-                    v0 = accs[i][e]
-                    v1 = accs[i][e + 1]
-                    if EPI.scaled:
-                        v0 = v0 * alpha
-                        v1 = v1 * alpha
-                    if EPI.has_c:
-                        row = row0 + 64 * i + 8 * (q % 2)
-                        col = col0 + 8 * (j + q // 2)
-                        if not MASKED or (row < m) & (col < n):
-                            v0 = v0 + beta * c_in[batch, row, col].to(nvfly.f32)
-                        if not MASKED or (row < m) & (col + 1 < n):
-                            v1 = v1 + beta * c_in[batch, row, col + 1].to(nvfly.f32)
-                    v0 = activate(v0, EPI.activation)
-                    v1 = activate(v1, EPI.activation)
-                    regs.append(nvfly.make_vector([v0, v1]).to(dtype).bitcast(nvfly.i32)[0])
-                sm90.stmatrix_x4(lane_base + (b * SLICE_BYTES + 64 * i * ROW_BYTES) + (((2 * jj) << 4) ^ lane_x),
-                                 regs)
-        sm90.fence_proxy_async()  # the stmatrix writes before the TMA engine's reads
-        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
-        if issuer:
-            coords = (tile_row, tile_col + s * W)
-            sm90.tma_store(out_desc, own + b * SLICE_BYTES, (batch,) + coords if BATCHED else coords)
-            sm90.tma_store_commit()
 
 
 @nvfly.kernel

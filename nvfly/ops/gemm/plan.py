@@ -20,6 +20,7 @@ import torch
 
 import nvfly
 from nvfly.arch import sm90
+from nvfly.ops.common.mainloop import operand_box
 from nvfly.ops.common.scheduler import STREAM_K_REGIONS, StreamK, StreamKSplit, grid_schedule, split_count, \
     stream_k_split
 from nvfly.ops.gemm import skinny_plan
@@ -78,16 +79,6 @@ def store_reason(out3: torch.Tensor) -> Optional[str]:
         # padding of a strided view), so only whole 16-byte rows are stored through TMA
         return "the output's rows are not a multiple of 16 bytes long"
     return tma_reason("out", out3, -1)
-
-
-@functools.lru_cache(maxsize=None)
-def operand_box(rows: int, bk: int, dtype: Any, major: str, rank: int, parts: int = 1) -> tuple[tuple[int, ...], int]:
-    """(TMA box, swizzle) of an operand viewed as [(B,) MN, K] (K-major) or [(B,) K, MN] (MN-major): one
-    k-block of ``rows`` rows (split in ``parts`` slices) and a batch of 1."""
-    swizzle = sm90.choose_swizzle(rows // parts, dtype, major)  # each slice a whole number of swizzle rows
-    layout = sm90.operand_layout(rows, bk, dtype, major, swizzle)
-    box, _ = sm90.operand_boxes(layout, rows, bk, dtype, major, swizzle, parts)
-    return (1,) * (rank - 2) + tuple(box), swizzle
 
 
 # ---------------------------------------------------------------------------------------------- configs

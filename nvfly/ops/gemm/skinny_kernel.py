@@ -91,7 +91,7 @@ from nvfly.arch import sm80
 from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add
 from nvfly.arch.memory import L1Eviction, load_global, store_shared
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.gemm.kernel import activate
+from nvfly.ops.common.epilogue import activate
 from nvfly.ops.gemm.skinny_config import (ARRIVAL_BYTES, CHUNK_BYTES, CHUNK_K, COLS_ROW_B, MAX_M, MAX_SMEM, ROWS,
                                           SEGMENTS, STAGED_TOKENS, TOKEN_TILE_BYTES, VECTOR, SkinnyConfig,
                                           column_b_staged_smem_bytes, row_b_smem_bytes, staged_token_bytes)

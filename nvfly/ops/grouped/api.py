@@ -13,9 +13,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 import nvfly
+from nvfly.ops.common.gemm_config import GemmConfig
 from nvfly.ops.common.opcall import OpCalls, named
 from nvfly.ops.gemm import api as gemm_api
-from nvfly.ops.gemm.config import GemmConfig
 from nvfly.ops.gemm.plan import OPERAND_DTYPES, operand_major, tma_reason
 from nvfly.ops.grouped.kernel import FUSES, grouped_kernel
 from nvfly.ops.grouped.plan import MAX_GROUPS, GroupedPlan, deepest, make_plan

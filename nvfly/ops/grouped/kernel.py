@@ -22,10 +22,12 @@ bound on the tiles (blocks past the real count exit). Group sizes are clamped to
 invalid offsets never read or write out of bounds.
 
 Warpgroup 0 produces (one thread keeps the TMA ring full), the others consume cooperatively (each owns
-BM / consumers rows of a tile) and store through registers with masks (the GEMM's ``store_tile``). ``FUSE``
-"silu_mul" is the fused gate/up projection: B holds the gate columns [0, I) then the up columns [I, 2I); a BN-wide
-B tile takes BN/2 gate and the same BN/2 up columns, so each thread holds gate and up of its output columns, and
-the epilogue stores silu(gate) * up, I columns wide.
+BM / consumers rows of a tile; the mainloop is nvfly.ops.common.mainloop's, as in the dense and scaled GEMMs) and
+store through registers with masks (``nvfly.ops.common.epilogue.store_tile``; the K-grouped weight gradient may
+run ping-pong consumers and the TMA-store epilogue, ``stage_tile``, instead). ``FUSE`` "silu_mul" is the fused
+gate/up projection: B holds the gate columns [0, I) then the up columns [I, 2I); a BN-wide B tile takes BN/2 gate
+and the same BN/2 up columns, so each thread holds gate and up of its output columns, and the epilogue stores
+silu(gate) * up, I columns wide.
 """
 from __future__ import annotations
 
@@ -36,9 +38,10 @@ from nvfly.arch import sm90
 from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.arch.reduce import block_scan
+from nvfly.ops.common.epilogue import activate, check_store_descriptor, stage_tile, store_tile
+from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, Epilogue
+from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
-from nvfly.ops.gemm.config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, Epilogue
-from nvfly.ops.gemm.kernel import activate, check_store_descriptor, issue_k_block, stage_tile, store_tile
 
 LAYOUTS = ("contiguous", "masked", "kgrouped")
 FUSES = ("none", "silu_mul")
@@ -157,23 +160,13 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                 g, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, 0, TILING)
                 row_base, k_base, blocks = group_work(offs, g, tm, m, k, k_tiles, BM, BK, LAYOUT, GROUPS)
                 for kt in range(blocks):
-                    pipe.producer_acquire(state)
-                    pipe.producer_expect(state)
-                    base = ring + state.stage * STAGE_BYTES
-                    full = pipe.full(state.stage)
-                    for box in a_boxes:
-                        mm = row_base + box.mn_offset
-                        kk = k_base + kt * BK + box.k_offset
-                        coords = (mm, kk) if A_MAJOR == "K" else (kk, mm)
-                        sm90.tma_load(a_desc, base + box.smem_offset, (g,) + coords if A_RANK3 else coords, full)
+                    base, full = fill_stage(pipe, state, ring, STAGE_BYTES)
+                    load_boxes(a_desc, a_boxes, row_base, k_base + kt * BK, A_MAJOR, base, full,
+                               g if A_RANK3 else None)
                     for part in nvfly.static_range(len(b_parts)):
-                        for box in b_parts[part]:
-                            # silu_mul: the second half of the tile holds the up columns, n further on
-                            nn = tn * OUT_BN + box.mn_offset + part * (n - OUT_BN)
-                            kk = k_base + kt * BK + box.k_offset
-                            coords = (nn, kk) if B_MAJOR == "K" else (kk, nn)
-                            sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
-                                          (g,) + coords if B_RANK3 else coords, full)
+                        # silu_mul: the second half of the tile holds the up columns, n further on
+                        load_boxes(b_desc, b_parts[part], tn * OUT_BN + part * (n - OUT_BN), k_base + kt * BK,
+                                   B_MAJOR, base + A_BYTES, full, g if B_RANK3 else None)
                     state = state.advance()
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -196,35 +189,20 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                 if turn > 0:
                     nvfly.named_barrier(2 + consumer, 256)  # wait until the other consumer issued its wgmmas
                 turn = turn + 1
-            accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
-            # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
-            pipe.consumer_wait(state)
-            stage = ring + state.stage * STAGE_BYTES
-            if LAYOUT == "kgrouped":
-                clear_k_tail(ring, state.stage * STAGE_BYTES, offs, g, k, k_base, 0, consumer, a_part,
-                             warp_in_wg * 32 + lane, WG_M, BK, A_SW, size, GROUPS)
-            accs = issue_k_block(atom, accs, stage, a_layout, b_layout, a_part, (a_lbo, a_sbo, A_SW),
-                                 (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, True)
-            prev = state
-            state = state.advance()
-            for kt in range(1, blocks):
-                pipe.consumer_wait(state)
-                stage = ring + state.stage * STAGE_BYTES
+
+            def k_block(accs, stage, state, kt, first):
                 if LAYOUT == "kgrouped":
                     clear_k_tail(ring, state.stage * STAGE_BYTES, offs, g, k, k_base, kt, consumer, a_part,
                                  warp_in_wg * 32 + lane, WG_M, BK, A_SW, size, GROUPS)
-                accs = issue_k_block(atom, accs, stage, a_layout, b_layout, a_part, (a_lbo, a_sbo, A_SW),
-                                     (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, False)
-                sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
-                if lane == 0:
-                    pipe.consumer_release(prev)
-                prev = state
-                state = state.advance()
-            if PINGPONG:
-                nvfly.named_barrier_arrive(3 - consumer, 256)  # the other consumer's turn to issue
-            sm90.wait_group(0)
-            if lane == 0:
-                pipe.consumer_release(prev)
+                return issue_k_block(atom, accs, stage, a_layout, b_layout, a_part, (a_lbo, a_sbo, A_SW),
+                                     (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, first)
+
+            accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
+            # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them;
+            # ping-pong: once this tile's wgmmas are issued, it is the other consumer's turn to issue
+            accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, 0, blocks, lane, accs, k_block, 1,
+                                           (lambda: nvfly.named_barrier_arrive(3 - consumer, 256)) if PINGPONG
+                                           else None)
             if PINGPONG:  # skip the other consumer's next tile
                 state = state.advance_by(tile_blocks(tile + tile_step, num_units, tiles, offs, m, k, k_tiles, BM, BK,
                                                      LAYOUT, GROUPS, TILING))
@@ -239,12 +217,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                            n, 1.0, 0.0, consumer, warp_in_wg, lane, CFG, ATOMS_M, Epilogue(), True, False)
             else:
                 inside = (row_base + (a_part + 1) * WG_M <= row_end) & (tn * OUT_BN + OUT_BN <= n)
-                if inside:
-                    store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M,
-                               Epilogue(), False)
-                else:
-                    store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M,
-                               Epilogue(), True)
+                store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M, Epilogue(),
+                           inside)
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores

@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from nvfly.ops.gemm.config import SMEM_LIMIT, GemmConfig, store_box
-from nvfly.ops.gemm.plan import operand_box
+from nvfly.ops.common.gemm_config import SMEM_LIMIT, GemmConfig, store_box
+from nvfly.ops.common.mainloop import operand_box
 from nvfly.ops.grouped.kernel import FUSES, LAYOUTS, table_bytes
 
 MAX_GROUPS = 1024       # the group table lives in shared memory (torch's limit too)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from nvfly.ops.gemm.config import BARRIER_BYTES, SMEM_LIMIT
+from nvfly.ops.common.gemm_config import BARRIER_BYTES, SMEM_LIMIT
 
 BK = 128           # K elements per k-block: one 128-byte swizzle row of fp8, and the block scales' 128
 SCALE_BLOCK = 128  # the block recipes' block edge (1x128 activations, 128x128 weights)

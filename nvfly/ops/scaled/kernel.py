@@ -9,7 +9,7 @@ warpgroups 1..C each own bm/C rows of the tile.
 
 Two mainloops (``ScaledEpilogue.promote``):
 - accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's
-  mainloop: ``nvfly.ops.gemm.kernel.issue_k_block``), the fastest and torch's ``use_fast_accum=True``;
+  mainloop: ``nvfly.ops.common.mainloop.consume_k_blocks``), the fastest and torch's ``use_fast_accum=True``;
 - promote (DeepGEMM's scheme, the accuracy DeepSeek-V3 needs): each k-block of 128 is issued into a fresh
   accumulator, waited for, and added into an fp32 sum, scaled first by sa[row, kb] * sb[n-block, kb] for the block
   recipe (1x128 activations x 128x128 weights). The tensor core's accumulator then never sums more than 128
@@ -18,7 +18,8 @@ Two mainloops (``ScaledEpilogue.promote``):
   second partial accumulator) before k's add, so that its own wgmmas run under its promotion. MX scales (an e8m0
   byte per 32 of K for each row of A and B, ``ScaledEpilogue.scale_k`` = 32) promote every wgmma k-step instead;
   MXFP4 weights (``ScaledConfig.packed_b``) arrive as packed e2m1, which the consumers convert into the stage's e4m3
-  tile (exact, times 2^-6, folded into B's scales) before its wgmmas.
+  tile (exact, times 2^-6, folded into B's scales) before its wgmmas. All run as
+  ``nvfly.ops.common.mainloop.promote_k_blocks`` with this kernel's k-block (or k-step) body and promotion.
 The epilogue multiplies by the tensor-wise scale (sa * sb, read from device memory: no host sync) or the row-wise
 scales (sa[row] * sb[col]), adds the bias and stores each thread's fragments as 4-byte pairs (masked on tails).
 """
@@ -30,9 +31,10 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.floats import convert_shared_e2m1x32, e8m0_to_f32
 from nvfly.arch.ptx import smem_address
+from nvfly.ops.common.epilogue import store_tile
+from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
+from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes, promote_k_blocks
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
-from nvfly.ops.gemm.config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
-from nvfly.ops.gemm.kernel import issue_k_block, store_tile
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK
 
 PARTIAL = Epilogue(partial=True)
@@ -81,19 +83,12 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             for tile in range(first_tile, num_units, tile_step):
                 work = unit_work(tile, tiles, 0, TILING)
                 for kt in range(work.k_begin, work.k_end):
-                    pipe.producer_acquire(state)
-                    pipe.producer_expect(state)
-                    base = ring + state.stage * STAGE_BYTES
-                    full = pipe.full(state.stage)
-                    for box in a_boxes:
-                        sm90.tma_load(a_desc, base + box.smem_offset,
-                                      (work.tile_m * BM + box.mn_offset, kt * BK + box.k_offset), full)
+                    base, full = fill_stage(pipe, state, ring, STAGE_BYTES)
+                    load_boxes(a_desc, a_boxes, work.tile_m * BM, kt * BK, "K", base, full)
                     if CFG.packed_b:  # e2m1 pairs: one unswizzled BN x 64-byte box, behind the e4m3 tile
                         sm90.tma_load(b_desc, base + A_BYTES + BN * BK, (work.tile_n * BN, kt * (BK // 2)), full)
                     else:
-                        for box in b_boxes:
-                            sm90.tma_load(b_desc, base + A_BYTES + box.smem_offset,
-                                          (work.tile_n * BN + box.mn_offset, kt * BK + box.k_offset), full)
+                        load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full)
                     state = state.advance()
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -111,115 +106,53 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             tm, tn = work.tile_m, work.tile_n
             row0 = tm * BM + consumer * WG_M + warp_in_wg * 16 + lane // 4
             col0 = tn * BN + 2 * (lane % 4)
-            # wait for a stage and issue its k-block into fresh accumulators; the k-block's promotion scales
-            issue = functools.partial(issue_fresh, pipe, atom, ring, STAGE_BYTES, a_layout, b_layout, consumer,
-                                      a_desc_fields, b_desc_fields, A_BYTES, WG_M, ATOMS_M)
+            # the k-block's promotion scales
             scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
                                           ATOMS_M=ATOMS_M, EPI=EPI)
-            if EPI.promote and CFG.issue_ahead:
-                # k-block k+1's wgmmas are issued before k's fp32 add, into the other of two partial accumulators;
-                # the loop takes k-blocks in pairs so that each keeps its registers (a swap would serialise wgmma)
+            if EPI.promote:
+                # promotions per k-block: MX scales change every wgmma k-step, the others every k-block
+                STEPS = BK // EPI.scale_k
+
+                def fresh_k_block(stage, state, kt, step):
+                    if STEPS > 1:
+                        part = issue_k_step(atom, stage, a_layout, b_layout, consumer, a_desc_fields, b_desc_fields,
+                                            A_BYTES, WG_M, ATOMS_M, step)
+                        return part, scales_of(kt=kt * STEPS + step)
+                    part = issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)], stage,
+                                         a_layout, b_layout, consumer, a_desc_fields, b_desc_fields, A_BYTES, WG_M,
+                                         BK, 1, True)
+                    return part, scales_of(kt=kt)  # the scales load while the wgmmas run
+
+                def add_partial(sums, partial):
+                    # issued ahead, or a k-step's: the partial was waited for with wgmmas in flight, or in a loop
+                    part, scales = partial
+                    return promote(sums, fenced(part) if CFG.issue_ahead or STEPS > 1 else part, scales, ATOMS_M,
+                                   EPI)
+
+                def convert_b(stage):  # MXFP4: the stage's packed e2m1 B into its e4m3 tile, before the wgmmas
+                    convert_packed_b(stage + A_BYTES, tid - 128, BN, WGS)
+
+                # issue_ahead: k-block k+1's wgmmas are issued before k's fp32 add, into the other of two partials
                 sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
-                part_a, scales_a, state_a = issue(state), scales_of(kt=work.k_begin), state
-                state = state.advance()
-                for pair in range(work.k_begin + 1, work.k_end - 1, 2):
-                    part_b, scales_b, state_b = issue(state), scales_of(kt=pair), state
-                    state = state.advance()
-                    sm90.wait_group(1)
-                    if lane == 0:
-                        pipe.consumer_release(state_a)
-                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
-                    part_a, scales_a, state_a = issue(state), scales_of(kt=pair + 1), state
-                    state = state.advance()
-                    sm90.wait_group(1)
-                    if lane == 0:
-                        pipe.consumer_release(state_b)
-                    sums = promote(sums, fenced(part_b), scales_b, ATOMS_M, EPI)
-                # one k-block left after the pairs, or none: two endings (handing part_b on as part_a would copy
-                # registers still in flight)
-                if (work.k_end - work.k_begin) % 2 == 0:
-                    part_b, scales_b, state_b = issue(state), scales_of(kt=work.k_end - 1), state
-                    state = state.advance()
-                    sm90.wait_group(1)
-                    if lane == 0:
-                        pipe.consumer_release(state_a)
-                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
-                    sm90.wait_group(0)
-                    if lane == 0:
-                        pipe.consumer_release(state_b)
-                    sums = promote(sums, fenced(part_b), scales_b, ATOMS_M, EPI)
-                else:
-                    sm90.wait_group(0)
-                    if lane == 0:
-                        pipe.consumer_release(state_a)
-                    sums = promote(sums, fenced(part_a), scales_a, ATOMS_M, EPI)
-                accs = sums
-            elif EPI.promote and EPI.scale_k < BK:
-                # MX scales change every wgmma k-step: each step of the stage into fresh accumulators, promoted
-                sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
-                for kt in range(work.k_begin, work.k_end):
-                    pipe.consumer_wait(state)
-                    if CFG.packed_b:
-                        convert_packed_b(ring + state.stage * STAGE_BYTES + A_BYTES, tid - 128, BN, WGS)
-                    for ks in range(BK // EPI.scale_k):  # a loop, not unrolled: each step's scales alone live
-                        part = issue_k_step(atom, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
-                                            a_desc_fields, b_desc_fields, A_BYTES, WG_M, ATOMS_M, ks)
-                        scales = scales_of(kt=kt * (BK // EPI.scale_k) + ks)
-                        sm90.wait_group(0)
-                        sums = promote(sums, fenced(part), scales, ATOMS_M, EPI)
-                    if lane == 0:
-                        pipe.consumer_release(state)
-                    state = state.advance()
-                accs = sums
-            elif EPI.promote:
-                sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
-                for kt in range(work.k_begin, work.k_end):
-                    part, scales = issue(state), scales_of(kt=kt)  # the scales load while the wgmmas run
-                    sm90.wait_group(0)
-                    if lane == 0:
-                        pipe.consumer_release(state)
-                    state = state.advance()
-                    sums = promote(sums, part, scales, ATOMS_M, EPI)
-                accs = sums
+                accs, state = promote_k_blocks(pipe, state, ring, STAGE_BYTES, work.k_begin, work.k_end, lane, sums,
+                                               fresh_k_block, add_partial, CFG.issue_ahead, STEPS,
+                                               convert_b if CFG.packed_b else None)
             else:
+                def accumulate(accs, stage, state, kt, first):
+                    return issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, a_desc_fields,
+                                         b_desc_fields, A_BYTES, WG_M, BK, 1, first)
+
                 # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
                 accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
-                pipe.consumer_wait(state)
-                accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
-                                     a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, True)
-                prev = state
-                state = state.advance()
-                for kt in range(work.k_begin + 1, work.k_end):
-                    pipe.consumer_wait(state)
-                    accs = issue_k_block(atom, accs, ring + state.stage * STAGE_BYTES, a_layout, b_layout, consumer,
-                                         a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, False)
-                    sm90.wait_group(1)  # the previous k-block's wgmmas are done: its stage is free
-                    if lane == 0:
-                        pipe.consumer_release(prev)
-                    prev = state
-                    state = state.advance()
-                sm90.wait_group(0)
-                if lane == 0:
-                    pipe.consumer_release(prev)
+                accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, work.k_begin, work.k_end, lane, accs,
+                                               accumulate, 1, None)
             inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
             if EPI.partial:  # split K: unscaled f32 sums into out[split] (the dense GEMM's partial store)
-                if inside:
-                    store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, False)
-                else:
-                    store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, True)
+                store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, inside)
             elif inside:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
             else:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
-
-
-def issue_fresh(pipe, atom, ring, stage_bytes, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m,
-                atoms_m, state) -> list:
-    """Wait for ``state``'s stage and issue its k-block into fresh accumulators (committed, not waited for)."""
-    pipe.consumer_wait(state)
-    return issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(atoms_m)],
-                         ring + state.stage * stage_bytes, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes,
-                         wg_m, BK, 1, True)
 
 
 def issue_k_step(atom, base, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m, atoms_m, ks) -> list:

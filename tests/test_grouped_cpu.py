@@ -274,12 +274,15 @@ def test_custom_op_fake_autograd_and_route():
     assert "aten::_grouped_mm" in [r.op for r in routing.routes()]
 
 
-def test_route_leaves_the_weight_gradient_to_torch():
-    """The route takes only what nvfly measured faster: the K-grouped weight gradient stays on torch."""
-    from nvfly.torch.grouped_ops import WGRAD_TO_TORCH, _route_eligibility
+def test_route_takes_the_weight_gradient_to_the_ops_rules():
+    """The K-grouped weight gradient (2-D x 2-D) goes on to the op's rules like the forward (its tile measured
+    faster than torch's); what the route itself declines is bias and another out_dtype."""
+    from nvfly.torch.grouped_ops import _route_eligibility
     a, b, offs = _operands()
-    assert _route_eligibility(torch.randn(16, 64).bfloat16(), torch.randn(64, 48).bfloat16(), offs) == WGRAD_TO_TORCH
-    assert _route_eligibility(a, b, offs) == "a is on cpu, not CUDA"  # the forward goes on to the op's rules
+    wgrad = (torch.randn(16, 64).bfloat16(), torch.randn(64, 48).bfloat16(), offs)
+    assert _route_eligibility(*wgrad) == "a is on cpu, not CUDA"
+    assert _route_eligibility(a, b, offs) == "a is on cpu, not CUDA"
+    assert _route_eligibility(a, b, offs, bias=torch.zeros(48)).startswith("bias")
 
 
 def test_custom_ops_pass_opcheck():

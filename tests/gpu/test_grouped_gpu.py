@@ -185,6 +185,8 @@ def test_kgrouped_tma_store_needs_a_tma_output(hopper):
     sizes = [0, 40, 3, 129, 0, 64]
     for m, n, view in ((72, 196, False), (136, 200, True)):
         a, b, offs = kgrouped_operands(sizes, m, n, ("MN", "MN"))
+        if n % 8:  # b's rows padded to 16 bytes (TMA's rule for inputs); only the output's rows are not
+            b = torch.zeros(b.shape[0], n + 4, device="cuda", dtype=b.dtype)[:, :n].copy_(b)
         base = torch.full((len(sizes), m, n + 8 * view), float("nan"), device="cuda", dtype=torch.bfloat16)
         out = base[..., :n]
         grouped.grouped_mm(a, b, offs, out=out)
@@ -265,8 +267,8 @@ def test_offsets_past_the_end_are_clamped(hopper):
 
 
 def test_routing_and_autograd(hopper, monkeypatch):
-    """Under nvfly.torch.routing() torch._grouped_mm / F.grouped_mm run on nvfly, forward and dA (torch's autograd
-    formula calls _grouped_mm again: dA as 2-D x 3-D, dB grouped along K, which the route leaves to torch)."""
+    """Under nvfly.torch.routing() torch._grouped_mm / F.grouped_mm run on nvfly, forward and both gradients
+    (torch's autograd formula calls _grouped_mm again: dA as 2-D x 3-D, dB as 2-D x 2-D grouped along K)."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch without _grouped_mm")
     import nvfly.torch
@@ -285,7 +287,7 @@ def test_routing_and_autograd(hopper, monkeypatch):
         y = torch.nn.functional.grouped_mm(a, w.mT, offs=offs) if hasattr(torch.nn.functional, "grouped_mm") \
             else torch._grouped_mm(a, w.mT, offs)
         y.float().square().sum().backward()
-    assert calls == [(2, 3), (2, 3)], calls  # forward and dA; dB (K-grouped) stays on torch, where it is faster
+    assert sorted(calls) == [(2, 2), (2, 3), (2, 3)], calls  # forward, dA and dB (K-grouped)
     a32, w32 = a.detach().float().requires_grad_(), w.detach().float().requires_grad_()
     ref = grouped.reference(a32, w32.mT, offs)
     check(y, ref)

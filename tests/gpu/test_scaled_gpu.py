@@ -39,7 +39,7 @@ def rel_error(out, ref):
     if out.dtype == torch.float16:  # the data must fit fp16, so that an inf below is the kernel's
         assert ref.abs().max() < torch.finfo(torch.float16).max, "the test's data overflow fp16"
     assert torch.isfinite(out).all(), f"{int(out.isinf().sum())} elements overflowed"
-    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()  # float64: a norm of 1e35s overflows float32
 
 
 # output rounding (bf16 2^-9, fp16 2^-12 relative) plus accumulation; promoted fp32 outputs hold the tensor core's

@@ -874,3 +874,14 @@ def test_primitive_misuse_is_a_compile_error():
         x[0] = nvfly.redux_sync(x[0], "mul")
     with pytest.raises(nvfly.CompileError, match="redux_sync op"):
         nvfly.compile(bad, nvfly.TensorDesc(nvfly.i32, (4,)))
+
+
+def test_eager_rms_norm_route_declines_launch_bound_calls():
+    """An eager RMSNorm moving under RMS_NORM_EAGER_BYTES stays on torch (nvfly's host path costs more than its
+    kernel saves there); a larger one goes on to the op's rules."""
+    from nvfly.torch import routing as R
+    small = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta")
+    large = torch.empty(8192, 4096, dtype=torch.bfloat16, device="meta")
+    assert "launch-bound" in R._launch_bound(small, 2)
+    assert R._launch_bound(large, 2) is None and R._launch_bound(large[:4096], 2) is None  # 64 MiB: the floor
+    assert "launch-bound" in R._launch_bound(large[:2048], 3)  # the backward's three tensors: 48 MiB

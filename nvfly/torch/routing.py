@@ -229,6 +229,24 @@ def _failed(route: Route, exc: Exception) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- nvfly's routes
+# An eager RMSNorm call moving less than this (input + output, or the backward's three tensors) runs its kernel in
+# less time than nvfly's host path costs over torch's (28 vs 11 us a call on the H200, routing_overhead_h200.json):
+# launch-bound, it stays on torch. Under CUDA-graph capture the host path is paid once and nvfly's kernel runs.
+RMS_NORM_EAGER_BYTES = 64 << 20
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _launch_bound(x: torch.Tensor, tensors: int) -> Optional[str]:
+    moved = tensors * x.numel() * x.element_size()
+    if moved >= RMS_NORM_EAGER_BYTES or _capturing(x):
+        return None
+    return (f"{moved / 2**20:.1f} MiB moved (< {RMS_NORM_EAGER_BYTES >> 20} MiB) outside CUDA-graph capture: "
+            "launch-bound, where nvfly's host path costs more than its kernel saves")
+
+
 def _register_default_routes() -> None:
     """The routes of RMSNorm and TopK (GEMM's come with ``nvfly.torch.autotune``, which the package imports)."""
     global _DEFAULTS_REGISTERED
@@ -239,7 +257,7 @@ def _register_default_routes() -> None:
 
     def rms_norm_eligibility(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
                              eps: Optional[float]) -> Optional[str]:
-        return rmsnorm.eligibility(x, weight, None, normalized_shape, eps)
+        return _launch_bound(x, 2) or rmsnorm.eligibility(x, weight, None, normalized_shape, eps)
 
     def rms_norm_run(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
                      eps: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +272,7 @@ def _register_default_routes() -> None:
             return "the input gradient is not needed"
         if rstd.dtype != torch.float32 or grad_out.dtype != x.dtype:
             return "rstd is not float32 or grad_out's dtype differs from the input's"
-        return rmsnorm.backward_eligibility(x, normalized_shape, grad_out)
+        return _launch_bound(x, 3) or rmsnorm.backward_eligibility(x, normalized_shape, grad_out)
 
     def rms_norm_backward_run(grad_out: torch.Tensor, x: torch.Tensor, normalized_shape: list[int],
                               rstd: torch.Tensor, weight: Optional[torch.Tensor],
@@ -268,13 +286,14 @@ def _register_default_routes() -> None:
 
     def rms_norm_signature(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
                            eps: Optional[float]) -> tuple:
-        return tensor_key(x), tuple(normalized_shape), weight is not None and tensor_key(weight), eps, type(eps)
+        return (tensor_key(x), tuple(normalized_shape), weight is not None and tensor_key(weight), eps, type(eps),
+                _capturing(x))
 
     def rms_norm_backward_signature(grad_out: torch.Tensor, x: torch.Tensor, normalized_shape: list[int],
                                     rstd: torch.Tensor, weight: Optional[torch.Tensor], output_mask: list[bool]
                                     ) -> tuple:
         return (tensor_key(grad_out), tensor_key(x), tuple(normalized_shape), rstd.dtype,
-                weight is not None and tensor_key(weight), tuple(output_mask))
+                weight is not None and tensor_key(weight), tuple(output_mask), _capturing(x))
 
     def topk_signature(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple:
         return tensor_key(x), k, dim, largest, sorted

@@ -351,13 +351,14 @@ def test_routing_sends_eligible_calls_to_nvfly(routed, monkeypatch):
     for module, name in [(rmsnorm, "rms_norm_forward"), (rmsnorm, "rms_norm_backward"), (topk, "topk")]:
         original = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
-    x = torch.randn(64, 4096, device="cuda").to(torch.bfloat16).requires_grad_()
+    x = torch.randn(8192, 4096, device="cuda").to(torch.bfloat16).requires_grad_()  # 128 MiB moved: not launch-bound
     w = torch.randn(4096, device="cuda").to(torch.bfloat16).requires_grad_()
     logits = torch.randn(8, 151936, device="cuda")
     y_torch = F.rms_norm(x, (4096,), w, 1e-6)
     topk_torch = torch.topk(logits, 50)
     assert calls == []
     with routing():
+        F.rms_norm(x[:64].detach(), (4096,), w.detach(), 1e-6)  # 1 MiB eagerly: launch-bound, torch runs it
         y = F.rms_norm(x, (4096,), w, 1e-6)
         y.float().square().sum().backward()
         v, i = torch.topk(logits, 50)

@@ -8,7 +8,8 @@ wgmmas (the per-k-block body is the kernel's: ``issue_k_block`` from shared memo
 to the stage first) and keeps one wgmma group in flight, releasing a stage once its wgmmas are done. A promoting
 mainloop (FP8 block and MX scales) walks them with ``promote_k_blocks`` instead: each k-block (or each of its
 k-steps) into fresh accumulators, added into fp32 sums once done, optionally with the next k-block issued ahead.
-``operand_box`` is the host side: the TMA box and swizzle of an operand's k-block.
+``init_ring`` sets the ring up (thread 0); ``operand_box`` is the host side: the TMA box and swizzle of an
+operand's k-block.
 """
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ def operand_box(rows: int, bk: int, dtype: Any, major: str, rank: int, parts: in
     layout = sm90.operand_layout(rows, bk, dtype, major, swizzle)
     box, _ = sm90.operand_boxes(layout, rows, bk, dtype, major, swizzle, parts)
     return (1,) * (rank - 2) + tuple(box), swizzle
+
+
+@nvfly.func
+def init_ring(pipe, tid, a_desc, b_desc, out_desc, PREFETCH_OUT):
+    """Thread ``tid`` 0 initialises the ring's barriers and prefetches the operands' TMA descriptors (and the
+    output's, with ``PREFETCH_OUT``: a TMA-store epilogue)."""
+    if tid == 0:
+        pipe.init()
+        sm90.tma_prefetch_descriptor(a_desc)
+        sm90.tma_prefetch_descriptor(b_desc)
+        if PREFETCH_OUT:
+            sm90.tma_prefetch_descriptor(out_desc)
 
 
 def fill_stage(pipe: Any, state: Any, ring: Any, stage_bytes: int) -> tuple[Any, Any]:

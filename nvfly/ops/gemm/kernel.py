@@ -35,7 +35,7 @@ from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add, store_zeros_x4
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import activate, check_store_descriptor, stage_tile, store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, GemmConfig
-from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes
+from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, init_ring, issue_k_block, load_boxes
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
 from nvfly.ops.gemm.config import ARRIVAL_OFFSET, REDUCE_THREADS, load_hint
 
@@ -85,12 +85,7 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
     wg = warp // 4
-    if tid == 0:
-        pipe.init()
-        sm90.tma_prefetch_descriptor(a_desc)
-        sm90.tma_prefetch_descriptor(b_desc)
-        if TMA_STORE:
-            sm90.tma_prefetch_descriptor(out_desc)
+    init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
     if CM > 1:
         sm90.cluster_sync()  # every block's barriers exist before any multicast or remote arrive
     else:

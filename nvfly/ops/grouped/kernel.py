@@ -40,7 +40,7 @@ from nvfly.arch.ptx import smem_address
 from nvfly.arch.reduce import block_scan
 from nvfly.ops.common.epilogue import activate, check_store_descriptor, stage_tile, store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, Epilogue
-from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes
+from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, init_ring, issue_k_block, load_boxes
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
 
 LAYOUTS = ("contiguous", "masked", "kgrouped")
@@ -115,12 +115,7 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
     warp = nvfly.warp_idx()
     lane = nvfly.lane_idx()
     wg = warp // 4
-    if tid == 0:
-        pipe.init()
-        sm90.tma_prefetch_descriptor(a_desc)
-        sm90.tma_prefetch_descriptor(b_desc)
-        if TMA_STORE:
-            sm90.tma_prefetch_descriptor(out_desc)
+    init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
     table = None
     if RAGGED:
         # the groups' first tile rows, from the device sizes: each thread sums PER groups' tile rows, a block scan

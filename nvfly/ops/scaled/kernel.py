@@ -33,7 +33,8 @@ from nvfly.arch.floats import convert_shared_e2m1x32, e8m0_to_f32
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
-from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, issue_k_block, load_boxes, promote_k_blocks
+from nvfly.ops.common.mainloop import (consume_k_blocks, fill_stage, init_ring, issue_k_block, load_boxes,
+                                       promote_k_blocks)
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK
 
@@ -65,10 +66,7 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
     wg = warp // 4
-    if tid == 0:
-        pipe.init()
-        sm90.tma_prefetch_descriptor(a_desc)
-        sm90.tma_prefetch_descriptor(b_desc)
+    init_ring(pipe, tid, a_desc, b_desc, None, False)
     nvfly.syncthreads()
     first_tile = nvfly.block_idx.x
     tile_step = nvfly.grid_dim.x

@@ -3,9 +3,9 @@
     out = nvfly.ops.moe.moe(x, router_weight, w_gate_up, w_down, top_k)
 
 router logits (nvfly's GEMM) -> softmax -> top-k experts per token (``nvfly.ops.topk``) -> the token copies sorted
-by expert and the experts' cumulative ends counted on the device (``permute``) -> the fused gate/up projection with
-SiLU-and-multiply (one grouped GEMM) -> the down projection (a grouped GEMM) -> the copies weighted by their routing
-probabilities and summed back per token (``unpermute``). Weights are F.linear-style: ``router_weight`` [E, H],
+by expert (one kernel) and the experts' cumulative ends counted on the device (``permute``) -> the fused gate/up
+projection with SiLU-and-multiply (one grouped GEMM) -> the down projection (a grouped GEMM) -> the copies weighted
+by their routing probabilities and summed back per token in one kernel (``unpermute``). Weights are F.linear-style: ``router_weight`` [E, H],
 ``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I]. Inputs nvfly declines (CPU tensors, other
 dtypes) run each piece on torch. Under ``torch.compile`` the nvfly calls run eagerly between compiled regions
 (``torch.compiler.disable``); ``nvfly.torch`` offers the grouped GEMM as a traceable custom op.
@@ -18,6 +18,7 @@ import torch
 
 from nvfly.ops import gemm, grouped
 from nvfly.ops import topk as topk_op
+from nvfly.ops.moe import api
 
 __all__ = ["moe", "permute", "reference", "route", "unpermute"]
 
@@ -66,25 +67,37 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[t
 
 
 def permute(x: torch.Tensor, ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token copies sorted by expert [T * k, H], the experts' cumulative ends int32 [E], order [T * k]: copy i
-    of the sorted rows is flat routing slot order[i], token order[i] // k). All on the device: a stable sort and a
-    scatter-add count, no host read."""
+    """(token copies sorted by expert [T * k, H], the experts' cumulative ends int32 [E], slots int64 [T * k]: routing
+    slot s (token s // k's (s % k)-th expert) is row ``slots[s]`` of the copies). All on the device: a stable sort,
+    a scatter-add count and the copies with their slots in one kernel (``api.dispatch``), no host read."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    return x[order // ids.shape[-1]], offs, order
+    rows, slots = _dispatch(x, order, ids.shape[-1])
+    return rows, offs, slots
 
 
-def unpermute(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Sum each token's expert outputs ``y`` [T * k, H] (sorted by expert) weighted by its routing ``weights``
-    [T, k], in float32; returns [T, H] in y's dtype."""
-    top_k = weights.shape[-1]
-    scaled = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
-    out = torch.zeros(tokens, y.shape[-1], dtype=torch.float32, device=y.device)
-    out.index_add_(0, order // top_k, scaled)
-    return out.to(y.dtype)
+@torch.compiler.disable
+def _dispatch(x: torch.Tensor, order: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if api.eligibility(x, order) is None:
+        return api.dispatch(x, order, top_k)
+    slots = torch.empty_like(order)
+    slots[order] = torch.arange(order.numel(), device=order.device)
+    return x[order // top_k], slots
+
+
+@torch.compiler.disable
+def unpermute(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T, H] in y's dtype: each token's expert outputs (rows of ``y`` [T * k, H] at its routing ``slots``) weighted
+    by its routing ``weights`` [T, k] and summed in float32 (``api.combine``: one read of y)."""
+    weights = weights.float()
+    if api.eligibility(y, slots, weights) is None:
+        return api.combine(y, slots, weights.contiguous())
+    tokens, top_k = weights.shape
+    rows = y[slots].view(tokens, top_k, -1).float()
+    return (rows * weights.unsqueeze(-1)).sum(dim=1).to(y.dtype)
 
 
 def moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
@@ -95,10 +108,10 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w
     if logits is None:
         logits = _router_logits(x, router_weight)
     weights, ids = route(logits, top_k, renormalize)
-    rows, offs, order = permute(x, ids, experts)
+    rows, offs, slots = permute(x, ids, experts)
     hidden = _grouped(rows, w_gate_up.mT, offs, "silu_mul")
     y = _grouped(hidden, w_down.mT, offs, "none")
-    return unpermute(y, order, weights, x.shape[0])
+    return unpermute(y, slots, weights)
 
 
 def reference(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

@@ -1,0 +1,51 @@
+"""The MoE token shuffles on the GPU against their definitions: random routings (skewed, every token on one
+expert), row widths with and without 16-byte vectors, int32 and int64 orders, poisoned outputs; the layer's
+``permute``/``unpermute`` against torch's gather and index_add."""
+import pytest
+import torch
+
+from nvfly.ops import moe
+from nvfly.ops.moe import api as moe_api
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("tokens,h,top_k,experts", [(4096, 2048, 8, 128), (64, 7168, 8, 256), (300, 100, 2, 8),
+                                                    (5, 7, 1, 3), (1, 2048, 4, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dispatch_and_combine_match_their_definitions(tokens, h, top_k, experts, dtype):
+    x = torch.randn(tokens, h, device="cuda").to(dtype)
+    ids = torch.randint(0, experts, (tokens, top_k), device="cuda")
+    ids[: tokens // 3] = 0  # a hot expert
+    for index_dtype in (torch.int64, torch.int32):
+        order = torch.argsort(ids.reshape(-1), stable=True).to(index_dtype)
+        rows, slots = moe_api.dispatch(x, order, top_k)
+        assert torch.equal(rows, x[order.long() // top_k])
+        assert torch.equal(slots[order.long()], torch.arange(tokens * top_k, device="cuda"))
+    y = torch.randn(tokens * top_k, h, device="cuda").to(dtype)
+    weights = torch.rand(tokens, top_k, device="cuda")
+    out = moe_api.combine(y, slots, weights)
+    want = (y[slots].view(tokens, top_k, h).double() * weights.double().unsqueeze(-1)).sum(1)
+    assert out.dtype == dtype and out.shape == (tokens, h)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_permute_and_unpermute_write_every_element():
+    """Poisoned allocations: the caching allocator hands back the NaN-filled blocks, every element is overwritten."""
+    t, h, k, e = 333, 2048, 8, 64
+    x = torch.randn(t, h, device="cuda").bfloat16()
+    ids = torch.randint(0, e, (t, k), device="cuda")
+    for _ in range(2):
+        torch.full((t * k, h), float("nan"), device="cuda", dtype=torch.bfloat16)
+        rows, offs, slots = moe.permute(x, ids, e)
+        assert not rows.isnan().any()
+        y = torch.randn(t * k, h, device="cuda").bfloat16()
+        torch.full((t, h), float("nan"), device="cuda", dtype=torch.bfloat16)
+        weights = torch.rand(t, k, device="cuda")
+        out = moe.unpermute(y, slots, weights)
+        assert not out.isnan().any()
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        want = torch.zeros(t, h, device="cuda").index_add_(0, order // k,
+                                                           y.float() * weights.reshape(-1)[order].unsqueeze(-1))
+        torch.testing.assert_close(out.float(), want, rtol=8e-3, atol=8e-3)

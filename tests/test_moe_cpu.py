@@ -34,6 +34,19 @@ def test_shuffle_kernels_compile_without_spills(dtype, h, top_k):
     assert combine.ptx.count("ld.global.v4" if wide else "ld.global") >= top_k  # a load of each slot's row
 
 
+@pytest.mark.parametrize("slots,experts,threads", [(512, 128, 512), (32768, 256, 1024), (40, 8, 64), (16, 1000, 1024),
+                                                   (0, 4, 32)])
+def test_sort_kernel_compiles_with_a_thread_per_expert(slots, experts, threads):
+    with nvfly.compile_only() as kernels:
+        moe_api.sort_by_expert(torch.empty(slots, dtype=torch.int64), experts)
+    (k,) = kernels
+    assert k.cubin is not None and k.resources.spill_stores == 0 and k.resources.stack_bytes == 0
+    assert k.summary()["threads"] == threads
+    assert "atom.shared.add.u32" in k.ptx or "atom.shared.add" in k.ptx
+    with pytest.raises(ValueError, match="nvfly.ops.moe.sort_by_expert: experts: expected an int in \\[1, 1024\\]"):
+        moe_api.sort_by_expert(torch.empty(slots, dtype=torch.int64), 1025)
+
+
 def test_shuffle_plan_covers_the_row_with_whole_warps():
     assert moe_api.shuffle_plan(2048, 8) == moe_api.ShufflePlan(8, 256, 1)
     assert moe_api.shuffle_plan(7168, 8) == moe_api.ShufflePlan(8, 256, 4)  # 896 vectors: 4 blocks of 256

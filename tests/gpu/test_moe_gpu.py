@@ -31,6 +31,19 @@ def test_dispatch_and_combine_match_their_definitions(tokens, h, top_k, experts,
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("tokens,top_k,experts", [(4096, 8, 128), (64, 8, 256), (7, 2, 1000), (1, 1, 1), (0, 2, 4),
+                                                  (20000, 8, 64)])
+def test_sort_by_expert_groups_every_slot(tokens, top_k, experts):
+    ids = torch.randint(0, experts, (tokens, top_k), device="cuda")
+    ids[: tokens // 4] = experts - 1  # a hot expert
+    for flat in (ids.reshape(-1), ids.reshape(-1).int()):
+        order, offs = moe_api.sort_by_expert(flat, experts)
+        assert torch.equal(offs, torch.bincount(flat.long(), minlength=experts).cumsum(0).int())
+        assert torch.equal(order.sort().values, torch.arange(tokens * top_k, device="cuda", dtype=torch.int32))
+        grouped = flat[order.long()]
+        assert bool((grouped[1:] >= grouped[:-1]).all())  # grouped by expert
+
+
 def test_permute_and_unpermute_write_every_element():
     """Poisoned allocations: the caching allocator hands back the NaN-filled blocks, every element is overwritten."""
     t, h, k, e = 333, 2048, 8, 64
@@ -40,6 +53,8 @@ def test_permute_and_unpermute_write_every_element():
         torch.full((t * k, h), float("nan"), device="cuda", dtype=torch.bfloat16)
         rows, offs, slots = moe.permute(x, ids, e)
         assert not rows.isnan().any()
+        assert torch.equal(rows[slots], x.repeat_interleave(k, dim=0))  # slot s holds token s // k
+        assert torch.equal(offs, torch.bincount(ids.reshape(-1), minlength=e).cumsum(0).int())
         y = torch.randn(t * k, h, device="cuda").bfloat16()
         torch.full((t, h), float("nan"), device="cuda", dtype=torch.bfloat16)
         weights = torch.rand(t, k, device="cuda")

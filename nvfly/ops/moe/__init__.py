@@ -67,25 +67,25 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[t
 
 
 def permute(x: torch.Tensor, ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token copies sorted by expert [T * k, H], the experts' cumulative ends int32 [E], slots int64 [T * k]: routing
-    slot s (token s // k's (s % k)-th expert) is row ``slots[s]`` of the copies). All on the device: a stable sort,
-    a scatter-add count and the copies with their slots in one kernel (``api.dispatch``), no host read."""
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    rows, slots = _dispatch(x, order, ids.shape[-1])
-    return rows, offs, slots
+    """(token copies grouped by expert [T * k, H], the experts' cumulative ends int32 [E], slots int64 [T * k]: routing
+    slot s (token s // k's (s % k)-th expert) is row ``slots[s]`` of the copies). All on the device, no host read:
+    a counting sort by expert in one block and the copies with their slots in one kernel (``api``); on torch, a
+    stable argsort, a scatter-add count and a gather."""
+    return _permute(x, ids.reshape(-1), experts, ids.shape[-1])
 
 
 @torch.compiler.disable
-def _dispatch(x: torch.Tensor, order: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if api.eligibility(x, order) is None:
-        return api.dispatch(x, order, top_k)
+def _permute(x: torch.Tensor, flat: torch.Tensor, experts: int, top_k: int) -> tuple[torch.Tensor, ...]:
+    if api.eligibility(x, flat) is None and experts <= api.MAX_EXPERTS:
+        order, offs = api.sort_by_expert(flat, experts)
+        rows, slots = api.dispatch(x, order, top_k)
+        return rows, offs, slots
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     slots = torch.empty_like(order)
     slots[order] = torch.arange(order.numel(), device=order.device)
-    return x[order // top_k], slots
+    return x[order // top_k], torch.cumsum(counts, 0, dtype=torch.int32), slots
 
 
 @torch.compiler.disable

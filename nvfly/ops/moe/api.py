@@ -1,6 +1,7 @@
 """The host side of the MoE token shuffles (``kernels.py``): argument checks, eligibility, per-signature plans
 (``nvfly.ops.common.opcall``) and the launches.
 
+    order, offs = sort_by_expert(ids, experts)   # the routing slots grouped by expert, the experts' ends
     rows, slots = dispatch(x, order, top_k)      # rows[i] = x[order[i] // top_k]; slots[order[i]] = i
     out = combine(y, slots, weights)             # out[t] = sum_j weights[t, j] * y[slots[t * top_k + j]]
 """
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from nvfly.ops.common.opcall import OpCalls
-from nvfly.ops.moe.kernels import moe_combine_kernel, moe_dispatch_kernel
+from nvfly.ops.moe.kernels import moe_combine_kernel, moe_dispatch_kernel, moe_sort_kernel
 from nvfly.runtime.torch_args import layout_key, vector_width
 
 if TYPE_CHECKING:
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
 
 ROW_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
 MAX_THREADS = 256  # a block's threads: one 16-byte vector each (a 2048-column bf16 row per block)
+MAX_EXPERTS = 1024  # the sort's one block has a thread per expert
+SORT_THREADS = 1024  # the sort's block (fewer for fewer slots)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,14 @@ def check_dispatch(x: Any, order: Any, top_k: Any) -> None:
     _index_check("order", order, x.shape[0] * top_k)
 
 
+def check_sort(ids: Any, experts: Any) -> None:
+    import torch
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError("ids: expected an int64 or int32 tensor of expert ids")
+    if isinstance(experts, bool) or not isinstance(experts, int) or not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"experts: expected an int in [1, {MAX_EXPERTS}], got {experts!r}")
+
+
 def check_combine(y: Any, slots: Any, weights: Any) -> None:
     import torch
     _rows_check("y", y)
@@ -87,16 +98,18 @@ def eligibility(*tensors: Any) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------- calls
+SORT = "nvfly.ops.moe.sort_by_expert"
 DISPATCH = "nvfly.ops.moe.dispatch"
 COMBINE = "nvfly.ops.moe.combine"
+_SORT: OpCalls["_Shuffle"] = OpCalls()
 _DISPATCH: OpCalls["_Shuffle"] = OpCalls()
 _COMBINE: OpCalls["_Shuffle"] = OpCalls()
 
 
 @dataclass(frozen=True)
 class _Shuffle:
-    """A shuffle call's plan: ``rows`` x ``h`` output (rows: of the output), the launch (None: nothing to move)
-    and its scalars after the tensors."""
+    """A shuffle call's plan: its output's ``rows`` x ``h`` (the sort: slots x experts), the launch (None: nothing
+    to move) and its scalars after the tensors."""
     rows: int
     h: int
     launch: Any
@@ -107,6 +120,13 @@ def _plan(kernel: Any, rows: int, blocks: int, h: int, top_k: int, vec: int) -> 
     p = shuffle_plan(h, vec)
     launch = kernel.prepared((blocks, p.column_blocks, 1), p.threads) if blocks and h else None
     return _Shuffle(rows, h, launch, (h, top_k, p.vec, p.threads))
+
+
+def _plan_sort(ids: "torch.Tensor", experts: int) -> _Shuffle:
+    check_sort(ids, experts)
+    n = ids.numel()
+    threads = max(-(-experts // 32) * 32, min(SORT_THREADS, -(-n // 32) * 32))
+    return _Shuffle(n, experts, moe_sort_kernel.prepared(1, threads), (n, experts, threads))
 
 
 def _plan_dispatch(x: "torch.Tensor", order: "torch.Tensor", top_k: int) -> _Shuffle:
@@ -120,6 +140,23 @@ def _plan_combine(y: "torch.Tensor", slots: "torch.Tensor", weights: "torch.Tens
     tokens, top_k = weights.shape
     h = y.shape[1]
     return _plan(moe_combine_kernel, tokens, tokens, h, top_k, vector_width(h, (y, None), y.element_size()))
+
+
+def sort_by_expert(ids: "torch.Tensor", experts: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(order int32 [n]: the routing slots (flat indices of ``ids``) grouped by expert, in no fixed order within an
+    expert; offs int32 [experts]: the experts' cumulative ends in ``order``) for expert ``ids`` in [0, experts)."""
+    import torch
+    try:
+        key = (layout_key(ids), experts, type(experts))
+        call = _SORT.get(key)
+    except Exception:  # noqa: BLE001 - not tensors: the checks explain
+        key = call = None
+    if call is None:
+        call = _SORT.plan(SORT, key, _plan_sort, ids, experts)
+    order = torch.empty(call.rows, dtype=torch.int32, device=ids.device)
+    offs = torch.empty(call.h, dtype=torch.int32, device=ids.device)
+    call.launch.launch(ids, order, offs, *call.scalars)
+    return order, offs
 
 
 def dispatch(x: "torch.Tensor", order: "torch.Tensor", top_k: int) -> tuple["torch.Tensor", "torch.Tensor"]:

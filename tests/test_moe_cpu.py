@@ -92,3 +92,21 @@ def test_permute_and_unpermute_on_torch_match_their_definitions():
     want = torch.zeros(t, h).index_add_(0, order // k, y.float() * weights.reshape(-1)[order].unsqueeze(-1))
     got = moe.unpermute(y, slots, weights)  # (y's row i belongs to slot order[i], whose row is slots[order[i]])
     torch.testing.assert_close(got, want.bfloat16(), rtol=0, atol=0)
+
+
+def test_the_layer_asks_each_piece_once_per_signature(monkeypatch):
+    """The pieces' eligibility answers are kept per signature (CPU: every piece declines and torch computes)."""
+    import nvfly.ops.moe as moe_layer
+    moe_layer._RUNS.clear()
+    asked = []
+    real = moe_api.eligibility
+    monkeypatch.setattr(moe_layer.api, "eligibility", lambda *a: asked.append(len(a)) or real(*a))
+    gen = torch.Generator().manual_seed(4)
+    t, h, inter, e, k = 24, 32, 16, 4, 2
+    args = (torch.randn(t, h, generator=gen).bfloat16(), torch.randn(e, h, generator=gen).bfloat16(),
+            torch.randn(e, 2 * inter, h, generator=gen).bfloat16() / 6,
+            torch.randn(e, h, inter, generator=gen).bfloat16() / 4)
+    first = moe.moe(*args, k)
+    assert sorted(asked) == [2, 3]  # the dispatch's and the combine's tensors, once
+    assert torch.equal(moe.moe(*args, k), first) and sorted(asked) == [2, 3]
+    assert all(reason for reason in moe_layer._RUNS.values())  # declined on CPU, with reasons

@@ -12,34 +12,54 @@ dtypes) run each piece on torch. Under ``torch.compile`` the nvfly calls run eag
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from nvfly.ops import gemm, grouped
 from nvfly.ops import topk as topk_op
+from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.moe import api
+from nvfly.runtime.torch_args import layout_key
 
 __all__ = ["moe", "permute", "reference", "route", "unpermute"]
 
 
+# (piece, its arguments' layouts and options) -> "" when nvfly runs them, else the piece's reason: a layer call
+# asks each piece once per signature (the eligibility checks cost more host time than some of the launches)
+_RUNS: OpCalls[str] = OpCalls()
+
+
+def _nvfly_runs(piece: Callable[..., Optional[str]], *args: Any, **options: Any) -> bool:
+    """Whether nvfly runs ``piece``'s eligibility's arguments (``piece`` returns None, or a reason)."""
+    try:
+        key = (piece, *(layout_key(a) if isinstance(a, torch.Tensor) else a for a in args), *options.items())
+        reason = _RUNS.get(key)
+    except Exception:  # noqa: BLE001 - unhashable: asked every time
+        key = reason = None
+    if reason is None:
+        reason = piece(*args, **options) or ""
+        _RUNS.remember(key, reason)
+    return not reason
+
+
 @torch.compiler.disable
 def _router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
-    if gemm.eligibility(x, router_weight.mT) is None:
+    if _nvfly_runs(gemm.eligibility, x, router_weight.mT):
         return gemm.matmul(x, router_weight.mT, out_dtype=torch.float32)
     return (x @ router_weight.mT).float()
 
 
 @torch.compiler.disable
 def _topk(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if topk_op.eligibility(probs, k) is None:
+    if _nvfly_runs(topk_op.eligibility, probs, k):
         return topk_op.topk(probs, k)
     return torch.topk(probs, k)
 
 
 @torch.compiler.disable
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, fuse: str) -> torch.Tensor:
-    if grouped.eligibility(a, b, offs, fuse=fuse) is None:
+    if _nvfly_runs(grouped.eligibility, a, b, offs, fuse=fuse):
         return grouped.grouped_mm(a, b, offs, fuse=fuse)
     return _torch_grouped(a, b, offs, fuse)
 
@@ -76,7 +96,7 @@ def permute(x: torch.Tensor, ids: torch.Tensor, experts: int) -> tuple[torch.Ten
 
 @torch.compiler.disable
 def _permute(x: torch.Tensor, flat: torch.Tensor, experts: int, top_k: int) -> tuple[torch.Tensor, ...]:
-    if api.eligibility(x, flat) is None and experts <= api.MAX_EXPERTS:
+    if experts <= api.MAX_EXPERTS and _nvfly_runs(api.eligibility, x, flat):
         order, offs = api.sort_by_expert(flat, experts)
         rows, slots = api.dispatch(x, order, top_k)
         return rows, offs, slots
@@ -93,7 +113,7 @@ def unpermute(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> to
     """[T, H] in y's dtype: each token's expert outputs (rows of ``y`` [T * k, H] at its routing ``slots``) weighted
     by its routing ``weights`` [T, k] and summed in float32 (``api.combine``: one read of y)."""
     weights = weights.float()
-    if api.eligibility(y, slots, weights) is None:
+    if _nvfly_runs(api.eligibility, y, slots, weights):
         return api.combine(y, slots, weights.contiguous())
     tokens, top_k = weights.shape
     rows = y[slots].view(tokens, top_k, -1).float()

@@ -2,11 +2,11 @@
 
     out = nvfly.ops.moe.moe(x, router_weight, w_gate_up, w_down, top_k)
 
-router logits (nvfly's GEMM) -> softmax -> top-k experts per token (``nvfly.ops.topk``) -> the token copies sorted
-by expert (one kernel) and the experts' cumulative ends counted on the device (``permute``) -> the fused gate/up
+router logits (nvfly's GEMM) -> softmax -> top-k experts per token (``nvfly.ops.topk``) -> the token copies grouped
+by expert and the experts' cumulative ends (``permute``: a counting sort and a copy kernel) -> the fused gate/up
 projection with SiLU-and-multiply (one grouped GEMM) -> the down projection (a grouped GEMM) -> the copies weighted
-by their routing probabilities and summed back per token in one kernel (``unpermute``). Weights are F.linear-style: ``router_weight`` [E, H],
-``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I]. Inputs nvfly declines (CPU tensors, other
+by their routing probabilities and summed back per token (``unpermute``: one kernel). Weights are F.linear-style:
+``router_weight`` [E, H], ``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I]. Inputs nvfly declines (CPU tensors, other
 dtypes) run each piece on torch. Under ``torch.compile`` the nvfly calls run eagerly between compiled regions
 (``torch.compiler.disable``); ``nvfly.torch`` offers the grouped GEMM as a traceable custom op.
 """

@@ -47,6 +47,40 @@ def test_sort_kernel_compiles_with_a_thread_per_expert(slots, experts, threads):
         moe_api.sort_by_expert(torch.empty(slots, dtype=torch.int64), 1025)
 
 
+@pytest.mark.parametrize("experts,top_k,renormalize,dtype", [(128, 8, True, torch.float32), (256, 8, False, torch.float32),
+                                                             (60, 6, True, torch.bfloat16), (1024, 32, True, torch.float32),
+                                                             (8, 2, False, torch.float16)])
+def test_route_kernel_compiles_without_spills(experts, top_k, renormalize, dtype):
+    with nvfly.compile_only() as kernels:
+        moe_api.route(torch.empty(64, experts, dtype=dtype), top_k, renormalize)
+    (k,) = kernels
+    assert k.cubin is not None and k.resources.spill_stores == 0 and k.resources.stack_bytes == 0
+    assert k.ptx.count("redux.sync") >= 2 * top_k  # a warp max (two redux) per expert picked
+    assert ("ex2.approx" in k.ptx) and k.summary()["threads"] == 32 * moe_api.ROUTE_WARPS
+
+
+def test_route_argument_errors_name_the_argument():
+    with pytest.raises(ValueError, match="nvfly.ops.moe.route: top_k: expected an int in \\[1, 8\\]"):
+        moe_api.route(torch.empty(4, 8), 9)
+    with pytest.raises(ValueError, match="logits: expected 1 to 1024 experts"):
+        moe_api.route(torch.empty(4, 2000), 2)
+    with pytest.raises(TypeError, match="logits: dtype torch.int64"):
+        moe_api.route(torch.empty(4, 8, dtype=torch.int64), 2)
+
+
+def test_route_on_torch_is_softmax_topk_renormalised():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(33, 64, generator=gen)
+    for renormalize in (True, False):
+        weights, ids = moe.route(logits, 4, renormalize)
+        probs = torch.softmax(logits, -1)
+        want_w, want_i = torch.topk(probs, 4)
+        assert torch.equal(ids, want_i)
+        if renormalize:
+            want_w = want_w / want_w.sum(-1, keepdim=True)
+        torch.testing.assert_close(weights, want_w)
+
+
 def test_shuffle_plan_covers_the_row_with_whole_warps():
     assert moe_api.shuffle_plan(2048, 8) == moe_api.ShufflePlan(8, 256, 1)
     assert moe_api.shuffle_plan(7168, 8) == moe_api.ShufflePlan(8, 256, 4)  # 896 vectors: 4 blocks of 256
@@ -107,6 +141,6 @@ def test_the_layer_asks_each_piece_once_per_signature(monkeypatch):
             torch.randn(e, 2 * inter, h, generator=gen).bfloat16() / 6,
             torch.randn(e, h, inter, generator=gen).bfloat16() / 4)
     first = moe.moe(*args, k)
-    assert sorted(asked) == [2, 3]  # the dispatch's and the combine's tensors, once
-    assert torch.equal(moe.moe(*args, k), first) and sorted(asked) == [2, 3]
+    assert sorted(asked) == [1, 2, 3]  # the router's, the dispatch's and the combine's tensors, once
+    assert torch.equal(moe.moe(*args, k), first) and sorted(asked) == [1, 2, 3]
     assert all(reason for reason in moe_layer._RUNS.values())  # declined on CPU, with reasons

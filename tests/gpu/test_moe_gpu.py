@@ -31,6 +31,23 @@ def test_dispatch_and_combine_match_their_definitions(tokens, h, top_k, experts,
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("tokens,experts,top_k", [(4096, 128, 8), (64, 256, 8), (5, 60, 6), (300, 1024, 32), (1, 8, 2),
+                                                  (1000, 64, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_matches_softmax_topk(tokens, experts, top_k, dtype):
+    """The experts in order (ties: the lower first: logits on a coarse grid tie often) and their probabilities,
+    renormalised or not, against float64 softmax and a stable descending sort."""
+    logits = (torch.randint(-40, 40, (tokens, experts), device="cuda") / 8).to(dtype)
+    for renormalize in (True, False):
+        weights, ids = moe_api.route(logits, top_k, renormalize)
+        want_i = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+        assert torch.equal(ids, want_i)
+        probs = torch.softmax(logits.double(), -1).gather(1, want_i)
+        if renormalize:
+            probs = probs / probs.sum(-1, keepdim=True)
+        torch.testing.assert_close(weights.double(), probs, rtol=1e-5, atol=1e-7)  # (ex2.approx)
+
+
 @pytest.mark.parametrize("tokens,top_k,experts", [(4096, 8, 128), (64, 8, 256), (7, 2, 1000), (1, 1, 1), (0, 2, 4),
                                                   (20000, 8, 64)])
 def test_sort_by_expert_groups_every_slot(tokens, top_k, experts):

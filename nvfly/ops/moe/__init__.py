@@ -2,13 +2,14 @@
 
     out = nvfly.ops.moe.moe(x, router_weight, w_gate_up, w_down, top_k)
 
-router logits (nvfly's GEMM) -> softmax -> top-k experts per token (``nvfly.ops.topk``) -> the token copies grouped
-by expert and the experts' cumulative ends (``permute``: a counting sort and a copy kernel) -> the fused gate/up
-projection with SiLU-and-multiply (one grouped GEMM) -> the down projection (a grouped GEMM) -> the copies weighted
-by their routing probabilities and summed back per token (``unpermute``: one kernel). Weights are F.linear-style:
-``router_weight`` [E, H], ``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I]. Inputs nvfly declines (CPU tensors, other
-dtypes) run each piece on torch. Under ``torch.compile`` the nvfly calls run eagerly between compiled regions
-(``torch.compiler.disable``); ``nvfly.torch`` offers the grouped GEMM as a traceable custom op.
+router logits (nvfly's GEMM) -> softmax, top-k experts per token, renormalised (``route``: one kernel) -> the token
+copies grouped by expert and the experts' cumulative ends (``permute``: a counting sort and a copy kernel) -> the
+fused gate/up projection with SiLU-and-multiply (one grouped GEMM) -> the down projection (a grouped GEMM) -> the
+copies weighted by their routing probabilities and summed back per token (``unpermute``: one kernel). Weights are
+F.linear-style: ``router_weight`` [E, H], ``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I].
+Inputs nvfly declines (CPU tensors, other dtypes) run each piece on torch. Under ``torch.compile`` the nvfly calls
+run eagerly between compiled regions (``torch.compiler.disable``); ``nvfly.torch`` offers the grouped GEMM as a
+traceable custom op.
 """
 from __future__ import annotations
 
@@ -78,7 +79,15 @@ def _torch_grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, fuse: s
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(routing weights [T, k] float32, expert ids [T, k] int64): softmax over the experts, the top k, their
-    probabilities renormalised to sum to 1 (``renormalize``)."""
+    probabilities renormalised to sum to 1 (``renormalize``). One kernel (``api.route``); on torch, softmax, topk
+    and the renormalisation."""
+    return _route(logits, top_k, bool(renormalize))
+
+
+@torch.compiler.disable
+def _route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if top_k <= api.MAX_TOP_K and logits.shape[-1] <= api.MAX_EXPERTS and _nvfly_runs(api.eligibility, logits):
+        return api.route(logits, top_k, renormalize)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = _topk(probs, top_k)
     if renormalize:

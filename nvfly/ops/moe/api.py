@@ -1,6 +1,7 @@
-"""The host side of the MoE token shuffles (``kernels.py``): argument checks, eligibility, per-signature plans
-(``nvfly.ops.common.opcall``) and the launches.
+"""The host side of the MoE router and token shuffles (``kernels.py``): argument checks, eligibility,
+per-signature plans (``nvfly.ops.common.opcall``) and the launches.
 
+    weights, ids = route(logits, top_k)           # softmax, top-k, renormalised: [T, k] float32, int64
     order, offs = sort_by_expert(ids, experts)   # the routing slots grouped by expert, the experts' ends
     rows, slots = dispatch(x, order, top_k)      # rows[i] = x[order[i] // top_k]; slots[order[i]] = i
     out = combine(y, slots, weights)             # out[t] = sum_j weights[t, j] * y[slots[t * top_k + j]]
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from nvfly.ops.common.opcall import OpCalls
-from nvfly.ops.moe.kernels import moe_combine_kernel, moe_dispatch_kernel, moe_sort_kernel
+from nvfly.ops.moe.kernels import moe_combine_kernel, moe_dispatch_kernel, moe_route_kernel, moe_sort_kernel
 from nvfly.runtime.torch_args import layout_key, vector_width
 
 if TYPE_CHECKING:
@@ -21,6 +22,8 @@ ROW_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
 MAX_THREADS = 256  # a block's threads: one 16-byte vector each (a 2048-column bf16 row per block)
 MAX_EXPERTS = 1024  # the sort's one block has a thread per expert
 SORT_THREADS = 1024  # the sort's block (fewer for fewer slots)
+MAX_TOP_K = 32  # the router's warp keeps the j-th expert in lane j
+ROUTE_WARPS = 4  # tokens a router block takes (a warp each)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,15 @@ def check_dispatch(x: Any, order: Any, top_k: Any) -> None:
     _index_check("order", order, x.shape[0] * top_k)
 
 
+def check_route(logits: Any, top_k: Any) -> None:
+    _rows_check("logits", logits)
+    experts = logits.shape[1]
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"logits: expected 1 to {MAX_EXPERTS} experts (columns), got {experts}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= min(MAX_TOP_K, experts):
+        raise ValueError(f"top_k: expected an int in [1, {min(MAX_TOP_K, experts)}], got {top_k!r}")
+
+
 def check_sort(ids: Any, experts: Any) -> None:
     import torch
     if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
@@ -98,9 +110,11 @@ def eligibility(*tensors: Any) -> Optional[str]:
 
 
 # ---------------------------------------------------------------------------------------------- calls
+ROUTE = "nvfly.ops.moe.route"
 SORT = "nvfly.ops.moe.sort_by_expert"
 DISPATCH = "nvfly.ops.moe.dispatch"
 COMBINE = "nvfly.ops.moe.combine"
+_ROUTE: OpCalls["_Shuffle"] = OpCalls()
 _SORT: OpCalls["_Shuffle"] = OpCalls()
 _DISPATCH: OpCalls["_Shuffle"] = OpCalls()
 _COMBINE: OpCalls["_Shuffle"] = OpCalls()
@@ -108,8 +122,8 @@ _COMBINE: OpCalls["_Shuffle"] = OpCalls()
 
 @dataclass(frozen=True)
 class _Shuffle:
-    """A shuffle call's plan: its output's ``rows`` x ``h`` (the sort: slots x experts), the launch (None: nothing
-    to move) and its scalars after the tensors."""
+    """A call's plan: its output's ``rows`` x ``h`` (the router: tokens x top_k; the sort: slots x experts), the
+    launch (None: nothing to do) and its scalars after the tensors."""
     rows: int
     h: int
     launch: Any
@@ -120,6 +134,13 @@ def _plan(kernel: Any, rows: int, blocks: int, h: int, top_k: int, vec: int) -> 
     p = shuffle_plan(h, vec)
     launch = kernel.prepared((blocks, p.column_blocks, 1), p.threads) if blocks and h else None
     return _Shuffle(rows, h, launch, (h, top_k, p.vec, p.threads))
+
+
+def _plan_route(logits: "torch.Tensor", top_k: int, renormalize: bool) -> _Shuffle:
+    check_route(logits, top_k)
+    tokens, experts = logits.shape
+    launch = moe_route_kernel.prepared(-(-tokens // ROUTE_WARPS), 32 * ROUTE_WARPS) if tokens else None
+    return _Shuffle(tokens, top_k, launch, (tokens, experts, top_k, ROUTE_WARPS, renormalize))
 
 
 def _plan_sort(ids: "torch.Tensor", experts: int) -> _Shuffle:
@@ -140,6 +161,26 @@ def _plan_combine(y: "torch.Tensor", slots: "torch.Tensor", weights: "torch.Tens
     tokens, top_k = weights.shape
     h = y.shape[1]
     return _plan(moe_combine_kernel, tokens, tokens, h, top_k, vector_width(h, (y, None), y.element_size()))
+
+
+def route(logits: "torch.Tensor", top_k: int, renormalize: bool = True
+          ) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(weights float32 [T, top_k], expert ids int64 [T, top_k]) of router ``logits`` [T, E]: the top_k experts of
+    each token in order (ties: the lower expert first) and their softmax probabilities over the E experts, or
+    renormalised to sum to 1 over the top_k (``renormalize``)."""
+    import torch
+    try:
+        key = (layout_key(logits), top_k, type(top_k), bool(renormalize))
+        call = _ROUTE.get(key)
+    except Exception:  # noqa: BLE001 - not tensors: the checks explain
+        key = call = None
+    if call is None:
+        call = _ROUTE.plan(ROUTE, key, _plan_route, logits, top_k, bool(renormalize))
+    weights = torch.empty((call.rows, call.h), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((call.rows, call.h), dtype=torch.int64, device=logits.device)
+    if call.launch is not None:
+        call.launch.launch(logits, weights, ids, *call.scalars)
+    return weights, ids
 
 
 def sort_by_expert(ids: "torch.Tensor", experts: int) -> tuple["torch.Tensor", "torch.Tensor"]:

@@ -1,4 +1,8 @@
-"""The MoE layer's token shuffles, memory-bound, one launch each (``api.py`` plans them):
+"""The MoE layer's router and token shuffles, one launch each (``api.py`` plans them):
+
+- ``moe_route_kernel``: a warp per token: the top-k experts of its router logits (ties: the lower expert first, as
+  ``nvfly.ops.topk``) and their softmax probabilities, renormalised over the k or not: softmax, TopK and the
+  renormalisation in one launch (torch: four, each with its host time).
 
 - ``moe_sort_kernel``: the routing slots grouped by expert (``order``) and the experts' cumulative ends
   (``offs``), by a counting sort in one block: the expert counts in shared memory, their scan, then each slot's
@@ -18,10 +22,48 @@ vector of VEC elements (16 bytes where the rows are aligned).
 from __future__ import annotations
 
 import nvfly
-from nvfly.arch.reduce import block_scan
-from nvfly.frontend.language import atomic_add
+from nvfly.arch.reduce import block_scan, tree_reduce, warp_max_i64
+from nvfly.frontend.language import atomic_add, warp_reduce
+from nvfly.ops.topk.keys import ABSENT, order_key, rank64, rank_index
 
 SORT_ITEMS = 8  # slots a thread of the sort loads before its atomics (loads in flight)
+
+
+@nvfly.kernel
+def moe_route_kernel(logits: nvfly.Tensor, weights: nvfly.Tensor, ids: nvfly.Tensor, T: nvfly.i32,
+                     E: nvfly.Constexpr, TOP_K: nvfly.Constexpr, WARPS: nvfly.Constexpr,
+                     RENORMALIZE: nvfly.Constexpr):
+    """Warp w of block b routes token b * WARPS + w: each lane holds E / 32 of its logits; TOP_K rounds of "lane
+    max, warp max, retire" pick the experts in order (lane j keeps the j-th), then exp(logit - max) over the
+    row's (or the k's) sum."""
+    warp = nvfly.warp_idx()
+    lane = nvfly.lane_idx()
+    row = nvfly.block_idx.x * WARPS + warp
+    if row < T:
+        per_lane = -(-E // 32)
+        values = []
+        ranks = []
+        for v in nvfly.static_range(per_lane):
+            col = v * 32 + lane
+            inside = col < E
+            x = logits.load(row, nvfly.minimum(col, E - 1)).to(nvfly.f32)
+            values.append(nvfly.select(inside, x, -float("inf")))
+            ranks.append(nvfly.select(inside, rank64(order_key(x, True), col), nvfly.i64(ABSENT)))
+        top = warp_reduce(tree_reduce(values, nvfly.maximum), "max")
+        row_sum = nvfly.f32(0.0)
+        if not RENORMALIZE:
+            row_sum = warp_reduce(tree_reduce([nvfly.exp(x - top) for x in values], lambda a, b: a + b), "add")
+        mine = nvfly.i64(ABSENT)
+        for j in nvfly.static_range(TOP_K):
+            best = warp_max_i64(tree_reduce(ranks, nvfly.maximum))
+            ranks = [nvfly.select(r == best, nvfly.i64(ABSENT), r) for r in ranks]  # (ranks are unique)
+            mine = nvfly.select(lane == j, best, mine)
+        expert = nvfly.select(lane < TOP_K, rank_index(mine), 0)
+        share = nvfly.select(lane < TOP_K, nvfly.exp(logits.load(row, expert).to(nvfly.f32) - top), 0.0)
+        total = warp_reduce(share, "add") if RENORMALIZE else row_sum
+        if lane < TOP_K:
+            weights[row, lane] = share / total
+            ids[row, lane] = expert.to(nvfly.i64)
 
 
 @nvfly.kernel

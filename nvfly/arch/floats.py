@@ -180,3 +180,72 @@ def f32_to_e2m1(value: Any) -> Scalar:
     for t in E2M1_AT_OR_ABOVE:
         code = code + select(magnitude >= t, 1, 0)
     return code | ((v.bitcast(dtypes.i32) >> 28) & 8)
+
+
+# e2m1 -> 16-bit: a nibble moved so that its sign is the 16-bit value's sign (bit 15) and its exponent and mantissa
+# bits sit under the low exponent bits (E at the two lowest exponent bits, M the top mantissa bit): the 16-bit value
+# is then the e2m1 value times 2^(1 - bias) exactly, e2m1's subnormal 0.5 a 16-bit subnormal (bf16: bias 127, EM
+# shifted to bits 8-6; f16: bias 15, bits 11-9)
+E2M1_EM_SHIFT = {"bf16": 6, "f16": 3}
+E2M1_UNIT_EXPONENT = {"bf16": -126, "f16": -14}  # the unscaled 16-bit value is the e2m1 value times 2^this
+_SIGN_PAIR = 0x80008000
+_EM_PAIR = 0x70007000
+
+
+def e2m1x8_to_16bit_bits(w: Any, dtype_name: str) -> list:
+    """Eight packed e2m1 values (a 32-bit word, two a byte, the lower-numbered in the low nibble) as four 32-bit
+    words of two 16-bit values each (``dtype_name`` "bf16" or "f16"), pairing nibble i with nibble i + 4: word i
+    holds values i (low half) and i + 4 (high half), each the e2m1 value times 2^E2M1_UNIT_EXPONENT. Bit operations
+    only, on anything with integer operators: a traced i32 (the arithmetic shifts' sign bits are masked off), or,
+    to test them without a GPU, Python ints or int64 tensors holding the word's unsigned value."""
+    em_shift = E2M1_EM_SHIFT[dtype_name]
+    out = []
+    for i in range(4):
+        up = 12 - 4 * i  # nibble i's sign (bit 4i + 3) to bit 15, nibble i + 4's to bit 31
+        sign = (w << up) & _SIGN_PAIR
+        moved = up - em_shift
+        em = (w << moved) if moved >= 0 else (w >> -moved)
+        out.append(sign | (em & (_EM_PAIR >> em_shift)))
+    return out
+
+
+_PACKED_MUL = {"bf16": "mul.rn.bf16x2", "f16": "mul.rn.f16x2"}
+
+
+@traced
+def e2m1x8_to_16bit_scaled(word: Any, factor: Any, dtype: DType) -> list:
+    """Eight packed e2m1 values (an i32) times a scale, as four i32 words of two ``dtype`` (bf16 or f16) values:
+    word i holds values i and i + 4 (``e2m1x8_to_16bit_bits``'s pairing), each multiplied (one packed multiply per
+    word) by ``factor``, a word holding the same 16-bit factor twice (``e8m0_to_16bit_factor``). The product of the
+    exact unscaled value and a power of two is exact wherever it is representable."""
+    w = as_value(word)
+    if not isinstance(w, Scalar) or w.dtype != dtypes.i32:
+        raise CompileError(f"e2m1x8_to_16bit_scaled takes a 32-bit word as an i32, got {getattr(w, 'dtype', w)}")
+    if dtype.name not in _PACKED_MUL:
+        raise CompileError(f"e2m1 converts to bf16 or f16 here, got {dtype.name}")
+    return [asm(f"{_PACKED_MUL[dtype.name]} $0, $1, $2;", [bits, factor], dtypes.i32, side_effects=False)
+            for bits in e2m1x8_to_16bit_bits(w, dtype.name)]
+
+
+@traced
+def e8m0_to_16bit_factor(byte: Any, dtype: DType) -> Scalar:
+    """The multiplier that turns ``e2m1x8_to_16bit_bits``' unscaled values into value * 2^(byte - 127) for an e8m0
+    scale byte: 2^(byte - 127 - E2M1_UNIT_EXPONENT) rounded to ``dtype`` (bf16 or f16), twice in one i32 word.
+    bf16: exact for bytes 0-128 (2^-1 .. 2^127); bytes 129-254 (scales of 4 and more) overflow to inf, as 0xFF
+    (NaN) gives NaN, so that such blocks poison the output rather than being clamped. f16: exact for bytes 89-128;
+    below, the factor rounds towards zero as f16 weights of that size would (|value| < 2^-24)."""
+    if dtype.name not in E2M1_UNIT_EXPONENT:
+        raise CompileError(f"e8m0 factors are bf16 or f16 here, got {dtype.name}")
+    f = e8m0_to_f32(byte) * float(2.0 ** -E2M1_UNIT_EXPONENT[dtype.name])
+    kind = "bf16x2" if dtype.name == "bf16" else "f16x2"
+    return asm(f"cvt.rn.{kind}.f32 $0, $1, $1;", [f], dtypes.i32, side_effects=False)
+
+
+@traced
+def pair_halves(low: Any, high: Any) -> list:
+    """Two 32-bit words of two 16-bit values each, regrouped (``prmt``): [low's low half | high's low half << 16,
+    low's high half | high's high half << 16]. Turns 16-bit values in natural order (k, k+1), (k+4, k+5) into the
+    pairs (k, k+4), (k+1, k+5) that ``e2m1x8_to_16bit_bits`` gives."""
+    a, b = as_value(low), as_value(high)
+    return [asm(f"prmt.b32 $0, $1, $2, {selector};", [a, b], dtypes.i32, side_effects=False)
+            for selector in ("0x5410", "0x7632")]

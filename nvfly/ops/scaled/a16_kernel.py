@@ -74,15 +74,27 @@ def mma_lane_block(accs: list, weight: tuple, tokens: list, dtype) -> list:
     out = [list(a) for a in accs]
     for j in range(LANE_K // 8):
         rows = [e2m1x8_to_16bit_scaled(words[h][j], factors[h], dtype) for h in range(2)]
-        pairs = []
-        for x in tokens:
-            t = x[4 * j:4 * j + 4]
-            pairs.append(pair_halves(t[0], t[2]) + pair_halves(t[1], t[3]))  # (k0,k4) (k1,k5) (k2,k6) (k3,k7)
+        pairs = [token_pairs(x, j, pair_halves) for x in tokens]
         for s in range(2):
-            a = [rows[0][2 * s], rows[1][2 * s], rows[0][2 * s + 1], rows[1][2 * s + 1]]
             for t in range(len(out)):
-                out[t] = sm80.mma_m16n8k16(a, [pairs[t][2 * s], pairs[t][2 * s + 1]], out[t], dtype)
+                a, b = step_operands(rows, pairs[t], s)
+                out[t] = sm80.mma_m16n8k16(a, b, out[t], dtype)
     return out
+
+
+def token_pairs(words: list, j: int, pair) -> list:
+    """A token row's word group ``j`` (k 8j .. 8j+7 of the lane's 32, natural order: (k0,k1) .. (k6,k7)) as the
+    pairs the weight conversion gives, (k0,k4) (k1,k5) (k2,k6) (k3,k7), by ``pair`` (``pair_halves``)."""
+    t = words[4 * j:4 * j + 4]
+    return pair(t[0], t[2]) + pair(t[1], t[3])
+
+
+def step_operands(rows: list, pairs: list, s: int) -> tuple[list, list]:
+    """mma step ``s`` (0, 1) of a word group: A registers (row g, row g + 8, row g, row g + 8) = pair words 2s, 2s,
+    2s + 1, 2s + 1 of the two weight rows (PTX's a0..a3: rows g / g + 8 at ISA k 2p, 2p + 1, then at 2p + 8, 2p + 9),
+    B registers (b0, b1) = the token's pair words 2s, 2s + 1 (the same k)."""
+    return ([rows[0][2 * s], rows[1][2 * s], rows[0][2 * s + 1], rows[1][2 * s + 1]],
+            [pairs[2 * s], pairs[2 * s + 1]])
 
 
 def stream_chunks(accs: list, w_rows: tuple, s_rows: tuple, x_rows: list, chunks: list, p, k, tail: bool,

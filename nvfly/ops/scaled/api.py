@@ -68,6 +68,13 @@ def _ceil(x: int, d: int) -> int:
     return -(-x // d)
 
 
+def is_a16(a: Any, b: Any, scale_a: Any) -> bool:
+    """Whether a call is MXFP4 weights x 16-bit activations ("mxfp4_a16"): bf16/fp16 ``a`` with no ``scale_a`` or
+    with float4_e2m1fn_x2 ``b`` (``check_a16`` then explains what does not fit)."""
+    return isinstance(a, torch.Tensor) and a.dtype in A16_DTYPES and \
+        (scale_a is None or getattr(b, "dtype", None) == FP4_DTYPE)
+
+
 def is_mx(scale: Any) -> bool:
     """Whether ``scale`` holds MX (e8m0) scales: float8_e8m0fnu, or their bytes as uint8."""
     return scale.dtype in MX_SCALE_DTYPES
@@ -128,7 +135,7 @@ def check(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
           out_dtype: torch.dtype = torch.bfloat16, out: Any = None) -> str:
     """What nvfly's scaled GEMM takes, on any device (the same checks as the op's fake): raises TypeError or
     ValueError naming the argument; returns the recipe."""
-    if isinstance(a, torch.Tensor) and a.dtype in A16_DTYPES:
+    if is_a16(a, b, scale_a):
         return check_a16(a, b, scale_a, scale_b, bias, out_dtype, out)
     for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
         if not isinstance(t, torch.Tensor):
@@ -138,7 +145,8 @@ def check(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
             raise ValueError(f"{name}: expected a 2-D tensor, got {t.dim()}-D")
         if t.dtype not in FP8_DTYPES and not (name == "b" and t.dtype == FP4_DTYPE):
             raise TypeError(f"{name}: dtype {t.dtype} is not float8_e4m3fn or float8_e5m2"
-                            + (" (or float4_e2m1fn_x2 MXFP4 weights)" if name == "b" else ""))
+                            + (" (or float4_e2m1fn_x2 MXFP4 weights)" if name == "b" else
+                               " (bf16/fp16 activations take MXFP4 weights and scale_a None)"))
     if a.dtype == b.dtype == torch.float8_e5m2:
         raise TypeError("b: float8_e5m2 with an float8_e5m2 a: one operand must be float8_e4m3fn (as torch)")
     m, k = a.shape
@@ -280,7 +288,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: Optional[torch.Tensor],
     is computed as out^T = b^T a^T (None: the heuristic's). bf16/fp16 ``a`` with MXFP4 ``b`` (recipe mxfp4_a16):
     ``scale_a`` None, ``config`` an A16Config, ``swap`` None (the streaming kernel is always swapped). Raises
     TypeError or ValueError naming the argument when nvfly cannot run it."""
-    if isinstance(a, torch.Tensor) and a.dtype in A16_DTYPES:
+    if is_a16(a, b, scale_a):
         call = _bound_a16(SCALED_MM, a, b, scale_a, scale_b, bias, out_dtype, out, config, swap)
         if out is None:
             out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
@@ -299,7 +307,7 @@ def path(a: torch.Tensor, b: torch.Tensor, scale_a: Optional[torch.Tensor], scal
     """What ``scaled_mm`` runs (for benchmarks and ``nvfly explain``), e.g. "scaled-block-promoted: 128x128 tile
     on 132 blocks, 6 stages"; raises when it would."""
     with named(PATH):
-        if isinstance(a, torch.Tensor) and a.dtype in A16_DTYPES:
+        if is_a16(a, b, scale_a):
             return describe_a16_plan(_plan_a16(a, b, scale_a, scale_b, bias, out_dtype, None, config, swap))
         plan = _plan(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, None, config, swap)
     return describe_plan(plan)
@@ -529,7 +537,7 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (1
 def reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float32 GEMM of the dequantised operands (+ bias): what ``scaled_mm`` approximates."""
-    if a.dtype in A16_DTYPES:  # MXFP4 weights x 16-bit activations: the weight dequantised, a as given
+    if is_a16(a, b, scale_a):  # MXFP4 weights x 16-bit activations: the weight dequantised, a as given
         r = a.float() @ dequantize_mxfp4(b.t(), scale_b).t()
         return r if bias is None else r + bias.float()
     scaling = recipe(a, b, scale_a, scale_b)

@@ -20,15 +20,17 @@ TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 5e-3}
 
 
 def operands(m, n, k, act=torch.bfloat16, spread=True, seed=0):
-    """x (M, K) and MXFP4 w: packed (K/2, N) column-major and e8m0 scales (N, K/32); ``spread``: weight rows and
-    32-blocks of magnitudes 2^-6 .. 2^6, so that a scale applied to the wrong row or block shows."""
+    """x (M, K) and MXFP4 w: packed (K/2, N) column-major and e8m0 scales (N, K/32); ``spread``: weight 32-blocks of
+    magnitudes 2^-8 .. 2^1, so that a scale applied to the wrong row or block shows (|w| < 16: OCP scales of at most
+    2, the kernel's exact range)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=gen).to(act)
     w = torch.randn(n, k, device="cuda", generator=gen)
     if spread:
-        w = w * torch.exp2(torch.randint(-6, 7, (n, k // 32), device="cuda", generator=gen).float()
+        w = w * torch.exp2(torch.randint(-8, 2, (n, k // 32), device="cuda", generator=gen).float()
                            ).repeat_interleave(32, 1)
     q, s = quantize(w, "mxfp4", operand="b")
+    assert int(s.max()) <= 128, "the test's weights need scales past 2"
     return x, q, s
 
 

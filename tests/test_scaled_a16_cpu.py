@@ -66,6 +66,23 @@ def test_scale_factor_is_exact_in_range(name):
         assert math.isnan(factor_model(255, name))
 
 
+@pytest.mark.parametrize("name", ["bf16", "f16"])
+def test_wide_scale_factors_are_exact_past_two(name):
+    """A16Config(wide_scales=True): the factor of min(byte, 128) and then 2^(max(byte, 128) - 128), two packed
+    multiplies, give the dequantised value rounded to the 16-bit type for every byte past 128 too (bf16: up to 254,
+    inf where the value itself overflows bf16; f16: up to 143)."""
+    unit = 2.0 ** E2M1_UNIT_EXPONENT[name]
+    dt = TORCH16[name]
+    for byte in range(0 if name == "bf16" else 89, 255 if name == "bf16" else 144):
+        first = torch.tensor([factor_model(min(byte, 128), name)], dtype=dt)
+        second = torch.tensor([2.0 ** (max(byte, 128) - 128)], dtype=dt)
+        assert torch.isfinite(second).all()
+        for v in E2M1_VALUES:
+            product = (torch.tensor([v * unit], dtype=dt) * first * second).float().item()
+            expected = torch.tensor([v * 2.0 ** (byte - 127)]).to(dt).float().item()
+            assert product == expected or (math.isnan(product) and math.isnan(expected)), (byte, v)
+
+
 def pair_model(low: int, high: int) -> list:
     """pair_halves (prmt 0x5410 / 0x7632) on Python ints."""
     return [(low & 0xFFFF) | (high & 0xFFFF) << 16, (low >> 16) | (high >> 16) << 16]
@@ -138,6 +155,8 @@ COMPILED = [
     (16, 4096, 7168, torch.bfloat16, torch.float32, False, None),   # split K: f32 partials
     (12, 1000, 4128, torch.float16, torch.float16, True, A16Config(splits=1)),  # K tail, N tail, fp16
     (5, 256, 7168, torch.bfloat16, torch.bfloat16, False, A16Config(warps=8, unroll=2)),
+    (16, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(wide_scales=True)),
+    (3, 7168, 2048, torch.float16, torch.bfloat16, False, A16Config(wide_scales=True)),
 ]
 
 

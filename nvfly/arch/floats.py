@@ -213,32 +213,51 @@ _PACKED_MUL = {"bf16": "mul.rn.bf16x2", "f16": "mul.rn.f16x2"}
 
 
 @traced
+def scale_16bit_pairs(words: list, factor: Any, dtype: DType) -> list:
+    """Each i32 word of two ``dtype`` (bf16 or f16) values times ``factor`` (a word holding one 16-bit factor twice),
+    one packed multiply (``mul.rn.bf16x2`` / ``f16x2``) a word."""
+    if dtype.name not in _PACKED_MUL:
+        raise CompileError(f"packed 16-bit multiplies take bf16 or f16, got {dtype.name}")
+    return [asm(f"{_PACKED_MUL[dtype.name]} $0, $1, $2;", [v, factor], dtypes.i32, side_effects=False) for v in words]
+
+
+@traced
 def e2m1x8_to_16bit_scaled(word: Any, factor: Any, dtype: DType) -> list:
     """Eight packed e2m1 values (an i32) times a scale, as four i32 words of two ``dtype`` (bf16 or f16) values:
-    word i holds values i and i + 4 (``e2m1x8_to_16bit_bits``'s pairing), each multiplied (one packed multiply per
-    word) by ``factor``, a word holding the same 16-bit factor twice (``e8m0_to_16bit_factor``). The product of the
-    exact unscaled value and a power of two is exact wherever it is representable."""
+    word i holds values i and i + 4 (``e2m1x8_to_16bit_bits``'s pairing), each multiplied by ``factor``, a word
+    holding the same 16-bit factor twice (the first of ``e8m0_to_16bit_factors``; scales past 2 also need the
+    second, by ``scale_16bit_pairs``). The product of the exact unscaled value and a power of two is exact wherever
+    it is representable."""
     w = as_value(word)
     if not isinstance(w, Scalar) or w.dtype != dtypes.i32:
         raise CompileError(f"e2m1x8_to_16bit_scaled takes a 32-bit word as an i32, got {getattr(w, 'dtype', w)}")
     if dtype.name not in _PACKED_MUL:
         raise CompileError(f"e2m1 converts to bf16 or f16 here, got {dtype.name}")
-    return [asm(f"{_PACKED_MUL[dtype.name]} $0, $1, $2;", [bits, factor], dtypes.i32, side_effects=False)
-            for bits in e2m1x8_to_16bit_bits(w, dtype.name)]
+    return scale_16bit_pairs(e2m1x8_to_16bit_bits(w, dtype.name), factor, dtype)
+
+
+E8M0_SPLIT = 128  # the largest e8m0 byte whose factor e8m0_to_16bit_factors' first word holds alone
 
 
 @traced
-def e8m0_to_16bit_factor(byte: Any, dtype: DType) -> Scalar:
-    """The multiplier that turns ``e2m1x8_to_16bit_bits``' unscaled values into value * 2^(byte - 127) for an e8m0
-    scale byte: 2^(byte - 127 - E2M1_UNIT_EXPONENT) rounded to ``dtype`` (bf16 or f16), twice in one i32 word.
-    bf16: exact for bytes 0-128 (2^-1 .. 2^127); bytes 129-254 (scales of 4 and more) overflow to inf, as 0xFF
-    (NaN) gives NaN, so that such blocks poison the output rather than being clamped. f16: exact for bytes 89-128;
-    below, the factor rounds towards zero as f16 weights of that size would (|value| < 2^-24)."""
+def e8m0_to_16bit_factors(byte: Any, dtype: DType, wide: bool = False) -> list:
+    """The multipliers that turn ``e2m1x8_to_16bit_bits``' unscaled values into value * 2^(byte - 127) for an e8m0
+    scale byte, each rounded to ``dtype`` (bf16 or f16) and held twice in an i32 word. Without ``wide``: [2^(byte -
+    127 - E2M1_UNIT_EXPONENT)], exact for bytes up to 128 (scales up to 2: bf16 from byte 0 on, f16 from 89, below
+    which it rounds towards zero as f16 weights of that size would); past 128 it overflows to inf (0xFF: NaN), which
+    poisons the output rather than clamping it. ``wide``: [that factor for min(byte, 128) (NaN for 0xFF),
+    2^(max(byte, 128) - 128)], whose product is exact for every byte (bf16; f16 up to byte 143, 2^15)."""
     if dtype.name not in E2M1_UNIT_EXPONENT:
         raise CompileError(f"e8m0 factors are bf16 or f16 here, got {dtype.name}")
-    f = e8m0_to_f32(byte) * float(2.0 ** -E2M1_UNIT_EXPONENT[dtype.name])
+    unit = float(2.0 ** -E2M1_UNIT_EXPONENT[dtype.name])
     kind = "bf16x2" if dtype.name == "bf16" else "f16x2"
-    return asm(f"cvt.rn.{kind}.f32 $0, $1, $1;", [f], dtypes.i32, side_effects=False)
+    if not wide:
+        factors = [e8m0_to_f32(byte) * unit]
+    else:
+        b = as_value(byte).to(dtypes.i32) & 0xFF
+        low = select(b == E8M0_NAN, b, select(b > E8M0_SPLIT, E8M0_SPLIT, b))
+        factors = [e8m0_to_f32(low) * unit, e8m0_to_f32(select(b > E8M0_SPLIT, b - 1, 127))]
+    return [asm(f"cvt.rn.{kind}.f32 $0, $1, $1;", [f], dtypes.i32, side_effects=False) for f in factors]
 
 
 @traced

@@ -88,15 +88,21 @@ def test_strided_activation_rows(hopper):
     assert rel_error(out, scaled.reference(x, q, None, s)) < TOL[torch.bfloat16]
 
 
-def test_scales_past_two_poison_instead_of_clamping(hopper):
-    """An e8m0 byte above 128 (a scale of 4 or more) is outside what the bf16 factor holds: the documented result is
-    a non-finite output column, never a silently clamped one; the other columns stay exact."""
+def test_scales_past_two_poison_or_widen(hopper):
+    """An e8m0 byte above 128 (a scale of 4 or more) is outside what the default single bf16 factor holds: the
+    documented result is a non-finite output column, never a silently clamped one, the other columns exact; with
+    A16Config(wide_scales=True) every column is exact."""
     m, n, k = 3, 64, 256
     x, q, s = operands(m, n, k, spread=False)
     s = s.clone()
     s[5, 2] = 130
+    s[9, 0] = 200
+    ref = scaled.reference(x, q, None, s)
     out = scaled.scaled_mm(x, q, None, s, out_dtype=torch.float32)
-    assert not torch.isfinite(out[:, 5]).all()
-    keep = [j for j in range(n) if j != 5]
-    ref = scaled.reference(x, q, None, s)[:, keep]
-    assert rel_error(out[:, keep], ref) < TOL[torch.float32]
+    assert not torch.isfinite(out[:, 5]).all() and not torch.isfinite(out[:, 9]).all()
+    keep = [j for j in range(n) if j not in (5, 9)]
+    assert rel_error(out[:, keep], ref[:, keep]) < TOL[torch.float32]
+    wide = poisoned(m, n, torch.float32)
+    scaled.scaled_mm(x, q, None, s, out_dtype=torch.float32, out=wide, config=A16Config(wide_scales=True))
+    for cols in (keep, [5], [9]):  # column 9 is ~2^72 times the others: each apart
+        assert rel_error(wide[:, cols], ref[:, cols]) < TOL[torch.float32], cols

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import nvfly
 from nvfly.arch import sm80
-from nvfly.arch.floats import e2m1x8_to_16bit_scaled, e8m0_to_16bit_factor, pair_halves
+from nvfly.arch.floats import e2m1x8_to_16bit_scaled, e8m0_to_16bit_factors, pair_halves, scale_16bit_pairs
 from nvfly.arch.memory import L1Eviction, load_global
 from nvfly.ops.scaled.a16_plan import CHUNK_K, LANE_K, ROWS, TOKEN_BLOCK
 
@@ -66,14 +66,17 @@ def load_tokens(x_rows: list, kk, valid) -> list:
     return tiles
 
 
-def mma_lane_block(accs: list, weight: tuple, tokens: list, dtype) -> list:
+def lane_block(accs: list, weight: tuple, tokens: list, dtype, wide: bool) -> list:
     """Accumulate the lane's 32 k of a chunk: 8 k16 mma steps per token tile (the module docstring's K
-    permutation)."""
+    permutation). ``wide`` (``A16Config.wide_scales``): a second packed multiply makes scales past 2 (e8m0 bytes
+    > 128) exact too (``e8m0_to_16bit_factors``); without it they make the factor inf and poison the output."""
     words, scales = weight
-    factors = [e8m0_to_16bit_factor(s, dtype) for s in scales]
+    factors = [e8m0_to_16bit_factors(s, dtype, wide) for s in scales]
     out = [list(a) for a in accs]
     for j in range(LANE_K // 8):
-        rows = [e2m1x8_to_16bit_scaled(words[h][j], factors[h], dtype) for h in range(2)]
+        rows = [e2m1x8_to_16bit_scaled(words[h][j], factors[h][0], dtype) for h in range(2)]
+        if wide:
+            rows = [scale_16bit_pairs(rows[h], factors[h][1], dtype) for h in range(2)]
         pairs = [token_pairs(x, j, pair_halves) for x in tokens]
         for s in range(2):
             for t in range(len(out)):
@@ -98,7 +101,7 @@ def step_operands(rows: list, pairs: list, s: int) -> tuple[list, list]:
 
 
 def stream_chunks(accs: list, w_rows: tuple, s_rows: tuple, x_rows: list, chunks: list, p, k, tail: bool,
-                  dtype) -> list:
+                  dtype, wide: bool) -> list:
     """Load the weight of every chunk in ``chunks`` (first k of each), then the tokens and the mmas chunk by chunk;
     ``tail``: the one partial chunk, masked at K."""
     loaded = []
@@ -107,7 +110,7 @@ def stream_chunks(accs: list, w_rows: tuple, s_rows: tuple, x_rows: list, chunks
         valid = kk < k if tail else None
         loaded.append((kk, valid, load_weight(w_rows, s_rows, kk, valid)))
     for kk, valid, weight in loaded:
-        accs = mma_lane_block(accs, weight, load_tokens(x_rows, kk, valid), dtype)
+        accs = lane_block(accs, weight, load_tokens(x_rows, kk, valid), dtype, wide)
     return accs
 
 
@@ -145,11 +148,11 @@ def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, ou
     for gi in range(warp, unrolled, WARPS):
         first = c_begin + gi * UNROLL
         accs = stream_chunks(accs, w_rows, s_rows, x_rows, [(first + u) * CHUNK_K for u in nvfly.static_range(UNROLL)],
-                             p, k, False, dtype)
+                             p, k, False, dtype, CFG.wide_scales)
     for c in range(c_begin + unrolled * UNROLL + warp, c_end, WARPS):
-        accs = stream_chunks(accs, w_rows, s_rows, x_rows, [c * CHUNK_K], p, k, False, dtype)
+        accs = stream_chunks(accs, w_rows, s_rows, x_rows, [c * CHUNK_K], p, k, False, dtype, CFG.wide_scales)
     if (split == SPLITS - 1) & (warp == WARPS - 1) & (full * CHUNK_K < k):
-        accs = stream_chunks(accs, w_rows, s_rows, x_rows, [full * CHUNK_K], p, k, True, dtype)
+        accs = stream_chunks(accs, w_rows, s_rows, x_rows, [full * CHUNK_K], p, k, True, dtype, CFG.wide_scales)
 
     # every warp's fragments into shared memory as [warp][token][column], then one thread per output sums them
     partial = nvfly.shared_tensor(nvfly.f32, (WARPS * TILE,))

@@ -27,10 +27,13 @@ SPLIT_MAX = 16
 @dataclass(frozen=True)
 class A16Config:
     """``warps`` per CTA (splitting its K range), ``unroll`` chunks in flight per warp, ``splits`` CTAs sharing one
-    tile's K range (0: the heuristic's)."""
+    tile's K range (0: the heuristic's); ``wide_scales``: a second packed multiply per converted word so that e8m0
+    scales past 2 (bytes > 128) are exact too (without it they poison the output with inf/NaN; about a fifth more
+    instructions)."""
     warps: int = 4
     unroll: int = 4
     splits: int = 0
+    wide_scales: bool = False
 
     def check(self) -> Optional[str]:
         if self.warps not in (1, 2, 4, 8):
@@ -93,6 +96,7 @@ def make_a16_plan(m: int, n: int, k: int, config: Optional[A16Config], sms: int)
 
 def describe_a16_plan(plan: A16Plan) -> str:
     cfg = plan.config
-    name = "mxfp4-a16-stream" + (f"-splitK{plan.splits}" if plan.splits > 1 else "")
+    name = "mxfp4-a16-stream" + ("-wide" if cfg.wide_scales else "") + \
+        (f"-splitK{plan.splits}" if plan.splits > 1 else "")
     return (f"{name}: {ROWS} weight rows x {8 * plan.m_tiles} tokens per CTA, {plan.grid} CTAs of {cfg.warps} warps, "
             f"{cfg.unroll} chunks of {CHUNK_K} k in flight per warp")

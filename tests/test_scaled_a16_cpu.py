@@ -10,13 +10,13 @@ import random
 import pytest
 import torch
 
-from nvfly.arch.floats import E2M1_UNIT_EXPONENT, e2m1x8_to_16bit_bits
+from nvfly.arch.floats import E2M1_UNIT_EXPONENT, e2m1x8_to_16bit_bits, e8m0_factor_bits
 from nvfly.ops import scaled
 from nvfly.ops.scaled import A16Config
 from nvfly.ops.scaled.a16_kernel import LANE_K, step_operands, token_pairs
 from nvfly.ops.scaled.a16_plan import CHUNK_K, ROWS, make_a16_plan
 from nvfly.ops.scaled.api import compile_a16
-from nvfly.ops.scaled.quantize import E2M1_VALUES, dequantize_mxfp4, e8m0_to_float, quantize
+from nvfly.ops.scaled.quantize import E2M1_VALUES, dequantize_mxfp4, quantize
 
 TORCH16 = {"bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -26,10 +26,13 @@ def half_value(bits: int, name: str) -> float:
     return torch.tensor([bits - 65536 if bits >= 32768 else bits], dtype=torch.int16).view(TORCH16[name]).item()
 
 
-def factor_model(byte: int, name: str) -> float:
-    """e8m0_to_16bit_factor in torch: 2^(byte - 127 - unit) computed in f32, rounded to the 16-bit type."""
-    f = e8m0_to_float(torch.tensor([byte], dtype=torch.uint8)) * 2.0 ** -E2M1_UNIT_EXPONENT[name]
-    return f.to(TORCH16[name]).float().item()
+def factor_model(byte: int, name: str, wide: bool = False) -> list:
+    """The kernel's factors (e8m0_factor_bits on Python ints) as floats, checking both halves agree."""
+    out = []
+    for word in e8m0_factor_bits(byte, name, wide):
+        assert word >> 16 == word & 0xFFFF
+        out.append(half_value(word & 0xFFFF, name))
+    return out
 
 
 @pytest.mark.parametrize("name", ["bf16", "f16"])
@@ -50,37 +53,35 @@ def test_e2m1_to_16bit_every_code_at_every_position(name):
 @pytest.mark.parametrize("name", ["bf16", "f16"])
 def test_scale_factor_is_exact_in_range(name):
     """The packed multiply by the e8m0 factor gives the dequantised value rounded to the 16-bit type, exactly
-    (bf16: every byte 0..128; f16: 89..128, below it rounds like f16 weights would); bf16 bytes past 128 and 0xFF
-    give inf / NaN factors (poisoned, not clamped)."""
-    lo = 0 if name == "bf16" else 89
+    (bf16: every byte 0..128; f16: 99..128 exactly, 0..98 zero, as every f16 weight of that scale rounds to);
+    bytes past 128 and 0xFF give an inf factor (poisoned, not clamped)."""
     unit = 2.0 ** E2M1_UNIT_EXPONENT[name]
     dt = TORCH16[name]
-    for byte in range(lo, 129):
-        f = factor_model(byte, name)
-        assert f == 2.0 ** (byte - 127) / unit
+    for byte in range(0, 129):
+        f = factor_model(byte, name)[0]
+        if name == "bf16" or byte >= 99:
+            assert f == 2.0 ** (byte - 127) / unit
+        else:
+            assert f == 0.0
         for v in E2M1_VALUES:
             product = (torch.tensor([v * unit], dtype=dt) * torch.tensor([f], dtype=dt)).float().item()
             assert product == torch.tensor([v * 2.0 ** (byte - 127)]).to(dt).float().item(), (byte, v)
-    if name == "bf16":
-        assert all(math.isinf(factor_model(b, name)) for b in range(129, 255))
-        assert math.isnan(factor_model(255, name))
+    assert all(math.isinf(factor_model(b, name)[0]) for b in range(129, 256))
 
 
 @pytest.mark.parametrize("name", ["bf16", "f16"])
 def test_wide_scale_factors_are_exact_past_two(name):
     """A16Config(wide_scales=True): the factor of min(byte, 128) and then 2^(max(byte, 128) - 128), two packed
-    multiplies, give the dequantised value rounded to the 16-bit type for every byte past 128 too (bf16: up to 254,
-    inf where the value itself overflows bf16; f16: up to 143)."""
+    multiplies, give the dequantised value rounded to the 16-bit type for every byte (bf16: up to 254, inf where the
+    value itself overflows bf16; f16: up to 143)."""
     unit = 2.0 ** E2M1_UNIT_EXPONENT[name]
     dt = TORCH16[name]
-    for byte in range(0 if name == "bf16" else 89, 255 if name == "bf16" else 144):
-        first = torch.tensor([factor_model(min(byte, 128), name)], dtype=dt)
-        second = torch.tensor([2.0 ** (max(byte, 128) - 128)], dtype=dt)
+    for byte in range(0, 255 if name == "bf16" else 144):
+        first, second = (torch.tensor([f], dtype=dt) for f in factor_model(byte, name, wide=True))
         assert torch.isfinite(second).all()
         for v in E2M1_VALUES:
             product = (torch.tensor([v * unit], dtype=dt) * first * second).float().item()
-            expected = torch.tensor([v * 2.0 ** (byte - 127)]).to(dt).float().item()
-            assert product == expected or (math.isnan(product) and math.isnan(expected)), (byte, v)
+            assert product == torch.tensor([v * 2.0 ** (byte - 127)]).to(dt).float().item(), (byte, v)
 
 
 def pair_model(low: int, high: int) -> list:
@@ -111,7 +112,7 @@ def test_warp_chunk_model_matches_reference(name):
         g, p = lane // 4, lane % 4
         kk = LANE_K * p
         wwords = [words_of(packed[r, kk // 2:kk // 2 + 16].view(torch.int16)) for r in (g, g + 8)]
-        factors = [factor_model(int(sb[r, kk // LANE_K]), name) for r in (g, g + 8)]
+        factors = [factor_model(int(sb[r, kk // LANE_K]), name)[0] for r in (g, g + 8)]
         xwords = words_of(x[g, kk:kk + LANE_K])
         for j in range(LANE_K // 8):
             rows = [e2m1x8_to_16bit_bits(wwords[h][j], name) for h in range(2)]
@@ -143,10 +144,12 @@ def test_plan_splits_k_over_idle_sms():
     assert p.m_tiles == 2 and p.token_blocks == 1 and p.splits == 1
     p = make_a16_plan(40, 100, 96, None, 132)  # K below one chunk: a single split holding only the tail
     assert p.token_blocks == 3 and p.splits == 1 and p.chunks_per_split == 0 and p.grid == 7 * 3
-    p = make_a16_plan(4, 576, 7168, A16Config(warps=8, unroll=2, splits=3), 132)
+    p = make_a16_plan(4, 576, 7168, A16Config(warps=8, stages=4, splits=3), 132)
     assert p.splits == 3 and p.threads == 256
     with pytest.raises(ValueError, match="config: warps=3"):
         make_a16_plan(4, 576, 7168, A16Config(warps=3), 132)
+    with pytest.raises(ValueError, match="config: warps=8 x stages=8: .* static shared memory"):
+        make_a16_plan(4, 576, 7168, A16Config(warps=8), 132)
     assert "splitK" in scaled.describe(4, 576, 7168, scaling="mxfp4_a16")
 
 
@@ -154,7 +157,8 @@ COMPILED = [
     (1, 7168, 2048, torch.bfloat16, torch.bfloat16, True, None),
     (16, 4096, 7168, torch.bfloat16, torch.float32, False, None),   # split K: f32 partials
     (12, 1000, 4128, torch.float16, torch.float16, True, A16Config(splits=1)),  # K tail, N tail, fp16
-    (5, 256, 7168, torch.bfloat16, torch.bfloat16, False, A16Config(warps=8, unroll=2)),
+    (5, 256, 7168, torch.bfloat16, torch.bfloat16, False, A16Config(warps=8, stages=4)),
+    (9, 1000, 4128, torch.bfloat16, torch.bfloat16, True, A16Config(stages=0, unroll=4)),  # weights into registers
     (16, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(wide_scales=True)),
     (3, 7168, 2048, torch.float16, torch.bfloat16, False, A16Config(wide_scales=True)),
 ]
@@ -170,7 +174,10 @@ def test_variants_compile_to_hmma_without_spills(m, n, k, act, out, bias, cfg):
     bf16 = act == torch.bfloat16
     assert ops["HMMA.16816.F32.BF16" if bf16 else "HMMA.16816.F32"] > 0  # mma.sync on 16-bit operands
     assert ops["HMUL2.BF16_V2" if bf16 else "HMUL2"] > 0  # the packed scale multiply
-    assert ops["LDG.E.NA.LTC256B.128.CONSTANT"] > 0  # the streamed weight: read-only, no L1, L2 prefetch
+    if plan.config.stages:  # the streamed weight: cp.async (L1 bypassed) into the warp's ring
+        assert ops["LDGSTS.E.BYPASS.128"] > 0 and ops["LDS.128"] > 0
+    else:  # straight into registers: read-only, no L1, L2 prefetch
+        assert ops["LDG.E.NA.LTC256B.128.CONSTANT"] > 0
 
 
 def args(m=4, n=64, k=256, act=torch.bfloat16):

@@ -19,7 +19,7 @@ from nvfly.arch.target import requires
 from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
 from nvfly.frontend.dtypes import DType
-from nvfly.frontend.language import select
+from nvfly.frontend.language import maximum, minimum, select
 from nvfly.frontend.trace import traced
 from nvfly.frontend.values import Scalar, as_value
 
@@ -237,27 +237,42 @@ def e2m1x8_to_16bit_scaled(word: Any, factor: Any, dtype: DType) -> list:
 
 
 E8M0_SPLIT = 128  # the largest e8m0 byte whose factor e8m0_to_16bit_factors' first word holds alone
+# the 16-bit types' (exponent bias, largest exponent field, mantissa bits)
+_HALF_FORMAT = {"bf16": (127, 255, 7), "f16": (15, 31, 10)}
+
+
+def e8m0_factor_bits(byte: Any, dtype_name: str, wide: bool = False) -> list:
+    """``e8m0_to_16bit_factors``' integer operations on anything with integer operators and ``minimum`` /
+    ``maximum`` (a traced i32 0..255, or Python ints to test them without a GPU): each factor's 16 bits, twice in a
+    32-bit word. A factor 2^f is built as its exponent field f + bias clamped to [0, all ones]: all ones is inf (so
+    a byte whose factor overflows poisons the output), 0 is zero (f16 factors below its subnormals: weights that
+    round to zero in f16 anyway)."""
+    bias, top, mantissa = _HALF_FORMAT[dtype_name]
+    unit = E2M1_UNIT_EXPONENT[dtype_name]
+    mn = minimum if not isinstance(byte, int) else min
+    mx = maximum if not isinstance(byte, int) else max
+
+    def power(exponent_plus_bias: Any) -> Any:  # 2^(field - bias) in both halves
+        field = mn(mx(exponent_plus_bias, 0), top) << mantissa
+        return field | (field << 16)
+    if not wide:
+        return [power(byte - 127 - unit + bias)]
+    return [power(mn(byte, E8M0_SPLIT) - 127 - unit + bias), power(mx(byte, E8M0_SPLIT) - E8M0_SPLIT + bias)]
 
 
 @traced
 def e8m0_to_16bit_factors(byte: Any, dtype: DType, wide: bool = False) -> list:
     """The multipliers that turn ``e2m1x8_to_16bit_bits``' unscaled values into value * 2^(byte - 127) for an e8m0
-    scale byte, each rounded to ``dtype`` (bf16 or f16) and held twice in an i32 word. Without ``wide``: [2^(byte -
-    127 - E2M1_UNIT_EXPONENT)], exact for bytes up to 128 (scales up to 2: bf16 from byte 0 on, f16 from 89, below
-    which it rounds towards zero as f16 weights of that size would); past 128 it overflows to inf (0xFF: NaN), which
-    poisons the output rather than clamping it. ``wide``: [that factor for min(byte, 128) (NaN for 0xFF),
-    2^(max(byte, 128) - 128)], whose product is exact for every byte (bf16; f16 up to byte 143, 2^15)."""
+    scale byte, as ``dtype`` (bf16 or f16) held twice in an i32 word (integer operations only:
+    ``e8m0_factor_bits``). Without ``wide``: [2^(byte - 127 - E2M1_UNIT_EXPONENT)], exact for bytes up to 128
+    (scales up to 2; bf16 from byte 0 on; f16 from 99 on, 0 below, where every f16 weight rounds to 0); past 128
+    (and 0xFF, OCP's NaN) the factor is inf, which poisons the output rather than clamping it. ``wide``: [that factor
+    for min(byte, 128), 2^(max(byte, 128) - 128)], whose product is exact for every byte up to 254 (bf16; f16 up to
+    143, past which f16 weights overflow)."""
     if dtype.name not in E2M1_UNIT_EXPONENT:
         raise CompileError(f"e8m0 factors are bf16 or f16 here, got {dtype.name}")
-    unit = float(2.0 ** -E2M1_UNIT_EXPONENT[dtype.name])
-    kind = "bf16x2" if dtype.name == "bf16" else "f16x2"
-    if not wide:
-        factors = [e8m0_to_f32(byte) * unit]
-    else:
-        b = as_value(byte).to(dtypes.i32) & 0xFF
-        low = select(b == E8M0_NAN, b, select(b > E8M0_SPLIT, E8M0_SPLIT, b))
-        factors = [e8m0_to_f32(low) * unit, e8m0_to_f32(select(b > E8M0_SPLIT, b - 1, 127))]
-    return [asm(f"cvt.rn.{kind}.f32 $0, $1, $1;", [f], dtypes.i32, side_effects=False) for f in factors]
+    b = as_value(byte).to(dtypes.i32) & 0xFF
+    return e8m0_factor_bits(b, dtype.name, wide)
 
 
 @traced

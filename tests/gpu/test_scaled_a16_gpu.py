@@ -69,7 +69,8 @@ def test_small_m_random_shapes(hopper, m):
     (4, 576, 7168, torch.bfloat16, torch.bfloat16, True, None),           # heuristic split K, reduce adds the bias
     (16, 7168, 2048, torch.bfloat16, torch.float32, False, None),         # DeepSeek-V3 down projection, no split
     (7, 1000, 4128, torch.float16, torch.float16, True, None),            # fp16 activations, K tail
-    (12, 300, 4096, torch.bfloat16, torch.bfloat16, False, A16Config(warps=8, unroll=2, splits=5)),
+    (12, 300, 4096, torch.bfloat16, torch.bfloat16, False, A16Config(warps=8, stages=4, splits=5)),
+    (9, 1000, 4128, torch.bfloat16, torch.float16, True, A16Config(stages=0, unroll=3)),  # weights into registers
     (1, 256, 96, torch.float16, torch.float32, True, None),               # K below one chunk: only the tail
     (64, 1040, 1024, torch.bfloat16, torch.bfloat16, True, None),         # four token blocks
     (200, 333, 640, torch.float16, torch.bfloat16, False, None),          # larger M, every tail

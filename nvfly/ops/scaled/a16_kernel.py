@@ -29,8 +29,9 @@ from __future__ import annotations
 import nvfly
 from nvfly.arch import sm80
 from nvfly.arch.floats import e2m1x8_to_16bit_scaled, e8m0_to_16bit_factors, pair_halves, scale_16bit_pairs
-from nvfly.arch.memory import L1Eviction, load_global
-from nvfly.ops.scaled.a16_plan import CHUNK_K, LANE_K, ROWS, TOKEN_BLOCK
+from nvfly.arch.memory import L1Eviction, load_global, load_shared
+from nvfly.arch.ptx import smem_address
+from nvfly.ops.scaled.a16_plan import CHUNK_K, LANE_K, RING_CHUNK_BYTES, ROWS, TOKEN_BLOCK
 
 TILE = ROWS * TOKEN_BLOCK  # a CTA's outputs
 
@@ -114,6 +115,38 @@ def stream_chunks(accs: list, w_rows: tuple, s_rows: tuple, x_rows: list, chunks
     return accs
 
 
+def copy_chunk(slot, w_rows: tuple, kk, valid) -> None:
+    """cp.async this lane's 16 bytes of both weight rows at k ``kk`` to its 32-byte ``slot`` of a ring stage, as one
+    commit group; where ``valid`` (i1) is false nothing is read and the slot is zero-filled."""
+    for h in range(2):
+        sm80.cp_async(slot + 16 * h, w_rows[h].address(kk // 2), 16, valid)
+    sm80.cp_async_commit()
+
+
+@nvfly.func
+def stream_ring(accs, w_rows, s_rows, x_rows, slot, first, count, p, DTYPE, CFG):
+    """The warp's ``count`` full chunks (first, first + warps, ...) through its private cp.async ring (``slot``:
+    this lane's 32 bytes of stage 0; stages RING_CHUNK_BYTES apart): ``stages - 1`` chunks in flight, each lane
+    reading back only what it copied (so no warp synchronisation), the scales and tokens read at use (L1 hits)."""
+    S = CFG.stages
+    STEP = CFG.warps * CHUNK_K
+    k0 = first * CHUNK_K + LANE_K * p
+    for i in nvfly.static_range(S - 1):
+        copy_chunk(slot + i * RING_CHUNK_BYTES, w_rows, nvfly.minimum(i, count - 1) * STEP + k0, i < count)
+    for i in range(0, count):
+        ahead = i + S - 1
+        copy_chunk(slot + (ahead % S) * RING_CHUNK_BYTES, w_rows, nvfly.minimum(ahead, count - 1) * STEP + k0,
+                   ahead < count)
+        sm80.cp_async_wait(S - 1)  # chunk i's copies have landed
+        kk = i * STEP + k0
+        stage = slot + (i % S) * RING_CHUNK_BYTES
+        words = [load_shared(stage + 16 * h, 4) for h in range(2)]
+        accs = lane_block(accs, (words, [s[kk // LANE_K] for s in s_rows]), load_tokens(x_rows, kk, None), DTYPE,
+                          CFG.wide_scales)
+    sm80.cp_async_wait(0)
+    return accs
+
+
 @nvfly.kernel
 def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, bias,
                      m: nvfly.i32, n: nvfly.i32, k: nvfly.i32, chunks_per_split: nvfly.i32, token_blocks: nvfly.i32,
@@ -145,12 +178,19 @@ def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, ou
     c_begin = split * chunks_per_split
     c_end = nvfly.minimum(c_begin + chunks_per_split, full)
     unrolled = (c_end - c_begin) // UNROLL
-    for gi in range(warp, unrolled, WARPS):
-        first = c_begin + gi * UNROLL
-        accs = stream_chunks(accs, w_rows, s_rows, x_rows, [(first + u) * CHUNK_K for u in nvfly.static_range(UNROLL)],
-                             p, k, False, dtype, CFG.wide_scales)
-    for c in range(c_begin + unrolled * UNROLL + warp, c_end, WARPS):
-        accs = stream_chunks(accs, w_rows, s_rows, x_rows, [c * CHUNK_K], p, k, False, dtype, CFG.wide_scales)
+    if CFG.stages:
+        ring = smem_address(nvfly.shared_tensor(nvfly.u8, (WARPS * CFG.stages * RING_CHUNK_BYTES,)))
+        accs = stream_ring(accs, w_rows, s_rows, x_rows, ring + warp * (CFG.stages * RING_CHUNK_BYTES) + lane * 32,
+                           c_begin + warp, nvfly.maximum(c_end - c_begin - warp + WARPS - 1, 0) // WARPS, p, dtype,
+                           CFG)
+    else:
+        for gi in range(warp, unrolled, WARPS):
+            first = c_begin + gi * UNROLL
+            accs = stream_chunks(accs, w_rows, s_rows, x_rows,
+                                 [(first + u) * CHUNK_K for u in nvfly.static_range(UNROLL)], p, k, False, dtype,
+                                 CFG.wide_scales)
+        for c in range(c_begin + unrolled * UNROLL + warp, c_end, WARPS):
+            accs = stream_chunks(accs, w_rows, s_rows, x_rows, [c * CHUNK_K], p, k, False, dtype, CFG.wide_scales)
     if (split == SPLITS - 1) & (warp == WARPS - 1) & (full * CHUNK_K < k):
         accs = stream_chunks(accs, w_rows, s_rows, x_rows, [full * CHUNK_K], p, k, True, dtype, CFG.wide_scales)
 

@@ -22,18 +22,28 @@ TOKEN_BLOCK = 16   # tokens per CTA: two n8 mma tiles
 FILL_CTAS = 2      # split K while the CTAs are fewer than this many per SM
 SPLIT_MIN_CHUNKS = 2
 SPLIT_MAX = 16
+RING_CHUNK_BYTES = 32 * 2 * 16  # a warp's chunk in its cp.async ring: each lane's 16 bytes of two weight rows
+STATIC_SMEM = 48 * 1024
 
 
 @dataclass(frozen=True)
 class A16Config:
-    """``warps`` per CTA (splitting its K range), ``unroll`` chunks in flight per warp, ``splits`` CTAs sharing one
-    tile's K range (0: the heuristic's); ``wide_scales``: a second packed multiply per converted word so that e8m0
+    """``warps`` per CTA (splitting its K range); ``stages``: each warp streams its chunks through a private ring of
+    that many cp.async stages (``stages - 1`` chunks in flight while one is converted), or, with 0, loads ``unroll``
+    chunks at a time straight into registers (ptxas may then delay the later loads past the first chunk's math);
+    ``splits`` CTAs sharing one tile's K range (0: the heuristic's); ``wide_scales``: a second packed multiply per converted word so that e8m0
     scales past 2 (bytes > 128) are exact too (without it they poison the output with inf/NaN; about a fifth more
     instructions)."""
     warps: int = 4
     unroll: int = 4
     splits: int = 0
     wide_scales: bool = False
+    stages: int = 8
+
+    @property
+    def static_smem_bytes(self) -> int:
+        """The CTA's static shared memory: the warps' cp.async rings and the partial tiles' reduction."""
+        return self.warps * (self.stages * RING_CHUNK_BYTES + ROWS * TOKEN_BLOCK * 4)
 
     def check(self) -> Optional[str]:
         if self.warps not in (1, 2, 4, 8):
@@ -42,6 +52,11 @@ class A16Config:
             return f"unroll={self.unroll}: 1 to 8"
         if not 0 <= self.splits <= 32:
             return f"splits={self.splits}: 0 (the heuristic's) to 32"
+        if self.stages == 1 or self.stages < 0:
+            return f"stages={self.stages}: 0 (weights loaded into registers) or a ring of at least 2"
+        if self.static_smem_bytes > STATIC_SMEM:
+            return (f"warps={self.warps} x stages={self.stages}: {self.static_smem_bytes} bytes of static shared "
+                    f"memory exceed {STATIC_SMEM}")
         return None
 
 

@@ -22,7 +22,7 @@ on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, < 1 min)
 torch.matmul on the bf16 weight of the same shape. Reported: TB/s of the packed weight (N*K/2 bytes of e2m1 pairs +
 N*K/32 e8m0 scales per call) and its fraction of the memory floor, against the device copy bandwidth measured in
 the same process (floor_fraction) and against 4.8 TB/s (spec_fraction); the error against the float32 GEMM on the
-dequantised weight. Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--name ...].
+dequantised weight; also the stages=0 mainloop (weights straight into registers, registers_tbps). Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--name ...].
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_results  # noqa: E402
 from nvfly.ops import scaled  # noqa: E402
-from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue  # noqa: E402
+from nvfly.ops.scaled import A16Config, ScaledConfig, ScaledEpilogue  # noqa: E402
 from nvfly.ops.scaled.plan import make_plan  # noqa: E402
 from nvfly.ops.scaled.quantize import dequantize_mxfp4, quantize, quantize_fp8, quantize_mxfp4  # noqa: E402
 
@@ -106,6 +106,7 @@ A16_WEIGHTS = [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (4096, 7
 A16_QUICK = [(576, 7168), (4096, 7168), (7168, 2048), (8192, 8192), (8192, 28672)]
 A16_M = [1, 4, 16, 64]
 SPEC_TBPS = 4.8  # the H200's HBM3e bandwidth
+REGISTERS = A16Config(stages=0)
 
 
 def copy_tbps() -> float:
@@ -137,9 +138,12 @@ def a16_rows(weights: list[tuple[int, int]], ms: list[int]) -> tuple[list[dict[s
                    "rel_err": rel_err(out, ref), "max_err": max_err(out, ref), "weight_bytes": weight_bytes}
             del ref
             row["nvfly_ms"] = bench_ms(lambda: scaled.scaled_mm(x, q, None, sb, out=out))
+            # the alternative mainloop: weights loaded straight into registers, no cp.async ring
+            row["nvfly_registers_ms"] = bench_ms(lambda: scaled.scaled_mm(x, q, None, sb, out=out, config=REGISTERS))
             row["bf16_ms"] = bench_ms(lambda: torch.matmul(x, w16))
             row["nvfly_tbps"] = weight_bytes / row["nvfly_ms"] / 1e9
             row["bf16_tbps"] = 2 * n * k / row["bf16_ms"] / 1e9
+            row["registers_tbps"] = weight_bytes / row["nvfly_registers_ms"] / 1e9
             row["floor_fraction"] = row["nvfly_tbps"] / ceiling
             row["spec_fraction"] = row["nvfly_tbps"] / SPEC_TBPS
             row["vs_bf16"] = row["bf16_ms"] / row["nvfly_ms"]
@@ -148,7 +152,7 @@ def a16_rows(weights: list[tuple[int, int]], ms: list[int]) -> tuple[list[dict[s
             print(f"{m:>3}x{n:>5}x{k:>5} mxfp4_a16  err {row['rel_err']:.1e}  nvfly {row['nvfly_ms'] * 1e3:7.1f} us "
                   f"{row['nvfly_tbps']:.2f} TB/s ({row['floor_fraction']:.0%} of copy, {row['spec_fraction']:.0%} of "
                   f"{SPEC_TBPS})  bf16 matmul {row['bf16_ms'] * 1e3:7.1f} us ({row['bf16_tbps']:.2f} TB/s) "
-                  f"x{row['vs_bf16']:.2f}  {row['path']}", flush=True)
+                  f"x{row['vs_bf16']:.2f}  registers {row['registers_tbps']:.2f} TB/s  {row['path']}", flush=True)
         del q, sb, w16
     return rows, ceiling
 

@@ -22,7 +22,8 @@ on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, < 1 min)
 torch.matmul on the bf16 weight of the same shape. Reported: TB/s of the packed weight (N*K/2 bytes of e2m1 pairs +
 N*K/32 e8m0 scales per call) and its fraction of the memory floor, against the device copy bandwidth measured in
 the same process (floor_fraction) and against 4.8 TB/s (spec_fraction); the error against the float32 GEMM on the
-dequantised weight; also the stages=0 mainloop (weights straight into registers, registers_tbps). Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--name ...].
+dequantised weight; also the stages=0 mainloop (weights straight into registers, registers_tbps). Usage:
+python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--name ...].
 """
 from __future__ import annotations
 

@@ -5,24 +5,27 @@
 x (M, K) bf16 or fp16 with K contiguous, w (N, K/2) packed e2m1 pairs (the low nibble the lower k), w_scale (N, K/32)
 e8m0 bytes. The kernel computes the transposed product (swap AB): the weight's rows are the A operand of
 ``mma.m16n8k16`` (16 output columns per warp), the tokens its B operand (8 a tile, two tiles for M > 8), so the
-weight, the only large operand, is read once and goes global -> registers -> tensor core, through no shared memory.
+weight, the only large operand, is read once and dequantised in registers (never converted in shared memory).
 
 K permutation. A chunk is 128 k of 16 weight rows: lane l (g = l / 4, p = l % 4) loads the 16 bytes of rows g and
 g + 8 at k 32p..32p+31 of the chunk (one MX block, so one scale byte per row; a warp instruction reads 8 rows x 64
 contiguous bytes). Each 32-bit word j of those 16 bytes holds k 32p + 8j .. +7; ``e2m1x8_to_16bit_scaled`` turns it
 into four words pairing values (i, i + 4) (shifts and masks, then one packed multiply by the block's scale, which
 also undoes the conversion's 2^-126 (bf16) or 2^-14 (fp16)). mma step (j, s), s = 0, 1, takes pair words 2s (A
-registers 0, 1: rows g, g + 8) and 2s + 1 (registers 2, 3); the tokens' 16-byte vectors (k 32p + 8j .. +7 in natural order) are regrouped by ``pair_halves`` into the same pairs
-for the B registers. Which lane's k sits at which ISA k index is free as long as A and B agree, so no shuffles or
-shared memory are needed.
+registers 0, 1: rows g, g + 8) and 2s + 1 (registers 2, 3); the tokens' 16-byte vectors (k 32p + 8j .. +7 in
+natural order) are regrouped by ``pair_halves`` into the same pairs for the B registers. Which lane's k sits at which
+ISA k index is free as long as A and B agree, so no shuffles are needed.
 
 Parallelism (``a16_plan``). Grid: weight-row groups x K splits x token blocks (token blocks fastest). The CTA's
-warps take its chunks ``unroll`` at a time (chunk group i of warp v: v + i * warps), all the group's weight and
-scale loads issued before any math (read-only path, no L1 allocation, 256-byte L2 prefetch); then the tokens (L1 /
-L2 hits) chunk by chunk. Rows past N and tokens past M are clamped (their results are never stored); a K tail
-(K % 128, whole MX blocks) is one predicated chunk of the last warp of the last split, zeros past K in both operands.
-The warps' partial tiles meet in shared memory; one thread per output sums them and stores out (+ bias), or, with
-split K, the unscaled f32 sum into partials[split] for the scaled GEMM's reduce kernel.
+warps take its chunks round robin. With ``A16Config.stages`` (the default) each warp streams them through a private
+ring of cp.async stages in shared memory (``stream_ring``): ``stages - 1`` chunks in flight, each lane reading back
+only its own 32 bytes, so only ``cp.async.wait_group`` orders it. With ``stages`` 0 a warp loads ``unroll`` chunks
+straight into registers (read-only path, no L1 allocation, 256-byte L2 prefetch) before their math; ptxas may then
+delay the later loads. The tokens (L1 / L2 hits) and scales are read at use. Rows past N and tokens past M are
+clamped (their results are never stored); a K tail (K % 128, whole MX blocks) is one predicated chunk of the last
+warp of the last split, zeros past K in both operands. The warps' partial tiles meet in shared memory; one thread
+per output sums them and stores out (+ bias), or, with split K, the f32 sum into partials[split] for the scaled
+GEMM's reduce kernel.
 """
 from __future__ import annotations
 
@@ -132,7 +135,8 @@ def stream_ring(accs, w_rows, s_rows, x_rows, slot, first, count, p, DTYPE, CFG)
     STEP = CFG.warps * CHUNK_K
     k0 = first * CHUNK_K + LANE_K * p
     for i in nvfly.static_range(S - 1):
-        copy_chunk(slot + i * RING_CHUNK_BYTES, w_rows, nvfly.minimum(i, count - 1) * STEP + k0, i < count)
+        copy_chunk(slot + i * RING_CHUNK_BYTES, w_rows, nvfly.maximum(nvfly.minimum(i, count - 1), 0) * STEP + k0,
+                   i < count)
     for i in range(0, count):
         ahead = i + S - 1
         copy_chunk(slot + (ahead % S) * RING_CHUNK_BYTES, w_rows, nvfly.minimum(ahead, count - 1) * STEP + k0,

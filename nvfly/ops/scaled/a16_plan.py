@@ -1,7 +1,8 @@
 """MXFP4 weights x 16-bit (bf16 / fp16) activations: the streaming kernel's config and plan. Pure Python.
 
 The kernel (``a16_kernel``) gives each CTA 16 output columns (weight rows) and a block of up to 16 tokens; its warps
-split the CTA's K range in chunks of 128 k (64 bytes of every weight row), ``unroll`` chunks in flight per warp.
+split the CTA's K range in chunks of 128 k (64 bytes of every weight row), ``stages - 1`` chunks in flight per warp
+(a cp.async ring; or ``unroll`` at a time loaded into registers).
 Heuristic: one CTA per 16 weight rows and token block (token blocks vary fastest, so the CTAs that share weight rows
 run together and all but the first read them from L2); while that gives fewer than ``FILL_CTAS`` CTAs per SM, K is
 split over more CTAs (f32 partial sums, then the scaled GEMM's reduce kernel adds them and the bias), each split at
@@ -31,9 +32,9 @@ class A16Config:
     """``warps`` per CTA (splitting its K range); ``stages``: each warp streams its chunks through a private ring of
     that many cp.async stages (``stages - 1`` chunks in flight while one is converted), or, with 0, loads ``unroll``
     chunks at a time straight into registers (ptxas may then delay the later loads past the first chunk's math);
-    ``splits`` CTAs sharing one tile's K range (0: the heuristic's); ``wide_scales``: a second packed multiply per converted word so that e8m0
-    scales past 2 (bytes > 128) are exact too (without it they poison the output with inf/NaN; about a fifth more
-    instructions)."""
+    ``splits`` CTAs sharing one tile's K range (0: the heuristic's); ``wide_scales``: a second packed multiply per
+    converted word so that e8m0 scales past 2 (bytes > 128) are exact too (without it they poison the output with
+    inf/NaN; about a fifth more instructions)."""
     warps: int = 4
     unroll: int = 4
     splits: int = 0

@@ -114,5 +114,6 @@ def describe_a16_plan(plan: A16Plan) -> str:
     cfg = plan.config
     name = "mxfp4-a16-stream" + ("-wide" if cfg.wide_scales else "") + \
         (f"-splitK{plan.splits}" if plan.splits > 1 else "")
+    flight = f"a {cfg.stages}-stage cp.async ring" if cfg.stages else f"{cfg.unroll} chunks into registers"
     return (f"{name}: {ROWS} weight rows x {8 * plan.m_tiles} tokens per CTA, {plan.grid} CTAs of {cfg.warps} warps, "
-            f"{cfg.unroll} chunks of {CHUNK_K} k in flight per warp")
+            f"{flight} per warp (chunks of {CHUNK_K} k)")

@@ -114,6 +114,8 @@ def describe_a16_plan(plan: A16Plan) -> str:
     cfg = plan.config
     name = "mxfp4-a16-stream" + ("-wide" if cfg.wide_scales else "") + \
         (f"-splitK{plan.splits}" if plan.splits > 1 else "")
-    flight = f"a {cfg.stages}-stage cp.async ring" if cfg.stages else f"{cfg.unroll} chunks into registers"
+    flight = f"{cfg.stages}-stage cp.async ring" if cfg.stages else f"{cfg.unroll} chunks into registers"
+    blocks = "" if plan.token_blocks == 1 else \
+        f", {plan.token_blocks} token blocks (M > {TOKEN_BLOCK}: the weight streamed per block, no wgmma mainloop yet)"
     return (f"{name}: {ROWS} weight rows x {8 * plan.m_tiles} tokens per CTA, {plan.grid} CTAs of {cfg.warps} warps, "
-            f"{flight} per warp (chunks of {CHUNK_K} k)")
+            f"{flight} per warp (chunks of {CHUNK_K} k){blocks}")

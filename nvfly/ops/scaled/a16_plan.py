@@ -89,8 +89,8 @@ def make_a16_plan(m: int, n: int, k: int, config: Optional[A16Config], sms: int)
     why = config.check()
     if why:
         raise ValueError(f"config: {why}")
-    token_blocks = math.ceil(m / TOKEN_BLOCK)
-    groups = math.ceil(n / ROWS)
+    token_blocks = max(1, math.ceil(m / TOKEN_BLOCK))  # M or N 0: a one-CTA plan that the call never launches
+    groups = max(1, math.ceil(n / ROWS))
     full = k // CHUNK_K
     splits = config.splits
     if splits == 0:

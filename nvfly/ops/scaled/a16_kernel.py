@@ -154,10 +154,11 @@ def stream_ring(accs, w_rows, s_rows, x_rows, slot, first, count, p, DTYPE, CFG)
 @nvfly.kernel
 def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, bias,
                      m: nvfly.i32, n: nvfly.i32, k: nvfly.i32, chunks_per_split: nvfly.i32, token_blocks: nvfly.i32,
-                     CFG: nvfly.Constexpr, M_TILES: nvfly.Constexpr, PARTIAL: nvfly.Constexpr):
+                     splits: nvfly.i32, CFG: nvfly.Constexpr, M_TILES: nvfly.Constexpr, PARTIAL: nvfly.Constexpr):
     """out (M, N) = x (M, K) @ dequantised w (N, K)^T (+ bias); PARTIAL: out is partials [splits, M, N] f32 and
-    each split stores its K range's sum (the scales were applied in the mainloop; the bias is the reduce's)."""
-    WARPS, UNROLL, SPLITS = CFG.warps, CFG.unroll, CFG.splits
+    each split stores its K range's sum (the scales were applied in the mainloop; the bias is the reduce's).
+    ``splits`` is a runtime value (CFG's is unused, 0), so that shapes that split differently share a compile."""
+    WARPS, UNROLL = CFG.warps, CFG.unroll
     THREADS = 32 * WARPS
     dtype = x.dtype
     nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
@@ -168,8 +169,8 @@ def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, ou
     p = lane % 4
     bid = nvfly.block_idx.x
     block = bid % token_blocks
-    split = (bid // token_blocks) % SPLITS
-    group = bid // (token_blocks * SPLITS)
+    split = (bid // token_blocks) % splits
+    group = bid // (token_blocks * splits)
     n0 = group * ROWS
     t0 = block * TOKEN_BLOCK
 
@@ -195,7 +196,7 @@ def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, ou
                                  CFG.wide_scales)
         for c in range(c_begin + unrolled * UNROLL + warp, c_end, WARPS):
             accs = stream_chunks(accs, w_rows, s_rows, x_rows, [c * CHUNK_K], p, k, False, dtype, CFG.wide_scales)
-    if (split == SPLITS - 1) & (warp == WARPS - 1) & (full * CHUNK_K < k):
+    if (split == splits - 1) & (warp == WARPS - 1) & (full * CHUNK_K < k):
         accs = stream_chunks(accs, w_rows, s_rows, x_rows, [full * CHUNK_K], p, k, True, dtype, CFG.wide_scales)
 
     # every warp's fragments into shared memory as [warp][token][column], then one thread per output sums them

@@ -82,6 +82,11 @@ class A16Plan:
     def partial(self) -> bool:
         return self.splits > 1
 
+    @property
+    def kernel_config(self) -> A16Config:
+        """The config as the kernel is compiled for it: the split count is a runtime argument."""
+        return replace(self.config, splits=0)
+
 
 def make_a16_plan(m: int, n: int, k: int, config: Optional[A16Config], sms: int) -> A16Plan:
     """The plan of an m x n x k call (``config`` None: the heuristic's warps and unroll; splits 0: its split)."""

@@ -497,7 +497,8 @@ class _A16Call:
             buffer = scratch.partials(a.device, current_stream(a.device.index), count)[:count]
             target = buffer.view(plan.splits, plan.m, plan.n)
         self.launch(w, w_scale, a, target, None if self.reduce is not None else bias, plan.m, plan.n, plan.k,
-                    plan.chunks_per_split, plan.token_blocks, plan.config, plan.m_tiles, self.reduce is not None)
+                    plan.chunks_per_split, plan.token_blocks, plan.splits, plan.kernel_config, plan.m_tiles,
+                    self.reduce is not None)
         if self.reduce is not None:
             self.reduce(target, out, w_scale, w_scale, bias, plan.m, plan.n, plan.splits, "mxfp4", self.reduce_vec,
                         REDUCE_THREADS)
@@ -519,7 +520,8 @@ def compile_a16(m: int, n: int, k: int, config: Optional[A16Config] = None, acti
     kernel = mxfp4_a16_kernel.compile(TensorDesc(u8, (n, k // 2)), TensorDesc(u8, (n, k // MX_BLOCK)),
                                       TensorDesc(nv[activations], (m, k)), out,
                                       TensorDesc(bf16, (n,)) if bias and not plan.partial else None, m, n, k,
-                                      plan.chunks_per_split, plan.token_blocks, CFG=plan.config, M_TILES=plan.m_tiles,
+                                      plan.chunks_per_split, plan.token_blocks, plan.splits, CFG=plan.kernel_config,
+                                      M_TILES=plan.m_tiles,
                                       PARTIAL=plan.partial, block=plan.threads, target=target)
     return plan, kernel
 

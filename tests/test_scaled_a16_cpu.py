@@ -218,3 +218,11 @@ def test_reference_is_the_dequantised_product():
     bias = torch.randn(48)
     ref = scaled.reference(x, q, None, s, bias)
     torch.testing.assert_close(ref, x.float() @ dequantize_mxfp4(q.t(), s).t() + bias)
+
+
+def test_config_and_swap_errors_name_the_argument():
+    x, q, s = args()
+    with pytest.raises(TypeError, match="config: expected an A16Config"):
+        scaled.path(x, q, None, s, config=scaled.ScaledConfig())
+    with pytest.raises(ValueError, match="swap: .*always run swapped"):
+        scaled.path(x, q, None, s, swap=False)

@@ -171,8 +171,8 @@ def test_ldmatrix_phases_are_conflict_free(segments):
 
 @pytest.mark.parametrize("dim", P.HEAD_DIMS)
 def test_fp8_conversion_lays_out_swizzled_rows(dim):
-    """convert_stage's copies turn a stage of fp8 rows (dim bytes each, as cp.async stored them) into the swizzled
-    16-bit tile the fragment maps read: every element once, in its row and column."""
+    """fp8_conversion_map's copies turn a stage of fp8 rows (dim bytes each, as cp.async stored them) into the
+    swizzled 16-bit tile the fragment maps read: every element once, in its row and column."""
     source = np.arange(P.BLOCK_N * dim)  # element (row, column) = row * dim + column, one byte each
     tile = np.full(P.BLOCK_N * dim, -1)  # 16-bit elements by byte offset / 2
     for copy in range(P.BLOCK_N * dim // 16):
@@ -183,6 +183,27 @@ def test_fp8_conversion_lays_out_swizzled_rows(dim):
     rows, columns = np.meshgrid(np.arange(P.BLOCK_N), np.arange(dim), indexing="ij")
     offsets = np.vectorize(lambda r, c: K.swizzled(r, c // 8, dim // 8) // 2 + c % 8)(rows, columns)
     assert np.array_equal(tile[offsets], rows * dim + columns)
+
+
+@pytest.mark.parametrize("dqk,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("row_warps", [1, 2, 4])
+def test_fp8_slice_groups_convert_the_rows_they_read(dqk, dv, row_warps):
+    """convert_slices: the warps sharing a key warp's slices (row_warps x column_warps of them) convert exactly the
+    rows of those slices, each copy once, in whole iterations; together the groups cover the stage once."""
+    plan = P.DecodePlan(1, 4, dqk, dv, False, 0, True, P.stages_for(dqk, dv, True), 1, row_warps, fp8=True)
+    group = K.slice_group_threads(plan)
+    assert group == plan.threads // plan.key_warps
+    for dim in (dqk, dv):
+        segments = dim // 16
+        iterations, remainder = divmod(row_warps * P.ROWS * segments, group)
+        assert remainder == 0
+        seen = []
+        for key_warp in range(plan.key_warps):
+            copies = [K.slice_group_copy(m, i, dim, plan, key_warp) for m in range(group) for i in range(iterations)]
+            slices = {key_warp + j * plan.key_warps for j in range(row_warps)}  # what stream_keys reads
+            assert {copy // segments // P.ROWS for copy in copies} == slices
+            seen += copies
+        assert sorted(seen) == list(range(P.BLOCK_N * segments))
 
 
 # ---------------------------------------------------------------------------------------------- the arithmetic
@@ -768,13 +789,29 @@ def test_plan_families_compile_without_spills(name):
     dtype = nvfly.f16 if "fp16" in name else nvfly.bf16
     mods = M.Mods(None, M.sliding_window(300)) if "window" in name else M.Mods()
     kernels = attention.compile_kernels(plan, mods, dtype=dtype, seqlen=1024)
-    check_sass(kernels[0], "HMMA.16816.F32" if dtype == nvfly.f16 else "HMMA.16816.F32.BF16")
+    check_sass(kernels[0], "HMMA.16816.F32" if dtype == nvfly.f16 or fp8 else "HMMA.16816.F32.BF16")
     ops = kernels[0].sass_opcodes()
     assert (ops["F2FP.F16.E4M3.UNPACK_B"] > 0) == fp8  # e4m3 pairs converted in the kernel
     assert (ops["STS.128"] > 0) == fp8                   # into the 16-bit tile, 16 bytes a store
+    if fp8:  # f16 MMA: a stage's conversion is its e4m3 pairs' packed cvt and nothing else (no f32 round trip)
+        check_fp8_conversion(kernels[0], plan)
     assert len(kernels) == (2 if splits > 1 else 1)
     if splits > 1:
         assert not any(op.startswith(("LDL", "STL")) for op in kernels[1].sass_opcodes())
+
+
+def check_fp8_conversion(kernel, plan):
+    """The fp8 plan's conversion loop as SASS: one F2FP.F16.E4M3.UNPACK_B per e4m3 pair the thread converts in a
+    stage (its slice group's rows, unrolled once in the stage loop), no f16 -> f32 -> bf16 path (f16 -> f32 only
+    for an f16 query tile's values, at most 8 a thread's 8-value copy), f16 tensor-core MMAs only, and no local
+    memory."""
+    ops = kernel.sass_opcodes()
+    copies = plan.row_warps * P.ROWS * (plan.dqk + plan.dv) // 16 // K.slice_group_threads(plan)
+    assert ops["F2FP.F16.E4M3.UNPACK_B"] == 8 * copies
+    query_copies = -(-plan.tile_rows * plan.dqk // 8 // plan.threads)
+    assert ops["HADD2.F32"] <= 8 * query_copies
+    assert ops["HMMA.16816.F32.BF16"] == 0 and ops["HMMA.16816.F32"] > 0
+    assert not any(op.startswith(("LDL", "STL")) for op in ops) and kernel.resources.spill_stores == 0
 
 
 MOD_PLAN = P.decode_plan(2, 2, 2, 4, 128, 128, 1024, 132, splits=1)

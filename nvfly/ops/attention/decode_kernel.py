@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import nvfly
 from nvfly.arch import sm80
 from nvfly.arch.floats import convert_shared_e4m3x16
+from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.plan import BLOCK_N, ROWS, WARPS, ctas_per_sm
@@ -125,6 +126,22 @@ def stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN):
                       16, coords.valid)
 
 
+@nvfly.func
+def stage_query_f16(q, q_tile, b, hkv, m_tile, seqlen, scale, tid, PLAN):
+    """The fp8 plans' query tile: the packed query rows times ``scale`` (the softmax scale, so that f16's range
+    covers |q| up to 65504 / scale) rounded to f16, stored swizzled like ``stage_query``'s (padding rows zero)."""
+    SEGMENTS = PLAN.dqk // 8
+    THREADS = PLAN.threads
+    COPIES = PLAN.tile_rows * SEGMENTS
+    for i in nvfly.static_range(-(-COPIES // THREADS)):
+        copy = nvfly.minimum(tid + i * THREADS, COPIES - 1)  # a repeated copy where the threads do not divide
+        row = copy // SEGMENTS
+        segment = copy % SEGMENTS
+        coords = row_coords(m_tile * PLAN.tile_rows + row, hkv, seqlen, PLAN.sq, PLAN.group)
+        values = q.load(b, coords.token, coords.head, segment * 8, width=8, mask=coords.valid).to(nvfly.f32) * scale
+        store_shared(q_tile + swizzled(row, segment, SEGMENTS), values.to(nvfly.f16).bitcast(nvfly.i32).tolist())
+
+
 def cache_address(cache: Any, b: Any, hkv: Any, key: Any, column: Any, plan: Any, page: Any) -> Any:
     """Address of ``cache``'s element (key ``key`` of sequence b, KV head hkv, ``column``); paged: in ``page``."""
     if plan.paged:
@@ -178,14 +195,38 @@ def fp8_conversion_map(copy: Any, dim: int) -> tuple[Any, Any, Any]:
     return copy * 16, swizzled(row, 2 * segment, 2 * segments), swizzled(row, 2 * segment + 1, 2 * segments)
 
 
-def convert_stage(stage: Any, tile: Any, tid: Any, plan: Any, dtype: Any) -> None:
-    """The fp8 ring stage at ``stage`` (K rows, then V rows) as 16-bit K and V in the swizzled ``tile``: each
-    thread converts 16-byte pieces of both (the caller's barrier then publishes the tile)."""
+def slice_group_copy(member: Any, index: int, dim: int, plan: Any, key_warp: Any) -> Any:
+    """The ``fp8_conversion_map`` copy of rows of ``dim`` bytes that group member ``member`` converts ``index``-th:
+    the group of warps sharing key slice ``key_warp`` (``slice_group_threads`` threads) converts the rows of its
+    slices key_warp, key_warp + key_warps, ... (row_warps of them, 16 rows each), a member's copies strided by the
+    group's size. The CPU tests emulate it."""
+    per_slice = ROWS * (dim // 16)
+    copy = member + index * slice_group_threads(plan)
+    key_slice = key_warp + (copy // per_slice) * plan.key_warps
+    return key_slice * per_slice + copy % per_slice
+
+
+def slice_group_threads(plan: Any) -> int:
+    """Threads of the warps that read the same key slices: row_warps x column_warps warps."""
+    return plan.row_warps * plan.column_warps * 32
+
+
+def convert_slices(stage: Any, tile: Any, role: WarpRole, plan: Any, dtype: Any) -> None:
+    """The rows of the fp8 ring stage at ``stage`` (K rows, then V rows) that the warp's slice group reads, as
+    16-bit K and V in the swizzled ``tile``, converted by the group's threads; a barrier of the group (one warp:
+    bar.warp.sync, else a named barrier per key warp) then publishes them. No other warp reads these rows, so the
+    other groups do not wait: with row_warps = 1 each warp converts and reads its own slice."""
+    group = slice_group_threads(plan)
+    member = (role.row0 // ROWS + plan.row_warps * role.half) * 32 + role.lane
     for dim, source, target in ((plan.dqk, stage, tile), (plan.dv, stage + BLOCK_N * plan.dqk,
                                                           tile + BLOCK_N * plan.dqk * 2)):
-        for i in nvfly.static_range(BLOCK_N * dim // 16 // plan.threads):
-            src, low, high = fp8_conversion_map(tid + i * plan.threads, dim)
+        for i in nvfly.static_range(plan.row_warps * ROWS * (dim // 16) // group):
+            src, low, high = fp8_conversion_map(slice_group_copy(member, i, dim, plan, role.key_warp), dim)
             convert_shared_e4m3x16(source + src, target + low, target + high, dtype)
+    if group == 32:
+        nvfly.syncwarp()
+    else:
+        nvfly.named_barrier(1 + role.key_warp, group)
 
 
 class Softmax(NamedTuple):
@@ -330,9 +371,8 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
                        stage_index(stage_list, ctx.b, hkv, begin + ahead, PLAN), ctx.seqlen, tid, PLAN)
         sm80.cp_async_commit()
         stage = ring + (i % PLAN.stages) * STAGE
-        if PLAN.fp8:  # every warp is done with the tile (the barrier above); the second barrier publishes it
-            convert_stage(stage, tile, tid, PLAN, dtype)
-            nvfly.syncthreads()
+        if PLAN.fp8:  # the warps reading the slices are done with them (the barrier above)
+            convert_slices(stage, tile, role, PLAN, dtype)
             stage = tile
         first = stage_index(stage_list, ctx.b, hkv, begin + i, PLAN) * BLOCK_N
         if PLAN.row_warps == 1:  # one slice a warp
@@ -400,9 +440,13 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     q_tile = ring + RING
     stats = nvfly.dynamic_shared_tensor(nvfly.f32, (2 * WARPS * ROWS,), offset_bytes=RING + PLAN.q_bytes)
     k_scale = v_scale = 1.0
-    if PLAN.fp8:  # K's scale goes into the scores' scale, V's into the output's normalisation
-        k_scale = kv_scales[0, hkv]
-        v_scale = kv_scales[1, hkv]
+    score_scale = scale
+    dtype = q.dtype
+    if PLAN.fp8:  # K's scale goes into the scores' scale, V's into the output's normalisation; the query tile is
+        k_scale = kv_scales[0, hkv]  # f16, already times the softmax scale, and the mma f16 (e4m3 -> f16 is one
+        v_scale = kv_scales[1, hkv]  # cvt a pair)
+        score_scale = 1.0
+        dtype = nvfly.f16
     partial = nvfly.dynamic_shared_tensor(nvfly.f32, (WARPS * ROWS * DV,))  # over the ring, after the loop
 
     if PLAN.kv_block:
@@ -413,11 +457,14 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     begin = split * per_split
     count = nvfly.maximum(nvfly.minimum(per_split, n_blocks - begin), 0)
 
-    stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN)
+    if PLAN.fp8:
+        stage_query_f16(q, q_tile, b, hkv, m_tile, seqlen, scale, tid, PLAN)
+    else:
+        stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN)
     first = m_tile * TILE_ROWS + role.row0 + (lane >> 2)
     rows = (row_coords(first, hkv, seqlen, SQ, G), row_coords(first + 8, hkv, seqlen, SQ, G))
-    ctx = StageContext(b, seqlen, rows, scale * k_scale, scale * k_scale * LOG2E, (captured0, captured1), PLAN, MODS,
-                       q.dtype, kv_state)
+    ctx = StageContext(b, seqlen, rows, score_scale * k_scale, score_scale * k_scale * LOG2E, (captured0, captured1),
+                       PLAN, MODS, dtype, kv_state)
     state = stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN)
     merge_warps(state, stats, partial, role, PLAN)
 

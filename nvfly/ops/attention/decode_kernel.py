@@ -37,7 +37,7 @@ from typing import Any, NamedTuple
 
 import nvfly
 from nvfly.arch import sm80
-from nvfly.arch.floats import convert_shared_e4m3x16
+from nvfly.arch.floats import e4m3x4_to_16bit, permute_bytes
 from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
@@ -53,6 +53,32 @@ def swizzled(row: Any, segment: Any, segments: int) -> Any:
     """Byte offset of 16-byte segment ``segment`` of row ``row`` in a tile of rows of ``segments`` segments:
     segments XORed with row % 8 (within their group of 8), so 8 consecutive rows' same segment hit 8 bank groups."""
     return row * (segments * 16) + (segment ^ (row & 7)) * 16
+
+
+def fp8_swizzled(row: Any, segment: Any, segments: int) -> Any:
+    """Byte offset of 16-byte segment ``segment`` of an fp8 row (rows of ``segments`` segments, a multiple of 4),
+    so that 8 consecutive rows' same segment hit 8 bank groups: rows of a multiple of 128 bytes as ``swizzled``;
+    rows of 64 or 192 bytes (odd rows start half a bank row on) XOR the segment with (row / 2) % 4 in its group of
+    4."""
+    if segments % 8 == 0:
+        return swizzled(row, segment, segments)
+    return row * (segments * 16) + (segment ^ ((row >> 1) & 3)) * 16
+
+
+def fp8_query_dim(index: Any) -> Any:
+    """The query dim (within its group of 16) at k index ``index`` of an fp8 plan's k16 step: ldmatrix of an fp8 K
+    row gives a lane the 4 bytes of dims 4c..4c+3 (c = lane % 4), whose two f16 pairs are its B registers for k
+    2c, 2c + 1 and 2c + 8, 2c + 9; the query tile holds its dims in that order (``stage_query_f16``)."""
+    return 4 * (index % 8 // 2) + index % 2 + 2 * (index // 8)
+
+
+def accumulator_column(lane: Any, tile: int, index: int, fp8: bool) -> Any:
+    """O's column (within the warp's columns) of accumulator ``index`` of n8 tile ``tile``: 8 tile + the C layout's
+    column; fp8: tile 2s + e holds the columns of segment s (16 columns) of parity e (``attend_slice``)."""
+    column = accumulator_coords(lane, index)[1]
+    if fp8:
+        return 16 * (tile // 2) + 2 * column + tile % 2
+    return 8 * tile + column
 
 
 # ---------------------------------------------------------------------------------------------- fragment maps
@@ -80,6 +106,10 @@ def accumulator_coords(lane: Any, index: int) -> tuple[Any, Any]:
     """(row, column) of accumulator ``index`` of an m16n8 tile (PTX's C layout)."""
     return (lane >> 2) + 8 * (index // 2), 2 * (lane & 3) + index % 2
 
+
+# prmt selectors of an fp8 V fragment: bytes 0, 2 (keys 2c, 2c + 1) of the keys 0-7 word and of the keys 8-15 word,
+# for the even column; bytes 1, 3 for the odd one
+FP8_COLUMN_SELECTORS = (0x6420, 0x7531)
 
 # P's A fragment from the S accumulators [key tile t][index]: registers a0a1, a2a3, a4a5, a6a7
 P_FRAGMENT = (((0, 0), (0, 1)), ((0, 2), (0, 3)), ((1, 0), (1, 1)), ((1, 2), (1, 3)))
@@ -129,17 +159,23 @@ def stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN):
 @nvfly.func
 def stage_query_f16(q, q_tile, b, hkv, m_tile, seqlen, scale, tid, PLAN):
     """The fp8 plans' query tile: the packed query rows times ``scale`` (the softmax scale, so that f16's range
-    covers |q| up to 65504 / scale) rounded to f16, stored swizzled like ``stage_query``'s (padding rows zero)."""
+    covers |q| up to 65504 / scale) rounded to f16, swizzled like ``stage_query``'s (padding rows zero), each 16
+    dims in ``fp8_query_dim`` order: pairs (4c, 4c + 1) to k 2c, 2c + 1 and (4c + 2, 4c + 3) to k 2c + 8, 2c + 9."""
     SEGMENTS = PLAN.dqk // 8
+    GROUPS = PLAN.dqk // 16
     THREADS = PLAN.threads
-    COPIES = PLAN.tile_rows * SEGMENTS
+    COPIES = PLAN.tile_rows * GROUPS
     for i in nvfly.static_range(-(-COPIES // THREADS)):
         copy = nvfly.minimum(tid + i * THREADS, COPIES - 1)  # a repeated copy where the threads do not divide
-        row = copy // SEGMENTS
-        segment = copy % SEGMENTS
+        row = copy // GROUPS
+        group = copy % GROUPS
         coords = row_coords(m_tile * PLAN.tile_rows + row, hkv, seqlen, PLAN.sq, PLAN.group)
-        values = q.load(b, coords.token, coords.head, segment * 8, width=8, mask=coords.valid).to(nvfly.f32) * scale
-        store_shared(q_tile + swizzled(row, segment, SEGMENTS), values.to(nvfly.f16).bitcast(nvfly.i32).tolist())
+        words = []  # word w: dims 2w, 2w + 1 of the group
+        for part in nvfly.static_range(2):
+            values = q.load(b, coords.token, coords.head, group * 16 + part * 8, width=8, mask=coords.valid)
+            words += (values.to(nvfly.f32) * scale).to(nvfly.f16).bitcast(nvfly.i32).tolist()
+        store_shared(q_tile + swizzled(row, 2 * group, SEGMENTS), words[0::2])
+        store_shared(q_tile + swizzled(row, 2 * group + 1, SEGMENTS), words[1::2])
 
 
 def cache_address(cache: Any, b: Any, hkv: Any, key: Any, column: Any, plan: Any, page: Any) -> Any:
@@ -164,8 +200,8 @@ def key_page(pages: dict, block_table: Any, b: Any, key: Any, plan: Any, slot: t
 @nvfly.func
 def load_stage(k, v, block_table, stage, b, hkv, block, seqlen, tid, PLAN):
     """cp.async keys block * BLOCK_N .. + BLOCK_N - 1 of K (rows of Dqk) then of V (rows of Dv) into the ring stage
-    at shared address ``stage``; keys past ``seqlen`` are zero-filled (nothing read, the address clamped). 16-bit
-    rows are swizzled 16-byte segments; fp8 rows are stored as they are (``convert_stage`` swizzles)."""
+    at shared address ``stage``; keys past ``seqlen`` are zero-filled (nothing read, the address clamped). Rows are
+    swizzled 16-byte segments (``swizzled``, fp8 ``fp8_swizzled``)."""
     THREADS = PLAN.threads
     ITEM = 1 if PLAN.fp8 else 2
     pages = {}
@@ -180,53 +216,9 @@ def load_stage(k, v, block_table, stage, b, hkv, block, seqlen, tid, PLAN):
             key = block * BLOCK_N + row
             clamped = nvfly.minimum(key, seqlen - 1)
             page = key_page(pages, block_table, b, clamped, PLAN, (SEGMENTS, i))
-            target = base + (copy * 16 if PLAN.fp8 else swizzled(row, segment, SEGMENTS))
+            target = base + (fp8_swizzled if PLAN.fp8 else swizzled)(row, segment, SEGMENTS)
             sm80.cp_async(target, cache_address(cache, b, hkv, clamped, segment * 16 // ITEM, PLAN, page), 16,
                           key < seqlen)
-
-
-def fp8_conversion_map(copy: Any, dim: int) -> tuple[Any, Any, Any]:
-    """Copy ``copy`` of converting an fp8 tile of rows of ``dim`` bytes: (byte offset of its 16 e4m3 values,
-    and the byte offsets in the 16-bit tile of values 0-7 and 8-15: row copy // (dim / 16), segments 2s and 2s + 1
-    of the swizzled row). The CPU tests emulate it."""
-    segments = dim // 16
-    row = copy // segments
-    segment = copy % segments
-    return copy * 16, swizzled(row, 2 * segment, 2 * segments), swizzled(row, 2 * segment + 1, 2 * segments)
-
-
-def slice_group_copy(member: Any, index: int, dim: int, plan: Any, key_warp: Any) -> Any:
-    """The ``fp8_conversion_map`` copy of rows of ``dim`` bytes that group member ``member`` converts ``index``-th:
-    the group of warps sharing key slice ``key_warp`` (``slice_group_threads`` threads) converts the rows of its
-    slices key_warp, key_warp + key_warps, ... (row_warps of them, 16 rows each), a member's copies strided by the
-    group's size. The CPU tests emulate it."""
-    per_slice = ROWS * (dim // 16)
-    copy = member + index * slice_group_threads(plan)
-    key_slice = key_warp + (copy // per_slice) * plan.key_warps
-    return key_slice * per_slice + copy % per_slice
-
-
-def slice_group_threads(plan: Any) -> int:
-    """Threads of the warps that read the same key slices: row_warps x column_warps warps."""
-    return plan.row_warps * plan.column_warps * 32
-
-
-def convert_slices(stage: Any, tile: Any, role: WarpRole, plan: Any, dtype: Any) -> None:
-    """The rows of the fp8 ring stage at ``stage`` (K rows, then V rows) that the warp's slice group reads, as
-    16-bit K and V in the swizzled ``tile``, converted by the group's threads; a barrier of the group (one warp:
-    bar.warp.sync, else a named barrier per key warp) then publishes them. No other warp reads these rows, so the
-    other groups do not wait: with row_warps = 1 each warp converts and reads its own slice."""
-    group = slice_group_threads(plan)
-    member = (role.row0 // ROWS + plan.row_warps * role.half) * 32 + role.lane
-    for dim, source, target in ((plan.dqk, stage, tile), (plan.dv, stage + BLOCK_N * plan.dqk,
-                                                          tile + BLOCK_N * plan.dqk * 2)):
-        for i in nvfly.static_range(plan.row_warps * ROWS * (dim // 16) // group):
-            src, low, high = fp8_conversion_map(slice_group_copy(member, i, dim, plan, role.key_warp), dim)
-            convert_shared_e4m3x16(source + src, target + low, target + high, dtype)
-    if group == 32:
-        nvfly.syncwarp()
-    else:
-        nvfly.named_barrier(1 + role.key_warp, group)
 
 
 class Softmax(NamedTuple):
@@ -264,12 +256,21 @@ def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key
     lane = role.lane
     segments = plan.dqk // 8
     s = [[nvfly.f32(0.0)] * 4 for _ in range(2)]
-    for step in nvfly.static_range(plan.dqk // 16):
-        q_row, q_segment = q_fragment_source(lane, step)
-        a = sm80.ldmatrix_x4(q_tile + swizzled(role.row0 + q_row, q_segment, segments))
-        kb = sm80.ldmatrix_x4(stage + swizzled(*k_fragment_source(lane, step, key_slice), segments))
-        s[0] = sm80.mma_m16n8k16(a, kb[0:2], s[0], dtype)
-        s[1] = sm80.mma_m16n8k16(a, kb[2:4], s[1], dtype)
+    if plan.fp8:  # an ldmatrix matrix of 8 fp8 K rows x 16 bytes: a lane's word is its B registers of a k16 step
+        for pair in nvfly.static_range(plan.dqk // 32):  # (keys +8, dims +16) = bits 0, 1 of the matrix
+            kb = sm80.ldmatrix_x4(stage + fp8_swizzled(*v_fragment_source(lane, pair, key_slice), plan.dqk // 16))
+            for half in range(2):
+                q_row, q_segment = q_fragment_source(lane, 2 * pair + half)
+                a = sm80.ldmatrix_x4(q_tile + swizzled(role.row0 + q_row, q_segment, segments))
+                s[0] = sm80.mma_m16n8k16(a, e4m3x4_to_16bit(kb[2 * half], dtype), s[0], dtype)
+                s[1] = sm80.mma_m16n8k16(a, e4m3x4_to_16bit(kb[2 * half + 1], dtype), s[1], dtype)
+    else:
+        for step in nvfly.static_range(plan.dqk // 16):
+            q_row, q_segment = q_fragment_source(lane, step)
+            a = sm80.ldmatrix_x4(q_tile + swizzled(role.row0 + q_row, q_segment, segments))
+            kb = sm80.ldmatrix_x4(stage + swizzled(*k_fragment_source(lane, step, key_slice), segments))
+            s[0] = sm80.mma_m16n8k16(a, kb[0:2], s[0], dtype)
+            s[1] = sm80.mma_m16n8k16(a, kb[2:4], s[1], dtype)
     mods = ctx.mods
     plain = mods.score_mod is None and mods.mask_mod is None
     states = [None, None]
@@ -330,15 +331,29 @@ def attend_slice(state: Softmax, ctx: StageContext, stage: Any, q_tile: Any, rol
         sums.append(total)
         scales.append(scale)
     a = [pack(p[lo[0]][lo[1]], p[hi[0]][hi[1]], dtype) for lo, hi in P_FRAGMENT]
-    segments = plan.dv // 8
-    v_tile = stage + BLOCK_N * plan.dqk * 2
     acc = [[o * scales[i // 2] for i, o in enumerate(tile)] for tile in state.acc]
-    PAIRS = plan.dv // 16 // plan.column_warps
-    for pair in nvfly.static_range(PAIRS):
-        source = v_fragment_source(lane, pair + role.half * PAIRS, key_slice)
-        vb = sm80.ldmatrix_x4(v_tile + swizzled(*source, segments), transpose=True)
-        acc[2 * pair] = sm80.mma_m16n8k16(a, vb[0:2], acc[2 * pair], dtype)
-        acc[2 * pair + 1] = sm80.mma_m16n8k16(a, vb[2:4], acc[2 * pair + 1], dtype)
+    if plan.fp8:
+        # ldmatrix.trans of 8 fp8 V rows x 16 bytes: a lane's word holds keys 2c, 2c + 1 of columns 2g, 2g + 1;
+        # with the word of keys +8, prmt gathers each column's 4 keys: the B registers of the even and odd columns
+        v_tile = stage + BLOCK_N * plan.dqk
+        QUADS = plan.dv // 32 // plan.column_warps
+        for quad in nvfly.static_range(QUADS):  # (keys +8, columns +16) = bits 0, 1 of the matrix
+            source = v_fragment_source(lane, quad + role.half * QUADS, key_slice)
+            vb = sm80.ldmatrix_x4(v_tile + fp8_swizzled(*source, plan.dv // 16), transpose=True)
+            for half in range(2):
+                for parity, selector in enumerate(FP8_COLUMN_SELECTORS):
+                    b = e4m3x4_to_16bit(permute_bytes(vb[2 * half], vb[2 * half + 1], selector), dtype)
+                    tile = 4 * quad + 2 * half + parity
+                    acc[tile] = sm80.mma_m16n8k16(a, b, acc[tile], dtype)
+    else:
+        segments = plan.dv // 8
+        v_tile = stage + BLOCK_N * plan.dqk * 2
+        PAIRS = plan.dv // 16 // plan.column_warps
+        for pair in nvfly.static_range(PAIRS):
+            source = v_fragment_source(lane, pair + role.half * PAIRS, key_slice)
+            vb = sm80.ldmatrix_x4(v_tile + swizzled(*source, segments), transpose=True)
+            acc[2 * pair] = sm80.mma_m16n8k16(a, vb[0:2], acc[2 * pair], dtype)
+            acc[2 * pair + 1] = sm80.mma_m16n8k16(a, vb[2:4], acc[2 * pair + 1], dtype)
     return Softmax(maxima, sums, acc)
 
 
@@ -354,7 +369,6 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
     Softmax (``role``)."""
     STAGE = PLAN.stage_bytes
     dtype = ctx.dtype
-    tile = ring + PLAN.stages * STAGE  # with fp8: the converted stage
     for i in nvfly.static_range(PLAN.stages - 1):
         if i < count:
             load_stage(k, v, block_table, ring + i * STAGE, ctx.b, hkv,
@@ -371,9 +385,6 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
                        stage_index(stage_list, ctx.b, hkv, begin + ahead, PLAN), ctx.seqlen, tid, PLAN)
         sm80.cp_async_commit()
         stage = ring + (i % PLAN.stages) * STAGE
-        if PLAN.fp8:  # the warps reading the slices are done with them (the barrier above)
-            convert_slices(stage, tile, role, PLAN, dtype)
-            stage = tile
         first = stage_index(stage_list, ctx.b, hkv, begin + i, PLAN) * BLOCK_N
         if PLAN.row_warps == 1:  # one slice a warp
             state = attend_slice(state, ctx, stage, q_tile, role, role.key_warp, first + 16 * role.key_warp, dtype)
@@ -406,8 +417,9 @@ def merge_warps(state, stats, partial, role, PLAN):
     COLUMNS = DV // PLAN.column_warps
     for j in nvfly.static_range(COLUMNS // 8):
         for i in nvfly.static_range(4):
-            row, column = accumulator_coords(lane, i)
-            partial[(base + row) * DV + role.half * COLUMNS + 8 * j + column] = state.acc[j][i]
+            row = accumulator_coords(lane, i)[0]
+            column = accumulator_column(lane, j, i, PLAN.fp8)
+            partial[(base + row) * DV + role.half * COLUMNS + column] = state.acc[j][i]
     nvfly.syncthreads()
 
 

@@ -6,8 +6,9 @@ converts a half given as its 16 bits; ``e8m0_to_f32`` decodes an MX scale byte, 
 ``convert_shared_e2m1x32`` turn packed MXFP4 values into e4m3 (times 2^-6, exact) for fp8 wgmma, ``f32_to_e2m1``
 rounds to e2m1. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8
 (e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit tensor-core atoms (e.g. an fp8 KV
-cache dequantised before ``mma.sync``); ``permute_bytes`` (``prmt``) gathers fp8 bytes into the pairs they convert. Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16
-goes through f32 because sm_90 has no e4m3 -> bf16 ``cvt``.
+cache dequantised before ``mma.sync``); ``permute_bytes`` (``prmt``) gathers fp8 bytes into the pairs they
+convert. Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16 goes through f32 because sm_90
+has no e4m3 -> bf16 ``cvt`` (four times the instructions: prefer f16 MMAs on converted fp8).
 """
 from __future__ import annotations
 

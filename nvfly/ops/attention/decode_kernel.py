@@ -24,9 +24,14 @@ through shared memory (the ring, now free); the result is O / l and LSE = m + lo
 masked row zeros and -inf. With splits, a CTA writes its normalised partial O and LSE in f32 for
 ``combine_kernel``.
 
-fp8 (e4m3) K/V: the ring holds the bytes; after a stage lands all threads convert it into one 16-bit tile in the
-swizzled layout above (``convert_stage``, a second barrier), so the fragment maps are the 16-bit ones; K's scale
-is folded into the scores' scale and V's into the final normalisation. A flex BlockMask: the CTA reads only the
+fp8 (e4m3) K/V: the ring holds the bytes (rows ``fp8_swizzled``, twice the stages) and each warp converts the
+fragments it reads in registers, with f16 MMAs: an ldmatrix matrix of 8 K rows x 16 bytes gives a lane the bytes
+of dims 4c..4c+3 of its key, whose two packed cvt (e4m3x2 -> f16x2) are its B registers of a k16 step if the k
+order of the step is ``fp8_query_dim``'s, which the f16 query tile (times the softmax scale) is stored in; V's
+ldmatrix.trans words (keys 2c, 2c+1 of columns 2g, 2g+1) of keys 0-7 and 8-15 are gathered by prmt into the B
+registers of the even and odd columns (``FP8_COLUMN_SELECTORS``), so O's tiles hold columns in
+``accumulator_column`` order. K's scale is folded into the scores' scale and V's into the final normalisation.
+docs/ops/attention.md weighs this against a converted shared tile and fp8 MMAs. A flex BlockMask: the CTA reads only the
 stages its ``stage_list`` names (those of blocks non-empty for a head of its group), split evenly like a
 sequence's stages, and each row masks by its own head's block state (``kv_state``).
 """

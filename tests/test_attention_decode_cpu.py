@@ -125,6 +125,21 @@ def mma(a, b, c):
     return [[c[lane][i] + D[K.accumulator_coords(lane, i)] for i in range(4)] for lane in range(32)]
 
 
+def assert_scores(s, q, k, warp):
+    """S's accumulators [key tile][lane][index] equal q kᵀ for the keys of slice ``warp``."""
+    want = q @ k[16 * warp:16 * warp + 16].T
+    for t, lane, i in itertools.product(range(2), range(32), range(4)):
+        row, col = K.accumulator_coords(lane, i)
+        assert s[t][lane][i] == pytest.approx(want[row, 8 * t + col])
+
+
+def p_fragment(p, warp):
+    """Every lane's A fragment of P (16 rows x keys 16 warp..+15) taken from S's accumulator layout (P_FRAGMENT)."""
+    p_acc = [[[p[K.accumulator_coords(lane, i)[0], 16 * warp + 8 * t + K.accumulator_coords(lane, i)[1]]
+               for i in range(4)] for lane in range(32)] for t in range(2)]
+    return [[(p_acc[lo[0]][lane][lo[1]], p_acc[hi[0]][lane][hi[1]]) for lo, hi in K.P_FRAGMENT] for lane in range(32)]
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_fragment_maps_compute_scores_and_values(d):
     """Emulate a warp of each key slice: S = Q Kᵀ from the shared tiles through the kernel's ldmatrix sources, and
@@ -140,14 +155,8 @@ def test_fragment_maps_compute_scores_and_values(d):
             a = ldmatrix_x4(q_mem, [K.q_fragment_source(lane, step) for lane in range(32)], d // 8)
             kb = ldmatrix_x4(k_mem, [K.k_fragment_source(lane, step, warp) for lane in range(32)], d // 8)
             s = [mma(a, [regs[0:2] for regs in kb], s[0]), mma(a, [regs[2:4] for regs in kb], s[1])]
-        want = q @ k[16 * warp:16 * warp + 16].T
-        for t, lane, i in itertools.product(range(2), range(32), range(4)):
-            row, col = K.accumulator_coords(lane, i)
-            assert s[t][lane][i] == pytest.approx(want[row, 8 * t + col])
-        # P in S's accumulator layout -> A fragment
-        p_acc = [[[p[K.accumulator_coords(lane, i)[0], 16 * warp + 8 * t + K.accumulator_coords(lane, i)[1]]
-                   for i in range(4)] for lane in range(32)] for t in range(2)]
-        a = [[(p_acc[lo[0]][lane][lo[1]], p_acc[hi[0]][lane][hi[1]]) for lo, hi in K.P_FRAGMENT] for lane in range(32)]
+        assert_scores(s, q, k, warp)
+        a = p_fragment(p, warp)
         want = p[:, 16 * warp:16 * warp + 16] @ v[16 * warp:16 * warp + 16]
         for pair in range(d // 16):
             vb = ldmatrix_x4(v_mem, [K.v_fragment_source(lane, pair, warp) for lane in range(32)], d // 8, True)
@@ -238,13 +247,8 @@ def test_fp8_fragment_maps_compute_scores_and_values(d):
                 for t in range(2):
                     b = [[words[2 * half + t][0:2], words[2 * half + t][2:4]] for words in kb]
                     s[t] = mma(a, b, s[t])
-        want = q @ k[16 * warp:16 * warp + 16].T
-        for t, lane, i in itertools.product(range(2), range(32), range(4)):
-            row, col = K.accumulator_coords(lane, i)
-            assert s[t][lane][i] == pytest.approx(want[row, 8 * t + col])
-        p_acc = [[[p[K.accumulator_coords(lane, i)[0], 16 * warp + 8 * t + K.accumulator_coords(lane, i)[1]]
-                   for i in range(4)] for lane in range(32)] for t in range(2)]
-        a = [[(p_acc[lo[0]][lane][lo[1]], p_acc[hi[0]][lane][hi[1]]) for lo, hi in K.P_FRAGMENT] for lane in range(32)]
+        assert_scores(s, q, k, warp)
+        a = p_fragment(p, warp)
         want = p[:, 16 * warp:16 * warp + 16] @ v[16 * warp:16 * warp + 16]
         for quad in range(d // 32):
             vb = ldmatrix_x4_bytes(v_mem, [K.v_fragment_source(lane, quad, warp) for lane in range(32)], d // 16, True)

@@ -38,7 +38,7 @@ sequence's stages, and each row masks by its own head's block state (``kv_state`
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import nvfly
 from nvfly.arch import sm80
@@ -146,17 +146,21 @@ class WarpRole(NamedTuple):
     lane: Any
 
 
+def query_copies(tid: Any, hkv: Any, m_tile: Any, seqlen: Any, pieces: int, plan: Any) -> Iterator[tuple]:
+    """(row, piece, RowCoords) of each copy the thread makes of the query tile, rows of ``pieces`` pieces; traced
+    as the caller iterates (a copy repeated where the threads do not divide the copies)."""
+    copies = plan.tile_rows * pieces
+    for i in nvfly.static_range(-(-copies // plan.threads)):
+        copy = nvfly.minimum(tid + i * plan.threads, copies - 1)
+        row = copy // pieces
+        yield row, copy % pieces, row_coords(m_tile * plan.tile_rows + row, hkv, seqlen, plan.sq, plan.group)
+
+
 @nvfly.func
 def stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN):
     """cp.async the CTA's packed query rows into the swizzled query tile (padding rows zero-filled)."""
     SEGMENTS = PLAN.dqk // 8
-    THREADS = PLAN.threads
-    COPIES = PLAN.tile_rows * SEGMENTS
-    for i in nvfly.static_range(-(-COPIES // THREADS)):
-        copy = nvfly.minimum(tid + i * THREADS, COPIES - 1)  # a repeated copy where the threads do not divide
-        row = copy // SEGMENTS
-        segment = copy % SEGMENTS
-        coords = row_coords(m_tile * PLAN.tile_rows + row, hkv, seqlen, PLAN.sq, PLAN.group)
+    for row, segment, coords in query_copies(tid, hkv, m_tile, seqlen, SEGMENTS, PLAN):
         sm80.cp_async(q_tile + swizzled(row, segment, SEGMENTS), q.address(b, coords.token, coords.head, segment * 8),
                       16, coords.valid)
 
@@ -167,14 +171,7 @@ def stage_query_f16(q, q_tile, b, hkv, m_tile, seqlen, scale, tid, PLAN):
     covers |q| up to 65504 / scale) rounded to f16, swizzled like ``stage_query``'s (padding rows zero), each 16
     dims in ``fp8_query_dim`` order: pairs (4c, 4c + 1) to k 2c, 2c + 1 and (4c + 2, 4c + 3) to k 2c + 8, 2c + 9."""
     SEGMENTS = PLAN.dqk // 8
-    GROUPS = PLAN.dqk // 16
-    THREADS = PLAN.threads
-    COPIES = PLAN.tile_rows * GROUPS
-    for i in nvfly.static_range(-(-COPIES // THREADS)):
-        copy = nvfly.minimum(tid + i * THREADS, COPIES - 1)  # a repeated copy where the threads do not divide
-        row = copy // GROUPS
-        group = copy % GROUPS
-        coords = row_coords(m_tile * PLAN.tile_rows + row, hkv, seqlen, PLAN.sq, PLAN.group)
+    for row, group, coords in query_copies(tid, hkv, m_tile, seqlen, PLAN.dqk // 16, PLAN):
         words = []  # word w: dims 2w, 2w + 1 of the group
         for part in nvfly.static_range(2):
             values = q.load(b, coords.token, coords.head, group * 16 + part * 8, width=8, mask=coords.valid)

@@ -250,7 +250,16 @@ class StageContext(NamedTuple):
     kv_state: Any
 
 
-def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key_slice: Any, key0: Any,
+def query_fragment(query: Any, role: WarpRole, step: int, segments: int) -> list:
+    """Q's A fragment of k16 step ``step`` for the warp's rows: from ``query``, the query tile's shared address,
+    or the list of them the warp holds in registers (``DecodePlan.query_in_registers``)."""
+    if isinstance(query, list):
+        return query[step]
+    q_row, q_segment = q_fragment_source(role.lane, step)
+    return sm80.ldmatrix_x4(query + swizzled(role.row0 + q_row, q_segment, segments))
+
+
+def stage_scores(ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_slice: Any, key0: Any,
                  dtype: Any) -> list:
     """The warp's 16 rows x 16 keys (slice ``key_slice`` of the stage, from key ``key0``) in log2 units, masked to
     -inf: [key tile t][4] in mma's C layout (row g + 8 * (i // 2), key key0 + 8t + 2 * (lane % 4) + i % 2)."""
@@ -262,14 +271,12 @@ def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key
         for pair in nvfly.static_range(plan.dqk // 32):  # (keys +8, dims +16) = bits 0, 1 of the matrix
             kb = sm80.ldmatrix_x4(stage + fp8_swizzled(*v_fragment_source(lane, pair, key_slice), plan.dqk // 16))
             for half in range(2):
-                q_row, q_segment = q_fragment_source(lane, 2 * pair + half)
-                a = sm80.ldmatrix_x4(q_tile + swizzled(role.row0 + q_row, q_segment, segments))
+                a = query_fragment(query, role, 2 * pair + half, segments)
                 s[0] = sm80.mma_m16n8k16(a, e4m3x4_to_16bit(kb[2 * half], dtype), s[0], dtype)
                 s[1] = sm80.mma_m16n8k16(a, e4m3x4_to_16bit(kb[2 * half + 1], dtype), s[1], dtype)
     else:
         for step in nvfly.static_range(plan.dqk // 16):
-            q_row, q_segment = q_fragment_source(lane, step)
-            a = sm80.ldmatrix_x4(q_tile + swizzled(role.row0 + q_row, q_segment, segments))
+            a = query_fragment(query, role, step, segments)
             kb = sm80.ldmatrix_x4(stage + swizzled(*k_fragment_source(lane, step, key_slice), segments))
             s[0] = sm80.mma_m16n8k16(a, kb[0:2], s[0], dtype)
             s[1] = sm80.mma_m16n8k16(a, kb[2:4], s[1], dtype)
@@ -308,13 +315,13 @@ def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key
     return out
 
 
-def attend_slice(state: Softmax, ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key_slice: Any,
+def attend_slice(state: Softmax, ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_slice: Any,
                  key0: Any, dtype: Any) -> Softmax:
     """Fold the 16 keys of slice ``key_slice`` of one ring stage (from key ``key0``) into the warp's online softmax
     and its O columns."""
     plan = ctx.plan
     lane = role.lane
-    s = stage_scores(ctx, stage, q_tile, role, key_slice, key0, dtype)
+    s = stage_scores(ctx, stage, query, role, key_slice, key0, dtype)
     maxima, sums, scales, p = [], [], [], [[None] * 4 for _ in range(2)]
     for r in range(2):
         top = nvfly.maximum(nvfly.maximum(s[0][2 * r], s[0][2 * r + 1]),
@@ -376,6 +383,10 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
             load_stage(k, v, block_table, ring + i * STAGE, ctx.b, hkv,
                        stage_index(stage_list, ctx.b, hkv, begin + i, PLAN), ctx.seqlen, tid, PLAN)
         sm80.cp_async_commit()  # the first group also holds the query tile
+    query = q_tile
+    if PLAN.query_in_registers:  # the tile's stores are visible after a barrier (while the first stages land)
+        nvfly.syncthreads()
+        query = [query_fragment(q_tile, role, step, PLAN.dqk // 8) for step in nvfly.static_range(PLAN.dqk // 16)]
     state = Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2,
                     [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(PLAN.dv // 8 // PLAN.column_warps)])
     for i in range(count):
@@ -389,11 +400,11 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
         stage = ring + (i % PLAN.stages) * STAGE
         first = stage_index(stage_list, ctx.b, hkv, begin + i, PLAN) * BLOCK_N
         if PLAN.row_warps == 1:  # one slice a warp
-            state = attend_slice(state, ctx, stage, q_tile, role, role.key_warp, first + 16 * role.key_warp, dtype)
+            state = attend_slice(state, ctx, stage, query, role, role.key_warp, first + 16 * role.key_warp, dtype)
         else:  # the warp's slices as a loop: unrolled, ptxas interleaves them and spills at d > 128
             for j in range(PLAN.row_warps):
                 key_slice = role.key_warp + j * PLAN.key_warps
-                state = attend_slice(state, ctx, stage, q_tile, role, key_slice, first + 16 * key_slice, dtype)
+                state = attend_slice(state, ctx, stage, query, role, key_slice, first + 16 * key_slice, dtype)
     sm80.cp_async_wait(0)
     nvfly.syncthreads()  # the ring is free for the merge
     return state

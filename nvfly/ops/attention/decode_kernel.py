@@ -31,9 +31,11 @@ order of the step is ``fp8_query_dim``'s, which the f16 query tile (times the so
 ldmatrix.trans words (keys 2c, 2c+1 of columns 2g, 2g+1) of keys 0-7 and 8-15 are gathered by prmt into the B
 registers of the even and odd columns (``FP8_COLUMN_SELECTORS``), so O's tiles hold columns in
 ``accumulator_column`` order. K's scale is folded into the scores' scale and V's into the final normalisation.
-docs/ops/attention.md weighs this against a converted shared tile and fp8 MMAs. A flex BlockMask: the CTA reads only the
-stages its ``stage_list`` names (those of blocks non-empty for a head of its group), split evenly like a
-sequence's stages, and each row masks by its own head's block state (``kv_state``).
+docs/ops/attention.md weighs this against a converted shared tile and fp8 MMAs.
+
+A flex BlockMask: the CTA reads only the stages its ``stage_list`` names (those of blocks non-empty for a head of
+its group), split evenly like a sequence's stages, and each row masks by its own head's block state
+(``kv_state``).
 """
 from __future__ import annotations
 
@@ -467,9 +469,11 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     k_scale = v_scale = 1.0
     score_scale = scale
     dtype = q.dtype
-    if PLAN.fp8:  # K's scale goes into the scores' scale, V's into the output's normalisation; the query tile is
-        k_scale = kv_scales[0, hkv]  # f16, already times the softmax scale, and the mma f16 (e4m3 -> f16 is one
-        v_scale = kv_scales[1, hkv]  # cvt a pair)
+    # fp8: K's scale goes into the scores' scale, V's into the output's normalisation; the MMAs are f16 (e4m3 -> f16
+    # is one cvt a pair) and the f16 query tile is already times the softmax scale
+    if PLAN.fp8:
+        k_scale = kv_scales[0, hkv]
+        v_scale = kv_scales[1, hkv]
         score_scale = 1.0
         dtype = nvfly.f16
     partial = nvfly.dynamic_shared_tensor(nvfly.f32, (WARPS * ROWS * DV,))  # over the ring, after the loop

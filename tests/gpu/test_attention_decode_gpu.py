@@ -264,6 +264,15 @@ def test_fp8_matches_reference(name):
     fp8_case(*FP8_CASES[name])
 
 
+def test_fp8_with_queries_beyond_f16_range():
+    """fp8 plans compute in f16 with the softmax scale folded into the query tile: bf16 queries of ~1e5 (past f16's
+    65504) with a K scale of 1e-5 (scores of order 1) match the reference, no inf."""
+    k, v, _ = make_cache(2, 700, 2, 128, 128, FP8)
+    q = (query(2, 2, 8, 128, torch.float32) * 1e5).to(torch.bfloat16)
+    assert q.float().abs().max() > 65504
+    check(q, k, v, k_scale=torch.tensor(1e-5, device="cuda"), v_scale=kv_scale("head", 2, 2))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FP8_SLOW_CASES)
 def test_fp8_more_shapes(name):

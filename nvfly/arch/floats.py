@@ -6,8 +6,9 @@ converts a half given as its 16 bits; ``e8m0_to_f32`` decodes an MX scale byte, 
 ``convert_shared_e2m1x32`` turn packed MXFP4 values into e4m3 (times 2^-6, exact) for fp8 wgmma, ``f32_to_e2m1``
 rounds to e2m1. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8
 (e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit tensor-core atoms (e.g. an fp8 KV
-cache dequantised before ``mma.sync``). Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16
-goes through f32 because sm_90 has no e4m3 -> bf16 ``cvt``.
+cache dequantised before ``mma.sync``); ``permute_bytes`` (``prmt``) gathers fp8 bytes into the pairs they
+convert. Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16 goes through f32 because sm_90
+has no e4m3 -> bf16 ``cvt`` (four times the instructions: prefer f16 MMAs on converted fp8).
 """
 from __future__ import annotations
 
@@ -92,6 +93,15 @@ def convert_shared_e4m3x16(src: Any, dst_low: Any, dst_high: Any, dtype: DType) 
         out.extend(e4m3x4_to_16bit(word, dtype))
     store_shared(dst_low, out[:4])
     store_shared(dst_high, out[4:])
+
+
+def permute_bytes(low: Any, high: Any, selector: int) -> Scalar:
+    """``prmt.b32``: a 32-bit word whose byte i is byte (selector >> 4i) & 7 of the 8 bytes of ``low`` (0-3) and
+    ``high`` (4-7), e.g. to gather fp8 bytes into the pairs ``e4m3x4_to_16bit`` converts."""
+    if not 0 <= selector <= 0x7777 or any((selector >> (4 * i)) & 8 for i in range(4)):
+        raise CompileError(f"permute_bytes: selector 0x{selector:x} must pick bytes 0-7 (four nibbles of 0-7)")
+    return asm(f"prmt.b32 $0, $1, $2, 0x{selector:04x};", [as_value(low, dtypes.i32), as_value(high, dtypes.i32)],
+               dtypes.i32, side_effects=False)
 
 
 _FP8_KINDS = {"f8e4m3": "e4m3", "f8e5m2": "e5m2"}

@@ -130,6 +130,17 @@ class _Shuffle:
     scalars: tuple
 
 
+def _planned(calls: OpCalls[_Shuffle], op: str, make: Any, *args: Any) -> _Shuffle:
+    """The plan of this call's signature (its tensors' layouts, its other arguments with their types), made by
+    ``make(*args)`` (which checks them) on a miss."""
+    try:
+        key = tuple(layout_key(a) if hasattr(a, "data_ptr") else (a, type(a)) for a in args)
+        call = calls.get(key)
+    except Exception:  # noqa: BLE001 - not tensors: the checks explain
+        key = call = None
+    return calls.plan(op, key, make, *args) if call is None else call
+
+
 def _plan(kernel: Any, rows: int, blocks: int, h: int, top_k: int, vec: int) -> _Shuffle:
     p = shuffle_plan(h, vec)
     launch = kernel.prepared((blocks, p.column_blocks, 1), p.threads) if blocks and h else None
@@ -169,13 +180,7 @@ def route(logits: "torch.Tensor", top_k: int, renormalize: bool = True
     each token in order (ties: the lower expert first) and their softmax probabilities over the E experts, or
     renormalised to sum to 1 over the top_k (``renormalize``)."""
     import torch
-    try:
-        key = (layout_key(logits), top_k, type(top_k), bool(renormalize))
-        call = _ROUTE.get(key)
-    except Exception:  # noqa: BLE001 - not tensors: the checks explain
-        key = call = None
-    if call is None:
-        call = _ROUTE.plan(ROUTE, key, _plan_route, logits, top_k, bool(renormalize))
+    call = _planned(_ROUTE, ROUTE, _plan_route, logits, top_k, bool(renormalize))
     weights = torch.empty((call.rows, call.h), dtype=torch.float32, device=logits.device)
     ids = torch.empty((call.rows, call.h), dtype=torch.int64, device=logits.device)
     if call.launch is not None:
@@ -187,13 +192,7 @@ def sort_by_expert(ids: "torch.Tensor", experts: int) -> tuple["torch.Tensor", "
     """(order int32 [n]: the routing slots (flat indices of ``ids``) grouped by expert, in no fixed order within an
     expert; offs int32 [experts]: the experts' cumulative ends in ``order``) for expert ``ids`` in [0, experts)."""
     import torch
-    try:
-        key = (layout_key(ids), experts, type(experts))
-        call = _SORT.get(key)
-    except Exception:  # noqa: BLE001 - not tensors: the checks explain
-        key = call = None
-    if call is None:
-        call = _SORT.plan(SORT, key, _plan_sort, ids, experts)
+    call = _planned(_SORT, SORT, _plan_sort, ids, experts)
     order = torch.empty(call.rows, dtype=torch.int32, device=ids.device)
     offs = torch.empty(call.h, dtype=torch.int32, device=ids.device)
     call.launch.launch(ids, order, offs, *call.scalars)
@@ -204,13 +203,7 @@ def dispatch(x: "torch.Tensor", order: "torch.Tensor", top_k: int) -> tuple["tor
     """(rows [T * top_k, H]: ``rows[i] = x[order[i] // top_k]``, slots [T * top_k] int64: ``slots[order[i]] = i``)
     for ``order``, a permutation of the T * top_k routing slots (e.g. sorted by expert)."""
     import torch
-    try:
-        key = (layout_key(x), layout_key(order), top_k, type(top_k))
-        call = _DISPATCH.get(key)
-    except Exception:  # noqa: BLE001 - not tensors: the checks explain
-        key = call = None
-    if call is None:
-        call = _DISPATCH.plan(DISPATCH, key, _plan_dispatch, x, order, top_k)
+    call = _planned(_DISPATCH, DISPATCH, _plan_dispatch, x, order, top_k)
     rows = torch.empty((call.rows, call.h), dtype=x.dtype, device=x.device)
     slots = torch.empty(call.rows, dtype=torch.int64, device=x.device)
     if call.launch is not None:
@@ -222,13 +215,7 @@ def combine(y: "torch.Tensor", slots: "torch.Tensor", weights: "torch.Tensor") -
     """[T, H] in y's dtype: ``out[t] = sum_j weights[t, j] * y[slots[t * top_k + j]]`` in float32, for ``y``
     [T * top_k, H] (a routing slot's expert row at ``slots[slot]``) and float32 routing ``weights`` [T, top_k]."""
     import torch
-    try:
-        key = (layout_key(y), layout_key(slots), layout_key(weights))
-        call = _COMBINE.get(key)
-    except Exception:  # noqa: BLE001 - not tensors: the checks explain
-        key = call = None
-    if call is None:
-        call = _COMBINE.plan(COMBINE, key, _plan_combine, y, slots, weights)
+    call = _planned(_COMBINE, COMBINE, _plan_combine, y, slots, weights)
     out = torch.empty((call.rows, call.h), dtype=y.dtype, device=y.device)
     if call.launch is not None:
         call.launch.launch(y, slots, weights, out, *call.scalars)

@@ -21,6 +21,8 @@ vector of VEC elements (16 bytes where the rows are aligned).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import nvfly
 from nvfly.arch.reduce import block_scan, tree_reduce, warp_max_i64
 from nvfly.frontend.language import atomic_add, warp_reduce
@@ -66,6 +68,12 @@ def moe_route_kernel(logits: nvfly.Tensor, weights: nvfly.Tensor, ids: nvfly.Ten
             ids[row, lane] = expert.to(nvfly.i64)
 
 
+def slot_experts(ids: Any, first: Any, n: Any, tid: Any, THREADS: int) -> tuple[list, list]:
+    """(slots, their experts) of the thread's SORT_ITEMS slots from ``first`` (loaded at once; none past n)."""
+    slots = [first + u * THREADS + tid for u in nvfly.static_range(SORT_ITEMS)]
+    return slots, [ids.load(s, mask=s < n).to(nvfly.i32) for s in slots]
+
+
 @nvfly.kernel
 def moe_sort_kernel(ids: nvfly.Tensor, order: nvfly.Tensor, offs: nvfly.Tensor, n: nvfly.i32, experts: nvfly.i32,
                     THREADS: nvfly.Constexpr):
@@ -80,8 +88,7 @@ def moe_sort_kernel(ids: nvfly.Tensor, order: nvfly.Tensor, offs: nvfly.Tensor, 
     counts[tid] = 0
     nvfly.syncthreads()
     for first in range(0, n, THREADS * SORT_ITEMS):
-        slots = [first + u * THREADS + tid for u in nvfly.static_range(SORT_ITEMS)]
-        experts_of = [ids.load(s, mask=s < n).to(nvfly.i32) for s in slots]
+        slots, experts_of = slot_experts(ids, first, n, tid, THREADS)
         for u in nvfly.static_range(SORT_ITEMS):
             if slots[u] < n:
                 atomic_add(counts, experts_of[u], 1)
@@ -93,8 +100,7 @@ def moe_sort_kernel(ids: nvfly.Tensor, order: nvfly.Tensor, offs: nvfly.Tensor, 
     counts[tid] = start  # (now each expert's cursor)
     nvfly.syncthreads()
     for first in range(0, n, THREADS * SORT_ITEMS):
-        slots = [first + u * THREADS + tid for u in nvfly.static_range(SORT_ITEMS)]
-        experts_of = [ids.load(s, mask=s < n).to(nvfly.i32) for s in slots]
+        slots, experts_of = slot_experts(ids, first, n, tid, THREADS)
         for u in nvfly.static_range(SORT_ITEMS):
             if slots[u] < n:
                 order[atomic_add(counts, experts_of[u], 1)] = slots[u]

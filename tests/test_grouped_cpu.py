@@ -8,7 +8,8 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.ops import grouped
 from nvfly.ops.common.gemm_config import SMEM_LIMIT, GemmConfig
-from nvfly.ops.grouped.kernel import a_tail_offset, table_bytes
+from nvfly.ops.common.groups import table_bytes
+from nvfly.ops.grouped.kernel import a_tail_offset
 from nvfly.ops.grouped.plan import MAX_GROUPS, fits, make_plan
 
 VARIANTS = [("contiguous", "none", "K", "K"), ("contiguous", "none", "K", "MN"), ("masked", "none", "MN", "MN"),

@@ -2,10 +2,14 @@
 (1x128 activations x 128x128 weights, promoted every k-block) fp32 scales, and MX (e8m0 scales per 32 of K,
 promoted every k-step; MXFP8, or MXFP4 weights converted in shared memory) on a persistent TMA + fp8 wgmma kernel
 (``kernel``, planned by ``plan``); ``api`` holds the host functions re-exported here, docs/ops/scaled.md the design
-and measurements.
+and measurements. The grouped scaled GEMM of MoE experts (``scaled_grouped_mm`` contiguous, ``..._masked``; block or
+row-wise scales) runs ``grouped_kernel``, planned by ``grouped_plan``, host functions in ``grouped``.
 """
 from nvfly.ops.scaled.api import check, dequantize, describe, eligibility, path, recipe, reference, scaled_mm
 from nvfly.ops.scaled.config import ScaledConfig, ScaledEpilogue
+from nvfly.ops.scaled.grouped import (check_grouped, describe_grouped, grouped_eligibility, grouped_recipe,
+                                      grouped_reference, scaled_grouped_mm, scaled_grouped_mm_masked)
 
-__all__ = ["ScaledConfig", "ScaledEpilogue", "check", "dequantize", "describe", "eligibility", "path", "recipe",
-           "reference", "scaled_mm"]
+__all__ = ["ScaledConfig", "ScaledEpilogue", "check", "check_grouped", "dequantize", "describe", "describe_grouped",
+           "eligibility", "grouped_eligibility", "grouped_recipe", "grouped_reference", "path", "recipe", "reference",
+           "scaled_grouped_mm", "scaled_grouped_mm_masked", "scaled_mm"]

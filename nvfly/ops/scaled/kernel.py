@@ -183,14 +183,15 @@ def convert_packed_b(tile, thread, BN, WGS):
     nvfly.named_barrier(1, THREADS)
 
 
-def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI) -> list:
+def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a_group=None, b_group=None) -> list:
     """The k-block's promotion scales for the thread's elements: block, one per row pair (sa[row, kt] * sb[column
     block, kt]); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0 bytes decoded), the rows' sa then
-    the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none (applied in the epilogue)."""
+    the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none (applied in the epilogue).
+    ``a_group``/``b_group``: the group whose scales a batched (3-D) scale_a/scale_b holds first (None: 2-D)."""
     rows = [nvfly.minimum(row0 + 64 * i + 8 * h, m - 1) for i in range(ATOMS_M) for h in range(2)]
     if EPI.scaling == "block":
-        sb = scale_b[col0 // SCALE_BLOCK, kt]  # the tile's columns lie in one block
-        return [scale_a[row, kt] * sb for row in rows]
+        sb = batched(scale_b, b_group, col0 // SCALE_BLOCK, kt)  # the tile's columns lie in one block
+        return [batched(scale_a, a_group, row, kt) * sb for row in rows]
     if EPI.scaling in MX:  # e8m0 bytes; a K tail's zero-filled k-steps take the last step's scales
         kt = nvfly.minimum(kt, scale_a.shape[1] - 1)
         b_factor = 64.0 if EPI.scaling == "mxfp4" else 1.0  # converted e2m1 is e4m3 times 2^-6
@@ -201,6 +202,11 @@ def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI) -
         return [scale_a[row, kt] for row in rows] + [scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]
                                                      for j in range(BN // 8) for c in range(2)]
     return []
+
+
+def batched(t, group, *index):
+    """``t[index]``, or ``t[group, *index]`` of a batched tensor (``group`` not None)."""
+    return t[index] if group is None else t[(group,) + index]
 
 
 def fenced(part: list) -> list:

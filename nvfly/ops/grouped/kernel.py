@@ -41,7 +41,7 @@ from nvfly.ops.common.epilogue import activate, check_store_descriptor, stage_ti
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, Epilogue
 from nvfly.ops.common.groups import clamped_range, fill_group_table, group_rows_end, group_table, group_work
 from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, init_ring, issue_k_block, load_boxes
-from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
+from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
 
 LAYOUTS = ("contiguous", "masked", "kgrouped")
 FUSES = ("none", "silu_mul")
@@ -101,12 +101,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
         table, totals = group_table(BARRIER_BYTES + S * STAGE_BYTES, GROUPS)
         fill_group_table(table, totals, offs, m, tid, lane, warp, THREADS, BM, LAYOUT, GROUPS)
     nvfly.syncthreads()  # the barriers (and the table) exist before anyone uses them
-    first_tile = nvfly.block_idx.x
-    tile_step = nvfly.grid_dim.x
-
     TILING = Tiling(BM, OUT_BN, CFG.group_m, groups=GROUPS if RAGGED else 0)
-    tiles = tile_grid(m, n, 1 if RAGGED else GROUPS, k_tiles, 0, 0, tile_step, table, None, TILING)
-    num_units = block_units(first_tile, tiles, TILING)
+    first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1 if RAGGED else GROUPS, k_tiles, table, TILING)
 
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)

@@ -144,10 +144,9 @@ def grouped_eligibility(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, o
 class _GroupedScaledCall:
     """The kernel's launch for one call signature."""
 
-    def __init__(self, plan: ScaledGroupedPlan, shape: tuple, out_dtype: torch.dtype):
+    def __init__(self, plan: ScaledGroupedPlan, shape: tuple):
         self.plan = plan
         self.shape = shape
-        self.out_dtype = out_dtype
         self.launch = scaled_grouped_kernel.prepared(plan.grid, plan.threads)
 
     def run(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
@@ -189,7 +188,7 @@ def _new_call(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dtype: 
     reason = grouped_eligibility(a, b, scale_a, scale_b, offs, out_dtype, out, masked)
     if reason:
         raise ValueError(reason)
-    return _GroupedScaledCall(plan, shape, out_dtype)
+    return _GroupedScaledCall(plan, shape)
 
 
 def _bound(op: str, a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dtype: Any, out: Any,

@@ -30,15 +30,13 @@ import functools
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
 from nvfly.ops.common.groups import fill_group_table, group_rows_end, group_table, group_work
-from nvfly.ops.common.mainloop import (consume_k_blocks, fill_stage, init_ring, issue_k_block, load_boxes,
-                                       promote_k_blocks)
-from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
+from nvfly.ops.common.mainloop import init_ring, load_boxes, produce_tiles
+from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
 from nvfly.ops.scaled.config import BK
-from nvfly.ops.scaled.kernel import batched, promote, promotion_scales
+from nvfly.ops.scaled.kernel import batched, fp8_mainloop, fp8_ring, k_major_tiles, promotion_scales
 
 GROUPED_LAYOUTS = ("contiguous", "masked")
 GROUPED_SCALINGS = ("block", "row")
@@ -58,46 +56,34 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
     THREADS = 128 * (1 + WGS)
     MASKED_A = LAYOUT == "masked"  # A, its scales and the output batched by group
     atom = sm90.WgmmaAtom(BN, dtype, b_desc.info.dtype, "K", "K")
-    a_layout = sm90.operand_layout(BM, BK, dtype, "K", 128)
-    b_layout = sm90.operand_layout(BN, BK, dtype, "K", 128)
-    a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, "K", 128)[1][0]
-    b_boxes = sm90.operand_boxes(b_layout, BN, BK, dtype, "K", 128)[1][0]
-    a_fields = sm90.descriptor_offsets(a_layout, dtype, "K", 128) + (128,)
-    b_fields = sm90.descriptor_offsets(b_layout, dtype, "K", 128) + (128,)
-    A_BYTES = BM * BK
-    STAGE_BYTES = CFG.stage_bytes
-
-    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
-    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
-    pipe = sm90.TmaPipeline(bars, S, CFG.load_bytes, consumer_arrivals=4 * WGS)
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
     lane = nvfly.lane_idx()
     wg = warp // 4
+    ring, pipe = fp8_ring(CFG)  # then the group table
     init_ring(pipe, tid, a_desc, b_desc, None, False)
-    table, totals = group_table(BARRIER_BYTES + S * STAGE_BYTES, GROUPS)
+    table, totals = group_table(BARRIER_BYTES + S * CFG.stage_bytes, GROUPS)
     fill_group_table(table, totals, offs, m, tid, lane, warp, THREADS, BM, LAYOUT, GROUPS)
     nvfly.syncthreads()  # the barriers and the table exist before anyone uses them
-    first_tile = nvfly.block_idx.x
-    tile_step = nvfly.grid_dim.x
     TILING = Tiling(BM, BN, CFG.group_m, groups=GROUPS)
-    tiles = tile_grid(m, n, 1, k_tiles, 0, 0, tile_step, table, None, TILING)
-    num_units = block_units(first_tile, tiles, TILING)
+    first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1, k_tiles, table, TILING)
 
+    tiles_of = k_major_tiles(BM, BN, dtype)
+    a_boxes, b_boxes = tiles_of[2:4]
+    A_BYTES = BM * BK
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
         if tid == 0:
-            state = sm90.PipelineState.start(S)
-            for tile in range(first_tile, num_units, tile_step):
-                work = unit_work(tile, tiles, 0, TILING)
-                row_base, k_base, blocks = group_work(offs, work.batch, work.tile_m, m, 0, k_tiles, BM, BK, LAYOUT,
-                                                      GROUPS)
-                for kt in range(k_tiles):
-                    base, full = fill_stage(pipe, state, ring, STAGE_BYTES)
-                    load_boxes(a_desc, a_boxes, row_base, kt * BK, "K", base, full,
-                               work.batch if MASKED_A else None)
-                    load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, work.batch)
-                    state = state.advance()
+            def tile_loads(work):
+                g = work.batch
+                row_base, k_base, blocks = group_work(offs, g, work.tile_m, m, 0, k_tiles, BM, BK, LAYOUT, GROUPS)
+
+                def load(kt, base, full):
+                    load_boxes(a_desc, a_boxes, row_base, kt * BK, "K", base, full, g if MASKED_A else None)
+                    load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, g)
+                return 0, k_tiles, load
+
+            produce_tiles(pipe, ring, CFG.stage_bytes, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads)
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
         consumer = wg - 1
@@ -110,29 +96,10 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
             row0 = row_base + consumer * WG_M + warp_in_wg * 16 + lane // 4
             col0 = work.tile_n * BN + 2 * (lane % 4)
             a_group = g if MASKED_A else None
-            if EPI.promote:
-                scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
-                                              ATOMS_M=ATOMS_M, EPI=EPI, a_group=a_group, b_group=g)
-
-                def fresh_k_block(stage, state, kt, step):
-                    part = issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)], stage,
-                                         a_layout, b_layout, consumer, a_fields, b_fields, A_BYTES, WG_M, BK, 1, True)
-                    return part, scales_of(kt=kt)  # the scales load while the wgmmas run
-
-                def add_partial(sums, partial):
-                    return promote(sums, partial[0], partial[1], ATOMS_M, EPI)
-
-                sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
-                accs, state = promote_k_blocks(pipe, state, ring, STAGE_BYTES, 0, k_tiles, lane, sums, fresh_k_block,
-                                               add_partial, False, 1, None)
-            else:
-                def accumulate(accs, stage, state, kt, first):
-                    return issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, a_fields, b_fields, A_BYTES,
-                                         WG_M, BK, 1, first)
-
-                accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
-                accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, 0, k_tiles, lane, accs, accumulate, 1,
-                                               None)
+            scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
+                                          ATOMS_M=ATOMS_M, EPI=EPI, a_group=a_group, b_group=g)
+            accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, 0, k_tiles, lane, tid, scales_of,
+                                       CFG, EPI)
             if EPI.scaling == "row":
                 accs = row_scaled(accs, scale_a, scale_b, a_group, g, row0, col0, m, n, BN, ATOMS_M)
             row_end = group_rows_end(offs, g, m, LAYOUT, GROUPS)

@@ -18,6 +18,7 @@ from nvfly.ops.common.gemm_config import BARRIER_BYTES, SMEM_LIMIT
 from nvfly.ops.common.groups import table_bytes
 from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.grouped_kernel import GROUPED_LAYOUTS, GROUPED_SCALINGS
+from nvfly.ops.scaled.plan import ScaledPlan
 
 MAX_GROUPS = 1024      # the group table lives in shared memory (torch's limit too)
 SMALL_GROUP_ROWS = 64  # at most this many rows a group on average: the 64-row tile
@@ -25,22 +26,12 @@ MAX_STAGES = 12
 
 
 @dataclass(frozen=True)
-class ScaledGroupedPlan:
-    """How the grouped scaled kernel runs one call signature: ``layout`` "contiguous" or "masked", m the rows
-    bound (T or Mmax), n and k the product's, k_tiles its 128-wide k-blocks; ``grid`` blocks of the persistent
-    launch, from an upper bound on the tiles (blocks past the real count exit at once)."""
-    layout: str
-    config: ScaledConfig
-    epilogue: ScaledEpilogue
-    groups: int
-    m: int
-    n: int
-    k: int
-    k_tiles: int
-    grid: int
-    threads: int
-    a_box: tuple
-    b_box: tuple
+class ScaledGroupedPlan(ScaledPlan):
+    """How the grouped scaled kernel runs one call signature: the scaled GEMM's plan fields (never swapped; m the
+    rows bound, T or Mmax; ``grid`` from an upper bound on the tiles: blocks past the real count exit at once) with
+    the ``layout`` ("contiguous" or "masked") and the ``groups``."""
+    layout: str = "contiguous"
+    groups: int = 1
 
     @property
     def smem_bytes(self) -> int:
@@ -94,7 +85,6 @@ def make_grouped_plan(layout: str, epilogue: ScaledEpilogue, groups: int, m: int
         bound_rows = groups * math.ceil(m / config.bm)
     tiles = bound_rows * math.ceil(n / config.bn)
     batch = (1,) if layout == "masked" else ()
-    return ScaledGroupedPlan(layout=layout, config=config, epilogue=epilogue, groups=groups, m=m, n=n, k=k,
-                             k_tiles=math.ceil(k / BK), grid=max(1, min(tiles, sms)),
-                             threads=128 * (1 + config.consumers), a_box=batch + (config.bm, BK),
-                             b_box=(1, config.bn, BK))
+    return ScaledGroupedPlan(config=config, epilogue=epilogue, swap=False, m=m, n=n, k=k, k_tiles=math.ceil(k / BK),
+                             grid=max(1, min(tiles, sms)), threads=128 * (1 + config.consumers),
+                             a_box=batch + (config.bm, BK), b_box=(1, config.bn, BK), layout=layout, groups=groups)

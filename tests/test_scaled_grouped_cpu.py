@@ -17,11 +17,12 @@ VARIANTS = [
     ("masked", ScaledConfig(64, 128, 9, 1), ScaledEpilogue("block", True)),
     ("contiguous", ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", False)),
     ("masked", ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", True)),
+    ("contiguous", ScaledConfig(128, 128, 6, 2, issue_ahead=True), ScaledEpilogue("block", True)),
 ]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{v[1].bm}x{v[1].bn}-{v[2].scaling}"
-                         f"{'-promoted' if v[2].promote else ''}")
+                         f"{'-promoted' if v[2].promote else ''}{'-ahead' if v[1].issue_ahead else ''}")
 def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     layout, cfg, epi = variant
     (k,) = compile_grouped_variants([variant], groups=8)
@@ -31,6 +32,8 @@ def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0, k.resources
     assert k.resources.registers <= 65536 // k.threads
     assert not k.warnings, k.warnings  # no serialised wgmma, setmaxnreg honoured
+    # issuing ahead: the next k-block's wgmmas stay in flight while the previous one is promoted
+    assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
     plan = make_grouped_plan(layout, epi, 8, 4096, 4096, 4096, 512, 132, cfg)
     assert k.dynamic_smem_bytes == plan.smem_bytes
 
@@ -61,9 +64,9 @@ def test_plans():
     assert "K splits" in fits(ScaledConfig(128, 128, 4, 2, split_k=2), 8, block)
     assert fits(ScaledConfig(128, 128, 7, 2), 1, block) is None  # the table of 1024 groups takes a stage away
     assert "shared memory" in fits(ScaledConfig(128, 128, 7, 2), MAX_GROUPS, block)
-    with pytest.raises(ValueError, match="config:"):
-        make_grouped_plan("contiguous", block, 8, 4096, 4096, 4096, 512, 132, ScaledConfig(128, 128, 6, 2,
-                                                                                           issue_ahead=True))
+    with pytest.raises(ValueError, match="config: issue_ahead"):
+        make_grouped_plan("contiguous", ScaledEpilogue("row", False), 8, 4096, 4096, 4096, 512, 132,
+                          ScaledConfig(128, 128, 6, 2, issue_ahead=True))
     with pytest.raises(ValueError, match="bias"):
         make_grouped_plan("contiguous", ScaledEpilogue("row", True, bias=True), 8, 4096, 4096, 4096, 512, 132)
     text = scaled.describe_grouped("masked", 256, 16, 4096, 7168, rows_per_group=4)

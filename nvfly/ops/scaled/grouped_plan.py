@@ -43,8 +43,8 @@ def fits(cfg: ScaledConfig, groups: int, epilogue: ScaledEpilogue) -> Optional[s
     why = cfg.check(epilogue.promote)
     if why:
         return why
-    if cfg.split_k != 1 or cfg.issue_ahead or cfg.packed_b:
-        return "the grouped scaled kernel runs without K splits, issuing ahead or packed weights"
+    if cfg.split_k != 1 or cfg.packed_b:
+        return "the grouped scaled kernel runs without K splits or packed weights"
     if epilogue.scaling == "block" and SCALE_BLOCK % cfg.bn:
         return f"bn={cfg.bn}: with 128x128 weight blocks a tile's columns must lie in one block (bn divides 128)"
     if cfg.smem_bytes() + table_bytes(groups) > SMEM_LIMIT:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_results  # noqa: E402
+from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, time_impls, write_results  # noqa: E402
 from nvfly.ops import grouped  # noqa: E402
 
 PEAK_TFLOPS = 790.0   # bf16 dense matmul ceiling measured on the H200
@@ -426,6 +426,12 @@ FP8_FULL = FP8_QUICK + [
 ]
 
 
+# ratio -> (the implementation it divides the time of, the one it divides by): > 1 where the second is faster
+FP8_RATIOS = {"vs_torch_row": ("torch_row", "nvfly"), "vs_nvfly_bf16": ("nvfly_bf16", "nvfly"),
+              "vs_torch_bf16": ("torch_bf16", "nvfly"), "ahead_vs_default": ("nvfly", "nvfly_ahead"),
+              "row_vs_torch_row": ("torch_row", "nvfly_row")}
+
+
 def fp8_experts(e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random expert weights quantised expert by expert (the fp32 weights of all experts at once would not fit):
     e4m3 b [E, K, N] column-major and its 128 x 128 block scales [E, K/128, N/128]."""
@@ -528,18 +534,9 @@ def fp8_rows(cases: list[Case]) -> tuple[list[dict], dict]:
             row[f"{name}_rel_err"] = rel_err(got[owned], ref[owned])
             del got, owned
         refs_done.clear()
-        for name, fn in impls.items():
-            ms = bench_ms(fn)
-            row[f"{name}_ms"] = ms
-            row[f"{name}_tflops"] = flop / ms / 1e9
-            row[f"{name}_tbps"] = nbytes / ms / 1e9
-        for peer in ("torch_row", "nvfly_bf16", "torch_bf16"):
-            if f"{peer}_ms" in row:
-                row[f"vs_{peer}"] = row[f"{peer}_ms"] / row["nvfly_ms"]
-        if "nvfly_ahead_ms" in row:
-            row["ahead_vs_default"] = row["nvfly_ms"] / row["nvfly_ahead_ms"]
-        if "torch_row_ms" in row:
-            row["row_vs_torch_row"] = row["torch_row_ms"] / row["nvfly_row_ms"]
+        time_impls(row, impls, flop, nbytes)
+        row.update({ratio: row[f"{slower}_ms"] / row[f"{faster}_ms"] for ratio, (slower, faster) in FP8_RATIOS.items()
+                    if f"{slower}_ms" in row and f"{faster}_ms" in row})
         rows.append(row)
         print(f"{case.name:<26} nvfly {row['nvfly_tflops']:7.1f} TF {row['nvfly_tbps']:5.2f} TB/s "
               f"(err {row['nvfly_rel_err']:.1e}) "
@@ -548,8 +545,7 @@ def fp8_rows(cases: list[Case]) -> tuple[list[dict], dict]:
                           if f"{p}_tflops" in row), flush=True)
         del impls, refs
         torch.cuda.empty_cache()
-    summary = {key: geomean([r[key] for r in rows if key in r])
-               for key in ("vs_torch_row", "vs_nvfly_bf16", "vs_torch_bf16", "row_vs_torch_row", "ahead_vs_default")}
+    summary = {key: geomean([r[key] for r in rows if key in r]) for key in FP8_RATIOS}
     summary["dsv3_t4096_tflops"] = {r["case"]: r["nvfly_tflops"] for r in rows if "T4096" in r["case"]}
     summary["max_rel_err"] = max(r["nvfly_rel_err"] for r in rows)
     return rows, summary
@@ -650,11 +646,7 @@ def grouped_rows(cases: list[Case], args) -> tuple[list[dict], dict]:
             # the owned rows (torch's masked peer computes the whole capacity)
             row[f"{name}_rel_err"] = rel_err(out.float()[owned], ref[owned])
         del ref, owned
-        for name, fn in impls.items():
-            ms = bench_ms(fn)
-            row[f"{name}_ms"] = ms
-            row[f"{name}_tflops"] = flop / ms / 1e9
-            row[f"{name}_tbps"] = nbytes / ms / 1e9
+        time_impls(row, impls, flop, nbytes)
         floor_ms = max(flop / (PEAK_TFLOPS * 1e9), nbytes / (PEAK_TBPS * 1e9))
         row["floor_ms"] = floor_ms
         row["bound"] = "compute" if flop / (PEAK_TFLOPS * 1e9) >= nbytes / (PEAK_TBPS * 1e9) else "memory"

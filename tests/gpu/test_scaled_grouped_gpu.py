@@ -11,6 +11,7 @@ import nvfly.torch  # noqa: F401  (the routes)
 from nvfly.ops import scaled
 from nvfly.ops.scaled import ScaledConfig
 from nvfly.ops.scaled.quantize import quantize, quantize_experts
+from tests.gpu.test_grouped_gpu import CONTIGUOUS_SIZES, check, sizes_to_offs
 
 pytestmark = pytest.mark.gpu
 
@@ -38,25 +39,6 @@ def experts(e, n, k, scaling):
     return quantize_experts(w, "128x128" if scaling == "block" else "row")
 
 
-def sizes_to_offs(sizes):
-    return torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
-
-
-def check(out, ref, tol):
-    """Rows the reference leaves NaN (no group's) must still be the poison; the others match and are finite."""
-    unowned = ref.isnan()
-    assert torch.equal(out.float().isnan(), unowned), "a row was written that no group owns, or one was missed"
-    got, want = out.double()[~unowned], ref.double()[~unowned]
-    if want.numel() == 0:
-        return 0.0
-    assert torch.isfinite(got).all()
-    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-    assert err < tol, err
-    return err
-
-
-CONTIGUOUS_SIZES = [[0, 5, 0, 130, 64, 1, 300, 0], [17] * 8, [0, 0, 0, 513, 0, 0, 0, 0],
-                    [127, 129, 3, 0, 200, 64, 1, 2]]
 
 
 @pytest.mark.parametrize("config", [None, SMALL, LARGE], ids=["heuristic", "64x128", "128x128"])

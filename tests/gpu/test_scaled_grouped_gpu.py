@@ -144,9 +144,18 @@ def test_torch_scaled_grouped_mm_is_routed(hopper):
         torch.testing.assert_close(batched, own, rtol=2e-2, atol=2e-2 * own.abs().max().item())
 
 
-def test_bad_device_input_is_declined(hopper):
+def test_bad_input_is_declined_and_bad_offsets_clamped(hopper):
     a, sa = tokens(64, 256, "block")
     b, sb = experts(2, 128, 256, "block")
     offs = sizes_to_offs([32, 32])
     with pytest.raises(ValueError, match="^nvfly.ops.scaled.scaled_grouped_mm: offs is on cpu"):
         scaled.scaled_grouped_mm(a, b, sa, sb, offs.cpu())
+    bad = torch.tensor([40, 30], dtype=torch.int32, device="cuda")  # decreasing: group 1 is clamped to empty
+    with pytest.raises(ValueError, match="^nvfly.ops.scaled.scaled_grouped_mm: offs: offsets must not decrease"):
+        scaled.scaled_grouped_mm(a, b, sa, sb, bad, check_offsets=True)
+    out = torch.full((64, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    scaled.scaled_grouped_mm(a, b, sa, sb, bad, out=out)
+    assert torch.isfinite(out[:40]).all() and out[40:].isnan().all()
+    counts = torch.tensor([3, 99], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="^nvfly.ops.scaled.scaled_grouped_mm_masked: counts: count 99 of group 1"):
+        scaled.scaled_grouped_mm_masked(a.view(2, 32, 256), b, sa.reshape(2, 32, 2), sb, counts, check_offsets=True)

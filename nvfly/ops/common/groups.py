@@ -6,10 +6,12 @@ of A, ``offs`` the cumulative ends) and "masked" (A [E, Mmax, K], group g its fi
 bf16 GEMM's "kgrouped" keeps them along K (offs the cumulative K ends). Each block fills a table of the groups'
 first tile rows in shared memory at start (``fill_group_table``: a block scan over the groups, each thread summing
 a few), which ``nvfly.ops.common.scheduler`` walks (``Tiling(groups=...)``); ``group_work`` and ``group_rows_end``
-place a tile of a group. Sizes are clamped to [0, limit] (``clamped_range``), so that even invalid offsets never
+place a tile of a group; ``validate_offsets`` checks device sizes on the host (a sync, on request). Sizes are clamped to [0, limit] (``clamped_range``), so that even invalid offsets never
 address memory outside the operands.
 """
 from __future__ import annotations
+
+import torch
 
 import nvfly
 from nvfly.arch.reduce import block_scan
@@ -95,3 +97,23 @@ def group_rows_end(offs, g, m, LAYOUT, GROUPS):
     else:
         start, end = clamped_range(offs, g, m, LAYOUT, GROUPS)
     return end
+
+
+def validate_offsets(offs: torch.Tensor, limit: int, *, masked: bool = False, name: str = "offs") -> None:
+    """Check device group sizes on the host (a sync; the grouped GEMMs never do this themselves): cumulative ends that
+    never decrease and end within ``limit`` (T or sum K), or masked counts in [0, limit]; raises ValueError
+    naming ``name``."""
+    values = offs.detach().to("cpu", torch.int64)
+    if masked:
+        bad = ((values < 0) | (values > limit)).nonzero()
+        if len(bad):
+            g = int(bad[0])
+            raise ValueError(f"{name}: count {int(values[g])} of group {g} is outside [0, {limit}]")
+        return
+    previous = torch.cat([values.new_zeros(1), values[:-1]])
+    bad = (values < previous).nonzero()
+    if len(bad):
+        g = int(bad[0])
+        raise ValueError(f"{name}: offsets must not decrease, offs[{g}] = {int(values[g])} < {int(previous[g])}")
+    if len(values) and int(values[-1]) > limit:
+        raise ValueError(f"{name}: the last offset {int(values[-1])} is beyond the {limit} rows of the operand")

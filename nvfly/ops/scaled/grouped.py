@@ -22,6 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 import nvfly
+from nvfly.ops.common.groups import validate_offsets
 from nvfly.ops.common.opcall import OpCalls, named
 from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.grouped_kernel import scaled_grouped_kernel
@@ -208,17 +209,22 @@ def _bound(op: str, a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_d
 def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                       offs: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
                       out: Optional[torch.Tensor] = None, use_fast_accum: bool = False,
-                      config: Optional[ScaledConfig] = None, rows_per_group: Optional[float] = None) -> torch.Tensor:
+                      config: Optional[ScaledConfig] = None, rows_per_group: Optional[float] = None,
+                      check_offsets: bool = False) -> torch.Tensor:
     """The MoE forward in FP8: a [T, K] (tokens sorted by expert) x b [E, K, N] with ``offs`` (int32 [E], the
     cumulative group ends on the device; group g the rows [offs[g-1], offs[g])) -> out [T, N], each group's rows
     (a * scale_a) @ (b[g] * scale_b[g]); rows past offs[-1] are not written. Block (DeepSeek-V3) or row-wise
     (``torch._scaled_grouped_mm``'s) scales, see the module doc; block scales always promote every k-block of 128
     into fp32, row-wise ones unless ``use_fast_accum``. The group sizes are never read on the host (groups of any
     size, 0 included; offsets that decrease or pass T are clamped on the device). ``config``: the kernel's tile
-    (a ScaledConfig without K splits), ``rows_per_group`` the heuristic's estimate (default the average). Raises
-    TypeError or ValueError naming the argument when nvfly cannot run it."""
+    (a ScaledConfig without K splits), ``rows_per_group`` the heuristic's estimate (default the average);
+    ``check_offsets=True`` checks the offsets first, with a host sync (``validate_offsets``). Raises TypeError or
+    ValueError naming the argument when nvfly cannot run it."""
     call = _bound(SCALED_GROUPED_MM, a, b, scale_a, scale_b, offs, out_dtype, out, use_fast_accum, False, config,
                   rows_per_group)
+    if check_offsets:
+        with named(SCALED_GROUPED_MM):
+            validate_offsets(offs, a.shape[0])
     if out is None:
         out = torch.empty(call.shape, dtype=out_dtype, device=a.device)
     call.run(a, b, scale_a, scale_b, offs, out)
@@ -229,13 +235,16 @@ def scaled_grouped_mm_masked(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Te
                              counts: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
                              out: Optional[torch.Tensor] = None, use_fast_accum: bool = False,
                              config: Optional[ScaledConfig] = None,
-                             expected_rows: Optional[float] = None) -> torch.Tensor:
+                             expected_rows: Optional[float] = None, check_offsets: bool = False) -> torch.Tensor:
     """The masked layout: a [E, Mmax, K] x b [E, K, N] -> out [E, Mmax, N], group g its first ``counts[g]`` rows
     (int32 [E] on the device, clamped to [0, Mmax]); the other rows are not written. ``expected_rows``: the rows a
     group has on average, for the heuristic (default Mmax; DeepGEMM's expected_m). Scales and the rest as
-    ``scaled_grouped_mm`` (scale_a [E, Mmax, K/128] or [E, Mmax])."""
+    ``scaled_grouped_mm`` (scale_a [E, Mmax, K/128] or [E, Mmax]; ``check_offsets`` checks the counts)."""
     call = _bound(SCALED_GROUPED_MM_MASKED, a, b, scale_a, scale_b, counts, out_dtype, out, use_fast_accum, True,
                   config, expected_rows)
+    if check_offsets:
+        with named(SCALED_GROUPED_MM_MASKED):
+            validate_offsets(counts, a.shape[1], masked=True, name="counts")
     if out is None:
         out = torch.empty(call.shape, dtype=out_dtype, device=a.device)
     call.run(a, b, scale_a, scale_b, counts, out)

@@ -92,6 +92,16 @@ def graph_ms(fn: Callable[[], Any], calls: int = 32, replays: int = 20) -> Optio
     return statistics.median(times)
 
 
+def time_impls(row: dict[str, Any], impls: dict[str, Callable[[], Any]], flop: float, nbytes: float) -> None:
+    """Each implementation's median time into ``row`` (``<name>_ms``), with its TFLOP/s of ``flop`` and TB/s of
+    ``nbytes`` (``<name>_tflops``, ``<name>_tbps``)."""
+    for name, fn in impls.items():
+        ms = bench_ms(fn)
+        row[f"{name}_ms"] = ms
+        row[f"{name}_tflops"] = flop / ms / 1e9
+        row[f"{name}_tbps"] = nbytes / ms / 1e9
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float64; inf if anything is NaN."""
     o, r = out.double(), ref.double()

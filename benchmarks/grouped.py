@@ -25,10 +25,17 @@ the fastest nvfly eager version (named in ``nvfly_version``).
 Weight-gradient variants (``--wgrad-variants``): the K-grouped weight gradient on each of the kernel's K-grouped
 tiles (``plan.kgrouped_variants``) next to torch._grouped_mm, correctness first.
 
+FP8 rows (``--fp8``, ``FP8_QUICK``/``FP8_FULL``): DeepSeek-V3's experts (E256 top-8) at 4096 tokens and decode
+batches, contiguous and masked, on ``nvfly.ops.scaled.scaled_grouped_mm``: its block path (1x128 x 128x128, the
+heuristic's tile and the issue-ahead one) and its row-wise path next to torch._scaled_grouped_mm (row-wise, what
+torch runs on sm90) and the bf16 grouped GEMMs (nvfly's and torch._grouped_mm) of the same routing; errors against
+float32 references first.
+
 Usage: python -m benchmarks.grouped [--quick] [--moe] [--moe-layers NAME] [--no-compile] [--wgrad-variants]
-[--no-triton] [--triton-cases N] [--name grouped]. --quick: the anchor rows (under 3 minutes on the H200, Inductor on
+[--fp8] [--no-triton] [--triton-cases N] [--name grouped]. --fp8 --quick: the four FP8 anchor rows (under a
+minute). --quick: the anchor rows (under 3 minutes on the H200, Inductor on
 the first case only). --moe alone: the MoE-layer rows only; with --quick: both. Writes
-benchmarks/results/<name>_h200.json and .png (default name: grouped, grouped_moe or grouped_wgrad).
+benchmarks/results/<name>_h200.json and .png (default name: grouped, grouped_moe, grouped_wgrad or grouped_fp8).
 """
 from __future__ import annotations
 
@@ -42,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_results  # noqa: E402
+from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, time_impls, write_results  # noqa: E402
 from nvfly.ops import grouped  # noqa: E402
 
 PEAK_TFLOPS = 790.0   # bf16 dense matmul ceiling measured on the H200
@@ -401,6 +408,149 @@ def moe_rows(layers: str, compile_too: bool) -> list[dict]:
     return rows
 
 
+# ---------------------------------------------------------------------------------------------- FP8 (--fp8)
+# DeepSeek-V3's experts (E256 top-8, hidden 7168, expert width 2048: gate/up N = 4096, down K = 2048) at 4096 tokens
+# and at decode batches, contiguous (tokens sorted by expert) and masked (a fixed capacity per expert)
+FP8_QUICK = [
+    Case("DSv3 gate/up T4096", "forward", 256, 4096, 7168, 4096 * 8),
+    Case("DSv3 down T4096", "forward", 256, 7168, 2048, 4096 * 8),
+    Case("DSv3 gate/up decode T32", "forward", 256, 4096, 7168, 32 * 8),
+    Case("DSv3 masked decode T128", "masked", 256, 4096, 7168, 128 * 8),
+]
+FP8_FULL = FP8_QUICK + [
+    Case("DSv3 gate/up T4096 zipf", "forward", 256, 4096, 7168, 4096 * 8, "zipf"),
+    Case("DSv3 gate/up T16384", "forward", 256, 4096, 7168, 16384 * 8),
+    Case("DSv3 gate/up T512", "forward", 256, 4096, 7168, 512 * 8),
+    Case("DSv3 down decode T128", "forward", 256, 7168, 2048, 128 * 8),
+    Case("DSv3 masked T4096", "masked", 256, 4096, 7168, 4096 * 8),
+]
+
+
+# ratio -> (the implementation it divides the time of, the one it divides by): > 1 where the second is faster
+FP8_RATIOS = {"vs_torch_row": ("torch_row", "nvfly"), "vs_nvfly_bf16": ("nvfly_bf16", "nvfly"),
+              "vs_torch_bf16": ("torch_bf16", "nvfly"), "ahead_vs_default": ("nvfly", "nvfly_ahead"),
+              "row_vs_torch_row": ("torch_row", "nvfly_row")}
+
+
+def fp8_experts(e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random expert weights quantised expert by expert (the fp32 weights of all experts at once would not fit):
+    e4m3 b [E, K, N] column-major and its 128 x 128 block scales [E, K/128, N/128]."""
+    from nvfly.ops.scaled.quantize import quantize
+    q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device="cuda")
+    scales = torch.empty(e, math.ceil(k / 128), math.ceil(n / 128), device="cuda")
+    for g in range(e):
+        qt, s = quantize(torch.randn(n, k, device="cuda"), "128x128", operand="b")
+        q[g], scales[g] = qt.t(), s
+    return q.transpose(-2, -1), scales
+
+
+def fp8_setup(case: Case):
+    """(implementations by name, their references by name, flop, bytes, plan) of an FP8 case. nvfly's block path
+    (1x128 tokens x 128x128 weights, DeepSeek-V3's recipe; also issuing ahead where its 128-row tile runs), its
+    row-wise path (per token x per expert channel, promoted as torch's default), torch._scaled_grouped_mm
+    (row-wise: what torch runs on sm90) and the bf16 grouped GEMMs (nvfly's and torch._grouped_mm) of the same
+    routing; the row-wise scales are random, over the same fp8 bytes."""
+    from nvfly.ops import scaled
+    from nvfly.ops.scaled import ScaledConfig
+    from nvfly.ops.scaled.grouped_plan import deepest
+    from nvfly.ops.scaled.quantize import quantize
+    sizes = group_sizes(case)
+    e, n, k = case.experts, case.n, case.k
+    active = sum(1 for s in sizes if s)
+    bf16 = torch.bfloat16
+    b, sb = fp8_experts(e, n, k)
+    sb_row = torch.rand(e, n, device="cuda") + 0.5
+    b16 = b.to(bf16)
+    masked = case.kind == "masked"
+    if masked:
+        capacity = 8 * math.ceil(2 * case.rows / e / 8)  # a fixed capacity of twice the expected rows
+        counts = torch.tensor([min(s, capacity) for s in sizes], dtype=torch.int32).cuda()
+        rows, groups_of = e * capacity, counts
+        routed = int(counts.sum())
+    else:
+        rows, groups_of = sum(sizes), offsets(sizes)
+        routed = rows
+    x = torch.randn(rows, k, device="cuda")
+    a, sa = quantize(x, "1x128")
+    sa_row = torch.rand(rows, device="cuda") + 0.5
+    a16 = x.to(bf16)
+    if masked:
+        a, sa, sa_row, a16 = (a.view(e, capacity, k), sa.reshape(e, capacity, -1), sa_row.view(e, capacity),
+                              a16.view(e, capacity, k))
+    out = torch.full(tuple(a.shape[:-1]) + (n,), float("nan"), device="cuda", dtype=bf16)
+    expected = case.rows / e
+    if masked:
+        def nvfly_fp8(sa_, sb_, config=None):
+            return scaled.scaled_grouped_mm_masked(a, b, sa_, sb_, counts, out=out, config=config,
+                                                   expected_rows=expected)
+        impls = {"nvfly_bf16": lambda: grouped.grouped_mm_masked(a16, b16, counts, expected_rows=expected),
+                 "torch_bf16": lambda: torch._grouped_mm(a16, b16)}
+    else:
+        def nvfly_fp8(sa_, sb_, config=None):
+            return scaled.scaled_grouped_mm(a, b, sa_, sb_, groups_of, out=out, config=config)
+        impls = {"nvfly_bf16": lambda: grouped.grouped_mm(a16, b16, groups_of),
+                 "torch_bf16": lambda: torch._grouped_mm(a16, b16, groups_of)}
+    impls["nvfly"] = lambda: nvfly_fp8(sa, sb)
+    plan = scaled.describe_grouped("masked" if masked else "contiguous", e, a.shape[-2], n, k, rows_per_group=expected)
+    if expected > 64:
+        ahead = deepest(ScaledConfig(128, 128, 2, 2, issue_ahead=True), e)
+        impls["nvfly_ahead"] = lambda: nvfly_fp8(sa, sb, ahead)
+    impls["nvfly_row"] = lambda: nvfly_fp8(sa_row, sb_row)
+    impls["torch_row"] = lambda: torch._scaled_grouped_mm(a, b, sa_row, sb_row, offs=None if masked else groups_of,
+                                                          out_dtype=bf16)
+    block_ref = lambda: scaled.grouped_reference(a, b, sa, sb, groups_of, masked=masked)  # noqa: E731
+    row_ref = lambda: scaled.grouped_reference(a, b, sa_row, sb_row, groups_of, masked=masked)  # noqa: E731
+    bf16_ref = lambda: grouped.reference(a16, b16, groups_of, masked=masked)  # noqa: E731
+    refs = {"nvfly": block_ref, "nvfly_ahead": block_ref, "nvfly_row": row_ref, "torch_row": row_ref,
+            "nvfly_bf16": bf16_ref, "torch_bf16": bf16_ref}
+    flop = 2.0 * routed * n * k
+    nbytes = routed * k + active * n * k + 2.0 * routed * n
+    return impls, refs, flop, nbytes, plan
+
+
+def fp8_rows(cases: list[Case]) -> tuple[list[dict], dict]:
+    """The FP8 grouped rows: every implementation's error against its float32 reference (owned rows; a peer that
+    raises is left out, with its error), then TFLOP/s, TB/s of the fp8 bytes that must move, and ratios."""
+    rows = []
+    for case in progress(cases, "grouped_fp8"):
+        impls, refs, flop, nbytes, plan = fp8_setup(case)
+        row = {"case": case.name, "kind": case.kind, "E": case.experts, "N": case.n, "K": case.k, "rows": case.rows,
+               "routing": case.routing, "dtype": "e4m3", "nvfly_plan": plan}
+        refs_done: dict = {}
+        for name in list(impls):
+            try:
+                got = impls[name]().float()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - torch's kernel may not run this on this card
+                row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                del impls[name]
+                continue
+            key = refs[name]
+            if key not in refs_done:
+                refs_done.clear()  # one reference alive at a time: they are large
+                refs_done[key] = key()
+            ref = refs_done[key]
+            owned = ~ref.isnan()
+            row[f"{name}_rel_err"] = rel_err(got[owned], ref[owned])
+            del got, owned
+        refs_done.clear()
+        time_impls(row, impls, flop, nbytes)
+        row.update({ratio: row[f"{slower}_ms"] / row[f"{faster}_ms"] for ratio, (slower, faster) in FP8_RATIOS.items()
+                    if f"{slower}_ms" in row and f"{faster}_ms" in row})
+        rows.append(row)
+        print(f"{case.name:<26} nvfly {row['nvfly_tflops']:7.1f} TF {row['nvfly_tbps']:5.2f} TB/s "
+              f"(err {row['nvfly_rel_err']:.1e}) "
+              + "  ".join(f"{p} {row[p + '_tflops']:.0f} TF" for p in ("nvfly_ahead", "nvfly_row", "torch_row",
+                                                                        "nvfly_bf16", "torch_bf16")
+                          if f"{p}_tflops" in row), flush=True)
+        del impls, refs
+        torch.cuda.empty_cache()
+    summary = {key: geomean([r[key] for r in rows if key in r]) for key in FP8_RATIOS}
+    summary["dsv3_t4096_tflops"] = {r["case"]: r["nvfly_tflops"] for r in rows if "T4096" in r["case"]}
+    summary["max_rel_err"] = max(r["nvfly_rel_err"] for r in rows)
+    return rows, summary
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="the anchor rows only (under 3 minutes)")
@@ -409,6 +559,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="MoE rows without the torch.compile versions")
     p.add_argument("--wgrad-variants", action="store_true",
                    help="the K-grouped weight gradient on each of the kernel's K-grouped tiles vs torch (alone)")
+    p.add_argument("--fp8", action="store_true",
+                   help="the grouped FP8 rows alone (DeepSeek-V3 experts; with --quick: four, under a minute)")
     p.add_argument("--no-triton", action="store_true", help="leave out Inductor max-autotune's grouped mm")
     p.add_argument("--triton-cases", type=int, default=None,
                    help="time Inductor on the first N forward cases (default: 1 with --quick, all forward cases)")
@@ -426,6 +578,17 @@ def main(argv=None) -> int:
         path = write_results(name, rows, {"summary": summary})
         plot(name, [r["case"] for r in rows], {v: [r[f"{v}_tflops"] for r in rows] for v in ["torch"] + variants},
              "TFLOP/s")
+        print("wrote", path)
+        return 0
+    if args.fp8:
+        name = args.name or "grouped_fp8"
+        rows, summary = fp8_rows(FP8_QUICK if args.quick else FP8_FULL)
+        summary["seconds"] = time.time() - t_start
+        print(summary)
+        path = write_results(name, rows, {"summary": summary})
+        plot(name, [r["case"] for r in rows], {p: [r.get(f"{p}_tflops", 0.0) for r in rows]
+                                               for p in ("nvfly", "nvfly_row", "torch_row", "nvfly_bf16",
+                                                         "torch_bf16")}, "TFLOP/s")
         print("wrote", path)
         return 0
     rows, summary = [], {}
@@ -483,11 +646,7 @@ def grouped_rows(cases: list[Case], args) -> tuple[list[dict], dict]:
             # the owned rows (torch's masked peer computes the whole capacity)
             row[f"{name}_rel_err"] = rel_err(out.float()[owned], ref[owned])
         del ref, owned
-        for name, fn in impls.items():
-            ms = bench_ms(fn)
-            row[f"{name}_ms"] = ms
-            row[f"{name}_tflops"] = flop / ms / 1e9
-            row[f"{name}_tbps"] = nbytes / ms / 1e9
+        time_impls(row, impls, flop, nbytes)
         floor_ms = max(flop / (PEAK_TFLOPS * 1e9), nbytes / (PEAK_TBPS * 1e9))
         row["floor_ms"] = floor_ms
         row["bound"] = "compute" if flop / (PEAK_TFLOPS * 1e9) >= nbytes / (PEAK_TBPS * 1e9) else "memory"

@@ -8,7 +8,8 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.ops import grouped
 from nvfly.ops.common.gemm_config import SMEM_LIMIT, GemmConfig
-from nvfly.ops.grouped.kernel import a_tail_offset, table_bytes
+from nvfly.ops.common.groups import table_bytes
+from nvfly.ops.grouped.kernel import a_tail_offset
 from nvfly.ops.grouped.plan import MAX_GROUPS, fits, make_plan
 
 VARIANTS = [("contiguous", "none", "K", "K"), ("contiguous", "none", "K", "MN"), ("masked", "none", "MN", "MN"),
@@ -19,9 +20,11 @@ VARIANTS = [("contiguous", "none", "K", "K"), ("contiguous", "none", "K", "MN"),
 TILES = [GemmConfig(128, 256, 4, 2, stream_k=False), GemmConfig(64, 128, 9, 1, stream_k=False)]
 
 
-def _check_kernel(k, bn):
+def check_kernel(k, mma):
+    """A warp-specialised wgmma kernel as compiled: ``mma`` wgmmas (a SASS opcode prefix), TMA loads, both
+    setmaxnreg, no spills, registers for every thread, no ptxas warnings."""
     ops = k.sass_opcodes()
-    assert any(op.startswith(f"HGMMA.64x{bn}x16.F32.BF16") for op in ops), sorted(ops)
+    assert any(op.startswith(mma) for op in ops), sorted(ops)
     assert k.count("UTMALDG") > 0 and k.count("USETMAXREG") == 2
     assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0, k.resources
     assert k.resources.registers <= 65536 // k.threads
@@ -38,7 +41,7 @@ CASES = [(v, TILES[0]) for v in VARIANTS] + [
                          f"{x.bm}x{x.bn}")
 def test_every_variant_compiles(variant, config):
     (k,) = grouped.compile_variants([variant], config=config)
-    _check_kernel(k, config.bn)
+    check_kernel(k, f"HGMMA.64x{config.bn}x16.F32.BF16")
     layout = variant[0]
     assert k.dynamic_smem_bytes == config.ring_end(2) + (table_bytes(8) if layout != "kgrouped" else 0)
     if layout == "kgrouped":  # the K tail is zeroed in shared memory and fenced for wgmma
@@ -131,7 +134,7 @@ def test_kgrouped_epilogues_compile(tile, out_dtype):
     (k,) = grouped.compile_variants([KGROUPED], config=config, out_dtype=out_dtype)
     plan = make_plan(*KGROUPED[:2], "bf16", 8, *KGROUPED[2:], 4096, 4096, 4096, 4096, 132, config,
                      4 if out_dtype else 2)
-    _check_kernel(k, plan.config.bn)
+    check_kernel(k, f"HGMMA.64x{plan.config.bn}x16.F32.BF16")
     assert plan.config.pingpong == tile.startswith(("heuristic", "pingpong"))
     assert plan.config.tma_store == tile.endswith("-tma")
     assert k.dynamic_smem_bytes == plan.smem_bytes <= SMEM_LIMIT

@@ -2,7 +2,8 @@
 candidates Inductor would benchmark, their times, the winner and why (``nvfly.torch.explain``). Without a GPU
 nothing is timed; ``--benchmark`` times the candidates and torch now, on a CUDA GPU. ``--groups E``: a grouped GEMM
 (MoE experts) of E groups instead, M the routed rows in all (``--layout``, ``--fuse``):
-``nvfly.torch.grouped_ops.explain_grouped``.
+``nvfly.torch.grouped_ops.explain_grouped``; with ``--scaled row|block`` the grouped FP8 GEMM
+(``nvfly.torch.scaled_grouped_ops.explain_scaled_grouped``).
 
 ``nvfly explain --sdpa B,HQ,HKV,SQ,SKV,D[,DV] [--causal] [--grad]``: what eager routing does with
 ``F.scaled_dot_product_attention`` on that shape: nvfly's decode or prefill, or torch's SDPA and why
@@ -90,6 +91,13 @@ def run(args: argparse.Namespace) -> int:
             args.parser.error(f"the following arguments are required: {', '.join(missing)}")
     elif any(value is not None for _, value in dims):
         args.parser.error("give M N K (a GEMM) or --sdpa (attention), not both")
+    if args.scaled and args.groups is not None:
+        from nvfly.torch.scaled_grouped_ops import explain_scaled_grouped
+        if args.scaled not in ("row", "block") or args.layout == "kgrouped":
+            args.parser.error("--groups with --scaled: row or block scales, contiguous or masked layout")
+        print(explain_scaled_grouped(args.groups, args.m, args.n, args.k, layout=args.layout, scaling=args.scaled,
+                                     use_fast_accum=args.fast_accum), end="")
+        return 0
     if args.scaled:
         return _run_scaled(args)
     console = Console(stderr=True, highlight=False)

@@ -4,7 +4,8 @@
     nvfly.torch.install()                       # nvfly joins torch.compile(mode="max-autotune") GEMM autotuning,
                                                 # and compiled SDPA and flex_attention go to nvfly where it wins
     with nvfly.torch.routing():                 # eager: mm/addmm/bmm, _scaled_mm, SDPA (decode, prefill, training),
-                                                # flex_attention, RMSNorm, TopK, _grouped_mm to nvfly where faster
+                                                # flex_attention, RMSNorm, TopK, _grouped_mm, _scaled_grouped_mm
+                                                # to nvfly where faster
         y = model(x)
     nvfly.torch.autotune([(16, 4096, 4096)])    # fills the database that routing and Inductor's candidates read
     print(nvfly.torch.explain(16, 4096, 4096))  # candidates, times, winner, and why nvfly was declined or lost
@@ -27,7 +28,7 @@ import torch
 from nvfly.torch import attention_ops, grouped_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode,
 # SDPA route; grouped_ops: nvfly::grouped_mm, the _grouped_mm route)
 from nvfly.torch import flex_compile  # noqa: F401  (nvfly::flex_attention: flex under torch.compile)
-from nvfly.torch import scaled_ops  # noqa: F401  (the _scaled_mm routes)
+from nvfly.torch import scaled_grouped_ops, scaled_ops  # noqa: F401  (the _scaled_mm and _scaled_grouped_mm routes)
 from nvfly.torch.autotune import autotune, database
 from nvfly.torch.explain import explain, explain_sdpa
 from nvfly.torch.routing import install_routing, routing_enabled

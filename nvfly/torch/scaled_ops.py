@@ -92,16 +92,22 @@ def _v2_schema_names() -> tuple[str, ...]:
     return tuple(arg.name for arg in torch.ops.aten._scaled_mm_v2.default._schema.arguments)
 
 
-def _v2_arguments(args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
-    """A _scaled_mm_v2 call's arguments by name (defaults filled), or None when this torch's schema differs."""
-    schema = torch.ops.aten._scaled_mm_v2.default._schema
-    names = _v2_schema_names()
-    if not set(_V2_NAMES) <= set(names):
+def bound_arguments(op: Any, names: tuple[str, ...], args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
+    """An aten call's arguments by schema name (defaults filled), or None when this torch's schema of ``op`` (an
+    overload) lacks one of ``names``."""
+    schema = op._schema
+    schema_names = tuple(arg.name for arg in schema.arguments)
+    if not set(names) <= set(schema_names):
         return None
     bound = {arg.name: arg.default_value for arg in schema.arguments if arg.has_default_value()}
-    bound.update(zip(names, args))
+    bound.update(zip(schema_names, args))
     bound.update(kwargs)
     return bound
+
+
+def _v2_arguments(args: tuple, kwargs: dict) -> Optional[dict[str, Any]]:
+    """A _scaled_mm_v2 call's arguments by name (defaults filled), or None when this torch's schema differs."""
+    return bound_arguments(torch.ops.aten._scaled_mm_v2.default, _V2_NAMES, args, kwargs)
 
 
 def scaled_mm_v2_eligibility(*args: Any, **kwargs: Any) -> Optional[str]:

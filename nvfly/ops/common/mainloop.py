@@ -1,7 +1,7 @@
 """The mainloop of the warp-specialised TMA + wgmma GEMMs (dense, grouped, scaled): the producer's k-block loads into
 the shared-memory ring and the consumers' k-block loop over it.
 
-The producer (one thread) walks its tiles' k-blocks: ``fill_stage`` claims the next stage of the ring (waits until
+The producer (one thread) walks its tiles' k-blocks (``produce_tiles``): ``fill_stage`` claims the next stage of the ring (waits until
 the consumers released it, expects its bytes on its full barrier), ``load_boxes`` issues an operand's TMA boxes into
 it. A consumer warpgroup walks the same k-blocks with ``consume_k_blocks``: it waits for each stage, issues its
 wgmmas (the per-k-block body is the kernel's: ``issue_k_block`` from shared memory, after whatever the kernel does
@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import nvfly
 from nvfly.arch import sm90
+from nvfly.ops.common.scheduler import unit_work
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,6 +49,21 @@ def fill_stage(pipe: Any, state: Any, ring: Any, stage_bytes: int) -> tuple[Any,
     pipe.producer_acquire(state)
     pipe.producer_expect(state)
     return ring + state.stage * stage_bytes, pipe.full(state.stage)
+
+
+@nvfly.func
+def produce_tiles(pipe, ring, stage_bytes, S, first, units, step, tiles, TILING, tile_loads):
+    """The producer thread's walk over its work units (``first``, ``first + step``, ... below ``units``, of the
+    scheduler's ``tiles``): ``tile_loads(work)`` (the kernel's, once a unit) returns the unit's k-blocks
+    (k_begin, k_end) and ``load(kt, base, full)``, which issues k-block kt's TMA boxes into the stage at shared
+    address ``base``; each k-block claims the ring's next stage first (``fill_stage``)."""
+    state = sm90.PipelineState.start(S)
+    for tile in range(first, units, step):
+        k_begin, k_end, load = tile_loads(unit_work(tile, tiles, 0, TILING))
+        for kt in range(k_begin, k_end):
+            base, full = fill_stage(pipe, state, ring, stage_bytes)
+            load(kt, base, full)
+            state = state.advance()
 
 
 def load_boxes(desc: Any, boxes: Any, mn: Any, k: Any, major: str, smem: Any, full: Any, batch: Any = None,

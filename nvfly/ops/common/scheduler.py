@@ -304,6 +304,15 @@ def block_units(block, grid, TILING):
     return units
 
 
+def persistent_units(m: Any, n: Any, batches: Any, k_tiles: Any, group_rows: Any, TILING: Any) -> tuple[Any, Any, Any, Any]:
+    """A persistent block's walk over the tiles without stream K: (its first unit, the step between its units (the
+    grid's blocks), the ``TileGrid``, the end of its units); ``group_rows`` the ragged table (None: not ragged)."""
+    first = nvfly.block_idx.x
+    step = nvfly.grid_dim.x
+    grid = tile_grid(m, n, batches, k_tiles, 0, 0, step, group_rows, None, TILING)
+    return first, step, grid, block_units(first, grid, TILING)
+
+
 @nvfly.func
 def stream_k_units(block, blocks, k_tiles, num_tiles, dp_tiles, block_iters):
     """The end of a block's work units under stream K: its share of the ``dp_tiles`` whole tiles (units

@@ -14,6 +14,7 @@ import torch
 
 import nvfly
 from nvfly.ops.common.gemm_config import GemmConfig
+from nvfly.ops.common.groups import validate_offsets
 from nvfly.ops.common.opcall import OpCalls, named
 from nvfly.ops.gemm import api as gemm_api
 from nvfly.ops.gemm.plan import OPERAND_DTYPES, operand_major, tma_reason
@@ -371,26 +372,6 @@ def grouped_mm_masked(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, *,
         out = torch.empty(call.shape, dtype=call.out_dtype, device=a.device)
     call.run(a, b, counts, out)
     return out
-
-
-def validate_offsets(offs: torch.Tensor, limit: int, *, masked: bool = False, name: str = "offs") -> None:
-    """Check device group sizes on the host (a sync; ``grouped_mm`` never does this itself): cumulative ends that
-    never decrease and end within ``limit`` (T or sum K), or masked counts in [0, limit]; raises ValueError
-    naming ``name``."""
-    values = offs.detach().to("cpu", torch.int64)
-    if masked:
-        bad = ((values < 0) | (values > limit)).nonzero()
-        if len(bad):
-            g = int(bad[0])
-            raise ValueError(f"{name}: count {int(values[g])} of group {g} is outside [0, {limit}]")
-        return
-    previous = torch.cat([values.new_zeros(1), values[:-1]])
-    bad = (values < previous).nonzero()
-    if len(bad):
-        g = int(bad[0])
-        raise ValueError(f"{name}: offsets must not decrease, offs[{g}] = {int(values[g])} < {int(previous[g])}")
-    if len(values) and int(values[-1]) > limit:
-        raise ValueError(f"{name}: the last offset {int(values[-1])} is beyond the {limit} rows of the operand")
 
 
 def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "none", b_major: str = "MN",

@@ -37,34 +37,14 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
-from nvfly.arch.reduce import block_scan
 from nvfly.ops.common.epilogue import activate, check_store_descriptor, stage_tile, store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, Epilogue
+from nvfly.ops.common.groups import clamped_range, fill_group_table, group_rows_end, group_table, group_work
 from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, init_ring, issue_k_block, load_boxes
-from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
+from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
 
 LAYOUTS = ("contiguous", "masked", "kgrouped")
 FUSES = ("none", "silu_mul")
-TABLE_WORDS = 32  # after the group table: the block scan's warp totals
-
-
-def table_bytes(groups: int) -> int:
-    """Shared memory of the group table (groups + 1 first tile rows) and the scan's warp totals."""
-    return 4 * (groups + 1 + TABLE_WORDS)
-
-
-@nvfly.func
-def clamped_range(offs, g, limit, LAYOUT, GROUPS):
-    """[start, end) of group g (rows, or K for "kgrouped"), clamped to [0, limit] and end >= start, so that
-    offsets that decrease or pass the end never address memory outside the operands."""
-    if LAYOUT == "masked":
-        start = 0
-        end = nvfly.minimum(nvfly.maximum(offs[g], 0), limit)
-    else:
-        previous = nvfly.select(g > 0, offs[nvfly.maximum(g - 1, 0)], 0)
-        start = nvfly.minimum(nvfly.maximum(previous, 0), limit)
-        end = nvfly.minimum(nvfly.maximum(offs[g], start), limit)
-    return start, end
 
 
 @nvfly.kernel
@@ -117,35 +97,12 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
     wg = warp // 4
     init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
     table = None
-    if RAGGED:
-        # the groups' first tile rows, from the device sizes: each thread sums PER groups' tile rows, a block scan
-        # gives each its first
-        TABLE_OFFSET = BARRIER_BYTES + S * STAGE_BYTES
-        table = nvfly.dynamic_shared_tensor(nvfly.i32, (GROUPS + 1,), offset_bytes=TABLE_OFFSET)
-        totals = nvfly.dynamic_shared_tensor(nvfly.i32, (TABLE_WORDS,), offset_bytes=TABLE_OFFSET + 4 * (GROUPS + 1))
-        PER = (GROUPS + THREADS - 1) // THREADS
-        first_group = tid * PER
-        count = 0
-        for i in nvfly.static_range(PER):
-            g = nvfly.minimum(first_group + i, GROUPS - 1)
-            start, end = clamped_range(offs, g, m, LAYOUT, GROUPS)
-            count = count + nvfly.select(first_group + i < GROUPS, (end - start + BM - 1) // BM, 0)
-        row = block_scan(count, totals, lane, warp, THREADS // 32, exclusive=True)
-        for i in nvfly.static_range(PER):
-            g = first_group + i
-            if g < GROUPS:
-                table[g] = row
-                start, end = clamped_range(offs, g, m, LAYOUT, GROUPS)
-                row = row + (end - start + BM - 1) // BM
-        if tid == THREADS - 1:
-            table[GROUPS] = row
+    if RAGGED:  # the groups' first tile rows, from the device sizes
+        table, totals = group_table(BARRIER_BYTES + S * STAGE_BYTES, GROUPS)
+        fill_group_table(table, totals, offs, m, tid, lane, warp, THREADS, BM, LAYOUT, GROUPS)
     nvfly.syncthreads()  # the barriers (and the table) exist before anyone uses them
-    first_tile = nvfly.block_idx.x
-    tile_step = nvfly.grid_dim.x
-
     TILING = Tiling(BM, OUT_BN, CFG.group_m, groups=GROUPS if RAGGED else 0)
-    tiles = tile_grid(m, n, 1 if RAGGED else GROUPS, k_tiles, 0, 0, tile_step, table, None, TILING)
-    num_units = block_units(first_tile, tiles, TILING)
+    first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1 if RAGGED else GROUPS, k_tiles, table, TILING)
 
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
@@ -231,38 +188,8 @@ def tile_blocks(tile, num_units, tiles, offs, m, k, k_tiles, BM, BK, LAYOUT, GRO
 
 
 @nvfly.func
-def group_work(offs, g, tm, m, k, k_tiles, BM, BK, LAYOUT, GROUPS):
-    """(first row of the tile in A's rows, first K of the group, k-blocks) of tile row ``tm`` of group ``g``."""
-    if LAYOUT == "contiguous":
-        start, end = clamped_range(offs, g, m, LAYOUT, GROUPS)
-        row_base = start + tm * BM
-        k_base = 0
-        blocks = k_tiles
-    elif LAYOUT == "masked":
-        row_base = tm * BM
-        k_base = 0
-        blocks = k_tiles
-    else:
-        row_base = tm * BM
-        k_base, k_end = clamped_range(offs, g, k, LAYOUT, GROUPS)
-        blocks = nvfly.maximum((k_end - k_base + BK - 1) // BK, 1)  # an empty group: one k-block of zeros
-    return row_base, k_base, blocks
-
-
-@nvfly.func
 def k_end_of(offs, g, k, GROUPS):
     start, end = clamped_range(offs, g, k, "kgrouped", GROUPS)
-    return end
-
-
-@nvfly.func
-def group_rows_end(offs, g, m, LAYOUT, GROUPS):
-    """The bound of the rows the epilogue stores: the group's end (contiguous: in all tokens' rows; masked: its
-    count; kgrouped: M)."""
-    if LAYOUT == "kgrouped":
-        end = m
-    else:
-        start, end = clamped_range(offs, g, m, LAYOUT, GROUPS)
     return end
 
 

@@ -15,7 +15,8 @@ from typing import Optional
 
 from nvfly.ops.common.gemm_config import SMEM_LIMIT, GemmConfig, store_box
 from nvfly.ops.common.mainloop import operand_box
-from nvfly.ops.grouped.kernel import FUSES, LAYOUTS, table_bytes
+from nvfly.ops.common.groups import table_bytes
+from nvfly.ops.grouped.kernel import FUSES, LAYOUTS
 
 MAX_GROUPS = 1024       # the group table lives in shared memory (torch's limit too)
 SMALL_GROUP_ROWS = 64   # at most this many rows a group on average: the 64-row tile (see above)

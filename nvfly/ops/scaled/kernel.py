@@ -33,9 +33,9 @@ from nvfly.arch.floats import convert_shared_e2m1x32, e8m0_to_f32
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
-from nvfly.ops.common.mainloop import (consume_k_blocks, fill_stage, init_ring, issue_k_block, load_boxes,
+from nvfly.ops.common.mainloop import (consume_k_blocks, init_ring, issue_k_block, load_boxes, produce_tiles,
                                        promote_k_blocks)
-from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
+from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK
 
 PARTIAL = Epilogue(partial=True)
@@ -50,51 +50,38 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     WG_M = CFG.wg_m
     ATOMS_M = WG_M // 64
     atom = sm90.WgmmaAtom(BN, dtype, nvfly.f8e4m3 if CFG.packed_b else b_desc.info.dtype, "K", "K")
-    a_layout = sm90.operand_layout(BM, BK, dtype, "K", 128)
-    b_layout = sm90.operand_layout(BN, BK, dtype, "K", 128)
-    a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, "K", 128)[1][0]
-    b_boxes = sm90.operand_boxes(b_layout, BN, BK, dtype, "K", 128)[1][0]
-    a_lbo, a_sbo = sm90.descriptor_offsets(a_layout, dtype, "K", 128)
-    b_lbo, b_sbo = sm90.descriptor_offsets(b_layout, dtype, "K", 128)
+    tiles_of = k_major_tiles(BM, BN, dtype)
+    a_boxes, b_boxes = tiles_of[2:4]
     A_BYTES = BM * BK
     STAGE_BYTES = CFG.stage_bytes
-
-    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
-    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
-    pipe = sm90.TmaPipeline(bars, S, CFG.load_bytes, consumer_arrivals=4 * WGS)
+    ring, pipe = fp8_ring(CFG)
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
     wg = warp // 4
     init_ring(pipe, tid, a_desc, b_desc, None, False)
     nvfly.syncthreads()
-    first_tile = nvfly.block_idx.x
-    tile_step = nvfly.grid_dim.x
     TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k)
-    tiles = tile_grid(m, n, 1, k_tiles, 0, 0, tile_step, None, None, TILING)
-    num_units = block_units(first_tile, tiles, TILING)
+    first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1, k_tiles, None, TILING)
 
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
         if tid == 0:
-            state = sm90.PipelineState.start(S)
-            for tile in range(first_tile, num_units, tile_step):
-                work = unit_work(tile, tiles, 0, TILING)
-                for kt in range(work.k_begin, work.k_end):
-                    base, full = fill_stage(pipe, state, ring, STAGE_BYTES)
+            def tile_loads(work):
+                def load(kt, base, full):
                     load_boxes(a_desc, a_boxes, work.tile_m * BM, kt * BK, "K", base, full)
                     if CFG.packed_b:  # e2m1 pairs: one unswizzled BN x 64-byte box, behind the e4m3 tile
                         sm90.tma_load(b_desc, base + A_BYTES + BN * BK, (work.tile_n * BN, kt * (BK // 2)), full)
                     else:
                         load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full)
-                    state = state.advance()
+                return work.k_begin, work.k_end, load
+
+            produce_tiles(pipe, ring, STAGE_BYTES, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads)
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
         consumer = wg - 1
         lane = nvfly.lane_idx()
         warp_in_wg = warp % 4
-        a_desc_fields = (a_lbo, a_sbo, 128)
-        b_desc_fields = (b_lbo, b_sbo, 128)
         alpha = 1.0
         if EPI.scaling == "tensor":
             alpha = scale_a[0] * scale_b[0]
@@ -107,43 +94,8 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             # the k-block's promotion scales
             scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
                                           ATOMS_M=ATOMS_M, EPI=EPI)
-            if EPI.promote:
-                # promotions per k-block: MX scales change every wgmma k-step, the others every k-block
-                STEPS = BK // EPI.scale_k
-
-                def fresh_k_block(stage, state, kt, step):
-                    if STEPS > 1:
-                        part = issue_k_step(atom, stage, a_layout, b_layout, consumer, a_desc_fields, b_desc_fields,
-                                            A_BYTES, WG_M, ATOMS_M, step)
-                        return part, scales_of(kt=kt * STEPS + step)
-                    part = issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)], stage,
-                                         a_layout, b_layout, consumer, a_desc_fields, b_desc_fields, A_BYTES, WG_M,
-                                         BK, 1, True)
-                    return part, scales_of(kt=kt)  # the scales load while the wgmmas run
-
-                def add_partial(sums, partial):
-                    # issued ahead, or a k-step's: the partial was waited for with wgmmas in flight, or in a loop
-                    part, scales = partial
-                    return promote(sums, fenced(part) if CFG.issue_ahead or STEPS > 1 else part, scales, ATOMS_M,
-                                   EPI)
-
-                def convert_b(stage):  # MXFP4: the stage's packed e2m1 B into its e4m3 tile, before the wgmmas
-                    convert_packed_b(stage + A_BYTES, tid - 128, BN, WGS)
-
-                # issue_ahead: k-block k+1's wgmmas are issued before k's fp32 add, into the other of two partials
-                sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
-                accs, state = promote_k_blocks(pipe, state, ring, STAGE_BYTES, work.k_begin, work.k_end, lane, sums,
-                                               fresh_k_block, add_partial, CFG.issue_ahead, STEPS,
-                                               convert_b if CFG.packed_b else None)
-            else:
-                def accumulate(accs, stage, state, kt, first):
-                    return issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, a_desc_fields,
-                                         b_desc_fields, A_BYTES, WG_M, BK, 1, first)
-
-                # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
-                accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
-                accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, work.k_begin, work.k_end, lane, accs,
-                                               accumulate, 1, None)
+            accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, work.k_begin, work.k_end, lane,
+                                       tid, scales_of, CFG, EPI)
             inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
             if EPI.partial:  # split K: unscaled f32 sums into out[split] (the dense GEMM's partial store)
                 store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, inside)
@@ -151,6 +103,71 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
             else:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
+
+
+def fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, k_begin, k_end, lane, tid, scales_of, CFG, EPI) -> tuple:
+    """A consumer's k-blocks [k_begin, k_end) of one tile of the fp8 kernels from the ``fp8_ring`` (``tiles_of``:
+    ``k_major_tiles``): promoted (``EPI.promote``: each k-block, or each k-step of MX scales, into fresh accumulators,
+    added into fp32 sums times ``scales_of(kt=...)``, ``promotion_scales`` of the tile) or accumulated in the tensor
+    core. Returns (the accumulators, the state after the tile)."""
+    a_layout, b_layout, _, _, a_desc_fields, b_desc_fields = tiles_of
+    WG_M = CFG.wg_m
+    ATOMS_M = WG_M // 64
+    A_BYTES = CFG.bm * BK
+    STAGE_BYTES = CFG.stage_bytes
+    if EPI.promote:
+        # promotions per k-block: MX scales change every wgmma k-step, the others every k-block
+        STEPS = BK // EPI.scale_k
+
+        def fresh_k_block(stage, state, kt, step):
+            if STEPS > 1:
+                part = issue_k_step(atom, stage, a_layout, b_layout, consumer, a_desc_fields, b_desc_fields, A_BYTES,
+                                    WG_M, ATOMS_M, step)
+                return part, scales_of(kt=kt * STEPS + step)
+            part = issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)], stage, a_layout,
+                                 b_layout, consumer, a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, True)
+            return part, scales_of(kt=kt)  # the scales load while the wgmmas run
+
+        def add_partial(sums, partial):
+            # issued ahead, or a k-step's: the partial was waited for with wgmmas in flight, or in a loop
+            part, scales = partial
+            return promote(sums, fenced(part) if CFG.issue_ahead or STEPS > 1 else part, scales, ATOMS_M, EPI)
+
+        def convert_b(stage):  # MXFP4: the stage's packed e2m1 B into its e4m3 tile, before the wgmmas
+            convert_packed_b(stage + A_BYTES, tid - 128, CFG.bn, CFG.consumers)
+
+        # issue_ahead: k-block k+1's wgmmas are issued before k's fp32 add, into the other of two partials
+        sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
+        accs, state = promote_k_blocks(pipe, state, ring, STAGE_BYTES, k_begin, k_end, lane, sums, fresh_k_block,
+                                       add_partial, CFG.issue_ahead, STEPS, convert_b if CFG.packed_b else None)
+    else:
+        def accumulate(accs, stage, state, kt, first):
+            return issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, a_desc_fields, b_desc_fields,
+                                 A_BYTES, WG_M, BK, 1, first)
+
+        # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
+        accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
+        accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, k_begin, k_end, lane, accs, accumulate, 1,
+                                       None)
+    return accs, state
+
+
+def k_major_tiles(bm: int, bn: int, dtype) -> tuple:
+    """The fp8 kernels' A (bm rows) and B (bn rows) tiles of a k-block, K-major in 128-byte swizzle: (A's layout,
+    B's, A's TMA boxes, B's, A's wgmma descriptor fields (leading and stride byte offsets, swizzle), B's)."""
+    layouts = [sm90.operand_layout(rows, BK, dtype, "K", 128) for rows in (bm, bn)]
+    boxes = [sm90.operand_boxes(layout, rows, BK, dtype, "K", 128)[1][0] for layout, rows in zip(layouts, (bm, bn))]
+    fields = [sm90.descriptor_offsets(layout, dtype, "K", 128) + (128,) for layout in layouts]
+    return layouts[0], layouts[1], boxes[0], boxes[1], fields[0], fields[1]
+
+
+def fp8_ring(cfg) -> tuple:
+    """The fp8 kernels' ring in dynamic shared memory (its barriers first): (its shared address, its TmaPipeline,
+    released by the 4 warps of each of ``cfg.consumers`` consumer warpgroups)."""
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * cfg.stages,)))
+    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (cfg.stages * cfg.stage_bytes,),
+                                                    offset_bytes=BARRIER_BYTES))
+    return ring, sm90.TmaPipeline(bars, cfg.stages, cfg.load_bytes, consumer_arrivals=4 * cfg.consumers)
 
 
 def issue_k_step(atom, base, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m, atoms_m, ks) -> list:
@@ -183,14 +200,15 @@ def convert_packed_b(tile, thread, BN, WGS):
     nvfly.named_barrier(1, THREADS)
 
 
-def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI) -> list:
+def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a_group=None, b_group=None) -> list:
     """The k-block's promotion scales for the thread's elements: block, one per row pair (sa[row, kt] * sb[column
     block, kt]); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0 bytes decoded), the rows' sa then
-    the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none (applied in the epilogue)."""
+    the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none (applied in the epilogue).
+    ``a_group``/``b_group``: the group whose scales a batched (3-D) scale_a/scale_b holds first (None: 2-D)."""
     rows = [nvfly.minimum(row0 + 64 * i + 8 * h, m - 1) for i in range(ATOMS_M) for h in range(2)]
     if EPI.scaling == "block":
-        sb = scale_b[col0 // SCALE_BLOCK, kt]  # the tile's columns lie in one block
-        return [scale_a[row, kt] * sb for row in rows]
+        sb = batched(scale_b, b_group, col0 // SCALE_BLOCK, kt)  # the tile's columns lie in one block
+        return [batched(scale_a, a_group, row, kt) * sb for row in rows]
     if EPI.scaling in MX:  # e8m0 bytes; a K tail's zero-filled k-steps take the last step's scales
         kt = nvfly.minimum(kt, scale_a.shape[1] - 1)
         b_factor = 64.0 if EPI.scaling == "mxfp4" else 1.0  # converted e2m1 is e4m3 times 2^-6
@@ -201,6 +219,11 @@ def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI) -
         return [scale_a[row, kt] for row in rows] + [scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]
                                                      for j in range(BN // 8) for c in range(2)]
     return []
+
+
+def batched(t, group, *index):
+    """``t[index]``, or ``t[group, *index]`` of a batched tensor (``group`` not None)."""
+    return t[index] if group is None else t[(group,) + index]
 
 
 def fenced(part: list) -> list:

@@ -166,6 +166,21 @@ def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float
     return q_t, scale
 
 
+def quantize_experts(w: torch.Tensor, granularity: str = "128x128",
+                     dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights w [E, N, K] (F.linear's layout, any float dtype) quantised for ``scaled_grouped_mm``: b
+    [E, K, N] column-major in the last two dimensions (``q.transpose(-2, -1)`` of a contiguous [E, N, K]) and
+    scale_b [E, K/128, ceil(N/128)] ("128x128") or [E, N] ("row"), expert by expert as ``quantize``."""
+    if granularity not in ("128x128", "row"):
+        raise ValueError(f"granularity: expected '128x128' or 'row', got {granularity!r}")
+    if w.dim() != 3:
+        raise ValueError(f"w: expected 3-D expert weights [E, N, K], got {w.dim()}-D")
+    pairs = [quantize(expert, granularity, dtype, operand="b") for expert in w]
+    b = torch.stack([q.t() for q, _ in pairs]).transpose(-2, -1)  # [E, N, K] contiguous, seen as [E, K, N]
+    scales = torch.stack([s.reshape(-1) if granularity == "row" else s.contiguous() for _, s in pairs])
+    return b, scales
+
+
 # ---------------------------------------------------------------------------------------------- the kernels
 KERNEL_GRANULARITIES = ("row", "1x128", "128x128", "mx")
 _QUANT_THREADS = 256

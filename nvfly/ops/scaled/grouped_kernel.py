@@ -1,0 +1,119 @@
+"""The grouped scaled (FP8) GEMM kernel (MoE experts with DeepSeek-V3's block scales, or torch's row-wise ones): one
+persistent warp-specialised TMA + fp8 wgmma launch walks every group's tiles, the grouped bf16 GEMM's schedule
+with the scaled GEMM's promotion mainloop.
+
+Group g computes out_g = (A_g * sa_g) @ (B_g * sb_g)^T with A and B K-major e4m3 (as ``torch._scaled_grouped_mm``:
+a row-major, b column-major) in one of two layouts (``LAYOUT``, ``nvfly.ops.common.groups``):
+
+- "contiguous": tokens sorted by expert in A [T, K], group g the rows [offs[g-1], offs[g]), weights B [E, N, K]
+  (the kernel's view), out [T, N]; one 2-D descriptor covers all tokens, a 3-D one all experts (the group is the
+  batch coordinate): a tile past its group's end loads rows of the next group that the epilogue does not store;
+- "masked": A [E, Mmax, K], group g its first counts[g] rows, out [E, Mmax, N].
+
+Each block fills the groups' first tile rows from the device sizes (``fill_group_table``) and walks its tiles with
+the shared scheduler (``Tiling(groups=...)``), as the grouped bf16 kernel. Warpgroup 0's first thread keeps the
+ring of 128-wide k-blocks full; consumers 1..C own BM / C rows of a tile each. Scales (``ScaledEpilogue.scaling``):
+
+- "block": sa per token and 128 of K (contiguous [T, K/128], masked [E, Mmax, K/128]), sb per 128 x 128 block of
+  the expert's weight ([E, N/128, K/128] in the kernel's orientation); every k-block is issued into fresh
+  accumulators and added, times sa[row, kb] * sb[g, n-block, kb], into fp32 sums once done (``promote_k_blocks``
+  with the scaled GEMM's ``promotion_scales`` and ``promote``): DeepGEMM's scheme;
+- "row": sa per token (contiguous [T], masked [E, Mmax]), sb per expert and column ([E, N]) applied in the
+  epilogue; with ``EPI.promote`` (torch's use_fast_accum=False) each k-block is still added into fp32 sums,
+  else the tensor core accumulates all of K (``consume_k_blocks``).
+
+The epilogue stores bf16/fp16/fp32 through registers, masked at the group's end (``store_tile``).
+"""
+from __future__ import annotations
+
+import functools
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.ops.common.epilogue import store_tile
+from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
+from nvfly.ops.common.groups import fill_group_table, group_rows_end, group_table, group_work
+from nvfly.ops.common.mainloop import init_ring, load_boxes, produce_tiles
+from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
+from nvfly.ops.scaled.config import BK
+from nvfly.ops.scaled.kernel import batched, fp8_mainloop, fp8_ring, k_major_tiles, promotion_scales
+
+GROUPED_LAYOUTS = ("contiguous", "masked")
+GROUPED_SCALINGS = ("block", "row")
+
+
+@nvfly.kernel
+def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor,
+                          offs: nvfly.Tensor, scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, m: nvfly.i32,
+                          n: nvfly.i32, k_tiles: nvfly.i32, CFG: nvfly.Constexpr, GROUPS: nvfly.Constexpr,
+                          LAYOUT: nvfly.Constexpr, EPI: nvfly.Constexpr):
+    """``m``: the rows bound (contiguous: T, masked: Mmax); ``offs``: the cumulative ends (contiguous) or the
+    counts (masked), int32 [GROUPS]; ``out``: [1, T, N] (contiguous) or [E, Mmax, N]."""
+    dtype = a_desc.info.dtype
+    BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
+    WG_M = CFG.wg_m
+    ATOMS_M = WG_M // 64
+    THREADS = 128 * (1 + WGS)
+    MASKED_A = LAYOUT == "masked"  # A, its scales and the output batched by group
+    atom = sm90.WgmmaAtom(BN, dtype, b_desc.info.dtype, "K", "K")
+    tid = nvfly.thread_idx.x
+    warp = nvfly.warp_idx()
+    lane = nvfly.lane_idx()
+    wg = warp // 4
+    ring, pipe = fp8_ring(CFG)  # then the group table
+    init_ring(pipe, tid, a_desc, b_desc, None, False)
+    table, totals = group_table(BARRIER_BYTES + S * CFG.stage_bytes, GROUPS)
+    fill_group_table(table, totals, offs, m, tid, lane, warp, THREADS, BM, LAYOUT, GROUPS)
+    nvfly.syncthreads()  # the barriers and the table exist before anyone uses them
+    TILING = Tiling(BM, BN, CFG.group_m, groups=GROUPS)
+    first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1, k_tiles, table, TILING)
+
+    tiles_of = k_major_tiles(BM, BN, dtype)
+    a_boxes, b_boxes = tiles_of[2:4]
+    A_BYTES = BM * BK
+    if wg == 0:
+        sm90.setmaxnreg(PRODUCER_REGS, increase=False)
+        if tid == 0:
+            def tile_loads(work):
+                g = work.batch
+                row_base, k_base, blocks = group_work(offs, g, work.tile_m, m, 0, k_tiles, BM, BK, LAYOUT, GROUPS)
+
+                def load(kt, base, full):
+                    load_boxes(a_desc, a_boxes, row_base, kt * BK, "K", base, full, g if MASKED_A else None)
+                    load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, g)
+                return 0, k_tiles, load
+
+            produce_tiles(pipe, ring, CFG.stage_bytes, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads)
+    else:
+        sm90.setmaxnreg(CONSUMER_REGS, increase=True)
+        consumer = wg - 1
+        warp_in_wg = warp % 4
+        state = sm90.PipelineState.start(S)
+        for tile in range(first_tile, num_units, tile_step):
+            work = unit_work(tile, tiles, 0, TILING)
+            g = work.batch
+            row_base, k_base, blocks = group_work(offs, g, work.tile_m, m, 0, k_tiles, BM, BK, LAYOUT, GROUPS)
+            row0 = row_base + consumer * WG_M + warp_in_wg * 16 + lane // 4
+            col0 = work.tile_n * BN + 2 * (lane % 4)
+            a_group = g if MASKED_A else None
+            scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
+                                          ATOMS_M=ATOMS_M, EPI=EPI, a_group=a_group, b_group=g)
+            accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, 0, k_tiles, lane, tid, scales_of,
+                                       CFG, EPI)
+            if EPI.scaling == "row":
+                accs = row_scaled(accs, scale_a, scale_b, a_group, g, row0, col0, m, n, BN, ATOMS_M)
+            row_end = group_rows_end(offs, g, m, LAYOUT, GROUPS)
+            inside = (row_base + (consumer + 1) * WG_M <= row_end) & (work.tile_n * BN + BN <= n)
+            store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
+                       Epilogue(), inside)
+
+
+def row_scaled(accs: list, scale_a, scale_b, a_group, g, row0, col0, m, n, BN: int, ATOMS_M: int) -> list:
+    """The consumer's fragments times sa[row] * sb[g, col] (row-wise scales; element 4j + 2h + c of atom i is
+    (row0 + 64i + 8h, col0 + 8j + c)), the reads clamped into range (the masked store drops the rows and columns
+    outside)."""
+    rows = [batched(scale_a, a_group, nvfly.minimum(row0 + 64 * i + 8 * h, m - 1)) for i in range(ATOMS_M)
+            for h in range(2)]
+    cols = [scale_b[g, nvfly.minimum(col0 + 8 * j + c, n - 1)] for j in range(BN // 8) for c in range(2)]
+    return [accs[i].map(lambda v, e, i=i: v * rows[2 * i + (e // 2) % 2] * cols[2 * (e // 4) + e % 2])
+            for i in range(ATOMS_M)]

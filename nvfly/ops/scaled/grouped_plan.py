@@ -1,0 +1,90 @@
+"""What runs for one grouped scaled GEMM call signature: the tile heuristic and the plan (host logic on shapes and
+strides; the group sizes stay on the device).
+
+Heuristic: the promoted mainloop keeps two accumulators per consumer (the fp32 sums and a k-block's partial), so
+tiles are at most 128 columns (block scales also need a tile's columns inside one 128-wide weight block). Groups of
+up to ``SMALL_GROUP_ROWS`` rows on average (decode: the weights are streamed once, memory-bound) take a 64-row tile
+on one consumer warpgroup with a deep ring; more rows the 128 x 128 tile on two consumers (as the dense scaled
+GEMM's promoted tile). The ring is as deep as shared memory holds next to the group table. Measurements:
+docs/ops/scaled.md.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from nvfly.ops.common.gemm_config import BARRIER_BYTES, SMEM_LIMIT
+from nvfly.ops.common.groups import table_bytes
+from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
+from nvfly.ops.scaled.grouped_kernel import GROUPED_LAYOUTS, GROUPED_SCALINGS
+from nvfly.ops.scaled.plan import ScaledPlan
+
+MAX_GROUPS = 1024      # the group table lives in shared memory (torch's limit too)
+SMALL_GROUP_ROWS = 64  # at most this many rows a group on average: the 64-row tile
+MAX_STAGES = 12
+
+
+@dataclass(frozen=True)
+class ScaledGroupedPlan(ScaledPlan):
+    """How the grouped scaled kernel runs one call signature: the scaled GEMM's plan fields (never swapped; m the
+    rows bound, T or Mmax; ``grid`` from an upper bound on the tiles: blocks past the real count exit at once) with
+    the ``layout`` ("contiguous" or "masked") and the ``groups``."""
+    layout: str = "contiguous"
+    groups: int = 1
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.config.smem_bytes() + table_bytes(self.groups)
+
+
+def fits(cfg: ScaledConfig, groups: int, epilogue: ScaledEpilogue) -> Optional[str]:
+    """None if the grouped kernel compiles ``cfg`` with ``groups`` groups' table and ``epilogue``, else why not."""
+    why = cfg.check(epilogue.promote)
+    if why:
+        return why
+    if cfg.split_k != 1 or cfg.packed_b:
+        return "the grouped scaled kernel runs without K splits or packed weights"
+    if epilogue.scaling == "block" and SCALE_BLOCK % cfg.bn:
+        return f"bn={cfg.bn}: with 128x128 weight blocks a tile's columns must lie in one block (bn divides 128)"
+    if cfg.smem_bytes() + table_bytes(groups) > SMEM_LIMIT:
+        return f"{cfg.smem_bytes() + table_bytes(groups)} bytes of shared memory exceed {SMEM_LIMIT}"
+    return None
+
+
+def deepest(cfg: ScaledConfig, groups: int) -> ScaledConfig:
+    """``cfg`` with the deepest ring (at most MAX_STAGES) that fits next to the group table."""
+    room = SMEM_LIMIT - BARRIER_BYTES - table_bytes(groups)
+    return replace(cfg, stages=max(2, min(MAX_STAGES, room // cfg.stage_bytes)))
+
+
+def heuristic_config(rows_per_group: float, groups: int) -> ScaledConfig:
+    """The tile of groups of ``rows_per_group`` rows on average (see the module doc)."""
+    if rows_per_group <= SMALL_GROUP_ROWS:
+        return deepest(ScaledConfig(64, 128, 2, 1), groups)
+    return deepest(ScaledConfig(128, 128, 2, 2), groups)
+
+
+def make_grouped_plan(layout: str, epilogue: ScaledEpilogue, groups: int, m: int, n: int, k: int,
+                      rows_per_group: float, sms: int, config: Optional[ScaledConfig] = None) -> ScaledGroupedPlan:
+    """The plan of a checked call: ``m`` the rows bound (T or Mmax), ``rows_per_group`` the heuristic's estimate;
+    ``config`` the caller's (checked) or the heuristic's."""
+    if layout not in GROUPED_LAYOUTS:
+        raise ValueError(f"layout: expected one of {GROUPED_LAYOUTS}, got {layout!r}")
+    if epilogue.scaling not in GROUPED_SCALINGS or epilogue.bias or epilogue.partial:
+        raise ValueError(f"epilogue: the grouped scaled kernel applies {GROUPED_SCALINGS} scales without a bias, "
+                         f"got {epilogue}")
+    if config is None:
+        config = heuristic_config(rows_per_group, groups)
+    why = fits(config, groups, epilogue)
+    if why:
+        raise ValueError(f"config: {why}")
+    if layout == "contiguous":  # a group adds at most one partial tile row to the tokens'
+        bound_rows = math.ceil(m / config.bm) + groups
+    else:
+        bound_rows = groups * math.ceil(m / config.bm)
+    tiles = bound_rows * math.ceil(n / config.bn)
+    batch = (1,) if layout == "masked" else ()
+    return ScaledGroupedPlan(config=config, epilogue=epilogue, swap=False, m=m, n=n, k=k, k_tiles=math.ceil(k / BK),
+                             grid=max(1, min(tiles, sms)), threads=128 * (1 + config.consumers),
+                             a_box=batch + (config.bm, BK), b_box=(1, config.bn, BK), layout=layout, groups=groups)

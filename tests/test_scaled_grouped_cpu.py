@@ -1,0 +1,236 @@
+"""The grouped FP8 GEMM (MoE experts, block or row-wise scales) without a GPU: every kernel variant compiles to fp8
+wgmma (QGMMA) and TMA code without spills, the plans follow the heuristic and fit shared memory, bad arguments raise
+errors naming them, the float32 reference is the dense scaled GEMM's group by group, and the torch routes decide
+as documented."""
+import pytest
+import torch
+
+from nvfly.ops import scaled
+from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue
+from nvfly.ops.scaled.grouped import compile_grouped_variants
+from nvfly.ops.scaled.grouped_plan import MAX_GROUPS, deepest, fits, make_grouped_plan
+from nvfly.ops.scaled.quantize import quantize, quantize_experts
+from tests.test_grouped_cpu import check_kernel
+
+E4M3 = torch.float8_e4m3fn
+VARIANTS = [
+    ("contiguous", ScaledConfig(128, 128, 6, 2), ScaledEpilogue("block", True)),
+    ("masked", ScaledConfig(64, 128, 9, 1), ScaledEpilogue("block", True)),
+    ("contiguous", ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", False)),
+    ("masked", ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", True)),
+    ("contiguous", ScaledConfig(128, 128, 6, 2, issue_ahead=True), ScaledEpilogue("block", True)),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{v[1].bm}x{v[1].bn}-{v[2].scaling}"
+                         f"{'-promoted' if v[2].promote else ''}{'-ahead' if v[1].issue_ahead else ''}")
+def test_variants_compile_to_fp8_wgmma_without_spills(variant):
+    layout, cfg, epi = variant
+    (k,) = compile_grouped_variants([variant], groups=8)
+    check_kernel(k, f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3")
+    # issuing ahead: the next k-block's wgmmas stay in flight while the previous one is promoted
+    assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
+    plan = make_grouped_plan(layout, epi, 8, 4096, 4096, 4096, 512, 132, cfg)
+    assert k.dynamic_smem_bytes == plan.smem_bytes
+
+
+def test_fp16_and_fp32_outputs_and_many_groups_compile():
+    for out_dtype in (torch.float16, torch.float32):
+        (k,) = compile_grouped_variants([VARIANTS[0]], out_dtype=out_dtype)
+        assert k.resources.spill_stores == 0 and not k.warnings
+    cfg = deepest(ScaledConfig(128, 128, 2, 2), MAX_GROUPS)
+    (k,) = compile_grouped_variants([("contiguous", cfg, ScaledEpilogue("block", True))], groups=MAX_GROUPS)
+    assert k.resources.spill_stores == 0 and k.dynamic_smem_bytes <= 232448
+
+
+def test_plans():
+    block = ScaledEpilogue("block", True)
+    decode = make_grouped_plan("masked", block, 256, 16, 4096, 7168, 4, 132)
+    assert (decode.config.bm, decode.config.bn, decode.config.consumers) == (64, 128, 1)
+    assert decode.config.stages >= 8 and decode.grid == 132 and decode.a_box == (1, 64, 128)
+    prefill = make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 132)
+    assert (prefill.config.bm, prefill.config.bn, prefill.config.consumers) == (128, 128, 2)
+    assert prefill.k_tiles == 56 and prefill.a_box == (128, 128) and prefill.b_box == (1, 128, 128)
+    assert prefill.smem_bytes <= 232448
+    small = make_grouped_plan("contiguous", block, 2, 100, 256, 256, 50, 132)
+    # 64-row tiles: the bound on tile rows (ceil(100 / 64), and a group adds at most one) x the tile columns
+    assert small.config.bm == 64 and small.grid == (2 + 2) * 2
+    assert fits(ScaledConfig(128, 256, 4, 2), 8, ScaledEpilogue("row", False)) is None  # fast row-wise: any width
+    assert "bn divides 128" in fits(ScaledConfig(64, 96, 4, 1), 8, block)
+    assert "K splits" in fits(ScaledConfig(128, 128, 4, 2, split_k=2), 8, block)
+    assert fits(ScaledConfig(128, 128, 7, 2), 1, block) is None  # the table of 1024 groups takes a stage away
+    assert "shared memory" in fits(ScaledConfig(128, 128, 7, 2), MAX_GROUPS, block)
+    with pytest.raises(ValueError, match="config: issue_ahead"):
+        make_grouped_plan("contiguous", ScaledEpilogue("row", False), 8, 4096, 4096, 4096, 512, 132,
+                          ScaledConfig(128, 128, 6, 2, issue_ahead=True))
+    with pytest.raises(ValueError, match="bias"):
+        make_grouped_plan("contiguous", ScaledEpilogue("row", True, bias=True), 8, 4096, 4096, 4096, 512, 132)
+    text = scaled.describe_grouped("masked", 256, 16, 4096, 7168, rows_per_group=4)
+    assert text.startswith("scaled-grouped-masked-block-promoted: 64x128 tile on 1 consumer")
+
+
+def meta_operands(t=512, e=4, k=256, n=384, scaling="block", masked=False):
+    """Operands of the right kinds on the meta device (no data): the host checks read shapes and strides only."""
+    a = torch.empty((e, t, k) if masked else (t, k), dtype=E4M3, device="meta")
+    b = torch.empty(e, n, k, dtype=E4M3, device="meta").transpose(-2, -1)
+    rows = (e, t) if masked else (t,)
+    if scaling == "block":
+        sa = torch.empty(rows + (k // 128,), device="meta")
+        sb = torch.empty(e, k // 128, -(-n // 128), device="meta")
+    else:
+        sa, sb = torch.empty(rows, device="meta"), torch.empty(e, n, device="meta")
+    offs = torch.empty(e, dtype=torch.int32, device="meta")
+    return a, b, sa, sb, offs
+
+
+def test_checks_accept_both_layouts_and_recipes():
+    for masked in (False, True):
+        for scaling in ("block", "row"):
+            a, b, sa, sb, offs = meta_operands(scaling=scaling, masked=masked)
+            recipe, shape, groups = scaled.check_grouped(a, b, sa, sb, offs, masked=masked)
+            assert (recipe, groups) == (scaling, 4) and shape == ((4, 512, 384) if masked else (512, 384))
+
+
+def _bad(**change):
+    a, b, sa, sb, offs = meta_operands()
+    args = dict(a=a, b=b, scale_a=sa, scale_b=sb, offs=offs)
+    args.update(change)
+    return args
+
+
+BAD = [
+    (dict(a=torch.empty(512, 256, dtype=torch.bfloat16, device="meta")), TypeError, "^a: dtype torch.bfloat16"),
+    (dict(b=torch.empty(4, 256, 384, dtype=E4M3, device="meta")), ValueError, "^b: expected column-major"),
+    (dict(b=torch.empty(4, 384, 256, dtype=E4M3, device="meta").mT[:, :128]), ValueError, "^b: shape .* do not multiply"),
+    (dict(a=torch.empty(512, 200, dtype=E4M3, device="meta"),
+          b=torch.empty(4, 384, 200, dtype=E4M3, device="meta").mT), ValueError, "^b: K=200 and N=384 must be multiples of 16"),
+    (dict(offs=torch.empty(4, dtype=torch.int64, device="meta")), TypeError, "^offs: expected a 1-D int32"),
+    (dict(offs=torch.empty(3, dtype=torch.int32, device="meta")), ValueError, "^offs: 3 groups, b has 4 experts"),
+    (dict(scale_a=torch.empty(512, 3, device="meta")), ValueError, r"^scale_a: shape \(512, 3\) matches no scaling"),
+    (dict(scale_b=torch.empty(4, 3, 2, device="meta")), ValueError, r"^scale_b: shape \(4, 3, 2\) does not match"),
+    (dict(scale_b=torch.empty(4, 384, device="meta")), ValueError, "^scale_b: .* block-wise"),
+    (dict(scale_a=torch.empty(512, 2, dtype=torch.float16, device="meta")), TypeError, "^scale_a: dtype"),
+    (dict(offs=None), TypeError, "^offs: expected a torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("change,kind,match", BAD, ids=[m for _, _, m in BAD])
+def test_bad_input_names_the_argument(change, kind, match):
+    with pytest.raises(kind, match=match):
+        scaled.check_grouped(**_bad(**change))
+    args = _bad(**change)  # the op says which op it is
+    with pytest.raises(kind, match="^nvfly.ops.scaled.scaled_grouped_mm: " + match.lstrip("^")):
+        scaled.scaled_grouped_mm(args["a"], args["b"], args["scale_a"], args["scale_b"], args["offs"])
+
+
+def test_k_not_a_multiple_of_128_with_block_scales():
+    a = torch.empty(64, 320, dtype=E4M3, device="meta")
+    b = torch.empty(2, 256, 320, dtype=E4M3, device="meta").mT
+    sa, sb = torch.empty(64, 3, device="meta"), torch.empty(2, 3, 2, device="meta")
+    with pytest.raises(ValueError, match="^a: K=320 is not a multiple of 128"):
+        scaled.check_grouped(a, b, sa, sb, torch.empty(2, dtype=torch.int32, device="meta"))
+    # row-wise scales take any K of 16s
+    assert scaled.check_grouped(a, b, torch.empty(64, device="meta"), torch.empty(2, 256, device="meta"),
+                                torch.empty(2, dtype=torch.int32, device="meta"))[0] == "row"
+
+
+def test_masked_checks_and_eligibility_on_cpu():
+    a, b, sa, sb, counts = meta_operands(masked=True)
+    with pytest.raises(ValueError, match="^a: the masked layout takes a 3-D a"):
+        scaled.check_grouped(a[0], b, sa, sb, counts, masked=True)
+    with pytest.raises(ValueError, match="^b: 5 experts, a has 4 groups"):
+        scaled.check_grouped(a, torch.empty(5, 384, 256, dtype=E4M3, device="meta").mT, sa, sb, counts, masked=True)
+    with pytest.raises(ValueError, match="^counts: 3 groups, b has 4 experts"):
+        scaled.check_grouped(a, b, sa, sb, counts[:3], masked=True)
+    assert "not CUDA" in scaled.grouped_eligibility(a, b, sa, sb, counts, masked=True)
+    assert "out: expected shape" in scaled.grouped_eligibility(a, b, sa, sb, counts, torch.bfloat16,
+                                                               torch.empty(4, 512, 385, device="meta"), True)
+
+
+def cpu_operands(sizes, n=256, k=384, scaling="block", seed=0):
+    """Quantised CPU operands of groups of ``sizes`` tokens (contiguous) and their offsets."""
+    g = torch.Generator().manual_seed(seed)
+    t, e = sum(sizes), len(sizes)
+    x = torch.randn(t, k, generator=g)
+    w = torch.randn(e, n, k, generator=g)
+    a, sa = quantize(x, "1x128" if scaling == "block" else "row")
+    b, sb = quantize_experts(w, "128x128" if scaling == "block" else "row")
+    offs = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return a, b, (sa if scaling == "block" else sa.reshape(-1)), sb, offs
+
+
+@pytest.mark.parametrize("scaling", ["block", "row"])
+def test_reference_is_the_dense_scaled_gemm_group_by_group(scaling):
+    sizes = [5, 0, 130, 1]
+    a, b, sa, sb, offs = cpu_operands(sizes, scaling=scaling)
+    assert b.stride(-2) == 1 and b.shape == (4, 384, 256)  # column-major [E, K, N]
+    ref = scaled.grouped_reference(a, b, sa, sb, offs)
+    start = 0
+    for g, size in enumerate(sizes):
+        rows = slice(start, start + size)
+        if scaling == "block":
+            dense = scaled.reference(a[rows], b[g], sa[rows], sb[g])
+        else:
+            dense = scaled.reference(a[rows], b[g], sa[rows].reshape(-1, 1), sb[g].reshape(1, -1))
+        torch.testing.assert_close(ref[rows], dense)
+        start += size
+    # the masked layout: the same rows, NaN past each count
+    a3 = torch.zeros(4, 130, 384, dtype=E4M3)
+    sa3 = torch.ones((4, 130) + ((3,) if scaling == "block" else ()))
+    start = 0
+    for g, size in enumerate(sizes):
+        a3[g, :size], sa3[g, :size] = a[start:start + size], sa[start:start + size]
+        start += size
+    counts = torch.tensor(sizes, dtype=torch.int32)
+    masked = scaled.grouped_reference(a3, b, sa3, sb, counts, masked=True)
+    start = 0
+    for g, size in enumerate(sizes):
+        torch.testing.assert_close(masked[g, :size], ref[start:start + size])
+        assert masked[g, size:].isnan().all()
+        start += size
+
+
+def test_quantize_experts_matches_quantize():
+    w = torch.randn(3, 256, 384)
+    b, sb = quantize_experts(w)
+    q, s = quantize(w[1], "128x128", operand="b")
+    assert torch.equal(b[1].view(torch.uint8), q.view(torch.uint8)) and torch.equal(sb[1], s)
+    b, sb = quantize_experts(w, "row")
+    assert sb.shape == (3, 256) and b.shape == (3, 384, 256)
+    with pytest.raises(ValueError, match="^granularity"):
+        quantize_experts(w, "1x128")
+
+
+def test_routes_decide_as_documented(monkeypatch):
+    """torch's row-wise 2-D x 3-D and 3-D x 3-D calls go to nvfly (the device checks taken as passed: they need a
+    GPU), the rest stays on torch with a reason."""
+    from nvfly.torch import scaled_grouped_ops as routes
+    a, b, sa, sb, offs = cpu_operands([3, 0, 29, 16], scaling="row")
+    assert "not CUDA" in routes.grouped_eligibility(a, b, sa, sb, offs)
+    monkeypatch.setattr(scaled, "grouped_eligibility", lambda *args, **kwargs: None)
+    assert routes.grouped_eligibility(a, b, sa, sb, offs) is None
+    assert routes.grouped_eligibility(a, b, sa, sb, offs, None, None, torch.bfloat16, True) is None
+    assert "bias" in routes.grouped_eligibility(a, b, sa, sb, offs, torch.zeros(256))
+    assert "scale_result" in routes.grouped_eligibility(a, b, sa, sb, offs, None, sa[:1])
+    assert "out_dtype torch.float16" in routes.grouped_eligibility(a, b, sa, sb, offs, out_dtype=torch.float16)
+    assert "2-D x 3-D" in routes.grouped_eligibility(a, b, sa, sb, None)
+    assert "2-D x 3-D" in routes.grouped_eligibility(a, b[0], sa, sb, offs)
+    a3 = torch.zeros(4, 32, 384, dtype=E4M3)
+    assert routes.grouped_eligibility(a3, b, torch.ones(4, 32), sb) is None  # 3-D x 3-D: masked, full counts
+    ab, bb, sab, sbb, offs_b = cpu_operands([3, 0, 29, 16], scaling="block")
+    assert routes.grouped_eligibility(ab, bb, sab, sbb, offs_b).startswith("block scales: torch's grouped")
+    if hasattr(torch.ops.aten, "_scaled_grouped_mm_v2"):
+        assert routes.grouped_v2_eligibility(a, b, [sa], [1], [], [sb], [1], [], offs) is None
+        assert "recipes 4/5" in routes.grouped_v2_eligibility(a, b, [sa], [4], [], [sb], [5], [], offs)
+        assert "swizzled" in routes.grouped_v2_eligibility(a, b, [sa], [1], [1], [sb], [1], [], offs)
+    registered = {route.op for route in __import__("nvfly.torch.routing", fromlist=["routes"]).routes()}
+    assert "aten::_scaled_grouped_mm" in registered
+
+
+def test_explain_describes_grouped_fp8(capsys):
+    from nvfly.cli import main
+    assert main(["explain", "32768", "4096", "7168", "--groups", "256", "--scaled", "block"]) == 0
+    out = capsys.readouterr().out
+    assert "scaled-grouped-contiguous-block-promoted: 128x128 tile on 2 consumers" in out and "block scales" in out
+    assert main(["explain", "16", "4096", "7168", "--groups", "256", "--scaled", "row", "--layout", "masked"]) == 0
+    assert "64x128 tile on 1 consumer" in capsys.readouterr().out

@@ -4,7 +4,8 @@ The mods are plain Python functions with flex_attention's signatures,
 ``score_mod(score, b, h, q_idx, kv_idx) -> score`` and ``mask_mod(b, h, q_idx, kv_idx) -> bool``, written with
 torch operations. The kernel calls them once per score element with ``ModValue``s wrapping its traced scalars;
 a ModValue implements Python's operators and, through ``__torch_function__``, the torch functions in
-``TORCH_FUNCTIONS``, so ``torch.tanh(score / 50) * 50`` becomes the kernel's ``tanh``. Tensors the functions
+``_torch_functions``, so ``torch.tanh(score / 50) * 50`` becomes the kernel's ``tanh`` (the MUFU unit's
+``tanh.approx.f32``, FlashAttention-3's soft-cap; a division by a number is a product with its reciprocal). Tensors the functions
 capture (closure cells, or globals they name) become kernel inputs: indexing one with traced indices
 (``slopes[h]``, ``bias[h, kv_idx]``) is a load from the kernel's copy of it. In decode ``q_idx`` is the query's
 position in its sequence (queries are aligned to the end), so mods written for a whole prefill mean the same in
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import nvfly
+from nvfly.arch.floats import tanh_approx
 from nvfly.frontend.values import Scalar, Vector
 
 MAX_CAPTURED = 2  # captured tensors the kernel takes (kernel parameters ``captured0``, ``captured1``)
@@ -131,6 +133,23 @@ def _index(tensor: Any, index: Any) -> "ModValue":
                     "the function's closure or module globals)")
 
 
+def _tanh(x: Any) -> Any:
+    """tanh by the MUFU unit (one instruction; relative error <= 2^-10.987, FlashAttention-3's soft-cap): the
+    correctly rounded ``nvfly.tanh`` costs an ex2, a reciprocal and a polynomial per score, as much as the softmax."""
+    if isinstance(x, Scalar):
+        return tanh_approx(x if x.dtype == nvfly.f32 else x.to(nvfly.f32))
+    return nvfly.tanh(x)
+
+
+def _divide(a: Any, b: Any) -> Any:
+    """a / b, by a Python number as a product with its reciprocal (within 1.5 ulp; IEEE division by a constant is a
+    reciprocal and a Newton step with a slow path, per score)."""
+    if isinstance(a, (Scalar, Vector)) and a.dtype.is_float and isinstance(b, (int, float)) and not isinstance(
+            b, bool) and b != 0:
+        return a * (1.0 / b)
+    return a / b
+
+
 def _binary(op: Callable[[Any, Any], Any]) -> Callable[..., "ModValue"]:
     def apply(a: Any, b: Any, *_: Any, **__: Any) -> "ModValue":
         return _wrap(op(_as_f32(_raw(a)), _as_f32(_raw(b))))
@@ -162,7 +181,7 @@ def _torch_functions() -> dict:
     import torch
     Tensor = torch.Tensor
     return {
-        torch.tanh: _unary(nvfly.tanh), Tensor.tanh: _unary(nvfly.tanh),
+        torch.tanh: _unary(_tanh), Tensor.tanh: _unary(_tanh),
         torch.exp: _unary(nvfly.exp), Tensor.exp: _unary(nvfly.exp),
         torch.exp2: _unary(nvfly.exp2), torch.log: _unary(nvfly.log), torch.log2: _unary(nvfly.log2),
         torch.sqrt: _unary(nvfly.sqrt), torch.rsqrt: _unary(nvfly.rsqrt), torch.erf: _unary(nvfly.erf),
@@ -172,7 +191,7 @@ def _torch_functions() -> dict:
         torch.where: _where, torch.clamp: _clamp, Tensor.clamp: _clamp,
         torch.minimum: _binary(nvfly.minimum), torch.maximum: _binary(nvfly.maximum),
         torch.add: _binary(operator.add), torch.sub: _binary(operator.sub), torch.mul: _binary(operator.mul),
-        torch.div: _binary(operator.truediv),
+        torch.div: _binary(_divide),
         torch.logical_and: _binary(operator.and_), torch.logical_or: _binary(operator.or_),
         torch.logical_not: _unary(lambda x: ~x),
         Tensor.__getitem__: _index,
@@ -214,7 +233,7 @@ class ModValue:
     def __rsub__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a - b, True)
     def __mul__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a * b)
     def __rmul__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a * b, True)
-    def __truediv__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a / b)
+    def __truediv__(self, o: Any) -> "ModValue": return self._op(o, _divide)
     def __rtruediv__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a / b, True)
     def __floordiv__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a // b)
     def __mod__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a % b)

@@ -39,7 +39,7 @@ from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PINGPONG_BARRIER, PRODUCER_REGS,
-                                                  key_blocks, pipelined_loops)
+                                                  block_inside_bounds, key_blocks, pipelined_loops)
 from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
 
 LN2 = math.log(2.0)
@@ -286,7 +286,7 @@ def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
     sm90.wait_group(0)
     if ctx.lane == 0:
         ctx.k_pipe.consumer_release(state.k_state)
-    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, kept)
+    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, None, kept)
     acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
     ctx.v_pipe.consumer_wait(state.v_state)
     if PLAN.pingpong:
@@ -347,7 +347,7 @@ def first_block(state, ctx, n, PLAN, mod_off):
     sm90.wait_group(0)
     if ctx.lane == 0:
         ctx.k_pipe.consumer_release(state.k_state)
-    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, True, kept)
+    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, True, True, mod_off, kept)
     return Softmax(maxima, sums, state.acc, state.k_state.advance(), state.v_state, (fragments, rescales))
 
 
@@ -370,7 +370,7 @@ def overlapped_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
     kept = mask_mod_keeps(ctx, n, PLAN, MASKED, MASK_MOD, None)
     sm90.wait_group(1)
     s = s.fence()  # S's registers are read no earlier than its wait
-    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, kept)
+    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, None, kept)
     # K's release waits for the row sums (the condition always holds: sums are >= 0, or NaN): ptxas places the
     # wgmma wait right after the last arrive before it, and would otherwise run the exp2s after P·V, not under it
     if (ctx.lane == 0) & ~(sums[0] + sums[1] < 0.0):
@@ -425,24 +425,32 @@ def issue_pv(ctx, acc, fragments, v_state):
 
 @nvfly.func
 def mask_mod_keeps(ctx, n, PLAN, MASKED, MASK_MOD, mod_off):
-    """The mask_mod's verdict on each of the thread's scores of key block ``n`` (a list of i1), or None without a
-    mask_mod (or ``MASK_MOD`` False: a BlockMask's full block). It reads no score: the kernel evaluates it between
-    issuing S and waiting for it, so the loads of the tables it indexes (document ids, a boolean mask) run under
-    the GEMM instead of after it. ``mod_off``: None, or a traced flag under which every key is kept (the pipeline's
-    first block when it may be a BlockMask's full block)."""
+    """The mask_mod's verdicts on the thread's scores of key block ``n`` as bits (bit i % 32 of word i // 32: score
+    i kept), or None without a mask_mod (or ``MASK_MOD`` False: a BlockMask's full block). It reads no score: the
+    kernel evaluates it between issuing S and waiting for it, so the loads of the tables it indexes (document ids,
+    a boolean mask) run under the GEMM instead of after it; bits, so that what waits with S is two registers, not
+    a predicate (or a table entry) a score. ``mod_off``: None, or a traced flag under which every key is kept (the
+    pipeline's first block when it may be a BlockMask's full block). Not with a score_mod: its code and tables with
+    the verdicts' pending loads spill (measured in the CPU tests); then ``block_softmax`` evaluates the mask_mod
+    score by score beside it."""
     mods = ctx.mods
-    if not MASK_MOD or mods.mask_mod is None:
+    if not MASK_MOD or mods.mask_mod is None or mods.score_mod is not None:
         return None
     first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
     mod_rows = (ctx.mod_row0, ctx.mod_row1)
-    kept = []
-    for i in nvfly.static_range(PLAN.block_n // 2):
-        key = first_key + 8 * (i // 4) + i % 2
-        kept.append(apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[row_of(i)], mod_key(ctx, key,
-                                                                                                          MASKED)))
+    words = []
+    scores = PLAN.block_n // 2
+    for w in nvfly.static_range((scores + 31) // 32):
+        word = nvfly.u32(0)
+        for i in nvfly.static_range(32 * w, min(32 * w + 32, scores)):
+            key = first_key + 8 * (i // 4) + i % 2
+            kept = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[row_of(i)],
+                                  mod_key(ctx, key, MASKED))
+            word = word | nvfly.select(kept, nvfly.u32(1 << (i % 32)), nvfly.u32(0))
         if mod_off is not None:
-            kept[i] = kept[i] | mod_off
-    return kept
+            word = word | nvfly.select(mod_off, nvfly.u32(0xFFFFFFFF), nvfly.u32(0))
+        words.append(word)
+    return words
 
 
 @nvfly.func
@@ -466,18 +474,11 @@ def positional_mask(scores, ctx, n, PLAN):
 
 
 @nvfly.func
-def block_inside_bounds(ctx, n, PLAN):
-    """Whether every key of block ``n`` is within the positional bounds of every row of the thread's warp (rows
-    row0 - lane / 4 ... + 15): the same for the whole warp."""
-    first_row = ctx.row0 - ctx.lane // 4
-    first_key = n * PLAN.block_n
-    last_key = first_key + PLAN.block_n - 1
-    inside = last_key < ctx.skv
-    if PLAN.causal:
-        inside = inside & (last_key <= first_row + ctx.high)
-    if PLAN.window:
-        inside = inside & (first_key >= first_row + 15 + ctx.low)
-    return inside
+def block_inside(ctx, n, PLAN):
+    """Whether block ``n`` is inside the positional bounds of every row of the thread's warp (rows row0 - lane / 4
+    ... + 15): the same for the whole warp."""
+    return block_inside_bounds(ctx.row0 - ctx.lane // 4, 16, n * PLAN.block_n, PLAN.block_n, ctx.skv, PLAN.causal,
+                               PLAN.window, ctx.low, ctx.high)
 
 
 @nvfly.func
@@ -487,13 +488,15 @@ def mod_key(ctx, key, MASKED):
 
 
 @nvfly.func
-def block_softmax(s, state, ctx, n, PLAN, MASKED, kept):
+def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
     """Key block ``n``'s scores (S) through the score_mod, the positional bounds (``MASKED``: the tail, causal and
-    window) and the mask_mod's verdicts ``kept`` (``mask_mod_keeps``, or None), and the online softmax step: (P as
-    the P·V GEMM's A fragments, the new maxima and sums, O's rescale factors)."""
+    window) and the mask_mod (``MASK_MOD``; its verdicts ``kept``, ``mask_mod_keeps``' bits, or when that is None
+    evaluated here, all kept under the traced flag ``mod_off`` if not None), and the online softmax step: (P as the
+    P·V GEMM's A fragments, the new maxima and sums, O's rescale factors)."""
     scores = [s[i] for i in range(len(s))]
     mods = ctx.mods
-    if MASKED or mods.score_mod is not None or kept is not None:
+    mask_here = kept is None and MASK_MOD and mods.mask_mod is not None
+    if MASKED or mods.score_mod is not None or kept is not None or mask_here:
         first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
         rows = (ctx.row0, ctx.row0 + 8)
         mod_rows = (ctx.mod_row0, ctx.mod_row1)
@@ -504,19 +507,27 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, kept):
             key = first_key + 8 * (i // 4) + i % 2
             r = row_of(i)
             if mods.score_mod is not None:
-                scores[i] = apply_score_mod(mods, ctx.captured, scores[i] * ctx.scale, ctx.batch, ctx.head,
-                                            mod_rows[r], mod_key(ctx, key, MASKED))
+                scores[i] = apply_score_mod(mods, ctx.captured, scores[i], ctx.batch, ctx.head, mod_rows[r],
+                                            mod_key(ctx, key, MASKED), scale=ctx.scale)
             keep = None
             if MASKED and not branch:
                 keep = positional_keep(ctx, key, rows[r], PLAN)
+            verdict = None
             if kept is not None:
-                keep = kept[i] if keep is None else keep & kept[i]
+                verdict = (kept[i // 32] & nvfly.u32(1 << (i % 32))) != nvfly.u32(0)
+            if mask_here:
+                verdict = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[r],
+                                         mod_key(ctx, key, MASKED))
+                if mod_off is not None:
+                    verdict = verdict | mod_off
+            if verdict is not None:
+                keep = verdict if keep is None else keep & verdict
             if keep is not None:
                 scores[i] = nvfly.select(keep, scores[i], NEG_INF)
         if branch:
-            if ~block_inside_bounds(ctx, n, PLAN):
+            if ~block_inside(ctx, n, PLAN):
                 scores = positional_mask(scores, ctx, n, PLAN)
-    MASKED = MASKED or kept is not None or mods.score_mod is not None  # rows may have no key kept yet (or -inf)
+    MASKED = MASKED or kept is not None or mask_here or mods.score_mod is not None  # rows may have no key kept yet
     step = online_softmax(scores, state.maxima, state.sums, ctx.fold, MASKED)
     fragments = s.map(lambda x, i: step.p[i]).to_a_fragments(ctx.pv_atom)
     return fragments, step.maxima, step.sums, step.rescales

@@ -430,11 +430,11 @@ def mask_mod_keeps(ctx, n, PLAN, MASKED, MASK_MOD, mod_off):
     kernel evaluates it between issuing S and waiting for it, so the loads of the tables it indexes (document ids,
     a boolean mask) run under the GEMM instead of after it; bits, so that what waits with S is two registers, not
     a predicate (or a table entry) a score. ``mod_off``: None, or a traced flag under which every key is kept (the
-    pipeline's first block when it may be a BlockMask's full block). Not with a score_mod: its code and tables with
-    the verdicts' pending loads spill (measured in the CPU tests); then ``block_softmax`` evaluates the mask_mod
-    score by score beside it."""
+    pipeline's first block when it may be a BlockMask's full block). Not with a score_mod, nor with the overlap's
+    second S tile: there the verdicts' pending loads spill (28-100 registers in the CPU tests' kernels); then
+    ``block_softmax`` evaluates the mask_mod score by score after the wait."""
     mods = ctx.mods
-    if not MASK_MOD or mods.mask_mod is None or mods.score_mod is not None:
+    if not MASK_MOD or mods.mask_mod is None or mods.score_mod is not None or PLAN.overlap:
         return None
     first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
     mod_rows = (ctx.mod_row0, ctx.mod_row1)
@@ -502,7 +502,7 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
         mod_rows = (ctx.mod_row0, ctx.mod_row1)
         # a BlockMask lists blocks by its mask alone: whether one needs the positional bounds is known per block,
         # at run time, for the warp's 16 rows (a uniform branch, so a block inside them runs none of their code)
-        branch = MASKED and PLAN.kv_block
+        branch = MASKED and PLAN.kv_block and not PLAN.overlap
         for i in nvfly.static_range(len(scores)):
             key = first_key + 8 * (i // 4) + i % 2
             r = row_of(i)

@@ -12,7 +12,9 @@ Cases (bf16, H200 sizes from docs/torch-attention.md):
 - ``masked-sdpa``: SDPA with Hugging Face's masks for a padded batch: a (B, 1, 1, Skv) boolean padding mask and a
   (B, 1, Sq, Skv) bf16 additive causal + padding mask on Llama prefill shapes (B 2, 4096, 32/8), and a padding mask
   on a decode step (B 16, 8K cache): the mask read by nvfly's kernel vs torch's memory-efficient (or cuDNN) kernel.
-(The Gemma-2-style flex_attention block joins once nvfly is a flex_attention backend.)
+- ``flex``: flex_attention calls: a Gemma-2-9B-like prefill (16/8 heads, D 256, 8K tokens, tanh soft-capping 50,
+  causal sliding window 4096 as a BlockMask) and MiniMax 48/8 / Llama 32/8 decode steps over 32K; eager, routed, and
+  compiled with Inductor's Triton flex kernels (``flex_triton_ms``) or nvfly as the backend (``compiled_nvfly_ms``).
 
 Every case first checks the routed output against eager (relative error < 2e-2) and records what routing decided
 for each SDPA call (nvfly's kernel, or torch's with the reason). Each row: eager ms, routed ms and their ratio
@@ -288,9 +290,66 @@ def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     return [timed(row, step, nvfly_step, quick, compile_too, compile_fn=compiled_step)]
 
 
+FLEX_SHAPES = [  # (case, batch, Hq, Hkv, Sq, Skv, D, tanh soft-cap, sliding window)
+    ("gemma2-flex-prefill", 1, 16, 8, 8192, 8192, 256, 50.0, 4096),  # Gemma-2-9B-like attention
+    ("minimax-flex-decode", 1, 48, 8, 1, 32768, 128, None, None),
+    ("llama-flex-decode", 1, 32, 8, 1, 32768, 128, None, None)]
+
+
+def flex_case(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
+    """flex_attention as a user calls it: eager (torch's dense path), routed (nvfly's kernels, the mods traced from
+    flex's graphs), and under torch.compile: Inductor's Triton flex kernels (``flex_triton_ms``) and nvfly as the
+    backend (``kernel_options={"NVFLY": True}``). The Gemma-2-like row: tanh soft-capping 50 and a causal
+    sliding window of 4096 as a BlockMask (8K tokens, D 256)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    rows = []
+    for case, batch, hq, hkv, sq, skv, d, cap, window in FLEX_SHAPES:
+        q = torch.randn(batch, hq, sq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, hkv, skv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(batch, hkv, skv, d, device="cuda", dtype=torch.bfloat16)
+        kwargs: dict[str, Any] = {"enable_gqa": hq != hkv}
+        if cap is not None:
+            kwargs["score_mod"] = lambda score, b, h, q_idx, kv_idx: cap * torch.tanh(score / cap)
+        if window is not None:
+            def sliding(b, h, q_idx, kv_idx):
+                return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+            kwargs["block_mask"] = create_block_mask(sliding, None, None, sq, skv, device="cuda")
+        eager = lambda: flex_attention(q, k, v, **kwargs)  # noqa: E731
+        nvfly_call = routed(eager)
+        fresh_decisions()
+        row = checked({"case": case, "batch": batch, "heads": f"{hq}/{hkv}", "sq": sq, "skv": skv, "head_dim": d,
+                       "softcap": cap, "window": window}, eager(), nvfly_call())
+        flex = [d for d in decisions() if d.op == "flex_attention" and d.where == "eager"]
+        row.update({"torch_sdpa_backend": "flex_attention (eager: dense math)",
+                    "nvfly_kernels": sorted({c for d in flex for c in d.candidates if d.reason is None}),
+                    "declined": sorted({d.reason for d in flex if d.reason})})
+        timed(row, eager, nvfly_call, quick)
+        if compile_too:
+            torch._dynamo.reset()
+            compiled = torch.compile(flex_attention)
+            warm, rep = (10, 40) if quick else (25, 100)
+            for key, options in (("flex_triton", None), ("compiled_nvfly", {"NVFLY": True})):
+                call = lambda options=options: compiled(q, k, v, kernel_options=options, **kwargs)  # noqa: E731
+                try:
+                    with compiling(key == "compiled_nvfly"):
+                        out = call()
+                    row[f"{key}_ms"] = bench_ms(call, warm, rep)
+                    row[f"{key}_rel_err_vs_eager"] = rel_err(out, eager())
+                except Exception as exc:  # noqa: BLE001 - a peer that cannot compile this shape: recorded, not fatal
+                    row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            if row.get("flex_triton_ms") and row.get("compiled_nvfly_ms"):
+                row["compiled_nvfly_vs_flex_triton"] = row["flex_triton_ms"] / row["compiled_nvfly_ms"]
+            print(f"{case}: compiled flex (Triton) {row.get('flex_triton_ms', row.get('flex_triton_error'))}, "
+                  f"nvfly backend {row.get('compiled_nvfly_ms', row.get('compiled_nvfly_error'))}", flush=True)
+        rows.append(row)
+        del q, k, v
+    return rows
+
+
 CASES: dict[str, Callable[[bool, bool], list[dict[str, Any]]]] = {
     "llama-prefill": llama_prefill, "llama-decode": llama_decode, "minimax-decode": minimax_decode,
-    "deepseek-prefill": deepseek_prefill, "llama-train": llama_train, "masked-sdpa": masked_sdpa}
+    "deepseek-prefill": deepseek_prefill, "llama-train": llama_train, "masked-sdpa": masked_sdpa,
+    "flex": flex_case}
 
 
 def label(row: dict[str, Any]) -> str:

@@ -16,6 +16,14 @@ MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name scaled_m
 kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against the torch
 reference and timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
+
+MXFP4 weights x bf16 activations (``--a16``, its own suite, default name scaled_mxfp4_a16): rows M in {1, 4, 16, 64}
+on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, < 1 min), nvfly's streaming kernel against
+torch.matmul on the bf16 weight of the same shape. Reported: TB/s of the packed weight (N*K/2 bytes of e2m1 pairs +
+N*K/32 e8m0 scales per call) and its fraction of the memory floor, against the device copy bandwidth measured in
+the same process (floor_fraction) and against 4.8 TB/s (spec_fraction); the error against the float32 GEMM on the
+dequantised weight; also the stages=0 mainloop (weights straight into registers, registers_tbps). Usage:
+python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--name ...].
 """
 from __future__ import annotations
 
@@ -31,9 +39,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_results  # noqa: E402
 from nvfly.ops import scaled  # noqa: E402
-from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue  # noqa: E402
+from nvfly.ops.scaled import A16Config, ScaledConfig, ScaledEpilogue  # noqa: E402
 from nvfly.ops.scaled.plan import make_plan  # noqa: E402
-from nvfly.ops.scaled.quantize import quantize, quantize_fp8, quantize_mxfp4  # noqa: E402
+from nvfly.ops.scaled.quantize import dequantize_mxfp4, quantize, quantize_fp8, quantize_mxfp4  # noqa: E402
 
 # the FP8 anchors (../shared/docs/anchors.md) first, then DeepSeek-V3's projections at decode and prefill sizes
 ANCHORS = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 16384), (128, 8192, 8192), (2048, 24576, 1536)]
@@ -92,6 +100,82 @@ def triton_call(a, b, sa, sb, fast: bool) -> Optional[Any]:
 
 QUANTIZE_SHAPES = [(4096, 7168), (16384, 4096), (16, 7168)]
 
+# (N, K) of the weights: DeepSeek-V3 (q_a, q_b, kv_a, o, an expert's gate+up and down), Llama-70B (qkv, o, gate+up,
+# down)
+A16_WEIGHTS = [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (4096, 7168), (7168, 2048),
+               (10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)]
+A16_QUICK = [(576, 7168), (4096, 7168), (7168, 2048), (8192, 8192), (8192, 28672)]
+A16_M = [1, 4, 16, 64]
+SPEC_TBPS = 4.8  # the H200's HBM3e bandwidth
+REGISTERS = A16Config(stages=0)
+
+
+def copy_tbps() -> float:
+    """The device copy bandwidth (bytes read + written per second, in TB/s) of a 1 GiB bf16 copy, measured here."""
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 2 / ms / 1e9
+
+
+def a16_rows(weights: list[tuple[int, int]], ms: list[int]) -> tuple[list[dict[str, Any]], float]:
+    """MXFP4 x bf16 rows (the module docstring's --a16) and the measured copy bandwidth."""
+    ceiling = copy_tbps()
+    print(f"device copy: {ceiling:.2f} TB/s (reads + writes)", flush=True)
+    rows = []
+    for n, k in progress(weights, "scaled_mxfp4_a16"):
+        w = torch.randn(n, k, device="cuda")
+        q, sb = quantize_mxfp4(w.bfloat16(), "b")  # packed (K/2, N) column-major, e8m0 bytes (N, K/32)
+        sb = sb.view(torch.float8_e8m0fnu)
+        w16 = dequantize_mxfp4(q.t(), sb).bfloat16().t()  # (K, N): torch.matmul's weight of the same shape
+        del w
+        weight_bytes = n * k // 2 + n * k // 32
+        for m in ms:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            scaled.scaled_mm(x, q, None, sb, out=out)
+            ref = x.float() @ w16.float()
+            row = {"M": m, "N": n, "K": k, "recipe": "mxfp4_a16", "out": "bf16", "path": scaled.path(x, q, None, sb),
+                   "rel_err": rel_err(out, ref), "max_err": max_err(out, ref), "weight_bytes": weight_bytes}
+            del ref
+            row["nvfly_ms"] = bench_ms(lambda: scaled.scaled_mm(x, q, None, sb, out=out))
+            # the alternative mainloop: weights loaded straight into registers, no cp.async ring
+            row["nvfly_registers_ms"] = bench_ms(lambda: scaled.scaled_mm(x, q, None, sb, out=out, config=REGISTERS))
+            row["bf16_ms"] = bench_ms(lambda: torch.matmul(x, w16))
+            row["nvfly_tbps"] = weight_bytes / row["nvfly_ms"] / 1e9
+            row["bf16_tbps"] = 2 * n * k / row["bf16_ms"] / 1e9
+            row["registers_tbps"] = weight_bytes / row["nvfly_registers_ms"] / 1e9
+            row["floor_fraction"] = row["nvfly_tbps"] / ceiling
+            row["spec_fraction"] = row["nvfly_tbps"] / SPEC_TBPS
+            row["vs_bf16"] = row["bf16_ms"] / row["nvfly_ms"]
+            row["nvfly_tflops"] = 2.0 * m * n * k / row["nvfly_ms"] / 1e9
+            rows.append(row)
+            print(f"{m:>3}x{n:>5}x{k:>5} mxfp4_a16  err {row['rel_err']:.1e}  nvfly {row['nvfly_ms'] * 1e3:7.1f} us "
+                  f"{row['nvfly_tbps']:.2f} TB/s ({row['floor_fraction']:.0%} of copy, {row['spec_fraction']:.0%} of "
+                  f"{SPEC_TBPS})  bf16 matmul {row['bf16_ms'] * 1e3:7.1f} us ({row['bf16_tbps']:.2f} TB/s) "
+                  f"x{row['vs_bf16']:.2f}  registers {row['registers_tbps']:.2f} TB/s  {row['path']}", flush=True)
+        del q, sb, w16
+    return rows, ceiling
+
+
+def a16_main(args: argparse.Namespace) -> int:
+    t_start = time.time()
+    rows, ceiling = a16_rows(A16_QUICK if args.quick else A16_WEIGHTS, args.a16_m)
+    small = [r for r in rows if r["M"] <= 16]
+    summary = {"seconds": time.time() - t_start, "rows": len(rows), "copy_tbps": ceiling,
+               "max_rel_err": max(r["rel_err"] for r in rows),
+               "geomean_floor_fraction_m_le_16": geomean([r["floor_fraction"] for r in small]),
+               "min_floor_fraction_m_le_16": min((r["floor_fraction"] for r in small), default=0.0),
+               "geomean_vs_bf16": geomean([r["vs_bf16"] for r in rows])}
+    print(summary)
+    name = args.name if args.name != "scaled" else "scaled_mxfp4_a16"
+    path = write_results(name, rows, {"summary": summary})
+    plot(name, [f"{r['M']}x{r['N']}x{r['K']}" for r in rows],
+         {"nvfly MXFP4 x bf16 (packed weight)": [r["nvfly_tbps"] for r in rows],
+          "torch.matmul bf16 (bf16 weight)": [r["bf16_tbps"] for r in rows]}, "weight TB/s")
+    print("wrote", path)
+    return 0
+
 
 def issue_ahead_config(m: int, n: int, k: int, recipe: str) -> Optional[ScaledConfig]:
     """The heuristic's config for this promoted call with ``issue_ahead``, or None where it does not apply (fast
@@ -143,7 +227,12 @@ def main(argv=None) -> int:
     p.add_argument("--issue-ahead", action="store_true",
                    help="also time the promoted mainloop issuing k-block k+1 before k's add (ScaledConfig."
                         "issue_ahead) on the heuristic's unswapped tensor/row/block plans (nvfly_ahead_ms)")
+    p.add_argument("--a16", action="store_true",
+                   help="MXFP4 weights x bf16 activations instead (the module docstring; --quick: < 1 min)")
+    p.add_argument("--a16-m", nargs="*", type=int, default=A16_M, help="--a16's token counts")
     args = p.parse_args(argv)
+    if args.a16:
+        return a16_main(args)
     if args.recipes is None:
         args.recipes = [r for r in RECIPES if not (args.quick and r == "tensor-fast")]
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else \

@@ -79,7 +79,7 @@ def test_shared_memory_fits(dqk, dv, sq):
     assert P.BLOCK_N * (dqk // 8) % plan.threads == 0 and P.BLOCK_N * (dv // 8) % plan.threads == 0
     fp8 = P.decode_plan(1, sq, 1, 8, dqk, dv, 4096, 132, splits=1, fp8=True)
     assert fp8.smem_bytes == plan.smem_bytes and P.ctas_per_sm(fp8) == P.ctas_per_sm(plan)  # same occupancy
-    assert fp8.stages == 2 * plan.stages - 2 and fp8.stage_bytes * 2 == fp8.tile_bytes == plan.stage_bytes
+    assert fp8.stages == 2 * plan.stages and fp8.stage_bytes * 2 == plan.stage_bytes
     assert P.WARPS * P.ROWS * dv * 4 <= fp8.ring_bytes
 
 
@@ -125,6 +125,21 @@ def mma(a, b, c):
     return [[c[lane][i] + D[K.accumulator_coords(lane, i)] for i in range(4)] for lane in range(32)]
 
 
+def assert_scores(s, q, k, warp):
+    """S's accumulators [key tile][lane][index] equal q kᵀ for the keys of slice ``warp``."""
+    want = q @ k[16 * warp:16 * warp + 16].T
+    for t, lane, i in itertools.product(range(2), range(32), range(4)):
+        row, col = K.accumulator_coords(lane, i)
+        assert s[t][lane][i] == pytest.approx(want[row, 8 * t + col])
+
+
+def p_fragment(p, warp):
+    """Every lane's A fragment of P (16 rows x keys 16 warp..+15) taken from S's accumulator layout (P_FRAGMENT)."""
+    p_acc = [[[p[K.accumulator_coords(lane, i)[0], 16 * warp + 8 * t + K.accumulator_coords(lane, i)[1]]
+               for i in range(4)] for lane in range(32)] for t in range(2)]
+    return [[(p_acc[lo[0]][lane][lo[1]], p_acc[hi[0]][lane][hi[1]]) for lo, hi in K.P_FRAGMENT] for lane in range(32)]
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_fragment_maps_compute_scores_and_values(d):
     """Emulate a warp of each key slice: S = Q Kᵀ from the shared tiles through the kernel's ldmatrix sources, and
@@ -140,14 +155,8 @@ def test_fragment_maps_compute_scores_and_values(d):
             a = ldmatrix_x4(q_mem, [K.q_fragment_source(lane, step) for lane in range(32)], d // 8)
             kb = ldmatrix_x4(k_mem, [K.k_fragment_source(lane, step, warp) for lane in range(32)], d // 8)
             s = [mma(a, [regs[0:2] for regs in kb], s[0]), mma(a, [regs[2:4] for regs in kb], s[1])]
-        want = q @ k[16 * warp:16 * warp + 16].T
-        for t, lane, i in itertools.product(range(2), range(32), range(4)):
-            row, col = K.accumulator_coords(lane, i)
-            assert s[t][lane][i] == pytest.approx(want[row, 8 * t + col])
-        # P in S's accumulator layout -> A fragment
-        p_acc = [[[p[K.accumulator_coords(lane, i)[0], 16 * warp + 8 * t + K.accumulator_coords(lane, i)[1]]
-                   for i in range(4)] for lane in range(32)] for t in range(2)]
-        a = [[(p_acc[lo[0]][lane][lo[1]], p_acc[hi[0]][lane][hi[1]]) for lo, hi in K.P_FRAGMENT] for lane in range(32)]
+        assert_scores(s, q, k, warp)
+        a = p_fragment(p, warp)
         want = p[:, 16 * warp:16 * warp + 16] @ v[16 * warp:16 * warp + 16]
         for pair in range(d // 16):
             vb = ldmatrix_x4(v_mem, [K.v_fragment_source(lane, pair, warp) for lane in range(32)], d // 8, True)
@@ -170,19 +179,89 @@ def test_ldmatrix_phases_are_conflict_free(segments):
 
 
 @pytest.mark.parametrize("dim", P.HEAD_DIMS)
-def test_fp8_conversion_lays_out_swizzled_rows(dim):
-    """convert_stage's copies turn a stage of fp8 rows (dim bytes each, as cp.async stored them) into the swizzled
-    16-bit tile the fragment maps read: every element once, in its row and column."""
-    source = np.arange(P.BLOCK_N * dim)  # element (row, column) = row * dim + column, one byte each
-    tile = np.full(P.BLOCK_N * dim, -1)  # 16-bit elements by byte offset / 2
-    for copy in range(P.BLOCK_N * dim // 16):
-        src, low, high = K.fp8_conversion_map(copy, dim)
-        assert low % 16 == 0 and high % 16 == 0 and src % 16 == 0
-        tile[low // 2:low // 2 + 8] = source[src:src + 8]
-        tile[high // 2:high // 2 + 8] = source[src + 8:src + 16]
-    rows, columns = np.meshgrid(np.arange(P.BLOCK_N), np.arange(dim), indexing="ij")
-    offsets = np.vectorize(lambda r, c: K.swizzled(r, c // 8, dim // 8) // 2 + c % 8)(rows, columns)
-    assert np.array_equal(tile[offsets], rows * dim + columns)
+def test_fp8_ldmatrix_phases_are_conflict_free(dim):
+    """fp8 rows (dim bytes, fp8_swizzled): the 8 rows one matrix of the K / V ldmatrix reads fall in 8 different
+    16-byte bank groups, and every row's segments are a permutation of its own."""
+    segments = dim // 16
+    for row in range(P.BLOCK_N):
+        offsets = sorted(K.fp8_swizzled(row, s, segments) for s in range(segments))
+        assert offsets == [row * dim + 16 * s for s in range(segments)]
+    for pair, warp in itertools.product(range(segments // 2), range(P.WARPS)):
+        for j in range(4):
+            sources = [K.v_fragment_source(8 * j + r, pair, warp) for r in range(8)]
+            assert len({K.fp8_swizzled(*source, segments) // 16 % 8 for source in sources}) == 8
+
+
+def fp8_memory(tile):
+    """A [rows, d] tile of fp8 values as load_stage lays their bytes out (fp8_swizzled rows of d bytes)."""
+    rows, d = tile.shape
+    memory = np.full(rows * d, np.nan)
+    for row, segment in itertools.product(range(rows), range(d // 16)):
+        offset = K.fp8_swizzled(row, segment, d // 16)
+        memory[offset:offset + 16] = tile[row, 16 * segment:16 * segment + 16]
+    return memory
+
+
+def ldmatrix_x4_bytes(memory, sources, segments, transpose=False):
+    """ldmatrix.x4 (b16) over fp8 bytes: each lane's four registers as their 4 bytes (lowest first)."""
+    out = [[] for _ in range(32)]
+    for j in range(4):
+        rows = [memory[K.fp8_swizzled(*sources[8 * j + r], segments):][:16] for r in range(8)]
+        for lane in range(32):
+            g, c = lane // 4, lane % 4
+            if transpose:  # b16 elements (2c, g) and (2c + 1, g) of the matrix
+                out[lane].append([*rows[2 * c][2 * g:2 * g + 2], *rows[2 * c + 1][2 * g:2 * g + 2]])
+            else:
+                out[lane].append(list(rows[g][4 * c:4 * c + 4]))
+    return out
+
+
+def permute(low, high, selector):
+    """prmt.b32 on byte lists."""
+    both = [*low, *high]
+    return [both[(selector >> 4 * i) & 7] for i in range(4)]
+
+
+@pytest.mark.parametrize("d", [64, 128, 192])
+def test_fp8_fragment_maps_compute_scores_and_values(d):
+    """Emulate a warp of each key slice on fp8 K and V bytes: the query tile as stage_query_f16 stores it
+    (fp8_query_dim order), K's ldmatrix words converted as they are (e4m3x4_to_16bit: bytes 0-1, 2-3) into S = Q Kᵀ,
+    and V's ldmatrix.trans words gathered by FP8_COLUMN_SELECTORS into O = P V at accumulator_column."""
+    rng = np.random.default_rng(d)
+    q, k, v = rng.standard_normal((16, d)), rng.standard_normal((64, d)), rng.standard_normal((64, d))
+    p = rng.standard_normal((16, 64))
+    q_tile = np.empty((16, d))  # stage_query_f16: words (dims 2w, 2w + 1) 0, 2, 4, 6 then 1, 3, 5, 7 of a group
+    for row, group in itertools.product(range(16), range(d // 16)):
+        words = [q[row, 16 * group + 2 * w:16 * group + 2 * w + 2] for w in range(8)]
+        q_tile[row, 16 * group:16 * group + 16] = np.concatenate(words[0::2] + words[1::2])
+        assert np.array_equal(q_tile[row, 16 * group:16 * group + 16],
+                              [q[row, 16 * group + K.fp8_query_dim(i)] for i in range(16)])
+    q_mem, k_mem, v_mem = stage_memory(q_tile), fp8_memory(k), fp8_memory(v)
+    zero = [[0.0] * 4 for _ in range(32)]
+    for warp in range(P.WARPS):
+        s = [zero, zero]
+        for pair in range(d // 32):
+            kb = ldmatrix_x4_bytes(k_mem, [K.v_fragment_source(lane, pair, warp) for lane in range(32)], d // 16)
+            for half in range(2):
+                a = ldmatrix_x4(q_mem, [K.q_fragment_source(lane, 2 * pair + half) for lane in range(32)], d // 8)
+                for t in range(2):
+                    b = [[words[2 * half + t][0:2], words[2 * half + t][2:4]] for words in kb]
+                    s[t] = mma(a, b, s[t])
+        assert_scores(s, q, k, warp)
+        a = p_fragment(p, warp)
+        want = p[:, 16 * warp:16 * warp + 16] @ v[16 * warp:16 * warp + 16]
+        for quad in range(d // 32):
+            vb = ldmatrix_x4_bytes(v_mem, [K.v_fragment_source(lane, quad, warp) for lane in range(32)], d // 16, True)
+            for half, (parity, selector) in itertools.product(range(2), enumerate(K.FP8_COLUMN_SELECTORS)):
+                words = [permute(regs[2 * half], regs[2 * half + 1], selector) for regs in vb]
+                acc = mma(a, [[w[0:2], w[2:4]] for w in words], zero)
+                tile = 4 * quad + 2 * half + parity
+                for lane, i in itertools.product(range(32), range(4)):
+                    row = K.accumulator_coords(lane, i)[0]
+                    assert acc[lane][i] == pytest.approx(want[row, K.accumulator_column(lane, tile, i, True)])
+    columns = {K.accumulator_column(lane, tile, i, True) for lane in range(32) for tile in range(d // 8)
+               for i in range(4)}
+    assert columns == set(range(d))  # the fp8 tiles' accumulators cover O's columns
 
 
 # ---------------------------------------------------------------------------------------------- the arithmetic
@@ -768,13 +847,30 @@ def test_plan_families_compile_without_spills(name):
     dtype = nvfly.f16 if "fp16" in name else nvfly.bf16
     mods = M.Mods(None, M.sliding_window(300)) if "window" in name else M.Mods()
     kernels = attention.compile_kernels(plan, mods, dtype=dtype, seqlen=1024)
-    check_sass(kernels[0], "HMMA.16816.F32" if dtype == nvfly.f16 else "HMMA.16816.F32.BF16")
+    check_sass(kernels[0], "HMMA.16816.F32" if dtype == nvfly.f16 or fp8 else "HMMA.16816.F32.BF16")
     ops = kernels[0].sass_opcodes()
     assert (ops["F2FP.F16.E4M3.UNPACK_B"] > 0) == fp8  # e4m3 pairs converted in the kernel
-    assert (ops["STS.128"] > 0) == fp8                   # into the 16-bit tile, 16 bytes a store
+    if fp8:
+        check_fp8_conversion(kernels[0], plan)
     assert len(kernels) == (2 if splits > 1 else 1)
     if splits > 1:
         assert not any(op.startswith(("LDL", "STL")) for op in kernels[1].sass_opcodes())
+
+
+def check_fp8_conversion(kernel, plan):
+    """An fp8 plan's SASS: K and V fragments converted in registers, one F2FP.F16.E4M3.UNPACK_B a pair of a key
+    slice the warp reads (unrolled once in the stage loop: row_warps > 1 loops over its slices), V's bytes gathered
+    by one PRMT a pair of converts, no f16 -> f32 -> bf16 path (f16 -> f32 only for an f16 query tile's values, at
+    most 8 a thread's 8-value load), no 16-bit tile (no 16-byte shared stores but the query tile's), f16
+    tensor-core MMAs only, and no local memory."""
+    ops = kernel.sass_opcodes()
+    pairs = P.ROWS * (plan.dqk + plan.dv // plan.column_warps) // 2 // 32  # a lane's e4m3 pairs of one slice
+    assert ops["F2FP.F16.E4M3.UNPACK_B"] == pairs
+    assert ops["PRMT"] >= P.ROWS * plan.dv // plan.column_warps // 4 // 32
+    query_loads = 2 * -(-plan.tile_rows * plan.dqk // 16 // plan.threads)
+    assert ops["HADD2.F32"] <= 8 * query_loads and ops["STS.128"] <= query_loads
+    assert ops["HMMA.16816.F32.BF16"] == 0 and ops["HMMA.16816.F32"] > 0
+    assert not any(op.startswith(("LDL", "STL")) for op in ops) and kernel.resources.spill_stores == 0
 
 
 MOD_PLAN = P.decode_plan(2, 2, 2, 4, 128, 128, 1024, 132, splits=1)

@@ -307,8 +307,8 @@ def test_moe_layer_matches_the_reference_eager_and_compiled():
     assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
     compiled = torch.compile(lambda *args: moe.moe(*args, k), backend="eager")
     assert torch.equal(compiled(x, router, w_gate_up, w_down), out)
-    rows, offs, order = moe.permute(x, torch.tensor([[3, 1], [1, 0], [3, 3]]), 4)
-    assert offs.tolist() == [1, 3, 3, 6] and order.tolist() == [3, 1, 2, 0, 4, 5]
+    rows, offs, slots = moe.permute(x, torch.tensor([[3, 1], [1, 0], [3, 3]]), 4)
+    assert offs.tolist() == [1, 3, 3, 6] and slots.tolist() == [3, 1, 2, 0, 4, 5]
     assert torch.equal(rows, x[[1, 0, 1, 0, 2, 2]])
 
 

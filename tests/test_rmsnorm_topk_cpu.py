@@ -2,7 +2,9 @@
 spills, the launch plans, eligibility reasons and argument errors, the custom ops' fake implementations and
 autograd (on CPU they compute with torch), and routing, which must leave CPU calls untouched."""
 import dataclasses
+import itertools
 import logging
+import types
 
 import pytest
 import torch
@@ -377,6 +379,28 @@ def test_topk_one_launch_plan_choice():
     assert topk.plan(128256, 1024, 64, 8, 2, sms).shared_finish
     assert not topk.plan(151936, 1024, 3, 8, 2, sms).shared_finish
     assert not topk.plan(151936, 1024, 1, 8, 2, sms, one_launch=False).shared_finish
+
+
+@pytest.mark.parametrize("m,n,k", [(64, 1100, 8), (1, 151936, 1024), (1, 128256, 50), (2, 65536, 64),
+                                   (3, 1000, 50), (16, 4097, 8), (64, 5000, 64)])
+def test_topk_exact_tables_do_not_overlap_any_rows_list(m, n, k):
+    """Each row of a one-launch plan picks the list or the exact finish while the launch runs, so one row's
+    exact-finish table must not overlap another row's candidate list (64 x 1100 bf16 rows wrote tables into rows
+    2 and 3's lists: the GPU tier's intermittent TopK fault); every table lies inside the workspace."""
+    p = topk.plan(n, k, m, 4, 2, 132)
+    if not p.exact_stride:
+        pytest.skip("a plan without the exact finish")
+    rows = types.SimpleNamespace(shape=(m, n))
+    words = topk_plans.LIST_WORDS
+    tables = [(topk_row.exact_table_index(rows, r, 0, 0, p.exact_stride),
+               topk_row.exact_table_index(rows, r, topk_plans.EXACT_BINS - 1, p.exact_stride - 1,
+                                          p.exact_stride) + 1) for r in range(m)]
+    lists = [(r * words, r * words + 2 * p.row_cap) for r in range(m)]
+    end = topk_plans.exact_table_rows(m, p.exact_stride) * words
+    for lo, hi in tables:
+        assert 0 <= lo < hi <= end
+        assert all(hi <= a or b <= lo for a, b in lists)
+    assert all(b <= c or d <= a for (a, b), (c, d) in itertools.combinations(tables, 2))
 
 
 def test_topk_exact_finish_plan_choice():

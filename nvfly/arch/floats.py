@@ -9,8 +9,9 @@ sm_75+): one instruction, where ``nvfly.tanh`` (a correctly rounded expansion) i
 polynomial); its relative error is at most 2^-10.987 (PTX ISA), under bf16's half ulp, which is why
 FlashAttention-3 soft-caps with it. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8
 (e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit tensor-core atoms (e.g. an fp8 KV
-cache dequantised before ``mma.sync``). Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16
-goes through f32 because sm_90 has no e4m3 -> bf16 ``cvt``.
+cache dequantised before ``mma.sync``); ``permute_bytes`` (``prmt``) gathers fp8 bytes into the pairs they
+convert. Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16 goes through f32 because sm_90
+has no e4m3 -> bf16 ``cvt`` (four times the instructions: prefer f16 MMAs on converted fp8).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from nvfly.arch.target import requires
 from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
 from nvfly.frontend.dtypes import DType
-from nvfly.frontend.language import select
+from nvfly.frontend.language import maximum, minimum, select
 from nvfly.frontend.trace import traced
 from nvfly.frontend.values import Scalar, as_value
 
@@ -105,6 +106,15 @@ def convert_shared_e4m3x16(src: Any, dst_low: Any, dst_high: Any, dtype: DType) 
         out.extend(e4m3x4_to_16bit(word, dtype))
     store_shared(dst_low, out[:4])
     store_shared(dst_high, out[4:])
+
+
+def permute_bytes(low: Any, high: Any, selector: int) -> Scalar:
+    """``prmt.b32``: a 32-bit word whose byte i is byte (selector >> 4i) & 7 of the 8 bytes of ``low`` (0-3) and
+    ``high`` (4-7), e.g. to gather fp8 bytes into the pairs ``e4m3x4_to_16bit`` converts."""
+    if not 0 <= selector <= 0x7777 or any((selector >> (4 * i)) & 8 for i in range(4)):
+        raise CompileError(f"permute_bytes: selector 0x{selector:x} must pick bytes 0-7 (four nibbles of 0-7)")
+    return asm(f"prmt.b32 $0, $1, $2, 0x{selector:04x};", [as_value(low, dtypes.i32), as_value(high, dtypes.i32)],
+               dtypes.i32, side_effects=False)
 
 
 _FP8_KINDS = {"f8e4m3": "e4m3", "f8e5m2": "e5m2"}
@@ -193,3 +203,106 @@ def f32_to_e2m1(value: Any) -> Scalar:
     for t in E2M1_AT_OR_ABOVE:
         code = code + select(magnitude >= t, 1, 0)
     return code | ((v.bitcast(dtypes.i32) >> 28) & 8)
+
+
+# e2m1 -> 16-bit: a nibble moved so that its sign is the 16-bit value's sign (bit 15) and its exponent and mantissa
+# bits sit under the low exponent bits (E at the two lowest exponent bits, M the top mantissa bit): the 16-bit value
+# is then the e2m1 value times 2^(1 - bias) exactly, e2m1's subnormal 0.5 a 16-bit subnormal (bf16: bias 127, EM
+# shifted to bits 8-6; f16: bias 15, bits 11-9)
+E2M1_EM_SHIFT = {"bf16": 6, "f16": 3}
+E2M1_UNIT_EXPONENT = {"bf16": -126, "f16": -14}  # the unscaled 16-bit value is the e2m1 value times 2^this
+_SIGN_PAIR = 0x80008000
+_EM_PAIR = 0x70007000
+
+
+def e2m1x8_to_16bit_bits(w: Any, dtype_name: str) -> list:
+    """Eight packed e2m1 values (a 32-bit word, two a byte, the lower-numbered in the low nibble) as four 32-bit
+    words of two 16-bit values each (``dtype_name`` "bf16" or "f16"), pairing nibble i with nibble i + 4: word i
+    holds values i (low half) and i + 4 (high half), each the e2m1 value times 2^E2M1_UNIT_EXPONENT. Bit operations
+    only, on anything with integer operators: a traced i32 (the arithmetic shifts' sign bits are masked off), or,
+    to test them without a GPU, Python ints or int64 tensors holding the word's unsigned value."""
+    em_shift = E2M1_EM_SHIFT[dtype_name]
+    out = []
+    for i in range(4):
+        up = 12 - 4 * i  # nibble i's sign (bit 4i + 3) to bit 15, nibble i + 4's to bit 31
+        sign = (w << up) & _SIGN_PAIR
+        moved = up - em_shift
+        em = (w << moved) if moved >= 0 else (w >> -moved)
+        out.append(sign | (em & (_EM_PAIR >> em_shift)))
+    return out
+
+
+_PACKED_MUL = {"bf16": "mul.rn.bf16x2", "f16": "mul.rn.f16x2"}
+
+
+@traced
+def scale_16bit_pairs(words: list, factor: Any, dtype: DType) -> list:
+    """Each i32 word of two ``dtype`` (bf16 or f16) values times ``factor`` (a word holding one 16-bit factor twice),
+    one packed multiply (``mul.rn.bf16x2`` / ``f16x2``) a word."""
+    if dtype.name not in _PACKED_MUL:
+        raise CompileError(f"packed 16-bit multiplies take bf16 or f16, got {dtype.name}")
+    return [asm(f"{_PACKED_MUL[dtype.name]} $0, $1, $2;", [v, factor], dtypes.i32, side_effects=False) for v in words]
+
+
+@traced
+def e2m1x8_to_16bit_scaled(word: Any, factor: Any, dtype: DType) -> list:
+    """Eight packed e2m1 values (an i32) times a scale, as four i32 words of two ``dtype`` (bf16 or f16) values:
+    word i holds values i and i + 4 (``e2m1x8_to_16bit_bits``'s pairing), each multiplied by ``factor``, a word
+    holding the same 16-bit factor twice (the first of ``e8m0_to_16bit_factors``; scales past 2 also need the
+    second, by ``scale_16bit_pairs``). The product of the exact unscaled value and a power of two is exact wherever
+    it is representable."""
+    w = as_value(word)
+    if not isinstance(w, Scalar) or w.dtype != dtypes.i32:
+        raise CompileError(f"e2m1x8_to_16bit_scaled takes a 32-bit word as an i32, got {getattr(w, 'dtype', w)}")
+    if dtype.name not in _PACKED_MUL:
+        raise CompileError(f"e2m1 converts to bf16 or f16 here, got {dtype.name}")
+    return scale_16bit_pairs(e2m1x8_to_16bit_bits(w, dtype.name), factor, dtype)
+
+
+E8M0_SPLIT = 128  # the largest e8m0 byte whose factor e8m0_to_16bit_factors' first word holds alone
+# the 16-bit types' (exponent bias, largest exponent field, mantissa bits)
+_HALF_FORMAT = {"bf16": (127, 255, 7), "f16": (15, 31, 10)}
+
+
+def e8m0_factor_bits(byte: Any, dtype_name: str, wide: bool = False) -> list:
+    """``e8m0_to_16bit_factors``' integer operations on anything with integer operators and ``minimum`` /
+    ``maximum`` (a traced i32 0..255, or Python ints to test them without a GPU): each factor's 16 bits, twice in a
+    32-bit word. A factor 2^f is built as its exponent field f + bias clamped to [0, all ones]: all ones is inf (so
+    a byte whose factor overflows poisons the output), 0 is zero (f16 factors below its subnormals: weights that
+    round to zero in f16 anyway)."""
+    bias, top, mantissa = _HALF_FORMAT[dtype_name]
+    unit = E2M1_UNIT_EXPONENT[dtype_name]
+    mn = minimum if not isinstance(byte, int) else min
+    mx = maximum if not isinstance(byte, int) else max
+
+    def power(exponent_plus_bias: Any) -> Any:  # 2^(field - bias) in both halves
+        field = mn(mx(exponent_plus_bias, 0), top) << mantissa
+        return field | (field << 16)
+    if not wide:
+        return [power(byte - 127 - unit + bias)]
+    return [power(mn(byte, E8M0_SPLIT) - 127 - unit + bias), power(mx(byte, E8M0_SPLIT) - E8M0_SPLIT + bias)]
+
+
+@traced
+def e8m0_to_16bit_factors(byte: Any, dtype: DType, wide: bool = False) -> list:
+    """The multipliers that turn ``e2m1x8_to_16bit_bits``' unscaled values into value * 2^(byte - 127) for an e8m0
+    scale byte, as ``dtype`` (bf16 or f16) held twice in an i32 word (integer operations only:
+    ``e8m0_factor_bits``). Without ``wide``: [2^(byte - 127 - E2M1_UNIT_EXPONENT)], exact for bytes up to 128
+    (scales up to 2; bf16 from byte 0 on; f16 from 99 on, 0 below, where every f16 weight rounds to 0); past 128
+    (and 0xFF, OCP's NaN) the factor is inf, which poisons the output rather than clamping it. ``wide``: [that factor
+    for min(byte, 128), 2^(max(byte, 128) - 128)], whose product is exact for every byte up to 254 (bf16; f16 up to
+    143, past which f16 weights overflow)."""
+    if dtype.name not in E2M1_UNIT_EXPONENT:
+        raise CompileError(f"e8m0 factors are bf16 or f16 here, got {dtype.name}")
+    b = as_value(byte).to(dtypes.i32) & 0xFF
+    return e8m0_factor_bits(b, dtype.name, wide)
+
+
+@traced
+def pair_halves(low: Any, high: Any) -> list:
+    """Two 32-bit words of two 16-bit values each, regrouped (``prmt``): [low's low half | high's low half << 16,
+    low's high half | high's high half << 16]. Turns 16-bit values in natural order (k, k+1), (k+4, k+5) into the
+    pairs (k, k+4), (k+1, k+5) that ``e2m1x8_to_16bit_bits`` gives."""
+    a, b = as_value(low), as_value(high)
+    return [asm(f"prmt.b32 $0, $1, $2, {selector};", [a, b], dtypes.i32, side_effects=False)
+            for selector in ("0x5410", "0x7632")]

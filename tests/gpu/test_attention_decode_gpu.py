@@ -232,9 +232,16 @@ def kv_scale(kind, hkv, seed=0):
 
 
 FP8_CASES = {
-    # name: (batch, sq, hq, hkv, d, capacity, lengths or None, q dtype, layout, page, k scale, v scale)
+    # name: (batch, sq, hq, hkv, d, capacity, lengths or None, q dtype, layout, page, k scale, v scale); the
+    # fragment paths of fp8 plans: 16-, 32- and 64-row tiles (row_warps 1, 2, 4), column warps (d 256), and fp8
+    # rows of 64, 128, 192 and 256 bytes (fp8_swizzled's two swizzles)
     "48-8-sq4-paged64-fp16-per-tensor": (3, 4, 48, 8, 128, 2000, [2000, 777, 0], "fp16", "bshd", 64, "tensor",
                                          "tensor1"),
+    "llama8b-sq1-per-head-split": (2, 1, 32, 8, 128, 6000, [6000, 1234], "bf16", "bshd", 0, "head", "head"),
+    "llama8b-sq8-paged16-32rows": (2, 8, 32, 8, 128, 1500, [1500, 700], "bf16", "bshd", 16, "tensor", "head"),
+    "d64-sq16-64rows-bhsd": (2, 16, 8, 2, 64, 900, [900, 65], "bf16", "bhsd", 0, "head", "tensor"),
+    "d192-sq1-g8": (1, 1, 8, 1, 192, 800, None, "bf16", "bshd", 0, None, "head"),
+    "d256-sq2-g8-column-warps": (1, 2, 16, 2, 256, 1000, None, "bf16", "bshd", 0, "head", "head"),
 }
 FP8_SLOW_CASES = {  # bf16 q over fp8 caches runs by default in the block-mask tests below
     "ragged-per-head": (2, 1, 32, 8, 128, 1000, [1000, 1], "bf16", "bshd", 0, "head", "head"),
@@ -255,6 +262,15 @@ def fp8_case(batch, sq, hq, hkv, d, capacity, lengths, dtype, layout, page, k_ki
 @pytest.mark.parametrize("name", FP8_CASES)
 def test_fp8_matches_reference(name):
     fp8_case(*FP8_CASES[name])
+
+
+def test_fp8_with_queries_beyond_f16_range():
+    """fp8 plans compute in f16 with the softmax scale folded into the query tile: bf16 queries of ~1e5 (past f16's
+    65504) with a K scale of 1e-5 (scores of order 1) match the reference, no inf."""
+    k, v, _ = make_cache(2, 700, 2, 128, 128, FP8)
+    q = (query(2, 2, 8, 128, torch.float32) * 1e5).to(torch.bfloat16)
+    assert q.float().abs().max() > 65504
+    check(q, k, v, k_scale=torch.tensor(1e-5, device="cuda"), v_scale=kv_scale("head", 2, 2))
 
 
 @pytest.mark.slow

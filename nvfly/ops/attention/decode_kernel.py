@@ -24,20 +24,28 @@ through shared memory (the ring, now free); the result is O / l and LSE = m + lo
 masked row zeros and -inf. With splits, a CTA writes its normalised partial O and LSE in f32 for
 ``combine_kernel``.
 
-fp8 (e4m3) K/V: the ring holds the bytes; after a stage lands all threads convert it into one 16-bit tile in the
-swizzled layout above (``convert_stage``, a second barrier), so the fragment maps are the 16-bit ones; K's scale
-is folded into the scores' scale and V's into the final normalisation. A flex BlockMask: the CTA reads only the
-stages its ``stage_list`` names (those of blocks non-empty for a head of its group), split evenly like a
-sequence's stages, and each row masks by its own head's block state (``kv_state``).
+fp8 (e4m3) K/V: the ring holds the bytes (rows ``fp8_swizzled``, twice the stages) and each warp converts the
+fragments it reads in registers, with f16 MMAs: an ldmatrix matrix of 8 K rows x 16 bytes gives a lane the bytes
+of dims 4c..4c+3 of its key, whose two packed cvt (e4m3x2 -> f16x2) are its B registers of a k16 step if the k
+order of the step is ``fp8_query_dim``'s, which the f16 query tile (times the softmax scale) is stored in; V's
+ldmatrix.trans words (keys 2c, 2c+1 of columns 2g, 2g+1) of keys 0-7 and 8-15 are gathered by prmt into the B
+registers of the even and odd columns (``FP8_COLUMN_SELECTORS``), so O's tiles hold columns in
+``accumulator_column`` order. K's scale is folded into the scores' scale and V's into the final normalisation.
+docs/ops/attention.md weighs this against a converted shared tile and fp8 MMAs.
+
+A flex BlockMask: the CTA reads only the stages its ``stage_list`` names (those of blocks non-empty for a head of
+its group), split evenly like a sequence's stages, and each row masks by its own head's block state
+(``kv_state``).
 """
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import nvfly
 from nvfly.arch import sm80
-from nvfly.arch.floats import convert_shared_e4m3x16
+from nvfly.arch.floats import e4m3x4_to_16bit, permute_bytes
+from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.plan import BLOCK_N, ROWS, WARPS, ctas_per_sm
@@ -52,6 +60,32 @@ def swizzled(row: Any, segment: Any, segments: int) -> Any:
     """Byte offset of 16-byte segment ``segment`` of row ``row`` in a tile of rows of ``segments`` segments:
     segments XORed with row % 8 (within their group of 8), so 8 consecutive rows' same segment hit 8 bank groups."""
     return row * (segments * 16) + (segment ^ (row & 7)) * 16
+
+
+def fp8_swizzled(row: Any, segment: Any, segments: int) -> Any:
+    """Byte offset of 16-byte segment ``segment`` of an fp8 row (rows of ``segments`` segments, a multiple of 4),
+    so that 8 consecutive rows' same segment hit 8 bank groups: rows of a multiple of 128 bytes as ``swizzled``;
+    rows of 64 or 192 bytes (odd rows start half a bank row on) XOR the segment with (row / 2) % 4 in its group of
+    4."""
+    if segments % 8 == 0:
+        return swizzled(row, segment, segments)
+    return row * (segments * 16) + (segment ^ ((row >> 1) & 3)) * 16
+
+
+def fp8_query_dim(index: Any) -> Any:
+    """The query dim (within its group of 16) at k index ``index`` of an fp8 plan's k16 step: ldmatrix of an fp8 K
+    row gives a lane the 4 bytes of dims 4c..4c+3 (c = lane % 4), whose two f16 pairs are its B registers for k
+    2c, 2c + 1 and 2c + 8, 2c + 9; the query tile holds its dims in that order (``stage_query_f16``)."""
+    return 4 * (index % 8 // 2) + index % 2 + 2 * (index // 8)
+
+
+def accumulator_column(lane: Any, tile: int, index: int, fp8: bool) -> Any:
+    """O's column (within the warp's columns) of accumulator ``index`` of n8 tile ``tile``: 8 tile + the C layout's
+    column; fp8: tile 2s + e holds the columns of segment s (16 columns) of parity e (``attend_slice``)."""
+    column = accumulator_coords(lane, index)[1]
+    if fp8:
+        return 16 * (tile // 2) + 2 * column + tile % 2
+    return 8 * tile + column
 
 
 # ---------------------------------------------------------------------------------------------- fragment maps
@@ -79,6 +113,10 @@ def accumulator_coords(lane: Any, index: int) -> tuple[Any, Any]:
     """(row, column) of accumulator ``index`` of an m16n8 tile (PTX's C layout)."""
     return (lane >> 2) + 8 * (index // 2), 2 * (lane & 3) + index % 2
 
+
+# prmt selectors of an fp8 V fragment: bytes 0, 2 (keys 2c, 2c + 1) of the keys 0-7 word and of the keys 8-15 word,
+# for the even column; bytes 1, 3 for the odd one
+FP8_COLUMN_SELECTORS = (0x6420, 0x7531)
 
 # P's A fragment from the S accumulators [key tile t][index]: registers a0a1, a2a3, a4a5, a6a7
 P_FRAGMENT = (((0, 0), (0, 1)), ((0, 2), (0, 3)), ((1, 0), (1, 1)), ((1, 2), (1, 3)))
@@ -110,19 +148,38 @@ class WarpRole(NamedTuple):
     lane: Any
 
 
+def query_copies(tid: Any, hkv: Any, m_tile: Any, seqlen: Any, pieces: int, plan: Any) -> Iterator[tuple]:
+    """(row, piece, RowCoords) of each copy the thread makes of the query tile, rows of ``pieces`` pieces; traced
+    as the caller iterates (a copy repeated where the threads do not divide the copies)."""
+    copies = plan.tile_rows * pieces
+    for i in nvfly.static_range(-(-copies // plan.threads)):
+        copy = nvfly.minimum(tid + i * plan.threads, copies - 1)
+        row = copy // pieces
+        yield row, copy % pieces, row_coords(m_tile * plan.tile_rows + row, hkv, seqlen, plan.sq, plan.group)
+
+
 @nvfly.func
 def stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN):
     """cp.async the CTA's packed query rows into the swizzled query tile (padding rows zero-filled)."""
     SEGMENTS = PLAN.dqk // 8
-    THREADS = PLAN.threads
-    COPIES = PLAN.tile_rows * SEGMENTS
-    for i in nvfly.static_range(-(-COPIES // THREADS)):
-        copy = nvfly.minimum(tid + i * THREADS, COPIES - 1)  # a repeated copy where the threads do not divide
-        row = copy // SEGMENTS
-        segment = copy % SEGMENTS
-        coords = row_coords(m_tile * PLAN.tile_rows + row, hkv, seqlen, PLAN.sq, PLAN.group)
+    for row, segment, coords in query_copies(tid, hkv, m_tile, seqlen, SEGMENTS, PLAN):
         sm80.cp_async(q_tile + swizzled(row, segment, SEGMENTS), q.address(b, coords.token, coords.head, segment * 8),
                       16, coords.valid)
+
+
+@nvfly.func
+def stage_query_f16(q, q_tile, b, hkv, m_tile, seqlen, scale, tid, PLAN):
+    """The fp8 plans' query tile: the packed query rows times ``scale`` (the softmax scale, so that f16's range
+    covers |q| up to 65504 / scale) rounded to f16, swizzled like ``stage_query``'s (padding rows zero), each 16
+    dims in ``fp8_query_dim`` order: pairs (4c, 4c + 1) to k 2c, 2c + 1 and (4c + 2, 4c + 3) to k 2c + 8, 2c + 9."""
+    SEGMENTS = PLAN.dqk // 8
+    for row, group, coords in query_copies(tid, hkv, m_tile, seqlen, PLAN.dqk // 16, PLAN):
+        words = []  # word w: dims 2w, 2w + 1 of the group
+        for part in nvfly.static_range(2):
+            values = q.load(b, coords.token, coords.head, group * 16 + part * 8, width=8, mask=coords.valid)
+            words += (values.to(nvfly.f32) * scale).to(nvfly.f16).bitcast(nvfly.i32).tolist()
+        store_shared(q_tile + swizzled(row, 2 * group, SEGMENTS), words[0::2])
+        store_shared(q_tile + swizzled(row, 2 * group + 1, SEGMENTS), words[1::2])
 
 
 def cache_address(cache: Any, b: Any, hkv: Any, key: Any, column: Any, plan: Any, page: Any) -> Any:
@@ -147,8 +204,8 @@ def key_page(pages: dict, block_table: Any, b: Any, key: Any, plan: Any, slot: t
 @nvfly.func
 def load_stage(k, v, block_table, stage, b, hkv, block, seqlen, tid, PLAN):
     """cp.async keys block * BLOCK_N .. + BLOCK_N - 1 of K (rows of Dqk) then of V (rows of Dv) into the ring stage
-    at shared address ``stage``; keys past ``seqlen`` are zero-filled (nothing read, the address clamped). 16-bit
-    rows are swizzled 16-byte segments; fp8 rows are stored as they are (``convert_stage`` swizzles)."""
+    at shared address ``stage``; keys past ``seqlen`` are zero-filled (nothing read, the address clamped). Rows are
+    swizzled 16-byte segments (``swizzled``, fp8 ``fp8_swizzled``)."""
     THREADS = PLAN.threads
     ITEM = 1 if PLAN.fp8 else 2
     pages = {}
@@ -163,29 +220,9 @@ def load_stage(k, v, block_table, stage, b, hkv, block, seqlen, tid, PLAN):
             key = block * BLOCK_N + row
             clamped = nvfly.minimum(key, seqlen - 1)
             page = key_page(pages, block_table, b, clamped, PLAN, (SEGMENTS, i))
-            target = base + (copy * 16 if PLAN.fp8 else swizzled(row, segment, SEGMENTS))
+            target = base + (fp8_swizzled if PLAN.fp8 else swizzled)(row, segment, SEGMENTS)
             sm80.cp_async(target, cache_address(cache, b, hkv, clamped, segment * 16 // ITEM, PLAN, page), 16,
                           key < seqlen)
-
-
-def fp8_conversion_map(copy: Any, dim: int) -> tuple[Any, Any, Any]:
-    """Copy ``copy`` of converting an fp8 tile of rows of ``dim`` bytes: (byte offset of its 16 e4m3 values,
-    and the byte offsets in the 16-bit tile of values 0-7 and 8-15: row copy // (dim / 16), segments 2s and 2s + 1
-    of the swizzled row). The CPU tests emulate it."""
-    segments = dim // 16
-    row = copy // segments
-    segment = copy % segments
-    return copy * 16, swizzled(row, 2 * segment, 2 * segments), swizzled(row, 2 * segment + 1, 2 * segments)
-
-
-def convert_stage(stage: Any, tile: Any, tid: Any, plan: Any, dtype: Any) -> None:
-    """The fp8 ring stage at ``stage`` (K rows, then V rows) as 16-bit K and V in the swizzled ``tile``: each
-    thread converts 16-byte pieces of both (the caller's barrier then publishes the tile)."""
-    for dim, source, target in ((plan.dqk, stage, tile), (plan.dv, stage + BLOCK_N * plan.dqk,
-                                                          tile + BLOCK_N * plan.dqk * 2)):
-        for i in nvfly.static_range(BLOCK_N * dim // 16 // plan.threads):
-            src, low, high = fp8_conversion_map(tid + i * plan.threads, dim)
-            convert_shared_e4m3x16(source + src, target + low, target + high, dtype)
 
 
 class Softmax(NamedTuple):
@@ -215,7 +252,16 @@ class StageContext(NamedTuple):
     kv_state: Any
 
 
-def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key_slice: Any, key0: Any,
+def query_fragment(query: Any, role: WarpRole, step: int, segments: int) -> list:
+    """Q's A fragment of k16 step ``step`` for the warp's rows: from ``query``, the query tile's shared address,
+    or the list of them the warp holds in registers (``DecodePlan.query_in_registers``)."""
+    if isinstance(query, list):
+        return query[step]
+    q_row, q_segment = q_fragment_source(role.lane, step)
+    return sm80.ldmatrix_x4(query + swizzled(role.row0 + q_row, q_segment, segments))
+
+
+def stage_scores(ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_slice: Any, key0: Any,
                  dtype: Any) -> list:
     """The warp's 16 rows x 16 keys (slice ``key_slice`` of the stage, from key ``key0``) in log2 units, masked to
     -inf: [key tile t][4] in mma's C layout (row g + 8 * (i // 2), key key0 + 8t + 2 * (lane % 4) + i % 2)."""
@@ -223,12 +269,19 @@ def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key
     lane = role.lane
     segments = plan.dqk // 8
     s = [[nvfly.f32(0.0)] * 4 for _ in range(2)]
-    for step in nvfly.static_range(plan.dqk // 16):
-        q_row, q_segment = q_fragment_source(lane, step)
-        a = sm80.ldmatrix_x4(q_tile + swizzled(role.row0 + q_row, q_segment, segments))
-        kb = sm80.ldmatrix_x4(stage + swizzled(*k_fragment_source(lane, step, key_slice), segments))
-        s[0] = sm80.mma_m16n8k16(a, kb[0:2], s[0], dtype)
-        s[1] = sm80.mma_m16n8k16(a, kb[2:4], s[1], dtype)
+    if plan.fp8:  # an ldmatrix matrix of 8 fp8 K rows x 16 bytes: a lane's word is its B registers of a k16 step
+        for pair in nvfly.static_range(plan.dqk // 32):  # (keys +8, dims +16) = bits 0, 1 of the matrix
+            kb = sm80.ldmatrix_x4(stage + fp8_swizzled(*v_fragment_source(lane, pair, key_slice), plan.dqk // 16))
+            for half in range(2):
+                a = query_fragment(query, role, 2 * pair + half, segments)
+                s[0] = sm80.mma_m16n8k16(a, e4m3x4_to_16bit(kb[2 * half], dtype), s[0], dtype)
+                s[1] = sm80.mma_m16n8k16(a, e4m3x4_to_16bit(kb[2 * half + 1], dtype), s[1], dtype)
+    else:
+        for step in nvfly.static_range(plan.dqk // 16):
+            a = query_fragment(query, role, step, segments)
+            kb = sm80.ldmatrix_x4(stage + swizzled(*k_fragment_source(lane, step, key_slice), segments))
+            s[0] = sm80.mma_m16n8k16(a, kb[0:2], s[0], dtype)
+            s[1] = sm80.mma_m16n8k16(a, kb[2:4], s[1], dtype)
     mods = ctx.mods
     plain = mods.score_mod is None and mods.mask_mod is None
     states = [None, None]
@@ -264,13 +317,13 @@ def stage_scores(ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key
     return out
 
 
-def attend_slice(state: Softmax, ctx: StageContext, stage: Any, q_tile: Any, role: WarpRole, key_slice: Any,
+def attend_slice(state: Softmax, ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_slice: Any,
                  key0: Any, dtype: Any) -> Softmax:
     """Fold the 16 keys of slice ``key_slice`` of one ring stage (from key ``key0``) into the warp's online softmax
     and its O columns."""
     plan = ctx.plan
     lane = role.lane
-    s = stage_scores(ctx, stage, q_tile, role, key_slice, key0, dtype)
+    s = stage_scores(ctx, stage, query, role, key_slice, key0, dtype)
     maxima, sums, scales, p = [], [], [], [[None] * 4 for _ in range(2)]
     for r in range(2):
         top = nvfly.maximum(nvfly.maximum(s[0][2 * r], s[0][2 * r + 1]),
@@ -289,15 +342,29 @@ def attend_slice(state: Softmax, ctx: StageContext, stage: Any, q_tile: Any, rol
         sums.append(total)
         scales.append(scale)
     a = [pack(p[lo[0]][lo[1]], p[hi[0]][hi[1]], dtype) for lo, hi in P_FRAGMENT]
-    segments = plan.dv // 8
-    v_tile = stage + BLOCK_N * plan.dqk * 2
     acc = [[o * scales[i // 2] for i, o in enumerate(tile)] for tile in state.acc]
-    PAIRS = plan.dv // 16 // plan.column_warps
-    for pair in nvfly.static_range(PAIRS):
-        source = v_fragment_source(lane, pair + role.half * PAIRS, key_slice)
-        vb = sm80.ldmatrix_x4(v_tile + swizzled(*source, segments), transpose=True)
-        acc[2 * pair] = sm80.mma_m16n8k16(a, vb[0:2], acc[2 * pair], dtype)
-        acc[2 * pair + 1] = sm80.mma_m16n8k16(a, vb[2:4], acc[2 * pair + 1], dtype)
+    if plan.fp8:
+        # ldmatrix.trans of 8 fp8 V rows x 16 bytes: a lane's word holds keys 2c, 2c + 1 of columns 2g, 2g + 1;
+        # with the word of keys +8, prmt gathers each column's 4 keys: the B registers of the even and odd columns
+        v_tile = stage + BLOCK_N * plan.dqk
+        QUADS = plan.dv // 32 // plan.column_warps
+        for quad in nvfly.static_range(QUADS):  # (keys +8, columns +16) = bits 0, 1 of the matrix
+            source = v_fragment_source(lane, quad + role.half * QUADS, key_slice)
+            vb = sm80.ldmatrix_x4(v_tile + fp8_swizzled(*source, plan.dv // 16), transpose=True)
+            for half in range(2):
+                for parity, selector in enumerate(FP8_COLUMN_SELECTORS):
+                    b = e4m3x4_to_16bit(permute_bytes(vb[2 * half], vb[2 * half + 1], selector), dtype)
+                    tile = 4 * quad + 2 * half + parity
+                    acc[tile] = sm80.mma_m16n8k16(a, b, acc[tile], dtype)
+    else:
+        segments = plan.dv // 8
+        v_tile = stage + BLOCK_N * plan.dqk * 2
+        PAIRS = plan.dv // 16 // plan.column_warps
+        for pair in nvfly.static_range(PAIRS):
+            source = v_fragment_source(lane, pair + role.half * PAIRS, key_slice)
+            vb = sm80.ldmatrix_x4(v_tile + swizzled(*source, segments), transpose=True)
+            acc[2 * pair] = sm80.mma_m16n8k16(a, vb[0:2], acc[2 * pair], dtype)
+            acc[2 * pair + 1] = sm80.mma_m16n8k16(a, vb[2:4], acc[2 * pair + 1], dtype)
     return Softmax(maxima, sums, acc)
 
 
@@ -313,12 +380,15 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
     Softmax (``role``)."""
     STAGE = PLAN.stage_bytes
     dtype = ctx.dtype
-    tile = ring + PLAN.stages * STAGE  # with fp8: the converted stage
     for i in nvfly.static_range(PLAN.stages - 1):
         if i < count:
             load_stage(k, v, block_table, ring + i * STAGE, ctx.b, hkv,
                        stage_index(stage_list, ctx.b, hkv, begin + i, PLAN), ctx.seqlen, tid, PLAN)
         sm80.cp_async_commit()  # the first group also holds the query tile
+    query = q_tile
+    if PLAN.query_in_registers:  # the tile's stores are visible after a barrier (while the first stages land)
+        nvfly.syncthreads()
+        query = [query_fragment(q_tile, role, step, PLAN.dqk // 8) for step in nvfly.static_range(PLAN.dqk // 16)]
     state = Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2,
                     [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(PLAN.dv // 8 // PLAN.column_warps)])
     for i in range(count):
@@ -330,17 +400,13 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
                        stage_index(stage_list, ctx.b, hkv, begin + ahead, PLAN), ctx.seqlen, tid, PLAN)
         sm80.cp_async_commit()
         stage = ring + (i % PLAN.stages) * STAGE
-        if PLAN.fp8:  # every warp is done with the tile (the barrier above); the second barrier publishes it
-            convert_stage(stage, tile, tid, PLAN, dtype)
-            nvfly.syncthreads()
-            stage = tile
         first = stage_index(stage_list, ctx.b, hkv, begin + i, PLAN) * BLOCK_N
         if PLAN.row_warps == 1:  # one slice a warp
-            state = attend_slice(state, ctx, stage, q_tile, role, role.key_warp, first + 16 * role.key_warp, dtype)
+            state = attend_slice(state, ctx, stage, query, role, role.key_warp, first + 16 * role.key_warp, dtype)
         else:  # the warp's slices as a loop: unrolled, ptxas interleaves them and spills at d > 128
             for j in range(PLAN.row_warps):
                 key_slice = role.key_warp + j * PLAN.key_warps
-                state = attend_slice(state, ctx, stage, q_tile, role, key_slice, first + 16 * key_slice, dtype)
+                state = attend_slice(state, ctx, stage, query, role, key_slice, first + 16 * key_slice, dtype)
     sm80.cp_async_wait(0)
     nvfly.syncthreads()  # the ring is free for the merge
     return state
@@ -366,8 +432,9 @@ def merge_warps(state, stats, partial, role, PLAN):
     COLUMNS = DV // PLAN.column_warps
     for j in nvfly.static_range(COLUMNS // 8):
         for i in nvfly.static_range(4):
-            row, column = accumulator_coords(lane, i)
-            partial[(base + row) * DV + role.half * COLUMNS + 8 * j + column] = state.acc[j][i]
+            row = accumulator_coords(lane, i)[0]
+            column = accumulator_column(lane, j, i, PLAN.fp8)
+            partial[(base + row) * DV + role.half * COLUMNS + column] = state.acc[j][i]
     nvfly.syncthreads()
 
 
@@ -400,9 +467,15 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     q_tile = ring + RING
     stats = nvfly.dynamic_shared_tensor(nvfly.f32, (2 * WARPS * ROWS,), offset_bytes=RING + PLAN.q_bytes)
     k_scale = v_scale = 1.0
-    if PLAN.fp8:  # K's scale goes into the scores' scale, V's into the output's normalisation
+    score_scale = scale
+    dtype = q.dtype
+    # fp8: K's scale goes into the scores' scale, V's into the output's normalisation; the MMAs are f16 (e4m3 -> f16
+    # is one cvt a pair) and the f16 query tile is already times the softmax scale
+    if PLAN.fp8:
         k_scale = kv_scales[0, hkv]
         v_scale = kv_scales[1, hkv]
+        score_scale = 1.0
+        dtype = nvfly.f16
     partial = nvfly.dynamic_shared_tensor(nvfly.f32, (WARPS * ROWS * DV,))  # over the ring, after the loop
 
     if PLAN.kv_block:
@@ -413,11 +486,14 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     begin = split * per_split
     count = nvfly.maximum(nvfly.minimum(per_split, n_blocks - begin), 0)
 
-    stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN)
+    if PLAN.fp8:
+        stage_query_f16(q, q_tile, b, hkv, m_tile, seqlen, scale, tid, PLAN)
+    else:
+        stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN)
     first = m_tile * TILE_ROWS + role.row0 + (lane >> 2)
     rows = (row_coords(first, hkv, seqlen, SQ, G), row_coords(first + 8, hkv, seqlen, SQ, G))
-    ctx = StageContext(b, seqlen, rows, scale * k_scale, scale * k_scale * LOG2E, (captured0, captured1), PLAN, MODS,
-                       q.dtype, kv_state)
+    ctx = StageContext(b, seqlen, rows, score_scale * k_scale, score_scale * k_scale * LOG2E, (captured0, captured1),
+                       PLAN, MODS, dtype, kv_state)
     state = stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN)
     merge_warps(state, stats, partial, role, PLAN)
 

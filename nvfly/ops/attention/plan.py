@@ -34,7 +34,7 @@ class DecodePlan:
     through a block table of pages of ``page_size`` tokens; causal: queries aligned to the end of their sequence;
     stages: ring depth; splits: CTAs sharing one sequence's keys (1: no combine); row_warps: warps that split the
     query tile's rows (16 each; the other WARPS / row_warps split the keys); fp8: K and V are e4m3 (the ring holds
-    their bytes, each stage converted to 16 bits in a tile after it lands); kv_block: a flex BlockMask's KV block
+    their bytes; warps convert their fragments to f16 in registers); kv_block: a flex BlockMask's KV block
     size (a multiple of BLOCK_N; 0: no block mask)."""
     sq: int
     group: int
@@ -69,6 +69,13 @@ class DecodePlan:
         return WARPS * self.column_warps * 32
 
     @property
+    def query_in_registers(self) -> bool:
+        """Whether the warps hold Q's A fragments in registers for the whole loop instead of re-reading them from
+        shared memory every key slice: fp8 plans up to Dqk 128 (16-32 registers), where Q's re-reads would be a
+        third of the shared-memory traffic a stage; 16-bit plans keep their measured code."""
+        return self.fp8 and self.dqk <= 128
+
+    @property
     def rows(self) -> int:
         """Query rows sharing a KV head: the packed M."""
         return self.sq * self.group
@@ -83,19 +90,13 @@ class DecodePlan:
         return self.tile_rows * self.dqk * 2
 
     @property
-    def tile_bytes(self) -> int:
-        """One stage of K and V in 16 bits: what the warps' ldmatrix read."""
-        return BLOCK_N * (self.dqk + self.dv) * 2
-
-    @property
     def stage_bytes(self) -> int:
-        """One ring stage: the tile, or with fp8 its bytes."""
-        return self.tile_bytes // 2 if self.fp8 else self.tile_bytes
+        """One ring stage: BLOCK_N keys of K and V, 2 bytes an element (fp8: 1)."""
+        return BLOCK_N * (self.dqk + self.dv) * (1 if self.fp8 else 2)
 
     @property
     def ring_bytes(self) -> int:
-        """The ring, then with fp8 the 16-bit tile each stage is converted into."""
-        return self.stages * self.stage_bytes + (self.tile_bytes if self.fp8 else 0)
+        return self.stages * self.stage_bytes
 
     @property
     def smem_bytes(self) -> int:
@@ -111,10 +112,10 @@ class DecodePlan:
 
 def stages_for(dqk: int, dv: int, fp8: bool = False) -> int:
     """Ring depth: 4 stages of 16 KB (d = 64, three CTAs an SM), 3 of 32 KB (d = 128, two CTAs an SM) or of 64 KB
-    (d = 256, one CTA): 64-128 KB of K/V in flight per SM either way. fp8 stages are half as big and the converted
-    tile takes two of them: 2s - 2 stages fill the same shared memory (6 at d = 64, 4 at d = 128 and 256)."""
+    (d = 256, one CTA): 64-128 KB of K/V in flight per SM either way. fp8 stages are half as big: twice as many fill
+    the same shared memory with the same bytes in flight."""
     stages = 4 if BLOCK_N * (dqk + dv) * 2 <= 16 * 1024 else 3
-    return 2 * stages - 2 if fp8 else stages
+    return 2 * stages if fp8 else stages
 
 
 def ctas_per_sm(plan: DecodePlan) -> int:

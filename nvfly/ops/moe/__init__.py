@@ -2,43 +2,65 @@
 
     out = nvfly.ops.moe.moe(x, router_weight, w_gate_up, w_down, top_k)
 
-router logits (nvfly's GEMM) -> softmax -> top-k experts per token (``nvfly.ops.topk``) -> the token copies sorted
-by expert and the experts' cumulative ends counted on the device (``permute``) -> the fused gate/up projection with
-SiLU-and-multiply (one grouped GEMM) -> the down projection (a grouped GEMM) -> the copies weighted by their routing
-probabilities and summed back per token (``unpermute``). Weights are F.linear-style: ``router_weight`` [E, H],
-``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I]. Inputs nvfly declines (CPU tensors, other
-dtypes) run each piece on torch. Under ``torch.compile`` the nvfly calls run eagerly between compiled regions
-(``torch.compiler.disable``); ``nvfly.torch`` offers the grouped GEMM as a traceable custom op.
+router logits (nvfly's GEMM) -> softmax, top-k experts per token, renormalised (``route``: one kernel) -> the token
+copies grouped by expert and the experts' cumulative ends (``permute``: a counting sort and a copy kernel) -> the
+fused gate/up projection with SiLU-and-multiply (one grouped GEMM) -> the down projection (a grouped GEMM) -> the
+copies weighted by their routing probabilities and summed back per token (``unpermute``: one kernel). Weights are
+F.linear-style: ``router_weight`` [E, H], ``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I].
+Inputs nvfly declines (CPU tensors, other dtypes) run each piece on torch. Under ``torch.compile`` the nvfly calls
+run eagerly between compiled regions (``torch.compiler.disable``); ``nvfly.torch`` offers the grouped GEMM as a
+traceable custom op.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from nvfly.ops import gemm, grouped
 from nvfly.ops import topk as topk_op
+from nvfly.ops.common.opcall import OpCalls
+from nvfly.ops.moe import api
+from nvfly.runtime.torch_args import layout_key
 
 __all__ = ["moe", "permute", "reference", "route", "unpermute"]
 
 
+# (piece, its arguments' layouts and options) -> "" when nvfly runs them, else the piece's reason: a layer call
+# asks each piece once per signature (the eligibility checks cost more host time than some of the launches)
+_RUNS: OpCalls[str] = OpCalls()
+
+
+def _nvfly_runs(piece: Callable[..., Optional[str]], *args: Any, **options: Any) -> bool:
+    """Whether nvfly runs ``piece``'s eligibility's arguments (``piece`` returns None, or a reason)."""
+    try:
+        key = (piece, *(layout_key(a) if isinstance(a, torch.Tensor) else a for a in args), *options.items())
+        reason = _RUNS.get(key)
+    except Exception:  # noqa: BLE001 - unhashable: asked every time
+        key = reason = None
+    if reason is None:
+        reason = piece(*args, **options) or ""
+        _RUNS.remember(key, reason)
+    return not reason
+
+
 @torch.compiler.disable
 def _router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
-    if gemm.eligibility(x, router_weight.mT) is None:
+    if _nvfly_runs(gemm.eligibility, x, router_weight.mT):
         return gemm.matmul(x, router_weight.mT, out_dtype=torch.float32)
     return (x @ router_weight.mT).float()
 
 
 @torch.compiler.disable
 def _topk(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if topk_op.eligibility(probs, k) is None:
+    if _nvfly_runs(topk_op.eligibility, probs, k):
         return topk_op.topk(probs, k)
     return torch.topk(probs, k)
 
 
 @torch.compiler.disable
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, fuse: str) -> torch.Tensor:
-    if grouped.eligibility(a, b, offs, fuse=fuse) is None:
+    if _nvfly_runs(grouped.eligibility, a, b, offs, fuse=fuse):
         return grouped.grouped_mm(a, b, offs, fuse=fuse)
     return _torch_grouped(a, b, offs, fuse)
 
@@ -57,7 +79,15 @@ def _torch_grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, fuse: s
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(routing weights [T, k] float32, expert ids [T, k] int64): softmax over the experts, the top k, their
-    probabilities renormalised to sum to 1 (``renormalize``)."""
+    probabilities renormalised to sum to 1 (``renormalize``). One kernel (``api.route``); on torch, softmax, topk
+    and the renormalisation."""
+    return _route(logits, top_k, bool(renormalize))
+
+
+@torch.compiler.disable
+def _route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if top_k <= api.MAX_TOP_K and logits.shape[-1] <= api.MAX_EXPERTS and _nvfly_runs(api.eligibility, logits):
+        return api.route(logits, top_k, renormalize)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = _topk(probs, top_k)
     if renormalize:
@@ -66,25 +96,37 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[t
 
 
 def permute(x: torch.Tensor, ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token copies sorted by expert [T * k, H], the experts' cumulative ends int32 [E], order [T * k]: copy i
-    of the sorted rows is flat routing slot order[i], token order[i] // k). All on the device: a stable sort and a
-    scatter-add count, no host read."""
-    flat = ids.reshape(-1)
+    """(token copies grouped by expert [T * k, H], the experts' cumulative ends int32 [E], slots int64 [T * k]: routing
+    slot s (token s // k's (s % k)-th expert) is row ``slots[s]`` of the copies). All on the device, no host read:
+    a counting sort by expert in one block and the copies with their slots in one kernel (``api``); on torch, a
+    stable argsort, a scatter-add count and a gather."""
+    return _permute(x, ids.reshape(-1), experts, ids.shape[-1])
+
+
+@torch.compiler.disable
+def _permute(x: torch.Tensor, flat: torch.Tensor, experts: int, top_k: int) -> tuple[torch.Tensor, ...]:
+    if experts <= api.MAX_EXPERTS and _nvfly_runs(api.eligibility, x, flat):
+        order, offs = api.sort_by_expert(flat, experts)
+        rows, slots = api.dispatch(x, order, top_k)
+        return rows, offs, slots
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    return x[order // ids.shape[-1]], offs, order
+    slots = torch.empty_like(order)
+    slots[order] = torch.arange(order.numel(), device=order.device)
+    return x[order // top_k], torch.cumsum(counts, 0, dtype=torch.int32), slots
 
 
-def unpermute(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, tokens: int) -> torch.Tensor:
-    """Sum each token's expert outputs ``y`` [T * k, H] (sorted by expert) weighted by its routing ``weights``
-    [T, k], in float32; returns [T, H] in y's dtype."""
-    top_k = weights.shape[-1]
-    scaled = y.float() * weights.reshape(-1)[order].unsqueeze(-1)
-    out = torch.zeros(tokens, y.shape[-1], dtype=torch.float32, device=y.device)
-    out.index_add_(0, order // top_k, scaled)
-    return out.to(y.dtype)
+@torch.compiler.disable
+def unpermute(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T, H] in y's dtype: each token's expert outputs (rows of ``y`` [T * k, H] at its routing ``slots``) weighted
+    by its routing ``weights`` [T, k] and summed in float32 (``api.combine``: one read of y)."""
+    weights = weights.float()
+    if _nvfly_runs(api.eligibility, y, slots, weights):
+        return api.combine(y, slots, weights.contiguous())
+    tokens, top_k = weights.shape
+    rows = y[slots].view(tokens, top_k, -1).float()
+    return (rows * weights.unsqueeze(-1)).sum(dim=1).to(y.dtype)
 
 
 def moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
@@ -95,10 +137,10 @@ def moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w
     if logits is None:
         logits = _router_logits(x, router_weight)
     weights, ids = route(logits, top_k, renormalize)
-    rows, offs, order = permute(x, ids, experts)
+    rows, offs, slots = permute(x, ids, experts)
     hidden = _grouped(rows, w_gate_up.mT, offs, "silu_mul")
     y = _grouped(hidden, w_down.mT, offs, "none")
-    return unpermute(y, order, weights, x.shape[0])
+    return unpermute(y, slots, weights)
 
 
 def reference(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,

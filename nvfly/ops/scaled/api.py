@@ -24,18 +24,26 @@ to whole tiles), which nvfly does not take: unswizzle it first. MXFP4 weights (`
 ``b`` is ``torch.float4_e2m1fn_x2`` (K/2, N) column-major, the ``.t()`` of a row-major (N, K/2) packed weight, two
 e2m1 values a byte along K, the lower-numbered one in the low nibble (torch's and OCP's order); the kernel converts
 them to e4m3 in shared memory (Hopper has no fp4 tensor cores).
+
+MXFP4 weights x 16-bit activations (recipe ``mxfp4_a16``, weight-only quantisation, W4A16): ``a`` bf16 or fp16
+(M, K) row-major, ``scale_a`` None (the activations are not scaled), ``b`` and ``scale_b`` as for ``mxfp4``. torch
+has no scaled_mm for this mix (its MX recipes scale both operands); the call is ``scaled_mm(x, w_q.t(), None,
+w_scale)``. A weight-streaming kernel (``a16_kernel``: swap AB, e2m1 dequantised into mma.sync's registers with the
+block's scale, fp32 accumulation) runs it, fast for M <= 16; ``use_fast_accum`` changes nothing there.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
 import nvfly
 from nvfly.ops.common import scratch
 from nvfly.ops.common.opcall import OpCalls, named
+from nvfly.ops.scaled.a16_kernel import mxfp4_a16_kernel
+from nvfly.ops.scaled.a16_plan import A16Config, A16Plan, describe_a16_plan, make_a16_plan
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, MX_BLOCK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.kernel import scaled_mm_kernel, scaled_reduce_kernel
 from nvfly.ops.scaled.plan import ScaledPlan, make_plan
@@ -51,11 +59,20 @@ FP4_DTYPE = torch.float4_e2m1fn_x2
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MX_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
+A16_DTYPES = (torch.bfloat16, torch.float16)  # activations next to MXFP4 weights (the "mxfp4_a16" recipe)
+MXFP4_A16 = "mxfp4_a16"
 
 
 # ---------------------------------------------------------------------------------------------- checks
 def _ceil(x: int, d: int) -> int:
     return -(-x // d)
+
+
+def is_a16(a: Any, b: Any, scale_a: Any) -> bool:
+    """Whether a call is MXFP4 weights x 16-bit activations ("mxfp4_a16"): bf16/fp16 ``a`` with no ``scale_a`` or
+    with float4_e2m1fn_x2 ``b`` (``check_a16`` then explains what does not fit)."""
+    return isinstance(a, torch.Tensor) and a.dtype in A16_DTYPES and \
+        (scale_a is None or getattr(b, "dtype", None) == FP4_DTYPE)
 
 
 def is_mx(scale: Any) -> bool:
@@ -118,18 +135,18 @@ def check(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
           out_dtype: torch.dtype = torch.bfloat16, out: Any = None) -> str:
     """What nvfly's scaled GEMM takes, on any device (the same checks as the op's fake): raises TypeError or
     ValueError naming the argument; returns the recipe."""
+    if is_a16(a, b, scale_a):
+        return check_a16(a, b, scale_a, scale_b, bias, out_dtype, out)
     for name, t in (("a", a), ("b", b), ("scale_a", scale_a), ("scale_b", scale_b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    for name, t in (("bias", bias), ("out", out)):
-        if t is not None and not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
     for name, t in (("a", a), ("b", b)):
         if t.dim() != 2:
             raise ValueError(f"{name}: expected a 2-D tensor, got {t.dim()}-D")
         if t.dtype not in FP8_DTYPES and not (name == "b" and t.dtype == FP4_DTYPE):
             raise TypeError(f"{name}: dtype {t.dtype} is not float8_e4m3fn or float8_e5m2"
-                            + (" (or float4_e2m1fn_x2 MXFP4 weights)" if name == "b" else ""))
+                            + (" (or float4_e2m1fn_x2 MXFP4 weights)" if name == "b" else
+                               " (bf16/fp16 activations take MXFP4 weights and scale_a None)"))
     if a.dtype == b.dtype == torch.float8_e5m2:
         raise TypeError("b: float8_e5m2 with an float8_e5m2 a: one operand must be float8_e4m3fn (as torch)")
     m, k = a.shape
@@ -149,8 +166,16 @@ def check(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
         if t.dtype != torch.float32 and not is_mx(t):
             raise TypeError(f"{name}: dtype {t.dtype}: expected float32 scales (or float8_e8m0fnu MX scales)")
     scaling = recipe(a, b, scale_a, scale_b)
+    _check_output(m, n, bias, out_dtype, out)
+    return scaling
+
+
+def _check_output(m: int, n: int, bias: Any, out_dtype: torch.dtype, out: Any) -> None:
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype: {out_dtype} is not bf16, fp16 or fp32")
+    for name, t in (("bias", bias), ("out", out)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor or None, got {type(t).__name__}")
     if bias is not None:
         if tuple(bias.shape) != (n,):
             raise ValueError(f"bias: expected shape ({n},), got {tuple(bias.shape)}")
@@ -161,7 +186,44 @@ def check(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
             raise ValueError(f"out: expected shape {(m, n)}, got {tuple(out.shape)}")
         if out.dtype != out_dtype:
             raise TypeError(f"out: expected dtype {out_dtype}, got {out.dtype}")
-    return scaling
+
+
+def check_a16(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
+              out_dtype: torch.dtype = torch.bfloat16, out: Any = None) -> str:
+    """``check`` for 16-bit activations: a bf16/fp16 (M, K) row-major, scale_a None, b float4_e2m1fn_x2 (K/2, N)
+    column-major, scale_b e8m0 (N, K/32), K a multiple of 32; returns "mxfp4_a16"."""
+    if scale_a is not None:
+        raise TypeError(f"scale_a: {a.dtype} activations with MXFP4 weights take no activation scale: pass None "
+                        f"(got a {type(scale_a).__name__})")
+    for name, t in (("b", b), ("scale_b", scale_b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("a", a), ("b", b)):
+        if t.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D tensor, got {t.dim()}-D")
+    if b.dtype != FP4_DTYPE:
+        raise TypeError(f"b: dtype {b.dtype} next to {a.dtype} activations: expected float4_e2m1fn_x2 MXFP4 weights "
+                        f"(K/2, N) column-major (fp8 weights take fp8 activations)")
+    m, k = a.shape
+    n = b.shape[1]
+    if b.shape[0] * 2 != k:
+        raise ValueError(f"b: shape {tuple(b.shape)} and a's {tuple(a.shape)} do not multiply (packed e2m1 pairs: "
+                         f"expected ({k // 2}, N), K/2 rows for K={k})")
+    if k % MX_BLOCK:
+        raise ValueError(f"a: K={k} is not a multiple of {MX_BLOCK} (MX scales cover 32 elements of K)")
+    if a.stride(1) != 1 and k > 1:
+        raise ValueError(f"a: expected a row-major (M, K) tensor (stride 1 along K), got strides {a.stride()}")
+    if b.stride(0) != 1 and b.shape[0] > 1:
+        raise ValueError(f"b: expected a column-major (K/2, N) tensor (w.t() of a row-major (N, K/2) packed "
+                         f"weight), got strides {b.stride()}")
+    if not isinstance(scale_b, torch.Tensor) or not is_mx(scale_b):
+        raise TypeError(f"scale_b: dtype {getattr(scale_b, 'dtype', None)}: expected float8_e8m0fnu (or uint8) "
+                        f"MX scales next to MXFP4 weights")
+    if tuple(scale_b.shape) != (n, k // MX_BLOCK):
+        raise ValueError(f"scale_b: shape {tuple(scale_b.shape)}: expected ({n}, {k // MX_BLOCK}) e8m0 scales, one "
+                         f"per {MX_BLOCK} of K, row-major (cuBLAS's swizzled blocked layout is not taken)")
+    _check_output(m, n, bias, out_dtype, out)
+    return MXFP4_A16
 
 
 @functools.lru_cache(maxsize=None)
@@ -180,7 +242,7 @@ def eligibility(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
     """None when ``scaled_mm`` runs these arguments on nvfly, else why not (``check``'s error, the device's,
     the operands' alignment)."""
     try:
-        check(a, b, scale_a, scale_b, bias, out_dtype, out)
+        scaling = check(a, b, scale_a, scale_b, bias, out_dtype, out)
     except (TypeError, ValueError) as exc:
         return str(exc)
     if not a.is_cuda:
@@ -191,6 +253,8 @@ def eligibility(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
     major, minor = _capability(a.device.index)
     if major != 9:
         return f"a is on an sm_{major}{minor} GPU: nvfly's scaled GEMM needs an sm_90 (Hopper) GPU"
+    if scaling == MXFP4_A16:
+        return _a16_alignment(a, b)
     if a.shape[0] > 1 and a.stride(0) % 16:
         return f"a: row stride {a.stride(0)} is not a multiple of 16 bytes (TMA cannot describe it)"
     if b.shape[1] > 1 and b.stride(1) % 16:
@@ -198,19 +262,38 @@ def eligibility(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
     return _aligned_reason("a", a) or _aligned_reason("b", b)
 
 
+def _a16_alignment(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
+    """Why the streaming kernel's 16-byte loads cannot read a (activation rows) or b (packed weight rows), or None."""
+    if a.shape[0] > 1 and (a.stride(0) * a.element_size()) % 16:
+        return f"a: row stride {a.stride(0)} elements is not a multiple of 16 bytes (16-byte token loads)"
+    if b.shape[1] > 1 and b.stride(1) % 16:
+        return f"b: column stride {b.stride(1)} bytes is not a multiple of 16 (16-byte weight loads)"
+    for name, t in (("a", a), ("b", b)):
+        if t.data_ptr() % 16:
+            return f"{name}: its address is not 16-byte aligned (16-byte loads)"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------- calls
-def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: Optional[torch.Tensor], scale_b: torch.Tensor, *,
               bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16,
               use_fast_accum: bool = False, out: Optional[torch.Tensor] = None,
-              config: Optional[ScaledConfig] = None, swap: Optional[bool] = None) -> torch.Tensor:
+              config: Optional[Union[ScaledConfig, A16Config]] = None, swap: Optional[bool] = None) -> torch.Tensor:
     """(a * scale_a) @ (b * scale_b) (+ bias) for fp8 ``a`` (M, K) row-major and ``b`` (K, N) column-major with
     tensor-wise, row-wise or block (1x128 x 128x128) fp32 scales (see the module doc), as ``torch._scaled_mm``.
 
     ``use_fast_accum``: tensor/row-wise scales accumulate every k-block in the tensor core's accumulator (fast);
     False (the default, as torch) adds each k-block of 128 into an fp32 sum (promotion); block scales always
     promote. ``config``/``swap``: the kernel's tile (of the transposed problem when swapped) and whether small M
-    is computed as out^T = b^T a^T (None: the heuristic's). Raises TypeError or ValueError naming the argument when
-    nvfly cannot run it."""
+    is computed as out^T = b^T a^T (None: the heuristic's). bf16/fp16 ``a`` with MXFP4 ``b`` (recipe mxfp4_a16):
+    ``scale_a`` None, ``config`` an A16Config, ``swap`` None (the streaming kernel is always swapped). Raises
+    TypeError or ValueError naming the argument when nvfly cannot run it."""
+    if is_a16(a, b, scale_a):
+        call = _bound_a16(SCALED_MM, a, b, scale_a, scale_b, bias, out_dtype, out, config, swap)
+        if out is None:
+            out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
+        call.run(a, b, scale_b, bias, out)
+        return out
     call = _bound(SCALED_MM, a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out, config, swap)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
@@ -218,12 +301,14 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: 
     return out
 
 
-def path(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
+def path(a: torch.Tensor, b: torch.Tensor, scale_a: Optional[torch.Tensor], scale_b: torch.Tensor, *,
          bias: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.bfloat16, use_fast_accum: bool = False,
-         config: Optional[ScaledConfig] = None, swap: Optional[bool] = None) -> str:
+         config: Optional[Union[ScaledConfig, A16Config]] = None, swap: Optional[bool] = None) -> str:
     """What ``scaled_mm`` runs (for benchmarks and ``nvfly explain``), e.g. "scaled-block-promoted: 128x128 tile
     on 132 blocks, 6 stages"; raises when it would."""
     with named(PATH):
+        if is_a16(a, b, scale_a):
+            return describe_a16_plan(_plan_a16(a, b, scale_a, scale_b, bias, out_dtype, None, config, swap))
         plan = _plan(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, None, config, swap)
     return describe_plan(plan)
 
@@ -231,7 +316,10 @@ def path(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch
 def describe(m: int, n: int, k: int, *, scaling: str = "row", use_fast_accum: bool = False,
              bias: bool = False, sms: int = 132) -> str:
     """What ``scaled_mm`` runs without a config for an m x n x k call with ``scaling`` ("tensor", "row", "block"
-    or "block1x128") scales, planned for ``sms`` SMs (no GPU needed), as ``path`` names it."""
+    or "block1x128"; "mxfp4_a16": MXFP4 weights x 16-bit activations) scales, planned for ``sms`` SMs (no GPU
+    needed), as ``path`` names it."""
+    if scaling == MXFP4_A16:
+        return describe_a16_plan(make_a16_plan(m, n, k, None, sms))
     epilogue = ScaledEpilogue(scaling, promote=scaling in BLOCKWISE or not use_fast_accum, bias=bias)
     return describe_plan(make_plan(m, n, k, epilogue, None, None, sms))
 
@@ -344,6 +432,100 @@ def kernel_scales(scaling: str, scale_a: torch.Tensor, scale_b: torch.Tensor) ->
 _CALLS: OpCalls[_Call] = OpCalls()
 
 
+# ---------------------------------------------------------------------------------------------- MXFP4 x 16-bit
+def _plan_a16(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: torch.dtype, out: Any,
+              config: Any, swap: Any) -> A16Plan:
+    check_a16(a, b, scale_a, scale_b, bias, out_dtype, out)
+    if config is not None and not isinstance(config, A16Config):
+        raise TypeError(f"config: expected an A16Config or None for {a.dtype} activations with MXFP4 weights, got "
+                        f"{type(config).__name__}")
+    if swap is not None:
+        raise ValueError("swap: MXFP4 weights with 16-bit activations always run swapped (the weight's rows are "
+                         "the mma's M): pass None")
+    return make_a16_plan(a.shape[0], b.shape[1], a.shape[1], config, plan_sm_count(a.get_device()))
+
+
+def _bound_a16(op: str, a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: Any, out: Any,
+               config: Any, swap: Any) -> "_A16Call":
+    try:
+        key = (layout_key(a), layout_key(b), layout_key(scale_b), layout_key(bias), layout_key(out), out_dtype,
+               scale_a is None, config, swap)
+        call = _A16_CALLS.get(key)
+    except Exception:  # noqa: BLE001 - not tensors, an unhashable argument: the checks explain
+        key = call = None
+    if call is None:
+        call = _A16_CALLS.plan(op, key, _new_a16_call, a, b, scale_a, scale_b, bias, out_dtype, out, config, swap)
+    return call
+
+
+def _new_a16_call(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: Any, out: Any, config: Any,
+                  swap: Any) -> "_A16Call":
+    plan = _plan_a16(a, b, scale_a, scale_b, bias, out_dtype, out, config, swap)
+    reason = eligibility(a, b, scale_a, scale_b, bias, out_dtype, out)
+    if reason:
+        raise ValueError(reason)
+    return _A16Call(plan, out, out_dtype)
+
+
+class _A16Call:
+    """The launches of one MXFP4 x 16-bit call signature: the streaming kernel, and with split K the scaled GEMM's
+    reduce kernel (f32 partials [split, M, N]: it adds them and the bias; no scales left to apply)."""
+
+    def __init__(self, plan: A16Plan, out: Optional[torch.Tensor], out_dtype: torch.dtype):
+        self.plan = plan
+        self.launch = mxfp4_a16_kernel.prepared(plan.grid, plan.threads)
+        self.reduce = None
+        if plan.partial:
+            self.reduce_vec = vector_width(plan.n, (out,), out_dtype.itemsize) \
+                if out is None or out.stride(-1) == 1 else 1
+            self.reduce = scaled_reduce_kernel.prepared(
+                math.ceil(plan.m * plan.n / (REDUCE_THREADS * self.reduce_vec)), REDUCE_THREADS)
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor],
+            out: torch.Tensor) -> None:
+        plan = self.plan
+        if plan.m == 0 or plan.n == 0:
+            return
+        if plan.k == 0:
+            out.copy_(torch.zeros_like(out) if bias is None else bias.to(out.dtype).expand_as(out))
+            return
+        w = b.t().view(torch.uint8)  # (N, K/2) packed pairs, row-major
+        w_scale = scale_b.view(torch.uint8)
+        target = out
+        if self.reduce is not None:
+            count = plan.splits * plan.m * plan.n
+            buffer = scratch.partials(a.device, current_stream(a.device.index), count)[:count]
+            target = buffer.view(plan.splits, plan.m, plan.n)
+        self.launch(w, w_scale, a, target, None if self.reduce is not None else bias, plan.m, plan.n, plan.k,
+                    plan.chunks_per_split, plan.token_blocks, plan.splits, plan.kernel_config, plan.m_tiles,
+                    self.reduce is not None)
+        if self.reduce is not None:
+            self.reduce(target, out, w_scale, w_scale, bias, plan.m, plan.n, plan.splits, "mxfp4", self.reduce_vec,
+                        REDUCE_THREADS)
+
+
+_A16_CALLS: OpCalls[_A16Call] = OpCalls()
+
+
+def compile_a16(m: int, n: int, k: int, config: Optional[A16Config] = None, activations: Any = torch.bfloat16,
+                out_dtype: torch.dtype = torch.bfloat16, bias: bool = False, sms: int = 132,
+                target: str = "sm_90a") -> tuple[A16Plan, Any]:
+    """Plan an m x n x k MXFP4 x 16-bit call for ``sms`` SMs and compile its streaming kernel without a GPU
+    (contiguous operands); returns (plan, CompiledKernel)."""
+    from nvfly.frontend.dtypes import bf16, f16, f32, u8
+    from nvfly.runtime.tensor_desc import TensorDesc
+    nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}
+    plan = make_a16_plan(m, n, k, config, sms)
+    out = TensorDesc(f32, (plan.splits, m, n)) if plan.partial else TensorDesc(nv[out_dtype], (m, n))
+    kernel = mxfp4_a16_kernel.compile(TensorDesc(u8, (n, k // 2)), TensorDesc(u8, (n, k // MX_BLOCK)),
+                                      TensorDesc(nv[activations], (m, k)), out,
+                                      TensorDesc(bf16, (n,)) if bias and not plan.partial else None, m, n, k,
+                                      plan.chunks_per_split, plan.token_blocks, plan.splits, CFG=plan.kernel_config,
+                                      M_TILES=plan.m_tiles,
+                                      PARTIAL=plan.partial, block=plan.threads, target=target)
+    return plan, kernel
+
+
 # ---------------------------------------------------------------------------------------------- references
 def dequantize(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (1, 1)) -> torch.Tensor:
     """x * scale in float32, each scale element covering a ``block`` of x (a one-element scale covers all of
@@ -357,6 +539,9 @@ def dequantize(x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (1
 def reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float32 GEMM of the dequantised operands (+ bias): what ``scaled_mm`` approximates."""
+    if is_a16(a, b, scale_a):  # MXFP4 weights x 16-bit activations: the weight dequantised, a as given
+        r = a.float() @ dequantize_mxfp4(b.t(), scale_b).t()
+        return r if bias is None else r + bias.float()
     scaling = recipe(a, b, scale_a, scale_b)
     if scaling in MX:
         weight = dequantize_mxfp4(b.t(), scale_b) if scaling == "mxfp4" else dequantize_mx(b.t(), scale_b)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 from nvfly.ops.common.opcall import OpCalls
-from nvfly.ops.topk.plans import EXACT_BINS, HIST, MAX_K, ROW_CAP_MAX, STREAM_THREADS, TopkPlan, plan
+from nvfly.ops.topk.plans import HIST, MAX_K, ROW_CAP_MAX, STREAM_THREADS, TopkPlan, exact_table_rows, plan
 from nvfly.ops.topk.row import (topk_row_histogram_kernel, topk_row_one_launch_kernel, topk_row_select_kernel,
                                 topk_row_two_level_kernel)
 from nvfly.ops.topk.stream import topk_merge_kernel, topk_radix_kernel
@@ -225,9 +225,7 @@ def row_runner(p: TopkPlan, m: int, k: int, largest: bool) -> Any:
     select_tail = (k, p.slice_len, p.vec, p.unroll, p.threads, p.cap, p.row_cap, p.k_pow2, largest)
     if p.one_launch:
         one = topk_row_one_launch_kernel.prepared((m, p.parts, 1), p.threads)
-        # the exact finish's table lives in the candidate lists' memory (unused by that path): rows of ROW_CAP_MAX
-        # i64 hold 2 * ROW_CAP_MAX i32 each
-        rows_needed = max(m, -(-m * EXACT_BINS * p.exact_stride // (2 * ROW_CAP_MAX)))
+        rows_needed = exact_table_rows(m, p.exact_stride)
 
         def run_one_launch(rows: Any, values: Any, indices: Any) -> None:
             hist, counters, candidates, totals, table = workspace(rows.device, rows_needed)

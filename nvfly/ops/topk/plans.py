@@ -48,6 +48,7 @@ COPIES = 8  # shared histograms a row-threshold histogram block counts into (64 
 # in reverse order starts on what is still cached (below it a little slower: docs/ops/topk.md)
 REVERSED_SELECT_MIN_BYTES = 44 << 20
 EXACT_BINS = 256  # 16-bit keys the one-launch plan's exact finish counts (8 first-level buckets), a thread each
+LIST_WORDS = 2 * ROW_CAP_MAX  # i32 words of a row's candidate list (ROW_CAP_MAX i64)
 MAX_UNROLL = 8            # loads per thread per iteration (narrow accesses would need too many registers)
 
 
@@ -257,3 +258,11 @@ def row_threads(n: int, k: int, m: int, vec: int, itemsize: int, sm_count: int,
         return WIDE_THREADS if k >= ROW_THRESHOLD_MIN_K and not exact_keys else SLICE_THREADS
     parts = slice_plan(n, k, m, vec, unroll_limit(vec, itemsize), SLICE_THREADS, sm_count, max_parts, merged=False)[0]
     return WIDE_THREADS if 1 < parts <= 4 and sm_count // m >= 2 else SLICE_THREADS
+
+
+def exact_table_rows(m: int, exact_stride: int) -> int:
+    """Candidate-list rows (LIST_WORDS i32 each) the one-launch plan's workspace needs: the m rows' own lists, then
+    the exact finish's tables (``row.exact_table_index``), after them because each row chooses its finish while
+    the launch runs: a row's table must not overlap another row's list."""
+    return m + -(-m * EXACT_BINS * exact_stride // LIST_WORDS)
+

@@ -33,8 +33,8 @@ one) over the slices of each row instead of a top k per slice and a merge.
 
 Workspace, one per (device, stream), zero between launches (each row's last block, or last to leave, cleans up): the
 histograms (rows x HIST i32), two counters a row (arrivals, appends), the candidate lists (rows x ROW_CAP_MAX
-i64, never cleared; also the exact finish's tables), the second-level histograms (also the exact finish's
-totals). A launch cut short (an error) leaves it dirty, as the split-K GEMM's.
+i64, never cleared; past the rows' lists, the exact finish's tables), the second-level histograms (also the exact
+finish's totals). A launch cut short (an error) leaves it dirty, as the split-K GEMM's.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from nvfly.arch.reduce import block_scan, tree_reduce
 from nvfly.arch.warp import ballot, highest_bit, lanemask, popc
 from nvfly.frontend.language import atomic_add, redux_sync, syncthreads_or, vote_any
 from nvfly.ops.topk.keys import ABSENT, NAN_ABOVE, flag_key, key_bits, order_key, rank64, rank_index, rank_key
-from nvfly.ops.topk.plans import COPIES, EXACT_BINS, HIST, HIST_BITS, SWEEP, shared_state_bytes
+from nvfly.ops.topk.plans import COPIES, EXACT_BINS, HIST, HIST_BITS, LIST_WORDS, SWEEP, shared_state_bytes
 from nvfly.ops.topk.select import highest_index_bit, locate_bucket, select_top, shared_state, sweep_loads
 from nvfly.ops.topk.sort import write_sorted
 from nvfly.ops.topk.stream import append_slots, candidate_flags, next_flagged, step_loads, stream_top
@@ -534,6 +534,12 @@ EXACT_SPAN = EXACT_BINS >> (16 - HIST_BITS)  # first-level buckets of 16-bit key
 EXACT_UNROLL = 4  # the block's keys a warp reads the table for at once
 
 
+def exact_table_index(x, row, key, column, STRIDE):
+    """Where part ``column``'s count of ``key`` lies in the row's exact-finish table: the tables follow the rows'
+    candidate lists (``plans.exact_table_rows``), which rows that take the list finish fill in the same launch."""
+    return x.shape[0] * LIST_WORDS + (row * EXACT_BINS + key) * STRIDE + column
+
+
 @nvfly.func
 def exact_bins(row_hist, bucket, above):
     """(bins, inside) for 16-bit keys: ``bins`` exact keys from the k-th key's bucket's lowest up to the end of the
@@ -555,7 +561,7 @@ def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket
     output positions, with no list and no last block: the position of a candidate of key K is the row's elements
     of keys above K, plus those of key K in the earlier slices (lower indices), plus those of key K in its own
     slice that rank above it. The block stages its candidates and counts them by key; it writes every key's count
-    to its column of the row's table (``table[(row * EXACT_BINS + key) * STRIDE + part]``, STRIDE >= parts) and
+    to its column of the row's table (``exact_table_index``, STRIDE >= parts) and
     adds the non-zero ones to the row's ``totals``. After a second wait for the row's blocks, thread b loads key
     b's total, and each warp sums the earlier parts' counts of some of the keys the block holds (one 16-byte load a
     lane, a warp reduction); the totals' suffix sums plus those give each key's first position. Candidates at k or
@@ -579,7 +585,7 @@ def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket
     nvfly.syncthreads()
     if tid < bins:
         c = row_hist[counts + tid]
-        table[(row * EXACT_BINS + tid) * STRIDE + part] = c
+        table[exact_table_index(x, row, tid, part, STRIDE)] = c
         if c != 0:
             red_add(totals.address(row, tid), c)
             lane_sums[atomic_add(state, 1, 1)] = tid
@@ -592,7 +598,7 @@ def exact_finish(x, values, indices, hist, counters, table, totals, smem, bucket
         keys = [lane_sums[nvfly.minimum(first + u * WARPS, listed - 1)] for u in nvfly.static_range(EXACT_UNROLL)]
         # lanes past the stride re-read its last 16 bytes, whose parts are not earlier than any block's
         column = 4 * nvfly.minimum(lane, STRIDE // 4 - 1)
-        loaded = [table.load((row * EXACT_BINS + key) * STRIDE + column, width=4) for key in keys]
+        loaded = [table.load(exact_table_index(x, row, key, column, STRIDE), width=4) for key in keys]
         for u in nvfly.static_range(EXACT_UNROLL):
             before = tree_reduce([nvfly.select(4 * lane + e < part, loaded[u][e], 0) for e in nvfly.static_range(4)],
                                  operator.add)
@@ -677,8 +683,8 @@ def topk_row_one_launch_kernel(x: nvfly.Tensor, values: nvfly.Tensor, indices: n
     ``SHARED`` (``TopkPlan.shared_finish``): every block of the row writes a share of the k. ``EXACT_STRIDE``
     (``TopkPlan.exact_stride``, 16-bit keys): where the keys from the k-th's bucket up are few enough, every
     block writes its own candidates at their places (``exact_finish``; ``table``: i32, the candidate lists'
-    memory; ``totals``: the second-level histograms, zero between launches). One launch fewer than two: a launch
-    gap and its host work."""
+    memory, past the rows' lists; ``totals``: the second-level histograms, zero between launches). One launch
+    fewer than two: a launch gap and its host work."""
     nvfly.cooperative()
     nvfly.min_blocks_per_sm(1)  # (without it ptxas held this kernel to 64 registers and spilled)
     row, tid, lane, warp, start, stop = block_slice(x, slice_len)

@@ -1,0 +1,222 @@
+"""The host side of the MoE router and token shuffles (``kernels.py``): argument checks, eligibility,
+per-signature plans (``nvfly.ops.common.opcall``) and the launches.
+
+    weights, ids = route(logits, top_k)           # softmax, top-k, renormalised: [T, k] float32, int64
+    order, offs = sort_by_expert(ids, experts)   # the routing slots grouped by expert, the experts' ends
+    rows, slots = dispatch(x, order, top_k)      # rows[i] = x[order[i] // top_k]; slots[order[i]] = i
+    out = combine(y, slots, weights)             # out[t] = sum_j weights[t, j] * y[slots[t * top_k + j]]
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from nvfly.ops.common.opcall import OpCalls
+from nvfly.ops.moe.kernels import moe_combine_kernel, moe_dispatch_kernel, moe_route_kernel, moe_sort_kernel
+from nvfly.runtime.torch_args import layout_key, vector_width
+
+if TYPE_CHECKING:
+    import torch
+
+ROW_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
+MAX_THREADS = 256  # a block's threads: one 16-byte vector each (a 2048-column bf16 row per block)
+MAX_EXPERTS = 1024  # the sort's one block has a thread per expert
+SORT_THREADS = 1024  # the sort's block (fewer for fewer slots)
+MAX_TOP_K = 32  # the router's warp keeps the j-th expert in lane j
+ROUTE_WARPS = 4  # tokens a router block takes (a warp each)
+
+
+@dataclass(frozen=True)
+class ShufflePlan:
+    """Blocks of ``threads`` threads moving ``vec`` elements each: ``column_blocks`` blocks per row of H."""
+    vec: int
+    threads: int
+    column_blocks: int
+
+
+def shuffle_plan(h: int, vec: int) -> ShufflePlan:
+    """Whole rows per block up to MAX_THREADS vectors (the block count stays rows x a few: launches are cheap, and
+    every thread has one vector to move), in warps."""
+    vectors = -(-h // vec)
+    threads = min(MAX_THREADS, -(-vectors // 32) * 32)
+    return ShufflePlan(vec, threads, -(-vectors // threads))
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def _rows_check(name: str, t: Any) -> None:
+    import torch
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor [rows, H], got shape {tuple(t.shape)}")
+    if str(t.dtype) not in ROW_DTYPES:
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported (bfloat16, float16, float32)")
+
+
+def _index_check(name: str, t: Any, numel: int) -> None:
+    import torch
+    if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name}: expected an int64 or int32 tensor")
+    if t.dim() != 1 or t.numel() != numel:
+        raise ValueError(f"{name}: expected a 1-D tensor of {numel} elements, got shape {tuple(t.shape)}")
+
+
+def check_dispatch(x: Any, order: Any, top_k: Any) -> None:
+    _rows_check("x", x)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k: expected a positive int, got {top_k!r}")
+    _index_check("order", order, x.shape[0] * top_k)
+
+
+def check_route(logits: Any, top_k: Any) -> None:
+    _rows_check("logits", logits)
+    experts = logits.shape[1]
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"logits: expected 1 to {MAX_EXPERTS} experts (columns), got {experts}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= min(MAX_TOP_K, experts):
+        raise ValueError(f"top_k: expected an int in [1, {min(MAX_TOP_K, experts)}], got {top_k!r}")
+
+
+def check_sort(ids: Any, experts: Any) -> None:
+    import torch
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError("ids: expected an int64 or int32 tensor of expert ids")
+    if isinstance(experts, bool) or not isinstance(experts, int) or not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"experts: expected an int in [1, {MAX_EXPERTS}], got {experts!r}")
+
+
+def check_combine(y: Any, slots: Any, weights: Any) -> None:
+    import torch
+    _rows_check("y", y)
+    if not isinstance(weights, torch.Tensor) or weights.dim() != 2 or weights.dtype != torch.float32:
+        raise TypeError("weights: expected a 2-D float32 tensor [tokens, top_k]")
+    if weights.numel() != y.shape[0]:
+        raise ValueError(f"weights: {tuple(weights.shape)} holds {weights.numel()} routing slots, y has "
+                         f"{y.shape[0]} rows")
+    _index_check("slots", slots, y.shape[0])
+
+
+def eligibility(*tensors: Any) -> Optional[str]:
+    """None when the shuffle kernels take these tensors, else why not (the layer then shuffles on torch)."""
+    if any(t.device.type != "cuda" for t in tensors):
+        return "a tensor is not on CUDA"
+    if any(t.dim() == 2 and t.stride(1) != 1 and t.shape[1] > 1 for t in tensors):
+        return "rows are not contiguous"
+    if any(t.dim() == 1 and t.stride(0) != 1 and t.numel() > 1 for t in tensors):
+        return "an index tensor is not contiguous"
+    if any(t.numel() >= 1 << 31 for t in tensors):
+        return "a tensor has 2**31 elements or more"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- calls
+ROUTE = "nvfly.ops.moe.route"
+SORT = "nvfly.ops.moe.sort_by_expert"
+DISPATCH = "nvfly.ops.moe.dispatch"
+COMBINE = "nvfly.ops.moe.combine"
+_ROUTE: OpCalls["_Shuffle"] = OpCalls()
+_SORT: OpCalls["_Shuffle"] = OpCalls()
+_DISPATCH: OpCalls["_Shuffle"] = OpCalls()
+_COMBINE: OpCalls["_Shuffle"] = OpCalls()
+
+
+@dataclass(frozen=True)
+class _Shuffle:
+    """A call's plan: its output's ``rows`` x ``h`` (the router: tokens x top_k; the sort: slots x experts), the
+    launch (None: nothing to do) and its scalars after the tensors."""
+    rows: int
+    h: int
+    launch: Any
+    scalars: tuple
+
+
+def _planned(calls: OpCalls[_Shuffle], op: str, make: Any, *args: Any) -> _Shuffle:
+    """The plan of this call's signature (its tensors' layouts, its other arguments with their types), made by
+    ``make(*args)`` (which checks them) on a miss."""
+    try:
+        key = tuple(layout_key(a) if hasattr(a, "data_ptr") else (a, type(a)) for a in args)
+        call = calls.get(key)
+    except Exception:  # noqa: BLE001 - not tensors: the checks explain
+        key = call = None
+    return calls.plan(op, key, make, *args) if call is None else call
+
+
+def _plan(kernel: Any, rows: int, blocks: int, h: int, top_k: int, vec: int) -> _Shuffle:
+    p = shuffle_plan(h, vec)
+    launch = kernel.prepared((blocks, p.column_blocks, 1), p.threads) if blocks and h else None
+    return _Shuffle(rows, h, launch, (h, top_k, p.vec, p.threads))
+
+
+def _plan_route(logits: "torch.Tensor", top_k: int, renormalize: bool) -> _Shuffle:
+    check_route(logits, top_k)
+    tokens, experts = logits.shape
+    launch = moe_route_kernel.prepared(-(-tokens // ROUTE_WARPS), 32 * ROUTE_WARPS) if tokens else None
+    return _Shuffle(tokens, top_k, launch, (tokens, experts, top_k, ROUTE_WARPS, renormalize))
+
+
+def _plan_sort(ids: "torch.Tensor", experts: int) -> _Shuffle:
+    check_sort(ids, experts)
+    n = ids.numel()
+    threads = max(-(-experts // 32) * 32, min(SORT_THREADS, -(-n // 32) * 32))
+    return _Shuffle(n, experts, moe_sort_kernel.prepared(1, threads), (n, experts, threads))
+
+
+def _plan_dispatch(x: "torch.Tensor", order: "torch.Tensor", top_k: int) -> _Shuffle:
+    check_dispatch(x, order, top_k)
+    n, h = x.shape[0] * top_k, x.shape[1]
+    return _plan(moe_dispatch_kernel, n, n, h, top_k, vector_width(h, (x, None), x.element_size()))
+
+
+def _plan_combine(y: "torch.Tensor", slots: "torch.Tensor", weights: "torch.Tensor") -> _Shuffle:
+    check_combine(y, slots, weights)
+    tokens, top_k = weights.shape
+    h = y.shape[1]
+    return _plan(moe_combine_kernel, tokens, tokens, h, top_k, vector_width(h, (y, None), y.element_size()))
+
+
+def route(logits: "torch.Tensor", top_k: int, renormalize: bool = True
+          ) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(weights float32 [T, top_k], expert ids int64 [T, top_k]) of router ``logits`` [T, E]: the top_k experts of
+    each token in order (ties: the lower expert first) and their softmax probabilities over the E experts, or
+    renormalised to sum to 1 over the top_k (``renormalize``)."""
+    import torch
+    call = _planned(_ROUTE, ROUTE, _plan_route, logits, top_k, bool(renormalize))
+    weights = torch.empty((call.rows, call.h), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((call.rows, call.h), dtype=torch.int64, device=logits.device)
+    if call.launch is not None:
+        call.launch.launch(logits, weights, ids, *call.scalars)
+    return weights, ids
+
+
+def sort_by_expert(ids: "torch.Tensor", experts: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(order int32 [n]: the routing slots (flat indices of ``ids``) grouped by expert, in no fixed order within an
+    expert; offs int32 [experts]: the experts' cumulative ends in ``order``) for expert ``ids`` in [0, experts)."""
+    import torch
+    call = _planned(_SORT, SORT, _plan_sort, ids, experts)
+    order = torch.empty(call.rows, dtype=torch.int32, device=ids.device)
+    offs = torch.empty(call.h, dtype=torch.int32, device=ids.device)
+    call.launch.launch(ids, order, offs, *call.scalars)
+    return order, offs
+
+
+def dispatch(x: "torch.Tensor", order: "torch.Tensor", top_k: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(rows [T * top_k, H]: ``rows[i] = x[order[i] // top_k]``, slots [T * top_k] int64: ``slots[order[i]] = i``)
+    for ``order``, a permutation of the T * top_k routing slots (e.g. sorted by expert)."""
+    import torch
+    call = _planned(_DISPATCH, DISPATCH, _plan_dispatch, x, order, top_k)
+    rows = torch.empty((call.rows, call.h), dtype=x.dtype, device=x.device)
+    slots = torch.empty(call.rows, dtype=torch.int64, device=x.device)
+    if call.launch is not None:
+        call.launch.launch(x, order, rows, slots, *call.scalars)
+    return rows, slots
+
+
+def combine(y: "torch.Tensor", slots: "torch.Tensor", weights: "torch.Tensor") -> "torch.Tensor":
+    """[T, H] in y's dtype: ``out[t] = sum_j weights[t, j] * y[slots[t * top_k + j]]`` in float32, for ``y``
+    [T * top_k, H] (a routing slot's expert row at ``slots[slot]``) and float32 routing ``weights`` [T, top_k]."""
+    import torch
+    call = _planned(_COMBINE, COMBINE, _plan_combine, y, slots, weights)
+    out = torch.empty((call.rows, call.h), dtype=y.dtype, device=y.device)
+    if call.launch is not None:
+        call.launch.launch(y, slots, weights, out, *call.scalars)
+    return out

@@ -1,0 +1,224 @@
+"""MXFP4 weights x 16-bit activations for small M: a memory-bound stream of the packed weight through mma.sync.
+
+    out[t, j] = sum_k x[t, k] * e2m1(w[j, k]) * 2^(w_scale[j, k / 32] - 127) (+ bias[j])
+
+x (M, K) bf16 or fp16 with K contiguous, w (N, K/2) packed e2m1 pairs (the low nibble the lower k), w_scale (N, K/32)
+e8m0 bytes. The kernel computes the transposed product (swap AB): the weight's rows are the A operand of
+``mma.m16n8k16`` (16 output columns per warp), the tokens its B operand (8 a tile, two tiles for M > 8), so the
+weight, the only large operand, is read once and dequantised in registers (never converted in shared memory).
+
+K permutation. A chunk is 128 k of 16 weight rows: lane l (g = l / 4, p = l % 4) loads the 16 bytes of rows g and
+g + 8 at k 32p..32p+31 of the chunk (one MX block, so one scale byte per row; a warp instruction reads 8 rows x 64
+contiguous bytes). Each 32-bit word j of those 16 bytes holds k 32p + 8j .. +7; ``e2m1x8_to_16bit_scaled`` turns it
+into four words pairing values (i, i + 4) (shifts and masks, then one packed multiply by the block's scale, which
+also undoes the conversion's 2^-126 (bf16) or 2^-14 (fp16)). mma step (j, s), s = 0, 1, takes pair words 2s (A
+registers 0, 1: rows g, g + 8) and 2s + 1 (registers 2, 3); the tokens' 16-byte vectors (k 32p + 8j .. +7 in
+natural order) are regrouped by ``pair_halves`` into the same pairs for the B registers. Which lane's k sits at which
+ISA k index is free as long as A and B agree, so no shuffles are needed.
+
+Parallelism (``a16_plan``). Grid: weight-row groups x K splits x token blocks (token blocks fastest). The CTA's
+warps take its chunks round robin. With ``A16Config.stages`` (the default) each warp streams them through a private
+ring of cp.async stages in shared memory (``stream_ring``): ``stages - 1`` chunks in flight, each lane reading back
+only its own 32 bytes, so only ``cp.async.wait_group`` orders it. With ``stages`` 0 a warp loads ``unroll`` chunks
+straight into registers (read-only path, no L1 allocation, 256-byte L2 prefetch) before their math; ptxas may then
+delay the later loads. The tokens (L1 / L2 hits) and scales are read at use. Rows past N and tokens past M are
+clamped (their results are never stored); a K tail (K % 128, whole MX blocks) is one predicated chunk of the last
+warp of the last split, zeros past K in both operands. The warps' partial tiles meet in shared memory; one thread
+per output sums them and stores out (+ bias), or, with split K, the f32 sum into partials[split] for the scaled
+GEMM's reduce kernel.
+"""
+from __future__ import annotations
+
+import nvfly
+from nvfly.arch import sm80
+from nvfly.arch.floats import e2m1x8_to_16bit_scaled, e8m0_to_16bit_factors, pair_halves, scale_16bit_pairs
+from nvfly.arch.memory import L1Eviction, load_global, load_shared
+from nvfly.arch.ptx import smem_address
+from nvfly.ops.scaled.a16_plan import CHUNK_K, LANE_K, RING_CHUNK_BYTES, ROWS, TOKEN_BLOCK
+
+TILE = ROWS * TOKEN_BLOCK  # a CTA's outputs
+
+
+def load_weight(w_rows: tuple, s_rows: tuple, kk, valid) -> tuple:
+    """This lane's 16 packed bytes (32 k from ``kk``) of both weight rows as four i32 words each, and the rows'
+    scale bytes. ``valid`` (i1 or None): where false nothing is read and the words are zero (a K tail); the scale
+    index is then clamped in range (the scale only multiplies those zeros)."""
+    if valid is None:
+        words = [load_global(r.address(kk // 2), 4, non_coherent=True, l1=L1Eviction.NO_ALLOCATE, prefetch=256)
+                 for r in w_rows]
+        block = kk // LANE_K
+    else:
+        words = [load_global(r.address(nvfly.minimum(kk, r.shape[0] * 2 - LANE_K) // 2), 4, valid,
+                             non_coherent=True, l1=L1Eviction.NO_ALLOCATE) for r in w_rows]
+        block = nvfly.minimum(kk // LANE_K, s_rows[0].shape[0] - 1)
+    return words, [s[block] for s in s_rows]
+
+
+def load_tokens(x_rows: list, kk, valid) -> list:
+    """Each token tile's row g at k ``kk`` .. +31: four 16-byte vectors as 16 i32 words (natural k order); zeros
+    where ``valid`` (i1 or None) is false."""
+    tiles = []
+    for x in x_rows:
+        words = []
+        for j in range(LANE_K // 8):
+            if valid is None:
+                v = x.load(kk + 8 * j, width=8)
+            else:
+                v = x.load(nvfly.minimum(kk, x.shape[0] - LANE_K) + 8 * j, width=8, mask=valid)
+            words.extend(v.bitcast(nvfly.i32).tolist())
+        tiles.append(words)
+    return tiles
+
+
+def lane_block(accs: list, weight: tuple, tokens: list, dtype, wide: bool) -> list:
+    """Accumulate the lane's 32 k of a chunk: 8 k16 mma steps per token tile (the module docstring's K
+    permutation). ``wide`` (``A16Config.wide_scales``): a second packed multiply makes scales past 2 (e8m0 bytes
+    > 128) exact too (``e8m0_to_16bit_factors``); without it they make the factor inf and poison the output."""
+    words, scales = weight
+    factors = [e8m0_to_16bit_factors(s, dtype, wide) for s in scales]
+    out = [list(a) for a in accs]
+    for j in range(LANE_K // 8):
+        rows = [e2m1x8_to_16bit_scaled(words[h][j], factors[h][0], dtype) for h in range(2)]
+        if wide:
+            rows = [scale_16bit_pairs(rows[h], factors[h][1], dtype) for h in range(2)]
+        pairs = [token_pairs(x, j, pair_halves) for x in tokens]
+        for s in range(2):
+            for t in range(len(out)):
+                a, b = step_operands(rows, pairs[t], s)
+                out[t] = sm80.mma_m16n8k16(a, b, out[t], dtype)
+    return out
+
+
+def token_pairs(words: list, j: int, pair) -> list:
+    """A token row's word group ``j`` (k 8j .. 8j+7 of the lane's 32, natural order: (k0,k1) .. (k6,k7)) as the
+    pairs the weight conversion gives, (k0,k4) (k1,k5) (k2,k6) (k3,k7), by ``pair`` (``pair_halves``)."""
+    t = words[4 * j:4 * j + 4]
+    return pair(t[0], t[2]) + pair(t[1], t[3])
+
+
+def step_operands(rows: list, pairs: list, s: int) -> tuple[list, list]:
+    """mma step ``s`` (0, 1) of a word group: A registers (row g, row g + 8, row g, row g + 8) = pair words 2s, 2s,
+    2s + 1, 2s + 1 of the two weight rows (PTX's a0..a3: rows g / g + 8 at ISA k 2p, 2p + 1, then at 2p + 8, 2p + 9),
+    B registers (b0, b1) = the token's pair words 2s, 2s + 1 (the same k)."""
+    return ([rows[0][2 * s], rows[1][2 * s], rows[0][2 * s + 1], rows[1][2 * s + 1]],
+            [pairs[2 * s], pairs[2 * s + 1]])
+
+
+def stream_chunks(accs: list, w_rows: tuple, s_rows: tuple, x_rows: list, chunks: list, p, k, tail: bool,
+                  dtype, wide: bool) -> list:
+    """Load the weight of every chunk in ``chunks`` (first k of each), then the tokens and the mmas chunk by chunk;
+    ``tail``: the one partial chunk, masked at K."""
+    loaded = []
+    for c in chunks:
+        kk = c + LANE_K * p
+        valid = kk < k if tail else None
+        loaded.append((kk, valid, load_weight(w_rows, s_rows, kk, valid)))
+    for kk, valid, weight in loaded:
+        accs = lane_block(accs, weight, load_tokens(x_rows, kk, valid), dtype, wide)
+    return accs
+
+
+def copy_chunk(slot, w_rows: tuple, kk, valid) -> None:
+    """cp.async this lane's 16 bytes of both weight rows at k ``kk`` to its 32-byte ``slot`` of a ring stage, as one
+    commit group; where ``valid`` (i1) is false nothing is read and the slot is zero-filled."""
+    for h in range(2):
+        sm80.cp_async(slot + 16 * h, w_rows[h].address(kk // 2), 16, valid)
+    sm80.cp_async_commit()
+
+
+@nvfly.func
+def stream_ring(accs, w_rows, s_rows, x_rows, slot, first, count, p, DTYPE, CFG):
+    """The warp's ``count`` full chunks (first, first + warps, ...) through its private cp.async ring (``slot``:
+    this lane's 32 bytes of stage 0; stages RING_CHUNK_BYTES apart): ``stages - 1`` chunks in flight, each lane
+    reading back only what it copied (so no warp synchronisation), the scales and tokens read at use (L1 hits)."""
+    S = CFG.stages
+    STEP = CFG.warps * CHUNK_K
+    k0 = first * CHUNK_K + LANE_K * p
+    for i in nvfly.static_range(S - 1):
+        copy_chunk(slot + i * RING_CHUNK_BYTES, w_rows, nvfly.maximum(nvfly.minimum(i, count - 1), 0) * STEP + k0,
+                   i < count)
+    for i in range(0, count):
+        ahead = i + S - 1
+        copy_chunk(slot + (ahead % S) * RING_CHUNK_BYTES, w_rows, nvfly.minimum(ahead, count - 1) * STEP + k0,
+                   ahead < count)
+        sm80.cp_async_wait(S - 1)  # chunk i's copies have landed
+        kk = i * STEP + k0
+        stage = slot + (i % S) * RING_CHUNK_BYTES
+        words = [load_shared(stage + 16 * h, 4) for h in range(2)]
+        accs = lane_block(accs, (words, [s[kk // LANE_K] for s in s_rows]), load_tokens(x_rows, kk, None), DTYPE,
+                          CFG.wide_scales)
+    sm80.cp_async_wait(0)
+    return accs
+
+
+@nvfly.kernel
+def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, bias,
+                     m: nvfly.i32, n: nvfly.i32, k: nvfly.i32, chunks_per_split: nvfly.i32, token_blocks: nvfly.i32,
+                     splits: nvfly.i32, CFG: nvfly.Constexpr, M_TILES: nvfly.Constexpr, PARTIAL: nvfly.Constexpr):
+    """out (M, N) = x (M, K) @ dequantised w (N, K)^T (+ bias); PARTIAL: out is partials [splits, M, N] f32 and
+    each split stores its K range's sum (the scales were applied in the mainloop; the bias is the reduce's).
+    ``splits`` is a runtime value (CFG's is unused, 0), so that shapes that split differently share a compile."""
+    WARPS, UNROLL = CFG.warps, CFG.unroll
+    THREADS = 32 * WARPS
+    dtype = x.dtype
+    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
+    tid = nvfly.thread_idx.x
+    warp = nvfly.warp_idx()
+    lane = nvfly.lane_idx()
+    g = lane // 4
+    p = lane % 4
+    bid = nvfly.block_idx.x
+    block = bid % token_blocks
+    split = (bid // token_blocks) % splits
+    group = bid // (token_blocks * splits)
+    n0 = group * ROWS
+    t0 = block * TOKEN_BLOCK
+
+    # rows past N and tokens past M are clamped: they only feed results that are not stored
+    w_rows = (w[nvfly.minimum(n0 + g, n - 1), :], w[nvfly.minimum(n0 + g + 8, n - 1), :])
+    s_rows = (w_scale[nvfly.minimum(n0 + g, n - 1), :], w_scale[nvfly.minimum(n0 + g + 8, n - 1), :])
+    x_rows = [x[nvfly.minimum(t0 + g + 8 * t, m - 1), :] for t in nvfly.static_range(M_TILES)]
+    accs = [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(M_TILES)]
+    full = k // CHUNK_K
+    c_begin = split * chunks_per_split
+    c_end = nvfly.minimum(c_begin + chunks_per_split, full)
+    unrolled = (c_end - c_begin) // UNROLL
+    if CFG.stages:
+        ring = smem_address(nvfly.shared_tensor(nvfly.u8, (WARPS * CFG.stages * RING_CHUNK_BYTES,)))
+        accs = stream_ring(accs, w_rows, s_rows, x_rows, ring + warp * (CFG.stages * RING_CHUNK_BYTES) + lane * 32,
+                           c_begin + warp, nvfly.maximum(c_end - c_begin - warp + WARPS - 1, 0) // WARPS, p, dtype,
+                           CFG)
+    else:
+        for gi in range(warp, unrolled, WARPS):
+            first = c_begin + gi * UNROLL
+            accs = stream_chunks(accs, w_rows, s_rows, x_rows,
+                                 [(first + u) * CHUNK_K for u in nvfly.static_range(UNROLL)], p, k, False, dtype,
+                                 CFG.wide_scales)
+        for c in range(c_begin + unrolled * UNROLL + warp, c_end, WARPS):
+            accs = stream_chunks(accs, w_rows, s_rows, x_rows, [c * CHUNK_K], p, k, False, dtype, CFG.wide_scales)
+    if (split == splits - 1) & (warp == WARPS - 1) & (full * CHUNK_K < k):
+        accs = stream_chunks(accs, w_rows, s_rows, x_rows, [full * CHUNK_K], p, k, True, dtype, CFG.wide_scales)
+
+    # every warp's fragments into shared memory as [warp][token][column], then one thread per output sums them
+    partial = nvfly.shared_tensor(nvfly.f32, (WARPS * TILE,))
+    for t in nvfly.static_range(M_TILES):
+        for i in nvfly.static_range(4):
+            col = g + 8 * (i // 2)
+            token = 8 * t + 2 * p + i % 2
+            partial[warp * TILE + token * ROWS + col] = accs[t][i]
+    nvfly.syncthreads()
+    for r in nvfly.static_range((TILE + THREADS - 1) // THREADS):
+        e = r * THREADS + tid
+        if TILE % THREADS == 0 or e < TILE:
+            total = partial[e]
+            for v in nvfly.static_range(1, WARPS):
+                total = total + partial[v * TILE + e]
+            token = t0 + e // ROWS
+            col = n0 + e % ROWS
+            if (token < m) & (col < n):
+                if PARTIAL:
+                    out[split, token, col] = total
+                else:
+                    if bias is not None:
+                        total = total + bias[col].to(nvfly.f32)
+                    out[token, col] = total.to(out.dtype)

@@ -1,0 +1,126 @@
+"""MXFP4 weights x 16-bit (bf16 / fp16) activations: the streaming kernel's config and plan. Pure Python.
+
+The kernel (``a16_kernel``) gives each CTA 16 output columns (weight rows) and a block of up to 16 tokens; its warps
+split the CTA's K range in chunks of 128 k (64 bytes of every weight row), ``stages - 1`` chunks in flight per warp
+(a cp.async ring; or ``unroll`` at a time loaded into registers).
+Heuristic: one CTA per 16 weight rows and token block (token blocks vary fastest, so the CTAs that share weight rows
+run together and all but the first read them from L2); while that gives fewer than ``FILL_CTAS`` CTAs per SM, K is
+split over more CTAs (f32 partial sums, then the scaled GEMM's reduce kernel adds them and the bias), each split at
+least ``SPLIT_MIN_CHUNKS`` chunks per warp, at most ``SPLIT_MAX`` splits. Large M re-reads the weights once per
+16 tokens (from L2 while the token blocks of a weight row run together): correct for any M, fast for M <= 16
+(docs/ops/scaled.md).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+CHUNK_K = 128      # k per chunk: 4 lanes x 32 k (one MX block each) of 16 weight rows, 64 bytes a row
+LANE_K = 32        # k per lane and chunk: one 16-byte load of a weight row, one e8m0 scale
+ROWS = 16          # weight rows (output columns) per CTA: the mma's M
+TOKEN_BLOCK = 16   # tokens per CTA: two n8 mma tiles
+FILL_CTAS = 2      # split K while the CTAs are fewer than this many per SM
+SPLIT_MIN_CHUNKS = 2
+SPLIT_MAX = 16
+RING_CHUNK_BYTES = 32 * 2 * 16  # a warp's chunk in its cp.async ring: each lane's 16 bytes of two weight rows
+STATIC_SMEM = 48 * 1024
+
+
+@dataclass(frozen=True)
+class A16Config:
+    """``warps`` per CTA (splitting its K range); ``stages``: each warp streams its chunks through a private ring of
+    that many cp.async stages (``stages - 1`` chunks in flight while one is converted), or, with 0, loads ``unroll``
+    chunks at a time straight into registers (ptxas may then delay the later loads past the first chunk's math);
+    ``splits`` CTAs sharing one tile's K range (0: the heuristic's); ``wide_scales``: a second packed multiply per
+    converted word so that e8m0 scales past 2 (bytes > 128) are exact too (without it they poison the output with
+    inf/NaN; about a fifth more instructions)."""
+    warps: int = 4
+    unroll: int = 4
+    splits: int = 0
+    wide_scales: bool = False
+    stages: int = 8
+
+    @property
+    def static_smem_bytes(self) -> int:
+        """The CTA's static shared memory: the warps' cp.async rings and the partial tiles' reduction."""
+        return self.warps * (self.stages * RING_CHUNK_BYTES + ROWS * TOKEN_BLOCK * 4)
+
+    def check(self) -> Optional[str]:
+        if self.warps not in (1, 2, 4, 8):
+            return f"warps={self.warps}: 1, 2, 4 or 8"
+        if not 1 <= self.unroll <= 8:
+            return f"unroll={self.unroll}: 1 to 8"
+        if not 0 <= self.splits <= 32:
+            return f"splits={self.splits}: 0 (the heuristic's) to 32"
+        if self.stages == 1 or self.stages < 0:
+            return f"stages={self.stages}: 0 (weights loaded into registers) or a ring of at least 2"
+        if self.static_smem_bytes > STATIC_SMEM:
+            return (f"warps={self.warps} x stages={self.stages}: {self.static_smem_bytes} bytes of static shared "
+                    f"memory exceed {STATIC_SMEM}")
+        return None
+
+
+@dataclass(frozen=True)
+class A16Plan:
+    """One call signature's launch: ``m_tiles`` n8 token tiles per CTA (1 for M <= 8), ``token_blocks`` blocks of 16
+    tokens, ``groups`` of 16 weight rows, ``splits`` K ranges of ``chunks_per_split`` full chunks (the last split
+    also takes a partial chunk), ``grid`` = groups x splits x token_blocks CTAs of ``threads``."""
+    config: A16Config
+    m: int
+    n: int
+    k: int
+    m_tiles: int
+    token_blocks: int
+    groups: int
+    splits: int
+    chunks_per_split: int
+    grid: int
+    threads: int
+
+    @property
+    def partial(self) -> bool:
+        return self.splits > 1
+
+    @property
+    def kernel_config(self) -> A16Config:
+        """The config as the kernel is compiled for it: the split count is a runtime argument."""
+        return replace(self.config, splits=0)
+
+
+def make_a16_plan(m: int, n: int, k: int, config: Optional[A16Config], sms: int) -> A16Plan:
+    """The plan of an m x n x k call (``config`` None: the heuristic's warps and unroll; splits 0: its split)."""
+    config = config or A16Config()
+    why = config.check()
+    if why:
+        raise ValueError(f"config: {why}")
+    token_blocks = max(1, math.ceil(m / TOKEN_BLOCK))  # M or N 0: a one-CTA plan that the call never launches
+    groups = max(1, math.ceil(n / ROWS))
+    full = k // CHUNK_K
+    splits = config.splits
+    if splits == 0:
+        ctas = groups * token_blocks
+        splits = 1
+        if ctas < FILL_CTAS * sms:
+            splits = max(1, min(math.ceil(FILL_CTAS * sms / ctas), full // (config.warps * SPLIT_MIN_CHUNKS),
+                                SPLIT_MAX))
+    chunks_per_split = math.ceil(full / splits) if full else 0
+    if chunks_per_split:
+        splits = math.ceil(full / chunks_per_split)  # every split holds a chunk
+    else:
+        splits = 1
+    config = replace(config, splits=splits)
+    return A16Plan(config=config, m=m, n=n, k=k, m_tiles=1 if m <= 8 else 2, token_blocks=token_blocks,
+                   groups=groups, splits=splits, chunks_per_split=chunks_per_split,
+                   grid=groups * splits * token_blocks, threads=32 * config.warps)
+
+
+def describe_a16_plan(plan: A16Plan) -> str:
+    cfg = plan.config
+    name = "mxfp4-a16-stream" + ("-wide" if cfg.wide_scales else "") + \
+        (f"-splitK{plan.splits}" if plan.splits > 1 else "")
+    flight = f"{cfg.stages}-stage cp.async ring" if cfg.stages else f"{cfg.unroll} chunks into registers"
+    blocks = "" if plan.token_blocks == 1 else \
+        f", {plan.token_blocks} token blocks (M > {TOKEN_BLOCK}: the weight streamed per block, no wgmma mainloop yet)"
+    return (f"{name}: {ROWS} weight rows x {8 * plan.m_tiles} tokens per CTA, {plan.grid} CTAs of {cfg.warps} warps, "
+            f"{flight} per warp (chunks of {CHUNK_K} k){blocks}")

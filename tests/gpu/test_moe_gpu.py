@@ -1,0 +1,83 @@
+"""The MoE token shuffles on the GPU against their definitions: random routings (skewed, every token on one
+expert), row widths with and without 16-byte vectors, int32 and int64 orders, poisoned outputs; the layer's
+``permute``/``unpermute`` against torch's gather and index_add."""
+import pytest
+import torch
+
+from nvfly.ops import moe
+from nvfly.ops.moe import api as moe_api
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("tokens,h,top_k,experts", [(4096, 2048, 8, 128), (64, 7168, 8, 256), (300, 100, 2, 8),
+                                                    (5, 7, 1, 3), (1, 2048, 4, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dispatch_and_combine_match_their_definitions(tokens, h, top_k, experts, dtype):
+    x = torch.randn(tokens, h, device="cuda").to(dtype)
+    ids = torch.randint(0, experts, (tokens, top_k), device="cuda")
+    ids[: tokens // 3] = 0  # a hot expert
+    for index_dtype in (torch.int64, torch.int32):
+        order = torch.argsort(ids.reshape(-1), stable=True).to(index_dtype)
+        rows, slots = moe_api.dispatch(x, order, top_k)
+        assert torch.equal(rows, x[order.long() // top_k])
+        assert torch.equal(slots[order.long()], torch.arange(tokens * top_k, device="cuda"))
+    y = torch.randn(tokens * top_k, h, device="cuda").to(dtype)
+    weights = torch.rand(tokens, top_k, device="cuda")
+    out = moe_api.combine(y, slots, weights)
+    want = (y[slots].view(tokens, top_k, h).double() * weights.double().unsqueeze(-1)).sum(1)
+    assert out.dtype == dtype and out.shape == (tokens, h)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(4096, 128, 8), (64, 256, 8), (5, 60, 6), (300, 1024, 32), (1, 8, 2),
+                                                  (1000, 64, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_matches_softmax_topk(tokens, experts, top_k, dtype):
+    """The experts in order (ties: the lower first: logits on a coarse grid tie often) and their probabilities,
+    renormalised or not, against float64 softmax and a stable descending sort."""
+    logits = (torch.randint(-40, 40, (tokens, experts), device="cuda") / 8).to(dtype)
+    for renormalize in (True, False):
+        weights, ids = moe_api.route(logits, top_k, renormalize)
+        want_i = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+        assert torch.equal(ids, want_i)
+        probs = torch.softmax(logits.double(), -1).gather(1, want_i)
+        if renormalize:
+            probs = probs / probs.sum(-1, keepdim=True)
+        torch.testing.assert_close(weights.double(), probs, rtol=1e-5, atol=1e-7)  # (ex2.approx)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts", [(4096, 8, 128), (64, 8, 256), (7, 2, 1000), (1, 1, 1), (0, 2, 4),
+                                                  (20000, 8, 64)])
+def test_sort_by_expert_groups_every_slot(tokens, top_k, experts):
+    ids = torch.randint(0, experts, (tokens, top_k), device="cuda")
+    ids[: tokens // 4] = experts - 1  # a hot expert
+    for flat in (ids.reshape(-1), ids.reshape(-1).int()):
+        order, offs = moe_api.sort_by_expert(flat, experts)
+        assert torch.equal(offs, torch.bincount(flat.long(), minlength=experts).cumsum(0).int())
+        assert torch.equal(order.sort().values, torch.arange(tokens * top_k, device="cuda", dtype=torch.int32))
+        grouped = flat[order.long()]
+        assert bool((grouped[1:] >= grouped[:-1]).all())  # grouped by expert
+
+
+def test_permute_and_unpermute_write_every_element():
+    """Poisoned allocations: the caching allocator hands back the NaN-filled blocks, every element is overwritten."""
+    t, h, k, e = 333, 2048, 8, 64
+    x = torch.randn(t, h, device="cuda").bfloat16()
+    ids = torch.randint(0, e, (t, k), device="cuda")
+    for _ in range(2):
+        torch.full((t * k, h), float("nan"), device="cuda", dtype=torch.bfloat16)
+        rows, offs, slots = moe.permute(x, ids, e)
+        assert not rows.isnan().any()
+        assert torch.equal(rows[slots], x.repeat_interleave(k, dim=0))  # slot s holds token s // k
+        assert torch.equal(offs, torch.bincount(ids.reshape(-1), minlength=e).cumsum(0).int())
+        y = torch.randn(t * k, h, device="cuda").bfloat16()
+        torch.full((t, h), float("nan"), device="cuda", dtype=torch.bfloat16)
+        weights = torch.rand(t, k, device="cuda")
+        out = moe.unpermute(y, slots, weights)
+        assert not out.isnan().any()
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        want = torch.zeros(t, h, device="cuda").index_add_(0, order // k,
+                                                           y.float() * weights.reshape(-1)[order].unsqueeze(-1))
+        torch.testing.assert_close(out.float(), want, rtol=8e-3, atol=8e-3)

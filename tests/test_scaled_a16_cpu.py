@@ -1,0 +1,228 @@
+"""MXFP4 weights x bf16/fp16 activations (scaled_mm's "mxfp4_a16" recipe) without a GPU: the e2m1 -> 16-bit
+conversion and the e8m0 factor are exact against the torch reference, a model of one warp's chunk built from the
+kernel's own fragment helpers (K permutation, nibble order, scale application) reproduces x @ w^T, the plans split
+K as the heuristic says, every kernel variant compiles to HMMA without spills, and bad arguments raise errors
+naming them."""
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+from nvfly.arch.floats import E2M1_UNIT_EXPONENT, e2m1x8_to_16bit_bits, e8m0_factor_bits
+from nvfly.ops import scaled
+from nvfly.ops.scaled import A16Config
+from nvfly.ops.scaled.a16_kernel import LANE_K, step_operands, token_pairs
+from nvfly.ops.scaled.a16_plan import CHUNK_K, ROWS, make_a16_plan
+from nvfly.ops.scaled.api import compile_a16
+from nvfly.ops.scaled.quantize import E2M1_VALUES, dequantize_mxfp4, quantize
+
+TORCH16 = {"bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def half_value(bits: int, name: str) -> float:
+    """The float value of a 16-bit pattern of bf16 / f16."""
+    return torch.tensor([bits - 65536 if bits >= 32768 else bits], dtype=torch.int16).view(TORCH16[name]).item()
+
+
+def factor_model(byte: int, name: str, wide: bool = False) -> list:
+    """The kernel's factors (e8m0_factor_bits on Python ints) as floats, checking both halves agree."""
+    out = []
+    for word in e8m0_factor_bits(byte, name, wide):
+        assert word >> 16 == word & 0xFFFF
+        out.append(half_value(word & 0xFFFF, name))
+    return out
+
+
+@pytest.mark.parametrize("name", ["bf16", "f16"])
+def test_e2m1_to_16bit_every_code_at_every_position(name):
+    """Word i of the conversion holds nibble i (low half) and nibble i + 4 (high half), each e2m1 value times
+    2^E2M1_UNIT_EXPONENT exactly (0.5 a 16-bit subnormal, -0 kept); every code at every nibble position."""
+    unit = 2.0 ** E2M1_UNIT_EXPONENT[name]
+    for position, code in itertools.product(range(8), range(16)):
+        filler = random.Random(position * 16 + code).getrandbits(32)
+        word = (filler & ~(0xF << 4 * position)) | code << 4 * position
+        words = e2m1x8_to_16bit_bits(word, name)
+        i, half = position % 4, position // 4
+        bits = (words[i] >> 16 * half) & 0xFFFF
+        assert half_value(bits, name) == E2M1_VALUES[code] * unit
+        assert bits >> 15 == code >> 3  # the sign, -0 included
+
+
+@pytest.mark.parametrize("name", ["bf16", "f16"])
+def test_scale_factor_is_exact_in_range(name):
+    """The packed multiply by the e8m0 factor gives the dequantised value rounded to the 16-bit type, exactly
+    (bf16: every byte 0..128; f16: 99..128 exactly, 0..98 zero, as every f16 weight of that scale rounds to);
+    bytes past 128 and 0xFF give an inf factor (poisoned, not clamped)."""
+    unit = 2.0 ** E2M1_UNIT_EXPONENT[name]
+    dt = TORCH16[name]
+    for byte in range(0, 129):
+        f = factor_model(byte, name)[0]
+        if name == "bf16" or byte >= 99:
+            assert f == 2.0 ** (byte - 127) / unit
+        else:
+            assert f == 0.0
+        for v in E2M1_VALUES:
+            product = (torch.tensor([v * unit], dtype=dt) * torch.tensor([f], dtype=dt)).float().item()
+            assert product == torch.tensor([v * 2.0 ** (byte - 127)]).to(dt).float().item(), (byte, v)
+    assert all(math.isinf(factor_model(b, name)[0]) for b in range(129, 256))
+
+
+@pytest.mark.parametrize("name", ["bf16", "f16"])
+def test_wide_scale_factors_are_exact_past_two(name):
+    """A16Config(wide_scales=True): the factor of min(byte, 128) and then 2^(max(byte, 128) - 128), two packed
+    multiplies, give the dequantised value rounded to the 16-bit type for every byte (bf16: up to 254, inf where the
+    value itself overflows bf16; f16: up to 143)."""
+    unit = 2.0 ** E2M1_UNIT_EXPONENT[name]
+    dt = TORCH16[name]
+    for byte in range(0, 255 if name == "bf16" else 144):
+        first, second = (torch.tensor([f], dtype=dt) for f in factor_model(byte, name, wide=True))
+        assert torch.isfinite(second).all()
+        for v in E2M1_VALUES:
+            product = (torch.tensor([v * unit], dtype=dt) * first * second).float().item()
+            assert product == torch.tensor([v * 2.0 ** (byte - 127)]).to(dt).float().item(), (byte, v)
+
+
+def pair_model(low: int, high: int) -> list:
+    """pair_halves (prmt 0x5410 / 0x7632) on Python ints."""
+    return [(low & 0xFFFF) | (high & 0xFFFF) << 16, (low >> 16) | (high >> 16) << 16]
+
+
+def words_of(t: torch.Tensor) -> list:
+    """A 1-D 16-bit tensor's values as unsigned 32-bit words, two a word, low half first."""
+    return [w & 0xFFFFFFFF for w in t.contiguous().view(torch.int32).tolist()]
+
+
+@pytest.mark.parametrize("name", ["bf16", "f16"])
+def test_warp_chunk_model_matches_reference(name):
+    """One warp's 128-k chunk of 16 weight rows and 8 tokens, assembled lane by lane with the kernel's helpers
+    (e2m1x8_to_16bit_bits, token_pairs, step_operands) and PTX's m16n8k16 fragment layout, the scale applied as the
+    kernel does, equals x @ dequantised(w)^T: the nibble order, the K permutation and the scales line up."""
+    dt = TORCH16[name]
+    gen = torch.Generator().manual_seed(7)
+    w = torch.randn(ROWS, CHUNK_K, generator=gen)
+    x = torch.randn(8, CHUNK_K, generator=gen).to(dt)
+    q, sb = quantize(w, "mxfp4", operand="a")  # (16, 64) packed, (16, 4) scales, row-major
+    packed = q.view(torch.uint8)
+    reference = x.float() @ dequantize_mxfp4(q, sb).to(dt).float().t()
+    unit = 2.0 ** E2M1_UNIT_EXPONENT[name]
+    got = torch.zeros(ROWS, 8, dtype=torch.float64)  # out^T: weight rows x tokens
+    for lane in range(32):
+        g, p = lane // 4, lane % 4
+        kk = LANE_K * p
+        wwords = [words_of(packed[r, kk // 2:kk // 2 + 16].view(torch.int16)) for r in (g, g + 8)]
+        factors = [factor_model(int(sb[r, kk // LANE_K]), name)[0] for r in (g, g + 8)]
+        xwords = words_of(x[g, kk:kk + LANE_K])
+        for j in range(LANE_K // 8):
+            rows = [e2m1x8_to_16bit_bits(wwords[h][j], name) for h in range(2)]
+            pairs = token_pairs(xwords, j, pair_model)
+            for s in range(2):
+                a, b = step_operands(rows, pairs, s)
+                # PTX m16n8k16: a0/a2 row g, a1/a3 row g + 8; a0, a1 and b0 at ISA k 2p, 2p + 1; a2, a3, b1 at
+                # 2p + 8, 2p + 9; every lane's (a, b) pairs multiply into D[row, token g'] for every token g'
+                for reg, row in ((0, g), (1, g + 8), (2, g), (3, g + 8)):
+                    for half in range(2):
+                        wv = half_value((a[reg] >> 16 * half) & 0xFFFF, name) / unit * factors[reg % 2] * unit
+                        for token in range(8):
+                            tw = token_pairs(words_of(x[token, kk:kk + LANE_K]), j, pair_model)[2 * s + reg // 2]
+                            got[row, token] += wv * half_value((tw >> 16 * half) & 0xFFFF, name)
+                assert b == [pairs[2 * s], pairs[2 * s + 1]]
+    torch.testing.assert_close(got.t().float(), reference, rtol=1e-5, atol=1e-4)
+
+
+def test_plan_splits_k_over_idle_sms():
+    """Few weight-row groups split K (every split non-empty, the tail chunk on the last); many do not; M > 8 takes
+    two token tiles, M > 16 more token blocks."""
+    p = make_a16_plan(4, 576, 7168, None, 132)
+    assert p.splits > 1 and p.partial and p.m_tiles == 1
+    assert (p.splits - 1) * p.chunks_per_split < 7168 // CHUNK_K <= p.splits * p.chunks_per_split
+    assert p.grid == 36 * p.splits
+    p = make_a16_plan(1, 7168, 2048, None, 132)
+    assert p.splits == 1 and p.grid == 448
+    p = make_a16_plan(16, 8192, 8192, None, 132)
+    assert p.m_tiles == 2 and p.token_blocks == 1 and p.splits == 1
+    p = make_a16_plan(40, 100, 96, None, 132)  # K below one chunk: a single split holding only the tail
+    assert p.token_blocks == 3 and p.splits == 1 and p.chunks_per_split == 0 and p.grid == 7 * 3
+    p = make_a16_plan(4, 576, 7168, A16Config(warps=8, stages=4, splits=3), 132)
+    assert p.splits == 3 and p.threads == 256
+    with pytest.raises(ValueError, match="config: warps=3"):
+        make_a16_plan(4, 576, 7168, A16Config(warps=3), 132)
+    with pytest.raises(ValueError, match="config: warps=8 x stages=8: .* static shared memory"):
+        make_a16_plan(4, 576, 7168, A16Config(warps=8), 132)
+    assert "splitK" in scaled.describe(4, 576, 7168, scaling="mxfp4_a16")
+
+
+COMPILED = [
+    (1, 7168, 2048, torch.bfloat16, torch.bfloat16, True, None),
+    (16, 4096, 7168, torch.bfloat16, torch.float32, False, None),   # split K: f32 partials
+    (12, 1000, 4128, torch.float16, torch.float16, True, A16Config(splits=1)),  # K tail, N tail, fp16
+    (5, 256, 7168, torch.bfloat16, torch.bfloat16, False, A16Config(warps=8, stages=4)),
+    (9, 1000, 4128, torch.bfloat16, torch.bfloat16, True, A16Config(stages=0, unroll=4)),  # weights into registers
+    (16, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(wide_scales=True)),
+    (3, 7168, 2048, torch.float16, torch.bfloat16, False, A16Config(wide_scales=True)),
+]
+
+
+@pytest.mark.parametrize("m,n,k,act,out,bias,cfg", COMPILED)
+def test_variants_compile_to_hmma_without_spills(m, n, k, act, out, bias, cfg):
+    plan, kernel = compile_a16(m, n, k, cfg, act, out, bias)
+    r = kernel.resources
+    assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0 and not kernel.warnings, r
+    assert r.registers <= 128, r  # four 128-thread CTAs an SM
+    ops = kernel.sass_opcodes()
+    bf16 = act == torch.bfloat16
+    assert ops["HMMA.16816.F32.BF16" if bf16 else "HMMA.16816.F32"] > 0  # mma.sync on 16-bit operands
+    assert ops["HMUL2.BF16_V2" if bf16 else "HMUL2"] > 0  # the packed scale multiply
+    if plan.config.stages:  # the streamed weight: cp.async (L1 bypassed) into the warp's ring
+        assert ops["LDGSTS.E.BYPASS.128"] > 0 and ops["LDS.128"] > 0
+    else:  # straight into registers: read-only, no L1, L2 prefetch
+        assert ops["LDG.E.NA.LTC256B.128.CONSTANT"] > 0
+
+
+def args(m=4, n=64, k=256, act=torch.bfloat16):
+    x = torch.randn(m, k).to(act)
+    q, s = quantize(torch.randn(n, k), "mxfp4", operand="b")
+    return x, q, s
+
+
+def test_check_names_the_argument():
+    x, q, s = args()
+    assert scaled.check(x, q, None, s) == "mxfp4_a16"
+    assert scaled.check(x.half(), q, None, s.view(torch.float8_e8m0fnu), out_dtype=torch.float32) == "mxfp4_a16"
+    with pytest.raises(TypeError, match="scale_a: .*no activation scale"):
+        scaled.check(x, q, s, s)
+    with pytest.raises(TypeError, match="b: dtype torch.uint8 .*float4_e2m1fn_x2"):
+        scaled.check(x, q.view(torch.uint8), None, s)
+    with pytest.raises(ValueError, match=r"b: shape \(128, 64\) .*expected \(64, N\)"):
+        scaled.check(x[:, :128], q, None, s)
+    with pytest.raises(ValueError, match=r"scale_b: shape \(64, 4\): expected \(64, 8\)"):
+        scaled.check(x, q, None, s[:, :4])
+    with pytest.raises(TypeError, match="scale_b: dtype torch.float32"):
+        scaled.check(x, q, None, s.float())
+    with pytest.raises(ValueError, match="a: K=240 is not a multiple of 32"):
+        scaled.check(torch.randn(4, 240).bfloat16(), q[:120], None, s)
+    with pytest.raises(ValueError, match="b: expected a column-major"):
+        scaled.check(x, q.view(torch.uint8).contiguous().view(q.dtype), None, s)
+    with pytest.raises(ValueError, match="a: expected a row-major"):
+        scaled.check(x.t().contiguous().t(), q, None, s)
+    with pytest.raises(ValueError, match=r"bias: expected shape \(64,\)"):
+        scaled.check(x, q, None, s, bias=torch.zeros(3))
+    with pytest.raises(TypeError, match="out_dtype"):
+        scaled.check(x, q, None, s, out_dtype=torch.int32)
+    assert "not CUDA" in scaled.eligibility(x, q, None, s)
+
+
+def test_reference_is_the_dequantised_product():
+    x, q, s = args(3, 48, 128)
+    bias = torch.randn(48)
+    ref = scaled.reference(x, q, None, s, bias)
+    torch.testing.assert_close(ref, x.float() @ dequantize_mxfp4(q.t(), s).t() + bias)
+
+
+def test_config_and_swap_errors_name_the_argument():
+    x, q, s = args()
+    with pytest.raises(TypeError, match="config: expected an A16Config"):
+        scaled.path(x, q, None, s, config=scaled.ScaledConfig())
+    with pytest.raises(ValueError, match="swap: .*always run swapped"):
+        scaled.path(x, q, None, s, swap=False)

@@ -890,9 +890,11 @@ def test_block_mask_tables_kernel_compiles(group, kv_block, batch_broadcast, hea
 
 
 def test_score_and_mask_mods_trace_into_the_kernel():
-    """Soft-capping's tanh is in the kernel's IR, with the sliding window's mask beside it."""
+    """Soft-capping's tanh is the MUFU's (``tanh.approx.f32``, no IEEE division by the cap), with the sliding
+    window's mask beside it."""
     capped = attention.compile_kernels(MOD_PLAN, M.Mods(M.soft_cap(30.0), M.sliding_window(128)))[0]
-    assert "math.tanh" in capped.mlir
+    assert "tanh.approx.f32" in capped.ptx and capped.sass_opcodes()["MUFU.TANH"] > 0
+    assert "math.tanh" not in capped.mlir and "div.rn.f32" not in capped.ptx
     check_sass(capped)
 
 

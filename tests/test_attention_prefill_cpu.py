@@ -13,7 +13,7 @@ import nvfly
 from nvfly.ops import attention
 from nvfly.ops.attention.prefill_api import masking
 from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, HEAD_DIMS, MAX_SMEM, PRODUCER_REGS, PrefillPlan,
-                                              causal_offset, key_blocks, pipelined_loops)
+                                              block_inside_bounds, causal_offset, key_blocks, pipelined_loops)
 
 
 def gmma_count(kernel, shape, a_from_registers):
@@ -177,6 +177,31 @@ def test_key_blocks_keep_exactly_the_visible_keys(alignment, bm, bn):
                                               in pipelined_loops(start, low, high, total) for n in range(first, end)]
                     assert [n for n, _ in walk] == list(range(start, total)) or start == total
                     assert all(masked == (not low <= n < high) for n, masked in walk[1:])
+
+
+@pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
+def test_block_inside_bounds_is_exact(alignment):
+    """A BlockMask's listed block skips the positional bounds exactly when every key of it is visible to every row
+    of the warp (16 rows; here 4 rows and 4- or 5-key blocks, every window kind, lengths around the blocks): never
+    when some pair is masked (wrong results), always when none is (speed)."""
+    for sq in (3, 8, 13):
+        for skv in (4, 5, 13, 24):
+            for window in WINDOWS:
+                b = masking(False, window, alignment)
+                offset = causal_offset(sq, skv, alignment)
+                low, high = offset - b.left, offset + b.right
+
+                def visible(row, key):
+                    return (key < skv and (not b.causal or key <= row + high)
+                            and (not b.window or key >= row + low))
+                for bn in (4, 5):
+                    for first_row in range(0, sq, 4):
+                        for n in range(-(-skv // bn)):
+                            inside = block_inside_bounds(first_row, 4, n * bn, bn, skv, b.causal, b.window, low,
+                                                         high)
+                            want = all(visible(row, key) for row in range(first_row, first_row + 4)
+                                       for key in range(n * bn, n * bn + bn))
+                            assert inside == want, (sq, skv, window, first_row, n, bn)
 
 
 def tile_blocks(m, sq, skv, b, offset, bm, bn, block_mask, batch, head):
@@ -419,7 +444,7 @@ MOD_FAMILIES = {  # name: (plan, mods, attend_block traces)
 }
 
 
-SLOW_FAMILIES = ("d64-window-softcap", "d128-relative-bias-prefix", "d128-blockmask256-causal-softcap",
+SLOW_FAMILIES = ("d128-relative-bias-prefix", "d128-blockmask256-causal-softcap",
                  "d64-varlen-document", "d256-causal-window-softcap")
 
 
@@ -428,7 +453,7 @@ SLOW_FAMILIES = ("d64-window-softcap", "d128-relative-bias-prefix", "d128-blockm
 def test_mod_window_blockmask_varlen_plans_compile_without_spills(name):
     """Each variant compiles to HGMMA (register-A P·V) once per attend_block trace (three loops: a window's left
     edge, fully visible, the diagonal and tail; a block mask's partial and full lists), with no spills and no ptxas
-    warnings; the mods' code is in the kernel (tanh, the captured tables' loads). Without a window the first loop is
+    warnings; the mods' code is in the kernel (the MUFU tanh, the captured tables' loads). Without a window the first loop is
     empty at trace time."""
     plan, mods, traces = MOD_FAMILIES[name]
     kernel = attention.compile_prefill(plan, mods=mods)
@@ -439,9 +464,35 @@ def test_mod_window_blockmask_varlen_plans_compile_without_spills(name):
     assert "LDL" not in kernel.sass() and "STL" not in kernel.sass()
     assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
     assert not kernel.warnings
-    assert ("math.tanh" in kernel.mlir) == ("softcap" in name)
+    # soft-capping's tanh is the MUFU's, once per score of each softmax trace (block_n / 2 a thread), and its
+    # division by the cap a product (no IEEE division per score)
+    assert (kernel.sass_opcodes()["MUFU.TANH"] > 0) == ("softcap" in name)
+    if "softcap" in name:
+        assert kernel.sass_opcodes()["MUFU.TANH"] == traces * plan.block_n // 2
+        assert "math.tanh" not in kernel.mlir and "div.rn.f32" not in kernel.ptx
     if M.captured_tensors(mods) or plan.kv_block or plan.varlen:
         assert kernel.sass_opcodes()["LDG.E"] > 0  # captured tables, block lists or cu_seqlens read in the kernel
+
+
+def test_mods_fuse_into_ffma_and_mask_loads_run_under_the_gemm():
+    """ALiBi's bias fuses with the scaled score into one FFMA a score, and the softmax's exponent is one FFMA a
+    score (FADDs left: the row sums); a mask_mod's table loads (documents, BlockMask, causal) are issued before
+    the wait for S, with no spills."""
+    plan = attention.prefill_plan(128, 128, True)
+    ops = attention.compile_prefill(plan, mods=M.Mods(M.alibi(SLOPES))).sass_opcodes()
+    scores = 2 * plan.block_n // 2  # two softmax traces of block_n / 2 scores a thread
+    assert ops["FFMA"] >= 2 * scores and ops["FADD"] <= scores + 16, ops
+    assert ops["I2FP.F32.S32"] == scores  # what is left of ALiBi a score: the distance's conversion
+
+    def causal_documents(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (DOCUMENTS[b, kv_idx] == DOCUMENTS[b, q_idx])
+    plan = attention.prefill_plan(128, 128, True, kv_block=128, q_block=128)
+    kernel = attention.compile_prefill(plan, mods=M.Mods(None, causal_documents))
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == 0 and not kernel.warnings
+    sass = kernel.sass()
+    first_s = sass.index("HGMMA.64x128x16.F32.BF16 R")
+    wait = sass.index("WARPGROUP.DEPBAR", first_s)
+    assert sass[first_s:wait].count("LDG.E") >= 8  # document ids of key columns (the rest: ptxas's order)
 
 
 def flex(q, k, v, score_mod=None, block_mask=None, scale=None):

@@ -7,7 +7,7 @@ import pytest
 
 import nvfly
 from nvfly.arch import gpu_scope, memory, reduce, warp
-from nvfly.arch.floats import compare_mask, f16_to_f32
+from nvfly.arch.floats import compare_mask, f16_to_f32, tanh_approx
 from nvfly.arch.memory import CacheHint, L1Eviction, L2Policy
 from nvfly.arch.ptx import smem_address
 
@@ -195,6 +195,24 @@ def test_float_compare_masks_conversion_and_no_unroll():
         assert instruction in k.ptx, instruction
 
 
+@nvfly.kernel
+def soft_capped(x: nvfly.Tensor, out: nvfly.Tensor):
+    tid = nvfly.thread_idx.x
+    out[tid] = tanh_approx(x[tid] * (1.0 / 30.0)) * 30.0
+
+
+def test_tanh_approx_is_one_mufu_tanh():
+    """The MUFU tanh: one ``tanh.approx.f32`` in the PTX, one MUFU.TANH in the SASS and no other MUFU (the
+    correctly rounded ``nvfly.tanh`` is an ex2, a reciprocal and a polynomial)."""
+    f32s = nvfly.TensorDesc(nvfly.f32, (64,))
+    k = nvfly.compile(soft_capped, f32s, f32s, block=64)
+    assert k.ptx.count("tanh.approx.f32") == 1
+    mufu = {op: n for op, n in k.sass_opcodes().items() if op.startswith("MUFU")}
+    assert mufu == {"MUFU.TANH": 1}
+    with pytest.raises(nvfly.CompileError, match=r"tanh_approx \(tanh.approx.f32\) needs target sm_75"):
+        nvfly.compile(soft_capped, f32s, f32s, block=64, target="sm_70")
+
+
 # ---------------------------------------------------------------------------------------------- misuse
 @nvfly.kernel
 def misuse(x: nvfly.Tensor, f: nvfly.Tensor, CASE: nvfly.Constexpr):
@@ -221,6 +239,7 @@ def misuse(x: nvfly.Tensor, f: nvfly.Tensor, CASE: nvfly.Constexpr):
         "compare_dtype": lambda: compare_mask(x[0], x[1], "gt", nvfly.i32),
         "compare_operand": lambda: compare_mask(x[0], x[1], "gt", nvfly.f32),
         "f16": lambda: f16_to_f32(x[0]),
+        "tanh": lambda: tanh_approx(x[0]),
         "no_unroll": nvfly.no_unroll,
         "group": lambda: reduce.group_reduce(f[0], f, 0, 0, 0, tid & 31, 48),
         "warps": lambda: reduce.block_scan(x[0], x, tid & 31, 0, 0),
@@ -235,7 +254,7 @@ def misuse(x: nvfly.Tensor, f: nvfly.Tensor, CASE: nvfly.Constexpr):
     ("load_width", "at most 16 bytes"), ("words", "1, 2 or 4"), ("prefetch", "prefetch"), ("l1", "L1 eviction"),
     ("policy", "expected one of evict_first"), ("policy_dtype", "i64"), ("predicate", "predicate"),
     ("shared_words", "store_shared"), ("compare", "cmp must be"), ("compare_dtype", "compare_mask compares"),
-    ("compare_operand", "compare_mask of f32"), ("f16", "f16_to_f32"), ("no_unroll", "dynamic loop"),
+    ("compare_operand", "compare_mask of f32"), ("f16", "f16_to_f32"), ("tanh", "tanh_approx takes an f32"), ("no_unroll", "dynamic loop"),
     ("group", "GROUP: expected a power of two"), ("warps", "WARPS: expected 1 to 32 warps"),
 ])
 def test_bad_arguments_are_compile_errors(case, message):

@@ -5,4 +5,4 @@ functions that emit them inside kernels. ``sm90`` (Hopper: TMA, mbarrier, wgmma,
 The device building blocks of the kernel library, for any target the language compiles for: ``warp`` (ballot,
 lane masks, popc, bfind), ``reduce`` (warp, group and block reductions and scans), ``gpu_scope`` (GPU-scope
 atomics, loads and stores), ``memory`` (cache-hinted global loads and stores, the L2Policy / L1Eviction hints TMA
-shares, shared-memory vector stores) and ``floats`` (float compare masks, f16 -> f32, e4m3 -> f16 / bf16)."""
+shares, shared-memory vector stores) and ``floats`` (float compare masks, f16 -> f32, e4m3 -> f16 / bf16, the MUFU tanh)."""

@@ -4,7 +4,10 @@
 filters many values with one instruction a pair and no predicate registers; ``f16_to_f32`` (``cvt.f32.f16``)
 converts a half given as its 16 bits; ``e8m0_to_f32`` decodes an MX scale byte, ``e2m1x8_to_e4m3x8`` and
 ``convert_shared_e2m1x32`` turn packed MXFP4 values into e4m3 (times 2^-6, exact) for fp8 wgmma, ``f32_to_e2m1``
-rounds to e2m1. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8
+rounds to e2m1. ``tanh_approx`` is the MUFU unit's tanh (``tanh.approx.f32``,
+sm_75+): one instruction, where ``nvfly.tanh`` (a correctly rounded expansion) is ~20 (an ex2, a reciprocal and a
+polynomial); its relative error is at most 2^-10.987 (PTX ISA), under bf16's half ulp, which is why
+FlashAttention-3 soft-caps with it. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8
 (e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit tensor-core atoms (e.g. an fp8 KV
 cache dequantised before ``mma.sync``); ``permute_bytes`` (``prmt``) gathers fp8 bytes into the pairs they
 convert. Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16 goes through f32 because sm_90
@@ -48,6 +51,16 @@ def compare_mask(a: Any, b: Any, cmp: str, dtype: DType) -> Scalar:
             raise CompileError(f"compare_mask of {ptx_type} takes {'f32' if dtype == dtypes.f32 else '32-bit word'} "
                                f"scalars, got {getattr(x, 'dtype', x)}")
     return asm(f"set.{cmp}.u32.{ptx_type} $0, $1, $2;", operands, dtypes.u32, side_effects=False)
+
+
+@requires("sm_75", "tanh.approx.f32")
+def tanh_approx(x: Any) -> Scalar:
+    """tanh of an f32 by the MUFU unit (``tanh.approx.f32``): relative error at most 2^-10.987, tanh(0) = 0,
+    saturating to +-1."""
+    v = as_value(x, dtypes.f32 if isinstance(x, (int, float)) else None)
+    if not isinstance(v, Scalar) or v.dtype != dtypes.f32:
+        raise CompileError(f"tanh_approx takes an f32 scalar, got {getattr(v, 'dtype', v)}")
+    return asm("tanh.approx.f32 $0, $1;", [v], dtypes.f32, side_effects=False)
 
 
 @traced

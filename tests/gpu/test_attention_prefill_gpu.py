@@ -164,13 +164,17 @@ def test_block_mask_from_create_block_mask():
     check(q, k, v, block_mask=mask)
 
 
-@pytest.mark.parametrize("kv_block, d, gqa", [(128, 64, (8, 2)), (256, 128, (6, 3)),
-                                              (128, 256, (4, 2)),  # D 256: 64-key stages
-                                              pytest.param(128, (192, 128), (4, 4), marks=pytest.mark.slow)])
-def test_random_block_masks_skip_unlisted_blocks(kv_block, d, gqa):
+@pytest.mark.parametrize("kv_block, d, gqa, positional", [
+    (128, 64, (8, 2), {}), (256, 128, (6, 3), {}),
+    (128, 256, (4, 2), {}),  # D 256: 64-key stages
+    # with positional bounds: full blocks inside them skip the bounds (a per-warp branch), the others apply them
+    (128, 128, (8, 2), {"causal": True}), (256, 64, (4, 2), {"causal": True, "window": (300, 0)}),
+    (128, 128, (4, 4), {"causal": True, "causal_alignment": "top_left"}),
+    pytest.param(128, (192, 128), (4, 4), {}, marks=pytest.mark.slow)])
+def test_random_block_masks_skip_unlisted_blocks(kv_block, d, gqa, positional):
     """Random per-(batch, head, query block) lists of partial and full key blocks (BlockMask.from_kv_blocks) with a
-    mask_mod on the partial ones; blocks no head of a batch lists hold NaN in K and V (the kernel must not read
-    them); rows with no key give zeros and LSE -inf."""
+    mask_mod on the partial ones, alone or with causal / window bounds; blocks no head of a batch lists hold NaN in
+    K and V (the kernel must not read them); rows with no key give zeros and LSE -inf."""
     from torch.nn.attention.flex_attention import BlockMask
     dqk, dv = d if isinstance(d, tuple) else (d, d)
     hq, hkv = gqa
@@ -201,7 +205,7 @@ def test_random_block_masks_skip_unlisted_blocks(kv_block, d, gqa):
         return (q_idx + 2 * kv_idx + h) % 3 != 0
     mask = BlockMask.from_kv_blocks(num.cuda(), indices.cuda(), full_num.cuda(), full_indices.cuda(),
                                     BLOCK_SIZE=(128, kv_block), mask_mod=stripes, seq_lengths=(sq, skv))
-    check(q, k_bad, v_bad, clean=(q, k, v), block_mask=mask)
+    check(q, k_bad, v_bad, clean=(q, k, v), block_mask=mask, **positional)
     assert torch.isnan(k_bad).any()
 
 
@@ -291,8 +295,10 @@ VARIANT_CASES = {  # name: the test above it reruns; the default plans (overlap,
     "d256-causal": lambda: test_shapes_against_the_reference(2, 600, 600, 4, 2, 256, True, "bottom_right", "bf16",
                                                              "bshd"),
     "d192-alibi": lambda: test_mods("alibi", 500, (192, 128), True, "fp16"),
-    "d64-block-mask": lambda: test_random_block_masks_skip_unlisted_blocks(128, 64, (8, 2)),
-    "d128-block-mask-256": lambda: test_random_block_masks_skip_unlisted_blocks(256, 128, (6, 3)),
+    "d64-block-mask": lambda: test_random_block_masks_skip_unlisted_blocks(128, 64, (8, 2), {}),
+    "d128-block-mask-256": lambda: test_random_block_masks_skip_unlisted_blocks(256, 128, (6, 3), {}),
+    "d128-block-mask-causal": lambda: test_random_block_masks_skip_unlisted_blocks(128, 128, (8, 2),
+                                                                                   {"causal": True}),
     "d128-varlen": lambda: test_varlen_against_the_reference([300, 1, 0, 129, 1000], None, 128, True,
                                                              "bottom_right", {}),
     "d64-varlen-sq-gt-skv": lambda: test_varlen_against_the_reference([77, 500, 3], [500, 77, 260], 64, True,
@@ -306,7 +312,7 @@ VARIANT_CASES = {  # name: the test above it reruns; the default plans (overlap,
     (True, False, "d128-causal"), (False, True, "d128-sq-gt-skv-fp16-bhsd"), (False, False, "d64-causal-top-left-mqa"),
     (True, False, "d64-window"), (False, True, "d128-soft-cap"), (True, False, "d64-document-mask"),
     (True, True, "d256-causal"), (True, True, "d192-alibi"), (True, False, "d64-block-mask"),
-    (False, True, "d128-block-mask-256"), (True, False, "d128-varlen"), (False, False, "d64-varlen-sq-gt-skv"),
+    (False, True, "d128-block-mask-256"), (True, False, "d128-block-mask-causal"), (True, False, "d128-varlen"), (False, False, "d64-varlen-sq-gt-skv"),
     (True, True, "d256-varlen-window"),
 ])
 def test_plan_variants(overlap, pingpong, case):

@@ -301,8 +301,8 @@ def stage_scores(ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_
             if mods.score_mod is None:
                 score = s[t][i] * ctx.scale_log2
             else:
-                score = apply_score_mod(mods, ctx.captured, s[t][i] * ctx.scale, ctx.b, row.head, mod_position,
-                                        mod_key) * LOG2E
+                score = apply_score_mod(mods, ctx.captured, s[t][i], ctx.b, row.head, mod_position, mod_key,
+                                        scale=ctx.scale) * LOG2E
             keep = key < ctx.seqlen
             if plan.causal:
                 keep = keep & (key <= row.position)

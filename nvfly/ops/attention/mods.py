@@ -4,7 +4,8 @@ The mods are plain Python functions with flex_attention's signatures,
 ``score_mod(score, b, h, q_idx, kv_idx) -> score`` and ``mask_mod(b, h, q_idx, kv_idx) -> bool``, written with
 torch operations. The kernel calls them once per score element with ``ModValue``s wrapping its traced scalars;
 a ModValue implements Python's operators and, through ``__torch_function__``, the torch functions in
-``TORCH_FUNCTIONS``, so ``torch.tanh(score / 50) * 50`` becomes the kernel's ``tanh``. Tensors the functions
+``_torch_functions``, so ``torch.tanh(score / 50) * 50`` becomes the kernel's ``tanh`` (the MUFU unit's
+``tanh.approx.f32``, FlashAttention-3's soft-cap; a division by a number is a product with its reciprocal). Tensors the functions
 capture (closure cells, or globals they name) become kernel inputs: indexing one with traced indices
 (``slopes[h]``, ``bias[h, kv_idx]``) is a load from the kernel's copy of it. In decode ``q_idx`` is the query's
 position in its sequence (queries are aligned to the end), so mods written for a whole prefill mean the same in
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import nvfly
+from nvfly.arch.floats import tanh_approx
 from nvfly.frontend.values import Scalar, Vector
 
 MAX_CAPTURED = 2  # captured tensors the kernel takes (kernel parameters ``captured0``, ``captured1``)
@@ -131,9 +133,79 @@ def _index(tensor: Any, index: Any) -> "ModValue":
                     "the function's closure or module globals)")
 
 
+def _tanh(x: Any) -> Any:
+    """tanh by the MUFU unit (one instruction; relative error <= 2^-10.987, FlashAttention-3's soft-cap): the
+    correctly rounded ``nvfly.tanh`` costs an ex2, a reciprocal and a polynomial per score, as much as the softmax."""
+    if isinstance(x, Scalar):
+        return tanh_approx(x if x.dtype == nvfly.f32 else x.to(nvfly.f32))
+    return nvfly.tanh(x)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _as_f32_operand(x: Any) -> Any:
+    """An operand of an f32 product: numbers as floats, scalars converted to f32 (None: a vector)."""
+    if _is_number(x):
+        return float(x)
+    if isinstance(x, Scalar):
+        return x if x.dtype == nvfly.f32 else x.to(nvfly.f32)
+    return None
+
+
+def _multiply(a: Any, b: Any) -> "ModValue":
+    """a * b; an f32 product remembers its factors, so that a sum it takes part in becomes one FMA (``_add``: what
+    Triton, hence flex, does by default; PTX's mul.rn and add.rn forbid ptxas to fuse them), and a product times a
+    number folds the number into its second factor."""
+    if _is_number(a):
+        a, b = b, a
+    if isinstance(a, ModValue) and a.product is not None and _is_number(b):
+        # (m n) c as m (n c): the scaled score times a number is one multiply a score (n c, the scale times the
+        # number, is the same for every score: computed once)
+        m, n = a.product
+        return _multiply(m, n * float(b))
+    x, y = _as_f32(_raw(a)), _as_f32(_raw(b))
+    out = x * y
+    factors = (_as_f32_operand(x), _as_f32_operand(y))
+    if isinstance(out, Scalar) and out.dtype == nvfly.f32 and all(f is not None for f in factors):
+        return ModValue(out, factors)
+    return _wrap(out)
+
+
+def _add(a: Any, b: Any, subtract: bool = False) -> "ModValue":
+    """a + b (a - b), with a product among them (``_multiply``) and an f32 other term fused into one FMA."""
+    x, y = _as_f32(_raw(a)), _as_f32(_raw(b))
+    product_a = a.product if isinstance(a, ModValue) else None
+    product_b = b.product if isinstance(b, ModValue) else None
+    if product_b is not None and _as_f32_operand(x) is not None:  # x +- m n
+        m, n = product_b
+        return ModValue(nvfly.fma(-m if subtract else m, n, _as_f32_operand(x)))
+    if product_a is not None and _as_f32_operand(y) is not None:  # m n +- y
+        m, n = product_a
+        y = _as_f32_operand(y)
+        return ModValue(nvfly.fma(m, n, -y if subtract else y))
+    return _wrap(x - y if subtract else x + y)
+
+
+def _divide(a: Any, b: Any) -> "ModValue":
+    """a / b, by a Python number as a product with its reciprocal (within 1.5 ulp; IEEE division by a constant is a
+    reciprocal and a Newton step with a slow path, per score)."""
+    raw = _as_f32(_raw(a))
+    if isinstance(raw, (Scalar, Vector)) and raw.dtype.is_float and _is_number(b) and b != 0:
+        return _multiply(a, 1.0 / b)
+    return _wrap(raw / _as_f32(_raw(b)))
+
+
 def _binary(op: Callable[[Any, Any], Any]) -> Callable[..., "ModValue"]:
     def apply(a: Any, b: Any, *_: Any, **__: Any) -> "ModValue":
         return _wrap(op(_as_f32(_raw(a)), _as_f32(_raw(b))))
+    return apply
+
+
+def _arguments_only(op: Callable[[Any, Any], "ModValue"]) -> Callable[..., "ModValue"]:
+    def apply(a: Any, b: Any, *_: Any, **__: Any) -> "ModValue":
+        return op(a, b)
     return apply
 
 
@@ -162,7 +234,7 @@ def _torch_functions() -> dict:
     import torch
     Tensor = torch.Tensor
     return {
-        torch.tanh: _unary(nvfly.tanh), Tensor.tanh: _unary(nvfly.tanh),
+        torch.tanh: _unary(_tanh), Tensor.tanh: _unary(_tanh),
         torch.exp: _unary(nvfly.exp), Tensor.exp: _unary(nvfly.exp),
         torch.exp2: _unary(nvfly.exp2), torch.log: _unary(nvfly.log), torch.log2: _unary(nvfly.log2),
         torch.sqrt: _unary(nvfly.sqrt), torch.rsqrt: _unary(nvfly.rsqrt), torch.erf: _unary(nvfly.erf),
@@ -171,8 +243,8 @@ def _torch_functions() -> dict:
         torch.abs: _unary(abs), Tensor.abs: _unary(abs), torch.neg: _unary(operator.neg),
         torch.where: _where, torch.clamp: _clamp, Tensor.clamp: _clamp,
         torch.minimum: _binary(nvfly.minimum), torch.maximum: _binary(nvfly.maximum),
-        torch.add: _binary(operator.add), torch.sub: _binary(operator.sub), torch.mul: _binary(operator.mul),
-        torch.div: _binary(operator.truediv),
+        torch.add: _arguments_only(_add), torch.sub: _arguments_only(lambda a, b: _add(a, b, True)),
+        torch.mul: _arguments_only(_multiply), torch.div: _arguments_only(_divide),
         torch.logical_and: _binary(operator.and_), torch.logical_or: _binary(operator.or_),
         torch.logical_not: _unary(lambda x: ~x),
         Tensor.__getitem__: _index,
@@ -184,10 +256,11 @@ _FUNCTIONS: dict = {}
 
 class ModValue:
     """A traced scalar as the mods see it: Python operators and the torch functions of ``_torch_functions``."""
-    __slots__ = ("value",)
+    __slots__ = ("value", "product")
 
-    def __init__(self, value: Any):
+    def __init__(self, value: Any, product: Optional[tuple] = None):
         self.value = value
+        self.product = product  # (m, n) when value = m * n (f32): a sum with it is one FMA
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -208,13 +281,13 @@ class ModValue:
         a, b = _as_f32(self.value), _as_f32(_raw(other))
         return _wrap(op(b, a) if reverse else op(a, b))
 
-    def __add__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a + b)
-    def __radd__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a + b, True)
-    def __sub__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a - b)
-    def __rsub__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a - b, True)
-    def __mul__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a * b)
-    def __rmul__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a * b, True)
-    def __truediv__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a / b)
+    def __add__(self, o: Any) -> "ModValue": return _add(self, o)
+    def __radd__(self, o: Any) -> "ModValue": return _add(o, self)
+    def __sub__(self, o: Any) -> "ModValue": return _add(self, o, True)
+    def __rsub__(self, o: Any) -> "ModValue": return _add(o, self, True)
+    def __mul__(self, o: Any) -> "ModValue": return _multiply(self, o)
+    def __rmul__(self, o: Any) -> "ModValue": return _multiply(o, self)
+    def __truediv__(self, o: Any) -> "ModValue": return _divide(self, o)
     def __rtruediv__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a / b, True)
     def __floordiv__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a // b)
     def __mod__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a % b)
@@ -252,13 +325,16 @@ def _arguments(mods: Mods, captured: tuple) -> tuple:
     return tuple(ModTensor(t) for t in captured[:mods.arguments])
 
 
-def apply_score_mod(mods: Mods, captured: tuple, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+def apply_score_mod(mods: Mods, captured: tuple, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any,
+                    scale: Any = None) -> Any:
     """The score after ``mods.score_mod`` (f32), or ``score`` without one; ``captured``: the kernel's captured
-    tensors (the mods' arguments, then the tensors of ``captured_tensors(mods)``)."""
+    tensors (the mods' arguments, then the tensors of ``captured_tensors(mods)``); ``scale``: the mod sees
+    ``score * scale`` (a product: a bias the mod adds fuses with it into one FMA)."""
     if mods.score_mod is None:
-        return score
+        return score if scale is None else score * scale
+    value = ModValue(score) if scale is None else _multiply(score, scale)
     with _capturing(mods, captured[mods.arguments:]):
-        out = _raw(mods.score_mod(ModValue(score), ModValue(b), ModValue(h), ModValue(q_idx), ModValue(kv_idx),
+        out = _raw(mods.score_mod(value, ModValue(b), ModValue(h), ModValue(q_idx), ModValue(kv_idx),
                                   *_arguments(mods, captured)))
     return out.to(nvfly.f32) if isinstance(out, Scalar) else nvfly.f32(float(out))
 

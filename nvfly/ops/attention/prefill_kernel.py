@@ -39,7 +39,7 @@ from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PINGPONG_BARRIER, PRODUCER_REGS,
-                                                  key_blocks, pipelined_loops)
+                                                  block_inside_bounds, key_blocks, pipelined_loops)
 from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
 
 LN2 = math.log(2.0)
@@ -282,10 +282,11 @@ def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
     s = issue_scores(ctx, state.k_state, PLAN)
     if PLAN.pingpong:
         scheduler_arrive(consumer)
+    kept = mask_mod_keeps(ctx, n, PLAN, MASKED, MASK_MOD, None)
     sm90.wait_group(0)
     if ctx.lane == 0:
         ctx.k_pipe.consumer_release(state.k_state)
-    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, None)
+    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, None, kept)
     acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
     ctx.v_pipe.consumer_wait(state.v_state)
     if PLAN.pingpong:
@@ -342,10 +343,11 @@ def first_block(state, ctx, n, PLAN, mod_off):
     ``mod_off``: a traced flag that turns the mask_mod off (a BlockMask's full block), or None."""
     ctx.k_pipe.consumer_wait(state.k_state)
     s = issue_scores(ctx, state.k_state, PLAN)
+    kept = mask_mod_keeps(ctx, n, PLAN, True, True, mod_off)
     sm90.wait_group(0)
     if ctx.lane == 0:
         ctx.k_pipe.consumer_release(state.k_state)
-    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, True, True, mod_off)
+    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, True, True, mod_off, kept)
     return Softmax(maxima, sums, state.acc, state.k_state.advance(), state.v_state, (fragments, rescales))
 
 
@@ -365,9 +367,10 @@ def overlapped_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
     acc = issue_pv(ctx, acc, pending, state.v_state)
     if PLAN.pingpong:
         scheduler_arrive(consumer)
+    kept = mask_mod_keeps(ctx, n, PLAN, MASKED, MASK_MOD, None)
     sm90.wait_group(1)
     s = s.fence()  # S's registers are read no earlier than its wait
-    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, None)
+    fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, None, kept)
     # K's release waits for the row sums (the condition always holds: sums are >= 0, or NaN): ptxas places the
     # wgmma wait right after the last arrive before it, and would otherwise run the exp2s after P·V, not under it
     if (ctx.lane == 0) & ~(sums[0] + sums[1] < 0.0):
@@ -421,40 +424,110 @@ def issue_pv(ctx, acc, fragments, v_state):
 
 
 @nvfly.func
-def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off):
-    """Key block ``n``'s scores (S) through the mods and masks and the online softmax step: (P as the P·V GEMM's
-    A fragments, the new maxima and sums, O's rescale factors). ``mod_off``: None, or a traced flag under which
-    the mask_mod keeps every key (the pipeline's first block when it may be a BlockMask's full block)."""
+def mask_mod_keeps(ctx, n, PLAN, MASKED, MASK_MOD, mod_off):
+    """The mask_mod's verdicts on the thread's scores of key block ``n`` as bits (bit i % 32 of word i // 32: score
+    i kept), or None without a mask_mod (or ``MASK_MOD`` False: a BlockMask's full block). It reads no score: the
+    kernel evaluates it between issuing S and waiting for it, so the loads of the tables it indexes (document ids,
+    a boolean mask) run under the GEMM instead of after it; bits, so that what waits with S is two registers, not
+    a predicate (or a table entry) a score. ``mod_off``: None, or a traced flag under which every key is kept (the
+    pipeline's first block when it may be a BlockMask's full block). Not with a score_mod, nor with the overlap's
+    second S tile: there the verdicts' pending loads spill (28-100 registers in the CPU tests' kernels); then
+    ``block_softmax`` evaluates the mask_mod score by score after the wait."""
+    mods = ctx.mods
+    if not MASK_MOD or mods.mask_mod is None or mods.score_mod is not None or PLAN.overlap:
+        return None
+    first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
+    mod_rows = (ctx.mod_row0, ctx.mod_row1)
+    words = []
+    scores = PLAN.block_n // 2
+    for w in nvfly.static_range((scores + 31) // 32):
+        word = nvfly.u32(0)
+        for i in nvfly.static_range(32 * w, min(32 * w + 32, scores)):
+            key = first_key + 8 * (i // 4) + i % 2
+            kept = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[row_of(i)],
+                                  mod_key(ctx, key, MASKED))
+            word = word | nvfly.select(kept, nvfly.u32(1 << (i % 32)), nvfly.u32(0))
+        if mod_off is not None:
+            word = word | nvfly.select(mod_off, nvfly.u32(0xFFFFFFFF), nvfly.u32(0))
+        words.append(word)
+    return words
+
+
+@nvfly.func
+def positional_keep(ctx, key, row, PLAN):
+    """Whether ``row`` sees ``key`` by the positional bounds: within the sequence, causal, window."""
+    keep = key < ctx.skv
+    if PLAN.causal:
+        keep = keep & (key <= row + ctx.high)
+    if PLAN.window:
+        keep = keep & (key >= row + ctx.low)
+    return keep
+
+
+@nvfly.func
+def positional_mask(scores, ctx, n, PLAN):
+    """Block ``n``'s scores (the thread's, a list) with those outside the positional bounds -inf."""
+    first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
+    rows = (ctx.row0, ctx.row0 + 8)
+    return [nvfly.select(positional_keep(ctx, first_key + 8 * (i // 4) + i % 2, rows[row_of(i)], PLAN), scores[i],
+                         NEG_INF) for i in range(len(scores))]
+
+
+@nvfly.func
+def block_inside(ctx, n, PLAN):
+    """Whether block ``n`` is inside the positional bounds of every row of the thread's warp (rows row0 - lane / 4
+    ... + 15): the same for the whole warp."""
+    return block_inside_bounds(ctx.row0 - ctx.lane // 4, 16, n * PLAN.block_n, PLAN.block_n, ctx.skv, PLAN.causal,
+                               PLAN.window, ctx.low, ctx.high)
+
+
+@nvfly.func
+def mod_key(ctx, key, MASKED):
+    """The key the mods see: within the sequence (a masked block's tail is clamped; its elements are dropped)."""
+    return nvfly.maximum(nvfly.minimum(key, ctx.skv - 1), 0) if MASKED else key
+
+
+@nvfly.func
+def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
+    """Key block ``n``'s scores (S) through the score_mod, the positional bounds (``MASKED``: the tail, causal and
+    window) and the mask_mod (``MASK_MOD``; its verdicts ``kept``, ``mask_mod_keeps``' bits, or when that is None
+    evaluated here, all kept under the traced flag ``mod_off`` if not None), and the online softmax step: (P as the
+    P·V GEMM's A fragments, the new maxima and sums, O's rescale factors)."""
     scores = [s[i] for i in range(len(s))]
     mods = ctx.mods
-    mask_mod = MASK_MOD and mods.mask_mod is not None
-    if MASKED or mods.score_mod is not None or mask_mod:
+    mask_here = kept is None and MASK_MOD and mods.mask_mod is not None
+    if MASKED or mods.score_mod is not None or kept is not None or mask_here:
         first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
         rows = (ctx.row0, ctx.row0 + 8)
         mod_rows = (ctx.mod_row0, ctx.mod_row1)
+        # a BlockMask lists blocks by its mask alone: whether one needs the positional bounds is known per block,
+        # at run time, for the warp's 16 rows (a uniform branch, so a block inside them runs none of their code)
+        branch = MASKED and PLAN.kv_block and not PLAN.overlap
         for i in nvfly.static_range(len(scores)):
             key = first_key + 8 * (i // 4) + i % 2
             r = row_of(i)
-            # the mods see keys within the sequence (a masked block's tail is clamped; its elements are dropped)
-            mod_key = nvfly.maximum(nvfly.minimum(key, ctx.skv - 1), 0) if MASKED else key
             if mods.score_mod is not None:
-                scores[i] = apply_score_mod(mods, ctx.captured, scores[i] * ctx.scale, ctx.batch, ctx.head,
-                                            mod_rows[r], mod_key)
+                scores[i] = apply_score_mod(mods, ctx.captured, scores[i], ctx.batch, ctx.head, mod_rows[r],
+                                            mod_key(ctx, key, MASKED), scale=ctx.scale)
             keep = None
-            if MASKED:
-                keep = key < ctx.skv
-                if PLAN.causal:
-                    keep = keep & (key <= rows[r] + ctx.high)
-                if PLAN.window:
-                    keep = keep & (key >= rows[r] + ctx.low)
-            if mask_mod:
-                kept = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[r], mod_key)
+            if MASKED and not branch:
+                keep = positional_keep(ctx, key, rows[r], PLAN)
+            verdict = None
+            if kept is not None:
+                verdict = (kept[i // 32] & nvfly.u32(1 << (i % 32))) != nvfly.u32(0)
+            if mask_here:
+                verdict = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[r],
+                                         mod_key(ctx, key, MASKED))
                 if mod_off is not None:
-                    kept = kept | mod_off
-                keep = kept if keep is None else keep & kept
+                    verdict = verdict | mod_off
+            if verdict is not None:
+                keep = verdict if keep is None else keep & verdict
             if keep is not None:
                 scores[i] = nvfly.select(keep, scores[i], NEG_INF)
-    MASKED = MASKED or mask_mod or mods.score_mod is not None  # rows may have no key kept yet (or -inf scores)
+        if branch:
+            if ~block_inside(ctx, n, PLAN):
+                scores = positional_mask(scores, ctx, n, PLAN)
+    MASKED = MASKED or kept is not None or mask_here or mods.score_mod is not None  # rows may have no key kept yet
     step = online_softmax(scores, state.maxima, state.sums, ctx.fold, MASKED)
     fragments = s.map(lambda x, i: step.p[i]).to_a_fragments(ctx.pv_atom)
     return fragments, step.maxima, step.sums, step.rescales

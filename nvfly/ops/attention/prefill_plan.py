@@ -139,6 +139,21 @@ def key_blocks(m_block: Any, skv: Any, causal: bool, window: bool, offset: Any, 
     return start, unmasked_start, unmasked_end, total
 
 
+def block_inside_bounds(first_row: Any, rows: int, first_key: Any, keys: int, skv: Any, causal: bool,
+                        window: bool, low: Any, high: Any) -> Any:
+    """Whether every key of [first_key, first_key + keys) is within Skv and the positional bounds of every row of
+    [first_row, first_row + rows): row r sees keys r + low (``window``) ... r + high (``causal``). The kernel asks
+    it of a BlockMask's listed blocks for a warp's 16 rows (traced values: a uniform branch skips the bounds' code
+    where it holds); the tests, of every block against a brute-force check."""
+    last_key = first_key + keys - 1
+    inside = last_key < skv
+    if causal:
+        inside = inside & (last_key <= first_row + high)
+    if window:
+        inside = inside & (first_key >= first_row + rows - 1 + low)
+    return inside
+
+
 def pipelined_loops(start: Any, unmasked_start: Any, unmasked_end: Any, total: Any,
                     maximum: Callable[[Any, Any], Any] = max) -> tuple[tuple[Any, Any, bool], ...]:
     """The overlapped walk's loops after its first block (``start``, run with the positional mask): (first, end,

@@ -40,10 +40,12 @@ def online_softmax(scores: list, maxima: list, sums: list, scale_log2: Any, mask
         top = nvfly.maximum(top, nvfly.shfl_xor(top, 2))
         reference = nvfly.select(top == NEG_INF, 0.0, top) if masked else top
         shift = reference * scale_log2
-        rescales.append(nvfly.exp2(maxima[r] * scale_log2 - shift))
-        shifts.append(shift)
+        rescales.append(nvfly.exp2(nvfly.fma(maxima[r], scale_log2, -shift)))
+        shifts.append(-shift)
         new_maxima.append(top)
-    p = [nvfly.exp2(x * scale_log2 - shifts[row_of(i)]) for i, x in enumerate(scores)]
+    # fused (one rounding; a separate multiply and subtract are an FMUL and an FADD a score: PTX's mul.rn / sub.rn
+    # forbid ptxas to contract them)
+    p = [nvfly.exp2(nvfly.fma(x, scale_log2, shifts[row_of(i)])) for i, x in enumerate(scores)]
     for r in nvfly.static_range(2):
         total = sums[r] * rescales[r]
         for i in nvfly.static_range(r * 2, len(p), 4):

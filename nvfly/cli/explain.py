@@ -126,18 +126,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_scaled(args: argparse.Namespace) -> int:
-    """``--scaled``: the FP8 scaled GEMM's plan for the shape (routing takes every eligible call)."""
-    from nvfly.ops import scaled
-    plan = scaled.describe(args.m, args.n, args.k, scaling=args.scaled, use_fast_accum=args.fast_accum)
-    routed = ("under nvfly.torch.routing(), torch._scaled_mm with bf16/fp16/fp32 output runs it on an sm_90 GPU "
-              "(fp8 output, scale_result, other GPUs: torch)")
-    if args.scaled.startswith("mx"):
-        routed = ("torch's MX calls stay on torch (their scales are cuBLAS's swizzled layout); nvfly.ops.scaled."
-                  "scaled_mm takes row-major (rows, K/32) e8m0 scales")
+    """``--scaled``: the FP8 scaled GEMM's plan for the shape, what routing does with it, and the candidates nvfly
+    adds to max-autotune's scaled-mm tuning (``nvfly.torch.scaled_ops.explain_scaled``)."""
+    from nvfly.torch.scaled_ops import explain_scaled
+    report = explain_scaled(args.m, args.n, args.k, scaling=args.scaled, use_fast_accum=args.fast_accum)
     if args.json:
-        print(json.dumps({"m": args.m, "n": args.n, "k": args.k, "scaling": args.scaled,
-                          "use_fast_accum": args.fast_accum, "nvfly": plan, "routing": routed}, indent=1))
+        print(json.dumps(report, indent=1))
+        return 0
+    lines = [f"FP8 scaled GEMM {args.m} x {args.n} x {args.k}, {args.scaled} scales"
+             f"{', fast accumulation' if args.fast_accum else ''}", f"  nvfly: {report['nvfly']}",
+             f"  routing: {report['routing']}"]
+    if isinstance(report["inductor"], str):
+        lines.append(f"  max-autotune: declined: {report['inductor']}")
     else:
-        print(f"FP8 scaled GEMM {args.m} x {args.n} x {args.k}, {args.scaled} scales"
-              f"{', fast accumulation' if args.fast_accum else ''}\n  nvfly: {plan}\n  routing: {routed}")
+        lines.append("  max-autotune (after nvfly.torch.install()), beside cuBLAS and Triton (nvfly::scaled_mm_out):")
+        lines += [f"    {c['config']}: {c['plan']}" for c in report["inductor"]]
+    if report["decisions"]:
+        lines.append("  decisions in this process:")
+        lines += [f"    {d}" for d in report["decisions"]]
+    print("\n".join(lines))
     return 0

@@ -329,7 +329,9 @@ def explain_scaled(m: int, n: int, k: int, *, scaling: str = "row", use_fast_acc
     report: dict[str, Any] = {"m": m, "n": n, "k": k, "scaling": scaling, "use_fast_accum": use_fast_accum,
                               "nvfly": describe_plan(make_plan(m, n, k, epilogue, None, None, sms))}
     if scaling in MX:
-        report["routing"] = report["inductor"] = mx_reason(scaling)
+        report["routing"] = ("stays on torch (torch passes cuBLAS's swizzled layout of MX scales); "
+                             "nvfly.ops.scaled.scaled_mm takes row-major (rows, K/32) e8m0 scales")
+        report["inductor"] = mx_reason(scaling)
     else:
         slower = slower_reason(scaling, m)
         report["routing"] = f"stays on torch: {slower}" if slower else \

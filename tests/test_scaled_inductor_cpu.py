@@ -129,7 +129,7 @@ def test_scaled_mm_out_fake_and_fallback():
     with FakeTensorMode() as mode:
         fa, fb, fsa, fsb = (mode.from_tensor(t) for t in (a, b, sa, sb))
         torch.ops.nvfly.scaled_mm_out(fa, fb, fsa, fsb, out=torch.empty(64, 256, dtype=torch.bfloat16))
-        with pytest.raises(ValueError, match=r"^nvfly::scaled_mm_out: out: expected shape \(64, 256\), got \(64, 128\)"):
+        with pytest.raises(ValueError, match=r"^nvfly::scaled_mm_out: out: expected shape \(64, 256\), got"):
             torch.ops.nvfly.scaled_mm_out(fa, fb, fsa, fsb, out=torch.empty(64, 128, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match="^nvfly::scaled_mm_out: b: shape"):
             torch.ops.nvfly.scaled_mm_out(fa, fb[:128], fsa, fsb, out=torch.empty(64, 256, dtype=torch.bfloat16))

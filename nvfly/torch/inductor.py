@@ -1,7 +1,8 @@
 """nvfly as a GEMM backend of TorchInductor's max-autotune, without patching torch.
 
     nvfly.torch.install()                                   # explicit; nvfly.torch.uninstall() undoes it
-    model = torch.compile(model, mode="max-autotune")       # mm / addmm / bmm / baddbmm: ATen, Triton, nvfly
+    model = torch.compile(model, mode="max-autotune")       # mm / addmm / bmm / baddbmm / _grouped_mm /
+                                                            # _scaled_mm: ATen, Triton, nvfly
 
 How a GEMM flows (torch 2.11 and 2.13 alike):
 1. Inductor's lowering of aten.mm/addmm/bmm/baddbmm asks ``V.choices.get_template_configs`` for choices. nvfly
@@ -19,6 +20,13 @@ How a GEMM flows (torch 2.11 and 2.13 alike):
 Grouped mm (``aten._grouped_mm``, MoE experts) does not ask ``V.choices``: the ``add_preprocessing_fn`` hook adds
 nvfly's grouped candidates (``grouped_ops.inductor_candidates``) next to the ATen choice, emitted as
 ``torch.ops.nvfly.grouped_mm_out``; the rest (compile, benchmark, fallback) is the GEMM's.
+
+FP8 scaled mm (``aten._scaled_mm``; in torch 2.13 also ``_scaled_mm_v2``, whose lowering uses the same ATen choice)
+asks ``V.choices`` with op name "scaled_mm": ``NvflyChoices`` appends nvfly's scaled-GEMM candidates
+(``scaled_ops.inductor_candidates``: "auto" and ScaledConfig strings) next to ATen's ``_scaled_mm`` choice, reading its
+out_dtype and use_fast_accum; the preprocessing hook adds them instead when another choices class holds the slot or
+the lowering never asked ``V.choices``. Declines (fp8 outputs, MX scales, layouts, dynamic shapes, ...:
+``scaled_ops.inductor_analysis``) are recorded; a winner is emitted as ``torch.ops.nvfly.scaled_mm_out``.
 
 Caching: a choice's ``hash_key()`` is its op, config and ``uuid()`` (nvfly's toolchain fingerprint, which
 includes nvfly's version and source hash, plus the codegen settings), identical across processes, so Inductor's
@@ -210,9 +218,9 @@ class NvflyChoices(InductorChoices):
                 kernel_inputs.nodes(), {n: kernel_inputs.get_scalar(n) for n in _SCALARS[_OPS[op_name]]},
                 kernel_inputs.output_layout(flexible=False)))
         elif op_name == "scaled_mm":  # _scaled_mm and, in torch >= 2.12, _scaled_mm_v2 (both call ATen's _scaled_mm)
-            _STATE.scaled_via_choices = True
             aten = [c for c in choices if isinstance(c, ExternKernelCaller) and c.choice.name == _SCALED_ATEN]
             if aten:
+                _STATE.scaled_via_choices = True
                 choices += scaled_choices(kernel_inputs.nodes(), kernel_inputs.output_layout(flexible=False),
                                           aten[0].kwargs)
         return choices

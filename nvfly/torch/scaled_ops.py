@@ -7,12 +7,12 @@ join Inductor's autotuning of ``aten._scaled_mm`` as the out-variant op ``nvfly:
 scale_b, bias=None, *, out, config="auto", use_fast_accum=False)`` (``nvfly.torch.inductor``; declines:
 ``inductor_analysis``); ``explain_scaled`` is ``nvfly explain --scaled``.
 
-Routing eligible: fp8 operands in _scaled_mm's layouts (a row-major, b column-major), a bf16, fp16 or fp32 output (torch's
-default output, fp8, stays on torch), no ``scale_result``, tensor-wise or row-wise fp32 scales, and 1x128 x 128x128 or
-1x128 x 1x128 block scales through ``_scaled_mm`` (v2's block scale layouts are declined until verified on the
-GPU), on an sm_90
-GPU; with a bias only where torch takes one (bf16/fp16 outputs). Of the eligible calls only those nvfly was measured
-faster on are routed (``slower_reason``, the rule below). Everything else stays on torch with a reason.
+Routing eligible: fp8 operands in _scaled_mm's layouts (a row-major, b column-major), a bf16, fp16 or fp32 output
+(torch's default output, fp8, stays on torch), no ``scale_result``, tensor-wise or row-wise fp32 scales, and 1x128 x
+128x128 or 1x128 x 1x128 block scales through ``_scaled_mm`` (v2's block scale layouts are declined until verified
+on the GPU), on an sm_90 GPU; with a bias only where torch takes one (bf16/fp16 outputs). Of the eligible calls only
+those nvfly was measured faster on are routed (``slower_reason``, the rule below). Everything else stays on torch
+with a reason.
 """
 from __future__ import annotations
 

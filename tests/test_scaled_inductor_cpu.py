@@ -17,7 +17,7 @@ from nvfly.ops.scaled.config import ScaledEpilogue
 from nvfly.ops.scaled.plan import make_plan
 from nvfly.ops.scaled.quantize import quantize
 from nvfly.torch import inductor, scaled_ops
-from nvfly.torch.gemm_ops import AUTO, TensorInfo, clear_decisions, decisions, decode_config, encode_config
+from nvfly.torch.gemm_ops import AUTO, TensorInfo, decisions, decode_config, encode_config
 from nvfly.torch.scaled_ops import inductor_analysis, inductor_candidates
 
 SMS = 132
@@ -141,22 +141,17 @@ def test_scaled_mm_out_fake_and_fallback():
 
 # ---------------------------------------------------------------------------------------------- inductor
 @pytest.fixture
-def compile_scaled_mm():
-    """torch.compile(max-autotune) of torch._scaled_mm on CPU with only ATen (and nvfly) to choose from."""
-    torch._dynamo.reset()
-    clear_decisions()
-    patches = {"max_autotune_gemm_backends": "ATEN", "fx_graph_cache": False, "autotune_local_cache": False}
-    with inductor_config.patch(patches):
-        def run(a, b, sa, sb, bias=None, dynamic=False, **kwargs):
-            fn = torch.compile(lambda a, b, sa, sb: torch._scaled_mm(a, b, sa, sb, bias, out_dtype=torch.bfloat16,
-                                                                     **kwargs),
-                               mode="max-autotune-no-cudagraphs", dynamic=dynamic)
-            out, code = run_and_get_code(fn, a, b, sa, sb)
-            assert torch.equal(out, torch._scaled_mm(a, b, sa, sb, bias, out_dtype=torch.bfloat16, **kwargs))
-            return "\n".join(code)
-        yield run
-    nvfly.torch.uninstall()
-    torch._dynamo.reset()
+def compile_scaled_mm(aten_max_autotune):
+    """torch.compile(max-autotune) of torch._scaled_mm (bf16 out) on CPU with only ATen (and nvfly) to choose from;
+    the result must be torch's eager one."""
+    def run(a, b, sa, sb, bias=None, dynamic=False, **kwargs):
+        fn = torch.compile(lambda a, b, sa, sb: torch._scaled_mm(a, b, sa, sb, bias, out_dtype=torch.bfloat16,
+                                                                 **kwargs),
+                           mode="max-autotune-no-cudagraphs", dynamic=dynamic)
+        out, code = run_and_get_code(fn, a, b, sa, sb)
+        assert torch.equal(out, torch._scaled_mm(a, b, sa, sb, bias, out_dtype=torch.bfloat16, **kwargs))
+        return "\n".join(code)
+    return run
 
 
 @pytest.fixture
@@ -201,12 +196,10 @@ def test_inductor_emits_nvfly_scaled_mm_out_when_it_wins(compile_scaled_mm, elig
     assert {f"nvfly {c}" for c in d.candidates} <= set(d.timings_ms)
 
 
-def test_inductor_declines_fp8_outputs(compile_scaled_mm, eligible_on_cpu):
+def test_inductor_declines_fp8_outputs(aten_max_autotune, eligible_on_cpu):
     nvfly.torch.install()
-    torch._dynamo.reset()
-    with inductor_config.patch({"max_autotune_gemm_backends": "ATEN", "fx_graph_cache": False}):
-        fn = torch.compile(lambda a, b, sa, sb: torch._scaled_mm(a, b, sa, sb), mode="max-autotune-no-cudagraphs")
-        _, code = run_and_get_code(fn, *_operands())
+    fn = torch.compile(lambda a, b, sa, sb: torch._scaled_mm(a, b, sa, sb), mode="max-autotune-no-cudagraphs")
+    _, code = run_and_get_code(fn, *_operands())
     assert "nvfly" not in "\n".join(code)
     (d,) = _inductor_decisions()
     assert d.reason.startswith("out_dtype torch.float8_e4m3fn")

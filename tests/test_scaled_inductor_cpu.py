@@ -51,7 +51,7 @@ def test_candidates_plan_and_differ(scaling, fast, m):
     n, k = 4096, 7168
     configs = inductor_candidates(m, n, k, scaling, fast, True, SMS, 4)
     assert configs[0] == AUTO and 1 <= len(configs) <= 4 and len(set(configs)) == len(configs)
-    epilogue = ScaledEpilogue(scaling, promote=scaling != "tensor" and scaling != "row" or not fast, bias=True)
+    epilogue = ScaledEpilogue(scaling, promote=scaling in ("block", "block1x128") or not fast, bias=True)
     plans = set()
     for text in configs:
         cfg, swap = decode_config(text, ScaledConfig)
@@ -231,3 +231,23 @@ def test_explain_lists_the_inductor_candidates(capsys):
     assert "swapAB-splitK2" in out
     assert main(["explain", "64", "4096", "4096", "--scaled", "mxfp8"]) == 0
     assert "max-autotune: declined: mxfp8 scales" in capsys.readouterr().out
+
+
+def test_preprocessing_hook_adds_scaled_choices_when_the_lowering_skips_v_choices(compile_scaled_mm, eligible_on_cpu,
+                                                                                   monkeypatch):
+    """Torch releases whose tuned_scaled_mm binds ATen's choice itself (no V.choices.get_template_configs call):
+    the preprocessing hook adds nvfly's choices."""
+    from torch._inductor.choices import InductorChoices
+    monkeypatch.setattr(inductor.NvflyChoices, "get_template_configs", InductorChoices.get_template_configs)
+    monkeypatch.setattr(inductor._STATE, "scaled_via_choices", False)
+    nvfly.torch.install()
+    assert "torch.ops.nvfly.scaled_mm_out.default(" in compile_scaled_mm(*_operands())
+    (d,) = _inductor_decisions()
+    assert d.winner == "nvfly auto" and not inductor._STATE.scaled_via_choices
+
+
+def test_the_v_choices_hook_joins_scaled_mm_on_this_torch(compile_scaled_mm, eligible_on_cpu):
+    nvfly.torch.install()
+    assert "torch.ops.nvfly.scaled_mm_out.default(" in compile_scaled_mm(*_operands())
+    assert inductor._STATE.scaled_via_choices  # torch 2.13's tuned_scaled_mm asks V.choices
+    assert len(_inductor_decisions()) == 1  # and the preprocessing hook did not add them a second time

@@ -2,7 +2,8 @@
 candidates Inductor would benchmark, their times, the winner and why (``nvfly.torch.explain``). Without a GPU
 nothing is timed; ``--benchmark`` times the candidates and torch now, on a CUDA GPU. ``--groups E``: a grouped GEMM
 (MoE experts) of E groups instead, M the routed rows in all (``--layout``, ``--fuse``):
-``nvfly.torch.grouped_ops.explain_grouped``.
+``nvfly.torch.grouped_ops.explain_grouped``. ``--scaled RECIPE``: an FP8 scaled GEMM (``torch._scaled_mm``) instead: the
+plan nvfly runs, what routing does, and the candidates nvfly adds to max-autotune (``scaled_ops.explain_scaled``).
 
 ``nvfly explain --sdpa B,HQ,HKV,SQ,SKV,D[,DV] [--causal] [--grad]``: what eager routing does with
 ``F.scaled_dot_product_attention`` on that shape: nvfly's decode or prefill, or torch's SDPA and why
@@ -77,7 +78,8 @@ def add_parser(commands: Any) -> None:
                         help="with --groups: the fused gate/up projection (N = I outputs of 2I weight columns)")
     parser.add_argument("--scaled", choices=SCALINGS, default=None,
                         help="an FP8 scaled GEMM (torch._scaled_mm) with these scales instead: what nvfly.ops.scaled "
-                             "runs (tensor, row, 1x128 x 128x128 or 1x128 x 1x128 block scales)")
+                             "runs (tensor, row, 1x128 x 128x128 or 1x128 x 1x128 block scales), what routing "
+                             "does, and nvfly's max-autotune candidates")
     parser.add_argument("--fast-accum", action="store_true", help="with --scaled: use_fast_accum=True")
     parser.set_defaults(run=run, parser=parser)
 

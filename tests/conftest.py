@@ -197,6 +197,24 @@ def recorded_launches(monkeypatch):
 
 
 @pytest.fixture
+def aten_max_autotune():
+    """Inductor's max-autotune on CPU with only ATen (and nvfly, once installed) to choose from: nothing reused from
+    caches, no decisions left from before; nvfly uninstalled afterwards."""
+    import torch
+    from torch._inductor import config as inductor_config
+
+    import nvfly.torch
+    from nvfly.torch.gemm_ops import clear_decisions
+    torch._dynamo.reset()
+    clear_decisions()
+    patches = {"max_autotune_gemm_backends": "ATEN", "fx_graph_cache": False, "autotune_local_cache": False}
+    with inductor_config.patch(patches):
+        yield
+    nvfly.torch.uninstall()
+    torch._dynamo.reset()
+
+
+@pytest.fixture
 def hopper():
     import torch
     major, _ = torch.cuda.get_device_capability()

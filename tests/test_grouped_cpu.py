@@ -325,24 +325,16 @@ def test_explain_covers_grouped_mm():
 
 
 @pytest.fixture
-def compile_grouped_mm():
+def compile_grouped_mm(aten_max_autotune):
     """torch.compile(max-autotune) of torch._grouped_mm on CPU with only ATen (and nvfly) to choose from."""
-    import nvfly.torch
-    from torch._inductor import config as inductor_config
     from torch._inductor.utils import run_and_get_code
-    from nvfly.torch.gemm_ops import clear_decisions
-    torch._dynamo.reset()
-    clear_decisions()
-    patches = {"max_autotune_gemm_backends": "ATEN", "fx_graph_cache": False, "autotune_local_cache": False}
-    with inductor_config.patch(patches):
-        def run(a, b, offs):
-            fn = torch.compile(lambda a, b, o: torch._grouped_mm(a, b, o), mode="max-autotune-no-cudagraphs")
-            out, code = run_and_get_code(fn, a, b, offs)
-            assert torch.allclose(out.float(), torch._grouped_mm(a, b, offs).float())
-            return "\n".join(code)
-        yield run
-    nvfly.torch.uninstall()
-    torch._dynamo.reset()
+
+    def run(a, b, offs):
+        fn = torch.compile(lambda a, b, o: torch._grouped_mm(a, b, o), mode="max-autotune-no-cudagraphs")
+        out, code = run_and_get_code(fn, a, b, offs)
+        assert torch.allclose(out.float(), torch._grouped_mm(a, b, offs).float())
+        return "\n".join(code)
+    return run
 
 
 def test_inductor_grouped_mm_candidates(compile_grouped_mm, monkeypatch):

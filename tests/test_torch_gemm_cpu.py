@@ -287,20 +287,14 @@ def test_a_failing_nvfly_call_falls_back_and_is_remembered(monkeypatch, hopper_m
 
 # ---------------------------------------------------------------------------------------------- inductor
 @pytest.fixture
-def compile_addmm():
+def compile_addmm(aten_max_autotune):
     """torch.compile(max-autotune) of an addmm on CPU with only ATen (and nvfly) to choose from."""
-    torch._dynamo.reset()
-    clear_decisions()
-    patches = {"max_autotune_gemm_backends": "ATEN", "fx_graph_cache": False, "autotune_local_cache": False}
-    with inductor_config.patch(patches):
-        def run(c, a, b):
-            fn = torch.compile(lambda c, a, b: torch.addmm(c, a, b, beta=0.5), mode="max-autotune-no-cudagraphs")
-            out, code = run_and_get_code(fn, c, a, b)
-            assert torch.allclose(out, torch.addmm(c, a, b, beta=0.5), atol=1e-5)
-            return "\n".join(code)
-        yield run
-    nvfly.torch.uninstall()
-    torch._dynamo.reset()
+    def run(c, a, b):
+        fn = torch.compile(lambda c, a, b: torch.addmm(c, a, b, beta=0.5), mode="max-autotune-no-cudagraphs")
+        out, code = run_and_get_code(fn, c, a, b)
+        assert torch.allclose(out, torch.addmm(c, a, b, beta=0.5), atol=1e-5)
+        return "\n".join(code)
+    return run
 
 
 @pytest.fixture

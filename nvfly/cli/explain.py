@@ -3,7 +3,9 @@ candidates Inductor would benchmark, their times, the winner and why (``nvfly.to
 nothing is timed; ``--benchmark`` times the candidates and torch now, on a CUDA GPU. ``--groups E``: a grouped GEMM
 (MoE experts) of E groups instead, M the routed rows in all (``--layout``, ``--fuse``):
 ``nvfly.torch.grouped_ops.explain_grouped``; with ``--scaled row|block`` the grouped FP8 GEMM
-(``nvfly.torch.scaled_grouped_ops.explain_scaled_grouped``).
+(``nvfly.torch.scaled_grouped_ops.explain_scaled_grouped``). ``--scaled RECIPE`` without ``--groups``: an FP8
+scaled GEMM (``torch._scaled_mm``) instead: the plan nvfly runs, what routing does, and the candidates nvfly adds to
+max-autotune (``scaled_ops.explain_scaled``).
 
 ``nvfly explain --sdpa B,HQ,HKV,SQ,SKV,D[,DV] [--causal] [--grad]``: what eager routing does with
 ``F.scaled_dot_product_attention`` on that shape: nvfly's decode or prefill, or torch's SDPA and why
@@ -78,7 +80,8 @@ def add_parser(commands: Any) -> None:
                         help="with --groups: the fused gate/up projection (N = I outputs of 2I weight columns)")
     parser.add_argument("--scaled", choices=SCALINGS, default=None,
                         help="an FP8 scaled GEMM (torch._scaled_mm) with these scales instead: what nvfly.ops.scaled "
-                             "runs (tensor, row, 1x128 x 128x128 or 1x128 x 1x128 block scales)")
+                             "runs (tensor, row, 1x128 x 128x128 or 1x128 x 1x128 block scales), what routing "
+                             "does, and nvfly's max-autotune candidates")
     parser.add_argument("--fast-accum", action="store_true", help="with --scaled: use_fast_accum=True")
     parser.set_defaults(run=run, parser=parser)
 
@@ -134,18 +137,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_scaled(args: argparse.Namespace) -> int:
-    """``--scaled``: the FP8 scaled GEMM's plan for the shape (routing takes every eligible call)."""
-    from nvfly.ops import scaled
-    plan = scaled.describe(args.m, args.n, args.k, scaling=args.scaled, use_fast_accum=args.fast_accum)
-    routed = ("under nvfly.torch.routing(), torch._scaled_mm with bf16/fp16/fp32 output runs it on an sm_90 GPU "
-              "(fp8 output, scale_result, other GPUs: torch)")
-    if args.scaled.startswith("mx"):
-        routed = ("torch's MX calls stay on torch (their scales are cuBLAS's swizzled layout); nvfly.ops.scaled."
-                  "scaled_mm takes row-major (rows, K/32) e8m0 scales")
+    """``--scaled``: the FP8 scaled GEMM's plan for the shape, what routing does with it, and the candidates nvfly
+    adds to max-autotune's scaled-mm tuning (``nvfly.torch.scaled_ops.explain_scaled``)."""
+    from nvfly.torch.scaled_ops import explain_scaled
+    report = explain_scaled(args.m, args.n, args.k, scaling=args.scaled, use_fast_accum=args.fast_accum)
     if args.json:
-        print(json.dumps({"m": args.m, "n": args.n, "k": args.k, "scaling": args.scaled,
-                          "use_fast_accum": args.fast_accum, "nvfly": plan, "routing": routed}, indent=1))
+        print(json.dumps(report, indent=1))
+        return 0
+    lines = [f"FP8 scaled GEMM {args.m} x {args.n} x {args.k}, {args.scaled} scales"
+             f"{', fast accumulation' if args.fast_accum else ''}", f"  nvfly: {report['nvfly']}",
+             f"  routing: {report['routing']}"]
+    if isinstance(report["inductor"], str):
+        lines.append(f"  max-autotune: declined: {report['inductor']}")
     else:
-        print(f"FP8 scaled GEMM {args.m} x {args.n} x {args.k}, {args.scaled} scales"
-              f"{', fast accumulation' if args.fast_accum else ''}\n  nvfly: {plan}\n  routing: {routed}")
+        lines.append("  max-autotune (after nvfly.torch.install()), beside cuBLAS and Triton (nvfly::scaled_mm_out):")
+        lines += [f"    {c['config']}: {c['plan']}" for c in report["inductor"]]
+    if report["decisions"]:
+        lines.append("  decisions in this process:")
+        lines += [f"    {d}" for d in report["decisions"]]
+    print("\n".join(lines))
     return 0

@@ -11,9 +11,9 @@
     print(nvfly.torch.explain(16, 4096, 4096))  # candidates, times, winner, and why nvfly was declined or lost
     print(nvfly.torch.explain_sdpa(1, 32, 8, 4096, 4096, 128, is_causal=True))  # which kernel runs SDPA, and why
 
-Importing this package registers nvfly's GEMM, grouped-GEMM and attention custom ops (``torch.ops.nvfly.*``) and
-changes nothing else: Inductor hooks are installed by ``install()`` only, aten routes by ``routing()`` /
-``enable_routing()`` only.
+Importing this package registers nvfly's GEMM, grouped-GEMM, scaled-GEMM and attention custom ops
+(``torch.ops.nvfly.*``) and changes nothing else: Inductor hooks are installed by ``install()`` only, aten routes by
+``routing()`` / ``enable_routing()`` only.
 No GPU is needed to import it.
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 from nvfly.torch import attention_ops, grouped_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode,
 # SDPA route; grouped_ops: nvfly::grouped_mm, the _grouped_mm route)
 from nvfly.torch import flex_compile  # noqa: F401  (nvfly::flex_attention: flex under torch.compile)
-from nvfly.torch import scaled_grouped_ops, scaled_ops  # noqa: F401  (the _scaled_mm and _scaled_grouped_mm routes)
+from nvfly.torch import scaled_grouped_ops, scaled_ops  # noqa: F401  (the _scaled_mm and _scaled_grouped_mm routes,
+# nvfly::scaled_mm_out)
 from nvfly.torch.autotune import autotune, database
 from nvfly.torch.explain import explain, explain_sdpa
 from nvfly.torch.routing import install_routing, routing_enabled

@@ -45,12 +45,10 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 
 # ---------------------------------------------------------------------------------------------- config strings
-_FIELD_TYPES = {f.name: type(f.default) for f in dataclasses.fields(GemmConfig)}  # int or bool, written as ints
-
-
-def encode_config(config: Optional[GemmConfig], swap: bool = False) -> str:
-    """The config string of a forced config (every field, so it is stable and readable), ``"auto"`` for None.
-    ``swap``: run the config on the transposed problem (B^T A^T)^T, as the host does for small M."""
+def encode_config(config: Optional[Any], swap: bool = False) -> str:
+    """The config string of a forced config (a ``GemmConfig``, or another kernel's config dataclass of int and bool
+    fields, e.g. ``ScaledConfig``: every field, so it is stable and readable), ``"auto"`` for None. ``swap``: run
+    the config on the transposed problem (B^T A^T)^T, as the host does for small M."""
     if config is None:
         return AUTO
     body = ",".join(f"{f.name}={int(getattr(config, f.name))}" for f in dataclasses.fields(config))
@@ -58,17 +56,19 @@ def encode_config(config: Optional[GemmConfig], swap: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=1024)
-def decode_config(text: str) -> tuple[Optional[GemmConfig], bool]:
-    """(config or None for ``"auto"``, swap) of a config string; ValueError if it is malformed."""
+def decode_config(text: str, kind: type = GemmConfig) -> tuple[Optional[Any], bool]:
+    """(config of class ``kind``, or None for ``"auto"``; swap) of a config string; ValueError if it is
+    malformed."""
     if text == AUTO:
         return None, False
     swap = text.startswith(_SWAP)
     body = text[len(_SWAP):] if swap else text
+    types = {f.name: type(f.default) for f in dataclasses.fields(kind)}  # int or bool, written as ints
     try:
         fields = dict(item.split("=", 1) for item in body.split(","))
-        return GemmConfig(**{name: _FIELD_TYPES[name](int(value)) for name, value in fields.items()}), swap
+        return kind(**{name: types[name](int(value)) for name, value in fields.items()}), swap
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"malformed nvfly GEMM config string {text!r}: {exc}") from None
+        raise ValueError(f"malformed nvfly {kind.__name__} config string {text!r}: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------- workloads

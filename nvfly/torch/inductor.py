@@ -1,7 +1,8 @@
 """nvfly as a GEMM backend of TorchInductor's max-autotune, without patching torch.
 
     nvfly.torch.install()                                   # explicit; nvfly.torch.uninstall() undoes it
-    model = torch.compile(model, mode="max-autotune")       # mm / addmm / bmm / baddbmm: ATen, Triton, nvfly
+    model = torch.compile(model, mode="max-autotune")       # mm / addmm / bmm / baddbmm / _grouped_mm /
+                                                            # _scaled_mm: ATen, Triton, nvfly
 
 How a GEMM flows (torch 2.11 and 2.13 alike):
 1. Inductor's lowering of aten.mm/addmm/bmm/baddbmm asks ``V.choices.get_template_configs`` for choices. nvfly
@@ -19,6 +20,13 @@ How a GEMM flows (torch 2.11 and 2.13 alike):
 Grouped mm (``aten._grouped_mm``, MoE experts) does not ask ``V.choices``: the ``add_preprocessing_fn`` hook adds
 nvfly's grouped candidates (``grouped_ops.inductor_candidates``) next to the ATen choice, emitted as
 ``torch.ops.nvfly.grouped_mm_out``; the rest (compile, benchmark, fallback) is the GEMM's.
+
+FP8 scaled mm (``aten._scaled_mm``; in torch 2.13 also ``_scaled_mm_v2``, whose lowering uses the same ATen choice)
+asks ``V.choices`` with op name "scaled_mm": ``NvflyChoices`` appends nvfly's scaled-GEMM candidates
+(``scaled_ops.inductor_candidates``: "auto" and ScaledConfig strings) next to ATen's ``_scaled_mm`` choice, reading its
+out_dtype and use_fast_accum; the preprocessing hook adds them instead when another choices class holds the slot or
+the lowering never asked ``V.choices``. Declines (fp8 outputs, MX scales, layouts, dynamic shapes, ...:
+``scaled_ops.inductor_analysis``) are recorded; a winner is emitted as ``torch.ops.nvfly.scaled_mm_out``.
 
 Caching: a choice's ``hash_key()`` is its op, config and ``uuid()`` (nvfly's toolchain fingerprint, which
 includes nvfly's version and source hash, plus the codegen settings), identical across processes, so Inductor's
@@ -56,6 +64,7 @@ from nvfly.torch.autotune import candidates, database
 from nvfly.ops import grouped
 from nvfly.torch.gemm_ops import (Decision, TensorInfo, Workload, analyze, bound_reason, nvfly_gemm, precompile,
                                   record)
+from nvfly.torch import scaled_ops
 from nvfly.torch.grouped_ops import bench_grouped_mm_out, inductor_candidates, out_bound_reason, precompile_grouped
 
 log = logging.getLogger("nvfly")
@@ -71,6 +80,7 @@ class _State:
     prior_choices: Optional[Callable[[], Any]] = None  # the choices factory nvfly replaced
     via_preprocessing: bool = False
     hooks_registered: bool = False  # the feedback saver and preprocessing hook (they cannot be removed)
+    scaled_via_choices: bool = False  # this torch's scaled-mm lowering was seen asking V.choices
 
 
 _STATE = _State()
@@ -207,21 +217,33 @@ class NvflyChoices(InductorChoices):
             choices += nvfly_choices(op_name, lambda: (
                 kernel_inputs.nodes(), {n: kernel_inputs.get_scalar(n) for n in _SCALARS[_OPS[op_name]]},
                 kernel_inputs.output_layout(flexible=False)))
+        elif op_name == "scaled_mm":  # _scaled_mm and, in torch >= 2.12, _scaled_mm_v2 (both call ATen's _scaled_mm)
+            aten = [c for c in choices if isinstance(c, ExternKernelCaller) and c.choice.name == _SCALED_ATEN]
+            if aten:
+                _STATE.scaled_via_choices = True
+                choices += scaled_choices(kernel_inputs.nodes(), kernel_inputs.output_layout(flexible=False),
+                                          aten[0].kwargs)
         return choices
 
 
 _TEMPLATE_CONFIGS_SIGNATURE = inspect.signature(InductorChoices.get_template_configs)
 _SCALARS = {"mm_out": (), "addmm_out": ("beta", "alpha")}
+_SCALED_ATEN = "_scaled_mm"  # the name of Inductor's ATen choice for scaled mm (aten._scaled_mm.out)
 
 
 def _preprocess(choices: list[Any]) -> list[Any]:
-    """Add nvfly's grouped-mm choices next to ATen's; and, when another choices class holds the slot, nvfly's GEMM
-    choices next to the ATen GEMM."""
+    """Add nvfly's grouped-mm choices next to ATen's; nvfly's scaled-mm choices next to ATen's when the lowering did
+    not ask ``NvflyChoices`` (another choices class holds the slot, or this torch's lowering does not ask V.choices);
+    and, when another choices class holds the slot, nvfly's GEMM choices next to the ATen GEMM."""
     if not _STATE.active or any(isinstance(c, NvflyCaller) for c in choices):
         return choices
     for c in choices:
         if isinstance(c, ExternKernelCaller) and c.choice.name == "_grouped_mm":
             return choices + grouped_choices(c)
+        if isinstance(c, ExternKernelCaller) and c.choice.name == _SCALED_ATEN:
+            if _STATE.via_preprocessing or not _STATE.scaled_via_choices:
+                return choices + scaled_choices(c.input_nodes, c.layout, c.kwargs)
+            return choices
     if not _STATE.via_preprocessing:
         return choices
     for c in choices:
@@ -289,6 +311,39 @@ def grouped_choices(aten: Any) -> list[Any]:
     return callers
 
 
+def scaled_choices(nodes: Sequence[Any], layout: Any, aten_kwargs: dict[str, Any]) -> list[Any]:
+    """nvfly's choices for one scaled-mm lowering (``nodes``: a, b, scale_a, scale_b and a bias if any; the output
+    layout; the ATen choice's out_dtype and use_fast_accum); [] with the reason recorded when nvfly is declined.
+    Never raises."""
+    try:
+        a, b, scale_a, scale_b, *bias = [_operand(n) for n in nodes]
+        out = TensorInfo(_ints(layout.size), _ints(layout.stride), layout.dtype, layout.device,
+                         _ints([layout.offset])[0] * layout.dtype.itemsize % 16)
+    except Exception as exc:
+        record(Decision("inductor", "scaled_mm", (0, 0, 0, 0), "(operands unknown)",
+                        reason=f"workload analysis failed: {type(exc).__name__}: {exc}"))
+        return []
+    fast = bool(aten_kwargs.get("use_fast_accum", False))
+    declined = _declined({})
+    scaling, reason = (None, declined) if declined else scaled_ops.inductor_analysis(
+        a, b, scale_a, scale_b, bias[0] if bias else None, out, aten_kwargs.get("out_dtype"))
+    if reason:
+        record(Decision.of("inductor", "scaled_mm", a, b, reason=reason))
+        return []
+    try:
+        configs = scaled_ops.inductor_candidates(a.shape[0], b.shape[1], a.shape[1], scaling, fast, bool(bias),
+                                                 sm_count(a.device.index), _STATE.max_candidates)
+        callers = [_extern_choice("scaled_mm_out").bind(nodes, layout, config=cfg, use_fast_accum=fast)
+                   for cfg in configs]
+        decision = record(Decision.of("inductor", "scaled_mm", a, b, candidates=tuple(configs)))
+        for caller in callers:
+            caller.start_compile([a, b, scale_a, scale_b, *bias], decision)
+    except Exception as exc:
+        record(Decision.of("inductor", "scaled_mm", a, b, reason=f"candidate generation failed: {exc}"))
+        return []
+    return callers
+
+
 def _declined(scalars: dict[str, Any]) -> Optional[str]:
     """Why nvfly sits out this autotuning, whatever the operands are."""
     if not (inductor_config.max_autotune or inductor_config.max_autotune_gemm):
@@ -300,19 +355,21 @@ def _declined(scalars: dict[str, Any]) -> Optional[str]:
     return None
 
 
+def _ints(values: Sequence[Any]) -> tuple[int, ...]:
+    """Static sizes, strides or offsets (ValueError for a symbolic one)."""
+    out = []
+    for v in values:
+        if not isinstance(v, (int, sympy.Integer)):
+            raise ValueError(f"dynamic shape ({v}): nvfly needs static sizes and strides")
+        out.append(int(v))
+    return tuple(out)
+
+
 def _operand(node: Any) -> TensorInfo:
     """The static metadata of an IR input (ValueError when a size, stride or offset is symbolic)."""
-    def ints(values: Sequence[Any]) -> tuple[int, ...]:
-        out = []
-        for v in values:
-            if not isinstance(v, (int, sympy.Integer)):
-                raise ValueError(f"dynamic shape ({v}): nvfly needs static sizes and strides")
-            out.append(int(v))
-        return tuple(out)
-
     dtype = node.get_dtype()
-    offset = ints([node.get_layout().offset])[0] * dtype.itemsize
-    return TensorInfo(ints(node.get_size()), ints(node.get_stride()), dtype, node.get_device(), offset % 16)
+    offset = _ints([node.get_layout().offset])[0] * dtype.itemsize
+    return TensorInfo(_ints(node.get_size()), _ints(node.get_stride()), dtype, node.get_device(), offset % 16)
 
 
 def _candidates(w: Workload, device: torch.device) -> list[str]:
@@ -350,9 +407,13 @@ def _bench_addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, out: torc
     nvfly_gemm(a, b, c, alpha=alpha, beta=beta, out=out, config=config)
 
 
-_BENCH = {"mm_out": _bench_mm, "addmm_out": _bench_addmm, "grouped_mm_out": bench_grouped_mm_out}
+_BENCH = {"mm_out": _bench_mm, "addmm_out": _bench_addmm, "grouped_mm_out": bench_grouped_mm_out,
+          "scaled_mm_out": scaled_ops.bench_scaled_mm_out}
 # why the emitted op ran torch for a benchmark's operands (then its time is torch's)
-_BOUND_REASON = {"mm_out": bound_reason, "addmm_out": bound_reason, "grouped_mm_out": out_bound_reason}
+_BOUND_REASON = {"mm_out": bound_reason, "addmm_out": bound_reason, "grouped_mm_out": out_bound_reason,
+                 "scaled_mm_out": scaled_ops.out_bound_reason}
+# the ops whose kernels specialise on the output's layout: precompiled with a stand-in output
+_PRECOMPILE_OUT = {"grouped_mm_out": precompile_grouped, "scaled_mm_out": scaled_ops.precompile_scaled}
 _EXTERN: dict[str, "NvflyExternChoice"] = {}
 
 
@@ -406,11 +467,11 @@ class NvflyCaller(ExternKernelCaller):
     def _compile(self, operands: Sequence[TensorInfo]) -> None:
         # stand-ins with the operands' sizes and strides give the exact kernel specialisations of the real call
         tensors = [torch.empty_strided(o.shape, o.strides, dtype=o.dtype, device=o.device) for o in operands]
-        if self.choice.op == "grouped_mm_out":
+        if self.choice.op in _PRECOMPILE_OUT:
             layout = self.layout
             out = torch.empty_strided([int(s) for s in layout.size], [int(s) for s in layout.stride],
                                       dtype=layout.dtype, device=layout.device)
-            precompile_grouped(*tensors, out=out, config=self.kwargs["config"])
+            _PRECOMPILE_OUT[self.choice.op](*tensors, out=out, **self.kwargs)
             return
         *c, a, b = tensors
         precompile(a, b, *c, config=self.kwargs["config"])

@@ -245,6 +245,13 @@ def eligibility(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
         scaling = check(a, b, scale_a, scale_b, bias, out_dtype, out)
     except (TypeError, ValueError) as exc:
         return str(exc)
+    return placement_reason(a, b, scale_a, scale_b, bias, out)
+
+
+def placement_reason(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None, out: Any = None) -> Optional[str]:
+    """Why nvfly cannot run operands that passed ``check`` where they are (device, GPU, TMA strides and alignment),
+    or None; reads only their devices, shapes, strides and ``data_ptr()`` (an address, or its value modulo 16 for
+    operands described at compile time)."""
     if not a.is_cuda:
         return f"a is on {a.device}, not CUDA"
     for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("bias", bias), ("out", out)):

@@ -245,13 +245,15 @@ def eligibility(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
         scaling = check(a, b, scale_a, scale_b, bias, out_dtype, out)
     except (TypeError, ValueError) as exc:
         return str(exc)
-    return placement_reason(a, b, scale_a, scale_b, bias, out)
+    return placement_reason(a, b, scale_a, scale_b, bias, out, scaling)
 
 
-def placement_reason(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None, out: Any = None) -> Optional[str]:
-    """Why nvfly cannot run operands that passed ``check`` where they are (device, GPU, TMA strides and alignment),
-    or None; reads only their devices, shapes, strides and ``data_ptr()`` (an address, or its value modulo 16 for
-    operands described at compile time)."""
+def placement_reason(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None, out: Any = None,
+                     scaling: Optional[str] = None) -> Optional[str]:
+    """Why nvfly cannot run operands that passed ``check`` (whose recipe is ``scaling``) where they are (device,
+    GPU, TMA strides and alignment; the streaming kernel's 16-byte loads for MXFP4 x bf16), or None; reads only
+    their devices, shapes, strides and ``data_ptr()`` (an address, or its value modulo 16 for operands described at
+    compile time)."""
     if not a.is_cuda:
         return f"a is on {a.device}, not CUDA"
     for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("bias", bias), ("out", out)):

@@ -89,7 +89,7 @@ _ROUTES: dict[RouteKey, Route] = {}
 _FALLTHROUGHS: dict[RouteKey, Any] = {}  # the kernel torch has on a registered key (None: nothing to route)
 _KERNELS: dict[RouteKey, Callable[..., Any]] = {}  # each route's kernel, made once: its decisions outlive blocks
 _KEY_MAP: dict[str, str] = {}  # a route's dispatch key -> the key it is registered on (``on_keys``; tests)
-_LIBRARY: Optional[torch.library.Library] = None  # the registrations in force (None: none)
+_LIBRARY: Any = None  # the dispatcher library holding the registrations in force (None: none)
 _REGISTERED: tuple[RouteKey, ...] = ()  # the routes registered now
 _HOLDS = 0  # enabled routing() blocks in progress and enable_routing() holders, in every thread
 _LOCK = threading.RLock()
@@ -240,9 +240,11 @@ def _sync(force: bool = False) -> None:
     registered = []
     for key, name, kernel, dispatch_key in plan:
         if _LIBRARY is None:
-            _LIBRARY = torch.library.Library("aten", "IMPL")
+            # the dispatcher's library object, not torch.library.Library: its Python bookkeeping (a finalizer, a
+            # frame walk, checks) would double what a block's start costs; same calls (torch 2.1 to 2.13)
+            _LIBRARY = torch._C._dispatch_library("IMPL", "aten", "", __file__, _LINE)
         try:
-            _LIBRARY.impl(name, kernel, dispatch_key, with_keyset=True)
+            _LIBRARY.impl(name, dispatch_key, kernel, True)
         except RuntimeError as exc:  # not routed: the op stays torch's
             log.debug("nvfly: not routing %s: %s", key[0], exc)
             continue
@@ -250,10 +252,13 @@ def _sync(force: bool = False) -> None:
     _REGISTERED = tuple(registered)
 
 
+_LINE = _sync.__code__.co_firstlineno  # where the registrations say they come from (torch's dispatcher dumps)
+
+
 def _unregister() -> None:
     global _LIBRARY, _REGISTERED
     if _LIBRARY is not None:
-        _LIBRARY._destroy()  # the registrations go: torch's kernels are the ones dispatched again
+        _LIBRARY.reset()  # the registrations go: torch's kernels are the ones dispatched again
     _LIBRARY, _REGISTERED = None, ()
 
 

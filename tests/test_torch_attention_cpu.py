@@ -216,6 +216,21 @@ def test_sdpa_sq1_stays_with_cudnn(fake_cuda, monkeypatch):
     assert A._sdpa_reason(q4, k, k, False, True, False) is None  # Sq >= 2 goes to nvfly whatever torch picks
 
 
+@pytest.mark.parametrize("batch,sq,mask", [(1, 2, False), (1, 4, False), (1, 8, False), (8, 4, False),
+                                            (8, 4, True)])
+def test_speculative_decoding_rows_go_to_nvfly_where_torch_picks_cudnn(fake_cuda, monkeypatch, batch, sq, mask):
+    """benchmarks/models.py's spec-decode rows: Sq 2-8 drafts over a 32K cache (Llama 32/8), with or without a padding
+    mask over the batch, run nvfly's decode even where torch picks cuDNN; the drafts' own causality as a mask with a
+    row per query does not."""
+    monkeypatch.setattr(A, "_torch_backend", lambda *args: "cudnn")
+    qs, ks = _sdpa_shapes(batch=batch, sq=sq)
+    q, k = fake_cuda(qs), fake_cuda(ks)
+    padding = fake_cuda((batch, 1, 1, 32768), torch.bool) if mask else None
+    assert A._sdpa_reason(q, k, k, False, True, False, mask=padding) is None
+    rows = fake_cuda((batch, 1, sq, 32768), torch.bool)
+    assert "a row per query" in A._sdpa_reason(q, k, k, False, True, False, mask=rows)
+
+
 def test_sdpa_prefill_stays_with_cudnn(fake_cuda, monkeypatch):
     q, k = fake_cuda(_sdpa_shapes(sq=4096, skv=4096)[0]), fake_cuda(_sdpa_shapes(sq=4096, skv=4096)[1])
     picked = []

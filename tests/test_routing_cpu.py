@@ -25,6 +25,15 @@ def ours(op: str, key: str) -> bool:
     return "nvfly/torch/routing.py" in repr(torch.library.get_kernel(op, key))
 
 
+def drop_route(key):
+    """Remove a test's route (and its registration, inside a block)."""
+    with routing._LOCK:
+        routing._ROUTES.pop(key)
+        routing._KERNELS.pop(key, None)
+        routing._FALLTHROUGHS.pop(key, None)
+        routing._forget_plan(force=True)
+
+
 @pytest.fixture(autouse=True)
 def no_routing_left():
     assert routing._HOLDS == 0 and routing.installed() == []
@@ -54,11 +63,7 @@ def counted_topk():
 
     routing._KERNELS[(TOPK, "CPU")] = kernel  # the kernel the next plan registers
     yield calls, decisions
-    with routing._LOCK:
-        routing._ROUTES.pop((TOPK, "CPU"))
-        routing._KERNELS.pop((TOPK, "CPU"), None)
-        routing._FALLTHROUGHS.pop((TOPK, "CPU"), None)
-        routing._forget_plan(force=True)
+    drop_route((TOPK, "CPU"))
 
 
 def test_routes_are_registered_only_inside_routing_blocks():
@@ -193,11 +198,7 @@ def test_a_route_added_inside_a_block_is_registered_at_once():
             torch.topk(x, 2)
             assert reached == [2] and ours(TOPK, "CPU")
         finally:
-            with routing._LOCK:
-                routing._ROUTES.pop((TOPK, "CPU"))
-                routing._KERNELS.pop((TOPK, "CPU"), None)
-                routing._FALLTHROUGHS.pop((TOPK, "CPU"), None)
-                routing._forget_plan(force=True)
+            drop_route((TOPK, "CPU"))
         assert not ours(TOPK, "CPU") and ours(TOPK, "CUDA")
 
 

@@ -429,7 +429,7 @@ def register_routes() -> None:
         for overload in (op, f"{op}.out"):
             eligibility, run, signature = _route(op, with_c)
             routing.register_route(f"aten::{overload}", eligibility, run, signature=signature,
-                                   wanted=functools.partial(_nvfly_wins_somewhere, batched))
+                                   wanted=lambda batched=batched: _nvfly_wins_somewhere(batched))
 
 
 # GEMM adds its routes when this module is imported (nvfly.torch imports it), so routing needs no import of it;

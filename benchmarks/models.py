@@ -14,11 +14,12 @@ Cases (bf16, H200 sizes from docs/torch-attention.md):
   on a decode step (B 16, 8K cache): the mask read by nvfly's kernel vs torch's memory-efficient (or cuDNN) kernel.
 - ``spec-decode``: a speculative-decoding verification step, Sq = 2, 4 or 8 query tokens (the drafts) over a 32K
   cache: the Llama layer on 4 tokens (B 1), SDPA alone on Llama's 32/8 heads (B 1 and 8; Sq 2 and 8 without
-  ``--quick``), and with a (B, 1, 1, Skv) boolean padding mask over a padded batch of 8. Torch's kernels run each
-  query head over its KV head at Sq >= 2 (cuDNN ~0.9 TB/s at Sq 4), nvfly's decode packs the group (docs/ops/
-  attention.md): routing sends these to nvfly (each row records ``explain_sdpa``'s verdict with the decision). The
-  drafts attend to every cached key and to each other (``is_causal=False``): a mask with a row per query, as the
-  drafts' own causality needs, is declined by nvfly's decode (torch runs it).
+  ``--quick``), with a (B, 1, 1, Skv) boolean padding mask over a padded batch of 8, and with HF's eager mask for
+  the step (``hf_mask("additive")``: (B, 1, Sq, Skv) bf16, the drafts' own causality and the padding, a row per
+  query). Torch's kernels run each query head over its KV head at Sq >= 2 (cuDNN ~0.9 TB/s at Sq 4), nvfly's decode
+  packs the group (docs/ops/attention.md): routing sends these to nvfly (unmasked rows record ``explain_sdpa``'s
+  verdict with the decision). Without a mask the drafts attend to every cached key and to each other
+  (``is_causal=False``, as the layer row does).
 (The Gemma-2-style flex_attention block joins once nvfly is a flex_attention backend.)
 
 Every case first checks the routed output against eager (relative error < 2e-2) and records what routing decided
@@ -297,9 +298,10 @@ def spec_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     torch.cuda.empty_cache()
     shapes = [(batch, Q_HEADS, KV_HEADS, sq, context, HEAD, HEAD)
               for batch, sq in ([(1, 4), (8, 4)] if quick else [(1, 2), (1, 4), (1, 8), (8, 4)])]
+    batched = [(8, Q_HEADS, KV_HEADS, drafts, context, HEAD, HEAD)]
     return (rows + attention_rows("spec-decode", shapes, False, quick, graphs=True)
-            + attention_rows("spec-decode-padding", [(8, Q_HEADS, KV_HEADS, drafts, context, HEAD, HEAD)], False,
-                             quick, True, "padding"))
+            + attention_rows("spec-decode-padding", batched, False, quick, True, "padding")
+            + attention_rows("spec-decode-hf-mask", batched, False, quick, True, "additive"))
 
 
 def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:

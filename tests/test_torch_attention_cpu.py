@@ -220,15 +220,16 @@ def test_sdpa_sq1_stays_with_cudnn(fake_cuda, monkeypatch):
                                             (8, 4, True)])
 def test_speculative_decoding_rows_go_to_nvfly_where_torch_picks_cudnn(fake_cuda, monkeypatch, batch, sq, mask):
     """benchmarks/models.py's spec-decode rows: Sq 2-8 drafts over a 32K cache (Llama 32/8), with or without a padding
-    mask over the batch, run nvfly's decode even where torch picks cuDNN; the drafts' own causality as a mask with a
-    row per query does not."""
+    mask over the batch, run nvfly's decode even where torch picks cuDNN; so does the drafts' own causality as a mask
+    with a row per query (HF's), not one with a row per query and none per key."""
     monkeypatch.setattr(A, "_torch_backend", lambda *args: "cudnn")
     qs, ks = _sdpa_shapes(batch=batch, sq=sq)
     q, k = fake_cuda(qs), fake_cuda(ks)
     padding = fake_cuda((batch, 1, 1, 32768), torch.bool) if mask else None
     assert A._sdpa_reason(q, k, k, False, True, False, mask=padding) is None
-    rows = fake_cuda((batch, 1, sq, 32768), torch.bool)
-    assert "a row per query" in A._sdpa_reason(q, k, k, False, True, False, mask=rows)
+    assert A._sdpa_reason(q, k, k, False, True, False, mask=fake_cuda((batch, 1, sq, 32768), torch.bool)) is None
+    rows_only = fake_cuda((batch, 1, sq, 1), torch.bool)
+    assert "none per key" in A._sdpa_reason(q, k, k, False, True, False, mask=rows_only)
 
 
 def test_sdpa_prefill_stays_with_cudnn(fake_cuda, monkeypatch):

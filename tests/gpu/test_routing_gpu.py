@@ -1,7 +1,8 @@
 """Eager routing's registrations on a Hopper GPU (issue 28): the routes are registered with the dispatcher only
 inside ``nvfly.torch.routing()`` blocks (calls outside never pass through nvfly: no decision is made or recorded);
 the GEMM routes only while the autotune database has an entry where nvfly wins; and the speculative-decoding rows of
-``benchmarks/models.py`` (Sq 2-8 drafts over a 32K cache, with and without a padding mask) routed to nvfly's decode
+``benchmarks/models.py`` (Sq 2-8 drafts over a 32K cache, without a mask, with a padding mask, with the drafts' causal
+mask as a boolean or HF's additive one, a row per query) routed to nvfly's decode
 whatever torch picks, as ``explain_sdpa`` says, with torch's result (both against float32 SDPA)."""
 import pytest
 import torch
@@ -46,24 +47,39 @@ def test_routes_exist_only_inside_blocks():
     assert not ours("aten::_fused_rms_norm", "CUDA") and not ours(A.SDPA, "CUDA")
 
 
-@pytest.mark.parametrize("batch,sq,padding", [(1, 2, False), (1, 4, False), (1, 8, False), (8, 4, True)])
-def test_speculative_decoding_rows_run_nvflys_decode(batch, sq, padding):
+def drafts_mask(kind, batch, sq, skv):
+    """"padding": (B, 1, 1, Skv) boolean, sequence b's last 64 b keys padding; "causal": the drafts' own causality,
+    (Sq, Skv) boolean, draft i sees the cache and drafts 0..i; "hf": HF's eager mask for it, (B, 1, Sq, Skv) bf16
+    additive causal + padding with finfo.min."""
+    keys = torch.arange(skv, device="cuda")
+    valid = keys[None, :] < (skv - 64 * torch.arange(batch, device="cuda"))[:, None]  # (B, Skv)
+    causal = keys[None, :] <= torch.arange(sq, device="cuda")[:, None] + skv - sq  # (Sq, Skv)
+    if kind == "padding":
+        return valid[:, None, None, :]
+    if kind == "causal":
+        return causal
+    keep = (valid[:, None, :] & causal[None])[:, None]
+    bias = torch.zeros(keep.shape, device="cuda", dtype=torch.bfloat16)
+    return bias.masked_fill(~keep, torch.finfo(torch.bfloat16).min)
+
+
+@pytest.mark.parametrize("batch,sq,mask_kind", [(1, 2, None), (1, 4, None), (1, 8, None), (8, 4, "padding"),
+                                                (1, 4, "causal"), (4, 8, "hf")])
+def test_speculative_decoding_rows_run_nvflys_decode(batch, sq, mask_kind):
     torch.manual_seed(sq + batch)
     hq, hkv, skv, d = 32, 8, 32768, 128
     q = torch.randn(batch, hq, sq, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(batch, hkv, skv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    mask = None
-    if padding:  # sequence b's last 64 b keys are padding
-        keys = torch.arange(skv, device="cuda")
-        mask = (keys[None, :] < (skv - 64 * torch.arange(batch, device="cuda"))[:, None])[:, None, None, :]
+    mask = None if mask_kind is None else drafts_mask(mask_kind, batch, sq, skv)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     with nvfly.torch.routing():
         got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True,
+                                         attn_mask=mask if mask is None or mask.dtype == torch.bool else mask.float())
     (decision,) = [d for d in decisions() if d.op == "sdpa"]
     assert decision.reason is None and decision.candidates == ("decode",), decision.reason
     assert got.shape == want.shape and torch.isfinite(got).all()
     assert rel_err(got, ref) < 1e-2 and rel_err(want, ref) < 1e-2
-    if not padding:
+    if mask is None:
         report = nvfly.torch.explain_sdpa(batch, hq, hkv, sq, skv, d)
         assert report.kernel == "decode" and report.declined is None, report.declined

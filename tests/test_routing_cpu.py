@@ -224,6 +224,7 @@ def gemm_database(monkeypatch, tmp_path):
     db = Database(str(tmp_path / "db.json"), "Test GPU")
     monkeypatch.setattr(autotune_module, "database", lambda device=None: db)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     autotune_module._forget_eager_decisions()
     yield db
     autotune_module._forget_eager_decisions()
@@ -250,6 +251,18 @@ def test_gemm_routes_are_registered_only_where_the_database_lets_nvfly_win(gemm_
     with nvfly.torch.routing():
         installed = set(routing.installed())
         assert {"aten::bmm", "aten::baddbmm"} <= installed and not {"aten::mm", "aten::addmm"} & installed
+
+
+def test_gemm_routes_wait_for_cuda(gemm_database, monkeypatch):
+    """Before CUDA is initialized no CUDA GEMM can run and the card's database is not read (it would initialize
+    CUDA): the GEMM routes are not registered; the next block asks again."""
+    gemm_database.update([_entry(1, 0.5, 1.0)])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    with nvfly.torch.routing():
+        assert "aten::mm" not in routing.installed()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with nvfly.torch.routing():
+        assert "aten::mm" in routing.installed()
 
 
 def test_explain_works_outside_routing(capsys):

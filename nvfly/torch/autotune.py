@@ -337,7 +337,10 @@ def _nvfly_wins_somewhere(batched: bool) -> bool:
     """Whether the database of a visible card has an entry where nvfly beats torch (not batched: one of a single
     matrix, what mm and addmm look up; batched: any, a bmm of one matrix looks up the former): without one every
     eager GEMM of that kind declines ("no autotune entry" or "torch is faster"), so its routes are not
-    registered and GEMM calls cost what they cost without nvfly. Forgotten with the decisions (a database update)."""
+    registered and GEMM calls cost what they cost without nvfly. Forgotten with the decisions (a database update).
+    False before CUDA is initialized (reading the card names would initialize it; no CUDA GEMM can run before)."""
+    if not torch.cuda.is_initialized():
+        return False
     wins = _WINS.get(batched)
     if wins is None:
         wins = _WINS[batched] = any(entry.nvfly_faster and (batched or entry.shape[0] == 1)

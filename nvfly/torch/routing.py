@@ -74,7 +74,7 @@ class Route:
     (None: this call is not remembered): the routed kernel then decides once per signature and later calls cost a
     dictionary lookup. What the key leaves out must not change the decision, or must call ``forget_decisions``.
     ``wanted`` (optional) says False when every call would be declined now: the route is then not registered (its
-    calls cost nothing); asked when the routes are registered and at ``forget_decisions``."""
+    calls cost nothing); asked when routing starts (the outermost block) and at ``forget_decisions``."""
     op: str
     eligibility: Eligibility
     run: Callable[..., Any]
@@ -202,9 +202,9 @@ def _hold() -> None:
     global _HOLDS
     with _LOCK:
         _HOLDS += 1
-        if _HOLDS == 1:
+        if _HOLDS == 1:  # the routes are asked again whether they are wanted
             install_routing()
-            _sync()
+            _forget_plan()
 
 
 def _release() -> None:

@@ -12,6 +12,14 @@ Cases (bf16, H200 sizes from docs/torch-attention.md):
 - ``masked-sdpa``: SDPA with Hugging Face's masks for a padded batch: a (B, 1, 1, Skv) boolean padding mask and a
   (B, 1, Sq, Skv) bf16 additive causal + padding mask on Llama prefill shapes (B 2, 4096, 32/8), and a padding mask
   on a decode step (B 16, 8K cache): the mask read by nvfly's kernel vs torch's memory-efficient (or cuDNN) kernel.
+- ``spec-decode``: a speculative-decoding verification step, Sq = 2, 4 or 8 query tokens (the drafts) over a 32K
+  cache: the Llama layer on 4 tokens (B 1), SDPA alone on Llama's 32/8 heads (B 1 and 8; Sq 2 and 8 without
+  ``--quick``), with a (B, 1, 1, Skv) boolean padding mask over a padded batch of 8, and with HF's eager mask for
+  the step (``hf_mask("additive")``: (B, 1, Sq, Skv) bf16, the drafts' own causality and the padding, a row per
+  query). Torch's kernels run each query head over its KV head at Sq >= 2 (cuDNN ~0.9 TB/s at Sq 4), nvfly's decode
+  packs the group (docs/ops/attention.md): routing sends these to nvfly (unmasked rows record ``explain_sdpa``'s
+  verdict with the decision). Without a mask the drafts attend to every cached key and to each other
+  (``is_causal=False``, as the layer row does).
 - ``flex``: flex_attention calls: a Gemma-2-9B-like prefill (16/8 heads, D 256, 8K tokens, tanh soft-capping 50,
   causal sliding window 4096 as a BlockMask) and MiniMax 48/8 / Llama 32/8 decode steps over 32K; eager, routed, and
   compiled with Inductor's Triton flex kernels (``flex_triton_ms``) or nvfly as the backend (``compiled_nvfly_ms``).
@@ -19,7 +27,9 @@ Cases (bf16, H200 sizes from docs/torch-attention.md):
 Every case first checks the routed output against eager (relative error < 2e-2) and records what routing decided
 for each SDPA call (nvfly's kernel, or torch's with the reason). Each row: eager ms, routed ms and their ratio
 (``speedup`` = eager / routed), without ``--quick`` torch.compile's ms (default mode) without and with
-``nvfly.torch.install()`` (its SDPA graph passes), CUDA-graph replays for decode.
+``nvfly.torch.install()`` (its SDPA graph passes), CUDA-graph replays for decode. The routed calls are timed inside
+one ``nvfly.torch.routing()`` block, as a serving loop runs under one (a block's own start, where the routes are
+registered, is timed by ``benchmarks/routing_overhead.py``).
 
 Usage: python -m benchmarks.models [--quick] [--cases llama-prefill ...]
 Writes benchmarks/results/models_h200.json and models_h200.png.
@@ -63,9 +73,10 @@ class LlamaLayer(torch.nn.Module):
     def forward(self, x: torch.Tensor, start: int = 0, cache: Optional[tuple[torch.Tensor, torch.Tensor]] = None
                 ) -> torch.Tensor:
         """x (B, S, hidden): the tokens at positions start.. start + S - 1. Without a cache: causal attention over
-        the S tokens (prefill). With a (B, Hkv, Smax, D) cache pair (a decode step, S = 1): the token's key and
-        value are written at its position and its query attends to the cache up to it (the position is a Python
-        int, so the step can be captured in a CUDA graph)."""
+        the S tokens (prefill). With a (B, Hkv, Smax, D) cache pair (a decode step, S = 1, or S speculative drafts):
+        the tokens' keys and values are written at their positions and their queries attend to the cache up to the
+        last (drafts see each other: no mask; the position is a Python int, so the step can be captured in a CUDA
+        graph)."""
         batch, tokens, _ = x.shape
         positions = torch.arange(start, start + tokens, device=x.device)
         h = F.rms_norm(x, (HIDDEN,), self.attn_norm, EPS)
@@ -97,6 +108,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 500000.0) -> to
 
 
 def routed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` in a routing block of its own (the correctness checks; timing runs inside one block: ``timed``)."""
     def call() -> Any:
         with nvfly.torch.routing():
             return fn()
@@ -129,7 +141,8 @@ def timed(row: dict[str, Any], eager: Callable[[], Any], nvfly_call: Callable[[]
     from the eager one (default: ``torch.compile`` of it)."""
     warm, rep = (10, 40) if quick else (25, 100)
     row["eager_ms"] = bench_ms(eager, warm, rep)
-    row["nvfly_ms"] = bench_ms(nvfly_call, warm, rep)
+    with nvfly.torch.routing():  # one block around the loop, as a serving loop
+        row["nvfly_ms"] = bench_ms(nvfly_call, warm, rep)
     row["speedup"] = row["eager_ms"] / row["nvfly_ms"]
     if compile_too:  # torch.compile (default mode) without nvfly, then with nvfly.torch.install()
         for key, with_nvfly in (("compiled", False), ("compiled_nvfly", True)):
@@ -142,7 +155,8 @@ def timed(row: dict[str, Any], eager: Callable[[], Any], nvfly_call: Callable[[]
                                             if d.where == "inductor" and d.op == "sdpa"})
     if graphs:  # a serving loop replays the step from a CUDA graph: no host time
         row["eager_graph_ms"] = graph_ms(eager, calls=8, replays=10)
-        row["nvfly_graph_ms"] = graph_ms(nvfly_call, calls=8, replays=10)
+        with nvfly.torch.routing():
+            row["nvfly_graph_ms"] = graph_ms(nvfly_call, calls=8, replays=10)
         if row["eager_graph_ms"] and row["nvfly_graph_ms"]:
             row["graph_speedup"] = row["eager_graph_ms"] / row["nvfly_graph_ms"]
     return row
@@ -226,6 +240,8 @@ def attention_rows(case: str, shapes: list[tuple[int, int, int, int, int, int, i
                        "head_dims": f"{dqk}/{dv}", "causal": causal, "attn_mask": mask}, eager(), nvfly_call())
         row.update(sdpa_outcome())
         row["torch_sdpa_backend"] = torch_backend(q, k, v, causal, attn_mask)
+        if mask is None:  # what `nvfly explain --sdpa` says of the shape
+            row["explain"] = nvfly.torch.explain_sdpa(batch, hq, hkv, sq, skv, dqk, dv, is_causal=causal).verdict()
         rows.append(timed(row, eager, nvfly_call, quick, graphs=graphs))
         del q, k, v
     return rows
@@ -260,6 +276,34 @@ def masked_sdpa(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
                              "additive")
             + attention_rows("masked-decode-padding", [(16, 32, 8, 1, 8192, 128, 128)], False, quick, True,
                              "padding"))
+
+
+def spec_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
+    """Speculative decoding's verification step: the Llama layer on 4 draft tokens at the end of a 32K cache, then
+    SDPA alone at Sq 4 (Sq 2 and 8 too without ``--quick``) and with a padding mask over a padded batch."""
+    context, drafts = 32768, 4
+    layer = LlamaLayer().cuda().bfloat16().eval()
+    cache = tuple(torch.randn(1, KV_HEADS, context, HEAD, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    x = torch.randn(1, drafts, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = lambda: layer(x, context - drafts, cache)  # noqa: E731
+        nvfly_call = routed(eager)
+        fresh_decisions()
+        row = checked({"case": "spec-decode-layer", "batch": 1, "sq": drafts, "context": context}, eager(),
+                      nvfly_call())
+        row.update(sdpa_outcome())
+        q = torch.empty(1, Q_HEADS, drafts, HEAD, device="cuda", dtype=torch.bfloat16)
+        row["torch_sdpa_backend"] = torch_backend(q, cache[0], cache[1], False)
+        row["explain"] = nvfly.torch.explain_sdpa(1, Q_HEADS, KV_HEADS, drafts, context, HEAD).verdict()
+        rows = [timed(row, eager, nvfly_call, quick, compile_too, graphs=True)]
+    del cache
+    torch.cuda.empty_cache()
+    shapes = [(batch, Q_HEADS, KV_HEADS, sq, context, HEAD, HEAD)
+              for batch, sq in ([(1, 4), (8, 4)] if quick else [(1, 2), (1, 4), (1, 8), (8, 4)])]
+    batched = [(8, Q_HEADS, KV_HEADS, drafts, context, HEAD, HEAD)]
+    return (rows + attention_rows("spec-decode", shapes, False, quick, graphs=True)
+            + attention_rows("spec-decode-padding", batched, False, quick, True, "padding")
+            + attention_rows("spec-decode-hf-mask", batched, False, quick, True, "additive"))
 
 
 def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
@@ -349,16 +393,17 @@ def flex_case(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
 CASES: dict[str, Callable[[bool, bool], list[dict[str, Any]]]] = {
     "llama-prefill": llama_prefill, "llama-decode": llama_decode, "minimax-decode": minimax_decode,
     "deepseek-prefill": deepseek_prefill, "llama-train": llama_train, "masked-sdpa": masked_sdpa,
-    "flex": flex_case}
+    "spec-decode": spec_decode, "flex": flex_case}
 
 
 def label(row: dict[str, Any]) -> str:
-    return f"{row['case']} B{row['batch']}"
+    sq = row.get("sq")
+    return f"{row['case']} B{row['batch']}" + (f" Sq{sq}" if sq and 1 < sq <= 16 else "")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="shorter timing, no torch.compile columns (~2 min)")
+    p.add_argument("--quick", action="store_true", help="shorter timing, no torch.compile columns (< 90 s)")
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
     args = p.parse_args(argv)
     t_start = time.time()

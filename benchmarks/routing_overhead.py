@@ -3,26 +3,35 @@ process ("eager + routing never slower than eager", issue 28).
 
 A call's time is the host's: the loop issues ``--calls`` calls back to back without synchronizing (the GPU work of
 these shapes is shorter than their host code, except where a row says nvfly runs it and its kernel is longer),
-the best of ``--repeats`` loops. ``plain_us``: before any route is registered (torch alone); ``off_us``: routes
-installed, switched off (what every call of a routed op pays once nvfly routing is installed: the dispatcher's
-trampoline into the Python kernel and back to torch's); ``routed_us``: inside ``nvfly.torch.routing()``, loops
-interleaved with the switched-off ones. Each row says what routing did with the call (``nvfly``: "runs" or the
-reason it declined, from the route's own eligibility): ``extra_us`` (routed - plain) is then the cost of a declined
-call (the trampoline, the signature and its decision's lookup, the fallthrough) or of an accepted one (nvfly's host
-path in place of torch's). ``decision_us`` (declined rows): the routed kernel's own Python, called directly with a
-no-op fallthrough, switched on minus off: what the decision cache costs without the dispatcher around it.
+the best of ``--repeats`` loops. Columns:
+- ``plain_us``: before routing was ever entered (torch alone);
+- ``outside_us``: after routing blocks came and went, outside any (the routes are registered only inside blocks:
+  this is what a program pays for having used routing; it should equal ``plain_us``);
+- ``off_us``: inside a block, switched off there (``routing(False)`` nested): what a call of a registered route
+  pays without routing in its thread (another thread's block holds the routes), the dispatcher's trampoline into the
+  Python kernel and back to torch's; equal to ``plain_us`` where the route is not registered;
+- ``routed_us``: inside ``nvfly.torch.routing()``; ``extra_us`` = routed - plain: for a declined call the trampoline,
+  the signature, its decision's lookup and the fallthrough (``declined_us`` repeats it on declined rows), for an
+  accepted one nvfly's host path in place of torch's;
+- ``decision_us`` (declined rows whose route is registered): the routed kernel's own Python, called directly with a
+  no-op fallthrough, switched on minus off: what the decision cache costs without the dispatcher around it;
+- ``registered``: whether the op's route is registered inside the block (GEMM routes are not while the autotune
+  database has no entry where nvfly wins: their calls cost nothing).
+Each row says what routing did with the call (``nvfly``: "runs" or the reason it declined). Two more rows time a
+``routing()`` block itself, empty: the outermost one (it registers the routes and removes them) and one nested in
+another (a switch and a counter).
 
 Usage: python -m benchmarks.routing_overhead [--quick | --full] [--cpu]   (--quick is the default: under 30 s;
 or: nvfly bench routing_overhead).
 Writes benchmarks/results/routing_overhead_h200.json.
 
-``--cpu``: no GPU; the routes are registered on the CPU dispatch keys (what ``install_routing`` does on CUDA's) and
-the cases run on small CPU tensors, which nvfly declines: the declined path's host cost, printed (not written).
+``--cpu``: no GPU; the routes are registered on the CPU dispatch keys (``routing.on_keys``) and the cases run on
+small CPU tensors, which nvfly declines: the declined path's host cost, printed (not written).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import os
 import sys
 import time
@@ -86,25 +95,6 @@ def cases(device: str, full: bool) -> list[Case]:
     return rows
 
 
-def route_on_cpu() -> None:
-    """Register every route on the CPU dispatch keys (AutogradCUDA's on AutogradCPU), falling through to torch's CPU
-    kernels, as ``install_routing`` does on CUDA's: a harness for the declined path without a GPU."""
-    routing.install_routing()  # the routes' registry (CUDA's registrations are absent on a CPU build)
-    library = torch.library.Library("aten", "IMPL")
-    keys = {"CUDA": "CPU", "AutogradCUDA": "AutogradCPU"}
-    pending = {}
-    for route in routing.routes():
-        try:
-            pending[route] = torch.library.get_kernel(route.op, keys[route.dispatch_key])
-        except (KeyError, RuntimeError):
-            continue
-    for route, fallthrough in pending.items():
-        cpu = dataclasses.replace(route, dispatch_key=keys[route.dispatch_key])
-        library.impl(route.op.split("::", 1)[1], routing._routed(cpu, fallthrough), cpu.dispatch_key,
-                     with_keyset=True)
-    route_on_cpu.library = library  # kept alive: the registrations last as long as the Library object
-
-
 def host_us(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -131,10 +121,10 @@ def decision_us(op: str, args: tuple, kwargs: dict, calls: int, repeats: int) ->
     call = lambda: impl(keyset, *args, **kwargs)  # noqa: E731
     with routing.routing():
         call()
-    on = off = float("inf")
-    for _ in range(repeats):
-        off = min(off, host_us(call, calls, lambda: None))
-        with routing.routing():
+        on = off = float("inf")
+        for _ in range(repeats):
+            with routing.routing(False):
+                off = min(off, host_us(call, calls, lambda: None))
             on = min(on, host_us(call, calls, lambda: None))
     return on - off
 
@@ -146,6 +136,18 @@ def decision(op: str, args: tuple, kwargs: dict) -> str:
     route = next(r for r in routing.routes() if r.op == op)
     reason = routing._decide(route, args, kwargs)
     return "runs" if reason is None else reason
+
+
+def block_us(calls: int, repeats: int, nested: bool) -> float:
+    """Host µs of an empty ``nvfly.torch.routing()`` block: the outermost one (registers and removes the routes) or,
+    with ``nested``, one inside another."""
+    def block() -> None:
+        with nvfly.torch.routing():
+            pass
+    outer = nvfly.torch.routing() if nested else contextlib.nullcontext()
+    with outer:
+        block()
+        return min(host_us(block, calls, lambda: None) for _ in range(repeats))
 
 
 def main(argv: Any = None) -> int:
@@ -162,40 +164,52 @@ def main(argv: Any = None) -> int:
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     if device == "cpu":
         torch.set_num_threads(1)  # the host path is single-threaded; CPU kernels' threads only add noise
-    rows = cases(device, args.full)
-    plain = {}
-    for name, fn, *_ in rows:  # before any route is registered: torch alone
-        for _ in range(20):
-            fn()
-        sync()
-        plain[name] = min(host_us(fn, calls, sync) for _ in range(repeats))
-    if device == "cpu":
-        route_on_cpu()
-    else:
-        routing.install_routing()
-    results = []
-    for name, fn, op, op_args, op_kwargs in rows:
-        with routing.routing():
-            for _ in range(20):  # compiled, planned and decided before timing
-                fn()
-            outcome = decision(op, op_args, op_kwargs)
-        off, routed = float("inf"), float("inf")
-        for _ in range(repeats):  # switched off (the routes' Python trampoline alone) and on, interleaved
-            off = min(off, host_us(fn, calls, sync))
-            with routing.routing():
-                routed = min(routed, host_us(fn, calls, sync))
-        declined = op and outcome != "runs"
-        decided = decision_us(op, op_args, op_kwargs, calls, repeats) if declined else None
-        results.append({"case": name, "op": op, "plain_us": round(plain[name], 2), "off_us": round(off, 2),
-                        "routed_us": round(routed, 2), "extra_us": round(routed - plain[name], 2),
-                        "decision_us": None if decided is None else round(decided, 2), "nvfly": outcome})
-        print(f"{name:30s} plain {plain[name]:7.2f} us  switched off {off:7.2f} us  routed {routed:7.2f} us  "
-              f"extra {routed - plain[name]:+6.2f} us  decision {'-' if decided is None else f'{decided:+5.2f}'} us"
-              f"  {outcome[:70]}", flush=True)
+    with routing.on_keys({"CUDA": "CPU", "AutogradCUDA": "AutogradCPU"}) if device == "cpu" \
+            else contextlib.nullcontext():
+        results = measure(cases(device, args.full), calls, repeats, sync)
     if device == "cuda":
         path = write_results("routing_overhead", results, {"calls": calls, "repeats": repeats})
         print("wrote", path)
     return 0
+
+
+def measure(rows: list[Case], calls: int, repeats: int, sync: Callable[[], None]) -> list[dict[str, Any]]:
+    plain = {}
+    for name, fn, *_ in rows:  # before routing was ever entered: torch alone
+        for _ in range(20):
+            fn()
+        sync()
+        plain[name] = min(host_us(fn, calls, sync) for _ in range(repeats))
+    results = []
+    for name, fn, op, op_args, op_kwargs in rows:
+        with nvfly.torch.routing():
+            for _ in range(20):  # compiled, planned and decided before timing
+                fn()
+            outcome = decision(op, op_args, op_kwargs)
+            registered = op in routing.installed()
+        outside = off = routed = float("inf")
+        for _ in range(repeats):  # outside routing, switched off inside a block, routed: interleaved
+            outside = min(outside, host_us(fn, calls, sync))
+            with nvfly.torch.routing():
+                with nvfly.torch.routing(False):
+                    off = min(off, host_us(fn, calls, sync))
+                routed = min(routed, host_us(fn, calls, sync))
+        declined = bool(op) and outcome != "runs"
+        decided = decision_us(op, op_args, op_kwargs, calls, repeats) if declined and registered else None
+        extra = routed - plain[name]
+        results.append({"case": name, "op": op, "registered": registered, "plain_us": round(plain[name], 2),
+                        "outside_us": round(outside, 2), "off_us": round(off, 2), "routed_us": round(routed, 2),
+                        "extra_us": round(extra, 2), "declined_us": round(extra, 2) if declined else None,
+                        "decision_us": None if decided is None else round(decided, 2), "nvfly": outcome})
+        print(f"{name:30s} plain {plain[name]:7.2f}  outside {outside:7.2f}  off {off:7.2f}  routed {routed:7.2f} us  "
+              f"extra {extra:+6.2f} us  decision {'-' if decided is None else f'{decided:+5.2f}'} us  "
+              f"{'registered' if registered else 'not registered'}: {outcome[:60]}", flush=True)
+    for name, nested in (("routing() block, outermost (registers, removes)", False),
+                         ("routing() block, nested", True)):
+        us = block_us(calls, repeats, nested)
+        results.append({"case": name, "op": "", "block_us": round(us, 2)})
+        print(f"{name:50s} {us:7.2f} us a block", flush=True)
+    return results
 
 
 if __name__ == "__main__":

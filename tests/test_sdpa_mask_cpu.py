@@ -90,8 +90,11 @@ TABLE = [
     ("decode bool padding Sq 1", *DECODE, (4, 1, 1, 32768), torch.bool, {}, None),
     ("decode additive (B,1,Sq,Skv) Sq 1", *DECODE, (4, 1, 1, 32768), bf, {}, None),
     ("decode padding Sq 4", (4, 32, 4, 128), DECODE[1], (4, 1, 1, 32768), torch.bool, {}, None),
-    ("decode per-query rows Sq 4", (4, 32, 4, 128), DECODE[1], (4, 1, 4, 32768), torch.bool, {},
-     "a row per query at Sq = 4"),
+    ("decode per-query rows Sq 4 (drafts' causality)", (4, 32, 4, 128), DECODE[1], (4, 1, 4, 32768), torch.bool, {},
+     None),
+    ("decode additive rows Sq 4", (4, 32, 4, 128), DECODE[1], (4, 32, 4, 32768), bf, {}, None),
+    ("decode rows without keys Sq 4", (4, 32, 4, 128), DECODE[1], (4, 1, 4, 1), torch.bool, {},
+     "a row per query but none per key at Sq = 4"),
     ("is_causal with a mask", *PREFILL, (2048, 2048), torch.bool, {"causal": True}, "torch refuses the pair"),
     ("float32 mask, bf16 q", *PREFILL, (2048, 2048), torch.float32, {}, None),
     ("float16 mask, bf16 q", *PREFILL, (2048, 2048), torch.float16, {}, "attn_mask of dtype torch.float16"),
@@ -169,7 +172,8 @@ def _mask(shape, boolean, generator):
 @pytest.mark.parametrize("boolean", [True, False], ids=["bool", "additive"])
 @pytest.mark.parametrize("sq,skv,shape", [
     (40, 70, (2, 8, 40, 70)), (40, 70, (2, 1, 1, 70)), (40, 70, (40, 70)), (40, 40, (1, 8, 40, 1)), (50, 30, (1, 30)),
-    (3, 70, (2, 1, 1, 70)), (1, 70, (2, 8, 1, 70)), (4, 70, (1, 70))])
+    (3, 70, (2, 1, 1, 70)), (1, 70, (2, 8, 1, 70)), (4, 70, (1, 70)), (4, 70, (2, 8, 4, 70)), (4, 70, (4, 70)),
+    (7, 70, (2, 1, 7, 70))])
 def test_routed_masked_sdpa_equals_torch(reference_route, boolean, sq, skv, shape):
     generator = torch.Generator().manual_seed(sq * 1000 + skv + len(shape))
     q = torch.randn(2, 8, sq, 64, generator=generator).to(bf)
@@ -203,7 +207,8 @@ def test_routed_fully_masked_rows_are_zeros_as_torch(reference_route):
 
 # ---------------------------------------------------------------------------------------------- compile
 @pytest.mark.parametrize("name", ["prefill-d128-bool-padding", "prefill-d128-additive-full-bf16",
-                                  "decode-d128-sq1-g4-bool-padding", "decode-d128-sq1-g4-additive-f16"])
+                                  "decode-d128-sq1-g4-bool-padding", "decode-d128-sq1-g4-additive-f16",
+                                  "decode-d128-sq4-g4-bool-rows"])
 def test_masked_kernels_compile_without_spills(name):
     """A masked variant compiles with its mask read in the kernel (byte loads for a boolean mask, 16-bit for an
     additive one) and no spills or local memory."""
@@ -215,11 +220,14 @@ def test_masked_kernels_compile_without_spills(name):
         mods = M.Mods(None, M.tensor_mask(varies), 1) if boolean else M.Mods(M.tensor_bias(varies), None, 1)
         kernels = [attention.compile_prefill(attention.prefill_plan(128, 128, False), mods=mods,
                                              captured=(torch.zeros(shape, dtype=dtype),))]
-    else:
-        shape = (2, 1, 1, 1024) if "padding" in name else (2, 8, 1, 1024)
+    else:  # "rows": the drafts' causal mask of a speculative step, a row per query read at position - (Skv - Sq)
+        sq = 4 if "rows" in name else 1
+        shape = (2, 1, 1, 1024) if "padding" in name else (2, 1, 4, 1024) if "rows" in name else (2, 8, 1, 1024)
         varies = tuple(s != 1 for s in shape)
-        mods = M.Mods(None, M.tensor_mask(varies), 1) if boolean else M.Mods(M.tensor_bias(varies), None, 1)
-        plan = P.decode_plan(2, 1, 2, 4, 128, 128, 1024, 132, splits=1)
+        rows = "rows" in name
+        mods = (M.Mods(None, M.tensor_mask(varies, rows), 1) if boolean
+                else M.Mods(M.tensor_bias(varies, rows), None, 1))
+        plan = P.decode_plan(2, sq, 2, 4, 128, 128, 1024, 132, splits=1)
         kernels = attention.compile_kernels(plan, mods, dtype=nvfly.f16 if "f16" in name else nvfly.bf16,
                                             captured=(torch.zeros(shape, dtype=dtype),))
     kernel = kernels[0]

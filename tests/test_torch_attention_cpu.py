@@ -216,6 +216,22 @@ def test_sdpa_sq1_stays_with_cudnn(fake_cuda, monkeypatch):
     assert A._sdpa_reason(q4, k, k, False, True, False) is None  # Sq >= 2 goes to nvfly whatever torch picks
 
 
+@pytest.mark.parametrize("batch,sq,mask", [(1, 2, False), (1, 4, False), (1, 8, False), (8, 4, False),
+                                            (8, 4, True)])
+def test_speculative_decoding_rows_go_to_nvfly_where_torch_picks_cudnn(fake_cuda, monkeypatch, batch, sq, mask):
+    """benchmarks/models.py's spec-decode rows: Sq 2-8 drafts over a 32K cache (Llama 32/8), with or without a padding
+    mask over the batch, run nvfly's decode even where torch picks cuDNN; so does the drafts' own causality as a mask
+    with a row per query (HF's), not one with a row per query and none per key."""
+    monkeypatch.setattr(A, "_torch_backend", lambda *args: "cudnn")
+    qs, ks = _sdpa_shapes(batch=batch, sq=sq)
+    q, k = fake_cuda(qs), fake_cuda(ks)
+    padding = fake_cuda((batch, 1, 1, 32768), torch.bool) if mask else None
+    assert A._sdpa_reason(q, k, k, False, True, False, mask=padding) is None
+    assert A._sdpa_reason(q, k, k, False, True, False, mask=fake_cuda((batch, 1, sq, 32768), torch.bool)) is None
+    rows_only = fake_cuda((batch, 1, sq, 1), torch.bool)
+    assert "none per key" in A._sdpa_reason(q, k, k, False, True, False, mask=rows_only)
+
+
 def test_sdpa_prefill_stays_with_cudnn(fake_cuda, monkeypatch):
     q, k = fake_cuda(_sdpa_shapes(sq=4096, skv=4096)[0]), fake_cuda(_sdpa_shapes(sq=4096, skv=4096)[1])
     picked = []
@@ -262,9 +278,9 @@ def test_sdpa_routes_are_registered_above_and_below_autograd():
     assert keys == {"AutogradCUDA", "CUDA"}
     with nvfly.torch.routing():
         assert A.SDPA in routing.installed()
-    for key in ("AutogradCUDA", "CUDA"):  # both fall through to torch's composite (read before registering)
-        assert torch._C._dispatch_has_kernel_for_dispatch_key(A.SDPA, key)
-        assert "CompositeImplicitAutograd" in repr(routing._INSTALLED[(A.SDPA, key)]), key
+        for key in ("AutogradCUDA", "CUDA"):  # both fall through to torch's composite (read before registering)
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(A.SDPA, key)
+            assert "CompositeImplicitAutograd" in repr(routing._FALLTHROUGHS[(A.SDPA, key)]), key
     # on a CPU-only torch the CUDA routes are registered too: CPU calls never reach them
     q = torch.randn(1, 2, 3, 16, requires_grad=True)
     with nvfly.torch.routing():

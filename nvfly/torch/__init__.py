@@ -12,8 +12,9 @@
     print(nvfly.torch.explain_sdpa(1, 32, 8, 4096, 4096, 128, is_causal=True))  # which kernel runs SDPA, and why
 
 Importing this package registers nvfly's GEMM, grouped-GEMM, scaled-GEMM and attention custom ops
-(``torch.ops.nvfly.*``) and changes nothing else: Inductor hooks are installed by ``install()`` only, aten routes by
-``routing()`` / ``enable_routing()`` only.
+(``torch.ops.nvfly.*``) and changes nothing else: Inductor hooks are installed by ``install()`` only; aten routes are
+registered while a ``routing()`` block or ``enable_routing()`` is in force, and removed after (outside routing,
+torch calls cost what they cost without nvfly).
 No GPU is needed to import it.
 """
 from __future__ import annotations
@@ -63,16 +64,16 @@ def uninstall() -> None:
 
 
 def enable_routing() -> None:
-    """Route eligible aten calls to nvfly from now on in this thread / async context (``routing()`` for a block).
+    """Route eligible aten calls to nvfly from now on in this thread / async context (``routing()`` for a block);
+    the routes stay registered until ``disable_routing()`` here.
 
     Backward passes started here run on this thread (not on autograd's CUDA worker threads, which would not see
     the switch), so their GEMMs are routed too."""
-    install_routing()
     routing.enable_routing()
     torch.autograd.set_multithreading_enabled(False)
 
 
 def disable_routing() -> None:
-    """Undo ``enable_routing()``."""
+    """Undo ``enable_routing()`` (its routes are removed unless a ``routing()`` block holds them)."""
     routing.disable_routing()
     torch.autograd.set_multithreading_enabled(True)

@@ -261,16 +261,18 @@ def _mask_operand(mask: Tensor) -> tuple[Tensor, tuple[bool, ...]]:
     return (four.view(torch.uint8) if four.dtype == torch.bool else four), varies
 
 
-def _mask_mods(mask: Optional[Tensor]) -> dict:
+def _mask_mods(mask: Optional[Tensor], decode: bool = False) -> dict:
     """The mods keywords of nvfly's decode/prefill for SDPA's attn_mask: a cached mask_mod (boolean) or score_mod
     (additive: added to the scaled score, as torch adds it to q·kᵀ·scale) per broadcast pattern, the mask its tensor
-    argument."""
+    argument. In ``decode`` a mask with a row per query is read at the query's row, its position at the end of the
+    keys minus Skv - Sq (decode's q_idx is the position)."""
     if mask is None:
         return {}
     operand, varies = _mask_operand(mask)
+    rows_at_end = decode and varies[2]
     if mask.dtype == torch.bool:
-        return {"mask_mod": mods.tensor_mask(varies), "captured": (operand,)}
-    return {"score_mod": mods.tensor_bias(varies), "captured": (operand,)}
+        return {"mask_mod": mods.tensor_mask(varies, rows_at_end), "captured": (operand,)}
+    return {"score_mod": mods.tensor_bias(varies, rows_at_end), "captured": (operand,)}
 
 
 def _bshd(t: Tensor) -> Tensor:
@@ -295,12 +297,12 @@ def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
     if kv_bytes < MIN_KV_BYTES:
         return (f"{kv_bytes / 2**20:.1f} MiB of K and V (< {MIN_KV_BYTES >> 20} MiB): launch-bound, where nvfly's "
                 "host path costs more than its bandwidth saves")
-    if mask is not None and sq > 1 and _mask_operand(mask)[1][2]:
-        return (f"attn_mask with a row per query at Sq = {sq}: nvfly's decode indexes queries by their position at "
-                "the end of the keys, not by row (a mask broadcast over the queries, such as a padding mask, is read)")
+    if mask is not None and sq > 1 and _mask_operand(mask)[1][2:] == (True, False):
+        return (f"attn_mask with a row per query but none per key at Sq = {sq}: nvfly's decode finds a query's row "
+                "from the mask's key extent (its position at the end of the keys minus Skv - Sq)")
     if sq == 1 and picks() == "cudnn":
         return "Sq = 1 and torch picks cuDNN, measured 2-8% faster than nvfly's decode at Sq = 1 on the H200"
-    declined = attention.eligibility(_bshd(q), _bshd(k), _bshd(v), **_mask_mods(mask))
+    declined = attention.eligibility(_bshd(q), _bshd(k), _bshd(v), **_mask_mods(mask, decode=True))
     return None if declined is None else f"nvfly's decode declines: {declined}"
 
 
@@ -384,7 +386,7 @@ def sdpa_run(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tens
     on (and routing runs torch's SDPA for the call)."""
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     try:
-        masking = _mask_mods(attn_mask)
+        masking = _mask_mods(attn_mask, decode=_kernel(query) == "decode")
         if _kernel(query) == "decode":
             out = attention.decode(q, k, v, scale=scale, causal=bool(is_causal), validate=False, **masking)
         elif _needs_grad(query, key, value):  # never with a mask (declined)

@@ -321,12 +321,32 @@ _EAGER: OpCalls[tuple[Optional[str], str]] = OpCalls()  # operand signature -> (
 _EAGER_CALLS: OpCalls[Any] = OpCalls()  # operand signature -> gemm.bind's launches of the decided config
 
 
+_WINS: dict[bool, bool] = {}  # batched or not -> whether a database has an entry of that kind where nvfly wins
+
+
 def _forget_eager_decisions() -> None:
     """Drop the eager decisions (the routes' too) and, with them, the launches bound for their configs (never one
     without the other: a call bound for a config the database no longer picks would keep running it)."""
     _EAGER.clear()
     _EAGER_CALLS.clear()
+    _WINS.clear()
     routing.forget_decisions()
+
+
+def _nvfly_wins_somewhere(batched: bool) -> bool:
+    """Whether the database of a visible card has an entry where nvfly beats torch (not batched: one of a single
+    matrix, what mm and addmm look up; batched: any, a bmm of one matrix looks up the former): without one every
+    eager GEMM of that kind declines ("no autotune entry" or "torch is faster"), so its routes are not
+    registered and GEMM calls cost what they cost without nvfly. Forgotten with the decisions (a database update).
+    False before CUDA is initialized (reading the card names would initialize it; no CUDA GEMM can run before)."""
+    if not torch.cuda.is_initialized():
+        return False
+    wins = _WINS.get(batched)
+    if wins is None:
+        wins = _WINS[batched] = any(entry.nvfly_faster and (batched or entry.shape[0] == 1)
+                                    for device in range(torch.cuda.device_count())
+                                    for entry in database(device).entries())
+    return wins
 
 
 def _eager_key(a: Tensor, b: Tensor, c: Optional[Tensor], out: Optional[Tensor], beta: Any, alpha: Any) -> tuple:
@@ -405,11 +425,14 @@ def _route(op: str, with_c: bool) -> tuple[Any, Any, Any]:
 
 
 def register_routes() -> None:
-    """Register (again) the GEMM routes with nvfly.torch.routing: mm, bmm, addmm, baddbmm and their out= forms."""
+    """Register (again) the GEMM routes with nvfly.torch.routing: mm, bmm, addmm, baddbmm and their out= forms,
+    wanted while a database has an entry they may look up where nvfly wins (``_nvfly_wins_somewhere``)."""
     for op, with_c in (("mm", False), ("bmm", False), ("addmm", True), ("baddbmm", True)):
+        batched = op in ("bmm", "baddbmm")
         for overload in (op, f"{op}.out"):
             eligibility, run, signature = _route(op, with_c)
-            routing.register_route(f"aten::{overload}", eligibility, run, signature=signature)
+            routing.register_route(f"aten::{overload}", eligibility, run, signature=signature,
+                                   wanted=lambda batched=batched: _nvfly_wins_somewhere(batched))
 
 
 # GEMM adds its routes when this module is imported (nvfly.torch imports it), so routing needs no import of it;

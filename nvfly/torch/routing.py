@@ -1,7 +1,6 @@
 """Eager routing of aten calls to nvfly kernels, shared by every nvfly op.
 
-    nvfly.torch.routing.install_routing()      # once: registers the CUDA implementations below
-    with nvfly.torch.routing.routing():        # in this block (this thread / async context) calls may go to nvfly
+    with nvfly.torch.routing():                # in this block (this thread / async context) calls may go to nvfly
         y = F.rms_norm(x, (4096,), w)          # -> aten::_fused_rms_norm (CUDA) -> nvfly when eligible
         v, i = torch.topk(logits, 50)          # -> aten::topk (CUDA) -> nvfly when eligible
 
@@ -9,14 +8,23 @@ The switch is a contextvar; inside an enabled block autograd runs backward passe
 CUDA device threads would not see the switch), so backward kernels are routed too.
 
 A *route* is an aten overload, an eligibility function (None or the reason nvfly declines) and the nvfly
-function to call, both taking the aten arguments. ``install_routing`` registers, for each route, a
-``torch.library`` implementation for the CUDA dispatch key that checks the switch and the eligibility, calls
-nvfly, and otherwise (declined, switched off, or nvfly raised) falls through to the kernel torch had there
-(``torch.library.get_kernel(...).call_boxed``). It sits below autograd, so backward passes keep torch's
-formulas and reach routed ops again. Other ops (GEMM, SDPA) add themselves with ``register_route``. An op
-torch implements as a composite (``aten::scaled_dot_product_attention``) is routed on ``AutogradCUDA`` (above
-autograd: its fallthrough, the composite, keeps torch's backward) and on ``CUDA`` (reached under
-``torch.inference_mode``, which skips autograd keys), both falling through to the composite.
+function to call, both taking the aten arguments. For each route a ``torch.library`` implementation is registered
+for the CUDA dispatch key that checks the switch and the eligibility, calls nvfly, and otherwise (declined,
+switched off, or nvfly raised) falls through to the kernel torch had there
+(``torch.library.get_kernel(...).call_boxed``). It sits below autograd, so backward passes keep torch's formulas and
+reach routed ops again. Other ops (GEMM, SDPA) add themselves with ``register_route``. An op torch implements as a
+composite (``aten::scaled_dot_product_attention``) is routed on ``AutogradCUDA`` (above autograd: its fallthrough,
+the composite, keeps torch's backward) and on ``CUDA`` (reached under ``torch.inference_mode``, which skips
+autograd keys), both falling through to the composite.
+
+The registrations live only while routing is wanted somewhere in the process: the first enabled ``routing()``
+block (or ``enable_routing()``) registers them, the last one to end removes them (``installed()`` lists them), so
+outside routing a torch call costs what it costs without nvfly. A route whose ``wanted`` says it would decline every
+call now (the GEMM routes while the autotune database has no entry where nvfly wins) is not registered at all;
+``forget_decisions`` asks again. Registering costs a few µs per route at a block's start (the first one only, when
+blocks nest or run in several threads at once), removing them about a µs each at its end; both are measured by
+``benchmarks/routing_overhead.py``. The switch stays per thread / async context: a thread outside any block while
+another is inside one passes through the registered kernels (switched off) to torch's.
 
 Which aten ops F.rms_norm reaches (torch 2.8 to 2.13): ``aten::rms_norm`` is CompositeImplicitAutograd and, for
 CUDA inputs whose weight has the input's dtype (not channels-last, not complex), calls ``aten::_fused_rms_norm``,
@@ -24,12 +32,14 @@ which has a CUDA kernel and an autograd formula using ``aten::_fused_rms_norm_ba
 ``aten::rms_norm`` itself is left alone: a CUDA kernel registered there would replace its composite autograd.
 Other inputs take torch's composite path (pow/mean/rsqrt), which is not routed.
 
-A routed call's host cost: the dispatcher's trampoline into the Python kernel and back to torch's (paid while
-switched off too), then the decision. A route with a ``signature`` (GEMM, SDPA, RMSNorm, TopK) decides once per
+A routed call's host cost: the dispatcher's trampoline into the Python kernel and back to torch's (3-5 µs on the
+H200's host, paid by calls of routed ops while the routes are registered, switched on or off), then the
+decision. A route with a ``signature`` (GEMM, SDPA, RMSNorm, TopK) decides once per
 call signature (``tensor_key`` of each tensor, the scalars the rule reads, the modes and flags it reads) and later
 calls cost a dictionary lookup: declined calls go straight to torch's kernel, accepted ones to ``run``. What a
 signature leaves out and may change (the GEMM autotune database) calls ``forget_decisions``. Measured by
-``benchmarks/routing_overhead.py`` (plain, switched off, routed).
+``benchmarks/routing_overhead.py`` (plain, outside routing, switched off inside a block, routed, the decision
+alone, a block's start and end).
 
 Every decline is logged at debug level on the "nvfly" logger (at info level when ``NVFLY_DEBUG`` is set), once per
 signature; an exception inside nvfly is logged (a warning, once per op and error type), the call falls back and its
@@ -62,32 +72,50 @@ class Route:
 
     ``signature`` (optional) maps the aten arguments to a hashable key of everything ``eligibility`` depends on
     (None: this call is not remembered): the routed kernel then decides once per signature and later calls cost a
-    dictionary lookup. What the key leaves out must not change the decision, or must call ``forget_decisions``."""
+    dictionary lookup. What the key leaves out must not change the decision, or must call ``forget_decisions``.
+    ``wanted`` (optional) says False when every call would be declined now: the route is then not registered (its
+    calls cost nothing); asked when routing starts (the outermost block) and at ``forget_decisions``."""
     op: str
     eligibility: Eligibility
     run: Callable[..., Any]
     dispatch_key: str = "CUDA"
     signature: Optional[Callable[..., Optional[Hashable]]] = None
+    wanted: Optional[Callable[[], bool]] = None
 
 
-_ROUTES: dict[tuple[str, str], Route] = {}
-_INSTALLED: dict[tuple[str, str], Any] = {}  # route key -> the kernel torch had (None: nothing to route)
-_LIBRARY: Optional[torch.library.Library] = None
-_LOCK = threading.Lock()
+RouteKey = tuple[str, str]  # (op, dispatch key)
+
+_ROUTES: dict[RouteKey, Route] = {}
+_FALLTHROUGHS: dict[RouteKey, Any] = {}  # the kernel torch has on a registered key (None: nothing to route)
+_KERNELS: dict[RouteKey, Callable[..., Any]] = {}  # each route's kernel, made once: its decisions outlive blocks
+_KEY_MAP: dict[str, str] = {}  # a route's dispatch key -> the key it is registered on (``on_keys``; tests)
+_LIBRARY: Any = None  # the dispatcher library holding the registrations in force (None: none)
+_REGISTERED: tuple[RouteKey, ...] = ()  # the routes registered now
+_HOLDS = 0  # enabled routing() blocks in progress and enable_routing() holders, in every thread
+_LOCK = threading.RLock()
 _WARNED: set[tuple[str, str]] = set()
 _DEFAULTS_REGISTERED = False
 _DECIDED: list[OpCalls[tuple[Optional[str]]]] = []  # each routed kernel's signature -> (reason or None,)
+_PLAN: Optional[tuple] = None  # what _sync registers (``_plan``; None: to be made again)
+_HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("nvfly_routing_held")  # enable_routing's hold here
 
 
 # ---------------------------------------------------------------------------------------------- the switch
 def enable_routing() -> None:
-    """Route eligible calls to nvfly from now on, in this thread / async context."""
+    """Route eligible calls to nvfly from now on, in this thread / async context (the routes stay registered, for
+    every thread, until ``disable_routing`` here)."""
+    if not _HELD.get(False):
+        _hold()
+        _HELD.set(True)
     _SWITCH.set(True)
 
 
 def disable_routing() -> None:
-    """Stop routing in this thread / async context."""
+    """Stop routing in this thread / async context (and release ``enable_routing``'s registrations)."""
     _SWITCH.set(False)
+    if _HELD.get(False):
+        _HELD.set(False)
+        _release()
 
 
 def routing_enabled() -> bool:
@@ -97,10 +125,13 @@ def routing_enabled() -> bool:
 
 @contextlib.contextmanager
 def routing(enabled: bool = True) -> Iterator[None]:
-    """Route eligible calls to nvfly inside the block (``enabled=False``: keep them on torch).
+    """Route eligible calls to nvfly inside the block (``enabled=False``: keep them on torch). An enabled block
+    keeps the routes registered (the first one to start registers them, the last one to end removes them).
 
     Inside an enabled block autograd runs backward on the calling thread: its CUDA worker threads would not
     see the switch (a context variable), and backward kernels would stay on torch."""
+    if enabled:
+        _hold()
     token = _SWITCH.set(enabled)
     backward_here = torch.autograd.set_multithreading_enabled(False) if enabled else contextlib.nullcontext()
     try:
@@ -108,17 +139,23 @@ def routing(enabled: bool = True) -> Iterator[None]:
             yield
     finally:
         _SWITCH.reset(token)
+        if enabled:
+            _release()
 
 
 # ---------------------------------------------------------------------------------------------- registry
 def register_route(op: str, eligibility: Eligibility, run: Callable[..., Any],
-                   dispatch_key: str = "CUDA", signature: Optional[Callable[..., Optional[Hashable]]] = None) -> None:
-    """Add a route (it takes effect at the next ``install_routing``). ``eligibility``, ``run`` and ``signature``
-    (``Route``) receive the aten arguments in schema order (keyword-only ones as keywords); ``run`` returns what the
-    op returns."""
+                   dispatch_key: str = "CUDA", signature: Optional[Callable[..., Optional[Hashable]]] = None,
+                   wanted: Optional[Callable[[], bool]] = None) -> None:
+    """Add (or replace) a route, registered from the next time routing starts (or now, inside a block).
+    ``eligibility``, ``run`` and ``signature`` (``Route``) receive the aten arguments in schema order (keyword-only
+    ones as keywords); ``run`` returns what the op returns."""
     name = op if "::" in op else f"aten::{op}"
     with _LOCK:
-        _ROUTES[(name, dispatch_key)] = Route(name, eligibility, run, dispatch_key, signature)
+        key = (name, dispatch_key)
+        _ROUTES[key] = Route(name, eligibility, run, dispatch_key, signature, wanted)
+        _KERNELS.pop(key, None)
+        _forget_plan(force=True)
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
@@ -128,9 +165,11 @@ def tensor_key(t: torch.Tensor) -> tuple:
 
 
 def forget_decisions() -> None:
-    """Decide every signature again (what a signature leaves out changed: e.g. the GEMM autotune database)."""
+    """Decide every signature again (what a signature leaves out changed: e.g. the GEMM autotune database), and
+    which routes are wanted."""
     for decided in list(_DECIDED):
         decided.clear()
+    _forget_plan()
 
 
 def routes() -> list[Route]:
@@ -138,35 +177,136 @@ def routes() -> list[Route]:
 
 
 def install_routing() -> None:
-    """Register the nvfly implementation of every route not registered yet (idempotent; never undone)."""
-    global _LIBRARY
+    """Make nvfly's own routes known (idempotent). Registration is left to ``routing()`` blocks and
+    ``enable_routing()``, while they last."""
     _register_default_routes()
     __import__("nvfly.torch.flex_ops").torch.flex_ops.install()  # flex_attention: a py_impl on its HOP, not aten
-    with _LOCK:
-        # every kernel torch has is read before any route registers: one op routed on two keys (SDPA on CUDA and
-        # AutogradCUDA) falls through to torch's composite on both, which a CUDA registration would otherwise
-        # change for AutogradCUDA
-        pending: dict[tuple[str, str], Any] = {}
-        for key, route in _ROUTES.items():
-            if key in _INSTALLED:
-                continue
-            try:
-                pending[key] = torch.library.get_kernel(route.op, route.dispatch_key)
-            except RuntimeError as exc:  # e.g. a CPU-only torch build has no CUDA kernel to fall back to
-                log.debug("nvfly: not routing %s: %s", route.op, exc)
-                _INSTALLED[key] = None
-        for key, fallthrough in pending.items():
-            route = _ROUTES[key]
-            if _LIBRARY is None:
-                _LIBRARY = torch.library.Library("aten", "IMPL")
-            _LIBRARY.impl(route.op.split("::", 1)[1], _routed(route, fallthrough), route.dispatch_key,
-                          with_keyset=True)
-            _INSTALLED[key] = fallthrough
 
 
 def installed() -> list[str]:
-    """The aten overloads routed now."""
-    return list(dict.fromkeys(op for (op, _), kernel in _INSTALLED.items() if kernel is not None))
+    """The aten overloads routed now (registered while a routing block or ``enable_routing()`` is in force)."""
+    return list(dict.fromkeys(op for op, _ in _REGISTERED))
+
+
+def _forget_plan(force: bool = False) -> None:
+    """Make the plan again (the routes or what they want changed) and, inside routing, register it now (``force``:
+    even the routes registered already, a kernel changed)."""
+    global _PLAN
+    with _LOCK:
+        _PLAN = None
+        if _HOLDS:
+            _sync(force)
+
+
+def _hold() -> None:
+    global _HOLDS
+    with _LOCK:
+        _HOLDS += 1
+        if _HOLDS == 1:  # the routes are asked again whether they are wanted
+            install_routing()
+            _forget_plan()
+
+
+def _release() -> None:
+    global _HOLDS
+    with _LOCK:
+        _HOLDS -= 1
+        if _HOLDS == 0:
+            _sync()
+
+
+def _is_wanted(route: Route) -> bool:
+    if route.wanted is None:
+        return True
+    try:
+        return bool(route.wanted())
+    except Exception as exc:  # noqa: BLE001 - a broken predicate keeps the route (it decides per call)
+        log.debug("nvfly: %s: wanted() raised %s: %s", route.op, type(exc).__name__, exc)
+        return True
+
+
+def _sync(force: bool = False) -> None:
+    """Register the wanted routes while routing is held, none otherwise (under ``_LOCK``); ``force``: again, though
+    the same routes are wanted (a kernel changed)."""
+    global _LIBRARY, _REGISTERED, _PLAN
+    if _HOLDS and _PLAN is None:
+        if any(key not in _FALLTHROUGHS for key in _ROUTES):
+            _unregister()  # torch's kernels are read with none of nvfly's registered
+        _PLAN = _plan()
+    plan = _PLAN if _HOLDS else ()
+    if tuple(key for key, *_ in plan) == _REGISTERED and not force:
+        return
+    _unregister()
+    registered = []
+    for key, name, kernel, dispatch_key in plan:
+        if _LIBRARY is None:
+            # the dispatcher's library object, not torch.library.Library: its Python bookkeeping (a finalizer, a
+            # frame walk, checks) would double what a block's start costs; same calls (torch 2.1 to 2.13)
+            _LIBRARY = torch._C._dispatch_library("IMPL", "aten", "", __file__, _LINE)
+        try:
+            _LIBRARY.impl(name, dispatch_key, kernel, True)
+        except RuntimeError as exc:  # not routed: the op stays torch's
+            log.debug("nvfly: not routing %s: %s", key[0], exc)
+            continue
+        registered.append(key)
+    _REGISTERED = tuple(registered)
+
+
+_LINE = _sync.__code__.co_firstlineno  # where the registrations say they come from (torch's dispatcher dumps)
+
+
+def _unregister() -> None:
+    global _LIBRARY, _REGISTERED
+    if _LIBRARY is not None:
+        _LIBRARY.reset()  # the registrations go: torch's kernels are the ones dispatched again
+    _LIBRARY, _REGISTERED = None, ()
+
+
+def _plan() -> tuple[tuple[RouteKey, str, Callable[..., Any], str], ...]:
+    """(route, op name, kernel, dispatch key) of each wanted route torch has a kernel to fall through to. Every kernel
+    torch has is read while none of nvfly's is registered (``_sync`` makes the plan with none): one op routed on two
+    keys (SDPA on CUDA and AutogradCUDA) falls through to torch's composite on both, which a CUDA registration would
+    otherwise change for AutogradCUDA."""
+    plan = []
+    for key, route in _ROUTES.items():
+        if key not in _FALLTHROUGHS:
+            _FALLTHROUGHS[key] = _torch_kernel(route)
+        fallthrough = _FALLTHROUGHS[key]
+        if fallthrough is None or not _is_wanted(route):
+            continue
+        kernel = _KERNELS.get(key)
+        if kernel is None:
+            kernel = _KERNELS[key] = _routed(route, fallthrough)
+        plan.append((key, route.op.split("::", 1)[1], kernel, _KEY_MAP.get(route.dispatch_key, route.dispatch_key)))
+    return tuple(plan)
+
+
+def _torch_kernel(route: Route) -> Any:
+    """The kernel torch has for the route's op on its key (None where there is none: a CPU-only torch build)."""
+    try:
+        return torch.library.get_kernel(route.op, _KEY_MAP.get(route.dispatch_key, route.dispatch_key))
+    except RuntimeError as exc:
+        log.debug("nvfly: not routing %s: %s", route.op, exc)
+        return None
+
+
+@contextlib.contextmanager
+def on_keys(keys: dict[str, str]) -> Iterator[None]:
+    """Register the routes on other dispatch keys in the block (``{"CUDA": "CPU", "AutogradCUDA": "AutogradCPU"}``:
+    CPU calls reach them; tests and ``benchmarks/routing_overhead.py --cpu``), with fresh kernels and decisions.
+    Entered and left outside routing."""
+    global _FALLTHROUGHS, _KERNELS, _KEY_MAP, _PLAN
+    with _LOCK:
+        if _HOLDS:
+            raise RuntimeError("routing.on_keys: entered inside routing (the routes are registered now)")
+        saved = _FALLTHROUGHS, _KERNELS, _KEY_MAP
+        _FALLTHROUGHS, _KERNELS, _KEY_MAP, _PLAN = {}, {}, dict(keys), None
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _FALLTHROUGHS, _KERNELS, _KEY_MAP = saved
+            _forget_plan(force=True)
 
 
 def _routed(route: Route, fallthrough: Any) -> Callable[..., Any]:
@@ -305,10 +445,9 @@ def _register_default_routes() -> None:
 
 
 class _RoutingModule(types.ModuleType):
-    """This module, callable as its switch with the routes installed: ``with nvfly.torch.routing():``."""
+    """This module, callable as its switch: ``with nvfly.torch.routing():``."""
 
     def __call__(self, enabled: bool = True) -> ContextManager[None]:
-        install_routing()
         return routing(enabled)
 
 

@@ -17,7 +17,7 @@ from nvfly.ops import gemm
 from nvfly.ops.gemm import GemmConfig
 from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.gemm.kernel import gemm_kernel
-from nvfly.torch import inductor
+from nvfly.torch import inductor, routing
 from nvfly.torch.autotune import Database, make_operands, measure
 from nvfly.torch.gemm_ops import AUTO, Workload, clear_decisions, decisions, encode_config, nvfly_gemm, precompile
 
@@ -118,9 +118,16 @@ def test_autotune_stores_winners_and_explain_reads_them(hopper, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- eager routing
-def test_routing_sends_linear_and_its_backward_to_nvfly(hopper, monkeypatch):
-    # as if the autotune database said nvfly wins everywhere: every eligible GEMM goes to nvfly
+def nvfly_wins_everywhere(monkeypatch):
+    """As if the autotune database said nvfly wins everywhere: the GEMM routes are registered in routing blocks and
+    every eligible GEMM goes to nvfly."""
     monkeypatch.setattr(autotune_module, "_expected_faster", lambda w, device: (None, AUTO))
+    monkeypatch.setattr(autotune_module, "_nvfly_wins_somewhere", lambda batched: True)
+    autotune_module._forget_eager_decisions()
+
+
+def test_routing_sends_linear_and_its_backward_to_nvfly(hopper, monkeypatch):
+    nvfly_wins_everywhere(monkeypatch)
     x = torch.randn(256, 384, device="cuda").bfloat16().requires_grad_()
     w = torch.randn(512, 384, device="cuda").bfloat16().requires_grad_()
     bias = torch.randn(512, device="cuda").bfloat16().requires_grad_()
@@ -139,7 +146,7 @@ def test_routing_sends_linear_and_its_backward_to_nvfly(hopper, monkeypatch):
 def test_routed_calls_reuse_their_bound_launches(hopper, monkeypatch):
     """A routed signature binds its launches once; later calls with other tensors (and out=, and addmm's beta 0
     or alpha != 1, other signatures) compute their own products."""
-    monkeypatch.setattr(autotune_module, "_expected_faster", lambda w, device: (None, AUTO))
+    nvfly_wins_everywhere(monkeypatch)
     monkeypatch.setattr(autotune_module, "_EAGER_CALLS", OpCalls())
     with nvfly.torch.routing():
         for _ in range(3):
@@ -154,9 +161,20 @@ def test_routed_calls_reuse_their_bound_launches(hopper, monkeypatch):
     assert len(autotune_module._EAGER_CALLS) == 4
 
 
-def test_routing_keeps_gemms_on_torch_without_a_database_entry(hopper):
+def test_routing_keeps_gemms_on_torch_without_a_database_entry(hopper, monkeypatch):
     a, b = operand(128, 256, "row"), operand(256, 64, "row")
+    # no entry anywhere where nvfly wins: the GEMM routes are not registered (GEMMs cost what they cost in torch)
+    monkeypatch.setattr(autotune_module, "_nvfly_wins_somewhere", lambda batched: False)
+    autotune_module._forget_eager_decisions()
     with nvfly.torch.routing():
+        assert "aten::mm" not in routing.installed()
+        out = a @ b
+    assert [d for d in decisions() if d.where == "eager"] == [] and torch.equal(out, a @ b)
+    # an entry where nvfly wins, for another shape: registered, and this shape declined for want of its own
+    monkeypatch.setattr(autotune_module, "_nvfly_wins_somewhere", lambda batched: True)
+    autotune_module._forget_eager_decisions()
+    with nvfly.torch.routing():
+        assert "aten::mm" in routing.installed()
         out = a @ b
     (d,) = [d for d in decisions() if d.where == "eager"]
     assert "no autotune entry" in d.reason and torch.equal(out, a @ b)

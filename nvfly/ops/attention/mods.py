@@ -17,7 +17,8 @@ tensors (a cached mod per kind of mask, each call its own mask) takes them as ar
 ``captured=(t, ...)``, and the mods are called with them after their usual arguments,
 ``score_mod(score, b, h, q_idx, kv_idx, *captured)``, ``mask_mod(b, h, q_idx, kv_idx, *captured)`` (kernel inputs
 like closure tensors: the compile key holds their number, the kernel's specialisation their dtypes, ranks and
-alignment facts, as for any tensor argument; a new tensor does not recompile).
+alignment facts, as for any tensor argument; a new tensor does not recompile). Such an argument's ``shape`` gives
+its extents (run-time values in the kernel): SDPA's per-query mask in decode finds its row from them.
 """
 from __future__ import annotations
 
@@ -319,6 +320,11 @@ class ModTensor:
     def __getitem__(self, index: Any) -> "ModValue":
         return _load(self.tensor, index)
 
+    @property
+    def shape(self) -> tuple:
+        """The tensor's extents: ints where static, traced values where known at run time only."""
+        return tuple(_wrap(extent) for extent in self.tensor.shape)
+
 
 def _arguments(mods: Mods, captured: tuple) -> tuple:
     """The mods' tensor arguments (the first ``mods.arguments`` kernel tensors) as ModTensors."""
@@ -410,18 +416,23 @@ def document_mask(document_ids: Any) -> Callable[..., Any]:
 
 
 
-def _mask_index(varies: tuple, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> tuple:
-    """The index of a (B or 1, H or 1, Sq or 1, Skv or 1) mask: 0 along its broadcast dimensions."""
+def _mask_index(varies: tuple, b: Any, h: Any, q_idx: Any, kv_idx: Any, mask: Any, rows_at_end: bool) -> tuple:
+    """The index of a (B or 1, H or 1, Sq or 1, Skv or 1) mask: 0 along its broadcast dimensions. ``rows_at_end``:
+    ``q_idx`` is the query's position at the end of the keys (decode), and the mask has a row per query and a column
+    per key: its row is the position minus Skv - Sq (the mask's run-time extents)."""
+    if rows_at_end:
+        q_idx = q_idx - (mask.shape[3] - mask.shape[2])
     return tuple(i if v else 0 for i, v in zip((b, h, q_idx, kv_idx), varies))
 
 
 @functools.lru_cache(maxsize=None)
-def tensor_mask(varies: tuple) -> Callable[..., Any]:
+def tensor_mask(varies: tuple, rows_at_end: bool = False) -> Callable[..., Any]:
     """A mask_mod taking SDPA's boolean attn_mask as its argument (``captured=(mask,)``; True or nonzero = the key
     takes part), a (B or 1, H or 1, Sq or 1, Skv or 1) tensor: ``varies`` says which of its four dimensions are
-    not broadcast. One function per pattern, so one compilation serves every call's mask."""
+    not broadcast; ``rows_at_end`` (decode, a mask with a row per query and a column per key): the queries are the
+    last Sq of the keys (``_mask_index``). One function per pattern, so one compilation serves every call's mask."""
     def sdpa_bool_mask(b, h, q_idx, kv_idx, mask):
-        return mask[_mask_index(varies, b, h, q_idx, kv_idx)] != 0
+        return mask[_mask_index(varies, b, h, q_idx, kv_idx, mask, rows_at_end)] != 0
     return sdpa_bool_mask
 
 
@@ -432,13 +443,13 @@ BIAS_FLOOR = -1.0e38
 
 
 @functools.lru_cache(maxsize=None)
-def tensor_bias(varies: tuple) -> Callable[..., Any]:
+def tensor_bias(varies: tuple, rows_at_end: bool = False) -> Callable[..., Any]:
     """A score_mod adding SDPA's additive (float) attn_mask, its argument (``captured=(bias,)``), to the scaled
-    score, a (B or 1, H or 1, Sq or 1, Skv or 1) tensor with ``varies`` as in ``tensor_mask``; finite sums below
-    ``BIAS_FLOOR`` are raised to it."""
+    score, a (B or 1, H or 1, Sq or 1, Skv or 1) tensor with ``varies`` and ``rows_at_end`` as in ``tensor_mask``;
+    finite sums below ``BIAS_FLOOR`` are raised to it."""
     import torch
 
     def sdpa_additive_mask(score, b, h, q_idx, kv_idx, bias):
-        value = score + bias[_mask_index(varies, b, h, q_idx, kv_idx)]
+        value = score + bias[_mask_index(varies, b, h, q_idx, kv_idx, bias, rows_at_end)]
         return torch.where((value < BIAS_FLOOR) & (value > float("-inf")), BIAS_FLOOR, value)
     return sdpa_additive_mask

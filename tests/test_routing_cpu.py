@@ -1,0 +1,275 @@
+"""Eager routing's registrations (issue 28): the routes are registered with torch's dispatcher only while a
+``routing()`` block or ``enable_routing()`` is in force, in any thread, and removed after, so that torch calls
+outside routing cost what they cost without nvfly; nested blocks, threads, the decisions cache across blocks, the GEMM
+routes wanted only while the autotune database has an entry where nvfly wins, and explain. CPU only: the routes are
+registered on the CUDA keys of this CPU build (the dispatcher keeps its tables for them), and a test route on the CPU
+key counts the calls that reach it."""
+from __future__ import annotations
+
+import importlib
+import threading
+
+import pytest
+import torch
+
+import nvfly.torch
+from nvfly.torch import routing
+from nvfly.torch.autotune import Database, Entry
+from nvfly.torch.gemm_ops import Workload
+
+TOPK = "aten::topk"
+
+
+def ours(op: str, key: str) -> bool:
+    """Whether the dispatcher's kernel for ``op`` on ``key`` is one routing registered."""
+    return "nvfly/torch/routing.py" in repr(torch.library.get_kernel(op, key))
+
+
+def drop_route(key):
+    """Remove a test's route (and its registration, inside a block)."""
+    with routing._LOCK:
+        routing._ROUTES.pop(key)
+        routing._KERNELS.pop(key, None)
+        routing._FALLTHROUGHS.pop(key, None)
+        routing._forget_plan(force=True)
+
+
+@pytest.fixture(autouse=True)
+def no_routing_left():
+    assert routing._HOLDS == 0 and routing.installed() == []
+    yield
+    assert routing._HOLDS == 0 and routing.installed() == [], "a test left routing held"
+
+
+@pytest.fixture
+def counted_topk():
+    """A route of aten::topk on the CPU key that counts the calls reaching its kernel (``calls``: the switch at each)
+    and declines them (torch's CPU kernel runs), decided once per signature (``decisions`` counts the decisions)."""
+    calls, decisions = [], []
+
+    def eligibility(x, k, dim=-1, largest=True, sorted=True):
+        decisions.append(k)
+        return "the test declines"
+
+    def signature(x, k, dim=-1, largest=True, sorted=True):
+        return routing.tensor_key(x), k, dim, largest, sorted
+
+    routing.register_route(TOPK, eligibility, lambda *args: None, "CPU", signature=signature)
+    routed = routing._routed(routing._ROUTES[(TOPK, "CPU")], torch.library.get_kernel(TOPK, "CPU"))
+
+    def kernel(keyset, *args, **kwargs):
+        calls.append(routing.routing_enabled())
+        return routed(keyset, *args, **kwargs)
+
+    routing._KERNELS[(TOPK, "CPU")] = kernel  # the kernel the next plan registers
+    yield calls, decisions
+    drop_route((TOPK, "CPU"))
+
+
+def test_routes_are_registered_only_inside_routing_blocks():
+    routing.install_routing()
+    assert routing.installed() == [] and not ours(TOPK, "CUDA")
+    with nvfly.torch.routing():
+        assert {TOPK, "aten::_fused_rms_norm", "aten::scaled_dot_product_attention"} <= set(routing.installed())
+        assert ours(TOPK, "CUDA") and ours("aten::scaled_dot_product_attention", "AutogradCUDA")
+        with nvfly.torch.routing(False):  # switched off inside: still registered (the outer block holds them)
+            assert ours(TOPK, "CUDA") and not routing.routing_enabled()
+    assert routing.installed() == [] and not ours(TOPK, "CUDA")  # torch's own kernels again
+    with nvfly.torch.routing(False):  # a switched-off block registers nothing
+        assert routing.installed() == []
+
+
+def test_calls_outside_routing_never_reach_the_route(counted_topk):
+    calls, decisions = counted_topk
+    x = torch.randn(4, 50)
+    want = torch.topk(x, 3)
+    assert calls == []  # outside routing: torch's kernel directly, no hop through the route
+    with nvfly.torch.routing():
+        got = torch.topk(x, 3)
+        with nvfly.torch.routing(False):
+            torch.topk(x, 3)  # switched off inside a block: the route is passed through, torch runs it
+    assert calls == [True, False] and decisions == [3]
+    assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices)
+    torch.topk(x, 3)
+    assert calls == [True, False]
+
+
+def test_nested_blocks_keep_the_routes_until_the_outermost_ends(counted_topk):
+    x = torch.randn(4, 50)
+    with nvfly.torch.routing():
+        with nvfly.torch.routing():
+            assert ours(TOPK, "CPU")
+        assert ours(TOPK, "CPU") and routing._HOLDS == 1
+        torch.topk(x, 2)
+    assert not ours(TOPK, "CPU")
+    assert counted_topk[0] == [True]
+
+
+def test_decisions_outlive_the_blocks(counted_topk):
+    """A route's kernel is made once: a signature decided in one block is not decided again in the next."""
+    calls, decisions = counted_topk
+    x = torch.randn(4, 50)
+    for _ in range(3):
+        with nvfly.torch.routing():
+            torch.topk(x, 5)
+    assert decisions == [5] and calls == [True] * 3
+    routing.forget_decisions()
+    with nvfly.torch.routing():
+        torch.topk(x, 5)
+    assert decisions == [5, 5]
+
+
+def test_enable_routing_holds_the_routes_until_disable(counted_topk):
+    x = torch.randn(4, 50)
+    nvfly.torch.enable_routing()
+    try:
+        nvfly.torch.enable_routing()  # twice: still one hold
+        assert routing._HOLDS == 1 and ours(TOPK, "CPU") and routing.routing_enabled()
+        with nvfly.torch.routing():
+            assert routing._HOLDS == 2
+        assert ours(TOPK, "CPU")  # the block's end leaves enable_routing's hold
+        torch.topk(x, 1)
+    finally:
+        nvfly.torch.disable_routing()
+    assert not ours(TOPK, "CPU") and not routing.routing_enabled() and routing._HOLDS == 0
+    nvfly.torch.disable_routing()  # again: nothing to release
+    assert routing._HOLDS == 0
+    assert counted_topk[0] == [True]
+
+
+def test_a_block_in_another_thread_keeps_the_routes_and_its_own_switch(counted_topk):
+    """Registrations are process-wide, the switch per thread: while a block runs in a thread, the main thread's
+    calls pass through the route switched off; the last block to end, in either thread, removes the routes."""
+    calls, _ = counted_topk
+    x = torch.randn(4, 50)
+    entered, leave = threading.Event(), threading.Event()
+
+    def worker():
+        with nvfly.torch.routing():
+            entered.set()
+            leave.wait(10)
+            torch.topk(x, 4)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        assert entered.wait(10)
+        assert ours(TOPK, "CPU") and not routing.routing_enabled()
+        torch.topk(x, 4)  # this thread is outside routing: through the route, switched off
+        with nvfly.torch.routing():
+            pass
+        assert ours(TOPK, "CPU")  # the worker's block still holds them
+    finally:
+        leave.set()
+        thread.join(10)
+    assert not ours(TOPK, "CPU")
+    assert calls == [False, True]
+
+
+def test_many_threads_entering_and_leaving_blocks_leave_nothing_registered(counted_topk):
+    x = torch.randn(2, 20)
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(20):
+                with nvfly.torch.routing():
+                    assert ours(TOPK, "CPU")
+                    torch.topk(x, 2)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and routing._HOLDS == 0 and not ours(TOPK, "CPU")
+    assert counted_topk[0].count(True) == 80
+
+
+def test_a_route_added_inside_a_block_is_registered_at_once():
+    x = torch.randn(3, 30)
+    reached = []
+    with nvfly.torch.routing():
+        routing.register_route(TOPK, lambda *a, **k: "declined", lambda *a: None, "CPU",
+                               signature=lambda x, k, *a: reached.append(k))
+        try:
+            torch.topk(x, 2)
+            assert reached == [2] and ours(TOPK, "CPU")
+        finally:
+            drop_route((TOPK, "CPU"))
+        assert not ours(TOPK, "CPU") and ours(TOPK, "CUDA")
+
+
+def test_on_keys_routes_cpu_calls_and_restores():
+    with routing.on_keys({"CUDA": "CPU", "AutogradCUDA": "AutogradCPU"}):
+        with nvfly.torch.routing():
+            assert ours(TOPK, "CPU") and ours("aten::scaled_dot_product_attention", "AutogradCPU")
+            assert not ours(TOPK, "CUDA")
+            x = torch.randn(4, 40)
+            assert torch.equal(torch.topk(x, 3).indices, x.topk(3).indices)  # declined (a CPU tensor): torch's
+        assert not ours(TOPK, "CPU")
+    with nvfly.torch.routing():
+        assert ours(TOPK, "CUDA") and not ours(TOPK, "CPU")
+    with nvfly.torch.routing(), pytest.raises(RuntimeError, match="inside routing"):
+        with routing.on_keys({"CUDA": "CPU"}):
+            pass
+
+
+@pytest.fixture
+def gemm_database(monkeypatch, tmp_path):
+    """An autotune database for one fake card, seen as the only visible device."""
+    autotune_module = importlib.import_module("nvfly.torch.autotune")
+    db = Database(str(tmp_path / "db.json"), "Test GPU")
+    monkeypatch.setattr(autotune_module, "database", lambda device=None: db)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    autotune_module._forget_eager_decisions()
+    yield db
+    autotune_module._forget_eager_decisions()
+
+
+def _entry(batches: int, nvfly_ms: float, torch_ms: float) -> Entry:
+    key = Workload(batches, 16, 32, 64, torch.bfloat16, torch.bfloat16, "K", "K").key()
+    return Entry(key, (batches, 16, 32, 64), "bm=64,bn=32", {"bm=64,bn=32": nvfly_ms}, torch_ms, "2026-12-02")
+
+
+def test_gemm_routes_are_registered_only_where_the_database_lets_nvfly_win(gemm_database):
+    """Without an entry where nvfly wins, every eager GEMM declines: mm/addmm/bmm are not registered and cost
+    nothing even inside a block; an update inside a block registers them at once."""
+    with nvfly.torch.routing():
+        assert not {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"} & set(routing.installed())
+        assert TOPK in routing.installed()
+        gemm_database.update([_entry(1, 2.0, 1.0)])  # torch wins: still nothing to route
+        assert "aten::mm" not in routing.installed()
+        gemm_database.update([_entry(1, 0.5, 1.0)])  # nvfly wins a single GEMM: mm, addmm, and bmm (B = 1)
+        assert {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"} <= set(routing.installed())
+        assert ours("aten::mm", "CUDA") and ours("aten::bmm", "CUDA")
+    assert not ours("aten::mm", "CUDA")
+    gemm_database.update([_entry(1, 2.0, 1.0), _entry(8, 0.5, 1.0)])  # only a batched entry wins
+    with nvfly.torch.routing():
+        installed = set(routing.installed())
+        assert {"aten::bmm", "aten::baddbmm"} <= installed and not {"aten::mm", "aten::addmm"} & installed
+
+
+def test_gemm_routes_wait_for_cuda(gemm_database, monkeypatch):
+    """Before CUDA is initialized no CUDA GEMM can run and the card's database is not read (it would initialize
+    CUDA): the GEMM routes are not registered; the next block asks again."""
+    gemm_database.update([_entry(1, 0.5, 1.0)])
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    with nvfly.torch.routing():
+        assert "aten::mm" not in routing.installed()
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with nvfly.torch.routing():
+        assert "aten::mm" in routing.installed()
+
+
+def test_explain_works_outside_routing(capsys):
+    """explain reads the rules, not the registrations: it answers the same outside and inside a block."""
+    from nvfly.torch.explain import explain_sdpa
+    outside = explain_sdpa(1, 32, 8, 1, 32768, 128)
+    with nvfly.torch.routing():
+        inside = explain_sdpa(1, 32, 8, 1, 32768, 128)
+    assert outside.declined == inside.declined and outside.kernel == inside.kernel
+    assert routing.installed() == []

@@ -77,7 +77,6 @@ def test_permute_and_unpermute_write_every_element():
         weights = torch.rand(t, k, device="cuda")
         out = moe.unpermute(y, slots, weights)
         assert not out.isnan().any()
-        order = torch.argsort(ids.reshape(-1), stable=True)
-        want = torch.zeros(t, h, device="cuda").index_add_(0, order // k,
-                                                           y.float() * weights.reshape(-1)[order].unsqueeze(-1))
+        # slot s's expert row is y[slots[s]] (the counting sort's order within an expert is not fixed)
+        want = (y[slots].view(t, k, h).float() * weights.unsqueeze(-1)).sum(1)
         torch.testing.assert_close(out.float(), want, rtol=8e-3, atol=8e-3)

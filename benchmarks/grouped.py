@@ -27,8 +27,8 @@ tiles (``plan.kgrouped_variants``) next to torch._grouped_mm, correctness first.
 
 FP8 rows (``--fp8``, ``FP8_QUICK``/``FP8_FULL``): DeepSeek-V3's experts (E256 top-8) at 4096 tokens and decode
 batches, contiguous and masked, on ``nvfly.ops.scaled.scaled_grouped_mm``: its block path (1x128 x 128x128, the
-heuristic's tile and the issue-ahead one) and its row-wise path next to torch._scaled_grouped_mm (row-wise, what
-torch runs on sm90) and the bf16 grouped GEMMs (nvfly's and torch._grouped_mm) of the same routing; errors against
+heuristic's tile, which issues ahead at 128 rows, and the serial one) and its row-wise path next to
+torch._scaled_grouped_mm (row-wise, what torch runs on sm90) and the bf16 grouped GEMMs (nvfly's and torch._grouped_mm) of the same routing; errors against
 float32 references first.
 
 Usage: python -m benchmarks.grouped [--quick] [--moe] [--moe-layers NAME] [--no-compile] [--wgrad-variants]
@@ -428,7 +428,7 @@ FP8_FULL = FP8_QUICK + [
 
 # ratio -> (the implementation it divides the time of, the one it divides by): > 1 where the second is faster
 FP8_RATIOS = {"vs_torch_row": ("torch_row", "nvfly"), "vs_nvfly_bf16": ("nvfly_bf16", "nvfly"),
-              "vs_torch_bf16": ("torch_bf16", "nvfly"), "ahead_vs_default": ("nvfly", "nvfly_ahead"),
+              "vs_torch_bf16": ("torch_bf16", "nvfly"), "default_vs_serial": ("nvfly_serial", "nvfly"),
               "row_vs_torch_row": ("torch_row", "nvfly_row")}
 
 
@@ -446,7 +446,7 @@ def fp8_experts(e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_setup(case: Case):
     """(implementations by name, their references by name, flop, bytes, plan) of an FP8 case. nvfly's block path
-    (1x128 tokens x 128x128 weights, DeepSeek-V3's recipe; also issuing ahead where its 128-row tile runs), its
+    (1x128 tokens x 128x128 weights, DeepSeek-V3's recipe; also without issuing ahead where its 128-row tile runs), its
     row-wise path (per token x per expert channel, promoted as torch's default), torch._scaled_grouped_mm
     (row-wise: what torch runs on sm90) and the bf16 grouped GEMMs (nvfly's and torch._grouped_mm) of the same
     routing; the row-wise scales are random, over the same fp8 bytes."""
@@ -493,15 +493,15 @@ def fp8_setup(case: Case):
     impls["nvfly"] = lambda: nvfly_fp8(sa, sb)
     plan = scaled.describe_grouped("masked" if masked else "contiguous", e, a.shape[-2], n, k, rows_per_group=expected)
     if expected > 64:
-        ahead = deepest(ScaledConfig(128, 128, 2, 2, issue_ahead=True), e)
-        impls["nvfly_ahead"] = lambda: nvfly_fp8(sa, sb, ahead)
+        serial = deepest(ScaledConfig(128, 128, 2, 2), e)  # (the default issues ahead on this tile)
+        impls["nvfly_serial"] = lambda: nvfly_fp8(sa, sb, serial)
     impls["nvfly_row"] = lambda: nvfly_fp8(sa_row, sb_row)
     impls["torch_row"] = lambda: torch._scaled_grouped_mm(a, b, sa_row, sb_row, offs=None if masked else groups_of,
                                                           out_dtype=bf16)
     block_ref = lambda: scaled.grouped_reference(a, b, sa, sb, groups_of, masked=masked)  # noqa: E731
     row_ref = lambda: scaled.grouped_reference(a, b, sa_row, sb_row, groups_of, masked=masked)  # noqa: E731
     bf16_ref = lambda: grouped.reference(a16, b16, groups_of, masked=masked)  # noqa: E731
-    refs = {"nvfly": block_ref, "nvfly_ahead": block_ref, "nvfly_row": row_ref, "torch_row": row_ref,
+    refs = {"nvfly": block_ref, "nvfly_serial": block_ref, "nvfly_row": row_ref, "torch_row": row_ref,
             "nvfly_bf16": bf16_ref, "torch_bf16": bf16_ref}
     flop = 2.0 * routed * n * k
     nbytes = routed * k + active * n * k + 2.0 * routed * n
@@ -540,7 +540,7 @@ def fp8_rows(cases: list[Case]) -> tuple[list[dict], dict]:
         rows.append(row)
         print(f"{case.name:<26} nvfly {row['nvfly_tflops']:7.1f} TF {row['nvfly_tbps']:5.2f} TB/s "
               f"(err {row['nvfly_rel_err']:.1e}) "
-              + "  ".join(f"{p} {row[p + '_tflops']:.0f} TF" for p in ("nvfly_ahead", "nvfly_row", "torch_row",
+              + "  ".join(f"{p} {row[p + '_tflops']:.0f} TF" for p in ("nvfly_serial", "nvfly_row", "torch_row",
                                                                         "nvfly_bf16", "torch_bf16")
                           if f"{p}_tflops" in row), flush=True)
         del impls, refs

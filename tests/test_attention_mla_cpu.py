@@ -251,7 +251,9 @@ def cpu_launches(recorded_launches, monkeypatch):
     monkeypatch.setattr(mla_api, "require_cuda", lambda q, op: None)
     monkeypatch.setattr(mla_api, "sm_count", lambda device: 132)
     monkeypatch.setattr(mla_api, "cached_descriptor", descriptor)
-    return recorded_launches
+    mla_api._CALLS.clear()  # cached calls hold prepared launches bound to earlier tests' recorders
+    yield recorded_launches
+    mla_api._CALLS.clear()
 
 
 def test_host_path_launches_the_mla_kernel(cpu_launches):
@@ -276,8 +278,48 @@ def test_host_path_splits_then_combines(cpu_launches):
     plan = MP.mla_plan(1, 2, 16, 4096, 132)
     assert plan.splits > 1 and plan.m_blocks == 1
     assert [(name, grid) for name, grid, _ in cpu_launches] == [
-        ("attention_mla_kernel", (plan.splits, 1, 1)), ("attention_combine_kernel", (2 * 16 // 4, 1, 1))]
-    assert out.data_ptr() in cpu_launches[1][2]
+        ("attention_mla_kernel", (plan.splits, 1, 1)), ("attention_combine_kernel", (2 * 16 * 4 // 4, 1, 1))]
+    assert out.data_ptr() in cpu_launches[1][2]  # a warp per (row, 128 columns): 4 a row
+
+
+def test_host_path_caches_the_call(cpu_launches, monkeypatch):
+    """A signature's second call checks and plans nothing (the checks are not called again), launches the same
+    kernels through the prepared launches with the new call's tensors, and reads the same default lengths (a
+    constant tensor: no fill kernel a call)."""
+    q = torch.zeros(2, 1, 128, DQK, dtype=torch.bfloat16)
+    k = torch.zeros(2, 1024, 1, DQK, dtype=torch.bfloat16)
+    first = attention.decode_mla(q, k, splits=3, validate=False)
+    checks, check = [], mla_api._check
+    monkeypatch.setattr(mla_api, "_check", lambda *args: checks.append(args) or check(*args))
+    q2 = torch.zeros_like(q)
+    out = torch.empty(2, 1, 128, DV, dtype=torch.bfloat16)
+    attention.decode_mla(q2, k, splits=3, validate=False, out=out)  # a new signature (out): checked
+    assert len(checks) == 1
+    second = attention.decode_mla(q2, k, splits=3, validate=False)
+    assert len(checks) == 1 and second.data_ptr() != first.data_ptr()
+    names = [name for name, _, _ in cpu_launches]
+    assert names == ["attention_mla_kernel", "attention_combine_kernel"] * 3
+    seqlens = [next(p for p in params if p not in (first.data_ptr(), second.data_ptr(), out.data_ptr())
+                    and isinstance(p, int) and p > 1 << 20) for name, _, params in cpu_launches[::2]]
+    assert len(set(seqlens)) == 1
+    assert struct.pack("<Q", q2.data_ptr()) in b"".join(p for p in cpu_launches[4][2] if isinstance(p, bytes))
+    assert second.data_ptr() in cpu_launches[5][2]
+    with pytest.raises(ValueError, match=r"^attention\.decode_mla: scale: .*positive"):
+        attention.decode_mla(q2, k, splits=3, validate=False, scale=-1.0)
+
+
+def test_splits_model():
+    """mla_splits: the least waves x (longest split's tiles + prologue + partial), the fewest splits among
+    equals; never more than the tiles, the SMs or MAX_SPLITS."""
+    assert MP.mla_splits(2, 132, 512) == 64  # B 1, 128 heads, 32K: 8 tiles a split on 128 SMs
+    assert MP.mla_splits(64, 132, 64) == 2  # B 32, 128 heads, 4K
+    assert MP.mla_splits(256, 132, 64) == 1  # B 128: two waves already
+    assert MP.mla_splits(32, 132, 512) == 4  # B 32, 16 heads, 32K
+    assert MP.mla_splits(1, 132, 3) == 3 and MP.mla_splits(1, 132, 1) == 1
+    for ctas in (1, 2, 3, 8, 64, 200):
+        for n_blocks in (1, 7, 64, 512, 2048):
+            splits = MP.mla_splits(ctas, 132, n_blocks)
+            assert 1 <= splits <= min(n_blocks, 132, MP.MAX_SPLITS)
 
 
 # ---------------------------------------------------------------------------------------------- errors

@@ -11,7 +11,7 @@ from nvfly.ops.attention.checks import check_values as _check_values
 from nvfly.ops.attention.checks import require_cuda as _require_cuda
 from nvfly.ops.attention.checks import sm_count as _sm_count
 from nvfly.ops.attention.checks import tensor_argument as _tensor
-from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
+from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS, combine_grid
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.decode_kernel import attention_decode_kernel
 from nvfly.ops.attention.block_mask_kernel import THREADS as TABLES_THREADS
@@ -316,7 +316,8 @@ class _DecodeCall:
                 self.tables_launch = block_mask_tables_kernel.prepared((self.hkv, batch), TABLES_THREADS)
             self.main = attention_decode_kernel.prepared(plan.grid(batch, self.hkv), plan.threads)
             if self.slots:
-                self.combine = attention_combine_kernel.prepared(-(-self.rows // COMBINE_WARPS), COMBINE_WARPS * 32)
+                self.combine = attention_combine_kernel.prepared(combine_grid(self.rows, plan.dv),
+                                                                COMBINE_WARPS * 32)
             if captured_tensors(mods):  # read from the functions per call: a prepared launch needs their layouts
                 self.captured_keys = tuple(map(layout_key, _kernel_captured(mods, q.device, tuple(captured))))
 
@@ -418,7 +419,7 @@ def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens:
                                                   plan.dv)
     attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse,
                                                 *captured, *extra, scale, PLAN=plan, MODS=mods)
-    attention_combine_kernel[-(-rows // COMBINE_WARPS), COMBINE_WARPS * 32](
+    attention_combine_kernel[combine_grid(rows, plan.dv), COMBINE_WARPS * 32](
         partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=plan.dv)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nvfly.ops.attention.plan import MAX_SPLITS, MAX_SQ, num_splits
+from nvfly.ops.attention.plan import MAX_SPLITS, MAX_SQ
 
 DQK = 576                   # the latent (512) and the rotary part (64)
 DV = 512                    # V: the latent's first 512 columns
@@ -67,12 +67,23 @@ class MlaPlan:
 
 def mla_plan(batch: int, sq: int, heads: int, capacity: int, sm_count: int, paged: bool = False,
              page_size: int = 0, causal: bool = True, splits: int = 0) -> MlaPlan:
-    """The plan for one call shape: FA3's split heuristic (``plan.num_splits``) over one CTA an SM (the kernel
-    takes 225 KB of shared memory) and the cache's capacity in 64-key tiles; ``splits`` > 0 forces a count."""
+    """The plan for one call shape: ``mla_splits`` over one CTA an SM (the kernel takes 225 KB of shared memory) and
+    the cache's capacity in 64-key tiles; ``splits`` > 0 forces a count."""
     plan = MlaPlan(sq, heads, paged, page_size if paged else 0, causal)
     if splits <= 0:
-        splits = num_splits(batch * plan.m_blocks, sm_count, -(-capacity // BLOCK_N))
+        splits = mla_splits(batch * plan.m_blocks, sm_count, -(-capacity // BLOCK_N))
     return MlaPlan(sq, heads, paged, plan.page_size, causal, max(1, min(splits, MAX_SPLITS)))
+
+
+def mla_splits(ctas: int, slots: int, n_blocks: int) -> int:
+    """The split count of the least modelled time: waves x (tiles of the longest split + 1 for the CTA's Q tile and
+    pipeline fill + 1 for its partial's write and combine when split), the fewest splits among equals. Each CTA's tiles are long (72 KB, 4.5 M MACs at 128
+    heads), so the longest split's whole tiles decide the time where FA3's wave efficiency alone does not: at B 1,
+    128 heads, 32K keys it takes 64 splits of 8 tiles (128 of the 132 SMs) over 57 of 9."""
+    def cost(splits: int) -> int:
+        waves = -(-ctas * splits // slots)
+        return waves * (-(-n_blocks // splits) + 1 + (splits > 1))
+    return min(range(1, max(1, min(MAX_SPLITS, slots, n_blocks)) + 1), key=lambda s: (cost(s), s))
 
 
 def split_blocks(seqlen: int, splits: int, split: int) -> tuple[int, int]:
@@ -90,4 +101,4 @@ def unmasked_end(seqlen: int, sq: int, causal: bool, maximum=max) -> int:
     return maximum(visible, 0) // BLOCK_N
 
 
-__all__ = ["BLOCK_M", "BLOCK_N", "DQK", "DV", "MAX_SQ", "MlaPlan", "mla_plan", "split_blocks", "unmasked_end"]
+__all__ = ["BLOCK_M", "BLOCK_N", "DQK", "DV", "MAX_SQ", "MlaPlan", "mla_plan", "mla_splits", "split_blocks", "unmasked_end"]

@@ -19,7 +19,8 @@ MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (
 first 512) at Sq = 1, B 1/32/128, 128 heads (V3) and 16, S 4K and 32K, nvfly on shuffled pages of 64 tokens. The
 peers see the same problem as one head of Hq query rows (MQA absorbed: q (B, 1, Hq, 576), k = the cache (B, 1, S,
 576), v its first 512 columns as a view; no expanded copy): SDPA efficient and math, and compiled flex_attention.
-Correctness first (nvfly's first sequence against a float32 computation), then the median times; TB/s count the
+Correctness first (nvfly's first sequence against a float32 computation), then the median times, and nvfly's
+replayed from a CUDA graph of 8 calls (``nvfly_graph_ms``: no launch or host cost, a warm L2); TB/s count the
 cache once (576 columns a key) plus q and o (``mla_bytes``), TFLOP/s 2 · (576 + 512) per (query head, key)
 (``mla_flops``). Writes benchmarks/results/attention_mla_h200.json and .png.
 
@@ -50,7 +51,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, geomean, interleaved_ms, plot, rel_err, write_results  # noqa: E402
+from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot, rel_err, write_results  # noqa: E402
 from nvfly.ops import attention  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
 from nvfly.ops.attention.prefill_api import plan_options  # noqa: E402
@@ -235,6 +236,10 @@ def run_mla_row(shape: tuple, with_flex: bool) -> dict[str, Any]:
     row["ok"] = row["nvfly_err"] < 2e-2 and not out.isnan().any().item()
     row["splits"] = attention.mla_plan(batch, 1, hq, skv, plan_sm_count(0), True, MLA_PAGE).splits
     row["nvfly_ms"] = bench_ms(lambda: attention.decode_mla(q, pages, block_table=table, validate=False))
+    # replayed from a CUDA graph (no launch or host cost, warm L2: the cache of a small row partly stays in L2)
+    graph = graph_ms(lambda: attention.decode_mla(q, pages, block_table=table, validate=False), calls=8, replays=10)
+    if graph is not None:
+        row["nvfly_graph_ms"] = graph
     # the peers ((B, S, H, D) arguments): one head of Hq query rows over the contiguous cache and its V view
     rows_q, values = q.view(batch, hq, 1, 576), cache[..., :512]
     for peer, call in sdpa_calls(rows_q, cache, values, False, MLA_BACKENDS).items():
@@ -248,7 +253,7 @@ def run_mla_row(shape: tuple, with_flex: bool) -> dict[str, Any]:
     for key in [key for key in row if key.endswith("_ms")]:
         row[key[:-3] + "_tbs"] = nbytes / row[key] / 1e9
         row[key[:-3] + "_tflops"] = flops / row[key] / 1e9
-        if key != "nvfly_ms":
+        if not key.startswith("nvfly"):
             row["vs_" + key[:-3]] = row[key] / row["nvfly_ms"]
     return row
 
@@ -261,8 +266,9 @@ def run_mla(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
         row = run_mla_row(shape, not args.no_flex)
         rows.append(row)
         peers = "  ".join(f"{key[:-4]} {row[key]:.2f}" for key in row if key.endswith("_tbs") and key != "nvfly_tbs")
+        graph = f" graph {row['nvfly_graph_tbs']:.2f}" if "nvfly_graph_tbs" in row else ""
         print(f"{row['model']:>7} B{row['batch']:<3} Skv{row['skv']:<6} splits {row['splits']:<3} "
-              f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s {row['nvfly_tflops']:.0f} TFLOP/s  "
+              f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s {row['nvfly_tflops']:.0f} TFLOP/s{graph}  "
               f"(TB/s: {peers})", flush=True)
         torch.cuda.empty_cache()
     summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in rows),
@@ -522,6 +528,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         row = run_row(shape, sq, layout, mod, not args.no_flex, kv)
         rows.append(row)
         peers = "  ".join(f"{key[:-4]} {row[key]:.2f}" for key in row if key.endswith("_tbs") and key != "nvfly_tbs")
+        graph = f" graph {row['nvfly_graph_tbs']:.2f}" if "nvfly_graph_tbs" in row else ""
         print(f"{row['model']:>9} B{row['batch']:<3} Skv{row['skv']:<6} {row['hq']}/{row['hkv']} sq{sq} {layout:>7} "
               f"{mod:>10} {kv}  err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s  ({peers})", flush=True)
         torch.cuda.empty_cache()

@@ -50,6 +50,34 @@ def test_variants_compile_to_hgmma_without_spills(heads, sq, paged):
     assert len(kernels) == (2 if splits > 1 else 1)
 
 
+@pytest.mark.parametrize("chunked, evict_first", [(False, False), (True, True)])
+def test_load_variants_compile(chunked, evict_first):
+    """The plan's load options (the default is chunked, no hint): one full barrier a stage or one a 64-column box
+    (the scores' loop waits for each box before its four k-steps, the value warpgroup for the four boxes of its V
+    half), and the evict-first hint on the key tiles' TMA loads; the same HGMMAs, no spills, no warnings."""
+    plan = MP.MlaPlan(1, 128, True, 64, True, 1, chunked=chunked, evict_first=evict_first)
+    kernel = attention.compile_mla(plan)[0]
+    assert kernel.count("HGMMA") == 2 * (DQK // 16 + 2 * MP.BLOCK_N // 16)
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == 0 and not kernel.warnings
+    waits = kernel.count("SYNCS.PHASECHK.TRANS64.TRYWAIT")
+    default = attention.compile_mla(MP.MlaPlan(1, 128, True, 64, True, 1, chunked=not chunked))[0]
+    fewer, more = sorted([waits, default.count("SYNCS.PHASECHK.TRANS64.TRYWAIT")])
+    assert more - fewer >= 2 * (MP.BOXES - 1 + 4 - 1)  # per loop (unmasked, masked): 9 waits for 1, 4 for 1
+    assert kernel.ptx.count(".L2::cache_hint") == (MP.BOXES if evict_first else 0)
+
+
+def test_chunked_ring_barriers():
+    """TmaPipeline with chunks: a stage's full barriers side by side, the empty ones after all of them; one chunk is
+    the plain ring's layout; the kernel's barrier area holds Q's and the chunked ring's."""
+    from nvfly.arch import sm90
+    ring = sm90.TmaPipeline(0, 2, 100, 8, chunks=9)
+    assert [ring.full(1, c) for c in range(9)] == [8 * (9 + c) for c in range(9)]
+    assert [ring.empty(s) for s in range(2)] == [8 * 18, 8 * 19]
+    plain = sm90.TmaPipeline(0, 2, 100, 8)
+    assert [plain.full(1), plain.empty(0), plain.empty(1)] == [8, 16, 24]
+    assert 8 * (1 + (MP.BOXES + 1) * MP.STAGES) <= MP.BARRIER_BYTES
+
+
 def test_fp16_compiles():
     kernel = attention.compile_mla(MP.MlaPlan(1, 128, True, 128, False, 1), dtype=nvfly.f16)[0]
     assert re.search(r"HGMMA\.64x256x16\.F32 R\d+, R\d+, gdesc\[", kernel.sass())
@@ -217,6 +245,13 @@ def test_kernel_model_matches_the_reference(sq, hq, paged, causal, splits):
     torch.testing.assert_close(got_lse[~empty], want_lse[~empty], atol=2e-3, rtol=1e-3)
 
 
+def test_plan_options():
+    default = MP.mla_plan(1, 1, 128, 32768, 132, paged=True, page_size=64)
+    assert default.chunked and not default.evict_first and default.full_barriers == MP.BOXES
+    varied = MP.mla_plan(1, 1, 128, 32768, 132, paged=True, page_size=64, chunked=False, evict_first=True)
+    assert (varied.chunked, varied.evict_first, varied.full_barriers, varied.splits) == (False, True, 1, default.splits)
+
+
 def test_plan_splits_and_grid():
     v3 = MP.mla_plan(1, 1, 128, 32768, 132, paged=True, page_size=64)
     assert v3.m_blocks == 2 and v3.splits > 1 and v3.grid(1) == (2 * v3.splits, 1)
@@ -306,6 +341,17 @@ def test_host_path_caches_the_call(cpu_launches, monkeypatch):
     assert second.data_ptr() in cpu_launches[5][2]
     with pytest.raises(ValueError, match=r"^attention\.decode_mla: scale: .*positive"):
         attention.decode_mla(q2, k, splits=3, validate=False, scale=-1.0)
+
+
+def test_plan_options_reach_the_host_path(cpu_launches):
+    """Calls inside ``plan_options`` plan (and cache) their own variant beside the default's."""
+    q = torch.zeros(1, 1, 16, DQK, dtype=torch.bfloat16)
+    k = torch.zeros(1, 256, 1, DQK, dtype=torch.bfloat16)
+    attention.decode_mla(q, k, splits=1)
+    with mla_api.plan_options(chunked=False, evict_first=True):
+        attention.decode_mla(q, k, splits=1)
+    plans = sorted((c.plan.chunked, c.plan.evict_first) for c in mla_api._CALLS.values())
+    assert plans == [(False, True), (True, False)] and len(cpu_launches) == 2
 
 
 def test_splits_model():

@@ -3,9 +3,11 @@ split-KV combine), the bytes and FLOPs the benchmark counts, and a compile helpe
 float32 reference is decode's (``api.reference`` with ``v_cache = k_cache[..., :512]``)."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
 import nvfly
 from nvfly.ops.attention.checks import aligned, check_values, hopper_reason, require_cuda, sm_count, tensor_argument
@@ -123,6 +125,18 @@ def mla_eligibility(q: Any, k_cache: Any, v_cache: Any = None, *, cache_seqlens:
 # and the shapes of what a call allocates, so a later call binds and launches.
 _CALLS: OpCalls["_MlaCall"] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(mla_plan)
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("mla_plan_options", default=(None, None))
+
+
+@contextlib.contextmanager
+def plan_options(chunked: Optional[bool] = None, evict_first: Optional[bool] = None) -> Iterator[None]:
+    """``decode_mla`` calls (and ``decode``'s MLA calls) inside run plans with these ``MlaPlan`` options (None: the
+    plan's default): the benchmark's and the tests' way to run the kernel's variants side by side."""
+    token = _OPTIONS.set((chunked, evict_first))
+    try:
+        yield
+    finally:
+        _OPTIONS.reset(token)
 
 
 def decode_mla(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: Optional["torch.Tensor"] = None, *,
@@ -165,7 +179,7 @@ def _decode(op: str, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, blo
             scale: Optional[float], causal: bool, return_lse: bool, validate: bool, splits: int, out: Any) -> Any:
     try:  # everything that decides the checks, the plan and the launches (op: the name errors carry)
         key = (op, layout_key(q), layout_key(k_cache), layout_key(v_cache), layout_key(cache_seqlens),
-               layout_key(block_table), layout_key(out), causal, splits, return_lse, type(scale))
+               layout_key(block_table), layout_key(out), causal, splits, return_lse, type(scale), _OPTIONS.get())
         call = _CALLS.get(key)
     except (AttributeError, TypeError):  # not tensors, unhashable: the checks explain
         key = call = None
@@ -202,7 +216,8 @@ def _new_call(op: str, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, b
         raise error(ValueError, "out", f"expected a contiguous {(batch, sq, hq, DV)} {q.dtype} tensor on {q.device}",
                     op)
     plan = _plan(batch, sq, hq, capacity, sm_count(q.device), block_table is not None,
-                 k_cache.shape[1] if block_table is not None else 0, bool(causal), int(splits)) if batch else None
+                 k_cache.shape[1] if block_table is not None else 0, bool(causal), int(splits),
+                 *_OPTIONS.get()) if batch else None
     return _MlaCall(plan, q, cache_seqlens, block_table, capacity, pages, bool(return_lse), prepared and batch > 0)
 
 

@@ -81,6 +81,21 @@ def test_mla_matches_the_reference(name):
     assert_matches(got, lse, *reference(q, cache, table, seqlens, causal), 1e-2)
 
 
+@pytest.mark.parametrize("options", [dict(chunked=False), dict(evict_first=True)])
+@pytest.mark.parametrize("name", ["v3_paged64", "h128_sq4_fp16_split"])
+def test_load_variants_match_the_reference(name, options):
+    """The plan's other load options (one full barrier a stage; the evict-first hint) compute the same."""
+    from nvfly.ops.attention.mla_api import plan_options
+    batch, sq, hq, lengths, dtype, page, causal, splits = CASES[name]
+    q, cache, table, seqlens = make_inputs(batch, sq, hq, lengths, dtype, page)
+    poison_partials()
+    out = torch.full((batch, sq, hq, DV), float("nan"), dtype=dtype, device="cuda")
+    with plan_options(**options):
+        got, lse = attention.decode_mla(q, cache, cache_seqlens=seqlens, block_table=table, causal=causal,
+                                        return_lse=True, splits=splits, out=out)
+    assert_matches(got, lse, *reference(q, cache, table, seqlens, causal), 1e-2)
+
+
 def test_decode_routes_576_columns_to_mla():
     """decode(q, k_cache, k_cache[..., :512]) is the MLA call: the same result as decode_mla, an explicit scale
     (DeepSeek's softmax scale) honoured, no LSE unless asked."""

@@ -354,6 +354,22 @@ def test_plan_options_reach_the_host_path(cpu_launches):
     assert plans == [(False, True), (True, False)] and len(cpu_launches) == 2
 
 
+def test_prepared_launches_pack_what_the_full_path_packed(cpu_launches):
+    """The same tensors again: the prepared launches of the MLA kernel and the combine pack exactly the bytes the
+    first call's full launch path packed (the same descriptors, lengths, partials, scalars)."""
+    q = torch.zeros(1, 1, 128, DQK, dtype=torch.bfloat16)
+    k = cache(64, 64)
+    table = torch.randperm(64).view(1, 64).to(torch.int32)
+    out = torch.empty(1, 1, 128, DV, dtype=torch.bfloat16)
+    attention.decode_mla(q, k, block_table=table, out=out, validate=False)
+    first = list(cpu_launches)
+    cpu_launches.clear()
+    for _ in range(2):
+        attention.decode_mla(q, k, block_table=table, out=out, validate=False)
+    assert [name for name, _, _ in first] == ["attention_mla_kernel", "attention_combine_kernel"]
+    assert cpu_launches == first * 2
+
+
 def test_splits_model():
     """mla_splits: the least waves x (longest split's tiles + prologue + partial), the fewest splits among
     equals; never more than the tiles, the SMs or MAX_SPLITS."""

@@ -3,20 +3,20 @@ split-KV combine), the bytes and FLOPs the benchmark counts, and a compile helpe
 float32 reference is decode's (``api.reference`` with ``v_cache = k_cache[..., :512]``)."""
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, ContextManager, Optional, Union
 
 import nvfly
 from nvfly.ops.attention.checks import aligned, check_values, hopper_reason, require_cuda, sm_count, tensor_argument
+from nvfly.ops.attention.calls import CallBuffers, check_out
 from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS, combine_grid
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.kv_options import error
 from nvfly.ops.attention.mla_kernel import attention_mla_kernel
 from nvfly.ops.attention.mla_plan import BLOCK_M, BLOCK_N, DQK, DV, MAX_SQ, SWIZZLE, THREADS, MlaPlan, mla_plan
-from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls
+from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls, context_value
 from nvfly.runtime.tensor_desc import torch_dtype
 from nvfly.runtime.torch_args import layout_key
 from nvfly.runtime.tma import cached_descriptor
@@ -128,15 +128,10 @@ _plan = functools.lru_cache(maxsize=CALL_LIMIT)(mla_plan)
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("mla_plan_options", default=(None, None))
 
 
-@contextlib.contextmanager
-def plan_options(chunked: Optional[bool] = None, evict_first: Optional[bool] = None) -> Iterator[None]:
+def plan_options(chunked: Optional[bool] = None, evict_first: Optional[bool] = None) -> ContextManager[None]:
     """``decode_mla`` calls (and ``decode``'s MLA calls) inside run plans with these ``MlaPlan`` options (None: the
     plan's default): the benchmark's and the tests' way to run the kernel's variants side by side."""
-    token = _OPTIONS.set((chunked, evict_first))
-    try:
-        yield
-    finally:
-        _OPTIONS.reset(token)
+    return context_value(_OPTIONS, (chunked, evict_first))
 
 
 def decode_mla(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: Optional["torch.Tensor"] = None, *,
@@ -205,23 +200,19 @@ def _new_call(op: str, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, b
               prepared: bool) -> "_MlaCall":
     """A signature's first call (or one that is not cached): the checks in the order they raise, then its plan;
     ``prepared``: with prepared launches (a cached call), else through the kernels' general launch path."""
-    import torch
     capacity, pages = _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, op)
     if validate and not (q.device.type == "cuda" and _capturing()):
         check_values(cache_seqlens, block_table, capacity, pages, op)
     require_cuda(q, op)
     batch, sq, hq, _ = q.shape
-    if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, sq, hq, DV)
-                            or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous()):
-        raise error(ValueError, "out", f"expected a contiguous {(batch, sq, hq, DV)} {q.dtype} tensor on {q.device}",
-                    op)
+    check_out(out, (batch, sq, hq, DV), q, op)
     plan = _plan(batch, sq, hq, capacity, sm_count(q.device), block_table is not None,
                  k_cache.shape[1] if block_table is not None else 0, bool(causal), int(splits),
                  *_OPTIONS.get()) if batch else None
     return _MlaCall(plan, q, cache_seqlens, block_table, capacity, pages, bool(return_lse), prepared and batch > 0)
 
 
-class _MlaCall:
+class _MlaCall(CallBuffers):
     """The launches of one call signature: what depends only on it, computed once (the plan, the outputs' shapes,
     the prepared launches of the MLA and combine kernels on their grids, whether q's rows need a copy for TMA, the
     partials' size); ``run`` allocates the outputs, binds the call's tensors (q's and the cache's descriptors
@@ -229,23 +220,17 @@ class _MlaCall:
 
     def __init__(self, plan: Optional[MlaPlan], q: Any, cache_seqlens: Any, block_table: Any, capacity: int,
                  pages: int, return_lse: bool, prepared: bool):
-        import torch
         from nvfly.ops.common import scratch
-        self.plan, self.capacity, self.pages = plan, capacity, pages
         batch, sq, hq, _ = q.shape
-        self.batch, self.sq, self.hq = batch, sq, hq
-        self.out_shape = (batch, sq, hq, DV)
-        self.lse_shape = (batch, hq, sq) if return_lse else None
-        self.dtype, self.float32, self.int32, self.empty, self.full = (q.dtype, torch.float32, torch.int32,
-                                                                       torch.empty, torch.full)
+        super().__init__(q, (batch, sq, hq, DV), return_lse, cache_seqlens, capacity, "decode_mla cache_seqlens")
+        self.plan, self.pages = plan, pages
+        self.sq, self.hq = sq, hq
         self.cuda = q.device.type == "cuda"
         self.reads_values = cache_seqlens is not None or block_table is not None
-        self.convert_lengths = cache_seqlens is not None and cache_seqlens.dtype != torch.int32
-        self.lengths_key = ("decode_mla cache_seqlens", batch, capacity)  # the default lengths: all of the cache
         self.copies_q = not aligned(q.reshape(batch, sq * hq, DQK))  # then a new address every call
         self.rows = batch * sq * hq
         self.slots = plan.splits * self.rows if plan is not None and plan.splits > 1 else 0
-        self.constant, self.row_partials = scratch.constant, scratch.row_partials
+        self.row_partials = scratch.row_partials
         self.boxes = _boxes(torch_dtype(q))
         self._descriptors: dict[tuple[int, int], tuple[Any, Any]] = {}
         self.main = self.combine = None
@@ -257,16 +242,10 @@ class _MlaCall:
     def run(self, q: Any, k_cache: Any, block_table: Any, cache_seqlens: Any, out: Any, scale: Optional[float]
             ) -> Any:
         device = q.device
-        if out is None:
-            out = self.empty(self.out_shape, dtype=self.dtype, device=device)
-        lse = None if self.lse_shape is None else self.empty(self.lse_shape, dtype=self.float32, device=device)
+        out, lse = self.outputs(device, out)
         plan = self.plan
         if plan is not None:
-            if cache_seqlens is None:  # one tensor per (device, batch, capacity), never written: no fill a call
-                seqlens = self.constant(device, self.lengths_key, lambda: self.full(
-                    (self.batch,), self.capacity, dtype=self.int32, device=device))
-            else:
-                seqlens = cache_seqlens.to(self.int32) if self.convert_lengths else cache_seqlens
+            seqlens = self.lengths(device, cache_seqlens)
             scale_log2 = (DQK ** -0.5 if scale is None else float(scale)) / LN2
             descriptors = self._describe(q, k_cache)
             if self.main is None:

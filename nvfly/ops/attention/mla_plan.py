@@ -117,4 +117,5 @@ def unmasked_end(seqlen: int, sq: int, causal: bool, maximum=max) -> int:
     return maximum(visible, 0) // BLOCK_N
 
 
-__all__ = ["BLOCK_M", "BLOCK_N", "DQK", "DV", "MAX_SQ", "MlaPlan", "mla_plan", "mla_splits", "split_blocks", "unmasked_end"]
+__all__ = ["BLOCK_M", "BLOCK_N", "DQK", "DV", "MAX_SQ", "MlaPlan", "mla_plan", "mla_splits", "split_blocks",
+           "unmasked_end"]

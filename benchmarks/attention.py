@@ -290,8 +290,8 @@ def run_mla(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
         peers = "  ".join(f"{key[:-4]} {row[key]:.2f}" for key in row if key.endswith("_tbs") and key != "nvfly_tbs")
         graph = f" graph {row['nvfly_graph_tbs']:.2f}" if "nvfly_graph_tbs" in row else ""
         print(f"{row['model']:>7} B{row['batch']:<3} Skv{row['skv']:<6} splits {row['splits']:<3} "
-              f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s {row['nvfly_tflops']:.0f} TFLOP/s{graph}  "
-              f"(TB/s: {peers})", flush=True)
+              f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s {row['nvfly_tflops']:.0f} TFLOP/s"
+              f"{graph}  (TB/s: {peers})", flush=True)
         torch.cuda.empty_cache()
     summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in rows),
                "min_nvfly_tbs": min(r["nvfly_tbs"] for r in rows),

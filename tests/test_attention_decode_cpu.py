@@ -501,7 +501,7 @@ def test_host_path_launches_the_decode_kernel(cpu_launches):
 
 def test_host_path_splits_then_combines(cpu_launches):
     """Paged, 48/8 at Sq = 8 (one 64-row tile), split by the heuristic: the decode grid is (splits, Hkv, B), then
-    the combine runs a warp per (sequence, token, head) row."""
+    the combine runs a warp per (sequence, token, head) row (its 128 columns)."""
     k, v = bf16(64, 64, 8, 128), bf16(64, 64, 8, 128)
     table = torch.randperm(64).view(1, 64).to(torch.int32)
     q = bf16(1, 8, 48, 128)

@@ -8,9 +8,11 @@ are V, on Hopper's TMA and wgmma.
 Grid (splits x row blocks, B), 384 threads (``mla_plan``). Warpgroup 0 is the producer: its thread 0 TMA-loads the
 CTA's 64 query rows once (9 boxes of 64 rows x 64 columns; rows past Sq x Hq are zero-filled) and then each 64-key
 tile of the split (9 boxes, a page of 64 keys is one TMA row range; paged: the page from the block table) into a
-2-stage ring (full/empty mbarriers, ``sm90.TmaPipeline``). The cache is read once; the tile's first 512 columns are
-V, already MN-major for P·V (a K-major K tile and an MN-major V tile have the same 128-byte swizzled rows), so there
-is no second load and no transpose.
+2-stage ring (full/empty mbarriers, ``sm90.TmaPipeline``; with ``PLAN.chunked`` a full barrier per box, so that
+S's k-steps over a box start as it lands and the value warpgroup waits for its V half's four boxes only; with
+``PLAN.evict_first`` the loads carry an L2 evict-first hint). The cache is read once; the tile's first 512 columns
+are V, already MN-major for P·V (a K-major K tile and an MN-major V tile have the same 128-byte swizzled rows), so
+there is no second load and no transpose.
 
 Warpgroup 1 (the softmax warpgroup) computes S = Q Kᵀ (64 x 64, K = 576: 36 wgmma steps from shared memory), the
 online softmax (each thread's two rows; scale folded into exp2), writes P (rounded to the input type) into a

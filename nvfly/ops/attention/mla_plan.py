@@ -26,7 +26,8 @@ BOXES = DQK // (SWIZZLE // 2)  # 9 TMA boxes of 64 columns (one 128-byte swizzle
 BOX_BYTES = BLOCK_N * SWIZZLE
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
 
-# dynamic shared memory, in bytes: barriers (Q's, then the ring's: at most BOXES full and one empty a stage), then 1024-byte aligned tiles (128-byte swizzle atoms need it)
+# dynamic shared memory, in bytes: barriers (Q's, then the ring's: at most BOXES full and one empty a stage), then
+# 1024-byte aligned tiles (128-byte swizzle atoms need it)
 BARRIER_BYTES = 1024
 Q_BYTES = BLOCK_M * DQK * 2
 STAGE_BYTES = BLOCK_N * DQK * 2
@@ -93,9 +94,10 @@ def mla_plan(batch: int, sq: int, heads: int, capacity: int, sm_count: int, page
 
 def mla_splits(ctas: int, slots: int, n_blocks: int) -> int:
     """The split count of the least modelled time: waves x (tiles of the longest split + 1 for the CTA's Q tile and
-    pipeline fill + 1 for its partial's write and combine when split), the fewest splits among equals. Each CTA's tiles are long (72 KB, 4.5 M MACs at 128
-    heads), so the longest split's whole tiles decide the time where FA3's wave efficiency alone does not: at B 1,
-    128 heads, 32K keys it takes 64 splits of 8 tiles (128 of the 132 SMs) over 57 of 9."""
+    pipeline fill + 1 for its partial's write and combine when split), the fewest splits among equals. Each CTA's
+    tiles are long (72 KB, 4.5 M MACs at 128 heads), so the longest split's whole tiles decide the time where FA3's
+    wave efficiency alone does not: at B 1, 128 heads, 32K keys it takes 64 splits of 8 tiles (128 of the 132 SMs)
+    over 57 of 9."""
     def cost(splits: int) -> int:
         waves = -(-ctas * splits // slots)
         return waves * (-(-n_blocks // splits) + 1 + (splits > 1))

@@ -19,9 +19,12 @@ MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (
 first 512) at Sq = 1, B 1/32/128, 128 heads (V3) and 16, S 4K and 32K, nvfly on shuffled pages of 64 tokens. The
 peers see the same problem as one head of Hq query rows (MQA absorbed: q (B, 1, Hq, 576), k = the cache (B, 1, S,
 576), v its first 512 columns as a view; no expanded copy): SDPA efficient and math, and compiled flex_attention.
-Correctness first (nvfly's first sequence against a float32 computation), then the median times; TB/s count the
+Correctness first (nvfly's first sequence against a float32 computation), then the median times, and nvfly's
+replayed from a CUDA graph of 8 calls (``nvfly_graph_ms``: no launch or host cost, a warm L2); TB/s count the
 cache once (576 columns a key) plus q and o (``mla_bytes``), TFLOP/s 2 · (576 + 512) per (query head, key)
-(``mla_flops``). Writes benchmarks/results/attention_mla_h200.json and .png.
+(``mla_flops``). ``--mla-variants`` also times (after checking) nvfly's kernel with each combination of
+``MlaPlan.chunked`` and ``.evict_first`` (``nvfly_<variant>_ms``: stage, chunked, stage_evict, chunked_evict; their
+geomean speed over the default plan's in the summary). Writes benchmarks/results/attention_mla_h200.json and .png.
 
 Prefill (``--prefill [--quick] [--prefill-models ...] [--no-flex] [--name NAME]``): the prefill suite of ../shared/docs/anchors.md (B·S = 16K tokens at
 H·D = 2048 for D 64/128/256, GQA 32/8 and 64/8, DeepSeek-like Dqk 192/Dv 128 H 128, MiniMax-like 48/8), each
@@ -50,9 +53,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, geomean, interleaved_ms, plot, rel_err, write_results  # noqa: E402
+from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot, rel_err, write_results  # noqa: E402
 from nvfly.ops import attention  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
+from nvfly.ops.attention.mla_api import plan_options as mla_plan_options  # noqa: E402
 from nvfly.ops.attention.prefill_api import plan_options  # noqa: E402
 from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 
@@ -207,6 +211,10 @@ MLA_QUICK = [("mla128", 1, 32768, 128), ("mla128", 32, 4096, 128), ("mla128", 12
              ("mla16", 32, 32768, 16)]
 MLA_PAGE = 64
 MLA_BACKENDS = ("efficient", "math")  # flash and cuDNN take head dims up to 256
+# --mla-variants: nvfly's kernel with each combination of the plan's load options (the default is one of them)
+MLA_VARIANTS = {"stage": dict(chunked=False, evict_first=False), "chunked": dict(chunked=True, evict_first=False),
+                "stage_evict": dict(chunked=False, evict_first=True),
+                "chunked_evict": dict(chunked=True, evict_first=True)}
 
 
 def mla_error(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> float:
@@ -218,7 +226,7 @@ def mla_error(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> float:
     return rel_err(out[0].reshape(-1, 512).float(), weights @ keys[:, :512])
 
 
-def run_mla_row(shape: tuple, with_flex: bool) -> dict[str, Any]:
+def run_mla_row(shape: tuple, with_flex: bool, variants: bool = False) -> dict[str, Any]:
     name, batch, skv, hq = shape
     torch.manual_seed(0)
     q = torch.randn(batch, 1, hq, 576, device="cuda", dtype=torch.bfloat16)
@@ -235,6 +243,25 @@ def run_mla_row(shape: tuple, with_flex: bool) -> dict[str, Any]:
     row["ok"] = row["nvfly_err"] < 2e-2 and not out.isnan().any().item()
     row["splits"] = attention.mla_plan(batch, 1, hq, skv, plan_sm_count(0), True, MLA_PAGE).splits
     row["nvfly_ms"] = bench_ms(lambda: attention.decode_mla(q, pages, block_table=table, validate=False))
+    # replayed from a CUDA graph (no launch or host cost, warm L2: the cache of a small row partly stays in L2)
+    graph = graph_ms(lambda: attention.decode_mla(q, pages, block_table=table, validate=False), calls=8, replays=10)
+    if graph is not None:
+        row["nvfly_graph_ms"] = graph
+    if variants:  # checked, then timed in turn (three rounds, medians): their differences are a few percent
+        calls = {}
+        for variant, options in MLA_VARIANTS.items():
+            with mla_plan_options(**options):
+                out.fill_(float("nan"))
+                attention.decode_mla(q, pages, block_table=table, out=out)
+                row[f"nvfly_{variant}_err"] = mla_error(q, cache, out)
+                row["ok"] = row["ok"] and row[f"nvfly_{variant}_err"] < 2e-2 and not out.isnan().any().item()
+
+            def call(options=options):
+                with mla_plan_options(**options):
+                    attention.decode_mla(q, pages, block_table=table, validate=False)
+            calls[f"nvfly_{variant}"] = call
+        for name, times in interleaved_ms(calls, VARIANT_ROUNDS).items():
+            row[f"{name}_ms"] = sorted(times)[len(times) // 2]
     # the peers ((B, S, H, D) arguments): one head of Hq query rows over the contiguous cache and its V view
     rows_q, values = q.view(batch, hq, 1, 576), cache[..., :512]
     for peer, call in sdpa_calls(rows_q, cache, values, False, MLA_BACKENDS).items():
@@ -248,7 +275,7 @@ def run_mla_row(shape: tuple, with_flex: bool) -> dict[str, Any]:
     for key in [key for key in row if key.endswith("_ms")]:
         row[key[:-3] + "_tbs"] = nbytes / row[key] / 1e9
         row[key[:-3] + "_tflops"] = flops / row[key] / 1e9
-        if key != "nvfly_ms":
+        if not key.startswith("nvfly"):
             row["vs_" + key[:-3]] = row[key] / row["nvfly_ms"]
     return row
 
@@ -258,18 +285,21 @@ def run_mla(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
     rows, started = [], time.time()
     for shape in MLA_QUICK if args.quick else MLA_SUITE:
-        row = run_mla_row(shape, not args.no_flex)
+        row = run_mla_row(shape, not args.no_flex, args.mla_variants)
         rows.append(row)
         peers = "  ".join(f"{key[:-4]} {row[key]:.2f}" for key in row if key.endswith("_tbs") and key != "nvfly_tbs")
+        graph = f" graph {row['nvfly_graph_tbs']:.2f}" if "nvfly_graph_tbs" in row else ""
         print(f"{row['model']:>7} B{row['batch']:<3} Skv{row['skv']:<6} splits {row['splits']:<3} "
-              f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s {row['nvfly_tflops']:.0f} TFLOP/s  "
-              f"(TB/s: {peers})", flush=True)
+              f"err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s {row['nvfly_tflops']:.0f} TFLOP/s"
+              f"{graph}  (TB/s: {peers})", flush=True)
         torch.cuda.empty_cache()
     summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in rows),
                "min_nvfly_tbs": min(r["nvfly_tbs"] for r in rows),
                "max_nvfly_tflops": max(r["nvfly_tflops"] for r in rows),
                **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in rows if f"vs_{peer}" in r])
                   for peer in (*MLA_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in rows)}}
+    for variant in (MLA_VARIANTS if args.mla_variants else ()):  # each variant's TB/s over the default's
+        summary[f"geomean_{variant}_vs_default"] = geomean([r["nvfly_ms"] / r[f"nvfly_{variant}_ms"] for r in rows])
     print(summary)
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     name = args.name or "attention_mla"
@@ -494,6 +524,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "(PREFILL_VARIANTS; correctness checked for each) in the same process: nvfly_<variant>_ms")
     p.add_argument("--mla", action="store_true", help="decode: the MLA suite (DeepSeek's 576/512 latent cache) "
                                                        "instead; with --quick four rows")
+    p.add_argument("--mla-variants", action="store_true",
+                   help="with --mla: also time nvfly's kernel with each combination of MlaPlan.chunked and "
+                        ".evict_first (MLA_VARIANTS; correctness checked for each): nvfly_<variant>_ms")
     p.add_argument("--fp8", action="store_true", help="also each row's shape with fp8 (e4m3) K/V caches (nvfly only)")
     p.add_argument("--name", default=None, help="results file stem (benchmarks/results/<name>_h200; default "
                                                  "attention_decode or attention_prefill)")
@@ -522,6 +555,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         row = run_row(shape, sq, layout, mod, not args.no_flex, kv)
         rows.append(row)
         peers = "  ".join(f"{key[:-4]} {row[key]:.2f}" for key in row if key.endswith("_tbs") and key != "nvfly_tbs")
+        graph = f" graph {row['nvfly_graph_tbs']:.2f}" if "nvfly_graph_tbs" in row else ""
         print(f"{row['model']:>9} B{row['batch']:<3} Skv{row['skv']:<6} {row['hq']}/{row['hkv']} sq{sq} {layout:>7} "
               f"{mod:>10} {kv}  err {row['nvfly_err']:.1e}  nvfly {row['nvfly_tbs']:.2f} TB/s  ({peers})", flush=True)
         torch.cuda.empty_cache()

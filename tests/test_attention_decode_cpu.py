@@ -285,6 +285,24 @@ def combine(outs, lses):
     return out, torch.where(total > 0, ref + torch.log(total), torch.full_like(total, float("-inf")))
 
 
+@pytest.mark.parametrize("dv", [64, 128, 192, 256, 512])
+def test_combine_compiles_unrolled_without_spills(dv):
+    """The combine (a warp per row's chunk of 128 or 64 columns) compiles for every head dim, decode's and MLA's,
+    without spills; the unrolled loop reads UNROLL splits' partials with one vector load a lane each (16 bytes at
+    128 columns, 8 at 64), and its grid covers every (row, chunk)."""
+    from nvfly.ops.attention import combine_kernel as C
+    rows, splits = 96, 9
+    kernel = C.attention_combine_kernel.compile(
+        nvfly.TensorDesc(nvfly.f32, (splits * rows, dv)), nvfly.TensorDesc(nvfly.f32, (splits * rows,)),
+        nvfly.TensorDesc(nvfly.bf16, (2, 3, 16, dv)), nvfly.TensorDesc(nvfly.f32, (2, 16, 3)), rows, 16, splits,
+        SQ=3, DV=dv, block=C.WARPS * 32, target="sm_90a")
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    wide = "LDG.E.128" if C.chunk_columns(dv) == 128 else "LDG.E.64"
+    assert kernel.count(wide) >= C.UNROLL + 1  # the unrolled loop's and the tail's
+    chunks = dv // C.chunk_columns(dv)
+    assert C.combine_grid(rows, dv) * C.WARPS >= rows * chunks > (C.combine_grid(rows, dv) - 1) * C.WARPS
+
+
 @pytest.mark.parametrize("splits", [2, 5])
 def test_split_and_combine_equal_the_whole(splits):
     """Each split attends its stages (plan.split_range of its own sequence's length), the combine merges them: the
@@ -562,7 +580,7 @@ def test_host_path_launches_the_decode_kernel(cpu_launches):
 
 def test_host_path_splits_then_combines(cpu_launches):
     """Paged, 48/8 at Sq = 8 (one 64-row tile), split by the heuristic: the decode grid is (splits, Hkv, B), then
-    the combine runs a warp per (sequence, token, head) row."""
+    the combine runs a warp per (sequence, token, head) row (its 128 columns)."""
     k, v = bf16(64, 64, 8, 128), bf16(64, 64, 8, 128)
     table = torch.randperm(64).view(1, 64).to(torch.int32)
     q = bf16(1, 8, 48, 128)

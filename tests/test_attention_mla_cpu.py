@@ -50,6 +50,34 @@ def test_variants_compile_to_hgmma_without_spills(heads, sq, paged):
     assert len(kernels) == (2 if splits > 1 else 1)
 
 
+@pytest.mark.parametrize("chunked, evict_first", [(False, False), (True, True)])
+def test_load_variants_compile(chunked, evict_first):
+    """The plan's load options (the default is chunked, no hint): one full barrier a stage or one a 64-column box
+    (the scores' loop waits for each box before its four k-steps, the value warpgroup for the four boxes of its V
+    half), and the evict-first hint on the key tiles' TMA loads; the same HGMMAs, no spills, no warnings."""
+    plan = MP.MlaPlan(1, 128, True, 64, True, 1, chunked=chunked, evict_first=evict_first)
+    kernel = attention.compile_mla(plan)[0]
+    assert kernel.count("HGMMA") == 2 * (DQK // 16 + 2 * MP.BLOCK_N // 16)
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == 0 and not kernel.warnings
+    waits = kernel.count("SYNCS.PHASECHK.TRANS64.TRYWAIT")
+    default = attention.compile_mla(MP.MlaPlan(1, 128, True, 64, True, 1, chunked=not chunked))[0]
+    fewer, more = sorted([waits, default.count("SYNCS.PHASECHK.TRANS64.TRYWAIT")])
+    assert more - fewer >= 2 * (MP.BOXES - 1 + 4 - 1)  # per loop (unmasked, masked): 9 waits for 1, 4 for 1
+    assert kernel.ptx.count(".L2::cache_hint") == (MP.BOXES if evict_first else 0)
+
+
+def test_chunked_ring_barriers():
+    """TmaPipeline with chunks: a stage's full barriers side by side, the empty ones after all of them; one chunk is
+    the plain ring's layout; the kernel's barrier area holds Q's and the chunked ring's."""
+    from nvfly.arch import sm90
+    ring = sm90.TmaPipeline(0, 2, 100, 8, chunks=9)
+    assert [ring.full(1, c) for c in range(9)] == [8 * (9 + c) for c in range(9)]
+    assert [ring.empty(s) for s in range(2)] == [8 * 18, 8 * 19]
+    plain = sm90.TmaPipeline(0, 2, 100, 8)
+    assert [plain.full(1), plain.empty(0), plain.empty(1)] == [8, 16, 24]
+    assert 8 * (1 + (MP.BOXES + 1) * MP.STAGES) <= MP.BARRIER_BYTES
+
+
 def test_fp16_compiles():
     kernel = attention.compile_mla(MP.MlaPlan(1, 128, True, 128, False, 1), dtype=nvfly.f16)[0]
     assert re.search(r"HGMMA\.64x256x16\.F32 R\d+, R\d+, gdesc\[", kernel.sass())
@@ -217,6 +245,13 @@ def test_kernel_model_matches_the_reference(sq, hq, paged, causal, splits):
     torch.testing.assert_close(got_lse[~empty], want_lse[~empty], atol=2e-3, rtol=1e-3)
 
 
+def test_plan_options():
+    default = MP.mla_plan(1, 1, 128, 32768, 132, paged=True, page_size=64)
+    assert default.chunked and not default.evict_first and default.full_barriers == MP.BOXES
+    varied = MP.mla_plan(1, 1, 128, 32768, 132, paged=True, page_size=64, chunked=False, evict_first=True)
+    assert (varied.chunked, varied.evict_first, varied.full_barriers, varied.splits) == (False, True, 1, default.splits)
+
+
 def test_plan_splits_and_grid():
     v3 = MP.mla_plan(1, 1, 128, 32768, 132, paged=True, page_size=64)
     assert v3.m_blocks == 2 and v3.splits > 1 and v3.grid(1) == (2 * v3.splits, 1)
@@ -251,7 +286,9 @@ def cpu_launches(recorded_launches, monkeypatch):
     monkeypatch.setattr(mla_api, "require_cuda", lambda q, op: None)
     monkeypatch.setattr(mla_api, "sm_count", lambda device: 132)
     monkeypatch.setattr(mla_api, "cached_descriptor", descriptor)
-    return recorded_launches
+    mla_api._CALLS.clear()  # cached calls hold prepared launches bound to earlier tests' recorders
+    yield recorded_launches
+    mla_api._CALLS.clear()
 
 
 def test_host_path_launches_the_mla_kernel(cpu_launches):
@@ -276,8 +313,75 @@ def test_host_path_splits_then_combines(cpu_launches):
     plan = MP.mla_plan(1, 2, 16, 4096, 132)
     assert plan.splits > 1 and plan.m_blocks == 1
     assert [(name, grid) for name, grid, _ in cpu_launches] == [
-        ("attention_mla_kernel", (plan.splits, 1, 1)), ("attention_combine_kernel", (2 * 16 // 4, 1, 1))]
-    assert out.data_ptr() in cpu_launches[1][2]
+        ("attention_mla_kernel", (plan.splits, 1, 1)), ("attention_combine_kernel", (2 * 16 * 4 // 4, 1, 1))]
+    assert out.data_ptr() in cpu_launches[1][2]  # a warp per (row, 128 columns): 4 a row
+
+
+def test_host_path_caches_the_call(cpu_launches, monkeypatch):
+    """A signature's second call checks and plans nothing (the checks are not called again), launches the same
+    kernels through the prepared launches with the new call's tensors, and reads the same default lengths (a
+    constant tensor: no fill kernel a call)."""
+    q = torch.zeros(2, 1, 128, DQK, dtype=torch.bfloat16)
+    k = torch.zeros(2, 1024, 1, DQK, dtype=torch.bfloat16)
+    first = attention.decode_mla(q, k, splits=3, validate=False)
+    checks, check = [], mla_api._check
+    monkeypatch.setattr(mla_api, "_check", lambda *args: checks.append(args) or check(*args))
+    q2 = torch.zeros_like(q)
+    out = torch.empty(2, 1, 128, DV, dtype=torch.bfloat16)
+    attention.decode_mla(q2, k, splits=3, validate=False, out=out)  # a new signature (out): checked
+    assert len(checks) == 1
+    second = attention.decode_mla(q2, k, splits=3, validate=False)
+    assert len(checks) == 1 and second.data_ptr() != first.data_ptr()
+    names = [name for name, _, _ in cpu_launches]
+    assert names == ["attention_mla_kernel", "attention_combine_kernel"] * 3
+    seqlens = [next(p for p in params if p not in (first.data_ptr(), second.data_ptr(), out.data_ptr())
+                    and isinstance(p, int) and p > 1 << 20) for name, _, params in cpu_launches[::2]]
+    assert len(set(seqlens)) == 1
+    assert struct.pack("<Q", q2.data_ptr()) in b"".join(p for p in cpu_launches[4][2] if isinstance(p, bytes))
+    assert second.data_ptr() in cpu_launches[5][2]
+    with pytest.raises(ValueError, match=r"^attention\.decode_mla: scale: .*positive"):
+        attention.decode_mla(q2, k, splits=3, validate=False, scale=-1.0)
+
+
+def test_plan_options_reach_the_host_path(cpu_launches):
+    """Calls inside ``plan_options`` plan (and cache) their own variant beside the default's."""
+    q = torch.zeros(1, 1, 16, DQK, dtype=torch.bfloat16)
+    k = torch.zeros(1, 256, 1, DQK, dtype=torch.bfloat16)
+    attention.decode_mla(q, k, splits=1)
+    with mla_api.plan_options(chunked=False, evict_first=True):
+        attention.decode_mla(q, k, splits=1)
+    plans = sorted((c.plan.chunked, c.plan.evict_first) for c in mla_api._CALLS.values())
+    assert plans == [(False, True), (True, False)] and len(cpu_launches) == 2
+
+
+def test_prepared_launches_pack_what_the_full_path_packed(cpu_launches):
+    """The same tensors again: the prepared launches of the MLA kernel and the combine pack exactly the bytes the
+    first call's full launch path packed (the same descriptors, lengths, partials, scalars)."""
+    q = torch.zeros(1, 1, 128, DQK, dtype=torch.bfloat16)
+    k = cache(64, 64)
+    table = torch.randperm(64).view(1, 64).to(torch.int32)
+    out = torch.empty(1, 1, 128, DV, dtype=torch.bfloat16)
+    attention.decode_mla(q, k, block_table=table, out=out, validate=False)
+    first = list(cpu_launches)
+    cpu_launches.clear()
+    for _ in range(2):
+        attention.decode_mla(q, k, block_table=table, out=out, validate=False)
+    assert [name for name, _, _ in first] == ["attention_mla_kernel", "attention_combine_kernel"]
+    assert cpu_launches == first * 2
+
+
+def test_splits_model():
+    """mla_splits: the least waves x (longest split's tiles + prologue + partial), the fewest splits among
+    equals; never more than the tiles, the SMs or MAX_SPLITS."""
+    assert MP.mla_splits(2, 132, 512) == 64  # B 1, 128 heads, 32K: 8 tiles a split on 128 SMs
+    assert MP.mla_splits(64, 132, 64) == 2  # B 32, 128 heads, 4K
+    assert MP.mla_splits(256, 132, 64) == 1  # B 128: two waves already
+    assert MP.mla_splits(32, 132, 512) == 4  # B 32, 16 heads, 32K
+    assert MP.mla_splits(1, 132, 3) == 3 and MP.mla_splits(1, 132, 1) == 1
+    for ctas in (1, 2, 3, 8, 64, 200):
+        for n_blocks in (1, 7, 64, 512, 2048):
+            splits = MP.mla_splits(ctas, 132, n_blocks)
+            assert 1 <= splits <= min(n_blocks, 132, MP.MAX_SPLITS)
 
 
 # ---------------------------------------------------------------------------------------------- errors

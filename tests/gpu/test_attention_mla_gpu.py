@@ -64,6 +64,8 @@ CASES = {
     "h128_sq4_fp16_split": (2, 4, 128, [513, 3], torch.float16, 0, True, 7),
     "h16_long_auto_split": (1, 1, 16, [16384], torch.bfloat16, 64, True, 0),
     "h128_b32": (32, 1, 128, [1 + 97 * i for i in range(32)], torch.bfloat16, 64, True, 0),
+    "v3_b1_61_splits": (1, 1, 128, [8000], torch.bfloat16, 64, True, 61),  # the combine's 8-split loop and tail
+    "v3_b1_auto_split": (1, 1, 128, [32768], torch.bfloat16, 64, True, 0),  # the benchmark's B1 row: 64 splits
 }
 
 
@@ -76,6 +78,21 @@ def test_mla_matches_the_reference(name):
     got, lse = attention.decode_mla(q, cache, cache_seqlens=seqlens, block_table=table, causal=causal,
                                     return_lse=True, splits=splits, out=out)
     assert got.data_ptr() == out.data_ptr()
+    assert_matches(got, lse, *reference(q, cache, table, seqlens, causal), 1e-2)
+
+
+@pytest.mark.parametrize("options", [dict(chunked=False), dict(evict_first=True)])
+@pytest.mark.parametrize("name", ["v3_paged64", "h128_sq4_fp16_split"])
+def test_load_variants_match_the_reference(name, options):
+    """The plan's other load options (one full barrier a stage; the evict-first hint) compute the same."""
+    from nvfly.ops.attention.mla_api import plan_options
+    batch, sq, hq, lengths, dtype, page, causal, splits = CASES[name]
+    q, cache, table, seqlens = make_inputs(batch, sq, hq, lengths, dtype, page)
+    poison_partials()
+    out = torch.full((batch, sq, hq, DV), float("nan"), dtype=dtype, device="cuda")
+    with plan_options(**options):
+        got, lse = attention.decode_mla(q, cache, cache_seqlens=seqlens, block_table=table, causal=causal,
+                                        return_lse=True, splits=splits, out=out)
     assert_matches(got, lse, *reference(q, cache, table, seqlens, causal), 1e-2)
 
 
@@ -113,3 +130,27 @@ def test_cuda_graph_replays_with_new_lengths():
     want, _ = reference(q, torch.nan_to_num(cache), table, seqlens, True)
     err = ((got.float() - want).norm() / want.norm()).item()
     assert err < 1e-2, err
+
+
+def test_repeated_calls_bind_each_calls_tensors():
+    """A signature's later calls (prepared launches, descriptors kept per address) read each call's q and cache
+    contents and lengths: a new q at a new address, then new contents at the same addresses, then no lengths (the
+    kept default-lengths tensor)."""
+    q, cache, table, seqlens = make_inputs(2, 1, 128, [3000, 70], torch.bfloat16, page=64, seed=11)
+    clean = torch.nan_to_num(cache)
+    for step in range(3):
+        if step == 1:
+            q = torch.randn_like(q)  # a new tensor
+        if step == 2:
+            q.normal_()
+            clean.normal_()
+            seqlens.copy_(torch.tensor([2900, 1], dtype=torch.int32))
+        poison_partials()
+        got, lse = attention.decode_mla(q, clean, cache_seqlens=seqlens, block_table=table, return_lse=True,
+                                        validate=False)
+        assert_matches(got, lse, *reference(q, clean, table, seqlens, True), 1e-2)
+    whole = clean.view(-1, 1, DQK)[:2 * 2048].view(2, 2048, 1, DQK)
+    for _ in range(2):
+        q.normal_()
+        got, lse = attention.decode_mla(q, whole, return_lse=True)
+        assert_matches(got, lse, *attention.reference(q, whole, whole[..., :DV]), 1e-2)

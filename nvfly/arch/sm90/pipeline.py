@@ -48,27 +48,34 @@ class PipelineState:
 
 
 class TmaPipeline:
-    """Barriers of an N-stage ring at shared address ``barriers`` (2 * stages * 8 bytes: full, then empty).
+    """Barriers of an N-stage ring at shared address ``barriers`` (2 * stages * 8 bytes: full, then empty; with
+    ``chunks`` > 1, (chunks + 1) * stages * 8: ``chunks`` full barriers a stage, then the empty ones).
 
-    ``consumer_arrivals``: how many arrivals release a stage (e.g. one per consumer warp).
+    ``consumer_arrivals``: how many arrivals release a stage (e.g. one per consumer warp). ``chunks``: full
+    barriers a stage, each armed for its own part of the stage's bytes (``producer_expect(state, chunk, bytes)``),
+    so that a consumer starts on the stage's first part while the rest is still landing.
     """
 
-    def __init__(self, barriers: Scalar, stages: int, stage_bytes: int, consumer_arrivals: int):
+    def __init__(self, barriers: Scalar, stages: int, stage_bytes: int, consumer_arrivals: int, chunks: int = 1):
         self.barriers = barriers
         self.stages = stages
         self.stage_bytes = stage_bytes
         self.consumer_arrivals = consumer_arrivals
+        self.chunks = chunks
 
-    def full(self, stage: Any) -> Scalar:
-        return self.barriers + stage * 8
+    def full(self, stage: Any, chunk: Any = 0) -> Scalar:
+        if self.chunks == 1:
+            return self.barriers + stage * 8
+        return self.barriers + (stage * self.chunks + chunk) * 8
 
     def empty(self, stage: Any) -> Scalar:
-        return self.barriers + (stage + self.stages) * 8
+        return self.barriers + (stage + self.stages * self.chunks) * 8
 
     def init(self) -> None:
         """Initialise every barrier (call from one thread, then a block barrier)."""
         for s in range(self.stages):
-            mbarrier_init(self.full(s), 1)
+            for c in range(self.chunks):
+                mbarrier_init(self.full(s, c), 1)
             mbarrier_init(self.empty(s), self.consumer_arrivals)
         fence_barrier_init()
 
@@ -76,12 +83,13 @@ class TmaPipeline:
         """Wait until the stage is free (passes at once on the first pass over a fresh ring)."""
         mbarrier_wait(self.empty(state.stage), state.phase ^ 1)
 
-    def producer_expect(self, state: PipelineState) -> None:
-        """Arm the stage's full barrier for ``stage_bytes`` of TMA (before issuing the stage's loads)."""
-        mbarrier_arrive_expect_tx(self.full(state.stage), self.stage_bytes)
+    def producer_expect(self, state: PipelineState, chunk: Any = 0, nbytes: Any = None) -> None:
+        """Arm the stage's full barrier (of ``chunk``) for ``stage_bytes`` (``nbytes``) of TMA, before issuing the
+        loads that complete on it."""
+        mbarrier_arrive_expect_tx(self.full(state.stage, chunk), self.stage_bytes if nbytes is None else nbytes)
 
-    def consumer_wait(self, state: PipelineState) -> None:
-        mbarrier_wait(self.full(state.stage), state.phase)
+    def consumer_wait(self, state: PipelineState, chunk: Any = 0) -> None:
+        mbarrier_wait(self.full(state.stage, chunk), state.phase)
 
     def consumer_release(self, state: PipelineState) -> None:
         mbarrier_arrive(self.empty(state.stage))

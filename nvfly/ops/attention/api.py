@@ -11,11 +11,12 @@ from nvfly.ops.attention.checks import check_values as _check_values
 from nvfly.ops.attention.checks import require_cuda as _require_cuda
 from nvfly.ops.attention.checks import sm_count as _sm_count
 from nvfly.ops.attention.checks import tensor_argument as _tensor
-from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
+from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS, combine_grid
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.decode_kernel import attention_decode_kernel
 from nvfly.ops.attention.block_mask_kernel import THREADS as TABLES_THREADS
 from nvfly.ops.attention.block_mask_kernel import block_mask_tables_kernel
+from nvfly.ops.attention.calls import CallBuffers, check_out
 from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_key, block_mask_tables, check_block_mask,
                                             check_block_numbers, check_scales, error, kernel_scales, mask_mod_of,
                                             mask_table_shapes, mask_tables_plan, per_head, reference_block_keep)
@@ -249,7 +250,6 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
               validate: bool, prepared: bool, block_mask: Any = None) -> "_DecodeCall":
     """A signature's first call (or a call that is not cached): the checks in the order they raise, then its plan;
     ``prepared``: with prepared launches (a cached call), else through the kernels' general launch path."""
-    import torch
     capturing = q.device.type == "cuda" and _capturing()
     kv_block = 0
     if block_mask is not None:  # its checks need the cache's capacity; its mask_mod is the mods' mask
@@ -264,9 +264,7 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     _require_cuda(q)
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
-    if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, sq, hq, dv)
-                            or out.dtype != q.dtype or out.device != q.device or not out.is_contiguous()):
-        raise error(ValueError, "out", f"expected a contiguous {(batch, sq, hq, dv)} {q.dtype} tensor on {q.device}")
+    check_out(out, (batch, sq, hq, dv), q, OP)
     plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
                  k_cache.shape[1], bool(causal), int(splits), fp8=str(k_cache.dtype) == FP8,
                  kv_block=kv_block) if batch else None
@@ -274,7 +272,7 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
                        bool(return_lse), captured, prepared and batch > 0, block_mask)
 
 
-class _DecodeCall:
+class _DecodeCall(CallBuffers):
     """The launches of one call signature: what depends only on it, computed once (the plan, the outputs' shapes,
     the prepared launches of the split and combine kernels on their grids, the scratch partials' shape); ``run``
     allocates the outputs, binds the call's tensors and launches."""
@@ -284,25 +282,21 @@ class _DecodeCall:
                  prepared: bool, block_mask: Any = None):
         import torch
         from nvfly.ops.common import scratch
-        self.plan, self.mods, self.capacity, self.pages = plan, mods, capacity, pages
         batch, sq, hq, dqk = q.shape
-        self.batch, self.sq, self.hq, self.hkv = batch, sq, hq, k_cache.shape[2]
-        self.out_shape = (batch, sq, hq, v_cache.shape[3])
-        self.lse_shape = (batch, hq, sq) if return_lse else None
-        self.dtype = q.dtype
+        super().__init__(q, (batch, sq, hq, v_cache.shape[3]), return_lse, cache_seqlens, capacity,
+                         "decode cache_seqlens")
+        self.plan, self.mods, self.pages = plan, mods, pages
+        self.sq, self.hq, self.hkv = sq, hq, k_cache.shape[2]
         self.cuda = q.device.type == "cuda"
         # what _check_values (and check_block_numbers) read
         self.reads_values = cache_seqlens is not None or block_table is not None or block_mask is not None
-        self.convert_lengths = cache_seqlens is not None and cache_seqlens.dtype != torch.int32
         self.fp8 = str(k_cache.dtype) == FP8
         self.default_scale = dqk ** -0.5
         self.captures = mods.arguments + len(captured_tensors(mods)) > 0
         self.rows = batch * sq * hq
         self.slots = plan.splits * self.rows if plan is not None and plan.splits > 1 else 0
-        self.lengths_key = ("decode cache_seqlens", batch, capacity)  # the default lengths: all of the cache
-        self.empty, self.full, self.float32, self.int32, self.uint8 = (torch.empty, torch.full, torch.float32,
-                                                                        torch.int32, torch.uint8)
-        self.row_partials, self.constant = scratch.row_partials, scratch.constant
+        self.uint8 = torch.uint8
+        self.row_partials = scratch.row_partials
         self.main = self.combine = self.tables_launch = None
         self.captured_keys: Optional[tuple] = None
         self.tables: Optional[MaskTablesPlan] = None
@@ -316,23 +310,18 @@ class _DecodeCall:
                 self.tables_launch = block_mask_tables_kernel.prepared((self.hkv, batch), TABLES_THREADS)
             self.main = attention_decode_kernel.prepared(plan.grid(batch, self.hkv), plan.threads)
             if self.slots:
-                self.combine = attention_combine_kernel.prepared(-(-self.rows // COMBINE_WARPS), COMBINE_WARPS * 32)
+                self.combine = attention_combine_kernel.prepared(combine_grid(self.rows, plan.dv),
+                                                                COMBINE_WARPS * 32)
             if captured_tensors(mods):  # read from the functions per call: a prepared launch needs their layouts
                 self.captured_keys = tuple(map(layout_key, _kernel_captured(mods, q.device, tuple(captured))))
 
     def run(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,
             v_scale: Any, captured: Any, scale: Any, block_mask: Any = None) -> Any:
         device = q.device
-        if out is None:
-            out = self.empty(self.out_shape, dtype=self.dtype, device=device)
-        lse = None if self.lse_shape is None else self.empty(self.lse_shape, dtype=self.float32, device=device)
+        out, lse = self.outputs(device, out)
         plan = self.plan
         if plan is not None:
-            if cache_seqlens is None:  # one tensor per (device, batch, capacity), never written
-                seqlens = self.constant(device, self.lengths_key, lambda: self.full(
-                    (self.batch,), self.capacity, dtype=self.int32, device=device))
-            else:
-                seqlens = cache_seqlens.to(self.int32) if self.convert_lengths else cache_seqlens
+            seqlens = self.lengths(device, cache_seqlens)
             kernel_captured = _kernel_captured(self.mods, device, tuple(captured)) if self.captures else []
             if self.fp8:  # the kernel copies and converts bytes (MLIR's LLVM dialect has no pointer arithmetic on f8)
                 extra = [kernel_scales(k_scale, v_scale, self.hkv, device)]
@@ -418,7 +407,7 @@ def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens:
                                                   plan.dv)
     attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse,
                                                 *captured, *extra, scale, PLAN=plan, MODS=mods)
-    attention_combine_kernel[-(-rows // COMBINE_WARPS), COMBINE_WARPS * 32](
+    attention_combine_kernel[combine_grid(rows, plan.dv), COMBINE_WARPS * 32](
         partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=plan.dv)
 
 

@@ -3,18 +3,22 @@ split-KV combine), the bytes and FLOPs the benchmark counts, and a compile helpe
 float32 reference is decode's (``api.reference`` with ``v_cache = k_cache[..., :512]``)."""
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, ContextManager, Optional, Union
 
 import nvfly
 from nvfly.ops.attention.checks import aligned, check_values, hopper_reason, require_cuda, sm_count, tensor_argument
-from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS
+from nvfly.ops.attention.calls import CallBuffers, check_out
+from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS, combine_grid
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.kv_options import error
 from nvfly.ops.attention.mla_kernel import attention_mla_kernel
 from nvfly.ops.attention.mla_plan import BLOCK_M, BLOCK_N, DQK, DV, MAX_SQ, SWIZZLE, THREADS, MlaPlan, mla_plan
+from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls, context_value
 from nvfly.runtime.tensor_desc import torch_dtype
+from nvfly.runtime.torch_args import layout_key
 from nvfly.runtime.tma import cached_descriptor
 
 if TYPE_CHECKING:
@@ -23,6 +27,8 @@ if TYPE_CHECKING:
 OP = "attention.decode_mla"
 DECODE_OP = "attention.decode"
 DTYPES = ("torch.bfloat16", "torch.float16")
+LN2 = math.log(2.0)
+DESCRIPTORS_KEPT = 8  # (q, cache) address pairs a call signature keeps descriptors for
 
 
 def _check(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, scale: Optional[float],
@@ -114,7 +120,18 @@ def mla_eligibility(q: Any, k_cache: Any, v_cache: Any = None, *, cache_seqlens:
     return hopper_reason(q, "MLA decode")
 
 
-_plan = functools.lru_cache(maxsize=256)(mla_plan)
+# The host path (docs/ops/attention.md, MLA): as decode's, a call signature (the layouts of every tensor argument
+# and the options) selects an _MlaCall whose checks ran on its first call; it holds the plan, the prepared launches
+# and the shapes of what a call allocates, so a later call binds and launches.
+_CALLS: OpCalls["_MlaCall"] = OpCalls()
+_plan = functools.lru_cache(maxsize=CALL_LIMIT)(mla_plan)
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("mla_plan_options", default=(None, None))
+
+
+def plan_options(chunked: Optional[bool] = None, evict_first: Optional[bool] = None) -> ContextManager[None]:
+    """``decode_mla`` calls (and ``decode``'s MLA calls) inside run plans with these ``MlaPlan`` options (None: the
+    plan's default): the benchmark's and the tests' way to run the kernel's variants side by side."""
+    return context_value(_OPTIONS, (chunked, evict_first))
 
 
 def decode_mla(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: Optional["torch.Tensor"] = None, *,
@@ -155,27 +172,114 @@ def from_decode(q: Any, k_cache: Any, v_cache: Any, *, score_mod: Any, mask_mod:
 
 def _decode(op: str, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any,
             scale: Optional[float], causal: bool, return_lse: bool, validate: bool, splits: int, out: Any) -> Any:
+    try:  # everything that decides the checks, the plan and the launches (op: the name errors carry)
+        key = (op, layout_key(q), layout_key(k_cache), layout_key(v_cache), layout_key(cache_seqlens),
+               layout_key(block_table), layout_key(out), causal, splits, return_lse, type(scale), _OPTIONS.get())
+        call = _CALLS.get(key)
+    except (AttributeError, TypeError):  # not tensors, unhashable: the checks explain
+        key = call = None
+    if call is None:
+        call = _new_call(op, q, k_cache, v_cache, cache_seqlens, block_table, scale, causal, return_lse, validate,
+                         splits, out, key is not None)
+        _CALLS.remember(key, call)
+    else:
+        if scale is not None and not (math.isfinite(scale) and scale > 0):  # the one check a value decides
+            raise error(ValueError, "scale", f"expected a positive finite number, got {scale!r}", op)
+        if validate and call.reads_values and not (call.cuda and _capturing()):
+            check_values(cache_seqlens, block_table, call.capacity, call.pages, op)
+    return call.run(q, k_cache, block_table, cache_seqlens, out, scale)
+
+
+def _capturing() -> bool:
     import torch
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _new_call(op: str, q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any,
+              scale: Optional[float], causal: bool, return_lse: bool, validate: bool, splits: int, out: Any,
+              prepared: bool) -> "_MlaCall":
+    """A signature's first call (or one that is not cached): the checks in the order they raise, then its plan;
+    ``prepared``: with prepared launches (a cached call), else through the kernels' general launch path."""
     capacity, pages = _check(q, k_cache, v_cache, cache_seqlens, block_table, scale, op)
-    capturing = q.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if validate and not capturing:
+    if validate and not (q.device.type == "cuda" and _capturing()):
         check_values(cache_seqlens, block_table, capacity, pages, op)
     require_cuda(q, op)
     batch, sq, hq, _ = q.shape
-    if out is None:
-        out = torch.empty(batch, sq, hq, DV, dtype=q.dtype, device=q.device)
-    elif (not isinstance(out, torch.Tensor) or tuple(out.shape) != (batch, sq, hq, DV) or out.dtype != q.dtype
-          or out.device != q.device or not out.is_contiguous()):
-        raise error(ValueError, "out", f"expected a contiguous {(batch, sq, hq, DV)} {q.dtype} tensor on {q.device}",
-                    op)
-    lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
-    if batch:
-        seqlens = (torch.full((batch,), capacity, dtype=torch.int32, device=q.device) if cache_seqlens is None
-                   else cache_seqlens.to(torch.int32))
-        plan = _plan(batch, sq, hq, capacity, sm_count(q.device), block_table is not None,
-                     k_cache.shape[1] if block_table is not None else 0, bool(causal), int(splits))
-        _launch(plan, q, k_cache, block_table, seqlens, out, lse, DQK ** -0.5 if scale is None else float(scale))
-    return (out, lse) if return_lse else out
+    check_out(out, (batch, sq, hq, DV), q, op)
+    plan = _plan(batch, sq, hq, capacity, sm_count(q.device), block_table is not None,
+                 k_cache.shape[1] if block_table is not None else 0, bool(causal), int(splits),
+                 *_OPTIONS.get()) if batch else None
+    return _MlaCall(plan, q, cache_seqlens, block_table, capacity, pages, bool(return_lse), prepared and batch > 0)
+
+
+class _MlaCall(CallBuffers):
+    """The launches of one call signature: what depends only on it, computed once (the plan, the outputs' shapes,
+    the prepared launches of the MLA and combine kernels on their grids, whether q's rows need a copy for TMA, the
+    partials' size); ``run`` allocates the outputs, binds the call's tensors (q's and the cache's descriptors
+    reused while their addresses repeat) and launches."""
+
+    def __init__(self, plan: Optional[MlaPlan], q: Any, cache_seqlens: Any, block_table: Any, capacity: int,
+                 pages: int, return_lse: bool, prepared: bool):
+        from nvfly.ops.common import scratch
+        batch, sq, hq, _ = q.shape
+        super().__init__(q, (batch, sq, hq, DV), return_lse, cache_seqlens, capacity, "decode_mla cache_seqlens")
+        self.plan, self.pages = plan, pages
+        self.sq, self.hq = sq, hq
+        self.cuda = q.device.type == "cuda"
+        self.reads_values = cache_seqlens is not None or block_table is not None
+        self.copies_q = not aligned(q.reshape(batch, sq * hq, DQK))  # then a new address every call
+        self.rows = batch * sq * hq
+        self.slots = plan.splits * self.rows if plan is not None and plan.splits > 1 else 0
+        self.row_partials = scratch.row_partials
+        self.boxes = _boxes(torch_dtype(q))
+        self._descriptors: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.main = self.combine = None
+        if prepared:
+            self.main = attention_mla_kernel.prepared(plan.grid(batch), THREADS)
+            if self.slots:
+                self.combine = attention_combine_kernel.prepared(combine_grid(self.rows, DV), COMBINE_WARPS * 32)
+
+    def run(self, q: Any, k_cache: Any, block_table: Any, cache_seqlens: Any, out: Any, scale: Optional[float]
+            ) -> Any:
+        device = q.device
+        out, lse = self.outputs(device, out)
+        plan = self.plan
+        if plan is not None:
+            seqlens = self.lengths(device, cache_seqlens)
+            scale_log2 = (DQK ** -0.5 if scale is None else float(scale)) / LN2
+            descriptors = self._describe(q, k_cache)
+            if self.main is None:
+                _launch(plan, descriptors, q, block_table, seqlens, out, lse, scale_log2)
+            else:
+                self._launch(descriptors, q, block_table, seqlens, out, lse, scale_log2)
+        return (out, lse) if self.lse_shape is not None else out
+
+    def _describe(self, q: Any, k_cache: Any) -> tuple[Any, Any]:
+        """The TMA descriptors of q's rows and of the cache, kept for the last addresses seen (a decode loop
+        reuses its buffers; a CUDA graph always does)."""
+        if self.copies_q:
+            return _descriptors(q, k_cache, self.boxes)
+        addresses = (q.data_ptr(), k_cache.data_ptr())
+        found = self._descriptors.get(addresses)
+        if found is None:
+            found = _descriptors(q, k_cache, self.boxes)
+            if len(self._descriptors) >= DESCRIPTORS_KEPT:
+                self._descriptors.clear()
+            self._descriptors[addresses] = found
+        return found
+
+    def _launch(self, descriptors: tuple[Any, Any], q: Any, block_table: Any, seqlens: Any, out: Any, lse: Any,
+                scale_log2: float) -> None:
+        """``_launch``'s launches through the prepared ones."""
+        from nvfly.runtime.torch_args import current_stream
+        plan = self.plan
+        if self.combine is None:
+            self.main(*descriptors, block_table, seqlens, out, lse, None, None, self.batch, scale_log2, plan)
+            return
+        partial_o, partial_lse = self.row_partials(q.device, current_stream(q.device.index), self.slots, DV)
+        self.main(*descriptors, block_table, seqlens, None, None, partial_o, partial_lse, self.batch, scale_log2,
+                  plan)
+        self.combine(partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq, DV)
 
 
 def _rows(q: "torch.Tensor") -> "torch.Tensor":
@@ -192,26 +296,26 @@ def _boxes(dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (1, BLOCK_M, width), (1, BLOCK_N, 1, width)
 
 
-def _launch(plan: MlaPlan, q: Any, k_cache: Any, block_table: Any, seqlens: Any, out: Any, lse: Any,
-            scale: float) -> None:
+def _descriptors(q: Any, k_cache: Any, boxes: tuple) -> tuple[Any, Any]:
+    return cached_descriptor(_rows(q), boxes[0], SWIZZLE), cached_descriptor(k_cache, boxes[1], SWIZZLE)
+
+
+def _launch(plan: MlaPlan, descriptors: tuple[Any, Any], q: Any, block_table: Any, seqlens: Any, out: Any, lse: Any,
+            scale_log2: float) -> None:
+    """The MLA kernel (and the combine with splits) through the kernels' general launch path."""
     from nvfly.ops.common import scratch
     from nvfly.runtime.torch_args import current_stream
-    q_box, k_box = _boxes(torch_dtype(q))
-    descriptors = (cached_descriptor(_rows(q), q_box, SWIZZLE), cached_descriptor(k_cache, k_box, SWIZZLE))
     batch, sq, hq, _ = q.shape
-    scale_log2 = scale / math.log(2.0)
     if plan.splits == 1:
         attention_mla_kernel[plan.grid(batch), THREADS](*descriptors, block_table, seqlens, out, lse, None, None,
                                                         batch, scale_log2, PLAN=plan)
         return
     rows = batch * sq * hq
     slots = plan.splits * rows
-    buffer = scratch.partials(q.device, current_stream(q.device.index), slots * (DV + 1))
-    partial_o = buffer[:slots * DV].view(slots, DV)
-    partial_lse = buffer[slots * DV:slots * (DV + 1)]
+    partial_o, partial_lse = scratch.row_partials(q.device, current_stream(q.device.index), slots, DV)
     attention_mla_kernel[plan.grid(batch), THREADS](*descriptors, block_table, seqlens, None, None, partial_o,
                                                     partial_lse, batch, scale_log2, PLAN=plan)
-    attention_combine_kernel[-(-rows // COMBINE_WARPS), COMBINE_WARPS * 32](
+    attention_combine_kernel[combine_grid(rows, DV), COMBINE_WARPS * 32](
         partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=DV)
 
 

@@ -8,9 +8,11 @@ are V, on Hopper's TMA and wgmma.
 Grid (splits x row blocks, B), 384 threads (``mla_plan``). Warpgroup 0 is the producer: its thread 0 TMA-loads the
 CTA's 64 query rows once (9 boxes of 64 rows x 64 columns; rows past Sq x Hq are zero-filled) and then each 64-key
 tile of the split (9 boxes, a page of 64 keys is one TMA row range; paged: the page from the block table) into a
-2-stage ring (full/empty mbarriers, ``sm90.TmaPipeline``). The cache is read once; the tile's first 512 columns are
-V, already MN-major for P·V (a K-major K tile and an MN-major V tile have the same 128-byte swizzled rows), so there
-is no second load and no transpose.
+2-stage ring (full/empty mbarriers, ``sm90.TmaPipeline``; with ``PLAN.chunked`` a full barrier per box, so that
+S's k-steps over a box start as it lands and the value warpgroup waits for its V half's four boxes only; with
+``PLAN.evict_first`` the loads carry an L2 evict-first hint). The cache is read once; the tile's first 512 columns
+are V, already MN-major for P·V (a K-major K tile and an MN-major V tile have the same 128-byte swizzled rows), so
+there is no second load and no transpose.
 
 Warpgroup 1 (the softmax warpgroup) computes S = Q Kᵀ (64 x 64, K = 576: 36 wgmma steps from shared memory), the
 online softmax (each thread's two rows; scale folded into exp2), writes P (rounded to the input type) into a
@@ -32,11 +34,11 @@ from typing import Any, NamedTuple
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.arch.memory import store_shared
+from nvfly.arch.memory import L2Policy, store_shared
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.attention.mla_plan import (BLOCK_M, BLOCK_N, CONSUMER_REGS, DQK, DV, FINAL_OFFSET, P_OFFSET,
-                                          PRODUCER_REGS, Q_BYTES, Q_OFFSET, RESCALE_OFFSET, RING_OFFSET, STAGE_BYTES,
-                                          STAGES, SWIZZLE, unmasked_end)
+from nvfly.ops.attention.mla_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, CONSUMER_REGS, DQK, DV, FINAL_OFFSET,
+                                          P_OFFSET, PRODUCER_REGS, Q_BYTES, Q_OFFSET, RESCALE_OFFSET, RING_OFFSET,
+                                          STAGE_BYTES, STAGES, SWIZZLE, unmasked_end)
 from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
 
 LN2 = math.log(2.0)
@@ -135,10 +137,14 @@ def softmax_tile(state, t, n, PLAN, MASKED):
     P V half."""
     lay = t.lay
     stage = t.ring + state.stage.stage * STAGE_BYTES
-    t.pipe.consumer_wait(state.stage)
+    steps_per_box = (SWIZZLE // 2) // lay.s_atom.k
+    if not PLAN.chunked:
+        t.pipe.consumer_wait(state.stage)
     s = sm90.Accumulator.undefined(lay.s_atom)
     sm90.fence()
     for ks in nvfly.static_range(DQK // lay.s_atom.k):
+        if PLAN.chunked and ks % steps_per_box == 0:  # the box's bytes have landed: its wgmma may read them
+            t.pipe.consumer_wait(state.stage, ks // steps_per_box)
         dq = sm90.smem_descriptor(t.q_tile + lay.q_layout.inner((0, ks * lay.s_atom.k)) * 2, *lay.q_desc)
         dk = sm90.smem_descriptor(stage + lay.k_layout.inner((0, ks * lay.s_atom.k)) * 2, *lay.k_desc)
         s = sm90.mma(lay.s_atom, s, dq, dk, zero=ks == 0)
@@ -193,7 +199,11 @@ def value_tile(state, t, n, PLAN, MASKED):
     shared tile; frees the P tile unless ``n`` is the split's last tile."""
     lay = t.lay
     stage = t.ring + state.stage.stage * STAGE_BYTES
-    t.pipe.consumer_wait(state.stage)
+    if PLAN.chunked:  # the boxes of V[:, 256:]
+        for box in nvfly.static_range(HALF // (SWIZZLE // 2), DV // (SWIZZLE // 2)):
+            t.pipe.consumer_wait(state.stage, box)
+    else:
+        t.pipe.consumer_wait(state.stage)
     nvfly.named_barrier(P_READY, CONSUMER_THREADS)
     warp_row = 16 * (t.thread // 32) + t.lane // 4
     rescales = [t.rescale[warp_row], t.rescale[warp_row + 8]]
@@ -227,14 +237,16 @@ def attention_mla_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescripto
     SQ, H, SPLITS, M_BLOCKS = PLAN.sq, PLAN.heads, PLAN.splits, PLAN.m_blocks
     boxes = sm90.operand_boxes(lay.q_layout, BLOCK_M, DQK, dtype, "K", SWIZZLE)[1][0]  # 9 boxes, one a chunk
 
-    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (1 + 2 * STAGES,)))
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (1 + (PLAN.full_barriers + 1) * STAGES,)))
     q_tile = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (Q_BYTES,), offset_bytes=Q_OFFSET))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (STAGES * STAGE_BYTES,), offset_bytes=RING_OFFSET))
     p_tile = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (BLOCK_M * BLOCK_N * 2,), offset_bytes=P_OFFSET))
     rescale = nvfly.dynamic_shared_tensor(nvfly.f32, (BLOCK_M,), offset_bytes=RESCALE_OFFSET)
     final = nvfly.dynamic_shared_tensor(nvfly.f32, (BLOCK_M,), offset_bytes=FINAL_OFFSET)
     q_bar = bars
-    pipe = sm90.TmaPipeline(bars + 8, STAGES, STAGE_BYTES, consumer_arrivals=8)  # each consumer warp releases
+    pipe = sm90.TmaPipeline(bars + 8, STAGES, STAGE_BYTES, consumer_arrivals=8,  # each consumer warp releases
+                            chunks=PLAN.full_barriers)
+    hint = L2Policy.EVICT_FIRST if PLAN.evict_first else None
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
@@ -273,10 +285,14 @@ def attention_mla_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescripto
                     page = b
                     row = key
                 pipe.producer_acquire(loading)
-                pipe.producer_expect(loading)
-                for box in boxes:
+                if not PLAN.chunked:
+                    pipe.producer_expect(loading)
+                for i, box in enumerate(boxes):
+                    if PLAN.chunked:
+                        pipe.producer_expect(loading, i, BOX_BYTES)
                     sm90.tma_load(k_desc, ring + loading.stage * STAGE_BYTES + box.smem_offset,
-                                  (page, row, 0, box.k_offset), pipe.full(loading.stage))
+                                  (page, row, 0, box.k_offset), pipe.full(loading.stage, i if PLAN.chunked else 0),
+                                  cache_hint=hint)
                 loading = loading.advance()
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)

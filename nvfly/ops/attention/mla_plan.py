@@ -8,9 +8,10 @@ docs/ops/attention.md (MLA) explains the choices.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional
 
-from nvfly.ops.attention.plan import MAX_SPLITS, MAX_SQ, num_splits
+from nvfly.ops.attention.plan import MAX_SPLITS, MAX_SQ
 
 DQK = 576                   # the latent (512) and the rotary part (64)
 DV = 512                    # V: the latent's first 512 columns
@@ -21,9 +22,12 @@ THREADS = 384               # a producer warpgroup and two consumer warpgroups (
 PRODUCER_REGS = 40          # the producer issues TMA and reads the block table
 CONSUMER_REGS = 232         # 40 * 128 + 232 * 256 = 64512 of the SM's 65536 registers
 SWIZZLE = 128
+BOXES = DQK // (SWIZZLE // 2)  # 9 TMA boxes of 64 columns (one 128-byte swizzle row) a tile
+BOX_BYTES = BLOCK_N * SWIZZLE
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
 
-# dynamic shared memory, in bytes: barriers, then 1024-byte aligned tiles (128-byte swizzle atoms need it)
+# dynamic shared memory, in bytes: barriers (Q's, then the ring's: at most BOXES full and one empty a stage), then
+# 1024-byte aligned tiles (128-byte swizzle atoms need it)
 BARRIER_BYTES = 1024
 Q_BYTES = BLOCK_M * DQK * 2
 STAGE_BYTES = BLOCK_N * DQK * 2
@@ -42,13 +46,22 @@ class MlaPlan:
 
     sq: query tokens per sequence; heads: query heads (Hq; the rows are Sq x Hq packed); paged/page_size: keys
     through a block table of pages of ``page_size`` tokens (a multiple of BLOCK_N); causal: queries aligned to the
-    end of their sequence; splits: CTAs sharing one sequence's keys (1: no combine)."""
+    end of their sequence; splits: CTAs sharing one sequence's keys (1: no combine); chunked: a full barrier per
+    64-column box of a ring stage (the scores' wgmma start on a tile's first box, as FlashMLA's) rather than one a
+    stage; evict_first: the key tiles' TMA loads carry an L2 evict-first hint."""
     sq: int
     heads: int
     paged: bool
     page_size: int
     causal: bool
     splits: int = 1
+    chunked: bool = True
+    evict_first: bool = False
+
+    @property
+    def full_barriers(self) -> int:
+        """Full barriers a ring stage: one a box when chunked."""
+        return BOXES if self.chunked else 1
 
     @property
     def rows(self) -> int:
@@ -66,13 +79,29 @@ class MlaPlan:
 
 
 def mla_plan(batch: int, sq: int, heads: int, capacity: int, sm_count: int, paged: bool = False,
-             page_size: int = 0, causal: bool = True, splits: int = 0) -> MlaPlan:
-    """The plan for one call shape: FA3's split heuristic (``plan.num_splits``) over one CTA an SM (the kernel
-    takes 225 KB of shared memory) and the cache's capacity in 64-key tiles; ``splits`` > 0 forces a count."""
+             page_size: int = 0, causal: bool = True, splits: int = 0, chunked: Optional[bool] = None,
+             evict_first: Optional[bool] = None) -> MlaPlan:
+    """The plan for one call shape: ``mla_splits`` over one CTA an SM (the kernel takes 225 KB of shared memory) and
+    the cache's capacity in 64-key tiles; ``splits`` > 0 forces a count; ``chunked`` and ``evict_first`` (None: the
+    defaults) choose the kernel's variant."""
     plan = MlaPlan(sq, heads, paged, page_size if paged else 0, causal)
     if splits <= 0:
-        splits = num_splits(batch * plan.m_blocks, sm_count, -(-capacity // BLOCK_N))
-    return MlaPlan(sq, heads, paged, plan.page_size, causal, max(1, min(splits, MAX_SPLITS)))
+        splits = mla_splits(batch * plan.m_blocks, sm_count, -(-capacity // BLOCK_N))
+    options = {name: value for name, value in (("chunked", chunked), ("evict_first", evict_first))
+               if value is not None}
+    return replace(plan, splits=max(1, min(splits, MAX_SPLITS)), **options)
+
+
+def mla_splits(ctas: int, slots: int, n_blocks: int) -> int:
+    """The split count of the least modelled time: waves x (tiles of the longest split + 1 for the CTA's Q tile and
+    pipeline fill + 1 for its partial's write and combine when split), the fewest splits among equals. Each CTA's
+    tiles are long (72 KB, 4.5 M MACs at 128 heads), so the longest split's whole tiles decide the time where FA3's
+    wave efficiency alone does not: at B 1, 128 heads, 32K keys it takes 64 splits of 8 tiles (128 of the 132 SMs)
+    over 57 of 9."""
+    def cost(splits: int) -> int:
+        waves = -(-ctas * splits // slots)
+        return waves * (-(-n_blocks // splits) + 1 + (splits > 1))
+    return min(range(1, max(1, min(MAX_SPLITS, slots, n_blocks)) + 1), key=lambda s: (cost(s), s))
 
 
 def split_blocks(seqlen: int, splits: int, split: int) -> tuple[int, int]:
@@ -90,4 +119,5 @@ def unmasked_end(seqlen: int, sq: int, causal: bool, maximum=max) -> int:
     return maximum(visible, 0) // BLOCK_N
 
 
-__all__ = ["BLOCK_M", "BLOCK_N", "DQK", "DV", "MAX_SQ", "MlaPlan", "mla_plan", "split_blocks", "unmasked_end"]
+__all__ = ["BLOCK_M", "BLOCK_N", "DQK", "DV", "MAX_SQ", "MlaPlan", "mla_plan", "mla_splits", "split_blocks",
+           "unmasked_end"]

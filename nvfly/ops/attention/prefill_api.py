@@ -3,11 +3,10 @@ variable-length sequences), a float32 reference, the FLOP count the benchmark re
 without a GPU."""
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, NamedTuple, Optional, Union
 
 import nvfly
 from nvfly.ops.attention.api import _aligned, _kernel_captured, _mods, _require_cuda, _tensor, check_captured
@@ -15,6 +14,7 @@ from nvfly.ops.attention.kv_options import check_block_mask, error, mask_mod_of,
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
 from nvfly.ops.attention.prefill_kernel import attention_prefill_kernel
 from nvfly.ops.attention.prefill_plan import BLOCK_M, HEAD_DIMS, PrefillPlan, causal_offset, prefill_plan
+from nvfly.ops.common.opcall import context_value
 from nvfly.runtime.tensor_desc import torch_dtype
 from nvfly.runtime.tma import cached_descriptor
 
@@ -98,15 +98,10 @@ _plan = functools.lru_cache(maxsize=64)(prefill_plan)
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None, None))
 
 
-@contextlib.contextmanager
-def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None) -> Iterator[None]:
+def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None) -> ContextManager[None]:
     """``prefill`` and ``prefill_varlen`` calls inside run plans with these ``PrefillPlan`` options (None: the
     plan's default): the benchmark's and the tests' way to run the kernel's variants side by side."""
-    token = _OPTIONS.set((overlap, pingpong))
-    try:
-        yield
-    finally:
-        _OPTIONS.reset(token)
+    return context_value(_OPTIONS, (overlap, pingpong))
 
 
 def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -25,6 +25,7 @@ with the argument's name; ``named(op)`` puts the op's name in front.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Generic, Hashable, Iterator, Optional, TypeVar
@@ -47,6 +48,16 @@ class Declined:
 
     def __str__(self) -> str:
         return self.reason
+
+
+@contextlib.contextmanager
+def context_value(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    """``var`` set to ``value`` inside the block (an op's plan options for the calls inside, say)."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
 
 
 @contextlib.contextmanager

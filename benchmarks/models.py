@@ -22,12 +22,13 @@ Cases (bf16, H200 sizes from docs/torch-attention.md):
   (``is_causal=False``, as the layer row does).
 - ``flex``: flex_attention calls: a Gemma-2-9B-like prefill (16/8 heads, D 256, 8K tokens, tanh soft-capping 50,
   causal sliding window 4096 as a BlockMask) and MiniMax 48/8 / Llama 32/8 decode steps over 32K; eager, routed, and
-  compiled with Inductor's Triton flex kernels (``flex_triton_ms``) or nvfly as the backend (``compiled_nvfly_ms``).
+  compiled with Inductor's Triton flex kernels (``flex_triton_ms``) or nvfly as the backend (``nvfly_ms``).
 
 Every case first checks the routed output against eager (relative error < 2e-2) and records what routing decided
-for each SDPA call (nvfly's kernel, or torch's with the reason). Each row: eager ms, routed ms and their ratio
-(``speedup`` = eager / routed), without ``--quick`` torch.compile's ms (default mode) without and with
-``nvfly.torch.install()`` (its SDPA graph passes), CUDA-graph replays for decode. The routed calls are timed inside
+for each SDPA call (nvfly's kernel, or torch's with the reason). Each row: ``model``, ``phase``, ``eager_ms``,
+``routed_ms`` and their ratio (``speedup`` = eager / routed), without ``--quick`` torch.compile's ms (default mode)
+without (``inductor_ms``) and with ``nvfly.torch.install()`` (``nvfly_ms``: its graph passes and flex backend),
+CUDA-graph replays for decode (``eager_graph_ms``, ``routed_graph_ms``). The routed calls are timed inside
 one ``nvfly.torch.routing()`` block, as a serving loop runs under one (a block's own start, where the routes are
 registered, is timed by ``benchmarks/routing_overhead.py``).
 
@@ -142,23 +143,23 @@ def timed(row: dict[str, Any], eager: Callable[[], Any], nvfly_call: Callable[[]
     warm, rep = (10, 40) if quick else (25, 100)
     row["eager_ms"] = bench_ms(eager, warm, rep)
     with nvfly.torch.routing():  # one block around the loop, as a serving loop
-        row["nvfly_ms"] = bench_ms(nvfly_call, warm, rep)
-    row["speedup"] = row["eager_ms"] / row["nvfly_ms"]
+        row["routed_ms"] = bench_ms(nvfly_call, warm, rep)
+    row["speedup"] = row["eager_ms"] / row["routed_ms"]
     if compile_too:  # torch.compile (default mode) without nvfly, then with nvfly.torch.install()
-        for key, with_nvfly in (("compiled", False), ("compiled_nvfly", True)):
+        for key, with_nvfly in (("inductor", False), ("nvfly", True)):
             with compiling(with_nvfly):
                 compiled = compile_fn(eager)
                 out = compiled()  # compiled now, while nvfly's passes are (or are not) installed
             row[f"{key}_ms"] = bench_ms(compiled, warm, rep)
             row[f"{key}_rel_err_vs_eager"] = max(rel_err(o, e) for o, e in zip(as_list(out), as_list(eager())))
-        row["compiled_nvfly_sdpa"] = sorted({d.reason or f"nvfly {', '.join(d.candidates)}" for d in decisions()
+        row["nvfly_sdpa"] = sorted({d.reason or f"nvfly {', '.join(d.candidates)}" for d in decisions()
                                             if d.where == "inductor" and d.op == "sdpa"})
     if graphs:  # a serving loop replays the step from a CUDA graph: no host time
         row["eager_graph_ms"] = graph_ms(eager, calls=8, replays=10)
         with nvfly.torch.routing():
-            row["nvfly_graph_ms"] = graph_ms(nvfly_call, calls=8, replays=10)
-        if row["eager_graph_ms"] and row["nvfly_graph_ms"]:
-            row["graph_speedup"] = row["eager_graph_ms"] / row["nvfly_graph_ms"]
+            row["routed_graph_ms"] = graph_ms(nvfly_call, calls=8, replays=10)
+        if row["eager_graph_ms"] and row["routed_graph_ms"]:
+            row["graph_speedup"] = row["eager_graph_ms"] / row["routed_graph_ms"]
     return row
 
 
@@ -372,19 +373,19 @@ def flex_case(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
             torch._dynamo.reset()
             compiled = torch.compile(flex_attention)
             warm, rep = (10, 40) if quick else (25, 100)
-            for key, options in (("flex_triton", None), ("compiled_nvfly", {"NVFLY": True})):
+            for key, options in (("flex_triton", None), ("nvfly", {"NVFLY": True})):
                 call = lambda options=options: compiled(q, k, v, kernel_options=options, **kwargs)  # noqa: E731
                 try:
-                    with compiling(key == "compiled_nvfly"):
+                    with compiling(key == "nvfly"):
                         out = call()
                     row[f"{key}_ms"] = bench_ms(call, warm, rep)
                     row[f"{key}_rel_err_vs_eager"] = rel_err(out, eager())
                 except Exception as exc:  # noqa: BLE001 - a peer that cannot compile this shape: recorded, not fatal
                     row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            if row.get("flex_triton_ms") and row.get("compiled_nvfly_ms"):
-                row["compiled_nvfly_vs_flex_triton"] = row["flex_triton_ms"] / row["compiled_nvfly_ms"]
+            if row.get("flex_triton_ms") and row.get("nvfly_ms"):
+                row["nvfly_vs_flex_triton"] = row["flex_triton_ms"] / row["nvfly_ms"]
             print(f"{case}: compiled flex (Triton) {row.get('flex_triton_ms', row.get('flex_triton_error'))}, "
-                  f"nvfly backend {row.get('compiled_nvfly_ms', row.get('compiled_nvfly_error'))}", flush=True)
+                  f"nvfly backend {row.get('nvfly_ms', row.get('nvfly_error'))}", flush=True)
         rows.append(row)
         del q, k, v
     return rows
@@ -394,6 +395,12 @@ CASES: dict[str, Callable[[bool, bool], list[dict[str, Any]]]] = {
     "llama-prefill": llama_prefill, "llama-decode": llama_decode, "minimax-decode": minimax_decode,
     "deepseek-prefill": deepseek_prefill, "llama-train": llama_train, "masked-sdpa": masked_sdpa,
     "spec-decode": spec_decode, "flex": flex_case}
+
+
+def model_and_phase(case: str) -> tuple[str, str]:
+    """The results' ``model`` and ``phase`` of a case name (e.g. "llama-decode": ("llama", "decode"))."""
+    phase = next((p for p in ("train", "decode", "prefill") if p in case), "prefill")
+    return case.split("-")[0], phase
 
 
 def label(row: dict[str, Any]) -> str:
@@ -412,11 +419,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows: list[dict[str, Any]] = []
     for name in args.cases:
         for row in CASES[name](args.quick, not args.quick):
+            row["model"], row["phase"] = model_and_phase(row["case"])
             rows.append(row)
             extra = f"  graph x{row['graph_speedup']:.2f}" if row.get("graph_speedup") else ""
-            extra += (f"  compiled {row['compiled_ms']:.3f} ms, with nvfly {row['compiled_nvfly_ms']:.3f} ms "
-                      f"({'; '.join(row['compiled_nvfly_sdpa']) or 'no SDPA rewrite'})" if row.get("compiled_ms") else "")
-            print(f"{label(row):>22}  eager {row['eager_ms']:.3f} ms  routed {row['nvfly_ms']:.3f} ms "
+            extra += (f"  compiled {row['inductor_ms']:.3f} ms, with nvfly {row['nvfly_ms']:.3f} ms "
+                      f"({'; '.join(row['nvfly_sdpa']) or 'no SDPA rewrite'})" if row.get("inductor_ms") else "")
+            print(f"{label(row):>22}  eager {row['eager_ms']:.3f} ms  routed {row['routed_ms']:.3f} ms "
                   f"(x{row['speedup']:.2f}, err {row['rel_err_vs_eager']:.1e}"
                   f"{'' if row['same_as_eager'] else ' MISMATCH'}){extra}  torch picks {row['torch_sdpa_backend']}; "
                   f"nvfly: {row['nvfly_kernels'] or 'none'}; declined: {row['declined'] or 'none'}", flush=True)
@@ -426,7 +434,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(summary)
     print("wrote", write_results("models", rows, {"summary": summary, "quick": args.quick}))
     series = {"routed nvfly": [r["speedup"] for r in rows]}
-    for key, name in (("compiled_ms", "torch.compile"), ("compiled_nvfly_ms", "torch.compile + nvfly.install()")):
+    for key, name in (("inductor_ms", "torch.compile"), ("nvfly_ms", "torch.compile + nvfly.install()")):
         if any(key in r for r in rows):
             series[name] = [r["eager_ms"] / r[key] if r.get(key) else 0 for r in rows]
     print("wrote", plot("models", [label(r) for r in rows], series, "speedup over eager torch"))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nvfly.ops import gemm, rmsnorm, topk
+from nvfly.ops.common import operands
 from nvfly.ops.common.opcall import Declined, OpCalls, named
 from nvfly.ops.gemm import api as gemm_api
 from nvfly.ops.rmsnorm import api as rmsnorm_api
@@ -170,7 +171,7 @@ def test_gemm_errors_come_in_the_callers_order_and_name_the_op():
 
 
 def test_gemm_eligibility_reasons_come_in_the_same_order(monkeypatch):
-    monkeypatch.setattr(gemm_api, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(operands, "capability", lambda device: (9, 0))
     cuda = torch.device("cuda", 0)
 
     def meta(shape, strides, dtype=torch.bfloat16, device=cuda):
@@ -183,7 +184,7 @@ def test_gemm_eligibility_reasons_come_in_the_same_order(monkeypatch):
                             meta((16, 32), (32, 1), torch.float32)).startswith("a: dtype torch.float32")
     assert gemm.eligibility(a, meta((16, 32), (32, 1), device=torch.device("cpu"))) == "b is on cpu, a on cuda:0"
     assert gemm.eligibility(a, meta((16, 32), (64, 2))) == "b: neither of its last two dimensions is contiguous"
-    monkeypatch.setattr(gemm_api, "_capability", lambda device: (8, 0))
+    monkeypatch.setattr(operands, "capability", lambda device: (8, 0))
     assert gemm.eligibility(a, meta((16, 32), (64, 2))) == \
         "a is on an sm_80 GPU: nvfly's GEMM needs an sm_90 (Hopper) GPU"  # the device before the layouts
 

@@ -11,6 +11,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.utils import run_and_get_code
 
 import nvfly.torch
+from nvfly.ops.common import operands
 from nvfly.ops.scaled import ScaledConfig
 from nvfly.ops.scaled.api import compile_variants
 from nvfly.ops.scaled.config import ScaledEpilogue
@@ -97,7 +98,7 @@ def _analysis(a, b, sa, sb, bias=None, out=None, out_dtype=torch.bfloat16, **inf
 def test_inductor_analysis_declines_with_reasons(monkeypatch):
     a, b, sa, sb = _operands()
     assert _analysis(a, b, sa, sb, device="cpu") == (None, "a is on cpu, not CUDA")
-    monkeypatch.setattr(scaled_ops.scaled.api, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(operands, "capability", lambda device: (9, 0))
     assert _analysis(a, b, sa, sb) == ("row", None)
     assert _analysis(a, b, sa.expand(64, 1), sb.expand(1, 256), bias=torch.zeros(256, dtype=torch.bfloat16)) == \
         ("row", None)

@@ -19,6 +19,7 @@ from torch._inductor.utils import run_and_get_code
 
 import nvfly.torch
 from nvfly.ops import gemm
+from nvfly.ops.common import operands
 from nvfly.ops.gemm import GemmConfig
 from nvfly.torch import inductor, routing
 from nvfly.torch.autotune import (Database, Entry, _eager, _route, candidates, register_routes,
@@ -39,7 +40,7 @@ def info(shape, strides, dtype=torch.bfloat16, device=CUDA, byte_offset=0):
 @pytest.fixture
 def hopper_metadata(monkeypatch):
     """Eligibility of CUDA metadata as if an sm_90 GPU were present."""
-    monkeypatch.setattr(gemm.api, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(operands, "capability", lambda device: (9, 0))
 
 
 def workload(m, n, k, batches=1, majors=("K", "K")):
@@ -86,7 +87,7 @@ def test_declined_workloads_say_why(hopper_metadata, a, b, expected):
 def test_analysis_failures_become_reasons(monkeypatch):
     def no_gpu(device):
         raise RuntimeError("no driver")
-    monkeypatch.setattr(gemm.api, "_capability", no_gpu)
+    monkeypatch.setattr(operands, "capability", no_gpu)
     w, reason = analyze(info((64, 64), (64, 1)), info((64, 64), (64, 1)))
     assert w is None and "eligibility check failed" in reason and "no driver" in reason
 

@@ -14,11 +14,11 @@ import torch
 import nvfly
 from nvfly.ops.common import scratch
 from nvfly.ops.common.opcall import OpCalls, named
+from nvfly.ops.common.operands import OPERAND_DTYPES, hopper_reason, operand_major, tma_reason
 from nvfly.ops.gemm import skinny_plan
 from nvfly.ops.gemm.config import ACTIVATIONS, REDUCE_THREADS, Epilogue, GemmConfig, store_box
 from nvfly.ops.gemm.kernel import gemm_kernel, split_k_reduce_kernel
-from nvfly.ops.gemm.plan import OPERAND_DTYPES, GemmPlan, operand_box, operand_major, plan_call, store_reason, \
-    tma_reason
+from nvfly.ops.gemm.plan import GemmPlan, operand_box, plan_call, store_reason
 from nvfly.ops.gemm.skinny_config import SkinnyConfig
 from nvfly.ops.gemm.skinny_plan import SkinnyPlan
 from nvfly.runtime.tma import cached_descriptor
@@ -86,15 +86,7 @@ def _check_types(a: Any, b: Any, c: Any, out: Any) -> None:
 
 
 def _device_reason(a: Any, b: Any, c: Any = None, out: Any = None) -> Optional[str]:
-    if not a.is_cuda:
-        return f"a is on {a.device}, not CUDA"
-    for name, t in (("b", b), ("c", c), ("out", out)):
-        if t is not None and t.device != a.device:
-            return f"{name} is on {t.device}, a on {a.device}"
-    major, minor = _capability(a.device.index)
-    if major != 9:
-        return f"a is on an sm_{major}{minor} GPU: nvfly's GEMM needs an sm_90 (Hopper) GPU"
-    return None
+    return hopper_reason("nvfly's GEMM", a, b=b, c=c, out=out)
 
 
 def _layout_reason(a: Any, b: Any) -> Optional[str]:
@@ -118,11 +110,6 @@ def eligibility(a: Any, b: Any, c: Any = None, out_dtype: Optional[torch.dtype] 
     except (TypeError, ValueError) as exc:
         return str(exc)
     return _device_reason(a, b, c, out) or _layout_reason(a, b)
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
 
 
 def _new_plan(op: str, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], activation: str,

@@ -18,9 +18,9 @@ from typing import Any, Optional, Union
 
 import torch
 
-import nvfly
 from nvfly.arch import sm90
 from nvfly.ops.common.mainloop import operand_box
+from nvfly.ops.common.operands import OPERAND_DTYPES, operand_major, tma_reason
 from nvfly.ops.common.scheduler import STREAM_K_REGIONS, StreamK, StreamKSplit, grid_schedule, split_count, \
     stream_k_split
 from nvfly.ops.gemm import skinny_plan
@@ -28,8 +28,6 @@ from nvfly.ops.gemm.config import Epilogue, GemmConfig, store_box
 from nvfly.ops.gemm.skinny_config import SkinnyConfig
 from nvfly.ops.gemm.skinny_plan import SkinnyPlan
 from nvfly.runtime.driver import plan_l2_bytes, plan_sm_count
-
-OPERAND_DTYPES = {torch.bfloat16: nvfly.bf16, torch.float16: nvfly.f16}
 
 # The skinny kernel's share of small M (it supports up to skinny_config.MAX_M), tuned on the H200 (docs/ops/gemm.md,
 # "Skinny or wgmma"). Column-major B: up to SKINNY_MAX_M tokens, or SKINNY_MAX_M_SHORT_K when K < SKINNY_SHORT_K.
@@ -43,30 +41,6 @@ SKINNY_MAX_M_COLUMN_TOKENS = 8
 
 
 # ---------------------------------------------------------------------------------------------- operands
-def operand_major(t: torch.Tensor, contiguous_k_dim: int) -> Optional[str]:
-    """'K' if the K dimension (``contiguous_k_dim``: -1 for A, -2 for B) is contiguous, 'MN' if the other
-    matrix dimension is, None if neither."""
-    other = -2 if contiguous_k_dim == -1 else -1
-    if t.stride(contiguous_k_dim) == 1 or t.shape[contiguous_k_dim] == 1:
-        return "K"
-    if t.stride(other) == 1 or t.shape[other] == 1:
-        return "MN"
-    return None
-
-
-def tma_reason(name: str, t: torch.Tensor, unit_dim: int) -> Optional[str]:
-    """None when TMA can describe tensor ``t`` (dimension ``unit_dim`` contiguous), else why not."""
-    if t.data_ptr() % 16:
-        return f"{name}: its address is not 16-byte aligned (TMA needs it)"
-    for d in range(t.dim()):
-        if d % t.dim() == unit_dim % t.dim() or t.shape[d] == 1:
-            continue
-        if (t.stride(d) * t.element_size()) % 16:
-            return (f"{name}: stride {t.stride(d)} of dimension {d} is not a multiple of 16 bytes "
-                    f"(TMA cannot describe it)")
-    return None
-
-
 def store_reason(out3: torch.Tensor) -> Optional[str]:
     """None when the TMA-store epilogue can write the 3-D output view ``out3`` ([B, M, N] as the kernel sees
     it), else why the register epilogue stores it instead."""

@@ -16,8 +16,7 @@ import nvfly
 from nvfly.ops.common.gemm_config import GemmConfig
 from nvfly.ops.common.groups import validate_offsets
 from nvfly.ops.common.opcall import OpCalls, named
-from nvfly.ops.gemm import api as gemm_api
-from nvfly.ops.gemm.plan import OPERAND_DTYPES, operand_major, tma_reason
+from nvfly.ops.common.operands import OPERAND_DTYPES, hopper_reason, operand_major, tma_reason
 from nvfly.ops.grouped.kernel import FUSES, grouped_kernel
 from nvfly.ops.grouped.plan import MAX_GROUPS, GroupedPlan, deepest, make_plan
 from nvfly.runtime.driver import plan_sm_count
@@ -128,7 +127,7 @@ def product(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtype] =
 def _device_reason(a: Any, b: Any, offs: Any, out: Any, offs_name: str) -> Optional[str]:
     if offs is not None and a.is_cuda and offs.device != a.device:
         return f"{offs_name} is on {offs.device}, a on {a.device}"
-    return gemm_api._device_reason(a, b, None, out)  # the GEMM's: CUDA, one device, an sm_90 GPU
+    return hopper_reason("nvfly's grouped GEMM", a, b=b, out=out)
 
 
 def _layout_reason(a: Any, b: Any, offs: Any, offs_name: str) -> Optional[str]:

@@ -33,7 +33,6 @@ block's scale, fp32 accumulation) runs it, fast for M <= 16; ``use_fast_accum`` 
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, Optional, Sequence, Union
 
@@ -42,6 +41,7 @@ import torch
 import nvfly
 from nvfly.ops.common import scratch
 from nvfly.ops.common.opcall import OpCalls, named
+from nvfly.ops.common.operands import hopper_reason
 from nvfly.ops.scaled.a16_kernel import mxfp4_a16_kernel
 from nvfly.ops.scaled.a16_plan import A16Config, A16Plan, describe_a16_plan, make_a16_plan
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, MX_BLOCK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
@@ -226,11 +226,6 @@ def check_a16(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = None,
     return MXFP4_A16
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 def _aligned_reason(name: str, t: torch.Tensor) -> Optional[str]:
     if t.data_ptr() % 16:
         return f"{name}: its address is not 16-byte aligned (TMA needs it)"
@@ -254,14 +249,9 @@ def placement_reason(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any = Non
     GPU, TMA strides and alignment; the streaming kernel's 16-byte loads for MXFP4 x bf16), or None; reads only
     their devices, shapes, strides and ``data_ptr()`` (an address, or its value modulo 16 for operands described at
     compile time)."""
-    if not a.is_cuda:
-        return f"a is on {a.device}, not CUDA"
-    for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b), ("bias", bias), ("out", out)):
-        if t is not None and t.device != a.device:
-            return f"{name} is on {t.device}, a on {a.device}"
-    major, minor = _capability(a.device.index)
-    if major != 9:
-        return f"a is on an sm_{major}{minor} GPU: nvfly's scaled GEMM needs an sm_90 (Hopper) GPU"
+    reason = hopper_reason("nvfly's scaled GEMM", a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out)
+    if reason:
+        return reason
     if scaling == MXFP4_A16:
         return _a16_alignment(a, b)
     if a.shape[0] > 1 and a.stride(0) % 16:

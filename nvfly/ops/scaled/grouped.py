@@ -24,6 +24,7 @@ import torch
 import nvfly
 from nvfly.ops.common.groups import validate_offsets
 from nvfly.ops.common.opcall import OpCalls, named
+from nvfly.ops.common.operands import hopper_reason
 from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.grouped_kernel import scaled_grouped_kernel
 from nvfly.ops.scaled.grouped_plan import MAX_GROUPS, ScaledGroupedPlan, make_grouped_plan
@@ -121,15 +122,11 @@ def grouped_eligibility(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, o
         check_grouped(a, b, scale_a, scale_b, offs, out_dtype, out, masked)
     except (TypeError, ValueError) as exc:
         return str(exc)
-    if not a.is_cuda:
-        return f"a is on {a.device}, not CUDA"
     offs_name = "counts" if masked else "offs"
-    for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b), (offs_name, offs), ("out", out)):
-        if t is not None and t.device != a.device:
-            return f"{name} is on {t.device}, a on {a.device}"
-    major, minor = torch.cuda.get_device_capability(a.device)
-    if major != 9:
-        return f"a is on an sm_{major}{minor} GPU: nvfly's grouped scaled GEMM needs an sm_90 (Hopper) GPU"
+    reason = hopper_reason("nvfly's grouped scaled GEMM", a, b=b, scale_a=scale_a, scale_b=scale_b,
+                           **{offs_name: offs}, out=out)
+    if reason:
+        return reason
     if offs.stride(0) != 1 and offs.shape[0] > 1:
         return f"{offs_name}: not contiguous"
     for name, t, dims in (("a", a, range(a.dim() - 1)), ("b", b, (0, 2))):

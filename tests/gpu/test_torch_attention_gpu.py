@@ -167,10 +167,13 @@ def test_declined_sdpa_is_torchs(kwargs, fragment):
     q, k, v = sdpa_inputs(1, 32, 8, 4, 1024 if kwargs.pop("short", False) else 32768)
     if kwargs.get("attn_mask") == "bool":
         kwargs["attn_mask"] = torch.ones(4, 1, dtype=torch.bool, device="cuda")
-        with nvfly.torch.routing():
-            got = F.scaled_dot_product_attention(q, k, v, **kwargs)
-        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, **kwargs))
-        assert fragment in A.sdpa_eligibility(q, k, v, **kwargs)
+        assert fragment in A.sdpa_eligibility(q, k, v, **kwargs)  # declined before any kernel runs
+        # torch's math kernel: this (4, 1) mask broadcast over 32K keys is the case the GPU tier at bf79a99
+        # died on (a misaligned address, likely in torch's fused kernel's bias loads: docs/torch-attention.md)
+        with sdpa_kernel(SDPBackend.MATH):
+            with nvfly.torch.routing():
+                got = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, **kwargs))
         return
     got, want, _, reason = routed_and_torch(q, k, v, **kwargs)
     assert fragment in reason

@@ -144,3 +144,18 @@ def test_the_layer_asks_each_piece_once_per_signature(monkeypatch):
     assert sorted(asked) == [1, 2, 3]  # the router's, the dispatch's and the combine's tensors, once
     assert torch.equal(moe.moe(*args, k), first) and sorted(asked) == [1, 2, 3]
     assert all(reason for reason in moe_layer._RUNS.values())  # declined on CPU, with reasons
+
+
+def test_shuffle_eligibility_on_fake_cuda_tensors():
+    """What the kernels take, decided from metadata: 2-D bf16/fp16/fp32 rows, contiguous, int indices; anything else
+    (fp64 logits, strided rows) stays on torch with a reason."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        rows = torch.empty(4, 64, dtype=torch.bfloat16, device="cuda")
+        order = torch.empty(8, dtype=torch.int64, device="cuda")
+        strided = torch.empty_strided((8,), (2,), dtype=torch.int64, device="cuda")
+        assert moe_api.eligibility(rows, order) is None
+        assert moe_api.eligibility(torch.empty(4, 8, dtype=torch.float64, device="cuda")) == \
+            "a float tensor is not 2-D bfloat16, float16 or float32"
+        assert moe_api.eligibility(rows.t(), order) == "rows are not contiguous"
+        assert moe_api.eligibility(rows, strided) == "an index tensor is not contiguous"

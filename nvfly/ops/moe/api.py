@@ -100,6 +100,8 @@ def eligibility(*tensors: Any) -> Optional[str]:
     """None when the shuffle kernels take these tensors, else why not (the layer then shuffles on torch)."""
     if any(t.device.type != "cuda" for t in tensors):
         return "a tensor is not on CUDA"
+    if any(t.is_floating_point() and (t.dim() != 2 or str(t.dtype) not in ROW_DTYPES) for t in tensors):
+        return "a float tensor is not 2-D bfloat16, float16 or float32"
     if any(t.dim() == 2 and t.stride(1) != 1 and t.shape[1] > 1 for t in tensors):
         return "rows are not contiguous"
     if any(t.dim() == 1 and t.stride(0) != 1 and t.numel() > 1 for t in tensors):

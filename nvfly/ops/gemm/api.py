@@ -85,10 +85,6 @@ def _check_types(a: Any, b: Any, c: Any, out: Any) -> None:
                             f"{type(t).__name__}")
 
 
-def _device_reason(a: Any, b: Any, c: Any = None, out: Any = None) -> Optional[str]:
-    return hopper_reason("nvfly's GEMM", a, b=b, c=c, out=out)
-
-
 def _layout_reason(a: Any, b: Any) -> Optional[str]:
     for name, t, kdim in (("a", a, -1), ("b", b, -2)):
         major = operand_major(t, kdim)
@@ -109,7 +105,7 @@ def eligibility(a: Any, b: Any, c: Any = None, out_dtype: Optional[torch.dtype] 
         check(a, b, c, out_dtype, out)
     except (TypeError, ValueError) as exc:
         return str(exc)
-    return _device_reason(a, b, c, out) or _layout_reason(a, b)
+    return hopper_reason("nvfly's GEMM", a, b=b, c=c, out=out) or _layout_reason(a, b)
 
 
 def _new_plan(op: str, a: torch.Tensor, b: torch.Tensor, c: Optional[torch.Tensor], activation: str,

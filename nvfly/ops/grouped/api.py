@@ -124,12 +124,6 @@ def product(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtype] =
     return layout, shape, groups
 
 
-def _device_reason(a: Any, b: Any, offs: Any, out: Any, offs_name: str) -> Optional[str]:
-    if offs is not None and a.is_cuda and offs.device != a.device:
-        return f"{offs_name} is on {offs.device}, a on {a.device}"
-    return hopper_reason("nvfly's grouped GEMM", a, b=b, out=out)
-
-
 def _layout_reason(a: Any, b: Any, offs: Any, offs_name: str) -> Optional[str]:
     for name, t, kdim in (("a", a, -1), ("b", b, -2)):
         major = operand_major(t, kdim)
@@ -172,7 +166,8 @@ def eligibility(a: Any, b: Any, offs: Any = None, out_dtype: Optional[torch.dtyp
     except (TypeError, ValueError) as exc:
         return str(exc)
     offs_name = "counts" if masked else "offs"
-    return (_device_reason(a, b, offs, out, offs_name) or _layout_reason(a, b, offs, offs_name)
+    return (hopper_reason("nvfly's grouped GEMM", a, **{offs_name: offs}, b=b, out=out)
+            or _layout_reason(a, b, offs, offs_name)
             or _coordinate_reason(layout, a, b, fuse, shape[-1]))
 
 

@@ -49,7 +49,14 @@ def test_additive_mask_floor_keeps_minus_inf():
     kv = torch.arange(4)
     got = M.tensor_bias(PADDING)(torch.ones(4), torch.tensor(0), torch.tensor(0), torch.tensor(0), kv, bias)
     assert got.tolist() == [1.0, torch.tensor(M.BIAS_FLOOR).item(), float("-inf"), -4.0]  # float32
-    assert torch.isfinite(torch.tensor(M.BIAS_FLOOR) * 1.4426950408889634)
+    # the kernels' exponent is exp2(fma(s, log2e, -fl(max * log2e))): at s = max = BIAS_FLOOR what is left is
+    # fl(max * log2e)'s rounding error (a float32 product is exact in float64); exp2 of it must stay near 1
+    floor = torch.tensor(M.BIAS_FLOOR, dtype=torch.float32)
+    log2e = torch.tensor(1.4426950408889634, dtype=torch.float32)
+    left = floor.double() * log2e.double() - (floor * log2e).double()
+    assert abs(left.item()) < 0.1
+    finfo = torch.tensor(torch.finfo(bf).min, dtype=torch.float32)  # what the floor replaces: no longer finite
+    assert abs(finfo.double() * log2e.double() - (finfo * log2e).double()) > 1e20
 
 
 def test_captured_argument_errors():

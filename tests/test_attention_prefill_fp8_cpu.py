@@ -151,8 +151,9 @@ def test_fp8_host_path_launches_with_transposed_v_and_descales(recorded_launches
                                  v_descale=3.0)
     assert out.shape == (2, 300, 6, 128) and out.dtype == torch.bfloat16 and lse.shape == (2, 6, 300)
     assert [(name, grid) for name, grid, _ in recorded_launches] == [("attention_prefill_kernel", (3, 6, 2))]
-    assert descriptors == [((2, 300, 6, 128), FP8, (1, 128, 1, 128), 128), ((2, 77, 2, 128), FP8, (1, 128, 1, 128), 128),
-                           ((2, 128, 2, 80), FP8, (1, 128, 1, 128), 128)]
+    box = (1, 128, 1, 128)
+    assert descriptors == [((2, 300, 6, 128), FP8, box, 128), ((2, 77, 2, 128), FP8, box, 128),
+                           ((2, 128, 2, 80), FP8, box, 128)]
     params = recorded_launches[0][2]
     assert out.data_ptr() in params and q_descale.data_ptr() in params and k_descale.data_ptr() in params
     packed = b"".join(p for p in params if isinstance(p, bytes))

@@ -344,7 +344,8 @@ def _launch(plan: PrefillPlan, mods: Mods, q: Any, k: Any, v: Any, out: Any, lse
     captured = captured + [None] * (MAX_CAPTURED - len(captured))
     attention_prefill_kernel[grid, plan.threads](
         *descriptors, out, lse, *(cu_seqlens or (None, None)), *captured, *tables, *descales, sq, skv,
-        q.shape[2] // k.shape[2], bounds.bottom_right, bounds.left, bounds.right, scale / math.log(2.0), PLAN=plan, MODS=mods)
+        q.shape[2] // k.shape[2], bounds.bottom_right, bounds.left, bounds.right, scale / math.log(2.0), PLAN=plan,
+        MODS=mods)
 
 
 # ---------------------------------------------------------------------------------------------- packed sequences

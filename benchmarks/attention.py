@@ -44,8 +44,9 @@ Writes benchmarks/results/attention_prefill_h200.json and .png.
 FP8 prefill (``--prefill --fp8 [--quick]``): nvfly's e4m3 prefill (q, k, v quantised per tensor, descale = amax /
 448 rounded up to a power of two, bf16 out) at B·S = 16K tokens, H·D = 2048 for D 128 at 16K and 4K, D 64 and 256
 at 16K, and GQA 64/8 at 16K (with ``--quick`` D 128 16K only), each non-causal and causal, next to nvfly's bf16
-prefill and cuDNN's bf16 SDPA on the same (dequantised) values (torch has no fp8 SDPA), in one process. Correctness first: the last ``CHECK_ROWS`` rows of
-the first sequence against the float32 reference of the dequantised inputs (fp8 P: within ``FP8_TOLERANCE``).
+prefill and cuDNN's bf16 SDPA on the same (dequantised) values (torch has no fp8 SDPA), in one process.
+Correctness first: the last ``CHECK_ROWS`` rows of the first sequence against the float32 reference of the
+dequantised inputs (fp8 P: within ``FP8_TOLERANCE``).
 ``nvfly_fp8_ms`` is the whole call, including its pass that transposes V (``transpose_ms``, timed alone too).
 Writes benchmarks/results/attention_prefill_fp8_h200.json and .png.
 """

@@ -47,7 +47,8 @@ at 16K, and GQA 64/8 at 16K (with ``--quick`` D 128 16K only), each non-causal a
 prefill and cuDNN's bf16 SDPA on the same (dequantised) values (torch has no fp8 SDPA), in one process.
 Correctness first: the last ``CHECK_ROWS`` rows of the first sequence against the float32 reference of the
 dequantised inputs (fp8 P: within ``FP8_TOLERANCE``).
-``nvfly_fp8_ms`` is the whole call, including its pass that transposes V (``transpose_ms``, timed alone too).
+``nvfly_fp8_ms`` is the whole call, including its pass that transposes V (``transpose_ms``, timed alone too);
+``--prefill-variants`` also times (after checking) each of ``PREFILL_VARIANTS`` (``nvfly_fp8_<variant>_ms``).
 Writes benchmarks/results/attention_prefill_fp8_h200.json and .png.
 """
 from __future__ import annotations
@@ -521,7 +522,7 @@ def quantised_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / descale).to(torch.float8_e4m3fn), descale
 
 
-def run_prefill_fp8_row(shape: tuple, causal: bool) -> dict[str, Any]:
+def run_prefill_fp8_row(shape: tuple, causal: bool, variants: bool = False) -> dict[str, Any]:
     name, batch, s, hq, hkv, dqk, dv = shape
     torch.manual_seed(0)
     (q, qd), (k, kd), (v, vd) = (quantised_e4m3(torch.randn(batch, s, h, d, device="cuda"))
@@ -541,6 +542,16 @@ def run_prefill_fp8_row(shape: tuple, causal: bool) -> dict[str, Any]:
         del out
         row["nvfly_fp8_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal, **descales))
         row["transpose_ms"] = bench_ms(lambda: transposed_values(v))
+        for variant, options in (PREFILL_VARIANTS.items() if variants else ()):
+            with plan_options(**options):
+                out = torch.full((batch, s, hq, dv), float("nan"), dtype=torch.bfloat16, device="cuda")
+                attention.prefill(q, k, v, causal=causal, out=out, **descales)
+                row[f"nvfly_fp8_{variant}_err"] = prefill_error(qb, kb, vb, out, causal)
+                row["ok"] = (row["ok"] and row[f"nvfly_fp8_{variant}_err"] < FP8_TOLERANCE
+                             and not out.isnan().any().item())
+                del out
+                row[f"nvfly_fp8_{variant}_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal,
+                                                                                    **descales))
     else:
         row["nvfly_fp8_skipped"] = reason
         row["ok"] = False
@@ -549,7 +560,7 @@ def run_prefill_fp8_row(shape: tuple, causal: bool) -> dict[str, Any]:
         row[f"{peer}_bf16_ms"] = bench_ms(call)
     for key in [key for key in row if key.endswith("_ms") and key != "transpose_ms"]:
         row[key[:-3] + "_tflops"] = flops / row[key] / 1e9
-        if key != "nvfly_fp8_ms" and "nvfly_fp8_ms" in row:
+        if not key.startswith("nvfly_fp8") and "nvfly_fp8_ms" in row:
             row["fp8_vs_" + key[:-3]] = row[key] / row["nvfly_fp8_ms"]
     return row
 
@@ -558,7 +569,7 @@ def run_prefill_fp8(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     rows, started = [], time.time()
     for shape in (PREFILL_FP8_QUICK if args.quick else PREFILL_FP8_SUITE):
         for causal in (False, True):
-            row = run_prefill_fp8_row(shape, causal)
+            row = run_prefill_fp8_row(shape, causal, args.prefill_variants)
             rows.append(row)
             timed = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row if key.endswith("_tflops"))
             mine = (f"err {row['nvfly_fp8_err']:.1e}  transpose {row['transpose_ms']:.3f} ms" if "nvfly_fp8_ms" in row

@@ -161,3 +161,11 @@ def test_fp8_host_path_launches_with_transposed_v_and_descales(recorded_launches
     assert struct.pack("<Q", v.data_ptr()) not in packed  # the transposed copy instead
     with pytest.raises(ValueError, match=r"^attention\.prefill: out: .*torch\.bfloat16 tensor"):
         attention.prefill(q, k, v, out=torch.zeros(2, 300, 6, 128, dtype=FP8))
+
+
+def test_torch_prefill_op_declines_fp8():
+    """torch.ops.nvfly.attention_prefill returns q's dtype and takes no descales: fp8 inputs are an error there."""
+    import nvfly.torch  # noqa: F401 - registers the ops
+    q, k, v = _inputs()
+    with pytest.raises(TypeError, match=r"nvfly\.attention_prefill: q: .*takes bfloat16 or float16"):
+        torch.ops.nvfly.attention_prefill(q, k, v)

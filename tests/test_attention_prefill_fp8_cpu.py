@@ -24,15 +24,17 @@ def qgmma_count(sass, shape, a_from_registers):
     return len(re.findall(rf"QGMMA\.{shape}\.F32\.E4M3\.E4M3 R\d+, {a_operand}gdesc\[", sass))
 
 
-@pytest.mark.parametrize("dqk, causal", [(128, False), (128, True), pytest.param(64, True, marks=pytest.mark.slow),
-                                         pytest.param(256, False, marks=pytest.mark.slow)])
-def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal):
-    plan = prefill_plan(dqk, dqk, causal, fp8=True)
+@pytest.mark.parametrize("dqk, causal, window", [(128, False, False), (128, True, False),
+                                                 pytest.param(128, True, True, marks=pytest.mark.slow),
+                                                 pytest.param(64, True, False, marks=pytest.mark.slow),
+                                                 pytest.param(256, False, False, marks=pytest.mark.slow)])
+def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal, window):
+    plan = prefill_plan(dqk, dqk, causal, window, fp8=True)
     assert (dqk, dqk) in FP8_HEAD_DIMS and plan.block_n == 128 and plan.itemsize == 1
     assert plan.swizzle == (64 if dqk == 64 else 128)
     kernel = attention.compile_prefill(plan)
     sass = kernel.sass()
-    traces = 2 + plan.overlap  # the unmasked and the masked loop
+    traces = 2 + window  # the unmasked and the masked loops (a window's left edge: one more)
     s_steps, pv_steps = dqk // 32, plan.block_n // 32
     assert qgmma_count(sass, f"64x{plan.block_n}x32", a_from_registers=False) == traces * s_steps
     assert qgmma_count(sass, f"64x{dqk}x32", a_from_registers=True) == traces * pv_steps
@@ -44,6 +46,18 @@ def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal):
     # P rounded to e4m3 by saturating pair conversions (4 bytes of A a register, 2 a conversion)
     assert kernel.sass_opcodes()["F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"] == traces * plan.block_n // 4
     assert plan.smem_bytes(plan.itemsize) <= MAX_SMEM
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap, pingpong", [(True, True), (True, False), (False, False)])
+def test_fp8_overlap_variants_compile_without_spills(overlap, pingpong):
+    """The benchmark's --prefill-variants of the D 128 causal fp8 plan: the overlap's pipeline adds its first S and
+    last P·V."""
+    kernel = attention.compile_prefill(prefill_plan(128, 128, True, overlap=overlap, pingpong=pingpong, fp8=True))
+    sass = kernel.sass()
+    assert sass.count("QGMMA") == (3 if overlap else 2) * 8 and "HGMMA" not in sass and not kernel.warnings
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < CONSUMER_REGS
 
 
 def test_fp8_plan_rejects_what_the_kernel_cannot_do():

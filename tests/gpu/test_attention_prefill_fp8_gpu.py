@@ -77,3 +77,13 @@ def test_fp8_eligibility_and_default_out():
     assert attention.prefill_eligibility(q, k, v) is None
     got = attention.prefill(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
     assert got.dtype == torch.bfloat16 and got.shape == (1, 200, 4, 128) and not got.isnan().any()
+
+
+@pytest.mark.parametrize("overlap, pingpong", [(True, True), (True, False), (False, False)])
+def test_fp8_plan_variants(overlap, pingpong):
+    """The non-default overlap variants (the benchmark's --prefill-variants) on tails, GQA and causal."""
+    from nvfly.ops.attention.prefill_api import plan_options
+    (q, qd, qf), (k, kd, kf), (v, vd, vf) = (quantised((2, s, h, 128), 31 + i)
+                                             for i, (s, h) in enumerate(((333, 6), (301, 2), (301, 2))))
+    with plan_options(overlap=overlap, pingpong=pingpong):
+        check(q, k, v, (qd, kd, vd), (qf, kf, vf), causal=True)

@@ -122,7 +122,7 @@ def test_fp8_blocked_model_is_within_the_gpu_tolerance(causal, alignment):
     torch.manual_seed(1)
     quantised = []
     for shape in ((1, 200, 2, 64), (1, 300, 1, 64), (1, 300, 1, 64)):
-        x = torch.randn(shape) * 3
+        x = torch.randn(shape)  # scores about N(0, 1): a flat softmax, P of every size
         descale = x.abs().amax() / 448
         quantised.append(((x / descale).to(FP8), float(descale)))
     (q, qd), (k, kd), (v, vd) = quantised
@@ -131,7 +131,7 @@ def test_fp8_blocked_model_is_within_the_gpu_tolerance(causal, alignment):
     want, want_lse = attention.prefill_reference(q.float() * qd, k.float() * kd, v.float() * vd, causal=causal,
                                                  scale=scale, causal_alignment=alignment)
     err = ((out * vd - want).norm() / want.norm()).item()
-    assert 5e-3 < err < TOL  # e4m3 P's rounding shows, within the bound
+    assert 1e-2 < err < TOL  # e4m3 P's rounding shows, within the bound
     finite = torch.isfinite(want_lse)
     assert torch.equal(finite, torch.isfinite(lse))
     torch.testing.assert_close(lse[finite], want_lse[finite], atol=1e-3, rtol=1e-4)

@@ -99,6 +99,8 @@ def test_transposed_values_match_the_fp8_p_fragments():
         key = column // 16 * 16 + order[column % 16]
         expected = v[:, key].float() if key < skv else torch.zeros(2, 3, dv)
         assert torch.equal(vt[:, :, :, column].float(), expected.transpose(1, 2))
+    strided = v.transpose(1, 2).contiguous().transpose(1, 2)  # a (B, H, S, D) view
+    assert torch.equal(prefill_api.transposed_values(strided).view(torch.uint8), vt.view(torch.uint8))
     atom = sm90.WgmmaAtom(dv, nvfly.f8e4m3, nvfly.f8e4m3, "K", "K", a_source="registers")
     for block in range(0, 304, 128):
         keys = min(128, 304 - block) // 32 * 32

@@ -204,28 +204,20 @@ def _descale_tensors(descales: tuple, device: Any) -> list:
             else torch.full((1,), float(d), dtype=torch.float32, device=device) for d in descales]
 
 
-@functools.lru_cache(maxsize=16)
-def _key_order(keys: int, device: Any) -> "torch.Tensor":
-    """Which key of V each column of the fp8 kernel's Vᵀ holds: within every 16 keys, the columns of S that the
-    fp8 register-A P fragment holds (``sm90.register_a_k_order``)."""
-    import torch
-    from nvfly.arch import sm90
-    order = sm90.register_a_k_order(sm90.WgmmaAtom(16, nvfly.f8e4m3, nvfly.f8e4m3, a_source="registers"))
-    within = torch.tensor(order[:16], dtype=torch.int64)
-    return (torch.arange(0, keys, 16)[:, None] + within[None, :]).flatten().to(device)
-
-
 def transposed_values(v: "torch.Tensor") -> "torch.Tensor":
-    """The fp8 kernel's V: (B, Dv, Hkv, Skv rounded up to 16) contiguous, keys permuted within every 16 to the
-    order in which P's fp8 register fragments hold them (``_key_order``), zeros past Skv. One gather pass over V
-    (a pad first when Skv is not a multiple of 16); fp8 wgmma reads B K-major only, and P·V's K is the key."""
+    """The fp8 kernel's V: (B, Dv, Hkv, Skv rounded up to 16) contiguous, zeros past Skv, keys permuted within every
+    16 to the order in which P's fp8 register fragments hold S's columns (``sm90.register_a_k_order``: column
+    4q + 2i + j holds key 8i + 2q + j). One strided copy of V (a pad first when Skv is not a multiple of 16), no
+    index tensor (CUDA-graph capturable); fp8 wgmma reads B K-major only, and P·V's K is the key."""
     import torch
-    skv = v.shape[1]
+    batch, skv, heads, dv = v.shape
     keys = -(-skv // 16) * 16
-    raw = v.view(torch.uint8)  # bytes: padding and gathers of every torch version
+    raw = v.view(torch.uint8)  # bytes: padding and copies of every torch version
     if keys != skv:
         raw = torch.nn.functional.pad(raw, (0, 0, 0, 0, 0, keys - skv))
-    return raw.permute(0, 3, 2, 1)[..., _key_order(keys, v.device)].contiguous().view(v.dtype)
+    # keys as (group of 16, i, q, j) -> (B, Dv, Hkv, group, q, i, j)
+    digits = raw.reshape(batch, keys // 16, 2, 4, 2, heads, dv).permute(0, 6, 5, 1, 3, 2, 4)
+    return digits.contiguous().view(batch, dv, heads, keys).view(v.dtype)
 
 
 def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: bool = False,

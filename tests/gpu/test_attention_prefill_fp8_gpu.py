@@ -88,3 +88,21 @@ def test_fp8_plan_variants(overlap, pingpong):
                                              for i, (s, h) in enumerate(((333, 6), (301, 2), (301, 2))))
     with plan_options(overlap=overlap, pingpong=pingpong):
         check(q, k, v, (qd, kd, vd), (qf, kf, vf), causal=True)
+
+
+def test_fp8_cuda_graph_replays_with_new_inputs():
+    """A captured fp8 call (V's transpose, the descales read in the kernel) replayed on new values and descales."""
+    (q, qd, _), (k, kd, kf), (v, vd, vf) = (quantised((1, 300, h, 128), 41 + i) for i, h in enumerate((4, 2, 2)))
+    out = torch.empty(1, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
+    attention.prefill(q, k, v, causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd)  # compile first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention.prefill(q, k, v, causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd)
+    new_q, new_qd, new_qf = quantised((1, 300, 4, 128), 51, amplitude=2.0)
+    q.copy_(new_q)
+    qd.copy_(new_qd)
+    out.fill_(float("nan"))
+    graph.replay()
+    want, _ = attention.prefill_reference(new_qf, kf, vf, causal=True)
+    assert not out.isnan().any()
+    assert ((out.float() - want).norm() / want.norm()).item() < TOL

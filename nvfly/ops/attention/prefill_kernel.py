@@ -28,6 +28,11 @@ mask_mod is evaluated on every loaded block. With a BlockMask (``PLAN.kv_block``
 walk its partial list (positional bounds and the mask_mod) then its full list (positional bounds only) for the
 tile's query block; unlisted blocks are never loaded. The end divides by the quad-reduced sum (rows with no key:
 zeros, LSE −inf) and stores O as 4-byte pairs straight from registers.
+
+fp8 (``PLAN.fp8``): e4m3 Q, K and V, both GEMMs QGMMA, P rounded to e4m3 in its register fragments; fp8 wgmma reads
+B K-major only, so V comes transposed, (B, Dv, Hkv, Skv) with its keys permuted within every 16 to the columns P's
+fragments hold (``prefill_api.transposed_values``), and its stages are K-major (Dv x block_n). The descales are
+read once per consumer: q's and k's multiply the folded scale, v's the final 1/l; out is bf16.
 """
 from __future__ import annotations
 

@@ -40,6 +40,17 @@ times flex on the mod rows only. ``--prefill-variants`` also times (after checki
 combination of ``PrefillPlan.overlap`` and ``.pingpong`` (``nvfly_<variant>_ms``: serial, overlap, pingpong,
 overlap_pingpong; their geomeans against cuDNN in the summary); ``nvfly_ms`` is the default plan's.
 Writes benchmarks/results/attention_prefill_h200.json and .png.
+
+FP8 prefill (``--prefill --fp8 [--quick]``): nvfly's e4m3 prefill (q, k, v quantised per tensor, descale = amax /
+448 rounded up to a power of two, bf16 out) at B·S = 16K tokens, H·D = 2048 for D 128 at 16K and 4K, D 64 and 256
+at 16K, and GQA 64/8 at 16K (with ``--quick`` D 128 16K only), each non-causal and causal, next to nvfly's bf16
+prefill and cuDNN's bf16 SDPA on the same (dequantised) values (torch has no fp8 SDPA), in one process.
+Correctness first: the last ``CHECK_ROWS`` rows of the first sequence against the float32 reference of the
+dequantised inputs (fp8 P: within ``FP8_TOLERANCE``).
+``nvfly_fp8_ms`` is the whole call, including its pass that transposes V (``transpose_ms``, timed alone too;
+``fp8_kernel_estimate_tflops``: on the call's time less the pass's);
+``--prefill-variants`` also times (after checking) each of ``PREFILL_VARIANTS`` (``nvfly_fp8_<variant>_ms``).
+Writes benchmarks/results/attention_prefill_fp8_h200.json and .png.
 """
 from __future__ import annotations
 
@@ -57,7 +68,7 @@ from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot,
 from nvfly.ops import attention  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
 from nvfly.ops.attention.mla_api import plan_options as mla_plan_options  # noqa: E402
-from nvfly.ops.attention.prefill_api import plan_options  # noqa: E402
+from nvfly.ops.attention.prefill_api import plan_options, transposed_values  # noqa: E402
 from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 
 # (name, batch, skv, hq, hkv, d): the decode suite of ../shared/docs/anchors.md
@@ -333,6 +344,12 @@ CHECK_ROWS = 256
 PREFILL_MOD_SHAPE = ("gqa32/8", 4, 4096, 32, 8, 128, 128)  # the mod rows (all causal): Llama-like GQA at 4K
 PREFILL_MODS = ("softcap50", "alibi", "window1024", "documents")
 WINDOW = 1024
+# --prefill --fp8: (name, batch, s, hq, hkv, dqk, dv)
+PREFILL_FP8_SUITE = [("d128", 1, 16384, 16, 16, 128, 128), ("d128", 4, 4096, 16, 16, 128, 128),
+                     ("d64", 1, 16384, 32, 32, 64, 64), ("d256", 1, 16384, 8, 8, 256, 256),
+                     ("gqa64/8", 1, 16384, 64, 8, 128, 128)]
+PREFILL_FP8_QUICK = PREFILL_FP8_SUITE[:1]
+FP8_TOLERANCE = 6e-2  # P rounded to e4m3: about 2.5 % relative error on random V (tests/gpu/test_attention_prefill_fp8)
 
 
 def prefill_mods(mod: str, batch: int, s: int, hq: int) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -499,6 +516,92 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     return 0 if summary["all_ok"] else 1
 
 
+def quantised_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x in e4m3, its per-tensor descale as a one-element float32 tensor): a power of two, the least with which
+    x / descale is within e4m3's ±448 (so that the dequantised values are exact in bf16, the peers' inputs)."""
+    descale = torch.exp2(torch.ceil(torch.log2(x.float().abs().amax().clamp_min(1e-12) / 448.0))).reshape(1)
+    return (x.float() / descale).to(torch.float8_e4m3fn), descale
+
+
+def run_prefill_fp8_row(shape: tuple, causal: bool, variants: bool = False) -> dict[str, Any]:
+    name, batch, s, hq, hkv, dqk, dv = shape
+    torch.manual_seed(0)
+    (q, qd), (k, kd), (v, vd) = (quantised_e4m3(torch.randn(batch, s, h, d, device="cuda"))
+                                 for h, d in ((hq, dqk), (hkv, dqk), (hkv, dv)))
+    descales = dict(q_descale=qd, k_descale=kd, v_descale=vd)
+    # bf16 peers on the same values (exact in bf16: e4m3's 3 mantissa bits times a power of two)
+    qb, kb, vb = ((t.float() * d).to(torch.bfloat16) for t, d in ((q, qd), (k, kd), (v, vd)))
+    row: dict[str, Any] = {"model": name, "batch": batch, "sq": s, "skv": s, "hq": hq, "hkv": hkv, "dqk": dqk,
+                           "dv": dv, "causal": causal}
+    flops = attention.prefill_flops(batch, s, s, hq, dqk, dv, causal)
+    reason = attention.prefill_eligibility(q, k, v)
+    if reason is None:
+        out = torch.full((batch, s, hq, dv), float("nan"), dtype=torch.bfloat16, device="cuda")
+        attention.prefill(q, k, v, causal=causal, out=out, **descales)
+        row["nvfly_fp8_err"] = prefill_error(qb, kb, vb, out, causal)
+        row["ok"] = row["nvfly_fp8_err"] < FP8_TOLERANCE and not out.isnan().any().item()
+        del out
+        row["nvfly_fp8_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal, **descales))
+        row["transpose_ms"] = bench_ms(lambda: transposed_values(v))
+        for variant, options in (PREFILL_VARIANTS.items() if variants else ()):
+            with plan_options(**options):
+                out = torch.full((batch, s, hq, dv), float("nan"), dtype=torch.bfloat16, device="cuda")
+                attention.prefill(q, k, v, causal=causal, out=out, **descales)
+                row[f"nvfly_fp8_{variant}_err"] = prefill_error(qb, kb, vb, out, causal)
+                row["ok"] = (row["ok"] and row[f"nvfly_fp8_{variant}_err"] < FP8_TOLERANCE
+                             and not out.isnan().any().item())
+                del out
+                row[f"nvfly_fp8_{variant}_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal,
+                                                                                    **descales))
+    else:
+        row["nvfly_fp8_skipped"] = reason
+        row["ok"] = False
+    row["nvfly_bf16_ms"] = bench_ms(lambda: attention.prefill(qb, kb, vb, causal=causal, validate=False))
+    for peer, call in sdpa_calls(qb, kb, vb, causal, ("cudnn",)).items():
+        row[f"{peer}_bf16_ms"] = bench_ms(call)
+    for key in [key for key in row if key.endswith("_ms") and key != "transpose_ms"]:
+        row[key[:-3] + "_tflops"] = flops / row[key] / 1e9
+        if not key.startswith("nvfly_fp8") and "nvfly_fp8_ms" in row:
+            row["fp8_vs_" + key[:-3]] = row[key] / row["nvfly_fp8_ms"]
+    if "nvfly_fp8_ms" in row:  # what an in-kernel transpose could reach: the call's time less the pass's
+        row["fp8_kernel_estimate_tflops"] = flops / (row["nvfly_fp8_ms"] - row["transpose_ms"]) / 1e9
+    return row
+
+
+def run_prefill_fp8(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
+    rows, started = [], time.time()
+    for shape in (PREFILL_FP8_QUICK if args.quick else PREFILL_FP8_SUITE):
+        for causal in (False, True):
+            row = run_prefill_fp8_row(shape, causal, args.prefill_variants)
+            rows.append(row)
+            timed = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row if key.endswith("_tflops"))
+            mine = (f"err {row['nvfly_fp8_err']:.1e}  V transpose {row['transpose_ms']:.3f} ms of "
+                    f"{row['nvfly_fp8_ms']:.3f}" if "nvfly_fp8_ms" in row
+                    else f"nvfly fp8: {row['nvfly_fp8_skipped']}")
+            print(f"{row['model']:>9} B{row['batch']:<3} S{row['sq']:<6} {row['hq']}/{row['hkv']} {row['dqk']}/"
+                  f"{row['dv']} {'causal' if causal else 'full':>6}  {mine}  TFLOP/s: {timed}", flush=True)
+            torch.cuda.empty_cache()
+    timed = [r for r in rows if "nvfly_fp8_ms" in r]
+    summary = {"seconds": time.time() - started, "all_ok": all(r["ok"] for r in rows),
+               **{f"geomean_fp8_vs_{peer}": geomean([r[f"fp8_vs_{peer}"] for r in timed if f"fp8_vs_{peer}" in r])
+                  for peer in ("nvfly_bf16", "cudnn_bf16")}}
+    for r in timed:
+        if r["model"] == "d128" and r["sq"] == 16384:
+            summary[f"d128_16k_{'causal' if r['causal'] else 'full'}_fp8_tflops"] = r["nvfly_fp8_tflops"]
+    print(summary)
+    command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    name = args.name or "attention_prefill_fp8"
+    path = write_results(name, rows, {"summary": summary, "command": command,
+                                      "card": torch.cuda.get_device_name()})
+    labels = [f"{r['model']} B{r['batch']} S{r['sq'] // 1024}K {r['hq']}/{r['hkv']} {'c' if r['causal'] else 'f'}"
+              for r in rows]
+    series = {label: [r.get(f"{key}_tflops", 0.0) for r in rows] for label, key in
+              (("nvfly fp8", "nvfly_fp8"), ("nvfly bf16", "nvfly_bf16"), ("cuDNN bf16", "cudnn_bf16"))}
+    plot(name, labels, series, "TFLOP/s (unmasked work)")
+    print("wrote", path)
+    return 0 if summary["all_ok"] else 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser()
     suites = p.add_mutually_exclusive_group(required=True)
@@ -527,10 +630,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--mla-variants", action="store_true",
                    help="with --mla: also time nvfly's kernel with each combination of MlaPlan.chunked and "
                         ".evict_first (MLA_VARIANTS; correctness checked for each): nvfly_<variant>_ms")
-    p.add_argument("--fp8", action="store_true", help="also each row's shape with fp8 (e4m3) K/V caches (nvfly only)")
+    p.add_argument("--fp8", action="store_true", help="decode: also each row's shape with fp8 (e4m3) K/V caches "
+                                                       "(nvfly only); prefill: the fp8 prefill suite instead")
     p.add_argument("--name", default=None, help="results file stem (benchmarks/results/<name>_h200; default "
                                                  "attention_decode or attention_prefill)")
     args = p.parse_args(argv)
+    if args.prefill and args.fp8:
+        return run_prefill_fp8(args, argv)
     if args.prefill:
         return run_prefill(args, argv)
     if args.mla:

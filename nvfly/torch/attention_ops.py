@@ -107,12 +107,21 @@ def _attention_decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
 register_fake("attention_decode", _attention_decode_fake)
 
 
+def _check_prefill(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], causal_alignment: str) -> None:
+    """prefill's argument checks, and 16-bit inputs: this op's out is in q's dtype and it takes no descales
+    (fp8 prefill is ``nvfly.ops.attention.prefill``'s)."""
+    prefill_api._check(q, k, v, scale, causal_alignment)
+    if q.dtype not in _FLOATS:
+        raise TypeError(f"nvfly.attention_prefill: q: dtype {q.dtype}: this op takes bfloat16 or float16 (fp8 "
+                        "prefill, with its descales and bfloat16 out, is nvfly.ops.attention.prefill)")
+
+
 @operator("attention_prefill")
 def attention_prefill(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
                       causal_alignment: str = "bottom_right") -> tuple[Tensor, Tensor]:
     """(out (B, Sq, Hq, Dv) in q's dtype, lse (B, Hq, Sq) float32) of ``nvfly.ops.attention.prefill``; differentiable
     in q, k and v through torch's backward kernels fed this LSE (``nvfly.torch.attention_backward``)."""
-    prefill_api._check(q, k, v, scale, causal_alignment)
+    _check_prefill(q, k, v, scale, causal_alignment)
     reason = attention.prefill_eligibility(q, k, v, scale=scale, causal_alignment=causal_alignment)
     if reason is None:
         try:
@@ -129,7 +138,7 @@ def attention_prefill(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
 
 def _attention_prefill_fake(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
                             causal_alignment: str = "bottom_right") -> tuple[Tensor, Tensor]:
-    prefill_api._check(q, k, v, scale, causal_alignment)
+    _check_prefill(q, k, v, scale, causal_alignment)
     batch, sq, hq, _ = q.shape
     return q.new_empty((batch, sq, hq, v.shape[3])), q.new_empty((batch, hq, sq), dtype=torch.float32)
 

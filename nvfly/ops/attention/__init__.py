@@ -1,8 +1,9 @@
 """Attention. Decode: softmax(q kᵀ scale + mods) v over a (paged, ragged) KV cache at the HBM roofline, with
 split-KV, GQA packing and flex_attention-style score and mask mods traced into the kernel. Prefill: the compute-bound
 case on TMA and wgmma (FlashAttention-3's structure), with causal and sliding-window tile skipping, the same mods, flex
-BlockMasks and packed variable-length sequences (``prefill_varlen``). MLA decode: DeepSeek-V2/V3's 576-column
-latent cache (V its first 512 columns) on TMA and wgmma, through ``decode`` or ``decode_mla``.
+BlockMasks and packed variable-length sequences (``prefill_varlen``), and fp8 (e4m3) inputs with per-tensor
+descales. MLA decode: DeepSeek-V2/V3's 576-column latent cache (V its first 512 columns) on TMA and wgmma, through
+``decode`` or ``decode_mla``.
 
 Modules: ``api`` (decode's host functions re-exported here), ``plan`` (plans and the split heuristic),
 ``decode_kernel``, ``combine_kernel`` and ``block_mask_kernel`` (device code), ``mods`` (score_mod/mask_mod

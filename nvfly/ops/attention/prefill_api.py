@@ -13,7 +13,8 @@ from nvfly.ops.attention.api import _aligned, _kernel_captured, _mods, _require_
 from nvfly.ops.attention.kv_options import check_block_mask, error, mask_mod_of, reference_block_keep
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
 from nvfly.ops.attention.prefill_kernel import attention_prefill_kernel
-from nvfly.ops.attention.prefill_plan import BLOCK_M, HEAD_DIMS, PrefillPlan, causal_offset, prefill_plan
+from nvfly.ops.attention.prefill_plan import (BLOCK_M, FP8_HEAD_DIMS, HEAD_DIMS, PrefillPlan, causal_offset,
+                                              prefill_plan)
 from nvfly.ops.common.opcall import context_value
 from nvfly.runtime.tensor_desc import torch_dtype
 from nvfly.runtime.tma import cached_descriptor
@@ -22,7 +23,9 @@ if TYPE_CHECKING:
     import torch
 
 OP = "attention.prefill"
-DTYPES = ("torch.bfloat16", "torch.float16")
+DTYPES = ("torch.bfloat16", "torch.float16", "torch.float8_e4m3fn")
+FP8 = "torch.float8_e4m3fn"
+DESCALES = ("q_descale", "k_descale", "v_descale")
 ALIGNMENTS = ("bottom_right", "top_left")
 
 
@@ -31,7 +34,7 @@ def _check(q: Any, k: Any, v: Any, scale: Optional[float], causal_alignment: str
     for name, t in (("q", q), ("k", k), ("v", v)):
         _tensor(t, name, 4, OP)
     if str(q.dtype) not in DTYPES:
-        raise error(TypeError, "q", f"dtype {q.dtype} is not supported (bfloat16, float16)", OP)
+        raise error(TypeError, "q", f"dtype {q.dtype} is not supported (bfloat16, float16, float8_e4m3fn)", OP)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise error(TypeError, name, f"dtype {t.dtype} differs from q's {q.dtype}", OP)
@@ -53,10 +56,11 @@ def _check(q: Any, k: Any, v: Any, scale: Optional[float], causal_alignment: str
         raise error(ValueError, "q", f"{hq} query heads are not a multiple of k's {hkv} KV heads", OP)
     if k.shape[3] != dqk:
         raise error(ValueError, "k", f"head dim {k.shape[3]} differs from q's {dqk}", OP)
-    pairs = ", ".join(f"{a}/{b}" for a, b in HEAD_DIMS)
-    if dqk not in {a for a, _ in HEAD_DIMS}:
+    head_dims = FP8_HEAD_DIMS if str(q.dtype) == FP8 else HEAD_DIMS
+    pairs = ", ".join(f"{a}/{b}" for a, b in head_dims) + (" in float8_e4m3fn" if str(q.dtype) == FP8 else "")
+    if dqk not in {a for a, _ in head_dims}:
         raise error(ValueError, "q", f"head dim {dqk} is not supported yet (Dqk/Dv: {pairs})", OP)
-    if (dqk, v.shape[3]) not in HEAD_DIMS:
+    if (dqk, v.shape[3]) not in head_dims:
         raise error(ValueError, "v", f"head dim {v.shape[3]} with Dqk {dqk} is not supported yet (Dqk/Dv: {pairs})",
                     OP)
     if scale is not None and not (math.isfinite(scale) and scale > 0):
@@ -78,10 +82,11 @@ def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None
                         score_mod: Optional[Callable[..., Any]] = None, mask_mod: Optional[Callable[..., Any]] = None,
                         block_mask: Any = None, captured: tuple = ()) -> Optional[str]:
     """None when ``prefill`` computes this call, else the reason it declines: the argument checks' error (mods and
-    block mask included, without reading the block mask), then the device's, then the layouts'."""
+    block mask included, without reading the block mask; fp8's), then the device's, then the layouts'."""
     try:
         _check(q, k, v, scale, causal_alignment)
         _window(window)
+        _check_fp8(q, (None, None, None), score_mod, mask_mod, block_mask)
         _check_mods(q, k, score_mod, mask_mod, block_mask, False, captured)
     except (TypeError, ValueError) as exc:
         return str(exc)
@@ -104,11 +109,13 @@ def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None
     return context_value(_OPTIONS, (overlap, pingpong))
 
 
-def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The (B, S, H, D) boxes of the Q loads and of the K and V loads: a tile's rows of one head, one swizzle row
-    (128 or 64 bytes) wide (the boxes ``sm90.operand_boxes`` lays out in the kernel)."""
+def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The (B, S, H, D) boxes of the Q, K and V loads: a tile's rows of one head, one swizzle row (128 or 64 bytes)
+    wide (the boxes ``sm90.operand_boxes`` lays out in the kernel); fp8's transposed V (B, Dv, Hkv, Skv): Dv rows of
+    a swizzle row of keys."""
     width = plan.swizzle // dtype.itemsize
-    return (1, plan.block_m, 1, width), (1, plan.block_n, 1, width)
+    v_box = (1, plan.dv, 1, width) if plan.fp8 else (1, plan.block_n, 1, width)
+    return (1, plan.block_m, 1, width), (1, plan.block_n, 1, width), v_box
 
 
 def _window(window: Any) -> tuple[Optional[int], Optional[int]]:
@@ -165,11 +172,61 @@ def _check_mods(q: Any, k: Any, score_mod: Any, mask_mod: Any, block_mask: Any, 
     return mods
 
 
+def _check_fp8(q: Any, descales: tuple, score_mod: Any, mask_mod: Any, block_mask: Any) -> None:
+    """fp8 inputs: no mods nor block mask; descales (FlashAttention-3's per-tensor factors) only with fp8 inputs,
+    each None (1), a positive finite number or a one-element float32 tensor on q's device."""
+    import torch
+    if str(q.dtype) != FP8:
+        for name, descale in zip(DESCALES, descales):
+            if descale is not None:
+                raise error(TypeError, name, f"only for float8_e4m3fn q, k and v (q is {q.dtype})", OP)
+        return
+    for name, given in (("score_mod", score_mod), ("mask_mod", mask_mod), ("block_mask", block_mask)):
+        if given is not None:
+            raise error(ValueError, name, "not supported with float8_e4m3fn inputs yet", OP)
+    for name, descale in zip(DESCALES, descales):
+        if descale is None:
+            continue
+        if isinstance(descale, torch.Tensor):
+            if descale.numel() != 1 or descale.dtype != torch.float32 or descale.device != q.device:
+                raise error(ValueError, name, f"expected a one-element float32 tensor on {q.device}, got "
+                                              f"{tuple(descale.shape)} {descale.dtype} on {descale.device}", OP)
+        elif isinstance(descale, bool) or not isinstance(descale, (int, float)) or not (
+                math.isfinite(descale) and descale > 0):
+            raise error(ValueError, name, f"expected a positive finite number or a float32 tensor, got {descale!r}",
+                        OP)
+
+
+def _descale_tensors(descales: tuple, device: Any) -> list:
+    """The descales as the kernel reads them: one-element float32 tensors, or None (a factor of 1)."""
+    import torch
+    return [None if d is None else d.reshape(1) if isinstance(d, torch.Tensor)
+            else torch.full((1,), float(d), dtype=torch.float32, device=device) for d in descales]
+
+
+def transposed_values(v: "torch.Tensor") -> "torch.Tensor":
+    """The fp8 kernel's V: (B, Dv, Hkv, Skv rounded up to 16) contiguous, zeros past Skv, keys permuted within every
+    16 to the order in which P's fp8 register fragments hold S's columns (``sm90.register_a_k_order``: column
+    4q + 2i + j holds key 8i + 2q + j). One strided copy of V (a pad first when Skv is not a multiple of 16), no
+    index tensor (CUDA-graph capturable); fp8 wgmma reads B K-major only, and P·V's K is the key."""
+    import torch
+    batch, skv, heads, dv = v.shape
+    keys = -(-skv // 16) * 16
+    raw = v.view(torch.uint8)  # bytes: padding and copies of every torch version
+    if keys != skv:
+        raw = torch.nn.functional.pad(raw, (0, 0, 0, 0, 0, keys - skv))
+    # keys as (group of 16, i, q, j) -> (B, Dv, Hkv, group, q, i, j)
+    digits = raw.reshape(batch, keys // 16, 2, 4, 2, heads, dv).permute(0, 6, 5, 1, 3, 2, 4)
+    return digits.contiguous().view(batch, dv, heads, keys).view(v.dtype)
+
+
 def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: bool = False,
             scale: Optional[float] = None, return_lse: bool = False, causal_alignment: str = "bottom_right",
             out: Optional["torch.Tensor"] = None, window: Optional[tuple] = None,
             score_mod: Optional[Callable[..., Any]] = None, mask_mod: Optional[Callable[..., Any]] = None,
-            block_mask: Any = None, validate: bool = True, captured: tuple = ()
+            block_mask: Any = None, validate: bool = True, captured: tuple = (),
+            q_descale: Union[None, float, "torch.Tensor"] = None, k_descale: Union[None, float, "torch.Tensor"] = None,
+            v_descale: Union[None, float, "torch.Tensor"] = None
             ) -> Union["torch.Tensor", tuple["torch.Tensor", "torch.Tensor"]]:
     """softmax(q kᵀ scale + mods) v with fp32 accumulation, for long query sequences.
 
@@ -191,9 +248,18 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
     Returns out (B, Sq, Hq, Dv) in q's dtype and, with ``return_lse``, the log-sum-exp (B, Hq, Sq) float32 (natural
     log; -inf for a row that sees no key, whose output is zeros). ``out``: a contiguous (B, Sq, Hq, Dv) tensor of
     q's dtype to write (else a new one).
+
+    float8_e4m3fn q, k and v (Dqk = Dv = 64, 128 or 256; no mods nor block mask): FlashAttention-3's interface,
+    scores = (q kᵀ) · q_descale · k_descale · scale and out = (P v) · v_descale, P rounded to e4m3; the descales
+    are one-element float32 tensors (read in the kernel: no sync) or numbers, None for 1. out and its ``out=`` are
+    bfloat16. V is first transposed (and its keys permuted by 16) into a (B, Dv, Hkv, Skv) copy by one pass over
+    it: fp8 wgmma reads its shared-memory operand K-major only (``transposed_values``).
     """
     import torch
     _check(q, k, v, scale, causal_alignment)
+    descales = (q_descale, k_descale, v_descale)
+    _check_fp8(q, descales, score_mod, mask_mod, block_mask)
+    fp8 = str(q.dtype) == FP8
     bounds = masking(causal, window, causal_alignment)
     mods = _check_mods(q, k, score_mod, mask_mod, block_mask, validate and not _capturing(q), captured)
     _require_cuda(q, OP)
@@ -202,7 +268,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
         raise ValueError(f"{OP}: {reason}")
     batch, sq, hq, dqk = q.shape
     skv, dv = k.shape[1], v.shape[3]
-    out = _out(out, (batch, sq, hq, dv), q)
+    out = _out(out, (batch, sq, hq, dv), q, torch.bfloat16 if fp8 else q.dtype)
     lse = torch.empty(batch, hq, sq, dtype=torch.float32, device=q.device) if return_lse else None
     if batch and sq and hq:
         if skv == 0:  # no key: TMA cannot describe an empty tensor, and there is nothing to attend
@@ -213,9 +279,11 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             tables = _block_tables(block_mask, batch, hq)
             q_block = int(block_mask.BLOCK_SIZE[0]) if block_mask is not None else 0
             kv_block = int(block_mask.BLOCK_SIZE[1]) if block_mask is not None else 0
-            plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block, False, *_OPTIONS.get())
+            plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block, False, *_OPTIONS.get(), fp8)
+            if fp8:
+                v = transposed_values(v)
             _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv,
-                    plan.grid(batch, hq, sq), tuple(captured))
+                    plan.grid(batch, hq, sq), tuple(captured), _descale_tensors(descales, q.device))
     return (out, lse) if return_lse else out
 
 
@@ -229,14 +297,14 @@ def _scale(scale: Optional[float], dqk: int) -> float:
     return dqk ** -0.5 if scale is None else float(scale)
 
 
-def _out(out: Any, shape: tuple, q: Any) -> Any:
-    """``out`` checked (a contiguous tensor of ``shape`` in q's dtype on q's device), or a new one."""
+def _out(out: Any, shape: tuple, q: Any, dtype: Any) -> Any:
+    """``out`` checked (a contiguous tensor of ``shape`` in ``dtype`` on q's device), or a new one."""
     import torch
     if out is None:
-        return torch.empty(*shape, dtype=q.dtype, device=q.device)
-    if (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != q.dtype
+        return torch.empty(*shape, dtype=dtype, device=q.device)
+    if (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype
             or out.device != q.device or not out.is_contiguous()):
-        raise error(ValueError, "out", f"expected a contiguous {shape} {q.dtype} tensor on {q.device}", OP)
+        raise error(ValueError, "out", f"expected a contiguous {shape} {dtype} tensor on {q.device}", OP)
     return out
 
 
@@ -258,16 +326,18 @@ def _block_tables(block_mask: Any, batch: int, hq: int) -> list:
 
 def _launch(plan: PrefillPlan, mods: Mods, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens: Any,
             tables: list, scale: float, bounds: Masking, sq: int, skv: int, grid: tuple,
-            arguments: tuple = ()) -> None:
-    """One launch: q, k, v, out (B, S, H, D) and lse (B, H, S) as the kernel takes them (packed sequences: B = 1);
-    ``arguments``: the mods' tensor arguments."""
-    q_box, kv_box = _boxes(plan, torch_dtype(q))
-    descriptors = [cached_descriptor(t, box, plan.swizzle) for t, box in ((q, q_box), (k, kv_box), (v, kv_box))]
+            arguments: tuple = (), descales: Any = (None, None, None)) -> None:
+    """One launch: q, k, v, out (B, S, H, D) and lse (B, H, S) as the kernel takes them (packed sequences: B = 1;
+    fp8: v (B, Dv, Hkv, Skv), ``transposed_values``); ``arguments``: the mods' tensor arguments; ``descales``:
+    fp8's q, k and v descales (one-element float32 tensors or None)."""
+    q_box, kv_box, v_box = _boxes(plan, torch_dtype(q))
+    descriptors = [cached_descriptor(t, box, plan.swizzle) for t, box in ((q, q_box), (k, kv_box), (v, v_box))]
     captured = _kernel_captured(mods, q.device, arguments)
     captured = captured + [None] * (MAX_CAPTURED - len(captured))
     attention_prefill_kernel[grid, plan.threads](
-        *descriptors, out, lse, *(cu_seqlens or (None, None)), *captured, *tables, sq, skv, q.shape[2] // k.shape[2],
-        bounds.bottom_right, bounds.left, bounds.right, scale / math.log(2.0), PLAN=plan, MODS=mods)
+        *descriptors, out, lse, *(cu_seqlens or (None, None)), *captured, *tables, *descales, sq, skv,
+        q.shape[2] // k.shape[2], bounds.bottom_right, bounds.left, bounds.right, scale / math.log(2.0), PLAN=plan,
+        MODS=mods)
 
 
 # ---------------------------------------------------------------------------------------------- packed sequences
@@ -327,6 +397,8 @@ def prefill_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_s
     for name, t in (("q", q), ("k", k), ("v", v)):
         _tensor(t, name, 3, OP)
     _check(q[None], k[None], v[None], scale, causal_alignment)
+    if str(q.dtype) == FP8:
+        raise error(TypeError, "q", "float8_e4m3fn packed sequences are not supported yet (prefill takes them)", OP)
     bounds = masking(causal, window, causal_alignment)
     mods = _check_mods(q[None], k[None], score_mod, mask_mod, None, False)
     max_q, _ = _check_varlen(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, validate, _capturing(q))
@@ -336,7 +408,7 @@ def prefill_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_s
         raise ValueError(f"{OP}: {reason}")
     total_q, hq, dqk = q.shape
     dv = v.shape[2]
-    out = _out(out, (total_q, hq, dv), q)
+    out = _out(out, (total_q, hq, dv), q, q.dtype)
     lse = torch.empty(hq, total_q, dtype=torch.float32, device=q.device) if return_lse else None
     batch = cu_seqlens_q.shape[0] - 1
     if batch and max_q and hq and total_q:
@@ -443,14 +515,18 @@ def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, 
                     target: str = "sm_90a", captured: tuple = ()) -> Any:
     """The prefill kernel for ``plan`` (and ``mods``) compiled without a GPU (a CompiledKernel); a varlen plan gets
     ``batch`` sequences packed into sq and skv rows, a block-mask plan its tables; ``captured``: (CPU) tensors
-    standing for the mods' arguments."""
+    standing for the mods' arguments. An fp8 plan takes e4m3 inputs whatever ``dtype``, V transposed, the three
+    descales and a bf16 out."""
     from nvfly.runtime.tensor_desc import TensorDesc
-    q_box, kv_box = _boxes(plan, dtype)
+    out_dtype = nvfly.bf16 if plan.fp8 else dtype
+    dtype = nvfly.f8e4m3 if plan.fp8 else dtype
+    q_box, kv_box, v_box = _boxes(plan, dtype)
     rows = 1 if plan.varlen else batch
+    v_shape = (rows, plan.dv, kv_heads, -(-skv // 16) * 16) if plan.fp8 else (rows, skv, kv_heads, plan.dv)
     q = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, sq, heads, plan.dqk)), q_box, plan.swizzle)
     k = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, skv, kv_heads, plan.dqk)), kv_box, plan.swizzle)
-    v = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, skv, kv_heads, plan.dv)), kv_box, plan.swizzle)
-    out = TensorDesc(dtype, (rows, sq, heads, plan.dv))
+    v = nvfly.TmaDescriptor(TensorDesc(dtype, v_shape), v_box, plan.swizzle)
+    out = TensorDesc(out_dtype, (rows, sq, heads, plan.dv))
     lse = TensorDesc(nvfly.f32, (rows, heads, sq)) if return_lse else None
     cu_seqlens = [TensorDesc(nvfly.i32, (batch + 1,))] * 2 if plan.varlen else [None, None]
     captured = [TensorDesc(nvfly.i32 if str(t.dtype) in ("torch.int64", "torch.bool") else torch_dtype(t),
@@ -461,6 +537,7 @@ def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, 
         q_blocks, kv_blocks = -(-sq // plan.q_block), -(-skv // plan.kv_block)
         tables = [TensorDesc(nvfly.i32, (batch, heads, q_blocks)), TensorDesc(nvfly.i32, (batch, heads, q_blocks,
                                                                                           kv_blocks))] * 2
-    return attention_prefill_kernel.compile(q, k, v, out, lse, *cu_seqlens, *captured, *tables, sq, skv,
+    descales = [TensorDesc(nvfly.f32, (1,)) if plan.fp8 else None] * 3
+    return attention_prefill_kernel.compile(q, k, v, out, lse, *cu_seqlens, *captured, *tables, *descales, sq, skv,
                                             heads // kv_heads, 1, 0, 0, 0.18, PLAN=plan, MODS=mods,
                                             block=plan.threads, target=target)

@@ -28,6 +28,11 @@ mask_mod is evaluated on every loaded block. With a BlockMask (``PLAN.kv_block``
 walk its partial list (positional bounds and the mask_mod) then its full list (positional bounds only) for the
 tile's query block; unlisted blocks are never loaded. The end divides by the quad-reduced sum (rows with no key:
 zeros, LSE −inf) and stores O as 4-byte pairs straight from registers.
+
+fp8 (``PLAN.fp8``): e4m3 Q, K and V, both GEMMs QGMMA, P rounded to e4m3 in its register fragments; fp8 wgmma reads
+B K-major only, so V comes transposed, (B, Dv, Hkv, Skv) with its keys permuted within every 16 to the columns P's
+fragments hold (``prefill_api.transposed_values``), and its stages are K-major (Dv x block_n). The descales are
+read once per consumer: q's and k's multiply the folded scale, v's the final 1/l; out is bf16.
 """
 from __future__ import annotations
 
@@ -49,7 +54,8 @@ LOG2E = 1.0 / LN2
 @nvfly.kernel
 def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescriptor, v_desc: nvfly.TmaDescriptor,
                              out: nvfly.Tensor, lse, cu_seqlens_q, cu_seqlens_k, captured0, captured1, kv_num_blocks,
-                             kv_indices, full_kv_num_blocks, full_kv_indices, sq: nvfly.i32, skv: nvfly.i32,
+                             kv_indices, full_kv_num_blocks, full_kv_indices, q_descale, k_descale, v_descale,
+                             sq: nvfly.i32, skv: nvfly.i32,
                              group: nvfly.i32, bottom_right: nvfly.i32, left: nvfly.i32, right: nvfly.i32,
                              scale_log2: nvfly.f32, PLAN: nvfly.Constexpr, MODS: nvfly.Constexpr):
     dtype = q_desc.info.dtype
@@ -57,17 +63,18 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
     BM, BN, S, WGS = PLAN.block_m, PLAN.block_n, PLAN.stages, PLAN.consumers
     DQK, DV = PLAN.dqk, PLAN.dv
     SWIZZLE = PLAN.swizzle
+    V_MAJOR = "K" if PLAN.fp8 else "MN"  # fp8: V transposed in global memory (fp8 wgmma has no transpose)
     s_atom = sm90.WgmmaAtom(BN, dtype, dtype, "K", "K")
-    pv_atom = sm90.WgmmaAtom(DV, dtype, dtype, "K", "MN", a_source="registers")
+    pv_atom = sm90.WgmmaAtom(DV, dtype, dtype, "K", V_MAJOR, a_source="registers")
     q_layout = sm90.operand_layout(BM, DQK, dtype, "K", SWIZZLE)
     k_layout = sm90.operand_layout(BN, DQK, dtype, "K", SWIZZLE)
-    v_layout = sm90.operand_layout(DV, BN, dtype, "MN", SWIZZLE)
+    v_layout = sm90.operand_layout(DV, BN, dtype, V_MAJOR, SWIZZLE)
     q_boxes = sm90.operand_boxes(q_layout, BM, DQK, dtype, "K", SWIZZLE)[1][0]
     k_boxes = sm90.operand_boxes(k_layout, BN, DQK, dtype, "K", SWIZZLE)[1][0]
-    v_boxes = sm90.operand_boxes(v_layout, DV, BN, dtype, "MN", SWIZZLE)[1][0]
+    v_boxes = sm90.operand_boxes(v_layout, DV, BN, dtype, V_MAJOR, SWIZZLE)[1][0]
     q_desc_offsets = sm90.descriptor_offsets(q_layout, dtype, "K", SWIZZLE) + (SWIZZLE,)
     k_desc_offsets = sm90.descriptor_offsets(k_layout, dtype, "K", SWIZZLE) + (SWIZZLE,)
-    v_desc_offsets = sm90.descriptor_offsets(v_layout, dtype, "MN", SWIZZLE) + (SWIZZLE,)
+    v_desc_offsets = sm90.descriptor_offsets(v_layout, dtype, V_MAJOR, SWIZZLE) + (SWIZZLE,)
     Q_BYTES = PLAN.q_bytes(size)
     K_BYTES = PLAN.k_stage_bytes(size)
     V_BYTES = PLAN.v_stage_bytes(size)
@@ -126,7 +133,7 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
                 sm90.tma_load(q_desc, q_tile + box.smem_offset,
                               (io_batch, q_start + m_block * BM + box.mn_offset, head, box.k_offset), q_bar)
             loads = LoadContext(k_desc, v_desc, k_ring, v_ring, k_pipe, v_pipe, k_boxes, v_boxes, K_BYTES, V_BYTES,
-                                io_batch, k_start, kv_head)
+                                io_batch, k_start, kv_head, PLAN.fp8)
             states = (sm90.PipelineState.start(S), sm90.PipelineState.start(S))
             if PLAN.kv_block:
                 for count, indices in tables:
@@ -141,6 +148,9 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
         lane = nvfly.lane_idx()
         warp_in_wg = warp % 4
         row0 = m_block * BM + consumer * 64 + warp_in_wg * 16 + lane // 4  # the thread's rows: row0, row0 + 8
+        for descale in (q_descale, k_descale):  # fp8: scores are (q kᵀ) · q_descale · k_descale
+            if descale is not None:
+                scale_log2 = scale_log2 * descale[0]
         fold = scale_log2  # what turns a score into log2 units: the scale folded into exp2, or log2(e) after a mod
         if MODS.score_mod is not None:
             fold = LOG2E
@@ -174,12 +184,14 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
                 state = attend_block(state, ctx, n, PLAN, True, True, consumer)
         if PLAN.pingpong and not PLAN.overlap:
             scheduler_arrive(consumer)
-        store_rows(state, out, lse, io_batch, head, q_start, row0, sq, lane, fold, DV)
+        store_rows(state, out, lse, io_batch, head, q_start, row0, sq, lane, fold, DV,
+                   None if v_descale is None else v_descale[0])
 
 
 class LoadContext(NamedTuple):
     """What the producer's loads of a key block need: the descriptors, rings, pipelines and boxes of K and V, and
-    the block's coordinates (batch, the sequence's first key, the KV head)."""
+    the block's coordinates (batch, the sequence's first key, the KV head); ``v_transposed``: V is (B, Dv, Hkv, Skv)
+    (fp8), not (B, Skv, Hkv, Dv)."""
     k_desc: Any
     v_desc: Any
     k_ring: Any
@@ -193,6 +205,7 @@ class LoadContext(NamedTuple):
     batch: Any
     k_start: Any
     kv_head: Any
+    v_transposed: bool
 
 
 @nvfly.func
@@ -207,9 +220,11 @@ def load_block(states, ctx, n, BN):
                       ctx.k_pipe.full(k_state.stage))
     ctx.v_pipe.producer_acquire(v_state)
     ctx.v_pipe.producer_expect(v_state)
-    for box in ctx.v_boxes:  # MN-major: the box's K offset is the key, its MN offset the column
-        sm90.tma_load(ctx.v_desc, ctx.v_ring + v_state.stage * ctx.v_bytes + box.smem_offset,
-                      (ctx.batch, ctx.k_start + n * BN + box.k_offset, ctx.kv_head, box.mn_offset),
+    for box in ctx.v_boxes:  # the box's K offset is the key, its MN offset the column
+        coordinates = (ctx.batch, ctx.k_start + n * BN + box.k_offset, ctx.kv_head, box.mn_offset)
+        if ctx.v_transposed:
+            coordinates = (ctx.batch, box.mn_offset, ctx.kv_head, ctx.k_start + n * BN + box.k_offset)
+        sm90.tma_load(ctx.v_desc, ctx.v_ring + v_state.stage * ctx.v_bytes + box.smem_offset, coordinates,
                       ctx.v_pipe.full(v_state.stage))
     return (k_state.advance(), v_state.advance())
 
@@ -546,15 +561,18 @@ def scheduler_arrive(consumer):
 
 
 @nvfly.func
-def store_rows(state, out, lse, batch, head, q_start, row0, sq, lane, fold, DV):
+def store_rows(state, out, lse, batch, head, q_start, row0, sq, lane, fold, DV, v_descale):
     """O / l for the thread's two rows (zeros for a row with no key) as 4-byte pairs, and its LSE (natural log,
-    −inf for a row with no key) from the quad's first lane; rows from ``q_start`` (a packed sequence's first)."""
+    −inf for a row with no key) from the quad's first lane; rows from ``q_start`` (a packed sequence's first);
+    ``v_descale``: None, or what O is multiplied by (fp8's V descale)."""
     for r in nvfly.static_range(2):
         row = row0 + 8 * r
         total = state.sums[r] + nvfly.shfl_xor(state.sums[r], 1)
         total = total + nvfly.shfl_xor(total, 2)
         kept = total > 0.0
         inverse = nvfly.select(kept, 1.0 / nvfly.maximum(total, 1e-30), 0.0)
+        if v_descale is not None:
+            inverse = inverse * v_descale
         inside = row < sq
         for j in nvfly.static_range(DV // 8):
             col = 8 * j + 2 * (lane % 4)

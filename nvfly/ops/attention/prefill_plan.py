@@ -16,6 +16,8 @@ from typing import Any, Callable, Optional
 # 64-byte ones where a head dim is an odd multiple of 32 (96)
 HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (64, 128), (128, 64), (192, 128), (256, 256))
 BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 128, 256: 80}
+FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))  # fp8 e4m3: one swizzle row (64 or 128 bytes) or two
+FP8_BLOCK_N = 128  # a multiple of fp8 wgmma's 32-deep k-step and of V's 16-key permutation; D 256 fits: 161 KB
 MASK_BLOCK_N = 64  # D 256 with a BlockMask: stages that divide its 128-key blocks (80 does not)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows (wgmma's M)
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
@@ -39,7 +41,8 @@ class PrefillPlan:
     each of the K and V rings; overlap: a consumer issues S of key block j + 1 with P·V of block j and runs block
     j + 1's softmax under that P·V (FlashAttention-3's intra-warpgroup overlap; a second S tile in registers);
     pingpong: the two consumers take turns issuing their GEMMs (named barriers), one's softmax under the other's
-    GEMMs."""
+    GEMMs; fp8: e4m3 Q, K and V (both GEMMs fp8, P rounded to e4m3) with V given transposed, (B, Dv, Hkv, Skv)
+    with its keys permuted within every 16 (``sm90.register_a_k_order``), the K-major B of P·V."""
     dqk: int
     dv: int
     causal: bool
@@ -52,15 +55,25 @@ class PrefillPlan:
     stages: int = STAGES
     overlap: bool = False
     pingpong: bool = False
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.pingpong and self.consumers != 2:
             raise ValueError(f"a ping-pong prefill plan takes two consumer warpgroups, not {self.consumers}")
+        if self.fp8 and (self.block_n % 32 or self.varlen or self.kv_block):
+            raise ValueError("an fp8 prefill plan takes key blocks of a multiple of 32 keys, no packed sequences and "
+                             "no BlockMask (V's keys are permuted by 16 from the tensor's first key)")
 
     @property
     def swizzle(self) -> int:
-        """Bytes of a shared-memory swizzle row: 128 when both head dims are multiples of 64 elements, else 64."""
-        return SWIZZLE if self.dqk % 64 == 0 and self.dv % 64 == 0 else SWIZZLE // 2
+        """Bytes of a shared-memory swizzle row: 128 when both head dims' rows are multiples of 128 bytes, else 64."""
+        rows = (self.dqk * self.itemsize, self.dv * self.itemsize)
+        return SWIZZLE if all(row % SWIZZLE == 0 for row in rows) else SWIZZLE // 2
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of a Q, K or V element: 1 for fp8, else 2."""
+        return 1 if self.fp8 else 2
 
     @property
     def consumers(self) -> int:
@@ -90,15 +103,16 @@ class PrefillPlan:
 
 def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block: int = 0, q_block: int = 0,
                  varlen: bool = False, overlap: Optional[bool] = None,
-                 pingpong: Optional[bool] = None) -> PrefillPlan:
-    """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``) and its masking options; ``overlap``/``pingpong``
-    None: the defaults below."""
+                 pingpong: Optional[bool] = None, fp8: bool = False) -> PrefillPlan:
+    """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
+    options; ``overlap``/``pingpong`` None: the defaults below."""
     if overlap is None:
         overlap = False  # measured on the H200: 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most)
     if pingpong is None:
         pingpong = dqk <= 128  # measured: 0.95x cuDNN vs 0.89x serial; FA3 ping-pongs up to head dim 128
-    return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=stage_keys(dqk, kv_block),
-                       overlap=overlap, pingpong=pingpong)
+    block_n = FP8_BLOCK_N if fp8 else stage_keys(dqk, kv_block)
+    return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
+                       pingpong=pingpong, fp8=fp8)
 
 
 def stage_keys(dqk: int, kv_block: int = 0) -> int:

@@ -1,0 +1,108 @@
+"""FP8 (e4m3) prefill attention against the float32 reference of the dequantised inputs, on fresh random inputs
+quantised per tensor (descale = amax / 448, FlashAttention-3's convention): tails in Sq and Skv (1, odd, not a
+multiple of the tiles or of V's 16-key groups), Sq != Skv both ways (rows that see no key: zeros and LSE -inf), GQA
+and MQA, causal in both alignments, a sliding window, Dqk = Dv = 64, 128, 256, (B, H, S, D) views, descales as
+tensors, numbers or None; the three non-default overlap variants. Outputs are NaN-poisoned: every row must be
+written.
+
+Tolerance: P is rounded to e4m3 (3 mantissa bits: a relative rounding error up to 2^-4, about 2.5 % rms, and values
+below 2^-9 of the row's running maximum flushed) before P·V, while the row sums are of the float32 P, as in
+FlashAttention-3; on random V that gives out a relative (Frobenius) error of about 2-3 % against the exact softmax of
+the dequantised inputs, so the bound is 6 %. Scores are exact products of e4m3 values accumulated in wgmma's f32: the
+LSE is checked to 1e-2 absolute."""
+import pytest
+import torch
+
+from nvfly.ops import attention
+from tests.gpu.test_attention_decode_gpu import assert_matches
+
+pytestmark = pytest.mark.gpu
+FP8 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+TOL = 6e-2
+
+
+def quantised(shape, seed, layout="bshd", amplitude=1.0):
+    """(e4m3 tensor, its descale as a one-element float32 tensor, the dequantised float32 tensor) of a fresh random
+    (B, S, H, D) tensor (a view of (B, H, S, D) storage with ``layout="bhsd"``)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b, s, h, d = shape
+    x = torch.randn(b, h, s, d, device="cuda", generator=gen).transpose(1, 2) if layout == "bhsd" else \
+        torch.randn(b, s, h, d, device="cuda", generator=gen)
+    x = x * amplitude
+    descale = (x.abs().amax().clamp_min(1e-12) / E4M3_MAX).reshape(1)
+    q8 = (x / descale).to(FP8)
+    return q8, descale, q8.float() * descale
+
+
+def check(q, k, v, descales, reference, **kwargs):
+    """prefill of fp8 (q, k, v) into a NaN-poisoned bf16 out, with the LSE, against the float32 reference of
+    ``reference`` (the dequantised inputs)."""
+    out = torch.full((*q.shape[:3], v.shape[3]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got, lse = attention.prefill(q, k, v, return_lse=True, out=out, **dict(zip(("q_descale", "k_descale",
+                                                                                 "v_descale"), descales)), **kwargs)
+    want, want_lse = attention.prefill_reference(*reference, **kwargs)
+    assert got.data_ptr() == out.data_ptr() and got.dtype == torch.bfloat16
+    return assert_matches(got, lse, want, want_lse, TOL, lse_atol=1e-2)
+
+
+@pytest.mark.parametrize("batch, sq, skv, hq, hkv, d, causal, alignment, layout", [
+    (2, 256, 256, 4, 4, 128, False, "bottom_right", "bshd"),
+    (2, 256, 256, 4, 4, 128, True, "bottom_right", "bshd"),
+    (1, 1000, 1000, 8, 2, 128, True, "bottom_right", "bshd"),
+    (3, 77, 301, 6, 2, 128, True, "bottom_right", "bhsd"),
+    (2, 301, 77, 6, 3, 128, True, "bottom_right", "bshd"),    # early rows see no key
+    (1, 77, 301, 4, 1, 128, True, "top_left", "bhsd"),         # MQA
+    (2, 1, 129, 4, 2, 128, False, "bottom_right", "bshd"),
+    (1, 129, 1, 4, 2, 128, False, "bottom_right", "bshd"),    # one key: V padded to 16
+    (1, 513, 700, 12, 4, 64, True, "bottom_right", "bhsd"),
+    (1, 333, 333, 4, 2, 256, False, "bottom_right", "bshd"),
+])
+def test_fp8_shapes_against_the_dequantised_reference(batch, sq, skv, hq, hkv, d, causal, alignment, layout):
+    seed = sq * 1000 + skv
+    (q, qd, qf), (k, kd, kf), (v, vd, vf) = (quantised((batch, s, h, d), seed + i, layout)
+                                             for i, (s, h) in enumerate(((sq, hq), (skv, hkv), (skv, hkv))))
+    check(q, k, v, (qd, kd, vd), (qf, kf, vf), causal=causal, causal_alignment=alignment)
+
+
+def test_fp8_descales_as_numbers_or_none_window_and_scale():
+    """Descales given as numbers, and None (1: inputs already in range), with a sliding window and a scale."""
+    (q, qd, qf), (k, kd, kf), (v, vd, vf) = (quantised((1, 400, h, 128), 11 + i, amplitude=a)
+                                             for i, (h, a) in enumerate(((8, 3.0), (2, 0.5), (2, 2.0))))
+    check(q, k, v, (qd.item(), kd.item(), vd.item()), (qf, kf, vf), causal=True, window=(100, 0), scale=0.1)
+    check(q, k, v, (None, None, None), (q.float(), k.float(), v.float()), scale=1e-4)
+
+
+def test_fp8_eligibility_and_default_out():
+    (q, qd, _), (k, kd, _), (v, vd, _) = (quantised((1, 200, 4, 128), 21 + i) for i in range(3))
+    assert attention.prefill_eligibility(q, k, v) is None
+    got = attention.prefill(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, 200, 4, 128) and not got.isnan().any()
+
+
+@pytest.mark.parametrize("overlap, pingpong", [(True, True), (True, False), (False, False)])
+def test_fp8_plan_variants(overlap, pingpong):
+    """The non-default overlap variants (the benchmark's --prefill-variants) on tails, GQA and causal."""
+    from nvfly.ops.attention.prefill_api import plan_options
+    (q, qd, qf), (k, kd, kf), (v, vd, vf) = (quantised((2, s, h, 128), 31 + i)
+                                             for i, (s, h) in enumerate(((333, 6), (301, 2), (301, 2))))
+    with plan_options(overlap=overlap, pingpong=pingpong):
+        check(q, k, v, (qd, kd, vd), (qf, kf, vf), causal=True)
+
+
+def test_fp8_cuda_graph_replays_with_new_inputs():
+    """A captured fp8 call (V's transpose, the descales read in the kernel) replayed on new values and descales."""
+    (q, qd, _), (k, kd, kf), (v, vd, vf) = (quantised((1, 300, h, 128), 41 + i) for i, h in enumerate((4, 2, 2)))
+    out = torch.empty(1, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
+    attention.prefill(q, k, v, causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd)  # compile first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention.prefill(q, k, v, causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd)
+    new_q, new_qd, new_qf = quantised((1, 300, 4, 128), 51, amplitude=2.0)
+    q.copy_(new_q)
+    qd.copy_(new_qd)
+    out.fill_(float("nan"))
+    graph.replay()
+    want, _ = attention.prefill_reference(new_qf, kf, vf, causal=True)
+    assert not out.isnan().any()
+    assert ((out.float() - want).norm() / want.norm()).item() < TOL

@@ -1,0 +1,213 @@
+"""FP8 (e4m3) prefill attention without a GPU: the fp8 plans compile for sm_90a to QGMMA (register-A e4m3 P for
+P·V) without spills or ptxas warnings, the transposed V that the host builds puts each key where P's fp8 register
+fragment puts its score (a lane-by-lane model of the fragments gives P·V exactly), and bad fp8 arguments raise errors
+naming them."""
+import re
+import struct
+
+import pytest
+import torch
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.ops import attention
+from nvfly.ops.attention import prefill_api
+from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, FP8_HEAD_DIMS, MAX_SMEM, PRODUCER_REGS, PrefillPlan,
+                                              prefill_plan)
+
+FP8 = torch.float8_e4m3fn
+
+
+def qgmma_count(sass, shape, a_from_registers):
+    """QGMMA (e4m3 x e4m3, f32 accumulator) instructions of ``shape`` whose A is a register or a descriptor."""
+    a_operand = r"R\d+, " if a_from_registers else ""
+    return len(re.findall(rf"QGMMA\.{shape}\.F32\.E4M3\.E4M3 R\d+, {a_operand}gdesc\[", sass))
+
+
+@pytest.mark.parametrize("dqk, causal, window", [(128, False, False), (128, True, False),
+                                                 pytest.param(128, True, True, marks=pytest.mark.slow),
+                                                 pytest.param(64, True, False, marks=pytest.mark.slow),
+                                                 pytest.param(256, False, False, marks=pytest.mark.slow)])
+def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal, window):
+    plan = prefill_plan(dqk, dqk, causal, window, fp8=True)
+    assert (dqk, dqk) in FP8_HEAD_DIMS and plan.block_n == 128 and plan.itemsize == 1
+    assert plan.swizzle == (64 if dqk == 64 else 128)
+    kernel = attention.compile_prefill(plan)
+    sass = kernel.sass()
+    traces = 2 + window  # the unmasked and the masked loops (a window's left edge: one more)
+    s_steps, pv_steps = dqk // 32, plan.block_n // 32
+    assert qgmma_count(sass, f"64x{plan.block_n}x32", a_from_registers=False) == traces * s_steps
+    assert qgmma_count(sass, f"64x{dqk}x32", a_from_registers=True) == traces * pv_steps
+    assert "HGMMA" not in sass and sass.count("QGMMA") == traces * (s_steps + pv_steps)
+    assert "LDL" not in sass and "STL" not in sass and not kernel.warnings
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert re.search(rf"USETMAXREG\.DEALLOC\.CTAPOOL {PRODUCER_REGS:#x} ;", sass)
+    assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {CONSUMER_REGS:#x} ;", sass)
+    # P rounded to e4m3 by saturating pair conversions (4 bytes of A a register, 2 a conversion)
+    assert kernel.sass_opcodes()["F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"] == traces * plan.block_n // 4
+    assert plan.smem_bytes(plan.itemsize) <= MAX_SMEM
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap, pingpong", [(True, True), (True, False), (False, False)])
+def test_fp8_overlap_variants_compile_without_spills(overlap, pingpong):
+    """The benchmark's --prefill-variants of the D 128 causal fp8 plan: the overlap's pipeline adds its first S and
+    last P·V."""
+    kernel = attention.compile_prefill(prefill_plan(128, 128, True, overlap=overlap, pingpong=pingpong, fp8=True))
+    sass = kernel.sass()
+    assert sass.count("QGMMA") == (3 if overlap else 2) * 8 and "HGMMA" not in sass and not kernel.warnings
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < CONSUMER_REGS
+
+
+def test_fp8_plan_rejects_what_the_kernel_cannot_do():
+    with pytest.raises(ValueError, match="multiple of 32 keys"):
+        PrefillPlan(256, 256, False, block_n=80, fp8=True)
+    with pytest.raises(ValueError, match="no packed sequences"):
+        PrefillPlan(128, 128, False, varlen=True, fp8=True)
+    assert prefill_plan(128, 128, False) == PrefillPlan(128, 128, False, pingpong=True)  # bf16 plans unchanged
+
+
+def a_operand(s, atom):
+    """The 64 x N matrix the register-A wgmma reads when the fragments come from accumulator ``s`` (64 x N), built
+    lane by lane from the PTX ISA's fragment maps (module doc of ``sm90.wgmma``): accumulator element 4j + 2h + e
+    of thread t is row 16w + l/4 + 8h, column 8j + 2(l%4) + e; 8-bit A register r byte b of k-step ks is row
+    16w + l/4 + 8(r%2), column 32ks + 16(r/2) + 4(l%4) + b."""
+    a = torch.full_like(s, float("nan"))
+    for t in range(128):
+        w, l = t // 32, t % 32
+        for ks in range(s.shape[1] // atom.k):
+            for r, elements in enumerate(sm90.a_fragment_elements(atom, ks)):
+                for b, e in enumerate(elements):
+                    j, h, low = e // 4, (e // 2) % 2, e % 2
+                    value = s[16 * w + l // 4 + 8 * h, 8 * j + 2 * (l % 4) + low]
+                    a[16 * w + l // 4 + 8 * (r % 2), atom.k * ks + 16 * (r // 2) + 4 * (l % 4) + b] = value
+    return a
+
+
+def test_transposed_values_match_the_fp8_p_fragments():
+    """P·V through the kernel's operands, modelled: P's fp8 A fragments built from S's accumulator registers, times
+    the K-major B tile that ``transposed_values`` gives for V's key block, is P·V of the untransposed V (exactly, on
+    small integers), for every key block; column c holds key 16(c/16) + order[c%16], zeros past Skv."""
+    torch.manual_seed(0)
+    skv, dv = 300, 64
+    v = torch.randint(-8, 9, (2, skv, 3, dv)).to(FP8)
+    vt = prefill_api.transposed_values(v)
+    assert vt.shape == (2, dv, 3, 304) and vt.is_contiguous() and vt.dtype == FP8
+    order = sm90.register_a_k_order(sm90.WgmmaAtom(16, nvfly.f8e4m3, nvfly.f8e4m3, a_source="registers"))
+    for column in range(304):
+        key = column // 16 * 16 + order[column % 16]
+        expected = v[:, key].float() if key < skv else torch.zeros(2, 3, dv)
+        assert torch.equal(vt[:, :, :, column].float(), expected.transpose(1, 2))
+    strided = v.transpose(1, 2).contiguous().transpose(1, 2)  # a (B, H, S, D) view
+    assert torch.equal(prefill_api.transposed_values(strided).view(torch.uint8), vt.view(torch.uint8))
+    atom = sm90.WgmmaAtom(dv, nvfly.f8e4m3, nvfly.f8e4m3, "K", "K", a_source="registers")
+    for block in range(0, 304, 128):
+        keys = min(128, 304 - block) // 32 * 32
+        if not keys:
+            continue
+        s = torch.randint(-4, 5, (64, keys)).float()  # S of the block (P in the kernel)
+        values = torch.cat([v.float(), torch.zeros(2, 4, 3, dv)], dim=1)[1, block:block + keys, 2]  # (keys, Dv)
+        b_tile = vt[1, :, 2, block:block + keys].float()  # (Dv, keys): row n, K-major along keys
+        got = a_operand(s, atom) @ b_tile.T
+        assert torch.equal(got, s @ values)
+
+
+@pytest.mark.parametrize("causal, alignment", [(False, "bottom_right"), (True, "bottom_right"), (True, "top_left")])
+def test_fp8_blocked_model_is_within_the_gpu_tolerance(causal, alignment):
+    """The kernel's algorithm (``blocked_model``: 128-key blocks, exp2 with the scale folded, P rounded to e4m3 before
+    P·V, sums of the float32 P) on e4m3 inputs, descales folded as the kernel does (q·k's into the scale, v's into
+    out), against the float32 reference of the dequantised inputs: within the GPU tests' 6 % (about 2.5 % here),
+    the LSE within 1e-3."""
+    from tests.gpu.test_attention_prefill_fp8_gpu import TOL
+    from tests.test_attention_prefill_cpu import blocked_model
+    torch.manual_seed(1)
+    quantised = []
+    for shape in ((1, 200, 2, 64), (1, 300, 1, 64), (1, 300, 1, 64)):
+        x = torch.randn(shape)  # scores about N(0, 1): a flat softmax, P of every size
+        descale = x.abs().amax() / 448
+        quantised.append(((x / descale).to(FP8), float(descale)))
+    (q, qd), (k, kd), (v, vd) = quantised
+    scale = 64 ** -0.5
+    out, lse = blocked_model(q, k, v, causal, scale * qd * kd, alignment, bm=64, bn=128)
+    want, want_lse = attention.prefill_reference(q.float() * qd, k.float() * kd, v.float() * vd, causal=causal,
+                                                 scale=scale, causal_alignment=alignment)
+    err = ((out * vd - want).norm() / want.norm()).item()
+    assert 1e-2 < err < TOL  # e4m3 P's rounding shows, within the bound
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], want_lse[finite], atol=1e-3, rtol=1e-4)
+
+
+def _inputs(b=1, sq=8, skv=8, hq=4, hkv=2, d=128, dtype=FP8):
+    return tuple(torch.zeros(b, s, h, d, dtype=dtype) for s, h in ((sq, hq), (skv, hkv), (skv, hkv)))
+
+
+ONE = torch.ones(1)
+
+
+@pytest.mark.parametrize("change, kwargs, argument, kind, message", [
+    (lambda q, k, v: (q, k.bfloat16(), v), {}, "k", TypeError, "differs from q's"),
+    (lambda q, k, v: (q.bfloat16(), k.bfloat16(), v.bfloat16()), {"q_descale": ONE}, "q_descale", TypeError,
+     "only for float8_e4m3fn"),
+    (lambda q, k, v: (q[..., :96], k[..., :96], v[..., :96]), {}, "q", ValueError, "head dim 96 is not supported"),
+    (lambda q, k, v: (q, k, v), {"k_descale": torch.ones(2)}, "k_descale", ValueError, "one-element float32"),
+    (lambda q, k, v: (q, k, v), {"v_descale": torch.ones(1, dtype=torch.float16)}, "v_descale", ValueError,
+     "one-element float32"),
+    (lambda q, k, v: (q, k, v), {"q_descale": -1.0}, "q_descale", ValueError, "positive finite"),
+    (lambda q, k, v: (q, k, v), {"score_mod": lambda s, b, h, i, j: s}, "score_mod", ValueError,
+     "not supported with float8_e4m3fn"),
+])
+def test_fp8_argument_errors_name_the_argument(change, kwargs, argument, kind, message):
+    q, k, v = change(*_inputs())
+    with pytest.raises(kind, match=rf"^attention\.prefill: {argument}: .*{re.escape(message)}"):
+        attention.prefill(q, k, v, **kwargs)
+
+
+def test_fp8_eligibility_and_varlen():
+    q, k, v = _inputs()
+    assert attention.prefill_eligibility(q, k, v) == "q is on cpu, not CUDA"
+    reason = attention.prefill_eligibility(q, k, v, mask_mod=lambda b, h, i, j: i >= j)
+    assert reason.startswith("attention.prefill: mask_mod: not supported with float8_e4m3fn")
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"^attention\.prefill: q: float8_e4m3fn packed sequences"):
+        attention.prefill_varlen(q[0], k[0], v[0], cu, cu)
+
+
+def test_fp8_host_path_launches_with_transposed_v_and_descales(recorded_launches, monkeypatch):
+    """prefill's fp8 host path on CPU tensors through the real binder: q and k passed as they are, V as its
+    transposed copy (B, Dv, Hkv, Skv rounded up to 16), the descales as tensors (numbers made tensors), bf16 out."""
+    from nvfly.runtime.tma import TmaDescriptor
+    descriptors = []
+
+    def descriptor(tensor, box, swizzle=128):
+        desc = TmaDescriptor(tensor, box, swizzle)
+        desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
+        descriptors.append((tuple(tensor.shape), tensor.dtype, tuple(box), swizzle))
+        return desc
+    monkeypatch.setattr(prefill_api, "_require_cuda", lambda q, op: None)
+    monkeypatch.setattr(prefill_api, "cached_descriptor", descriptor)
+    q, k, v = _inputs(b=2, sq=300, skv=77, hq=6, hkv=2)
+    q_descale, k_descale = torch.full((1,), 0.5), torch.full((1, 1), 2.0)
+    out, lse = attention.prefill(q, k, v, causal=True, return_lse=True, q_descale=q_descale, k_descale=k_descale,
+                                 v_descale=3.0)
+    assert out.shape == (2, 300, 6, 128) and out.dtype == torch.bfloat16 and lse.shape == (2, 6, 300)
+    assert [(name, grid) for name, grid, _ in recorded_launches] == [("attention_prefill_kernel", (3, 6, 2))]
+    box = (1, 128, 1, 128)
+    assert descriptors == [((2, 300, 6, 128), FP8, box, 128), ((2, 77, 2, 128), FP8, box, 128),
+                           ((2, 128, 2, 80), FP8, box, 128)]
+    params = recorded_launches[0][2]
+    assert out.data_ptr() in params and q_descale.data_ptr() in params and k_descale.data_ptr() in params
+    packed = b"".join(p for p in params if isinstance(p, bytes))
+    assert all(struct.pack("<Q", t.data_ptr()) in packed for t in (q, k))
+    assert struct.pack("<Q", v.data_ptr()) not in packed  # the transposed copy instead
+    with pytest.raises(ValueError, match=r"^attention\.prefill: out: .*torch\.bfloat16 tensor"):
+        attention.prefill(q, k, v, out=torch.zeros(2, 300, 6, 128, dtype=FP8))
+
+
+def test_torch_prefill_op_declines_fp8():
+    """torch.ops.nvfly.attention_prefill returns q's dtype and takes no descales: fp8 inputs are an error there."""
+    import nvfly.torch  # noqa: F401 - registers the ops
+    q, k, v = _inputs()
+    with pytest.raises(TypeError, match=r"nvfly\.attention_prefill: q: .*takes bfloat16 or float16"):
+        torch.ops.nvfly.attention_prefill(q, k, v)

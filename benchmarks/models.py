@@ -442,9 +442,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             extra += (f"  compiled {row['inductor_ms']:.3f} ms, with nvfly {row['nvfly_ms']:.3f} ms "
                       f"({'; '.join(row['nvfly_sdpa']) or 'no SDPA rewrite'})" if row.get("inductor_ms") else "")
             print(f"{label(row):>22}  eager {row['eager_ms']:.3f} ms  routed {row['routed_ms']:.3f} ms "
-                  f"(x{row['speedup']:.2f}, rounds x{row['speedup_range'][0]:.2f}-{row['speedup_range'][1]:.2f}, err {row['rel_err_vs_eager']:.1e}"
+                  f"(x{row['speedup']:.2f}, rounds x{row['speedup_range'][0]:.2f}-{row['speedup_range'][1]:.2f}, "
+                  f"err {row['rel_err_vs_eager']:.1e}"
                   f"{'' if row['same_as_eager'] else ' MISMATCH'}){extra}  torch picks {row['torch_sdpa_backend']}; "
-                  f"nvfly: {row['nvfly_kernels'] or 'none'}; declined: {row['declined'] or 'none'}", flush=True)
+                  f"nvfly: {row['nvfly_kernels'] or 'none'}; declined: {row['declined'] or 'none'}"
+                  + (f"; other routed ops: {row['other_ops']}" if row.get("other_ops") else ""), flush=True)
         torch.cuda.empty_cache()
     summary = {"geomean_speedup": geomean([r["speedup"] for r in rows]),
                "all_same_as_eager": all(r["same_as_eager"] for r in rows), "seconds": time.time() - t_start}

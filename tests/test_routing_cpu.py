@@ -367,3 +367,27 @@ def test_a_declined_layer_passes_each_routed_op_once(recorded_fallthroughs, monk
     counts = {key: len(r.seen) for key, r in recorded_fallthroughs.items() if r.seen}
     assert counts == {("aten::mm", "CUDA"): 4, ("aten::_fused_rms_norm", "CUDA"): 2, (SDPA, "AutogradCUDA"): 1}
     assert torch.equal(out, expected)
+
+
+def test_models_times_eager_and_routed_in_turn(monkeypatch):
+    """benchmarks/models.py's timed(): eager outside routing and routed inside a block, alternating round by round
+    (drift lands on both), the medians as eager_ms/routed_ms and each round's ratio's spread."""
+    import benchmarks.common as common
+    from benchmarks import models
+    seen = []
+
+    def bench_ms(fn, warmup_ms=25, rep_ms=100):
+        seen.append((routing.routing_enabled(), bool(routing.installed()), warmup_ms, rep_ms))
+        return [1.0, 2.0][routing.routing_enabled()] + len(seen) / 100
+
+    monkeypatch.setattr(common, "bench_ms", bench_ms)
+    row = models.timed({}, lambda: None, quick=True)
+    rounds = models.ROUNDS[True]
+    assert seen == [(False, False, 10, 40), (True, True, 10, 40)] * rounds
+    assert row["ms_rounds"]["eager"] == [round(1.0 + (2 * i + 1) / 100, 4) for i in range(rounds)]
+    assert row["eager_ms"] == pytest.approx(1.0 + rounds / 100)
+    assert row["routed_ms"] == pytest.approx(2.0 + (rounds + 1) / 100)
+    assert row["speedup"] == pytest.approx(row["eager_ms"] / row["routed_ms"])
+    low, high = row["speedup_range"]
+    assert low == pytest.approx(1.01 / 2.02)
+    assert high == pytest.approx((1 + (2 * rounds - 1) / 100) / (2 + 2 * rounds / 100))

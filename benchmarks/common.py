@@ -2,6 +2,7 @@
 process, results written to ``benchmarks/results/<suite>_h200.json`` (meta + rows) with a PNG plot."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -9,7 +10,7 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
+from typing import Any, Callable, ContextManager, Iterable, Optional, Sequence, TypeVar
 
 import torch
 from rich.progress import track
@@ -51,13 +52,17 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: float = 25, rep_ms: float = 100) 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
-def interleaved_ms(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+def interleaved_ms(fns: dict[str, Callable[[], Any]], rounds: int, warmup_ms: float = 25, rep_ms: float = 100,
+                   around: Optional[dict[str, Callable[[], ContextManager[Any]]]] = None) -> dict[str, list[float]]:
     """``bench_ms`` of each of ``fns`` in turn, ``rounds`` times over: what drifts during a run (clocks, the host,
-    another process) lands on every function alike, and the spread of the rounds shows the noise."""
+    another process) lands on every function alike, and the spread of the rounds shows the noise. ``around``: a
+    context (e.g. ``nvfly.torch.routing``) entered around a function's ``bench_ms`` in each round."""
     times: dict[str, list[float]] = {name: [] for name in fns}
+    around = around or {}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(bench_ms(fn))
+            with around.get(name, contextlib.nullcontext)():
+                times[name].append(bench_ms(fn, warmup_ms, rep_ms))
     return times
 
 

@@ -28,9 +28,12 @@ Every case first checks the routed output against eager (relative error < 2e-2) 
 for each SDPA call (nvfly's kernel, or torch's with the reason). Each row: ``model``, ``phase``, ``eager_ms``,
 ``routed_ms`` and their ratio (``speedup`` = eager / routed), without ``--quick`` torch.compile's ms (default mode)
 without (``inductor_ms``) and with ``nvfly.torch.install()`` (``nvfly_ms``: its graph passes and flex backend),
-CUDA-graph replays for decode (``eager_graph_ms``, ``routed_graph_ms``). The routed calls are timed inside
-one ``nvfly.torch.routing()`` block, as a serving loop runs under one (a block's own start, where the routes are
-registered, is timed by ``benchmarks/routing_overhead.py``).
+CUDA-graph replays for decode (``eager_graph_ms``, ``routed_graph_ms``). Eager and routed are timed in turn,
+several rounds (``timed``: ``eager_ms``/``routed_ms`` the medians, ``speedup_range`` the rounds' least and greatest
+ratio, ``ms_rounds`` each round's), the routed calls inside one ``nvfly.torch.routing()`` block a round, as a serving
+loop runs under one (a block's own start, where the routes are registered, is timed by
+``benchmarks/routing_overhead.py``, which with ``--profile`` also lists the layer rows' kernels and host cost per
+op). ``other_ops``: what routing decided for the other routed calls that record a decision (GEMMs).
 
 Usage: python -m benchmarks.models [--quick] [--cases llama-prefill ...]
 Writes benchmarks/results/models_h200.json and models_h200.png.
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -49,25 +53,29 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nvfly.torch  # noqa: E402
-from benchmarks.common import bench_ms, geomean, graph_ms, plot, rel_err, write_results  # noqa: E402
+from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot, rel_err, write_results  # noqa: E402
 from nvfly.torch import attention_ops  # noqa: E402
 from nvfly.torch.gemm_ops import clear_decisions, decisions  # noqa: E402
 
 HIDDEN, INTER, HEAD, Q_HEADS, KV_HEADS, EPS = 4096, 14336, 128, 32, 8, 1e-5
 MAX_REL_ERR = 2e-2
+ROUNDS = {True: 5, False: 9}  # timed()'s rounds of eager and routed, by --quick
 
 
 class LlamaLayer(torch.nn.Module):
-    """A Llama-3-8B decoder layer written as a PyTorch user writes it (F.rms_norm, nn.Linear, SDPA)."""
+    """A Llama-3-8B decoder layer written as a PyTorch user writes it (F.rms_norm, nn.Linear, SDPA); other sizes for
+    host-path probes on CPU (``benchmarks/routing_overhead.py --profile --cpu``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN, inter: int = INTER, head: int = HEAD, q_heads: int = Q_HEADS,
+                 kv_heads: int = KV_HEADS) -> None:
         super().__init__()
-        self.attn_norm = torch.nn.Parameter(torch.ones(HIDDEN))
-        self.qkv = torch.nn.Linear(HIDDEN, (Q_HEADS + 2 * KV_HEADS) * HEAD, bias=False)
-        self.o = torch.nn.Linear(Q_HEADS * HEAD, HIDDEN, bias=False)
-        self.mlp_norm = torch.nn.Parameter(torch.ones(HIDDEN))
-        self.gate_up = torch.nn.Linear(HIDDEN, 2 * INTER, bias=False)
-        self.down = torch.nn.Linear(INTER, HIDDEN, bias=False)
+        self.hidden, self.head, self.q_heads, self.kv_heads = hidden, head, q_heads, kv_heads
+        self.attn_norm = torch.nn.Parameter(torch.ones(hidden))
+        self.qkv = torch.nn.Linear(hidden, (q_heads + 2 * kv_heads) * head, bias=False)
+        self.o = torch.nn.Linear(q_heads * head, hidden, bias=False)
+        self.mlp_norm = torch.nn.Parameter(torch.ones(hidden))
+        self.gate_up = torch.nn.Linear(hidden, 2 * inter, bias=False)
+        self.down = torch.nn.Linear(inter, hidden, bias=False)
         for linear in (self.qkv, self.o, self.gate_up, self.down):
             torch.nn.init.normal_(linear.weight, std=0.02)
 
@@ -79,12 +87,13 @@ class LlamaLayer(torch.nn.Module):
         last (drafts see each other: no mask; the position is a Python int, so the step can be captured in a CUDA
         graph)."""
         batch, tokens, _ = x.shape
+        hidden, head, hq, hkv = self.hidden, self.head, self.q_heads, self.kv_heads
         positions = torch.arange(start, start + tokens, device=x.device)
-        h = F.rms_norm(x, (HIDDEN,), self.attn_norm, EPS)
-        q, k, v = self.qkv(h).split([Q_HEADS * HEAD, KV_HEADS * HEAD, KV_HEADS * HEAD], dim=-1)
-        q = rope(q.view(batch, tokens, Q_HEADS, HEAD), positions).transpose(1, 2)
-        k = rope(k.view(batch, tokens, KV_HEADS, HEAD), positions).transpose(1, 2)
-        v = v.view(batch, tokens, KV_HEADS, HEAD).transpose(1, 2)
+        h = F.rms_norm(x, (hidden,), self.attn_norm, EPS)
+        q, k, v = self.qkv(h).split([hq * head, hkv * head, hkv * head], dim=-1)
+        q = rope(q.view(batch, tokens, hq, head), positions).transpose(1, 2)
+        k = rope(k.view(batch, tokens, hkv, head), positions).transpose(1, 2)
+        v = v.view(batch, tokens, hkv, head).transpose(1, 2)
         if cache is None:
             attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -93,8 +102,8 @@ class LlamaLayer(torch.nn.Module):
             cache_k[:, :, end - tokens:end] = k
             cache_v[:, :, end - tokens:end] = v
             attn = F.scaled_dot_product_attention(q, cache_k[:, :, :end], cache_v[:, :, :end], enable_gqa=True)
-        x = x + self.o(attn.transpose(1, 2).reshape(batch, tokens, Q_HEADS * HEAD))
-        gate, up = self.gate_up(F.rms_norm(x, (HIDDEN,), self.mlp_norm, EPS)).chunk(2, dim=-1)
+        x = x + self.o(attn.transpose(1, 2).reshape(batch, tokens, hq * head))
+        gate, up = self.gate_up(F.rms_norm(x, (hidden,), self.mlp_norm, EPS)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
@@ -126,8 +135,10 @@ def sdpa_outcome() -> dict[str, Any]:
     """What routing decided for the SDPA calls so far: nvfly's kernels, or torch's reasons."""
     sdpa = [d for d in decisions() if d.op == "sdpa"]
     sdpa = [d for d in sdpa if d.where == "eager"]
+    others = [d for d in decisions() if d.op != "sdpa" and d.where == "eager"]  # GEMMs (mm, addmm, ...)
     return {"nvfly_kernels": sorted({c for d in sdpa for c in d.candidates if d.reason is None}),
-            "declined": sorted({d.reason for d in sdpa if d.reason})}
+            "declined": sorted({d.reason for d in sdpa if d.reason}),
+            "other_ops": sorted({f"{d.op}: " + (d.reason or f"nvfly {', '.join(d.candidates)}") for d in others})}
 
 
 def torch_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -135,16 +146,22 @@ def torch_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     return attention_ops._torch_backend(q, k, v, q.shape[1] != k.shape[1], causal, mask)
 
 
-def timed(row: dict[str, Any], eager: Callable[[], Any], nvfly_call: Callable[[], Any], quick: bool,
-          compile_too: bool = False, graphs: bool = False,
+def timed(row: dict[str, Any], eager: Callable[[], Any], quick: bool, compile_too: bool = False,
+          graphs: bool = False,
           compile_fn: Callable[[Callable[[], Any]], Callable[[], Any]] = torch.compile) -> dict[str, Any]:
-    """Times eager, routed and (``compile_too``) compiled calls into ``row``; ``compile_fn`` makes the compiled call
-    from the eager one (default: ``torch.compile`` of it)."""
+    """Times ``eager`` outside and inside routing (and, ``compile_too``, compiled) into ``row``; ``compile_fn``
+    makes the compiled call from the eager one (default: ``torch.compile`` of it). Eager and routed are timed in
+    turn, ``ROUNDS`` times over, each inside one routing block (as a serving loop runs under one): ``eager_ms`` and
+    ``routed_ms`` are the medians of the rounds, ``speedup_range`` the least and greatest ratio of one round's, so
+    drift during the run (clocks, the host) lands on both and the noise shows."""
     warm, rep = (10, 40) if quick else (25, 100)
-    row["eager_ms"] = bench_ms(eager, warm, rep)
-    with nvfly.torch.routing():  # one block around the loop, as a serving loop
-        row["routed_ms"] = bench_ms(nvfly_call, warm, rep)
+    times = interleaved_ms({"eager": eager, "routed": eager}, ROUNDS[quick], warm, rep,
+                           around={"routed": nvfly.torch.routing})
+    row["eager_ms"], row["routed_ms"] = (statistics.median(times[name]) for name in ("eager", "routed"))
     row["speedup"] = row["eager_ms"] / row["routed_ms"]
+    ratios = [e / r for e, r in zip(times["eager"], times["routed"])]
+    row["speedup_range"] = [min(ratios), max(ratios)]
+    row["ms_rounds"] = {name: [round(t, 4) for t in ts] for name, ts in times.items()}
     if compile_too:  # torch.compile (default mode) without nvfly, then with nvfly.torch.install()
         for key, with_nvfly in (("inductor", False), ("nvfly", True)):
             with compiling(with_nvfly):
@@ -157,7 +174,7 @@ def timed(row: dict[str, Any], eager: Callable[[], Any], nvfly_call: Callable[[]
     if graphs:  # a serving loop replays the step from a CUDA graph: no host time
         row["eager_graph_ms"] = graph_ms(eager, calls=8, replays=10)
         with nvfly.torch.routing():
-            row["routed_graph_ms"] = graph_ms(nvfly_call, calls=8, replays=10)
+            row["routed_graph_ms"] = graph_ms(eager, calls=8, replays=10)
         if row["eager_graph_ms"] and row["routed_graph_ms"]:
             row["graph_speedup"] = row["eager_graph_ms"] / row["routed_graph_ms"]
     return row
@@ -200,7 +217,7 @@ def llama_prefill(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
         q = torch.empty(1, Q_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16)
         k = torch.empty(1, KV_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16)
         row["torch_sdpa_backend"] = torch_backend(q, k, k, True)
-        return [timed(row, eager, nvfly_call, quick, compile_too)]
+        return [timed(row, eager, quick, compile_too)]
 
 
 def llama_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
@@ -219,7 +236,7 @@ def llama_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
             row.update(sdpa_outcome())
             q = torch.empty(batch, Q_HEADS, 1, HEAD, device="cuda", dtype=torch.bfloat16)
             row["torch_sdpa_backend"] = torch_backend(q, cache[0], cache[1], False)
-            rows.append(timed(row, eager, nvfly_call, quick, compile_too, graphs=True))
+            rows.append(timed(row, eager, quick, compile_too, graphs=True))
         del cache
     return rows
 
@@ -243,7 +260,7 @@ def attention_rows(case: str, shapes: list[tuple[int, int, int, int, int, int, i
         row["torch_sdpa_backend"] = torch_backend(q, k, v, causal, attn_mask)
         if mask is None:  # what `nvfly explain --sdpa` says of the shape
             row["explain"] = nvfly.torch.explain_sdpa(batch, hq, hkv, sq, skv, dqk, dv, is_causal=causal).verdict()
-        rows.append(timed(row, eager, nvfly_call, quick, graphs=graphs))
+        rows.append(timed(row, eager, quick, graphs=graphs))
         del q, k, v
     return rows
 
@@ -296,7 +313,7 @@ def spec_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
         q = torch.empty(1, Q_HEADS, drafts, HEAD, device="cuda", dtype=torch.bfloat16)
         row["torch_sdpa_backend"] = torch_backend(q, cache[0], cache[1], False)
         row["explain"] = nvfly.torch.explain_sdpa(1, Q_HEADS, KV_HEADS, drafts, context, HEAD).verdict()
-        rows = [timed(row, eager, nvfly_call, quick, compile_too, graphs=True)]
+        rows = [timed(row, eager, quick, compile_too, graphs=True)]
     del cache
     torch.cuda.empty_cache()
     shapes = [(batch, Q_HEADS, KV_HEADS, sq, context, HEAD, HEAD)
@@ -332,7 +349,7 @@ def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     q = torch.empty(1, Q_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.empty(1, KV_HEADS, tokens, HEAD, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     row["torch_sdpa_backend"] = torch_backend(q, k, k, True)
-    return [timed(row, step, nvfly_step, quick, compile_too, compile_fn=compiled_step)]
+    return [timed(row, step, quick, compile_too, compile_fn=compiled_step)]
 
 
 FLEX_SHAPES = [  # (case, batch, Hq, Hkv, Sq, Skv, D, tanh soft-cap, sliding window)
@@ -368,7 +385,7 @@ def flex_case(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
         row.update({"torch_sdpa_backend": "flex_attention (eager: dense math)",
                     "nvfly_kernels": sorted({c for d in flex for c in d.candidates if d.reason is None}),
                     "declined": sorted({d.reason for d in flex if d.reason})})
-        timed(row, eager, nvfly_call, quick)
+        timed(row, eager, quick)
         if compile_too:
             torch._dynamo.reset()
             compiled = torch.compile(flex_attention)
@@ -425,9 +442,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             extra += (f"  compiled {row['inductor_ms']:.3f} ms, with nvfly {row['nvfly_ms']:.3f} ms "
                       f"({'; '.join(row['nvfly_sdpa']) or 'no SDPA rewrite'})" if row.get("inductor_ms") else "")
             print(f"{label(row):>22}  eager {row['eager_ms']:.3f} ms  routed {row['routed_ms']:.3f} ms "
-                  f"(x{row['speedup']:.2f}, err {row['rel_err_vs_eager']:.1e}"
+                  f"(x{row['speedup']:.2f}, rounds x{row['speedup_range'][0]:.2f}-{row['speedup_range'][1]:.2f}, "
+                  f"err {row['rel_err_vs_eager']:.1e}"
                   f"{'' if row['same_as_eager'] else ' MISMATCH'}){extra}  torch picks {row['torch_sdpa_backend']}; "
-                  f"nvfly: {row['nvfly_kernels'] or 'none'}; declined: {row['declined'] or 'none'}", flush=True)
+                  f"nvfly: {row['nvfly_kernels'] or 'none'}; declined: {row['declined'] or 'none'}"
+                  + (f"; other routed ops: {row['other_ops']}" if row.get("other_ops") else ""), flush=True)
         torch.cuda.empty_cache()
     summary = {"geomean_speedup": geomean([r["speedup"] for r in rows]),
                "all_same_as_eager": all(r["same_as_eager"] for r in rows), "seconds": time.time() - t_start}

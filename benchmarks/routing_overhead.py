@@ -27,12 +27,22 @@ Writes benchmarks/results/routing_overhead_h200.json.
 
 ``--cpu``: no GPU; the routes are registered on the CPU dispatch keys (``routing.on_keys``) and the cases run on
 small CPU tensors, which nvfly declines: the declined path's host cost, printed (not written).
+
+``--profile`` (printed, not written; under a minute on the H200): whole-model rows of ``benchmarks/models.py``
+where routing cost time (issue 28): the Llama-3-8B layer's decode step (B 1, 32K cache), its speculative step
+(Sq 4) and DeepSeek-like prefill SDPA (128 heads, Dqk 192 / Dv 128, 4K causal). For each, eager and routed
+(inside one routing block) in turn over rounds: the host's µs a call (a loop of calls, one synchronize) and
+do_bench's ms (medians and the rounds' spread); then torch.profiler's view of both: each aten op of the call that
+has a route or is SDPA's (calls and CPU µs a call: what a routed op's trampoline, decision and fallthrough add)
+and each GPU kernel (name, launches and µs a call: whether the fallthrough runs torch's very kernels); and what
+routing decided for the calls. With ``--cpu`` the same on a small layer on CPU (no kernels).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -155,6 +165,7 @@ def main(argv: Any = None) -> int:
     p.add_argument("--quick", action="store_true", help="the default: the quick rows, 300-call loops (< 30 s)")
     p.add_argument("--full", action="store_true", help="more rows, longer loops")
     p.add_argument("--cpu", action="store_true", help="the declined path on CPU (module docstring)")
+    p.add_argument("--profile", action="store_true", help="the layer rows' host cost per op and kernels (docstring)")
     p.add_argument("--calls", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     args = p.parse_args(argv)
@@ -166,6 +177,10 @@ def main(argv: Any = None) -> int:
         torch.set_num_threads(1)  # the host path is single-threaded; CPU kernels' threads only add noise
     with routing.on_keys({"CUDA": "CPU", "AutogradCUDA": "AutogradCPU"}) if device == "cpu" \
             else contextlib.nullcontext():
+        if args.profile:
+            for name, fn in layer_cases(device):
+                profile_case(name, fn, device, sync)
+            return 0
         results = measure(cases(device, args.full), calls, repeats, sync)
     if device == "cuda":
         path = write_results("routing_overhead", results, {"calls": calls, "repeats": repeats})
@@ -210,6 +225,117 @@ def measure(rows: list[Case], calls: int, repeats: int, sync: Callable[[], None]
         results.append({"case": name, "op": "", "block_us": round(us, 2)})
         print(f"{name:50s} {us:7.2f} us a block", flush=True)
     return results
+
+
+# ---------------------------------------------------------------------------------------------- --profile
+def layer_cases(device: str) -> list[tuple[str, Callable[[], Any]]]:
+    """(name, call) of the models rows probed: the Llama layer's decode step (B 1) and speculative step (Sq 4) over
+    a 32K cache, DeepSeek-like prefill SDPA; on CPU a small layer and small tensors (float32)."""
+    from benchmarks.models import LlamaLayer
+    gpu = device == "cuda"
+    dtype = bf if gpu else torch.float32
+    layer = (LlamaLayer() if gpu else LlamaLayer(64, 128, 16, 4, 1)).to(device, dtype).eval()
+    context = 32768 if gpu else 64
+    cache = tuple(torch.randn(1, layer.kv_heads, context, layer.head, device=device, dtype=dtype) for _ in range(2))
+    x1, x4 = (torch.randn(1, s, layer.hidden, device=device, dtype=dtype) for s in (1, 4))
+    heads, sq, dqk, dv = (128, 4096, 192, 128) if gpu else (4, 64, 24, 16)
+    q, k = (torch.randn(1, heads, sq, dqk, device=device, dtype=dtype) for _ in range(2))
+    v = torch.randn(1, heads, sq, dv, device=device, dtype=dtype)
+
+    def no_grad(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            with torch.no_grad():
+                return fn()
+        return call
+    return [("llama-decode layer B1", no_grad(lambda: layer(x1, context - 1, cache))),
+            ("spec-decode layer B1 Sq4", no_grad(lambda: layer(x4, context - 4, cache))),
+            (f"deepseek-prefill sdpa {heads}h {sq} {dqk}/{dv} causal",
+             no_grad(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)))]
+
+
+def profile_case(name: str, fn: Callable[[], Any], device: str, sync: Callable[[], None], rounds: int = 5) -> None:
+    """Prints eager vs routed of one call: host µs and do_bench ms over interleaved rounds, the aten ops' calls and
+    CPU µs (the routed ones and SDPA's), the GPU kernels, and routing's decisions."""
+    from benchmarks.common import interleaved_ms
+    from nvfly.torch import attention_ops
+    from nvfly.torch.gemm_ops import clear_decisions, decisions
+    clear_decisions()
+    attention_ops.forget_decisions()
+    modes: dict[str, Callable[[], Any]] = {"eager": contextlib.nullcontext, "routed": nvfly.torch.routing}
+    for around in modes.values():
+        with around():
+            for _ in range(3):  # compiled, planned and decided before timing
+                fn()
+    sync()
+    calls = 20 if device == "cuda" else 200
+    host: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(rounds):
+        for mode, around in modes.items():
+            with around():
+                host[mode].append(host_us(fn, calls, sync))
+    print(f"\n== {name}")
+    print("host us a call (loop of calls, one sync): " + "  ".join(
+        f"{mode} {statistics.median(t):8.1f} [{min(t):.1f}-{max(t):.1f}]" for mode, t in host.items()))
+    if device == "cuda":
+        ms = interleaved_ms({mode: fn for mode in modes}, rounds, 10, 40, around=modes)
+        print("do_bench ms (median [rounds' range]): " + "  ".join(
+            f"{mode} {statistics.median(t):.4f} [{min(t):.4f}-{max(t):.4f}]" for mode, t in ms.items()))
+    tables = {mode: profiled(fn, around, sync) for mode, around in modes.items()}
+    ops, kernels = ({key for t in tables.values() for key in t[part]} for part in (0, 1))
+
+    def extra(op: str) -> float:
+        (ec, eu), (rc, ru) = (tables[mode][0].get(op, (0, 0.0)) for mode in modes)
+        return ru * rc - eu * ec
+    print(f"{'aten op (* routed now; the routed, SDPA and top 12)':52s} {'eager calls, us':>18s} "
+          f"{'routed calls, us':>18s} {'extra us':>9s}")
+    with nvfly.torch.routing():
+        installed = set(routing.installed())
+    shown = {op for op in ops if op in ROUTED_OPS or op.startswith(("aten::_scaled_dot", "aten::_fused"))}
+    shown |= set(sorted(ops, key=lambda op: -abs(extra(op)))[:12])
+    for op in sorted(shown, key=lambda op: -abs(extra(op))):
+        (ec, eu), (rc, ru) = (tables[mode][0].get(op, (0, 0.0)) for mode in modes)
+        mark = "*" if op in installed else " "
+        print(f"{mark}{op[:51]:51s} {ec:8.2f} {eu:9.1f} {rc:8.2f} {ru:9.1f} {extra(op):+9.1f}")
+    print(f"{'GPU kernel':80s} {'eager n, us':>15s} {'routed n, us':>15s}")
+    for kernel in sorted(kernels, key=lambda k: -max(t[1].get(k, (0, 0.0))[1] for t in tables.values())):
+        (ec, eu), (rc, ru) = (tables[mode][1].get(kernel, (0, 0.0)) for mode in modes)
+        print(f"{kernel[:80]:80s} {ec:5.2f} {eu:9.1f} {rc:5.2f} {ru:9.1f}")
+    if kernels:
+        same = set(tables["eager"][1]) == set(tables["routed"][1])
+        print(f"same kernels eager and routed: {same}")
+    for d in decisions():
+        if d.where == "eager":
+            print(f"decision: {d.op} {d.shape}: {d.reason or 'nvfly ' + ', '.join(d.candidates)}")
+
+
+PROFILED_CALLS = 10
+ROUTED_OPS = {"aten::scaled_dot_product_attention", "aten::linear", "aten::matmul", "aten::mm", "aten::addmm",
+              "aten::rms_norm", "aten::_fused_rms_norm"}  # what the probed calls reach that routing may route
+
+
+def profiled(fn: Callable[[], Any], around: Callable[[], Any], sync: Callable[[], None]
+             ) -> tuple[dict[str, tuple[float, float]], dict[str, tuple[float, float]]]:
+    """torch.profiler over ``PROFILED_CALLS`` calls of ``fn`` in ``around``: ({aten op: (calls a call, CPU µs an op
+    call)}, {GPU kernel: (launches, µs) a call})."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with around():
+        sync()
+        with profile(activities=activities) as prof:
+            for _ in range(PROFILED_CALLS):
+                fn()
+            sync()
+    ops, kernels = {}, {}
+    for e in prof.key_averages():
+        calls = e.count / PROFILED_CALLS
+        if getattr(e, "device_type", DeviceType.CPU) == DeviceType.CUDA:
+            us = getattr(e, "self_device_time_total", None)
+            us = getattr(e, "self_cuda_time_total", 0.0) if us is None else us
+            kernels[e.key] = (calls, us / PROFILED_CALLS)
+        elif e.key.startswith("aten::"):
+            ops[e.key] = (calls, e.cpu_time_total / e.count)
+    return ops, kernels
 
 
 if __name__ == "__main__":

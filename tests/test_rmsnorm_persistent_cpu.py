@@ -425,7 +425,7 @@ def test_suite_times_each_in_turn_and_keeps_the_median_of_the_rounds(monkeypatch
                 "inductor": iter([9.0, 33.0, 10.0])}
     order = []
 
-    def fake_bench_ms(fn):
+    def fake_bench_ms(fn, *timing):  # interleaved_ms passes its warm-up and repetition ms
         order.append(fn())
         return next(readings[order[-1]])
     monkeypatch.setattr(common, "bench_ms", fake_bench_ms)

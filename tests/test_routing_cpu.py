@@ -6,11 +6,13 @@ registered on the CUDA keys of this CPU build (the dispatcher keeps its tables f
 key counts the calls that reach it."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import nvfly.torch
 from nvfly.torch import routing
@@ -273,3 +275,119 @@ def test_explain_works_outside_routing(capsys):
         inside = explain_sdpa(1, 32, 8, 1, 32768, 128)
     assert outside.declined == inside.declined and outside.kernel == inside.kernel
     assert routing.installed() == []
+
+
+# ---------------------------------------------------------------------------------------------- declined fallthrough
+class _Recorded:
+    """Torch's kernel of a route, recording what each call hands it (the keyset, the arguments)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, []
+
+    def call_boxed(self, keyset, *args, **kwargs):
+        self.seen.append((keyset, args, kwargs))
+        return self.kernel.call_boxed(keyset, *args, **kwargs)
+
+
+@pytest.fixture
+def recorded_fallthroughs(monkeypatch):
+    """The routes registered on the CPU keys, each falling through to torch's kernel through a ``_Recorded``:
+    {(op, key): recorder}."""
+    recorders = {}
+    torch_kernel = routing._torch_kernel
+
+    def recorded(route):
+        kernel = torch_kernel(route)
+        recorder = recorders[(route.op, route.dispatch_key)] = _Recorded(kernel)
+        return None if kernel is None else recorder
+
+    monkeypatch.setattr(routing, "_torch_kernel", recorded)
+    with routing.on_keys({"CUDA": "CPU", "AutogradCUDA": "AutogradCPU"}):
+        yield recorders
+
+
+SDPA = "aten::scaled_dot_product_attention"
+
+
+def _aten_ops(fn):
+    """The aten ops a call runs, in order (torch.profiler's CPU events)."""
+    from torch.profiler import profile
+    with profile() as prof:
+        fn()
+    return [e.name for e in prof.events() if e.name.startswith("aten::")]
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad"])
+def test_a_declined_sdpa_call_hands_torch_its_very_arguments_once(recorded_fallthroughs, mode):
+    """A declined SDPA call (CPU tensors) passes one routed kernel (AutogradCPU, or CPU under inference_mode, not
+    both), whose fallthrough gets the caller's very tensors and scalars, and torch runs the kernels it runs without
+    routing: the same aten ops, the same output bits."""
+    q = torch.randn(1, 4, 3, 16, requires_grad=mode == "grad")
+    k, v = torch.randn(1, 2, 7, 16), torch.randn(1, 2, 7, 8)
+    mask = torch.randn(1, 1, 3, 7)
+
+    def call():
+        return F.scaled_dot_product_attention(q, k, v, mask, 0.0, False, scale=0.3, enable_gqa=True)
+
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "grad": contextlib.nullcontext}[mode]
+    with context():
+        expected, expected_ops = call(), _aten_ops(call)
+        with nvfly.torch.routing():
+            out = call()
+            seen = {key: list(r.seen) for key, r in recorded_fallthroughs.items() if key[0] == SDPA}
+            routed_ops = _aten_ops(call)
+    assert torch.equal(out, expected)
+    assert routed_ops == expected_ops  # the composite picks the same kernel
+    hit = "CUDA" if mode == "inference_mode" else "AutogradCUDA"  # the route's key (registered on its CPU twin)
+    assert {key[1]: len(calls) for key, calls in seen.items()} == {"AutogradCUDA": int(hit != "CUDA"),
+                                                                   "CUDA": int(hit == "CUDA")}
+    _, args, kwargs = seen[(SDPA, hit)][0]
+    assert len(args) >= 4 and all(a is b for a, b in zip(args[:4], (q, k, v, mask)))
+    assert args[4:] == (0.0, False)[:len(args) - 4]  # the dispatcher leaves out trailing defaults
+    assert kwargs == {"scale": 0.3, "enable_gqa": True}
+    if mode == "grad":
+        out.sum().backward()  # torch's backward of the composite it ran
+        assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_a_declined_layer_passes_each_routed_op_once(recorded_fallthroughs, monkeypatch):
+    """benchmarks/models.py's Llama layer (small, on CPU) under routing: each F.linear reaches one mm, each F.rms_norm
+    one _fused_rms_norm, SDPA one route (GEMM routes registered as where the autotune database lets nvfly win); all
+    declined, the output is eager's bit for bit."""
+    from benchmarks.models import LlamaLayer
+    monkeypatch.setattr(importlib.import_module("nvfly.torch.autotune"), "_nvfly_wins_somewhere", lambda batched: True)
+    layer = LlamaLayer(64, 128, 16, 4, 1).eval()
+    cache = tuple(torch.randn(1, 1, 32, 16) for _ in range(2))
+    x = torch.randn(1, 1, 64)
+    with torch.no_grad():
+        expected = layer(x, 31, [c.clone() for c in cache])
+        with nvfly.torch.routing():
+            assert "aten::mm" in routing.installed()
+            out = layer(x, 31, cache)
+    counts = {key: len(r.seen) for key, r in recorded_fallthroughs.items() if r.seen}
+    assert counts == {("aten::mm", "CUDA"): 4, ("aten::_fused_rms_norm", "CUDA"): 2, (SDPA, "AutogradCUDA"): 1}
+    assert torch.equal(out, expected)
+
+
+def test_models_times_eager_and_routed_in_turn(monkeypatch):
+    """benchmarks/models.py's timed(): eager outside routing and routed inside a block, alternating round by round
+    (drift lands on both), the medians as eager_ms/routed_ms and each round's ratio's spread."""
+    import benchmarks.common as common
+    from benchmarks import models
+    seen = []
+
+    def bench_ms(fn, warmup_ms=25, rep_ms=100):
+        seen.append((routing.routing_enabled(), bool(routing.installed()), warmup_ms, rep_ms))
+        return [1.0, 2.0][routing.routing_enabled()] + len(seen) / 100
+
+    monkeypatch.setattr(common, "bench_ms", bench_ms)
+    row = models.timed({}, lambda: None, quick=True)
+    rounds = models.ROUNDS[True]
+    assert seen == [(False, False, 10, 40), (True, True, 10, 40)] * rounds
+    assert row["ms_rounds"]["eager"] == [round(1.0 + (2 * i + 1) / 100, 4) for i in range(rounds)]
+    assert row["eager_ms"] == pytest.approx(1.0 + rounds / 100)
+    assert row["routed_ms"] == pytest.approx(2.0 + (rounds + 1) / 100)
+    assert row["speedup"] == pytest.approx(row["eager_ms"] / row["routed_ms"])
+    low, high = row["speedup_range"]
+    assert low == pytest.approx(1.01 / 2.02)
+    assert high == pytest.approx((1 + (2 * rounds - 1) / 100) / (2 + 2 * rounds / 100))

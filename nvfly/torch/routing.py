@@ -375,8 +375,14 @@ def _failed(route: Route, exc: Exception) -> None:
 RMS_NORM_EAGER_BYTES = 64 << 20
 
 
+# torch.cuda.is_current_stream_capturing's own reading, unwrapped (a signature's hot path; a CPU build's stand-in
+# raises, and is never called: no tensor there is a CUDA one)
+_STREAM_CAPTURING = torch._C._cuda_isCurrentStreamCapturing if hasattr(torch._C, "_cuda_isCurrentStreamCapturing") \
+    else torch.cuda.is_current_stream_capturing
+
+
 def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+    return x.is_cuda and _STREAM_CAPTURING()
 
 
 def _launch_bound(x: torch.Tensor, tensors: int) -> Optional[str]:
@@ -427,7 +433,7 @@ def _register_default_routes() -> None:
     def rms_norm_signature(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
                            eps: Optional[float]) -> tuple:
         return (tensor_key(x), tuple(normalized_shape), weight is not None and tensor_key(weight), eps, type(eps),
-                _capturing(x))
+                x.is_cuda and _STREAM_CAPTURING())  # _capturing(x), inline: one frame less a call
 
     def rms_norm_backward_signature(grad_out: torch.Tensor, x: torch.Tensor, normalized_shape: list[int],
                                     rstd: torch.Tensor, weight: Optional[torch.Tensor], output_mask: list[bool]

@@ -184,9 +184,8 @@ class _FlexSignature:
         return score, block_mask
 
     def _first(self, q: Tensor, k: Tensor, v: Tensor, score: Any, block_mask: Any) -> None:
-        """The kernel call of the signature (decode's bound call; prefill's own cache serves ``prefill``)."""
-        if q.device.type != "cuda":
-            raise RuntimeError(f"q is on {q.device.type}, not CUDA")
+        """The kernel call of the signature (decode's bound call; prefill's own cache serves ``prefill``); raises
+        where nvfly's op cannot run (not CUDA: their checks say so)."""
         if self.path == "decode":
             self.launch = attention.bound_decode(q, k, v, causal=False, score_mod=score, block_mask=block_mask,
                                                  return_lse=self.needs_lse)

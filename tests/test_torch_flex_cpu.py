@@ -559,7 +559,7 @@ def op_host(recorded_launches, monkeypatch):
 
 
 def _decode_qkv(dtype=bf, hq=8, skv=1024, d=64):
-    return (torch.randn(1, hq, 1, d).to(dtype), torch.randn(1, 2, skv, d).to(dtype), torch.randn(1, 2, skv, d).to(dtype))
+    return tuple(torch.randn(1, h, s, d).to(dtype) for h, s in ((hq, 1), (2, skv), (2, skv)))
 
 
 def test_op_plans_once_per_signature_and_binds_each_call(op_host):

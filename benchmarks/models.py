@@ -404,6 +404,7 @@ def flex_profile(case: str = "minimax-flex-decode", calls: int = 20) -> None:
     import pstats
     from torch.nn.attention.flex_attention import flex_attention
     from torch.profiler import ProfilerActivity, profile
+    from benchmarks.device_time import host_us
     from nvfly.ops import attention
     _, batch, hq, hkv, sq, skv, d, _, _ = next(shape for shape in FLEX_SHAPES if shape[0] == case)
     q = torch.randn(batch, hq, sq, d, device="cuda", dtype=torch.bfloat16)
@@ -419,21 +420,14 @@ def flex_profile(case: str = "minimax-flex-decode", calls: int = 20) -> None:
             call()
         calls_of[key] = call
     for key, call in calls_of.items():
-        for _ in range(3):
-            call()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        host_us = (time.perf_counter() - start) / calls * 1e6
-        torch.cuda.synchronize()
+        host = host_us(call, calls)
         ms = bench_ms(call, 10, 40)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
                 call()
             torch.cuda.synchronize()
         table = prof.key_averages()
-        print(f"==== {case} {key}: do_bench {ms * 1e3:.1f} us, host enqueue {host_us:.1f} us per call")
+        print(f"==== {case} {key}: do_bench {ms * 1e3:.1f} us, host enqueue {host:.1f} us per call")
         print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
         print(table.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=60), flush=True)
         if key == "compiled flex (nvfly)":  # the Python side of the host time, function by function

@@ -170,10 +170,10 @@ class _FlexSignature:
 
     def _mods(self, q: Tensor, k: Tensor, tables: tuple, score_buffers: list, mask_buffers: list) -> tuple:
         """(score_mod, block_mask) of this call: the functions' cells hold its buffers (under CALL_LOCK)."""
-        from torch.nn.attention.flex_attention import BlockMask, noop_mask
         score = code_callable("score", self.score_code, tuple(score_buffers)) if self.score_code else None
         if tables[0] is None:
             return score, None
+        from torch.nn.attention.flex_attention import BlockMask, noop_mask
         block_mask = BlockMask.__new__(BlockMask)
         block_mask.seq_lengths = (q.shape[1], k.shape[1])
         block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices = (

@@ -36,6 +36,7 @@ loop runs under one (a block's own start, where the routes are registered, is ti
 op). ``other_ops``: what routing decided for the other routed calls that record a decision (GEMMs).
 
 Usage: python -m benchmarks.models [--quick] [--cases llama-prefill ...]
+       python -m benchmarks.models --cases flex --profile   (where compiled flex decode's time goes; no results)
 Writes benchmarks/results/models_h200.json and models_h200.png.
 """
 from __future__ import annotations
@@ -408,6 +409,56 @@ def flex_case(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def flex_profile(case: str = "minimax-flex-decode", calls: int = 20) -> None:
+    """Where a compiled flex_attention call's time goes (``--profile``, < 60 s): for ``case`` of ``FLEX_SHAPES``,
+    Inductor's Triton flex and nvfly as its backend, each: do_bench's ms (as ``flex_case``), the host's enqueue
+    time per call (``calls`` calls, no sync inside: equal to the ms when the call is host-bound), and
+    torch.profiler's table over ``calls`` calls (the CPU-side ops by self time, then the CUDA kernels); for nvfly
+    also cProfile's functions by own time; eager ``nvfly.ops.attention.decode`` on the same tensors is the floor
+    (its kernels alone)."""
+    import cProfile
+    import io
+    import pstats
+    from torch.nn.attention.flex_attention import flex_attention
+    from torch.profiler import ProfilerActivity, profile
+    from benchmarks.device_time import host_us
+    from nvfly.ops import attention
+    _, batch, hq, hkv, sq, skv, d, _, _ = next(shape for shape in FLEX_SHAPES if shape[0] == case)
+    q = torch.randn(batch, hq, sq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, hkv, skv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, hkv, skv, d, device="cuda", dtype=torch.bfloat16)
+    calls_of = {"eager nvfly decode": lambda: attention.decode(q.transpose(1, 2), k.transpose(1, 2),
+                                                              v.transpose(1, 2), causal=False)}
+    for key, options in (("compiled flex (Triton)", None), ("compiled flex (nvfly)", {"NVFLY": True})):
+        with compiling(options is not None):
+            compiled = torch.compile(flex_attention)
+            call = lambda compiled=compiled, options=options: compiled(  # noqa: E731
+                q, k, v, kernel_options=options, enable_gqa=hq != hkv)
+            call()
+        calls_of[key] = call
+    for key, call in calls_of.items():
+        host = host_us(call, calls)
+        ms = bench_ms(call, 10, 40)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                call()
+            torch.cuda.synchronize()
+        table = prof.key_averages()
+        print(f"==== {case} {key}: do_bench {ms * 1e3:.1f} us, host enqueue {host:.1f} us per call")
+        print(table.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=60))
+        print(table.table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=60), flush=True)
+        if key == "compiled flex (nvfly)":  # the Python side of the host time, function by function
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(10 * calls):
+                call()
+            profiler.disable()
+            torch.cuda.synchronize()
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+            print(f"==== {case} {key}: cProfile over {10 * calls} calls\n{text.getvalue()}", flush=True)
+
+
 CASES: dict[str, Callable[[bool, bool], list[dict[str, Any]]]] = {
     "llama-prefill": llama_prefill, "llama-decode": llama_decode, "minimax-decode": minimax_decode,
     "deepseek-prefill": deepseek_prefill, "llama-train": llama_train, "masked-sdpa": masked_sdpa,
@@ -429,7 +480,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="shorter timing, no torch.compile columns (< 90 s)")
     p.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES))
+    p.add_argument("--profile", action="store_true", help="with --cases flex: where a compiled decode call's time "
+                   "goes (torch.profiler, host enqueue time; writes nothing; < 60 s)")
     args = p.parse_args(argv)
+    if args.profile:
+        if args.cases != ["flex"]:
+            p.error("--profile profiles the flex decode rows: pass --cases flex")
+        for case in ("minimax-flex-decode", "llama-flex-decode"):
+            flex_profile(case)
+        return 0
     t_start = time.time()
     torch.manual_seed(0)
     nvfly.torch.install_routing()

@@ -533,3 +533,118 @@ def test_noop_masks_are_no_mask():
     scalars = map(torch.tensor, (1, 2, 3, 4))
     aten_noop = make_fx(noop_mask)(*scalars)
     assert not F._masks(noop_mask) and not F._masks(aten_noop) and F.check_graph(aten_noop) is None
+
+
+# ---------------------------------------------------------------------------------------------- the op's host path
+def _op(q, k, v, score_code="", path="decode", needs_lse=False, buffers=()):
+    return torch.ops.nvfly.flex_attention.default(q, k, v, None, None, None, None, list(buffers), [], score_code, "",
+                                                  0.125, 1 << 30, 1 << 30, path, needs_lse)
+
+
+@pytest.fixture
+def op_host(recorded_launches, monkeypatch):
+    """The compiled op's host path on CPU tensors: decode's checks and plan counted, its kernels 'launched' through
+    the real binder (recorded_launches) on a 132-SM device, the op's signatures and decode's calls empty."""
+    from nvfly.ops.attention import api
+    monkeypatch.setattr(api, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(api, "_sm_count", lambda device: 132)
+    planned = []
+    new_call = api._new_call
+    monkeypatch.setattr(api, "_new_call", lambda *args: planned.append(args[0].dtype) or new_call(*args))
+    C._SIGNATURES.clear()
+    api._CALLS.clear()
+    yield recorded_launches, planned
+    C._SIGNATURES.clear()
+    api._CALLS.clear()
+
+
+def _decode_qkv(dtype=bf, hq=8, skv=1024, d=64):
+    return tuple(torch.randn(1, h, s, d).to(dtype) for h, s in ((hq, 1), (2, skv), (2, skv)))
+
+
+def test_op_plans_once_per_signature_and_binds_each_call(op_host):
+    """A signature's first call checks and plans (decode's bound call); later calls of the same layouts reuse it,
+    launching on their own tensors (nothing of the first call's is read); no LSE is computed when the graph does
+    not read it (the decode launch gets no LSE pointer)."""
+    launches, planned = op_host
+    first = _decode_qkv()
+    out, lse, max_scores = _op(*first)
+    assert planned == [bf] and len(C._SIGNATURES) == 1
+    assert out.shape == (1, 8, 1, 64) and out.stride() == (512, 64, 512, 1)  # (B, Hq, Sq, D) over (B, Sq, Hq, D)
+    assert lse.shape == max_scores.shape == (1, 8, 1) and lse.dtype == torch.float32
+    [decode] = [params for name, _, params in launches if name == "attention_decode_kernel"]
+    assert out.data_ptr() in decode and lse.data_ptr() not in decode  # the LSE unread: not written
+    launches.clear()
+    second = _decode_qkv()
+    out2, _, _ = _op(*second)
+    assert planned == [bf] and len(C._SIGNATURES) == 1  # no new check, plan or signature
+    params = [p for name, _, p in launches if name == "attention_decode_kernel"][0]
+    for t in (*second, out2):
+        assert t.data_ptr() in params
+    for t in first:
+        assert t.data_ptr() not in params
+
+
+def test_op_signature_changes_plan_anew(op_host):
+    """Another dtype, shape, mod or LSE need is another signature with its own plan; the earlier ones stay."""
+    launches, planned = op_host
+    _op(*_decode_qkv())
+    _op(*_decode_qkv(torch.float16))
+    assert planned == [bf, torch.float16]
+    _op(*_decode_qkv(skv=2048))
+    _op(*_decode_qkv(hq=4))
+    assert len(planned) == 4 and len(C._SIGNATURES) == 4
+    q, k, v = _decode_qkv()
+    launches.clear()
+    out, lse, _ = _op(q, k, v, needs_lse=True)
+    assert len(planned) == 5 and len(C._SIGNATURES) == 5
+    [decode] = [params for name, _, params in launches if name == "attention_decode_kernel"]
+    assert lse.data_ptr() in decode  # the kernel writes the LSE the graph reads
+    _op(q, k, v, score_code=_aten_graph(soft_cap, None).code)
+    assert len(planned) == 6 and len(C._SIGNATURES) == 6
+    _op(*_decode_qkv())  # the first signature: planned already
+    assert len(planned) == 6
+
+
+def test_op_failure_computes_by_reference_on_each_call_tensors():
+    """A signature whose first call fails (CPU: decode's CUDA check) computes every call by the float32 reference, on
+    that call's tensors (nothing stale), with the LSE in log2 when read."""
+    from nvfly.ops.attention import api
+    C._SIGNATURES.clear()
+    try:
+        for _ in range(2):
+            q, k, v = _decode_qkv()
+            out, lse, _ = _op(q, k, v, needs_lse=True)
+            want, want_lse = attention.prefill_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                          scale=0.125)
+            torch.testing.assert_close(out, want.to(bf).transpose(1, 2))
+            torch.testing.assert_close(lse, want_lse / math.log(2.0))
+        [signature] = C._SIGNATURES.values()
+        assert signature.failed and signature.launch is None
+    finally:
+        C._SIGNATURES.clear()
+
+
+def test_lowering_asks_for_the_lse_only_when_the_graph_reads_it(compiled_flex, monkeypatch):
+    """Inference reads the output alone: the op is told not to compute the LSE; a graph that reads it (return_lse;
+    training saves it for the backward, which flex has only on CUDA) has it computed, and equal to flex's."""
+    import re
+    from torch._inductor.utils import run_and_get_code
+    monkeypatch.setattr(C, "DEVICES", ("cpu", "cuda"))
+    q, k, v = (t.to(bf) for t in _qkv(sq=256, skv=256))
+
+    def needs_lse(codes):
+        calls = [line for c in codes for line in c.splitlines() if "torch.ops.nvfly.flex_attention.default(" in line]
+        assert len(calls) == 1
+        return re.search(r", (True|False)\)$", calls[0].strip()).group(1) == "True"
+    got, codes = run_and_get_code(torch.compile(lambda q, k, v: flex_attention(
+        q, k, v, score_mod=alibi, kernel_options={"NVFLY": True})), q, k, v)
+    assert not needs_lse(codes)
+    torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=alibi), atol=2e-2, rtol=2e-2)
+    torch._dynamo.reset()
+    (got, lse), codes = run_and_get_code(torch.compile(lambda q, k, v: flex_attention(
+        q, k, v, score_mod=alibi, return_lse=True, kernel_options={"NVFLY": True})), q, k, v)
+    assert needs_lse(codes)
+    want, want_lse = flex_attention(q, k, v, score_mod=alibi, return_lse=True)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)

@@ -39,6 +39,8 @@ import torch
 from torch import Tensor
 
 from nvfly.ops import attention
+from nvfly.ops.common.opcall import OpCalls
+from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import flex_ops
 from nvfly.torch.gemm_ops import Decision, record
 from nvfly.torch.library import operator as define_operator
@@ -49,7 +51,7 @@ log = logging.getLogger("nvfly")
 OPTION = "NVFLY"
 DEVICES = ("cuda",)  # where the lowering emits nvfly's op (the CPU tests add "cpu": the op's reference runs there)
 AUTO_MIN_SQ = 512
-_LN2 = math.log(2.0)
+_LOG2E = 1.0 / math.log(2.0)
 
 
 # ---------------------------------------------------------------------------------------------- code -> callable
@@ -130,49 +132,106 @@ def _make(kind: str, forward: Callable[..., Any], count: int) -> Callable[..., A
 @define_operator("flex_attention")
 def flex_attention_op(query: Tensor, key: Tensor, value: Tensor, kv_num_blocks: Optional[Tensor],
                       kv_indices: Optional[Tensor], full_kv_num_blocks: Optional[Tensor],
-                      full_kv_indices: Optional[Tensor], score_buffers: list[Tensor], mask_buffers: list[Tensor], *,
-                      score_code: str, mask_code: str, scale: float, q_block: int, kv_block: int,
-                      path: str) -> tuple[Tensor, Tensor, Tensor]:
+                      full_kv_indices: Optional[Tensor], score_buffers: list[Tensor], mask_buffers: list[Tensor],
+                      score_code: str, mask_code: str, scale: float, q_block: int, kv_block: int, path: str,
+                      needs_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
     """flex_attention's HOP by nvfly: query (B, Hq, Sq, D), key/value (B, Hkv, Skv, D) -> (out (B, Hq, Sq, Dv),
     lse (B, Hq, Sq) float32 in log2, max_scores (unwritten)); out is the (B, Hq, Sq, Dv) view of (B, Sq, Hq, Dv)
-    memory. ``score_code``/``mask_code``: the mods' FX code ("" for
-    none); the tables None without a block mask; ``path``: "prefill" or "decode" (nvfly's kernel)."""
-    from torch.nn.attention.flex_attention import BlockMask, noop_mask
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    with flex_ops.CALL_LOCK:
-        score = code_callable("score", score_code, tuple(score_buffers)) if score_code else None
-        block_mask = None
-        if kv_num_blocks is not None:
-            block_mask = BlockMask.__new__(BlockMask)
-            block_mask.seq_lengths = (q.shape[1], k.shape[1])
-            block_mask.kv_num_blocks, block_mask.kv_indices = kv_num_blocks, kv_indices
-            block_mask.full_kv_num_blocks, block_mask.full_kv_indices = full_kv_num_blocks, full_kv_indices
-            block_mask.BLOCK_SIZE = (q_block, kv_block)
-            block_mask.mask_mod = (code_callable("mask", mask_code, tuple(mask_buffers)) if mask_code
-                                   else noop_mask)
-        try:
-            if q.device.type != "cuda":
-                raise RuntimeError(f"q is on {q.device.type}, not CUDA")
-            if path == "decode":
-                out, lse = attention.decode(q, k, v, scale=scale, causal=False, score_mod=score,
-                                            block_mask=block_mask, return_lse=True, validate=False)
-            else:
-                out, lse = attention.prefill(q, k, v, scale=scale, score_mod=score, block_mask=block_mask,
-                                             return_lse=True, validate=False)
-        except Exception as exc:  # an nvfly failure never breaks the model: the float32 reference computes it
-            if q.device.type == "cuda":
-                log.warning("nvfly: flex_attention (compiled) raised %s: %s; computed by the float32 reference",
-                            type(exc).__name__, exc)
-            out, lse = attention.prefill_reference(q, k, v, scale=scale, score_mod=score, block_mask=block_mask)
-            out = out.to(q.dtype)
-    lse = lse / _LN2
-    return out.transpose(1, 2), lse, torch.empty_like(lse)  # (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv) memory
+    memory. ``score_code``/``mask_code``: the mods' FX code ("" for none); the tables None without a block mask;
+    ``path``: "prefill" or "decode" (nvfly's kernel); ``needs_lse``: whether the graph reads the LSE (else it is
+    returned unwritten). Every argument is positional: the dispatcher parses keyword arguments slowly (~1 µs each).
+    The call's host work is cached per signature (``_FlexSignature``)."""
+    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+    try:
+        signature = (layout_key(query), layout_key(key), layout_key(value), tuple(map(layout_key, tables)),
+                     tuple(map(layout_key, score_buffers)), tuple(map(layout_key, mask_buffers)), score_code,
+                     mask_code, q_block, kv_block, path, needs_lse)
+        call = _SIGNATURES.get(signature)
+    except (AttributeError, TypeError):  # not tensors: planned for this call alone
+        signature = call = None
+    if call is None:
+        call = _FlexSignature(score_code, mask_code, q_block, kv_block, path, needs_lse)
+        _SIGNATURES.remember(signature, call)
+    return call.run(query, key, value, tables, score_buffers, mask_buffers, scale)
+
+
+class _FlexSignature:
+    """The op's calls of one signature (the layouts of every tensor argument and the static arguments): the mods'
+    functions and nvfly's kernel call, made on the first call (decode: ``attention.bound_decode``, its checks and
+    plan done then), so a later call binds its tensors and launches. A first call that fails (not CUDA, a check)
+    makes every call of the signature compute by the float32 reference."""
+
+    def __init__(self, score_code: str, mask_code: str, q_block: int, kv_block: int, path: str, needs_lse: bool):
+        self.score_code, self.mask_code = score_code, mask_code
+        self.block_size = (q_block, kv_block)
+        self.path, self.needs_lse = path, needs_lse
+        self.launch: Optional[Callable[..., Any]] = None
+        self.failed = False
+
+    def _mods(self, q: Tensor, k: Tensor, tables: tuple, score_buffers: list, mask_buffers: list) -> tuple:
+        """(score_mod, block_mask) of this call: the functions' cells hold its buffers (under CALL_LOCK)."""
+        score = code_callable("score", self.score_code, tuple(score_buffers)) if self.score_code else None
+        if tables[0] is None:
+            return score, None
+        from torch.nn.attention.flex_attention import BlockMask, noop_mask
+        block_mask = BlockMask.__new__(BlockMask)
+        block_mask.seq_lengths = (q.shape[1], k.shape[1])
+        block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices = (
+            tables)
+        block_mask.BLOCK_SIZE = self.block_size
+        block_mask.mask_mod = (code_callable("mask", self.mask_code, tuple(mask_buffers)) if self.mask_code
+                               else noop_mask)
+        return score, block_mask
+
+    def _first(self, q: Tensor, k: Tensor, v: Tensor, score: Any, block_mask: Any) -> None:
+        """The kernel call of the signature (decode's bound call; prefill's own cache serves ``prefill``); raises
+        where nvfly's op cannot run (not CUDA: their checks say so)."""
+        if self.path == "decode":
+            self.launch = attention.bound_decode(q, k, v, causal=False, score_mod=score, block_mask=block_mask,
+                                                 return_lse=self.needs_lse)
+        else:
+            needs_lse = self.needs_lse
+
+            def prefill(q: Tensor, k: Tensor, v: Tensor, scale: float, block_mask: Any) -> Any:
+                return attention.prefill(q, k, v, scale=scale, score_mod=score, block_mask=block_mask,
+                                         return_lse=needs_lse, validate=False)
+            self.launch = prefill
+
+    def run(self, query: Tensor, key: Tensor, value: Tensor, tables: tuple, score_buffers: list, mask_buffers: list,
+            scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        with flex_ops.CALL_LOCK:
+            score, block_mask = self._mods(q, k, tables, score_buffers, mask_buffers)
+            result = None
+            if not self.failed:
+                try:
+                    if self.launch is None:
+                        self._first(q, k, v, score, block_mask)
+                    result = self.launch(q, k, v, scale, block_mask)
+                except Exception as exc:  # an nvfly failure never breaks the model: the float32 reference runs
+                    self.failed = True
+                    if q.device.type == "cuda":
+                        log.warning("nvfly: flex_attention (compiled) raised %s: %s; computed by the float32 "
+                                    "reference", type(exc).__name__, exc)
+            if result is None:
+                out, lse = attention.prefill_reference(q, k, v, scale=scale, score_mod=score, block_mask=block_mask)
+                result = (out.to(q.dtype), lse)
+        if not self.needs_lse:
+            out = result[0] if isinstance(result, tuple) else result
+            batch, sq, hq, _ = q.shape
+            unread = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
+            return out.transpose(1, 2), unread, torch.empty_like(unread)
+        out, lse = result
+        return out.transpose(1, 2), lse.mul_(_LOG2E), torch.empty_like(lse)  # (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv)
+
+
+_SIGNATURES: OpCalls[_FlexSignature] = OpCalls()
 
 
 def _fake(query: Tensor, key: Tensor, value: Tensor, kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
           full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor], score_buffers: list[Tensor],
-          mask_buffers: list[Tensor], *, score_code: str, mask_code: str, scale: float, q_block: int,
-          kv_block: int, path: str) -> tuple[Tensor, Tensor, Tensor]:
+          mask_buffers: list[Tensor], score_code: str, mask_code: str, scale: float, q_block: int, kv_block: int,
+          path: str, needs_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
     batch, hq, sq, _ = query.shape
     out = query.new_empty((batch, sq, hq, value.shape[3])).transpose(1, 2)
     lse = query.new_empty((batch, hq, sq), dtype=torch.float32)
@@ -294,12 +353,23 @@ def _emit(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple, sc
     mask_code = mask_gm.code if masked and flex_ops._masks(mask_gm) else ""
     tables = list(block_mask[2:6]) if masked else [None] * 4
     handler = fallback_handler(torch.ops.nvfly.flex_attention.default, add_to_fallback_set=False)
-    out, lse, max_scores = handler(query, key, value, *tables, list(score_buffers), list(mask_buffers),
-                                   score_code=score_code, mask_code=mask_code, scale=float(scale),
-                                   q_block=int(block_mask[-3]), kv_block=int(block_mask[-2]), path=kernel)
+    out, lse, max_scores = handler(query, key, value, *tables, list(score_buffers), list(mask_buffers), score_code,
+                                   mask_code, float(scale), int(block_mask[-3]), int(block_mask[-2]), kernel,
+                                   _reads_lse())
     record(Decision("inductor", "flex_attention", _static(query) or (), f"q {query.get_size()} k {key.get_size()} "
                     f"{query.get_dtype()}", candidates=(kernel,), winner=kernel))
     return out, lse, max_scores
+
+
+def _reads_lse() -> bool:
+    """Whether the graph reads the LSE of the flex_attention node being lowered (training saves it for the backward,
+    ``return_lse``/``return_aux`` return it; an inference call's graph reads the output alone): unknown counts as
+    read."""
+    from torch._inductor.virtualized import V
+    node = getattr(V.graph, "current_node", None)
+    if node is None:
+        return True
+    return any(user.target is not operator.getitem or user.args[1] != 0 for user in node.users)
 
 
 def install(auto: bool = False) -> None:

@@ -266,6 +266,29 @@ def test_compiled_projection_inputs(compiled):
     assert rel_err(got, flex_attention(q, k, v, score_mod=soft_cap)) < 2e-2
 
 
+def test_compiled_decode_reuses_its_signature_on_new_tensors(compiled):
+    """Compiled decode (48/8 GQA, Sq 1, 8K keys, no mods): the op's cached call binds each call's tensors (fresh
+    inputs of the same layouts give their own flex result, nothing stale); the inference graph does not ask for the
+    LSE, a return_lse graph gets flex's (natural log after flex's wrapper)."""
+    import torch._inductor.config as inductor_config
+    C._SIGNATURES.clear()
+    fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, enable_gqa=True, kernel_options={"NVFLY": True}))
+    with inductor_config.patch(fx_graph_cache=False):
+        for _ in range(3):
+            q, k, v = inputs(batch=1, hq=48, hkv=8, sq=1, skv=8192)
+            ref = flex_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+            assert rel_err(fn(q, k, v), ref) < 1e-2
+        [signature] = C._SIGNATURES.values()
+        assert not signature.failed and not signature.needs_lse and signature.path == "decode"
+        with_lse = torch.compile(lambda q, k, v: flex_attention(q, k, v, enable_gqa=True, return_lse=True,
+                                                                kernel_options={"NVFLY": True}))
+        out, lse = with_lse(q, k, v)
+    ref, ref_lse = flex_attention(q.float(), k.float(), v.float(), enable_gqa=True, return_lse=True)
+    assert rel_err(out, ref) < 1e-2
+    torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+    assert not any(s.failed for s in C._SIGNATURES.values()) and len(C._SIGNATURES) == 2
+
+
 @pytest.mark.slow
 def test_compiled_option_off_keeps_inductor(compiled):
     q, k, v = inputs(sq=1024, skv=1024)

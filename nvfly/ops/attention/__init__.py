@@ -11,8 +11,8 @@ tracing and the shipped examples), ``checks`` (the host checks the three share);
 and ``prefill_kernel`` likewise for prefill, ``mla_api``, ``mla_plan`` and ``mla_kernel`` for MLA decode;
 ``softmax`` (the wgmma kernels' online softmax step). docs/ops/attention.md explains the design.
 """
-from nvfly.ops.attention.api import (bytes_moved, compile_kernels, compile_mask_tables, decode, eligibility,
-                                    reference)
+from nvfly.ops.attention.api import (bound_decode, bytes_moved, compile_kernels, compile_mask_tables, decode,
+                                    eligibility, reference)
 from nvfly.ops.attention.mla_api import compile_mla, decode_mla, mla_bytes, mla_eligibility, mla_flops
 from nvfly.ops.attention.mla_plan import MlaPlan, mla_plan
 from nvfly.ops.attention.mods import (Mods, alibi, alibi_slopes, document_mask, prefix_lm, relative_position_bias,
@@ -22,8 +22,9 @@ from nvfly.ops.attention.prefill_api import (compile_prefill, prefill, prefill_e
                                              prefill_reference, prefill_varlen)
 from nvfly.ops.attention.prefill_plan import PrefillPlan, prefill_plan
 
-__all__ = ["DecodePlan", "MaskTablesPlan", "MlaPlan", "Mods", "PrefillPlan", "alibi", "alibi_slopes", "bytes_moved",
-           "compile_kernels", "compile_mask_tables", "compile_mla", "compile_prefill", "decode", "decode_mla",
-           "decode_plan", "document_mask", "eligibility", "mla_bytes", "mla_eligibility", "mla_flops", "mla_plan",
-           "num_splits", "prefill", "prefill_eligibility", "prefill_flops", "prefill_plan", "prefill_reference",
-           "prefill_varlen", "prefix_lm", "reference", "relative_position_bias", "sliding_window", "soft_cap"]
+__all__ = ["DecodePlan", "MaskTablesPlan", "MlaPlan", "Mods", "PrefillPlan", "alibi", "alibi_slopes",
+           "bound_decode", "bytes_moved", "compile_kernels", "compile_mask_tables", "compile_mla",
+           "compile_prefill", "decode", "decode_mla", "decode_plan", "document_mask", "eligibility",
+           "mla_bytes", "mla_eligibility", "mla_flops", "mla_plan", "num_splits", "prefill",
+           "prefill_eligibility", "prefill_flops", "prefill_plan", "prefill_reference", "prefill_varlen",
+           "prefix_lm", "reference", "relative_position_bias", "sliding_window", "soft_cap"]

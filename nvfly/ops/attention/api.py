@@ -229,6 +229,22 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
                     block_mask)
 
 
+def bound_decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", *, causal: bool = True,
+                 score_mod: Optional[Callable[..., Any]] = None, block_mask: Any = None,
+                 return_lse: bool = False) -> Callable[..., Any]:
+    """``decode``'s checks and plan for these arguments (no lengths, block table, out, fp8 scales or captured=),
+    once: ``run(q, k_cache, v_cache, scale, block_mask)`` then binds and launches for tensors of the same
+    ``layout_key``s (and a block mask of the same tables' layouts), with the same mods: for a caller that keys its
+    own calls on those (Inductor's flex op) and so skips ``decode``'s signature per call. Raises as ``decode``."""
+    call = _new_call(q, k_cache, v_cache, None, None, None, None, None, score_mod, None, (), causal, 0, return_lse,
+                     False, True, block_mask)
+    run = call.run
+
+    def launch(q: Any, k: Any, v: Any, scale: Optional[float], block_mask: Any = None) -> Any:
+        return run(q, k, v, None, None, None, None, None, (), scale, block_mask)
+    return launch
+
+
 def _capturing() -> bool:
     import torch
     return torch.cuda.is_current_stream_capturing()

@@ -15,7 +15,7 @@ from typing import Any
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.ops.common.gemm_config import STORE_BARRIER, GemmConfig, store_box
+from nvfly.ops.common.gemm_config import STORE_BARRIER, StagedStore, store_box
 
 
 @nvfly.func
@@ -94,12 +94,12 @@ def staging_lane_xor(lane_row: Any, lane: Any, row_bytes: int) -> Any:
     return ((((lane_row * row_bytes) >> 7) & (row_bytes // 16 - 1)) ^ (lane // 16)) << 4
 
 
-def check_store_descriptor(desc: Any, cfg: GemmConfig, batched: bool) -> None:
+def check_store_descriptor(desc: Any, cfg: StagedStore, batched: bool) -> None:
     """The output descriptor the TMA-store epilogue needs: 16-bit, one (wg_m, store_width) box per slice with
     the matching swizzle (see ``store_box``)."""
     from nvfly.errors import CompileError
     if desc is None or not hasattr(desc, "info"):
-        raise CompileError("GemmConfig.tma_store needs the output's TMA descriptor (out_desc)")
+        raise CompileError("tma_store needs the output's TMA descriptor (out_desc)")
     box, swizzle = store_box(cfg, batched)
     info = desc.info
     if info.dtype.itemsize != 2 or tuple(info.box) != box or info.swizzle != swizzle:

@@ -31,7 +31,7 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.floats import convert_shared_e2m1x32, e8m0_to_f32
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.common.epilogue import store_tile
+from nvfly.ops.common.epilogue import check_store_descriptor, stage_tile, store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
 from nvfly.ops.common.mainloop import (consume_k_blocks, init_ring, issue_k_block, load_boxes, produce_tiles,
                                        promote_k_blocks)
@@ -39,10 +39,11 @@ from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK
 
 PARTIAL = Epilogue(partial=True)
+STAGED = Epilogue()  # the TMA-store epilogue stages values already scaled (``scaled_values``)
 
 
 @nvfly.kernel
-def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor,
+def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, out_desc,
                      scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, bias, m: nvfly.i32, n: nvfly.i32,
                      k_tiles: nvfly.i32, CFG: nvfly.Constexpr, EPI: nvfly.Constexpr):
     dtype = a_desc.info.dtype
@@ -55,11 +56,16 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     A_BYTES = BM * BK
     STAGE_BYTES = CFG.stage_bytes
     ring, pipe = fp8_ring(CFG)
+    TMA_STORE = CFG.tma_store and not EPI.partial
+    if TMA_STORE:
+        check_store_descriptor(out_desc, CFG, False)
+        staging = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (CFG.staging_bytes(),),
+                                                           offset_bytes=CFG.ring_end))
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
     wg = warp // 4
-    init_ring(pipe, tid, a_desc, b_desc, None, False)
+    init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
     nvfly.syncthreads()
     TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k)
     first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1, k_tiles, None, TILING)
@@ -99,10 +105,18 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
             if EPI.partial:  # split K: unscaled f32 sums into out[split] (the dense GEMM's partial store)
                 store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, inside)
+            elif TMA_STORE:  # scaled in registers (reads clamped into range), staged, stored by TMA (which clips)
+                values = scaled_values(accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI)
+                stage_tile(out_desc, None, values, staging + consumer * (CFG.staging_bytes() // WGS), 0,
+                           tm * BM + consumer * WG_M, tn * BN, row0, col0, m, n, 1.0, 0.0, consumer, warp_in_wg, lane,
+                           CFG, ATOMS_M, STAGED, False, False)
             elif inside:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
             else:
                 store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
+        if TMA_STORE:
+            if (warp_in_wg == 0) & (lane == 0):
+                sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
 
 
 def fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, k_begin, k_end, lane, tid, scales_of, CFG, EPI) -> tuple:
@@ -244,48 +258,77 @@ def promote(sums: list, part: list, scales: list, ATOMS_M: int, EPI) -> list:
     return [sums[i].map(lambda v, e, i=i: v + part[i][e]) for i in range(ATOMS_M)]
 
 
+def row_terms(scale_a, bias, row0, m, alpha, ATOMS_M, EPI, MASKED) -> tuple:
+    """The thread's rows (2 per atom: row0 + 64i + 8h) and their epilogue terms: (rows, scales (sa[row], or alpha),
+    biases (along rows: ``bias_rows``; else empty)); with MASKED the reads are clamped into range."""
+    rows, scales, biases = [], [], []
+    for i in range(ATOMS_M):
+        for h in range(2):
+            row = row0 + 64 * i + 8 * h
+            rows.append(row)
+            safe_row = nvfly.minimum(row, m - 1) if MASKED else row
+            scales.append(scale_a[safe_row] if EPI.scaling == "row" else alpha)
+            if EPI.bias and EPI.bias_rows:
+                biases.append(bias[safe_row].to(nvfly.f32))
+    return rows, scales, biases
+
+
+def column_terms(scale_b, bias, col, n, EPI, MASKED) -> tuple:
+    """Column pair (col, col + 1)'s epilogue terms: (sb (row-wise; else empty), biases along columns (else
+    empty)); with MASKED the reads are clamped into range."""
+    scales, biases = [], []
+    for e in range(2):
+        safe_col = nvfly.minimum(col + e, n - 1) if MASKED else col + e
+        if EPI.scaling == "row":
+            scales.append(scale_b[safe_col])
+        if EPI.bias and not EPI.bias_rows:
+            biases.append(bias[safe_col].to(nvfly.f32))
+    return scales, biases
+
+
+def epilogue_value(v, r, e, row_scales, row_biases, col_scales, col_biases, EPI):
+    """Accumulator element v of the thread's row r and column pair element e, scaled (tensor/row-wise: block scales
+    were applied in the mainloop) and biased."""
+    if EPI.scaling not in BLOCKWISE:
+        v = v * row_scales[r]
+        if EPI.scaling == "row":
+            v = v * col_scales[e]
+    if EPI.bias:
+        v = v + (row_biases[r] if EPI.bias_rows else col_biases[e])
+    return v
+
+
+def scaled_values(accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI) -> list:
+    """The consumer's fragments scaled and biased (``epilogue_value``, reads clamped into range), in the
+    accumulators' order (element 4j+2h+e of atom i: (row0 + 64i + 8h, col0 + 8j + e)): the TMA-store epilogue's."""
+    rows, row_scales, row_biases = row_terms(scale_a, bias, row0, m, alpha, ATOMS_M, EPI, True)
+    values = [[None] * (BN // 2) for _ in range(ATOMS_M)]
+    for j in range(BN // 8):
+        col_scales, col_biases = column_terms(scale_b, bias, col0 + 8 * j, n, EPI, True)
+        for r in range(2 * ATOMS_M):
+            for e in range(2):
+                x = 4 * j + 2 * (r % 2) + e
+                values[r // 2][x] = epilogue_value(accs[r // 2][x], r, e, row_scales, row_biases, col_scales,
+                                                   col_biases, EPI)
+    return values
+
+
 @nvfly.func
 def store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, MASKED):
     """Scale, add the bias, convert and write the consumer's fragments: element 4j+2h+e of atom i is
     (row0 + 64i + 8h, col0 + 8j + e). Without MASKED (the tile lies inside the output) nothing is bounds-checked;
     with it, scale and bias reads are clamped into range and stores masked."""
     vec = isinstance(out.stride[1], int) and out.stride[1] == 1
-    ROW = EPI.scaling == "row"
-    rows = []         # the thread's rows (2 per atom), clamped into range for the scale and bias reads
-    row_scales = []
-    row_biases = []
-    for i in nvfly.static_range(ATOMS_M):
-        for h in nvfly.static_range(2):
-            row = row0 + 64 * i + 8 * h
-            rows.append(row)
-            safe_row = nvfly.minimum(row, m - 1) if MASKED else row
-            row_scales.append(scale_a[safe_row] if ROW else alpha)
-            if EPI.bias and EPI.bias_rows:
-                row_biases.append(bias[safe_row].to(nvfly.f32))
+    rows, row_scales, row_biases = row_terms(scale_a, bias, row0, m, alpha, ATOMS_M, EPI, MASKED)
     # column by column: a column pair's scales and bias are read once and live only while it is stored
     for j in nvfly.static_range(BN // 8):
         col = col0 + 8 * j
-        col_scales = []
-        col_biases = []
-        for e in nvfly.static_range(2):
-            safe_col = nvfly.minimum(col + e, n - 1) if MASKED else col + e
-            if ROW:
-                col_scales.append(scale_b[safe_col])
-            if EPI.bias and not EPI.bias_rows:
-                col_biases.append(bias[safe_col].to(nvfly.f32))
+        col_scales, col_biases = column_terms(scale_b, bias, col, n, EPI, MASKED)
         for r in nvfly.static_range(2 * ATOMS_M):
             row = rows[r]
             if not MASKED or row < m:
-                values = []
-                for e in nvfly.static_range(2):
-                    v = accs[r // 2][4 * j + 2 * (r % 2) + e]
-                    if EPI.scaling not in BLOCKWISE:
-                        v = v * row_scales[r]
-                        if ROW:
-                            v = v * col_scales[e]
-                    if EPI.bias:
-                        v = v + (row_biases[r] if EPI.bias_rows else col_biases[e])
-                    values.append(v)
+                values = [epilogue_value(accs[r // 2][4 * j + 2 * (r % 2) + e], r, e, row_scales, row_biases,
+                                         col_scales, col_biases, EPI) for e in range(2)]
                 if vec and (not MASKED or col + 1 < n):
                     out.store(nvfly.make_vector(values).to(out.dtype), row, col)
                 else:

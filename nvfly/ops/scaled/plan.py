@@ -18,6 +18,7 @@ from typing import Optional
 
 from dataclasses import replace
 
+from nvfly.ops.common.gemm_config import store_box
 from nvfly.ops.common.scheduler import split_count
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilogue, deepest
 
@@ -46,6 +47,7 @@ class ScaledPlan:
     a_box: tuple[int, int]
     b_box: tuple[int, int]
     b_swizzle: int = 128  # packed (MXFP4) B: unswizzled 64-byte rows, converted into the swizzled e4m3 tile
+    store_box: Optional[tuple] = None  # the TMA-store epilogue's output (box, swizzle) (config.tma_store)
 
 
 def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int) -> ScaledConfig:
@@ -57,15 +59,17 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
     if m <= 64:  # one 64-row token tile, as narrow (down to 32) as filling the SMs needs
         bn = next((w for w in (128, 64) if math.ceil(n / w) >= FILL * sms), 32)
         return split_small_m(deepest(ScaledConfig(64, bn, 2, 1), most=12), m, n, k, sms)
+    # 128-row tiles store through shared memory and TMA (the dense GEMM's epilogue): one instruction a slice, drained
+    # under the next tile's mainloop instead of 4-byte stores the consumer waits on
     if promote:  # two accumulators: at most 128 columns, narrower while the tiles leave SMs idle
         bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
-        return deepest(ScaledConfig(128, bn, 2, 2))
+        return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
     wide = math.ceil(m / 128) * math.ceil(n / 256)
     idle = (-wide) % sms / sms
     if wide >= sms and idle <= TAIL_IDLE:
-        return deepest(ScaledConfig(128, 256, 2, 2))
+        return deepest(ScaledConfig(128, 256, 2, 2, tma_store=True))
     bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
-    return deepest(ScaledConfig(128, bn, 2, 2))
+    return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
 
 
 def split_small_m(cfg: ScaledConfig, m: int, n: int, k: int, sms: int) -> ScaledConfig:
@@ -79,10 +83,11 @@ def split_small_m(cfg: ScaledConfig, m: int, n: int, k: int, sms: int) -> Scaled
 
 
 def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional[ScaledConfig],
-              swap: Optional[bool], sms: int) -> ScaledPlan:
+              swap: Optional[bool], sms: int, out_itemsize: int = 2) -> ScaledPlan:
     """The plan of an m x n x k call (the caller's problem) with ``epilogue`` (bias_rows is set here for a swapped
     plan); ``config`` None: the heuristic's, of the transposed problem when swapped; ``swap`` None: the
-    heuristic's choice (small M, tensor/row scales)."""
+    heuristic's choice (small M, tensor/row scales). A TMA-store config stores through registers instead where the
+    staged epilogue cannot (``out_itemsize`` not 2, a swapped (transposed) output, split-K partials)."""
     if swap is None:
         swap = m <= SWAP_MAX_M and epilogue.scaling not in BLOCKWISE and config is None
     if swap and epilogue.scaling in BLOCKWISE:
@@ -98,6 +103,8 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
         if epilogue.scaling != "mxfp4":
             raise ValueError(f"config: packed_b with {epilogue.scaling} scales: only MXFP4 weights arrive packed")
         config = replace(config, packed_b=True)
+    if config.tma_store and (out_itemsize != 2 or swap or config.split_k > 1):
+        config = deepest(replace(config, tma_store=False), most=config.stages)
     why = config.check(epilogue.promote)
     if why:
         raise ValueError(f"config: {why}")
@@ -117,4 +124,5 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     b_box = (min(config.bn, 256), BK // 2) if config.packed_b else (min(config.bn, 256), BK)
     return ScaledPlan(config=config, epilogue=epilogue, swap=swap, m=m, n=n, k=k, k_tiles=k_tiles,
                       grid=max(1, min(tiles, sms)), threads=128 * (1 + config.consumers),
-                      a_box=(min(config.bm, 256), BK), b_box=b_box, b_swizzle=0 if config.packed_b else 128)
+                      a_box=(min(config.bm, 256), BK), b_box=b_box, b_swizzle=0 if config.packed_b else 128,
+                      store_box=store_box(config, False) if config.tma_store else None)

@@ -2,6 +2,7 @@
 spills, the plans follow the heuristic, the recipes are read off the scales' shapes, bad arguments raise errors
 naming them, and the torch references (quantisation, dequantised GEMM, MX decoding) are what they claim."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import nvfly
 from nvfly.ops import scaled
 from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.api import compile_variants, kernel_scales
+from nvfly.ops.scaled.config import deepest
 from nvfly.ops.scaled.plan import SWAP_MAX_M, make_plan
 from nvfly.ops.scaled.quantize import quantize
 from tests.test_grouped_cpu import check_kernel
@@ -56,6 +58,63 @@ def test_variants_compile_to_fp8_wgmma_without_spills(variant):
         assert k.count("QGMMA") == cfg.wg_m // 64 and "LDG.E.U8" in k.sass()
     if epi.scaling == "mxfp4":  # the packed tile: 16-byte shared loads, converted, two 16-byte stores, a barrier
         assert k.count("LDS.128") >= 1 and k.count("STS.128") >= 2 and k.count("BAR.SYNC") == 2
+
+
+# the TMA-store epilogue (the heuristic's 128-row tiles): scaled in registers, staged with stmatrix, stored by TMA
+TMA_STORE_VARIANTS = [
+    (ScaledConfig(128, 256, 4, 2, tma_store=True), ScaledEpilogue("row", False, bias=True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("row", True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 64, 8, 2, tma_store=True), ScaledEpilogue("tensor", True, bias=True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True, issue_ahead=True), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("block1x128", True, bias=True)),
+]
+
+
+@pytest.mark.parametrize("variant", TMA_STORE_VARIANTS, ids=lambda v: f"{v[0].bm}x{v[0].bn}-{v[1].scaling}"
+                         f"{'-promoted' if v[1].promote else ''}{'-bias' if v[1].bias else ''}"
+                         f"{'-ahead' if v[0].issue_ahead else ''}")
+def test_tma_store_variants_compile_to_stmatrix_and_tma_stores(variant):
+    """fp8 wgmma, no spills; the epilogue is the staged one only: a TMA store per column slice of the consumer's
+    tile (UTMASTG), stmatrix.x4 per 16 columns of each 64-row atom (STSM), no register stores (STG)."""
+    cfg, epi = variant
+    (k,) = compile_variants([variant], out_dtype=torch.bfloat16 if epi.scaling != "tensor" else torch.float16)
+    check_kernel(k, f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3")
+    assert k.dynamic_smem_bytes == cfg.smem_bytes() == cfg.ring_end + cfg.bm * cfg.store_width * 2
+    assert k.count("UTMASTG") == cfg.bn // cfg.store_width
+    assert k.count("STSM") == (cfg.wg_m // 64) * cfg.bn // 16
+    assert k.count("STG") == 0
+    assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
+
+
+def test_tma_store_config_and_plans():
+    """The config's staging (behind the ring, counted by deepest), its checks, and where the plan keeps it: the
+    heuristic's 128-row tiles with 16-bit outputs; f32 outputs, swapped and split-K plans store through registers."""
+    cfg = ScaledConfig(128, 128, 6, 2, tma_store=True)
+    assert cfg.staging_bytes() == 128 * 64 * 2 and cfg.smem_bytes() == cfg.ring_end + 16384
+    assert deepest(ScaledConfig(128, 128, 2, 2, tma_store=True)).stages == 6  # 7 without staging
+    assert deepest(ScaledConfig(128, 128, 2, 2)).stages == 7
+    assert deepest(ScaledConfig(128, 256, 2, 2, tma_store=True)).stages == 4
+    assert "multiple of 16" in ScaledConfig(128, 120, 4, 2, tma_store=True).check()
+    assert "split-K" in ScaledConfig(128, 128, 4, 2, split_k=2, tma_store=True).check()
+    for scaling, promote in (("tensor", False), ("row", True), ("block", True), ("block1x128", True)):
+        epi = ScaledEpilogue(scaling, promote)
+        for m, n, k in ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 2112, 7168), (128, 8192, 8192)):
+            plan = make_plan(m, n, k, epi, None, None, 132)
+            assert plan.config.tma_store and plan.store_box == ((64, plan.config.store_width),
+                                                                plan.config.store_width * 2)
+            assert "TMA-store epilogue" in scaled.api.describe_plan(plan)
+            f32 = make_plan(m, n, k, epi, None, None, 132, out_itemsize=4)
+            assert not f32.config.tma_store and f32.store_box is None
+            assert f32.config.stages == deepest(replace(plan.config, tma_store=False), most=plan.config.stages).stages
+    swapped = make_plan(16, 4096, 7168, ScaledEpilogue("row", True), ScaledConfig(64, 16, 8, 1, tma_store=True), True,
+                        132)
+    assert swapped.swap and not swapped.config.tma_store
+    split = make_plan(128, 8192, 8192, ScaledEpilogue("row", True), ScaledConfig(128, 128, 6, 2, split_k=2,
+                                                                                  tma_store=True), None, 132)
+    assert split.epilogue.partial and not split.config.tma_store
+    (k,) = compile_variants([(replace(split.config, tma_store=True), split.epilogue)])  # partials: registers
+    assert k.count("UTMASTG") == 0 and k.count("STSM") == 0
 
 
 def test_out_dtypes_and_e5m2_compile():

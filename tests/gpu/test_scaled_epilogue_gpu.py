@@ -1,0 +1,82 @@
+"""The scaled GEMM's TMA-store epilogue (the heuristic's 128-row tiles with 16-bit outputs) against the float32 GEMM
+of the dequantised operands and against the register epilogue of the same tile (the same fp32 math, so the same
+bits): every fp32 recipe, promoted and fast, bias, bf16 and fp16, tails in M, N and K, outputs TMA cannot store
+(misaligned: the register epilogue instead) and row-padded ones it can; the split-K alternative at M = 128. Fresh
+random inputs, NaN-poisoned outputs."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from nvfly.ops import scaled
+from nvfly.ops.scaled import ScaledConfig
+from tests.gpu.test_scaled_gpu import TOL, operands, poisoned, rel_error
+
+pytestmark = pytest.mark.gpu
+
+
+def registers(config: ScaledConfig) -> ScaledConfig:
+    return replace(config, tma_store=False)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block", "block1x128"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_tma_store_matches_the_reference_and_the_register_epilogue(hopper, scaling, out_dtype):
+    """M, N and K all with tails (300 = 2 x 128 + 44 rows, 400 = 3 x 128 + 16 columns, K = 1040 = 8 x 128 + 16), a
+    bias on half the calls; the heuristic's plan (TMA store) and explicit TMA-store tiles, each next to the same
+    tile storing through registers."""
+    m, n, k = 300, 400, 1040
+    a, b, sa, sb = operands(m, n, k, scaling)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16) if scaling in ("row", "block") else None
+    ref = scaled.reference(a, b, sa, sb, bias)
+    assert "TMA-store epilogue" in scaled.path(a, b, sa, sb, bias=bias, out_dtype=out_dtype)
+    configs = [None, ScaledConfig(128, 64, 8, 2, tma_store=True), ScaledConfig(128, 128, 6, 2, tma_store=True)]
+    if scaling in ("tensor", "row", "block"):
+        configs.append(ScaledConfig(128, 128, 6, 2, issue_ahead=True, tma_store=True))
+    for fast in (False, True) if scaling in ("tensor", "row") else (False,):
+        for config in configs + ([ScaledConfig(128, 256, 4, 2, tma_store=True)] if fast else []):
+            if fast and config is not None and config.issue_ahead:
+                continue
+            out = poisoned(m, n, out_dtype)
+            scaled.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype, out=out, config=config,
+                             use_fast_accum=fast)
+            assert rel_error(out, ref) < TOL[out_dtype] * (2 if fast else 1), (config, fast)
+            if config is not None:
+                assert "TMA-store epilogue" in scaled.path(a, b, sa, sb, bias=bias, out_dtype=out_dtype,
+                                                           config=config, use_fast_accum=fast)
+                through_registers = poisoned(m, n, out_dtype)
+                scaled.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=out_dtype, out=through_registers,
+                                 config=registers(config), use_fast_accum=fast)
+                assert torch.equal(out, through_registers), (config, fast)
+
+
+@pytest.mark.parametrize("scaling", ["row", "block"])
+def test_outputs_tma_cannot_store_go_through_registers(hopper, scaling):
+    """An output 4 bytes past a 16-byte boundary (TMA cannot describe it): the register epilogue writes it; a
+    row-padded one (row stride n + 64): TMA stores it, leaving the padding untouched; f32 outputs: registers."""
+    m, n, k = 260, 384, 640
+    a, b, sa, sb = operands(m, n, k, scaling)
+    ref = scaled.reference(a, b, sa, sb)
+    wide = torch.full((m, n + 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for out in (wide[:, 2:n + 2], wide[:, :n]):
+        out.fill_(float("nan"))
+        scaled.scaled_mm(a, b, sa, sb, out=out)
+        assert rel_error(out, ref) < TOL[torch.bfloat16]
+    assert wide[:, n + 2:].isnan().all(), "a store wrote past the output's columns"
+    f32 = poisoned(m, n, torch.float32)
+    scaled.scaled_mm(a, b, sa, sb, out_dtype=torch.float32, out=f32)
+    assert rel_error(f32, ref) < TOL[torch.float32]
+    assert "TMA-store" not in scaled.path(a, b, sa, sb, out_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block"])
+def test_split_k_alternative_at_128_rows(hopper, scaling):
+    """The benchmark's M = 128 alternative (128 x 128 tiles, K split in two: f32 partials, then the reduce kernel)
+    and the heuristic's 128 x 64 TMA-store tile, on a 128 x 2048 x 4096 problem."""
+    m, n, k = 128, 2048, 4096
+    a, b, sa, sb = operands(m, n, k, scaling)
+    ref = scaled.reference(a, b, sa, sb)
+    for config in (None, ScaledConfig(128, 128, 7, 2, split_k=2)):
+        out = poisoned(m, n, torch.bfloat16)
+        scaled.scaled_mm(a, b, sa, sb, out=out, config=config)
+        assert rel_error(out, ref) < TOL[torch.bfloat16], config

@@ -14,7 +14,7 @@ Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [
 [--issue-ahead] [--no-alternatives]. --quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise
 recipe only); only the MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name scaled_mx. Next to
 the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the register epilogue,
-"registers"; split K over 128 x 128 tiles at 64 < M <= 128, "split2"; with --issue-ahead the issue-ahead mainloop,
+"registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over 128 x 128 tiles at 64 < M <= 128, "split2"; with --issue-ahead the issue-ahead mainloop,
 "ahead"): ``nvfly_<name>_ms``, ``<name>_vs_nvfly`` (> 1: the alternative is faster), ``<name>_vs_cublas``. The
 quantisation kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against
 the torch reference and timed after.
@@ -57,7 +57,7 @@ RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "ten
            "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False),
            "block1x128": ("1x128", "1x128", False), "mxfp8": ("mx", "mx", False), "mxfp4": ("mx", "mxfp4", False)}
 MX_RECIPES = ("mxfp8", "mxfp4")
-ALTERNATIVES = ("registers", "split2", "ahead")  # alternative_configs' names
+ALTERNATIVES = ("registers", "previous", "split2", "ahead")  # alternative_configs' names
 
 
 def operands(m: int, n: int, k: int, recipe: str) -> tuple[torch.Tensor, ...]:
@@ -198,6 +198,8 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dic
     configs = {}
     if plan.config.tma_store:
         configs["registers"] = deepest(replace(plan.config, tma_store=False))
+        if plan.config.bn == 192:  # promoted tensor/row-wise tiles were at most 128 wide
+            configs["previous"] = deepest(replace(configs["registers"], bn=128))
     if 64 < m <= 128:
         configs["split2"] = deepest(ScaledConfig(128, 128, 2, 2, split_k=2))
     if ahead and not fast and scaling != "block1x128":

@@ -26,6 +26,7 @@ VARIANTS = [
     (ScaledConfig(128, 256, 4, 2), ScaledEpilogue("row", False, bias=True)),
     (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", True, bias=True)),
     (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("tensor", True)),
+    (ScaledConfig(128, 192, 5, 2), ScaledEpilogue("tensor", True)),  # the wide promoted tile's f32 (register) plan
     (ScaledConfig(64, 16, 8, 1), ScaledEpilogue("row", False, bias=True, bias_rows=True)),
     (ScaledConfig(128, 64, 8, 2), ScaledEpilogue("tensor", True, bias=True, bias_rows=True)),
     (ScaledConfig(64, 16, 12, 1, split_k=8), ScaledEpilogue("row", True, bias=True, bias_rows=True, partial=True)),
@@ -68,6 +69,8 @@ TMA_STORE_VARIANTS = [
     (ScaledConfig(128, 64, 8, 2, tma_store=True), ScaledEpilogue("tensor", True, bias=True)),
     (ScaledConfig(128, 128, 6, 2, tma_store=True, issue_ahead=True), ScaledEpilogue("block", True)),
     (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("block1x128", True, bias=True)),
+    (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("row", True, bias=True)),
+    (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("tensor", True)),
 ]
 
 
@@ -107,6 +110,13 @@ def test_tma_store_config_and_plans():
             f32 = make_plan(m, n, k, epi, None, None, 132, out_itemsize=4)
             assert not f32.config.tma_store and f32.store_box is None
             assert f32.config.stages == deepest(replace(plan.config, tma_store=False), most=plan.config.stages).stages
+    # promoted tensor/row-wise tiles widen to 192 where their waves take less time (waves x width): 4096 x 2112 in
+    # 3 waves of 128 x 192 (2.7) rather than 5 of 128 x 128 (4.1); 4096^2 stays 128 wide (6 x 192 > 8 x 128)
+    wide = make_plan(4096, 2112, 7168, ScaledEpilogue("row", True), None, None, 132).config
+    assert (wide.bn, wide.stages, wide.check(promote=True)) == (192, 5, None)
+    assert make_plan(4096, 4096, 4096, ScaledEpilogue("tensor", True), None, None, 132).config.bn == 128
+    assert make_plan(4096, 2112, 7168, ScaledEpilogue("block", True), None, None, 132).config.bn == 128
+    assert make_plan(4096, 2112, 7168, ScaledEpilogue("block1x128", True), None, None, 132).config.bn == 128
     swapped = make_plan(16, 4096, 7168, ScaledEpilogue("row", True), ScaledConfig(64, 16, 8, 1, tma_store=True), True,
                         132)
     assert swapped.swap and not swapped.config.tma_store

@@ -22,9 +22,9 @@ def registers(config: ScaledConfig) -> ScaledConfig:
 @pytest.mark.parametrize("scaling", ["tensor", "row", "block", "block1x128"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_tma_store_matches_the_reference_and_the_register_epilogue(hopper, scaling, out_dtype):
-    """M, N and K all with tails (300 = 2 x 128 + 44 rows, 400 = 3 x 128 + 16 columns, K = 1040 = 8 x 128 + 16), a
-    bias on half the calls; the heuristic's plan (TMA store) and explicit TMA-store tiles, each next to the same
-    tile storing through registers."""
+    """M, N and K all with tails (300 = 2 x 128 + 44 rows, 400 = 3 x 128 + 16 = 2 x 192 + 16 columns, K = 1040 =
+    8 x 128 + 16), a bias on half the calls; the heuristic's plan (TMA store) and explicit TMA-store tiles, each next
+    to the same tile storing through registers."""
     m, n, k = 300, 400, 1040
     a, b, sa, sb = operands(m, n, k, scaling)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16) if scaling in ("row", "block") else None
@@ -33,6 +33,8 @@ def test_tma_store_matches_the_reference_and_the_register_epilogue(hopper, scali
     configs = [None, ScaledConfig(128, 64, 8, 2, tma_store=True), ScaledConfig(128, 128, 6, 2, tma_store=True)]
     if scaling in ("tensor", "row", "block"):
         configs.append(ScaledConfig(128, 128, 6, 2, issue_ahead=True, tma_store=True))
+    if scaling in ("tensor", "row"):  # promoted 64 x 192 per consumer (the heuristic's wide promoted tile)
+        configs.append(ScaledConfig(128, 192, 5, 2, tma_store=True))
     for fast in (False, True) if scaling in ("tensor", "row") else (False,):
         for config in configs + ([ScaledConfig(128, 256, 4, 2, tma_store=True)] if fast else []):
             if fast and config is not None and config.issue_ahead:

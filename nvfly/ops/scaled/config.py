@@ -67,12 +67,13 @@ class ScaledConfig(StagedStore):
         if self.issue_ahead and not promote:
             return "issue_ahead: only the promoted mainloop issues ahead"
         # promotion keeps a second accumulator (the running fp32 sum next to the k-block's partial), issuing ahead
-        # a third (the next k-block's partial)
+        # a third (the next k-block's partial); up to 192 of the consumers' 232 registers compile without spills
         accumulators = 3 if self.issue_ahead else 2 if promote else 1
         registers = (self.wg_m // 64) * self.bn // 2 * accumulators
-        if registers > (192 if self.issue_ahead else 128):
-            return (f"{self.wg_m}x{self.bn} per consumer needs {registers} accumulator registers (at most "
-                    f"{'192' if self.issue_ahead else '128'}, {accumulators} accumulator(s))")
+        most = 128 if accumulators == 1 else 192
+        if registers > most:
+            return (f"{self.wg_m}x{self.bn} per consumer needs {registers} accumulator registers (at most {most}, "
+                    f"{accumulators} accumulator(s))")
         if self.stages < 2:
             return "at least 2 stages"
         if self.staging_reason():

@@ -2,8 +2,10 @@
 
 Heuristic (``heuristic_config``): the fast-accumulating recipes (tensor/row-wise with ``use_fast_accum``) take
 128x256 tiles, or 128x128 when 128x256 tiles would leave more than a fifth of the last wave idle; promoted
-mainloops keep two accumulators per consumer, so 128x128 (two consumers of 64 rows, 64 + 64 registers each); both
-narrow to 64 columns while 128-wide tiles would fill less than FILL of the SMs. Small M (at most SWAP_MAX_M rows)
+mainloops keep two accumulators per consumer, so 128x128 (two consumers of 64 rows, 64 + 64 registers each), or
+for tensor/row scales 128x192 (96 + 96) where its waves of tiles take less time (waves x width); both narrow to 64
+columns while 128-wide tiles would fill less than FILL of the SMs. 128-row tiles store through shared memory and
+TMA (``ScaledConfig.tma_store``; f32 outputs, swapped and split-K plans through registers). Small M (at most SWAP_MAX_M rows)
 with tensor/row scales is computed as the transposed problem (swap A/B: the weights fill wgmma's 64-row M, the
 tokens its N); block scales stay unswapped on one 64-row token tile (their activation scales run along the
 kernel's rows), its width the widest that still fills FILL of the SMs. Small-M tiles that fill at most half the
@@ -25,6 +27,9 @@ from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilo
 SWAP_MAX_M = 64
 TAIL_IDLE = 0.2  # the wide tile's last wave may leave at most this share of the SMs idle
 FILL = 0.8  # token tiles: the widest whose tiles still fill this share of the SMs
+# promoted 128-row tiles up to 192 wide (64 x 192 per consumer: 96 + 96 accumulator registers) for these scalings;
+# block scales keep a tile's columns in one 128-wide weight block, block1x128 and MX hold column scales besides
+WIDE_PROMOTED = ("tensor", "row")
 # small M splits K while the tiles fill at most half the SMs: each split at least SPLIT_MIN_K_TILES k-blocks, at
 # most SPLIT_MAX splits
 SPLIT_MIN_K_TILES = 4
@@ -50,8 +55,9 @@ class ScaledPlan:
     store_box: Optional[tuple] = None  # the TMA-store epilogue's output (box, swizzle) (config.tma_store)
 
 
-def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int) -> ScaledConfig:
-    """The config of the m x n x k problem the kernel computes (already transposed when ``swap``)."""
+def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int,
+                     scaling: str = "tensor") -> ScaledConfig:
+    """The config of the m x n x k problem the kernel computes (already transposed when ``swap``) with ``scaling``."""
     if swap:  # tokens along the kernel's N: the narrowest multiple of 8 that holds them
         bn = max(8, 8 * math.ceil(n / 8))
         bm, consumers = (64, 1) if math.ceil(m / 64) <= sms else (128, 2)
@@ -61,8 +67,10 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
         return split_small_m(deepest(ScaledConfig(64, bn, 2, 1), most=12), m, n, k, sms)
     # 128-row tiles store through shared memory and TMA (the dense GEMM's epilogue): one instruction a slice, drained
     # under the next tile's mainloop instead of 4-byte stores the consumer waits on
-    if promote:  # two accumulators: at most 128 columns, narrower while the tiles leave SMs idle
+    if promote:  # two accumulators: at most 192 columns, narrower while the tiles leave SMs idle
         bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
+        if bn == 128 and scaling in WIDE_PROMOTED:  # 192 where its waves of tiles take less time (DeepGEMM's choice)
+            bn = min((192, 128), key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w, -w))
         return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
     wide = math.ceil(m / 128) * math.ceil(n / 256)
     idle = (-wide) % sms / sms
@@ -96,7 +104,7 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
         m, n = n, m
         epilogue = ScaledEpilogue(epilogue.scaling, epilogue.promote, epilogue.bias, bias_rows=epilogue.bias)
     if config is None:
-        config = heuristic_config(m, n, k, epilogue.promote, swap, sms)
+        config = heuristic_config(m, n, k, epilogue.promote, swap, sms, epilogue.scaling)
         if epilogue.scaling == "mxfp4":  # B's packed tile rides every stage too: as deep a ring as still fits
             config = deepest(replace(config, packed_b=True), most=config.stages)
     if config.packed_b != (epilogue.scaling == "mxfp4"):

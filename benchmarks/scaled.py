@@ -14,8 +14,9 @@ Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [
 [--issue-ahead] [--no-alternatives]. --quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise
 recipe only); only the MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name scaled_mx. Next to
 the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the register epilogue,
-"registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over 128 x 128 tiles at 64 < M <= 128, "split2"; with --issue-ahead the issue-ahead mainloop,
-"ahead"): ``nvfly_<name>_ms``, ``<name>_vs_nvfly`` (> 1: the alternative is faster), ``<name>_vs_cublas``. The
+"registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over
+128 x 128 tiles at 64 < M <= 128, "split2"; the issue-ahead mainloop, "ahead", with --issue-ahead, always for block
+scales): ``nvfly_<name>_ms``, ``<name>_vs_nvfly`` (> 1: the alternative is faster), ``<name>_vs_cublas``. The
 quantisation kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against
 the torch reference and timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
@@ -184,9 +185,10 @@ def a16_main(args: argparse.Namespace) -> int:
 
 def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dict[str, ScaledConfig]:
     """Configs timed next to the heuristic's (``nvfly_<name>_ms``, ``<name>_vs_cublas``) on its unswapped, unsplit
-    fp8 plans: "registers", the same tile storing through registers (the plans before the TMA-store epilogue);
-    "split2", 65 to 128 rows, 128 x 128 tiles split in two along K (128 units of work for 128 x 8192); with
-    ``ahead``, "ahead", the promoted mainloop issuing k-block k+1 before k's add (not block1x128)."""
+    fp8 plans: "registers", the same tile storing through registers; "previous", where the plan widened a promoted
+    tile to 128 x 192, the 128 x 128 register tile planned before; "split2", 65 to 128 rows, 128 x 128 tiles split
+    in two along K (128 units of work for 128 x 8192); with ``ahead`` (always for block scales), "ahead", the
+    promoted mainloop issuing k-block k+1 before k's add (not block1x128; 128 wide)."""
     scaling, fast = recipe.removesuffix("-fast"), RECIPES[recipe][2]
     if recipe in MX_RECIPES:
         return {}
@@ -202,8 +204,10 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dic
             configs["previous"] = deepest(replace(configs["registers"], bn=128))
     if 64 < m <= 128:
         configs["split2"] = deepest(ScaledConfig(128, 128, 2, 2, split_k=2))
-    if ahead and not fast and scaling != "block1x128":
+    if (ahead or scaling == "block") and not fast and scaling != "block1x128":
         configs["ahead"] = replace(plan.config, issue_ahead=True)
+        if configs["ahead"].check(promote=True):  # three 64 x 192 accumulators do not fit: 128 wide
+            configs["ahead"] = deepest(replace(configs["ahead"], bn=128))
     return configs
 
 

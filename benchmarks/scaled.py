@@ -15,8 +15,9 @@ Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [
 recipe only); only the MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name scaled_mx. Next to
 the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the register epilogue,
 "registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over
-128 x 128 tiles at 64 < M <= 128, "split2"; the issue-ahead mainloop, "ahead", with --issue-ahead, always for block
-scales): ``nvfly_<name>_ms``, ``<name>_vs_nvfly`` (> 1: the alternative is faster), ``<name>_vs_cublas``. The
+128 x 128 tiles at 64 < M <= 128, "split2"; stream K over a partial last wave, "streamk"; the issue-ahead mainloop,
+"ahead", with --issue-ahead, always for block scales; --quick: on the row and block recipes only):
+``nvfly_<name>_ms``, ``<name>_vs_nvfly`` (> 1: the alternative is faster), ``<name>_vs_cublas``. The
 quantisation kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against
 the torch reference and timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
@@ -58,7 +59,8 @@ RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "ten
            "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False),
            "block1x128": ("1x128", "1x128", False), "mxfp8": ("mx", "mx", False), "mxfp4": ("mx", "mxfp4", False)}
 MX_RECIPES = ("mxfp8", "mxfp4")
-ALTERNATIVES = ("registers", "previous", "split2", "ahead")  # alternative_configs' names
+ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead")  # alternative_configs' names
+QUICK_ALTERNATIVES = ("row", "block")  # the recipes --quick times them on (the row-wise and block-scaled targets)
 
 
 def operands(m: int, n: int, k: int, recipe: str) -> tuple[torch.Tensor, ...]:
@@ -187,7 +189,8 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dic
     """Configs timed next to the heuristic's (``nvfly_<name>_ms``, ``<name>_vs_cublas``) on its unswapped, unsplit
     fp8 plans: "registers", the same tile storing through registers; "previous", where the plan widened a promoted
     tile to 128 x 192, the 128 x 128 register tile planned before; "split2", 65 to 128 rows, 128 x 128 tiles split
-    in two along K (128 units of work for 128 x 8192); with ``ahead`` (always for block scales), "ahead", the
+    in two along K (128 units of work for 128 x 8192); "streamk", the plan's tile (128 x 128 at 65 to 128 rows) with
+    stream K, where the tiles end in a partial wave; with ``ahead`` (always for block scales), "ahead", the
     promoted mainloop issuing k-block k+1 before k's add (not block1x128; 128 wide)."""
     scaling, fast = recipe.removesuffix("-fast"), RECIPES[recipe][2]
     if recipe in MX_RECIPES:
@@ -204,6 +207,10 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dic
             configs["previous"] = deepest(replace(configs["registers"], bn=128))
     if 64 < m <= 128:
         configs["split2"] = deepest(ScaledConfig(128, 128, 2, 2, split_k=2))
+    streamed = deepest(ScaledConfig(128, 128, 2, 2, tma_store=True, stream_k=True)) if 64 < m <= 128 else \
+        replace(plan.config, stream_k=True)
+    if m > 64 and make_plan(m, n, k, plan.epilogue, streamed, False, sms).sk_tiles:  # ends in a partial wave
+        configs["streamk"] = streamed
     if (ahead or scaling == "block") and not fast and scaling != "block1x128":
         configs["ahead"] = replace(plan.config, issue_ahead=True)
         if configs["ahead"].check(promote=True):  # three 64 x 192 accumulators do not fit: 128 wide
@@ -297,7 +304,8 @@ def main(argv=None) -> int:
                 row["nvfly_block_ms"] = block_ms[(m, n, k)]
             if cublas is not None:
                 row["cublas_ms"] = bench_ms(cublas)
-            alternatives = {} if args.no_alternatives else alternative_configs(m, n, k, recipe, args.issue_ahead)
+            timed = not args.no_alternatives and (recipe in QUICK_ALTERNATIVES or not args.quick)
+            alternatives = alternative_configs(m, n, k, recipe, args.issue_ahead) if timed else {}
             for name, config in alternatives.items():
                 other = torch.full_like(out, float("nan"))
                 scaled.scaled_mm(a, b, sa, sb, out=other, config=config, use_fast_accum=fast)

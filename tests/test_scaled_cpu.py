@@ -127,6 +127,25 @@ def test_tma_store_config_and_plans():
     assert k.count("UTMASTG") == 0 and k.count("STSM") == 0
 
 
+def test_stream_k_compiles_and_plans():
+    """ScaledConfig.stream_k: the dense GEMM's fix-up (16-byte f32 reductions into the workspace, an arrival count)
+    next to the TMA-store epilogue, no spills; the plan streams a partial last wave (at M = 128 the only one: 64
+    tiles of 64 k-blocks as 128 ranges of 32, each tile shared by two blocks) and nothing for whole waves."""
+    for cfg, epi in ((ScaledConfig(128, 128, 6, 2, tma_store=True, stream_k=True), ScaledEpilogue("row", True, True)),
+                     (ScaledConfig(128, 128, 6, 2, tma_store=True, stream_k=True), ScaledEpilogue("block", True))):
+        (k,) = compile_variants([(cfg, epi)])
+        check_kernel(k, "QGMMA.64x128x32.F32.E4M3.E4M3")
+        assert k.count("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU") > 0 and k.count("ATOMG.E.ADD.STRONG.GPU") > 0
+        assert k.count("UTMASTG") == 2
+    stream = ScaledConfig(128, 128, 6, 2, tma_store=True, stream_k=True)
+    plan = make_plan(128, 8192, 8192, ScaledEpilogue("row", True), stream, None, 132)
+    assert (plan.dp_tiles, plan.block_iters, plan.sk_tiles, plan.grid) == (0, 32, 64, 128)
+    assert "stream K over 64 tiles" in scaled.api.describe_plan(plan)
+    whole = make_plan(128, 128 * 132, 4096, ScaledEpilogue("row", True), stream, None, 132)  # one whole wave
+    assert (whole.block_iters, whole.sk_tiles, whole.grid) == (0, 0, 132)
+    assert "stream K" in ScaledConfig(128, 128, 6, 2, split_k=2, stream_k=True).check()
+
+
 def test_out_dtypes_and_e5m2_compile():
     cfg = ScaledConfig(128, 128, 6, 2)
     for out_dtype in (torch.float16, torch.float32):

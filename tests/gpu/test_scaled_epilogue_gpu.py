@@ -1,8 +1,8 @@
 """The scaled GEMM's TMA-store epilogue (the heuristic's 128-row tiles with 16-bit outputs) against the float32 GEMM
 of the dequantised operands and against the register epilogue of the same tile (the same fp32 math, so the same
 bits): every fp32 recipe, promoted and fast, bias, bf16 and fp16, tails in M, N and K, outputs TMA cannot store
-(misaligned: the register epilogue instead) and row-padded ones it can; the split-K alternative at M = 128. Fresh
-random inputs, NaN-poisoned outputs."""
+(misaligned: the register epilogue instead) and row-padded ones it can; the split-K alternative at M = 128; stream
+K. Fresh random inputs, NaN-poisoned outputs."""
 from dataclasses import replace
 
 import pytest
@@ -82,3 +82,21 @@ def test_split_k_alternative_at_128_rows(hopper, scaling):
         out = poisoned(m, n, torch.bfloat16)
         scaled.scaled_mm(a, b, sa, sb, out=out, config=config)
         assert rel_error(out, ref) < TOL[torch.bfloat16], config
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "row", "block", "block1x128"])
+def test_stream_k(hopper, scaling):
+    """ScaledConfig.stream_k: tiles shared by several blocks' k ranges, summed in the workspace by the dense GEMM's
+    fix-up, then scaled and stored (TMA and registers); tails in M, N and K, a bias; twice per signature (the
+    workspace and counts are zero again after each launch); M = 128's single wave of 128 x 128 tiles."""
+    for m, n, k in ((300, 400, 1040), (256, 512, 4096), (128, 2048, 4096)):
+        a, b, sa, sb = operands(m, n, k, scaling)
+        bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+        ref = scaled.reference(a, b, sa, sb, bias)
+        for config in (ScaledConfig(128, 128, 6, 2, tma_store=True, stream_k=True),
+                       ScaledConfig(128, 64, 8, 2, stream_k=True)):
+            assert "stream K" in scaled.path(a, b, sa, sb, bias=bias, config=config)
+            for _ in range(2):
+                out = poisoned(m, n, torch.bfloat16)
+                scaled.scaled_mm(a, b, sa, sb, bias=bias, out=out, config=config)
+                assert rel_error(out, ref) < TOL[torch.bfloat16], (m, n, k, config)

@@ -13,6 +13,7 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 BARRIER_BYTES = 1024  # barriers first; the ring starts 1024-byte aligned (swizzle atoms need it)
 SMEM_LIMIT = 232448
+ARRIVAL_OFFSET = 512  # stream-K: each consumer's arrival count, in the barrier area after the ring's barriers
 STORE_BARRIER = 4  # named barriers 4 and 5: each consumer warpgroup's epilogue (2 and 3: ping-pong turns)
 
 

@@ -330,7 +330,8 @@ def describe_plan(plan: ScaledPlan) -> str:
     name = f"scaled-{epi.scaling}" + ("-promoted" if epi.promote else "") + ("-ahead" if cfg.issue_ahead else "") + \
         ("-swapAB" if plan.swap else "") + (f"-splitK{cfg.split_k}" if cfg.split_k > 1 else "")
     return f"{name}: {cfg.bm}x{cfg.bn} tile on {plan.grid} blocks, {cfg.stages} stages" + \
-        (", TMA-store epilogue" if cfg.tma_store else "")
+        (", TMA-store epilogue" if cfg.tma_store else "") + \
+        (f", stream K over {plan.sk_tiles} tiles" if plan.sk_tiles else "")
 
 
 def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: torch.dtype, use_fast_accum: bool,
@@ -413,10 +414,15 @@ class _Call:
         if kernel_b.dtype == FP4_DTYPE:  # TMA copies the packed pairs as bytes
             kernel_b = kernel_b.view(torch.uint8)
         out_desc = cached_descriptor(target, *plan.store_box) if plan.config.tma_store else None
+        sums = counts = None
+        if plan.sk_tiles:  # stream K: one workspace slot (zero between launches) and count per shared consumer tile
+            cfg = plan.config
+            sums, counts = scratch.workspace(a.device, current_stream(a.device.index), plan.sk_tiles * cfg.consumers,
+                                             cfg.wg_m * cfg.bn)
         self.launch(cached_descriptor(kernel_a, plan.a_box, 128),
                     cached_descriptor(kernel_b, plan.b_box, plan.b_swizzle),
                     target, out_desc, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n, plan.k_tiles,
-                    plan.config, plan.epilogue)
+                    sums, counts, plan.dp_tiles, plan.block_iters, plan.config, plan.epilogue)
         if self.reduce is not None:
             self.reduce(partials, out, caller_sa, caller_sb, bias, self.out_m, self.out_n, plan.config.split_k,
                         plan.epilogue.scaling, self.reduce_vec, REDUCE_THREADS)
@@ -564,7 +570,7 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
                      dtypes: tuple[Any, Any] = (nvfly.f8e4m3, nvfly.f8e4m3), target: str = "sm_90a") -> list[Any]:
     """Compile the kernel for each (config, epilogue) without a GPU (M = N = K = 4096 strides; ``bias_rows``: a
     swapped plan's transposed output); returns CompiledKernels."""
-    from nvfly.frontend.dtypes import bf16, f16, f32, u8
+    from nvfly.frontend.dtypes import bf16, f16, f32, i32, u8
     from nvfly.runtime.tensor_desc import TensorDesc
     out_nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}[out_dtype]
     size = 4096
@@ -594,8 +600,10 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
         if cfg.tma_store and not epi.partial:
             box, swizzle = store_box(cfg, False)
             out_desc = nvfly.TmaDescriptor(out, box, swizzle=swizzle)
+        sums = TensorDesc(f32, (1 << 24,)) if cfg.stream_k else None  # stream K's workspace and counts
+        counts = TensorDesc(i32, (1024,)) if cfg.stream_k else None
         kernels.append(scaled_mm_kernel.compile(a_desc, b_desc, out, out_desc, sa, sb, bias, size, size,
-                                                math.ceil(size / BK), CFG=cfg, EPI=epi,
+                                                math.ceil(size / BK), sums, counts, 0, 0, CFG=cfg, EPI=epi,
                                                 block=128 * (1 + cfg.consumers), target=target))
     return kernels
 

@@ -23,7 +23,9 @@ class ScaledConfig(StagedStore):
     as packed e2m1 (MXFP4, set by the plan): each stage also holds B's packed bn x 64-byte tile, which the consumers
     convert into the stage's e4m3 tile; ``tma_store``: the epilogue stages the scaled 16-bit tile in shared memory
     (``store_buffers`` column slices of ``store_width`` per consumer, behind the ring) and stores it with TMA, as the
-    dense GEMM's (others, and split-K partials, go through registers)."""
+    dense GEMM's (others, and split-K partials, go through registers); ``stream_k``: a partial last wave of tiles
+    (a single one included) is dealt out as contiguous k ranges over all SMs, shared tiles summed in a workspace
+    (the dense GEMM's stream K; the plan decides whether the shape has such a wave)."""
     bm: int = 128
     bn: int = 128
     stages: int = 6
@@ -34,6 +36,7 @@ class ScaledConfig(StagedStore):
     packed_b: bool = False
     tma_store: bool = False
     store_buffers: int = 1
+    stream_k: bool = False
 
     @property
     def wg_m(self) -> int:
@@ -78,6 +81,8 @@ class ScaledConfig(StagedStore):
             return "at least 2 stages"
         if self.staging_reason():
             return self.staging_reason()
+        if self.stream_k and self.split_k != 1:
+            return "stream_k: stream K takes no K split"
         if not 1 <= self.split_k <= 32:
             return f"split_k={self.split_k}: 1 to 32"
         if self.smem_bytes() > SMEM_LIMIT:

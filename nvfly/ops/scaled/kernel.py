@@ -31,11 +31,11 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.floats import convert_shared_e2m1x32, e8m0_to_f32
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.common.epilogue import check_store_descriptor, stage_tile, store_tile
-from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
+from nvfly.ops.common.epilogue import check_store_descriptor, fix_up, stage_tile, store_tile
+from nvfly.ops.common.gemm_config import ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
 from nvfly.ops.common.mainloop import (consume_k_blocks, init_ring, issue_k_block, load_boxes, produce_tiles,
                                        promote_k_blocks)
-from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
+from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK
 
 PARTIAL = Epilogue(partial=True)
@@ -45,7 +45,8 @@ STAGED = Epilogue()  # the TMA-store epilogue stages values already scaled (``sc
 @nvfly.kernel
 def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, out_desc,
                      scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, bias, m: nvfly.i32, n: nvfly.i32,
-                     k_tiles: nvfly.i32, CFG: nvfly.Constexpr, EPI: nvfly.Constexpr):
+                     k_tiles: nvfly.i32, workspace, counters, dp_tiles: nvfly.i32, block_iters: nvfly.i32,
+                     CFG: nvfly.Constexpr, EPI: nvfly.Constexpr):
     dtype = a_desc.info.dtype
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
     WG_M = CFG.wg_m
@@ -57,6 +58,7 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     STAGE_BYTES = CFG.stage_bytes
     ring, pipe = fp8_ring(CFG)
     TMA_STORE = CFG.tma_store and not EPI.partial
+    staging = None
     if TMA_STORE:
         check_store_descriptor(out_desc, CFG, False)
         staging = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (CFG.staging_bytes(),),
@@ -65,10 +67,16 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
     wg = warp // 4
+    STREAM_K = workspace is not None
+    if STREAM_K:  # each consumer's arrival count, after the ring's barriers
+        arrivals = nvfly.dynamic_shared_tensor(nvfly.i32, (WGS,), offset_bytes=ARRIVAL_OFFSET)
     init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
     nvfly.syncthreads()
-    TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k)
-    first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1, k_tiles, None, TILING)
+    TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k, stream_k=STREAM_K)
+    first_tile = nvfly.block_idx.x
+    tile_step = nvfly.grid_dim.x
+    tiles = tile_grid(m, n, 1, k_tiles, dp_tiles, block_iters, tile_step, None, None, TILING)
+    num_units = block_units(first_tile, tiles, TILING)
 
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
@@ -103,20 +111,37 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, work.k_begin, work.k_end, lane,
                                        tid, scales_of, CFG, EPI)
             inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
-            if EPI.partial:  # split K: unscaled f32 sums into out[split] (the dense GEMM's partial store)
-                store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, inside)
-            elif TMA_STORE:  # scaled in registers (reads clamped into range), staged, stored by TMA (which clips)
-                values = scaled_values(accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI)
-                stage_tile(out_desc, None, values, staging + consumer * (CFG.staging_bytes() // WGS), 0,
-                           tm * BM + consumer * WG_M, tn * BN, row0, col0, m, n, 1.0, 0.0, consumer, warp_in_wg, lane,
-                           CFG, ATOMS_M, STAGED, False, False)
-            elif inside:
-                store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
-            else:
-                store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
+            finished = True
+            if STREAM_K:  # a tile other blocks share: its sums complete in the part counted in last (the dense GEMM's)
+                accs, finished = fix_up(accs, work.contributors > 1, workspace, counters, work.slot * WGS + consumer,
+                                        arrivals, consumer, warp_in_wg, lane, work.contributors, ATOMS_M, BN)
+            if finished:
+                store_consumer_tile(out, out_desc, accs, scale_a, scale_b, bias, staging,
+                                    work.split, tm, tn, row0, col0, m, n, alpha, consumer, warp_in_wg, lane, inside,
+                                    CFG, ATOMS_M, EPI, TMA_STORE)
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
+
+
+@nvfly.func
+def store_consumer_tile(out, out_desc, accs, scale_a, scale_b, bias, staging, split, tm, tn, row0, col0, m, n, alpha,
+                        consumer, warp_in_wg, lane, inside, CFG, ATOMS_M, EPI, TMA_STORE):
+    """The consumer's epilogue of tile (tm, tn): split-K partials (unscaled f32 sums into out[split], the dense
+    GEMM's partial store), the TMA-store epilogue (scaled in registers with reads clamped into range, staged,
+    stored by TMA, which clips) or the register epilogue (unchecked inside the output, masked on its edges)."""
+    BM, BN, WG_M = CFG.bm, CFG.bn, CFG.wg_m
+    if EPI.partial:
+        store_tile(out, None, accs, split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, inside)
+    elif TMA_STORE:
+        values = scaled_values(accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI)
+        stage_tile(out_desc, None, values, staging + consumer * (CFG.staging_bytes() // CFG.consumers), 0,
+                   tm * BM + consumer * WG_M, tn * BN, row0, col0, m, n, 1.0, 0.0, consumer, warp_in_wg, lane, CFG,
+                   ATOMS_M, STAGED, False, False)
+    elif inside:
+        store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
+    else:
+        store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
 
 
 def fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, k_begin, k_end, lane, tid, scales_of, CFG, EPI) -> tuple:

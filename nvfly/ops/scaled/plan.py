@@ -21,7 +21,7 @@ from typing import Optional
 from dataclasses import replace
 
 from nvfly.ops.common.gemm_config import store_box
-from nvfly.ops.common.scheduler import split_count
+from nvfly.ops.common.scheduler import StreamK, grid_schedule, split_count
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilogue, deepest
 
 SWAP_MAX_M = 64
@@ -53,6 +53,11 @@ class ScaledPlan:
     b_box: tuple[int, int]
     b_swizzle: int = 128  # packed (MXFP4) B: unswizzled 64-byte rows, converted into the swizzled e4m3 tile
     store_box: Optional[tuple] = None  # the TMA-store epilogue's output (box, swizzle) (config.tma_store)
+    # stream K (config.stream_k, where the tiles end in a partial wave): the sk_tiles tiles from dp_tiles on are
+    # dealt out as block_iters k-blocks per block (none: 0s)
+    dp_tiles: int = 0
+    block_iters: int = 0
+    sk_tiles: int = 0
 
 
 def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int,
@@ -128,9 +133,12 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     config = replace(config, split_k=split_count(k_tiles, config.split_k))  # every split at least one k-block
     if config.split_k > 1:
         epilogue = replace(epilogue, partial=True)
-    tiles = math.ceil(m / config.bm) * math.ceil(n / config.bn) * config.split_k
+    # stream K over any partial last wave (a single one too: the M = 128 case)
+    schedule = grid_schedule(m, n, k_tiles, config.bm, config.bn, sms=sms, group_m=config.group_m,
+                             split_k=config.split_k, stream_k=StreamK("tail") if config.stream_k else None)
     b_box = (min(config.bn, 256), BK // 2) if config.packed_b else (min(config.bn, 256), BK)
     return ScaledPlan(config=config, epilogue=epilogue, swap=swap, m=m, n=n, k=k, k_tiles=k_tiles,
-                      grid=max(1, min(tiles, sms)), threads=128 * (1 + config.consumers),
+                      grid=max(1, schedule.grid), threads=128 * (1 + config.consumers),
                       a_box=(min(config.bm, 256), BK), b_box=b_box, b_swizzle=0 if config.packed_b else 128,
-                      store_box=store_box(config, False) if config.tma_store else None)
+                      store_box=store_box(config, False) if config.tma_store else None,
+                      dp_tiles=schedule.dp_tiles, block_iters=schedule.block_iters, sk_tiles=schedule.sk_tiles)

@@ -71,6 +71,8 @@ TMA_STORE_VARIANTS = [
     (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("block1x128", True, bias=True)),
     (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("row", True, bias=True)),
     (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("tensor", True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("mxfp8", True, bias=True)),
+    (ScaledConfig(128, 128, 5, 2, packed_b=True, tma_store=True), ScaledEpilogue("mxfp4", True)),
 ]
 
 

@@ -4,8 +4,9 @@ the mainloop (block recipes, promotion) or in the epilogue (tensor-wise and row-
 The kernel computes out[i, j] = scale(sum_k A[i, k] * B[j, k]) (+ bias) with A (M x K) and B (N x K) both K-major
 e4m3/e5m2 (fp8 wgmma reads no transposed operand: exactly ``torch._scaled_mm``'s row-major a and column-major b).
 The schedule is the dense GEMM's: one block per SM walks output tiles (nvfly.ops.common.scheduler, grouped
-rasterisation); warpgroup 0's first thread keeps a ring of 128-element k-blocks full with TMA loads; consumer
-warpgroups 1..C each own bm/C rows of the tile.
+rasterisation; with ``ScaledConfig.stream_k`` a partial last wave dealt out as k ranges, shared tiles summed by
+``nvfly.ops.common.epilogue.fix_up``); warpgroup 0's first thread keeps a ring of 128-element k-blocks full with
+TMA loads; consumer warpgroups 1..C each own bm/C rows of the tile.
 
 Two mainloops (``ScaledEpilogue.promote``):
 - accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's
@@ -21,7 +22,9 @@ Two mainloops (``ScaledEpilogue.promote``):
   tile (exact, times 2^-6, folded into B's scales) before its wgmmas. All run as
   ``nvfly.ops.common.mainloop.promote_k_blocks`` with this kernel's k-block (or k-step) body and promotion.
 The epilogue multiplies by the tensor-wise scale (sa * sb, read from device memory: no host sync) or the row-wise
-scales (sa[row] * sb[col]), adds the bias and stores each thread's fragments as 4-byte pairs (masked on tails).
+scales (sa[row] * sb[col]) and adds the bias (``epilogue_value``); with ``ScaledConfig.tma_store`` (16-bit outputs)
+it stages the tile in shared memory and TMA-stores it (the dense GEMM's ``stage_tile``), else it stores each
+thread's fragments as 4-byte pairs (masked on tails).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The scaled GEMM's TMA-store epilogue (the heuristic's 128-row tiles with 16-bit outputs) against the float32 GEMM
 of the dequantised operands and against the register epilogue of the same tile (the same fp32 math, so the same
-bits): every fp32 recipe, promoted and fast, bias, bf16 and fp16, tails in M, N and K, outputs TMA cannot store
+values to a bf16 ulp): every fp32 recipe, promoted and fast, bias, bf16 and fp16, tails in M, N and K, outputs TMA cannot store
 (misaligned: the register epilogue instead) and row-padded ones it can; the split-K alternative at M = 128; stream
 K. Fresh random inputs, NaN-poisoned outputs."""
 from dataclasses import replace
@@ -25,7 +25,7 @@ def test_tma_store_matches_the_reference_and_the_register_epilogue(hopper, scali
     """M, N and K all with tails (300 = 2 x 128 + 44 rows, 400 = 3 x 128 + 16 = 2 x 192 + 16 columns, K = 1040 =
     8 x 128 + 16), a bias for row and block scales; the heuristic's plan (a 128 x 64 TMA-store tile here, also with
     fp16 outputs) and explicit TMA-store tiles (128 x 128, 128 x 192, issuing ahead; 128 x 256 accumulating fast),
-    each but the last two next to the same tile storing through registers (the same bits)."""
+    each but the last two next to the same tile storing through registers (the same values, to a bf16 ulp)."""
     m, n, k = 300, 400, 1040
     a, b, sa, sb = operands(m, n, k, scaling)
     bias = torch.randn(n, device="cuda").to(torch.bfloat16) if scaling in ("row", "block") else None
@@ -49,7 +49,9 @@ def test_tma_store_matches_the_reference_and_the_register_epilogue(hopper, scali
             through_registers = poisoned(m, n, torch.bfloat16)
             scaled.scaled_mm(a, b, sa, sb, bias=bias, out=through_registers, config=registers(config),
                              use_fast_accum=fast)
-            assert torch.equal(out, through_registers), (config, fast)
+            # the same fp32 operations, one rounding to bf16 (ptxas may fuse a multiply-add differently: 1 ulp)
+            torch.testing.assert_close(out.float(), through_registers.float(), rtol=2 ** -7, atol=0,
+                                       msg=lambda text: f"{config} fast={fast}: {text}")
     fp16 = poisoned(m, n, torch.float16)
     scaled.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.float16, out=fp16)
     assert rel_error(fp16, ref) < TOL[torch.float16]

@@ -11,10 +11,15 @@ the same shape (nvfly_block_ms, vs_block). bf16 outputs. Every row carries its `
 
 Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [--shapes M,N,K ...]
 [--recipes tensor row block block1x128 tensor-fast row-fast mxfp8 mxfp4] [--name scaled] [--no-quantize]
-[--issue-ahead]. --quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise recipe only); only the
-MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name scaled_mx. The quantisation
-kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against the torch
-reference and timed after.
+[--issue-ahead] [--no-alternatives]. --quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise
+recipe only); only the MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name scaled_mx. Next to
+the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the register epilogue,
+"registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over
+128 x 128 tiles at 64 < M <= 128, "split2"; stream K over a partial last wave, "streamk"; the issue-ahead mainloop,
+"ahead", with --issue-ahead, always for block scales; --quick: on the row and block recipes only):
+``nvfly_<name>_ms``, ``<name>_vs_nvfly`` (> 1: the alternative is faster), ``<name>_vs_cublas``. The
+quantisation kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against
+the torch reference and timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
 
 MXFP4 weights x bf16 activations (``--a16``, its own suite, default name scaled_mxfp4_a16): rows M in {1, 4, 16, 64}
@@ -40,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_results  # noqa: E402
 from nvfly.ops import scaled  # noqa: E402
 from nvfly.ops.scaled import A16Config, ScaledConfig, ScaledEpilogue  # noqa: E402
+from nvfly.ops.scaled.config import deepest  # noqa: E402
 from nvfly.ops.scaled.plan import make_plan  # noqa: E402
 from nvfly.ops.scaled.quantize import dequantize_mxfp4, quantize, quantize_fp8, quantize_mxfp4  # noqa: E402
 
@@ -53,6 +59,8 @@ RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "ten
            "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False),
            "block1x128": ("1x128", "1x128", False), "mxfp8": ("mx", "mx", False), "mxfp4": ("mx", "mxfp4", False)}
 MX_RECIPES = ("mxfp8", "mxfp4")
+ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead")  # alternative_configs' names
+QUICK_ALTERNATIVES = ("row", "block")  # the recipes --quick times them on (the row-wise and block-scaled targets)
 
 
 def operands(m: int, n: int, k: int, recipe: str) -> tuple[torch.Tensor, ...]:
@@ -177,17 +185,37 @@ def a16_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def issue_ahead_config(m: int, n: int, k: int, recipe: str) -> Optional[ScaledConfig]:
-    """The heuristic's config for this promoted call with ``issue_ahead``, or None where it does not apply (fast
-    accumulation, block1x128, swapped or split-K small-M plans)."""
+def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dict[str, ScaledConfig]:
+    """Configs timed next to the heuristic's (``nvfly_<name>_ms``, ``<name>_vs_cublas``) on its unswapped, unsplit
+    fp8 plans: "registers", the same tile storing through registers; "previous", where the plan widened a promoted
+    tile to 128 x 192, the 128 x 128 register tile planned before; "split2", 65 to 128 rows, 128 x 128 tiles split
+    in two along K (128 units of work for 128 x 8192); "streamk", the plan's tile (128 x 128 at 65 to 128 rows) with
+    stream K, where the tiles end in a partial wave; with ``ahead`` (always for block scales), "ahead", the
+    promoted mainloop issuing k-block k+1 before k's add (not block1x128; 128 wide)."""
     scaling, fast = recipe.removesuffix("-fast"), RECIPES[recipe][2]
-    if fast or scaling == "block1x128":
-        return None
+    if recipe in MX_RECIPES:
+        return {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = make_plan(m, n, k, ScaledEpilogue(scaling, promote=True), None, None, sms)
+    plan = make_plan(m, n, k, ScaledEpilogue(scaling, promote=not fast or scaling.startswith("block")), None, None,
+                     sms)
     if plan.swap or plan.config.split_k > 1:
-        return None
-    return replace(plan.config, issue_ahead=True)
+        return {}
+    configs = {}
+    if plan.config.tma_store:
+        configs["registers"] = deepest(replace(plan.config, tma_store=False))
+        if plan.config.bn == 192:  # promoted tensor/row-wise tiles were at most 128 wide
+            configs["previous"] = deepest(replace(configs["registers"], bn=128))
+    if 64 < m <= 128:
+        configs["split2"] = deepest(ScaledConfig(128, 128, 2, 2, split_k=2))
+    streamed = deepest(ScaledConfig(128, 128, 2, 2, tma_store=True, stream_k=True)) if 64 < m <= 128 else \
+        replace(plan.config, stream_k=True)
+    if m > 64 and make_plan(m, n, k, plan.epilogue, streamed, False, sms).sk_tiles:  # ends in a partial wave
+        configs["streamk"] = streamed
+    if (ahead or scaling == "block") and not fast and scaling != "block1x128":
+        configs["ahead"] = replace(plan.config, issue_ahead=True)
+        if configs["ahead"].check(promote=True):  # three 64 x 192 accumulators do not fit: 128 wide
+            configs["ahead"] = deepest(replace(configs["ahead"], bn=128))
+    return configs
 
 
 def quantize_rows() -> list[dict[str, Any]]:
@@ -227,6 +255,8 @@ def main(argv=None) -> int:
     p.add_argument("--issue-ahead", action="store_true",
                    help="also time the promoted mainloop issuing k-block k+1 before k's add (ScaledConfig."
                         "issue_ahead) on the heuristic's unswapped tensor/row/block plans (nvfly_ahead_ms)")
+    p.add_argument("--no-alternatives", action="store_true",
+                   help="skip the alternative configs (alternative_configs: the register epilogue, split K at small M)")
     p.add_argument("--a16", action="store_true",
                    help="MXFP4 weights x bf16 activations instead (the module docstring; --quick: < 1 min)")
     p.add_argument("--a16-m", nargs="*", type=int, default=A16_M, help="--a16's token counts")
@@ -274,19 +304,22 @@ def main(argv=None) -> int:
                 row["nvfly_block_ms"] = block_ms[(m, n, k)]
             if cublas is not None:
                 row["cublas_ms"] = bench_ms(cublas)
-            ahead = issue_ahead_config(m, n, k, recipe) if args.issue_ahead else None
-            if ahead is not None:
-                out_ahead = torch.full_like(out, float("nan"))
-                scaled.scaled_mm(a, b, sa, sb, out=out_ahead, config=ahead)
-                row["ahead_rel_err"] = rel_err(out_ahead, ref)
-                row["nvfly_ahead_ms"] = bench_ms(lambda: scaled.scaled_mm(a, b, sa, sb, out=out_ahead, config=ahead))
+            timed = not args.no_alternatives and (recipe in QUICK_ALTERNATIVES or not args.quick)
+            alternatives = alternative_configs(m, n, k, recipe, args.issue_ahead) if timed else {}
+            for name, config in alternatives.items():
+                other = torch.full_like(out, float("nan"))
+                scaled.scaled_mm(a, b, sa, sb, out=other, config=config, use_fast_accum=fast)
+                row[f"{name}_rel_err"] = rel_err(other, ref)
+                row[f"nvfly_{name}_ms"] = bench_ms(
+                    lambda: scaled.scaled_mm(a, b, sa, sb, out=other, config=config, use_fast_accum=fast))
+                row[f"{name}_path"] = scaled.path(a, b, sa, sb, use_fast_accum=fast, config=config)
             if idx < triton_shapes and not recipe.startswith("block") and not (args.quick and recipe != "row"):
                 tri = triton_call(a, b, sa, sb, fast)
                 if tri is not None:
                     row["triton_ms"] = bench_ms(tri)
             row["bf16_ms"] = bf16_ms
             flop = 2.0 * m * n * k
-            for who in ("nvfly", "nvfly_ahead", "nvfly_block", "cublas", "triton", "bf16"):
+            for who in ("nvfly", "nvfly_block", "cublas", "triton", "bf16") + tuple(f"nvfly_{x}" for x in ALTERNATIVES):
                 if f"{who}_ms" in row:
                     row[f"{who}_tflops"] = flop / row[f"{who}_ms"] / 1e9
             for who in ("cublas", "triton", "bf16"):
@@ -294,15 +327,18 @@ def main(argv=None) -> int:
                     row[f"vs_{who}"] = row[f"{who}_ms"] / row["nvfly_ms"]
             if "nvfly_block_ms" in row:
                 row["vs_block"] = row["nvfly_block_ms"] / row["nvfly_ms"]
-            if "nvfly_ahead_ms" in row and "cublas_ms" in row:
-                row["ahead_vs_cublas"] = row["cublas_ms"] / row["nvfly_ahead_ms"]
+            for name in ALTERNATIVES:
+                if f"nvfly_{name}_ms" in row:
+                    row[f"{name}_vs_nvfly"] = row["nvfly_ms"] / row[f"nvfly_{name}_ms"]
+                    if "cublas_ms" in row:
+                        row[f"{name}_vs_cublas"] = row["cublas_ms"] / row[f"nvfly_{name}_ms"]
             rows.append(row)
             print(f"{m:>5}x{n:>5}x{k:>5} {recipe:>11}  err {row['rel_err']:.1e} max {row['max_err']:.1e}"
                   + (f" (cuBLAS {row['cublas_rel_err']:.1e})" if "cublas_rel_err" in row else "")
                   + f"  nvfly {row['nvfly_tflops']:6.1f}"
                   + (f"  cuBLAS {row['cublas_tflops']:6.1f} x{row['vs_cublas']:.2f}" if "cublas_ms" in row else "")
-                  + (f"  ahead {row['nvfly_ahead_tflops']:6.1f} x{row['ahead_vs_cublas']:.2f} (err "
-                     f"{row['ahead_rel_err']:.1e})" if "ahead_vs_cublas" in row else "")
+                  + "".join(f"  {name} {row[f'nvfly_{name}_tflops']:6.1f} (err {row[f'{name}_rel_err']:.1e})"
+                            for name in ALTERNATIVES if f"nvfly_{name}_ms" in row)
                   + (f"  Triton {row['triton_tflops']:6.1f} x{row['vs_triton']:.2f}" if "triton_ms" in row else "")
                   + (f"  nvfly block {row['nvfly_block_tflops']:6.1f} x{row['vs_block']:.2f}" if "vs_block" in row
                      else "")
@@ -315,7 +351,10 @@ def main(argv=None) -> int:
         summary[f"geomean_vs_bf16_{recipe}"] = geomean([r["vs_bf16"] for r in mine])
         if recipe in MX_RECIPES:
             summary[f"geomean_vs_block_{recipe}"] = geomean([r["vs_block"] for r in mine])
-    summary["geomean_ahead_vs_cublas"] = geomean([r["ahead_vs_cublas"] for r in rows if "ahead_vs_cublas" in r])
+    for name in ALTERNATIVES:  # the alternative against the heuristic's plan (> 1: faster) and against cuBLAS
+        summary[f"geomean_{name}_vs_nvfly"] = geomean([r[f"{name}_vs_nvfly"] for r in rows if f"{name}_vs_nvfly" in r])
+        summary[f"geomean_{name}_vs_cublas"] = geomean([r[f"{name}_vs_cublas"] for r in rows
+                                                        if f"{name}_vs_cublas" in r])
     summary["geomean_vs_triton"] = geomean([r["vs_triton"] for r in rows if "vs_triton" in r])
     quantized = [] if args.no_quantize else quantize_rows()
     if quantized:

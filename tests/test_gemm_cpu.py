@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 import nvfly
 from nvfly.arch.memory import L2Policy
 from nvfly.ops import gemm
+from nvfly.ops.common import operands
 from nvfly.ops.gemm.config import REDUCE_THREADS, SMEM_LIMIT, Epilogue, GemmConfig
 from nvfly.ops.gemm.kernel import split_k_reduce_kernel
 from nvfly.runtime.torch_args import vector_width
@@ -82,8 +83,8 @@ def make(m, n, k, a_major, b_major):
 def test_plans_and_descriptors_for_every_layout(mnk, majors):
     m, n, k = mnk
     a, b = make(m, n, k, *majors)
-    if gemm.plan.tma_reason("A", a, -1 if majors[0] == "row" else -2) or \
-            gemm.plan.tma_reason("B", b, -2 if majors[1] == "col" else -1):
+    if operands.tma_reason("A", a, -1 if majors[0] == "row" else -2) or \
+            operands.tma_reason("B", b, -2 if majors[1] == "col" else -1):
         pytest.skip("a stride TMA cannot express: declined by eligibility")
     a3, b3 = a.unsqueeze(0), b.unsqueeze(0)
     plan = gemm.plan.make_plan(a3, b3, False, "none", None, False)
@@ -126,7 +127,7 @@ def test_eligibility_reasons_on_cpu():
     a, b = make(64, 64, 64, "row", "row")
     assert gemm.eligibility(a, b) == "a is on cpu, not CUDA"
     odd = torch.randn(64, 1023).to(torch.bfloat16)
-    assert "16 bytes" in gemm.plan.tma_reason("A", odd, -1)
+    assert "16 bytes" in operands.tma_reason("A", odd, -1)
 
 
 @pytest.mark.parametrize("m", [1, 2, 8, 9, 16])

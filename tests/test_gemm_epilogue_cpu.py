@@ -10,6 +10,7 @@ import torch
 import nvfly
 from nvfly.arch import sm90
 from nvfly.ops import gemm
+from nvfly.ops.common import operands
 from nvfly.ops.gemm.config import SMEM_LIMIT, Epilogue, GemmConfig, store_box, store_width
 from nvfly.ops.common.epilogue import staging_lane_xor, staging_offset
 
@@ -191,14 +192,14 @@ def test_plans_decide_the_epilogue():
         128, 128, 5, 2, split_k=2, tma_store=True), False)
     assert split.config.split_k == 2 and not split.config.tma_store and split.store_box is None
     # launch-time decision on the output view
-    assert gemm.plan.store_reason(torch.empty(1, 333, 4096, dtype=torch.bfloat16)) is None
-    assert gemm.plan.store_reason(torch.empty(2, 333, 4096, dtype=torch.float16)) is None
-    assert "16-bit" in gemm.plan.store_reason(torch.empty(1, 333, 4096, dtype=torch.float32))
+    assert operands.store_reason(torch.empty(1, 333, 4096, dtype=torch.bfloat16)) is None
+    assert operands.store_reason(torch.empty(2, 333, 4096, dtype=torch.float16)) is None
+    assert "16-bit" in operands.store_reason(torch.empty(1, 333, 4096, dtype=torch.float32))
     odd = torch.empty(333, 4097, dtype=torch.bfloat16)[:, :4096].unsqueeze(0)
-    assert "16 bytes" in gemm.plan.store_reason(odd)
-    assert "contiguous" in gemm.plan.store_reason(torch.empty(1, 4096, 333, dtype=torch.bfloat16).transpose(1, 2))
-    assert "multiple of 16 bytes" in gemm.plan.store_reason(torch.empty(1, 8, 4104, dtype=torch.bfloat16)[..., :4097])
-    assert "address" in gemm.plan.store_reason(torch.empty(8 * 4096 + 1, dtype=torch.bfloat16)[1:].view(1, 8, 4096))
+    assert "16 bytes" in operands.store_reason(odd)
+    assert "contiguous" in operands.store_reason(torch.empty(1, 4096, 333, dtype=torch.bfloat16).transpose(1, 2))
+    assert "multiple of 16 bytes" in operands.store_reason(torch.empty(1, 8, 4104, dtype=torch.bfloat16)[..., :4097])
+    assert "address" in operands.store_reason(torch.empty(8 * 4096 + 1, dtype=torch.bfloat16)[1:].view(1, 8, 4096))
 
 
 def test_widened_mn_major_tiles_keep_within_shared_memory():

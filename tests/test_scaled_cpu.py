@@ -2,6 +2,7 @@
 spills, the plans follow the heuristic, the recipes are read off the scales' shapes, bad arguments raise errors
 naming them, and the torch references (quantisation, dequantised GEMM, MX decoding) are what they claim."""
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import nvfly
 from nvfly.ops import scaled
 from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.api import compile_variants, kernel_scales
+from nvfly.ops.scaled.config import deepest
 from nvfly.ops.scaled.plan import SWAP_MAX_M, make_plan
 from nvfly.ops.scaled.quantize import quantize
 from tests.test_grouped_cpu import check_kernel
@@ -24,6 +26,7 @@ VARIANTS = [
     (ScaledConfig(128, 256, 4, 2), ScaledEpilogue("row", False, bias=True)),
     (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", True, bias=True)),
     (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("tensor", True)),
+    (ScaledConfig(128, 192, 5, 2), ScaledEpilogue("tensor", True)),  # the wide promoted tile's f32 (register) plan
     (ScaledConfig(64, 16, 8, 1), ScaledEpilogue("row", False, bias=True, bias_rows=True)),
     (ScaledConfig(128, 64, 8, 2), ScaledEpilogue("tensor", True, bias=True, bias_rows=True)),
     (ScaledConfig(64, 16, 12, 1, split_k=8), ScaledEpilogue("row", True, bias=True, bias_rows=True, partial=True)),
@@ -56,6 +59,93 @@ def test_variants_compile_to_fp8_wgmma_without_spills(variant):
         assert k.count("QGMMA") == cfg.wg_m // 64 and "LDG.E.U8" in k.sass()
     if epi.scaling == "mxfp4":  # the packed tile: 16-byte shared loads, converted, two 16-byte stores, a barrier
         assert k.count("LDS.128") >= 1 and k.count("STS.128") >= 2 and k.count("BAR.SYNC") == 2
+
+
+# the TMA-store epilogue (the heuristic's 128-row tiles): scaled in registers, staged with stmatrix, stored by TMA
+TMA_STORE_VARIANTS = [
+    (ScaledConfig(128, 256, 4, 2, tma_store=True), ScaledEpilogue("row", False, bias=True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("row", True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 64, 8, 2, tma_store=True), ScaledEpilogue("tensor", True, bias=True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True, issue_ahead=True), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("block1x128", True, bias=True)),
+    (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("row", True, bias=True)),
+    (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("tensor", True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("mxfp8", True, bias=True)),
+    (ScaledConfig(128, 128, 5, 2, packed_b=True, tma_store=True), ScaledEpilogue("mxfp4", True)),
+]
+
+
+@pytest.mark.parametrize("variant", TMA_STORE_VARIANTS, ids=lambda v: f"{v[0].bm}x{v[0].bn}-{v[1].scaling}"
+                         f"{'-promoted' if v[1].promote else ''}{'-bias' if v[1].bias else ''}"
+                         f"{'-ahead' if v[0].issue_ahead else ''}")
+def test_tma_store_variants_compile_to_stmatrix_and_tma_stores(variant):
+    """fp8 wgmma, no spills; the epilogue is the staged one only: a TMA store per column slice of the consumer's
+    tile (UTMASTG), stmatrix.x4 per 16 columns of each 64-row atom (STSM), no register stores (STG)."""
+    cfg, epi = variant
+    (k,) = compile_variants([variant], out_dtype=torch.bfloat16 if epi.scaling != "tensor" else torch.float16)
+    check_kernel(k, f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3")
+    assert k.dynamic_smem_bytes == cfg.smem_bytes() == cfg.ring_end + cfg.bm * cfg.store_width * 2
+    assert k.count("UTMASTG") == cfg.bn // cfg.store_width
+    assert k.count("STSM") == (cfg.wg_m // 64) * cfg.bn // 16
+    assert k.count("STG") == 0
+    assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
+
+
+def test_tma_store_config_and_plans():
+    """The config's staging (behind the ring, counted by deepest), its checks, and where the plan keeps it: the
+    heuristic's 128-row tiles with 16-bit outputs; f32 outputs, swapped and split-K plans store through registers."""
+    cfg = ScaledConfig(128, 128, 6, 2, tma_store=True)
+    assert cfg.staging_bytes() == 128 * 64 * 2 and cfg.smem_bytes() == cfg.ring_end + 16384
+    assert deepest(ScaledConfig(128, 128, 2, 2, tma_store=True)).stages == 6  # 7 without staging
+    assert deepest(ScaledConfig(128, 128, 2, 2)).stages == 7
+    assert deepest(ScaledConfig(128, 256, 2, 2, tma_store=True)).stages == 4
+    assert "multiple of 16" in ScaledConfig(128, 120, 4, 2, tma_store=True).check()
+    assert "split-K" in ScaledConfig(128, 128, 4, 2, split_k=2, tma_store=True).check()
+    for scaling, promote in (("tensor", False), ("row", True), ("block", True), ("block1x128", True)):
+        epi = ScaledEpilogue(scaling, promote)
+        for m, n, k in ((4096, 4096, 4096), (8192, 8192, 8192), (4096, 2112, 7168), (128, 8192, 8192)):
+            plan = make_plan(m, n, k, epi, None, None, 132)
+            assert plan.config.tma_store and plan.store_box == ((64, plan.config.store_width),
+                                                                plan.config.store_width * 2)
+            assert "TMA-store epilogue" in scaled.api.describe_plan(plan)
+            f32 = make_plan(m, n, k, epi, None, None, 132, out_itemsize=4)
+            assert not f32.config.tma_store and f32.store_box is None
+            assert f32.config.stages == deepest(replace(plan.config, tma_store=False), most=plan.config.stages).stages
+    # promoted tensor/row-wise tiles widen to 192 where their waves take less time (waves x width): 4096 x 2112 in
+    # 3 waves of 128 x 192 (2.7) rather than 5 of 128 x 128 (4.1); 4096^2 stays 128 wide (6 x 192 > 8 x 128)
+    wide = make_plan(4096, 2112, 7168, ScaledEpilogue("row", True), None, None, 132).config
+    assert (wide.bn, wide.stages, wide.check(promote=True)) == (192, 5, None)
+    assert make_plan(4096, 4096, 4096, ScaledEpilogue("tensor", True), None, None, 132).config.bn == 128
+    assert make_plan(4096, 2112, 7168, ScaledEpilogue("block", True), None, None, 132).config.bn == 128
+    assert make_plan(4096, 2112, 7168, ScaledEpilogue("block1x128", True), None, None, 132).config.bn == 128
+    swapped = make_plan(16, 4096, 7168, ScaledEpilogue("row", True), ScaledConfig(64, 16, 8, 1, tma_store=True), True,
+                        132)
+    assert swapped.swap and not swapped.config.tma_store
+    split = make_plan(128, 8192, 8192, ScaledEpilogue("row", True), ScaledConfig(128, 128, 6, 2, split_k=2,
+                                                                                  tma_store=True), None, 132)
+    assert split.epilogue.partial and not split.config.tma_store
+    (k,) = compile_variants([(replace(split.config, tma_store=True), split.epilogue)])  # partials: registers
+    assert k.count("UTMASTG") == 0 and k.count("STSM") == 0
+
+
+def test_stream_k_compiles_and_plans():
+    """ScaledConfig.stream_k: the dense GEMM's fix-up (16-byte f32 reductions into the workspace, an arrival count)
+    next to the TMA-store epilogue, no spills; the plan streams a partial last wave (at M = 128 the only one: 64
+    tiles of 64 k-blocks as 128 ranges of 32, each tile shared by two blocks) and nothing for whole waves."""
+    for cfg, epi in ((ScaledConfig(128, 128, 6, 2, tma_store=True, stream_k=True), ScaledEpilogue("row", True, True)),
+                     (ScaledConfig(128, 128, 6, 2, tma_store=True, stream_k=True), ScaledEpilogue("block", True))):
+        (k,) = compile_variants([(cfg, epi)])
+        check_kernel(k, "QGMMA.64x128x32.F32.E4M3.E4M3")
+        assert k.count("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU") > 0 and k.count("ATOMG.E.ADD.STRONG.GPU") > 0
+        assert k.count("UTMASTG") == 2
+    stream = ScaledConfig(128, 128, 6, 2, tma_store=True, stream_k=True)
+    plan = make_plan(128, 8192, 8192, ScaledEpilogue("row", True), stream, None, 132)
+    assert (plan.dp_tiles, plan.block_iters, plan.sk_tiles, plan.grid) == (0, 32, 64, 128)
+    assert "stream K over 64 tiles" in scaled.api.describe_plan(plan)
+    whole = make_plan(128, 128 * 132, 4096, ScaledEpilogue("row", True), stream, None, 132)  # one whole wave
+    assert (whole.block_iters, whole.sk_tiles, whole.grid) == (0, 0, 132)
+    assert "stream K" in ScaledConfig(128, 128, 6, 2, split_k=2, stream_k=True).check()
 
 
 def test_out_dtypes_and_e5m2_compile():

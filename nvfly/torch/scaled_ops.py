@@ -303,17 +303,19 @@ def inductor_candidates(m: int, n: int, k: int, scaling: str, use_fast_accum: bo
     """Config strings for max-autotune: "auto" (the heuristic: swap-AB and split K for small M), then the variants
     below whose plans differ from those before (up to ``limit`` in all): the other side of the swap decision (the
     unswapped token tile for M <= 64, the swapped problem up to M = 256), the 128x128 tile, the widest tile of the
-    mainloop (128x256 accumulating fast, 128x128 issuing ahead when promoted) and 128x64."""
+    mainloop (128x256 accumulating fast, 128x128 issuing ahead when promoted) and 128x64, the 128-row ones with the
+    TMA-store epilogue (as the heuristic's)."""
     epilogue = ScaledEpilogue(scaling, promote=scaling in BLOCKWISE or not use_fast_accum, bias=bias)
     auto = make_plan(m, n, k, epilogue, None, None, sms)
     variants: list[tuple[ScaledConfig, bool]] = []
     if m <= SWAP_MAX_M:
-        variants.append((heuristic_config(m, n, k, epilogue.promote, False, sms), False))
+        variants.append((heuristic_config(m, n, k, epilogue.promote, False, sms, scaling), False))
     elif m <= 256:
-        variants.append((heuristic_config(n, m, k, epilogue.promote, True, sms), True))
-    wide = ScaledConfig(128, 128, issue_ahead=True) if epilogue.promote else ScaledConfig(128, 256)
-    variants += [(deepest(ScaledConfig(128, 128)), False), (deepest(wide), False),
-                 (deepest(ScaledConfig(128, 64)), False)]
+        variants.append((heuristic_config(n, m, k, epilogue.promote, True, sms, scaling), True))
+    wide = ScaledConfig(128, 128, issue_ahead=True, tma_store=True) if epilogue.promote else \
+        ScaledConfig(128, 256, tma_store=True)
+    variants += [(deepest(ScaledConfig(128, 128, tma_store=True)), False), (deepest(wide), False),
+                 (deepest(ScaledConfig(128, 64, tma_store=True)), False)]
     configs, planned = [AUTO], {(auto.config, auto.swap)}
     for cfg, swap in variants:
         try:

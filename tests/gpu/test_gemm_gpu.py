@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from nvfly.ops import gemm
+from nvfly.ops.common import operands
 from nvfly.ops.gemm import GemmConfig
 from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.gemm.skinny_config import SkinnyConfig
@@ -163,7 +164,7 @@ def test_tma_store_epilogue_tails_and_majors(hopper, config, mnk, majors):
     a = padded(m, k, torch.bfloat16, majors[0])
     b = padded(k, n, torch.bfloat16, majors[1])
     out, base = nan_output((m, n), torch.bfloat16)
-    reason = gemm.plan.store_reason(out.unsqueeze(0))
+    reason = operands.store_reason(out.unsqueeze(0))
     assert reason is None if n % 8 == 0 else "multiple of 16 bytes" in reason  # odd N: register epilogue
     gemm.matmul(a, b, out=out, config=config)
     check(out, gemm.reference(a, b), tol=1e-2)
@@ -211,7 +212,7 @@ def test_tma_store_epilogue_falls_back(hopper):
     # rows 521 elements apart: TMA cannot describe the output, the register epilogue writes it
     base = torch.full((333, 521), float("nan"), device="cuda", dtype=torch.bfloat16)
     out = base[:, :520]
-    assert "16 bytes" in gemm.plan.store_reason(out.unsqueeze(0))
+    assert "16 bytes" in operands.store_reason(out.unsqueeze(0))
     gemm.matmul(a, b, out=out, config=cfg)
     check(out, ref, tol=1e-2)
     assert torch.isnan(base[:, 520]).all()

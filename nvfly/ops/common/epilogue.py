@@ -7,7 +7,8 @@ the output TMA box (column slices of W = 64/32/16 elements, 128/64/32-byte swizz
 writes land in 8 different 16-byte bank groups), fences the generic proxy against the async one, syncs the
 consumer's 128 threads on a named barrier and lets one thread issue a TMA store per slice (TMA clips tails). A
 slice buffer is reused only after ``cp.async.bulk.wait_group.read``, so a tile's stores drain while the consumer
-runs the next tile's mainloop.
+runs the next tile's mainloop. Stream K (dense and scaled): ``fix_up`` adds a shared tile's part into its workspace
+slot, and the part counted in last takes the sums into the epilogue.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Any
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.ops.common.gemm_config import STORE_BARRIER, GemmConfig, store_box
+from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add, store_zeros_x4
+from nvfly.ops.common.gemm_config import STORE_BARRIER, StagedStore, store_box
 
 
 @nvfly.func
@@ -94,12 +96,12 @@ def staging_lane_xor(lane_row: Any, lane: Any, row_bytes: int) -> Any:
     return ((((lane_row * row_bytes) >> 7) & (row_bytes // 16 - 1)) ^ (lane // 16)) << 4
 
 
-def check_store_descriptor(desc: Any, cfg: GemmConfig, batched: bool) -> None:
+def check_store_descriptor(desc: Any, cfg: StagedStore, batched: bool) -> None:
     """The output descriptor the TMA-store epilogue needs: 16-bit, one (wg_m, store_width) box per slice with
     the matching swizzle (see ``store_box``)."""
     from nvfly.errors import CompileError
     if desc is None or not hasattr(desc, "info"):
-        raise CompileError("GemmConfig.tma_store needs the output's TMA descriptor (out_desc)")
+        raise CompileError("tma_store needs the output's TMA descriptor (out_desc)")
     box, swizzle = store_box(cfg, batched)
     info = desc.info
     if info.dtype.itemsize != 2 or tuple(info.box) != box or info.swizzle != swizzle:
@@ -165,3 +167,39 @@ def stage_tile(out_desc, c_in, accs, own, batch, tile_row, tile_col, row0, col0,
             coords = (tile_row, tile_col + s * W)
             sm90.tma_store(out_desc, own + b * SLICE_BYTES, (batch,) + coords if BATCHED else coords)
             sm90.tma_store_commit()
+
+
+@nvfly.func
+def fix_up(accs, partial, workspace, counters, index, arrivals, consumer, warp_in_wg, lane, contributors, ATOMS_M,
+           BN):
+    """Stream-K fix-up of one consumer tile: (values for the epilogue, whether to run it). A ``partial`` unit
+    (uniform over the warpgroup) adds its fragments into workspace slot ``index`` (each thread's 16-byte vectors
+    2 KB apart, so the warpgroup's adds are coalesced) and counts itself in on ``counters[index]``; the unit
+    that counts in last reads the complete sums back, zeroes the slot and the count for the next launch, and runs
+    the epilogue with them. Whole tiles keep their accumulators."""
+    VECTORS = BN // 8  # 16-byte vectors per atom row of fragments
+    first = index * (ATOMS_M * 64 * BN) + 4 * (warp_in_wg * 32 + lane)
+    if partial:
+        for i in nvfly.static_range(ATOMS_M):
+            for q in nvfly.static_range(VECTORS):
+                red_add(workspace.address(first + 512 * (i * VECTORS + q)), [accs[i][4 * q + e] for e in range(4)])
+        nvfly.threadfence()  # this thread's adds are visible GPU-wide before the warpgroup counts itself in
+        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+        if (warp_in_wg == 0) & (lane == 0):
+            arrivals[consumer] = arrive(counters.address(index))
+        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+    last = partial & (arrivals[consumer] == contributors - 1)
+    values = [[accs[i][e] for e in range(BN // 2)] for i in range(ATOMS_M)]
+    if last:  # (a branch, not selects: the sums replace the accumulators, so both are never live at once)
+        nvfly.threadfence()
+        values = []
+        for i in nvfly.static_range(ATOMS_M):
+            row = []
+            for q in nvfly.static_range(VECTORS):
+                row += load_relaxed(workspace.address(first + 512 * (i * VECTORS + q)), nvfly.f32, 4)
+            values.append(row)
+        for j in nvfly.static_range(ATOMS_M * VECTORS):
+            store_zeros_x4(workspace.address(first + 512 * j))
+        if (warp_in_wg == 0) & (lane == 0):
+            counters[index] = 0
+    return values, (~partial) | last

@@ -13,11 +13,47 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 BARRIER_BYTES = 1024  # barriers first; the ring starts 1024-byte aligned (swizzle atoms need it)
 SMEM_LIMIT = 232448
+ARRIVAL_OFFSET = 512  # stream-K: each consumer's arrival count, in the barrier area after the ring's barriers
 STORE_BARRIER = 4  # named barriers 4 and 5: each consumer warpgroup's epilogue (2 and 3: ping-pong turns)
 
 
+class StagedStore:
+    """The TMA-store epilogue's staging geometry of a config with ``bn``, ``wg_m``, ``consumers``, ``tma_store`` and
+    ``store_buffers`` (the dense/grouped ``GemmConfig`` and the scaled ``ScaledConfig``): each consumer warpgroup
+    stages ``store_slices`` column slices of ``store_width`` columns of its ``wg_m`` rows."""
+
+    @property
+    def store_width(self) -> int:
+        """Columns of one staging slice (one TMA store box): 64 (128-byte swizzle rows), else 32 or 16."""
+        return store_width(self.bn)
+
+    @property
+    def store_slices(self) -> int:
+        """Staging slices per consumer warpgroup (the tile's column slices, at most store_buffers)."""
+        return min(self.store_buffers, self.bn // self.store_width)
+
+    def staging_bytes(self, out_itemsize: int = 2) -> int:
+        """Shared memory of the TMA-store epilogue's staging buffers (all consumers)."""
+        if not self.tma_store:
+            return 0
+        rows = self.wg_m * self.consumers  # ping-pong: 2 x bm; cooperative: bm
+        return rows * self.store_width * out_itemsize * self.store_slices
+
+    def staging_reason(self) -> Optional[str]:
+        """None when the TMA-store epilogue can stage this config's tiles (or it has none), else why not."""
+        if not self.tma_store:
+            return None
+        if self.bn % 16:
+            return f"bn={self.bn}: the TMA-store epilogue needs a multiple of 16 (stmatrix pairs of 8 columns)"
+        if self.split_k != 1:
+            return "the TMA-store epilogue does not store split-K partials (f32)"
+        if self.store_buffers < 1:
+            return "the TMA-store epilogue needs at least one staging buffer"
+        return None
+
+
 @dataclass(frozen=True)
-class GemmConfig:
+class GemmConfig(StagedStore):
     """One point of the GEMM config space.
 
     bm x bn: the block's output tile; consumers: consumer warpgroups splitting bm; stages: ring depth;
@@ -46,23 +82,6 @@ class GemmConfig:
 
     def bk(self, itemsize: int) -> int:
         return BK_BYTES // itemsize
-
-    @property
-    def store_width(self) -> int:
-        """Columns of one staging slice (one TMA store box): 64 (128-byte swizzle rows), else 32 or 16."""
-        return store_width(self.bn)
-
-    @property
-    def store_slices(self) -> int:
-        """Staging slices per consumer warpgroup (the tile's column slices, at most store_buffers)."""
-        return min(self.store_buffers, self.bn // self.store_width)
-
-    def staging_bytes(self, out_itemsize: int = 2) -> int:
-        """Shared memory of the TMA-store epilogue's staging buffers (all consumers)."""
-        if not self.tma_store:
-            return 0
-        rows = self.wg_m * self.consumers  # ping-pong: 2 x bm; cooperative: bm
-        return rows * self.store_width * out_itemsize * self.store_slices
 
     def ring_end(self, itemsize: int) -> int:
         return BARRIER_BYTES + self.stages * (self.bm + self.bn) * self.bk(itemsize) * itemsize
@@ -101,13 +120,8 @@ class GemmConfig:
                     f"of {32 // itemsize} columns (MN-major)")
         if self.cluster_m == 2 and self.group_m % 2:
             return "a 2-block cluster needs an even group_m"
-        if self.tma_store:
-            if self.bn % 16:
-                return f"bn={self.bn}: the TMA-store epilogue needs a multiple of 16 (stmatrix pairs of 8 columns)"
-            if self.split_k != 1:
-                return "the TMA-store epilogue does not store split-K partials (f32)"
-            if self.store_buffers < 1:
-                return "the TMA-store epilogue needs at least one staging buffer"
+        if self.staging_reason():
+            return self.staging_reason()
         if self.smem_bytes(itemsize) > SMEM_LIMIT:
             return f"{self.smem_bytes(itemsize)} bytes of shared memory exceed {SMEM_LIMIT}"
         return None
@@ -120,7 +134,7 @@ def store_width(bn: int) -> int:
     return 0
 
 
-def store_box(cfg: GemmConfig, batched: bool) -> tuple[tuple[int, ...], int]:
+def store_box(cfg: StagedStore, batched: bool) -> tuple[tuple[int, ...], int]:
     """(TMA box, swizzle) of the output descriptor of the TMA-store epilogue (16-bit outputs)."""
     width = cfg.store_width
     return (1,) * batched + (cfg.wg_m, width), width * 2

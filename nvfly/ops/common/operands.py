@@ -1,5 +1,6 @@
 """Host-side checks the wgmma GEMM family shares (dense, grouped, scaled): the 16-bit operand dtypes, an operand's
-major-ness, whether TMA can describe a tensor, and whether the arguments sit on one Hopper GPU."""
+major-ness, whether TMA can describe a tensor (or store an output), and whether the arguments sit on one Hopper
+GPU."""
 from __future__ import annotations
 
 import functools
@@ -54,3 +55,17 @@ def hopper_reason(what: str, a: Any, **others: Any) -> Optional[str]:
     if major != 9:
         return f"a is on an sm_{major}{minor} GPU: {what} needs an sm_90 (Hopper) GPU"
     return None
+
+
+def store_reason(out3: torch.Tensor) -> Optional[str]:
+    """None when the TMA-store epilogue can write the output view ``out3`` ([B,] M, N as the kernel sees it), else
+    why the register epilogue stores it instead."""
+    if out3.element_size() != 2:
+        return "the TMA-store epilogue stores 16-bit outputs (stmatrix); f32 goes through registers"
+    if out3.stride(-1) != 1 and out3.shape[-1] != 1:
+        return "the output's last dimension is not contiguous"
+    if out3.shape[-1] * out3.element_size() % 16:
+        # seen on the H200: with such an extent the TMA store also wrote the columns just past it (the
+        # padding of a strided view), so only whole 16-byte rows are stored through TMA
+        return "the output's rows are not a multiple of 16 bytes long"
+    return tma_reason("out", out3, -1)

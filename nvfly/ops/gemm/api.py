@@ -14,11 +14,11 @@ import torch
 import nvfly
 from nvfly.ops.common import scratch
 from nvfly.ops.common.opcall import OpCalls, named
-from nvfly.ops.common.operands import OPERAND_DTYPES, hopper_reason, operand_major, tma_reason
+from nvfly.ops.common.operands import OPERAND_DTYPES, hopper_reason, operand_major, store_reason, tma_reason
 from nvfly.ops.gemm import skinny_plan
 from nvfly.ops.gemm.config import ACTIVATIONS, REDUCE_THREADS, Epilogue, GemmConfig, store_box
 from nvfly.ops.gemm.kernel import gemm_kernel, split_k_reduce_kernel
-from nvfly.ops.gemm.plan import GemmPlan, operand_box, plan_call, store_reason
+from nvfly.ops.gemm.plan import GemmPlan, operand_box, plan_call
 from nvfly.ops.gemm.skinny_config import SkinnyConfig
 from nvfly.ops.gemm.skinny_plan import SkinnyPlan
 from nvfly.runtime.tma import cached_descriptor

@@ -10,7 +10,6 @@ from typing import Optional
 from nvfly.ops.common.gemm_config import ACTIVATIONS, SMEM_LIMIT, Epilogue, GemmConfig, store_box, store_width
 
 REDUCE_THREADS = 256  # threads per block of split_k_reduce_kernel
-ARRIVAL_OFFSET = 512  # stream-K: each consumer's arrival count, in the barrier area after the ring's barriers
 
 
 def load_hint(cfg: GemmConfig, operand: str) -> Optional[str]:

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.arch.gpu_scope import arrive, load_relaxed, red_add, store_zeros_x4
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.common.epilogue import activate, check_store_descriptor, stage_tile, store_tile
-from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, GemmConfig
+from nvfly.ops.common.epilogue import activate, check_store_descriptor, fix_up, stage_tile, store_tile
+from nvfly.ops.common.gemm_config import ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, GemmConfig
 from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, init_ring, issue_k_block, load_boxes
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
-from nvfly.ops.gemm.config import ARRIVAL_OFFSET, REDUCE_THREADS, load_hint
+from nvfly.ops.gemm.config import REDUCE_THREADS, load_hint
 
 
 @nvfly.kernel
@@ -179,42 +178,6 @@ def gemm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: n
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
     if CM > 1:
         sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
-
-
-@nvfly.func
-def fix_up(accs, partial, workspace, counters, index, arrivals, consumer, warp_in_wg, lane, contributors, ATOMS_M,
-           BN):
-    """Stream-K fix-up of one consumer tile: (values for the epilogue, whether to run it). A ``partial`` unit
-    (uniform over the warpgroup) adds its fragments into workspace slot ``index`` (each thread's 16-byte vectors
-    2 KB apart, so the warpgroup's adds are coalesced) and counts itself in on ``counters[index]``; the unit
-    that counts in last reads the complete sums back, zeroes the slot and the count for the next launch, and runs
-    the epilogue with them. Whole tiles keep their accumulators."""
-    VECTORS = BN // 8  # 16-byte vectors per atom row of fragments
-    first = index * (ATOMS_M * 64 * BN) + 4 * (warp_in_wg * 32 + lane)
-    if partial:
-        for i in nvfly.static_range(ATOMS_M):
-            for q in nvfly.static_range(VECTORS):
-                red_add(workspace.address(first + 512 * (i * VECTORS + q)), [accs[i][4 * q + e] for e in range(4)])
-        nvfly.threadfence()  # this thread's adds are visible GPU-wide before the warpgroup counts itself in
-        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
-        if (warp_in_wg == 0) & (lane == 0):
-            arrivals[consumer] = arrive(counters.address(index))
-        nvfly.named_barrier(STORE_BARRIER + consumer, 128)
-    last = partial & (arrivals[consumer] == contributors - 1)
-    values = [[accs[i][e] for e in range(BN // 2)] for i in range(ATOMS_M)]
-    if last:  # (a branch, not selects: the sums replace the accumulators, so both are never live at once)
-        nvfly.threadfence()
-        values = []
-        for i in nvfly.static_range(ATOMS_M):
-            row = []
-            for q in nvfly.static_range(VECTORS):
-                row += load_relaxed(workspace.address(first + 512 * (i * VECTORS + q)), nvfly.f32, 4)
-            values.append(row)
-        for j in nvfly.static_range(ATOMS_M * VECTORS):
-            store_zeros_x4(workspace.address(first + 512 * j))
-        if (warp_in_wg == 0) & (lane == 0):
-            counters[index] = 0
-    return values, (~partial) | last
 
 
 def check_stream_k(cfg: GemmConfig) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from nvfly.arch import sm90
 from nvfly.ops.common.mainloop import operand_box
-from nvfly.ops.common.operands import OPERAND_DTYPES, operand_major, tma_reason
+from nvfly.ops.common.operands import OPERAND_DTYPES, operand_major
 from nvfly.ops.common.scheduler import STREAM_K_REGIONS, StreamK, StreamKSplit, grid_schedule, split_count, \
     stream_k_split
 from nvfly.ops.gemm import skinny_plan
@@ -38,21 +38,6 @@ SKINNY_MAX_M_SHORT_K = 8
 SKINNY_MAX_M_ROW_B = 4
 # row-major B with column-major tokens (A = x.t(): M contiguous): one token tile still wins, two do not
 SKINNY_MAX_M_COLUMN_TOKENS = 8
-
-
-# ---------------------------------------------------------------------------------------------- operands
-def store_reason(out3: torch.Tensor) -> Optional[str]:
-    """None when the TMA-store epilogue can write the 3-D output view ``out3`` ([B, M, N] as the kernel sees
-    it), else why the register epilogue stores it instead."""
-    if out3.element_size() != 2:
-        return "the TMA-store epilogue stores 16-bit outputs (stmatrix); f32 goes through registers"
-    if out3.stride(-1) != 1 and out3.shape[-1] != 1:
-        return "the output's last dimension is not contiguous"
-    if out3.shape[-1] * out3.element_size() % 16:
-        # seen on the H200: with such an extent the TMA store also wrote the columns just past it (the
-        # padding of a strided view), so only whole 16-byte rows are stored through TMA
-        return "the output's rows are not a multiple of 16 bytes long"
-    return tma_reason("out", out3, -1)
 
 
 # ---------------------------------------------------------------------------------------------- configs

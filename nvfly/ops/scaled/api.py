@@ -34,17 +34,19 @@ block's scale, fp32 accumulation) runs it, fast for M <= 16; ``use_fast_accum`` 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
 import nvfly
 from nvfly.ops.common import scratch
+from nvfly.ops.common.gemm_config import store_box
 from nvfly.ops.common.opcall import OpCalls, named
-from nvfly.ops.common.operands import hopper_reason
+from nvfly.ops.common.operands import hopper_reason, store_reason
 from nvfly.ops.scaled.a16_kernel import mxfp4_a16_kernel
 from nvfly.ops.scaled.a16_plan import A16Config, A16Plan, describe_a16_plan, make_a16_plan
-from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, MX_BLOCK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
+from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, MX_BLOCK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue, deepest
 from nvfly.ops.scaled.kernel import scaled_mm_kernel, scaled_reduce_kernel
 from nvfly.ops.scaled.plan import ScaledPlan, make_plan
 from nvfly.ops.scaled.quantize import dequantize_mx, dequantize_mxfp4
@@ -327,7 +329,9 @@ def describe_plan(plan: ScaledPlan) -> str:
     cfg, epi = plan.config, plan.epilogue
     name = f"scaled-{epi.scaling}" + ("-promoted" if epi.promote else "") + ("-ahead" if cfg.issue_ahead else "") + \
         ("-swapAB" if plan.swap else "") + (f"-splitK{cfg.split_k}" if cfg.split_k > 1 else "")
-    return f"{name}: {cfg.bm}x{cfg.bn} tile on {plan.grid} blocks, {cfg.stages} stages"
+    return f"{name}: {cfg.bm}x{cfg.bn} tile on {plan.grid} blocks, {cfg.stages} stages" + \
+        (", TMA-store epilogue" if cfg.tma_store else "") + \
+        (f", stream K over {plan.sk_tiles} tiles" if plan.sk_tiles else "")
 
 
 def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: torch.dtype, use_fast_accum: bool,
@@ -337,7 +341,7 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: torc
         raise TypeError(f"config: expected a ScaledConfig or None, got {type(config).__name__}")
     epilogue = ScaledEpilogue(scaling, promote=scaling in BLOCKWISE or not use_fast_accum, bias=bias is not None)
     sms = plan_sm_count(a.get_device())
-    return make_plan(a.shape[0], b.shape[1], a.shape[1], epilogue, config, swap, sms)
+    return make_plan(a.shape[0], b.shape[1], a.shape[1], epilogue, config, swap, sms, out_dtype.itemsize)
 
 
 def _bound(op: str, a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: Any, use_fast_accum: bool,
@@ -360,6 +364,9 @@ def _new_call(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: 
     reason = eligibility(a, b, scale_a, scale_b, bias, out_dtype, out)
     if reason:
         raise ValueError(reason)
+    if plan.config.tma_store and out is not None and store_reason(out) is not None:  # registers store any layout
+        registers = deepest(replace(plan.config, tma_store=False), most=plan.config.stages)
+        plan = _plan(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out, registers, plan.swap)
     return _Call(plan, out, out_dtype)
 
 
@@ -406,10 +413,16 @@ class _Call:
             target = partials.transpose(1, 2) if plan.swap else partials
         if kernel_b.dtype == FP4_DTYPE:  # TMA copies the packed pairs as bytes
             kernel_b = kernel_b.view(torch.uint8)
+        out_desc = cached_descriptor(target, *plan.store_box) if plan.config.tma_store else None
+        sums = counts = None
+        if plan.sk_tiles:  # stream K: one workspace slot (zero between launches) and count per shared consumer tile
+            cfg = plan.config
+            sums, counts = scratch.workspace(a.device, current_stream(a.device.index), plan.sk_tiles * cfg.consumers,
+                                             cfg.wg_m * cfg.bn)
         self.launch(cached_descriptor(kernel_a, plan.a_box, 128),
                     cached_descriptor(kernel_b, plan.b_box, plan.b_swizzle),
-                    target, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n, plan.k_tiles,
-                    plan.config, plan.epilogue)
+                    target, out_desc, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n, plan.k_tiles,
+                    sums, counts, plan.dp_tiles, plan.block_iters, plan.config, plan.epilogue)
         if self.reduce is not None:
             self.reduce(partials, out, caller_sa, caller_sb, bias, self.out_m, self.out_n, plan.config.split_k,
                         plan.epilogue.scaling, self.reduce_vec, REDUCE_THREADS)
@@ -557,7 +570,7 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
                      dtypes: tuple[Any, Any] = (nvfly.f8e4m3, nvfly.f8e4m3), target: str = "sm_90a") -> list[Any]:
     """Compile the kernel for each (config, epilogue) without a GPU (M = N = K = 4096 strides; ``bias_rows``: a
     swapped plan's transposed output); returns CompiledKernels."""
-    from nvfly.frontend.dtypes import bf16, f16, f32, u8
+    from nvfly.frontend.dtypes import bf16, f16, f32, i32, u8
     from nvfly.runtime.tensor_desc import TensorDesc
     out_nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}[out_dtype]
     size = 4096
@@ -583,8 +596,14 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
         else:  # 1x128 x 1x128: the kernel's sb is torch's (K/128, N) transposed
             sa, sb = TensorDesc(f32, (size, kb), (1, size)), TensorDesc(f32, (size, kb), (1, size))
         bias = TensorDesc(bf16, (size,)) if epi.bias else None
-        kernels.append(scaled_mm_kernel.compile(a_desc, b_desc, out, sa, sb, bias, size, size,
-                                                math.ceil(size / BK), CFG=cfg, EPI=epi,
+        out_desc = None
+        if cfg.tma_store and not epi.partial:
+            box, swizzle = store_box(cfg, False)
+            out_desc = nvfly.TmaDescriptor(out, box, swizzle=swizzle)
+        sums = TensorDesc(f32, (1 << 24,)) if cfg.stream_k else None  # stream K's workspace and counts
+        counts = TensorDesc(i32, (1024,)) if cfg.stream_k else None
+        kernels.append(scaled_mm_kernel.compile(a_desc, b_desc, out, out_desc, sa, sb, bias, size, size,
+                                                math.ceil(size / BK), sums, counts, 0, 0, CFG=cfg, EPI=epi,
                                                 block=128 * (1 + cfg.consumers), target=target))
     return kernels
 

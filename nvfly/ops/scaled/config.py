@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from nvfly.ops.common.gemm_config import BARRIER_BYTES, SMEM_LIMIT
+from nvfly.ops.common.gemm_config import BARRIER_BYTES, SMEM_LIMIT, StagedStore
 
 BK = 128           # K elements per k-block: one 128-byte swizzle row of fp8, and the block scales' 128
 SCALE_BLOCK = 128  # the block recipes' block edge (1x128 activations, 128x128 weights)
@@ -15,13 +15,17 @@ BLOCKWISE = ("block", "block1x128") + MX  # scales applied in the mainloop
 
 
 @dataclass(frozen=True)
-class ScaledConfig:
+class ScaledConfig(StagedStore):
     """One point of the scaled GEMM's config space: a bm x bn output tile split between ``consumers`` warpgroups
     (64 or 128 rows each), a ring of ``stages`` k-blocks of 128, ``group_m`` tile rows per rasterisation group,
     ``split_k`` K splits (each writes f32 partial sums; a reduce kernel scales and adds them); ``issue_ahead``: the
     promoted mainloop issues k-block k+1's wgmmas before k's fp32 add (a third accumulator); ``packed_b``: B arrives
     as packed e2m1 (MXFP4, set by the plan): each stage also holds B's packed bn x 64-byte tile, which the consumers
-    convert into the stage's e4m3 tile."""
+    convert into the stage's e4m3 tile; ``tma_store``: the epilogue stages the scaled 16-bit tile in shared memory
+    (``store_buffers`` column slices of ``store_width`` per consumer, behind the ring) and stores it with TMA, as the
+    dense GEMM's (others, and split-K partials, go through registers); ``stream_k``: a partial last wave of tiles
+    (a single one included) is dealt out as contiguous k ranges over all SMs, shared tiles summed in a workspace
+    (the dense GEMM's stream K; the plan decides whether the shape has such a wave)."""
     bm: int = 128
     bn: int = 128
     stages: int = 6
@@ -30,6 +34,9 @@ class ScaledConfig:
     split_k: int = 1
     issue_ahead: bool = False
     packed_b: bool = False
+    tma_store: bool = False
+    store_buffers: int = 1
+    stream_k: bool = False
 
     @property
     def wg_m(self) -> int:
@@ -44,8 +51,13 @@ class ScaledConfig:
         """The bytes TMA brings into a stage (B's packed tile rather than its e4m3 one when ``packed_b``)."""
         return (self.bm + (self.bn // 2 if self.packed_b else self.bn)) * BK
 
-    def smem_bytes(self) -> int:
+    @property
+    def ring_end(self) -> int:
+        """Where the ring ends in dynamic shared memory (the TMA-store staging buffers start)."""
         return BARRIER_BYTES + self.stages * self.stage_bytes
+
+    def smem_bytes(self) -> int:
+        return self.ring_end + self.staging_bytes()
 
     def check(self, promote: bool = False) -> Optional[str]:
         """None if this config compiles (with a promoted accumulator when ``promote``), else why not."""
@@ -58,14 +70,19 @@ class ScaledConfig:
         if self.issue_ahead and not promote:
             return "issue_ahead: only the promoted mainloop issues ahead"
         # promotion keeps a second accumulator (the running fp32 sum next to the k-block's partial), issuing ahead
-        # a third (the next k-block's partial)
+        # a third (the next k-block's partial); up to 192 of the consumers' 232 registers compile without spills
         accumulators = 3 if self.issue_ahead else 2 if promote else 1
         registers = (self.wg_m // 64) * self.bn // 2 * accumulators
-        if registers > (192 if self.issue_ahead else 128):
-            return (f"{self.wg_m}x{self.bn} per consumer needs {registers} accumulator registers (at most "
-                    f"{'192' if self.issue_ahead else '128'}, {accumulators} accumulator(s))")
+        most = 128 if accumulators == 1 else 192
+        if registers > most:
+            return (f"{self.wg_m}x{self.bn} per consumer needs {registers} accumulator registers (at most {most}, "
+                    f"{accumulators} accumulator(s))")
         if self.stages < 2:
             return "at least 2 stages"
+        if self.staging_reason():
+            return self.staging_reason()
+        if self.stream_k and self.split_k != 1:
+            return "stream_k: stream K takes no K split"
         if not 1 <= self.split_k <= 32:
             return f"split_k={self.split_k}: 1 to 32"
         if self.smem_bytes() > SMEM_LIMIT:
@@ -75,7 +92,7 @@ class ScaledConfig:
 
 def deepest(cfg: ScaledConfig, most: int = 8) -> ScaledConfig:
     """``cfg`` with the deepest ring of at most ``most`` stages that fits shared memory."""
-    stages = max(2, min(most, (SMEM_LIMIT - BARRIER_BYTES) // cfg.stage_bytes))
+    stages = max(2, min(most, (SMEM_LIMIT - BARRIER_BYTES - cfg.staging_bytes()) // cfg.stage_bytes))
     return replace(cfg, stages=stages)
 
 

@@ -4,8 +4,9 @@ the mainloop (block recipes, promotion) or in the epilogue (tensor-wise and row-
 The kernel computes out[i, j] = scale(sum_k A[i, k] * B[j, k]) (+ bias) with A (M x K) and B (N x K) both K-major
 e4m3/e5m2 (fp8 wgmma reads no transposed operand: exactly ``torch._scaled_mm``'s row-major a and column-major b).
 The schedule is the dense GEMM's: one block per SM walks output tiles (nvfly.ops.common.scheduler, grouped
-rasterisation); warpgroup 0's first thread keeps a ring of 128-element k-blocks full with TMA loads; consumer
-warpgroups 1..C each own bm/C rows of the tile.
+rasterisation; with ``ScaledConfig.stream_k`` a partial last wave dealt out as k ranges, shared tiles summed by
+``nvfly.ops.common.epilogue.fix_up``); warpgroup 0's first thread keeps a ring of 128-element k-blocks full with
+TMA loads; consumer warpgroups 1..C each own bm/C rows of the tile.
 
 Two mainloops (``ScaledEpilogue.promote``):
 - accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's
@@ -21,7 +22,9 @@ Two mainloops (``ScaledEpilogue.promote``):
   tile (exact, times 2^-6, folded into B's scales) before its wgmmas. All run as
   ``nvfly.ops.common.mainloop.promote_k_blocks`` with this kernel's k-block (or k-step) body and promotion.
 The epilogue multiplies by the tensor-wise scale (sa * sb, read from device memory: no host sync) or the row-wise
-scales (sa[row] * sb[col]), adds the bias and stores each thread's fragments as 4-byte pairs (masked on tails).
+scales (sa[row] * sb[col]) and adds the bias (``epilogue_value``); with ``ScaledConfig.tma_store`` (16-bit outputs)
+it stages the tile in shared memory and TMA-stores it (the dense GEMM's ``stage_tile``), else it stores each
+thread's fragments as 4-byte pairs (masked on tails).
 """
 from __future__ import annotations
 
@@ -31,20 +34,22 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.floats import convert_shared_e2m1x32, e8m0_to_f32
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.common.epilogue import store_tile
-from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
+from nvfly.ops.common.epilogue import check_store_descriptor, fix_up, stage_tile, store_tile
+from nvfly.ops.common.gemm_config import ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
 from nvfly.ops.common.mainloop import (consume_k_blocks, init_ring, issue_k_block, load_boxes, produce_tiles,
                                        promote_k_blocks)
-from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
+from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK
 
 PARTIAL = Epilogue(partial=True)
+STAGED = Epilogue()  # the TMA-store epilogue stages values already scaled (``scaled_values``)
 
 
 @nvfly.kernel
-def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor,
+def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, out_desc,
                      scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, bias, m: nvfly.i32, n: nvfly.i32,
-                     k_tiles: nvfly.i32, CFG: nvfly.Constexpr, EPI: nvfly.Constexpr):
+                     k_tiles: nvfly.i32, workspace, counters, dp_tiles: nvfly.i32, block_iters: nvfly.i32,
+                     CFG: nvfly.Constexpr, EPI: nvfly.Constexpr):
     dtype = a_desc.info.dtype
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
     WG_M = CFG.wg_m
@@ -55,14 +60,26 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     A_BYTES = BM * BK
     STAGE_BYTES = CFG.stage_bytes
     ring, pipe = fp8_ring(CFG)
+    TMA_STORE = CFG.tma_store and not EPI.partial
+    staging = None
+    if TMA_STORE:
+        check_store_descriptor(out_desc, CFG, False)
+        staging = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (CFG.staging_bytes(),),
+                                                           offset_bytes=CFG.ring_end))
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
     wg = warp // 4
-    init_ring(pipe, tid, a_desc, b_desc, None, False)
+    STREAM_K = workspace is not None
+    if STREAM_K:  # each consumer's arrival count, after the ring's barriers
+        arrivals = nvfly.dynamic_shared_tensor(nvfly.i32, (WGS,), offset_bytes=ARRIVAL_OFFSET)
+    init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
     nvfly.syncthreads()
-    TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k)
-    first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1, k_tiles, None, TILING)
+    TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k, stream_k=STREAM_K)
+    first_tile = nvfly.block_idx.x
+    tile_step = nvfly.grid_dim.x
+    tiles = tile_grid(m, n, 1, k_tiles, dp_tiles, block_iters, tile_step, None, None, TILING)
+    num_units = block_units(first_tile, tiles, TILING)
 
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
@@ -97,12 +114,37 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, work.k_begin, work.k_end, lane,
                                        tid, scales_of, CFG, EPI)
             inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
-            if EPI.partial:  # split K: unscaled f32 sums into out[split] (the dense GEMM's partial store)
-                store_tile(out, None, accs, work.split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, inside)
-            elif inside:
-                store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
-            else:
-                store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
+            finished = True
+            if STREAM_K:  # a tile other blocks share: its sums complete in the part counted in last (the dense GEMM's)
+                accs, finished = fix_up(accs, work.contributors > 1, workspace, counters, work.slot * WGS + consumer,
+                                        arrivals, consumer, warp_in_wg, lane, work.contributors, ATOMS_M, BN)
+            if finished:
+                store_consumer_tile(out, out_desc, accs, scale_a, scale_b, bias, staging,
+                                    work.split, tm, tn, row0, col0, m, n, alpha, consumer, warp_in_wg, lane, inside,
+                                    CFG, ATOMS_M, EPI, TMA_STORE)
+        if TMA_STORE:
+            if (warp_in_wg == 0) & (lane == 0):
+                sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
+
+
+@nvfly.func
+def store_consumer_tile(out, out_desc, accs, scale_a, scale_b, bias, staging, split, tm, tn, row0, col0, m, n, alpha,
+                        consumer, warp_in_wg, lane, inside, CFG, ATOMS_M, EPI, TMA_STORE):
+    """The consumer's epilogue of tile (tm, tn): split-K partials (unscaled f32 sums into out[split], the dense
+    GEMM's partial store), the TMA-store epilogue (scaled in registers with reads clamped into range, staged,
+    stored by TMA, which clips) or the register epilogue (unchecked inside the output, masked on its edges)."""
+    BM, BN, WG_M = CFG.bm, CFG.bn, CFG.wg_m
+    if EPI.partial:
+        store_tile(out, None, accs, split, row0, col0, m, n, 1.0, 0.0, BN, ATOMS_M, PARTIAL, inside)
+    elif TMA_STORE:
+        values = scaled_values(accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI)
+        stage_tile(out_desc, None, values, staging + consumer * (CFG.staging_bytes() // CFG.consumers), 0,
+                   tm * BM + consumer * WG_M, tn * BN, row0, col0, m, n, 1.0, 0.0, consumer, warp_in_wg, lane, CFG,
+                   ATOMS_M, STAGED, False, False)
+    elif inside:
+        store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, False)
+    else:
+        store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, True)
 
 
 def fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, k_begin, k_end, lane, tid, scales_of, CFG, EPI) -> tuple:
@@ -244,48 +286,77 @@ def promote(sums: list, part: list, scales: list, ATOMS_M: int, EPI) -> list:
     return [sums[i].map(lambda v, e, i=i: v + part[i][e]) for i in range(ATOMS_M)]
 
 
+def row_terms(scale_a, bias, row0, m, alpha, ATOMS_M, EPI, MASKED) -> tuple:
+    """The thread's rows (2 per atom: row0 + 64i + 8h) and their epilogue terms: (rows, scales (sa[row], or alpha),
+    biases (along rows: ``bias_rows``; else empty)); with MASKED the reads are clamped into range."""
+    rows, scales, biases = [], [], []
+    for i in range(ATOMS_M):
+        for h in range(2):
+            row = row0 + 64 * i + 8 * h
+            rows.append(row)
+            safe_row = nvfly.minimum(row, m - 1) if MASKED else row
+            scales.append(scale_a[safe_row] if EPI.scaling == "row" else alpha)
+            if EPI.bias and EPI.bias_rows:
+                biases.append(bias[safe_row].to(nvfly.f32))
+    return rows, scales, biases
+
+
+def column_terms(scale_b, bias, col, n, EPI, MASKED) -> tuple:
+    """Column pair (col, col + 1)'s epilogue terms: (sb (row-wise; else empty), biases along columns (else
+    empty)); with MASKED the reads are clamped into range."""
+    scales, biases = [], []
+    for e in range(2):
+        safe_col = nvfly.minimum(col + e, n - 1) if MASKED else col + e
+        if EPI.scaling == "row":
+            scales.append(scale_b[safe_col])
+        if EPI.bias and not EPI.bias_rows:
+            biases.append(bias[safe_col].to(nvfly.f32))
+    return scales, biases
+
+
+def epilogue_value(v, r, e, row_scales, row_biases, col_scales, col_biases, EPI):
+    """Accumulator element v of the thread's row r and column pair element e, scaled (tensor/row-wise: block scales
+    were applied in the mainloop) and biased."""
+    if EPI.scaling not in BLOCKWISE:
+        v = v * row_scales[r]
+        if EPI.scaling == "row":
+            v = v * col_scales[e]
+    if EPI.bias:
+        v = v + (row_biases[r] if EPI.bias_rows else col_biases[e])
+    return v
+
+
+def scaled_values(accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI) -> list:
+    """The consumer's fragments scaled and biased (``epilogue_value``, reads clamped into range), in the
+    accumulators' order (element 4j+2h+e of atom i: (row0 + 64i + 8h, col0 + 8j + e)): the TMA-store epilogue's."""
+    rows, row_scales, row_biases = row_terms(scale_a, bias, row0, m, alpha, ATOMS_M, EPI, True)
+    values = [[None] * (BN // 2) for _ in range(ATOMS_M)]
+    for j in range(BN // 8):
+        col_scales, col_biases = column_terms(scale_b, bias, col0 + 8 * j, n, EPI, True)
+        for r in range(2 * ATOMS_M):
+            for e in range(2):
+                x = 4 * j + 2 * (r % 2) + e
+                values[r // 2][x] = epilogue_value(accs[r // 2][x], r, e, row_scales, row_biases, col_scales,
+                                                   col_biases, EPI)
+    return values
+
+
 @nvfly.func
 def store_scaled(out, accs, scale_a, scale_b, bias, row0, col0, m, n, alpha, BN, ATOMS_M, EPI, MASKED):
     """Scale, add the bias, convert and write the consumer's fragments: element 4j+2h+e of atom i is
     (row0 + 64i + 8h, col0 + 8j + e). Without MASKED (the tile lies inside the output) nothing is bounds-checked;
     with it, scale and bias reads are clamped into range and stores masked."""
     vec = isinstance(out.stride[1], int) and out.stride[1] == 1
-    ROW = EPI.scaling == "row"
-    rows = []         # the thread's rows (2 per atom), clamped into range for the scale and bias reads
-    row_scales = []
-    row_biases = []
-    for i in nvfly.static_range(ATOMS_M):
-        for h in nvfly.static_range(2):
-            row = row0 + 64 * i + 8 * h
-            rows.append(row)
-            safe_row = nvfly.minimum(row, m - 1) if MASKED else row
-            row_scales.append(scale_a[safe_row] if ROW else alpha)
-            if EPI.bias and EPI.bias_rows:
-                row_biases.append(bias[safe_row].to(nvfly.f32))
+    rows, row_scales, row_biases = row_terms(scale_a, bias, row0, m, alpha, ATOMS_M, EPI, MASKED)
     # column by column: a column pair's scales and bias are read once and live only while it is stored
     for j in nvfly.static_range(BN // 8):
         col = col0 + 8 * j
-        col_scales = []
-        col_biases = []
-        for e in nvfly.static_range(2):
-            safe_col = nvfly.minimum(col + e, n - 1) if MASKED else col + e
-            if ROW:
-                col_scales.append(scale_b[safe_col])
-            if EPI.bias and not EPI.bias_rows:
-                col_biases.append(bias[safe_col].to(nvfly.f32))
+        col_scales, col_biases = column_terms(scale_b, bias, col, n, EPI, MASKED)
         for r in nvfly.static_range(2 * ATOMS_M):
             row = rows[r]
             if not MASKED or row < m:
-                values = []
-                for e in nvfly.static_range(2):
-                    v = accs[r // 2][4 * j + 2 * (r % 2) + e]
-                    if EPI.scaling not in BLOCKWISE:
-                        v = v * row_scales[r]
-                        if ROW:
-                            v = v * col_scales[e]
-                    if EPI.bias:
-                        v = v + (row_biases[r] if EPI.bias_rows else col_biases[e])
-                    values.append(v)
+                values = [epilogue_value(accs[r // 2][4 * j + 2 * (r % 2) + e], r, e, row_scales, row_biases,
+                                         col_scales, col_biases, EPI) for e in range(2)]
                 if vec and (not MASKED or col + 1 < n):
                     out.store(nvfly.make_vector(values).to(out.dtype), row, col)
                 else:

@@ -2,8 +2,10 @@
 
 Heuristic (``heuristic_config``): the fast-accumulating recipes (tensor/row-wise with ``use_fast_accum``) take
 128x256 tiles, or 128x128 when 128x256 tiles would leave more than a fifth of the last wave idle; promoted
-mainloops keep two accumulators per consumer, so 128x128 (two consumers of 64 rows, 64 + 64 registers each); both
-narrow to 64 columns while 128-wide tiles would fill less than FILL of the SMs. Small M (at most SWAP_MAX_M rows)
+mainloops keep two accumulators per consumer, so 128x128 (two consumers of 64 rows, 64 + 64 registers each), or
+for tensor/row scales 128x192 (96 + 96) where its waves of tiles take less time (waves x width); both narrow to 64
+columns while 128-wide tiles would fill less than FILL of the SMs. 128-row tiles store through shared memory and
+TMA (``ScaledConfig.tma_store``; f32 outputs, swapped and split-K plans through registers). Small M (at most SWAP_MAX_M rows)
 with tensor/row scales is computed as the transposed problem (swap A/B: the weights fill wgmma's 64-row M, the
 tokens its N); block scales stay unswapped on one 64-row token tile (their activation scales run along the
 kernel's rows), its width the widest that still fills FILL of the SMs. Small-M tiles that fill at most half the
@@ -18,12 +20,16 @@ from typing import Optional
 
 from dataclasses import replace
 
-from nvfly.ops.common.scheduler import split_count
+from nvfly.ops.common.gemm_config import store_box
+from nvfly.ops.common.scheduler import StreamK, grid_schedule, split_count
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilogue, deepest
 
 SWAP_MAX_M = 64
 TAIL_IDLE = 0.2  # the wide tile's last wave may leave at most this share of the SMs idle
 FILL = 0.8  # token tiles: the widest whose tiles still fill this share of the SMs
+# promoted 128-row tiles up to 192 wide (64 x 192 per consumer: 96 + 96 accumulator registers) for these scalings;
+# block scales keep a tile's columns in one 128-wide weight block, block1x128 and MX hold column scales besides
+WIDE_PROMOTED = ("tensor", "row")
 # small M splits K while the tiles fill at most half the SMs: each split at least SPLIT_MIN_K_TILES k-blocks, at
 # most SPLIT_MAX splits
 SPLIT_MIN_K_TILES = 4
@@ -46,10 +52,17 @@ class ScaledPlan:
     a_box: tuple[int, int]
     b_box: tuple[int, int]
     b_swizzle: int = 128  # packed (MXFP4) B: unswizzled 64-byte rows, converted into the swizzled e4m3 tile
+    store_box: Optional[tuple] = None  # the TMA-store epilogue's output (box, swizzle) (config.tma_store)
+    # stream K (config.stream_k, where the tiles end in a partial wave): the sk_tiles tiles from dp_tiles on are
+    # dealt out as block_iters k-blocks per block (none: 0s)
+    dp_tiles: int = 0
+    block_iters: int = 0
+    sk_tiles: int = 0
 
 
-def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int) -> ScaledConfig:
-    """The config of the m x n x k problem the kernel computes (already transposed when ``swap``)."""
+def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int,
+                     scaling: str = "tensor") -> ScaledConfig:
+    """The config of the m x n x k problem the kernel computes (already transposed when ``swap``) with ``scaling``."""
     if swap:  # tokens along the kernel's N: the narrowest multiple of 8 that holds them
         bn = max(8, 8 * math.ceil(n / 8))
         bm, consumers = (64, 1) if math.ceil(m / 64) <= sms else (128, 2)
@@ -57,15 +70,19 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
     if m <= 64:  # one 64-row token tile, as narrow (down to 32) as filling the SMs needs
         bn = next((w for w in (128, 64) if math.ceil(n / w) >= FILL * sms), 32)
         return split_small_m(deepest(ScaledConfig(64, bn, 2, 1), most=12), m, n, k, sms)
-    if promote:  # two accumulators: at most 128 columns, narrower while the tiles leave SMs idle
+    # 128-row tiles store through shared memory and TMA (the dense GEMM's epilogue): one instruction a slice, drained
+    # under the next tile's mainloop instead of 4-byte stores the consumer waits on
+    if promote:  # two accumulators: at most 192 columns, narrower while the tiles leave SMs idle
         bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
-        return deepest(ScaledConfig(128, bn, 2, 2))
+        if bn == 128 and scaling in WIDE_PROMOTED:  # 192 where its waves of tiles take less time (DeepGEMM's choice)
+            bn = min((192, 128), key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w, -w))
+        return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
     wide = math.ceil(m / 128) * math.ceil(n / 256)
     idle = (-wide) % sms / sms
     if wide >= sms and idle <= TAIL_IDLE:
-        return deepest(ScaledConfig(128, 256, 2, 2))
+        return deepest(ScaledConfig(128, 256, 2, 2, tma_store=True))
     bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
-    return deepest(ScaledConfig(128, bn, 2, 2))
+    return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
 
 
 def split_small_m(cfg: ScaledConfig, m: int, n: int, k: int, sms: int) -> ScaledConfig:
@@ -79,10 +96,11 @@ def split_small_m(cfg: ScaledConfig, m: int, n: int, k: int, sms: int) -> Scaled
 
 
 def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional[ScaledConfig],
-              swap: Optional[bool], sms: int) -> ScaledPlan:
+              swap: Optional[bool], sms: int, out_itemsize: int = 2) -> ScaledPlan:
     """The plan of an m x n x k call (the caller's problem) with ``epilogue`` (bias_rows is set here for a swapped
     plan); ``config`` None: the heuristic's, of the transposed problem when swapped; ``swap`` None: the
-    heuristic's choice (small M, tensor/row scales)."""
+    heuristic's choice (small M, tensor/row scales). A TMA-store config stores through registers instead where the
+    staged epilogue cannot (``out_itemsize`` not 2, a swapped (transposed) output, split-K partials)."""
     if swap is None:
         swap = m <= SWAP_MAX_M and epilogue.scaling not in BLOCKWISE and config is None
     if swap and epilogue.scaling in BLOCKWISE:
@@ -91,13 +109,15 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
         m, n = n, m
         epilogue = ScaledEpilogue(epilogue.scaling, epilogue.promote, epilogue.bias, bias_rows=epilogue.bias)
     if config is None:
-        config = heuristic_config(m, n, k, epilogue.promote, swap, sms)
+        config = heuristic_config(m, n, k, epilogue.promote, swap, sms, epilogue.scaling)
         if epilogue.scaling == "mxfp4":  # B's packed tile rides every stage too: as deep a ring as still fits
             config = deepest(replace(config, packed_b=True), most=config.stages)
     if config.packed_b != (epilogue.scaling == "mxfp4"):
         if epilogue.scaling != "mxfp4":
             raise ValueError(f"config: packed_b with {epilogue.scaling} scales: only MXFP4 weights arrive packed")
         config = replace(config, packed_b=True)
+    if config.tma_store and (out_itemsize != 2 or swap or config.split_k > 1):
+        config = deepest(replace(config, tma_store=False), most=config.stages)
     why = config.check(epilogue.promote)
     if why:
         raise ValueError(f"config: {why}")
@@ -113,8 +133,12 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     config = replace(config, split_k=split_count(k_tiles, config.split_k))  # every split at least one k-block
     if config.split_k > 1:
         epilogue = replace(epilogue, partial=True)
-    tiles = math.ceil(m / config.bm) * math.ceil(n / config.bn) * config.split_k
+    # stream K over any partial last wave (a single one too: the M = 128 case)
+    schedule = grid_schedule(m, n, k_tiles, config.bm, config.bn, sms=sms, group_m=config.group_m,
+                             split_k=config.split_k, stream_k=StreamK("tail") if config.stream_k else None)
     b_box = (min(config.bn, 256), BK // 2) if config.packed_b else (min(config.bn, 256), BK)
     return ScaledPlan(config=config, epilogue=epilogue, swap=swap, m=m, n=n, k=k, k_tiles=k_tiles,
-                      grid=max(1, min(tiles, sms)), threads=128 * (1 + config.consumers),
-                      a_box=(min(config.bm, 256), BK), b_box=b_box, b_swizzle=0 if config.packed_b else 128)
+                      grid=max(1, schedule.grid), threads=128 * (1 + config.consumers),
+                      a_box=(min(config.bm, 256), BK), b_box=b_box, b_swizzle=0 if config.packed_b else 128,
+                      store_box=store_box(config, False) if config.tma_store else None,
+                      dp_tiles=schedule.dp_tiles, block_iters=schedule.block_iters, sk_tiles=schedule.sk_tiles)

@@ -47,6 +47,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -185,13 +186,18 @@ def timed(row: dict[str, Any], eager: Callable[[], Any], quick: bool, compile_to
 def compiling(with_nvfly: bool) -> Iterator[None]:
     """A fresh Dynamo cache, and nvfly's graph passes installed in the block (or not)."""
     torch._dynamo.reset()
-    if with_nvfly:
-        nvfly.torch.install()
+    with nvfly_installed() if with_nvfly else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def nvfly_installed() -> Iterator[None]:
+    """nvfly's graph passes and backends installed in the block."""
+    nvfly.torch.install()
     try:
         yield
     finally:
-        if with_nvfly:
-            nvfly.torch.uninstall()
+        nvfly.torch.uninstall()
 
 
 def as_list(out: Any) -> list[torch.Tensor]:
@@ -388,25 +394,56 @@ def flex_case(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
                     "declined": sorted({d.reason for d in flex if d.reason})})
         timed(row, eager, quick)
         if compile_too:
-            torch._dynamo.reset()
-            compiled = torch.compile(flex_attention)
-            warm, rep = (10, 40) if quick else (25, 100)
-            for key, options in (("flex_triton", None), ("nvfly", {"NVFLY": True})):
-                call = lambda options=options: compiled(q, k, v, kernel_options=options, **kwargs)  # noqa: E731
-                try:
-                    with compiling(key == "nvfly"):
-                        out = call()
-                    row[f"{key}_ms"] = bench_ms(call, warm, rep)
-                    row[f"{key}_rel_err_vs_eager"] = rel_err(out, eager())
-                except Exception as exc:  # noqa: BLE001 - a peer that cannot compile this shape: recorded, not fatal
-                    row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-            if row.get("flex_triton_ms") and row.get("nvfly_ms"):
-                row["nvfly_vs_flex_triton"] = row["flex_triton_ms"] / row["nvfly_ms"]
+            compiled_flex(row, q, k, v, kwargs, eager, graphs=sq <= 16, rounds=3 if quick else 5)
             print(f"{case}: compiled flex (Triton) {row.get('flex_triton_ms', row.get('flex_triton_error'))}, "
-                  f"nvfly backend {row.get('nvfly_ms', row.get('nvfly_error'))}", flush=True)
+                  f"nvfly backend {row.get('nvfly_ms', row.get('nvfly_error'))}; reduce-overhead: Triton "
+                  f"{row.get('flex_triton_graph_ms')}, nvfly {row.get('nvfly_graph_ms')}", flush=True)
         rows.append(row)
         del q, k, v
     return rows
+
+
+def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any],
+               options: Optional[dict[str, Any]]) -> Any:
+    from torch.nn.attention.flex_attention import flex_attention
+    return flex_attention(q, k, v, kernel_options=options, **kwargs)
+
+
+def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``fn`` on a copy of its code object: Dynamo keeps its cache per code object (flex_attention is traced inline
+    into the caller), so each variant's compiled entries and guards stay apart and their timings can interleave."""
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name)
+
+
+def compiled_flex(row: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any],
+                  eager: Callable[[], Any], graphs: bool, rounds: int) -> None:
+    """Compiled flex_attention into ``row``: Inductor's Triton flex kernels (``flex_triton_ms``) and nvfly as the
+    backend (``nvfly_ms``), timed interleaved (medians of ``rounds``: the host's drift lands on both); with
+    ``graphs`` (decode rows) also both under ``mode="reduce-overhead"`` (CUDA graphs: no host time per call,
+    ``*_graph_ms``), as a serving loop runs decode steps."""
+    torch._dynamo.reset()
+    variants = ["flex_triton", "nvfly"] + (["flex_triton_graph", "nvfly_graph"] if graphs else [])
+    calls = {}
+    for key in variants:
+        mode = "reduce-overhead" if key.endswith("_graph") else None
+        options = {"NVFLY": True} if key.startswith("nvfly") else None
+        compiled = torch.compile(_own_code(_flex_call, f"flex_{key}"), mode=mode)
+        call = lambda compiled=compiled, options=options: compiled(q, k, v, kwargs, options)  # noqa: E731
+        try:
+            # nvfly's passes installed while the nvfly variants compile (no Dynamo reset: the others' entries stay)
+            with nvfly_installed() if key.startswith("nvfly") else contextlib.nullcontext():
+                for _ in range(3 if mode else 1):  # reduce-overhead records its graph on a later call
+                    out = call()
+            row[f"{key}_rel_err_vs_eager"] = rel_err(out.clone(), eager())
+            calls[key] = call
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot compile this shape: recorded, not fatal
+            row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    times = interleaved_ms(calls, rounds, 10, 40)
+    for key, values in times.items():
+        row[f"{key}_ms"] = statistics.median(values)
+    for suffix in ("", "_graph"):
+        if row.get(f"flex_triton{suffix}_ms") and row.get(f"nvfly{suffix}_ms"):
+            row[f"nvfly_vs_flex_triton{suffix}"] = row[f"flex_triton{suffix}_ms"] / row[f"nvfly{suffix}_ms"]
 
 
 def flex_profile(case: str = "minimax-flex-decode", calls: int = 20) -> None:

@@ -391,3 +391,24 @@ def test_models_times_eager_and_routed_in_turn(monkeypatch):
     low, high = row["speedup_range"]
     assert low == pytest.approx(1.01 / 2.02)
     assert high == pytest.approx((1 + (2 * rounds - 1) / 100) / (2 + 2 * rounds / 100))
+
+
+def test_models_flex_variants_keep_their_own_dynamo_caches():
+    """benchmarks/models.py times compiled flex variants interleaved: each runs a copy of one function's code
+    object, so Dynamo keeps one cache entry per variant (a shared code object would hold both entries, each call
+    checking the other's guards first) and each copy computes what the original does."""
+    from benchmarks import models
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    def scaled(x, factor):
+        return x * factor
+
+    first, second = models._own_code(scaled, "first"), models._own_code(scaled, "second")
+    assert first.__code__ is not second.__code__ and first.__code__.co_code == scaled.__code__.co_code
+    torch._dynamo.reset()
+    x = torch.randn(8)
+    compiled = [torch.compile(fn, backend="eager") for fn in (first, second)]
+    for _ in range(2):
+        assert torch.equal(compiled[0](x, 2.0), x * 2.0) and torch.equal(compiled[1](x, 3.0), x * 3.0)
+    assert [len(_debug_get_cache_entry_list(fn.__code__)) for fn in (first, second)] == [1, 1]
+    torch._dynamo.reset()

@@ -3,7 +3,7 @@ quantised per tensor (descale = amax / 448, FlashAttention-3's convention): tail
 multiple of the tiles or of V's 16-key groups), Sq != Skv both ways (rows that see no key: zeros and LSE -inf), GQA
 and MQA, causal in both alignments, a sliding window, Dqk = Dv = 64, 128, 256, (B, H, S, D) views, descales as
 tensors, numbers or None; the three non-default overlap variants. Outputs are NaN-poisoned: every row must be
-written.
+written. V's transpose kernel is checked bit for bit against the torch strided copy it replaced.
 
 Tolerance: P is rounded to e4m3 (3 mantissa bits: a relative rounding error up to 2^-4, about 2.5 % rms, and values
 below 2^-9 of the row's running maximum flushed) before P·V, while the row sums are of the float32 P, as in

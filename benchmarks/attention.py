@@ -47,7 +47,8 @@ at 16K, and GQA 64/8 at 16K (with ``--quick`` D 128 16K only), each non-causal a
 prefill and cuDNN's bf16 SDPA on the same (dequantised) values (torch has no fp8 SDPA), in one process.
 Correctness first: the last ``CHECK_ROWS`` rows of the first sequence against the float32 reference of the
 dequantised inputs (fp8 P: within ``FP8_TOLERANCE``).
-``nvfly_fp8_ms`` is the whole call, including its pass that transposes V (``transpose_ms``, timed alone too;
+``nvfly_fp8_ms`` is the whole call, including its pass that transposes V (``transpose_ms``, timed alone too, with
+its bandwidth ``transpose_gbps`` and the torch strided copy it replaced, ``transpose_torch_ms``;
 ``fp8_kernel_estimate_tflops``: on the call's time less the pass's);
 ``--prefill-variants`` also times (after checking) each of ``PREFILL_VARIANTS`` (``nvfly_fp8_<variant>_ms``).
 Writes benchmarks/results/attention_prefill_fp8_h200.json and .png.
@@ -68,7 +69,7 @@ from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot,
 from nvfly.ops import attention  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
 from nvfly.ops.attention.mla_api import plan_options as mla_plan_options  # noqa: E402
-from nvfly.ops.attention.prefill_api import plan_options, transposed_values  # noqa: E402
+from nvfly.ops.attention.prefill_api import plan_options, transposed_values, transposed_values_torch  # noqa: E402
 from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 
 # (name, batch, skv, hq, hkv, d): the decode suite of ../shared/docs/anchors.md
@@ -543,6 +544,9 @@ def run_prefill_fp8_row(shape: tuple, causal: bool, variants: bool = False) -> d
         del out
         row["nvfly_fp8_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal, **descales))
         row["transpose_ms"] = bench_ms(lambda: transposed_values(v))
+        row["transpose_torch_ms"] = bench_ms(lambda: transposed_values_torch(v))  # the strided copy it replaced
+        moved = v.numel() + batch * hkv * dv * -(-s // 16) * 16  # bytes read and written
+        row["transpose_gbps"] = moved / row["transpose_ms"] / 1e6
         for variant, options in (PREFILL_VARIANTS.items() if variants else ()):
             with plan_options(**options):
                 out = torch.full((batch, s, hq, dv), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -559,7 +563,7 @@ def run_prefill_fp8_row(shape: tuple, causal: bool, variants: bool = False) -> d
     row["nvfly_bf16_ms"] = bench_ms(lambda: attention.prefill(qb, kb, vb, causal=causal, validate=False))
     for peer, call in sdpa_calls(qb, kb, vb, causal, ("cudnn",)).items():
         row[f"{peer}_bf16_ms"] = bench_ms(call)
-    for key in [key for key in row if key.endswith("_ms") and key != "transpose_ms"]:
+    for key in [key for key in row if key.endswith("_ms") and not key.startswith("transpose")]:
         row[key[:-3] + "_tflops"] = flops / row[key] / 1e9
         if not key.startswith("nvfly_fp8") and "nvfly_fp8_ms" in row:
             row["fp8_vs_" + key[:-3]] = row[key] / row["nvfly_fp8_ms"]
@@ -575,7 +579,8 @@ def run_prefill_fp8(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
             row = run_prefill_fp8_row(shape, causal, args.prefill_variants)
             rows.append(row)
             timed = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row if key.endswith("_tflops"))
-            mine = (f"err {row['nvfly_fp8_err']:.1e}  V transpose {row['transpose_ms']:.3f} ms of "
+            mine = (f"err {row['nvfly_fp8_err']:.1e}  V transpose {row['transpose_ms']:.3f} ms "
+                    f"({row['transpose_gbps']:.0f} GB/s; torch copy {row['transpose_torch_ms']:.3f}) of "
                     f"{row['nvfly_fp8_ms']:.3f}" if "nvfly_fp8_ms" in row
                     else f"nvfly fp8: {row['nvfly_fp8_skipped']}")
             print(f"{row['model']:>9} B{row['batch']:<3} S{row['sq']:<6} {row['hq']}/{row['hkv']} {row['dqk']}/"

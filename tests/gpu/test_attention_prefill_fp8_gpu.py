@@ -3,7 +3,7 @@ quantised per tensor (descale = amax / 448, FlashAttention-3's convention): tail
 multiple of the tiles or of V's 16-key groups), Sq != Skv both ways (rows that see no key: zeros and LSE -inf), GQA
 and MQA, causal in both alignments, a sliding window, Dqk = Dv = 64, 128, 256, (B, H, S, D) views, descales as
 tensors, numbers or None; the three non-default overlap variants. Outputs are NaN-poisoned: every row must be
-written.
+written. V's transpose kernel is checked bit for bit against the torch strided copy it replaced.
 
 Tolerance: P is rounded to e4m3 (3 mantissa bits: a relative rounding error up to 2^-4, about 2.5 % rms, and values
 below 2^-9 of the row's running maximum flushed) before P·V, while the row sums are of the float32 P, as in
@@ -106,3 +106,30 @@ def test_fp8_cuda_graph_replays_with_new_inputs():
     want, _ = attention.prefill_reference(new_qf, kf, vf, causal=True)
     assert not out.isnan().any()
     assert ((out.float() - want).norm() / want.norm()).item() < TOL
+
+
+@pytest.mark.parametrize("batch, skv, hkv, d, layout", [
+    (2, 1000, 3, 128, "bshd"),
+    (2, 1000, 3, 128, "bhsd"),
+    (1, 4099, 2, 64, "bhsd"),
+    (3, 77, 2, 256, "bshd"),
+    (1, 1, 1, 128, "bshd"),      # one key: 15 zeros
+    (2, 301, 2, 128, "packed"),  # v = kv[:, :, 1] of a (B, S, 2, H, D) tensor
+])
+def test_fp8_values_transpose_kernel_is_the_torch_copy(batch, skv, hkv, d, layout):
+    """V's transpose kernel, bit-equal to the torch strided copy on random bytes (every e4m3 code, NaNs included),
+    into a poisoned output (launched directly) and through ``transposed_values``."""
+    from nvfly.ops.attention import prefill_api
+    gen = torch.Generator(device="cuda").manual_seed(skv + d)
+    shape = {"bshd": (batch, skv, hkv, d), "bhsd": (batch, hkv, skv, d), "packed": (batch, skv, 2, hkv, d)}[layout]
+    raw = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=gen)
+    raw = {"bshd": raw, "bhsd": raw.transpose(1, 2), "packed": raw[:, :, 1]}[layout]
+    v = raw.view(FP8)
+    want = prefill_api.transposed_values_torch(v).view(torch.uint8)
+    call = prefill_api._transpose_call(v)
+    assert isinstance(call, prefill_api._TransposeCall) and call.keys == want.shape[3]
+    out = torch.full_like(want, 0x7F)  # e4m3 NaN
+    call.launch.launch(raw, out, skv, call.keys, *call.scalars.values)
+    assert torch.equal(out, want)
+    got = prefill_api.transposed_values(v)
+    assert got.dtype == FP8 and got.is_contiguous() and torch.equal(got.view(torch.uint8), want)

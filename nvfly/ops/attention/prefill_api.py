@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, NamedTuple, Optional, Union
 
 import nvfly
@@ -15,7 +16,9 @@ from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
 from nvfly.ops.attention.prefill_kernel import attention_prefill_kernel
 from nvfly.ops.attention.prefill_plan import (BLOCK_M, FP8_HEAD_DIMS, HEAD_DIMS, PrefillPlan, causal_offset,
                                               prefill_plan)
-from nvfly.ops.common.opcall import context_value
+from nvfly.ops.attention.transpose_kernel import THREADS, transpose_plan, transpose_values_kernel
+from nvfly.ops.common.opcall import Declined, KernelScalars, OpCalls, context_value
+from nvfly.runtime.torch_args import layout_key
 from nvfly.runtime.tensor_desc import torch_dtype
 from nvfly.runtime.tma import cached_descriptor
 
@@ -207,8 +210,57 @@ def _descale_tensors(descales: tuple, device: Any) -> list:
 def transposed_values(v: "torch.Tensor") -> "torch.Tensor":
     """The fp8 kernel's V: (B, Dv, Hkv, Skv rounded up to 16) contiguous, zeros past Skv, keys permuted within every
     16 to the order in which P's fp8 register fragments hold S's columns (``sm90.register_a_k_order``: column
-    4q + 2i + j holds key 8i + 2q + j). One strided copy of V (a pad first when Skv is not a multiple of 16), no
-    index tensor (CUDA-graph capturable); fp8 wgmma reads B K-major only, and P·V's K is the key."""
+    4q + 2i + j holds key 8i + 2q + j); fp8 wgmma reads B K-major only, and P·V's K is the key. On CUDA one launch
+    of ``transpose_kernel`` (one pass over V, no host sync: CUDA-graph capturable) when v's base and strides are
+    multiples of 4 bytes (prefill's always are), else ``transposed_values_torch``."""
+    import torch
+    try:
+        key = layout_key(v)
+        call = _TRANSPOSES.get(key)
+    except Exception:  # noqa: BLE001 - not a tensor: the torch copy's errors explain
+        key = call = None
+    if call is None:
+        call = _TRANSPOSES.plan(OP, key, _transpose_call, v)
+    if isinstance(call, Declined):
+        return transposed_values_torch(v)
+    batch, skv, heads, dv = v.shape
+    out = torch.empty(batch, dv, heads, call.keys, dtype=torch.uint8, device=v.device)
+    call.launch.launch(v.view(torch.uint8), out, skv, call.keys, *call.scalars.values)
+    return out.view(v.dtype)
+
+
+@dataclass(frozen=True)
+class _TransposeCall:
+    """A V layout's transpose launch: ``keys`` output keys (Skv rounded up to 16) and the prepared kernel."""
+    keys: int
+    launch: Any  # nvfly.PreparedLaunch
+    scalars: KernelScalars
+
+
+_TRANSPOSES: OpCalls[Union[_TransposeCall, Declined]] = OpCalls()
+
+
+def _transpose_call(v: Any) -> Union[_TransposeCall, Declined]:
+    """The kernel's launch for v's layout, or why the torch copy does it (not CUDA, misaligned, an empty V)."""
+    batch, skv, heads, dv = v.shape
+    if v.device.type != "cuda":
+        return Declined(f"v is on {v.device.type}")
+    if v.data_ptr() % 4 or any(s % 4 for s in v.stride()[:3]) or dv % 4 or v.stride(3) != 1:
+        return Declined(f"v's base or strides {tuple(v.stride())} are not multiples of 4 bytes")
+    if not (batch and skv and heads and dv):
+        return Declined("v is empty")
+    try:
+        plan = transpose_plan(dv)
+    except ValueError as exc:
+        return Declined(str(exc))
+    keys = -(-skv // 16) * 16
+    scalars = KernelScalars.of(transpose_values_kernel, skv=skv, keys=keys, PLAN=plan)
+    return _TransposeCall(keys, transpose_values_kernel.prepared(plan.grid(batch, heads, keys), THREADS), scalars)
+
+
+def transposed_values_torch(v: "torch.Tensor") -> "torch.Tensor":
+    """``transposed_values`` by one torch strided copy of V (a pad first when Skv is not a multiple of 16): the CPU
+    path and the kernel's reference."""
     import torch
     batch, skv, heads, dv = v.shape
     keys = -(-skv // 16) * 16

@@ -60,7 +60,7 @@ RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "ten
            "block1x128": ("1x128", "1x128", False), "mxfp8": ("mx", "mx", False), "mxfp4": ("mx", "mxfp4", False)}
 MX_RECIPES = ("mxfp8", "mxfp4")
 ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead")  # alternative_configs' names
-QUICK_ALTERNATIVES = ("row", "block")  # the recipes --quick times them on (the row-wise and block-scaled targets)
+QUICK_ALTERNATIVES = ("row", "row-fast", "block")  # the recipes --quick times them on (row-wise and block targets)
 
 
 def operands(m: int, n: int, k: int, recipe: str) -> tuple[torch.Tensor, ...]:
@@ -187,8 +187,8 @@ def a16_main(args: argparse.Namespace) -> int:
 
 def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dict[str, ScaledConfig]:
     """Configs timed next to the heuristic's (``nvfly_<name>_ms``, ``<name>_vs_cublas``) on its unswapped, unsplit
-    fp8 plans: "registers", the same tile storing through registers; "previous", where the plan widened a promoted
-    tile to 128 x 192, the 128 x 128 register tile planned before; "split2", 65 to 128 rows, 128 x 128 tiles split
+    fp8 plans: "registers", the same tile storing through registers; "previous", where the plan widened a tile to
+    128 x 192, the 128 x 128 tile planned before (promoted: storing through registers); "split2", 65 to 128 rows, 128 x 128 tiles split
     in two along K (128 units of work for 128 x 8192); "streamk", the plan's tile (128 x 128 at 65 to 128 rows) with
     stream K, where the tiles end in a partial wave; with ``ahead`` (always for block scales), "ahead", the
     promoted mainloop issuing k-block k+1 before k's add (not block1x128; 128 wide)."""
@@ -203,8 +203,8 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dic
     configs = {}
     if plan.config.tma_store:
         configs["registers"] = deepest(replace(plan.config, tma_store=False))
-        if plan.config.bn == 192:  # promoted tensor/row-wise tiles were at most 128 wide
-            configs["previous"] = deepest(replace(configs["registers"], bn=128))
+        if plan.config.bn == 192:  # promoted tiles were at most 128 wide through registers, fast ones 128 or 256
+            configs["previous"] = deepest(replace(plan.config if fast else configs["registers"], bn=128))
     if 64 < m <= 128:
         configs["split2"] = deepest(ScaledConfig(128, 128, 2, 2, split_k=2))
     streamed = deepest(ScaledConfig(128, 128, 2, 2, tma_store=True, stream_k=True)) if 64 < m <= 128 else \

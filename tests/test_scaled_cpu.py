@@ -71,6 +71,7 @@ TMA_STORE_VARIANTS = [
     (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("block1x128", True, bias=True)),
     (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("row", True, bias=True)),
     (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("tensor", True)),
+    (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("row", False, bias=True)),
     (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("mxfp8", True, bias=True)),
     (ScaledConfig(128, 128, 5, 2, packed_b=True, tma_store=True), ScaledEpilogue("mxfp4", True)),
 ]
@@ -283,6 +284,10 @@ def test_plans():
     tensor, block = ScaledEpilogue("tensor", False), ScaledEpilogue("block", True)
     plan = make_plan(4096, 4096, 4096, tensor, None, None, 132)
     assert (plan.config.bm, plan.config.bn, plan.swap, plan.grid) == (128, 256, False, 132)
+    # fast accumulation: the width whose waves take least time, ties to the wider (4096^2: 4 waves of 256 = 8 of
+    # 128; 8192^2: 21 waves of 192 < 16 of 256 < 32 of 128; 4096 x 2112: 3 of 192 < 3 of 256 < 5 of 128)
+    assert [make_plan(m, n, 4096, tensor, None, None, 132).config.bn
+            for m, n in ((4096, 4096), (8192, 8192), (4096, 2112), (128, 8192))] == [256, 192, 192, 64]
     plan = make_plan(4096, 4096, 7168, block, None, None, 132)
     assert (plan.config.bm, plan.config.bn, plan.config.consumers) == (128, 128, 2) and plan.k_tiles == 56
     assert plan.config.check(promote=True) is None

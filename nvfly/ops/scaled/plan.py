@@ -1,7 +1,7 @@
 """What runs for one scaled GEMM call: the config heuristic and the plan.
 
 Heuristic (``heuristic_config``): the fast-accumulating recipes (tensor/row-wise with ``use_fast_accum``) take
-128x256 tiles, or 128x128 when 128x256 tiles would leave more than a fifth of the last wave idle; promoted
+128x256, 128x192 or 128x128 tiles, whichever's waves take least time (waves x width, ties to the wider); promoted
 mainloops keep two accumulators per consumer, so 128x128 (two consumers of 64 rows, 64 + 64 registers each), or
 for tensor/row scales 128x192 (96 + 96) where its waves of tiles take less time (waves x width); both narrow to 64
 columns while 128-wide tiles would fill less than FILL of the SMs. 128-row tiles store through shared memory and
@@ -25,7 +25,6 @@ from nvfly.ops.common.scheduler import StreamK, grid_schedule, split_count
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilogue, deepest
 
 SWAP_MAX_M = 64
-TAIL_IDLE = 0.2  # the wide tile's last wave may leave at most this share of the SMs idle
 FILL = 0.8  # token tiles: the widest whose tiles still fill this share of the SMs
 # promoted 128-row tiles up to 192 wide (64 x 192 per consumer: 96 + 96 accumulator registers) for these scalings;
 # block scales keep a tile's columns in one 128-wide weight block, block1x128 and MX hold column scales besides
@@ -77,11 +76,13 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
         if bn == 128 and scaling in WIDE_PROMOTED:  # 192 where its waves of tiles take less time (DeepGEMM's choice)
             bn = min((192, 128), key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w, -w))
         return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
-    wide = math.ceil(m / 128) * math.ceil(n / 256)
-    idle = (-wide) % sms / sms
-    if wide >= sms and idle <= TAIL_IDLE:
-        return deepest(ScaledConfig(128, 256, 2, 2, tma_store=True))
-    bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
+    # one accumulator, up to 256 wide: among the widths whose tiles fill the SMs, the one whose waves take least
+    # time (waves x width; ties to the wider), as the promoted tiles choose 192
+    filling = [w for w in (256, 192, 128) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms]
+    if filling:
+        bn = min(filling, key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w, -w))
+    else:
+        bn = 128 if math.ceil(m / 128) * math.ceil(n / 128) >= FILL * sms else 64
     return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
 
 

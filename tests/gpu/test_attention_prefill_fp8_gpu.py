@@ -123,13 +123,13 @@ def test_fp8_values_transpose_kernel_is_the_torch_copy(batch, skv, hkv, d, layou
     gen = torch.Generator(device="cuda").manual_seed(skv + d)
     shape = {"bshd": (batch, skv, hkv, d), "bhsd": (batch, hkv, skv, d), "packed": (batch, skv, 2, hkv, d)}[layout]
     raw = torch.randint(0, 256, shape, dtype=torch.uint8, device="cuda", generator=gen)
-    raw = {"bshd": raw, "bhsd": raw.transpose(1, 2), "packed": raw[:, :, 1]}[layout]
+    raw = raw.transpose(1, 2) if layout == "bhsd" else raw[:, :, 1] if layout == "packed" else raw
     v = raw.view(FP8)
     want = prefill_api.transposed_values_torch(v).view(torch.uint8)
     call = prefill_api._transpose_call(v)
     assert isinstance(call, prefill_api._TransposeCall) and call.keys == want.shape[3]
     out = torch.full_like(want, 0x7F)  # e4m3 NaN
-    call.launch.launch(raw, out, skv, call.keys, *call.scalars.values)
+    call.launch.launch(raw, out, *call.scalars.values)
     assert torch.equal(out, want)
     got = prefill_api.transposed_values(v)
     assert got.dtype == FP8 and got.is_contiguous() and torch.equal(got.view(torch.uint8), want)

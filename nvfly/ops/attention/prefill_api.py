@@ -225,7 +225,7 @@ def transposed_values(v: "torch.Tensor") -> "torch.Tensor":
         return transposed_values_torch(v)
     batch, skv, heads, dv = v.shape
     out = torch.empty(batch, dv, heads, call.keys, dtype=torch.uint8, device=v.device)
-    call.launch.launch(v.view(torch.uint8), out, skv, call.keys, *call.scalars.values)
+    call.launch.launch(v.view(torch.uint8), out, *call.scalars.values)
     return out.view(v.dtype)
 
 

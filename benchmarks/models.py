@@ -420,9 +420,12 @@ def compiled_flex(row: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torc
     """Compiled flex_attention into ``row``: Inductor's Triton flex kernels (``flex_triton_ms``) and nvfly as the
     backend (``nvfly_ms``), timed interleaved (medians of ``rounds``: the host's drift lands on both); with
     ``graphs`` (decode rows) also both under ``mode="reduce-overhead"`` (CUDA graphs: no host time per call,
-    ``*_graph_ms``), as a serving loop runs decode steps."""
+    ``*_graph_ms``; K and V marked static, as a serving loop's cache), as a serving loop runs decode steps."""
     torch._dynamo.reset()
     variants = ["flex_triton", "nvfly"] + (["flex_triton_graph", "nvfly_graph"] if graphs else [])
+    if graphs:  # the KV cache at a fixed address, as a serving loop keeps it (else each replay copies it in first)
+        for cache in (k, v):
+            torch._dynamo.mark_static_address(cache)
     calls = {}
     for key in variants:
         mode = "reduce-overhead" if key.endswith("_graph") else None

@@ -59,7 +59,7 @@ RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "ten
            "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False),
            "block1x128": ("1x128", "1x128", False), "mxfp8": ("mx", "mx", False), "mxfp4": ("mx", "mxfp4", False)}
 MX_RECIPES = ("mxfp8", "mxfp4")
-ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead")  # alternative_configs' names
+ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead", "in_order")  # alternative_configs
 QUICK_ALTERNATIVES = ("row", "row-fast", "block")  # the recipes --quick times them on (row-wise and block targets)
 
 
@@ -191,7 +191,8 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dic
     128 x 192, the 128 x 128 tile planned before (promoted: storing through registers); "split2", 65 to 128 rows, 128 x 128 tiles split
     in two along K (128 units of work for 128 x 8192); "streamk", the plan's tile (128 x 128 at 65 to 128 rows) with
     stream K, where the tiles end in a partial wave; with ``ahead`` (always for block scales), "ahead", the
-    promoted mainloop issuing k-block k+1 before k's add (not block1x128; 128 wide)."""
+    promoted mainloop issuing k-block k+1 before k's add (not block1x128; 128 wide), or "in_order" where the plan
+    issues ahead already (block scales' default)."""
     scaling, fast = recipe.removesuffix("-fast"), RECIPES[recipe][2]
     if recipe in MX_RECIPES:
         return {}
@@ -211,7 +212,9 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dic
         replace(plan.config, stream_k=True)
     if m > 64 and make_plan(m, n, k, plan.epilogue, streamed, False, sms).sk_tiles:  # ends in a partial wave
         configs["streamk"] = streamed
-    if (ahead or scaling == "block") and not fast and scaling != "block1x128":
+    if plan.config.issue_ahead:  # the block-scaled default: its mainloop in order beside it
+        configs["in_order"] = replace(plan.config, issue_ahead=False)
+    elif (ahead or scaling == "block") and not fast and scaling != "block1x128":
         configs["ahead"] = replace(plan.config, issue_ahead=True)
         if configs["ahead"].check(promote=True):  # three 64 x 192 accumulators do not fit: 128 wide
             configs["ahead"] = deepest(replace(configs["ahead"], bn=128))

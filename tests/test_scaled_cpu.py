@@ -290,6 +290,8 @@ def test_plans():
             for m, n in ((4096, 4096), (8192, 8192), (4096, 2112), (128, 8192))] == [256, 192, 192, 64]
     plan = make_plan(4096, 4096, 7168, block, None, None, 132)
     assert (plan.config.bm, plan.config.bn, plan.config.consumers) == (128, 128, 2) and plan.k_tiles == 56
+    assert plan.config.issue_ahead  # block scales issue ahead by default (measured faster on every row)
+    assert not make_plan(4096, 4096, 7168, ScaledEpilogue("row", True), None, None, 132).config.issue_ahead
     assert plan.config.check(promote=True) is None
     plan = make_plan(16, 7168, 2048, ScaledEpilogue("row", True, bias=True), None, None, 132)
     assert plan.swap and (plan.m, plan.n) == (7168, 16) and plan.config.bn == 16 and plan.epilogue.bias_rows

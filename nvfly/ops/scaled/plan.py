@@ -111,6 +111,8 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
         epilogue = ScaledEpilogue(epilogue.scaling, epilogue.promote, epilogue.bias, bias_rows=epilogue.bias)
     if config is None:
         config = heuristic_config(m, n, k, epilogue.promote, swap, sms, epilogue.scaling)
+        if epilogue.scaling == "block":  # k-block k+1's wgmmas issued before k's promotion: faster on every block row
+            config = replace(config, issue_ahead=True)
         if epilogue.scaling == "mxfp4":  # B's packed tile rides every stage too: as deep a ring as still fits
             config = deepest(replace(config, packed_b=True), most=config.stages)
     if config.packed_b != (epilogue.scaling == "mxfp4"):

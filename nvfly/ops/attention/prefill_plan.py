@@ -18,6 +18,7 @@ HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (64, 128), (128, 64), (192, 128), (
 BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 128, 256: 80}
 FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))  # fp8 e4m3: one swizzle row (64 or 128 bytes) or two
 FP8_BLOCK_N = 128  # a multiple of fp8 wgmma's 32-deep k-step and of V's 16-key permutation; D 256 fits: 161 KB
+FP8_WIDE_BLOCK_N = 192  # fp8 D 128 non-causal (FlashAttention-3: 176): fewer block steps a key; Vᵀ's rows 64-byte swizzled
 MASK_BLOCK_N = 64  # D 256 with a BlockMask: stages that divide its 128-key blocks (80 does not)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows (wgmma's M)
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
@@ -71,6 +72,14 @@ class PrefillPlan:
         return SWIZZLE if all(row % SWIZZLE == 0 for row in rows) else SWIZZLE // 2
 
     @property
+    def v_swizzle(self) -> int:
+        """Bytes of V's swizzle row: the plan's, but for fp8's Vᵀ, whose rows are ``block_n`` keys, the widest
+        (128, 64 or 32) dividing them (192 keys: 64)."""
+        if not self.fp8:
+            return self.swizzle
+        return next(width for width in (self.swizzle, SWIZZLE // 2, SWIZZLE // 4) if self.block_n % width == 0)
+
+    @property
     def itemsize(self) -> int:
         """Bytes of a Q, K or V element: 1 for fp8, else 2."""
         return 1 if self.fp8 else 2
@@ -103,14 +112,17 @@ class PrefillPlan:
 
 def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block: int = 0, q_block: int = 0,
                  varlen: bool = False, overlap: Optional[bool] = None,
-                 pingpong: Optional[bool] = None, fp8: bool = False) -> PrefillPlan:
+                 pingpong: Optional[bool] = None, fp8: bool = False, wide: Optional[bool] = None) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
-    options; ``overlap``/``pingpong`` None: the defaults below."""
+    options; ``overlap``/``pingpong`` None: the defaults below; ``wide`` (fp8 D 128 only; None: the default
+    below): ``FP8_WIDE_BLOCK_N`` keys a stage instead of ``FP8_BLOCK_N``."""
     if overlap is None:
         overlap = False  # measured on the H200: 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most)
     if pingpong is None:
         pingpong = dqk <= 128  # measured: 0.95x cuDNN vs 0.89x serial; FA3 ping-pongs up to head dim 128
-    block_n = FP8_BLOCK_N if fp8 else stage_keys(dqk, kv_block)
+    if wide is None:
+        wide = False  # not measured yet: --prefill-variants times fp8_wide beside the 128-key default
+    block_n = (FP8_WIDE_BLOCK_N if wide and dqk == 128 else FP8_BLOCK_N) if fp8 else stage_keys(dqk, kv_block)
     return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
                        pingpong=pingpong, fp8=fp8)
 

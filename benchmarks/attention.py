@@ -51,7 +51,8 @@ dequantised inputs (fp8 P: within ``FP8_TOLERANCE``).
 its bandwidth ``transpose_gbps`` and the torch strided copy it replaced, ``transpose_torch_ms``;
 ``fp8_kernel_estimate_tflops``: on the call's time less the pass's);
 ``--prefill-variants`` also times (after checking) each of ``PREFILL_FP8_VARIANTS`` (``nvfly_fp8_<variant>_ms``, and
-``fp8_<variant>_kernel_estimate_tflops``): the overlap variants and ``wide`` (D 128's 192-key blocks; 128 elsewhere).
+``fp8_<variant>_kernel_estimate_tflops``): the overlap variants, ``wide`` (D 128's 192-key blocks, 128 elsewhere,
+with the softmax's row maxima by a tree), ``wide_chain`` (the same by the chain) and ``tree_max`` (128 keys, tree).
 Writes benchmarks/results/attention_prefill_fp8_h200.json and .png.
 """
 from __future__ import annotations
@@ -340,10 +341,10 @@ PREFILL_QUICK = [("d128", 4, 4096, 32, 32, 128, 128), ("d128", 2, 8192, 16, 16, 
 PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": dict(overlap=True, pingpong=False),
                     "pingpong": dict(overlap=False, pingpong=True),
                     "overlap_pingpong": dict(overlap=True, pingpong=True)}
-# fp8's: the same, and D 128's 192-key blocks (PrefillPlan.block_n; other head dims keep 128) with the default
-# ping-pong and serial
-PREFILL_FP8_VARIANTS = {**PREFILL_VARIANTS, "wide": dict(wide=True), "wide_serial": dict(wide=True, overlap=False,
-                                                                                           pingpong=False)}
+# fp8's: the same, and D 128's 192-key blocks (PrefillPlan.block_n; other head dims keep 128) with the row maxima by
+# a tree (wide) or by the chain (wide_chain), and the tree at 128 keys (tree_max)
+PREFILL_FP8_VARIANTS = {**PREFILL_VARIANTS, "wide": dict(wide=True), "wide_chain": dict(wide=True, tree_max=False),
+                        "tree_max": dict(tree_max=True)}
 VARIANT_ROUNDS = 3
 PREFILL_BACKENDS = ("cudnn", "flash", "efficient")  # math would materialise S: not a peer at these sizes
 CHECK_ROWS = 256

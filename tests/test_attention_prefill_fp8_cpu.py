@@ -24,16 +24,19 @@ def qgmma_count(sass, shape, a_from_registers):
     return len(re.findall(rf"QGMMA\.{shape}\.F32\.E4M3\.E4M3 R\d+, {a_operand}gdesc\[", sass))
 
 
-@pytest.mark.parametrize("dqk, causal, window, wide", [(128, False, False, False), (128, True, False, False),
-                                                       (128, False, False, True),
-                                                       pytest.param(128, True, False, True, marks=pytest.mark.slow),
-                                                       pytest.param(128, True, True, False, marks=pytest.mark.slow),
-                                                       pytest.param(64, True, False, False, marks=pytest.mark.slow),
-                                                       pytest.param(256, False, False, False, marks=pytest.mark.slow)])
-def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal, window, wide):
+@pytest.mark.parametrize("dqk, causal, window, wide, tree_max", [
+    (128, False, False, False, None), (128, True, False, False, None), (128, False, False, True, None),
+    pytest.param(128, False, False, False, True, marks=pytest.mark.slow),
+    pytest.param(128, False, False, True, False, marks=pytest.mark.slow),
+    pytest.param(128, True, False, True, None, marks=pytest.mark.slow),
+    pytest.param(128, True, True, False, None, marks=pytest.mark.slow),
+    pytest.param(64, True, False, False, None, marks=pytest.mark.slow),
+    pytest.param(256, False, False, False, None, marks=pytest.mark.slow)])
+def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal, window, wide, tree_max):
     """``wide``: 192-key blocks (S 64 x 192, six P·V k-steps a block; Vᵀ's 192-byte rows in three 64-byte
-    swizzled boxes while Q and K keep 128-byte rows)."""
-    plan = prefill_plan(dqk, dqk, causal, window, fp8=True, wide=wide)
+    swizzled boxes while Q and K keep 128-byte rows), with the row maxima by a tree unless ``tree_max`` False."""
+    plan = prefill_plan(dqk, dqk, causal, window, fp8=True, wide=wide, tree_max=tree_max)
+    assert plan.tree_max == (wide if tree_max is None else tree_max)
     assert (dqk, dqk) in FP8_HEAD_DIMS and plan.block_n == (FP8_WIDE_BLOCK_N if wide else 128) and plan.itemsize == 1
     assert plan.swizzle == (64 if dqk == 64 else 128) and plan.v_swizzle == (64 if wide or dqk == 64 else 128)
     kernel = attention.compile_prefill(plan)
@@ -75,7 +78,10 @@ def test_fp8_plan_rejects_what_the_kernel_cannot_do():
         PrefillPlan(128, 128, False, varlen=True, fp8=True)
     assert prefill_plan(128, 128, False) == PrefillPlan(128, 128, False, pingpong=True)  # bf16 plans unchanged
     assert prefill_plan(128, 128, False, wide=True) == prefill_plan(128, 128, False)  # wide: fp8 D 128 only
-    assert prefill_plan(64, 64, False, fp8=True, wide=True).block_n == 128
+    assert prefill_plan(64, 64, False, fp8=True, wide=True) == prefill_plan(64, 64, False, fp8=True)
+    assert prefill_plan(128, 128, False, fp8=True, wide=True).tree_max  # the tree with the wide blocks by default
+    assert not prefill_plan(128, 128, False, fp8=True).tree_max
+    assert not prefill_plan(128, 128, False, tree_max=True).tree_max  # fp8 only
     assert PrefillPlan(128, 128, False, block_n=160, fp8=True).v_swizzle == 32  # five 32-key boxes
     assert PrefillPlan(128, 128, False, block_n=192).v_swizzle == 128  # bf16's V is MN-major: the plan's swizzle
 

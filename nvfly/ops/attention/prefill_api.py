@@ -103,15 +103,15 @@ def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None
 
 
 _plan = functools.lru_cache(maxsize=64)(prefill_plan)
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None, None, None))
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None,) * 4)
 
 
-def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None,
-                 wide: Optional[bool] = None) -> ContextManager[None]:
+def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None, wide: Optional[bool] = None,
+                 tree_max: Optional[bool] = None) -> ContextManager[None]:
     """``prefill`` and ``prefill_varlen`` calls inside run plans with these ``PrefillPlan`` options (None: the
-    plan's default; ``wide``: fp8 D 128's wider key blocks, ``prefill_plan``): the benchmark's and the tests' way
-    to run the kernel's variants side by side."""
-    return context_value(_OPTIONS, (overlap, pingpong, wide))
+    plan's default; ``wide``, ``tree_max``: fp8's, ``prefill_plan``): the benchmark's and the tests' way to run the
+    kernel's variants side by side."""
+    return context_value(_OPTIONS, (overlap, pingpong, wide, tree_max))
 
 
 def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -333,9 +333,9 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             tables = _block_tables(block_mask, batch, hq)
             q_block = int(block_mask.BLOCK_SIZE[0]) if block_mask is not None else 0
             kv_block = int(block_mask.BLOCK_SIZE[1]) if block_mask is not None else 0
-            overlap, pingpong, wide = _OPTIONS.get()
+            overlap, pingpong, wide, tree_max = _OPTIONS.get()
             plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block, False, overlap, pingpong, fp8,
-                         wide)
+                         wide, tree_max)
             if fp8:
                 v = transposed_values(v)
             _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv,

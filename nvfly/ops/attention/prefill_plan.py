@@ -18,7 +18,7 @@ HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (64, 128), (128, 64), (192, 128), (
 BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 128, 256: 80}
 FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))  # fp8 e4m3: one swizzle row (64 or 128 bytes) or two
 FP8_BLOCK_N = 128  # a multiple of fp8 wgmma's 32-deep k-step and of V's 16-key permutation; D 256 fits: 161 KB
-FP8_WIDE_BLOCK_N = 192  # fp8 D 128 non-causal (FlashAttention-3: 176): fewer block steps a key; Vᵀ's rows 64-byte swizzled
+FP8_WIDE_BLOCK_N = 192  # fp8 D 128 (FlashAttention-3: 176 non-causal): fewer block steps a key; Vᵀ 64-byte swizzled
 MASK_BLOCK_N = 64  # D 256 with a BlockMask: stages that divide its 128-key blocks (80 does not)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows (wgmma's M)
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
@@ -43,7 +43,8 @@ class PrefillPlan:
     j + 1's softmax under that P·V (FlashAttention-3's intra-warpgroup overlap; a second S tile in registers);
     pingpong: the two consumers take turns issuing their GEMMs (named barriers), one's softmax under the other's
     GEMMs; fp8: e4m3 Q, K and V (both GEMMs fp8, P rounded to e4m3) with V given transposed, (B, Dv, Hkv, Skv)
-    with its keys permuted within every 16 (``sm90.register_a_k_order``), the K-major B of P·V."""
+    with its keys permuted within every 16 (``sm90.register_a_k_order``), the K-major B of P·V; tree_max: the
+    softmax's row maxima by a pairwise tree (``online_softmax``)."""
     dqk: int
     dv: int
     causal: bool
@@ -57,6 +58,7 @@ class PrefillPlan:
     overlap: bool = False
     pingpong: bool = False
     fp8: bool = False
+    tree_max: bool = False
 
     def __post_init__(self) -> None:
         if self.pingpong and self.consumers != 2:
@@ -112,19 +114,24 @@ class PrefillPlan:
 
 def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block: int = 0, q_block: int = 0,
                  varlen: bool = False, overlap: Optional[bool] = None,
-                 pingpong: Optional[bool] = None, fp8: bool = False, wide: Optional[bool] = None) -> PrefillPlan:
+                 pingpong: Optional[bool] = None, fp8: bool = False, wide: Optional[bool] = None,
+                 tree_max: Optional[bool] = None) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
     options; ``overlap``/``pingpong`` None: the defaults below; ``wide`` (fp8 D 128 only; None: the default
-    below): ``FP8_WIDE_BLOCK_N`` keys a stage instead of ``FP8_BLOCK_N``."""
+    below): ``FP8_WIDE_BLOCK_N`` keys a stage instead of ``FP8_BLOCK_N``; ``tree_max`` (fp8 only; None: with
+    ``wide``)."""
     if overlap is None:
         overlap = False  # measured on the H200: 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most)
     if pingpong is None:
         pingpong = dqk <= 128  # measured: 0.95x cuDNN vs 0.89x serial; FA3 ping-pongs up to head dim 128
     if wide is None:
-        wide = False  # not measured yet: --prefill-variants times fp8_wide beside the 128-key default
-    block_n = (FP8_WIDE_BLOCK_N if wide and dqk == 128 else FP8_BLOCK_N) if fp8 else stage_keys(dqk, kv_block)
+        wide = False  # not measured yet: --prefill-variants times fp8 "wide" beside the 128-key default
+    wide = wide and fp8 and dqk == 128
+    block_n = (FP8_WIDE_BLOCK_N if wide else FP8_BLOCK_N) if fp8 else stage_keys(dqk, kv_block)
+    if tree_max is None:
+        tree_max = wide
     return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
-                       pingpong=pingpong, fp8=fp8)
+                       pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8)
 
 
 def stage_keys(dqk: int, kv_block: int = 0) -> int:

@@ -28,14 +28,24 @@ def row_of(i: int) -> int:
     return (i // 2) % 2
 
 
-def online_softmax(scores: list, maxima: list, sums: list, scale_log2: Any, masked: bool) -> SoftmaxStep:
+def online_softmax(scores: list, maxima: list, sums: list, scale_log2: Any, masked: bool,
+                   tree_max: bool = False) -> SoftmaxStep:
     """Fold one block of ``scores`` (S's elements, masked ones -inf) into the rows' running ``maxima`` and
-    ``sums``; ``masked``: a row may have no key kept yet (shift by 0, not -inf, so that exp2 gives 0, not NaN)."""
+    ``sums``; ``masked``: a row may have no key kept yet (shift by 0, not -inf, so that exp2 gives 0, not NaN);
+    ``tree_max``: each row's maximum by a pairwise tree (log2 of the row's scores dependent FMNMX before the quad's
+    shuffles instead of one chain through all of them: the first exp2 waits on that chain)."""
     new_maxima, new_sums, shifts, rescales = [], [], [], []
     for r in nvfly.static_range(2):
-        top = maxima[r]
-        for i in nvfly.static_range(r * 2, len(scores), 4):
-            top = nvfly.maximum(top, nvfly.maximum(scores[i], scores[i + 1]))
+        if tree_max:
+            level = [maxima[r]] + [scores[i + e] for i in range(r * 2, len(scores), 4) for e in range(2)]
+            while len(level) > 1:
+                level = [nvfly.maximum(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
+                         for i in range(0, len(level), 2)]
+            top = level[0]
+        else:
+            top = maxima[r]
+            for i in nvfly.static_range(r * 2, len(scores), 4):
+                top = nvfly.maximum(top, nvfly.maximum(scores[i], scores[i + 1]))
         top = nvfly.maximum(top, nvfly.shfl_xor(top, 1))  # the 4 lanes of a row
         top = nvfly.maximum(top, nvfly.shfl_xor(top, 2))
         reference = nvfly.select(top == NEG_INF, 0.0, top) if masked else top

@@ -24,19 +24,23 @@ def qgmma_count(sass, shape, a_from_registers):
     return len(re.findall(rf"QGMMA\.{shape}\.F32\.E4M3\.E4M3 R\d+, {a_operand}gdesc\[", sass))
 
 
-@pytest.mark.parametrize("dqk, causal, window, wide, tree_max", [
-    (128, False, False, False, None), (128, True, False, False, None), (128, False, False, True, None),
-    pytest.param(128, False, False, False, True, marks=pytest.mark.slow),
-    pytest.param(128, False, False, True, False, marks=pytest.mark.slow),
-    pytest.param(128, True, False, True, None, marks=pytest.mark.slow),
-    pytest.param(128, True, True, False, None, marks=pytest.mark.slow),
-    pytest.param(64, True, False, False, None, marks=pytest.mark.slow),
-    pytest.param(256, False, False, False, None, marks=pytest.mark.slow)])
-def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal, window, wide, tree_max):
+@pytest.mark.parametrize("dqk, causal, window, wide, tree_max, poly", [
+    (128, False, False, False, None, 0), (128, True, False, False, None, 0), (128, False, False, True, None, 0),
+    (128, False, False, True, None, 2),
+    pytest.param(128, False, False, True, None, 4, marks=pytest.mark.slow),
+    pytest.param(128, True, False, False, None, 1, marks=pytest.mark.slow),
+    pytest.param(128, False, False, False, True, 0, marks=pytest.mark.slow),
+    pytest.param(128, False, False, True, False, 0, marks=pytest.mark.slow),
+    pytest.param(128, True, False, True, None, 0, marks=pytest.mark.slow),
+    pytest.param(128, True, True, False, None, 0, marks=pytest.mark.slow),
+    pytest.param(64, True, False, False, None, 0, marks=pytest.mark.slow),
+    pytest.param(256, False, False, False, None, 0, marks=pytest.mark.slow)])
+def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal, window, wide, tree_max, poly):
     """``wide``: 192-key blocks (S 64 x 192, six P·V k-steps a block; Vᵀ's 192-byte rows in three 64-byte
-    swizzled boxes while Q and K keep 128-byte rows), with the row maxima by a tree unless ``tree_max`` False."""
-    plan = prefill_plan(dqk, dqk, causal, window, fp8=True, wide=wide, tree_max=tree_max)
-    assert plan.tree_max == (wide if tree_max is None else tree_max)
+    swizzled boxes while Q and K keep 128-byte rows), with the row maxima by a tree unless ``tree_max`` False;
+    ``poly``: that many exp2 of every 16 by the polynomial (MUFU.EX2 fewer by as many)."""
+    plan = prefill_plan(dqk, dqk, causal, window, fp8=True, wide=wide, tree_max=tree_max, poly_exp2=poly)
+    assert plan.tree_max == (wide if tree_max is None else tree_max) and plan.poly_exp2 == poly
     assert (dqk, dqk) in FP8_HEAD_DIMS and plan.block_n == (FP8_WIDE_BLOCK_N if wide else 128) and plan.itemsize == 1
     assert plan.swizzle == (64 if dqk == 64 else 128) and plan.v_swizzle == (64 if wide or dqk == 64 else 128)
     kernel = attention.compile_prefill(plan)
@@ -53,6 +57,9 @@ def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal, window, wide, tr
     assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {CONSUMER_REGS:#x} ;", sass)
     # P rounded to e4m3 by saturating pair conversions (4 bytes of A a register, 2 a conversion)
     assert kernel.sass_opcodes()["F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"] == traces * plan.block_n // 4
+    if dqk == 128 and not window:  # a thread's block_n / 2 scores, each row's O rescale: 2 a block
+        scores = plan.block_n // 2
+        assert kernel.sass_opcodes()["MUFU.EX2"] == traces * (scores - scores * poly // 16 + 2)
     assert plan.smem_bytes(plan.itemsize) <= MAX_SMEM
 
 
@@ -84,6 +91,28 @@ def test_fp8_plan_rejects_what_the_kernel_cannot_do():
     assert not prefill_plan(128, 128, False, tree_max=True).tree_max  # fp8 only
     assert PrefillPlan(128, 128, False, block_n=160, fp8=True).v_swizzle == 32  # five 32-key boxes
     assert PrefillPlan(128, 128, False, block_n=192).v_swizzle == 128  # bf16's V is MN-major: the plan's swizzle
+
+
+def test_exp2_polynomial_model_is_within_e4m3s_rounding():
+    """``softmax.exp2_polynomial``'s arithmetic, step by step in float32 and int32 as the kernel does it (clamp,
+    magic-number rounding, polynomial, exponent bits added): relative error < 1.8e-3 of 2^x from 0 down to the
+    clamp, never negative or NaN (at most 1.0005: P's e4m3 rounds it to 1), and -inf gives a value that e4m3
+    rounds to 0."""
+    from nvfly.ops.attention.softmax import EXP2_POLYNOMIAL, ROUND_MAGIC, exp2_polynomial, polynomial_slots
+    assert exp2_polynomial.__doc__ and polynomial_slots(2) == {7, 15} and polynomial_slots(4) == {3, 7, 11, 15}
+    assert polynomial_slots(1) == {15} and polynomial_slots(0) == frozenset() and len(polynomial_slots(8)) == 8
+    x = torch.cat([torch.linspace(-126, 0, 200001), -torch.rand(10000) * 1e-3, torch.tensor([-1e4, -float("inf")])])
+    x = torch.maximum(x.float(), torch.tensor(-126.0))
+    rounded = x + ROUND_MAGIC
+    f = x - (rounded - ROUND_MAGIC)
+    c0, c1, c2 = (torch.tensor(c, dtype=torch.float32) for c in EXP2_POLYNOMIAL)
+    p = (f * c2 + c1) * f + c0
+    got = (p.view(torch.int32) + (rounded.view(torch.int32) << 23)).view(torch.float32)
+    want = torch.exp2(x.double())
+    assert f.abs().max() <= 0.5 and (got >= 0).all() and (got <= 1.0005).all() and got.isfinite().all()
+    rel = ((got.double() - want) / want).abs()
+    assert rel.max() < 1.8e-3
+    assert got[-1].to(FP8).float() == 0 and got[-1] < 2 ** -125
 
 
 def a_operand(s, atom):

@@ -99,11 +99,14 @@ def test_fp8_plan_variants(overlap, pingpong):
     (2, 301, 577, 6, 3, True, "bshd", {}),    # causal: the diagonal crosses 192-key blocks
     (1, 577, 301, 4, 2, True, "bhsd", dict(tree_max=False)),  # early rows see no key; the chained maxima
     (2, 333, 385, 6, 2, True, "bshd", dict(wide=False, tree_max=True)),  # the tree at 128 keys
+    (2, 333, 385, 6, 2, False, "bshd", dict(poly_exp2=2)),  # 2 of 16 exp2 by the polynomial
+    (1, 577, 301, 4, 2, True, "bshd", dict(poly_exp2=4)),  # rows with no key: -inf through the polynomial
+    (2, 129, 77, 4, 4, True, "bhsd", dict(wide=False, poly_exp2=1)),
 ])
 def test_fp8_wide_key_blocks(batch, sq, skv, hq, hkv, causal, layout, options):
     """D 128 with 192-key blocks (``plan_options(wide=True)``, the benchmark's wide variants; the row maxima by a
     tree with them unless ``tree_max=False``): Vᵀ's three 64-byte swizzled boxes a stage, Sq and Skv not multiples
-    of the blocks, GQA/MQA, causal; and the tree alone at 128 keys."""
+    of the blocks, GQA/MQA, causal; the tree alone at 128 keys; exp2 partly by the polynomial."""
     from nvfly.ops.attention.prefill_api import plan_options
     seed = 7 * sq + skv
     (q, qd, qf), (k, kd, kf), (v, vd, vf) = (quantised((batch, s, h, 128), seed + i, layout)

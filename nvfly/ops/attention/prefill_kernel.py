@@ -544,7 +544,8 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
             if ~block_inside(ctx, n, PLAN):
                 scores = positional_mask(scores, ctx, n, PLAN)
     MASKED = MASKED or kept is not None or mask_here or mods.score_mod is not None  # rows may have no key kept yet
-    step = online_softmax(scores, state.maxima, state.sums, ctx.fold, MASKED, PLAN.tree_max)
+    step = online_softmax(scores, state.maxima, state.sums, ctx.fold, MASKED, PLAN.tree_max,
+                          PLAN.poly_exp2)
     fragments = s.map(lambda x, i: step.p[i]).to_a_fragments(ctx.pv_atom)
     return fragments, step.maxima, step.sums, step.rescales
 

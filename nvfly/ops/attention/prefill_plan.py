@@ -44,7 +44,8 @@ class PrefillPlan:
     pingpong: the two consumers take turns issuing their GEMMs (named barriers), one's softmax under the other's
     GEMMs; fp8: e4m3 Q, K and V (both GEMMs fp8, P rounded to e4m3) with V given transposed, (B, Dv, Hkv, Skv)
     with its keys permuted within every 16 (``sm90.register_a_k_order``), the K-major B of P·V; tree_max: the
-    softmax's row maxima by a pairwise tree (``online_softmax``)."""
+    softmax's row maxima by a pairwise tree; poly_exp2: that many of every 16 of a thread's exp2 by a polynomial on
+    the FMA pipe instead of MUFU (``softmax.online_softmax``)."""
     dqk: int
     dv: int
     causal: bool
@@ -59,10 +60,13 @@ class PrefillPlan:
     pingpong: bool = False
     fp8: bool = False
     tree_max: bool = False
+    poly_exp2: int = 0
 
     def __post_init__(self) -> None:
         if self.pingpong and self.consumers != 2:
             raise ValueError(f"a ping-pong prefill plan takes two consumer warpgroups, not {self.consumers}")
+        if self.poly_exp2 not in (0, 1, 2, 4, 8):
+            raise ValueError(f"poly_exp2 takes 0, 1, 2, 4 or 8 scores of every 16, not {self.poly_exp2}")
         if self.fp8 and (self.block_n % 32 or self.varlen or self.kv_block):
             raise ValueError("an fp8 prefill plan takes key blocks of a multiple of 32 keys, no packed sequences and "
                              "no BlockMask (V's keys are permuted by 16 from the tensor's first key)")
@@ -115,11 +119,11 @@ class PrefillPlan:
 def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block: int = 0, q_block: int = 0,
                  varlen: bool = False, overlap: Optional[bool] = None,
                  pingpong: Optional[bool] = None, fp8: bool = False, wide: Optional[bool] = None,
-                 tree_max: Optional[bool] = None) -> PrefillPlan:
+                 tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
     options; ``overlap``/``pingpong`` None: the defaults below; ``wide`` (fp8 D 128 only; None: the default
     below): ``FP8_WIDE_BLOCK_N`` keys a stage instead of ``FP8_BLOCK_N``; ``tree_max`` (fp8 only; None: with
-    ``wide``)."""
+    ``wide``); ``poly_exp2`` (fp8 only; None: 0)."""
     if overlap is None:
         overlap = False  # measured on the H200: 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most)
     if pingpong is None:
@@ -131,7 +135,7 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
     if tree_max is None:
         tree_max = wide
     return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
-                       pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8)
+                       pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=(poly_exp2 or 0) if fp8 else 0)
 
 
 def stage_keys(dqk: int, kv_block: int = 0) -> int:

@@ -50,7 +50,10 @@ dequantised inputs (fp8 P: within ``FP8_TOLERANCE``).
 ``nvfly_fp8_ms`` is the whole call, including its pass that transposes V (``transpose_ms``, timed alone too, with
 its bandwidth ``transpose_gbps`` and the torch strided copy it replaced, ``transpose_torch_ms``;
 ``fp8_kernel_estimate_tflops``: on the call's time less the pass's);
-``--prefill-variants`` also times (after checking) each of ``PREFILL_VARIANTS`` (``nvfly_fp8_<variant>_ms``).
+``--prefill-variants`` also times (after checking) each of ``PREFILL_FP8_VARIANTS`` (``nvfly_fp8_<variant>_ms``, and
+``fp8_<variant>_kernel_estimate_tflops``): the overlap variants, ``wide`` (D 128's 192-key blocks, 128 elsewhere,
+with the softmax's row maxima by a tree), ``wide_chain`` (the same by the chain), ``tree_max`` (128 keys, tree) and
+``wide_poly2``/``wide_poly4`` (wide with 2 or 4 of every 16 exp2 by a polynomial on the FMA pipe, not MUFU).
 Writes benchmarks/results/attention_prefill_fp8_h200.json and .png.
 """
 from __future__ import annotations
@@ -339,6 +342,12 @@ PREFILL_QUICK = [("d128", 4, 4096, 32, 32, 128, 128), ("d128", 2, 8192, 16, 16, 
 PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": dict(overlap=True, pingpong=False),
                     "pingpong": dict(overlap=False, pingpong=True),
                     "overlap_pingpong": dict(overlap=True, pingpong=True)}
+# fp8's: the same, and D 128's 192-key blocks (PrefillPlan.block_n; other head dims keep 128) with the row maxima by
+# a tree (wide) or by the chain (wide_chain), the tree at 128 keys (tree_max), and 2 or 4 of every 16 exp2 by the
+# polynomial on the FMA pipe (PrefillPlan.poly_exp2)
+PREFILL_FP8_VARIANTS = {**PREFILL_VARIANTS, "wide": dict(wide=True), "wide_chain": dict(wide=True, tree_max=False),
+                        "tree_max": dict(tree_max=True), "wide_poly2": dict(wide=True, poly_exp2=2),
+                        "wide_poly4": dict(wide=True, poly_exp2=4)}
 VARIANT_ROUNDS = 3
 PREFILL_BACKENDS = ("cudnn", "flash", "efficient")  # math would materialise S: not a peer at these sizes
 CHECK_ROWS = 256
@@ -547,7 +556,7 @@ def run_prefill_fp8_row(shape: tuple, causal: bool, variants: bool = False) -> d
         row["transpose_torch_ms"] = bench_ms(lambda: transposed_values_torch(v))  # the strided copy it replaced
         moved = v.numel() + batch * hkv * dv * -(-s // 16) * 16  # bytes read and written
         row["transpose_gbps"] = moved / row["transpose_ms"] / 1e6
-        for variant, options in (PREFILL_VARIANTS.items() if variants else ()):
+        for variant, options in (PREFILL_FP8_VARIANTS.items() if variants else ()):
             with plan_options(**options):
                 out = torch.full((batch, s, hq, dv), float("nan"), dtype=torch.bfloat16, device="cuda")
                 attention.prefill(q, k, v, causal=causal, out=out, **descales)
@@ -569,6 +578,9 @@ def run_prefill_fp8_row(shape: tuple, causal: bool, variants: bool = False) -> d
             row["fp8_vs_" + key[:-3]] = row[key] / row["nvfly_fp8_ms"]
     if "nvfly_fp8_ms" in row:  # what an in-kernel transpose could reach: the call's time less the pass's
         row["fp8_kernel_estimate_tflops"] = flops / (row["nvfly_fp8_ms"] - row["transpose_ms"]) / 1e9
+        for variant in (PREFILL_FP8_VARIANTS if variants else ()):
+            row[f"fp8_{variant}_kernel_estimate_tflops"] = (flops / (row[f"nvfly_fp8_{variant}_ms"]
+                                                                     - row["transpose_ms"]) / 1e9)
     return row
 
 
@@ -593,6 +605,8 @@ def run_prefill_fp8(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     for r in timed:
         if r["model"] == "d128" and r["sq"] == 16384:
             summary[f"d128_16k_{'causal' if r['causal'] else 'full'}_fp8_tflops"] = r["nvfly_fp8_tflops"]
+            for key in [key for key in r if key.startswith("fp8_") and key.endswith("_kernel_estimate_tflops")]:
+                summary[f"d128_16k_{'causal' if r['causal'] else 'full'}_{key}"] = r[key]
     print(summary)
     command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     name = args.name or "attention_prefill_fp8"
@@ -629,7 +643,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")
     p.add_argument("--prefill-variants", action="store_true",
                    help="prefill: also time nvfly with each combination of the plan's overlap and ping-pong options "
-                        "(PREFILL_VARIANTS; correctness checked for each) in the same process: nvfly_<variant>_ms")
+                        "(PREFILL_VARIANTS; with --fp8 PREFILL_FP8_VARIANTS, 192-key blocks too; correctness "
+                        "checked for each) in the same process: nvfly_<variant>_ms")
     p.add_argument("--mla", action="store_true", help="decode: the MLA suite (DeepSeek's 576/512 latent cache) "
                                                        "instead; with --quick four rows")
     p.add_argument("--mla-variants", action="store_true",

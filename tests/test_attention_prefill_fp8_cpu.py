@@ -12,8 +12,8 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.ops import attention
 from nvfly.ops.attention import prefill_api
-from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, FP8_HEAD_DIMS, MAX_SMEM, PRODUCER_REGS, PrefillPlan,
-                                              prefill_plan)
+from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, FP8_HEAD_DIMS, FP8_WIDE_BLOCK_N, MAX_SMEM,
+                                              PRODUCER_REGS, PrefillPlan, prefill_plan)
 
 FP8 = torch.float8_e4m3fn
 
@@ -24,14 +24,25 @@ def qgmma_count(sass, shape, a_from_registers):
     return len(re.findall(rf"QGMMA\.{shape}\.F32\.E4M3\.E4M3 R\d+, {a_operand}gdesc\[", sass))
 
 
-@pytest.mark.parametrize("dqk, causal, window", [(128, False, False), (128, True, False),
-                                                 pytest.param(128, True, True, marks=pytest.mark.slow),
-                                                 pytest.param(64, True, False, marks=pytest.mark.slow),
-                                                 pytest.param(256, False, False, marks=pytest.mark.slow)])
-def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal, window):
-    plan = prefill_plan(dqk, dqk, causal, window, fp8=True)
-    assert (dqk, dqk) in FP8_HEAD_DIMS and plan.block_n == 128 and plan.itemsize == 1
-    assert plan.swizzle == (64 if dqk == 64 else 128)
+@pytest.mark.parametrize("dqk, causal, window, wide, tree_max, poly", [
+    (128, False, False, False, None, 0), (128, True, False, False, None, 0), (128, False, False, True, None, 0),
+    (128, False, False, True, None, 2),
+    pytest.param(128, False, False, True, None, 4, marks=pytest.mark.slow),
+    pytest.param(128, True, False, False, None, 1, marks=pytest.mark.slow),
+    pytest.param(128, False, False, False, True, 0, marks=pytest.mark.slow),
+    pytest.param(128, False, False, True, False, 0, marks=pytest.mark.slow),
+    pytest.param(128, True, False, True, None, 0, marks=pytest.mark.slow),
+    pytest.param(128, True, True, False, None, 0, marks=pytest.mark.slow),
+    pytest.param(64, True, False, False, None, 0, marks=pytest.mark.slow),
+    pytest.param(256, False, False, False, None, 0, marks=pytest.mark.slow)])
+def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal, window, wide, tree_max, poly):
+    """``wide``: 192-key blocks (S 64 x 192, six P·V k-steps a block; Vᵀ's 192-byte rows in three 64-byte
+    swizzled boxes while Q and K keep 128-byte rows), with the row maxima by a tree unless ``tree_max`` False;
+    ``poly``: that many exp2 of every 16 by the polynomial (MUFU.EX2 fewer by as many)."""
+    plan = prefill_plan(dqk, dqk, causal, window, fp8=True, wide=wide, tree_max=tree_max, poly_exp2=poly)
+    assert plan.tree_max == (wide if tree_max is None else tree_max) and plan.poly_exp2 == poly
+    assert (dqk, dqk) in FP8_HEAD_DIMS and plan.block_n == (FP8_WIDE_BLOCK_N if wide else 128) and plan.itemsize == 1
+    assert plan.swizzle == (64 if dqk == 64 else 128) and plan.v_swizzle == (64 if wide or dqk == 64 else 128)
     kernel = attention.compile_prefill(plan)
     sass = kernel.sass()
     traces = 2 + window  # the unmasked and the masked loops (a window's left edge: one more)
@@ -41,21 +52,28 @@ def test_fp8_plans_compile_to_qgmma_without_spills(dqk, causal, window):
     assert "HGMMA" not in sass and sass.count("QGMMA") == traces * (s_steps + pv_steps)
     assert "LDL" not in sass and "STL" not in sass and not kernel.warnings
     assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < CONSUMER_REGS
     assert re.search(rf"USETMAXREG\.DEALLOC\.CTAPOOL {PRODUCER_REGS:#x} ;", sass)
     assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {CONSUMER_REGS:#x} ;", sass)
     # P rounded to e4m3 by saturating pair conversions (4 bytes of A a register, 2 a conversion)
     assert kernel.sass_opcodes()["F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C"] == traces * plan.block_n // 4
+    if dqk == 128 and not window:  # a thread's block_n / 2 scores, each row's O rescale: 2 a block
+        scores = plan.block_n // 2
+        assert kernel.sass_opcodes()["MUFU.EX2"] == traces * (scores - scores * poly // 16 + 2)
     assert plan.smem_bytes(plan.itemsize) <= MAX_SMEM
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap, pingpong", [(True, True), (True, False), (False, False)])
-def test_fp8_overlap_variants_compile_without_spills(overlap, pingpong):
+@pytest.mark.parametrize("overlap, pingpong, wide", [(True, True, False), (True, False, False), (False, False, False),
+                                                     (True, True, True), (False, False, True)])
+def test_fp8_overlap_variants_compile_without_spills(overlap, pingpong, wide):
     """The benchmark's --prefill-variants of the D 128 causal fp8 plan: the overlap's pipeline adds its first S and
-    last P·V."""
-    kernel = attention.compile_prefill(prefill_plan(128, 128, True, overlap=overlap, pingpong=pingpong, fp8=True))
+    last P·V (with 192-key blocks too: the overlap's second S tile is 96 more registers)."""
+    plan = prefill_plan(128, 128, True, overlap=overlap, pingpong=pingpong, fp8=True, wide=wide)
+    kernel = attention.compile_prefill(plan)
     sass = kernel.sass()
-    assert sass.count("QGMMA") == (3 if overlap else 2) * 8 and "HGMMA" not in sass and not kernel.warnings
+    steps = 4 + plan.block_n // 32  # S's k-steps (D 128) and P·V's
+    assert sass.count("QGMMA") == (3 if overlap else 2) * steps and "HGMMA" not in sass and not kernel.warnings
     assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < CONSUMER_REGS
 
@@ -66,6 +84,35 @@ def test_fp8_plan_rejects_what_the_kernel_cannot_do():
     with pytest.raises(ValueError, match="no packed sequences"):
         PrefillPlan(128, 128, False, varlen=True, fp8=True)
     assert prefill_plan(128, 128, False) == PrefillPlan(128, 128, False, pingpong=True)  # bf16 plans unchanged
+    assert prefill_plan(128, 128, False, wide=True) == prefill_plan(128, 128, False)  # wide: fp8 D 128 only
+    assert prefill_plan(64, 64, False, fp8=True, wide=True) == prefill_plan(64, 64, False, fp8=True)
+    assert prefill_plan(128, 128, False, fp8=True, wide=True).tree_max  # the tree with the wide blocks by default
+    assert not prefill_plan(128, 128, False, fp8=True).tree_max
+    assert not prefill_plan(128, 128, False, tree_max=True).tree_max  # fp8 only
+    assert PrefillPlan(128, 128, False, block_n=160, fp8=True).v_swizzle == 32  # five 32-key boxes
+    assert PrefillPlan(128, 128, False, block_n=192).v_swizzle == 128  # bf16's V is MN-major: the plan's swizzle
+
+
+def test_exp2_polynomial_model_is_within_e4m3s_rounding():
+    """``softmax.exp2_polynomial``'s arithmetic, step by step in float32 and int32 as the kernel does it (clamp,
+    magic-number rounding, polynomial, exponent bits added): relative error < 1.8e-3 of 2^x from 0 down to the
+    clamp, never negative or NaN (at most 1.0005: P's e4m3 rounds it to 1), and -inf gives a value that e4m3
+    rounds to 0."""
+    from nvfly.ops.attention.softmax import EXP2_POLYNOMIAL, ROUND_MAGIC, exp2_polynomial, polynomial_slots
+    assert exp2_polynomial.__doc__ and polynomial_slots(2) == {7, 15} and polynomial_slots(4) == {3, 7, 11, 15}
+    assert polynomial_slots(1) == {15} and polynomial_slots(0) == frozenset() and len(polynomial_slots(8)) == 8
+    x = torch.cat([torch.linspace(-126, 0, 200001), -torch.rand(10000) * 1e-3, torch.tensor([-1e4, -float("inf")])])
+    x = torch.maximum(x.float(), torch.tensor(-126.0))
+    rounded = x + ROUND_MAGIC
+    f = x - (rounded - ROUND_MAGIC)
+    c0, c1, c2 = (torch.tensor(c, dtype=torch.float32) for c in EXP2_POLYNOMIAL)
+    p = (f * c2 + c1) * f + c0
+    got = (p.view(torch.int32) + (rounded.view(torch.int32) << 23)).view(torch.float32)
+    want = torch.exp2(x.double())
+    assert f.abs().max() <= 0.5 and (got >= 0).all() and (got <= 1.0005).all() and got.isfinite().all()
+    rel = ((got.double() - want) / want).abs()
+    assert rel.max() < 1.8e-3
+    assert got[-1].to(FP8).float() == 0 and got[-1] < 2 ** -125
 
 
 def a_operand(s, atom):
@@ -85,10 +132,12 @@ def a_operand(s, atom):
     return a
 
 
-def test_transposed_values_match_the_fp8_p_fragments():
+@pytest.mark.parametrize("block_n", [128, FP8_WIDE_BLOCK_N])
+def test_transposed_values_match_the_fp8_p_fragments(block_n):
     """P·V through the kernel's operands, modelled: P's fp8 A fragments built from S's accumulator registers, times
     the K-major B tile that ``transposed_values`` gives for V's key block, is P·V of the untransposed V (exactly, on
-    small integers), for every key block; column c holds key 16(c/16) + order[c%16], zeros past Skv."""
+    small integers), for every key block of ``block_n`` keys; column c holds key 16(c/16) + order[c%16], zeros past
+    Skv."""
     torch.manual_seed(0)
     skv, dv = 300, 64
     v = torch.randint(-8, 9, (2, skv, 3, dv)).to(FP8)
@@ -102,8 +151,8 @@ def test_transposed_values_match_the_fp8_p_fragments():
     strided = v.transpose(1, 2).contiguous().transpose(1, 2)  # a (B, H, S, D) view
     assert torch.equal(prefill_api.transposed_values(strided).view(torch.uint8), vt.view(torch.uint8))
     atom = sm90.WgmmaAtom(dv, nvfly.f8e4m3, nvfly.f8e4m3, "K", "K", a_source="registers")
-    for block in range(0, 304, 128):
-        keys = min(128, 304 - block) // 32 * 32
+    for block in range(0, 304, block_n):
+        keys = min(block_n, 304 - block) // 32 * 32
         if not keys:
             continue
         s = torch.randint(-4, 5, (64, keys)).float()  # S of the block (P in the kernel)
@@ -113,8 +162,9 @@ def test_transposed_values_match_the_fp8_p_fragments():
         assert torch.equal(got, s @ values)
 
 
-@pytest.mark.parametrize("causal, alignment", [(False, "bottom_right"), (True, "bottom_right"), (True, "top_left")])
-def test_fp8_blocked_model_is_within_the_gpu_tolerance(causal, alignment):
+@pytest.mark.parametrize("causal, alignment, block_n", [(False, "bottom_right", 128), (True, "bottom_right", 128),
+                                                       (True, "top_left", 128), (False, "bottom_right", 192)])
+def test_fp8_blocked_model_is_within_the_gpu_tolerance(causal, alignment, block_n):
     """The kernel's algorithm (``blocked_model``: 128-key blocks, exp2 with the scale folded, P rounded to e4m3 before
     P·V, sums of the float32 P) on e4m3 inputs, descales folded as the kernel does (q·k's into the scale, v's into
     out), against the float32 reference of the dequantised inputs: within the GPU tests' 6 % (about 2.5 % here),
@@ -129,7 +179,7 @@ def test_fp8_blocked_model_is_within_the_gpu_tolerance(causal, alignment):
         quantised.append(((x / descale).to(FP8), float(descale)))
     (q, qd), (k, kd), (v, vd) = quantised
     scale = 64 ** -0.5
-    out, lse = blocked_model(q, k, v, causal, scale * qd * kd, alignment, bm=64, bn=128)
+    out, lse = blocked_model(q, k, v, causal, scale * qd * kd, alignment, bm=64, bn=block_n)
     want, want_lse = attention.prefill_reference(q.float() * qd, k.float() * kd, v.float() * vd, causal=causal,
                                                  scale=scale, causal_alignment=alignment)
     err = ((out * vd - want).norm() / want.norm()).item()
@@ -201,6 +251,11 @@ def test_fp8_host_path_launches_with_transposed_v_and_descales(recorded_launches
     packed = b"".join(p for p in params if isinstance(p, bytes))
     assert all(struct.pack("<Q", t.data_ptr()) in packed for t in (q, k))
     assert struct.pack("<Q", v.data_ptr()) not in packed  # the transposed copy instead
+    descriptors.clear()
+    with prefill_api.plan_options(wide=True):  # 192-key blocks: Vᵀ in 64-key boxes, 64-byte swizzled
+        attention.prefill(q, k, v, q_descale=q_descale)
+    assert descriptors == [((2, 300, 6, 128), FP8, box, 128), ((2, 77, 2, 128), FP8, (1, 192, 1, 128), 128),
+                           ((2, 128, 2, 80), FP8, (1, 128, 1, 64), 64)]
     with pytest.raises(ValueError, match=r"^attention\.prefill: out: .*torch\.bfloat16 tensor"):
         attention.prefill(q, k, v, out=torch.zeros(2, 300, 6, 128, dtype=FP8))
 

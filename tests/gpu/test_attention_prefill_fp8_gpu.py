@@ -2,14 +2,15 @@
 quantised per tensor (descale = amax / 448, FlashAttention-3's convention): tails in Sq and Skv (1, odd, not a
 multiple of the tiles or of V's 16-key groups), Sq != Skv both ways (rows that see no key: zeros and LSE -inf), GQA
 and MQA, causal in both alignments, a sliding window, Dqk = Dv = 64, 128, 256, (B, H, S, D) views, descales as
-tensors, numbers or None; the three non-default overlap variants. Outputs are NaN-poisoned: every row must be
-written. V's transpose kernel is checked bit for bit against the torch strided copy it replaced.
+tensors, numbers or None; the three non-default overlap variants; D 128's 192-key blocks (``wide``). Outputs are
+NaN-poisoned: every row must be written. V's transpose kernel is checked bit for bit against the torch strided copy
+it replaced.
 
 Tolerance: P is rounded to e4m3 (3 mantissa bits: a relative rounding error up to 2^-4, about 2.5 % rms, and values
 below 2^-9 of the row's running maximum flushed) before P·V, while the row sums are of the float32 P, as in
-FlashAttention-3; on random V that gives out a relative (Frobenius) error of about 2-3 % against the exact softmax of
-the dequantised inputs, so the bound is 6 %. Scores are exact products of e4m3 values accumulated in wgmma's f32: the
-LSE is checked to 1e-2 absolute."""
+FlashAttention-3; on random V that gives out a relative (Frobenius) error of about 2-3 % against the exact softmax
+of the dequantised inputs, so the bound is 6 %. Scores are exact products of e4m3 values accumulated in wgmma's f32:
+the LSE is checked to 1e-2 absolute."""
 import pytest
 import torch
 
@@ -88,6 +89,30 @@ def test_fp8_plan_variants(overlap, pingpong):
                                              for i, (s, h) in enumerate(((333, 6), (301, 2), (301, 2))))
     with plan_options(overlap=overlap, pingpong=pingpong):
         check(q, k, v, (qd, kd, vd), (qf, kf, vf), causal=True)
+
+
+@pytest.mark.parametrize("batch, sq, skv, hq, hkv, causal, layout, options", [
+    (2, 333, 385, 6, 2, False, "bhsd", {}),   # two whole 192-key blocks and a 1-key tail
+    (1, 1000, 1000, 8, 2, False, "bshd", {}),
+    (2, 129, 77, 4, 4, False, "bshd", {}),    # one partial block (V padded to 80 keys)
+    (1, 200, 193, 4, 1, False, "bshd", dict(pingpong=False)),  # MQA, serial
+    (2, 301, 577, 6, 3, True, "bshd", {}),    # causal: the diagonal crosses 192-key blocks
+    (1, 577, 301, 4, 2, True, "bhsd", dict(tree_max=False)),  # early rows see no key; the chained maxima
+    (2, 333, 385, 6, 2, True, "bshd", dict(wide=False, tree_max=True)),  # the tree at 128 keys
+    (2, 333, 385, 6, 2, False, "bshd", dict(poly_exp2=2)),  # 2 of 16 exp2 by the polynomial
+    (1, 577, 301, 4, 2, True, "bshd", dict(poly_exp2=4)),  # rows with no key: -inf through the polynomial
+    (2, 129, 77, 4, 4, True, "bhsd", dict(wide=False, poly_exp2=1)),
+])
+def test_fp8_wide_key_blocks(batch, sq, skv, hq, hkv, causal, layout, options):
+    """D 128 with 192-key blocks (``plan_options(wide=True)``, the benchmark's wide variants; the row maxima by a
+    tree with them unless ``tree_max=False``): Vᵀ's three 64-byte swizzled boxes a stage, Sq and Skv not multiples
+    of the blocks, GQA/MQA, causal; the tree alone at 128 keys; exp2 partly by the polynomial."""
+    from nvfly.ops.attention.prefill_api import plan_options
+    seed = 7 * sq + skv
+    (q, qd, qf), (k, kd, kf), (v, vd, vf) = (quantised((batch, s, h, 128), seed + i, layout)
+                                             for i, (s, h) in enumerate(((sq, hq), (skv, hkv), (skv, hkv))))
+    with plan_options(**{"wide": True, **options}):
+        check(q, k, v, (qd, kd, vd), (qf, kf, vf), causal=causal)
 
 
 def test_fp8_cuda_graph_replays_with_new_inputs():

@@ -103,13 +103,15 @@ def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None
 
 
 _plan = functools.lru_cache(maxsize=64)(prefill_plan)
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None, None))
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None,) * 5)
 
 
-def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None) -> ContextManager[None]:
+def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None, wide: Optional[bool] = None,
+                 tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None) -> ContextManager[None]:
     """``prefill`` and ``prefill_varlen`` calls inside run plans with these ``PrefillPlan`` options (None: the
-    plan's default): the benchmark's and the tests' way to run the kernel's variants side by side."""
-    return context_value(_OPTIONS, (overlap, pingpong))
+    plan's default; ``wide``, ``tree_max``, ``poly_exp2``: fp8's, ``prefill_plan``): the benchmark's and the tests'
+    way to run the kernel's variants side by side."""
+    return context_value(_OPTIONS, (overlap, pingpong, wide, tree_max, poly_exp2))
 
 
 def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -117,7 +119,7 @@ def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, .
     wide (the boxes ``sm90.operand_boxes`` lays out in the kernel); fp8's transposed V (B, Dv, Hkv, Skv): Dv rows of
     a swizzle row of keys."""
     width = plan.swizzle // dtype.itemsize
-    v_box = (1, plan.dv, 1, width) if plan.fp8 else (1, plan.block_n, 1, width)
+    v_box = (1, plan.dv, 1, plan.v_swizzle // dtype.itemsize) if plan.fp8 else (1, plan.block_n, 1, width)
     return (1, plan.block_m, 1, width), (1, plan.block_n, 1, width), v_box
 
 
@@ -331,7 +333,9 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             tables = _block_tables(block_mask, batch, hq)
             q_block = int(block_mask.BLOCK_SIZE[0]) if block_mask is not None else 0
             kv_block = int(block_mask.BLOCK_SIZE[1]) if block_mask is not None else 0
-            plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block, False, *_OPTIONS.get(), fp8)
+            overlap, pingpong, wide, tree_max, poly_exp2 = _OPTIONS.get()
+            plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block, False, overlap, pingpong, fp8,
+                         wide, tree_max, poly_exp2)
             if fp8:
                 v = transposed_values(v)
             _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv,
@@ -383,7 +387,9 @@ def _launch(plan: PrefillPlan, mods: Mods, q: Any, k: Any, v: Any, out: Any, lse
     fp8: v (B, Dv, Hkv, Skv), ``transposed_values``); ``arguments``: the mods' tensor arguments; ``descales``:
     fp8's q, k and v descales (one-element float32 tensors or None)."""
     q_box, kv_box, v_box = _boxes(plan, torch_dtype(q))
-    descriptors = [cached_descriptor(t, box, plan.swizzle) for t, box in ((q, q_box), (k, kv_box), (v, v_box))]
+    descriptors = [cached_descriptor(t, box, swizzle) for t, box, swizzle in ((q, q_box, plan.swizzle),
+                                                                              (k, kv_box, plan.swizzle),
+                                                                              (v, v_box, plan.v_swizzle))]
     captured = _kernel_captured(mods, q.device, arguments)
     captured = captured + [None] * (MAX_CAPTURED - len(captured))
     attention_prefill_kernel[grid, plan.threads](
@@ -469,7 +475,7 @@ def prefill_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_s
             if lse is not None:
                 lse.fill_(float("-inf"))
         else:
-            plan = _plan(dqk, dv, bounds.causal, bounds.window, 0, 0, True, *_OPTIONS.get())
+            plan = _plan(dqk, dv, bounds.causal, bounds.window, 0, 0, True, *_OPTIONS.get()[:2])
             _launch(plan, mods, q[None], k[None], v[None], out[None], None if lse is None else lse[None],
                     (cu_seqlens_q, cu_seqlens_k), [None] * 4, _scale(scale, dqk), bounds, 0, 0,
                     plan.grid(batch, hq, max_q))
@@ -577,7 +583,7 @@ def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, 
     v_shape = (rows, plan.dv, kv_heads, -(-skv // 16) * 16) if plan.fp8 else (rows, skv, kv_heads, plan.dv)
     q = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, sq, heads, plan.dqk)), q_box, plan.swizzle)
     k = nvfly.TmaDescriptor(TensorDesc(dtype, (rows, skv, kv_heads, plan.dqk)), kv_box, plan.swizzle)
-    v = nvfly.TmaDescriptor(TensorDesc(dtype, v_shape), v_box, plan.swizzle)
+    v = nvfly.TmaDescriptor(TensorDesc(dtype, v_shape), v_box, plan.v_swizzle)
     out = TensorDesc(out_dtype, (rows, sq, heads, plan.dv))
     lse = TensorDesc(nvfly.f32, (rows, heads, sq)) if return_lse else None
     cu_seqlens = [TensorDesc(nvfly.i32, (batch + 1,))] * 2 if plan.varlen else [None, None]

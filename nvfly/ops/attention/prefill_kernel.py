@@ -68,13 +68,14 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
     pv_atom = sm90.WgmmaAtom(DV, dtype, dtype, "K", V_MAJOR, a_source="registers")
     q_layout = sm90.operand_layout(BM, DQK, dtype, "K", SWIZZLE)
     k_layout = sm90.operand_layout(BN, DQK, dtype, "K", SWIZZLE)
-    v_layout = sm90.operand_layout(DV, BN, dtype, V_MAJOR, SWIZZLE)
+    V_SWIZZLE = PLAN.v_swizzle
+    v_layout = sm90.operand_layout(DV, BN, dtype, V_MAJOR, V_SWIZZLE)
     q_boxes = sm90.operand_boxes(q_layout, BM, DQK, dtype, "K", SWIZZLE)[1][0]
     k_boxes = sm90.operand_boxes(k_layout, BN, DQK, dtype, "K", SWIZZLE)[1][0]
-    v_boxes = sm90.operand_boxes(v_layout, DV, BN, dtype, V_MAJOR, SWIZZLE)[1][0]
+    v_boxes = sm90.operand_boxes(v_layout, DV, BN, dtype, V_MAJOR, V_SWIZZLE)[1][0]
     q_desc_offsets = sm90.descriptor_offsets(q_layout, dtype, "K", SWIZZLE) + (SWIZZLE,)
     k_desc_offsets = sm90.descriptor_offsets(k_layout, dtype, "K", SWIZZLE) + (SWIZZLE,)
-    v_desc_offsets = sm90.descriptor_offsets(v_layout, dtype, V_MAJOR, SWIZZLE) + (SWIZZLE,)
+    v_desc_offsets = sm90.descriptor_offsets(v_layout, dtype, V_MAJOR, V_SWIZZLE) + (V_SWIZZLE,)
     Q_BYTES = PLAN.q_bytes(size)
     K_BYTES = PLAN.k_stage_bytes(size)
     V_BYTES = PLAN.v_stage_bytes(size)
@@ -543,7 +544,8 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
             if ~block_inside(ctx, n, PLAN):
                 scores = positional_mask(scores, ctx, n, PLAN)
     MASKED = MASKED or kept is not None or mask_here or mods.score_mod is not None  # rows may have no key kept yet
-    step = online_softmax(scores, state.maxima, state.sums, ctx.fold, MASKED)
+    step = online_softmax(scores, state.maxima, state.sums, ctx.fold, MASKED, PLAN.tree_max,
+                          PLAN.poly_exp2)
     fragments = s.map(lambda x, i: step.p[i]).to_a_fragments(ctx.pv_atom)
     return fragments, step.maxima, step.sums, step.rescales
 

@@ -18,6 +18,7 @@ HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (64, 128), (128, 64), (192, 128), (
 BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 128, 256: 80}
 FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))  # fp8 e4m3: one swizzle row (64 or 128 bytes) or two
 FP8_BLOCK_N = 128  # a multiple of fp8 wgmma's 32-deep k-step and of V's 16-key permutation; D 256 fits: 161 KB
+FP8_WIDE_BLOCK_N = 192  # fp8 D 128 (FlashAttention-3: 176 non-causal): fewer block steps a key; Vᵀ 64-byte swizzled
 MASK_BLOCK_N = 64  # D 256 with a BlockMask: stages that divide its 128-key blocks (80 does not)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows (wgmma's M)
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
@@ -42,7 +43,9 @@ class PrefillPlan:
     j + 1's softmax under that P·V (FlashAttention-3's intra-warpgroup overlap; a second S tile in registers);
     pingpong: the two consumers take turns issuing their GEMMs (named barriers), one's softmax under the other's
     GEMMs; fp8: e4m3 Q, K and V (both GEMMs fp8, P rounded to e4m3) with V given transposed, (B, Dv, Hkv, Skv)
-    with its keys permuted within every 16 (``sm90.register_a_k_order``), the K-major B of P·V."""
+    with its keys permuted within every 16 (``sm90.register_a_k_order``), the K-major B of P·V; tree_max: the
+    softmax's row maxima by a pairwise tree; poly_exp2: that many of every 16 of a thread's exp2 by a polynomial on
+    the FMA pipe instead of MUFU (``softmax.online_softmax``)."""
     dqk: int
     dv: int
     causal: bool
@@ -56,10 +59,14 @@ class PrefillPlan:
     overlap: bool = False
     pingpong: bool = False
     fp8: bool = False
+    tree_max: bool = False
+    poly_exp2: int = 0
 
     def __post_init__(self) -> None:
         if self.pingpong and self.consumers != 2:
             raise ValueError(f"a ping-pong prefill plan takes two consumer warpgroups, not {self.consumers}")
+        if self.poly_exp2 not in (0, 1, 2, 4, 8):
+            raise ValueError(f"poly_exp2 takes 0, 1, 2, 4 or 8 scores of every 16, not {self.poly_exp2}")
         if self.fp8 and (self.block_n % 32 or self.varlen or self.kv_block):
             raise ValueError("an fp8 prefill plan takes key blocks of a multiple of 32 keys, no packed sequences and "
                              "no BlockMask (V's keys are permuted by 16 from the tensor's first key)")
@@ -69,6 +76,14 @@ class PrefillPlan:
         """Bytes of a shared-memory swizzle row: 128 when both head dims' rows are multiples of 128 bytes, else 64."""
         rows = (self.dqk * self.itemsize, self.dv * self.itemsize)
         return SWIZZLE if all(row % SWIZZLE == 0 for row in rows) else SWIZZLE // 2
+
+    @property
+    def v_swizzle(self) -> int:
+        """Bytes of V's swizzle row: the plan's, but for fp8's Vᵀ, whose rows are ``block_n`` keys, the widest
+        (128, 64 or 32) dividing them (192 keys: 64)."""
+        if not self.fp8:
+            return self.swizzle
+        return next(width for width in (self.swizzle, SWIZZLE // 2, SWIZZLE // 4) if self.block_n % width == 0)
 
     @property
     def itemsize(self) -> int:
@@ -103,16 +118,24 @@ class PrefillPlan:
 
 def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block: int = 0, q_block: int = 0,
                  varlen: bool = False, overlap: Optional[bool] = None,
-                 pingpong: Optional[bool] = None, fp8: bool = False) -> PrefillPlan:
+                 pingpong: Optional[bool] = None, fp8: bool = False, wide: Optional[bool] = None,
+                 tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
-    options; ``overlap``/``pingpong`` None: the defaults below."""
+    options; ``overlap``/``pingpong`` None: the defaults below; ``wide`` (fp8 D 128 only; None: the default
+    below): ``FP8_WIDE_BLOCK_N`` keys a stage instead of ``FP8_BLOCK_N``; ``tree_max`` (fp8 only; None: with
+    ``wide``); ``poly_exp2`` (fp8 only; None: 0)."""
     if overlap is None:
         overlap = False  # measured on the H200: 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most)
     if pingpong is None:
         pingpong = dqk <= 128  # measured: 0.95x cuDNN vs 0.89x serial; FA3 ping-pongs up to head dim 128
-    block_n = FP8_BLOCK_N if fp8 else stage_keys(dqk, kv_block)
+    if wide is None:
+        wide = False  # not measured yet: --prefill-variants times fp8 "wide" beside the 128-key default
+    wide = wide and fp8 and dqk == 128
+    block_n = (FP8_WIDE_BLOCK_N if wide else FP8_BLOCK_N) if fp8 else stage_keys(dqk, kv_block)
+    if tree_max is None:
+        tree_max = wide
     return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
-                       pingpong=pingpong, fp8=fp8)
+                       pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=(poly_exp2 or 0) if fp8 else 0)
 
 
 def stage_keys(dqk: int, kv_block: int = 0) -> int:

@@ -12,6 +12,9 @@ from typing import Any, NamedTuple
 import nvfly
 
 NEG_INF = float("-inf")
+# 2^f on [-1/2, 1/2] by c0 + c1 f + c2 f^2: relative error < 1.8e-3 (far under e4m3 P's 2^-4 rounding)
+EXP2_POLYNOMIAL = (1.0004426, 0.7034338, 0.2384212)
+ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: x + it rounds x to an integer, held in the sum's low mantissa bits
 
 
 class SoftmaxStep(NamedTuple):
@@ -28,14 +31,44 @@ def row_of(i: int) -> int:
     return (i // 2) % 2
 
 
-def online_softmax(scores: list, maxima: list, sums: list, scale_log2: Any, masked: bool) -> SoftmaxStep:
+def polynomial_slots(per_16: int) -> frozenset:
+    """Which scores of every 16 (a thread's, by index % 16) ``online_softmax`` exponentiates by ``exp2_polynomial``:
+    ``per_16`` of them, spread out."""
+    return frozenset(16 * k // per_16 + 16 // per_16 - 1 for k in range(per_16)) if per_16 else frozenset()
+
+
+def exp2_polynomial(x: Any) -> Any:
+    """2^x for x <= 0 on the FMA and integer pipes instead of MUFU (whose 16 exp2 a clock per SM are as many
+    cycles as fp8 D 128's GEMMs): x clamped to -126 (-inf: 2^-126, 0 once P is in e4m3), rounded to an integer j
+    by the magic-number add, 2^(x - j) by ``EXP2_POLYNOMIAL`` and j added to its exponent bits (the sum's low bits
+    shifted up by 23: the magic's bits shift out). 7 instructions, relative error < 1.8e-3."""
+    x = nvfly.maximum(x, -126.0)
+    rounded = x + ROUND_MAGIC
+    f = x - (rounded - ROUND_MAGIC)
+    c0, c1, c2 = EXP2_POLYNOMIAL
+    p = nvfly.fma(nvfly.fma(f, c2, c1), f, c0)
+    return (p.bitcast(nvfly.i32) + (rounded.bitcast(nvfly.i32) << 23)).bitcast(nvfly.f32)
+
+
+def online_softmax(scores: list, maxima: list, sums: list, scale_log2: Any, masked: bool,
+                   tree_max: bool = False, poly_exp2: int = 0) -> SoftmaxStep:
     """Fold one block of ``scores`` (S's elements, masked ones -inf) into the rows' running ``maxima`` and
-    ``sums``; ``masked``: a row may have no key kept yet (shift by 0, not -inf, so that exp2 gives 0, not NaN)."""
+    ``sums``; ``masked``: a row may have no key kept yet (shift by 0, not -inf, so that exp2 gives 0, not NaN);
+    ``tree_max``: each row's maximum by a pairwise tree (log2 of the row's scores dependent FMNMX before the quad's
+    shuffles instead of one chain through all of them: the first exp2 waits on that chain); ``poly_exp2``: that
+    many of every 16 scores exponentiated by ``exp2_polynomial`` instead of MUFU."""
     new_maxima, new_sums, shifts, rescales = [], [], [], []
     for r in nvfly.static_range(2):
-        top = maxima[r]
-        for i in nvfly.static_range(r * 2, len(scores), 4):
-            top = nvfly.maximum(top, nvfly.maximum(scores[i], scores[i + 1]))
+        if tree_max:
+            level = [maxima[r]] + [scores[i + e] for i in range(r * 2, len(scores), 4) for e in range(2)]
+            while len(level) > 1:
+                level = [nvfly.maximum(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
+                         for i in range(0, len(level), 2)]
+            top = level[0]
+        else:
+            top = maxima[r]
+            for i in nvfly.static_range(r * 2, len(scores), 4):
+                top = nvfly.maximum(top, nvfly.maximum(scores[i], scores[i + 1]))
         top = nvfly.maximum(top, nvfly.shfl_xor(top, 1))  # the 4 lanes of a row
         top = nvfly.maximum(top, nvfly.shfl_xor(top, 2))
         reference = nvfly.select(top == NEG_INF, 0.0, top) if masked else top
@@ -45,7 +78,9 @@ def online_softmax(scores: list, maxima: list, sums: list, scale_log2: Any, mask
         new_maxima.append(top)
     # fused (one rounding; a separate multiply and subtract are an FMUL and an FADD a score: PTX's mul.rn / sub.rn
     # forbid ptxas to contract them)
-    p = [nvfly.exp2(nvfly.fma(x, scale_log2, shifts[row_of(i)])) for i, x in enumerate(scores)]
+    slots = polynomial_slots(poly_exp2)
+    p = [(exp2_polynomial if i % 16 in slots else nvfly.exp2)(nvfly.fma(x, scale_log2, shifts[row_of(i)]))
+         for i, x in enumerate(scores)]
     for r in nvfly.static_range(2):
         total = sums[r] * rescales[r]
         for i in nvfly.static_range(r * 2, len(p), 4):

@@ -533,7 +533,9 @@ def quantised_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / descale).to(torch.float8_e4m3fn), descale
 
 
-def run_prefill_fp8_row(shape: tuple, causal: bool, variants: bool = False) -> dict[str, Any]:
+def run_prefill_fp8_row(shape: tuple, causal: bool, variants: Optional[dict[str, dict]] = None) -> dict[str, Any]:
+    """One fp8 row; ``variants``: the PREFILL_FP8_VARIANTS timed (after checking) beside the default plan."""
+    variants = variants or {}
     name, batch, s, hq, hkv, dqk, dv = shape
     torch.manual_seed(0)
     (q, qd), (k, kd), (v, vd) = (quantised_e4m3(torch.randn(batch, s, h, d, device="cuda"))
@@ -556,7 +558,7 @@ def run_prefill_fp8_row(shape: tuple, causal: bool, variants: bool = False) -> d
         row["transpose_torch_ms"] = bench_ms(lambda: transposed_values_torch(v))  # the strided copy it replaced
         moved = v.numel() + batch * hkv * dv * -(-s // 16) * 16  # bytes read and written
         row["transpose_gbps"] = moved / row["transpose_ms"] / 1e6
-        for variant, options in (PREFILL_FP8_VARIANTS.items() if variants else ()):
+        for variant, options in variants.items():
             with plan_options(**options):
                 out = torch.full((batch, s, hq, dv), float("nan"), dtype=torch.bfloat16, device="cuda")
                 attention.prefill(q, k, v, causal=causal, out=out, **descales)
@@ -578,7 +580,7 @@ def run_prefill_fp8_row(shape: tuple, causal: bool, variants: bool = False) -> d
             row["fp8_vs_" + key[:-3]] = row[key] / row["nvfly_fp8_ms"]
     if "nvfly_fp8_ms" in row:  # what an in-kernel transpose could reach: the call's time less the pass's
         row["fp8_kernel_estimate_tflops"] = flops / (row["nvfly_fp8_ms"] - row["transpose_ms"]) / 1e9
-        for variant in (PREFILL_FP8_VARIANTS if variants else ()):
+        for variant in variants:
             row[f"fp8_{variant}_kernel_estimate_tflops"] = (flops / (row[f"nvfly_fp8_{variant}_ms"]
                                                                      - row["transpose_ms"]) / 1e9)
     return row
@@ -586,9 +588,11 @@ def run_prefill_fp8_row(shape: tuple, causal: bool, variants: bool = False) -> d
 
 def run_prefill_fp8(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     rows, started = [], time.time()
+    variants = {name: options for name, options in PREFILL_FP8_VARIANTS.items()
+                if args.prefill_variants and (not args.only_variants or name in args.only_variants)}
     for shape in (PREFILL_FP8_QUICK if args.quick else PREFILL_FP8_SUITE):
         for causal in (False, True):
-            row = run_prefill_fp8_row(shape, causal, args.prefill_variants)
+            row = run_prefill_fp8_row(shape, causal, variants)
             rows.append(row)
             timed = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row if key.endswith("_tflops"))
             mine = (f"err {row['nvfly_fp8_err']:.1e}  V transpose {row['transpose_ms']:.3f} ms "
@@ -645,6 +649,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="prefill: also time nvfly with each combination of the plan's overlap and ping-pong options "
                         "(PREFILL_VARIANTS; with --fp8 PREFILL_FP8_VARIANTS, 192-key blocks too; correctness "
                         "checked for each) in the same process: nvfly_<variant>_ms")
+    p.add_argument("--only-variants", nargs="*", default=None, metavar="NAME",
+                   help="with --prefill-variants --fp8: only these of PREFILL_FP8_VARIANTS")
     p.add_argument("--mla", action="store_true", help="decode: the MLA suite (DeepSeek's 576/512 latent cache) "
                                                        "instead; with --quick four rows")
     p.add_argument("--mla-variants", action="store_true",

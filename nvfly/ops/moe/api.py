@@ -8,9 +8,9 @@ per-signature plans (``nvfly.ops.common.opcall``) and the launches.
 
 and the shuffles' gradients (``nvfly.ops.moe.autograd``), on the same kernels:
 
-    grad_x = combine(grad_rows, slots, None)     # the dispatch's: each token's top_k rows summed (unweighted)
-    grad_y = spread(grad_out, slots, weights)    # the combine's: grad_y[slots[s]] = weights[s] * grad_out[s // top_k]
-    grad_w = slot_dots(y, slots, grad_out)       # the combine's: grad_w[t, j] = dot(y[slots[t * top_k + j]], grad_out[t])
+    grad_x = combine(grad_rows, slots, None, k)  # the dispatch's: each token's k rows summed (unweighted)
+    grad_y = spread(grad_out, slots, weights)    # the combine's: grad_y[slots[s]] = weights[s] * grad_out[s // k]
+    grad_w = slot_dots(y, slots, grad_out)       # the combine's: grad_w[t, j] = y[slots[t * k + j]] . grad_out[t]
 
 ``reference_*``: each call on torch (any device and dtype; differentiable), the definitions the kernels and the
 autograd formulas are tested against.

@@ -8,8 +8,11 @@ kernels where they take the tensors (``api.eligibility``), else on the torch ref
   weights[s] grad_out[s // top_k] (``api.spread``: the dispatch kernel, scattering, scaled) and grad_weights[t, j] =
   dot(y[slots[t * top_k + j]], grad_out[t]) (``api.slot_dots``).
 - ``route(logits, top_k, renormalize)``: the router's softmax, top-k and renormalisation (one kernel forward). Its
-  backward stays on torch: the chosen experts' probabilities recomputed from the logits (softmax, gather,
-  renormalise: [T, E] elementwise work) and differentiated by torch's autograd; the expert ids carry no gradient.
+  backward stays on torch, in closed form (``route_backward``, a few elementwise ops; the expert ids carry no
+  gradient).
+
+The backward pieces (``dispatch_backward``, ``combine_backward_y``, ``combine_backward_weights``,
+``route_backward``) are also what ``nvfly.torch``'s operators (``torch.ops.nvfly.moe_*``) differentiate with.
 """
 from __future__ import annotations
 
@@ -41,9 +44,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_rows: torch.Tensor, _grad_slots: Optional[torch.Tensor]) -> tuple:
         (slots,) = ctx.saved_tensors
-        grad_rows = grad_rows.contiguous()
-        combine = _pick(api.combine, api.reference_combine, grad_rows, slots)
-        return combine(grad_rows, slots, None, ctx.top_k), None, None
+        return dispatch_backward(grad_rows, slots, ctx.top_k), None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -55,14 +56,27 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         y, slots, weights = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_y = grad_weights = None
-        if ctx.needs_input_grad[0]:
-            grad_y = _pick(api.spread, api.reference_spread, grad, slots, weights)(grad, slots, weights)
-        if ctx.needs_input_grad[2]:
-            dots = _pick(api.slot_dots, api.reference_slot_dots, y, slots, grad)(y, slots, grad)
-            grad_weights = dots.to(weights.dtype)
+        grad_y = combine_backward_y(grad, slots, weights) if ctx.needs_input_grad[0] else None
+        grad_weights = combine_backward_weights(y, slots, grad).to(weights.dtype) if ctx.needs_input_grad[2] else None
         return grad_y, None, grad_weights
+
+
+def dispatch_backward(grad_rows: torch.Tensor, slots: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The dispatch's x-gradient: each token's top_k rows of ``grad_rows`` summed (the combine, unweighted)."""
+    grad_rows = grad_rows.contiguous()
+    return _pick(api.combine, api.reference_combine, grad_rows, slots)(grad_rows, slots, None, top_k)
+
+
+def combine_backward_y(grad: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The combine's y-gradient: row slots[s] = weights[s] * grad[s // top_k]."""
+    grad = grad.contiguous()
+    return _pick(api.spread, api.reference_spread, grad, slots, weights)(grad, slots, weights)
+
+
+def combine_backward_weights(y: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The combine's weight-gradient: dot(y[slots[t * top_k + j]], grad[t]) (float32, float64 for float64)."""
+    grad = grad.contiguous()
+    return _pick(api.slot_dots, api.reference_slot_dots, y, slots, grad)(y, slots, grad)
 
 
 def reference_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,10 +86,20 @@ def reference_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
     return (weights / weights.sum(dim=-1, keepdim=True) if renormalize else weights), ids
 
 
-def route_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
-    """The routing weights of the experts ``ids`` as a function of the logits (what the backward differentiates)."""
-    probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1).gather(1, ids)
-    return probs / probs.sum(dim=-1, keepdim=True) if renormalize else probs
+def route_backward(logits: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor,
+                   renormalize: bool) -> torch.Tensor:
+    """The router's logit-gradient for the gradient ``grad`` of its ``weights`` (of the experts ``ids``). Renormalised,
+    the weights are the softmax of the chosen logits alone: dl[ids[j]] = w_j (g_j - sum_i w_i g_i), zero elsewhere;
+    else they are the chosen softmax probabilities p: dl = p * (g scattered to ids - sum_j w_j g_j)."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    g, w = grad.to(acc), weights.to(acc)
+    inner = (w * g).sum(dim=-1, keepdim=True)
+    if renormalize:
+        grad_logits = torch.zeros(logits.shape, dtype=acc, device=logits.device).scatter(1, ids, w * (g - inner))
+    else:
+        probs = torch.softmax(logits.to(acc), dim=-1)
+        grad_logits = probs * (torch.zeros_like(probs).scatter(1, ids, g) - inner)
+    return grad_logits.to(logits.dtype)
 
 
 class _Route(torch.autograd.Function):
@@ -85,17 +109,14 @@ class _Route(torch.autograd.Function):
         run = _pick(api.route, reference_route, logits) if nvfly_takes else reference_route
         weights, ids = run(logits, top_k, renormalize)
         ctx.mark_non_differentiable(ids)
-        ctx.save_for_backward(logits, ids)
+        ctx.save_for_backward(logits, weights, ids)
         ctx.renormalize = renormalize
         return weights, ids
 
     @staticmethod
     def backward(ctx: Any, grad_weights: torch.Tensor, _grad_ids: Optional[torch.Tensor]) -> tuple:
-        logits, ids = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = logits.detach().requires_grad_()
-            (grad,) = torch.autograd.grad(route_weights(leaf, ids, ctx.renormalize), leaf, grad_weights)
-        return grad, None, None
+        logits, weights, ids = ctx.saved_tensors
+        return route_backward(logits, weights, ids, grad_weights, ctx.renormalize), None, None
 
 
 def dispatch(x: torch.Tensor, order: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:

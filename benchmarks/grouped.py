@@ -16,9 +16,9 @@ grouped GEMM with SiLU * mul, down grouped GEMM, weighted un-permutation) timed 
 layer a user writes on ``torch._grouped_mm`` (``torch_moe``, modelled on torchtitan's ``_run_experts_grouped_mm``
 with a fused w13), (b) nvfly eagerly: the same code under ``nvfly.torch.routing()`` ("nvfly_route"),
 ``nvfly.ops.moe.moe`` ("nvfly_moe", forward only), the layer on nvfly's kernels throughout, forward and backward
-(``nvfly.ops.moe``'s router and shuffles with their autograd, ``torch.ops.nvfly.grouped_mm``) with the fused gate/up
-("nvfly_ops", ``nvfly_moe``) and without it ("nvfly_ops_unfused": autograd saves the gate/up activations instead of
-recomputing them), (c) ``torch.compile`` (default mode) of (a) and (d) of the nvfly-ops layer (fused for the
+(the router and shuffles as ``torch.ops.nvfly.moe_*``, differentiable and traceable, and
+``torch.ops.nvfly.grouped_mm``) with the fused gate/up ("nvfly_ops", ``nvfly_moe``) and without it
+("nvfly_ops_unfused": autograd saves the gate/up activations instead of recomputing them), (c) ``torch.compile`` (default mode) of (a) and (d) of the nvfly-ops layer (fused for the
 forward rows, unfused for forward+backward: ``compiled_nvfly_layer``). Outputs are checked against the float32
 layer (``nvfly.ops.moe.reference``) and, forward+backward, every gradient against the eager layer's; nvfly_ms is
 the fastest nvfly eager version (named in ``nvfly_version``).
@@ -265,33 +265,30 @@ def torch_moe(x, router_weight, w13, w2, top_k):
 
 
 def nvfly_layer_routing(x, router_weight, top_k):
-    """The router and the permutation on nvfly's kernels, differentiable (``nvfly.ops.moe``: route, permute with its
-    counting sort, and the autograd of both where an input requires grad), from the eager layer's float32 logits.
-    Returns (rows, offs, slots, routing weights)."""
-    from nvfly.ops import moe
-    weights, ids = moe.route(x.float() @ router_weight.float().mT, top_k)
-    rows, offs, slots = moe.permute(x, ids, router_weight.shape[0])
+    """The router and the permutation on nvfly's kernels as differentiable, traceable operators
+    (``torch.ops.nvfly.moe_route`` / ``moe_permute``: ``nvfly.torch.moe_ops``), from the eager layer's float32
+    logits. Returns (rows, offs, slots, routing weights)."""
+    weights, ids = torch.ops.nvfly.moe_route(x.float() @ router_weight.float().mT, top_k)
+    rows, offs, slots = torch.ops.nvfly.moe_permute(x, ids, router_weight.shape[0])
     return rows, offs, slots, weights
 
 
 def nvfly_moe(x, router_weight, w13, w2, top_k):
-    """The layer on nvfly's kernels, forward and backward: the router and shuffles of ``nvfly.ops.moe`` (with their
-    autograd) and nvfly's differentiable grouped-GEMM op, the gate/up projection and SiLU * mul in one kernel (its
-    backward recomputes gate/up)."""
-    from nvfly.ops import moe
+    """The layer on nvfly's kernels, forward and backward: the router and shuffles (``nvfly::moe_*``, whose
+    gradients run on the same kernels) and nvfly's differentiable grouped-GEMM op, the gate/up projection and
+    SiLU * mul in one kernel (its backward recomputes gate/up)."""
     rows, offs, slots, weights = nvfly_layer_routing(x, router_weight, top_k)
     hidden = torch.ops.nvfly.grouped_mm(rows, w13.mT, offs, fuse="silu_mul")
-    return moe.unpermute(torch.ops.nvfly.grouped_mm(hidden, w2.mT, offs), slots, weights)
+    return torch.ops.nvfly.moe_unpermute(torch.ops.nvfly.grouped_mm(hidden, w2.mT, offs), slots, weights)
 
 
 def nvfly_moe_unfused(x, router_weight, w13, w2, top_k):
     """The same without the fused epilogue (gate/up out, SiLU * mul on torch): autograd saves the [rows, 2I]
     activations instead of recomputing them, as the eager layer does."""
-    from nvfly.ops import moe
     rows, offs, slots, weights = nvfly_layer_routing(x, router_weight, top_k)
     gate, up = torch.ops.nvfly.grouped_mm(rows, w13.mT, offs).chunk(2, dim=-1)
     y = torch.ops.nvfly.grouped_mm(torch.nn.functional.silu(gate) * up, w2.mT, offs)
-    return moe.unpermute(y, slots, weights)
+    return torch.ops.nvfly.moe_unpermute(y, slots, weights)
 
 
 def moe_layer_row(case: MoeCase, compile_too: bool) -> list[dict]:

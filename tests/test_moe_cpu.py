@@ -264,3 +264,65 @@ def test_the_layer_with_grad_matches_the_float32_reference_layer():
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(torch.autograd.grad(out, args, g), torch.autograd.grad(want, args, g)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- torch operators
+def test_moe_operators_pass_opcheck_and_their_gradients_are_the_references():
+    """torch.ops.nvfly.moe_route / moe_permute / moe_unpermute: schema, fakes and autograd registration
+    (``torch.library.opcheck``), and their gradients against torch's autograd through the references (float64; the
+    weights' gradient compared directly, the operator computing in float32 weights)."""
+    import nvfly.torch  # noqa: F401 - registers the operators
+    from torch.library import opcheck
+    gen = torch.Generator().manual_seed(11)
+    t, h, e, k = 9, 8, 12, 3
+    logits = torch.randn(t, e, generator=gen, requires_grad=True)
+    x = torch.randn(t, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    for renormalize in (True, False):
+        opcheck(torch.ops.nvfly.moe_route.default, (logits, k, renormalize))
+    weights, ids = torch.ops.nvfly.moe_route(logits, k)
+    opcheck(torch.ops.nvfly.moe_permute.default, (x, ids, e))
+    rows, offs, slots = torch.ops.nvfly.moe_permute(x, ids, e)
+    assert torch.equal(offs, torch.bincount(ids.reshape(-1), minlength=e).cumsum(0).int())
+    y = torch.randn(t * k, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.rand(t, k, dtype=torch.float64, generator=gen, requires_grad=True)
+    opcheck(torch.ops.nvfly.moe_unpermute.default, (y, slots, w))
+    assert torch.autograd.gradcheck(lambda x: torch.ops.nvfly.moe_permute(x, ids, e)[0], (x,))
+    assert torch.autograd.gradcheck(lambda y: torch.ops.nvfly.moe_unpermute(y, slots, w.detach()), (y,))
+    g = torch.randn(t, h, dtype=torch.float64, generator=gen)
+    got = torch.autograd.grad(torch.ops.nvfly.moe_unpermute(y, slots, w), (y, w), g)
+    want = torch.autograd.grad(moe_api.reference_combine(y, slots, w.float()), (y, w), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    gw = torch.randn(t, k, generator=gen)
+    want_w = torch.topk(torch.softmax(logits, -1), k).values
+    want_w = want_w / want_w.sum(-1, keepdim=True)
+    torch.testing.assert_close(torch.autograd.grad(weights, logits, gw)[0],
+                               torch.autograd.grad(want_w, logits, gw)[0])
+
+
+def test_a_layer_on_the_operators_compiles_whole_and_matches_eager():
+    """torch.compile (aot_eager: no C++ compiler needed) traces the whole layer, forward and backward, with no graph
+    break (fullgraph), and its output and gradients equal the eager layer's."""
+    import nvfly.torch  # noqa: F401
+    import torch._dynamo
+
+    def layer(x, router, w13, w2, k):
+        weights, ids = torch.ops.nvfly.moe_route(x.float() @ router.float().mT, k)
+        rows, offs, slots = torch.ops.nvfly.moe_permute(x, ids, router.shape[0])
+        h = torch.ops.nvfly.grouped_mm(rows, w13.mT, offs, fuse="silu_mul")
+        return torch.ops.nvfly.moe_unpermute(torch.ops.nvfly.grouped_mm(h, w2.mT, offs), slots, weights)
+    gen = torch.Generator().manual_seed(12)
+    t, h, inter, e, k = 24, 32, 16, 6, 2
+    args = [torch.randn(t, h, generator=gen), torch.randn(e, h, generator=gen) / 6,
+            torch.randn(e, 2 * inter, h, generator=gen) / 6, torch.randn(e, h, inter, generator=gen) / 4]
+    args = [a.bfloat16().requires_grad_() for a in args]
+    g = torch.randn(t, h, generator=gen).bfloat16()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    out = compiled(*args, k)
+    want = layer(*args, k)
+    assert torch.equal(out, want)
+    for a, b in zip(torch.autograd.grad(out, args, g), torch.autograd.grad(want, args, g)):
+        assert torch.equal(a, b)
+    ref = moe.reference(*(a.detach() for a in args), k)
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2

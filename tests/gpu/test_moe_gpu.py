@@ -109,27 +109,33 @@ def test_gradient_kernels_match_their_definitions(tokens, h, top_k, experts, dty
     torch.testing.assert_close(dots.double(), want, rtol=1e-4, atol=1e-4 * h ** 0.5)
 
 
+@pytest.mark.parametrize("pieces", ["functions", "operators"])
 @pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", [(256, 512, 128, 32, 4), (19, 256, 64, 64, 8)])
-def test_layer_gradients_on_nvfly_shuffles_match_the_float32_layer(tokens, hidden, inter, experts, top_k):
-    """The differentiable layer (nvfly's router, permute and unpermute with autograd, nvfly's grouped GEMM op with
-    its backward) against the float32 torch layer: output, and the gradients of x, the router, both expert weights
-    and the combine weights; random routing with experts that get no token (19 tokens x 8 over 64 experts, and the
-    experts past the first half unused in the first case)."""
-    import nvfly.torch  # noqa: F401 - registers torch.ops.nvfly.grouped_mm
+def test_layer_gradients_on_nvfly_shuffles_match_the_float32_layer(tokens, hidden, inter, experts, top_k, pieces):
+    """The differentiable layer (nvfly's router, permute and unpermute with autograd: ``nvfly.ops.moe``'s Functions
+    or ``torch.ops.nvfly.moe_*``; nvfly's grouped GEMM op with its backward) against the float32 torch layer:
+    output, and the gradients of x, the router, both expert weights and the combine weights; random routing with
+    experts that get no token (19 tokens x 8 over 64 experts, and the experts past the first half unused in the
+    first case)."""
+    import nvfly.torch  # noqa: F401 - registers torch.ops.nvfly.grouped_mm and moe_*
+    ops = torch.ops.nvfly
+    route, permute, unpermute = ((moe.route, moe.permute, moe.unpermute) if pieces == "functions" else
+                                 (ops.moe_route, ops.moe_permute, ops.moe_unpermute))
     x = torch.randn(tokens, hidden, device="cuda").bfloat16()
     router = (torch.randn(experts, hidden, device="cuda") / hidden ** 0.5).bfloat16()
-    if tokens == 256:
-        router[experts // 2:] -= 10.0  # never routed to
+    if tokens == 256:  # the experts past the first half never routed to: logits lowered by 4 * 8 for every token
+        x[:, 0] = 4.0
+        router[experts // 2:, 0] = -8.0
     w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
     w2 = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
     grad_out = torch.randn(tokens, hidden, device="cuda").bfloat16()
     leaves = [a.detach().requires_grad_() for a in (x, router, w13, w2)]
     logits = leaves[0].float() @ leaves[1].float().mT
-    weights, ids = moe.route(logits, top_k)
-    rows, offs, slots = moe.permute(leaves[0], ids, experts)
+    weights, ids = route(logits, top_k)
+    rows, offs, slots = permute(leaves[0], ids, experts)
     torch.full((tokens, hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
     hidden_rows = torch.ops.nvfly.grouped_mm(rows, leaves[2].mT, offs, fuse="silu_mul")
-    out = moe.unpermute(torch.ops.nvfly.grouped_mm(hidden_rows, leaves[3].mT, offs), slots, weights)
+    out = unpermute(torch.ops.nvfly.grouped_mm(hidden_rows, leaves[3].mT, offs), slots, weights)
     got = torch.autograd.grad(out, leaves + [weights], grad_out)
     ref_leaves = [a.detach().float().requires_grad_() for a in (x, router, w13, w2)]
     ref_logits = ref_leaves[0] @ ref_leaves[1].mT

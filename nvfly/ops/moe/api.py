@@ -95,11 +95,12 @@ def check_sort(ids: Any, experts: Any) -> None:
         raise ValueError(f"experts: expected an int in [1, {MAX_EXPERTS}], got {experts!r}")
 
 
-def _weights_check(weights: Any, slots: int, rows: str) -> None:
+def _weights_check(weights: Any, slots: Optional[int], rows: str = "") -> None:
+    """A 2-D float32 tensor of ``slots`` elements (None: any)."""
     import torch
     if not isinstance(weights, torch.Tensor) or weights.dim() != 2 or weights.dtype != torch.float32:
         raise TypeError("weights: expected a 2-D float32 tensor [tokens, top_k]")
-    if weights.numel() != slots:
+    if slots is not None and weights.numel() != slots:
         raise ValueError(f"weights: {tuple(weights.shape)} holds {weights.numel()} routing slots, {rows}")
 
 
@@ -116,8 +117,9 @@ def check_combine(y: Any, slots: Any, weights: Any, top_k: Any = None) -> None:
 
 def check_spread(grad: Any, slots: Any, weights: Any) -> None:
     _rows_check("grad", grad)
-    _weights_check(weights, weights.numel() if weights.shape[0] == grad.shape[0] else -1,
-                   f"expected [{grad.shape[0]}, top_k] (grad's tokens)")
+    _weights_check(weights, None)
+    if weights.shape[0] != grad.shape[0]:
+        raise ValueError(f"weights: expected [{grad.shape[0]}, top_k] (grad's tokens), got {tuple(weights.shape)}")
     _index_check("slots", slots, weights.numel())
 
 

@@ -15,9 +15,10 @@ MoE-layer rows (``--moe``, ``MOE_CASES``): a whole MoE layer (router softmax/top
 grouped GEMM with SiLU * mul, down grouped GEMM, weighted un-permutation) timed in one process as (a) the eager
 layer a user writes on ``torch._grouped_mm`` (``torch_moe``, modelled on torchtitan's ``_run_experts_grouped_mm``
 with a fused w13), (b) nvfly eagerly: the same code under ``nvfly.torch.routing()`` ("nvfly_route"),
-``nvfly.ops.moe`` ("nvfly_moe", forward only), the layer on ``torch.ops.nvfly.grouped_mm`` with the fused gate/up
-("nvfly_ops", ``nvfly_moe``) and without it ("nvfly_ops_unfused": autograd saves the gate/up activations instead of
-recomputing them), (c) ``torch.compile`` (default mode) of (a) and (d) of the nvfly-ops layer (fused for the
+``nvfly.ops.moe.moe`` ("nvfly_moe", forward only), the layer on nvfly's kernels throughout, forward and backward
+(the router and shuffles as ``torch.ops.nvfly.moe_*``, differentiable and traceable, and
+``torch.ops.nvfly.grouped_mm``) with the fused gate/up ("nvfly_ops", ``nvfly_moe``) and without it
+("nvfly_ops_unfused": autograd saves the gate/up activations instead of recomputing them), (c) ``torch.compile`` (default mode) of (a) and (d) of the nvfly-ops layer (fused for the
 forward rows, unfused for forward+backward: ``compiled_nvfly_layer``). Outputs are checked against the float32
 layer (``nvfly.ops.moe.reference``) and, forward+backward, every gradient against the eager layer's; nvfly_ms is
 the fastest nvfly eager version (named in ``nvfly_version``).
@@ -263,20 +264,31 @@ def torch_moe(x, router_weight, w13, w2, top_k):
     return combine(y, token, weight, x.shape[0])
 
 
+def nvfly_layer_routing(x, router_weight, top_k):
+    """The router and the permutation on nvfly's kernels as differentiable, traceable operators
+    (``torch.ops.nvfly.moe_route`` / ``moe_permute``: ``nvfly.torch.moe_ops``), from the eager layer's float32
+    logits. Returns (rows, offs, slots, routing weights)."""
+    weights, ids = torch.ops.nvfly.moe_route(x.float() @ router_weight.float().mT, top_k)
+    rows, offs, slots = torch.ops.nvfly.moe_permute(x, ids, router_weight.shape[0])
+    return rows, offs, slots, weights
+
+
 def nvfly_moe(x, router_weight, w13, w2, top_k):
-    """The same layer on nvfly's differentiable grouped-GEMM op: the gate/up projection and SiLU * mul in one kernel."""
-    rows, offs, token, weight = route_tokens(x, router_weight, top_k)
+    """The layer on nvfly's kernels, forward and backward: the router and shuffles (``nvfly::moe_*``, whose
+    gradients run on the same kernels) and nvfly's differentiable grouped-GEMM op, the gate/up projection and
+    SiLU * mul in one kernel (its backward recomputes gate/up)."""
+    rows, offs, slots, weights = nvfly_layer_routing(x, router_weight, top_k)
     hidden = torch.ops.nvfly.grouped_mm(rows, w13.mT, offs, fuse="silu_mul")
-    return combine(torch.ops.nvfly.grouped_mm(hidden, w2.mT, offs), token, weight, x.shape[0])
+    return torch.ops.nvfly.moe_unpermute(torch.ops.nvfly.grouped_mm(hidden, w2.mT, offs), slots, weights)
 
 
 def nvfly_moe_unfused(x, router_weight, w13, w2, top_k):
-    """The layer on nvfly's op without the fused epilogue (gate/up out, SiLU * mul on torch): autograd saves the
-    [rows, 2I] activations instead of recomputing them, as the eager layer does."""
-    rows, offs, token, weight = route_tokens(x, router_weight, top_k)
+    """The same without the fused epilogue (gate/up out, SiLU * mul on torch): autograd saves the [rows, 2I]
+    activations instead of recomputing them, as the eager layer does."""
+    rows, offs, slots, weights = nvfly_layer_routing(x, router_weight, top_k)
     gate, up = torch.ops.nvfly.grouped_mm(rows, w13.mT, offs).chunk(2, dim=-1)
     y = torch.ops.nvfly.grouped_mm(torch.nn.functional.silu(gate) * up, w2.mT, offs)
-    return combine(y, token, weight, x.shape[0])
+    return torch.ops.nvfly.moe_unpermute(y, slots, weights)
 
 
 def moe_layer_row(case: MoeCase, compile_too: bool) -> list[dict]:

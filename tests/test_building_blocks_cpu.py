@@ -83,6 +83,8 @@ def scans_and_reductions(x: nvfly.Tensor, f: nvfly.Tensor, wide: nvfly.Tensor, o
     fout[8 * tid + 2] = reduce.group_reduce(fv, scratch, 4, 0, warp_id, lane, 64)
     fout[8 * tid + 3] = reduce.group_reduce(fv, scratch, 0, 0, warp_id, lane, 16, "min")
     fout[8 * tid + 4] = reduce.block_scan(fv, ftotals, lane, warp_id, 4, "max")
+    many = nvfly.shared_tensor(nvfly.f32, (8,))
+    fout[8 * tid + 5], fout[8 * tid + 6] = reduce.block_reduce_many([fv, fv * 2.0], many, 128, "max")
 
 
 def test_warp_and_block_scans_and_reductions():

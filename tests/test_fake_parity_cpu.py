@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nvfly.torch.attention_ops  # noqa: F401  (defines torch.ops.nvfly.attention_decode, _prefill)
 import nvfly.torch.grouped_ops  # noqa: F401  (defines torch.ops.nvfly.grouped_mm*)
+import nvfly.torch.moe_ops  # noqa: F401  (defines torch.ops.nvfly.moe_*)
 import nvfly.torch.ops  # noqa: F401  (defines torch.ops.nvfly: the GEMM's ops, RMSNorm's and TopK's)
 
 bf, f16 = torch.bfloat16, torch.float16
@@ -64,6 +65,16 @@ INVALID = [
      ValueError, "nvfly::grouped_mm_masked: b: 3 groups, a has 2"),
     ("grouped_mm_out", lambda: (_t(8, 16), _t(2, 16, 8), torch.tensor([3, 8], dtype=torch.int32), _t(8, 9)), {},
      ValueError, "nvfly::grouped_mm_out: out: expected shape (8, 8), got (8, 9)"),
+    ("moe_route", lambda: (torch.randn(4, 8), 9), {}, ValueError, "nvfly::moe_route: top_k: expected an int in [1, 8]"),
+    ("moe_route", lambda: (torch.randn(4, 8, 2), 2), {}, ValueError, "nvfly::moe_route: logits: expected a 2-D"),
+    ("moe_permute", lambda: (_t(4, 16), torch.zeros(5, 2, dtype=torch.int64), 8), {}, ValueError,
+     "nvfly::moe_permute: ids: 5 tokens, x has 4"),
+    ("moe_permute", lambda: (_t(4, 16), torch.zeros(4, 2), 8), {}, TypeError,
+     "nvfly::moe_permute: ids: expected an int64 or int32 tensor, got torch.float32"),
+    ("moe_unpermute", lambda: (_t(8, 16), torch.arange(8), torch.rand(3, 2)), {}, ValueError,
+     "nvfly::moe_unpermute: weights: (3, 2) holds 6 routing slots, y has 8 rows"),
+    ("moe_unpermute", lambda: (_t(8, 16), torch.arange(6), torch.rand(4, 2)), {}, ValueError,
+     "nvfly::moe_unpermute: slots: expected a 1-D tensor of 8 elements"),
     # decode's own checks (its errors name the function and the argument)
     ("attention_decode", lambda: (_t(2, 1, 7, 64), _t(2, 32, 2, 64), _t(2, 32, 2, 64)), {}, ValueError,
      "attention.decode: q: 7 query heads are not a multiple of k_cache's 2 KV heads"),
@@ -97,6 +108,9 @@ VALID = [
                             torch.tensor([3, 8], dtype=torch.int32)), {"fuse": "silu_mul"}),
     ("grouped_mm", lambda: (_t(16, 8), _t(8, 6), torch.tensor([3, 8], dtype=torch.int32)), {}),
     ("grouped_mm_masked", lambda: (_t(2, 4, 16), _t(2, 16, 8), torch.tensor([1, 4], dtype=torch.int32)), {}),
+    ("moe_route", lambda: (torch.randn(5, 12), 3), {"renormalize": False}),
+    ("moe_permute", lambda: (_t(5, 16), torch.randint(0, 6, (5, 2)), 6), {}),
+    ("moe_unpermute", lambda: (_t(10, 16), torch.randperm(10), torch.rand(5, 2)), {}),
     ("attention_decode", lambda: (_t(2, 2, 8, 72)[..., 8:], _t(2, 32, 2, 65)[..., 1:], _t(2, 32, 2, 64)), {}),
     ("attention_prefill", lambda: (_t(1, 33, 4, 192), _t(1, 20, 2, 192), _t(1, 20, 2, 128)),
      {"causal": True, "causal_alignment": "top_left"}),

@@ -159,3 +159,170 @@ def test_shuffle_eligibility_on_fake_cuda_tensors():
             "a float tensor is not 2-D bfloat16, float16 or float32"
         assert moe_api.eligibility(rows.t(), order) == "rows are not contiguous"
         assert moe_api.eligibility(rows, strided) == "an index tensor is not contiguous"
+
+
+# ---------------------------------------------------------------------------------------------- autograd
+def compile_gradients(tokens, h, top_k, dtype):
+    """The backward's kernels: the unweighted combine, the scaled scatter and the slot dots."""
+    grad = torch.empty(tokens, h, dtype=dtype)
+    y = torch.empty(tokens * top_k, h, dtype=dtype)
+    slots = torch.empty(tokens * top_k, dtype=torch.int64)
+    with nvfly.compile_only() as kernels:
+        moe_api.combine(y, slots, None, top_k)
+        moe_api.spread(grad, slots, torch.empty(tokens, top_k))
+        moe_api.slot_dots(y, slots, grad)
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("h,top_k", [(2048, 8), (7168, 32), (100, 2), (7, 1)])
+def test_gradient_kernels_compile_without_spills(dtype, h, top_k):
+    kernels = compile_gradients(16, h, top_k, dtype)
+    assert [k.name for k in kernels] == ["moe_combine_kernel", "moe_dispatch_kernel", "moe_slot_dot_kernel"]
+    for k in kernels:
+        assert k.cubin is not None
+        assert k.resources.spill_stores == 0 and k.resources.spill_loads == 0 and k.resources.stack_bytes == 0
+    unweighted, spread, dots = kernels
+    dispatch, weighted = compile_shuffles(16, h, top_k, dtype)
+    assert unweighted.ptx.count("ld.global") == weighted.ptx.count("ld.global") - top_k  # no weight loads
+    assert spread.ptx.count("ld.global") == dispatch.ptx.count("ld.global") + 1  # + the slot's weight
+    assert "mul.f32" in spread.ptx or "mul.rn.f32" in spread.ptx
+    assert dots.ptx.count("bar.sync") == 1  # the TOP_K block sums behind one barrier
+
+
+def test_gradient_calls_check_their_arguments():
+    y = torch.empty(8, 64, dtype=torch.bfloat16)
+    slots = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="nvfly.ops.moe.combine: top_k: expected a positive int dividing"):
+        moe_api.combine(y, slots, None, 3)
+    with pytest.raises(ValueError, match="nvfly.ops.moe.spread: weights: expected \\[4, top_k\\] .* got \\(2, 4\\)"):
+        moe_api.spread(torch.empty(4, 64, dtype=torch.bfloat16), slots, torch.zeros(2, 4))
+    with pytest.raises(TypeError, match="nvfly.ops.moe.slot_dots: grad: dtype torch.float32 is not y's"):
+        moe_api.slot_dots(y, slots, torch.empty(4, 64))
+    with pytest.raises(ValueError, match="nvfly.ops.moe.slot_dots: grad: expected \\[tokens, 64\\]"):
+        moe_api.slot_dots(y, slots, torch.empty(3, 64, dtype=torch.bfloat16))
+
+
+def _routing(gen, t, e, k):
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    ids[: t // 2, 0] = 0  # a hot expert; experts past the used ones get no tokens
+    return ids, torch.argsort(ids.reshape(-1), stable=True)
+
+
+def test_shuffle_gradients_match_torch_autograd_of_the_references():
+    """The Functions' backward formulas (on the references here, the kernels' definitions) against torch's autograd
+    through the references, float64, and gradcheck's finite differences."""
+    from nvfly.ops.moe import autograd
+    gen = torch.Generator().manual_seed(7)
+    t, h, e, k = 9, 6, 12, 3
+    ids, order = _routing(gen, t, e, k)
+    x = torch.randn(t, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    y = torch.randn(t * k, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.rand(t, k, dtype=torch.float64, generator=gen, requires_grad=True)
+    g_rows = torch.randn(t * k, h, dtype=torch.float64, generator=gen)
+    g_out = torch.randn(t, h, dtype=torch.float64, generator=gen)
+    rows, slots = autograd.dispatch(x, order, k)
+    (got,) = torch.autograd.grad(rows, x, g_rows)
+    (want,) = torch.autograd.grad(moe_api.reference_dispatch(x, order, k)[0], x, g_rows)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got, g_rows[slots].view(t, k, h).sum(1))  # each token's copies summed
+    got = torch.autograd.grad(autograd.combine(y, slots, w), (y, w), g_out)
+    want = torch.autograd.grad(moe_api.reference_combine(y, slots, w), (y, w), g_out)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert torch.autograd.gradcheck(lambda x: autograd.dispatch(x, order, k)[0], (x,))
+    assert torch.autograd.gradcheck(lambda y, w: autograd.combine(y, slots, w), (y, w))
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_gradient_is_torch_autograd_of_softmax_topk(renormalize):
+    from nvfly.ops.moe import autograd
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(11, 16, dtype=torch.float64, generator=gen, requires_grad=True)
+    g = torch.randn(11, 4, dtype=torch.float64, generator=gen)
+    weights, ids = autograd.route(logits, 4, renormalize)
+    want_w, want_i = torch.topk(torch.softmax(logits, -1), 4)
+    if renormalize:
+        want_w = want_w / want_w.sum(-1, keepdim=True)
+    assert torch.equal(ids, want_i) and not ids.requires_grad
+    torch.testing.assert_close(weights, want_w)
+    torch.testing.assert_close(torch.autograd.grad(weights, logits, g)[0], torch.autograd.grad(want_w, logits, g)[0])
+    assert torch.autograd.gradcheck(lambda l: autograd.route(l, 4, renormalize)[0], (logits,))
+
+
+def test_the_layer_with_grad_matches_the_float32_reference_layer():
+    """nvfly.ops.moe.moe differentiable (CPU: every piece on torch, through the Functions where they apply): output
+    and the gradients of x, the router and both expert weights against autograd of ``moe.reference``."""
+    gen = torch.Generator().manual_seed(9)
+    t, h, inter, e, k = 20, 16, 8, 6, 2
+    args = [torch.randn(t, h, generator=gen), torch.randn(e, h, generator=gen),
+            torch.randn(e, 2 * inter, h, generator=gen) / 4, torch.randn(e, h, inter, generator=gen) / 3]
+    args = [a.requires_grad_() for a in args]
+    g = torch.randn(t, h, generator=gen)
+    out = moe.moe(*args, k)
+    want = moe.reference(*args, k)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(out, args, g), torch.autograd.grad(want, args, g)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- torch operators
+def test_moe_operators_pass_opcheck_and_their_gradients_are_the_references():
+    """torch.ops.nvfly.moe_route / moe_permute / moe_unpermute: schema, fakes and autograd registration
+    (``torch.library.opcheck``), and their gradients against torch's autograd through the references (float64; the
+    weights' gradient compared directly, the operator computing in float32 weights)."""
+    import nvfly.torch  # noqa: F401 - registers the operators
+    from torch.library import opcheck
+    gen = torch.Generator().manual_seed(11)
+    t, h, e, k = 9, 8, 12, 3
+    logits = torch.randn(t, e, generator=gen, requires_grad=True)
+    x = torch.randn(t, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    for renormalize in (True, False):
+        opcheck(torch.ops.nvfly.moe_route.default, (logits, k, renormalize))
+    weights, ids = torch.ops.nvfly.moe_route(logits, k)
+    opcheck(torch.ops.nvfly.moe_permute.default, (x, ids, e))
+    rows, offs, slots = torch.ops.nvfly.moe_permute(x, ids, e)
+    assert torch.equal(offs, torch.bincount(ids.reshape(-1), minlength=e).cumsum(0).int())
+    y = torch.randn(t * k, h, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.rand(t, k, dtype=torch.float64, generator=gen, requires_grad=True)
+    opcheck(torch.ops.nvfly.moe_unpermute.default, (y, slots, w))
+    assert torch.autograd.gradcheck(lambda x: torch.ops.nvfly.moe_permute(x, ids, e)[0], (x,))
+    assert torch.autograd.gradcheck(lambda y: torch.ops.nvfly.moe_unpermute(y, slots, w.detach()), (y,))
+    g = torch.randn(t, h, dtype=torch.float64, generator=gen)
+    got = torch.autograd.grad(torch.ops.nvfly.moe_unpermute(y, slots, w), (y, w), g)
+    want = torch.autograd.grad(moe_api.reference_combine(y, slots, w.float()), (y, w), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    gw = torch.randn(t, k, generator=gen)
+    want_w = torch.topk(torch.softmax(logits, -1), k).values
+    want_w = want_w / want_w.sum(-1, keepdim=True)
+    torch.testing.assert_close(torch.autograd.grad(weights, logits, gw)[0],
+                               torch.autograd.grad(want_w, logits, gw)[0])
+
+
+def test_a_layer_on_the_operators_compiles_whole_and_matches_eager():
+    """torch.compile (aot_eager: no C++ compiler needed) traces the whole layer, forward and backward, with no graph
+    break (fullgraph), and its output and gradients equal the eager layer's."""
+    import nvfly.torch  # noqa: F401
+    import torch._dynamo
+
+    def layer(x, router, w13, w2, k):
+        weights, ids = torch.ops.nvfly.moe_route(x.float() @ router.float().mT, k)
+        rows, offs, slots = torch.ops.nvfly.moe_permute(x, ids, router.shape[0])
+        h = torch.ops.nvfly.grouped_mm(rows, w13.mT, offs, fuse="silu_mul")
+        return torch.ops.nvfly.moe_unpermute(torch.ops.nvfly.grouped_mm(h, w2.mT, offs), slots, weights)
+    gen = torch.Generator().manual_seed(12)
+    t, h, inter, e, k = 24, 32, 16, 6, 2
+    args = [torch.randn(t, h, generator=gen), torch.randn(e, h, generator=gen) / 6,
+            torch.randn(e, 2 * inter, h, generator=gen) / 6, torch.randn(e, h, inter, generator=gen) / 4]
+    args = [a.bfloat16().requires_grad_() for a in args]
+    g = torch.randn(t, h, generator=gen).bfloat16()
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    out = compiled(*args, k)
+    want = layer(*args, k)
+    assert torch.equal(out, want)
+    for a, b in zip(torch.autograd.grad(out, args, g), torch.autograd.grad(want, args, g)):
+        assert torch.equal(a, b)
+    ref = moe.reference(*(a.detach() for a in args), k)
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2

@@ -6,7 +6,8 @@
   over a warp is the language's ``nvfly.warp_reduce``.
 - ``group_reduce`` / ``block_reduce``: every thread of a group of threads / of the block gets the total (warp
   shuffles, then the warps' partial results through shared memory after one barrier); ``block_scan``: a scan over
-  the block's threads in thread order (one barrier).
+  the block's threads in thread order (one barrier); ``block_reduce_many``: several values' block totals behind one
+  barrier.
 
 Every thread of the block must call the group and block helpers (they hold a barrier).
 """
@@ -183,3 +184,21 @@ def block_scan(value: Any, warp_totals: Tensor, lane: Any, warp: Any, WARPS: int
     for w in static_range(WARPS):
         scan = combine(scan, select(w > warp if reverse else w < warp, warp_totals[w], identity))
     return scan
+
+
+@DeviceFunction
+def block_reduce_many(values: Sequence[Any], scratch: Tensor, THREADS: int, op: str = "add") -> list:
+    """``op`` of each of ``values`` over the block's THREADS threads (whole warps), every thread getting every
+    result, behind one barrier (``block_reduce`` spends one each): each warp's results to ``scratch``
+    (len(values) * THREADS // 32 slots), then each thread combines the warps' results of each value."""
+    _check_count("block_reduce_many THREADS", THREADS, lambda n: 0 < n <= 1024 and n % 32 == 0, "whole warps")
+    combine = combine_of(op)
+    warps = THREADS // 32
+    tid = thread_idx.x
+    lane = tid & 31
+    reduced = [warp_reduce(v, op) for v in values]
+    if lane == 0:
+        for j in static_range(len(values)):
+            scratch[j * warps + (tid >> 5)] = reduced[j]
+    syncthreads()
+    return [tree_reduce([scratch[j * warps + w] for w in static_range(warps)], combine) for j in range(len(values))]

@@ -28,6 +28,7 @@ import torch
 # leaves the function as the package attribute (reach the modules with ``from nvfly.torch.autotune import ...``)
 from nvfly.torch import attention_ops, grouped_ops, routing  # noqa: F401  (attention_ops: nvfly::attention_decode,
 # SDPA route; grouped_ops: nvfly::grouped_mm, the _grouped_mm route)
+from nvfly.torch import moe_ops  # noqa: F401  (nvfly::moe_route, moe_permute, moe_unpermute: the MoE shuffles)
 from nvfly.torch import flex_compile  # noqa: F401  (nvfly::flex_attention: flex under torch.compile)
 from nvfly.torch import scaled_grouped_ops, scaled_ops  # noqa: F401  (the _scaled_mm and _scaled_grouped_mm routes,
 # nvfly::scaled_mm_out)

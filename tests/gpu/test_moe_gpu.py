@@ -80,3 +80,81 @@ def test_permute_and_unpermute_write_every_element():
         # slot s's expert row is y[slots[s]] (the counting sort's order within an expert is not fixed)
         want = (y[slots].view(t, k, h).float() * weights.unsqueeze(-1)).sum(1)
         torch.testing.assert_close(out.float(), want, rtol=8e-3, atol=8e-3)
+
+
+# ---------------------------------------------------------------------------------------------- gradients
+@pytest.mark.parametrize("tokens,h,top_k,experts", [(512, 2048, 8, 128), (33, 7168, 8, 256), (40, 100, 2, 64),
+                                                    (5, 7, 1, 3)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gradient_kernels_match_their_definitions(tokens, h, top_k, experts, dtype):
+    """The unweighted combine, the scaled scatter and the slot dots against float64 torch, outputs poisoned."""
+    ids = torch.randint(0, experts, (tokens, top_k), device="cuda")
+    order = torch.argsort(ids.reshape(-1), stable=True)
+    _, slots = moe_api.dispatch(torch.randn(tokens, h, device="cuda").to(dtype), order, top_k)
+    y = torch.randn(tokens * top_k, h, device="cuda").to(dtype)
+    grad = torch.randn(tokens, h, device="cuda").to(dtype)
+    weights = torch.rand(tokens, top_k, device="cuda")
+    tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]
+    torch.full((tokens, h), float("nan"), device="cuda", dtype=dtype)
+    summed = moe_api.combine(y, slots, None, top_k)
+    torch.testing.assert_close(summed.double(), y[slots].view(tokens, top_k, h).double().sum(1), rtol=tol, atol=tol)
+    torch.full((tokens * top_k, h), float("nan"), device="cuda", dtype=dtype)
+    spread = moe_api.spread(grad, slots, weights)
+    want = torch.empty(tokens * top_k, h, device="cuda", dtype=torch.float64)
+    want[slots] = grad.double().repeat_interleave(top_k, 0) * weights.double().reshape(-1, 1)
+    assert not spread.isnan().any()
+    torch.testing.assert_close(spread.double(), want, rtol=tol, atol=tol)
+    dots = moe_api.slot_dots(y, slots, grad)
+    want = (y[slots].view(tokens, top_k, h).double() * grad.double().unsqueeze(1)).sum(-1)
+    torch.testing.assert_close(dots.double(), want, rtol=1e-4, atol=1e-4 * h ** 0.5)
+
+
+@pytest.mark.parametrize("pieces", ["functions", "operators"])
+@pytest.mark.parametrize("tokens,hidden,inter,experts,top_k", [(256, 512, 128, 32, 4), (19, 256, 64, 64, 8)])
+def test_layer_gradients_on_nvfly_shuffles_match_the_float32_layer(tokens, hidden, inter, experts, top_k, pieces):
+    """The differentiable layer (nvfly's router, permute and unpermute with autograd: ``nvfly.ops.moe``'s Functions
+    or ``torch.ops.nvfly.moe_*``; nvfly's grouped GEMM op with its backward) against the float32 torch layer:
+    output, and the gradients of x, the router, both expert weights and the combine weights; random routing with
+    experts that get no token (19 tokens x 8 over 64 experts, and the experts past the first half unused in the
+    first case)."""
+    import nvfly.torch  # noqa: F401 - registers torch.ops.nvfly.grouped_mm and moe_*
+    ops = torch.ops.nvfly
+    route, permute, unpermute = ((moe.route, moe.permute, moe.unpermute) if pieces == "functions" else
+                                 (ops.moe_route, ops.moe_permute, ops.moe_unpermute))
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    router = (torch.randn(experts, hidden, device="cuda") / hidden ** 0.5).bfloat16()
+    if tokens == 256:  # the experts past the first half never routed to: logits lowered by 4 * 8 for every token
+        x[:, 0] = 4.0
+        router[experts // 2:, 0] = -8.0
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
+    grad_out = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    leaves = [a.detach().requires_grad_() for a in (x, router, w13, w2)]
+    logits = leaves[0].float() @ leaves[1].float().mT
+    weights, ids = route(logits, top_k)
+    rows, offs, slots = permute(leaves[0], ids, experts)
+    torch.full((tokens, hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
+    hidden_rows = torch.ops.nvfly.grouped_mm(rows, leaves[2].mT, offs, fuse="silu_mul")
+    out = unpermute(torch.ops.nvfly.grouped_mm(hidden_rows, leaves[3].mT, offs), slots, weights)
+    got = torch.autograd.grad(out, leaves + [weights], grad_out)
+    ref_leaves = [a.detach().float().requires_grad_() for a in (x, router, w13, w2)]
+    ref_logits = ref_leaves[0] @ ref_leaves[1].mT
+    ref_weights = torch.softmax(ref_logits, -1).gather(1, ids)
+    ref_weights = ref_weights / ref_weights.sum(-1, keepdim=True)
+    flat = ids.reshape(-1)
+    ref_out = torch.zeros(tokens, hidden, device="cuda")
+    for e in flat.unique().tolist():
+        token, j = (ids == e).nonzero(as_tuple=True)
+        h = ref_leaves[0][token] @ ref_leaves[2][e].mT
+        h = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        ref_out = ref_out.index_add(0, token, (h @ ref_leaves[3][e].mT) * ref_weights[token, j].unsqueeze(-1))
+    want = torch.autograd.grad(ref_out, ref_leaves + [ref_weights], grad_out.float())
+    assert not out.isnan().any()
+    assert float((out.float() - ref_out).norm() / ref_out.norm()) < 2e-2
+    names = ["x", "router", "w13", "w2", "combine weights"]
+    for name, g, w in zip(names, got, want):
+        assert g.shape == w.shape and not g.isnan().any(), name
+        err = float((g.float() - w).norm() / w.norm().clamp_min(1e-30))
+        assert err < 3e-2, f"{name}: relative error {err:.2e}"
+    if tokens == 256:  # the unused experts' weights get exactly zero gradient
+        assert not got[2][experts // 2:].any() and not got[3][experts // 2:].any()

@@ -7,7 +7,11 @@ copies grouped by expert and the experts' cumulative ends (``permute``: a counti
 fused gate/up projection with SiLU-and-multiply (one grouped GEMM) -> the down projection (a grouped GEMM) -> the
 copies weighted by their routing probabilities and summed back per token (``unpermute``: one kernel). Weights are
 F.linear-style: ``router_weight`` [E, H], ``w_gate_up`` [E, 2I, H] (gate rows then up rows), ``w_down`` [E, H, I].
-Inputs nvfly declines (CPU tensors, other dtypes) run each piece on torch. Under ``torch.compile`` the nvfly calls
+Inputs nvfly declines (CPU tensors, other dtypes) run each piece on torch. Where an input requires grad, the router,
+``permute`` and ``unpermute`` are differentiable on nvfly's kernels (``autograd``: the shuffles' gradients are
+shuffles again; the router's backward is torch's), the router logits and grouped GEMMs then on torch's autograd
+(``nvfly.torch``'s ``torch.ops.nvfly.grouped_mm`` is nvfly's differentiable grouped GEMM, which this layer below
+``nvfly.torch`` cannot import). Under ``torch.compile`` the nvfly calls
 run eagerly between compiled regions (``torch.compiler.disable``); ``nvfly.torch`` offers the grouped GEMM as a
 traceable custom op.
 """
@@ -20,7 +24,7 @@ import torch
 from nvfly.ops import gemm, grouped
 from nvfly.ops import topk as topk_op
 from nvfly.ops.common.opcall import OpCalls
-from nvfly.ops.moe import api
+from nvfly.ops.moe import api, autograd
 from nvfly.runtime.torch_args import layout_key
 
 __all__ = ["moe", "permute", "reference", "route", "unpermute"]
@@ -44,9 +48,13 @@ def _nvfly_runs(piece: Callable[..., Optional[str]], *args: Any, **options: Any)
     return not reason
 
 
+def _wants_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 @torch.compiler.disable
 def _router_logits(x: torch.Tensor, router_weight: torch.Tensor) -> torch.Tensor:
-    if _nvfly_runs(gemm.eligibility, x, router_weight.mT):
+    if not _wants_grad(x, router_weight) and _nvfly_runs(gemm.eligibility, x, router_weight.mT):
         return gemm.matmul(x, router_weight.mT, out_dtype=torch.float32)
     return (x @ router_weight.mT).float()
 
@@ -60,13 +68,17 @@ def _topk(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.compiler.disable
 def _grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, fuse: str) -> torch.Tensor:
-    if _nvfly_runs(grouped.eligibility, a, b, offs, fuse=fuse):
+    if not _wants_grad(a, b) and _nvfly_runs(grouped.eligibility, a, b, offs, fuse=fuse):
         return grouped.grouped_mm(a, b, offs, fuse=fuse)
     return _torch_grouped(a, b, offs, fuse)
 
 
 def _torch_grouped(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, fuse: str) -> torch.Tensor:
     """The per-group loop on torch (reads the offsets on the host): for inputs nvfly declines."""
+    if a.is_cuda and hasattr(torch, "_grouped_mm"):
+        out = torch._grouped_mm(a, b, offs)
+        half = out.shape[-1] // 2
+        return torch.nn.functional.silu(out[:, :half]) * out[:, half:] if fuse == "silu_mul" else out
     ends = offs.tolist()
     out = a.new_zeros(a.shape[0], b.shape[-1])
     for g, (s, e) in enumerate(zip([0] + ends[:-1], ends)):
@@ -86,6 +98,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[t
 
 @torch.compiler.disable
 def _route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if _wants_grad(logits):
+        return autograd.route(logits, top_k, renormalize)
     if top_k <= api.MAX_TOP_K and logits.shape[-1] <= api.MAX_EXPERTS and _nvfly_runs(api.eligibility, logits):
         return api.route(logits, top_k, renormalize)
     probs = torch.softmax(logits.float(), dim=-1)
@@ -105,16 +119,19 @@ def permute(x: torch.Tensor, ids: torch.Tensor, experts: int) -> tuple[torch.Ten
 
 @torch.compiler.disable
 def _permute(x: torch.Tensor, flat: torch.Tensor, experts: int, top_k: int) -> tuple[torch.Tensor, ...]:
-    if experts <= api.MAX_EXPERTS and _nvfly_runs(api.eligibility, x, flat):
+    on_nvfly = experts <= api.MAX_EXPERTS and _nvfly_runs(api.eligibility, x, flat)
+    if on_nvfly:
         order, offs = api.sort_by_expert(flat, experts)
-        rows, slots = api.dispatch(x, order, top_k)
+    else:
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
+        offs = torch.cumsum(counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)), 0,
+                            dtype=torch.int32)
+    if _wants_grad(x):
+        rows, slots = autograd.dispatch(x, order, top_k)
         return rows, offs, slots
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    slots = torch.empty_like(order)
-    slots[order] = torch.arange(order.numel(), device=order.device)
-    return x[order // top_k], torch.cumsum(counts, 0, dtype=torch.int32), slots
+    rows, slots = (api.dispatch if on_nvfly else api.reference_dispatch)(x, order, top_k)
+    return rows, offs, slots
 
 
 @torch.compiler.disable
@@ -122,11 +139,11 @@ def unpermute(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> to
     """[T, H] in y's dtype: each token's expert outputs (rows of ``y`` [T * k, H] at its routing ``slots``) weighted
     by its routing ``weights`` [T, k] and summed in float32 (``api.combine``: one read of y)."""
     weights = weights.float()
+    if _wants_grad(y, weights):
+        return autograd.combine(y, slots, weights.contiguous())
     if _nvfly_runs(api.eligibility, y, slots, weights):
         return api.combine(y, slots, weights.contiguous())
-    tokens, top_k = weights.shape
-    rows = y[slots].view(tokens, top_k, -1).float()
-    return (rows * weights.unsqueeze(-1)).sum(dim=1).to(y.dtype)
+    return api.reference_combine(y, slots, weights)
 
 
 def moe(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,

@@ -5,14 +5,24 @@ per-signature plans (``nvfly.ops.common.opcall``) and the launches.
     order, offs = sort_by_expert(ids, experts)   # the routing slots grouped by expert, the experts' ends
     rows, slots = dispatch(x, order, top_k)      # rows[i] = x[order[i] // top_k]; slots[order[i]] = i
     out = combine(y, slots, weights)             # out[t] = sum_j weights[t, j] * y[slots[t * top_k + j]]
+
+and the shuffles' gradients (``nvfly.ops.moe.autograd``), on the same kernels:
+
+    grad_x = combine(grad_rows, slots, None, k)  # the dispatch's: each token's k rows summed (unweighted)
+    grad_y = spread(grad_out, slots, weights)    # the combine's: grad_y[slots[s]] = weights[s] * grad_out[s // k]
+    grad_w = slot_dots(y, slots, grad_out)       # the combine's: grad_w[t, j] = y[slots[t * k + j]] . grad_out[t]
+
+``reference_*``: each call on torch (any device and dtype; differentiable), the definitions the kernels and the
+autograd formulas are tested against.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
 from nvfly.ops.common.opcall import OpCalls
-from nvfly.ops.moe.kernels import moe_combine_kernel, moe_dispatch_kernel, moe_route_kernel, moe_sort_kernel
+from nvfly.ops.moe.kernels import (moe_combine_kernel, moe_dispatch_kernel, moe_route_kernel, moe_slot_dot_kernel,
+                                   moe_sort_kernel)
 from nvfly.runtime.torch_args import layout_key, vector_width
 
 if TYPE_CHECKING:
@@ -85,14 +95,42 @@ def check_sort(ids: Any, experts: Any) -> None:
         raise ValueError(f"experts: expected an int in [1, {MAX_EXPERTS}], got {experts!r}")
 
 
-def check_combine(y: Any, slots: Any, weights: Any) -> None:
+def _weights_check(weights: Any, slots: Optional[int], rows: str = "") -> None:
+    """A 2-D float32 tensor of ``slots`` elements (None: any)."""
     import torch
-    _rows_check("y", y)
     if not isinstance(weights, torch.Tensor) or weights.dim() != 2 or weights.dtype != torch.float32:
         raise TypeError("weights: expected a 2-D float32 tensor [tokens, top_k]")
-    if weights.numel() != y.shape[0]:
-        raise ValueError(f"weights: {tuple(weights.shape)} holds {weights.numel()} routing slots, y has "
-                         f"{y.shape[0]} rows")
+    if slots is not None and weights.numel() != slots:
+        raise ValueError(f"weights: {tuple(weights.shape)} holds {weights.numel()} routing slots, {rows}")
+
+
+def check_combine(y: Any, slots: Any, weights: Any, top_k: Any = None) -> None:
+    """``weights`` None (an unweighted sum): ``top_k`` gives the slots per token."""
+    _rows_check("y", y)
+    if weights is None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1 or y.shape[0] % top_k:
+            raise ValueError(f"top_k: expected a positive int dividing y's {y.shape[0]} rows, got {top_k!r}")
+    else:
+        _weights_check(weights, y.shape[0], f"y has {y.shape[0]} rows")
+    _index_check("slots", slots, y.shape[0])
+
+
+def check_spread(grad: Any, slots: Any, weights: Any) -> None:
+    _rows_check("grad", grad)
+    _weights_check(weights, None)
+    if weights.shape[0] != grad.shape[0]:
+        raise ValueError(f"weights: expected [{grad.shape[0]}, top_k] (grad's tokens), got {tuple(weights.shape)}")
+    _index_check("slots", slots, weights.numel())
+
+
+def check_slot_dots(y: Any, slots: Any, grad: Any) -> None:
+    _rows_check("y", y)
+    _rows_check("grad", grad)
+    if grad.shape[1] != y.shape[1] or grad.shape[0] == 0 and y.shape[0] or y.shape[0] % max(grad.shape[0], 1):
+        raise ValueError(f"grad: expected [tokens, {y.shape[1]}] with tokens dividing y's {y.shape[0]} rows, got "
+                         f"{tuple(grad.shape)}")
+    if grad.dtype != y.dtype:
+        raise TypeError(f"grad: dtype {grad.dtype} is not y's {y.dtype}")
     _index_check("slots", slots, y.shape[0])
 
 
@@ -116,10 +154,14 @@ ROUTE = "nvfly.ops.moe.route"
 SORT = "nvfly.ops.moe.sort_by_expert"
 DISPATCH = "nvfly.ops.moe.dispatch"
 COMBINE = "nvfly.ops.moe.combine"
+SPREAD = "nvfly.ops.moe.spread"
+SLOT_DOTS = "nvfly.ops.moe.slot_dots"
 _ROUTE: OpCalls["_Shuffle"] = OpCalls()
 _SORT: OpCalls["_Shuffle"] = OpCalls()
 _DISPATCH: OpCalls["_Shuffle"] = OpCalls()
 _COMBINE: OpCalls["_Shuffle"] = OpCalls()
+_SPREAD: OpCalls["_Shuffle"] = OpCalls()
+_SLOT_DOTS: OpCalls["_Shuffle"] = OpCalls()
 
 
 @dataclass(frozen=True)
@@ -143,10 +185,13 @@ def _planned(calls: OpCalls[_Shuffle], op: str, make: Any, *args: Any) -> _Shuff
     return calls.plan(op, key, make, *args) if call is None else call
 
 
-def _plan(kernel: Any, rows: int, blocks: int, h: int, top_k: int, vec: int) -> _Shuffle:
+def _plan(kernel: Any, rows: int, blocks: int, h: int, top_k: int, vec: int, *flags: bool,
+          whole_rows: bool = False) -> _Shuffle:
+    """A block per row (``whole_rows``: walking the row) or per row and column block."""
     p = shuffle_plan(h, vec)
-    launch = kernel.prepared((blocks, p.column_blocks, 1), p.threads) if blocks and h else None
-    return _Shuffle(rows, h, launch, (h, top_k, p.vec, p.threads))
+    grid = (blocks, 1 if whole_rows else p.column_blocks, 1)
+    launch = kernel.prepared(grid, p.threads) if blocks and h else None
+    return _Shuffle(rows, h, launch, (h, top_k, p.vec, p.threads, *flags))
 
 
 def _plan_route(logits: "torch.Tensor", top_k: int, renormalize: bool) -> _Shuffle:
@@ -166,14 +211,30 @@ def _plan_sort(ids: "torch.Tensor", experts: int) -> _Shuffle:
 def _plan_dispatch(x: "torch.Tensor", order: "torch.Tensor", top_k: int) -> _Shuffle:
     check_dispatch(x, order, top_k)
     n, h = x.shape[0] * top_k, x.shape[1]
-    return _plan(moe_dispatch_kernel, n, n, h, top_k, vector_width(h, (x, None), x.element_size()))
+    return _plan(moe_dispatch_kernel, n, n, h, top_k, vector_width(h, (x, None), x.element_size()), False, False)
 
 
-def _plan_combine(y: "torch.Tensor", slots: "torch.Tensor", weights: "torch.Tensor") -> _Shuffle:
-    check_combine(y, slots, weights)
-    tokens, top_k = weights.shape
-    h = y.shape[1]
-    return _plan(moe_combine_kernel, tokens, tokens, h, top_k, vector_width(h, (y, None), y.element_size()))
+def _plan_spread(grad: "torch.Tensor", slots: "torch.Tensor", weights: "torch.Tensor") -> _Shuffle:
+    check_spread(grad, slots, weights)
+    n, h, top_k = weights.numel(), grad.shape[1], weights.shape[1]
+    return _plan(moe_dispatch_kernel, n, n, h, top_k, vector_width(h, (grad, None), grad.element_size()), True, True)
+
+
+def _plan_combine(y: "torch.Tensor", slots: "torch.Tensor", weights: Optional["torch.Tensor"],
+                  top_k: Optional[int]) -> _Shuffle:
+    check_combine(y, slots, weights, top_k)
+    top_k = weights.shape[1] if weights is not None else top_k
+    tokens, h = y.shape[0] // top_k, y.shape[1]
+    return _plan(moe_combine_kernel, tokens, tokens, h, top_k, vector_width(h, (y, None), y.element_size()),
+                 weights is not None)
+
+
+def _plan_slot_dots(y: "torch.Tensor", slots: "torch.Tensor", grad: "torch.Tensor") -> _Shuffle:
+    check_slot_dots(y, slots, grad)
+    tokens, h = grad.shape
+    top_k = y.shape[0] // tokens if tokens else 1
+    vec = vector_width(h, (y, grad), y.element_size())
+    return replace(_plan(moe_slot_dot_kernel, tokens, tokens, h, top_k, vec, whole_rows=True), h=top_k)
 
 
 def route(logits: "torch.Tensor", top_k: int, renormalize: bool = True
@@ -209,16 +270,81 @@ def dispatch(x: "torch.Tensor", order: "torch.Tensor", top_k: int) -> tuple["tor
     rows = torch.empty((call.rows, call.h), dtype=x.dtype, device=x.device)
     slots = torch.empty(call.rows, dtype=torch.int64, device=x.device)
     if call.launch is not None:
-        call.launch.launch(x, order, rows, slots, *call.scalars)
+        call.launch.launch(x, order, rows, slots, x, *call.scalars)
     return rows, slots
 
 
-def combine(y: "torch.Tensor", slots: "torch.Tensor", weights: "torch.Tensor") -> "torch.Tensor":
-    """[T, H] in y's dtype: ``out[t] = sum_j weights[t, j] * y[slots[t * top_k + j]]`` in float32, for ``y``
-    [T * top_k, H] (a routing slot's expert row at ``slots[slot]``) and float32 routing ``weights`` [T, top_k]."""
+def spread(grad: "torch.Tensor", slots: "torch.Tensor", weights: "torch.Tensor") -> "torch.Tensor":
+    """[T * top_k, H] in grad's dtype: row ``slots[s]`` is ``weights[s // top_k, s % top_k] * grad[s // top_k]`` (in
+    float32, rounded once), for ``grad`` [T, H], ``slots`` a permutation of the T * top_k routing slots and float32
+    ``weights`` [T, top_k]: the combine's gradient with respect to y (the dispatch kernel, scattering and scaled)."""
     import torch
-    call = _planned(_COMBINE, COMBINE, _plan_combine, y, slots, weights)
+    call = _planned(_SPREAD, SPREAD, _plan_spread, grad, slots, weights)
+    rows = torch.empty((call.rows, call.h), dtype=grad.dtype, device=grad.device)
+    if call.launch is not None:
+        call.launch.launch(grad, slots, rows, slots, weights.view(-1), *call.scalars)
+    return rows
+
+
+def slot_dots(y: "torch.Tensor", slots: "torch.Tensor", grad: "torch.Tensor") -> "torch.Tensor":
+    """float32 [T, top_k]: ``dot(y[slots[t * top_k + j]], grad[t])`` in float32 for ``y`` [T * top_k, H] and ``grad``
+    [T, H] (the combine's gradient with respect to its weights)."""
+    import torch
+    call = _planned(_SLOT_DOTS, SLOT_DOTS, _plan_slot_dots, y, slots, grad)
+    out = torch.empty((call.rows, call.h), dtype=torch.float32, device=y.device)
+    if call.launch is not None:
+        call.launch.launch(y, slots, grad, out, *call.scalars)
+    return out
+
+
+def combine(y: "torch.Tensor", slots: "torch.Tensor", weights: Optional["torch.Tensor"],
+            top_k: Optional[int] = None) -> "torch.Tensor":
+    """[T, H] in y's dtype: ``out[t] = sum_j weights[t, j] * y[slots[t * top_k + j]]`` in float32, for ``y``
+    [T * top_k, H] (a routing slot's expert row at ``slots[slot]``) and float32 routing ``weights`` [T, top_k];
+    ``weights`` None: the plain sum of each token's ``top_k`` rows (the dispatch's gradient)."""
+    import torch
+    call = _planned(_COMBINE, COMBINE, _plan_combine, y, slots, weights, top_k if weights is None else None)
     out = torch.empty((call.rows, call.h), dtype=y.dtype, device=y.device)
     if call.launch is not None:
-        call.launch.launch(y, slots, weights, out, *call.scalars)
+        call.launch.launch(y, slots, y if weights is None else weights, out, *call.scalars)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- references
+def reference_dispatch(x: "torch.Tensor", order: "torch.Tensor", top_k: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """``dispatch`` on torch: (x[order // top_k], the inverse permutation of order)."""
+    import torch
+    order = order.long()
+    slots = torch.empty_like(order)
+    slots[order] = torch.arange(order.numel(), device=order.device)
+    return x[order // top_k], slots
+
+
+def reference_combine(y: "torch.Tensor", slots: "torch.Tensor", weights: Optional["torch.Tensor"],
+                      top_k: Optional[int] = None) -> "torch.Tensor":
+    """``combine`` on torch (float32 accumulation, or y's dtype where wider)."""
+    import torch
+    top_k = weights.shape[1] if weights is not None else top_k
+    acc = torch.promote_types(y.dtype, torch.float32)
+    rows = y[slots.long()].view(-1, top_k, y.shape[1]).to(acc)
+    if weights is not None:
+        rows = rows * weights.to(acc).unsqueeze(-1)
+    return rows.sum(dim=1).to(y.dtype)
+
+
+def reference_spread(grad: "torch.Tensor", slots: "torch.Tensor", weights: "torch.Tensor") -> "torch.Tensor":
+    """``spread`` on torch."""
+    import torch
+    acc = torch.promote_types(grad.dtype, torch.float32)
+    top_k = weights.shape[1]
+    scaled = (grad.to(acc).repeat_interleave(top_k, dim=0) * weights.reshape(-1, 1).to(acc)).to(grad.dtype)
+    return scaled.new_empty(scaled.shape).index_copy(0, slots.long(), scaled)
+
+
+def reference_slot_dots(y: "torch.Tensor", slots: "torch.Tensor", grad: "torch.Tensor") -> "torch.Tensor":
+    """``slot_dots`` on torch (in float32, or float64 for float64 inputs)."""
+    import torch
+    acc = torch.promote_types(y.dtype, torch.float32)
+    tokens = grad.shape[0]
+    rows = y[slots.long()].view(tokens, -1, y.shape[1]).to(acc)
+    return (rows * grad.to(acc).unsqueeze(1)).sum(dim=-1)

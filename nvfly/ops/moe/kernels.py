@@ -14,7 +14,11 @@
   permutation in one pass (torch needs four launches).
 - ``moe_combine_kernel``: token t's output is the sum over its TOP_K routing slots of the slot's routing weight
   times its expert row ``y[slots[t * TOP_K + j]]``, in fp32, rounded once: one read of y and one write of the
-  output (torch's un-permutation writes and re-reads fp32 copies of y and adds with atomics).
+  output (torch's un-permutation writes and re-reads fp32 copies of y and adds with atomics). Unweighted, it is
+  the dispatch's gradient; the dispatch kernel scattering to ``slots`` with each slot's weight as a row scale is
+  the combine's gradient with respect to y.
+- ``moe_slot_dot_kernel``: the combine's gradient with respect to its weights, dot(y[slots[t * TOP_K + j]],
+  grad[t]) per routing slot: a block per token walks the row, one barrier for the TOP_K block sums.
 
 A block owns ``COLUMNS = THREADS * VEC`` columns of one row (grid: rows x column blocks); each thread moves one
 vector of VEC elements (16 bytes where the rows are aligned).
@@ -24,7 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 import nvfly
-from nvfly.arch.reduce import block_scan, tree_reduce, warp_max_i64
+from nvfly.arch.reduce import block_reduce_many, block_scan, tree_reduce, warp_max_i64
 from nvfly.frontend.language import atomic_add, warp_reduce
 from nvfly.ops.topk.keys import ABSENT, order_key, rank64, rank_index
 
@@ -108,32 +112,65 @@ def moe_sort_kernel(ids: nvfly.Tensor, order: nvfly.Tensor, offs: nvfly.Tensor, 
 
 @nvfly.kernel
 def moe_dispatch_kernel(x: nvfly.Tensor, order: nvfly.Tensor, rows: nvfly.Tensor, slots: nvfly.Tensor,
-                        H: nvfly.i32, TOP_K: nvfly.Constexpr, VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr):
-    """rows[i] = x[order[i] // TOP_K]; slots[order[i]] = i (block (i, 0)'s first thread)."""
+                        scale: nvfly.Tensor, H: nvfly.i32, TOP_K: nvfly.Constexpr, VEC: nvfly.Constexpr,
+                        THREADS: nvfly.Constexpr, SCATTER: nvfly.Constexpr, SCALED: nvfly.Constexpr):
+    """rows[i] = x[order[i] // TOP_K]; slots[order[i]] = i (block (i, 0)'s first thread). SCATTER (the combine's
+    y-gradient, ``order`` then being the slots): rows[order[s]] = x[s // TOP_K], no slots written. SCALED: each row
+    times ``scale[slot]`` (the slot's routing weight) in fp32."""
     i = nvfly.block_idx.x
     tid = nvfly.thread_idx.x
-    slot = order[i]
+    index = order[i]
     col = (nvfly.block_idx.y * THREADS + tid) * VEC
     inside = col < H
+    slot = i.to(nvfly.i64) if SCATTER else index
+    dest = index.to(nvfly.i32) if SCATTER else i
     token = (slot // TOP_K).to(nvfly.i32)
     values = x.load(token, col, width=VEC, mask=inside)
-    rows.store(values, i, col, mask=inside)
-    if (tid == 0) & (nvfly.block_idx.y == 0):
-        slots[slot] = i.to(nvfly.i64)
+    if SCALED:
+        values = (values.to(nvfly.f32) * scale[slot]).to(rows.dtype)
+    rows.store(values, dest, col, mask=inside)
+    if not SCATTER:
+        if (tid == 0) & (nvfly.block_idx.y == 0):
+            slots[slot] = i.to(nvfly.i64)
 
 
 @nvfly.kernel
 def moe_combine_kernel(y: nvfly.Tensor, slots: nvfly.Tensor, weights: nvfly.Tensor, out: nvfly.Tensor,
-                       H: nvfly.i32, TOP_K: nvfly.Constexpr, VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr):
-    """out[t] = sum_j weights[t, j] * y[slots[t * TOP_K + j]] in fp32 (block (t, column block))."""
+                       H: nvfly.i32, TOP_K: nvfly.Constexpr, VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr,
+                       WEIGHTED: nvfly.Constexpr):
+    """out[t] = sum_j weights[t, j] * y[slots[t * TOP_K + j]] in fp32 (block (t, column block)); not WEIGHTED: the
+    plain sum (the dispatch's x-gradient)."""
     t = nvfly.block_idx.x
     col = (nvfly.block_idx.y * THREADS + nvfly.thread_idx.x) * VEC
     inside = col < H
     # every slot's row and weight first, then all TOP_K row loads in flight at once
     sources = [slots[t * TOP_K + j].to(nvfly.i32) for j in nvfly.static_range(TOP_K)]
-    scales = [weights[t, j] for j in nvfly.static_range(TOP_K)]
+    scales = [weights[t, j] if WEIGHTED else None for j in nvfly.static_range(TOP_K)]
     loaded = [y.load(sources[j], col, width=VEC, mask=inside) for j in nvfly.static_range(TOP_K)]
     total = nvfly.full(VEC, 0.0, nvfly.f32)
     for j in nvfly.static_range(TOP_K):
-        total = total + loaded[j].to(nvfly.f32) * scales[j]
+        total = total + (loaded[j].to(nvfly.f32) * scales[j] if WEIGHTED else loaded[j].to(nvfly.f32))
     out.store(total.to(out.dtype), t, col, mask=inside)
+
+
+@nvfly.kernel
+def moe_slot_dot_kernel(y: nvfly.Tensor, slots: nvfly.Tensor, grad: nvfly.Tensor, out: nvfly.Tensor,
+                        H: nvfly.i32, TOP_K: nvfly.Constexpr, VEC: nvfly.Constexpr, THREADS: nvfly.Constexpr):
+    """out[t, j] = dot(y[slots[t * TOP_K + j]], grad[t]) in fp32 (the combine's weight-gradient): block t walks the
+    row THREADS * VEC columns at a time, then one block reduction of the TOP_K sums."""
+    t = nvfly.block_idx.x
+    tid = nvfly.thread_idx.x
+    scratch = nvfly.shared_tensor(nvfly.f32, (TOP_K * (THREADS // 32),))
+    sources = [slots[t * TOP_K + j].to(nvfly.i32) for j in nvfly.static_range(TOP_K)]
+    sums = [nvfly.f32(0.0) for j in nvfly.static_range(TOP_K)]  # (scalars: TOP_K fp32 vectors would spill at 32)
+    for first in range(0, H, THREADS * VEC):
+        col = first + tid * VEC
+        inside = col < H
+        g = grad.load(t, col, width=VEC, mask=inside).to(nvfly.f32)
+        loaded = [y.load(sources[j], col, width=VEC, mask=inside) for j in nvfly.static_range(TOP_K)]
+        products = [loaded[j].to(nvfly.f32) * g for j in nvfly.static_range(TOP_K)]
+        sums = [sums[j] + (products[j].sum() if VEC > 1 else products[j]) for j in nvfly.static_range(TOP_K)]
+    totals = block_reduce_many(sums, scratch, THREADS)
+    for j in nvfly.static_range(TOP_K):
+        if tid == j:
+            out[t, j] = totals[j]

@@ -13,7 +13,7 @@ from nvfly.ops.attention.prefill_plan import FP8_HEAD_DIMS
 DVS = sorted({dv for _, dv in FP8_HEAD_DIMS})
 from nvfly.ops.attention.transpose_kernel import (GROUP, GROUPS, THREADS, transpose_plan, transpose_values_kernel,
                                                   transposed_model)
-from nvfly.ops.common.opcall import Declined
+from nvfly.ops.common.opcall import Declined, KernelScalars
 
 
 @pytest.mark.parametrize("dv", DVS)
@@ -83,3 +83,27 @@ def test_host_plan_declines_cpu_and_launches_on_cuda(monkeypatch):
     assert prepared == [(transpose_plan(128).grid(1, 2, 48), THREADS)]
     assert isinstance(prefill_api._transpose_call(Cuda(v, ptr=2)), Declined)
     assert isinstance(prefill_api._transpose_call(Cuda(v[:, :, :, :96])), Declined)
+
+
+def test_transposed_values_hands_the_launch_what_the_kernel_binds(monkeypatch):
+    """``transposed_values``' own launch line, with a planned call (as for a CUDA V) whose prepared launch binds the
+    arguments it is handed to the kernel's parameters and their specs on the CPU: one too many or too few raises
+    here, not only on a GPU."""
+    v = torch.zeros(2, 40, 2, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    bound = []
+
+    class Binding:
+        def launch(self, *args):
+            arguments = transpose_values_kernel._bind(args, {})
+            transpose_values_kernel.specs(arguments, need_cuda=False)
+            bound.append(arguments)
+
+    plan = transpose_plan(128)
+    call = prefill_api._TransposeCall(48, Binding(), KernelScalars.of(transpose_values_kernel, skv=40, keys=48,
+                                                                      PLAN=plan))
+    monkeypatch.setattr(prefill_api._TRANSPOSES, "get", lambda key: call)
+    out = prefill_api.transposed_values(v)
+    assert out.shape == (2, 128, 2, 48) and out.dtype == torch.float8_e4m3fn
+    (arguments,) = bound
+    assert arguments[0].data_ptr() == v.data_ptr() and arguments[1].data_ptr() == out.data_ptr()
+    assert arguments[2:] == [40, 48, plan]

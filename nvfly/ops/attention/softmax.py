@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import nvfly
+from nvfly.arch.reduce import tree_reduce
 
 NEG_INF = float("-inf")
 # 2^f on [-1/2, 1/2] by c0 + c1 f + c2 f^2: relative error < 1.8e-3 (far under e4m3 P's 2^-4 rounding)
@@ -60,11 +61,8 @@ def online_softmax(scores: list, maxima: list, sums: list, scale_log2: Any, mask
     new_maxima, new_sums, shifts, rescales = [], [], [], []
     for r in nvfly.static_range(2):
         if tree_max:
-            level = [maxima[r]] + [scores[i + e] for i in range(r * 2, len(scores), 4) for e in range(2)]
-            while len(level) > 1:
-                level = [nvfly.maximum(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
-                         for i in range(0, len(level), 2)]
-            top = level[0]
+            top = tree_reduce([maxima[r]] + [scores[i + e] for i in range(r * 2, len(scores), 4) for e in range(2)],
+                              nvfly.maximum)
         else:
             top = maxima[r]
             for i in nvfly.static_range(r * 2, len(scores), 4):

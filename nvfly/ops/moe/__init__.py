@@ -164,10 +164,7 @@ def reference(x: torch.Tensor, router_weight: torch.Tensor, w_gate_up: torch.Ten
               top_k: int, *, renormalize: bool = True) -> torch.Tensor:
     """The float32 reference: every token through its top-k experts one by one (torch only)."""
     xf = x.float()
-    probs = torch.softmax(xf @ router_weight.float().mT, dim=-1)
-    weights, ids = torch.topk(probs, top_k)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights, ids = autograd.reference_route(xf @ router_weight.float().mT, top_k, renormalize)
     out = torch.zeros_like(xf)
     half = w_gate_up.shape[1] // 2
     for e in ids.unique().tolist():

@@ -53,7 +53,8 @@ its bandwidth ``transpose_gbps`` and the torch strided copy it replaced, ``trans
 ``--prefill-variants`` also times (after checking) each of ``PREFILL_FP8_VARIANTS`` (``nvfly_fp8_<variant>_ms``, and
 ``fp8_<variant>_kernel_estimate_tflops``): the overlap variants, ``wide`` (D 128's 192-key blocks, 128 elsewhere,
 with the softmax's row maxima by a tree), ``wide_chain`` (the same by the chain), ``tree_max`` (128 keys, tree) and
-``wide_poly2``/``wide_poly4`` (wide with 2 or 4 of every 16 exp2 by a polynomial on the FMA pipe, not MUFU).
+``wide_poly2``/``wide_poly4`` (wide with 2 or 4 of every 16 exp2 by a polynomial on the FMA pipe, not MUFU),
+``poly2``/``poly4``/``tree_poly2`` (the same at 128 keys).
 Writes benchmarks/results/attention_prefill_fp8_h200.json and .png.
 """
 from __future__ import annotations
@@ -344,10 +345,11 @@ PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": di
                     "overlap_pingpong": dict(overlap=True, pingpong=True)}
 # fp8's: the same, and D 128's 192-key blocks (PrefillPlan.block_n; other head dims keep 128) with the row maxima by
 # a tree (wide) or by the chain (wide_chain), the tree at 128 keys (tree_max), and 2 or 4 of every 16 exp2 by the
-# polynomial on the FMA pipe (PrefillPlan.poly_exp2)
+# polynomial on the FMA pipe (PrefillPlan.poly_exp2), at 192 keys (wide_poly*) or 128 (poly*, tree_poly2)
 PREFILL_FP8_VARIANTS = {**PREFILL_VARIANTS, "wide": dict(wide=True), "wide_chain": dict(wide=True, tree_max=False),
                         "tree_max": dict(tree_max=True), "wide_poly2": dict(wide=True, poly_exp2=2),
-                        "wide_poly4": dict(wide=True, poly_exp2=4)}
+                        "wide_poly4": dict(wide=True, poly_exp2=4), "poly2": dict(wide=False, poly_exp2=2),
+                        "poly4": dict(wide=False, poly_exp2=4), "tree_poly2": dict(wide=False, tree_max=True, poly_exp2=2)}
 VARIANT_ROUNDS = 3
 PREFILL_BACKENDS = ("cudnn", "flash", "efficient")  # math would materialise S: not a peer at these sizes
 CHECK_ROWS = 256

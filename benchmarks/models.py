@@ -359,35 +359,39 @@ def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     return [timed(row, step, quick, compile_too, compile_fn=compiled_step)]
 
 
-FLEX_SHAPES = [  # (case, batch, Hq, Hkv, Sq, Skv, D, tanh soft-cap, sliding window)
-    ("gemma2-flex-prefill", 1, 16, 8, 8192, 8192, 256, 50.0, 4096),  # Gemma-2-9B-like attention
-    ("minimax-flex-decode", 1, 48, 8, 1, 32768, 128, None, None),
-    ("llama-flex-decode", 1, 32, 8, 1, 32768, 128, None, None)]
+FLEX_SHAPES = [  # (case, batch, Hq, Hkv, Sq, Skv, Dqk, Dv, tanh soft-cap, mask: None, "causal" or a causal window)
+    ("gemma2-flex-prefill", 1, 16, 8, 8192, 8192, 256, 256, 50.0, 4096),  # Gemma-2-9B-like attention
+    ("deepseek-flex-prefill", 1, 128, 128, 4096, 4096, 192, 128, None, "causal"),  # DeepSeek-V3-like (issue 28)
+    ("minimax-flex-decode", 1, 48, 8, 1, 32768, 128, 128, None, None),
+    ("llama-flex-decode", 1, 32, 8, 1, 32768, 128, 128, None, None)]
 
 
 def flex_case(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     """flex_attention as a user calls it: eager (torch's dense path), routed (nvfly's kernels, the mods traced from
     flex's graphs), and under torch.compile: Inductor's Triton flex kernels (``flex_triton_ms``) and nvfly as the
     backend (``kernel_options={"NVFLY": True}``). The Gemma-2-like row: tanh soft-capping 50 and a causal
-    sliding window of 4096 as a BlockMask (8K tokens, D 256)."""
+    sliding window of 4096 as a BlockMask (8K tokens, D 256); the DeepSeek-V3-like row: 128 heads, Dqk 192 / Dv 128,
+    causal as a BlockMask (4K tokens)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     rows = []
-    for case, batch, hq, hkv, sq, skv, d, cap, window in FLEX_SHAPES:
-        q = torch.randn(batch, hq, sq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(batch, hkv, skv, d, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(batch, hkv, skv, d, device="cuda", dtype=torch.bfloat16)
+    for case, batch, hq, hkv, sq, skv, dqk, dv, cap, mask in FLEX_SHAPES:
+        q = torch.randn(batch, hq, sq, dqk, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, hkv, skv, dqk, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(batch, hkv, skv, dv, device="cuda", dtype=torch.bfloat16)
         kwargs: dict[str, Any] = {"enable_gqa": hq != hkv}
         if cap is not None:
             kwargs["score_mod"] = lambda score, b, h, q_idx, kv_idx: cap * torch.tanh(score / cap)
-        if window is not None:
-            def sliding(b, h, q_idx, kv_idx):
+        if mask is not None:
+            window = skv if mask == "causal" else mask
+
+            def causal_window(b, h, q_idx, kv_idx):
                 return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
-            kwargs["block_mask"] = create_block_mask(sliding, None, None, sq, skv, device="cuda")
+            kwargs["block_mask"] = create_block_mask(causal_window, None, None, sq, skv, device="cuda")
         eager = lambda: flex_attention(q, k, v, **kwargs)  # noqa: E731
         nvfly_call = routed(eager)
         fresh_decisions()
-        row = checked({"case": case, "batch": batch, "heads": f"{hq}/{hkv}", "sq": sq, "skv": skv, "head_dim": d,
-                       "softcap": cap, "window": window}, eager(), nvfly_call())
+        row = checked({"case": case, "batch": batch, "heads": f"{hq}/{hkv}", "sq": sq, "skv": skv,
+                       "head_dims": f"{dqk}/{dv}", "softcap": cap, "mask": mask}, eager(), nvfly_call())
         flex = [d for d in decisions() if d.op == "flex_attention" and d.where == "eager"]
         row.update({"torch_sdpa_backend": "flex_attention (eager: dense math)",
                     "nvfly_kernels": sorted({c for d in flex for c in d.candidates if d.reason is None}),
@@ -463,10 +467,10 @@ def flex_profile(case: str = "minimax-flex-decode", calls: int = 20) -> None:
     from torch.profiler import ProfilerActivity, profile
     from benchmarks.device_time import host_us
     from nvfly.ops import attention
-    _, batch, hq, hkv, sq, skv, d, _, _ = next(shape for shape in FLEX_SHAPES if shape[0] == case)
-    q = torch.randn(batch, hq, sq, d, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(batch, hkv, skv, d, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(batch, hkv, skv, d, device="cuda", dtype=torch.bfloat16)
+    _, batch, hq, hkv, sq, skv, dqk, dv, _, _ = next(shape for shape in FLEX_SHAPES if shape[0] == case)
+    q = torch.randn(batch, hq, sq, dqk, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, hkv, skv, dqk, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, hkv, skv, dv, device="cuda", dtype=torch.bfloat16)
     calls_of = {"eager nvfly decode": lambda: attention.decode(q.transpose(1, 2), k.transpose(1, 2),
                                                               v.transpose(1, 2), causal=False)}
     for key, options in (("compiled flex (Triton)", None), ("compiled flex (nvfly)", {"NVFLY": True})):

@@ -325,6 +325,13 @@ def test_eligibility(fake_cuda):
     assert "3 tensors" in F.reason(_call(fake_cuda, score_mod=graph, buffers=three), False)
 
 
+def test_deepseek_head_dims_are_eligible(fake_cuda):
+    """Dqk 192 / Dv 128 with 128 heads (models.py's DeepSeek-like flex row) reaches nvfly's prefill."""
+    q, k = fake_cuda((1, 4096, 128, 192)), fake_cuda((1, 4096, 128, 192))
+    v = fake_cuda((1, 4096, 128, 128))
+    assert F.reason(F.FlexCall(q, k, v, None, None, None, 192 ** -0.5, (), (), False), False) is None
+
+
 def test_fake_tensors_keep_torch(fake_cuda):
     call = _call(fake_cuda)
     assert "not a plain tensor" in F.decide(call)

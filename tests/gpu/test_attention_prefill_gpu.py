@@ -313,7 +313,7 @@ VARIANT_CASES = {  # name: the test above it reruns; the default plans (overlap,
     (True, False, "d64-window"), (False, True, "d128-soft-cap"), (True, False, "d64-document-mask"),
     (True, True, "d256-causal"), (True, True, "d192-alibi"), (True, False, "d64-block-mask"),
     (False, True, "d128-block-mask-256"), (True, False, "d128-block-mask-causal"), (True, False, "d128-varlen"), (False, False, "d64-varlen-sq-gt-skv"),
-    (True, True, "d256-varlen-window"),
+    (True, True, "d256-varlen-window"), (False, True, "d192-alibi"), (False, True, "d256-causal"),
 ])
 def test_plan_variants(overlap, pingpong, case):
     """The kernel's variants (``PrefillPlan.overlap``, ``.pingpong``) forced by ``plan_options``, against the

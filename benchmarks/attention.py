@@ -349,7 +349,8 @@ PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": di
 PREFILL_FP8_VARIANTS = {**PREFILL_VARIANTS, "wide": dict(wide=True), "wide_chain": dict(wide=True, tree_max=False),
                         "tree_max": dict(tree_max=True), "wide_poly2": dict(wide=True, poly_exp2=2),
                         "wide_poly4": dict(wide=True, poly_exp2=4), "poly2": dict(wide=False, poly_exp2=2),
-                        "poly4": dict(wide=False, poly_exp2=4), "tree_poly2": dict(wide=False, tree_max=True, poly_exp2=2)}
+                        "poly4": dict(wide=False, poly_exp2=4),
+                        "tree_poly2": dict(wide=False, tree_max=True, poly_exp2=2)}
 VARIANT_ROUNDS = 3
 PREFILL_BACKENDS = ("cudnn", "flash", "efficient")  # math would materialise S: not a peer at these sizes
 CHECK_ROWS = 256

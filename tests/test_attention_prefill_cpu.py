@@ -112,12 +112,15 @@ def test_overlap_and_pingpong_variants_compile_and_schedule(overlap, pingpong):
 
 
 def test_plan_options_defaults_and_the_api_hook(monkeypatch):
-    """The measured defaults (no overlap, ping-pong up to head dim 128), a ping-pong plan needs two consumers, and
-    ``plan_options`` reaches the plan ``prefill`` and ``prefill_varlen`` launch."""
+    """The measured defaults (ping-pong at every bf16 head dim; the overlap above head dim 128 without mods or a
+    BlockMask, whose kernels spill with it), a ping-pong plan needs two consumers, and ``plan_options`` reaches the
+    plan ``prefill`` and ``prefill_varlen`` launch."""
     from nvfly.ops.attention import prefill_api
-    assert not any(attention.prefill_plan(dqk, dv, False).overlap for dqk, dv in HEAD_DIMS)
-    assert [attention.prefill_plan(dqk, dv, True).pingpong for dqk, dv in HEAD_DIMS] == [dqk <= 128 for dqk, _ in
-                                                                                         HEAD_DIMS]
+    assert [attention.prefill_plan(dqk, dv, False).overlap for dqk, dv in HEAD_DIMS] == [dqk > 128 for dqk, _ in
+                                                                                        HEAD_DIMS]
+    assert not any(attention.prefill_plan(dqk, dv, False, mods=True).overlap for dqk, dv in HEAD_DIMS)
+    assert not any(attention.prefill_plan(dqk, dv, True, kv_block=128, q_block=128).overlap for dqk, dv in HEAD_DIMS)
+    assert all(attention.prefill_plan(dqk, dv, True).pingpong for dqk, dv in HEAD_DIMS)
     with pytest.raises(ValueError, match="two consumer warpgroups"):
         PrefillPlan(128, 128, False, block_m=192, pingpong=True)
     _cpu_prefill(monkeypatch)
@@ -438,7 +441,8 @@ MOD_FAMILIES = {  # name: (plan, mods, attend_block traces)
     "d128-varlen-causal-window": (attention.prefill_plan(128, 128, True, window=True, varlen=True), M.Mods(), 3),
     "d64-varlen-document": (attention.prefill_plan(64, 64, False, varlen=True),
                             M.Mods(None, M.document_mask(DOCUMENTS)), 2),
-    "d256-causal-window-softcap": (attention.prefill_plan(256, 256, True, window=True), M.Mods(M.soft_cap(30.0)), 3),
+    "d256-causal-window-softcap": (attention.prefill_plan(256, 256, True, window=True, mods=True),
+                                   M.Mods(M.soft_cap(30.0)), 3),
     "d256-blockmask-64key-stages": (attention.prefill_plan(256, 256, False, kv_block=128, q_block=128),
                                     M.Mods(None, M.sliding_window(300)), 2),
 }

@@ -45,6 +45,11 @@ class Mods:
     arguments: int = 0
 
     @property
+    def active(self) -> bool:
+        """Whether the kernel traces a score_mod or a mask_mod."""
+        return self.score_mod is not None or self.mask_mod is not None
+
+    @property
     def name(self) -> str:
         names = [getattr(f, "__name__", "mod") for f in (self.score_mod, self.mask_mod) if f is not None]
         return "+".join(names) or "none"

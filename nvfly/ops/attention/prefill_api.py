@@ -335,7 +335,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             kv_block = int(block_mask.BLOCK_SIZE[1]) if block_mask is not None else 0
             overlap, pingpong, wide, tree_max, poly_exp2 = _OPTIONS.get()
             plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block, False, overlap, pingpong, fp8,
-                         wide, tree_max, poly_exp2)
+                         wide, tree_max, poly_exp2, mods.active)
             if fp8:
                 v = transposed_values(v)
             _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv,
@@ -475,7 +475,8 @@ def prefill_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_s
             if lse is not None:
                 lse.fill_(float("-inf"))
         else:
-            plan = _plan(dqk, dv, bounds.causal, bounds.window, 0, 0, True, *_OPTIONS.get()[:2])
+            plan = _plan(dqk, dv, bounds.causal, bounds.window, 0, 0, True, *_OPTIONS.get()[:2],
+                         mods=mods.active)
             _launch(plan, mods, q[None], k[None], v[None], out[None], None if lse is None else lse[None],
                     (cu_seqlens_q, cu_seqlens_k), [None] * 4, _scale(scale, dqk), bounds, 0, 0,
                     plan.grid(batch, hq, max_q))

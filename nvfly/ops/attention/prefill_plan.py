@@ -119,15 +119,17 @@ class PrefillPlan:
 def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block: int = 0, q_block: int = 0,
                  varlen: bool = False, overlap: Optional[bool] = None,
                  pingpong: Optional[bool] = None, fp8: bool = False, wide: Optional[bool] = None,
-                 tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None) -> PrefillPlan:
+                 tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None, mods: bool = False) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
-    options; ``overlap``/``pingpong`` None: the defaults below; ``wide`` (fp8 D 128 only; None: the default
-    below): ``FP8_WIDE_BLOCK_N`` keys a stage instead of ``FP8_BLOCK_N``; ``tree_max`` (fp8 only; None: with
-    ``wide``); ``poly_exp2`` (fp8 only; None: 0)."""
+    options; ``overlap``/``pingpong`` None: the defaults below (``mods``: whether the kernel traces a score_mod or
+    mask_mod); ``wide`` (fp8 D 128 only; None: the default below): ``FP8_WIDE_BLOCK_N`` keys a stage instead of
+    ``FP8_BLOCK_N``; ``tree_max`` (fp8 only; None: with ``wide``); ``poly_exp2`` (fp8 only; None: 0)."""
     if overlap is None:
-        overlap = False  # measured on the H200: 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most)
+        # measured on the H200: at D <= 128 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most); at
+        # 192/128 and 256 +3-13% on every row; with mods or a BlockMask there it spills (docs/ops/attention.md)
+        overlap = dqk > 128 and not (fp8 or mods or kv_block)
     if pingpong is None:
-        pingpong = dqk <= 128  # measured: 0.95x cuDNN vs 0.89x serial; FA3 ping-pongs up to head dim 128
+        pingpong = dqk <= 128 or not fp8  # measured: 0.95x cuDNN vs 0.89x serial at D 128; faster at 192 and 256
     if wide is None:
         wide = False  # not measured yet: --prefill-variants times fp8 "wide" beside the 128-key default
     wide = wide and fp8 and dqk == 128

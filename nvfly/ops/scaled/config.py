@@ -63,6 +63,10 @@ class ScaledConfig(StagedStore):
     def smem_bytes(self) -> int:
         return self.ring_end + self.staging_bytes()
 
+    def staging_reason(self) -> Optional[str]:
+        """StagedStore's, except that split K's fix-up hands the epilogue whole sums, which it can stage."""
+        return StagedStore.staging_reason(replace(self, split_k=1) if self.split_fix_up else self)
+
     def check(self, promote: bool = False) -> Optional[str]:
         """None if this config compiles (with a promoted accumulator when ``promote``), else why not."""
         if self.consumers not in (1, 2) or self.bm % self.consumers or self.wg_m not in (64, 128):

@@ -151,19 +151,22 @@ def test_stream_k_compiles_and_plans():
     assert "stream K" in ScaledConfig(128, 128, 6, 2, split_k=2, stream_k=True).check()
 
 
-# split K adding up in the kernel (ScaledConfig.split_fix_up): the small-M plans' tiles, swapped (tensor/row, the
-# bias along the kernel's rows) and not (block scales on a 64-row token tile), and the M = 128 TMA-store tile
-SPLIT_FIX_UP_VARIANTS = [
+# small M in one launch: split K adding up in the kernel (ScaledConfig.split_fix_up) on the small-M plans' tiles,
+# swapped (tensor/row, the bias along the kernel's rows) and not (block scales on a 64-row token tile, issuing
+# ahead), and on the M = 128 TMA-store tile; stream K over swapped tiles (the benchmark's small-M "streamk")
+SINGLE_LAUNCH_VARIANTS = [
     (ScaledConfig(64, 16, 12, 1, split_k=2, split_fix_up=True), ScaledEpilogue("row", True, True, bias_rows=True)),
     (ScaledConfig(64, 40, 12, 1, split_k=4, split_fix_up=True), ScaledEpilogue("tensor", False)),
-    (ScaledConfig(64, 32, 12, 1, split_k=4, split_fix_up=True), ScaledEpilogue("block", True, True)),
-    (ScaledConfig(128, 128, 6, 2, split_k=2, split_fix_up=True, tma_store=True), ScaledEpilogue("row", True))]
+    (ScaledConfig(64, 32, 12, 1, split_k=2, issue_ahead=True, split_fix_up=True), ScaledEpilogue("block", True, True)),
+    (ScaledConfig(128, 128, 6, 2, split_k=2, split_fix_up=True, tma_store=True), ScaledEpilogue("row", True)),
+    (ScaledConfig(64, 8, 12, 1, stream_k=True), ScaledEpilogue("row", False, True, bias_rows=True))]
 
 
-@pytest.mark.parametrize("variant", SPLIT_FIX_UP_VARIANTS, ids=lambda v: f"{v[0].bm}x{v[0].bn}-{v[1].scaling}")
-def test_split_fix_up_compiles(variant):
-    """One launch: the splits' 16-byte f32 reductions into the workspace and the arrival count next to fp8 wgmma,
-    no spills; the TMA-store epilogue stays after the fix-up."""
+@pytest.mark.parametrize("variant", SINGLE_LAUNCH_VARIANTS,
+                         ids=lambda v: f"{v[0].bm}x{v[0].bn}-{v[1].scaling}" + ("-streamK" if v[0].stream_k else ""))
+def test_single_launch_small_m_compiles(variant):
+    """One launch: the splits' (or k ranges') 16-byte f32 reductions into the workspace and the arrival count next
+    to fp8 wgmma, no spills; the TMA-store epilogue stays after the fix-up."""
     cfg, epi = variant
     (k,) = compile_variants([variant])
     check_kernel(k, f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3")
@@ -276,6 +279,20 @@ def test_split_fix_up_sums_each_tile_once_and_leaves_zeros(n, k, split, consumer
                             done[key] = values
             assert done == expected and len(done) == plan.shared_tiles * consumers * 128
             assert not any(memory.values) and not any(counters.values), "the next launch needs zeros"
+
+
+def test_benchmark_times_the_small_m_reductions(monkeypatch):
+    """benchmarks.scaled times the small-M plans' other K reduction beside them (--quick's 16 x 4096 x 7168 and
+    64 x 7168 x 2048 rows): one launch against two where the plan splits K, stream K over the same swapped tiles."""
+    from benchmarks import scaled as bench
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 132}))
+    other = "reduce" if SPLIT_FIX_UP else "fixup"  # the K reduction the heuristic does not pick
+    for recipe in ("tensor", "row", "row-fast"):
+        alternatives = bench.alternative_configs(16, 4096, 7168, recipe, False)
+        assert set(alternatives) == {other, "streamk"} and all(swap for _, swap in alternatives.values()), recipe
+        assert (alternatives[other][0].split_k, alternatives[other][0].split_fix_up) == (2, not SPLIT_FIX_UP)
+        assert set(bench.alternative_configs(64, 7168, 2048, recipe, False)) == {"streamk"}  # 112 tiles: no split
+    assert set(bench.alternative_configs(64, 2112, 7168, "block", False)) == {other, "streamk"}  # split in two
 
 
 def test_out_dtypes_and_e5m2_compile():

@@ -285,7 +285,8 @@ def test_benchmark_times_the_small_m_reductions(monkeypatch):
     """benchmarks.scaled times the small-M plans' other K reduction beside them (--quick's 16 x 4096 x 7168 and
     64 x 7168 x 2048 rows): one launch against two where the plan splits K, stream K over the same swapped tiles."""
     from benchmarks import scaled as bench
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: type("P", (), {"multi_processor_count": 132}))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Properties", (), {"multi_processor_count": 132}))
     other = "reduce" if SPLIT_FIX_UP else "fixup"  # the K reduction the heuristic does not pick
     for recipe in ("tensor", "row", "row-fast"):
         alternatives = bench.alternative_configs(16, 4096, 7168, recipe, False)

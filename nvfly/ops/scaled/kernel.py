@@ -5,8 +5,9 @@ The kernel computes out[i, j] = scale(sum_k A[i, k] * B[j, k]) (+ bias) with A (
 e4m3/e5m2 (fp8 wgmma reads no transposed operand: exactly ``torch._scaled_mm``'s row-major a and column-major b).
 The schedule is the dense GEMM's: one block per SM walks output tiles (nvfly.ops.common.scheduler, grouped
 rasterisation; with ``ScaledConfig.stream_k`` a partial last wave dealt out as k ranges, shared tiles summed by
-``nvfly.ops.common.epilogue.fix_up``, which also sums split K's splits with ``ScaledConfig.split_fix_up``); warpgroup 0's first thread keeps a ring of 128-element k-blocks full with
-TMA loads; consumer warpgroups 1..C each own bm/C rows of the tile.
+``nvfly.ops.common.epilogue.fix_up``, which also sums split K's splits with ``ScaledConfig.split_fix_up``);
+warpgroup 0's first thread keeps a ring of 128-element k-blocks full with TMA loads; consumer warpgroups 1..C each
+own bm/C rows of the tile.
 
 Two mainloops (``ScaledEpilogue.promote``):
 - accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's

@@ -9,8 +9,9 @@ TMA (``ScaledConfig.tma_store``; f32 outputs, swapped and split-K plans through 
 with tensor/row scales is computed as the transposed problem (swap A/B: the weights fill wgmma's 64-row M, the
 tokens its N); block scales stay unswapped on one 64-row token tile (their activation scales run along the
 kernel's rows), its width the widest that still fills FILL of the SMs. Small-M tiles that fill at most half the
-SMs split K over the idle ones (f32 partials, then a reduce kernel applies scales and bias). Measurements:
-docs/ops/scaled.md.
+SMs split K over the idle ones (f32 partials, then a reduce kernel applies scales and bias; or, with
+``ScaledConfig.split_fix_up``, the splits add up in the kernel's workspace and the last one stores: one launch,
+``SPLIT_FIX_UP`` says which the heuristic takes). Measurements: docs/ops/scaled.md.
 """
 from __future__ import annotations
 

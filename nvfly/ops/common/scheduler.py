@@ -367,7 +367,7 @@ def unit_work(unit, grid, rank, TILING):
         k_end = nvfly.minimum(k_begin + grid.k_per_split, grid.k_tiles)
         slot = -1
         contributors = 1
-        if TILING.split_fix_up:  # (traced, as stream K's: the fix-up branches on it)
+        if TILING.split_fix_up:  # the count from run-time sizes, traced as stream K's (the fix-up branches on it)
             slot = unit // TILING.split_k
             contributors = (grid.k_tiles + grid.k_per_split - 1) // grid.k_per_split
     return WorkUnit(batch, tm, tn, split, k_begin, k_end, slot, contributors)

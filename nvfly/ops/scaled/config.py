@@ -21,8 +21,8 @@ class ScaledConfig(StagedStore):
     ``split_k`` K splits (each writes f32 partial sums; a reduce kernel scales and adds them; with ``split_fix_up``
     they add up in the kernel instead: each split adds its sums into its tile's workspace slot and counts itself in,
     and the split counted in last reads the sums back, zeroes slot and count and runs the epilogue: one launch, no
-    partials, the stream-K fix-up); ``issue_ahead``: the
-    promoted mainloop issues k-block k+1's wgmmas before k's fp32 add (a third accumulator); ``packed_b``: B arrives
+    partials, the stream-K fix-up); ``issue_ahead``: the promoted mainloop issues k-block k+1's wgmmas before k's
+    fp32 add (a third accumulator); ``packed_b``: B arrives
     as packed e2m1 (MXFP4, set by the plan): each stage also holds B's packed bn x 64-byte tile, which the consumers
     convert into the stage's e4m3 tile; ``tma_store``: the epilogue stages the scaled 16-bit tile in shared memory
     (``store_buffers`` column slices of ``store_width`` per consumer, behind the ring) and stores it with TMA, as the

@@ -18,7 +18,8 @@ the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same 
 128 x 128 tiles at 64 < M <= 128, "split2"; stream K over a partial last wave, "streamk"; the issue-ahead mainloop,
 "ahead", with --issue-ahead, always for block scales; small-M plans (swapped or split): "fixup" (split K adding up
 in the kernel, one launch) or "reduce" (partials + the reduce kernel, two), whichever the plan is not, and "streamk"
-over their tiles; --quick: on the row and block recipes, and on every recipe's small-M rows):
+over their tiles; --quick: on the row and block recipes, and on every recipe's small-M rows, which also time the
+plan, its alternatives and cuBLAS replayed from CUDA graphs, ``*_graph_ms``, ``*graph_vs_cublas``):
 ``nvfly_<name>_ms``, ``<name>_vs_nvfly`` (> 1: the alternative is faster), ``<name>_vs_cublas``. The
 quantisation kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against
 the torch reference and timed after.
@@ -44,7 +45,7 @@ from typing import Any, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_results  # noqa: E402
+from benchmarks.common import bench_ms, geomean, graph_ms, plot, progress, rel_err, write_results  # noqa: E402
 from nvfly.ops import scaled  # noqa: E402
 from nvfly.ops.scaled import A16Config, ScaledConfig, ScaledEpilogue  # noqa: E402
 from nvfly.ops.scaled.config import deepest  # noqa: E402
@@ -242,6 +243,24 @@ def small_m_alternatives(m: int, n: int, k: int, epilogue: ScaledEpilogue, plan:
     return configs
 
 
+def graph_rows(row: dict[str, Any], a, b, sa, sb, out: torch.Tensor, fast: bool, cublas: Optional[Any],
+               alternatives: dict[str, tuple[ScaledConfig, bool]]) -> None:
+    """The row's plan, alternatives and cuBLAS replayed from CUDA graphs (``graph_ms``: no host or launch gaps, a
+    warm L2): ``nvfly_graph_ms``, ``nvfly_<name>_graph_ms``, ``cublas_graph_ms``, ``graph_vs_cublas`` and
+    ``<name>_graph_vs_cublas``. What remains of a gap to the event-timed numbers is the host's."""
+    row["nvfly_graph_ms"] = graph_ms(lambda: scaled.scaled_mm(a, b, sa, sb, out=out, use_fast_accum=fast))
+    for name, (config, swap) in alternatives.items():
+        row[f"nvfly_{name}_graph_ms"] = graph_ms(
+            lambda: scaled.scaled_mm(a, b, sa, sb, out=out, config=config, swap=swap, use_fast_accum=fast))
+    if cublas is not None and row["nvfly_graph_ms"]:
+        row["cublas_graph_ms"] = graph_ms(cublas)
+        if row["cublas_graph_ms"]:
+            for who in ["nvfly"] + [f"nvfly_{name}" for name in alternatives]:
+                if row.get(f"{who}_graph_ms"):
+                    key = "graph_vs_cublas" if who == "nvfly" else f"{who.removeprefix('nvfly_')}_graph_vs_cublas"
+                    row[key] = row["cublas_graph_ms"] / row[f"{who}_graph_ms"]
+
+
 def quantize_rows() -> list[dict[str, Any]]:
     """nvfly's quantisation kernels against the torch reference (the same result bit for bit, checked): GB/s of
     bf16 read + fp8 written."""
@@ -338,6 +357,8 @@ def main(argv=None) -> int:
                 row[f"nvfly_{name}_ms"] = bench_ms(
                     lambda: scaled.scaled_mm(a, b, sa, sb, out=other, config=config, swap=swap, use_fast_accum=fast))
                 row[f"{name}_path"] = scaled.path(a, b, sa, sb, use_fast_accum=fast, config=config, swap=swap)
+            if m <= SWAP_MAX_M and timed:  # small M is host-sensitive: also without host or launch gaps
+                graph_rows(row, a, b, sa, sb, out, fast, cublas, alternatives)
             if idx < triton_shapes and not recipe.startswith("block") and not (args.quick and recipe != "row"):
                 tri = triton_call(a, b, sa, sb, fast)
                 if tri is not None:
@@ -365,6 +386,9 @@ def main(argv=None) -> int:
                   + "".join(f"  {name} {row[f'nvfly_{name}_tflops']:6.1f} (err {row[f'{name}_rel_err']:.1e})"
                             for name in ALTERNATIVES if f"nvfly_{name}_ms" in row)
                   + (f"  Triton {row['triton_tflops']:6.1f} x{row['vs_triton']:.2f}" if "triton_ms" in row else "")
+                  + (f"  graphs: x{row['graph_vs_cublas']:.2f}" if "graph_vs_cublas" in row else "")
+                  + "".join(f" {name} x{row[f'{name}_graph_vs_cublas']:.2f}" for name in ALTERNATIVES
+                            if f"{name}_graph_vs_cublas" in row)
                   + (f"  nvfly block {row['nvfly_block_tflops']:6.1f} x{row['vs_block']:.2f}" if "vs_block" in row
                      else "")
                   + f"  bf16 {row['bf16_tflops']:6.1f} TFLOP/s  {row['path']}", flush=True)
@@ -380,6 +404,10 @@ def main(argv=None) -> int:
         summary[f"geomean_{name}_vs_nvfly"] = geomean([r[f"{name}_vs_nvfly"] for r in rows if f"{name}_vs_nvfly" in r])
         summary[f"geomean_{name}_vs_cublas"] = geomean([r[f"{name}_vs_cublas"] for r in rows
                                                         if f"{name}_vs_cublas" in r])
+    for name in ("",) + tuple(f"{x}_" for x in ALTERNATIVES):  # small M replayed from CUDA graphs
+        ratios = [r[f"{name}graph_vs_cublas"] for r in rows if f"{name}graph_vs_cublas" in r]
+        if ratios:
+            summary[f"geomean_{name}graph_vs_cublas"] = geomean(ratios)
     summary["geomean_vs_triton"] = geomean([r["vs_triton"] for r in rows if "vs_triton" in r])
     quantized = [] if args.no_quantize else quantize_rows()
     if quantized:

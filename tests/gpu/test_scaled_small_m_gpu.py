@@ -42,7 +42,7 @@ def test_single_launch_matches_the_reference_and_two_launches(hopper, scaling, m
     bias = torch.randn(N, device="cuda").to(torch.bfloat16)
     configs = small_m_configs(m, N, K, scaling)
     assert "-fixup" in scaled.path(a, b, sa, sb, bias=bias, config=configs["fixup"][0], swap=configs["fixup"][1])
-    assert "streamk" in configs or scaling == "block"
+    assert set(configs) == {"fixup", "reduce", "streamk"} and configs["fixup"][0].split_k == 4
     for out_dtype, with_bias in ((torch.bfloat16, True), (torch.float16, False), (torch.float32, True)):
         ref = scaled.reference(a, b, sa, sb, bias if with_bias else None)
         outs = {}

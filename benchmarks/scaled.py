@@ -16,7 +16,10 @@ recipe only); only the MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-q
 the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the register epilogue,
 "registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over
 128 x 128 tiles at 64 < M <= 128, "split2"; stream K over a partial last wave, "streamk"; the issue-ahead mainloop,
-"ahead", with --issue-ahead, always for block scales; --quick: on the row and block recipes only):
+"ahead", with --issue-ahead, always for block scales; small-M plans (swapped or split): "fixup" (split K adding up
+in the kernel, one launch) or "reduce" (partials + the reduce kernel, two), whichever the plan is not, and "streamk"
+over their tiles; --quick: on the row and block recipes, and on every recipe's small-M rows, which also time the
+plan, its alternatives and cuBLAS replayed from CUDA graphs, ``*_graph_ms``, ``*graph_vs_cublas``):
 ``nvfly_<name>_ms``, ``<name>_vs_nvfly`` (> 1: the alternative is faster), ``<name>_vs_cublas``. The
 quantisation kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against
 the torch reference and timed after.
@@ -42,11 +45,11 @@ from typing import Any, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, write_results  # noqa: E402
+from benchmarks.common import bench_ms, geomean, graph_ms, plot, progress, rel_err, write_results  # noqa: E402
 from nvfly.ops import scaled  # noqa: E402
 from nvfly.ops.scaled import A16Config, ScaledConfig, ScaledEpilogue  # noqa: E402
 from nvfly.ops.scaled.config import deepest  # noqa: E402
-from nvfly.ops.scaled.plan import make_plan  # noqa: E402
+from nvfly.ops.scaled.plan import SWAP_MAX_M, make_plan  # noqa: E402
 from nvfly.ops.scaled.quantize import dequantize_mxfp4, quantize, quantize_fp8, quantize_mxfp4  # noqa: E402
 
 # the FP8 anchors (../shared/docs/anchors.md) first, then DeepSeek-V3's projections at decode and prefill sizes
@@ -59,7 +62,8 @@ RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "ten
            "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False),
            "block1x128": ("1x128", "1x128", False), "mxfp8": ("mx", "mx", False), "mxfp4": ("mx", "mxfp4", False)}
 MX_RECIPES = ("mxfp8", "mxfp4")
-ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead", "in_order")  # alternative_configs
+# alternative_configs and small_m_alternatives
+ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead", "in_order", "fixup", "reduce")
 QUICK_ALTERNATIVES = ("row", "row-fast", "block")  # the recipes --quick times them on (row-wise and block targets)
 
 
@@ -185,9 +189,10 @@ def a16_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dict[str, ScaledConfig]:
-    """Configs timed next to the heuristic's (``nvfly_<name>_ms``, ``<name>_vs_cublas``) on its unswapped, unsplit
-    fp8 plans: "registers", the same tile storing through registers; "previous", where the plan widened a tile to
+def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dict[str, tuple[ScaledConfig, bool]]:
+    """(config, swap) pairs timed next to the heuristic's plan (``nvfly_<name>_ms``, ``<name>_vs_cublas``). Small-M
+    plans (swapped or split, ``small_m_alternatives``): their K reduction the other way. Unswapped, unsplit fp8
+    plans: "registers", the same tile storing through registers; "previous", where the plan widened a tile to
     128 x 192, the 128 x 128 tile planned before (promoted: storing through registers); "split2", 65 to 128 rows, 128 x 128 tiles split
     in two along K (128 units of work for 128 x 8192); "streamk", the plan's tile (128 x 128 at 65 to 128 rows) with
     stream K, where the tiles end in a partial wave; with ``ahead`` (always for block scales), "ahead", the
@@ -197,10 +202,10 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dic
     if recipe in MX_RECIPES:
         return {}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = make_plan(m, n, k, ScaledEpilogue(scaling, promote=not fast or scaling.startswith("block")), None, None,
-                     sms)
+    epilogue = ScaledEpilogue(scaling, promote=not fast or scaling.startswith("block"))
+    plan = make_plan(m, n, k, epilogue, None, None, sms)
     if plan.swap or plan.config.split_k > 1:
-        return {}
+        return small_m_alternatives(m, n, k, epilogue, plan, sms)
     configs = {}
     if plan.config.tma_store:
         configs["registers"] = deepest(replace(plan.config, tma_store=False))
@@ -218,7 +223,42 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dic
         configs["ahead"] = replace(plan.config, issue_ahead=True)
         if configs["ahead"].check(promote=True):  # three 64 x 192 accumulators do not fit: 128 wide
             configs["ahead"] = deepest(replace(configs["ahead"], bn=128))
+    return {name: (config, False) for name, config in configs.items()}
+
+
+def small_m_alternatives(m: int, n: int, k: int, epilogue: ScaledEpilogue, plan: Any,
+                         sms: int) -> dict[str, tuple[ScaledConfig, bool]]:
+    """The small-M plan (swapped, or splitting K) reducing K the other way, on its own tiles and swap: where it
+    splits K, "fixup" (the splits add up in the kernel: one launch, ScaledConfig.split_fix_up) or "reduce" (f32
+    partials and the reduce kernel: two launches), whichever the plan is not; "streamk": stream K over its tiles
+    instead (one launch, k ranges over every SM), where they end in a partial wave."""
+    cfg = plan.config
+    configs = {}
+    if cfg.split_k > 1:
+        configs["reduce" if cfg.split_fix_up else "fixup"] = (replace(cfg, split_fix_up=not cfg.split_fix_up),
+                                                              plan.swap)
+    streamed = replace(cfg, split_k=1, split_fix_up=False, stream_k=True)
+    if make_plan(m, n, k, epilogue, streamed, plan.swap, sms).sk_tiles:
+        configs["streamk"] = (streamed, plan.swap)
     return configs
+
+
+def graph_rows(row: dict[str, Any], a, b, sa, sb, out: torch.Tensor, fast: bool, cublas: Optional[Any],
+               alternatives: dict[str, tuple[ScaledConfig, bool]]) -> None:
+    """The row's plan, alternatives and cuBLAS replayed from CUDA graphs (``graph_ms``: no host or launch gaps, a
+    warm L2): ``nvfly_graph_ms``, ``nvfly_<name>_graph_ms``, ``cublas_graph_ms``, ``graph_vs_cublas`` and
+    ``<name>_graph_vs_cublas``. What remains of a gap to the event-timed numbers is the host's."""
+    row["nvfly_graph_ms"] = graph_ms(lambda: scaled.scaled_mm(a, b, sa, sb, out=out, use_fast_accum=fast))
+    for name, (config, swap) in alternatives.items():
+        row[f"nvfly_{name}_graph_ms"] = graph_ms(
+            lambda: scaled.scaled_mm(a, b, sa, sb, out=out, config=config, swap=swap, use_fast_accum=fast))
+    if cublas is not None and row["nvfly_graph_ms"]:
+        row["cublas_graph_ms"] = graph_ms(cublas)
+        if row["cublas_graph_ms"]:
+            for who in ["nvfly"] + [f"nvfly_{name}" for name in alternatives]:
+                if row.get(f"{who}_graph_ms"):
+                    key = "graph_vs_cublas" if who == "nvfly" else f"{who.removeprefix('nvfly_')}_graph_vs_cublas"
+                    row[key] = row["cublas_graph_ms"] / row[f"{who}_graph_ms"]
 
 
 def quantize_rows() -> list[dict[str, Any]]:
@@ -307,15 +347,18 @@ def main(argv=None) -> int:
                 row["nvfly_block_ms"] = block_ms[(m, n, k)]
             if cublas is not None:
                 row["cublas_ms"] = bench_ms(cublas)
-            timed = not args.no_alternatives and (recipe in QUICK_ALTERNATIVES or not args.quick)
+            # --quick: the row and block targets, and every recipe's small-M rows (host-sensitive, microseconds)
+            timed = not args.no_alternatives and (recipe in QUICK_ALTERNATIVES or not args.quick or m <= SWAP_MAX_M)
             alternatives = alternative_configs(m, n, k, recipe, args.issue_ahead) if timed else {}
-            for name, config in alternatives.items():
+            for name, (config, swap) in alternatives.items():
                 other = torch.full_like(out, float("nan"))
-                scaled.scaled_mm(a, b, sa, sb, out=other, config=config, use_fast_accum=fast)
+                scaled.scaled_mm(a, b, sa, sb, out=other, config=config, swap=swap, use_fast_accum=fast)
                 row[f"{name}_rel_err"] = rel_err(other, ref)
                 row[f"nvfly_{name}_ms"] = bench_ms(
-                    lambda: scaled.scaled_mm(a, b, sa, sb, out=other, config=config, use_fast_accum=fast))
-                row[f"{name}_path"] = scaled.path(a, b, sa, sb, use_fast_accum=fast, config=config)
+                    lambda: scaled.scaled_mm(a, b, sa, sb, out=other, config=config, swap=swap, use_fast_accum=fast))
+                row[f"{name}_path"] = scaled.path(a, b, sa, sb, use_fast_accum=fast, config=config, swap=swap)
+            if m <= SWAP_MAX_M and timed:  # small M is host-sensitive: also without host or launch gaps
+                graph_rows(row, a, b, sa, sb, out, fast, cublas, alternatives)
             if idx < triton_shapes and not recipe.startswith("block") and not (args.quick and recipe != "row"):
                 tri = triton_call(a, b, sa, sb, fast)
                 if tri is not None:
@@ -343,6 +386,9 @@ def main(argv=None) -> int:
                   + "".join(f"  {name} {row[f'nvfly_{name}_tflops']:6.1f} (err {row[f'{name}_rel_err']:.1e})"
                             for name in ALTERNATIVES if f"nvfly_{name}_ms" in row)
                   + (f"  Triton {row['triton_tflops']:6.1f} x{row['vs_triton']:.2f}" if "triton_ms" in row else "")
+                  + (f"  graphs: x{row['graph_vs_cublas']:.2f}" if "graph_vs_cublas" in row else "")
+                  + "".join(f" {name} x{row[f'{name}_graph_vs_cublas']:.2f}" for name in ALTERNATIVES
+                            if f"{name}_graph_vs_cublas" in row)
                   + (f"  nvfly block {row['nvfly_block_tflops']:6.1f} x{row['vs_block']:.2f}" if "vs_block" in row
                      else "")
                   + f"  bf16 {row['bf16_tflops']:6.1f} TFLOP/s  {row['path']}", flush=True)
@@ -358,6 +404,10 @@ def main(argv=None) -> int:
         summary[f"geomean_{name}_vs_nvfly"] = geomean([r[f"{name}_vs_nvfly"] for r in rows if f"{name}_vs_nvfly" in r])
         summary[f"geomean_{name}_vs_cublas"] = geomean([r[f"{name}_vs_cublas"] for r in rows
                                                         if f"{name}_vs_cublas" in r])
+    for name in ("",) + tuple(f"{x}_" for x in ALTERNATIVES):  # small M replayed from CUDA graphs
+        ratios = [r[f"{name}graph_vs_cublas"] for r in rows if f"{name}graph_vs_cublas" in r]
+        if ratios:
+            summary[f"geomean_{name}graph_vs_cublas"] = geomean(ratios)
     summary["geomean_vs_triton"] = geomean([r["vs_triton"] for r in rows if "vs_triton" in r])
     quantized = [] if args.no_quantize else quantize_rows()
     if quantized:

@@ -11,12 +11,14 @@ from hypothesis import strategies as st
 
 import nvfly
 from nvfly.ops import scaled
+from nvfly.ops.common import scheduler
 from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.api import compile_variants, kernel_scales
 from nvfly.ops.scaled.config import deepest
-from nvfly.ops.scaled.plan import SWAP_MAX_M, make_plan
+from nvfly.ops.scaled.plan import SPLIT_FIX_UP, SWAP_MAX_M, make_plan
 from nvfly.ops.scaled.quantize import quantize
 from tests.test_grouped_cpu import check_kernel
+from tests.test_scheduler_cpu import device_work
 
 VARIANTS = [
     (ScaledConfig(128, 128, 6, 2), ScaledEpilogue("block", True)),
@@ -147,6 +149,151 @@ def test_stream_k_compiles_and_plans():
     whole = make_plan(128, 128 * 132, 4096, ScaledEpilogue("row", True), stream, None, 132)  # one whole wave
     assert (whole.block_iters, whole.sk_tiles, whole.grid) == (0, 0, 132)
     assert "stream K" in ScaledConfig(128, 128, 6, 2, split_k=2, stream_k=True).check()
+
+
+# small M in one launch: split K adding up in the kernel (ScaledConfig.split_fix_up) on the small-M plans' tiles,
+# swapped (tensor/row, the bias along the kernel's rows) and not (block scales on a 64-row token tile, issuing
+# ahead), and on the M = 128 TMA-store tile; stream K over swapped tiles (the benchmark's small-M "streamk")
+SINGLE_LAUNCH_VARIANTS = [
+    (ScaledConfig(64, 16, 12, 1, split_k=2, split_fix_up=True), ScaledEpilogue("row", True, True, bias_rows=True)),
+    (ScaledConfig(64, 40, 12, 1, split_k=4, split_fix_up=True), ScaledEpilogue("tensor", False)),
+    (ScaledConfig(64, 32, 12, 1, split_k=2, issue_ahead=True, split_fix_up=True), ScaledEpilogue("block", True, True)),
+    (ScaledConfig(128, 128, 6, 2, split_k=2, split_fix_up=True, tma_store=True), ScaledEpilogue("row", True)),
+    (ScaledConfig(64, 8, 12, 1, stream_k=True), ScaledEpilogue("row", False, True, bias_rows=True))]
+
+
+@pytest.mark.parametrize("variant", SINGLE_LAUNCH_VARIANTS,
+                         ids=lambda v: f"{v[0].bm}x{v[0].bn}-{v[1].scaling}" + ("-streamK" if v[0].stream_k else ""))
+def test_single_launch_small_m_compiles(variant):
+    """One launch: the splits' (or k ranges') 16-byte f32 reductions into the workspace and the arrival count next
+    to fp8 wgmma, no spills; the TMA-store epilogue stays after the fix-up."""
+    cfg, epi = variant
+    (k,) = compile_variants([variant])
+    check_kernel(k, f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3")
+    vectors = (cfg.wg_m // 64) * cfg.bn // 8  # each thread's 16-byte vectors of a consumer tile
+    assert k.count("REDG.E.ADD.F32x4.FTZ.RN.STRONG.GPU") == vectors and k.count("ATOMG.E.ADD.STRONG.GPU") == 1
+    assert k.count("UTMASTG") == (cfg.bn // cfg.store_width if cfg.tma_store else 0)
+
+
+def test_split_fix_up_plans():
+    """split_fix_up plans one launch (no partials, no reduce kernel, a workspace slot per output tile and
+    consumer), drops itself where K leaves one split, keeps a TMA-store epilogue, and excludes stream K."""
+    row = ScaledEpilogue("row", True, bias=True)
+    plan = make_plan(16, 4096, 7168, row, ScaledConfig(64, 16, 12, 1, split_k=2, split_fix_up=True), True, 132)
+    assert plan.swap and plan.epilogue.bias_rows and not plan.epilogue.partial and plan.grid == 128
+    assert plan.fix_up_tiles == plan.shared_tiles == 64 and plan.sk_tiles == 0
+    assert scaled.api.describe_plan(plan).startswith("scaled-row-promoted-swapAB-splitK2-fixup: 64x16 tile")
+    two = make_plan(16, 4096, 7168, row, ScaledConfig(64, 16, 12, 1, split_k=2), True, 132)
+    assert two.epilogue.partial and two.fix_up_tiles == two.shared_tiles == 0 and two.grid == plan.grid
+    short = make_plan(16, 4096, 128, row, ScaledConfig(64, 16, 12, 1, split_k=2, split_fix_up=True), True, 132)
+    assert (short.config.split_k, short.config.split_fix_up, short.fix_up_tiles) == (1, False, 0)
+    block = make_plan(16, 4096, 7168, ScaledEpilogue("block", True),
+                      ScaledConfig(64, 32, 12, 1, split_k=3, split_fix_up=True), None, 132)
+    assert not block.swap and not block.epilogue.partial and block.fix_up_tiles == 128
+    staged = make_plan(128, 8192, 8192, row, ScaledConfig(128, 128, 6, 2, split_k=2, split_fix_up=True,
+                                                          tma_store=True), None, 132)
+    assert staged.config.tma_store and staged.fix_up_tiles == 64 and not staged.epilogue.partial
+    assert "split_fix_up" in ScaledConfig(128, 128, 6, 2, stream_k=True, split_fix_up=True).check()
+    assert (make_plan(1, 2048, 7168, ScaledEpilogue("tensor"), None, None, 132).config.split_fix_up
+            == SPLIT_FIX_UP)  # the heuristic's choice: one named switch
+
+
+class _Memory:
+    """Global memory for ``fix_up`` run on Python numbers: addresses are indices."""
+
+    def __init__(self, size):
+        self.values = [0.0] * size
+
+    def address(self, index):
+        return index
+
+    def __setitem__(self, index, value):
+        self.values[index] = value
+
+
+def _fix_up_on_python_numbers(monkeypatch, memory, counters):
+    """``nvfly.ops.common.epilogue.fix_up`` itself, its GPU-scope operations on ``memory`` and ``counters``."""
+    import numpy as np
+
+    from nvfly.ops.common import epilogue
+
+    def red_add(address, values):
+        for e, v in enumerate(values):
+            memory.values[address + e] += v
+
+    def arrive(address):
+        before = counters.values[address]
+        counters.values[address] = before + 1
+        return before
+
+    def store_zeros(address):
+        memory.values[address:address + 4] = [0.0] * 4
+    monkeypatch.setattr(epilogue, "red_add", red_add)
+    monkeypatch.setattr(epilogue, "arrive", arrive)
+    monkeypatch.setattr(epilogue, "load_relaxed", lambda address, dtype, n: memory.values[address:address + n])
+    monkeypatch.setattr(epilogue, "store_zeros_x4", store_zeros)
+    monkeypatch.setattr(nvfly, "static_range", range)
+    monkeypatch.setattr(nvfly, "threadfence", lambda: None)
+    monkeypatch.setattr(nvfly, "named_barrier", lambda *args: None)
+    return lambda partial, *args: epilogue.fix_up.fn(args[0], np.bool_(partial), memory, counters, *args[1:])
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.sampled_from([16, 48, 400]), k=st.sampled_from([512, 1920, 7168]), split=st.integers(2, 6),
+       consumers=st.sampled_from([1, 2]), data=st.data())
+def test_split_fix_up_sums_each_tile_once_and_leaves_zeros(n, k, split, consumers, data):
+    """The fix-up on a split-K plan's own schedule (the device mapping on Python ints), its units finishing in any
+    order, twice (a CUDA graph replayed): each tile's consumer sums come out exactly once, as the sum of all its
+    splits, from the split counted in last, and the workspace and counts are zero after every launch."""
+    bm = 64 * consumers
+    plan = make_plan(16, n, k, ScaledEpilogue("row", True),
+                     ScaledConfig(bm, 16, 4, consumers, split_k=split, split_fix_up=True), True, 132)
+    schedule = scheduler.grid_schedule(plan.m, plan.n, plan.k_tiles, bm, 16, sms=132, split_k=plan.config.split_k,
+                                       split_fix_up=plan.config.split_fix_up)
+    assert schedule.grid == plan.grid and schedule.output_tiles == plan.fix_up_tiles
+    units = [u for block in device_work(schedule).values() for u in block]
+    atoms, bn = bm // consumers // 64, 16
+    memory = _Memory(plan.shared_tiles * consumers * 64 * atoms * bn)
+    counters = _Memory(plan.shared_tiles * consumers)
+    with pytest.MonkeyPatch.context() as patch:
+        fix_up = _fix_up_on_python_numbers(patch, memory, counters)
+        for launch in range(2):
+            order = data.draw(st.permutations(range(len(units))), label=f"launch {launch}'s finishing order")
+            done = {}
+            expected = {}
+            for position in order:
+                u = units[position]
+                for consumer in range(consumers):
+                    arrivals = [None] * consumers  # the block's shared memory
+                    for thread in range(128):
+                        accs = [[float(hash((launch, u.split, u.slot, consumer, thread, i, e)) % 1024)
+                                 for e in range(bn // 2)] for i in range(atoms)]
+                        key = (u.slot, consumer, thread)
+                        expected[key] = [[x + y for x, y in zip(a, b)] for a, b in
+                                         zip(expected.get(key, [[0.0] * (bn // 2)] * atoms), accs)]
+                        values, finished = fix_up(u.contributors > 1, accs, u.slot * consumers + consumer,
+                                                  arrivals, consumer, thread // 32, thread % 32, u.contributors,
+                                                  atoms, bn)
+                        if finished:
+                            assert key not in done, f"tile {u.slot} consumer {consumer} stored twice"
+                            done[key] = values
+            assert done == expected and len(done) == plan.shared_tiles * consumers * 128
+            assert not any(memory.values) and not any(counters.values), "the next launch needs zeros"
+
+
+def test_benchmark_times_the_small_m_reductions(monkeypatch):
+    """benchmarks.scaled times the small-M plans' other K reduction beside them (--quick's 16 x 4096 x 7168 and
+    64 x 7168 x 2048 rows): one launch against two where the plan splits K, stream K over the same swapped tiles."""
+    from benchmarks import scaled as bench
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Properties", (), {"multi_processor_count": 132}))
+    other = "reduce" if SPLIT_FIX_UP else "fixup"  # the K reduction the heuristic does not pick
+    for recipe in ("tensor", "row", "row-fast"):
+        alternatives = bench.alternative_configs(16, 4096, 7168, recipe, False)
+        assert set(alternatives) == {other, "streamk"} and all(swap for _, swap in alternatives.values()), recipe
+        assert (alternatives[other][0].split_k, alternatives[other][0].split_fix_up) == (2, not SPLIT_FIX_UP)
+        assert set(bench.alternative_configs(64, 7168, 2048, recipe, False)) == {"streamk"}  # 112 tiles: no split
+    assert set(bench.alternative_configs(64, 2112, 7168, "block", False)) == {other, "streamk"}  # split in two
 
 
 def test_out_dtypes_and_e5m2_compile():
@@ -297,7 +444,8 @@ def test_plans():
     assert plan.swap and (plan.m, plan.n) == (7168, 16) and plan.config.bn == 16 and plan.epilogue.bias_rows
     assert plan.config.split_k == 1 and not plan.epilogue.partial  # 112 tiles: no idle half to split over
     plan = make_plan(16, 4096, 7168, ScaledEpilogue("row", True), None, None, 132)
-    assert plan.swap and plan.config.split_k == 2 and plan.epilogue.partial and plan.grid == 128
+    assert plan.swap and plan.config.split_k == 2 and plan.grid == 128
+    assert plan.epilogue.partial != plan.config.split_fix_up == SPLIT_FIX_UP  # two launches, or one (the fix-up)
     plan = make_plan(1, 2048, 7168, ScaledEpilogue("tensor", False), None, None, 132)  # 32 tiles: 4 splits of 14
     assert plan.config.split_k == 4 and plan.grid == 128
     assert make_plan(SWAP_MAX_M + 1, 7168, 2048, tensor, None, None, 132).swap is False
@@ -315,7 +463,8 @@ def test_plans():
             plan = make_plan(m, n, 4096, epi, None, None, 132)
             assert plan.config.check(epi.promote) is None and 1 <= plan.grid <= 132
             tiles = math.ceil(plan.m / plan.config.bm) * math.ceil(plan.n / plan.config.bn)
-            assert plan.grid <= tiles * plan.config.split_k and plan.epilogue.partial == (plan.config.split_k > 1)
+            assert plan.grid <= tiles * plan.config.split_k
+            assert plan.epilogue.partial == (plan.config.split_k > 1 and not plan.config.split_fix_up)
             assert plan.config.split_k == 1 or 2 * tiles <= 132
 
 

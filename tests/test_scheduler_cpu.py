@@ -58,14 +58,15 @@ def output_tiles(schedule):
 
 def check_schedule(schedule, sms):
     """Every k-block of every output tile exactly once, on a grid of at most ``sms`` blocks none of which idles;
-    K splits as planned; stream K's slots and contributor counts as the fix-up needs them."""
+    K splits as planned; stream K's and split K's (``split_fix_up``) slots and contributor counts as the fix-up
+    needs them: one slot per shared tile, counting the units that add into it."""
     tiling = schedule.tiling
     work = device_work(schedule)
     assert schedule.grid <= sms and schedule.grid % tiling.cluster_m == 0
     assert len(work) == schedule.grid and all(work.values()), "a block of the grid without work"
     parts = {}
     for (block, rank), units in work.items():
-        streamed = [u for u in units if u.slot >= 0]
+        streamed = [u for u in units if u.slot >= 0] if tiling.stream_k else []
         if streamed:  # one contiguous range of at most block_iters k-blocks, over consecutive tiles
             assert [u.slot for u in streamed] == list(range(streamed[0].slot, streamed[0].slot + len(streamed)))
             assert sum(u.k_blocks for u in streamed) <= schedule.block_iters
@@ -81,12 +82,18 @@ def check_schedule(schedule, sms):
         assert blocks == Counter(range(schedule.k_tiles)), (tile, units)
         assert {u.contributors for u in units} == {len(units) if units[0].slot >= 0 else 1}
         assert len({u.slot for u in units}) == 1
-        if units[0].slot >= 0:  # ranges of block_iters k-blocks: the fewest that can touch k_tiles of them
+        if tiling.stream_k and units[0].slot >= 0:  # ranges of block_iters k-blocks: the fewest that touch k_tiles
             assert len(units) <= math.ceil((schedule.k_tiles - 1) / schedule.block_iters) + 1
+        if tiling.split_fix_up:  # every split adds into the tile's slot, and the count waits for all of them
+            assert sorted(u.split for u in units) == list(range(tiling.split_k)), (tile, units)
     if tiling.stream_k:
         assert schedule.dp_tiles % schedule.grid == 0
         slots = {u.slot for units in parts.values() for u in units if u.slot >= 0}
         assert slots == set(range(schedule.sk_tiles))
+    if tiling.split_fix_up:  # a slot per output tile: the workspace the host sizes for output_tiles
+        assert sorted(units[0].slot for units in parts.values()) == list(range(schedule.output_tiles))
+    else:
+        assert tiling.stream_k or all(u.slot == -1 for units in parts.values() for u in units)
     return work
 
 
@@ -109,6 +116,25 @@ def test_linear_grouped_split_and_clustered_tiles_are_covered_once(m, n, k_tiles
     work = check_schedule(schedule, sms)
     for (block, rank), units in work.items():  # a cluster's blocks take the rows of one cluster row
         assert all(u.tile_m % cluster_m == rank for u in units)
+
+
+@settings(max_examples=100, deadline=None)
+@given(m=st.integers(1, 2500), n=st.integers(1, 2500), k_tiles=st.integers(1, 160), bm=st.sampled_from([64, 128]),
+       bn=st.sampled_from([8, 16, 40, 64, 128]), batches=st.integers(1, 3), group_m=st.sampled_from([1, 8]),
+       split_k=st.integers(2, 16), sms=st.sampled_from([1, 7, 132]))
+def test_split_fix_up_slots_and_counts(m, n, k_tiles, bm, bn, batches, group_m, split_k, sms):
+    """Split K whose splits add up in the kernel (the scaled GEMM's small-M single launch): each output tile's
+    splits are all non-empty, each counts itself in on the tile's slot, and the count it waits for is theirs."""
+    schedule = scheduler.grid_schedule(m, n, k_tiles, bm, bn, sms=sms, batches=batches, group_m=group_m,
+                                       split_k=split_k, split_fix_up=True)
+    assert schedule.tiling.split_fix_up == (schedule.tiling.split_k > 1)
+    check_schedule(schedule, sms)
+
+
+def test_split_fix_up_excludes_stream_k_and_clusters():
+    for kwargs in ({"stream_k": True, "split_k": 1}, {"cluster_m": 2, "split_k": 2}):
+        with pytest.raises(ValueError, match="fix-up"):
+            Tiling(128, 128, 2, split_fix_up=True, **kwargs)
 
 
 @settings(max_examples=150, deadline=None)

@@ -11,6 +11,8 @@ is the kernel's Constexpr, and the rest (sizes, the stream-K split, tables) its 
   (row after row). Batches follow one another.
 - Split K: work tile ``t`` is split ``t % split_k`` of output tile ``t // split_k``, k-blocks
   ``[split * k_per_split, min((split + 1) * k_per_split, k_tiles))``; ``split_count`` makes every split non-empty.
+  With ``split_fix_up`` the splits meet in the kernel, as stream K's shared tiles do: a unit's ``slot`` is its
+  output tile and its ``contributors`` the splits (the kernel's fix-up; without it, ``slot`` -1 and 1).
 - Clusters along M: tiles are counted in cluster rows; block ``rank`` of a cluster takes row ``rank`` of it.
 - Stream K (``stream_k_split``): the first ``dp_tiles`` work tiles (whole waves) run whole, then the k-blocks of
   the remaining ``sk_tiles`` tiles, in order, are dealt out as one contiguous range of ``block_iters`` k-blocks
@@ -39,7 +41,8 @@ class Tiling:
     bm x bn: the output tile; group_m: tile rows per rasterisation group (1: linear); split_k: K splits;
     cluster_m: blocks per cluster along M (each takes one tile row of the cluster's); stream_k: the tail of tiles
     is dealt out as k ranges (``TileSchedule.dp_tiles``, ``block_iters``); groups: ragged groups (0: batches of
-    equal size); ordered: work tiles are taken in the order of a table (LPT).
+    equal size); ordered: work tiles are taken in the order of a table (LPT); split_fix_up: the K splits of an
+    output tile add up in the kernel (``WorkUnit.slot`` and ``contributors`` name the tile and its splits).
     """
     bm: int
     bn: int
@@ -49,6 +52,7 @@ class Tiling:
     stream_k: bool = False
     groups: int = 0
     ordered: bool = False
+    split_fix_up: bool = False
 
     def __post_init__(self) -> None:
         why = self.check()
@@ -67,6 +71,8 @@ class Tiling:
             return "ragged groups and tile orders take no cluster"
         if self.groups and self.ordered:
             return "ragged groups take no tile order"
+        if self.split_fix_up and (self.stream_k or self.cluster_m != 1):
+            return "split K's fix-up takes no stream K and no cluster (a slot per output tile)"
         if self.ordered and self.group_m != 1:
             return "a tile order replaces the rasterisation: group_m=1"
         return None
@@ -192,11 +198,13 @@ def _check_problem(k_tiles: int, sms: int, *sizes: int) -> None:
 
 
 def grid_schedule(m: int, n: int, k_tiles: int, bm: int, bn: int, *, sms: int, batches: int = 1, group_m: int = 1,
-                  split_k: int = 1, cluster_m: int = 1, stream_k: Optional[StreamK] = None) -> TileSchedule:
+                  split_k: int = 1, cluster_m: int = 1, stream_k: Optional[StreamK] = None,
+                  split_fix_up: bool = False) -> TileSchedule:
     """The schedule of ``batches`` m x n outputs of ``k_tiles`` k-blocks on bm x bn tiles over ``sms`` blocks:
     ``group_m`` rasterisation, ``split_k`` K splits (fewer when K is short: ``split_count``), clusters of
     ``cluster_m`` blocks along M, and with a ``stream_k`` policy a tail dealt out as k ranges (only without K
-    splits or clusters, and where the policy applies)."""
+    splits or clusters, and where the policy applies); ``split_fix_up``: the K splits add up in the kernel
+    (``Tiling.split_fix_up``; only with more than one split)."""
     _check_problem(k_tiles, sms, m, n, batches)
     if cluster_m > sms:
         raise ValueError(f"clusters of {cluster_m} blocks on {sms} SMs")
@@ -204,7 +212,7 @@ def grid_schedule(m: int, n: int, k_tiles: int, bm: int, bn: int, *, sms: int, b
     tiles = math.ceil(m / (bm * cluster_m)) * cluster_m * math.ceil(n / bn) * batches * split
     sk = stream_k_split(tiles, k_tiles, sms, stream_k) if stream_k and split == 1 and cluster_m == 1 \
         else StreamKSplit()
-    tiling = Tiling(bm, bn, group_m, split, cluster_m, stream_k=sk.streamed)
+    tiling = Tiling(bm, bn, group_m, split, cluster_m, stream_k=sk.streamed, split_fix_up=split_fix_up and split > 1)
     return TileSchedule(tiling, m, n, batches, k_tiles, _grid(tiles, k_tiles, sms, cluster_m, sk), sk.dp_tiles,
                         sk.block_iters)
 
@@ -332,7 +340,9 @@ def unit_work(unit, grid, rank, TILING):
     ``dp_tiles`` are whole tiles; the remaining tiles' k-blocks, in order, are dealt out as one contiguous range
     of ``block_iters`` to each block, and unit ``dp_tiles + j * blocks + b`` is block b's j-th tile: the part of
     that tile inside the block's range. The slot is the tile's index among the stream-K tiles (negative for a
-    whole tile); the count is how many blocks' ranges share the tile (1: no fix-up)."""
+    whole tile); the count is how many blocks' ranges share the tile (1: no fix-up). Split K with
+    ``split_fix_up``: the slot is the output tile, the count its non-empty splits (all ``split_k`` of them when
+    the host planned them with ``split_count``)."""
     if TILING.stream_k:
         k_tiles, dp_tiles, block_iters, blocks = grid.k_tiles, grid.dp_tiles, grid.block_iters, grid.blocks
         tail = unit >= dp_tiles
@@ -357,6 +367,9 @@ def unit_work(unit, grid, rank, TILING):
         k_end = nvfly.minimum(k_begin + grid.k_per_split, grid.k_tiles)
         slot = -1
         contributors = 1
+        if TILING.split_fix_up:  # the count from run-time sizes, traced as stream K's (the fix-up branches on it)
+            slot = unit // TILING.split_k
+            contributors = (grid.k_tiles + grid.k_per_split - 1) // grid.k_per_split
     return WorkUnit(batch, tm, tn, split, k_begin, k_end, slot, contributors)
 
 

@@ -328,7 +328,8 @@ def describe(m: int, n: int, k: int, *, scaling: str = "row", use_fast_accum: bo
 def describe_plan(plan: ScaledPlan) -> str:
     cfg, epi = plan.config, plan.epilogue
     name = f"scaled-{epi.scaling}" + ("-promoted" if epi.promote else "") + ("-ahead" if cfg.issue_ahead else "") + \
-        ("-swapAB" if plan.swap else "") + (f"-splitK{cfg.split_k}" if cfg.split_k > 1 else "")
+        ("-swapAB" if plan.swap else "") + (f"-splitK{cfg.split_k}" if cfg.split_k > 1 else "") + \
+        ("-fixup" if cfg.split_fix_up else "")
     return f"{name}: {cfg.bm}x{cfg.bn} tile on {plan.grid} blocks, {cfg.stages} stages" + \
         (", TMA-store epilogue" if cfg.tma_store else "") + \
         (f", stream K over {plan.sk_tiles} tiles" if plan.sk_tiles else "")
@@ -376,7 +377,7 @@ REDUCE_THREADS = 256
 class _Call:
     """The launches of one call signature: the kernel, and with split K the reduce kernel (f32 partials laid out
     like the caller's output, so that the reduce reads and writes in memory order; a swapped plan's kernel writes
-    their transpose)."""
+    their transpose), unless the splits add up in the kernel (``ScaledConfig.split_fix_up``: one launch)."""
 
     def __init__(self, plan: ScaledPlan, out: Optional[torch.Tensor], out_dtype: torch.dtype):
         self.plan = plan
@@ -415,10 +416,10 @@ class _Call:
             kernel_b = kernel_b.view(torch.uint8)
         out_desc = cached_descriptor(target, *plan.store_box) if plan.config.tma_store else None
         sums = counts = None
-        if plan.sk_tiles:  # stream K: one workspace slot (zero between launches) and count per shared consumer tile
-            cfg = plan.config
-            sums, counts = scratch.workspace(a.device, current_stream(a.device.index), plan.sk_tiles * cfg.consumers,
-                                             cfg.wg_m * cfg.bn)
+        if plan.shared_tiles:  # stream K, split K's fix-up: a workspace slot (zero between launches) and count per
+            cfg = plan.config   # shared consumer tile
+            sums, counts = scratch.workspace(a.device, current_stream(a.device.index),
+                                             plan.shared_tiles * cfg.consumers, cfg.wg_m * cfg.bn)
         self.launch(cached_descriptor(kernel_a, plan.a_box, 128),
                     cached_descriptor(kernel_b, plan.b_box, plan.b_swizzle),
                     target, out_desc, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n, plan.k_tiles,
@@ -600,8 +601,9 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
         if cfg.tma_store and not epi.partial:
             box, swizzle = store_box(cfg, False)
             out_desc = nvfly.TmaDescriptor(out, box, swizzle=swizzle)
-        sums = TensorDesc(f32, (1 << 24,)) if cfg.stream_k else None  # stream K's workspace and counts
-        counts = TensorDesc(i32, (1024,)) if cfg.stream_k else None
+        fix_up = cfg.stream_k or (cfg.split_fix_up and cfg.split_k > 1)  # the workspace and counts
+        sums = TensorDesc(f32, (1 << 24,)) if fix_up else None
+        counts = TensorDesc(i32, (1024,)) if fix_up else None
         kernels.append(scaled_mm_kernel.compile(a_desc, b_desc, out, out_desc, sa, sb, bias, size, size,
                                                 math.ceil(size / BK), sums, counts, 0, 0, CFG=cfg, EPI=epi,
                                                 block=128 * (1 + cfg.consumers), target=target))

@@ -18,8 +18,11 @@ BLOCKWISE = ("block", "block1x128") + MX  # scales applied in the mainloop
 class ScaledConfig(StagedStore):
     """One point of the scaled GEMM's config space: a bm x bn output tile split between ``consumers`` warpgroups
     (64 or 128 rows each), a ring of ``stages`` k-blocks of 128, ``group_m`` tile rows per rasterisation group,
-    ``split_k`` K splits (each writes f32 partial sums; a reduce kernel scales and adds them); ``issue_ahead``: the
-    promoted mainloop issues k-block k+1's wgmmas before k's fp32 add (a third accumulator); ``packed_b``: B arrives
+    ``split_k`` K splits (each writes f32 partial sums; a reduce kernel scales and adds them; with ``split_fix_up``
+    they add up in the kernel instead: each split adds its sums into its tile's workspace slot and counts itself in,
+    and the split counted in last reads the sums back, zeroes slot and count and runs the epilogue: one launch, no
+    partials, the stream-K fix-up); ``issue_ahead``: the promoted mainloop issues k-block k+1's wgmmas before k's
+    fp32 add (a third accumulator); ``packed_b``: B arrives
     as packed e2m1 (MXFP4, set by the plan): each stage also holds B's packed bn x 64-byte tile, which the consumers
     convert into the stage's e4m3 tile; ``tma_store``: the epilogue stages the scaled 16-bit tile in shared memory
     (``store_buffers`` column slices of ``store_width`` per consumer, behind the ring) and stores it with TMA, as the
@@ -37,6 +40,7 @@ class ScaledConfig(StagedStore):
     tma_store: bool = False
     store_buffers: int = 1
     stream_k: bool = False
+    split_fix_up: bool = False
 
     @property
     def wg_m(self) -> int:
@@ -58,6 +62,10 @@ class ScaledConfig(StagedStore):
 
     def smem_bytes(self) -> int:
         return self.ring_end + self.staging_bytes()
+
+    def staging_reason(self) -> Optional[str]:
+        """StagedStore's, except that split K's fix-up hands the epilogue whole sums, which it can stage."""
+        return StagedStore.staging_reason(replace(self, split_k=1) if self.split_fix_up else self)
 
     def check(self, promote: bool = False) -> Optional[str]:
         """None if this config compiles (with a promoted accumulator when ``promote``), else why not."""
@@ -83,6 +91,8 @@ class ScaledConfig(StagedStore):
             return self.staging_reason()
         if self.stream_k and self.split_k != 1:
             return "stream_k: stream K takes no K split"
+        if self.split_fix_up and self.stream_k:
+            return "split_fix_up: stream K's tiles have their own fix-up (no K split to add up)"
         if not 1 <= self.split_k <= 32:
             return f"split_k={self.split_k}: 1 to 32"
         if self.smem_bytes() > SMEM_LIMIT:

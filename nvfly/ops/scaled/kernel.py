@@ -5,8 +5,9 @@ The kernel computes out[i, j] = scale(sum_k A[i, k] * B[j, k]) (+ bias) with A (
 e4m3/e5m2 (fp8 wgmma reads no transposed operand: exactly ``torch._scaled_mm``'s row-major a and column-major b).
 The schedule is the dense GEMM's: one block per SM walks output tiles (nvfly.ops.common.scheduler, grouped
 rasterisation; with ``ScaledConfig.stream_k`` a partial last wave dealt out as k ranges, shared tiles summed by
-``nvfly.ops.common.epilogue.fix_up``); warpgroup 0's first thread keeps a ring of 128-element k-blocks full with
-TMA loads; consumer warpgroups 1..C each own bm/C rows of the tile.
+``nvfly.ops.common.epilogue.fix_up``, which also sums split K's splits with ``ScaledConfig.split_fix_up``);
+warpgroup 0's first thread keeps a ring of 128-element k-blocks full with TMA loads; consumer warpgroups 1..C each
+own bm/C rows of the tile.
 
 Two mainloops (``ScaledEpilogue.promote``):
 - accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's
@@ -70,12 +71,16 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
     wg = warp // 4
-    STREAM_K = workspace is not None
-    if STREAM_K:  # each consumer's arrival count, after the ring's barriers
+    # tiles shared by several blocks (stream K's k ranges, or split K's splits with split_fix_up) add up in the
+    # workspace; without one, split K writes partials (EPI.partial) for the reduce kernel
+    FIX_UP = workspace is not None
+    SPLIT_FIX_UP = FIX_UP and CFG.split_fix_up
+    check_fix_up(CFG, EPI, FIX_UP)
+    if FIX_UP:  # each consumer's arrival count, after the ring's barriers
         arrivals = nvfly.dynamic_shared_tensor(nvfly.i32, (WGS,), offset_bytes=ARRIVAL_OFFSET)
     init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
     nvfly.syncthreads()
-    TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k, stream_k=STREAM_K)
+    TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k, stream_k=FIX_UP and not SPLIT_FIX_UP, split_fix_up=SPLIT_FIX_UP)
     first_tile = nvfly.block_idx.x
     tile_step = nvfly.grid_dim.x
     tiles = tile_grid(m, n, 1, k_tiles, dp_tiles, block_iters, tile_step, None, None, TILING)
@@ -115,7 +120,7 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                                        tid, scales_of, CFG, EPI)
             inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
             finished = True
-            if STREAM_K:  # a tile other blocks share: its sums complete in the part counted in last (the dense GEMM's)
+            if FIX_UP:  # a tile other blocks share: its sums complete in the part counted in last (the dense GEMM's)
                 accs, finished = fix_up(accs, work.contributors > 1, workspace, counters, work.slot * WGS + consumer,
                                         arrivals, consumer, warp_in_wg, lane, work.contributors, ATOMS_M, BN)
             if finished:
@@ -125,6 +130,17 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
+
+
+def check_fix_up(cfg, epi, fix_up: bool) -> None:
+    """Split K's outputs are either partials for the reduce kernel or sums that meet in the workspace: a
+    ``split_fix_up`` config with splits needs the workspace, and partials none."""
+    from nvfly.errors import CompileError
+    if cfg.split_fix_up and cfg.split_k > 1 and not fix_up:
+        raise CompileError("split_fix_up: the splits add up in the workspace, but none was given")
+    if fix_up and epi.partial:
+        raise CompileError("a workspace with partial outputs: split K's partials go to the reduce kernel, not the "
+                           "fix-up")
 
 
 @nvfly.func

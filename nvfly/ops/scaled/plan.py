@@ -9,8 +9,9 @@ TMA (``ScaledConfig.tma_store``; f32 outputs, swapped and split-K plans through 
 with tensor/row scales is computed as the transposed problem (swap A/B: the weights fill wgmma's 64-row M, the
 tokens its N); block scales stay unswapped on one 64-row token tile (their activation scales run along the
 kernel's rows), its width the widest that still fills FILL of the SMs. Small-M tiles that fill at most half the
-SMs split K over the idle ones (f32 partials, then a reduce kernel applies scales and bias). Measurements:
-docs/ops/scaled.md.
+SMs split K over the idle ones (f32 partials, then a reduce kernel applies scales and bias; or, with
+``ScaledConfig.split_fix_up``, the splits add up in the kernel's workspace and the last one stores: one launch,
+``SPLIT_FIX_UP`` says which the heuristic takes). Measurements: docs/ops/scaled.md.
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ WIDE_PROMOTED = ("tensor", "row")
 # most SPLIT_MAX splits
 SPLIT_MIN_K_TILES = 4
 SPLIT_MAX = 16
+# whether the heuristic's K splits add up in the kernel (ScaledConfig.split_fix_up: one launch) or in the reduce
+# kernel (two): the two-launch path until the H200 times both (benchmarks.scaled's "fixup" columns)
+SPLIT_FIX_UP = False
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,13 @@ class ScaledPlan:
     dp_tiles: int = 0
     block_iters: int = 0
     sk_tiles: int = 0
+    # split K with config.split_fix_up: the output tiles whose splits add up in the workspace (none: 0)
+    fix_up_tiles: int = 0
+
+    @property
+    def shared_tiles(self) -> int:
+        """Tiles that several blocks add up in the workspace (stream K's or split K's), a slot per consumer each."""
+        return self.sk_tiles or self.fix_up_tiles
 
 
 def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int,
@@ -93,7 +104,7 @@ def split_small_m(cfg: ScaledConfig, m: int, n: int, k: int, sms: int) -> Scaled
     if 2 * tiles > sms:
         return cfg
     split = split_count(k_tiles, max(1, min(sms // tiles, k_tiles // SPLIT_MIN_K_TILES, SPLIT_MAX)))
-    return replace(cfg, split_k=split)
+    return replace(cfg, split_k=split, split_fix_up=SPLIT_FIX_UP and split > 1)
 
 
 def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional[ScaledConfig],
@@ -119,7 +130,7 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
         if epilogue.scaling != "mxfp4":
             raise ValueError(f"config: packed_b with {epilogue.scaling} scales: only MXFP4 weights arrive packed")
         config = replace(config, packed_b=True)
-    if config.tma_store and (out_itemsize != 2 or swap or config.split_k > 1):
+    if config.tma_store and (out_itemsize != 2 or swap or (config.split_k > 1 and not config.split_fix_up)):
         config = deepest(replace(config, tma_store=False), most=config.stages)
     why = config.check(epilogue.promote)
     if why:
@@ -133,15 +144,18 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     if config.issue_ahead and epilogue.scaling in MX:
         raise ValueError("config: issue_ahead with MX scales: they promote every k-step, not k-blocks")
     k_tiles = math.ceil(k / BK)
-    config = replace(config, split_k=split_count(k_tiles, config.split_k))  # every split at least one k-block
-    if config.split_k > 1:
+    split = split_count(k_tiles, config.split_k)  # every split at least one k-block
+    config = replace(config, split_k=split, split_fix_up=config.split_fix_up and split > 1)
+    if split > 1 and not config.split_fix_up:  # f32 partials for the reduce kernel
         epilogue = replace(epilogue, partial=True)
     # stream K over any partial last wave (a single one too: the M = 128 case)
     schedule = grid_schedule(m, n, k_tiles, config.bm, config.bn, sms=sms, group_m=config.group_m,
-                             split_k=config.split_k, stream_k=StreamK("tail") if config.stream_k else None)
+                             split_k=config.split_k, stream_k=StreamK("tail") if config.stream_k else None,
+                             split_fix_up=config.split_fix_up)
     b_box = (min(config.bn, 256), BK // 2) if config.packed_b else (min(config.bn, 256), BK)
     return ScaledPlan(config=config, epilogue=epilogue, swap=swap, m=m, n=n, k=k, k_tiles=k_tiles,
                       grid=max(1, schedule.grid), threads=128 * (1 + config.consumers),
                       a_box=(min(config.bm, 256), BK), b_box=b_box, b_swizzle=0 if config.packed_b else 128,
                       store_box=store_box(config, False) if config.tma_store else None,
-                      dp_tiles=schedule.dp_tiles, block_iters=schedule.block_iters, sk_tiles=schedule.sk_tiles)
+                      dp_tiles=schedule.dp_tiles, block_iters=schedule.block_iters, sk_tiles=schedule.sk_tiles,
+                      fix_up_tiles=schedule.output_tiles if config.split_fix_up else 0)

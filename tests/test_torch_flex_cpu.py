@@ -558,6 +558,19 @@ def op_host(recorded_launches, monkeypatch):
     api._CALLS.clear()
 
 
+def _dispatched(fn):
+    """(the torch operations ``fn()`` dispatches, its result): a mode sees an op, not what its kernel calls."""
+    ops = []
+
+    class Counting(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+    with Counting():
+        result = fn()
+    return ops, result
+
+
 def _decode_qkv(dtype=bf, hq=8, skv=1024, d=64):
     return tuple(torch.randn(1, h, s, d).to(dtype) for h, s in ((hq, 1), (2, skv), (2, skv)))
 
@@ -575,15 +588,8 @@ def test_op_plans_once_per_signature_and_binds_each_call(op_host):
     assert out.data_ptr() in decode
     launches.clear()
     second = _decode_qkv()
-    ops = []
-
-    class Counting(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(str(func))
-            return func(*args, **(kwargs or {}))
     [signature] = C._SIGNATURES.values()
-    with Counting():  # the op's body (a mode sees the op, not what its kernel calls)
-        [out2] = signature.run(*second, (None,) * 4, [], [], 0.125)
+    ops, [out2] = _dispatched(lambda: signature.run(*second, (None,) * 4, [], [], 0.125))  # the op's body
     assert ops == ["aten.empty_strided.default"]  # no transposes, no unread LSE
     assert planned == [bf] and len(C._SIGNATURES) == 1  # no new check, plan or signature
     assert out2.shape == out.shape and out2.stride() == out.stride()
@@ -592,6 +598,27 @@ def test_op_plans_once_per_signature_and_binds_each_call(op_host):
         assert t.data_ptr() in params
     for t in first:
         assert t.data_ptr() not in params
+
+
+def test_op_binds_mods_and_block_mask_tables(op_host):
+    """Decode with a score mod and a block mask (the mods' cells set under the lock): every call binds its own q, k,
+    v, out and mask tables; only a signature's first call transposes (the bound call's binding)."""
+    launches, planned = op_host
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx % 5 != 2, None, None, 1, 1024, device="cpu")
+    tables = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+    for _ in range(2):
+        launches.clear()
+        q, k, v = _decode_qkv()
+        [out] = torch.ops.nvfly.flex_attention.default(q, k, v, *tables, [], [], _aten_graph(soft_cap).code, "",
+                                                      0.125, *mask.BLOCK_SIZE, "decode", False)
+        (name, _, table_params), (decode_name, _, decode_params) = launches[:2]
+        assert (name, decode_name) == ("block_mask_tables_kernel", "attention_decode_kernel")
+        assert all(t.data_ptr() in table_params for t in tables)
+        assert all(t.data_ptr() in decode_params for t in (q, k, v, out))
+    [signature] = C._SIGNATURES.values()
+    assert planned == [bf] and not signature.failed and not signature.plain
+    ops, _ = _dispatched(lambda: signature.run(q, k, v, tables, [], [], 0.125))
+    assert "aten.transpose.int" not in ops
 
 
 def test_op_signature_changes_plan_anew(op_host):

@@ -338,7 +338,7 @@ class _DecodeCall(CallBuffers):
         self.uint8 = torch.uint8
         self.row_partials = scratch.row_partials
         self.main = self.combine = self.tables_launch = None
-        self.no_captured = [None] * MAX_CAPTURED
+        self.no_captured, self.no_tables = [None] * MAX_CAPTURED, [None] * 3  # the kernel's unused arguments
         self.captured_keys: Optional[tuple] = None
         self.tables: Optional[MaskTablesPlan] = None
         if block_mask is not None and plan is not None:  # its tables: written by one launch per call
@@ -369,7 +369,7 @@ class _DecodeCall(CallBuffers):
                 k, v = k.view(self.uint8), v.view(self.uint8)
             else:
                 extra = [None]
-            extra += [None] * 3 if self.tables is None else self._mask_tables(block_mask, seqlens, device)
+            extra += self.no_tables if self.tables is None else self._mask_tables(block_mask, seqlens, device)
             scale = self.default_scale if scale is None else float(scale)
             if self.main is None or (self.captured_keys is not None
                                      and tuple(map(layout_key, kernel_captured)) != self.captured_keys):

@@ -459,7 +459,7 @@ def flex_profile(case: str = "minimax-flex-decode", calls: int = 20) -> None:
     time per call (``calls`` calls, no sync inside: equal to the ms when the call is host-bound), and
     torch.profiler's table over ``calls`` calls (the CPU-side ops by self time, then the CUDA kernels); for nvfly
     also cProfile's functions by own time; eager ``nvfly.ops.attention.decode`` on the same tensors is the floor
-    (its kernels alone)."""
+    (its kernels alone), and ``nvfly::flex_attention`` called directly the op's own share of the compiled call."""
     import cProfile
     import io
     import pstats
@@ -472,7 +472,10 @@ def flex_profile(case: str = "minimax-flex-decode", calls: int = 20) -> None:
     k = torch.randn(batch, hkv, skv, dqk, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, hkv, skv, dv, device="cuda", dtype=torch.bfloat16)
     calls_of = {"eager nvfly decode": lambda: attention.decode(q.transpose(1, 2), k.transpose(1, 2),
-                                                              v.transpose(1, 2), causal=False)}
+                                                              v.transpose(1, 2), causal=False),
+                # the op alone, as the compiled graph calls it (no mask: block sizes 2**30; the LSE unread)
+                "nvfly::flex_attention op": lambda: torch.ops.nvfly.flex_attention.default(
+                    q, k, v, None, None, None, None, [], [], "", "", d ** -0.5, 1 << 30, 1 << 30, "decode", False)}
     for key, options in (("compiled flex (Triton)", None), ("compiled flex (nvfly)", {"NVFLY": True})):
         with compiling(options is not None):
             compiled = torch.compile(flex_attention)

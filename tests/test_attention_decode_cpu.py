@@ -686,6 +686,38 @@ def test_a_block_mask_hit_validates_its_block_numbers(cpu_launches):
     assert len(api._CALLS) == 1
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "block mask"])
+def test_heads_first_binding_launches_as_the_decode_layout(cpu_launches, masked):
+    """``bound_decode(heads_first=True)`` on flex's (B, H, S, D) views packs the parameters the decode-layout binding
+    packs (its first call through the transposes, later ones the tensors as they are: no transpose), and returns out
+    as the (B, Hq, Sq, Dv) view of (B, Sq, Hq, Dv) memory, with the LSE."""
+    q, k, v = torch.randn(2, 1, 8, 64).to(torch.bfloat16), bf16(2, 1024, 2, 64), bf16(2, 1024, 2, 64)
+    mask = random_block_mask(2, 8, 8)[0] if masked else None
+    layout = attention.bound_decode(q, k, v, causal=False, block_mask=mask, return_lse=True)
+    heads = [t.transpose(1, 2) for t in (q, k, v)]
+    heads_first = attention.bound_decode(*heads, causal=False, block_mask=mask, return_lse=True, heads_first=True)
+    for call in range(2):  # binding, then bound
+        cpu_launches.clear()
+        out, lse = layout(q, k, v, 0.125, mask)
+        want = list(cpu_launches)
+        cpu_launches.clear()
+        ops = []
+
+        class Counting(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+        with Counting():
+            out_h, lse_h = heads_first(*heads, 0.125, mask)
+        assert (call == 0) == ("aten.transpose.int" in ops)
+        ours = {out.data_ptr(): out_h.data_ptr(), lse.data_ptr(): lse_h.data_ptr()}
+        assert cpu_launches == [(name, grid, tuple(ours.get(p, p) for p in params)) for name, grid, params in want]
+        assert [name for name, _, _ in want] == ["block_mask_tables_kernel"] * masked + [
+            "attention_decode_kernel", "attention_combine_kernel"]
+        assert out_h.shape == (2, 8, 1, 64) and out_h.stride() == out.transpose(1, 2).stride()
+        assert lse_h.shape == lse.shape == (2, 8, 1)
+
+
 @pytest.fixture
 def counted_host(cpu_launches, monkeypatch):
     """cpu_launches, and how often decode's host path checked, planned and filled default lengths."""

@@ -565,31 +565,67 @@ def op_host(recorded_launches, monkeypatch):
     api._CALLS.clear()
 
 
+def _dispatched(fn):
+    """(the torch operations ``fn()`` dispatches, its result): a mode sees an op, not what its kernel calls."""
+    ops = []
+
+    class Counting(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+    with Counting():
+        result = fn()
+    return ops, result
+
+
 def _decode_qkv(dtype=bf, hq=8, skv=1024, d=64):
     return tuple(torch.randn(1, h, s, d).to(dtype) for h, s in ((hq, 1), (2, skv), (2, skv)))
 
 
 def test_op_plans_once_per_signature_and_binds_each_call(op_host):
     """A signature's first call checks and plans (decode's bound call); later calls of the same layouts reuse it,
-    launching on their own tensors (nothing of the first call's is read); no LSE is computed when the graph does
-    not read it (the decode launch gets no LSE pointer)."""
+    launching on their own tensors (nothing of the first call's is read) as they are: no torch operation but out's
+    allocation. The graph does not read the LSE: the op returns out alone and the kernel writes no LSE."""
     launches, planned = op_host
     first = _decode_qkv()
-    out, lse, max_scores = _op(*first)
+    [out] = _op(*first)
     assert planned == [bf] and len(C._SIGNATURES) == 1
     assert out.shape == (1, 8, 1, 64) and out.stride() == (512, 64, 512, 1)  # (B, Hq, Sq, D) over (B, Sq, Hq, D)
-    assert lse.shape == max_scores.shape == (1, 8, 1) and lse.dtype == torch.float32
     [decode] = [params for name, _, params in launches if name == "attention_decode_kernel"]
-    assert out.data_ptr() in decode and lse.data_ptr() not in decode  # the LSE unread: not written
+    assert out.data_ptr() in decode
     launches.clear()
     second = _decode_qkv()
-    out2, _, _ = _op(*second)
+    [signature] = C._SIGNATURES.values()
+    ops, [out2] = _dispatched(lambda: signature.run(*second, (None,) * 4, [], [], 0.125))  # the op's body
+    assert ops == ["aten.empty_strided.default"]  # no transposes, no unread LSE
     assert planned == [bf] and len(C._SIGNATURES) == 1  # no new check, plan or signature
+    assert out2.shape == out.shape and out2.stride() == out.stride()
     params = [p for name, _, p in launches if name == "attention_decode_kernel"][0]
     for t in (*second, out2):
         assert t.data_ptr() in params
     for t in first:
         assert t.data_ptr() not in params
+
+
+def test_op_binds_mods_and_block_mask_tables(op_host):
+    """Decode with a score mod and a block mask (the mods' cells set under the lock): every call binds its own q, k,
+    v, out and mask tables; only a signature's first call transposes (the bound call's binding)."""
+    launches, planned = op_host
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx % 5 != 2, None, None, 1, 1024, device="cpu")
+    tables = (mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices)
+    for _ in range(2):
+        launches.clear()
+        q, k, v = _decode_qkv()
+        [out] = torch.ops.nvfly.flex_attention.default(q, k, v, *tables, [], [], _aten_graph(soft_cap).code, "",
+                                                      0.125, *mask.BLOCK_SIZE, "decode", False)
+        (name, _, table_params), (decode_name, _, decode_params) = launches[:2]
+        assert (name, decode_name) == ("block_mask_tables_kernel", "attention_decode_kernel")
+        assert all(t.data_ptr() in table_params for t in tables)
+        assert all(t.data_ptr() in decode_params for t in (q, k, v, out))
+    [signature] = C._SIGNATURES.values()
+    assert planned == [bf] and not signature.failed and not signature.plain
+    ops, _ = _dispatched(lambda: signature.run(q, k, v, tables, [], [], 0.125))
+    assert "aten.transpose.int" not in ops
 
 
 def test_op_signature_changes_plan_anew(op_host):
@@ -603,7 +639,7 @@ def test_op_signature_changes_plan_anew(op_host):
     assert len(planned) == 4 and len(C._SIGNATURES) == 4
     q, k, v = _decode_qkv()
     launches.clear()
-    out, lse, _ = _op(q, k, v, needs_lse=True)
+    out, lse = _op(q, k, v, needs_lse=True)
     assert len(planned) == 5 and len(C._SIGNATURES) == 5
     [decode] = [params for name, _, params in launches if name == "attention_decode_kernel"]
     assert lse.data_ptr() in decode  # the kernel writes the LSE the graph reads
@@ -621,7 +657,7 @@ def test_op_failure_computes_by_reference_on_each_call_tensors():
     try:
         for _ in range(2):
             q, k, v = _decode_qkv()
-            out, lse, _ = _op(q, k, v, needs_lse=True)
+            out, lse = _op(q, k, v, needs_lse=True)
             want, want_lse = attention.prefill_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                           scale=0.125)
             torch.testing.assert_close(out, want.to(bf).transpose(1, 2))
@@ -633,8 +669,9 @@ def test_op_failure_computes_by_reference_on_each_call_tensors():
 
 
 def test_lowering_asks_for_the_lse_only_when_the_graph_reads_it(compiled_flex, monkeypatch):
-    """Inference reads the output alone: the op is told not to compute the LSE; a graph that reads it (return_lse;
-    training saves it for the backward, which flex has only on CUDA) has it computed, and equal to flex's."""
+    """Inference reads the output alone: the op is told not to compute the LSE and returns out alone; a graph that
+    reads it (return_lse; training saves it for the backward, which flex has only on CUDA) has it computed, and equal
+    to flex's."""
     import re
     from torch._inductor.utils import run_and_get_code
     monkeypatch.setattr(C, "DEVICES", ("cpu", "cuda"))
@@ -647,6 +684,8 @@ def test_lowering_asks_for_the_lse_only_when_the_graph_reads_it(compiled_flex, m
     got, codes = run_and_get_code(torch.compile(lambda q, k, v: flex_attention(
         q, k, v, score_mod=alibi, kernel_options={"NVFLY": True})), q, k, v)
     assert not needs_lse(codes)
+    # the HOP's LSE and max scores, unread: the lowering's empty buffers, dropped (nothing allocated per call)
+    assert not any("torch.float32" in c.split("def call(")[-1].split("\nrunner = ")[0] for c in codes)
     torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=alibi), atol=2e-2, rtol=2e-2)
     torch._dynamo.reset()
     (got, lse), codes = run_and_get_code(torch.compile(lambda q, k, v: flex_attention(

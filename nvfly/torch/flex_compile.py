@@ -134,23 +134,26 @@ def flex_attention_op(query: Tensor, key: Tensor, value: Tensor, kv_num_blocks: 
                       kv_indices: Optional[Tensor], full_kv_num_blocks: Optional[Tensor],
                       full_kv_indices: Optional[Tensor], score_buffers: list[Tensor], mask_buffers: list[Tensor],
                       score_code: str, mask_code: str, scale: float, q_block: int, kv_block: int, path: str,
-                      needs_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """flex_attention's HOP by nvfly: query (B, Hq, Sq, D), key/value (B, Hkv, Skv, D) -> (out (B, Hq, Sq, Dv),
-    lse (B, Hq, Sq) float32 in log2, max_scores (unwritten)); out is the (B, Hq, Sq, Dv) view of (B, Sq, Hq, Dv)
-    memory. ``score_code``/``mask_code``: the mods' FX code ("" for none); the tables None without a block mask;
-    ``path``: "prefill" or "decode" (nvfly's kernel); ``needs_lse``: whether the graph reads the LSE (else it is
-    returned unwritten). Every argument is positional: the dispatcher parses keyword arguments slowly (~1 µs each).
-    The call's host work is cached per signature (``_FlexSignature``)."""
+                      needs_lse: bool) -> list[Tensor]:
+    """flex_attention's HOP by nvfly: query (B, Hq, Sq, D), key/value (B, Hkv, Skv, D) -> [out (B, Hq, Sq, Dv)],
+    and with ``needs_lse`` (the graph reads the LSE) [out, lse (B, Hq, Sq) float32 in log2]; out is the
+    (B, Hq, Sq, Dv) view of (B, Sq, Hq, Dv) memory. The HOP's other outputs (max_scores, an unread LSE) are the
+    lowering's empty buffers, which Inductor drops: nothing is allocated for them per call. ``score_code``/
+    ``mask_code``: the mods' FX code ("" for none); the tables None without a block mask; ``path``: "prefill" or
+    "decode" (nvfly's kernel). Every argument is positional: the dispatcher parses keyword arguments slowly (~1 µs
+    each). The call's host work is cached per signature (``_FlexSignature``)."""
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
-    try:
-        signature = (layout_key(query), layout_key(key), layout_key(value), tuple(map(layout_key, tables)),
-                     tuple(map(layout_key, score_buffers)), tuple(map(layout_key, mask_buffers)), score_code,
-                     mask_code, q_block, kv_block, path, needs_lse)
+    try:  # without kv_num_blocks there is no block mask: the other tables are not read
+        signature = (layout_key(query), layout_key(key), layout_key(value),
+                     kv_num_blocks is not None and tuple(map(layout_key, tables)),
+                     tuple(map(layout_key, score_buffers)) if score_buffers else (),
+                     tuple(map(layout_key, mask_buffers)) if mask_buffers else (), score_code, mask_code, q_block,
+                     kv_block, path, needs_lse)
         call = _SIGNATURES.get(signature)
     except (AttributeError, TypeError):  # not tensors: planned for this call alone
         signature = call = None
     if call is None:
-        call = _FlexSignature(score_code, mask_code, q_block, kv_block, path, needs_lse)
+        call = _FlexSignature(score_code, mask_code, q_block, kv_block, path, needs_lse, kv_num_blocks is not None)
         _SIGNATURES.remember(signature, call)
     return call.run(query, key, value, tables, score_buffers, mask_buffers, scale)
 
@@ -158,24 +161,28 @@ def flex_attention_op(query: Tensor, key: Tensor, value: Tensor, kv_num_blocks: 
 class _FlexSignature:
     """The op's calls of one signature (the layouts of every tensor argument and the static arguments): the mods'
     functions and nvfly's kernel call, made on the first call (decode: ``attention.bound_decode``, its checks and
-    plan done then), so a later call binds its tensors and launches. A first call that fails (not CUDA, a check)
-    makes every call of the signature compute by the float32 reference."""
+    plan done then), so a later call binds its tensors and launches. The kernel call takes and returns the op's
+    (B, H, S, D) views (decode's bound call reads their addresses: no transposes per call). A first call that fails
+    (not CUDA, a check) makes every call of the signature compute by the float32 reference."""
 
-    def __init__(self, score_code: str, mask_code: str, q_block: int, kv_block: int, path: str, needs_lse: bool):
+    def __init__(self, score_code: str, mask_code: str, q_block: int, kv_block: int, path: str, needs_lse: bool,
+                 masked: bool):
         self.score_code, self.mask_code = score_code, mask_code
         self.block_size = (q_block, kv_block)
         self.path, self.needs_lse = path, needs_lse
+        self.plain = not score_code and not masked  # no functions whose cells a call sets: no lock
         self.launch: Optional[Callable[..., Any]] = None
         self.failed = False
 
     def _mods(self, q: Tensor, k: Tensor, tables: tuple, score_buffers: list, mask_buffers: list) -> tuple:
-        """(score_mod, block_mask) of this call: the functions' cells hold its buffers (under CALL_LOCK)."""
+        """(score_mod, block_mask) of this call (q, k (B, H, S, D)): the functions' cells hold its buffers (under
+        CALL_LOCK)."""
         score = code_callable("score", self.score_code, tuple(score_buffers)) if self.score_code else None
         if tables[0] is None:
             return score, None
         from torch.nn.attention.flex_attention import BlockMask, noop_mask
         block_mask = BlockMask.__new__(BlockMask)
-        block_mask.seq_lengths = (q.shape[1], k.shape[1])
+        block_mask.seq_lengths = (q.shape[2], k.shape[2])
         block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices = (
             tables)
         block_mask.BLOCK_SIZE = self.block_size
@@ -186,43 +193,47 @@ class _FlexSignature:
     def _first(self, q: Tensor, k: Tensor, v: Tensor, score: Any, block_mask: Any) -> None:
         """The kernel call of the signature (decode's bound call; prefill's own cache serves ``prefill``); raises
         where nvfly's op cannot run (not CUDA: their checks say so)."""
+        needs_lse = self.needs_lse
         if self.path == "decode":
             self.launch = attention.bound_decode(q, k, v, causal=False, score_mod=score, block_mask=block_mask,
-                                                 return_lse=self.needs_lse)
-        else:
-            needs_lse = self.needs_lse
+                                                 return_lse=needs_lse, heads_first=True)
+            return
 
-            def prefill(q: Tensor, k: Tensor, v: Tensor, scale: float, block_mask: Any) -> Any:
-                return attention.prefill(q, k, v, scale=scale, score_mod=score, block_mask=block_mask,
-                                         return_lse=needs_lse, validate=False)
-            self.launch = prefill
+        def prefill(q: Tensor, k: Tensor, v: Tensor, scale: float, block_mask: Any) -> Any:
+            result = attention.prefill(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                                       score_mod=score, block_mask=block_mask, return_lse=needs_lse, validate=False)
+            return (result[0].transpose(1, 2), result[1]) if needs_lse else result.transpose(1, 2)
+        self.launch = prefill
+
+    def _compute(self, q: Tensor, k: Tensor, v: Tensor, score: Any, block_mask: Any, scale: float) -> Any:
+        """out (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv) memory, and the LSE (natural log) when read."""
+        if not self.failed:
+            try:
+                if self.launch is None:
+                    self._first(q, k, v, score, block_mask)
+                return self.launch(q, k, v, scale, block_mask)
+            except Exception as exc:  # an nvfly failure never breaks the model: the float32 reference runs
+                self.failed = True
+                if q.device.type == "cuda":
+                    log.warning("nvfly: flex_attention (compiled) raised %s: %s; computed by the float32 "
+                                "reference", type(exc).__name__, exc)
+        out, lse = attention.prefill_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+                                               score_mod=score, block_mask=block_mask)
+        out = out.to(q.dtype).transpose(1, 2)
+        return (out, lse) if self.needs_lse else out
 
     def run(self, query: Tensor, key: Tensor, value: Tensor, tables: tuple, score_buffers: list, mask_buffers: list,
-            scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        with flex_ops.CALL_LOCK:
-            score, block_mask = self._mods(q, k, tables, score_buffers, mask_buffers)
-            result = None
-            if not self.failed:
-                try:
-                    if self.launch is None:
-                        self._first(q, k, v, score, block_mask)
-                    result = self.launch(q, k, v, scale, block_mask)
-                except Exception as exc:  # an nvfly failure never breaks the model: the float32 reference runs
-                    self.failed = True
-                    if q.device.type == "cuda":
-                        log.warning("nvfly: flex_attention (compiled) raised %s: %s; computed by the float32 "
-                                    "reference", type(exc).__name__, exc)
-            if result is None:
-                out, lse = attention.prefill_reference(q, k, v, scale=scale, score_mod=score, block_mask=block_mask)
-                result = (out.to(q.dtype), lse)
+            scale: float) -> list[Tensor]:
+        if self.plain:
+            result = self._compute(query, key, value, None, None, scale)
+        else:
+            with flex_ops.CALL_LOCK:
+                score, block_mask = self._mods(query, key, tables, score_buffers, mask_buffers)
+                result = self._compute(query, key, value, score, block_mask, scale)
         if not self.needs_lse:
-            out = result[0] if isinstance(result, tuple) else result
-            batch, sq, hq, _ = q.shape
-            unread = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
-            return out.transpose(1, 2), unread, torch.empty_like(unread)
+            return [result]
         out, lse = result
-        return out.transpose(1, 2), lse.mul_(_LOG2E), torch.empty_like(lse)  # (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv)
+        return [out, lse.mul_(_LOG2E)]
 
 
 _SIGNATURES: OpCalls[_FlexSignature] = OpCalls()
@@ -231,11 +242,10 @@ _SIGNATURES: OpCalls[_FlexSignature] = OpCalls()
 def _fake(query: Tensor, key: Tensor, value: Tensor, kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
           full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor], score_buffers: list[Tensor],
           mask_buffers: list[Tensor], score_code: str, mask_code: str, scale: float, q_block: int, kv_block: int,
-          path: str, needs_lse: bool) -> tuple[Tensor, Tensor, Tensor]:
+          path: str, needs_lse: bool) -> list[Tensor]:
     batch, hq, sq, _ = query.shape
     out = query.new_empty((batch, sq, hq, value.shape[3])).transpose(1, 2)
-    lse = query.new_empty((batch, hq, sq), dtype=torch.float32)
-    return out, lse, torch.empty_like(lse)
+    return [out, query.new_empty((batch, hq, sq), dtype=torch.float32)] if needs_lse else [out]
 
 
 register_fake("flex_attention", _fake)
@@ -345,7 +355,7 @@ def _lowering(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple
 
 def _emit(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple, scale: float, score_buffers: tuple,
           mask_buffers: tuple, kernel: str) -> Any:
-    from torch._inductor.lowering import fallback_handler
+    from torch._inductor.lowering import empty_strided, fallback_handler
     score_gm = subgraph.graph_module
     masked = int(block_mask[-3]) != flex_ops._NO_MASK_BLOCK
     mask_gm = block_mask[-1].graph_module
@@ -353,12 +363,17 @@ def _emit(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple, sc
     mask_code = mask_gm.code if masked and flex_ops._masks(mask_gm) else ""
     tables = list(block_mask[2:6]) if masked else [None] * 4
     handler = fallback_handler(torch.ops.nvfly.flex_attention.default, add_to_fallback_set=False)
-    out, lse, max_scores = handler(query, key, value, *tables, list(score_buffers), list(mask_buffers), score_code,
-                                   mask_code, float(scale), int(block_mask[-3]), int(block_mask[-2]), kernel,
-                                   _reads_lse())
+    needs_lse = _reads_lse()
+    outputs = handler(query, key, value, *tables, list(score_buffers), list(mask_buffers), score_code, mask_code,
+                      float(scale), int(block_mask[-3]), int(block_mask[-2]), kernel, needs_lse)
     record(Decision("inductor", "flex_attention", _static(query) or (), f"q {query.get_size()} k {key.get_size()} "
                     f"{query.get_dtype()}", candidates=(kernel,), winner=kernel))
-    return out, lse, max_scores
+    # what the op does not return: buffers no kernel writes and (unread) no user keeps, so Inductor drops them
+    batch, hq, sq, _ = query.get_size()
+
+    def unread() -> Any:
+        return empty_strided([batch, hq, sq], None, dtype=torch.float32, device=query.get_device())
+    return outputs[0], outputs[1] if needs_lse else unread(), unread()
 
 
 def _reads_lse() -> bool:

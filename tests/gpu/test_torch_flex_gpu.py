@@ -289,6 +289,33 @@ def test_compiled_decode_reuses_its_signature_on_new_tensors(compiled):
     assert not any(s.failed for s in C._SIGNATURES.values()) and len(C._SIGNATURES) == 2
 
 
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_decode_with_mods_binds_each_call(mode):
+    """Compiled decode with a score mod and a block mask that ignore q_idx (decode's kernel): the bound call binds
+    flex's (B, H, S, D) tensors through transposes once, then as they are; each call's fresh tensors give their own
+    flex result, also replayed from a CUDA graph (reduce-overhead: the warm call's direct path captured)."""
+    import torch._inductor.config as inductor_config
+    C._SIGNATURES.clear()
+    block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx % 5 != 2, None, None, 1, 8192)
+    C.install()
+    try:
+        torch._dynamo.reset()
+        with inductor_config.patch(fx_graph_cache=False):
+            fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=soft_cap, block_mask=block_mask,
+                                                              enable_gqa=True, kernel_options={"NVFLY": True}),
+                               mode=mode)
+            for _ in range(4):
+                q, k, v = inputs(batch=1, hq=48, hkv=8, sq=1, skv=8192)
+                ref = flex_attention(q.float(), k.float(), v.float(), score_mod=soft_cap, block_mask=block_mask,
+                                     enable_gqa=True)
+                assert rel_err(fn(q, k, v).clone(), ref) < 1e-2
+    finally:
+        C.uninstall()
+        torch._dynamo.reset()
+    [signature] = C._SIGNATURES.values()
+    assert not signature.failed and signature.path == "decode" and not signature.plain
+
+
 @pytest.mark.slow
 def test_compiled_option_off_keeps_inductor(compiled):
     q, k, v = inputs(sq=1024, skv=1024)

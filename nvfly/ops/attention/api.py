@@ -25,6 +25,7 @@ from nvfly.ops.attention.mla_plan import DQK as MLA_DQK
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
 from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, MaskTablesPlan, decode_plan
 from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls
+from nvfly.runtime import torch_args
 from nvfly.runtime.torch_args import layout_key
 
 if TYPE_CHECKING:
@@ -231,18 +232,41 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
 
 def bound_decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", *, causal: bool = True,
                  score_mod: Optional[Callable[..., Any]] = None, block_mask: Any = None,
-                 return_lse: bool = False) -> Callable[..., Any]:
+                 return_lse: bool = False, heads_first: bool = False) -> Callable[..., Any]:
     """``decode``'s checks and plan for these arguments (no lengths, block table, out, fp8 scales or captured=),
     once: ``run(q, k_cache, v_cache, scale, block_mask)`` then binds and launches for tensors of the same
     ``layout_key``s (and a block mask of the same tables' layouts), with the same mods: for a caller that keys its
-    own calls on those (Inductor's flex op) and so skips ``decode``'s signature per call. Raises as ``decode``."""
+    own calls on those (Inductor's flex op) and so skips ``decode``'s signature per call. Raises as ``decode``.
+    ``heads_first``: q (B, Hq, Sq, D) and the caches (B, Hkv, S, D), here and per call (flex's layout: decode's
+    transposed), and out returned as the (B, Hq, Sq, Dv) view of (B, Sq, Hq, Dv) memory: once the launches are
+    warm they read only addresses, so a call passes its tensors as they are (no transposes)."""
+    if heads_first:
+        q, k_cache, v_cache = q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     call = _new_call(q, k_cache, v_cache, None, None, None, None, None, score_mod, None, (), causal, 0, return_lse,
                      False, True, block_mask)
     run = call.run
+    if not heads_first:
+        def launch(q: Any, k: Any, v: Any, scale: Optional[float], block_mask: Any = None) -> Any:
+            return run(q, k, v, None, None, None, None, None, (), scale, block_mask)
+        return launch
+    import torch
+    batch, sq, hq, dv = call.out_shape
+    shape, strides = (batch, hq, sq, dv), (sq * hq * dv, dv, hq * dv, 1)
+    empty_strided, dtype = torch.empty_strided, q.dtype
+    main = call.main
+    direct = [False]  # the launches read addresses alone (after the first call); ``main.warm`` per call: not in
+    # compile-only mode, whose launches take the general path, which reads shapes
 
-    def launch(q: Any, k: Any, v: Any, scale: Optional[float], block_mask: Any = None) -> Any:
-        return run(q, k, v, None, None, None, None, None, (), scale, block_mask)
-    return launch
+    def launch_heads_first(q: Any, k: Any, v: Any, scale: Optional[float], block_mask: Any = None) -> Any:
+        out = empty_strided(shape, strides, dtype=dtype, device=q.device)
+        if direct[0] and main.warm:
+            return run(q, k, v, None, None, out, None, None, (), scale, block_mask)
+        # decode's layout, the one the launches bind to on their first call
+        result = run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, out.transpose(1, 2), None,
+                     None, (), scale, block_mask)
+        direct[0] = call.reads_addresses()
+        return (out, result[1]) if call.lse_shape is not None else out
+    return launch_heads_first
 
 
 def _capturing() -> bool:
@@ -314,6 +338,7 @@ class _DecodeCall(CallBuffers):
         self.uint8 = torch.uint8
         self.row_partials = scratch.row_partials
         self.main = self.combine = self.tables_launch = None
+        self.no_captured, self.no_tables = [None] * MAX_CAPTURED, [None] * 3  # the kernel's unused arguments
         self.captured_keys: Optional[tuple] = None
         self.tables: Optional[MaskTablesPlan] = None
         if block_mask is not None and plan is not None:  # its tables: written by one launch per call
@@ -344,7 +369,7 @@ class _DecodeCall(CallBuffers):
                 k, v = k.view(self.uint8), v.view(self.uint8)
             else:
                 extra = [None]
-            extra += [None] * 3 if self.tables is None else self._mask_tables(block_mask, seqlens, device)
+            extra += self.no_tables if self.tables is None else self._mask_tables(block_mask, seqlens, device)
             scale = self.default_scale if scale is None else float(scale)
             if self.main is None or (self.captured_keys is not None
                                      and tuple(map(layout_key, kernel_captured)) != self.captured_keys):
@@ -356,30 +381,35 @@ class _DecodeCall(CallBuffers):
     def _mask_tables(self, block_mask: Any, seqlens: Any, device: Any) -> list:
         """The decode kernel's [kv_state, stage_list, stage_count] of ``block_mask`` (``block_mask_kernel``), in the
         stream's scratch tables (the decode launch after this one reads them)."""
-        from nvfly.runtime import torch_args
         tables = self.int32_tables(device, torch_args.current_stream(device.index), self.table_shapes)
         args = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                 block_mask.full_kv_indices, seqlens, *tables, self.blocks, self.stages)
         if self.tables_launch is None:
             block_mask_tables_kernel[(self.hkv, self.batch), TABLES_THREADS](*args, TABLES=self.tables)
         else:
-            self.tables_launch(*args, self.tables)
+            self.tables_launch.launch(*args, self.tables)
         return list(tables)
 
     def _launch(self, q: Any, k: Any, v: Any, block_table: Any, seqlens: Any, out: Any, lse: Any, captured: list,
                 extra: list, scale: float) -> None:
         """``_launch``'s launches through the prepared ones."""
-        from nvfly.runtime import torch_args
-        captured = captured + [None] * (MAX_CAPTURED - len(captured))
+        captured = captured + [None] * (MAX_CAPTURED - len(captured)) if captured else self.no_captured
         plan = self.plan
         if self.combine is None:
-            self.main(q, k, v, block_table, seqlens, out, lse, None, None, *captured, *extra, scale, plan, self.mods)
+            self.main.launch(q, k, v, block_table, seqlens, out, lse, None, None, *captured, *extra, scale, plan,
+                             self.mods)
             return
         partial_o, partial_lse = self.row_partials(q.device, torch_args.current_stream(q.device.index), self.slots,
                                                    plan.dv)
-        self.main(q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse, *captured, *extra, scale, plan,
-                  self.mods)
-        self.combine(partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq, plan.dv)
+        self.main.launch(q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse, *captured, *extra, scale,
+                         plan, self.mods)
+        self.combine.launch(partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq, plan.dv)
+
+    def reads_addresses(self) -> bool:
+        """Whether ``run`` now launches through warm prepared launches alone, which read only their tensors'
+        addresses (any view of a tensor's memory serves), not through the general path."""
+        return self.main is not None and self.captured_keys is None and all(
+            launch is None or launch.warm for launch in (self.main, self.combine, self.tables_launch))
 
 
 def _checked(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, mods: Mods) -> tuple[int, int]:

@@ -47,6 +47,10 @@ class StreamScratch(Generic[Tensors]):
             return fresh if view is None else view(fresh, sizes)
         key = (device.index, stream)
         entry = self._entries.get(key)
+        if entry is not None and view is not None:  # a view kept is of tensors large enough (growth drops them)
+            found = entry[2].get((sizes, view))
+            if found is not None:
+                return found
         if entry is None or any(need > have for need, have in zip(sizes, entry[0])):
             grown = tuple(max(need, least, have) for need, least, have in
                           zip(sizes, self._floor, entry[0] if entry else self._floor))

@@ -48,9 +48,9 @@ def device_work(schedule):
 
 def output_tiles(schedule):
     """Every output tile (batch or group, tile row, tile column) of the problem."""
-    if schedule.tiling.groups:
-        rows = schedule.group_rows
-        return {(g, tm, tn) for g in range(len(rows) - 1) for tm in range(rows[g + 1] - rows[g])
+    if schedule.tiling.groups:  # clusters: a group's last cluster row may hold tile rows past its end
+        rows, cm = schedule.group_rows, schedule.tiling.cluster_m
+        return {(g, tm, tn) for g in range(len(rows) - 1) for tm in range(cm * (rows[g + 1] - rows[g]))
                 for tn in range(schedule.tiles_n)}
     return {(b, tm, tn) for b in range(schedule.batches) for tm in range(schedule.tiles_m)
             for tn in range(schedule.tiles_n)}
@@ -148,17 +148,24 @@ def test_stream_k_split():
 @given(sizes=st.lists(st.one_of(st.just(0), st.integers(0, 700)), min_size=1, max_size=40),
        n=st.integers(1, 1500), k_tiles=st.integers(1, 120), bm=tile_sizes, bn=tile_sizes,
        group_m=st.sampled_from([1, 2, 8]), split_k=st.integers(1, 4), region=st.none() | regions,
-       sms=st.sampled_from([1, 5, 16, 132]))
-def test_ragged_groups_are_covered_once(sizes, n, k_tiles, bm, bn, group_m, split_k, region, sms):
+       cluster_m=st.sampled_from([1, 1, 2]), sms=st.sampled_from([1, 5, 16, 132]))
+def test_ragged_groups_are_covered_once(sizes, n, k_tiles, bm, bn, group_m, split_k, region, cluster_m, sms):
+    group_m = group_m * cluster_m
+    sms = max(sms, cluster_m)
     schedule = scheduler.ragged_schedule(sizes, n, k_tiles, bm, bn, sms=sms, group_m=group_m, split_k=split_k,
-                                         stream_k=StreamK(region) if region else None)
+                                         cluster_m=cluster_m, stream_k=StreamK(region) if region else None)
     rows = schedule.group_rows
     assert len(rows) == len(sizes) + 1 and rows[0] == 0
-    assert [rows[g + 1] - rows[g] for g in range(len(sizes))] == [math.ceil(s / bm) for s in sizes]
+    assert [rows[g + 1] - rows[g] for g in range(len(sizes))] == [math.ceil(s / (bm * cluster_m)) for s in sizes]
     if schedule.tiles == 0:
         assert schedule.grid == 0  # every group empty: nothing to launch
         return
-    check_schedule(schedule, sms)
+    work = check_schedule(schedule, sms)  # every tile row of every group (and its cluster padding) once
+    for (block, rank), units in work.items():  # a cluster's blocks take the rows of one cluster row of one group
+        assert all(u.tile_m % cluster_m == rank for u in units)
+        peer = work[block, 1 - rank] if cluster_m == 2 else units
+        assert [(u.batch, u.tile_m // cluster_m, u.tile_n) for u in units] == \
+            [(u.batch, u.tile_m // cluster_m, u.tile_n) for u in peer]
 
 
 @settings(max_examples=100, deadline=None)
@@ -202,6 +209,8 @@ def test_plans_are_checked():
         scheduler.grid_schedule(128, 128, 4, 128, 128, sms=1, cluster_m=2)
     with pytest.raises(ValueError, match="at least one group"):
         scheduler.ragged_schedule([], 128, 4, 128, 128, sms=132)
+    with pytest.raises(ValueError, match="tile orders take no cluster"):
+        Tiling(128, 128, group_m=2, cluster_m=2, ordered=True)
 
 
 @nvfly.kernel
@@ -229,6 +238,8 @@ PROBES = {
     "stream-k": scheduler.grid_schedule(2048, 2112, 112, 128, 128, sms=132, group_m=8, stream_k=StreamK()),
     "ragged": scheduler.ragged_schedule([300, 0, 17, 1000, 0, 129], 700, 9, 128, 128, sms=16, group_m=2,
                                         stream_k=StreamK("tail")),
+    "ragged-cluster": scheduler.ragged_schedule([300, 0, 17, 1000, 0, 129], 700, 9, 128, 128, sms=16, group_m=8,
+                                                cluster_m=2),
     "lpt": scheduler.lpt_schedule(1024, 64, 8, 128, 64, lambda head, q, _: q + 1, sms=16, batches=3, split_k=2),
 }
 

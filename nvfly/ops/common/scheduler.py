@@ -18,7 +18,9 @@ is the kernel's Constexpr, and the rest (sizes, the stream-K split, tables) its 
   blocks whose ranges share it) add up its partial sums (the kernel's fix-up; the unit's ``slot`` indexes them).
 - Ragged groups (``ragged_schedule``, grouped GEMM / MoE): group ``g`` of ``m_g`` rows owns tile rows
   ``group_rows[g] .. group_rows[g + 1] - 1`` (a device table of groups + 1 entries; empty groups own none), each
-  group rasterised as a batch of its own; a unit's ``batch`` is its group.
+  group rasterised as a batch of its own; a unit's ``batch`` is its group. With clusters the table counts cluster
+  rows (ceil(m_g / (bm * cluster_m))), so a cluster never straddles two groups; a group's last cluster row may
+  hold tile rows past its end, which the kernel computes and does not store.
 - Longest processing time first (``lpt_schedule``, e.g. causal attention): work tile ``t`` is output tile
   ``order[t]`` (a device table), the tiles sorted by non-increasing cost, so that the costly tiles start first and
   the cheap ones fill the gaps at the end.
@@ -63,8 +65,8 @@ class Tiling:
             return f"group_m={self.group_m} is not a whole number of {self.cluster_m}-row clusters"
         if self.stream_k and (self.split_k != 1 or self.cluster_m != 1 or self.ordered):
             return "stream K takes no K split, no cluster and no tile order"
-        if (self.groups or self.ordered) and self.cluster_m != 1:
-            return "ragged groups and tile orders take no cluster"
+        if self.ordered and self.cluster_m != 1:
+            return "tile orders take no cluster"
         if self.groups and self.ordered:
             return "ragged groups take no tile order"
         if self.ordered and self.group_m != 1:
@@ -146,7 +148,7 @@ class TileSchedule:
     def tiles_m(self) -> int:
         """Tile rows per batch (whole clusters; ragged: of all groups)."""
         if self.tiling.groups:
-            return self.group_rows[-1]
+            return self.group_rows[-1] * self.tiling.cluster_m
         rows = self.tiling.bm * self.tiling.cluster_m
         return math.ceil(self.m / rows) * self.tiling.cluster_m
 
@@ -210,22 +212,27 @@ def grid_schedule(m: int, n: int, k_tiles: int, bm: int, bn: int, *, sms: int, b
 
 
 def ragged_schedule(group_sizes: Sequence[int], n: int, k_tiles: int, bm: int, bn: int, *, sms: int,
-                    group_m: int = 1, split_k: int = 1, stream_k: Optional[StreamK] = None) -> TileSchedule:
+                    group_m: int = 1, split_k: int = 1, cluster_m: int = 1,
+                    stream_k: Optional[StreamK] = None) -> TileSchedule:
     """The schedule of ragged groups (grouped GEMM, MoE experts): group g computes ``group_sizes[g]`` x n
-    outputs (0 allowed) of ``k_tiles`` k-blocks; tiles, rasterisation, K splits and stream K as
-    ``grid_schedule`` (without clusters). The device reads ``group_rows``."""
+    outputs (0 allowed) of ``k_tiles`` k-blocks; tiles, rasterisation, K splits, clusters of ``cluster_m``
+    blocks along M (``group_rows`` then counts cluster rows) and stream K (without clusters) as
+    ``grid_schedule``. The device reads ``group_rows``."""
     if not group_sizes:
         raise ValueError("ragged_schedule: at least one group")
     _check_problem(k_tiles, sms, n, *group_sizes)
+    if cluster_m > sms:
+        raise ValueError(f"clusters of {cluster_m} blocks on {sms} SMs")
     rows = [0]
     for size in group_sizes:
-        rows.append(rows[-1] + math.ceil(size / bm))
+        rows.append(rows[-1] + math.ceil(size / (bm * cluster_m)))
     split = split_count(k_tiles, split_k)
-    tiles = rows[-1] * math.ceil(n / bn) * split
-    sk = stream_k_split(tiles, k_tiles, sms, stream_k) if stream_k and split == 1 else StreamKSplit()
-    tiling = Tiling(bm, bn, group_m, split, groups=len(group_sizes), stream_k=sk.streamed)
-    return TileSchedule(tiling, sum(group_sizes), n, 1, k_tiles, _grid(tiles, k_tiles, sms, 1, sk), sk.dp_tiles,
-                        sk.block_iters, group_rows=tuple(rows))
+    tiles = rows[-1] * cluster_m * math.ceil(n / bn) * split
+    sk = stream_k_split(tiles, k_tiles, sms, stream_k) if stream_k and split == 1 and cluster_m == 1 \
+        else StreamKSplit()
+    tiling = Tiling(bm, bn, group_m, split, cluster_m, groups=len(group_sizes), stream_k=sk.streamed)
+    return TileSchedule(tiling, sum(group_sizes), n, 1, k_tiles, _grid(tiles, k_tiles, sms, cluster_m, sk),
+                        sk.dp_tiles, sk.block_iters, group_rows=tuple(rows))
 
 
 def lpt_schedule(m: int, n: int, k_tiles: int, bm: int, bn: int, cost: Callable[[int, int, int], float], *,
@@ -306,9 +313,11 @@ def block_units(block, grid, TILING):
 
 def persistent_units(m: Any, n: Any, batches: Any, k_tiles: Any, group_rows: Any, TILING: Any) -> tuple[Any, Any, Any, Any]:
     """A persistent block's walk over the tiles without stream K: (its first unit, the step between its units (the
-    grid's blocks), the ``TileGrid``, the end of its units); ``group_rows`` the ragged table (None: not ragged)."""
-    first = nvfly.block_idx.x
-    step = nvfly.grid_dim.x
+    grid's clusters), the ``TileGrid``, the end of its units); ``group_rows`` the ragged table (None: not ragged).
+    The blocks of a cluster walk the same units (``unit_work`` with their rank gives each its tile row)."""
+    CM = TILING.cluster_m
+    first = nvfly.cluster_idx.x if CM > 1 else nvfly.block_idx.x
+    step = nvfly.grid_dim.x // CM
     grid = tile_grid(m, n, batches, k_tiles, 0, 0, step, group_rows, None, TILING)
     return first, step, grid, block_units(first, grid, TILING)
 
@@ -366,7 +375,8 @@ def output_tile(tile, grid, TILING):
     if TILING.ordered:
         tile = grid.order[tile]
     if TILING.groups:
-        batch, tm, tn = ragged_tile_coords(tile, grid.group_rows, grid.tiles_n, TILING.groups, TILING.group_m)
+        batch, tm, tn = ragged_tile_coords(tile, grid.group_rows, grid.tiles_n, TILING.groups,
+                                           TILING.group_m // TILING.cluster_m)
     else:
         batch, tm, tn = tile_coords(tile, grid.tiles_m, grid.tiles_n, TILING.group_m // TILING.cluster_m)
     return batch, tm, tn
@@ -383,8 +393,9 @@ def tile_coords(tile, tiles_m, tiles_n, GROUP_M):
 
 @nvfly.func
 def ragged_tile_coords(tile, group_rows, tiles_n, GROUPS, GROUP_M):
-    """(group, tile row in the group, tile column) of a linear tile index over GROUPS ragged groups: group g owns
-    tile rows group_rows[g] .. group_rows[g + 1] - 1 of tiles_n tiles (the table has GROUPS + 1 entries), and the
+    """(group, tile row in the group, tile column) of a linear tile index over GROUPS ragged groups (rows in cluster
+    rows with clusters): group g owns rows group_rows[g] .. group_rows[g + 1] - 1 of tiles_n tiles (the table has
+    GROUPS + 1 entries), and the
     group is the last whose first row is at most the tile's (a binary search: empty groups are passed over)."""
     row = tile // tiles_n
     group = 0

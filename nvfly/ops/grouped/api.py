@@ -200,7 +200,7 @@ class _GroupedCall:
         self.plan = plan
         self.shape = shape
         self.out_dtype = out_dtype
-        self.main = grouped_kernel.prepared(plan.grid, plan.threads)
+        self.main = grouped_kernel.prepared(plan.grid, plan.threads, (plan.config.cluster_m, 1, 1))
         self._descriptors: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
 
     def run(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
@@ -391,7 +391,8 @@ def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "n
     cfg = plan.config
     return (f"grouped {layout}{' silu_mul' if fuse != 'none' else ''}: {cfg.bm}x{cfg.bn} tile on {cfg.consumers} "
             f"{'ping-pong ' if cfg.pingpong else ''}consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages"
-            f"{', TMA-store epilogue' if cfg.tma_store else ''}, up to {plan.grid} blocks, "
+            f"{', TMA-store epilogue' if cfg.tma_store else ''}"
+            f"{f', {cfg.cluster_m}-block clusters (B multicast)' if cfg.cluster_m > 1 else ''}, up to {plan.grid} blocks, "
             f"A {plan.a_major}-major, B {plan.b_major}-major")
 
 
@@ -445,8 +446,13 @@ def compile_variants(variants: Sequence[tuple[str, str, str, str]], config: Opti
                                      swizzle=plan.b_swizzle)
         out = TensorDesc(out_nv, (1 if layout == "contiguous" else groups, 4096, 4096))
         offs = TensorDesc(nvfly.i32, (groups,))
-        out_desc = nvfly.TmaDescriptor(out, plan.store_box, swizzle=plan.store_swizzle) if plan.store_box else None
+        out_desc = None
+        if plan.store_box:  # the contiguous output's descriptor is 2-D [T, N]
+            out_desc = nvfly.TmaDescriptor(TensorDesc(out_nv, out.shape[1:] if layout == "contiguous" else out.shape),
+                                           plan.store_box, swizzle=plan.store_swizzle)
+        cm = plan.config.cluster_m
         kernels.append(grouped_kernel.compile(a_desc, b_desc, out, offs, out_desc, 4096, 4096, 4096, plan.k_tiles,
                                               CFG=plan.config, GROUPS=groups, LAYOUT=layout, A_MAJOR=a_major,
-                                              B_MAJOR=b_major, FUSE=fuse, block=plan.threads, target=target))
+                                              B_MAJOR=b_major, FUSE=fuse, block=plan.threads,
+                                              cluster=(cm, 1, 1) if cm > 1 else None, target=target))
     return kernels

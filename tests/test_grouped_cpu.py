@@ -147,7 +147,8 @@ def test_forward_variants_compile(name, variant):
     assert k.dynamic_smem_bytes == config.smem_bytes(2) + table_bytes(64) <= SMEM_LIMIT
     assert (k.count("UTMASTG") > 0) == config.tma_store and (k.count("STSM") > 0) == config.tma_store
     assert k.count("STG.E") > 0  # the register epilogue (the only one, or the ragged slices')
-    assert ("MULTICAST" in k.sass()) == (config.cluster_m > 1) and (k.count("UCGABAR_ARV") > 0) == (config.cluster_m > 1)
+    clustered = config.cluster_m > 1
+    assert ("MULTICAST" in k.sass()) == clustered and (k.count("UCGABAR_ARV") > 0) == clustered
 
 
 def test_forward_variants_plans():
@@ -442,3 +443,23 @@ def test_benchmark_moe_layers_agree():
         grads.append(torch.autograd.grad(out, leaves, grad))
     for got, want in zip(*grads):
         assert chunked_rel_err(got, want) < 2e-2
+
+
+def test_benchmark_variant_rows_plan():
+    """benchmarks.grouped --variants: its four compute-bound forward rows, each variant planned for its operands
+    (meta tensors: the benchmark's shapes and majors) within the shared memory and the SMs."""
+    from benchmarks.grouped import VARIANT_CASES, describe_config, group_sizes
+    from nvfly.ops.grouped.api import plan_of
+    from nvfly.ops.grouped.plan import forward_variants
+    assert [c.name for c in VARIANT_CASES] == ["anchor E64 T15952", "Qwen3 256/expert", "Mixtral 1024/expert",
+                                               "Mixtral T4096 hot"]
+    for case in VARIANT_CASES:
+        rows = sum(group_sizes(case))
+        a = torch.empty(rows, case.k, dtype=torch.bfloat16, device="meta")
+        b = torch.empty(case.experts, case.n, case.k, dtype=torch.bfloat16, device="meta").mT
+        default = plan_of("contiguous", a, b, (rows, case.n), case.experts, "none", None)
+        assert default.b_major == "K"
+        for name, config in forward_variants(default.config, case.experts, "contiguous", "K").items():
+            plan = plan_of("contiguous", a, b, (rows, case.n), case.experts, "none", config)
+            assert plan.config == config and plan.smem_bytes <= SMEM_LIMIT and plan.grid <= 132, (case, name)
+            assert describe_config(config).startswith(f"{config.bm}x{config.bn} ")

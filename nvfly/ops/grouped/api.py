@@ -389,10 +389,11 @@ def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "n
     shape = (m, n) if layout == "contiguous" else (groups, m, n)
     plan = plan_of(layout, a, b, shape, groups, fuse, None, rows_per_group or rows)
     cfg = plan.config
+    clusters = f", {cfg.cluster_m}-block clusters (B multicast)" if cfg.cluster_m > 1 else ""
     return (f"grouped {layout}{' silu_mul' if fuse != 'none' else ''}: {cfg.bm}x{cfg.bn} tile on {cfg.consumers} "
             f"{'ping-pong ' if cfg.pingpong else ''}consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages"
             f"{', TMA-store epilogue' if cfg.tma_store else ''}"
-            f"{f', {cfg.cluster_m}-block clusters (B multicast)' if cfg.cluster_m > 1 else ''}, up to {plan.grid} blocks, "
+            f"{clusters}, up to {plan.grid} blocks, "
             f"A {plan.a_major}-major, B {plan.b_major}-major")
 
 

@@ -131,8 +131,8 @@ def anchor_variants():
 
 
 @pytest.mark.sweep(pairs=False)
-@pytest.mark.parametrize("name", ["current", "tma-store", "cluster2", "cluster2-tma", "256x128-tma",
-                                  "pingpong-tma"])
+@pytest.mark.parametrize("name", ["current", "tma-store", "cluster2", "cluster2-tma", "cluster2n", "cluster2n-tma",
+                                  "256x128-tma", "pingpong-tma"])
 @pytest.mark.parametrize("variant", [("contiguous", "none", "K", "K"), ("masked", "none", "K", "MN"),
                                      ("contiguous", "silu_mul", "K", "MN")], ids="-".join)
 def test_forward_variants_compile(name, variant):
@@ -141,13 +141,13 @@ def test_forward_variants_compile(name, variant):
     clusters; the staging buffers, then the group table, after the ring."""
     config = anchor_variants()[name]
     if variant[1] == "silu_mul" and config.cluster_m > 1:
-        pytest.skip("the fused tile runs without clusters (make_plan refuses it)")
+        pytest.skip("the fused tile runs without clusters along M (make_plan refuses it)")
     (k,) = grouped.compile_variants([variant], config=config, groups=64)
     check_kernel(k, f"HGMMA.64x{config.bn}x16.F32.BF16")
     assert k.dynamic_smem_bytes == config.smem_bytes(2) + table_bytes(64) <= SMEM_LIMIT
     assert (k.count("UTMASTG") > 0) == config.tma_store and (k.count("STSM") > 0) == config.tma_store
     assert k.count("STG.E") > 0  # the register epilogue (the only one, or the ragged slices')
-    clustered = config.cluster_m > 1
+    clustered = config.cluster_m * config.cluster_n > 1
     assert ("MULTICAST" in k.sass()) == clustered and (k.count("UCGABAR_ARV") > 0) == clustered
 
 
@@ -156,10 +156,12 @@ def test_forward_variants_plans():
     store box is 2-D for the contiguous output, 3-D for the masked; a cluster launches whole clusters."""
     variants = anchor_variants()
     assert variants["current"] == make_plan(**ANCHOR).config
-    assert set(variants) == {"current", "tma-store", "cluster2", "cluster2-tma", "256x128-tma", "pingpong-tma"}
+    assert set(variants) == {"current", "tma-store", "cluster2", "cluster2-tma", "cluster2n", "cluster2n-tma",
+                             "256x128-tma", "pingpong-tma"}
     for name, config in variants.items():
         plan = make_plan(**ANCHOR, config=config)
-        assert plan.smem_bytes <= SMEM_LIMIT and plan.grid % config.cluster_m == 0 and plan.grid <= 132
+        cluster = config.cluster_m * config.cluster_n
+        assert plan.smem_bytes <= SMEM_LIMIT and plan.grid % cluster == 0 and plan.grid <= 132
         assert plan.store_box == ((config.wg_m, 64) if config.tma_store else None)
         masked = make_plan("masked", "none", "bf16", 64, "K", "K", 512, 2048, 7168, 249, 132, config)
         assert masked.store_box == ((1, config.wg_m, 64) if config.tma_store else None)
@@ -171,7 +173,9 @@ def test_forward_variants_plans():
         {"current", "tma-store", "256x128-tma", "pingpong-tma"}  # the K-grouped layout takes no cluster
     cluster = make_plan(**ANCHOR, config=variants["cluster2"])
     # B in two halves, one per block of the cluster; the launch's bound counts whole cluster rows
-    assert cluster.b_box == (1, 128, 64) and cluster.grid == 132
+    assert cluster.b_box == (1, 128, 64) and cluster.a_box == (128, 64) and cluster.grid == 132
+    along_n = make_plan(**ANCHOR, config=variants["cluster2n"])  # A in two halves
+    assert along_n.a_box == (64, 64) and along_n.b_box == (1, 256, 64) and along_n.grid == 132
     fused = make_plan(**{**ANCHOR, "fuse": "silu_mul", "n": 1024}, config=variants["tma-store"])
     assert fused.store_box == (64, 64)  # the output tile: 128 of the 256 B columns
 
@@ -224,7 +228,7 @@ def test_configs_are_checked():
     assert "without K splits" in fits(GemmConfig(128, 256, 4, 2, split_k=2), 8, "contiguous", "K")
     assert fits(GemmConfig(128, 256, 4, 2, cluster_m=2), 8, "masked", "K") is None
     assert "K-grouped tiles take none" in fits(GemmConfig(128, 256, 4, 2, cluster_m=2), 8, "kgrouped", "MN")
-    with pytest.raises(ValueError, match="fused gate/up tile runs without clusters"):
+    with pytest.raises(ValueError, match="fused gate/up tile runs without clusters along M"):
         make_plan("contiguous", "silu_mul", "bf16", 8, "K", "K", 1024, 1024, 1024, 128, 132,
                   GemmConfig(128, 256, 4, 2, cluster_m=2, stream_k=False))
     assert fits(GemmConfig(128, 256, 4, 2, stream_k=False), 8, "contiguous", "K") is None

@@ -200,7 +200,8 @@ class _GroupedCall:
         self.plan = plan
         self.shape = shape
         self.out_dtype = out_dtype
-        self.main = grouped_kernel.prepared(plan.grid, plan.threads, (plan.config.cluster_m, 1, 1))
+        self.main = grouped_kernel.prepared(plan.grid, plan.threads,
+                                            (plan.config.cluster_m * plan.config.cluster_n, 1, 1))
         self._descriptors: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
 
     def run(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
@@ -389,7 +390,8 @@ def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "n
     shape = (m, n) if layout == "contiguous" else (groups, m, n)
     plan = plan_of(layout, a, b, shape, groups, fuse, None, rows_per_group or rows)
     cfg = plan.config
-    clusters = f", {cfg.cluster_m}-block clusters (B multicast)" if cfg.cluster_m > 1 else ""
+    clusters = (f", {cfg.cluster_m}-block clusters along M (B multicast)" if cfg.cluster_m > 1 else
+                f", {cfg.cluster_n}-block clusters along N (A multicast)" if cfg.cluster_n > 1 else "")
     return (f"grouped {layout}{' silu_mul' if fuse != 'none' else ''}: {cfg.bm}x{cfg.bn} tile on {cfg.consumers} "
             f"{'ping-pong ' if cfg.pingpong else ''}consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages"
             f"{', TMA-store epilogue' if cfg.tma_store else ''}"
@@ -451,7 +453,7 @@ def compile_variants(variants: Sequence[tuple[str, str, str, str]], config: Opti
         if plan.store_box:  # the contiguous output's descriptor is 2-D [T, N]
             out_desc = nvfly.TmaDescriptor(TensorDesc(out_nv, out.shape[1:] if layout == "contiguous" else out.shape),
                                            plan.store_box, swizzle=plan.store_swizzle)
-        cm = plan.config.cluster_m
+        cm = plan.config.cluster_m * plan.config.cluster_n
         kernels.append(grouped_kernel.compile(a_desc, b_desc, out, offs, out_desc, 4096, 4096, 4096, plan.k_tiles,
                                               CFG=plan.config, GROUPS=groups, LAYOUT=layout, A_MAJOR=a_major,
                                               B_MAJOR=b_major, FUSE=fuse, block=plan.threads,

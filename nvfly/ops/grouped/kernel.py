@@ -30,7 +30,9 @@ a slice that crosses the group's end through registers with masks (TMA would wri
 ``CFG.cluster_m`` 2 (contiguous and masked layouts, not fused) two blocks take tile rows 2i and 2i + 1 of one
 group's cluster row and multicast each half of the shared B tile to both (the dense GEMM's cluster); the group
 table then counts cluster rows, and a group's last cluster row may hold a tile row past its end, computed and
-not stored. ``FUSE`` "silu_mul" is the fused
+not stored. With ``CFG.cluster_n`` 2 (contiguous and masked, fused too) two blocks take tile columns 2j and
+2j + 1 of one tile row and multicast each half of the shared A tile (the group's rows) to both; a last cluster
+column past N is computed and not stored. ``FUSE`` "silu_mul" is the fused
 gate/up projection: B holds the gate columns [0, I) then the up columns [I, 2I); a BN-wide B tile takes BN/2 gate
 and the same BN/2 up columns, so each thread holds gate and up of its output columns, and the epilogue stores
 silu(gate) * up, I columns wide.
@@ -79,8 +81,9 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
     B_SW = b_desc.info.swizzle
     a_layout = sm90.operand_layout(BM, BK, dtype, A_MAJOR, A_SW)
     b_layout = sm90.operand_layout(BN, BK, dtype, B_MAJOR, B_SW)
-    a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, A_MAJOR, A_SW)[1][0]
-    CM = CFG.cluster_m
+    CM, CN = CFG.cluster_m, CFG.cluster_n
+    CS = CM * CN  # blocks per cluster (plan: along M or N, not both)
+    a_parts = sm90.operand_boxes(a_layout, BM, BK, dtype, A_MAJOR, A_SW, parts=CN)[1]  # cluster_n: A's halves
     # fused: the gate and up halves; a cluster: each block's slice of B, multicast to both (plan: not both)
     b_parts = sm90.operand_boxes(b_layout, BN, BK, dtype, B_MAJOR, B_SW, parts=2 if FUSED else CM)[1]
     a_lbo, a_sbo = sm90.descriptor_offsets(a_layout, dtype, A_MAJOR, A_SW)
@@ -98,7 +101,7 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
     # with a cluster, a stage is free once the consumers of both blocks are done: each B slice lands in both
-    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * (1 if PINGPONG else WGS) * CM)
+    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * (1 if PINGPONG else WGS) * CS)
     if TMA_STORE:
         check_store_descriptor(out_desc, OUT_CFG, OUT_BATCHED)
         assert OUT_CFG.staging_bytes() <= CFG.staging_bytes()  # a fused tile stages into its config's buffers
@@ -114,12 +117,12 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
     if RAGGED:  # the groups' first tile rows (cluster rows), from the device sizes; after the staging buffers
         table, totals = group_table(CFG.smem_bytes(size), GROUPS)
         fill_group_table(table, totals, offs, m, tid, lane, warp, THREADS, BM * CM, LAYOUT, GROUPS)
-    if CM > 1:
+    if CS > 1:
         sm90.cluster_sync()  # every block's barriers (and table) exist before any multicast or remote arrive
     else:
         nvfly.syncthreads()  # the barriers (and the table) exist before anyone uses them
-    rank = nvfly.block_rank_in_cluster() if CM > 1 else 0
-    TILING = Tiling(BM, OUT_BN, CFG.group_m, cluster_m=CM, groups=GROUPS if RAGGED else 0)
+    rank = nvfly.block_rank_in_cluster() if CS > 1 else 0
+    TILING = Tiling(BM, OUT_BN, CFG.group_m, cluster_m=CM, groups=GROUPS if RAGGED else 0, cluster_n=CN)
     first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1 if RAGGED else GROUPS, k_tiles, table, TILING)
 
     if wg == 0:
@@ -131,8 +134,10 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                 row_base, k_base, blocks = group_work(offs, g, tm, m, k, k_tiles, BM, BK, LAYOUT, GROUPS)
                 for kt in range(blocks):
                     base, full = fill_stage(pipe, state, ring, STAGE_BYTES)
-                    load_boxes(a_desc, a_boxes, row_base, k_base + kt * BK, A_MAJOR, base, full,
-                               g if A_RANK3 else None)
+                    for r in nvfly.static_range(CN):
+                        if rank == r:  # this block loads slice r of A (for every block of the cluster)
+                            load_boxes(a_desc, a_parts[r], row_base, k_base + kt * BK, A_MAJOR, base, full,
+                                       g if A_RANK3 else None, multicast_mask=(1 << CN) - 1 if CN > 1 else None)
                     if FUSED:
                         for part in nvfly.static_range(len(b_parts)):
                             # the second half of the tile holds the up columns, n further on
@@ -179,7 +184,7 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
             accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
             # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them;
             # ping-pong: once this tile's wgmmas are issued, it is the other consumer's turn to issue
-            accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, 0, blocks, lane, accs, k_block, CM,
+            accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, 0, blocks, lane, accs, k_block, CS,
                                            (lambda: nvfly.named_barrier_arrive(3 - consumer, 256)) if PINGPONG
                                            else None)
             if PINGPONG:  # skip the other consumer's next tile
@@ -212,7 +217,7 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
-    if CM > 1:
+    if CS > 1:
         sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
 
 

@@ -28,8 +28,8 @@ tiles (``plan.kgrouped_variants``) next to torch._grouped_mm, correctness first.
 
 Forward variants (``--variants``, ``VARIANT_CASES``): the compute-bound forward rows (the E64 T15952 anchor, Qwen3
 256/expert, Mixtral 1024/expert and Mixtral hot) on each of the forward's candidate tiles (``plan.forward_variants``:
-the heuristic's "current", the TMA-store epilogue, 2-block clusters multicasting B, both, 256 x 128 and ping-pong
-128 x 128 with the TMA store) next to torch._grouped_mm and Inductor max-autotune's Triton grouped mm: every
+the heuristic's "current", the TMA-store epilogue, 2-block clusters along M multicasting B or along N multicasting
+A, each with and without the TMA store, 256 x 128 and ping-pong 128 x 128 with the TMA store) next to torch._grouped_mm and Inductor max-autotune's Triton grouped mm: every
 output against the float32 reference first (poisoned with NaN), then the times interleaved over rounds (each
 round times every implementation once, so that clock drift lands on all alike; the median round is kept).
 

@@ -59,7 +59,8 @@ def test_contiguous_forward(hopper, sizes, b_major, config):
 
 
 # the forward's candidate tiles (plan.forward_variants, benchmarks.grouped --variants) around the prefill tile
-FORWARD_VARIANTS = ["current", "tma-store", "cluster2", "cluster2-tma", "256x128-tma", "pingpong-tma"]
+FORWARD_VARIANTS = ["current", "tma-store", "cluster2", "cluster2-tma", "cluster2n", "cluster2n-tma", "256x128-tma",
+                    "pingpong-tma"]
 
 
 def forward_variant(name, groups, layout="contiguous", b_major="K"):
@@ -74,7 +75,7 @@ def forward_variant(name, groups, layout="contiguous", b_major="K"):
 def test_forward_variants_contiguous(hopper, sizes, b_major, name):
     """Each forward variant on ragged groups (empty, under a tile, a consumer slice crossing a group's end: the TMA
     store's register fallback; a cluster's padding tile row past a group's end): every owned row right, no other
-    row written; an N tail that TMA clips."""
+    row written; an N tail that TMA clips (and, N-clusters, a padding tile column past N)."""
     k, n = 320, 272
     t = sum(sizes) + 11
     a = torch.randn(t, k, device="cuda").to(torch.bfloat16)
@@ -115,10 +116,11 @@ def test_forward_variants_masked(hopper, b_major, name):
     check(out, grouped.reference(a, b, counts.clamp_max(mmax), masked=True))
 
 
-@pytest.mark.parametrize("name", ["tma-store", "256x128-tma", "pingpong-tma"])
+@pytest.mark.parametrize("name", ["tma-store", "256x128-tma", "pingpong-tma", "cluster2n", "cluster2n-tma"])
 def test_forward_variants_fused_and_fallbacks(hopper, name):
-    """The TMA-store variants on the fused gate/up tile (the output tile's staging geometry), and where the output
-    takes the register epilogue instead: rows of 540 bytes (no TMA descriptor) and float32 outputs."""
+    """The TMA-store and N-cluster variants on the fused gate/up tile (the output tile's staging geometry, A
+    multicast), and where the output takes the register epilogue instead: rows of 540 bytes (no TMA descriptor) and
+    float32 outputs."""
     sizes = [0, 9, 150, 64, 3, 129]
     offs = sizes_to_offs(sizes)
     k = 256

@@ -5,7 +5,8 @@ The heuristic picks the tile from the rows a group has on average (the kernel ca
 sync): up to ``SMALL_GROUP_ROWS`` (decode: each weight is streamed once, memory-bound) a 64-row tile on one
 consumer warpgroup, 128 columns wide, with the deepest ring that fits (bytes in flight per SM); more rows take the
 GEMM's cooperative 128-row tile on two consumers, 256 columns wide when that still gives every SM a tile, else
-128. The measurements behind it: docs/ops/grouped.md.
+128. The measurements behind it: docs/ops/grouped.md. ``forward_variants`` names the forward's candidate tiles
+next to the heuristic's (TMA store, clusters, other tile shapes) for the benchmark that decides between them.
 """
 from __future__ import annotations
 

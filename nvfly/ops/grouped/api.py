@@ -335,9 +335,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = 
     silu(a @ gate) * (a @ up), I columns wide (one kernel). The group sizes are never read on the host: groups of
     any size, 0 and smaller than a tile included; offsets that decrease or pass the end are clamped on the device
     (no memory outside the operands is touched); ``check_offsets=True`` checks them first with a host sync
-    (``validate_offsets``: a ValueError naming ``offs``). ``config`` a GemmConfig for the kernel (no K split; ping-pong,
-    the TMA store and 2-block clusters are options: ``plan.forward_variants``), ``rows_per_group`` the heuristic's estimate of a group's rows (default: the average). Raises TypeError
-    or ValueError naming the argument when nvfly cannot run it."""
+    (``validate_offsets``: a ValueError naming ``offs``). ``config`` a GemmConfig for the kernel (no K split;
+    ping-pong, the TMA store and 2-block clusters are options: ``plan.forward_variants``), ``rows_per_group`` the
+    heuristic's estimate of a group's rows (default: the average). Raises TypeError or ValueError naming the
+    argument when nvfly cannot run it."""
     call = _bound(GROUPED_MM, a, b, offs, out_dtype, out, fuse, False, config, rows_per_group)
     if check_offsets and offs is not None:
         with named(GROUPED_MM):

@@ -100,7 +100,7 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
 
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
-    # with a cluster, a stage is free once the consumers of both blocks are done: each B slice lands in both
+    # with a cluster, a stage is free once the consumers of both blocks are done: each multicast slice lands in both
     pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * (1 if PINGPONG else WGS) * CS)
     if TMA_STORE:
         check_store_descriptor(out_desc, OUT_CFG, OUT_BATCHED)
@@ -135,7 +135,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                 for kt in range(blocks):
                     base, full = fill_stage(pipe, state, ring, STAGE_BYTES)
                     for r in nvfly.static_range(CN):
-                        if rank == r:  # this block loads slice r of A (for every block of the cluster)
+                        # cluster_n: this block loads slice r of A (for every block of the cluster); else all of it
+                        if CN == 1 or rank == r:
                             load_boxes(a_desc, a_parts[r], row_base, k_base + kt * BK, A_MAJOR, base, full,
                                        g if A_RANK3 else None, multicast_mask=(1 << CN) - 1 if CN > 1 else None)
                     if FUSED:
@@ -145,7 +146,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                                        B_MAJOR, base + A_BYTES, full, g if B_RANK3 else None)
                     else:
                         for r in nvfly.static_range(CM):
-                            if rank == r:  # this block loads slice r of B (for every block of the cluster)
+                            # cluster_m: this block loads slice r of B (for every block of the cluster)
+                            if CM == 1 or rank == r:
                                 load_boxes(b_desc, b_parts[r], tn * OUT_BN, k_base + kt * BK, B_MAJOR,
                                            base + A_BYTES, full, g if B_RANK3 else None,
                                            multicast_mask=(1 << CM) - 1 if CM > 1 else None)

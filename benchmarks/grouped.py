@@ -26,6 +26,13 @@ the fastest nvfly eager version (named in ``nvfly_version``).
 Weight-gradient variants (``--wgrad-variants``): the K-grouped weight gradient on each of the kernel's K-grouped
 tiles (``plan.kgrouped_variants``) next to torch._grouped_mm, correctness first.
 
+Forward variants (``--variants``, ``VARIANT_CASES``): the compute-bound forward rows (the E64 T15952 anchor, Qwen3
+256/expert, Mixtral 1024/expert and Mixtral hot) on each of the forward's candidate tiles (``plan.forward_variants``:
+the heuristic's "current", the TMA-store epilogue, 2-block clusters along M multicasting B or along N multicasting
+A, each with and without the TMA store, 256 x 128 and ping-pong 128 x 128 with the TMA store) next to torch._grouped_mm and Inductor max-autotune's Triton grouped mm: every
+output against the float32 reference first (poisoned with NaN), then the times interleaved over rounds (each
+round times every implementation once, so that clock drift lands on all alike; the median round is kept).
+
 FP8 rows (``--fp8``, ``FP8_QUICK``/``FP8_FULL``): DeepSeek-V3's experts (E256 top-8) at 4096 tokens and decode
 batches, contiguous and masked, on ``nvfly.ops.scaled.scaled_grouped_mm``: its block path (1x128 x 128x128, the
 heuristic's tile, which issues ahead at 128 rows, and the serial one) and its row-wise path next to
@@ -33,10 +40,12 @@ torch._scaled_grouped_mm (row-wise, what torch runs on sm90) and the bf16 groupe
 float32 references first.
 
 Usage: python -m benchmarks.grouped [--quick] [--moe] [--moe-layers NAME] [--no-compile] [--wgrad-variants]
-[--fp8] [--no-triton] [--triton-cases N] [--name grouped]. --fp8 --quick: the four FP8 anchor rows (under a
-minute). --quick: the anchor rows (under 3 minutes on the H200, Inductor on
+[--variants] [--fp8] [--no-triton] [--triton-cases N] [--name grouped]. --variants: the forward variants alone (a
+few minutes: Inductor's autotuning of the four rows is most of it; --no-triton leaves it out). --fp8 --quick: the
+four FP8 anchor rows (under a minute). --quick: the anchor rows (under 3 minutes on the H200, Inductor on
 the first case only). --moe alone: the MoE-layer rows only; with --quick: both. Writes
-benchmarks/results/<name>_h200.json and .png (default name: grouped, grouped_moe, grouped_wgrad or grouped_fp8).
+benchmarks/results/<name>_h200.json and .png (default name: grouped, grouped_moe, grouped_wgrad, grouped_variants
+or grouped_fp8).
 """
 from __future__ import annotations
 
@@ -50,7 +59,8 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import bench_ms, geomean, plot, progress, rel_err, time_impls, write_results  # noqa: E402
+from benchmarks.common import bench_ms, geomean, interleaved_ms, plot, progress, rel_err, time_impls, \
+    write_results  # noqa: E402
 from nvfly.ops import grouped  # noqa: E402
 
 PEAK_TFLOPS = 790.0   # bf16 dense matmul ceiling measured on the H200
@@ -209,6 +219,80 @@ def wgrad_variants() -> list[dict]:
         del impls, a, b, offs
         torch.cuda.empty_cache()
     return rows
+
+
+# ---------------------------------------------------------------------------------------------- forward variants
+VARIANT_CASES = [case for case in QUICK if case.name in ("anchor E64 T15952", "Qwen3 256/expert", "Mixtral 1024/expert",
+                                                          "Mixtral T4096 hot")]
+VARIANT_ROUNDS = 3
+
+
+def forward_variant_rows(triton_cases: int) -> list[dict]:
+    """Each VARIANT_CASES row on every forward variant, torch._grouped_mm and (the first ``triton_cases`` rows)
+    Inductor's Triton grouped mm: errors first (a variant off the reference is not timed), then interleaved times."""
+    from nvfly.ops.grouped.api import plan_of
+    from nvfly.ops.grouped.plan import forward_variants
+    rows = []
+    for index, case in enumerate(progress(VARIANT_CASES, "grouped variants")):
+        impls, reference, flop, nbytes, (a, b, offs, _) = setup(case)
+        shape = (a.shape[0], case.n)
+        default = plan_of("contiguous", a, b, shape, case.experts, "none", None)
+        variants = forward_variants(default.config, case.experts, "contiguous", default.b_major)
+        impls = {"torch": impls["torch"]}
+        if index < triton_cases and hasattr(torch, "_grouped_mm"):
+            compiled = inductor_grouped_mm()
+            impls["inductor"] = lambda compiled=compiled: compiled(a, b, offs)
+        outs = {}
+        for name, config in variants.items():
+            outs[name] = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+            impls[name] = lambda config=config, out=outs[name]: grouped.grouped_mm(a, b, offs, out=out, config=config)
+        row = {"case": case.name, "E": case.experts, "N": case.n, "K": case.k, "rows": case.rows,
+               "routing": case.routing, "variants": {name: describe_config(c) for name, c in variants.items()}}
+        ref = reference()
+        owned = ~ref.isnan()
+        for name, fn in impls.items():
+            row[f"{name}_rel_err"] = rel_err(fn().float()[owned], ref[owned])
+        del ref, owned
+        timed = {name: fn for name, fn in impls.items() if row[f"{name}_rel_err"] < 2e-2}
+        times = interleaved_ms(timed, VARIANT_ROUNDS)
+        for name, runs in times.items():
+            ms = sorted(runs)[len(runs) // 2]
+            row[f"{name}_ms"], row[f"{name}_ms_runs"] = ms, runs
+            row[f"{name}_tflops"] = flop / ms / 1e9
+        for name in variants:
+            if f"{name}_ms" not in row:
+                continue
+            for peer in ("torch", "inductor", "current"):
+                if f"{peer}_ms" in row and peer != name:
+                    row[f"{name}_vs_{peer}"] = row[f"{peer}_ms"] / row[f"{name}_ms"]
+        rows.append(row)
+        print(f"{case.name:<22} torch {row.get('torch_tflops', 0):6.1f} TF"
+              + (f"  inductor {row['inductor_tflops']:6.1f} TF" if "inductor_tflops" in row else "") + "  " + "  ".join(
+                  f"{name} {row.get(name + '_tflops', 0):6.1f} TF x{row.get(name + '_vs_torch', 0):.2f} "
+                  f"(err {row[name + '_rel_err']:.1e})" for name in variants), flush=True)
+        del impls, outs, a, b, offs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def describe_config(cfg) -> str:
+    clusters = f", {cfg.cluster_m}-block clusters" if cfg.cluster_m > 1 else ""
+    return (f"{cfg.bm}x{cfg.bn} {'ping-pong' if cfg.pingpong else 'cooperative'}, {cfg.stages} stages"
+            f"{', TMA store' if cfg.tma_store else ''}{clusters}")
+
+
+def variant_summary(rows: list[dict]) -> dict:
+    """Per variant: geomeans against torch, Inductor and the current plan, and the worst row against torch."""
+    names = list(rows[0]["variants"])
+    summary = {}
+    for name in names:
+        for peer in ("torch", "inductor", "current"):
+            values = [r[f"{name}_vs_{peer}"] for r in rows if f"{name}_vs_{peer}" in r]
+            if values:
+                summary[f"geomean_{name}_vs_{peer}"] = geomean(values)
+        summary[f"min_{name}_vs_torch"] = min((r.get(f"{name}_vs_torch", 0.0) for r in rows), default=0.0)
+    summary["max_rel_err"] = max(r[f"{name}_rel_err"] for r in rows for name in names)
+    return summary
 
 
 # ---------------------------------------------------------------------------------------------- the MoE layer
@@ -571,6 +655,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-compile", action="store_true", help="MoE rows without the torch.compile versions")
     p.add_argument("--wgrad-variants", action="store_true",
                    help="the K-grouped weight gradient on each of the kernel's K-grouped tiles vs torch (alone)")
+    p.add_argument("--variants", action="store_true",
+                   help="the compute-bound forward rows on each forward variant vs torch and Inductor (alone)")
     p.add_argument("--fp8", action="store_true",
                    help="the grouped FP8 rows alone (DeepSeek-V3 experts; with --quick: four, under a minute)")
     p.add_argument("--no-triton", action="store_true", help="leave out Inductor max-autotune's grouped mm")
@@ -590,6 +676,20 @@ def main(argv=None) -> int:
         path = write_results(name, rows, {"summary": summary})
         plot(name, [r["case"] for r in rows], {v: [r[f"{v}_tflops"] for r in rows] for v in ["torch"] + variants},
              "TFLOP/s")
+        print("wrote", path)
+        return 0
+    if args.variants:
+        name = args.name or "grouped_variants"
+        triton_cases = 0 if args.no_triton else (args.triton_cases if args.triton_cases is not None
+                                                  else len(VARIANT_CASES))
+        rows = forward_variant_rows(triton_cases)
+        summary = variant_summary(rows)
+        summary["seconds"] = time.time() - t_start
+        print(summary)
+        path = write_results(name, rows, {"summary": summary})
+        peers = [p for p in ("torch", "inductor") if any(f"{p}_tflops" in r for r in rows)]
+        plot(name, [r["case"] for r in rows], {v: [r.get(f"{v}_tflops", 0.0) for r in rows]
+                                               for v in peers + list(rows[0]["variants"])}, "TFLOP/s")
         print("wrote", path)
         return 0
     if args.fp8:

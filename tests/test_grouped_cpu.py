@@ -120,6 +120,66 @@ def test_heuristic_tiles():
     assert few.config.bn == 128 and few.grid == 4 * 2 * 4  # an upper bound of 32 tiles: 32 blocks
 
 
+# the forward's candidate tiles (benchmarks.grouped --variants) for the anchor's 64 groups of ~249 rows
+ANCHOR = dict(layout="contiguous", fuse="none", dtype="bf16", groups=64, a_major="K", b_major="K", m=15952, n=2048,
+              k=7168, rows_per_group=249, sms=132)
+
+
+def anchor_variants():
+    from nvfly.ops.grouped.plan import forward_variants
+    return forward_variants(make_plan(**ANCHOR).config, 64, "contiguous", "K")
+
+
+@pytest.mark.sweep(pairs=False)
+@pytest.mark.parametrize("name", ["current", "tma-store", "cluster2", "cluster2-tma", "cluster2n", "cluster2n-tma",
+                                  "256x128-tma", "pingpong-tma"])
+@pytest.mark.parametrize("variant", [("contiguous", "none", "K", "K"), ("masked", "none", "K", "MN"),
+                                     ("contiguous", "silu_mul", "K", "MN")], ids="-".join)
+def test_forward_variants_compile(name, variant):
+    """Each forward variant compiles to HGMMA without spills: stmatrix + UTMASTG next to the masked register stores
+    (a slice across a group's end) where it stores by TMA, multicast B loads and cluster barriers where it runs
+    clusters; the staging buffers, then the group table, after the ring."""
+    config = anchor_variants()[name]
+    if variant[1] == "silu_mul" and config.cluster_m > 1:
+        pytest.skip("the fused tile runs without clusters along M (make_plan refuses it)")
+    (k,) = grouped.compile_variants([variant], config=config, groups=64)
+    check_kernel(k, f"HGMMA.64x{config.bn}x16.F32.BF16")
+    assert k.dynamic_smem_bytes == config.smem_bytes(2) + table_bytes(64) <= SMEM_LIMIT
+    assert (k.count("UTMASTG") > 0) == config.tma_store and (k.count("STSM") > 0) == config.tma_store
+    assert k.count("STG.E") > 0  # the register epilogue (the only one, or the ragged slices')
+    clustered = config.cluster_m * config.cluster_n > 1
+    assert ("MULTICAST" in k.sass()) == clustered and (k.count("UCGABAR_ARV") > 0) == clustered
+
+
+def test_forward_variants_plans():
+    """The variants keep the heuristic's tile as "current", fit next to the table of 64 (and 1024) groups; the
+    store box is 2-D for the contiguous output, 3-D for the masked; a cluster launches whole clusters."""
+    variants = anchor_variants()
+    assert variants["current"] == make_plan(**ANCHOR).config
+    assert set(variants) == {"current", "tma-store", "cluster2", "cluster2-tma", "cluster2n", "cluster2n-tma",
+                             "256x128-tma", "pingpong-tma"}
+    for name, config in variants.items():
+        plan = make_plan(**ANCHOR, config=config)
+        cluster = config.cluster_m * config.cluster_n
+        assert plan.smem_bytes <= SMEM_LIMIT and plan.grid % cluster == 0 and plan.grid <= 132
+        assert plan.store_box == ((config.wg_m, 64) if config.tma_store else None)
+        masked = make_plan("masked", "none", "bf16", 64, "K", "K", 512, 2048, 7168, 249, 132, config)
+        assert masked.store_box == ((1, config.wg_m, 64) if config.tma_store else None)
+    from nvfly.ops.grouped.plan import forward_variants
+    many = forward_variants(make_plan(**ANCHOR).config, MAX_GROUPS, "contiguous", "K")
+    assert set(many) == set(variants)  # fewer stages where the table of 1024 groups needs the room
+    assert all(make_plan(**{**ANCHOR, "groups": MAX_GROUPS}, config=c).smem_bytes <= SMEM_LIMIT for c in many.values())
+    assert set(forward_variants(make_plan(**ANCHOR).config, 8, "kgrouped", "MN")) == \
+        {"current", "tma-store", "256x128-tma", "pingpong-tma"}  # the K-grouped layout takes no cluster
+    cluster = make_plan(**ANCHOR, config=variants["cluster2"])
+    # B in two halves, one per block of the cluster; the launch's bound counts whole cluster rows
+    assert cluster.b_box == (1, 128, 64) and cluster.a_box == (128, 64) and cluster.grid == 132
+    along_n = make_plan(**ANCHOR, config=variants["cluster2n"])  # A in two halves
+    assert along_n.a_box == (64, 64) and along_n.b_box == (1, 256, 64) and along_n.grid == 132
+    fused = make_plan(**{**ANCHOR, "fuse": "silu_mul", "n": 1024}, config=variants["tma-store"])
+    assert fused.store_box == (64, 64)  # the output tile: 128 of the 256 B columns
+
+
 KGROUPED = ("kgrouped", "none", "MN", "MN")
 
 
@@ -143,8 +203,9 @@ def test_kgrouped_epilogues_compile(tile, out_dtype):
 
 
 def test_kgrouped_plans():
-    """The heuristic's weight-gradient tile, its 32-bit-output fallback, the store box; ping-pong and the TMA store
-    only where the output has no ragged rows; which outputs a TMA descriptor covers."""
+    """The heuristic's weight-gradient tile, its 32-bit-output fallback, the store box; its ping-pong TMA-store tile
+    fits every layout (the ragged ones store a slice across a group's end through registers); which outputs a TMA
+    descriptor covers."""
     from dataclasses import replace
     from nvfly.ops.grouped.api import _tma_storable
     from nvfly.ops.grouped.plan import KGROUPED_TILE
@@ -154,7 +215,7 @@ def test_kgrouped_plans():
     f32 = make_plan("kgrouped", "none", "bf16", 128, "MN", "MN", 2048, 768, 32768, 2048, 132, None, 4)
     assert f32.config.pingpong and not f32.config.tma_store and f32.store_box is None
     for layout in ("contiguous", "masked"):
-        assert "K-grouped layout only" in fits(replace(KGROUPED_TILE, stages=4), 8, layout, "K")
+        assert fits(replace(KGROUPED_TILE, stages=4), 8, layout, "K") is None
     assert fits(replace(KGROUPED_TILE, stages=4), 8, "kgrouped", "MN") is None
     assert _tma_storable(None, (4, 64, 200), torch.bfloat16)
     assert not _tma_storable(None, (4, 64, 196), torch.bfloat16)  # 392-byte rows
@@ -163,8 +224,13 @@ def test_kgrouped_plans():
 
 
 def test_configs_are_checked():
-    assert fits(GemmConfig(128, 128, 6, 2, pingpong=True), 8, "contiguous", "K")
-    assert fits(GemmConfig(128, 256, 4, 2, split_k=2), 8, "contiguous", "K")
+    assert fits(GemmConfig(128, 128, 6, 2, pingpong=True), 8, "contiguous", "K") is None
+    assert "without K splits" in fits(GemmConfig(128, 256, 4, 2, split_k=2), 8, "contiguous", "K")
+    assert fits(GemmConfig(128, 256, 4, 2, cluster_m=2), 8, "masked", "K") is None
+    assert "K-grouped tiles take none" in fits(GemmConfig(128, 256, 4, 2, cluster_m=2), 8, "kgrouped", "MN")
+    with pytest.raises(ValueError, match="fused gate/up tile runs without clusters along M"):
+        make_plan("contiguous", "silu_mul", "bf16", 8, "K", "K", 1024, 1024, 1024, 128, 132,
+                  GemmConfig(128, 256, 4, 2, cluster_m=2, stream_k=False))
     assert fits(GemmConfig(128, 256, 4, 2, stream_k=False), 8, "contiguous", "K") is None
     # the table costs shared memory: a ring that just fits the GEMM may not fit 1024 groups' table
     full = GemmConfig(128, 128, 7, 2)
@@ -381,3 +447,23 @@ def test_benchmark_moe_layers_agree():
         grads.append(torch.autograd.grad(out, leaves, grad))
     for got, want in zip(*grads):
         assert chunked_rel_err(got, want) < 2e-2
+
+
+def test_benchmark_variant_rows_plan():
+    """benchmarks.grouped --variants: its four compute-bound forward rows, each variant planned for its operands
+    (meta tensors: the benchmark's shapes and majors) within the shared memory and the SMs."""
+    from benchmarks.grouped import VARIANT_CASES, describe_config, group_sizes
+    from nvfly.ops.grouped.api import plan_of
+    from nvfly.ops.grouped.plan import forward_variants
+    assert [c.name for c in VARIANT_CASES] == ["anchor E64 T15952", "Qwen3 256/expert", "Mixtral 1024/expert",
+                                               "Mixtral T4096 hot"]
+    for case in VARIANT_CASES:
+        rows = sum(group_sizes(case))
+        a = torch.empty(rows, case.k, dtype=torch.bfloat16, device="meta")
+        b = torch.empty(case.experts, case.n, case.k, dtype=torch.bfloat16, device="meta").mT
+        default = plan_of("contiguous", a, b, (rows, case.n), case.experts, "none", None)
+        assert default.b_major == "K"
+        for name, config in forward_variants(default.config, case.experts, "contiguous", "K").items():
+            plan = plan_of("contiguous", a, b, (rows, case.n), case.experts, "none", config)
+            assert plan.config == config and plan.smem_bytes <= SMEM_LIMIT and plan.grid <= 132, (case, name)
+            assert describe_config(config).startswith(f"{config.bm}x{config.bn} ")

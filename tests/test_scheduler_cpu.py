@@ -40,7 +40,7 @@ def device_work(schedule):
         work = {}
         for block in range(schedule.blocks):
             end = scheduler.block_units(block, grid, tiling)
-            for rank in range(tiling.cluster_m):
+            for rank in range(tiling.cluster):
                 work[block, rank] = [scheduler.unit_work(unit, grid, rank, tiling)
                                      for unit in range(block, end, schedule.blocks)]
     return work
@@ -48,9 +48,9 @@ def device_work(schedule):
 
 def output_tiles(schedule):
     """Every output tile (batch or group, tile row, tile column) of the problem."""
-    if schedule.tiling.groups:
-        rows = schedule.group_rows
-        return {(g, tm, tn) for g in range(len(rows) - 1) for tm in range(rows[g + 1] - rows[g])
+    if schedule.tiling.groups:  # clusters: a group's last cluster row may hold tile rows past its end
+        rows, cm = schedule.group_rows, schedule.tiling.cluster_m
+        return {(g, tm, tn) for g in range(len(rows) - 1) for tm in range(cm * (rows[g + 1] - rows[g]))
                 for tn in range(schedule.tiles_n)}
     return {(b, tm, tn) for b in range(schedule.batches) for tm in range(schedule.tiles_m)
             for tn in range(schedule.tiles_n)}
@@ -62,7 +62,7 @@ def check_schedule(schedule, sms):
     needs them: one slot per shared tile, counting the units that add into it."""
     tiling = schedule.tiling
     work = device_work(schedule)
-    assert schedule.grid <= sms and schedule.grid % tiling.cluster_m == 0
+    assert schedule.grid <= sms and schedule.grid % tiling.cluster == 0
     assert len(work) == schedule.grid and all(work.values()), "a block of the grid without work"
     parts = {}
     for (block, rank), units in work.items():
@@ -174,17 +174,28 @@ def test_stream_k_split():
 @given(sizes=st.lists(st.one_of(st.just(0), st.integers(0, 700)), min_size=1, max_size=40),
        n=st.integers(1, 1500), k_tiles=st.integers(1, 120), bm=tile_sizes, bn=tile_sizes,
        group_m=st.sampled_from([1, 2, 8]), split_k=st.integers(1, 4), region=st.none() | regions,
-       sms=st.sampled_from([1, 5, 16, 132]))
-def test_ragged_groups_are_covered_once(sizes, n, k_tiles, bm, bn, group_m, split_k, region, sms):
+       cluster=st.sampled_from(["none", "none", "m", "n"]), sms=st.sampled_from([1, 5, 16, 132]))
+def test_ragged_groups_are_covered_once(sizes, n, k_tiles, bm, bn, group_m, split_k, region, cluster, sms):
+    cluster_m, cluster_n = (2 if cluster == "m" else 1), (2 if cluster == "n" else 1)
+    group_m = group_m * cluster_m
+    sms = max(sms, cluster_m * cluster_n)
     schedule = scheduler.ragged_schedule(sizes, n, k_tiles, bm, bn, sms=sms, group_m=group_m, split_k=split_k,
+                                         cluster_m=cluster_m, cluster_n=cluster_n,
                                          stream_k=StreamK(region) if region else None)
+    assert schedule.tiles_n == math.ceil(n / (bn * cluster_n)) * cluster_n  # a last cluster column may pass N
     rows = schedule.group_rows
     assert len(rows) == len(sizes) + 1 and rows[0] == 0
-    assert [rows[g + 1] - rows[g] for g in range(len(sizes))] == [math.ceil(s / bm) for s in sizes]
+    assert [rows[g + 1] - rows[g] for g in range(len(sizes))] == [math.ceil(s / (bm * cluster_m)) for s in sizes]
     if schedule.tiles == 0:
         assert schedule.grid == 0  # every group empty: nothing to launch
         return
-    check_schedule(schedule, sms)
+    work = check_schedule(schedule, sms)  # every tile of every group (and its cluster padding) once
+    for (block, rank), units in work.items():  # a cluster's blocks take the tiles of one cluster tile of one group
+        assert all((u.tile_m % cluster_m, u.tile_n % cluster_n) == (rank * (cluster_m > 1), rank * (cluster_n > 1))
+                   for u in units)
+        peer = work[block, 1 - rank] if cluster != "none" else units
+        assert [(u.batch, u.tile_m // cluster_m, u.tile_n // cluster_n) for u in units] == \
+            [(u.batch, u.tile_m // cluster_m, u.tile_n // cluster_n) for u in peer]
 
 
 @settings(max_examples=100, deadline=None)
@@ -228,6 +239,10 @@ def test_plans_are_checked():
         scheduler.grid_schedule(128, 128, 4, 128, 128, sms=1, cluster_m=2)
     with pytest.raises(ValueError, match="at least one group"):
         scheduler.ragged_schedule([], 128, 4, 128, 128, sms=132)
+    with pytest.raises(ValueError, match="tile orders take no cluster"):
+        Tiling(128, 128, group_m=2, cluster_m=2, ordered=True)
+    with pytest.raises(ValueError, match="along M or along N"):
+        Tiling(128, 128, group_m=2, cluster_m=2, cluster_n=2)
 
 
 @nvfly.kernel
@@ -255,6 +270,10 @@ PROBES = {
     "stream-k": scheduler.grid_schedule(2048, 2112, 112, 128, 128, sms=132, group_m=8, stream_k=StreamK()),
     "ragged": scheduler.ragged_schedule([300, 0, 17, 1000, 0, 129], 700, 9, 128, 128, sms=16, group_m=2,
                                         stream_k=StreamK("tail")),
+    "ragged-cluster": scheduler.ragged_schedule([300, 0, 17, 1000, 0, 129], 700, 9, 128, 128, sms=16, group_m=8,
+                                                cluster_m=2),
+    "ragged-cluster-n": scheduler.ragged_schedule([300, 0, 17, 1000, 0, 129], 700, 9, 128, 128, sms=16, group_m=8,
+                                                  cluster_n=2),
     "lpt": scheduler.lpt_schedule(1024, 64, 8, 128, 64, lambda head, q, _: q + 1, sms=16, batches=3, split_k=2),
 }
 
@@ -264,7 +283,7 @@ def probe_args(schedule, device="cpu"):
     tables (i32 tensors)."""
     units = max(unit for (block, _), us in device_work(schedule).items()
                 for unit, _ in zip(range(block, 10 ** 9, schedule.blocks), us)) + 1
-    out = torch.full((units * schedule.tiling.cluster_m, 9), -1, dtype=torch.int32, device=device)
+    out = torch.full((units * schedule.tiling.cluster, 9), -1, dtype=torch.int32, device=device)
 
     def table(values):
         return torch.tensor(values, dtype=torch.int32, device=device) if values else None
@@ -277,7 +296,7 @@ def test_device_functions_compile(name):
     schedule = PROBES[name]
     out, *sizes, group_rows, order = probe_args(schedule)
     tables = [TensorDesc(nvfly.i32, tuple(t.shape)) if t is not None else None for t in (group_rows, order)]
-    cluster = (schedule.tiling.cluster_m, 1, 1) if schedule.tiling.cluster_m > 1 else None
+    cluster = (schedule.tiling.cluster, 1, 1) if schedule.tiling.cluster > 1 else None
     k = schedule_probe.compile(TensorDesc(nvfly.i32, tuple(out.shape)), *sizes, *tables, TILING=schedule.tiling,
                                block=32, cluster=cluster, target="sm_90a")
     assert ".entry schedule_probe" in k.ptx and k.resources.spill_stores == 0

@@ -58,6 +58,86 @@ def test_contiguous_forward(hopper, sizes, b_major, config):
     check(out, grouped.reference(a, b, offs))
 
 
+# the forward's candidate tiles (plan.forward_variants, benchmarks.grouped --variants) around the prefill tile
+FORWARD_VARIANTS = ["current", "tma-store", "cluster2", "cluster2-tma", "cluster2n", "cluster2n-tma", "256x128-tma",
+                    "pingpong-tma"]
+
+
+def forward_variant(name, groups, layout="contiguous", b_major="K"):
+    from nvfly.ops.grouped.plan import forward_variants
+    return forward_variants(LARGE, groups, layout, b_major)[name]
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("name", FORWARD_VARIANTS)
+@pytest.mark.parametrize("b_major", ["MN", "K"])
+@pytest.mark.parametrize("sizes", CONTIGUOUS_SIZES, ids=["ragged", "even17", "one", "mixed"])
+def test_forward_variants_contiguous(hopper, sizes, b_major, name):
+    """Each forward variant on ragged groups (empty, under a tile, a consumer slice crossing a group's end: the TMA
+    store's register fallback; a cluster's padding tile row past a group's end): every owned row right, no other
+    row written; an N tail that TMA clips (and, N-clusters, a padding tile column past N)."""
+    k, n = 320, 272
+    t = sum(sizes) + 11
+    a = torch.randn(t, k, device="cuda").to(torch.bfloat16)
+    b = weights(len(sizes), k, n, b_major)
+    offs = sizes_to_offs(sizes)
+    out = torch.full((t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, b, offs, out=out, config=forward_variant(name, len(sizes), b_major=b_major))
+    check(out, grouped.reference(a, b, offs))
+
+
+@pytest.mark.parametrize("name", FORWARD_VARIANTS)
+def test_forward_variants_many_tiles_a_block(hopper, name):
+    """Several tiles a block (the persistent loop, ping-pong turns, the ring across tiles of different groups, the
+    staging buffer reused) on random ragged groups with zeros, then a second call of other sizes on the same plan."""
+    gen = torch.Generator().manual_seed(FORWARD_VARIANTS.index(name))
+    sizes = torch.randint(0, 800, (16,), generator=gen).tolist()
+    sizes[3] = sizes[9] = 0
+    k, n = 1024, 1040
+    config = forward_variant(name, len(sizes))
+    a = torch.randn(sum(sizes), k, device="cuda").to(torch.bfloat16)
+    b = weights(len(sizes), k, n, "K")
+    for group_sizes in (sizes, sizes[::-1]):
+        offs = sizes_to_offs(group_sizes)
+        out = torch.full((a.shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        grouped.grouped_mm(a, b, offs, out=out, config=config)
+        check(out, grouped.reference(a, b, offs))
+
+
+@pytest.mark.parametrize("name", FORWARD_VARIANTS)
+@pytest.mark.parametrize("b_major", ["MN", "K"])
+def test_forward_variants_masked(hopper, b_major, name):
+    e, mmax, k, n = 6, 200, 192, 160
+    counts = torch.tensor([0, 1, 64, 200, 130, 250], dtype=torch.int32).cuda()  # 250: clamped to Mmax
+    a = torch.randn(e, mmax, k, device="cuda").to(torch.bfloat16)
+    b = weights(e, k, n, b_major)
+    out = torch.full((e, mmax, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm_masked(a, b, counts, out=out, config=forward_variant(name, e, "masked", b_major))
+    check(out, grouped.reference(a, b, counts.clamp_max(mmax), masked=True))
+
+
+@pytest.mark.parametrize("name", ["tma-store", "256x128-tma", "pingpong-tma", "cluster2n", "cluster2n-tma"])
+def test_forward_variants_fused_and_fallbacks(hopper, name):
+    """The TMA-store and N-cluster variants on the fused gate/up tile (the output tile's staging geometry, A
+    multicast), and where the output takes the register epilogue instead: rows of 540 bytes (no TMA descriptor) and
+    float32 outputs."""
+    sizes = [0, 9, 150, 64, 3, 129]
+    offs = sizes_to_offs(sizes)
+    k = 256
+    a = torch.randn(sum(sizes), k, device="cuda").to(torch.bfloat16)
+    config = forward_variant(name, len(sizes), b_major="MN")
+    b = weights(len(sizes), k, 2 * 200, "MN")
+    out = torch.full((a.shape[0], 200), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, b, offs, out=out, fuse="silu_mul", config=config)
+    check(out, grouped.reference(a, b, offs, fuse="silu_mul"))
+    b = weights(len(sizes), k, 270, "K")
+    out = torch.full((a.shape[0], 270), float("nan"), device="cuda", dtype=torch.bfloat16)
+    grouped.grouped_mm(a, b, offs, out=out, config=config)
+    check(out, grouped.reference(a, b, offs))
+    check(grouped.grouped_mm(a, b, offs, out_dtype=torch.float32, config=config), grouped.reference(a, b, offs),
+          tol=3e-3)
+
+
 def test_dtypes_and_k_tail(hopper):
     sizes = [40, 0, 90, 7]
     offs = sizes_to_offs(sizes)

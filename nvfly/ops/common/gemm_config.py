@@ -64,7 +64,9 @@ class GemmConfig(StagedStore):
     memory (stmatrix + TMA store, 16-bit outputs; others fall back to the register epilogue), staging
     store_buffers column slices of store_width(bn) columns per consumer warpgroup; stream_k: a short last wave
     of tiles (plan.stream_k_plan says which) is dealt out as contiguous k ranges over all blocks (without
-    split_k or a cluster).
+    split_k or a cluster); cluster_n: blocks per cluster along N, which share (multicast) the A tile (the grouped
+    kernel's contiguous and masked layouts only: a cluster of a group's tile row never holds another group's rows;
+    at most one of cluster_m and cluster_n above 1).
     """
     bm: int = 128
     bn: int = 256
@@ -79,6 +81,7 @@ class GemmConfig(StagedStore):
     stream_k: bool = True
     stream_a: bool = False
     stream_b: bool = False
+    cluster_n: int = 1
 
     def bk(self, itemsize: int) -> int:
         return BK_BYTES // itemsize
@@ -96,7 +99,7 @@ class GemmConfig(StagedStore):
 
     def check(self, itemsize: int, b_major: str = "K") -> Optional[str]:
         """None if this config can be compiled (for a B operand of this major-ness), else why not."""
-        if self.pingpong and (self.consumers != 2 or self.split_k != 1 or self.cluster_m != 1):
+        if self.pingpong and (self.consumers != 2 or self.split_k != 1 or self.cluster_m != 1 or self.cluster_n != 1):
             return "ping-pong needs 2 consumers, no K split and no cluster"
         wg_m = self.wg_m
         if self.consumers not in (1, 2) or self.bm % self.consumers or wg_m % 64 or wg_m > 128:
@@ -111,8 +114,10 @@ class GemmConfig(StagedStore):
             return "at least 2 stages"
         if self.stream_a and self.stream_b:
             return "stream_a and stream_b: at most one operand is streamed"
-        if self.cluster_m not in (1, 2):
-            return f"cluster_m={self.cluster_m}: 1 or 2"
+        if self.cluster_m not in (1, 2) or self.cluster_n not in (1, 2):
+            return f"cluster_m={self.cluster_m}, cluster_n={self.cluster_n}: 1 or 2"
+        if self.cluster_m > 1 and self.cluster_n > 1:
+            return "a cluster runs along M or along N, not both"
         # each block of a 2-block cluster loads half of the B tile: whole 8-row swizzle atoms (K-major) or whole
         # swizzle rows of at least 32 bytes (MN-major)
         if self.cluster_m == 2 and (self.bn % 16 or (b_major == "MN" and self.bn // 2 % (32 // itemsize))):

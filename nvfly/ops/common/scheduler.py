@@ -1,6 +1,7 @@
 """The persistent tile scheduler: which output tile, K range and batch (or group) each block works on.
 
-A persistent kernel launches ``TileSchedule.grid`` blocks (clusters of ``cluster_m`` blocks count as one): block
+A persistent kernel launches ``TileSchedule.grid`` blocks (clusters of ``cluster_m`` or ``cluster_n`` blocks count
+as one): block
 ``b`` of ``blocks`` takes the work units ``b``, ``b + blocks``, ``b + 2 * blocks``, ... below its end
 (``block_units``), and ``unit_work`` says what a unit is (a ``WorkUnit``). The host plans a ``TileSchedule`` from
 a problem shape (M, N, batches or ragged groups, k-blocks) and a tile shape; its compile-time part, a ``Tiling``,
@@ -14,13 +15,17 @@ is the kernel's Constexpr, and the rest (sizes, the stream-K split, tables) its 
   With ``split_fix_up`` the splits meet in the kernel, as stream K's shared tiles do: a unit's ``slot`` is its
   output tile and its ``contributors`` the splits (the kernel's fix-up; without it, ``slot`` -1 and 1).
 - Clusters along M: tiles are counted in cluster rows; block ``rank`` of a cluster takes row ``rank`` of it.
+  Along N (``cluster_n``, ragged groups): tiles are counted in cluster columns, block ``rank`` takes column
+  ``rank`` of one (a last cluster column past N holds a tile the kernel computes and does not store).
 - Stream K (``stream_k_split``): the first ``dp_tiles`` work tiles (whole waves) run whole, then the k-blocks of
   the remaining ``sk_tiles`` tiles, in order, are dealt out as one contiguous range of ``block_iters`` k-blocks
   to each block; a block's range touches one or more tiles, one unit each, and a tile's ``contributors`` (the
   blocks whose ranges share it) add up its partial sums (the kernel's fix-up; the unit's ``slot`` indexes them).
 - Ragged groups (``ragged_schedule``, grouped GEMM / MoE): group ``g`` of ``m_g`` rows owns tile rows
   ``group_rows[g] .. group_rows[g + 1] - 1`` (a device table of groups + 1 entries; empty groups own none), each
-  group rasterised as a batch of its own; a unit's ``batch`` is its group.
+  group rasterised as a batch of its own; a unit's ``batch`` is its group. With clusters the table counts cluster
+  rows (ceil(m_g / (bm * cluster_m))), so a cluster never straddles two groups; a group's last cluster row may
+  hold tile rows past its end, which the kernel computes and does not store.
 - Longest processing time first (``lpt_schedule``, e.g. causal attention): work tile ``t`` is output tile
   ``order[t]`` (a device table), the tiles sorted by non-increasing cost, so that the costly tiles start first and
   the cheap ones fill the gaps at the end.
@@ -42,7 +47,8 @@ class Tiling:
     cluster_m: blocks per cluster along M (each takes one tile row of the cluster's); stream_k: the tail of tiles
     is dealt out as k ranges (``TileSchedule.dp_tiles``, ``block_iters``); groups: ragged groups (0: batches of
     equal size); ordered: work tiles are taken in the order of a table (LPT); split_fix_up: the K splits of an
-    output tile add up in the kernel (``WorkUnit.slot`` and ``contributors`` name the tile and its splits).
+    output tile add up in the kernel (``WorkUnit.slot`` and ``contributors`` name the tile and its splits);
+    cluster_n: blocks per cluster along N (each takes one tile column of the cluster's; not with cluster_m).
     """
     bm: int
     bn: int
@@ -53,6 +59,12 @@ class Tiling:
     groups: int = 0
     ordered: bool = False
     split_fix_up: bool = False
+    cluster_n: int = 1
+
+    @property
+    def cluster(self) -> int:
+        """Blocks per cluster."""
+        return self.cluster_m * self.cluster_n
 
     def __post_init__(self) -> None:
         why = self.check()
@@ -61,17 +73,19 @@ class Tiling:
 
     def check(self) -> Optional[str]:
         """None if the kernels' mapping covers this tiling, else why not."""
-        if min(self.bm, self.bn, self.group_m, self.split_k, self.cluster_m) < 1 or self.groups < 0:
-            return "tile sizes, group_m, split_k and cluster_m are at least 1, groups at least 0"
+        if min(self.bm, self.bn, self.group_m, self.split_k, self.cluster_m, self.cluster_n) < 1 or self.groups < 0:
+            return "tile sizes, group_m, split_k, cluster_m and cluster_n are at least 1, groups at least 0"
+        if self.cluster_m > 1 and self.cluster_n > 1:
+            return "a cluster runs along M or along N, not both"
         if self.group_m % self.cluster_m:
             return f"group_m={self.group_m} is not a whole number of {self.cluster_m}-row clusters"
-        if self.stream_k and (self.split_k != 1 or self.cluster_m != 1 or self.ordered):
+        if self.stream_k and (self.split_k != 1 or self.cluster != 1 or self.ordered):
             return "stream K takes no K split, no cluster and no tile order"
-        if (self.groups or self.ordered) and self.cluster_m != 1:
-            return "ragged groups and tile orders take no cluster"
+        if self.ordered and self.cluster != 1:
+            return "tile orders take no cluster"
         if self.groups and self.ordered:
             return "ragged groups take no tile order"
-        if self.split_fix_up and (self.stream_k or self.cluster_m != 1):
+        if self.split_fix_up and (self.stream_k or self.cluster != 1):
             return "split K's fix-up takes no stream K and no cluster (a slot per output tile)"
         if self.ordered and self.group_m != 1:
             return "a tile order replaces the rasterisation: group_m=1"
@@ -152,13 +166,15 @@ class TileSchedule:
     def tiles_m(self) -> int:
         """Tile rows per batch (whole clusters; ragged: of all groups)."""
         if self.tiling.groups:
-            return self.group_rows[-1]
+            return self.group_rows[-1] * self.tiling.cluster_m
         rows = self.tiling.bm * self.tiling.cluster_m
         return math.ceil(self.m / rows) * self.tiling.cluster_m
 
     @property
     def tiles_n(self) -> int:
-        return math.ceil(self.n / self.tiling.bn)
+        """Tile columns (whole clusters)."""
+        cn = self.tiling.cluster_n
+        return math.ceil(self.n / (self.tiling.bn * cn)) * cn
 
     @property
     def output_tiles(self) -> int:
@@ -181,7 +197,7 @@ class TileSchedule:
     @property
     def blocks(self) -> int:
         """What the device strides units by: the grid's clusters."""
-        return self.grid // self.tiling.cluster_m
+        return self.grid // self.tiling.cluster
 
 
 def _grid(tiles: int, k_tiles: int, sms: int, cluster_m: int, split: StreamKSplit) -> int:
@@ -218,22 +234,29 @@ def grid_schedule(m: int, n: int, k_tiles: int, bm: int, bn: int, *, sms: int, b
 
 
 def ragged_schedule(group_sizes: Sequence[int], n: int, k_tiles: int, bm: int, bn: int, *, sms: int,
-                    group_m: int = 1, split_k: int = 1, stream_k: Optional[StreamK] = None) -> TileSchedule:
+                    group_m: int = 1, split_k: int = 1, cluster_m: int = 1, cluster_n: int = 1,
+                    stream_k: Optional[StreamK] = None) -> TileSchedule:
     """The schedule of ragged groups (grouped GEMM, MoE experts): group g computes ``group_sizes[g]`` x n
-    outputs (0 allowed) of ``k_tiles`` k-blocks; tiles, rasterisation, K splits and stream K as
-    ``grid_schedule`` (without clusters). The device reads ``group_rows``."""
+    outputs (0 allowed) of ``k_tiles`` k-blocks; tiles, rasterisation, K splits, clusters of ``cluster_m``
+    blocks along M (``group_rows`` then counts cluster rows) or of ``cluster_n`` along N, and stream K (without
+    clusters) as ``grid_schedule``. The device reads ``group_rows``."""
     if not group_sizes:
         raise ValueError("ragged_schedule: at least one group")
     _check_problem(k_tiles, sms, n, *group_sizes)
+    cluster = cluster_m * cluster_n
+    if cluster > sms:
+        raise ValueError(f"clusters of {cluster} blocks on {sms} SMs")
     rows = [0]
     for size in group_sizes:
-        rows.append(rows[-1] + math.ceil(size / bm))
+        rows.append(rows[-1] + math.ceil(size / (bm * cluster_m)))
     split = split_count(k_tiles, split_k)
-    tiles = rows[-1] * math.ceil(n / bn) * split
-    sk = stream_k_split(tiles, k_tiles, sms, stream_k) if stream_k and split == 1 else StreamKSplit()
-    tiling = Tiling(bm, bn, group_m, split, groups=len(group_sizes), stream_k=sk.streamed)
-    return TileSchedule(tiling, sum(group_sizes), n, 1, k_tiles, _grid(tiles, k_tiles, sms, 1, sk), sk.dp_tiles,
-                        sk.block_iters, group_rows=tuple(rows))
+    tiles = rows[-1] * cluster_m * math.ceil(n / (bn * cluster_n)) * cluster_n * split
+    sk = stream_k_split(tiles, k_tiles, sms, stream_k) if stream_k and split == 1 and cluster == 1 \
+        else StreamKSplit()
+    tiling = Tiling(bm, bn, group_m, split, cluster_m, groups=len(group_sizes), stream_k=sk.streamed,
+                    cluster_n=cluster_n)
+    return TileSchedule(tiling, sum(group_sizes), n, 1, k_tiles, _grid(tiles, k_tiles, sms, cluster, sk),
+                        sk.dp_tiles, sk.block_iters, group_rows=tuple(rows))
 
 
 def lpt_schedule(m: int, n: int, k_tiles: int, bm: int, bn: int, cost: Callable[[int, int, int], float], *,
@@ -255,7 +278,7 @@ def lpt_schedule(m: int, n: int, k_tiles: int, bm: int, bn: int, cost: Callable[
 # ---------------------------------------------------------------------------------------------- device side
 class TileGrid(NamedTuple):
     """The run-time sizes of a schedule in a kernel (``tile_grid``): tiles_m (cluster rows of tiles per batch;
-    ragged: of all groups) x tiles_n tiles a batch, num_tiles work tiles (cluster tiles times K splits),
+    ragged: of all groups) x tiles_n (cluster columns) tiles a batch, num_tiles work tiles (cluster tiles times K splits),
     k_per_split k-blocks a split of k_tiles, the stream-K split, blocks (the grid's clusters) and the tables."""
     tiles_m: Any
     tiles_n: Any
@@ -296,7 +319,7 @@ def tile_grid(m, n, batches, k_tiles, dp_tiles, block_iters, blocks, group_rows,
         tiles_m = group_rows[TILING.groups]
     else:
         tiles_m = (m + TILING.bm * CM - 1) // (TILING.bm * CM)  # in units of cluster rows
-    tiles_n = (n + TILING.bn - 1) // TILING.bn
+    tiles_n = (n + TILING.bn * TILING.cluster_n - 1) // (TILING.bn * TILING.cluster_n)  # (cluster columns)
     num_tiles = tiles_m * tiles_n * batches * TILING.split_k
     k_per_split = (k_tiles + TILING.split_k - 1) // TILING.split_k
     return TileGrid(tiles_m, tiles_n, num_tiles, k_tiles, k_per_split, dp_tiles, block_iters, blocks, group_rows,
@@ -314,9 +337,11 @@ def block_units(block, grid, TILING):
 
 def persistent_units(m: Any, n: Any, batches: Any, k_tiles: Any, group_rows: Any, TILING: Any) -> tuple[Any, Any, Any, Any]:
     """A persistent block's walk over the tiles without stream K: (its first unit, the step between its units (the
-    grid's blocks), the ``TileGrid``, the end of its units); ``group_rows`` the ragged table (None: not ragged)."""
-    first = nvfly.block_idx.x
-    step = nvfly.grid_dim.x
+    grid's clusters), the ``TileGrid``, the end of its units); ``group_rows`` the ragged table (None: not ragged).
+    The blocks of a cluster walk the same units (``unit_work`` with their rank gives each its tile row)."""
+    CS = TILING.cluster
+    first = nvfly.cluster_idx.x if CS > 1 else nvfly.block_idx.x
+    step = nvfly.grid_dim.x // CS
     grid = tile_grid(m, n, batches, k_tiles, 0, 0, step, group_rows, None, TILING)
     return first, step, grid, block_units(first, grid, TILING)
 
@@ -363,7 +388,11 @@ def unit_work(unit, grid, rank, TILING):
         split = unit % TILING.split_k
         batch, ctm, tn = output_tile(unit // TILING.split_k, grid, TILING)
         k_begin = split * grid.k_per_split
-        tm = ctm * CM + rank
+        if TILING.cluster_n > 1:  # block ``rank`` takes column ``rank`` of the cluster's
+            tm = ctm
+            tn = tn * TILING.cluster_n + rank
+        else:
+            tm = ctm * CM + rank
         k_end = nvfly.minimum(k_begin + grid.k_per_split, grid.k_tiles)
         slot = -1
         contributors = 1
@@ -379,7 +408,8 @@ def output_tile(tile, grid, TILING):
     if TILING.ordered:
         tile = grid.order[tile]
     if TILING.groups:
-        batch, tm, tn = ragged_tile_coords(tile, grid.group_rows, grid.tiles_n, TILING.groups, TILING.group_m)
+        batch, tm, tn = ragged_tile_coords(tile, grid.group_rows, grid.tiles_n, TILING.groups,
+                                           TILING.group_m // TILING.cluster_m)
     else:
         batch, tm, tn = tile_coords(tile, grid.tiles_m, grid.tiles_n, TILING.group_m // TILING.cluster_m)
     return batch, tm, tn
@@ -396,8 +426,9 @@ def tile_coords(tile, tiles_m, tiles_n, GROUP_M):
 
 @nvfly.func
 def ragged_tile_coords(tile, group_rows, tiles_n, GROUPS, GROUP_M):
-    """(group, tile row in the group, tile column) of a linear tile index over GROUPS ragged groups: group g owns
-    tile rows group_rows[g] .. group_rows[g + 1] - 1 of tiles_n tiles (the table has GROUPS + 1 entries), and the
+    """(group, tile row in the group, tile column) of a linear tile index over GROUPS ragged groups (rows in cluster
+    rows with clusters): group g owns rows group_rows[g] .. group_rows[g + 1] - 1 of tiles_n tiles (the table has
+    GROUPS + 1 entries), and the
     group is the last whose first row is at most the tile's (a binary search: empty groups are passed over)."""
     row = tile // tiles_n
     group = 0

@@ -200,7 +200,8 @@ class _GroupedCall:
         self.plan = plan
         self.shape = shape
         self.out_dtype = out_dtype
-        self.main = grouped_kernel.prepared(plan.grid, plan.threads)
+        self.main = grouped_kernel.prepared(plan.grid, plan.threads,
+                                            (plan.config.cluster_m * plan.config.cluster_n, 1, 1))
         self._descriptors: dict[tuple[int, int, int], tuple[Any, Any, Any]] = {}
 
     def run(self, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, out: torch.Tensor) -> None:
@@ -334,9 +335,10 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = 
     silu(a @ gate) * (a @ up), I columns wide (one kernel). The group sizes are never read on the host: groups of
     any size, 0 and smaller than a tile included; offsets that decrease or pass the end are clamped on the device
     (no memory outside the operands is touched); ``check_offsets=True`` checks them first with a host sync
-    (``validate_offsets``: a ValueError naming ``offs``). ``config`` a GemmConfig for the kernel (cooperative, no K
-    split), ``rows_per_group`` the heuristic's estimate of a group's rows (default: the average). Raises TypeError
-    or ValueError naming the argument when nvfly cannot run it."""
+    (``validate_offsets``: a ValueError naming ``offs``). ``config`` a GemmConfig for the kernel (no K split;
+    ping-pong, the TMA store and 2-block clusters are options: ``plan.forward_variants``), ``rows_per_group`` the
+    heuristic's estimate of a group's rows (default: the average). Raises TypeError or ValueError naming the
+    argument when nvfly cannot run it."""
     call = _bound(GROUPED_MM, a, b, offs, out_dtype, out, fuse, False, config, rows_per_group)
     if check_offsets and offs is not None:
         with named(GROUPED_MM):
@@ -389,9 +391,12 @@ def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "n
     shape = (m, n) if layout == "contiguous" else (groups, m, n)
     plan = plan_of(layout, a, b, shape, groups, fuse, None, rows_per_group or rows)
     cfg = plan.config
+    clusters = (f", {cfg.cluster_m}-block clusters along M (B multicast)" if cfg.cluster_m > 1 else
+                f", {cfg.cluster_n}-block clusters along N (A multicast)" if cfg.cluster_n > 1 else "")
     return (f"grouped {layout}{' silu_mul' if fuse != 'none' else ''}: {cfg.bm}x{cfg.bn} tile on {cfg.consumers} "
             f"{'ping-pong ' if cfg.pingpong else ''}consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages"
-            f"{', TMA-store epilogue' if cfg.tma_store else ''}, up to {plan.grid} blocks, "
+            f"{', TMA-store epilogue' if cfg.tma_store else ''}"
+            f"{clusters}, up to {plan.grid} blocks, "
             f"A {plan.a_major}-major, B {plan.b_major}-major")
 
 
@@ -445,8 +450,13 @@ def compile_variants(variants: Sequence[tuple[str, str, str, str]], config: Opti
                                      swizzle=plan.b_swizzle)
         out = TensorDesc(out_nv, (1 if layout == "contiguous" else groups, 4096, 4096))
         offs = TensorDesc(nvfly.i32, (groups,))
-        out_desc = nvfly.TmaDescriptor(out, plan.store_box, swizzle=plan.store_swizzle) if plan.store_box else None
+        out_desc = None
+        if plan.store_box:  # the contiguous output's descriptor is 2-D [T, N]
+            out_desc = nvfly.TmaDescriptor(TensorDesc(out_nv, out.shape[1:] if layout == "contiguous" else out.shape),
+                                           plan.store_box, swizzle=plan.store_swizzle)
+        cm = plan.config.cluster_m * plan.config.cluster_n
         kernels.append(grouped_kernel.compile(a_desc, b_desc, out, offs, out_desc, 4096, 4096, 4096, plan.k_tiles,
                                               CFG=plan.config, GROUPS=groups, LAYOUT=layout, A_MAJOR=a_major,
-                                              B_MAJOR=b_major, FUSE=fuse, block=plan.threads, target=target))
+                                              B_MAJOR=b_major, FUSE=fuse, block=plan.threads,
+                                              cluster=(cm, 1, 1) if cm > 1 else None, target=target))
     return kernels

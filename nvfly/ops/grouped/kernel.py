@@ -22,15 +22,24 @@ bound on the tiles (blocks past the real count exit). Group sizes are clamped to
 invalid offsets never read or write out of bounds.
 
 Warpgroup 0 produces (one thread keeps the TMA ring full), the others consume cooperatively (each owns
-BM / consumers rows of a tile; the mainloop is nvfly.ops.common.mainloop's, as in the dense and scaled GEMMs) and
-store through registers with masks (``nvfly.ops.common.epilogue.store_tile``; the K-grouped weight gradient may
-run ping-pong consumers and the TMA-store epilogue, ``stage_tile``, instead). ``FUSE`` "silu_mul" is the fused
+BM / consumers rows of a tile; the mainloop is nvfly.ops.common.mainloop's, as in the dense and scaled GEMMs) or,
+with ``CFG.pingpong``, take whole tiles in turn; they store through registers with masks
+(``nvfly.ops.common.epilogue.store_tile``) or, with ``CFG.tma_store``, through shared memory and TMA
+(``stage_tile``): in the ragged layouts a consumer's rows that lie inside their group go by TMA (which clips N),
+a slice that crosses the group's end through registers with masks (TMA would write the next group's rows). With
+``CFG.cluster_m`` 2 (contiguous and masked layouts, not fused) two blocks take tile rows 2i and 2i + 1 of one
+group's cluster row and multicast each half of the shared B tile to both (the dense GEMM's cluster); the group
+table then counts cluster rows, and a group's last cluster row may hold a tile row past its end, computed and
+not stored. With ``CFG.cluster_n`` 2 (contiguous and masked, fused too) two blocks take tile columns 2j and
+2j + 1 of one tile row and multicast each half of the shared A tile (the group's rows) to both; a last cluster
+column past N is computed and not stored. ``FUSE`` "silu_mul" is the fused
 gate/up projection: B holds the gate columns [0, I) then the up columns [I, 2I); a BN-wide B tile takes BN/2 gate
 and the same BN/2 up columns, so each thread holds gate and up of its output columns, and the epilogue stores
 silu(gate) * up, I columns wide.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import nvfly
@@ -54,7 +63,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                    A_MAJOR: nvfly.Constexpr, B_MAJOR: nvfly.Constexpr, FUSE: nvfly.Constexpr):
     """``m``: the rows bound (contiguous: T, masked: Mmax, kgrouped: M); ``n``: the output columns (silu_mul: I);
     ``k``: K (kgrouped: sum K); ``k_tiles``: k-blocks of K (kgrouped: unused). silu_mul: B's up columns start
-    at column n (= I). ``out_desc``: the output's TMA descriptor when ``CFG.tma_store`` (kgrouped only), else None."""
+    at column n (= I). ``out_desc``: the output's TMA descriptor when ``CFG.tma_store`` (contiguous: 2-D [T, N];
+    masked, kgrouped: 3-D [E, M, N]; its box ``store_box`` of the output tile's config), else None."""
     dtype = a_desc.info.dtype
     size = dtype.itemsize
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
@@ -71,23 +81,30 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
     B_SW = b_desc.info.swizzle
     a_layout = sm90.operand_layout(BM, BK, dtype, A_MAJOR, A_SW)
     b_layout = sm90.operand_layout(BN, BK, dtype, B_MAJOR, B_SW)
-    a_boxes = sm90.operand_boxes(a_layout, BM, BK, dtype, A_MAJOR, A_SW)[1][0]
-    b_parts = sm90.operand_boxes(b_layout, BN, BK, dtype, B_MAJOR, B_SW, parts=2 if FUSED else 1)[1]
+    CM, CN = CFG.cluster_m, CFG.cluster_n
+    CS = CM * CN  # blocks per cluster (plan: along M or N, not both)
+    a_parts = sm90.operand_boxes(a_layout, BM, BK, dtype, A_MAJOR, A_SW, parts=CN)[1]  # cluster_n: A's halves
+    # fused: the gate and up halves; a cluster: each block's slice of B, multicast to both (plan: not both)
+    b_parts = sm90.operand_boxes(b_layout, BN, BK, dtype, B_MAJOR, B_SW, parts=2 if FUSED else CM)[1]
     a_lbo, a_sbo = sm90.descriptor_offsets(a_layout, dtype, A_MAJOR, A_SW)
     b_lbo, b_sbo = sm90.descriptor_offsets(b_layout, dtype, B_MAJOR, B_SW)
     A_BYTES = BM * BK * size
     STAGE_BYTES = A_BYTES + BN * BK * size
     OUT_BN = BN // 2 if FUSED else BN  # output columns of a tile
-    # kgrouped only (plan.fits): ping-pong consumers (whole tiles each, one's epilogue under the other's mainloop)
-    # and the TMA-store epilogue (the [E, M, N] output has no ragged rows: TMA clips M and N)
+    # ping-pong consumers (whole tiles each, one's epilogue under the other's mainloop) and the TMA-store epilogue
+    # (staged in the output tile's geometry: fused, OUT_BN columns)
     PINGPONG = CFG.pingpong
     TMA_STORE = CFG.tma_store
+    OUT_CFG = replace(CFG, bn=OUT_BN)
+    OUT_BATCHED = LAYOUT != "contiguous"  # the contiguous output is [T, N]
 
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * STAGE_BYTES,), offset_bytes=BARRIER_BYTES))
-    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * (1 if PINGPONG else WGS))
+    # with a cluster, a stage is free once the consumers of both blocks are done: each multicast slice lands in both
+    pipe = sm90.TmaPipeline(bars, S, STAGE_BYTES, consumer_arrivals=4 * (1 if PINGPONG else WGS) * CS)
     if TMA_STORE:
-        check_store_descriptor(out_desc, CFG, True)
+        check_store_descriptor(out_desc, OUT_CFG, OUT_BATCHED)
+        assert OUT_CFG.staging_bytes() <= CFG.staging_bytes()  # a fused tile stages into its config's buffers
         staging = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (CFG.staging_bytes(),),
                                                            offset_bytes=CFG.ring_end(size)))
 
@@ -97,11 +114,15 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
     wg = warp // 4
     init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
     table = None
-    if RAGGED:  # the groups' first tile rows, from the device sizes
-        table, totals = group_table(BARRIER_BYTES + S * STAGE_BYTES, GROUPS)
-        fill_group_table(table, totals, offs, m, tid, lane, warp, THREADS, BM, LAYOUT, GROUPS)
-    nvfly.syncthreads()  # the barriers (and the table) exist before anyone uses them
-    TILING = Tiling(BM, OUT_BN, CFG.group_m, groups=GROUPS if RAGGED else 0)
+    if RAGGED:  # the groups' first tile rows (cluster rows), from the device sizes; after the staging buffers
+        table, totals = group_table(CFG.smem_bytes(size), GROUPS)
+        fill_group_table(table, totals, offs, m, tid, lane, warp, THREADS, BM * CM, LAYOUT, GROUPS)
+    if CS > 1:
+        sm90.cluster_sync()  # every block's barriers (and table) exist before any multicast or remote arrive
+    else:
+        nvfly.syncthreads()  # the barriers (and the table) exist before anyone uses them
+    rank = nvfly.block_rank_in_cluster() if CS > 1 else 0
+    TILING = Tiling(BM, OUT_BN, CFG.group_m, cluster_m=CM, groups=GROUPS if RAGGED else 0, cluster_n=CN)
     first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1 if RAGGED else GROUPS, k_tiles, table, TILING)
 
     if wg == 0:
@@ -109,16 +130,27 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
         if tid == 0:
             state = sm90.PipelineState.start(S)
             for tile in range(first_tile, num_units, tile_step):
-                g, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, 0, TILING)
+                g, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, rank, TILING)
                 row_base, k_base, blocks = group_work(offs, g, tm, m, k, k_tiles, BM, BK, LAYOUT, GROUPS)
                 for kt in range(blocks):
                     base, full = fill_stage(pipe, state, ring, STAGE_BYTES)
-                    load_boxes(a_desc, a_boxes, row_base, k_base + kt * BK, A_MAJOR, base, full,
-                               g if A_RANK3 else None)
-                    for part in nvfly.static_range(len(b_parts)):
-                        # silu_mul: the second half of the tile holds the up columns, n further on
-                        load_boxes(b_desc, b_parts[part], tn * OUT_BN + part * (n - OUT_BN), k_base + kt * BK,
-                                   B_MAJOR, base + A_BYTES, full, g if B_RANK3 else None)
+                    for r in nvfly.static_range(CN):
+                        # cluster_n: this block loads slice r of A (for every block of the cluster); else all of it
+                        if CN == 1 or rank == r:
+                            load_boxes(a_desc, a_parts[r], row_base, k_base + kt * BK, A_MAJOR, base, full,
+                                       g if A_RANK3 else None, multicast_mask=(1 << CN) - 1 if CN > 1 else None)
+                    if FUSED:
+                        for part in nvfly.static_range(len(b_parts)):
+                            # the second half of the tile holds the up columns, n further on
+                            load_boxes(b_desc, b_parts[part], tn * OUT_BN + part * (n - OUT_BN), k_base + kt * BK,
+                                       B_MAJOR, base + A_BYTES, full, g if B_RANK3 else None)
+                    else:
+                        for r in nvfly.static_range(CM):
+                            # cluster_m: this block loads slice r of B (for every block of the cluster)
+                            if CM == 1 or rank == r:
+                                load_boxes(b_desc, b_parts[r], tn * OUT_BN, k_base + kt * BK, B_MAJOR,
+                                           base + A_BYTES, full, g if B_RANK3 else None,
+                                           multicast_mask=(1 << CM) - 1 if CM > 1 else None)
                     state = state.advance()
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
@@ -135,8 +167,10 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
             own_first, own_step = first_tile + consumer * tile_step, 2 * tile_step
         turn = consumer  # ping-pong: the first tile of consumer 0 needs no turn
         for tile in range(own_first, num_units, own_step):
-            g, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, 0, TILING)
+            g, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, rank, TILING)
             row_base, k_base, blocks = group_work(offs, g, tm, m, k, k_tiles, BM, BK, LAYOUT, GROUPS)
+            # the epilogue's row bound, read before the mainloop so that its loads of offs do not wait after it
+            row_end = group_rows_end(offs, g, m, LAYOUT, GROUPS)
             if PINGPONG:
                 if turn > 0:
                     nvfly.named_barrier(2 + consumer, 256)  # wait until the other consumer issued its wgmmas
@@ -152,21 +186,32 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
             accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
             # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them;
             # ping-pong: once this tile's wgmmas are issued, it is the other consumer's turn to issue
-            accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, 0, blocks, lane, accs, k_block, 1,
+            accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, 0, blocks, lane, accs, k_block, CS,
                                            (lambda: nvfly.named_barrier_arrive(3 - consumer, 256)) if PINGPONG
                                            else None)
             if PINGPONG:  # skip the other consumer's next tile
                 state = state.advance_by(tile_blocks(tile + tile_step, num_units, tiles, offs, m, k, k_tiles, BM, BK,
                                                      LAYOUT, GROUPS, TILING))
-            row_end = group_rows_end(offs, g, m, LAYOUT, GROUPS)
-            row0 = row_base + a_part * WG_M + warp_in_wg * 16 + lane // 4
+            tile_row = row_base + a_part * WG_M  # the consumer's first output row
+            row0 = tile_row + warp_in_wg * 16 + lane // 4
             col0 = tn * OUT_BN + 2 * (lane % 4)
             batch = 0 if LAYOUT == "contiguous" else g
             values = silu_mul(accs, ATOMS_M, BN) if FUSED else accs
-            if TMA_STORE:  # kgrouped: TMA clips the tile at M and N
+            if TMA_STORE:
                 own = staging + consumer * (CFG.staging_bytes() // WGS)
-                stage_tile(out_desc, None, values, own, batch, row_base + a_part * WG_M, tn * OUT_BN, row0, col0, m,
-                           n, 1.0, 0.0, consumer, warp_in_wg, lane, CFG, ATOMS_M, Epilogue(), True, False)
+                if RAGGED:
+                    # rows inside the group: TMA (clips N); a slice across the group's end (it would write the
+                    # next group's rows) or past it (a cluster's padding row): registers, masked
+                    if tile_row + WG_M <= row_end:
+                        stage_tile(out_desc, None, values, own, batch, tile_row, tn * OUT_BN, row0, col0, m, n,
+                                   1.0, 0.0, consumer, warp_in_wg, lane, OUT_CFG, ATOMS_M, Epilogue(), OUT_BATCHED,
+                                   False)
+                    else:
+                        store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M,
+                                   Epilogue(), False)
+                else:  # kgrouped: TMA clips the tile at M and N
+                    stage_tile(out_desc, None, values, own, batch, tile_row, tn * OUT_BN, row0, col0, m, n, 1.0,
+                               0.0, consumer, warp_in_wg, lane, OUT_CFG, ATOMS_M, Epilogue(), OUT_BATCHED, False)
             else:
                 inside = (row_base + (a_part + 1) * WG_M <= row_end) & (tn * OUT_BN + OUT_BN <= n)
                 store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M, Epilogue(),
@@ -174,6 +219,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
+    if CS > 1:
+        sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
 
 
 @nvfly.func

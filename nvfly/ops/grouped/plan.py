@@ -5,7 +5,8 @@ The heuristic picks the tile from the rows a group has on average (the kernel ca
 sync): up to ``SMALL_GROUP_ROWS`` (decode: each weight is streamed once, memory-bound) a 64-row tile on one
 consumer warpgroup, 128 columns wide, with the deepest ring that fits (bytes in flight per SM); more rows take the
 GEMM's cooperative 128-row tile on two consumers, 256 columns wide when that still gives every SM a tile, else
-128. The measurements behind it: docs/ops/grouped.md.
+128. The measurements behind it: docs/ops/grouped.md. ``forward_variants`` names the forward's candidate tiles
+next to the heuristic's (TMA store, clusters, other tile shapes) for the benchmark that decides between them.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class GroupedPlan:
     """How the grouped kernel runs one call signature. ``layout``: "contiguous", "masked" or "kgrouped" (see
     kernel); m: the rows bound (T, Mmax or M), n: output columns (silu_mul: I), k: K (kgrouped: sum of the groups'
     K), k_tiles: k-blocks of K (not kgrouped); ``grid``: blocks of the persistent launch (from an upper bound on
-    the tiles: blocks past the real count exit at once)."""
+    the tiles: blocks past the real count exit at once; a multiple of the config's cluster size)."""
     layout: str
     fuse: str
     dtype: str
@@ -61,16 +62,15 @@ class GroupedPlan:
 
 
 def fits(cfg: GemmConfig, groups: int, layout: str, b_major: str, itemsize: int = 2) -> Optional[str]:
-    """None if the kernel compiles ``cfg`` (no K splits or clusters; ping-pong consumers and the TMA-store epilogue
-    only in the K-grouped layout, whose output has no ragged rows) with its group table, else why not."""
+    """None if the kernel compiles ``cfg`` (no K splits; clusters in the contiguous and masked layouts) with its
+    group table, else why not. (The fused gate/up tile takes no cluster along M either: ``make_plan``.)"""
     why = cfg.check(itemsize, b_major)
     if why:
         return why
-    if cfg.split_k != 1 or cfg.cluster_m != 1:
-        return "the grouped kernel runs without K splits or clusters"
-    if (cfg.pingpong or cfg.tma_store) and layout != "kgrouped":
-        return ("ping-pong consumers and the TMA-store epilogue run in the K-grouped layout only (the others store "
-                "ragged rows through registers)")
+    if cfg.split_k != 1:
+        return "the grouped kernel runs without K splits"
+    if cfg.cluster_m * cfg.cluster_n != 1 and layout == "kgrouped":
+        return "clusters run in the contiguous and masked layouts (the K-grouped tiles take none)"
     table = table_bytes(groups) if layout != "kgrouped" else 0
     if cfg.smem_bytes(itemsize) + table > SMEM_LIMIT:
         return f"{cfg.smem_bytes(itemsize) + table} bytes of shared memory exceed {SMEM_LIMIT}"
@@ -92,6 +92,31 @@ def kgrouped_variants(groups: int, b_major: str = "MN", itemsize: int = 2) -> di
                 "cooperative-tma": replace(KGROUPED_COOPERATIVE, tma_store=True, store_buffers=1),
                 "cooperative-register": KGROUPED_COOPERATIVE}
     return {name: deepest(cfg, groups, "kgrouped", b_major, itemsize) for name, cfg in variants.items()}
+
+
+def forward_variants(default: GemmConfig, groups: int, layout: str, b_major: str,
+                     itemsize: int = 2) -> dict[str, GemmConfig]:
+    """The forward's candidate tiles by name next to ``default`` (the heuristic's, "current"), each with its
+    deepest ring, for ``benchmarks.grouped --variants`` and the tests (docs/ops/grouped.md, "Compute-bound rows"):
+    the same tile with the TMA-store epilogue (whole rows of a group by TMA, a slice across a group's end through
+    registers), with 2-block clusters along M multicasting B ("cluster2") or along N multicasting A ("cluster2n"),
+    each with the TMA store; the 256 x 128 cooperative and the 128 x 128 ping-pong
+    tiles with the TMA store. A variant that does not fit (e.g. no cluster with a K-grouped layout) is left out."""
+    tma = dict(tma_store=True, store_buffers=1)
+    variants = {"current": default, "tma-store": replace(default, **tma),
+                "cluster2": replace(default, cluster_m=2, group_m=max(2, default.group_m + default.group_m % 2)),
+                "cluster2n": replace(default, cluster_n=2),
+                "256x128-tma": GemmConfig(256, 128, MAX_STAGES, 2, group_m=8, stream_k=False, **tma),
+                "pingpong-tma": GemmConfig(128, 128, MAX_STAGES, 2, group_m=8, pingpong=True, stream_k=False, **tma)}
+    variants["cluster2-tma"] = replace(variants["cluster2"], **tma)
+    variants["cluster2n-tma"] = replace(variants["cluster2n"], **tma)
+    fitting = {}
+    for name, cfg in variants.items():
+        for stages in range(min(cfg.stages if name == "current" else MAX_STAGES, MAX_STAGES), 1, -1):
+            if fits(replace(cfg, stages=stages), groups, layout, b_major, itemsize) is None:
+                fitting[name] = replace(cfg, stages=stages)
+                break
+    return fitting
 
 
 def heuristic_config(rows_per_group: float, row_tiles_128: int, n: int, groups: int, layout: str, b_major: str,
@@ -147,20 +172,26 @@ def make_plan(layout: str, fuse: str, dtype: str, groups: int, a_major: str, b_m
     if fused and (config.bn % 16 or (b_major == "MN" and config.bn // 2 % (32 // itemsize))):
         raise ValueError(f"config: bn={config.bn}: the fused gate/up tile takes two halves of whole 32-byte "
                          f"swizzle rows (MN-major B) and of 8 columns")
+    if fused and config.cluster_m != 1:
+        raise ValueError("config: the fused gate/up tile runs without clusters along M (its B halves are the gate "
+                         "and up columns)")
     bk = config.bk(itemsize)
     out_bn = config.bn // 2 if fused else config.bn
-    # the launch: an upper bound on the tile rows (a group adds at most one partial row to the tokens' rows)
+    cm, cn = config.cluster_m, config.cluster_n
+    # the launch: an upper bound on the tile rows, in cluster rows (a group adds at most one partial cluster row to
+    # the tokens' rows), times the tile columns in whole clusters
     if layout == "contiguous":
-        bound_rows = math.ceil(m / config.bm) + groups
-    elif layout == "masked":
-        bound_rows = groups * math.ceil(m / config.bm)
+        bound_rows = math.ceil(m / (config.bm * cm)) + groups
     else:
-        bound_rows = groups * math.ceil(m / config.bm)
-    tiles = bound_rows * math.ceil(n / out_bn)
-    a_box, a_swizzle = operand_box(config.bm, bk, nv, a_major, 3 if layout == "masked" else 2)
-    b_box, b_swizzle = operand_box(config.bn, bk, nv, b_major, 2 if layout == "kgrouped" else 3, 2 if fused else 1)
-    out_box, out_swizzle = store_box(config, True) if config.tma_store else (None, 0)
+        bound_rows = groups * math.ceil(m / (config.bm * cm))
+    tiles = bound_rows * cm * math.ceil(n / (out_bn * cn)) * cn
+    a_box, a_swizzle = operand_box(config.bm, bk, nv, a_major, 3 if layout == "masked" else 2, cn)
+    b_box, b_swizzle = operand_box(config.bn, bk, nv, b_major, 2 if layout == "kgrouped" else 3, 2 if fused else cm)
+    # the output tile's staging geometry (fused: out_bn columns); the contiguous output is 2-D
+    out_box, out_swizzle = (store_box(replace(config, bn=out_bn), layout != "contiguous") if config.tma_store
+                            else (None, 0))
     return GroupedPlan(layout=layout, fuse=fuse, dtype=dtype, config=config, groups=groups, a_major=a_major,
-                       b_major=b_major, m=m, n=n, k=k, k_tiles=math.ceil(k / bk), grid=max(1, min(tiles, sms)),
+                       b_major=b_major, m=m, n=n, k=k, k_tiles=math.ceil(k / bk),
+                       grid=max(cm * cn, min(tiles, sms // (cm * cn) * (cm * cn))),
                        threads=128 * (1 + config.consumers), a_box=a_box, a_swizzle=a_swizzle, b_box=b_box,
                        b_swizzle=b_swizzle, store_box=out_box, store_swizzle=out_swizzle)

@@ -248,8 +248,9 @@ def test_plans_are_checked():
 @nvfly.kernel
 def schedule_probe(out: nvfly.Tensor, m: nvfly.i32, n: nvfly.i32, batches: nvfly.i32, k_tiles: nvfly.i32,
                    dp_tiles: nvfly.i32, block_iters: nvfly.i32, group_rows, order, TILING: nvfly.Constexpr):
-    """Row ``unit * cluster_m + rank`` of ``out``: the WorkUnit of each unit a block takes, and the block."""
-    CM = TILING.cluster_m
+    """Row ``unit * cluster + rank`` of ``out``: the WorkUnit of each unit a block takes, and the block (a cluster
+    of ``TILING.cluster`` blocks along M or N counts as one)."""
+    CM = TILING.cluster
     if nvfly.thread_idx.x == 0:
         rank = nvfly.block_rank_in_cluster() if CM > 1 else 0
         block = nvfly.cluster_idx.x if CM > 1 else nvfly.block_idx.x

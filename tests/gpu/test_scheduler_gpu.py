@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 def test_device_units_match_the_model(name):
     schedule = PROBES[name]
     args = probe_args(schedule, "cuda")
-    cm = schedule.tiling.cluster_m
+    cm = schedule.tiling.cluster  # blocks per cluster, along M or N
     schedule_probe.launch(*args, TILING=schedule.tiling, grid=schedule.grid, block=32,
                           cluster=(cm, 1, 1) if cm > 1 else None)
     expected = torch.full_like(args[0], -1, device="cpu")

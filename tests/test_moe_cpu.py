@@ -132,6 +132,8 @@ def test_the_layer_asks_each_piece_once_per_signature(monkeypatch):
     """The pieces' eligibility answers are kept per signature (CPU: every piece declines and torch computes)."""
     import nvfly.ops.moe as moe_layer
     moe_layer._RUNS.clear()
+    for calls in (moe_api._ROUTE_TAKEN, moe_api._SORT_TAKEN, moe_api._DISPATCH_TAKEN, moe_api._COMBINE_TAKEN):
+        calls.clear()
     asked = []
     real = moe_api.eligibility
     monkeypatch.setattr(moe_layer.api, "eligibility", lambda *a: asked.append(len(a)) or real(*a))
@@ -141,9 +143,10 @@ def test_the_layer_asks_each_piece_once_per_signature(monkeypatch):
             torch.randn(e, 2 * inter, h, generator=gen).bfloat16() / 6,
             torch.randn(e, h, inter, generator=gen).bfloat16() / 4)
     first = moe.moe(*args, k)
-    assert sorted(asked) == [1, 2, 3]  # the router's, the dispatch's and the combine's tensors, once
-    assert torch.equal(moe.moe(*args, k), first) and sorted(asked) == [1, 2, 3]
+    assert sorted(asked) == [1, 1, 2, 3]  # the router's, the sort's, the dispatch's and the combine's, once
+    assert torch.equal(moe.moe(*args, k), first) and sorted(asked) == [1, 1, 2, 3]
     assert all(reason for reason in moe_layer._RUNS.values())  # declined on CPU, with reasons
+    assert all(str(declined).startswith("a tensor is not on CUDA") for declined in moe_api._DISPATCH_TAKEN.values())
 
 
 def test_shuffle_eligibility_on_fake_cuda_tensors():
@@ -410,3 +413,15 @@ def test_the_backward_pieces_ask_eligibility_once_per_layout(monkeypatch):
         out = autograd.combine(y, slots, w)
         torch.autograd.grad(out, (y, w), torch.ones_like(out))
     assert sorted(asked) == [3, 3, 3]  # forward (y, slots, w), y's and w's gradients: once each
+
+
+def test_the_layer_pieces_decline_what_the_kernels_do_not_take_on_fake_cuda_tensors():
+    """``api.try_*``: None (the layer then computes on torch) where ``eligibility`` declines, here strided rows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        strided = torch.empty_strided((16, 32), (64, 2), dtype=torch.bfloat16, device="cuda")
+        slots = torch.empty(16, dtype=torch.int64, device="cuda")
+        weights = torch.empty(8, 2, dtype=torch.float32, device="cuda")
+        assert moe_api.try_combine(strided, slots, weights) is None
+        x = torch.empty_strided((8, 32), (64, 2), dtype=torch.bfloat16, device="cuda")
+        assert moe_api.try_dispatch(x, slots, 2) is None

@@ -102,8 +102,10 @@ def eager_route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> t
     """``route`` for callers Dynamo never traces (the module doc)."""
     if _wants_grad(logits):
         return autograd.route(logits, top_k, renormalize)
-    if top_k <= api.MAX_TOP_K and logits.shape[-1] <= api.MAX_EXPERTS and _nvfly_runs(api.eligibility, logits):
-        return api.route(logits, top_k, renormalize)
+    if top_k <= api.MAX_TOP_K and logits.shape[-1] <= api.MAX_EXPERTS:
+        routed = api.try_route(logits, top_k, renormalize)
+        if routed is not None:
+            return routed
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = _topk(probs, top_k)
     if renormalize:
@@ -124,9 +126,9 @@ def eager_permute(x: torch.Tensor, ids: torch.Tensor, experts: int
     """``permute`` for callers Dynamo never traces (the module doc)."""
     top_k = ids.shape[-1]
     flat = ids.reshape(-1)
-    on_nvfly = experts <= api.MAX_EXPERTS and _nvfly_runs(api.eligibility, x, flat)
-    if on_nvfly:
-        order, offs = api.sort_by_expert(flat, experts)
+    by_expert = api.try_sort_by_expert(flat, experts) if experts <= api.MAX_EXPERTS else None
+    if by_expert is not None:
+        order, offs = by_expert
     else:
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
@@ -135,7 +137,8 @@ def eager_permute(x: torch.Tensor, ids: torch.Tensor, experts: int
     if _wants_grad(x):
         rows, slots = autograd.dispatch(x, order, top_k)
         return rows, offs, slots
-    rows, slots = (api.dispatch if on_nvfly else api.reference_dispatch)(x, order, top_k)
+    dispatched = api.try_dispatch(x, order, top_k)
+    rows, slots = dispatched if dispatched is not None else api.reference_dispatch(x, order, top_k)
     return rows, offs, slots
 
 
@@ -150,9 +153,8 @@ def eager_unpermute(y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor)
     weights = weights.float()
     if _wants_grad(y, weights):
         return autograd.combine(y, slots, weights.contiguous())
-    if _nvfly_runs(api.eligibility, y, slots, weights):
-        return api.combine(y, slots, weights.contiguous())
-    return api.reference_combine(y, slots, weights)
+    out = api.try_combine(y, slots, weights.contiguous())
+    return out if out is not None else api.reference_combine(y, slots, weights)
 
 
 _untraced_route = torch.compiler.disable(eager_route)

@@ -14,7 +14,8 @@ for the weight gradient, where torch's kernel asserts on the device otherwise), 
 MoE-layer rows (``--moe``, ``MOE_CASES``): a whole MoE layer (router softmax/top-k, token permutation, gate/up
 grouped GEMM with SiLU * mul, down grouped GEMM, weighted un-permutation) timed in one process as (a) the eager
 layer a user writes on ``torch._grouped_mm`` (``torch_moe``, modelled on torchtitan's ``_run_experts_grouped_mm``
-with a fused w13), (b) nvfly eagerly: the same code under ``nvfly.torch.routing()`` ("nvfly_route"),
+with a fused w13), (b) nvfly eagerly: the same code under ``nvfly.torch.routing()`` ("nvfly_route": a block per
+call; "nvfly_route_held": one block around all the calls, forward only),
 ``nvfly.ops.moe.moe`` ("nvfly_moe", forward only), the layer on nvfly's kernels throughout, forward and backward
 (the router and shuffles as ``torch.ops.nvfly.moe_*``, differentiable and traceable, and
 ``torch.ops.nvfly.grouped_mm``) with the fused gate/up ("nvfly_ops", ``nvfly_moe``) and without it
@@ -39,10 +40,11 @@ heuristic's tile, which issues ahead at 128 rows, and the serial one) and its ro
 torch._scaled_grouped_mm (row-wise, what torch runs on sm90) and the bf16 grouped GEMMs (nvfly's and torch._grouped_mm) of the same routing; errors against
 float32 references first.
 
-Usage: python -m benchmarks.grouped [--quick] [--moe] [--moe-layers NAME] [--no-compile] [--wgrad-variants]
-[--variants] [--fp8] [--no-triton] [--triton-cases N] [--name grouped]. --variants: the forward variants alone (a
-few minutes: Inductor's autotuning of the four rows is most of it; --no-triton leaves it out). --fp8 --quick: the
-four FP8 anchor rows (under a minute). --quick: the anchor rows (under 3 minutes on the H200, Inductor on
+Usage: python -m benchmarks.grouped [--quick] [--moe] [--moe-layers NAME] [--no-compile] [--moe-profile CALLS]
+[--wgrad-variants] [--variants] [--fp8] [--no-triton] [--triton-cases N] [--name grouped]. --variants: the forward
+variants alone (a few minutes: Inductor's autotuning of the four rows is most of it; --no-triton leaves it out).
+--fp8 --quick: the four FP8 anchor rows (under a minute). --quick: the anchor rows (under 3 minutes on the H200,
+Inductor on
 the first case only). --moe alone: the MoE-layer rows only; with --quick: both. Writes
 benchmarks/results/<name>_h200.json and .png (default name: grouped, grouped_moe, grouped_wgrad, grouped_variants
 or grouped_fp8).
@@ -50,6 +52,7 @@ or grouped_fp8).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
@@ -375,8 +378,30 @@ def nvfly_moe_unfused(x, router_weight, w13, w2, top_k):
     return torch.ops.nvfly.moe_unpermute(y, slots, weights)
 
 
-def moe_layer_row(case: MoeCase, compile_too: bool) -> list[dict]:
-    """The case's rows (forward; forward+backward when ``case.backward``): every version checked, then timed."""
+HOST_BOUND_TOKENS = 256  # --moe-profile profiles the rows of at most this many tokens (host-bound on the H200)
+
+
+def host_profile(label: str, fn, calls: int, top: int = 30) -> None:
+    """cProfile of ``calls`` calls of ``fn`` after a synchronize: where a host-bound version's host time goes
+    (``--moe-profile``), printed by internal time."""
+    import cProfile
+    import io
+    import pstats
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    profiler.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    print(f"==== host profile: {label}, {calls} calls\n{text.getvalue()}", flush=True)
+
+
+def moe_layer_row(case: MoeCase, compile_too: bool, profile_calls: int = 0) -> list[dict]:
+    """The case's rows (forward; forward+backward when ``case.backward``): every version checked, then timed;
+    ``profile_calls``: the forward versions' host profiles too (rows of at most HOST_BOUND_TOKENS tokens)."""
     import nvfly.torch
     from nvfly.ops import moe
     e, h, inter, k, t = case.experts, case.hidden, case.inter, case.top_k, case.tokens
@@ -392,8 +417,13 @@ def moe_layer_row(case: MoeCase, compile_too: bool) -> list[dict]:
         with nvfly.torch.routing():
             return torch_moe(*a, k)
     forward = {"eager": lambda *a: torch_moe(*a, k), "nvfly_route": routed,
+               "nvfly_route_held": lambda *a: torch_moe(*a, k),
                "nvfly_moe": lambda *a: moe.moe(*a, k), "nvfly_ops": lambda *a: nvfly_moe(*a, k),
                "nvfly_ops_unfused": lambda *a: nvfly_moe_unfused(*a, k)}
+    # nvfly_route enters routing() on every call (a block's start and end register and remove the routes:
+    # routing_overhead.py); nvfly_route_held inside one block around all its calls, as a model's forward holds one
+    # block for all its layers
+    around = {"nvfly_route_held": nvfly.torch.routing}
     errors = {}
     if compile_too:
         forward["compiled"] = torch.compile(lambda *a: torch_moe(*a, k))
@@ -406,13 +436,19 @@ def moe_layer_row(case: MoeCase, compile_too: bool) -> list[dict]:
     with torch.no_grad():
         for name, fn in list(forward.items()):
             try:
-                fwd[f"{name}_rel_err"] = rel_err(fn(*args).float(), ref)
+                with around.get(name, contextlib.nullcontext)():
+                    fwd[f"{name}_rel_err"] = rel_err(fn(*args).float(), ref)
             except Exception as exc:  # a version that fails is reported, not timed
                 errors[name] = f"{type(exc).__name__}: {exc}"[:300]
                 del forward[name]
         del ref
         for name, fn in forward.items():
-            fwd[f"{name}_ms"] = bench_ms(lambda fn=fn: fn(*args))
+            with around.get(name, contextlib.nullcontext)():
+                fwd[f"{name}_ms"] = bench_ms(lambda fn=fn: fn(*args))
+        if profile_calls and t <= HOST_BOUND_TOKENS:
+            for name, fn in forward.items():
+                with around.get(name, contextlib.nullcontext)():
+                    host_profile(f"{case.layer} T{t} forward {name}", lambda fn=fn: fn(*args), profile_calls)
     rows.append(finish_moe_row(fwd, errors))
     if case.backward:
         if compile_too:  # training: the layer that saves its gate/up activations (no recompute in the backward)
@@ -440,7 +476,8 @@ def moe_backward_row(row: dict, forward: dict, args: tuple) -> dict:
                     return run()
             return routed_run
         return run
-    steps = {name: step(name, fn) for name, fn in forward.items() if name != "nvfly_moe"}  # nvfly_moe: inference
+    # nvfly_moe: inference; nvfly_route_held: the forward row's comparison of block costs
+    steps = {name: step(name, fn) for name, fn in forward.items() if name not in ("nvfly_moe", "nvfly_route_held")}
     want = steps["eager"]()
     for name, fn in list(steps.items()):
         if name == "eager":
@@ -473,7 +510,8 @@ def chunked_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def finish_moe_row(row: dict, errors: dict) -> dict:
     """nvfly_ms (the fastest nvfly eager version), the ratios, the failures; prints the row."""
-    eager_versions = [v for v in ("nvfly_route", "nvfly_moe", "nvfly_ops", "nvfly_ops_unfused") if f"{v}_ms" in row]
+    eager_versions = [v for v in ("nvfly_route", "nvfly_route_held", "nvfly_moe", "nvfly_ops", "nvfly_ops_unfused")
+                      if f"{v}_ms" in row]
     if eager_versions:
         best = min(eager_versions, key=lambda v: row[f"{v}_ms"])
         row["nvfly_version"] = best
@@ -486,7 +524,8 @@ def finish_moe_row(row: dict, errors: dict) -> dict:
             row["nvfly_vs_compiled"] = row["compiled_ms"] / row["nvfly_ms"]
     if errors:
         row["errors"] = errors
-    times = "  ".join(f"{v} {row[v + '_ms']:.3f}" for v in ("eager", "nvfly_route", "nvfly_moe", "nvfly_ops",
+    times = "  ".join(f"{v} {row[v + '_ms']:.3f}" for v in ("eager", "nvfly_route", "nvfly_route_held", "nvfly_moe",
+                                                             "nvfly_ops",
                                                              "nvfly_ops_unfused", "compiled", "compiled_nvfly")
                       if v + "_ms" in row)
     print(f"{row['layer']:<20} T{row['tokens']:<5} {row['pass']:<16} ms: {times}  "
@@ -496,10 +535,10 @@ def finish_moe_row(row: dict, errors: dict) -> dict:
     return row
 
 
-def moe_rows(layers: str, compile_too: bool) -> list[dict]:
+def moe_rows(layers: str, compile_too: bool, profile_calls: int = 0) -> list[dict]:
     rows = []
     for case in progress([c for c in MOE_CASES if layers.lower() in c.layer.lower()], "grouped moe"):
-        rows += moe_layer_row(case, compile_too)
+        rows += moe_layer_row(case, compile_too, profile_calls)
         torch.cuda.empty_cache()
     return rows
 
@@ -653,6 +692,8 @@ def main(argv=None) -> int:
     p.add_argument("--moe", action="store_true", help="the MoE-layer rows (alone, or after --quick's)")
     p.add_argument("--moe-layers", default="", help="only the MoE layers whose name contains this (e.g. qwen3)")
     p.add_argument("--no-compile", action="store_true", help="MoE rows without the torch.compile versions")
+    p.add_argument("--moe-profile", type=int, default=0, metavar="CALLS",
+                   help="print a cProfile of CALLS calls of each forward version of the host-bound MoE rows")
     p.add_argument("--wgrad-variants", action="store_true",
                    help="the K-grouped weight gradient on each of the kernel's K-grouped tiles vs torch (alone)")
     p.add_argument("--variants", action="store_true",
@@ -706,7 +747,7 @@ def main(argv=None) -> int:
     rows, summary = [], {}
     if args.quick or not args.moe:
         rows, summary = grouped_rows(QUICK if args.quick else FULL, args)
-    moe = moe_rows(args.moe_layers, not args.no_compile) if args.moe else []
+    moe = moe_rows(args.moe_layers, not args.no_compile, args.moe_profile) if args.moe else []
     if moe:
         summary["moe"] = {key: [r.get(key) for r in moe] for key in ("layer", "tokens", "pass", "nvfly_vs_eager",
                                                                       "compiled_nvfly_vs_compiled")}

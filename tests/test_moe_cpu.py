@@ -132,6 +132,8 @@ def test_the_layer_asks_each_piece_once_per_signature(monkeypatch):
     """The pieces' eligibility answers are kept per signature (CPU: every piece declines and torch computes)."""
     import nvfly.ops.moe as moe_layer
     moe_layer._RUNS.clear()
+    for calls in (moe_api._ROUTE_TAKEN, moe_api._SORT_TAKEN, moe_api._DISPATCH_TAKEN, moe_api._COMBINE_TAKEN):
+        calls.clear()
     asked = []
     real = moe_api.eligibility
     monkeypatch.setattr(moe_layer.api, "eligibility", lambda *a: asked.append(len(a)) or real(*a))
@@ -141,9 +143,10 @@ def test_the_layer_asks_each_piece_once_per_signature(monkeypatch):
             torch.randn(e, 2 * inter, h, generator=gen).bfloat16() / 6,
             torch.randn(e, h, inter, generator=gen).bfloat16() / 4)
     first = moe.moe(*args, k)
-    assert sorted(asked) == [1, 2, 3]  # the router's, the dispatch's and the combine's tensors, once
-    assert torch.equal(moe.moe(*args, k), first) and sorted(asked) == [1, 2, 3]
+    assert sorted(asked) == [1, 1, 2, 3]  # the router's, the sort's, the dispatch's and the combine's, once
+    assert torch.equal(moe.moe(*args, k), first) and sorted(asked) == [1, 1, 2, 3]
     assert all(reason for reason in moe_layer._RUNS.values())  # declined on CPU, with reasons
+    assert all(str(declined).startswith("a tensor is not on CUDA") for declined in moe_api._DISPATCH_TAKEN.values())
 
 
 def test_shuffle_eligibility_on_fake_cuda_tensors():
@@ -326,3 +329,99 @@ def test_a_layer_on_the_operators_compiles_whole_and_matches_eager():
         assert torch.equal(a, b)
     ref = moe.reference(*(a.detach() for a in args), k)
     assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def _below_autograd() -> bool:
+    """Whether the running code was dispatched below autograd (torch's autograd kernels redispatch there)."""
+    return torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.AutogradFunctionality)
+
+
+def test_operators_without_a_gradient_to_record_call_their_implementation_directly(monkeypatch):
+    """``nvfly.torch.library.register_autograd``: no input needing grad (or no_grad) -> the implementation itself,
+    not torch's redispatch (its ~7 us a call is most of a host-bound layer's overhead); an input needing grad ->
+    torch's autograd (below autograd, a grad_fn); fake tensors -> the fake (the implementation never runs)."""
+    import nvfly.torch  # noqa: F401
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    seen = []
+    real = moe.eager_route
+    monkeypatch.setattr(moe, "eager_route", lambda *a: seen.append(_below_autograd()) or real(*a))
+    logits = torch.randn(6, 8)
+    with torch.no_grad():
+        torch.ops.nvfly.moe_route(logits.requires_grad_(), 2)
+    torch.ops.nvfly.moe_route(logits.detach(), 2)
+    assert seen == [False, False]
+    weights, _ = torch.ops.nvfly.moe_route(logits, 2)
+    assert seen == [False, False, True] and weights.grad_fn is not None
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        weights, ids = torch.ops.nvfly.moe_route(torch.empty(6, 8, device="cuda"), 2)
+    assert len(seen) == 3 and weights.shape == (6, 2) and ids.dtype == torch.int64
+
+
+def test_operator_errors_still_name_the_operator():
+    import nvfly.torch  # noqa: F401
+    with pytest.raises(ValueError, match=r"^nvfly::moe_route: top_k: expected an int in \[1, 8\]"):
+        torch.ops.nvfly.moe_route(torch.randn(4, 8), 9)
+    with pytest.raises(TypeError, match=r"^nvfly::moe_permute: ids: expected an int64 or int32"):
+        torch.ops.nvfly.moe_permute(torch.randn(4, 8), torch.zeros(4, 2), 8)
+    with pytest.raises(ValueError, match=r"^nvfly::moe_unpermute: weights: \(4, 3\) holds 12 routing slots"):
+        torch.ops.nvfly.moe_unpermute(torch.randn(8, 5), torch.arange(8), torch.rand(4, 3))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_compiled_layer_is_one_graph_with_no_recompile_for_new_routings(grad):
+    """A new routing of the same shapes (other tokens, other experts' counts) reuses the graph: the ragged
+    offsets stay on the device, nothing in the layer reads them, so no guard on data-dependent sizes."""
+    import nvfly.torch  # noqa: F401
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def layer(x, router, w13, w2):
+        weights, ids = torch.ops.nvfly.moe_route(x.float() @ router.float().mT, 2)
+        rows, offs, slots = torch.ops.nvfly.moe_permute(x, ids, router.shape[0])
+        h = torch.ops.nvfly.grouped_mm(rows, w13.mT, offs, fuse="silu_mul")
+        return torch.ops.nvfly.moe_unpermute(torch.ops.nvfly.grouped_mm(h, w2.mT, offs), slots, weights)
+    gen = torch.Generator().manual_seed(13)
+    t, h, inter, e = 12, 16, 8, 6
+    weights = [torch.randn(e, h, generator=gen), torch.randn(e, 2 * inter, h, generator=gen) / 4,
+               torch.randn(e, h, inter, generator=gen) / 3]
+    weights = [w.bfloat16().requires_grad_(grad) for w in weights]
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    with torch.set_grad_enabled(grad):
+        for _ in range(3):
+            x = torch.randn(t, h, generator=gen).bfloat16()
+            out = compiled(x, *weights)
+            assert torch.equal(out, layer(x, *weights))
+    assert counter.frame_count == 1
+    if grad:
+        out.float().sum().backward()
+        assert all(w.grad is not None for w in weights)
+
+
+def test_the_backward_pieces_ask_eligibility_once_per_layout(monkeypatch):
+    from nvfly.ops.moe import autograd
+    autograd._TAKEN.clear()
+    asked = []
+    real = moe_api.eligibility
+    monkeypatch.setattr(autograd.api, "eligibility", lambda *a: asked.append(len(a)) or real(*a))
+    gen = torch.Generator().manual_seed(14)
+    y = torch.randn(8, 4, generator=gen, requires_grad=True)
+    slots = torch.randperm(8, generator=gen)
+    w = torch.rand(4, 2, generator=gen, requires_grad=True)
+    for _ in range(3):
+        out = autograd.combine(y, slots, w)
+        torch.autograd.grad(out, (y, w), torch.ones_like(out))
+    assert sorted(asked) == [3, 3, 3]  # forward (y, slots, w), y's and w's gradients: once each
+
+
+def test_the_layer_pieces_decline_what_the_kernels_do_not_take_on_fake_cuda_tensors():
+    """``api.try_*``: None (the layer then computes on torch) where ``eligibility`` declines, here strided rows."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        strided = torch.empty_strided((16, 32), (64, 2), dtype=torch.bfloat16, device="cuda")
+        slots = torch.empty(16, dtype=torch.int64, device="cuda")
+        weights = torch.empty(8, 2, dtype=torch.float32, device="cuda")
+        assert moe_api.try_combine(strided, slots, weights) is None
+        x = torch.empty_strided((8, 32), (64, 2), dtype=torch.bfloat16, device="cuda")
+        assert moe_api.try_dispatch(x, slots, 2) is None

@@ -33,7 +33,7 @@ from nvfly.ops.gemm.config import GemmConfig
 from nvfly.ops.grouped.plan import deepest
 from nvfly.runtime import driver
 from nvfly.torch.gemm_ops import AUTO, Decision, decisions, decode_config, encode_config, record
-from nvfly.torch.library import operator, register_fake
+from nvfly.torch.library import operator, register_autograd, register_fake
 
 log = logging.getLogger("nvfly")
 
@@ -243,7 +243,7 @@ def _backward(ctx: Any, grad: Tensor) -> tuple:
     return grad_a, grad_b, None
 
 
-torch.library.register_autograd("nvfly::grouped_mm", _backward, setup_context=_setup)
+register_autograd("grouped_mm", _backward, setup_context=_setup)
 
 
 # ---------------------------------------------------------------------------------------------- explain

@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 
 from nvfly.ops import moe
-from nvfly.ops.common.opcall import named
+from nvfly.ops.common.opcall import named, renamed
 from nvfly.ops.moe.autograd import (combine_backward_weights, combine_backward_y, dispatch_backward,
                                     route_backward)
-from nvfly.torch.library import operator, register_fake
+from nvfly.torch.library import operator, register_autograd, register_fake
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -70,28 +70,36 @@ def _check_unpermute(y: Tensor, slots: Tensor, weights: Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- operators
+# The implementations check their arguments without ``named``'s context manager (a µs a call on a host-bound
+# layer) and call the pieces' ``eager_*`` forms: Dynamo never enters an operator's implementation.
 @operator("moe_route")
 def moe_route(logits: Tensor, top_k: int, renormalize: bool = True) -> tuple[Tensor, Tensor]:
     """(routing weights [T, top_k] float32, expert ids [T, top_k] int64) of router ``logits`` [T, E]."""
-    with named("nvfly::moe_route"):
+    try:
         _check_route(logits, top_k)
-    return moe.route(logits, top_k, renormalize)
+    except (TypeError, ValueError) as exc:
+        raise renamed("nvfly::moe_route", exc) from None
+    return moe.eager_route(logits, top_k, renormalize)
 
 
 @operator("moe_permute")
 def moe_permute(x: Tensor, ids: Tensor, experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """(rows [T * k, H] grouped by expert, the experts' ends int32 [E], slots int64 [T * k]) for ``ids`` [T, k]."""
-    with named("nvfly::moe_permute"):
+    try:
         _check_permute(x, ids, experts)
-    return moe.permute(x, ids, experts)
+    except (TypeError, ValueError) as exc:
+        raise renamed("nvfly::moe_permute", exc) from None
+    return moe.eager_permute(x, ids, experts)
 
 
 @operator("moe_unpermute")
 def moe_unpermute(y: Tensor, slots: Tensor, weights: Tensor) -> Tensor:
     """[T, H]: each token's rows of ``y`` at its ``slots`` weighted by ``weights`` [T, k], summed in float32."""
-    with named("nvfly::moe_unpermute"):
+    try:
         _check_unpermute(y, slots, weights)
-    return moe.unpermute(y, slots, weights)
+    except (TypeError, ValueError) as exc:
+        raise renamed("nvfly::moe_unpermute", exc) from None
+    return moe.eager_unpermute(y, slots, weights)
 
 
 @operator("moe_sum_rows")
@@ -176,6 +184,6 @@ def _unpermute_backward(ctx: Any, grad: Tensor) -> tuple:
     return grad_y, None, grad_weights
 
 
-torch.library.register_autograd("nvfly::moe_route", _route_backward, setup_context=_route_setup)
-torch.library.register_autograd("nvfly::moe_permute", _permute_backward, setup_context=_permute_setup)
-torch.library.register_autograd("nvfly::moe_unpermute", _unpermute_backward, setup_context=_unpermute_setup)
+register_autograd("moe_route", _route_backward, setup_context=_route_setup)
+register_autograd("moe_permute", _permute_backward, setup_context=_permute_setup)
+register_autograd("moe_unpermute", _unpermute_backward, setup_context=_unpermute_setup)

@@ -158,3 +158,34 @@ def test_layer_gradients_on_nvfly_shuffles_match_the_float32_layer(tokens, hidde
         assert err < 3e-2, f"{name}: relative error {err:.2e}"
     if tokens == 256:  # the unused experts' weights get exactly zero gradient
         assert not got[2][experts // 2:].any() and not got[3][experts // 2:].any()
+
+
+@pytest.mark.parametrize("tokens", [64, 300])
+def test_the_operator_layer_without_grad_and_compiled_runs_nvflys_kernels_and_matches_the_layer(tokens):
+    """The layer on ``torch.ops.nvfly.*`` under no_grad (the operators' direct path, ``register_autograd``), eager
+    and under torch.compile (default: Inductor), equals ``nvfly.ops.moe.moe`` from the same logits bit for bit (the
+    same kernels), its pieces ran on nvfly (no Declined signature), and new routings reuse the compiled graph."""
+    import nvfly.torch  # noqa: F401
+    import torch._dynamo
+    from nvfly.ops.common.opcall import Declined
+    experts, hidden, inter, top_k = 32, 512, 128, 4
+    router = (torch.randn(experts, hidden, device="cuda") / hidden ** 0.5).bfloat16()
+    w13 = (torch.randn(experts, 2 * inter, hidden, device="cuda") / hidden ** 0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, device="cuda") / inter ** 0.5).bfloat16()
+
+    def layer(x, logits, w13, w2):
+        weights, ids = torch.ops.nvfly.moe_route(logits, top_k)
+        rows, offs, slots = torch.ops.nvfly.moe_permute(x, ids, experts)
+        h = torch.ops.nvfly.grouped_mm(rows, w13.mT, offs, fuse="silu_mul")
+        return torch.ops.nvfly.moe_unpermute(torch.ops.nvfly.grouped_mm(h, w2.mT, offs), slots, weights)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+            logits = x.float() @ router.float().mT
+            want = moe.moe(x, router, w13, w2, top_k, logits=logits)
+            assert torch.equal(layer(x, logits, w13, w2), want)
+            assert torch.equal(compiled(x, logits, w13, w2), want)
+    for calls in (moe_api._ROUTE_TAKEN, moe_api._SORT_TAKEN, moe_api._DISPATCH_TAKEN, moe_api._COMBINE_TAKEN):
+        assert len(calls) and not any(type(c) is Declined for c in calls.values())

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Optional
 
-from nvfly.ops.common.opcall import OpCalls
+from nvfly.ops.common.opcall import Declined, OpCalls
 from nvfly.ops.moe.kernels import (moe_combine_kernel, moe_dispatch_kernel, moe_route_kernel, moe_slot_dot_kernel,
                                    moe_sort_kernel)
 from nvfly.runtime.torch_args import layout_key, vector_width
@@ -185,6 +185,21 @@ def _planned(calls: OpCalls[_Shuffle], op: str, make: Any, *args: Any) -> _Shuff
     return calls.plan(op, key, make, *args) if call is None else call
 
 
+def _planned_if_taken(calls: OpCalls[Any], op: str, make: Any, tensors: tuple, *args: Any) -> Optional[_Shuffle]:
+    """``_planned``, or None where the kernels decline ``tensors`` (``eligibility``): both decided on a signature's
+    first call (a decline remembered as ``Declined``), so the hot path is one key and one lookup."""
+    try:
+        key = tuple(layout_key(a) if hasattr(a, "data_ptr") else (a, type(a)) for a in args)
+        call = calls.get(key)
+    except Exception:  # noqa: BLE001 - not tensors: the checks explain
+        key = call = None
+    if call is None:
+        reason = eligibility(*tensors)
+        call = Declined(reason) if reason else calls.plan(op, None, make, *args)
+        calls.remember(key, call)
+    return None if type(call) is Declined else call
+
+
 def _plan(kernel: Any, rows: int, blocks: int, h: int, top_k: int, vec: int, *flags: bool,
           whole_rows: bool = False) -> _Shuffle:
     """A block per row (``whole_rows``: walking the row) or per row and column block."""
@@ -242,8 +257,11 @@ def route(logits: "torch.Tensor", top_k: int, renormalize: bool = True
     """(weights float32 [T, top_k], expert ids int64 [T, top_k]) of router ``logits`` [T, E]: the top_k experts of
     each token in order (ties: the lower expert first) and their softmax probabilities over the E experts, or
     renormalised to sum to 1 over the top_k (``renormalize``)."""
+    return _route(_planned(_ROUTE, ROUTE, _plan_route, logits, top_k, bool(renormalize)), logits)
+
+
+def _route(call: _Shuffle, logits: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
     import torch
-    call = _planned(_ROUTE, ROUTE, _plan_route, logits, top_k, bool(renormalize))
     weights = torch.empty((call.rows, call.h), dtype=torch.float32, device=logits.device)
     ids = torch.empty((call.rows, call.h), dtype=torch.int64, device=logits.device)
     if call.launch is not None:
@@ -254,8 +272,11 @@ def route(logits: "torch.Tensor", top_k: int, renormalize: bool = True
 def sort_by_expert(ids: "torch.Tensor", experts: int) -> tuple["torch.Tensor", "torch.Tensor"]:
     """(order int32 [n]: the routing slots (flat indices of ``ids``) grouped by expert, in no fixed order within an
     expert; offs int32 [experts]: the experts' cumulative ends in ``order``) for expert ``ids`` in [0, experts)."""
+    return _sort(_planned(_SORT, SORT, _plan_sort, ids, experts), ids)
+
+
+def _sort(call: _Shuffle, ids: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
     import torch
-    call = _planned(_SORT, SORT, _plan_sort, ids, experts)
     order = torch.empty(call.rows, dtype=torch.int32, device=ids.device)
     offs = torch.empty(call.h, dtype=torch.int32, device=ids.device)
     call.launch.launch(ids, order, offs, *call.scalars)
@@ -265,8 +286,11 @@ def sort_by_expert(ids: "torch.Tensor", experts: int) -> tuple["torch.Tensor", "
 def dispatch(x: "torch.Tensor", order: "torch.Tensor", top_k: int) -> tuple["torch.Tensor", "torch.Tensor"]:
     """(rows [T * top_k, H]: ``rows[i] = x[order[i] // top_k]``, slots [T * top_k] int64: ``slots[order[i]] = i``)
     for ``order``, a permutation of the T * top_k routing slots (e.g. sorted by expert)."""
+    return _dispatch(_planned(_DISPATCH, DISPATCH, _plan_dispatch, x, order, top_k), x, order)
+
+
+def _dispatch(call: _Shuffle, x: "torch.Tensor", order: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
     import torch
-    call = _planned(_DISPATCH, DISPATCH, _plan_dispatch, x, order, top_k)
     rows = torch.empty((call.rows, call.h), dtype=x.dtype, device=x.device)
     slots = torch.empty(call.rows, dtype=torch.int64, device=x.device)
     if call.launch is not None:
@@ -302,12 +326,52 @@ def combine(y: "torch.Tensor", slots: "torch.Tensor", weights: Optional["torch.T
     """[T, H] in y's dtype: ``out[t] = sum_j weights[t, j] * y[slots[t * top_k + j]]`` in float32, for ``y``
     [T * top_k, H] (a routing slot's expert row at ``slots[slot]``) and float32 routing ``weights`` [T, top_k];
     ``weights`` None: the plain sum of each token's ``top_k`` rows (the dispatch's gradient)."""
-    import torch
     call = _planned(_COMBINE, COMBINE, _plan_combine, y, slots, weights, top_k if weights is None else None)
+    return _combine(call, y, slots, weights)
+
+
+def _combine(call: _Shuffle, y: "torch.Tensor", slots: "torch.Tensor", weights: Optional["torch.Tensor"]
+             ) -> "torch.Tensor":
+    import torch
     out = torch.empty((call.rows, call.h), dtype=y.dtype, device=y.device)
     if call.launch is not None:
         call.launch.launch(y, slots, y if weights is None else weights, out, *call.scalars)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- where taken
+# The layer's forward (``nvfly.ops.moe``): each call on the kernels where they take its tensors, else None (the
+# caller computes it on torch), the eligibility decided with the plan, once per signature.
+_ROUTE_TAKEN: OpCalls[Any] = OpCalls()
+_SORT_TAKEN: OpCalls[Any] = OpCalls()
+_DISPATCH_TAKEN: OpCalls[Any] = OpCalls()
+_COMBINE_TAKEN: OpCalls[Any] = OpCalls()
+
+
+def try_route(logits: "torch.Tensor", top_k: int, renormalize: bool = True
+              ) -> Optional[tuple["torch.Tensor", "torch.Tensor"]]:
+    """``route``, or None where the kernels decline ``logits``."""
+    call = _planned_if_taken(_ROUTE_TAKEN, ROUTE, _plan_route, (logits,), logits, top_k, bool(renormalize))
+    return None if call is None else _route(call, logits)
+
+
+def try_sort_by_expert(ids: "torch.Tensor", experts: int) -> Optional[tuple["torch.Tensor", "torch.Tensor"]]:
+    """``sort_by_expert``, or None where the kernels decline ``ids``."""
+    call = _planned_if_taken(_SORT_TAKEN, SORT, _plan_sort, (ids,), ids, experts)
+    return None if call is None else _sort(call, ids)
+
+
+def try_dispatch(x: "torch.Tensor", order: "torch.Tensor", top_k: int
+                 ) -> Optional[tuple["torch.Tensor", "torch.Tensor"]]:
+    """``dispatch``, or None where the kernels decline x or ``order``."""
+    call = _planned_if_taken(_DISPATCH_TAKEN, DISPATCH, _plan_dispatch, (x, order), x, order, top_k)
+    return None if call is None else _dispatch(call, x, order)
+
+
+def try_combine(y: "torch.Tensor", slots: "torch.Tensor", weights: "torch.Tensor") -> Optional["torch.Tensor"]:
+    """``combine`` (weighted), or None where the kernels decline the tensors."""
+    call = _planned_if_taken(_COMBINE_TAKEN, COMBINE, _plan_combine, (y, slots, weights), y, slots, weights, None)
+    return None if call is None else _combine(call, y, slots, weights)
 
 
 # ---------------------------------------------------------------------------------------------- references

@@ -20,11 +20,26 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.moe import api
+from nvfly.runtime.torch_args import layout_key
+
+
+# the tensors' layouts -> whether the kernels take them (``api.eligibility`` reads nothing else): the backward
+# pieces run once or more per layer call, and the checks cost more host time than a lookup
+_TAKEN: OpCalls[bool] = OpCalls()
 
 
 def _on_nvfly(*tensors: torch.Tensor) -> bool:
-    return api.eligibility(*tensors) is None
+    try:
+        key = tuple([layout_key(t) for t in tensors])
+        taken = _TAKEN.get(key)
+    except Exception:  # noqa: BLE001 - not tensors: asked every time (the eligibility explains)
+        key = taken = None
+    if taken is None:
+        taken = api.eligibility(*tensors) is None
+        _TAKEN.remember(key, taken)
+    return taken
 
 
 def _pick(fast: Callable[..., Any], reference: Callable[..., Any], *tensors: torch.Tensor) -> Callable[..., Any]:

@@ -559,7 +559,7 @@ def test_explain_describes_scaled_gemms(capsys):
     out = capsys.readouterr().out
     assert "scaled-block-promoted: 64x32 tile on 128 blocks" in out and "routing" in out
     assert main(["explain", "8", "4096", "7168", "--scaled", "row", "--fast-accum"]) == 0
-    assert "scaled-row-swapAB-splitK2: 64x8 tile" in capsys.readouterr().out
+    assert "scaled-row-swapAB-splitK2-fixup: 64x8 tile" in capsys.readouterr().out
     assert main(["explain", "4096", "4096", "4096", "--scaled", "mxfp4"]) == 0
     out = capsys.readouterr().out
     assert "scaled-mxfp4-promoted: 128x128 tile" in out and "swizzled layout" in out

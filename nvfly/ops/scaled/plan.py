@@ -34,9 +34,9 @@ WIDE_PROMOTED = ("tensor", "row")
 # most SPLIT_MAX splits
 SPLIT_MIN_K_TILES = 4
 SPLIT_MAX = 16
-# whether the heuristic's K splits add up in the kernel (ScaledConfig.split_fix_up: one launch) or in the reduce
-# kernel (two): the two-launch path until the H200 times both (benchmarks.scaled's "fixup" columns)
-SPLIT_FIX_UP = False
+# the heuristic's K splits add up in the kernel (ScaledConfig.split_fix_up: one launch), not in the reduce kernel
+# (two): the second launch costs far more host time than the fix-up costs on the GPU (docs/ops/scaled.md)
+SPLIT_FIX_UP = True
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ from nvfly.ops.attention.api import reference
 from nvfly.ops.common import scratch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from tests.dispatched import dispatched
+
 
 # ---------------------------------------------------------------------------------------------- split heuristic
 def slots_of(plan):
@@ -655,14 +657,7 @@ def test_a_block_mask_signature_checks_and_plans_once(counted_host):
     attention.decode(q, k, v, block_mask=masks[0], validate=False)
     assert counts == {"check": 2, "scales": 1, "plan": 1, "full": 1}  # the mask's checks need the capacity
     launches.clear()
-    ops = []
-
-    class Counting(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-    with Counting():
-        attention.decode(q, k, v, block_mask=masks[1], validate=False)
+    ops, _ = dispatched(lambda: attention.decode(q, k, v, block_mask=masks[1], validate=False))
     assert ops == ["aten.empty.memory_format"]  # out
     assert counts == {"check": 2, "scales": 1, "plan": 1, "full": 1} and len(api._CALLS) == 1
     plan = P.decode_plan(2, 1, 2, 4, 64, 64, 1024, 132, kv_block=128)
@@ -701,14 +696,7 @@ def test_heads_first_binding_launches_as_the_decode_layout(cpu_launches, masked)
         out, lse = layout(q, k, v, 0.125, mask)
         want = list(cpu_launches)
         cpu_launches.clear()
-        ops = []
-
-        class Counting(torch.utils._python_dispatch.TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                ops.append(str(func))
-                return func(*args, **(kwargs or {}))
-        with Counting():
-            out_h, lse_h = heads_first(*heads, 0.125, mask)
+        ops, (out_h, lse_h) = dispatched(lambda: heads_first(*heads, 0.125, mask))
         assert (call == 0) == ("aten.transpose.int" in ops)
         ours = {out.data_ptr(): out_h.data_ptr(), lse.data_ptr(): lse_h.data_ptr()}
         assert cpu_launches == [(name, grid, tuple(ours.get(p, p) for p in params)) for name, grid, params in want]

@@ -16,6 +16,7 @@ import nvfly.torch
 from nvfly.ops import attention
 from nvfly.torch import flex_ops as F
 from nvfly.torch.gemm_ops import clear_decisions, decisions
+from tests.dispatched import dispatched
 
 bf = torch.bfloat16
 SLOPES = torch.rand(4) + 0.1
@@ -565,18 +566,6 @@ def op_host(recorded_launches, monkeypatch):
     api._CALLS.clear()
 
 
-def _dispatched(fn):
-    """(the torch operations ``fn()`` dispatches, its result): a mode sees an op, not what its kernel calls."""
-    ops = []
-
-    class Counting(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            ops.append(str(func))
-            return func(*args, **(kwargs or {}))
-    with Counting():
-        result = fn()
-    return ops, result
-
 
 def _decode_qkv(dtype=bf, hq=8, skv=1024, d=64):
     return tuple(torch.randn(1, h, s, d).to(dtype) for h, s in ((hq, 1), (2, skv), (2, skv)))
@@ -596,7 +585,7 @@ def test_op_plans_once_per_signature_and_binds_each_call(op_host):
     launches.clear()
     second = _decode_qkv()
     [signature] = C._SIGNATURES.values()
-    ops, [out2] = _dispatched(lambda: signature.run(*second, (None,) * 4, [], [], 0.125))  # the op's body
+    ops, [out2] = dispatched(lambda: signature.run(*second, (None,) * 4, [], [], 0.125))  # the op's body
     assert ops == ["aten.empty_strided.default"]  # no transposes, no unread LSE
     assert planned == [bf] and len(C._SIGNATURES) == 1  # no new check, plan or signature
     assert out2.shape == out.shape and out2.stride() == out.stride()
@@ -624,7 +613,7 @@ def test_op_binds_mods_and_block_mask_tables(op_host):
         assert all(t.data_ptr() in decode_params for t in (q, k, v, out))
     [signature] = C._SIGNATURES.values()
     assert planned == [bf] and not signature.failed and not signature.plain
-    ops, _ = _dispatched(lambda: signature.run(q, k, v, tables, [], [], 0.125))
+    ops, _ = dispatched(lambda: signature.run(q, k, v, tables, [], [], 0.125))
     assert "aten.transpose.int" not in ops
 
 

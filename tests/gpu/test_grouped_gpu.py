@@ -107,13 +107,7 @@ def test_forward_variants_many_tiles_a_block(hopper, name):
 @pytest.mark.parametrize("name", FORWARD_VARIANTS)
 @pytest.mark.parametrize("b_major", ["MN", "K"])
 def test_forward_variants_masked(hopper, b_major, name):
-    e, mmax, k, n = 6, 200, 192, 160
-    counts = torch.tensor([0, 1, 64, 200, 130, 250], dtype=torch.int32).cuda()  # 250: clamped to Mmax
-    a = torch.randn(e, mmax, k, device="cuda").to(torch.bfloat16)
-    b = weights(e, k, n, b_major)
-    out = torch.full((e, mmax, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    grouped.grouped_mm_masked(a, b, counts, out=out, config=forward_variant(name, e, "masked", b_major))
-    check(out, grouped.reference(a, b, counts.clamp_max(mmax), masked=True))
+    check_masked(b_major, forward_variant(name, MASKED_EXPERTS, "masked", b_major))
 
 
 @pytest.mark.parametrize("name", ["tma-store", "256x128-tma", "pingpong-tma", "cluster2n", "cluster2n-tma"])
@@ -186,7 +180,15 @@ def test_many_groups(hopper, groups):
 @pytest.mark.parametrize("config", [None, SMALL, NARROW], ids=["heuristic", "64x128", "128x128"])
 @pytest.mark.parametrize("b_major", ["MN", "K"])
 def test_masked(hopper, b_major, config):
-    e, mmax, k, n = 6, 200, 192, 160
+    check_masked(b_major, config)
+
+
+MASKED_EXPERTS = 6
+
+
+def check_masked(b_major, config):
+    """The masked layout on 6 experts with counts 0, 1, a partial tile, full, and one past the capacity."""
+    e, mmax, k, n = MASKED_EXPERTS, 200, 192, 160
     counts = torch.tensor([0, 1, 64, 200, 130, 250], dtype=torch.int32).cuda()  # 250: clamped to Mmax
     a = torch.randn(e, mmax, k, device="cuda").to(torch.bfloat16)
     b = weights(e, k, n, b_major)

@@ -1,6 +1,7 @@
 """The scaled (FP8) GEMM kernel's configs and epilogue options. Pure Python: plans, tests and the kernel read them."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -12,6 +13,25 @@ MX_BLOCK = 32      # OCP MX: an e8m0 scale per 32 elements along K, i.e. per fp8
 SCALINGS = ("tensor", "row", "block", "block1x128", "mxfp8", "mxfp4")
 MX = ("mxfp8", "mxfp4")  # e8m0 scales per 32 of K for both operands, promoted every k-step (mxfp4: e2m1 weights)
 BLOCKWISE = ("block", "block1x128") + MX  # scales applied in the mainloop
+# block scales: a tile's columns in runs that each lie in one 128x128 weight block, at most this many runs a tile
+# (each run's scale times each row's, 2 x runs registers per 64 rows)
+MOST_WEIGHT_RUNS = 8
+
+
+def weight_runs(bn: int) -> int:
+    """Runs of a bn-wide tile's columns that each lie in one SCALE_BLOCK-wide weight block: tiles start at multiples
+    of bn, so runs of gcd(bn, SCALE_BLOCK) columns never straddle a block edge (1: the tile lies in one block; 3 for
+    192 = 3 x 64; 5 for 160 = 5 x 32)."""
+    return bn // math.gcd(bn, SCALE_BLOCK)
+
+
+def weight_scales_reason(bn: int) -> Optional[str]:
+    """None if bn-wide tiles can take 128x128 weight-block scales (``weight_runs``), else why not."""
+    if weight_runs(bn) > MOST_WEIGHT_RUNS:
+        return (f"bn={bn}: with 128x128 weight blocks the tile's columns fall in {weight_runs(bn)} runs of "
+                f"gcd(bn, 128) = {math.gcd(bn, SCALE_BLOCK)} (at most {MOST_WEIGHT_RUNS}: bn dividing 128, or e.g. "
+                f"96, 112, 160, 192, 224, 256)")
+    return None
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from nvfly.ops.common.gemm_config import ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER
 from nvfly.ops.common.mainloop import (consume_k_blocks, init_ring, issue_k_block, load_boxes, produce_tiles,
                                        promote_k_blocks)
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
-from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK
+from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK, weight_runs
 
 PARTIAL = Epilogue(partial=True)
 STAGED = Epilogue()  # the TMA-store epilogue stages values already scaled (``scaled_values``)
@@ -259,14 +259,20 @@ def convert_packed_b(tile, thread, BN, WGS):
 
 
 def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a_group=None, b_group=None) -> list:
-    """The k-block's promotion scales for the thread's elements: block, one per row pair (sa[row, kt] * sb[column
-    block, kt]); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0 bytes decoded), the rows' sa then
+    """The k-block's promotion scales for the thread's elements: block, one per row and run of the tile's columns
+    (sa[row, kt] * sb[the run's column block, kt], row-major: ``weight_runs`` runs, each in one weight block; reads
+    of a run past n clamped to the last block); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0 bytes decoded), the rows' sa then
     the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none (applied in the epilogue).
     ``a_group``/``b_group``: the group whose scales a batched (3-D) scale_a/scale_b holds first (None: 2-D)."""
     rows = [nvfly.minimum(row0 + 64 * i + 8 * h, m - 1) for i in range(ATOMS_M) for h in range(2)]
     if EPI.scaling == "block":
-        sb = batched(scale_b, b_group, col0 // SCALE_BLOCK, kt)  # the tile's columns lie in one block
-        return [batched(scale_a, a_group, row, kt) * sb for row in rows]
+        runs = weight_runs(BN)
+        width = BN // runs
+        # col0 is the tile's first column plus at most 6, inside its first run; a one-run tile starts inside n
+        sbs = [batched(scale_b, b_group, col0 // SCALE_BLOCK if runs == 1 else
+                       nvfly.minimum((col0 + width * r) // SCALE_BLOCK, (n - 1) // SCALE_BLOCK), kt)
+               for r in range(runs)]
+        return [batched(scale_a, a_group, row, kt) * sb for row in rows for sb in sbs]
     if EPI.scaling in MX:  # e8m0 bytes; a K tail's zero-filled k-steps take the last step's scales
         kt = nvfly.minimum(kt, scale_a.shape[1] - 1)
         b_factor = 64.0 if EPI.scaling == "mxfp4" else 1.0  # converted e2m1 is e4m3 times 2^-6
@@ -291,15 +297,25 @@ def fenced(part: list) -> list:
 
 
 def promote(sums: list, part: list, scales: list, ATOMS_M: int, EPI) -> list:
-    """sums + part, each element times its promotion scales (``promotion_scales``)."""
+    """sums + part, each element times its promotion scales (``promotion_scales``), one FFMA an element: block,
+    element 4j + 2h + c times row h's product with its column run's (``scale_index``); block1x128 and MX, times
+    the row's scale times the column's."""
     if EPI.scaling == "block":
-        return [sums[i].map(lambda v, e, i=i: v + part[i][e] * scales[2 * i + (e // 2) % 2]) for i in range(ATOMS_M)]
+        runs = len(scales) // (2 * ATOMS_M)
+        return [sums[i].map(lambda v, e, i=i: nvfly.fma(part[i][e], scales[scale_index(i, e, runs, sums[i].n)], v))
+                for i in range(ATOMS_M)]
     if EPI.scaling == "block1x128" or EPI.scaling in MX:
         rows = 2 * ATOMS_M
-        return [sums[i].map(lambda v, e, i=i: v + part[i][e] * (scales[2 * i + (e // 2) % 2]
-                                                                 * scales[rows + 2 * (e // 4) + e % 2]))
+        return [sums[i].map(lambda v, e, i=i: nvfly.fma(part[i][e], scales[2 * i + (e // 2) % 2]
+                                                        * scales[rows + 2 * (e // 4) + e % 2], v))
                 for i in range(ATOMS_M)]
     return [sums[i].map(lambda v, e, i=i: v + part[i][e]) for i in range(ATOMS_M)]
+
+
+def scale_index(atom_i: int, e: int, runs: int, bn: int) -> int:
+    """Block scales: the index in ``promotion_scales``' list (row-major, ``runs`` per row) of accumulator element e of
+    64-row atom ``atom_i`` (row 8h, column 8j + c of the thread's: e = 4j + 2h + c)."""
+    return (2 * atom_i + (e // 2) % 2) * runs + 8 * (e // 4) // (bn // runs)
 
 
 def row_terms(scale_a, bias, row0, m, alpha, ATOMS_M, EPI, MASKED) -> tuple:

@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from nvfly.ops.common.gemm_config import store_box
 from nvfly.ops.common.scheduler import StreamK, grid_schedule, split_count
-from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilogue, deepest
+from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilogue, deepest, weight_scales_reason
 
 SWAP_MAX_M = 64
 FILL = 0.8  # token tiles: the widest whose tiles still fill this share of the SMs
@@ -135,9 +135,8 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     why = config.check(epilogue.promote)
     if why:
         raise ValueError(f"config: {why}")
-    if epilogue.scaling == "block" and 128 % config.bn:
-        raise ValueError(f"config: bn={config.bn}: with 128x128 weight blocks a tile's columns must lie in one "
-                         f"block (bn divides 128)")
+    if epilogue.scaling == "block" and weight_scales_reason(config.bn):
+        raise ValueError(f"config: {weight_scales_reason(config.bn)}")
     if config.issue_ahead and epilogue.scaling == "block1x128":
         raise ValueError("config: issue_ahead with block1x128 scales: two k-blocks' column scales next to three "
                          "accumulators spill")

@@ -354,6 +354,20 @@ def test_benchmark_times_the_small_m_reductions(monkeypatch):
     assert set(bench.alternative_configs(64, 2112, 7168, "block", False)) == {other, "streamk"}  # split in two
 
 
+def test_wide_block_tiles_plan_in_order(monkeypatch):
+    """With block scales among WIDE_PROMOTED (the switch should 128 x 192 measure faster) the heuristic widens block
+    tiles to 192 where its waves take less time, in order (three 64 x 192 accumulators do not fit); elsewhere
+    128 x 128 still issues ahead."""
+    from nvfly.ops.scaled import plan as plans
+    block = ScaledEpilogue("block", True)
+    assert make_plan(4096, 2112, 7168, block, None, None, 132).config.bn == 128  # the shipped default
+    monkeypatch.setattr(plans, "WIDE_PROMOTED", plans.WIDE_PROMOTED + ("block",))
+    wide = make_plan(4096, 2112, 7168, block, None, None, 132).config  # 3 waves x 192 against 5 x 128
+    assert (wide.bn, wide.issue_ahead, wide.tma_store) == (192, False, True) and wide.check(promote=True) is None
+    narrow = make_plan(4096, 7168, 7168, block, None, None, 132).config  # 10 waves x 192 against 14 x 128
+    assert (narrow.bn, narrow.issue_ahead) == (128, True)
+
+
 def test_benchmark_times_the_block_tiles(monkeypatch):
     """benchmarks.scaled --block-tiles times the block plan (128 x 128, issuing ahead) beside its in-order mainloop
     and the tiles over several weight blocks, each a config the plan takes; nothing for other recipes."""

@@ -28,7 +28,8 @@ from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilo
 SWAP_MAX_M = 64
 FILL = 0.8  # token tiles: the widest whose tiles still fill this share of the SMs
 # promoted 128-row tiles up to 192 wide (64 x 192 per consumer: 96 + 96 accumulator registers) for these scalings;
-# block scales keep a tile's columns in one 128-wide weight block, block1x128 and MX hold column scales besides
+# block1x128 and MX hold column scales besides. Block scales can (three 64-column runs, each in one weight block:
+# config.weight_runs), in order (no third accumulator), timed by benchmarks.scaled --block-tiles ("block192")
 WIDE_PROMOTED = ("tensor", "row")
 # small M splits K while the tiles fill at most half the SMs: each split at least SPLIT_MIN_K_TILES k-blocks, at
 # most SPLIT_MAX splits
@@ -122,7 +123,9 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
         epilogue = ScaledEpilogue(epilogue.scaling, epilogue.promote, epilogue.bias, bias_rows=epilogue.bias)
     if config is None:
         config = heuristic_config(m, n, k, epilogue.promote, swap, sms, epilogue.scaling)
-        if epilogue.scaling == "block":  # k-block k+1's wgmmas issued before k's promotion: faster on every block row
+        # block scales issue k-block k+1's wgmmas before k's promotion (faster on every block row measured) where
+        # the third accumulator fits (not 128 x 192: a WIDE_PROMOTED block tile runs in order)
+        if epilogue.scaling == "block" and replace(config, issue_ahead=True).check(promote=True) is None:
             config = replace(config, issue_ahead=True)
         if epilogue.scaling == "mxfp4":  # B's packed tile rides every stage too: as deep a ring as still fits
             config = deepest(replace(config, packed_b=True), most=config.stages)

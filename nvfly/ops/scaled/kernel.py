@@ -13,8 +13,9 @@ Two mainloops (``ScaledEpilogue.promote``):
 - accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's
   mainloop: ``nvfly.ops.common.mainloop.consume_k_blocks``), the fastest and torch's ``use_fast_accum=True``;
 - promote (DeepGEMM's scheme, the accuracy DeepSeek-V3 needs): each k-block of 128 is issued into a fresh
-  accumulator, waited for, and added into an fp32 sum, scaled first by sa[row, kb] * sb[n-block, kb] for the block
-  recipe (1x128 activations x 128x128 weights). The tensor core's accumulator then never sums more than 128
+  accumulator, waited for, and added into an fp32 sum with one FFMA an element, times sa[row, kb] * sb[n-block, kb]
+  for the block recipe (1x128 activations x 128x128 weights; a tile wider than a weight block reads one sb per run
+  of gcd(bn, 128) columns). The tensor core's accumulator then never sums more than 128
   products (it keeps ~14 bits); the scale loads are issued under the wgmmas. Two consumer warpgroups overlap one's
   promotion with the other's wgmmas. With ``ScaledConfig.issue_ahead`` a consumer also issues k-block k+1 (into a
   second partial accumulator) before k's add, so that its own wgmmas run under its promotion. MX scales (an e8m0

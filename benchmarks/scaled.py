@@ -28,7 +28,9 @@ Writes benchmarks/results/<name>_h200.json (after every row) and <name>_h200.png
 Block-scaled tiles (``--block-tiles``, < 3 min): the block recipe at M in {4096, 16384} on DeepSeek-V3 and Llama-70B
 (N, K) weight shapes (``BLOCK_TILE_SHAPES``), no quantisation rows, the heuristic's plan (128 x 128, issuing ahead)
 beside "in_order" and the tiles over several 128-wide weight blocks: "block192" (128 x 192, in order: three 64 x 192
-accumulators do not fit), "block160" (in order) and "block112" (issuing ahead: 3 x 56 registers fit), e.g.
+accumulators do not fit), "block160" (in order) and "block112" (issuing ahead: 3 x 56 registers fit), and the
+activation scales staged in shared memory by the producer on the plan's tile ("staged") and on 192
+("block192_staged"), e.g.
 python -m benchmarks.scaled --block-tiles --no-triton --name scaled_block_tiles.
 
 MXFP4 weights x bf16 activations (``--a16``, its own suite, default name scaled_mxfp4_a16): rows M in {1, 4, 16, 64}
@@ -73,8 +75,11 @@ MX_RECIPES = ("mxfp8", "mxfp4")
 BLOCK_TILE_SHAPES = [(m, n, k) for m in (4096, 16384)
                      for n, k in ((2112, 7168), (24576, 1536), (7168, 16384), (7168, 2048),
                                   (10240, 8192), (8192, 8192), (8192, 28672))]
-# --block-tiles: block-scaled tiles over several weight blocks (name: (width, issue_ahead)), beside the plan's
-BLOCK_TILES = {"block192": (192, False), "block160": (160, False), "block112": (112, True)}
+# --block-tiles: the block plan's config with these fields (name: fields): tiles over several weight blocks, and
+# the activation scales staged by the producer (ScaledConfig.staged_scales) on the plan's tile and on 192
+BLOCK_TILES = {"block192": {"bn": 192, "issue_ahead": False}, "block160": {"bn": 160, "issue_ahead": False},
+               "block112": {"bn": 112, "issue_ahead": True}, "staged": {"staged_scales": True},
+               "block192_staged": {"bn": 192, "issue_ahead": False, "staged_scales": True}}
 # alternative_configs and small_m_alternatives
 ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead", "in_order", "fixup", "reduce") + tuple(BLOCK_TILES)
 QUICK_ALTERNATIVES = ("row", "row-fast", "block")  # the recipes --quick times them on (row-wise and block targets)
@@ -225,8 +230,8 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool,
         if scaling != "block" or plan.config.bm != 128:
             return {}
         configs = {"in_order": replace(plan.config, issue_ahead=False)}
-        for name, (width, issue_ahead) in BLOCK_TILES.items():
-            configs[name] = deepest(replace(plan.config, bn=width, issue_ahead=issue_ahead))
+        for name, fields in BLOCK_TILES.items():
+            configs[name] = deepest(replace(plan.config, **fields))
         return {name: (config, False) for name, config in configs.items()}
     configs = {}
     if plan.config.tma_store:

@@ -46,6 +46,7 @@ VARIANTS = [
     # block scales over several 128-wide weight blocks (runs of gcd(bn, 128) columns)
     (ScaledConfig(128, 192, 5, 2), ScaledEpilogue("block", True, bias=True)),
     (ScaledConfig(64, 96, 8, 1, split_k=2), ScaledEpilogue("block", True, partial=True)),
+    (ScaledConfig(64, 32, 8, 1, split_k=2, staged_scales=True), ScaledEpilogue("block", True, partial=True)),
 ]
 
 
@@ -82,6 +83,8 @@ TMA_STORE_VARIANTS = [
     (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("block", True)),
     (ScaledConfig(128, 160, 6, 2, tma_store=True), ScaledEpilogue("block", True)),
     (ScaledConfig(128, 112, 7, 2, tma_store=True, issue_ahead=True), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True, issue_ahead=True, staged_scales=True), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 192, 5, 2, tma_store=True, staged_scales=True), ScaledEpilogue("block", True)),
 ]
 
 
@@ -151,6 +154,40 @@ def test_block_scale_indexing_over_weight_blocks(bn, atoms_m, monkeypatch):
                     row, col = row0 + 64 * i + 8 * ((e // 2) % 2), col0 + 8 * (e // 4) + e % 2
                     if col < n:
                         assert scales[scale_index(i, e, runs, bn)] == (row + 1) * 1000 ** (col // 128), (tn, lane, e)
+
+
+@pytest.mark.parametrize("cfg", [ScaledConfig(128, 128, 6, 2, tma_store=True, issue_ahead=True),
+                                 ScaledConfig(128, 192, 5, 2, tma_store=True)], ids=lambda c: f"{c.bn}")
+def test_staged_scales_come_from_shared_memory(cfg):
+    """ScaledConfig.staged_scales: each stage also holds the tile rows' 1x128 activation scales (a 1024-byte slot
+    behind the operands; TMA brings 4 bm bytes), the producer loads three boxes a k-block (A, B, the scales), and the
+    consumers read sa with shared loads: fewer global loads than the same kernel reading sa from global."""
+    staged = replace(cfg, staged_scales=True)
+    assert staged.stage_bytes == cfg.stage_bytes + 1024 and staged.load_bytes == cfg.load_bytes + 4 * cfg.bm
+    assert staged.stage_bytes % 1024 == 0 and staged.scales_offset == cfg.stage_bytes
+    epi = ScaledEpilogue("block", True)
+    plain, mine = compile_variants([(cfg, epi), (staged, epi)])
+    check_kernel(mine, f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3")
+    assert mine.count("LDS") >= 2 and plain.count("LDS") == 0
+    assert mine.count("LDG") <= plain.count("LDG") - 2
+    assert mine.count("UTMALDG") % 3 == 0 and plain.count("UTMALDG") % 2 == 0
+
+
+def test_staged_scales_plans_and_fallback():
+    """Only block scales stage (unswapped); scale_a TMA cannot load (not M-contiguous, a column not at 16 bytes) is
+    read from global instead (``staged_scales_reason``); the grouped kernel takes no staged scales."""
+    from nvfly.ops.scaled.api import staged_scales_reason
+    from nvfly.ops.scaled.grouped_plan import fits
+    staged = ScaledConfig(128, 128, 6, 2, staged_scales=True)
+    assert make_plan(4096, 4096, 4096, ScaledEpilogue("block", True), staged, None, 132).config.staged_scales
+    with pytest.raises(ValueError, match="^config: staged_scales: .* not row"):
+        make_plan(4096, 4096, 4096, ScaledEpilogue("row", True), staged, None, 132)
+    with pytest.raises(ValueError, match="^config: staged_scales: .* not block1x128"):
+        make_plan(4096, 4096, 4096, ScaledEpilogue("block1x128", True), staged, None, 132)
+    assert staged_scales_reason(torch.ones(32, 256).t(), 128) is None  # (M, K/128) = (256, 32), strides (1, 256)
+    assert "contiguous" in staged_scales_reason(torch.ones(256, 32), 128)  # strides (32, 1)
+    assert "16 bytes" in staged_scales_reason(torch.ones(32, 258).t(), 128)  # M = 258: columns 1032 bytes apart
+    assert "staged scales" in fits(staged, 8, ScaledEpilogue("block", True))
 
 
 def test_tma_store_config_and_plans():
@@ -378,8 +415,9 @@ def test_benchmark_times_the_block_tiles(monkeypatch):
         alternatives = bench.alternative_configs(m, n, k, "block", False, block_tiles=True)
         assert set(alternatives) == {"in_order"} | set(bench.BLOCK_TILES)
         for name, (cfg, swap) in alternatives.items():
-            assert not swap and cfg.bm == 128 and cfg.tma_store
-            assert (cfg.bn, cfg.issue_ahead) == (bench.BLOCK_TILES[name] if name in bench.BLOCK_TILES else (128, False))
+            fields = bench.BLOCK_TILES.get(name, {"issue_ahead": False})
+            assert not swap and cfg.bm == 128 and cfg.tma_store and cfg.bn == fields.get("bn", 128)
+            assert cfg.issue_ahead == fields.get("issue_ahead", True) and cfg.staged_scales == ("staged" in name)
             assert make_plan(m, n, k, ScaledEpilogue("block", True), cfg, False, 132).config == cfg
     assert bench.alternative_configs(4096, 7168, 2048, "row", False, block_tiles=True) == {}
 

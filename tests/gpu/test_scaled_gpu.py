@@ -113,8 +113,8 @@ def test_bias_fp32_and_configs(hopper, scaling):
 def test_block_scales_across_weight_blocks(hopper, out_dtype):
     """Block-scaled tiles wider than, or not aligned with, the 128x128 weight blocks (each run of gcd(bn, 128)
     columns reads its own block's scale): 128 x 192 (three 64-column runs over two blocks, in order, TMA store or
-    registers), 128 x 160 (32-column runs), 128 x 112 issuing ahead (16-column runs), 64 x 96 split K, and the plan's
-    own tile. Operands scaled by 2^-3 .. 2^3 per 128x128 block of the weight and per 1x128 block of the
+    registers), 128 x 160 (32-column runs), 128 x 112 issuing ahead (16-column runs), 64 x 96 split K, the plan's
+    own tile, and the producer-staged activation scales (ScaledConfig.staged_scales; at M = 327 the fallback). Operands scaled by 2^-3 .. 2^3 per 128x128 block of the weight and per 1x128 block of the
     activations, so that a run reading its neighbour's scale is off by up to 64x; tails in M (328), N (784: the last
     192-wide tile's third run starts past the last weight block) and K (1040)."""
     m, n, k = 328, 784, 1040
@@ -131,11 +131,23 @@ def test_block_scales_across_weight_blocks(hopper, out_dtype):
     configs = [None, ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledConfig(128, 192, 5, 2),
                ScaledConfig(128, 160, 6, 2, tma_store=True), ScaledConfig(128, 112, 7, 2, tma_store=True,
                                                                           issue_ahead=True),
-               ScaledConfig(64, 96, 8, 1, split_k=2)]
+               ScaledConfig(64, 96, 8, 1, split_k=2),
+               # the activation scales staged in shared memory by the producer (M = 328: TMA can load them)
+               ScaledConfig(128, 128, 6, 2, tma_store=True, issue_ahead=True, staged_scales=True),
+               ScaledConfig(128, 192, 5, 2, tma_store=True, staged_scales=True),
+               ScaledConfig(64, 32, 8, 1, split_k=2, staged_scales=True)]
     for config in configs:
         out = poisoned(m, n, out_dtype)
         scaled.scaled_mm(a, b, sa, sb, out_dtype=out_dtype, out=out, config=config)
         assert rel_error(out, ref) < TOL[out_dtype], config
+        if config is not None and config.staged_scales:
+            assert "-staged" in scaled.path(a, b, sa, sb, out_dtype=out_dtype, config=config)
+    # M = 327: scale_a's k-block columns 1308 bytes apart, which TMA cannot load: the scales come from global
+    out = poisoned(m - 1, n, out_dtype)
+    a1, sa1 = quantize(x[:-1], "1x128")
+    scaled.scaled_mm(a1, b, sa1, sb, out_dtype=out_dtype, out=out, config=configs[-2])
+    assert rel_error(out, scaled.reference(a1, b, sa1, sb)) < TOL[out_dtype]
+    assert "-staged" not in scaled.path(a1, b, sa1, sb, out_dtype=out_dtype, config=configs[-2])
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row", "block"])

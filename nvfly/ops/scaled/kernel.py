@@ -35,6 +35,7 @@ import functools
 import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.floats import convert_shared_e2m1x32, e8m0_to_f32
+from nvfly.arch.memory import load_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import check_store_descriptor, fix_up, stage_tile, store_tile
 from nvfly.ops.common.gemm_config import ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
@@ -48,7 +49,7 @@ STAGED = Epilogue()  # the TMA-store epilogue stages values already scaled (``sc
 
 
 @nvfly.kernel
-def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, out_desc,
+def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, out_desc, sa_desc,
                      scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, bias, m: nvfly.i32, n: nvfly.i32,
                      k_tiles: nvfly.i32, workspace, counters, dp_tiles: nvfly.i32, block_iters: nvfly.i32,
                      CFG: nvfly.Constexpr, EPI: nvfly.Constexpr):
@@ -97,6 +98,8 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                         sm90.tma_load(b_desc, base + A_BYTES + BN * BK, (work.tile_n * BN, kt * (BK // 2)), full)
                     else:
                         load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full)
+                    if CFG.staged_scales:  # the tile rows' sa[:, kt], from scale_a viewed as (K/128, M)
+                        sm90.tma_load(sa_desc, base + CFG.scales_offset, (kt, work.tile_m * BM), full)
                 return work.k_begin, work.k_end, load
 
             produce_tiles(pipe, ring, STAGE_BYTES, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads)
@@ -117,6 +120,8 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             # the k-block's promotion scales
             scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
                                           ATOMS_M=ATOMS_M, EPI=EPI)
+            if CFG.staged_scales:  # sa from the stage: the thread's first row's word in its slot
+                scales_of = functools.partial(scales_of, staged_row=CFG.scales_offset + 4 * (row0 - tm * BM))
             accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, work.k_begin, work.k_end, lane,
                                        tid, scales_of, CFG, EPI)
             inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
@@ -185,6 +190,8 @@ def fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, k_begin, k_end, la
                 return part, scales_of(kt=kt * STEPS + step)
             part = issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)], stage, a_layout,
                                  b_layout, consumer, a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, True)
+            if CFG.staged_scales:  # the activation scales from the stage (promotion_scales' staged_row)
+                return part, scales_of(kt=kt, stage=stage)
             return part, scales_of(kt=kt)  # the scales load while the wgmmas run
 
         def add_partial(sums, partial):
@@ -259,12 +266,15 @@ def convert_packed_b(tile, thread, BN, WGS):
     nvfly.named_barrier(1, THREADS)
 
 
-def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a_group=None, b_group=None) -> list:
+def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a_group=None, b_group=None,
+                     stage=None, staged_row=None) -> list:
     """The k-block's promotion scales for the thread's elements: block, one per row and run of the tile's columns
     (sa[row, kt] * sb[the run's column block, kt], row-major: ``weight_runs`` runs, each in one weight block; reads
     of a run past n clamped to the last block); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0 bytes decoded), the rows' sa then
     the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none (applied in the epilogue).
-    ``a_group``/``b_group``: the group whose scales a batched (3-D) scale_a/scale_b holds first (None: 2-D)."""
+    ``a_group``/``b_group``: the group whose scales a batched (3-D) scale_a/scale_b holds first (None: 2-D).
+    ``stage``/``staged_row`` (block, ``ScaledConfig.staged_scales``): sa[row, kt] is the f32 word at shared address
+    stage + staged_row + 4 (64i + 8h) (the tile's rows past m are TMA's zeros, never stored)."""
     rows = [nvfly.minimum(row0 + 64 * i + 8 * h, m - 1) for i in range(ATOMS_M) for h in range(2)]
     if EPI.scaling == "block":
         runs = weight_runs(BN)
@@ -273,7 +283,12 @@ def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a
         sbs = [batched(scale_b, b_group, col0 // SCALE_BLOCK if runs == 1 else
                        nvfly.minimum((col0 + width * r) // SCALE_BLOCK, (n - 1) // SCALE_BLOCK), kt)
                for r in range(runs)]
-        return [batched(scale_a, a_group, row, kt) * sb for row in rows for sb in sbs]
+        if stage is not None:
+            row_scales = [load_shared(stage + staged_row + 4 * (64 * i + 8 * h))[0].bitcast(nvfly.f32)
+                          for i in range(ATOMS_M) for h in range(2)]
+        else:
+            row_scales = [batched(scale_a, a_group, row, kt) for row in rows]
+        return [sa * sb for sa in row_scales for sb in sbs]
     if EPI.scaling in MX:  # e8m0 bytes; a K tail's zero-filled k-steps take the last step's scales
         kt = nvfly.minimum(kt, scale_a.shape[1] - 1)
         b_factor = 64.0 if EPI.scaling == "mxfp4" else 1.0  # converted e2m1 is e4m3 times 2^-6

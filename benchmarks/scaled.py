@@ -11,9 +11,9 @@ the same shape (nvfly_block_ms, vs_block). bf16 outputs. Every row carries its `
 
 Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [--shapes M,N,K ...]
 [--recipes tensor row block block1x128 tensor-fast row-fast mxfp8 mxfp4] [--name scaled] [--no-quantize]
-[--issue-ahead] [--no-alternatives] [--block-tiles]. --quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise
-recipe only); only the MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name scaled_mx. Next to
-the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the register epilogue,
+[--issue-ahead] [--no-alternatives] [--block-tiles]. --quick: six shapes (< 3 min on the H200; Triton on the first
+shape's row-wise recipe only); only the MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name
+scaled_mx. Next to the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the register epilogue,
 "registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over
 128 x 128 tiles at 64 < M <= 128, "split2"; stream K over a partial last wave, "streamk"; the issue-ahead mainloop,
 "ahead", with --issue-ahead, always for block scales; small-M plans (swapped or split): "fixup" (split K adding up
@@ -81,7 +81,8 @@ BLOCK_TILES = {"block192": {"bn": 192, "issue_ahead": False}, "block160": {"bn":
                "block112": {"bn": 112, "issue_ahead": True}, "staged": {"staged_scales": True},
                "block192_staged": {"bn": 192, "issue_ahead": False, "staged_scales": True}}
 # alternative_configs and small_m_alternatives
-ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead", "in_order", "fixup", "reduce") + tuple(BLOCK_TILES)
+ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead", "in_order", "fixup",
+                "reduce") + tuple(BLOCK_TILES)
 QUICK_ALTERNATIVES = ("row", "row-fast", "block")  # the recipes --quick times them on (row-wise and block targets)
 
 

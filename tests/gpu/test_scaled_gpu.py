@@ -114,9 +114,10 @@ def test_block_scales_across_weight_blocks(hopper, out_dtype):
     """Block-scaled tiles wider than, or not aligned with, the 128x128 weight blocks (each run of gcd(bn, 128)
     columns reads its own block's scale): 128 x 192 (three 64-column runs over two blocks, in order, TMA store or
     registers), 128 x 160 (32-column runs), 128 x 112 issuing ahead (16-column runs), 64 x 96 split K, the plan's
-    own tile, and the producer-staged activation scales (ScaledConfig.staged_scales; at M = 327 the fallback). Operands scaled by 2^-3 .. 2^3 per 128x128 block of the weight and per 1x128 block of the
-    activations, so that a run reading its neighbour's scale is off by up to 64x; tails in M (328), N (784: the last
-    192-wide tile's third run starts past the last weight block) and K (1040)."""
+    own tile, and the producer-staged activation scales (ScaledConfig.staged_scales; at M = 327 the fallback).
+    Operands scaled by 2^-3 .. 2^3 per 128x128 block of the weight and per 1x128 block of the activations, so that
+    a run reading its neighbour's scale is off by up to 64x; tails in M (328), N (784: the last 192-wide tile's third
+    run starts past the last weight block) and K (1040)."""
     m, n, k = 328, 784, 1040
     x = torch.randn(m, k, device="cuda")
     w = torch.randn(n, k, device="cuda")

@@ -344,7 +344,8 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: torc
     epilogue = ScaledEpilogue(scaling, promote=scaling in BLOCKWISE or not use_fast_accum, bias=bias is not None)
     sms = plan_sm_count(a.get_device())
     plan = make_plan(a.shape[0], b.shape[1], a.shape[1], epilogue, config, swap, sms, out_dtype.itemsize)
-    if plan.config.staged_scales and staged_scales_reason(scale_a, plan.config.bm) is not None:  # the scales from global instead
+    # staged scales where TMA can load scale_a, else the scales from global
+    if plan.config.staged_scales and staged_scales_reason(scale_a, plan.config.bm) is not None:
         plan = make_plan(a.shape[0], b.shape[1], a.shape[1], epilogue, replace(plan.config, staged_scales=False),
                          plan.swap, sms, out_dtype.itemsize)
     return plan
@@ -440,7 +441,8 @@ class _Call:
         sa_desc = cached_descriptor(sa.t(), (1, plan.config.bm), 0) if plan.config.staged_scales else None
         self.launch(cached_descriptor(kernel_a, plan.a_box, 128),
                     cached_descriptor(kernel_b, plan.b_box, plan.b_swizzle),
-                    target, out_desc, sa_desc, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n, plan.k_tiles,
+                    target, out_desc, sa_desc, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n,
+                    plan.k_tiles,
                     sums, counts, plan.dp_tiles, plan.block_iters, plan.config, plan.epilogue)
         if self.reduce is not None:
             self.reduce(partials, out, caller_sa, caller_sb, bias, self.out_m, self.out_n, plan.config.split_k,

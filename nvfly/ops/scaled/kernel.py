@@ -270,8 +270,9 @@ def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a
                      stage=None, staged_row=None) -> list:
     """The k-block's promotion scales for the thread's elements: block, one per row and run of the tile's columns
     (sa[row, kt] * sb[the run's column block, kt], row-major: ``weight_runs`` runs, each in one weight block; reads
-    of a run past n clamped to the last block); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0 bytes decoded), the rows' sa then
-    the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none (applied in the epilogue).
+    of a run past n clamped to the last block); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0
+    bytes decoded), the rows' sa then the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none
+    (applied in the epilogue).
     ``a_group``/``b_group``: the group whose scales a batched (3-D) scale_a/scale_b holds first (None: 2-D).
     ``stage``/``staged_row`` (block, ``ScaledConfig.staged_scales``): sa[row, kt] is the f32 word at shared address
     stage + staged_row + 4 (64i + 8h) (the tile's rows past m are TMA's zeros, never stored)."""

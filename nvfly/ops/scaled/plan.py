@@ -141,8 +141,8 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     if epilogue.scaling == "block" and weight_scales_reason(config.bn):
         raise ValueError(f"config: {weight_scales_reason(config.bn)}")
     if config.staged_scales and (epilogue.scaling != "block" or swap):
-        raise ValueError(f"config: staged_scales: the producer stages block scales' 1x128 activation scales (unswapped), "
-                         f"not {epilogue.scaling}{' swapped' if swap else ''}")
+        raise ValueError(f"config: staged_scales: the producer stages block scales' 1x128 activation scales "
+                         f"(unswapped), not {epilogue.scaling}{' swapped' if swap else ''}")
     if config.issue_ahead and epilogue.scaling == "block1x128":
         raise ValueError("config: issue_ahead with block1x128 scales: two k-blocks' column scales next to three "
                          "accumulators spill")

@@ -13,8 +13,8 @@ Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [
 [--recipes tensor row block block1x128 tensor-fast row-fast mxfp8 mxfp4] [--name scaled] [--no-quantize]
 [--issue-ahead] [--no-alternatives] [--block-tiles]. --quick: six shapes (< 3 min on the H200; Triton on the first
 shape's row-wise recipe only); only the MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name
-scaled_mx. Next to the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the register epilogue,
-"registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over
+scaled_mx. Next to the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the
+register epilogue, "registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over
 128 x 128 tiles at 64 < M <= 128, "split2"; stream K over a partial last wave, "streamk"; the issue-ahead mainloop,
 "ahead", with --issue-ahead, always for block scales; small-M plans (swapped or split): "fixup" (split K adding up
 in the kernel, one launch) or "reduce" (partials + the reduce kernel, two), whichever the plan is not, and "streamk"

@@ -11,10 +11,10 @@ the same shape (nvfly_block_ms, vs_block). bf16 outputs. Every row carries its `
 
 Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [--shapes M,N,K ...]
 [--recipes tensor row block block1x128 tensor-fast row-fast mxfp8 mxfp4] [--name scaled] [--no-quantize]
-[--issue-ahead] [--no-alternatives]. --quick: six shapes (< 3 min on the H200; Triton on the first shape's row-wise
-recipe only); only the MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name scaled_mx. Next to
-the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the register epilogue,
-"registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over
+[--issue-ahead] [--no-alternatives] [--block-tiles]. --quick: six shapes (< 3 min on the H200; Triton on the first
+shape's row-wise recipe only); only the MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name
+scaled_mx. Next to the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the
+register epilogue, "registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over
 128 x 128 tiles at 64 < M <= 128, "split2"; stream K over a partial last wave, "streamk"; the issue-ahead mainloop,
 "ahead", with --issue-ahead, always for block scales; small-M plans (swapped or split): "fixup" (split K adding up
 in the kernel, one launch) or "reduce" (partials + the reduce kernel, two), whichever the plan is not, and "streamk"
@@ -23,7 +23,15 @@ plan, its alternatives and cuBLAS replayed from CUDA graphs, ``*_graph_ms``, ``*
 ``nvfly_<name>_ms``, ``<name>_vs_nvfly`` (> 1: the alternative is faster), ``<name>_vs_cublas``. The
 quantisation kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against
 the torch reference and timed after.
-Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
+Writes benchmarks/results/<name>_h200.json (after every row) and <name>_h200.png.
+
+Block-scaled tiles (``--block-tiles``, < 3 min): the block recipe at M in {4096, 16384} on DeepSeek-V3 and Llama-70B
+(N, K) weight shapes (``BLOCK_TILE_SHAPES``), no quantisation rows, the heuristic's plan (128 x 128, issuing ahead)
+beside "in_order" and the tiles over several 128-wide weight blocks: "block192" (128 x 192, in order: three 64 x 192
+accumulators do not fit), "block160" (in order) and "block112" (issuing ahead: 3 x 56 registers fit), and the
+activation scales staged in shared memory by the producer on the plan's tile ("staged") and on 192
+("block192_staged"), e.g.
+python -m benchmarks.scaled --block-tiles --no-triton --name scaled_block_tiles.
 
 MXFP4 weights x bf16 activations (``--a16``, its own suite, default name scaled_mxfp4_a16): rows M in {1, 4, 16, 64}
 on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, < 1 min), nvfly's streaming kernel against
@@ -62,8 +70,19 @@ RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "ten
            "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False),
            "block1x128": ("1x128", "1x128", False), "mxfp8": ("mx", "mx", False), "mxfp4": ("mx", "mxfp4", False)}
 MX_RECIPES = ("mxfp8", "mxfp4")
+# --block-tiles: (N, K) of DeepSeek-V3's dense projections (fused q_a/kv_a, q_b, o, shared-expert down) and
+# Llama-70B's (fused qkv, o, down), at M = 4096 and 16384
+BLOCK_TILE_SHAPES = [(m, n, k) for m in (4096, 16384)
+                     for n, k in ((2112, 7168), (24576, 1536), (7168, 16384), (7168, 2048),
+                                  (10240, 8192), (8192, 8192), (8192, 28672))]
+# --block-tiles: the block plan's config with these fields (name: fields): tiles over several weight blocks, and
+# the activation scales staged by the producer (ScaledConfig.staged_scales) on the plan's tile and on 192
+BLOCK_TILES = {"block192": {"bn": 192, "issue_ahead": False}, "block160": {"bn": 160, "issue_ahead": False},
+               "block112": {"bn": 112, "issue_ahead": True}, "staged": {"staged_scales": True},
+               "block192_staged": {"bn": 192, "issue_ahead": False, "staged_scales": True}}
 # alternative_configs and small_m_alternatives
-ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead", "in_order", "fixup", "reduce")
+ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead", "in_order", "fixup",
+                "reduce") + tuple(BLOCK_TILES)
 QUICK_ALTERNATIVES = ("row", "row-fast", "block")  # the recipes --quick times them on (row-wise and block targets)
 
 
@@ -189,7 +208,8 @@ def a16_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dict[str, tuple[ScaledConfig, bool]]:
+def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool,
+                        block_tiles: bool = False) -> dict[str, tuple[ScaledConfig, bool]]:
     """(config, swap) pairs timed next to the heuristic's plan (``nvfly_<name>_ms``, ``<name>_vs_cublas``). Small-M
     plans (swapped or split, ``small_m_alternatives``): their K reduction the other way. Unswapped, unsplit fp8
     plans: "registers", the same tile storing through registers; "previous", where the plan widened a tile to
@@ -197,7 +217,8 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dic
     in two along K (128 units of work for 128 x 8192); "streamk", the plan's tile (128 x 128 at 65 to 128 rows) with
     stream K, where the tiles end in a partial wave; with ``ahead`` (always for block scales), "ahead", the
     promoted mainloop issuing k-block k+1 before k's add (not block1x128; 128 wide), or "in_order" where the plan
-    issues ahead already (block scales' default)."""
+    issues ahead already (block scales' default). With ``block_tiles`` (block recipe, 128-row plans) only
+    "in_order" and ``BLOCK_TILES``: the plan's tile widened over several weight blocks."""
     scaling, fast = recipe.removesuffix("-fast"), RECIPES[recipe][2]
     if recipe in MX_RECIPES:
         return {}
@@ -206,6 +227,13 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool) -> dic
     plan = make_plan(m, n, k, epilogue, None, None, sms)
     if plan.swap or plan.config.split_k > 1:
         return small_m_alternatives(m, n, k, epilogue, plan, sms)
+    if block_tiles:
+        if scaling != "block" or plan.config.bm != 128:
+            return {}
+        configs = {"in_order": replace(plan.config, issue_ahead=False)}
+        for name, fields in BLOCK_TILES.items():
+            configs[name] = deepest(replace(plan.config, **fields))
+        return {name: (config, False) for name, config in configs.items()}
     configs = {}
     if plan.config.tma_store:
         configs["registers"] = deepest(replace(plan.config, tma_store=False))
@@ -300,16 +328,20 @@ def main(argv=None) -> int:
                         "issue_ahead) on the heuristic's unswapped tensor/row/block plans (nvfly_ahead_ms)")
     p.add_argument("--no-alternatives", action="store_true",
                    help="skip the alternative configs (alternative_configs: the register epilogue, split K at small M)")
+    p.add_argument("--block-tiles", action="store_true",
+                   help="the block recipe's tiles over several weight blocks on BLOCK_TILE_SHAPES (module docstring)")
     p.add_argument("--a16", action="store_true",
                    help="MXFP4 weights x bf16 activations instead (the module docstring; --quick: < 1 min)")
     p.add_argument("--a16-m", nargs="*", type=int, default=A16_M, help="--a16's token counts")
     args = p.parse_args(argv)
     if args.a16:
         return a16_main(args)
+    if args.block_tiles:
+        args.recipes, args.no_quantize = args.recipes or ["block"], True
     if args.recipes is None:
         args.recipes = [r for r in RECIPES if not (args.quick and r == "tensor-fast")]
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else \
-        (QUICK if args.quick else SUITE)
+        (BLOCK_TILE_SHAPES if args.block_tiles else QUICK if args.quick else SUITE)
     triton_shapes = 0 if args.no_triton else (args.triton_shapes if args.triton_shapes is not None
                                               else 1 if args.quick else 3)
     rows = []
@@ -349,7 +381,7 @@ def main(argv=None) -> int:
                 row["cublas_ms"] = bench_ms(cublas)
             # --quick: the row and block targets, and every recipe's small-M rows (host-sensitive, microseconds)
             timed = not args.no_alternatives and (recipe in QUICK_ALTERNATIVES or not args.quick or m <= SWAP_MAX_M)
-            alternatives = alternative_configs(m, n, k, recipe, args.issue_ahead) if timed else {}
+            alternatives = alternative_configs(m, n, k, recipe, args.issue_ahead, args.block_tiles) if timed else {}
             for name, (config, swap) in alternatives.items():
                 other = torch.full_like(out, float("nan"))
                 scaled.scaled_mm(a, b, sa, sb, out=other, config=config, swap=swap, use_fast_accum=fast)
@@ -379,6 +411,7 @@ def main(argv=None) -> int:
                     if "cublas_ms" in row:
                         row[f"{name}_vs_cublas"] = row["cublas_ms"] / row[f"nvfly_{name}_ms"]
             rows.append(row)
+            write_results(args.name, rows, {"partial": True})  # what a run cut short leaves
             print(f"{m:>5}x{n:>5}x{k:>5} {recipe:>11}  err {row['rel_err']:.1e} max {row['max_err']:.1e}"
                   + (f" (cuBLAS {row['cublas_rel_err']:.1e})" if "cublas_rel_err" in row else "")
                   + f"  nvfly {row['nvfly_tflops']:6.1f}"

@@ -43,6 +43,10 @@ VARIANTS = [
     (ScaledConfig(64, 64, 12, 1, split_k=2), ScaledEpilogue("mxfp8", True, partial=True)),
     (ScaledConfig(128, 128, 5, 2, packed_b=True), ScaledEpilogue("mxfp4", True, bias=True)),
     (ScaledConfig(64, 32, 8, 1, split_k=2, packed_b=True), ScaledEpilogue("mxfp4", True, partial=True)),
+    # block scales over several 128-wide weight blocks (runs of gcd(bn, 128) columns)
+    (ScaledConfig(128, 192, 5, 2), ScaledEpilogue("block", True, bias=True)),
+    (ScaledConfig(64, 96, 8, 1, split_k=2), ScaledEpilogue("block", True, partial=True)),
+    (ScaledConfig(64, 32, 8, 1, split_k=2, staged_scales=True), ScaledEpilogue("block", True, partial=True)),
 ]
 
 
@@ -76,6 +80,11 @@ TMA_STORE_VARIANTS = [
     (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("row", False, bias=True)),
     (ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("mxfp8", True, bias=True)),
     (ScaledConfig(128, 128, 5, 2, packed_b=True, tma_store=True), ScaledEpilogue("mxfp4", True)),
+    (ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 160, 6, 2, tma_store=True), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 112, 7, 2, tma_store=True, issue_ahead=True), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True, issue_ahead=True, staged_scales=True), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 192, 5, 2, tma_store=True, staged_scales=True), ScaledEpilogue("block", True)),
 ]
 
 
@@ -93,6 +102,92 @@ def test_tma_store_variants_compile_to_stmatrix_and_tma_stores(variant):
     assert k.count("STSM") == (cfg.wg_m // 64) * cfg.bn // 16
     assert k.count("STG") == 0
     assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
+
+
+@pytest.mark.parametrize("cfg", [ScaledConfig(128, 128, 6, 2, tma_store=True),
+                                 ScaledConfig(128, 128, 6, 2, tma_store=True, issue_ahead=True),
+                                 ScaledConfig(128, 192, 5, 2, tma_store=True),
+                                 ScaledConfig(128, 112, 7, 2, tma_store=True, issue_ahead=True)],
+                         ids=lambda c: f"{c.bn}{'-ahead' if c.issue_ahead else ''}")
+def test_block_promotion_is_one_ffma_an_element(cfg):
+    """Block scales promote with one FFMA per accumulator element (sum = fma(partial, sa * sb, sum)) and no FADD
+    (bf16 output, no bias): the product's FMULs once per row and column run (``weight_runs``) and promotion, not
+    per element. Issuing ahead unrolls the k-block pairs and both endings: several promotions."""
+    from nvfly.ops.scaled.config import weight_runs
+    (k,) = compile_variants([(cfg, ScaledEpilogue("block", True))])
+    check_kernel(k, f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3")
+    per_promotion = cfg.wg_m // 64 * cfg.bn // 2
+    promotions, rest = divmod(k.count("FFMA"), per_promotion)
+    assert promotions >= (5 if cfg.issue_ahead else 1) and rest == 0 and k.count("FADD") == 0
+    assert 0 < k.count("FMUL") <= promotions * 2 * (cfg.wg_m // 64) * weight_runs(cfg.bn)
+
+
+@pytest.mark.parametrize("bn,atoms_m", [(128, 1), (64, 2), (32, 1), (96, 1), (112, 2), (160, 1), (192, 1), (224, 1),
+                                        (256, 1)])
+def test_block_scale_indexing_over_weight_blocks(bn, atoms_m, monkeypatch):
+    """The kernel's block promotion scales (``promotion_scales``, looked up by ``scale_index``), run on the CPU with
+    Python numbers (nvfly.minimum as min) for every thread, element and tile of N = 1000 (a tail): each element in
+    range gets sa of its row times sb of its own 128-wide weight block (tiles wider than a block straddle two or
+    three), and no read leaves the scales (a run past n reads the last block)."""
+    from nvfly.ops.scaled.config import weight_runs
+    from nvfly.ops.scaled.kernel import promotion_scales, scale_index
+
+    class Scales:  # 2-D scales whose reads are checked: a [row, kt] read gives row + 1, b's [block, kt] 1000^block
+        def __init__(self, shape, value):
+            self.shape, self.value = shape, value
+
+        def __getitem__(self, index):
+            assert all(0 <= i < size for i, size in zip(index, self.shape)), (index, self.shape)
+            return self.value(index[0])
+
+    monkeypatch.setattr(nvfly, "minimum", min)
+    m, n, kt = 300, 1000, 3
+    sa, sb = Scales((m, 8), lambda row: row + 1), Scales((math.ceil(n / 128), 8), lambda block: 1000 ** block)
+    runs = weight_runs(bn)
+    for tn in range(math.ceil(n / bn)):
+        for lane in range(32):
+            row0, col0 = 64 + lane // 4, tn * bn + 2 * (lane % 4)
+            scales = promotion_scales(sa, sb, row0, col0, kt, m, n, bn, atoms_m, ScaledEpilogue("block", True))
+            assert len(scales) == 2 * atoms_m * runs
+            for i in range(atoms_m):
+                for e in range(bn // 2):
+                    row, col = row0 + 64 * i + 8 * ((e // 2) % 2), col0 + 8 * (e // 4) + e % 2
+                    if col < n:
+                        assert scales[scale_index(i, e, runs, bn)] == (row + 1) * 1000 ** (col // 128), (tn, lane, e)
+
+
+@pytest.mark.parametrize("cfg", [ScaledConfig(128, 128, 6, 2, tma_store=True, issue_ahead=True),
+                                 ScaledConfig(128, 192, 5, 2, tma_store=True)], ids=lambda c: f"{c.bn}")
+def test_staged_scales_come_from_shared_memory(cfg):
+    """ScaledConfig.staged_scales: each stage also holds the tile rows' 1x128 activation scales (a 1024-byte slot
+    behind the operands; TMA brings 4 bm bytes), the producer loads three boxes a k-block (A, B, the scales), and the
+    consumers read sa with shared loads: fewer global loads than the same kernel reading sa from global."""
+    staged = replace(cfg, staged_scales=True)
+    assert staged.stage_bytes == cfg.stage_bytes + 1024 and staged.load_bytes == cfg.load_bytes + 4 * cfg.bm
+    assert staged.stage_bytes % 1024 == 0 and staged.scales_offset == cfg.stage_bytes
+    epi = ScaledEpilogue("block", True)
+    plain, mine = compile_variants([(cfg, epi), (staged, epi)])
+    check_kernel(mine, f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3")
+    assert mine.count("LDS") >= 2 and plain.count("LDS") == 0
+    assert mine.count("LDG") <= plain.count("LDG") - 2
+    assert mine.count("UTMALDG") % 3 == 0 and plain.count("UTMALDG") % 2 == 0
+
+
+def test_staged_scales_plans_and_fallback():
+    """Only block scales stage (unswapped); scale_a TMA cannot load (not M-contiguous, a column not at 16 bytes) is
+    read from global instead (``staged_scales_reason``); the grouped kernel takes no staged scales."""
+    from nvfly.ops.scaled.api import staged_scales_reason
+    from nvfly.ops.scaled.grouped_plan import fits
+    staged = ScaledConfig(128, 128, 6, 2, staged_scales=True)
+    assert make_plan(4096, 4096, 4096, ScaledEpilogue("block", True), staged, None, 132).config.staged_scales
+    with pytest.raises(ValueError, match="^config: staged_scales: .* not row"):
+        make_plan(4096, 4096, 4096, ScaledEpilogue("row", True), staged, None, 132)
+    with pytest.raises(ValueError, match="^config: staged_scales: .* not block1x128"):
+        make_plan(4096, 4096, 4096, ScaledEpilogue("block1x128", True), staged, None, 132)
+    assert staged_scales_reason(torch.ones(32, 256).t(), 128) is None  # (M, K/128) = (256, 32), strides (1, 256)
+    assert "contiguous" in staged_scales_reason(torch.ones(256, 32), 128)  # strides (32, 1)
+    assert "16 bytes" in staged_scales_reason(torch.ones(32, 258).t(), 128)  # M = 258: columns 1032 bytes apart
+    assert "staged scales" in fits(staged, 8, ScaledEpilogue("block", True))
 
 
 def test_tma_store_config_and_plans():
@@ -296,6 +391,37 @@ def test_benchmark_times_the_small_m_reductions(monkeypatch):
     assert set(bench.alternative_configs(64, 2112, 7168, "block", False)) == {other, "streamk"}  # split in two
 
 
+def test_wide_block_tiles_plan_in_order(monkeypatch):
+    """With block scales among WIDE_PROMOTED (the switch should 128 x 192 measure faster) the heuristic widens block
+    tiles to 192 where its waves take less time, in order (three 64 x 192 accumulators do not fit); elsewhere
+    128 x 128 still issues ahead."""
+    from nvfly.ops.scaled import plan as plans
+    block = ScaledEpilogue("block", True)
+    assert make_plan(4096, 2112, 7168, block, None, None, 132).config.bn == 128  # the shipped default
+    monkeypatch.setattr(plans, "WIDE_PROMOTED", plans.WIDE_PROMOTED + ("block",))
+    wide = make_plan(4096, 2112, 7168, block, None, None, 132).config  # 3 waves x 192 against 5 x 128
+    assert (wide.bn, wide.issue_ahead, wide.tma_store) == (192, False, True) and wide.check(promote=True) is None
+    narrow = make_plan(4096, 7168, 7168, block, None, None, 132).config  # 10 waves x 192 against 14 x 128
+    assert (narrow.bn, narrow.issue_ahead) == (128, True)
+
+
+def test_benchmark_times_the_block_tiles(monkeypatch):
+    """benchmarks.scaled --block-tiles times the block plan (128 x 128, issuing ahead) beside its in-order mainloop
+    and the tiles over several weight blocks, each a config the plan takes; nothing for other recipes."""
+    from benchmarks import scaled as bench
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Properties", (), {"multi_processor_count": 132}))
+    for m, n, k in bench.BLOCK_TILE_SHAPES:
+        alternatives = bench.alternative_configs(m, n, k, "block", False, block_tiles=True)
+        assert set(alternatives) == {"in_order"} | set(bench.BLOCK_TILES)
+        for name, (cfg, swap) in alternatives.items():
+            fields = bench.BLOCK_TILES.get(name, {"issue_ahead": False})
+            assert not swap and cfg.bm == 128 and cfg.tma_store and cfg.bn == fields.get("bn", 128)
+            assert cfg.issue_ahead == fields.get("issue_ahead", True) and cfg.staged_scales == ("staged" in name)
+            assert make_plan(m, n, k, ScaledEpilogue("block", True), cfg, False, 132).config == cfg
+    assert bench.alternative_configs(4096, 7168, 2048, "row", False, block_tiles=True) == {}
+
+
 def test_out_dtypes_and_e5m2_compile():
     cfg = ScaledConfig(128, 128, 6, 2)
     for out_dtype in (torch.float16, torch.float32):
@@ -454,8 +580,10 @@ def test_plans():
     assert plan.config.split_k == 1
     with pytest.raises(ValueError, match="^swap"):
         make_plan(16, 4096, 7168, block, None, True, 132)
-    with pytest.raises(ValueError, match="^config: bn=96"):
-        make_plan(256, 4096, 7168, block, ScaledConfig(128, 96, 4, 2), None, 132)
+    # tiles over several weight blocks: runs of gcd(bn, 128) columns, at most MOST_WEIGHT_RUNS of them
+    assert make_plan(256, 4096, 7168, block, ScaledConfig(128, 96, 4, 2), None, 132).config.bn == 96
+    with pytest.raises(ValueError, match="^config: bn=136: .* 17 runs"):
+        make_plan(256, 4096, 7168, block, ScaledConfig(128, 136, 4, 2), None, 132)
     with pytest.raises(ValueError, match="^config: .*registers"):
         make_plan(256, 4096, 7168, block, ScaledConfig(128, 256, 4, 2), None, 132)
     for m, n in ((1, 4096), (64, 4096), (100, 1536), (4096, 2112), (8192, 8192)):

@@ -56,7 +56,8 @@ def test_plans():
     # 64-row tiles: the bound on tile rows (ceil(100 / 64), and a group adds at most one) x the tile columns
     assert small.config.bm == 64 and small.grid == (2 + 2) * 2
     assert fits(ScaledConfig(128, 256, 4, 2), 8, ScaledEpilogue("row", False)) is None  # fast row-wise: any width
-    assert "bn divides 128" in fits(ScaledConfig(64, 96, 4, 1), 8, block)
+    assert fits(ScaledConfig(64, 96, 4, 1), 8, block) is None  # three 32-column runs, each in one weight block
+    assert "9 runs" in fits(ScaledConfig(64, 144, 4, 1), 8, block)
     assert "K splits" in fits(ScaledConfig(128, 128, 4, 2, split_k=2), 8, block)
     assert fits(ScaledConfig(128, 128, 7, 2), 1, block) is None  # the table of 1024 groups takes a stage away
     assert "shared memory" in fits(ScaledConfig(128, 128, 7, 2), MAX_GROUPS, block)

@@ -166,8 +166,9 @@ def load_shared(address: Any, words: int = 1) -> list:
     (``ld.shared[.v2|.v4].b32``)."""
     if words not in (1, 2, 4):
         raise CompileError(f"load_shared loads 1, 2 or 4 32-bit words, got {words}")
-    vector = "" if words == 1 else f".v{words}"
-    return asm_multi(f"ld.shared{vector}.b32 {_register_list(0, words)}, [${words}];", [dtypes.i32] * words,
+    if words == 1:  # one result: a scalar asm (LLVM takes no one-field struct from inline asm)
+        return [asm("ld.shared.b32 $0, [$1];", [address], dtypes.i32)]
+    return asm_multi(f"ld.shared.v{words}.b32 {_register_list(0, words)}, [${words}];", [dtypes.i32] * words,
                      [address])
 
 

@@ -95,9 +95,8 @@ def test_bias_fp32_and_configs(hopper, scaling):
     bias = torch.randn(n, device="cuda")
     ref = scaled.reference(a, b, sa, sb, bias)
     configs = [ScaledConfig(128, 128, 4, 2), ScaledConfig(64, 64, 6, 1), ScaledConfig(128, 64, 5, 1),
-               ScaledConfig(64, 64, 6, 1, split_k=3), ScaledConfig(128, 128, 4, 2, split_k=4)]
-    if scaling != "block":  # tiles that straddle 128-column weight blocks, or promote with one accumulator only
-        configs += [ScaledConfig(128, 256, 4, 2), ScaledConfig(256, 128, 4, 2), ScaledConfig(128, 96, 5, 2)]
+               ScaledConfig(64, 64, 6, 1, split_k=3), ScaledConfig(128, 128, 4, 2, split_k=4),
+               ScaledConfig(128, 256, 4, 2), ScaledConfig(256, 128, 4, 2), ScaledConfig(128, 96, 5, 2)]
     for config in configs:
         for fast in (False, True):
             if fast and scaling.startswith("block"):
@@ -108,6 +107,48 @@ def test_bias_fp32_and_configs(hopper, scaling):
             scaled.scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.float32, out=out, config=config,
                              use_fast_accum=fast)
             assert rel_error(out, ref) < (5e-3 if fast else 5e-4), (config, fast)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_block_scales_across_weight_blocks(hopper, out_dtype):
+    """Block-scaled tiles wider than, or not aligned with, the 128x128 weight blocks (each run of gcd(bn, 128)
+    columns reads its own block's scale): 128 x 192 (three 64-column runs over two blocks, in order, TMA store or
+    registers), 128 x 160 (32-column runs), 128 x 112 issuing ahead (16-column runs), 64 x 96 split K, the plan's
+    own tile, and the producer-staged activation scales (ScaledConfig.staged_scales; at M = 327 the fallback).
+    Operands scaled by 2^-3 .. 2^3 per 128x128 block of the weight and per 1x128 block of the activations, so that
+    a run reading its neighbour's scale is off by up to 64x; tails in M (328), N (784: the last 192-wide tile's third
+    run starts past the last weight block) and K (1040)."""
+    m, n, k = 328, 784, 1040
+    x = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda")
+    kb, nb = -(-k // 128), -(-n // 128)
+    x = x * torch.exp2(torch.randint(-3, 4, (m, kb), device="cuda").float()).repeat_interleave(128, 1)[:, :k]
+    w = w * torch.exp2(torch.randint(-3, 4, (nb, kb), device="cuda").float()).repeat_interleave(128, 0) \
+        .repeat_interleave(128, 1)[:n, :k]
+    a, sa = quantize(x, "1x128")
+    b, sb = quantize(w, "128x128", operand="b")
+    assert sb.unique().numel() > 4  # the weight blocks' scales differ
+    ref = scaled.reference(a, b, sa, sb)
+    configs = [None, ScaledConfig(128, 192, 5, 2, tma_store=True), ScaledConfig(128, 192, 5, 2),
+               ScaledConfig(128, 160, 6, 2, tma_store=True), ScaledConfig(128, 112, 7, 2, tma_store=True,
+                                                                          issue_ahead=True),
+               ScaledConfig(64, 96, 8, 1, split_k=2),
+               # the activation scales staged in shared memory by the producer (M = 328: TMA can load them)
+               ScaledConfig(128, 128, 6, 2, tma_store=True, issue_ahead=True, staged_scales=True),
+               ScaledConfig(128, 192, 5, 2, tma_store=True, staged_scales=True),
+               ScaledConfig(64, 32, 8, 1, split_k=2, staged_scales=True)]
+    for config in configs:
+        out = poisoned(m, n, out_dtype)
+        scaled.scaled_mm(a, b, sa, sb, out_dtype=out_dtype, out=out, config=config)
+        assert rel_error(out, ref) < TOL[out_dtype], config
+        if config is not None and config.staged_scales:
+            assert "-staged" in scaled.path(a, b, sa, sb, out_dtype=out_dtype, config=config)
+    # M = 327: scale_a's k-block columns 1308 bytes apart, which TMA cannot load: the scales come from global
+    out = poisoned(m - 1, n, out_dtype)
+    a1, sa1 = quantize(x[:-1], "1x128")
+    scaled.scaled_mm(a1, b, sa1, sb, out_dtype=out_dtype, out=out, config=configs[-2])
+    assert rel_error(out, scaled.reference(a1, b, sa1, sb)) < TOL[out_dtype]
+    assert "-staged" not in scaled.path(a1, b, sa1, sb, out_dtype=out_dtype, config=configs[-2])
 
 
 @pytest.mark.parametrize("scaling", ["tensor", "row", "block"])

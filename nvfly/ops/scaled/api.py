@@ -40,6 +40,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 import nvfly
+from nvfly.errors import LaunchError
 from nvfly.ops.common import scratch
 from nvfly.ops.common.gemm_config import store_box
 from nvfly.ops.common.opcall import OpCalls, named
@@ -51,7 +52,7 @@ from nvfly.ops.scaled.kernel import scaled_mm_kernel, scaled_reduce_kernel
 from nvfly.ops.scaled.plan import ScaledPlan, make_plan
 from nvfly.ops.scaled.quantize import dequantize_mx, dequantize_mxfp4
 from nvfly.runtime.driver import plan_sm_count
-from nvfly.runtime.tma import cached_descriptor
+from nvfly.runtime.tma import cached_descriptor, check_tma_layout
 from nvfly.runtime.torch_args import current_stream, layout_key, vector_width
 
 SCALED_MM = "nvfly.ops.scaled.scaled_mm"
@@ -329,7 +330,7 @@ def describe_plan(plan: ScaledPlan) -> str:
     cfg, epi = plan.config, plan.epilogue
     name = f"scaled-{epi.scaling}" + ("-promoted" if epi.promote else "") + ("-ahead" if cfg.issue_ahead else "") + \
         ("-swapAB" if plan.swap else "") + (f"-splitK{cfg.split_k}" if cfg.split_k > 1 else "") + \
-        ("-fixup" if cfg.split_fix_up else "")
+        ("-fixup" if cfg.split_fix_up else "") + ("-staged" if cfg.staged_scales else "")
     return f"{name}: {cfg.bm}x{cfg.bn} tile on {plan.grid} blocks, {cfg.stages} stages" + \
         (", TMA-store epilogue" if cfg.tma_store else "") + \
         (f", stream K over {plan.sk_tiles} tiles" if plan.sk_tiles else "")
@@ -342,7 +343,12 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: torc
         raise TypeError(f"config: expected a ScaledConfig or None, got {type(config).__name__}")
     epilogue = ScaledEpilogue(scaling, promote=scaling in BLOCKWISE or not use_fast_accum, bias=bias is not None)
     sms = plan_sm_count(a.get_device())
-    return make_plan(a.shape[0], b.shape[1], a.shape[1], epilogue, config, swap, sms, out_dtype.itemsize)
+    plan = make_plan(a.shape[0], b.shape[1], a.shape[1], epilogue, config, swap, sms, out_dtype.itemsize)
+    # staged scales where TMA can load scale_a, else the scales from global
+    if plan.config.staged_scales and staged_scales_reason(scale_a, plan.config.bm) is not None:
+        plan = make_plan(a.shape[0], b.shape[1], a.shape[1], epilogue, replace(plan.config, staged_scales=False),
+                         plan.swap, sms, out_dtype.itemsize)
+    return plan
 
 
 def _bound(op: str, a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: Any, use_fast_accum: bool,
@@ -369,6 +375,18 @@ def _new_call(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: 
         registers = deepest(replace(plan.config, tma_store=False), most=plan.config.stages)
         plan = _plan(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, out, registers, plan.swap)
     return _Call(plan, out, out_dtype)
+
+
+def staged_scales_reason(scale_a: torch.Tensor, bm: int) -> Optional[str]:
+    """None if TMA can load block scales' scale_a (M, K/128) as (K/128, M) boxes of bm rows of one k-block
+    (``ScaledConfig.staged_scales``: M contiguous, torch's strides (1, M) with M a multiple of 4), else TMA's
+    reason."""
+    try:
+        check_tma_layout("scale_a", nvfly.f32, tuple(scale_a.t().shape), scale_a.t().stride(), scale_a.data_ptr(),
+                         (1, bm), 0)
+    except LaunchError as e:
+        return str(e)
+    return None
 
 
 REDUCE_THREADS = 256
@@ -420,9 +438,11 @@ class _Call:
             cfg = plan.config   # shared consumer tile
             sums, counts = scratch.workspace(a.device, current_stream(a.device.index),
                                              plan.shared_tiles * cfg.consumers, cfg.wg_m * cfg.bn)
+        sa_desc = cached_descriptor(sa.t(), (1, plan.config.bm), 0) if plan.config.staged_scales else None
         self.launch(cached_descriptor(kernel_a, plan.a_box, 128),
                     cached_descriptor(kernel_b, plan.b_box, plan.b_swizzle),
-                    target, out_desc, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n, plan.k_tiles,
+                    target, out_desc, sa_desc, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n,
+                    plan.k_tiles,
                     sums, counts, plan.dp_tiles, plan.block_iters, plan.config, plan.epilogue)
         if self.reduce is not None:
             self.reduce(partials, out, caller_sa, caller_sb, bias, self.out_m, self.out_n, plan.config.split_k,
@@ -604,7 +624,9 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
         fix_up = cfg.stream_k or (cfg.split_fix_up and cfg.split_k > 1)  # the workspace and counts
         sums = TensorDesc(f32, (1 << 24,)) if fix_up else None
         counts = TensorDesc(i32, (1024,)) if fix_up else None
-        kernels.append(scaled_mm_kernel.compile(a_desc, b_desc, out, out_desc, sa, sb, bias, size, size,
+        sa_desc = nvfly.TmaDescriptor(TensorDesc(f32, (kb, size)), (1, cfg.bm), swizzle=0) if cfg.staged_scales \
+            else None
+        kernels.append(scaled_mm_kernel.compile(a_desc, b_desc, out, out_desc, sa_desc, sa, sb, bias, size, size,
                                                 math.ceil(size / BK), sums, counts, 0, 0, CFG=cfg, EPI=epi,
                                                 block=128 * (1 + cfg.consumers), target=target))
     return kernels

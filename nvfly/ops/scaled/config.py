@@ -1,6 +1,7 @@
 """The scaled (FP8) GEMM kernel's configs and epilogue options. Pure Python: plans, tests and the kernel read them."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -12,6 +13,28 @@ MX_BLOCK = 32      # OCP MX: an e8m0 scale per 32 elements along K, i.e. per fp8
 SCALINGS = ("tensor", "row", "block", "block1x128", "mxfp8", "mxfp4")
 MX = ("mxfp8", "mxfp4")  # e8m0 scales per 32 of K for both operands, promoted every k-step (mxfp4: e2m1 weights)
 BLOCKWISE = ("block", "block1x128") + MX  # scales applied in the mainloop
+# staged_scales: a stage's slot for its bm f32 activation scales (at most 256 rows), a whole 1024 bytes so that the
+# next stage's operand tiles stay aligned for the 128-byte swizzle
+SCALE_SLOT = 1024
+# block scales: a tile's columns in runs that each lie in one 128x128 weight block, at most this many runs a tile
+# (each run's scale times each row's, 2 x runs registers per 64 rows)
+MOST_WEIGHT_RUNS = 8
+
+
+def weight_runs(bn: int) -> int:
+    """Runs of a bn-wide tile's columns that each lie in one SCALE_BLOCK-wide weight block: tiles start at multiples
+    of bn, so runs of gcd(bn, SCALE_BLOCK) columns never straddle a block edge (1: the tile lies in one block; 3 for
+    192 = 3 x 64; 5 for 160 = 5 x 32)."""
+    return bn // math.gcd(bn, SCALE_BLOCK)
+
+
+def weight_scales_reason(bn: int) -> Optional[str]:
+    """None if bn-wide tiles can take 128x128 weight-block scales (``weight_runs``), else why not."""
+    if weight_runs(bn) > MOST_WEIGHT_RUNS:
+        return (f"bn={bn}: with 128x128 weight blocks the tile's columns fall in {weight_runs(bn)} runs of "
+                f"gcd(bn, 128) = {math.gcd(bn, SCALE_BLOCK)} (at most {MOST_WEIGHT_RUNS}: bn dividing 128, or e.g. "
+                f"96, 112, 160, 192, 224, 256)")
+    return None
 
 
 @dataclass(frozen=True)
@@ -28,7 +51,10 @@ class ScaledConfig(StagedStore):
     (``store_buffers`` column slices of ``store_width`` per consumer, behind the ring) and stores it with TMA, as the
     dense GEMM's (others, and split-K partials, go through registers); ``stream_k``: a partial last wave of tiles
     (a single one included) is dealt out as contiguous k ranges over all SMs, shared tiles summed in a workspace
-    (the dense GEMM's stream K; the plan decides whether the shape has such a wave)."""
+    (the dense GEMM's stream K; the plan decides whether the shape has such a wave); ``staged_scales`` (block scales):
+    the producer also TMA-loads the k-block's bm activation scales (sa[tile rows, kb], f32) into the stage, behind
+    its operands in a 1024-byte slot (``SCALE_SLOT``), and the consumers read them from shared memory instead of
+    global (DeepGEMM's)."""
     bm: int = 128
     bn: int = 128
     stages: int = 6
@@ -41,19 +67,27 @@ class ScaledConfig(StagedStore):
     store_buffers: int = 1
     stream_k: bool = False
     split_fix_up: bool = False
+    staged_scales: bool = False
 
     @property
     def wg_m(self) -> int:
         return self.bm // self.consumers
 
     @property
-    def stage_bytes(self) -> int:
+    def scales_offset(self) -> int:
+        """Where a stage's activation scales start (``staged_scales``): behind its operand tiles."""
         return (self.bm + self.bn) * BK + (self.bn * BK // 2 if self.packed_b else 0)
 
     @property
+    def stage_bytes(self) -> int:
+        return self.scales_offset + (SCALE_SLOT if self.staged_scales else 0)
+
+    @property
     def load_bytes(self) -> int:
-        """The bytes TMA brings into a stage (B's packed tile rather than its e4m3 one when ``packed_b``)."""
-        return (self.bm + (self.bn // 2 if self.packed_b else self.bn)) * BK
+        """The bytes TMA brings into a stage (B's packed tile rather than its e4m3 one when ``packed_b``; the
+        activation scales with ``staged_scales``)."""
+        return (self.bm + (self.bn // 2 if self.packed_b else self.bn)) * BK + (4 * self.bm if self.staged_scales
+                                                                                 else 0)
 
     @property
     def ring_end(self) -> int:

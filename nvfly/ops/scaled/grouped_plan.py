@@ -16,7 +16,7 @@ from typing import Optional
 
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, SMEM_LIMIT
 from nvfly.ops.common.groups import table_bytes
-from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
+from nvfly.ops.scaled.config import BK, ScaledConfig, ScaledEpilogue, weight_scales_reason
 from nvfly.ops.scaled.grouped_kernel import GROUPED_LAYOUTS, GROUPED_SCALINGS
 from nvfly.ops.scaled.plan import ScaledPlan
 
@@ -43,10 +43,10 @@ def fits(cfg: ScaledConfig, groups: int, epilogue: ScaledEpilogue) -> Optional[s
     why = cfg.check(epilogue.promote)
     if why:
         return why
-    if cfg.split_k != 1 or cfg.packed_b:
-        return "the grouped scaled kernel runs without K splits or packed weights"
-    if epilogue.scaling == "block" and SCALE_BLOCK % cfg.bn:
-        return f"bn={cfg.bn}: with 128x128 weight blocks a tile's columns must lie in one block (bn divides 128)"
+    if cfg.split_k != 1 or cfg.packed_b or cfg.staged_scales:
+        return "the grouped scaled kernel runs without K splits, packed weights or staged scales"
+    if epilogue.scaling == "block" and weight_scales_reason(cfg.bn):
+        return weight_scales_reason(cfg.bn)
     if cfg.smem_bytes() + table_bytes(groups) > SMEM_LIMIT:
         return f"{cfg.smem_bytes() + table_bytes(groups)} bytes of shared memory exceed {SMEM_LIMIT}"
     return None

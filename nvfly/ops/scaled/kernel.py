@@ -13,8 +13,9 @@ Two mainloops (``ScaledEpilogue.promote``):
 - accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's
   mainloop: ``nvfly.ops.common.mainloop.consume_k_blocks``), the fastest and torch's ``use_fast_accum=True``;
 - promote (DeepGEMM's scheme, the accuracy DeepSeek-V3 needs): each k-block of 128 is issued into a fresh
-  accumulator, waited for, and added into an fp32 sum, scaled first by sa[row, kb] * sb[n-block, kb] for the block
-  recipe (1x128 activations x 128x128 weights). The tensor core's accumulator then never sums more than 128
+  accumulator, waited for, and added into an fp32 sum with one FFMA an element, times sa[row, kb] * sb[n-block, kb]
+  for the block recipe (1x128 activations x 128x128 weights; a tile wider than a weight block reads one sb per run
+  of gcd(bn, 128) columns). The tensor core's accumulator then never sums more than 128
   products (it keeps ~14 bits); the scale loads are issued under the wgmmas. Two consumer warpgroups overlap one's
   promotion with the other's wgmmas. With ``ScaledConfig.issue_ahead`` a consumer also issues k-block k+1 (into a
   second partial accumulator) before k's add, so that its own wgmmas run under its promotion. MX scales (an e8m0
@@ -34,20 +35,21 @@ import functools
 import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.floats import convert_shared_e2m1x32, e8m0_to_f32
+from nvfly.arch.memory import load_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import check_store_descriptor, fix_up, stage_tile, store_tile
 from nvfly.ops.common.gemm_config import ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
 from nvfly.ops.common.mainloop import (consume_k_blocks, init_ring, issue_k_block, load_boxes, produce_tiles,
                                        promote_k_blocks)
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
-from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK
+from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, SCALE_BLOCK, weight_runs
 
 PARTIAL = Epilogue(partial=True)
 STAGED = Epilogue()  # the TMA-store epilogue stages values already scaled (``scaled_values``)
 
 
 @nvfly.kernel
-def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, out_desc,
+def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, out_desc, sa_desc,
                      scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, bias, m: nvfly.i32, n: nvfly.i32,
                      k_tiles: nvfly.i32, workspace, counters, dp_tiles: nvfly.i32, block_iters: nvfly.i32,
                      CFG: nvfly.Constexpr, EPI: nvfly.Constexpr):
@@ -96,6 +98,8 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                         sm90.tma_load(b_desc, base + A_BYTES + BN * BK, (work.tile_n * BN, kt * (BK // 2)), full)
                     else:
                         load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full)
+                    if CFG.staged_scales:  # the tile rows' sa[:, kt], from scale_a viewed as (K/128, M)
+                        sm90.tma_load(sa_desc, base + CFG.scales_offset, (kt, work.tile_m * BM), full)
                 return work.k_begin, work.k_end, load
 
             produce_tiles(pipe, ring, STAGE_BYTES, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads)
@@ -116,6 +120,8 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             # the k-block's promotion scales
             scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
                                           ATOMS_M=ATOMS_M, EPI=EPI)
+            if CFG.staged_scales:  # sa from the stage: the thread's first row's word in its slot
+                scales_of = functools.partial(scales_of, staged_row=CFG.scales_offset + 4 * (row0 - tm * BM))
             accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, work.k_begin, work.k_end, lane,
                                        tid, scales_of, CFG, EPI)
             inside = (tm * BM + (consumer + 1) * WG_M <= m) & (tn * BN + BN <= n)
@@ -184,6 +190,8 @@ def fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, k_begin, k_end, la
                 return part, scales_of(kt=kt * STEPS + step)
             part = issue_k_block(atom, [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)], stage, a_layout,
                                  b_layout, consumer, a_desc_fields, b_desc_fields, A_BYTES, WG_M, BK, 1, True)
+            if CFG.staged_scales:  # the activation scales from the stage (promotion_scales' staged_row)
+                return part, scales_of(kt=kt, stage=stage)
             return part, scales_of(kt=kt)  # the scales load while the wgmmas run
 
         def add_partial(sums, partial):
@@ -258,15 +266,30 @@ def convert_packed_b(tile, thread, BN, WGS):
     nvfly.named_barrier(1, THREADS)
 
 
-def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a_group=None, b_group=None) -> list:
-    """The k-block's promotion scales for the thread's elements: block, one per row pair (sa[row, kt] * sb[column
-    block, kt]); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0 bytes decoded), the rows' sa then
-    the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none (applied in the epilogue).
-    ``a_group``/``b_group``: the group whose scales a batched (3-D) scale_a/scale_b holds first (None: 2-D)."""
+def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a_group=None, b_group=None,
+                     stage=None, staged_row=None) -> list:
+    """The k-block's promotion scales for the thread's elements: block, one per row and run of the tile's columns
+    (sa[row, kt] * sb[the run's column block, kt], row-major: ``weight_runs`` runs, each in one weight block; reads
+    of a run past n clamped to the last block); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0
+    bytes decoded), the rows' sa then the columns' sb (element 4j + 2h + c: column 8j + c); tensor/row-wise, none
+    (applied in the epilogue).
+    ``a_group``/``b_group``: the group whose scales a batched (3-D) scale_a/scale_b holds first (None: 2-D).
+    ``stage``/``staged_row`` (block, ``ScaledConfig.staged_scales``): sa[row, kt] is the f32 word at shared address
+    stage + staged_row + 4 (64i + 8h) (the tile's rows past m are TMA's zeros, never stored)."""
     rows = [nvfly.minimum(row0 + 64 * i + 8 * h, m - 1) for i in range(ATOMS_M) for h in range(2)]
     if EPI.scaling == "block":
-        sb = batched(scale_b, b_group, col0 // SCALE_BLOCK, kt)  # the tile's columns lie in one block
-        return [batched(scale_a, a_group, row, kt) * sb for row in rows]
+        runs = weight_runs(BN)
+        width = BN // runs
+        # col0 is the tile's first column plus at most 6, inside its first run; a one-run tile starts inside n
+        sbs = [batched(scale_b, b_group, col0 // SCALE_BLOCK if runs == 1 else
+                       nvfly.minimum((col0 + width * r) // SCALE_BLOCK, (n - 1) // SCALE_BLOCK), kt)
+               for r in range(runs)]
+        if stage is not None:
+            row_scales = [load_shared(stage + staged_row + 4 * (64 * i + 8 * h))[0].bitcast(nvfly.f32)
+                          for i in range(ATOMS_M) for h in range(2)]
+        else:
+            row_scales = [batched(scale_a, a_group, row, kt) for row in rows]
+        return [sa * sb for sa in row_scales for sb in sbs]
     if EPI.scaling in MX:  # e8m0 bytes; a K tail's zero-filled k-steps take the last step's scales
         kt = nvfly.minimum(kt, scale_a.shape[1] - 1)
         b_factor = 64.0 if EPI.scaling == "mxfp4" else 1.0  # converted e2m1 is e4m3 times 2^-6
@@ -291,15 +314,25 @@ def fenced(part: list) -> list:
 
 
 def promote(sums: list, part: list, scales: list, ATOMS_M: int, EPI) -> list:
-    """sums + part, each element times its promotion scales (``promotion_scales``)."""
+    """sums + part, each element times its promotion scales (``promotion_scales``), one FFMA an element: block,
+    element 4j + 2h + c times row h's product with its column run's (``scale_index``); block1x128 and MX, times
+    the row's scale times the column's."""
     if EPI.scaling == "block":
-        return [sums[i].map(lambda v, e, i=i: v + part[i][e] * scales[2 * i + (e // 2) % 2]) for i in range(ATOMS_M)]
+        runs = len(scales) // (2 * ATOMS_M)
+        return [sums[i].map(lambda v, e, i=i: nvfly.fma(part[i][e], scales[scale_index(i, e, runs, sums[i].n)], v))
+                for i in range(ATOMS_M)]
     if EPI.scaling == "block1x128" or EPI.scaling in MX:
         rows = 2 * ATOMS_M
-        return [sums[i].map(lambda v, e, i=i: v + part[i][e] * (scales[2 * i + (e // 2) % 2]
-                                                                 * scales[rows + 2 * (e // 4) + e % 2]))
+        return [sums[i].map(lambda v, e, i=i: nvfly.fma(part[i][e], scales[2 * i + (e // 2) % 2]
+                                                        * scales[rows + 2 * (e // 4) + e % 2], v))
                 for i in range(ATOMS_M)]
     return [sums[i].map(lambda v, e, i=i: v + part[i][e]) for i in range(ATOMS_M)]
+
+
+def scale_index(atom_i: int, e: int, runs: int, bn: int) -> int:
+    """Block scales: the index in ``promotion_scales``' list (row-major, ``runs`` per row) of accumulator element e of
+    64-row atom ``atom_i`` (row 8h, column 8j + c of the thread's: e = 4j + 2h + c)."""
+    return (2 * atom_i + (e // 2) % 2) * runs + 8 * (e // 4) // (bn // runs)
 
 
 def row_terms(scale_a, bias, row0, m, alpha, ATOMS_M, EPI, MASKED) -> tuple:

@@ -23,12 +23,13 @@ from dataclasses import replace
 
 from nvfly.ops.common.gemm_config import store_box
 from nvfly.ops.common.scheduler import StreamK, grid_schedule, split_count
-from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilogue, deepest
+from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, ScaledConfig, ScaledEpilogue, deepest, weight_scales_reason
 
 SWAP_MAX_M = 64
 FILL = 0.8  # token tiles: the widest whose tiles still fill this share of the SMs
 # promoted 128-row tiles up to 192 wide (64 x 192 per consumer: 96 + 96 accumulator registers) for these scalings;
-# block scales keep a tile's columns in one 128-wide weight block, block1x128 and MX hold column scales besides
+# block1x128 and MX hold column scales besides. Block scales can (three 64-column runs, each in one weight block:
+# config.weight_runs), in order (no third accumulator), timed by benchmarks.scaled --block-tiles ("block192")
 WIDE_PROMOTED = ("tensor", "row")
 # small M splits K while the tiles fill at most half the SMs: each split at least SPLIT_MIN_K_TILES k-blocks, at
 # most SPLIT_MAX splits
@@ -122,7 +123,9 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
         epilogue = ScaledEpilogue(epilogue.scaling, epilogue.promote, epilogue.bias, bias_rows=epilogue.bias)
     if config is None:
         config = heuristic_config(m, n, k, epilogue.promote, swap, sms, epilogue.scaling)
-        if epilogue.scaling == "block":  # k-block k+1's wgmmas issued before k's promotion: faster on every block row
+        # block scales issue k-block k+1's wgmmas before k's promotion (faster on every block row measured) where
+        # the third accumulator fits (not 128 x 192: a WIDE_PROMOTED block tile runs in order)
+        if epilogue.scaling == "block" and replace(config, issue_ahead=True).check(promote=True) is None:
             config = replace(config, issue_ahead=True)
         if epilogue.scaling == "mxfp4":  # B's packed tile rides every stage too: as deep a ring as still fits
             config = deepest(replace(config, packed_b=True), most=config.stages)
@@ -135,9 +138,11 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     why = config.check(epilogue.promote)
     if why:
         raise ValueError(f"config: {why}")
-    if epilogue.scaling == "block" and 128 % config.bn:
-        raise ValueError(f"config: bn={config.bn}: with 128x128 weight blocks a tile's columns must lie in one "
-                         f"block (bn divides 128)")
+    if epilogue.scaling == "block" and weight_scales_reason(config.bn):
+        raise ValueError(f"config: {weight_scales_reason(config.bn)}")
+    if config.staged_scales and (epilogue.scaling != "block" or swap):
+        raise ValueError(f"config: staged_scales: the producer stages block scales' 1x128 activation scales "
+                         f"(unswapped), not {epilogue.scaling}{' swapped' if swap else ''}")
     if config.issue_ahead and epilogue.scaling == "block1x128":
         raise ValueError("config: issue_ahead with block1x128 scales: two k-blocks' column scales next to three "
                          "accumulators spill")

@@ -75,10 +75,14 @@ MX_RECIPES = ("mxfp8", "mxfp4")
 BLOCK_TILE_SHAPES = [(m, n, k) for m in (4096, 16384)
                      for n, k in ((2112, 7168), (24576, 1536), (7168, 16384), (7168, 2048),
                                   (10240, 8192), (8192, 8192), (8192, 28672))]
-# --block-tiles: the block plan's config with these fields (name: fields): tiles over several weight blocks, and
-# the activation scales staged by the producer (ScaledConfig.staged_scales) on the plan's tile and on 192
-BLOCK_TILES = {"block192": {"bn": 192, "issue_ahead": False}, "block160": {"bn": 160, "issue_ahead": False},
-               "block112": {"bn": 112, "issue_ahead": True}, "staged": {"staged_scales": True},
+# --block-tiles: the block plan's config with these fields (name: fields), each timed where it is not the plan's:
+# the 128 x 128 tile issuing ahead with the scales from global ("previous", the default before staged scales),
+# tiles over several weight blocks, and the activation scales staged by the producer (ScaledConfig.staged_scales)
+BLOCK_TILES = {"previous": {"bn": 128, "issue_ahead": True, "staged_scales": False},
+               "block192": {"bn": 192, "issue_ahead": False, "staged_scales": False},
+               "block160": {"bn": 160, "issue_ahead": False, "staged_scales": False},
+               "block112": {"bn": 112, "issue_ahead": True, "staged_scales": False},
+               "staged": {"bn": 128, "issue_ahead": True, "staged_scales": True},
                "block192_staged": {"bn": 192, "issue_ahead": False, "staged_scales": True}}
 # alternative_configs and small_m_alternatives
 ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead", "in_order", "fixup",
@@ -218,7 +222,7 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool,
     stream K, where the tiles end in a partial wave; with ``ahead`` (always for block scales), "ahead", the
     promoted mainloop issuing k-block k+1 before k's add (not block1x128; 128 wide), or "in_order" where the plan
     issues ahead already (block scales' default). With ``block_tiles`` (block recipe, 128-row plans) only
-    "in_order" and ``BLOCK_TILES``: the plan's tile widened over several weight blocks."""
+    "in_order" (where the plan issues ahead) and the ``BLOCK_TILES`` that are not the plan's."""
     scaling, fast = recipe.removesuffix("-fast"), RECIPES[recipe][2]
     if recipe in MX_RECIPES:
         return {}
@@ -230,9 +234,11 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool,
     if block_tiles:
         if scaling != "block" or plan.config.bm != 128:
             return {}
-        configs = {"in_order": replace(plan.config, issue_ahead=False)}
+        configs = {"in_order": replace(plan.config, issue_ahead=False)} if plan.config.issue_ahead else {}
         for name, fields in BLOCK_TILES.items():
-            configs[name] = deepest(replace(plan.config, **fields))
+            config = deepest(replace(plan.config, **fields))
+            if config != plan.config:
+                configs[name] = config
         return {name: (config, False) for name, config in configs.items()}
     configs = {}
     if plan.config.tma_store:

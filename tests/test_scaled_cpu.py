@@ -215,7 +215,7 @@ def test_tma_store_config_and_plans():
     wide = make_plan(4096, 2112, 7168, ScaledEpilogue("row", True), None, None, 132).config
     assert (wide.bn, wide.stages, wide.check(promote=True)) == (192, 5, None)
     assert make_plan(4096, 4096, 4096, ScaledEpilogue("tensor", True), None, None, 132).config.bn == 128
-    assert make_plan(4096, 2112, 7168, ScaledEpilogue("block", True), None, None, 132).config.bn == 128
+    assert make_plan(4096, 2112, 7168, ScaledEpilogue("block", True), None, None, 132).config.bn == 192
     assert make_plan(4096, 2112, 7168, ScaledEpilogue("block1x128", True), None, None, 132).config.bn == 128
     swapped = make_plan(16, 4096, 7168, ScaledEpilogue("row", True), ScaledConfig(64, 16, 8, 1, tma_store=True), True,
                         132)
@@ -391,34 +391,43 @@ def test_benchmark_times_the_small_m_reductions(monkeypatch):
     assert set(bench.alternative_configs(64, 2112, 7168, "block", False)) == {other, "streamk"}  # split in two
 
 
-def test_wide_block_tiles_plan_in_order(monkeypatch):
-    """With block scales among WIDE_PROMOTED (the switch should 128 x 192 measure faster) the heuristic widens block
-    tiles to 192 where its waves take less time, in order (three 64 x 192 accumulators do not fit); elsewhere
-    128 x 128 still issues ahead."""
-    from nvfly.ops.scaled import plan as plans
+def test_wide_block_tiles_plan_in_order():
+    """Block scales are among WIDE_PROMOTED: the heuristic widens block tiles to 192 where its waves take less time
+    (weighted by WIDE_BLOCK_RATE), in order (three 64 x 192 accumulators do not fit) with the producer staging the
+    activation scales; elsewhere 128 x 128 issues ahead, staged too."""
     block = ScaledEpilogue("block", True)
-    assert make_plan(4096, 2112, 7168, block, None, None, 132).config.bn == 128  # the shipped default
-    monkeypatch.setattr(plans, "WIDE_PROMOTED", plans.WIDE_PROMOTED + ("block",))
     wide = make_plan(4096, 2112, 7168, block, None, None, 132).config  # 3 waves x 192 against 5 x 128
-    assert (wide.bn, wide.issue_ahead, wide.tma_store) == (192, False, True) and wide.check(promote=True) is None
+    assert (wide.bn, wide.issue_ahead, wide.tma_store, wide.staged_scales) == (192, False, True, True)
+    assert wide.check(promote=True) is None
     narrow = make_plan(4096, 7168, 7168, block, None, None, 132).config  # 10 waves x 192 against 14 x 128
-    assert (narrow.bn, narrow.issue_ahead) == (128, True)
+    assert (narrow.bn, narrow.issue_ahead, narrow.staged_scales) == (128, True, True)
+    # 37 waves x 192 / 1.05 against 55 x 128: the wide tile's measured rate decides
+    assert make_plan(16384, 7168, 2048, block, None, None, 132).config.bn == 192
+    small = make_plan(16, 4096, 7168, block, None, None, 132).config  # one 64-row token tile: scales from global
+    assert small.bm == 64 and not small.staged_scales
 
 
 def test_benchmark_times_the_block_tiles(monkeypatch):
-    """benchmarks.scaled --block-tiles times the block plan (128 x 128, issuing ahead) beside its in-order mainloop
-    and the tiles over several weight blocks, each a config the plan takes; nothing for other recipes."""
+    """benchmarks.scaled --block-tiles times the block plan beside its in-order mainloop (where it issues ahead) and
+    each BLOCK_TILES config that is not the plan's, each a config the plan takes; nothing for other recipes."""
     from benchmarks import scaled as bench
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: type("Properties", (), {"multi_processor_count": 132}))
+    block = ScaledEpilogue("block", True)
     for m, n, k in bench.BLOCK_TILE_SHAPES:
+        plan = make_plan(m, n, k, block, None, None, 132).config
         alternatives = bench.alternative_configs(m, n, k, "block", False, block_tiles=True)
-        assert set(alternatives) == {"in_order"} | set(bench.BLOCK_TILES)
+        names = {name for name, fields in bench.BLOCK_TILES.items()
+                 if (plan.bn, plan.issue_ahead, plan.staged_scales) !=
+                 (fields["bn"], fields["issue_ahead"], fields["staged_scales"])}
+        assert set(alternatives) == names | ({"in_order"} if plan.issue_ahead else set())
         for name, (cfg, swap) in alternatives.items():
-            fields = bench.BLOCK_TILES.get(name, {"issue_ahead": False})
-            assert not swap and cfg.bm == 128 and cfg.tma_store and cfg.bn == fields.get("bn", 128)
-            assert cfg.issue_ahead == fields.get("issue_ahead", True) and cfg.staged_scales == ("staged" in name)
-            assert make_plan(m, n, k, ScaledEpilogue("block", True), cfg, False, 132).config == cfg
+            fields = bench.BLOCK_TILES.get(name, {"bn": plan.bn, "issue_ahead": False,
+                                                  "staged_scales": plan.staged_scales})
+            assert not swap and cfg.bm == 128 and cfg.tma_store
+            assert (cfg.bn, cfg.issue_ahead, cfg.staged_scales) == (fields["bn"], fields["issue_ahead"],
+                                                                    fields["staged_scales"])
+            assert make_plan(m, n, k, block, cfg, False, 132).config == cfg
     assert bench.alternative_configs(4096, 7168, 2048, "row", False, block_tiles=True) == {}
 
 

@@ -29,8 +29,12 @@ SWAP_MAX_M = 64
 FILL = 0.8  # token tiles: the widest whose tiles still fill this share of the SMs
 # promoted 128-row tiles up to 192 wide (64 x 192 per consumer: 96 + 96 accumulator registers) for these scalings;
 # block1x128 and MX hold column scales besides. Block scales can (three 64-column runs, each in one weight block:
-# config.weight_runs), in order (no third accumulator), timed by benchmarks.scaled --block-tiles ("block192")
-WIDE_PROMOTED = ("tensor", "row")
+# config.weight_runs), in order (no third accumulator): with staged scales 1.00x cuBLAS against 0.87x for 128 x 128
+# (benchmarks.scaled --block-tiles, docs/ops/scaled.md)
+WIDE_PROMOTED = ("tensor", "row", "block")
+# block scales' 128 x 192 tile (staged scales, in order) does a tile's work at ~1.05x the rate of the 128 x 128 one
+# (issuing ahead), measured at M = 16384 where both fill their waves: the waves x width comparison weighs it so
+WIDE_BLOCK_RATE = 1.05
 # small M splits K while the tiles fill at most half the SMs: each split at least SPLIT_MIN_K_TILES k-blocks, at
 # most SPLIT_MAX splits
 SPLIT_MIN_K_TILES = 4
@@ -86,7 +90,9 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
     if promote:  # two accumulators: at most 192 columns, narrower while the tiles leave SMs idle
         bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
         if bn == 128 and scaling in WIDE_PROMOTED:  # 192 where its waves of tiles take less time (DeepGEMM's choice)
-            bn = min((192, 128), key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w, -w))
+            rate = {192: WIDE_BLOCK_RATE if scaling == "block" else 1.0, 128: 1.0}
+            bn = min((192, 128), key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w / rate[w],
+                                                -w))
         return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
     # one accumulator, up to 256 wide: among the widths whose tiles fill the SMs, the one whose waves take least
     # time (waves x width; ties to the wider), as the promoted tiles choose 192
@@ -127,6 +133,8 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
         # the third accumulator fits (not 128 x 192: a WIDE_PROMOTED block tile runs in order)
         if epilogue.scaling == "block" and replace(config, issue_ahead=True).check(promote=True) is None:
             config = replace(config, issue_ahead=True)
+        if epilogue.scaling == "block" and config.bm == 128:  # the producer stages the activation scales: 1.12x
+            config = deepest(replace(config, staged_scales=True), most=config.stages)  # measured on 128-row tiles
         if epilogue.scaling == "mxfp4":  # B's packed tile rides every stage too: as deep a ring as still fits
             config = deepest(replace(config, packed_b=True), most=config.stages)
     if config.packed_b != (epilogue.scaling == "mxfp4"):

@@ -496,8 +496,12 @@ def test_quantize_kernels_compile(granularity, source):
     body = kern.ptx[kern.ptx.index(load):]
     first_reduction = min(i for i in (body.find("shfl.sync.bfly"), body.find("bar.sync")) if i >= 0)
     assert body[:first_reduction].count(load) == per_thread
-    assert "div.rn.f32" in kern.ptx  # IEEE division, as torch's reference divides
-    if granularity == "mxfp4":  # compares, no fp8 cvt; a 32-bit word of eight codes, a scale byte
+    if granularity in ("mx", "mxfp4"):  # a power-of-two scale: its exact reciprocal multiplies, no division
+        assert "div.rn.f32" not in kern.ptx and "rcp" not in kern.ptx
+    else:  # divide's reciprocal once per group; div.rn.f32 only for a group with an inf or NaN scale
+        assert kern.ptx.count("rcp.approx.ftz.f32") == (plan.unroll if plan.per_warp else 1)
+        assert "div.rn.f32" in kern.ptx
+    if granularity == "mxfp4":  # no fp8 cvt; a 32-bit word of eight codes, a scale byte
         assert "F2FP" not in kern.sass() and "st.global.L1::no_allocate.L2::cache_hint.b32" in kern.ptx
         assert kern.ptx.count("shfl.sync.bfly") == 2 * plan.unroll and "st.global.b8" in kern.ptx
         return
@@ -752,6 +756,29 @@ def test_e2m1_rounding_is_nearest_even_and_saturates(values):
     nearest = torch.where(distance == best, index % 2 * 100 + index, 1000).argmin(dim=1)  # a tie: the even code
     expected = nearest | (y.signbit().long() << 3)
     assert torch.equal(e2m1_codes(y), expected)
+
+
+def test_e2m1_magic_rounding_equals_the_reference_codes():
+    """f32_to_e2m1's rule (``E2M1_MAGIC``: the magnitude plus a power of two rounds it to e2m1's step, the sum's bits
+    count the steps) in torch float32 arithmetic equals ``e2m1_codes`` at every tie, its neighbours, a fine grid,
+    zeros, subnormals, infinities and NaN."""
+    import struct
+    from nvfly.arch.floats import E2M1_MAGIC
+    from nvfly.ops.scaled.quantize import e2m1_codes
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    near = torch.cat([ties, torch.nextafter(ties, torch.tensor(0.0)), torch.nextafter(ties, torch.tensor(100.0))])
+    grid = torch.arange(-14 * 256, 14 * 256 + 1) / 256
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-30, 7.0, 1e30, 3.4e38, float("inf"), -float("inf"),
+                            float("nan")])
+    y = torch.cat([near, -near, grid, special]).float()
+    mag = y.abs()
+    (low, c0, o0), (mid, c1, o1), (_, c2, o2) = E2M1_MAGIC
+    bits = lambda c: struct.unpack("<i", struct.pack("<f", c))[0]  # noqa: E731
+    magic = torch.where(mag < low, c0, torch.where(mag < mid, c1, c2)).float()
+    less = torch.where(mag < low, bits(c0) - o0, torch.where(mag < mid, bits(c1) - o1, bits(c2) - o2))
+    steps = (mag + magic).view(torch.int32) - less
+    code = torch.where(mag == mag, steps.clamp(max=7), 0).long() | (y.signbit().long() << 3)
+    assert torch.equal(code, e2m1_codes(y))
 
 
 def test_mxfp4_quantisation_reference():

@@ -18,13 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import nvfly
-from nvfly.arch.floats import f32_to_e2m1, f32x2_to_fp8x2
+from nvfly.arch.floats import divide, division_reciprocal, f32_to_e2m1, f32x2_to_fp8x2
 from nvfly.arch.memory import L1Eviction, L2Policy, load_global, store_global
 from nvfly.arch.reduce import block_reduce
 
 CHUNK = 8  # elements a thread loads at once: 16 bytes of bf16/fp16, 32 of fp32
 STREAM_L1 = L1Eviction.NO_ALLOCATE
 STREAM_L2 = L2Policy.EVICT_FIRST
+FLT_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -69,33 +70,62 @@ def _amax(values, amax):
 
 
 @nvfly.func
-def _store_quantized(q32, values, row, col, valid, scale_value, PLAN):
-    """A chunk's 8 ``values`` divided by the scale and stored from element (row, col): two 32-bit words of fp8, or
-    one of eight e2m1 codes (the lowest nibble first)."""
+def _quantized(values, s, inv, PLAN, FAST):
+    """``values`` / s as f32: MX, times the exact reciprocal ``inv`` of the power of two s (the quotient itself);
+    else ``divide`` by s with ``inv = division_reciprocal(s)`` (FAST: s finite) or ``div.rn.f32`` (s inf or NaN)."""
+    if PLAN.mx_emax >= 0:
+        return [v * inv for v in values]
+    if FAST:
+        return [divide(v, s, inv) for v in values]
+    return [v / s for v in values]
+
+
+@nvfly.func
+def _store_quantized(q32, values, row, col, valid, s, inv, PLAN, FAST=True):
+    """A chunk's 8 ``values`` divided by the scale s and stored from element (row, col): two 32-bit words of fp8,
+    or one of eight e2m1 codes (the lowest nibble first)."""
+    y = _quantized(values, s, inv, PLAN, FAST)
     if PLAN.fp8 == "e2m1":
-        codes = [f32_to_e2m1(values[e] / scale_value) for e in range(CHUNK)]
+        codes = [f32_to_e2m1(y[e]) for e in range(CHUNK)]
         word = codes[0]
         for e in nvfly.static_range(1, CHUNK):
             word = word | (codes[e] << (4 * e))
         store_global(q32.address(row, col // CHUNK), [word], valid, l1=STREAM_L1, policy=STREAM_L2)
     else:
         dtype = nvfly.f8e4m3 if PLAN.fp8 == "f8e4m3" else nvfly.f8e5m2
-        pairs = [f32x2_to_fp8x2(values[2 * p] / scale_value, values[2 * p + 1] / scale_value, dtype)
-                 for p in range(CHUNK // 2)]
+        pairs = [f32x2_to_fp8x2(y[2 * p], y[2 * p + 1], dtype) for p in range(CHUNK // 2)]
         words = nvfly.make_vector(pairs).bitcast(nvfly.i32).tolist()
         store_global(q32.address(row, col // 4), words, valid, l1=STREAM_L1, policy=STREAM_L2)
 
 
 @nvfly.func
-def _scale(amax, PLAN):
-    """(the f32 scale to divide by, the value stored in the scale tensor)."""
+def _store_group_part(q32, spots, s, inv, PLAN):
+    """The chunks ``spots`` ((row, col, valid, values)) of one group quantised by its scale s: by ``divide`` where
+    s is finite (every group but one holding an inf or NaN), else by IEEE division."""
     if PLAN.mx_emax >= 0:
-        # e8m0: the biased exponent of amax less emax, in [0, 254]; 2^(byte - 127) (byte 0: the subnormal 2^-127)
+        for row, col, valid, values in spots:
+            _store_quantized(q32, values, row, col, valid, s, inv, PLAN)
+    elif s <= FLT_MAX:
+        for row, col, valid, values in spots:
+            _store_quantized(q32, values, row, col, valid, s, inv, PLAN)
+    else:
+        for row, col, valid, values in spots:
+            _store_quantized(q32, values, row, col, valid, s, inv, PLAN, False)
+
+
+@nvfly.func
+def _scale(amax, PLAN):
+    """(the f32 scale s, the value stored in the scale tensor, the reciprocal the values are multiplied by: MX's
+    exact 1 / s, else ``division_reciprocal(s)``)."""
+    if PLAN.mx_emax >= 0:
+        # e8m0: the biased exponent of amax less emax, in [0, 254]; 2^(byte - 127) (byte 0: the subnormal 2^-127),
+        # its reciprocal 2^(127 - byte) (byte 254: the subnormal 2^-127), both exact
         byte = nvfly.minimum(nvfly.maximum(((amax.bitcast(nvfly.i32) >> 23) & 0xFF) - PLAN.mx_emax, 0), 254)
         s = nvfly.select(byte == 0, nvfly.i32(0x00400000), byte << 23).bitcast(nvfly.f32)
-        return s, byte.to(nvfly.u8)
+        inv = nvfly.select(byte == 254, nvfly.i32(0x00400000), (254 - byte) << 23).bitcast(nvfly.f32)
+        return s, byte.to(nvfly.u8), inv
     s = nvfly.maximum(amax, PLAN.amax_floor) * PLAN.inv_fp8_max
-    return s, s
+    return s, s, division_reciprocal(s)
 
 
 @nvfly.func
@@ -137,10 +167,10 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
             spots.append((row, gcol, col, valid, _load(x, row, col, valid, PLAN)))
         for row, gcol, col, valid, values in spots:
             amax = nvfly.warp_reduce(_amax(values, 0.0), "max", LANES)
-            s, stored = _scale(amax, PLAN)
+            s, stored, inv = _scale(amax, PLAN)
             if (tid % LANES == 0) & (row < rows):
                 scale[row, gcol] = stored
-            _store_quantized(q32, values, row, col, valid, s, PLAN)
+            _store_group_part(q32, [(row, col, valid, values)], s, inv, PLAN)
     else:
         scratch = nvfly.shared_tensor(nvfly.f32, (PLAN.threads // 32,))
         gcols = cols if PLAN.group_cols == 0 else PLAN.group_cols
@@ -156,11 +186,10 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
             amax = 0.0
             for row, col, valid, values in spots:
                 amax = _amax(values, amax)
-            s, stored = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
+            s, stored, inv = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
             if tid == 0:
                 scale[grow, gcol] = stored
-            for row, col, valid, values in spots:
-                _store_quantized(q32, values, row, col, valid, s, PLAN)
+            _store_group_part(q32, spots, s, inv, PLAN)
         else:  # longer rows: the amax sweeping the row, then the values read again (from L2) for the stores
             amax = 0.0
             for sweep in range(PLAN.sweeps):
@@ -168,11 +197,11 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
                     row, col, valid = _block_chunk(sweep * SPAN + i * PLAN.threads + tid, grow, gcol, gcols, rows,
                                                    cols, PLAN)
                     amax = _amax(_load(x, row, col, valid, PLAN, True), amax)
-            s, stored = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
+            s, stored, inv = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
             if tid == 0:
                 scale[grow, gcol] = stored
             for sweep in range(PLAN.sweeps):
                 for i in nvfly.static_range(PLAN.chunks):
                     row, col, valid = _block_chunk(sweep * SPAN + i * PLAN.threads + tid, grow, gcol, gcols, rows,
                                                    cols, PLAN)
-                    _store_quantized(q32, _load(x, row, col, valid, PLAN), row, col, valid, s, PLAN)
+                    _store_group_part(q32, [(row, col, valid, _load(x, row, col, valid, PLAN))], s, inv, PLAN)

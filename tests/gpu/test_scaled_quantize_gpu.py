@@ -5,6 +5,8 @@ sweeps). Under 90 s on the H200 (most of it compiling the plans)."""
 import pytest
 import torch
 
+import nvfly
+from nvfly.arch.floats import divide, division_reciprocal
 from nvfly.ops.scaled.quantize import quantize, quantize_fp8, quantize_mxfp4, quantize_plan
 
 pytestmark = pytest.mark.gpu
@@ -15,8 +17,8 @@ SOURCES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 def spread(rows: int, k: int, source: torch.dtype) -> torch.Tensor:
-    """Rows and 32-column groups of magnitudes 2^-8 .. 2^8 (a scale applied to the wrong group shows), an all-zero
-    group (the floor / byte 0) and, fp16 aside, values far outside fp8's range."""
+    """Rows and 32-column groups of magnitudes 2^-12 .. 2^12 (a scale applied to the wrong group shows), an all-zero
+    group (the floor / byte 0) and, fp16 aside, a group a million times larger than its row."""
     x = torch.randn(rows, k, device="cuda") * torch.exp2(torch.randint(-8, 9, (rows, 1), device="cuda").float())
     x = x * torch.exp2(torch.randint(-4, 5, (1, -(-k // 32)), device="cuda").float()).repeat_interleave(32, 1)[:, :k]
     if source != torch.float16:
@@ -55,3 +57,36 @@ def test_the_long_row_shape_is_read_in_sweeps():
     assert quantize_plan(3, 70016, 2, "row", torch.float8_e4m3fn, 132)[0].sweeps > 1
     assert quantize_plan(3, 70016, 4, "row", torch.float8_e4m3fn, 132)[0].sweeps > 1
     assert quantize_plan(16, 7168, 2, "row", torch.float8_e4m3fn, 132)[0].sweeps == 1
+
+
+@nvfly.kernel
+def divide_kernel(x: nvfly.Tensor, d: nvfly.Tensor, out: nvfly.Tensor, n: nvfly.i32):
+    i = nvfly.block_idx.x * 256 + nvfly.thread_idx.x
+    if i < n:
+        out[i] = divide(x[i], d[i], division_reciprocal(d[i]))
+
+
+def test_divide_equals_ieee_division(hopper):
+    """The quantisers' division (one shared reciprocal, div.rn.f32's fast path) against torch's x / d bit for bit
+    over random mantissas and exponents (quotients from 2^-100 up), exact quotients, fp8 and e2m1 ties, zeros."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n = 1 << 22
+
+    def floats(low: int, high: int) -> torch.Tensor:
+        mantissa = torch.randint(0, 1 << 23, (n,), device="cuda", generator=gen, dtype=torch.int32)
+        exponent = torch.randint(low + 127, high + 128, (n,), device="cuda", generator=gen, dtype=torch.int32)
+        sign = torch.randint(0, 2, (n,), device="cuda", generator=gen, dtype=torch.int32) << 31
+        return (sign | (exponent << 23) | mantissa).view(torch.float32)
+
+    x, d = floats(-60, 60), floats(-49, 119).abs()
+    ties = torch.tensor([0.5, 1.5, 2.5, 3.0, 5.0, 448.0, 464.0, 0.0009765625, 1.0 + 2 ** -4, 57344.0],
+                        device="cuda")
+    x[: n // 4] = (d[: n // 4] * ties.repeat(n // 40 + 1)[: n // 4]) * torch.where(x[: n // 4] < 0, -1.0, 1.0)
+    x[:64] = torch.tensor([0.0, -0.0], device="cuda").repeat(32)
+    out = torch.empty_like(x)
+    divide_kernel[(n + 255) // 256, 256](x, d, out, n)
+    want = x / d
+    keep = (want.abs() >= 2.0 ** -100) | (x == 0)
+    assert keep.float().mean() > 0.7
+    assert torch.equal(out[keep].view(torch.int32), want[keep].view(torch.int32)), \
+        (x[keep][out[keep] != want[keep]][:4], d[keep][out[keep] != want[keep]][:4])

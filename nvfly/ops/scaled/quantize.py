@@ -241,7 +241,7 @@ def quantize_plan(rows: int, k: int, itemsize: int, granularity: str, dtype: tor
         per_block = _QUANT_THREADS // (group_cols // CHUNK)
         unroll = next(u for u in (4, 2, 1) if u == 1 or -(-groups // (per_block * u)) >= 4 * sms)
         plan = QuantizePlan(1, group_cols, True, _QUANT_THREADS, fp8, inv, AMAX_FLOOR, emax, unroll=unroll,
-                            loads=loads)
+                            loads=loads, groups_per_row=-(-k // group_cols))
         return plan, -(-groups // (per_block * unroll))
     most = 8 // loads  # chunks a thread holds
     if granularity == "row":

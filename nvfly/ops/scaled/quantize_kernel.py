@@ -48,6 +48,7 @@ class QuantizePlan:
     chunks: int = 1
     sweeps: int = 1
     loads: int = 1  # 16-byte loads per chunk: 1 for 16-bit x, 2 for fp32
+    groups_per_row: int = 0  # per_warp: K's groups, a constant (a multiply, not a division, per group); 0: from cols
 
 
 @nvfly.func
@@ -153,7 +154,7 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
     if PLAN.per_warp:
         LANES = PLAN.group_cols // CHUNK  # lanes per group
         GROUPS = PLAN.threads // LANES  # groups per block and unroll step
-        groups_per_row = (cols + PLAN.group_cols - 1) // PLAN.group_cols
+        groups_per_row = PLAN.groups_per_row or (cols + PLAN.group_cols - 1) // PLAN.group_cols
         lane_col = (tid % LANES) * CHUNK
         # every load first (unroll x 16..32 bytes in flight per thread), then the reductions and stores; no branch
         # before the shuffles: a warp may hold groups of two rows, or past the last row (masked to 0)

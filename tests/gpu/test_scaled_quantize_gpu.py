@@ -46,7 +46,7 @@ def test_quantize_kernels_equal_the_reference(hopper, granularity, source):
         if granularity == "mxfp4":
             check(quantize_mxfp4(x, operand="a"), quantize(x, "mxfp4"))
             continue
-        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2) if source == torch.bfloat16 else (torch.float8_e4m3fn,):
             check(quantize_fp8(x, granularity, dtype), quantize(x, granularity, dtype))
         if rows == 300:  # the weight's layouts
             check(quantize_fp8(x, granularity, operand="b"), quantize(x, granularity, operand="b"))

@@ -9,9 +9,11 @@ thread ``PLAN.unroll`` groups, all loads issued before the butterfly amax; large
 block each, every thread loading its ``PLAN.chunks`` chunks before the block's amax (rows longer than
 threads x chunks x 8 elements: ``PLAN.sweeps`` passes, the values read again for the stores). scale =
 max(amax, AMAX_FLOOR) * (1 / FP8_MAX) (an fp32 multiply, as the reference; MX: a power of two) and q = fp8(x /
-scale) (an IEEE division, rounded to nearest even, saturating: the reference's clamp), a chunk's eight fp8 values
-stored as two 32-bit words (``q`` passed as int32 words); MXFP4: its eight e2m1 codes as one 32-bit word. Loads and
-stores stream (L1 no_allocate, L2 evict_first): every byte is touched once.
+scale) rounded to nearest even, saturating (the reference's clamp), the quotient ``div.rn.f32``'s: MX multiplies by
+the scale's exact reciprocal, fp8 scales divide through one reciprocal per group (``arch.floats.divide``; a scale
+that is inf or NaN by ``div.rn.f32``). A chunk's eight fp8 values are stored as two 32-bit words (``q`` passed as
+int32 words); MXFP4: its eight e2m1 codes as one 32-bit word. Loads and stores stream (L1 no_allocate, L2
+evict_first): every byte is touched once (long rows' sweeps: twice, the first read left in L2).
 """
 from __future__ import annotations
 

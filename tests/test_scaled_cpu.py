@@ -492,6 +492,7 @@ def test_quantize_kernels_compile(granularity, source):
     load = "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32"
     per_thread = plan.loads * (plan.unroll if plan.per_warp else plan.chunks)
     assert kern.ptx.count(load) == per_thread * (2 if plan.sweeps > 1 else 1)
+    assert kern.sass_opcodes()["LDG.E.NA.128.CONSTANT"] == kern.ptx.count(load)  # 16-byte read-only loads in SASS
     # the loads come first: none after the first reduction step (shuffle or barrier)
     body = kern.ptx[kern.ptx.index(load):]
     first_reduction = min(i for i in (body.find("shfl.sync.bfly"), body.find("bar.sync")) if i >= 0)

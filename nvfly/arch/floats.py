@@ -4,7 +4,8 @@
 filters many values with one instruction a pair and no predicate registers; ``f16_to_f32`` (``cvt.f32.f16``)
 converts a half given as its 16 bits; ``e8m0_to_f32`` decodes an MX scale byte, ``e2m1x8_to_e4m3x8`` and
 ``convert_shared_e2m1x32`` turn packed MXFP4 values into e4m3 (times 2^-6, exact) for fp8 wgmma, ``f32_to_e2m1``
-rounds to e2m1. ``tanh_approx`` is the MUFU unit's tanh (``tanh.approx.f32``,
+rounds to e2m1. ``divide`` with ``division_reciprocal``: many correctly rounded divisions by one divisor
+(``div.rn.f32``'s fast path, the reciprocal refined once). ``tanh_approx`` is the MUFU unit's tanh (``tanh.approx.f32``,
 sm_75+): one instruction, where ``nvfly.tanh`` (a correctly rounded expansion) is ~20 (an ex2, a reciprocal and a
 polynomial); its relative error is at most 2^-10.987 (PTX ISA), under bf16's half ulp, which is why
 FlashAttention-3 soft-caps with it. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8

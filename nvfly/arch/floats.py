@@ -192,6 +192,19 @@ E2M1_AT_OR_ABOVE = (0.75, 1.75, 3.5)
 
 
 @traced
+def max_abs_x2(words: list, dtype: DType) -> Scalar:
+    """The largest magnitude in each 16-bit lane of 32-bit words of ``dtype`` (bf16 or f16) pairs, as one word of
+    two: the sign bits cleared and ``max.NaN.<type>x2`` (a NaN wins), one instruction for two values each."""
+    kind = {"bf16": "bf16x2", "f16": "f16x2"}.get(dtype.name)
+    if kind is None:
+        raise CompileError(f"max_abs_x2 takes bf16 or f16 pairs, got {dtype.name}")
+    most = as_value(words[0]) & 0x7FFF7FFF
+    for w in words[1:]:
+        most = asm(f"max.NaN.{kind} $0, $1, $2;", [most, as_value(w) & 0x7FFF7FFF], dtypes.i32, side_effects=False)
+    return most
+
+
+@traced
 def division_reciprocal(divisor: Any) -> Scalar:
     """The reciprocal ``divide`` multiplies by, for many divisions by one f32 ``divisor``: ``rcp.approx.ftz``
     refined by one Newton step, as sm_90's ``div.rn.f32`` computes it for each division."""
@@ -211,7 +224,9 @@ def divide(x: Any, divisor: Any, reciprocal: Any) -> Scalar:
     normal and the divisor finite (zeros keep x's sign); a quotient below 2^-100 may be off by ulps."""
     q = x * reciprocal
     q = fma(reciprocal, fma(-divisor, q, x), q)
-    return ((q.bitcast(dtypes.i32) & 0x7FFFFFFF) | (as_value(x).bitcast(dtypes.i32) & ~0x7FFFFFFF)).bitcast(dtypes.f32)
+    # |q| with x's sign in one lop3 ((a & c) | (b & ~c)); as copysign LLVM may take the sign from x's source instead
+    return asm("lop3.b32 $0, $1, $2, $3, 0xE4;", [q.bitcast(dtypes.i32), as_value(x).bitcast(dtypes.i32), 0x7FFFFFFF],
+               dtypes.i32, side_effects=False).bitcast(dtypes.f32)
 
 
 # f32_to_e2m1 rounds a magnitude by adding the power of two whose f32 ulp is e2m1's step there (0.5 below 2, 1 below

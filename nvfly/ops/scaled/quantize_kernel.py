@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import nvfly
-from nvfly.arch.floats import divide, division_reciprocal, f32_to_e2m1, f32x2_to_fp8x2
+from nvfly.arch.floats import divide, division_reciprocal, f32_to_e2m1, f32x2_to_fp8x2, max_abs_x2
 from nvfly.arch.memory import L1Eviction, L2Policy, load_global, store_global
 from nvfly.arch.reduce import block_reduce
 
@@ -55,19 +55,28 @@ class QuantizePlan:
 
 @nvfly.func
 def _load(x, row, col, valid, PLAN, REREAD=False):
-    """The chunk of 8 elements at (row, col) as f32 (zeros where ``valid`` is false: nothing is read); REREAD:
-    read again later, so left in L2 at normal priority."""
+    """The chunk of 8 elements at (row, col) as 32-bit words (zeros where ``valid`` is false: nothing is read);
+    REREAD: read again later, so left in L2 at normal priority."""
     words = []
     for h in nvfly.static_range(PLAN.loads):
         words += load_global(x.address(row, col + h * (CHUNK // PLAN.loads)), 4, valid, non_coherent=True,
                              l1=STREAM_L1, policy=L2Policy.EVICT_NORMAL if REREAD else STREAM_L2)
+    return words
+
+
+@nvfly.func
+def _values(x, words):
     v = nvfly.make_vector(words, nvfly.i32).bitcast(x.dtype).to(nvfly.f32)
     return [v[e] for e in range(CHUNK)]
 
 
 @nvfly.func
-def _amax(values, amax):
-    for v in values:
+def _amax(x, words, amax, PLAN):
+    """max(amax, the chunk's largest magnitude): 16-bit pairs compared packed (exact: the max is one of them)."""
+    if PLAN.loads == 1:
+        pair = nvfly.make_vector([max_abs_x2(words, x.dtype)], nvfly.i32).bitcast(x.dtype).to(nvfly.f32)
+        return nvfly.maximum(amax, nvfly.maximum(pair[0], pair[1]))
+    for v in _values(x, words):
         amax = nvfly.maximum(amax, abs(v))
     return amax
 
@@ -84,10 +93,10 @@ def _quantized(values, s, inv, PLAN, FAST):
 
 
 @nvfly.func
-def _store_quantized(q32, values, row, col, valid, s, inv, PLAN, FAST=True):
-    """A chunk's 8 ``values`` divided by the scale s and stored from element (row, col): two 32-bit words of fp8,
-    or one of eight e2m1 codes (the lowest nibble first)."""
-    y = _quantized(values, s, inv, PLAN, FAST)
+def _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN, FAST=True):
+    """A chunk's 8 values (``words`` as loaded) divided by the scale s and stored from element (row, col): two
+    32-bit words of fp8, or one of eight e2m1 codes (the lowest nibble first)."""
+    y = _quantized(_values(x, words), s, inv, PLAN, FAST)
     if PLAN.fp8 == "e2m1":
         codes = [f32_to_e2m1(y[e]) for e in range(CHUNK)]
         word = codes[0]
@@ -102,18 +111,18 @@ def _store_quantized(q32, values, row, col, valid, s, inv, PLAN, FAST=True):
 
 
 @nvfly.func
-def _store_group_part(q32, spots, s, inv, PLAN):
-    """The chunks ``spots`` ((row, col, valid, values)) of one group quantised by its scale s: by ``divide`` where
+def _store_group_part(x, q32, spots, s, inv, PLAN):
+    """The chunks ``spots`` ((row, col, valid, words)) of one group quantised by its scale s: by ``divide`` where
     s is finite (every group but one holding an inf or NaN), else by IEEE division."""
     if PLAN.mx_emax >= 0:
-        for row, col, valid, values in spots:
-            _store_quantized(q32, values, row, col, valid, s, inv, PLAN)
+        for row, col, valid, words in spots:
+            _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN)
     elif s <= FLT_MAX:
-        for row, col, valid, values in spots:
-            _store_quantized(q32, values, row, col, valid, s, inv, PLAN)
+        for row, col, valid, words in spots:
+            _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN)
     else:
-        for row, col, valid, values in spots:
-            _store_quantized(q32, values, row, col, valid, s, inv, PLAN, False)
+        for row, col, valid, words in spots:
+            _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN, False)
 
 
 @nvfly.func
@@ -168,12 +177,12 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
             col = gcol * PLAN.group_cols + lane_col
             valid = (row < rows) & (col < cols)
             spots.append((row, gcol, col, valid, _load(x, row, col, valid, PLAN)))
-        for row, gcol, col, valid, values in spots:
-            amax = nvfly.warp_reduce(_amax(values, 0.0), "max", LANES)
+        for row, gcol, col, valid, words in spots:
+            amax = nvfly.warp_reduce(_amax(x, words, 0.0, PLAN), "max", LANES)
             s, stored, inv = _scale(amax, PLAN)
             if (tid % LANES == 0) & (row < rows):
                 scale[row, gcol] = stored
-            _store_group_part(q32, [(row, col, valid, values)], s, inv, PLAN)
+            _store_group_part(x, q32, [(row, col, valid, words)], s, inv, PLAN)
     else:
         scratch = nvfly.shared_tensor(nvfly.f32, (PLAN.threads // 32,))
         gcols = cols if PLAN.group_cols == 0 else PLAN.group_cols
@@ -187,19 +196,19 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
                 row, col, valid = _block_chunk(i * PLAN.threads + tid, grow, gcol, gcols, rows, cols, PLAN)
                 spots.append((row, col, valid, _load(x, row, col, valid, PLAN)))
             amax = 0.0
-            for row, col, valid, values in spots:
-                amax = _amax(values, amax)
+            for row, col, valid, words in spots:
+                amax = _amax(x, words, amax, PLAN)
             s, stored, inv = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
             if tid == 0:
                 scale[grow, gcol] = stored
-            _store_group_part(q32, spots, s, inv, PLAN)
+            _store_group_part(x, q32, spots, s, inv, PLAN)
         else:  # longer rows: the amax sweeping the row, then the values read again (from L2) for the stores
             amax = 0.0
             for sweep in range(PLAN.sweeps):
                 for i in nvfly.static_range(PLAN.chunks):
                     row, col, valid = _block_chunk(sweep * SPAN + i * PLAN.threads + tid, grow, gcol, gcols, rows,
                                                    cols, PLAN)
-                    amax = _amax(_load(x, row, col, valid, PLAN, True), amax)
+                    amax = _amax(x, _load(x, row, col, valid, PLAN, True), amax, PLAN)
             s, stored, inv = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
             if tid == 0:
                 scale[grow, gcol] = stored
@@ -207,4 +216,4 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
                 for i in nvfly.static_range(PLAN.chunks):
                     row, col, valid = _block_chunk(sweep * SPAN + i * PLAN.threads + tid, grow, gcol, gcols, rows,
                                                    cols, PLAN)
-                    _store_group_part(q32, [(row, col, valid, _load(x, row, col, valid, PLAN))], s, inv, PLAN)
+                    _store_group_part(x, q32, [(row, col, valid, _load(x, row, col, valid, PLAN))], s, inv, PLAN)

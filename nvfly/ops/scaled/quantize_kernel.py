@@ -34,8 +34,8 @@ FLT_MAX = 3.4028234663852886e38
 class QuantizePlan:
     """group_rows x group_cols groups (group_cols 0: whole rows); per_warp: group_cols / 8 lanes per group (a
     power of two up to 32), each thread ``unroll`` groups, else one block of ``threads`` per group, each thread
-    ``chunks`` 8-element chunks per sweep, ``sweeps`` sweeps (1: the values stay in registers); words: 32-bit words
-    per 16-byte load of x (4; a chunk of fp32 is two loads); fp8: the target dtype's name ("e2m1": MXFP4);
+    ``chunks`` 8-element chunks per sweep, ``sweeps`` sweeps (1: the values stay in registers); loads: 16-byte
+    loads per chunk (2 for fp32 x); fp8: the target dtype's name ("e2m1": MXFP4);
     inv_fp8_max (1 / the dtype's largest value), amax_floor: the scale choice; mx_emax >= 0: MX scales instead (an
     e8m0 byte per group, 2^(floor(log2 amax) - mx_emax), OCP's rule), the scale tensor then uint8."""
     group_rows: int
@@ -49,7 +49,7 @@ class QuantizePlan:
     unroll: int = 1
     chunks: int = 1
     sweeps: int = 1
-    loads: int = 1  # 16-byte loads per chunk: 1 for 16-bit x, 2 for fp32
+    loads: int = 1
     groups_per_row: int = 0  # per_warp: K's groups, a constant (a multiply, not a division, per group); 0: from cols
 
 

@@ -235,11 +235,12 @@ E2M1_MAGIC = ((2.0, 2.0 ** 22, 0), (4.0, 2.0 ** 23, 2), (None, 2.0 ** 24, 4))
 
 
 @traced
-def f32_to_e2m1(value: Any) -> Scalar:
+def f32_to_e2m1(value: Any, nan: bool = True) -> Scalar:
     """The OCP e2m1 code (an i32, 0-15, sign in bit 3) of an f32 value, rounded to nearest even and saturating to
-    +-6 (NaN: 0), the sign kept (-0 for small negatives); sm_90 has no e2m1 ``cvt``: the magnitude plus
-    ``E2M1_MAGIC``'s constant rounds it to nearest even in one add (about ten instructions, where counting the
-    seven thresholds ``E2M1_ABOVE`` / ``E2M1_AT_OR_ABOVE`` took about twenty)."""
+    +-6 (NaN: 0; ``nan=False`` for values known not to be NaN saves two instructions), the sign kept (-0 for small
+    negatives); sm_90 has no e2m1 ``cvt``: the magnitude plus ``E2M1_MAGIC``'s constant rounds it to nearest even in
+    one add (about ten instructions, where counting the seven thresholds ``E2M1_ABOVE`` / ``E2M1_AT_OR_ABOVE`` took
+    about twenty)."""
     v = as_value(value)
     if not isinstance(v, Scalar) or v.dtype != dtypes.f32:
         raise CompileError(f"f32_to_e2m1 takes an f32, got {getattr(v, 'dtype', v)}")
@@ -248,7 +249,9 @@ def f32_to_e2m1(value: Any) -> Scalar:
     magic = select(magnitude < low, c0, select(magnitude < mid, c1, c2))
     less = select(magnitude < low, _f32_bits(c0) - o0, select(magnitude < mid, _f32_bits(c1) - o1, _f32_bits(c2) - o2))
     steps = (magnitude + magic).bitcast(dtypes.i32) - less
-    code = select(magnitude == magnitude, minimum(steps, 7), 0)  # inf saturates; NaN passes no threshold
+    code = minimum(steps, 7)  # inf saturates
+    if nan:
+        code = select(magnitude == magnitude, code, 0)  # NaN passes no threshold
     return code | ((v.bitcast(dtypes.i32) >> 28) & 8)
 
 

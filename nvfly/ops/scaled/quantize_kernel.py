@@ -98,7 +98,7 @@ def _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN, FAST=True):
     32-bit words of fp8, or one of eight e2m1 codes (the lowest nibble first)."""
     y = _quantized(_values(x, words), s, inv, PLAN, FAST)
     if PLAN.fp8 == "e2m1":
-        codes = [f32_to_e2m1(y[e]) for e in range(CHUNK)]
+        codes = [f32_to_e2m1(y[e], not FAST) for e in range(CHUNK)]
         word = codes[0]
         for e in nvfly.static_range(1, CHUNK):
             word = word | (codes[e] << (4 * e))
@@ -111,13 +111,14 @@ def _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN, FAST=True):
 
 
 @nvfly.func
-def _store_group_part(x, q32, spots, s, inv, PLAN):
-    """The chunks ``spots`` ((row, col, valid, words)) of one group quantised by its scale s: by ``divide`` where
-    s is finite (every group but one holding an inf or NaN), else by IEEE division."""
-    if PLAN.mx_emax >= 0:
+def _store_group_part(x, q32, spots, s, inv, fast, PLAN):
+    """The chunks ``spots`` ((row, col, valid, words)) of one group quantised by its scale s. ``fast`` (``_scale``'s)
+    false: fp8 scales inf or NaN, divided by ``div.rn.f32`` instead of ``divide``; MXFP4 groups holding a NaN, the
+    e2m1 rounding checking for it (MXFP8 has no slow case)."""
+    if PLAN.mx_emax >= 0 and PLAN.fp8 != "e2m1":
         for row, col, valid, words in spots:
             _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN)
-    elif s <= FLT_MAX:
+    elif fast:
         for row, col, valid, words in spots:
             _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN)
     else:
@@ -128,16 +129,17 @@ def _store_group_part(x, q32, spots, s, inv, PLAN):
 @nvfly.func
 def _scale(amax, PLAN):
     """(the f32 scale s, the value stored in the scale tensor, the reciprocal the values are multiplied by: MX's
-    exact 1 / s, else ``division_reciprocal(s)``)."""
+    exact 1 / s, else ``division_reciprocal(s)``; whether the group takes the fast path: amax not NaN (MX), s
+    finite (fp8))."""
     if PLAN.mx_emax >= 0:
         # e8m0: the biased exponent of amax less emax, in [0, 254]; 2^(byte - 127) (byte 0: the subnormal 2^-127),
         # its reciprocal 2^(127 - byte) (byte 254: the subnormal 2^-127), both exact
         byte = nvfly.minimum(nvfly.maximum(((amax.bitcast(nvfly.i32) >> 23) & 0xFF) - PLAN.mx_emax, 0), 254)
         s = nvfly.select(byte == 0, nvfly.i32(0x00400000), byte << 23).bitcast(nvfly.f32)
         inv = nvfly.select(byte == 254, nvfly.i32(0x00400000), (254 - byte) << 23).bitcast(nvfly.f32)
-        return s, byte.to(nvfly.u8), inv
+        return s, byte.to(nvfly.u8), inv, amax == amax
     s = nvfly.maximum(amax, PLAN.amax_floor) * PLAN.inv_fp8_max
-    return s, s, division_reciprocal(s)
+    return s, s, division_reciprocal(s), s <= FLT_MAX
 
 
 @nvfly.func
@@ -179,10 +181,10 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
             spots.append((row, gcol, col, valid, _load(x, row, col, valid, PLAN)))
         for row, gcol, col, valid, words in spots:
             amax = nvfly.warp_reduce(_amax(x, words, 0.0, PLAN), "max", LANES)
-            s, stored, inv = _scale(amax, PLAN)
+            s, stored, inv, fast = _scale(amax, PLAN)
             if (tid % LANES == 0) & (row < rows):
                 scale[row, gcol] = stored
-            _store_group_part(x, q32, [(row, col, valid, words)], s, inv, PLAN)
+            _store_group_part(x, q32, [(row, col, valid, words)], s, inv, fast, PLAN)
     else:
         scratch = nvfly.shared_tensor(nvfly.f32, (PLAN.threads // 32,))
         gcols = cols if PLAN.group_cols == 0 else PLAN.group_cols
@@ -198,10 +200,10 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
             amax = 0.0
             for row, col, valid, words in spots:
                 amax = _amax(x, words, amax, PLAN)
-            s, stored, inv = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
+            s, stored, inv, fast = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
             if tid == 0:
                 scale[grow, gcol] = stored
-            _store_group_part(x, q32, spots, s, inv, PLAN)
+            _store_group_part(x, q32, spots, s, inv, fast, PLAN)
         else:  # longer rows: the amax sweeping the row, then the values read again (from L2) for the stores
             amax = 0.0
             for sweep in range(PLAN.sweeps):
@@ -209,11 +211,12 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
                     row, col, valid = _block_chunk(sweep * SPAN + i * PLAN.threads + tid, grow, gcol, gcols, rows,
                                                    cols, PLAN)
                     amax = _amax(x, _load(x, row, col, valid, PLAN, True), amax, PLAN)
-            s, stored, inv = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
+            s, stored, inv, fast = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
             if tid == 0:
                 scale[grow, gcol] = stored
             for sweep in range(PLAN.sweeps):
                 for i in nvfly.static_range(PLAN.chunks):
                     row, col, valid = _block_chunk(sweep * SPAN + i * PLAN.threads + tid, grow, gcol, gcols, rows,
                                                    cols, PLAN)
-                    _store_group_part(x, q32, [(row, col, valid, _load(x, row, col, valid, PLAN))], s, inv, PLAN)
+                    spot = (row, col, valid, _load(x, row, col, valid, PLAN))
+                    _store_group_part(x, q32, [spot], s, inv, fast, PLAN)

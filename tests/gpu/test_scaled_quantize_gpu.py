@@ -59,6 +59,24 @@ def test_the_long_row_shape_is_read_in_sweeps():
     assert quantize_plan(16, 7168, 2, "row", torch.float8_e4m3fn, 132)[0].sweeps == 1
 
 
+@pytest.mark.parametrize("source", SOURCES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx", "mxfp4"])
+def test_groups_with_inf_and_nan_take_the_exact_slow_path(hopper, granularity, source):
+    """A group holding an inf (fp8 scales: inf, divided by div.rn.f32) or a NaN (MXFP4: the e2m1 NaN check) gives
+    the reference's bytes; the other groups stay exact (NaN scales compared as NaN)."""
+    x = spread(256, 1024, source)
+    x[3, 5] = float("inf")
+    x[130, 700] = -float("inf")
+    x[200, 40] = float("nan")
+    if granularity == "mxfp4":
+        (q, s), (q_ref, s_ref) = quantize_mxfp4(x, operand="a"), quantize(x, "mxfp4")
+    else:
+        (q, s), (q_ref, s_ref) = quantize_fp8(x, granularity), quantize(x, granularity)
+    torch.testing.assert_close(s, s_ref, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), \
+        (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()[:8]
+
+
 @nvfly.kernel
 def divide_kernel(x: nvfly.Tensor, d: nvfly.Tensor, out: nvfly.Tensor, n: nvfly.i32):
     i = nvfly.block_idx.x * 256 + nvfly.thread_idx.x

@@ -22,15 +22,16 @@ over their tiles; --quick: on the row and block recipes, and on every recipe's s
 plan, its alternatives and cuBLAS replayed from CUDA graphs, ``*_graph_ms``, ``*graph_vs_cublas``):
 ``nvfly_<name>_ms``, ``<name>_vs_nvfly`` (> 1: the alternative is faster), ``<name>_vs_cublas``. The
 quantisation kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against
-the torch reference and timed after.
+the torch reference and timed after, in TB/s of bytes read + written beside a torch copy of as many bytes; only
+them: python -m benchmarks.scaled --quantize-only (< 90 s; writes scaled_quantize_h200.json).
 Writes benchmarks/results/<name>_h200.json (after every row) and <name>_h200.png.
 
 Block-scaled tiles (``--block-tiles``, < 3 min): the block recipe at M in {4096, 16384} on DeepSeek-V3 and Llama-70B
-(N, K) weight shapes (``BLOCK_TILE_SHAPES``), no quantisation rows, the heuristic's plan (128 x 128, issuing ahead)
-beside "in_order" and the tiles over several 128-wide weight blocks: "block192" (128 x 192, in order: three 64 x 192
-accumulators do not fit), "block160" (in order) and "block112" (issuing ahead: 3 x 56 registers fit), and the
-activation scales staged in shared memory by the producer on the plan's tile ("staged") and on 192
-("block192_staged"), e.g.
+(N, K) weight shapes (``BLOCK_TILE_SHAPES``), no quantisation rows, the heuristic's plan (staged scales, 128 x 192
+in order or 128 x 128 issuing ahead) beside "in_order" (where it issues ahead) and each ``BLOCK_TILES`` config that
+is not the plan's: "previous" (128 x 128 ahead, scales from global), the tiles over several 128-wide weight blocks
+"block192", "block160" (in order) and "block112" (issuing ahead: 3 x 56 registers fit), and staged scales on 128
+("staged") and 192 ("block192_staged"), e.g.
 python -m benchmarks.scaled --block-tiles --no-triton --name scaled_block_tiles.
 
 MXFP4 weights x bf16 activations (``--a16``, its own suite, default name scaled_mxfp4_a16): rows M in {1, 4, 16, 64}
@@ -133,7 +134,8 @@ def triton_call(a, b, sa, sb, fast: bool) -> Optional[Any]:
     return lambda: compiled(a, b, sa, sb)
 
 
-QUANTIZE_SHAPES = [(4096, 7168), (16384, 4096), (16, 7168)]
+# DeepSeek-V3 activations (K = 7168) at prefill and decode sizes, a 16384 x 4096 weight, K past a 128 group
+QUANTIZE_SHAPES = [(4096, 7168), (16384, 4096), (16, 7168), (4000, 7072)]
 
 # (N, K) of the weights: DeepSeek-V3 (q_a, q_b, kv_a, o, an expert's gate+up and down), Llama-70B (qkv, o, gate+up,
 # down)
@@ -295,9 +297,17 @@ def graph_rows(row: dict[str, Any], a, b, sa, sb, out: torch.Tensor, fast: bool,
                     row[key] = row["cublas_graph_ms"] / row[f"{who}_graph_ms"]
 
 
+def quantize_bytes(m: int, k: int, granularity: str) -> int:
+    """Bytes a quantisation moves: the bf16 read, the fp8 (MXFP4: packed e2m1) values and the scales written."""
+    values = m * k // 2 if granularity == "mxfp4" else m * k
+    scales = {"row": 4 * m, "1x128": 4 * m * -(-k // 128), "128x128": 4 * -(-m // 128) * -(-k // 128)}
+    return 2 * m * k + values + scales.get(granularity, m * k // 32)
+
+
 def quantize_rows() -> list[dict[str, Any]]:
-    """nvfly's quantisation kernels against the torch reference (the same result bit for bit, checked): GB/s of
-    bf16 read + fp8 written."""
+    """nvfly's quantisation kernels against the torch reference (the same result bit for bit, checked): TB/s of
+    bytes read + written (``quantize_bytes``) beside a torch copy of as many bytes (copy_tbps: half of them read,
+    half written) and the torch reference's time."""
     rows = []
     for m, k in QUANTIZE_SHAPES:
         x = torch.randn(m, k, device="cuda").bfloat16()
@@ -307,15 +317,45 @@ def quantize_rows() -> list[dict[str, Any]]:
             q, s = kernel()
             q_ref, s_ref = quantize(x, granularity)
             exact = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+            del q, s, q_ref, s_ref
+            moved = quantize_bytes(m, k, granularity)
+            src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
+            dst = torch.empty_like(src)
             nvfly_ms = bench_ms(kernel)
+            copy_ms = bench_ms(lambda: dst.copy_(src))
             torch_ms = bench_ms(lambda: quantize(x, granularity))
-            gbytes = (2.5 if granularity == "mxfp4" else 3) * m * k / 1e9  # bf16 read, fp8 / fp4 written
-            row = {"M": m, "K": k, "granularity": granularity, "bit_exact": exact, "nvfly_ms": nvfly_ms,
-                   "torch_ms": torch_ms, "nvfly_gbps": gbytes / nvfly_ms * 1e3, "vs_torch": torch_ms / nvfly_ms}
+            del src, dst
+            row = {"M": m, "K": k, "granularity": granularity, "bit_exact": exact, "bytes": moved,
+                   "nvfly_ms": nvfly_ms, "copy_ms": copy_ms, "torch_ms": torch_ms,
+                   "nvfly_tbps": moved / nvfly_ms / 1e9, "copy_tbps": 2 * (moved // 2) / copy_ms / 1e9,
+                   "vs_copy": copy_ms / nvfly_ms, "vs_torch": torch_ms / nvfly_ms}
             rows.append(row)
-            print(f"quantize {m:>5}x{k:>5} {granularity:>7}  bit-exact {exact}  nvfly {row['nvfly_gbps']:7.1f} GB/s"
+            print(f"quantize {m:>5}x{k:>5} {granularity:>7}  bit-exact {exact}  nvfly {row['nvfly_tbps']:5.2f} TB/s"
+                  f"  torch copy of the same bytes {row['copy_tbps']:5.2f} TB/s (x{row['vs_copy']:.2f})"
                   f"  x{row['vs_torch']:.1f} vs the torch reference", flush=True)
     return rows
+
+
+def quantize_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """All bit exact, and per granularity the lowest TB/s and fraction of the copy over the shapes of at least
+    16 MB moved (the small ones measure the launch)."""
+    summary: dict[str, Any] = {"quantize_all_bit_exact": all(r["bit_exact"] for r in rows)}
+    for granularity in sorted({r["granularity"] for r in rows}):
+        large = [r for r in rows if r["granularity"] == granularity and r["bytes"] >= 16 << 20]
+        if large:
+            summary[f"quantize_min_tbps_{granularity}"] = min(r["nvfly_tbps"] for r in large)
+            summary[f"quantize_min_vs_copy_{granularity}"] = min(r["vs_copy"] for r in large)
+    return summary
+
+
+def quantize_main(args: argparse.Namespace) -> int:
+    t_start = time.time()
+    rows = quantize_rows()
+    summary = {"seconds": time.time() - t_start, **quantize_summary(rows)}
+    print(summary)
+    path = write_results(args.name if args.name != "scaled" else "scaled_quantize", rows, {"summary": summary})
+    print("wrote", path)
+    return 0
 
 
 def main(argv=None) -> int:
@@ -329,6 +369,8 @@ def main(argv=None) -> int:
                    help="default: all (--quick: all but tensor-fast)")
     p.add_argument("--name", default="scaled")
     p.add_argument("--no-quantize", action="store_true", help="skip the quantisation kernels' rows")
+    p.add_argument("--quantize-only", action="store_true",
+                   help="only the quantisation kernels' rows (< 90 s on the H200; default name scaled_quantize)")
     p.add_argument("--issue-ahead", action="store_true",
                    help="also time the promoted mainloop issuing k-block k+1 before k's add (ScaledConfig."
                         "issue_ahead) on the heuristic's unswapped tensor/row/block plans (nvfly_ahead_ms)")
@@ -342,6 +384,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.a16:
         return a16_main(args)
+    if args.quantize_only:
+        return quantize_main(args)
     if args.block_tiles:
         args.recipes, args.no_quantize = args.recipes or ["block"], True
     if args.recipes is None:
@@ -450,7 +494,7 @@ def main(argv=None) -> int:
     summary["geomean_vs_triton"] = geomean([r["vs_triton"] for r in rows if "vs_triton" in r])
     quantized = [] if args.no_quantize else quantize_rows()
     if quantized:
-        summary["quantize_all_bit_exact"] = all(r["bit_exact"] for r in quantized)
+        summary.update(quantize_summary(quantized))
     print(summary)
     path = write_results(args.name, rows, {"summary": summary, "quantize": quantized})
     labels = [f"{r['M']}x{r['N']}x{r['K']} {r['recipe']}" for r in rows]

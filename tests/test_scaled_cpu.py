@@ -605,32 +605,62 @@ def test_plans():
             assert plan.config.split_k == 1 or 2 * tiles <= 132
 
 
+@pytest.mark.parametrize("source", ["bf16", "f32"])
 @pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx", "mxfp4"])
-def test_quantize_kernels_compile(granularity):
-    from nvfly.frontend.dtypes import bf16, f32, i16, i32, u8
-    from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
+def test_quantize_kernels_compile(granularity, source):
+    """Every granularity's plan compiles without spills; x is read in 16-byte non-coherent streaming loads, all of
+    a thread's issued before its amax reduction, and the fp8 values stored as 8-byte words (e2m1: 4)."""
+    from nvfly.frontend.dtypes import bf16, f32, i32, u8
+    from nvfly.ops.scaled.quantize import quantize_plan
+    from nvfly.ops.scaled.quantize_kernel import quantize_kernel
     from nvfly.runtime.tensor_desc import TensorDesc
-    plan, scale = {"row": (QuantizePlan(1, 0, False, 256, 8, "f8e4m3", 1 / 448.0, 1e-12), TensorDesc(f32, (4096, 1))),
-                   "1x128": (QuantizePlan(1, 128, True, 256, 4, "f8e4m3", 1 / 448.0, 1e-12),
-                             TensorDesc(f32, (4096, 32), (1, 4096))),
-                   "128x128": (QuantizePlan(128, 128, False, 256, 8, "f8e5m2", 1 / 57344.0, 1e-12),
-                               TensorDesc(f32, (32, 32))),
-                   "mx": (QuantizePlan(1, 32, True, 256, 4, "f8e4m3", 1 / 448.0, 1e-12, mx_emax=8),
-                          TensorDesc(u8, (4096, 128))),
-                   "mxfp4": (QuantizePlan(1, 32, True, 256, 4, "e2m1", 1 / 6.0, 1e-12, mx_emax=2),
-                             TensorDesc(u8, (4096, 128)))}[granularity]
-    q = TensorDesc(i16, (4096, 1024)) if granularity == "mxfp4" else TensorDesc(i32, (4096, 1024))
-    k = quantize_kernel.compile(TensorDesc(bf16, (4096, 4096)), q, scale, 4096, 4096, PLAN=plan, block=256)
-    assert k.resources.spill_stores == 0 and k.resources.stack_bytes == 0 and not k.warnings
-    if granularity == "mxfp4":  # compares, no fp8 cvt; a 16-bit word of four codes, a scale byte
-        assert "div.rn.f32" in k.ptx and k.ptx.count("shfl.sync.bfly") == 3 and "F2FP" not in k.sass()
-        assert "st.global.b16" in k.ptx and "st.global.b8" in k.ptx
+    rows, k = 4096, 7168
+    dtype = torch.float8_e5m2 if granularity == "128x128" else torch.float8_e4m3fn
+    plan, blocks = quantize_plan(rows, k, 4 if source == "f32" else 2, granularity,
+                                 torch.float4_e2m1fn_x2 if granularity == "mxfp4" else dtype, 132)
+    scale = {"row": TensorDesc(f32, (rows, 1)), "1x128": TensorDesc(f32, (rows, 56), (1, rows)),
+             "128x128": TensorDesc(f32, (32, 56)), "mx": TensorDesc(u8, (rows, k // 32)),
+             "mxfp4": TensorDesc(u8, (rows, k // 32))}[granularity]
+    q = TensorDesc(i32, (rows, k // (8 if granularity == "mxfp4" else 4)))
+    x = TensorDesc(f32 if source == "f32" else bf16, (rows, k))
+    kern = quantize_kernel.compile(x, q, scale, rows, k, PLAN=plan, block=plan.threads)
+    assert kern.resources.spill_stores == 0 and kern.resources.stack_bytes == 0 and not kern.warnings
+    assert "STL" not in kern.sass() and "LDL" not in kern.sass()
+    load = "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32"
+    per_thread = plan.loads * (plan.unroll if plan.per_warp else plan.chunks)
+    assert kern.ptx.count(load) == per_thread * (2 if plan.sweeps > 1 else 1)
+    assert kern.sass_opcodes()["LDG.E.NA.128.CONSTANT"] == kern.ptx.count(load)  # 16-byte read-only loads in SASS
+    # the loads come first: none after the first reduction step (shuffle or barrier)
+    body = kern.ptx[kern.ptx.index(load):]
+    first_reduction = min(i for i in (body.find("shfl.sync.bfly"), body.find("bar.sync")) if i >= 0)
+    assert body[:first_reduction].count(load) == per_thread
+    if granularity in ("mx", "mxfp4"):  # a power-of-two scale: its exact reciprocal multiplies, no division
+        assert "div.rn.f32" not in kern.ptx and "rcp" not in kern.ptx
+    else:  # divide's reciprocal once per group; div.rn.f32 only for a group with an inf or NaN scale
+        assert kern.ptx.count("rcp.approx.ftz.f32") == (plan.unroll if plan.per_warp else 1)
+        assert "div.rn.f32" in kern.ptx
+    if granularity == "mxfp4":  # no fp8 cvt; a 32-bit word of eight codes, a scale byte
+        assert "F2FP" not in kern.sass() and "st.global.L1::no_allocate.L2::cache_hint.b32" in kern.ptx
+        assert kern.ptx.count("shfl.sync.bfly") == 2 * plan.unroll and "st.global.b8" in kern.ptx
         return
     kind = "E4M3" if plan.fp8 == "f8e4m3" else "E5M2"
-    assert any(op.startswith(f"F2FP.SATFINITE.{kind}.F32") for op in k.sass_opcodes())
-    assert "div.rn.f32" in k.ptx  # IEEE division, as torch's reference divides
-    if granularity == "mx":  # 8 lanes a group: three butterfly steps
-        assert k.ptx.count("shfl.sync.bfly") == 3 and "st.global.b8" in k.ptx
+    assert any(op.startswith(f"F2FP.SATFINITE.{kind}.F32") for op in kern.sass_opcodes())
+    assert "st.global.L1::no_allocate.L2::cache_hint.v2.u32" in kern.ptx
+    if granularity == "mx":  # 4 lanes a group: two butterfly steps per group
+        assert kern.ptx.count("shfl.sync.bfly") == 2 * plan.unroll and "st.global.b8" in kern.ptx
+    if granularity == "1x128":
+        assert plan.unroll == 4 and blocks == rows * 56 // (16 * 4)
+
+
+def test_quantize_plan_holds_long_rows_in_sweeps():
+    from nvfly.ops.scaled.quantize import quantize_plan
+    plan, blocks = quantize_plan(8, 7168, 2, "row", torch.float8_e4m3fn, 132)
+    assert (plan.threads, plan.chunks, plan.sweeps, blocks) == (128, 7, 1, 8)
+    plan, _ = quantize_plan(8, 1 << 17, 2, "row", torch.float8_e4m3fn, 132)
+    assert plan.threads == 1024 and plan.sweeps == 2 and plan.chunks * plan.threads * plan.sweeps * 8 >= 1 << 17
+    plan, blocks = quantize_plan(300, 200 * 16, 4, "128x128", torch.float8_e4m3fn, 132)
+    assert (plan.threads, plan.chunks, plan.loads, blocks) == (512, 4, 2, 3 * 25)
+    assert quantize_plan(16, 7168, 2, "1x128", torch.float8_e4m3fn, 132)[0].unroll == 1
 
 
 def test_routing_eligibility_keeps_torch_semantics():
@@ -864,6 +894,29 @@ def test_e2m1_rounding_is_nearest_even_and_saturates(values):
     nearest = torch.where(distance == best, index % 2 * 100 + index, 1000).argmin(dim=1)  # a tie: the even code
     expected = nearest | (y.signbit().long() << 3)
     assert torch.equal(e2m1_codes(y), expected)
+
+
+def test_e2m1_magic_rounding_equals_the_reference_codes():
+    """f32_to_e2m1's rule (``E2M1_MAGIC``: the magnitude plus a power of two rounds it to e2m1's step, the sum's bits
+    count the steps) in torch float32 arithmetic equals ``e2m1_codes`` at every tie, its neighbours, a fine grid,
+    zeros, subnormals, infinities and NaN."""
+    import struct
+    from nvfly.arch.floats import E2M1_MAGIC
+    from nvfly.ops.scaled.quantize import e2m1_codes
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    near = torch.cat([ties, torch.nextafter(ties, torch.tensor(0.0)), torch.nextafter(ties, torch.tensor(100.0))])
+    grid = torch.arange(-14 * 256, 14 * 256 + 1) / 256
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-30, 7.0, 1e30, 3.4e38, float("inf"), -float("inf"),
+                            float("nan")])
+    y = torch.cat([near, -near, grid, special]).float()
+    mag = y.abs()
+    (low, c0, o0), (mid, c1, o1), (_, c2, o2) = E2M1_MAGIC
+    bits = lambda c: struct.unpack("<i", struct.pack("<f", c))[0]  # noqa: E731
+    magic = torch.where(mag < low, c0, torch.where(mag < mid, c1, c2)).float()
+    less = torch.where(mag < low, bits(c0) - o0, torch.where(mag < mid, bits(c1) - o1, bits(c2) - o2))
+    steps = (mag + magic).view(torch.int32) - less
+    code = torch.where(mag == mag, steps.clamp(max=7), 0).long() | (y.signbit().long() << 3)
+    assert torch.equal(code, e2m1_codes(y))
 
 
 def test_mxfp4_quantisation_reference():

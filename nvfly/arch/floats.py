@@ -4,7 +4,8 @@
 filters many values with one instruction a pair and no predicate registers; ``f16_to_f32`` (``cvt.f32.f16``)
 converts a half given as its 16 bits; ``e8m0_to_f32`` decodes an MX scale byte, ``e2m1x8_to_e4m3x8`` and
 ``convert_shared_e2m1x32`` turn packed MXFP4 values into e4m3 (times 2^-6, exact) for fp8 wgmma, ``f32_to_e2m1``
-rounds to e2m1. ``tanh_approx`` is the MUFU unit's tanh (``tanh.approx.f32``,
+rounds to e2m1. ``divide`` with ``division_reciprocal``: many correctly rounded divisions by one divisor
+(``div.rn.f32``'s fast path, the reciprocal refined once). ``tanh_approx`` is the MUFU unit's tanh (``tanh.approx.f32``,
 sm_75+): one instruction, where ``nvfly.tanh`` (a correctly rounded expansion) is ~20 (an ex2, a reciprocal and a
 polynomial); its relative error is at most 2^-10.987 (PTX ISA), under bf16's half ulp, which is why
 FlashAttention-3 soft-caps with it. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8
@@ -15,6 +16,7 @@ has no e4m3 -> bf16 ``cvt`` (four times the instructions: prefer f16 MMAs on con
 """
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 from nvfly.arch.memory import load_shared, store_shared
@@ -23,7 +25,7 @@ from nvfly.arch.target import requires
 from nvfly.errors import CompileError
 from nvfly.frontend import dtypes
 from nvfly.frontend.dtypes import DType
-from nvfly.frontend.language import maximum, minimum, select
+from nvfly.frontend.language import fma, maximum, minimum, select
 from nvfly.frontend.trace import traced
 from nvfly.frontend.values import Scalar, as_value
 
@@ -190,19 +192,71 @@ E2M1_AT_OR_ABOVE = (0.75, 1.75, 3.5)
 
 
 @traced
-def f32_to_e2m1(value: Any) -> Scalar:
+def max_abs_x2(words: list, dtype: DType) -> Scalar:
+    """The largest magnitude in each 16-bit lane of 32-bit words of ``dtype`` (bf16 or f16) pairs, as one word of
+    two: the sign bits cleared and ``max.NaN.<type>x2`` (a NaN wins), one instruction for two values each."""
+    kind = {"bf16": "bf16x2", "f16": "f16x2"}.get(dtype.name)
+    if kind is None:
+        raise CompileError(f"max_abs_x2 takes bf16 or f16 pairs, got {dtype.name}")
+    most = as_value(words[0]) & 0x7FFF7FFF
+    for w in words[1:]:
+        most = asm(f"max.NaN.{kind} $0, $1, $2;", [most, as_value(w) & 0x7FFF7FFF], dtypes.i32, side_effects=False)
+    return most
+
+
+@traced
+def division_reciprocal(divisor: Any) -> Scalar:
+    """The reciprocal ``divide`` multiplies by, for many divisions by one f32 ``divisor``: ``rcp.approx.ftz``
+    refined by one Newton step, as sm_90's ``div.rn.f32`` computes it for each division."""
+    d = as_value(divisor)
+    if not isinstance(d, Scalar) or d.dtype != dtypes.f32:
+        raise CompileError(f"division_reciprocal takes an f32, got {getattr(d, 'dtype', d)}")
+    y = asm("rcp.approx.ftz.f32 $0, $1;", [d], dtypes.f32, side_effects=False)
+    return fma(y, fma(-d, y, 1.0), y)
+
+
+@traced
+def divide(x: Any, divisor: Any, reciprocal: Any) -> Scalar:
+    """f32 ``x / divisor`` rounded to nearest even with ``reciprocal = division_reciprocal(divisor)``: ``div.rn.f32``'s
+    fast path (the quotient from the reciprocal, one fma-computed remainder, one correction), three instructions
+    and the sign, without its per-division reciprocal and range check (FCHK, which sends zeros, subnormals and
+    quotients near f32's ends to a slow path). Equal to ``div.rn.f32`` where x, the divisor and the quotient are
+    normal and the divisor finite (zeros keep x's sign); a quotient below 2^-100 may be off by ulps."""
+    q = x * reciprocal
+    q = fma(reciprocal, fma(-divisor, q, x), q)
+    # |q| with x's sign in one lop3 ((a & c) | (b & ~c)); as copysign LLVM may take the sign from x's source instead
+    return asm("lop3.b32 $0, $1, $2, $3, 0xE4;", [q.bitcast(dtypes.i32), as_value(x).bitcast(dtypes.i32), 0x7FFFFFFF],
+               dtypes.i32, side_effects=False).bitcast(dtypes.f32)
+
+
+# f32_to_e2m1 rounds a magnitude by adding the power of two whose f32 ulp is e2m1's step there (0.5 below 2, 1 below
+# 4, 2 above): the sum's bits less the constant's count the steps, from the code at the binade's start (0, 4, 6)
+E2M1_MAGIC = ((2.0, 2.0 ** 22, 0), (4.0, 2.0 ** 23, 2), (None, 2.0 ** 24, 4))
+
+
+@traced
+def f32_to_e2m1(value: Any, nan: bool = True) -> Scalar:
     """The OCP e2m1 code (an i32, 0-15, sign in bit 3) of an f32 value, rounded to nearest even and saturating to
-    +-6, the sign kept (-0 for small negatives); seven compares (sm_90 has no e2m1 ``cvt``)."""
+    +-6 (NaN: 0; ``nan=False`` for values known not to be NaN saves two instructions), the sign kept (-0 for small
+    negatives); sm_90 has no e2m1 ``cvt``: the magnitude plus ``E2M1_MAGIC``'s constant rounds it to nearest even in
+    one add (about ten instructions, where counting the seven thresholds ``E2M1_ABOVE`` / ``E2M1_AT_OR_ABOVE`` took
+    about twenty)."""
     v = as_value(value)
     if not isinstance(v, Scalar) or v.dtype != dtypes.f32:
         raise CompileError(f"f32_to_e2m1 takes an f32, got {getattr(v, 'dtype', v)}")
     magnitude = abs(v)
-    code = select(magnitude > E2M1_ABOVE[0], 1, 0)
-    for t in E2M1_ABOVE[1:]:
-        code = code + select(magnitude > t, 1, 0)
-    for t in E2M1_AT_OR_ABOVE:
-        code = code + select(magnitude >= t, 1, 0)
+    (low, c0, o0), (mid, c1, o1), (_, c2, o2) = E2M1_MAGIC
+    magic = select(magnitude < low, c0, select(magnitude < mid, c1, c2))
+    less = select(magnitude < low, _f32_bits(c0) - o0, select(magnitude < mid, _f32_bits(c1) - o1, _f32_bits(c2) - o2))
+    steps = (magnitude + magic).bitcast(dtypes.i32) - less
+    code = minimum(steps, 7)  # inf saturates
+    if nan:
+        code = select(magnitude == magnitude, code, 0)  # NaN passes no threshold
     return code | ((v.bitcast(dtypes.i32) >> 28) & 8)
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
 
 
 # e2m1 -> 16-bit: a nibble moved so that its sign is the 16-bit value's sign (bit 15) and its exponent and mantissa

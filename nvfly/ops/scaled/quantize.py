@@ -221,11 +221,46 @@ def quantize_mxfp4(x: torch.Tensor, operand: str = "b") -> tuple[torch.Tensor, t
     return call.run(x)
 
 
+def quantize_plan(rows: int, k: int, itemsize: int, granularity: str, dtype: torch.dtype,
+                  sms: int) -> tuple[Any, int]:
+    """(QuantizePlan, blocks) of the quantisation kernel for x (rows, k) of ``itemsize``-byte elements on ``sms``
+    SMs. 1x128 and MX groups: 16 and 4 lanes each (8 elements a lane), each thread the most groups (4, 2 or 1) that
+    still leave 4 blocks (32 warps) per SM, so 4 16-byte loads are in flight per thread before the amax. Rows and
+    128x128 blocks: a block each, at most 8 chunks (4 of fp32) per thread held in registers, the threads the next
+    power of two in [128, 1024] that covers the group; longer rows in sweeps (read twice)."""
+    from nvfly.ops.scaled.quantize_kernel import CHUNK, QuantizePlan
+    loads = 2 if itemsize == 4 else 1  # 16-byte loads per 8-element chunk
+    if granularity == "mxfp4":
+        fp8, inv, emax = "e2m1", 1.0 / 6.0, E2M1_EMAX
+    else:
+        fp8, inv = _FP8_NAMES[dtype], 1.0 / fp8_max(dtype)
+        emax = MX_EMAX[dtype] if granularity == "mx" else -1
+    if granularity in ("1x128", "mx", "mxfp4"):
+        group_cols = SCALE_BLOCK if granularity == "1x128" else MX_BLOCK
+        groups = rows * -(-k // group_cols)
+        per_block = _QUANT_THREADS // (group_cols // CHUNK)
+        unroll = next(u for u in (4, 2, 1) if u == 1 or -(-groups // (per_block * u)) >= 4 * sms)
+        plan = QuantizePlan(1, group_cols, True, _QUANT_THREADS, fp8, inv, AMAX_FLOOR, emax, unroll=unroll,
+                            loads=loads, groups_per_row=-(-k // group_cols))
+        return plan, -(-groups // (per_block * unroll))
+    most = 8 // loads  # chunks a thread holds
+    if granularity == "row":
+        group_rows, group_cols, total, blocks = 1, 0, k // CHUNK, rows
+    else:
+        group_rows, group_cols = SCALE_BLOCK, SCALE_BLOCK
+        total, blocks = SCALE_BLOCK * SCALE_BLOCK // CHUNK, -(-rows // SCALE_BLOCK) * -(-k // SCALE_BLOCK)
+    threads = min(1024, max(128, 1 << (-(-total // most) - 1).bit_length()))
+    sweeps = -(-total // (threads * most))
+    plan = QuantizePlan(group_rows, group_cols, False, threads, fp8, inv, AMAX_FLOOR, emax,
+                        chunks=-(-total // (threads * sweeps)), sweeps=sweeps, loads=loads)
+    return plan, blocks
+
+
 class _QuantizeCall:
     """The quantisation kernel's launch for one call signature (checked on its first call)."""
 
     def __init__(self, x: Any, granularity: str, dtype: torch.dtype, operand: str):
-        from nvfly.ops.scaled.quantize_kernel import QuantizePlan, quantize_kernel
+        from nvfly.ops.scaled.quantize_kernel import quantize_kernel
         if granularity not in KERNEL_GRANULARITIES and granularity != "mxfp4":
             raise ValueError(f"granularity: expected one of {KERNEL_GRANULARITIES}, got {granularity!r}")
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _SOURCE_DTYPES:
@@ -241,31 +276,11 @@ class _QuantizeCall:
         rows, k = x.shape
         self.kb = -(-k // SCALE_BLOCK)
         self.rb = -(-rows // SCALE_BLOCK)
-        if granularity == "row":  # a block per row
-            self.plan = QuantizePlan(1, 0, False, _QUANT_THREADS, 16 // x.element_size(), _FP8_NAMES[dtype],
-                                     1.0 / fp8_max(dtype), AMAX_FLOOR)
-            blocks = rows
-        elif granularity == "1x128":  # a warp per group
-            self.plan = QuantizePlan(1, SCALE_BLOCK, True, _QUANT_THREADS, SCALE_BLOCK // 32, _FP8_NAMES[dtype],
-                                     1.0 / fp8_max(dtype), AMAX_FLOOR)
-            blocks = -(-rows * self.kb // (_QUANT_THREADS // 32))
-        elif granularity == "mxfp4":  # as MX, four e2m1 codes a 16-bit word
-            if k % MX_BLOCK:
-                raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
-            self.plan = QuantizePlan(1, MX_BLOCK, True, _QUANT_THREADS, 4, "e2m1", 1.0 / 6.0, AMAX_FLOOR,
-                                     mx_emax=E2M1_EMAX)
-            blocks = -(-rows * (k // MX_BLOCK) // (_QUANT_THREADS // (MX_BLOCK // 4)))
-        elif granularity == "mx":  # 8 lanes (of 4 elements) per 32-element group
-            if k % MX_BLOCK:
-                raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
-            self.plan = QuantizePlan(1, MX_BLOCK, True, _QUANT_THREADS, 4, _FP8_NAMES[dtype], 1.0 / fp8_max(dtype),
-                                     AMAX_FLOOR, mx_emax=MX_EMAX[dtype])
-            blocks = -(-rows * (k // MX_BLOCK) // (_QUANT_THREADS // (MX_BLOCK // 4)))
-        else:  # a block per 128x128 block
-            self.plan = QuantizePlan(SCALE_BLOCK, SCALE_BLOCK, False, _QUANT_THREADS, 16 // x.element_size(),
-                                     _FP8_NAMES[dtype], 1.0 / fp8_max(dtype), AMAX_FLOOR)
-            blocks = self.rb * self.kb
-        self.launch = quantize_kernel.prepared(max(1, blocks), _QUANT_THREADS)
+        if granularity in ("mx", "mxfp4") and k % MX_BLOCK:
+            raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        self.plan, blocks = quantize_plan(rows, k, x.element_size(), granularity, dtype, sms)
+        self.launch = quantize_kernel.prepared(max(1, blocks), self.plan.threads)
 
     def run(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows, k = x.shape
@@ -273,7 +288,7 @@ class _QuantizeCall:
             q = torch.empty((rows, k // 2), dtype=torch.uint8, device=x.device)
             scale = torch.empty((rows, k // MX_BLOCK), dtype=torch.uint8, device=x.device)
             if rows and k:
-                self.launch(x, q.view(torch.int16), scale, rows, k, self.plan)
+                self.launch(x, q.view(torch.int32), scale, rows, k, self.plan)
             q = q.view(torch.float4_e2m1fn_x2)
             return (q if self.operand == "a" else q.t()), scale
         q = torch.empty((rows, k), dtype=self.dtype, device=x.device)

@@ -1,123 +1,222 @@
-"""Quantisation to fp8 with amax scales (nvfly.ops.scaled.quantize's scale choice, bit for bit): memory-bound,
-each group read twice (its amax, then its values; the second read hits L1/L2).
+"""Quantisation to fp8 with amax scales (nvfly.ops.scaled.quantize's scale choice, bit for bit): memory-bound, x
+read once (values held in registers between the amax and the stores), 16-byte non-coherent loads with several in
+flight per thread before any reduction.
 
-A group is ``PLAN.group_rows`` x ``PLAN.group_cols`` elements (group_cols 0: a whole row). Small groups (1x128,
-MX's 1x32) take group_cols / VEC lanes each (each lane VEC consecutive elements); large ones (a row, a 128x128
-block) one block each, the threads walking the group in VEC-element chunks. scale = max(amax, AMAX_FLOOR) *
-(1 / FP8_MAX) (an fp32 multiply, as the reference; MX: a power of two) and q = fp8(x / scale) (an IEEE division,
-rounded to nearest even, saturating: the reference's clamp), four fp8 values stored as one 32-bit word (``q`` is
-passed as int32 words); MXFP4: four e2m1 codes as one 16-bit word (``q`` as int16 words).
+Each thread moves chunks of 8 consecutive elements (one 16-byte ``ld.global.nc.v4`` of bf16/fp16, two of fp32; K a
+multiple of 16, so a chunk never crosses a row's end). A group is ``PLAN.group_rows`` x ``PLAN.group_cols``
+elements (group_cols 0: a whole row). Small groups (1x128, MX's 1x32) take group_cols / 8 lanes each and each
+thread ``PLAN.unroll`` groups, all loads issued before the butterfly amax; large ones (a row, a 128x128 block) one
+block each, every thread loading its ``PLAN.chunks`` chunks before the block's amax (rows longer than
+threads x chunks x 8 elements: ``PLAN.sweeps`` passes, the values read again for the stores). scale =
+max(amax, AMAX_FLOOR) * (1 / FP8_MAX) (an fp32 multiply, as the reference; MX: a power of two) and q = fp8(x /
+scale) rounded to nearest even, saturating (the reference's clamp), the quotient ``div.rn.f32``'s: MX multiplies by
+the scale's exact reciprocal, fp8 scales divide through one reciprocal per group (``arch.floats.divide``; a scale
+that is inf or NaN by ``div.rn.f32``). A chunk's eight fp8 values are stored as two 32-bit words (``q`` passed as
+int32 words); MXFP4: its eight e2m1 codes as one 32-bit word. Loads and stores stream (L1 no_allocate, L2
+evict_first): every byte is touched once (long rows' sweeps: twice, the first read left in L2).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import nvfly
-from nvfly.arch.floats import f32_to_e2m1, f32x2_to_fp8x2
+from nvfly.arch.floats import divide, division_reciprocal, f32_to_e2m1, f32x2_to_fp8x2, max_abs_x2
+from nvfly.arch.memory import L1Eviction, L2Policy, load_global, store_global
 from nvfly.arch.reduce import block_reduce
+
+CHUNK = 8  # elements a thread loads at once: 16 bytes of bf16/fp16, 32 of fp32
+STREAM_L1 = L1Eviction.NO_ALLOCATE
+STREAM_L2 = L2Policy.EVICT_FIRST
+FLT_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
 class QuantizePlan:
-    """group_rows x group_cols groups (group_cols 0: whole rows); per_warp: group_cols / vec lanes per group (a
-    power of two up to 32), else one block of threads per group; fp8: the target dtype's name ("e2m1": MXFP4);
-    inv_fp8_max (1 / the dtype's largest value), amax_floor: the scale choice; mx_emax >= 0: MX scales instead (an e8m0 byte per
-    group, 2^(floor(log2 amax) - mx_emax), OCP's rule), the scale tensor then uint8."""
+    """group_rows x group_cols groups (group_cols 0: whole rows); per_warp: group_cols / 8 lanes per group (a
+    power of two up to 32), each thread ``unroll`` groups, else one block of ``threads`` per group, each thread
+    ``chunks`` 8-element chunks per sweep, ``sweeps`` sweeps (1: the values stay in registers); loads: 16-byte
+    loads per chunk (2 for fp32 x); fp8: the target dtype's name ("e2m1": MXFP4);
+    inv_fp8_max (1 / the dtype's largest value), amax_floor: the scale choice; mx_emax >= 0: MX scales instead (an
+    e8m0 byte per group, 2^(floor(log2 amax) - mx_emax), OCP's rule), the scale tensor then uint8."""
     group_rows: int
     group_cols: int
     per_warp: bool
     threads: int
-    vec: int
     fp8: str
     inv_fp8_max: float
     amax_floor: float
     mx_emax: int = -1
+    unroll: int = 1
+    chunks: int = 1
+    sweeps: int = 1
+    loads: int = 1
+    groups_per_row: int = 0  # per_warp: K's groups, a constant (a multiply, not a division, per group); 0: from cols
 
 
 @nvfly.func
-def _amax(values, amax):
-    for v in values:
+def _load(x, row, col, valid, PLAN, REREAD=False):
+    """The chunk of 8 elements at (row, col) as 32-bit words (zeros where ``valid`` is false: nothing is read);
+    REREAD: read again later, so left in L2 at normal priority."""
+    words = []
+    for h in nvfly.static_range(PLAN.loads):
+        words += load_global(x.address(row, col + h * (CHUNK // PLAN.loads)), 4, valid, non_coherent=True,
+                             l1=STREAM_L1, policy=L2Policy.EVICT_NORMAL if REREAD else STREAM_L2)
+    return words
+
+
+@nvfly.func
+def _values(x, words):
+    v = nvfly.make_vector(words, nvfly.i32).bitcast(x.dtype).to(nvfly.f32)
+    return [v[e] for e in range(CHUNK)]
+
+
+@nvfly.func
+def _amax(x, words, amax, PLAN):
+    """max(amax, the chunk's largest magnitude): 16-bit pairs compared packed (exact: the max is one of them)."""
+    if PLAN.loads == 1:
+        pair = nvfly.make_vector([max_abs_x2(words, x.dtype)], nvfly.i32).bitcast(x.dtype).to(nvfly.f32)
+        return nvfly.maximum(amax, nvfly.maximum(pair[0], pair[1]))
+    for v in _values(x, words):
         amax = nvfly.maximum(amax, abs(v))
     return amax
 
 
 @nvfly.func
-def _store_quantized(q32, values, row, col, scale_value, PLAN):
-    """``values`` (a multiple of 4) divided by the scale and stored as fp8 words from element (row, col); e2m1: as
-    16-bit words of four codes (the lowest nibble first; ``q32`` then holds 16-bit words)."""
-    if PLAN.fp8 == "e2m1":
-        for w in nvfly.static_range(len(values) // 4):
-            codes = [f32_to_e2m1(values[4 * w + e] / scale_value) for e in range(4)]
-            q32[row, col // 4 + w] = (codes[0] | (codes[1] << 4) | (codes[2] << 8) | (codes[3] << 12)).to(nvfly.i16)
-    else:
-        dtype = nvfly.f8e4m3 if PLAN.fp8 == "f8e4m3" else nvfly.f8e5m2
-        for w in nvfly.static_range(len(values) // 4):
-            low = f32x2_to_fp8x2(values[4 * w] / scale_value, values[4 * w + 1] / scale_value, dtype)
-            high = f32x2_to_fp8x2(values[4 * w + 2] / scale_value, values[4 * w + 3] / scale_value, dtype)
-            word = nvfly.make_vector([low, high]).bitcast(nvfly.i32)[0]
-            q32[row, col // 4 + w] = word
+def _quantized(values, s, inv, PLAN, FAST):
+    """``values`` / s as f32: MX, times the exact reciprocal ``inv`` of the power of two s (the quotient itself);
+    else ``divide`` by s with ``inv = division_reciprocal(s)`` (FAST: s finite) or ``div.rn.f32`` (s inf or NaN)."""
+    if PLAN.mx_emax >= 0:
+        return [v * inv for v in values]
+    if FAST:
+        return [divide(v, s, inv) for v in values]
+    return [v / s for v in values]
 
 
 @nvfly.func
-def _load(x, row, col, inside, VEC):
-    v = x.load(row, col, width=VEC, mask=inside, other=0.0).to(nvfly.f32)
-    return [v[e] for e in range(VEC)]
+def _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN, FAST=True):
+    """A chunk's 8 values (``words`` as loaded) divided by the scale s and stored from element (row, col): two
+    32-bit words of fp8, or one of eight e2m1 codes (the lowest nibble first)."""
+    y = _quantized(_values(x, words), s, inv, PLAN, FAST)
+    if PLAN.fp8 == "e2m1":
+        codes = [f32_to_e2m1(y[e], not FAST) for e in range(CHUNK)]
+        word = codes[0]
+        for e in nvfly.static_range(1, CHUNK):
+            word = word | (codes[e] << (4 * e))
+        store_global(q32.address(row, col // CHUNK), [word], valid, l1=STREAM_L1, policy=STREAM_L2)
+    else:
+        dtype = nvfly.f8e4m3 if PLAN.fp8 == "f8e4m3" else nvfly.f8e5m2
+        pairs = [f32x2_to_fp8x2(y[2 * p], y[2 * p + 1], dtype) for p in range(CHUNK // 2)]
+        words = nvfly.make_vector(pairs).bitcast(nvfly.i32).tolist()
+        store_global(q32.address(row, col // 4), words, valid, l1=STREAM_L1, policy=STREAM_L2)
+
+
+@nvfly.func
+def _store_group_part(x, q32, spots, s, inv, fast, PLAN):
+    """The chunks ``spots`` ((row, col, valid, words)) of one group quantised by its scale s. ``fast`` (``_scale``'s)
+    false: fp8 scales inf or NaN, divided by ``div.rn.f32`` instead of ``divide``; MXFP4 groups holding a NaN, the
+    e2m1 rounding checking for it (MXFP8 has no slow case)."""
+    if PLAN.mx_emax >= 0 and PLAN.fp8 != "e2m1":
+        for row, col, valid, words in spots:
+            _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN)
+    elif fast:
+        for row, col, valid, words in spots:
+            _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN)
+    else:
+        for row, col, valid, words in spots:
+            _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN, False)
+
+
+@nvfly.func
+def _scale(amax, PLAN):
+    """(the f32 scale s, the value stored in the scale tensor, the reciprocal the values are multiplied by: MX's
+    exact 1 / s, else ``division_reciprocal(s)``; whether the group takes the fast path: amax not NaN (MX), s
+    finite (fp8))."""
+    if PLAN.mx_emax >= 0:
+        # e8m0: the biased exponent of amax less emax, in [0, 254]; 2^(byte - 127) (byte 0: the subnormal 2^-127),
+        # its reciprocal 2^(127 - byte) (byte 254: the subnormal 2^-127), both exact
+        byte = nvfly.minimum(nvfly.maximum(((amax.bitcast(nvfly.i32) >> 23) & 0xFF) - PLAN.mx_emax, 0), 254)
+        s = nvfly.select(byte == 0, nvfly.i32(0x00400000), byte << 23).bitcast(nvfly.f32)
+        inv = nvfly.select(byte == 254, nvfly.i32(0x00400000), (254 - byte) << 23).bitcast(nvfly.f32)
+        return s, byte.to(nvfly.u8), inv, amax == amax
+    s = nvfly.maximum(amax, PLAN.amax_floor) * PLAN.inv_fp8_max
+    return s, s, division_reciprocal(s), s <= FLT_MAX
+
+
+@nvfly.func
+def _block_chunk(c, grow, gcol, gcols, rows, cols, PLAN):
+    """(row, col, valid) of the group's chunk ``c`` (row-major over the group's rows of gcols / 8 chunks)."""
+    if PLAN.group_rows == 1:
+        row = grow
+        col = gcol * gcols + c * CHUNK
+        valid = (row < rows) & (col < cols)
+    else:
+        per_row = PLAN.group_cols // CHUNK
+        r = c // per_row
+        row = grow * PLAN.group_rows + r
+        col = gcol * gcols + (c - r * per_row) * CHUNK
+        valid = (r < PLAN.group_rows) & (row < rows) & (col < cols)
+    return row, col, valid
 
 
 @nvfly.kernel
 def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, rows: nvfly.i32, cols: nvfly.i32,
                     PLAN: nvfly.Constexpr):
-    """x (rows, cols) 16/32-bit -> q32 (rows, cols / 4) fp8 words and scale (rows / group_rows, cols / group_cols),
-    indexed [group row, group column] through its strides."""
-    VEC = PLAN.vec
+    """x (rows, cols) 16/32-bit -> q32 (rows, cols / 4) fp8 words (e2m1: (rows, cols / 8)) and scale (rows /
+    group_rows, cols / group_cols), indexed [group row, group column] through its strides."""
     tid = nvfly.thread_idx.x
     if PLAN.per_warp:
-        LANES = PLAN.group_cols // VEC  # lanes per group
-        GROUPS = PLAN.threads // LANES  # groups per block
-        groups_per_row = (cols + PLAN.group_cols - 1) // PLAN.group_cols
-        group = nvfly.block_idx.x * GROUPS + tid // LANES
-        row = group // groups_per_row
-        gcol = group - row * groups_per_row
-        col = gcol * PLAN.group_cols + (tid % LANES) * VEC
-        # no branch before the shuffles: a warp may hold groups of two rows, or past the last row (masked to 0)
-        valid = (row < rows) & (col < cols)
-        values = _load(x, nvfly.minimum(row, rows - 1), col, valid, VEC)
-        amax = nvfly.warp_reduce(_amax(values, 0.0), "max", LANES)
-        if PLAN.mx_emax >= 0:
-            # e8m0: the biased exponent of amax less emax, in [0, 254]; 2^(byte - 127) (byte 0: the subnormal 2^-127)
-            byte = nvfly.minimum(nvfly.maximum(((amax.bitcast(nvfly.i32) >> 23) & 0xFF) - PLAN.mx_emax, 0), 254)
-            s = nvfly.select(byte == 0, nvfly.i32(0x00400000), byte << 23).bitcast(nvfly.f32)
-            stored = byte.to(nvfly.u8)
-        else:
-            s = nvfly.maximum(amax, PLAN.amax_floor) * PLAN.inv_fp8_max
-            stored = s
-        if row < rows:
-            if tid % LANES == 0:
+        LANES = PLAN.group_cols // CHUNK  # lanes per group
+        GROUPS = PLAN.threads // LANES  # groups per block and unroll step
+        groups_per_row = PLAN.groups_per_row or (cols + PLAN.group_cols - 1) // PLAN.group_cols
+        lane_col = (tid % LANES) * CHUNK
+        # every load first (unroll x 16..32 bytes in flight per thread), then the reductions and stores; no branch
+        # before the shuffles: a warp may hold groups of two rows, or past the last row (masked to 0)
+        spots = []
+        for u in nvfly.static_range(PLAN.unroll):
+            group = (nvfly.block_idx.x * PLAN.unroll + u) * GROUPS + tid // LANES
+            row = group // groups_per_row
+            gcol = group - row * groups_per_row
+            col = gcol * PLAN.group_cols + lane_col
+            valid = (row < rows) & (col < cols)
+            spots.append((row, gcol, col, valid, _load(x, row, col, valid, PLAN)))
+        for row, gcol, col, valid, words in spots:
+            amax = nvfly.warp_reduce(_amax(x, words, 0.0, PLAN), "max", LANES)
+            s, stored, inv, fast = _scale(amax, PLAN)
+            if (tid % LANES == 0) & (row < rows):
                 scale[row, gcol] = stored
-            if col < cols:
-                _store_quantized(q32, values, row, col, s, PLAN)
+            _store_group_part(x, q32, [(row, col, valid, words)], s, inv, fast, PLAN)
     else:
         scratch = nvfly.shared_tensor(nvfly.f32, (PLAN.threads // 32,))
-        GR = PLAN.group_rows
         gcols = cols if PLAN.group_cols == 0 else PLAN.group_cols
         groups_per_row = 1 if PLAN.group_cols == 0 else (cols + PLAN.group_cols - 1) // PLAN.group_cols
         grow = nvfly.block_idx.x // groups_per_row
         gcol = nvfly.block_idx.x - grow * groups_per_row
-        chunks_per_row = gcols // VEC
-        chunks = GR * chunks_per_row
-        amax = 0.0
-        for c in range(tid, chunks, PLAN.threads):
-            r = c // chunks_per_row
-            row = grow * GR + r
-            col = gcol * gcols + (c - r * chunks_per_row) * VEC
-            amax = _amax(_load(x, row, col, (row < rows) & (col < cols), VEC), amax)
-        amax = block_reduce(amax, scratch, PLAN.threads, "max")
-        s = nvfly.maximum(amax, PLAN.amax_floor) * PLAN.inv_fp8_max
-        if tid == 0:
-            scale[grow, gcol] = s
-        for c in range(tid, chunks, PLAN.threads):
-            r = c // chunks_per_row
-            row = grow * GR + r
-            col = gcol * gcols + (c - r * chunks_per_row) * VEC
-            if (row < rows) & (col < cols):
-                _store_quantized(q32, _load(x, row, col, row < rows, VEC), row, col, s, PLAN)
+        SPAN = PLAN.chunks * PLAN.threads  # chunks per sweep
+        if PLAN.sweeps == 1:  # the group in registers: one read
+            spots = []
+            for i in nvfly.static_range(PLAN.chunks):
+                row, col, valid = _block_chunk(i * PLAN.threads + tid, grow, gcol, gcols, rows, cols, PLAN)
+                spots.append((row, col, valid, _load(x, row, col, valid, PLAN)))
+            amax = 0.0
+            for row, col, valid, words in spots:
+                amax = _amax(x, words, amax, PLAN)
+            s, stored, inv, fast = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
+            if tid == 0:
+                scale[grow, gcol] = stored
+            _store_group_part(x, q32, spots, s, inv, fast, PLAN)
+        else:  # longer rows: the amax sweeping the row, then the values read again (from L2) for the stores
+            amax = 0.0
+            for sweep in range(PLAN.sweeps):
+                for i in nvfly.static_range(PLAN.chunks):
+                    row, col, valid = _block_chunk(sweep * SPAN + i * PLAN.threads + tid, grow, gcol, gcols, rows,
+                                                   cols, PLAN)
+                    amax = _amax(x, _load(x, row, col, valid, PLAN, True), amax, PLAN)
+            s, stored, inv, fast = _scale(block_reduce(amax, scratch, PLAN.threads, "max"), PLAN)
+            if tid == 0:
+                scale[grow, gcol] = stored
+            for sweep in range(PLAN.sweeps):
+                for i in nvfly.static_range(PLAN.chunks):
+                    row, col, valid = _block_chunk(sweep * SPAN + i * PLAN.threads + tid, grow, gcol, gcols, rows,
+                                                   cols, PLAN)
+                    spot = (row, col, valid, _load(x, row, col, valid, PLAN))
+                    _store_group_part(x, q32, [spot], s, inv, fast, PLAN)

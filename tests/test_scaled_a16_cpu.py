@@ -4,6 +4,7 @@ kernel's own fragment helpers (K permutation, nibble order, scale application) r
 K as the heuristic says, every kernel variant compiles to HMMA without spills, and bad arguments raise errors
 naming them."""
 import itertools
+from dataclasses import replace
 import math
 import random
 
@@ -13,10 +14,10 @@ import torch
 from nvfly.arch.floats import E2M1_UNIT_EXPONENT, e2m1x8_to_16bit_bits, e8m0_factor_bits
 from nvfly.ops import scaled
 from nvfly.ops.scaled import A16Config
-from nvfly.ops.scaled.a16_kernel import LANE_K, step_operands, token_pairs
+from nvfly.ops.scaled.a16_kernel import LANE_K, step_operands, token_pairs, token_words
 from nvfly.ops.scaled.a16_plan import CHUNK_K, ROWS, make_a16_plan
 from nvfly.ops.scaled.api import compile_a16
-from nvfly.ops.scaled.quantize import E2M1_VALUES, dequantize_mxfp4, quantize
+from nvfly.ops.scaled.quantize import E2M1_VALUES, dequantize_mxfp4, quantize, shuffle_mxfp4_a16, unshuffle_mxfp4_a16
 
 TORCH16 = {"bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -94,18 +95,25 @@ def words_of(t: torch.Tensor) -> list:
     return [w & 0xFFFFFFFF for w in t.contiguous().view(torch.int32).tolist()]
 
 
+@pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("name", ["bf16", "f16"])
-def test_warp_chunk_model_matches_reference(name):
+def test_warp_chunk_model_matches_reference(name, shuffled):
     """One warp's 128-k chunk of 16 weight rows and 8 tokens, assembled lane by lane with the kernel's helpers
-    (e2m1x8_to_16bit_bits, token_pairs, step_operands) and PTX's m16n8k16 fragment layout, the scale applied as the
-    kernel does, equals x @ dequantised(w)^T: the nibble order, the K permutation and the scales line up."""
+    (e2m1x8_to_16bit_bits, token_pairs / token_words, step_operands) and PTX's m16n8k16 fragment layout, the scale
+    applied as the kernel does, equals x @ dequantised(w)^T: the nibble order, the K permutation and the scales
+    line up, for torch's layout and for shuffle_mxfp4_a16's (A16Config(layout="shuffled"): natural token words)."""
     dt = TORCH16[name]
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(ROWS, CHUNK_K, generator=gen)
     x = torch.randn(8, CHUNK_K, generator=gen).to(dt)
     q, sb = quantize(w, "mxfp4", operand="a")  # (16, 64) packed, (16, 4) scales, row-major
-    packed = q.view(torch.uint8)
     reference = x.float() @ dequantize_mxfp4(q, sb).to(dt).float().t()
+    if shuffled:  # shuffle_mxfp4_a16 takes scaled_mm's (K/2, N) column-major view
+        q = shuffle_mxfp4_a16(q.t()).t()
+    packed = q.view(torch.uint8)
+
+    def tokens(words, j):
+        return token_words(words, j) if shuffled else token_pairs(words, j, pair_model)
     unit = 2.0 ** E2M1_UNIT_EXPONENT[name]
     got = torch.zeros(ROWS, 8, dtype=torch.float64)  # out^T: weight rows x tokens
     for lane in range(32):
@@ -116,7 +124,7 @@ def test_warp_chunk_model_matches_reference(name):
         xwords = words_of(x[g, kk:kk + LANE_K])
         for j in range(LANE_K // 8):
             rows = [e2m1x8_to_16bit_bits(wwords[h][j], name) for h in range(2)]
-            pairs = token_pairs(xwords, j, pair_model)
+            pairs = tokens(xwords, j)
             for s in range(2):
                 a, b = step_operands(rows, pairs, s)
                 # PTX m16n8k16: a0/a2 row g, a1/a3 row g + 8; a0, a1 and b0 at ISA k 2p, 2p + 1; a2, a3, b1 at
@@ -125,10 +133,31 @@ def test_warp_chunk_model_matches_reference(name):
                     for half in range(2):
                         wv = half_value((a[reg] >> 16 * half) & 0xFFFF, name) / unit * factors[reg % 2] * unit
                         for token in range(8):
-                            tw = token_pairs(words_of(x[token, kk:kk + LANE_K]), j, pair_model)[2 * s + reg // 2]
+                            tw = tokens(words_of(x[token, kk:kk + LANE_K]), j)[2 * s + reg // 2]
                             got[row, token] += wv * half_value((tw >> 16 * half) & 0xFFFF, name)
                 assert b == [pairs[2 * s], pairs[2 * s + 1]]
     torch.testing.assert_close(got.t().float(), reference, rtol=1e-5, atol=1e-4)
+
+
+def test_shuffle_round_trips_and_names_bad_arguments():
+    """shuffle_mxfp4_a16 permutes the nibbles of each 32-bit word (k 0, 2, 4, 6, 1, 3, 5, 7), keeps scaled_mm's
+    (K/2, N) column-major layout, and unshuffle_mxfp4_a16 undoes it; wrong dtypes and layouts name the argument."""
+    q, _ = quantize(torch.randn(40, 256), "mxfp4", operand="b")
+    sh = shuffle_mxfp4_a16(q)
+    assert sh.shape == q.shape and sh.stride() == q.stride() and sh.dtype == q.dtype
+    assert not torch.equal(sh.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(unshuffle_mxfp4_a16(sh).view(torch.uint8), q.view(torch.uint8))
+    word = int(q.t().contiguous().view(torch.uint8)[3, 4:8].view(torch.int32)) & 0xFFFFFFFF
+    got = int(sh.t().contiguous().view(torch.uint8)[3, 4:8].view(torch.int32)) & 0xFFFFFFFF
+    assert all((got >> 4 * i) & 0xF == (word >> 4 * k) & 0xF for i, k in enumerate((0, 2, 4, 6, 1, 3, 5, 7)))
+    with pytest.raises(TypeError, match="w_q: expected a float4_e2m1fn_x2"):
+        shuffle_mxfp4_a16(q.view(torch.uint8))
+    with pytest.raises(ValueError, match="w_q: expected the .K/2, N. column-major"):
+        shuffle_mxfp4_a16(q.t())
+    with pytest.raises(TypeError, match="w_shuffled: expected a float4_e2m1fn_x2"):
+        unshuffle_mxfp4_a16(torch.zeros(4))
+    with pytest.raises(ValueError, match="config: layout='swizzled'"):
+        make_a16_plan(4, 64, 256, A16Config(layout="swizzled"), 132)
 
 
 def test_plan_splits_k_over_idle_sms():
@@ -161,6 +190,9 @@ COMPILED = [
     (9, 1000, 4128, torch.bfloat16, torch.bfloat16, True, A16Config(stages=0, unroll=4)),  # weights into registers
     (16, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(wide_scales=True)),
     (3, 7168, 2048, torch.float16, torch.bfloat16, False, A16Config(wide_scales=True)),
+    (4, 7168, 2048, torch.bfloat16, torch.bfloat16, False, A16Config(layout="shuffled")),
+    (16, 1000, 4128, torch.float16, torch.bfloat16, True, A16Config(layout="shuffled", stages=0)),
+    (4, 576, 7168, torch.bfloat16, torch.bfloat16, False, A16Config(layout="shuffled", warps=8, stages=4)),
 ]
 
 
@@ -178,6 +210,30 @@ def test_variants_compile_to_hmma_without_spills(m, n, k, act, out, bias, cfg):
         assert ops["LDGSTS.E.BYPASS.128"] > 0 and ops["LDS.128"] > 0
     else:  # straight into registers: read-only, no L1, L2 prefetch
         assert ops["LDG.E.NA.LTC256B.128.CONSTANT"] > 0
+
+
+def loop_opcodes(cfg: A16Config) -> dict:
+    """The SASS opcode counts of one 128-k chunk of a warp's loop at M <= 8 (registers mainloop, bf16): the
+    difference between unroll 2 and unroll 1 kernels (each adds one chunk's straight-line body)."""
+    counts = []
+    for unroll in (1, 2):
+        _, kernel = compile_a16(4, 7168, 2048, replace(cfg, stages=0, unroll=unroll), torch.bfloat16,
+                                torch.bfloat16, False)
+        counts.append(kernel.sass_opcodes())
+    return {op: counts[1].get(op, 0) - counts[0].get(op, 0) for op in set(counts[0]) | set(counts[1])}
+
+
+def test_shuffled_layout_has_fewer_instructions_per_chunk():
+    """Per 128-k chunk and warp (M <= 8): the shuffled layout drops the tokens' 16 PRMTs (the few left build the
+    scale factors) and issues fewer instructions in all (docs/ops/scaled.md's issue-rate prediction uses these
+    counts: 200 natural, 192 shuffled at the time of writing)."""
+    natural, shuffled = (loop_opcodes(A16Config(layout=lay)) for lay in ("natural", "shuffled"))
+    total = [sum(c.values()) for c in (natural, shuffled)]
+    print(f"SASS per chunk and warp, M <= 8: natural {total[0]} ({natural.get('PRMT', 0)} PRMT, "
+          f"{natural.get('HMMA.16816.F32.BF16', 0)} HMMA), shuffled {total[1]}")
+    assert natural.get("HMMA.16816.F32.BF16") == shuffled.get("HMMA.16816.F32.BF16") == 8
+    assert natural.get("PRMT", 0) - shuffled.get("PRMT", 0) >= 12
+    assert total[1] < total[0]
 
 
 def args(m=4, n=64, k=256, act=torch.bfloat16):

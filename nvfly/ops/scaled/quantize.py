@@ -205,6 +205,44 @@ def quantize_fp8(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.f
     return call.run(x)
 
 
+# shuffle_mxfp4_a16: the natural nibble (k) at each position of a 32-bit word of the shuffled layout; k 2i and
+# 2i + 1 sit at nibbles i and i + 4, the pair e2m1x8_to_16bit_bits converts into one word
+A16_SHUFFLE = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _a16_words_nibbles(w_q: Any, name: str) -> torch.Tensor:
+    """``w_q`` ((K/2, N) column-major float4_e2m1fn_x2, as scaled_mm takes MXFP4 weights) as (N, K/8, 8) nibbles."""
+    if not isinstance(w_q, torch.Tensor) or w_q.dtype != torch.float4_e2m1fn_x2:
+        raise TypeError(f"{name}: expected a float4_e2m1fn_x2 tensor, got {getattr(w_q, 'dtype', type(w_q))}")
+    if w_q.dim() != 2 or w_q.stride(0) != 1 or w_q.shape[0] % 16:
+        raise ValueError(f"{name}: expected the (K/2, N) column-major weight scaled_mm takes (K a multiple of 32), "
+                         f"got shape {tuple(w_q.shape)} strides {w_q.stride()}")
+    rows = w_q.t().contiguous().view(torch.uint8)
+    bytes_ = rows.view(rows.shape[0], -1, 4)
+    return torch.stack([bytes_ & 0xF, bytes_ >> 4], -1).flatten(-2)  # nibble n of each word: k n
+
+
+def _a16_pack(nibbles: torch.Tensor) -> torch.Tensor:
+    pairs = nibbles.view(*nibbles.shape[:-1], 4, 2)
+    rows = (pairs[..., 0] | (pairs[..., 1] << 4)).flatten(1)
+    return rows.view(torch.float4_e2m1fn_x2).t()
+
+
+def shuffle_mxfp4_a16(w_q: torch.Tensor) -> torch.Tensor:
+    """The MXFP4 weight ``w_q`` ((K/2, N) column-major float4_e2m1fn_x2, what ``quantize(w, "mxfp4",
+    operand="b")`` returns) in the layout ``scaled_mm(x, shuffled, None, w_scale, config=A16Config(layout="shuffled"))``
+    reads: in each 32-bit word (8 k) the nibbles of k 0, 2, 4, 6, 1, 3, 5, 7, so that the kernel converts each word
+    into the tokens' natural pairs. Call it once per weight (a copy; the scales are unchanged); ``unshuffle_mxfp4_a16``
+    undoes it. Only the shuffled config may read the result (anything else computes with permuted weights)."""
+    return _a16_pack(_a16_words_nibbles(w_q, "w_q")[..., list(A16_SHUFFLE)])
+
+
+def unshuffle_mxfp4_a16(w_shuffled: torch.Tensor) -> torch.Tensor:
+    """The natural-order weight of ``shuffle_mxfp4_a16``'s result ``w_shuffled`` (same layouts)."""
+    inverse = [A16_SHUFFLE.index(k) for k in range(8)]
+    return _a16_pack(_a16_words_nibbles(w_shuffled, "w_shuffled")[..., inverse])
+
+
 def quantize_mxfp4(x: torch.Tensor, operand: str = "b") -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize(x, "mxfp4", operand=operand)`` (the same packed e2m1 values and e8m0 scales, bit for bit) from
     nvfly's kernel: x a contiguous CUDA (rows, K) bf16/fp16/fp32 tensor, K a multiple of 32; returns the packed

@@ -2,7 +2,8 @@
 the float32 GEMM on the dequantised weights: every M from 1 to 16 on random shapes with N and K tails, larger M
 (token blocks), split K (heuristic and forced), bias, fp16 activations, every output dtype, strided activation rows,
 rows and blocks of very different scales, and the documented poisoning of scales past 2; fresh random inputs,
-NaN-poisoned outputs."""
+NaN-poisoned outputs; the shuffled-layout variants (A16Config(layout="shuffled") on shuffle_mxfp4_a16's weight)
+against the reference on the unshuffled weight."""
 import random
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from nvfly.ops import scaled
 from nvfly.ops.scaled import A16Config
-from nvfly.ops.scaled.quantize import quantize
+from nvfly.ops.scaled.quantize import quantize, shuffle_mxfp4_a16, unshuffle_mxfp4_a16
 
 pytestmark = pytest.mark.gpu
 
@@ -107,3 +108,36 @@ def test_scales_past_two_poison_or_widen(hopper):
     scaled.scaled_mm(x, q, None, s, out_dtype=torch.float32, out=wide, config=A16Config(wide_scales=True))
     for cols in (keep, [5], [9]):  # column 9 is ~2^72 times the others: each apart
         assert rel_error(wide[:, cols], ref[:, cols]) < TOL[torch.float32], cols
+
+
+SHUFFLED = {
+    "ring": A16Config(layout="shuffled"),
+    "registers": A16Config(layout="shuffled", stages=0),
+    "w8": A16Config(layout="shuffled", warps=8, stages=4),
+    "w8_registers": A16Config(layout="shuffled", warps=8, stages=0),
+}
+
+
+@pytest.mark.parametrize("variant", list(SHUFFLED))
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("n,k", [(576, 7168), (1000, 4128), (333, 96)])  # split K; N and K tails; only the K tail
+def test_shuffled_layout_variants(hopper, variant, m, n, k):
+    """Each shuffled-layout variant on shuffle_mxfp4_a16's copy of the weight equals the float32 GEMM on the
+    dequantised (unshuffled) weight; the shuffle round-trips on the GPU."""
+    x, q, s = operands(m, n, k, seed=m + n)
+    shuffled = shuffle_mxfp4_a16(q)
+    assert torch.equal(unshuffle_mxfp4_a16(shuffled).view(torch.uint8), q.view(torch.uint8))
+    bias = torch.randn(n, device="cuda").bfloat16() if m == 4 else None
+    out = poisoned(m, n, torch.bfloat16)
+    scaled.scaled_mm(x, shuffled, None, s, bias=bias, out=out, config=SHUFFLED[variant])
+    err = rel_error(out, scaled.reference(x, q, None, s, bias))
+    assert err < TOL[torch.bfloat16], (variant, m, n, k, err)
+
+
+def test_shuffled_layout_fp16_activations(hopper):
+    """fp16 activations and output through the shuffled layout (the same nibble order: the pairs are dtype-free)."""
+    x, q, s = operands(7, 1000, 4128, torch.float16)
+    out = poisoned(7, 1000, torch.float16)
+    scaled.scaled_mm(x, shuffle_mxfp4_a16(q), None, s, out_dtype=torch.float16, out=out,
+                     config=A16Config(layout="shuffled"))
+    assert rel_error(out, scaled.reference(x, q, None, s)) < TOL[torch.float16]

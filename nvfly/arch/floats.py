@@ -235,6 +235,59 @@ def e2m1x8_to_16bit_bits(w: Any, dtype_name: str) -> list:
 _PACKED_MUL = {"bf16": "mul.rn.bf16x2", "f16": "mul.rn.f16x2"}
 
 
+# A bit-shuffled e2m1 layout (nvfly.ops.scaled.quantize.shuffle_mxfp4_a16's "shuffled-bf16" / "shuffled-f16"): the
+# 16-bit word i (values 2i low, 2i + 1 high of a 32-bit word of 8 values) takes its sign bits from the word rotated
+# right by E2M1_SIGN_ROTATIONS[i] and its exponent-mantissa bits from the word rotated by E2M1_EM_ROTATIONS[i]; the
+# eight bit sets tile the word (found by search: every value's bits land in place with 5 distinct rotations and two
+# masks a word, 13 integer ops for 8 values against e2m1x8_to_16bit_bits' ~16)
+E2M1_SIGN_ROTATIONS = (0, 1, 2, 3)
+E2M1_EM_ROTATIONS = {"bf16": (0, 3, 6, 13), "f16": (0, 3, 10, 13)}
+
+
+def e2m1_shuffled_bit_positions(dtype_name: str) -> list:
+    """For each value v (0..7) of a 32-bit word of the bit-shuffled layout, the source bit positions of its
+    (mantissa, low exponent, high exponent, sign) bits (the e2m1 nibble's bits 0..3)."""
+    top = 14 - E2M1_EM_SHIFT[dtype_name]  # the high exponent bit's target in the low half (bf16 8, f16 11)
+    out = []
+    for v in range(8):
+        i, high = v // 2, v % 2
+        a, b = E2M1_SIGN_ROTATIONS[i], E2M1_EM_ROTATIONS[dtype_name][i]
+        em = [(top - 2 + j + 16 * high + b) % 32 for j in range(3)]
+        out.append(em + [(15 + 16 * high + a) % 32])
+    return out
+
+
+def e2m1x8_shuffled_to_16bit_bits(w: Any, dtype_name: str, rotate: Any) -> list:
+    """Eight e2m1 values in the bit-shuffled layout (``e2m1_shuffled_bit_positions``) as four 32-bit words of two
+    16-bit values, word i = values 2i (low) and 2i + 1 (high), each times 2^E2M1_UNIT_EXPONENT (as
+    ``e2m1x8_to_16bit_bits``). ``rotate(w, n)``: w rotated right by n bits (a traced ``shf.r.wrap``, or Python
+    ints to test without a GPU)."""
+    em_mask = _EM_PAIR >> E2M1_EM_SHIFT[dtype_name]
+    rotated = {n: w if n == 0 else rotate(w, n)
+               for n in set(E2M1_SIGN_ROTATIONS) | set(E2M1_EM_ROTATIONS[dtype_name])}
+    return [(rotated[a] & _SIGN_PAIR) | (rotated[b] & em_mask)
+            for a, b in zip(E2M1_SIGN_ROTATIONS, E2M1_EM_ROTATIONS[dtype_name])]
+
+
+def _rotate_right(w: Any, n: int) -> Any:
+    return asm(f"shf.r.wrap.b32 $0, $1, $1, {n};", [w], dtypes.i32, side_effects=False)
+
+
+@traced
+def e2m1x8_shuffled_to_16bit_scaled(word: Any, factor: Any, dtype: DType) -> list:
+    """``e2m1x8_to_16bit_scaled`` for a word of the bit-shuffled layout (``e2m1x8_shuffled_to_16bit_bits``, one
+    ``shf.r.wrap`` a rotation): word i holds values 2i and 2i + 1, each times the scale ``factor``."""
+    w = as_value(word)
+    if not isinstance(w, Scalar) or w.dtype != dtypes.i32:
+        raise CompileError(f"e2m1x8_shuffled_to_16bit_scaled takes a 32-bit word as an i32, got "
+                           f"{getattr(w, 'dtype', w)}")
+    if dtype.name not in _PACKED_MUL:
+        raise CompileError(f"e2m1 converts to bf16 or f16 here, got {dtype.name}")
+    return scale_16bit_pairs(e2m1x8_shuffled_to_16bit_bits(w, dtype.name, _rotate_right), factor, dtype)
+
+
+
+
 @traced
 def scale_16bit_pairs(words: list, factor: Any, dtype: DType) -> list:
     """Each i32 word of two ``dtype`` (bf16 or f16) values times ``factor`` (a word holding one 16-bit factor twice),

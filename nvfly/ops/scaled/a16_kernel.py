@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import nvfly
 from nvfly.arch import sm80
-from nvfly.arch.floats import e2m1x8_to_16bit_scaled, e8m0_to_16bit_factors, pair_halves, scale_16bit_pairs
+from nvfly.arch.floats import (e2m1x8_shuffled_to_16bit_scaled, e2m1x8_to_16bit_scaled, e8m0_to_16bit_factors,
+                               pair_halves, scale_16bit_pairs)
 from nvfly.arch.memory import L1Eviction, load_global, load_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.scaled.a16_plan import CHUNK_K, LANE_K, RING_CHUNK_BYTES, ROWS, TOKEN_BLOCK
@@ -70,20 +71,22 @@ def load_tokens(x_rows: list, kk, valid) -> list:
     return tiles
 
 
-def lane_block(accs: list, weight: tuple, tokens: list, dtype, wide: bool, shuffled: bool) -> list:
+def lane_block(accs: list, weight: tuple, tokens: list, dtype, wide: bool, layout: str) -> list:
     """Accumulate the lane's 32 k of a chunk: 8 k16 mma steps per token tile (the module docstring's K
     permutation). ``wide`` (``A16Config.wide_scales``): a second packed multiply makes scales past 2 (e8m0 bytes
     > 128) exact too (``e8m0_to_16bit_factors``); without it they make the factor inf and poison the output.
-    ``shuffled`` (``A16Config.layout``): the weight words hold ``shuffle_mxfp4_a16``'s nibble order, whose pairs are
-    the tokens' natural words (no ``prmt``)."""
+    ``layout`` (``A16Config.layout``): "shuffled" words hold ``shuffle_mxfp4_a16``'s nibble order, whose pairs are
+    the tokens' natural words (no ``prmt``); "shuffled-bf16" / "-f16" its bit-shuffled order (the same pairs from
+    fewer integer ops, ``e2m1x8_shuffled_to_16bit_scaled``)."""
+    convert = e2m1x8_shuffled_to_16bit_scaled if layout.startswith("shuffled-") else e2m1x8_to_16bit_scaled
     words, scales = weight
     factors = [e8m0_to_16bit_factors(s, dtype, wide) for s in scales]
     out = [list(a) for a in accs]
     for j in range(LANE_K // 8):
-        rows = [e2m1x8_to_16bit_scaled(words[h][j], factors[h][0], dtype) for h in range(2)]
+        rows = [convert(words[h][j], factors[h][0], dtype) for h in range(2)]
         if wide:
             rows = [scale_16bit_pairs(rows[h], factors[h][1], dtype) for h in range(2)]
-        pairs = [token_words(x, j) if shuffled else token_pairs(x, j, pair_halves) for x in tokens]
+        pairs = [token_pairs(x, j, pair_halves) if layout == "natural" else token_words(x, j) for x in tokens]
         for s in range(2):
             for t in range(len(out)):
                 a, b = step_operands(rows, pairs[t], s)
@@ -122,8 +125,7 @@ def stream_chunks(accs: list, w_rows: tuple, s_rows: tuple, x_rows: list, chunks
         valid = kk < k if tail else None
         loaded.append((kk, valid, load_weight(w_rows, s_rows, kk, valid)))
     for kk, valid, weight in loaded:
-        accs = lane_block(accs, weight, load_tokens(x_rows, kk, valid), dtype, cfg.wide_scales,
-                          cfg.layout == "shuffled")
+        accs = lane_block(accs, weight, load_tokens(x_rows, kk, valid), dtype, cfg.wide_scales, cfg.layout)
     return accs
 
 
@@ -155,7 +157,7 @@ def stream_ring(accs, w_rows, s_rows, x_rows, slot, first, count, p, DTYPE, CFG)
         stage = slot + (i % S) * RING_CHUNK_BYTES
         words = [load_shared(stage + 16 * h, 4) for h in range(2)]
         accs = lane_block(accs, (words, [s[kk // LANE_K] for s in s_rows]), load_tokens(x_rows, kk, None), DTYPE,
-                          CFG.wide_scales, CFG.layout == "shuffled")
+                          CFG.wide_scales, CFG.layout)
     sm80.cp_async_wait(0)
     return accs
 

@@ -25,7 +25,9 @@ SPLIT_MIN_CHUNKS = 2
 SPLIT_MAX = 16
 RING_CHUNK_BYTES = 32 * 2 * 16  # a warp's chunk in its cp.async ring: each lane's 16 bytes of two weight rows
 STATIC_SMEM = 48 * 1024
-LAYOUTS = ("natural", "shuffled")  # the weight's nibble order in each 32-bit word (quantize.shuffle_mxfp4_a16)
+# the weight's order in each 32-bit word (quantize.shuffle_mxfp4_a16): torch's nibbles, nibbles paired as the tokens'
+# words, or the bit-shuffled layout of one activation dtype (fewer conversion ops)
+LAYOUTS = ("natural", "shuffled", "shuffled-bf16", "shuffled-f16")
 
 
 @dataclass(frozen=True)
@@ -35,9 +37,10 @@ class A16Config:
     chunks at a time straight into registers (ptxas may then delay the later loads past the first chunk's math);
     ``splits`` CTAs sharing one tile's K range (0: the heuristic's); ``wide_scales``: a second packed multiply per
     converted word so that e8m0 scales past 2 (bytes > 128) are exact too (without it they poison the output with
-    inf/NaN; about a fifth more instructions); ``layout``: "natural" (torch's nibble order) or "shuffled", the weight
-    given as ``shuffle_mxfp4_a16`` returns it (k 2i and 2i + 1 at nibbles i and i + 4 of each 32-bit word: the
-    conversion's pairs are then the tokens' natural words, no ``prmt`` per 8 tokens values)."""
+    inf/NaN; about a fifth more instructions); ``layout``: "natural" (torch's nibble order), or the weight given as
+    ``shuffle_mxfp4_a16(w_q, layout)`` returns it: "shuffled" (k 2i and 2i + 1 at nibbles i and i + 4 of each
+    32-bit word: the conversion's pairs are the tokens' natural words, no ``prmt``), "shuffled-bf16" /
+    "shuffled-f16" (bit-shuffled for that activation dtype: the same pairs in fewer integer ops)."""
     warps: int = 4
     unroll: int = 4
     splits: int = 0
@@ -124,7 +127,7 @@ def make_a16_plan(m: int, n: int, k: int, config: Optional[A16Config], sms: int)
 def describe_a16_plan(plan: A16Plan) -> str:
     cfg = plan.config
     name = "mxfp4-a16-stream" + ("-wide" if cfg.wide_scales else "") + \
-        ("-shuffled" if cfg.layout == "shuffled" else "") + \
+        ("" if cfg.layout == "natural" else f"-{cfg.layout}") + \
         (f"-splitK{plan.splits}" if plan.splits > 1 else "")
     flight = f"{cfg.stages}-stage cp.async ring" if cfg.stages else f"{cfg.unroll} chunks into registers"
     blocks = "" if plan.token_blocks == 1 else \

@@ -30,8 +30,8 @@ on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, < 1 min)
 torch.matmul on the bf16 weight of the same shape. Reported: TB/s of the packed weight (N*K/2 bytes of e2m1 pairs +
 N*K/32 e8m0 scales per call) and its fraction of the memory floor, against the device copy bandwidth measured in
 the same process (floor_fraction) and against 4.8 TB/s (spec_fraction); the error against the float32 GEMM on the
-dequantised weight; also each mainloop variant of A16_VARIANTS by name (registers: stages=0; shuffled*: the
-shuffle_mxfp4_a16 layout, with the ring, registers, unroll 8, 8 warps): <name>_tbps, <name>_floor (fraction of the
+dequantised weight; also each mainloop variant of A16_VARIANTS by name (registers: stages=0; shuffled: the
+nibble-shuffled layout; bits*: the bit-shuffled "shuffled-bf16" layout with the ring, registers, unroll 8, 8 warps): <name>_tbps, <name>_floor (fraction of the
 copy bandwidth), <name>_rel_err, and their geomeans at M <= 16 in the summary. The results file is rewritten after
 every row. Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--a16-variants NAME ...]
 [--name ...].
@@ -124,14 +124,15 @@ A16_QUICK = [(576, 7168), (4096, 7168), (7168, 2048), (8192, 8192), (8192, 28672
 A16_M = [1, 4, 16, 64]
 SPEC_TBPS = 4.8  # the H200's HBM3e bandwidth
 # --a16's mainloop variants, timed beside the default plan (nvfly_ms) as <name>_ms / <name>_tbps / <name>_floor;
-# "shuffled*" read shuffle_mxfp4_a16's copy of the weight (made once per weight, outside the timing)
+# "shuffled" / "bits*" read shuffle_mxfp4_a16's copy of the weight in their layout (made once per weight, untimed)
 A16_VARIANTS = {
     "registers": A16Config(stages=0),
     "shuffled": A16Config(layout="shuffled"),
-    "shuffled_registers": A16Config(layout="shuffled", stages=0),
-    "shuffled_registers_u8": A16Config(layout="shuffled", stages=0, unroll=8),
-    "shuffled_w8": A16Config(layout="shuffled", warps=8, stages=4),
-    "shuffled_w8_registers": A16Config(layout="shuffled", warps=8, stages=0),
+    "bits": A16Config(layout="shuffled-bf16"),
+    "bits_registers": A16Config(layout="shuffled-bf16", stages=0),
+    "bits_registers_u8": A16Config(layout="shuffled-bf16", stages=0, unroll=8),
+    "bits_w8": A16Config(layout="shuffled-bf16", warps=8, stages=4),
+    "bits_w8_registers": A16Config(layout="shuffled-bf16", warps=8, stages=0),
 }
 
 
@@ -155,7 +156,8 @@ def a16_rows(weights: list[tuple[int, int]], ms: list[int], variants: list[str],
         q, sb = quantize_mxfp4(w.bfloat16(), "b")  # packed (K/2, N) column-major, e8m0 bytes (N, K/32)
         sb = sb.view(torch.float8_e8m0fnu)
         w16 = dequantize_mxfp4(q.t(), sb).bfloat16().t()  # (K, N): torch.matmul's weight of the same shape
-        q_shuffled = shuffle_mxfp4_a16(q) if any(A16_VARIANTS[v].layout == "shuffled" for v in variants) else None
+        shuffled = {lay: shuffle_mxfp4_a16(q, lay) for lay in {A16_VARIANTS[v].layout for v in variants}
+                    if lay != "natural"}
         del w
         weight_bytes = n * k // 2 + n * k // 32
         for m in ms:
@@ -176,7 +178,7 @@ def a16_rows(weights: list[tuple[int, int]], ms: list[int], variants: list[str],
             line = []
             for name in variants:
                 cfg = A16_VARIANTS[name]
-                wq = q_shuffled if cfg.layout == "shuffled" else q
+                wq = shuffled.get(cfg.layout, q)
                 got = torch.full_like(out, float("nan"))
                 scaled.scaled_mm(x, wq, None, sb, out=got, config=cfg)
                 row[f"{name}_rel_err"] = rel_err(got, ref)
@@ -192,7 +194,7 @@ def a16_rows(weights: list[tuple[int, int]], ms: list[int], variants: list[str],
                   f"{row['nvfly_tbps']:.2f} TB/s ({row['floor_fraction']:.0%} of copy, {row['spec_fraction']:.0%} of "
                   f"{SPEC_TBPS})  bf16 matmul {row['bf16_ms'] * 1e3:7.1f} us ({row['bf16_tbps']:.2f} TB/s) "
                   f"x{row['vs_bf16']:.2f}  {row['path']}\n    TB/s: " + "  ".join(line), flush=True)
-        del q, sb, w16, q_shuffled
+        del q, sb, w16, shuffled
     return rows, ceiling
 
 

@@ -110,11 +110,13 @@ def test_scales_past_two_poison_or_widen(hopper):
         assert rel_error(wide[:, cols], ref[:, cols]) < TOL[torch.float32], cols
 
 
-SHUFFLED = {
-    "ring": A16Config(layout="shuffled"),
-    "registers": A16Config(layout="shuffled", stages=0),
-    "w8": A16Config(layout="shuffled", warps=8, stages=4),
-    "w8_registers": A16Config(layout="shuffled", warps=8, stages=0),
+SHUFFLED = {  # benchmarks.scaled's A16_VARIANTS on shuffled layouts
+    "shuffled": A16Config(layout="shuffled"),
+    "bits": A16Config(layout="shuffled-bf16"),
+    "bits_registers": A16Config(layout="shuffled-bf16", stages=0),
+    "bits_registers_u8": A16Config(layout="shuffled-bf16", stages=0, unroll=8),
+    "bits_w8": A16Config(layout="shuffled-bf16", warps=8, stages=4),
+    "bits_w8_registers": A16Config(layout="shuffled-bf16", warps=8, stages=0),
 }
 
 
@@ -125,8 +127,9 @@ def test_shuffled_layout_variants(hopper, variant, m, n, k):
     """Each shuffled-layout variant on shuffle_mxfp4_a16's copy of the weight equals the float32 GEMM on the
     dequantised (unshuffled) weight; the shuffle round-trips on the GPU."""
     x, q, s = operands(m, n, k, seed=m + n)
-    shuffled = shuffle_mxfp4_a16(q)
-    assert torch.equal(unshuffle_mxfp4_a16(shuffled).view(torch.uint8), q.view(torch.uint8))
+    layout = SHUFFLED[variant].layout
+    shuffled = shuffle_mxfp4_a16(q, layout)
+    assert torch.equal(unshuffle_mxfp4_a16(shuffled, layout).view(torch.uint8), q.view(torch.uint8))
     bias = torch.randn(n, device="cuda").bfloat16() if m == 4 else None
     out = poisoned(m, n, torch.bfloat16)
     scaled.scaled_mm(x, shuffled, None, s, bias=bias, out=out, config=SHUFFLED[variant])
@@ -134,10 +137,12 @@ def test_shuffled_layout_variants(hopper, variant, m, n, k):
     assert err < TOL[torch.bfloat16], (variant, m, n, k, err)
 
 
-def test_shuffled_layout_fp16_activations(hopper):
-    """fp16 activations and output through the shuffled layout (the same nibble order: the pairs are dtype-free)."""
+@pytest.mark.parametrize("layout", ["shuffled", "shuffled-f16"])
+@pytest.mark.parametrize("stages", [8, 0])
+def test_shuffled_layout_fp16_activations(hopper, layout, stages):
+    """fp16 activations and output through the nibble-shuffled layout (dtype-free) and the fp16 bit-shuffled one."""
     x, q, s = operands(7, 1000, 4128, torch.float16)
     out = poisoned(7, 1000, torch.float16)
-    scaled.scaled_mm(x, shuffle_mxfp4_a16(q), None, s, out_dtype=torch.float16, out=out,
-                     config=A16Config(layout="shuffled"))
+    scaled.scaled_mm(x, shuffle_mxfp4_a16(q, layout), None, s, out_dtype=torch.float16, out=out,
+                     config=A16Config(layout=layout, stages=stages))
     assert rel_error(out, scaled.reference(x, q, None, s)) < TOL[torch.float16]

@@ -96,11 +96,6 @@ def words_of(t: torch.Tensor) -> list:
     return [w & 0xFFFFFFFF for w in t.contiguous().view(torch.int32).tolist()]
 
 
-def rotate_model(w: int, n: int) -> int:
-    """shf.r.wrap.b32 on Python ints: w rotated right by n bits."""
-    return ((w >> n) | (w << (32 - n))) & 0xFFFFFFFF
-
-
 @pytest.mark.parametrize("name", ["bf16", "f16"])
 def test_bit_shuffled_positions_tile_the_word(name):
     """The bit-shuffled layout places each of a word's 32 bits once, and its conversion gives, for every code at
@@ -111,7 +106,7 @@ def test_bit_shuffled_positions_tile_the_word(name):
         codes = [random.Random(value * 16 + code + j).randrange(16) for j in range(8)]
         codes[value] = code
         word = sum(((c >> b) & 1) << positions[v][b] for v, c in enumerate(codes) for b in range(4))
-        got = e2m1x8_shuffled_to_16bit_bits(word, name, rotate_model)
+        got = e2m1x8_shuffled_to_16bit_bits(word, name)
         ref = e2m1x8_to_16bit_bits(sum(c << 4 * v for v, c in enumerate(codes)), name)
         for v in range(8):
             assert (got[v // 2] >> 16 * (v % 2)) & 0xFFFF == (ref[v % 4] >> 16 * (v // 4)) & 0xFFFF, (value, code, v)
@@ -149,7 +144,7 @@ def test_warp_chunk_model_matches_reference(name, layout):
         factors = [factor_model(int(sb[r, kk // LANE_K]), name)[0] for r in (g, g + 8)]
         xwords = words_of(x[g, kk:kk + LANE_K])
         for j in range(LANE_K // 8):
-            rows = [e2m1x8_shuffled_to_16bit_bits(wwords[h][j], name, rotate_model) if "-" in layout
+            rows = [e2m1x8_shuffled_to_16bit_bits(wwords[h][j], name) if "-" in layout
                     else e2m1x8_to_16bit_bits(wwords[h][j], name) for h in range(2)]
             pairs = tokens(xwords, j)
             for s in range(2):
@@ -264,7 +259,7 @@ def loop_opcodes(cfg: A16Config) -> dict:
 
 def test_shuffled_layouts_have_fewer_instructions_per_chunk():
     """Per 128-k chunk and warp (M <= 8, bf16): "shuffled" drops the tokens' 16 PRMTs (the few left build the scale
-    factors), "shuffled-bf16" also converts in fewer integer ops (5 rotations and 8 LOP3 a word of 8 values);
+    factors), "shuffled-bf16" also converts in fewer integer ops (5 shifts and 8 LOP3 a word of 8 values);
     docs/ops/scaled.md's issue-rate prediction uses these counts (printed with -s)."""
     counts = {lay: loop_opcodes(A16Config(layout=lay)) for lay in ("natural", "shuffled", "shuffled-bf16")}
     total = {lay: sum(c.values()) for lay, c in counts.items()}

@@ -26,13 +26,14 @@ the torch reference and timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
 
 MXFP4 weights x bf16 activations (``--a16``, its own suite, default name scaled_mxfp4_a16): rows M in {1, 4, 16, 64}
-on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, < 1 min), nvfly's streaming kernel against
+on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, ~3 min with every variant), nvfly's streaming kernel against
 torch.matmul on the bf16 weight of the same shape. Reported: TB/s of the packed weight (N*K/2 bytes of e2m1 pairs +
 N*K/32 e8m0 scales per call) and its fraction of the memory floor, against the device copy bandwidth measured in
 the same process (floor_fraction) and against 4.8 TB/s (spec_fraction); the error against the float32 GEMM on the
 dequantised weight; also each mainloop variant of A16_VARIANTS by name (registers: stages=0; shuffled: the
-nibble-shuffled layout; bits*: the bit-shuffled "shuffled-bf16" layout with the ring, registers, unroll 8, 8 warps): <name>_tbps, <name>_floor (fraction of the
-copy bandwidth), <name>_rel_err, and their geomeans at M <= 16 in the summary. The results file is rewritten after
+nibble-shuffled layout; bits*: the bit-shuffled "shuffled-bf16" layout with the ring, registers, unroll 8, 8
+warps): <name>_tbps, <name>_floor (fraction of the copy bandwidth), <name>_rel_err, and their geomeans at M <= 16
+in the summary. The results file is rewritten after
 every row. Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--a16-variants NAME ...]
 [--name ...].
 """
@@ -344,7 +345,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-alternatives", action="store_true",
                    help="skip the alternative configs (alternative_configs: the register epilogue, split K at small M)")
     p.add_argument("--a16", action="store_true",
-                   help="MXFP4 weights x bf16 activations instead (the module docstring; --quick: < 1 min)")
+                   help="MXFP4 weights x bf16 activations instead (the module docstring; --quick: ~3 min)")
     p.add_argument("--a16-m", nargs="*", type=int, default=A16_M, help="--a16's token counts")
     p.add_argument("--a16-variants", nargs="*", default=list(A16_VARIANTS), choices=list(A16_VARIANTS),
                    help="--a16's mainloop variants timed beside the default (A16_VARIANTS; default: all)")

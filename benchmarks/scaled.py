@@ -26,8 +26,8 @@ the torch reference and timed after.
 Writes benchmarks/results/<name>_h200.json and <name>_h200.png.
 
 MXFP4 weights x bf16 activations (``--a16``, its own suite, default name scaled_mxfp4_a16): rows M in {1, 4, 16, 64}
-on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, ~3 min with every variant), nvfly's streaming kernel against
-torch.matmul on the bf16 weight of the same shape. Reported: TB/s of the packed weight (N*K/2 bytes of e2m1 pairs +
+on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, ~3 min with every variant), nvfly's
+streaming kernel against torch.matmul on the bf16 weight of the same shape. Reported: TB/s of the packed weight (N*K/2 bytes of e2m1 pairs +
 N*K/32 e8m0 scales per call) and its fraction of the memory floor, against the device copy bandwidth measured in
 the same process (floor_fraction) and against 4.8 TB/s (spec_fraction); the error against the float32 GEMM on the
 dequantised weight; also each mainloop variant of A16_VARIANTS by name (registers: stages=0; shuffled: the

@@ -32,7 +32,7 @@ N*K/32 e8m0 scales per call) and its fraction of the memory floor, against the d
 the same process (floor_fraction) and against 4.8 TB/s (spec_fraction); the error against the float32 GEMM on the
 dequantised weight; also each mainloop variant of A16_VARIANTS by name (registers: stages=0; shuffled: the
 nibble-shuffled layout; bits*: the bit-shuffled "shuffled-bf16" layout with the ring, registers, unroll 8, 8
-warps): <name>_tbps, <name>_floor (fraction of the copy bandwidth), <name>_rel_err, and their geomeans at M <= 16
+warps, the next group loaded ahead): <name>_tbps, <name>_floor (fraction of the copy bandwidth), <name>_rel_err, and their geomeans at M <= 16
 in the summary. The results file is rewritten after
 every row. Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--a16-variants NAME ...]
 [--name ...].
@@ -134,6 +134,9 @@ A16_VARIANTS = {
     "bits_registers_u8": A16Config(layout="shuffled-bf16", stages=0, unroll=8),
     "bits_w8": A16Config(layout="shuffled-bf16", warps=8, stages=4),
     "bits_w8_registers": A16Config(layout="shuffled-bf16", warps=8, stages=0),
+    "bits_ahead": A16Config(layout="shuffled-bf16", stages=0, ahead=True),
+    "bits_ahead_u2": A16Config(layout="shuffled-bf16", stages=0, unroll=2, ahead=True),
+    "bits_w8_ahead": A16Config(layout="shuffled-bf16", warps=8, stages=0, ahead=True),
 }
 
 

@@ -206,6 +206,8 @@ def test_plan_splits_k_over_idle_sms():
     assert p.token_blocks == 3 and p.splits == 1 and p.chunks_per_split == 0 and p.grid == 7 * 3
     p = make_a16_plan(4, 576, 7168, A16Config(warps=8, stages=4, splits=3), 132)
     assert p.splits == 3 and p.threads == 256
+    with pytest.raises(ValueError, match="config: ahead=True: the registers mainloop's"):
+        make_a16_plan(4, 576, 7168, A16Config(ahead=True), 132)
     with pytest.raises(ValueError, match="config: warps=3"):
         make_a16_plan(4, 576, 7168, A16Config(warps=3), 132)
     with pytest.raises(ValueError, match="config: warps=8 x stages=8: .* static shared memory"):
@@ -227,6 +229,8 @@ COMPILED = [
     (4, 7168, 2048, torch.bfloat16, torch.bfloat16, False, A16Config(layout="shuffled-bf16")),
     (16, 1000, 4128, torch.float16, torch.bfloat16, True, A16Config(layout="shuffled-f16", stages=0)),
     (9, 576, 7168, torch.bfloat16, torch.float32, False, A16Config(layout="shuffled-bf16", warps=8, stages=0)),
+    (4, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(layout="shuffled-bf16", stages=0, ahead=True)),
+    (16, 1000, 4128, torch.float16, torch.bfloat16, False, A16Config(stages=0, ahead=True, warps=8)),
 ]
 
 

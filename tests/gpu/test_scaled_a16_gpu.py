@@ -117,6 +117,9 @@ SHUFFLED = {  # benchmarks.scaled's A16_VARIANTS on shuffled layouts
     "bits_registers_u8": A16Config(layout="shuffled-bf16", stages=0, unroll=8),
     "bits_w8": A16Config(layout="shuffled-bf16", warps=8, stages=4),
     "bits_w8_registers": A16Config(layout="shuffled-bf16", warps=8, stages=0),
+    "bits_ahead": A16Config(layout="shuffled-bf16", stages=0, ahead=True),
+    "bits_ahead_u2": A16Config(layout="shuffled-bf16", stages=0, unroll=2, ahead=True),
+    "bits_w8_ahead": A16Config(layout="shuffled-bf16", warps=8, stages=0, ahead=True),
 }
 
 
@@ -146,3 +149,10 @@ def test_shuffled_layout_fp16_activations(hopper, layout, stages):
     scaled.scaled_mm(x, shuffle_mxfp4_a16(q, layout), None, s, out_dtype=torch.float16, out=out,
                      config=A16Config(layout=layout, stages=stages))
     assert rel_error(out, scaled.reference(x, q, None, s)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 700, 1024 + 96), (12, 333, 5 * 128), (1, 64, 96)])
+def test_ahead_on_the_natural_layout(hopper, m, n, k):
+    """A16Config(ahead=True) on torch's layout: groups carried in registers, leftover chunks and the K tail after
+    them (K 1120: 8 full chunks, 2 groups of 4 over 4 warps, a tail; 640: one group short; 96: only the tail)."""
+    check(m, n, k, config=A16Config(stages=0, ahead=True, splits=1))

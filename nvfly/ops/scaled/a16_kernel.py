@@ -115,17 +115,52 @@ def step_operands(rows: list, pairs: list, s: int) -> tuple[list, list]:
             [pairs[2 * s], pairs[2 * s + 1]])
 
 
-def stream_chunks(accs: list, w_rows: tuple, s_rows: tuple, x_rows: list, chunks: list, p, k, tail: bool,
-                  dtype, cfg) -> list:
-    """Load the weight of every chunk in ``chunks`` (first k of each), then the tokens and the mmas chunk by chunk;
-    ``tail``: the one partial chunk, masked at K."""
+def load_chunks(w_rows: tuple, s_rows: tuple, chunks: list, p, k, tail: bool) -> list:
+    """The weight of every chunk in ``chunks`` (first k of each) as (kk, valid, weight); ``tail``: the one partial
+    chunk, masked at K."""
     loaded = []
     for c in chunks:
         kk = c + LANE_K * p
         valid = kk < k if tail else None
         loaded.append((kk, valid, load_weight(w_rows, s_rows, kk, valid)))
+    return loaded
+
+
+def math_chunks(accs: list, x_rows: list, loaded: list, dtype, cfg) -> list:
+    """The tokens and the mmas of ``load_chunks``' chunks, one after the other."""
     for kk, valid, weight in loaded:
         accs = lane_block(accs, weight, load_tokens(x_rows, kk, valid), dtype, cfg.wide_scales, cfg.layout)
+    return accs
+
+
+def stream_chunks(accs: list, w_rows: tuple, s_rows: tuple, x_rows: list, chunks: list, p, k, tail: bool,
+                  dtype, cfg) -> list:
+    """Load the weight of every chunk in ``chunks`` (first k of each), then the tokens and the mmas chunk by chunk;
+    ``tail``: the one partial chunk, masked at K."""
+    return math_chunks(accs, x_rows, load_chunks(w_rows, s_rows, chunks, p, k, tail), dtype, cfg)
+
+
+@nvfly.func
+def stream_ahead(accs, w_rows, s_rows, x_rows, c_begin, first, count, p, k, DTYPE, CFG):
+    """``A16Config(ahead=True)``: the warp's ``count`` (> 0) groups of ``unroll`` chunks (groups first, first +
+    warps, ... from chunk ``c_begin``), each group's weights loaded before the previous group's math and carried in
+    registers, so that its loads are in flight during a whole group of conversions (the last iteration reloads the
+    last group, unused)."""
+    UNROLL, WARPS = CFG.unroll, CFG.warps
+
+    def group(gi):
+        return [w for _, _, (words, scales) in
+                load_chunks(w_rows, s_rows, [(c_begin + gi * UNROLL + u) * CHUNK_K
+                                             for u in nvfly.static_range(UNROLL)], p, k, False)
+                for w in (words, scales)]
+    ahead = group(first)
+    for i in range(0, count):
+        current = ahead
+        ahead = group(first + nvfly.minimum(i + 1, count - 1) * WARPS)
+        g = first + i * WARPS
+        loaded = [((c_begin + g * UNROLL + u) * CHUNK_K + LANE_K * p, None, (current[2 * u], current[2 * u + 1]))
+                  for u in nvfly.static_range(UNROLL)]
+        accs = math_chunks(accs, x_rows, loaded, DTYPE, CFG)
     return accs
 
 
@@ -200,10 +235,16 @@ def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, ou
                            c_begin + warp, nvfly.maximum(c_end - c_begin - warp + WARPS - 1, 0) // WARPS, p, dtype,
                            CFG)
     else:
-        for gi in range(warp, unrolled, WARPS):
-            first = c_begin + gi * UNROLL
-            accs = stream_chunks(accs, w_rows, s_rows, x_rows,
-                                 [(first + u) * CHUNK_K for u in nvfly.static_range(UNROLL)], p, k, False, dtype, CFG)
+        if CFG.ahead:
+            if unrolled > warp:
+                accs = stream_ahead(accs, w_rows, s_rows, x_rows, c_begin, warp, (unrolled - warp + WARPS - 1) // WARPS,
+                                    p, k, dtype, CFG)
+        else:
+            for gi in range(warp, unrolled, WARPS):
+                first = c_begin + gi * UNROLL
+                accs = stream_chunks(accs, w_rows, s_rows, x_rows,
+                                     [(first + u) * CHUNK_K for u in nvfly.static_range(UNROLL)], p, k, False, dtype,
+                                     CFG)
         for c in range(c_begin + unrolled * UNROLL + warp, c_end, WARPS):
             accs = stream_chunks(accs, w_rows, s_rows, x_rows, [c * CHUNK_K], p, k, False, dtype, CFG)
     if (split == splits - 1) & (warp == WARPS - 1) & (full * CHUNK_K < k):

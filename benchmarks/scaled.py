@@ -35,12 +35,16 @@ is not the plan's: "previous" (128 x 128 ahead, scales from global), the tiles o
 python -m benchmarks.scaled --block-tiles --no-triton --name scaled_block_tiles.
 
 MXFP4 weights x bf16 activations (``--a16``, its own suite, default name scaled_mxfp4_a16): rows M in {1, 4, 16, 64}
-on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, < 1 min), nvfly's streaming kernel against
-torch.matmul on the bf16 weight of the same shape. Reported: TB/s of the packed weight (N*K/2 bytes of e2m1 pairs +
+on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, ~3 min with every variant), nvfly's
+streaming kernel against torch.matmul on the bf16 weight of the same shape. Reported: TB/s of the packed weight (N*K/2 bytes of e2m1 pairs +
 N*K/32 e8m0 scales per call) and its fraction of the memory floor, against the device copy bandwidth measured in
 the same process (floor_fraction) and against 4.8 TB/s (spec_fraction); the error against the float32 GEMM on the
-dequantised weight; also the stages=0 mainloop (weights straight into registers, registers_tbps). Usage:
-python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--name ...].
+dequantised weight; also each mainloop variant of A16_VARIANTS by name (registers: stages=0; shuffled: the
+nibble-shuffled layout; bits*: the bit-shuffled "shuffled-bf16" layout with the ring, registers, unroll 8, 8
+warps, the next group loaded ahead): <name>_tbps, <name>_floor (fraction of the copy bandwidth), <name>_rel_err, and their geomeans at M <= 16
+in the summary. The results file is rewritten after
+every row. Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--a16-variants NAME ...]
+[--name ...].
 """
 from __future__ import annotations
 
@@ -59,7 +63,8 @@ from nvfly.ops import scaled  # noqa: E402
 from nvfly.ops.scaled import A16Config, ScaledConfig, ScaledEpilogue  # noqa: E402
 from nvfly.ops.scaled.config import deepest  # noqa: E402
 from nvfly.ops.scaled.plan import SWAP_MAX_M, make_plan  # noqa: E402
-from nvfly.ops.scaled.quantize import dequantize_mxfp4, quantize, quantize_fp8, quantize_mxfp4  # noqa: E402
+from nvfly.ops.scaled.quantize import (dequantize_mxfp4, quantize, quantize_fp8, quantize_mxfp4,  # noqa: E402
+                                      shuffle_mxfp4_a16)
 
 # the FP8 anchors (../shared/docs/anchors.md) first, then DeepSeek-V3's projections at decode and prefill sizes
 ANCHORS = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 16384), (128, 8192, 8192), (2048, 24576, 1536)]
@@ -144,7 +149,20 @@ A16_WEIGHTS = [(1536, 7168), (24576, 1536), (576, 7168), (7168, 16384), (4096, 7
 A16_QUICK = [(576, 7168), (4096, 7168), (7168, 2048), (8192, 8192), (8192, 28672)]
 A16_M = [1, 4, 16, 64]
 SPEC_TBPS = 4.8  # the H200's HBM3e bandwidth
-REGISTERS = A16Config(stages=0)
+# --a16's mainloop variants, timed beside the default plan (nvfly_ms) as <name>_ms / <name>_tbps / <name>_floor;
+# "shuffled" / "bits*" read shuffle_mxfp4_a16's copy of the weight in their layout (made once per weight, untimed)
+A16_VARIANTS = {
+    "registers": A16Config(stages=0),
+    "shuffled": A16Config(layout="shuffled"),
+    "bits": A16Config(layout="shuffled-bf16"),
+    "bits_registers": A16Config(layout="shuffled-bf16", stages=0),
+    "bits_registers_u8": A16Config(layout="shuffled-bf16", stages=0, unroll=8),
+    "bits_w8": A16Config(layout="shuffled-bf16", warps=8, stages=4),
+    "bits_w8_registers": A16Config(layout="shuffled-bf16", warps=8, stages=0),
+    "bits_ahead": A16Config(layout="shuffled-bf16", stages=0, ahead=True),
+    "bits_ahead_u2": A16Config(layout="shuffled-bf16", stages=0, unroll=2, ahead=True),
+    "bits_w8_ahead": A16Config(layout="shuffled-bf16", warps=8, stages=0, ahead=True),
+}
 
 
 def copy_tbps() -> float:
@@ -155,8 +173,10 @@ def copy_tbps() -> float:
     return 2 * src.numel() * 2 / ms / 1e9
 
 
-def a16_rows(weights: list[tuple[int, int]], ms: list[int]) -> tuple[list[dict[str, Any]], float]:
-    """MXFP4 x bf16 rows (the module docstring's --a16) and the measured copy bandwidth."""
+def a16_rows(weights: list[tuple[int, int]], ms: list[int], variants: list[str],
+             save: Any) -> tuple[list[dict[str, Any]], float]:
+    """MXFP4 x bf16 rows (the module docstring's --a16) and the measured copy bandwidth; ``save(rows, ceiling)``
+    after every row (a timed-out run keeps what it measured)."""
     ceiling = copy_tbps()
     print(f"device copy: {ceiling:.2f} TB/s (reads + writes)", flush=True)
     rows = []
@@ -165,6 +185,8 @@ def a16_rows(weights: list[tuple[int, int]], ms: list[int]) -> tuple[list[dict[s
         q, sb = quantize_mxfp4(w.bfloat16(), "b")  # packed (K/2, N) column-major, e8m0 bytes (N, K/32)
         sb = sb.view(torch.float8_e8m0fnu)
         w16 = dequantize_mxfp4(q.t(), sb).bfloat16().t()  # (K, N): torch.matmul's weight of the same shape
+        shuffled = {lay: shuffle_mxfp4_a16(q, lay) for lay in {A16_VARIANTS[v].layout for v in variants}
+                    if lay != "natural"}
         del w
         weight_bytes = n * k // 2 + n * k // 32
         for m in ms:
@@ -174,42 +196,67 @@ def a16_rows(weights: list[tuple[int, int]], ms: list[int]) -> tuple[list[dict[s
             ref = x.float() @ w16.float()
             row = {"M": m, "N": n, "K": k, "recipe": "mxfp4_a16", "out": "bf16", "path": scaled.path(x, q, None, sb),
                    "rel_err": rel_err(out, ref), "max_err": max_err(out, ref), "weight_bytes": weight_bytes}
-            del ref
             row["nvfly_ms"] = bench_ms(lambda: scaled.scaled_mm(x, q, None, sb, out=out))
-            # the alternative mainloop: weights loaded straight into registers, no cp.async ring
-            row["nvfly_registers_ms"] = bench_ms(lambda: scaled.scaled_mm(x, q, None, sb, out=out, config=REGISTERS))
             row["bf16_ms"] = bench_ms(lambda: torch.matmul(x, w16))
             row["nvfly_tbps"] = weight_bytes / row["nvfly_ms"] / 1e9
             row["bf16_tbps"] = 2 * n * k / row["bf16_ms"] / 1e9
-            row["registers_tbps"] = weight_bytes / row["nvfly_registers_ms"] / 1e9
             row["floor_fraction"] = row["nvfly_tbps"] / ceiling
             row["spec_fraction"] = row["nvfly_tbps"] / SPEC_TBPS
             row["vs_bf16"] = row["bf16_ms"] / row["nvfly_ms"]
             row["nvfly_tflops"] = 2.0 * m * n * k / row["nvfly_ms"] / 1e9
+            line = []
+            for name in variants:
+                cfg = A16_VARIANTS[name]
+                wq = shuffled.get(cfg.layout, q)
+                got = torch.full_like(out, float("nan"))
+                scaled.scaled_mm(x, wq, None, sb, out=got, config=cfg)
+                row[f"{name}_rel_err"] = rel_err(got, ref)
+                row[f"{name}_ms"] = bench_ms(lambda: scaled.scaled_mm(x, wq, None, sb, out=got, config=cfg))
+                row[f"{name}_tbps"] = weight_bytes / row[f"{name}_ms"] / 1e9
+                row[f"{name}_floor"] = row[f"{name}_tbps"] / ceiling
+                line.append(f"{name} {row[f'{name}_tbps']:.2f} ({row[f'{name}_floor']:.0%}, err "
+                            f"{row[f'{name}_rel_err']:.1e})")
+            del ref
             rows.append(row)
+            save(rows, ceiling)
             print(f"{m:>3}x{n:>5}x{k:>5} mxfp4_a16  err {row['rel_err']:.1e}  nvfly {row['nvfly_ms'] * 1e3:7.1f} us "
                   f"{row['nvfly_tbps']:.2f} TB/s ({row['floor_fraction']:.0%} of copy, {row['spec_fraction']:.0%} of "
                   f"{SPEC_TBPS})  bf16 matmul {row['bf16_ms'] * 1e3:7.1f} us ({row['bf16_tbps']:.2f} TB/s) "
-                  f"x{row['vs_bf16']:.2f}  registers {row['registers_tbps']:.2f} TB/s  {row['path']}", flush=True)
-        del q, sb, w16
+                  f"x{row['vs_bf16']:.2f}  {row['path']}\n    TB/s: " + "  ".join(line), flush=True)
+        del q, sb, w16, shuffled
     return rows, ceiling
+
+
+def a16_summary(rows: list[dict[str, Any]], ceiling: float, variants: list[str], seconds: float) -> dict[str, Any]:
+    """The geomean fraction of the copy bandwidth at M <= 16 of the default plan and of each variant."""
+    small = [r for r in rows if r["M"] <= 16]
+    summary = {"seconds": seconds, "rows": len(rows), "copy_tbps": ceiling,
+               "max_rel_err": max((r["rel_err"] for r in rows), default=0.0),
+               "geomean_floor_fraction_m_le_16": geomean([r["floor_fraction"] for r in small]) if small else 0.0,
+               "min_floor_fraction_m_le_16": min((r["floor_fraction"] for r in small), default=0.0),
+               "geomean_vs_bf16": geomean([r["vs_bf16"] for r in rows]) if rows else 0.0}
+    for name in variants:
+        if small:
+            summary[f"{name}_geomean_floor_m_le_16"] = geomean([r[f"{name}_floor"] for r in small])
+        summary[f"{name}_max_rel_err"] = max((r[f"{name}_rel_err"] for r in rows), default=0.0)
+    return summary
 
 
 def a16_main(args: argparse.Namespace) -> int:
     t_start = time.time()
-    rows, ceiling = a16_rows(A16_QUICK if args.quick else A16_WEIGHTS, args.a16_m)
-    small = [r for r in rows if r["M"] <= 16]
-    summary = {"seconds": time.time() - t_start, "rows": len(rows), "copy_tbps": ceiling,
-               "max_rel_err": max(r["rel_err"] for r in rows),
-               "geomean_floor_fraction_m_le_16": geomean([r["floor_fraction"] for r in small]),
-               "min_floor_fraction_m_le_16": min((r["floor_fraction"] for r in small), default=0.0),
-               "geomean_vs_bf16": geomean([r["vs_bf16"] for r in rows])}
-    print(summary)
     name = args.name if args.name != "scaled" else "scaled_mxfp4_a16"
-    path = write_results(name, rows, {"summary": summary})
-    plot(name, [f"{r['M']}x{r['N']}x{r['K']}" for r in rows],
-         {"nvfly MXFP4 x bf16 (packed weight)": [r["nvfly_tbps"] for r in rows],
-          "torch.matmul bf16 (bf16 weight)": [r["bf16_tbps"] for r in rows]}, "weight TB/s")
+    variants = args.a16_variants
+
+    def save(rows: list[dict[str, Any]], ceiling: float) -> str:
+        return write_results(name, rows, {"summary": a16_summary(rows, ceiling, variants, time.time() - t_start),
+                                          "variants": {v: repr(A16_VARIANTS[v]) for v in variants}})
+    rows, ceiling = a16_rows(A16_QUICK if args.quick else A16_WEIGHTS, args.a16_m, variants, save)
+    print(a16_summary(rows, ceiling, variants, time.time() - t_start))
+    path = save(rows, ceiling)
+    series = {"nvfly MXFP4 x bf16 (packed weight)": [r["nvfly_tbps"] for r in rows]}
+    series.update({f"nvfly {v}": [r[f"{v}_tbps"] for r in rows] for v in variants})
+    series["torch.matmul bf16 (bf16 weight)"] = [r["bf16_tbps"] for r in rows]
+    plot(name, [f"{r['M']}x{r['N']}x{r['K']}" for r in rows], series, "weight TB/s")
     print("wrote", path)
     return 0
 
@@ -379,8 +426,10 @@ def main(argv=None) -> int:
     p.add_argument("--block-tiles", action="store_true",
                    help="the block recipe's tiles over several weight blocks on BLOCK_TILE_SHAPES (module docstring)")
     p.add_argument("--a16", action="store_true",
-                   help="MXFP4 weights x bf16 activations instead (the module docstring; --quick: < 1 min)")
+                   help="MXFP4 weights x bf16 activations instead (the module docstring; --quick: ~3 min)")
     p.add_argument("--a16-m", nargs="*", type=int, default=A16_M, help="--a16's token counts")
+    p.add_argument("--a16-variants", nargs="*", default=list(A16_VARIANTS), choices=list(A16_VARIANTS),
+                   help="--a16's mainloop variants timed beside the default (A16_VARIANTS; default: all)")
     args = p.parse_args(argv)
     if args.a16:
         return a16_main(args)

@@ -4,19 +4,21 @@ kernel's own fragment helpers (K permutation, nibble order, scale application) r
 K as the heuristic says, every kernel variant compiles to HMMA without spills, and bad arguments raise errors
 naming them."""
 import itertools
+from dataclasses import replace
 import math
 import random
 
 import pytest
 import torch
 
-from nvfly.arch.floats import E2M1_UNIT_EXPONENT, e2m1x8_to_16bit_bits, e8m0_factor_bits
+from nvfly.arch.floats import (E2M1_UNIT_EXPONENT, e2m1_shuffled_bit_positions, e2m1x8_shuffled_to_16bit_bits,
+                               e2m1x8_to_16bit_bits, e8m0_factor_bits)
 from nvfly.ops import scaled
 from nvfly.ops.scaled import A16Config
-from nvfly.ops.scaled.a16_kernel import LANE_K, step_operands, token_pairs
+from nvfly.ops.scaled.a16_kernel import LANE_K, step_operands, token_pairs, token_words
 from nvfly.ops.scaled.a16_plan import CHUNK_K, ROWS, make_a16_plan
 from nvfly.ops.scaled.api import compile_a16
-from nvfly.ops.scaled.quantize import E2M1_VALUES, dequantize_mxfp4, quantize
+from nvfly.ops.scaled.quantize import E2M1_VALUES, dequantize_mxfp4, quantize, shuffle_mxfp4_a16, unshuffle_mxfp4_a16
 
 TORCH16 = {"bf16": torch.bfloat16, "f16": torch.float16}
 
@@ -95,17 +97,44 @@ def words_of(t: torch.Tensor) -> list:
 
 
 @pytest.mark.parametrize("name", ["bf16", "f16"])
-def test_warp_chunk_model_matches_reference(name):
+def test_bit_shuffled_positions_tile_the_word(name):
+    """The bit-shuffled layout places each of a word's 32 bits once, and its conversion gives, for every code at
+    every position, what e2m1x8_to_16bit_bits gives for the natural word (value 2i + h in half h of word i)."""
+    positions = e2m1_shuffled_bit_positions(name)
+    assert sorted(p for v in positions for p in v) == list(range(32))
+    for value, code in itertools.product(range(8), range(16)):
+        codes = [random.Random(value * 16 + code + j).randrange(16) for j in range(8)]
+        codes[value] = code
+        word = sum(((c >> b) & 1) << positions[v][b] for v, c in enumerate(codes) for b in range(4))
+        got = e2m1x8_shuffled_to_16bit_bits(word, name)
+        ref = e2m1x8_to_16bit_bits(sum(c << 4 * v for v, c in enumerate(codes)), name)
+        for v in range(8):
+            assert (got[v // 2] >> 16 * (v % 2)) & 0xFFFF == (ref[v % 4] >> 16 * (v // 4)) & 0xFFFF, (value, code, v)
+
+
+@pytest.mark.parametrize("layout", ["natural", "shuffled", "shuffled-bf16", "shuffled-f16"])
+@pytest.mark.parametrize("name", ["bf16", "f16"])
+def test_warp_chunk_model_matches_reference(name, layout):
     """One warp's 128-k chunk of 16 weight rows and 8 tokens, assembled lane by lane with the kernel's helpers
-    (e2m1x8_to_16bit_bits, token_pairs, step_operands) and PTX's m16n8k16 fragment layout, the scale applied as the
-    kernel does, equals x @ dequantised(w)^T: the nibble order, the K permutation and the scales line up."""
+    (e2m1x8_to_16bit_bits, token_pairs / token_words, step_operands) and PTX's m16n8k16 fragment layout, the scale
+    applied as the kernel does, equals x @ dequantised(w)^T: the nibble order, the K permutation and the scales
+    line up, for torch's layout and for shuffle_mxfp4_a16's (natural token words; the bit-shuffled layouts converted
+    by e2m1x8_shuffled_to_16bit_bits; the API refuses one bit-shuffled for the other dtype)."""
+    if layout.startswith("shuffled-") and layout != f"shuffled-{name}":
+        pytest.skip("a layout bit-shuffled for the other activation dtype (refused by the API)")
+    shuffled = layout != "natural"
     dt = TORCH16[name]
     gen = torch.Generator().manual_seed(7)
     w = torch.randn(ROWS, CHUNK_K, generator=gen)
     x = torch.randn(8, CHUNK_K, generator=gen).to(dt)
     q, sb = quantize(w, "mxfp4", operand="a")  # (16, 64) packed, (16, 4) scales, row-major
-    packed = q.view(torch.uint8)
     reference = x.float() @ dequantize_mxfp4(q, sb).to(dt).float().t()
+    if shuffled:  # shuffle_mxfp4_a16 takes scaled_mm's (K/2, N) column-major view
+        q = shuffle_mxfp4_a16(q.t(), layout).t()
+    packed = q.view(torch.uint8)
+
+    def tokens(words, j):
+        return token_words(words, j) if shuffled else token_pairs(words, j, pair_model)
     unit = 2.0 ** E2M1_UNIT_EXPONENT[name]
     got = torch.zeros(ROWS, 8, dtype=torch.float64)  # out^T: weight rows x tokens
     for lane in range(32):
@@ -115,8 +144,9 @@ def test_warp_chunk_model_matches_reference(name):
         factors = [factor_model(int(sb[r, kk // LANE_K]), name)[0] for r in (g, g + 8)]
         xwords = words_of(x[g, kk:kk + LANE_K])
         for j in range(LANE_K // 8):
-            rows = [e2m1x8_to_16bit_bits(wwords[h][j], name) for h in range(2)]
-            pairs = token_pairs(xwords, j, pair_model)
+            rows = [e2m1x8_shuffled_to_16bit_bits(wwords[h][j], name) if "-" in layout
+                    else e2m1x8_to_16bit_bits(wwords[h][j], name) for h in range(2)]
+            pairs = tokens(xwords, j)
             for s in range(2):
                 a, b = step_operands(rows, pairs, s)
                 # PTX m16n8k16: a0/a2 row g, a1/a3 row g + 8; a0, a1 and b0 at ISA k 2p, 2p + 1; a2, a3, b1 at
@@ -125,10 +155,40 @@ def test_warp_chunk_model_matches_reference(name):
                     for half in range(2):
                         wv = half_value((a[reg] >> 16 * half) & 0xFFFF, name) / unit * factors[reg % 2] * unit
                         for token in range(8):
-                            tw = token_pairs(words_of(x[token, kk:kk + LANE_K]), j, pair_model)[2 * s + reg // 2]
+                            tw = tokens(words_of(x[token, kk:kk + LANE_K]), j)[2 * s + reg // 2]
                             got[row, token] += wv * half_value((tw >> 16 * half) & 0xFFFF, name)
                 assert b == [pairs[2 * s], pairs[2 * s + 1]]
     torch.testing.assert_close(got.t().float(), reference, rtol=1e-5, atol=1e-4)
+
+
+def test_shuffle_round_trips_and_names_bad_arguments():
+    """shuffle_mxfp4_a16 permutes each 32-bit word (layout "shuffled": the nibbles of k 0, 2, 4, 6, 1, 3, 5, 7),
+    keeps scaled_mm's (K/2, N) column-major layout, and unshuffle_mxfp4_a16 undoes it; wrong dtypes, layouts and a
+    layout bit-shuffled for the other activations name the argument."""
+    q, s = quantize(torch.randn(40, 256), "mxfp4", operand="b")
+    for layout in ("shuffled", "shuffled-bf16", "shuffled-f16"):
+        sh = shuffle_mxfp4_a16(q, layout)
+        assert sh.shape == q.shape and sh.stride() == q.stride() and sh.dtype == q.dtype
+        assert not torch.equal(sh.view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(unshuffle_mxfp4_a16(sh, layout).view(torch.uint8), q.view(torch.uint8))
+    sh = shuffle_mxfp4_a16(q)
+    word = int(q.t().contiguous().view(torch.uint8)[3, 4:8].view(torch.int32)) & 0xFFFFFFFF
+    got = int(sh.t().contiguous().view(torch.uint8)[3, 4:8].view(torch.int32)) & 0xFFFFFFFF
+    assert all((got >> 4 * i) & 0xF == (word >> 4 * k) & 0xF for i, k in enumerate((0, 2, 4, 6, 1, 3, 5, 7)))
+    with pytest.raises(TypeError, match="w_q: expected a float4_e2m1fn_x2"):
+        shuffle_mxfp4_a16(q.view(torch.uint8))
+    with pytest.raises(ValueError, match="w_q: expected the .K/2, N. column-major"):
+        shuffle_mxfp4_a16(q.t())
+    with pytest.raises(TypeError, match="w_shuffled: expected a float4_e2m1fn_x2"):
+        unshuffle_mxfp4_a16(torch.zeros(4))
+    with pytest.raises(ValueError, match="config: layout='swizzled'"):
+        make_a16_plan(4, 64, 256, A16Config(layout="swizzled"), 132)
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        shuffle_mxfp4_a16(q, "natural")
+    x = torch.randn(4, 256).half()
+    with pytest.raises(ValueError, match="config: layout='shuffled-bf16' is bit-shuffled for other activations"):
+        scaled.path(x, q, None, s, config=A16Config(layout="shuffled-bf16"))
+    assert "shuffled" in scaled.path(x, q, None, s, config=A16Config(layout="shuffled-f16"))
 
 
 def test_plan_splits_k_over_idle_sms():
@@ -146,6 +206,8 @@ def test_plan_splits_k_over_idle_sms():
     assert p.token_blocks == 3 and p.splits == 1 and p.chunks_per_split == 0 and p.grid == 7 * 3
     p = make_a16_plan(4, 576, 7168, A16Config(warps=8, stages=4, splits=3), 132)
     assert p.splits == 3 and p.threads == 256
+    with pytest.raises(ValueError, match="config: ahead=True: the registers mainloop's"):
+        make_a16_plan(4, 576, 7168, A16Config(ahead=True), 132)
     with pytest.raises(ValueError, match="config: warps=3"):
         make_a16_plan(4, 576, 7168, A16Config(warps=3), 132)
     with pytest.raises(ValueError, match="config: warps=8 x stages=8: .* static shared memory"):
@@ -161,6 +223,14 @@ COMPILED = [
     (9, 1000, 4128, torch.bfloat16, torch.bfloat16, True, A16Config(stages=0, unroll=4)),  # weights into registers
     (16, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(wide_scales=True)),
     (3, 7168, 2048, torch.float16, torch.bfloat16, False, A16Config(wide_scales=True)),
+    (4, 7168, 2048, torch.bfloat16, torch.bfloat16, False, A16Config(layout="shuffled")),
+    (16, 1000, 4128, torch.float16, torch.bfloat16, True, A16Config(layout="shuffled", stages=0)),
+    (4, 576, 7168, torch.bfloat16, torch.bfloat16, False, A16Config(layout="shuffled", warps=8, stages=4)),
+    (4, 7168, 2048, torch.bfloat16, torch.bfloat16, False, A16Config(layout="shuffled-bf16")),
+    (16, 1000, 4128, torch.float16, torch.bfloat16, True, A16Config(layout="shuffled-f16", stages=0)),
+    (9, 576, 7168, torch.bfloat16, torch.float32, False, A16Config(layout="shuffled-bf16", warps=8, stages=0)),
+    (4, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(layout="shuffled-bf16", stages=0, ahead=True)),
+    (16, 1000, 4128, torch.float16, torch.bfloat16, False, A16Config(stages=0, ahead=True, warps=8)),
 ]
 
 
@@ -180,49 +250,25 @@ def test_variants_compile_to_hmma_without_spills(m, n, k, act, out, bias, cfg):
         assert ops["LDG.E.NA.LTC256B.128.CONSTANT"] > 0
 
 
-def args(m=4, n=64, k=256, act=torch.bfloat16):
-    x = torch.randn(m, k).to(act)
-    q, s = quantize(torch.randn(n, k), "mxfp4", operand="b")
-    return x, q, s
+def loop_opcodes(cfg: A16Config) -> dict:
+    """The SASS opcode counts of one 128-k chunk of a warp's loop at M <= 8 (registers mainloop, bf16): the
+    difference between unroll 2 and unroll 1 kernels (each adds one chunk's straight-line body)."""
+    counts = []
+    for unroll in (1, 2):
+        _, kernel = compile_a16(4, 7168, 2048, replace(cfg, stages=0, unroll=unroll), torch.bfloat16,
+                                torch.bfloat16, False)
+        counts.append(kernel.sass_opcodes())
+    return {op: counts[1].get(op, 0) - counts[0].get(op, 0) for op in set(counts[0]) | set(counts[1])}
 
 
-def test_check_names_the_argument():
-    x, q, s = args()
-    assert scaled.check(x, q, None, s) == "mxfp4_a16"
-    assert scaled.check(x.half(), q, None, s.view(torch.float8_e8m0fnu), out_dtype=torch.float32) == "mxfp4_a16"
-    with pytest.raises(TypeError, match="scale_a: .*no activation scale"):
-        scaled.check(x, q, s, s)
-    with pytest.raises(TypeError, match="b: dtype torch.uint8 .*float4_e2m1fn_x2"):
-        scaled.check(x, q.view(torch.uint8), None, s)
-    with pytest.raises(ValueError, match=r"b: shape \(128, 64\) .*expected \(64, N\)"):
-        scaled.check(x[:, :128], q, None, s)
-    with pytest.raises(ValueError, match=r"scale_b: shape \(64, 4\): expected \(64, 8\)"):
-        scaled.check(x, q, None, s[:, :4])
-    with pytest.raises(TypeError, match="scale_b: dtype torch.float32"):
-        scaled.check(x, q, None, s.float())
-    with pytest.raises(ValueError, match="a: K=240 is not a multiple of 32"):
-        scaled.check(torch.randn(4, 240).bfloat16(), q[:120], None, s)
-    with pytest.raises(ValueError, match="b: expected a column-major"):
-        scaled.check(x, q.view(torch.uint8).contiguous().view(q.dtype), None, s)
-    with pytest.raises(ValueError, match="a: expected a row-major"):
-        scaled.check(x.t().contiguous().t(), q, None, s)
-    with pytest.raises(ValueError, match=r"bias: expected shape \(64,\)"):
-        scaled.check(x, q, None, s, bias=torch.zeros(3))
-    with pytest.raises(TypeError, match="out_dtype"):
-        scaled.check(x, q, None, s, out_dtype=torch.int32)
-    assert "not CUDA" in scaled.eligibility(x, q, None, s)
-
-
-def test_reference_is_the_dequantised_product():
-    x, q, s = args(3, 48, 128)
-    bias = torch.randn(48)
-    ref = scaled.reference(x, q, None, s, bias)
-    torch.testing.assert_close(ref, x.float() @ dequantize_mxfp4(q.t(), s).t() + bias)
-
-
-def test_config_and_swap_errors_name_the_argument():
-    x, q, s = args()
-    with pytest.raises(TypeError, match="config: expected an A16Config"):
-        scaled.path(x, q, None, s, config=scaled.ScaledConfig())
-    with pytest.raises(ValueError, match="swap: .*always run swapped"):
-        scaled.path(x, q, None, s, swap=False)
+def test_shuffled_layouts_have_fewer_instructions_per_chunk():
+    """Per 128-k chunk and warp (M <= 8, bf16): "shuffled" drops the tokens' 16 PRMTs (the few left build the scale
+    factors), "shuffled-bf16" also converts in fewer integer ops (5 shifts and 8 LOP3 a word of 8 values);
+    docs/ops/scaled.md's issue-rate prediction uses these counts (printed with -s)."""
+    counts = {lay: loop_opcodes(A16Config(layout=lay)) for lay in ("natural", "shuffled", "shuffled-bf16")}
+    total = {lay: sum(c.values()) for lay, c in counts.items()}
+    print("SASS per chunk and warp, M <= 8:", total, {lay: {op: n for op, n in sorted(c.items()) if n}
+                                                       for lay, c in counts.items()})
+    assert all(c.get("HMMA.16816.F32.BF16") == 8 for c in counts.values())
+    assert counts["natural"].get("PRMT", 0) - counts["shuffled"].get("PRMT", 0) >= 12
+    assert total["shuffled-bf16"] < total["shuffled"] < total["natural"]

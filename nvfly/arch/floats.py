@@ -289,6 +289,54 @@ def e2m1x8_to_16bit_bits(w: Any, dtype_name: str) -> list:
 _PACKED_MUL = {"bf16": "mul.rn.bf16x2", "f16": "mul.rn.f16x2"}
 
 
+# A bit-shuffled e2m1 layout (nvfly.ops.scaled.quantize.shuffle_mxfp4_a16's "shuffled-bf16" / "shuffled-f16"): the
+# 16-bit word i (values 2i low, 2i + 1 high of a 32-bit word of 8 values) is the word shifted by
+# E2M1_SHUFFLED_SHIFTS[dtype][i][0] masked to the sign bits, or-ed with it shifted by [i][1] masked to the
+# exponent-mantissa bits (> 0: left, < 0: right). Found by exhaustive search: the eight bit sets tile the word with 5
+# distinct shifts, all but one (bf16) or all (f16) left shifts, which ptxas may issue on the FMA pipe (IMAD.SHL),
+# leaving the integer pipe the masks: ~13 ops for 8 values against e2m1x8_to_16bit_bits' ~16
+E2M1_SHUFFLED_SHIFTS = {"bf16": ((0, 0), (6, -6), (5, 6), (4, 3)), "f16": ((0, 0), (3, 9), (2, 6), (1, 3))}
+
+
+def e2m1_shuffled_bit_positions(dtype_name: str) -> list:
+    """For each value v (0..7) of a 32-bit word of the bit-shuffled layout, the source bit positions of its
+    (mantissa, low exponent, high exponent, sign) bits (the e2m1 nibble's bits 0..3)."""
+    top = 14 - E2M1_EM_SHIFT[dtype_name]  # the high exponent bit's target in the low half (bf16 8, f16 11)
+    out = []
+    for v in range(8):
+        i, high = v // 2, v % 2
+        sign_shift, em_shift = E2M1_SHUFFLED_SHIFTS[dtype_name][i]
+        out.append([top - 2 + j + 16 * high - em_shift for j in range(3)] + [15 + 16 * high - sign_shift])
+    return out
+
+
+def e2m1x8_shuffled_to_16bit_bits(w: Any, dtype_name: str) -> list:
+    """Eight e2m1 values in the bit-shuffled layout (``e2m1_shuffled_bit_positions``) as four 32-bit words of two
+    16-bit values, word i = values 2i (low) and 2i + 1 (high), each times 2^E2M1_UNIT_EXPONENT (as
+    ``e2m1x8_to_16bit_bits``). Bit operations only, on a traced i32 (the arithmetic right shift's sign bits are
+    masked off) or, to test them without a GPU, Python ints holding the word's unsigned value."""
+    em_mask = _EM_PAIR >> E2M1_EM_SHIFT[dtype_name]
+
+    def shifted(n: int) -> Any:
+        return w if n == 0 else (w << n) if n > 0 else (w >> -n)
+    return [(shifted(a) & _SIGN_PAIR) | (shifted(b) & em_mask) for a, b in E2M1_SHUFFLED_SHIFTS[dtype_name]]
+
+
+@traced
+def e2m1x8_shuffled_to_16bit_scaled(word: Any, factor: Any, dtype: DType) -> list:
+    """``e2m1x8_to_16bit_scaled`` for a word of the bit-shuffled layout (``e2m1x8_shuffled_to_16bit_bits``): word i
+    holds values 2i and 2i + 1, each times the scale ``factor``."""
+    w = as_value(word)
+    if not isinstance(w, Scalar) or w.dtype != dtypes.i32:
+        raise CompileError(f"e2m1x8_shuffled_to_16bit_scaled takes a 32-bit word as an i32, got "
+                           f"{getattr(w, 'dtype', w)}")
+    if dtype.name not in _PACKED_MUL:
+        raise CompileError(f"e2m1 converts to bf16 or f16 here, got {dtype.name}")
+    return scale_16bit_pairs(e2m1x8_shuffled_to_16bit_bits(w, dtype.name), factor, dtype)
+
+
+
+
 @traced
 def scale_16bit_pairs(words: list, factor: Any, dtype: DType) -> list:
     """Each i32 word of two ``dtype`` (bf16 or f16) values times ``factor`` (a word holding one 16-bit factor twice),

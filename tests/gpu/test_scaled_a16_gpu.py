@@ -2,7 +2,8 @@
 the float32 GEMM on the dequantised weights: every M from 1 to 16 on random shapes with N and K tails, larger M
 (token blocks), split K (heuristic and forced), bias, fp16 activations, every output dtype, strided activation rows,
 rows and blocks of very different scales, and the documented poisoning of scales past 2; fresh random inputs,
-NaN-poisoned outputs."""
+NaN-poisoned outputs; the shuffled-layout variants (A16Config(layout="shuffled") on shuffle_mxfp4_a16's weight)
+against the reference on the unshuffled weight."""
 import random
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from nvfly.ops import scaled
 from nvfly.ops.scaled import A16Config
-from nvfly.ops.scaled.quantize import quantize
+from nvfly.ops.scaled.quantize import quantize, shuffle_mxfp4_a16, unshuffle_mxfp4_a16
 
 pytestmark = pytest.mark.gpu
 
@@ -107,3 +108,51 @@ def test_scales_past_two_poison_or_widen(hopper):
     scaled.scaled_mm(x, q, None, s, out_dtype=torch.float32, out=wide, config=A16Config(wide_scales=True))
     for cols in (keep, [5], [9]):  # column 9 is ~2^72 times the others: each apart
         assert rel_error(wide[:, cols], ref[:, cols]) < TOL[torch.float32], cols
+
+
+SHUFFLED = {  # benchmarks.scaled's A16_VARIANTS on shuffled layouts
+    "shuffled": A16Config(layout="shuffled"),
+    "bits": A16Config(layout="shuffled-bf16"),
+    "bits_registers": A16Config(layout="shuffled-bf16", stages=0),
+    "bits_registers_u8": A16Config(layout="shuffled-bf16", stages=0, unroll=8),
+    "bits_w8": A16Config(layout="shuffled-bf16", warps=8, stages=4),
+    "bits_w8_registers": A16Config(layout="shuffled-bf16", warps=8, stages=0),
+    "bits_ahead": A16Config(layout="shuffled-bf16", stages=0, ahead=True),
+    "bits_ahead_u2": A16Config(layout="shuffled-bf16", stages=0, unroll=2, ahead=True),
+    "bits_w8_ahead": A16Config(layout="shuffled-bf16", warps=8, stages=0, ahead=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(SHUFFLED))
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+@pytest.mark.parametrize("n,k", [(576, 7168), (1000, 4128), (333, 96)])  # split K; N and K tails; only the K tail
+def test_shuffled_layout_variants(hopper, variant, m, n, k):
+    """Each shuffled-layout variant on shuffle_mxfp4_a16's copy of the weight equals the float32 GEMM on the
+    dequantised (unshuffled) weight; the shuffle round-trips on the GPU."""
+    x, q, s = operands(m, n, k, seed=m + n)
+    layout = SHUFFLED[variant].layout
+    shuffled = shuffle_mxfp4_a16(q, layout)
+    assert torch.equal(unshuffle_mxfp4_a16(shuffled, layout).view(torch.uint8), q.view(torch.uint8))
+    bias = torch.randn(n, device="cuda").bfloat16() if m == 4 else None
+    out = poisoned(m, n, torch.bfloat16)
+    scaled.scaled_mm(x, shuffled, None, s, bias=bias, out=out, config=SHUFFLED[variant])
+    err = rel_error(out, scaled.reference(x, q, None, s, bias))
+    assert err < TOL[torch.bfloat16], (variant, m, n, k, err)
+
+
+@pytest.mark.parametrize("layout", ["shuffled", "shuffled-f16"])
+@pytest.mark.parametrize("stages", [8, 0])
+def test_shuffled_layout_fp16_activations(hopper, layout, stages):
+    """fp16 activations and output through the nibble-shuffled layout (dtype-free) and the fp16 bit-shuffled one."""
+    x, q, s = operands(7, 1000, 4128, torch.float16)
+    out = poisoned(7, 1000, torch.float16)
+    scaled.scaled_mm(x, shuffle_mxfp4_a16(q, layout), None, s, out_dtype=torch.float16, out=out,
+                     config=A16Config(layout=layout, stages=stages))
+    assert rel_error(out, scaled.reference(x, q, None, s)) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("m,n,k", [(3, 700, 1024 + 96), (12, 333, 5 * 128), (1, 64, 96)])
+def test_ahead_on_the_natural_layout(hopper, m, n, k):
+    """A16Config(ahead=True) on torch's layout: groups carried in registers, leftover chunks and the K tail after
+    them (K 1120: 8 full chunks, 2 groups of 4 over 4 warps, a tail; 640: one group short; 96: only the tail)."""
+    check(m, n, k, config=A16Config(stages=0, ahead=True, splits=1))

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import nvfly
 from nvfly.arch import sm80
-from nvfly.arch.floats import e2m1x8_to_16bit_scaled, e8m0_to_16bit_factors, pair_halves, scale_16bit_pairs
+from nvfly.arch.floats import (e2m1x8_shuffled_to_16bit_scaled, e2m1x8_to_16bit_scaled, e8m0_to_16bit_factors,
+                               pair_halves, scale_16bit_pairs)
 from nvfly.arch.memory import L1Eviction, load_global, load_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.scaled.a16_plan import CHUNK_K, LANE_K, RING_CHUNK_BYTES, ROWS, TOKEN_BLOCK
@@ -70,18 +71,22 @@ def load_tokens(x_rows: list, kk, valid) -> list:
     return tiles
 
 
-def lane_block(accs: list, weight: tuple, tokens: list, dtype, wide: bool) -> list:
+def lane_block(accs: list, weight: tuple, tokens: list, dtype, wide: bool, layout: str) -> list:
     """Accumulate the lane's 32 k of a chunk: 8 k16 mma steps per token tile (the module docstring's K
     permutation). ``wide`` (``A16Config.wide_scales``): a second packed multiply makes scales past 2 (e8m0 bytes
-    > 128) exact too (``e8m0_to_16bit_factors``); without it they make the factor inf and poison the output."""
+    > 128) exact too (``e8m0_to_16bit_factors``); without it they make the factor inf and poison the output.
+    ``layout`` (``A16Config.layout``): "shuffled" words hold ``shuffle_mxfp4_a16``'s nibble order, whose pairs are
+    the tokens' natural words (no ``prmt``); "shuffled-bf16" / "-f16" its bit-shuffled order (the same pairs from
+    fewer integer ops, ``e2m1x8_shuffled_to_16bit_scaled``)."""
+    convert = e2m1x8_shuffled_to_16bit_scaled if layout.startswith("shuffled-") else e2m1x8_to_16bit_scaled
     words, scales = weight
     factors = [e8m0_to_16bit_factors(s, dtype, wide) for s in scales]
     out = [list(a) for a in accs]
     for j in range(LANE_K // 8):
-        rows = [e2m1x8_to_16bit_scaled(words[h][j], factors[h][0], dtype) for h in range(2)]
+        rows = [convert(words[h][j], factors[h][0], dtype) for h in range(2)]
         if wide:
             rows = [scale_16bit_pairs(rows[h], factors[h][1], dtype) for h in range(2)]
-        pairs = [token_pairs(x, j, pair_halves) for x in tokens]
+        pairs = [token_pairs(x, j, pair_halves) if layout == "natural" else token_words(x, j) for x in tokens]
         for s in range(2):
             for t in range(len(out)):
                 a, b = step_operands(rows, pairs[t], s)
@@ -96,6 +101,12 @@ def token_pairs(words: list, j: int, pair) -> list:
     return pair(t[0], t[2]) + pair(t[1], t[3])
 
 
+def token_words(words: list, j: int) -> list:
+    """A token row's word group ``j`` as the shuffled layout pairs it: (k0,k1) (k2,k3) (k4,k5) (k6,k7), the natural
+    words as loaded (``shuffle_mxfp4_a16`` puts k 2i and 2i + 1 at nibbles i and i + 4 of each weight word)."""
+    return words[4 * j:4 * j + 4]
+
+
 def step_operands(rows: list, pairs: list, s: int) -> tuple[list, list]:
     """mma step ``s`` (0, 1) of a word group: A registers (row g, row g + 8, row g, row g + 8) = pair words 2s, 2s,
     2s + 1, 2s + 1 of the two weight rows (PTX's a0..a3: rows g / g + 8 at ISA k 2p, 2p + 1, then at 2p + 8, 2p + 9),
@@ -104,17 +115,52 @@ def step_operands(rows: list, pairs: list, s: int) -> tuple[list, list]:
             [pairs[2 * s], pairs[2 * s + 1]])
 
 
-def stream_chunks(accs: list, w_rows: tuple, s_rows: tuple, x_rows: list, chunks: list, p, k, tail: bool,
-                  dtype, wide: bool) -> list:
-    """Load the weight of every chunk in ``chunks`` (first k of each), then the tokens and the mmas chunk by chunk;
-    ``tail``: the one partial chunk, masked at K."""
+def load_chunks(w_rows: tuple, s_rows: tuple, chunks: list, p, k, tail: bool) -> list:
+    """The weight of every chunk in ``chunks`` (first k of each) as (kk, valid, weight); ``tail``: the one partial
+    chunk, masked at K."""
     loaded = []
     for c in chunks:
         kk = c + LANE_K * p
         valid = kk < k if tail else None
         loaded.append((kk, valid, load_weight(w_rows, s_rows, kk, valid)))
+    return loaded
+
+
+def math_chunks(accs: list, x_rows: list, loaded: list, dtype, cfg) -> list:
+    """The tokens and the mmas of ``load_chunks``' chunks, one after the other."""
     for kk, valid, weight in loaded:
-        accs = lane_block(accs, weight, load_tokens(x_rows, kk, valid), dtype, wide)
+        accs = lane_block(accs, weight, load_tokens(x_rows, kk, valid), dtype, cfg.wide_scales, cfg.layout)
+    return accs
+
+
+def stream_chunks(accs: list, w_rows: tuple, s_rows: tuple, x_rows: list, chunks: list, p, k, tail: bool,
+                  dtype, cfg) -> list:
+    """Load the weight of every chunk in ``chunks`` (first k of each), then the tokens and the mmas chunk by chunk;
+    ``tail``: the one partial chunk, masked at K."""
+    return math_chunks(accs, x_rows, load_chunks(w_rows, s_rows, chunks, p, k, tail), dtype, cfg)
+
+
+@nvfly.func
+def stream_ahead(accs, w_rows, s_rows, x_rows, c_begin, first, count, p, k, DTYPE, CFG):
+    """``A16Config(ahead=True)``: the warp's ``count`` (> 0) groups of ``unroll`` chunks (groups first, first +
+    warps, ... from chunk ``c_begin``), each group's weights loaded before the previous group's math and carried in
+    registers, so that its loads are in flight during a whole group of conversions (the last iteration reloads the
+    last group, unused)."""
+    UNROLL, WARPS = CFG.unroll, CFG.warps
+
+    def group(gi):
+        return [w for _, _, (words, scales) in
+                load_chunks(w_rows, s_rows, [(c_begin + gi * UNROLL + u) * CHUNK_K
+                                             for u in nvfly.static_range(UNROLL)], p, k, False)
+                for w in (words, scales)]
+    ahead = group(first)
+    for i in range(0, count):
+        current = ahead
+        ahead = group(first + nvfly.minimum(i + 1, count - 1) * WARPS)
+        g = first + i * WARPS
+        loaded = [((c_begin + g * UNROLL + u) * CHUNK_K + LANE_K * p, None, (current[2 * u], current[2 * u + 1]))
+                  for u in nvfly.static_range(UNROLL)]
+        accs = math_chunks(accs, x_rows, loaded, DTYPE, CFG)
     return accs
 
 
@@ -146,7 +192,7 @@ def stream_ring(accs, w_rows, s_rows, x_rows, slot, first, count, p, DTYPE, CFG)
         stage = slot + (i % S) * RING_CHUNK_BYTES
         words = [load_shared(stage + 16 * h, 4) for h in range(2)]
         accs = lane_block(accs, (words, [s[kk // LANE_K] for s in s_rows]), load_tokens(x_rows, kk, None), DTYPE,
-                          CFG.wide_scales)
+                          CFG.wide_scales, CFG.layout)
     sm80.cp_async_wait(0)
     return accs
 
@@ -189,15 +235,20 @@ def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, ou
                            c_begin + warp, nvfly.maximum(c_end - c_begin - warp + WARPS - 1, 0) // WARPS, p, dtype,
                            CFG)
     else:
-        for gi in range(warp, unrolled, WARPS):
-            first = c_begin + gi * UNROLL
-            accs = stream_chunks(accs, w_rows, s_rows, x_rows,
-                                 [(first + u) * CHUNK_K for u in nvfly.static_range(UNROLL)], p, k, False, dtype,
-                                 CFG.wide_scales)
+        if CFG.ahead:
+            if unrolled > warp:
+                accs = stream_ahead(accs, w_rows, s_rows, x_rows, c_begin, warp, (unrolled - warp + WARPS - 1) // WARPS,
+                                    p, k, dtype, CFG)
+        else:
+            for gi in range(warp, unrolled, WARPS):
+                first = c_begin + gi * UNROLL
+                accs = stream_chunks(accs, w_rows, s_rows, x_rows,
+                                     [(first + u) * CHUNK_K for u in nvfly.static_range(UNROLL)], p, k, False, dtype,
+                                     CFG)
         for c in range(c_begin + unrolled * UNROLL + warp, c_end, WARPS):
-            accs = stream_chunks(accs, w_rows, s_rows, x_rows, [c * CHUNK_K], p, k, False, dtype, CFG.wide_scales)
+            accs = stream_chunks(accs, w_rows, s_rows, x_rows, [c * CHUNK_K], p, k, False, dtype, CFG)
     if (split == splits - 1) & (warp == WARPS - 1) & (full * CHUNK_K < k):
-        accs = stream_chunks(accs, w_rows, s_rows, x_rows, [full * CHUNK_K], p, k, True, dtype, CFG.wide_scales)
+        accs = stream_chunks(accs, w_rows, s_rows, x_rows, [full * CHUNK_K], p, k, True, dtype, CFG)
 
     # every warp's fragments into shared memory as [warp][token][column], then one thread per output sums them
     partial = nvfly.shared_tensor(nvfly.f32, (WARPS * TILE,))

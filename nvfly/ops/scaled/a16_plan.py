@@ -25,6 +25,9 @@ SPLIT_MIN_CHUNKS = 2
 SPLIT_MAX = 16
 RING_CHUNK_BYTES = 32 * 2 * 16  # a warp's chunk in its cp.async ring: each lane's 16 bytes of two weight rows
 STATIC_SMEM = 48 * 1024
+# the weight's order in each 32-bit word (quantize.shuffle_mxfp4_a16): torch's nibbles, nibbles paired as the tokens'
+# words, or the bit-shuffled layout of one activation dtype (fewer conversion ops)
+LAYOUTS = ("natural", "shuffled", "shuffled-bf16", "shuffled-f16")
 
 
 @dataclass(frozen=True)
@@ -34,12 +37,19 @@ class A16Config:
     chunks at a time straight into registers (ptxas may then delay the later loads past the first chunk's math);
     ``splits`` CTAs sharing one tile's K range (0: the heuristic's); ``wide_scales``: a second packed multiply per
     converted word so that e8m0 scales past 2 (bytes > 128) are exact too (without it they poison the output with
-    inf/NaN; about a fifth more instructions)."""
+    inf/NaN; about a fifth more instructions); ``layout``: "natural" (torch's nibble order), or the weight given as
+    ``shuffle_mxfp4_a16(w_q, layout)`` returns it: "shuffled" (k 2i and 2i + 1 at nibbles i and i + 4 of each
+    32-bit word: the conversion's pairs are the tokens' natural words, no ``prmt``), "shuffled-bf16" /
+    "shuffled-f16" (bit-shuffled for that activation dtype: the same pairs in fewer integer ops); ``ahead`` (with
+    ``stages`` 0): each group of ``unroll`` chunks is loaded before the previous group's math (twice the weight
+    registers)."""
     warps: int = 4
     unroll: int = 4
     splits: int = 0
     wide_scales: bool = False
     stages: int = 8
+    layout: str = "natural"
+    ahead: bool = False
 
     @property
     def static_smem_bytes(self) -> int:
@@ -53,6 +63,10 @@ class A16Config:
             return f"unroll={self.unroll}: 1 to 8"
         if not 0 <= self.splits <= 32:
             return f"splits={self.splits}: 0 (the heuristic's) to 32"
+        if self.layout not in LAYOUTS:
+            return f"layout={self.layout!r}: one of {LAYOUTS}"
+        if self.ahead and self.stages:
+            return f"ahead=True: the registers mainloop's (stages=0), got stages={self.stages}"
         if self.stages == 1 or self.stages < 0:
             return f"stages={self.stages}: 0 (weights loaded into registers) or a ring of at least 2"
         if self.static_smem_bytes > STATIC_SMEM:
@@ -118,8 +132,10 @@ def make_a16_plan(m: int, n: int, k: int, config: Optional[A16Config], sms: int)
 def describe_a16_plan(plan: A16Plan) -> str:
     cfg = plan.config
     name = "mxfp4-a16-stream" + ("-wide" if cfg.wide_scales else "") + \
+        ("" if cfg.layout == "natural" else f"-{cfg.layout}") + \
         (f"-splitK{plan.splits}" if plan.splits > 1 else "")
-    flight = f"{cfg.stages}-stage cp.async ring" if cfg.stages else f"{cfg.unroll} chunks into registers"
+    flight = f"{cfg.stages}-stage cp.async ring" if cfg.stages else \
+        f"{cfg.unroll} chunks into registers" + (", the next group loaded ahead" if cfg.ahead else "")
     blocks = "" if plan.token_blocks == 1 else \
         f", {plan.token_blocks} token blocks (M > {TOKEN_BLOCK}: the weight streamed per block, no wgmma mainloop yet)"
     return (f"{name}: {ROWS} weight rows x {8 * plan.m_tiles} tokens per CTA, {plan.grid} CTAs of {cfg.warps} warps, "

@@ -64,6 +64,7 @@ BIAS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MX_SCALE_DTYPES = (torch.float8_e8m0fnu, torch.uint8)
 A16_DTYPES = (torch.bfloat16, torch.float16)  # activations next to MXFP4 weights (the "mxfp4_a16" recipe)
 MXFP4_A16 = "mxfp4_a16"
+A16_LAYOUT_DTYPE = {torch.bfloat16: "bf16", torch.float16: "f16"}  # A16Config.layout's "shuffled-<dtype>" suffix
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -475,6 +476,10 @@ def _plan_a16(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: 
     if swap is not None:
         raise ValueError("swap: MXFP4 weights with 16-bit activations always run swapped (the weight's rows are "
                          "the mma's M): pass None")
+    layout = config.layout if config is not None else "natural"
+    if layout.startswith("shuffled-") and layout != f"shuffled-{A16_LAYOUT_DTYPE[a.dtype]}":
+        raise ValueError(f"config: layout={layout!r} is bit-shuffled for other activations than a's {a.dtype} "
+                         f"(use shuffle_mxfp4_a16(w_q, 'shuffled-{A16_LAYOUT_DTYPE[a.dtype]}'))")
     return make_a16_plan(a.shape[0], b.shape[1], a.shape[1], config, plan_sm_count(a.get_device()))
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nvfly.arch.floats import E2M1_ABOVE, E2M1_AT_OR_ABOVE
+from nvfly.arch.floats import E2M1_ABOVE, E2M1_AT_OR_ABOVE, e2m1_shuffled_bit_positions
 from nvfly.ops.common.opcall import OpCalls
 from nvfly.ops.scaled.config import MX_BLOCK, SCALE_BLOCK
 from nvfly.runtime.torch_args import layout_key
@@ -203,6 +203,66 @@ def quantize_fp8(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.f
         call = _QUANT_CALLS.plan("nvfly.ops.scaled.quantize_fp8", key, _QuantizeCall, x, granularity, dtype,
                                  operand)
     return call.run(x)
+
+
+# shuffle_mxfp4_a16(layout="shuffled"): the natural nibble (k) at each position of a 32-bit word; k 2i and 2i + 1
+# sit at nibbles i and i + 4, the pair e2m1x8_to_16bit_bits converts into one word
+A16_SHUFFLE = (0, 2, 4, 6, 1, 3, 5, 7)
+A16_SHUFFLED_LAYOUTS = ("shuffled", "shuffled-bf16", "shuffled-f16")
+
+
+def _a16_words_nibbles(w_q: Any, name: str, layout: str) -> torch.Tensor:
+    """``w_q`` ((K/2, N) column-major float4_e2m1fn_x2, as scaled_mm takes MXFP4 weights) as (N, K/8) 32-bit words
+    (int64, unsigned); ``layout`` checked."""
+    if not isinstance(w_q, torch.Tensor) or w_q.dtype != torch.float4_e2m1fn_x2:
+        raise TypeError(f"{name}: expected a float4_e2m1fn_x2 tensor, got {getattr(w_q, 'dtype', type(w_q))}")
+    if w_q.dim() != 2 or w_q.stride(0) != 1 or w_q.shape[0] % 16:
+        raise ValueError(f"{name}: expected the (K/2, N) column-major weight scaled_mm takes (K a multiple of 32), "
+                         f"got shape {tuple(w_q.shape)} strides {w_q.stride()}")
+    if layout not in A16_SHUFFLED_LAYOUTS:
+        raise ValueError(f"layout: expected one of {A16_SHUFFLED_LAYOUTS}, got {layout!r}")
+    rows = w_q.t().contiguous().view(torch.uint8)
+    return rows.view(rows.shape[0], -1, 4).long().mul(torch.tensor([1, 1 << 8, 1 << 16, 1 << 24],
+                                                                    device=rows.device)).sum(-1)
+
+
+def _a16_source_bits(layout: str) -> list:
+    """For each natural value v (0..7) of a word, the shuffled word's bit positions of its nibble bits 0..3."""
+    if layout == "shuffled":
+        return [[4 * A16_SHUFFLE.index(v) + b for b in range(4)] for v in range(8)]
+    return e2m1_shuffled_bit_positions(layout.split("-")[1])
+
+
+def _a16_words(words: torch.Tensor) -> torch.Tensor:
+    """(N, K/8) unsigned words (int64) back to scaled_mm's (K/2, N) column-major float4_e2m1fn_x2."""
+    signed = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+    return signed.view(torch.uint8).view(torch.float4_e2m1fn_x2).t()
+
+
+def shuffle_mxfp4_a16(w_q: torch.Tensor, layout: str = "shuffled") -> torch.Tensor:
+    """The MXFP4 weight ``w_q`` ((K/2, N) column-major float4_e2m1fn_x2, what ``quantize(w, "mxfp4",
+    operand="b")`` returns) in the layout ``scaled_mm(x, shuffled, None, w_scale, config=A16Config(layout=layout))``
+    reads, each 32-bit word (8 k) permuted: "shuffled", the nibbles of k 0, 2, 4, 6, 1, 3, 5, 7 (the conversion's
+    pairs are the tokens' natural words); "shuffled-bf16" / "shuffled-f16", the bits placed for the fewest
+    conversion ops to that activation dtype (``nvfly.arch.floats.e2m1_shuffled_bit_positions``). Call it once per
+    weight (a copy; the scales are unchanged); ``unshuffle_mxfp4_a16`` undoes it. Only that layout's config may read
+    the result (any other computes with permuted weights)."""
+    words = _a16_words_nibbles(w_q, "w_q", layout)
+    out = torch.zeros_like(words)
+    for v, positions in enumerate(_a16_source_bits(layout)):
+        for b, position in enumerate(positions):
+            out |= ((words >> (4 * v + b)) & 1) << position
+    return _a16_words(out)
+
+
+def unshuffle_mxfp4_a16(w_shuffled: torch.Tensor, layout: str = "shuffled") -> torch.Tensor:
+    """The natural-order weight of ``shuffle_mxfp4_a16(w_q, layout)``'s result ``w_shuffled`` (same layouts)."""
+    words = _a16_words_nibbles(w_shuffled, "w_shuffled", layout)
+    out = torch.zeros_like(words)
+    for v, positions in enumerate(_a16_source_bits(layout)):
+        for b, position in enumerate(positions):
+            out |= ((words >> position) & 1) << (4 * v + b)
+    return _a16_words(out)
 
 
 def quantize_mxfp4(x: torch.Tensor, operand: str = "b") -> tuple[torch.Tensor, torch.Tensor]:

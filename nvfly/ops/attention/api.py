@@ -2,8 +2,9 @@
 and a compile helper for tests without a GPU."""
 from __future__ import annotations
 
+import contextvars
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Union
 
 import nvfly
 from nvfly.ops.attention.checks import aligned as _aligned
@@ -24,7 +25,7 @@ from nvfly.ops.attention.mla_api import check_mla_arguments, from_decode, mla_el
 from nvfly.ops.attention.mla_plan import DQK as MLA_DQK
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
 from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, MaskTablesPlan, decode_plan
-from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls
+from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls, context_value
 from nvfly.runtime import torch_args
 from nvfly.runtime.torch_args import layout_key
 
@@ -214,7 +215,8 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     try:  # everything that decides the checks, the plan and the launches
         key = (layout_key(q), layout_key(k_cache), layout_key(v_cache), layout_key(cache_seqlens),
                layout_key(block_table), layout_key(out), layout_key(k_scale), layout_key(v_scale), score_mod, mask_mod,
-               type(captured), tuple(map(layout_key, captured)), causal, splits, return_lse, block_mask_key(block_mask))
+               type(captured), tuple(map(layout_key, captured)), causal, splits, return_lse, block_mask_key(block_mask),
+               _OPTIONS.get())
         call = _CALLS.get(key)
     except (AttributeError, TypeError):  # not tensors, unhashable, no BlockMask: the checks explain
         key = call = None
@@ -283,6 +285,27 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 # the signatures that differ only in other arguments (a new out, other options) and by calls that are not cached
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options", default=(0, 0))
+# the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
+DECODE_VARIANTS: dict[str, dict[str, int]] = {
+    "default": {},
+    # fp8 d 128: 4 stages of 16 KB, 3 CTAs an SM (159-161 registers, no spills) instead of 6 stages and 2: a
+    # third more warps to hide the fragment conversions' latency, about the same bytes in flight an SM
+    "stages4": dict(stages=4),
+    # Sq·G > 16 in 16-row tiles: each warp one key slice a stage (as at Sq 1) and Q in registers, the tiles'
+    # CTAs neighbours that read the keys from L2; the same conversions in all, spread over twice the CTAs
+    "rows16": dict(row_warps=1),
+    "stages4_rows16": dict(stages=4, row_warps=1),
+}
+
+
+def plan_options(stages: int = 0, row_warps: int = 0) -> ContextManager[None]:
+    """``decode`` calls inside run plans with these ``decode_plan`` overrides (0: the plan's default): the
+    benchmark's and the tests' way to run the kernel's variants side by side (``DECODE_VARIANTS``)."""
+    if stages < 0 or row_warps not in (0, 1, 2, 4):
+        raise ValueError(f"attention.plan_options: stages {stages} must be >= 0 and row_warps {row_warps} one of "
+                         "0, 1, 2, 4")
+    return context_value(_OPTIONS, (int(stages), int(row_warps)))
 
 
 def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,
@@ -305,9 +328,10 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     check_out(out, (batch, sq, hq, dv), q, OP)
+    stages, row_warps = _OPTIONS.get()
     plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
-                 k_cache.shape[1], bool(causal), int(splits), fp8=str(k_cache.dtype) == FP8,
-                 kv_block=kv_block) if batch else None
+                 k_cache.shape[1], bool(causal), int(splits), row_warps, fp8=str(k_cache.dtype) == FP8,
+                 kv_block=kv_block, stages=stages) if batch else None
     return _DecodeCall(plan, mods, q, k_cache, v_cache, cache_seqlens, block_table, capacity, pages,
                        bool(return_lse), captured, prepared and batch > 0, block_mask)
 

@@ -149,10 +149,12 @@ def row_warps_for(rows: int) -> int:
 
 def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: int, max_seqlen: int, sm_count: int,
                 paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0,
-                row_warps: int = 0, fp8: bool = False, kv_block: int = 0) -> DecodePlan:
-    """The plan for one call shape; ``splits`` > 0 forces a split count and ``row_warps`` > 0 the row split (for
-    tests and comparisons)."""
-    plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal, stages_for(dqk, dv, fp8), 1,
+                row_warps: int = 0, fp8: bool = False, kv_block: int = 0, stages: int = 0) -> DecodePlan:
+    """The plan for one call shape; ``splits`` > 0 forces a split count, ``row_warps`` > 0 the row split and
+    ``stages`` > 0 the ring depth (for tests and comparisons: fewer stages, more CTAs an SM, and the split count
+    planned on those slots)."""
+    plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal,
+                      stages or stages_for(dqk, dv, fp8), 1,
                       row_warps or row_warps_for(sq * group), fp8, kv_block)
     if splits <= 0:
         ctas = batch * kv_heads * plan.m_tiles

@@ -943,17 +943,28 @@ def test_decode_variants_change_only_their_options():
     assert llama8b_fp8(1, "rows16") == llama8b_fp8(1, "default")  # 4 rows: one 16-row tile already
     both = llama8b_fp8(8, "stages4_rows16", batch=32, seqlen=4096)
     assert (both.stages, both.row_warps, both.splits) == (4, 1, 1)
+    warp32 = llama8b_fp8(8, "warp32")  # 32 rows: one warp's two tiles, 4 key warps
+    assert (warp32.row_warps, warp32.warp_tiles, warp32.tile_rows, warp32.key_warps, warp32.m_tiles) == (1, 2, 32, 4, 1)
+    assert not warp32.query_in_registers and warp32.stat_rows == 128 and warp32.partial_bytes <= warp32.ring_bytes
+    assert llama8b_fp8(1, "warp32") == llama8b_fp8(1, "default")  # 16 rows or fewer: one tile a warp
+    wide = P.decode_plan(1, 16, 8, 4, 128, 128, 4096, 132, fp8=True, warp_tiles=2)  # 64 rows: 2 x 32
+    assert (wide.row_warps, wide.tile_rows, wide.key_warps) == (2, 64, 2)
     with pytest.raises(ValueError, match="plan_options: stages -1"):
         api.plan_options(stages=-1)
     with pytest.raises(ValueError, match="row_warps 3"):
         api.plan_options(row_warps=3)
+    with pytest.raises(ValueError, match="warp_tiles 3"):
+        P.decode_plan(1, 8, 8, 4, 128, 128, 4096, 132, warp_tiles=3)
+    with pytest.raises(ValueError, match="larger than the ring"):
+        P.decode_plan(1, 8, 8, 4, 128, 128, 4096, 132, fp8=True, warp_tiles=2, stages=2)
 
 
-@pytest.mark.parametrize("variant", ["stages4", "rows16", "stages4_rows16"])
+@pytest.mark.parametrize("variant", ["stages4", "rows16", "stages4_rows16", "warp32"])
 @pytest.mark.parametrize("sq", [1, 8])
 def test_decode_variants_compile_without_spills(variant, sq):
     """Each variant's Llama-8B fp8 kernel: fp8 conversion in registers as the default's (one cvt a pair of the
-    warp's slice), no local memory; stages4 asks for 3 CTAs an SM (.minnctapersm, hence at most 170 registers)."""
+    warp's slice: with warp32 once for its two row tiles, whose 64 HMMAs a slice share them), no local memory;
+    stages4 asks for 3 CTAs an SM (.minnctapersm, hence at most 170 registers)."""
     plan = llama8b_fp8(sq, variant)
     kernel = attention.compile_kernels(plan, M.Mods(), dtype=nvfly.bf16, seqlen=131072)[0]
     check_sass(kernel, "HMMA.16816.F32")
@@ -961,6 +972,8 @@ def test_decode_variants_compile_without_spills(variant, sq):
     assert f".minnctapersm {P.ctas_per_sm(plan)}" in kernel.ptx
     assert kernel.dynamic_smem_bytes == plan.smem_bytes
     assert kernel.resources.registers * plan.threads * P.ctas_per_sm(plan) <= P.REGISTERS_PER_SM
+    hmma = 2 * (plan.dqk + plan.dv) // 16 * plan.warp_tiles  # a slice (once in the code): 2 a k16 step a tile
+    assert kernel.sass_opcodes()["HMMA.16816.F32"] == hmma
 
 
 def test_host_path_plans_with_the_plan_options(cpu_launches):

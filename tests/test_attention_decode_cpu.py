@@ -941,8 +941,9 @@ def test_decode_variants_change_only_their_options():
     rows16 = llama8b_fp8(8, "rows16")
     assert (default.row_warps, default.m_tiles) == (2, 1) and (rows16.row_warps, rows16.m_tiles) == (1, 2)
     assert llama8b_fp8(1, "rows16") == llama8b_fp8(1, "default")  # 4 rows: one 16-row tile already
-    both = llama8b_fp8(8, "stages4_rows16", batch=32, seqlen=4096)
-    assert (both.stages, both.row_warps, both.splits) == (4, 1, 1)
+    both = llama8b_fp8(8, "lazy_stages4", batch=32, seqlen=4096)
+    assert (both.stages, both.lazy_rescale, both.splits) == (4, True, 3)  # 256 CTAs fill less than 80% of 396
+    assert llama8b_fp8(8, "lazy") == P.DecodePlan(**{**default.__dict__, "lazy_rescale": True})
     warp32 = llama8b_fp8(8, "warp32")  # 32 rows: one warp's two tiles, 4 key warps
     assert (warp32.row_warps, warp32.warp_tiles, warp32.tile_rows, warp32.key_warps, warp32.m_tiles) == (1, 2, 32, 4, 1)
     assert not warp32.query_in_registers and warp32.stat_rows == 128 and warp32.partial_bytes <= warp32.ring_bytes
@@ -959,12 +960,13 @@ def test_decode_variants_change_only_their_options():
         P.decode_plan(1, 8, 8, 4, 128, 128, 4096, 132, fp8=True, warp_tiles=2, stages=2)
 
 
-@pytest.mark.parametrize("variant", ["stages4", "rows16", "stages4_rows16", "warp32"])
+@pytest.mark.parametrize("variant", [name for name in api.DECODE_VARIANTS if name != "default"])
 @pytest.mark.parametrize("sq", [1, 8])
 def test_decode_variants_compile_without_spills(variant, sq):
     """Each variant's Llama-8B fp8 kernel: fp8 conversion in registers as the default's (one cvt a pair of the
     warp's slice: with warp32 once for its two row tiles, whose 64 HMMAs a slice share them), no local memory;
-    stages4 asks for 3 CTAs an SM (.minnctapersm, hence at most 170 registers)."""
+    stages4 asks for 3 CTAs an SM (.minnctapersm, hence at most 170 registers); lazy branches over O's
+    multiplies on a warp vote (one a row tile)."""
     plan = llama8b_fp8(sq, variant)
     kernel = attention.compile_kernels(plan, M.Mods(), dtype=nvfly.bf16, seqlen=131072)[0]
     check_sass(kernel, "HMMA.16816.F32")
@@ -974,6 +976,7 @@ def test_decode_variants_compile_without_spills(variant, sq):
     assert kernel.resources.registers * plan.threads * P.ctas_per_sm(plan) <= P.REGISTERS_PER_SM
     hmma = 2 * (plan.dqk + plan.dv) // 16 * plan.warp_tiles  # a slice (once in the code): 2 a k16 step a tile
     assert kernel.sass_opcodes()["HMMA.16816.F32"] == hmma
+    assert kernel.sass_opcodes()["VOTE.ANY"] == (plan.warp_tiles if plan.lazy_rescale else 0)
 
 
 def test_host_path_plans_with_the_plan_options(cpu_launches):

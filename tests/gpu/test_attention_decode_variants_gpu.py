@@ -1,8 +1,8 @@
-"""Decode's plan variants (``api.DECODE_VARIANTS``: 3 CTAs an SM, 16-row tiles, 32-row warps) against the float32
-reference, as the default plan is in test_attention_decode_gpu.py: fp8 caches at Sq 1, 4, 8 and 16 with ragged
-lengths (0 and 1 included), contiguous and paged, per-tensor and per-head scales, split-KV; 32-row warps also over
-bf16 caches and with mods (each row tile masks its own rows). NaN-poisoned outputs and split workspace. About a
-minute, mostly compiles."""
+"""Decode's plan variants (``api.DECODE_VARIANTS``: 3 CTAs an SM, 16-row tiles, 32-row warps, lazy rescaling)
+against the float32 reference, as the default plan is in test_attention_decode_gpu.py: fp8 caches at Sq 1, 4, 8 and
+16 with ragged lengths (0 and 1 included), contiguous and paged, per-tensor and per-head scales, split-KV; 32-row
+warps and lazy rescaling also over bf16 caches and with mods (each row tile masks its own rows). NaN-poisoned
+outputs and split workspace. About a minute and a half, mostly compiles."""
 import pytest
 import torch
 
@@ -36,17 +36,19 @@ def test_fp8_variant_matches_reference(name, variant):
               v_scale=kv_scale(v_kind, hkv, 2))
 
 
-def test_warp32_over_bf16_caches():
+@pytest.mark.parametrize("variant", ["warp32", "lazy"])
+def test_variant_over_bf16_caches(variant):
     k, v, table = make_cache(2, 1000, 8, 128, 128, torch.bfloat16, page=16)
     q = query(2, 8, 32, 128, torch.bfloat16)
-    with api.plan_options(warp_tiles=2):
+    with api.plan_options(**api.DECODE_VARIANTS[variant]):
         check(q, k, v, cache_seqlens=torch.tensor([1000, 1], dtype=torch.int32, device="cuda"), block_table=table)
 
 
-def test_warp32_with_mods():
-    """A score mod and a mask mod see each row tile's own rows (heads, positions)."""
+def test_lazy_warp32_with_mods():
+    """A score mod and a mask mod see each row tile's own rows (heads, positions); the sliding window's masked
+    prefix keeps early maxima at -inf (lazy rescaling's first factors are 0, not 1)."""
     k, v, _ = make_cache(2, 1200, 8, 128, 128, FP8)
     q = query(2, 8, 32, 128, torch.bfloat16)
-    with api.plan_options(warp_tiles=2):
+    with api.plan_options(**api.DECODE_VARIANTS["lazy_warp32"]):
         check(q, k, v, cache_seqlens=torch.tensor([1200, 333], dtype=torch.int32, device="cuda"),
               score_mod=M.soft_cap(20.0), mask_mod=M.sliding_window(300), k_scale=kv_scale("head", 8, 1))

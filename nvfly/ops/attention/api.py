@@ -285,7 +285,7 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 # the signatures that differ only in other arguments (a new out, other options) and by calls that are not cached
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options", default=(0, 0, 1))
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options", default=(0, 0, 1, False))
 # the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
 DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "default": {},
@@ -295,21 +295,26 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     # Sq·G > 16 in 16-row tiles: each warp one key slice a stage (as at Sq 1) and Q in registers, the tiles'
     # CTAs neighbours that read the keys from L2; the same conversions in all, spread over twice the CTAs
     "rows16": dict(row_warps=1),
-    "stages4_rows16": dict(stages=4, row_warps=1),
     # Sq·G > 16: a warp owns 32 rows (two m16 tiles) and one key slice a stage, so each slice's K/V fragments are
     # read and converted once (fp8 Sq 8: 72 F2FP a warp a stage, not 136; 252 registers at 2 CTAs an SM, no
     # spills; with 4 stages, 3 CTAs an SM, it spills)
     "warp32": dict(warp_tiles=2),
+    # O's 64 multiplies a lane a slice (d 128; a fifth of the fp8 loop's instructions) skipped when no row maximum
+    # of the warp rose: a VOTE.ANY and a branch instead, the multiplies by exactly 1 left out
+    "lazy": dict(lazy_rescale=True),
+    "lazy_warp32": dict(lazy_rescale=True, warp_tiles=2),
+    "lazy_stages4": dict(lazy_rescale=True, stages=4),
 }
 
 
-def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 1) -> ContextManager[None]:
+def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 1,
+                 lazy_rescale: bool = False) -> ContextManager[None]:
     """``decode`` calls inside run plans with these ``decode_plan`` overrides (stages and row_warps 0: the plan's
     default): the benchmark's and the tests' way to run the kernel's variants side by side (``DECODE_VARIANTS``)."""
     if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (1, 2):
         raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
                          f"0, 1, 2, 4 and warp_tiles {warp_tiles} 1 or 2")
-    return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles)))
+    return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale)))
 
 
 def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,
@@ -332,10 +337,10 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     check_out(out, (batch, sq, hq, dv), q, OP)
-    stages, row_warps, warp_tiles = _OPTIONS.get()
+    stages, row_warps, warp_tiles, lazy_rescale = _OPTIONS.get()
     plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
                  k_cache.shape[1], bool(causal), int(splits), row_warps, fp8=str(k_cache.dtype) == FP8,
-                 kv_block=kv_block, stages=stages, warp_tiles=warp_tiles) if batch else None
+                 kv_block=kv_block, stages=stages, warp_tiles=warp_tiles, lazy_rescale=lazy_rescale) if batch else None
     return _DecodeCall(plan, mods, q, k_cache, v_cache, cache_seqlens, block_table, capacity, pages,
                        bool(return_lse), captured, prepared and batch > 0, block_mask)
 

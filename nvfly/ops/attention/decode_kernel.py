@@ -47,6 +47,7 @@ from nvfly.arch import sm80
 from nvfly.arch.floats import e4m3x4_to_16bit, permute_bytes
 from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
+from nvfly.frontend.control_flow import if_
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.plan import BLOCK_N, ROWS, WARPS, ctas_per_sm
 
@@ -339,7 +340,7 @@ def attend_slice(states: list, ctx: StageContext, stage: Any, query: Any, role: 
     plan = ctx.plan
     lane = role.lane
     scores = stage_scores(ctx, stage, query, role, key_slice, key0, dtype)
-    folded = [softmax_step(state, s, dtype) for state, s in zip(states, scores)]
+    folded = [softmax_step(state, s, dtype, plan.lazy_rescale) for state, s in zip(states, scores)]
     a = [fragment for fragment, _ in folded]
     acc = [tile_acc for _, (_, _, tile_acc) in folded]
     tiles = range(plan.warp_tiles)
@@ -370,9 +371,10 @@ def attend_slice(states: list, ctx: StageContext, stage: Any, query: Any, role: 
     return [Softmax(maxima, sums, tile_acc) for (_, (maxima, sums, _)), tile_acc in zip(folded, acc)]
 
 
-def softmax_step(state: Softmax, s: list, dtype: Any) -> tuple[list, tuple]:
+def softmax_step(state: Softmax, s: list, dtype: Any, lazy: bool) -> tuple[list, tuple]:
     """One row tile's online softmax over its scores ``s`` [key tile][4]: (P's A fragment, (new maxima, new sums,
-    O rescaled to the new maxima))."""
+    O rescaled to the new maxima)); ``lazy`` (``DecodePlan.lazy_rescale``): O's multiplies only when some row of
+    the warp has a factor other than 1 (a warp-uniform branch; exact, as the multiplies it skips are by 1)."""
     maxima, sums, scales, p = [], [], [], [[None] * 4 for _ in range(2)]
     for r in range(2):
         top = nvfly.maximum(nvfly.maximum(s[0][2 * r], s[0][2 * r + 1]),
@@ -391,7 +393,13 @@ def softmax_step(state: Softmax, s: list, dtype: Any) -> tuple[list, tuple]:
         sums.append(total)
         scales.append(scale)
     a = [pack(p[lo[0]][lo[1]], p[hi[0]][hi[1]], dtype) for lo, hi in P_FRAGMENT]
-    acc = [[o * scales[i // 2] for i, o in enumerate(tile)] for tile in state.acc]
+
+    def rescale(acc: list) -> tuple:
+        return ([[o * scales[i // 2] for i, o in enumerate(tile)] for tile in acc],)
+    if lazy:
+        (acc,) = if_(nvfly.vote_any((scales[0] != 1.0) | (scales[1] != 1.0)), rescale, None, ["acc"], [state.acc])
+    else:
+        (acc,) = rescale(state.acc)
     return a, (maxima, sums, acc)
 
 

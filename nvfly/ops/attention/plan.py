@@ -36,7 +36,9 @@ class DecodePlan:
     query tile's rows (16 each; the other WARPS / row_warps split the keys); fp8: K and V are e4m3 (the ring holds
     their bytes; warps convert their fragments to f16 in registers); kv_block: a flex BlockMask's KV block
     size (a multiple of BLOCK_N; 0: no block mask); warp_tiles: 16-row tiles a warp computes (2: a warp owns 32
-    rows, so that a key slice's fragments are read and converted once for 32 rows, not by two warps)."""
+    rows, so that a key slice's fragments are read and converted once for 32 rows, not by two warps);
+    lazy_rescale: O's rescale (Dv / column_warps multiplies a lane a slice) skipped, by a warp-uniform branch, when
+    no row maximum of the warp's tile rose (exact: those factors are 1)."""
     sq: int
     group: int
     dqk: int
@@ -50,6 +52,7 @@ class DecodePlan:
     fp8: bool = False
     kv_block: int = 0
     warp_tiles: int = 1
+    lazy_rescale: bool = False
 
     @property
     def key_warps(self) -> int:
@@ -162,7 +165,7 @@ def row_warps_for(rows: int) -> int:
 def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: int, max_seqlen: int, sm_count: int,
                 paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0,
                 row_warps: int = 0, fp8: bool = False, kv_block: int = 0, stages: int = 0,
-                warp_tiles: int = 1) -> DecodePlan:
+                warp_tiles: int = 1, lazy_rescale: bool = False) -> DecodePlan:
     """The plan for one call shape; ``splits`` > 0 forces a split count, ``row_warps`` > 0 the row split,
     ``stages`` > 0 the ring depth and ``warp_tiles`` 2 32-row warps where the rows are more than 16 (for tests and
     comparisons: fewer stages give more CTAs an SM, the split count planned on those slots)."""
@@ -171,7 +174,8 @@ def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: in
     warp_tiles = warp_tiles if sq * group > ROWS else 1
     plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal,
                       stages or stages_for(dqk, dv, fp8), 1,
-                      row_warps or row_warps_for(-(-sq * group // warp_tiles)), fp8, kv_block, warp_tiles)
+                      row_warps or row_warps_for(-(-sq * group // warp_tiles)), fp8, kv_block, warp_tiles,
+                      lazy_rescale)
     if plan.partial_bytes > plan.ring_bytes:  # the merge's O goes over the ring
         raise ValueError(f"decode_plan: warp_tiles {warp_tiles} with {plan.stages} stages: the warps' merge "
                          f"({plan.partial_bytes} bytes) is larger than the ring ({plan.ring_bytes})")

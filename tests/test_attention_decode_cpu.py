@@ -944,6 +944,9 @@ def test_decode_variants_change_only_their_options():
     both = llama8b_fp8(8, "lazy_stages4", batch=32, seqlen=4096)
     assert (both.stages, both.lazy_rescale, both.splits) == (4, True, 3)  # 256 CTAs fill less than 80% of 396
     assert llama8b_fp8(8, "lazy") == P.DecodePlan(**{**default.__dict__, "lazy_rescale": True})
+    # B1 128K: 8 CTAs a split on 264 slots, 29 splits (232 CTAs) by default, 33 (every slot) at the best efficiency
+    assert (default.splits, llama8b_fp8(8, "splits_full").splits) == (29, 33)
+    assert llama8b_fp8(8, "splits_full", batch=32, seqlen=4096).splits == 1
     warp32 = llama8b_fp8(8, "warp32")  # 32 rows: one warp's two tiles, 4 key warps
     assert (warp32.row_warps, warp32.warp_tiles, warp32.tile_rows, warp32.key_warps, warp32.m_tiles) == (1, 2, 32, 4, 1)
     assert not warp32.query_in_registers and warp32.stat_rows == 128 and warp32.partial_bytes <= warp32.ring_bytes
@@ -954,6 +957,8 @@ def test_decode_variants_change_only_their_options():
         api.plan_options(stages=-1)
     with pytest.raises(ValueError, match="row_warps 3"):
         api.plan_options(row_warps=3)
+    with pytest.raises(ValueError, match="split_efficiency 0"):
+        api.plan_options(split_efficiency=0)
     with pytest.raises(ValueError, match="warp_tiles 3"):
         P.decode_plan(1, 8, 8, 4, 128, 128, 4096, 132, warp_tiles=3)
     with pytest.raises(ValueError, match="larger than the ring"):

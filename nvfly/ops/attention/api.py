@@ -24,7 +24,8 @@ from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_key, block_mask_
 from nvfly.ops.attention.mla_api import check_mla_arguments, from_decode, mla_eligibility
 from nvfly.ops.attention.mla_plan import DQK as MLA_DQK
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
-from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, MaskTablesPlan, decode_plan
+from nvfly.ops.attention.plan import (BLOCK_N, HEAD_DIMS, MAX_SQ, SPLIT_EFFICIENCY, DecodePlan, MaskTablesPlan,
+                                     decode_plan)
 from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls, context_value
 from nvfly.runtime import torch_args
 from nvfly.runtime.torch_args import layout_key
@@ -285,7 +286,7 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 # the signatures that differ only in other arguments (a new out, other options) and by calls that are not cached
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options", default=(0, 0, 1, False))
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options", default=(0, 0, 1, False, SPLIT_EFFICIENCY))
 # the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
 DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "default": {},
@@ -304,17 +305,23 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "lazy": dict(lazy_rescale=True),
     "lazy_warp32": dict(lazy_rescale=True, warp_tiles=2),
     "lazy_stages4": dict(lazy_rescale=True, stages=4),
+    # the split count of the best wave efficiency, not the fewest splits within 85% of it: B1 128K (8 KV heads,
+    # 264 slots) 33 splits, every slot one CTA of 62 stages, where 29 leave 32 SMs one CTA and give CTAs 71
+    "splits_full": dict(split_efficiency=1.0),
+    "lazy_splits_full": dict(lazy_rescale=True, split_efficiency=1.0),
 }
 
 
-def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 1,
-                 lazy_rescale: bool = False) -> ContextManager[None]:
+def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 1, lazy_rescale: bool = False,
+                 split_efficiency: float = SPLIT_EFFICIENCY) -> ContextManager[None]:
     """``decode`` calls inside run plans with these ``decode_plan`` overrides (stages and row_warps 0: the plan's
     default): the benchmark's and the tests' way to run the kernel's variants side by side (``DECODE_VARIANTS``)."""
-    if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (1, 2):
+    if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (1, 2) or not 0 < split_efficiency <= 1:
         raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
-                         f"0, 1, 2, 4 and warp_tiles {warp_tiles} 1 or 2")
-    return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale)))
+                         f"0, 1, 2, 4, warp_tiles {warp_tiles} 1 or 2 and split_efficiency {split_efficiency} in "
+                         "(0, 1]")
+    return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale),
+                                    float(split_efficiency)))
 
 
 def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,
@@ -337,10 +344,11 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     check_out(out, (batch, sq, hq, dv), q, OP)
-    stages, row_warps, warp_tiles, lazy_rescale = _OPTIONS.get()
+    stages, row_warps, warp_tiles, lazy_rescale, split_efficiency = _OPTIONS.get()
     plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
                  k_cache.shape[1], bool(causal), int(splits), row_warps, fp8=str(k_cache.dtype) == FP8,
-                 kv_block=kv_block, stages=stages, warp_tiles=warp_tiles, lazy_rescale=lazy_rescale) if batch else None
+                 kv_block=kv_block, stages=stages, warp_tiles=warp_tiles, lazy_rescale=lazy_rescale,
+                 split_efficiency=split_efficiency) if batch else None
     return _DecodeCall(plan, mods, q, k_cache, v_cache, cache_seqlens, block_table, capacity, pages,
                        bool(return_lse), captured, prepared and batch > 0, block_mask)
 

@@ -140,10 +140,11 @@ def ctas_per_sm(plan: DecodePlan) -> int:
     return max(1, min(by_smem, by_registers, 4))
 
 
-def num_splits(ctas: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+def num_splits(ctas: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS,
+               split_efficiency: float = SPLIT_EFFICIENCY) -> int:
     """FA3's heuristic on CTA slots (SMs x resident CTAs): 1 split when ``ctas`` fill WAVE_FILL of the slots or the
     keys are at most 4 stages, else the fewest splits (at most one per stage, ``max_splits``, ``slots``) whose
-    wave efficiency (waves / ceil(waves)) is within SPLIT_EFFICIENCY of the best."""
+    wave efficiency (waves / ceil(waves)) is within ``split_efficiency`` of the best (1.0: the best)."""
     if ctas >= WAVE_FILL * slots or n_blocks <= 4:
         return 1
     limit = max(1, min(max_splits, slots, n_blocks))
@@ -152,7 +153,7 @@ def num_splits(ctas: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLIT
         waves = ctas * splits / slots
         efficiency.append(waves / math.ceil(waves))
     best = max(efficiency)
-    return next(s for s, e in enumerate(efficiency, start=1) if e >= SPLIT_EFFICIENCY * best)
+    return next(s for s, e in enumerate(efficiency, start=1) if e >= split_efficiency * best)
 
 
 def row_warps_for(rows: int) -> int:
@@ -165,10 +166,12 @@ def row_warps_for(rows: int) -> int:
 def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: int, max_seqlen: int, sm_count: int,
                 paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0,
                 row_warps: int = 0, fp8: bool = False, kv_block: int = 0, stages: int = 0,
-                warp_tiles: int = 1, lazy_rescale: bool = False) -> DecodePlan:
+                warp_tiles: int = 1, lazy_rescale: bool = False,
+                split_efficiency: float = SPLIT_EFFICIENCY) -> DecodePlan:
     """The plan for one call shape; ``splits`` > 0 forces a split count, ``row_warps`` > 0 the row split,
-    ``stages`` > 0 the ring depth and ``warp_tiles`` 2 32-row warps where the rows are more than 16 (for tests and
-    comparisons: fewer stages give more CTAs an SM, the split count planned on those slots)."""
+    ``stages`` > 0 the ring depth and ``warp_tiles`` 2 32-row warps where the rows are more than 16;
+    ``split_efficiency``: ``num_splits``'s (for tests and comparisons: fewer stages give more CTAs an SM, the split
+    count planned on those slots)."""
     if warp_tiles not in (1, 2):
         raise ValueError(f"decode_plan: warp_tiles {warp_tiles} must be 1 or 2")
     warp_tiles = warp_tiles if sq * group > ROWS else 1
@@ -181,7 +184,8 @@ def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: in
                          f"({plan.partial_bytes} bytes) is larger than the ring ({plan.ring_bytes})")
     if splits <= 0:
         ctas = batch * kv_heads * plan.m_tiles
-        splits = num_splits(ctas, sm_count * ctas_per_sm(plan), -(-max_seqlen // BLOCK_N))
+        splits = num_splits(ctas, sm_count * ctas_per_sm(plan), -(-max_seqlen // BLOCK_N),
+                            split_efficiency=split_efficiency)
     return DecodePlan(**{**plan.__dict__, "splits": min(splits, MAX_SPLITS)})
 
 

@@ -14,10 +14,12 @@ no bank conflict.
 
 The 4 warps are row_warps x key_warps (``WarpRole``): a warp owns 16 rows of the tile and the 16-key slices
 key_warp, key_warp + key_warps, ... of every stage (with Dv > 128, 8 warps: pairs share rows and slices, each with
-half of O's columns). Per slice: S (16 rows x 16 keys) = Q Kᵀ by mma.m16n8k16 with Q's A fragments ldmatrix'ed from
+half of O's columns; ``warp_tiles`` = 2: a warp owns 32 rows, two m16 tiles sharing each slice's K and V
+fragments). Per slice: S (16 rows x 16 keys) = Q Kᵀ by mma.m16n8k16 with Q's A fragments ldmatrix'ed from
 the shared query tile and K's B fragments by ldmatrix (K rows are Kᵀ's columns); scores are scaled (the mods see
 natural units), modded, masked (past the sequence, causal: key <= the query's position seqlen - Sq + token,
-mask_mod) and kept in log2 units for exp2. The online softmax keeps each row's max m and lane-partial sum l; P in
+mask_mod) and kept in log2 units for exp2. The online softmax keeps each row's max m and lane-partial sum l (``lazy_rescale``: O's rescale
+skipped on a warp vote when no row maximum rose); P in
 registers is the A fragment of O += P V (the S accumulators of keys 0-7 and 8-15 are the A registers of one k16
 step), V's B fragments come from ldmatrix.trans. After the last stage the warps that share rows merge (m, l, O)
 through shared memory (the ring, now free); the result is O / l and LSE = m + log l (natural log), or for a fully

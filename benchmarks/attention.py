@@ -236,13 +236,14 @@ def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: s
     row["nvfly_tbs"] = nbytes / row["nvfly_ms"] / 1e9
     if variants:  # their differences are a few percent: the default and each variant in turn, three rounds
         row["default_plan"] = plan_of(shape, sq, layout, kv, {})
-        calls = {"nvfly_default": lambda: attention.decode(q, nk, nv, block_table=table, validate=False, **mods)}
-        for variant in variants:
-            def call(options=attention_api.DECODE_VARIANTS[variant]):
-                with attention_api.plan_options(**options):
-                    attention.decode(q, nk, nv, block_table=table, validate=False, **mods)
-            calls[f"nvfly_{variant}"] = call
-        for key, times in interleaved_ms(calls, VARIANT_ROUNDS).items():
+        def call():
+            attention.decode(q, nk, nv, block_table=table, validate=False, **mods)
+        calls = {f"nvfly_{variant}": call for variant in ("default", *variants)}
+        # the same call, each variant's plan options around its measurement (not around every call)
+        around = {f"nvfly_{variant}": (lambda options=attention_api.DECODE_VARIANTS[variant]:
+                                       attention_api.plan_options(**options)) for variant in variants}
+        # 50 ms a measurement (hundreds of calls of 0.05-1 ms): nine rows of six plans stay within ~3 minutes
+        for key, times in interleaved_ms(calls, VARIANT_ROUNDS, warmup_ms=10, rep_ms=50, around=around).items():
             row[f"{key}_ms"] = sorted(times)[len(times) // 2]
             row[f"{key}_tbs"] = nbytes / row[f"{key}_ms"] / 1e9
     if not mods and kv == "bf16":

@@ -288,11 +288,11 @@ def stage_scores(ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_
                     s[tile][1] = sm80.mma_m16n8k16(a, b1, s[tile][1], dtype)
     else:
         for step in nvfly.static_range(plan.dqk // 16):
+            a = [query_fragment(query, role, step, segments, tile) for tile in tiles]
             kb = sm80.ldmatrix_x4(stage + swizzled(*k_fragment_source(lane, step, key_slice), segments))
             for tile in tiles:
-                a = query_fragment(query, role, step, segments, tile)
-                s[tile][0] = sm80.mma_m16n8k16(a, kb[0:2], s[tile][0], dtype)
-                s[tile][1] = sm80.mma_m16n8k16(a, kb[2:4], s[tile][1], dtype)
+                s[tile][0] = sm80.mma_m16n8k16(a[tile], kb[0:2], s[tile][0], dtype)
+                s[tile][1] = sm80.mma_m16n8k16(a[tile], kb[2:4], s[tile][1], dtype)
     return [tile_scores(ctx, s[tile], ctx.rows[tile], lane, key0) for tile in tiles]
 
 

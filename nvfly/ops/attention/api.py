@@ -286,7 +286,8 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 # the signatures that differ only in other arguments (a new out, other options) and by calls that are not cached
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options", default=(0, 0, 1, False, SPLIT_EFFICIENCY))
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options",
+                                                          default=(0, 0, 1, False, SPLIT_EFFICIENCY))
 # the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
 DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "default": {},

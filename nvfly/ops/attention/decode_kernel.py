@@ -18,8 +18,8 @@ half of O's columns; ``warp_tiles`` = 2: a warp owns 32 rows, two m16 tiles shar
 fragments). Per slice: S (16 rows x 16 keys) = Q Kᵀ by mma.m16n8k16 with Q's A fragments ldmatrix'ed from
 the shared query tile and K's B fragments by ldmatrix (K rows are Kᵀ's columns); scores are scaled (the mods see
 natural units), modded, masked (past the sequence, causal: key <= the query's position seqlen - Sq + token,
-mask_mod) and kept in log2 units for exp2. The online softmax keeps each row's max m and lane-partial sum l (``lazy_rescale``: O's rescale
-skipped on a warp vote when no row maximum rose); P in
+mask_mod) and kept in log2 units for exp2. The online softmax keeps each row's max m and lane-partial sum l
+(``lazy_rescale``: O's rescale skipped on a warp vote when no row maximum rose); P in
 registers is the A fragment of O += P V (the S accumulators of keys 0-7 and 8-15 are the A registers of one k16
 step), V's B fragments come from ldmatrix.trans. After the last stage the warps that share rows merge (m, l, O)
 through shared memory (the ring, now free); the result is O / l and LSE = m + log l (natural log), or for a fully
@@ -534,7 +534,8 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
         stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN)
     first = m_tile * TILE_ROWS + role.row0 + (lane >> 2)
     rows = tuple((row_coords(first + ROWS * tile, hkv, seqlen, SQ, G),
-                  row_coords(first + ROWS * tile + 8, hkv, seqlen, SQ, G)) for tile in nvfly.static_range(PLAN.warp_tiles))
+                  row_coords(first + ROWS * tile + 8, hkv, seqlen, SQ, G))
+                 for tile in nvfly.static_range(PLAN.warp_tiles))
     ctx = StageContext(b, seqlen, rows, score_scale * k_scale, score_scale * k_scale * LOG2E, (captured0, captured1),
                        PLAN, MODS, dtype, kv_state)
     state = stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN)

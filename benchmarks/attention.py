@@ -14,6 +14,12 @@ per-head scales (``kv`` = "fp8"; nvfly only, no peer takes fp8 caches; TB/s on t
 Usage: python benchmarks/attention.py --decode [--quick] [--sq 1 4 8] [--layouts ...] [--models ...] [--no-mods]
 [--no-flex] [--fp8] [--name NAME]; paged layouts run at Sq = 1.
 Writes benchmarks/results/attention_decode_h200.json and .png.
+``--decode-variants NAME ...`` also times (after checking) nvfly with each named plan variant of
+``api.DECODE_VARIANTS`` beside the default, in turn (three rounds, medians: ``nvfly_<variant>_ms``/``_tbs``/``_err``,
+and each plan's stages/row_warps/warp_tiles/splits); with ``--quick`` the rows are the suite's contiguous rows of
+``--models`` at ``--sq``, fp8 only with ``--fp8`` (e.g. ``--decode --models llama8b --no-mods --fp8
+--decode-variants stages4 rows16 warp32 --quick``: 9 rows, ~2 min). Writes
+benchmarks/results/attention_decode_variants_h200.json after every row.
 
 MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (one KV head of 576 columns, V its
 first 512) at Sq = 1, B 1/32/128, 128 heads (V3) and 16, S 4K and 32K, nvfly on shuffled pages of 64 tokens. The
@@ -71,6 +77,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot, rel_err, write_results  # noqa: E402
 from nvfly.ops import attention  # noqa: E402
+from nvfly.ops.attention import api as attention_api  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
 from nvfly.ops.attention.mla_api import plan_options as mla_plan_options  # noqa: E402
 from nvfly.ops.attention.prefill_api import plan_options, transposed_values, transposed_values_torch  # noqa: E402
@@ -183,7 +190,19 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: dict[str,
     return call
 
 
-def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: str = "bf16") -> dict[str, Any]:
+def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, int]) -> dict[str, int]:
+    """The decode plan's choices for a row (every sequence the whole cache) under plan options ``options``."""
+    name, batch, skv, hq, hkv, d = shape
+    page = 0 if layout == "bshd" else int(layout[len("paged"):])
+    plan = attention.decode_plan(batch, sq, hkv, hq // hkv, d, d, skv, plan_sm_count(0), bool(page), page,
+                                 fp8=kv == "fp8", **options)
+    return {"stages": plan.stages, "row_warps": plan.row_warps, "warp_tiles": plan.warp_tiles,
+            "splits": plan.splits}
+
+
+def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: str = "bf16",
+            variants: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One row; ``variants``: names of ``api.DECODE_VARIANTS`` checked, then timed in turn beside the default."""
     name, batch, skv, hq, hkv, d = shape
     torch.manual_seed(0)
     q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -201,12 +220,32 @@ def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: s
     out = attention.decode(q, nk, nv, block_table=table, **mods)
     want, _ = attention.reference(q, nk, nv, block_table=table, **mods)
     err = rel_err(out.float(), want)
-    del want
     row: dict[str, Any] = {"model": name, "batch": batch, "sq": sq, "skv": skv, "hq": hq, "hkv": hkv, "d": d,
                            "layout": layout, "mod": mod, "kv": kv, "nvfly_err": err, "ok": err < 2e-2}
+    for variant in variants:
+        options = attention_api.DECODE_VARIANTS[variant]
+        with attention_api.plan_options(**options):
+            out.fill_(float("nan"))
+            attention.decode(q, nk, nv, block_table=table, out=out, **mods)
+        row[f"nvfly_{variant}_err"] = rel_err(out.float(), want)
+        row["ok"] = row["ok"] and row[f"nvfly_{variant}_err"] < 2e-2
+        row[f"{variant}_plan"] = plan_of(shape, sq, layout, kv, options)
+    del want, out
     nbytes = attention.bytes_moved(q, nk, nv, block_table=table, block_mask=mods.get("block_mask"))
     row["nvfly_ms"] = bench_ms(lambda: attention.decode(q, nk, nv, block_table=table, validate=False, **mods))
     row["nvfly_tbs"] = nbytes / row["nvfly_ms"] / 1e9
+    if variants:  # their differences are a few percent: the default and each variant in turn, three rounds
+        row["default_plan"] = plan_of(shape, sq, layout, kv, {})
+        def call():
+            attention.decode(q, nk, nv, block_table=table, validate=False, **mods)
+        calls = {f"nvfly_{variant}": call for variant in ("default", *variants)}
+        # the same call, each variant's plan options around its measurement (not around every call)
+        around = {f"nvfly_{variant}": (lambda options=attention_api.DECODE_VARIANTS[variant]:
+                                       attention_api.plan_options(**options)) for variant in variants}
+        # 50 ms a measurement (hundreds of calls of 0.05-1 ms): nine rows of six plans stay within ~3 minutes
+        for key, times in interleaved_ms(calls, VARIANT_ROUNDS, warmup_ms=10, rep_ms=50, around=around).items():
+            row[f"{key}_ms"] = sorted(times)[len(times) // 2]
+            row[f"{key}_tbs"] = nbytes / row[f"{key}_ms"] / 1e9
     if not mods and kv == "bf16":
         for peer, call in sdpa_calls(q, k, v).items():
             row[f"{peer}_ms"] = bench_ms(call)
@@ -214,7 +253,7 @@ def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: s
         call = flex_call(q, k, v, flex_mods)
         if call is not None:
             row["flex_ms"] = bench_ms(call)
-    for key in [key for key in row if key.endswith("_ms") and key != "nvfly_ms"]:
+    for key in [key for key in row if key.endswith("_ms") and not key.startswith("nvfly")]:
         row[key[:-3] + "_tbs"] = nbytes / row[key] / 1e9
         row["vs_" + key[:-3]] = row[key] / row["nvfly_ms"]
     return row
@@ -659,6 +698,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--mla-variants", action="store_true",
                    help="with --mla: also time nvfly's kernel with each combination of MlaPlan.chunked and "
                         ".evict_first (MLA_VARIANTS; correctness checked for each): nvfly_<variant>_ms")
+    p.add_argument("--decode-variants", nargs="+", default=(), metavar="NAME",
+                   choices=[name for name in attention_api.DECODE_VARIANTS if name != "default"],
+                   help="decode: also time nvfly with these plan variants (api.DECODE_VARIANTS; correctness checked "
+                        "for each) beside the default, three rounds in turn: nvfly_<variant>_ms; with --quick the "
+                        "suite's contiguous rows of --models at --sq (fp8 only with --fp8); writes "
+                        "attention_decode_variants (or --name) after every row")
     p.add_argument("--fp8", action="store_true", help="decode: also each row's shape with fp8 (e4m3) K/V caches "
                                                        "(nvfly only); prefill: the fp8 prefill suite instead")
     p.add_argument("--name", default=None, help="results file stem (benchmarks/results/<name>_h200; default "
@@ -670,8 +715,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return run_prefill(args, argv)
     if args.mla:
         return run_mla(args, argv)
-    args.name = args.name or "attention_decode"
-    if args.quick:
+    args.name = args.name or ("attention_decode_variants" if args.decode_variants else "attention_decode")
+    if args.quick and args.decode_variants:
+        cases = [(shape, sq, "bshd", "none") for shape in SUITE for sq in args.sq
+                 if args.models is None or shape[0] in args.models]
+    elif args.quick:
         cases = [(shape, sq, layout, "none") for shape, sq, layout in QUICK]
         cases += [(MOD_SHAPE, 1, "bshd", "softcap50"), (MOD_SHAPE, 1, "bshd", "window4096-blockmask")]
     else:
@@ -681,14 +729,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             cases += [(MOD_SHAPE, 1, "bshd", mod) for mod in make_mods(MOD_SHAPE[3])]
     import torch._dynamo
     torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
-    if args.fp8:
+    if args.fp8 and args.quick and args.decode_variants:
+        cases = [(*case, "fp8") for case in cases]
+    elif args.fp8:
         cases = [(*case, kv) for case in cases for kv in ("bf16", "fp8")]
     else:
         cases = [(*case, "bf16") for case in cases]
     rows, started = [], time.time()
+    command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     for shape, sq, layout, mod, kv in cases:
-        row = run_row(shape, sq, layout, mod, not args.no_flex, kv)
+        row = run_row(shape, sq, layout, mod, not args.no_flex, kv, tuple(args.decode_variants))
         rows.append(row)
+        if args.decode_variants:  # a row at a time: what ran is kept if the run is cut short
+            write_results(args.name, rows, {"command": command, "card": torch.cuda.get_device_name(),
+                                            "partial": True})
         peers = "  ".join(f"{key[:-4]} {row[key]:.2f}" for key in row if key.endswith("_tbs") and key != "nvfly_tbs")
         graph = f" graph {row['nvfly_graph_tbs']:.2f}" if "nvfly_graph_tbs" in row else ""
         print(f"{row['model']:>9} B{row['batch']:<3} Skv{row['skv']:<6} {row['hq']}/{row['hkv']} sq{sq} {layout:>7} "
@@ -701,8 +755,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                "min_nvfly_tbs_fp8": min((r["nvfly_tbs"] for r in rows if r["kv"] == "fp8"), default=None),
                **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in rows if f"vs_{peer}" in r])
                   for peer in (*SDPA_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in rows)}}
+    for variant in args.decode_variants:
+        summary[f"geomean_{variant}_vs_default"] = geomean([r[f"nvfly_{variant}_tbs"] / r["nvfly_default_tbs"]
+                                                            for r in rows])
     print(summary)
-    command = "python benchmarks/attention.py " + " ".join(sys.argv[1:] if argv is None else argv)
     path = write_results(args.name, rows, {"summary": summary, "command": command,
                                            "card": torch.cuda.get_device_name()})
     labels = [f"B{r['batch']} {r['skv'] // 1024}K {r['hq']}/{r['hkv']} sq{r['sq']} {r['layout']} {r['mod']}"

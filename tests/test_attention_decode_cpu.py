@@ -911,6 +911,80 @@ def check_fp8_conversion(kernel, plan):
     assert not any(op.startswith(("LDL", "STL")) for op in ops) and kernel.resources.spill_stores == 0
 
 
+
+# ---------------------------------------------------------------------------------------------- plan variants
+def llama8b_fp8(sq, variant, batch=1, seqlen=131072):
+    """Llama-8B's decode plan (32/8 heads, d 128, fp8 caches) under ``api.DECODE_VARIANTS[variant]``."""
+    return P.decode_plan(batch, sq, 8, 4, 128, 128, seqlen, 132, fp8=True, **api.DECODE_VARIANTS[variant])
+
+
+def test_decode_variants_change_only_their_options():
+    """stages4: 4 fp8 stages, 3 CTAs an SM, the split count planned on those 396 slots; rows16: 16-row tiles (two
+    CTAs a KV head at Sq 8, one slice a warp); the default plan is the plain plan."""
+    for sq in (1, 4, 8):
+        assert llama8b_fp8(sq, "default") == P.decode_plan(1, sq, 8, 4, 128, 128, 131072, 132, fp8=True)
+    default, stages4 = llama8b_fp8(8, "default"), llama8b_fp8(8, "stages4")
+    assert (default.stages, P.ctas_per_sm(default)) == (6, 2) and (stages4.stages, P.ctas_per_sm(stages4)) == (4, 3)
+    assert stages4.splits == P.num_splits(8 * stages4.m_tiles, 132 * 3, 131072 // P.BLOCK_N)
+    rows16 = llama8b_fp8(8, "rows16")
+    assert (default.row_warps, default.m_tiles) == (2, 1) and (rows16.row_warps, rows16.m_tiles) == (1, 2)
+    assert llama8b_fp8(1, "rows16") == llama8b_fp8(1, "default")  # 4 rows: one 16-row tile already
+    both = llama8b_fp8(8, "lazy_stages4", batch=32, seqlen=4096)
+    assert (both.stages, both.lazy_rescale, both.splits) == (4, True, 3)  # 256 CTAs fill less than 80% of 396
+    assert llama8b_fp8(8, "lazy") == P.DecodePlan(**{**default.__dict__, "lazy_rescale": True})
+    # B1 128K: 8 CTAs a split on 264 slots, 29 splits (232 CTAs) by default, 33 (every slot) at the best efficiency
+    assert (default.splits, llama8b_fp8(8, "splits_full").splits) == (29, 33)
+    assert llama8b_fp8(8, "splits_full", batch=32, seqlen=4096).splits == 1
+    warp32 = llama8b_fp8(8, "warp32")  # 32 rows: one warp's two tiles, 4 key warps
+    assert (warp32.row_warps, warp32.warp_tiles, warp32.tile_rows, warp32.key_warps, warp32.m_tiles) == (1, 2, 32, 4, 1)
+    assert not warp32.query_in_registers and warp32.stat_rows == 128 and warp32.partial_bytes <= warp32.ring_bytes
+    assert llama8b_fp8(1, "warp32") == llama8b_fp8(1, "default")  # 16 rows or fewer: one tile a warp
+    wide = P.decode_plan(1, 16, 8, 4, 128, 128, 4096, 132, fp8=True, warp_tiles=2)  # 64 rows: 2 x 32
+    assert (wide.row_warps, wide.tile_rows, wide.key_warps) == (2, 64, 2)
+    with pytest.raises(ValueError, match="plan_options: stages -1"):
+        api.plan_options(stages=-1)
+    with pytest.raises(ValueError, match="row_warps 3"):
+        api.plan_options(row_warps=3)
+    with pytest.raises(ValueError, match="split_efficiency 0"):
+        api.plan_options(split_efficiency=0)
+    with pytest.raises(ValueError, match="warp_tiles 3"):
+        P.decode_plan(1, 8, 8, 4, 128, 128, 4096, 132, warp_tiles=3)
+    with pytest.raises(ValueError, match="larger than the ring"):
+        P.decode_plan(1, 8, 8, 4, 128, 128, 4096, 132, fp8=True, warp_tiles=2, stages=2)
+
+
+@pytest.mark.parametrize("variant", [name for name in api.DECODE_VARIANTS if name != "default"])
+@pytest.mark.parametrize("sq", [1, 8])
+def test_decode_variants_compile_without_spills(variant, sq):
+    """Each variant's Llama-8B fp8 kernel: fp8 conversion in registers as the default's (one cvt a pair of the
+    warp's slice: with warp32 once for its two row tiles, whose 64 HMMAs a slice share them), no local memory;
+    stages4 asks for 3 CTAs an SM (.minnctapersm, hence at most 170 registers); lazy branches over O's
+    multiplies on a warp vote (one a row tile)."""
+    plan = llama8b_fp8(sq, variant)
+    kernel = attention.compile_kernels(plan, M.Mods(), dtype=nvfly.bf16, seqlen=131072)[0]
+    check_sass(kernel, "HMMA.16816.F32")
+    check_fp8_conversion(kernel, plan)
+    assert f".minnctapersm {P.ctas_per_sm(plan)}" in kernel.ptx
+    assert kernel.dynamic_smem_bytes == plan.smem_bytes
+    assert kernel.resources.registers * plan.threads * P.ctas_per_sm(plan) <= P.REGISTERS_PER_SM
+    hmma = 2 * (plan.dqk + plan.dv) // 16 * plan.warp_tiles  # a slice (once in the code): 2 a k16 step a tile
+    assert kernel.sass_opcodes()["HMMA.16816.F32"] == hmma
+    assert kernel.sass_opcodes()["VOTE.ANY"] == (plan.warp_tiles if plan.lazy_rescale else 0)
+
+
+def test_host_path_plans_with_the_plan_options(cpu_launches):
+    """Inside ``plan_options`` decode launches the option's plan (its own signature: the default's call is not
+    reused), outside the default again."""
+    q, k, v = bf16(1, 8, 32, 128), fp8(1, 8192, 8, 128), fp8(1, 8192, 8, 128)
+    attention.decode(q, k, v, splits=1)
+    with api.plan_options(row_warps=1):
+        attention.decode(q, k, v, splits=1)
+    with api.plan_options(stages=4):
+        attention.decode(q, k, v, splits=1)
+    attention.decode(q, k, v, splits=1)
+    assert [grid for _, grid, _ in cpu_launches] == [(1, 8, 1), (2, 8, 1), (1, 8, 1), (1, 8, 1)]
+
+
 MOD_PLAN = P.decode_plan(2, 2, 2, 4, 128, 128, 1024, 132, splits=1)
 
 

@@ -2,8 +2,9 @@
 and a compile helper for tests without a GPU."""
 from __future__ import annotations
 
+import contextvars
 import functools
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional, Union
 
 import nvfly
 from nvfly.ops.attention.checks import aligned as _aligned
@@ -23,8 +24,9 @@ from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_key, block_mask_
 from nvfly.ops.attention.mla_api import check_mla_arguments, from_decode, mla_eligibility
 from nvfly.ops.attention.mla_plan import DQK as MLA_DQK
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
-from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, MaskTablesPlan, decode_plan
-from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls
+from nvfly.ops.attention.plan import (BLOCK_N, HEAD_DIMS, MAX_SQ, SPLIT_EFFICIENCY, DecodePlan, MaskTablesPlan,
+                                     decode_plan)
+from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls, context_value
 from nvfly.runtime import torch_args
 from nvfly.runtime.torch_args import layout_key
 
@@ -214,7 +216,8 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     try:  # everything that decides the checks, the plan and the launches
         key = (layout_key(q), layout_key(k_cache), layout_key(v_cache), layout_key(cache_seqlens),
                layout_key(block_table), layout_key(out), layout_key(k_scale), layout_key(v_scale), score_mod, mask_mod,
-               type(captured), tuple(map(layout_key, captured)), causal, splits, return_lse, block_mask_key(block_mask))
+               type(captured), tuple(map(layout_key, captured)), causal, splits, return_lse, block_mask_key(block_mask),
+               _OPTIONS.get())
         call = _CALLS.get(key)
     except (AttributeError, TypeError):  # not tensors, unhashable, no BlockMask: the checks explain
         key = call = None
@@ -283,6 +286,43 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 # the signatures that differ only in other arguments (a new out, other options) and by calls that are not cached
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options",
+                                                          default=(0, 0, 1, False, SPLIT_EFFICIENCY))
+# the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
+DECODE_VARIANTS: dict[str, dict[str, int]] = {
+    "default": {},
+    # fp8 d 128: 4 stages of 16 KB, 3 CTAs an SM (159-161 registers, no spills) instead of 6 stages and 2: a
+    # third more warps to hide the fragment conversions' latency, about the same bytes in flight an SM
+    "stages4": dict(stages=4),
+    # Sq·G > 16 in 16-row tiles: each warp one key slice a stage (as at Sq 1) and Q in registers, the tiles'
+    # CTAs neighbours that read the keys from L2; the same conversions in all, spread over twice the CTAs
+    "rows16": dict(row_warps=1),
+    # Sq·G > 16: a warp owns 32 rows (two m16 tiles) and one key slice a stage, so each slice's K/V fragments are
+    # read and converted once (fp8 Sq 8: 72 F2FP a warp a stage, not 136; 252 registers at 2 CTAs an SM, no
+    # spills; with 4 stages, 3 CTAs an SM, it spills)
+    "warp32": dict(warp_tiles=2),
+    # O's 64 multiplies a lane a slice (d 128; a fifth of the fp8 loop's instructions) skipped when no row maximum
+    # of the warp rose: a VOTE.ANY and a branch instead, the multiplies by exactly 1 left out
+    "lazy": dict(lazy_rescale=True),
+    "lazy_warp32": dict(lazy_rescale=True, warp_tiles=2),
+    "lazy_stages4": dict(lazy_rescale=True, stages=4),
+    # the split count of the best wave efficiency, not the fewest splits within 85% of it: B1 128K (8 KV heads,
+    # 264 slots) 33 splits, every slot one CTA of 62 stages, where 29 leave 32 SMs one CTA and give CTAs 71
+    "splits_full": dict(split_efficiency=1.0),
+    "lazy_splits_full": dict(lazy_rescale=True, split_efficiency=1.0),
+}
+
+
+def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 1, lazy_rescale: bool = False,
+                 split_efficiency: float = SPLIT_EFFICIENCY) -> ContextManager[None]:
+    """``decode`` calls inside run plans with these ``decode_plan`` overrides (stages and row_warps 0: the plan's
+    default): the benchmark's and the tests' way to run the kernel's variants side by side (``DECODE_VARIANTS``)."""
+    if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (1, 2) or not 0 < split_efficiency <= 1:
+        raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
+                         f"0, 1, 2, 4, warp_tiles {warp_tiles} 1 or 2 and split_efficiency {split_efficiency} in "
+                         "(0, 1]")
+    return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale),
+                                    float(split_efficiency)))
 
 
 def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,
@@ -305,9 +345,11 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     check_out(out, (batch, sq, hq, dv), q, OP)
+    stages, row_warps, warp_tiles, lazy_rescale, split_efficiency = _OPTIONS.get()
     plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
-                 k_cache.shape[1], bool(causal), int(splits), fp8=str(k_cache.dtype) == FP8,
-                 kv_block=kv_block) if batch else None
+                 k_cache.shape[1], bool(causal), int(splits), row_warps, fp8=str(k_cache.dtype) == FP8,
+                 kv_block=kv_block, stages=stages, warp_tiles=warp_tiles, lazy_rescale=lazy_rescale,
+                 split_efficiency=split_efficiency) if batch else None
     return _DecodeCall(plan, mods, q, k_cache, v_cache, cache_seqlens, block_table, capacity, pages,
                        bool(return_lse), captured, prepared and batch > 0, block_mask)
 

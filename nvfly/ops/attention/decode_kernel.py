@@ -14,10 +14,12 @@ no bank conflict.
 
 The 4 warps are row_warps x key_warps (``WarpRole``): a warp owns 16 rows of the tile and the 16-key slices
 key_warp, key_warp + key_warps, ... of every stage (with Dv > 128, 8 warps: pairs share rows and slices, each with
-half of O's columns). Per slice: S (16 rows x 16 keys) = Q Kᵀ by mma.m16n8k16 with Q's A fragments ldmatrix'ed from
+half of O's columns; ``warp_tiles`` = 2: a warp owns 32 rows, two m16 tiles sharing each slice's K and V
+fragments). Per slice: S (16 rows x 16 keys) = Q Kᵀ by mma.m16n8k16 with Q's A fragments ldmatrix'ed from
 the shared query tile and K's B fragments by ldmatrix (K rows are Kᵀ's columns); scores are scaled (the mods see
 natural units), modded, masked (past the sequence, causal: key <= the query's position seqlen - Sq + token,
-mask_mod) and kept in log2 units for exp2. The online softmax keeps each row's max m and lane-partial sum l; P in
+mask_mod) and kept in log2 units for exp2. The online softmax keeps each row's max m and lane-partial sum l
+(``lazy_rescale``: O's rescale skipped on a warp vote when no row maximum rose); P in
 registers is the A fragment of O += P V (the S accumulators of keys 0-7 and 8-15 are the A registers of one k16
 step), V's B fragments come from ldmatrix.trans. After the last stage the warps that share rows merge (m, l, O)
 through shared memory (the ring, now free); the result is O / l and LSE = m + log l (natural log), or for a fully
@@ -47,6 +49,7 @@ from nvfly.arch import sm80
 from nvfly.arch.floats import e4m3x4_to_16bit, permute_bytes
 from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
+from nvfly.frontend.control_flow import if_
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.plan import BLOCK_N, ROWS, WARPS, ctas_per_sm
 
@@ -239,7 +242,8 @@ def pack(a: Any, b: Any, dtype: Any) -> Any:
 
 
 class StageContext(NamedTuple):
-    """What every stage's scores need: the sequence, the lane's two rows, the scales and the mods."""
+    """What every stage's scores need: the sequence, the lane's two rows of each of the warp's row tiles, the
+    scales and the mods."""
     b: Any
     seqlen: Any
     rows: tuple
@@ -252,46 +256,60 @@ class StageContext(NamedTuple):
     kv_state: Any
 
 
-def query_fragment(query: Any, role: WarpRole, step: int, segments: int) -> list:
-    """Q's A fragment of k16 step ``step`` for the warp's rows: from ``query``, the query tile's shared address,
-    or the list of them the warp holds in registers (``DecodePlan.query_in_registers``)."""
+def query_fragment(query: Any, role: WarpRole, step: int, segments: int, tile: int = 0) -> list:
+    """Q's A fragment of k16 step ``step`` for the warp's 16 rows of tile ``tile`` (``DecodePlan.warp_tiles``):
+    from ``query``, the query tile's shared address, or the list of them the warp holds in registers
+    (``DecodePlan.query_in_registers``)."""
     if isinstance(query, list):
         return query[step]
     q_row, q_segment = q_fragment_source(role.lane, step)
-    return sm80.ldmatrix_x4(query + swizzled(role.row0 + q_row, q_segment, segments))
+    return sm80.ldmatrix_x4(query + swizzled(role.row0 + ROWS * tile + q_row, q_segment, segments))
 
 
 def stage_scores(ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_slice: Any, key0: Any,
                  dtype: Any) -> list:
-    """The warp's 16 rows x 16 keys (slice ``key_slice`` of the stage, from key ``key0``) in log2 units, masked to
-    -inf: [key tile t][4] in mma's C layout (row g + 8 * (i // 2), key key0 + 8t + 2 * (lane % 4) + i % 2)."""
+    """The warp's rows x 16 keys (slice ``key_slice`` of the stage, from key ``key0``) in log2 units, masked to
+    -inf: [row tile][key tile t][4] in mma's C layout (row 16 * tile + g + 8 * (i // 2), key key0 + 8t + 2 *
+    (lane % 4) + i % 2). K's fragments are read (and converted) once for all the warp's row tiles."""
     plan = ctx.plan
     lane = role.lane
     segments = plan.dqk // 8
-    s = [[nvfly.f32(0.0)] * 4 for _ in range(2)]
+    tiles = range(plan.warp_tiles)
+    s = [[[nvfly.f32(0.0)] * 4 for _ in range(2)] for _ in tiles]
     if plan.fp8:  # an ldmatrix matrix of 8 fp8 K rows x 16 bytes: a lane's word is its B registers of a k16 step
         for pair in nvfly.static_range(plan.dqk // 32):  # (keys +8, dims +16) = bits 0, 1 of the matrix
             kb = sm80.ldmatrix_x4(stage + fp8_swizzled(*v_fragment_source(lane, pair, key_slice), plan.dqk // 16))
             for half in range(2):
-                a = query_fragment(query, role, 2 * pair + half, segments)
-                s[0] = sm80.mma_m16n8k16(a, e4m3x4_to_16bit(kb[2 * half], dtype), s[0], dtype)
-                s[1] = sm80.mma_m16n8k16(a, e4m3x4_to_16bit(kb[2 * half + 1], dtype), s[1], dtype)
+                b0 = e4m3x4_to_16bit(kb[2 * half], dtype)
+                b1 = e4m3x4_to_16bit(kb[2 * half + 1], dtype)
+                for tile in tiles:
+                    a = query_fragment(query, role, 2 * pair + half, segments, tile)
+                    s[tile][0] = sm80.mma_m16n8k16(a, b0, s[tile][0], dtype)
+                    s[tile][1] = sm80.mma_m16n8k16(a, b1, s[tile][1], dtype)
     else:
         for step in nvfly.static_range(plan.dqk // 16):
-            a = query_fragment(query, role, step, segments)
+            a = [query_fragment(query, role, step, segments, tile) for tile in tiles]
             kb = sm80.ldmatrix_x4(stage + swizzled(*k_fragment_source(lane, step, key_slice), segments))
-            s[0] = sm80.mma_m16n8k16(a, kb[0:2], s[0], dtype)
-            s[1] = sm80.mma_m16n8k16(a, kb[2:4], s[1], dtype)
+            for tile in tiles:
+                s[tile][0] = sm80.mma_m16n8k16(a[tile], kb[0:2], s[tile][0], dtype)
+                s[tile][1] = sm80.mma_m16n8k16(a[tile], kb[2:4], s[tile][1], dtype)
+    return [tile_scores(ctx, s[tile], ctx.rows[tile], lane, key0) for tile in tiles]
+
+
+def tile_scores(ctx: StageContext, s: list, rows: tuple, lane: Any, key0: Any) -> list:
+    """One row tile's raw scores ``s`` [key tile][4] scaled to log2 units, modded and masked for its lane's rows
+    ``rows`` (g, g + 8)."""
+    plan = ctx.plan
     mods = ctx.mods
     plain = mods.score_mod is None and mods.mask_mod is None
     states = [None, None]
     if plan.kv_block:  # the block mask's state of this stage's block for each of the lane's rows (their heads)
-        states = [ctx.kv_state[ctx.b, row.head, key0 // plan.kv_block] for row in ctx.rows]
+        states = [ctx.kv_state[ctx.b, row.head, key0 // plan.kv_block] for row in rows]
     out = []
     for t in range(2):
         tile = []
         for i in range(4):
-            row = ctx.rows[i // 2]
+            row = rows[i // 2]
             state = states[i // 2]
             key = key0 + 8 * t + accumulator_coords(lane, i)[1]
             if not plain:
@@ -317,13 +335,48 @@ def stage_scores(ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_
     return out
 
 
-def attend_slice(state: Softmax, ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_slice: Any,
-                 key0: Any, dtype: Any) -> Softmax:
+def attend_slice(states: list, ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_slice: Any,
+                 key0: Any, dtype: Any) -> list:
     """Fold the 16 keys of slice ``key_slice`` of one ring stage (from key ``key0``) into the warp's online softmax
-    and its O columns."""
+    and its O columns: ``states``, a Softmax per row tile; V's fragments are read (and converted) once for all."""
     plan = ctx.plan
     lane = role.lane
-    s = stage_scores(ctx, stage, query, role, key_slice, key0, dtype)
+    scores = stage_scores(ctx, stage, query, role, key_slice, key0, dtype)
+    folded = [softmax_step(state, s, dtype, plan.lazy_rescale) for state, s in zip(states, scores)]
+    a = [fragment for fragment, _ in folded]
+    acc = [tile_acc for _, (_, _, tile_acc) in folded]
+    tiles = range(plan.warp_tiles)
+    if plan.fp8:
+        # ldmatrix.trans of 8 fp8 V rows x 16 bytes: a lane's word holds keys 2c, 2c + 1 of columns 2g, 2g + 1;
+        # with the word of keys +8, prmt gathers each column's 4 keys: the B registers of the even and odd columns
+        v_tile = stage + BLOCK_N * plan.dqk
+        QUADS = plan.dv // 32 // plan.column_warps
+        for quad in nvfly.static_range(QUADS):  # (keys +8, columns +16) = bits 0, 1 of the matrix
+            source = v_fragment_source(lane, quad + role.half * QUADS, key_slice)
+            vb = sm80.ldmatrix_x4(v_tile + fp8_swizzled(*source, plan.dv // 16), transpose=True)
+            for half in range(2):
+                for parity, selector in enumerate(FP8_COLUMN_SELECTORS):
+                    b = e4m3x4_to_16bit(permute_bytes(vb[2 * half], vb[2 * half + 1], selector), dtype)
+                    column_tile = 4 * quad + 2 * half + parity
+                    for tile in tiles:
+                        acc[tile][column_tile] = sm80.mma_m16n8k16(a[tile], b, acc[tile][column_tile], dtype)
+    else:
+        segments = plan.dv // 8
+        v_tile = stage + BLOCK_N * plan.dqk * 2
+        PAIRS = plan.dv // 16 // plan.column_warps
+        for pair in nvfly.static_range(PAIRS):
+            source = v_fragment_source(lane, pair + role.half * PAIRS, key_slice)
+            vb = sm80.ldmatrix_x4(v_tile + swizzled(*source, segments), transpose=True)
+            for tile in tiles:
+                acc[tile][2 * pair] = sm80.mma_m16n8k16(a[tile], vb[0:2], acc[tile][2 * pair], dtype)
+                acc[tile][2 * pair + 1] = sm80.mma_m16n8k16(a[tile], vb[2:4], acc[tile][2 * pair + 1], dtype)
+    return [Softmax(maxima, sums, tile_acc) for (_, (maxima, sums, _)), tile_acc in zip(folded, acc)]
+
+
+def softmax_step(state: Softmax, s: list, dtype: Any, lazy: bool) -> tuple[list, tuple]:
+    """One row tile's online softmax over its scores ``s`` [key tile][4]: (P's A fragment, (new maxima, new sums,
+    O rescaled to the new maxima)); ``lazy`` (``DecodePlan.lazy_rescale``): O's multiplies only when some row of
+    the warp has a factor other than 1 (a warp-uniform branch; exact, as the multiplies it skips are by 1)."""
     maxima, sums, scales, p = [], [], [], [[None] * 4 for _ in range(2)]
     for r in range(2):
         top = nvfly.maximum(nvfly.maximum(s[0][2 * r], s[0][2 * r + 1]),
@@ -342,30 +395,14 @@ def attend_slice(state: Softmax, ctx: StageContext, stage: Any, query: Any, role
         sums.append(total)
         scales.append(scale)
     a = [pack(p[lo[0]][lo[1]], p[hi[0]][hi[1]], dtype) for lo, hi in P_FRAGMENT]
-    acc = [[o * scales[i // 2] for i, o in enumerate(tile)] for tile in state.acc]
-    if plan.fp8:
-        # ldmatrix.trans of 8 fp8 V rows x 16 bytes: a lane's word holds keys 2c, 2c + 1 of columns 2g, 2g + 1;
-        # with the word of keys +8, prmt gathers each column's 4 keys: the B registers of the even and odd columns
-        v_tile = stage + BLOCK_N * plan.dqk
-        QUADS = plan.dv // 32 // plan.column_warps
-        for quad in nvfly.static_range(QUADS):  # (keys +8, columns +16) = bits 0, 1 of the matrix
-            source = v_fragment_source(lane, quad + role.half * QUADS, key_slice)
-            vb = sm80.ldmatrix_x4(v_tile + fp8_swizzled(*source, plan.dv // 16), transpose=True)
-            for half in range(2):
-                for parity, selector in enumerate(FP8_COLUMN_SELECTORS):
-                    b = e4m3x4_to_16bit(permute_bytes(vb[2 * half], vb[2 * half + 1], selector), dtype)
-                    tile = 4 * quad + 2 * half + parity
-                    acc[tile] = sm80.mma_m16n8k16(a, b, acc[tile], dtype)
+
+    def rescale(acc: list) -> tuple:
+        return ([[o * scales[i // 2] for i, o in enumerate(tile)] for tile in acc],)
+    if lazy:
+        (acc,) = if_(nvfly.vote_any((scales[0] != 1.0) | (scales[1] != 1.0)), rescale, None, ["acc"], [state.acc])
     else:
-        segments = plan.dv // 8
-        v_tile = stage + BLOCK_N * plan.dqk * 2
-        PAIRS = plan.dv // 16 // plan.column_warps
-        for pair in nvfly.static_range(PAIRS):
-            source = v_fragment_source(lane, pair + role.half * PAIRS, key_slice)
-            vb = sm80.ldmatrix_x4(v_tile + swizzled(*source, segments), transpose=True)
-            acc[2 * pair] = sm80.mma_m16n8k16(a, vb[0:2], acc[2 * pair], dtype)
-            acc[2 * pair + 1] = sm80.mma_m16n8k16(a, vb[2:4], acc[2 * pair + 1], dtype)
-    return Softmax(maxima, sums, acc)
+        (acc,) = rescale(state.acc)
+    return a, (maxima, sums, acc)
 
 
 def stage_index(stage_list: Any, b: Any, hkv: Any, index: Any, plan: Any) -> Any:
@@ -377,7 +414,7 @@ def stage_index(stage_list: Any, b: Any, hkv: Any, index: Any, plan: Any) -> Any
 @nvfly.func
 def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN):
     """The CTA's ``count`` stages from the ``begin``-th (``stage_index``) through the ring; returns the warp's
-    Softmax (``role``)."""
+    Softmax per row tile (``role``, ``DecodePlan.warp_tiles``)."""
     STAGE = PLAN.stage_bytes
     dtype = ctx.dtype
     for i in nvfly.static_range(PLAN.stages - 1):
@@ -389,8 +426,9 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
     if PLAN.query_in_registers:  # the tile's stores are visible after a barrier (while the first stages land)
         nvfly.syncthreads()
         query = [query_fragment(q_tile, role, step, PLAN.dqk // 8) for step in nvfly.static_range(PLAN.dqk // 16)]
-    state = Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2,
-                    [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(PLAN.dv // 8 // PLAN.column_warps)])
+    state = [Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2,
+                     [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(PLAN.dv // 8 // PLAN.column_warps)])
+             for _ in nvfly.static_range(PLAN.warp_tiles)]
     for i in range(count):
         sm80.cp_async_wait(PLAN.stages - 2)
         nvfly.syncthreads()  # stage i landed for every thread; every warp is done with stage i - 1
@@ -413,28 +451,31 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
 
 
 @nvfly.func
-def merge_warps(state, stats, partial, role, PLAN):
+def merge_warps(states, stats, partial, role, PLAN):
     """Each warp's row maxima and sums (quad-reduced) into ``stats`` [maxima | sums][key warp][tile row] and its O
-    into ``partial`` [key warp][tile row][Dv] (its column half with column_warps = 2), then a barrier."""
+    into ``partial`` [key warp][tile row][Dv] (its column half with column_warps = 2), a Softmax per row tile of
+    the warp's, then a barrier."""
     lane = role.lane
     DV = PLAN.dv
     TILE_ROWS = PLAN.tile_rows
     g = lane >> 2
-    sums = []
-    for r in nvfly.static_range(2):  # the 4 lanes of a row hold parts of its sum
-        total = state.sums[r] + nvfly.shfl_xor(state.sums[r], 1)
-        sums.append(total + nvfly.shfl_xor(total, 2))
-    base = role.key_warp * TILE_ROWS + role.row0
-    if ((lane & 3) == 0) & (role.half == 0):  # both column halves hold the same statistics
-        for r in nvfly.static_range(2):
-            stats[base + g + 8 * r] = state.maxima[r]
-            stats[WARPS * ROWS + base + g + 8 * r] = sums[r]
     COLUMNS = DV // PLAN.column_warps
-    for j in nvfly.static_range(COLUMNS // 8):
-        for i in nvfly.static_range(4):
-            row = accumulator_coords(lane, i)[0]
-            column = accumulator_column(lane, j, i, PLAN.fp8)
-            partial[(base + row) * DV + role.half * COLUMNS + column] = state.acc[j][i]
+    for tile in nvfly.static_range(PLAN.warp_tiles):
+        state = states[tile]
+        sums = []
+        for r in nvfly.static_range(2):  # the 4 lanes of a row hold parts of its sum
+            total = state.sums[r] + nvfly.shfl_xor(state.sums[r], 1)
+            sums.append(total + nvfly.shfl_xor(total, 2))
+        base = role.key_warp * TILE_ROWS + role.row0 + ROWS * tile
+        if ((lane & 3) == 0) & (role.half == 0):  # both column halves hold the same statistics
+            for r in nvfly.static_range(2):
+                stats[base + g + 8 * r] = state.maxima[r]
+                stats[PLAN.stat_rows + base + g + 8 * r] = sums[r]
+        for j in nvfly.static_range(COLUMNS // 8):
+            for i in nvfly.static_range(4):
+                row = accumulator_coords(lane, i)[0]
+                column = accumulator_column(lane, j, i, PLAN.fp8)
+                partial[(base + row) * DV + role.half * COLUMNS + column] = state.acc[j][i]
     nvfly.syncthreads()
 
 
@@ -455,7 +496,8 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx() % WARPS
     lane = nvfly.lane_idx()
-    role = WarpRole(ROWS * (warp // PLAN.key_warps), warp % PLAN.key_warps, nvfly.warp_idx() // WARPS, lane)
+    role = WarpRole(ROWS * PLAN.warp_tiles * (warp // PLAN.key_warps), warp % PLAN.key_warps,
+                    nvfly.warp_idx() // WARPS, lane)
     TILE_ROWS = PLAN.tile_rows
     b = nvfly.block_idx.z
     hkv = nvfly.block_idx.y
@@ -465,7 +507,7 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     RING = PLAN.ring_bytes
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (PLAN.smem_bytes,)))
     q_tile = ring + RING
-    stats = nvfly.dynamic_shared_tensor(nvfly.f32, (2 * WARPS * ROWS,), offset_bytes=RING + PLAN.q_bytes)
+    stats = nvfly.dynamic_shared_tensor(nvfly.f32, (2 * PLAN.stat_rows,), offset_bytes=RING + PLAN.q_bytes)
     k_scale = v_scale = 1.0
     score_scale = scale
     dtype = q.dtype
@@ -476,7 +518,7 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
         v_scale = kv_scales[1, hkv]
         score_scale = 1.0
         dtype = nvfly.f16
-    partial = nvfly.dynamic_shared_tensor(nvfly.f32, (WARPS * ROWS * DV,))  # over the ring, after the loop
+    partial = nvfly.dynamic_shared_tensor(nvfly.f32, (PLAN.stat_rows * DV,))  # over the ring, after the loop
 
     if PLAN.kv_block:
         n_blocks = stage_count[b, hkv]
@@ -491,7 +533,9 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     else:
         stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN)
     first = m_tile * TILE_ROWS + role.row0 + (lane >> 2)
-    rows = (row_coords(first, hkv, seqlen, SQ, G), row_coords(first + 8, hkv, seqlen, SQ, G))
+    rows = tuple((row_coords(first + ROWS * tile, hkv, seqlen, SQ, G),
+                  row_coords(first + ROWS * tile + 8, hkv, seqlen, SQ, G))
+                 for tile in nvfly.static_range(PLAN.warp_tiles))
     ctx = StageContext(b, seqlen, rows, score_scale * k_scale, score_scale * k_scale * LOG2E, (captured0, captured1),
                        PLAN, MODS, dtype, kv_state)
     state = stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN)
@@ -508,9 +552,9 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
         top = nvfly.maximum(top, maxima[w])
     reference = nvfly.select(top == NEG_INF, 0.0, top)
     weights = [nvfly.exp2(m - reference) for m in maxima]
-    total = stats[WARPS * ROWS + row] * weights[0]
+    total = stats[PLAN.stat_rows + row] * weights[0]
     for w in nvfly.static_range(1, KEY_WARPS):
-        total = total + stats[WARPS * ROWS + w * TILE_ROWS + row] * weights[w]
+        total = total + stats[PLAN.stat_rows + w * TILE_ROWS + row] * weights[w]
     kept = total > 0.0
     inverse = nvfly.select(kept, v_scale / nvfly.maximum(total, 1e-30), 0.0)
     row_lse = nvfly.select(kept, (reference + nvfly.log2(nvfly.maximum(total, 1e-30))) * LN2, NEG_INF)

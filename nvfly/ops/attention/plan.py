@@ -35,7 +35,10 @@ class DecodePlan:
     stages: ring depth; splits: CTAs sharing one sequence's keys (1: no combine); row_warps: warps that split the
     query tile's rows (16 each; the other WARPS / row_warps split the keys); fp8: K and V are e4m3 (the ring holds
     their bytes; warps convert their fragments to f16 in registers); kv_block: a flex BlockMask's KV block
-    size (a multiple of BLOCK_N; 0: no block mask)."""
+    size (a multiple of BLOCK_N; 0: no block mask); warp_tiles: 16-row tiles a warp computes (2: a warp owns 32
+    rows, so that a key slice's fragments are read and converted once for 32 rows, not by two warps);
+    lazy_rescale: O's rescale (Dv / column_warps multiplies a lane a slice) skipped, by a warp-uniform branch, when
+    no row maximum of the warp's tile rose (exact: those factors are 1)."""
     sq: int
     group: int
     dqk: int
@@ -48,6 +51,8 @@ class DecodePlan:
     row_warps: int = 1
     fp8: bool = False
     kv_block: int = 0
+    warp_tiles: int = 1
+    lazy_rescale: bool = False
 
     @property
     def key_warps(self) -> int:
@@ -56,7 +61,7 @@ class DecodePlan:
     @property
     def tile_rows(self) -> int:
         """Query rows of a CTA."""
-        return ROWS * self.row_warps
+        return ROWS * self.row_warps * self.warp_tiles
 
     @property
     def column_warps(self) -> int:
@@ -73,7 +78,7 @@ class DecodePlan:
         """Whether the warps hold Q's A fragments in registers for the whole loop instead of re-reading them from
         shared memory every key slice: fp8 plans up to Dqk 128 (16-32 registers), where Q's re-reads would be a
         third of the shared-memory traffic a stage; 16-bit plans keep their measured code."""
-        return self.fp8 and self.dqk <= 128
+        return self.fp8 and self.dqk <= 128 and self.warp_tiles == 1
 
     @property
     def rows(self) -> int:
@@ -100,9 +105,19 @@ class DecodePlan:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: the ring, the query tile, then the warps' row maxima and sums (f32; key_warps x
-        tile_rows = WARPS x ROWS of each)."""
-        return self.ring_bytes + self.q_bytes + 2 * WARPS * ROWS * 4
+        """Dynamic shared memory: the ring, the query tile, then the warps' row maxima and sums (f32; ``stat_rows``
+        of each)."""
+        return self.ring_bytes + self.q_bytes + 2 * self.stat_rows * 4
+
+    @property
+    def stat_rows(self) -> int:
+        """Rows of the warps' merge: key_warps x tile_rows (WARPS x ROWS x warp_tiles)."""
+        return self.key_warps * self.tile_rows
+
+    @property
+    def partial_bytes(self) -> int:
+        """The warps' f32 O for the merge, over the ring after the loop."""
+        return self.stat_rows * self.dv * 4
 
     def grid(self, batch: int, kv_heads: int) -> tuple[int, int, int]:
         """(splits x query tiles, KV heads, batch): the query tiles of one split are neighbours, so the CTAs that
@@ -125,10 +140,11 @@ def ctas_per_sm(plan: DecodePlan) -> int:
     return max(1, min(by_smem, by_registers, 4))
 
 
-def num_splits(ctas: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS) -> int:
+def num_splits(ctas: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLITS,
+               split_efficiency: float = SPLIT_EFFICIENCY) -> int:
     """FA3's heuristic on CTA slots (SMs x resident CTAs): 1 split when ``ctas`` fill WAVE_FILL of the slots or the
     keys are at most 4 stages, else the fewest splits (at most one per stage, ``max_splits``, ``slots``) whose
-    wave efficiency (waves / ceil(waves)) is within SPLIT_EFFICIENCY of the best."""
+    wave efficiency (waves / ceil(waves)) is within ``split_efficiency`` of the best (1.0: the best)."""
     if ctas >= WAVE_FILL * slots or n_blocks <= 4:
         return 1
     limit = max(1, min(max_splits, slots, n_blocks))
@@ -137,7 +153,7 @@ def num_splits(ctas: int, slots: int, n_blocks: int, max_splits: int = MAX_SPLIT
         waves = ctas * splits / slots
         efficiency.append(waves / math.ceil(waves))
     best = max(efficiency)
-    return next(s for s, e in enumerate(efficiency, start=1) if e >= SPLIT_EFFICIENCY * best)
+    return next(s for s, e in enumerate(efficiency, start=1) if e >= split_efficiency * best)
 
 
 def row_warps_for(rows: int) -> int:
@@ -149,14 +165,27 @@ def row_warps_for(rows: int) -> int:
 
 def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: int, max_seqlen: int, sm_count: int,
                 paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0,
-                row_warps: int = 0, fp8: bool = False, kv_block: int = 0) -> DecodePlan:
-    """The plan for one call shape; ``splits`` > 0 forces a split count and ``row_warps`` > 0 the row split (for
-    tests and comparisons)."""
-    plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal, stages_for(dqk, dv, fp8), 1,
-                      row_warps or row_warps_for(sq * group), fp8, kv_block)
+                row_warps: int = 0, fp8: bool = False, kv_block: int = 0, stages: int = 0,
+                warp_tiles: int = 1, lazy_rescale: bool = False,
+                split_efficiency: float = SPLIT_EFFICIENCY) -> DecodePlan:
+    """The plan for one call shape; ``splits`` > 0 forces a split count, ``row_warps`` > 0 the row split,
+    ``stages`` > 0 the ring depth and ``warp_tiles`` 2 32-row warps where the rows are more than 16;
+    ``split_efficiency``: ``num_splits``'s (for tests and comparisons: fewer stages give more CTAs an SM, the split
+    count planned on those slots)."""
+    if warp_tiles not in (1, 2):
+        raise ValueError(f"decode_plan: warp_tiles {warp_tiles} must be 1 or 2")
+    warp_tiles = warp_tiles if sq * group > ROWS else 1
+    plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal,
+                      stages or stages_for(dqk, dv, fp8), 1,
+                      row_warps or row_warps_for(-(-sq * group // warp_tiles)), fp8, kv_block, warp_tiles,
+                      lazy_rescale)
+    if plan.partial_bytes > plan.ring_bytes:  # the merge's O goes over the ring
+        raise ValueError(f"decode_plan: warp_tiles {warp_tiles} with {plan.stages} stages: the warps' merge "
+                         f"({plan.partial_bytes} bytes) is larger than the ring ({plan.ring_bytes})")
     if splits <= 0:
         ctas = batch * kv_heads * plan.m_tiles
-        splits = num_splits(ctas, sm_count * ctas_per_sm(plan), -(-max_seqlen // BLOCK_N))
+        splits = num_splits(ctas, sm_count * ctas_per_sm(plan), -(-max_seqlen // BLOCK_N),
+                            split_efficiency=split_efficiency)
     return DecodePlan(**{**plan.__dict__, "splits": min(splits, MAX_SPLITS)})
 
 

@@ -27,9 +27,14 @@ def spread(rows: int, k: int, source: torch.dtype) -> torch.Tensor:
     return x.to(source)
 
 
+def strides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(stride for stride, size in zip(t.stride(), t.shape) if size > 1)
+
+
 def check(got, want) -> None:
     (q, s), (q_ref, s_ref) = got, want
-    assert q.dtype == q_ref.dtype and q.shape == q_ref.shape and q.stride() == q_ref.stride()
+    # strides of size-1 dimensions are free (the reference's one padded row keeps its padded stride)
+    assert q.dtype == q_ref.dtype and q.shape == q_ref.shape and strides(q) == strides(q_ref)
     assert s.dtype == s_ref.dtype and s.shape == s_ref.shape
     assert torch.equal(s, s_ref), (s.float() - s_ref.float()).abs().max()
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), \
@@ -104,7 +109,8 @@ def test_divide_equals_ieee_division(hopper):
     out = torch.empty_like(x)
     divide_kernel[(n + 255) // 256, 256](x, d, out, n)
     want = x / d
-    keep = (want.abs() >= 2.0 ** -100) | (x == 0)
+    # divide's contract: x finite (d * a tie can overflow to inf above) and quotients not far below f32's normals
+    keep = ((want.abs() >= 2.0 ** -100) | (x == 0)) & x.isfinite()
     assert keep.float().mean() > 0.7
     assert torch.equal(out[keep].view(torch.int32), want[keep].view(torch.int32)), \
         (x[keep][out[keep] != want[keep]][:4], d[keep][out[keep] != want[keep]][:4])

@@ -24,7 +24,7 @@ from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_key, block_mask_
 from nvfly.ops.attention.mla_api import check_mla_arguments, from_decode, mla_eligibility
 from nvfly.ops.attention.mla_plan import DQK as MLA_DQK
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
-from nvfly.ops.attention.plan import (BLOCK_N, HEAD_DIMS, MAX_SQ, SPLIT_EFFICIENCY, DecodePlan, MaskTablesPlan,
+from nvfly.ops.attention.plan import (BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, MaskTablesPlan,
                                      decode_plan)
 from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls, context_value
 from nvfly.runtime import torch_args
@@ -287,7 +287,7 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options",
-                                                          default=(0, 0, 1, False, SPLIT_EFFICIENCY))
+                                                          default=(0, 0, 0, False, 0.0))
 # the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
 DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "default": {},
@@ -296,11 +296,13 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "stages4": dict(stages=4),
     # Sq·G > 16 in 16-row tiles: each warp one key slice a stage (as at Sq 1) and Q in registers, the tiles'
     # CTAs neighbours that read the keys from L2; the same conversions in all, spread over twice the CTAs
-    "rows16": dict(row_warps=1),
+    "rows16": dict(row_warps=1, warp_tiles=1),
     # Sq·G > 16: a warp owns 32 rows (two m16 tiles) and one key slice a stage, so each slice's K/V fragments are
     # read and converted once (fp8 Sq 8: 72 F2FP a warp a stage, not 136; 252 registers at 2 CTAs an SM, no
     # spills; with 4 stages, 3 CTAs an SM, it spills)
     "warp32": dict(warp_tiles=2),
+    # a warp one 16-row tile (fp8 d 128's default before warp32 measured faster)
+    "warp16": dict(warp_tiles=1),
     # O's 64 multiplies a lane a slice (d 128; a fifth of the fp8 loop's instructions) skipped when no row maximum
     # of the warp rose: a VOTE.ANY and a branch instead, the multiplies by exactly 1 left out
     "lazy": dict(lazy_rescale=True),
@@ -309,18 +311,22 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     # the split count of the best wave efficiency, not the fewest splits within 85% of it: B1 128K (8 KV heads,
     # 264 slots) 33 splits, every slot one CTA of 62 stages, where 29 leave 32 SMs one CTA and give CTAs 71
     "splits_full": dict(split_efficiency=1.0),
+    # FA3's choice, the default before splits_full measured faster on one long sequence: the fewest splits within
+    # 85% of the best wave efficiency
+    "splits_85": dict(split_efficiency=0.85),
     "lazy_splits_full": dict(lazy_rescale=True, split_efficiency=1.0),
 }
 
 
-def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 1, lazy_rescale: bool = False,
-                 split_efficiency: float = SPLIT_EFFICIENCY) -> ContextManager[None]:
-    """``decode`` calls inside run plans with these ``decode_plan`` overrides (stages and row_warps 0: the plan's
-    default): the benchmark's and the tests' way to run the kernel's variants side by side (``DECODE_VARIANTS``)."""
-    if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (1, 2) or not 0 < split_efficiency <= 1:
+def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_rescale: bool = False,
+                 split_efficiency: float = 0.0) -> ContextManager[None]:
+    """``decode`` calls inside run plans with these ``decode_plan`` overrides (stages, row_warps, warp_tiles and
+    split_efficiency 0: the plan's default): the benchmark's and the tests' way to run the kernel's variants side by
+    side (``DECODE_VARIANTS``)."""
+    if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (0, 1, 2) or not 0 <= split_efficiency <= 1:
         raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
-                         f"0, 1, 2, 4, warp_tiles {warp_tiles} 1 or 2 and split_efficiency {split_efficiency} in "
-                         "(0, 1]")
+                         f"0, 1, 2, 4, warp_tiles {warp_tiles} 0, 1 or 2 and split_efficiency {split_efficiency} in "
+                         "[0, 1]")
     return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale),
                                     float(split_efficiency)))
 

@@ -24,6 +24,9 @@ HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64: whole 128-byte swizzle group
 MAX_SQ = 16
 WAVE_FILL = 0.8            # FA3: no split when one wave already fills 80% of the CTA slots
 SPLIT_EFFICIENCY = 0.85    # FA3: the fewest splits within 85% of the best wave efficiency
+# where the CTAs before splitting fill at most an eighth of the slots (one long sequence), the best efficiency:
+# measured 3-9% faster on one 128K sequence than the fewest within 85% (docs/ops/attention.md)
+FEW_CTAS_SPLIT_EFFICIENCY = 1.0
 
 
 @dataclass(frozen=True)
@@ -166,12 +169,16 @@ def row_warps_for(rows: int) -> int:
 def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: int, max_seqlen: int, sm_count: int,
                 paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0,
                 row_warps: int = 0, fp8: bool = False, kv_block: int = 0, stages: int = 0,
-                warp_tiles: int = 1, lazy_rescale: bool = False,
-                split_efficiency: float = SPLIT_EFFICIENCY) -> DecodePlan:
+                warp_tiles: int = 0, lazy_rescale: bool = False,
+                split_efficiency: float = 0.0) -> DecodePlan:
     """The plan for one call shape; ``splits`` > 0 forces a split count, ``row_warps`` > 0 the row split,
-    ``stages`` > 0 the ring depth and ``warp_tiles`` 2 32-row warps where the rows are more than 16;
-    ``split_efficiency``: ``num_splits``'s (for tests and comparisons: fewer stages give more CTAs an SM, the split
-    count planned on those slots)."""
+    ``stages`` > 0 the ring depth and ``warp_tiles`` 2 32-row warps where the rows are more than 16 (0: fp8 d 128
+    caches at the default depth take them, each slice converted once: measured 4-6% faster at Sq 8; 16-bit ones
+    do not, measured equal or 2% slower);
+    ``split_efficiency``: ``num_splits``'s (0: FEW_CTAS_SPLIT_EFFICIENCY or SPLIT_EFFICIENCY, above; fewer stages
+    give more CTAs an SM, the split count planned on those slots)."""
+    if warp_tiles == 0:
+        warp_tiles = 2 if fp8 and dqk == dv == 128 and not stages else 1
     if warp_tiles not in (1, 2):
         raise ValueError(f"decode_plan: warp_tiles {warp_tiles} must be 1 or 2")
     warp_tiles = warp_tiles if sq * group > ROWS else 1
@@ -183,9 +190,10 @@ def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: in
         raise ValueError(f"decode_plan: warp_tiles {warp_tiles} with {plan.stages} stages: the warps' merge "
                          f"({plan.partial_bytes} bytes) is larger than the ring ({plan.ring_bytes})")
     if splits <= 0:
-        ctas = batch * kv_heads * plan.m_tiles
-        splits = num_splits(ctas, sm_count * ctas_per_sm(plan), -(-max_seqlen // BLOCK_N),
-                            split_efficiency=split_efficiency)
+        ctas, slots = batch * kv_heads * plan.m_tiles, sm_count * ctas_per_sm(plan)
+        if not split_efficiency:
+            split_efficiency = FEW_CTAS_SPLIT_EFFICIENCY if 8 * ctas <= slots else SPLIT_EFFICIENCY
+        splits = num_splits(ctas, slots, -(-max_seqlen // BLOCK_N), split_efficiency=split_efficiency)
     return DecodePlan(**{**plan.__dict__, "splits": min(splits, MAX_SPLITS)})
 
 

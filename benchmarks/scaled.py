@@ -39,11 +39,11 @@ on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, ~3 min w
 streaming kernel against torch.matmul on the bf16 weight of the same shape. Reported: TB/s of the packed weight (N*K/2 bytes of e2m1 pairs +
 N*K/32 e8m0 scales per call) and its fraction of the memory floor, against the device copy bandwidth measured in
 the same process (floor_fraction) and against 4.8 TB/s (spec_fraction); the error against the float32 GEMM on the
-dequantised weight; also each mainloop variant of A16_VARIANTS by name (registers: stages=0; shuffled: the
-nibble-shuffled layout; bits*: the bit-shuffled "shuffled-bf16" layout with the ring, registers, unroll 8, 8
-warps, the next group loaded ahead): <name>_tbps, <name>_floor (fraction of the copy bandwidth), <name>_rel_err, and their geomeans at M <= 16
-in the summary. The results file is rewritten after
-every row. Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--a16-variants NAME ...]
+dequantised weight; also each mainloop variant of A16_VARIANTS by name (ring: the 8-stage cp.async ring, the
+default before the registers mainloop; shuffled: the nibble-shuffled layout; bits*: the bit-shuffled
+"shuffled-bf16" layout with the ring, registers, unroll 8, 8 warps, the next group loaded ahead): <name>_tbps,
+<name>_floor (fraction of the copy bandwidth), <name>_rel_err, and their geomeans at M <= 16 in the summary. The
+results file is rewritten after every row. Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--a16-variants NAME ...]
 [--name ...].
 """
 from __future__ import annotations
@@ -152,9 +152,9 @@ SPEC_TBPS = 4.8  # the H200's HBM3e bandwidth
 # --a16's mainloop variants, timed beside the default plan (nvfly_ms) as <name>_ms / <name>_tbps / <name>_floor;
 # "shuffled" / "bits*" read shuffle_mxfp4_a16's copy of the weight in their layout (made once per weight, untimed)
 A16_VARIANTS = {
-    "registers": A16Config(stages=0),
-    "shuffled": A16Config(layout="shuffled"),
-    "bits": A16Config(layout="shuffled-bf16"),
+    "ring": A16Config(stages=8),  # the default before the registers mainloop measured faster
+    "shuffled": A16Config(layout="shuffled", stages=8),
+    "bits": A16Config(layout="shuffled-bf16", stages=8),
     "bits_registers": A16Config(layout="shuffled-bf16", stages=0),
     "bits_registers_u8": A16Config(layout="shuffled-bf16", stages=0, unroll=8),
     "bits_w8": A16Config(layout="shuffled-bf16", warps=8, stages=4),

@@ -207,11 +207,11 @@ def test_plan_splits_k_over_idle_sms():
     p = make_a16_plan(4, 576, 7168, A16Config(warps=8, stages=4, splits=3), 132)
     assert p.splits == 3 and p.threads == 256
     with pytest.raises(ValueError, match="config: ahead=True: the registers mainloop's"):
-        make_a16_plan(4, 576, 7168, A16Config(ahead=True), 132)
+        make_a16_plan(4, 576, 7168, A16Config(ahead=True, stages=8), 132)
     with pytest.raises(ValueError, match="config: warps=3"):
         make_a16_plan(4, 576, 7168, A16Config(warps=3), 132)
     with pytest.raises(ValueError, match="config: warps=8 x stages=8: .* static shared memory"):
-        make_a16_plan(4, 576, 7168, A16Config(warps=8), 132)
+        make_a16_plan(4, 576, 7168, A16Config(warps=8, stages=8), 132)
     assert "splitK" in scaled.describe(4, 576, 7168, scaling="mxfp4_a16")
 
 

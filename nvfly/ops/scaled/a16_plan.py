@@ -47,7 +47,8 @@ class A16Config:
     unroll: int = 4
     splits: int = 0
     wide_scales: bool = False
-    stages: int = 8
+    # the registers mainloop: 1.0-1.6x the 8-stage ring on every row measured (docs/ops/scaled.md)
+    stages: int = 0
     layout: str = "natural"
     ahead: bool = False
 

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from benchmarks.scaled import A16_VARIANTS
 from nvfly.ops import scaled
 from nvfly.ops.scaled import A16Config
 from nvfly.ops.scaled.quantize import quantize, shuffle_mxfp4_a16, unshuffle_mxfp4_a16
@@ -110,17 +111,8 @@ def test_scales_past_two_poison_or_widen(hopper):
         assert rel_error(wide[:, cols], ref[:, cols]) < TOL[torch.float32], cols
 
 
-SHUFFLED = {  # benchmarks.scaled's A16_VARIANTS on shuffled layouts
-    "shuffled": A16Config(layout="shuffled"),
-    "bits": A16Config(layout="shuffled-bf16"),
-    "bits_registers": A16Config(layout="shuffled-bf16", stages=0),
-    "bits_registers_u8": A16Config(layout="shuffled-bf16", stages=0, unroll=8),
-    "bits_w8": A16Config(layout="shuffled-bf16", warps=8, stages=4),
-    "bits_w8_registers": A16Config(layout="shuffled-bf16", warps=8, stages=0),
-    "bits_ahead": A16Config(layout="shuffled-bf16", stages=0, ahead=True),
-    "bits_ahead_u2": A16Config(layout="shuffled-bf16", stages=0, unroll=2, ahead=True),
-    "bits_w8_ahead": A16Config(layout="shuffled-bf16", warps=8, stages=0, ahead=True),
-}
+# benchmarks.scaled's A16_VARIANTS on shuffled layouts
+SHUFFLED = {name: config for name, config in A16_VARIANTS.items() if config.layout != "natural"}
 
 
 @pytest.mark.parametrize("variant", list(SHUFFLED))

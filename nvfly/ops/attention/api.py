@@ -24,8 +24,7 @@ from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_key, block_mask_
 from nvfly.ops.attention.mla_api import check_mla_arguments, from_decode, mla_eligibility
 from nvfly.ops.attention.mla_plan import DQK as MLA_DQK
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
-from nvfly.ops.attention.plan import (BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, MaskTablesPlan,
-                                     decode_plan)
+from nvfly.ops.attention.plan import BLOCK_N, HEAD_DIMS, MAX_SQ, DecodePlan, MaskTablesPlan, decode_plan
 from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls, context_value
 from nvfly.runtime import torch_args
 from nvfly.runtime.torch_args import layout_key

@@ -115,10 +115,7 @@ def _store_group_part(x, q32, spots, s, inv, fast, PLAN):
     """The chunks ``spots`` ((row, col, valid, words)) of one group quantised by its scale s. ``fast`` (``_scale``'s)
     false: fp8 scales inf or NaN, divided by ``div.rn.f32`` instead of ``divide``; MXFP4 groups holding a NaN, the
     e2m1 rounding checking for it (MXFP8 has no slow case)."""
-    if PLAN.mx_emax >= 0 and PLAN.fp8 != "e2m1":
-        for row, col, valid, words in spots:
-            _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN)
-    elif fast:
+    if (PLAN.mx_emax >= 0 and PLAN.fp8 != "e2m1") or fast:  # MXFP8: a constant condition, no branch
         for row, col, valid, words in spots:
             _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN)
     else:

@@ -197,7 +197,7 @@ def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, int]
     plan = attention.decode_plan(batch, sq, hkv, hq // hkv, d, d, skv, plan_sm_count(0), bool(page), page,
                                  fp8=kv == "fp8", **options)
     return {"stages": plan.stages, "row_warps": plan.row_warps, "warp_tiles": plan.warp_tiles,
-            "splits": plan.splits}
+            "splits": plan.splits, "swapped": int(plan.swapped)}
 
 
 def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: str = "bf16",

@@ -271,6 +271,98 @@ def test_fp8_fragment_maps_compute_scores_and_values(d):
     assert columns == set(range(d))  # the fp8 tiles' accumulators cover O's columns
 
 
+def movmatrix(words):
+    """movmatrix.trans on every lane's pair (row g, columns 2c, 2c + 1): lane (g, c) gets (2c, g), (2c + 1, g)."""
+    return [(words[4 * (2 * (lane % 4)) + lane // 8][lane // 4 % 2],
+             words[4 * (2 * (lane % 4) + 1) + lane // 8][lane // 4 % 2]) for lane in range(32)]
+
+
+def swapped_p_fragment(p, warp):
+    """Pᵀ's B fragment of keys 16 warp..+15 (8 query rows): Sᵀ's C registers packed in pairs (keys g, g + 8 of
+    rows 2c, 2c + 1) and transposed by movmatrix, as attend_slice_swapped does."""
+    keys = p[:, 16 * warp:16 * warp + 16].T  # [16 keys, 8 rows]
+    c = [[keys[K.accumulator_coords(lane, i)] for i in range(4)] for lane in range(32)]
+    low, high = movmatrix([(r[0], r[1]) for r in c]), movmatrix([(r[2], r[3]) for r in c])
+    return [[low[lane], high[lane]] for lane in range(32)]
+
+
+def check_swapped_scores(s, q, k, warp):
+    """Sᵀ's accumulators [lane][index] equal (q kᵀ)ᵀ for the keys of slice ``warp``: keys as rows."""
+    want = k[16 * warp:16 * warp + 16] @ q.T
+    for lane, i in itertools.product(range(32), range(4)):
+        assert s[lane][i] == pytest.approx(want[K.accumulator_coords(lane, i)])
+
+
+def check_swapped_values(acc, p, v, warp, tile, fp8):
+    """Oᵀ's tile ``tile`` equals (P V)ᵀ's rows at swapped_column (the accumulators' columns: query rows)."""
+    want = p[:, 16 * warp:16 * warp + 16] @ v[16 * warp:16 * warp + 16]
+    for lane, i in itertools.product(range(32), range(4)):
+        row = K.accumulator_coords(lane, i)[1]
+        assert acc[lane][i] == pytest.approx(want[row, K.swapped_column(lane, tile, i, fp8)])
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_swapped_fragment_maps_compute_scores_and_values(d):
+    """A swapped plan's warps (Sᵀ = K Qᵀ, Oᵀ = Vᵀ Pᵀ, 8 query rows as N): K's A fragments by ldmatrix of its rows
+    (q_fragment_source from the slice's first key), Qᵀ's B fragments of two steps a query_pair_source ldmatrix,
+    Pᵀ through movmatrix from Sᵀ's C registers, Vᵀ's A fragments by ldmatrix.trans (k_fragment_source), O's
+    columns at swapped_column covering every column once."""
+    rng = np.random.default_rng(d)
+    q, k, v = rng.standard_normal((8, d)), rng.standard_normal((64, d)), rng.standard_normal((64, d))
+    p = rng.standard_normal((8, 64))
+    q_mem, k_mem, v_mem = stage_memory(q), stage_memory(k), stage_memory(v)
+    zero = [[0.0] * 4 for _ in range(32)]
+    for warp in range(P.WARPS):
+        s = zero
+        for pair in range(d // 32):
+            qb = ldmatrix_x4(q_mem, [K.query_pair_source(lane, pair) for lane in range(32)], d // 8)
+            for half in range(2):
+                sources = [K.q_fragment_source(lane, 2 * pair + half) for lane in range(32)]
+                a = ldmatrix_x4(k_mem, [(16 * warp + row, segment) for row, segment in sources], d // 8)
+                s = mma(a, [regs[2 * half:2 * half + 2] for regs in qb], s)
+        check_swapped_scores(s, q, k, warp)
+        b = swapped_p_fragment(p, warp)
+        for tile in range(d // 16):
+            va = ldmatrix_x4(v_mem, [K.k_fragment_source(lane, tile, warp) for lane in range(32)], d // 8, True)
+            check_swapped_values(mma(va, b, zero), p, v, warp, tile, False)
+    columns = [K.swapped_column(lane, tile, i, False) for lane in range(32) for tile in range(d // 16)
+               for i in range(0, 4, 2)]
+    assert sorted(columns) == [c for c in range(d) for _ in range(4)]  # each column in the 4 lanes of its row
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
+def test_swapped_fp8_fragment_maps_compute_scores_and_values(d):
+    """The swapped fp8 plan: K's ldmatrix words converted (bytes 0-1, 2-3 of keys g and g + 8) into Sᵀ's A
+    fragments against the f16 query tile in fp8_query_dim order, V's ldmatrix.trans words gathered by
+    FP8_COLUMN_SELECTORS into Vᵀ's A fragments (segments 2s and 2s + 1 as rows 0-7 and 8-15)."""
+    rng = np.random.default_rng(d)
+    q, k, v = rng.standard_normal((8, d)), rng.standard_normal((64, d)), rng.standard_normal((64, d))
+    p = rng.standard_normal((8, 64))
+    q_tile = np.array([[q[row, 16 * (i // 16) + K.fp8_query_dim(i % 16)] for i in range(d)] for row in range(8)])
+    q_mem, k_mem, v_mem = stage_memory(q_tile), fp8_memory(k), fp8_memory(v)
+    zero = [[0.0] * 4 for _ in range(32)]
+    for warp in range(P.WARPS):
+        s = zero
+        for pair in range(d // 32):
+            qb = ldmatrix_x4(q_mem, [K.query_pair_source(lane, pair) for lane in range(32)], d // 8)
+            kb = ldmatrix_x4_bytes(k_mem, [K.v_fragment_source(lane, pair, warp) for lane in range(32)], d // 16)
+            for half in range(2):
+                a = [[w[2 * half][0:2], w[2 * half + 1][0:2], w[2 * half][2:4], w[2 * half + 1][2:4]] for w in kb]
+                s = mma(a, [regs[2 * half:2 * half + 2] for regs in qb], s)
+        check_swapped_scores(s, q, k, warp)
+        b = swapped_p_fragment(p, warp)
+        for quad in range(d // 32):
+            vb = ldmatrix_x4_bytes(v_mem, [K.v_fragment_source(lane, quad, warp) for lane in range(32)], d // 16, True)
+            for parity, selector in enumerate(K.FP8_COLUMN_SELECTORS):
+                low = [permute(regs[0], regs[1], selector) for regs in vb]
+                high = [permute(regs[2], regs[3], selector) for regs in vb]
+                a = [[lo[0:2], hi[0:2], lo[2:4], hi[2:4]] for lo, hi in zip(low, high)]
+                check_swapped_values(mma(a, b, zero), p, v, warp, 2 * quad + parity, True)
+    columns = [K.swapped_column(lane, tile, i, True) for lane in range(32) for tile in range(d // 16)
+               for i in range(0, 4, 2)]
+    assert sorted(columns) == [c for c in range(d) for _ in range(4)]
+
+
 # ---------------------------------------------------------------------------------------------- the arithmetic
 def random_case(batch=3, sq=3, hq=8, hkv=2, d=64, capacity=300, seed=0):
     gen = torch.Generator().manual_seed(seed)

@@ -286,7 +286,7 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options",
-                                                          default=(0, 0, 0, False, 0.0))
+                                                          default=(0, 0, 0, False, 0.0, False))
 # the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
 DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "default": {},
@@ -314,20 +314,24 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     # 85% of the best wave efficiency
     "splits_85": dict(split_efficiency=0.85),
     "lazy_splits_full": dict(lazy_rescale=True, split_efficiency=1.0),
+    # Sq·G <= 8 (Sq 1 at G 4-8): Sᵀ = K Qᵀ and Oᵀ = Vᵀ Pᵀ, the query rows as the MMAs' N (8), not padded to an
+    # m16 tile: half the HMMAs, O's registers and its rescale; more rows (or row options) keep the default plan
+    "swapped": dict(swapped=True),
+    "swapped_lazy": dict(swapped=True, lazy_rescale=True),
 }
 
 
 def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_rescale: bool = False,
-                 split_efficiency: float = 0.0) -> ContextManager[None]:
+                 split_efficiency: float = 0.0, swapped: bool = False) -> ContextManager[None]:
     """``decode`` calls inside run plans with these ``decode_plan`` overrides (stages, row_warps, warp_tiles and
-    split_efficiency 0: the plan's default): the benchmark's and the tests' way to run the kernel's variants side by
-    side (``DECODE_VARIANTS``)."""
+    split_efficiency 0: the plan's default; swapped where ``plan.swap_declined`` allows): the benchmark's and the
+    tests' way to run the kernel's variants side by side (``DECODE_VARIANTS``)."""
     if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (0, 1, 2) or not 0 <= split_efficiency <= 1:
         raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
                          f"0, 1, 2, 4, warp_tiles {warp_tiles} 0, 1 or 2 and split_efficiency {split_efficiency} in "
                          "[0, 1]")
     return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale),
-                                    float(split_efficiency)))
+                                    float(split_efficiency), bool(swapped)))
 
 
 def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,
@@ -350,11 +354,11 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     check_out(out, (batch, sq, hq, dv), q, OP)
-    stages, row_warps, warp_tiles, lazy_rescale, split_efficiency = _OPTIONS.get()
+    stages, row_warps, warp_tiles, lazy_rescale, split_efficiency, swapped = _OPTIONS.get()
     plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
                  k_cache.shape[1], bool(causal), int(splits), row_warps, fp8=str(k_cache.dtype) == FP8,
                  kv_block=kv_block, stages=stages, warp_tiles=warp_tiles, lazy_rescale=lazy_rescale,
-                 split_efficiency=split_efficiency) if batch else None
+                 split_efficiency=split_efficiency, swapped=swapped) if batch else None
     return _DecodeCall(plan, mods, q, k_cache, v_cache, cache_seqlens, block_table, capacity, pages,
                        bool(return_lse), captured, prepared and batch > 0, block_mask)
 

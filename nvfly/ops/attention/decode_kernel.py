@@ -112,6 +112,22 @@ def v_fragment_source(lane: Any, pair: Any, key_slice: Any) -> tuple[Any, Any]:
     return 16 * key_slice + (lane & 7) + 8 * ((lane >> 3) & 1), 2 * pair + (lane >> 4)
 
 
+def query_pair_source(lane: Any, pair: Any) -> tuple[Any, Any]:
+    """Swapped plans: the query rows (ldmatrix, not transposed) as Qᵀ's B fragments of k16 steps 2 pair (registers
+    0, 1) and 2 pair + 1 (2, 3): matrix lane // 8 is k +8 lane // 8 of the two steps."""
+    return lane & 7, 4 * pair + (lane >> 3)
+
+
+def swapped_column(lane: Any, tile: int, index: int, fp8: bool) -> Any:
+    """Swapped plans: O's column of accumulator ``index`` of Oᵀ's m16 tile ``tile`` (the C layout's row; its
+    column is the query row): 16 tile + row; fp8: tile 2s + e holds the columns of parity e of segments 2s (rows
+    0-7) and 2s + 1 (rows 8-15) (``attend_slice_swapped``)."""
+    row = accumulator_coords(lane, index)[0]
+    if fp8:
+        return 32 * (tile // 2) + 16 * (index // 2) + 2 * (lane >> 2) + tile % 2
+    return 16 * tile + row
+
+
 def accumulator_coords(lane: Any, index: int) -> tuple[Any, Any]:
     """(row, column) of accumulator ``index`` of an m16n8 tile (PTX's C layout)."""
     return (lane >> 2) + 8 * (index // 2), 2 * (lane & 3) + index % 2
@@ -299,39 +315,43 @@ def stage_scores(ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_
 def tile_scores(ctx: StageContext, s: list, rows: tuple, lane: Any, key0: Any) -> list:
     """One row tile's raw scores ``s`` [key tile][4] scaled to log2 units, modded and masked for its lane's rows
     ``rows`` (g, g + 8)."""
+    elements = [(s[t][i], i // 2, key0 + 8 * t + accumulator_coords(lane, i)[1]) for t in range(2) for i in range(4)]
+    flat = masked_scores(ctx, elements, rows, key0)
+    return [flat[0:4], flat[4:8]]
+
+
+def masked_scores(ctx: StageContext, elements: list, rows: tuple, key0: Any) -> list:
+    """Raw scores scaled to log2 units, modded and masked: ``elements`` (score, index of its row in ``rows``, key)
+    of the keys of the stage slice from ``key0``."""
     plan = ctx.plan
     mods = ctx.mods
     plain = mods.score_mod is None and mods.mask_mod is None
-    states = [None, None]
+    states = [None] * len(rows)
     if plan.kv_block:  # the block mask's state of this stage's block for each of the lane's rows (their heads)
         states = [ctx.kv_state[ctx.b, row.head, key0 // plan.kv_block] for row in rows]
     out = []
-    for t in range(2):
-        tile = []
-        for i in range(4):
-            row = rows[i // 2]
-            state = states[i // 2]
-            key = key0 + 8 * t + accumulator_coords(lane, i)[1]
-            if not plain:
-                # the mods see indices within the sequence (their tables cover it); elements outside are masked
-                mod_key = nvfly.maximum(nvfly.minimum(key, ctx.seqlen - 1), 0)
-                mod_position = nvfly.maximum(row.position, 0)
-            if mods.score_mod is None:
-                score = s[t][i] * ctx.scale_log2
-            else:
-                score = apply_score_mod(mods, ctx.captured, s[t][i], ctx.b, row.head, mod_position, mod_key,
-                                        scale=ctx.scale) * LOG2E
-            keep = key < ctx.seqlen
-            if plan.causal:
-                keep = keep & (key <= row.position)
-            kept = None if plain else apply_mask_mod(mods, ctx.captured, ctx.b, row.head, mod_position, mod_key)
-            if state is not None:  # an empty block keeps no key, a full one every key, a partial one asks the mask
-                kept = (state != BLOCK_EMPTY if kept is None
-                        else (state == BLOCK_FULL) | ((state == BLOCK_PARTIAL) & kept))
-            if kept is not None:
-                keep = keep & kept
-            tile.append(nvfly.select(keep, score, NEG_INF))
-        out.append(tile)
+    for value, index, key in elements:
+        row = rows[index]
+        state = states[index]
+        if not plain:
+            # the mods see indices within the sequence (their tables cover it); elements outside are masked
+            mod_key = nvfly.maximum(nvfly.minimum(key, ctx.seqlen - 1), 0)
+            mod_position = nvfly.maximum(row.position, 0)
+        if mods.score_mod is None:
+            score = value * ctx.scale_log2
+        else:
+            score = apply_score_mod(mods, ctx.captured, value, ctx.b, row.head, mod_position, mod_key,
+                                    scale=ctx.scale) * LOG2E
+        keep = key < ctx.seqlen
+        if plan.causal:
+            keep = keep & (key <= row.position)
+        kept = None if plain else apply_mask_mod(mods, ctx.captured, ctx.b, row.head, mod_position, mod_key)
+        if state is not None:  # an empty block keeps no key, a full one every key, a partial one asks the mask
+            kept = (state != BLOCK_EMPTY if kept is None
+                    else (state == BLOCK_FULL) | ((state == BLOCK_PARTIAL) & kept))
+        if kept is not None:
+            keep = keep & kept
+        out.append(nvfly.select(keep, score, NEG_INF))
     return out
 
 
@@ -340,6 +360,8 @@ def attend_slice(states: list, ctx: StageContext, stage: Any, query: Any, role: 
     """Fold the 16 keys of slice ``key_slice`` of one ring stage (from key ``key0``) into the warp's online softmax
     and its O columns: ``states``, a Softmax per row tile; V's fragments are read (and converted) once for all."""
     plan = ctx.plan
+    if plan.swapped:
+        return attend_slice_swapped(states, ctx, stage, query, role, key_slice, key0, dtype)
     lane = role.lane
     scores = stage_scores(ctx, stage, query, role, key_slice, key0, dtype)
     folded = [softmax_step(state, s, dtype, plan.lazy_rescale) for state, s in zip(states, scores)]
@@ -379,30 +401,108 @@ def softmax_step(state: Softmax, s: list, dtype: Any, lazy: bool) -> tuple[list,
     the warp has a factor other than 1 (a warp-uniform branch; exact, as the multiplies it skips are by 1)."""
     maxima, sums, scales, p = [], [], [], [[None] * 4 for _ in range(2)]
     for r in range(2):
-        top = nvfly.maximum(nvfly.maximum(s[0][2 * r], s[0][2 * r + 1]),
-                            nvfly.maximum(s[1][2 * r], s[1][2 * r + 1]))
-        top = nvfly.maximum(top, nvfly.shfl_xor(top, 1))  # the 4 lanes of a row
-        top = nvfly.maximum(top, nvfly.shfl_xor(top, 2))
-        new_max = nvfly.maximum(state.maxima[r], top)
-        reference = nvfly.select(new_max == NEG_INF, 0.0, new_max)  # nothing kept yet: no -inf - -inf
-        scale = nvfly.exp2(state.maxima[r] - reference)
-        total = state.sums[r] * scale
+        row = [s[t][2 * r + j] for t in range(2) for j in range(2)]
+        top = nvfly.maximum(nvfly.maximum(row[0], row[1]), nvfly.maximum(row[2], row[3]))
+        new_max, total, scale, exps = fold_row(state, r, top, (1, 2), row)  # the 4 lanes of a row
         for t in range(2):
             for j in range(2):
-                p[t][2 * r + j] = nvfly.exp2(s[t][2 * r + j] - reference)
-                total = total + p[t][2 * r + j]
+                p[t][2 * r + j] = exps[2 * t + j]
         maxima.append(new_max)
         sums.append(total)
         scales.append(scale)
     a = [pack(p[lo[0]][lo[1]], p[hi[0]][hi[1]], dtype) for lo, hi in P_FRAGMENT]
+    return a, (maxima, sums, rescaled(state.acc, scales, lambda i: i // 2, lazy))
 
+
+def fold_row(state: Softmax, r: int, top: Any, lanes: tuple, scores: list) -> tuple:
+    """The online-softmax update of the lane's row ``r`` of ``state`` by its new ``scores`` (log2 units), ``top``
+    their maximum in this lane, reduced over the lanes of the row (shfl_xor by each of ``lanes``): (new maximum,
+    new lane-partial sum, O's factor, exp2 of each score less the new maximum)."""
+    for mask in lanes:
+        top = nvfly.maximum(top, nvfly.shfl_xor(top, mask))
+    new_max = nvfly.maximum(state.maxima[r], top)
+    reference = nvfly.select(new_max == NEG_INF, 0.0, new_max)  # nothing kept yet: no -inf - -inf
+    scale = nvfly.exp2(state.maxima[r] - reference)
+    total = state.sums[r] * scale
+    exps = []
+    for score in scores:
+        exps.append(nvfly.exp2(score - reference))
+        total = total + exps[-1]
+    return new_max, total, scale, exps
+
+
+def rescaled(acc: list, scales: list, row_of: Any, lazy: bool) -> list:
+    """O's accumulators [tile][4] times their rows' factors (``scales`` [row ``row_of(index)``]); ``lazy``: only
+    when some factor of the warp is not 1 (a warp-uniform branch)."""
     def rescale(acc: list) -> tuple:
-        return ([[o * scales[i // 2] for i, o in enumerate(tile)] for tile in acc],)
+        return ([[o * scales[row_of(i)] for i, o in enumerate(tile)] for tile in acc],)
     if lazy:
-        (acc,) = if_(nvfly.vote_any((scales[0] != 1.0) | (scales[1] != 1.0)), rescale, None, ["acc"], [state.acc])
+        (acc,) = if_(nvfly.vote_any((scales[0] != 1.0) | (scales[1] != 1.0)), rescale, None, ["acc"], [acc])
     else:
-        (acc,) = rescale(state.acc)
-    return a, (maxima, sums, acc)
+        (acc,) = rescale(acc)
+    return acc
+
+
+def attend_slice_swapped(states: list, ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_slice: Any,
+                         key0: Any, dtype: Any) -> list:
+    """``attend_slice`` of a swapped plan (``DecodePlan.swapped``): Sᵀ (16 keys x 8 query rows) = K Qᵀ with K's A
+    fragments ldmatrix'ed from its rows (fp8: converted, their k order ``fp8_query_dim``'s) and Qᵀ's B fragments
+    from the query rows; a lane holds keys g, g + 8 of rows 2c, 2c + 1, whose maxima and sums reduce over the 8
+    lanes of a c; Pᵀ's B fragment is the 8 x 8 transpose (movmatrix) of each key half of P's C registers; Oᵀ (Dv x
+    8 rows) += Vᵀ Pᵀ with Vᵀ's A fragments by ldmatrix.trans of V's rows (fp8: prmt-gathered columns,
+    ``swapped_column``)."""
+    plan = ctx.plan
+    lane = role.lane
+    (state,) = states
+    s = [nvfly.f32(0.0)] * 4
+    for pair in nvfly.static_range(plan.dqk // 32):
+        qb = query_pair(query, lane, pair, plan.dqk // 8)
+        if plan.fp8:  # (keys +8, dims +16) = bits 0, 1 of the matrix; a lane's word: dims 4c..4c+3 of its key
+            kb = sm80.ldmatrix_x4(stage + fp8_swizzled(*v_fragment_source(lane, pair, key_slice), plan.dqk // 16))
+        for half in range(2):
+            if plan.fp8:
+                low, high = e4m3x4_to_16bit(kb[2 * half], dtype), e4m3x4_to_16bit(kb[2 * half + 1], dtype)
+                a = [low[0], high[0], low[1], high[1]]
+            else:
+                source = q_fragment_source(lane, 2 * pair + half)
+                a = sm80.ldmatrix_x4(stage + swizzled(16 * key_slice + source[0], source[1], plan.dqk // 8))
+            s = sm80.mma_m16n8k16(a, qb[2 * half:2 * half + 2], s, dtype)
+    g = lane >> 2
+    s = masked_scores(ctx, [(s[i], i % 2, key0 + g + 8 * (i // 2)) for i in range(4)], ctx.rows[0], key0)
+    maxima, sums, scales, p = [], [], [], [None] * 4
+    for r in range(2):  # keys g and g + 8 here, the slice's others in the lanes of the same c
+        new_max, total, scale, exps = fold_row(state, r, nvfly.maximum(s[r], s[2 + r]), (4, 8, 16), s[r::2])
+        p[r], p[2 + r] = exps
+        maxima.append(new_max)
+        sums.append(total)
+        scales.append(scale)
+    b = [sm80.movmatrix_trans(pack(p[0], p[1], dtype)), sm80.movmatrix_trans(pack(p[2], p[3], dtype))]
+    acc = rescaled(state.acc, scales, lambda i: i % 2, plan.lazy_rescale)
+    if plan.fp8:
+        v_tile = stage + BLOCK_N * plan.dqk
+        for quad in nvfly.static_range(plan.dv // 32):  # (keys +8, columns +16) = bits 0, 1 of the matrix
+            vb = sm80.ldmatrix_x4(v_tile + fp8_swizzled(*v_fragment_source(lane, quad, key_slice), plan.dv // 16),
+                                  transpose=True)
+            for parity, selector in enumerate(FP8_COLUMN_SELECTORS):
+                low = e4m3x4_to_16bit(permute_bytes(vb[0], vb[1], selector), dtype)  # column 32 quad + 2g + parity
+                high = e4m3x4_to_16bit(permute_bytes(vb[2], vb[3], selector), dtype)  # and 16 on
+                tile = 2 * quad + parity
+                acc[tile] = sm80.mma_m16n8k16([low[0], high[0], low[1], high[1]], b, acc[tile], dtype)
+    else:
+        v_tile = stage + BLOCK_N * plan.dqk * 2
+        for tile in nvfly.static_range(plan.dv // 16):  # (columns +8, keys +8) = bits 0, 1 of the matrix
+            va = sm80.ldmatrix_x4(v_tile + swizzled(*k_fragment_source(lane, tile, key_slice), plan.dv // 8),
+                                  transpose=True)
+            acc[tile] = sm80.mma_m16n8k16(va, b, acc[tile], dtype)
+    return [Softmax(maxima, sums, acc)]
+
+
+def query_pair(query: Any, lane: Any, pair: Any, segments: int) -> list:
+    """A swapped plan's Qᵀ B fragments of k16 steps 2 pair and 2 pair + 1 (``query_pair_source``): from ``query``,
+    the query tile's shared address, or the list of them the warp holds in registers."""
+    if isinstance(query, list):
+        return query[pair]
+    return sm80.ldmatrix_x4(query + swizzled(*query_pair_source(lane, pair), segments))
 
 
 def stage_index(stage_list: Any, b: Any, hkv: Any, index: Any, plan: Any) -> Any:
@@ -425,9 +525,13 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
     query = q_tile
     if PLAN.query_in_registers:  # the tile's stores are visible after a barrier (while the first stages land)
         nvfly.syncthreads()
-        query = [query_fragment(q_tile, role, step, PLAN.dqk // 8) for step in nvfly.static_range(PLAN.dqk // 16)]
+        if PLAN.swapped:
+            query = [query_pair(q_tile, role.lane, pair, PLAN.dqk // 8) for pair in nvfly.static_range(PLAN.dqk // 32)]
+        else:
+            query = [query_fragment(q_tile, role, step, PLAN.dqk // 8) for step in nvfly.static_range(PLAN.dqk // 16)]
+    tiles = PLAN.dv // 16 if PLAN.swapped else PLAN.dv // 8 // PLAN.column_warps  # Oᵀ's m16 tiles, or O's n8 tiles
     state = [Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2,
-                     [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(PLAN.dv // 8 // PLAN.column_warps)])
+                     [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(tiles)])
              for _ in nvfly.static_range(PLAN.warp_tiles)]
     for i in range(count):
         sm80.cp_async_wait(PLAN.stages - 2)
@@ -460,21 +564,29 @@ def merge_warps(states, stats, partial, role, PLAN):
     TILE_ROWS = PLAN.tile_rows
     g = lane >> 2
     COLUMNS = DV // PLAN.column_warps
+    if PLAN.swapped:  # rows 2c, 2c + 1 of the lane, their sums in parts over the 8 lanes of a c; Oᵀ's tiles
+        lanes, writer, rows = (4, 8, 16), g == 0, [2 * (lane & 3), 2 * (lane & 3) + 1]
+        coords = [[(accumulator_coords(lane, i)[1], swapped_column(lane, j, i, PLAN.fp8)) for i in range(4)]
+                  for j in range(DV // 16)]
+    else:  # rows g, g + 8 of the lane, their sums in parts over the 4 lanes of a row; O's n8 tiles
+        lanes, writer, rows = (1, 2), (lane & 3) == 0, [g, g + 8]
+        coords = [[(accumulator_coords(lane, i)[0], accumulator_column(lane, j, i, PLAN.fp8)) for i in range(4)]
+                  for j in range(COLUMNS // 8)]
     for tile in nvfly.static_range(PLAN.warp_tiles):
         state = states[tile]
         sums = []
-        for r in nvfly.static_range(2):  # the 4 lanes of a row hold parts of its sum
-            total = state.sums[r] + nvfly.shfl_xor(state.sums[r], 1)
-            sums.append(total + nvfly.shfl_xor(total, 2))
+        for r in nvfly.static_range(2):
+            total = state.sums[r]
+            for mask in lanes:
+                total = total + nvfly.shfl_xor(total, mask)
+            sums.append(total)
         base = role.key_warp * TILE_ROWS + role.row0 + ROWS * tile
-        if ((lane & 3) == 0) & (role.half == 0):  # both column halves hold the same statistics
+        if writer & (role.half == 0):  # both column halves hold the same statistics
             for r in nvfly.static_range(2):
-                stats[base + g + 8 * r] = state.maxima[r]
-                stats[PLAN.stat_rows + base + g + 8 * r] = sums[r]
-        for j in nvfly.static_range(COLUMNS // 8):
-            for i in nvfly.static_range(4):
-                row = accumulator_coords(lane, i)[0]
-                column = accumulator_column(lane, j, i, PLAN.fp8)
+                stats[base + rows[r]] = state.maxima[r]
+                stats[PLAN.stat_rows + base + rows[r]] = sums[r]
+        for j, tile_coords in enumerate(coords):
+            for i, (row, column) in enumerate(tile_coords):
                 partial[(base + row) * DV + role.half * COLUMNS + column] = state.acc[j][i]
     nvfly.syncthreads()
 
@@ -532,10 +644,14 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
         stage_query_f16(q, q_tile, b, hkv, m_tile, seqlen, scale, tid, PLAN)
     else:
         stage_query(q, q_tile, b, hkv, m_tile, seqlen, tid, PLAN)
-    first = m_tile * TILE_ROWS + role.row0 + (lane >> 2)
-    rows = tuple((row_coords(first + ROWS * tile, hkv, seqlen, SQ, G),
-                  row_coords(first + ROWS * tile + 8, hkv, seqlen, SQ, G))
-                 for tile in nvfly.static_range(PLAN.warp_tiles))
+    if PLAN.swapped:  # a lane's scores: Sᵀ's columns 2c, 2c + 1
+        first = m_tile * TILE_ROWS + 2 * (lane & 3)
+        rows = ((row_coords(first, hkv, seqlen, SQ, G), row_coords(first + 1, hkv, seqlen, SQ, G)),)
+    else:
+        first = m_tile * TILE_ROWS + role.row0 + (lane >> 2)
+        rows = tuple((row_coords(first + ROWS * tile, hkv, seqlen, SQ, G),
+                      row_coords(first + ROWS * tile + 8, hkv, seqlen, SQ, G))
+                     for tile in nvfly.static_range(PLAN.warp_tiles))
     ctx = StageContext(b, seqlen, rows, score_scale * k_scale, score_scale * k_scale * LOG2E, (captured0, captured1),
                        PLAN, MODS, dtype, kv_state)
     state = stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, count, tid, role, PLAN)

@@ -22,6 +22,7 @@ MIN_THREAD_REGISTERS = 168 # what a thread keeps (Dv = 128 uses ~180 at two CTAs
 MAX_SPLITS = 128           # FA3's cap: the combine reads at most this many partials a row
 HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64: whole 128-byte swizzle groups, 16-byte copies that divide
 MAX_SQ = 16
+SWAPPED_ROWS = 8           # a swapped plan's query rows: the N of mma.m16n8k16
 WAVE_FILL = 0.8            # FA3: no split when one wave already fills 80% of the CTA slots
 SPLIT_EFFICIENCY = 0.85    # FA3: the fewest splits within 85% of the best wave efficiency
 # where the CTAs before splitting fill at most an eighth of the slots (one long sequence), the best efficiency:
@@ -41,7 +42,9 @@ class DecodePlan:
     size (a multiple of BLOCK_N; 0: no block mask); warp_tiles: 16-row tiles a warp computes (2: a warp owns 32
     rows, so that a key slice's fragments are read and converted once for 32 rows, not by two warps);
     lazy_rescale: O's rescale (Dv / column_warps multiplies a lane a slice) skipped, by a warp-uniform branch, when
-    no row maximum of the warp's tile rose (exact: those factors are 1)."""
+    no row maximum of the warp's tile rose (exact: those factors are 1); swapped: Sᵀ = K Qᵀ and Oᵀ = Vᵀ Pᵀ, keys and
+    O's columns as the MMAs' M and the query rows (at most ``SWAPPED_ROWS``) as their N, so that no m16 row tile
+    is mostly padding (``swap_declined`` says when a plan cannot)."""
     sq: int
     group: int
     dqk: int
@@ -56,6 +59,7 @@ class DecodePlan:
     kv_block: int = 0
     warp_tiles: int = 1
     lazy_rescale: bool = False
+    swapped: bool = False
 
     @property
     def key_warps(self) -> int:
@@ -64,13 +68,16 @@ class DecodePlan:
     @property
     def tile_rows(self) -> int:
         """Query rows of a CTA."""
+        if self.swapped:
+            return SWAPPED_ROWS
         return ROWS * self.row_warps * self.warp_tiles
 
     @property
     def column_warps(self) -> int:
         """Warps sharing rows and key slices, each with Dv / column_warps of O's columns: 2 for Dv > 128, whose full
-        16 x Dv f32 accumulator (96-128 registers a thread) spills beside the rest."""
-        return 2 if self.dv > 128 else 1
+        16 x Dv f32 accumulator (96-128 registers a thread) spills beside the rest; swapped plans hold half of it
+        (Dv / 4 a lane) and keep one warp a slice."""
+        return 2 if self.dv > 128 and not self.swapped else 1
 
     @property
     def threads(self) -> int:
@@ -80,8 +87,9 @@ class DecodePlan:
     def query_in_registers(self) -> bool:
         """Whether the warps hold Q's A fragments in registers for the whole loop instead of re-reading them from
         shared memory every key slice: fp8 plans up to Dqk 128 (16-32 registers), where Q's re-reads would be a
-        third of the shared-memory traffic a stage; 16-bit plans keep their measured code."""
-        return self.fp8 and self.dqk <= 128 and self.warp_tiles == 1
+        third of the shared-memory traffic a stage; 16-bit plans keep their measured code. Swapped plans up to Dqk
+        128 (Qᵀ's B fragments: Dqk / 8 registers)."""
+        return (self.fp8 or self.swapped) and self.dqk <= 128 and self.warp_tiles == 1
 
     @property
     def rows(self) -> int:
@@ -166,17 +174,31 @@ def row_warps_for(rows: int) -> int:
     return 1 if rows <= ROWS else 2 if rows <= 2 * ROWS else WARPS
 
 
+def swap_declined(sq: int, group: int, row_warps: int = 0, warp_tiles: int = 0) -> str:
+    """Why a plan of Sq x G query rows cannot be swapped ('' when it can): more rows than the MMA's N, or row
+    options that ask for m16 row tiles."""
+    if sq * group > SWAPPED_ROWS:
+        return f"Sq x G = {sq * group} query rows, more than the {SWAPPED_ROWS} a swapped tile holds"
+    if row_warps > 1 or warp_tiles > 1:
+        return f"row_warps {row_warps} / warp_tiles {warp_tiles} ask for m16 row tiles"
+    return ""
+
+
 def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: int, max_seqlen: int, sm_count: int,
                 paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0,
                 row_warps: int = 0, fp8: bool = False, kv_block: int = 0, stages: int = 0,
                 warp_tiles: int = 0, lazy_rescale: bool = False,
-                split_efficiency: float = 0.0) -> DecodePlan:
+                split_efficiency: float = 0.0, swapped: bool = False) -> DecodePlan:
     """The plan for one call shape; ``splits`` > 0 forces a split count, ``row_warps`` > 0 the row split,
     ``stages`` > 0 the ring depth and ``warp_tiles`` 2 32-row warps where the rows are more than 16 (0: fp8 d 128
     caches at the default depth take them, each slice converted once: measured 4-6% faster at Sq 8; 16-bit ones
     do not, measured equal or 2% slower);
     ``split_efficiency``: ``num_splits``'s (0: FEW_CTAS_SPLIT_EFFICIENCY or SPLIT_EFFICIENCY, above; fewer stages
-    give more CTAs an SM, the split count planned on those slots)."""
+    give more CTAs an SM, the split count planned on those slots); ``swapped``: the swapped-operand kernel where
+    ``swap_declined`` finds nothing against it (else the plan without it)."""
+    swapped = swapped and not swap_declined(sq, group, row_warps, warp_tiles)
+    if swapped:
+        row_warps = warp_tiles = 1
     if warp_tiles == 0:
         warp_tiles = 2 if fp8 and dqk == dv == 128 and not stages else 1
     if warp_tiles not in (1, 2):
@@ -185,7 +207,7 @@ def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: in
     plan = DecodePlan(sq, group, dqk, dv, paged, page_size if paged else 0, causal,
                       stages or stages_for(dqk, dv, fp8), 1,
                       row_warps or row_warps_for(-(-sq * group // warp_tiles)), fp8, kv_block, warp_tiles,
-                      lazy_rescale)
+                      lazy_rescale, swapped)
     if plan.partial_bytes > plan.ring_bytes:  # the merge's O goes over the ring
         raise ValueError(f"decode_plan: warp_tiles {warp_tiles} with {plan.stages} stages: the warps' merge "
                          f"({plan.partial_bytes} bytes) is larger than the ring ({plan.ring_bytes})")

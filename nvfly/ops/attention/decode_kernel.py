@@ -315,14 +315,16 @@ def stage_scores(ctx: StageContext, stage: Any, query: Any, role: WarpRole, key_
 def tile_scores(ctx: StageContext, s: list, rows: tuple, lane: Any, key0: Any) -> list:
     """One row tile's raw scores ``s`` [key tile][4] scaled to log2 units, modded and masked for its lane's rows
     ``rows`` (g, g + 8)."""
-    elements = [(s[t][i], i // 2, key0 + 8 * t + accumulator_coords(lane, i)[1]) for t in range(2) for i in range(4)]
+    elements = [(s[t][i], i // 2, lambda t=t, i=i: key0 + 8 * t + accumulator_coords(lane, i)[1])
+                for t in range(2) for i in range(4)]
     flat = masked_scores(ctx, elements, rows, key0)
     return [flat[0:4], flat[4:8]]
 
 
 def masked_scores(ctx: StageContext, elements: list, rows: tuple, key0: Any) -> list:
-    """Raw scores scaled to log2 units, modded and masked: ``elements`` (score, index of its row in ``rows``, key)
-    of the keys of the stage slice from ``key0``."""
+    """Raw scores scaled to log2 units, modded and masked: ``elements`` (score, index of its row in ``rows``, a
+    function tracing its key: traced in place, as each element's masks) of the keys of the stage slice from
+    ``key0``."""
     plan = ctx.plan
     mods = ctx.mods
     plain = mods.score_mod is None and mods.mask_mod is None
@@ -330,9 +332,10 @@ def masked_scores(ctx: StageContext, elements: list, rows: tuple, key0: Any) -> 
     if plan.kv_block:  # the block mask's state of this stage's block for each of the lane's rows (their heads)
         states = [ctx.kv_state[ctx.b, row.head, key0 // plan.kv_block] for row in rows]
     out = []
-    for value, index, key in elements:
+    for value, index, key_of in elements:
         row = rows[index]
         state = states[index]
+        key = key_of()
         if not plain:
             # the mods see indices within the sequence (their tables cover it); elements outside are masked
             mod_key = nvfly.maximum(nvfly.minimum(key, ctx.seqlen - 1), 0)
@@ -468,7 +471,7 @@ def attend_slice_swapped(states: list, ctx: StageContext, stage: Any, query: Any
                 a = sm80.ldmatrix_x4(stage + swizzled(16 * key_slice + source[0], source[1], plan.dqk // 8))
             s = sm80.mma_m16n8k16(a, qb[2 * half:2 * half + 2], s, dtype)
     g = lane >> 2
-    s = masked_scores(ctx, [(s[i], i % 2, key0 + g + 8 * (i // 2)) for i in range(4)], ctx.rows[0], key0)
+    s = masked_scores(ctx, [(s[i], i % 2, lambda i=i: key0 + g + 8 * (i // 2)) for i in range(4)], ctx.rows[0], key0)
     maxima, sums, scales, p = [], [], [], [None] * 4
     for r in range(2):  # keys g and g + 8 here, the slice's others in the lanes of the same c
         new_max, total, scale, exps = fold_row(state, r, nvfly.maximum(s[r], s[2 + r]), (4, 8, 16), s[r::2])
@@ -524,6 +527,8 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
         sm80.cp_async_commit()  # the first group also holds the query tile
     query = q_tile
     if PLAN.query_in_registers:  # the tile's stores are visible after a barrier (while the first stages land)
+        if not PLAN.fp8:  # a 16-bit tile is cp.async'ed: its group (the first stage's) landed first
+            sm80.cp_async_wait(PLAN.stages - 2)
         nvfly.syncthreads()
         if PLAN.swapped:
             query = [query_pair(q_tile, role.lane, pair, PLAN.dqk // 8) for pair in nvfly.static_range(PLAN.dqk // 32)]
@@ -554,6 +559,18 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
     return state
 
 
+def merge_layout(plan: Any, lane: Any) -> tuple:
+    """How a warp's state maps to the merge's rows, as functions traced where they are used: (the shfl_xor masks
+    over the lanes that share a row's sum, whether the lane writes its rows' statistics, the tile row of its row r from the warp's ``base``,
+    O's tiles, (tile row, column) of accumulator i of tile j). Swapped: rows 2c, 2c + 1 summed over the 8 lanes of
+    a c, Oᵀ's m16 tiles; else rows g, g + 8 summed over the 4 lanes of a row, O's n8 tiles."""
+    if plan.swapped:
+        return ((4, 8, 16), lambda: (lane >> 2) == 0, lambda base, r: base + 2 * (lane & 3) + r, plan.dv // 16,
+                lambda j, i: (accumulator_coords(lane, i)[1], swapped_column(lane, j, i, plan.fp8)))
+    return ((1, 2), lambda: (lane & 3) == 0, lambda base, r: base + (lane >> 2) + 8 * r, plan.dv // plan.column_warps // 8,
+            lambda j, i: (accumulator_coords(lane, i)[0], accumulator_column(lane, j, i, plan.fp8)))
+
+
 @nvfly.func
 def merge_warps(states, stats, partial, role, PLAN):
     """Each warp's row maxima and sums (quad-reduced) into ``stats`` [maxima | sums][key warp][tile row] and its O
@@ -562,16 +579,8 @@ def merge_warps(states, stats, partial, role, PLAN):
     lane = role.lane
     DV = PLAN.dv
     TILE_ROWS = PLAN.tile_rows
-    g = lane >> 2
     COLUMNS = DV // PLAN.column_warps
-    if PLAN.swapped:  # rows 2c, 2c + 1 of the lane, their sums in parts over the 8 lanes of a c; Oᵀ's tiles
-        lanes, writer, rows = (4, 8, 16), g == 0, [2 * (lane & 3), 2 * (lane & 3) + 1]
-        coords = [[(accumulator_coords(lane, i)[1], swapped_column(lane, j, i, PLAN.fp8)) for i in range(4)]
-                  for j in range(DV // 16)]
-    else:  # rows g, g + 8 of the lane, their sums in parts over the 4 lanes of a row; O's n8 tiles
-        lanes, writer, rows = (1, 2), (lane & 3) == 0, [g, g + 8]
-        coords = [[(accumulator_coords(lane, i)[0], accumulator_column(lane, j, i, PLAN.fp8)) for i in range(4)]
-                  for j in range(COLUMNS // 8)]
+    lanes, writer, stat_row, tiles, coords = merge_layout(PLAN, lane)
     for tile in nvfly.static_range(PLAN.warp_tiles):
         state = states[tile]
         sums = []
@@ -581,12 +590,13 @@ def merge_warps(states, stats, partial, role, PLAN):
                 total = total + nvfly.shfl_xor(total, mask)
             sums.append(total)
         base = role.key_warp * TILE_ROWS + role.row0 + ROWS * tile
-        if writer & (role.half == 0):  # both column halves hold the same statistics
+        if writer() & (role.half == 0):  # both column halves hold the same statistics
             for r in nvfly.static_range(2):
-                stats[base + rows[r]] = state.maxima[r]
-                stats[PLAN.stat_rows + base + rows[r]] = sums[r]
-        for j, tile_coords in enumerate(coords):
-            for i, (row, column) in enumerate(tile_coords):
+                stats[stat_row(base, r)] = state.maxima[r]
+                stats[stat_row(PLAN.stat_rows + base, r)] = sums[r]
+        for j in nvfly.static_range(tiles):
+            for i in nvfly.static_range(4):
+                row, column = coords(j, i)
                 partial[(base + row) * DV + role.half * COLUMNS + column] = state.acc[j][i]
     nvfly.syncthreads()
 

@@ -1070,8 +1070,10 @@ def test_decode_variants_compile_without_spills(variant, sq):
     assert f".minnctapersm {P.ctas_per_sm(plan)}" in kernel.ptx
     assert kernel.dynamic_smem_bytes == plan.smem_bytes
     assert kernel.resources.registers * plan.threads * P.ctas_per_sm(plan) <= P.REGISTERS_PER_SM
-    hmma = 2 * (plan.dqk + plan.dv) // 16 * plan.warp_tiles  # a slice (once in the code): 2 a k16 step a tile
+    # a slice (once in the code): 2 a k16 step a tile; swapped (Sq 1): 1, m16 being the keys and O's columns
+    hmma = (1 if plan.swapped else 2) * (plan.dqk + plan.dv) // 16 * plan.warp_tiles
     assert kernel.sass_opcodes()["HMMA.16816.F32"] == hmma
+    assert kernel.sass_opcodes()["MOVM.16.MT88"] == (2 if plan.swapped else 0)  # Pᵀ's two 8 x 8 transposes
     assert kernel.sass_opcodes()["VOTE.ANY"] == (plan.warp_tiles if plan.lazy_rescale else 0)
 
 
@@ -1086,6 +1088,96 @@ def test_host_path_plans_with_the_plan_options(cpu_launches):
         attention.decode(q, k, v, splits=1)
     attention.decode(q, k, v, splits=1)
     assert [grid for _, grid, _ in cpu_launches] == [(1, 8, 1), (2, 8, 1), (1, 8, 1), (1, 8, 1)]
+
+
+# ---------------------------------------------------------------------------------------------- swapped operands
+def test_swapped_plans_take_up_to_8_rows_and_decline_with_a_reason():
+    """``swapped`` takes Sq·G <= 8 (Sq 1 at G 1-8, Sq 2 at G 4) as one 8-row tile a CTA, each warp a key slice,
+    one warp a slice at any Dv (half of O's registers); more rows or m16 row options keep the plan without it,
+    ``swap_declined`` saying why."""
+    for sq, group, fp8, d in ((1, 4, False, 128), (1, 6, True, 128), (1, 8, False, 64), (2, 4, True, 256),
+                              (1, 1, False, 192)):
+        default = P.decode_plan(1, sq, 8, group, d, d, 131072, 132, fp8=fp8)
+        plan = P.decode_plan(1, sq, 8, group, d, d, 131072, 132, fp8=fp8, swapped=True)
+        assert P.swap_declined(sq, group) == ""
+        assert (plan.swapped, plan.tile_rows, plan.m_tiles, plan.row_warps, plan.key_warps) == (True, 8, 1, 1, 4)
+        assert (plan.column_warps, plan.threads, plan.stat_rows, plan.q_bytes) == (1, 128, 32, 16 * d)
+        assert plan.query_in_registers == (d <= 128)
+        assert (plan.stages, plan.splits) == (default.stages, default.splits)
+    assert P.decode_plan(32, 1, 8, 4, 128, 128, 4096, 132, swapped=True, lazy_rescale=True).lazy_rescale
+    for sq, group in ((2, 8), (4, 8), (16, 4), (1, 16)):
+        assert f"Sq x G = {sq * group} query rows" in P.swap_declined(sq, group)
+        assert (P.decode_plan(1, sq, 8, group, 128, 128, 4096, 132, swapped=True)
+                == P.decode_plan(1, sq, 8, group, 128, 128, 4096, 132))
+    assert "warp_tiles 2" in P.swap_declined(1, 8, warp_tiles=2) and "row_warps 2" in P.swap_declined(1, 4, 2)
+    assert not P.decode_plan(1, 1, 8, 8, 128, 128, 4096, 132, row_warps=2, swapped=True).swapped
+    assert api.DECODE_VARIANTS["swapped"] == {"swapped": True}
+
+
+SWAPPED_FAMILIES = {
+    # name: (decode_plan keyword arguments, mods)
+    "d128-g4-bf16": (dict(group=4, dqk=128, dv=128, splits=1), "none"),
+    "d128-g8-fp16-paged16-split": (dict(group=8, dqk=128, dv=128, paged=True, page_size=16, splits=4), "none"),
+    "d128-sq2-g4-mods-lse": (dict(sq=2, group=4, dqk=128, dv=128, splits=1), "mods"),
+    "d64-g4-split": (dict(group=4, dqk=64, dv=64, splits=3), "none"),
+    "d256-g8-split": (dict(group=8, dqk=256, dv=256, splits=2), "none"),
+    "dqk192-dv128-g6-paged64": (dict(group=6, dqk=192, dv=128, paged=True, page_size=64, splits=1), "none"),
+    "d128-g6-lazy-blockmask128-window": (dict(group=6, dqk=128, dv=128, splits=2, kv_block=128, lazy_rescale=True),
+                                         "window"),
+    "d64-g4-fp8": (dict(group=4, dqk=64, dv=64, splits=1, fp8=True), "none"),
+    "d128-g8-fp8-paged16-split": (dict(group=8, dqk=128, dv=128, paged=True, page_size=16, splits=5, fp8=True),
+                                  "none"),
+    "d128-g4-fp8-mods-blockmask128": (dict(group=4, dqk=128, dv=128, splits=1, fp8=True, kv_block=128), "mods"),
+    "d256-g4-fp8-paged128-lazy": (dict(group=4, dqk=256, dv=256, paged=True, page_size=128, splits=2, fp8=True,
+                                       lazy_rescale=True), "none"),
+}
+
+
+@pytest.mark.parametrize("name", SWAPPED_FAMILIES)
+def test_swapped_plans_compile_without_spills(name):
+    """The swapped kernel (16-bit and fp8 caches, d 64-256, paged, splits, mods, block masks, lazy rescaling): no
+    local memory, one HMMA a k16 step of the warp's slice (Sᵀ's Dqk / 16 and Oᵀ's Dv / 16), Pᵀ by two movmatrix,
+    Kᵀ non-transposed and V transposed ldmatrix, fp8 pairs converted once as the default's (check_fp8_conversion),
+    the row maxima over the 8 lanes of a c (3 shuffles a row), the CTAs an SM that the plan counts on."""
+    spec, mod = SWAPPED_FAMILIES[name]
+    spec = dict(spec)
+    splits = spec.pop("splits")
+    plan = P.decode_plan(2, spec.pop("sq", 1), 2, spec.pop("group"), spec.pop("dqk"), spec.pop("dv"), 1024, 132,
+                         splits=splits, swapped=True, **spec)
+    assert plan.swapped and plan.splits == splits
+    mods = {"none": M.Mods(), "mods": M.Mods(M.soft_cap(20.0), M.sliding_window(300)),
+            "window": M.Mods(None, M.sliding_window(300))}[mod]
+    dtype = nvfly.f16 if "fp16" in name else nvfly.bf16
+    kernels = attention.compile_kernels(plan, mods, dtype=dtype, seqlen=1024)
+    kernel = kernels[0]
+    check_sass(kernel, "HMMA.16816.F32" if dtype == nvfly.f16 or plan.fp8 else "HMMA.16816.F32.BF16")
+    ops = kernel.sass_opcodes()
+    mma = "HMMA.16816.F32" if dtype == nvfly.f16 or plan.fp8 else "HMMA.16816.F32.BF16"
+    assert ops[mma] == (plan.dqk + plan.dv) // 16
+    assert ops["MOVM.16.MT88"] == 2
+    assert ops["SHFL.BFLY"] == 2 * 3 + 2 * 3  # each row's maximum a slice, its sum in the merge: lanes ^4, ^8, ^16
+    assert (ops["F2FP.F16.E4M3.UNPACK_B"] > 0) == plan.fp8
+    if plan.fp8:
+        check_fp8_conversion(kernel, plan)
+    assert ops["VOTE.ANY"] == (1 if plan.lazy_rescale else 0)
+    assert f".minnctapersm {P.ctas_per_sm(plan)}" in kernel.ptx and kernel.dynamic_smem_bytes == plan.smem_bytes
+    assert kernel.resources.registers * plan.threads * P.ctas_per_sm(plan) <= P.REGISTERS_PER_SM
+    assert len(kernels) == (2 if splits > 1 else 1)
+
+
+def test_host_path_plans_swapped_with_the_plan_option(cpu_launches, monkeypatch):
+    """Inside ``plan_options(swapped=True)`` a Sq 1 G 4 call launches the swapped plan (128 threads, one CTA a
+    split and KV head), a Sq 4 G 8 call (32 rows) the default plan; outside, the default again."""
+    planned = []
+    plan_of = api._plan
+    monkeypatch.setattr(api, "_plan", lambda *a, **k: planned.append(plan_of(*a, **k)) or planned[-1])
+    q, k, v = bf16(1, 1, 32, 128), bf16(1, 8192, 8, 128), bf16(1, 8192, 8, 128)
+    with api.plan_options(**api.DECODE_VARIANTS["swapped"]):
+        attention.decode(q, k, v, splits=1)
+        attention.decode(bf16(1, 4, 64, 128), k, v, splits=1)
+    attention.decode(q, k, v, splits=1)
+    assert [plan.swapped for plan in planned] == [True, False, False]
+    assert [grid for _, grid, _ in cpu_launches] == [(1, 8, 1)] * 3
 
 
 MOD_PLAN = P.decode_plan(2, 2, 2, 4, 128, 128, 1024, 132, splits=1)

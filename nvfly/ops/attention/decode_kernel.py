@@ -457,7 +457,7 @@ def attend_slice_swapped(states: list, ctx: StageContext, stage: Any, query: Any
     plan = ctx.plan
     lane = role.lane
     (state,) = states
-    s = [nvfly.f32(0.0)] * 4
+    chains = [[nvfly.f32(0.0)] * 4 for _ in range(2)]  # even and odd k16 steps: two dependent HMMA chains, not one
     for pair in nvfly.static_range(plan.dqk // 32):
         qb = query_pair(query, lane, pair, plan.dqk // 8)
         if plan.fp8:  # (keys +8, dims +16) = bits 0, 1 of the matrix; a lane's word: dims 4c..4c+3 of its key
@@ -469,7 +469,8 @@ def attend_slice_swapped(states: list, ctx: StageContext, stage: Any, query: Any
             else:
                 source = q_fragment_source(lane, 2 * pair + half)
                 a = sm80.ldmatrix_x4(stage + swizzled(16 * key_slice + source[0], source[1], plan.dqk // 8))
-            s = sm80.mma_m16n8k16(a, qb[2 * half:2 * half + 2], s, dtype)
+            chains[half] = sm80.mma_m16n8k16(a, qb[2 * half:2 * half + 2], chains[half], dtype)
+    s = [even + odd for even, odd in zip(*chains)]
     g = lane >> 2
     s = masked_scores(ctx, [(s[i], i % 2, lambda i=i: key0 + g + 8 * (i // 2)) for i in range(4)], ctx.rows[0], key0)
     maxima, sums, scales, p = [], [], [], [None] * 4
@@ -561,13 +562,15 @@ def stream_keys(k, v, block_table, stage_list, ring, q_tile, ctx, hkv, begin, co
 
 def merge_layout(plan: Any, lane: Any) -> tuple:
     """How a warp's state maps to the merge's rows, as functions traced where they are used: (the shfl_xor masks
-    over the lanes that share a row's sum, whether the lane writes its rows' statistics, the tile row of its row r from the warp's ``base``,
-    O's tiles, (tile row, column) of accumulator i of tile j). Swapped: rows 2c, 2c + 1 summed over the 8 lanes of
-    a c, Oᵀ's m16 tiles; else rows g, g + 8 summed over the 4 lanes of a row, O's n8 tiles."""
+    over the lanes that share a row's sum, whether the lane writes its rows' statistics, the tile row of its row r
+    from the warp's ``base``, O's tiles, (tile row, column) of accumulator i of tile j). Swapped: rows 2c, 2c + 1
+    summed over the 8 lanes of a c, Oᵀ's m16 tiles; else rows g, g + 8 summed over the 4 lanes of a row, O's n8
+    tiles."""
     if plan.swapped:
         return ((4, 8, 16), lambda: (lane >> 2) == 0, lambda base, r: base + 2 * (lane & 3) + r, plan.dv // 16,
                 lambda j, i: (accumulator_coords(lane, i)[1], swapped_column(lane, j, i, plan.fp8)))
-    return ((1, 2), lambda: (lane & 3) == 0, lambda base, r: base + (lane >> 2) + 8 * r, plan.dv // plan.column_warps // 8,
+    return ((1, 2), lambda: (lane & 3) == 0, lambda base, r: base + (lane >> 2) + 8 * r,
+            plan.dv // plan.column_warps // 8,
             lambda j, i: (accumulator_coords(lane, i)[0], accumulator_column(lane, j, i, plan.fp8)))
 
 

@@ -318,6 +318,8 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     # m16 tile: half the HMMAs, O's registers and its rescale; more rows (or row options) keep the default plan
     "swapped": dict(swapped=True),
     "swapped_lazy": dict(swapped=True, lazy_rescale=True),
+    # fp8 d 128: 4 stages, 3 CTAs an SM (107 registers; stages4 155) as stages4, with the swapped operands
+    "swapped_stages4": dict(swapped=True, stages=4),
 }
 
 

@@ -16,9 +16,9 @@ Usage: python benchmarks/attention.py --decode [--quick] [--sq 1 4 8] [--layouts
 Writes benchmarks/results/attention_decode_h200.json and .png.
 ``--decode-variants NAME ...`` also times (after checking) nvfly with each named plan variant of
 ``api.DECODE_VARIANTS`` beside the default, in turn (three rounds, medians: ``nvfly_<variant>_ms``/``_tbs``/``_err``,
-and each plan's stages/row_warps/warp_tiles/splits); with ``--quick`` the rows are the suite's contiguous rows of
-``--models`` at ``--sq``, fp8 only with ``--fp8`` (e.g. ``--decode --models llama8b --no-mods --fp8
---decode-variants stages4 rows16 warp32 --quick``: 9 rows, ~2 min). Writes
+and each plan's stages/row_warps/warp_tiles/splits/swapped); with ``--quick`` the rows are the suite's contiguous
+rows of ``--models`` at ``--sq`` and the quick paged row (at Sq 1), fp8 only with ``--fp8`` (e.g. ``--decode
+--models llama8b --no-mods --fp8 --decode-variants stages4 rows16 warp32 --quick``: 10 rows, ~2 min). Writes
 benchmarks/results/attention_decode_variants_h200.json after every row.
 
 MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (one KV head of 576 columns, V its
@@ -702,7 +702,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    choices=[name for name in attention_api.DECODE_VARIANTS if name != "default"],
                    help="decode: also time nvfly with these plan variants (api.DECODE_VARIANTS; correctness checked "
                         "for each) beside the default, three rounds in turn: nvfly_<variant>_ms; with --quick the "
-                        "suite's contiguous rows of --models at --sq (fp8 only with --fp8); writes "
+                        "suite's contiguous rows of --models at --sq and the quick paged row (fp8 only with --fp8); "
+                        "writes "
                         "attention_decode_variants (or --name) after every row")
     p.add_argument("--fp8", action="store_true", help="decode: also each row's shape with fp8 (e4m3) K/V caches "
                                                        "(nvfly only); prefill: the fp8 prefill suite instead")
@@ -719,6 +720,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.quick and args.decode_variants:
         cases = [(shape, sq, "bshd", "none") for shape in SUITE for sq in args.sq
                  if args.models is None or shape[0] in args.models]
+        cases += [(shape, sq, layout, "none") for shape, sq, layout in QUICK  # the paged row (B32 4K paged 16)
+                  if layout != "bshd" and sq in args.sq and (args.models is None or shape[0] in args.models)]
     elif args.quick:
         cases = [(shape, sq, layout, "none") for shape, sq, layout in QUICK]
         cases += [(MOD_SHAPE, 1, "bshd", "softcap50"), (MOD_SHAPE, 1, "bshd", "window4096-blockmask")]

@@ -35,6 +35,10 @@ registers of the even and odd columns (``FP8_COLUMN_SELECTORS``), so O's tiles h
 ``accumulator_column`` order. K's scale is folded into the scores' scale and V's into the final normalisation.
 docs/ops/attention.md weighs this against a converted shared tile and fp8 MMAs.
 
+Swapped plans (``DecodePlan.swapped``, Sq·G <= 8): an 8-row query tile, and each warp's slice as Sᵀ = K Qᵀ and
+Oᵀ += Vᵀ Pᵀ (keys and O's columns as the MMAs' M, the query rows as N; ``attend_slice_swapped``), the same ring,
+masks, mods, merge and outputs.
+
 A flex BlockMask: the CTA reads only the stages its ``stage_list`` names (those of blocks non-empty for a head of
 its group), split evenly like a sequence's stages, and each row masks by its own head's block state
 (``kv_state``).

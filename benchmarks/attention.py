@@ -80,6 +80,7 @@ from nvfly.ops import attention  # noqa: E402
 from nvfly.ops.attention import api as attention_api  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
 from nvfly.ops.attention.mla_api import plan_options as mla_plan_options  # noqa: E402
+from nvfly.ops.attention.plan import swap_declined  # noqa: E402
 from nvfly.ops.attention.prefill_api import plan_options, transposed_values, transposed_values_torch  # noqa: E402
 from nvfly.runtime.driver import plan_sm_count  # noqa: E402
 
@@ -190,14 +191,18 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: dict[str,
     return call
 
 
-def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, int]) -> dict[str, int]:
+def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, Any]) -> dict[str, Any]:
     """The decode plan's choices for a row (every sequence the whole cache) under plan options ``options``."""
     name, batch, skv, hq, hkv, d = shape
     page = 0 if layout == "bshd" else int(layout[len("paged"):])
     plan = attention.decode_plan(batch, sq, hkv, hq // hkv, d, d, skv, plan_sm_count(0), bool(page), page,
                                  fp8=kv == "fp8", **options)
-    return {"stages": plan.stages, "row_warps": plan.row_warps, "warp_tiles": plan.warp_tiles,
-            "splits": plan.splits, "swapped": int(plan.swapped)}
+    chosen = {"stages": plan.stages, "row_warps": plan.row_warps, "warp_tiles": plan.warp_tiles,
+              "splits": plan.splits, "swapped": int(plan.swapped)}
+    if options.get("swapped") and not plan.swapped:  # why the row ran the plan without it
+        chosen["swap_declined"] = swap_declined(sq, hq // hkv, options.get("row_warps", 0),
+                                                options.get("warp_tiles", 0))
+    return chosen
 
 
 def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: str = "bf16",

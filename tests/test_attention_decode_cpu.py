@@ -1114,6 +1114,17 @@ def test_swapped_plans_take_up_to_8_rows_and_decline_with_a_reason():
     assert api.DECODE_VARIANTS["swapped"] == {"swapped": True}
 
 
+def test_swap_by_default_is_one_switch(monkeypatch):
+    """Unswapped by default (SWAP_BY_DEFAULT); flipped, every plan of at most 8 rows is swapped unless
+    ``swapped=False`` (the ``unswapped`` variant) says otherwise, and larger ones are not."""
+    llama = dict(batch=1, kv_heads=8, group=4, dqk=128, dv=128, max_seqlen=4096, sm_count=132)
+    assert not P.decode_plan(sq=1, **llama).swapped
+    monkeypatch.setattr(P, "SWAP_BY_DEFAULT", True)
+    assert P.decode_plan(sq=1, **llama).swapped and P.decode_plan(sq=2, **llama).swapped
+    assert not P.decode_plan(sq=4, **llama).swapped
+    assert not P.decode_plan(sq=1, **llama, **api.DECODE_VARIANTS["unswapped"]).swapped
+
+
 SWAPPED_FAMILIES = {
     # name: (decode_plan keyword arguments, mods)
     "d128-g4-bf16": (dict(group=4, dqk=128, dv=128, splits=1), "none"),

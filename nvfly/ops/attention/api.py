@@ -286,7 +286,7 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options",
-                                                          default=(0, 0, 0, False, 0.0, False))
+                                                          default=(0, 0, 0, False, 0.0, None))
 # the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
 DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "default": {},
@@ -320,20 +320,22 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "swapped_lazy": dict(swapped=True, lazy_rescale=True),
     # fp8 d 128: 4 stages, 3 CTAs an SM (107 registers; stages4 155) as stages4, with the swapped operands
     "swapped_stages4": dict(swapped=True, stages=4),
+    # the m16 row tiles at Sq·G <= 8 whatever plan.SWAP_BY_DEFAULT says (the default while it is False)
+    "unswapped": dict(swapped=False),
 }
 
 
 def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_rescale: bool = False,
-                 split_efficiency: float = 0.0, swapped: bool = False) -> ContextManager[None]:
+                 split_efficiency: float = 0.0, swapped: Optional[bool] = None) -> ContextManager[None]:
     """``decode`` calls inside run plans with these ``decode_plan`` overrides (stages, row_warps, warp_tiles and
-    split_efficiency 0: the plan's default; swapped where ``plan.swap_declined`` allows): the benchmark's and the
-    tests' way to run the kernel's variants side by side (``DECODE_VARIANTS``)."""
+    split_efficiency 0, swapped None: the plan's default; swapped where ``plan.swap_declined`` allows): the
+    benchmark's and the tests' way to run the kernel's variants side by side (``DECODE_VARIANTS``)."""
     if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (0, 1, 2) or not 0 <= split_efficiency <= 1:
         raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
                          f"0, 1, 2, 4, warp_tiles {warp_tiles} 0, 1 or 2 and split_efficiency {split_efficiency} in "
                          "[0, 1]")
     return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale),
-                                    float(split_efficiency), bool(swapped)))
+                                    float(split_efficiency), None if swapped is None else bool(swapped)))
 
 
 def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,

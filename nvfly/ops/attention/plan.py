@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 WARPS = 4                  # 4 sub-partitions' tensor cores busy (8 warps, in pairs, with column_warps = 2)
 ROWS = 16                  # query rows of a warp: the M of mma.m16n8k16
@@ -23,6 +24,7 @@ MAX_SPLITS = 128           # FA3's cap: the combine reads at most this many part
 HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64: whole 128-byte swizzle groups, 16-byte copies that divide
 MAX_SQ = 16
 SWAPPED_ROWS = 8           # a swapped plan's query rows: the N of mma.m16n8k16
+SWAP_BY_DEFAULT = False    # whether plans of Sq·G <= SWAPPED_ROWS are swapped unless told (not measured yet)
 WAVE_FILL = 0.8            # FA3: no split when one wave already fills 80% of the CTA slots
 SPLIT_EFFICIENCY = 0.85    # FA3: the fewest splits within 85% of the best wave efficiency
 # where the CTAs before splitting fill at most an eighth of the slots (one long sequence), the best efficiency:
@@ -188,15 +190,16 @@ def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: in
                 paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0,
                 row_warps: int = 0, fp8: bool = False, kv_block: int = 0, stages: int = 0,
                 warp_tiles: int = 0, lazy_rescale: bool = False,
-                split_efficiency: float = 0.0, swapped: bool = False) -> DecodePlan:
+                split_efficiency: float = 0.0, swapped: Optional[bool] = None) -> DecodePlan:
     """The plan for one call shape; ``splits`` > 0 forces a split count, ``row_warps`` > 0 the row split,
     ``stages`` > 0 the ring depth and ``warp_tiles`` 2 32-row warps where the rows are more than 16 (0: fp8 d 128
     caches at the default depth take them, each slice converted once: measured 4-6% faster at Sq 8; 16-bit ones
     do not, measured equal or 2% slower);
     ``split_efficiency``: ``num_splits``'s (0: FEW_CTAS_SPLIT_EFFICIENCY or SPLIT_EFFICIENCY, above; fewer stages
     give more CTAs an SM, the split count planned on those slots); ``swapped``: the swapped-operand kernel where
-    ``swap_declined`` finds nothing against it (else the plan without it)."""
-    swapped = swapped and not swap_declined(sq, group, row_warps, warp_tiles)
+    ``swap_declined`` finds nothing against it, else the plan without it (None: ``SWAP_BY_DEFAULT``)."""
+    swapped = (SWAP_BY_DEFAULT if swapped is None else swapped) and not swap_declined(sq, group, row_warps,
+                                                                                   warp_tiles)
     if swapped:
         row_warps = warp_tiles = 1
     if warp_tiles == 0:

@@ -17,6 +17,7 @@ out = (a * sa) @ (b * sb) per group, bf16 (default), fp16 or fp32; the rows no g
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -25,6 +26,7 @@ import nvfly
 from nvfly.ops.common.groups import validate_offsets
 from nvfly.ops.common.opcall import OpCalls, named
 from nvfly.ops.common.operands import hopper_reason
+from nvfly.ops.scaled.api import staged_scales_box, staged_scales_reason, staged_scales_view
 from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.grouped_kernel import scaled_grouped_kernel
 from nvfly.ops.scaled.grouped_plan import MAX_GROUPS, ScaledGroupedPlan, make_grouped_plan
@@ -156,9 +158,11 @@ class _GroupedScaledCall:
             out.zero_()
             return
         sb = scale_b.transpose(-1, -2) if plan.epilogue.scaling == "block" else scale_b  # [E, N/128, K/128]
+        sa_desc = cached_descriptor(staged_scales_view(scale_a), staged_scales_box(scale_a, plan.config.bm), 0) \
+            if plan.config.staged_scales else None
         self.launch(cached_descriptor(a, plan.a_box, 128), cached_descriptor(b.transpose(-1, -2), plan.b_box, 128),
-                    out.unsqueeze(0) if plan.layout == "contiguous" else out, offs, scale_a, sb, plan.m, plan.n,
-                    plan.k_tiles, plan.config, plan.groups, plan.layout, plan.epilogue)
+                    out.unsqueeze(0) if plan.layout == "contiguous" else out, offs, sa_desc, scale_a, sb, plan.m,
+                    plan.n, plan.k_tiles, plan.config, plan.groups, plan.layout, plan.epilogue)
 
 
 _CALLS: OpCalls[_GroupedScaledCall] = OpCalls()
@@ -176,6 +180,10 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dtype: Any,
     sms = sms if sms is not None else plan_sm_count(a.get_device())
     plan = make_grouped_plan("masked" if masked else "contiguous", epilogue, groups, m, b.shape[2], b.shape[1], rows,
                              sms, config)
+    # staged scales where TMA can load scale_a (rows contiguous, as the quantiser's), else the scales from global
+    if plan.config.staged_scales and staged_scales_reason(scale_a, plan.config.bm) is not None:
+        plan = make_grouped_plan(plan.layout, epilogue, groups, m, plan.n, plan.k, rows, sms,
+                                 replace(plan.config, staged_scales=False))
     return plan, shape
 
 
@@ -256,7 +264,8 @@ def describe_grouped(layout: str, groups: int, m: int, n: int, k: int, *, scalin
     rows = rows_per_group if rows_per_group is not None else (m / groups if layout == "contiguous" else m)
     plan = make_grouped_plan(layout, epilogue, groups, m, n, k, rows, sms)
     cfg = plan.config
-    return (f"scaled-grouped-{layout}-{scaling}{'-promoted' if epilogue.promote else ''}: {cfg.bm}x{cfg.bn} tile on "
+    return (f"scaled-grouped-{layout}-{scaling}{'-promoted' if epilogue.promote else ''}"
+            f"{'-staged' if cfg.staged_scales else ''}: {cfg.bm}x{cfg.bn} tile on "
             f"{cfg.consumers} consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages, up to {plan.grid} "
             f"blocks")
 
@@ -315,7 +324,10 @@ def compile_grouped_variants(variants: Sequence[tuple[str, ScaledConfig, ScaledE
             sb = TensorDesc(f32, (groups, kb, kb), (kb * kb, 1, kb))
         else:
             sa, sb = TensorDesc(f32, rows), TensorDesc(f32, (groups, size))
-        kernels.append(scaled_grouped_kernel.compile(a_desc, b_desc, out, TensorDesc(nvfly.i32, (groups,)), sa, sb,
-                                                     size, size, plan.k_tiles, CFG=plan.config, GROUPS=groups,
+        # staged scales: scale_a seen K/128 outermost (staged_scales_view), one k-block's bm rows a box
+        sa_desc = nvfly.TmaDescriptor(TensorDesc(f32, (kb,) + rows), (1,) * len(rows) + (cfg.bm,), swizzle=0) \
+            if cfg.staged_scales else None
+        kernels.append(scaled_grouped_kernel.compile(a_desc, b_desc, out, TensorDesc(nvfly.i32, (groups,)), sa_desc,
+                                                     sa, sb, size, size, plan.k_tiles, CFG=plan.config, GROUPS=groups,
                                                      LAYOUT=layout, EPI=epi, block=plan.threads, target=target))
     return kernels

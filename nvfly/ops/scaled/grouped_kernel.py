@@ -17,7 +17,10 @@ ring of 128-wide k-blocks full; consumers 1..C own BM / C rows of a tile each. S
 - "block": sa per token and 128 of K (contiguous [T, K/128], masked [E, Mmax, K/128]), sb per 128 x 128 block of
   the expert's weight ([E, N/128, K/128] in the kernel's orientation); every k-block is issued into fresh
   accumulators and added, times sa[row, kb] * sb[g, n-block, kb], into fp32 sums once done (``promote_k_blocks``
-  with the scaled GEMM's ``promotion_scales`` and ``promote``): DeepGEMM's scheme;
+  with the scaled GEMM's ``promotion_scales`` and ``promote``): DeepGEMM's scheme; with ``CFG.staged_scales`` the
+  producer also TMA-loads the tile rows' sa of the k-block into the stage (the dense kernel's slot; a contiguous
+  tile's rows start anywhere), and the consumers read them from shared memory; tiles up to 192 wide (in order)
+  read one sb per 128-wide weight block their columns cross (``weight_runs``), as the dense kernel's;
 - "row": sa per token (contiguous [T], masked [E, Mmax]), sb per expert and column ([E, N]) applied in the
   epilogue; with ``EPI.promote`` (torch's use_fast_accum=False) each k-block is still added into fp32 sums,
   else the tensor core accumulates all of K (``consume_k_blocks``).
@@ -44,11 +47,13 @@ GROUPED_SCALINGS = ("block", "row")
 
 @nvfly.kernel
 def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor,
-                          offs: nvfly.Tensor, scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, m: nvfly.i32,
+                          offs: nvfly.Tensor, sa_desc, scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, m: nvfly.i32,
                           n: nvfly.i32, k_tiles: nvfly.i32, CFG: nvfly.Constexpr, GROUPS: nvfly.Constexpr,
                           LAYOUT: nvfly.Constexpr, EPI: nvfly.Constexpr):
     """``m``: the rows bound (contiguous: T, masked: Mmax); ``offs``: the cumulative ends (contiguous) or the
-    counts (masked), int32 [GROUPS]; ``out``: [1, T, N] (contiguous) or [E, Mmax, N]."""
+    counts (masked), int32 [GROUPS]; ``out``: [1, T, N] (contiguous) or [E, Mmax, N]; ``sa_desc`` (``CFG.staged_scales``,
+    else None): scale_a seen as [K/128, T] (contiguous) or [K/128, E, Mmax] (masked), boxes of one k-block's BM
+    rows."""
     dtype = a_desc.info.dtype
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
     WG_M = CFG.wg_m
@@ -81,6 +86,9 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
                 def load(kt, base, full):
                     load_boxes(a_desc, a_boxes, row_base, kt * BK, "K", base, full, g if MASKED_A else None)
                     load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, g)
+                    if CFG.staged_scales:  # the tile rows' sa[:, kt] (rows past the operand: TMA's zeros)
+                        rows = (g, row_base) if MASKED_A else (row_base,)
+                        sm90.tma_load(sa_desc, base + CFG.scales_offset, (kt,) + rows, full)
                 return 0, k_tiles, load
 
             produce_tiles(pipe, ring, CFG.stage_bytes, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads)
@@ -98,6 +106,8 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
             a_group = g if MASKED_A else None
             scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
                                           ATOMS_M=ATOMS_M, EPI=EPI, a_group=a_group, b_group=g)
+            if CFG.staged_scales:  # sa from the stage: the thread's first row's word in its slot
+                scales_of = functools.partial(scales_of, staged_row=CFG.scales_offset + 4 * (row0 - row_base))
             accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, 0, k_tiles, lane, tid, scales_of,
                                        CFG, EPI)
             if EPI.scaling == "row":

@@ -36,7 +36,8 @@ round times every implementation once, so that clock drift lands on all alike; t
 
 FP8 rows (``--fp8``, ``FP8_QUICK``/``FP8_FULL``): DeepSeek-V3's experts (E256 top-8) at 4096 tokens and decode
 batches, contiguous and masked, on ``nvfly.ops.scaled.scaled_grouped_mm``: its block path (1x128 x 128x128, the
-heuristic's tile, which issues ahead at 128 rows, and the serial one) and its row-wise path next to
+heuristic's tile, which issues ahead at 128 rows, the serial one and ``FP8_BLOCK_VARIANTS``: staged activation
+scales, 192- and 160-wide tiles) and its row-wise path next to
 torch._scaled_grouped_mm (row-wise, what torch runs on sm90) and the bf16 grouped GEMMs (nvfly's and torch._grouped_mm) of the same routing; errors against
 float32 references first.
 
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -564,7 +566,19 @@ FP8_FULL = FP8_QUICK + [
 # ratio -> (the implementation it divides the time of, the one it divides by): > 1 where the second is faster
 FP8_RATIOS = {"vs_torch_row": ("torch_row", "nvfly"), "vs_nvfly_bf16": ("nvfly_bf16", "nvfly"),
               "vs_torch_bf16": ("torch_bf16", "nvfly"), "default_vs_serial": ("nvfly_serial", "nvfly"),
-              "row_vs_torch_row": ("torch_row", "nvfly_row")}
+              "row_vs_torch_row": ("torch_row", "nvfly_row"), "staged_vs_default": ("nvfly", "nvfly_staged"),
+              "wide_vs_default": ("nvfly", "nvfly_wide"), "wide160_vs_default": ("nvfly", "nvfly_wide160"),
+              "wide_global_vs_default": ("nvfly", "nvfly_wide_global")}
+# the block path's candidate 128-row tiles timed beside the default (issue #30): name -> ScaledConfig kwargs (the
+# ring then as deep as fits next to the group table). staged: the default's 128 x 128 issuing ahead, activation
+# scales staged by the producer; wide: 128 x 192 in order (three 64-column weight-block runs, no third
+# accumulator), staged; wide160: 128 x 160 (five 32-column runs), staged; wide_global: 128 x 192, scales from global
+FP8_BLOCK_VARIANTS = {
+    "nvfly_staged": dict(bm=128, bn=128, consumers=2, issue_ahead=True, staged_scales=True),
+    "nvfly_wide": dict(bm=128, bn=192, consumers=2, staged_scales=True),
+    "nvfly_wide160": dict(bm=128, bn=160, consumers=2, staged_scales=True),
+    "nvfly_wide_global": dict(bm=128, bn=192, consumers=2),
+}
 
 
 def fp8_experts(e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -630,6 +644,8 @@ def fp8_setup(case: Case):
     if expected > 64:
         serial = deepest(ScaledConfig(128, 128, 2, 2), e)  # (the default issues ahead on this tile)
         impls["nvfly_serial"] = lambda: nvfly_fp8(sa, sb, serial)
+        for name, fields in FP8_BLOCK_VARIANTS.items():
+            impls[name] = functools.partial(nvfly_fp8, sa, sb, deepest(ScaledConfig(stages=2, **fields), e))
     impls["nvfly_row"] = lambda: nvfly_fp8(sa_row, sb_row)
     impls["torch_row"] = lambda: torch._scaled_grouped_mm(a, b, sa_row, sb_row, offs=None if masked else groups_of,
                                                           out_dtype=bf16)
@@ -637,7 +653,7 @@ def fp8_setup(case: Case):
     row_ref = lambda: scaled.grouped_reference(a, b, sa_row, sb_row, groups_of, masked=masked)  # noqa: E731
     bf16_ref = lambda: grouped.reference(a16, b16, groups_of, masked=masked)  # noqa: E731
     refs = {"nvfly": block_ref, "nvfly_serial": block_ref, "nvfly_row": row_ref, "torch_row": row_ref,
-            "nvfly_bf16": bf16_ref, "torch_bf16": bf16_ref}
+            "nvfly_bf16": bf16_ref, "torch_bf16": bf16_ref, **{name: block_ref for name in FP8_BLOCK_VARIANTS}}
     flop = 2.0 * routed * n * k
     nbytes = routed * k + active * n * k + 2.0 * routed * n
     return impls, refs, flop, nbytes, plan
@@ -675,8 +691,9 @@ def fp8_rows(cases: list[Case]) -> tuple[list[dict], dict]:
         rows.append(row)
         print(f"{case.name:<26} nvfly {row['nvfly_tflops']:7.1f} TF {row['nvfly_tbps']:5.2f} TB/s "
               f"(err {row['nvfly_rel_err']:.1e}) "
-              + "  ".join(f"{p} {row[p + '_tflops']:.0f} TF" for p in ("nvfly_serial", "nvfly_row", "torch_row",
-                                                                        "nvfly_bf16", "torch_bf16")
+              + "  ".join(f"{p} {row[p + '_tflops']:.0f} TF" for p in ("nvfly_serial", *FP8_BLOCK_VARIANTS,
+                                                                        "nvfly_row", "torch_row", "nvfly_bf16",
+                                                                        "torch_bf16")
                           if f"{p}_tflops" in row), flush=True)
         del impls, refs
         torch.cuda.empty_cache()

@@ -2,6 +2,8 @@
 wgmma (QGMMA) and TMA code without spills, the plans follow the heuristic and fit shared memory, bad arguments raise
 errors naming them, the float32 reference is the dense scaled GEMM's group by group, and the torch routes decide
 as documented."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -19,11 +21,17 @@ VARIANTS = [
     ("contiguous", ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", False)),
     ("masked", ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", True)),
     ("contiguous", ScaledConfig(128, 128, 6, 2, issue_ahead=True), ScaledEpilogue("block", True)),
+    # issue #30's candidates: staged activation scales, 192 and 160 wide (three or five weight-block runs, in order)
+    ("contiguous", ScaledConfig(128, 128, 6, 2, issue_ahead=True, staged_scales=True), ScaledEpilogue("block", True)),
+    ("masked", ScaledConfig(128, 192, 5, 2, staged_scales=True), ScaledEpilogue("block", True)),
+    ("contiguous", ScaledConfig(128, 160, 5, 2, staged_scales=True), ScaledEpilogue("block", True)),
+    ("contiguous", ScaledConfig(128, 192, 5, 2), ScaledEpilogue("block", True)),
 ]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{v[1].bm}x{v[1].bn}-{v[2].scaling}"
-                         f"{'-promoted' if v[2].promote else ''}{'-ahead' if v[1].issue_ahead else ''}")
+                         f"{'-promoted' if v[2].promote else ''}{'-ahead' if v[1].issue_ahead else ''}"
+                         f"{'-staged' if v[1].staged_scales else ''}")
 def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     layout, cfg, epi = variant
     (k,) = compile_grouped_variants([variant], groups=8)
@@ -32,6 +40,57 @@ def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
     plan = make_grouped_plan(layout, epi, 8, 4096, 4096, 4096, 512, 132, cfg)
     assert k.dynamic_smem_bytes == plan.smem_bytes
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_staged_scales_come_from_shared_memory(layout):
+    """ScaledConfig.staged_scales in the grouped kernel: the producer also TMA-loads the tile rows' activation scales
+    of each k-block (2-D boxes of the tokens' scales, 3-D of the masked layout's), and the consumers read them with
+    shared loads: more TMA loads and shared loads, fewer global loads than the same kernel reading sa from global."""
+    cfg = ScaledConfig(128, 128, 6, 2, issue_ahead=True)
+    staged = replace(cfg, staged_scales=True)
+    epi = ScaledEpilogue("block", True)
+    plain, mine = compile_grouped_variants([(layout, cfg, epi), (layout, staged, epi)])
+    check_kernel(mine, "QGMMA.64x128x32.F32.E4M3.E4M3")
+    assert mine.count("UTMALDG") % 3 == 0 and plain.count("UTMALDG") % 2 == 0  # A, B (and sa) a k-block
+    assert mine.count("LDS") >= plain.count("LDS") + 2
+    assert mine.count("LDG") <= plain.count("LDG") - 2
+    assert plan_of(layout, staged).smem_bytes == plan_of(layout, cfg).smem_bytes + 6 * 1024
+
+
+def plan_of(layout, cfg):
+    return make_grouped_plan(layout, ScaledEpilogue("block", True), 8, 4096, 4096, 4096, 512, 132, cfg)
+
+
+def test_staged_scales_and_wide_tiles_plans_and_fallback():
+    """Staged scales take block scales only and fall back to global reads where TMA cannot load scale_a (the
+    quantiser's (1, T) strides load; T not a multiple of 4 does not); 192 and 160 wide tiles take block scales in
+    order (a third accumulator would not fit), 256-row tiles none (two 128-row promoted accumulators)."""
+    from nvfly.ops.scaled.api import staged_scales_reason
+    from nvfly.ops.scaled.grouped import _plan
+    block, row = ScaledEpilogue("block", True), ScaledEpilogue("row", True)
+    staged = ScaledConfig(128, 128, 6, 2, staged_scales=True)
+    assert fits(staged, 8, block) is None and "staged_scales" in fits(staged, 8, row)
+    assert fits(ScaledConfig(128, 192, 5, 2, staged_scales=True), 256, block) is None
+    assert "accumulator registers" in fits(ScaledConfig(128, 192, 5, 2, issue_ahead=True), 8, block)
+    assert "accumulator registers" in fits(ScaledConfig(256, 128, 4, 2), 8, block)
+    assert scaled.describe_grouped("contiguous", 256, 32768, 4096, 7168).startswith(
+        "scaled-grouped-contiguous-block-promoted: 128x128")  # the default: unstaged
+    for t, staged_ok in ((512, True), (510, False)):
+        a, sa = quantize(torch.randn(t, 256), "1x128")
+        assert (staged_scales_reason(sa, 128) is None) == staged_ok
+        b, sb = quantize_experts(torch.randn(4, 256, 256), "128x128")
+        offs = torch.tensor([100, 100, 300, t], dtype=torch.int32)
+        plan, _ = _plan(a, b, sa, sb, offs, torch.bfloat16, None, False, False, staged, None, sms=132)
+        assert plan.config.staged_scales == staged_ok and plan.config.stages == 6
+    # masked: scale_a [E, Mmax, K/128] seen as [K/128, E, Mmax]
+    a, sa = quantize(torch.randn(4 * 64, 256), "1x128")
+    sa3 = sa.reshape(4, 64, 2)
+    assert staged_scales_reason(sa3, 128) is None and "contiguous" in staged_scales_reason(sa3.contiguous(), 128)
+    b, sb = quantize_experts(torch.randn(4, 256, 256), "128x128")
+    counts = torch.tensor([0, 5, 64, 33], dtype=torch.int32)
+    plan, _ = _plan(a.view(4, 64, 256), b, sa3, sb, counts, torch.bfloat16, None, False, True, staged, None, sms=132)
+    assert plan.config.staged_scales and plan.layout == "masked"
 
 
 def test_fp16_and_fp32_outputs_and_many_groups_compile():

@@ -25,7 +25,10 @@ ring of 128-wide k-blocks full; consumers 1..C own BM / C rows of a tile each. S
   epilogue; with ``EPI.promote`` (torch's use_fast_accum=False) each k-block is still added into fp32 sums,
   else the tensor core accumulates all of K (``consume_k_blocks``).
 
-The epilogue stores bf16/fp16/fp32 through registers, masked at the group's end (``store_tile``).
+The epilogue stores bf16/fp16/fp32 through registers, masked at the group's end (``store_tile``); with
+``CFG.tma_store`` (16-bit outputs) a consumer's rows that lie inside their group are staged in shared memory and
+TMA-stored instead (``stage_tile``, the dense kernels' epilogue; the grouped bf16 kernel's rule), the others still
+through registers.
 """
 from __future__ import annotations
 
@@ -33,8 +36,9 @@ import functools
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.ops.common.epilogue import store_tile
-from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
+from nvfly.arch.ptx import smem_address
+from nvfly.ops.common.epilogue import check_store_descriptor, stage_tile, store_tile
+from nvfly.ops.common.gemm_config import CONSUMER_REGS, PRODUCER_REGS, Epilogue
 from nvfly.ops.common.groups import fill_group_table, group_rows_end, group_table, group_work
 from nvfly.ops.common.mainloop import init_ring, load_boxes, produce_tiles
 from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
@@ -46,14 +50,15 @@ GROUPED_SCALINGS = ("block", "row")
 
 
 @nvfly.kernel
-def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor,
+def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, out_desc,
                           offs: nvfly.Tensor, sa_desc, scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, m: nvfly.i32,
                           n: nvfly.i32, k_tiles: nvfly.i32, CFG: nvfly.Constexpr, GROUPS: nvfly.Constexpr,
                           LAYOUT: nvfly.Constexpr, EPI: nvfly.Constexpr):
     """``m``: the rows bound (contiguous: T, masked: Mmax); ``offs``: the cumulative ends (contiguous) or the
     counts (masked), int32 [GROUPS]; ``out``: [1, T, N] (contiguous) or [E, Mmax, N]; ``sa_desc`` (``CFG.staged_scales``,
     else None): scale_a seen as [K/128, T] (contiguous) or [K/128, E, Mmax] (masked), boxes of one k-block's BM
-    rows."""
+    rows; ``out_desc`` (``CFG.tma_store``, else None): the 16-bit output's TMA descriptor, [T, N] (contiguous) or
+    [E, Mmax, N], ``store_box``'s boxes."""
     dtype = a_desc.info.dtype
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
     WG_M = CFG.wg_m
@@ -65,9 +70,15 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
     warp = nvfly.warp_idx()
     lane = nvfly.lane_idx()
     wg = warp // 4
-    ring, pipe = fp8_ring(CFG)  # then the group table
-    init_ring(pipe, tid, a_desc, b_desc, None, False)
-    table, totals = group_table(BARRIER_BYTES + S * CFG.stage_bytes, GROUPS)
+    ring, pipe = fp8_ring(CFG)  # then the TMA-store staging buffers (tma_store), then the group table
+    TMA_STORE = CFG.tma_store
+    staging = None
+    if TMA_STORE:
+        check_store_descriptor(out_desc, CFG, MASKED_A)
+        staging = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (CFG.staging_bytes(),),
+                                                           offset_bytes=CFG.ring_end))
+    init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
+    table, totals = group_table(CFG.smem_bytes(), GROUPS)
     fill_group_table(table, totals, offs, m, tid, lane, warp, THREADS, BM, LAYOUT, GROUPS)
     nvfly.syncthreads()  # the barriers and the table exist before anyone uses them
     TILING = Tiling(BM, BN, CFG.group_m, groups=GROUPS)
@@ -113,9 +124,24 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
             if EPI.scaling == "row":
                 accs = row_scaled(accs, scale_a, scale_b, a_group, g, row0, col0, m, n, BN, ATOMS_M)
             row_end = group_rows_end(offs, g, m, LAYOUT, GROUPS)
-            inside = (row_base + (consumer + 1) * WG_M <= row_end) & (work.tile_n * BN + BN <= n)
-            store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
-                       Epilogue(), inside)
+            tile_row = row_base + consumer * WG_M  # the consumer's first output row
+            inside = (tile_row + WG_M <= row_end) & (work.tile_n * BN + BN <= n)
+            if TMA_STORE:
+                # rows inside the group: staged and TMA-stored (clips N), drained under the next tile's mainloop;
+                # else registers, masked at the group's end (a TMA store would write the next group's rows)
+                if tile_row + WG_M <= row_end:
+                    stage_tile(out_desc, None, accs, staging + consumer * (CFG.staging_bytes() // WGS), g, tile_row,
+                               work.tile_n * BN, row0, col0, m, n, 1.0, 0.0, consumer, warp_in_wg, lane, CFG,
+                               ATOMS_M, Epilogue(), MASKED_A, False)
+                else:
+                    store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
+                               Epilogue(), False)
+            else:
+                store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
+                           Epilogue(), inside)
+        if TMA_STORE:
+            if (warp_in_wg == 0) & (lane == 0):
+                sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
 
 
 def row_scaled(accs: list, scale_a, scale_b, a_group, g, row0, col0, m, n, BN: int, ATOMS_M: int) -> list:

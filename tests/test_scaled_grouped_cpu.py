@@ -26,12 +26,18 @@ VARIANTS = [
     ("masked", ScaledConfig(128, 192, 5, 2, staged_scales=True), ScaledEpilogue("block", True)),
     ("contiguous", ScaledConfig(128, 160, 5, 2, staged_scales=True), ScaledEpilogue("block", True)),
     ("contiguous", ScaledConfig(128, 192, 5, 2), ScaledEpilogue("block", True)),
+    # the TMA-store epilogue (rows inside their group; the others through registers)
+    ("contiguous", ScaledConfig(128, 128, 6, 2, issue_ahead=True, staged_scales=True, tma_store=True),
+     ScaledEpilogue("block", True)),
+    ("masked", ScaledConfig(128, 192, 5, 2, staged_scales=True, tma_store=True), ScaledEpilogue("block", True)),
+    ("contiguous", ScaledConfig(128, 160, 5, 2, staged_scales=True, tma_store=True), ScaledEpilogue("block", True)),
+    ("contiguous", ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("row", True)),
 ]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{v[1].bm}x{v[1].bn}-{v[2].scaling}"
                          f"{'-promoted' if v[2].promote else ''}{'-ahead' if v[1].issue_ahead else ''}"
-                         f"{'-staged' if v[1].staged_scales else ''}")
+                         f"{'-staged' if v[1].staged_scales else ''}{'-tmastore' if v[1].tma_store else ''}")
 def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     layout, cfg, epi = variant
     (k,) = compile_grouped_variants([variant], groups=8)
@@ -40,6 +46,10 @@ def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
     plan = make_grouped_plan(layout, epi, 8, 4096, 4096, 4096, 512, 132, cfg)
     assert k.dynamic_smem_bytes == plan.smem_bytes
+    # the TMA-store epilogue: a TMA store per column slice of the consumer's rows, staged with stmatrix; the register
+    # stores stay for rows that cross their group's end
+    assert (k.count("UTMASTG") > 0) == cfg.tma_store and (k.count("STSM") > 0) == cfg.tma_store
+    assert k.count("STG") > 0
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
@@ -91,6 +101,32 @@ def test_staged_scales_and_wide_tiles_plans_and_fallback():
     counts = torch.tensor([0, 5, 64, 33], dtype=torch.int32)
     plan, _ = _plan(a.view(4, 64, 256), b, sa3, sb, counts, torch.bfloat16, None, False, True, staged, None, sms=132)
     assert plan.config.staged_scales and plan.layout == "masked"
+
+
+def test_tma_store_plans_and_fallback():
+    """The TMA-store epilogue's staging buffers come out of the ring (one stage fewer at 256 groups), its output
+    boxes are the dense kernels' (2-D for the contiguous [T, N], 3-D for the masked [E, Mmax, N]), and f32 outputs
+    store through registers."""
+    from nvfly.ops.scaled.grouped import _plan
+    block = ScaledEpilogue("block", True)
+    plain = deepest(ScaledConfig(128, 128, 2, 2, issue_ahead=True), 256)
+    store = deepest(replace(plain, tma_store=True), 256)
+    assert store.staging_bytes() == 2 * 64 * 64 * 2 and store.stages == plain.stages - 1
+    contiguous = make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 132, store)
+    assert contiguous.store_box == ((64, 64), 128) and contiguous.smem_bytes <= 232448
+    masked = make_grouped_plan("masked", block, 256, 256, 4096, 7168, 128, 132, store)
+    assert masked.store_box == ((1, 64, 64), 128)
+    assert make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 132, plain).store_box is None
+    a, sa = quantize(torch.randn(512, 256), "1x128")
+    b, sb = quantize_experts(torch.randn(4, 256, 256), "128x128")
+    offs = torch.tensor([100, 100, 300, 512], dtype=torch.int32)
+    for out_dtype, stored in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
+        plan, _ = _plan(a, b, sa, sb, offs, out_dtype, None, False, False, store, None, sms=132)
+        assert plan.config.tma_store == stored and (plan.store_box is not None) == stored
+    strided = torch.empty(512, 264, dtype=torch.bfloat16)[:, :256]  # rows 528 bytes apart: TMA can store them
+    assert _plan(a, b, sa, sb, offs, torch.bfloat16, strided, False, False, store, None, sms=132)[0].store_box
+    odd = torch.empty(512, 260, dtype=torch.bfloat16)[:, :256]  # 520 bytes: not a multiple of 16
+    assert not _plan(a, b, sa, sb, offs, torch.bfloat16, odd, False, False, store, None, sms=132)[0].store_box
 
 
 def test_fp16_and_fp32_outputs_and_many_groups_compile():

@@ -107,11 +107,17 @@ def test_moe_routing_many_experts(hopper):
 
 
 # issue #30's block-scale tiles (benchmarks.grouped's FP8_BLOCK_VARIANTS): staged activation scales on the default
-# tile, 192 and 160 wide (in order), and 192 wide reading sa from global
+# tile, 192 and 160 wide (in order), 192 wide reading sa from global, and the TMA-store epilogue (rows inside their
+# group; the rest through registers)
 BLOCK_VARIANTS = [ScaledConfig(128, 128, 6, 2, issue_ahead=True, staged_scales=True),
                   ScaledConfig(128, 192, 5, 2, staged_scales=True), ScaledConfig(128, 160, 5, 2, staged_scales=True),
-                  ScaledConfig(128, 192, 5, 2)]
-BLOCK_IDS = ["128x128-ahead-staged", "128x192-staged", "128x160-staged", "128x192"]
+                  ScaledConfig(128, 192, 5, 2),
+                  ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True),
+                  ScaledConfig(128, 128, 6, 2, issue_ahead=True, tma_store=True),
+                  ScaledConfig(128, 192, 4, 2, staged_scales=True, tma_store=True),
+                  ScaledConfig(128, 160, 5, 2, staged_scales=True, tma_store=True)]
+BLOCK_IDS = ["128x128-ahead-staged", "128x192-staged", "128x160-staged", "128x192", "128x128-ahead-staged-tmastore",
+             "128x128-ahead-tmastore", "128x192-staged-tmastore", "128x160-staged-tmastore"]
 
 
 def staged_runs(sa, config):
@@ -152,10 +158,11 @@ def test_block_variants_masked(hopper, config):
     check(out, scaled.grouped_reference(a, b, sa, sb, counts, masked=True), TOL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("config", BLOCK_VARIANTS[:2], ids=BLOCK_IDS[:2])
+@pytest.mark.parametrize("config", BLOCK_VARIANTS[:2] + BLOCK_VARIANTS[4:5], ids=BLOCK_IDS[:2] + BLOCK_IDS[4:5])
 def test_block_variants_long_k(hopper, config):
-    """DeepSeek-V3's K = 7168 with f32 outputs (the promotion's accuracy over 56 k-blocks) on E = 16 experts, and the
-    staged path's fallback: scale_a with T not a multiple of 4 is read from global (the same result)."""
+    """DeepSeek-V3's K = 7168 with f32 outputs (the promotion's accuracy over 56 k-blocks; a TMA-store config stores
+    them through registers) on E = 16 experts, and the staged path's fallback: scale_a with T not a multiple of 4 is
+    read from global (the same result)."""
     sizes = [96, 0, 33, 160, 128, 128, 1, 0, 255, 64, 64, 7, 130, 0, 40, 2]
     k, n = 7168, 384
     a, sa = tokens(sum(sizes) + 4, k, "block")
@@ -169,6 +176,30 @@ def test_block_variants_long_k(hopper, config):
     got = scaled.scaled_grouped_mm(a3, b, sa3, sb, offs, out_dtype=torch.float32, config=config)
     owned = ~out[:odd].isnan()
     assert torch.equal(got[owned], out[:odd][owned])
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["contiguous", "masked"])
+def test_row_wise_tma_store(hopper, masked):
+    """The TMA-store epilogue with row-wise scales (applied in registers before staging), fp16 out."""
+    config = ScaledConfig(128, 128, 6, 2, tma_store=True)
+    k, n = 512, 320
+    if masked:
+        e, capacity = 6, 160
+        counts = torch.tensor([0, 1, 160, 77, 128, 64], dtype=torch.int32, device="cuda")
+        a, sa = tokens(e * capacity, k, "row")
+        a, sa = a.view(e, capacity, k), sa.view(e, capacity)
+        b, sb = experts(e, n, k, "row")
+        out = torch.full((e, capacity, n), float("nan"), device="cuda", dtype=torch.float16)
+        scaled.scaled_grouped_mm_masked(a, b, sa, sb, counts, out=out, out_dtype=torch.float16, config=config)
+        check(out, scaled.grouped_reference(a, b, sa, sb, counts, masked=True), TOL[torch.float16])
+        return
+    sizes = CONTIGUOUS_SIZES[3]
+    a, sa = tokens(sum(sizes) + 8, k, "row")
+    b, sb = experts(len(sizes), n, k, "row")
+    offs = sizes_to_offs(sizes)
+    out = torch.full((sum(sizes) + 8, n), float("nan"), device="cuda", dtype=torch.float16)
+    scaled.scaled_grouped_mm(a, b, sa, sb, offs, out=out, out_dtype=torch.float16, config=config)
+    check(out, scaled.grouped_reference(a, b, sa, sb, offs), TOL[torch.float16])
 
 
 def torch_own(*args, **kwargs):

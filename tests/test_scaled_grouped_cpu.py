@@ -11,6 +11,7 @@ from nvfly.ops import scaled
 from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.grouped import compile_grouped_variants
 from nvfly.ops.scaled.grouped_plan import MAX_GROUPS, deepest, fits, make_grouped_plan
+from nvfly.ops.scaled.plan import make_plan
 from nvfly.ops.scaled.quantize import quantize, quantize_experts
 from tests.test_grouped_cpu import check_kernel
 
@@ -32,12 +33,18 @@ VARIANTS = [
     ("masked", ScaledConfig(128, 192, 5, 2, staged_scales=True, tma_store=True), ScaledEpilogue("block", True)),
     ("contiguous", ScaledConfig(128, 160, 5, 2, staged_scales=True, tma_store=True), ScaledEpilogue("block", True)),
     ("contiguous", ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("row", True)),
+    # 2-block clusters along N multicasting A
+    ("contiguous", ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True, cluster_n=2),
+     ScaledEpilogue("block", True)),
+    ("masked", ScaledConfig(128, 192, 5, 2, staged_scales=True, cluster_n=2), ScaledEpilogue("block", True)),
+    ("contiguous", ScaledConfig(128, 128, 6, 2, cluster_n=2), ScaledEpilogue("row", False)),
 ]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{v[1].bm}x{v[1].bn}-{v[2].scaling}"
                          f"{'-promoted' if v[2].promote else ''}{'-ahead' if v[1].issue_ahead else ''}"
-                         f"{'-staged' if v[1].staged_scales else ''}{'-tmastore' if v[1].tma_store else ''}")
+                         f"{'-staged' if v[1].staged_scales else ''}{'-tmastore' if v[1].tma_store else ''}"
+                         f"{'-cluster2n' if v[1].cluster_n > 1 else ''}")
 def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     layout, cfg, epi = variant
     (k,) = compile_grouped_variants([variant], groups=8)
@@ -50,6 +57,9 @@ def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     # stores stay for rows that cross their group's end
     assert (k.count("UTMASTG") > 0) == cfg.tma_store and (k.count("STSM") > 0) == cfg.tma_store
     assert k.count("STG") > 0
+    # clusters: each block loads its half of A and multicasts it; a stage is released on both blocks' barriers
+    assert ("MULTICAST" in k.sass()) == (cfg.cluster_n > 1)
+    assert k.cluster == ((2, 1, 1) if cfg.cluster_n > 1 else None)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
@@ -127,6 +137,22 @@ def test_tma_store_plans_and_fallback():
     assert _plan(a, b, sa, sb, offs, torch.bfloat16, strided, False, False, store, None, sms=132)[0].store_box
     odd = torch.empty(512, 260, dtype=torch.bfloat16)[:, :256]  # 520 bytes: not a multiple of 16
     assert not _plan(a, b, sa, sb, offs, torch.bfloat16, odd, False, False, store, None, sms=132)[0].store_box
+
+
+def test_cluster_plans():
+    """cluster_n=2: A's box is half the tile rows (each block loads and multicasts one half), the grid a whole number
+    of clusters, the tile bound in whole cluster columns; the dense scaled GEMM takes no cluster."""
+    block = ScaledEpilogue("block", True)
+    cfg = deepest(ScaledConfig(128, 128, 2, 2, issue_ahead=True, cluster_n=2), 256)
+    plan = make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 132, cfg)
+    assert plan.a_box == (64, 128) and plan.b_box == (1, 128, 128) and plan.grid == 132
+    # the tile rows' bound x 3 tile columns in 2 clusters (4 columns)
+    assert make_grouped_plan("masked", block, 4, 100, 320, 512, 100, 131, cfg).grid == 4 * 4
+    assert make_grouped_plan("contiguous", block, 2, 100, 320, 512, 50, 131, cfg).grid == (1 + 2) * 4
+    assert make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 131, cfg).grid == 130
+    assert "cluster_n=3" in fits(replace(cfg, cluster_n=3), 8, block)
+    with pytest.raises(ValueError, match="^config: cluster_n: only the grouped"):
+        make_plan(4096, 4096, 4096, block, ScaledConfig(128, 128, 6, 2, cluster_n=2), None, 132)
 
 
 def test_fp16_and_fp32_outputs_and_many_groups_compile():

@@ -54,7 +54,9 @@ class ScaledConfig(StagedStore):
     (the dense GEMM's stream K; the plan decides whether the shape has such a wave); ``staged_scales`` (block scales):
     the producer also TMA-loads the k-block's bm activation scales (sa[tile rows, kb], f32) into the stage, behind
     its operands in a 1024-byte slot (``SCALE_SLOT``), and the consumers read them from shared memory instead of
-    global (DeepGEMM's)."""
+    global (DeepGEMM's); ``cluster_n`` (the grouped kernel only): 2-block clusters take tile columns 2j and 2j + 1
+    of one tile row, each block loads half of the shared A tile and multicasts it to both (the grouped bf16 GEMM's
+    ``cluster_n``)."""
     bm: int = 128
     bn: int = 128
     stages: int = 6
@@ -68,6 +70,7 @@ class ScaledConfig(StagedStore):
     stream_k: bool = False
     split_fix_up: bool = False
     staged_scales: bool = False
+    cluster_n: int = 1
 
     @property
     def wg_m(self) -> int:
@@ -119,6 +122,8 @@ class ScaledConfig(StagedStore):
         if registers > most:
             return (f"{self.wg_m}x{self.bn} per consumer needs {registers} accumulator registers (at most {most}, "
                     f"{accumulators} accumulator(s))")
+        if self.cluster_n not in (1, 2):
+            return f"cluster_n={self.cluster_n}: 1 or 2 blocks per cluster"
         if self.stages < 2:
             return "at least 2 stages"
         if self.staging_reason():

@@ -147,7 +147,7 @@ class _GroupedScaledCall:
     def __init__(self, plan: ScaledGroupedPlan, shape: tuple):
         self.plan = plan
         self.shape = shape
-        self.launch = scaled_grouped_kernel.prepared(plan.grid, plan.threads)
+        self.launch = scaled_grouped_kernel.prepared(plan.grid, plan.threads, (plan.config.cluster_n, 1, 1))
 
     def run(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
             offs: torch.Tensor, out: torch.Tensor) -> None:
@@ -340,5 +340,7 @@ def compile_grouped_variants(variants: Sequence[tuple[str, ScaledConfig, ScaledE
         kernels.append(scaled_grouped_kernel.compile(a_desc, b_desc, out, out_desc, TensorDesc(nvfly.i32, (groups,)),
                                                      sa_desc,
                                                      sa, sb, size, size, plan.k_tiles, CFG=plan.config, GROUPS=groups,
-                                                     LAYOUT=layout, EPI=epi, block=plan.threads, target=target))
+                                                     LAYOUT=layout, EPI=epi, block=plan.threads,
+                                                     cluster=(cfg.cluster_n, 1, 1) if cfg.cluster_n > 1 else None,
+                                                     target=target))
     return kernels

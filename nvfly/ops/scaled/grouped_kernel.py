@@ -80,12 +80,19 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
     init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
     table, totals = group_table(CFG.smem_bytes(), GROUPS)
     fill_group_table(table, totals, offs, m, tid, lane, warp, THREADS, BM, LAYOUT, GROUPS)
-    nvfly.syncthreads()  # the barriers and the table exist before anyone uses them
-    TILING = Tiling(BM, BN, CFG.group_m, groups=GROUPS)
+    CN = CFG.cluster_n
+    if CN > 1:
+        sm90.cluster_sync()  # every block's barriers (and table) exist before any multicast or remote arrive
+    else:
+        nvfly.syncthreads()  # the barriers and the table exist before anyone uses them
+    rank = nvfly.block_rank_in_cluster() if CN > 1 else 0
+    TILING = Tiling(BM, BN, CFG.group_m, groups=GROUPS, cluster_n=CN)
     first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1, k_tiles, table, TILING)
 
     tiles_of = k_major_tiles(BM, BN, dtype)
-    a_boxes, b_boxes = tiles_of[2:4]
+    b_boxes = tiles_of[3]
+    # cluster_n: block r loads slice r of the A tile (the cluster's shared rows) and multicasts it to both
+    a_parts = sm90.operand_boxes(tiles_of[0], BM, BK, dtype, "K", 128, CN)[1]
     A_BYTES = BM * BK
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
@@ -95,27 +102,33 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
                 row_base, k_base, blocks = group_work(offs, g, work.tile_m, m, 0, k_tiles, BM, BK, LAYOUT, GROUPS)
 
                 def load(kt, base, full):
-                    load_boxes(a_desc, a_boxes, row_base, kt * BK, "K", base, full, g if MASKED_A else None)
+                    for r in nvfly.static_range(CN):
+                        if CN == 1 or rank == r:
+                            load_boxes(a_desc, a_parts[r], row_base, kt * BK, "K", base, full,
+                                       g if MASKED_A else None, multicast_mask=(1 << CN) - 1 if CN > 1 else None)
                     load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, g)
                     if CFG.staged_scales:  # the tile rows' sa[:, kt] (rows past the operand: TMA's zeros)
                         rows = (g, row_base) if MASKED_A else (row_base,)
                         sm90.tma_load(sa_desc, base + CFG.scales_offset, (kt,) + rows, full)
                 return 0, k_tiles, load
 
-            produce_tiles(pipe, ring, CFG.stage_bytes, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads)
+            produce_tiles(pipe, ring, CFG.stage_bytes, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads,
+                          rank)
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
         consumer = wg - 1
         warp_in_wg = warp % 4
         state = sm90.PipelineState.start(S)
         for tile in range(first_tile, num_units, tile_step):
-            work = unit_work(tile, tiles, 0, TILING)
+            work = unit_work(tile, tiles, rank, TILING)
             g = work.batch
             row_base, k_base, blocks = group_work(offs, g, work.tile_m, m, 0, k_tiles, BM, BK, LAYOUT, GROUPS)
             row0 = row_base + consumer * WG_M + warp_in_wg * 16 + lane // 4
             col0 = work.tile_n * BN + 2 * (lane % 4)
             a_group = g if MASKED_A else None
-            scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
+            # a cluster's last column may lie past N (computed, not stored): its weight scales read the last block's
+            scale_col = nvfly.minimum(col0, n - 1) if CN > 1 else col0
+            scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, scale_col, m=m, n=n, BN=BN,
                                           ATOMS_M=ATOMS_M, EPI=EPI, a_group=a_group, b_group=g)
             if CFG.staged_scales:  # sa from the stage: the thread's first row's word in its slot
                 scales_of = functools.partial(scales_of, staged_row=CFG.scales_offset + 4 * (row0 - row_base))
@@ -142,6 +155,8 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
+    if CN > 1:
+        sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
 
 
 def row_scaled(accs: list, scale_a, scale_b, a_group, g, row0, col0, m, n, BN: int, ATOMS_M: int) -> list:

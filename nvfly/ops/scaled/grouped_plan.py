@@ -85,13 +85,15 @@ def make_grouped_plan(layout: str, epilogue: ScaledEpilogue, groups: int, m: int
     why = fits(config, groups, epilogue)
     if why:
         raise ValueError(f"config: {why}")
+    cn = config.cluster_n
     if layout == "contiguous":  # a group adds at most one partial tile row to the tokens'
         bound_rows = math.ceil(m / config.bm) + groups
     else:
         bound_rows = groups * math.ceil(m / config.bm)
-    tiles = bound_rows * math.ceil(n / config.bn)
+    tiles = bound_rows * math.ceil(n / (config.bn * cn)) * cn  # whole clusters of tile columns
     batch = (1,) if layout == "masked" else ()
     return ScaledGroupedPlan(config=config, epilogue=epilogue, swap=False, m=m, n=n, k=k, k_tiles=math.ceil(k / BK),
-                             grid=max(1, min(tiles, sms)), threads=128 * (1 + config.consumers),
-                             a_box=batch + (config.bm, BK), b_box=(1, config.bn, BK), layout=layout, groups=groups,
+                             grid=max(cn, min(tiles, sms // cn * cn)), threads=128 * (1 + config.consumers),
+                             a_box=batch + (config.bm // cn, BK), b_box=(1, config.bn, BK), layout=layout,
+                             groups=groups,
                              store_box=store_box(config, layout == "masked") if config.tma_store else None)

@@ -37,7 +37,7 @@ round times every implementation once, so that clock drift lands on all alike; t
 FP8 rows (``--fp8``, ``FP8_QUICK``/``FP8_FULL``): DeepSeek-V3's experts (E256 top-8) at 4096 tokens and decode
 batches, contiguous and masked, on ``nvfly.ops.scaled.scaled_grouped_mm``: its block path (1x128 x 128x128, the
 heuristic's tile, which issues ahead at 128 rows, the serial one and ``FP8_BLOCK_VARIANTS``: staged activation
-scales, the TMA-store epilogue, 192- and 160-wide tiles) and its row-wise path next to
+scales, the TMA-store epilogue, 192- and 160-wide tiles, clusters multicasting A) and its row-wise path next to
 torch._scaled_grouped_mm (row-wise, what torch runs on sm90) and the bf16 grouped GEMMs (nvfly's and torch._grouped_mm) of the same routing; errors against
 float32 references first.
 
@@ -570,7 +570,8 @@ FP8_RATIOS = {"vs_torch_row": ("torch_row", "nvfly"), "vs_nvfly_bf16": ("nvfly_b
 # the block path's candidate 128-row tiles timed beside the default (issue #30): name -> ScaledConfig fields (the ring
 # then as deep as fits next to the group table), each also a "<name>_vs_default" ratio. staged: the producer stages
 # the activation scales; store: the TMA-store epilogue (rows inside their group); wide: 128 x 192 in order (three
-# 64-column weight-block runs, no third accumulator); wide160: 128 x 160 (five 32-column runs)
+# 64-column weight-block runs, no third accumulator); wide160: 128 x 160 (five 32-column runs); cluster: 2-block
+# clusters along N, each block loading half of the shared A tile and multicasting it
 FP8_BLOCK_VARIANTS = {
     "nvfly_staged": dict(bm=128, bn=128, consumers=2, issue_ahead=True, staged_scales=True),
     "nvfly_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True),
@@ -579,6 +580,9 @@ FP8_BLOCK_VARIANTS = {
     "nvfly_wide_store": dict(bm=128, bn=192, consumers=2, staged_scales=True, tma_store=True),
     "nvfly_wide160_store": dict(bm=128, bn=160, consumers=2, staged_scales=True, tma_store=True),
     "nvfly_wide_global": dict(bm=128, bn=192, consumers=2),
+    "nvfly_cluster_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, staged_scales=True, tma_store=True,
+                                cluster_n=2),
+    "nvfly_wide_cluster_store": dict(bm=128, bn=192, consumers=2, staged_scales=True, tma_store=True, cluster_n=2),
 }
 FP8_RATIOS.update({f"{name[len('nvfly_'):]}_vs_default": ("nvfly", name) for name in FP8_BLOCK_VARIANTS})
 

@@ -107,17 +107,21 @@ def test_moe_routing_many_experts(hopper):
 
 
 # issue #30's block-scale tiles (benchmarks.grouped's FP8_BLOCK_VARIANTS): staged activation scales on the default
-# tile, 192 and 160 wide (in order), 192 wide reading sa from global, and the TMA-store epilogue (rows inside their
-# group; the rest through registers)
+# tile, 192 and 160 wide (in order), 192 wide reading sa from global, the TMA-store epilogue (rows inside their
+# group; the rest through registers) and 2-block clusters along N multicasting A (N = 352 on 128-wide tiles: 3 tile
+# columns, the cluster's 4th computed past N and not stored)
 BLOCK_VARIANTS = [ScaledConfig(128, 128, 6, 2, issue_ahead=True, staged_scales=True),
                   ScaledConfig(128, 192, 5, 2, staged_scales=True), ScaledConfig(128, 160, 5, 2, staged_scales=True),
                   ScaledConfig(128, 192, 5, 2),
                   ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True),
                   ScaledConfig(128, 128, 6, 2, issue_ahead=True, tma_store=True),
                   ScaledConfig(128, 192, 4, 2, staged_scales=True, tma_store=True),
-                  ScaledConfig(128, 160, 5, 2, staged_scales=True, tma_store=True)]
+                  ScaledConfig(128, 160, 5, 2, staged_scales=True, tma_store=True),
+                  ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True, cluster_n=2),
+                  ScaledConfig(128, 192, 4, 2, staged_scales=True, tma_store=True, cluster_n=2)]
 BLOCK_IDS = ["128x128-ahead-staged", "128x192-staged", "128x160-staged", "128x192", "128x128-ahead-staged-tmastore",
-             "128x128-ahead-tmastore", "128x192-staged-tmastore", "128x160-staged-tmastore"]
+             "128x128-ahead-tmastore", "128x192-staged-tmastore", "128x160-staged-tmastore",
+             "128x128-ahead-staged-tmastore-cluster2n", "128x192-staged-tmastore-cluster2n"]
 
 
 def staged_runs(sa, config):
@@ -178,10 +182,13 @@ def test_block_variants_long_k(hopper, config):
     assert torch.equal(got[owned], out[:odd][owned])
 
 
+@pytest.mark.parametrize("config", [ScaledConfig(128, 128, 6, 2, tma_store=True),
+                                    ScaledConfig(128, 128, 6, 2, tma_store=True, cluster_n=2)],
+                         ids=["tmastore", "tmastore-cluster2n"])
 @pytest.mark.parametrize("masked", [False, True], ids=["contiguous", "masked"])
-def test_row_wise_tma_store(hopper, masked):
-    """The TMA-store epilogue with row-wise scales (applied in registers before staging), fp16 out."""
-    config = ScaledConfig(128, 128, 6, 2, tma_store=True)
+def test_row_wise_tma_store(hopper, masked, config):
+    """The TMA-store epilogue with row-wise scales (applied in registers before staging), fp16 out; with clusters
+    along N (320 columns: 3 tile columns, a 4th computed and not stored)."""
     k, n = 512, 320
     if masked:
         e, capacity = 6, 160

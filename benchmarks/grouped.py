@@ -44,7 +44,8 @@ float32 references first.
 Usage: python -m benchmarks.grouped [--quick] [--moe] [--moe-layers NAME] [--no-compile] [--moe-profile CALLS]
 [--wgrad-variants] [--variants] [--fp8] [--no-triton] [--triton-cases N] [--name grouped]. --variants: the forward
 variants alone (a few minutes: Inductor's autotuning of the four rows is most of it; --no-triton leaves it out).
---fp8 --quick: the four FP8 anchor rows (under a minute). --quick: the anchor rows (under 3 minutes on the H200,
+--fp8 --quick: the four FP8 anchor rows (a few minutes: the 4096-token rows compile and time the
+FP8_BLOCK_VARIANTS too). --quick: the anchor rows (under 3 minutes on the H200,
 Inductor on
 the first case only). --moe alone: the MoE-layer rows only; with --quick: both. Writes
 benchmarks/results/<name>_h200.json and .png (default name: grouped, grouped_moe, grouped_wgrad, grouped_variants
@@ -722,7 +723,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", action="store_true",
                    help="the compute-bound forward rows on each forward variant vs torch and Inductor (alone)")
     p.add_argument("--fp8", action="store_true",
-                   help="the grouped FP8 rows alone (DeepSeek-V3 experts; with --quick: four, under a minute)")
+                   help="the grouped FP8 rows alone (DeepSeek-V3 experts; with --quick: four, a few minutes)")
     p.add_argument("--no-triton", action="store_true", help="leave out Inductor max-autotune's grouped mm")
     p.add_argument("--triton-cases", type=int, default=None,
                    help="time Inductor on the first N forward cases (default: 1 with --quick, all forward cases)")

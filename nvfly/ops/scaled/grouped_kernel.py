@@ -25,6 +25,10 @@ ring of 128-wide k-blocks full; consumers 1..C own BM / C rows of a tile each. S
   epilogue; with ``EPI.promote`` (torch's use_fast_accum=False) each k-block is still added into fp32 sums,
   else the tensor core accumulates all of K (``consume_k_blocks``).
 
+With ``CFG.cluster_n`` 2, two blocks take tile columns 2j and 2j + 1 of one tile row (one group's rows): each
+TMA-loads half of the A tile and multicasts it to both, and a stage is released on both blocks' barriers (the
+grouped bf16 kernel's clusters along N); a last cluster column past N is computed and not stored.
+
 The epilogue stores bf16/fp16/fp32 through registers, masked at the group's end (``store_tile``); with
 ``CFG.tma_store`` (16-bit outputs) a consumer's rows that lie inside their group are staged in shared memory and
 TMA-stored instead (``stage_tile``, the dense kernels' epilogue; the grouped bf16 kernel's rule), the others still
@@ -138,7 +142,6 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
                 accs = row_scaled(accs, scale_a, scale_b, a_group, g, row0, col0, m, n, BN, ATOMS_M)
             row_end = group_rows_end(offs, g, m, LAYOUT, GROUPS)
             tile_row = row_base + consumer * WG_M  # the consumer's first output row
-            inside = (tile_row + WG_M <= row_end) & (work.tile_n * BN + BN <= n)
             if TMA_STORE:
                 # rows inside the group: staged and TMA-stored (clips N), drained under the next tile's mainloop;
                 # else registers, masked at the group's end (a TMA store would write the next group's rows)
@@ -150,6 +153,7 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
                     store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
                                Epilogue(), False)
             else:
+                inside = (tile_row + WG_M <= row_end) & (work.tile_n * BN + BN <= n)
                 store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
                            Epilogue(), inside)
         if TMA_STORE:

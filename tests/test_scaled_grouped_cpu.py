@@ -151,8 +151,27 @@ def test_cluster_plans():
     assert make_grouped_plan("contiguous", block, 2, 100, 320, 512, 50, 131, cfg).grid == (1 + 2) * 4
     assert make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 131, cfg).grid == 130
     assert "cluster_n=3" in fits(replace(cfg, cluster_n=3), 8, block)
-    with pytest.raises(ValueError, match="^config: cluster_n: only the grouped"):
+    with pytest.raises(ValueError, match="^config: cluster_n, stream_a, stream_b: only the grouped"):
         make_plan(4096, 4096, 4096, block, ScaledConfig(128, 128, 6, 2, cluster_n=2), None, 132)
+
+
+def test_stream_hints():
+    """stream_b: the weights' TMA loads evict_first, the tokens' evict_last (every load hinted; the dense GEMM's
+    load_hint); unhinted by default; at most one operand streamed; the dense scaled GEMM takes none."""
+    from nvfly.arch.memory import L2Policy
+    block = ScaledEpilogue("block", True)
+    cfg = ScaledConfig(128, 128, 6, 2, issue_ahead=True, staged_scales=True)
+    hinted, plain = compile_grouped_variants([("contiguous", replace(cfg, stream_b=True), block),
+                                              ("contiguous", cfg, block)])
+    loads = [line for line in hinted.ptx.splitlines() if "cp.async.bulk.tensor" in line and "global.mbarrier" in line]
+    hinted_loads = [line for line in loads if ".L2::cache_hint" in line]
+    assert loads and len(hinted_loads) == 2 * len(loads) // 3  # A and B, not the staged scales
+    assert str(L2Policy.EVICT_FIRST.descriptor) in hinted.ptx and str(L2Policy.EVICT_LAST.descriptor) in hinted.ptx
+    assert ".L2::cache_hint" not in plain.ptx
+    check_kernel(hinted, "QGMMA.64x128x32.F32.E4M3.E4M3")
+    assert "at most one operand" in fits(replace(cfg, stream_a=True, stream_b=True), 8, block)
+    with pytest.raises(ValueError, match="^config: cluster_n, stream_a, stream_b"):
+        make_plan(4096, 4096, 4096, block, ScaledConfig(128, 128, 6, 2, stream_b=True), None, 132)
 
 
 def test_fp16_and_fp32_outputs_and_many_groups_compile():

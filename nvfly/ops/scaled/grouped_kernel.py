@@ -27,7 +27,8 @@ ring of 128-wide k-blocks full; consumers 1..C own BM / C rows of a tile each. S
 
 With ``CFG.cluster_n`` 2, two blocks take tile columns 2j and 2j + 1 of one tile row (one group's rows): each
 TMA-loads half of the A tile and multicasts it to both, and a stage is released on both blocks' barriers (the
-grouped bf16 kernel's clusters along N); a last cluster column past N is computed and not stored.
+grouped bf16 kernel's clusters along N); a last cluster column past N is computed and not stored. With
+``CFG.stream_b`` (or ``stream_a``) the operands' TMA loads carry L2 eviction hints (``load_hint``).
 
 The epilogue stores bf16/fp16/fp32 through registers, masked at the group's end (``store_tile``); with
 ``CFG.tma_store`` (16-bit outputs) a consumer's rows that lie inside their group are staged in shared memory and
@@ -42,7 +43,7 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import check_store_descriptor, stage_tile, store_tile
-from nvfly.ops.common.gemm_config import CONSUMER_REGS, PRODUCER_REGS, Epilogue
+from nvfly.ops.common.gemm_config import CONSUMER_REGS, PRODUCER_REGS, Epilogue, load_hint
 from nvfly.ops.common.groups import fill_group_table, group_rows_end, group_table, group_work
 from nvfly.ops.common.mainloop import init_ring, load_boxes, produce_tiles
 from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
@@ -109,8 +110,10 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
                     for r in nvfly.static_range(CN):
                         if CN == 1 or rank == r:
                             load_boxes(a_desc, a_parts[r], row_base, kt * BK, "K", base, full,
-                                       g if MASKED_A else None, multicast_mask=(1 << CN) - 1 if CN > 1 else None)
-                    load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, g)
+                                       g if MASKED_A else None, multicast_mask=(1 << CN) - 1 if CN > 1 else None,
+                                       cache_hint=load_hint(CFG, "A"))
+                    load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, g,
+                               cache_hint=load_hint(CFG, "B"))
                     if CFG.staged_scales:  # the tile rows' sa[:, kt] (rows past the operand: TMA's zeros)
                         rows = (g, row_base) if MASKED_A else (row_base,)
                         sm90.tma_load(sa_desc, base + CFG.scales_offset, (kt,) + rows, full)

@@ -162,8 +162,8 @@ class _GroupedScaledCall:
             if plan.config.staged_scales else None
         out_desc = cached_descriptor(out, *plan.store_box) if plan.store_box else None
         self.launch(cached_descriptor(a, plan.a_box, 128), cached_descriptor(b.transpose(-1, -2), plan.b_box, 128),
-                    out.unsqueeze(0) if plan.layout == "contiguous" else out, out_desc, offs, sa_desc, scale_a, sb, plan.m,
-                    plan.n, plan.k_tiles, plan.config, plan.groups, plan.layout, plan.epilogue)
+                    out.unsqueeze(0) if plan.layout == "contiguous" else out, out_desc, offs, sa_desc, scale_a, sb,
+                    plan.m, plan.n, plan.k_tiles, plan.config, plan.groups, plan.layout, plan.epilogue)
 
 
 _CALLS: OpCalls[_GroupedScaledCall] = OpCalls()

@@ -60,9 +60,9 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
                           n: nvfly.i32, k_tiles: nvfly.i32, CFG: nvfly.Constexpr, GROUPS: nvfly.Constexpr,
                           LAYOUT: nvfly.Constexpr, EPI: nvfly.Constexpr):
     """``m``: the rows bound (contiguous: T, masked: Mmax); ``offs``: the cumulative ends (contiguous) or the
-    counts (masked), int32 [GROUPS]; ``out``: [1, T, N] (contiguous) or [E, Mmax, N]; ``sa_desc`` (``CFG.staged_scales``,
-    else None): scale_a seen as [K/128, T] (contiguous) or [K/128, E, Mmax] (masked), boxes of one k-block's BM
-    rows; ``out_desc`` (``CFG.tma_store``, else None): the 16-bit output's TMA descriptor, [T, N] (contiguous) or
+    counts (masked), int32 [GROUPS]; ``out``: [1, T, N] (contiguous) or [E, Mmax, N]; ``sa_desc``
+    (``CFG.staged_scales``, else None): scale_a seen as [K/128, T] (contiguous) or [K/128, E, Mmax] (masked), boxes
+    of one k-block's BM rows; ``out_desc`` (``CFG.tma_store``, else None): the 16-bit output's TMA descriptor, [T, N] (contiguous) or
     [E, Mmax, N], ``store_box``'s boxes."""
     dtype = a_desc.info.dtype
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers

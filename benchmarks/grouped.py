@@ -36,14 +36,16 @@ round times every implementation once, so that clock drift lands on all alike; t
 
 FP8 rows (``--fp8``, ``FP8_QUICK``/``FP8_FULL``): DeepSeek-V3's experts (E256 top-8) at 4096 tokens and decode
 batches, contiguous and masked, on ``nvfly.ops.scaled.scaled_grouped_mm``: its block path (1x128 x 128x128, the
-heuristic's tile, which issues ahead at 128 rows, and the serial one) and its row-wise path next to
+heuristic's tile, which issues ahead at 128 rows, the serial one and ``FP8_BLOCK_VARIANTS``: staged activation
+scales, the TMA-store epilogue, 192- and 160-wide tiles, clusters multicasting A) and its row-wise path next to
 torch._scaled_grouped_mm (row-wise, what torch runs on sm90) and the bf16 grouped GEMMs (nvfly's and torch._grouped_mm) of the same routing; errors against
 float32 references first.
 
 Usage: python -m benchmarks.grouped [--quick] [--moe] [--moe-layers NAME] [--no-compile] [--moe-profile CALLS]
 [--wgrad-variants] [--variants] [--fp8] [--no-triton] [--triton-cases N] [--name grouped]. --variants: the forward
 variants alone (a few minutes: Inductor's autotuning of the four rows is most of it; --no-triton leaves it out).
---fp8 --quick: the four FP8 anchor rows (under a minute). --quick: the anchor rows (under 3 minutes on the H200,
+--fp8 --quick: the four FP8 anchor rows (a few minutes: the 4096-token rows compile and time the
+FP8_BLOCK_VARIANTS too). --quick: the anchor rows (under 3 minutes on the H200,
 Inductor on
 the first case only). --moe alone: the MoE-layer rows only; with --quick: both. Writes
 benchmarks/results/<name>_h200.json and .png (default name: grouped, grouped_moe, grouped_wgrad, grouped_variants
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import os
 import sys
@@ -565,6 +568,27 @@ FP8_FULL = FP8_QUICK + [
 FP8_RATIOS = {"vs_torch_row": ("torch_row", "nvfly"), "vs_nvfly_bf16": ("nvfly_bf16", "nvfly"),
               "vs_torch_bf16": ("torch_bf16", "nvfly"), "default_vs_serial": ("nvfly_serial", "nvfly"),
               "row_vs_torch_row": ("torch_row", "nvfly_row")}
+# the block path's candidate 128-row tiles timed beside the default (issue #30): name -> ScaledConfig fields (the ring
+# then as deep as fits next to the group table), each also a "<name>_vs_default" ratio. staged: the producer stages
+# the activation scales; store: the TMA-store epilogue (rows inside their group); wide: 128 x 192 in order (three
+# 64-column weight-block runs, no third accumulator); wide160: 128 x 160 (five 32-column runs); cluster: 2-block
+# clusters along N, each block loading half of the shared A tile and multicasting it; stream: the weights' loads
+# evict_first, the tokens' evict_last
+FP8_BLOCK_VARIANTS = {
+    "nvfly_staged": dict(bm=128, bn=128, consumers=2, issue_ahead=True, staged_scales=True),
+    "nvfly_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True),
+    "nvfly_staged_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, staged_scales=True, tma_store=True),
+    "nvfly_wide": dict(bm=128, bn=192, consumers=2, staged_scales=True),
+    "nvfly_wide_store": dict(bm=128, bn=192, consumers=2, staged_scales=True, tma_store=True),
+    "nvfly_wide160_store": dict(bm=128, bn=160, consumers=2, staged_scales=True, tma_store=True),
+    "nvfly_wide_global": dict(bm=128, bn=192, consumers=2),
+    "nvfly_cluster_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, staged_scales=True, tma_store=True,
+                                cluster_n=2),
+    "nvfly_wide_cluster_store": dict(bm=128, bn=192, consumers=2, staged_scales=True, tma_store=True, cluster_n=2),
+    "nvfly_stream_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, staged_scales=True, tma_store=True,
+                               stream_b=True),
+}
+FP8_RATIOS.update({f"{name[len('nvfly_'):]}_vs_default": ("nvfly", name) for name in FP8_BLOCK_VARIANTS})
 
 
 def fp8_experts(e: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -630,6 +654,8 @@ def fp8_setup(case: Case):
     if expected > 64:
         serial = deepest(ScaledConfig(128, 128, 2, 2), e)  # (the default issues ahead on this tile)
         impls["nvfly_serial"] = lambda: nvfly_fp8(sa, sb, serial)
+        for name, fields in FP8_BLOCK_VARIANTS.items():
+            impls[name] = functools.partial(nvfly_fp8, sa, sb, deepest(ScaledConfig(stages=2, **fields), e))
     impls["nvfly_row"] = lambda: nvfly_fp8(sa_row, sb_row)
     impls["torch_row"] = lambda: torch._scaled_grouped_mm(a, b, sa_row, sb_row, offs=None if masked else groups_of,
                                                           out_dtype=bf16)
@@ -637,7 +663,7 @@ def fp8_setup(case: Case):
     row_ref = lambda: scaled.grouped_reference(a, b, sa_row, sb_row, groups_of, masked=masked)  # noqa: E731
     bf16_ref = lambda: grouped.reference(a16, b16, groups_of, masked=masked)  # noqa: E731
     refs = {"nvfly": block_ref, "nvfly_serial": block_ref, "nvfly_row": row_ref, "torch_row": row_ref,
-            "nvfly_bf16": bf16_ref, "torch_bf16": bf16_ref}
+            "nvfly_bf16": bf16_ref, "torch_bf16": bf16_ref, **{name: block_ref for name in FP8_BLOCK_VARIANTS}}
     flop = 2.0 * routed * n * k
     nbytes = routed * k + active * n * k + 2.0 * routed * n
     return impls, refs, flop, nbytes, plan
@@ -675,8 +701,9 @@ def fp8_rows(cases: list[Case]) -> tuple[list[dict], dict]:
         rows.append(row)
         print(f"{case.name:<26} nvfly {row['nvfly_tflops']:7.1f} TF {row['nvfly_tbps']:5.2f} TB/s "
               f"(err {row['nvfly_rel_err']:.1e}) "
-              + "  ".join(f"{p} {row[p + '_tflops']:.0f} TF" for p in ("nvfly_serial", "nvfly_row", "torch_row",
-                                                                        "nvfly_bf16", "torch_bf16")
+              + "  ".join(f"{p} {row[p + '_tflops']:.0f} TF" for p in ("nvfly_serial", *FP8_BLOCK_VARIANTS,
+                                                                        "nvfly_row", "torch_row", "nvfly_bf16",
+                                                                        "torch_bf16")
                           if f"{p}_tflops" in row), flush=True)
         del impls, refs
         torch.cuda.empty_cache()
@@ -699,7 +726,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", action="store_true",
                    help="the compute-bound forward rows on each forward variant vs torch and Inductor (alone)")
     p.add_argument("--fp8", action="store_true",
-                   help="the grouped FP8 rows alone (DeepSeek-V3 experts; with --quick: four, under a minute)")
+                   help="the grouped FP8 rows alone (DeepSeek-V3 experts; with --quick: four, a few minutes)")
     p.add_argument("--no-triton", action="store_true", help="leave out Inductor max-autotune's grouped mm")
     p.add_argument("--triton-cases", type=int, default=None,
                    help="time Inductor on the first N forward cases (default: 1 with --quick, all forward cases)")

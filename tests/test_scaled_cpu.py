@@ -175,9 +175,8 @@ def test_staged_scales_come_from_shared_memory(cfg):
 
 def test_staged_scales_plans_and_fallback():
     """Only block scales stage (unswapped); scale_a TMA cannot load (not M-contiguous, a column not at 16 bytes) is
-    read from global instead (``staged_scales_reason``); the grouped kernel takes no staged scales."""
+    read from global instead (``staged_scales_reason``; the grouped kernel's: tests/test_scaled_grouped_cpu.py)."""
     from nvfly.ops.scaled.api import staged_scales_reason
-    from nvfly.ops.scaled.grouped_plan import fits
     staged = ScaledConfig(128, 128, 6, 2, staged_scales=True)
     assert make_plan(4096, 4096, 4096, ScaledEpilogue("block", True), staged, None, 132).config.staged_scales
     with pytest.raises(ValueError, match="^config: staged_scales: .* not row"):
@@ -187,7 +186,6 @@ def test_staged_scales_plans_and_fallback():
     assert staged_scales_reason(torch.ones(32, 256).t(), 128) is None  # (M, K/128) = (256, 32), strides (1, 256)
     assert "contiguous" in staged_scales_reason(torch.ones(256, 32), 128)  # strides (32, 1)
     assert "16 bytes" in staged_scales_reason(torch.ones(32, 258).t(), 128)  # M = 258: columns 1032 bytes apart
-    assert "staged scales" in fits(staged, 8, ScaledEpilogue("block", True))
 
 
 def test_tma_store_config_and_plans():

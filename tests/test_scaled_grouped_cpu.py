@@ -2,6 +2,8 @@
 wgmma (QGMMA) and TMA code without spills, the plans follow the heuristic and fit shared memory, bad arguments raise
 errors naming them, the float32 reference is the dense scaled GEMM's group by group, and the torch routes decide
 as documented."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from nvfly.ops import scaled
 from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.grouped import compile_grouped_variants
 from nvfly.ops.scaled.grouped_plan import MAX_GROUPS, deepest, fits, make_grouped_plan
+from nvfly.ops.scaled.plan import make_plan
 from nvfly.ops.scaled.quantize import quantize, quantize_experts
 from tests.test_grouped_cpu import check_kernel
 
@@ -19,11 +22,29 @@ VARIANTS = [
     ("contiguous", ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", False)),
     ("masked", ScaledConfig(128, 128, 6, 2), ScaledEpilogue("row", True)),
     ("contiguous", ScaledConfig(128, 128, 6, 2, issue_ahead=True), ScaledEpilogue("block", True)),
+    # issue #30's candidates: staged activation scales, 192 and 160 wide (three or five weight-block runs, in order)
+    ("contiguous", ScaledConfig(128, 128, 6, 2, issue_ahead=True, staged_scales=True), ScaledEpilogue("block", True)),
+    ("masked", ScaledConfig(128, 192, 5, 2, staged_scales=True), ScaledEpilogue("block", True)),
+    ("contiguous", ScaledConfig(128, 160, 5, 2, staged_scales=True), ScaledEpilogue("block", True)),
+    ("contiguous", ScaledConfig(128, 192, 5, 2), ScaledEpilogue("block", True)),
+    # the TMA-store epilogue (rows inside their group; the others through registers)
+    ("contiguous", ScaledConfig(128, 128, 6, 2, issue_ahead=True, staged_scales=True, tma_store=True),
+     ScaledEpilogue("block", True)),
+    ("masked", ScaledConfig(128, 192, 5, 2, staged_scales=True, tma_store=True), ScaledEpilogue("block", True)),
+    ("contiguous", ScaledConfig(128, 160, 5, 2, staged_scales=True, tma_store=True), ScaledEpilogue("block", True)),
+    ("contiguous", ScaledConfig(128, 128, 6, 2, tma_store=True), ScaledEpilogue("row", True)),
+    # 2-block clusters along N multicasting A
+    ("contiguous", ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True, cluster_n=2),
+     ScaledEpilogue("block", True)),
+    ("masked", ScaledConfig(128, 192, 5, 2, staged_scales=True, cluster_n=2), ScaledEpilogue("block", True)),
+    ("contiguous", ScaledConfig(128, 128, 6, 2, cluster_n=2), ScaledEpilogue("row", False)),
 ]
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v[0]}-{v[1].bm}x{v[1].bn}-{v[2].scaling}"
-                         f"{'-promoted' if v[2].promote else ''}{'-ahead' if v[1].issue_ahead else ''}")
+                         f"{'-promoted' if v[2].promote else ''}{'-ahead' if v[1].issue_ahead else ''}"
+                         f"{'-staged' if v[1].staged_scales else ''}{'-tmastore' if v[1].tma_store else ''}"
+                         f"{'-cluster2n' if v[1].cluster_n > 1 else ''}")
 def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     layout, cfg, epi = variant
     (k,) = compile_grouped_variants([variant], groups=8)
@@ -32,6 +53,125 @@ def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
     plan = make_grouped_plan(layout, epi, 8, 4096, 4096, 4096, 512, 132, cfg)
     assert k.dynamic_smem_bytes == plan.smem_bytes
+    # the TMA-store epilogue: a TMA store per column slice of the consumer's rows, staged with stmatrix; the register
+    # stores stay for rows that cross their group's end
+    assert (k.count("UTMASTG") > 0) == cfg.tma_store and (k.count("STSM") > 0) == cfg.tma_store
+    assert k.count("STG") > 0
+    # clusters: each block loads its half of A and multicasts it; a stage is released on both blocks' barriers
+    assert ("MULTICAST" in k.sass()) == (cfg.cluster_n > 1)
+    assert k.cluster == ((2, 1, 1) if cfg.cluster_n > 1 else None)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_staged_scales_come_from_shared_memory(layout):
+    """ScaledConfig.staged_scales in the grouped kernel: the producer also TMA-loads the tile rows' activation scales
+    of each k-block (2-D boxes of the tokens' scales, 3-D of the masked layout's), and the consumers read them with
+    shared loads: more TMA loads and shared loads, fewer global loads than the same kernel reading sa from global."""
+    cfg = ScaledConfig(128, 128, 6, 2, issue_ahead=True)
+    staged = replace(cfg, staged_scales=True)
+    epi = ScaledEpilogue("block", True)
+    plain, mine = compile_grouped_variants([(layout, cfg, epi), (layout, staged, epi)])
+    check_kernel(mine, "QGMMA.64x128x32.F32.E4M3.E4M3")
+    assert mine.count("UTMALDG") % 3 == 0 and plain.count("UTMALDG") % 2 == 0  # A, B (and sa) a k-block
+    assert mine.count("LDS") >= plain.count("LDS") + 2
+    assert mine.count("LDG") <= plain.count("LDG") - 2
+    assert plan_of(layout, staged).smem_bytes == plan_of(layout, cfg).smem_bytes + 6 * 1024
+
+
+def plan_of(layout, cfg):
+    return make_grouped_plan(layout, ScaledEpilogue("block", True), 8, 4096, 4096, 4096, 512, 132, cfg)
+
+
+def test_staged_scales_and_wide_tiles_plans_and_fallback():
+    """Staged scales take block scales only and fall back to global reads where TMA cannot load scale_a (the
+    quantiser's (1, T) strides load; T not a multiple of 4 does not); 192 and 160 wide tiles take block scales in
+    order (a third accumulator would not fit), 256-row tiles none (two 128-row promoted accumulators)."""
+    from nvfly.ops.scaled.api import staged_scales_reason
+    from nvfly.ops.scaled.grouped import _plan
+    block, row = ScaledEpilogue("block", True), ScaledEpilogue("row", True)
+    staged = ScaledConfig(128, 128, 6, 2, staged_scales=True)
+    assert fits(staged, 8, block) is None and "staged_scales" in fits(staged, 8, row)
+    assert fits(ScaledConfig(128, 192, 5, 2, staged_scales=True), 256, block) is None
+    assert "accumulator registers" in fits(ScaledConfig(128, 192, 5, 2, issue_ahead=True), 8, block)
+    assert "accumulator registers" in fits(ScaledConfig(256, 128, 4, 2), 8, block)
+    assert scaled.describe_grouped("contiguous", 256, 32768, 4096, 7168).startswith(
+        "scaled-grouped-contiguous-block-promoted: 128x128")  # the default: unstaged
+    for t, staged_ok in ((512, True), (510, False)):
+        a, sa = quantize(torch.randn(t, 256), "1x128")
+        assert (staged_scales_reason(sa, 128) is None) == staged_ok
+        b, sb = quantize_experts(torch.randn(4, 256, 256), "128x128")
+        offs = torch.tensor([100, 100, 300, t], dtype=torch.int32)
+        plan, _ = _plan(a, b, sa, sb, offs, torch.bfloat16, None, False, False, staged, None, sms=132)
+        assert plan.config.staged_scales == staged_ok and plan.config.stages == 6
+    # masked: scale_a [E, Mmax, K/128] seen as [K/128, E, Mmax]
+    a, sa = quantize(torch.randn(4 * 64, 256), "1x128")
+    sa3 = sa.reshape(4, 64, 2)
+    assert staged_scales_reason(sa3, 128) is None and "contiguous" in staged_scales_reason(sa3.contiguous(), 128)
+    b, sb = quantize_experts(torch.randn(4, 256, 256), "128x128")
+    counts = torch.tensor([0, 5, 64, 33], dtype=torch.int32)
+    plan, _ = _plan(a.view(4, 64, 256), b, sa3, sb, counts, torch.bfloat16, None, False, True, staged, None, sms=132)
+    assert plan.config.staged_scales and plan.layout == "masked"
+
+
+def test_tma_store_plans_and_fallback():
+    """The TMA-store epilogue's staging buffers come out of the ring (one stage fewer at 256 groups), its output
+    boxes are the dense kernels' (2-D for the contiguous [T, N], 3-D for the masked [E, Mmax, N]), and f32 outputs
+    store through registers."""
+    from nvfly.ops.scaled.grouped import _plan
+    block = ScaledEpilogue("block", True)
+    plain = deepest(ScaledConfig(128, 128, 2, 2, issue_ahead=True), 256)
+    store = deepest(replace(plain, tma_store=True), 256)
+    assert store.staging_bytes() == 2 * 64 * 64 * 2 and store.stages == plain.stages - 1
+    contiguous = make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 132, store)
+    assert contiguous.store_box == ((64, 64), 128) and contiguous.smem_bytes <= 232448
+    masked = make_grouped_plan("masked", block, 256, 256, 4096, 7168, 128, 132, store)
+    assert masked.store_box == ((1, 64, 64), 128)
+    assert make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 132, plain).store_box is None
+    a, sa = quantize(torch.randn(512, 256), "1x128")
+    b, sb = quantize_experts(torch.randn(4, 256, 256), "128x128")
+    offs = torch.tensor([100, 100, 300, 512], dtype=torch.int32)
+    for out_dtype, stored in ((torch.bfloat16, True), (torch.float16, True), (torch.float32, False)):
+        plan, _ = _plan(a, b, sa, sb, offs, out_dtype, None, False, False, store, None, sms=132)
+        assert plan.config.tma_store == stored and (plan.store_box is not None) == stored
+    strided = torch.empty(512, 264, dtype=torch.bfloat16)[:, :256]  # rows 528 bytes apart: TMA can store them
+    assert _plan(a, b, sa, sb, offs, torch.bfloat16, strided, False, False, store, None, sms=132)[0].store_box
+    odd = torch.empty(512, 260, dtype=torch.bfloat16)[:, :256]  # 520 bytes: not a multiple of 16
+    assert not _plan(a, b, sa, sb, offs, torch.bfloat16, odd, False, False, store, None, sms=132)[0].store_box
+
+
+def test_cluster_plans():
+    """cluster_n=2: A's box is half the tile rows (each block loads and multicasts one half), the grid a whole number
+    of clusters, the tile bound in whole cluster columns; the dense scaled GEMM takes no cluster."""
+    block = ScaledEpilogue("block", True)
+    cfg = deepest(ScaledConfig(128, 128, 2, 2, issue_ahead=True, cluster_n=2), 256)
+    plan = make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 132, cfg)
+    assert plan.a_box == (64, 128) and plan.b_box == (1, 128, 128) and plan.grid == 132
+    # the tile rows' bound x 3 tile columns in 2 clusters (4 columns)
+    assert make_grouped_plan("masked", block, 4, 100, 320, 512, 100, 131, cfg).grid == 4 * 4
+    assert make_grouped_plan("contiguous", block, 2, 100, 320, 512, 50, 131, cfg).grid == (1 + 2) * 4
+    assert make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 131, cfg).grid == 130
+    assert "cluster_n=3" in fits(replace(cfg, cluster_n=3), 8, block)
+    with pytest.raises(ValueError, match="^config: cluster_n, stream_a, stream_b: only the grouped"):
+        make_plan(4096, 4096, 4096, block, ScaledConfig(128, 128, 6, 2, cluster_n=2), None, 132)
+
+
+def test_stream_hints():
+    """stream_b: the weights' TMA loads evict_first, the tokens' evict_last (every load hinted; the dense GEMM's
+    load_hint); unhinted by default; at most one operand streamed; the dense scaled GEMM takes none."""
+    from nvfly.arch.memory import L2Policy
+    block = ScaledEpilogue("block", True)
+    cfg = ScaledConfig(128, 128, 6, 2, issue_ahead=True, staged_scales=True)
+    hinted, plain = compile_grouped_variants([("contiguous", replace(cfg, stream_b=True), block),
+                                              ("contiguous", cfg, block)])
+    loads = [line for line in hinted.ptx.splitlines() if "cp.async.bulk.tensor" in line and "global.mbarrier" in line]
+    hinted_loads = [line for line in loads if ".L2::cache_hint" in line]
+    assert loads and len(hinted_loads) == 2 * len(loads) // 3  # A and B, not the staged scales
+    assert str(L2Policy.EVICT_FIRST.descriptor) in hinted.ptx and str(L2Policy.EVICT_LAST.descriptor) in hinted.ptx
+    assert ".L2::cache_hint" not in plain.ptx
+    check_kernel(hinted, "QGMMA.64x128x32.F32.E4M3.E4M3")
+    assert "at most one operand" in fits(replace(cfg, stream_a=True, stream_b=True), 8, block)
+    with pytest.raises(ValueError, match="^config: cluster_n, stream_a, stream_b"):
+        make_plan(4096, 4096, 4096, block, ScaledConfig(128, 128, 6, 2, stream_b=True), None, 132)
 
 
 def test_fp16_and_fp32_outputs_and_many_groups_compile():

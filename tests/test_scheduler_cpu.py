@@ -198,6 +198,27 @@ def test_ragged_groups_are_covered_once(sizes, n, k_tiles, bm, bn, group_m, spli
             [(u.batch, u.tile_m // cluster_m, u.tile_n // cluster_n) for u in peer]
 
 
+@pytest.mark.parametrize("cluster_n", [1, 2])
+@pytest.mark.parametrize("bn", [128, 192])
+def test_an_experts_tiles_run_together(bn, cluster_n):
+    """DeepSeek-V3's E = 256 experts at 4096 tokens top-8, uniform routing (128 rows each: one 128-row tile row):
+    the units run expert after expert, each expert's N tiles consecutive, so that a wave of 132 blocks holds the
+    tiles of at most 6 experts and each expert's weight tiles are taken once (read from HBM once) while its token
+    tile is re-read from L2 (the grouped FP8 GEMM's order, docs/ops/scaled.md)."""
+    schedule = scheduler.ragged_schedule([128] * 256, 4096, 56, 128, bn, sms=132, group_m=8, cluster_n=cluster_n)
+    work = device_work(schedule)
+    order = sorted((block + i * schedule.blocks, rank, u) for (block, rank), units in work.items()
+                   for i, u in enumerate(units))
+    experts = [u.batch for _, _, u in order]
+    assert experts == sorted(experts)  # expert after expert
+    taken = Counter((u.batch, u.tile_n) for _, _, u in order)
+    assert len(taken) == 256 * schedule.tiles_n and set(taken.values()) == {1}  # each weight tile once
+    per_wave = 132 // cluster_n
+    for first in range(0, len(order) // cluster_n, per_wave):
+        wave = {u.batch for unit, _, u in order if first <= unit < first + per_wave}
+        assert max(wave) - min(wave) + 1 <= 6, wave
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), m=st.integers(1, 2000), n=st.integers(1, 600), bm=tile_sizes, bn=tile_sizes,
        batches=st.integers(1, 4), k_tiles=st.integers(1, 64), split_k=st.integers(1, 3),

@@ -106,6 +106,111 @@ def test_moe_routing_many_experts(hopper):
     check(out, scaled.grouped_reference(a, b, sa, sb, offs), TOL[torch.bfloat16])
 
 
+# issue #30's block-scale tiles (benchmarks.grouped's FP8_BLOCK_VARIANTS): staged activation scales on the default
+# tile, 192 and 160 wide (in order), 192 wide reading sa from global, the TMA-store epilogue (rows inside their
+# group; the rest through registers) and 2-block clusters along N multicasting A (N = 352 on 128-wide tiles: 3 tile
+# columns, the cluster's 4th computed past N and not stored), and L2 hints on the loads
+BLOCK_VARIANTS = [ScaledConfig(128, 128, 6, 2, issue_ahead=True, staged_scales=True),
+                  ScaledConfig(128, 192, 5, 2, staged_scales=True), ScaledConfig(128, 160, 5, 2, staged_scales=True),
+                  ScaledConfig(128, 192, 5, 2),
+                  ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True),
+                  ScaledConfig(128, 128, 6, 2, issue_ahead=True, tma_store=True),
+                  ScaledConfig(128, 192, 4, 2, staged_scales=True, tma_store=True),
+                  ScaledConfig(128, 160, 5, 2, staged_scales=True, tma_store=True),
+                  ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True, cluster_n=2),
+                  ScaledConfig(128, 192, 4, 2, staged_scales=True, tma_store=True, cluster_n=2),
+                  ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True, stream_b=True)]
+BLOCK_IDS = ["128x128-ahead-staged", "128x192-staged", "128x160-staged", "128x192", "128x128-ahead-staged-tmastore",
+             "128x128-ahead-tmastore", "128x192-staged-tmastore", "128x160-staged-tmastore",
+             "128x128-ahead-staged-tmastore-cluster2n", "128x192-staged-tmastore-cluster2n",
+             "128x128-ahead-staged-tmastore-streamb"]
+
+
+def staged_runs(sa, config):
+    """The staged variants must run staged (not the fallback's global reads): TMA can load the tokens' scales."""
+    from nvfly.ops.scaled.api import staged_scales_reason
+    assert not config.staged_scales or staged_scales_reason(sa, config.bm) is None
+
+
+@pytest.mark.parametrize("config", BLOCK_VARIANTS, ids=BLOCK_IDS)
+@pytest.mark.parametrize("sizes", CONTIGUOUS_SIZES, ids=["ragged", "even17", "one", "mixed"])
+def test_block_variants_contiguous(hopper, sizes, config):
+    """Empty groups, groups under a tile, tiles straddling two groups (a tile's staged scales and rows run into the
+    next group's, never stored), rows past offs[-1], an N tail (352: 1.8 tiles of 192, 2.2 of 160, the last tile's
+    columns in a third weight block) and K of 8 k-blocks."""
+    k, n = 1024, 352
+    t = 4 * (sum(sizes) // 4) + 12  # rows past offs[-1]; a multiple of 4 (TMA's 16-byte strides)
+    a, sa = tokens(t, k, "block")
+    staged_runs(sa, config)
+    b, sb = experts(len(sizes), n, k, "block")
+    offs = sizes_to_offs(sizes)
+    out = torch.full((t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    scaled.scaled_grouped_mm(a, b, sa, sb, offs, out=out, config=config)
+    check(out, scaled.grouped_reference(a, b, sa, sb, offs), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("config", BLOCK_VARIANTS, ids=BLOCK_IDS)
+def test_block_variants_masked(hopper, config):
+    """The masked layout (staged: 3-D boxes of scale_a [E, Mmax, K/128]): counts 0, 1, a partial tile, the capacity,
+    one tile, half a tile; an N tail."""
+    e, capacity, k, n = 6, 160, 640, 352
+    counts = torch.tensor([0, 1, 160, 77, 128, 64], dtype=torch.int32, device="cuda")
+    a, sa = tokens(e * capacity, k, "block")
+    a, sa = a.view(e, capacity, k), sa.reshape(e, capacity, -1)
+    staged_runs(sa, config)
+    b, sb = experts(e, n, k, "block")
+    out = torch.full((e, capacity, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    scaled.scaled_grouped_mm_masked(a, b, sa, sb, counts, out=out, config=config)
+    check(out, scaled.grouped_reference(a, b, sa, sb, counts, masked=True), TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("config", BLOCK_VARIANTS[:2] + BLOCK_VARIANTS[4:5], ids=BLOCK_IDS[:2] + BLOCK_IDS[4:5])
+def test_block_variants_long_k(hopper, config):
+    """DeepSeek-V3's K = 7168 with f32 outputs (the promotion's accuracy over 56 k-blocks; a TMA-store config stores
+    them through registers) on E = 16 experts, and the staged path's fallback: scale_a with T not a multiple of 4 is
+    read from global (the same result)."""
+    sizes = [96, 0, 33, 160, 128, 128, 1, 0, 255, 64, 64, 7, 130, 0, 40, 2]
+    k, n = 7168, 384
+    a, sa = tokens(sum(sizes) + 4, k, "block")
+    b, sb = experts(len(sizes), n, k, "block")
+    offs = sizes_to_offs(sizes)
+    out = torch.full((sum(sizes) + 4, n), float("nan"), device="cuda", dtype=torch.float32)
+    scaled.scaled_grouped_mm(a, b, sa, sb, offs, out=out, out_dtype=torch.float32, config=config)
+    check(out, scaled.grouped_reference(a, b, sa, sb, offs), 5e-4)
+    odd = sum(sizes) + 3
+    a3, sa3 = a[:odd].contiguous(), sa[:odd].t().contiguous().t()  # (1, T) strides, T odd: no TMA
+    got = scaled.scaled_grouped_mm(a3, b, sa3, sb, offs, out_dtype=torch.float32, config=config)
+    owned = ~out[:odd].isnan()
+    assert torch.equal(got[owned], out[:odd][owned])
+
+
+@pytest.mark.parametrize("config", [ScaledConfig(128, 128, 6, 2, tma_store=True),
+                                    ScaledConfig(128, 128, 6, 2, tma_store=True, cluster_n=2)],
+                         ids=["tmastore", "tmastore-cluster2n"])
+@pytest.mark.parametrize("masked", [False, True], ids=["contiguous", "masked"])
+def test_row_wise_tma_store(hopper, masked, config):
+    """The TMA-store epilogue with row-wise scales (applied in registers before staging), fp16 out; with clusters
+    along N (320 columns: 3 tile columns, a 4th computed and not stored)."""
+    k, n = 512, 320
+    if masked:
+        e, capacity = 6, 160
+        counts = torch.tensor([0, 1, 160, 77, 128, 64], dtype=torch.int32, device="cuda")
+        a, sa = tokens(e * capacity, k, "row")
+        a, sa = a.view(e, capacity, k), sa.view(e, capacity)
+        b, sb = experts(e, n, k, "row")
+        out = torch.full((e, capacity, n), float("nan"), device="cuda", dtype=torch.float16)
+        scaled.scaled_grouped_mm_masked(a, b, sa, sb, counts, out=out, out_dtype=torch.float16, config=config)
+        check(out, scaled.grouped_reference(a, b, sa, sb, counts, masked=True), TOL[torch.float16])
+        return
+    sizes = CONTIGUOUS_SIZES[3]
+    a, sa = tokens(sum(sizes) + 8, k, "row")
+    b, sb = experts(len(sizes), n, k, "row")
+    offs = sizes_to_offs(sizes)
+    out = torch.full((sum(sizes) + 8, n), float("nan"), device="cuda", dtype=torch.float16)
+    scaled.scaled_grouped_mm(a, b, sa, sb, offs, out=out, out_dtype=torch.float16, config=config)
+    check(out, scaled.grouped_reference(a, b, sa, sb, offs), TOL[torch.float16])
+
+
 def torch_own(*args, **kwargs):
     """torch._scaled_grouped_mm on torch's kernel, or None where this torch has none for these operands."""
     try:

@@ -6,7 +6,7 @@ Pure Python (no tracing): plans, the autotuner and the kernels all read these.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 BK_BYTES = 128   # one 128-byte swizzle row of K per k-block
 PRODUCER_REGS = 40
@@ -137,6 +137,15 @@ def store_width(bn: int) -> int:
         if bn % w == 0:
             return w
     return 0
+
+
+def load_hint(cfg: Any, operand: str) -> Optional[str]:
+    """The L2 eviction hint of operand ``operand``'s ("A" or "B") loads for a config with ``stream_a`` and
+    ``stream_b`` (``GemmConfig``, the scaled ``ScaledConfig``): the streamed operand's evict_first, the other's
+    evict_last; None when neither is streamed."""
+    if not (cfg.stream_a or cfg.stream_b):
+        return None
+    return "evict_first" if (cfg.stream_a if operand == "A" else cfg.stream_b) else "evict_last"
 
 
 def store_box(cfg: StagedStore, batched: bool) -> tuple[tuple[int, ...], int]:

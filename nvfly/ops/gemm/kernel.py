@@ -33,10 +33,11 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import activate, check_store_descriptor, fix_up, stage_tile, store_tile
-from nvfly.ops.common.gemm_config import ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, GemmConfig
+from nvfly.ops.common.gemm_config import (ARRIVAL_OFFSET, BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, GemmConfig,
+                                          load_hint)
 from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, init_ring, issue_k_block, load_boxes
 from nvfly.ops.common.scheduler import Tiling, block_units, tile_grid, unit_work
-from nvfly.ops.gemm.config import REDUCE_THREADS, load_hint
+from nvfly.ops.gemm.config import REDUCE_THREADS
 
 
 @nvfly.kernel

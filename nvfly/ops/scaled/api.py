@@ -378,13 +378,25 @@ def _new_call(a: Any, b: Any, scale_a: Any, scale_b: Any, bias: Any, out_dtype: 
     return _Call(plan, out, out_dtype)
 
 
+def staged_scales_view(scale_a: torch.Tensor) -> torch.Tensor:
+    """Block scales' scale_a as the staged-scales TMA descriptor sees it: K/128 outermost, the rows innermost
+    ((M, K/128) -> (K/128, M); the grouped masked layout's (E, Mmax, K/128) -> (K/128, E, Mmax))."""
+    return scale_a.movedim(-1, 0)
+
+
+def staged_scales_box(scale_a: torch.Tensor, bm: int) -> tuple[int, ...]:
+    """The staged-scales TMA box of ``staged_scales_view(scale_a)``: one k-block's ``bm`` rows (of one group)."""
+    return (1,) * (scale_a.dim() - 1) + (bm,)
+
+
 def staged_scales_reason(scale_a: torch.Tensor, bm: int) -> Optional[str]:
-    """None if TMA can load block scales' scale_a (M, K/128) as (K/128, M) boxes of bm rows of one k-block
-    (``ScaledConfig.staged_scales``: M contiguous, torch's strides (1, M) with M a multiple of 4), else TMA's
-    reason."""
+    """None if TMA can load block scales' scale_a (M, K/128), or the grouped masked layout's (E, Mmax, K/128), as
+    ``staged_scales_view`` boxes of bm rows of one k-block (``ScaledConfig.staged_scales``: rows contiguous, torch's
+    strides (1, M) with M a multiple of 4), else TMA's reason."""
+    view = staged_scales_view(scale_a)
     try:
-        check_tma_layout("scale_a", nvfly.f32, tuple(scale_a.t().shape), scale_a.t().stride(), scale_a.data_ptr(),
-                         (1, bm), 0)
+        check_tma_layout("scale_a", nvfly.f32, tuple(view.shape), view.stride(), scale_a.data_ptr(),
+                         staged_scales_box(scale_a, bm), 0)
     except LaunchError as e:
         return str(e)
     return None
@@ -439,7 +451,8 @@ class _Call:
             cfg = plan.config   # shared consumer tile
             sums, counts = scratch.workspace(a.device, current_stream(a.device.index),
                                              plan.shared_tiles * cfg.consumers, cfg.wg_m * cfg.bn)
-        sa_desc = cached_descriptor(sa.t(), (1, plan.config.bm), 0) if plan.config.staged_scales else None
+        sa_desc = cached_descriptor(staged_scales_view(sa), staged_scales_box(sa, plan.config.bm), 0) \
+            if plan.config.staged_scales else None
         self.launch(cached_descriptor(kernel_a, plan.a_box, 128),
                     cached_descriptor(kernel_b, plan.b_box, plan.b_swizzle),
                     target, out_desc, sa_desc, sa, sb, None if self.reduce is not None else bias, plan.m, plan.n,

@@ -54,7 +54,11 @@ class ScaledConfig(StagedStore):
     (the dense GEMM's stream K; the plan decides whether the shape has such a wave); ``staged_scales`` (block scales):
     the producer also TMA-loads the k-block's bm activation scales (sa[tile rows, kb], f32) into the stage, behind
     its operands in a 1024-byte slot (``SCALE_SLOT``), and the consumers read them from shared memory instead of
-    global (DeepGEMM's)."""
+    global (DeepGEMM's); ``cluster_n`` (the grouped kernel only): 2-block clusters take tile columns 2j and 2j + 1
+    of one tile row, each block loads half of the shared A tile and multicasts it to both (the grouped bf16 GEMM's
+    ``cluster_n``); ``stream_a``/``stream_b`` (the grouped kernel only): L2 eviction hints on the operands' TMA loads,
+    the streamed one's evict_first and the other's evict_last (the dense GEMM's, ``load_hint``: e.g. the experts'
+    weights, read once, streamed past the tokens' tiles that their N tiles re-read)."""
     bm: int = 128
     bn: int = 128
     stages: int = 6
@@ -68,6 +72,9 @@ class ScaledConfig(StagedStore):
     stream_k: bool = False
     split_fix_up: bool = False
     staged_scales: bool = False
+    cluster_n: int = 1
+    stream_a: bool = False
+    stream_b: bool = False
 
     @property
     def wg_m(self) -> int:
@@ -119,6 +126,10 @@ class ScaledConfig(StagedStore):
         if registers > most:
             return (f"{self.wg_m}x{self.bn} per consumer needs {registers} accumulator registers (at most {most}, "
                     f"{accumulators} accumulator(s))")
+        if self.stream_a and self.stream_b:
+            return "stream_a and stream_b: at most one operand is streamed"
+        if self.cluster_n not in (1, 2):
+            return f"cluster_n={self.cluster_n}: 1 or 2 blocks per cluster"
         if self.stages < 2:
             return "at least 2 stages"
         if self.staging_reason():

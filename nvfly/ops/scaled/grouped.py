@@ -17,6 +17,7 @@ out = (a * sa) @ (b * sb) per group, bf16 (default), fp16 or fp32; the rows no g
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -24,7 +25,8 @@ import torch
 import nvfly
 from nvfly.ops.common.groups import validate_offsets
 from nvfly.ops.common.opcall import OpCalls, named
-from nvfly.ops.common.operands import hopper_reason
+from nvfly.ops.common.operands import hopper_reason, store_reason
+from nvfly.ops.scaled.api import staged_scales_box, staged_scales_reason, staged_scales_view
 from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.grouped_kernel import scaled_grouped_kernel
 from nvfly.ops.scaled.grouped_plan import MAX_GROUPS, ScaledGroupedPlan, make_grouped_plan
@@ -145,7 +147,7 @@ class _GroupedScaledCall:
     def __init__(self, plan: ScaledGroupedPlan, shape: tuple):
         self.plan = plan
         self.shape = shape
-        self.launch = scaled_grouped_kernel.prepared(plan.grid, plan.threads)
+        self.launch = scaled_grouped_kernel.prepared(plan.grid, plan.threads, (plan.config.cluster_n, 1, 1))
 
     def run(self, a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
             offs: torch.Tensor, out: torch.Tensor) -> None:
@@ -156,9 +158,12 @@ class _GroupedScaledCall:
             out.zero_()
             return
         sb = scale_b.transpose(-1, -2) if plan.epilogue.scaling == "block" else scale_b  # [E, N/128, K/128]
+        sa_desc = cached_descriptor(staged_scales_view(scale_a), staged_scales_box(scale_a, plan.config.bm), 0) \
+            if plan.config.staged_scales else None
+        out_desc = cached_descriptor(out, *plan.store_box) if plan.store_box else None
         self.launch(cached_descriptor(a, plan.a_box, 128), cached_descriptor(b.transpose(-1, -2), plan.b_box, 128),
-                    out.unsqueeze(0) if plan.layout == "contiguous" else out, offs, scale_a, sb, plan.m, plan.n,
-                    plan.k_tiles, plan.config, plan.groups, plan.layout, plan.epilogue)
+                    out.unsqueeze(0) if plan.layout == "contiguous" else out, out_desc, offs, sa_desc, scale_a, sb,
+                    plan.m, plan.n, plan.k_tiles, plan.config, plan.groups, plan.layout, plan.epilogue)
 
 
 _CALLS: OpCalls[_GroupedScaledCall] = OpCalls()
@@ -176,6 +181,15 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dtype: Any,
     sms = sms if sms is not None else plan_sm_count(a.get_device())
     plan = make_grouped_plan("masked" if masked else "contiguous", epilogue, groups, m, b.shape[2], b.shape[1], rows,
                              sms, config)
+    # staged scales where TMA can load scale_a (rows contiguous, as the quantiser's), else the scales from global;
+    # the TMA-store epilogue where TMA can store the output (16-bit), else registers
+    cfg = plan.config
+    if cfg.staged_scales and staged_scales_reason(scale_a, cfg.bm) is not None:
+        cfg = replace(cfg, staged_scales=False)
+    if cfg.tma_store and (out_dtype.itemsize != 2 or (out is not None and store_reason(out) is not None)):
+        cfg = replace(cfg, tma_store=False)
+    if cfg != plan.config:
+        plan = make_grouped_plan(plan.layout, epilogue, groups, m, plan.n, plan.k, rows, sms, cfg)
     return plan, shape
 
 
@@ -256,7 +270,8 @@ def describe_grouped(layout: str, groups: int, m: int, n: int, k: int, *, scalin
     rows = rows_per_group if rows_per_group is not None else (m / groups if layout == "contiguous" else m)
     plan = make_grouped_plan(layout, epilogue, groups, m, n, k, rows, sms)
     cfg = plan.config
-    return (f"scaled-grouped-{layout}-{scaling}{'-promoted' if epilogue.promote else ''}: {cfg.bm}x{cfg.bn} tile on "
+    return (f"scaled-grouped-{layout}-{scaling}{'-promoted' if epilogue.promote else ''}"
+            f"{'-staged' if cfg.staged_scales else ''}: {cfg.bm}x{cfg.bn} tile on "
             f"{cfg.consumers} consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages, up to {plan.grid} "
             f"blocks")
 
@@ -310,12 +325,22 @@ def compile_grouped_variants(variants: Sequence[tuple[str, ScaledConfig, ScaledE
         a_desc = nvfly.TmaDescriptor(TensorDesc(nvfly.f8e4m3, rows + (size,)), plan.a_box, swizzle=128)
         b_desc = nvfly.TmaDescriptor(TensorDesc(nvfly.f8e4m3, (groups, size, size)), plan.b_box, swizzle=128)
         out = TensorDesc(out_nv, (groups if layout == "masked" else 1, size, size))
+        out_desc = None
+        if plan.store_box:  # the contiguous output's descriptor is 2-D [T, N]
+            out_desc = nvfly.TmaDescriptor(TensorDesc(out_nv, out.shape[1:] if layout == "contiguous" else out.shape),
+                                           plan.store_box[0], swizzle=plan.store_box[1])
         if epi.scaling == "block":  # torch's scale_b [E, K/128, N/128] seen as [E, N/128, K/128]
             sa = TensorDesc(f32, rows + (kb,))
             sb = TensorDesc(f32, (groups, kb, kb), (kb * kb, 1, kb))
         else:
             sa, sb = TensorDesc(f32, rows), TensorDesc(f32, (groups, size))
-        kernels.append(scaled_grouped_kernel.compile(a_desc, b_desc, out, TensorDesc(nvfly.i32, (groups,)), sa, sb,
-                                                     size, size, plan.k_tiles, CFG=plan.config, GROUPS=groups,
-                                                     LAYOUT=layout, EPI=epi, block=plan.threads, target=target))
+        # staged scales: scale_a seen K/128 outermost (staged_scales_view), one k-block's bm rows a box
+        sa_desc = nvfly.TmaDescriptor(TensorDesc(f32, (kb,) + rows), (1,) * len(rows) + (cfg.bm,), swizzle=0) \
+            if cfg.staged_scales else None
+        kernels.append(scaled_grouped_kernel.compile(a_desc, b_desc, out, out_desc, TensorDesc(nvfly.i32, (groups,)),
+                                                     sa_desc,
+                                                     sa, sb, size, size, plan.k_tiles, CFG=plan.config, GROUPS=groups,
+                                                     LAYOUT=layout, EPI=epi, block=plan.threads,
+                                                     cluster=(cfg.cluster_n, 1, 1) if cfg.cluster_n > 1 else None,
+                                                     target=target))
     return kernels

@@ -17,12 +17,23 @@ ring of 128-wide k-blocks full; consumers 1..C own BM / C rows of a tile each. S
 - "block": sa per token and 128 of K (contiguous [T, K/128], masked [E, Mmax, K/128]), sb per 128 x 128 block of
   the expert's weight ([E, N/128, K/128] in the kernel's orientation); every k-block is issued into fresh
   accumulators and added, times sa[row, kb] * sb[g, n-block, kb], into fp32 sums once done (``promote_k_blocks``
-  with the scaled GEMM's ``promotion_scales`` and ``promote``): DeepGEMM's scheme;
+  with the scaled GEMM's ``promotion_scales`` and ``promote``): DeepGEMM's scheme; with ``CFG.staged_scales`` the
+  producer also TMA-loads the tile rows' sa of the k-block into the stage (the dense kernel's slot; a contiguous
+  tile's rows start anywhere), and the consumers read them from shared memory; tiles up to 192 wide (in order)
+  read one sb per 128-wide weight block their columns cross (``weight_runs``), as the dense kernel's;
 - "row": sa per token (contiguous [T], masked [E, Mmax]), sb per expert and column ([E, N]) applied in the
   epilogue; with ``EPI.promote`` (torch's use_fast_accum=False) each k-block is still added into fp32 sums,
   else the tensor core accumulates all of K (``consume_k_blocks``).
 
-The epilogue stores bf16/fp16/fp32 through registers, masked at the group's end (``store_tile``).
+With ``CFG.cluster_n`` 2, two blocks take tile columns 2j and 2j + 1 of one tile row (one group's rows): each
+TMA-loads half of the A tile and multicasts it to both, and a stage is released on both blocks' barriers (the
+grouped bf16 kernel's clusters along N); a last cluster column past N is computed and not stored. With
+``CFG.stream_b`` (or ``stream_a``) the operands' TMA loads carry L2 eviction hints (``load_hint``).
+
+The epilogue stores bf16/fp16/fp32 through registers, masked at the group's end (``store_tile``); with
+``CFG.tma_store`` (16-bit outputs) a consumer's rows that lie inside their group are staged in shared memory and
+TMA-stored instead (``stage_tile``, the dense kernels' epilogue; the grouped bf16 kernel's rule), the others still
+through registers.
 """
 from __future__ import annotations
 
@@ -30,8 +41,9 @@ import functools
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.ops.common.epilogue import store_tile
-from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, Epilogue
+from nvfly.arch.ptx import smem_address
+from nvfly.ops.common.epilogue import check_store_descriptor, stage_tile, store_tile
+from nvfly.ops.common.gemm_config import CONSUMER_REGS, PRODUCER_REGS, Epilogue, load_hint
 from nvfly.ops.common.groups import fill_group_table, group_rows_end, group_table, group_work
 from nvfly.ops.common.mainloop import init_ring, load_boxes, produce_tiles
 from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
@@ -43,12 +55,15 @@ GROUPED_SCALINGS = ("block", "row")
 
 
 @nvfly.kernel
-def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor,
-                          offs: nvfly.Tensor, scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, m: nvfly.i32,
+def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out: nvfly.Tensor, out_desc,
+                          offs: nvfly.Tensor, sa_desc, scale_a: nvfly.Tensor, scale_b: nvfly.Tensor, m: nvfly.i32,
                           n: nvfly.i32, k_tiles: nvfly.i32, CFG: nvfly.Constexpr, GROUPS: nvfly.Constexpr,
                           LAYOUT: nvfly.Constexpr, EPI: nvfly.Constexpr):
     """``m``: the rows bound (contiguous: T, masked: Mmax); ``offs``: the cumulative ends (contiguous) or the
-    counts (masked), int32 [GROUPS]; ``out``: [1, T, N] (contiguous) or [E, Mmax, N]."""
+    counts (masked), int32 [GROUPS]; ``out``: [1, T, N] (contiguous) or [E, Mmax, N]; ``sa_desc``
+    (``CFG.staged_scales``, else None): scale_a seen as [K/128, T] (contiguous) or [K/128, E, Mmax] (masked), boxes
+    of one k-block's BM rows; ``out_desc`` (``CFG.tma_store``, else None): the 16-bit output's TMA descriptor, [T, N] (contiguous) or
+    [E, Mmax, N], ``store_box``'s boxes."""
     dtype = a_desc.info.dtype
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
     WG_M = CFG.wg_m
@@ -60,16 +75,29 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
     warp = nvfly.warp_idx()
     lane = nvfly.lane_idx()
     wg = warp // 4
-    ring, pipe = fp8_ring(CFG)  # then the group table
-    init_ring(pipe, tid, a_desc, b_desc, None, False)
-    table, totals = group_table(BARRIER_BYTES + S * CFG.stage_bytes, GROUPS)
+    ring, pipe = fp8_ring(CFG)  # then the TMA-store staging buffers (tma_store), then the group table
+    TMA_STORE = CFG.tma_store
+    staging = None
+    if TMA_STORE:
+        check_store_descriptor(out_desc, CFG, MASKED_A)
+        staging = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (CFG.staging_bytes(),),
+                                                           offset_bytes=CFG.ring_end))
+    init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
+    table, totals = group_table(CFG.smem_bytes(), GROUPS)
     fill_group_table(table, totals, offs, m, tid, lane, warp, THREADS, BM, LAYOUT, GROUPS)
-    nvfly.syncthreads()  # the barriers and the table exist before anyone uses them
-    TILING = Tiling(BM, BN, CFG.group_m, groups=GROUPS)
+    CN = CFG.cluster_n
+    if CN > 1:
+        sm90.cluster_sync()  # every block's barriers (and table) exist before any multicast or remote arrive
+    else:
+        nvfly.syncthreads()  # the barriers and the table exist before anyone uses them
+    rank = nvfly.block_rank_in_cluster() if CN > 1 else 0
+    TILING = Tiling(BM, BN, CFG.group_m, groups=GROUPS, cluster_n=CN)
     first_tile, tile_step, tiles, num_units = persistent_units(m, n, 1, k_tiles, table, TILING)
 
     tiles_of = k_major_tiles(BM, BN, dtype)
-    a_boxes, b_boxes = tiles_of[2:4]
+    b_boxes = tiles_of[3]
+    # cluster_n: block r loads slice r of the A tile (the cluster's shared rows) and multicasts it to both
+    a_parts = sm90.operand_boxes(tiles_of[0], BM, BK, dtype, "K", 128, CN)[1]
     A_BYTES = BM * BK
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
@@ -79,33 +107,63 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
                 row_base, k_base, blocks = group_work(offs, g, work.tile_m, m, 0, k_tiles, BM, BK, LAYOUT, GROUPS)
 
                 def load(kt, base, full):
-                    load_boxes(a_desc, a_boxes, row_base, kt * BK, "K", base, full, g if MASKED_A else None)
-                    load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, g)
+                    for r in nvfly.static_range(CN):
+                        if CN == 1 or rank == r:
+                            load_boxes(a_desc, a_parts[r], row_base, kt * BK, "K", base, full,
+                                       g if MASKED_A else None, multicast_mask=(1 << CN) - 1 if CN > 1 else None,
+                                       cache_hint=load_hint(CFG, "A"))
+                    load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, g,
+                               cache_hint=load_hint(CFG, "B"))
+                    if CFG.staged_scales:  # the tile rows' sa[:, kt] (rows past the operand: TMA's zeros)
+                        rows = (g, row_base) if MASKED_A else (row_base,)
+                        sm90.tma_load(sa_desc, base + CFG.scales_offset, (kt,) + rows, full)
                 return 0, k_tiles, load
 
-            produce_tiles(pipe, ring, CFG.stage_bytes, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads)
+            produce_tiles(pipe, ring, CFG.stage_bytes, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads,
+                          rank)
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
         consumer = wg - 1
         warp_in_wg = warp % 4
         state = sm90.PipelineState.start(S)
         for tile in range(first_tile, num_units, tile_step):
-            work = unit_work(tile, tiles, 0, TILING)
+            work = unit_work(tile, tiles, rank, TILING)
             g = work.batch
             row_base, k_base, blocks = group_work(offs, g, work.tile_m, m, 0, k_tiles, BM, BK, LAYOUT, GROUPS)
             row0 = row_base + consumer * WG_M + warp_in_wg * 16 + lane // 4
             col0 = work.tile_n * BN + 2 * (lane % 4)
             a_group = g if MASKED_A else None
-            scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
+            # a cluster's last column may lie past N (computed, not stored): its weight scales read the last block's
+            scale_col = nvfly.minimum(col0, n - 1) if CN > 1 else col0
+            scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, scale_col, m=m, n=n, BN=BN,
                                           ATOMS_M=ATOMS_M, EPI=EPI, a_group=a_group, b_group=g)
+            if CFG.staged_scales:  # sa from the stage: the thread's first row's word in its slot
+                scales_of = functools.partial(scales_of, staged_row=CFG.scales_offset + 4 * (row0 - row_base))
             accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, 0, k_tiles, lane, tid, scales_of,
                                        CFG, EPI)
             if EPI.scaling == "row":
                 accs = row_scaled(accs, scale_a, scale_b, a_group, g, row0, col0, m, n, BN, ATOMS_M)
             row_end = group_rows_end(offs, g, m, LAYOUT, GROUPS)
-            inside = (row_base + (consumer + 1) * WG_M <= row_end) & (work.tile_n * BN + BN <= n)
-            store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
-                       Epilogue(), inside)
+            tile_row = row_base + consumer * WG_M  # the consumer's first output row
+            if TMA_STORE:
+                # rows inside the group: staged and TMA-stored (clips N), drained under the next tile's mainloop;
+                # else registers, masked at the group's end (a TMA store would write the next group's rows)
+                if tile_row + WG_M <= row_end:
+                    stage_tile(out_desc, None, accs, staging + consumer * (CFG.staging_bytes() // WGS), g, tile_row,
+                               work.tile_n * BN, row0, col0, m, n, 1.0, 0.0, consumer, warp_in_wg, lane, CFG,
+                               ATOMS_M, Epilogue(), MASKED_A, False)
+                else:
+                    store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
+                               Epilogue(), False)
+            else:
+                inside = (tile_row + WG_M <= row_end) & (work.tile_n * BN + BN <= n)
+                store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
+                           Epilogue(), inside)
+        if TMA_STORE:
+            if (warp_in_wg == 0) & (lane == 0):
+                sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
+    if CN > 1:
+        sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
 
 
 def row_scaled(accs: list, scale_a, scale_b, a_group, g, row0, col0, m, n, BN: int, ATOMS_M: int) -> list:

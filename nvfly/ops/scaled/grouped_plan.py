@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from nvfly.ops.common.gemm_config import BARRIER_BYTES, SMEM_LIMIT
+from nvfly.ops.common.gemm_config import BARRIER_BYTES, SMEM_LIMIT, store_box
 from nvfly.ops.common.groups import table_bytes
 from nvfly.ops.scaled.config import BK, ScaledConfig, ScaledEpilogue, weight_scales_reason
 from nvfly.ops.scaled.grouped_kernel import GROUPED_LAYOUTS, GROUPED_SCALINGS
@@ -29,7 +29,8 @@ MAX_STAGES = 12
 class ScaledGroupedPlan(ScaledPlan):
     """How the grouped scaled kernel runs one call signature: the scaled GEMM's plan fields (never swapped; m the
     rows bound, T or Mmax; ``grid`` from an upper bound on the tiles: blocks past the real count exit at once) with
-    the ``layout`` ("contiguous" or "masked") and the ``groups``."""
+    the ``layout`` ("contiguous" or "masked") and the ``groups``; ``store_box``: the TMA-store epilogue's output
+    (box, swizzle) (``config.tma_store``; the contiguous output's descriptor is 2-D [T, N])."""
     layout: str = "contiguous"
     groups: int = 1
 
@@ -43,8 +44,10 @@ def fits(cfg: ScaledConfig, groups: int, epilogue: ScaledEpilogue) -> Optional[s
     why = cfg.check(epilogue.promote)
     if why:
         return why
-    if cfg.split_k != 1 or cfg.packed_b or cfg.staged_scales:
-        return "the grouped scaled kernel runs without K splits, packed weights or staged scales"
+    if cfg.split_k != 1 or cfg.packed_b:
+        return "the grouped scaled kernel runs without K splits or packed weights"
+    if cfg.staged_scales and epilogue.scaling != "block":
+        return f"staged_scales: the producer stages block scales' 1x128 activation scales, not {epilogue.scaling}"
     if epilogue.scaling == "block" and weight_scales_reason(cfg.bn):
         return weight_scales_reason(cfg.bn)
     if cfg.smem_bytes() + table_bytes(groups) > SMEM_LIMIT:
@@ -53,8 +56,9 @@ def fits(cfg: ScaledConfig, groups: int, epilogue: ScaledEpilogue) -> Optional[s
 
 
 def deepest(cfg: ScaledConfig, groups: int) -> ScaledConfig:
-    """``cfg`` with the deepest ring (at most MAX_STAGES) that fits next to the group table."""
-    room = SMEM_LIMIT - BARRIER_BYTES - table_bytes(groups)
+    """``cfg`` with the deepest ring (at most MAX_STAGES) that fits next to the group table (and the TMA-store
+    staging buffers)."""
+    room = SMEM_LIMIT - BARRIER_BYTES - table_bytes(groups) - cfg.staging_bytes()
     return replace(cfg, stages=max(2, min(MAX_STAGES, room // cfg.stage_bytes)))
 
 
@@ -81,12 +85,15 @@ def make_grouped_plan(layout: str, epilogue: ScaledEpilogue, groups: int, m: int
     why = fits(config, groups, epilogue)
     if why:
         raise ValueError(f"config: {why}")
+    cn = config.cluster_n
     if layout == "contiguous":  # a group adds at most one partial tile row to the tokens'
         bound_rows = math.ceil(m / config.bm) + groups
     else:
         bound_rows = groups * math.ceil(m / config.bm)
-    tiles = bound_rows * math.ceil(n / config.bn)
+    tiles = bound_rows * math.ceil(n / (config.bn * cn)) * cn  # whole clusters of tile columns
     batch = (1,) if layout == "masked" else ()
     return ScaledGroupedPlan(config=config, epilogue=epilogue, swap=False, m=m, n=n, k=k, k_tiles=math.ceil(k / BK),
-                             grid=max(1, min(tiles, sms)), threads=128 * (1 + config.consumers),
-                             a_box=batch + (config.bm, BK), b_box=(1, config.bn, BK), layout=layout, groups=groups)
+                             grid=max(cn, min(tiles, sms // cn * cn)), threads=128 * (1 + config.consumers),
+                             a_box=batch + (config.bm // cn, BK), b_box=(1, config.bn, BK), layout=layout,
+                             groups=groups,
+                             store_box=store_box(config, layout == "masked") if config.tma_store else None)

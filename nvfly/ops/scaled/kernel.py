@@ -102,7 +102,7 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                         sm90.tma_load(sa_desc, base + CFG.scales_offset, (kt, work.tile_m * BM), full)
                 return work.k_begin, work.k_end, load
 
-            produce_tiles(pipe, ring, STAGE_BYTES, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads)
+            produce_tiles(pipe, ring, STAGE_BYTES, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads, 0)
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
         consumer = wg - 1
@@ -205,7 +205,8 @@ def fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, k_begin, k_end, la
         # issue_ahead: k-block k+1's wgmmas are issued before k's fp32 add, into the other of two partials
         sums = [sm90.Accumulator.zeros(atom) for _ in range(ATOMS_M)]
         accs, state = promote_k_blocks(pipe, state, ring, STAGE_BYTES, k_begin, k_end, lane, sums, fresh_k_block,
-                                       add_partial, CFG.issue_ahead, STEPS, convert_b if CFG.packed_b else None)
+                                       add_partial, CFG.issue_ahead, STEPS, convert_b if CFG.packed_b else None,
+                                       CFG.cluster_n)
     else:
         def accumulate(accs, stage, state, kt, first):
             return issue_k_block(atom, accs, stage, a_layout, b_layout, consumer, a_desc_fields, b_desc_fields,
@@ -213,8 +214,8 @@ def fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, k_begin, k_end, la
 
         # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them
         accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
-        accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, k_begin, k_end, lane, accs, accumulate, 1,
-                                       None)
+        accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, k_begin, k_end, lane, accs, accumulate,
+                                       CFG.cluster_n, None)
     return accs, state
 
 
@@ -229,11 +230,12 @@ def k_major_tiles(bm: int, bn: int, dtype) -> tuple:
 
 def fp8_ring(cfg) -> tuple:
     """The fp8 kernels' ring in dynamic shared memory (its barriers first): (its shared address, its TmaPipeline,
-    released by the 4 warps of each of ``cfg.consumers`` consumer warpgroups)."""
+    released by the 4 warps of each of ``cfg.consumers`` consumer warpgroups of each of ``cfg.cluster_n`` blocks)."""
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * cfg.stages,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (cfg.stages * cfg.stage_bytes,),
                                                     offset_bytes=BARRIER_BYTES))
-    return ring, sm90.TmaPipeline(bars, cfg.stages, cfg.load_bytes, consumer_arrivals=4 * cfg.consumers)
+    return ring, sm90.TmaPipeline(bars, cfg.stages, cfg.load_bytes,
+                                  consumer_arrivals=4 * cfg.consumers * cfg.cluster_n)
 
 
 def issue_k_step(atom, base, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m, atoms_m, ks) -> list:

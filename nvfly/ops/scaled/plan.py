@@ -146,6 +146,9 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     why = config.check(epilogue.promote)
     if why:
         raise ValueError(f"config: {why}")
+    if config.cluster_n != 1 or config.stream_a or config.stream_b:
+        raise ValueError("config: cluster_n, stream_a, stream_b: only the grouped scaled kernel runs clusters and "
+                         "hints its loads")
     if epilogue.scaling == "block" and weight_scales_reason(config.bn):
         raise ValueError(f"config: {weight_scales_reason(config.bn)}")
     if config.staged_scales and (epilogue.scaling != "block" or swap):

@@ -52,14 +52,15 @@ def fill_stage(pipe: Any, state: Any, ring: Any, stage_bytes: int) -> tuple[Any,
 
 
 @nvfly.func
-def produce_tiles(pipe, ring, stage_bytes, S, first, units, step, tiles, TILING, tile_loads):
+def produce_tiles(pipe, ring, stage_bytes, S, first, units, step, tiles, TILING, tile_loads, rank):
     """The producer thread's walk over its work units (``first``, ``first + step``, ... below ``units``, of the
-    scheduler's ``tiles``): ``tile_loads(work)`` (the kernel's, once a unit) returns the unit's k-blocks
-    (k_begin, k_end) and ``load(kt, base, full)``, which issues k-block kt's TMA boxes into the stage at shared
-    address ``base``; each k-block claims the ring's next stage first (``fill_stage``)."""
+    scheduler's ``tiles``; ``rank``: the block's in its cluster, 0 without one): ``tile_loads(work)`` (the kernel's,
+    once a unit) returns the unit's k-blocks (k_begin, k_end) and ``load(kt, base, full)``, which issues k-block kt's
+    TMA boxes into the stage at shared address ``base``; each k-block claims the ring's next stage first
+    (``fill_stage``)."""
     state = sm90.PipelineState.start(S)
     for tile in range(first, units, step):
-        k_begin, k_end, load = tile_loads(unit_work(tile, tiles, 0, TILING))
+        k_begin, k_end, load = tile_loads(unit_work(tile, tiles, rank, TILING))
         for kt in range(k_begin, k_end):
             base, full = fill_stage(pipe, state, ring, stage_bytes)
             load(kt, base, full)
@@ -110,7 +111,7 @@ def consume_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, accs,
 
 @nvfly.func
 def promote_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, sums, k_block, promote, AHEAD, STEPS,
-                     prepare):
+                     prepare, CLUSTER):
     """A consumer's k-blocks [k_begin, k_end) of one tile (at least one), each issued into fresh accumulators and
     added into ``sums`` (DeepGEMM's promotion). For each: wait for its stage, run ``prepare(stage)`` on it (None:
     nothing; e.g. converting an operand in shared memory), then ``k_block(stage, state, kt, step)`` (the kernel's
@@ -122,7 +123,8 @@ def promote_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, sums,
     k-block is done before the next is issued. With AHEAD (STEPS 1 only) k-block k + 1 is issued before k is
     promoted, so that the promotion runs under wgmmas: two partials in flight, the k-blocks taken in pairs so that
     each partial keeps its registers (handing one on as the other would copy registers still in flight, and ptxas
-    would serialise wgmma). Returns (sums, the state after the tile)."""
+    would serialise wgmma). Stages are released on every block of a ``CLUSTER`` (``release_stage``). Returns (sums,
+    the state after the tile)."""
     if STEPS > 1:
         for kt in range(k_begin, k_end):
             stage = wait_stage(pipe, state, ring, stage_bytes, prepare)
@@ -131,7 +133,7 @@ def promote_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, sums,
                 sm90.wait_group(0)
                 sums = promote(sums, partial)
             if lane == 0:
-                pipe.consumer_release(state)
+                release_stage(pipe, state, CLUSTER)
             state = state.advance()
     elif AHEAD:
         partial_a, state_a = issue_stage(pipe, state, ring, stage_bytes, k_block, prepare, k_begin), state
@@ -139,25 +141,25 @@ def promote_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, sums,
         for pair in range(k_begin + 1, k_end - 1, 2):
             partial_b, state_b = issue_stage(pipe, state, ring, stage_bytes, k_block, prepare, pair), state
             state = state.advance()
-            sums = retire(pipe, state_a, lane, sums, partial_a, promote, 1)
+            sums = retire(pipe, state_a, lane, sums, partial_a, promote, 1, CLUSTER)
             partial_a, state_a = issue_stage(pipe, state, ring, stage_bytes, k_block, prepare, pair + 1), state
             state = state.advance()
-            sums = retire(pipe, state_b, lane, sums, partial_b, promote, 1)
+            sums = retire(pipe, state_b, lane, sums, partial_b, promote, 1, CLUSTER)
         # one k-block left after the pairs, or none: two endings (handing partial_b on as partial_a would copy
         # registers still in flight)
         if (k_end - k_begin) % 2 == 0:
             partial_b, state_b = issue_stage(pipe, state, ring, stage_bytes, k_block, prepare, k_end - 1), state
             state = state.advance()
-            sums = retire(pipe, state_a, lane, sums, partial_a, promote, 1)
-            sums = retire(pipe, state_b, lane, sums, partial_b, promote, 0)
+            sums = retire(pipe, state_a, lane, sums, partial_a, promote, 1, CLUSTER)
+            sums = retire(pipe, state_b, lane, sums, partial_b, promote, 0, CLUSTER)
         else:
-            sums = retire(pipe, state_a, lane, sums, partial_a, promote, 0)
+            sums = retire(pipe, state_a, lane, sums, partial_a, promote, 0, CLUSTER)
     else:
         for kt in range(k_begin, k_end):
             partial = issue_stage(pipe, state, ring, stage_bytes, k_block, prepare, kt)
             sm90.wait_group(0)
             if lane == 0:
-                pipe.consumer_release(state)
+                release_stage(pipe, state, CLUSTER)
             state = state.advance()
             sums = promote(sums, partial)
     return sums, state
@@ -179,17 +181,18 @@ def issue_stage(pipe: Any, state: Any, ring: Any, stage_bytes: int, k_block: Any
 
 
 @nvfly.func
-def retire(pipe, state, lane, sums, partial, promote, PENDING):
-    """Wait until at most PENDING wgmma groups are in flight (``partial``'s are done), release ``state``'s stage and
-    promote the partial into the sums."""
+def retire(pipe, state, lane, sums, partial, promote, PENDING, CLUSTER):
+    """Wait until at most PENDING wgmma groups are in flight (``partial``'s are done), release ``state``'s stage (on
+    every block of a ``CLUSTER``) and promote the partial into the sums."""
     sm90.wait_group(PENDING)
     if lane == 0:
-        pipe.consumer_release(state)
+        release_stage(pipe, state, CLUSTER)
     return promote(sums, partial)
 
 
 def release_stage(pipe: Any, state: Any, cluster: int) -> None:
-    """Free a stage: on this block's empty barrier, and on every peer's when their B slices came from us."""
+    """Free a stage: on this block's empty barrier, and on every peer's of a cluster (whose producers multicast
+    their operand slices into it)."""
     if cluster == 1:
         pipe.consumer_release(state)
         return

@@ -54,7 +54,10 @@ class ScaledConfig(StagedStore):
     (the dense GEMM's stream K; the plan decides whether the shape has such a wave); ``staged_scales`` (block scales):
     the producer also TMA-loads the k-block's bm activation scales (sa[tile rows, kb], f32) into the stage, behind
     its operands in a 1024-byte slot (``SCALE_SLOT``), and the consumers read them from shared memory instead of
-    global (DeepGEMM's)."""
+    global (DeepGEMM's); ``cluster_n``: blocks per thread-block cluster along N (1, 2 or 4), which take adjacent tile
+    columns of one tile row: each loads a bm / cluster_n-row slice of the shared A tile and multicasts it to all of
+    them (A's L2 -> SM traffic divided by cluster_n; the dense GEMM's cluster along M, transposed), a last cluster
+    column past N computed and not stored."""
     bm: int = 128
     bn: int = 128
     stages: int = 6
@@ -68,6 +71,7 @@ class ScaledConfig(StagedStore):
     stream_k: bool = False
     split_fix_up: bool = False
     staged_scales: bool = False
+    cluster_n: int = 1
 
     @property
     def wg_m(self) -> int:
@@ -131,6 +135,21 @@ class ScaledConfig(StagedStore):
             return f"split_k={self.split_k}: 1 to 32"
         if self.smem_bytes() > SMEM_LIMIT:
             return f"{self.smem_bytes()} bytes of shared memory exceed {SMEM_LIMIT}"
+        return self.cluster_reason()
+
+    def cluster_reason(self) -> Optional[str]:
+        """None if this config's blocks can run in clusters of ``cluster_n`` along N, else why not."""
+        if self.cluster_n not in (1, 2, 4):
+            return f"cluster_n={self.cluster_n}: 1, 2 or 4 blocks per cluster"
+        if self.cluster_n == 1:
+            return None
+        # each block multicasts bm / cluster_n rows of A: whole 8-row atoms of the 128-byte swizzle
+        if self.bm % (8 * self.cluster_n):
+            return (f"cluster_n={self.cluster_n} with bm={self.bm}: each block loads a slice of whole 8-row swizzle "
+                    f"atoms")
+        if self.split_k != 1 or self.stream_k:
+            return (f"cluster_n={self.cluster_n}: a cluster's blocks share whole tiles' k-blocks (no K split or "
+                    f"stream K)")
         return None
 
 

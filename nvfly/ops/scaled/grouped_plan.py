@@ -43,8 +43,8 @@ def fits(cfg: ScaledConfig, groups: int, epilogue: ScaledEpilogue) -> Optional[s
     why = cfg.check(epilogue.promote)
     if why:
         return why
-    if cfg.split_k != 1 or cfg.packed_b or cfg.staged_scales:
-        return "the grouped scaled kernel runs without K splits, packed weights or staged scales"
+    if cfg.split_k != 1 or cfg.packed_b or cfg.staged_scales or cfg.cluster_n != 1:
+        return "the grouped scaled kernel runs without K splits, packed weights, staged scales or clusters"
     if epilogue.scaling == "block" and weight_scales_reason(cfg.bn):
         return weight_scales_reason(cfg.bn)
     if cfg.smem_bytes() + table_bytes(groups) > SMEM_LIMIT:

@@ -156,6 +156,9 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
                          "accumulators spill")
     if config.issue_ahead and epilogue.scaling in MX:
         raise ValueError("config: issue_ahead with MX scales: they promote every k-step, not k-blocks")
+    if config.cluster_n > 1 and swap:
+        raise ValueError(f"config: cluster_n={config.cluster_n} on a swapped plan: its tokens are one tile column, "
+                         f"no neighbour along N shares its A (pass swap=False)")
     k_tiles = math.ceil(k / BK)
     split = split_count(k_tiles, config.split_k)  # every split at least one k-block
     config = replace(config, split_k=split, split_fix_up=config.split_fix_up and split > 1)
@@ -164,11 +167,11 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     # stream K over any partial last wave (a single one too: the M = 128 case)
     schedule = grid_schedule(m, n, k_tiles, config.bm, config.bn, sms=sms, group_m=config.group_m,
                              split_k=config.split_k, stream_k=StreamK("tail") if config.stream_k else None,
-                             split_fix_up=config.split_fix_up)
+                             split_fix_up=config.split_fix_up, cluster_n=config.cluster_n)
     b_box = (min(config.bn, 256), BK // 2) if config.packed_b else (min(config.bn, 256), BK)
     return ScaledPlan(config=config, epilogue=epilogue, swap=swap, m=m, n=n, k=k, k_tiles=k_tiles,
                       grid=max(1, schedule.grid), threads=128 * (1 + config.consumers),
-                      a_box=(min(config.bm, 256), BK), b_box=b_box, b_swizzle=0 if config.packed_b else 128,
+                      a_box=(config.bm // config.cluster_n, BK), b_box=b_box, b_swizzle=0 if config.packed_b else 128,
                       store_box=store_box(config, False) if config.tma_store else None,
                       dp_tiles=schedule.dp_tiles, block_iters=schedule.block_iters, sk_tiles=schedule.sk_tiles,
                       fix_up_tiles=schedule.output_tiles if config.split_fix_up else 0)

@@ -141,13 +141,8 @@ class ScaledConfig(StagedStore):
         """None if this config's blocks can run in clusters of ``cluster_n`` along N, else why not."""
         if self.cluster_n not in (1, 2, 4):
             return f"cluster_n={self.cluster_n}: 1, 2 or 4 blocks per cluster"
-        if self.cluster_n == 1:
-            return None
-        # each block multicasts bm / cluster_n rows of A: whole 8-row atoms of the 128-byte swizzle
-        if self.bm % (8 * self.cluster_n):
-            return (f"cluster_n={self.cluster_n} with bm={self.bm}: each block loads a slice of whole 8-row swizzle "
-                    f"atoms")
-        if self.split_k != 1 or self.stream_k:
+        # each block multicasts bm / cluster_n rows of A (16 at the least: whole 8-row atoms of the 128-byte swizzle)
+        if self.cluster_n > 1 and (self.split_k != 1 or self.stream_k):
             return (f"cluster_n={self.cluster_n}: a cluster's blocks share whole tiles' k-blocks (no K split or "
                     f"stream K)")
         return None

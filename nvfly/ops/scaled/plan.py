@@ -11,7 +11,8 @@ tokens its N); block scales stay unswapped on one 64-row token tile (their activ
 kernel's rows), its width the widest that still fills FILL of the SMs. Small-M tiles that fill at most half the
 SMs split K over the idle ones (f32 partials, then a reduce kernel applies scales and bias; or, with
 ``ScaledConfig.split_fix_up``, the splits add up in the kernel's workspace and the last one stores: one launch,
-``SPLIT_FIX_UP`` says which the heuristic takes). Measurements: docs/ops/scaled.md.
+``SPLIT_FIX_UP`` says which the heuristic takes). Clusters along N multicasting A (``ScaledConfig.cluster_n``) are
+the caller's choice only: unswapped, without K splits or stream K. Measurements: docs/ops/scaled.md.
 """
 from __future__ import annotations
 

@@ -7,7 +7,10 @@ The schedule is the dense GEMM's: one block per SM walks output tiles (nvfly.ops
 rasterisation; with ``ScaledConfig.stream_k`` a partial last wave dealt out as k ranges, shared tiles summed by
 ``nvfly.ops.common.epilogue.fix_up``, which also sums split K's splits with ``ScaledConfig.split_fix_up``);
 warpgroup 0's first thread keeps a ring of 128-element k-blocks full with TMA loads; consumer warpgroups 1..C each
-own bm/C rows of the tile.
+own bm/C rows of the tile. With ``ScaledConfig.cluster_n`` > 1 the blocks run in clusters along N: a cluster takes
+adjacent tile columns of one tile row, each block TMA-loads its slice of the shared A tile into every block of the
+cluster (multicast) and its own B tile, and frees a stage on every block's empty barrier (a cluster column past N is
+computed and not stored).
 
 Two mainloops (``ScaledEpilogue.promote``):
 - accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's

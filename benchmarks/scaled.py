@@ -15,7 +15,9 @@ Usage: python -m benchmarks.scaled [--quick] [--no-triton] [--triton-shapes N] [
 shape's row-wise recipe only); only the MX rows: --quick --recipes mxfp8 mxfp4 --no-triton --no-quantize --name
 scaled_mx. Next to the heuristic's plan, each fp8 row also times ``alternative_configs`` (the same tile with the
 register epilogue, "registers"; the 128 x 128 register tile where the plan widened a promoted one to 192, "previous"; split K over
-128 x 128 tiles at 64 < M <= 128, "split2"; stream K over a partial last wave, "streamk"; the issue-ahead mainloop,
+128 x 128 tiles at 64 < M <= 128, "split2"; stream K over a partial last wave, "streamk"; up to M = 512 the plan's tile
+in 2- and 4-block clusters along N multicasting A, "cluster2" and "cluster4", and where the plan's tile is 64 wide
+the 128 x 128 tile, "tile128", also in 2-block clusters, "tile128_cluster2"; the issue-ahead mainloop,
 "ahead", with --issue-ahead, always for block scales; small-M plans (swapped or split): "fixup" (split K adding up
 in the kernel, one launch) or "reduce" (partials + the reduce kernel, two), whichever the plan is not, and "streamk"
 over their tiles; --quick: on the row and block recipes, and on every recipe's small-M rows, which also time the
@@ -92,7 +94,11 @@ BLOCK_TILES = {"previous": {"bn": 128, "issue_ahead": True, "staged_scales": Fal
                "block192_staged": {"bn": 192, "issue_ahead": False, "staged_scales": True}}
 # alternative_configs and small_m_alternatives
 ALTERNATIVES = ("registers", "previous", "split2", "streamk", "ahead", "in_order", "fixup",
-                "reduce") + tuple(BLOCK_TILES)
+                "reduce", "cluster2", "cluster4", "tile128", "tile128_cluster2") + tuple(BLOCK_TILES)
+# the plan's tile in clusters of 2 or 4 blocks along N that share (multicast) the A tile, timed up to this many rows
+# (where every block reads the same few A rows from L2: ScaledConfig.cluster_n); "tile128": where the plan's tile is
+# 64 wide, the 128 x 128 tile (half the blocks, each A tile read by half as many), also in clusters of 2
+CLUSTER_MAX_M = 512
 QUICK_ALTERNATIVES = ("row", "row-fast", "block")  # the recipes --quick times them on (row-wise and block targets)
 
 
@@ -268,7 +274,9 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool,
     plans: "registers", the same tile storing through registers; "previous", where the plan widened a tile to
     128 x 192, the 128 x 128 tile planned before (promoted: storing through registers); "split2", 65 to 128 rows, 128 x 128 tiles split
     in two along K (128 units of work for 128 x 8192); "streamk", the plan's tile (128 x 128 at 65 to 128 rows) with
-    stream K, where the tiles end in a partial wave; with ``ahead`` (always for block scales), "ahead", the
+    stream K, where the tiles end in a partial wave; up to CLUSTER_MAX_M rows, "cluster2" and "cluster4", the plan's
+    tile in clusters of 2 or 4 blocks along N multicasting A, and where the plan's tile is 64 wide "tile128" (the
+    128 x 128 tile) and "tile128_cluster2"; with ``ahead`` (always for block scales), "ahead", the
     promoted mainloop issuing k-block k+1 before k's add (not block1x128; 128 wide), or "in_order" where the plan
     issues ahead already (block scales' default). With ``block_tiles`` (block recipe, 128-row plans) only
     "in_order" (where the plan issues ahead) and the ``BLOCK_TILES`` that are not the plan's."""
@@ -300,6 +308,13 @@ def alternative_configs(m: int, n: int, k: int, recipe: str, ahead: bool,
         replace(plan.config, stream_k=True)
     if m > 64 and make_plan(m, n, k, plan.epilogue, streamed, False, sms).sk_tiles:  # ends in a partial wave
         configs["streamk"] = streamed
+    if m <= CLUSTER_MAX_M:
+        for cluster in (2, 4):
+            if replace(plan.config, cluster_n=cluster).check(plan.epilogue.promote) is None:
+                configs[f"cluster{cluster}"] = replace(plan.config, cluster_n=cluster)
+        if plan.config.bn == 64:
+            configs["tile128"] = deepest(replace(plan.config, bn=128), most=plan.config.stages)
+            configs["tile128_cluster2"] = replace(configs["tile128"], cluster_n=2)
     if plan.config.issue_ahead:  # the block-scaled default: its mainloop in order beside it
         configs["in_order"] = replace(plan.config, issue_ahead=False)
     elif (ahead or scaling == "block") and not fast and scaling != "block1x128":

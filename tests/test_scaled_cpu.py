@@ -59,6 +59,7 @@ def test_variants_compile_to_fp8_wgmma_without_spills(variant):
     (k,) = compile_variants([variant], out_dtype=torch.bfloat16 if epi.scaling != "tensor" else torch.float32)
     check_kernel(k, f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3")
     assert k.dynamic_smem_bytes == cfg.smem_bytes()
+    assert k.cluster is None and "MULTICAST" not in k.sass()  # no cluster: every block loads its whole A tile
     # issuing ahead: the next k-block's wgmmas stay in flight while the previous one is promoted
     assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
     if epi.scaling in ("mxfp8", "mxfp4"):  # a loop over the stage's four k-steps, each one wgmma per atom, promoted
@@ -933,3 +934,110 @@ def test_mxfp4_quantisation_reference():
     assert qb.shape == (128, 64) and qb.stride() == (1, 128) and torch.equal(sb, s)
     a, sa = quantize(torch.randn(16, 256), "mx")
     assert scaled.recipe(a, qb, sa, sb) == "mxfp4"
+
+
+# clusters along N (ScaledConfig.cluster_n): every scaling's mainloop and both epilogues, 2 and 4 blocks, the M = 128
+# plan's 128 x 64 tile, 128 x 128 tiles and the 64-row token tile
+CLUSTER_VARIANTS = [
+    (ScaledConfig(128, 64, 8, 2, tma_store=True, cluster_n=2), ScaledEpilogue("row", True)),
+    (ScaledConfig(128, 64, 8, 2, tma_store=True, cluster_n=4), ScaledEpilogue("tensor", True, bias=True)),
+    (ScaledConfig(128, 64, 8, 2, tma_store=True, cluster_n=2), ScaledEpilogue("row", False)),
+    (ScaledConfig(128, 128, 6, 2, cluster_n=4), ScaledEpilogue("tensor", False, bias=True)),
+    (deepest(ScaledConfig(128, 64, 2, 2, tma_store=True, issue_ahead=True, staged_scales=True, cluster_n=4)),
+     ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True, cluster_n=2), ScaledEpilogue("block", True, bias=True)),
+    (ScaledConfig(64, 128, 8, 1, cluster_n=2), ScaledEpilogue("block", True)),
+    (ScaledConfig(128, 128, 6, 2, cluster_n=2), ScaledEpilogue("block1x128", True, bias=True)),
+    (ScaledConfig(128, 64, 8, 2, tma_store=True, cluster_n=4), ScaledEpilogue("block1x128", True)),
+    (ScaledConfig(128, 128, 6, 2, tma_store=True, cluster_n=4), ScaledEpilogue("mxfp8", True)),
+    (ScaledConfig(128, 128, 5, 2, packed_b=True, cluster_n=2), ScaledEpilogue("mxfp4", True)),
+]
+
+
+@pytest.mark.parametrize("variant", CLUSTER_VARIANTS, ids=lambda v: f"{v[0].bm}x{v[0].bn}-{v[1].scaling}"
+                         f"{'-promoted' if v[1].promote else ''}-cluster{v[0].cluster_n}"
+                         f"{'-tma' if v[0].tma_store else ''}")
+def test_cluster_variants_multicast_a(variant):
+    """fp8 wgmma without spills; A arrives by multicast TMA loads, the kernel's cluster shape is (cluster_n, 1, 1),
+    the blocks meet at cluster barriers (after the ring's barriers exist, before leaving) and free each stage on
+    every block's empty barrier (remote arrives); the epilogue as without a cluster."""
+    cfg, epi = variant
+    (k,) = compile_variants([variant])
+    check_kernel(k, f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3")
+    assert k.cluster == (cfg.cluster_n, 1, 1) and k.dynamic_smem_bytes == cfg.smem_bytes()
+    assert k.count("UTMALDG.2D.MULTICAST") > 0 and k.count("UCGABAR_ARV") == k.count("UCGABAR_WAIT") == 2
+    assert k.count("SYNCS.ARRIVE.TRANS64.RED") > 0
+    assert k.count("UTMASTG") == (cfg.bn // cfg.store_width if cfg.tma_store else 0)
+    assert not epi.promote or ("WARPGROUP.DEPBAR.LE gsb0, 0x1" in k.sass()) == cfg.issue_ahead
+
+
+def test_cluster_plans_launches_and_declines():
+    """cluster_n: the A box is the block's slice, whole clusters launch (tile columns padded to whole clusters),
+    the launch carries the cluster shape and the plan names it; swapped, split-K, stream-K and grouped plans
+    decline with their reason; the heuristic's plans and launches have no cluster."""
+    row = ScaledEpilogue("row", True)
+    plan = make_plan(128, 8192, 8192, row, None, None, 132)
+    assert (plan.config.bm, plan.config.bn, plan.config.cluster_n, plan.grid) == (128, 64, 1, 128)
+    assert scaled.api._Call(plan, None, torch.bfloat16).launch.cluster is None
+    for cn in (2, 4):
+        clustered = make_plan(128, 8192, 8192, row, replace(plan.config, cluster_n=cn), None, 132)
+        assert clustered.a_box == (128 // cn, 128) and clustered.b_box == (64, 128) and clustered.grid == 128
+        assert clustered.config.tma_store and clustered.config.stages == plan.config.stages
+        assert f"{cn}-block clusters along N" in scaled.api.describe_plan(clustered)
+        assert scaled.api._Call(clustered, None, torch.bfloat16).launch.cluster == (cn, 1, 1)
+        # 2 tile rows x 17 tile columns (1040 = 16 x 64 + 16), padded to whole clusters of columns
+        tail = make_plan(200, 1040, 1104, row, replace(plan.config, cluster_n=cn), None, 132)
+        assert tail.grid == 2 * math.ceil(17 / cn) * cn and tail.k_tiles == 9
+        assert make_plan(8192, 8192, 4096, row, replace(plan.config, cluster_n=cn), None, 132).grid == 132
+        # an f32 output stores through registers, in the same clusters
+        assert make_plan(128, 8192, 8192, row, replace(plan.config, cluster_n=cn), None, 132, 4).config == \
+            deepest(replace(plan.config, tma_store=False, cluster_n=cn), most=plan.config.stages)
+    assert "1, 2 or 4" in ScaledConfig(128, 64, 8, 2, cluster_n=3).check()
+    assert "no K split or stream K" in ScaledConfig(128, 128, 6, 2, split_k=2, cluster_n=2).check()
+    assert "no K split or stream K" in ScaledConfig(128, 128, 6, 2, stream_k=True, cluster_n=2).check()
+    with pytest.raises(ValueError, match="^config: cluster_n=2 on a swapped plan"):
+        make_plan(16, 4096, 7168, row, ScaledConfig(64, 16, 8, 1, cluster_n=2), True, 132)
+    with pytest.raises(ValueError, match="^config: cluster_n=2: .*no K split"):
+        make_plan(128, 8192, 8192, row, ScaledConfig(128, 128, 6, 2, split_k=2, cluster_n=2), None, 132)
+    from nvfly.ops.scaled.grouped_plan import make_grouped_plan
+    with pytest.raises(ValueError, match="1 or 2 blocks per cluster"):  # the grouped kernel's clusters: 2 at most
+        make_grouped_plan("contiguous", row, 8, 1024, 4096, 4096, 128, 132, ScaledConfig(128, 128, 4, 2, cluster_n=4))
+    for m, n in ((1, 4096), (64, 4096), (128, 8192), (512, 8192), (8192, 8192)):
+        for epi in (ScaledEpilogue("tensor", False), ScaledEpilogue("block", True), row):
+            assert make_plan(m, n, 4096, epi, None, None, 132).config.cluster_n == 1
+
+
+def test_benchmark_times_the_clusters(monkeypatch):
+    """benchmarks.scaled times the plan's tile in 2- and 4-block clusters along N up to M = 512 (the 64-wide M = 128
+    tile also as 128 x 128, alone and in 2-block clusters), not on swapped small-M plans nor above 512."""
+    from benchmarks import scaled as bench
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: type("Properties", (), {"multi_processor_count": 132}))
+    for recipe in ("tensor", "row", "row-fast", "block", "block1x128"):
+        at_128 = bench.alternative_configs(128, 8192, 8192, recipe, False)
+        plan = make_plan(128, 8192, 8192, ScaledEpilogue(recipe.removesuffix("-fast"), not recipe.endswith("fast")),
+                         None, None, 132)
+        assert at_128["cluster2"][0] == replace(plan.config, cluster_n=2) and not at_128["cluster4"][1]
+        assert at_128["cluster4"][0] == replace(plan.config, cluster_n=4)
+        assert (at_128["tile128"][0].bn, at_128["tile128"][0].cluster_n, at_128["tile128_cluster2"][0].cluster_n) == \
+            (128, 1, 2)
+        assert {"cluster2", "cluster4"} <= set(bench.alternative_configs(512, 8192, 8192, recipe, False))
+        assert not {"cluster2", "cluster4", "tile128"} & set(bench.alternative_configs(1024, 8192, 8192, recipe, False))
+        if not recipe.startswith("block"):  # swapped (block scales' 64-row token tile takes clusters)
+            assert not {"cluster2", "cluster4"} & set(bench.alternative_configs(16, 4096, 7168, recipe, False))
+    assert {"cluster2", "cluster4"} <= set(bench.alternative_configs(16, 4096, 7168, "block", False))
+
+
+def test_one_wave_cluster_rule(monkeypatch):
+    """ONE_WAVE_CLUSTER_N (1: off, the default) puts the heuristic's 128-row tiles that fit one wave in clusters along
+    N: M = 128 and 256 on N = 8192, promoted and fast; not several waves (M = 512), nor swapped or split small M."""
+    from nvfly.ops.scaled import plan as scaled_plan
+    for cn in (2, 4):
+        monkeypatch.setattr(scaled_plan, "ONE_WAVE_CLUSTER_N", cn)
+        for epi in (ScaledEpilogue("row", True), ScaledEpilogue("tensor", False), ScaledEpilogue("block", True)):
+            plan = make_plan(128, 8192, 8192, epi, None, None, 132)
+            assert (plan.config.bn, plan.config.cluster_n, plan.grid, plan.a_box) == (64, cn, 128, (128 // cn, 128))
+            assert make_plan(8192, 8192, 8192, epi, None, None, 132).config.cluster_n == 1
+            assert make_plan(16, 4096, 7168, epi, None, None, 132).config.cluster_n == 1
+        assert make_plan(256, 8192, 8192, ScaledEpilogue("row", True), None, None, 132).config.cluster_n == cn
+        assert make_plan(512, 8192, 8192, ScaledEpilogue("row", True), None, None, 132).config.cluster_n == 1  # 2 waves

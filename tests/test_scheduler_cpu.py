@@ -104,18 +104,24 @@ regions = st.sampled_from(["short-tail", "tail", "tail+wave"])
 @settings(max_examples=150, deadline=None)
 @given(m=st.integers(1, 2500), n=st.integers(1, 2500), k_tiles=st.integers(1, 160), bm=tile_sizes, bn=tile_sizes,
        batches=st.integers(1, 3), group_m=st.sampled_from([1, 2, 3, 8, 16]), split_k=st.integers(1, 9),
-       cluster_m=st.sampled_from([1, 2]), sms=st.sampled_from([1, 7, 16, 132]))
+       cluster=st.sampled_from([(1, 1), (2, 1), (1, 2), (1, 4)]), sms=st.sampled_from([1, 7, 16, 132]))
 def test_linear_grouped_split_and_clustered_tiles_are_covered_once(m, n, k_tiles, bm, bn, batches, group_m, split_k,
-                                                                   cluster_m, sms):
+                                                                   cluster, sms):
+    cluster_m, cluster_n = cluster
     group_m = group_m * cluster_m
-    sms = max(sms, cluster_m)
+    sms = max(sms, cluster_m * cluster_n)
     schedule = scheduler.grid_schedule(m, n, k_tiles, bm, bn, sms=sms, batches=batches, group_m=group_m,
-                                       split_k=split_k, cluster_m=cluster_m)
+                                       split_k=split_k, cluster_m=cluster_m, cluster_n=cluster_n)
     assert schedule.tiling.split_k == scheduler.split_count(k_tiles, split_k) <= split_k
-    assert schedule.grid == min(schedule.tiles, sms // cluster_m * cluster_m) and not schedule.tiling.stream_k
+    assert schedule.tiles_n == math.ceil(n / (bn * cluster_n)) * cluster_n  # a last cluster column may pass N
+    assert schedule.grid == min(schedule.tiles, sms // (cluster_m * cluster_n) * cluster_m * cluster_n)
+    assert not schedule.tiling.stream_k
     work = check_schedule(schedule, sms)
-    for (block, rank), units in work.items():  # a cluster's blocks take the rows of one cluster row
-        assert all(u.tile_m % cluster_m == rank for u in units)
+    for (block, rank), units in work.items():  # a cluster's blocks take the rows (columns) of one cluster row (column)
+        assert all((u.tile_m % cluster_m, u.tile_n % cluster_n) == (rank * (cluster_m > 1), rank * (cluster_n > 1))
+                   for u in units)
+        assert [(u.batch, u.tile_m // cluster_m, u.tile_n // cluster_n, u.k_begin, u.k_end) for u in units] == \
+            [(u.batch, u.tile_m // cluster_m, u.tile_n // cluster_n, u.k_begin, u.k_end) for u in work[block, 0]]
 
 
 @settings(max_examples=100, deadline=None)

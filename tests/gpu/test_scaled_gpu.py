@@ -368,3 +368,63 @@ def test_quantize_mxfp4_matches_the_reference_bit_for_bit(hopper, source):
     out = poisoned(64, rows, torch.float32)
     scaled.scaled_mm(a, q, sa, s, out_dtype=torch.float32, out=out)
     assert rel_error(out, scaled.reference(a, q, sa, s)) < 5e-4
+
+
+# ---------------------------------------------------------------------------------------------- clusters along N
+CLUSTER_N, CLUSTER_K = 4112, 1104  # 4096 + 16: the last tile 16 wide and a last cluster column past N; K: a tail
+
+
+def cluster_configs(m, n, k, scaling, fast):
+    """The heuristic's tile of the shape and the 128 x 128 tile (block scales: in order, the scales from global),
+    each in clusters of 2 and 4 blocks along N."""
+    from dataclasses import replace
+    from nvfly.ops.scaled import ScaledEpilogue
+    from nvfly.ops.scaled.config import deepest
+    from nvfly.ops.scaled.plan import make_plan
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    epilogue = ScaledEpilogue(scaling, promote=not fast or scaling.startswith("block"))
+    plan = make_plan(m, n, k, epilogue, None, None, sms)
+    assert not plan.swap and plan.config.split_k == 1 and plan.config.cluster_n == 1
+    return [replace(cfg, cluster_n=cn) for cfg in (plan.config, deepest(ScaledConfig(128, 128, 2, 2, tma_store=True)))
+            for cn in (2, 4)]
+
+
+@pytest.mark.parametrize("scaling,fast", [("tensor", False), ("row", False), ("row", True), ("block", False),
+                                          ("block1x128", False)], ids=["tensor", "row", "row-fast", "block",
+                                                                       "block1x128"])
+@pytest.mark.parametrize("m", [128, 200, 512])
+def test_clusters_along_n(hopper, scaling, fast, m):
+    """ScaledConfig.cluster_n 2 and 4 (A multicast to the cluster's blocks) on the heuristic's tile (M = 128 and 200:
+    128 x 64; block scales staging their activation scales and issuing ahead) and on 128 x 128: N = 4112 leaves a
+    16-wide last tile and cluster tiles wholly past N (computed, not stored; block scales clamp their weight-block
+    column), more tiles than SMs at M = 512 (each cluster walks several, the ring's phases running on), K a tail;
+    bf16 through the TMA-store epilogue with a bias (f32 through registers at M = 200); twice per config."""
+    n, k = CLUSTER_N, CLUSTER_K
+    a, b, sa, sb = operands(m, n, k, scaling)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    tol = 5e-3 if fast else None
+    for config in cluster_configs(m, n, k, scaling, fast):
+        for out_dtype, with_bias in ((torch.bfloat16, True),) + (((torch.float32, False),) if m == 200 else ()):
+            ref = scaled.reference(a, b, sa, sb, bias if with_bias else None)
+            for launch in range(2):
+                out = poisoned(m, n, out_dtype)
+                scaled.scaled_mm(a, b, sa, sb, bias=bias if with_bias else None, out_dtype=out_dtype, out=out,
+                                 config=config, use_fast_accum=fast)
+                assert rel_error(out, ref) < (tol or TOL[out_dtype]), (config, out_dtype, launch)
+        assert f"{config.cluster_n}-block clusters along N" in scaled.path(a, b, sa, sb, config=config,
+                                                                           use_fast_accum=fast)
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4"])
+def test_mx_clusters_along_n(hopper, recipe):
+    """MX scales promoted every k-step (MXFP4: each block converts its own packed B tile) in clusters of 2 and 4
+    along N: tails in M, N (a cluster column past it) and K."""
+    m, n, k = 200, 1040, 1120
+    a, b, sa, sb = MX_OPERANDS[recipe](m, n, k)
+    ref = scaled.reference(a, b, sa, sb)
+    from nvfly.ops.scaled.config import deepest
+    for config in (deepest(ScaledConfig(128, 64, 2, 2, tma_store=True, packed_b=recipe == "mxfp4", cluster_n=4)),
+                   ScaledConfig(128, 128, 4, 2, cluster_n=2)):
+        out = poisoned(m, n, torch.bfloat16)
+        scaled.scaled_mm(a, b, sa, sb, out=out, config=config)
+        assert rel_error(out, ref) < TOL[torch.bfloat16], config

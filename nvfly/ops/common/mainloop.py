@@ -55,9 +55,9 @@ def fill_stage(pipe: Any, state: Any, ring: Any, stage_bytes: int) -> tuple[Any,
 def produce_tiles(pipe, ring, stage_bytes, S, first, units, step, tiles, TILING, tile_loads, rank):
     """The producer thread's walk over its work units (``first``, ``first + step``, ... below ``units``, of the
     scheduler's ``tiles``; ``rank``: the block's in its cluster, 0 without one): ``tile_loads(work)`` (the kernel's,
-    once a unit) returns the unit's k-blocks
-    (k_begin, k_end) and ``load(kt, base, full)``, which issues k-block kt's TMA boxes into the stage at shared
-    address ``base``; each k-block claims the ring's next stage first (``fill_stage``)."""
+    once a unit) returns the unit's k-blocks (k_begin, k_end) and ``load(kt, base, full)``, which issues k-block kt's
+    TMA boxes into the stage at shared address ``base``; each k-block claims the ring's next stage first
+    (``fill_stage``)."""
     state = sm90.PipelineState.start(S)
     for tile in range(first, units, step):
         k_begin, k_end, load = tile_loads(unit_work(tile, tiles, rank, TILING))
@@ -123,8 +123,8 @@ def promote_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, sums,
     k-block is done before the next is issued. With AHEAD (STEPS 1 only) k-block k + 1 is issued before k is
     promoted, so that the promotion runs under wgmmas: two partials in flight, the k-blocks taken in pairs so that
     each partial keeps its registers (handing one on as the other would copy registers still in flight, and ptxas
-    would serialise wgmma). A stage is released on every block of a ``CLUSTER`` (``release_stage``: their producers
-    multicast into it). Returns (sums, the state after the tile)."""
+    would serialise wgmma). Stages are released on every block of a ``CLUSTER`` (``release_stage``). Returns (sums,
+    the state after the tile)."""
     if STEPS > 1:
         for kt in range(k_begin, k_end):
             stage = wait_stage(pipe, state, ring, stage_bytes, prepare)
@@ -191,7 +191,8 @@ def retire(pipe, state, lane, sums, partial, promote, PENDING, CLUSTER):
 
 
 def release_stage(pipe: Any, state: Any, cluster: int) -> None:
-    """Free a stage: on this block's empty barrier, and on every peer's when their operand slices came from us."""
+    """Free a stage: on this block's empty barrier, and on every peer's of a cluster (whose producers multicast
+    their operand slices into it)."""
     if cluster == 1:
         pipe.consumer_release(state)
         return

@@ -15,7 +15,7 @@ is the kernel's Constexpr, and the rest (sizes, the stream-K split, tables) its 
   With ``split_fix_up`` the splits meet in the kernel, as stream K's shared tiles do: a unit's ``slot`` is its
   output tile and its ``contributors`` the splits (the kernel's fix-up; without it, ``slot`` -1 and 1).
 - Clusters along M: tiles are counted in cluster rows; block ``rank`` of a cluster takes row ``rank`` of it.
-  Along N (``cluster_n``, ragged groups): tiles are counted in cluster columns, block ``rank`` takes column
+  Along N (``cluster_n``): tiles are counted in cluster columns, block ``rank`` takes column
   ``rank`` of one (a last cluster column past N holds a tile the kernel computes and does not store).
 - Stream K (``stream_k_split``): the first ``dp_tiles`` work tiles (whole waves) run whole, then the k-blocks of
   the remaining ``sk_tiles`` tiles, in order, are dealt out as one contiguous range of ``block_iters`` k-blocks
@@ -215,21 +215,24 @@ def _check_problem(k_tiles: int, sms: int, *sizes: int) -> None:
 
 def grid_schedule(m: int, n: int, k_tiles: int, bm: int, bn: int, *, sms: int, batches: int = 1, group_m: int = 1,
                   split_k: int = 1, cluster_m: int = 1, stream_k: Optional[StreamK] = None,
-                  split_fix_up: bool = False) -> TileSchedule:
+                  split_fix_up: bool = False, cluster_n: int = 1) -> TileSchedule:
     """The schedule of ``batches`` m x n outputs of ``k_tiles`` k-blocks on bm x bn tiles over ``sms`` blocks:
     ``group_m`` rasterisation, ``split_k`` K splits (fewer when K is short: ``split_count``), clusters of
-    ``cluster_m`` blocks along M, and with a ``stream_k`` policy a tail dealt out as k ranges (only without K
-    splits or clusters, and where the policy applies); ``split_fix_up``: the K splits add up in the kernel
-    (``Tiling.split_fix_up``; only with more than one split)."""
+    ``cluster_m`` blocks along M or of ``cluster_n`` along N (tile columns in whole clusters), and with a
+    ``stream_k`` policy a tail dealt out as k ranges (only without K splits or clusters, and where the policy
+    applies); ``split_fix_up``: the K splits add up in the kernel (``Tiling.split_fix_up``; only with more than one
+    split)."""
     _check_problem(k_tiles, sms, m, n, batches)
-    if cluster_m > sms:
-        raise ValueError(f"clusters of {cluster_m} blocks on {sms} SMs")
+    cluster = cluster_m * cluster_n
+    if cluster > sms:
+        raise ValueError(f"clusters of {cluster} blocks on {sms} SMs")
     split = split_count(k_tiles, split_k)
-    tiles = math.ceil(m / (bm * cluster_m)) * cluster_m * math.ceil(n / bn) * batches * split
-    sk = stream_k_split(tiles, k_tiles, sms, stream_k) if stream_k and split == 1 and cluster_m == 1 \
+    tiles = math.ceil(m / (bm * cluster_m)) * cluster_m * math.ceil(n / (bn * cluster_n)) * cluster_n * batches * split
+    sk = stream_k_split(tiles, k_tiles, sms, stream_k) if stream_k and split == 1 and cluster == 1 \
         else StreamKSplit()
-    tiling = Tiling(bm, bn, group_m, split, cluster_m, stream_k=sk.streamed, split_fix_up=split_fix_up and split > 1)
-    return TileSchedule(tiling, m, n, batches, k_tiles, _grid(tiles, k_tiles, sms, cluster_m, sk), sk.dp_tiles,
+    tiling = Tiling(bm, bn, group_m, split, cluster_m, stream_k=sk.streamed, split_fix_up=split_fix_up and split > 1,
+                    cluster_n=cluster_n)
+    return TileSchedule(tiling, m, n, batches, k_tiles, _grid(tiles, k_tiles, sms, cluster, sk), sk.dp_tiles,
                         sk.block_iters)
 
 

@@ -333,6 +333,7 @@ def describe_plan(plan: ScaledPlan) -> str:
         ("-swapAB" if plan.swap else "") + (f"-splitK{cfg.split_k}" if cfg.split_k > 1 else "") + \
         ("-fixup" if cfg.split_fix_up else "") + ("-staged" if cfg.staged_scales else "")
     return f"{name}: {cfg.bm}x{cfg.bn} tile on {plan.grid} blocks, {cfg.stages} stages" + \
+        (f", {cfg.cluster_n}-block clusters along N (A multicast)" if cfg.cluster_n > 1 else "") + \
         (", TMA-store epilogue" if cfg.tma_store else "") + \
         (f", stream K over {plan.sk_tiles} tiles" if plan.sk_tiles else "")
 
@@ -412,7 +413,7 @@ class _Call:
 
     def __init__(self, plan: ScaledPlan, out: Optional[torch.Tensor], out_dtype: torch.dtype):
         self.plan = plan
-        self.launch = scaled_mm_kernel.prepared(plan.grid, plan.threads)
+        self.launch = scaled_mm_kernel.prepared(plan.grid, plan.threads, cluster_dims(plan.config))
         self.out_m, self.out_n = (plan.n, plan.m) if plan.swap else (plan.m, plan.n)
         self.reduce = None
         if plan.epilogue.partial:
@@ -461,6 +462,11 @@ class _Call:
         if self.reduce is not None:
             self.reduce(partials, out, caller_sa, caller_sb, bias, self.out_m, self.out_n, plan.config.split_k,
                         plan.epilogue.scaling, self.reduce_vec, REDUCE_THREADS)
+
+
+def cluster_dims(cfg: ScaledConfig) -> Optional[tuple[int, int, int]]:
+    """The launch's cluster shape (``ScaledConfig.cluster_n`` blocks along x), or None: no cluster."""
+    return (cfg.cluster_n, 1, 1) if cfg.cluster_n > 1 else None
 
 
 def kernel_scales(scaling: str, scale_a: torch.Tensor, scale_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -615,7 +621,7 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
     size = 4096
     kernels = []
     for cfg, epi in variants:
-        a_desc = nvfly.TmaDescriptor(TensorDesc(dtypes[0], (size, size)), (min(cfg.bm, 256), BK), swizzle=128)
+        a_desc = nvfly.TmaDescriptor(TensorDesc(dtypes[0], (size, size)), (cfg.bm // cfg.cluster_n, BK), swizzle=128)
         b_desc = nvfly.TmaDescriptor(TensorDesc(dtypes[1], (size, size)), (min(cfg.bn, 256), BK), swizzle=128)
         if epi.scaling == "mxfp4":  # packed e2m1 pairs, (N, K/2) bytes
             b_desc = nvfly.TmaDescriptor(TensorDesc(u8, (size, size // 2)), (min(cfg.bn, 256), BK // 2), swizzle=0)
@@ -646,7 +652,8 @@ def compile_variants(variants: Sequence[tuple[ScaledConfig, ScaledEpilogue]], ou
             else None
         kernels.append(scaled_mm_kernel.compile(a_desc, b_desc, out, out_desc, sa_desc, sa, sb, bias, size, size,
                                                 math.ceil(size / BK), sums, counts, 0, 0, CFG=cfg, EPI=epi,
-                                                block=128 * (1 + cfg.consumers), target=target))
+                                                block=128 * (1 + cfg.consumers), cluster=cluster_dims(cfg),
+                                                target=target))
     return kernels
 
 

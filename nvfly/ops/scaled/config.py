@@ -54,11 +54,13 @@ class ScaledConfig(StagedStore):
     (the dense GEMM's stream K; the plan decides whether the shape has such a wave); ``staged_scales`` (block scales):
     the producer also TMA-loads the k-block's bm activation scales (sa[tile rows, kb], f32) into the stage, behind
     its operands in a 1024-byte slot (``SCALE_SLOT``), and the consumers read them from shared memory instead of
-    global (DeepGEMM's); ``cluster_n`` (the grouped kernel only): 2-block clusters take tile columns 2j and 2j + 1
-    of one tile row, each block loads half of the shared A tile and multicasts it to both (the grouped bf16 GEMM's
-    ``cluster_n``); ``stream_a``/``stream_b`` (the grouped kernel only): L2 eviction hints on the operands' TMA loads,
-    the streamed one's evict_first and the other's evict_last (the dense GEMM's, ``load_hint``: e.g. the experts'
-    weights, read once, streamed past the tokens' tiles that their N tiles re-read)."""
+    global (DeepGEMM's); ``cluster_n``: blocks per thread-block cluster along N (1, 2 or 4; the grouped kernel 1 or
+    2), which take adjacent tile columns of one tile row: each loads a bm / cluster_n-row slice of the shared A tile
+    and multicasts it to all of them (A's L2 -> SM traffic divided by cluster_n; the dense GEMM's cluster along M,
+    transposed), a last cluster column past N computed and not stored; ``stream_a``/``stream_b`` (the grouped kernel
+    only): L2 eviction hints on the operands' TMA loads, the streamed one's evict_first and the other's evict_last
+    (the dense GEMM's, ``load_hint``: e.g. the experts' weights, read once, streamed past the tokens' tiles that
+    their N tiles re-read)."""
     bm: int = 128
     bn: int = 128
     stages: int = 6
@@ -128,8 +130,6 @@ class ScaledConfig(StagedStore):
                     f"{accumulators} accumulator(s))")
         if self.stream_a and self.stream_b:
             return "stream_a and stream_b: at most one operand is streamed"
-        if self.cluster_n not in (1, 2):
-            return f"cluster_n={self.cluster_n}: 1 or 2 blocks per cluster"
         if self.stages < 2:
             return "at least 2 stages"
         if self.staging_reason():
@@ -142,6 +142,16 @@ class ScaledConfig(StagedStore):
             return f"split_k={self.split_k}: 1 to 32"
         if self.smem_bytes() > SMEM_LIMIT:
             return f"{self.smem_bytes()} bytes of shared memory exceed {SMEM_LIMIT}"
+        return self.cluster_reason()
+
+    def cluster_reason(self) -> Optional[str]:
+        """None if this config's blocks can run in clusters of ``cluster_n`` along N, else why not."""
+        if self.cluster_n not in (1, 2, 4):
+            return f"cluster_n={self.cluster_n}: 1, 2 or 4 blocks per cluster"
+        # each block multicasts bm / cluster_n rows of A (16 at the least: whole 8-row atoms of the 128-byte swizzle)
+        if self.cluster_n > 1 and (self.split_k != 1 or self.stream_k):
+            return (f"cluster_n={self.cluster_n}: a cluster's blocks share whole tiles' k-blocks (no K split or "
+                    f"stream K)")
         return None
 
 

@@ -44,6 +44,8 @@ def fits(cfg: ScaledConfig, groups: int, epilogue: ScaledEpilogue) -> Optional[s
     why = cfg.check(epilogue.promote)
     if why:
         return why
+    if cfg.cluster_n not in (1, 2):
+        return f"cluster_n={cfg.cluster_n}: the grouped scaled kernel runs 1 or 2 blocks per cluster"
     if cfg.split_k != 1 or cfg.packed_b:
         return "the grouped scaled kernel runs without K splits or packed weights"
     if cfg.staged_scales and epilogue.scaling != "block":

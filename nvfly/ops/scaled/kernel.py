@@ -7,7 +7,10 @@ The schedule is the dense GEMM's: one block per SM walks output tiles (nvfly.ops
 rasterisation; with ``ScaledConfig.stream_k`` a partial last wave dealt out as k ranges, shared tiles summed by
 ``nvfly.ops.common.epilogue.fix_up``, which also sums split K's splits with ``ScaledConfig.split_fix_up``);
 warpgroup 0's first thread keeps a ring of 128-element k-blocks full with TMA loads; consumer warpgroups 1..C each
-own bm/C rows of the tile.
+own bm/C rows of the tile. With ``ScaledConfig.cluster_n`` > 1 the blocks run in clusters along N: a cluster takes
+adjacent tile columns of one tile row, each block TMA-loads its slice of the shared A tile into every block of the
+cluster (multicast) and its own B tile, and frees a stage on every block's empty barrier (a cluster column past N is
+computed and not stored).
 
 Two mainloops (``ScaledEpilogue.promote``):
 - accumulate: the wgmmas of every k-block add into one accumulator, one wgmma group in flight (the dense GEMM's
@@ -59,7 +62,10 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     ATOMS_M = WG_M // 64
     atom = sm90.WgmmaAtom(BN, dtype, nvfly.f8e4m3 if CFG.packed_b else b_desc.info.dtype, "K", "K")
     tiles_of = k_major_tiles(BM, BN, dtype)
-    a_boxes, b_boxes = tiles_of[2:4]
+    b_boxes = tiles_of[3]
+    CN = CFG.cluster_n
+    # a cluster along N: block r loads slice r of the A tile for every block of the cluster (multicast)
+    a_parts = sm90.operand_boxes(tiles_of[0], BM, BK, dtype, "K", 128, parts=CN)[1]
     A_BYTES = BM * BK
     STAGE_BYTES = CFG.stage_bytes
     ring, pipe = fp8_ring(CFG)
@@ -81,10 +87,15 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
     if FIX_UP:  # each consumer's arrival count, after the ring's barriers
         arrivals = nvfly.dynamic_shared_tensor(nvfly.i32, (WGS,), offset_bytes=ARRIVAL_OFFSET)
     init_ring(pipe, tid, a_desc, b_desc, out_desc, TMA_STORE)
-    nvfly.syncthreads()
-    TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k, stream_k=FIX_UP and not SPLIT_FIX_UP, split_fix_up=SPLIT_FIX_UP)
-    first_tile = nvfly.block_idx.x
-    tile_step = nvfly.grid_dim.x
+    if CN > 1:
+        sm90.cluster_sync()  # every block's barriers exist before any multicast or remote arrive
+    else:
+        nvfly.syncthreads()
+    rank = nvfly.block_rank_in_cluster() if CN > 1 else 0
+    TILING = Tiling(BM, BN, CFG.group_m, CFG.split_k, stream_k=FIX_UP and not SPLIT_FIX_UP, split_fix_up=SPLIT_FIX_UP,
+                    cluster_n=CN)
+    first_tile = nvfly.cluster_idx.x if CN > 1 else nvfly.block_idx.x
+    tile_step = nvfly.grid_dim.x // CN
     tiles = tile_grid(m, n, 1, k_tiles, dp_tiles, block_iters, tile_step, None, None, TILING)
     num_units = block_units(first_tile, tiles, TILING)
 
@@ -93,7 +104,10 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
         if tid == 0:
             def tile_loads(work):
                 def load(kt, base, full):
-                    load_boxes(a_desc, a_boxes, work.tile_m * BM, kt * BK, "K", base, full)
+                    for r in nvfly.static_range(CN):
+                        if CN == 1 or rank == r:
+                            load_boxes(a_desc, a_parts[r], work.tile_m * BM, kt * BK, "K", base, full,
+                                       multicast_mask=(1 << CN) - 1 if CN > 1 else None)
                     if CFG.packed_b:  # e2m1 pairs: one unswizzled BN x 64-byte box, behind the e4m3 tile
                         sm90.tma_load(b_desc, base + A_BYTES + BN * BK, (work.tile_n * BN, kt * (BK // 2)), full)
                     else:
@@ -102,7 +116,8 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
                         sm90.tma_load(sa_desc, base + CFG.scales_offset, (kt, work.tile_m * BM), full)
                 return work.k_begin, work.k_end, load
 
-            produce_tiles(pipe, ring, STAGE_BYTES, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads, 0)
+            produce_tiles(pipe, ring, STAGE_BYTES, S, first_tile, num_units, tile_step, tiles, TILING, tile_loads,
+                          rank)
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
         consumer = wg - 1
@@ -113,13 +128,13 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
             alpha = scale_a[0] * scale_b[0]
         state = sm90.PipelineState.start(S)
         for tile in range(first_tile, num_units, tile_step):
-            work = unit_work(tile, tiles, 0, TILING)
+            work = unit_work(tile, tiles, rank, TILING)
             tm, tn = work.tile_m, work.tile_n
             row0 = tm * BM + consumer * WG_M + warp_in_wg * 16 + lane // 4
             col0 = tn * BN + 2 * (lane % 4)
             # the k-block's promotion scales
             scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, col0, m=m, n=n, BN=BN,
-                                          ATOMS_M=ATOMS_M, EPI=EPI)
+                                          ATOMS_M=ATOMS_M, EPI=EPI, past_n=CN > 1)
             if CFG.staged_scales:  # sa from the stage: the thread's first row's word in its slot
                 scales_of = functools.partial(scales_of, staged_row=CFG.scales_offset + 4 * (row0 - tm * BM))
             accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, work.k_begin, work.k_end, lane,
@@ -136,6 +151,8 @@ def scaled_mm_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, o
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
+    if CN > 1:
+        sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
 
 
 def check_fix_up(cfg, epi, fix_up: bool) -> None:
@@ -230,12 +247,12 @@ def k_major_tiles(bm: int, bn: int, dtype) -> tuple:
 
 def fp8_ring(cfg) -> tuple:
     """The fp8 kernels' ring in dynamic shared memory (its barriers first): (its shared address, its TmaPipeline,
-    released by the 4 warps of each of ``cfg.consumers`` consumer warpgroups of each of ``cfg.cluster_n`` blocks)."""
+    released by the 4 warps of each of ``cfg.consumers`` consumer warpgroups of each block of the cluster)."""
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * cfg.stages,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (cfg.stages * cfg.stage_bytes,),
                                                     offset_bytes=BARRIER_BYTES))
-    return ring, sm90.TmaPipeline(bars, cfg.stages, cfg.load_bytes,
-                                  consumer_arrivals=4 * cfg.consumers * cfg.cluster_n)
+    # a cluster's stage is free once the consumers of all its blocks are done: each A slice lands in all of them
+    return ring, sm90.TmaPipeline(bars, cfg.stages, cfg.load_bytes, consumer_arrivals=4 * cfg.consumers * cfg.cluster_n)
 
 
 def issue_k_step(atom, base, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m, atoms_m, ks) -> list:
@@ -269,7 +286,7 @@ def convert_packed_b(tile, thread, BN, WGS):
 
 
 def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a_group=None, b_group=None,
-                     stage=None, staged_row=None) -> list:
+                     stage=None, staged_row=None, past_n=False) -> list:
     """The k-block's promotion scales for the thread's elements: block, one per row and run of the tile's columns
     (sa[row, kt] * sb[the run's column block, kt], row-major: ``weight_runs`` runs, each in one weight block; reads
     of a run past n clamped to the last block); block1x128 and MX (``kt`` then counts 32-wide k-steps, the e8m0
@@ -277,13 +294,15 @@ def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a
     (applied in the epilogue).
     ``a_group``/``b_group``: the group whose scales a batched (3-D) scale_a/scale_b holds first (None: 2-D).
     ``stage``/``staged_row`` (block, ``ScaledConfig.staged_scales``): sa[row, kt] is the f32 word at shared address
-    stage + staged_row + 4 (64i + 8h) (the tile's rows past m are TMA's zeros, never stored)."""
+    stage + staged_row + 4 (64i + 8h) (the tile's rows past m are TMA's zeros, never stored).
+    ``past_n``: the tile may lie wholly past n (a cluster's last column): every column read is clamped."""
     rows = [nvfly.minimum(row0 + 64 * i + 8 * h, m - 1) for i in range(ATOMS_M) for h in range(2)]
     if EPI.scaling == "block":
         runs = weight_runs(BN)
         width = BN // runs
         # col0 is the tile's first column plus at most 6, inside its first run; a one-run tile starts inside n
-        sbs = [batched(scale_b, b_group, col0 // SCALE_BLOCK if runs == 1 else
+        # unless it is a cluster's past n
+        sbs = [batched(scale_b, b_group, col0 // SCALE_BLOCK if runs == 1 and not past_n else
                        nvfly.minimum((col0 + width * r) // SCALE_BLOCK, (n - 1) // SCALE_BLOCK), kt)
                for r in range(runs)]
         if stage is not None:

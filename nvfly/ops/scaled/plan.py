@@ -11,7 +11,8 @@ tokens its N); block scales stay unswapped on one 64-row token tile (their activ
 kernel's rows), its width the widest that still fills FILL of the SMs. Small-M tiles that fill at most half the
 SMs split K over the idle ones (f32 partials, then a reduce kernel applies scales and bias; or, with
 ``ScaledConfig.split_fix_up``, the splits add up in the kernel's workspace and the last one stores: one launch,
-``SPLIT_FIX_UP`` says which the heuristic takes). Measurements: docs/ops/scaled.md.
+``SPLIT_FIX_UP`` says which the heuristic takes). Clusters along N multicasting A (``ScaledConfig.cluster_n``;
+unswapped, without K splits or stream K) are the caller's choice until measured (``ONE_WAVE_CLUSTER_N`` 1). Measurements: docs/ops/scaled.md.
 """
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ SPLIT_MAX = 16
 # the heuristic's K splits add up in the kernel (ScaledConfig.split_fix_up: one launch), not in the reduce kernel
 # (two): the second launch costs far more host time than the fix-up costs on the GPU (docs/ops/scaled.md)
 SPLIT_FIX_UP = True
+# 128-row tiles that fit one wave (M = 128 .. 512 on wide N: every block reads the same few A rows from L2) run in
+# clusters of this many blocks along N sharing A by multicast (ScaledConfig.cluster_n); 1: none, until measured
+# (benchmarks.scaled's "cluster2" / "cluster4", docs/ops/scaled.md "Clusters along N")
+ONE_WAVE_CLUSTER_N = 1
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
             rate = {192: WIDE_BLOCK_RATE if scaling == "block" else 1.0, 128: 1.0}
             bn = min((192, 128), key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w / rate[w],
                                                 -w))
-        return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
+        return one_wave_cluster(deepest(ScaledConfig(128, bn, 2, 2, tma_store=True)), m, n, sms)
     # one accumulator, up to 256 wide: among the widths whose tiles fill the SMs, the one whose waves take least
     # time (waves x width; ties to the wider), as the promoted tiles choose 192
     filling = [w for w in (256, 192, 128) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms]
@@ -101,7 +106,14 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
         bn = min(filling, key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w, -w))
     else:
         bn = 128 if math.ceil(m / 128) * math.ceil(n / 128) >= FILL * sms else 64
-    return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
+    return one_wave_cluster(deepest(ScaledConfig(128, bn, 2, 2, tma_store=True)), m, n, sms)
+
+
+def one_wave_cluster(cfg: ScaledConfig, m: int, n: int, sms: int) -> ScaledConfig:
+    """``cfg`` in clusters of ONE_WAVE_CLUSTER_N blocks along N where its tiles fit one wave, else as it is."""
+    if ONE_WAVE_CLUSTER_N > 1 and math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) <= sms:
+        return replace(cfg, cluster_n=ONE_WAVE_CLUSTER_N)
+    return cfg
 
 
 def split_small_m(cfg: ScaledConfig, m: int, n: int, k: int, sms: int) -> ScaledConfig:
@@ -146,9 +158,8 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     why = config.check(epilogue.promote)
     if why:
         raise ValueError(f"config: {why}")
-    if config.cluster_n != 1 or config.stream_a or config.stream_b:
-        raise ValueError("config: cluster_n, stream_a, stream_b: only the grouped scaled kernel runs clusters and "
-                         "hints its loads")
+    if config.stream_a or config.stream_b:
+        raise ValueError("config: stream_a, stream_b: only the grouped scaled kernel hints its loads")
     if epilogue.scaling == "block" and weight_scales_reason(config.bn):
         raise ValueError(f"config: {weight_scales_reason(config.bn)}")
     if config.staged_scales and (epilogue.scaling != "block" or swap):
@@ -159,6 +170,9 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
                          "accumulators spill")
     if config.issue_ahead and epilogue.scaling in MX:
         raise ValueError("config: issue_ahead with MX scales: they promote every k-step, not k-blocks")
+    if config.cluster_n > 1 and swap:
+        raise ValueError(f"config: cluster_n={config.cluster_n} on a swapped plan: its tokens are one tile column, "
+                         f"no neighbour along N shares its A (pass swap=False)")
     k_tiles = math.ceil(k / BK)
     split = split_count(k_tiles, config.split_k)  # every split at least one k-block
     config = replace(config, split_k=split, split_fix_up=config.split_fix_up and split > 1)
@@ -167,11 +181,11 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
     # stream K over any partial last wave (a single one too: the M = 128 case)
     schedule = grid_schedule(m, n, k_tiles, config.bm, config.bn, sms=sms, group_m=config.group_m,
                              split_k=config.split_k, stream_k=StreamK("tail") if config.stream_k else None,
-                             split_fix_up=config.split_fix_up)
+                             split_fix_up=config.split_fix_up, cluster_n=config.cluster_n)
     b_box = (min(config.bn, 256), BK // 2) if config.packed_b else (min(config.bn, 256), BK)
     return ScaledPlan(config=config, epilogue=epilogue, swap=swap, m=m, n=n, k=k, k_tiles=k_tiles,
                       grid=max(1, schedule.grid), threads=128 * (1 + config.consumers),
-                      a_box=(min(config.bm, 256), BK), b_box=b_box, b_swizzle=0 if config.packed_b else 128,
+                      a_box=(config.bm // config.cluster_n, BK), b_box=b_box, b_swizzle=0 if config.packed_b else 128,
                       store_box=store_box(config, False) if config.tma_store else None,
                       dp_tiles=schedule.dp_tiles, block_iters=schedule.block_iters, sk_tiles=schedule.sk_tiles,
                       fix_up_tiles=schedule.output_tiles if config.split_fix_up else 0)

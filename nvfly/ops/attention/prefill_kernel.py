@@ -448,25 +448,40 @@ def mask_mod_keeps(ctx, n, PLAN, MASKED, MASK_MOD, mod_off):
     a predicate (or a table entry) a score. ``mod_off``: None, or a traced flag under which every key is kept (the
     pipeline's first block when it may be a BlockMask's full block). Not with a score_mod, nor with the overlap's
     second S tile: there the verdicts' pending loads spill (28-100 registers in the CPU tests' kernels); then
-    ``block_softmax`` evaluates the mask_mod score by score after the wait."""
+    ``block_softmax`` evaluates the mask_mod score by score after the wait. ``PLAN.prefetch_mask``: a
+    ``PrefetchedLoads`` instead, the mask_mod's loads of each score issued here, its compares left for after the
+    wait (no bits to pack and unpack; the loaded values, not two words, wait with S)."""
     mods = ctx.mods
     if not MASK_MOD or mods.mask_mod is None or mods.score_mod is not None or PLAN.overlap:
         return None
     first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
     mod_rows = (ctx.mod_row0, ctx.mod_row1)
+    if PLAN.prefetch_mask:
+        loads = []
+        for i in nvfly.static_range(PLAN.block_n // 2):
+            loads.append([])
+            apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[row_of(i)],
+                           mod_key(ctx, first_key + column_offset(i), MASKED),
+                           mod_affine(mod_rows, first_key, i, PLAN), loads[i])
+        return PrefetchedLoads(loads)
     words = []
     scores = PLAN.block_n // 2
     for w in nvfly.static_range((scores + 31) // 32):
         word = nvfly.u32(0)
         for i in nvfly.static_range(32 * w, min(32 * w + 32, scores)):
-            key = first_key + 8 * (i // 4) + i % 2
+            key = first_key + column_offset(i)
             kept = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[row_of(i)],
-                                  mod_key(ctx, key, MASKED))
+                                  mod_key(ctx, key, MASKED), mod_affine(mod_rows, first_key, i, PLAN))
             word = word | nvfly.select(kept, nvfly.u32(1 << (i % 32)), nvfly.u32(0))
         if mod_off is not None:
             word = word | nvfly.select(mod_off, nvfly.u32(0xFFFFFFFF), nvfly.u32(0))
         words.append(word)
     return words
+
+
+class PrefetchedLoads(NamedTuple):
+    """``PLAN.prefetch_mask``: the mask_mod's loaded table values, a list a score (``mask_mod_keeps``)."""
+    values: list
 
 
 @nvfly.func
@@ -480,12 +495,60 @@ def positional_keep(ctx, key, row, PLAN):
     return keep
 
 
+def column_offset(i: int) -> int:
+    """The key of a thread's score ``i`` (of S's fragment) past the thread's first key of the block: 8 keys a
+    group of four scores, two adjacent keys in each row."""
+    return 8 * (i // 4) + i % 2
+
+
+@nvfly.func
+def row_limits(ctx, n, PLAN):
+    """``PLAN.hoist``: the positional bounds of the thread's two rows in block ``n`` as (lo, hi) offsets from the
+    thread's first key: score i is visible iff lo <= column_offset(i) <= hi (lo None without a window; hi: the
+    sequence's last key, or the causal bound if lower). A few subtractions a row and block, then one compare with
+    a constant a bound and score (``limits_keep``) instead of a key's add and three compares."""
+    first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
+    limits = []
+    for r in nvfly.static_range(2):
+        row = ctx.row0 + 8 * r
+        hi = ctx.skv - 1 - first_key
+        if PLAN.causal:
+            hi = nvfly.minimum(hi, row + ctx.high - first_key)
+        lo = None
+        if PLAN.window:
+            lo = row + ctx.low - first_key
+        limits.append((lo, hi))
+    return limits
+
+
+@nvfly.func
+def limits_keep(limits, i):
+    """Whether score ``i`` is within its row's ``row_limits``."""
+    lo, hi = limits[row_of(i)]
+    keep = hi >= column_offset(i)
+    if lo is not None:
+        keep = keep & (lo <= column_offset(i))
+    return keep
+
+
+def mod_affine(mod_rows, first_key, i, PLAN):
+    """``PLAN.hoist``: the mods' q_idx and kv_idx of score ``i`` as (base, offset) pairs (``mods.ModValue``): the
+    row, and the thread's first key plus the score's constant offset (unclamped: a masked block's tail keys differ
+    from the clamped kv_idx only where the positional mask drops the score). None without hoisting."""
+    if not PLAN.hoist:
+        return None
+    return ((mod_rows[row_of(i)], 0), (first_key, column_offset(i)))
+
+
 @nvfly.func
 def positional_mask(scores, ctx, n, PLAN):
     """Block ``n``'s scores (the thread's, a list) with those outside the positional bounds -inf."""
+    if PLAN.hoist:
+        limits = row_limits(ctx, n, PLAN)
+        return [nvfly.select(limits_keep(limits, i), scores[i], NEG_INF) for i in range(len(scores))]
     first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
     rows = (ctx.row0, ctx.row0 + 8)
-    return [nvfly.select(positional_keep(ctx, first_key + 8 * (i // 4) + i % 2, rows[row_of(i)], PLAN), scores[i],
+    return [nvfly.select(positional_keep(ctx, first_key + column_offset(i), rows[row_of(i)], PLAN), scores[i],
                          NEG_INF) for i in range(len(scores))]
 
 
@@ -511,7 +574,8 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
     P·V GEMM's A fragments, the new maxima and sums, O's rescale factors)."""
     scores = [s[i] for i in range(len(s))]
     mods = ctx.mods
-    mask_here = kept is None and MASK_MOD and mods.mask_mod is not None
+    prefetched = isinstance(kept, PrefetchedLoads)
+    mask_here = (kept is None or prefetched) and MASK_MOD and mods.mask_mod is not None
     if MASKED or mods.score_mod is not None or kept is not None or mask_here:
         first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
         rows = (ctx.row0, ctx.row0 + 8)
@@ -519,21 +583,26 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
         # a BlockMask lists blocks by its mask alone: whether one needs the positional bounds is known per block,
         # at run time, for the warp's 16 rows (a uniform branch, so a block inside them runs none of their code)
         branch = MASKED and PLAN.kv_block and not PLAN.overlap
+        limits = None
+        if MASKED and not branch and PLAN.hoist:
+            limits = row_limits(ctx, n, PLAN)
         for i in nvfly.static_range(len(scores)):
-            key = first_key + 8 * (i // 4) + i % 2
+            key = first_key + column_offset(i)
             r = row_of(i)
+            affine = mod_affine(mod_rows, first_key, i, PLAN)
             if mods.score_mod is not None:
                 scores[i] = apply_score_mod(mods, ctx.captured, scores[i], ctx.batch, ctx.head, mod_rows[r],
-                                            mod_key(ctx, key, MASKED), scale=ctx.scale)
+                                            mod_key(ctx, key, MASKED), scale=ctx.scale, affine=affine)
             keep = None
             if MASKED and not branch:
-                keep = positional_keep(ctx, key, rows[r], PLAN)
+                keep = limits_keep(limits, i) if PLAN.hoist else positional_keep(ctx, key, rows[r], PLAN)
             verdict = None
-            if kept is not None:
+            if kept is not None and not prefetched:
                 verdict = (kept[i // 32] & nvfly.u32(1 << (i % 32))) != nvfly.u32(0)
             if mask_here:
                 verdict = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[r],
-                                         mod_key(ctx, key, MASKED))
+                                         mod_key(ctx, key, MASKED), affine,
+                                         list(kept.values[i]) if prefetched else None, prefetched)
                 if mod_off is not None:
                     verdict = verdict | mod_off
             if verdict is not None:

@@ -45,7 +45,13 @@ class PrefillPlan:
     GEMMs; fp8: e4m3 Q, K and V (both GEMMs fp8, P rounded to e4m3) with V given transposed, (B, Dv, Hkv, Skv)
     with its keys permuted within every 16 (``sm90.register_a_k_order``), the K-major B of P·V; tree_max: the
     softmax's row maxima by a pairwise tree; poly_exp2: that many of every 16 of a thread's exp2 by a polynomial on
-    the FMA pipe instead of MUFU (``softmax.online_softmax``)."""
+    the FMA pipe instead of MUFU (``softmax.online_softmax``); hoist: the per-row and per-column parts of the masks
+    and mods out of the per-score code (``prefill_kernel.row_limits``: the positional bounds as two per-row limits
+    relative to the thread's first key of the block, compared with each score's constant column offset; the mods'
+    q_idx and kv_idx as affine values, ``mods.ModValue``: kv_idx - q_idx one subtraction and one conversion a
+    block, a comparison with a number one compare a score); prefetch_mask: the mask_mod's table loads issued
+    between S's issue and its wait and its compares after the wait (``prefill_kernel.mask_mod_keeps``), instead of
+    its verdicts packed into bits there and unpacked after."""
     dqk: int
     dv: int
     causal: bool
@@ -61,6 +67,8 @@ class PrefillPlan:
     fp8: bool = False
     tree_max: bool = False
     poly_exp2: int = 0
+    hoist: bool = False
+    prefetch_mask: bool = False
 
     def __post_init__(self) -> None:
         if self.pingpong and self.consumers != 2:
@@ -119,11 +127,13 @@ class PrefillPlan:
 def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block: int = 0, q_block: int = 0,
                  varlen: bool = False, overlap: Optional[bool] = None,
                  pingpong: Optional[bool] = None, fp8: bool = False, wide: Optional[bool] = None,
-                 tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None, mods: bool = False) -> PrefillPlan:
+                 tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None, mods: bool = False,
+                 hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
     options; ``overlap``/``pingpong`` None: the defaults below (``mods``: whether the kernel traces a score_mod or
     mask_mod); ``wide`` (fp8 D 128 only; None: the default below): ``FP8_WIDE_BLOCK_N`` keys a stage instead of
-    ``FP8_BLOCK_N``; ``tree_max`` (fp8 only; None: with ``wide``); ``poly_exp2`` (fp8 only; None: 0)."""
+    ``FP8_BLOCK_N``; ``tree_max`` (fp8 only; None: with ``wide``); ``poly_exp2`` (fp8 only; None: 0); ``hoist``, ``prefetch_mask``
+    (None: off, not measured yet: ``--prefill-variants`` times them)."""
     if overlap is None:
         # measured on the H200: at D <= 128 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most); at
         # 192/128 and 256 +3-13% on every row; with mods or a BlockMask there it spills (docs/ops/attention.md)
@@ -137,7 +147,8 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
     if tree_max is None:
         tree_max = wide
     return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
-                       pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=(poly_exp2 or 0) if fp8 else 0)
+                       pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=(poly_exp2 or 0) if fp8 else 0,
+                       hoist=bool(hoist), prefetch_mask=bool(prefetch_mask))
 
 
 def stage_keys(dqk: int, kv_block: int = 0) -> int:

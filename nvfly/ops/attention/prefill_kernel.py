@@ -45,7 +45,7 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PINGPONG_BARRIER, PRODUCER_REGS,
                                                   block_inside_bounds, key_blocks, pipelined_loops)
-from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
+from nvfly.ops.attention.softmax import EXP2_CUBIC, EXP2_POLYNOMIAL, NEG_INF, online_softmax, row_of
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -614,7 +614,7 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
                 scores = positional_mask(scores, ctx, n, PLAN)
     MASKED = MASKED or kept is not None or mask_here or mods.score_mod is not None  # rows may have no key kept yet
     step = online_softmax(scores, state.maxima, state.sums, ctx.fold, MASKED, PLAN.tree_max,
-                          PLAN.poly_exp2)
+                          PLAN.poly_exp2, EXP2_POLYNOMIAL if PLAN.fp8 else EXP2_CUBIC)
     fragments = s.map(lambda x, i: step.p[i]).to_a_fragments(ctx.pv_atom)
     return fragments, step.maxima, step.sums, step.rescales
 

@@ -19,6 +19,7 @@ BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 128, 256: 80}
 FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))  # fp8 e4m3: one swizzle row (64 or 128 bytes) or two
 FP8_BLOCK_N = 128  # a multiple of fp8 wgmma's 32-deep k-step and of V's 16-key permutation; D 256 fits: 161 KB
 FP8_WIDE_BLOCK_N = 192  # fp8 D 128 (FlashAttention-3: 176 non-causal): fewer block steps a key; Vᵀ 64-byte swizzled
+WIDE_BLOCK_N = {64: 192}  # bf16/fp16 ``wide``: D 64's S is 96 registers at 192 keys (FA3's D 64 tiles are 192 wide)
 MASK_BLOCK_N = 64  # D 256 with a BlockMask: stages that divide its 128-key blocks (80 does not)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows (wgmma's M)
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
@@ -131,8 +132,10 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
                  hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
     options; ``overlap``/``pingpong`` None: the defaults below (``mods``: whether the kernel traces a score_mod or
-    mask_mod); ``wide`` (fp8 D 128 only; None: the default below): ``FP8_WIDE_BLOCK_N`` keys a stage instead of
-    ``FP8_BLOCK_N``; ``tree_max`` (fp8 only; None: with ``wide``); ``poly_exp2`` (fp8 only; None: 0); ``hoist``, ``prefetch_mask``
+    mask_mod); ``wide`` (fp8 D 128, and bf16/fp16 D 64 without a BlockMask; None: the default below):
+    ``FP8_WIDE_BLOCK_N`` (``WIDE_BLOCK_N``) keys a stage instead of ``FP8_BLOCK_N`` (``BLOCK_N``); ``tree_max``
+    (fp8 only; None: with ``wide``); ``poly_exp2`` (None: 0; bf16/fp16 by ``softmax.EXP2_CUBIC``); ``hoist``,
+    ``prefetch_mask``
     (None: off, not measured yet: ``--prefill-variants`` times them)."""
     if overlap is None:
         # measured on the H200: at D <= 128 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most); at
@@ -142,12 +145,15 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
         pingpong = dqk <= 128 or not fp8  # measured: 0.95x cuDNN vs 0.89x serial at D 128; faster at 192 and 256
     if wide is None:
         wide = False  # not measured yet: --prefill-variants times fp8 "wide" beside the 128-key default
-    wide = wide and fp8 and dqk == 128
-    block_n = (FP8_WIDE_BLOCK_N if wide else FP8_BLOCK_N) if fp8 else stage_keys(dqk, kv_block)
+    wide = wide and ((fp8 and dqk == 128) or (not fp8 and dv == dqk in WIDE_BLOCK_N and not kv_block))
+    if fp8:
+        block_n = FP8_WIDE_BLOCK_N if wide else FP8_BLOCK_N
+    else:
+        block_n = WIDE_BLOCK_N[dqk] if wide else stage_keys(dqk, kv_block)
     if tree_max is None:
         tree_max = wide
     return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
-                       pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=(poly_exp2 or 0) if fp8 else 0,
+                       pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=poly_exp2 or 0,
                        hoist=bool(hoist), prefetch_mask=bool(prefetch_mask))
 
 

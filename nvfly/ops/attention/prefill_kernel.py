@@ -461,7 +461,7 @@ def mask_mod_keeps(ctx, n, PLAN, MASKED, MASK_MOD, mod_off):
         for i in nvfly.static_range(PLAN.block_n // 2):
             loads.append([])
             apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[row_of(i)],
-                           mod_key(ctx, first_key + column_offset(i), MASKED),
+                           mod_key(ctx, first_key + 8 * (i // 4) + i % 2, MASKED),
                            mod_affine(mod_rows, first_key, i, PLAN), loads[i])
         return PrefetchedLoads(loads)
     words = []
@@ -469,7 +469,7 @@ def mask_mod_keeps(ctx, n, PLAN, MASKED, MASK_MOD, mod_off):
     for w in nvfly.static_range((scores + 31) // 32):
         word = nvfly.u32(0)
         for i in nvfly.static_range(32 * w, min(32 * w + 32, scores)):
-            key = first_key + column_offset(i)
+            key = first_key + 8 * (i // 4) + i % 2  # column_offset(i), as two adds (the default plans' PTX)
             kept = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[row_of(i)],
                                   mod_key(ctx, key, MASKED), mod_affine(mod_rows, first_key, i, PLAN))
             word = word | nvfly.select(kept, nvfly.u32(1 << (i % 32)), nvfly.u32(0))
@@ -548,7 +548,7 @@ def positional_mask(scores, ctx, n, PLAN):
         return [nvfly.select(limits_keep(limits, i), scores[i], NEG_INF) for i in range(len(scores))]
     first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
     rows = (ctx.row0, ctx.row0 + 8)
-    return [nvfly.select(positional_keep(ctx, first_key + column_offset(i), rows[row_of(i)], PLAN), scores[i],
+    return [nvfly.select(positional_keep(ctx, first_key + 8 * (i // 4) + i % 2, rows[row_of(i)], PLAN), scores[i],
                          NEG_INF) for i in range(len(scores))]
 
 
@@ -587,7 +587,7 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
         if MASKED and not branch and PLAN.hoist:
             limits = row_limits(ctx, n, PLAN)
         for i in nvfly.static_range(len(scores)):
-            key = first_key + column_offset(i)
+            key = first_key + 8 * (i // 4) + i % 2  # column_offset(i), as two adds (the default plans' PTX)
             r = row_of(i)
             affine = mod_affine(mod_rows, first_key, i, PLAN)
             if mods.score_mod is not None:

@@ -2,6 +2,7 @@
 ptxas warnings, the causal tile arithmetic the kernel traces keeps exactly the visible keys, a float model of the
 kernel's blocked online softmax (exp2, folded scale, P rounded to the input type) matches the float32 reference, and
 bad arguments raise errors naming them."""
+import collections
 import math
 import re
 import struct
@@ -752,3 +753,77 @@ def test_blocked_model_packed_matches_the_reference(alignment):
     want, want_lse = attention.prefill_reference(q, k, v, scale=0.25, causal_alignment=alignment, cu_seqlens_q=cu_q,
                                                  cu_seqlens_k=cu_k, **kwargs)
     _assert_model_matches(got[:108], got_lse[:, :108], want[:108], want_lse[:, :108])
+
+
+# ---------------------------------------------------------------------------------------------- issue 27's options
+def softmax_traces(kernel):
+    """Per ``attend_block`` trace, the SASS opcodes (without modifiers) from its S GEMM's last HGMMA (mask code
+    issued under S included) to its first P·V HGMMA, and where its first S wait is."""
+    lines = kernel.sass().splitlines()
+    traces = []
+    for i, line in enumerate(lines):
+        if re.search(r"HGMMA\.64x\d+x16\S* R\d+, gdesc\[.*gsb0", line):
+            end = next(j for j in range(i, len(lines)) if re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", lines[j]))
+            wait = next(j for j in range(i, end) if "WARPGROUP.DEPBAR" in lines[j])
+            ops = [m.group(1).split(".")[0] for m in (re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)",
+                                                                 line) for line in lines[i + 1:end]) if m]
+            traces.append((collections.Counter(ops), sum("LDG" in line for line in lines[i:wait])))
+    return traces
+
+
+def _causal_documents(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (DOCUMENTS[b, kv_idx] == DOCUMENTS[b, q_idx])
+
+
+HOISTED = {  # the benchmark's mod rows' plans (D 128 causal), a window mask_mod and D 64 causal
+    "causal": (attention.prefill_plan(128, 128, True), M.Mods()),
+    "window": (attention.prefill_plan(128, 128, True, window=True), M.Mods()),
+    "alibi": (attention.prefill_plan(128, 128, True, mods=True), M.Mods(M.alibi(SLOPES))),
+    "softcap": (attention.prefill_plan(128, 128, True, mods=True), M.Mods(M.soft_cap(50.0))),
+    "documents": (attention.prefill_plan(128, 128, True, kv_block=128, q_block=128, mods=True),
+                  M.Mods(None, _causal_documents)),
+    "window-mask-mod": (attention.prefill_plan(128, 128, True, mods=True), M.Mods(None, M.sliding_window(1024))),
+    "d64-causal": (attention.prefill_plan(64, 64, True), M.Mods()),
+}
+
+
+@pytest.mark.parametrize("name", HOISTED)
+def test_hoisted_plans_run_less_code_a_score(name):
+    """``hoist`` and ``prefetch_mask`` compile without spills to the same GEMMs and less code in every softmax
+    trace: one compare and one select a score and bound (positional bounds against per-row limits), ALiBi without
+    a per-score int-to-float conversion, the mask_mod's loads all before S's wait and no verdict bits to unpack."""
+    import dataclasses
+    plan, mods = HOISTED[name]
+    base = attention.compile_prefill(plan, mods=mods)
+    kernel = attention.compile_prefill(dataclasses.replace(plan, hoist=True, prefetch_mask=True), mods=mods)
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert not kernel.warnings and "LDL" not in kernel.sass() and "STL" not in kernel.sass()
+    assert kernel.count("HGMMA") == base.count("HGMMA")
+    scores = plan.block_n // 2
+    before, after = softmax_traces(base), softmax_traces(kernel)
+    assert len(before) == len(after)
+    for (old, _), (new, loads) in zip(before, after):
+        assert sum(new.values()) <= sum(old.values()) + 4 and new["FSEL"] <= old["FSEL"]  # + ptxas's noise
+        assert new["I2FP"] <= 4 and new["R2P"] == 0
+        if name in ("causal", "d64-causal"):  # one select a score (two before: the tail's and the diagonal's)
+            assert new["FSEL"] <= scores + 8
+    assert sum(sum(new.values()) for new, _ in after) < sum(sum(old.values()) for old, _ in before) - 100
+    if name == "documents":  # the 32 key columns' and 2 rows' document ids, all issued under S
+        assert max(loads for _, loads in after) >= 34
+
+
+@pytest.mark.parametrize("options, block_n, exp2", [
+    (dict(wide=True), 192, 2 * (96 + 2)), (dict(wide=True, poly_exp2=2), 192, 2 * (96 - 12 + 2)),
+    (dict(poly_exp2=1, hoist=True), 128, 2 * (64 - 4 + 2))])
+def test_d64_wide_and_polynomial_plans(options, block_n, exp2):
+    """bf16 D 64 with ``wide`` (192-key stages: 64x192 S, P·V 12 k-steps) and ``poly_exp2`` (that many of every 16
+    exp2 by the cubic, off MUFU) compile without spills; wide applies to D 64 without a BlockMask only."""
+    plan = attention.prefill_plan(64, 64, True, **options)
+    assert plan.block_n == block_n
+    kernel = attention.compile_prefill(plan)
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == 0 and not kernel.warnings
+    assert gmma_count(kernel, f"64x{block_n}x16", a_from_registers=False) == 2 * 4
+    assert gmma_count(kernel, "64x64x16", a_from_registers=True) == 2 * block_n // 16
+    assert kernel.sass_opcodes()["MUFU.EX2"] == exp2  # two softmax traces: the scores' and the rows' rescales
+    assert attention.prefill_plan(128, 128, True, wide=True).block_n == 128
+    assert attention.prefill_plan(64, 64, True, wide=True, kv_block=128, q_block=128).block_n == 128

@@ -380,8 +380,8 @@ PREFILL_QUICK = [("d128", 4, 4096, 32, 32, 128, 128), ("d128", 2, 8192, 16, 16, 
                  ("gqa64/8", 1, 16384, 64, 8, 128, 128)]
 # --prefill-variants: nvfly's kernel with each combination of the plan's overlap options (the default is one of them)
 # and issue 27's hoisting (PrefillPlan.hoist: positional bounds per row, the mods' indices affine), the mask_mod's
-# loads under S with its compares after the wait (prefetch_mask), D 64's 192-key blocks (wide) and 1 or 2 of every 16
-# exp2 by a cubic on the FMA pipe (poly_exp2); pick some with --only-variants
+# loads under S with its compares after the wait (prefetch_mask), 192-key blocks at D 64 and 176 at D 128 (wide) and 1
+# or 2 of every 16 exp2 by a cubic on the FMA pipe (poly_exp2); pick some with --only-variants
 PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": dict(overlap=True, pingpong=False),
                     "pingpong": dict(overlap=False, pingpong=True),
                     "overlap_pingpong": dict(overlap=True, pingpong=True),
@@ -392,7 +392,8 @@ PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": di
 # a tree (wide) or by the chain (wide_chain), the tree at 128 keys (tree_max), and 2 or 4 of every 16 exp2 by the
 # polynomial on the FMA pipe (PrefillPlan.poly_exp2), at 192 keys (wide_poly*) or 128 (poly*, tree_poly2)
 PREFILL_FP8_VARIANTS = {**{name: PREFILL_VARIANTS[name] for name in ("serial", "overlap", "pingpong",
-                                                                       "overlap_pingpong")}, "wide": dict(wide=True), "wide_chain": dict(wide=True, tree_max=False),
+                                                                       "overlap_pingpong")},
+                        "wide": dict(wide=True), "wide_chain": dict(wide=True, tree_max=False),
                         "tree_max": dict(tree_max=True), "wide_poly2": dict(wide=True, poly_exp2=2),
                         "wide_poly4": dict(wide=True, poly_exp2=4), "poly2": dict(wide=False, poly_exp2=2),
                         "poly4": dict(wide=False, poly_exp2=4),

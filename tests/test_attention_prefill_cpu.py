@@ -765,8 +765,9 @@ def softmax_traces(kernel):
         if re.search(r"HGMMA\.64x\d+x16\S* R\d+, gdesc\[.*gsb0", line):
             end = next(j for j in range(i, len(lines)) if re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", lines[j]))
             wait = next(j for j in range(i, end) if "WARPGROUP.DEPBAR" in lines[j])
-            ops = [m.group(1).split(".")[0] for m in (re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)",
-                                                                 line) for line in lines[i + 1:end]) if m]
+            opcodes = (re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
+                       for line in lines[i + 1:end])
+            ops = [m.group(1).split(".")[0] for m in opcodes if m]
             traces.append((collections.Counter(ops), sum("LDG" in line for line in lines[i:wait])))
     return traces
 
@@ -814,16 +815,20 @@ def test_hoisted_plans_run_less_code_a_score(name):
 
 @pytest.mark.parametrize("options, block_n, exp2", [
     (dict(wide=True), 192, 2 * (96 + 2)), (dict(wide=True, poly_exp2=2), 192, 2 * (96 - 12 + 2)),
-    (dict(poly_exp2=1, hoist=True), 128, 2 * (64 - 4 + 2))])
-def test_d64_wide_and_polynomial_plans(options, block_n, exp2):
-    """bf16 D 64 with ``wide`` (192-key stages: 64x192 S, P·V 12 k-steps) and ``poly_exp2`` (that many of every 16
-    exp2 by the cubic, off MUFU) compile without spills; wide applies to D 64 without a BlockMask only."""
-    plan = attention.prefill_plan(64, 64, True, **options)
-    assert plan.block_n == block_n
+    (dict(poly_exp2=1, hoist=True), 128, 2 * (64 - 4 + 2)), (dict(wide=True, d=128), 176, 2 * (88 + 2))])
+def test_wide_and_polynomial_plans(options, block_n, exp2):
+    """bf16 D 64 with ``wide`` (192-key stages: 64x192 S, P·V 12 k-steps), D 128 (176 keys) and ``poly_exp2``
+    (that many of every 16 exp2 by the cubic, off MUFU) compile without spills; wide applies to D 64 and 128
+    without a BlockMask only."""
+    options = dict(options)
+    d = options.pop("d", 64)
+    plan = attention.prefill_plan(d, d, True, **options)
+    assert plan.block_n == block_n and plan.smem_bytes(2) <= MAX_SMEM
     kernel = attention.compile_prefill(plan)
     assert kernel.resources.spill_stores == kernel.resources.spill_loads == 0 and not kernel.warnings
-    assert gmma_count(kernel, f"64x{block_n}x16", a_from_registers=False) == 2 * 4
-    assert gmma_count(kernel, "64x64x16", a_from_registers=True) == 2 * block_n // 16
+    assert gmma_count(kernel, f"64x{block_n}x16", a_from_registers=False) == 2 * d // 16
+    assert gmma_count(kernel, f"64x{d}x16", a_from_registers=True) == 2 * block_n // 16
     assert kernel.sass_opcodes()["MUFU.EX2"] == exp2  # two softmax traces: the scores' and the rows' rescales
-    assert attention.prefill_plan(128, 128, True, wide=True).block_n == 128
+    assert attention.prefill_plan(128, 128, True, wide=True).block_n == 176  # FA3's non-causal D 128 tile
+    assert attention.prefill_plan(96, 96, True, wide=True).block_n == 128
     assert attention.prefill_plan(64, 64, True, wide=True, kv_block=128, q_block=128).block_n == 128

@@ -422,6 +422,11 @@ WIDE_CASES = {  # D 64 (192-key stages with ``wide``) and the polynomial exp2 (e
     "d64-document-mask": lambda: test_mods("document_mask", 640, 64, True, "bf16"),
     "d128-causal": HOIST_CASES["d128-causal-sq-lt-skv"],
     "d128-soft-cap": HOIST_CASES["soft-cap"],
+    "d128-full": lambda: test_shapes_against_the_reference(2, 256, 256, 4, 4, 128, False, "bottom_right", "bf16",
+                                                           "bshd"),
+    "d128-sq-gt-skv-fp16-bhsd": VARIANT_CASES["d128-sq-gt-skv-fp16-bhsd"],
+    "d128-causal-window": HOIST_CASES["d128-causal-window"],
+    "d128-documents-block-mask": HOIST_CASES["documents-block-mask-causal"],  # a BlockMask keeps 128 keys
 }
 
 
@@ -429,7 +434,7 @@ WIDE_CASES = {  # D 64 (192-key stages with ``wide``) and the polynomial exp2 (e
                          [(options, case) for options in ("wide_hoist", "poly2_hoist") for case in WIDE_CASES]
                          + [("poly1_wide", "d64-causal"), ("poly1_wide", "d64-keyless-rows")])
 def test_wide_and_polynomial_variants(options, case):
-    """``wide`` (D 64: 192-key stages; other head dims unchanged) and ``poly_exp2`` (2 of every 16 exp2 by
+    """``wide`` (D 64: 192-key stages, D 128: 176; other head dims unchanged) and ``poly_exp2`` (2 of every 16 exp2 by
     ``EXP2_CUBIC``: rows without keys must still sum to 0, LSE -inf) forced by ``plan_options``."""
     from nvfly.ops.attention.prefill_api import plan_options
     chosen = {"wide_hoist": dict(wide=True, hoist=True), "poly2_hoist": dict(poly_exp2=2, hoist=True),

@@ -19,7 +19,7 @@ BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 128, 256: 80}
 FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))  # fp8 e4m3: one swizzle row (64 or 128 bytes) or two
 FP8_BLOCK_N = 128  # a multiple of fp8 wgmma's 32-deep k-step and of V's 16-key permutation; D 256 fits: 161 KB
 FP8_WIDE_BLOCK_N = 192  # fp8 D 128 (FlashAttention-3: 176 non-causal): fewer block steps a key; Vᵀ 64-byte swizzled
-WIDE_BLOCK_N = {64: 192}  # bf16/fp16 ``wide``: D 64's S is 96 registers at 192 keys (FA3's D 64 tiles are 192 wide)
+WIDE_BLOCK_N = {64: 192, 128: 176}  # bf16/fp16 ``wide``: FA3's D 64 tiles are 192 keys wide, its D 128 non-causal 176
 MASK_BLOCK_N = 64  # D 256 with a BlockMask: stages that divide its 128-key blocks (80 does not)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows (wgmma's M)
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
@@ -132,7 +132,7 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
                  hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
     options; ``overlap``/``pingpong`` None: the defaults below (``mods``: whether the kernel traces a score_mod or
-    mask_mod); ``wide`` (fp8 D 128, and bf16/fp16 D 64 without a BlockMask; None: the default below):
+    mask_mod); ``wide`` (fp8 D 128, and bf16/fp16 D 64 and 128 without a BlockMask; None: the default below):
     ``FP8_WIDE_BLOCK_N`` (``WIDE_BLOCK_N``) keys a stage instead of ``FP8_BLOCK_N`` (``BLOCK_N``); ``tree_max``
     (fp8 only; None: with ``wide``); ``poly_exp2`` (None: 0; bf16/fp16 by ``softmax.EXP2_CUBIC``); ``hoist``,
     ``prefetch_mask``

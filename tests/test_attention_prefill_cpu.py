@@ -14,7 +14,8 @@ import nvfly
 from nvfly.ops import attention
 from nvfly.ops.attention.prefill_api import masking
 from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, HEAD_DIMS, MAX_SMEM, PRODUCER_REGS, PrefillPlan,
-                                              block_inside_bounds, causal_offset, key_blocks, pipelined_loops)
+                                              block_inside_bounds, causal_offset, key_blocks, pipelined_loops,
+                                              upper_inside_end)
 
 
 def gmma_count(kernel, shape, a_from_registers):
@@ -181,6 +182,18 @@ def test_key_blocks_keep_exactly_the_visible_keys(alignment, bm, bn):
                                               in pipelined_loops(start, low, high, total) for n in range(first, end)]
                     assert [n for n, _ in walk] == list(range(start, total)) or start == total
                     assert all(masked == (not low <= n < high) for n, masked in walk[1:])
+                    # the hoisted walk: blocks before ``both`` need only the lower bound, from unmasked_start on only
+                    # the upper ones (the tail and causal)
+                    upper = upper_inside_end(m, skv, b.causal, offset, b.right, bm, bn)
+                    both = max(min(upper, low), start)
+                    rows = range(m * bm, m * bm + bm)
+                    for n in range(start, total):
+                        keys = range(n * bn, n * bn + bn)
+                        if n < both:
+                            assert all(key < skv and (not b.causal or key <= row + offset + b.right)
+                                       for row in rows for key in keys)
+                        if n >= low:
+                            assert all(not b.window or key >= row + offset - b.left for row in rows for key in keys)
 
 
 @pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
@@ -790,25 +803,31 @@ HOISTED = {  # the benchmark's mod rows' plans (D 128 causal), a window mask_mod
 
 @pytest.mark.parametrize("name", HOISTED)
 def test_hoisted_plans_run_less_code_a_score(name):
-    """``hoist`` and ``prefetch_mask`` compile without spills to the same GEMMs and less code in every softmax
-    trace: one compare and one select a score and bound (positional bounds against per-row limits), ALiBi without
-    a per-score int-to-float conversion, the mask_mod's loads all before S's wait and no verdict bits to unpack."""
+    """``hoist`` and ``prefetch_mask`` compile without spills to the same GEMMs (a window: one more trace) and
+    less code in the softmax traces: one compare and one select a score and bound (positional bounds against
+    per-row limits; a window's edge blocks with one bound where the other holds for the tile), ALiBi without a
+    per-score int-to-float conversion, the mask_mod's loads all before S's wait and no verdict bits to unpack."""
     import dataclasses
     plan, mods = HOISTED[name]
     base = attention.compile_prefill(plan, mods=mods)
     kernel = attention.compile_prefill(dataclasses.replace(plan, hoist=True, prefetch_mask=True), mods=mods)
     assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
     assert not kernel.warnings and "LDL" not in kernel.sass() and "STL" not in kernel.sass()
-    assert kernel.count("HGMMA") == base.count("HGMMA")
     scores = plan.block_n // 2
     before, after = softmax_traces(base), softmax_traces(kernel)
-    assert len(before) == len(after)
-    for (old, _), (new, loads) in zip(before, after):
-        assert sum(new.values()) <= sum(old.values()) + 4 and new["FSEL"] <= old["FSEL"]  # + ptxas's noise
-        assert new["I2FP"] <= 4 and new["R2P"] == 0
-        if name in ("causal", "d64-causal"):  # one select a score (two before: the tail's and the diagonal's)
-            assert new["FSEL"] <= scores + 8
-    assert sum(sum(new.values()) for new, _ in after) < sum(sum(old.values()) for old, _ in before) - 100
+    # a window's left edge: a trace with its lower bound only (blocks inside the causal bound) and one with both
+    assert len(after) == len(before) + (name == "window")
+    assert kernel.count("HGMMA") * len(before) == base.count("HGMMA") * len(after)
+    sizes = sorted(sum(ops.values()) for ops, _ in after)
+    assert sizes[-1] < max(sum(ops.values()) for ops, _ in before) - 60  # the heaviest (masked) trace lighter
+    # the traces a tile runs (a large window's: lower bound only, none, upper bounds only) lighter in all
+    assert sum(sizes) - (sizes[-1] if name == "window" else 0) < sum(sum(ops.values()) for ops, _ in before) - 100
+    for ops, _ in after:
+        assert ops["FSEL"] <= max(old["FSEL"] for old, _ in before)
+        assert ops["I2FP"] <= 4 and ops["R2P"] == 0
+    if name in ("causal", "d64-causal", "window"):  # one select a score a trace (two before: the tail's and the
+        selects = sorted(ops["FSEL"] for ops, _ in after)  # diagonal's), but a small window's both-bounds edge
+        assert selects[-1 - (name == "window")] <= scores + 8
     if name == "documents":  # the 32 key columns' and 2 rows' document ids, all issued under S
         assert max(loads for _, loads in after) >= 34
 

@@ -44,11 +44,16 @@ from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PINGPONG_BARRIER, PRODUCER_REGS,
-                                                  block_inside_bounds, key_blocks, pipelined_loops)
+                                                  block_inside_bounds, key_blocks, pipelined_loops,
+                                                  upper_inside_end)
 from nvfly.ops.attention.softmax import EXP2_CUBIC, EXP2_POLYNOMIAL, NEG_INF, online_softmax, row_of
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
+# ``attend_block``'s MASKED besides True (every positional bound) and False (none), with ``PLAN.hoist``: only a
+# window's lower bound (blocks inside the causal bound and Skv), only the upper bounds (blocks inside the window's)
+LOWER_BOUND = "lower"
+UPPER_BOUNDS = "upper"
 
 
 @nvfly.kernel
@@ -177,12 +182,21 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
                     state = attend_block(state, ctx, listed_block(indices, batch, head, q_block, i, PLAN), PLAN,
                                          True, t == 0, consumer)
         else:
-            for n in range(start, unmasked_start):
+            both = start
+            if PLAN.hoist and PLAN.window:
+                # a window's left-edge blocks before the upper bounds need only its lower bound, and the diagonal's
+                # and the tail's (from unmasked_start on) only the upper ones: one compare and select a score each
+                both = nvfly.maximum(nvfly.minimum(upper_inside_end(m_block, skv, PLAN.causal, offset, right, BM,
+                                                                    BN, nvfly.minimum, nvfly.maximum),
+                                                   unmasked_start), start)
+                for n in range(start, both):
+                    state = attend_block(state, ctx, n, PLAN, LOWER_BOUND, True, consumer)
+            for n in range(both, unmasked_start):
                 state = attend_block(state, ctx, n, PLAN, True, True, consumer)
             for n in range(unmasked_start, unmasked_end):
                 state = attend_block(state, ctx, n, PLAN, False, True, consumer)
             for n in range(unmasked_end, total):
-                state = attend_block(state, ctx, n, PLAN, True, True, consumer)
+                state = attend_block(state, ctx, n, PLAN, UPPER_BOUNDS if PLAN.hoist else True, True, consumer)
         if PLAN.pingpong and not PLAN.overlap:
             scheduler_arrive(consumer)
         store_rows(state, out, lse, io_batch, head, q_start, row0, sq, lane, fold, DV,
@@ -502,20 +516,23 @@ def column_offset(i: int) -> int:
 
 
 @nvfly.func
-def row_limits(ctx, n, PLAN):
+def row_limits(ctx, n, PLAN, MASKED=True):
     """``PLAN.hoist``: the positional bounds of the thread's two rows in block ``n`` as (lo, hi) offsets from the
-    thread's first key: score i is visible iff lo <= column_offset(i) <= hi (lo None without a window; hi: the
-    sequence's last key, or the causal bound if lower). A few subtractions a row and block, then one compare with
-    a constant a bound and score (``limits_keep``) instead of a key's add and three compares."""
+    thread's first key: score i is visible iff lo <= column_offset(i) <= hi (lo None without a window or with
+    ``MASKED`` UPPER_BOUNDS; hi: the sequence's last key, or the causal bound if lower; None with LOWER_BOUND). A
+    few subtractions a row and block, then one compare with a constant a bound and score (``limits_keep``) instead
+    of a key's add and three compares."""
     first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
     limits = []
     for r in nvfly.static_range(2):
         row = ctx.row0 + 8 * r
-        hi = ctx.skv - 1 - first_key
-        if PLAN.causal:
-            hi = nvfly.minimum(hi, row + ctx.high - first_key)
+        hi = None
+        if MASKED != LOWER_BOUND:
+            hi = ctx.skv - 1 - first_key
+            if PLAN.causal:
+                hi = nvfly.minimum(hi, row + ctx.high - first_key)
         lo = None
-        if PLAN.window:
+        if PLAN.window and MASKED != UPPER_BOUNDS:
             lo = row + ctx.low - first_key
         limits.append((lo, hi))
     return limits
@@ -525,9 +542,11 @@ def row_limits(ctx, n, PLAN):
 def limits_keep(limits, i):
     """Whether score ``i`` is within its row's ``row_limits``."""
     lo, hi = limits[row_of(i)]
-    keep = hi >= column_offset(i)
+    keep = None
+    if hi is not None:
+        keep = hi >= column_offset(i)
     if lo is not None:
-        keep = keep & (lo <= column_offset(i))
+        keep = lo <= column_offset(i) if keep is None else keep & (lo <= column_offset(i))
     return keep
 
 
@@ -585,7 +604,7 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
         branch = MASKED and PLAN.kv_block and not PLAN.overlap
         limits = None
         if MASKED and not branch and PLAN.hoist:
-            limits = row_limits(ctx, n, PLAN)
+            limits = row_limits(ctx, n, PLAN, MASKED)
         for i in nvfly.static_range(len(scores)):
             key = first_key + 8 * (i // 4) + i % 2  # column_offset(i), as two adds (the default plans' PTX)
             r = row_of(i)

@@ -195,6 +195,18 @@ def key_blocks(m_block: Any, skv: Any, causal: bool, window: bool, offset: Any, 
     return start, unmasked_start, unmasked_end, total
 
 
+def upper_inside_end(m_block: Any, skv: Any, causal: bool, offset: Any, right: Any, block_m: int, block_n: int,
+                     minimum: Callable[[Any, Any], Any] = min, maximum: Callable[[Any, Any], Any] = max) -> Any:
+    """The first key block of query tile ``m_block`` that is not inside the upper bounds (the causal bound and
+    Skv) of every row of the tile: blocks before it need only a window's lower bound (``key_blocks``' unmasked_end
+    before it is raised to unmasked_start). Blocks from ``key_blocks``' unmasked_start on need only the upper
+    bounds."""
+    whole = skv // block_n
+    if not causal:
+        return whole
+    return minimum(whole, maximum(m_block * block_m + offset + right + 1, 0) // block_n)
+
+
 def block_inside_bounds(first_row: Any, rows: int, first_key: Any, keys: int, skv: Any, causal: bool,
                         window: bool, low: Any, high: Any) -> Any:
     """Whether every key of [first_key, first_key + keys) is within Skv and the positional bounds of every row of

@@ -851,3 +851,22 @@ def test_wide_and_polynomial_plans(options, block_n, exp2):
     assert attention.prefill_plan(128, 128, True, wide=True).block_n == 176  # FA3's non-causal D 128 tile
     assert attention.prefill_plan(96, 96, True, wide=True).block_n == 128
     assert attention.prefill_plan(64, 64, True, wide=True, kv_block=128, q_block=128).block_n == 128
+
+
+@pytest.mark.parametrize("d, causal", [(128, False), (64, True)])
+def test_lazy_rescale_branches_around_o_multiplies(d, causal):
+    """``lazy_rescale``: in each softmax trace a warp vote on the rows' maxima and O's Dv / 2 multiplies a thread
+    behind the branch it decides; no spills; off with the overlap."""
+    plan = attention.prefill_plan(d, d, causal, lazy_rescale=True, hoist=True)
+    kernel = attention.compile_prefill(plan)
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == 0 and not kernel.warnings
+    lines = [line for line in kernel.sass().splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+    votes = [i for i, line in enumerate(lines) if "VOTE.ANY" in line]
+    assert len(votes) == 2  # the unmasked and the masked trace
+    for i in votes:
+        branch = next(j for j in range(i, len(lines)) if re.search(r"@!?P\d BRA", lines[j]))
+        target = int(re.search(r"BRA 0x([0-9a-f]+)", lines[branch]).group(1), 16)
+        skipped = [line for line in lines[branch + 1:]
+                   if int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) < target]
+        assert sum("FMUL" in line for line in skipped) >= d // 2
+    assert not attention.prefill_plan(256, 256, True, lazy_rescale=True).lazy_rescale  # D 256: the overlap

@@ -431,13 +431,18 @@ WIDE_CASES = {  # D 64 (192-key stages with ``wide``) and the polynomial exp2 (e
 
 
 @pytest.mark.parametrize("options, case",
-                         [(options, case) for options in ("wide_hoist", "poly2_hoist") for case in WIDE_CASES]
-                         + [("poly1_wide", "d64-causal"), ("poly1_wide", "d64-keyless-rows")])
+                         [(options, case) for options in ("wide_hoist", "poly2_hoist", "lazy_wide_poly2")
+                          for case in WIDE_CASES]
+                         + [("poly1_wide", "d64-causal"), ("poly1_wide", "d64-keyless-rows")]
+                         + [("lazy", case) for case in ("alibi-sq-lt-skv", "window-mask-mod", "block-mask-causal",
+                                                         "varlen-sq-gt-skv", "d256-causal")])
 def test_wide_and_polynomial_variants(options, case):
-    """``wide`` (D 64: 192-key stages, D 128: 176; other head dims unchanged) and ``poly_exp2`` (2 of every 16 exp2 by
+    """``wide`` (D 64: 192-key stages, D 128: 176; other head dims unchanged), ``lazy_rescale`` (O's rescale
+    skipped on a warp vote; not with the overlap: D 256 runs without it) and ``poly_exp2`` (2 of every 16 exp2 by
     ``EXP2_CUBIC``: rows without keys must still sum to 0, LSE -inf) forced by ``plan_options``."""
     from nvfly.ops.attention.prefill_api import plan_options
     chosen = {"wide_hoist": dict(wide=True, hoist=True), "poly2_hoist": dict(poly_exp2=2, hoist=True),
-              "poly1_wide": dict(poly_exp2=1, wide=True)}[options]
+              "poly1_wide": dict(poly_exp2=1, wide=True), "lazy": dict(lazy_rescale=True),
+              "lazy_wide_poly2": dict(lazy_rescale=True, wide=True, poly_exp2=2, hoist=True)}[options]
     with plan_options(**chosen):
-        WIDE_CASES[case]()
+        (WIDE_CASES.get(case) or HOIST_CASES[case])()

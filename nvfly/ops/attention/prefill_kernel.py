@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
+from nvfly.frontend.control_flow import if_
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PINGPONG_BARRIER, PRODUCER_REGS,
                                                   block_inside_bounds, key_blocks, pipelined_loops,
@@ -317,7 +318,7 @@ def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
     if ctx.lane == 0:
         ctx.k_pipe.consumer_release(state.k_state)
     fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, None, kept)
-    acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
+    acc = rescaled(state.acc, rescales, state.maxima, maxima, PLAN)
     ctx.v_pipe.consumer_wait(state.v_state)
     if PLAN.pingpong:
         scheduler_sync(consumer)
@@ -327,6 +328,18 @@ def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
     if ctx.lane == 0:
         ctx.v_pipe.consumer_release(state.v_state)
     return Softmax(maxima, sums, acc, state.k_state.advance(), state.v_state.advance())
+
+
+def rescaled(acc, factors, old_maxima, new_maxima, PLAN):
+    """O times its rows' rescale factors; ``PLAN.lazy_rescale``: only when some row of the warp has a new maximum
+    (a warp-uniform branch; the factors of the others are exp2(0) = 1 up to exp2's rounding)."""
+    def scale(a):
+        return (a.map(lambda x, i: x * factors[row_of(i)]),)
+    if not PLAN.lazy_rescale:
+        return scale(acc)[0]
+    rose = (new_maxima[0] != old_maxima[0]) | (new_maxima[1] != old_maxima[1])
+    (acc,) = if_(nvfly.vote_any(rose), scale, None, ["acc"], [acc])
+    return acc
 
 
 @nvfly.func

@@ -52,7 +52,9 @@ class PrefillPlan:
     q_idx and kv_idx as affine values, ``mods.ModValue``: kv_idx - q_idx one subtraction and one conversion a
     block, a comparison with a number one compare a score); prefetch_mask: the mask_mod's table loads issued
     between S's issue and its wait and its compares after the wait (``prefill_kernel.mask_mod_keeps``), instead of
-    its verdicts packed into bits there and unpacked after."""
+    its verdicts packed into bits there and unpacked after; lazy_rescale: O's rescale (Dv / 2 multiplies a thread)
+    skipped by a warp-uniform branch when no row maximum of the warp rose (the factors are 1 then; not with the
+    overlap)."""
     dqk: int
     dv: int
     causal: bool
@@ -70,6 +72,7 @@ class PrefillPlan:
     poly_exp2: int = 0
     hoist: bool = False
     prefetch_mask: bool = False
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         if self.pingpong and self.consumers != 2:
@@ -129,13 +132,14 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
                  varlen: bool = False, overlap: Optional[bool] = None,
                  pingpong: Optional[bool] = None, fp8: bool = False, wide: Optional[bool] = None,
                  tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None, mods: bool = False,
-                 hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None) -> PrefillPlan:
+                 hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None,
+                 lazy_rescale: Optional[bool] = None) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
     options; ``overlap``/``pingpong`` None: the defaults below (``mods``: whether the kernel traces a score_mod or
     mask_mod); ``wide`` (fp8 D 128, and bf16/fp16 D 64 and 128 without a BlockMask; None: the default below):
     ``FP8_WIDE_BLOCK_N`` (``WIDE_BLOCK_N``) keys a stage instead of ``FP8_BLOCK_N`` (``BLOCK_N``); ``tree_max``
     (fp8 only; None: with ``wide``); ``poly_exp2`` (None: 0; bf16/fp16 by ``softmax.EXP2_CUBIC``); ``hoist``,
-    ``prefetch_mask``
+    ``prefetch_mask``, ``lazy_rescale``
     (None: off, not measured yet: ``--prefill-variants`` times them)."""
     if overlap is None:
         # measured on the H200: at D <= 128 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most); at
@@ -154,7 +158,8 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
         tree_max = wide
     return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
                        pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=poly_exp2 or 0,
-                       hoist=bool(hoist), prefetch_mask=bool(prefetch_mask))
+                       hoist=bool(hoist), prefetch_mask=bool(prefetch_mask),
+                       lazy_rescale=bool(lazy_rescale) and not overlap)
 
 
 def stage_keys(dqk: int, kv_block: int = 0) -> int:

@@ -307,7 +307,7 @@ class BlockContext(NamedTuple):
 def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
     """Fold key block ``n`` into the warpgroup's online softmax and O, each GEMM waited for before the next step;
     ``MASKED``: apply the tail, causal and window bounds (a separate trace, so fully visible blocks carry no mask
-    code); ``MASK_MOD``: the mask_mod if there is one (not on a BlockMask's full blocks). The score_mod applies
+    code; ``LOWER_BOUND``/``UPPER_BOUNDS``: only those, ``PLAN.hoist``'s window edges); ``MASK_MOD``: the mask_mod if there is one (not on a BlockMask's full blocks). The score_mod applies
     everywhere. Ping-pong: the turn is held from this P·V to the next block's S."""
     ctx.k_pipe.consumer_wait(state.k_state)
     s = issue_scores(ctx, state.k_state, PLAN)

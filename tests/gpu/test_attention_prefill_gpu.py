@@ -328,11 +328,11 @@ def test_plan_variants(overlap, pingpong, case):
 def test_documents_block_mask_with_causal(sq=1000, d=128, dtype="bf16"):
     """The benchmark's documents row at a small size: a causal-documents BlockMask (create_block_mask: partial
     blocks on the diagonal and at document edges, full blocks below) with causal=True (its full blocks inside the
-    bounds skip them), document lengths not multiples of 128 and a tail."""
+    bounds skip them), document lengths not multiples of 128 (one of 10 keys) and a tail."""
     from torch.nn.attention.flex_attention import create_block_mask
     q, k, v = make_inputs(2, sq, sq, 8, 2, d, DTYPES[dtype], seed=sq)
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    cuts = torch.sort(torch.randint(1, sq, (2, 3), device="cuda", generator=gen), dim=1).values
+    # sequence 1's document [128, 600) holds key block 1 below query block 2 whole: a full block at 700 and 1000
+    cuts = torch.tensor([[300, 520, 777], [128, 600, 610]], device="cuda")
     ids = (torch.arange(sq, device="cuda")[None, :, None] >= cuts[:, None, :]).sum(-1).to(torch.int32)
     documents = M.document_mask(ids)
 

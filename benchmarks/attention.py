@@ -389,6 +389,8 @@ PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": di
                     "hoist": dict(hoist=True), "hoist_prefetch": dict(hoist=True, prefetch_mask=True),
                     "wide_hoist": dict(wide=True, hoist=True), "poly1_hoist": dict(poly_exp2=1, hoist=True),
                     "poly2_hoist": dict(poly_exp2=2, hoist=True), "lazy_hoist": dict(lazy_rescale=True, hoist=True),
+                    "wide_lazy_hoist": dict(wide=True, lazy_rescale=True, hoist=True),
+                    "poly4_lazy_hoist": dict(poly_exp2=4, lazy_rescale=True, hoist=True),
                     "wide_poly2_lazy_hoist": dict(wide=True, poly_exp2=2, lazy_rescale=True, hoist=True)}
 # fp8's: the same, and D 128's 192-key blocks (PrefillPlan.block_n; other head dims keep 128) with the row maxima by
 # a tree (wide) or by the chain (wide_chain), the tree at 128 keys (tree_max), and 2 or 4 of every 16 exp2 by the

@@ -433,7 +433,8 @@ WIDE_CASES = {  # D 64 (192-key stages with ``wide``) and the polynomial exp2 (e
 @pytest.mark.parametrize("options, case",
                          [(options, case) for options in ("wide_hoist", "poly2_hoist", "lazy_wide_poly2")
                           for case in WIDE_CASES]
-                         + [("poly1_wide", "d64-causal"), ("poly1_wide", "d64-keyless-rows")]
+                         + [("poly1_wide", case) for case in ("d64-causal", "d64-keyless-rows")]
+                         + [("poly4_lazy", case) for case in ("d64-causal", "d64-keyless-rows", "d128-soft-cap")]
                          + [("lazy", case) for case in ("alibi-sq-lt-skv", "window-mask-mod", "block-mask-causal",
                                                          "varlen-sq-gt-skv", "d256-causal")])
 def test_wide_and_polynomial_variants(options, case):
@@ -443,6 +444,7 @@ def test_wide_and_polynomial_variants(options, case):
     from nvfly.ops.attention.prefill_api import plan_options
     chosen = {"wide_hoist": dict(wide=True, hoist=True), "poly2_hoist": dict(poly_exp2=2, hoist=True),
               "poly1_wide": dict(poly_exp2=1, wide=True), "lazy": dict(lazy_rescale=True),
+              "poly4_lazy": dict(poly_exp2=4, lazy_rescale=True, hoist=True),
               "lazy_wide_poly2": dict(lazy_rescale=True, wide=True, poly_exp2=2, hoist=True)}[options]
     with plan_options(**chosen):
         (WIDE_CASES.get(case) or HOIST_CASES[case])()

@@ -384,13 +384,25 @@ PREFILL_QUICK = [("d128", 4, 4096, 32, 32, 128, 128), ("d128", 2, 8192, 16, 16, 
                  ("d128", 1, 16384, 16, 16, 128, 128), ("d64", 8, 2048, 32, 32, 64, 64),
                  ("gqa64/8", 1, 16384, 64, 8, 128, 128)]
 # --prefill-variants: nvfly's kernel with each combination of the plan's overlap options (the default is one of them)
+# and issue 27's hoisting (PrefillPlan.hoist: positional bounds per row, the mods' indices affine), the mask_mod's
+# loads under S with its compares after the wait (prefetch_mask), 192-key blocks at D 64 and 176 at D 128 (wide) and 1
+# or 2 of every 16 exp2 by a cubic on the FMA pipe (poly_exp2), O's rescale skipped on a warp vote when no row maximum
+# rose (lazy_rescale); pick some with --only-variants
 PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": dict(overlap=True, pingpong=False),
                     "pingpong": dict(overlap=False, pingpong=True),
-                    "overlap_pingpong": dict(overlap=True, pingpong=True)}
+                    "overlap_pingpong": dict(overlap=True, pingpong=True),
+                    "hoist": dict(hoist=True), "hoist_prefetch": dict(hoist=True, prefetch_mask=True),
+                    "wide_hoist": dict(wide=True, hoist=True), "poly1_hoist": dict(poly_exp2=1, hoist=True),
+                    "poly2_hoist": dict(poly_exp2=2, hoist=True), "lazy_hoist": dict(lazy_rescale=True, hoist=True),
+                    "wide_lazy_hoist": dict(wide=True, lazy_rescale=True, hoist=True),
+                    "poly4_lazy_hoist": dict(poly_exp2=4, lazy_rescale=True, hoist=True),
+                    "wide_poly2_lazy_hoist": dict(wide=True, poly_exp2=2, lazy_rescale=True, hoist=True)}
 # fp8's: the same, and D 128's 192-key blocks (PrefillPlan.block_n; other head dims keep 128) with the row maxima by
 # a tree (wide) or by the chain (wide_chain), the tree at 128 keys (tree_max), and 2 or 4 of every 16 exp2 by the
 # polynomial on the FMA pipe (PrefillPlan.poly_exp2), at 192 keys (wide_poly*) or 128 (poly*, tree_poly2)
-PREFILL_FP8_VARIANTS = {**PREFILL_VARIANTS, "wide": dict(wide=True), "wide_chain": dict(wide=True, tree_max=False),
+PREFILL_FP8_VARIANTS = {**{name: PREFILL_VARIANTS[name] for name in ("serial", "overlap", "pingpong",
+                                                                       "overlap_pingpong")},
+                        "wide": dict(wide=True), "wide_chain": dict(wide=True, tree_max=False),
                         "tree_max": dict(tree_max=True), "wide_poly2": dict(wide=True, poly_exp2=2),
                         "wide_poly4": dict(wide=True, poly_exp2=4), "poly2": dict(wide=False, poly_exp2=2),
                         "poly4": dict(wide=False, poly_exp2=4),
@@ -474,7 +486,8 @@ def prefill_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
 
 def run_prefill_row(shape: tuple, causal: bool, with_flex: bool, mod: str = "none",
-                    variants: bool = False) -> dict[str, Any]:
+                    variants: Optional[dict[str, dict]] = None) -> dict[str, Any]:
+    """One bf16 row; ``variants``: the PREFILL_VARIANTS timed (after checking) beside the default plan."""
     name, batch, s, hq, hkv, dqk, dv = shape
     torch.manual_seed(0)
     q = torch.randn(batch, s, hq, dqk, device="cuda", dtype=torch.bfloat16)
@@ -492,7 +505,7 @@ def run_prefill_row(shape: tuple, causal: bool, with_flex: bool, mod: str = "non
         row["ok"] = row["nvfly_err"] < 2e-2 and not out.isnan().any().item()  # every row written
         del out
         calls = {"nvfly": lambda: attention.prefill(q, k, v, causal=causal, validate=False, **mods)}
-        for variant, options in (PREFILL_VARIANTS.items() if variants else ()):
+        for variant, options in (variants or {}).items():
             with plan_options(**options):
                 out = torch.full((batch, s, hq, dv), float("nan"), dtype=q.dtype, device="cuda")
                 attention.prefill(q, k, v, causal=causal, out=out, **mods)
@@ -531,11 +544,13 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     cases = [(shape, causal, "none") for shape in suite for causal in (False, True)]
     if args.mods and (args.prefill_models is None or "mods" in args.prefill_models):
         cases += [(PREFILL_MOD_SHAPE, True, mod) for mod in PREFILL_MODS]
+    variants = {name: options for name, options in PREFILL_VARIANTS.items()
+                if args.prefill_variants and (not args.only_variants or name in args.only_variants)}
     rows, started = [], time.time()
     for shape, causal, mod in cases:
         # --quick times flex on the mod rows only (its compiles are most of the time; SDPA is the plain rows' peer)
         row = run_prefill_row(shape, causal, not args.no_flex and (mod != "none" or not args.quick), mod,
-                              args.prefill_variants)
+                              variants)
         rows.append(row)
         peers = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row
                           if key.endswith("_tflops") and key != "nvfly_tflops")
@@ -550,9 +565,14 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
                "declined": len(rows) - len(timed),
                **{f"geomean_vs_{peer}": geomean([r[f"vs_{peer}"] for r in timed if f"vs_{peer}" in r])
                   for peer in (*PREFILL_BACKENDS, "flex") if any(f"vs_{peer}" in r for r in timed)}}
-    for variant in (PREFILL_VARIANTS if args.prefill_variants else ()):  # each variant's geomean against cuDNN
+    for variant in variants:  # each variant's geomean against cuDNN, and against flex on the mod rows
         summary[f"geomean_{variant}_vs_cudnn"] = geomean([r["cudnn_ms"] / r[f"nvfly_{variant}_ms"] for r in timed
                                                          if "cudnn_ms" in r and f"nvfly_{variant}_ms" in r])
+        if any("flex_ms" in r and r["mod"] != "none" for r in timed):
+            summary[f"geomean_mods_{variant}_vs_flex"] = geomean([r["flex_ms"] / r[f"nvfly_{variant}_ms"]
+                                                                  for r in timed if "flex_ms" in r
+                                                                  and r["mod"] != "none"
+                                                                  and f"nvfly_{variant}_ms" in r])
     if any("vs_flex" in r and r["mod"] != "none" for r in timed):
         summary["geomean_mods_vs_flex"] = geomean([r["vs_flex"] for r in timed
                                                    if "vs_flex" in r and r["mod"] != "none"])
@@ -563,7 +583,7 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     labels = [f"{r['model']} B{r['batch']} S{r['sq'] // 1024}K {r['hq']}/{r['hkv']} {'c' if r['causal'] else 'f'}"
               + (f" {r['mod']}" if r["mod"] != "none" else "") for r in rows]
     series = {"nvfly": [r.get("nvfly_tflops", 0.0) for r in rows]}
-    for variant in (PREFILL_VARIANTS if args.prefill_variants else ()):
+    for variant in variants:
         series[f"nvfly {variant}"] = [r.get(f"nvfly_{variant}_tflops", 0.0) for r in rows]
     for peer in (*PREFILL_BACKENDS, "flex"):
         if any(f"{peer}_tflops" in r for r in rows):
@@ -697,7 +717,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "(PREFILL_VARIANTS; with --fp8 PREFILL_FP8_VARIANTS, 192-key blocks too; correctness "
                         "checked for each) in the same process: nvfly_<variant>_ms")
     p.add_argument("--only-variants", nargs="*", default=None, metavar="NAME",
-                   help="with --prefill-variants --fp8: only these of PREFILL_FP8_VARIANTS")
+                   help="with --prefill-variants: only these of PREFILL_VARIANTS (with --fp8 of "
+                        "PREFILL_FP8_VARIANTS)")
     p.add_argument("--mla", action="store_true", help="decode: the MLA suite (DeepSeek's 576/512 latent cache) "
                                                        "instead; with --quick four rows")
     p.add_argument("--mla-variants", action="store_true",

@@ -2,6 +2,7 @@
 ptxas warnings, the causal tile arithmetic the kernel traces keeps exactly the visible keys, a float model of the
 kernel's blocked online softmax (exp2, folded scale, P rounded to the input type) matches the float32 reference, and
 bad arguments raise errors naming them."""
+import collections
 import math
 import re
 import struct
@@ -13,7 +14,8 @@ import nvfly
 from nvfly.ops import attention
 from nvfly.ops.attention.prefill_api import masking
 from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, HEAD_DIMS, MAX_SMEM, PRODUCER_REGS, PrefillPlan,
-                                              block_inside_bounds, causal_offset, key_blocks, pipelined_loops)
+                                              block_inside_bounds, causal_offset, key_blocks, pipelined_loops,
+                                              upper_inside_end)
 
 
 def gmma_count(kernel, shape, a_from_registers):
@@ -180,6 +182,18 @@ def test_key_blocks_keep_exactly_the_visible_keys(alignment, bm, bn):
                                               in pipelined_loops(start, low, high, total) for n in range(first, end)]
                     assert [n for n, _ in walk] == list(range(start, total)) or start == total
                     assert all(masked == (not low <= n < high) for n, masked in walk[1:])
+                    # the hoisted walk: blocks before ``both`` need only the lower bound, from unmasked_start on only
+                    # the upper ones (the tail and causal)
+                    upper = upper_inside_end(m, skv, b.causal, offset, b.right, bm, bn)
+                    both = max(min(upper, low), start)
+                    rows = range(m * bm, m * bm + bm)
+                    for n in range(start, total):
+                        keys = range(n * bn, n * bn + bn)
+                        if n < both:
+                            assert all(key < skv and (not b.causal or key <= row + offset + b.right)
+                                       for row in rows for key in keys)
+                        if n >= low:
+                            assert all(not b.window or key >= row + offset - b.left for row in rows for key in keys)
 
 
 @pytest.mark.parametrize("alignment", ["bottom_right", "top_left"])
@@ -752,3 +766,107 @@ def test_blocked_model_packed_matches_the_reference(alignment):
     want, want_lse = attention.prefill_reference(q, k, v, scale=0.25, causal_alignment=alignment, cu_seqlens_q=cu_q,
                                                  cu_seqlens_k=cu_k, **kwargs)
     _assert_model_matches(got[:108], got_lse[:, :108], want[:108], want_lse[:, :108])
+
+
+# ---------------------------------------------------------------------------------------------- issue 27's options
+def softmax_traces(kernel):
+    """Per ``attend_block`` trace, the SASS opcodes (without modifiers) from its S GEMM's last HGMMA (mask code
+    issued under S included) to its first P·V HGMMA, and where its first S wait is."""
+    lines = kernel.sass().splitlines()
+    traces = []
+    for i, line in enumerate(lines):
+        if re.search(r"HGMMA\.64x\d+x16\S* R\d+, gdesc\[.*gsb0", line):
+            end = next(j for j in range(i, len(lines)) if re.search(r"HGMMA\.\S+ R\d+, R\d+, gdesc", lines[j]))
+            wait = next(j for j in range(i, end) if "WARPGROUP.DEPBAR" in lines[j])
+            opcodes = (re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", line)
+                       for line in lines[i + 1:end])
+            ops = [m.group(1).split(".")[0] for m in opcodes if m]
+            traces.append((collections.Counter(ops), sum("LDG" in line for line in lines[i:wait])))
+    return traces
+
+
+def _causal_documents(b, h, q_idx, kv_idx):
+    return (kv_idx <= q_idx) & (DOCUMENTS[b, kv_idx] == DOCUMENTS[b, q_idx])
+
+
+HOISTED = {  # the benchmark's mod rows' plans (D 128 causal), a window mask_mod and D 64 causal
+    "causal": (attention.prefill_plan(128, 128, True), M.Mods()),
+    "window": (attention.prefill_plan(128, 128, True, window=True), M.Mods()),
+    "alibi": (attention.prefill_plan(128, 128, True, mods=True), M.Mods(M.alibi(SLOPES))),
+    "softcap": (attention.prefill_plan(128, 128, True, mods=True), M.Mods(M.soft_cap(50.0))),
+    "documents": (attention.prefill_plan(128, 128, True, kv_block=128, q_block=128, mods=True),
+                  M.Mods(None, _causal_documents)),
+    "window-mask-mod": (attention.prefill_plan(128, 128, True, mods=True), M.Mods(None, M.sliding_window(1024))),
+    "d64-causal": (attention.prefill_plan(64, 64, True), M.Mods()),
+}
+
+
+@pytest.mark.parametrize("name", HOISTED)
+def test_hoisted_plans_run_less_code_a_score(name):
+    """``hoist`` and ``prefetch_mask`` compile without spills to the same GEMMs (a window: one more trace) and
+    less code in the softmax traces: one compare and one select a score and bound (positional bounds against
+    per-row limits; a window's edge blocks with one bound where the other holds for the tile), ALiBi without a
+    per-score int-to-float conversion, the mask_mod's loads all before S's wait and no verdict bits to unpack."""
+    import dataclasses
+    plan, mods = HOISTED[name]
+    base = attention.compile_prefill(plan, mods=mods)
+    kernel = attention.compile_prefill(dataclasses.replace(plan, hoist=True, prefetch_mask=True), mods=mods)
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert not kernel.warnings and "LDL" not in kernel.sass() and "STL" not in kernel.sass()
+    scores = plan.block_n // 2
+    before, after = softmax_traces(base), softmax_traces(kernel)
+    # a window's left edge: a trace with its lower bound only (blocks inside the causal bound) and one with both
+    assert len(after) == len(before) + (name == "window")
+    assert kernel.count("HGMMA") * len(before) == base.count("HGMMA") * len(after)
+    sizes = sorted(sum(ops.values()) for ops, _ in after)
+    assert sizes[-1] < max(sum(ops.values()) for ops, _ in before) - 60  # the heaviest (masked) trace lighter
+    # the traces a tile runs (a large window's: lower bound only, none, upper bounds only) lighter in all
+    assert sum(sizes) - (sizes[-1] if name == "window" else 0) < sum(sum(ops.values()) for ops, _ in before) - 100
+    for ops, _ in after:
+        assert ops["FSEL"] <= max(old["FSEL"] for old, _ in before)
+        assert ops["I2FP"] <= 4 and ops["R2P"] == 0
+    if name in ("causal", "d64-causal", "window"):  # one select a score a trace (two before: the tail's and the
+        selects = sorted(ops["FSEL"] for ops, _ in after)  # diagonal's), but a small window's both-bounds edge
+        assert selects[-1 - (name == "window")] <= scores + 8
+    if name == "documents":  # the 32 key columns' and 2 rows' document ids, all issued under S
+        assert max(loads for _, loads in after) >= 34
+
+
+@pytest.mark.parametrize("options, block_n, exp2", [
+    (dict(wide=True), 192, 2 * (96 + 2)), (dict(wide=True, poly_exp2=2), 192, 2 * (96 - 12 + 2)),
+    (dict(poly_exp2=1, hoist=True), 128, 2 * (64 - 4 + 2)), (dict(wide=True, d=128), 176, 2 * (88 + 2))])
+def test_wide_and_polynomial_plans(options, block_n, exp2):
+    """bf16 D 64 with ``wide`` (192-key stages: 64x192 S, P·V 12 k-steps), D 128 (176 keys) and ``poly_exp2``
+    (that many of every 16 exp2 by the cubic, off MUFU) compile without spills; wide applies to D 64 and 128
+    without a BlockMask only."""
+    options = dict(options)
+    d = options.pop("d", 64)
+    plan = attention.prefill_plan(d, d, True, **options)
+    assert plan.block_n == block_n and plan.smem_bytes(2) <= MAX_SMEM
+    kernel = attention.compile_prefill(plan)
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == 0 and not kernel.warnings
+    assert gmma_count(kernel, f"64x{block_n}x16", a_from_registers=False) == 2 * d // 16
+    assert gmma_count(kernel, f"64x{d}x16", a_from_registers=True) == 2 * block_n // 16
+    assert kernel.sass_opcodes()["MUFU.EX2"] == exp2  # two softmax traces: the scores' and the rows' rescales
+    assert attention.prefill_plan(128, 128, True, wide=True).block_n == 176  # FA3's non-causal D 128 tile
+    assert attention.prefill_plan(96, 96, True, wide=True).block_n == 128
+    assert attention.prefill_plan(64, 64, True, wide=True, kv_block=128, q_block=128).block_n == 128
+
+
+@pytest.mark.parametrize("d, causal", [(128, False), (64, True)])
+def test_lazy_rescale_branches_around_o_multiplies(d, causal):
+    """``lazy_rescale``: in each softmax trace a warp vote on the rows' maxima and O's Dv / 2 multiplies a thread
+    behind the branch it decides; no spills; off with the overlap."""
+    plan = attention.prefill_plan(d, d, causal, lazy_rescale=True, hoist=True)
+    kernel = attention.compile_prefill(plan)
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == 0 and not kernel.warnings
+    lines = [line for line in kernel.sass().splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", line)]
+    votes = [i for i, line in enumerate(lines) if "VOTE.ANY" in line]
+    assert len(votes) == 2  # the unmasked and the masked trace
+    for i in votes:
+        branch = next(j for j in range(i, len(lines)) if re.search(r"@!?P\d BRA", lines[j]))
+        target = int(re.search(r"BRA 0x([0-9a-f]+)", lines[branch]).group(1), 16)
+        skipped = [line for line in lines[branch + 1:]
+                   if int(re.search(r"/\*([0-9a-f]{4,})\*/", line).group(1), 16) < target]
+        assert sum("FMUL" in line for line in skipped) >= d // 2
+    assert not attention.prefill_plan(256, 256, True, lazy_rescale=True).lazy_rescale  # D 256: the overlap

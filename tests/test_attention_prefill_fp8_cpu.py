@@ -84,7 +84,9 @@ def test_fp8_plan_rejects_what_the_kernel_cannot_do():
     with pytest.raises(ValueError, match="no packed sequences"):
         PrefillPlan(128, 128, False, varlen=True, fp8=True)
     assert prefill_plan(128, 128, False) == PrefillPlan(128, 128, False, pingpong=True)  # bf16 plans unchanged
-    assert prefill_plan(128, 128, False, wide=True) == prefill_plan(128, 128, False)  # wide: fp8 D 128 only
+    # wide: fp8 D 128 (192 keys), bf16 D 64 and 128 (192, 176; prefill_plan.WIDE_BLOCK_N)
+    assert prefill_plan(96, 96, False, wide=True) == prefill_plan(96, 96, False)
+    assert prefill_plan(128, 128, False, wide=True).block_n == 176
     assert prefill_plan(64, 64, False, fp8=True, wide=True) == prefill_plan(64, 64, False, fp8=True)
     assert prefill_plan(128, 128, False, fp8=True, wide=True).tree_max  # the tree with the wide blocks by default
     assert not prefill_plan(128, 128, False, fp8=True).tree_max

@@ -322,3 +322,129 @@ def test_plan_variants(overlap, pingpong, case):
     from nvfly.ops.attention.prefill_api import plan_options
     with plan_options(overlap=overlap, pingpong=pingpong):
         VARIANT_CASES[case]()
+
+
+# ---------------------------------------------------------------------------------------------- issue 27's options
+def test_documents_block_mask_with_causal(sq=1000, d=128, dtype="bf16"):
+    """The benchmark's documents row at a small size: a causal-documents BlockMask (create_block_mask: partial
+    blocks on the diagonal and at document edges, full blocks below) with causal=True (its full blocks inside the
+    bounds skip them), document lengths not multiples of 128 (one of 10 keys) and a tail."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    q, k, v = make_inputs(2, sq, sq, 8, 2, d, DTYPES[dtype], seed=sq)
+    # sequence 1's document [128, 600) holds key block 1 below query block 2 whole: a full block at 700 and 1000
+    cuts = torch.tensor([[300, 520, 777], [128, 600, 610]], device="cuda")
+    ids = (torch.arange(sq, device="cuda")[None, :, None] >= cuts[:, None, :]).sum(-1).to(torch.int32)
+    documents = M.document_mask(ids)
+
+    def causal_documents(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & documents(b, h, q_idx, kv_idx)
+    mask = create_block_mask(causal_documents, 2, None, sq, sq, device="cuda")
+    assert int(mask.full_kv_num_blocks.sum()) > 0 and int(mask.kv_num_blocks.sum()) > 0
+    check(q, k, v, causal=True, block_mask=mask)
+
+
+def test_alibi_with_sq_not_skv(sq=300, skv=777, d=128, alignment="bottom_right"):
+    """ALiBi (kv_idx - q_idx, q_idx the row) with Sq != Skv, causal, tails in both."""
+    q, k, v = make_inputs(2, sq, skv, 8, 2, d, torch.float16, seed=sq + skv)
+    check(q, k, v, causal=True, causal_alignment=alignment, **_mod("alibi", 8, 2, skv))
+
+
+HOIST_CASES = {  # the tests above that run the positional bounds and mods the options change
+    "d128-causal-sq-lt-skv": lambda: test_shapes_against_the_reference(3, 77, 301, 6, 2, 128, True, "bottom_right",
+                                                                       "fp16", "bhsd"),
+    "d64-causal-keyless-rows": lambda: test_shapes_against_the_reference(2, 301, 77, 6, 3, 64, True, "bottom_right",
+                                                                         "bf16", "bshd"),
+    "d64-causal-top-left": lambda: test_shapes_against_the_reference(2, 301, 77, 6, 3, 64, True, "top_left", "bf16",
+                                                                     "bshd"),
+    "d256-causal": lambda: test_shapes_against_the_reference(2, 333, 333, 4, 2, 256, True, "bottom_right", "bf16",
+                                                             "bshd"),
+    "d128-causal-window": lambda: test_sliding_windows(1000, 1000, 128, True, (256, None), "bottom_right"),
+    "d64-two-sided-window": lambda: test_sliding_windows(700, 900, 64, False, (100, 50), "top_left"),
+    "d64-right-window-keyless": lambda: test_sliding_windows(513, 300, 64, False, (None, 20), "bottom_right"),
+    "d128-diagonal-window": lambda: test_sliding_windows(300, 300, 128, True, (0, 0), "bottom_right"),
+    "d256-window": lambda: test_sliding_windows(600, 333, 256, True, (150, 0), "bottom_right"),
+    "alibi-sq-lt-skv": lambda: test_alibi_with_sq_not_skv(300, 777, 128, "bottom_right"),
+    "alibi-sq-gt-skv-top-left": lambda: test_alibi_with_sq_not_skv(777, 300, 64, "top_left"),
+    "alibi-d64": lambda: test_mods("alibi", 500, 64, True, "fp16"),
+    "soft-cap": lambda: test_mods("soft_cap", 700, 128, True, "bf16"),
+    "relative-bias": lambda: test_mods("relative_position_bias", 333, 128, False, "bf16"),
+    "window-mask-mod": lambda: test_mods("sliding_window", 600, 256, True, "bf16"),
+    "prefix-lm": lambda: test_mods("prefix_lm", 400, 64, False, "bf16"),
+    "document-mask": lambda: test_mods("document_mask", 640, (192, 128), False, "bf16"),
+    "soft-cap-document-mask": lambda: test_mods("soft_cap+document_mask", 300, 128, True, "fp16"),
+    "documents-block-mask-causal": lambda: test_documents_block_mask_with_causal(1000, 128, "bf16"),
+    "documents-block-mask-causal-d64": lambda: test_documents_block_mask_with_causal(700, 64, "fp16"),
+    "block-mask-causal": lambda: test_random_block_masks_skip_unlisted_blocks(128, 128, (8, 2), {"causal": True}),
+    "block-mask-256-causal-window": lambda: test_random_block_masks_skip_unlisted_blocks(
+        256, 64, (4, 2), {"causal": True, "window": (300, 0)}),
+    "block-mask-top-left": lambda: test_random_block_masks_skip_unlisted_blocks(
+        128, 128, (4, 4), {"causal": True, "causal_alignment": "top_left"}),
+    "block-mask-d256": lambda: test_random_block_masks_skip_unlisted_blocks(128, 256, (4, 2), {}),
+    "varlen-sq-gt-skv": lambda: test_varlen_against_the_reference([77, 500, 3], [500, 77, 260], 64, True,
+                                                                  "bottom_right", {}),
+    "varlen-window": lambda: test_varlen_against_the_reference([1000, 200], None, 256, True, "bottom_right",
+                                                               {"window": (128, None)}),
+    "varlen-alibi": test_varlen_mods_see_the_sequence,
+}
+MASK_CASES = ("window-mask-mod", "prefix-lm", "document-mask", "documents-block-mask-causal",
+              "documents-block-mask-causal-d64", "block-mask-causal", "block-mask-256-causal-window",
+              "block-mask-top-left", "block-mask-d256")
+
+
+@pytest.mark.parametrize("options, case",
+                         [("hoist", case) for case in HOIST_CASES]
+                         + [("hoist_prefetch", case) for case in MASK_CASES]
+                         + [("prefetch", case) for case in MASK_CASES[:4]])
+def test_hoist_and_prefetch_variants(options, case):
+    """``PrefillPlan.hoist`` (positional bounds as per-row limits, the mods' indices affine) and
+    ``.prefetch_mask`` (the mask_mod's loads under S, its compares after the wait) forced by ``plan_options``:
+    causal in both alignments with tails and key-less rows, windows, every shipped mod, block masks with positional
+    bounds, packed sequences, D 64 ... 256, the LSE."""
+    from nvfly.ops.attention.prefill_api import plan_options
+    chosen = {"hoist": dict(hoist=True), "hoist_prefetch": dict(hoist=True, prefetch_mask=True),
+              "prefetch": dict(prefetch_mask=True)}[options]
+    with plan_options(**chosen):
+        HOIST_CASES[case]()
+
+
+WIDE_CASES = {  # D 64 (192-key stages with ``wide``) and the polynomial exp2 (every head dim)
+    "d64-causal": lambda: test_shapes_against_the_reference(1, 1000, 1000, 8, 2, 64, True, "bottom_right", "bf16",
+                                                            "bshd"),
+    "d64-keyless-rows": HOIST_CASES["d64-causal-keyless-rows"],
+    "d64-top-left": HOIST_CASES["d64-causal-top-left"],
+    "d64-one-key": lambda: test_shapes_against_the_reference(1, 129, 1, 4, 2, 64, False, "bottom_right", "fp16",
+                                                             "bshd"),
+    "d64-full-bhsd": lambda: test_shapes_against_the_reference(1, 513, 700, 12, 4, 64, False, "bottom_right", "fp16",
+                                                               "bhsd"),
+    "d64-window": HOIST_CASES["d64-two-sided-window"],
+    "d64-right-window-keyless": HOIST_CASES["d64-right-window-keyless"],
+    "d64-alibi": HOIST_CASES["alibi-d64"],
+    "d64-document-mask": lambda: test_mods("document_mask", 640, 64, True, "bf16"),
+    "d128-causal": HOIST_CASES["d128-causal-sq-lt-skv"],
+    "d128-soft-cap": HOIST_CASES["soft-cap"],
+    "d128-full": lambda: test_shapes_against_the_reference(2, 256, 256, 4, 4, 128, False, "bottom_right", "bf16",
+                                                           "bshd"),
+    "d128-sq-gt-skv-fp16-bhsd": VARIANT_CASES["d128-sq-gt-skv-fp16-bhsd"],
+    "d128-causal-window": HOIST_CASES["d128-causal-window"],
+    "d128-documents-block-mask": HOIST_CASES["documents-block-mask-causal"],  # a BlockMask keeps 128 keys
+}
+
+
+@pytest.mark.parametrize("options, case",
+                         [(options, case) for options in ("wide_hoist", "poly2_hoist", "lazy_wide_poly2")
+                          for case in WIDE_CASES]
+                         + [("poly1_wide", case) for case in ("d64-causal", "d64-keyless-rows")]
+                         + [("poly4_lazy", case) for case in ("d64-causal", "d64-keyless-rows", "d128-soft-cap")]
+                         + [("lazy", case) for case in ("alibi-sq-lt-skv", "window-mask-mod", "block-mask-causal",
+                                                         "varlen-sq-gt-skv", "d256-causal")])
+def test_wide_and_polynomial_variants(options, case):
+    """``wide`` (D 64: 192-key stages, D 128: 176; other head dims unchanged), ``lazy_rescale`` (O's rescale
+    skipped on a warp vote; not with the overlap: D 256 runs without it) and ``poly_exp2`` (2 of every 16 exp2 by
+    ``EXP2_CUBIC``: rows without keys must still sum to 0, LSE -inf) forced by ``plan_options``."""
+    from nvfly.ops.attention.prefill_api import plan_options
+    chosen = {"wide_hoist": dict(wide=True, hoist=True), "poly2_hoist": dict(poly_exp2=2, hoist=True),
+              "poly1_wide": dict(poly_exp2=1, wide=True), "lazy": dict(lazy_rescale=True),
+              "poly4_lazy": dict(poly_exp2=4, lazy_rescale=True, hoist=True),
+              "lazy_wide_poly2": dict(lazy_rescale=True, wide=True, poly_exp2=2, hoist=True)}[options]
+    with plan_options(**chosen):
+        (WIDE_CASES.get(case) or HOIST_CASES[case])()

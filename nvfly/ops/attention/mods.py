@@ -126,9 +126,30 @@ def _as_f32(x: Any) -> Any:
     return x
 
 
+_PREFETCH: list = []  # the mod trace's loads to record or replay: [(loads, replay)]
+
+
+@contextlib.contextmanager
+def _prefetching(loads: Optional[list], replay: bool) -> Iterator[None]:
+    """While a mod is traced: each table load's value is appended to ``loads`` (``replay`` False), or taken from
+    its front instead of loading (True: the same mod on the same element, traced again after the first trace's
+    loads were issued). ``loads`` None: loads as usual."""
+    _PREFETCH.append((loads, replay))
+    try:
+        yield
+    finally:
+        _PREFETCH.pop()
+
+
 def _load(kernel_tensor: Any, index: Any) -> "ModValue":
+    loads, replay = _PREFETCH[-1] if _PREFETCH else (None, False)
+    if loads is not None and replay:
+        return ModValue(loads.pop(0))
     coords = index if isinstance(index, tuple) else (index,)
-    return ModValue(_as_f32(kernel_tensor[tuple(_raw(c) for c in coords)]))
+    value = _as_f32(kernel_tensor[tuple(_raw(c) for c in coords)])
+    if loads is not None:
+        loads.append(value)
+    return ModValue(value)
 
 
 def _index(tensor: Any, index: Any) -> "ModValue":
@@ -166,6 +187,11 @@ def _multiply(a: Any, b: Any) -> "ModValue":
     number folds the number into its second factor."""
     if _is_number(a):
         a, b = b, a
+    for affine, other in ((_affine_of(a), b), (_affine_of(b), a)):
+        if affine is not None and affine[0] is not None:
+            m = _as_f32(_raw(other))
+            if isinstance(m, float) or (isinstance(m, Scalar) and m.dtype == nvfly.f32 and _affine_of(other) is None):
+                return _affine_product(m, affine)  # an f32 product (an int one stays an int, unhoisted)
     if isinstance(a, ModValue) and a.product is not None and _is_number(b):
         # (m n) c as m (n c): the scaled score times a number is one multiply a score (n c, the scale times the
         # number, is the same for every score: computed once)
@@ -179,9 +205,49 @@ def _multiply(a: Any, b: Any) -> "ModValue":
     return _wrap(out)
 
 
+def _affine_of(x: Any) -> Optional[tuple]:
+    """x as (base, offset) (``ModValue.affine``): an affine ModValue's, an int's (None, x); else None."""
+    if isinstance(x, ModValue):
+        return x.affine
+    if isinstance(x, int) and not isinstance(x, bool):
+        return (None, x)
+    return None
+
+
+def _affine_difference(a: Any, b: Any, subtract: bool) -> Optional[tuple]:
+    """(base, offset) of a + b (a - b) when both are affine or ints and one of them affine, else None. The bases'
+    sum is the same traced op for every score sharing them (one a row and block after CSE)."""
+    fa, fb = _affine_of(a), _affine_of(b)
+    if fa is None or fb is None or (fa[0] is None and fb[0] is None):
+        return None
+    (base_a, offset_a), (base_b, offset_b) = fa, fb
+    if base_b is None:
+        base = base_a
+    elif base_a is None:
+        base = -base_b if subtract else base_b
+    else:
+        base = base_a - base_b if subtract else base_a + base_b
+    return base, (offset_a - offset_b if subtract else offset_a + offset_b)
+
+
+def _affine_product(m: Any, affine: tuple) -> "ModValue":
+    """m * (base + offset) for an f32 (or number) m and an affine int: m * float(base) once (shared by the scores
+    with the same base and m) and one FMA (an add for a number m) a score, instead of an int add and an int-to-float
+    conversion (MUFU-rate) a score; two roundings instead of one (|error| <= ulp(m * base) / 2)."""
+    base, offset = affine
+    scaled = m * base.to(nvfly.f32)
+    if _is_number(m):
+        return ModValue(scaled + float(m) * offset)
+    return ModValue(nvfly.fma(m, float(offset), scaled))
+
+
 def _add(a: Any, b: Any, subtract: bool = False) -> "ModValue":
-    """a + b (a - b), with a product among them (``_multiply``) and an f32 other term fused into one FMA."""
+    """a + b (a - b), with a product among them (``_multiply``) and an f32 other term fused into one FMA; affine
+    ints (``ModValue.affine``) stay affine."""
     x, y = _as_f32(_raw(a)), _as_f32(_raw(b))
+    affine = _affine_difference(a, b, subtract)
+    if affine is not None:
+        return ModValue(x - y if subtract else x + y, affine=affine)
     product_a = a.product if isinstance(a, ModValue) else None
     product_b = b.product if isinstance(b, ModValue) else None
     if product_b is not None and _as_f32_operand(x) is not None:  # x +- m n
@@ -261,12 +327,17 @@ _FUNCTIONS: dict = {}
 
 
 class ModValue:
-    """A traced scalar as the mods see it: Python operators and the torch functions of ``_torch_functions``."""
-    __slots__ = ("value", "product")
+    """A traced scalar as the mods see it: Python operators and the torch functions of ``_torch_functions``.
+    ``affine`` (the prefill kernel's hoisted q_idx and kv_idx, and sums and differences of them and ints): (base,
+    offset), an int ``base + offset`` whose base (a traced i32) is shared by many scores and whose offset is a
+    Python int: a comparison becomes one compare of the base with a constant, a product with an f32 one FMA
+    (``_affine_product``); indexing a tensor reads ``value`` (the kernel's, clamped to the sequence)."""
+    __slots__ = ("value", "product", "affine")
 
-    def __init__(self, value: Any, product: Optional[tuple] = None):
+    def __init__(self, value: Any, product: Optional[tuple] = None, affine: Optional[tuple] = None):
         self.value = value
         self.product = product  # (m, n) when value = m * n (f32): a sum with it is one FMA
+        self.affine = affine
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
@@ -287,6 +358,14 @@ class ModValue:
         a, b = _as_f32(self.value), _as_f32(_raw(other))
         return _wrap(op(b, a) if reverse else op(a, b))
 
+    def _compare(self, other: Any, op: Callable[[Any, Any], Any]) -> "ModValue":
+        """self op other; affine: (base_a - base_b) op (offset_b - offset_a), a compare with a constant."""
+        difference = _affine_difference(self, other, True)
+        if difference is None:
+            return self._op(other, op)
+        base, offset = difference
+        return _wrap(op(base, -offset))
+
     def __add__(self, o: Any) -> "ModValue": return _add(self, o)
     def __radd__(self, o: Any) -> "ModValue": return _add(o, self)
     def __sub__(self, o: Any) -> "ModValue": return _add(self, o, True)
@@ -297,12 +376,12 @@ class ModValue:
     def __rtruediv__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a / b, True)
     def __floordiv__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a // b)
     def __mod__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a % b)
-    def __lt__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a < b)
-    def __le__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a <= b)
-    def __gt__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a > b)
-    def __ge__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a >= b)
-    def __eq__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a == b)  # type: ignore[override]
-    def __ne__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a != b)  # type: ignore[override]
+    def __lt__(self, o: Any) -> "ModValue": return self._compare(o, lambda a, b: a < b)
+    def __le__(self, o: Any) -> "ModValue": return self._compare(o, lambda a, b: a <= b)
+    def __gt__(self, o: Any) -> "ModValue": return self._compare(o, lambda a, b: a > b)
+    def __ge__(self, o: Any) -> "ModValue": return self._compare(o, lambda a, b: a >= b)
+    def __eq__(self, o: Any) -> "ModValue": return self._compare(o, lambda a, b: a == b)  # type: ignore[override]
+    def __ne__(self, o: Any) -> "ModValue": return self._compare(o, lambda a, b: a != b)  # type: ignore[override]
     def __and__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a & b)
     def __rand__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a & b, True)
     def __or__(self, o: Any) -> "ModValue": return self._op(o, lambda a, b: a | b)
@@ -336,26 +415,36 @@ def _arguments(mods: Mods, captured: tuple) -> tuple:
     return tuple(ModTensor(t) for t in captured[:mods.arguments])
 
 
+def _indices(q_idx: Any, kv_idx: Any, affine: Optional[tuple]) -> tuple:
+    """q_idx and kv_idx as ModValues, with ``affine``'s (base, offset) pairs if given."""
+    q_affine, kv_affine = affine or (None, None)
+    return ModValue(q_idx, affine=q_affine), ModValue(kv_idx, affine=kv_affine)
+
+
 def apply_score_mod(mods: Mods, captured: tuple, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any,
-                    scale: Any = None) -> Any:
+                    scale: Any = None, affine: Optional[tuple] = None) -> Any:
     """The score after ``mods.score_mod`` (f32), or ``score`` without one; ``captured``: the kernel's captured
     tensors (the mods' arguments, then the tensors of ``captured_tensors(mods)``); ``scale``: the mod sees
-    ``score * scale`` (a product: a bias the mod adds fuses with it into one FMA)."""
+    ``score * scale`` (a product: a bias the mod adds fuses with it into one FMA); ``affine``: None, or q_idx's
+    and kv_idx's (base, offset) (``ModValue.affine``)."""
     if mods.score_mod is None:
         return score if scale is None else score * scale
     value = ModValue(score) if scale is None else _multiply(score, scale)
     with _capturing(mods, captured[mods.arguments:]):
-        out = _raw(mods.score_mod(value, ModValue(b), ModValue(h), ModValue(q_idx), ModValue(kv_idx),
+        out = _raw(mods.score_mod(value, ModValue(b), ModValue(h), *_indices(q_idx, kv_idx, affine),
                                   *_arguments(mods, captured)))
     return out.to(nvfly.f32) if isinstance(out, Scalar) else nvfly.f32(float(out))
 
 
-def apply_mask_mod(mods: Mods, captured: tuple, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-    """Whether ``mods.mask_mod`` keeps the element (an i1), or None without one."""
+def apply_mask_mod(mods: Mods, captured: tuple, b: Any, h: Any, q_idx: Any, kv_idx: Any,
+                   affine: Optional[tuple] = None, loads: Optional[list] = None, replay: bool = False) -> Any:
+    """Whether ``mods.mask_mod`` keeps the element (an i1), or None without one; ``affine`` as in
+    ``apply_score_mod``; ``loads``: a list the element's table loads are appended to, or with ``replay`` taken
+    from (in the same order: the loads of an earlier trace of the same element, issued under a GEMM)."""
     if mods.mask_mod is None:
         return None
-    with _capturing(mods, captured[mods.arguments:]):
-        out = _raw(mods.mask_mod(ModValue(b), ModValue(h), ModValue(q_idx), ModValue(kv_idx),
+    with _capturing(mods, captured[mods.arguments:]), _prefetching(loads, replay):
+        out = _raw(mods.mask_mod(ModValue(b), ModValue(h), *_indices(q_idx, kv_idx, affine),
                                  *_arguments(mods, captured)))
     if not isinstance(out, Scalar):
         return nvfly.i1(bool(out)) if isinstance(out, bool) else out

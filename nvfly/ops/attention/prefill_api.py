@@ -103,15 +103,18 @@ def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None
 
 
 _plan = functools.lru_cache(maxsize=64)(prefill_plan)
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None,) * 5)
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None,) * 8)
 
 
 def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None, wide: Optional[bool] = None,
-                 tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None) -> ContextManager[None]:
+                 tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None,
+                 hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None,
+                 lazy_rescale: Optional[bool] = None) -> ContextManager[None]:
     """``prefill`` and ``prefill_varlen`` calls inside run plans with these ``PrefillPlan`` options (None: the
     plan's default; ``wide``, ``tree_max``, ``poly_exp2``: fp8's, ``prefill_plan``): the benchmark's and the tests'
     way to run the kernel's variants side by side."""
-    return context_value(_OPTIONS, (overlap, pingpong, wide, tree_max, poly_exp2))
+    return context_value(_OPTIONS, (overlap, pingpong, wide, tree_max, poly_exp2, hoist, prefetch_mask,
+                                     lazy_rescale))
 
 
 def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -333,9 +336,9 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             tables = _block_tables(block_mask, batch, hq)
             q_block = int(block_mask.BLOCK_SIZE[0]) if block_mask is not None else 0
             kv_block = int(block_mask.BLOCK_SIZE[1]) if block_mask is not None else 0
-            overlap, pingpong, wide, tree_max, poly_exp2 = _OPTIONS.get()
+            overlap, pingpong, wide, tree_max, poly_exp2, hoist, prefetch_mask, lazy = _OPTIONS.get()
             plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block, False, overlap, pingpong, fp8,
-                         wide, tree_max, poly_exp2, mods.active)
+                         wide, tree_max, poly_exp2, mods.active, hoist, prefetch_mask, lazy)
             if fp8:
                 v = transposed_values(v)
             _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv,
@@ -475,8 +478,9 @@ def prefill_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_s
             if lse is not None:
                 lse.fill_(float("-inf"))
         else:
-            plan = _plan(dqk, dv, bounds.causal, bounds.window, 0, 0, True, *_OPTIONS.get()[:2],
-                         mods=mods.active)
+            options = _OPTIONS.get()
+            plan = _plan(dqk, dv, bounds.causal, bounds.window, 0, 0, True, *options[:2], mods=mods.active,
+                         hoist=options[5], prefetch_mask=options[6], lazy_rescale=options[7])
             _launch(plan, mods, q[None], k[None], v[None], out[None], None if lse is None else lse[None],
                     (cu_seqlens_q, cu_seqlens_k), [None] * 4, _scale(scale, dqk), bounds, 0, 0,
                     plan.grid(batch, hq, max_q))

@@ -42,13 +42,19 @@ from typing import Any, NamedTuple
 import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
+from nvfly.frontend.control_flow import if_
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PINGPONG_BARRIER, PRODUCER_REGS,
-                                                  block_inside_bounds, key_blocks, pipelined_loops)
-from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
+                                                  block_inside_bounds, key_blocks, pipelined_loops,
+                                                  upper_inside_end)
+from nvfly.ops.attention.softmax import EXP2_CUBIC, EXP2_POLYNOMIAL, NEG_INF, online_softmax, row_of
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
+# ``attend_block``'s MASKED besides True (every positional bound) and False (none), with ``PLAN.hoist``: only a
+# window's lower bound (blocks inside the causal bound and Skv), only the upper bounds (blocks inside the window's)
+LOWER_BOUND = "lower"
+UPPER_BOUNDS = "upper"
 
 
 @nvfly.kernel
@@ -177,12 +183,21 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
                     state = attend_block(state, ctx, listed_block(indices, batch, head, q_block, i, PLAN), PLAN,
                                          True, t == 0, consumer)
         else:
-            for n in range(start, unmasked_start):
+            both = start
+            if PLAN.hoist and PLAN.window:
+                # a window's left-edge blocks before the upper bounds need only its lower bound, and the diagonal's
+                # and the tail's (from unmasked_start on) only the upper ones: one compare and select a score each
+                both = nvfly.maximum(nvfly.minimum(upper_inside_end(m_block, skv, PLAN.causal, offset, right, BM,
+                                                                    BN, nvfly.minimum, nvfly.maximum),
+                                                   unmasked_start), start)
+                for n in range(start, both):
+                    state = attend_block(state, ctx, n, PLAN, LOWER_BOUND, True, consumer)
+            for n in range(both, unmasked_start):
                 state = attend_block(state, ctx, n, PLAN, True, True, consumer)
             for n in range(unmasked_start, unmasked_end):
                 state = attend_block(state, ctx, n, PLAN, False, True, consumer)
             for n in range(unmasked_end, total):
-                state = attend_block(state, ctx, n, PLAN, True, True, consumer)
+                state = attend_block(state, ctx, n, PLAN, UPPER_BOUNDS if PLAN.hoist else True, True, consumer)
         if PLAN.pingpong and not PLAN.overlap:
             scheduler_arrive(consumer)
         store_rows(state, out, lse, io_batch, head, q_start, row0, sq, lane, fold, DV,
@@ -292,7 +307,7 @@ class BlockContext(NamedTuple):
 def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
     """Fold key block ``n`` into the warpgroup's online softmax and O, each GEMM waited for before the next step;
     ``MASKED``: apply the tail, causal and window bounds (a separate trace, so fully visible blocks carry no mask
-    code); ``MASK_MOD``: the mask_mod if there is one (not on a BlockMask's full blocks). The score_mod applies
+    code; ``LOWER_BOUND``/``UPPER_BOUNDS``: only those, ``PLAN.hoist``'s window edges); ``MASK_MOD``: the mask_mod if there is one (not on a BlockMask's full blocks). The score_mod applies
     everywhere. Ping-pong: the turn is held from this P·V to the next block's S."""
     ctx.k_pipe.consumer_wait(state.k_state)
     s = issue_scores(ctx, state.k_state, PLAN)
@@ -303,7 +318,7 @@ def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
     if ctx.lane == 0:
         ctx.k_pipe.consumer_release(state.k_state)
     fragments, maxima, sums, rescales = block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, None, kept)
-    acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
+    acc = rescaled(state.acc, rescales, state.maxima, maxima, PLAN)
     ctx.v_pipe.consumer_wait(state.v_state)
     if PLAN.pingpong:
         scheduler_sync(consumer)
@@ -313,6 +328,18 @@ def attend_block(state, ctx, n, PLAN, MASKED, MASK_MOD, consumer):
     if ctx.lane == 0:
         ctx.v_pipe.consumer_release(state.v_state)
     return Softmax(maxima, sums, acc, state.k_state.advance(), state.v_state.advance())
+
+
+def rescaled(acc, factors, old_maxima, new_maxima, PLAN):
+    """O times its rows' rescale factors; ``PLAN.lazy_rescale``: only when some row of the warp has a new maximum
+    (a warp-uniform branch; the factors of the others are exp2(0) = 1 up to exp2's rounding)."""
+    def scale(a):
+        return (a.map(lambda x, i: x * factors[row_of(i)]),)
+    if not PLAN.lazy_rescale:
+        return scale(acc)[0]
+    rose = (new_maxima[0] != old_maxima[0]) | (new_maxima[1] != old_maxima[1])
+    (acc,) = if_(nvfly.vote_any(rose), scale, None, ["acc"], [acc])
+    return acc
 
 
 @nvfly.func
@@ -448,25 +475,40 @@ def mask_mod_keeps(ctx, n, PLAN, MASKED, MASK_MOD, mod_off):
     a predicate (or a table entry) a score. ``mod_off``: None, or a traced flag under which every key is kept (the
     pipeline's first block when it may be a BlockMask's full block). Not with a score_mod, nor with the overlap's
     second S tile: there the verdicts' pending loads spill (28-100 registers in the CPU tests' kernels); then
-    ``block_softmax`` evaluates the mask_mod score by score after the wait."""
+    ``block_softmax`` evaluates the mask_mod score by score after the wait. ``PLAN.prefetch_mask``: a
+    ``PrefetchedLoads`` instead, the mask_mod's loads of each score issued here, its compares left for after the
+    wait (no bits to pack and unpack; the loaded values, not two words, wait with S)."""
     mods = ctx.mods
     if not MASK_MOD or mods.mask_mod is None or mods.score_mod is not None or PLAN.overlap:
         return None
     first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
     mod_rows = (ctx.mod_row0, ctx.mod_row1)
+    if PLAN.prefetch_mask:
+        loads = []
+        for i in nvfly.static_range(PLAN.block_n // 2):
+            loads.append([])
+            apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[row_of(i)],
+                           mod_key(ctx, first_key + 8 * (i // 4) + i % 2, MASKED),
+                           mod_affine(mod_rows, first_key, i, PLAN), loads[i])
+        return PrefetchedLoads(loads)
     words = []
     scores = PLAN.block_n // 2
     for w in nvfly.static_range((scores + 31) // 32):
         word = nvfly.u32(0)
         for i in nvfly.static_range(32 * w, min(32 * w + 32, scores)):
-            key = first_key + 8 * (i // 4) + i % 2
+            key = first_key + 8 * (i // 4) + i % 2  # column_offset(i), as two adds (the default plans' PTX)
             kept = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[row_of(i)],
-                                  mod_key(ctx, key, MASKED))
+                                  mod_key(ctx, key, MASKED), mod_affine(mod_rows, first_key, i, PLAN))
             word = word | nvfly.select(kept, nvfly.u32(1 << (i % 32)), nvfly.u32(0))
         if mod_off is not None:
             word = word | nvfly.select(mod_off, nvfly.u32(0xFFFFFFFF), nvfly.u32(0))
         words.append(word)
     return words
+
+
+class PrefetchedLoads(NamedTuple):
+    """``PLAN.prefetch_mask``: the mask_mod's loaded table values, a list a score (``mask_mod_keeps``)."""
+    values: list
 
 
 @nvfly.func
@@ -480,9 +522,62 @@ def positional_keep(ctx, key, row, PLAN):
     return keep
 
 
+def column_offset(i: int) -> int:
+    """The key of a thread's score ``i`` (of S's fragment) past the thread's first key of the block: 8 keys a
+    group of four scores, two adjacent keys in each row."""
+    return 8 * (i // 4) + i % 2
+
+
+@nvfly.func
+def row_limits(ctx, n, PLAN, MASKED=True):
+    """``PLAN.hoist``: the positional bounds of the thread's two rows in block ``n`` as (lo, hi) offsets from the
+    thread's first key: score i is visible iff lo <= column_offset(i) <= hi (lo None without a window or with
+    ``MASKED`` UPPER_BOUNDS; hi: the sequence's last key, or the causal bound if lower; None with LOWER_BOUND). A
+    few subtractions a row and block, then one compare with a constant a bound and score (``limits_keep``) instead
+    of a key's add and three compares."""
+    first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
+    limits = []
+    for r in nvfly.static_range(2):
+        row = ctx.row0 + 8 * r
+        hi = None
+        if MASKED != LOWER_BOUND:
+            hi = ctx.skv - 1 - first_key
+            if PLAN.causal:
+                hi = nvfly.minimum(hi, row + ctx.high - first_key)
+        lo = None
+        if PLAN.window and MASKED != UPPER_BOUNDS:
+            lo = row + ctx.low - first_key
+        limits.append((lo, hi))
+    return limits
+
+
+@nvfly.func
+def limits_keep(limits, i):
+    """Whether score ``i`` is within its row's ``row_limits``."""
+    lo, hi = limits[row_of(i)]
+    keep = None
+    if hi is not None:
+        keep = hi >= column_offset(i)
+    if lo is not None:
+        keep = lo <= column_offset(i) if keep is None else keep & (lo <= column_offset(i))
+    return keep
+
+
+def mod_affine(mod_rows, first_key, i, PLAN):
+    """``PLAN.hoist``: the mods' q_idx and kv_idx of score ``i`` as (base, offset) pairs (``mods.ModValue``): the
+    row, and the thread's first key plus the score's constant offset (unclamped: a masked block's tail keys differ
+    from the clamped kv_idx only where the positional mask drops the score). None without hoisting."""
+    if not PLAN.hoist:
+        return None
+    return ((mod_rows[row_of(i)], 0), (first_key, column_offset(i)))
+
+
 @nvfly.func
 def positional_mask(scores, ctx, n, PLAN):
     """Block ``n``'s scores (the thread's, a list) with those outside the positional bounds -inf."""
+    if PLAN.hoist:
+        limits = row_limits(ctx, n, PLAN)
+        return [nvfly.select(limits_keep(limits, i), scores[i], NEG_INF) for i in range(len(scores))]
     first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
     rows = (ctx.row0, ctx.row0 + 8)
     return [nvfly.select(positional_keep(ctx, first_key + 8 * (i // 4) + i % 2, rows[row_of(i)], PLAN), scores[i],
@@ -511,7 +606,8 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
     P·V GEMM's A fragments, the new maxima and sums, O's rescale factors)."""
     scores = [s[i] for i in range(len(s))]
     mods = ctx.mods
-    mask_here = kept is None and MASK_MOD and mods.mask_mod is not None
+    prefetched = isinstance(kept, PrefetchedLoads)
+    mask_here = (kept is None or prefetched) and MASK_MOD and mods.mask_mod is not None
     if MASKED or mods.score_mod is not None or kept is not None or mask_here:
         first_key = n * PLAN.block_n + 2 * (ctx.lane % 4)
         rows = (ctx.row0, ctx.row0 + 8)
@@ -519,21 +615,26 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
         # a BlockMask lists blocks by its mask alone: whether one needs the positional bounds is known per block,
         # at run time, for the warp's 16 rows (a uniform branch, so a block inside them runs none of their code)
         branch = MASKED and PLAN.kv_block and not PLAN.overlap
+        limits = None
+        if MASKED and not branch and PLAN.hoist:
+            limits = row_limits(ctx, n, PLAN, MASKED)
         for i in nvfly.static_range(len(scores)):
-            key = first_key + 8 * (i // 4) + i % 2
+            key = first_key + 8 * (i // 4) + i % 2  # column_offset(i), as two adds (the default plans' PTX)
             r = row_of(i)
+            affine = mod_affine(mod_rows, first_key, i, PLAN)
             if mods.score_mod is not None:
                 scores[i] = apply_score_mod(mods, ctx.captured, scores[i], ctx.batch, ctx.head, mod_rows[r],
-                                            mod_key(ctx, key, MASKED), scale=ctx.scale)
+                                            mod_key(ctx, key, MASKED), scale=ctx.scale, affine=affine)
             keep = None
             if MASKED and not branch:
-                keep = positional_keep(ctx, key, rows[r], PLAN)
+                keep = limits_keep(limits, i) if PLAN.hoist else positional_keep(ctx, key, rows[r], PLAN)
             verdict = None
-            if kept is not None:
+            if kept is not None and not prefetched:
                 verdict = (kept[i // 32] & nvfly.u32(1 << (i % 32))) != nvfly.u32(0)
             if mask_here:
                 verdict = apply_mask_mod(mods, ctx.captured, ctx.batch, ctx.head, mod_rows[r],
-                                         mod_key(ctx, key, MASKED))
+                                         mod_key(ctx, key, MASKED), affine,
+                                         list(kept.values[i]) if prefetched else None, prefetched)
                 if mod_off is not None:
                     verdict = verdict | mod_off
             if verdict is not None:
@@ -545,7 +646,7 @@ def block_softmax(s, state, ctx, n, PLAN, MASKED, MASK_MOD, mod_off, kept):
                 scores = positional_mask(scores, ctx, n, PLAN)
     MASKED = MASKED or kept is not None or mask_here or mods.score_mod is not None  # rows may have no key kept yet
     step = online_softmax(scores, state.maxima, state.sums, ctx.fold, MASKED, PLAN.tree_max,
-                          PLAN.poly_exp2)
+                          PLAN.poly_exp2, EXP2_POLYNOMIAL if PLAN.fp8 else EXP2_CUBIC)
     fragments = s.map(lambda x, i: step.p[i]).to_a_fragments(ctx.pv_atom)
     return fragments, step.maxima, step.sums, step.rescales
 

@@ -19,6 +19,7 @@ BLOCK_N = {64: 128, 96: 128, 128: 128, 192: 128, 256: 80}
 FP8_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))  # fp8 e4m3: one swizzle row (64 or 128 bytes) or two
 FP8_BLOCK_N = 128  # a multiple of fp8 wgmma's 32-deep k-step and of V's 16-key permutation; D 256 fits: 161 KB
 FP8_WIDE_BLOCK_N = 192  # fp8 D 128 (FlashAttention-3: 176 non-causal): fewer block steps a key; Vᵀ 64-byte swizzled
+WIDE_BLOCK_N = {64: 192, 128: 176}  # bf16/fp16 ``wide``: FA3's D 64 tiles are 192 keys wide, its D 128 non-causal 176
 MASK_BLOCK_N = 64  # D 256 with a BlockMask: stages that divide its 128-key blocks (80 does not)
 BLOCK_M = 128               # two consumer warpgroups of 64 rows (wgmma's M)
 MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
@@ -45,7 +46,15 @@ class PrefillPlan:
     GEMMs; fp8: e4m3 Q, K and V (both GEMMs fp8, P rounded to e4m3) with V given transposed, (B, Dv, Hkv, Skv)
     with its keys permuted within every 16 (``sm90.register_a_k_order``), the K-major B of P·V; tree_max: the
     softmax's row maxima by a pairwise tree; poly_exp2: that many of every 16 of a thread's exp2 by a polynomial on
-    the FMA pipe instead of MUFU (``softmax.online_softmax``)."""
+    the FMA pipe instead of MUFU (``softmax.online_softmax``); hoist: the per-row and per-column parts of the masks
+    and mods out of the per-score code (``prefill_kernel.row_limits``: the positional bounds as two per-row limits
+    relative to the thread's first key of the block, compared with each score's constant column offset; the mods'
+    q_idx and kv_idx as affine values, ``mods.ModValue``: kv_idx - q_idx one subtraction and one conversion a
+    block, a comparison with a number one compare a score); prefetch_mask: the mask_mod's table loads issued
+    between S's issue and its wait and its compares after the wait (``prefill_kernel.mask_mod_keeps``), instead of
+    its verdicts packed into bits there and unpacked after; lazy_rescale: O's rescale (Dv / 2 multiplies a thread)
+    skipped by a warp-uniform branch when no row maximum of the warp rose (the factors are 1 then; not with the
+    overlap)."""
     dqk: int
     dv: int
     causal: bool
@@ -61,6 +70,9 @@ class PrefillPlan:
     fp8: bool = False
     tree_max: bool = False
     poly_exp2: int = 0
+    hoist: bool = False
+    prefetch_mask: bool = False
+    lazy_rescale: bool = False
 
     def __post_init__(self) -> None:
         if self.pingpong and self.consumers != 2:
@@ -119,11 +131,16 @@ class PrefillPlan:
 def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block: int = 0, q_block: int = 0,
                  varlen: bool = False, overlap: Optional[bool] = None,
                  pingpong: Optional[bool] = None, fp8: bool = False, wide: Optional[bool] = None,
-                 tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None, mods: bool = False) -> PrefillPlan:
+                 tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None, mods: bool = False,
+                 hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None,
+                 lazy_rescale: Optional[bool] = None) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
     options; ``overlap``/``pingpong`` None: the defaults below (``mods``: whether the kernel traces a score_mod or
-    mask_mod); ``wide`` (fp8 D 128 only; None: the default below): ``FP8_WIDE_BLOCK_N`` keys a stage instead of
-    ``FP8_BLOCK_N``; ``tree_max`` (fp8 only; None: with ``wide``); ``poly_exp2`` (fp8 only; None: 0)."""
+    mask_mod); ``wide`` (fp8 D 128, and bf16/fp16 D 64 and 128 without a BlockMask; None: the default below):
+    ``FP8_WIDE_BLOCK_N`` (``WIDE_BLOCK_N``) keys a stage instead of ``FP8_BLOCK_N`` (``BLOCK_N``); ``tree_max``
+    (fp8 only; None: with ``wide``); ``poly_exp2`` (None: 0; bf16/fp16 by ``softmax.EXP2_CUBIC``); ``hoist``,
+    ``prefetch_mask``, ``lazy_rescale``
+    (None: off, not measured yet: ``--prefill-variants`` times them)."""
     if overlap is None:
         # measured on the H200: at D <= 128 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most); at
         # 192/128 and 256 +3-13% on every row; with mods or a BlockMask there it spills (docs/ops/attention.md)
@@ -132,12 +149,17 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
         pingpong = dqk <= 128 or not fp8  # measured: 0.95x cuDNN vs 0.89x serial at D 128; faster at 192 and 256
     if wide is None:
         wide = False  # not measured yet: --prefill-variants times fp8 "wide" beside the 128-key default
-    wide = wide and fp8 and dqk == 128
-    block_n = (FP8_WIDE_BLOCK_N if wide else FP8_BLOCK_N) if fp8 else stage_keys(dqk, kv_block)
+    wide = wide and ((fp8 and dqk == 128) or (not fp8 and dv == dqk in WIDE_BLOCK_N and not kv_block))
+    if fp8:
+        block_n = FP8_WIDE_BLOCK_N if wide else FP8_BLOCK_N
+    else:
+        block_n = WIDE_BLOCK_N[dqk] if wide else stage_keys(dqk, kv_block)
     if tree_max is None:
         tree_max = wide
     return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
-                       pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=(poly_exp2 or 0) if fp8 else 0)
+                       pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=poly_exp2 or 0,
+                       hoist=bool(hoist), prefetch_mask=bool(prefetch_mask),
+                       lazy_rescale=bool(lazy_rescale) and not overlap)
 
 
 def stage_keys(dqk: int, kv_block: int = 0) -> int:
@@ -176,6 +198,18 @@ def key_blocks(m_block: Any, skv: Any, causal: bool, window: bool, offset: Any, 
         unmasked_start = minimum(maximum(unmasked_start, start), total)
     unmasked_end = maximum(minimum(unmasked_end, total), unmasked_start)
     return start, unmasked_start, unmasked_end, total
+
+
+def upper_inside_end(m_block: Any, skv: Any, causal: bool, offset: Any, right: Any, block_m: int, block_n: int,
+                     minimum: Callable[[Any, Any], Any] = min, maximum: Callable[[Any, Any], Any] = max) -> Any:
+    """The first key block of query tile ``m_block`` that is not inside the upper bounds (the causal bound and
+    Skv) of every row of the tile: blocks before it need only a window's lower bound (``key_blocks``' unmasked_end
+    before it is raised to unmasked_start). Blocks from ``key_blocks``' unmasked_start on need only the upper
+    bounds."""
+    whole = skv // block_n
+    if not causal:
+        return whole
+    return minimum(whole, maximum(m_block * block_m + offset + right + 1, 0) // block_n)
 
 
 def block_inside_bounds(first_row: Any, rows: int, first_key: Any, keys: int, skv: Any, causal: bool,

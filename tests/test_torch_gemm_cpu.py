@@ -204,7 +204,7 @@ def test_eager_routes_decline_cpu_tensors_and_fall_through():
     register_routes()
     ops = {r.op for r in routing.routes()}
     assert {"aten::mm", "aten::mm.out", "aten::bmm", "aten::addmm", "aten::addmm.out", "aten::baddbmm"} <= ops
-    eligibility, _, _ = _route("addmm", with_c=True)
+    eligibility, _, _, _ = _route("addmm", with_c=True)
     c, a, b = torch.zeros(3).bfloat16(), torch.randn(2, 4).bfloat16(), torch.randn(4, 3).bfloat16()
     assert eligibility(c, a, b, beta=1, alpha=1) == "a is on cpu, not CUDA"
     assert "a: dtype torch.float32 is not supported" in eligibility(c.float(), a.float(), b.float(), beta=1, alpha=1)
@@ -558,7 +558,7 @@ def test_the_decision_cache_is_bounded():
 def test_an_autotune_entry_added_later_flips_the_routed_gemm(fake_gpu_database):
     """The real mm route, decided once per signature: declined without an entry (and not asked again), run on
     nvfly once the database says it wins (the update forgets the routes' decisions)."""
-    _, run, signature = _route("mm", with_c=False)
+    _, run, signature, _ = _route("mm", with_c=False)
     runs = []
     autotune_module = importlib.import_module("nvfly.torch.autotune")
     analyzed = []

@@ -20,6 +20,7 @@ import fcntl
 import functools
 import json
 import logging
+import math
 import os
 import re
 import statistics
@@ -388,8 +389,9 @@ def _expected_faster(w: Workload, device: int) -> tuple[Optional[str], str]:
     return None, entry.best
 
 
-def _route(op: str, with_c: bool) -> tuple[Any, Any, Any]:
-    """(eligibility, run, signature) of an aten GEMM overload; with_c: its first argument is the added matrix."""
+def _route(op: str, with_c: bool) -> tuple[Any, Any, Any, Any]:
+    """(eligibility, run, signature, bind) of an aten GEMM overload; with_c: its first argument is the added
+    matrix."""
     def split(args: tuple, kwargs: dict) -> tuple:
         c, a, b = args[:3] if with_c else (None, *args[:2])
         return c, a, b, kwargs.get("out"), kwargs.get("beta", 1), kwargs.get("alpha", 1)
@@ -407,21 +409,38 @@ def _route(op: str, with_c: bool) -> tuple[Any, Any, Any]:
         def signature(a: Tensor, b: Tensor, *, out: Optional[Tensor] = None) -> tuple:  # type: ignore[misc]
             return _eager_key(a, b, None, out, 1, 1)
 
-    def run(*args: Any, **kwargs: Any) -> Tensor:
-        # the launches bound once per signature: a call then reads only addresses
+    def bind(*args: Any, **kwargs: Any) -> Any:
+        """The runner of an accepted signature: its launches bound once (``_EAGER_CALLS``), the output's shape,
+        strides, dtype and device read once (the signature holds them); a call reads addresses and alpha, beta."""
         c, a, b, out, beta, alpha = split(args, kwargs)
-        c_used = c if beta != 0 else None
         key = _eager_key(a, b, c, out, beta, alpha)
         call = _EAGER_CALLS.get(key)
         if call is None:
             config = _eager(op, a, b, c, out, beta, alpha, key)[1]
-            call = bind_config(a, b, c_used, alpha=float(alpha), out=out, config=config)
+            call = bind_config(a, b, c if beta != 0 else None, alpha=float(alpha), out=out, config=config)
             _EAGER_CALLS.remember(key, call)
-        result = torch.empty(call.shape, dtype=call.out_dtype, device=a.device) if out is None else out
-        call.run(a, b, c_used, result, float(alpha), float(beta))
-        return result
+        launch, shape, dtype, device = call.run, tuple(call.shape), call.out_dtype, a.device
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # row-major, as torch.empty's
+        empty = torch.empty_strided  # a third cheaper than torch.empty(shape, dtype=, device=) on the host
+        if with_c:
+            uses_c = beta != 0  # in the signature
 
-    return eligibility, run, signature
+            def runs(c: Tensor, a: Tensor, b: Tensor, *, beta: Any = 1, alpha: Any = 1,
+                     out: Optional[Tensor] = None) -> Tensor:
+                result = empty(shape, strides, dtype=dtype, device=device) if out is None else out
+                launch(a, b, c if uses_c else None, result, float(alpha), float(beta))
+                return result
+        else:
+            def runs(a: Tensor, b: Tensor, *, out: Optional[Tensor] = None) -> Tensor:  # type: ignore[misc]
+                result = empty(shape, strides, dtype=dtype, device=device) if out is None else out
+                launch(a, b, None, result, 1.0, 1.0)
+                return result
+        return runs
+
+    def run(*args: Any, **kwargs: Any) -> Tensor:
+        return bind(*args, **kwargs)(*args, **kwargs)
+
+    return eligibility, run, signature, bind
 
 
 def register_routes() -> None:
@@ -430,8 +449,8 @@ def register_routes() -> None:
     for op, with_c in (("mm", False), ("bmm", False), ("addmm", True), ("baddbmm", True)):
         batched = op in ("bmm", "baddbmm")
         for overload in (op, f"{op}.out"):
-            eligibility, run, signature = _route(op, with_c)
-            routing.register_route(f"aten::{overload}", eligibility, run, signature=signature,
+            eligibility, run, signature, bind = _route(op, with_c)
+            routing.register_route(f"aten::{overload}", eligibility, run, signature=signature, bind=bind,
                                    wanted=lambda batched=batched: _nvfly_wins_somewhere(batched))
 
 

@@ -426,7 +426,11 @@ def sdpa_bind(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Ten
     decode's checks, plan and signature made once here, no transposes a call; other calls run ``sdpa_run``."""
     if attn_mask is not None or _kernel(query) != "decode" or is_mla(query, key):
         return sdpa_run
-    launch = attention.bound_decode(query, key, value, causal=bool(is_causal), heads_first=True)
+    try:
+        launch = attention.bound_decode(query, key, value, causal=bool(is_causal), heads_first=True)
+    except Exception as exc:
+        _run_failed(query, key, value, is_causal, enable_gqa, attn_mask, exc)
+        raise
 
     def runs(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
              is_causal: bool = False, *, scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:

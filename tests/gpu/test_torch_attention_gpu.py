@@ -333,6 +333,7 @@ def test_nvfly_failure_falls_back_and_declines(monkeypatch):
         raise RuntimeError("injected launch failure")
 
     monkeypatch.setattr(attention, "decode", broken)
+    monkeypatch.setattr(attention, "bound_decode", broken)  # the route's bind (Sq 4 without a mask)
     want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     with nvfly.torch.routing():
         first = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)

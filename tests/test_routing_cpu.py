@@ -583,3 +583,20 @@ def test_rms_norm_skip_is_its_launch_bound_rule(monkeypatch):
         assert forward.skip(cuda, [4096], None, 1e-6)
         monkeypatch.setattr(routing, "_STREAM_CAPTURING", lambda: True)
         assert not forward.skip(cuda, [4096], None, 1e-6) and routing._launch_bound(cuda, 2) is None
+
+
+def test_the_rms_norm_routes_follow_their_setting_at_the_outermost_block(monkeypatch):
+    """NVFLY_ROUTING_RMS_NORM=0: the RMSNorm routes are not registered (F.rms_norm pays no hop); the setting is
+    read when routing starts (the outermost block), as the routes' ``wanted``."""
+    rms = "aten::_fused_rms_norm"
+    with nvfly.torch.routing():
+        assert rms in routing.installed()
+    monkeypatch.setenv("NVFLY_ROUTING_RMS_NORM", "0")
+    with nvfly.torch.routing():
+        assert rms not in routing.installed() and TOPK in routing.installed()
+        assert not ours(rms, "CUDA")
+        monkeypatch.setenv("NVFLY_ROUTING_RMS_NORM", "1")
+        with nvfly.torch.routing():  # nested: the routes stay as the outermost block found them
+            assert rms not in routing.installed()
+    with nvfly.torch.routing():
+        assert rms in routing.installed() and ours(rms, "CUDA")

@@ -487,10 +487,13 @@ def _register_default_routes() -> None:
     def topk_signature(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple:
         return tensor_key(x), k, dim, largest, sorted
 
+    def rms_norm_wanted() -> bool:
+        return bool(settings.get("routing_rms_norm"))
+
     register_route("aten::_fused_rms_norm", rms_norm_eligibility, rms_norm_run, signature=rms_norm_signature,
-                   skip=rms_norm_skip)
+                   wanted=rms_norm_wanted, skip=rms_norm_skip)
     register_route("aten::_fused_rms_norm_backward", rms_norm_backward_eligibility, rms_norm_backward_run,
-                   signature=rms_norm_backward_signature, skip=rms_norm_backward_skip)
+                   signature=rms_norm_backward_signature, wanted=rms_norm_wanted, skip=rms_norm_backward_skip)
     register_route("aten::topk", topk.eligibility, topk_run, signature=topk_signature)
 
 

@@ -504,6 +504,15 @@ def test_explain_sdpa_names_the_kernel_and_this_process_decisions():
         assert report.verdict().startswith("torch's SDPA runs it: no CUDA GPU")
     assert nvfly.torch.explain_sdpa(2, 48, 8, 4, 32768, 128).kernel == "decode"
     assert nvfly.torch.explain_sdpa(1, 8, 8, 4096, 4096, 80).plan == "no plan for these head dims"
+    assert not report.skipped and "launch-bound, handed to torch" not in text
+
+
+def test_explain_sdpa_says_when_routing_skips_the_shape():
+    """A launch-bound shape (the route's skip) says so: eager routing hands it to torch before its signature."""
+    short = nvfly.torch.explain_sdpa(1, 32, 8, 4, 2048, 128)  # 8 MiB of K and V
+    assert short.skipped and "eager routing: launch-bound, handed to torch's SDPA" in str(short)
+    assert short.to_dict()["skipped"] is True
+    assert not nvfly.torch.explain_sdpa(1, 32, 8, 4, 32768, 128).skipped
 
 
 def test_explain_sdpa_command(capsys):

@@ -33,13 +33,25 @@ which has a CUDA kernel and an autograd formula using ``aten::_fused_rms_norm_ba
 Other inputs take torch's composite path (pow/mean/rsqrt), which is not routed.
 
 A routed call's host cost: the dispatcher's trampoline into the Python kernel and back to torch's (3-5 µs on the
-H200's host, paid by calls of routed ops while the routes are registered, switched on or off), then the
-decision. A route with a ``signature`` (GEMM, SDPA, RMSNorm, TopK) decides once per
-call signature (``tensor_key`` of each tensor, the scalars the rule reads, the modes and flags it reads) and later
-calls cost a dictionary lookup: declined calls go straight to torch's kernel, accepted ones to ``run``. What a
-signature leaves out and may change (the GEMM autotune database) calls ``forget_decisions``. Measured by
-``benchmarks/routing_overhead.py`` (plain, outside routing, switched off inside a block, routed, the decision
-alone, a block's start and end).
+H200's host, 3.5-4.5 µs in a tight loop on our CI machine and ~6-10 µs a call inside a decoder layer there; paid by
+calls of routed ops while the routes are registered, switched on or off), then the decision. The trampoline is the
+cheapest hook that keeps the semantics (a ``TorchFunctionMode`` or ``__torch_dispatch__`` mode would put every torch
+call of the block through Python, not only the routed ops'); only registering fewer routes removes it (``wanted``,
+``NVFLY_ROUTING_RMS_NORM``). The decision, cheapest first:
+- ``skip`` (RMSNorm forward and backward, SDPA): the host-overhead policy. A call whose kernel would save less than
+  nvfly's host path costs (launch-bound: RMSNorm under ``RMS_NORM_EAGER_BYTES`` moved outside CUDA-graph capture,
+  SDPA decode under ``MIN_KV_BYTES`` of K and V, prefill under ``MIN_PREFILL_FLOPS``) goes to torch's kernel after a
+  few tensor reads, before any signature (0.3 µs of Python for RMSNorm on the CI machine, 1.2 µs before). While the
+  "nvfly" logger logs routing decisions such calls are decided in full, so the log (and for SDPA ``explain``'s
+  decisions) says why, once per signature.
+- a route with a ``signature`` (GEMM, SDPA, RMSNorm, TopK) decides once per call signature (``tensor_key`` of each
+  tensor, the scalars the rule reads, the modes and flags it reads) and later calls cost a dictionary lookup:
+  declined calls go straight to torch's kernel, accepted ones to what ``bind`` made for the signature (GEMM: its
+  bound launches and output allocation; SDPA decode: ``attention.bound_decode``'s launches on the (B, H, S, D)
+  tensors as they are), else ``run``. What a signature leaves out and may change (the GEMM autotune database) calls
+  ``forget_decisions``.
+Measured by ``benchmarks/routing_overhead.py`` (plain, outside routing, switched off inside a block, routed, the
+decision alone, a block's start and end; ``--profile``: whole decoder layers).
 
 Every decline is logged at debug level on the "nvfly" logger (at info level when ``NVFLY_DEBUG`` is set), once per
 signature; an exception inside nvfly is logged (a warning, once per op and error type), the call falls back and its
@@ -79,7 +91,7 @@ class Route:
     ``eligibility`` declines whatever else they hold, because nvfly's kernel would save less than its host path
     costs (launch-bound sizes outside CUDA-graph capture); they go to torch's kernel before the signature is built.
     While the "nvfly" logger logs routing decisions (info level: ``NVFLY_DEBUG``, or debug) they are decided in full
-    instead, so the log (and ``explain``'s decisions) say why, once per signature.
+    instead, so the log (and for SDPA ``explain``'s decisions) says why, once per signature.
     ``bind`` (optional) makes, once per accepted signature, the callable that runs calls of that signature (the
     aten arguments in, the op's result out): what it prepares (launches, output shape, device) may read only what the
     signature holds; without it each call runs ``run``."""

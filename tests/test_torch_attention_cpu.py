@@ -366,17 +366,19 @@ def test_sdpa_skip_only_skips_what_the_rule_declines(fake_cuda, case, kw, expect
 
 
 def test_sdpa_skip_at_the_limits(fake_cuda):
-    """Decode: K and V bytes under MIN_KV_BYTES (the rule's kv_bytes); prefill: every pair's work under
-    MIN_PREFILL_FLOPS (causal calls just under it are decided in full)."""
+    """Decode: K and V bytes under MIN_KV_BYTES (the rule's kv_bytes); prefill: the rule's work under
+    MIN_PREFILL_FLOPS (causal: the visible pairs)."""
     for skv, skipped in ((4095, True), (4096, False)):  # 8 KV heads of 128, bf16: 16 MiB at 4096 keys
         q, k = (fake_cuda(shape) for shape in _sdpa_shapes(sq=4, skv=skv))
         assert A.sdpa_skip(q, k, k, enable_gqa=True) is skipped
         assert ("launch-bound" in (A._sdpa_reason(q, k, k, False, True, False) or "")) is skipped
     q, k = fake_cuda((1, 32, 128, 128)), fake_cuda((1, 8, 128, 128))  # 2 * 256 * 32 * 128 * 128 = 0.27 GFLOP
     assert A.sdpa_skip(q, k, k, is_causal=True, enable_gqa=True)
-    q, k = fake_cuda((1, 32, 512, 128)), fake_cuda((1, 8, 512, 128))  # 4.3 GFLOP, 2.2 causal: decided in full
-    assert not A.sdpa_skip(q, k, k, is_causal=True, enable_gqa=True)
+    q, k = fake_cuda((1, 32, 512, 128)), fake_cuda((1, 8, 512, 128))  # 4.3 GFLOP, 2.2 causal
+    assert A.sdpa_skip(q, k, k, is_causal=True, enable_gqa=True)
     assert "launch-bound" in A._sdpa_reason(q, k, k, True, True, False)
+    assert not A.sdpa_skip(q, k, k, is_causal=False, enable_gqa=True)
+    assert "launch-bound" not in (A._sdpa_reason(q, k, k, False, True, False) or "")
 
 
 def test_sdpa_bind_runs_decode_launches_on_sdpas_tensors(monkeypatch):

@@ -447,14 +447,15 @@ def sdpa_skip(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Ten
               enable_gqa: bool = False) -> bool:
     """The route's ``skip``: the launch-bound calls the rule declines whatever else they hold (or a check before the
     rule declines them): decode (4-D q, Sq <= 16) over less than MIN_KV_BYTES of K and V (their bytes are
-    ``_decode_reason``'s ``kv_bytes`` whenever the checks before it pass), prefill under MIN_PREFILL_FLOPS with
-    every (query, key) pair counted (at least ``_prefill_reason``'s causal count)."""
+    ``_decode_reason``'s ``kv_bytes`` whenever the checks before it pass), prefill under MIN_PREFILL_FLOPS
+    (``_prefill_reason``'s count)."""
     if query.dim() != 4:
         return False
     batch, hq, sq, dqk = query.shape
     if sq <= MAX_SQ:
         return key.nbytes + value.nbytes < MIN_KV_BYTES
-    return 2 * (dqk + value.shape[-1]) * batch * hq * sq * key.shape[-2] < MIN_PREFILL_FLOPS
+    return attention.prefill_flops(batch, sq, key.shape[-2], hq, dqk, value.shape[-1], bool(is_causal),
+                                   "top_left") < MIN_PREFILL_FLOPS
 
 
 def forget_decisions() -> None:

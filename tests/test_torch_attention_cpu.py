@@ -379,6 +379,12 @@ def test_sdpa_skip_at_the_limits(fake_cuda):
     assert "launch-bound" in A._sdpa_reason(q, k, k, True, True, False)
     assert not A.sdpa_skip(q, k, k, is_causal=False, enable_gqa=True)
     assert "launch-bound" not in (A._sdpa_reason(q, k, k, False, True, False) or "")
+    for sq, skv in ((17, 17), (17, 4000), (300, 40), (2000, 1000), (130, 129)):  # around 4 GFLOP, both sides
+        for causal in (False, True):
+            for batch in (1, 3):
+                q, k = fake_cuda((batch, 32, sq, 128)), fake_cuda((batch, 8, skv, 128))
+                flops = attention.prefill_flops(batch, sq, skv, 32, 128, 128, causal, "top_left")
+                assert A.sdpa_skip(q, k, k, is_causal=causal, enable_gqa=True) == (flops < A.MIN_PREFILL_FLOPS)
 
 
 def test_sdpa_bind_runs_decode_launches_on_sdpas_tensors(monkeypatch):

@@ -454,8 +454,10 @@ def sdpa_skip(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Ten
     batch, hq, sq, dqk = query.shape
     if sq <= MAX_SQ:
         return key.nbytes + value.nbytes < MIN_KV_BYTES
-    return attention.prefill_flops(batch, sq, key.shape[-2], hq, dqk, value.shape[-1], bool(is_causal),
-                                   "top_left") < MIN_PREFILL_FLOPS
+    skv = key.shape[-2]
+    # attention.prefill_flops's top-left causal count in closed form (it sums over the rows: O(Sq) a call)
+    pairs = (sq * (sq + 1) // 2 if sq <= skv else skv * (skv + 1) // 2 + (sq - skv) * skv) if is_causal else sq * skv
+    return 2 * (dqk + value.shape[-1]) * batch * hq * pairs < MIN_PREFILL_FLOPS
 
 
 def forget_decisions() -> None:

@@ -170,6 +170,7 @@ def main(argv: Any = None) -> int:
     p.add_argument("--profile", action="store_true", help="the layer rows' host cost per op and kernels (docstring)")
     p.add_argument("--calls", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=5, help="--profile: eager and routed rounds (their range printed)")
     args = p.parse_args(argv)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     calls = args.calls or (2000 if args.full else 300)
@@ -181,7 +182,7 @@ def main(argv: Any = None) -> int:
             else contextlib.nullcontext():
         if args.profile:
             for name, fn in layer_cases(device):
-                profile_case(name, fn, device, sync)
+                profile_case(name, fn, device, sync, args.rounds)
             return 0
         results = measure(cases(device, args.full), calls, repeats, sync)
     if device == "cuda":

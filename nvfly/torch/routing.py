@@ -118,8 +118,8 @@ _LOCK = threading.RLock()
 _WARNED: set[tuple[str, str]] = set()
 _DEFAULTS_REGISTERED = False
 # a decision: (why torch runs the call, None) or (None, what runs it: ``run`` or what ``bind`` made)
-Decision = tuple[Optional[str], Optional[Callable[..., Any]]]
-_DECIDED: list[OpCalls[Decision]] = []  # each routed kernel's signature -> its decision
+RouteDecision = tuple[Optional[str], Optional[Callable[..., Any]]]
+_DECIDED: list[OpCalls[RouteDecision]] = []  # each routed kernel's signature -> its decision
 _PLAN: Optional[tuple] = None  # what _sync registers (``_plan``; None: to be made again)
 _HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("nvfly_routing_held")  # enable_routing's hold here
 
@@ -339,7 +339,7 @@ def _routed(route: Route, fallthrough: Any) -> Callable[..., Any]:
     (while routing decisions are not logged), else the decision of the call's signature (made once: ``eligibility``
     and ``bind``, then a dictionary lookup), what it runs if nvfly accepts, else ``fallthrough``. An nvfly failure
     falls back and declines its signature from then on."""
-    decided: OpCalls[Decision] = OpCalls()
+    decided: OpCalls[RouteDecision] = OpCalls()
     _DECIDED.append(decided)
     # bound once: a skipped call is the switch, the predicate and torch's kernel; a declined one the switch, the key,
     # one lookup and torch's kernel
@@ -373,7 +373,8 @@ def _routed(route: Route, fallthrough: Any) -> Callable[..., Any]:
     return impl
 
 
-_SKIPPED: Decision = ("the route's skip: launch-bound, nvfly's host path would cost more than its kernel saves", None)
+_SKIPPED: RouteDecision = ("the route's skip: launch-bound, nvfly's host path would cost more than its kernel saves",
+                           None)
 
 
 def _decide(route: Route, args: tuple, kwargs: dict) -> Optional[str]:
@@ -383,7 +384,7 @@ def _decide(route: Route, args: tuple, kwargs: dict) -> Optional[str]:
         return f"eligibility check raised {type(exc).__name__}: {exc}"
 
 
-def _decision(route: Route, args: tuple, kwargs: dict) -> Decision:
+def _decision(route: Route, args: tuple, kwargs: dict) -> RouteDecision:
     """A call's decision, made in full (a declined one logged): the eligibility, then what runs the accepted."""
     reason = _decide(route, args, kwargs)
     if reason is not None:

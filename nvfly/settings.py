@@ -54,6 +54,11 @@ _register("routing_rms_norm", _parse_bool, True, False,
           "register the RMSNorm routes in routing blocks (asked at the outermost block's start); off: F.rms_norm "
           "never pays the dispatcher's hop into nvfly (eager RMSNorm under 64 MiB stays torch's anyway), nor runs "
           "nvfly's kernel under CUDA-graph capture")
+_register("routing_min_gain_us", float, 0.0, False,
+          "eager GEMM routing: route a shape class only where the autotune database has nvfly faster than torch by at "
+          "least this many µs a call (what the routed host path costs over torch's; 0: any win); read when a "
+          "signature is decided and at the outermost block's start (a change reaches the signatures decided before "
+          "at routing.forget_decisions)")
 
 
 def get(name: str) -> Any:

@@ -600,3 +600,47 @@ def test_the_rms_norm_routes_follow_their_setting_at_the_outermost_block(monkeyp
             assert rms not in routing.installed()
     with nvfly.torch.routing():
         assert rms in routing.installed() and ours(rms, "CUDA")
+
+
+def test_gemm_routes_follow_the_minimum_gain(gemm_database, monkeypatch):
+    """NVFLY_ROUTING_MIN_GAIN_US: an entry whose gain is under it counts as no win (the routes stay unregistered,
+    read at the outermost block), and an eager GEMM decided after a change declines with the gain it measured."""
+    from nvfly.torch.autotune import _eager
+    gemm_database.update([_entry(1, 0.995, 1.0)])  # nvfly 5 us faster a call
+    monkeypatch.setenv("NVFLY_ROUTING_MIN_GAIN_US", "8")
+    with nvfly.torch.routing():
+        assert "aten::mm" not in routing.installed()
+    monkeypatch.setattr(importlib.import_module("nvfly.torch.autotune"), "analyze", lambda a, b, c=None: (Workload(
+        1, a.shape[0], b.shape[1], a.shape[1], a.dtype, a.dtype, "K", "K"), None))
+    a, b = torch.randn(16, 64).bfloat16(), torch.randn(64, 32).bfloat16()
+    reason = _eager("mm", a, b)[0]
+    assert "gain" in reason and "5.0 us a call" in reason and "NVFLY_ROUTING_MIN_GAIN_US=8" in reason
+    monkeypatch.setenv("NVFLY_ROUTING_MIN_GAIN_US", "4")
+    with nvfly.torch.routing():
+        assert "aten::mm" in routing.installed()
+    assert _eager("mm", a, b) == (None, "bm=64,bn=32")  # decided for this floor (routing's own decisions: at
+    # routing.forget_decisions, as after a database update)
+
+
+def test_a_routing_setting_change_reaches_decided_signatures_at_forget_decisions(gemm_database, monkeypatch):
+    """Routing's decisions are per signature: a changed NVFLY_ROUTING_MIN_GAIN_US (what a signature leaves out)
+    reaches a signature decided before at ``routing.forget_decisions``, as a database update does."""
+    from nvfly.torch.autotune import _route
+    autotune_module = importlib.import_module("nvfly.torch.autotune")
+    monkeypatch.setattr(autotune_module, "analyze", lambda a, b, c=None: (Workload(
+        1, a.shape[0], b.shape[1], a.shape[1], a.dtype, a.dtype, "K", "K"), None))
+    gemm_database.update([_entry(1, 0.995, 1.0)])  # nvfly 5 us faster a call
+    eligibility, _, signature, _ = _route("mm", with_c=False)
+    runs = []
+    route = routing.Route("aten::mm", eligibility, lambda a, b: runs.append(1) or torch.zeros(16, 32).bfloat16(),
+                          "CPU", signature)
+    impl = routing._routed(route, torch.library.get_kernel("aten::mm", "CPU"))
+    keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    a, b = torch.randn(16, 64).bfloat16(), torch.randn(64, 32).bfloat16()
+    monkeypatch.setenv("NVFLY_ROUTING_MIN_GAIN_US", "8")
+    with routing.routing():
+        assert torch.equal(impl(keyset, a, b), a @ b) and runs == []  # the gain is under 8 us: torch
+        monkeypatch.setenv("NVFLY_ROUTING_MIN_GAIN_US", "4")
+        assert torch.equal(impl(keyset, a, b), a @ b) and runs == []  # decided before the change
+        routing.forget_decisions()
+        assert not impl(keyset, a, b).any() and runs == [1]  # decided again: nvfly (the stub's zeros)

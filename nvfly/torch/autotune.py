@@ -322,7 +322,8 @@ _EAGER: OpCalls[tuple[Optional[str], str]] = OpCalls()  # operand signature -> (
 _EAGER_CALLS: OpCalls[Any] = OpCalls()  # operand signature -> gemm.bind's launches of the decided config
 
 
-_WINS: dict[bool, bool] = {}  # batched or not -> whether a database has an entry of that kind where nvfly wins
+# (batched or not, routing_min_gain_us) -> whether a database has an entry of that kind where nvfly wins by as much
+_WINS: dict[tuple[bool, float], bool] = {}
 
 
 def _forget_eager_decisions() -> None:
@@ -335,18 +336,20 @@ def _forget_eager_decisions() -> None:
 
 
 def _nvfly_wins_somewhere(batched: bool) -> bool:
-    """Whether the database of a visible card has an entry where nvfly beats torch (not batched: one of a single
-    matrix, what mm and addmm look up; batched: any, a bmm of one matrix looks up the former): without one every
-    eager GEMM of that kind declines ("no autotune entry" or "torch is faster"), so its routes are not
+    """Whether the database of a visible card has an entry where nvfly beats torch, by routing_min_gain_us at least
+    (not batched: one of a single matrix, what mm and addmm look up; batched: any, a bmm of one matrix looks up the
+    former): without one every eager GEMM of that kind declines ("no autotune entry", "torch is faster", the gain
+    too small), so its routes are not
     registered and GEMM calls cost what they cost without nvfly. Forgotten with the decisions (a database update).
     False before CUDA is initialized (reading the card names would initialize it; no CUDA GEMM can run before)."""
     if not torch.cuda.is_initialized():
         return False
-    wins = _WINS.get(batched)
+    floor = settings.get("routing_min_gain_us")
+    wins = _WINS.get((batched, floor))
     if wins is None:
-        wins = _WINS[batched] = any(entry.nvfly_faster and (batched or entry.shape[0] == 1)
-                                    for device in range(torch.cuda.device_count())
-                                    for entry in database(device).entries())
+        wins = _WINS[batched, floor] = any(_gains_enough(entry, floor) and (batched or entry.shape[0] == 1)
+                                           for device in range(torch.cuda.device_count())
+                                           for entry in database(device).entries())
     return wins
 
 
@@ -359,8 +362,9 @@ def _eager_key(a: Tensor, b: Tensor, c: Optional[Tensor], out: Optional[Tensor],
 
 def _eager(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, out: Optional[Tensor] = None,
            beta: Any = 1, alpha: Any = 1, key: Optional[tuple] = None) -> tuple[Optional[str], str]:
-    """(None, config) when the database says nvfly beats torch on these operands, else (why not, "")."""
-    key = key or _eager_key(a, b, c, out, beta, alpha)
+    """(None, config) when the database says nvfly beats torch on these operands (by routing_min_gain_us), else
+    (why not, "")."""
+    key = (key or _eager_key(a, b, c, out, beta, alpha), settings.get("routing_min_gain_us"))  # routes' misses only
     hit = _EAGER.get(key)
     if hit is None:
         config = ""
@@ -386,7 +390,17 @@ def _expected_faster(w: Workload, device: int) -> tuple[Optional[str], str]:
     if not entry.nvfly_faster:
         return (f"torch is faster for {w.key()}: {entry.torch_ms:.4f} ms vs nvfly {entry.best_ms:.4f} ms "
                 f"({entry.best})"), ""
+    floor = settings.get("routing_min_gain_us")
+    if not _gains_enough(entry, floor):
+        return (f"nvfly's gain for {w.key()}, {(entry.torch_ms - entry.best_ms) * 1e3:.1f} us a call "
+                f"({entry.best_ms:.4f} vs torch {entry.torch_ms:.4f} ms), is under "
+                f"NVFLY_ROUTING_MIN_GAIN_US={floor:g}: routing's host path would cost more than the kernel saves"), ""
     return None, entry.best
+
+
+def _gains_enough(entry: Entry, floor_us: float) -> bool:
+    """Whether nvfly beats torch on ``entry`` by at least ``floor_us`` a call (the routing_min_gain_us setting)."""
+    return entry.nvfly_faster and (entry.torch_ms - entry.best_ms) * 1e3 >= floor_us
 
 
 def _route(op: str, with_c: bool) -> tuple[Any, Any, Any, Any]:

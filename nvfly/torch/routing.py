@@ -37,7 +37,7 @@ H200's host, 3.5-4.5 µs in a tight loop on our CI machine and ~6-10 µs a call 
 calls of routed ops while the routes are registered, switched on or off), then the decision. The trampoline is the
 cheapest hook that keeps the semantics (a ``TorchFunctionMode`` or ``__torch_dispatch__`` mode would put every torch
 call of the block through Python, not only the routed ops'); only registering fewer routes removes it (``wanted``,
-``NVFLY_ROUTING_RMS_NORM``). The decision, cheapest first:
+``NVFLY_ROUTING_RMS_NORM``, ``NVFLY_ROUTING_MIN_GAIN_US`` for the GEMM routes). The decision, cheapest first:
 - ``skip`` (RMSNorm forward and backward, SDPA): the host-overhead policy. A call whose kernel would save less than
   nvfly's host path costs (launch-bound: RMSNorm under ``RMS_NORM_EAGER_BYTES`` moved outside CUDA-graph capture,
   SDPA decode under ``MIN_KV_BYTES`` of K and V, prefill under ``MIN_PREFILL_FLOPS``) goes to torch's kernel after a

@@ -14,7 +14,8 @@ the best of ``--repeats`` loops. Columns:
   the signature, its decision's lookup and the fallthrough (``declined_us`` repeats it on declined rows), for an
   accepted one nvfly's host path in place of torch's;
 - ``decision_us`` (declined rows whose route is registered): the routed kernel's own Python, called directly with a
-  no-op fallthrough, switched on minus off: what the decision cache costs without the dispatcher around it;
+  no-op fallthrough, switched on minus off: what the decision cache costs without the dispatcher around it (for a
+  launch-bound call, the route's ``skip``: a few tensor reads, no signature);
 - ``registered``: whether the op's route is registered inside the block (GEMM routes are not while the autotune
   database has no entry where nvfly wins: their calls cost nothing).
 Each row says what routing did with the call (``nvfly``: "runs" or the reason it declined). Two more rows time a
@@ -36,6 +37,7 @@ do_bench's ms (medians and the rounds' spread); then torch.profiler's view of bo
 has a route or is SDPA's (calls and CPU µs a call: what a routed op's trampoline, decision and fallthrough add)
 and each GPU kernel (name, launches and µs a call: whether the fallthrough runs torch's very kernels); and what
 routing decided for the calls. With ``--cpu`` the same on a small layer on CPU (no kernels).
+``NVFLY_ROUTING_RMS_NORM=0`` in the environment measures the rows without the RMSNorm routes registered.
 """
 from __future__ import annotations
 
@@ -168,6 +170,7 @@ def main(argv: Any = None) -> int:
     p.add_argument("--profile", action="store_true", help="the layer rows' host cost per op and kernels (docstring)")
     p.add_argument("--calls", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--rounds", type=int, default=5, help="--profile: eager and routed rounds (their range printed)")
     args = p.parse_args(argv)
     device = "cpu" if args.cpu or not torch.cuda.is_available() else "cuda"
     calls = args.calls or (2000 if args.full else 300)
@@ -179,7 +182,7 @@ def main(argv: Any = None) -> int:
             else contextlib.nullcontext():
         if args.profile:
             for name, fn in layer_cases(device):
-                profile_case(name, fn, device, sync)
+                profile_case(name, fn, device, sync, args.rounds)
             return 0
         results = measure(cases(device, args.full), calls, repeats, sync)
     if device == "cuda":

@@ -50,6 +50,15 @@ _register("arch", str, None, True, "target when no GPU is visible, e.g. sm_90a o
 _register("opt_level", int, 3, True, "LLVM and ptxas optimisation level")
 _register("ptxas_options", str, "", True, "extra ptxas flags, space separated")
 _register("debug", _parse_bool, False, False, "log compile, cache and routing decisions to the 'nvfly' logger")
+_register("routing_rms_norm", _parse_bool, True, False,
+          "register the RMSNorm routes in routing blocks (asked at the outermost block's start); off: F.rms_norm "
+          "never pays the dispatcher's hop into nvfly (eager RMSNorm under 64 MiB stays torch's anyway), nor runs "
+          "nvfly's kernel under CUDA-graph capture")
+_register("routing_min_gain_us", float, 0.0, False,
+          "eager GEMM routing: route a shape class only where the autotune database has nvfly faster than torch by at "
+          "least this many µs a call (what the routed host path costs over torch's; 0: any win); read when a "
+          "signature is decided and at the outermost block's start (a change reaches the signatures decided before "
+          "at routing.forget_decisions)")
 
 
 def get(name: str) -> Any:

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import threading
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nvfly.torch
 from nvfly.torch import routing
@@ -412,3 +415,232 @@ def test_models_flex_variants_keep_their_own_dynamo_caches():
         assert torch.equal(compiled[0](x, 2.0), x * 2.0) and torch.equal(compiled[1](x, 3.0), x * 3.0)
     assert [len(_debug_get_cache_entry_list(fn.__code__)) for fn in (first, second)] == [1, 1]
     torch._dynamo.reset()
+
+
+# ---------------------------------------------------------------------------------------------- decision cache, skip
+class _Counted:
+    """A route on CPU's topk schema, its kernel (``impl``) built by ``routing._routed`` over a fallthrough that
+    counts torch's calls: ``checks`` (eligibility), ``binds``, ``runs`` and ``torch`` list what each was called with;
+    ``skip`` (optional) is the route's."""
+
+    def __init__(self, eligible=lambda x, k: None, skip=None):
+        self.checks, self.binds, self.runs, self.torch, self.signatures = [], [], [], [], []
+
+        def eligibility(x, k, dim=-1, largest=True, sorted=True):
+            self.checks.append(k)
+            return eligible(x, k)
+
+        def signature(x, k, dim=-1, largest=True, sorted=True):
+            self.signatures.append(k)
+            return routing.tensor_key(x), k, dim, largest, sorted
+
+        def bind(x, k, dim=-1, largest=True, sorted=True):
+            self.binds.append(k)
+
+            def runs(x, k, dim=-1, largest=True, sorted=True):
+                self.runs.append(k)
+                return torch.full((k,), 7.0), torch.zeros(k, dtype=torch.int64)
+            return runs
+
+        kernel = torch.library.get_kernel(TOPK, "CPU")
+        counted = self
+
+        class Fallthrough:
+            @staticmethod
+            def call_boxed(keyset, *args, **kwargs):
+                counted.torch.append(args[1])
+                return kernel.call_boxed(keyset, *args, **kwargs)
+
+        self.route = routing.Route(TOPK, eligibility, lambda *a, **k: pytest.fail("run: the route binds"), "CPU",
+                                   signature, skip=skip, bind=bind)
+        impl = routing._routed(self.route, Fallthrough)
+        self.decided = routing._DECIDED[-1]
+        keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+        self.call = lambda x, k: impl(keyset, x, k, -1, True, True)
+
+
+def test_a_hit_returns_the_decision_and_runner_bound_for_its_signature():
+    route, x = _Counted(), torch.randn(4, 32)
+    with routing.routing():
+        for _ in range(3):
+            assert torch.equal(route.call(x, 2)[0], torch.full((2,), 7.0))  # nvfly's (the runner's) result
+        route.call(torch.randn(4, 32), 2)  # other values, one signature
+    assert route.checks == [2] and route.binds == [2] and route.runs == [2] * 4 and route.torch == []
+    (decision,) = route.decided.values()
+    assert decision[0] is None and callable(decision[1])  # (no reason, the runner bind made)
+
+
+@pytest.mark.parametrize("change", ["shape", "strides", "dtype", "alignment", "scalar"])
+def test_any_change_of_layout_or_scalar_misses(change):
+    route = _Counted()
+    base = torch.randn(8, 64)
+    x, k = {"shape": (base[:4], 2), "strides": (base.t().contiguous().t(), 2), "dtype": (base.double(), 2),
+            "alignment": (torch.randn(520)[1:513].view(8, 64), 2), "scalar": (base, 3)}[change]
+    with routing.routing():
+        route.call(base, 2)
+        route.call(x, k)
+        route.call(base, 2)
+        route.call(x, k)
+    assert len(route.checks) == len(route.binds) == 2 and len(route.decided) == 2
+
+
+def test_forgetting_decisions_decides_and_binds_again():
+    """What a signature leaves out changed (the autotune database, routing's setup): every route decides again."""
+    route, x = _Counted(), torch.randn(4, 32)
+    with routing.routing():
+        route.call(x, 2)
+        routing.forget_decisions()
+        route.call(x, 2)
+        route.call(x, 2)
+    assert route.checks == [2, 2] and route.binds == [2, 2] and route.runs == [2, 2, 2]
+
+
+def test_replacing_a_route_starts_from_no_decisions():
+    """A route registered again (another rule or runner) gets a new kernel: none of the old decisions."""
+    seen = []
+
+    def register(answer):
+        routing.register_route(TOPK, lambda x, k, *rest: seen.append(answer) or "declined", lambda *a: None, "CPU",
+                               signature=lambda x, k, *rest: (routing.tensor_key(x), k))
+    x = torch.randn(4, 32)
+    try:
+        register("first")
+        with nvfly.torch.routing():
+            torch.topk(x, 2)
+            torch.topk(x, 2)
+            register("second")
+            torch.topk(x, 2)
+            torch.topk(x, 2)
+    finally:
+        drop_route((TOPK, "CPU"))
+    assert seen == ["first", "second"]
+
+
+def test_a_skipped_call_goes_to_torch_before_its_signature(caplog):
+    """``skip``: torch's kernel at once (no signature, no decision, nothing remembered) while routing decisions
+    are not logged; logged, the call is decided in full and its reason logged, once per signature."""
+    route = _Counted(eligible=lambda x, k: "launch-bound for the test", skip=lambda x, k, *rest: x.shape[0] < 8)
+    small, large = torch.randn(4, 32), torch.randn(8, 32)
+    caplog.set_level(logging.WARNING, "nvfly")
+    with routing.routing():
+        for _ in range(3):
+            assert torch.equal(route.call(small, 2)[1], small.topk(2).indices)  # torch's
+        route.call(large, 2)  # not skipped: decided (declined) once
+        route.call(large, 2)
+    assert route.signatures == [2, 2] and route.checks == [2] and len(route.decided) == 1
+    assert route.torch == [2] * 5 and route.runs == []
+    caplog.set_level(logging.DEBUG, "nvfly")
+    with routing.routing():
+        route.call(small, 2)
+        route.call(small, 2)
+    assert route.checks == [2, 2] and len(route.decided) == 2
+    assert [r.getMessage() for r in caplog.records].count(
+        "nvfly: aten::topk stays on torch: launch-bound for the test") == 1
+
+
+def test_a_skip_that_raises_is_decided_in_full():
+    route = _Counted(eligible=lambda x, k: None, skip=lambda x, k, *rest: x.no_such_attribute)
+    with routing.routing():
+        assert torch.equal(route.call(torch.randn(4, 32), 2)[0], torch.full((2,), 7.0))
+    assert route.checks == [2] and route.runs == [2]
+
+
+def test_a_failing_bind_falls_back_and_declines_its_signature():
+    route, x = _Counted(), torch.randn(4, 32)
+
+    def broken(*args):
+        route.binds.append("broken")
+        raise RuntimeError("bind failed")
+    object.__setattr__(route.route, "bind", broken)
+    with routing.routing():
+        for _ in range(3):
+            assert torch.equal(route.call(x, 2)[1], x.topk(2).indices)
+    assert route.binds == ["broken"] and route.checks == [2] and route.torch == [2] * 3
+    (decision,) = route.decided.values()
+    assert decision == ("nvfly raised RuntimeError: bind failed", None)
+
+
+def test_rms_norm_skip_is_its_launch_bound_rule(monkeypatch):
+    """RMSNorm's skip: under RMS_NORM_EAGER_BYTES moved outside CUDA-graph capture, exactly where its eligibility
+    says launch-bound; under capture nothing is skipped."""
+    routing.install_routing()
+    forward, backward = (routing._ROUTES[(op, "CUDA")] for op in ("aten::_fused_rms_norm",
+                                                                   "aten::_fused_rms_norm_backward"))
+    limit = routing.RMS_NORM_EAGER_BYTES
+    for rows, moved in ((1, 2), (limit // (2 * 4 * 4096) - 1, 2), (limit // (2 * 4 * 4096), 2)):
+        x = torch.empty(rows, 4096)
+        small = moved * x.nbytes < limit
+        assert forward.skip(x, [4096], None, 1e-6) is small
+        assert (routing._launch_bound(x, 2) is not None) is small
+    x = torch.empty(2048, 4096)  # 32 MiB: the forward's 64 MiB, the backward's 96 MiB
+    assert not forward.skip(x, [4096], None, 1e-6) and not backward.skip(x, x, [4096], x, None, [True, True])
+    x = torch.empty(1024, 4096)
+    assert forward.skip(x, [4096], None, 1e-6) and backward.skip(x, x, [4096], x, None, [True, True])
+    with warnings.catch_warnings(), FakeTensorMode():
+        warnings.simplefilter("ignore")
+        cuda = torch.empty(8, 4096, device="cuda")
+        monkeypatch.setattr(routing, "_STREAM_CAPTURING", lambda: False)  # this build's stand-in raises
+        assert forward.skip(cuda, [4096], None, 1e-6)
+        monkeypatch.setattr(routing, "_STREAM_CAPTURING", lambda: True)
+        assert not forward.skip(cuda, [4096], None, 1e-6) and routing._launch_bound(cuda, 2) is None
+
+
+def test_the_rms_norm_routes_follow_their_setting_at_the_outermost_block(monkeypatch):
+    """NVFLY_ROUTING_RMS_NORM=0: the RMSNorm routes are not registered (F.rms_norm pays no hop); the setting is
+    read when routing starts (the outermost block), as the routes' ``wanted``."""
+    rms = "aten::_fused_rms_norm"
+    with nvfly.torch.routing():
+        assert rms in routing.installed()
+    monkeypatch.setenv("NVFLY_ROUTING_RMS_NORM", "0")
+    with nvfly.torch.routing():
+        assert rms not in routing.installed() and TOPK in routing.installed()
+        assert not ours(rms, "CUDA")
+        monkeypatch.setenv("NVFLY_ROUTING_RMS_NORM", "1")
+        with nvfly.torch.routing():  # nested: the routes stay as the outermost block found them
+            assert rms not in routing.installed()
+    with nvfly.torch.routing():
+        assert rms in routing.installed() and ours(rms, "CUDA")
+
+
+def test_gemm_routes_follow_the_minimum_gain(gemm_database, monkeypatch):
+    """NVFLY_ROUTING_MIN_GAIN_US: an entry whose gain is under it counts as no win (the routes stay unregistered,
+    read at the outermost block), and an eager GEMM decided after a change declines with the gain it measured."""
+    from nvfly.torch.autotune import _eager
+    gemm_database.update([_entry(1, 0.995, 1.0)])  # nvfly 5 us faster a call
+    monkeypatch.setenv("NVFLY_ROUTING_MIN_GAIN_US", "8")
+    with nvfly.torch.routing():
+        assert "aten::mm" not in routing.installed()
+    monkeypatch.setattr(importlib.import_module("nvfly.torch.autotune"), "analyze", lambda a, b, c=None: (Workload(
+        1, a.shape[0], b.shape[1], a.shape[1], a.dtype, a.dtype, "K", "K"), None))
+    a, b = torch.randn(16, 64).bfloat16(), torch.randn(64, 32).bfloat16()
+    reason = _eager("mm", a, b)[0]
+    assert "gain" in reason and "5.0 us a call" in reason and "NVFLY_ROUTING_MIN_GAIN_US=8" in reason
+    monkeypatch.setenv("NVFLY_ROUTING_MIN_GAIN_US", "4")
+    with nvfly.torch.routing():
+        assert "aten::mm" in routing.installed()
+    assert _eager("mm", a, b) == (None, "bm=64,bn=32")  # decided for this floor (routing's own decisions: at
+    # routing.forget_decisions, as after a database update)
+
+
+def test_a_routing_setting_change_reaches_decided_signatures_at_forget_decisions(gemm_database, monkeypatch):
+    """Routing's decisions are per signature: a changed NVFLY_ROUTING_MIN_GAIN_US (what a signature leaves out)
+    reaches a signature decided before at ``routing.forget_decisions``, as a database update does."""
+    from nvfly.torch.autotune import _route
+    autotune_module = importlib.import_module("nvfly.torch.autotune")
+    monkeypatch.setattr(autotune_module, "analyze", lambda a, b, c=None: (Workload(
+        1, a.shape[0], b.shape[1], a.shape[1], a.dtype, a.dtype, "K", "K"), None))
+    gemm_database.update([_entry(1, 0.995, 1.0)])  # nvfly 5 us faster a call
+    eligibility, _, signature, _ = _route("mm", with_c=False)
+    runs = []
+    route = routing.Route("aten::mm", eligibility, lambda a, b: runs.append(1) or torch.zeros(16, 32).bfloat16(),
+                          "CPU", signature)
+    impl = routing._routed(route, torch.library.get_kernel("aten::mm", "CPU"))
+    keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    a, b = torch.randn(16, 64).bfloat16(), torch.randn(64, 32).bfloat16()
+    monkeypatch.setenv("NVFLY_ROUTING_MIN_GAIN_US", "8")
+    with routing.routing():
+        assert torch.equal(impl(keyset, a, b), a @ b) and runs == []  # the gain is under 8 us: torch
+        monkeypatch.setenv("NVFLY_ROUTING_MIN_GAIN_US", "4")
+        assert torch.equal(impl(keyset, a, b), a @ b) and runs == []  # decided before the change
+        routing.forget_decisions()
+        assert not impl(keyset, a, b).any() and runs == [1]  # decided again: nvfly (the stub's zeros)

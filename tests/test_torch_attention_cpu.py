@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import nvfly.torch
+from nvfly.ops import attention
 from nvfly.torch import attention_ops as A
 from nvfly.torch import routing
 from nvfly.torch.gemm_ops import clear_decisions, decisions
@@ -344,7 +345,77 @@ def test_sdpa_signature_keeps_what_the_rule_reads():
               A.sdpa_signature(torch.randn(65)[1:].view(1, 4, 1, 16), k, k, enable_gqa=True)]  # 4 bytes in
     with sdpa_kernel([SDPBackend.MATH]):
         others.append(A.sdpa_signature(q, k, k, enable_gqa=True))
+    with attention.api.plan_options(stages=4):  # what sdpa_bind's decode launches were planned with
+        others.append(A.sdpa_signature(q, k, k, enable_gqa=True))
     assert len({base, *others}) == len(others) + 1
+
+
+@pytest.mark.parametrize("case,kw,expected", TABLE, ids=[c[0] for c in TABLE])
+def test_sdpa_skip_only_skips_what_the_rule_declines(fake_cuda, case, kw, expected):
+    """The route's skip (before the signature) is True only where the rule declines, and on its launch-bound
+    rows."""
+    qs, ks = _sdpa_shapes(**{n: kw[n] for n in ("batch", "hq", "hkv", "sq", "skv", "d") if n in kw})
+    if kw.get("rank3"):
+        qs, ks = qs[1:], ks[1:]
+    q, k = fake_cuda(qs, kw.get("dtype", bf)), fake_cuda(ks, kw.get("dtype", bf))
+    v = fake_cuda(ks[:-1] + (kw["dv"],)) if "dv" in kw else k
+    skipped = A.sdpa_skip(q, k, v, is_causal=kw.get("causal", False), enable_gqa=kw.get("gqa", True))
+    reason = A._sdpa_reason(q, k, v, kw.get("causal", False), kw.get("gqa", True), kw.get("grad", False))
+    assert not skipped or reason is not None
+    assert skipped == (expected is not None and "launch-bound" in expected)
+
+
+def test_sdpa_skip_at_the_limits(fake_cuda):
+    """Decode: K and V bytes under MIN_KV_BYTES (the rule's kv_bytes); prefill: the rule's work under
+    MIN_PREFILL_FLOPS (causal: the visible pairs)."""
+    for skv, skipped in ((4095, True), (4096, False)):  # 8 KV heads of 128, bf16: 16 MiB at 4096 keys
+        q, k = (fake_cuda(shape) for shape in _sdpa_shapes(sq=4, skv=skv))
+        assert A.sdpa_skip(q, k, k, enable_gqa=True) is skipped
+        assert ("launch-bound" in (A._sdpa_reason(q, k, k, False, True, False) or "")) is skipped
+    q, k = fake_cuda((1, 32, 128, 128)), fake_cuda((1, 8, 128, 128))  # 2 * 256 * 32 * 128 * 128 = 0.27 GFLOP
+    assert A.sdpa_skip(q, k, k, is_causal=True, enable_gqa=True)
+    q, k = fake_cuda((1, 32, 512, 128)), fake_cuda((1, 8, 512, 128))  # 4.3 GFLOP, 2.2 causal
+    assert A.sdpa_skip(q, k, k, is_causal=True, enable_gqa=True)
+    assert "launch-bound" in A._sdpa_reason(q, k, k, True, True, False)
+    assert not A.sdpa_skip(q, k, k, is_causal=False, enable_gqa=True)
+    assert "launch-bound" not in (A._sdpa_reason(q, k, k, False, True, False) or "")
+    for sq, skv in ((17, 17), (17, 4000), (300, 40), (2000, 1000), (130, 129)):  # around 4 GFLOP, both sides
+        for causal in (False, True):
+            for batch in (1, 3):
+                q, k = fake_cuda((batch, 32, sq, 128)), fake_cuda((batch, 8, skv, 128))
+                flops = attention.prefill_flops(batch, sq, skv, 32, 128, 128, causal, "top_left")
+                assert A.sdpa_skip(q, k, k, is_causal=causal, enable_gqa=True) == (flops < A.MIN_PREFILL_FLOPS)
+
+
+def test_sdpa_bind_runs_decode_launches_on_sdpas_tensors(monkeypatch):
+    """An accepted decode signature without a mask binds ``attention.bound_decode`` once (heads-first: SDPA's
+    (B, H, S, D) tensors as they are) and its runner passes each call's tensors and scale to the launches; a
+    masked or prefill call runs sdpa_run; a failing bind declines the signature and records why."""
+    bound = []
+
+    def bound_decode(q, k, v, *, causal, heads_first):
+        bound.append((tuple(q.shape), causal, heads_first))
+        return lambda q, k, v, scale: ("launched", q, k, v, scale)
+
+    monkeypatch.setattr(attention, "bound_decode", bound_decode)
+    q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 32, 16)
+    runs = A.sdpa_bind(q, k, k, enable_gqa=True)
+    assert bound == [((1, 4, 2, 16), False, True)]
+    q2 = torch.randn(1, 4, 2, 16)
+    launched = runs(q2, k, k, None, 0.0, False, scale=0.25, enable_gqa=True)
+    assert launched[0] == "launched" and launched[1] is q2 and launched[2] is k and launched[4] == 0.25
+    assert A.sdpa_bind(q, k, k, torch.ones(1, 32, dtype=torch.bool), enable_gqa=True) is A.sdpa_run
+    assert A.sdpa_bind(torch.randn(1, 4, 17, 16), k, k, enable_gqa=True) is A.sdpa_run
+    assert len(bound) == 1
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected bind failure")
+
+    monkeypatch.setattr(attention, "bound_decode", broken)
+    with pytest.raises(RuntimeError, match="injected bind failure"):
+        A.sdpa_bind(q, k, k, enable_gqa=True)
+    assert A.sdpa_eligibility(q, k, k, enable_gqa=True) == "nvfly raised RuntimeError: injected bind failure"
+    assert decisions()[-1].reason == "nvfly raised RuntimeError: injected bind failure"
 
 
 def test_composite_routed_on_both_keys(cpu_route):
@@ -441,6 +512,15 @@ def test_explain_sdpa_names_the_kernel_and_this_process_decisions():
         assert report.verdict().startswith("torch's SDPA runs it: no CUDA GPU")
     assert nvfly.torch.explain_sdpa(2, 48, 8, 4, 32768, 128).kernel == "decode"
     assert nvfly.torch.explain_sdpa(1, 8, 8, 4096, 4096, 80).plan == "no plan for these head dims"
+    assert not report.skipped and "launch-bound, handed to torch" not in text
+
+
+def test_explain_sdpa_says_when_routing_skips_the_shape():
+    """A launch-bound shape (the route's skip) says so: eager routing hands it to torch before its signature."""
+    short = nvfly.torch.explain_sdpa(1, 32, 8, 4, 2048, 128)  # 8 MiB of K and V
+    assert short.skipped and "eager routing: launch-bound, handed to torch's SDPA" in str(short)
+    assert short.to_dict()["skipped"] is True
+    assert not nvfly.torch.explain_sdpa(1, 32, 8, 4, 32768, 128).skipped
 
 
 def test_explain_sdpa_command(capsys):

@@ -204,7 +204,7 @@ def test_eager_routes_decline_cpu_tensors_and_fall_through():
     register_routes()
     ops = {r.op for r in routing.routes()}
     assert {"aten::mm", "aten::mm.out", "aten::bmm", "aten::addmm", "aten::addmm.out", "aten::baddbmm"} <= ops
-    eligibility, _, _ = _route("addmm", with_c=True)
+    eligibility, _, _, _ = _route("addmm", with_c=True)
     c, a, b = torch.zeros(3).bfloat16(), torch.randn(2, 4).bfloat16(), torch.randn(4, 3).bfloat16()
     assert eligibility(c, a, b, beta=1, alpha=1) == "a is on cpu, not CUDA"
     assert "a: dtype torch.float32 is not supported" in eligibility(c.float(), a.float(), b.float(), beta=1, alpha=1)
@@ -558,7 +558,7 @@ def test_the_decision_cache_is_bounded():
 def test_an_autotune_entry_added_later_flips_the_routed_gemm(fake_gpu_database):
     """The real mm route, decided once per signature: declined without an entry (and not asked again), run on
     nvfly once the database says it wins (the update forgets the routes' decisions)."""
-    _, run, signature = _route("mm", with_c=False)
+    _, run, signature, _ = _route("mm", with_c=False)
     runs = []
     autotune_module = importlib.import_module("nvfly.torch.autotune")
     analyzed = []
@@ -587,3 +587,40 @@ def test_an_autotune_entry_added_later_flips_the_routed_gemm(fake_gpu_database):
             assert not impl(keyset, a, b).any()  # nvfly (the stub's zeros)
     assert analyzed == ["mm", "mm"] and runs == [a.shape, a.shape]
     assert len([d for d in decisions() if d.where == "eager"]) == 2  # recorded once per decision
+
+
+def test_gemm_bind_keeps_the_launches_and_the_output_it_allocates(monkeypatch):
+    """The GEMM routes' bind: launches bound once per signature (``_EAGER_CALLS``), a runner that allocates the
+    product (contiguous, the launches' shape and dtype, the operands' device) or writes out=, and passes each call's
+    alpha and beta, and C only where beta is not 0."""
+    from nvfly.ops.common.opcall import OpCalls
+    autotune_module = importlib.import_module("nvfly.torch.autotune")
+    monkeypatch.setattr(autotune_module, "_EAGER_CALLS", OpCalls())
+    monkeypatch.setattr(autotune_module, "_eager", lambda *args, **kwargs: (None, "bm=64,bn=32"))
+    binds, launches = [], []
+
+    class Launches:
+        shape, out_dtype = (16, 32), torch.bfloat16
+
+        def run(self, a, b, c, out, alpha, beta):
+            launches.append((a, b, c, out, alpha, beta))
+
+    def bind_config(a, b, c_used, *, alpha, out, config):
+        binds.append((c_used is not None, alpha, out is not None, config))
+        return Launches()
+
+    monkeypatch.setattr(autotune_module, "bind_config", bind_config)
+    _, _, _, bind_addmm = _route("addmm", with_c=True)
+    _, _, _, bind_mm = _route("mm", with_c=False)
+    c, a, b = torch.zeros(32).bfloat16(), torch.randn(16, 64).bfloat16(), torch.randn(64, 32).bfloat16()
+    runs = bind_addmm(c, a, b, beta=1, alpha=2)
+    product = runs(c, a, b, beta=0.5, alpha=3)  # other values, one signature (alpha != 1, beta != 0)
+    assert product.shape == (16, 32) and product.dtype == torch.bfloat16 and product.is_contiguous()
+    assert launches[-1][:3] == (a, b, c) and launches[-1][3] is product and launches[-1][4:] == (3.0, 0.5)
+    bind_addmm(c, a, b, beta=1, alpha=2)  # the same signature: the launches bound before
+    bind_addmm(c, a, b, beta=0, alpha=1)(c, a, b, beta=0, alpha=1)
+    assert launches[-1][2] is None and launches[-1][4:] == (1.0, 0.0)  # beta 0: C not read
+    out = torch.empty(16, 32).bfloat16()
+    assert bind_mm(a, b, out=out)(a, b, out=out) is out and launches[-1][3] is out
+    assert binds == [(True, 2.0, False, "bm=64,bn=32"), (False, 1.0, False, "bm=64,bn=32"),
+                     (False, 1.0, True, "bm=64,bn=32")]

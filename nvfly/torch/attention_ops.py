@@ -37,7 +37,7 @@ from torch import Tensor
 
 from nvfly.ops import attention
 from nvfly.ops.attention import prefill_api
-from nvfly.ops.attention.api import check_arguments
+from nvfly.ops.attention.api import check_arguments, current_plan_options, is_mla
 from nvfly.ops.attention import mods
 from nvfly.ops.attention.kv_options import OP
 from nvfly.ops.attention.plan import MAX_SQ
@@ -404,12 +404,60 @@ def sdpa_run(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tens
             out = attention.prefill(q, k, v, causal=bool(is_causal), scale=scale, causal_alignment="top_left",
                                     **masking)
     except Exception as exc:
-        reason = f"nvfly raised {type(exc).__name__}: {exc}"
-        signature = _signature(query, key, value, is_causal, enable_gqa, _needs_grad(query, key, value), attn_mask)
-        _SDPA_DECIDED.remember(signature, (reason,))
-        _record(query, key, value, is_causal, enable_gqa, reason, attn_mask)
+        _run_failed(query, key, value, is_causal, enable_gqa, attn_mask, exc)
         raise
     return out.transpose(1, 2)  # (B, Hq, Sq, Dv) over (B, Sq, Hq, Dv) memory, as torch's flash and cuDNN return
+
+
+def _run_failed(query: Tensor, key: Tensor, value: Tensor, is_causal: bool, enable_gqa: bool,
+                attn_mask: Optional[Tensor], exc: Exception) -> None:
+    """Decline the signature of a call nvfly failed on (the caller then runs torch's SDPA), and record why."""
+    reason = f"nvfly raised {type(exc).__name__}: {exc}"
+    signature = _signature(query, key, value, is_causal, enable_gqa, _needs_grad(query, key, value), attn_mask)
+    _SDPA_DECIDED.remember(signature, (reason,))
+    _record(query, key, value, is_causal, enable_gqa, reason, attn_mask)
+
+
+def sdpa_bind(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+              dropout_p: float = 0.0, is_causal: bool = False, *, scale: Optional[float] = None,
+              enable_gqa: bool = False) -> Callable[..., Tensor]:
+    """The route's ``bind``: what runs the calls of an accepted signature. Decode without a mask (a model's decode
+    and speculative steps) runs ``attention.bound_decode``'s launches on SDPA's (B, H, S, D) tensors as they are:
+    decode's checks, plan and signature made once here, no transposes a call; other calls run ``sdpa_run``."""
+    if attn_mask is not None or _kernel(query) != "decode" or is_mla(query, key):
+        return sdpa_run
+    try:
+        launch = attention.bound_decode(query, key, value, causal=bool(is_causal), heads_first=True)
+    except Exception as exc:
+        _run_failed(query, key, value, is_causal, enable_gqa, attn_mask, exc)
+        raise
+
+    def runs(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None, dropout_p: float = 0.0,
+             is_causal: bool = False, *, scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+        try:
+            return launch(query, key, value, scale)
+        except Exception as exc:
+            _run_failed(query, key, value, is_causal, enable_gqa, attn_mask, exc)
+            raise
+    return runs
+
+
+def sdpa_skip(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+              dropout_p: float = 0.0, is_causal: bool = False, *, scale: Optional[float] = None,
+              enable_gqa: bool = False) -> bool:
+    """The route's ``skip``: the launch-bound calls the rule declines whatever else they hold (or a check before the
+    rule declines them): decode (4-D q, Sq <= 16) over less than MIN_KV_BYTES of K and V (their bytes are
+    ``_decode_reason``'s ``kv_bytes`` whenever the checks before it pass), prefill under MIN_PREFILL_FLOPS
+    (``_prefill_reason``'s count)."""
+    if query.dim() != 4:
+        return False
+    batch, hq, sq, dqk = query.shape
+    if sq <= MAX_SQ:
+        return key.nbytes + value.nbytes < MIN_KV_BYTES
+    skv = key.shape[-2]
+    # attention.prefill_flops's top-left causal count in closed form (it sums over the rows: O(Sq) a call)
+    pairs = (sq * (sq + 1) // 2 if sq <= skv else skv * (skv + 1) // 2 + (sq - skv) * skv) if is_causal else sq * skv
+    return 2 * (dqk + value.shape[-1]) * batch * hq * pairs < MIN_PREFILL_FLOPS
 
 
 def forget_decisions() -> None:
@@ -426,15 +474,16 @@ def sdpa_signature(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optiona
                    dropout_p: float = 0.0, is_causal: bool = False, *, scale: Optional[float] = None,
                    enable_gqa: bool = False) -> tuple:
     """The route's signature: what ``sdpa_eligibility`` reads (``_signature``'s parts, the front checks' arguments
-    and types), in reads that cost least."""
-    tensor_key = routing.tensor_key
+    and types) and the decode plan options ``sdpa_bind``'s launches were planned with, in reads that cost least."""
+    tensor_key, decode_options = routing.tensor_key, current_plan_options
     flash, efficient, cudnn, math_ = _SDP_ENABLED
     grad = torch.is_grad_enabled()
     masked = None if attn_mask is None else (tensor_key(attn_mask), type(attn_mask), grad and attn_mask.requires_grad)
     return (tensor_key(query), tensor_key(key), tensor_key(value), type(query), type(key), type(value), masked,
             grad and (query.requires_grad or key.requires_grad or value.requires_grad), dropout_p, scale,
-            is_causal, enable_gqa, flash(), efficient(), cudnn(), math_())
+            is_causal, enable_gqa, flash(), efficient(), cudnn(), math_(), decode_options())
 
 
 for _key in ("AutogradCUDA", "CUDA"):
-    routing.register_route(SDPA, sdpa_eligibility, sdpa_run, _key, signature=sdpa_signature)
+    routing.register_route(SDPA, sdpa_eligibility, sdpa_run, _key, signature=sdpa_signature, skip=sdpa_skip,
+                           bind=sdpa_bind)

@@ -20,6 +20,7 @@ import fcntl
 import functools
 import json
 import logging
+import math
 import os
 import re
 import statistics
@@ -321,7 +322,8 @@ _EAGER: OpCalls[tuple[Optional[str], str]] = OpCalls()  # operand signature -> (
 _EAGER_CALLS: OpCalls[Any] = OpCalls()  # operand signature -> gemm.bind's launches of the decided config
 
 
-_WINS: dict[bool, bool] = {}  # batched or not -> whether a database has an entry of that kind where nvfly wins
+# (batched or not, routing_min_gain_us) -> whether a database has an entry of that kind where nvfly wins by as much
+_WINS: dict[tuple[bool, float], bool] = {}
 
 
 def _forget_eager_decisions() -> None:
@@ -334,18 +336,20 @@ def _forget_eager_decisions() -> None:
 
 
 def _nvfly_wins_somewhere(batched: bool) -> bool:
-    """Whether the database of a visible card has an entry where nvfly beats torch (not batched: one of a single
-    matrix, what mm and addmm look up; batched: any, a bmm of one matrix looks up the former): without one every
-    eager GEMM of that kind declines ("no autotune entry" or "torch is faster"), so its routes are not
+    """Whether the database of a visible card has an entry where nvfly beats torch, by routing_min_gain_us at least
+    (not batched: one of a single matrix, what mm and addmm look up; batched: any, a bmm of one matrix looks up the
+    former): without one every eager GEMM of that kind declines ("no autotune entry", "torch is faster", the gain
+    too small), so its routes are not
     registered and GEMM calls cost what they cost without nvfly. Forgotten with the decisions (a database update).
     False before CUDA is initialized (reading the card names would initialize it; no CUDA GEMM can run before)."""
     if not torch.cuda.is_initialized():
         return False
-    wins = _WINS.get(batched)
+    floor = settings.get("routing_min_gain_us")
+    wins = _WINS.get((batched, floor))
     if wins is None:
-        wins = _WINS[batched] = any(entry.nvfly_faster and (batched or entry.shape[0] == 1)
-                                    for device in range(torch.cuda.device_count())
-                                    for entry in database(device).entries())
+        wins = _WINS[batched, floor] = any(_gains_enough(entry, floor) and (batched or entry.shape[0] == 1)
+                                           for device in range(torch.cuda.device_count())
+                                           for entry in database(device).entries())
     return wins
 
 
@@ -358,8 +362,9 @@ def _eager_key(a: Tensor, b: Tensor, c: Optional[Tensor], out: Optional[Tensor],
 
 def _eager(op: str, a: Tensor, b: Tensor, c: Optional[Tensor] = None, out: Optional[Tensor] = None,
            beta: Any = 1, alpha: Any = 1, key: Optional[tuple] = None) -> tuple[Optional[str], str]:
-    """(None, config) when the database says nvfly beats torch on these operands, else (why not, "")."""
-    key = key or _eager_key(a, b, c, out, beta, alpha)
+    """(None, config) when the database says nvfly beats torch on these operands (by routing_min_gain_us), else
+    (why not, "")."""
+    key = (key or _eager_key(a, b, c, out, beta, alpha), settings.get("routing_min_gain_us"))  # routes' misses only
     hit = _EAGER.get(key)
     if hit is None:
         config = ""
@@ -385,11 +390,22 @@ def _expected_faster(w: Workload, device: int) -> tuple[Optional[str], str]:
     if not entry.nvfly_faster:
         return (f"torch is faster for {w.key()}: {entry.torch_ms:.4f} ms vs nvfly {entry.best_ms:.4f} ms "
                 f"({entry.best})"), ""
+    floor = settings.get("routing_min_gain_us")
+    if not _gains_enough(entry, floor):
+        return (f"nvfly's gain for {w.key()}, {(entry.torch_ms - entry.best_ms) * 1e3:.1f} us a call "
+                f"({entry.best_ms:.4f} vs torch {entry.torch_ms:.4f} ms), is under "
+                f"NVFLY_ROUTING_MIN_GAIN_US={floor:g}: routing's host path would cost more than the kernel saves"), ""
     return None, entry.best
 
 
-def _route(op: str, with_c: bool) -> tuple[Any, Any, Any]:
-    """(eligibility, run, signature) of an aten GEMM overload; with_c: its first argument is the added matrix."""
+def _gains_enough(entry: Entry, floor_us: float) -> bool:
+    """Whether nvfly beats torch on ``entry`` by at least ``floor_us`` a call (the routing_min_gain_us setting)."""
+    return entry.nvfly_faster and (entry.torch_ms - entry.best_ms) * 1e3 >= floor_us
+
+
+def _route(op: str, with_c: bool) -> tuple[Any, Any, Any, Any]:
+    """(eligibility, run, signature, bind) of an aten GEMM overload; with_c: its first argument is the added
+    matrix."""
     def split(args: tuple, kwargs: dict) -> tuple:
         c, a, b = args[:3] if with_c else (None, *args[:2])
         return c, a, b, kwargs.get("out"), kwargs.get("beta", 1), kwargs.get("alpha", 1)
@@ -407,21 +423,38 @@ def _route(op: str, with_c: bool) -> tuple[Any, Any, Any]:
         def signature(a: Tensor, b: Tensor, *, out: Optional[Tensor] = None) -> tuple:  # type: ignore[misc]
             return _eager_key(a, b, None, out, 1, 1)
 
-    def run(*args: Any, **kwargs: Any) -> Tensor:
-        # the launches bound once per signature: a call then reads only addresses
+    def bind(*args: Any, **kwargs: Any) -> Any:
+        """The runner of an accepted signature: its launches bound once (``_EAGER_CALLS``), the output's shape,
+        strides, dtype and device read once (the signature holds them); a call reads addresses and alpha, beta."""
         c, a, b, out, beta, alpha = split(args, kwargs)
-        c_used = c if beta != 0 else None
         key = _eager_key(a, b, c, out, beta, alpha)
         call = _EAGER_CALLS.get(key)
         if call is None:
             config = _eager(op, a, b, c, out, beta, alpha, key)[1]
-            call = bind_config(a, b, c_used, alpha=float(alpha), out=out, config=config)
+            call = bind_config(a, b, c if beta != 0 else None, alpha=float(alpha), out=out, config=config)
             _EAGER_CALLS.remember(key, call)
-        result = torch.empty(call.shape, dtype=call.out_dtype, device=a.device) if out is None else out
-        call.run(a, b, c_used, result, float(alpha), float(beta))
-        return result
+        launch, shape, dtype, device = call.run, tuple(call.shape), call.out_dtype, a.device
+        strides = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # row-major, as torch.empty's
+        empty = torch.empty_strided  # a third cheaper than torch.empty(shape, dtype=, device=) on the host
+        if with_c:
+            uses_c = beta != 0  # in the signature
 
-    return eligibility, run, signature
+            def runs(c: Tensor, a: Tensor, b: Tensor, *, beta: Any = 1, alpha: Any = 1,
+                     out: Optional[Tensor] = None) -> Tensor:
+                result = empty(shape, strides, dtype=dtype, device=device) if out is None else out
+                launch(a, b, c if uses_c else None, result, float(alpha), float(beta))
+                return result
+        else:
+            def runs(a: Tensor, b: Tensor, *, out: Optional[Tensor] = None) -> Tensor:  # type: ignore[misc]
+                result = empty(shape, strides, dtype=dtype, device=device) if out is None else out
+                launch(a, b, None, result, 1.0, 1.0)
+                return result
+        return runs
+
+    def run(*args: Any, **kwargs: Any) -> Tensor:
+        return bind(*args, **kwargs)(*args, **kwargs)
+
+    return eligibility, run, signature, bind
 
 
 def register_routes() -> None:
@@ -430,8 +463,8 @@ def register_routes() -> None:
     for op, with_c in (("mm", False), ("bmm", False), ("addmm", True), ("baddbmm", True)):
         batched = op in ("bmm", "baddbmm")
         for overload in (op, f"{op}.out"):
-            eligibility, run, signature = _route(op, with_c)
-            routing.register_route(f"aten::{overload}", eligibility, run, signature=signature,
+            eligibility, run, signature, bind = _route(op, with_c)
+            routing.register_route(f"aten::{overload}", eligibility, run, signature=signature, bind=bind,
                                    wanted=lambda batched=batched: _nvfly_wins_somewhere(batched))
 
 

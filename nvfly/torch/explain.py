@@ -162,6 +162,9 @@ class SdpaExplanation:
     plan: str
     measured_ms: dict[str, float]
     decisions: list[Decision]
+    # eager routing hands such calls to torch before their signature (the route's skip: launch-bound, where nvfly's
+    # host path would cost more than its kernel saves); their decisions are recorded only while routing logs them
+    skipped: bool = False
 
     def verdict(self) -> str:
         if self.declined:
@@ -179,7 +182,8 @@ class SdpaExplanation:
                 "dtype": str(self.dtype), "is_causal": self.is_causal, "requires_grad": self.requires_grad,
                 "kernel": self.kernel, "declined": self.declined, "torch_backend": self.torch_backend,
                 "plan": self.plan, "measured_ms": self.measured_ms,
-                "decisions": [dataclasses.asdict(d) for d in self.decisions], "verdict": self.verdict()}
+                "decisions": [dataclasses.asdict(d) for d in self.decisions], "skipped": self.skipped,
+                "verdict": self.verdict()}
 
     def __str__(self) -> str:
         b, hq, hkv, sq, skv, dqk, dv = self.shape
@@ -188,6 +192,10 @@ class SdpaExplanation:
                  f"nvfly kernel for this shape: {self.kernel} ({self.plan})",
                  f"torch's SDPA backend: {self.torch_backend or 'not asked (no CUDA GPU in this process)'}",
                  f"eligibility: {self.declined or 'eligible'}"]
+        if self.skipped:
+            lines.append("eager routing: launch-bound, handed to torch's SDPA before its signature is read (nvfly's "
+                         "host path would cost more than its kernel saves; NVFLY_DEBUG=1 decides and logs each "
+                         "signature)")
         for name, ms in sorted(self.measured_ms.items(), key=lambda item: item[1]):
             lines.append(f"    {ms:9.4f} ms  {name}")
         for d in self.decisions:
@@ -225,7 +233,11 @@ def explain_sdpa(batch: int, hq: int, hkv: int, sq: int, skv: int, dqk: int, dv:
         if benchmark:
             measured = _time_sdpa(q, k, v, is_causal, gqa, routed=declined is None)
     found = [d for d in decisions() if d.op == "sdpa" and d.shape == shape]
-    return SdpaExplanation(shape, dtype, is_causal, requires_grad, kernel, declined, backend, plan, measured, found)
+    meta = [torch.empty(batch, h, s, d, device="meta", dtype=dtype) for h, s, d in ((hq, sq, dqk), (hkv, skv, dqk),
+                                                                                    (hkv, skv, dv))]
+    skipped = attention_ops.sdpa_skip(*meta, is_causal=is_causal, enable_gqa=hq != hkv)
+    return SdpaExplanation(shape, dtype, is_causal, requires_grad, kernel, declined, backend, plan, measured, found,
+                           skipped)
 
 
 def _time_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, gqa: bool,

@@ -33,13 +33,25 @@ which has a CUDA kernel and an autograd formula using ``aten::_fused_rms_norm_ba
 Other inputs take torch's composite path (pow/mean/rsqrt), which is not routed.
 
 A routed call's host cost: the dispatcher's trampoline into the Python kernel and back to torch's (3-5 µs on the
-H200's host, paid by calls of routed ops while the routes are registered, switched on or off), then the
-decision. A route with a ``signature`` (GEMM, SDPA, RMSNorm, TopK) decides once per
-call signature (``tensor_key`` of each tensor, the scalars the rule reads, the modes and flags it reads) and later
-calls cost a dictionary lookup: declined calls go straight to torch's kernel, accepted ones to ``run``. What a
-signature leaves out and may change (the GEMM autotune database) calls ``forget_decisions``. Measured by
-``benchmarks/routing_overhead.py`` (plain, outside routing, switched off inside a block, routed, the decision
-alone, a block's start and end).
+H200's host, 3.5-4.5 µs in a tight loop on our CI machine and ~6-10 µs a call inside a decoder layer there; paid by
+calls of routed ops while the routes are registered, switched on or off), then the decision. The trampoline is the
+cheapest hook that keeps the semantics (a ``TorchFunctionMode`` or ``__torch_dispatch__`` mode would put every torch
+call of the block through Python, not only the routed ops'); only registering fewer routes removes it (``wanted``,
+``NVFLY_ROUTING_RMS_NORM``, ``NVFLY_ROUTING_MIN_GAIN_US`` for the GEMM routes). The decision, cheapest first:
+- ``skip`` (RMSNorm forward and backward, SDPA): the host-overhead policy. A call whose kernel would save less than
+  nvfly's host path costs (launch-bound: RMSNorm under ``RMS_NORM_EAGER_BYTES`` moved outside CUDA-graph capture,
+  SDPA decode under ``MIN_KV_BYTES`` of K and V, prefill under ``MIN_PREFILL_FLOPS``) goes to torch's kernel after a
+  few tensor reads, before any signature (0.3 µs of Python for RMSNorm on the CI machine, 1.2 µs before). While the
+  "nvfly" logger logs routing decisions such calls are decided in full, so the log (and for SDPA ``explain``'s
+  decisions) says why, once per signature.
+- a route with a ``signature`` (GEMM, SDPA, RMSNorm, TopK) decides once per call signature (``tensor_key`` of each
+  tensor, the scalars the rule reads, the modes and flags it reads) and later calls cost a dictionary lookup:
+  declined calls go straight to torch's kernel, accepted ones to what ``bind`` made for the signature (GEMM: its
+  bound launches and output allocation; SDPA decode: ``attention.bound_decode``'s launches on the (B, H, S, D)
+  tensors as they are), else ``run``. What a signature leaves out and may change (the GEMM autotune database) calls
+  ``forget_decisions``.
+Measured by ``benchmarks/routing_overhead.py`` (plain, outside routing, switched off inside a block, routed, the
+decision alone, a block's start and end; ``--profile``: whole decoder layers).
 
 Every decline is logged at debug level on the "nvfly" logger (at info level when ``NVFLY_DEBUG`` is set), once per
 signature; an exception inside nvfly is logged (a warning, once per op and error type), the call falls back and its
@@ -74,13 +86,23 @@ class Route:
     (None: this call is not remembered): the routed kernel then decides once per signature and later calls cost a
     dictionary lookup. What the key leaves out must not change the decision, or must call ``forget_decisions``.
     ``wanted`` (optional) says False when every call would be declined now: the route is then not registered (its
-    calls cost nothing); asked when routing starts (the outermost block) and at ``forget_decisions``."""
+    calls cost nothing); asked when routing starts (the outermost block) and at ``forget_decisions``.
+    ``skip`` (optional), the host-overhead policy: a cheap predicate (a few tensor reads) True only for calls that
+    ``eligibility`` declines whatever else they hold, because nvfly's kernel would save less than its host path
+    costs (launch-bound sizes outside CUDA-graph capture); they go to torch's kernel before the signature is built.
+    While the "nvfly" logger logs routing decisions (info level: ``NVFLY_DEBUG``, or debug) they are decided in full
+    instead, so the log (and for SDPA ``explain``'s decisions) says why, once per signature.
+    ``bind`` (optional) makes, once per accepted signature, the callable that runs calls of that signature (the
+    aten arguments in, the op's result out): what it prepares (launches, output shape, device) may read only what the
+    signature holds; without it each call runs ``run``."""
     op: str
     eligibility: Eligibility
     run: Callable[..., Any]
     dispatch_key: str = "CUDA"
     signature: Optional[Callable[..., Optional[Hashable]]] = None
     wanted: Optional[Callable[[], bool]] = None
+    skip: Optional[Callable[..., bool]] = None
+    bind: Optional[Callable[..., Callable[..., Any]]] = None
 
 
 RouteKey = tuple[str, str]  # (op, dispatch key)
@@ -95,7 +117,9 @@ _HOLDS = 0  # enabled routing() blocks in progress and enable_routing() holders,
 _LOCK = threading.RLock()
 _WARNED: set[tuple[str, str]] = set()
 _DEFAULTS_REGISTERED = False
-_DECIDED: list[OpCalls[tuple[Optional[str]]]] = []  # each routed kernel's signature -> (reason or None,)
+# a decision: (why torch runs the call, None) or (None, what runs it: ``run`` or what ``bind`` made)
+RouteDecision = tuple[Optional[str], Optional[Callable[..., Any]]]
+_DECIDED: list[OpCalls[RouteDecision]] = []  # each routed kernel's signature -> its decision
 _PLAN: Optional[tuple] = None  # what _sync registers (``_plan``; None: to be made again)
 _HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("nvfly_routing_held")  # enable_routing's hold here
 
@@ -146,14 +170,15 @@ def routing(enabled: bool = True) -> Iterator[None]:
 # ---------------------------------------------------------------------------------------------- registry
 def register_route(op: str, eligibility: Eligibility, run: Callable[..., Any],
                    dispatch_key: str = "CUDA", signature: Optional[Callable[..., Optional[Hashable]]] = None,
-                   wanted: Optional[Callable[[], bool]] = None) -> None:
+                   wanted: Optional[Callable[[], bool]] = None, skip: Optional[Callable[..., bool]] = None,
+                   bind: Optional[Callable[..., Callable[..., Any]]] = None) -> None:
     """Add (or replace) a route, registered from the next time routing starts (or now, inside a block).
-    ``eligibility``, ``run`` and ``signature`` (``Route``) receive the aten arguments in schema order (keyword-only
-    ones as keywords); ``run`` returns what the op returns."""
+    ``eligibility``, ``run``, ``signature``, ``skip`` and ``bind`` (``Route``) receive the aten arguments in schema
+    order (keyword-only ones as keywords); ``run`` returns what the op returns."""
     name = op if "::" in op else f"aten::{op}"
     with _LOCK:
         key = (name, dispatch_key)
-        _ROUTES[key] = Route(name, eligibility, run, dispatch_key, signature, wanted)
+        _ROUTES[key] = Route(name, eligibility, run, dispatch_key, signature, wanted, skip, bind)
         _KERNELS.pop(key, None)
         _forget_plan(force=True)
 
@@ -310,39 +335,46 @@ def on_keys(keys: dict[str, str]) -> Iterator[None]:
 
 
 def _routed(route: Route, fallthrough: Any) -> Callable[..., Any]:
-    """The kernel registered for ``route``: when routing is on, the decision of the call's signature (made once:
-    ``eligibility``, then a dictionary lookup), nvfly's ``run`` if it accepts, else ``fallthrough``. An nvfly
-    failure falls back and declines its signature from then on."""
-    decided: OpCalls[tuple[Optional[str]]] = OpCalls()
+    """The kernel registered for ``route``: when routing is on, torch's kernel at once for a call ``skip`` names
+    (while routing decisions are not logged), else the decision of the call's signature (made once: ``eligibility``
+    and ``bind``, then a dictionary lookup), what it runs if nvfly accepts, else ``fallthrough``. An nvfly failure
+    falls back and declines its signature from then on."""
+    decided: OpCalls[RouteDecision] = OpCalls()
     _DECIDED.append(decided)
-    # bound once: a declined call is the switch, the key, one lookup and torch's kernel
-    switch, lookup, signature, run = _SWITCH.get, decided.get, route.signature, route.run
-    call_torch = fallthrough.call_boxed
+    # bound once: a skipped call is the switch, the predicate and torch's kernel; a declined one the switch, the key,
+    # one lookup and torch's kernel
+    switch, lookup, signature, skip = _SWITCH.get, decided.get, route.signature, route.skip
+    logged, call_torch = log.isEnabledFor, fallthrough.call_boxed
 
     def impl(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if switch(False):
             key = hit = None
-            if signature is not None:
-                try:
+            try:
+                if skip is not None and skip(*args, **kwargs) and not logged(logging.INFO):
+                    hit = _SKIPPED
+                elif signature is not None:
                     key = signature(*args, **kwargs)
                     hit = lookup(key)
-                except Exception:  # noqa: BLE001 - not tensors, unhashable: decided without remembering
-                    key = None
+            except Exception:  # noqa: BLE001 - not tensors, unhashable: decided without remembering
+                key = None
             if hit is None:
-                hit = (_decide(route, args, kwargs),)
+                hit = _decision(route, args, kwargs)
                 decided.remember(key, hit)
-                if hit[0] is not None:
-                    _declined(route, hit[0])
-            if hit[0] is None:
+            reason, runs = hit
+            if reason is None:
                 try:
-                    return run(*args, **kwargs)
+                    return runs(*args, **kwargs)
                 except Exception as exc:  # an nvfly failure must never break the caller: use torch
                     _failed(route, exc)
-                    decided.remember(key, (f"nvfly raised {type(exc).__name__}: {exc}",))
+                    decided.remember(key, (f"nvfly raised {type(exc).__name__}: {exc}", None))
         return call_torch(keyset, *args, **kwargs)
 
     impl.__name__ = f"nvfly_route_{route.op.replace('::', '_').replace('.', '_')}"
     return impl
+
+
+_SKIPPED: RouteDecision = ("the route's skip: launch-bound, nvfly's host path would cost more than its kernel saves",
+                           None)
 
 
 def _decide(route: Route, args: tuple, kwargs: dict) -> Optional[str]:
@@ -350,6 +382,21 @@ def _decide(route: Route, args: tuple, kwargs: dict) -> Optional[str]:
         return route.eligibility(*args, **kwargs)
     except Exception as exc:  # a broken eligibility check declines
         return f"eligibility check raised {type(exc).__name__}: {exc}"
+
+
+def _decision(route: Route, args: tuple, kwargs: dict) -> RouteDecision:
+    """A call's decision, made in full (a declined one logged): the eligibility, then what runs the accepted."""
+    reason = _decide(route, args, kwargs)
+    if reason is not None:
+        _declined(route, reason)
+        return reason, None
+    if route.bind is None:
+        return None, route.run
+    try:
+        return None, route.bind(*args, **kwargs)
+    except Exception as exc:  # binding is nvfly's work too: a failure falls back
+        _failed(route, exc)
+        return f"nvfly raised {type(exc).__name__}: {exc}", None
 
 
 def _declined(route: Route, reason: str) -> None:
@@ -381,16 +428,17 @@ _STREAM_CAPTURING = torch._C._cuda_isCurrentStreamCapturing if hasattr(torch._C,
     else torch.cuda.is_current_stream_capturing
 
 
-def _capturing(x: torch.Tensor) -> bool:
-    return x.is_cuda and _STREAM_CAPTURING()
+def _small(x: torch.Tensor, tensors: int) -> bool:
+    """Whether an RMSNorm call moving ``tensors`` tensors of x's size stays on torch: launch-bound, outside capture
+    (the RMSNorm routes' ``skip``, the rule their eligibility applies)."""
+    return tensors * x.nbytes < RMS_NORM_EAGER_BYTES and not (x.is_cuda and _STREAM_CAPTURING())
 
 
 def _launch_bound(x: torch.Tensor, tensors: int) -> Optional[str]:
-    moved = tensors * x.numel() * x.element_size()
-    if moved >= RMS_NORM_EAGER_BYTES or _capturing(x):
+    if not _small(x, tensors):
         return None
-    return (f"{moved / 2**20:.1f} MiB moved (< {RMS_NORM_EAGER_BYTES >> 20} MiB) outside CUDA-graph capture: "
-            "launch-bound, where nvfly's host path costs more than its kernel saves")
+    return (f"{tensors * x.nbytes / 2**20:.1f} MiB moved (< {RMS_NORM_EAGER_BYTES >> 20} MiB) outside CUDA-graph "
+            "capture: launch-bound, where nvfly's host path costs more than its kernel saves")
 
 
 def _register_default_routes() -> None:
@@ -433,20 +481,32 @@ def _register_default_routes() -> None:
     def rms_norm_signature(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
                            eps: Optional[float]) -> tuple:
         return (tensor_key(x), tuple(normalized_shape), weight is not None and tensor_key(weight), eps, type(eps),
-                x.is_cuda and _STREAM_CAPTURING())  # _capturing(x), inline: one frame less a call
+                x.is_cuda and _STREAM_CAPTURING())
 
     def rms_norm_backward_signature(grad_out: torch.Tensor, x: torch.Tensor, normalized_shape: list[int],
                                     rstd: torch.Tensor, weight: Optional[torch.Tensor], output_mask: list[bool]
                                     ) -> tuple:
         return (tensor_key(grad_out), tensor_key(x), tuple(normalized_shape), rstd.dtype,
-                weight is not None and tensor_key(weight), tuple(output_mask), _capturing(x))
+                weight is not None and tensor_key(weight), tuple(output_mask), x.is_cuda and _STREAM_CAPTURING())
+
+    def rms_norm_skip(x: torch.Tensor, normalized_shape: list[int], weight: Optional[torch.Tensor],
+                      eps: Optional[float]) -> bool:
+        return _small(x, 2)
+
+    def rms_norm_backward_skip(grad_out: torch.Tensor, x: torch.Tensor, normalized_shape: list[int],
+                               rstd: torch.Tensor, weight: Optional[torch.Tensor], output_mask: list[bool]) -> bool:
+        return _small(x, 3)
 
     def topk_signature(x: torch.Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> tuple:
         return tensor_key(x), k, dim, largest, sorted
 
-    register_route("aten::_fused_rms_norm", rms_norm_eligibility, rms_norm_run, signature=rms_norm_signature)
+    def rms_norm_wanted() -> bool:
+        return bool(settings.get("routing_rms_norm"))
+
+    register_route("aten::_fused_rms_norm", rms_norm_eligibility, rms_norm_run, signature=rms_norm_signature,
+                   wanted=rms_norm_wanted, skip=rms_norm_skip)
     register_route("aten::_fused_rms_norm_backward", rms_norm_backward_eligibility, rms_norm_backward_run,
-                   signature=rms_norm_backward_signature)
+                   signature=rms_norm_backward_signature, wanted=rms_norm_wanted, skip=rms_norm_backward_skip)
     register_route("aten::topk", topk.eligibility, topk_run, signature=topk_signature)
 
 

@@ -140,6 +140,25 @@ def test_routed_sdpa_matches_torch(batch, hq, hkv, sq, skv, layout):
     assert rel_err(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "sliced", "bshd_q"])
+def test_routed_decode_calls_of_one_signature_reuse_the_bound_launches(layout, monkeypatch):
+    """The route binds decode's launches once per signature (``sdpa_bind``): later calls with other tensors of the
+    same layouts (and another scale) run them on their own tensors, each equal to torch's."""
+    bound = []
+    real = attention.bound_decode
+    monkeypatch.setattr(attention, "bound_decode", lambda *args, **kwargs: bound.append(1) or real(*args, **kwargs))
+    with nvfly.torch.routing():
+        for seed, scale in ((0, None), (1, None), (2, 0.05), (3, None)):
+            q, k, v = sdpa_inputs(2, 48, 8, 4, 8192, sliced=layout == "sliced", bshd_q=layout == "bshd_q")
+            torch.manual_seed(seed + 1)
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            got = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale, enable_gqa=True)
+            assert got.shape == ref.shape and rel_err(got, ref) < 1e-2, seed
+    assert bound == [1] and [d.reason for d in sdpa_decisions()] == [None]
+
+
 def test_routed_sdpa_fp16_scale_and_inference_mode():
     q, k, v = sdpa_inputs(2, 32, 8, 8, 8192, dtype=torch.float16)
     with torch.inference_mode():  # reaches the CUDA-key route (autograd keys skipped)
@@ -333,6 +352,7 @@ def test_nvfly_failure_falls_back_and_declines(monkeypatch):
         raise RuntimeError("injected launch failure")
 
     monkeypatch.setattr(attention, "decode", broken)
+    monkeypatch.setattr(attention, "bound_decode", broken)  # the route's bind (Sq 4 without a mask)
     want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     with nvfly.torch.routing():
         first = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)

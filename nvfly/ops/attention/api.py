@@ -36,7 +36,7 @@ DTYPES = ("torch.bfloat16", "torch.float16")
 _MODS: dict = {}  # (score_mod, mask_mod, arguments) -> Mods: one compile key per pair of functions
 
 
-def _is_mla(q: Any, k_cache: Any) -> bool:
+def is_mla(q: Any, k_cache: Any) -> bool:
     """A 576-column q (no head dim of the general kernel): MLA decode's call (``mla_api``)."""
     return getattr(q, "ndim", 0) == 4 and q.shape[-1] == MLA_DQK
 
@@ -104,7 +104,7 @@ def check_arguments(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = 
                     k_scale: Any = None, v_scale: Any = None) -> None:
     """``decode``'s checks of shapes, dtypes, devices and layouts, raising as it does: what reads no tensor values or
     addresses (so a fake implementation under FakeTensorMode runs them too)."""
-    if _is_mla(q, k_cache):
+    if is_mla(q, k_cache):
         check_mla_arguments(q, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale)
         return
     _check(q, k_cache, v_cache, cache_seqlens, block_table)
@@ -116,7 +116,7 @@ def eligibility(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None
                 k_scale: Any = None, v_scale: Any = None, block_mask: Any = None,
                 captured: tuple = ()) -> Optional[str]:
     """None when ``decode`` computes this call, else the reason it declines."""
-    if _is_mla(q, k_cache):
+    if is_mla(q, k_cache):
         if any(x is not None for x in (score_mod, mask_mod, k_scale, v_scale, block_mask)) or captured:
             return "mods, fp8 scales and block masks are not supported with MLA's 576-column latent cache"
         return mla_eligibility(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table)
@@ -205,7 +205,7 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
     ``captured``: tensors passed to the mods as trailing arguments (``nvfly.ops.attention.mods``), kernel inputs
     read at run time: one compiled mod serves calls with different tensors.
     """
-    if _is_mla(q, k_cache):  # DeepSeek's 576-column latent cache: its own kernel (mla_api)
+    if is_mla(q, k_cache):  # DeepSeek's 576-column latent cache: its own kernel (mla_api)
         if captured:
             raise error(ValueError, "captured", "MLA's 576-column latent cache takes no mods")
         return from_decode(q, k_cache, v_cache, score_mod=score_mod, mask_mod=mask_mod, k_scale=k_scale,
@@ -336,6 +336,10 @@ def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_
                          "[0, 1]")
     return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale),
                                     float(split_efficiency), None if swapped is None else bool(swapped)))
+
+
+# the plan options in force (``plan_options``), for callers that keep bound launches per signature (routing)
+current_plan_options: Callable[[], tuple] = _OPTIONS.get
 
 
 def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,

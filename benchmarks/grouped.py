@@ -569,24 +569,18 @@ FP8_RATIOS = {"vs_torch_row": ("torch_row", "nvfly"), "vs_nvfly_bf16": ("nvfly_b
               "vs_torch_bf16": ("torch_bf16", "nvfly"), "default_vs_serial": ("nvfly_serial", "nvfly"),
               "row_vs_torch_row": ("torch_row", "nvfly_row")}
 # the block path's candidate 128-row tiles timed beside the default (issue #30): name -> ScaledConfig fields (the ring
-# then as deep as fits next to the group table), each also a "<name>_vs_default" ratio. staged: the producer stages
-# the activation scales; store: the TMA-store epilogue (rows inside their group); wide: 128 x 192 in order (three
-# 64-column weight-block runs, no third accumulator); wide160: 128 x 160 (five 32-column runs); cluster: 2-block
+# then as deep as fits next to the group table), each also a "<name>_vs_default" ratio (staged scales are the masked
+# layout's only: these rows are contiguous); store: the TMA-store epilogue (rows inside their group); wide: 128 x 192
+# in order (three 64-column weight-block runs, no third accumulator); cluster: 2-block
 # clusters along N, each block loading half of the shared A tile and multicasting it; stream: the weights' loads
 # evict_first, the tokens' evict_last
 FP8_BLOCK_VARIANTS = {
-    "nvfly_staged": dict(bm=128, bn=128, consumers=2, issue_ahead=True, staged_scales=True),
     "nvfly_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True),
-    "nvfly_staged_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, staged_scales=True, tma_store=True),
-    "nvfly_wide": dict(bm=128, bn=192, consumers=2, staged_scales=True),
-    "nvfly_wide_store": dict(bm=128, bn=192, consumers=2, staged_scales=True, tma_store=True),
-    "nvfly_wide160_store": dict(bm=128, bn=160, consumers=2, staged_scales=True, tma_store=True),
-    "nvfly_wide_global": dict(bm=128, bn=192, consumers=2),
-    "nvfly_cluster_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, staged_scales=True, tma_store=True,
-                                cluster_n=2),
-    "nvfly_wide_cluster_store": dict(bm=128, bn=192, consumers=2, staged_scales=True, tma_store=True, cluster_n=2),
-    "nvfly_stream_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, staged_scales=True, tma_store=True,
-                               stream_b=True),
+    "nvfly_wide": dict(bm=128, bn=192, consumers=2),
+    "nvfly_wide_store": dict(bm=128, bn=192, consumers=2, tma_store=True),
+    "nvfly_cluster_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True, cluster_n=2),
+    "nvfly_wide_cluster_store": dict(bm=128, bn=192, consumers=2, tma_store=True, cluster_n=2),
+    "nvfly_stream_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True, stream_b=True),
 }
 FP8_RATIOS.update({f"{name[len('nvfly_'):]}_vs_default": ("nvfly", name) for name in FP8_BLOCK_VARIANTS})
 

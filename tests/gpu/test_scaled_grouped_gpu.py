@@ -10,6 +10,7 @@ import torch
 import nvfly.torch  # noqa: F401  (the routes)
 from nvfly.ops import scaled
 from nvfly.ops.scaled import ScaledConfig
+from nvfly.ops.scaled import grouped as grouped_module
 from nvfly.ops.scaled.quantize import quantize, quantize_experts
 from tests.gpu.test_grouped_gpu import CONTIGUOUS_SIZES, check, sizes_to_offs
 
@@ -135,15 +136,16 @@ def staged_runs(sa, config):
 @pytest.mark.parametrize("config", BLOCK_VARIANTS, ids=BLOCK_IDS)
 @pytest.mark.parametrize("sizes", CONTIGUOUS_SIZES, ids=["ragged", "even17", "one", "mixed"])
 def test_block_variants_contiguous(hopper, sizes, config):
-    """Empty groups, groups under a tile, tiles straddling two groups (a tile's staged scales and rows run into the
-    next group's, never stored), rows past offs[-1], an N tail (352: 1.8 tiles of 192, 2.2 of 160, the last tile's
+    """Empty groups, groups under a tile, tiles straddling two groups (rows run into the next group's, never
+    stored; staged configs read their scales from global here: the groups' rows start anywhere), rows past offs[-1], an N tail (352: 1.8 tiles of 192, 2.2 of 160, the last tile's
     columns in a third weight block) and K of 8 k-blocks."""
     k, n = 1024, 352
     t = 4 * (sum(sizes) // 4) + 12  # rows past offs[-1]; a multiple of 4 (TMA's 16-byte strides)
     a, sa = tokens(t, k, "block")
-    staged_runs(sa, config)
     b, sb = experts(len(sizes), n, k, "block")
     offs = sizes_to_offs(sizes)
+    plan = grouped_module._plan(a, b, sa, sb, offs, torch.bfloat16, None, False, False, config, None)[0]
+    assert not plan.config.staged_scales
     out = torch.full((t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     scaled.scaled_grouped_mm(a, b, sa, sb, offs, out=out, config=config)
     check(out, scaled.grouped_reference(a, b, sa, sb, offs), TOL[torch.bfloat16])

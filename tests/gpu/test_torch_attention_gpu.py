@@ -4,6 +4,8 @@ against float32 SDPA's); under ``nvfly.torch.routing()``, ``F.scaled_dot_product
 shapes routed to nvfly (the decision says so) with the result of unrouted SDPA (both against float32 SDPA), a
 training step through the route with unrouted SDPA's gradients, declined cases left to torch with their reason, an
 injected nvfly failure falling back, and a routed decode step captured in a CUDA graph replaying new inputs."""
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,12 +145,12 @@ def test_routed_sdpa_matches_torch(batch, hq, hkv, sq, skv, layout):
 @pytest.mark.parametrize("layout", ["bhsd", "sliced", "bshd_q"])
 def test_routed_decode_calls_of_one_signature_reuse_the_bound_launches(layout, monkeypatch):
     """The route binds decode's launches once per signature (``sdpa_bind``): later calls with other tensors of the
-    same layouts (and another scale) run them on their own tensors, each equal to torch's."""
+    same layouts run them on their own tensors, each equal to torch's; another scale is another signature."""
     bound = []
     real = attention.bound_decode
     monkeypatch.setattr(attention, "bound_decode", lambda *args, **kwargs: bound.append(1) or real(*args, **kwargs))
     with nvfly.torch.routing():
-        for seed, scale in ((0, None), (1, None), (2, 0.05), (3, None)):
+        for seed, scale in ((0, None), (1, None), (2, None), (3, 0.05)):
             q, k, v = sdpa_inputs(2, 48, 8, 4, 8192, sliced=layout == "sliced", bshd_q=layout == "bshd_q")
             torch.manual_seed(seed + 1)
             for t in (q, k, v):
@@ -156,7 +158,8 @@ def test_routed_decode_calls_of_one_signature_reuse_the_bound_launches(layout, m
             got = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
             ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale, enable_gqa=True)
             assert got.shape == ref.shape and rel_err(got, ref) < 1e-2, seed
-    assert bound == [1] and [d.reason for d in sdpa_decisions()] == [None]
+            assert bound == [1] * (1 + (scale is not None)), seed  # the scale is part of the signature
+    assert all(d.reason is None for d in sdpa_decisions())
 
 
 def test_routed_sdpa_fp16_scale_and_inference_mode():
@@ -181,7 +184,8 @@ def test_sq1_follows_torchs_backend():
     ({"dropout_p": 0.0, "attn_mask": "bool", "enable_gqa": True}, "a row per query but none per key at Sq = 4"),
     ({"enable_gqa": True, "short": True}, "launch-bound"),
 ])
-def test_declined_sdpa_is_torchs(kwargs, fragment):
+def test_declined_sdpa_is_torchs(kwargs, fragment, caplog):
+    caplog.set_level(logging.DEBUG, logger="nvfly")  # launch-bound calls are decided (and recorded) only when logged
     kwargs = dict(kwargs)
     q, k, v = sdpa_inputs(1, 32, 8, 4, 1024 if kwargs.pop("short", False) else 32768)
     if kwargs.get("attn_mask") == "bool":

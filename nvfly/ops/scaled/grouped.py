@@ -184,7 +184,10 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dtype: Any,
     # staged scales where TMA can load scale_a (rows contiguous, as the quantiser's), else the scales from global;
     # the TMA-store epilogue where TMA can store the output (16-bit), else registers
     cfg = plan.config
-    if cfg.staged_scales and staged_scales_reason(scale_a, cfg.bm) is not None:
+    # the contiguous layout's groups start at any row: there a staged box starts mid-16-byte word in its inner
+    # (row) dimension, and every multi-group staged launch died on the H200 (illegal instruction; single-group and
+    # masked ones, whose boxes start at multiples of bm, passed), so its scales are read from global
+    if cfg.staged_scales and (plan.layout == "contiguous" or staged_scales_reason(scale_a, cfg.bm) is not None):
         cfg = replace(cfg, staged_scales=False)
     if cfg.tma_store and (out_dtype.itemsize != 2 or (out is not None and store_reason(out) is not None)):
         cfg = replace(cfg, tma_store=False)

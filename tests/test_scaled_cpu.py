@@ -652,6 +652,44 @@ def test_quantize_kernels_compile(granularity, source):
         assert plan.unroll == 4 and blocks == rows * 56 // (16 * 4)
 
 
+def _compile_quantizer(granularity: str, source: str, variant: str = "default", rows: int = 4096, k: int = 7168):
+    from nvfly.frontend.dtypes import bf16, f16, f32, i32, u8
+    from nvfly.ops.scaled.quantize import quantize_plan
+    from nvfly.ops.scaled.quantize_kernel import quantize_kernel
+    from nvfly.runtime.tensor_desc import TensorDesc
+    dtype = torch.float4_e2m1fn_x2 if granularity == "mxfp4" else torch.float8_e4m3fn
+    plan, _ = quantize_plan(rows, k, 4 if source == "f32" else 2, granularity, dtype, 132, variant)
+    scale = {"row": TensorDesc(f32, (rows, 1)), "1x128": TensorDesc(f32, (rows, k // 128), (1, rows)),
+             "128x128": TensorDesc(f32, (rows // 128, k // 128)), "mx": TensorDesc(u8, (rows, k // 32)),
+             "mxfp4": TensorDesc(u8, (rows, k // 32))}[granularity]
+    q = TensorDesc(i32, (rows, k // (8 if granularity == "mxfp4" else 4)))
+    x = TensorDesc({"bf16": bf16, "f16": f16, "f32": f32}[source], (rows, k))
+    return plan, quantize_kernel.compile(x, q, scale, rows, k, PLAN=plan, block=plan.threads)
+
+
+def test_quantize_e2m1_pairs_variant_rounds_bf16_pairs():
+    """QUANTIZE_VARIANTS' "e2m1-pairs" (MXFP4): bf16 x rounded in bf16x2 (one add.rn.bf16x2 per pair, in SASS
+    HADD2/HFMA2.BF16), no spills, fewer SASS instructions than the default; the f32 rounding kept for groups holding
+    a NaN; fp16 / fp32 x compile as the default (the option applies to bf16 only); other granularities refuse it."""
+    from nvfly.ops.scaled.quantize import quantize_plan
+    plan, kern = _compile_quantizer("mxfp4", "bf16", "e2m1-pairs")
+    _, default = _compile_quantizer("mxfp4", "bf16")
+    assert plan.e2m1_pairs and kern.resources.spill_stores == 0 and "STL" not in kern.sass()
+    assert kern.ptx.count("add.rn.bf16x2") == 4 * plan.unroll and kern.ptx.count("prmt.b32") == 2 * plan.unroll
+    assert any(op.startswith(("HADD2.BF16", "HFMA2.MMA.BF16", "HFMA2.BF16")) for op in kern.sass_opcodes())
+    assert sum(kern.sass_opcodes().values()) < 0.95 * sum(default.sass_opcodes().values())
+    assert kern.ptx.count("add.rn.f32") == 8 * plan.unroll  # f32_to_e2m1's magic add: the NaN groups' path only
+    for source in ("f16", "f32"):
+        _, kern = _compile_quantizer("mxfp4", source, "e2m1-pairs")
+        _, default = _compile_quantizer("mxfp4", source)
+        assert "bf16x2" not in kern.ptx.replace("max.NaN.bf16x2", "")
+        assert sum(kern.sass_opcodes().values()) == sum(default.sass_opcodes().values())
+    with pytest.raises(ValueError, match="^variant: expected 'default' or one of \\[\\] for granularity 'row'"):
+        quantize_plan(16, 4096, 2, "row", torch.float8_e4m3fn, 132, "e2m1-pairs")
+    with pytest.raises(ValueError, match="^variant: .*'e2m1-pairs'.* got 'nope'"):
+        quantize_plan(16, 4096, 2, "mxfp4", torch.float4_e2m1fn_x2, 132, "nope")
+
+
 def test_quantize_plan_holds_long_rows_in_sweeps():
     from nvfly.ops.scaled.quantize import quantize_plan
     plan, blocks = quantize_plan(8, 7168, 2, "row", torch.float8_e4m3fn, 132)
@@ -917,6 +955,54 @@ def test_e2m1_magic_rounding_equals_the_reference_codes():
     steps = (mag + magic).view(torch.int32) - less
     code = torch.where(mag == mag, steps.clamp(max=7), 0).long() | (y.signbit().long() << 3)
     assert torch.equal(code, e2m1_codes(y))
+
+
+def _bf16x2_to_e2m1x8_emulated(x: torch.Tensor, reciprocal: torch.Tensor) -> torch.Tensor:
+    """``nvfly.arch.floats.bf16x2_to_e2m1x8``'s steps in torch on CPU: x (n, 8) bf16, reciprocal (n, 1) f32 -> n
+    words (int64, unsigned). The bf16 ops as f32 ops rounded to bf16 (the product is exact in f32; for the sum,
+    rounding to f32's 24 bits and then to bf16's 8 is innocuous, 24 >= 2 * 8 + 2), the integer ops on the packed
+    32-bit words as the kernel does them (lanes that must not borrow from each other)."""
+    from nvfly.arch.floats import _BF16_EXPONENT_PAIR, _BF16_TIMES_64, _E2M1_CODE_BIAS
+
+    def bits(t: torch.Tensor) -> torch.Tensor:  # bf16 -> its 16 bits as int64
+        return t.view(torch.int16).long() & 0xFFFF
+
+    def bf16(b: torch.Tensor) -> torch.Tensor:  # 16 bits (int64) -> bf16 (the cast to int16 wraps)
+        return b.to(torch.int16).view(torch.bfloat16)
+
+    def pairs(lanes: torch.Tensor) -> torch.Tensor:  # (n, 8) 16-bit lanes -> (n, 4) words, value 2p low
+        return lanes[:, 0::2] | (lanes[:, 1::2] << 16)
+
+    w = pairs(bits(x))
+    magnitude = bf16(bits(x) & 0x7FFF)
+    a = (magnitude.float() * reciprocal).bfloat16().clamp(max=6.0)     # mul.rn.bf16x2, min.bf16x2 (no NaN here)
+    e = pairs(bits(torch.maximum(a, torch.tensor(1.0, dtype=torch.bfloat16)))) & _BF16_EXPONENT_PAIR
+    magic = e + _BF16_TIMES_64
+    lanes = torch.stack([magic & 0xFFFF, magic >> 16], dim=-1).flatten(1)  # (n, 8) in value order
+    total = pairs(bits((a.float() + bf16(lanes).float()).bfloat16()))   # add.rn.bf16x2
+    mask = (1 << 32) - 1
+    codes = ((total - e + (e >> 6) - _E2M1_CODE_BIAS) & mask) | ((w >> 12) & 0x00080008)
+    low01, low23 = codes[:, 0] | (codes[:, 1] << 8), codes[:, 2] | (codes[:, 3] << 8)
+    lows = (low01 & 0xFFFF) | ((low23 & 0xFFFF) << 16)                   # prmt 0x5410
+    highs = (low01 >> 16) | ((low23 >> 16) << 16)                        # prmt 0x7632
+    return (lows | (highs << 4)) & mask
+
+
+def test_bf16_pair_e2m1_rounding_equals_the_reference_codes():
+    """bf16x2_to_e2m1x8's rule (QuantizePlan.e2m1_pairs) gives the reference's codes (``e2m1_codes`` of x times the
+    reciprocal in f32) for every non-NaN bf16 x (infinities, zeros, subnormals) and every MXFP4 scale byte 0-253
+    (reciprocals 2^127 .. 2^-126), ties included, eight consecutive values to a word in the reference's nibble
+    order; the GPU test runs the kernel itself."""
+    from nvfly.ops.scaled.quantize import e2m1_codes
+    every = torch.arange(1 << 16, dtype=torch.int64).to(torch.int16).view(torch.bfloat16)
+    values = every[~every.isnan()]
+    values = values[: values.numel() // 8 * 8].reshape(-1, 8)
+    for byte in range(254):
+        reciprocal = torch.tensor([(254 - byte) << 23], dtype=torch.int32).view(torch.float32)
+        got = _bf16x2_to_e2m1x8_emulated(values, reciprocal.expand(values.shape[0], 1))
+        codes = e2m1_codes(values.float() * reciprocal)
+        want = sum(codes[:, i] << (4 * i) for i in range(8))
+        assert torch.equal(got, want), (byte, values[got != want][:2])
 
 
 def test_mxfp4_quantisation_reference():

@@ -9,6 +9,7 @@ nearest even. Layouts are ``torch._scaled_mm``'s (see nvfly.ops.scaled.api).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -186,22 +187,27 @@ KERNEL_GRANULARITIES = ("row", "1x128", "128x128", "mx")
 _QUANT_THREADS = 256
 _SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_NAMES = {torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2"}
+# plan variants (QuantizePlan fields over quantize_plan's) for the granularities they apply to, timed beside the
+# default by ``python -m benchmarks.scaled --quantize-only`` and checked bit for bit by the GPU tests
+QUANTIZE_VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "e2m1-pairs": (("mxfp4",), {"e2m1_pairs": True}),
+}
 
 
 def quantize_fp8(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float8_e4m3fn,
-                 operand: str = "a") -> tuple[torch.Tensor, torch.Tensor]:
+                 operand: str = "a", variant: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize``'s result (the same values and scales, bit for bit, in the same layouts) from nvfly's
     memory-bound kernel: x a contiguous CUDA (rows, K) bf16/fp16/fp32 tensor, K a multiple of 16, granularity
     "row", "1x128", "128x128" or "mx" (MXFP8, K a multiple of 32; tensor-wise scales need a global amax first:
-    ``quantize``)."""
+    ``quantize``). ``variant``: "default" or a ``QUANTIZE_VARIANTS`` name that applies to the granularity."""
     try:
-        key = (layout_key(x), granularity, dtype, operand)
+        key = (layout_key(x), granularity, dtype, operand, variant)
         call = _QUANT_CALLS.get(key)
     except Exception:  # noqa: BLE001 - not a tensor, an unhashable argument: the checks explain
         key = call = None
     if call is None:
         call = _QUANT_CALLS.plan("nvfly.ops.scaled.quantize_fp8", key, _QuantizeCall, x, granularity, dtype,
-                                 operand)
+                                 operand, variant)
     return call.run(x)
 
 
@@ -265,29 +271,42 @@ def unshuffle_mxfp4_a16(w_shuffled: torch.Tensor, layout: str = "shuffled") -> t
     return _a16_words(out)
 
 
-def quantize_mxfp4(x: torch.Tensor, operand: str = "b") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mxfp4(x: torch.Tensor, operand: str = "b", variant: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize(x, "mxfp4", operand=operand)`` (the same packed e2m1 values and e8m0 scales, bit for bit) from
     nvfly's kernel: x a contiguous CUDA (rows, K) bf16/fp16/fp32 tensor, K a multiple of 32; returns the packed
     values as float4_e2m1fn_x2 (rows, K/2) ("a"), or their (K/2, N) column-major transpose ("b", as ``scaled_mm``
-    takes MXFP4 weights), and the (rows, K/32) uint8 scales."""
+    takes MXFP4 weights), and the (rows, K/32) uint8 scales. ``variant``: as ``quantize_fp8``'s."""
     try:
-        key = (layout_key(x), "mxfp4", operand)
+        key = (layout_key(x), "mxfp4", operand, variant)
         call = _QUANT_CALLS.get(key)
     except Exception:  # noqa: BLE001 - not a tensor, an unhashable argument: the checks explain
         key = call = None
     if call is None:
         call = _QUANT_CALLS.plan("nvfly.ops.scaled.quantize_mxfp4", key, _QuantizeCall, x, "mxfp4",
-                                 torch.float4_e2m1fn_x2, operand)
+                                 torch.float4_e2m1fn_x2, operand, variant)
     return call.run(x)
 
 
 def quantize_plan(rows: int, k: int, itemsize: int, granularity: str, dtype: torch.dtype,
-                  sms: int) -> tuple[Any, int]:
+                  sms: int, variant: str = "default") -> tuple[Any, int]:
     """(QuantizePlan, blocks) of the quantisation kernel for x (rows, k) of ``itemsize``-byte elements on ``sms``
     SMs. 1x128 and MX groups: 16 and 4 lanes each (8 elements a lane), each thread the most groups (4, 2 or 1) that
     still leave 4 blocks (32 warps) per SM, so 4 16-byte loads are in flight per thread before the amax. Rows and
     128x128 blocks: a block each, at most 8 chunks (4 of fp32) per thread held in registers, the threads the next
-    power of two in [128, 1024] that covers the group; longer rows in sweeps (read twice)."""
+    power of two in [128, 1024] that covers the group; longer rows in sweeps (read twice). ``variant``: "default"
+    or a ``QUANTIZE_VARIANTS`` name, its fields set over the plan (the blocks unchanged)."""
+    plan, blocks = _default_plan(rows, k, itemsize, granularity, dtype, sms)
+    if variant == "default":
+        return plan, blocks
+    if variant not in QUANTIZE_VARIANTS or granularity not in QUANTIZE_VARIANTS[variant][0]:
+        known = [name for name, (granularities, _) in QUANTIZE_VARIANTS.items() if granularity in granularities]
+        raise ValueError(f"variant: expected 'default' or one of {known} for granularity {granularity!r}, "
+                         f"got {variant!r}")
+    return dataclasses.replace(plan, **QUANTIZE_VARIANTS[variant][1]), blocks
+
+
+def _default_plan(rows: int, k: int, itemsize: int, granularity: str, dtype: torch.dtype,
+                  sms: int) -> tuple[Any, int]:
     from nvfly.ops.scaled.quantize_kernel import CHUNK, QuantizePlan
     loads = 2 if itemsize == 4 else 1  # 16-byte loads per 8-element chunk
     if granularity == "mxfp4":
@@ -319,7 +338,7 @@ def quantize_plan(rows: int, k: int, itemsize: int, granularity: str, dtype: tor
 class _QuantizeCall:
     """The quantisation kernel's launch for one call signature (checked on its first call)."""
 
-    def __init__(self, x: Any, granularity: str, dtype: torch.dtype, operand: str):
+    def __init__(self, x: Any, granularity: str, dtype: torch.dtype, operand: str, variant: str):
         from nvfly.ops.scaled.quantize_kernel import quantize_kernel
         if granularity not in KERNEL_GRANULARITIES and granularity != "mxfp4":
             raise ValueError(f"granularity: expected one of {KERNEL_GRANULARITIES}, got {granularity!r}")
@@ -339,7 +358,7 @@ class _QuantizeCall:
         if granularity in ("mx", "mxfp4") and k % MX_BLOCK:
             raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        self.plan, blocks = quantize_plan(rows, k, x.element_size(), granularity, dtype, sms)
+        self.plan, blocks = quantize_plan(rows, k, x.element_size(), granularity, dtype, sms, variant)
         self.launch = quantize_kernel.prepared(max(1, blocks), self.plan.threads)
 
     def run(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import nvfly
-from nvfly.arch.floats import divide, division_reciprocal, f32_to_e2m1, f32x2_to_fp8x2, max_abs_x2
+from nvfly.arch.floats import (bf16x2_to_e2m1x8, divide, division_reciprocal, f32_to_e2m1, f32x2_to_fp8x2,
+                               max_abs_x2)
 from nvfly.arch.memory import L1Eviction, L2Policy, load_global, store_global
 from nvfly.arch.reduce import block_reduce
 
@@ -37,7 +38,9 @@ class QuantizePlan:
     ``chunks`` 8-element chunks per sweep, ``sweeps`` sweeps (1: the values stay in registers); loads: 16-byte
     loads per chunk (2 for fp32 x); fp8: the target dtype's name ("e2m1": MXFP4);
     inv_fp8_max (1 / the dtype's largest value), amax_floor: the scale choice; mx_emax >= 0: MX scales instead (an
-    e8m0 byte per group, 2^(floor(log2 amax) - mx_emax), OCP's rule), the scale tensor then uint8."""
+    e8m0 byte per group, 2^(floor(log2 amax) - mx_emax), OCP's rule), the scale tensor then uint8; e2m1_pairs
+    (MXFP4): bf16 x's groups without a NaN rounded two values an instruction (``bf16x2_to_e2m1x8``; fp16 and fp32
+    x keep the f32 rounding)."""
     group_rows: int
     group_cols: int
     per_warp: bool
@@ -51,6 +54,7 @@ class QuantizePlan:
     sweeps: int = 1
     loads: int = 1
     groups_per_row: int = 0  # per_warp: K's groups, a constant (a multiply, not a division, per group); 0: from cols
+    e2m1_pairs: bool = False
 
 
 @nvfly.func
@@ -96,6 +100,10 @@ def _quantized(values, s, inv, PLAN, FAST):
 def _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN, FAST=True):
     """A chunk's 8 values (``words`` as loaded) divided by the scale s and stored from element (row, col): two
     32-bit words of fp8, or one of eight e2m1 codes (the lowest nibble first)."""
+    if PLAN.fp8 == "e2m1" and PLAN.e2m1_pairs and FAST and x.dtype == nvfly.bf16:
+        word = bf16x2_to_e2m1x8(words, inv)
+        store_global(q32.address(row, col // CHUNK), [word], valid, l1=STREAM_L1, policy=STREAM_L2)
+        return
     y = _quantized(_values(x, words), s, inv, PLAN, FAST)
     if PLAN.fp8 == "e2m1":
         codes = [f32_to_e2m1(y[e], not FAST) for e in range(CHUNK)]

@@ -218,15 +218,15 @@ def division_reciprocal(divisor: Any) -> Scalar:
 @traced
 def divide(x: Any, divisor: Any, reciprocal: Any) -> Scalar:
     """f32 ``x / divisor`` rounded to nearest even with ``reciprocal = division_reciprocal(divisor)``: ``div.rn.f32``'s
-    fast path (the quotient from the reciprocal, one fma-computed remainder, one correction), three instructions
-    and the sign, without its per-division reciprocal and range check (FCHK, which sends zeros, subnormals and
-    quotients near f32's ends to a slow path). Equal to ``div.rn.f32`` where x, the divisor and the quotient are
-    normal and the divisor finite (zeros keep x's sign); a quotient below 2^-100 may be off by ulps."""
+    fast path (the quotient from the reciprocal, one fma-computed remainder, one correction), three instructions,
+    without its per-division reciprocal and range check (FCHK, which sends zeros, subnormals and quotients near
+    f32's ends to a slow path). Equal to ``div.rn.f32`` where x, the divisor and the quotient are normal and the
+    divisor positive and finite, zeros included; a quotient below 2^-100 may be off by ulps."""
     q = x * reciprocal
-    q = fma(reciprocal, fma(-divisor, q, x), q)
-    # |q| with x's sign in one lop3 ((a & c) | (b & ~c)); as copysign LLVM may take the sign from x's source instead
-    return asm("lop3.b32 $0, $1, $2, $3, 0xE4;", [q.bitcast(dtypes.i32), as_value(x).bitcast(dtypes.i32), 0x7FFFFFFF],
-               dtypes.i32, side_effects=False).bitcast(dtypes.f32)
+    # the remainder negated (d q - x, exactly -(x - d q) rounded) and subtracted: the same correction as
+    # q + r (x - d q), but a zero x keeps its sign (-0: q = -0, d q - x = +0, -r * +0 + -0 = -0), where adding
+    # r * (x - d q) = +0 to q = -0 would give +0 and need a copysign
+    return fma(-as_value(reciprocal), fma(divisor, q, -as_value(x)), q)
 
 
 # f32_to_e2m1 rounds a magnitude by adding the power of two whose f32 ulp is e2m1's step there (0.5 below 2, 1 below

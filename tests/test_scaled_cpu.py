@@ -605,25 +605,20 @@ def test_plans():
             assert plan.config.split_k == 1 or 2 * tiles <= 132
 
 
+def _quantizer_plans() -> list:
+    from nvfly.ops.scaled.quantize import QUANTIZE_VARIANTS
+    return [(g, "default") for g in ("row", "1x128", "128x128", "mx", "mxfp4")] + \
+        [(g, name) for name, (granularities, _) in QUANTIZE_VARIANTS.items() for g in granularities]
+
+
 @pytest.mark.parametrize("source", ["bf16", "f32"])
-@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx", "mxfp4"])
-def test_quantize_kernels_compile(granularity, source):
-    """Every granularity's plan compiles without spills; x is read in 16-byte non-coherent streaming loads, all of
-    a thread's issued before its amax reduction, and the fp8 values stored as 8-byte words (e2m1: 4)."""
-    from nvfly.frontend.dtypes import bf16, f32, i32, u8
-    from nvfly.ops.scaled.quantize import quantize_plan
-    from nvfly.ops.scaled.quantize_kernel import quantize_kernel
-    from nvfly.runtime.tensor_desc import TensorDesc
+@pytest.mark.parametrize("granularity, variant", _quantizer_plans())
+def test_quantize_kernels_compile(granularity, variant, source):
+    """Every granularity's plan (and QUANTIZE_VARIANTS') compiles without spills; x is read in 16-byte
+    non-coherent streaming loads, all of a thread's issued before its amax reduction, and the fp8 values stored as
+    8-byte words (e2m1: 4; 16-element chunks: twice as wide)."""
     rows, k = 4096, 7168
-    dtype = torch.float8_e5m2 if granularity == "128x128" else torch.float8_e4m3fn
-    plan, blocks = quantize_plan(rows, k, 4 if source == "f32" else 2, granularity,
-                                 torch.float4_e2m1fn_x2 if granularity == "mxfp4" else dtype, 132)
-    scale = {"row": TensorDesc(f32, (rows, 1)), "1x128": TensorDesc(f32, (rows, 56), (1, rows)),
-             "128x128": TensorDesc(f32, (32, 56)), "mx": TensorDesc(u8, (rows, k // 32)),
-             "mxfp4": TensorDesc(u8, (rows, k // 32))}[granularity]
-    q = TensorDesc(i32, (rows, k // (8 if granularity == "mxfp4" else 4)))
-    x = TensorDesc(f32 if source == "f32" else bf16, (rows, k))
-    kern = quantize_kernel.compile(x, q, scale, rows, k, PLAN=plan, block=plan.threads)
+    plan, kern = _compile_quantizer(granularity, source, variant, rows, k)
     assert kern.resources.spill_stores == 0 and kern.resources.stack_bytes == 0 and not kern.warnings
     assert "STL" not in kern.sass() and "LDL" not in kern.sass()
     load = "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32"
@@ -639,17 +634,24 @@ def test_quantize_kernels_compile(granularity, source):
     else:  # divide's reciprocal once per group; div.rn.f32 only for a group with an inf or NaN scale
         assert kern.ptx.count("rcp.approx.ftz.f32") == (plan.unroll if plan.per_warp else 1)
         assert "div.rn.f32" in kern.ptx
+    wide = plan.chunk == 16
+    if plan.per_warp:  # a butterfly step per halving of the group's lanes
+        lanes = plan.group_cols // plan.chunk
+        assert kern.ptx.count("shfl.sync.bfly") == (lanes.bit_length() - 1) * plan.unroll
     if granularity == "mxfp4":  # no fp8 cvt; a 32-bit word of eight codes, a scale byte
-        assert "F2FP" not in kern.sass() and "st.global.L1::no_allocate.L2::cache_hint.b32" in kern.ptx
-        assert kern.ptx.count("shfl.sync.bfly") == 2 * plan.unroll and "st.global.b8" in kern.ptx
+        stored = "v2.u32" if wide else "b32"
+        assert "F2FP" not in kern.sass() and f"st.global.L1::no_allocate.L2::cache_hint.{stored}" in kern.ptx
+        assert "st.global.b8" in kern.ptx
         return
     kind = "E4M3" if plan.fp8 == "f8e4m3" else "E5M2"
     assert any(op.startswith(f"F2FP.SATFINITE.{kind}.F32") for op in kern.sass_opcodes())
-    assert "st.global.L1::no_allocate.L2::cache_hint.v2.u32" in kern.ptx
-    if granularity == "mx":  # 4 lanes a group: two butterfly steps per group
-        assert kern.ptx.count("shfl.sync.bfly") == 2 * plan.unroll and "st.global.b8" in kern.ptx
+    assert f"st.global.L1::no_allocate.L2::cache_hint.{'v4' if wide else 'v2'}.u32" in kern.ptx
+    if granularity == "mx":
+        assert "st.global.b8" in kern.ptx
     if granularity == "1x128":
-        assert plan.unroll == 4 and blocks == rows * 56 // (16 * 4)
+        from nvfly.ops.scaled.quantize import quantize_plan
+        _, blocks = quantize_plan(rows, k, 4 if source == "f32" else 2, granularity, torch.float8_e4m3fn, 132, variant)
+        assert plan.unroll == 4 and blocks == rows * 56 // (plan.threads // (128 // plan.chunk) * 4)
 
 
 def _compile_quantizer(granularity: str, source: str, variant: str = "default", rows: int = 4096, k: int = 7168):
@@ -684,7 +686,7 @@ def test_quantize_e2m1_pairs_variant_rounds_bf16_pairs():
         _, default = _compile_quantizer("mxfp4", source)
         assert "bf16x2" not in kern.ptx.replace("max.NaN.bf16x2", "")
         assert sum(kern.sass_opcodes().values()) == sum(default.sass_opcodes().values())
-    with pytest.raises(ValueError, match="^variant: expected 'default' or one of \\[\\] for granularity 'row'"):
+    with pytest.raises(ValueError, match="^variant: expected 'default' or one of .* for granularity 'row', got 'e2m1"):
         quantize_plan(16, 4096, 2, "row", torch.float8_e4m3fn, 132, "e2m1-pairs")
     with pytest.raises(ValueError, match="^variant: .*'e2m1-pairs'.* got 'nope'"):
         quantize_plan(16, 4096, 2, "mxfp4", torch.float4_e2m1fn_x2, 132, "nope")

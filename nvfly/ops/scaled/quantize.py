@@ -191,6 +191,9 @@ _FP8_NAMES = {torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2"}
 # default by ``python -m benchmarks.scaled --quantize-only`` and checked bit for bit by the GPU tests
 QUANTIZE_VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "e2m1-pairs": (("mxfp4",), {"e2m1_pairs": True}),
+    # 16 elements a load step (two 16-byte loads, one 16-byte fp8 store): half the lanes a group, half the shuffles
+    "wide": (("row", "1x128", "128x128", "mx"), {"chunk": 16}),
+    "wide-e2m1-pairs": (("mxfp4",), {"chunk": 16, "e2m1_pairs": True}),
 }
 
 
@@ -295,20 +298,23 @@ def quantize_plan(rows: int, k: int, itemsize: int, granularity: str, dtype: tor
     128x128 blocks: a block each, at most 8 chunks (4 of fp32) per thread held in registers, the threads the next
     power of two in [128, 1024] that covers the group; longer rows in sweeps (read twice). ``variant``: "default"
     or a ``QUANTIZE_VARIANTS`` name, its fields set over the plan (the blocks unchanged)."""
-    plan, blocks = _default_plan(rows, k, itemsize, granularity, dtype, sms)
+    from nvfly.ops.scaled.quantize_kernel import CHUNK
     if variant == "default":
-        return plan, blocks
+        return _plan(rows, k, itemsize, granularity, dtype, sms, CHUNK)
     if variant not in QUANTIZE_VARIANTS or granularity not in QUANTIZE_VARIANTS[variant][0]:
         known = [name for name, (granularities, _) in QUANTIZE_VARIANTS.items() if granularity in granularities]
         raise ValueError(f"variant: expected 'default' or one of {known} for granularity {granularity!r}, "
                          f"got {variant!r}")
-    return dataclasses.replace(plan, **QUANTIZE_VARIANTS[variant][1]), blocks
+    fields = QUANTIZE_VARIANTS[variant][1]
+    plan, blocks = _plan(rows, k, itemsize, granularity, dtype, sms, fields.get("chunk", CHUNK))
+    return dataclasses.replace(plan, **fields), blocks
 
 
-def _default_plan(rows: int, k: int, itemsize: int, granularity: str, dtype: torch.dtype,
-                  sms: int) -> tuple[Any, int]:
-    from nvfly.ops.scaled.quantize_kernel import CHUNK, QuantizePlan
-    loads = 2 if itemsize == 4 else 1  # 16-byte loads per 8-element chunk
+def _plan(rows: int, k: int, itemsize: int, granularity: str, dtype: torch.dtype, sms: int,
+          chunk: int) -> tuple[Any, int]:
+    """quantize_plan's plan with ``chunk`` elements a load step (8: 16 bytes of bf16)."""
+    from nvfly.ops.scaled.quantize_kernel import QuantizePlan
+    loads = chunk * itemsize // 16  # 16-byte loads per chunk
     if granularity == "mxfp4":
         fp8, inv, emax = "e2m1", 1.0 / 6.0, E2M1_EMAX
     else:
@@ -317,21 +323,21 @@ def _default_plan(rows: int, k: int, itemsize: int, granularity: str, dtype: tor
     if granularity in ("1x128", "mx", "mxfp4"):
         group_cols = SCALE_BLOCK if granularity == "1x128" else MX_BLOCK
         groups = rows * -(-k // group_cols)
-        per_block = _QUANT_THREADS // (group_cols // CHUNK)
+        per_block = _QUANT_THREADS // (group_cols // chunk)
         unroll = next(u for u in (4, 2, 1) if u == 1 or -(-groups // (per_block * u)) >= 4 * sms)
         plan = QuantizePlan(1, group_cols, True, _QUANT_THREADS, fp8, inv, AMAX_FLOOR, emax, unroll=unroll,
-                            loads=loads, groups_per_row=-(-k // group_cols))
+                            loads=loads, groups_per_row=-(-k // group_cols), chunk=chunk)
         return plan, -(-groups // (per_block * unroll))
-    most = 8 // loads  # chunks a thread holds
+    most = 8 // loads  # chunks a thread holds: 128 bytes
     if granularity == "row":
-        group_rows, group_cols, total, blocks = 1, 0, k // CHUNK, rows
+        group_rows, group_cols, total, blocks = 1, 0, k // chunk, rows
     else:
         group_rows, group_cols = SCALE_BLOCK, SCALE_BLOCK
-        total, blocks = SCALE_BLOCK * SCALE_BLOCK // CHUNK, -(-rows // SCALE_BLOCK) * -(-k // SCALE_BLOCK)
+        total, blocks = SCALE_BLOCK * SCALE_BLOCK // chunk, -(-rows // SCALE_BLOCK) * -(-k // SCALE_BLOCK)
     threads = min(1024, max(128, 1 << (-(-total // most) - 1).bit_length()))
     sweeps = -(-total // (threads * most))
     plan = QuantizePlan(group_rows, group_cols, False, threads, fp8, inv, AMAX_FLOOR, emax,
-                        chunks=-(-total // (threads * sweeps)), sweeps=sweeps, loads=loads)
+                        chunks=-(-total // (threads * sweeps)), sweeps=sweeps, loads=loads, chunk=chunk)
     return plan, blocks
 
 

@@ -55,6 +55,7 @@ class QuantizePlan:
     loads: int = 1
     groups_per_row: int = 0  # per_warp: K's groups, a constant (a multiply, not a division, per group); 0: from cols
     e2m1_pairs: bool = False
+    chunk: int = CHUNK  # elements a thread loads at once (8 or 16: 16 or 32 bytes of bf16, two 16-byte loads)
 
 
 @nvfly.func
@@ -63,7 +64,7 @@ def _load(x, row, col, valid, PLAN, REREAD=False):
     REREAD: read again later, so left in L2 at normal priority."""
     words = []
     for h in nvfly.static_range(PLAN.loads):
-        words += load_global(x.address(row, col + h * (CHUNK // PLAN.loads)), 4, valid, non_coherent=True,
+        words += load_global(x.address(row, col + h * (PLAN.chunk // PLAN.loads)), 4, valid, non_coherent=True,
                              l1=STREAM_L1, policy=L2Policy.EVICT_NORMAL if REREAD else STREAM_L2)
     return words
 
@@ -71,13 +72,13 @@ def _load(x, row, col, valid, PLAN, REREAD=False):
 @nvfly.func
 def _values(x, words):
     v = nvfly.make_vector(words, nvfly.i32).bitcast(x.dtype).to(nvfly.f32)
-    return [v[e] for e in range(CHUNK)]
+    return [v[e] for e in range(len(words) * 32 // x.dtype.bits)]
 
 
 @nvfly.func
 def _amax(x, words, amax, PLAN):
     """max(amax, the chunk's largest magnitude): 16-bit pairs compared packed (exact: the max is one of them)."""
-    if PLAN.loads == 1:
+    if x.dtype.bits == 16:
         pair = nvfly.make_vector([max_abs_x2(words, x.dtype)], nvfly.i32).bitcast(x.dtype).to(nvfly.f32)
         return nvfly.maximum(amax, nvfly.maximum(pair[0], pair[1]))
     for v in _values(x, words):
@@ -101,19 +102,22 @@ def _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN, FAST=True):
     """A chunk's 8 values (``words`` as loaded) divided by the scale s and stored from element (row, col): two
     32-bit words of fp8, or one of eight e2m1 codes (the lowest nibble first)."""
     if PLAN.fp8 == "e2m1" and PLAN.e2m1_pairs and FAST and x.dtype == nvfly.bf16:
-        word = bf16x2_to_e2m1x8(words, inv)
-        store_global(q32.address(row, col // CHUNK), [word], valid, l1=STREAM_L1, policy=STREAM_L2)
+        codes = [bf16x2_to_e2m1x8(words[4 * i:4 * i + 4], inv) for i in range(len(words) // 4)]
+        store_global(q32.address(row, col // 8), codes, valid, l1=STREAM_L1, policy=STREAM_L2)
         return
     y = _quantized(_values(x, words), s, inv, PLAN, FAST)
     if PLAN.fp8 == "e2m1":
-        codes = [f32_to_e2m1(y[e], not FAST) for e in range(CHUNK)]
-        word = codes[0]
-        for e in nvfly.static_range(1, CHUNK):
-            word = word | (codes[e] << (4 * e))
-        store_global(q32.address(row, col // CHUNK), [word], valid, l1=STREAM_L1, policy=STREAM_L2)
+        codes = [f32_to_e2m1(v, not FAST) for v in y]
+        packed = []
+        for i in nvfly.static_range(len(y) // 8):
+            word = codes[8 * i]
+            for e in nvfly.static_range(1, 8):
+                word = word | (codes[8 * i + e] << (4 * e))
+            packed.append(word)
+        store_global(q32.address(row, col // 8), packed, valid, l1=STREAM_L1, policy=STREAM_L2)
     else:
         dtype = nvfly.f8e4m3 if PLAN.fp8 == "f8e4m3" else nvfly.f8e5m2
-        pairs = [f32x2_to_fp8x2(y[2 * p], y[2 * p + 1], dtype) for p in range(CHUNK // 2)]
+        pairs = [f32x2_to_fp8x2(y[2 * p], y[2 * p + 1], dtype) for p in range(len(y) // 2)]
         words = nvfly.make_vector(pairs).bitcast(nvfly.i32).tolist()
         store_global(q32.address(row, col // 4), words, valid, l1=STREAM_L1, policy=STREAM_L2)
 
@@ -152,13 +156,13 @@ def _block_chunk(c, grow, gcol, gcols, rows, cols, PLAN):
     """(row, col, valid) of the group's chunk ``c`` (row-major over the group's rows of gcols / 8 chunks)."""
     if PLAN.group_rows == 1:
         row = grow
-        col = gcol * gcols + c * CHUNK
+        col = gcol * gcols + c * PLAN.chunk
         valid = (row < rows) & (col < cols)
     else:
-        per_row = PLAN.group_cols // CHUNK
+        per_row = PLAN.group_cols // PLAN.chunk
         r = c // per_row
         row = grow * PLAN.group_rows + r
-        col = gcol * gcols + (c - r * per_row) * CHUNK
+        col = gcol * gcols + (c - r * per_row) * PLAN.chunk
         valid = (r < PLAN.group_rows) & (row < rows) & (col < cols)
     return row, col, valid
 
@@ -170,10 +174,10 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
     group_rows, cols / group_cols), indexed [group row, group column] through its strides."""
     tid = nvfly.thread_idx.x
     if PLAN.per_warp:
-        LANES = PLAN.group_cols // CHUNK  # lanes per group
+        LANES = PLAN.group_cols // PLAN.chunk  # lanes per group
         GROUPS = PLAN.threads // LANES  # groups per block and unroll step
         groups_per_row = PLAN.groups_per_row or (cols + PLAN.group_cols - 1) // PLAN.group_cols
-        lane_col = (tid % LANES) * CHUNK
+        lane_col = (tid % LANES) * PLAN.chunk
         # every load first (unroll x 16..32 bytes in flight per thread), then the reductions and stores; no branch
         # before the shuffles: a warp may hold groups of two rows, or past the last row (masked to 0)
         spots = []

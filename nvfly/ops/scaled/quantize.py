@@ -190,10 +190,16 @@ _FP8_NAMES = {torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2"}
 # plan variants (QuantizePlan fields over quantize_plan's) for the granularities they apply to, timed beside the
 # default by ``python -m benchmarks.scaled --quantize-only`` and checked bit for bit by the GPU tests
 QUANTIZE_VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    # MXFP4 of bf16 rounded two values an instruction (bf16x2_to_e2m1x8)
     "e2m1-pairs": (("mxfp4",), {"e2m1_pairs": True}),
     # 16 elements a load step (two 16-byte loads, one 16-byte fp8 store): half the lanes a group, half the shuffles
     "wide": (("row", "1x128", "128x128", "mx"), {"chunk": 16}),
     "wide-e2m1-pairs": (("mxfp4",), {"chunk": 16, "e2m1_pairs": True}),
+    # "-4cta": .minnctapersm 4 (up to 64 registers at 256 threads), under which ptxas issues every load of a
+    # thread before its first shuffle; without it, it sinks some (MX: 2 of 4, e2m1-pairs: 3 of 4, wide MX: 4 of 8)
+    "4cta": (("mx",), {"min_blocks": 4}),
+    "e2m1-pairs-4cta": (("mxfp4",), {"e2m1_pairs": True, "min_blocks": 4}),
+    "wide-4cta": (("1x128", "mx"), {"chunk": 16, "min_blocks": 4}),
 }
 
 

@@ -56,6 +56,7 @@ class QuantizePlan:
     groups_per_row: int = 0  # per_warp: K's groups, a constant (a multiply, not a division, per group); 0: from cols
     e2m1_pairs: bool = False
     chunk: int = CHUNK  # elements a thread loads at once (8 or 16: 16 or 32 bytes of bf16, two 16-byte loads)
+    min_blocks: int = 0  # > 0: ptxas asked to fit that many blocks per SM (without it, it may sink loads past shuffles)
 
 
 @nvfly.func
@@ -173,6 +174,8 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
     """x (rows, cols) 16/32-bit -> q32 (rows, cols / 4) fp8 words (e2m1: (rows, cols / 8)) and scale (rows /
     group_rows, cols / group_cols), indexed [group row, group column] through its strides."""
     tid = nvfly.thread_idx.x
+    if PLAN.min_blocks:
+        nvfly.min_blocks_per_sm(PLAN.min_blocks)
     if PLAN.per_warp:
         LANES = PLAN.group_cols // PLAN.chunk  # lanes per group
         GROUPS = PLAN.threads // LANES  # groups per block and unroll step

@@ -330,7 +330,8 @@ def _plan(rows: int, k: int, itemsize: int, granularity: str, dtype: torch.dtype
         group_cols = SCALE_BLOCK if granularity == "1x128" else MX_BLOCK
         groups = rows * -(-k // group_cols)
         per_block = _QUANT_THREADS // (group_cols // chunk)
-        unroll = next(u for u in (4, 2, 1) if u == 1 or -(-groups // (per_block * u)) >= 4 * sms)
+        # at most 8 16-byte loads a thread (fp32 in 16-element chunks: 2 groups)
+        unroll = next(u for u in (4, 2, 1) if u == 1 or (u * loads <= 8 and -(-groups // (per_block * u)) >= 4 * sms))
         plan = QuantizePlan(1, group_cols, True, _QUANT_THREADS, fp8, inv, AMAX_FLOOR, emax, unroll=unroll,
                             loads=loads, groups_per_row=-(-k // group_cols), chunk=chunk)
         return plan, -(-groups // (per_block * unroll))

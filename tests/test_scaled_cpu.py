@@ -670,11 +670,13 @@ def _compile_quantizer(granularity: str, source: str, variant: str = "default", 
     return plan, quantize_kernel.compile(x, q, scale, rows, k, PLAN=plan, block=plan.threads)
 
 
-def test_quantize_e2m1_pairs_variant_rounds_bf16_pairs():
+def test_quantize_e2m1_pairs_variant_rounds_bf16_pairs(monkeypatch):
     """QUANTIZE_VARIANTS' "e2m1-pairs" (MXFP4): bf16 x rounded in bf16x2 (one add.rn.bf16x2 per pair, in SASS
     HADD2/HFMA2.BF16), no spills, fewer SASS instructions than the default; the f32 rounding kept for groups holding
     a NaN; fp16 / fp32 x compile as the default (the option applies to bf16 only); other granularities refuse it."""
+    from nvfly.ops.scaled import quantize as quantize_module
     from nvfly.ops.scaled.quantize import quantize_plan
+    monkeypatch.setattr(quantize_module, "DEFAULT_VARIANTS", {})  # the f32 rounding, whatever the default
     plan, kern = _compile_quantizer("mxfp4", "bf16", "e2m1-pairs")
     _, default = _compile_quantizer("mxfp4", "bf16")
     assert plan.e2m1_pairs and kern.resources.spill_stores == 0 and "STL" not in kern.sass()

@@ -201,6 +201,8 @@ QUANTIZE_VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "e2m1-pairs-4cta": (("mxfp4",), {"e2m1_pairs": True, "min_blocks": 4}),
     "wide-4cta": (("1x128", "mx"), {"chunk": 16, "min_blocks": 4}),
 }
+# the variant a granularity's "default" plan takes (none yet: the variants above await their GPU measurements)
+DEFAULT_VARIANTS: dict[str, str] = {}
 
 
 def quantize_fp8(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float8_e4m3fn,
@@ -303,8 +305,10 @@ def quantize_plan(rows: int, k: int, itemsize: int, granularity: str, dtype: tor
     still leave 4 blocks (32 warps) per SM, so 4 16-byte loads are in flight per thread before the amax. Rows and
     128x128 blocks: a block each, at most 8 chunks (4 of fp32) per thread held in registers, the threads the next
     power of two in [128, 1024] that covers the group; longer rows in sweeps (read twice). ``variant``: "default"
-    or a ``QUANTIZE_VARIANTS`` name, its fields set over the plan (the blocks unchanged)."""
+    or a ``QUANTIZE_VARIANTS`` name, its fields set over the plan (``DEFAULT_VARIANTS``: the default's)."""
     from nvfly.ops.scaled.quantize_kernel import CHUNK
+    if variant == "default":
+        variant = DEFAULT_VARIANTS.get(granularity, "default")
     if variant == "default":
         return _plan(rows, k, itemsize, granularity, dtype, sms, CHUNK)
     if variant not in QUANTIZE_VARIANTS or granularity not in QUANTIZE_VARIANTS[variant][0]:

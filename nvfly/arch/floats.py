@@ -192,15 +192,24 @@ E2M1_AT_OR_ABOVE = (0.75, 1.75, 3.5)
 
 
 @traced
+def max_x2(a: Any, b: Any, dtype: DType) -> Scalar:
+    """The larger of each 16-bit lane of two 32-bit words of ``dtype`` (bf16 or f16) pairs (``max.NaN.<type>x2``:
+    a NaN wins)."""
+    kind = _PACKED_TYPES.get(dtype)
+    if kind is None:
+        raise CompileError(f"max_x2 takes bf16 or f16 pairs, got {dtype.name}")
+    return asm(f"max.NaN.{kind} $0, $1, $2;", [as_value(a), as_value(b)], dtypes.i32, side_effects=False)
+
+
+@traced
 def max_abs_x2(words: list, dtype: DType) -> Scalar:
     """The largest magnitude in each 16-bit lane of 32-bit words of ``dtype`` (bf16 or f16) pairs, as one word of
     two: the sign bits cleared and ``max.NaN.<type>x2`` (a NaN wins), one instruction for two values each."""
-    kind = {"bf16": "bf16x2", "f16": "f16x2"}.get(dtype.name)
-    if kind is None:
+    if dtype not in _PACKED_TYPES:
         raise CompileError(f"max_abs_x2 takes bf16 or f16 pairs, got {dtype.name}")
     most = as_value(words[0]) & 0x7FFF7FFF
     for w in words[1:]:
-        most = asm(f"max.NaN.{kind} $0, $1, $2;", [most, as_value(w) & 0x7FFF7FFF], dtypes.i32, side_effects=False)
+        most = max_x2(most, as_value(w) & 0x7FFF7FFF, dtype)
     return most
 
 

@@ -199,7 +199,9 @@ QUANTIZE_VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     # thread before its first shuffle; without it, it sinks some (MX: 2 of 4, e2m1-pairs: 3 of 4, wide MX: 4 of 8)
     "4cta": (("mx",), {"min_blocks": 4}),
     "e2m1-pairs-4cta": (("mxfp4",), {"e2m1_pairs": True, "min_blocks": 4}),
-    "wide-4cta": (("1x128", "mx"), {"chunk": 16, "min_blocks": 4}),
+    "wide-4cta": (("mx",), {"chunk": 16, "min_blocks": 4}),
+    # the per-warp plans as before pair_groups (each group's amax reduced alone, in f32): to measure that default
+    "unpaired": (("1x128", "mx", "mxfp4"), {"pair_groups": False}),
 }
 # the variant a granularity's "default" plan takes (none yet: the variants above await their GPU measurements)
 DEFAULT_VARIANTS: dict[str, str] = {}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import nvfly
 from nvfly.arch.floats import (bf16x2_to_e2m1x8, divide, division_reciprocal, f32_to_e2m1, f32x2_to_fp8x2,
-                               max_abs_x2)
+                               max_abs_x2, max_x2, permute_bytes)
 from nvfly.arch.memory import L1Eviction, L2Policy, load_global, store_global
 from nvfly.arch.reduce import block_reduce
 
@@ -57,6 +57,7 @@ class QuantizePlan:
     e2m1_pairs: bool = False
     chunk: int = CHUNK  # elements a thread loads at once (8 or 16: 16 or 32 bytes of bf16, two 16-byte loads)
     min_blocks: int = 0  # > 0: ptxas asked to fit that many blocks per SM (without it, it may sink loads past shuffles)
+    pair_groups: bool = True  # per_warp, 16-bit x: two groups' amaxes reduced in one packed word (_group_amaxes)
 
 
 @nvfly.func
@@ -85,6 +86,28 @@ def _amax(x, words, amax, PLAN):
     for v in _values(x, words):
         amax = nvfly.maximum(amax, abs(v))
     return amax
+
+
+@nvfly.func
+def _group_amaxes(x, chunks, LANES, PLAN):
+    """The amax of each per-warp group (one chunk of ``chunks`` a lane, LANES lanes a group) on every lane: 16-bit
+    x's groups two at a time, their maxima packed in one word through the butterfly (``max.NaN`` on the pair:
+    exact, the f32 max of the same values), half the shuffles and maxima; fp32 x, and an odd last group, in f32."""
+    amaxes = []
+    paired = len(chunks) // 2 * 2 if x.dtype.bits == 16 and PLAN.pair_groups else 0
+    for i in nvfly.static_range(0, paired, 2):
+        first, second = max_abs_x2(chunks[i], x.dtype), max_abs_x2(chunks[i + 1], x.dtype)
+        # (first's low, second's low) against (first's high, second's high): each group's largest in its half
+        most = max_x2(permute_bytes(first, second, 0x5410), permute_bytes(first, second, 0x7632), x.dtype)
+        offset = LANES // 2
+        while offset:  # warp_reduce's butterfly
+            most = max_x2(most, nvfly.shfl_xor(most, offset, LANES), x.dtype)
+            offset //= 2
+        pair = nvfly.make_vector([most], nvfly.i32).bitcast(x.dtype).to(nvfly.f32)
+        amaxes += [pair[0], pair[1]]
+    for words in chunks[paired:]:
+        amaxes.append(nvfly.warp_reduce(_amax(x, words, 0.0, PLAN), "max", LANES))
+    return amaxes
 
 
 @nvfly.func
@@ -191,8 +214,8 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
             col = gcol * PLAN.group_cols + lane_col
             valid = (row < rows) & (col < cols)
             spots.append((row, gcol, col, valid, _load(x, row, col, valid, PLAN)))
-        for row, gcol, col, valid, words in spots:
-            amax = nvfly.warp_reduce(_amax(x, words, 0.0, PLAN), "max", LANES)
+        amaxes = _group_amaxes(x, [words for _, _, _, _, words in spots], LANES, PLAN)
+        for (row, gcol, col, valid, words), amax in zip(spots, amaxes):
             s, stored, inv, fast = _scale(amax, PLAN)
             if (tid % LANES == 0) & (row < rows):
                 scale[row, gcol] = stored

@@ -89,10 +89,11 @@ def _amax(x, words, amax, PLAN):
 
 
 @nvfly.func
-def _group_amaxes(x, chunks, LANES, PLAN):
-    """The amax of each per-warp group (one chunk of ``chunks`` a lane, LANES lanes a group) on every lane: 16-bit
-    x's groups two at a time, their maxima packed in one word through the butterfly (``max.NaN`` on the pair:
-    exact, the f32 max of the same values), half the shuffles and maxima; fp32 x, and an odd last group, in f32."""
+def _paired_amaxes(x, chunks, LANES, PLAN):
+    """PLAN.pair_groups and 16-bit x: the amaxes of the per-warp groups (one chunk of ``chunks`` a lane, LANES lanes
+    a group) on every lane, two groups at a time, their maxima packed in one word through the butterfly (``max.NaN``
+    on the pair: exact, the f32 max of the same values), half the shuffles and maxima; the rest (fp32 x, an odd
+    last group) are left to the caller's f32 reduction."""
     amaxes = []
     paired = len(chunks) // 2 * 2 if x.dtype.bits == 16 and PLAN.pair_groups else 0
     for i in nvfly.static_range(0, paired, 2):
@@ -105,8 +106,6 @@ def _group_amaxes(x, chunks, LANES, PLAN):
             offset //= 2
         pair = nvfly.make_vector([most], nvfly.i32).bitcast(x.dtype).to(nvfly.f32)
         amaxes += [pair[0], pair[1]]
-    for words in chunks[paired:]:
-        amaxes.append(nvfly.warp_reduce(_amax(x, words, 0.0, PLAN), "max", LANES))
     return amaxes
 
 
@@ -214,8 +213,9 @@ def quantize_kernel(x: nvfly.Tensor, q32: nvfly.Tensor, scale: nvfly.Tensor, row
             col = gcol * PLAN.group_cols + lane_col
             valid = (row < rows) & (col < cols)
             spots.append((row, gcol, col, valid, _load(x, row, col, valid, PLAN)))
-        amaxes = _group_amaxes(x, [words for _, _, _, _, words in spots], LANES, PLAN)
-        for (row, gcol, col, valid, words), amax in zip(spots, amaxes):
+        paired = _paired_amaxes(x, [words for _, _, _, _, words in spots], LANES, PLAN)
+        for i, (row, gcol, col, valid, words) in enumerate(spots):
+            amax = paired[i] if i < len(paired) else nvfly.warp_reduce(_amax(x, words, 0.0, PLAN), "max", LANES)
             s, stored, inv, fast = _scale(amax, PLAN)
             if (tid % LANES == 0) & (row < rows):
                 scale[row, gcol] = stored

@@ -2,8 +2,8 @@
 read once (values held in registers between the amax and the stores), 16-byte non-coherent loads with several in
 flight per thread before any reduction.
 
-Each thread moves chunks of 8 consecutive elements (one 16-byte ``ld.global.nc.v4`` of bf16/fp16, two of fp32; K a
-multiple of 16, so a chunk never crosses a row's end). A group is ``PLAN.group_rows`` x ``PLAN.group_cols``
+Each thread moves chunks of 8 consecutive elements (one 16-byte ``ld.global.nc.v4`` of bf16/fp16, two of fp32;
+``PLAN.chunk`` 16: twice that; K a multiple of 16, so a chunk never crosses a row's end). A group is ``PLAN.group_rows`` x ``PLAN.group_cols``
 elements (group_cols 0: a whole row). Small groups (1x128, MX's 1x32) take group_cols / 8 lanes each and each
 thread ``PLAN.unroll`` groups, all loads issued before the butterfly amax; large ones (a row, a 128x128 block) one
 block each, every thread loading its ``PLAN.chunks`` chunks before the block's amax (rows longer than
@@ -33,10 +33,10 @@ FLT_MAX = 3.4028234663852886e38
 
 @dataclass(frozen=True)
 class QuantizePlan:
-    """group_rows x group_cols groups (group_cols 0: whole rows); per_warp: group_cols / 8 lanes per group (a
+    """group_rows x group_cols groups (group_cols 0: whole rows); per_warp: group_cols / chunk lanes per group (a
     power of two up to 32), each thread ``unroll`` groups, else one block of ``threads`` per group, each thread
-    ``chunks`` 8-element chunks per sweep, ``sweeps`` sweeps (1: the values stay in registers); loads: 16-byte
-    loads per chunk (2 for fp32 x); fp8: the target dtype's name ("e2m1": MXFP4);
+    ``chunks`` chunks of ``chunk`` elements per sweep, ``sweeps`` sweeps (1: the values stay in registers); loads:
+    16-byte loads per chunk (chunk 8: 2 for fp32 x); fp8: the target dtype's name ("e2m1": MXFP4);
     inv_fp8_max (1 / the dtype's largest value), amax_floor: the scale choice; mx_emax >= 0: MX scales instead (an
     e8m0 byte per group, 2^(floor(log2 amax) - mx_emax), OCP's rule), the scale tensor then uint8; e2m1_pairs
     (MXFP4): bf16 x's groups without a NaN rounded two values an instruction (``bf16x2_to_e2m1x8``; fp16 and fp32
@@ -57,7 +57,7 @@ class QuantizePlan:
     e2m1_pairs: bool = False
     chunk: int = CHUNK  # elements a thread loads at once (8 or 16: 16 or 32 bytes of bf16, two 16-byte loads)
     min_blocks: int = 0  # > 0: ptxas asked to fit that many blocks per SM (without it, it may sink loads past shuffles)
-    pair_groups: bool = True  # per_warp, 16-bit x: two groups' amaxes reduced in one packed word (_group_amaxes)
+    pair_groups: bool = True  # per_warp, 16-bit x: two groups' amaxes reduced in one packed word (_paired_amaxes)
 
 
 @nvfly.func
@@ -122,8 +122,8 @@ def _quantized(values, s, inv, PLAN, FAST):
 
 @nvfly.func
 def _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN, FAST=True):
-    """A chunk's 8 values (``words`` as loaded) divided by the scale s and stored from element (row, col): two
-    32-bit words of fp8, or one of eight e2m1 codes (the lowest nibble first)."""
+    """A chunk's values (``words`` as loaded) divided by the scale s and stored from element (row, col): a 32-bit
+    word of fp8 per 4 values, or of e2m1 codes per 8 (the lowest nibble first)."""
     if PLAN.fp8 == "e2m1" and PLAN.e2m1_pairs and FAST and x.dtype == nvfly.bf16:
         codes = [bf16x2_to_e2m1x8(words[4 * i:4 * i + 4], inv) for i in range(len(words) // 4)]
         store_global(q32.address(row, col // 8), codes, valid, l1=STREAM_L1, policy=STREAM_L2)
@@ -176,7 +176,7 @@ def _scale(amax, PLAN):
 
 @nvfly.func
 def _block_chunk(c, grow, gcol, gcols, rows, cols, PLAN):
-    """(row, col, valid) of the group's chunk ``c`` (row-major over the group's rows of gcols / 8 chunks)."""
+    """(row, col, valid) of the group's chunk ``c`` (row-major over the group's rows of gcols / chunk chunks)."""
     if PLAN.group_rows == 1:
         row = grow
         col = gcol * gcols + c * PLAN.chunk

@@ -202,6 +202,8 @@ QUANTIZE_VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "wide-4cta": (("mx",), {"chunk": 16, "min_blocks": 4}),
     # the per-warp plans as before pair_groups (each group's amax reduced alone, in f32): to measure that default
     "unpaired": (("1x128", "mx", "mxfp4"), {"pair_groups": False}),
+    # plain loads and stores (no L1 no_allocate / L2 evict_first): whether the streaming hints help
+    "no-hints": (("row", "1x128", "128x128", "mx", "mxfp4"), {"hints": False}),
 }
 # the variant a granularity's "default" plan takes (none yet: the variants above await their GPU measurements)
 DEFAULT_VARIANTS: dict[str, str] = {}

@@ -3,17 +3,19 @@ read once (values held in registers between the amax and the stores), 16-byte no
 flight per thread before any reduction.
 
 Each thread moves chunks of 8 consecutive elements (one 16-byte ``ld.global.nc.v4`` of bf16/fp16, two of fp32;
-``PLAN.chunk`` 16: twice that; K a multiple of 16, so a chunk never crosses a row's end). A group is ``PLAN.group_rows`` x ``PLAN.group_cols``
-elements (group_cols 0: a whole row). Small groups (1x128, MX's 1x32) take group_cols / 8 lanes each and each
-thread ``PLAN.unroll`` groups, all loads issued before the butterfly amax; large ones (a row, a 128x128 block) one
-block each, every thread loading its ``PLAN.chunks`` chunks before the block's amax (rows longer than
-threads x chunks x 8 elements: ``PLAN.sweeps`` passes, the values read again for the stores). scale =
-max(amax, AMAX_FLOOR) * (1 / FP8_MAX) (an fp32 multiply, as the reference; MX: a power of two) and q = fp8(x /
-scale) rounded to nearest even, saturating (the reference's clamp), the quotient ``div.rn.f32``'s: MX multiplies by
-the scale's exact reciprocal, fp8 scales divide through one reciprocal per group (``arch.floats.divide``; a scale
-that is inf or NaN by ``div.rn.f32``). A chunk's eight fp8 values are stored as two 32-bit words (``q`` passed as
-int32 words); MXFP4: its eight e2m1 codes as one 32-bit word. Loads and stores stream (L1 no_allocate, L2
-evict_first): every byte is touched once (long rows' sweeps: twice, the first read left in L2).
+``PLAN.chunk`` 16: twice that; K a multiple of 16, so a chunk never crosses a row's end). A group is
+``PLAN.group_rows`` x ``PLAN.group_cols`` elements (group_cols 0: a whole row). Small groups (1x128, MX's 1x32)
+take group_cols / chunk lanes each and each thread ``PLAN.unroll`` groups, all loads issued before the butterfly
+amax (16-bit x: two groups a butterfly, ``PLAN.pair_groups``); large ones (a row, a 128x128 block) one block each,
+every thread loading its ``PLAN.chunks`` chunks before the block's amax (rows longer than threads x chunks x chunk
+elements: ``PLAN.sweeps`` passes, the values read again for the stores). scale = max(amax, AMAX_FLOOR) * (1 /
+FP8_MAX) (an fp32 multiply, as the reference; MX: a power of two) and q = fp8(x / scale) rounded to nearest even,
+saturating (the reference's clamp), the quotient ``div.rn.f32``'s: MX multiplies by the scale's exact reciprocal,
+fp8 scales divide through one reciprocal per group (``arch.floats.divide``; a scale that is inf or NaN by
+``div.rn.f32``). A chunk's fp8 values are stored as 32-bit words of four (``q`` passed as int32 words); MXFP4:
+its e2m1 codes as words of eight (``PLAN.e2m1_pairs``: rounded in bf16x2). Loads and stores stream (L1
+no_allocate, L2 evict_first; ``PLAN.hints`` False: plain): every byte is touched once (long rows' sweeps: twice,
+the first read left in L2).
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ class QuantizePlan:
     chunk: int = CHUNK  # elements a thread loads at once (8 or 16: 16 or 32 bytes of bf16, two 16-byte loads)
     min_blocks: int = 0  # > 0: ptxas asked to fit that many blocks per SM (without it, it may sink loads past shuffles)
     pair_groups: bool = True  # per_warp, 16-bit x: two groups' amaxes reduced in one packed word (_paired_amaxes)
+    hints: bool = True  # x's loads and the values' stores streaming (L1 no_allocate, L2 evict_first); False: plain
 
 
 @nvfly.func
@@ -67,8 +70,15 @@ def _load(x, row, col, valid, PLAN, REREAD=False):
     words = []
     for h in nvfly.static_range(PLAN.loads):
         words += load_global(x.address(row, col + h * (PLAN.chunk // PLAN.loads)), 4, valid, non_coherent=True,
-                             l1=STREAM_L1, policy=L2Policy.EVICT_NORMAL if REREAD else STREAM_L2)
+                             l1=STREAM_L1 if PLAN.hints else None,
+                             policy=(L2Policy.EVICT_NORMAL if REREAD else STREAM_L2) if PLAN.hints else None)
     return words
+
+
+@nvfly.func
+def _store_values(address, words, valid, PLAN):
+    """The quantised words stored streaming (PLAN.hints: L1 no_allocate, L2 evict_first; else plain)."""
+    store_global(address, words, valid, l1=STREAM_L1 if PLAN.hints else None, policy=STREAM_L2 if PLAN.hints else None)
 
 
 @nvfly.func
@@ -126,7 +136,7 @@ def _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN, FAST=True):
     word of fp8 per 4 values, or of e2m1 codes per 8 (the lowest nibble first)."""
     if PLAN.fp8 == "e2m1" and PLAN.e2m1_pairs and FAST and x.dtype == nvfly.bf16:
         codes = [bf16x2_to_e2m1x8(words[4 * i:4 * i + 4], inv) for i in range(len(words) // 4)]
-        store_global(q32.address(row, col // 8), codes, valid, l1=STREAM_L1, policy=STREAM_L2)
+        _store_values(q32.address(row, col // 8), codes, valid, PLAN)
         return
     y = _quantized(_values(x, words), s, inv, PLAN, FAST)
     if PLAN.fp8 == "e2m1":
@@ -137,12 +147,12 @@ def _store_quantized(x, q32, words, row, col, valid, s, inv, PLAN, FAST=True):
             for e in nvfly.static_range(1, 8):
                 word = word | (codes[8 * i + e] << (4 * e))
             packed.append(word)
-        store_global(q32.address(row, col // 8), packed, valid, l1=STREAM_L1, policy=STREAM_L2)
+        _store_values(q32.address(row, col // 8), packed, valid, PLAN)
     else:
         dtype = nvfly.f8e4m3 if PLAN.fp8 == "f8e4m3" else nvfly.f8e5m2
         pairs = [f32x2_to_fp8x2(y[2 * p], y[2 * p + 1], dtype) for p in range(len(y) // 2)]
         words = nvfly.make_vector(pairs).bitcast(nvfly.i32).tolist()
-        store_global(q32.address(row, col // 4), words, valid, l1=STREAM_L1, policy=STREAM_L2)
+        _store_values(q32.address(row, col // 4), words, valid, PLAN)
 
 
 @nvfly.func

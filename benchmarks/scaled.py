@@ -24,8 +24,9 @@ over their tiles; --quick: on the row and block recipes, and on every recipe's s
 plan, its alternatives and cuBLAS replayed from CUDA graphs, ``*_graph_ms``, ``*graph_vs_cublas``):
 ``nvfly_<name>_ms``, ``<name>_vs_nvfly`` (> 1: the alternative is faster), ``<name>_vs_cublas``. The
 quantisation kernels (bf16 -> e4m3 per row, 1x128, 128x128, MXFP8; bf16 -> MXFP4) are checked bit for bit against
-the torch reference and timed after, in TB/s of bytes read + written beside a torch copy of as many bytes; only
-them: python -m benchmarks.scaled --quantize-only (< 90 s; writes scaled_quantize_h200.json).
+the torch reference and timed after, in TB/s of bytes read + written beside a torch copy of as many bytes, with
+each plan variant (nvfly.ops.scaled.quantize.QUANTIZE_VARIANTS) checked and timed beside the default; only
+them: python -m benchmarks.scaled --quantize-only (< 2 min; writes scaled_quantize_h200.json).
 Writes benchmarks/results/<name>_h200.json (after every row) and <name>_h200.png.
 
 Block-scaled tiles (``--block-tiles``, < 3 min): the block recipe at M in {4096, 16384} on DeepSeek-V3 and Llama-70B
@@ -65,8 +66,8 @@ from nvfly.ops import scaled  # noqa: E402
 from nvfly.ops.scaled import A16Config, ScaledConfig, ScaledEpilogue  # noqa: E402
 from nvfly.ops.scaled.config import deepest  # noqa: E402
 from nvfly.ops.scaled.plan import SWAP_MAX_M, make_plan  # noqa: E402
-from nvfly.ops.scaled.quantize import (dequantize_mxfp4, quantize, quantize_fp8, quantize_mxfp4,  # noqa: E402
-                                      shuffle_mxfp4_a16)
+from nvfly.ops.scaled.quantize import (QUANTIZE_VARIANTS, dequantize_mxfp4, quantize, quantize_fp8,  # noqa: E402
+                                      quantize_mxfp4, shuffle_mxfp4_a16)
 
 # the FP8 anchors (../shared/docs/anchors.md) first, then DeepSeek-V3's projections at decode and prefill sizes
 ANCHORS = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 7168, 16384), (128, 8192, 8192), (2048, 24576, 1536)]
@@ -366,53 +367,76 @@ def quantize_bytes(m: int, k: int, granularity: str) -> int:
     return 2 * m * k + values + scales.get(granularity, m * k // 32)
 
 
-def quantize_rows() -> list[dict[str, Any]]:
+def quantize_rows(variant_names: Any = None) -> list[dict[str, Any]]:
     """nvfly's quantisation kernels against the torch reference (the same result bit for bit, checked): TB/s of
     bytes read + written (``quantize_bytes``) beside a torch copy of as many bytes (copy_tbps: half of them read,
-    half written) and the torch reference's time."""
+    half written) and the torch reference's time; each ``QUANTIZE_VARIANTS`` plan that applies to the granularity
+    checked and timed beside the default (``<variant>_bit_exact``, ``nvfly_<variant>_tbps``, ``<variant>_vs_default``:
+    > 1 the variant is faster); ``variant_names``: only those (None: all)."""
     rows = []
     for m, k in QUANTIZE_SHAPES:
         x = torch.randn(m, k, device="cuda").bfloat16()
         for granularity in ("row", "1x128", "128x128", "mx", "mxfp4"):
-            def kernel(granularity=granularity):
-                return quantize_mxfp4(x, "a") if granularity == "mxfp4" else quantize_fp8(x, granularity)
-            q, s = kernel()
+            def kernel(variant="default", granularity=granularity):
+                if granularity == "mxfp4":
+                    return quantize_mxfp4(x, "a", variant)
+                return quantize_fp8(x, granularity, variant=variant)
             q_ref, s_ref = quantize(x, granularity)
-            exact = torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
-            del q, s, q_ref, s_ref
+
+            def exact(variant: str) -> bool:
+                q, s = kernel(variant)
+                return torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+            variants = [name for name, (granularities, _) in QUANTIZE_VARIANTS.items()
+                        if granularity in granularities and (variant_names is None or name in variant_names)]
+            exacts = {variant: exact(variant) for variant in ["default"] + variants}
+            del q_ref, s_ref
             moved = quantize_bytes(m, k, granularity)
             src = torch.empty(moved // 2, dtype=torch.uint8, device="cuda")
             dst = torch.empty_like(src)
             nvfly_ms = bench_ms(kernel)
+            variant_ms = {variant: bench_ms(lambda variant=variant: kernel(variant)) for variant in variants}
+            if variants:  # the default timed again after them, its faster time kept (no drift favours either)
+                nvfly_ms = min(nvfly_ms, bench_ms(kernel))
             copy_ms = bench_ms(lambda: dst.copy_(src))
             torch_ms = bench_ms(lambda: quantize(x, granularity))
             del src, dst
-            row = {"M": m, "K": k, "granularity": granularity, "bit_exact": exact, "bytes": moved,
+            row = {"M": m, "K": k, "granularity": granularity, "bit_exact": exacts["default"], "bytes": moved,
                    "nvfly_ms": nvfly_ms, "copy_ms": copy_ms, "torch_ms": torch_ms,
                    "nvfly_tbps": moved / nvfly_ms / 1e9, "copy_tbps": 2 * (moved // 2) / copy_ms / 1e9,
                    "vs_copy": copy_ms / nvfly_ms, "vs_torch": torch_ms / nvfly_ms}
+            for variant, ms in variant_ms.items():
+                row.update({f"{variant}_bit_exact": exacts[variant], f"nvfly_{variant}_ms": ms,
+                            f"nvfly_{variant}_tbps": moved / ms / 1e9, f"{variant}_vs_default": nvfly_ms / ms})
             rows.append(row)
-            print(f"quantize {m:>5}x{k:>5} {granularity:>7}  bit-exact {exact}  nvfly {row['nvfly_tbps']:5.2f} TB/s"
-                  f"  torch copy of the same bytes {row['copy_tbps']:5.2f} TB/s (x{row['vs_copy']:.2f})"
-                  f"  x{row['vs_torch']:.1f} vs the torch reference", flush=True)
+            print(f"quantize {m:>5}x{k:>5} {granularity:>7}  bit-exact {exacts['default']}  nvfly "
+                  f"{row['nvfly_tbps']:5.2f} TB/s  torch copy of the same bytes {row['copy_tbps']:5.2f} TB/s "
+                  f"(x{row['vs_copy']:.2f})  x{row['vs_torch']:.1f} vs the torch reference", flush=True)
+            for variant in variants:
+                print(f"    variant {variant:>15}  bit-exact {exacts[variant]}  {row[f'nvfly_{variant}_tbps']:5.2f} "
+                      f"TB/s (x{row[f'{variant}_vs_default']:.2f} the default)", flush=True)
     return rows
 
 
 def quantize_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """All bit exact, and per granularity the lowest TB/s and fraction of the copy over the shapes of at least
     16 MB moved (the small ones measure the launch)."""
-    summary: dict[str, Any] = {"quantize_all_bit_exact": all(r["bit_exact"] for r in rows)}
+    summary: dict[str, Any] = {"quantize_all_bit_exact": all(v for r in rows for key, v in r.items()
+                                                             if key.endswith("bit_exact"))}
     for granularity in sorted({r["granularity"] for r in rows}):
         large = [r for r in rows if r["granularity"] == granularity and r["bytes"] >= 16 << 20]
         if large:
             summary[f"quantize_min_tbps_{granularity}"] = min(r["nvfly_tbps"] for r in large)
             summary[f"quantize_min_vs_copy_{granularity}"] = min(r["vs_copy"] for r in large)
+            for variant in QUANTIZE_VARIANTS:
+                if f"nvfly_{variant}_tbps" in large[0]:
+                    summary[f"quantize_min_tbps_{granularity}_{variant}"] = min(r[f"nvfly_{variant}_tbps"]
+                                                                                 for r in large)
     return summary
 
 
 def quantize_main(args: argparse.Namespace) -> int:
     t_start = time.time()
-    rows = quantize_rows()
+    rows = quantize_rows(args.quantize_variants)
     summary = {"seconds": time.time() - t_start, **quantize_summary(rows)}
     print(summary)
     path = write_results(args.name if args.name != "scaled" else "scaled_quantize", rows, {"summary": summary})
@@ -431,8 +455,12 @@ def main(argv=None) -> int:
                    help="default: all (--quick: all but tensor-fast)")
     p.add_argument("--name", default="scaled")
     p.add_argument("--no-quantize", action="store_true", help="skip the quantisation kernels' rows")
+    p.add_argument("--quantize-variants", nargs="*", choices=sorted(QUANTIZE_VARIANTS), default=None,
+                   help="the quantisation plan variants timed beside the defaults (default: all; none: give the "
+                        "flag alone)")
     p.add_argument("--quantize-only", action="store_true",
-                   help="only the quantisation kernels' rows (< 90 s on the H200; default name scaled_quantize)")
+                   help="only the quantisation kernels' rows (< 3 min on the H200 with every variant; default name "
+                        "scaled_quantize)")
     p.add_argument("--issue-ahead", action="store_true",
                    help="also time the promoted mainloop issuing k-block k+1 before k's add (ScaledConfig."
                         "issue_ahead) on the heuristic's unswapped tensor/row/block plans (nvfly_ahead_ms)")
@@ -556,7 +584,7 @@ def main(argv=None) -> int:
         if ratios:
             summary[f"geomean_{name}graph_vs_cublas"] = geomean(ratios)
     summary["geomean_vs_triton"] = geomean([r["vs_triton"] for r in rows if "vs_triton" in r])
-    quantized = [] if args.no_quantize else quantize_rows()
+    quantized = [] if args.no_quantize else quantize_rows(args.quantize_variants)
     if quantized:
         summary.update(quantize_summary(quantized))
     print(summary)

@@ -604,31 +604,28 @@ def test_plans():
             assert plan.config.split_k == 1 or 2 * tiles <= 132
 
 
+def _quantizer_plans() -> list:
+    from nvfly.ops.scaled.quantize import QUANTIZE_VARIANTS
+    return [(g, "default") for g in ("row", "1x128", "128x128", "mx", "mxfp4")] + \
+        [(g, name) for name, (granularities, _) in QUANTIZE_VARIANTS.items() for g in granularities]
+
+
 @pytest.mark.parametrize("source", ["bf16", "f32"])
-@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx", "mxfp4"])
-def test_quantize_kernels_compile(granularity, source):
-    """Every granularity's plan compiles without spills; x is read in 16-byte non-coherent streaming loads, all of
-    a thread's issued before its amax reduction, and the fp8 values stored as 8-byte words (e2m1: 4)."""
-    from nvfly.frontend.dtypes import bf16, f32, i32, u8
-    from nvfly.ops.scaled.quantize import quantize_plan
-    from nvfly.ops.scaled.quantize_kernel import quantize_kernel
-    from nvfly.runtime.tensor_desc import TensorDesc
+@pytest.mark.parametrize("granularity, variant", _quantizer_plans())
+def test_quantize_kernels_compile(granularity, variant, source):
+    """Every granularity's plan (and QUANTIZE_VARIANTS') compiles without spills; x is read in 16-byte
+    non-coherent streaming loads, all of a thread's issued before its amax reduction, and the fp8 values stored as
+    8-byte words (e2m1: 4; 16-element chunks: twice as wide)."""
     rows, k = 4096, 7168
-    dtype = torch.float8_e5m2 if granularity == "128x128" else torch.float8_e4m3fn
-    plan, blocks = quantize_plan(rows, k, 4 if source == "f32" else 2, granularity,
-                                 torch.float4_e2m1fn_x2 if granularity == "mxfp4" else dtype, 132)
-    scale = {"row": TensorDesc(f32, (rows, 1)), "1x128": TensorDesc(f32, (rows, 56), (1, rows)),
-             "128x128": TensorDesc(f32, (32, 56)), "mx": TensorDesc(u8, (rows, k // 32)),
-             "mxfp4": TensorDesc(u8, (rows, k // 32))}[granularity]
-    q = TensorDesc(i32, (rows, k // (8 if granularity == "mxfp4" else 4)))
-    x = TensorDesc(f32 if source == "f32" else bf16, (rows, k))
-    kern = quantize_kernel.compile(x, q, scale, rows, k, PLAN=plan, block=plan.threads)
+    plan, kern = _compile_quantizer(granularity, source, variant, rows, k)
     assert kern.resources.spill_stores == 0 and kern.resources.stack_bytes == 0 and not kern.warnings
     assert "STL" not in kern.sass() and "LDL" not in kern.sass()
-    load = "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32"
+    hinted = ".L1::no_allocate.L2::cache_hint" if plan.hints else ""
+    load = f"ld.global.nc{hinted}.v4.u32"
     per_thread = plan.loads * (plan.unroll if plan.per_warp else plan.chunks)
     assert kern.ptx.count(load) == per_thread * (2 if plan.sweeps > 1 else 1)
-    assert kern.sass_opcodes()["LDG.E.NA.128.CONSTANT"] == kern.ptx.count(load)  # 16-byte read-only loads in SASS
+    ldg = "LDG.E.NA.128.CONSTANT" if plan.hints else "LDG.E.128.CONSTANT"
+    assert kern.sass_opcodes()[ldg] == kern.ptx.count(load)  # 16-byte read-only loads in SASS
     # the loads come first: none after the first reduction step (shuffle or barrier)
     body = kern.ptx[kern.ptx.index(load):]
     first_reduction = min(i for i in (body.find("shfl.sync.bfly"), body.find("bar.sync")) if i >= 0)
@@ -638,17 +635,68 @@ def test_quantize_kernels_compile(granularity, source):
     else:  # divide's reciprocal once per group; div.rn.f32 only for a group with an inf or NaN scale
         assert kern.ptx.count("rcp.approx.ftz.f32") == (plan.unroll if plan.per_warp else 1)
         assert "div.rn.f32" in kern.ptx
+    wide = plan.chunk == 16
+    if plan.per_warp:  # a butterfly step per halving of the group's lanes; 16-bit x: two groups a shuffle
+        lanes = plan.group_cols // plan.chunk
+        reductions = -(-plan.unroll // 2) if plan.pair_groups and source == "bf16" else plan.unroll
+        assert kern.ptx.count("shfl.sync.bfly") == (lanes.bit_length() - 1) * reductions
     if granularity == "mxfp4":  # no fp8 cvt; a 32-bit word of eight codes, a scale byte
-        assert "F2FP" not in kern.sass() and "st.global.L1::no_allocate.L2::cache_hint.b32" in kern.ptx
-        assert kern.ptx.count("shfl.sync.bfly") == 2 * plan.unroll and "st.global.b8" in kern.ptx
+        stored = "v2.u32" if wide else "b32"
+        assert "F2FP" not in kern.sass() and f"st.global{hinted}.{stored}" in kern.ptx
+        assert "st.global.b8" in kern.ptx
         return
     kind = "E4M3" if plan.fp8 == "f8e4m3" else "E5M2"
     assert any(op.startswith(f"F2FP.SATFINITE.{kind}.F32") for op in kern.sass_opcodes())
-    assert "st.global.L1::no_allocate.L2::cache_hint.v2.u32" in kern.ptx
-    if granularity == "mx":  # 4 lanes a group: two butterfly steps per group
-        assert kern.ptx.count("shfl.sync.bfly") == 2 * plan.unroll and "st.global.b8" in kern.ptx
+    assert f"st.global{hinted}.{'v4' if wide else 'v2'}.u32" in kern.ptx
+    assert ("cache_hint" in kern.ptx) == plan.hints
+    if granularity == "mx":
+        assert "st.global.b8" in kern.ptx
     if granularity == "1x128":
-        assert plan.unroll == 4 and blocks == rows * 56 // (16 * 4)
+        from nvfly.ops.scaled.quantize import quantize_plan
+        _, blocks = quantize_plan(rows, k, 4 if source == "f32" else 2, granularity, torch.float8_e4m3fn, 132, variant)
+        assert plan.unroll * plan.loads <= 8 and plan.unroll == min(4, 8 // plan.loads)
+        assert blocks == rows * 56 // (plan.threads // (128 // plan.chunk) * plan.unroll)
+
+
+def _compile_quantizer(granularity: str, source: str, variant: str = "default", rows: int = 4096, k: int = 7168):
+    from nvfly.frontend.dtypes import bf16, f16, f32, i32, u8
+    from nvfly.ops.scaled.quantize import quantize_plan
+    from nvfly.ops.scaled.quantize_kernel import quantize_kernel
+    from nvfly.runtime.tensor_desc import TensorDesc
+    dtype = torch.float4_e2m1fn_x2 if granularity == "mxfp4" else torch.float8_e4m3fn
+    plan, _ = quantize_plan(rows, k, 4 if source == "f32" else 2, granularity, dtype, 132, variant)
+    scale = {"row": TensorDesc(f32, (rows, 1)), "1x128": TensorDesc(f32, (rows, k // 128), (1, rows)),
+             "128x128": TensorDesc(f32, (rows // 128, k // 128)), "mx": TensorDesc(u8, (rows, k // 32)),
+             "mxfp4": TensorDesc(u8, (rows, k // 32))}[granularity]
+    q = TensorDesc(i32, (rows, k // (8 if granularity == "mxfp4" else 4)))
+    x = TensorDesc({"bf16": bf16, "f16": f16, "f32": f32}[source], (rows, k))
+    return plan, quantize_kernel.compile(x, q, scale, rows, k, PLAN=plan, block=plan.threads)
+
+
+def test_quantize_e2m1_pairs_variant_rounds_bf16_pairs(monkeypatch):
+    """QUANTIZE_VARIANTS' "e2m1-pairs" (MXFP4): bf16 x rounded in bf16x2 (one add.rn.bf16x2 per pair, in SASS
+    HADD2/HFMA2.BF16), no spills, fewer SASS instructions than the default; the f32 rounding kept for groups holding
+    a NaN; fp16 / fp32 x compile as the default (the option applies to bf16 only); other granularities refuse it."""
+    from nvfly.ops.scaled import quantize as quantize_module
+    from nvfly.ops.scaled.quantize import quantize_plan
+    monkeypatch.setattr(quantize_module, "DEFAULT_VARIANTS", {})  # the f32 rounding, whatever the default
+    plan, kern = _compile_quantizer("mxfp4", "bf16", "e2m1-pairs")
+    _, default = _compile_quantizer("mxfp4", "bf16")
+    assert plan.e2m1_pairs and kern.resources.spill_stores == 0 and "STL" not in kern.sass()
+    assert kern.ptx.count("add.rn.bf16x2") == 4 * plan.unroll
+    assert kern.ptx.count("prmt.b32") == 2 * plan.unroll + 2 * (plan.unroll // 2)  # the nibbles; amaxes paired
+    assert any(op.startswith(("HADD2.BF16", "HFMA2.MMA.BF16", "HFMA2.BF16")) for op in kern.sass_opcodes())
+    assert sum(kern.sass_opcodes().values()) < 0.95 * sum(default.sass_opcodes().values())
+    assert kern.ptx.count("add.rn.f32") == 8 * plan.unroll  # f32_to_e2m1's magic add: the NaN groups' path only
+    for source in ("f16", "f32"):
+        _, kern = _compile_quantizer("mxfp4", source, "e2m1-pairs")
+        _, default = _compile_quantizer("mxfp4", source)
+        assert "bf16x2" not in kern.ptx.replace("max.NaN.bf16x2", "")
+        assert sum(kern.sass_opcodes().values()) == sum(default.sass_opcodes().values())
+    with pytest.raises(ValueError, match="^variant: expected 'default' or one of .* for granularity 'row', got 'e2m1"):
+        quantize_plan(16, 4096, 2, "row", torch.float8_e4m3fn, 132, "e2m1-pairs")
+    with pytest.raises(ValueError, match="^variant: .*'e2m1-pairs'.* got 'nope'"):
+        quantize_plan(16, 4096, 2, "mxfp4", torch.float4_e2m1fn_x2, 132, "nope")
 
 
 def test_quantize_plan_holds_long_rows_in_sweeps():
@@ -916,6 +964,54 @@ def test_e2m1_magic_rounding_equals_the_reference_codes():
     steps = (mag + magic).view(torch.int32) - less
     code = torch.where(mag == mag, steps.clamp(max=7), 0).long() | (y.signbit().long() << 3)
     assert torch.equal(code, e2m1_codes(y))
+
+
+def _bf16x2_to_e2m1x8_emulated(x: torch.Tensor, reciprocal: torch.Tensor) -> torch.Tensor:
+    """``nvfly.arch.floats.bf16x2_to_e2m1x8``'s steps in torch on CPU: x (n, 8) bf16, reciprocal (n, 1) f32 -> n
+    words (int64, unsigned). The bf16 ops as f32 ops rounded to bf16 (the product is exact in f32; for the sum,
+    rounding to f32's 24 bits and then to bf16's 8 is innocuous, 24 >= 2 * 8 + 2), the integer ops on the packed
+    32-bit words as the kernel does them (lanes that must not borrow from each other)."""
+    from nvfly.arch.floats import _BF16_EXPONENT_PAIR, _BF16_TIMES_64, _E2M1_CODE_BIAS
+
+    def bits(t: torch.Tensor) -> torch.Tensor:  # bf16 -> its 16 bits as int64
+        return t.view(torch.int16).long() & 0xFFFF
+
+    def bf16(b: torch.Tensor) -> torch.Tensor:  # 16 bits (int64) -> bf16 (the cast to int16 wraps)
+        return b.to(torch.int16).view(torch.bfloat16)
+
+    def pairs(lanes: torch.Tensor) -> torch.Tensor:  # (n, 8) 16-bit lanes -> (n, 4) words, value 2p low
+        return lanes[:, 0::2] | (lanes[:, 1::2] << 16)
+
+    w = pairs(bits(x))
+    magnitude = bf16(bits(x) & 0x7FFF)
+    a = (magnitude.float() * reciprocal).bfloat16().clamp(max=6.0)     # mul.rn.bf16x2, min.bf16x2 (no NaN here)
+    e = pairs(bits(torch.maximum(a, torch.tensor(1.0, dtype=torch.bfloat16)))) & _BF16_EXPONENT_PAIR
+    magic = e + _BF16_TIMES_64
+    lanes = torch.stack([magic & 0xFFFF, magic >> 16], dim=-1).flatten(1)  # (n, 8) in value order
+    total = pairs(bits((a.float() + bf16(lanes).float()).bfloat16()))   # add.rn.bf16x2
+    mask = (1 << 32) - 1
+    codes = ((total - e + (e >> 6) - _E2M1_CODE_BIAS) & mask) | ((w >> 12) & 0x00080008)
+    low01, low23 = codes[:, 0] | (codes[:, 1] << 8), codes[:, 2] | (codes[:, 3] << 8)
+    lows = (low01 & 0xFFFF) | ((low23 & 0xFFFF) << 16)                   # prmt 0x5410
+    highs = (low01 >> 16) | ((low23 >> 16) << 16)                        # prmt 0x7632
+    return (lows | (highs << 4)) & mask
+
+
+def test_bf16_pair_e2m1_rounding_equals_the_reference_codes():
+    """bf16x2_to_e2m1x8's rule (QuantizePlan.e2m1_pairs) gives the reference's codes (``e2m1_codes`` of x times the
+    reciprocal in f32) for every non-NaN bf16 x (infinities, zeros, subnormals) and every MXFP4 scale byte 0-253
+    (reciprocals 2^127 .. 2^-126), ties included, eight consecutive values to a word in the reference's nibble
+    order; the GPU test runs the kernel itself."""
+    from nvfly.ops.scaled.quantize import e2m1_codes
+    every = torch.arange(1 << 16, dtype=torch.int64).to(torch.int16).view(torch.bfloat16)
+    values = every[~every.isnan()]
+    values = values[: values.numel() // 8 * 8].reshape(-1, 8)
+    for byte in range(254):
+        reciprocal = torch.tensor([(254 - byte) << 23], dtype=torch.int32).view(torch.float32)
+        got = _bf16x2_to_e2m1x8_emulated(values, reciprocal.expand(values.shape[0], 1))
+        codes = e2m1_codes(values.float() * reciprocal)
+        want = sum(codes[:, i] << (4 * i) for i in range(8))
+        assert torch.equal(got, want), (byte, values[got != want][:2])
 
 
 def test_mxfp4_quantisation_reference():

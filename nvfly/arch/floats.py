@@ -192,15 +192,24 @@ E2M1_AT_OR_ABOVE = (0.75, 1.75, 3.5)
 
 
 @traced
+def max_x2(a: Any, b: Any, dtype: DType) -> Scalar:
+    """The larger of each 16-bit lane of two 32-bit words of ``dtype`` (bf16 or f16) pairs (``max.NaN.<type>x2``:
+    a NaN wins)."""
+    kind = _PACKED_TYPES.get(dtype)
+    if kind is None:
+        raise CompileError(f"max_x2 takes bf16 or f16 pairs, got {dtype.name}")
+    return asm(f"max.NaN.{kind} $0, $1, $2;", [as_value(a), as_value(b)], dtypes.i32, side_effects=False)
+
+
+@traced
 def max_abs_x2(words: list, dtype: DType) -> Scalar:
     """The largest magnitude in each 16-bit lane of 32-bit words of ``dtype`` (bf16 or f16) pairs, as one word of
     two: the sign bits cleared and ``max.NaN.<type>x2`` (a NaN wins), one instruction for two values each."""
-    kind = {"bf16": "bf16x2", "f16": "f16x2"}.get(dtype.name)
-    if kind is None:
+    if dtype not in _PACKED_TYPES:
         raise CompileError(f"max_abs_x2 takes bf16 or f16 pairs, got {dtype.name}")
     most = as_value(words[0]) & 0x7FFF7FFF
     for w in words[1:]:
-        most = asm(f"max.NaN.{kind} $0, $1, $2;", [most, as_value(w) & 0x7FFF7FFF], dtypes.i32, side_effects=False)
+        most = max_x2(most, as_value(w) & 0x7FFF7FFF, dtype)
     return most
 
 
@@ -218,15 +227,15 @@ def division_reciprocal(divisor: Any) -> Scalar:
 @traced
 def divide(x: Any, divisor: Any, reciprocal: Any) -> Scalar:
     """f32 ``x / divisor`` rounded to nearest even with ``reciprocal = division_reciprocal(divisor)``: ``div.rn.f32``'s
-    fast path (the quotient from the reciprocal, one fma-computed remainder, one correction), three instructions
-    and the sign, without its per-division reciprocal and range check (FCHK, which sends zeros, subnormals and
-    quotients near f32's ends to a slow path). Equal to ``div.rn.f32`` where x, the divisor and the quotient are
-    normal and the divisor finite (zeros keep x's sign); a quotient below 2^-100 may be off by ulps."""
+    fast path (the quotient from the reciprocal, one fma-computed remainder, one correction), three instructions,
+    without its per-division reciprocal and range check (FCHK, which sends zeros, subnormals and quotients near
+    f32's ends to a slow path). Equal to ``div.rn.f32`` where x, the divisor and the quotient are normal and the
+    divisor positive and finite, zeros included; a quotient below 2^-100 may be off by ulps."""
     q = x * reciprocal
-    q = fma(reciprocal, fma(-divisor, q, x), q)
-    # |q| with x's sign in one lop3 ((a & c) | (b & ~c)); as copysign LLVM may take the sign from x's source instead
-    return asm("lop3.b32 $0, $1, $2, $3, 0xE4;", [q.bitcast(dtypes.i32), as_value(x).bitcast(dtypes.i32), 0x7FFFFFFF],
-               dtypes.i32, side_effects=False).bitcast(dtypes.f32)
+    # the remainder negated (d q - x, exactly -(x - d q) rounded) and subtracted: the same correction as
+    # q + r (x - d q), but a zero x keeps its sign (-0: q = -0, d q - x = +0, -r * +0 + -0 = -0), where adding
+    # r * (x - d q) = +0 to q = -0 would give +0 and need a copysign
+    return fma(-as_value(reciprocal), fma(divisor, q, -as_value(x)), q)
 
 
 # f32_to_e2m1 rounds a magnitude by adding the power of two whose f32 ulp is e2m1's step there (0.5 below 2, 1 below
@@ -253,6 +262,52 @@ def f32_to_e2m1(value: Any, nan: bool = True) -> Scalar:
     if nan:
         code = select(magnitude == magnitude, code, 0)  # NaN passes no threshold
     return code | ((v.bitcast(dtypes.i32) >> 28) & 8)
+
+
+# bf16x2_to_e2m1x8 rounds two bf16 magnitudes a (|x| times the scale's reciprocal, clamped to 6) per instruction:
+# the magic is 64 times a's power of two (at least 1), whose bf16 ulp is e2m1's step (0.5 below 2, 1 below 4, 2
+# above); the sum's bits less the magic's count the steps from the binade's first code, 2 * (exponent - 127)
+_BF16_ONE_PAIR = 0x3F803F80
+_BF16_SIX_PAIR = 0x40C040C0
+_BF16_EXPONENT_PAIR = 0x7F807F80
+_BF16_TIMES_64 = 0x03000300  # 6 added to a bf16 exponent field
+_E2M1_CODE_BIAS = 0x03FE03FE  # per 16-bit lane: 6 << 7 of the magic's exponent plus 2 * 127 of the code's
+
+
+@traced
+def bf16x2_to_e2m1x8(words: list, reciprocal: Any) -> Scalar:
+    """The eight OCP e2m1 codes (one 32-bit word, the lowest nibble first: ``f32_to_e2m1`` of each value times the
+    f32 ``reciprocal``) of four 32-bit words of bf16 pairs (low half first), for a ``reciprocal`` that is a normal
+    power of two and values that are not NaN (inf saturates): bf16x2 arithmetic, two values an instruction. |x|
+    times the reciprocal is exact in bf16 (a power of two; a subnormal product is far below e2m1's 0.25), clamped
+    to 6 (``min.bf16x2``), then rounded by one ``add.rn.bf16x2`` of a magic power of two (``max.bf16x2`` with 1
+    and an exponent mask pick it), which rounds to nearest even at e2m1's step as ``f32_to_e2m1``'s f32 add does;
+    integer ops on the pair then give the codes and the nibbles. About 13 instructions a pair, where
+    ``f32_to_e2m1`` takes about 10 a value plus the conversions to f32."""
+    if len(words) != 4:
+        raise CompileError(f"bf16x2_to_e2m1x8 takes four 32-bit words of bf16 pairs, got {len(words)}")
+    r = as_value(reciprocal)
+    if not isinstance(r, Scalar) or r.dtype != dtypes.f32:
+        raise CompileError(f"bf16x2_to_e2m1x8 takes the reciprocal as an f32, got {getattr(r, 'dtype', r)}")
+    bits = r.bitcast(dtypes.i32)
+    pair = bits | (bits >> 16)  # positive, a power of two (its low 16 bits zero): its bf16 in both halves
+    codes = []
+    for word in words:
+        w = as_value(word)
+        if not isinstance(w, Scalar) or w.dtype.bits != 32 or not w.dtype.is_int:
+            raise CompileError(f"bf16x2_to_e2m1x8 takes 32-bit integer words, got {getattr(w, 'dtype', w)}")
+        a = asm("mul.rn.bf16x2 $0, $1, $2;", [w & 0x7FFF7FFF, pair], dtypes.i32, side_effects=False)
+        a = asm("min.bf16x2 $0, $1, $2;", [a, _BF16_SIX_PAIR], dtypes.i32, side_effects=False)
+        e = asm("max.bf16x2 $0, $1, $2;", [a, _BF16_ONE_PAIR], dtypes.i32, side_effects=False) & _BF16_EXPONENT_PAIR
+        total = asm("add.rn.bf16x2 $0, $1, $2;", [a, e + _BF16_TIMES_64], dtypes.i32, side_effects=False)
+        # per lane: steps (sum less magic) plus the binade's first code; no borrow crosses lanes (each lane >= 0)
+        code = total - e + (e >> 6) - _E2M1_CODE_BIAS
+        codes.append(code | ((w >> 12) & 0x00080008))  # the signs (bits 15, 31) to bits 3, 19
+    # nibble 2p: word p's low value, 2p + 1 its high one
+    low01, low23 = codes[0] | (codes[1] << 8), codes[2] | (codes[3] << 8)  # bytes: low p, low p + 1, high p, high p+1
+    lows = asm("prmt.b32 $0, $1, $2, 0x5410;", [low01, low23], dtypes.i32, side_effects=False)
+    highs = asm("prmt.b32 $0, $1, $2, 0x7632;", [low01, low23], dtypes.i32, side_effects=False)
+    return lows | (highs << 4)
 
 
 def _f32_bits(x: float) -> int:

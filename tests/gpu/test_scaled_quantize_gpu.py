@@ -1,19 +1,30 @@
 """nvfly's quantisation kernels (quantize_fp8, quantize_mxfp4) against the torch reference ``quantize``, bit for bit
 (torch.equal on scales and values): every granularity, bf16 / fp16 / fp32 inputs, e4m3 and e5m2, shapes with
 tails (rows past a 128-row block, K past a 128 group, a single row and group, rows long enough to be read in
-sweeps). Under 90 s on the H200 (most of it compiling the plans)."""
+sweeps), every QUANTIZE_VARIANTS plan beside the defaults, and MXFP4 on every finite bf16. Under 90 s on the
+H200 (most of it compiling the plans)."""
 import pytest
 import torch
 
 import nvfly
 from nvfly.arch.floats import divide, division_reciprocal
-from nvfly.ops.scaled.quantize import quantize, quantize_fp8, quantize_mxfp4, quantize_plan
+from nvfly.ops.scaled.quantize import QUANTIZE_VARIANTS, quantize, quantize_fp8, quantize_mxfp4, quantize_plan
 
 pytestmark = pytest.mark.gpu
 
 # (rows, K): tails of rows and of K's 128-groups, one row and group, a partial unroll step, rows in sweeps
 SHAPES = [(300, 1056), (129, 4112), (16, 7168), (1, 16), (3, 70016), (4097, 512)]
 SOURCES = [torch.bfloat16, torch.float16, torch.float32]
+# (granularity, variant): the default plans and every QUANTIZE_VARIANTS entry on the granularities it applies to
+PLANS = [(g, "default") for g in ("row", "1x128", "128x128", "mx", "mxfp4")] + \
+    [(g, name) for name, (granularities, _) in QUANTIZE_VARIANTS.items() for g in granularities]
+
+
+def run(x: torch.Tensor, granularity: str, variant: str, dtype: torch.dtype = torch.float8_e4m3fn,
+        operand: str = "a"):
+    if granularity == "mxfp4":
+        return quantize_mxfp4(x, operand=operand, variant=variant)
+    return quantize_fp8(x, granularity, dtype, operand, variant)
 
 
 def spread(rows: int, k: int, source: torch.dtype) -> torch.Tensor:
@@ -42,19 +53,42 @@ def check(got, want) -> None:
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx", "mxfp4"])
-def test_quantize_kernels_equal_the_reference(hopper, granularity, source):
+@pytest.mark.parametrize("granularity, variant", PLANS, ids=[f"{g}-{v}" for g, v in PLANS])
+def test_quantize_kernels_equal_the_reference(hopper, granularity, variant, source):
     for rows, k in SHAPES:
         if granularity in ("mx", "mxfp4") and k % 32:
             continue
         x = spread(rows, k, source)
         if granularity == "mxfp4":
-            check(quantize_mxfp4(x, operand="a"), quantize(x, "mxfp4"))
+            check(run(x, granularity, variant), quantize(x, "mxfp4"))
             continue
         for dtype in (torch.float8_e4m3fn, torch.float8_e5m2) if source == torch.bfloat16 else (torch.float8_e4m3fn,):
-            check(quantize_fp8(x, granularity, dtype), quantize(x, granularity, dtype))
+            check(run(x, granularity, variant, dtype), quantize(x, granularity, dtype))
         if rows == 300:  # the weight's layouts
-            check(quantize_fp8(x, granularity, operand="b"), quantize(x, granularity, operand="b"))
+            check(run(x, granularity, variant, operand="b"), quantize(x, granularity, operand="b"))
+
+
+def every_bf16_in_its_binades() -> torch.Tensor:
+    """Every finite bf16 (subnormals, zeros and both signs included) in MX groups whose amax is at most 5 binades
+    above it (31 values and the largest of their top binade a group), so that every value meets every scale byte
+    whose quotient rounds to a nonzero e2m1 code, ties included: (rows, 256)."""
+    groups = []
+    for top in range(255):
+        fields = torch.arange(max(0, top - 5), top + 1)
+        magnitude = (fields[:, None] << 7 | torch.arange(128)[None]).flatten()
+        bits = torch.cat([magnitude, magnitude | 0x8000])
+        bits = torch.cat([bits, bits[: -bits.numel() % 31]])  # a multiple of 31, repeating the first
+        groups.append(torch.cat([bits.view(-1, 31), torch.full((bits.numel() // 31, 1), top << 7 | 0x7F)], 1))
+    words = torch.cat(groups)
+    words = torch.cat([words, words[: -words.shape[0] % 8]]).view(-1, 256)
+    return words.to(torch.int16).view(torch.bfloat16).cuda()
+
+
+@pytest.mark.parametrize("variant", [v for g, v in PLANS if g == "mxfp4"])
+def test_mxfp4_kernels_equal_the_reference_on_every_bf16(hopper, variant):
+    x = every_bf16_in_its_binades()
+    assert x.isfinite().all() and x.shape[0] > 1000
+    check(run(x, "mxfp4", variant), quantize(x, "mxfp4"))
 
 
 def test_the_long_row_shape_is_read_in_sweeps():
@@ -65,18 +99,15 @@ def test_the_long_row_shape_is_read_in_sweeps():
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("granularity", ["row", "1x128", "128x128", "mx", "mxfp4"])
-def test_groups_with_inf_and_nan_take_the_exact_slow_path(hopper, granularity, source):
+@pytest.mark.parametrize("granularity, variant", PLANS, ids=[f"{g}-{v}" for g, v in PLANS])
+def test_groups_with_inf_and_nan_take_the_exact_slow_path(hopper, granularity, variant, source):
     """A group holding an inf (fp8 scales: inf, divided by div.rn.f32) or a NaN (MXFP4: the e2m1 NaN check) gives
     the reference's bytes; the other groups stay exact (NaN scales compared as NaN)."""
     x = spread(256, 1024, source)
     x[3, 5] = float("inf")
     x[130, 700] = -float("inf")
     x[200, 40] = float("nan")
-    if granularity == "mxfp4":
-        (q, s), (q_ref, s_ref) = quantize_mxfp4(x, operand="a"), quantize(x, "mxfp4")
-    else:
-        (q, s), (q_ref, s_ref) = quantize_fp8(x, granularity), quantize(x, granularity)
+    (q, s), (q_ref, s_ref) = run(x, granularity, variant), quantize(x, granularity)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)), \
         (q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()[:8]

@@ -9,6 +9,7 @@ nearest even. Layouts are ``torch._scaled_mm``'s (see nvfly.ops.scaled.api).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -186,22 +187,42 @@ KERNEL_GRANULARITIES = ("row", "1x128", "128x128", "mx")
 _QUANT_THREADS = 256
 _SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_NAMES = {torch.float8_e4m3fn: "f8e4m3", torch.float8_e5m2: "f8e5m2"}
+# plan variants (QuantizePlan fields over quantize_plan's) for the granularities they apply to, timed beside the
+# default by ``python -m benchmarks.scaled --quantize-only`` and checked bit for bit by the GPU tests
+QUANTIZE_VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    # MXFP4 of bf16 rounded two values an instruction (bf16x2_to_e2m1x8)
+    "e2m1-pairs": (("mxfp4",), {"e2m1_pairs": True}),
+    # 16 elements a load step (two 16-byte loads, one 16-byte fp8 store): half the lanes a group, half the shuffles
+    "wide": (("row", "1x128", "128x128", "mx"), {"chunk": 16}),
+    "wide-e2m1-pairs": (("mxfp4",), {"chunk": 16, "e2m1_pairs": True}),
+    # "-4cta": .minnctapersm 4 (up to 64 registers at 256 threads), under which ptxas issues every load of a
+    # thread before its first shuffle; without it, it sinks some (MX: 2 of 4, e2m1-pairs: 3 of 4, wide MX: 4 of 8)
+    "4cta": (("mx",), {"min_blocks": 4}),
+    "e2m1-pairs-4cta": (("mxfp4",), {"e2m1_pairs": True, "min_blocks": 4}),
+    "wide-4cta": (("mx",), {"chunk": 16, "min_blocks": 4}),
+    # the per-warp plans as before pair_groups (each group's amax reduced alone, in f32): to measure that default
+    "unpaired": (("1x128", "mx", "mxfp4"), {"pair_groups": False}),
+    # plain loads and stores (no L1 no_allocate / L2 evict_first): whether the streaming hints help
+    "no-hints": (("row", "1x128", "128x128", "mx", "mxfp4"), {"hints": False}),
+}
+# the variant a granularity's "default" plan takes (none yet: the variants above await their GPU measurements)
+DEFAULT_VARIANTS: dict[str, str] = {}
 
 
 def quantize_fp8(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float8_e4m3fn,
-                 operand: str = "a") -> tuple[torch.Tensor, torch.Tensor]:
+                 operand: str = "a", variant: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize``'s result (the same values and scales, bit for bit, in the same layouts) from nvfly's
     memory-bound kernel: x a contiguous CUDA (rows, K) bf16/fp16/fp32 tensor, K a multiple of 16, granularity
     "row", "1x128", "128x128" or "mx" (MXFP8, K a multiple of 32; tensor-wise scales need a global amax first:
-    ``quantize``)."""
+    ``quantize``). ``variant``: "default" or a ``QUANTIZE_VARIANTS`` name that applies to the granularity."""
     try:
-        key = (layout_key(x), granularity, dtype, operand)
+        key = (layout_key(x), granularity, dtype, operand, variant)
         call = _QUANT_CALLS.get(key)
     except Exception:  # noqa: BLE001 - not a tensor, an unhashable argument: the checks explain
         key = call = None
     if call is None:
         call = _QUANT_CALLS.plan("nvfly.ops.scaled.quantize_fp8", key, _QuantizeCall, x, granularity, dtype,
-                                 operand)
+                                 operand, variant)
     return call.run(x)
 
 
@@ -265,31 +286,49 @@ def unshuffle_mxfp4_a16(w_shuffled: torch.Tensor, layout: str = "shuffled") -> t
     return _a16_words(out)
 
 
-def quantize_mxfp4(x: torch.Tensor, operand: str = "b") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_mxfp4(x: torch.Tensor, operand: str = "b", variant: str = "default") -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize(x, "mxfp4", operand=operand)`` (the same packed e2m1 values and e8m0 scales, bit for bit) from
     nvfly's kernel: x a contiguous CUDA (rows, K) bf16/fp16/fp32 tensor, K a multiple of 32; returns the packed
     values as float4_e2m1fn_x2 (rows, K/2) ("a"), or their (K/2, N) column-major transpose ("b", as ``scaled_mm``
-    takes MXFP4 weights), and the (rows, K/32) uint8 scales."""
+    takes MXFP4 weights), and the (rows, K/32) uint8 scales. ``variant``: as ``quantize_fp8``'s."""
     try:
-        key = (layout_key(x), "mxfp4", operand)
+        key = (layout_key(x), "mxfp4", operand, variant)
         call = _QUANT_CALLS.get(key)
     except Exception:  # noqa: BLE001 - not a tensor, an unhashable argument: the checks explain
         key = call = None
     if call is None:
         call = _QUANT_CALLS.plan("nvfly.ops.scaled.quantize_mxfp4", key, _QuantizeCall, x, "mxfp4",
-                                 torch.float4_e2m1fn_x2, operand)
+                                 torch.float4_e2m1fn_x2, operand, variant)
     return call.run(x)
 
 
 def quantize_plan(rows: int, k: int, itemsize: int, granularity: str, dtype: torch.dtype,
-                  sms: int) -> tuple[Any, int]:
+                  sms: int, variant: str = "default") -> tuple[Any, int]:
     """(QuantizePlan, blocks) of the quantisation kernel for x (rows, k) of ``itemsize``-byte elements on ``sms``
     SMs. 1x128 and MX groups: 16 and 4 lanes each (8 elements a lane), each thread the most groups (4, 2 or 1) that
     still leave 4 blocks (32 warps) per SM, so 4 16-byte loads are in flight per thread before the amax. Rows and
     128x128 blocks: a block each, at most 8 chunks (4 of fp32) per thread held in registers, the threads the next
-    power of two in [128, 1024] that covers the group; longer rows in sweeps (read twice)."""
-    from nvfly.ops.scaled.quantize_kernel import CHUNK, QuantizePlan
-    loads = 2 if itemsize == 4 else 1  # 16-byte loads per 8-element chunk
+    power of two in [128, 1024] that covers the group; longer rows in sweeps (read twice). ``variant``: "default"
+    or a ``QUANTIZE_VARIANTS`` name, its fields set over the plan (``DEFAULT_VARIANTS``: the default's)."""
+    from nvfly.ops.scaled.quantize_kernel import CHUNK
+    if variant == "default":
+        variant = DEFAULT_VARIANTS.get(granularity, "default")
+    if variant == "default":
+        return _plan(rows, k, itemsize, granularity, dtype, sms, CHUNK)
+    if variant not in QUANTIZE_VARIANTS or granularity not in QUANTIZE_VARIANTS[variant][0]:
+        known = [name for name, (granularities, _) in QUANTIZE_VARIANTS.items() if granularity in granularities]
+        raise ValueError(f"variant: expected 'default' or one of {known} for granularity {granularity!r}, "
+                         f"got {variant!r}")
+    fields = QUANTIZE_VARIANTS[variant][1]
+    plan, blocks = _plan(rows, k, itemsize, granularity, dtype, sms, fields.get("chunk", CHUNK))
+    return dataclasses.replace(plan, **fields), blocks
+
+
+def _plan(rows: int, k: int, itemsize: int, granularity: str, dtype: torch.dtype, sms: int,
+          chunk: int) -> tuple[Any, int]:
+    """quantize_plan's plan with ``chunk`` elements a load step (8: 16 bytes of bf16)."""
+    from nvfly.ops.scaled.quantize_kernel import QuantizePlan
+    loads = chunk * itemsize // 16  # 16-byte loads per chunk
     if granularity == "mxfp4":
         fp8, inv, emax = "e2m1", 1.0 / 6.0, E2M1_EMAX
     else:
@@ -298,28 +337,29 @@ def quantize_plan(rows: int, k: int, itemsize: int, granularity: str, dtype: tor
     if granularity in ("1x128", "mx", "mxfp4"):
         group_cols = SCALE_BLOCK if granularity == "1x128" else MX_BLOCK
         groups = rows * -(-k // group_cols)
-        per_block = _QUANT_THREADS // (group_cols // CHUNK)
-        unroll = next(u for u in (4, 2, 1) if u == 1 or -(-groups // (per_block * u)) >= 4 * sms)
+        per_block = _QUANT_THREADS // (group_cols // chunk)
+        # at most 8 16-byte loads a thread (fp32 in 16-element chunks: 2 groups)
+        unroll = next(u for u in (4, 2, 1) if u == 1 or (u * loads <= 8 and -(-groups // (per_block * u)) >= 4 * sms))
         plan = QuantizePlan(1, group_cols, True, _QUANT_THREADS, fp8, inv, AMAX_FLOOR, emax, unroll=unroll,
-                            loads=loads, groups_per_row=-(-k // group_cols))
+                            loads=loads, groups_per_row=-(-k // group_cols), chunk=chunk)
         return plan, -(-groups // (per_block * unroll))
-    most = 8 // loads  # chunks a thread holds
+    most = 8 // loads  # chunks a thread holds: 128 bytes
     if granularity == "row":
-        group_rows, group_cols, total, blocks = 1, 0, k // CHUNK, rows
+        group_rows, group_cols, total, blocks = 1, 0, k // chunk, rows
     else:
         group_rows, group_cols = SCALE_BLOCK, SCALE_BLOCK
-        total, blocks = SCALE_BLOCK * SCALE_BLOCK // CHUNK, -(-rows // SCALE_BLOCK) * -(-k // SCALE_BLOCK)
+        total, blocks = SCALE_BLOCK * SCALE_BLOCK // chunk, -(-rows // SCALE_BLOCK) * -(-k // SCALE_BLOCK)
     threads = min(1024, max(128, 1 << (-(-total // most) - 1).bit_length()))
     sweeps = -(-total // (threads * most))
     plan = QuantizePlan(group_rows, group_cols, False, threads, fp8, inv, AMAX_FLOOR, emax,
-                        chunks=-(-total // (threads * sweeps)), sweeps=sweeps, loads=loads)
+                        chunks=-(-total // (threads * sweeps)), sweeps=sweeps, loads=loads, chunk=chunk)
     return plan, blocks
 
 
 class _QuantizeCall:
     """The quantisation kernel's launch for one call signature (checked on its first call)."""
 
-    def __init__(self, x: Any, granularity: str, dtype: torch.dtype, operand: str):
+    def __init__(self, x: Any, granularity: str, dtype: torch.dtype, operand: str, variant: str):
         from nvfly.ops.scaled.quantize_kernel import quantize_kernel
         if granularity not in KERNEL_GRANULARITIES and granularity != "mxfp4":
             raise ValueError(f"granularity: expected one of {KERNEL_GRANULARITIES}, got {granularity!r}")
@@ -339,7 +379,7 @@ class _QuantizeCall:
         if granularity in ("mx", "mxfp4") and k % MX_BLOCK:
             raise ValueError(f"x: K={k} is not a multiple of the MX block ({MX_BLOCK})")
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        self.plan, blocks = quantize_plan(rows, k, x.element_size(), granularity, dtype, sms)
+        self.plan, blocks = quantize_plan(rows, k, x.element_size(), granularity, dtype, sms, variant)
         self.launch = quantize_kernel.prepared(max(1, blocks), self.plan.threads)
 
     def run(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

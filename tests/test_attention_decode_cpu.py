@@ -1040,7 +1040,7 @@ def test_decode_variants_change_only_their_options():
     assert warp32 == default
     assert (warp32.row_warps, warp32.warp_tiles, warp32.tile_rows, warp32.key_warps, warp32.m_tiles) == (1, 2, 32, 4, 1)
     assert not warp32.query_in_registers and warp32.stat_rows == 128 and warp32.partial_bytes <= warp32.ring_bytes
-    assert llama8b_fp8(1, "warp32") == llama8b_fp8(1, "default")  # 16 rows or fewer: one tile a warp
+    assert llama8b_fp8(1, "warp32") == llama8b_fp8(1, "unswapped")  # 16 rows or fewer: one tile a warp
     assert P.decode_plan(1, 8, 8, 4, 128, 128, 4096, 132).warp_tiles == 1  # 16-bit caches: a tile a warp
     wide = P.decode_plan(1, 16, 8, 4, 128, 128, 4096, 132, fp8=True, warp_tiles=2)  # 64 rows: 2 x 32
     assert (wide.row_warps, wide.tile_rows, wide.key_warps) == (2, 64, 2)
@@ -1115,9 +1115,10 @@ def test_swapped_plans_take_up_to_8_rows_and_decline_with_a_reason():
 
 
 def test_swap_by_default_is_one_switch(monkeypatch):
-    """Unswapped by default (SWAP_BY_DEFAULT); flipped, every plan of at most 8 rows is swapped unless
-    ``swapped=False`` (the ``unswapped`` variant) says otherwise, and larger ones are not."""
+    """Swapped by default (SWAP_BY_DEFAULT): every plan of at most 8 rows is swapped unless ``swapped=False`` (the
+    ``unswapped`` variant) says otherwise, and larger ones are not; switched off, none is."""
     llama = dict(batch=1, kv_heads=8, group=4, dqk=128, dv=128, max_seqlen=4096, sm_count=132)
+    monkeypatch.setattr(P, "SWAP_BY_DEFAULT", False)
     assert not P.decode_plan(sq=1, **llama).swapped
     monkeypatch.setattr(P, "SWAP_BY_DEFAULT", True)
     assert P.decode_plan(sq=1, **llama).swapped and P.decode_plan(sq=2, **llama).swapped
@@ -1177,17 +1178,17 @@ def test_swapped_plans_compile_without_spills(name):
 
 
 def test_host_path_plans_swapped_with_the_plan_option(cpu_launches, monkeypatch):
-    """Inside ``plan_options(swapped=True)`` a Sq 1 G 4 call launches the swapped plan (128 threads, one CTA a
-    split and KV head), a Sq 4 G 8 call (32 rows) the default plan; outside, the default again."""
+    """Inside ``plan_options(swapped=False)`` a Sq 1 G 4 call launches the m16-row plan, a Sq 4 G 8 call (32 rows)
+    the default plan; outside, the default again: the swapped plan (one CTA a split and KV head)."""
     planned = []
     plan_of = api._plan
     monkeypatch.setattr(api, "_plan", lambda *a, **k: planned.append(plan_of(*a, **k)) or planned[-1])
     q, k, v = bf16(1, 1, 32, 128), bf16(1, 8192, 8, 128), bf16(1, 8192, 8, 128)
-    with api.plan_options(**api.DECODE_VARIANTS["swapped"]):
+    with api.plan_options(**api.DECODE_VARIANTS["unswapped"]):
         attention.decode(q, k, v, splits=1)
         attention.decode(bf16(1, 4, 64, 128), k, v, splits=1)
     attention.decode(q, k, v, splits=1)
-    assert [plan.swapped for plan in planned] == [True, False, False]
+    assert [plan.swapped for plan in planned] == [False, False, True]
     assert [grid for _, grid, _ in cpu_launches] == [(1, 8, 1)] * 3
 
 

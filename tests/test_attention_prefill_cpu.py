@@ -476,6 +476,7 @@ def test_mod_window_blockmask_varlen_plans_compile_without_spills(name):
     plan, mods, traces = MOD_FAMILIES[name]
     kernel = attention.compile_prefill(plan, mods=mods)
     traces += plan.overlap  # the overlap's first S and last P·V
+    traces += plan.hoist and plan.window  # a hoisted window's left edge: a trace with its lower bound only
     s_steps, pv_steps = plan.dqk // 16, plan.block_n // 16
     assert gmma_count(kernel, f"64x{plan.block_n}x16", a_from_registers=False) == traces * s_steps
     assert gmma_count(kernel, f"64x{plan.dv}x16", a_from_registers=True) == traces * pv_steps
@@ -500,7 +501,8 @@ def test_mods_fuse_into_ffma_and_mask_loads_run_under_the_gemm():
     ops = attention.compile_prefill(plan, mods=M.Mods(M.alibi(SLOPES))).sass_opcodes()
     scores = 2 * plan.block_n // 2  # two softmax traces of block_n / 2 scores a thread
     assert ops["FFMA"] >= 2 * scores and ops["FADD"] <= scores + 16, ops
-    assert ops["I2FP.F32.S32"] == scores  # what is left of ALiBi a score: the distance's conversion
+    # what is left of ALiBi a score: the distance's conversion (hoisted: q_idx and kv_idx affine, converted once)
+    assert ops.get("I2FP.F32.S32", 0) == (4 if plan.hoist else scores)  # hoisted: the per-row parts only
 
     def causal_documents(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (DOCUMENTS[b, kv_idx] == DOCUMENTS[b, q_idx])
@@ -809,7 +811,7 @@ def test_hoisted_plans_run_less_code_a_score(name):
     per-score int-to-float conversion, the mask_mod's loads all before S's wait and no verdict bits to unpack."""
     import dataclasses
     plan, mods = HOISTED[name]
-    base = attention.compile_prefill(plan, mods=mods)
+    base = attention.compile_prefill(dataclasses.replace(plan, hoist=False, prefetch_mask=False), mods=mods)
     kernel = attention.compile_prefill(dataclasses.replace(plan, hoist=True, prefetch_mask=True), mods=mods)
     assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
     assert not kernel.warnings and "LDL" not in kernel.sass() and "STL" not in kernel.sass()

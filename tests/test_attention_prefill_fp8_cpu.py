@@ -83,7 +83,8 @@ def test_fp8_plan_rejects_what_the_kernel_cannot_do():
         PrefillPlan(256, 256, False, block_n=80, fp8=True)
     with pytest.raises(ValueError, match="no packed sequences"):
         PrefillPlan(128, 128, False, varlen=True, fp8=True)
-    assert prefill_plan(128, 128, False) == PrefillPlan(128, 128, False, pingpong=True)  # bf16 plans unchanged
+    assert prefill_plan(128, 128, False) == PrefillPlan(128, 128, False, pingpong=True, hoist=True,
+                                                        prefetch_mask=True)  # bf16 plans unchanged by fp8's
     # wide: fp8 D 128 (192 keys), bf16 D 64 and 128 (192, 176; prefill_plan.WIDE_BLOCK_N)
     assert prefill_plan(96, 96, False, wide=True) == prefill_plan(96, 96, False)
     assert prefill_plan(128, 128, False, wide=True).block_n == 176

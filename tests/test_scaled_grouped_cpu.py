@@ -95,7 +95,7 @@ def test_staged_scales_and_wide_tiles_plans_and_fallback():
     assert "accumulator registers" in fits(ScaledConfig(128, 192, 5, 2, issue_ahead=True), 8, block)
     assert "accumulator registers" in fits(ScaledConfig(256, 128, 4, 2), 8, block)
     assert scaled.describe_grouped("contiguous", 256, 32768, 4096, 7168).startswith(
-        "scaled-grouped-contiguous-block-promoted: 128x128")  # the default: unstaged
+        "scaled-grouped-contiguous-block-promoted: 128x192")  # the default: unstaged
     for t, staged_ok in ((512, True), (510, False)):
         a, sa = quantize(torch.randn(t, 256), "1x128")
         assert (staged_scales_reason(sa, 128) is None) == staged_ok
@@ -104,6 +104,11 @@ def test_staged_scales_and_wide_tiles_plans_and_fallback():
         plan, _ = _plan(a, b, sa, sb, offs, torch.bfloat16, None, False, False, staged, None, sms=132)
         # contiguous groups start at any row: their scales come from global memory whatever TMA could load
         assert not plan.config.staged_scales and plan.config.stages == 6
+    # the heuristic's 128 x 192 clustered tile stores through TMA; an f32 output takes the 128 x 128 tile instead
+    a, sa = quantize(torch.randn(512, 256), "1x128")
+    for out_dtype, tile in ((torch.bfloat16, (192, True, 2)), (torch.float32, (128, False, 1))):
+        cfg = _plan(a, b, sa, sb, offs, out_dtype, None, False, False, None, 128.0, sms=132)[0].config
+        assert (cfg.bn, cfg.tma_store, cfg.cluster_n) == tile
     # masked: scale_a [E, Mmax, K/128] seen as [K/128, E, Mmax]
     a, sa = quantize(torch.randn(4 * 64, 256), "1x128")
     sa3 = sa.reshape(4, 64, 2)
@@ -189,8 +194,9 @@ def test_plans():
     assert (decode.config.bm, decode.config.bn, decode.config.consumers) == (64, 128, 1)
     assert decode.config.stages >= 8 and decode.grid == 132 and decode.a_box == (1, 64, 128)
     prefill = make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 132)
-    assert (prefill.config.bm, prefill.config.bn, prefill.config.consumers) == (128, 128, 2)
-    assert prefill.k_tiles == 56 and prefill.a_box == (128, 128) and prefill.b_box == (1, 128, 128)
+    cfg = prefill.config  # 128 x 192, the TMA store, 2-block clusters (A's halves multicast)
+    assert (cfg.bm, cfg.bn, cfg.consumers, cfg.tma_store, cfg.cluster_n) == (128, 192, 2, True, 2)
+    assert prefill.k_tiles == 56 and prefill.a_box == (64, 128) and prefill.b_box == (1, 192, 128)
     assert prefill.smem_bytes <= 232448
     small = make_grouped_plan("contiguous", block, 2, 100, 256, 256, 50, 132)
     # 64-row tiles: the bound on tile rows (ceil(100 / 64), and a group adds at most one) x the tile columns
@@ -372,6 +378,7 @@ def test_explain_describes_grouped_fp8(capsys):
     from nvfly.cli import main
     assert main(["explain", "32768", "4096", "7168", "--groups", "256", "--scaled", "block"]) == 0
     out = capsys.readouterr().out
-    assert "scaled-grouped-contiguous-block-promoted: 128x128 tile on 2 consumers" in out and "block scales" in out
+    assert "scaled-grouped-contiguous-block-promoted: 128x192 tile on 2 consumers" in out and "block scales" in out
+    assert "TMA-store epilogue, 2-block clusters along N" in out
     assert main(["explain", "16", "4096", "7168", "--groups", "256", "--scaled", "row", "--layout", "masked"]) == 0
     assert "64x128 tile on 1 consumer" in capsys.readouterr().out

@@ -159,7 +159,6 @@ def test_routed_decode_calls_of_one_signature_reuse_the_bound_launches(layout, m
             ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=scale, enable_gqa=True)
             assert got.shape == ref.shape and rel_err(got, ref) < 1e-2, seed
             assert bound == [1] * (1 + (scale is not None)), seed  # the scale is part of the signature
-    assert all(d.reason is None for d in sdpa_decisions())
 
 
 def test_routed_sdpa_fp16_scale_and_inference_mode():

@@ -139,8 +139,7 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
     mask_mod); ``wide`` (fp8 D 128, and bf16/fp16 D 64 and 128 without a BlockMask; None: the default below):
     ``FP8_WIDE_BLOCK_N`` (``WIDE_BLOCK_N``) keys a stage instead of ``FP8_BLOCK_N`` (``BLOCK_N``); ``tree_max``
     (fp8 only; None: with ``wide``); ``poly_exp2`` (None: 0; bf16/fp16 by ``softmax.EXP2_CUBIC``); ``hoist``,
-    ``prefetch_mask``, ``lazy_rescale``
-    (None: off, not measured yet: ``--prefill-variants`` times them)."""
+    ``prefetch_mask`` (None: on for bf16/fp16, measured below), ``lazy_rescale`` (None: off)."""
     if overlap is None:
         # measured on the H200: at D <= 128 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most); at
         # 192/128 and 256 +3-13% on every row; with mods or a BlockMask there it spills (docs/ops/attention.md)
@@ -156,6 +155,12 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
         block_n = WIDE_BLOCK_N[dqk] if wide else stage_keys(dqk, kv_block)
     if tree_max is None:
         tree_max = wide
+    # measured on the H200 (16-bit, docs/ops/attention.md): plain rows 0.99-1.04x, ALiBi 1.07x, window 1.04x;
+    # prefetching the mask_mod's loads: documents 1.06x over hoist alone; fp8 plans not measured with them
+    if hoist is None:
+        hoist = not fp8
+    if prefetch_mask is None:
+        prefetch_mask = not fp8
     return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
                        pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=poly_exp2 or 0,
                        hoist=bool(hoist), prefetch_mask=bool(prefetch_mask),

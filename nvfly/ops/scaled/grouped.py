@@ -29,7 +29,7 @@ from nvfly.ops.common.operands import hopper_reason, store_reason
 from nvfly.ops.scaled.api import staged_scales_box, staged_scales_reason, staged_scales_view
 from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.grouped_kernel import scaled_grouped_kernel
-from nvfly.ops.scaled.grouped_plan import MAX_GROUPS, ScaledGroupedPlan, make_grouped_plan
+from nvfly.ops.scaled.grouped_plan import MAX_GROUPS, ScaledGroupedPlan, fallback_config, make_grouped_plan
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import layout_key
@@ -190,7 +190,8 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dtype: Any,
     if cfg.staged_scales and (plan.layout == "contiguous" or staged_scales_reason(scale_a, cfg.bm) is not None):
         cfg = replace(cfg, staged_scales=False)
     if cfg.tma_store and (out_dtype.itemsize != 2 or (out is not None and store_reason(out) is not None)):
-        cfg = replace(cfg, tma_store=False)
+        # the heuristic's tile measured only with its store: without it, the 128 x 128 tile (the caller's keeps its)
+        cfg = fallback_config(groups, epilogue) if config is None else replace(cfg, tma_store=False)
     if cfg != plan.config:
         plan = make_grouped_plan(plan.layout, epilogue, groups, m, plan.n, plan.k, rows, sms, cfg)
     return plan, shape
@@ -276,7 +277,8 @@ def describe_grouped(layout: str, groups: int, m: int, n: int, k: int, *, scalin
     return (f"scaled-grouped-{layout}-{scaling}{'-promoted' if epilogue.promote else ''}"
             f"{'-staged' if cfg.staged_scales else ''}: {cfg.bm}x{cfg.bn} tile on "
             f"{cfg.consumers} consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages, up to {plan.grid} "
-            f"blocks")
+            f"blocks{', TMA-store epilogue' if cfg.tma_store else ''}"
+            f"{f', {cfg.cluster_n}-block clusters along N (A multicast)' if cfg.cluster_n > 1 else ''}")
 
 
 # ---------------------------------------------------------------------------------------------- references

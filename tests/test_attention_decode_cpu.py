@@ -147,15 +147,20 @@ def p_fragment(p, warp):
     return [[(p_acc[lo[0]][lane][lo[1]], p_acc[hi[0]][lane][hi[1]]) for lo, hi in K.P_FRAGMENT] for lane in range(32)]
 
 
+def fragment_inputs(rows: int, d: int):
+    """Random Q (rows x d), K and V (64 x d) and P (rows x 64), the three tiles' shared-memory images and a warp of
+    zero accumulators."""
+    rng = np.random.default_rng(d)
+    q, k, v = rng.standard_normal((rows, d)), rng.standard_normal((64, d)), rng.standard_normal((64, d))
+    p = rng.standard_normal((rows, 64))
+    return q, k, v, p, (stage_memory(q), stage_memory(k), stage_memory(v)), [[0.0] * 4 for _ in range(32)]
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_fragment_maps_compute_scores_and_values(d):
     """Emulate a warp of each key slice: S = Q Kᵀ from the shared tiles through the kernel's ldmatrix sources, and
     O = P V with P's A fragment taken from S's accumulators (P_FRAGMENT) and V by ldmatrix.trans."""
-    rng = np.random.default_rng(d)
-    q, k, v = rng.standard_normal((16, d)), rng.standard_normal((64, d)), rng.standard_normal((64, d))
-    p = rng.standard_normal((16, 64))
-    q_mem, k_mem, v_mem = stage_memory(q), stage_memory(k), stage_memory(v)
-    zero = [[0.0] * 4 for _ in range(32)]
+    q, k, v, p, (q_mem, k_mem, v_mem), zero = fragment_inputs(16, d)
     for warp in range(P.WARPS):
         s = [zero, zero]
         for step in range(d // 16):
@@ -307,11 +312,7 @@ def test_swapped_fragment_maps_compute_scores_and_values(d):
     (q_fragment_source from the slice's first key), Qᵀ's B fragments of two steps a query_pair_source ldmatrix,
     Pᵀ through movmatrix from Sᵀ's C registers, Vᵀ's A fragments by ldmatrix.trans (k_fragment_source), O's
     columns at swapped_column covering every column once."""
-    rng = np.random.default_rng(d)
-    q, k, v = rng.standard_normal((8, d)), rng.standard_normal((64, d)), rng.standard_normal((64, d))
-    p = rng.standard_normal((8, 64))
-    q_mem, k_mem, v_mem = stage_memory(q), stage_memory(k), stage_memory(v)
-    zero = [[0.0] * 4 for _ in range(32)]
+    q, k, v, p, (q_mem, k_mem, v_mem), zero = fragment_inputs(8, d)
     for warp in range(P.WARPS):
         s = zero
         for pair in range(d // 32):

@@ -147,7 +147,7 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
     if pingpong is None:
         pingpong = dqk <= 128 or not fp8  # measured: 0.95x cuDNN vs 0.89x serial at D 128; faster at 192 and 256
     if wide is None:
-        wide = False  # not measured yet: --prefill-variants times fp8 "wide" beside the 128-key default
+        wide = False  # bf16 measured 0.94-1.01x (docs/results.md); fp8 not measured: --prefill-variants times it
     wide = wide and ((fp8 and dqk == 128) or (not fp8 and dv == dqk in WIDE_BLOCK_N and not kv_block))
     if fp8:
         block_n = FP8_WIDE_BLOCK_N if wide else FP8_BLOCK_N

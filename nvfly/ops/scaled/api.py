@@ -385,19 +385,20 @@ def staged_scales_view(scale_a: torch.Tensor) -> torch.Tensor:
     return scale_a.movedim(-1, 0)
 
 
-def staged_scales_box(scale_a: torch.Tensor, bm: int) -> tuple[int, ...]:
-    """The staged-scales TMA box of ``staged_scales_view(scale_a)``: one k-block's ``bm`` rows (of one group)."""
-    return (1,) * (scale_a.dim() - 1) + (bm,)
+def staged_scales_box(scale_a: torch.Tensor, rows: int) -> tuple[int, ...]:
+    """The staged-scales TMA box of ``staged_scales_view(scale_a)``: one k-block's ``rows`` rows (of one group; bm,
+    the grouped contiguous layout's bm + SCALE_ALIGN)."""
+    return (1,) * (scale_a.dim() - 1) + (rows,)
 
 
-def staged_scales_reason(scale_a: torch.Tensor, bm: int) -> Optional[str]:
+def staged_scales_reason(scale_a: torch.Tensor, rows: int) -> Optional[str]:
     """None if TMA can load block scales' scale_a (M, K/128), or the grouped masked layout's (E, Mmax, K/128), as
-    ``staged_scales_view`` boxes of bm rows of one k-block (``ScaledConfig.staged_scales``: rows contiguous, torch's
+    ``staged_scales_view`` boxes of ``rows`` rows of one k-block (``ScaledConfig.staged_scales``: rows contiguous, torch's
     strides (1, M) with M a multiple of 4), else TMA's reason."""
     view = staged_scales_view(scale_a)
     try:
         check_tma_layout("scale_a", nvfly.f32, tuple(view.shape), view.stride(), scale_a.data_ptr(),
-                         staged_scales_box(scale_a, bm), 0)
+                         staged_scales_box(scale_a, rows), 0)
     except LaunchError as e:
         return str(e)
     return None

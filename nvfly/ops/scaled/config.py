@@ -16,6 +16,10 @@ BLOCKWISE = ("block", "block1x128") + MX  # scales applied in the mainloop
 # staged_scales: a stage's slot for its bm f32 activation scales (at most 256 rows), a whole 1024 bytes so that the
 # next stage's operand tiles stay aligned for the 128-byte swizzle
 SCALE_SLOT = 1024
+# staged_scales on the grouped contiguous layout: a group's first row is any row, and boxes starting there (off
+# 16 bytes in their inner, f32-row dimension) died on the H200 (illegal instruction); the box starts at the row
+# rounded down to SCALE_ALIGN rows (16 bytes) and is SCALE_ALIGN rows longer (bm + 4 <= 256: TMA's box, the slot)
+SCALE_ALIGN = 4
 # block scales: a tile's columns in runs that each lie in one 128x128 weight block, at most this many runs a tile
 # (each run's scale times each row's, 2 x runs registers per 64 rows)
 MOST_WEIGHT_RUNS = 8

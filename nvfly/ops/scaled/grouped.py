@@ -158,7 +158,7 @@ class _GroupedScaledCall:
             out.zero_()
             return
         sb = scale_b.transpose(-1, -2) if plan.epilogue.scaling == "block" else scale_b  # [E, N/128, K/128]
-        sa_desc = cached_descriptor(staged_scales_view(scale_a), staged_scales_box(scale_a, plan.config.bm), 0) \
+        sa_desc = cached_descriptor(staged_scales_view(scale_a), staged_scales_box(scale_a, plan.scale_rows), 0) \
             if plan.config.staged_scales else None
         out_desc = cached_descriptor(out, *plan.store_box) if plan.store_box else None
         self.launch(cached_descriptor(a, plan.a_box, 128), cached_descriptor(b.transpose(-1, -2), plan.b_box, 128),
@@ -184,10 +184,7 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dtype: Any,
     # staged scales where TMA can load scale_a (rows contiguous, as the quantiser's), else the scales from global;
     # the TMA-store epilogue where TMA can store the output (16-bit), else registers
     cfg = plan.config
-    # the contiguous layout's groups start at any row: there a staged box starts mid-16-byte word in its inner
-    # (row) dimension, and every multi-group staged launch died on the H200 (illegal instruction; single-group and
-    # masked ones, whose boxes start at multiples of bm, passed), so its scales are read from global
-    if cfg.staged_scales and (plan.layout == "contiguous" or staged_scales_reason(scale_a, cfg.bm) is not None):
+    if cfg.staged_scales and staged_scales_reason(scale_a, plan.scale_rows) is not None:
         cfg = replace(cfg, staged_scales=False)
     if cfg.tma_store and (out_dtype.itemsize != 2 or (out is not None and store_reason(out) is not None)):
         # the heuristic's tile measured only with its store: without it, the 128 x 128 tile (the caller's keeps its)
@@ -339,8 +336,8 @@ def compile_grouped_variants(variants: Sequence[tuple[str, ScaledConfig, ScaledE
             sb = TensorDesc(f32, (groups, kb, kb), (kb * kb, 1, kb))
         else:
             sa, sb = TensorDesc(f32, rows), TensorDesc(f32, (groups, size))
-        # staged scales: scale_a seen K/128 outermost (staged_scales_view), one k-block's bm rows a box
-        sa_desc = nvfly.TmaDescriptor(TensorDesc(f32, (kb,) + rows), (1,) * len(rows) + (cfg.bm,), swizzle=0) \
+        # staged scales: scale_a seen K/128 outermost (staged_scales_view), one k-block's plan.scale_rows a box
+        sa_desc = nvfly.TmaDescriptor(TensorDesc(f32, (kb,) + rows), (1,) * len(rows) + (plan.scale_rows,), swizzle=0) \
             if cfg.staged_scales else None
         kernels.append(scaled_grouped_kernel.compile(a_desc, b_desc, out, out_desc, TensorDesc(nvfly.i32, (groups,)),
                                                      sa_desc,

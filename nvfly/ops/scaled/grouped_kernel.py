@@ -19,7 +19,8 @@ ring of 128-wide k-blocks full; consumers 1..C own BM / C rows of a tile each. S
   accumulators and added, times sa[row, kb] * sb[g, n-block, kb], into fp32 sums once done (``promote_k_blocks``
   with the scaled GEMM's ``promotion_scales`` and ``promote``): DeepGEMM's scheme; with ``CFG.staged_scales`` the
   producer also TMA-loads the tile rows' sa of the k-block into the stage (the dense kernel's slot; a contiguous
-  tile's rows start anywhere), and the consumers read them from shared memory; tiles up to 192 wide (in order)
+  tile's rows start anywhere: its box starts at the row rounded down to SCALE_ALIGN rows, 16 bytes, and is
+  SCALE_ALIGN rows longer), and the consumers read them from shared memory; tiles up to 192 wide (in order)
   read one sb per 128-wide weight block their columns cross (``weight_runs``), as the dense kernel's;
 - "row": sa per token (contiguous [T], masked [E, Mmax]), sb per expert and column ([E, N]) applied in the
   epilogue; with ``EPI.promote`` (torch's use_fast_accum=False) each k-block is still added into fp32 sums,
@@ -47,7 +48,7 @@ from nvfly.ops.common.gemm_config import CONSUMER_REGS, PRODUCER_REGS, Epilogue,
 from nvfly.ops.common.groups import fill_group_table, group_rows_end, group_table, group_work
 from nvfly.ops.common.mainloop import init_ring, load_boxes, produce_tiles
 from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
-from nvfly.ops.scaled.config import BK
+from nvfly.ops.scaled.config import BK, SCALE_ALIGN
 from nvfly.ops.scaled.kernel import batched, fp8_mainloop, fp8_ring, k_major_tiles, promotion_scales
 
 GROUPED_LAYOUTS = ("contiguous", "masked")
@@ -62,7 +63,7 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
     """``m``: the rows bound (contiguous: T, masked: Mmax); ``offs``: the cumulative ends (contiguous) or the
     counts (masked), int32 [GROUPS]; ``out``: [1, T, N] (contiguous) or [E, Mmax, N]; ``sa_desc``
     (``CFG.staged_scales``, else None): scale_a seen as [K/128, T] (contiguous) or [K/128, E, Mmax] (masked), boxes
-    of one k-block's BM rows; ``out_desc`` (``CFG.tma_store``, else None): the 16-bit output's TMA descriptor, [T, N] (contiguous) or
+    of one k-block's BM rows (contiguous: BM + SCALE_ALIGN); ``out_desc`` (``CFG.tma_store``, else None): the 16-bit output's TMA descriptor, [T, N] (contiguous) or
     [E, Mmax, N], ``store_box``'s boxes."""
     dtype = a_desc.info.dtype
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
@@ -75,7 +76,9 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
     warp = nvfly.warp_idx()
     lane = nvfly.lane_idx()
     wg = warp // 4
-    ring, pipe = fp8_ring(CFG)  # then the TMA-store staging buffers (tma_store), then the group table
+    # contiguous staged scales: boxes from the tile's first row rounded down to 16 bytes, SCALE_ALIGN rows longer
+    ALIGNED_SCALES = CFG.staged_scales and not MASKED_A
+    ring, pipe = fp8_ring(CFG, SCALE_ALIGN if ALIGNED_SCALES else 0)  # then the TMA-store staging buffers (tma_store), then the group table
     TMA_STORE = CFG.tma_store
     staging = None
     if TMA_STORE:
@@ -115,7 +118,7 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
                     load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, g,
                                cache_hint=load_hint(CFG, "B"))
                     if CFG.staged_scales:  # the tile rows' sa[:, kt] (rows past the operand: TMA's zeros)
-                        rows = (g, row_base) if MASKED_A else (row_base,)
+                        rows = (g, row_base) if MASKED_A else (row_base // SCALE_ALIGN * SCALE_ALIGN,)
                         sm90.tma_load(sa_desc, base + CFG.scales_offset, (kt,) + rows, full)
                 return 0, k_tiles, load
 
@@ -138,7 +141,8 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
             scales_of = functools.partial(promotion_scales, scale_a, scale_b, row0, scale_col, m=m, n=n, BN=BN,
                                           ATOMS_M=ATOMS_M, EPI=EPI, a_group=a_group, b_group=g)
             if CFG.staged_scales:  # sa from the stage: the thread's first row's word in its slot
-                scales_of = functools.partial(scales_of, staged_row=CFG.scales_offset + 4 * (row0 - row_base))
+                box_row = row_base // SCALE_ALIGN * SCALE_ALIGN if ALIGNED_SCALES else row_base
+                scales_of = functools.partial(scales_of, staged_row=CFG.scales_offset + 4 * (row0 - box_row))
             accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, 0, k_tiles, lane, tid, scales_of,
                                        CFG, EPI)
             if EPI.scaling == "row":

@@ -16,7 +16,7 @@ from typing import Optional
 
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, SMEM_LIMIT, store_box
 from nvfly.ops.common.groups import table_bytes
-from nvfly.ops.scaled.config import BK, ScaledConfig, ScaledEpilogue, weight_scales_reason
+from nvfly.ops.scaled.config import BK, SCALE_ALIGN, SCALE_SLOT, ScaledConfig, ScaledEpilogue, weight_scales_reason
 from nvfly.ops.scaled.grouped_kernel import GROUPED_LAYOUTS, GROUPED_SCALINGS
 from nvfly.ops.scaled.plan import ScaledPlan
 
@@ -37,6 +37,12 @@ class ScaledGroupedPlan(ScaledPlan):
     @property
     def smem_bytes(self) -> int:
         return self.config.smem_bytes() + table_bytes(self.groups)
+
+    @property
+    def scale_rows(self) -> int:
+        """The staged scales' TMA box rows (``config.staged_scales``): bm, or bm + SCALE_ALIGN on the contiguous
+        layout (its box starts at the tile's first row rounded down to 16 bytes)."""
+        return self.config.bm + (SCALE_ALIGN if self.layout == "contiguous" else 0)
 
 
 def fits(cfg: ScaledConfig, groups: int, epilogue: ScaledEpilogue) -> Optional[str]:
@@ -94,6 +100,9 @@ def make_grouped_plan(layout: str, epilogue: ScaledEpilogue, groups: int, m: int
     if config is None:
         config = heuristic_config(rows_per_group, groups, epilogue)
     why = fits(config, groups, epilogue)
+    if config.staged_scales and layout == "contiguous" and 4 * (config.bm + SCALE_ALIGN) > SCALE_SLOT:
+        why = (f"staged_scales: the contiguous layout's boxes of bm + {SCALE_ALIGN} scales exceed the stage's "
+               f"{SCALE_SLOT}-byte slot (and TMA's 256-row box) at bm={config.bm}")
     if why:
         raise ValueError(f"config: {why}")
     cn = config.cluster_n

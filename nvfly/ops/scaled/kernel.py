@@ -245,14 +245,15 @@ def k_major_tiles(bm: int, bn: int, dtype) -> tuple:
     return layouts[0], layouts[1], boxes[0], boxes[1], fields[0], fields[1]
 
 
-def fp8_ring(cfg) -> tuple:
+def fp8_ring(cfg, scale_pad: int = 0) -> tuple:
     """The fp8 kernels' ring in dynamic shared memory (its barriers first): (its shared address, its TmaPipeline,
-    released by the 4 warps of each of ``cfg.consumers`` consumer warpgroups of each block of the cluster)."""
+    released by the 4 warps of each of ``cfg.consumers`` consumer warpgroups of each block of the cluster);
+    ``scale_pad``: rows the staged scales' box loads beyond bm (the grouped contiguous layout's SCALE_ALIGN)."""
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * cfg.stages,)))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (cfg.stages * cfg.stage_bytes,),
                                                     offset_bytes=BARRIER_BYTES))
     # a cluster's stage is free once the consumers of all its blocks are done: each A slice lands in all of them
-    return ring, sm90.TmaPipeline(bars, cfg.stages, cfg.load_bytes, consumer_arrivals=4 * cfg.consumers * cfg.cluster_n)
+    return ring, sm90.TmaPipeline(bars, cfg.stages, cfg.load_bytes + 4 * scale_pad, consumer_arrivals=4 * cfg.consumers * cfg.cluster_n)
 
 
 def issue_k_step(atom, base, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m, atoms_m, ks) -> list:

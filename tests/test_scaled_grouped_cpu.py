@@ -2,6 +2,7 @@
 wgmma (QGMMA) and TMA code without spills, the plans follow the heuristic and fit shared memory, bad arguments raise
 errors naming them, the float32 reference is the dense scaled GEMM's group by group, and the torch routes decide
 as documented."""
+import re
 from dataclasses import replace
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from nvfly.ops import scaled
 from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.grouped import compile_grouped_variants
+from nvfly.ops.scaled.config import SCALE_ALIGN, SCALE_SLOT
 from nvfly.ops.scaled.grouped_plan import MAX_GROUPS, deepest, fits, make_grouped_plan
 from nvfly.ops.scaled.plan import make_plan
 from nvfly.ops.scaled.quantize import quantize, quantize_experts
@@ -37,6 +39,9 @@ VARIANTS = [
     ("contiguous", ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True, cluster_n=2),
      ScaledEpilogue("block", True)),
     ("masked", ScaledConfig(128, 192, 5, 2, staged_scales=True, cluster_n=2), ScaledEpilogue("block", True)),
+    # the default tile (128 x 192, TMA store, 2-block clusters) with staged scales on the contiguous layout
+    ("contiguous", ScaledConfig(128, 192, 4, 2, staged_scales=True, tma_store=True, cluster_n=2),
+     ScaledEpilogue("block", True)),
     ("contiguous", ScaledConfig(128, 128, 6, 2, cluster_n=2), ScaledEpilogue("row", False)),
 ]
 
@@ -76,6 +81,13 @@ def test_staged_scales_come_from_shared_memory(layout):
     assert mine.count("LDS") >= plain.count("LDS") + 2
     assert mine.count("LDG") <= plain.count("LDG") - 2
     assert plan_of(layout, staged).smem_bytes == plan_of(layout, cfg).smem_bytes + 6 * 1024
+    # contiguous tiles start at any row: the box starts at the row rounded down to 16 bytes, 4 rows longer, and the
+    # stage's expected bytes follow it exactly (masked boxes start at multiples of bm: bm rows)
+    rows = plan_of(layout, staged).scale_rows
+    assert rows == (128 + SCALE_ALIGN if layout == "contiguous" else 128) and 4 * rows <= SCALE_SLOT
+    consts = dict(re.findall(r"mov\.b32\s+(%r\d+), (\d+);", mine.ptx))
+    expect = {int(consts[r]) for r in re.findall(r"expect_tx\.shared::cta\.b64 _, \[%r\d+\], (%r\d+);", mine.ptx)}
+    assert expect == {staged.load_bytes + 4 * (rows - 128)}, expect
 
 
 def plan_of(layout, cfg):
@@ -83,9 +95,10 @@ def plan_of(layout, cfg):
 
 
 def test_staged_scales_and_wide_tiles_plans_and_fallback():
-    """Staged scales take block scales only, on the masked layout, and fall back to global reads where TMA cannot
-    load scale_a (the quantiser's (1, T) strides load; T not a multiple of 4 does not) or on the contiguous layout; 192 and 160 wide tiles take block scales in
-    order (a third accumulator would not fit), 256-row tiles none (two 128-row promoted accumulators)."""
+    """Staged scales take block scales only, and fall back to global reads where TMA cannot load scale_a (the
+    quantiser's (1, T) strides load; T not a multiple of 4 does not); the contiguous layout's bm + 4 row boxes fit
+    the slot up to 252 rows (256-row tiles stage there on the masked layout only); 192 and 160 wide tiles take block scales in order (a third accumulator would not fit),
+    256-row tiles none (two 128-row promoted accumulators)."""
     from nvfly.ops.scaled.api import staged_scales_reason
     from nvfly.ops.scaled.grouped import _plan
     block, row = ScaledEpilogue("block", True), ScaledEpilogue("row", True)
@@ -94,6 +107,11 @@ def test_staged_scales_and_wide_tiles_plans_and_fallback():
     assert fits(ScaledConfig(128, 192, 5, 2, staged_scales=True), 256, block) is None
     assert "accumulator registers" in fits(ScaledConfig(128, 192, 5, 2, issue_ahead=True), 8, block)
     assert "accumulator registers" in fits(ScaledConfig(256, 128, 4, 2), 8, block)
+    # 256 x 64 fits, but the contiguous layout's staged box of 256 + 4 rows would not fit the slot (masked: 256)
+    tall = ScaledConfig(256, 64, 4, 2, staged_scales=True)
+    assert fits(tall, 8, block) is None and plan_of("masked", tall).scale_rows == 256
+    with pytest.raises(ValueError, match="256 \\+ 4|bm=256"):
+        plan_of("contiguous", tall)
     assert scaled.describe_grouped("contiguous", 256, 32768, 4096, 7168).startswith(
         "scaled-grouped-contiguous-block-promoted: 128x192")  # the default: unstaged
     for t, staged_ok in ((512, True), (510, False)):
@@ -102,8 +120,7 @@ def test_staged_scales_and_wide_tiles_plans_and_fallback():
         b, sb = quantize_experts(torch.randn(4, 256, 256), "128x128")
         offs = torch.tensor([100, 100, 300, t], dtype=torch.int32)
         plan, _ = _plan(a, b, sa, sb, offs, torch.bfloat16, None, False, False, staged, None, sms=132)
-        # contiguous groups start at any row: their scales come from global memory whatever TMA could load
-        assert not plan.config.staged_scales and plan.config.stages == 6
+        assert plan.config.staged_scales == staged_ok and plan.config.stages == 6 and plan.scale_rows == 132
     # the heuristic's 128 x 192 clustered tile stores through TMA; an f32 output takes the 128 x 128 tile instead
     a, sa = quantize(torch.randn(512, 256), "1x128")
     for out_dtype, tile in ((torch.bfloat16, (192, True, 2)), (torch.float32, (128, False, 1))):

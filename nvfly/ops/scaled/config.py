@@ -18,7 +18,8 @@ BLOCKWISE = ("block", "block1x128") + MX  # scales applied in the mainloop
 SCALE_SLOT = 1024
 # staged_scales on the grouped contiguous layout: a group's first row is any row, and boxes starting there (off
 # 16 bytes in their inner, f32-row dimension) died on the H200 (illegal instruction); the box starts at the row
-# rounded down to SCALE_ALIGN rows (16 bytes) and is SCALE_ALIGN rows longer (bm + 4 <= 256: TMA's box, the slot)
+# rounded down to SCALE_ALIGN rows (16 bytes) and is SCALE_ALIGN rows longer (so
+# at most 252 rows: the slot, TMA's 256-row box; make_grouped_plan refuses 256-row tiles there)
 SCALE_ALIGN = 4
 # block scales: a tile's columns in runs that each lie in one 128x128 weight block, at most this many runs a tile
 # (each run's scale times each row's, 2 x runs registers per 64 rows)

@@ -101,8 +101,8 @@ def make_grouped_plan(layout: str, epilogue: ScaledEpilogue, groups: int, m: int
         config = heuristic_config(rows_per_group, groups, epilogue)
     why = fits(config, groups, epilogue)
     if config.staged_scales and layout == "contiguous" and 4 * (config.bm + SCALE_ALIGN) > SCALE_SLOT:
-        why = (f"staged_scales: the contiguous layout's boxes of bm + {SCALE_ALIGN} scales exceed the stage's "
-               f"{SCALE_SLOT}-byte slot (and TMA's 256-row box) at bm={config.bm}")
+        why = (f"staged_scales: bm={config.bm}: the contiguous layout's boxes of bm + {SCALE_ALIGN} scales exceed "
+               f"the stage's {SCALE_SLOT}-byte slot (and TMA's 256-row box)")
     if why:
         raise ValueError(f"config: {why}")
     cn = config.cluster_n

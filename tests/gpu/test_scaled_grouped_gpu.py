@@ -127,25 +127,25 @@ BLOCK_IDS = ["128x128-ahead-staged", "128x192-staged", "128x160-staged", "128x19
              "128x128-ahead-staged-tmastore-streamb"]
 
 
-def staged_runs(sa, config):
-    """The staged variants must run staged (not the fallback's global reads): TMA can load the tokens' scales."""
-    from nvfly.ops.scaled.api import staged_scales_reason
-    assert not config.staged_scales or staged_scales_reason(sa, config.bm) is None
+def staged_runs(plan, config):
+    """The staged variants must run staged (not the fallback's global reads): TMA can load the tokens' scales in the
+    plan's boxes (contiguous: bm + 4 rows from the tile's first row rounded down to 16 bytes)."""
+    assert plan.config.staged_scales == config.staged_scales, plan.config
 
 
 @pytest.mark.parametrize("config", BLOCK_VARIANTS, ids=BLOCK_IDS)
 @pytest.mark.parametrize("sizes", CONTIGUOUS_SIZES, ids=["ragged", "even17", "one", "mixed"])
 def test_block_variants_contiguous(hopper, sizes, config):
     """Empty groups, groups under a tile, tiles straddling two groups (rows run into the next group's, never
-    stored; staged configs read their scales from global here: the groups' rows start anywhere), rows past offs[-1], an N tail (352: 1.8 tiles of 192, 2.2 of 160, the last tile's
+    stored; staged configs load their scales in boxes from the tile's first row rounded down to 16 bytes: the
+    groups' rows start anywhere), rows past offs[-1], an N tail (352: 1.8 tiles of 192, 2.2 of 160, the last tile's
     columns in a third weight block) and K of 8 k-blocks."""
     k, n = 1024, 352
     t = 4 * (sum(sizes) // 4) + 12  # rows past offs[-1]; a multiple of 4 (TMA's 16-byte strides)
     a, sa = tokens(t, k, "block")
     b, sb = experts(len(sizes), n, k, "block")
     offs = sizes_to_offs(sizes)
-    plan = grouped_module._plan(a, b, sa, sb, offs, torch.bfloat16, None, False, False, config, None)[0]
-    assert not plan.config.staged_scales
+    staged_runs(grouped_module._plan(a, b, sa, sb, offs, torch.bfloat16, None, False, False, config, None)[0], config)
     out = torch.full((t, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     scaled.scaled_grouped_mm(a, b, sa, sb, offs, out=out, config=config)
     check(out, scaled.grouped_reference(a, b, sa, sb, offs), TOL[torch.bfloat16])
@@ -159,8 +159,9 @@ def test_block_variants_masked(hopper, config):
     counts = torch.tensor([0, 1, 160, 77, 128, 64], dtype=torch.int32, device="cuda")
     a, sa = tokens(e * capacity, k, "block")
     a, sa = a.view(e, capacity, k), sa.reshape(e, capacity, -1)
-    staged_runs(sa, config)
     b, sb = experts(e, n, k, "block")
+    staged_runs(grouped_module._plan(a, b, sa, sb, counts, torch.bfloat16, None, False, True, config, None)[0],
+                config)
     out = torch.full((e, capacity, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     scaled.scaled_grouped_mm_masked(a, b, sa, sb, counts, out=out, config=config)
     check(out, scaled.grouped_reference(a, b, sa, sb, counts, masked=True), TOL[torch.bfloat16])

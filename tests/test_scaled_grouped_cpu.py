@@ -97,8 +97,9 @@ def plan_of(layout, cfg):
 def test_staged_scales_and_wide_tiles_plans_and_fallback():
     """Staged scales take block scales only, and fall back to global reads where TMA cannot load scale_a (the
     quantiser's (1, T) strides load; T not a multiple of 4 does not); the contiguous layout's bm + 4 row boxes fit
-    the slot up to 252 rows (256-row tiles stage there on the masked layout only); 192 and 160 wide tiles take block scales in order (a third accumulator would not fit),
-    256-row tiles none (two 128-row promoted accumulators)."""
+    the slot up to 252 rows (256-row tiles stage there on the masked layout only); 192 and 160 wide tiles take
+    block scales in order (a third accumulator would not fit), 256-row tiles none (two 128-row promoted
+    accumulators)."""
     from nvfly.ops.scaled.api import staged_scales_reason
     from nvfly.ops.scaled.grouped import _plan
     block, row = ScaledEpilogue("block", True), ScaledEpilogue("row", True)

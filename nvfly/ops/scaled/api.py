@@ -393,8 +393,8 @@ def staged_scales_box(scale_a: torch.Tensor, rows: int) -> tuple[int, ...]:
 
 def staged_scales_reason(scale_a: torch.Tensor, rows: int) -> Optional[str]:
     """None if TMA can load block scales' scale_a (M, K/128), or the grouped masked layout's (E, Mmax, K/128), as
-    ``staged_scales_view`` boxes of ``rows`` rows of one k-block (``ScaledConfig.staged_scales``: rows contiguous, torch's
-    strides (1, M) with M a multiple of 4), else TMA's reason."""
+    ``staged_scales_view`` boxes of ``rows`` rows of one k-block (``ScaledConfig.staged_scales``: rows contiguous,
+    torch's strides (1, M) with M a multiple of 4), else TMA's reason."""
     view = staged_scales_view(scale_a)
     try:
         check_tma_layout("scale_a", nvfly.f32, tuple(view.shape), view.stride(), scale_a.data_ptr(),

@@ -63,8 +63,8 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
     """``m``: the rows bound (contiguous: T, masked: Mmax); ``offs``: the cumulative ends (contiguous) or the
     counts (masked), int32 [GROUPS]; ``out``: [1, T, N] (contiguous) or [E, Mmax, N]; ``sa_desc``
     (``CFG.staged_scales``, else None): scale_a seen as [K/128, T] (contiguous) or [K/128, E, Mmax] (masked), boxes
-    of one k-block's BM rows (contiguous: BM + SCALE_ALIGN); ``out_desc`` (``CFG.tma_store``, else None): the 16-bit output's TMA descriptor, [T, N] (contiguous) or
-    [E, Mmax, N], ``store_box``'s boxes."""
+    of one k-block's BM rows (contiguous: BM + SCALE_ALIGN); ``out_desc`` (``CFG.tma_store``, else None): the
+    16-bit output's TMA descriptor, [T, N] (contiguous) or [E, Mmax, N], ``store_box``'s boxes."""
     dtype = a_desc.info.dtype
     BM, BN, S, WGS = CFG.bm, CFG.bn, CFG.stages, CFG.consumers
     WG_M = CFG.wg_m
@@ -78,7 +78,7 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
     wg = warp // 4
     # contiguous staged scales: boxes from the tile's first row rounded down to 16 bytes, SCALE_ALIGN rows longer
     ALIGNED_SCALES = CFG.staged_scales and not MASKED_A
-    ring, pipe = fp8_ring(CFG, SCALE_ALIGN if ALIGNED_SCALES else 0)  # then the TMA-store staging buffers (tma_store), then the group table
+    ring, pipe = fp8_ring(CFG, SCALE_ALIGN if ALIGNED_SCALES else 0)  # then the TMA-store staging, the group table
     TMA_STORE = CFG.tma_store
     staging = None
     if TMA_STORE:

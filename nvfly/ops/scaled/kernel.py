@@ -253,7 +253,8 @@ def fp8_ring(cfg, scale_pad: int = 0) -> tuple:
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (cfg.stages * cfg.stage_bytes,),
                                                     offset_bytes=BARRIER_BYTES))
     # a cluster's stage is free once the consumers of all its blocks are done: each A slice lands in all of them
-    return ring, sm90.TmaPipeline(bars, cfg.stages, cfg.load_bytes + 4 * scale_pad, consumer_arrivals=4 * cfg.consumers * cfg.cluster_n)
+    return ring, sm90.TmaPipeline(bars, cfg.stages, cfg.load_bytes + 4 * scale_pad,
+                                  consumer_arrivals=4 * cfg.consumers * cfg.cluster_n)
 
 
 def issue_k_step(atom, base, a_layout, b_layout, consumer, a_fields, b_fields, a_bytes, wg_m, atoms_m, ks) -> list:

@@ -569,10 +569,10 @@ FP8_RATIOS = {"vs_torch_row": ("torch_row", "nvfly"), "vs_nvfly_bf16": ("nvfly_b
               "vs_torch_bf16": ("torch_bf16", "nvfly"), "default_vs_serial": ("nvfly_serial", "nvfly"),
               "row_vs_torch_row": ("torch_row", "nvfly_row")}
 # the block path's candidate 128-row tiles timed beside the default (issue #30): name -> ScaledConfig fields (the ring
-# then as deep as fits next to the group table), each also a "<name>_vs_default" ratio (staged scales are the masked
-# layout's only: these rows are contiguous); store: the TMA-store epilogue (rows inside their group); wide: 128 x 192
-# in order (three 64-column weight-block runs, no third accumulator); cluster: 2-block
-# clusters along N, each block loading half of the shared A tile and multicasting it; stream: the weights' loads
+# then as deep as fits next to the group table), each also a "<name>_vs_default" ratio (staged: the activation
+# scales TMA-loaded into the stage, on the contiguous rows in 16-byte-aligned boxes of bm + 4); store: the TMA-store
+# epilogue (rows inside their group); wide: 128 x 192 in order (three 64-column weight-block runs, no third
+# accumulator); cluster: 2-block clusters along N, each block loading half of the shared A tile and multicasting it; stream: the weights' loads
 # evict_first, the tokens' evict_last
 FP8_BLOCK_VARIANTS = {
     "nvfly_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True),
@@ -580,6 +580,10 @@ FP8_BLOCK_VARIANTS = {
     "nvfly_wide_store": dict(bm=128, bn=192, consumers=2, tma_store=True),
     "nvfly_cluster_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True, cluster_n=2),
     "nvfly_wide_cluster_store": dict(bm=128, bn=192, consumers=2, tma_store=True, cluster_n=2),
+    "nvfly_wide_cluster_store_staged": dict(bm=128, bn=192, consumers=2, tma_store=True, cluster_n=2,
+                                            staged_scales=True),
+    "nvfly_cluster_store_staged": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True, cluster_n=2,
+                                       staged_scales=True),
     "nvfly_stream_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True, stream_b=True),
 }
 FP8_RATIOS.update({f"{name[len('nvfly_'):]}_vs_default": ("nvfly", name) for name in FP8_BLOCK_VARIANTS})

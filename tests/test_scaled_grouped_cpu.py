@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nvfly.ops import scaled
+from nvfly.ops.common.gemm_config import SMEM_LIMIT
 from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.grouped import compile_grouped_variants
 from nvfly.ops.scaled.config import SCALE_ALIGN, SCALE_SLOT
@@ -400,3 +401,16 @@ def test_explain_describes_grouped_fp8(capsys):
     assert "TMA-store epilogue, 2-block clusters along N" in out
     assert main(["explain", "16", "4096", "7168", "--groups", "256", "--scaled", "row", "--layout", "masked"]) == 0
     assert "64x128 tile on 1 consumer" in capsys.readouterr().out
+
+
+def test_benchmark_block_variants_plan():
+    """benchmarks.grouped --fp8's FP8_BLOCK_VARIANTS plan on DeepSeek-V3's gate/up (256 experts, contiguous), the
+    staged ones staged (boxes of bm + 4 rows)."""
+    from benchmarks.grouped import FP8_BLOCK_VARIANTS
+    block = ScaledEpilogue("block", True)
+    assert any(fields.get("staged_scales") for fields in FP8_BLOCK_VARIANTS.values())
+    for name, fields in FP8_BLOCK_VARIANTS.items():
+        cfg = deepest(ScaledConfig(stages=2, **fields), 256)
+        plan = make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 132, cfg)
+        assert plan.config.staged_scales == fields.get("staged_scales", False), name
+        assert plan.scale_rows == cfg.bm + SCALE_ALIGN and plan.smem_bytes <= SMEM_LIMIT and cfg.stages >= 3, name

@@ -572,8 +572,8 @@ FP8_RATIOS = {"vs_torch_row": ("torch_row", "nvfly"), "vs_nvfly_bf16": ("nvfly_b
 # then as deep as fits next to the group table), each also a "<name>_vs_default" ratio (staged: the activation
 # scales TMA-loaded into the stage, on the contiguous rows in 16-byte-aligned boxes of bm + 4); store: the TMA-store
 # epilogue (rows inside their group); wide: 128 x 192 in order (three 64-column weight-block runs, no third
-# accumulator); cluster: 2-block clusters along N, each block loading half of the shared A tile and multicasting it; stream: the weights' loads
-# evict_first, the tokens' evict_last
+# accumulator); cluster: 2-block clusters along N, each block loading half of the shared A tile and multicasting
+# it; stream: the weights' loads evict_first, the tokens' evict_last
 FP8_BLOCK_VARIANTS = {
     "nvfly_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True),
     "nvfly_wide": dict(bm=128, bn=192, consumers=2),

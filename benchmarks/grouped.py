@@ -669,11 +669,7 @@ def fp8_setup(case: Case):
 
 def fp8_rows(cases: list[Case]) -> tuple[list[dict], dict]:
     """The FP8 grouped rows: every implementation's error against its float32 reference (owned rows; a peer that
-    raises is left out, with its error), then TFLOP/s, TB/s of the fp8 bytes that must move, and ratios. The staged
-    variants run the contiguous layout's staged boxes (``grouped.STAGED_CONTIGUOUS``): pass
-    tests/gpu/test_scaled_grouped_gpu.py first (a crash there would take this process's later rows with it)."""
-    from nvfly.ops.scaled import grouped as grouped_module
-    grouped_module.STAGED_CONTIGUOUS = True
+    raises is left out, with its error), then TFLOP/s, TB/s of the fp8 bytes that must move, and ratios."""
     rows = []
     for case in progress(cases, "grouped_fp8"):
         impls, refs, flop, nbytes, plan = fp8_setup(case)

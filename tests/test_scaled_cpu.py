@@ -1123,17 +1123,3 @@ def test_benchmark_times_the_clusters(monkeypatch):
             assert not {"cluster2", "cluster4"} & set(bench.alternative_configs(16, 4096, 7168, recipe, False))
     assert {"cluster2", "cluster4"} <= set(bench.alternative_configs(16, 4096, 7168, "block", False))
 
-
-def test_one_wave_cluster_rule(monkeypatch):
-    """ONE_WAVE_CLUSTER_N (1: off, the default) puts the heuristic's 128-row tiles that fit one wave in clusters along
-    N: M = 128 and 256 on N = 8192, promoted and fast; not several waves (M = 512), nor swapped or split small M."""
-    from nvfly.ops.scaled import plan as scaled_plan
-    for cn in (2, 4):
-        monkeypatch.setattr(scaled_plan, "ONE_WAVE_CLUSTER_N", cn)
-        for epi in (ScaledEpilogue("row", True), ScaledEpilogue("tensor", False), ScaledEpilogue("block", True)):
-            plan = make_plan(128, 8192, 8192, epi, None, None, 132)
-            assert (plan.config.bn, plan.config.cluster_n, plan.grid, plan.a_box) == (64, cn, 128, (128 // cn, 128))
-            assert make_plan(8192, 8192, 8192, epi, None, None, 132).config.cluster_n == 1
-            assert make_plan(16, 4096, 7168, epi, None, None, 132).config.cluster_n == 1
-        assert make_plan(256, 8192, 8192, ScaledEpilogue("row", True), None, None, 132).config.cluster_n == cn
-        assert make_plan(512, 8192, 8192, ScaledEpilogue("row", True), None, None, 132).config.cluster_n == 1  # 2 waves

@@ -11,7 +11,6 @@ import torch
 from nvfly.ops import scaled
 from nvfly.ops.common.gemm_config import SMEM_LIMIT
 from nvfly.ops.scaled import ScaledConfig, ScaledEpilogue
-from nvfly.ops.scaled import grouped as grouped_module
 from nvfly.ops.scaled.grouped import compile_grouped_variants
 from nvfly.ops.scaled.config import SCALE_ALIGN, SCALE_SLOT
 from nvfly.ops.scaled.grouped_plan import MAX_GROUPS, deepest, fits, make_grouped_plan
@@ -96,7 +95,7 @@ def plan_of(layout, cfg):
     return make_grouped_plan(layout, ScaledEpilogue("block", True), 8, 4096, 4096, 4096, 512, 132, cfg)
 
 
-def test_staged_scales_and_wide_tiles_plans_and_fallback(monkeypatch):
+def test_staged_scales_and_wide_tiles_plans_and_fallback():
     """Staged scales take block scales only, and fall back to global reads where TMA cannot load scale_a (the
     quantiser's (1, T) strides load; T not a multiple of 4 does not); the contiguous layout's bm + 4 row boxes fit
     the slot up to 252 rows (256-row tiles stage there on the masked layout only); 192 and 160 wide tiles take
@@ -116,13 +115,7 @@ def test_staged_scales_and_wide_tiles_plans_and_fallback(monkeypatch):
     with pytest.raises(ValueError, match="256 \\+ 4|bm=256"):
         plan_of("contiguous", tall)
     assert scaled.describe_grouped("contiguous", 256, 32768, 4096, 7168).startswith(
-        "scaled-grouped-contiguous-block-promoted: 128x192")  # the default: unstaged
-    a, sa = quantize(torch.randn(512, 256), "1x128")
-    b, sb = quantize_experts(torch.randn(4, 256, 256), "128x128")
-    offs = torch.tensor([100, 100, 300, 512], dtype=torch.int32)
-    held = _plan(a, b, sa, sb, offs, torch.bfloat16, None, False, False, staged, None, sms=132)[0]
-    assert not held.config.staged_scales  # contiguous staging held back until the H200 runs it (STAGED_CONTIGUOUS)
-    monkeypatch.setattr(grouped_module, "STAGED_CONTIGUOUS", True)
+        "scaled-grouped-contiguous-block-promoted-staged: 128x192")  # the default stages the tokens' scales
     for t, staged_ok in ((512, True), (510, False)):
         a, sa = quantize(torch.randn(t, 256), "1x128")
         assert (staged_scales_reason(sa, 128) is None) == staged_ok
@@ -404,7 +397,7 @@ def test_explain_describes_grouped_fp8(capsys):
     from nvfly.cli import main
     assert main(["explain", "32768", "4096", "7168", "--groups", "256", "--scaled", "block"]) == 0
     out = capsys.readouterr().out
-    assert "scaled-grouped-contiguous-block-promoted: 128x192 tile on 2 consumers" in out and "block scales" in out
+    assert "scaled-grouped-contiguous-block-promoted-staged: 128x192 tile on 2 consumers" in out and "block scales" in out
     assert "TMA-store epilogue, 2-block clusters along N" in out
     assert main(["explain", "16", "4096", "7168", "--groups", "256", "--scaled", "row", "--layout", "masked"]) == 0
     assert "64x128 tile on 1 consumer" in capsys.readouterr().out

@@ -127,12 +127,6 @@ BLOCK_IDS = ["128x128-ahead-staged", "128x192-staged", "128x160-staged", "128x19
              "128x128-ahead-staged-tmastore-streamb"]
 
 
-@pytest.fixture(autouse=True)
-def staged_contiguous(monkeypatch):
-    """These tests run the contiguous layout's staged boxes, held back from users until they pass here."""
-    monkeypatch.setattr(grouped_module, "STAGED_CONTIGUOUS", True)
-
-
 def staged_runs(plan, config):
     """The staged variants must run staged (not the fallback's global reads): TMA can load the tokens' scales in the
     plan's boxes (contiguous: bm + 4 rows from the tile's first row rounded down to 16 bytes)."""

@@ -166,10 +166,6 @@ class _GroupedScaledCall:
                     plan.m, plan.n, plan.k_tiles, plan.config, plan.groups, plan.layout, plan.epilogue)
 
 
-# whether contiguous-layout calls stage their scales (16-byte-aligned boxes of bm + 4 rows): off until the H200 has
-# run them, since the earlier unaligned boxes died with an illegal instruction there (the GPU tests and the
-# benchmark's staged variants turn it on); off, those calls read their scales from global memory
-STAGED_CONTIGUOUS = False
 _CALLS: OpCalls[_GroupedScaledCall] = OpCalls()
 
 
@@ -188,8 +184,7 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dtype: Any,
     # staged scales where TMA can load scale_a (rows contiguous, as the quantiser's), else the scales from global;
     # the TMA-store epilogue where TMA can store the output (16-bit), else registers
     cfg = plan.config
-    contiguous_held = plan.layout == "contiguous" and not STAGED_CONTIGUOUS
-    if cfg.staged_scales and (contiguous_held or staged_scales_reason(scale_a, plan.scale_rows) is not None):
+    if cfg.staged_scales and staged_scales_reason(scale_a, plan.scale_rows) is not None:
         cfg = replace(cfg, staged_scales=False)
     if cfg.tma_store and (out_dtype.itemsize != 2 or (out is not None and store_reason(out) is not None)):
         # the heuristic's tile measured only with its store: without it, the 128 x 128 tile (the caller's keeps its)

@@ -12,7 +12,8 @@ kernel's rows), its width the widest that still fills FILL of the SMs. Small-M t
 SMs split K over the idle ones (f32 partials, then a reduce kernel applies scales and bias; or, with
 ``ScaledConfig.split_fix_up``, the splits add up in the kernel's workspace and the last one stores: one launch,
 ``SPLIT_FIX_UP`` says which the heuristic takes). Clusters along N multicasting A (``ScaledConfig.cluster_n``;
-unswapped, without K splits or stream K) are the caller's choice until measured (``ONE_WAVE_CLUSTER_N`` 1). Measurements: docs/ops/scaled.md.
+unswapped, without K splits or stream K) are the caller's choice: at M = 128 to 512 they measured slower than
+independent blocks. Measurements: docs/ops/scaled.md.
 """
 from __future__ import annotations
 
@@ -43,10 +44,6 @@ SPLIT_MAX = 16
 # the heuristic's K splits add up in the kernel (ScaledConfig.split_fix_up: one launch), not in the reduce kernel
 # (two): the second launch costs far more host time than the fix-up costs on the GPU (docs/ops/scaled.md)
 SPLIT_FIX_UP = True
-# 128-row tiles that fit one wave (M = 128 .. 512 on wide N: every block reads the same few A rows from L2) run in
-# clusters of this many blocks along N sharing A by multicast (ScaledConfig.cluster_n); 1: none, until measured
-# (benchmarks.scaled's "cluster2" / "cluster4", docs/ops/scaled.md "Clusters along N")
-ONE_WAVE_CLUSTER_N = 1
 
 
 @dataclass(frozen=True)
@@ -98,7 +95,7 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
             rate = {192: WIDE_BLOCK_RATE if scaling == "block" else 1.0, 128: 1.0}
             bn = min((192, 128), key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w / rate[w],
                                                 -w))
-        return one_wave_cluster(deepest(ScaledConfig(128, bn, 2, 2, tma_store=True)), m, n, sms)
+        return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
     # one accumulator, up to 256 wide: among the widths whose tiles fill the SMs, the one whose waves take least
     # time (waves x width; ties to the wider), as the promoted tiles choose 192
     filling = [w for w in (256, 192, 128) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms]
@@ -106,14 +103,7 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
         bn = min(filling, key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w, -w))
     else:
         bn = 128 if math.ceil(m / 128) * math.ceil(n / 128) >= FILL * sms else 64
-    return one_wave_cluster(deepest(ScaledConfig(128, bn, 2, 2, tma_store=True)), m, n, sms)
-
-
-def one_wave_cluster(cfg: ScaledConfig, m: int, n: int, sms: int) -> ScaledConfig:
-    """``cfg`` in clusters of ONE_WAVE_CLUSTER_N blocks along N where its tiles fit one wave, else as it is."""
-    if ONE_WAVE_CLUSTER_N > 1 and math.ceil(m / cfg.bm) * math.ceil(n / cfg.bn) <= sms:
-        return replace(cfg, cluster_n=ONE_WAVE_CLUSTER_N)
-    return cfg
+    return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
 
 
 def split_small_m(cfg: ScaledConfig, m: int, n: int, k: int, sms: int) -> ScaledConfig:

@@ -573,7 +573,8 @@ FP8_RATIOS = {"vs_torch_row": ("torch_row", "nvfly"), "vs_nvfly_bf16": ("nvfly_b
 # scales TMA-loaded into the stage, on the contiguous rows in 16-byte-aligned boxes of bm + 4); store: the TMA-store
 # epilogue (rows inside their group); wide: 128 x 192 in order (three 64-column weight-block runs, no third
 # accumulator); cluster: 2-block clusters along N, each block loading half of the shared A tile and multicasting
-# it; stream: the weights' loads evict_first, the tokens' evict_last
+# it; stream: the weights' loads evict_first, the tokens' evict_last; skip: a consumer whose half of a group's last
+# tile is empty only releases its stages
 FP8_BLOCK_VARIANTS = {
     "nvfly_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True),
     "nvfly_wide": dict(bm=128, bn=192, consumers=2),
@@ -585,6 +586,8 @@ FP8_BLOCK_VARIANTS = {
     "nvfly_cluster_store_staged": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True, cluster_n=2,
                                        staged_scales=True),
     "nvfly_stream_store": dict(bm=128, bn=128, consumers=2, issue_ahead=True, tma_store=True, stream_b=True),
+    "nvfly_wide_cluster_store_staged_skip": dict(bm=128, bn=192, consumers=2, tma_store=True, cluster_n=2,
+                                                 staged_scales=True, skip_empty=True),
 }
 FP8_RATIOS.update({f"{name[len('nvfly_'):]}_vs_default": ("nvfly", name) for name in FP8_BLOCK_VARIANTS})
 

@@ -414,3 +414,21 @@ def test_benchmark_block_variants_plan():
         plan = make_grouped_plan("contiguous", block, 256, 32768, 4096, 7168, 128, 132, cfg)
         assert plan.config.staged_scales == fields.get("staged_scales", False), name
         assert plan.scale_rows == cfg.bm + SCALE_ALIGN and plan.smem_bytes <= SMEM_LIMIT and cfg.stages >= 3, name
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_skip_empty_halves(layout):
+    """skip_empty: a consumer with no rows left in its group only waits for and releases the stages (one more wait
+    on the full barriers and arrive on the empty ones, on both blocks of a cluster), in the default tile and in
+    the 128 x 128 fallback; without it the kernel is as before; the dense scaled GEMM refuses it."""
+    block = ScaledEpilogue("block", True)
+    for cfg in (ScaledConfig(128, 192, 4, 2, staged_scales=True, tma_store=True, cluster_n=2),
+                ScaledConfig(128, 128, 6, 2, issue_ahead=True)):
+        skipping, plain = compile_grouped_variants([(layout, replace(cfg, skip_empty=True), block), (layout, cfg, block)])
+        check_kernel(skipping, f"QGMMA.64x{cfg.bn}x32.F32.E4M3.E4M3")
+        assert skipping.count("SYNCS.PHASECHK") > plain.count("SYNCS.PHASECHK")  # the skipping loop's full waits
+        arrive = "SYNCS.ARRIVE.TRANS64.RED.A1T0" if cfg.cluster_n > 1 else "SYNCS.ARRIVE.TRANS64.A1T0"
+        assert skipping.count(arrive) > plain.count(arrive)
+        assert skipping.count("QGMMA") == plain.count("QGMMA")
+    with pytest.raises(ValueError, match="^config: skip_empty: only the grouped"):
+        make_plan(4096, 4096, 4096, block, ScaledConfig(128, 128, 6, 2, skip_empty=True), None, 132)

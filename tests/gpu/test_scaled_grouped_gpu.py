@@ -110,7 +110,8 @@ def test_moe_routing_many_experts(hopper):
 # issue #30's block-scale tiles (benchmarks.grouped's FP8_BLOCK_VARIANTS): staged activation scales on the default
 # tile, 192 and 160 wide (in order), 192 wide reading sa from global, the TMA-store epilogue (rows inside their
 # group; the rest through registers) and 2-block clusters along N multicasting A (N = 352 on 128-wide tiles: 3 tile
-# columns, the cluster's 4th computed past N and not stored), and L2 hints on the loads
+# columns, the cluster's 4th computed past N and not stored), L2 hints on the loads, and consumers that skip the
+# k-blocks of their empty half of a group's last tile
 BLOCK_VARIANTS = [ScaledConfig(128, 128, 6, 2, issue_ahead=True, staged_scales=True),
                   ScaledConfig(128, 192, 5, 2, staged_scales=True), ScaledConfig(128, 160, 5, 2, staged_scales=True),
                   ScaledConfig(128, 192, 5, 2),
@@ -120,11 +121,13 @@ BLOCK_VARIANTS = [ScaledConfig(128, 128, 6, 2, issue_ahead=True, staged_scales=T
                   ScaledConfig(128, 160, 5, 2, staged_scales=True, tma_store=True),
                   ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True, cluster_n=2),
                   ScaledConfig(128, 192, 4, 2, staged_scales=True, tma_store=True, cluster_n=2),
-                  ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True, stream_b=True)]
+                  ScaledConfig(128, 128, 5, 2, issue_ahead=True, staged_scales=True, tma_store=True, stream_b=True),
+                  ScaledConfig(128, 192, 4, 2, staged_scales=True, tma_store=True, cluster_n=2, skip_empty=True),
+                  ScaledConfig(128, 128, 6, 2, issue_ahead=True, skip_empty=True)]
 BLOCK_IDS = ["128x128-ahead-staged", "128x192-staged", "128x160-staged", "128x192", "128x128-ahead-staged-tmastore",
              "128x128-ahead-tmastore", "128x192-staged-tmastore", "128x160-staged-tmastore",
              "128x128-ahead-staged-tmastore-cluster2n", "128x192-staged-tmastore-cluster2n",
-             "128x128-ahead-staged-tmastore-streamb"]
+             "128x128-ahead-staged-tmastore-streamb", "128x192-staged-tmastore-cluster2n-skip", "128x128-ahead-skip"]
 
 
 def staged_runs(plan, config):

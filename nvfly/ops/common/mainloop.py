@@ -165,6 +165,19 @@ def promote_k_blocks(pipe, state, ring, stage_bytes, k_begin, k_end, lane, sums,
     return sums, state
 
 
+@nvfly.func
+def skip_k_blocks(pipe, state, k_begin, k_end, lane, CLUSTER):
+    """A consumer's k-blocks [k_begin, k_end) of a tile it has no rows of: wait for each stage (a release may not run
+    ahead of the loads it frees, or it would count towards a later pass of the ring) and release it (on every block
+    of a ``CLUSTER``) without reading it. Returns the state after the tile."""
+    for kt in range(k_begin, k_end):
+        pipe.consumer_wait(state)
+        if lane == 0:
+            release_stage(pipe, state, CLUSTER)
+        state = state.advance()
+    return state
+
+
 def wait_stage(pipe: Any, state: Any, ring: Any, stage_bytes: int, prepare: Any) -> Any:
     """Wait for ``state``'s stage and run ``prepare`` (None: nothing) on its shared address, which it returns
     (``promote_k_blocks``)."""

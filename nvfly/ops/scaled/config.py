@@ -65,7 +65,9 @@ class ScaledConfig(StagedStore):
     transposed), a last cluster column past N computed and not stored; ``stream_a``/``stream_b`` (the grouped kernel
     only): L2 eviction hints on the operands' TMA loads, the streamed one's evict_first and the other's evict_last
     (the dense GEMM's, ``load_hint``: e.g. the experts' weights, read once, streamed past the tokens' tiles that
-    their N tiles re-read)."""
+    their N tiles re-read); ``skip_empty`` (the grouped kernel only): a consumer whose rows of a tile all lie past
+    its group's end (a group's last, partial tile row) waits for and releases the tile's stages without issuing
+    its wgmmas, promotions or stores (the tensor cores then run the other consumer's half alone)."""
     bm: int = 128
     bn: int = 128
     stages: int = 6
@@ -82,6 +84,7 @@ class ScaledConfig(StagedStore):
     cluster_n: int = 1
     stream_a: bool = False
     stream_b: bool = False
+    skip_empty: bool = False
 
     @property
     def wg_m(self) -> int:

@@ -46,7 +46,7 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import check_store_descriptor, stage_tile, store_tile
 from nvfly.ops.common.gemm_config import CONSUMER_REGS, PRODUCER_REGS, Epilogue, load_hint
 from nvfly.ops.common.groups import fill_group_table, group_rows_end, group_table, group_work
-from nvfly.ops.common.mainloop import init_ring, load_boxes, produce_tiles
+from nvfly.ops.common.mainloop import init_ring, load_boxes, produce_tiles, skip_k_blocks
 from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
 from nvfly.ops.scaled.config import BK, SCALE_ALIGN
 from nvfly.ops.scaled.kernel import batched, fp8_mainloop, fp8_ring, k_major_tiles, promotion_scales
@@ -143,31 +143,53 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
             if CFG.staged_scales:  # sa from the stage: the thread's first row's word in its slot
                 box_row = row_base // SCALE_ALIGN * SCALE_ALIGN if ALIGNED_SCALES else row_base
                 scales_of = functools.partial(scales_of, staged_row=CFG.scales_offset + 4 * (row0 - box_row))
-            accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, 0, k_tiles, lane, tid, scales_of,
-                                       CFG, EPI)
-            if EPI.scaling == "row":
-                accs = row_scaled(accs, scale_a, scale_b, a_group, g, row0, col0, m, n, BN, ATOMS_M)
             row_end = group_rows_end(offs, g, m, LAYOUT, GROUPS)
             tile_row = row_base + consumer * WG_M  # the consumer's first output row
-            if TMA_STORE:
-                # rows inside the group: staged and TMA-stored (clips N), drained under the next tile's mainloop;
-                # else registers, masked at the group's end (a TMA store would write the next group's rows)
-                if tile_row + WG_M <= row_end:
-                    stage_tile(out_desc, None, accs, staging + consumer * (CFG.staging_bytes() // WGS), g, tile_row,
-                               work.tile_n * BN, row0, col0, m, n, 1.0, 0.0, consumer, warp_in_wg, lane, CFG,
-                               ATOMS_M, Epilogue(), MASKED_A, False)
+            if CFG.skip_empty:
+                if tile_row < row_end:
+                    state = consumer_tile(pipe, state, ring, atom, tiles_of, consumer, k_tiles, lane, tid, scales_of,
+                                          out, out_desc, staging, scale_a, scale_b, a_group, g, work.tile_n, row0,
+                                          col0, row_end, tile_row, warp_in_wg, m, n, CFG, EPI, MASKED_A)
                 else:
-                    store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
-                               Epilogue(), False)
+                    state = skip_k_blocks(pipe, state, 0, k_tiles, lane, CN)
             else:
-                inside = (tile_row + WG_M <= row_end) & (work.tile_n * BN + BN <= n)
-                store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
-                           Epilogue(), inside)
+                state = consumer_tile(pipe, state, ring, atom, tiles_of, consumer, k_tiles, lane, tid, scales_of, out,
+                                      out_desc, staging, scale_a, scale_b, a_group, g, work.tile_n, row0, col0,
+                                      row_end, tile_row, warp_in_wg, m, n, CFG, EPI, MASKED_A)
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores
     if CN > 1:
         sm90.cluster_sync()  # no block leaves while a peer may still multicast into it or arrive on it
+
+
+@nvfly.func
+def consumer_tile(pipe, state, ring, atom, tiles_of, consumer, k_tiles, lane, tid, scales_of, out, out_desc, staging,
+                  scale_a, scale_b, a_group, g, tile_n, row0, col0, row_end, tile_row, warp_in_wg, m, n, CFG, EPI,
+                  MASKED_A):
+    """A consumer's share of one tile: the mainloop over its k-blocks, then the epilogue of its rows. Returns the
+    ring state after the tile."""
+    BN, WG_M, WGS = CFG.bn, CFG.wg_m, CFG.consumers
+    ATOMS_M = WG_M // 64
+    accs, state = fp8_mainloop(pipe, state, ring, atom, tiles_of, consumer, 0, k_tiles, lane, tid, scales_of, CFG,
+                               EPI)
+    if EPI.scaling == "row":
+        accs = row_scaled(accs, scale_a, scale_b, a_group, g, row0, col0, m, n, BN, ATOMS_M)
+    if CFG.tma_store:
+        # rows inside the group: staged and TMA-stored (clips N), drained under the next tile's mainloop; else
+        # registers, masked at the group's end (a TMA store would write the next group's rows)
+        if tile_row + WG_M <= row_end:
+            stage_tile(out_desc, None, accs, staging + consumer * (CFG.staging_bytes() // WGS), g, tile_row,
+                       tile_n * BN, row0, col0, m, n, 1.0, 0.0, consumer, warp_in_wg, lane, CFG, ATOMS_M, Epilogue(),
+                       MASKED_A, False)
+        else:
+            store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M,
+                       Epilogue(), False)
+    else:
+        inside = (tile_row + WG_M <= row_end) & (tile_n * BN + BN <= n)
+        store_tile(out, None, accs, g if MASKED_A else 0, row0, col0, row_end, n, 1.0, 0.0, BN, ATOMS_M, Epilogue(),
+                   inside)
+    return state
 
 
 def row_scaled(accs: list, scale_a, scale_b, a_group, g, row0, col0, m, n, BN: int, ATOMS_M: int) -> list:

@@ -150,6 +150,8 @@ def make_plan(m: int, n: int, k: int, epilogue: ScaledEpilogue, config: Optional
         raise ValueError(f"config: {why}")
     if config.stream_a or config.stream_b:
         raise ValueError("config: stream_a, stream_b: only the grouped scaled kernel hints its loads")
+    if config.skip_empty:
+        raise ValueError("config: skip_empty: only the grouped scaled kernel's tiles cross a group's end")
     if epilogue.scaling == "block" and weight_scales_reason(config.bn):
         raise ValueError(f"config: {weight_scales_reason(config.bn)}")
     if config.staged_scales and (epilogue.scaling != "block" or swap):

@@ -44,7 +44,7 @@ float32 references first.
 Usage: python -m benchmarks.grouped [--quick] [--moe] [--moe-layers NAME] [--no-compile] [--moe-profile CALLS]
 [--wgrad-variants] [--variants] [--fp8] [--no-triton] [--triton-cases N] [--name grouped]. --variants: the forward
 variants alone (a few minutes: Inductor's autotuning of the four rows is most of it; --no-triton leaves it out).
---fp8 --quick: the four FP8 anchor rows (a few minutes: the 4096-token rows compile and time the
+--fp8 --quick: the five FP8 anchor rows (a few minutes: the 4096-token rows compile and time the
 FP8_BLOCK_VARIANTS too). --quick: the anchor rows (under 3 minutes on the H200,
 Inductor on
 the first case only). --moe alone: the MoE-layer rows only; with --quick: both. Writes
@@ -76,8 +76,9 @@ PEAK_TBPS = 4.3       # device copy ceiling measured on the H200
 @dataclass(frozen=True)
 class Case:
     """One row: ``kind`` "forward", "gate_up" (N = 2I weights, I outputs), "masked" or "wgrad"; E experts, weights
-    N x K, ``rows`` routed rows in all (tokens x top-k), ``routing`` "uniform", "zipf" (alpha 1.2) or "hot" (one
-    expert takes 25%)."""
+    N x K, ``rows`` routed rows in all (tokens x top-k), ``routing`` "uniform", "zipf" (alpha 1.2), "hot" (one
+    expert takes 25%) or "topk<k>" (each of rows / k tokens picks k distinct experts at random, seed 0: a real
+    router's ragged counts, ~mean +- sqrt(mean) rows an expert)."""
     name: str
     kind: str
     experts: int
@@ -115,6 +116,10 @@ def group_sizes(case: Case) -> list[int]:
     gradient's ragged K); the remainder goes to the largest fractional shares."""
     e = case.experts
     align = 8 if case.kind == "wgrad" else 1
+    if case.routing.startswith("topk"):
+        top = int(case.routing[len("topk"):])
+        picks = torch.rand(case.rows // top, e, generator=torch.Generator().manual_seed(0)).topk(top, dim=1).indices
+        return torch.bincount(picks.flatten(), minlength=e).tolist()
     if case.routing == "uniform":
         weights = torch.ones(e, dtype=torch.float64)
     elif case.routing == "zipf":
@@ -554,6 +559,7 @@ FP8_QUICK = [
     Case("DSv3 down T4096", "forward", 256, 7168, 2048, 4096 * 8),
     Case("DSv3 gate/up decode T32", "forward", 256, 4096, 7168, 32 * 8),
     Case("DSv3 masked decode T128", "masked", 256, 4096, 7168, 128 * 8),
+    Case("DSv3 gate/up T4096 routed", "forward", 256, 4096, 7168, 4096 * 8, "topk8"),
 ]
 FP8_FULL = FP8_QUICK + [
     Case("DSv3 gate/up T4096 zipf", "forward", 256, 4096, 7168, 4096 * 8, "zipf"),
@@ -727,7 +733,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", action="store_true",
                    help="the compute-bound forward rows on each forward variant vs torch and Inductor (alone)")
     p.add_argument("--fp8", action="store_true",
-                   help="the grouped FP8 rows alone (DeepSeek-V3 experts; with --quick: four, a few minutes)")
+                   help="the grouped FP8 rows alone (DeepSeek-V3 experts; with --quick: five, a few minutes)")
     p.add_argument("--no-triton", action="store_true", help="leave out Inductor max-autotune's grouped mm")
     p.add_argument("--triton-cases", type=int, default=None,
                    help="time Inductor on the first N forward cases (default: 1 with --quick, all forward cases)")

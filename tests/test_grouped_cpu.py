@@ -467,3 +467,13 @@ def test_benchmark_variant_rows_plan():
             plan = plan_of("contiguous", a, b, (rows, case.n), case.experts, "none", config)
             assert plan.config == config and plan.smem_bytes <= SMEM_LIMIT and plan.grid <= 132, (case, name)
             assert describe_config(config).startswith(f"{config.bm}x{config.bn} ")
+
+
+def test_benchmark_topk_routing_is_ragged():
+    """benchmarks.grouped's "topk8" routing: every token's 8 experts counted once (rows in all), seeded (the same
+    sizes each run), and ragged as a router's (groups whose last 128-row tile is partial)."""
+    from benchmarks.grouped import Case, group_sizes
+    case = Case("routed", "forward", 256, 4096, 7168, 4096 * 8, "topk8")
+    sizes = group_sizes(case)
+    assert len(sizes) == 256 and sum(sizes) == 4096 * 8 and max(sizes) <= 4096 and sizes == group_sizes(case)
+    assert sum(1 for s in sizes if s % 128) > 100

@@ -44,7 +44,8 @@ N*K/32 e8m0 scales per call) and its fraction of the memory floor, against the d
 the same process (floor_fraction) and against 4.8 TB/s (spec_fraction); the error against the float32 GEMM on the
 dequantised weight; also each mainloop variant of A16_VARIANTS by name (ring: the 8-stage cp.async ring, the
 default before the registers mainloop; shuffled: the nibble-shuffled layout; bits*: the bit-shuffled
-"shuffled-bf16" layout with the ring, registers, unroll 8, 8 warps, the next group loaded ahead): <name>_tbps,
+"shuffled-bf16" layout with the ring, registers, unroll 8, 8 warps, the next group loaded ahead; tma*: a producer
+warp's TMA ring of 8 or 16 four-chunk stages, natural or bit-shuffled): <name>_tbps,
 <name>_floor (fraction of the copy bandwidth), <name>_rel_err, and their geomeans at M <= 16 in the summary. The
 results file is rewritten after every row. Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--a16-variants NAME ...]
 [--name ...].
@@ -169,6 +170,10 @@ A16_VARIANTS = {
     "bits_ahead": A16Config(layout="shuffled-bf16", stages=0, ahead=True),
     "bits_ahead_u2": A16Config(layout="shuffled-bf16", stages=0, unroll=2, ahead=True),
     "bits_w8_ahead": A16Config(layout="shuffled-bf16", warps=8, stages=0, ahead=True),
+    # a producer warp TMA-loads 4-chunk stages into a ring shared by the warps (loads in flight by construction)
+    "tma": A16Config(tma_stages=8),
+    "tma16": A16Config(tma_stages=16),
+    "bits_tma": A16Config(layout="shuffled-bf16", tma_stages=8),
 }
 
 

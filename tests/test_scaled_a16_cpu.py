@@ -16,7 +16,7 @@ from nvfly.arch.floats import (E2M1_UNIT_EXPONENT, e2m1_shuffled_bit_positions, 
 from nvfly.ops import scaled
 from nvfly.ops.scaled import A16Config
 from nvfly.ops.scaled.a16_kernel import LANE_K, step_operands, token_pairs, token_words
-from nvfly.ops.scaled.a16_plan import CHUNK_K, ROWS, make_a16_plan
+from nvfly.ops.scaled.a16_plan import CHUNK_K, ROWS, describe_a16_plan, make_a16_plan
 from nvfly.ops.scaled.api import compile_a16
 from nvfly.ops.scaled.quantize import E2M1_VALUES, dequantize_mxfp4, quantize, shuffle_mxfp4_a16, unshuffle_mxfp4_a16
 
@@ -231,6 +231,12 @@ COMPILED = [
     (9, 576, 7168, torch.bfloat16, torch.float32, False, A16Config(layout="shuffled-bf16", warps=8, stages=0)),
     (4, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(layout="shuffled-bf16", stages=0, ahead=True)),
     (16, 1000, 4128, torch.float16, torch.bfloat16, False, A16Config(stages=0, ahead=True, warps=8)),
+    # the TMA ring (a producer warp): split K, an N tail, fp16, the bit layout, wide scales
+    (1, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(tma_stages=8)),
+    (16, 4096, 7168, torch.bfloat16, torch.float32, False, A16Config(tma_stages=8)),
+    (12, 1000, 4608, torch.float16, torch.float16, True, A16Config(tma_stages=4, splits=1)),
+    (4, 7168, 2048, torch.bfloat16, torch.bfloat16, False, A16Config(tma_stages=16, layout="shuffled-bf16")),
+    (3, 7168, 2048, torch.float16, torch.bfloat16, False, A16Config(tma_stages=8, wide_scales=True)),
 ]
 
 
@@ -239,13 +245,16 @@ def test_variants_compile_to_hmma_without_spills(m, n, k, act, out, bias, cfg):
     plan, kernel = compile_a16(m, n, k, cfg, act, out, bias)
     r = kernel.resources
     assert r.spill_stores == 0 and r.spill_loads == 0 and r.stack_bytes == 0 and not kernel.warnings, r
-    assert r.registers <= 128, r  # four 128-thread CTAs an SM
+    assert r.registers <= (168 if cfg is not None and cfg.tma_stages and m > 8 else 128), r  # 4 x 128 threads an SM
     ops = kernel.sass_opcodes()
     bf16 = act == torch.bfloat16
     assert ops["HMMA.16816.F32.BF16" if bf16 else "HMMA.16816.F32"] > 0  # mma.sync on 16-bit operands
     assert ops["HMUL2.BF16_V2" if bf16 else "HMUL2"] > 0  # the packed scale multiply
     if plan.config.stages:  # the streamed weight: cp.async (L1 bypassed) into the warp's ring
         assert ops["LDGSTS.E.BYPASS.128"] > 0 and ops["LDS.128"] > 0
+    elif plan.config.tma_stages:  # TMA boxes into the shared ring, read back 16 bytes a lane, no global weight loads
+        assert ops["UTMALDG.2D"] > 0 and ops["LDS.128"] > 0 and not ops.get("LDG.E.NA.LTC256B.128.CONSTANT")
+        assert kernel.dynamic_smem_bytes == plan.config.dynamic_smem_bytes and plan.threads == 32 * 5
     else:  # straight into registers: read-only, no L1, L2 prefetch
         assert ops["LDG.E.NA.LTC256B.128.CONSTANT"] > 0
 
@@ -272,3 +281,43 @@ def test_shuffled_layouts_have_fewer_instructions_per_chunk():
     assert all(c.get("HMMA.16816.F32.BF16") == 8 for c in counts.values())
     assert counts["natural"].get("PRMT", 0) - counts["shuffled"].get("PRMT", 0) >= 12
     assert total["shuffled-bf16"] < total["shuffled"] < total["natural"]
+
+
+def test_tma_ring_offsets_pick_each_lanes_bytes():
+    """The TMA ring's read-back: a stage laid out as TMA writes it (two 16 x 128-byte boxes, 128-byte swizzle, then
+    the 16 x 16-byte scale box) gives every lane (g, p) of every chunk u the 16 bytes of rows g and g + 8 at k
+    128u + 32p .. +31 (bytes 64u + 16p ..) and their scale bytes (block 4u + p): the lane layout the registers
+    mainloop loads from global memory."""
+    from nvfly.ops.scaled.a16_kernel import ring_offsets
+    from nvfly.ops.scaled.a16_plan import TMA_BOX_BYTES, TMA_CHUNKS, TMA_SCALE_BYTES, TMA_STAGE_BYTES, TMA_WEIGHT_BYTES
+    rng = torch.Generator().manual_seed(0)
+    w = torch.randint(0, 256, (16, TMA_CHUNKS * 64), generator=rng, dtype=torch.uint8)  # a stage's weight bytes
+    sc = torch.randint(0, 256, (16, TMA_CHUNKS * 4), generator=rng, dtype=torch.uint8)  # and scale bytes
+    stage = torch.zeros(TMA_STAGE_BYTES, dtype=torch.uint8)
+    for box in range(TMA_WEIGHT_BYTES // (16 * TMA_BOX_BYTES)):
+        for r in range(16):
+            for q in range(TMA_BOX_BYTES // 16):
+                at = box * 16 * TMA_BOX_BYTES + r * TMA_BOX_BYTES + (q ^ (r % 8)) * 16
+                stage[at:at + 16] = w[r, box * TMA_BOX_BYTES + 16 * q:box * TMA_BOX_BYTES + 16 * q + 16]
+    stage[TMA_WEIGHT_BYTES:TMA_WEIGHT_BYTES + TMA_SCALE_BYTES] = sc.flatten()
+    for u in range(TMA_CHUNKS):
+        for g in range(8):
+            for p in range(4):
+                words, scales = ring_offsets(u, g, p)
+                for h, r in enumerate((g, g + 8)):
+                    assert torch.equal(stage[words[h]:words[h] + 16], w[r, 64 * u + 16 * p:64 * u + 16 * p + 16])
+                    assert stage[scales[h]] == sc[r, 4 * u + p]
+
+
+def test_tma_ring_plan_checks():
+    """tma_stages replaces the other mainloops, needs K a multiple of 512 (the scale rows' 16-byte TMA stride) and
+    adds the producer warp."""
+    plan = make_a16_plan(1, 8192, 8192, A16Config(tma_stages=8), 132)
+    assert plan.threads == 160 and plan.config.static_smem_bytes == 0
+    assert "8-stage TMA ring of 4 chunks" in describe_a16_plan(plan)
+    with pytest.raises(ValueError, match="config: tma_stages: K=4128 must be a multiple of 512"):
+        make_a16_plan(1, 8192, 4128, A16Config(tma_stages=8), 132)
+    with pytest.raises(ValueError, match="config: tma_stages=8: instead of stages / ahead"):
+        make_a16_plan(1, 8192, 8192, A16Config(tma_stages=8, stages=4), 132)
+    with pytest.raises(ValueError, match="config: tma_stages=1: 0 \\(off\\) or 2 to 32"):
+        make_a16_plan(1, 8192, 8192, A16Config(tma_stages=1), 132)

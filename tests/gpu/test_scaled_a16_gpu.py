@@ -112,7 +112,9 @@ def test_scales_past_two_poison_or_widen(hopper):
 
 
 # benchmarks.scaled's A16_VARIANTS on shuffled layouts
-SHUFFLED = {name: config for name, config in A16_VARIANTS.items() if config.layout != "natural"}
+# (the TMA ring needs K a multiple of 512: test_tma_ring_on_the_bit_layout runs its shuffled variant)
+SHUFFLED = {name: config for name, config in A16_VARIANTS.items()
+            if config.layout != "natural" and not config.tma_stages}
 
 
 @pytest.mark.parametrize("variant", list(SHUFFLED))
@@ -148,3 +150,27 @@ def test_ahead_on_the_natural_layout(hopper, m, n, k):
     """A16Config(ahead=True) on torch's layout: groups carried in registers, leftover chunks and the K tail after
     them (K 1120: 8 full chunks, 2 groups of 4 over 4 warps, a tail; 640: one group short; 96: only the tail)."""
     check(m, n, k, config=A16Config(stages=0, ahead=True, splits=1))
+
+
+@pytest.mark.parametrize("m,n,k,act,splits,stages", [
+    (1, 8192, 4096, torch.bfloat16, 0, 8),      # many groups: no split, stages 8 chunks deep over 4 warps
+    (4, 576, 7168, torch.bfloat16, 0, 8),       # the heuristic's split K: a split's last stage runs into the next's
+    (16, 1000, 4608, torch.float16, 1, 4),      # two token tiles, an N tail (TMA's zero rows), fp16, a 4-deep ring
+    (9, 333, 512, torch.bfloat16, 0, 16),       # one stage in all, a ring deeper than the work
+    (64, 520, 2048, torch.bfloat16, 3, 2),      # four token blocks, 3 splits of 5 or 6 chunks, a 2-deep ring
+])
+def test_tma_ring(hopper, m, n, k, act, splits, stages):
+    """A16Config(tma_stages=...): a producer warp TMA-loads stages of 4 chunks (weights 128-byte swizzled, scales)
+    into a ring the warps take stage by stage; chunks past a split's end are loaded and zeroed; repeated calls."""
+    check(m, n, k, act, torch.bfloat16, m == 4, A16Config(tma_stages=stages, splits=splits))
+    check(m, n, k, act, torch.bfloat16, False, A16Config(tma_stages=stages, splits=splits), seed=7)
+
+
+@pytest.mark.parametrize("m", [1, 16])
+def test_tma_ring_on_the_bit_layout(hopper, m):
+    """The TMA ring on the bf16 bit-shuffled weight (the benchmark's bits_tma)."""
+    x, q, s = operands(m, 4096, 7168, seed=m)
+    out = poisoned(m, 4096, torch.bfloat16)
+    scaled.scaled_mm(x, shuffle_mxfp4_a16(q, "shuffled-bf16"), None, s, out=out,
+                     config=A16Config(layout="shuffled-bf16", tma_stages=8))
+    assert rel_error(out, scaled.reference(x, q, None, s)) < TOL[torch.bfloat16]

@@ -30,12 +30,13 @@ GEMM's reduce kernel.
 from __future__ import annotations
 
 import nvfly
-from nvfly.arch import sm80
+from nvfly.arch import sm80, sm90
 from nvfly.arch.floats import (e2m1x8_shuffled_to_16bit_scaled, e2m1x8_to_16bit_scaled, e8m0_to_16bit_factors,
                                pair_halves, scale_16bit_pairs)
 from nvfly.arch.memory import L1Eviction, load_global, load_shared
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.scaled.a16_plan import CHUNK_K, LANE_K, RING_CHUNK_BYTES, ROWS, TOKEN_BLOCK
+from nvfly.ops.scaled.a16_plan import (CHUNK_K, LANE_K, RING_CHUNK_BYTES, ROWS, TMA_BARRIER_BYTES, TMA_BOX_BYTES,
+                                       TMA_CHUNKS, TMA_STAGE_BYTES, TMA_WEIGHT_BYTES, TMA_SCALE_BYTES, TOKEN_BLOCK)
 
 TILE = ROWS * TOKEN_BLOCK  # a CTA's outputs
 
@@ -197,17 +198,78 @@ def stream_ring(accs, w_rows, s_rows, x_rows, slot, first, count, p, DTYPE, CFG)
     return accs
 
 
+@nvfly.func
+def produce_tma_ring(pipe, ring, w_desc, s_desc, n0, c_begin, count, S):
+    """The producer warp's one thread: ``count`` stages of TMA_CHUNKS chunks from chunk ``c_begin``, each the CTA's
+    16 weight rows (two 128-byte-wide boxes) and their scale bytes, into the ring once its consumer released the
+    stage. Boxes past N or K read as zeros."""
+    for j in range(0, count):
+        state = sm90.PipelineState(j % S, (j // S) & 1, S)
+        pipe.producer_acquire(state)
+        pipe.producer_expect(state)
+        stage = ring + state.stage * TMA_STAGE_BYTES
+        first = c_begin + j * TMA_CHUNKS
+        full = pipe.full(state.stage)
+        for box in nvfly.static_range(TMA_WEIGHT_BYTES // (ROWS * TMA_BOX_BYTES)):
+            sm90.tma_load(w_desc, stage + box * ROWS * TMA_BOX_BYTES,
+                          (n0, first * (CHUNK_K // 2) + box * TMA_BOX_BYTES), full)
+        sm90.tma_load(s_desc, stage + TMA_WEIGHT_BYTES, (n0, first * (CHUNK_K // LANE_K)), full)
+
+
+def ring_offsets(u: int, g, p) -> tuple[list, list]:
+    """Byte offsets in a TMA ring stage of this lane's 16 bytes of rows g and g + 8 of chunk ``u`` (boxes of 16 rows
+    x 128 bytes, 128-byte swizzled: 16-byte segment q of row r lies at segment q ^ (r % 8)), and of their scale
+    bytes (the 16 x 16-byte scale box behind the weights)."""
+    per_box = TMA_BOX_BYTES // (CHUNK_K // 2)  # chunks a box holds
+    box, seg = u // per_box, (u % per_box) * (CHUNK_K // 32) + p
+    rows = [g, g + 8]
+    words = [box * ROWS * TMA_BOX_BYTES + r * TMA_BOX_BYTES + (seg ^ (r % 8)) * 16 for r in rows]
+    scales = [TMA_WEIGHT_BYTES + r * (TMA_SCALE_BYTES // ROWS) + u * (CHUNK_K // LANE_K) + p for r in rows]
+    return words, scales
+
+
+@nvfly.func
+def consume_tma_ring(accs, pipe, ring, ring_bytes, x_rows, c_begin, c_end, first, count, lane, g, p, k, DTYPE, CFG):
+    """A warp's stages first, first + warps, ... (< ``count``) of the TMA ring: chunk by chunk, its lanes' bytes
+    read back, then the tokens and the mmas; the stage released once its last chunk is read (chunks at or past
+    ``c_end``, the next split's or past K, count as zeros)."""
+    S, WARPS = CFG.tma_stages, CFG.warps
+    for j in range(first, count, WARPS):
+        state = sm90.PipelineState(j % S, (j // S) & 1, S)
+        pipe.consumer_wait(state)
+        stage = ring + state.stage * TMA_STAGE_BYTES
+        for u in nvfly.static_range(TMA_CHUNKS):
+            offsets, scale_offsets = ring_offsets(u, g, p)
+            words = [load_shared(stage + o, 4) for o in offsets]
+            scales = [ring_bytes[state.stage * TMA_STAGE_BYTES + o] for o in scale_offsets]
+            if u == TMA_CHUNKS - 1:  # the stage's last reads issued: the producer may refill it
+                nvfly.syncwarp()
+                if lane == 0:
+                    pipe.consumer_release(state)
+            c = c_begin + j * TMA_CHUNKS + u
+            inside = c < c_end
+            words = [[nvfly.select(inside, w, 0) for w in row] for row in words]
+            kk = nvfly.minimum(c * CHUNK_K, k - CHUNK_K) + LANE_K * p  # in range (the words are zero past c_end)
+            accs = lane_block(accs, (words, scales), load_tokens(x_rows, kk, None), DTYPE, CFG.wide_scales,
+                              CFG.layout)
+    return accs
+
+
 @nvfly.kernel
 def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, out: nvfly.Tensor, bias,
                      m: nvfly.i32, n: nvfly.i32, k: nvfly.i32, chunks_per_split: nvfly.i32, token_blocks: nvfly.i32,
-                     splits: nvfly.i32, CFG: nvfly.Constexpr, M_TILES: nvfly.Constexpr, PARTIAL: nvfly.Constexpr):
+                     splits: nvfly.i32, w_desc, s_desc, CFG: nvfly.Constexpr, M_TILES: nvfly.Constexpr,
+                     PARTIAL: nvfly.Constexpr):
     """out (M, N) = x (M, K) @ dequantised w (N, K)^T (+ bias); PARTIAL: out is partials [splits, M, N] f32 and
     each split stores its K range's sum (the scales were applied in the mainloop; the bias is the reduce's).
-    ``splits`` is a runtime value (CFG's is unused, 0), so that shapes that split differently share a compile."""
+    ``splits`` is a runtime value (CFG's is unused, 0), so that shapes that split differently share a compile.
+    ``w_desc``, ``s_desc`` (``CFG.tma_stages``, else None): TMA descriptors of w and w_scale, boxes of 16 rows x
+    128 bytes (128-byte swizzle) and 16 rows x 16 bytes."""
     WARPS, UNROLL = CFG.warps, CFG.unroll
-    THREADS = 32 * WARPS
+    THREADS = CFG.threads
     dtype = x.dtype
-    nvfly.min_blocks_per_sm(max(1, 512 // THREADS))
+    # 512 threads an SM; the TMA ring's two token tiles take more registers than 3 CTAs of 160 threads leave
+    nvfly.min_blocks_per_sm(2 if CFG.tma_stages and M_TILES == 2 else max(1, 512 // THREADS))
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
     lane = nvfly.lane_idx()
@@ -229,7 +291,25 @@ def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, ou
     c_begin = split * chunks_per_split
     c_end = nvfly.minimum(c_begin + chunks_per_split, full)
     unrolled = (c_end - c_begin) // UNROLL
-    if CFG.stages:
+    if CFG.tma_stages:
+        S = CFG.tma_stages
+        bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (2 * S,)))
+        ring_bytes = nvfly.dynamic_shared_tensor(nvfly.u8, (S * TMA_STAGE_BYTES,), offset_bytes=TMA_BARRIER_BYTES)
+        ring = smem_address(ring_bytes)
+        pipe = sm90.TmaPipeline(bars, S, TMA_WEIGHT_BYTES + TMA_SCALE_BYTES, consumer_arrivals=1)
+        if tid == 0:
+            pipe.init()
+            sm90.tma_prefetch_descriptor(w_desc)
+            sm90.tma_prefetch_descriptor(s_desc)
+        nvfly.syncthreads()
+        count = nvfly.maximum(c_end - c_begin + TMA_CHUNKS - 1, 0) // TMA_CHUNKS
+        if warp == WARPS:
+            if lane == 0:
+                produce_tma_ring(pipe, ring, w_desc, s_desc, n0, c_begin, count, S)
+        else:
+            accs = consume_tma_ring(accs, pipe, ring, ring_bytes, x_rows, c_begin, c_end, warp, count, lane, g, p, k,
+                                    dtype, CFG)
+    elif CFG.stages:
         ring = smem_address(nvfly.shared_tensor(nvfly.u8, (WARPS * CFG.stages * RING_CHUNK_BYTES,)))
         accs = stream_ring(accs, w_rows, s_rows, x_rows, ring + warp * (CFG.stages * RING_CHUNK_BYTES) + lane * 32,
                            c_begin + warp, nvfly.maximum(c_end - c_begin - warp + WARPS - 1, 0) // WARPS, p, dtype,
@@ -251,12 +331,17 @@ def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, ou
         accs = stream_chunks(accs, w_rows, s_rows, x_rows, [full * CHUNK_K], p, k, True, dtype, CFG)
 
     # every warp's fragments into shared memory as [warp][token][column], then one thread per output sums them
-    partial = nvfly.shared_tensor(nvfly.f32, (WARPS * TILE,))
-    for t in nvfly.static_range(M_TILES):
-        for i in nvfly.static_range(4):
-            col = g + 8 * (i // 2)
-            token = 8 * t + 2 * p + i % 2
-            partial[warp * TILE + token * ROWS + col] = accs[t][i]
+    if CFG.tma_stages:
+        partial = nvfly.dynamic_shared_tensor(nvfly.f32, (WARPS * TILE,),
+                                              offset_bytes=TMA_BARRIER_BYTES + CFG.tma_stages * TMA_STAGE_BYTES)
+    else:
+        partial = nvfly.shared_tensor(nvfly.f32, (WARPS * TILE,))
+    if CFG.tma_stages == 0 or warp < WARPS:  # not the TMA producer warp
+        for t in nvfly.static_range(M_TILES):
+            for i in nvfly.static_range(4):
+                col = g + 8 * (i // 2)
+                token = 8 * t + 2 * p + i % 2
+                partial[warp * TILE + token * ROWS + col] = accs[t][i]
     nvfly.syncthreads()
     for r in nvfly.static_range((TILE + THREADS - 1) // THREADS):
         e = r * THREADS + tid

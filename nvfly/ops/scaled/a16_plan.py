@@ -24,6 +24,15 @@ FILL_CTAS = 2      # split K while the CTAs are fewer than this many per SM
 SPLIT_MIN_CHUNKS = 2
 SPLIT_MAX = 16
 RING_CHUNK_BYTES = 32 * 2 * 16  # a warp's chunk in its cp.async ring: each lane's 16 bytes of two weight rows
+# A16Config.tma_stages: a stage is TMA_CHUNKS chunks of the CTA's 16 weight rows (two 16 x 128-byte boxes, 128-byte
+# swizzled) and their scale bytes (a 16 x 16-byte box), padded to whole 1024-byte swizzle atoms; barriers first
+TMA_CHUNKS = 4
+TMA_BOX_BYTES = 128
+TMA_WEIGHT_BYTES = ROWS * TMA_CHUNKS * CHUNK_K // 2
+TMA_SCALE_BYTES = ROWS * TMA_CHUNKS * CHUNK_K // LANE_K
+TMA_STAGE_BYTES = 5 * 1024
+TMA_BARRIER_BYTES = 1024
+TMA_K_ALIGN = TMA_CHUNKS * CHUNK_K  # the scales' row stride (K / 32 bytes) a multiple of TMA's 16 bytes
 STATIC_SMEM = 48 * 1024
 # the weight's order in each 32-bit word (quantize.shuffle_mxfp4_a16): torch's nibbles, nibbles paired as the tokens'
 # words, or the bit-shuffled layout of one activation dtype (fewer conversion ops)
@@ -42,7 +51,10 @@ class A16Config:
     32-bit word: the conversion's pairs are the tokens' natural words, no ``prmt``), "shuffled-bf16" /
     "shuffled-f16" (bit-shuffled for that activation dtype: the same pairs in fewer integer ops); ``ahead`` (with
     ``stages`` 0): each group of ``unroll`` chunks is loaded before the previous group's math (twice the weight
-    registers)."""
+    registers); ``tma_stages`` (> 0, instead of both): a producer warp TMA-loads the CTA's weight rows and scales
+    ``TMA_CHUNKS`` chunks a stage into a ring of that many stages shared by the warps (each takes whole stages
+    round robin and reads its lanes' bytes back from shared memory), so that the loads in flight do not depend on
+    how ptxas schedules register loads; K a multiple of ``TMA_K_ALIGN``."""
     warps: int = 4
     unroll: int = 4
     splits: int = 0
@@ -51,11 +63,27 @@ class A16Config:
     stages: int = 0
     layout: str = "natural"
     ahead: bool = False
+    tma_stages: int = 0
 
     @property
     def static_smem_bytes(self) -> int:
-        """The CTA's static shared memory: the warps' cp.async rings and the partial tiles' reduction."""
+        """The CTA's static shared memory: the warps' cp.async rings and the partial tiles' reduction (with
+        ``tma_stages`` all of it is dynamic)."""
+        if self.tma_stages:
+            return 0
         return self.warps * (self.stages * RING_CHUNK_BYTES + ROWS * TOKEN_BLOCK * 4)
+
+    @property
+    def dynamic_smem_bytes(self) -> int:
+        """With ``tma_stages``: the ring's barriers, its stages, then the partial tiles' reduction."""
+        if not self.tma_stages:
+            return 0
+        return TMA_BARRIER_BYTES + self.tma_stages * TMA_STAGE_BYTES + self.warps * ROWS * TOKEN_BLOCK * 4
+
+    @property
+    def threads(self) -> int:
+        """The warps, and with ``tma_stages`` the producer warp."""
+        return 32 * (self.warps + (1 if self.tma_stages else 0))
 
     def check(self) -> Optional[str]:
         if self.warps not in (1, 2, 4, 8):
@@ -70,6 +98,11 @@ class A16Config:
             return f"ahead=True: the registers mainloop's (stages=0), got stages={self.stages}"
         if self.stages == 1 or self.stages < 0:
             return f"stages={self.stages}: 0 (weights loaded into registers) or a ring of at least 2"
+        if self.tma_stages and (self.stages or self.ahead):
+            return f"tma_stages={self.tma_stages}: instead of stages / ahead, got stages={self.stages}, " \
+                   f"ahead={self.ahead}"
+        if self.tma_stages and not 2 <= self.tma_stages <= 32:
+            return f"tma_stages={self.tma_stages}: 0 (off) or 2 to 32"
         if self.static_smem_bytes > STATIC_SMEM:
             return (f"warps={self.warps} x stages={self.stages}: {self.static_smem_bytes} bytes of static shared "
                     f"memory exceed {STATIC_SMEM}")
@@ -107,6 +140,8 @@ def make_a16_plan(m: int, n: int, k: int, config: Optional[A16Config], sms: int)
     """The plan of an m x n x k call (``config`` None: the heuristic's warps and unroll; splits 0: its split)."""
     config = config or A16Config()
     why = config.check()
+    if not why and config.tma_stages and k % TMA_K_ALIGN:
+        why = f"tma_stages: K={k} must be a multiple of {TMA_K_ALIGN} (the scales' rows, K / 32 bytes, TMA's 16)"
     if why:
         raise ValueError(f"config: {why}")
     token_blocks = max(1, math.ceil(m / TOKEN_BLOCK))  # M or N 0: a one-CTA plan that the call never launches
@@ -127,7 +162,7 @@ def make_a16_plan(m: int, n: int, k: int, config: Optional[A16Config], sms: int)
     config = replace(config, splits=splits)
     return A16Plan(config=config, m=m, n=n, k=k, m_tiles=1 if m <= 8 else 2, token_blocks=token_blocks,
                    groups=groups, splits=splits, chunks_per_split=chunks_per_split,
-                   grid=groups * splits * token_blocks, threads=32 * config.warps)
+                   grid=groups * splits * token_blocks, threads=config.threads)
 
 
 def describe_a16_plan(plan: A16Plan) -> str:
@@ -135,9 +170,11 @@ def describe_a16_plan(plan: A16Plan) -> str:
     name = "mxfp4-a16-stream" + ("-wide" if cfg.wide_scales else "") + \
         ("" if cfg.layout == "natural" else f"-{cfg.layout}") + \
         (f"-splitK{plan.splits}" if plan.splits > 1 else "")
-    flight = f"{cfg.stages}-stage cp.async ring" if cfg.stages else \
-        f"{cfg.unroll} chunks into registers" + (", the next group loaded ahead" if cfg.ahead else "")
+    flight = f"{cfg.stages}-stage cp.async ring per warp" if cfg.stages else \
+        f"{cfg.unroll} chunks into registers per warp" + (", the next group loaded ahead" if cfg.ahead else "")
+    if cfg.tma_stages:
+        flight = f"{cfg.tma_stages}-stage TMA ring of {TMA_CHUNKS} chunks shared by the warps (a producer warp)"
     blocks = "" if plan.token_blocks == 1 else \
         f", {plan.token_blocks} token blocks (M > {TOKEN_BLOCK}: the weight streamed per block, no wgmma mainloop yet)"
     return (f"{name}: {ROWS} weight rows x {8 * plan.m_tiles} tokens per CTA, {plan.grid} CTAs of {cfg.warps} warps, "
-            f"{flight} per warp (chunks of {CHUNK_K} k){blocks}")
+            f"{flight} (chunks of {CHUNK_K} k){blocks}")

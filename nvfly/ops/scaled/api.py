@@ -46,7 +46,8 @@ from nvfly.ops.common.gemm_config import store_box
 from nvfly.ops.common.opcall import OpCalls, named
 from nvfly.ops.common.operands import hopper_reason, store_reason
 from nvfly.ops.scaled.a16_kernel import mxfp4_a16_kernel
-from nvfly.ops.scaled.a16_plan import A16Config, A16Plan, describe_a16_plan, make_a16_plan
+from nvfly.ops.scaled.a16_plan import (ROWS, TMA_BOX_BYTES, TMA_SCALE_BYTES, A16Config, A16Plan, describe_a16_plan,
+                                       make_a16_plan)
 from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, MX_BLOCK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue, deepest
 from nvfly.ops.scaled.kernel import scaled_mm_kernel, scaled_reduce_kernel
 from nvfly.ops.scaled.plan import ScaledPlan, make_plan
@@ -554,9 +555,13 @@ class _A16Call:
             count = plan.splits * plan.m * plan.n
             buffer = scratch.partials(a.device, current_stream(a.device.index), count)[:count]
             target = buffer.view(plan.splits, plan.m, plan.n)
+        w_desc = s_desc = None
+        if plan.config.tma_stages:
+            w_desc = cached_descriptor(w, (ROWS, TMA_BOX_BYTES), TMA_BOX_BYTES)
+            s_desc = cached_descriptor(w_scale, (ROWS, TMA_SCALE_BYTES // ROWS), 0)
         self.launch(w, w_scale, a, target, None if self.reduce is not None else bias, plan.m, plan.n, plan.k,
-                    plan.chunks_per_split, plan.token_blocks, plan.splits, plan.kernel_config, plan.m_tiles,
-                    self.reduce is not None)
+                    plan.chunks_per_split, plan.token_blocks, plan.splits, w_desc, s_desc, plan.kernel_config,
+                    plan.m_tiles, self.reduce is not None)
         if self.reduce is not None:
             self.reduce(target, out, w_scale, w_scale, bias, plan.m, plan.n, plan.splits, "mxfp4", self.reduce_vec,
                         REDUCE_THREADS)
@@ -575,10 +580,15 @@ def compile_a16(m: int, n: int, k: int, config: Optional[A16Config] = None, acti
     nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}
     plan = make_a16_plan(m, n, k, config, sms)
     out = TensorDesc(f32, (plan.splits, m, n)) if plan.partial else TensorDesc(nv[out_dtype], (m, n))
-    kernel = mxfp4_a16_kernel.compile(TensorDesc(u8, (n, k // 2)), TensorDesc(u8, (n, k // MX_BLOCK)),
-                                      TensorDesc(nv[activations], (m, k)), out,
+    w, w_scale = TensorDesc(u8, (n, k // 2)), TensorDesc(u8, (n, k // MX_BLOCK))
+    w_desc = s_desc = None
+    if plan.config.tma_stages:
+        w_desc = nvfly.TmaDescriptor(w, (ROWS, TMA_BOX_BYTES), swizzle=TMA_BOX_BYTES)
+        s_desc = nvfly.TmaDescriptor(w_scale, (ROWS, TMA_SCALE_BYTES // ROWS), swizzle=0)
+    kernel = mxfp4_a16_kernel.compile(w, w_scale, TensorDesc(nv[activations], (m, k)), out,
                                       TensorDesc(bf16, (n,)) if bias and not plan.partial else None, m, n, k,
-                                      plan.chunks_per_split, plan.token_blocks, plan.splits, CFG=plan.kernel_config,
+                                      plan.chunks_per_split, plan.token_blocks, plan.splits, w_desc, s_desc,
+                                      CFG=plan.kernel_config,
                                       M_TILES=plan.m_tiles,
                                       PARTIAL=plan.partial, block=plan.threads, target=target)
     return plan, kernel

@@ -155,6 +155,8 @@ def make_a16_plan(m: int, n: int, k: int, config: Optional[A16Config], sms: int)
             splits = max(1, min(math.ceil(FILL_CTAS * sms / ctas), full // (config.warps * SPLIT_MIN_CHUNKS),
                                 SPLIT_MAX))
     chunks_per_split = math.ceil(full / splits) if full else 0
+    if config.tma_stages:  # a split starts on a stage: TMA's boxes start on 16 bytes of the scale rows
+        chunks_per_split = -(-chunks_per_split // TMA_CHUNKS) * TMA_CHUNKS
     if chunks_per_split:
         splits = math.ceil(full / chunks_per_split)  # every split holds a chunk
     else:

@@ -316,12 +316,12 @@ def test_tma_ring_plan_checks():
     assert plan.threads == 160 and plan.config.static_smem_bytes == 0
     # splits start on whole stages (TMA box starts 16-byte aligned in the scale rows: an unaligned one faults)
     for m, n, k, splits in ((64, 520, 2048, 3), (4, 576, 7168, 0), (1, 100, 512 * 7, 5)):
-        split = make_a16_plan(m, n, k, A16Config(tma_stages=2, splits=splits), 132)
+        split = make_a16_plan(m, n, k, A16Config(tma_stages=4, splits=splits), 132)
         assert split.chunks_per_split % 4 == 0 and (split.splits - 1) * split.chunks_per_split < k // CHUNK_K
     assert "8-stage TMA ring of 4 chunks" in describe_a16_plan(plan)
     with pytest.raises(ValueError, match="config: tma_stages: K=4128 must be a multiple of 512"):
         make_a16_plan(1, 8192, 4128, A16Config(tma_stages=8), 132)
     with pytest.raises(ValueError, match="config: tma_stages=8: instead of stages / ahead"):
         make_a16_plan(1, 8192, 8192, A16Config(tma_stages=8, stages=4), 132)
-    with pytest.raises(ValueError, match="config: tma_stages=1: 0 \\(off\\) or 2 to 32"):
-        make_a16_plan(1, 8192, 8192, A16Config(tma_stages=1), 132)
+    with pytest.raises(ValueError, match="config: tma_stages=2: 0 \\(off\\) or a multiple of warps=4 up to 32"):
+        make_a16_plan(1, 8192, 8192, A16Config(tma_stages=2), 132)

@@ -156,8 +156,10 @@ def test_ahead_on_the_natural_layout(hopper, m, n, k):
     (1, 8192, 4096, torch.bfloat16, 0, 8),      # many groups: no split, stages 8 chunks deep over 4 warps
     (4, 576, 7168, torch.bfloat16, 0, 8),       # the heuristic's split K: a split's last stage runs into the next's
     (16, 1000, 4608, torch.float16, 1, 4),      # two token tiles, an N tail (TMA's zero rows), fp16, a 4-deep ring
+    (16, 1000, 4608, torch.bfloat16, 1, 4),     # the same in bf16 (each stage slot reused twice)
+    (1, 4096, 8192, torch.bfloat16, 1, 4),      # 16 stages through a 4-deep ring: every slot reused 4 times
     (9, 333, 512, torch.bfloat16, 0, 16),       # one stage in all, a ring deeper than the work
-    (64, 520, 2048, torch.bfloat16, 3, 2),      # four token blocks, 3 splits of 5 or 6 chunks, a 2-deep ring
+    (64, 520, 2048, torch.bfloat16, 3, 4),      # four token blocks, 3 splits asked: 2 of 8 chunks (whole stages)
 ])
 def test_tma_ring(hopper, m, n, k, act, splits, stages):
     """A16Config(tma_stages=...): a producer warp TMA-loads stages of 4 chunks (weights 128-byte swizzled, scales)

@@ -231,8 +231,9 @@ def ring_offsets(u: int, g, p) -> tuple[list, list]:
 @nvfly.func
 def consume_tma_ring(accs, pipe, ring, ring_bytes, x_rows, c_begin, c_end, first, count, lane, g, p, k, DTYPE, CFG):
     """A warp's stages first, first + warps, ... (< ``count``) of the TMA ring: chunk by chunk, its lanes' bytes
-    read back, then the tokens and the mmas; the stage released once its last chunk is read (chunks at or past
-    ``c_end``, the next split's or past K, count as zeros)."""
+    read back, then the tokens and the mmas; the stage released after its last chunk's mmas (released right after
+    the last reads, a reused stage gave wrong results on the H200: the refill overtook reads still in flight);
+    chunks at or past ``c_end`` (the next split's, or past K) count as zeros."""
     S, WARPS = CFG.tma_stages, CFG.warps
     for j in range(first, count, WARPS):
         state = sm90.PipelineState(j % S, (j // S) & 1, S)
@@ -242,16 +243,16 @@ def consume_tma_ring(accs, pipe, ring, ring_bytes, x_rows, c_begin, c_end, first
             offsets, scale_offsets = ring_offsets(u, g, p)
             words = [load_shared(stage + o, 4) for o in offsets]
             scales = [ring_bytes[state.stage * TMA_STAGE_BYTES + o] for o in scale_offsets]
-            if u == TMA_CHUNKS - 1:  # the stage's last reads issued: the producer may refill it
-                nvfly.syncwarp()
-                if lane == 0:
-                    pipe.consumer_release(state)
             c = c_begin + j * TMA_CHUNKS + u
             inside = c < c_end
             words = [[nvfly.select(inside, w, 0) for w in row] for row in words]
             kk = nvfly.minimum(c * CHUNK_K, k - CHUNK_K) + LANE_K * p  # in range (the words are zero past c_end)
             accs = lane_block(accs, (words, scales), load_tokens(x_rows, kk, None), DTYPE, CFG.wide_scales,
                               CFG.layout)
+        # after the last chunk's mmas, which consumed every value read from the stage: the producer may refill it
+        nvfly.syncwarp()
+        if lane == 0:
+            pipe.consumer_release(state)
     return accs
 
 

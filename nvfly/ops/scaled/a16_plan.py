@@ -101,8 +101,10 @@ class A16Config:
         if self.tma_stages and (self.stages or self.ahead):
             return f"tma_stages={self.tma_stages}: instead of stages / ahead, got stages={self.stages}, " \
                    f"ahead={self.ahead}"
-        if self.tma_stages and not 2 <= self.tma_stages <= 32:
-            return f"tma_stages={self.tma_stages}: 0 (off) or 2 to 32"
+        if self.tma_stages and not (self.tma_stages <= 32 and self.tma_stages % self.warps == 0):
+            # warp w takes stages w, w + warps, ...: each slot then serves one warp, so no waiter runs two phases
+            # ahead of a slot (an mbarrier parity wait cannot tell phase p from p + 2)
+            return f"tma_stages={self.tma_stages}: 0 (off) or a multiple of warps={self.warps} up to 32"
         if self.static_smem_bytes > STATIC_SMEM:
             return (f"warps={self.warps} x stages={self.stages}: {self.static_smem_bytes} bytes of static shared "
                     f"memory exceed {STATIC_SMEM}")

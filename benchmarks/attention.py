@@ -769,9 +769,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for shape, sq, layout, mod, kv in cases:
         row = run_row(shape, sq, layout, mod, not args.no_flex, kv, tuple(args.decode_variants))
         rows.append(row)
-        if args.decode_variants:  # a row at a time: what ran is kept if the run is cut short
-            write_results(args.name, rows, {"command": command, "card": torch.cuda.get_device_name(),
-                                            "partial": True})
+        # a row at a time: what ran is kept if the run is cut short
+        write_results(args.name, rows, {"command": command, "card": torch.cuda.get_device_name(), "partial": True})
         peers = "  ".join(f"{key[:-4]} {row[key]:.2f}" for key in row if key.endswith("_tbs") and key != "nvfly_tbs")
         graph = f" graph {row['nvfly_graph_tbs']:.2f}" if "nvfly_graph_tbs" in row else ""
         print(f"{row['model']:>9} B{row['batch']:<3} Skv{row['skv']:<6} {row['hq']}/{row['hkv']} sq{sq} {layout:>7} "

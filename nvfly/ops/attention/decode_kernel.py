@@ -53,11 +53,11 @@ from typing import Any, Iterator, NamedTuple
 import nvfly
 from nvfly.arch import sm80
 from nvfly.arch.floats import e4m3x4_to_16bit, permute_bytes
+from nvfly.arch.gpu_scope import load_relaxed
 from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.frontend.control_flow import if_
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
-from nvfly.arch.gpu_scope import load_relaxed
 from nvfly.ops.attention.plan import BLOCK_N, ROWS, WARPS, ctas_per_sm, fixup_counter
 from nvfly.ops.common.arrival import last_to_arrive
 
@@ -734,7 +734,7 @@ def fixup_tile(partial_o, partial_lse, out, lse, b, hkv, m_tile, seqlen, tid, PL
     past any L1 line) into out and lse, as ``combine_kernel`` merges a row's: a warp a row computes the splits'
     weights e^(LSE_s - max) (a lane 1-4 splits) into shared memory (over the ring, free after the warps' merge)
     with the row's 1 / Σ weights, and writes its LSE; then each thread sums 4-column vectors of the tile's rows over
-    the splits, ``unroll`` splits' loads at a time. A row every split found empty gets zeros and -inf."""
+    the splits, 16 vectors' loads a thread at a time. A row every split found empty gets zeros and -inf."""
     SQ, G, DV, SPLITS, TILE_ROWS = PLAN.sq, PLAN.group, PLAN.dv, PLAN.splits, PLAN.tile_rows
     WARPS_ALL = PLAN.threads // 32
     LANE_SPLITS = -(-SPLITS // 32)
@@ -774,7 +774,7 @@ def fixup_tile(partial_o, partial_lse, out, lse, b, hkv, m_tile, seqlen, tid, PL
     nvfly.syncthreads()
     VECTORS = DV // 4
     ITEMS = TILE_ROWS * VECTORS // PLAN.threads  # whole: tiles of 8k rows, Dv of 64k, 128 threads (256 from 16 rows)
-    UNROLL = max(1, 8 // ITEMS)
+    UNROLL = max(1, 16 // ITEMS)  # splits a step: 16 loads a thread in flight (the combine kernel's 8, of 2 items)
     items = []
     for i in nvfly.static_range(ITEMS):
         item = tid + i * PLAN.threads

@@ -104,7 +104,7 @@ class Launcher:
         self.function = driver.LoadedFunction(image, compiled.name, device, compiled.dynamic_smem_bytes)
         self._local = threading.local()
         self._fmt, self._offsets, self._size = _layout(compiled.abi)
-        self._configs: dict[tuple[tuple[int, int, int], int], Any] = {}  # (grid, stream) -> launch_ex's config
+        self._configs: dict[tuple[tuple[int, int, int], int], Any] = {}  # (grid, stream) -> its cuLaunchKernelEx config
         self.launch = make_launch(compiled, self._fmt, int(self.function.function), _cu_launch_kernel(),
                                   self._local, self._buffers, device, driver.make_current, self._launch_ex)
 

@@ -17,7 +17,7 @@ from nvfly.ops.attention import plan as P
 from nvfly.ops.attention.mla_api import compile_mla
 from nvfly.ops.attention.mla_plan import mla_plan
 
-from tests.test_attention_decode_cpu import bf16, cpu_launches, fp8  # noqa: F401 (cpu_launches: a fixture)
+from tests.test_attention_decode_cpu import bf16, cpu_launches  # noqa: F401 (cpu_launches: a fixture)
 
 OPTIONS = ("pdl_combine", "fixup_combine")
 

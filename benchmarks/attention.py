@@ -18,8 +18,9 @@ Writes benchmarks/results/attention_decode_h200.json and .png.
 ``api.DECODE_VARIANTS`` beside the default, in turn (three rounds, medians: ``nvfly_<variant>_ms``/``_tbs``/``_err``,
 and each plan's stages/row_warps/warp_tiles/splits/swapped); with ``--quick`` the rows are the suite's contiguous
 rows of ``--models`` at ``--sq`` and the quick paged row (at Sq 1), fp8 only with ``--fp8`` (e.g. ``--decode
---models llama8b --no-mods --fp8 --decode-variants stages4 rows16 warp32 --quick``: 10 rows, ~2 min). Writes
-benchmarks/results/attention_decode_variants_h200.json after every row.
+--models llama8b --no-mods --fp8 --decode-variants stages4 rows16 warp32 --quick``: 10 rows, ~2 min; the split-KV
+combine's launch: ``--decode --quick --sq 1 --no-flex --decode-variants pdl fixup``, with ``--fp8`` for fp8 caches).
+Writes benchmarks/results/attention_decode_variants_h200.json after every row.
 
 MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (one KV head of 576 columns, V its
 first 512) at Sq = 1, B 1/32/128, 128 heads (V3) and 16, S 4K and 32K, nvfly on shuffled pages of 64 tokens. The
@@ -199,6 +200,8 @@ def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, Any]
                                  fp8=kv == "fp8", **options)
     chosen = {"stages": plan.stages, "row_warps": plan.row_warps, "warp_tiles": plan.warp_tiles,
               "splits": plan.splits, "swapped": int(plan.swapped)}
+    if plan.pdl_combine or plan.fixup_combine:  # how the splits' partials are merged, where not the combine kernel's
+        chosen["combine"] = "pdl" if plan.pdl_combine else "fixup"
     if options.get("swapped") and not plan.swapped:  # why the row ran the plan without it
         chosen["swap_declined"] = swap_declined(sq, hq // hkv, options.get("row_warps", 0),
                                                 options.get("warp_tiles", 0))
@@ -271,10 +274,11 @@ MLA_QUICK = [("mla128", 1, 32768, 128), ("mla128", 32, 4096, 128), ("mla128", 12
              ("mla16", 32, 32768, 16)]
 MLA_PAGE = 64
 MLA_BACKENDS = ("efficient", "math")  # flash and cuDNN take head dims up to 256
-# --mla-variants: nvfly's kernel with each combination of the plan's load options (the default is one of them)
+# --mla-variants: nvfly's kernel with each combination of the plan's load options (the default is one of them), and
+# the default's with its combine as a programmatic dependent launch (pdl, where the plan splits)
 MLA_VARIANTS = {"stage": dict(chunked=False, evict_first=False), "chunked": dict(chunked=True, evict_first=False),
                 "stage_evict": dict(chunked=False, evict_first=True),
-                "chunked_evict": dict(chunked=True, evict_first=True)}
+                "chunked_evict": dict(chunked=True, evict_first=True), "pdl": dict(pdl_combine=True)}
 
 
 def mla_error(q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor) -> float:

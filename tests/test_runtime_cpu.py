@@ -135,6 +135,29 @@ def test_cluster_cooperative_and_dependent_kernels_launch_through_launch_ex():
             assert ex == [((6, 1, 1), 5, 1234)] * 2
 
 
+def test_launch_ex_configs_are_built_once_a_grid_and_stream(monkeypatch):
+    """A launcher's cuLaunchKernelEx launches (here a programmatic dependent's) build the launch config once per
+    (grid, stream) and reuse it (building one costs the host more than the launch), with the kernel's block,
+    shared memory and launch attributes."""
+    from dataclasses import replace
+
+    from nvfly.runtime import driver
+    from nvfly.runtime.launcher import Launcher
+    built, launched = [], []
+    monkeypatch.setattr(driver, "launch_config", lambda *args: built.append(args) or len(built))
+    monkeypatch.setattr(driver, "launch_with", lambda fn, config, params: launched.append((fn, config, params)))
+    monkeypatch.setattr(driver, "stream_handle", lambda stream: ("stream", stream))
+    launcher = Launcher.__new__(Launcher)
+    launcher.compiled, launcher.function, launcher._configs = replace(_fake_compiled(), dependent=True), "fn", {}
+    for grid, stream in (((6, 1, 1), 5), ((6, 1, 1), 5), ((7, 1, 1), 5), ((6, 1, 1), 9), ((6, 1, 1), 5)):
+        launcher._launch_ex(grid, stream, 1234)
+    c = launcher.compiled
+    assert built == [(grid, c.block, None, False, True, c.dynamic_smem_bytes, ("stream", stream))
+                     for grid, stream in (((6, 1, 1), 5), ((7, 1, 1), 5), ((6, 1, 1), 9))]
+    assert [config for _, config, _ in launched] == [1, 1, 2, 3, 1]
+    assert all(fn == "fn" and params == 1234 for fn, _, params in launched)
+
+
 def _fake_compiled():
     from nvfly.compiler.artifact import CompiledKernel
     abi = [AbiParam("ptr", None, (0, "ptr")), AbiParam("int", "i32", (0, ("shape", 0))),

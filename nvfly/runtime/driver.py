@@ -168,12 +168,17 @@ def launch(fn: LoadedFunction, grid: tuple[int, int, int], block: tuple[int, int
         check(status, "cuLaunchKernel")
 
 
-def launch_ex(fn: LoadedFunction, grid: tuple[int, int, int], block: tuple[int, int, int],
-              cluster: Optional[tuple[int, int, int]], cooperative: bool, dependent: bool, smem: int, stream: Any,
-              params_address: int) -> None:
-    """cuLaunchKernelEx with a cluster shape, as a cooperative launch (every block resident at once) and/or as a
-    programmatic dependent launch (``dependent``: it may start while the stream's previous kernel runs, and waits
-    for it at ``griddepcontrol.wait``)."""
+def launch_with(fn: LoadedFunction, config: Any, params_address: int) -> None:
+    """cuLaunchKernelEx of ``fn`` with a ``launch_config``."""
+    check(_cu().cuLaunchKernelEx(config, fn.function, params_address, 0), "cuLaunchKernelEx")
+
+
+def launch_config(grid: tuple[int, int, int], block: tuple[int, int, int], cluster: Optional[tuple[int, int, int]],
+                  cooperative: bool, dependent: bool, smem: int, stream: Any) -> Any:
+    """cuLaunchKernelEx's CUlaunchConfig: a cluster shape, a cooperative launch (every block resident at once)
+    and/or a programmatic dependent launch (``dependent``: it may start while the stream's previous kernel runs,
+    and waits for it at ``griddepcontrol.wait``). Building one costs the host tens of microseconds in cuda-python,
+    more than the launch: ``Launcher`` keeps one a (grid, stream)."""
     cu = _cu()
     config = cu.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
@@ -198,4 +203,4 @@ def launch_ex(fn: LoadedFunction, grid: tuple[int, int, int], block: tuple[int, 
         attrs.append(attr)
     config.attrs = attrs
     config.numAttrs = len(attrs)
-    check(cu.cuLaunchKernelEx(config, fn.function, params_address, 0), "cuLaunchKernelEx")
+    return config

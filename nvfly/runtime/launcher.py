@@ -87,6 +87,7 @@ def _cu_launch_kernel() -> Any:
 
 
 _INVALID_CONTEXT = 201
+CONFIGS_KEPT = 64  # cuLaunchKernelEx configs a launcher keeps, one a (grid, stream)
 
 
 def _raise(status: int, name: str) -> None:
@@ -103,13 +104,20 @@ class Launcher:
         self.function = driver.LoadedFunction(image, compiled.name, device, compiled.dynamic_smem_bytes)
         self._local = threading.local()
         self._fmt, self._offsets, self._size = _layout(compiled.abi)
+        self._configs: dict[tuple[tuple[int, int, int], int], Any] = {}  # (grid, stream) -> its cuLaunchKernelEx config
         self.launch = make_launch(compiled, self._fmt, int(self.function.function), _cu_launch_kernel(),
                                   self._local, self._buffers, device, driver.make_current, self._launch_ex)
 
     def _launch_ex(self, grid: tuple[int, int, int], stream: int, params: int) -> None:
-        c = self.compiled
-        driver.launch_ex(self.function, grid, c.block, c.cluster, c.cooperative, c.dependent, c.dynamic_smem_bytes,
-                         driver.stream_handle(stream), params)
+        config = self._configs.get((grid, stream))
+        if config is None:
+            c = self.compiled
+            config = driver.launch_config(grid, c.block, c.cluster, c.cooperative, c.dependent, c.dynamic_smem_bytes,
+                                          driver.stream_handle(stream))
+            if len(self._configs) >= CONFIGS_KEPT:
+                self._configs.clear()
+            self._configs[(grid, stream)] = config
+        driver.launch_with(self.function, config, params)
 
     def prepared(self, grid: tuple[int, int, int], raw: Sequence[Any], stream_of: Callable[[Any], int],
                  current_stream: Callable[[int], int], bypass: Any, fallback: Callable[..., None]

@@ -286,7 +286,7 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options",
-                                                          default=(0, 0, 0, False, 0.0, None))
+                                                          default=(0, 0, 0, False, 0.0, None, False, False))
 # the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
 DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "default": {},
@@ -322,20 +322,31 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "swapped_stages4": dict(swapped=True, stages=4),
     # the m16 row tiles at Sq·G <= 8 whatever plan.SWAP_BY_DEFAULT says (the default while it is False)
     "unswapped": dict(swapped=False),
+    # split plans: the combine kernel as the split kernel's programmatic dependent (its launch and the gap before it,
+    # ~22 us of fp8 B1 128K's 93 by ncu, behind the split loop), or no combine kernel: the last split CTA of each
+    # query tile merges its partials (fixup_combine). Unmeasured
+    "pdl": dict(pdl_combine=True),
+    "fixup": dict(fixup_combine=True),
 }
 
 
 def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_rescale: bool = False,
-                 split_efficiency: float = 0.0, swapped: Optional[bool] = None) -> ContextManager[None]:
+                 split_efficiency: float = 0.0, swapped: Optional[bool] = None, pdl_combine: bool = False,
+                 fixup_combine: bool = False) -> ContextManager[None]:
     """``decode`` calls inside run plans with these ``decode_plan`` overrides (stages, row_warps, warp_tiles and
-    split_efficiency 0, swapped None: the plan's default; swapped where ``plan.swap_declined`` allows): the
+    split_efficiency 0, swapped None: the plan's default; swapped where ``plan.swap_declined`` allows;
+    pdl_combine or fixup_combine, one of them, where the plan splits): the
     benchmark's and the tests' way to run the kernel's variants side by side (``DECODE_VARIANTS``)."""
     if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (0, 1, 2) or not 0 <= split_efficiency <= 1:
         raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
                          f"0, 1, 2, 4, warp_tiles {warp_tiles} 0, 1 or 2 and split_efficiency {split_efficiency} in "
                          "[0, 1]")
+    if pdl_combine and fixup_combine:
+        raise ValueError("attention.plan_options: pdl_combine and fixup_combine are two ways of one combine; ask for "
+                         "one")
     return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale),
-                                    float(split_efficiency), None if swapped is None else bool(swapped)))
+                                    float(split_efficiency), None if swapped is None else bool(swapped),
+                                    bool(pdl_combine), bool(fixup_combine)))
 
 
 # the plan options in force (``plan_options``), for callers that keep bound launches per signature (routing)
@@ -362,11 +373,12 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     check_out(out, (batch, sq, hq, dv), q, OP)
-    stages, row_warps, warp_tiles, lazy_rescale, split_efficiency, swapped = _OPTIONS.get()
+    stages, row_warps, warp_tiles, lazy_rescale, split_efficiency, swapped, pdl_combine, fixup_combine = _OPTIONS.get()
     plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
                  k_cache.shape[1], bool(causal), int(splits), row_warps, fp8=str(k_cache.dtype) == FP8,
                  kv_block=kv_block, stages=stages, warp_tiles=warp_tiles, lazy_rescale=lazy_rescale,
-                 split_efficiency=split_efficiency, swapped=swapped) if batch else None
+                 split_efficiency=split_efficiency, swapped=swapped, pdl_combine=pdl_combine,
+                 fixup_combine=fixup_combine) if batch else None
     return _DecodeCall(plan, mods, q, k_cache, v_cache, cache_seqlens, block_table, capacity, pages,
                        bool(return_lse), captured, prepared and batch > 0, block_mask)
 
@@ -396,6 +408,9 @@ class _DecodeCall(CallBuffers):
         self.slots = plan.splits * self.rows if plan is not None and plan.splits > 1 else 0
         self.uint8 = torch.uint8
         self.row_partials = scratch.row_partials
+        self.fixup = plan is not None and plan.fixup_combine
+        if self.fixup:
+            self.counters, self.workspace = plan.fixup_counters(batch, self.hkv), scratch.workspace
         self.main = self.combine = self.tables_launch = None
         self.no_captured, self.no_tables = [None] * MAX_CAPTURED, [None] * 3  # the kernel's unused arguments
         self.captured_keys: Optional[tuple] = None
@@ -409,7 +424,7 @@ class _DecodeCall(CallBuffers):
             if self.tables is not None:
                 self.tables_launch = block_mask_tables_kernel.prepared((self.hkv, batch), TABLES_THREADS)
             self.main = attention_decode_kernel.prepared(plan.grid(batch, self.hkv), plan.threads)
-            if self.slots:
+            if self.slots and not self.fixup:
                 self.combine = attention_combine_kernel.prepared(combine_grid(self.rows, plan.dv),
                                                                 COMBINE_WARPS * 32)
             if captured_tensors(mods):  # read from the functions per call: a prepared launch needs their layouts
@@ -454,15 +469,18 @@ class _DecodeCall(CallBuffers):
         """``_launch``'s launches through the prepared ones."""
         captured = captured + [None] * (MAX_CAPTURED - len(captured)) if captured else self.no_captured
         plan = self.plan
-        if self.combine is None:
-            self.main.launch(q, k, v, block_table, seqlens, out, lse, None, None, *captured, *extra, scale, plan,
-                             self.mods)
+        if not self.slots:
+            self.main.launch(q, k, v, block_table, seqlens, out, lse, None, None, *captured, *extra, None, scale,
+                             plan, self.mods)
             return
-        partial_o, partial_lse = self.row_partials(q.device, torch_args.current_stream(q.device.index), self.slots,
-                                                   plan.dv)
-        self.main.launch(q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse, *captured, *extra, scale,
-                         plan, self.mods)
-        self.combine.launch(partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq, plan.dv)
+        stream = torch_args.current_stream(q.device.index)
+        partial_o, partial_lse = self.row_partials(q.device, stream, self.slots, plan.dv)
+        counters = self.workspace(q.device, stream, self.counters, 0)[1] if self.fixup else None
+        self.main.launch(q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse, *captured, *extra, counters,
+                         scale, plan, self.mods)
+        if not self.fixup:
+            self.combine.launch(partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq, plan.dv,
+                                plan.pdl_combine)
 
     def reads_addresses(self) -> bool:
         """Whether ``run`` now launches through warm prepared launches alone, which read only their tensors'
@@ -505,15 +523,18 @@ def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens:
     grid = plan.grid(batch, k.shape[2])
     if plan.splits == 1:
         attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, None, None, *captured,
-                                                    *extra, scale, PLAN=plan, MODS=mods)
+                                                    *extra, None, scale, PLAN=plan, MODS=mods)
         return
     rows = batch * sq * hq
-    partial_o, partial_lse = scratch.row_partials(q.device, current_stream(q.device.index), plan.splits * rows,
-                                                  plan.dv)
+    stream = current_stream(q.device.index)
+    partial_o, partial_lse = scratch.row_partials(q.device, stream, plan.splits * rows, plan.dv)
+    counters = scratch.workspace(q.device, stream, plan.fixup_counters(batch, k.shape[2]), 0)[1] \
+        if plan.fixup_combine else None
     attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse,
-                                                *captured, *extra, scale, PLAN=plan, MODS=mods)
-    attention_combine_kernel[combine_grid(rows, plan.dv), COMBINE_WARPS * 32](
-        partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=plan.dv)
+                                                *captured, *extra, counters, scale, PLAN=plan, MODS=mods)
+    if not plan.fixup_combine:
+        attention_combine_kernel[combine_grid(rows, plan.dv), COMBINE_WARPS * 32](
+            partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=plan.dv, DEPENDENT=plan.pdl_combine)
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -580,7 +601,8 @@ def reference(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor
 # ---------------------------------------------------------------------------------------------- compile only
 def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf16, batch: int = 2, kv_heads: int = 2,
                     seqlen: int = 1024, return_lse: bool = True, target: str = "sm_90a", captured: tuple = ()) -> list:
-    """The decode kernel (and the combine kernel with splits) for ``plan`` compiled without a GPU:
+    """The decode kernel (and the combine kernel with splits, but for ``fixup_combine``) for ``plan`` compiled
+    without a GPU:
     [CompiledKernel, ...]. A paged plan gets a cache of seqlen / page_size pages per sequence; an fp8 plan e4m3
     caches and their scales; a block-mask plan its tables; ``captured``: (CPU) tensors standing for the mods'
     arguments (``mods.arguments`` of them)."""
@@ -614,12 +636,14 @@ def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf
     split = plan.splits > 1
     partial_o = TensorDesc(nvfly.f32, (plan.splits * rows, plan.dv)) if split else None
     partial_lse = TensorDesc(nvfly.f32, (plan.splits * rows,)) if split else None
+    counters = TensorDesc(nvfly.i32, (plan.fixup_counters(batch, kv_heads),)) if plan.fixup_combine else None
     kernels = [attention_decode_kernel.compile(q, k, v, table, seqlens, out, lse, partial_o, partial_lse, *captured,
-                                               *extra, 0.125, PLAN=plan, MODS=mods, block=plan.threads, target=target)]
-    if split:
+                                               *extra, counters, 0.125, PLAN=plan, MODS=mods, block=plan.threads,
+                                               target=target)]
+    if split and not plan.fixup_combine:
         kernels.append(attention_combine_kernel.compile(partial_o, partial_lse, out, lse, rows, hq, plan.splits,
-                                                        SQ=plan.sq, DV=plan.dv, block=COMBINE_WARPS * 32,
-                                                        target=target))
+                                                        SQ=plan.sq, DV=plan.dv, DEPENDENT=plan.pdl_combine,
+                                                        block=COMBINE_WARPS * 32, target=target))
     return kernels
 
 

@@ -45,15 +45,20 @@ def merge(acc, total, partial_o, partial_lse, first, count, rows, row, column, r
 
 @nvfly.kernel
 def attention_combine_kernel(partial_o: nvfly.Tensor, partial_lse: nvfly.Tensor, out, lse, rows: nvfly.i32,
-                             heads: nvfly.i32, splits: nvfly.i32, SQ: nvfly.Constexpr, DV: nvfly.Constexpr):
+                             heads: nvfly.i32, splits: nvfly.i32, SQ: nvfly.Constexpr, DV: nvfly.Constexpr,
+                             DEPENDENT: nvfly.Constexpr = False):
     """partial_o [splits * rows, DV], partial_lse [splits * rows] (f32; row ((split * B + b) * SQ + token) * heads
-    + head) into out [B, SQ, heads, DV] and lse [B, heads, SQ] (f32, natural log; None: not wanted)."""
+    + head) into out [B, SQ, heads, DV] and lse [B, heads, SQ] (f32, natural log; None: not wanted). DEPENDENT:
+    launched as the split kernel's programmatic dependent (``pdl_combine``): the CTAs may start while it runs and
+    wait for its end (its partials) after their index math."""
     CHUNK = chunk_columns(DV)
     CHUNKS = DV // CHUNK
     PER_LANE = CHUNK // 32
     lane = nvfly.lane_idx()
     item = nvfly.block_idx.x * WARPS + nvfly.warp_idx()
     row = item // CHUNKS
+    if DEPENDENT:  # nothing before this reads what the split kernel writes
+        nvfly.wait_prior_grid()
     if row < rows:
         top = nvfly.f32(NEG_INF)
         for s in range(lane, splits, 32):

@@ -24,7 +24,9 @@ registers is the A fragment of O += P V (the S accumulators of keys 0-7 and 8-15
 step), V's B fragments come from ldmatrix.trans. After the last stage the warps that share rows merge (m, l, O)
 through shared memory (the ring, now free); the result is O / l and LSE = m + log l (natural log), or for a fully
 masked row zeros and -inf. With splits, a CTA writes its normalised partial O and LSE in f32 for
-``combine_kernel``.
+``combine_kernel`` (``pdl_combine``: launched as this kernel's programmatic dependent), or with ``fixup_combine``
+counts itself in on its (sequence, KV head, query tile)'s counter and, if last, merges the tile's partials
+itself (``fixup_tile``).
 
 fp8 (e4m3) K/V: the ring holds the bytes (rows ``fp8_swizzled``, twice the stages) and each warp converts the
 fragments it reads in registers, with f16 MMAs: an ldmatrix matrix of 8 K rows x 16 bytes gives a lane the bytes
@@ -51,11 +53,13 @@ from typing import Any, Iterator, NamedTuple
 import nvfly
 from nvfly.arch import sm80
 from nvfly.arch.floats import e4m3x4_to_16bit, permute_bytes
+from nvfly.arch.gpu_scope import load_relaxed
 from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.frontend.control_flow import if_
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
-from nvfly.ops.attention.plan import BLOCK_N, ROWS, WARPS, ctas_per_sm
+from nvfly.ops.attention.plan import BLOCK_N, ROWS, WARPS, ctas_per_sm, fixup_counter
+from nvfly.ops.common.arrival import last_to_arrive
 
 LOG2E = 1.0 / math.log(2.0)
 BLOCK_EMPTY, BLOCK_PARTIAL, BLOCK_FULL = 0, 1, 2  # a flex BlockMask's KV blocks, per (batch, query head) (api.py)
@@ -611,7 +615,7 @@ def merge_warps(states, stats, partial, role, PLAN):
 @nvfly.kernel
 def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, block_table, seqlens: nvfly.Tensor,
                             out, lse, partial_o, partial_lse, captured0, captured1, kv_scales, kv_state, stage_list,
-                            stage_count, scale: nvfly.f32, PLAN: nvfly.Constexpr, MODS: nvfly.Constexpr):
+                            stage_count, counters, scale: nvfly.f32, PLAN: nvfly.Constexpr, MODS: nvfly.Constexpr):
     """One (split x query tile, KV head, batch) CTA of ``WARPS`` warps (module docstring). Without splits it writes
     out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] (f32, natural log; None: not wanted); with splits partial_o
     [splits * B * Sq * Hq, Dv] and partial_lse [splits * B * Sq * Hq] (f32; row ((split * B + b) * Sq + token) * Hq
@@ -619,8 +623,13 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
     [2, Hkv] f32 (K's, V's dequantisation scale per KV head), else None. A block mask: kv_state [B, Hq, KV blocks]
     i32 (BLOCK_EMPTY/PARTIAL/FULL), stage_list [B, Hkv, stages] i32 (the stages of the blocks non-empty for a
     head of the group and within the sequence, ascending, then the rest) and stage_count [B, Hkv] i32 (how many),
-    else None."""
+    else None. counters: ``fixup_combine``'s zeroed i32 arrival counters (``DecodePlan.fixup_counters``), else None."""
     nvfly.min_blocks_per_sm(ctas_per_sm(PLAN))
+    if PLAN.pdl_combine:
+        # the combine's CTAs launch once every CTA of this grid has run this (all resident: they take no slot a split
+        # CTA waits for) and wait for the grid's end before reading, so the trigger can come first: the combine's
+        # launch latency hides behind the whole split loop
+        nvfly.launch_dependents()
     SQ, G, DV, SPLITS, M_TILES = PLAN.sq, PLAN.group, PLAN.dv, PLAN.splits, PLAN.m_tiles
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx() % WARPS
@@ -710,3 +719,88 @@ def attention_decode_kernel(q: nvfly.Tensor, k: nvfly.Tensor, v: nvfly.Tensor, b
                 lse[b, coords.head, coords.token] = row_lse
         else:
             partial_lse[((split * q.shape[0] + b) * SQ + coords.token) * q.shape[2] + coords.head] = row_lse
+    if PLAN.fixup_combine:
+        arrived = nvfly.dynamic_shared_tensor(nvfly.i32, (1,), offset_bytes=RING)  # over the query tile, now free
+        index = fixup_counter(b, hkv, m_tile, q.shape[2] // G, M_TILES)
+        if last_to_arrive(counters, index, arrived, SPLITS):
+            fixup_tile(partial_o, partial_lse, out, lse, b, hkv, m_tile, seqlen, tid, PLAN)
+            if tid == 0:
+                counters[index] = 0  # every split has counted in: zero for the next call
+
+
+@nvfly.func
+def fixup_tile(partial_o, partial_lse, out, lse, b, hkv, m_tile, seqlen, tid, PLAN):
+    """``fixup_combine``'s merge of the query tile's SPLITS partials (every split's now visible; read at GPU scope,
+    past any L1 line) into out and lse, as ``combine_kernel`` merges a row's: a warp a row computes the splits'
+    weights e^(LSE_s - max) (a lane 1-4 splits) into shared memory (over the ring, free after the warps' merge)
+    with the row's 1 / Σ weights, and writes its LSE; then each thread sums 4-column vectors of the tile's rows over
+    the splits, 16 vectors' loads a thread at a time. A row every split found empty gets zeros and -inf."""
+    SQ, G, DV, SPLITS, TILE_ROWS = PLAN.sq, PLAN.group, PLAN.dv, PLAN.splits, PLAN.tile_rows
+    WARPS_ALL = PLAN.threads // 32
+    LANE_SPLITS = -(-SPLITS // 32)
+    weights = nvfly.dynamic_shared_tensor(nvfly.f32, (TILE_ROWS * (SPLITS + 1),))  # [row][split], then 1 / total
+    lane = nvfly.lane_idx()
+    warp = nvfly.warp_idx()
+    rows = partial_lse.shape[0] // SPLITS  # B * Sq * Hq: one split's rows
+    heads = out.shape[2]
+    for i in nvfly.static_range(TILE_ROWS // WARPS_ALL):
+        row = warp + i * WARPS_ALL
+        coords = row_coords(m_tile * TILE_ROWS + row, hkv, seqlen, SQ, G)
+        slot = (b * SQ + coords.token) * heads + coords.head
+        lses = []
+        for j in nvfly.static_range(LANE_SPLITS):
+            split = nvfly.minimum(lane + 32 * j, SPLITS - 1)
+            lse_s = load_relaxed(partial_lse.address(split * rows + slot), nvfly.f32)
+            lses.append(nvfly.select(lane + 32 * j < SPLITS, lse_s, NEG_INF))
+        top = lses[0]
+        for j in nvfly.static_range(1, LANE_SPLITS):
+            top = nvfly.maximum(top, lses[j])
+        top = nvfly.warp_reduce(top, "max")
+        reference = nvfly.select(top == NEG_INF, 0.0, top)
+        total = nvfly.f32(0.0)
+        for j in nvfly.static_range(LANE_SPLITS):
+            weight = nvfly.exp2((lses[j] - reference) * LOG2E)
+            total = total + weight
+            if lane + 32 * j < SPLITS:
+                weights[row * SPLITS + lane + 32 * j] = weight
+        total = nvfly.warp_reduce(total, "add")
+        kept = total > 0.0
+        if lane == 0:
+            weights[TILE_ROWS * SPLITS + row] = nvfly.select(kept, 1.0 / nvfly.maximum(total, 1e-30), 0.0)
+            if lse is not None:
+                if coords.valid:
+                    lse[b, coords.head, coords.token] = nvfly.select(
+                        kept, reference + nvfly.log(nvfly.maximum(total, 1e-30)), NEG_INF)
+    nvfly.syncthreads()
+    VECTORS = DV // 4
+    ITEMS = TILE_ROWS * VECTORS // PLAN.threads  # whole: tiles of 8k rows, Dv of 64k, 128 threads (256 from 16 rows)
+    UNROLL = max(1, 16 // ITEMS)  # splits a step: 16 loads a thread in flight (the combine kernel's 8, of 2 items)
+    items = []
+    for i in nvfly.static_range(ITEMS):
+        item = tid + i * PLAN.threads
+        row = item // VECTORS
+        coords = row_coords(m_tile * TILE_ROWS + row, hkv, seqlen, SQ, G)
+        items.append((row, (b * SQ + coords.token) * heads + coords.head, item % VECTORS * 4, coords))
+    accs = [nvfly.full(4, 0.0, nvfly.f32) for _ in nvfly.static_range(ITEMS)]
+    WHOLE = SPLITS // UNROLL * UNROLL
+    for first in range(0, WHOLE, UNROLL):
+        accs = fixup_add(accs, partial_o, weights, items, first, UNROLL, rows, SPLITS)
+    for first in nvfly.static_range(WHOLE, SPLITS):
+        accs = fixup_add(accs, partial_o, weights, items, first, 1, rows, SPLITS)
+    for (row, slot, column, coords), acc in zip(items, accs):
+        merged = acc * weights[TILE_ROWS * SPLITS + row]
+        out.store(merged.to(out.dtype), b, coords.token, coords.head, column, mask=coords.valid)
+
+
+def fixup_add(accs: list, partial_o: Any, weights: Any, items: list, first: Any, count: int, rows: Any,
+              splits: int) -> list:
+    """``accs`` (a 4-column vector an item) with splits first .. first + count - 1 added, their loads issued first
+    (GPU-scope relaxed 16-byte loads)."""
+    parts = [[load_relaxed(partial_o.address((first + u) * rows + slot, column), nvfly.f32, 4) for u in range(count)]
+             for _, slot, column, _ in items]
+    out = []
+    for (row, _, _, _), acc, loaded in zip(items, accs, parts):
+        for u in range(count):
+            acc = acc + nvfly.make_vector(loaded[u], nvfly.f32) * weights[row * splits + first + u]
+        out.append(acc)
+    return out

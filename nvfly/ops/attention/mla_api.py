@@ -125,13 +125,14 @@ def mla_eligibility(q: Any, k_cache: Any, v_cache: Any = None, *, cache_seqlens:
 # and the shapes of what a call allocates, so a later call binds and launches.
 _CALLS: OpCalls["_MlaCall"] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(mla_plan)
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("mla_plan_options", default=(None, None))
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("mla_plan_options", default=(None, None, None))
 
 
-def plan_options(chunked: Optional[bool] = None, evict_first: Optional[bool] = None) -> ContextManager[None]:
+def plan_options(chunked: Optional[bool] = None, evict_first: Optional[bool] = None,
+                 pdl_combine: Optional[bool] = None) -> ContextManager[None]:
     """``decode_mla`` calls (and ``decode``'s MLA calls) inside run plans with these ``MlaPlan`` options (None: the
     plan's default): the benchmark's and the tests' way to run the kernel's variants side by side."""
-    return context_value(_OPTIONS, (chunked, evict_first))
+    return context_value(_OPTIONS, (chunked, evict_first, pdl_combine))
 
 
 def decode_mla(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: Optional["torch.Tensor"] = None, *,
@@ -279,7 +280,7 @@ class _MlaCall(CallBuffers):
         partial_o, partial_lse = self.row_partials(q.device, current_stream(q.device.index), self.slots, DV)
         self.main(*descriptors, block_table, seqlens, None, None, partial_o, partial_lse, self.batch, scale_log2,
                   plan)
-        self.combine(partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq, DV)
+        self.combine(partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq, DV, plan.pdl_combine)
 
 
 def _rows(q: "torch.Tensor") -> "torch.Tensor":
@@ -316,7 +317,7 @@ def _launch(plan: MlaPlan, descriptors: tuple[Any, Any], q: Any, block_table: An
     attention_mla_kernel[plan.grid(batch), THREADS](*descriptors, block_table, seqlens, None, None, partial_o,
                                                     partial_lse, batch, scale_log2, PLAN=plan)
     attention_combine_kernel[combine_grid(rows, DV), COMBINE_WARPS * 32](
-        partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=DV)
+        partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=DV, DEPENDENT=plan.pdl_combine)
 
 
 def mla_bytes(q: "torch.Tensor", cache_seqlens: "torch.Tensor", capacity: int) -> int:
@@ -363,5 +364,6 @@ def compile_mla(plan: MlaPlan, dtype: Any = nvfly.bf16, batch: int = 2, seqlen: 
         kernels.append(attention_combine_kernel.compile(
             partial_o, partial_lse, TensorDesc(dtype, (batch, plan.sq, plan.heads, DV)),
             TensorDesc(nvfly.f32, (batch, plan.heads, plan.sq)) if return_lse else None,
-            batch * rows, plan.heads, plan.splits, SQ=plan.sq, DV=DV, block=COMBINE_WARPS * 32, target=target))
+            batch * rows, plan.heads, plan.splits, SQ=plan.sq, DV=DV, DEPENDENT=plan.pdl_combine,
+            block=COMBINE_WARPS * 32, target=target))
     return kernels

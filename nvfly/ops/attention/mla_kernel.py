@@ -232,6 +232,8 @@ def attention_mla_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescripto
     [B, Hq, Sq] (f32, natural log; None: not wanted); with splits partial_o [splits * B * Sq * Hq, 512] and
     partial_lse [splits * B * Sq * Hq] (f32; row ((split * B + b) * Sq + token) * Hq + head). block_table [B, pages]
     int32 when paged, else None."""
+    if PLAN.pdl_combine:  # as the decode kernel's (``DecodePlan.pdl_combine``): the combine waits for this grid's end
+        nvfly.launch_dependents()
     dtype = q_desc.info.dtype
     lay = layouts(dtype)
     SQ, H, SPLITS, M_BLOCKS = PLAN.sq, PLAN.heads, PLAN.splits, PLAN.m_blocks

@@ -48,7 +48,8 @@ class MlaPlan:
     through a block table of pages of ``page_size`` tokens (a multiple of BLOCK_N); causal: queries aligned to the
     end of their sequence; splits: CTAs sharing one sequence's keys (1: no combine); chunked: a full barrier per
     64-column box of a ring stage (the scores' wgmma start on a tile's first box, as FlashMLA's) rather than one a
-    stage; evict_first: the key tiles' TMA loads carry an L2 evict-first hint."""
+    stage; evict_first: the key tiles' TMA loads carry an L2 evict-first hint; pdl_combine (splits > 1): the
+    combine kernel is a programmatic dependent launch (as ``DecodePlan.pdl_combine``)."""
     sq: int
     heads: int
     paged: bool
@@ -57,6 +58,7 @@ class MlaPlan:
     splits: int = 1
     chunked: bool = True
     evict_first: bool = False
+    pdl_combine: bool = False
 
     @property
     def full_barriers(self) -> int:
@@ -80,16 +82,18 @@ class MlaPlan:
 
 def mla_plan(batch: int, sq: int, heads: int, capacity: int, sm_count: int, paged: bool = False,
              page_size: int = 0, causal: bool = True, splits: int = 0, chunked: Optional[bool] = None,
-             evict_first: Optional[bool] = None) -> MlaPlan:
+             evict_first: Optional[bool] = None, pdl_combine: Optional[bool] = None) -> MlaPlan:
     """The plan for one call shape: ``mla_splits`` over one CTA an SM (the kernel takes 225 KB of shared memory) and
-    the cache's capacity in 64-key tiles; ``splits`` > 0 forces a count; ``chunked`` and ``evict_first`` (None: the
-    defaults) choose the kernel's variant."""
+    the cache's capacity in 64-key tiles; ``splits`` > 0 forces a count; ``chunked``, ``evict_first`` and
+    ``pdl_combine`` (None: the defaults; pdl_combine only where the plan splits) choose the kernel's variant."""
     plan = MlaPlan(sq, heads, paged, page_size if paged else 0, causal)
     if splits <= 0:
         splits = mla_splits(batch * plan.m_blocks, sm_count, -(-capacity // BLOCK_N))
-    options = {name: value for name, value in (("chunked", chunked), ("evict_first", evict_first))
+    splits = max(1, min(splits, MAX_SPLITS))
+    options = {name: value for name, value in (("chunked", chunked), ("evict_first", evict_first),
+                                               ("pdl_combine", pdl_combine and splits > 1 or None))
                if value is not None}
-    return replace(plan, splits=max(1, min(splits, MAX_SPLITS)), **options)
+    return replace(plan, splits=splits, **options)
 
 
 def mla_splits(ctas: int, slots: int, n_blocks: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 WARPS = 4                  # 4 sub-partitions' tensor cores busy (8 warps, in pairs, with column_warps = 2)
 ROWS = 16                  # query rows of a warp: the M of mma.m16n8k16
@@ -46,7 +46,11 @@ class DecodePlan:
     lazy_rescale: O's rescale (Dv / column_warps multiplies a lane a slice) skipped, by a warp-uniform branch, when
     no row maximum of the warp's tile rose (exact: those factors are 1); swapped: Sᵀ = K Qᵀ and Oᵀ = Vᵀ Pᵀ, keys and
     O's columns as the MMAs' M and the query rows (at most ``SWAPPED_ROWS``) as their N, so that no m16 row tile
-    is mostly padding (``swap_declined`` says when a plan cannot)."""
+    is mostly padding (``swap_declined`` says when a plan cannot); pdl_combine (splits > 1): the combine kernel is
+    a programmatic dependent launch, its CTAs launched while the split kernel runs (each split CTA lets it launch
+    at its start) and waiting (``griddepcontrol.wait``) before they read the partials; fixup_combine (splits > 1):
+    no combine kernel, the split CTA of a (sequence, KV head, query tile) that counts itself in last on its counter
+    (``fixup_counter``) merges the tile's partials itself and zeroes the counter for the next call."""
     sq: int
     group: int
     dqk: int
@@ -62,6 +66,8 @@ class DecodePlan:
     warp_tiles: int = 1
     lazy_rescale: bool = False
     swapped: bool = False
+    pdl_combine: bool = False
+    fixup_combine: bool = False
 
     @property
     def key_warps(self) -> int:
@@ -137,6 +143,21 @@ class DecodePlan:
         read the same keys run together and all but the first find them in L2."""
         return self.splits * self.m_tiles, kv_heads, batch
 
+    @property
+    def fixup_bytes(self) -> int:
+        """``fixup_combine``'s shared memory, over the ring after the warps' merge: each tile row's split weights
+        and 1 / their sum (f32)."""
+        return self.tile_rows * (self.splits + 1) * 4
+
+    def fixup_counters(self, batch: int, kv_heads: int) -> int:
+        """The arrival counters of ``fixup_combine``: one a (sequence, KV head, query tile)."""
+        return batch * kv_heads * self.m_tiles
+
+
+def fixup_counter(b: Any, hkv: Any, m_tile: Any, kv_heads: Any, m_tiles: int) -> Any:
+    """The counter of the split CTAs of (sequence b, KV head hkv, query tile m_tile) (the kernel's arithmetic)."""
+    return (b * kv_heads + hkv) * m_tiles + m_tile
+
 
 def stages_for(dqk: int, dv: int, fp8: bool = False) -> int:
     """Ring depth: 4 stages of 16 KB (d = 64, three CTAs an SM), 3 of 32 KB (d = 128, two CTAs an SM) or of 64 KB
@@ -190,14 +211,19 @@ def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: in
                 paged: bool = False, page_size: int = 0, causal: bool = True, splits: int = 0,
                 row_warps: int = 0, fp8: bool = False, kv_block: int = 0, stages: int = 0,
                 warp_tiles: int = 0, lazy_rescale: bool = False,
-                split_efficiency: float = 0.0, swapped: Optional[bool] = None) -> DecodePlan:
+                split_efficiency: float = 0.0, swapped: Optional[bool] = None, pdl_combine: bool = False,
+                fixup_combine: bool = False) -> DecodePlan:
     """The plan for one call shape; ``splits`` > 0 forces a split count, ``row_warps`` > 0 the row split,
     ``stages`` > 0 the ring depth and ``warp_tiles`` 2 32-row warps where the rows are more than 16 (0: fp8 d 128
     caches at the default depth take them, each slice converted once: measured 4-6% faster at Sq 8; 16-bit ones
     do not, measured equal or 2% slower);
     ``split_efficiency``: ``num_splits``'s (0: FEW_CTAS_SPLIT_EFFICIENCY or SPLIT_EFFICIENCY, above; fewer stages
     give more CTAs an SM, the split count planned on those slots); ``swapped``: the swapped-operand kernel where
-    ``swap_declined`` finds nothing against it, else the plan without it (None: ``SWAP_BY_DEFAULT``)."""
+    ``swap_declined`` finds nothing against it, else the plan without it (None: ``SWAP_BY_DEFAULT``);
+    ``pdl_combine`` / ``fixup_combine``: the split-KV combine as a programmatic dependent launch / in the split
+    kernel (``DecodePlan``; one of them; plans of one split keep neither)."""
+    if pdl_combine and fixup_combine:
+        raise ValueError("decode_plan: pdl_combine and fixup_combine are two ways of one combine; ask for one")
     swapped = (SWAP_BY_DEFAULT if swapped is None else swapped) and not swap_declined(sq, group, row_warps,
                                                                                    warp_tiles)
     if swapped:
@@ -219,7 +245,12 @@ def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: in
         if not split_efficiency:
             split_efficiency = FEW_CTAS_SPLIT_EFFICIENCY if 8 * ctas <= slots else SPLIT_EFFICIENCY
         splits = num_splits(ctas, slots, -(-max_seqlen // BLOCK_N), split_efficiency=split_efficiency)
-    return DecodePlan(**{**plan.__dict__, "splits": min(splits, MAX_SPLITS)})
+    splits = min(splits, MAX_SPLITS)
+    if fixup_combine and splits > 1 and plan.tile_rows * (splits + 1) * 4 > plan.ring_bytes:
+        raise ValueError(f"decode_plan: fixup_combine's weights of {splits} splits ({plan.tile_rows * (splits + 1) * 4}"
+                         f" bytes) are larger than the ring ({plan.ring_bytes})")
+    return DecodePlan(**{**plan.__dict__, "splits": splits, "pdl_combine": pdl_combine and splits > 1,
+                         "fixup_combine": fixup_combine and splits > 1})
 
 
 def split_range(seqlen: int, splits: int, split: int) -> tuple[int, int]:

@@ -45,8 +45,7 @@ the same process (floor_fraction) and against 4.8 TB/s (spec_fraction); the erro
 dequantised weight; also each mainloop variant of A16_VARIANTS by name (ring: the 8-stage cp.async ring, the
 default before the registers mainloop; shuffled: the nibble-shuffled layout; bits*: the bit-shuffled
 "shuffled-bf16" layout with the ring, registers, unroll 8, 8 warps, the next group loaded ahead; tma*: a producer
-warp's TMA ring of 8 or 16 four-chunk stages, natural or bit-shuffled; prefetch*: bulk L2 prefetches 1 or 2
-groups ahead): <name>_tbps,
+warp's TMA ring of 8 or 16 four-chunk stages, natural or bit-shuffled): <name>_tbps,
 <name>_floor (fraction of the copy bandwidth), <name>_rel_err, and their geomeans at M <= 16 in the summary. The
 results file is rewritten after every row. Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--a16-variants NAME ...]
 [--name ...].
@@ -175,11 +174,6 @@ A16_VARIANTS = {
     "tma": A16Config(tma_stages=8),
     "tma16": A16Config(tma_stages=16),
     "bits_tma": A16Config(layout="shuffled-bf16", tma_stages=8),
-    # each warp bulk-prefetches into L2 its group 1 or 2 groups ahead (the loads then wait on L2, not HBM)
-    "prefetch1": A16Config(l2_prefetch=1),
-    "prefetch2": A16Config(l2_prefetch=2),
-    "bits_ahead_prefetch1": A16Config(layout="shuffled-bf16", stages=0, ahead=True, l2_prefetch=1),
-    "bits_ahead_prefetch2": A16Config(layout="shuffled-bf16", stages=0, ahead=True, l2_prefetch=2),
 }
 
 

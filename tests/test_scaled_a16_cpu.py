@@ -208,10 +208,6 @@ def test_plan_splits_k_over_idle_sms():
     assert p.splits == 3 and p.threads == 256
     with pytest.raises(ValueError, match="config: ahead=True: the registers mainloop's"):
         make_a16_plan(4, 576, 7168, A16Config(ahead=True, stages=8), 132)
-    with pytest.raises(ValueError, match="config: l2_prefetch=1: 1 to 4 groups ahead, the registers mainloop's"):
-        make_a16_plan(4, 576, 7168, A16Config(l2_prefetch=1, stages=8), 132)
-    with pytest.raises(ValueError, match="config: l2_prefetch=5"):
-        make_a16_plan(4, 576, 7168, A16Config(l2_prefetch=5), 132)
     with pytest.raises(ValueError, match="config: warps=3"):
         make_a16_plan(4, 576, 7168, A16Config(warps=3), 132)
     with pytest.raises(ValueError, match="config: warps=8 x stages=8: .* static shared memory"):
@@ -235,11 +231,6 @@ COMPILED = [
     (9, 576, 7168, torch.bfloat16, torch.float32, False, A16Config(layout="shuffled-bf16", warps=8, stages=0)),
     (4, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(layout="shuffled-bf16", stages=0, ahead=True)),
     (16, 1000, 4128, torch.float16, torch.bfloat16, False, A16Config(stages=0, ahead=True, warps=8)),
-    # L2 prefetches a group or two ahead: plain, unroll 8 (two lines a lane), ahead on the bit layout
-    (4, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(l2_prefetch=1)),
-    (16, 1000, 4128, torch.float16, torch.bfloat16, False, A16Config(l2_prefetch=2, unroll=8)),
-    (4, 7168, 2048, torch.bfloat16, torch.bfloat16, False,
-     A16Config(layout="shuffled-bf16", stages=0, ahead=True, l2_prefetch=2)),
     # the TMA ring (a producer warp): split K, an N tail, fp16, the bit layout, wide scales
     (1, 7168, 2048, torch.bfloat16, torch.bfloat16, True, A16Config(tma_stages=8)),
     (16, 4096, 7168, torch.bfloat16, torch.float32, False, A16Config(tma_stages=8)),
@@ -266,7 +257,6 @@ def test_variants_compile_to_hmma_without_spills(m, n, k, act, out, bias, cfg):
         assert kernel.dynamic_smem_bytes == plan.config.dynamic_smem_bytes and plan.threads == 32 * 5
     else:  # straight into registers: read-only, no L1, L2 prefetch
         assert ops["LDG.E.NA.LTC256B.128.CONSTANT"] > 0
-        assert (ops.get("CCTL.E.PF2", 0) > 0) == bool(plan.config.l2_prefetch)  # the L2 line prefetches
 
 
 def loop_opcodes(cfg: A16Config) -> dict:

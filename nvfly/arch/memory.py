@@ -6,8 +6,8 @@ constant ``descriptor`` or a register from ``create_policy``; TMA loads take the
 ``CacheHint`` pairs an L1 qualifier with an L2 policy for the Tensor-level ``load_hinted`` / ``store_hinted``.
 
 Accesses: ``load_global`` / ``store_global`` (``ld.global`` / ``st.global`` of one or a vector of 32-bit words,
-optionally predicated: a load where the predicate is false reads nothing and gives zeros), ``prefetch_l2`` (a line
-into L2) and ``store_shared`` (``st.shared``).
+optionally predicated: a load where the predicate is false reads nothing and gives zeros) and ``store_shared``
+(``st.shared``).
 """
 from __future__ import annotations
 
@@ -158,17 +158,6 @@ def store_global(address: Any, words: Sequence[Any], valid: Any = None,
     if valid is not None:
         store = f"{{ .reg .pred p; setp.ne.b32 p, $0, 0; @p {store} }}"
     asm(store, inputs)
-
-
-@traced
-def prefetch_l2(address: Any, valid: Any = None) -> None:
-    """Bring the cache line holding the global ``address`` into L2, with nothing written to registers
-    (``prefetch.global.L2``): a later load of it waits on L2, not on HBM, and the prefetch is in flight whatever the
-    compiler does with the loads; nothing where ``valid`` (i1) is false."""
-    if valid is None:
-        asm("prefetch.global.L2 [$0];", [address])
-    else:
-        asm("{ .reg .pred p; setp.ne.b32 p, $0, 0; @p prefetch.global.L2 [$1]; }", [_predicate(valid), address])
 
 
 @traced

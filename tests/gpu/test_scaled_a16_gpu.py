@@ -152,15 +152,6 @@ def test_ahead_on_the_natural_layout(hopper, m, n, k):
     check(m, n, k, config=A16Config(stages=0, ahead=True, splits=1))
 
 
-@pytest.mark.parametrize("config", [A16Config(l2_prefetch=1), A16Config(l2_prefetch=2, unroll=8),
-                                    A16Config(stages=0, ahead=True, l2_prefetch=2, splits=1)])
-@pytest.mark.parametrize("m,n,k", [(1, 8192, 4096), (4, 576, 7168), (16, 1000, 4128), (3, 700, 1024 + 96)])
-def test_l2_prefetch(hopper, config, m, n, k):
-    """A16Config.l2_prefetch (lines only prefetched, the loads unchanged): many groups, split K, N and K tails,
-    leftover chunks past the last group."""
-    check(m, n, k, config=config)
-
-
 @pytest.mark.parametrize("m,n,k,act,splits,stages", [
     (1, 8192, 4096, torch.bfloat16, 0, 8),      # many groups: no split, stages 8 chunks deep over 4 warps
     (4, 576, 7168, torch.bfloat16, 0, 8),       # the heuristic's split K: a split's last stage runs into the next's

@@ -33,7 +33,7 @@ import nvfly
 from nvfly.arch import sm80, sm90
 from nvfly.arch.floats import (e2m1x8_shuffled_to_16bit_scaled, e2m1x8_to_16bit_scaled, e8m0_to_16bit_factors,
                                pair_halves, scale_16bit_pairs)
-from nvfly.arch.memory import L1Eviction, load_global, load_shared, prefetch_l2
+from nvfly.arch.memory import L1Eviction, load_global, load_shared
 from nvfly.arch.ptx import smem_address
 from nvfly.ops.scaled.a16_plan import (CHUNK_K, LANE_K, RING_CHUNK_BYTES, ROWS, TMA_BARRIER_BYTES, TMA_BOX_BYTES,
                                        TMA_CHUNKS, TMA_STAGE_BYTES, TMA_WEIGHT_BYTES, TMA_SCALE_BYTES, TOKEN_BLOCK)
@@ -141,20 +141,8 @@ def stream_chunks(accs: list, w_rows: tuple, s_rows: tuple, x_rows: list, chunks
     return math_chunks(accs, x_rows, load_chunks(w_rows, s_rows, chunks, p, k, tail), dtype, cfg)
 
 
-def prefetch_group(row, c_begin, gi, unrolled, p, cfg) -> None:
-    """``A16Config.l2_prefetch``: the CTA's 16 weight rows' bytes of group ``gi`` (``unroll`` chunks from chunk
-    ``c_begin``: 64 bytes a chunk and row) into L2, none past the last group. Lane (g, p) takes line p % 2 of the
-    group's bytes of ``row`` (the kernel's ``prefetch_row``: row g for p < 2, else g + 8), so that one instruction
-    of the warp covers 16 rows x 256 bytes (unroll 4; unroll 8 takes two)."""
-    lines = max(1, cfg.unroll * CHUNK_K // 2 // 128)
-    start = (c_begin + gi * cfg.unroll) * (CHUNK_K // 2)
-    for line in nvfly.static_range(0, lines, 2):
-        prefetch_l2(row.address(start + 128 * (line + p % 2)), (gi < unrolled) & (line + p % 2 < lines))
-
-
 @nvfly.func
-def stream_ahead(accs, w_rows, s_rows, x_rows, prefetch_row, c_begin, first, count, unrolled, p, k, DTYPE,
-                 CFG):
+def stream_ahead(accs, w_rows, s_rows, x_rows, c_begin, first, count, p, k, DTYPE, CFG):
     """``A16Config(ahead=True)``: the warp's ``count`` (> 0) groups of ``unroll`` chunks (groups first, first +
     warps, ... from chunk ``c_begin``), each group's weights loaded before the previous group's math and carried in
     registers, so that its loads are in flight during a whole group of conversions (the last iteration reloads the
@@ -168,8 +156,6 @@ def stream_ahead(accs, w_rows, s_rows, x_rows, prefetch_row, c_begin, first, cou
                 for w in (words, scales)]
     ahead = group(first)
     for i in range(0, count):
-        if CFG.l2_prefetch:
-            prefetch_group(prefetch_row, c_begin, first + (i + 1 + CFG.l2_prefetch) * WARPS, unrolled, p, CFG)
         current = ahead
         ahead = group(first + nvfly.minimum(i + 1, count - 1) * WARPS)
         g = first + i * WARPS
@@ -301,7 +287,6 @@ def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, ou
     w_rows = (w[nvfly.minimum(n0 + g, n - 1), :], w[nvfly.minimum(n0 + g + 8, n - 1), :])
     s_rows = (w_scale[nvfly.minimum(n0 + g, n - 1), :], w_scale[nvfly.minimum(n0 + g + 8, n - 1), :])
     x_rows = [x[nvfly.minimum(t0 + g + 8 * t, m - 1), :] for t in nvfly.static_range(M_TILES)]
-    prefetch_row = w[nvfly.minimum(n0 + g + 8 * (p // 2), n - 1), :] if CFG.l2_prefetch else None
     accs = [[nvfly.f32(0.0)] * 4 for _ in nvfly.static_range(M_TILES)]
     full = k // CHUNK_K
     c_begin = split * chunks_per_split
@@ -331,17 +316,12 @@ def mxfp4_a16_kernel(w: nvfly.Tensor, w_scale: nvfly.Tensor, x: nvfly.Tensor, ou
                            c_begin + warp, nvfly.maximum(c_end - c_begin - warp + WARPS - 1, 0) // WARPS, p, dtype,
                            CFG)
     else:
-        # the groups the loop reaches before its first prefetch lands (with ``ahead`` its first two load directly)
-        for j in nvfly.static_range(1 + CFG.ahead, CFG.l2_prefetch + CFG.ahead):
-            prefetch_group(prefetch_row, c_begin, warp + j * WARPS, unrolled, p, CFG)
         if CFG.ahead:
             if unrolled > warp:
-                accs = stream_ahead(accs, w_rows, s_rows, x_rows, prefetch_row, c_begin, warp,
-                                    (unrolled - warp + WARPS - 1) // WARPS, unrolled, p, k, dtype, CFG)
+                accs = stream_ahead(accs, w_rows, s_rows, x_rows, c_begin, warp, (unrolled - warp + WARPS - 1) // WARPS,
+                                    p, k, dtype, CFG)
         else:
             for gi in range(warp, unrolled, WARPS):
-                if CFG.l2_prefetch:
-                    prefetch_group(prefetch_row, c_begin, gi + CFG.l2_prefetch * WARPS, unrolled, p, CFG)
                 first = c_begin + gi * UNROLL
                 accs = stream_chunks(accs, w_rows, s_rows, x_rows,
                                      [(first + u) * CHUNK_K for u in nvfly.static_range(UNROLL)], p, k, False, dtype,

@@ -54,9 +54,7 @@ class A16Config:
     registers); ``tma_stages`` (> 0, instead of both): a producer warp TMA-loads the CTA's weight rows and scales
     ``TMA_CHUNKS`` chunks a stage into a ring of that many stages shared by the warps (each takes whole stages
     round robin and reads its lanes' bytes back from shared memory), so that the loads in flight do not depend on
-    how ptxas schedules register loads; K a multiple of ``TMA_K_ALIGN``; ``l2_prefetch`` (> 0, the registers
-    mainloop): each warp bulk-prefetches into L2 its group of ``unroll`` chunks that many groups ahead (the loads
-    then wait on L2, not HBM, and the bytes in flight do not depend on where ptxas puts the loads)."""
+    how ptxas schedules register loads; K a multiple of ``TMA_K_ALIGN``."""
     warps: int = 4
     unroll: int = 4
     splits: int = 0
@@ -66,7 +64,6 @@ class A16Config:
     layout: str = "natural"
     ahead: bool = False
     tma_stages: int = 0
-    l2_prefetch: int = 0
 
     @property
     def static_smem_bytes(self) -> int:
@@ -101,9 +98,6 @@ class A16Config:
             return f"ahead=True: the registers mainloop's (stages=0), got stages={self.stages}"
         if self.stages == 1 or self.stages < 0:
             return f"stages={self.stages}: 0 (weights loaded into registers) or a ring of at least 2"
-        if self.l2_prefetch and (self.stages or self.tma_stages or not 0 < self.l2_prefetch <= 4):
-            return f"l2_prefetch={self.l2_prefetch}: 1 to 4 groups ahead, the registers mainloop's (stages=0, " \
-                   f"tma_stages=0), got stages={self.stages}, tma_stages={self.tma_stages}"
         if self.tma_stages and (self.stages or self.ahead):
             return f"tma_stages={self.tma_stages}: instead of stages / ahead, got stages={self.stages}, " \
                    f"ahead={self.ahead}"

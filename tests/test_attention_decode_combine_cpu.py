@@ -23,15 +23,18 @@ OPTIONS = ("pdl_combine", "fixup_combine")
 
 
 # ---------------------------------------------------------------------------------------------- plan options
-def test_options_are_off_by_default_and_without_splits():
-    """Both options default off; a plan of one split keeps neither (its kernel is the default's); asking for both
+def test_fixup_is_the_default_of_split_plans_and_pdl_replaces_it():
+    """A split plan merges in its last CTA by default (plan.FIXUP_BY_DEFAULT), PDL asked for replaces it, False
+    keeps the combine kernel; a plan of one split keeps neither (its kernel is the default's); asking for both
     raises, naming them; the benchmark's variants are the options."""
     llama = dict(batch=1, sq=1, kv_heads=8, group=4, dqk=128, dv=128, max_seqlen=131072, sm_count=132)
     default = P.decode_plan(**llama)
-    assert default.splits > 1 and not default.pdl_combine and not default.fixup_combine
+    assert default.splits > 1 and not default.pdl_combine and default.fixup_combine == P.FIXUP_BY_DEFAULT
+    kernel = P.decode_plan(**llama, fixup_combine=False)
+    assert not kernel.fixup_combine and not kernel.pdl_combine
     for option in OPTIONS:
         plan = P.decode_plan(**llama, **{option: True})
-        assert getattr(plan, option) and P.DecodePlan(**{**plan.__dict__, option: False}) == default
+        assert getattr(plan, option) and P.DecodePlan(**{**plan.__dict__, option: False}) == kernel
         assert P.decode_plan(**llama, splits=1, **{option: True}) == P.decode_plan(**llama, splits=1)
     with pytest.raises(ValueError, match="pdl_combine and fixup_combine"):
         P.decode_plan(**llama, pdl_combine=True, fixup_combine=True)
@@ -39,6 +42,7 @@ def test_options_are_off_by_default_and_without_splits():
         api.plan_options(pdl_combine=True, fixup_combine=True)
     assert api.DECODE_VARIANTS["pdl"] == {"pdl_combine": True}
     assert api.DECODE_VARIANTS["fixup"] == {"fixup_combine": True}
+    assert api.DECODE_VARIANTS["combine_kernel"] == {"fixup_combine": False}
     assert not mla_plan(1, 1, 128, 32768, 132).pdl_combine
     assert mla_plan(1, 1, 128, 32768, 132, pdl_combine=True).pdl_combine
     assert not mla_plan(1, 1, 128, 32768, 132, splits=1, pdl_combine=True).pdl_combine
@@ -46,7 +50,7 @@ def test_options_are_off_by_default_and_without_splits():
 
 def test_fixup_weights_fit_the_ring_or_the_plan_says_why():
     """The fix-up's weights (tile rows x (splits + 1) f32) go over the ring: every default depth holds 64 rows of
-    128 splits; a forced shallow ring that cannot raises."""
+    128 splits; a forced shallow ring that cannot raises where asked for."""
     for dqk, dv, fp8_cache in ((64, 64, False), (64, 64, True), (128, 128, True), (256, 256, False)):
         plan = P.decode_plan(1, 16, 1, 4, dqk, dv, 1 << 20, 132, fp8=fp8_cache, splits=P.MAX_SPLITS,
                              fixup_combine=True)
@@ -54,6 +58,8 @@ def test_fixup_weights_fit_the_ring_or_the_plan_says_why():
     with pytest.raises(ValueError, match="fixup_combine's weights"):
         P.decode_plan(1, 16, 1, 4, 64, 64, 1 << 20, 132, fp8=True, stages=2, splits=P.MAX_SPLITS,
                       fixup_combine=True)
+    # by default such a plan keeps the combine kernel instead
+    assert not P.decode_plan(1, 16, 1, 4, 64, 64, 1 << 20, 132, fp8=True, stages=2, splits=P.MAX_SPLITS).fixup_combine
 
 
 # ---------------------------------------------------------------------------------------------- compiled kernels

@@ -76,8 +76,11 @@ def test_split_ranges_partition_every_sequence():
 @pytest.mark.parametrize("dv", P.HEAD_DIMS)
 @pytest.mark.parametrize("sq", [1, 4, 8])
 def test_shared_memory_fits(dqk, dv, sq):
-    plan = P.decode_plan(1, sq, 1, 8, dqk, dv, 4096, 132, splits=1)
+    plan = P.decode_plan(1, sq, 1, 8, dqk, dv, 4096, 132, splits=1, warp_tiles=1)
     assert plan.row_warps == {1: 1, 4: 2, 8: 4}[sq] and plan.tile_rows >= min(64, sq * 8)
+    bf16_default = P.decode_plan(1, sq, 1, 8, dqk, dv, 4096, 132, splits=1)  # d 128 past 32 rows: warp32
+    assert bf16_default.warp_tiles == (2 if sq * 8 > 2 * P.ROWS and dqk == dv == 128 else 1)
+    assert bf16_default.smem_bytes <= P.MAX_SMEM and P.ctas_per_sm(bf16_default) == P.ctas_per_sm(plan)
     assert plan.smem_bytes <= P.MAX_SMEM
     assert P.WARPS * P.ROWS * dv * 4 <= plan.stages * plan.stage_bytes  # the warps' merge reuses the ring
     assert P.BLOCK_N * (dqk // 8) % plan.threads == 0 and P.BLOCK_N * (dv // 8) % plan.threads == 0
@@ -661,11 +664,13 @@ def test_eligibility_gives_reasons():
 @pytest.fixture
 def cpu_launches(recorded_launches, monkeypatch):
     """decode's host path on CPU tensors: kernels compile and 'launch' through the real binder (conftest's
-    recorded_launches), on a 132-SM device."""
+    recorded_launches), on a 132-SM device; split plans keep the combine kernel (the launches these tests count:
+    the default in-kernel fix-up's host path is tests/test_attention_decode_combine_cpu.py's)."""
     monkeypatch.setattr(api, "_require_cuda", lambda q: None)
     monkeypatch.setattr(api, "_sm_count", lambda device: 132)
     api._CALLS.clear()  # cached calls hold prepared launches bound to earlier tests' recorders
-    yield recorded_launches
+    with api.plan_options(fixup_combine=False):
+        yield recorded_launches
     api._CALLS.clear()
 
 
@@ -1156,7 +1161,7 @@ def test_swapped_plans_compile_without_spills(name):
     spec = dict(spec)
     splits = spec.pop("splits")
     plan = P.decode_plan(2, spec.pop("sq", 1), 2, spec.pop("group"), spec.pop("dqk"), spec.pop("dv"), 1024, 132,
-                         splits=splits, swapped=True, **spec)
+                         splits=splits, swapped=True, fixup_combine=False, **spec)  # the counts below: no fix-up
     assert plan.swapped and plan.splits == splits
     mods = {"none": M.Mods(), "mods": M.Mods(M.soft_cap(20.0), M.sliding_window(300)),
             "window": M.Mods(None, M.sliding_window(300))}[mod]

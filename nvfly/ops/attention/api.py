@@ -286,7 +286,7 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options",
-                                                          default=(0, 0, 0, False, 0.0, None, False, False))
+                                                          default=(0, 0, 0, False, 0.0, None, False, None))
 # the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
 DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "default": {},
@@ -324,18 +324,20 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "unswapped": dict(swapped=False),
     # split plans: the combine kernel as the split kernel's programmatic dependent (its launch and the gap before it,
     # ~22 us of fp8 B1 128K's 93 by ncu, behind the split loop), or no combine kernel: the last split CTA of each
-    # query tile merges its partials (fixup_combine). Unmeasured
+    # query tile merges its partials (fixup_combine, the default: 1.00-1.04x, pdl 0.97-1.03x), or the combine
+    # kernel launched after the split kernel (the default before)
     "pdl": dict(pdl_combine=True),
     "fixup": dict(fixup_combine=True),
+    "combine_kernel": dict(fixup_combine=False),
 }
 
 
 def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_rescale: bool = False,
                  split_efficiency: float = 0.0, swapped: Optional[bool] = None, pdl_combine: bool = False,
-                 fixup_combine: bool = False) -> ContextManager[None]:
+                 fixup_combine: Optional[bool] = None) -> ContextManager[None]:
     """``decode`` calls inside run plans with these ``decode_plan`` overrides (stages, row_warps, warp_tiles and
-    split_efficiency 0, swapped None: the plan's default; swapped where ``plan.swap_declined`` allows;
-    pdl_combine or fixup_combine, one of them, where the plan splits): the
+    split_efficiency 0, swapped None, fixup_combine None: the plan's default; swapped where ``plan.swap_declined``
+    allows; pdl_combine or fixup_combine, one of them, where the plan splits): the
     benchmark's and the tests' way to run the kernel's variants side by side (``DECODE_VARIANTS``)."""
     if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (0, 1, 2) or not 0 <= split_efficiency <= 1:
         raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
@@ -346,7 +348,7 @@ def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_
                          "one")
     return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale),
                                     float(split_efficiency), None if swapped is None else bool(swapped),
-                                    bool(pdl_combine), bool(fixup_combine)))
+                                    bool(pdl_combine), None if fixup_combine is None else bool(fixup_combine)))
 
 
 # the plan options in force (``plan_options``), for callers that keep bound launches per signature (routing)

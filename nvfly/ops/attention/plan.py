@@ -25,6 +25,7 @@ HEAD_DIMS = (64, 128, 192, 256)  # multiples of 64: whole 128-byte swizzle group
 MAX_SQ = 16
 SWAPPED_ROWS = 8           # a swapped plan's query rows: the N of mma.m16n8k16
 SWAP_BY_DEFAULT = True     # plans of Sq·G <= SWAPPED_ROWS swapped unless told (measured 1.00-1.07x the m16 rows: docs)
+FIXUP_BY_DEFAULT = True    # split plans merge in their last CTA, no combine launch (measured 1.00-1.04x: docs)
 WAVE_FILL = 0.8            # FA3: no split when one wave already fills 80% of the CTA slots
 SPLIT_EFFICIENCY = 0.85    # FA3: the fewest splits within 85% of the best wave efficiency
 # where the CTAs before splitting fill at most an eighth of the slots (one long sequence), the best efficiency:
@@ -212,16 +213,21 @@ def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: in
                 row_warps: int = 0, fp8: bool = False, kv_block: int = 0, stages: int = 0,
                 warp_tiles: int = 0, lazy_rescale: bool = False,
                 split_efficiency: float = 0.0, swapped: Optional[bool] = None, pdl_combine: bool = False,
-                fixup_combine: bool = False) -> DecodePlan:
+                fixup_combine: Optional[bool] = None) -> DecodePlan:
     """The plan for one call shape; ``splits`` > 0 forces a split count, ``row_warps`` > 0 the row split,
     ``stages`` > 0 the ring depth and ``warp_tiles`` 2 32-row warps where the rows are more than 16 (0: fp8 d 128
-    caches at the default depth take them, each slice converted once: measured 4-6% faster at Sq 8; 16-bit ones
-    do not, measured equal or 2% slower);
+    caches at the default depth take them, each slice converted once: measured 4-6% faster at Sq 8; 16-bit d 128
+    ones past 32 rows too, each slice read once by two warps, not four: 1.00-1.11x at Sq 8 with G 6 and 8; at 32 rows
+    16-bit ones measured equal or 2% slower);
     ``split_efficiency``: ``num_splits``'s (0: FEW_CTAS_SPLIT_EFFICIENCY or SPLIT_EFFICIENCY, above; fewer stages
     give more CTAs an SM, the split count planned on those slots); ``swapped``: the swapped-operand kernel where
     ``swap_declined`` finds nothing against it, else the plan without it (None: ``SWAP_BY_DEFAULT``);
     ``pdl_combine`` / ``fixup_combine``: the split-KV combine as a programmatic dependent launch / in the split
-    kernel (``DecodePlan``; one of them; plans of one split keep neither)."""
+    kernel (``DecodePlan``; one of them; plans of one split keep neither; ``fixup_combine`` None:
+    ``FIXUP_BY_DEFAULT`` where its split weights fit the ring and no PDL combine is asked for)."""
+    asked_fixup = fixup_combine
+    if fixup_combine is None:
+        fixup_combine = FIXUP_BY_DEFAULT and not pdl_combine
     if pdl_combine and fixup_combine:
         raise ValueError("decode_plan: pdl_combine and fixup_combine are two ways of one combine; ask for one")
     swapped = (SWAP_BY_DEFAULT if swapped is None else swapped) and not swap_declined(sq, group, row_warps,
@@ -229,7 +235,7 @@ def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: in
     if swapped:
         row_warps = warp_tiles = 1
     if warp_tiles == 0:
-        warp_tiles = 2 if fp8 and dqk == dv == 128 and not stages else 1
+        warp_tiles = 2 if dqk == dv == 128 and not stages and (fp8 or sq * group > 2 * ROWS) else 1
     if warp_tiles not in (1, 2):
         raise ValueError(f"decode_plan: warp_tiles {warp_tiles} must be 1 or 2")
     warp_tiles = warp_tiles if sq * group > ROWS else 1
@@ -247,8 +253,11 @@ def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: in
         splits = num_splits(ctas, slots, -(-max_seqlen // BLOCK_N), split_efficiency=split_efficiency)
     splits = min(splits, MAX_SPLITS)
     if fixup_combine and splits > 1 and plan.tile_rows * (splits + 1) * 4 > plan.ring_bytes:
-        raise ValueError(f"decode_plan: fixup_combine's weights of {splits} splits ({plan.tile_rows * (splits + 1) * 4}"
-                         f" bytes) are larger than the ring ({plan.ring_bytes})")
+        if asked_fixup is None:  # the default: the combine kernel instead
+            fixup_combine = False
+        else:
+            raise ValueError(f"decode_plan: fixup_combine's weights of {splits} splits "
+                             f"({plan.tile_rows * (splits + 1) * 4} bytes) are larger than the ring ({plan.ring_bytes})")
     return DecodePlan(**{**plan.__dict__, "splits": splits, "pdl_combine": pdl_combine and splits > 1,
                          "fixup_combine": fixup_combine and splits > 1})
 

@@ -16,8 +16,7 @@ from nvfly.ops.common import scratch
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.torch_args import current_stream
 
-from tests.gpu.test_attention_decode_gpu import (FP8, block_mask_of, check, head_parity, kv_scale, make_cache,
-                                                 poison_unread, query)
+from tests.gpu.test_attention_decode_gpu import FP8, check, kv_scale, make_cache, query
 
 pytestmark = pytest.mark.gpu
 VARIANTS = ["pdl", "fixup"]
@@ -118,22 +117,6 @@ def test_cuda_graph_replays(variant, kind):
         empty = torch.isinf(want_lse)
         assert torch.equal(torch.isinf(lse), empty)
         torch.testing.assert_close(lse[~empty], want_lse[~empty], atol=2e-3, rtol=1e-3)
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_per_head_block_mask(variant):
-    """A per-head block mask with a mask_mod (blocks empty for a whole group hold NaN: never read), fp8 paged
-    caches, ragged lengths (0 included), 7 splits: rows whose every block is empty give zeros and -inf."""
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    kinds = torch.randint(0, 3, (3, 16, 24), device="cuda", generator=gen)
-    kinds[:, :, 0] = 0  # the first block empty for every head
-    kinds[1, :4] = 0  # every block empty for the first group of sequence 1
-    k, v, table = make_cache(3, 3000, 2, 128, 128, FP8, page=64)
-    q = query(3, 4, 16, 128, torch.bfloat16)
-    seqlens = torch.tensor([3000, 2500, 0], dtype=torch.int32, device="cuda")
-    with api.plan_options(**api.DECODE_VARIANTS[variant]):
-        check(q, k, v, cache_seqlens=seqlens, block_table=table, splits=7, k_scale=kv_scale("head", 2, 1),
-              block_mask=block_mask_of(kinds, 128, head_parity), read=poison_unread(k, v, kinds, 128, 8, table))
 
 
 def test_fixup_then_default_on_one_stream():

@@ -59,13 +59,15 @@ def test_lazy_warp32_with_mods():
               score_mod=M.soft_cap(20.0), mask_mod=M.sliding_window(300), k_scale=kv_scale("head", 8, 1))
 
 
-@pytest.mark.parametrize("variant", ["warp32", "lazy_warp32"])
-def test_warp32_with_a_per_head_block_mask(variant):
-    """Random empty/partial/full blocks per (sequence, query head) with a mask_mod, 32 rows (Sq 4, G 8) in one
-    warp's two tiles, fp8 paged caches, ragged lengths (0 included), 7 splits."""
+@pytest.mark.parametrize("variant", ["warp32", "lazy_warp32", "pdl", "fixup", "combine_kernel"])
+def test_variants_with_a_per_head_block_mask(variant):
+    """Random empty/partial/full blocks per (sequence, query head) with a mask_mod, 32 rows (Sq 4, G 8: one warp's
+    two tiles under warp32), fp8 paged caches, ragged lengths (0 included), 7 splits (each way of combining them):
+    rows whose every block is empty give zeros and -inf."""
     gen = torch.Generator(device="cuda").manual_seed(5)
     kinds = torch.randint(0, 3, (3, 16, 24), device="cuda", generator=gen)
     kinds[:, :, 0] = 0  # the first block empty for every head
+    kinds[1, :4] = 0  # every block empty for the first group of sequence 1
     k, v, table = make_cache(3, 3000, 2, 128, 128, FP8, page=64)
     q = query(3, 4, 16, 128, torch.bfloat16)
     seqlens = torch.tensor([3000, 129, 0], dtype=torch.int32, device="cuda")

@@ -56,7 +56,8 @@ SDPA = "aten::scaled_dot_product_attention"
 # Routing rule, measured on the H200 (benchmarks/results/attention_decode_h200.json, torch 2.11): at Sq >= 2
 # torch's kernels run each query head over its KV head's keys (flash and cuDNN 0.46-0.56 TB/s at Sq = 4, 48/8,
 # 32K, nvfly 4.2: 7.5-9x), at Sq = 1 flash packs the group like nvfly does (nvfly 1.03-1.5x flash) and cuDNN
-# measured 2-8% faster than nvfly (so Sq = 1 stays with cuDNN where torch picks it). Below MIN_KV_BYTES of K and V
+# is within 4% of nvfly either way (attention_decode_full/_pdl_h200.json: 0.96-1.02x, the B1 rows 1.01x since the
+# fix-up combine), which does not pay for nvfly's host path: Sq = 1 stays with cuDNN where torch picks it. Below MIN_KV_BYTES of K and V
 # a call moves less than ~4 us of HBM traffic: launch-bound either way, and nvfly's Python host path (~6-11 us a
 # launch, launch_overhead_h200.json) would cost more than the bandwidth it saves.
 MIN_KV_BYTES = 16 << 20
@@ -310,7 +311,8 @@ def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
         return (f"attn_mask with a row per query but none per key at Sq = {sq}: nvfly's decode finds a query's row "
                 "from the mask's key extent (its position at the end of the keys minus Skv - Sq)")
     if sq == 1 and picks() == "cudnn":
-        return "Sq = 1 and torch picks cuDNN, measured 2-8% faster than nvfly's decode at Sq = 1 on the H200"
+        return ("Sq = 1 and torch picks cuDNN, measured within 4% of nvfly's decode at Sq = 1 on the H200 (not "
+                "worth nvfly's host path)")
     declined = attention.eligibility(_bshd(q), _bshd(k), _bshd(v), **_mask_mods(mask, decode=True))
     return None if declined is None else f"nvfly's decode declines: {declined}"
 

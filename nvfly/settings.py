@@ -54,6 +54,9 @@ _register("routing_rms_norm", _parse_bool, True, False,
           "register the RMSNorm routes in routing blocks (asked at the outermost block's start); off: F.rms_norm "
           "never pays the dispatcher's hop into nvfly (eager RMSNorm under 64 MiB stays torch's anyway), nor runs "
           "nvfly's kernel under CUDA-graph capture")
+_register("routing_sdpa_cudnn_sq1", _parse_bool, False, False,
+          "SDPA routing and nvfly's compile pass: run Sq = 1 decode calls where torch picks cuDNN on nvfly's decode "
+          "too (off: they stay cuDNN's, whose kernel is within 4% of nvfly's); read when a signature is decided")
 _register("routing_min_gain_us", float, 0.0, False,
           "eager GEMM routing: route a shape class only where the autotune database has nvfly faster than torch by at "
           "least this many µs a call (what the routed host path costs over torch's; 0: any win); read when a "

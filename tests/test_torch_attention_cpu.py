@@ -215,6 +215,8 @@ def test_sdpa_sq1_stays_with_cudnn(fake_cuda, monkeypatch):
     assert "torch picks cuDNN" in A._sdpa_reason(q, k, k, False, True, False)
     q4 = fake_cuda(_sdpa_shapes(sq=4)[0])
     assert A._sdpa_reason(q4, k, k, False, True, False) is None  # Sq >= 2 goes to nvfly whatever torch picks
+    monkeypatch.setenv("NVFLY_ROUTING_SDPA_CUDNN_SQ1", "1")  # the setting routes cuDNN's Sq = 1 calls too
+    assert A._sdpa_reason(q, k, k, False, True, False) is None
 
 
 @pytest.mark.parametrize("batch,sq,mask", [(1, 2, False), (1, 4, False), (1, 8, False), (8, 4, False),

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from nvfly import settings
 from nvfly.ops import attention
 from nvfly.ops.attention import prefill_api
 from nvfly.ops.attention.api import check_arguments, current_plan_options, is_mla
@@ -310,7 +311,7 @@ def _decode_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool,
     if mask is not None and sq > 1 and _mask_operand(mask)[1][2:] == (True, False):
         return (f"attn_mask with a row per query but none per key at Sq = {sq}: nvfly's decode finds a query's row "
                 "from the mask's key extent (its position at the end of the keys minus Skv - Sq)")
-    if sq == 1 and picks() == "cudnn":
+    if sq == 1 and not settings.get("routing_sdpa_cudnn_sq1") and picks() == "cudnn":
         return ("Sq = 1 and torch picks cuDNN, measured within 4% of nvfly's decode at Sq = 1 on the H200 (not "
                 "worth nvfly's host path)")
     declined = attention.eligibility(_bshd(q), _bshd(k), _bshd(v), **_mask_mods(mask, decode=True))

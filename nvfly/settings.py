@@ -54,6 +54,10 @@ _register("routing_rms_norm", _parse_bool, True, False,
           "register the RMSNorm routes in routing blocks (asked at the outermost block's start); off: F.rms_norm "
           "never pays the dispatcher's hop into nvfly (eager RMSNorm under 64 MiB stays torch's anyway), nor runs "
           "nvfly's kernel under CUDA-graph capture")
+_register("routing_native", _parse_bool, True, False,
+          "routing blocks register the routes' C++ kernel (built once per torch version with torch's C++ extension "
+          "builder; the calls nvfly declined go to torch's kernel without entering Python); off, or where it cannot "
+          "be built: the Python kernels alone")
 _register("routing_sdpa_cudnn_sq1", _parse_bool, False, False,
           "SDPA routing and nvfly's compile pass: run Sq = 1 decode calls where torch picks cuDNN on nvfly's decode "
           "too (off: they stay cuDNN's, whose kernel is within 4% of nvfly's); read when a signature is decided")

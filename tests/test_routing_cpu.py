@@ -26,8 +26,10 @@ TOPK = "aten::topk"
 
 
 def ours(op: str, key: str) -> bool:
-    """Whether the dispatcher's kernel for ``op`` on ``key`` is one routing registered."""
-    return "nvfly/torch/routing.py" in repr(torch.library.get_kernel(op, key))
+    """Whether the dispatcher's kernel for ``op`` on ``key`` is one routing registered (its Python kernel or the C++
+    route kernel)."""
+    kernel = repr(torch.library.get_kernel(op, key))
+    return "nvfly/torch/routing.py" in kernel or "nvfly/torch/native/route_kernel.cpp" in kernel
 
 
 def drop_route(key):
@@ -47,9 +49,11 @@ def no_routing_left():
 
 
 @pytest.fixture
-def counted_topk():
+def counted_topk(monkeypatch):
     """A route of aten::topk on the CPU key that counts the calls reaching its kernel (``calls``: the switch at each)
-    and declines them (torch's CPU kernel runs), decided once per signature (``decisions`` counts the decisions)."""
+    and declines them (torch's CPU kernel runs), decided once per signature (``decisions`` counts the decisions). The
+    Python kernel alone: the C++ route kernel would keep the declines (tests/test_routing_native_cpu.py)."""
+    monkeypatch.setenv("NVFLY_ROUTING_NATIVE", "0")
     calls, decisions = [], []
 
     def eligibility(x, k, dim=-1, largest=True, sorted=True):

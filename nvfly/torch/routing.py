@@ -71,6 +71,7 @@ from typing import Any, Callable, ContextManager, Hashable, Iterator, Optional
 import torch
 
 from nvfly import settings
+from nvfly.torch import native_routes
 from nvfly.ops.common.opcall import Eligibility, OpCalls
 
 log = logging.getLogger("nvfly")
@@ -194,6 +195,8 @@ def forget_decisions() -> None:
     which routes are wanted."""
     for decided in list(_DECIDED):
         decided.clear()
+    if native_routes.loaded() is not None:
+        native_routes.loaded().forget()  # the C++ kernels' kept declines go with them
     _forget_plan()
 
 
@@ -263,7 +266,16 @@ def _sync(force: bool = False) -> None:
         return
     _unregister()
     registered = []
+    native = native_routes.module() if plan else None
     for key, name, kernel, dispatch_key in plan:
+        if native is not None:
+            try:
+                native.register_route(name, dispatch_key, _FALLTHROUGHS[key],
+                                      native_routes.python_kernel(key[0], key[1], kernel))
+                registered.append(key)
+                continue
+            except Exception as exc:  # noqa: BLE001 - the Python kernel alone routes it
+                log.debug("nvfly: %s: no C++ route kernel (%s: %s)", key[0], type(exc).__name__, exc)
         if _LIBRARY is None:
             # the dispatcher's library object, not torch.library.Library: its Python bookkeeping (a finalizer, a
             # frame walk, checks) would double what a block's start costs; same calls (torch 2.1 to 2.13)
@@ -284,6 +296,8 @@ def _unregister() -> None:
     global _LIBRARY, _REGISTERED
     if _LIBRARY is not None:
         _LIBRARY.reset()  # the registrations go: torch's kernels are the ones dispatched again
+    if _REGISTERED and native_routes.loaded() is not None:
+        native_routes.loaded().reset()
     _LIBRARY, _REGISTERED = None, ()
 
 
@@ -345,6 +359,9 @@ def _routed(route: Route, fallthrough: Any) -> Callable[..., Any]:
     # one lookup and torch's kernel
     switch, lookup, signature, skip = _SWITCH.get, decided.get, route.signature, route.skip
     logged, call_torch = log.isEnabledFor, fallthrough.call_boxed
+    native = native_routes.module()
+    # a decline this kernel remembers (or its skip) is kept by the C++ kernel calling it, if one does
+    kept = native.mark_declined if native is not None else _nothing
 
     def impl(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if switch(False):
@@ -367,10 +384,16 @@ def _routed(route: Route, fallthrough: Any) -> Callable[..., Any]:
                 except Exception as exc:  # an nvfly failure must never break the caller: use torch
                     _failed(route, exc)
                     decided.remember(key, (f"nvfly raised {type(exc).__name__}: {exc}", None))
+            if key is not None or hit is _SKIPPED:
+                kept()
         return call_torch(keyset, *args, **kwargs)
 
     impl.__name__ = f"nvfly_route_{route.op.replace('::', '_').replace('.', '_')}"
     return impl
+
+
+def _nothing() -> None:
+    pass
 
 
 _SKIPPED: RouteDecision = ("the route's skip: launch-bound, nvfly's host path would cost more than its kernel saves",

@@ -33,6 +33,13 @@ fp8 (``PLAN.fp8``): e4m3 Q, K and V, both GEMMs QGMMA, P rounded to e4m3 in its 
 B K-major only, so V comes transposed, (B, Dv, Hkv, Skv) with its keys permuted within every 16 to the columns P's
 fragments hold (``prefill_api.transposed_values``), and its stages are K-major (Dv x block_n). The descales are
 read once per consumer: q's and k's multiply the folded scale, v's the final 1/l; out is bf16.
+
+Persistent (``PLAN.persistent``): a grid of min(units, SMs) CTAs, each walking the units (query tile, head, batch)
+b, b + grid, ... in ``scheduler.head_grouped_lpt_unit``'s order (longest causal tiles first within groups of
+(batch, head) pairs whose K and V fit L2). The producer and the consumers walk the same units with the same
+per-tile code; the K and V rings' positions carry over, Q has a one-stage full/empty ring (the next unit's Q lands
+once both consumers' last S of the previous one is done; O is stored from registers, so Q's buffer is free then),
+and consumer 0's first ping-pong arrive happens once for the walk, every unit repeating the same waits and arrives.
 """
 from __future__ import annotations
 
@@ -47,8 +54,8 @@ from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PINGPONG_BARRIER, PRODUCER_REGS,
                                                   block_inside_bounds, key_blocks, pair_group, pipelined_loops,
                                                   upper_inside_end)
-from nvfly.ops.common.scheduler import head_grouped_lpt_unit
 from nvfly.ops.attention.softmax import EXP2_CUBIC, EXP2_POLYNOMIAL, NEG_INF, online_softmax, row_of
+from nvfly.ops.common.scheduler import head_grouped_lpt_unit
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -116,8 +123,8 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
 
     if PLAN.persistent:
         # the CTA walks units first, first + grid, ...: the rings' positions, Q's ring's and the ping-pong turns
-        # carry on from one unit to the next (each unit's waits and arrives are the same sequence as a CTA's)
-        # (each role derives the walk after setting its registers: values live across the branch would spill)
+        # carry on from one unit to the next (each unit's waits and arrives are the same sequence as a CTA's);
+        # each role derives the walk after setting its registers (values live across the branch would spill)
         if wg == 0:
             sm90.setmaxnreg(PLAN.producer_regs, increase=False)
             if tid == 0:

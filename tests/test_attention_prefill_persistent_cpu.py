@@ -1,7 +1,9 @@
 """Prefill's persistent LPT schedule (``PrefillPlan.persistent``) without a GPU: its plans compile for sm_90a
 without spills or ptxas warnings to the same GEMMs as the CTA-per-tile kernel, with the persistent register
-budgets; the plan refuses what it does not support; the host launches one CTA an SM; and a model of the two
-consumers' named-barrier turns, carried from unit to unit, hands the turn back and forth without a deadlock."""
+budgets; the plan refuses what it does not support; the host launches one CTA an SM; a model of the two
+consumers' named-barrier turns, carried from unit to unit, hands the turn back and forth without a deadlock; and a
+model of the K, V and Q rings over a CTA's units (random interleavings) neither deadlocks nor overwrites a stage
+a consumer still reads."""
 import dataclasses
 import re
 
@@ -183,3 +185,122 @@ def test_units_keep_exactly_the_tiles_key_blocks():
         start, _, _, total = key_blocks(m_tile, skv, True, False, 0, 0, 0, plan.block_m, plan.block_n)
         counts.append(total - start)
     assert counts == sorted(counts, reverse=True) and counts[0] == -(-skv // plan.block_n)
+
+
+# ---------------------------------------------------------------------------------------------- ring model
+class Mbarrier:
+    """An mbarrier: ``expected`` arrivals complete a phase; a wait on parity P passes once the phase of that
+    parity is complete (at once for the parity before the first phase)."""
+
+    def __init__(self, expected):
+        self.expected, self.arrivals, self.completed = expected, 0, 0
+
+    def arrive(self):
+        self.arrivals += 1
+        if self.arrivals == self.expected:
+            self.arrivals, self.completed = 0, self.completed + 1
+
+    def passes(self, parity):
+        return self.completed % 2 != parity
+
+
+class Ring:
+    """``sm90.TmaPipeline`` of ``stages`` stages released by ``consumers`` arrivals, and what each stage holds."""
+
+    def __init__(self, stages, consumers):
+        self.full = [Mbarrier(1) for _ in range(stages)]
+        self.empty = [Mbarrier(consumers) for _ in range(stages)]
+        self.holds = [None] * stages
+        self.stages = stages
+
+
+class Walker:
+    """One role's position in each ring (stage, phase), carried across units, and its steps: ("load", ring,
+    content) (the producer: waits for the stage's release, then the TMA lands and completes the full barrier),
+    ("wait", ring) (a consumer: waits for the stage to land), ("read", ring, content) (checks what the stage holds),
+    ("release", ring) (the consumer's arrive on the stage's empty barrier; the position moves on)."""
+
+    def __init__(self, rings, steps):
+        self.rings, self.steps, self.at = rings, steps, 0
+        self.positions = {name: (0, 0) for name in rings}
+
+    def done(self):
+        return self.at == len(self.steps)
+
+    def can_step(self):
+        kind, name, *_ = self.steps[self.at]
+        ring = self.rings[name]
+        stage, phase = self.positions[name]
+        if kind == "load":
+            return ring.empty[stage].passes(phase ^ 1)
+        if kind == "wait":
+            return ring.full[stage].passes(phase)
+        return True
+
+    def step(self):
+        kind, name, *content = self.steps[self.at]
+        ring = self.rings[name]
+        stage, phase = self.positions[name]
+        if kind == "read":
+            assert ring.holds[stage] == content[0], (name, ring.holds[stage], content[0])
+        if kind == "load":
+            ring.holds[stage] = content[0]
+            ring.full[stage].arrive()
+        if kind in ("load", "release"):
+            if kind == "release":
+                ring.empty[stage].arrive()
+            stage += 1
+            self.positions[name] = (0, phase ^ 1) if stage == ring.stages else (stage, phase)
+        self.at += 1
+
+
+def producer_steps(blocks):
+    """The persistent producer's thread: per unit, Q once its buffer is released, then K and V of each block."""
+    steps = []
+    for unit, n in enumerate(blocks):
+        steps.append(("load", "q", unit))
+        for block in range(n):
+            steps += [("load", "k", (unit, block)), ("load", "v", (unit, block))]
+    return steps
+
+
+def consumer_steps(blocks, overlap):
+    """A consumer warpgroup: per unit, Q's wait; each key block's K (its S reads Q and K) and V (P·V), in
+    ``attend_block``'s order or the overlap's (K of block j with V of block j - 1, the last V alone); Q released
+    after the unit's last S."""
+    steps = []
+    for unit, n in enumerate(blocks):
+        steps.append(("wait", "q"))
+        for block in range(n):
+            if overlap:
+                steps.append(("wait", "k"))
+                if block:
+                    steps += [("wait", "v"), ("read", "v", (unit, block - 1))]
+                steps += [("read", "q", unit), ("read", "k", (unit, block)), ("release", "k")]
+                if block:
+                    steps.append(("release", "v"))
+            else:
+                steps += [("wait", "k"), ("read", "q", unit), ("read", "k", (unit, block)), ("release", "k"),
+                          ("wait", "v"), ("read", "v", (unit, block)), ("release", "v")]
+        if overlap and n:
+            steps += [("wait", "v"), ("read", "v", (unit, n - 1)), ("release", "v")]
+        steps.append(("release", "q"))
+    return steps
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("blocks", [[3], [1, 4, 2], [0, 2, 0, 0, 5], [2, 1, 1, 1, 1, 3], [5, 5, 1, 0, 7]])
+def test_rings_carry_from_unit_to_unit(blocks, overlap):
+    """The producer and two consumers over a CTA's units in random interleavings (2-stage K and V rings, Q's
+    one-stage ring, positions carried across units): no deadlock, and every read finds the block (Q: the unit)
+    it is for, so nothing is overwritten while a consumer still needs it."""
+    import random
+    for seed in range(50):
+        rng = random.Random(seed)
+        rings = {"k": Ring(2, 2), "v": Ring(2, 2), "q": Ring(1, 2)}
+        walkers = [Walker(rings, producer_steps(blocks))] + [Walker(rings, consumer_steps(blocks, overlap))
+                                                             for _ in range(2)]
+        while not all(w.done() for w in walkers):
+            ready = [w for w in walkers if not w.done() and w.can_step()]
+            assert ready, f"deadlock at {[w.at for w in walkers]} (seed {seed})"
+            rng.choice(ready).step()

@@ -121,7 +121,7 @@ class PrefillPlan:
     @property
     def consumer_regs(self) -> int:
         """A consumer warpgroup's registers a thread: what the producer leaves of the 64512 (``CONSUMER_REGS``)."""
-        return CONSUMER_REGS - (self.producer_regs - PRODUCER_REGS) // self.consumers // 8 * 8
+        return CONSUMER_REGS - -(-(self.producer_regs - PRODUCER_REGS) // (8 * self.consumers)) * 8
 
     @property
     def consumers(self) -> int:

@@ -29,6 +29,9 @@ is the kernel's Constexpr, and the rest (sizes, the stream-K split, tables) its 
 - Longest processing time first (``lpt_schedule``, e.g. causal attention): work tile ``t`` is output tile
   ``order[t]`` (a device table), the tiles sorted by non-increasing cost, so that the costly tiles start first and
   the cheap ones fill the gaps at the end.
+- Head-grouped LPT walk (``head_grouped_lpt_unit``, attention prefill's persistent schedule): no table; unit ``u``
+  is a (query tile, head, batch) by arithmetic, groups of (batch, head) pairs one after the other and, inside a
+  group, the query tiles from the last (the longest causal ones) down, the group's pairs within a tile row.
 """
 from __future__ import annotations
 

@@ -391,7 +391,8 @@ PREFILL_QUICK = [("d128", 4, 4096, 32, 32, 128, 128), ("d128", 2, 8192, 16, 16, 
 # and issue 27's hoisting (PrefillPlan.hoist: positional bounds per row, the mods' indices affine), the mask_mod's
 # loads under S with its compares after the wait (prefetch_mask), 192-key blocks at D 64 and 176 at D 128 (wide) and 1
 # or 2 of every 16 exp2 by a cubic on the FMA pipe (poly_exp2), O's rescale skipped on a warp vote when no row maximum
-# rose (lazy_rescale); pick some with --only-variants
+# rose (lazy_rescale), the persistent LPT schedule (persistent: a CTA an SM, longest causal tiles first, heads grouped
+# for L2; the default's other options); pick some with --only-variants
 PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": dict(overlap=True, pingpong=False),
                     "pingpong": dict(overlap=False, pingpong=True),
                     "overlap_pingpong": dict(overlap=True, pingpong=True),
@@ -400,7 +401,8 @@ PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": di
                     "poly2_hoist": dict(poly_exp2=2, hoist=True), "lazy_hoist": dict(lazy_rescale=True, hoist=True),
                     "wide_lazy_hoist": dict(wide=True, lazy_rescale=True, hoist=True),
                     "poly4_lazy_hoist": dict(poly_exp2=4, lazy_rescale=True, hoist=True),
-                    "wide_poly2_lazy_hoist": dict(wide=True, poly_exp2=2, lazy_rescale=True, hoist=True)}
+                    "wide_poly2_lazy_hoist": dict(wide=True, poly_exp2=2, lazy_rescale=True, hoist=True),
+                    "persistent": dict(persistent=True)}
 # fp8's: the same, and D 128's 192-key blocks (PrefillPlan.block_n; other head dims keep 128) with the row maxima by
 # a tree (wide) or by the chain (wide_chain), the tree at 128 keys (tree_max), and 2 or 4 of every 16 exp2 by the
 # polynomial on the FMA pipe (PrefillPlan.poly_exp2), at 192 keys (wide_poly*) or 128 (poly*, tree_poly2)

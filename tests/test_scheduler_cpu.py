@@ -255,6 +255,32 @@ def test_causal_lpt_takes_the_last_query_blocks_first():
     assert [(u.batch, u.tile_m) for u in first] == [(0, 7), (1, 7), (2, 7), (0, 6), (1, 6), (2, 6)]
 
 
+@settings(max_examples=150, deadline=None)
+@given(tiles_m=st.integers(1, 40), heads=st.integers(1, 12), batches=st.integers(1, 5), pair_group=st.integers(1, 20),
+       grid=st.sampled_from([1, 7, 132]))
+def test_head_grouped_lpt_walk_covers_every_unit_once_longest_first(tiles_m, heads, batches, pair_group, grid):
+    """``head_grouped_lpt_unit`` (prefill's persistent walk) on Python ints: the CTAs' strided walks over
+    min(units, grid) CTAs take every (tile row, head, batch) exactly once; the units go group by group of
+    ``pair_group`` consecutive (batch, head) pairs, inside a group tile row after tile row from the last (causal
+    cost, the tile row + 1 key blocks, non-increasing), all of a group's pairs in each tile row."""
+    pairs = heads * batches
+    units = tiles_m * pairs
+    walk = [scheduler.head_grouped_lpt_unit(u, tiles_m, heads, pairs, pair_group) for u in range(units)]
+    ctas = min(units, grid)
+    taken = Counter(walk[u] for cta in range(ctas) for u in range(cta, units, ctas))
+    assert taken == Counter({(tm, h, b): 1 for tm in range(tiles_m) for h in range(heads) for b in range(batches)})
+    for start in range(0, units, pair_group * tiles_m):
+        group = walk[start:start + pair_group * tiles_m]
+        group_pairs = sorted({b * heads + h for _, h, b in group})
+        assert group_pairs == list(range(start // tiles_m, start // tiles_m + len(group_pairs)))
+        assert len(group_pairs) == min(pair_group, pairs - start // tiles_m)
+        rows = [tm for tm, _, _ in group]
+        assert rows == sorted(rows, reverse=True)  # longest first inside the group
+        assert Counter(rows) == Counter({tm: len(group_pairs) for tm in range(tiles_m)})
+    if pair_group >= pairs:  # one group: longest first over the whole launch
+        assert [tm for tm, _, _ in walk] == sorted((tm for tm, _, _ in walk), reverse=True)
+
+
 def test_plans_are_checked():
     with pytest.raises(ValueError, match="group_m=3"):
         Tiling(128, 128, group_m=3, cluster_m=2)

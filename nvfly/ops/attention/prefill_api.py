@@ -19,6 +19,7 @@ from nvfly.ops.attention.prefill_plan import (BLOCK_M, FP8_HEAD_DIMS, HEAD_DIMS,
 from nvfly.ops.attention.transpose_kernel import THREADS, transpose_plan, transpose_values_kernel
 from nvfly.ops.common.opcall import Declined, KernelScalars, OpCalls, context_value
 from nvfly.runtime.torch_args import layout_key
+from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tensor_desc import torch_dtype
 from nvfly.runtime.tma import cached_descriptor
 
@@ -103,18 +104,19 @@ def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None
 
 
 _plan = functools.lru_cache(maxsize=64)(prefill_plan)
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None,) * 8)
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None,) * 9)
 
 
 def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None, wide: Optional[bool] = None,
                  tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None,
                  hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None,
-                 lazy_rescale: Optional[bool] = None) -> ContextManager[None]:
+                 lazy_rescale: Optional[bool] = None, persistent: Optional[bool] = None) -> ContextManager[None]:
     """``prefill`` and ``prefill_varlen`` calls inside run plans with these ``PrefillPlan`` options (None: the
-    plan's default; ``wide``, ``tree_max``, ``poly_exp2``: fp8's, ``prefill_plan``): the benchmark's and the tests'
-    way to run the kernel's variants side by side."""
+    plan's default; ``wide``, ``tree_max``, ``poly_exp2``: fp8's, ``prefill_plan``; ``persistent``: ``prefill``'s
+    bf16/fp16 calls, packed sequences ignore it): the benchmark's and the tests' way to run the kernel's variants
+    side by side."""
     return context_value(_OPTIONS, (overlap, pingpong, wide, tree_max, poly_exp2, hoist, prefetch_mask,
-                                     lazy_rescale))
+                                     lazy_rescale, persistent))
 
 
 def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -336,13 +338,14 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             tables = _block_tables(block_mask, batch, hq)
             q_block = int(block_mask.BLOCK_SIZE[0]) if block_mask is not None else 0
             kv_block = int(block_mask.BLOCK_SIZE[1]) if block_mask is not None else 0
-            overlap, pingpong, wide, tree_max, poly_exp2, hoist, prefetch_mask, lazy = _OPTIONS.get()
+            overlap, pingpong, wide, tree_max, poly_exp2, hoist, prefetch_mask, lazy, persistent = _OPTIONS.get()
             plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block, False, overlap, pingpong, fp8,
-                         wide, tree_max, poly_exp2, mods.active, hoist, prefetch_mask, lazy)
+                         wide, tree_max, poly_exp2, mods.active, hoist, prefetch_mask, lazy, persistent)
             if fp8:
                 v = transposed_values(v)
             _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv,
-                    plan.grid(batch, hq, sq), tuple(captured), _descale_tensors(descales, q.device))
+                    plan.grid(batch, hq, sq, plan_sm_count(q.get_device()) if plan.persistent else 0), tuple(captured),
+                    _descale_tensors(descales, q.device))
     return (out, lse) if return_lse else out
 
 

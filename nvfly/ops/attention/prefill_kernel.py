@@ -33,6 +33,13 @@ fp8 (``PLAN.fp8``): e4m3 Q, K and V, both GEMMs QGMMA, P rounded to e4m3 in its 
 B K-major only, so V comes transposed, (B, Dv, Hkv, Skv) with its keys permuted within every 16 to the columns P's
 fragments hold (``prefill_api.transposed_values``), and its stages are K-major (Dv x block_n). The descales are
 read once per consumer: q's and k's multiply the folded scale, v's the final 1/l; out is bf16.
+
+Persistent (``PLAN.persistent``): a grid of min(units, SMs) CTAs, each walking the units (query tile, head, batch)
+b, b + grid, ... in ``scheduler.head_grouped_lpt_unit``'s order (longest causal tiles first within groups of
+(batch, head) pairs whose K and V fit L2). The producer and the consumers walk the same units with the same
+per-tile code; the K and V rings' positions carry over, Q has a one-stage full/empty ring (the next unit's Q lands
+once both consumers' last S of the previous one is done; O is stored from registers, so Q's buffer is free then),
+and consumer 0's first ping-pong arrive happens once for the walk, every unit repeating the same waits and arrives.
 """
 from __future__ import annotations
 
@@ -45,9 +52,10 @@ from nvfly.arch.ptx import smem_address
 from nvfly.frontend.control_flow import if_
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PINGPONG_BARRIER, PRODUCER_REGS,
-                                                  block_inside_bounds, key_blocks, pipelined_loops,
+                                                  block_inside_bounds, key_blocks, pair_group, pipelined_loops,
                                                   upper_inside_end)
 from nvfly.ops.attention.softmax import EXP2_CUBIC, EXP2_POLYNOMIAL, NEG_INF, online_softmax, row_of
+from nvfly.ops.common.scheduler import head_grouped_lpt_unit
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -86,7 +94,7 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
     K_BYTES = PLAN.k_stage_bytes(size)
     V_BYTES = PLAN.v_stage_bytes(size)
 
-    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (1 + 4 * S,)))
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (1 + 4 * S + 2 * PLAN.persistent,)))
     q_tile = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (Q_BYTES,), offset_bytes=BARRIER_BYTES))
     k_ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * K_BYTES,), offset_bytes=BARRIER_BYTES + Q_BYTES))
     v_ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (S * V_BYTES,),
@@ -94,18 +102,88 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
     q_bar = bars
     k_pipe = sm90.TmaPipeline(bars + 8, S, K_BYTES, consumer_arrivals=4 * WGS)
     v_pipe = sm90.TmaPipeline(bars + 8 + 16 * S, S, V_BYTES, consumer_arrivals=4 * WGS)
+    q_pipe = None
+    if PLAN.persistent:  # Q's one-stage ring, released by the consumers' warps once their last S of a unit is done
+        q_pipe = sm90.TmaPipeline(bars + 8 + 32 * S, 1, Q_BYTES, consumer_arrivals=4 * WGS)
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
     wg = warp // 4
     if tid == 0:
-        sm90.mbarrier_init(q_bar, 1)
+        if PLAN.persistent:
+            q_pipe.init()
+        else:
+            sm90.mbarrier_init(q_bar, 1)
         k_pipe.init()
         v_pipe.init()
         sm90.tma_prefetch_descriptor(q_desc)
         sm90.tma_prefetch_descriptor(k_desc)
         sm90.tma_prefetch_descriptor(v_desc)
     nvfly.syncthreads()
+
+    if PLAN.persistent:
+        # the CTA walks units first, first + grid, ...: the rings' positions, Q's ring's and the ping-pong turns
+        # carry on from one unit to the next (each unit's waits and arrives are the same sequence as a CTA's);
+        # each role derives the walk after setting its registers (values live across the branch would spill)
+        if wg == 0:
+            sm90.setmaxnreg(PLAN.producer_regs, increase=False)
+            if tid == 0:
+                tiles_m, heads, pairs, units, grouped = unit_walk(out, sq, skv, group, PLAN, size)
+                offset = bottom_right * (skv - sq)
+                rings = (sm90.PipelineState.start(S), sm90.PipelineState.start(S))
+                q_state = sm90.PipelineState.start(1)
+                for unit in range(nvfly.block_idx.x, units, nvfly.grid_dim.x):
+                    m_block, head, batch = head_grouped_lpt_unit(unit, tiles_m, heads, pairs, grouped,
+                                                                 nvfly.minimum)
+                    tile = tile_keys(m_block, head, batch, skv, offset, left, right, kv_num_blocks, kv_indices,
+                                     full_kv_num_blocks, full_kv_indices, PLAN)
+                    q_pipe.producer_acquire(q_state)  # both consumers' last S of the previous unit is done
+                    q_pipe.producer_expect(q_state)
+                    for box in q_boxes:
+                        sm90.tma_load(q_desc, q_tile + box.smem_offset,
+                                      (batch, m_block * BM + box.mn_offset, head, box.k_offset), q_pipe.full(0))
+                    loads = LoadContext(k_desc, v_desc, k_ring, v_ring, k_pipe, v_pipe, k_boxes, v_boxes, K_BYTES,
+                                        V_BYTES, batch, 0, head // group, False)
+                    rings = load_tile(rings, loads, tile, batch, head, PLAN)
+                    q_state = q_state.advance()
+        else:
+            sm90.setmaxnreg(PLAN.consumer_regs, increase=True)
+            tiles_m, heads, pairs, units, grouped = unit_walk(out, sq, skv, group, PLAN, size)
+            offset = bottom_right * (skv - sq)
+            consumer = wg - 1
+            lane = nvfly.lane_idx()
+            fold = scale_log2
+            if MODS.score_mod is not None:
+                fold = LOG2E
+            rings = (sm90.PipelineState.start(S), sm90.PipelineState.start(S))
+            q_state = sm90.PipelineState.start(1)
+            if PLAN.pingpong and consumer == 0:  # consumer 0 issues its GEMMs first, once for the whole walk
+                nvfly.named_barrier_arrive(PINGPONG_BARRIER, 256)
+            for unit in range(nvfly.block_idx.x, units, nvfly.grid_dim.x):
+                m_block, head, batch = head_grouped_lpt_unit(unit, tiles_m, heads, pairs, grouped, nvfly.minimum)
+                tile = tile_keys(m_block, head, batch, skv, offset, left, right, kv_num_blocks, kv_indices,
+                                 full_kv_num_blocks, full_kv_indices, PLAN)
+                row0 = m_block * BM + consumer * 64 + (warp % 4) * 16 + lane // 4
+                ctx = BlockContext(q_tile + consumer * (q_layout.inner((64, 0)) * size), k_ring, v_ring, k_pipe,
+                                   v_pipe, s_atom, pv_atom, q_layout, k_layout, v_layout, q_desc_offsets,
+                                   k_desc_offsets, v_desc_offsets, K_BYTES, V_BYTES, size, scale_log2 * LN2, fold,
+                                   skv, offset - left, offset + right, row0, lane, batch, head,
+                                   nvfly.minimum(row0, sq - 1), nvfly.minimum(row0 + 8, sq - 1),
+                                   (captured0, captured1), MODS)
+                state = Softmax([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2, sm90.Accumulator.zeros(pv_atom),
+                                rings[0], rings[1])
+                if PLAN.pingpong and not PLAN.overlap:
+                    scheduler_sync(consumer)
+                q_pipe.consumer_wait(q_state)
+                state = attend_tile(state, ctx, tile, m_block, skv, offset, right, batch, head, consumer, PLAN)
+                if lane == 0:  # every S of the unit has been waited for: the producer may load the next Q
+                    q_pipe.consumer_release(q_state)
+                if PLAN.pingpong and not PLAN.overlap:
+                    scheduler_arrive(consumer)
+                store_rows(state, out, lse, batch, head, 0, row0, sq, lane, fold, DV, None)
+                rings = (state.k_state, state.v_state)
+                q_state = q_state.advance()
+        return
 
     m_block = nvfly.grid_dim.x - 1 - nvfly.block_idx.x  # causal: the longest tiles start first
     head = nvfly.block_idx.y
@@ -122,15 +200,8 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
         skv = cu_seqlens_k[batch + 1] - k_start
         skv = nvfly.select(m_block * BM < sq, skv, 0)  # a tile past its sequence's end attends to nothing
     offset = bottom_right * (skv - sq)
-    start, unmasked_start, unmasked_end, total = key_blocks(m_block, skv, PLAN.causal, PLAN.window, offset, left,
-                                                            right, BM, BN, nvfly.minimum, nvfly.maximum)
-    q_block = 0
-    tables = []  # a BlockMask's (count, indices) of its partial key blocks, then of its full ones
-    if PLAN.kv_block:
-        q_block = m_block * BM // PLAN.q_block
-        tables.append((kv_num_blocks[batch, head, q_block], kv_indices))
-        if full_kv_num_blocks is not None:
-            tables.append((full_kv_num_blocks[batch, head, q_block], full_kv_indices))
+    tile = tile_keys(m_block, head, batch, skv, offset, left, right, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                     full_kv_indices, PLAN)
 
     if wg == 0:
         sm90.setmaxnreg(PRODUCER_REGS, increase=False)
@@ -141,14 +212,7 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
                               (io_batch, q_start + m_block * BM + box.mn_offset, head, box.k_offset), q_bar)
             loads = LoadContext(k_desc, v_desc, k_ring, v_ring, k_pipe, v_pipe, k_boxes, v_boxes, K_BYTES, V_BYTES,
                                 io_batch, k_start, kv_head, PLAN.fp8)
-            states = (sm90.PipelineState.start(S), sm90.PipelineState.start(S))
-            if PLAN.kv_block:
-                for count, indices in tables:
-                    for i in range(count * (PLAN.kv_block // BN)):
-                        states = load_block(states, loads, listed_block(indices, batch, head, q_block, i, PLAN), BN)
-            else:
-                for n in range(start, total):
-                    states = load_block(states, loads, n, BN)
+            load_tile((sm90.PipelineState.start(S), sm90.PipelineState.start(S)), loads, tile, batch, head, PLAN)
     else:
         sm90.setmaxnreg(CONSUMER_REGS, increase=True)
         consumer = wg - 1
@@ -174,34 +238,99 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
             if not PLAN.overlap:  # the turn covers the first S (then each P·V with the next S)
                 scheduler_sync(consumer)
         sm90.mbarrier_wait(q_bar, 0)
-        if PLAN.overlap:
-            state = attend_overlapped(state, ctx, tables, batch, head, q_block, start, unmasked_start, unmasked_end,
-                                      total, consumer, PLAN)
-        elif PLAN.kv_block:
-            for t, (count, indices) in enumerate(tables):
-                for i in range(count * (PLAN.kv_block // BN)):
-                    state = attend_block(state, ctx, listed_block(indices, batch, head, q_block, i, PLAN), PLAN,
-                                         True, t == 0, consumer)
-        else:
-            both = start
-            if PLAN.hoist and PLAN.window:
-                # a window's left-edge blocks before the upper bounds need only its lower bound, and the diagonal's
-                # and the tail's (from unmasked_start on) only the upper ones: one compare and select a score each
-                both = nvfly.maximum(nvfly.minimum(upper_inside_end(m_block, skv, PLAN.causal, offset, right, BM,
-                                                                    BN, nvfly.minimum, nvfly.maximum),
-                                                   unmasked_start), start)
-                for n in range(start, both):
-                    state = attend_block(state, ctx, n, PLAN, LOWER_BOUND, True, consumer)
-            for n in range(both, unmasked_start):
-                state = attend_block(state, ctx, n, PLAN, True, True, consumer)
-            for n in range(unmasked_start, unmasked_end):
-                state = attend_block(state, ctx, n, PLAN, False, True, consumer)
-            for n in range(unmasked_end, total):
-                state = attend_block(state, ctx, n, PLAN, UPPER_BOUNDS if PLAN.hoist else True, True, consumer)
+        state = attend_tile(state, ctx, tile, m_block, skv, offset, right, batch, head, consumer, PLAN)
         if PLAN.pingpong and not PLAN.overlap:
             scheduler_arrive(consumer)
         store_rows(state, out, lse, io_batch, head, q_start, row0, sq, lane, fold, DV,
                    None if v_descale is None else v_descale[0])
+
+
+@nvfly.func
+def unit_walk(out, sq, skv, group, PLAN, size):
+    """``PLAN.persistent``: (query tiles a pair, query heads, (batch, head) pairs, units, pairs a group) of the
+    CTAs' walk (``scheduler.head_grouped_lpt_unit``)."""
+    heads = out.shape[2]
+    tiles_m = (sq + PLAN.block_m - 1) // PLAN.block_m
+    pairs = heads * out.shape[0]
+    return tiles_m, heads, pairs, tiles_m * pairs, pair_group(skv, group, PLAN.kv_rows_in_l2(size), nvfly.maximum)
+
+
+class TileKeys(NamedTuple):
+    """A query tile's key blocks: ``key_blocks``' (start, unmasked_start, unmasked_end, total) and with a BlockMask
+    the tile's query block and its (count, indices) tables, the partial key blocks' then the full ones'."""
+    start: Any
+    unmasked_start: Any
+    unmasked_end: Any
+    total: Any
+    q_block: Any
+    tables: list
+
+
+@nvfly.func
+def tile_keys(m_block, head, batch, skv, offset, left, right, kv_num_blocks, kv_indices, full_kv_num_blocks,
+              full_kv_indices, PLAN):
+    """The ``TileKeys`` of query tile ``m_block`` of ``head`` and ``batch``."""
+    start, unmasked_start, unmasked_end, total = key_blocks(m_block, skv, PLAN.causal, PLAN.window, offset, left,
+                                                            right, PLAN.block_m, PLAN.block_n, nvfly.minimum,
+                                                            nvfly.maximum)
+    q_block = 0
+    tables = []
+    if PLAN.kv_block:
+        q_block = m_block * PLAN.block_m // PLAN.q_block
+        tables.append((kv_num_blocks[batch, head, q_block], kv_indices))
+        if full_kv_num_blocks is not None:
+            tables.append((full_kv_num_blocks[batch, head, q_block], full_kv_indices))
+    return TileKeys(start, unmasked_start, unmasked_end, total, q_block, tables)
+
+
+@nvfly.func
+def load_tile(states, loads, tile, batch, head, PLAN):
+    """The producer's K and V loads of a tile's key blocks (``TileKeys``) from the rings' (K, V) ``states``;
+    returns the states after them."""
+    BN = PLAN.block_n
+    if PLAN.kv_block:
+        for count, indices in tile.tables:
+            for i in range(count * (PLAN.kv_block // BN)):
+                states = load_block(states, loads, listed_block(indices, batch, head, tile.q_block, i, PLAN), BN)
+    else:
+        for n in range(tile.start, tile.total):
+            states = load_block(states, loads, n, BN)
+    return states
+
+
+@nvfly.func
+def attend_tile(state, ctx, tile, m_block, skv, offset, right, batch, head, consumer, PLAN):
+    """A consumer warpgroup's walk over a tile's key blocks (``TileKeys``): the overlapped pipeline, a BlockMask's
+    lists, or the positional ranges (a window's left edge, the edges, the fully visible blocks, the diagonal and
+    tail); returns the softmax state after them."""
+    BM, BN = PLAN.block_m, PLAN.block_n
+    tables, q_block = tile.tables, tile.q_block
+    start, unmasked_start, unmasked_end, total = tile.start, tile.unmasked_start, tile.unmasked_end, tile.total
+    if PLAN.overlap:
+        state = attend_overlapped(state, ctx, tables, batch, head, q_block, start, unmasked_start, unmasked_end,
+                                  total, consumer, PLAN)
+    elif PLAN.kv_block:
+        for t, (count, indices) in enumerate(tables):
+            for i in range(count * (PLAN.kv_block // BN)):
+                state = attend_block(state, ctx, listed_block(indices, batch, head, q_block, i, PLAN), PLAN,
+                                     True, t == 0, consumer)
+    else:
+        both = start
+        if PLAN.hoist and PLAN.window:
+            # a window's left-edge blocks before the upper bounds need only its lower bound, and the diagonal's
+            # and the tail's (from unmasked_start on) only the upper ones: one compare and select a score each
+            both = nvfly.maximum(nvfly.minimum(upper_inside_end(m_block, skv, PLAN.causal, offset, right, BM,
+                                                                BN, nvfly.minimum, nvfly.maximum),
+                                               unmasked_start), start)
+            for n in range(start, both):
+                state = attend_block(state, ctx, n, PLAN, LOWER_BOUND, True, consumer)
+        for n in range(both, unmasked_start):
+            state = attend_block(state, ctx, n, PLAN, True, True, consumer)
+        for n in range(unmasked_start, unmasked_end):
+            state = attend_block(state, ctx, n, PLAN, False, True, consumer)
+        for n in range(unmasked_end, total):
+            state = attend_block(state, ctx, n, PLAN, UPPER_BOUNDS if PLAN.hoist else True, True, consumer)
+    return state
 
 
 class LoadContext(NamedTuple):

@@ -26,9 +26,13 @@ MAX_SMEM = 227 * 1024       # one CTA's opt-in limit on H100/H200
 STAGES = 2                  # K and V rings each; FA3 uses 2 (the loads run a whole block ahead of the math)
 PRODUCER_REGS = 24          # the producer only issues TMA
 CONSUMER_REGS = 240         # 24 * 128 + 240 * 256 = 64512 of the SM's 65536 registers
+PERSISTENT_PRODUCER_REGS = 40  # and 232 a consumer thread: 40 * 128 + 232 * 256 = 64512
 PINGPONG_BARRIER = 1        # named barriers 1 and 2: consumer c waits on 1 + c for its turn to issue GEMMs
 BARRIER_BYTES = 1024        # barriers first; the tiles start 1024-byte aligned (128-byte swizzle atoms need it)
 SWIZZLE = 128
+# ``persistent``: the (batch, head) pairs grouped so that a group's K and V fit in this much L2 (half of the
+# H100/H200's 50 MiB, what ``plan_l2_bytes`` plans for): the units in flight share them
+L2_KV_BYTES = 25 << 20
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,10 @@ class PrefillPlan:
     between S's issue and its wait and its compares after the wait (``prefill_kernel.mask_mod_keeps``), instead of
     its verdicts packed into bits there and unpacked after; lazy_rescale: O's rescale (Dv / 2 multiplies a thread)
     skipped by a warp-uniform branch when no row maximum of the warp rose (the factors are 1 then; not with the
-    overlap)."""
+    overlap); persistent: one CTA an SM (``grid``'s ``sms``) walks the (query tile, head, batch) units
+    ``scheduler.head_grouped_lpt_unit`` orders (longest causal tiles first, pairs grouped so that their K and V
+    stay in L2, ``pair_group``), Q through its own one-stage full/empty ring, the K and V rings' positions and
+    the ping-pong turns carried from unit to unit (not with packed sequences nor fp8)."""
     dqk: int
     dv: int
     causal: bool
@@ -73,6 +80,7 @@ class PrefillPlan:
     hoist: bool = False
     prefetch_mask: bool = False
     lazy_rescale: bool = False
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         if self.pingpong and self.consumers != 2:
@@ -82,6 +90,8 @@ class PrefillPlan:
         if self.fp8 and (self.block_n % 32 or self.varlen or self.kv_block):
             raise ValueError("an fp8 prefill plan takes key blocks of a multiple of 32 keys, no packed sequences and "
                              "no BlockMask (V's keys are permuted by 16 from the tensor's first key)")
+        if self.persistent and (self.varlen or self.fp8):
+            raise ValueError("a persistent prefill plan takes no packed sequences (varlen) and no fp8 inputs")
 
     @property
     def swizzle(self) -> int:
@@ -101,6 +111,17 @@ class PrefillPlan:
     def itemsize(self) -> int:
         """Bytes of a Q, K or V element: 1 for fp8, else 2."""
         return 1 if self.fp8 else 2
+
+    @property
+    def producer_regs(self) -> int:
+        """The producer warpgroup's registers a thread: ``PRODUCER_REGS``; persistent: ``PERSISTENT_PRODUCER_REGS``
+        (it derives every unit's coordinates and key blocks itself)."""
+        return PERSISTENT_PRODUCER_REGS if self.persistent else PRODUCER_REGS
+
+    @property
+    def consumer_regs(self) -> int:
+        """A consumer warpgroup's registers a thread: what the producer leaves of the 64512 (``CONSUMER_REGS``)."""
+        return CONSUMER_REGS - -(-(self.producer_regs - PRODUCER_REGS) // (8 * self.consumers)) * 8
 
     @property
     def consumers(self) -> int:
@@ -123,9 +144,18 @@ class PrefillPlan:
         return BARRIER_BYTES + self.q_bytes(itemsize) + self.stages * (self.k_stage_bytes(itemsize)
                                                                        + self.v_stage_bytes(itemsize))
 
-    def grid(self, batch: int, heads: int, sq: int) -> tuple[int, int, int]:
-        """(query tiles, query heads, batch)."""
-        return (-(-sq // self.block_m), heads, batch)
+    def grid(self, batch: int, heads: int, sq: int, sms: int = 0) -> tuple[int, int, int]:
+        """(query tiles, query heads, batch); ``persistent``: (min(units, ``sms``), 1, 1), a CTA an SM."""
+        tiles = -(-sq // self.block_m)
+        if self.persistent:
+            if sms < 1:
+                raise ValueError(f"a persistent prefill plan's grid needs the SM count, got sms={sms}")
+            return (min(tiles * heads * batch, sms), 1, 1)
+        return (tiles, heads, batch)
+
+    def kv_rows_in_l2(self, itemsize: int) -> int:
+        """``persistent``: the keys of one KV head whose K and V fill ``L2_KV_BYTES``."""
+        return L2_KV_BYTES // ((self.dqk + self.dv) * itemsize)
 
 
 def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block: int = 0, q_block: int = 0,
@@ -133,13 +163,13 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
                  pingpong: Optional[bool] = None, fp8: bool = False, wide: Optional[bool] = None,
                  tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None, mods: bool = False,
                  hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None,
-                 lazy_rescale: Optional[bool] = None) -> PrefillPlan:
+                 lazy_rescale: Optional[bool] = None, persistent: Optional[bool] = None) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
     options; ``overlap``/``pingpong`` None: the defaults below (``mods``: whether the kernel traces a score_mod or
     mask_mod); ``wide`` (fp8 D 128, and bf16/fp16 D 64 and 128 without a BlockMask; None: the default below):
     ``FP8_WIDE_BLOCK_N`` (``WIDE_BLOCK_N``) keys a stage instead of ``FP8_BLOCK_N`` (``BLOCK_N``); ``tree_max``
     (fp8 only; None: with ``wide``); ``poly_exp2`` (None: 0; bf16/fp16 by ``softmax.EXP2_CUBIC``); ``hoist``,
-    ``prefetch_mask`` (None: on for bf16/fp16, measured below), ``lazy_rescale`` (None: off)."""
+    ``prefetch_mask`` (None: on for bf16/fp16, measured below), ``lazy_rescale``, ``persistent`` (None: off)."""
     if overlap is None:
         # measured on the H200: at D <= 128 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most); at
         # 192/128 and 256 +3-13% on every row; with mods or a BlockMask there it spills (docs/ops/attention.md)
@@ -164,13 +194,20 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
     return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
                        pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=poly_exp2 or 0,
                        hoist=bool(hoist), prefetch_mask=bool(prefetch_mask),
-                       lazy_rescale=bool(lazy_rescale) and not overlap)
+                       lazy_rescale=bool(lazy_rescale) and not overlap, persistent=bool(persistent))
 
 
 def stage_keys(dqk: int, kv_block: int = 0) -> int:
     """Keys of a ring stage: ``BLOCK_N``, or with a BlockMask a divisor of its 128-key blocks."""
     block_n = BLOCK_N[dqk]
     return block_n if not kv_block or 128 % block_n == 0 else MASK_BLOCK_N
+
+
+def pair_group(skv: Any, group: Any, kv_rows: int, maximum: Callable[[Any, Any], Any] = max) -> Any:
+    """``persistent``: the (batch, query head) pairs of a group of ``scheduler.head_grouped_lpt_unit``: as many KV
+    heads as fit ``kv_rows`` keys (``PrefillPlan.kv_rows_in_l2``; at least one) times the ``group`` query heads of
+    each (GQA), so that a group's K and V stay in L2 while its tiles run."""
+    return maximum(kv_rows // maximum(skv, 1), 1) * group
 
 
 def causal_offset(sq: int, skv: int, alignment: str) -> int:

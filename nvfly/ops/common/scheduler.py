@@ -29,6 +29,9 @@ is the kernel's Constexpr, and the rest (sizes, the stream-K split, tables) its 
 - Longest processing time first (``lpt_schedule``, e.g. causal attention): work tile ``t`` is output tile
   ``order[t]`` (a device table), the tiles sorted by non-increasing cost, so that the costly tiles start first and
   the cheap ones fill the gaps at the end.
+- Head-grouped LPT walk (``head_grouped_lpt_unit``, attention prefill's persistent schedule): no table; unit ``u``
+  is a (query tile, head, batch) by arithmetic, groups of (batch, head) pairs one after the other and, inside a
+  group, the query tiles from the last (the longest causal ones) down, the group's pairs within a tile row.
 """
 from __future__ import annotations
 
@@ -277,6 +280,26 @@ def lpt_schedule(m: int, n: int, k_tiles: int, bm: int, bn: int, cost: Callable[
     return TileSchedule(tiling, m, n, batches, k_tiles, _grid(len(costs) * split, k_tiles, sms, 1, StreamKSplit()),
                         order=order)
 
+
+def head_grouped_lpt_unit(unit: Any, tiles_m: Any, heads: Any, pairs: Any, pair_group: Any,
+                          minimum: Callable[[Any, Any], Any] = min) -> tuple[Any, Any, Any]:
+    """(tile row, head, batch) of persistent work unit ``unit`` of ``tiles_m * pairs`` units: ``tiles_m`` tile
+    rows (attention prefill's query tiles) of each of ``pairs`` (batch, head) pairs, ``heads`` a batch. The pairs
+    go in groups of ``pair_group`` (consecutive, head fastest, so that query heads sharing a KV head are
+    neighbours; the last group may be shorter), the groups one after the other, and inside a group tile row after
+    tile row from the last (the longest causal tiles first), the group's pairs within a tile row: the units in
+    flight at once are few pairs' tiles (their K and V stay in L2 when a group's K and V fit) and, within a group,
+    in non-increasing causal cost (FlashAttention-3's LPT walk). Python ints (the CPU model) or traced values
+    (the kernel, with ``nvfly.minimum``)."""
+    group_units = pair_group * tiles_m
+    group = unit // group_units
+    first_pair = group * pair_group
+    local = unit - group * group_units
+    pairs_here = minimum(pair_group, pairs - first_pair)
+    row_step = local // pairs_here
+    pair = first_pair + (local - row_step * pairs_here)
+    batch = pair // heads
+    return tiles_m - 1 - row_step, pair - batch * heads, batch
 
 # ---------------------------------------------------------------------------------------------- device side
 class TileGrid(NamedTuple):

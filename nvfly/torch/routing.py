@@ -32,11 +32,15 @@ which has a CUDA kernel and an autograd formula using ``aten::_fused_rms_norm_ba
 ``aten::rms_norm`` itself is left alone: a CUDA kernel registered there would replace its composite autograd.
 Other inputs take torch's composite path (pow/mean/rsqrt), which is not routed.
 
-A routed call's host cost: the dispatcher's trampoline into the Python kernel and back to torch's (3-5 µs on the
-H200's host, 3.5-4.5 µs in a tight loop on our CI machine and ~6-10 µs a call inside a decoder layer there; paid by
-calls of routed ops while the routes are registered, switched on or off), then the decision. The trampoline is the
-cheapest hook that keeps the semantics (a ``TorchFunctionMode`` or ``__torch_dispatch__`` mode would put every torch
-call of the block through Python, not only the routed ops'); only registering fewer routes removes it (``wanted``,
+A routed call's host cost: the hop into nvfly's kernel, then the decision. The routes are registered as the C++
+route kernel (``native_routes``: built once per torch version) in front of the Python kernel: a call whose *call key*
+(its tensors' layouts, scalars, grad mode, stream, SDPA backends) the Python kernel declined before goes to torch's
+kernel from C++ without entering Python (~0.5 µs; the Llama layer's decode step on the H200's host: +4 µs of 738, where
+the Python kernel alone cost +105); any other call reaches the Python kernel through the dispatcher's trampoline
+(3-5 µs in a tight loop, several times that inside a model step). Where the extension cannot be built (no C++
+compiler) or ``NVFLY_ROUTING_NATIVE=0``, the Python kernel alone is registered and every call pays the trampoline.
+A hook above the dispatcher (a ``TorchFunctionMode`` or ``__torch_dispatch__`` mode) would put every torch call of
+the block through Python, not only the routed ops'. Registering fewer routes removes even the C++ hop (``wanted``,
 ``NVFLY_ROUTING_RMS_NORM``, ``NVFLY_ROUTING_MIN_GAIN_US`` for the GEMM routes). The decision, cheapest first:
 - ``skip`` (RMSNorm forward and backward, SDPA): the host-overhead policy. A call whose kernel would save less than
   nvfly's host path costs (launch-bound: RMSNorm under ``RMS_NORM_EAGER_BYTES`` moved outside CUDA-graph capture,

@@ -34,7 +34,8 @@ NAMESPACE = "nvfly_route"  # the ops holding nvfly's Python kernels, each with i
 _LOCK = threading.Lock()
 _MODULE: Any = None  # the loaded extension; False: it could not be built (not tried again in this process)
 _DEFINED: set[str] = set()  # the nvfly_route ops defined in this process
-_PYTHON_KERNELS: dict[str, Any] = {}  # nvfly_route op -> the dispatcher library holding its Python kernel
+# nvfly_route op -> (the Python kernel, the dispatcher library holding its registration, the kernel function)
+_PYTHON_KERNELS: dict[str, tuple[Any, Any, Any]] = {}
 _FRAGMENT: Any = None
 
 
@@ -86,10 +87,12 @@ def python_kernel(op: str, dispatch_key: str, kernel: Callable[..., Any]) -> Any
             _FRAGMENT = torch._C._dispatch_library("FRAGMENT", NAMESPACE, "", __file__, 0)
         _FRAGMENT.define(name + schema[schema.index("("):], "", [])
         _DEFINED.add(name)
-    library = _PYTHON_KERNELS.pop(name, None)
-    if library is not None:
-        library.reset()
+    registered = _PYTHON_KERNELS.get(name)
+    if registered is not None and registered[0] is kernel:  # a block's start registers the routes again
+        return registered[2]
+    if registered is not None:
+        registered[1].reset()
     library = torch._C._dispatch_library("IMPL", NAMESPACE, "", __file__, 0)
     library.impl(name, "CPU", kernel, True)
-    _PYTHON_KERNELS[name] = library
-    return torch.library.get_kernel(f"{NAMESPACE}::{name}", "CPU")
+    _PYTHON_KERNELS[name] = kernel, library, torch.library.get_kernel(f"{NAMESPACE}::{name}", "CPU")
+    return _PYTHON_KERNELS[name][2]

@@ -82,6 +82,8 @@ def test_accepted_calls_always_reach_python(topk_route):
     with nvfly.torch.routing():
         assert kept_calls(lambda: torch.topk(x, 4), 5) == 0 and calls == [4] * 5
         got = torch.topk(x, 4)
+        with nvfly.torch.routing(False):  # switched off: torch's kernel, read from C++ (Python not entered)
+            assert kept_calls(lambda: torch.topk(x, 4), 2) == 2 and calls == [4] * 6
     assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices)
 
 

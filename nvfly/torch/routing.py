@@ -275,7 +275,7 @@ def _sync(force: bool = False) -> None:
         if native is not None:
             try:
                 native.register_route(name, dispatch_key, _FALLTHROUGHS[key],
-                                      native_routes.python_kernel(key[0], key[1], kernel))
+                                      native_routes.python_kernel(key[0], key[1], kernel), _SWITCH)
                 registered.append(key)
                 continue
             except Exception as exc:  # noqa: BLE001 - the Python kernel alone routes it

@@ -5,8 +5,8 @@
 // a call that Python sent to torch's kernel (``mark_declined``) leaves its *call key* here, and later calls with that
 // key go to torch's kernel at once, without entering Python: the dispatcher's hop into the interpreter is what a
 // declined call cost (several µs a call, more inside a model step). Only declines are kept: a call whose key is new,
-// or whose decision was to run nvfly, always reaches Python, so the worst a key that misses a change can do is send a
-// call to torch's kernel, which is always correct.
+// or whose decision was to run nvfly, reaches Python (where routing is switched on in its thread / async context), so
+// the worst a key that misses a change can do is send a call to torch's kernel, which is always correct.
 //
 // The call key: a generation (``forget`` starts a new one: Python's decisions were forgotten), grad and inference
 // mode, the SDPA backends torch may use, and each argument: a tensor's dispatch keys, dtype, device, current stream (CUDA
@@ -23,6 +23,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <stdexcept>
 #include <cstring>
 #include <memory>
 #include <unordered_set>
@@ -102,10 +103,11 @@ bool describe(const c10::IValue& value, CallKey& key) {
 }
 
 struct RouteKernel final : c10::OperatorKernel {
-  // Where routing is switched off a kept key still sends its call to torch's kernel, where Python would send it:
-  // the switch is Python's to read, for the calls it sees
-  RouteKernel(c10::SafeKernelFunction torch_kernel, c10::SafeKernelFunction python_kernel)
-      : torch_kernel_(std::move(torch_kernel)), python_kernel_(std::move(python_kernel)) {}
+  // routing_switch: routing's context variable, borrowed (a module global of nvfly.torch.routing, alive as long as
+  // the interpreter). A kept key sends its call to torch's kernel whether routing is switched on or not (where it is
+  // off, Python would send it there too); other calls read the switch first, and go to torch's kernel where it is off
+  RouteKernel(c10::SafeKernelFunction torch_kernel, c10::SafeKernelFunction python_kernel, PyObject* routing_switch)
+      : torch_kernel_(std::move(torch_kernel)), python_kernel_(std::move(python_kernel)), switch_(routing_switch) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
     CallKey key;
@@ -117,7 +119,14 @@ struct RouteKernel final : c10::OperatorKernel {
       // a dispatch mode or a Python tensor subclass makes torch's Python kernel holder look for a kernel of this op
       // registered from Python: there is none (nvfly's is another op's), and nvfly declines such calls anyway
       to_torch = python_dispatch || (keep && declined_.count(key) > 0);
-      hits_ += to_torch;
+    }
+    if (!to_torch) {
+      py::gil_scoped_acquire gil;
+      to_torch = !switched_on();
+    }
+    if (to_torch) {
+      std::lock_guard<std::mutex> guard(mutex_);
+      hits_ += 1;
     }
     if (to_torch) {
       torch_kernel_.callBoxed(op, keys, stack);
@@ -143,6 +152,17 @@ struct RouteKernel final : c10::OperatorKernel {
   }
 
  private:
+  // Routing's switch in this thread / async context (under the interpreter's lock)
+  bool switched_on() const {
+    PyObject* value = nullptr;
+    if (PyContextVar_Get(switch_, Py_False, &value) < 0) {
+      PyErr_Clear();
+      return true;  // Python decides, and reads the switch itself
+    }
+    bool on = PyObject_IsTrue(value) == 1;
+    Py_DECREF(value);
+    return on;
+  }
 
   // The call's key; false: an argument no key describes (the call is never kept)
   // ``python_dispatch`` is set when a tensor argument has the Python dispatch key
@@ -171,6 +191,7 @@ struct RouteKernel final : c10::OperatorKernel {
 
   c10::SafeKernelFunction torch_kernel_;
   c10::SafeKernelFunction python_kernel_;
+  PyObject* switch_;
   std::mutex mutex_;  // the kept keys and the count (calls come from any thread)
   int64_t hits_ = 0;
   std::unordered_set<CallKey, CallKeyHash> declined_;
@@ -181,12 +202,15 @@ auto* libraries = new std::vector<std::unique_ptr<torch::Library>>();
 auto* kernels = new std::vector<RouteKernel*>();
 
 // Register the route kernel of aten op ``name`` ("mm.out") on dispatch key ``key``: torch's kernel there and nvfly's
-// Python kernel (``torch.library.get_kernel`` results)
+// Python kernel (``torch.library.get_kernel`` results), routing's context variable
 void register_route(const std::string& name, const std::string& key, py::object torch_kernel,
-                    py::object python_kernel) {
+                    py::object python_kernel, py::object routing_switch) {
+  if (!PyContextVar_CheckExact(routing_switch.ptr())) {
+    throw std::invalid_argument("routing_switch: expected a contextvars.ContextVar");
+  }
   auto dispatch_key = c10::parseDispatchKey(key);
   auto kernel = std::make_unique<RouteKernel>(torch_kernel.cast<c10::SafeKernelFunction>(),
-                                              python_kernel.cast<c10::SafeKernelFunction>());
+                                              python_kernel.cast<c10::SafeKernelFunction>(), routing_switch.ptr());
   RouteKernel* raw = kernel.get();
   auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", dispatch_key, __FILE__, __LINE__);
   library->impl(name.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::move(kernel)));
@@ -206,7 +230,8 @@ void mark_declined() { declined_here = true; }
 // Python forgot its decisions: the keys kept so far are not used again
 void forget() { generation.fetch_add(1, std::memory_order_relaxed); }
 
-// Calls sent to torch's kernel here without entering Python, over the registrations
+// Calls sent to torch's kernel here without entering Python (a kept key, or routing switched off), over the
+// registrations
 int64_t hits() {
   int64_t total = 0;
   for (RouteKernel* kernel : *kernels) {

@@ -148,3 +148,14 @@ def test_host_path_falls_back_where_declined(cpu_launches, case):
     with api.plan_options(wgmma=True):
         attention.decode(q, k, k, splits=1, **mods)
     assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"]
+
+
+def test_v_is_read_mn_major_from_the_k_major_loaded_tile():
+    """V's tile is loaded as K's (keys x 128 columns in two 64-column boxes); P V reads it MN-major: V's
+    (column, key) element is the loaded tile's (key, column) one."""
+    import nvfly
+    from nvfly.ops.attention.gqa_kernel import layouts
+    lay = layouts(nvfly.bf16)
+    for key in range(64):
+        for column in range(D):
+            assert lay.v_layout.inner((column, key)) == lay.k_layout.inner((key, column))

@@ -2,6 +2,7 @@
 variants compile for sm_90a to the planned HGMMAs without spills or ptxas warnings within two CTAs an SM; the plan's
 eligibility, split count and shared memory; decode's host path launches it (and the combine with splits) only
 where asked and eligible, the decode kernel otherwise; the packed rows' (token, head) arithmetic."""
+import math
 import re
 import struct
 
@@ -159,3 +160,98 @@ def test_v_is_read_mn_major_from_the_k_major_loaded_tile():
     for key in range(64):
         for column in range(D):
             assert lay.v_layout.inner((column, key)) == lay.k_layout.inner((key, column))
+
+
+def kernel_model(q, k, v, table, seqlens, causal, splits, group):
+    """The kernel's arithmetic in float32 on CPU tensors: per (split, KV head, sequence) CTA the Q box's Sq x G rows
+    (token r // G, head hkv * G + r % G), the split's 64-key tiles of K and V as the TMA loads read them (zero past
+    the capacity; paged: the page from the table; NaN past the length left in), the mask only from
+    ``unmasked_end`` on, V rows past the length zeroed there, the online softmax with P rounded to the input type;
+    the partials at the combine's slots ((split * B + b) * Sq + token) * Hq + head, then the combine."""
+    from nvfly.ops.attention.mla_plan import BLOCK_N, split_blocks, unmasked_end
+    batch, sq, hq, _ = q.shape
+    rows = sq * group
+    scale_log2 = D ** -0.5 / math.log(2.0)
+    partial_o = torch.zeros(splits * batch * sq * hq, D)
+    partial_lse = torch.full((splits * batch * sq * hq,), float("-inf"))
+    for b in range(batch):
+        seqlen = int(seqlens[b])
+        middle = unmasked_end(seqlen, sq, causal)
+        for hkv in range(hq // group):
+            qt = q[b, :, hkv * group:(hkv + 1) * group].reshape(rows, D).float()
+            packed = torch.arange(rows)
+            positions = seqlen - sq + packed // group
+            for split in range(splits):
+                top = torch.full((rows,), float("-inf"))
+                total = torch.zeros(rows)
+                acc = torch.zeros(rows, D)
+                for n in range(*split_blocks(seqlen, splits, split)):
+                    keys = torch.arange(n * BLOCK_N, (n + 1) * BLOCK_N)
+                    if table is None:
+                        k_tile, v_tile = torch.zeros(BLOCK_N, D), torch.zeros(BLOCK_N, D)
+                        inside = keys < k.shape[1]
+                        k_tile[inside] = k[b, keys[inside], hkv].float()
+                        v_tile[inside] = v[b, keys[inside], hkv].float()
+                    else:
+                        page, first = int(table[b, n * BLOCK_N // k.shape[1]]), n * BLOCK_N % k.shape[1]
+                        k_tile = k[page, first:first + BLOCK_N, hkv].float()
+                        v_tile = v[page, first:first + BLOCK_N, hkv].float()
+                    s = qt @ k_tile.T
+                    if n >= middle:
+                        keep = (keys[None, :] < seqlen) & ((keys[None, :] <= positions[:, None]) if causal else True)
+                        s = torch.where(keep, s, float("-inf"))
+                        v_tile = torch.where((keys < seqlen)[:, None], v_tile, 0.0)
+                    new_top = torch.maximum(top, s.max(dim=1).values)
+                    shift = torch.where(new_top == float("-inf"), 0.0, new_top) if n >= middle else new_top
+                    rescale = torch.exp2(top * scale_log2 - shift * scale_log2)
+                    p = torch.exp2(s * scale_log2 - (shift * scale_log2)[:, None])
+                    total = total * rescale + p.sum(dim=1)
+                    acc = acc * rescale[:, None] + p.to(q.dtype).float() @ v_tile
+                    top = new_top
+                kept = total > 0
+                slots = ((split * batch + b) * sq + packed // group) * hq + hkv * group + packed % group
+                partial_o[slots] = torch.where(kept[:, None], acc / total.clamp_min(1e-30)[:, None], 0.0)
+                partial_lse[slots] = torch.where(
+                    kept, (top * scale_log2 + torch.log2(total.clamp_min(1e-30))) * math.log(2.0), float("-inf"))
+    partial_o, partial_lse = partial_o.view(splits, -1, D), partial_lse.view(splits, -1)
+    top = partial_lse.max(dim=0).values
+    weights = torch.exp(partial_lse - torch.where(top == float("-inf"), 0.0, top))
+    total = weights.sum(dim=0)
+    out = (weights[..., None] * partial_o).sum(dim=0) / torch.where(total > 0, total, 1.0)[..., None]
+    lse = torch.where(total > 0, top + torch.log(total.clamp_min(1e-30)), float("-inf"))
+    return out.view(batch, sq, hq, D), lse.view(batch, sq, hq).transpose(1, 2)
+
+
+@pytest.mark.parametrize("sq, group, paged, causal, splits", [
+    (8, 6, False, True, 1), (8, 8, True, True, 3), (4, 16, False, False, 2), (16, 4, True, True, 1),
+])
+def test_kernel_model_matches_the_reference(sq, group, paged, causal, splits):
+    """The kernel's row packing, tiling, masking and split slots reproduce the float32 reference on ragged lengths
+    around tile edges (0, 1, 63, 64, 65, 200) with NaN in every cache row past a length."""
+    gen = torch.Generator().manual_seed(sq * 100 + group)
+    lengths = [0, 1, 63, 64, 65, 200]
+    batch, hkv = len(lengths), 2
+    q = torch.randn(batch, sq, hkv * group, D, generator=gen).bfloat16()
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    if paged:
+        k = torch.randn(batch * 4, 64, hkv, D, generator=gen).bfloat16()
+        v = torch.randn(batch * 4, 64, hkv, D, generator=gen).bfloat16()
+        table = torch.randperm(batch * 4, generator=gen).view(batch, 4).to(torch.int32)
+        slots = torch.arange(4 * 64)
+        for b, n in enumerate(lengths):
+            k[table[b, slots[n:] // 64].long(), slots[n:] % 64] = float("nan")
+            v[table[b, slots[n:] // 64].long(), slots[n:] % 64] = float("nan")
+    else:
+        k = torch.randn(batch, 230, hkv, D, generator=gen).bfloat16()
+        v = torch.randn(batch, 230, hkv, D, generator=gen).bfloat16()
+        table = None
+        for b, n in enumerate(lengths):
+            k[b, n:] = v[b, n:] = float("nan")
+    got, got_lse = kernel_model(q, k, v, table, seqlens, causal, splits, group)
+    want, want_lse = attention.reference(q, torch.nan_to_num(k), torch.nan_to_num(v), cache_seqlens=seqlens,
+                                         block_table=table, causal=causal)
+    assert not got.isnan().any()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(got_lse), empty) and empty.any()
+    torch.testing.assert_close(got_lse[~empty], want_lse[~empty], atol=2e-3, rtol=1e-3)

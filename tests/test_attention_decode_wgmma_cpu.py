@@ -37,6 +37,8 @@ def test_variants_compile_to_hgmma_without_spills(sq, group, paged, causal, spli
     assert "LDL" not in sass and "STL" not in sass and not kernel.warnings
     assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
     assert kernel.resources.registers * THREADS * CTAS_PER_SM <= 65536
+    assert kernel.dynamic_smem_bytes == plan.smem_bytes
+    assert CTAS_PER_SM * (plan.smem_bytes + SMEM_RESERVED) <= SMEM_PER_SM
     assert re.search(rf"USETMAXREG\.DEALLOC\.CTAPOOL {PRODUCER_REGS:#x} ;", sass)
     assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {CONSUMER_REGS:#x} ;", sass)
     assert len(kernels) == (2 if splits > 1 else 1)

@@ -160,7 +160,7 @@ def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDes
     boxes = sm90.operand_boxes(lay.k_layout, BLOCK_N, HEAD_DIM, dtype, "K", SWIZZLE)[1][0]  # 2 boxes of 64 columns
     q_boxes = sm90.operand_boxes(lay.q_layout, BLOCK_M, HEAD_DIM, dtype, "K", SWIZZLE)[1][0]
 
-    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (1 + 3 * STAGES,)))
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (PLAN.barriers,), offset_bytes=PLAN.barrier_offset))
     q_tile = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (Q_BYTES,), offset_bytes=Q_OFFSET))
     ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (STAGES * STAGE_BYTES,), offset_bytes=RING_OFFSET))
     q_bar = bars

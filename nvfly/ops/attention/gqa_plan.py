@@ -17,18 +17,19 @@ from nvfly.ops.attention.plan import MAX_SPLITS, SMEM_PER_SM, SMEM_RESERVED
 HEAD_DIM = 128              # Dqk = Dv
 BLOCK_M = 64                # packed query rows of a CTA: one wgmma M
 THREADS = 256               # a producer warpgroup and a consumer warpgroup (all of O's 128 columns)
-CTAS_PER_SM = 2             # by registers (below) and shared memory (3 stages: 2 x 113 KB + the driver's 1 KB each)
+CTAS_PER_SM = 2             # by registers (below) and shared memory (3 stages: 2 x 112 KB + the driver's 1 KB each)
 PRODUCER_REGS = 40          # the producer issues TMA and reads the block table
 CONSUMER_REGS = 216         # (40 + 216) * 128 = 32768: two CTAs an SM
 STAGES = 3                  # 3 x 32 KB of K and V in flight a CTA, 192 KB an SM
 SWIZZLE = 128
 BOX_COLUMNS = SWIZZLE // 2  # 16-bit columns of a 128-byte swizzle row: one TMA box's width
 BOX_BYTES = BLOCK_N * SWIZZLE
-BARRIER_BYTES = 1024        # Q's barrier and the ring's, then 1024-byte aligned tiles (128-byte swizzle atoms)
+# dynamic shared memory: the 1024-byte aligned tiles (128-byte swizzle atoms), Q's then the ring's, then the
+# barriers (Q's, then the ring's: 2 full and 1 empty a stage), so that two CTAs of 3 stages fit an SM with room
 Q_BYTES = BLOCK_M * HEAD_DIM * 2
 K_BYTES = BLOCK_N * HEAD_DIM * 2
 STAGE_BYTES = 2 * K_BYTES   # K's tile, then V's
-Q_OFFSET = BARRIER_BYTES
+Q_OFFSET = 0
 RING_OFFSET = Q_OFFSET + Q_BYTES
 
 
@@ -53,8 +54,17 @@ class GqaPlan:
         return self.sq * self.group
 
     @property
-    def smem_bytes(self) -> int:
+    def barrier_offset(self) -> int:
         return RING_OFFSET + self.stages * STAGE_BYTES
+
+    @property
+    def barriers(self) -> int:
+        """mbarriers: Q's, then the ring's (a full barrier for K and one for V, and an empty one, a stage)."""
+        return 1 + 3 * self.stages
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.barrier_offset + 8 * self.barriers
 
     def grid(self, batch: int, kv_heads: int) -> tuple[int, int, int]:
         """(splits, KV heads, batch)."""

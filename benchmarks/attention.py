@@ -202,9 +202,11 @@ def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, Any]
     if options.get("wgmma"):  # the warpgroup-MMA GQA kernel where it takes the row, else the decode kernel's plan
         declined = gqa_declined(sq, hq // hkv, d, d, "torch.bfloat16", kv == "fp8", False, bool(page), page)
         if not declined:
-            plan = gqa_plan(batch, sq, hkv, hq // hkv, skv, plan_sm_count(0), bool(page), page, stages=0)
-            return {"kernel": "wgmma", "stages": plan.stages, "splits": plan.splits}
-        options = {key: value for key, value in options.items() if key != "wgmma"}
+            plan = gqa_plan(batch, sq, hkv, hq // hkv, skv, plan_sm_count(0), bool(page), page,
+                            pdl_combine=options.get("fixup_combine") is not False)
+            return {"kernel": "wgmma", "stages": plan.stages, "splits": plan.splits,
+                    **({"combine": "pdl"} if plan.pdl_combine else {})}
+        options = {key: value for key, value in options.items() if key not in ("wgmma", "fixup_combine")}
     plan = attention.decode_plan(batch, sq, hkv, hq // hkv, d, d, skv, plan_sm_count(0), bool(page), page,
                                  fp8=kv == "fp8", **options)
     chosen = {"stages": plan.stages, "row_warps": plan.row_warps, "warp_tiles": plan.warp_tiles,

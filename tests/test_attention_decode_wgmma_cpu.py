@@ -28,7 +28,7 @@ def test_variants_compile_to_hgmma_without_spills(sq, group, paged, causal, spli
     """S's 8 k-steps (64x64x16, both operands from shared memory) and P V's 4 (64x128x16, P from registers), once
     for the unmasked tiles' loop and once for the masked ones'; no local memory; the registers rebalanced for two
     CTAs an SM."""
-    plan = GqaPlan(sq, group, paged, 64 if paged else 0, causal, splits)
+    plan = GqaPlan(sq, group, paged, 64 if paged else 0, causal, splits, pdl_combine=splits > 1)
     kernels = gqa_api.compile_gqa(plan, seqlen=1024)
     kernel = kernels[0]
     sass = kernel.sass()
@@ -42,6 +42,8 @@ def test_variants_compile_to_hgmma_without_spills(sq, group, paged, causal, spli
     assert re.search(rf"USETMAXREG\.DEALLOC\.CTAPOOL {PRODUCER_REGS:#x} ;", sass)
     assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {CONSUMER_REGS:#x} ;", sass)
     assert len(kernels) == (2 if splits > 1 else 1)
+    assert ("griddepcontrol.launch_dependents;" in kernel.ptx) == (splits > 1)
+    assert splits == 1 or (kernels[1].dependent and kernels[1].ptx.count("griddepcontrol.wait;") == 1)
 
 
 def test_fp16_compiles():
@@ -69,7 +71,9 @@ def test_plan_splits_grid_and_shared_memory():
     assert 1 < long.splits and 8 * long.splits <= 2 * 264 and long.grid(1, 8) == (long.splits, 8, 1)
     wide = gqa_plan(16, 8, 8, 6, 32768, 132)
     assert wide.splits >= 1 and wide.rows == 48
-    assert gqa_plan(2, 8, 8, 8, 4096, 132, splits=3).splits == 3
+    forced = gqa_plan(2, 8, 8, 8, 4096, 132, splits=3)
+    assert forced.splits == 3 and forced.pdl_combine and not gqa_plan(2, 8, 8, 8, 4096, 132, splits=1).pdl_combine
+    assert not gqa_plan(2, 8, 8, 8, 4096, 132, splits=3, pdl_combine=False).pdl_combine
     assert CTAS_PER_SM * (long.smem_bytes + SMEM_RESERVED) <= SMEM_PER_SM
     with pytest.raises(ValueError, match="stages"):
         gqa_plan(1, 8, 8, 8, 1024, 132, stages=4)
@@ -132,6 +136,8 @@ def test_host_path_splits_then_combines(cpu_launches):
         attention.decode(q, k, k, splits=4)
         attention.decode(q, pages, pages, block_table=table, splits=4)
     names = [(name, grid[:3]) for name, grid, _ in cpu_launches]
+    calls = [call for call in api._CALLS.values() if isinstance(call, gqa_api.GqaCall)]
+    assert len(calls) == 2 and all(call.plan.pdl_combine for call in calls)
     assert names[0] == ("attention_gqa_wgmma_kernel", (4, 8, 1)) and names[1][0] == "attention_combine_kernel"
     assert names[2] == ("attention_gqa_wgmma_kernel", (4, 8, 1)) and names[3][0] == "attention_combine_kernel"
     assert table.data_ptr() in cpu_launches[2][2]

@@ -63,6 +63,16 @@ def make_caches(batch, hkv, lengths, dtype, page, heads_first, gen):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_reference(name, monkeypatch):
+    check_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma"])
+
+
+@pytest.mark.parametrize("name", ["sq8-g8-paged128-split5", "b1-32k-sq8-g8"])
+def test_split_plans_with_the_combine_kernel_after_them(name, monkeypatch):
+    """The split plans' combine launched after the split kernel, not as its programmatic dependent."""
+    check_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma_combine_kernel"])
+
+
+def check_case(name, monkeypatch, options):
     batch, sq, hq, hkv, lengths, dtype, page, causal, splits, heads_first = CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(sum(map(ord, name)))
     q = torch.randn(batch, sq, hq, D, device="cuda", generator=gen).to(dtype)
@@ -73,11 +83,12 @@ def test_matches_reference(name, monkeypatch):
     monkeypatch.setattr(gqa_api.GqaCall, "run", lambda self, *a, **kw: runs.append(self.plan) or run(self, *a, **kw))
     poison_partials()
     out = torch.full((batch, sq, hq, D), float("nan"), dtype=dtype, device="cuda")
-    with api.plan_options(wgmma=True):
+    with api.plan_options(**options):
         got, lse = attention.decode(q, k, v, cache_seqlens=seqlens, block_table=table, causal=causal, splits=splits,
                                     return_lse=True, out=out)
     torch.cuda.synchronize()
     assert len(runs) == 1 and (splits == 0 or runs[0].splits == splits), runs
+    assert runs[0].pdl_combine == (runs[0].splits > 1 and options.get("fixup_combine") is not False)
     clean_k, clean_v = torch.nan_to_num(k, nan=0.0), torch.nan_to_num(v, nan=0.0)
     want, want_lse = attention.reference(q, clean_k, clean_v, cache_seqlens=seqlens, block_table=table,
                                          causal=causal)

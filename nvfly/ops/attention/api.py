@@ -336,6 +336,8 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     # one wgmma M of 64, so each K/V tile is read from shared memory once for all of them; other calls keep the
     # decode kernel
     "wgmma": dict(wgmma=True),
+    # its split plans' combine kernel launched after the split kernel, not as its programmatic dependent
+    "wgmma_combine_kernel": dict(wgmma=True, fixup_combine=False),
 }
 
 
@@ -346,7 +348,8 @@ def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_
     split_efficiency 0, swapped None, fixup_combine None: the plan's default; swapped where ``plan.swap_declined``
     allows; pdl_combine or fixup_combine, one of them, where the plan splits; ``wgmma``: the warpgroup-MMA GQA
     kernel's ``gqa_plan`` where ``gqa_declined`` allows, its own split count (0: ``gqa_plan``'s) and depth (0: its
-    default; the other options do not apply to it)): the benchmark's and the tests' way to run the kernel's
+    default), its combine a programmatic dependent launch unless fixup_combine is False; the other options do not
+    apply to it): the benchmark's and the tests' way to run the kernel's
     variants side by side (``DECODE_VARIANTS``)."""
     if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (0, 1, 2) or not 0 <= split_efficiency <= 1:
         raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
@@ -396,7 +399,7 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
                                 mods.active or block_mask is not None, paged, k_cache.shape[1])
         if not declined and all(map(_aligned, (q, k_cache, v_cache))):  # TMA's 16-byte base and strides
             plan = gqa_plan(batch, sq, hkv, hq // hkv, capacity, _sm_count(q.device), paged, k_cache.shape[1],
-                            bool(causal), int(splits), stages)
+                            bool(causal), int(splits), stages, pdl_combine=fixup_combine is not False)
             return GqaCall(plan, q, cache_seqlens, capacity, pages, bool(return_lse), prepared)
     plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
                  k_cache.shape[1], bool(causal), int(splits), row_warps, fp8=str(k_cache.dtype) == FP8,

@@ -73,9 +73,9 @@ class GqaCall(CallBuffers):
             combine = (partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits)
             if self.combine is None:
                 attention_combine_kernel[combine_grid(self.rows, HEAD_DIM), COMBINE_WARPS * 32](
-                    *combine, SQ=q.shape[1], DV=HEAD_DIM, DEPENDENT=False)
+                    *combine, SQ=q.shape[1], DV=HEAD_DIM, DEPENDENT=plan.pdl_combine)
             else:
-                self.combine(*combine, q.shape[1], HEAD_DIM, False)
+                self.combine(*combine, q.shape[1], HEAD_DIM, plan.pdl_combine)
         return (out, lse) if self.lse_shape is not None else out
 
 
@@ -108,7 +108,7 @@ def compile_gqa(plan: GqaPlan, dtype: Any = nvfly.bf16, batch: int = 2, kv_heads
         kernels.append(attention_combine_kernel.compile(
             partial_o, partial_lse, TensorDesc(dtype, (batch, plan.sq, hq, HEAD_DIM)),
             TensorDesc(nvfly.f32, (batch, hq, plan.sq)) if return_lse else None, rows, hq, plan.splits,
-            SQ=plan.sq, DV=HEAD_DIM, DEPENDENT=False, block=COMBINE_WARPS * 32, target=target))
+            SQ=plan.sq, DV=HEAD_DIM, DEPENDENT=plan.pdl_combine, block=COMBINE_WARPS * 32, target=target))
     return kernels
 
 

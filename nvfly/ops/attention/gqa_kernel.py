@@ -15,7 +15,8 @@ rows; scale folded into exp2), and O = O · rescale + P V with P from registers 
 a K-major tile's 128-byte swizzled rows), then releases the stage. Masked tiles (the sequence's tail and, causally,
 the last Sq - 1 keys) mask S and zero their V rows past the sequence (the cache past a sequence's end may hold
 anything, NaN included, and 0 · NaN is NaN in P V). At the end it writes out [B, Sq, Hq, 128] (and lse [B, Hq, Sq])
-or, with splits, the normalised f32 partial O and LSE of ``combine_kernel``'s workspace. Rows with no key give
+or, with splits, the normalised f32 partial O and LSE of ``combine_kernel``'s workspace (``PLAN.pdl_combine``: the
+combine a programmatic dependent launch). Rows with no key give
 zeros and LSE -inf.
 """
 from __future__ import annotations
@@ -154,6 +155,8 @@ def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDes
     partial_lse [splits * B * Sq * Hq] (f32; row ((split * B + b) * Sq + token) * Hq + head). block_table [B, pages]
     int32 when paged, else None; heads: Hq."""
     nvfly.min_blocks_per_sm(CTAS_PER_SM)
+    if PLAN.pdl_combine:  # as the MLA kernel's: the combine waits for this grid's end before it reads a partial
+        nvfly.launch_dependents()
     dtype = q_desc.info.dtype
     lay = layouts(dtype)
     SQ, G, SPLITS, STAGES = PLAN.sq, PLAN.group, PLAN.splits, PLAN.stages

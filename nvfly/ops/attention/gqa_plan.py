@@ -40,7 +40,8 @@ class GqaPlan:
     sq: query tokens per sequence; group: query heads per KV head (G; Sq x G <= 64 rows); paged/page_size: K and V
     through a block table of pages of ``page_size`` tokens (a multiple of BLOCK_N); causal: queries aligned to the
     end of their sequence; splits: CTAs sharing one sequence's keys (> 1: the combine kernel merges their
-    partials); stages: the ring's depth."""
+    partials); stages: the ring's depth; pdl_combine (splits > 1): the combine kernel is a programmatic dependent
+    launch (as ``DecodePlan.pdl_combine``: its launch hides behind the split grid)."""
     sq: int
     group: int
     paged: bool
@@ -48,6 +49,7 @@ class GqaPlan:
     causal: bool
     splits: int = 1
     stages: int = STAGES
+    pdl_combine: bool = False
 
     @property
     def rows(self) -> int:
@@ -91,16 +93,19 @@ def gqa_declined(sq: int, group: int, dqk: int, dv: int, dtype: str, fp8: bool =
 
 
 def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_count: int, paged: bool = False,
-             page_size: int = 0, causal: bool = True, splits: int = 0, stages: int = 0) -> GqaPlan:
+             page_size: int = 0, causal: bool = True, splits: int = 0, stages: int = 0,
+             pdl_combine: bool = True) -> GqaPlan:
     """The plan for one call shape: ``mla_splits``'s count over ``CTAS_PER_SM`` CTAs an SM and the cache's capacity
-    in 64-key tiles (``splits`` > 0 forces one); ``stages`` > 0 forces the ring depth."""
+    in 64-key tiles (``splits`` > 0 forces one); ``stages`` > 0 forces the ring depth; ``pdl_combine``: where the
+    plan splits, the combine as a programmatic dependent launch."""
     if gqa_declined(sq, group, HEAD_DIM, HEAD_DIM, "torch.bfloat16", paged=paged, page_size=page_size):
         raise ValueError("gqa_plan: " + gqa_declined(sq, group, HEAD_DIM, HEAD_DIM, "torch.bfloat16", paged=paged,
                                                       page_size=page_size))
     if splits <= 0:
         splits = mla_splits(batch * kv_heads, sm_count * CTAS_PER_SM, -(-capacity // BLOCK_N))
-    plan = GqaPlan(sq, group, paged, page_size if paged else 0, causal, max(1, min(splits, MAX_SPLITS)),
-                   stages or STAGES)
+    splits = max(1, min(splits, MAX_SPLITS))
+    plan = GqaPlan(sq, group, paged, page_size if paged else 0, causal, splits, stages or STAGES,
+                   pdl_combine and splits > 1)
     if CTAS_PER_SM * (plan.smem_bytes + SMEM_RESERVED) > SMEM_PER_SM:
         raise ValueError(f"gqa_plan: {plan.stages} stages ({plan.smem_bytes} bytes of shared memory) do not fit "
                          f"{CTAS_PER_SM} CTAs an SM")

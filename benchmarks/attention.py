@@ -21,7 +21,7 @@ rows of ``--models`` at ``--sq`` and the quick paged row (at Sq 1), fp8 only wit
 --models llama8b --no-mods --fp8 --decode-variants stages4 rows16 warp32 --quick``: 10 rows, ~2 min; the split-KV
 combine's launch: ``--decode --quick --sq 1 --no-flex --decode-variants pdl fixup``, with ``--fp8`` for fp8 caches).
 The warpgroup-MMA GQA kernel (16-bit d 128, Sq·G <= 64) beside the default: ``--decode --quick --sq 8 --no-flex
---no-mods --models llama70b minimax --decode-variants wgmma``.
+--no-mods --models llama70b minimax --decode-variants wgmma wgmma_combine_kernel`` (4-5 rows, ~2 min).
 Writes benchmarks/results/attention_decode_variants_h200.json after every row.
 
 MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (one KV head of 576 columns, V its

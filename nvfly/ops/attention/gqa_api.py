@@ -4,7 +4,8 @@ compile helper for tests without a GPU. ``decode`` runs its own checks first and
 ``gqa_plan.gqa_declined`` accepts; the rest keep the decode kernel."""
 from __future__ import annotations
 
-from typing import Any, Optional
+import math
+from typing import Any
 
 import nvfly
 from nvfly.ops.attention.calls import CallBuffers
@@ -14,7 +15,7 @@ from nvfly.ops.attention.gqa_kernel import attention_gqa_wgmma_kernel
 from nvfly.ops.attention.gqa_plan import BLOCK_N, BOX_COLUMNS, HEAD_DIM, SWIZZLE, THREADS, GqaPlan
 from nvfly.runtime.tma import cached_descriptor
 
-LN2 = 0.6931471805599453
+LN2 = math.log(2.0)
 
 
 def boxes(sq: int, group: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -98,9 +98,9 @@ def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_c
     """The plan for one call shape: ``mla_splits``'s count over ``CTAS_PER_SM`` CTAs an SM and the cache's capacity
     in 64-key tiles (``splits`` > 0 forces one); ``stages`` > 0 forces the ring depth; ``pdl_combine``: where the
     plan splits, the combine as a programmatic dependent launch."""
-    if gqa_declined(sq, group, HEAD_DIM, HEAD_DIM, "torch.bfloat16", paged=paged, page_size=page_size):
-        raise ValueError("gqa_plan: " + gqa_declined(sq, group, HEAD_DIM, HEAD_DIM, "torch.bfloat16", paged=paged,
-                                                      page_size=page_size))
+    declined = gqa_declined(sq, group, HEAD_DIM, HEAD_DIM, "torch.bfloat16", paged=paged, page_size=page_size)
+    if declined:
+        raise ValueError("gqa_plan: " + declined)
     if splits <= 0:
         splits = mla_splits(batch * kv_heads, sm_count * CTAS_PER_SM, -(-capacity // BLOCK_N))
     splits = max(1, min(splits, MAX_SPLITS))

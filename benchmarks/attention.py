@@ -206,7 +206,7 @@ def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, Any]
                             pdl_combine=options.get("fixup_combine") is not False)
             return {"kernel": "wgmma", "stages": plan.stages, "splits": plan.splits,
                     **({"combine": "pdl"} if plan.pdl_combine else {})}
-        options = {key: value for key, value in options.items() if key not in ("wgmma", "fixup_combine")}
+        options = {key: value for key, value in options.items() if key != "wgmma"}
     plan = attention.decode_plan(batch, sq, hkv, hq // hkv, d, d, skv, plan_sm_count(0), bool(page), page,
                                  fp8=kv == "fp8", **options)
     chosen = {"stages": plan.stages, "row_warps": plan.row_warps, "warp_tiles": plan.warp_tiles,

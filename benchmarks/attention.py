@@ -20,6 +20,8 @@ and each plan's stages/row_warps/warp_tiles/splits/swapped); with ``--quick`` th
 rows of ``--models`` at ``--sq`` and the quick paged row (at Sq 1), fp8 only with ``--fp8`` (e.g. ``--decode
 --models llama8b --no-mods --fp8 --decode-variants stages4 rows16 warp32 --quick``: 10 rows, ~2 min; the split-KV
 combine's launch: ``--decode --quick --sq 1 --no-flex --decode-variants pdl fixup``, with ``--fp8`` for fp8 caches).
+The warpgroup-MMA GQA kernel (16-bit d 128, Sq·G <= 64) beside the default: ``--decode --quick --sq 8 --no-flex
+--no-mods --models llama70b minimax --decode-variants wgmma wgmma_combine_kernel`` (4-5 rows, ~2 min).
 Writes benchmarks/results/attention_decode_variants_h200.json after every row.
 
 MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (one KV head of 576 columns, V its
@@ -80,6 +82,7 @@ from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot,
 from nvfly.ops import attention  # noqa: E402
 from nvfly.ops.attention import api as attention_api  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
+from nvfly.ops.attention.gqa_plan import gqa_declined, gqa_plan  # noqa: E402
 from nvfly.ops.attention.mla_api import plan_options as mla_plan_options  # noqa: E402
 from nvfly.ops.attention.plan import swap_declined  # noqa: E402
 from nvfly.ops.attention.prefill_api import plan_options, transposed_values, transposed_values_torch  # noqa: E402
@@ -196,6 +199,14 @@ def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, Any]
     """The decode plan's choices for a row (every sequence the whole cache) under plan options ``options``."""
     name, batch, skv, hq, hkv, d = shape
     page = 0 if layout == "bshd" else int(layout[len("paged"):])
+    if options.get("wgmma"):  # the warpgroup-MMA GQA kernel where it takes the row, else the decode kernel's plan
+        declined = gqa_declined(sq, hq // hkv, d, d, "torch.bfloat16", kv == "fp8", False, bool(page), page)
+        if not declined:
+            plan = gqa_plan(batch, sq, hkv, hq // hkv, skv, plan_sm_count(0), bool(page), page,
+                            pdl_combine=options.get("fixup_combine") is not False)
+            return {"kernel": "wgmma", "stages": plan.stages, "splits": plan.splits,
+                    **({"combine": "pdl"} if plan.pdl_combine else {})}
+        options = {key: value for key, value in options.items() if key != "wgmma"}
     plan = attention.decode_plan(batch, sq, hkv, hq // hkv, d, d, skv, plan_sm_count(0), bool(page), page,
                                  fp8=kv == "fp8", **options)
     chosen = {"stages": plan.stages, "row_warps": plan.row_warps, "warp_tiles": plan.warp_tiles,

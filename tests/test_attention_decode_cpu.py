@@ -1062,7 +1062,8 @@ def test_decode_variants_change_only_their_options():
         P.decode_plan(1, 8, 8, 4, 128, 128, 4096, 132, fp8=True, warp_tiles=2, stages=2)
 
 
-@pytest.mark.parametrize("variant", [name for name in api.DECODE_VARIANTS if name != "default"])
+@pytest.mark.parametrize("variant", [name for name, options in api.DECODE_VARIANTS.items()
+                                     if name != "default" and "wgmma" not in options])  # another kernel's switch
 @pytest.mark.parametrize("sq", [1, 8])
 def test_decode_variants_compile_without_spills(variant, sq):
     """Each variant's Llama-8B fp8 kernel: fp8 conversion in registers as the default's (one cvt a pair of the

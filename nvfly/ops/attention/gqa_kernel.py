@@ -1,0 +1,264 @@
+"""Warpgroup-MMA GQA decode (``decode``'s ``wgmma`` option): softmax(q kᵀ scale) v for 16-bit K and V of head dim
+128, the Sq x G query rows of one KV head as one wgmma M = 64, on Hopper's TMA and wgmma (the MLA kernel's
+structure, ``mla_kernel``, with separate K and V tiles).
+
+    q [B, Sq, Hq, 128] through a 4-D TMA descriptor whose box (1, Sq, G, 64) is the KV head's Sq x G query rows in
+    token-major order (row r: token r // G, head hkv * G + r % G; rows past Sq x G stay unwritten and are never
+    stored); K and V through 4-D descriptors: contiguous [B, S, Hkv, 128] or paged [P, page, Hkv, 128] (key j of
+    sequence b at [block_table[b, j // page], j % page], page a multiple of 64); seqlens [B] int32.
+
+Grid (splits, Hkv, B), 256 threads (``gqa_plan``). Warpgroup 0 is the producer: its thread 0 TMA-loads the query
+rows once (2 boxes of 64 columns) and then each 64-key tile of the split, K and V (2 boxes each), into a
+``PLAN.stages``-deep ring whose stages have a full barrier for K and one for V, so that S = Q Kᵀ starts while V
+lands. Warpgroup 1 computes S (64 x 64, 8 wgmma k-steps from shared memory), the online softmax (each thread's two
+rows; scale folded into exp2), and O = O · rescale + P V with P from registers (4 register-A k-steps, V MN-major:
+a K-major tile's 128-byte swizzled rows), then releases the stage. Masked tiles (the sequence's tail and, causally,
+the last Sq - 1 keys) mask S and zero their V rows past the sequence (the cache past a sequence's end may hold
+anything, NaN included, and 0 · NaN is NaN in P V). At the end it writes out [B, Sq, Hq, 128] (and lse [B, Hq, Sq])
+or, with splits, the normalised f32 partial O and LSE of ``combine_kernel``'s workspace (``PLAN.pdl_combine``: the
+combine a programmatic dependent launch). Rows with no key give
+zeros and LSE -inf.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import nvfly
+from nvfly.arch import sm90
+from nvfly.arch.memory import store_shared
+from nvfly.arch.ptx import smem_address
+from nvfly.ops.attention.gqa_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, CONSUMER_REGS, CTAS_PER_SM, HEAD_DIM,
+                                          K_BYTES, PRODUCER_REGS, Q_BYTES, Q_OFFSET, RING_OFFSET, STAGE_BYTES,
+                                          SWIZZLE)
+from nvfly.ops.attention.mla_plan import unmasked_end
+from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
+
+LN2 = math.log(2.0)
+CONSUMER_THREADS = 128
+ZEROED = 1                 # hardware barrier (0 is __syncthreads): the consumer's zeroed V rows before its wgmma
+
+
+class Layouts(NamedTuple):
+    """The atoms, shared-memory operand layouts and descriptor fields (leading, stride byte offsets, swizzle)."""
+    s_atom: Any
+    pv_atom: Any
+    q_layout: Any
+    k_layout: Any
+    v_layout: Any
+    q_desc: tuple
+    k_desc: tuple
+    v_desc: tuple
+
+
+def layouts(dtype: Any) -> Layouts:
+    q_layout = sm90.operand_layout(BLOCK_M, HEAD_DIM, dtype, "K", SWIZZLE)
+    k_layout = sm90.operand_layout(BLOCK_N, HEAD_DIM, dtype, "K", SWIZZLE)
+    v_layout = sm90.operand_layout(HEAD_DIM, BLOCK_N, dtype, "MN", SWIZZLE)  # the bytes of a K-major (keys, 128) tile
+    return Layouts(sm90.WgmmaAtom(BLOCK_N, dtype, dtype, "K", "K"),
+                   sm90.WgmmaAtom(HEAD_DIM, dtype, dtype, "K", "MN", a_source="registers"),
+                   q_layout, k_layout, v_layout,
+                   sm90.descriptor_offsets(q_layout, dtype, "K", SWIZZLE) + (SWIZZLE,),
+                   sm90.descriptor_offsets(k_layout, dtype, "K", SWIZZLE) + (SWIZZLE,),
+                   sm90.descriptor_offsets(v_layout, dtype, "MN", SWIZZLE) + (SWIZZLE,))
+
+
+@nvfly.func
+def zero_tail_rows(v_tile, valid, thread):
+    """Zero V rows [valid, 64) of the tile's two 64-column boxes (a row of a box is 128 contiguous bytes, its
+    swizzle a permutation within them), then order the writes before the wgmma and wait for the warpgroup."""
+    SEGMENTS = BLOCK_N * (HEAD_DIM // 64) * 8  # 16-byte segments: rows x boxes x 8
+    for i in nvfly.static_range(SEGMENTS // CONSUMER_THREADS):
+        segment = thread + CONSUMER_THREADS * i
+        row = segment // 16
+        box = (segment // 8) % 2
+        if row >= valid:
+            store_shared(v_tile + box * BOX_BYTES + row * 128 + (segment % 8) * 16, [nvfly.i32(0)] * 4)
+    sm90.fence_proxy_async()
+    nvfly.named_barrier(ZEROED, CONSUMER_THREADS)
+
+
+class Tile(NamedTuple):
+    """What every key tile needs: Q's and the ring's shared addresses, the pipeline, the layouts, the sequence's
+    length, the scale in log2 units, the thread's two rows' positions in the sequence, its lane and thread index in
+    the warpgroup."""
+    q_tile: Any
+    ring: Any
+    pipe: Any
+    lay: Any
+    seqlen: Any
+    scale_log2: Any
+    positions: list
+    lane: Any
+    thread: Any
+
+
+class Running(NamedTuple):
+    """The consumer thread's running state: its two rows' maxima (raw score units) and thread-partial sums, O, and
+    the ring's position."""
+    maxima: list
+    sums: list
+    acc: Any
+    stage: Any
+
+
+@nvfly.func
+def key_tile(state, t, n, PLAN, MASKED):
+    """Key tile ``n``: S, the online softmax, O rescaled and P V added; the stage released."""
+    lay = t.lay
+    k_tile = t.ring + state.stage.stage * STAGE_BYTES
+    v_tile = k_tile + K_BYTES
+    t.pipe.consumer_wait(state.stage, 0)
+    s = sm90.Accumulator.undefined(lay.s_atom)
+    sm90.fence()
+    for ks in nvfly.static_range(HEAD_DIM // lay.s_atom.k):
+        dq = sm90.smem_descriptor(t.q_tile + lay.q_layout.inner((0, ks * lay.s_atom.k)) * 2, *lay.q_desc)
+        dk = sm90.smem_descriptor(k_tile + lay.k_layout.inner((0, ks * lay.s_atom.k)) * 2, *lay.k_desc)
+        s = sm90.mma(lay.s_atom, s, dq, dk, zero=ks == 0)
+    sm90.commit_group()
+    sm90.wait_group(0)
+
+    scores = [s[i] for i in range(len(s))]
+    if MASKED:
+        first_key = n * BLOCK_N + 2 * (t.lane % 4)
+        for i in nvfly.static_range(len(scores)):
+            key = first_key + 8 * (i // 4) + i % 2
+            keep = key < t.seqlen
+            if PLAN.causal:
+                keep = keep & (key <= t.positions[row_of(i)])
+            scores[i] = nvfly.select(keep, scores[i], NEG_INF)
+    soft = online_softmax(scores, state.maxima, state.sums, t.scale_log2, MASKED)
+    fragments = s.map(lambda x, i: soft.p[i]).to_a_fragments(lay.pv_atom)
+
+    t.pipe.consumer_wait(state.stage, 1)
+    if MASKED:
+        zero_tail_rows(v_tile, t.seqlen - n * BLOCK_N, t.thread)
+    acc = state.acc.map(lambda x, i: x * soft.rescales[row_of(i)])
+    sm90.fence()  # P's and O's registers were written since the last wgmma
+    for ks in nvfly.static_range(len(fragments)):
+        dv = sm90.smem_descriptor(v_tile + lay.v_layout.inner((0, ks * lay.pv_atom.k)) * 2, *lay.v_desc)
+        acc = sm90.mma(lay.pv_atom, acc, fragments[ks], dv)
+    sm90.commit_group()
+    sm90.wait_group(0)
+    if t.lane == 0:
+        t.pipe.consumer_release(state.stage)
+    return Running(soft.maxima, soft.sums, acc, state.stage.advance())
+
+
+@nvfly.kernel
+def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescriptor,
+                               v_desc: nvfly.TmaDescriptor, block_table, seqlens: nvfly.Tensor, out, lse, partial_o,
+                               partial_lse, batch: nvfly.i32, heads: nvfly.i32, scale_log2: nvfly.f32,
+                               PLAN: nvfly.Constexpr):
+    """One (split, KV head, batch) CTA (module docstring). Without splits it writes out [B, Sq, Hq, 128] and lse
+    [B, Hq, Sq] (f32, natural log; None: not wanted); with splits partial_o [splits * B * Sq * Hq, 128] and
+    partial_lse [splits * B * Sq * Hq] (f32; row ((split * B + b) * Sq + token) * Hq + head). block_table [B, pages]
+    int32 when paged, else None; heads: Hq."""
+    nvfly.min_blocks_per_sm(CTAS_PER_SM)
+    if PLAN.pdl_combine:  # as the MLA kernel's: the combine waits for this grid's end before it reads a partial
+        nvfly.launch_dependents()
+    dtype = q_desc.info.dtype
+    lay = layouts(dtype)
+    SQ, G, SPLITS, STAGES = PLAN.sq, PLAN.group, PLAN.splits, PLAN.stages
+    boxes = sm90.operand_boxes(lay.k_layout, BLOCK_N, HEAD_DIM, dtype, "K", SWIZZLE)[1][0]  # 2 boxes of 64 columns
+    q_boxes = sm90.operand_boxes(lay.q_layout, BLOCK_M, HEAD_DIM, dtype, "K", SWIZZLE)[1][0]
+
+    bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (PLAN.barriers,), offset_bytes=PLAN.barrier_offset))
+    q_tile = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (Q_BYTES,), offset_bytes=Q_OFFSET))
+    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (STAGES * STAGE_BYTES,), offset_bytes=RING_OFFSET))
+    q_bar = bars
+    pipe = sm90.TmaPipeline(bars + 8, STAGES, STAGE_BYTES, consumer_arrivals=4, chunks=2)  # each consumer warp
+
+    tid = nvfly.thread_idx.x
+    warp = nvfly.warp_idx()
+    if tid == 0:
+        sm90.mbarrier_init(q_bar, 1)
+        pipe.init()
+        sm90.tma_prefetch_descriptor(q_desc)
+        sm90.tma_prefetch_descriptor(k_desc)
+        sm90.tma_prefetch_descriptor(v_desc)
+    nvfly.syncthreads()
+
+    split = nvfly.block_idx.x
+    hkv = nvfly.block_idx.y
+    b = nvfly.block_idx.z
+    seqlen = seqlens[b]
+    n_blocks = (seqlen + BLOCK_N - 1) // BLOCK_N
+    per_split = (n_blocks + SPLITS - 1) // SPLITS
+    begin = split * per_split
+    end = nvfly.maximum(nvfly.minimum(begin + per_split, n_blocks), begin)
+    middle = nvfly.maximum(nvfly.minimum(unmasked_end(seqlen, SQ, PLAN.causal, nvfly.maximum), end), begin)
+
+    if warp // 4 == 0:
+        sm90.setmaxnreg(PRODUCER_REGS, increase=False)
+        if tid == 0:
+            sm90.mbarrier_arrive_expect_tx(q_bar, SQ * G * HEAD_DIM * 2)
+            for box in q_boxes:
+                sm90.tma_load(q_desc, q_tile + box.smem_offset, (b, 0, hkv * G, box.k_offset), q_bar)
+            loading = sm90.PipelineState.start(STAGES)
+            for n in range(begin, end):
+                key = n * BLOCK_N
+                if PLAN.paged:  # the table's load is in flight while the stage frees up
+                    page = block_table[b, key // PLAN.page_size]
+                    row = key % PLAN.page_size
+                else:
+                    page = b
+                    row = key
+                pipe.producer_acquire(loading)
+                stage = ring + loading.stage * STAGE_BYTES
+                pipe.producer_expect(loading, 0, K_BYTES)
+                for box in boxes:
+                    sm90.tma_load(k_desc, stage + box.smem_offset, (page, row, hkv, box.k_offset),
+                                  pipe.full(loading.stage, 0))
+                pipe.producer_expect(loading, 1, K_BYTES)
+                for box in boxes:
+                    sm90.tma_load(v_desc, stage + K_BYTES + box.smem_offset, (page, row, hkv, box.k_offset),
+                                  pipe.full(loading.stage, 1))
+                loading = loading.advance()
+    else:
+        sm90.setmaxnreg(CONSUMER_REGS, increase=True)
+        lane = nvfly.lane_idx()
+        thread = tid % 128
+        row0 = 16 * (warp % 4) + lane // 4  # the thread's rows: row0, row0 + 8
+        packed = [row0, row0 + 8]
+        positions = [seqlen - SQ + r // G for r in packed]
+        t = Tile(q_tile, ring, pipe, lay, seqlen, scale_log2, positions, lane, thread)
+        state = Running([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2, sm90.Accumulator.zeros(lay.pv_atom),
+                        sm90.PipelineState.start(STAGES))
+        sm90.mbarrier_wait(q_bar, 0)
+        for n in range(begin, middle):
+            state = key_tile(state, t, n, PLAN, False)
+        for n in range(middle, end):
+            state = key_tile(state, t, n, PLAN, True)
+        store_rows(state, t, out, lse, partial_o, partial_lse, b, hkv, split, batch, heads, packed, PLAN)
+
+
+@nvfly.func
+def store_rows(state, t, out, lse, partial_o, partial_lse, b, hkv, split, batch, heads, packed, PLAN):
+    """Each row's LSE (natural log, -inf for a row with no key) and O / l (0 for a row with no key) as 4-byte
+    pairs; rows past Sq x G are not stored."""
+    SQ, G = PLAN.sq, PLAN.group
+    for r in nvfly.static_range(2):
+        total = state.sums[r] + nvfly.shfl_xor(state.sums[r], 1)
+        total = total + nvfly.shfl_xor(total, 2)
+        kept = total > 0.0
+        row_lse = nvfly.select(kept, (state.maxima[r] * t.scale_log2 + nvfly.log2(nvfly.maximum(total, 1e-30)))
+                               * LN2, NEG_INF)
+        inverse = nvfly.select(kept, 1.0 / nvfly.maximum(total, 1e-30), 0.0)
+        token = packed[r] // G
+        head = hkv * G + packed[r] % G
+        inside = packed[r] < SQ * G
+        slot = ((split * batch + b) * SQ + token) * heads + head
+        if inside & (t.lane % 4 == 0):
+            if PLAN.splits == 1:
+                if lse is not None:
+                    lse[b, head, token] = row_lse
+            else:
+                partial_lse[slot] = row_lse
+        for j in nvfly.static_range(HEAD_DIM // 8):
+            column = 8 * j + 2 * (t.lane % 4)
+            pair = nvfly.make_vector([state.acc[4 * j + 2 * r] * inverse, state.acc[4 * j + 2 * r + 1] * inverse])
+            if PLAN.splits == 1:
+                out.store(pair.to(out.dtype), b, token, head, column, mask=inside)
+            else:
+                partial_o.store(pair, slot, column, mask=inside)

@@ -1,0 +1,115 @@
+"""Warpgroup-MMA GQA decode plans (``decode``'s ``wgmma`` option): 16-bit K and V of head dim 128, the Sq x G
+query rows of one KV head (at most 64) as one wgmma M = 64 (pure Python, shared by the kernel's trace, the host and
+the CPU tests).
+
+A CTA owns one (sequence, KV head, split): its Sq x G packed query rows (row r: query token r // G, head
+hkv * G + r % G) and the split's keys, streamed in ``BLOCK_N`` = 64-key tiles of K and V through a ``stages``-deep
+TMA ring, as the MLA kernel's (``mla_plan``; the split arithmetic is its ``split_blocks`` / ``unmasked_end``).
+docs/ops/attention.md (decode, wgmma) explains the choices.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nvfly.ops.attention.mla_plan import BLOCK_N, mla_splits
+from nvfly.ops.attention.plan import MAX_SPLITS, SMEM_PER_SM, SMEM_RESERVED
+
+HEAD_DIM = 128              # Dqk = Dv
+BLOCK_M = 64                # packed query rows of a CTA: one wgmma M
+THREADS = 256               # a producer warpgroup and a consumer warpgroup (all of O's 128 columns)
+CTAS_PER_SM = 2             # by registers (below) and shared memory (3 stages: 2 x 112 KB + the driver's 1 KB each)
+PRODUCER_REGS = 40          # the producer issues TMA and reads the block table
+CONSUMER_REGS = 216         # (40 + 216) * 128 = 32768: two CTAs an SM
+STAGES = 3                  # 3 x 32 KB of K and V in flight a CTA, 192 KB an SM
+SWIZZLE = 128
+BOX_COLUMNS = SWIZZLE // 2  # 16-bit columns of a 128-byte swizzle row: one TMA box's width
+BOX_BYTES = BLOCK_N * SWIZZLE
+# dynamic shared memory: the 1024-byte aligned tiles (128-byte swizzle atoms), Q's then the ring's, then the
+# barriers (Q's, then the ring's: 2 full and 1 empty a stage), so that two CTAs of 3 stages fit an SM with room
+Q_BYTES = BLOCK_M * HEAD_DIM * 2
+K_BYTES = BLOCK_N * HEAD_DIM * 2
+STAGE_BYTES = 2 * K_BYTES   # K's tile, then V's
+Q_OFFSET = 0
+RING_OFFSET = Q_OFFSET + Q_BYTES
+
+
+@dataclass(frozen=True)
+class GqaPlan:
+    """What the warpgroup-MMA GQA decode kernel is compiled for (its Constexpr) and how it is launched.
+
+    sq: query tokens per sequence; group: query heads per KV head (G; Sq x G <= 64 rows); paged/page_size: K and V
+    through a block table of pages of ``page_size`` tokens (a multiple of BLOCK_N); causal: queries aligned to the
+    end of their sequence; splits: CTAs sharing one sequence's keys (> 1: the combine kernel merges their
+    partials); stages: the ring's depth; pdl_combine (splits > 1): the combine kernel is a programmatic dependent
+    launch (as ``DecodePlan.pdl_combine``: its launch hides behind the split grid)."""
+    sq: int
+    group: int
+    paged: bool
+    page_size: int
+    causal: bool
+    splits: int = 1
+    stages: int = STAGES
+    pdl_combine: bool = False
+
+    @property
+    def rows(self) -> int:
+        return self.sq * self.group
+
+    @property
+    def barrier_offset(self) -> int:
+        return RING_OFFSET + self.stages * STAGE_BYTES
+
+    @property
+    def barriers(self) -> int:
+        """mbarriers: Q's, then the ring's (a full barrier for K and one for V, and an empty one, a stage)."""
+        return 1 + 3 * self.stages
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.barrier_offset + 8 * self.barriers
+
+    def grid(self, batch: int, kv_heads: int) -> tuple[int, int, int]:
+        """(splits, KV heads, batch)."""
+        return self.splits, kv_heads, batch
+
+
+def gqa_declined(sq: int, group: int, dqk: int, dv: int, dtype: str, fp8: bool = False, mods: bool = False,
+                 paged: bool = False, page_size: int = 0) -> str:
+    """Why the wgmma GQA kernel cannot compute a decode call ('' when it can): it has code for 16-bit K and V of
+    head dim 128, at most 64 packed query rows, pages of a multiple of 64 tokens, and no mods or block masks."""
+    if fp8:
+        return "fp8 K/V: the wgmma GQA kernel reads 16-bit caches only"
+    if dtype not in ("torch.bfloat16", "torch.float16"):
+        return f"dtype {dtype}: the wgmma GQA kernel takes bfloat16 or float16"
+    if dqk != HEAD_DIM or dv != HEAD_DIM:
+        return f"head dims {dqk}/{dv}: the wgmma GQA kernel takes Dqk = Dv = {HEAD_DIM}"
+    if sq * group > BLOCK_M:
+        return f"Sq x G = {sq * group} query rows, more than the {BLOCK_M} of one wgmma M"
+    if mods:
+        return "score_mod / mask_mod / block_mask: the wgmma GQA kernel has no code for mods"
+    if paged and page_size % BLOCK_N:
+        return f"page size {page_size}: the wgmma GQA kernel reads pages of a multiple of {BLOCK_N} tokens"
+    return ""
+
+
+def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_count: int, paged: bool = False,
+             page_size: int = 0, causal: bool = True, splits: int = 0, stages: int = 0,
+             pdl_combine: bool = True) -> GqaPlan:
+    """The plan for one call shape: ``mla_splits``'s count over ``CTAS_PER_SM`` CTAs an SM and the cache's capacity
+    in 64-key tiles (``splits`` > 0 forces one); ``stages`` > 0 forces the ring depth; ``pdl_combine``: where the
+    plan splits, the combine as a programmatic dependent launch."""
+    declined = gqa_declined(sq, group, HEAD_DIM, HEAD_DIM, "torch.bfloat16", paged=paged, page_size=page_size)
+    if declined:
+        raise ValueError("gqa_plan: " + declined)
+    if splits <= 0:
+        splits = mla_splits(batch * kv_heads, sm_count * CTAS_PER_SM, -(-capacity // BLOCK_N))
+    splits = max(1, min(splits, MAX_SPLITS))
+    plan = GqaPlan(sq, group, paged, page_size if paged else 0, causal, splits, stages or STAGES,
+                   pdl_combine and splits > 1)
+    if CTAS_PER_SM * (plan.smem_bytes + SMEM_RESERVED) > SMEM_PER_SM:
+        raise ValueError(f"gqa_plan: {plan.stages} stages ({plan.smem_bytes} bytes of shared memory) do not fit "
+                         f"{CTAS_PER_SM} CTAs an SM")
+    return plan
+
+
+__all__ = ["BLOCK_M", "BLOCK_N", "HEAD_DIM", "GqaPlan", "gqa_declined", "gqa_plan"]

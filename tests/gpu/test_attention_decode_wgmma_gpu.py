@@ -1,0 +1,109 @@
+"""The warpgroup-MMA GQA decode kernel (``decode`` under ``plan_options(wgmma=True)``, ``gqa_kernel``) against the
+float32 reference on fresh random inputs: 16-bit d 128 at Sq 8 with G 6 and 8 (MiniMax 48/8, Llama-70B 64/8), Sq 4
+and 16 at G 4-16 within 64 rows, ragged lengths (0, 1, 63-65 and long), contiguous caches (by strides, and a
+heads-first cache passed transposed) and paged ones of 64 and 128 tokens in shuffled page order, causal and not,
+split-KV forced and chosen, one 32K sequence and 16 sequences, bf16 and fp16. Outputs, LSE and the split partials'
+workspace are NaN-poisoned, and so is every cache row past its sequence's length (the kernel must mask those keys
+and zero those values). Each case asserts the wgmma kernel ran (not the decode kernel's fallback)."""
+import pytest
+import torch
+
+from nvfly.ops import attention
+from nvfly.ops.attention import api, gqa_api
+from tests.gpu.test_attention_decode_gpu import assert_matches, poison_partials
+
+pytestmark = pytest.mark.gpu
+D = 128
+
+CASES = {
+    # name: (batch, sq, hq, hkv, lengths, dtype, page, causal, splits, heads_first)
+    "minimax-48-8-sq8-ragged": (3, 8, 48, 8, [2000, 777, 64], torch.bfloat16, 0, True, 0, False),
+    "llama70b-64-8-sq8": (2, 8, 64, 8, [1000, 1], torch.bfloat16, 0, True, 0, False),
+    "sq8-g6-paged64": (3, 8, 48, 8, [2000, 63, 65], torch.bfloat16, 64, True, 0, False),
+    "sq8-g8-paged128-split5": (2, 8, 64, 8, [3000, 129], torch.bfloat16, 128, True, 5, False),
+    "sq4-g4-lengths-0-1": (4, 4, 16, 4, [0, 1, 65, 700], torch.bfloat16, 0, True, 0, False),
+    "sq4-g8-fp16": (2, 4, 64, 8, [513, 1000], torch.float16, 0, True, 0, False),
+    "sq4-g16-noncausal": (2, 4, 32, 2, [900, 3], torch.bfloat16, 0, False, 0, False),
+    "sq16-g4": (2, 16, 16, 4, [1500, 16], torch.bfloat16, 0, True, 0, False),
+    "sq8-g8-split3-heads-first": (2, 8, 16, 2, [4000, 2500], torch.bfloat16, 0, True, 3, True),
+    "b1-32k-sq8-g8": (1, 8, 64, 8, [32768], torch.bfloat16, 0, True, 0, False),
+    "b16-sq8-g6": (16, 8, 48, 8, [4096 - 37 * i for i in range(16)], torch.bfloat16, 0, True, 0, False),
+}
+
+
+def make_caches(batch, hkv, lengths, dtype, page, heads_first, gen):
+    """(k, v, block_table or None): randn caches whose rows past each length are NaN; paged in a shuffled page
+    order with unused pages NaN; ``heads_first``: (B, Hkv, S, D) storage passed as its (B, S, Hkv, D) view."""
+    capacity = max(lengths)
+    if page:
+        per = -(-capacity // page)
+        count = batch * per + 2
+        k = torch.randn(count, page, hkv, D, device="cuda", generator=gen).to(dtype)
+        v = torch.randn(count, page, hkv, D, device="cuda", generator=gen).to(dtype)
+        order = torch.randperm(count, device="cuda", generator=gen)
+        table = order[:batch * per].view(batch, per).to(torch.int32)
+        k[order[batch * per:]] = float("nan")
+        v[order[batch * per:]] = float("nan")
+        slots = torch.arange(per * page, device="cuda")
+        for b, n in enumerate(lengths):
+            tail = slots[n:]
+            k[table[b, tail // page].long(), tail % page] = float("nan")
+            v[table[b, tail // page].long(), tail % page] = float("nan")
+        return k, v, table
+    shape = (batch, hkv, capacity + 7, D) if heads_first else (batch, capacity + 7, hkv, D)
+    k = torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+    if heads_first:
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+    for b, n in enumerate(lengths):
+        k[b, n:] = float("nan")
+        v[b, n:] = float("nan")
+    return k, v, None
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name, monkeypatch):
+    check_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma"])
+
+
+@pytest.mark.parametrize("name", ["sq8-g8-paged128-split5", "b1-32k-sq8-g8"])
+def test_split_plans_with_the_combine_kernel_after_them(name, monkeypatch):
+    """The split plans' combine launched after the split kernel, not as its programmatic dependent."""
+    check_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma_combine_kernel"])
+
+
+def check_case(name, monkeypatch, options):
+    batch, sq, hq, hkv, lengths, dtype, page, causal, splits, heads_first = CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(sum(map(ord, name)))
+    q = torch.randn(batch, sq, hq, D, device="cuda", generator=gen).to(dtype)
+    k, v, table = make_caches(batch, hkv, lengths, dtype, page, heads_first, gen)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    runs = []
+    run = gqa_api.GqaCall.run
+    monkeypatch.setattr(gqa_api.GqaCall, "run", lambda self, *a, **kw: runs.append(self.plan) or run(self, *a, **kw))
+    poison_partials()
+    out = torch.full((batch, sq, hq, D), float("nan"), dtype=dtype, device="cuda")
+    with api.plan_options(**options):
+        got, lse = attention.decode(q, k, v, cache_seqlens=seqlens, block_table=table, causal=causal, splits=splits,
+                                    return_lse=True, out=out)
+    torch.cuda.synchronize()
+    assert len(runs) == 1 and (splits == 0 or runs[0].splits == splits), runs
+    assert runs[0].pdl_combine == (runs[0].splits > 1 and options.get("fixup_combine") is not False)
+    clean_k, clean_v = torch.nan_to_num(k, nan=0.0), torch.nan_to_num(v, nan=0.0)
+    want, want_lse = attention.reference(q, clean_k, clean_v, cache_seqlens=seqlens, block_table=table,
+                                         causal=causal)
+    assert got.data_ptr() == out.data_ptr()
+    assert_matches(got, lse, want, want_lse, 1e-2)
+
+
+def test_repeated_calls_reuse_the_call():
+    """A second call of one signature (the prepared launches, cached descriptors) on new values matches too."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    seqlens = torch.tensor([1200, 300], dtype=torch.int32, device="cuda")
+    for _ in range(2):
+        q = torch.randn(2, 8, 64, D, device="cuda", generator=gen).to(torch.bfloat16)
+        k, v, _ = make_caches(2, 8, [1200, 300], torch.bfloat16, 0, False, gen)
+        with api.plan_options(wgmma=True):
+            got, lse = attention.decode(q, k, v, cache_seqlens=seqlens, return_lse=True)
+        want, want_lse = attention.reference(q, torch.nan_to_num(k), torch.nan_to_num(v), cache_seqlens=seqlens)
+        assert_matches(got, lse, want, want_lse, 1e-2)

@@ -1,0 +1,265 @@
+"""The warpgroup-MMA GQA decode kernel (``decode``'s ``wgmma`` plan option, ``gqa_kernel``) without a GPU: its
+variants compile for sm_90a to the planned HGMMAs without spills or ptxas warnings within two CTAs an SM; the plan's
+eligibility, split count and shared memory; decode's host path launches it (and the combine with splits) only
+where asked and eligible, the decode kernel otherwise; the packed rows' (token, head) arithmetic."""
+import math
+import re
+import struct
+
+import pytest
+import torch
+
+from nvfly.ops import attention
+from nvfly.ops.attention import api, gqa_api
+from nvfly.ops.attention.gqa_plan import (BLOCK_M, CONSUMER_REGS, CTAS_PER_SM, PRODUCER_REGS, THREADS, GqaPlan,
+                                          gqa_declined, gqa_plan)
+from nvfly.ops.attention.plan import SMEM_PER_SM, SMEM_RESERVED
+
+D = 128
+
+
+def hgmma(sass, shape, a_operand):
+    return len(re.findall(rf"HGMMA\.{shape}\.F32(?:\.BF16)? {a_operand}", sass))
+
+
+@pytest.mark.parametrize("sq,group,paged,causal,splits", [(8, 8, False, True, 1), (8, 6, True, True, 1),
+                                                          (16, 4, False, False, 3), (1, 64, False, True, 1)])
+def test_variants_compile_to_hgmma_without_spills(sq, group, paged, causal, splits):
+    """S's 8 k-steps (64x64x16, both operands from shared memory) and P V's 4 (64x128x16, P from registers), once
+    for the unmasked tiles' loop and once for the masked ones'; no local memory; the registers rebalanced for two
+    CTAs an SM."""
+    plan = GqaPlan(sq, group, paged, 64 if paged else 0, causal, splits, pdl_combine=splits > 1)
+    kernels = gqa_api.compile_gqa(plan, seqlen=1024)
+    kernel = kernels[0]
+    sass = kernel.sass()
+    assert hgmma(sass, "64x64x16", r"R\d+, gdesc\[") == 2 * 8
+    assert hgmma(sass, "64x128x16", r"R\d+, R\d+, gdesc\[") == 2 * 4
+    assert "LDL" not in sass and "STL" not in sass and not kernel.warnings
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert kernel.resources.registers * THREADS * CTAS_PER_SM <= 65536
+    assert kernel.dynamic_smem_bytes == plan.smem_bytes
+    assert CTAS_PER_SM * (plan.smem_bytes + SMEM_RESERVED) <= SMEM_PER_SM
+    assert re.search(rf"USETMAXREG\.DEALLOC\.CTAPOOL {PRODUCER_REGS:#x} ;", sass)
+    assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {CONSUMER_REGS:#x} ;", sass)
+    assert len(kernels) == (2 if splits > 1 else 1)
+    assert ("griddepcontrol.launch_dependents;" in kernel.ptx) == (splits > 1)
+    assert splits == 1 or (kernels[1].dependent and kernels[1].ptx.count("griddepcontrol.wait;") == 1)
+
+
+def test_fp16_compiles():
+    kernel = gqa_api.compile_gqa(GqaPlan(8, 8, False, 0, True), dtype=__import__("nvfly").f16)[0]
+    assert re.search(r"HGMMA\.64x128x16\.F32 R\d+, R\d+, gdesc\[", kernel.sass())
+    assert not kernel.warnings and kernel.resources.spill_stores == 0
+
+
+def test_declined_cases_name_the_reason():
+    assert gqa_declined(8, 8, D, D, "torch.bfloat16") == ""
+    assert gqa_declined(16, 4, D, D, "torch.float16", paged=True, page_size=128) == ""
+    assert "fp8" in gqa_declined(8, 8, D, D, "torch.bfloat16", fp8=True)
+    assert "head dims" in gqa_declined(8, 8, 64, 64, "torch.bfloat16")
+    assert "head dims" in gqa_declined(8, 8, 192, 128, "torch.bfloat16")
+    assert "query rows" in gqa_declined(16, 8, D, D, "torch.bfloat16")
+    assert "mods" in gqa_declined(8, 8, D, D, "torch.bfloat16", mods=True)
+    assert "page size" in gqa_declined(8, 8, D, D, "torch.bfloat16", paged=True, page_size=16)
+    assert "dtype" in gqa_declined(8, 8, D, D, "torch.float32")
+    with pytest.raises(ValueError, match="query rows"):
+        gqa_plan(1, 16, 8, 8, 1024, 132)
+
+
+def test_plan_splits_grid_and_shared_memory():
+    long = gqa_plan(1, 8, 8, 8, 32768, 132)  # 8 CTAs before splitting: split to fill the 264 slots
+    assert 1 < long.splits and 8 * long.splits <= 2 * 264 and long.grid(1, 8) == (long.splits, 8, 1)
+    wide = gqa_plan(16, 8, 8, 6, 32768, 132)
+    assert wide.splits >= 1 and wide.rows == 48
+    forced = gqa_plan(2, 8, 8, 8, 4096, 132, splits=3)
+    assert forced.splits == 3 and forced.pdl_combine and not gqa_plan(2, 8, 8, 8, 4096, 132, splits=1).pdl_combine
+    assert not gqa_plan(2, 8, 8, 8, 4096, 132, splits=3, pdl_combine=False).pdl_combine
+    assert CTAS_PER_SM * (long.smem_bytes + SMEM_RESERVED) <= SMEM_PER_SM
+    with pytest.raises(ValueError, match="stages"):
+        gqa_plan(1, 8, 8, 8, 1024, 132, stages=4)
+
+
+def test_packed_rows_map_to_the_kv_heads_query_heads():
+    """Row r of KV head hkv's tile is token r // G, head hkv * G + r % G: Q's TMA box (1, Sq, G, 64) at
+    (b, 0, hkv * G, k) lays q's [b, :, hkv * G : (hkv + 1) * G] out token-major, exactly these rows."""
+    sq, group, hkv_count = 8, 6, 8
+    q = torch.arange(sq * hkv_count * group).view(1, sq, hkv_count * group)
+    for hkv in range(hkv_count):
+        box = q[0, :, hkv * group:(hkv + 1) * group].reshape(-1)  # the box's rows in shared memory order
+        for r in range(sq * group):
+            assert box[r] == q[0, r // group, hkv * group + r % group]
+    assert sq * group <= BLOCK_M
+
+
+@pytest.fixture
+def cpu_launches(recorded_launches, monkeypatch):
+    """decode's host path on CPU tensors through the real binder, TMA descriptors holding their tensor's address,
+    on a 132-SM device."""
+    from nvfly.runtime.tma import TmaDescriptor
+
+    def descriptor(tensor, box, swizzle=128):
+        desc = TmaDescriptor(tensor, box, swizzle)
+        desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
+        return desc
+    monkeypatch.setattr(api, "_require_cuda", lambda q: None)
+    monkeypatch.setattr(api, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(gqa_api, "cached_descriptor", descriptor)
+    api._CALLS.clear()
+    yield recorded_launches
+    api._CALLS.clear()
+
+
+def test_host_path_launches_the_wgmma_kernel_only_when_asked(cpu_launches):
+    q = torch.zeros(2, 8, 48, D, dtype=torch.bfloat16)
+    k = torch.zeros(2, 512, 8, D, dtype=torch.bfloat16)
+    v = torch.zeros(2, 512, 8, D, dtype=torch.bfloat16)
+    seqlens = torch.tensor([300, 0], dtype=torch.int32)
+    with api.plan_options(wgmma=True):
+        out, lse = attention.decode(q, k, v, cache_seqlens=seqlens, splits=1, return_lse=True)
+    assert out.shape == (2, 8, 48, D) and lse.shape == (2, 48, 8)
+    assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_gqa_wgmma_kernel", (1, 8, 2))]
+    params = cpu_launches[0][2]
+    packed = b"".join(p for p in params if isinstance(p, bytes))
+    assert all(struct.pack("<Q", t.data_ptr()) in packed for t in (q, k, v))
+    assert all(t.data_ptr() in params for t in (seqlens, out, lse))
+    cpu_launches.clear()
+    attention.decode(q, k, v, cache_seqlens=seqlens, splits=1)  # the default: the decode kernel
+    assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"]
+
+
+def test_host_path_splits_then_combines(cpu_launches):
+    q = torch.zeros(1, 8, 64, D, dtype=torch.bfloat16)
+    k = torch.zeros(1, 4096, 8, D, dtype=torch.bfloat16)
+    table = torch.arange(32, dtype=torch.int32).view(1, 32)
+    pages = torch.zeros(32, 128, 8, D, dtype=torch.bfloat16)
+    with api.plan_options(wgmma=True):
+        attention.decode(q, k, k, splits=4)
+        attention.decode(q, pages, pages, block_table=table, splits=4)
+    names = [(name, grid[:3]) for name, grid, _ in cpu_launches]
+    calls = [call for call in api._CALLS.values() if isinstance(call, gqa_api.GqaCall)]
+    assert len(calls) == 2 and all(call.plan.pdl_combine for call in calls)
+    assert names[0] == ("attention_gqa_wgmma_kernel", (4, 8, 1)) and names[1][0] == "attention_combine_kernel"
+    assert names[2] == ("attention_gqa_wgmma_kernel", (4, 8, 1)) and names[3][0] == "attention_combine_kernel"
+    assert table.data_ptr() in cpu_launches[2][2]
+
+
+@pytest.mark.parametrize("case", ["d64", "rows", "mods", "page16"])
+def test_host_path_falls_back_where_declined(cpu_launches, case):
+    d, sq, hq, page = {"d64": (64, 8, 64, 0), "rows": (D, 16, 64, 0), "mods": (D, 8, 64, 0),
+                       "page16": (D, 8, 64, 16)}[case]
+    q = torch.zeros(1, sq, hq, d, dtype=torch.bfloat16)
+    mods = {"score_mod": lambda score, b, h, q_idx, kv_idx: score * 0.5} if case == "mods" else {}
+    if page:
+        k = torch.zeros(16, page, 8, d, dtype=torch.bfloat16)
+        mods["block_table"] = torch.arange(16, dtype=torch.int32).view(1, 16)
+    else:
+        k = torch.zeros(1, 256, 8, d, dtype=torch.bfloat16)
+    with api.plan_options(wgmma=True):
+        attention.decode(q, k, k, splits=1, **mods)
+    assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"]
+
+
+def test_v_is_read_mn_major_from_the_k_major_loaded_tile():
+    """V's tile is loaded as K's (keys x 128 columns in two 64-column boxes); P V reads it MN-major: V's
+    (column, key) element is the loaded tile's (key, column) one."""
+    import nvfly
+    from nvfly.ops.attention.gqa_kernel import layouts
+    lay = layouts(nvfly.bf16)
+    for key in range(64):
+        for column in range(D):
+            assert lay.v_layout.inner((column, key)) == lay.k_layout.inner((key, column))
+
+
+def kernel_model(q, k, v, table, seqlens, causal, splits, group):
+    """The kernel's arithmetic in float32 on CPU tensors: per (split, KV head, sequence) CTA the Q box's Sq x G rows
+    (token r // G, head hkv * G + r % G), the split's 64-key tiles of K and V as the TMA loads read them (zero past
+    the capacity; paged: the page from the table; NaN past the length left in), the mask only from
+    ``unmasked_end`` on, V rows past the length zeroed there, the online softmax with P rounded to the input type;
+    the partials at the combine's slots ((split * B + b) * Sq + token) * Hq + head, then the combine."""
+    from nvfly.ops.attention.mla_plan import BLOCK_N, split_blocks, unmasked_end
+    batch, sq, hq, _ = q.shape
+    rows = sq * group
+    scale_log2 = D ** -0.5 / math.log(2.0)
+    partial_o = torch.zeros(splits * batch * sq * hq, D)
+    partial_lse = torch.full((splits * batch * sq * hq,), float("-inf"))
+    for b in range(batch):
+        seqlen = int(seqlens[b])
+        middle = unmasked_end(seqlen, sq, causal)
+        for hkv in range(hq // group):
+            qt = q[b, :, hkv * group:(hkv + 1) * group].reshape(rows, D).float()
+            packed = torch.arange(rows)
+            positions = seqlen - sq + packed // group
+            for split in range(splits):
+                top = torch.full((rows,), float("-inf"))
+                total = torch.zeros(rows)
+                acc = torch.zeros(rows, D)
+                for n in range(*split_blocks(seqlen, splits, split)):
+                    keys = torch.arange(n * BLOCK_N, (n + 1) * BLOCK_N)
+                    if table is None:
+                        k_tile, v_tile = torch.zeros(BLOCK_N, D), torch.zeros(BLOCK_N, D)
+                        inside = keys < k.shape[1]
+                        k_tile[inside] = k[b, keys[inside], hkv].float()
+                        v_tile[inside] = v[b, keys[inside], hkv].float()
+                    else:
+                        page, first = int(table[b, n * BLOCK_N // k.shape[1]]), n * BLOCK_N % k.shape[1]
+                        k_tile = k[page, first:first + BLOCK_N, hkv].float()
+                        v_tile = v[page, first:first + BLOCK_N, hkv].float()
+                    s = qt @ k_tile.T
+                    if n >= middle:
+                        keep = (keys[None, :] < seqlen) & ((keys[None, :] <= positions[:, None]) if causal else True)
+                        s = torch.where(keep, s, float("-inf"))
+                        v_tile = torch.where((keys < seqlen)[:, None], v_tile, 0.0)
+                    new_top = torch.maximum(top, s.max(dim=1).values)
+                    shift = torch.where(new_top == float("-inf"), 0.0, new_top) if n >= middle else new_top
+                    rescale = torch.exp2(top * scale_log2 - shift * scale_log2)
+                    p = torch.exp2(s * scale_log2 - (shift * scale_log2)[:, None])
+                    total = total * rescale + p.sum(dim=1)
+                    acc = acc * rescale[:, None] + p.to(q.dtype).float() @ v_tile
+                    top = new_top
+                kept = total > 0
+                slots = ((split * batch + b) * sq + packed // group) * hq + hkv * group + packed % group
+                partial_o[slots] = torch.where(kept[:, None], acc / total.clamp_min(1e-30)[:, None], 0.0)
+                partial_lse[slots] = torch.where(
+                    kept, (top * scale_log2 + torch.log2(total.clamp_min(1e-30))) * math.log(2.0), float("-inf"))
+    partial_o, partial_lse = partial_o.view(splits, -1, D), partial_lse.view(splits, -1)
+    top = partial_lse.max(dim=0).values
+    weights = torch.exp(partial_lse - torch.where(top == float("-inf"), 0.0, top))
+    total = weights.sum(dim=0)
+    out = (weights[..., None] * partial_o).sum(dim=0) / torch.where(total > 0, total, 1.0)[..., None]
+    lse = torch.where(total > 0, top + torch.log(total.clamp_min(1e-30)), float("-inf"))
+    return out.view(batch, sq, hq, D), lse.view(batch, sq, hq).transpose(1, 2)
+
+
+@pytest.mark.parametrize("sq, group, paged, causal, splits", [
+    (8, 6, False, True, 1), (8, 8, True, True, 3), (4, 16, False, False, 2), (16, 4, True, True, 1),
+])
+def test_kernel_model_matches_the_reference(sq, group, paged, causal, splits):
+    """The kernel's row packing, tiling, masking and split slots reproduce the float32 reference on ragged lengths
+    around tile edges (0, 1, 63, 64, 65, 200) with NaN in every cache row past a length."""
+    gen = torch.Generator().manual_seed(sq * 100 + group)
+    lengths = [0, 1, 63, 64, 65, 200]
+    batch, hkv = len(lengths), 2
+    q = torch.randn(batch, sq, hkv * group, D, generator=gen).bfloat16()
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    if paged:
+        k = torch.randn(batch * 4, 64, hkv, D, generator=gen).bfloat16()
+        v = torch.randn(batch * 4, 64, hkv, D, generator=gen).bfloat16()
+        table = torch.randperm(batch * 4, generator=gen).view(batch, 4).to(torch.int32)
+        slots = torch.arange(4 * 64)
+        for b, n in enumerate(lengths):
+            k[table[b, slots[n:] // 64].long(), slots[n:] % 64] = float("nan")
+            v[table[b, slots[n:] // 64].long(), slots[n:] % 64] = float("nan")
+    else:
+        k = torch.randn(batch, 230, hkv, D, generator=gen).bfloat16()
+        v = torch.randn(batch, 230, hkv, D, generator=gen).bfloat16()
+        table = None
+        for b, n in enumerate(lengths):
+            k[b, n:] = v[b, n:] = float("nan")
+    got, got_lse = kernel_model(q, k, v, table, seqlens, causal, splits, group)
+    want, want_lse = attention.reference(q, torch.nan_to_num(k), torch.nan_to_num(v), cache_seqlens=seqlens,
+                                         block_table=table, causal=causal)
+    assert not got.isnan().any()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(got_lse), empty) and empty.any()
+    torch.testing.assert_close(got_lse[~empty], want_lse[~empty], atol=2e-3, rtol=1e-3)

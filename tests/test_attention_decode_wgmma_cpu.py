@@ -71,9 +71,10 @@ def test_plan_splits_grid_and_shared_memory():
     assert 1 < long.splits and 8 * long.splits <= 2 * 264 and long.grid(1, 8) == (long.splits, 8, 1)
     wide = gqa_plan(16, 8, 8, 6, 32768, 132)
     assert wide.splits >= 1 and wide.rows == 48
-    forced = gqa_plan(2, 8, 8, 8, 4096, 132, splits=3)
-    assert forced.splits == 3 and forced.pdl_combine and not gqa_plan(2, 8, 8, 8, 4096, 132, splits=1).pdl_combine
-    assert not gqa_plan(2, 8, 8, 8, 4096, 132, splits=3, pdl_combine=False).pdl_combine
+    forced = gqa_plan(2, 8, 8, 8, 4096, 132, splits=3)  # the combine launched after it by default
+    assert forced.splits == 3 and not forced.pdl_combine
+    assert gqa_plan(2, 8, 8, 8, 4096, 132, splits=3, pdl_combine=True).pdl_combine
+    assert not gqa_plan(2, 8, 8, 8, 4096, 132, splits=1, pdl_combine=True).pdl_combine
     assert CTAS_PER_SM * (long.smem_bytes + SMEM_RESERVED) <= SMEM_PER_SM
     with pytest.raises(ValueError, match="stages"):
         gqa_plan(1, 8, 8, 8, 1024, 132, stages=4)
@@ -109,22 +110,59 @@ def cpu_launches(recorded_launches, monkeypatch):
     api._CALLS.clear()
 
 
-def test_host_path_launches_the_wgmma_kernel_only_when_asked(cpu_launches):
+def test_host_path_launches_the_wgmma_kernel_by_default_above_16_rows(cpu_launches):
     q = torch.zeros(2, 8, 48, D, dtype=torch.bfloat16)
     k = torch.zeros(2, 512, 8, D, dtype=torch.bfloat16)
     v = torch.zeros(2, 512, 8, D, dtype=torch.bfloat16)
     seqlens = torch.tensor([300, 0], dtype=torch.int32)
-    with api.plan_options(wgmma=True):
-        out, lse = attention.decode(q, k, v, cache_seqlens=seqlens, splits=1, return_lse=True)
+    out, lse = attention.decode(q, k, v, cache_seqlens=seqlens, splits=1, return_lse=True)
     assert out.shape == (2, 8, 48, D) and lse.shape == (2, 48, 8)
     assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_gqa_wgmma_kernel", (1, 8, 2))]
     params = cpu_launches[0][2]
     packed = b"".join(p for p in params if isinstance(p, bytes))
     assert all(struct.pack("<Q", t.data_ptr()) in packed for t in (q, k, v))
     assert all(t.data_ptr() in params for t in (seqlens, out, lse))
+    for options in (api.DECODE_VARIANTS["mma_sync"], dict(stages=4), dict(warp_tiles=2), dict(pdl_combine=True)):
+        cpu_launches.clear()  # wgmma=False, or another plan option: the decode kernel
+        with api.plan_options(**options):
+            attention.decode(q, k, v, cache_seqlens=seqlens, splits=1)
+        assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"], options
+
+
+# (Sq, G) -> the kernel decode runs by default: the wgmma kernel at 16 < Sq x G <= 64, the decode kernel elsewhere
+DEFAULT_KERNELS = {(1, 8): "decode", (2, 8): "decode", (4, 4): "decode", (16, 1): "decode", (3, 6): "wgmma",
+                   (4, 6): "wgmma", (8, 4): "wgmma", (8, 8): "wgmma", (16, 4): "wgmma", (16, 6): "decode",
+                   (16, 8): "decode"}
+
+
+@pytest.mark.parametrize("sq,group", DEFAULT_KERNELS)
+def test_default_kernel_of_each_shape(cpu_launches, sq, group):
+    q = torch.zeros(1, sq, 2 * group, D, dtype=torch.bfloat16)
+    k = torch.zeros(1, 256, 2, D, dtype=torch.bfloat16)
+    attention.decode(q, k, k, splits=1)
+    kernel = {"attention_gqa_wgmma_kernel": "wgmma", "attention_decode_kernel": "decode"}[cpu_launches[0][0]]
+    assert kernel == DEFAULT_KERNELS[sq, group]
     cpu_launches.clear()
-    attention.decode(q, k, v, cache_seqlens=seqlens, splits=1)  # the default: the decode kernel
-    assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"]
+    with api.plan_options(wgmma=True):  # forced: wherever gqa_declined accepts
+        attention.decode(q, k, k, splits=1)
+    assert (cpu_launches[0][0] == "attention_gqa_wgmma_kernel") == (sq * group <= 64)
+
+
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_bound_decode_takes_the_wgmma_kernel(cpu_launches, heads_first):
+    """SDPA's and flex's bound launches: the wgmma kernel where decode's default takes it; heads-first tensors
+    reach it as decode's layout (transposed views) on every call, since its TMA descriptors read shapes."""
+    q = torch.randn(1, 8, 32, D, dtype=torch.bfloat16)
+    k = torch.randn(1, 256, 4, D, dtype=torch.bfloat16)
+    if heads_first:
+        q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    launch = attention.bound_decode(q, k, k, heads_first=heads_first)
+    for _ in range(2):
+        out = launch(q, k, k, None)
+        assert out.shape == q.shape
+    main = [params for name, _, params in cpu_launches if name != "attention_combine_kernel"]
+    assert [name for name, _, _ in cpu_launches][::2] == ["attention_gqa_wgmma_kernel"] * 2 and len(main) == 2
+    assert struct.pack("<Q", q.data_ptr()) in b"".join(p for p in main[1] if isinstance(p, bytes))
 
 
 def test_host_path_splits_then_combines(cpu_launches):
@@ -132,12 +170,11 @@ def test_host_path_splits_then_combines(cpu_launches):
     k = torch.zeros(1, 4096, 8, D, dtype=torch.bfloat16)
     table = torch.arange(32, dtype=torch.int32).view(1, 32)
     pages = torch.zeros(32, 128, 8, D, dtype=torch.bfloat16)
-    with api.plan_options(wgmma=True):
-        attention.decode(q, k, k, splits=4)
-        attention.decode(q, pages, pages, block_table=table, splits=4)
+    attention.decode(q, k, k, splits=4)
+    attention.decode(q, pages, pages, block_table=table, splits=4)
     names = [(name, grid[:3]) for name, grid, _ in cpu_launches]
     calls = [call for call in api._CALLS.values() if isinstance(call, gqa_api.GqaCall)]
-    assert len(calls) == 2 and all(call.plan.pdl_combine for call in calls)
+    assert len(calls) == 2 and not any(call.plan.pdl_combine for call in calls)  # the combine after the split
     assert names[0] == ("attention_gqa_wgmma_kernel", (4, 8, 1)) and names[1][0] == "attention_combine_kernel"
     assert names[2] == ("attention_gqa_wgmma_kernel", (4, 8, 1)) and names[3][0] == "attention_combine_kernel"
     assert table.data_ptr() in cpu_launches[2][2]

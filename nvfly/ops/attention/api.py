@@ -19,7 +19,7 @@ from nvfly.ops.attention.block_mask_kernel import THREADS as TABLES_THREADS
 from nvfly.ops.attention.block_mask_kernel import block_mask_tables_kernel
 from nvfly.ops.attention.calls import CallBuffers, check_out
 from nvfly.ops.attention.gqa_api import GqaCall
-from nvfly.ops.attention.gqa_plan import gqa_declined, gqa_plan
+from nvfly.ops.attention.gqa_plan import gqa_by_default, gqa_declined, gqa_plan
 from nvfly.ops.attention.kv_options import (FP8, OP, block_mask_key, block_mask_tables, check_block_mask,
                                             check_block_numbers, check_scales, error, kernel_scales, mask_mod_of,
                                             mask_table_shapes, mask_tables_plan, per_head, reference_block_keep)
@@ -224,8 +224,7 @@ def decode(q: "torch.Tensor", k_cache: "torch.Tensor", v_cache: "torch.Tensor", 
         key = call = None
     if call is None:
         call = _new_call(q, k_cache, v_cache, cache_seqlens, block_table, out, k_scale, v_scale, score_mod, mask_mod,
-                         captured, causal, splits, return_lse, validate, key is not None, block_mask,
-                         wgmma_allowed=True)
+                         captured, causal, splits, return_lse, validate, key is not None, block_mask)
         _CALLS.remember(key, call)
     elif validate and call.reads_values and not (call.cuda and _capturing()):
         _check_values(cache_seqlens, block_table, call.capacity, call.pages)
@@ -289,7 +288,8 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options",
-                                                          default=(0, 0, 0, False, 0.0, None, False, None, False))
+                                                          default=(0, 0, 0, False, 0.0, None, False, None, None))
+_NO_OPTIONS = _OPTIONS.get()[:-1]  # every option but wgmma at its default
 # the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
 DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "default": {},
@@ -332,25 +332,27 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "pdl": dict(pdl_combine=True),
     "fixup": dict(fixup_combine=True),
     "combine_kernel": dict(fixup_combine=False),
-    # 16-bit d 128 at Sq·G <= 64 (Sq 8 at G 6 and 8): the warpgroup-MMA GQA kernel (gqa_kernel), the packed rows
-    # one wgmma M of 64, so each K/V tile is read from shared memory once for all of them; other calls keep the
-    # decode kernel
+    # 16-bit d 128 at 16 < Sq·G <= 64 runs the warpgroup-MMA GQA kernel (gqa_kernel) by default: the decode kernel
+    # (mma.sync) for every call instead, the default before
+    "mma_sync": dict(wgmma=False),
+    # the wgmma kernel at Sq·G <= 16 as well (all that gqa_declined accepts; other calls keep the decode kernel)
     "wgmma": dict(wgmma=True),
-    # its split plans' combine kernel launched after the split kernel, not as its programmatic dependent
-    "wgmma_combine_kernel": dict(wgmma=True, fixup_combine=False),
+    # its split plans' combine kernel as the split kernel's programmatic dependent, not launched after it
+    "wgmma_pdl": dict(wgmma=True, pdl_combine=True),
 }
 
 
 def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_rescale: bool = False,
                  split_efficiency: float = 0.0, swapped: Optional[bool] = None, pdl_combine: bool = False,
-                 fixup_combine: Optional[bool] = None, wgmma: bool = False) -> ContextManager[None]:
+                 fixup_combine: Optional[bool] = None, wgmma: Optional[bool] = None) -> ContextManager[None]:
     """``decode`` calls inside run plans with these ``decode_plan`` overrides (stages, row_warps, warp_tiles and
     split_efficiency 0, swapped None, fixup_combine None: the plan's default; swapped where ``plan.swap_declined``
-    allows; pdl_combine or fixup_combine, one of them, where the plan splits; ``wgmma``: the warpgroup-MMA GQA
-    kernel's ``gqa_plan`` where ``gqa_declined`` allows, its own split count (0: ``gqa_plan``'s) and depth (0: its
-    default), its combine a programmatic dependent launch unless fixup_combine is False; the other options do not
-    apply to it): the benchmark's and the tests' way to run the kernel's
-    variants side by side (``DECODE_VARIANTS``)."""
+    allows; pdl_combine or fixup_combine, one of them, where the plan splits; ``wgmma`` True: the warpgroup-MMA GQA
+    kernel's ``gqa_plan`` wherever ``gqa_declined`` allows, its own split count (0: ``gqa_plan``'s) and depth (0: its
+    default), its combine launched after it (a programmatic dependent launch with pdl_combine); the other options
+    do not apply to it; False: the decode kernel always; None: the wgmma kernel where ``gqa_declined`` allows and
+    ``gqa_by_default`` (Sq x G > 16) when no other option is given, else the decode kernel): the benchmark's and the
+    tests' way to run the kernels' variants side by side (``DECODE_VARIANTS``)."""
     if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (0, 1, 2) or not 0 <= split_efficiency <= 1:
         raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
                          f"0, 1, 2, 4, warp_tiles {warp_tiles} 0, 1 or 2 and split_efficiency {split_efficiency} in "
@@ -361,7 +363,7 @@ def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_
     return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale),
                                     float(split_efficiency), None if swapped is None else bool(swapped),
                                     bool(pdl_combine), None if fixup_combine is None else bool(fixup_combine),
-                                    bool(wgmma)))
+                                    None if wgmma is None else bool(wgmma)))
 
 
 # the plan options in force (``plan_options``), for callers that keep bound launches per signature (routing)
@@ -370,12 +372,10 @@ current_plan_options: Callable[[], tuple] = _OPTIONS.get
 
 def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,
               v_scale: Any, score_mod: Any, mask_mod: Any, captured: Any, causal: Any, splits: Any, return_lse: bool,
-              validate: bool, prepared: bool, block_mask: Any = None, wgmma_allowed: bool = False
-              ) -> Union["_DecodeCall", GqaCall]:
+              validate: bool, prepared: bool, block_mask: Any = None) -> Union["_DecodeCall", GqaCall]:
     """A signature's first call (or a call that is not cached): the checks in the order they raise, then its plan;
-    ``prepared``: with prepared launches (a cached call), else through the kernels' general launch path;
-    ``wgmma_allowed``: the ``wgmma`` plan option may choose the warpgroup-MMA GQA kernel (``decode``'s calls, not
-    ``bound_decode``'s, which reads the decode kernel's launches)."""
+    ``prepared``: with prepared launches (a cached call), else through the kernels' general launch path; the
+    warpgroup-MMA GQA kernel where the ``wgmma`` plan option (``plan_options``) chooses it."""
     capturing = q.device.type == "cuda" and _capturing()
     kv_block = 0
     if block_mask is not None:  # its checks need the cache's capacity; its mask_mod is the mods' mask
@@ -393,13 +393,14 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     check_out(out, (batch, sq, hq, dv), q, OP)
     (stages, row_warps, warp_tiles, lazy_rescale, split_efficiency, swapped, pdl_combine, fixup_combine,
      wgmma) = _OPTIONS.get()
-    if wgmma and batch and wgmma_allowed:
+    # the wgmma kernel: asked for, or by default (where no other plan option asks for the decode kernel's plan)
+    if batch and (wgmma or wgmma is None and gqa_by_default(sq, hq // hkv) and _OPTIONS.get()[:-1] == _NO_OPTIONS):
         paged = block_table is not None
         declined = gqa_declined(sq, hq // hkv, dqk, dv, str(q.dtype), str(k_cache.dtype) == FP8,
                                 mods.active or block_mask is not None, paged, k_cache.shape[1])
         if not declined and all(map(_aligned, (q, k_cache, v_cache))):  # TMA's 16-byte base and strides
             plan = gqa_plan(batch, sq, hkv, hq // hkv, capacity, _sm_count(q.device), paged, k_cache.shape[1],
-                            bool(causal), int(splits), stages, pdl_combine=fixup_combine is not False)
+                            bool(causal), int(splits), stages, pdl_combine=pdl_combine)
             return GqaCall(plan, q, cache_seqlens, capacity, pages, bool(return_lse), prepared)
     plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
                  k_cache.shape[1], bool(causal), int(splits), row_warps, fp8=str(k_cache.dtype) == FP8,

@@ -1,4 +1,4 @@
-"""The warpgroup-MMA GQA decode kernel's host side (``decode``'s ``wgmma`` plan option, ``api.plan_options``):
+"""The warpgroup-MMA GQA decode kernel's host side (``decode``'s default at 16 < Sq x G <= 64; ``wgmma`` option):
 the call of one signature (its plan, TMA descriptors and launches: the kernel, then the split-KV combine) and a
 compile helper for tests without a GPU. ``decode`` runs its own checks first and comes here only for the calls
 ``gqa_plan.gqa_declined`` accepts; the rest keep the decode kernel."""
@@ -78,6 +78,11 @@ class GqaCall(CallBuffers):
             else:
                 self.combine(*combine, q.shape[1], HEAD_DIM, plan.pdl_combine)
         return (out, lse) if self.lse_shape is not None else out
+
+    def reads_addresses(self) -> bool:
+        """False: ``run`` builds its TMA descriptors from the tensors' shapes and strides, so ``bound_decode``'s
+        heads-first launches pass it decode's layout (transposed views) on every call."""
+        return False
 
 
 def compile_gqa(plan: GqaPlan, dtype: Any = nvfly.bf16, batch: int = 2, kv_heads: int = 8, seqlen: int = 1024,

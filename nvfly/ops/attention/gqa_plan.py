@@ -92,9 +92,20 @@ def gqa_declined(sq: int, group: int, dqk: int, dv: int, dtype: str, fp8: bool =
     return ""
 
 
+# The rows above which the wgmma kernel is decode's default where gqa_declined accepts: at <= 16 rows the decode
+# kernel's one m16 row tile wastes no MMA rows and is as fast; above, it rereads each K/V tile per 16-row tile
+DEFAULT_ABOVE_ROWS = 16
+
+
+def gqa_by_default(sq: int, group: int) -> bool:
+    """Whether ``decode`` runs a call of Sq x G packed rows on the wgmma kernel without being asked (where
+    ``gqa_declined`` accepts it): above ``DEFAULT_ABOVE_ROWS`` rows."""
+    return sq * group > DEFAULT_ABOVE_ROWS
+
+
 def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_count: int, paged: bool = False,
              page_size: int = 0, causal: bool = True, splits: int = 0, stages: int = 0,
-             pdl_combine: bool = True) -> GqaPlan:
+             pdl_combine: bool = False) -> GqaPlan:
     """The plan for one call shape: ``mla_splits``'s count over ``CTAS_PER_SM`` CTAs an SM and the cache's capacity
     in 64-key tiles (``splits`` > 0 forces one); ``stages`` > 0 forces the ring depth; ``pdl_combine``: where the
     plan splits, the combine as a programmatic dependent launch."""
@@ -112,4 +123,5 @@ def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_c
     return plan
 
 
-__all__ = ["BLOCK_M", "BLOCK_N", "HEAD_DIM", "GqaPlan", "gqa_declined", "gqa_plan"]
+__all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT_ABOVE_ROWS", "HEAD_DIM", "GqaPlan", "gqa_by_default", "gqa_declined",
+           "gqa_plan"]

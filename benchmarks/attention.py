@@ -20,8 +20,10 @@ and each plan's stages/row_warps/warp_tiles/splits/swapped); with ``--quick`` th
 rows of ``--models`` at ``--sq`` and the quick paged row (at Sq 1), fp8 only with ``--fp8`` (e.g. ``--decode
 --models llama8b --no-mods --fp8 --decode-variants stages4 rows16 warp32 --quick``: 10 rows, ~2 min; the split-KV
 combine's launch: ``--decode --quick --sq 1 --no-flex --decode-variants pdl fixup``, with ``--fp8`` for fp8 caches).
-The warpgroup-MMA GQA kernel (16-bit d 128, Sq·G <= 64) beside the default: ``--decode --quick --sq 8 --no-flex
---no-mods --models llama70b minimax --decode-variants wgmma wgmma_combine_kernel`` (4-5 rows, ~2 min).
+The decode default runs the warpgroup-MMA GQA kernel at 16-bit d 128, 16 < Sq·G <= 64; beside it the decode kernel
+(``mma_sync``), the wgmma kernel at every Sq·G <= 64 (``wgmma``) and with its split plans' combine as a programmatic
+dependent launch (``wgmma_pdl``): ``--decode --quick --sq 1 2 4 8 16 --no-flex --no-mods --decode-variants mma_sync
+wgmma wgmma_pdl``.
 Writes benchmarks/results/attention_decode_variants_h200.json after every row.
 
 MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (one KV head of 576 columns, V its
@@ -82,7 +84,7 @@ from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot,
 from nvfly.ops import attention  # noqa: E402
 from nvfly.ops.attention import api as attention_api  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
-from nvfly.ops.attention.gqa_plan import gqa_declined, gqa_plan  # noqa: E402
+from nvfly.ops.attention.gqa_plan import gqa_by_default, gqa_declined, gqa_plan  # noqa: E402
 from nvfly.ops.attention.mla_api import plan_options as mla_plan_options  # noqa: E402
 from nvfly.ops.attention.plan import swap_declined  # noqa: E402
 from nvfly.ops.attention.prefill_api import plan_options, transposed_values, transposed_values_torch  # noqa: E402
@@ -195,18 +197,23 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: dict[str,
     return call
 
 
-def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, Any]) -> dict[str, Any]:
+def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, Any], mod: str = "none"
+            ) -> dict[str, Any]:
     """The decode plan's choices for a row (every sequence the whole cache) under plan options ``options``."""
     name, batch, skv, hq, hkv, d = shape
     page = 0 if layout == "bshd" else int(layout[len("paged"):])
-    if options.get("wgmma"):  # the warpgroup-MMA GQA kernel where it takes the row, else the decode kernel's plan
-        declined = gqa_declined(sq, hq // hkv, d, d, "torch.bfloat16", kv == "fp8", False, bool(page), page)
+    wgmma = options.get("wgmma")
+    options = {key: value for key, value in options.items() if key != "wgmma"}
+    # the warpgroup-MMA GQA kernel where asked for or by default (api._new_call's rule) and it takes the row, else
+    # the decode kernel's plan
+    if wgmma or wgmma is None and not options and gqa_by_default(sq, hq // hkv):
+        declined = gqa_declined(sq, hq // hkv, d, d, "torch.bfloat16", kv == "fp8", mod != "none", bool(page),
+                                page)
         if not declined:
             plan = gqa_plan(batch, sq, hkv, hq // hkv, skv, plan_sm_count(0), bool(page), page,
-                            pdl_combine=options.get("fixup_combine") is not False)
+                            pdl_combine=bool(options.get("pdl_combine")))
             return {"kernel": "wgmma", "stages": plan.stages, "splits": plan.splits,
                     **({"combine": "pdl"} if plan.pdl_combine else {})}
-        options = {key: value for key, value in options.items() if key != "wgmma"}
     plan = attention.decode_plan(batch, sq, hkv, hq // hkv, d, d, skv, plan_sm_count(0), bool(page), page,
                                  fp8=kv == "fp8", **options)
     chosen = {"stages": plan.stages, "row_warps": plan.row_warps, "warp_tiles": plan.warp_tiles,
@@ -248,13 +255,13 @@ def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: s
             attention.decode(q, nk, nv, block_table=table, out=out, **mods)
         row[f"nvfly_{variant}_err"] = rel_err(out.float(), want)
         row["ok"] = row["ok"] and row[f"nvfly_{variant}_err"] < 2e-2
-        row[f"{variant}_plan"] = plan_of(shape, sq, layout, kv, options)
+        row[f"{variant}_plan"] = plan_of(shape, sq, layout, kv, options, mod)
     del want, out
     nbytes = attention.bytes_moved(q, nk, nv, block_table=table, block_mask=mods.get("block_mask"))
     row["nvfly_ms"] = bench_ms(lambda: attention.decode(q, nk, nv, block_table=table, validate=False, **mods))
     row["nvfly_tbs"] = nbytes / row["nvfly_ms"] / 1e9
     if variants:  # their differences are a few percent: the default and each variant in turn, three rounds
-        row["default_plan"] = plan_of(shape, sq, layout, kv, {})
+        row["default_plan"] = plan_of(shape, sq, layout, kv, {}, mod)
         def call():
             attention.decode(q, nk, nv, block_table=table, validate=False, **mods)
         calls = {f"nvfly_{variant}": call for variant in ("default", *variants)}

@@ -1,10 +1,12 @@
-"""The warpgroup-MMA GQA decode kernel (``decode`` under ``plan_options(wgmma=True)``, ``gqa_kernel``) against the
+"""The warpgroup-MMA GQA decode kernel (``decode``'s default at 16 < Sq·G <= 64, forced by
+``plan_options(wgmma=True)``; ``gqa_kernel``) against the
 float32 reference on fresh random inputs: 16-bit d 128 at Sq 8 with G 6 and 8 (MiniMax 48/8, Llama-70B 64/8), Sq 4
 and 16 at G 4-16 within 64 rows, ragged lengths (0, 1, 63-65 and long), contiguous caches (by strides, and a
 heads-first cache passed transposed) and paged ones of 64 and 128 tokens in shuffled page order, causal and not,
 split-KV forced and chosen, one 32K sequence and 16 sequences, bf16 and fp16. Outputs, LSE and the split partials'
 workspace are NaN-poisoned, and so is every cache row past its sequence's length (the kernel must mask those keys
-and zero those values). Each case asserts the wgmma kernel ran (not the decode kernel's fallback)."""
+and zero those values). Each case asserts the wgmma kernel ran (not the decode kernel's fallback); the default's
+cases also run on the decode kernel (``mma_sync``), which must keep matching."""
 import pytest
 import torch
 
@@ -67,12 +69,46 @@ def test_matches_reference(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["sq8-g8-paged128-split5", "b1-32k-sq8-g8"])
-def test_split_plans_with_the_combine_kernel_after_them(name, monkeypatch):
-    """The split plans' combine launched after the split kernel, not as its programmatic dependent."""
-    check_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma_combine_kernel"])
+def test_split_plans_with_the_combine_as_programmatic_dependent(name, monkeypatch):
+    """The split plans' combine as the split kernel's programmatic dependent launch (``wgmma_pdl``)."""
+    check_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma_pdl"])
 
 
-def check_case(name, monkeypatch, options):
+@pytest.mark.parametrize("name", [name for name, case in CASES.items() if case[1] * case[2] // case[3] > 16])
+def test_default_runs_the_wgmma_kernel(name, monkeypatch):
+    """No plan options: the wgmma kernel at 16 < Sq·G <= 64, its combine launched after it."""
+    check_case(name, monkeypatch, {})
+
+
+@pytest.mark.parametrize("name", ["minimax-48-8-sq8-ragged", "sq8-g8-paged128-split5", "sq8-g8-split3-heads-first"])
+def test_the_decode_kernel_when_switched_off(name, monkeypatch):
+    """``wgmma=False`` (variant ``mma_sync``): the decode kernel, as before the wgmma default."""
+    check_case(name, monkeypatch, api.DECODE_VARIANTS["mma_sync"], wgmma=False)
+
+
+def test_bound_decode_heads_first_runs_the_wgmma_kernel(monkeypatch):
+    """SDPA's and flex's bound launches on (B, H, S, D) tensors: the wgmma kernel, matching on new values."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    runs = []
+    run = gqa_api.GqaCall.run
+    monkeypatch.setattr(gqa_api.GqaCall, "run", lambda self, *a, **kw: runs.append(self.plan) or run(self, *a, **kw))
+    q = torch.randn(2, 32, 8, D, device="cuda", generator=gen).to(torch.bfloat16)  # Sq 8 at G 4: 32 rows
+    k = torch.randn(2, 8, 3000, D, device="cuda", generator=gen).to(torch.bfloat16)
+    launch = attention.bound_decode(q, k, k, causal=True, heads_first=True)
+    for _ in range(3):
+        q = torch.randn(2, 32, 8, D, device="cuda", generator=gen).to(torch.bfloat16)
+        k = torch.randn(2, 8, 3000, D, device="cuda", generator=gen).to(torch.bfloat16)
+        v = torch.randn(2, 8, 3000, D, device="cuda", generator=gen).to(torch.bfloat16)
+        poison_partials()
+        got = launch(q, k, v, None)
+        want, _ = attention.reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        assert got.shape == q.shape
+        err = ((got.transpose(1, 2).float() - want).norm() / want.norm()).item()
+        assert not got.isnan().any() and err < 1e-2, err
+    assert len(runs) == 3
+
+
+def check_case(name, monkeypatch, options, wgmma=True):
     batch, sq, hq, hkv, lengths, dtype, page, causal, splits, heads_first = CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(sum(map(ord, name)))
     q = torch.randn(batch, sq, hq, D, device="cuda", generator=gen).to(dtype)
@@ -87,8 +123,11 @@ def check_case(name, monkeypatch, options):
         got, lse = attention.decode(q, k, v, cache_seqlens=seqlens, block_table=table, causal=causal, splits=splits,
                                     return_lse=True, out=out)
     torch.cuda.synchronize()
-    assert len(runs) == 1 and (splits == 0 or runs[0].splits == splits), runs
-    assert runs[0].pdl_combine == (runs[0].splits > 1 and options.get("fixup_combine") is not False)
+    if wgmma:
+        assert len(runs) == 1 and (splits == 0 or runs[0].splits == splits), runs
+        assert runs[0].pdl_combine == (runs[0].splits > 1 and bool(options.get("pdl_combine")))
+    else:
+        assert not runs
     clean_k, clean_v = torch.nan_to_num(k, nan=0.0), torch.nan_to_num(v, nan=0.0)
     want, want_lse = attention.reference(q, clean_k, clean_v, cache_seqlens=seqlens, block_table=table,
                                          causal=causal)

@@ -48,6 +48,17 @@ def test_fixup_is_the_default_of_split_plans_and_pdl_replaces_it():
     assert not mla_plan(1, 1, 128, 32768, 132, splits=1, pdl_combine=True).pdl_combine
 
 
+@pytest.mark.parametrize("sq,group,fp8", [(1, 4, False), (4, 4, True), (8, 4, True), (16, 6, False), (8, 6, True)])
+def test_fixup_is_the_default_up_to_its_row_limit(sq, group, fp8):
+    """Past FIXUP_MAX_ROWS packed rows a split plan keeps the combine kernel by default (the last CTA's serial merge
+    of many rows measured slower); asked for, the fix-up is still planned there."""
+    shape = dict(batch=1, sq=sq, kv_heads=8, group=group, dqk=128, dv=128, max_seqlen=131072, sm_count=132, fp8=fp8)
+    default = P.decode_plan(**shape)
+    assert default.splits > 1 and not default.pdl_combine
+    assert default.fixup_combine == (sq * group <= P.FIXUP_MAX_ROWS)
+    assert P.decode_plan(**shape, fixup_combine=True).fixup_combine
+
+
 def test_fixup_weights_fit_the_ring_or_the_plan_says_why():
     """The fix-up's weights (tile rows x (splits + 1) f32) go over the ring: every default depth holds 64 rows of
     128 splits; a forced shallow ring that cannot raises where asked for."""

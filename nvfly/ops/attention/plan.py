@@ -26,6 +26,8 @@ MAX_SQ = 16
 SWAPPED_ROWS = 8           # a swapped plan's query rows: the N of mma.m16n8k16
 SWAP_BY_DEFAULT = True     # plans of Sq·G <= SWAPPED_ROWS swapped unless told (measured 1.00-1.07x the m16 rows: docs)
 FIXUP_BY_DEFAULT = True    # split plans merge in their last CTA, no combine launch (measured 1.00-1.04x: docs)
+FIXUP_MAX_ROWS = 16        # ... up to this many packed rows: past them the last CTA's serial merge costs more than
+                           # the combine kernel's launch (fp8 B 1 at 32-96 rows 0.75-0.94x: docs)
 WAVE_FILL = 0.8            # FA3: no split when one wave already fills 80% of the CTA slots
 SPLIT_EFFICIENCY = 0.85    # FA3: the fewest splits within 85% of the best wave efficiency
 # where the CTAs before splitting fill at most an eighth of the slots (one long sequence), the best efficiency:
@@ -224,10 +226,11 @@ def decode_plan(batch: int, sq: int, kv_heads: int, group: int, dqk: int, dv: in
     ``swap_declined`` finds nothing against it, else the plan without it (None: ``SWAP_BY_DEFAULT``);
     ``pdl_combine`` / ``fixup_combine``: the split-KV combine as a programmatic dependent launch / in the split
     kernel (``DecodePlan``; one of them; plans of one split keep neither; ``fixup_combine`` None:
-    ``FIXUP_BY_DEFAULT`` where its split weights fit the ring and no PDL combine is asked for)."""
+    ``FIXUP_BY_DEFAULT`` up to FIXUP_MAX_ROWS packed rows where its split weights fit the ring and no PDL combine is
+    asked for)."""
     asked_fixup = fixup_combine
     if fixup_combine is None:
-        fixup_combine = FIXUP_BY_DEFAULT and not pdl_combine
+        fixup_combine = FIXUP_BY_DEFAULT and not pdl_combine and sq * group <= FIXUP_MAX_ROWS
     if pdl_combine and fixup_combine:
         raise ValueError("decode_plan: pdl_combine and fixup_combine are two ways of one combine; ask for one")
     swapped = (SWAP_BY_DEFAULT if swapped is None else swapped) and not swap_declined(sq, group, row_warps,

@@ -23,7 +23,7 @@ combine's launch: ``--decode --quick --sq 1 --no-flex --decode-variants pdl fixu
 The decode default runs the warpgroup-MMA GQA kernel at 16-bit d 128, 16 < Sq·G <= 64; beside it the decode kernel
 (``mma_sync``), the wgmma kernel at every Sq·G <= 64 (``wgmma``) and with its split plans' combine as a programmatic
 dependent launch (``wgmma_pdl``): ``--decode --quick --sq 1 2 4 8 16 --no-flex --no-mods --decode-variants mma_sync
-wgmma wgmma_pdl``.
+wgmma wgmma_pdl``; at 96/128 rows on two consumer warpgroups: ``--decode-variants wgmma_wide`` at ``--sq 16``.
 Writes benchmarks/results/attention_decode_variants_h200.json after every row.
 
 MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (one KV head of 576 columns, V its

@@ -1,13 +1,14 @@
-"""Warpgroup-MMA GQA decode (``decode``'s ``wgmma`` option): softmax(q kᵀ scale) v for 16-bit K and V of head dim
-128, the Sq x G query rows of one KV head as one wgmma M = 64, on Hopper's TMA and wgmma (the MLA kernel's
-structure, ``mla_kernel``, with separate K and V tiles).
+"""Warpgroup-MMA GQA decode (``decode``'s default at 16 < Sq x G <= 64): softmax(q kᵀ scale) v for 16-bit K and V
+of head dim 128, the Sq x G query rows of one KV head as one wgmma M = 64 (two, 65-128 rows: ``PLAN.consumers``
+2), on Hopper's TMA and wgmma (the MLA kernel's structure, ``mla_kernel``, with separate K and V tiles).
 
     q [B, Sq, Hq, 128] through a 4-D TMA descriptor whose box (1, Sq, G, 64) is the KV head's Sq x G query rows in
     token-major order (row r: token r // G, head hkv * G + r % G; rows past Sq x G stay unwritten and are never
     stored); K and V through 4-D descriptors: contiguous [B, S, Hkv, 128] or paged [P, page, Hkv, 128] (key j of
     sequence b at [block_table[b, j // page], j % page], page a multiple of 64); seqlens [B] int32.
 
-Grid (splits, Hkv, B), 256 threads (``gqa_plan``). Warpgroup 0 is the producer: its thread 0 TMA-loads the query
+Grid (splits, Hkv, B), 256 threads (``gqa_plan``; 384 with two consumer warpgroups, each its own 64 rows, both
+releasing each stage). Warpgroup 0 is the producer: its thread 0 TMA-loads the query
 rows once (2 boxes of 64 columns) and then each 64-key tile of the split, K and V (2 boxes each), into a
 ``PLAN.stages``-deep ring whose stages have a full barrier for K and one for V, so that S = Q Kᵀ starts while V
 lands. Warpgroup 1 computes S (64 x 64, 8 wgmma k-steps from shared memory), the online softmax (each thread's two

@@ -2,6 +2,7 @@
 variants compile for sm_90a to the planned HGMMAs without spills or ptxas warnings within two CTAs an SM; the plan's
 eligibility, split count and shared memory; decode's host path launches it (and the combine with splits) only
 where asked and eligible, the decode kernel otherwise; the packed rows' (token, head) arithmetic."""
+import collections
 import math
 import re
 import struct
@@ -269,6 +270,7 @@ def kernel_model(q, k, v, table, seqlens, causal, splits, group):
 
 @pytest.mark.parametrize("sq, group, paged, causal, splits", [
     (8, 6, False, True, 1), (8, 8, True, True, 3), (4, 16, False, False, 2), (16, 4, True, True, 1),
+    (16, 6, False, True, 1), (16, 8, True, True, 3), (8, 16, False, False, 2),  # two consumers' 96 and 128 rows
 ])
 def test_kernel_model_matches_the_reference(sq, group, paged, causal, splits):
     """The kernel's row packing, tiling, masking and split slots reproduce the float32 reference on ragged lengths
@@ -343,3 +345,16 @@ def test_host_path_two_consumers_under_wgmma_wide(cpu_launches):
     assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_gqa_wgmma_kernel", (1, 8, 2))]
     call = next(call for call in api._CALLS.values() if isinstance(call, gqa_api.GqaCall))
     assert call.plan.consumers == 2
+
+
+def test_two_consumers_own_disjoint_64_row_blocks():
+    """Consumer c's thread (warp w of its warpgroup, lane l) owns packed rows 64c + 16w + l // 4 (+ 8), and its
+    accumulator columns 8j + 2(l % 4) (+ 1): together every row of 128 once, each by the four lanes of a quad."""
+    owners = collections.Counter()
+    for consumer in range(2):
+        for warp in range(4):
+            for lane in range(32):
+                row0 = BLOCK_M * consumer + 16 * warp + lane // 4
+                for row in (row0, row0 + 8):
+                    owners[row] += 1
+    assert sorted(owners) == list(range(2 * BLOCK_M)) and set(owners.values()) == {4}

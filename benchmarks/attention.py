@@ -23,7 +23,7 @@ combine's launch: ``--decode --quick --sq 1 --no-flex --decode-variants pdl fixu
 The decode default runs the warpgroup-MMA GQA kernel at 16-bit d 128, 16 < Sq·G <= 64; beside it the decode kernel
 (``mma_sync``), the wgmma kernel at every Sq·G <= 64 (``wgmma``) and with its split plans' combine as a programmatic
 dependent launch (``wgmma_pdl``): ``--decode --quick --sq 1 2 4 8 16 --no-flex --no-mods --decode-variants mma_sync
-wgmma wgmma_pdl``.
+wgmma wgmma_pdl``; at 96/128 rows on two consumer warpgroups: ``--decode-variants wgmma_wide`` at ``--sq 16``.
 Writes benchmarks/results/attention_decode_variants_h200.json after every row.
 
 MLA decode (``--decode --mla [--quick] [--no-flex]``): DeepSeek's latent cache (one KV head of 576 columns, V its
@@ -202,17 +202,17 @@ def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, Any]
     """The decode plan's choices for a row (every sequence the whole cache) under plan options ``options``."""
     name, batch, skv, hq, hkv, d = shape
     page = 0 if layout == "bshd" else int(layout[len("paged"):])
-    wgmma = options.get("wgmma")
-    options = {key: value for key, value in options.items() if key != "wgmma"}
+    wgmma, wide = options.get("wgmma"), bool(options.get("wgmma_wide"))
+    options = {key: value for key, value in options.items() if key not in ("wgmma", "wgmma_wide")}
     # the warpgroup-MMA GQA kernel where asked for or by default (api._new_call's rule) and it takes the row, else
     # the decode kernel's plan
-    if wgmma or wgmma is None and not options and gqa_by_default(sq, hq // hkv):
+    if wgmma or wgmma is None and not options and not wide and gqa_by_default(sq, hq // hkv):
         declined = gqa_declined(sq, hq // hkv, d, d, "torch.bfloat16", kv == "fp8", mod != "none", bool(page),
-                                page)
+                                page, wide)
         if not declined:
             plan = gqa_plan(batch, sq, hkv, hq // hkv, skv, plan_sm_count(0), bool(page), page,
-                            pdl_combine=bool(options.get("pdl_combine")))
-            return {"kernel": "wgmma", "stages": plan.stages, "splits": plan.splits,
+                            pdl_combine=bool(options.get("pdl_combine")), wide=wide)
+            return {"kernel": "wgmma", "stages": plan.stages, "splits": plan.splits, "consumers": plan.consumers,
                     **({"combine": "pdl"} if plan.pdl_combine else {})}
     plan = attention.decode_plan(batch, sq, hkv, hq // hkv, d, d, skv, plan_sm_count(0), bool(page), page,
                                  fp8=kv == "fp8", **options)

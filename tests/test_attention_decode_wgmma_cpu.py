@@ -2,6 +2,7 @@
 variants compile for sm_90a to the planned HGMMAs without spills or ptxas warnings within two CTAs an SM; the plan's
 eligibility, split count and shared memory; decode's host path launches it (and the combine with splits) only
 where asked and eligible, the decode kernel otherwise; the packed rows' (token, head) arithmetic."""
+import collections
 import math
 import re
 import struct
@@ -11,8 +12,8 @@ import torch
 
 from nvfly.ops import attention
 from nvfly.ops.attention import api, gqa_api
-from nvfly.ops.attention.gqa_plan import (BLOCK_M, CONSUMER_REGS, CTAS_PER_SM, PRODUCER_REGS, THREADS, GqaPlan,
-                                          gqa_declined, gqa_plan)
+from nvfly.ops.attention.gqa_plan import (BLOCK_M, CONSUMER_REGS, CTAS_PER_SM, PRODUCER_REGS, THREADS,
+                                          WIDE_CONSUMER_REGS, WIDE_STAGES, GqaPlan, gqa_declined, gqa_plan)
 from nvfly.ops.attention.plan import SMEM_PER_SM, SMEM_RESERVED
 
 D = 128
@@ -269,6 +270,7 @@ def kernel_model(q, k, v, table, seqlens, causal, splits, group):
 
 @pytest.mark.parametrize("sq, group, paged, causal, splits", [
     (8, 6, False, True, 1), (8, 8, True, True, 3), (4, 16, False, False, 2), (16, 4, True, True, 1),
+    (16, 6, False, True, 1), (16, 8, True, True, 3), (8, 16, False, False, 2),  # two consumers' 96 and 128 rows
 ])
 def test_kernel_model_matches_the_reference(sq, group, paged, causal, splits):
     """The kernel's row packing, tiling, masking and split slots reproduce the float32 reference on ragged lengths
@@ -300,3 +302,59 @@ def test_kernel_model_matches_the_reference(sq, group, paged, causal, splits):
     empty = torch.isinf(want_lse)
     assert torch.equal(torch.isinf(got_lse), empty) and empty.any()
     torch.testing.assert_close(got_lse[~empty], want_lse[~empty], atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("sq,group,paged,causal,splits", [(16, 8, False, True, 1), (16, 6, True, True, 3),
+                                                          (8, 16, False, False, 1)])
+def test_two_consumer_plans_compile_without_spills(sq, group, paged, causal, splits):
+    """65-128 rows (``wide``): 384 threads, one CTA an SM (168 registers at launch, 40 + 2 x 232 after the
+    setmaxnreg split), each consumer warpgroup the same 8 + 4 HGMMAs a tile, 5 stages in shared memory."""
+    plan = gqa_plan(2, sq, 8, group, 4096, 132, paged, 64 if paged else 0, causal, splits, wide=True)
+    assert plan.consumers == 2 and plan.threads == 384 and plan.ctas_per_sm == 1 and plan.stages == WIDE_STAGES
+    kernels = gqa_api.compile_gqa(plan, seqlen=1024)
+    kernel = kernels[0]
+    sass = kernel.sass()
+    assert hgmma(sass, "64x64x16", r"R\d+, gdesc\[") == 2 * 8
+    assert hgmma(sass, "64x128x16", r"R\d+, R\d+, gdesc\[") == 2 * 4
+    assert "LDL" not in sass and "STL" not in sass and not kernel.warnings
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert kernel.resources.registers * plan.threads <= 65536
+    assert (PRODUCER_REGS + 2 * WIDE_CONSUMER_REGS) * 128 <= kernel.resources.registers * plan.threads
+    assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {WIDE_CONSUMER_REGS:#x} ;", sass)
+    assert kernel.dynamic_smem_bytes == plan.smem_bytes and plan.smem_bytes + SMEM_RESERVED <= SMEM_PER_SM
+    assert len(kernels) == (2 if splits > 1 else 1)
+
+
+def test_two_consumer_plans_only_when_asked():
+    assert "query rows" in gqa_declined(16, 8, D, D, "torch.bfloat16")
+    assert gqa_declined(16, 8, D, D, "torch.bfloat16", wide=True) == ""
+    assert "two consumer" in gqa_declined(16, 16, D, D, "torch.bfloat16", wide=True)
+    assert gqa_plan(2, 8, 8, 8, 4096, 132, wide=True).consumers == 1  # 64 rows: one consumer
+    long = gqa_plan(1, 16, 8, 8, 32768, 132, wide=True)  # one CTA an SM: 132 slots to fill
+    assert long.consumers == 2 and 8 * long.splits <= 2 * 132
+
+
+def test_host_path_two_consumers_under_wgmma_wide(cpu_launches):
+    q = torch.zeros(2, 16, 48, D, dtype=torch.bfloat16)  # Sq 16 at G 6: 96 rows
+    k = torch.zeros(2, 512, 8, D, dtype=torch.bfloat16)
+    attention.decode(q, k, k, splits=1)
+    assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"]  # the default: the decode kernel
+    cpu_launches.clear()
+    with api.plan_options(**api.DECODE_VARIANTS["wgmma_wide"]):
+        attention.decode(q, k, k, splits=1)
+    assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_gqa_wgmma_kernel", (1, 8, 2))]
+    call = next(call for call in api._CALLS.values() if isinstance(call, gqa_api.GqaCall))
+    assert call.plan.consumers == 2
+
+
+def test_two_consumers_own_disjoint_64_row_blocks():
+    """Consumer c's thread (warp w of its warpgroup, lane l) owns packed rows 64c + 16w + l // 4 (+ 8), and its
+    accumulator columns 8j + 2(l % 4) (+ 1): together every row of 128 once, each by the four lanes of a quad."""
+    owners = collections.Counter()
+    for consumer in range(2):
+        for warp in range(4):
+            for lane in range(32):
+                row0 = BLOCK_M * consumer + 16 * warp + lane // 4
+                for row in (row0, row0 + 8):
+                    owners[row] += 1
+    assert sorted(owners) == list(range(2 * BLOCK_M)) and set(owners.values()) == {4}

@@ -31,6 +31,18 @@ CASES = {
     "b1-32k-sq8-g8": (1, 8, 64, 8, [32768], torch.bfloat16, 0, True, 0, False),
     "b16-sq8-g6": (16, 8, 48, 8, [4096 - 37 * i for i in range(16)], torch.bfloat16, 0, True, 0, False),
 }
+# 65-128 rows on two consumer warpgroups (variant wgmma_wide)
+WIDE_CASES = {
+    "sq16-g6-96rows-ragged": (3, 16, 48, 8, [2000, 777, 15], torch.bfloat16, 0, True, 0, False),
+    "sq16-g8-128rows": (2, 16, 64, 8, [1000, 1], torch.bfloat16, 0, True, 0, False),
+    "sq16-g8-paged64-lengths-0-65": (3, 16, 64, 8, [0, 65, 1500], torch.bfloat16, 64, True, 0, False),
+    "sq8-g16-noncausal-fp16": (2, 8, 32, 2, [900, 63], torch.float16, 0, False, 0, False),
+    "sq16-g8-split5-paged128": (2, 16, 64, 8, [3000, 129], torch.bfloat16, 128, True, 5, False),
+    "sq16-g6-split3-heads-first": (2, 16, 12, 2, [4000, 2500], torch.bfloat16, 0, True, 3, True),
+    "b1-32k-sq16-g6": (1, 16, 48, 8, [32768], torch.bfloat16, 0, True, 0, False),
+    "b16-sq16-g8": (16, 16, 64, 8, [4096 - 37 * i for i in range(16)], torch.bfloat16, 0, True, 0, False),
+}
+CASES.update(WIDE_CASES)
 
 
 def make_caches(batch, hkv, lengths, dtype, page, heads_first, gen):
@@ -63,7 +75,7 @@ def make_caches(batch, hkv, lengths, dtype, page, heads_first, gen):
     return k, v, None
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [name for name in CASES if name not in WIDE_CASES])
 def test_matches_reference(name, monkeypatch):
     check_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma"])
 
@@ -74,7 +86,15 @@ def test_split_plans_with_the_combine_as_programmatic_dependent(name, monkeypatc
     check_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma_pdl"])
 
 
-@pytest.mark.parametrize("name", [name for name, case in CASES.items() if case[1] * case[2] // case[3] > 16])
+@pytest.mark.parametrize("name", list(WIDE_CASES))
+def test_two_consumer_warpgroups_match_reference(name, monkeypatch):
+    """96 and 128 rows (``wgmma_wide``): two consumer warpgroups sharing the ring, ragged, paged, split."""
+    plans = check_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma_wide"])
+    assert plans[0].consumers == 2
+
+
+@pytest.mark.parametrize("name", [name for name, case in CASES.items()
+                                  if 16 < case[1] * case[2] // case[3] <= 64])
 def test_default_runs_the_wgmma_kernel(name, monkeypatch):
     """No plan options: the wgmma kernel at 16 < Sq·G <= 64, its combine launched after it."""
     check_case(name, monkeypatch, {})
@@ -133,6 +153,7 @@ def check_case(name, monkeypatch, options, wgmma=True):
                                          causal=causal)
     assert got.data_ptr() == out.data_ptr()
     assert_matches(got, lse, want, want_lse, 1e-2)
+    return runs
 
 
 def test_repeated_calls_reuse_the_call():

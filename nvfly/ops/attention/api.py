@@ -288,7 +288,7 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
 _OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options",
-                                                          default=(0, 0, 0, False, 0.0, None, False, None, None))
+                                                          default=(0, 0, 0, False, 0.0, None, False, None, False, None))
 _NO_OPTIONS = _OPTIONS.get()[:-1]  # every option but wgmma at its default
 # the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
 DECODE_VARIANTS: dict[str, dict[str, int]] = {
@@ -339,20 +339,25 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     "wgmma": dict(wgmma=True),
     # its split plans' combine kernel as the split kernel's programmatic dependent, not launched after it
     "wgmma_pdl": dict(wgmma=True, pdl_combine=True),
+    # and at 65-128 rows (Sq 16 at G 6 and 8, Sq 8 at G 16) on two consumer warpgroups of 64 rows sharing the K/V
+    # ring, one CTA an SM (the decode kernel's 96 and 128 rows ran at 0.8-1.7 TB/s)
+    "wgmma_wide": dict(wgmma=True, wgmma_wide=True),
 }
 
 
 def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_rescale: bool = False,
                  split_efficiency: float = 0.0, swapped: Optional[bool] = None, pdl_combine: bool = False,
-                 fixup_combine: Optional[bool] = None, wgmma: Optional[bool] = None) -> ContextManager[None]:
+                 fixup_combine: Optional[bool] = None, wgmma_wide: bool = False, wgmma: Optional[bool] = None
+                 ) -> ContextManager[None]:
     """``decode`` calls inside run plans with these ``decode_plan`` overrides (stages, row_warps, warp_tiles and
     split_efficiency 0, swapped None, fixup_combine None: the plan's default; swapped where ``plan.swap_declined``
     allows; pdl_combine or fixup_combine, one of them, where the plan splits; ``wgmma`` True: the warpgroup-MMA GQA
     kernel's ``gqa_plan`` wherever ``gqa_declined`` allows, its own split count (0: ``gqa_plan``'s) and depth (0: its
     default), its combine launched after it (a programmatic dependent launch with pdl_combine); the other options
-    do not apply to it; False: the decode kernel always; None: the wgmma kernel where ``gqa_declined`` allows and
-    ``gqa_by_default`` (Sq x G > 16) when no other option is given, else the decode kernel): the benchmark's and the
-    tests' way to run the kernels' variants side by side (``DECODE_VARIANTS``)."""
+    do not apply to it, but ``wgmma_wide``: 65-128 rows on its two-consumer plan too; False: the decode kernel
+    always; None: the wgmma kernel where ``gqa_declined`` allows and ``gqa_by_default`` (Sq x G > 16) when no other
+    option is given, else the decode kernel): the benchmark's and the tests' way to run the kernels' variants side
+    by side (``DECODE_VARIANTS``)."""
     if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (0, 1, 2) or not 0 <= split_efficiency <= 1:
         raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
                          f"0, 1, 2, 4, warp_tiles {warp_tiles} 0, 1 or 2 and split_efficiency {split_efficiency} in "
@@ -363,7 +368,7 @@ def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_
     return context_value(_OPTIONS, (int(stages), int(row_warps), int(warp_tiles), bool(lazy_rescale),
                                     float(split_efficiency), None if swapped is None else bool(swapped),
                                     bool(pdl_combine), None if fixup_combine is None else bool(fixup_combine),
-                                    None if wgmma is None else bool(wgmma)))
+                                    bool(wgmma_wide), None if wgmma is None else bool(wgmma)))
 
 
 # the plan options in force (``plan_options``), for callers that keep bound launches per signature (routing)
@@ -392,15 +397,15 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     check_out(out, (batch, sq, hq, dv), q, OP)
     (stages, row_warps, warp_tiles, lazy_rescale, split_efficiency, swapped, pdl_combine, fixup_combine,
-     wgmma) = _OPTIONS.get()
+     wgmma_wide, wgmma) = _OPTIONS.get()
     # the wgmma kernel: asked for, or by default (where no other plan option asks for the decode kernel's plan)
     if batch and (wgmma or wgmma is None and gqa_by_default(sq, hq // hkv) and _OPTIONS.get()[:-1] == _NO_OPTIONS):
         paged = block_table is not None
         declined = gqa_declined(sq, hq // hkv, dqk, dv, str(q.dtype), str(k_cache.dtype) == FP8,
-                                mods.active or block_mask is not None, paged, k_cache.shape[1])
+                                mods.active or block_mask is not None, paged, k_cache.shape[1], wgmma_wide)
         if not declined and all(map(_aligned, (q, k_cache, v_cache))):  # TMA's 16-byte base and strides
             plan = gqa_plan(batch, sq, hkv, hq // hkv, capacity, _sm_count(q.device), paged, k_cache.shape[1],
-                            bool(causal), int(splits), stages, pdl_combine=pdl_combine)
+                            bool(causal), int(splits), stages, pdl_combine=pdl_combine, wide=wgmma_wide)
             return GqaCall(plan, q, cache_seqlens, capacity, pages, bool(return_lse), prepared)
     plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
                  k_cache.shape[1], bool(causal), int(splits), row_warps, fp8=str(k_cache.dtype) == FP8,

@@ -12,7 +12,7 @@ from nvfly.ops.attention.calls import CallBuffers
 from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS, combine_grid
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.gqa_kernel import attention_gqa_wgmma_kernel
-from nvfly.ops.attention.gqa_plan import BLOCK_N, BOX_COLUMNS, HEAD_DIM, SWIZZLE, THREADS, GqaPlan
+from nvfly.ops.attention.gqa_plan import BLOCK_N, BOX_COLUMNS, HEAD_DIM, SWIZZLE, GqaPlan
 from nvfly.runtime.tma import cached_descriptor
 
 LN2 = math.log(2.0)
@@ -44,7 +44,7 @@ class GqaCall(CallBuffers):
         self.boxes = boxes(sq, plan.group)
         self.main = self.combine = None
         if prepared:
-            self.main = attention_gqa_wgmma_kernel.prepared(plan.grid(batch, hq // plan.group), THREADS)
+            self.main = attention_gqa_wgmma_kernel.prepared(plan.grid(batch, hq // plan.group), plan.threads)
             if self.slots:
                 self.combine = attention_combine_kernel.prepared(combine_grid(self.rows, HEAD_DIM),
                                                                 COMBINE_WARPS * 32)
@@ -67,7 +67,7 @@ class GqaCall(CallBuffers):
         else:
             args = (*descriptors, block_table, seqlens, out, lse, None, None, self.batch, self.hq, scale_log2)
         if self.main is None:
-            attention_gqa_wgmma_kernel[grid, THREADS](*args, PLAN=plan)
+            attention_gqa_wgmma_kernel[grid, plan.threads](*args, PLAN=plan)
         else:
             self.main(*args, plan)
         if self.slots:
@@ -109,7 +109,7 @@ def compile_gqa(plan: GqaPlan, dtype: Any = nvfly.bf16, batch: int = 2, kv_heads
     partial_o = TensorDesc(nvfly.f32, (plan.splits * rows, HEAD_DIM)) if split else None
     partial_lse = TensorDesc(nvfly.f32, (plan.splits * rows,)) if split else None
     kernels = [attention_gqa_wgmma_kernel.compile(q, k, v, table, seqlens, out, lse, partial_o, partial_lse, batch,
-                                                  hq, 0.18, PLAN=plan, block=THREADS, target=target)]
+                                                  hq, 0.18, PLAN=plan, block=plan.threads, target=target)]
     if split:
         kernels.append(attention_combine_kernel.compile(
             partial_o, partial_lse, TensorDesc(dtype, (batch, plan.sq, hq, HEAD_DIM)),

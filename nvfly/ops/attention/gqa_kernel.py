@@ -1,13 +1,14 @@
-"""Warpgroup-MMA GQA decode (``decode``'s ``wgmma`` option): softmax(q kᵀ scale) v for 16-bit K and V of head dim
-128, the Sq x G query rows of one KV head as one wgmma M = 64, on Hopper's TMA and wgmma (the MLA kernel's
-structure, ``mla_kernel``, with separate K and V tiles).
+"""Warpgroup-MMA GQA decode (``decode``'s default at 16 < Sq x G <= 64): softmax(q kᵀ scale) v for 16-bit K and V
+of head dim 128, the Sq x G query rows of one KV head as one wgmma M = 64 (two, 65-128 rows: ``PLAN.consumers``
+2), on Hopper's TMA and wgmma (the MLA kernel's structure, ``mla_kernel``, with separate K and V tiles).
 
     q [B, Sq, Hq, 128] through a 4-D TMA descriptor whose box (1, Sq, G, 64) is the KV head's Sq x G query rows in
     token-major order (row r: token r // G, head hkv * G + r % G; rows past Sq x G stay unwritten and are never
     stored); K and V through 4-D descriptors: contiguous [B, S, Hkv, 128] or paged [P, page, Hkv, 128] (key j of
     sequence b at [block_table[b, j // page], j % page], page a multiple of 64); seqlens [B] int32.
 
-Grid (splits, Hkv, B), 256 threads (``gqa_plan``). Warpgroup 0 is the producer: its thread 0 TMA-loads the query
+Grid (splits, Hkv, B), 256 threads (``gqa_plan``; 384 with two consumer warpgroups, each its own 64 rows, both
+releasing each stage). Warpgroup 0 is the producer: its thread 0 TMA-loads the query
 rows once (2 boxes of 64 columns) and then each 64-key tile of the split, K and V (2 boxes each), into a
 ``PLAN.stages``-deep ring whose stages have a full barrier for K and one for V, so that S = Q Kᵀ starts while V
 lands. Warpgroup 1 computes S (64 x 64, 8 wgmma k-steps from shared memory), the online softmax (each thread's two
@@ -28,15 +29,14 @@ import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.attention.gqa_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, CONSUMER_REGS, CTAS_PER_SM, HEAD_DIM,
-                                          K_BYTES, PRODUCER_REGS, Q_BYTES, Q_OFFSET, RING_OFFSET, STAGE_BYTES,
-                                          SWIZZLE)
+from nvfly.ops.attention.gqa_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, HEAD_DIM, K_BYTES, PRODUCER_REGS, Q_BYTES,
+                                          Q_OFFSET, STAGE_BYTES, SWIZZLE)
 from nvfly.ops.attention.mla_plan import unmasked_end
 from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
 
 LN2 = math.log(2.0)
 CONSUMER_THREADS = 128
-ZEROED = 1                 # hardware barrier (0 is __syncthreads): the consumer's zeroed V rows before its wgmma
+ZEROED = 1                 # hardware barriers (0 is __syncthreads): consumer c's zeroed V rows before its wgmma: 1 + c
 
 
 class Layouts(NamedTuple):
@@ -51,8 +51,9 @@ class Layouts(NamedTuple):
     v_desc: tuple
 
 
-def layouts(dtype: Any) -> Layouts:
-    q_layout = sm90.operand_layout(BLOCK_M, HEAD_DIM, dtype, "K", SWIZZLE)
+def layouts(dtype: Any, consumers: int = 1) -> Layouts:
+    """``consumers``: Q's tile holds their 64-row blocks (consumer c's rows at 8 KB x c in each 64-column box)."""
+    q_layout = sm90.operand_layout(BLOCK_M * consumers, HEAD_DIM, dtype, "K", SWIZZLE)
     k_layout = sm90.operand_layout(BLOCK_N, HEAD_DIM, dtype, "K", SWIZZLE)
     v_layout = sm90.operand_layout(HEAD_DIM, BLOCK_N, dtype, "MN", SWIZZLE)  # the bytes of a K-major (keys, 128) tile
     return Layouts(sm90.WgmmaAtom(BLOCK_N, dtype, dtype, "K", "K"),
@@ -64,9 +65,10 @@ def layouts(dtype: Any) -> Layouts:
 
 
 @nvfly.func
-def zero_tail_rows(v_tile, valid, thread):
+def zero_tail_rows(v_tile, valid, thread, consumer):
     """Zero V rows [valid, 64) of the tile's two 64-column boxes (a row of a box is 128 contiguous bytes, its
-    swizzle a permutation within them), then order the writes before the wgmma and wait for the warpgroup."""
+    swizzle a permutation within them), then order the writes before the wgmma and wait for the warpgroup (with
+    two consumers each zeroes the same rows with the same zeros before its own wgmma)."""
     SEGMENTS = BLOCK_N * (HEAD_DIM // 64) * 8  # 16-byte segments: rows x boxes x 8
     for i in nvfly.static_range(SEGMENTS // CONSUMER_THREADS):
         segment = thread + CONSUMER_THREADS * i
@@ -75,13 +77,13 @@ def zero_tail_rows(v_tile, valid, thread):
         if row >= valid:
             store_shared(v_tile + box * BOX_BYTES + row * 128 + (segment % 8) * 16, [nvfly.i32(0)] * 4)
     sm90.fence_proxy_async()
-    nvfly.named_barrier(ZEROED, CONSUMER_THREADS)
+    nvfly.named_barrier(ZEROED + consumer, CONSUMER_THREADS)
 
 
 class Tile(NamedTuple):
     """What every key tile needs: Q's and the ring's shared addresses, the pipeline, the layouts, the sequence's
     length, the scale in log2 units, the thread's two rows' positions in the sequence, its lane and thread index in
-    the warpgroup."""
+    the warpgroup, and its consumer warpgroup (0 or 1; Q's rows at ``q_tile`` are its 64)."""
     q_tile: Any
     ring: Any
     pipe: Any
@@ -91,6 +93,7 @@ class Tile(NamedTuple):
     positions: list
     lane: Any
     thread: Any
+    consumer: Any
 
 
 class Running(NamedTuple):
@@ -132,7 +135,7 @@ def key_tile(state, t, n, PLAN, MASKED):
 
     t.pipe.consumer_wait(state.stage, 1)
     if MASKED:
-        zero_tail_rows(v_tile, t.seqlen - n * BLOCK_N, t.thread)
+        zero_tail_rows(v_tile, t.seqlen - n * BLOCK_N, t.thread, t.consumer)
     acc = state.acc.map(lambda x, i: x * soft.rescales[row_of(i)])
     sm90.fence()  # P's and O's registers were written since the last wgmma
     for ks in nvfly.static_range(len(fragments)):
@@ -154,20 +157,23 @@ def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDes
     [B, Hq, Sq] (f32, natural log; None: not wanted); with splits partial_o [splits * B * Sq * Hq, 128] and
     partial_lse [splits * B * Sq * Hq] (f32; row ((split * B + b) * Sq + token) * Hq + head). block_table [B, pages]
     int32 when paged, else None; heads: Hq."""
-    nvfly.min_blocks_per_sm(CTAS_PER_SM)
+    nvfly.min_blocks_per_sm(PLAN.ctas_per_sm)
     if PLAN.pdl_combine:  # as the MLA kernel's: the combine waits for this grid's end before it reads a partial
         nvfly.launch_dependents()
     dtype = q_desc.info.dtype
-    lay = layouts(dtype)
+    CONSUMERS = PLAN.consumers
+    lay = layouts(dtype, CONSUMERS)
     SQ, G, SPLITS, STAGES = PLAN.sq, PLAN.group, PLAN.splits, PLAN.stages
     boxes = sm90.operand_boxes(lay.k_layout, BLOCK_N, HEAD_DIM, dtype, "K", SWIZZLE)[1][0]  # 2 boxes of 64 columns
-    q_boxes = sm90.operand_boxes(lay.q_layout, BLOCK_M, HEAD_DIM, dtype, "K", SWIZZLE)[1][0]
+    q_boxes = sm90.operand_boxes(lay.q_layout, BLOCK_M * CONSUMERS, HEAD_DIM, dtype, "K", SWIZZLE)[1][0]
 
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (PLAN.barriers,), offset_bytes=PLAN.barrier_offset))
-    q_tile = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (Q_BYTES,), offset_bytes=Q_OFFSET))
-    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (STAGES * STAGE_BYTES,), offset_bytes=RING_OFFSET))
+    q_tile = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (PLAN.q_bytes,), offset_bytes=Q_OFFSET))
+    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (STAGES * STAGE_BYTES,),
+                                                    offset_bytes=PLAN.ring_offset))
     q_bar = bars
-    pipe = sm90.TmaPipeline(bars + 8, STAGES, STAGE_BYTES, consumer_arrivals=4, chunks=2)  # each consumer warp
+    # each consumer warp releases a stage: both warpgroups' before the producer refills it
+    pipe = sm90.TmaPipeline(bars + 8, STAGES, STAGE_BYTES, consumer_arrivals=4 * CONSUMERS, chunks=2)
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
@@ -216,13 +222,18 @@ def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDes
                                   pipe.full(loading.stage, 1))
                 loading = loading.advance()
     else:
-        sm90.setmaxnreg(CONSUMER_REGS, increase=True)
+        sm90.setmaxnreg(PLAN.consumer_regs, increase=True)
         lane = nvfly.lane_idx()
         thread = tid % 128
-        row0 = 16 * (warp % 4) + lane // 4  # the thread's rows: row0, row0 + 8
+        row0 = 16 * (warp % 4) + lane // 4  # the thread's rows: row0, row0 + 8 (of its consumer's 64)
+        consumer, consumer_q = 0, q_tile
+        if CONSUMERS > 1:  # consumer c's 64 rows: 8 KB (64 rows of 128 bytes) into each 64-column box of Q's tile
+            consumer = warp // 4 - 1
+            row0 = row0 + BLOCK_M * consumer
+            consumer_q = q_tile + consumer * (Q_BYTES // 2)
         packed = [row0, row0 + 8]
         positions = [seqlen - SQ + r // G for r in packed]
-        t = Tile(q_tile, ring, pipe, lay, seqlen, scale_log2, positions, lane, thread)
+        t = Tile(consumer_q, ring, pipe, lay, seqlen, scale_log2, positions, lane, thread, consumer)
         state = Running([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2, sm90.Accumulator.zeros(lay.pv_atom),
                         sm90.PipelineState.start(STAGES))
         sm90.mbarrier_wait(q_bar, 0)

@@ -1,6 +1,6 @@
-"""Warpgroup-MMA GQA decode plans (``decode``'s ``wgmma`` option): 16-bit K and V of head dim 128, the Sq x G
-query rows of one KV head (at most 64) as one wgmma M = 64 (pure Python, shared by the kernel's trace, the host and
-the CPU tests).
+"""Warpgroup-MMA GQA decode plans (``decode``'s default at 16 < Sq x G <= 64): 16-bit K and V of head dim 128, the
+Sq x G query rows of one KV head (at most 64; 128 on two consumer warpgroups with ``wide``) as one wgmma M = 64 each
+(pure Python, shared by the kernel's trace, the host and the CPU tests).
 
 A CTA owns one (sequence, KV head, split): its Sq x G packed query rows (row r: query token r // G, head
 hkv * G + r % G) and the split's keys, streamed in ``BLOCK_N`` = 64-key tiles of K and V through a ``stages``-deep
@@ -21,6 +21,10 @@ CTAS_PER_SM = 2             # by registers (below) and shared memory (3 stages: 
 PRODUCER_REGS = 40          # the producer issues TMA and reads the block table
 CONSUMER_REGS = 216         # (40 + 216) * 128 = 32768: two CTAs an SM
 STAGES = 3                  # 3 x 32 KB of K and V in flight a CTA, 192 KB an SM
+# two consumer warpgroups (GqaPlan.consumers 2: 65-128 rows, 384 threads): one CTA an SM, by registers
+# ((40 + 2 x 232) x 128 = 64512) and shared memory (Q 32 KB + 5 stages of 32 KB: 160 KB of K and V in flight an SM)
+WIDE_CONSUMER_REGS = 232
+WIDE_STAGES = 5
 SWIZZLE = 128
 BOX_COLUMNS = SWIZZLE // 2  # 16-bit columns of a 128-byte swizzle row: one TMA box's width
 BOX_BYTES = BLOCK_N * SWIZZLE
@@ -50,14 +54,36 @@ class GqaPlan:
     splits: int = 1
     stages: int = STAGES
     pdl_combine: bool = False
+    consumers: int = 1
 
     @property
     def rows(self) -> int:
         return self.sq * self.group
 
     @property
+    def threads(self) -> int:
+        """A producer warpgroup and ``consumers`` consumer warpgroups, each owning 64 packed rows."""
+        return 128 * (1 + self.consumers)
+
+    @property
+    def ctas_per_sm(self) -> int:
+        return CTAS_PER_SM if self.consumers == 1 else 1
+
+    @property
+    def consumer_regs(self) -> int:
+        return CONSUMER_REGS if self.consumers == 1 else WIDE_CONSUMER_REGS
+
+    @property
+    def q_bytes(self) -> int:
+        return self.consumers * Q_BYTES
+
+    @property
+    def ring_offset(self) -> int:
+        return Q_OFFSET + self.q_bytes
+
+    @property
     def barrier_offset(self) -> int:
-        return RING_OFFSET + self.stages * STAGE_BYTES
+        return self.ring_offset + self.stages * STAGE_BYTES
 
     @property
     def barriers(self) -> int:
@@ -74,17 +100,19 @@ class GqaPlan:
 
 
 def gqa_declined(sq: int, group: int, dqk: int, dv: int, dtype: str, fp8: bool = False, mods: bool = False,
-                 paged: bool = False, page_size: int = 0) -> str:
+                 paged: bool = False, page_size: int = 0, wide: bool = False) -> str:
     """Why the wgmma GQA kernel cannot compute a decode call ('' when it can): it has code for 16-bit K and V of
-    head dim 128, at most 64 packed query rows, pages of a multiple of 64 tokens, and no mods or block masks."""
+    head dim 128, at most 64 packed query rows (128 with ``wide``: two consumer warpgroups), pages of a multiple of
+    64 tokens, and no mods or block masks."""
     if fp8:
         return "fp8 K/V: the wgmma GQA kernel reads 16-bit caches only"
     if dtype not in ("torch.bfloat16", "torch.float16"):
         return f"dtype {dtype}: the wgmma GQA kernel takes bfloat16 or float16"
     if dqk != HEAD_DIM or dv != HEAD_DIM:
         return f"head dims {dqk}/{dv}: the wgmma GQA kernel takes Dqk = Dv = {HEAD_DIM}"
-    if sq * group > BLOCK_M:
-        return f"Sq x G = {sq * group} query rows, more than the {BLOCK_M} of one wgmma M"
+    if sq * group > (2 if wide else 1) * BLOCK_M:
+        return (f"Sq x G = {sq * group} query rows, more than the {BLOCK_M} of one wgmma M" if not wide else
+                f"Sq x G = {sq * group} query rows, more than the {2 * BLOCK_M} of two consumer warpgroups")
     if mods:
         return "score_mod / mask_mod / block_mask: the wgmma GQA kernel has no code for mods"
     if paged and page_size % BLOCK_N:
@@ -105,21 +133,25 @@ def gqa_by_default(sq: int, group: int) -> bool:
 
 def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_count: int, paged: bool = False,
              page_size: int = 0, causal: bool = True, splits: int = 0, stages: int = 0,
-             pdl_combine: bool = False) -> GqaPlan:
-    """The plan for one call shape: ``mla_splits``'s count over ``CTAS_PER_SM`` CTAs an SM and the cache's capacity
+             pdl_combine: bool = False, wide: bool = False) -> GqaPlan:
+    """The plan for one call shape: ``mla_splits``'s count over the plan's CTAs an SM and the cache's capacity
     in 64-key tiles (``splits`` > 0 forces one); ``stages`` > 0 forces the ring depth; ``pdl_combine``: where the
-    plan splits, the combine as a programmatic dependent launch."""
-    declined = gqa_declined(sq, group, HEAD_DIM, HEAD_DIM, "torch.bfloat16", paged=paged, page_size=page_size)
+    plan splits, the combine as a programmatic dependent launch; ``wide``: more than 64 rows (at most 128) on two
+    consumer warpgroups (``GqaPlan.consumers``)."""
+    declined = gqa_declined(sq, group, HEAD_DIM, HEAD_DIM, "torch.bfloat16", paged=paged, page_size=page_size,
+                            wide=wide)
     if declined:
         raise ValueError("gqa_plan: " + declined)
+    consumers = 2 if sq * group > BLOCK_M else 1
+    ctas_per_sm = CTAS_PER_SM if consumers == 1 else 1
     if splits <= 0:
-        splits = mla_splits(batch * kv_heads, sm_count * CTAS_PER_SM, -(-capacity // BLOCK_N))
+        splits = mla_splits(batch * kv_heads, sm_count * ctas_per_sm, -(-capacity // BLOCK_N))
     splits = max(1, min(splits, MAX_SPLITS))
-    plan = GqaPlan(sq, group, paged, page_size if paged else 0, causal, splits, stages or STAGES,
-                   pdl_combine and splits > 1)
-    if CTAS_PER_SM * (plan.smem_bytes + SMEM_RESERVED) > SMEM_PER_SM:
+    plan = GqaPlan(sq, group, paged, page_size if paged else 0, causal, splits,
+                   stages or (STAGES if consumers == 1 else WIDE_STAGES), pdl_combine and splits > 1, consumers)
+    if plan.ctas_per_sm * (plan.smem_bytes + SMEM_RESERVED) > SMEM_PER_SM:
         raise ValueError(f"gqa_plan: {plan.stages} stages ({plan.smem_bytes} bytes of shared memory) do not fit "
-                         f"{CTAS_PER_SM} CTAs an SM")
+                         f"{plan.ctas_per_sm} CTAs an SM")
     return plan
 
 

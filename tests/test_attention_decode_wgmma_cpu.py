@@ -132,8 +132,8 @@ def test_host_path_launches_the_wgmma_kernel_by_default_above_16_rows(cpu_launch
 
 # (Sq, G) -> the kernel decode runs by default: the wgmma kernel at 16 < Sq x G <= 64, the decode kernel elsewhere
 DEFAULT_KERNELS = {(1, 8): "decode", (2, 8): "decode", (4, 4): "decode", (16, 1): "decode", (3, 6): "wgmma",
-                   (4, 6): "wgmma", (8, 4): "wgmma", (8, 8): "wgmma", (16, 4): "wgmma", (16, 6): "decode",
-                   (16, 8): "decode"}
+                   (4, 6): "wgmma", (8, 4): "wgmma", (8, 8): "wgmma", (16, 4): "wgmma", (16, 6): "wgmma",
+                   (16, 8): "wgmma", (16, 16): "decode"}  # past 64 rows on two consumers, up to 128
 
 
 @pytest.mark.parametrize("sq,group", DEFAULT_KERNELS)
@@ -334,17 +334,21 @@ def test_two_consumer_plans_only_when_asked():
     assert long.consumers == 2 and 8 * long.splits <= 2 * 132
 
 
-def test_host_path_two_consumers_under_wgmma_wide(cpu_launches):
+def test_host_path_two_consumers_by_default_and_under_wgmma_wide(cpu_launches):
     q = torch.zeros(2, 16, 48, D, dtype=torch.bfloat16)  # Sq 16 at G 6: 96 rows
     k = torch.zeros(2, 512, 8, D, dtype=torch.bfloat16)
-    attention.decode(q, k, k, splits=1)
-    assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"]  # the default: the decode kernel
+    for options in ({}, api.DECODE_VARIANTS["wgmma_wide"]):
+        cpu_launches.clear()
+        api._CALLS.clear()
+        with api.plan_options(**options):
+            attention.decode(q, k, k, splits=1)
+        assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_gqa_wgmma_kernel", (1, 8, 2))]
+        call = next(call for call in api._CALLS.values() if isinstance(call, gqa_api.GqaCall))
+        assert call.plan.consumers == 2
     cpu_launches.clear()
-    with api.plan_options(**api.DECODE_VARIANTS["wgmma_wide"]):
+    with api.plan_options(wgmma=False):  # the off switch: the decode kernel
         attention.decode(q, k, k, splits=1)
-    assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_gqa_wgmma_kernel", (1, 8, 2))]
-    call = next(call for call in api._CALLS.values() if isinstance(call, gqa_api.GqaCall))
-    assert call.plan.consumers == 2
+    assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"]
 
 
 def test_two_consumers_own_disjoint_64_row_blocks():

@@ -398,8 +398,11 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     check_out(out, (batch, sq, hq, dv), q, OP)
     (stages, row_warps, warp_tiles, lazy_rescale, split_efficiency, swapped, pdl_combine, fixup_combine,
      wgmma_wide, wgmma) = _OPTIONS.get()
-    # the wgmma kernel: asked for, or by default (where no other plan option asks for the decode kernel's plan)
-    if batch and (wgmma or wgmma is None and gqa_by_default(sq, hq // hkv) and _OPTIONS.get()[:-1] == _NO_OPTIONS):
+    # the wgmma kernel: asked for, or by default (where no other plan option asks for the decode kernel's plan),
+    # then past 64 rows on two consumer warpgroups (the decode kernel's 96/128 rows ran at half their speed)
+    by_default = wgmma is None and gqa_by_default(sq, hq // hkv) and _OPTIONS.get()[:-1] == _NO_OPTIONS
+    if batch and (wgmma or by_default):
+        wgmma_wide = wgmma_wide or by_default
         paged = block_table is not None
         declined = gqa_declined(sq, hq // hkv, dqk, dv, str(q.dtype), str(k_cache.dtype) == FP8,
                                 mods.active or block_mask is not None, paged, k_cache.shape[1], wgmma_wide)

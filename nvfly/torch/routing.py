@@ -35,8 +35,8 @@ Other inputs take torch's composite path (pow/mean/rsqrt), which is not routed.
 A routed call's host cost: the hop into nvfly's kernel, then the decision. The routes are registered as the C++
 route kernel (``native_routes``: built once per torch version) in front of the Python kernel: a call whose *call key*
 (its tensors' layouts, scalars, grad mode, stream, SDPA backends) the Python kernel declined before goes to torch's
-kernel from C++ without entering Python (~0.5 µs; the Llama layer's decode step on the H200's host: +4 µs of 738, where
-the Python kernel alone cost +105); any other call reaches the Python kernel through the dispatcher's trampoline
+kernel from C++ without entering Python (a declined RMSNorm on the H200's host: +1.5 µs over torch alone, +16.7
+through the Python kernel; ``benchmarks/routing_overhead.py``); any other call reaches the Python kernel through the dispatcher's trampoline
 (3-5 µs in a tight loop, several times that inside a model step). Where the extension cannot be built (no C++
 compiler) or ``NVFLY_ROUTING_NATIVE=0``, the Python kernel alone is registered and every call pays the trampoline.
 A hook above the dispatcher (a ``TorchFunctionMode`` or ``__torch_dispatch__`` mode) would put every torch call of

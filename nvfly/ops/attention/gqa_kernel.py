@@ -32,7 +32,7 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.gqa_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, HEAD_DIM, K_BYTES, PRODUCER_REGS, Q_BYTES,
                                           Q_OFFSET, STAGE_BYTES, SWIZZLE)
 from nvfly.ops.attention.mla_plan import unmasked_end
-from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
+from nvfly.ops.attention.softmax import NEG_INF, mask_key_tile, online_softmax, row_of
 
 LN2 = math.log(2.0)
 CONSUMER_THREADS = 128
@@ -123,13 +123,7 @@ def key_tile(state, t, n, PLAN, MASKED):
 
     scores = [s[i] for i in range(len(s))]
     if MASKED:
-        first_key = n * BLOCK_N + 2 * (t.lane % 4)
-        for i in nvfly.static_range(len(scores)):
-            key = first_key + 8 * (i // 4) + i % 2
-            keep = key < t.seqlen
-            if PLAN.causal:
-                keep = keep & (key <= t.positions[row_of(i)])
-            scores[i] = nvfly.select(keep, scores[i], NEG_INF)
+        scores = mask_key_tile(scores, n * BLOCK_N + 2 * (t.lane % 4), t.seqlen, t.positions, PLAN.causal)
     soft = online_softmax(scores, state.maxima, state.sums, t.scale_log2, MASKED)
     fragments = s.map(lambda x, i: soft.p[i]).to_a_fragments(lay.pv_atom)
 

@@ -39,7 +39,7 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mla_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, CONSUMER_REGS, DQK, DV, FINAL_OFFSET,
                                           P_OFFSET, PRODUCER_REGS, Q_BYTES, Q_OFFSET, RESCALE_OFFSET, RING_OFFSET,
                                           STAGE_BYTES, STAGES, SWIZZLE, unmasked_end)
-from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
+from nvfly.ops.attention.softmax import NEG_INF, mask_key_tile, online_softmax, row_of
 
 LN2 = math.log(2.0)
 HALF = DV // 2             # O columns of a consumer warpgroup
@@ -153,13 +153,7 @@ def softmax_tile(state, t, n, PLAN, MASKED):
 
     scores = [s[i] for i in range(len(s))]
     if MASKED:
-        first_key = n * BLOCK_N + 2 * (t.lane % 4)
-        for i in nvfly.static_range(len(scores)):
-            key = first_key + 8 * (i // 4) + i % 2
-            keep = key < t.seqlen
-            if PLAN.causal:
-                keep = keep & (key <= t.positions[row_of(i)])
-            scores[i] = nvfly.select(keep, scores[i], NEG_INF)
+        scores = mask_key_tile(scores, n * BLOCK_N + 2 * (t.lane % 4), t.seqlen, t.positions, PLAN.causal)
     soft = online_softmax(scores, state.maxima, state.sums, t.scale_log2, MASKED)
     rescales, p = soft.rescales, soft.p
     fragments = s.map(lambda x, i: p[i]).to_a_fragments(lay.pv_registers)

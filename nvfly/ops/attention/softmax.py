@@ -35,6 +35,20 @@ def row_of(i: int) -> int:
     return (i // 2) % 2
 
 
+def mask_key_tile(scores: list, first_key: Any, seqlen: Any, positions: Any, causal: bool) -> list:
+    """A wgmma S fragment's scores of one key tile (a thread's element i: key ``first_key`` + 8 (i // 4) + i % 2 of
+    its row ``row_of(i)``) with keys at or past ``seqlen``, and with ``causal`` keys past the row's position
+    (``positions[row]``), at -inf."""
+    masked = list(scores)
+    for i in nvfly.static_range(len(masked)):
+        key = first_key + 8 * (i // 4) + i % 2
+        keep = key < seqlen
+        if causal:
+            keep = keep & (key <= positions[row_of(i)])
+        masked[i] = nvfly.select(keep, masked[i], NEG_INF)
+    return masked
+
+
 def polynomial_slots(per_16: int) -> frozenset:
     """Which scores of every 16 (a thread's, by index % 16) ``online_softmax`` exponentiates by ``exp2_polynomial``:
     ``per_16`` of them, spread out."""

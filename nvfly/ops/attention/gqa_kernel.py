@@ -32,7 +32,7 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.gqa_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, HEAD_DIM, K_BYTES, PRODUCER_REGS, Q_BYTES,
                                           Q_OFFSET, STAGE_BYTES, SWIZZLE)
 from nvfly.ops.attention.mla_plan import unmasked_end
-from nvfly.ops.attention.softmax import NEG_INF, mask_key_tile, online_softmax, row_of
+from nvfly.ops.attention.softmax import NEG_INF, mask_key_tile, online_softmax, rescaled_plus_pv
 
 LN2 = math.log(2.0)
 CONSUMER_THREADS = 128
@@ -130,13 +130,7 @@ def key_tile(state, t, n, PLAN, MASKED):
     t.pipe.consumer_wait(state.stage, 1)
     if MASKED:
         zero_tail_rows(v_tile, t.seqlen - n * BLOCK_N, t.thread, t.consumer)
-    acc = state.acc.map(lambda x, i: x * soft.rescales[row_of(i)])
-    sm90.fence()  # P's and O's registers were written since the last wgmma
-    for ks in nvfly.static_range(len(fragments)):
-        dv = sm90.smem_descriptor(v_tile + lay.v_layout.inner((0, ks * lay.pv_atom.k)) * 2, *lay.v_desc)
-        acc = sm90.mma(lay.pv_atom, acc, fragments[ks], dv)
-    sm90.commit_group()
-    sm90.wait_group(0)
+    acc = rescaled_plus_pv(state.acc, soft.rescales, fragments, v_tile, lay.pv_atom, lay.v_layout, lay.v_desc)
     if t.lane == 0:
         t.pipe.consumer_release(state.stage)
     return Running(soft.maxima, soft.sums, acc, state.stage.advance())

@@ -39,7 +39,7 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mla_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, CONSUMER_REGS, DQK, DV, FINAL_OFFSET,
                                           P_OFFSET, PRODUCER_REGS, Q_BYTES, Q_OFFSET, RESCALE_OFFSET, RING_OFFSET,
                                           STAGE_BYTES, STAGES, SWIZZLE, unmasked_end)
-from nvfly.ops.attention.softmax import NEG_INF, mask_key_tile, online_softmax, row_of
+from nvfly.ops.attention.softmax import NEG_INF, mask_key_tile, online_softmax, rescaled_plus_pv, row_of
 
 LN2 = math.log(2.0)
 HALF = DV // 2             # O columns of a consumer warpgroup
@@ -175,13 +175,7 @@ def softmax_tile(state, t, n, PLAN, MASKED):
 
     if MASKED:
         zero_tail_rows(stage, t.seqlen - n * BLOCK_N, 0, t.thread)
-    acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
-    sm90.fence()  # P's and O's registers were written since the last wgmma
-    for ks in nvfly.static_range(len(fragments)):
-        dv = sm90.smem_descriptor(stage + lay.v_layout.inner((0, ks * lay.pv_registers.k)) * 2, *lay.v_desc)
-        acc = sm90.mma(lay.pv_registers, acc, fragments[ks], dv)
-    sm90.commit_group()
-    sm90.wait_group(0)
+    acc = rescaled_plus_pv(state.acc, rescales, fragments, stage, lay.pv_registers, lay.v_layout, lay.v_desc)
     if t.lane == 0:
         t.pipe.consumer_release(state.stage)
     return Running(soft.maxima, soft.sums, acc, state.stage.advance())

@@ -30,6 +30,7 @@ STAGES = 2                  # K and V rings each; FA3 uses 2 (the loads run a wh
 PRODUCER_REGS = 24          # the producer only issues TMA
 CONSUMER_REGS = 240         # 24 * 128 + 240 * 256 = 64512 of the SM's 65536 registers
 PERSISTENT_PRODUCER_REGS = 40  # and 232 a consumer thread: 40 * 128 + 232 * 256 = 64512
+TABLE_PRODUCER_REGS = 32  # ``unit_table``: the producer reads its units' coordinates (24 spills; and 232)
 PINGPONG_BARRIER = 1        # named barriers 1 and 2: consumer c waits on 1 + c for its turn to issue GEMMs
 BARRIER_BYTES = 1024        # barriers first; the tiles start 1024-byte aligned (128-byte swizzle atoms need it)
 SWIZZLE = 128
@@ -125,7 +126,9 @@ class PrefillPlan:
         """The producer warpgroup's registers a thread: ``PRODUCER_REGS``; persistent: ``PERSISTENT_PRODUCER_REGS``
         (it derives every unit's coordinates and key blocks itself); ``unit_table``: ``PRODUCER_REGS`` (it reads
         them)."""
-        return PERSISTENT_PRODUCER_REGS if self.persistent and not self.unit_table else PRODUCER_REGS
+        if self.unit_table:
+            return TABLE_PRODUCER_REGS
+        return PERSISTENT_PRODUCER_REGS if self.persistent else PRODUCER_REGS
 
     @property
     def consumer_regs(self) -> int:

@@ -132,7 +132,7 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
                 offset = bottom_right * (skv - sq)
                 rings = (sm90.PipelineState.start(S), sm90.PipelineState.start(S))
                 q_state = sm90.PipelineState.start(1)
-                for unit in range(walk[0], walk[1], walk[2]):
+                for unit in range(*walk_range(walk, PLAN)):
                     m_block, head, batch = unit_coordinates(unit, unit_table, walk, PLAN)
                     tile = tile_keys(m_block, head, batch, skv, offset, left, right, kv_num_blocks, kv_indices,
                                      full_kv_num_blocks, full_kv_indices, PLAN)
@@ -158,7 +158,7 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
             q_state = sm90.PipelineState.start(1)
             if PLAN.pingpong and consumer == 0:  # consumer 0 issues its GEMMs first, once for the whole walk
                 nvfly.named_barrier_arrive(PINGPONG_BARRIER, 256)
-            for unit in range(walk[0], walk[1], walk[2]):
+            for unit in range(*walk_range(walk, PLAN)):
                 m_block, head, batch = unit_coordinates(unit, unit_table, walk, PLAN)
                 tile = tile_keys(m_block, head, batch, skv, offset, left, right, kv_num_blocks, kv_indices,
                                  full_kv_num_blocks, full_kv_indices, PLAN)
@@ -254,24 +254,28 @@ def unit_walk(out, sq, skv, group, PLAN, size):
     return tiles_m, heads, pairs, tiles_m * pairs, pair_group(skv, group, PLAN.kv_rows_in_l2(size), nvfly.maximum)
 
 
-@nvfly.func
 def cta_units(unit_table, out, sq, skv, group, PLAN, size):
-    """``PLAN.persistent``: the CTA's walk, (first, end, step) of a ``range`` over its units and what
-    ``unit_coordinates`` needs: with ``PLAN.unit_table`` its list's positions in the table (step 1), else units
-    first, first + grid, ... of ``unit_walk``."""
+    """``PLAN.persistent``: what the CTA's walk needs (``walk_range``, ``unit_coordinates``): with
+    ``PLAN.unit_table`` its list's first and end positions in the table, else ``unit_walk``'s sizes."""
     if PLAN.unit_table:
-        return unit_table[nvfly.block_idx.x], unit_table[nvfly.block_idx.x + 1], 1
-    tiles_m, heads, pairs, units, grouped = unit_walk(out, sq, skv, group, PLAN, size)
-    return nvfly.block_idx.x, units, nvfly.grid_dim.x, tiles_m, heads, pairs, grouped
+        return unit_table[nvfly.block_idx.x], unit_table[nvfly.block_idx.x + 1]
+    return unit_walk(out, sq, skv, group, PLAN, size)
 
 
-@nvfly.func
+def walk_range(walk, PLAN):
+    """The ``range`` of the CTA's units (``cta_units``): its list's positions, or units first, first + grid, ..."""
+    if PLAN.unit_table:
+        return walk[0], walk[1], 1
+    return nvfly.block_idx.x, walk[3], nvfly.grid_dim.x
+
+
 def unit_coordinates(unit, unit_table, walk, PLAN):
     """(query tile, head, batch) of the walk's ``unit`` (``cta_units``): its table entry's code
     (``scheduler.unpack_unit``), or ``scheduler.head_grouped_lpt_unit``'s."""
     if PLAN.unit_table:
         return unpack_unit(unit_table[unit])
-    return head_grouped_lpt_unit(unit, *walk[3:], nvfly.minimum)
+    tiles_m, heads, pairs, _, grouped = walk
+    return head_grouped_lpt_unit(unit, tiles_m, heads, pairs, grouped, nvfly.minimum)
 
 
 class TileKeys(NamedTuple):

@@ -420,7 +420,8 @@ PREFILL_VARIANTS = {"serial": dict(overlap=False, pingpong=False), "overlap": di
                     "wide_lazy_hoist": dict(wide=True, lazy_rescale=True, hoist=True),
                     "poly4_lazy_hoist": dict(poly_exp2=4, lazy_rescale=True, hoist=True),
                     "wide_poly2_lazy_hoist": dict(wide=True, poly_exp2=2, lazy_rescale=True, hoist=True),
-                    "persistent": dict(persistent=True)}
+                    "persistent": dict(persistent=True),
+                    "persistent_table": dict(persistent=True, unit_table=True)}
 # fp8's: the same, and D 128's 192-key blocks (PrefillPlan.block_n; other head dims keep 128) with the row maxima by
 # a tree (wide) or by the chain (wide_chain), the tree at 128 keys (tree_max), and 2 or 4 of every 16 exp2 by the
 # polynomial on the FMA pipe (PrefillPlan.poly_exp2), at 192 keys (wide_poly*) or 128 (poly*, tree_poly2)

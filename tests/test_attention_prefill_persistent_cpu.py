@@ -10,9 +10,9 @@ import re
 import pytest
 
 from nvfly.ops import attention
-from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, PERSISTENT_PRODUCER_REGS, PrefillPlan, key_blocks,
-                                              pair_group)
-from nvfly.ops.common.scheduler import head_grouped_lpt_unit
+from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, PERSISTENT_PRODUCER_REGS, TABLE_PRODUCER_REGS,
+                                              PrefillPlan, key_blocks, pair_group, prefill_unit_table)
+from nvfly.ops.common.scheduler import head_grouped_lpt_unit, lpt_work_lists, unpack_unit
 from tests.test_attention_prefill_cpu import _cpu_prefill, _inputs, gmma_count
 
 HEAD_DIM_PAIRS = [(64, 64), (128, 128), (256, 256), (192, 128)]
@@ -92,6 +92,100 @@ def test_host_path_launches_one_cta_an_sm(recorded_launches, monkeypatch):
         attention.prefill_varlen(q[0], k[0, :77], v[0, :77], cu, torch.tensor([0, 77], dtype=torch.int32))
     assert plans[0] == dataclasses.replace(attention.prefill_plan(128, 128, True), persistent=True)
     assert plans[1].varlen and not plans[1].persistent
+
+
+# ---------------------------------------------------------------------------------------------- unit table
+@pytest.mark.parametrize("dqk, dv", [(64, 64), (128, 128), (256, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_unit_table_plans_compile_without_spills(dqk, dv, causal):
+    """``unit_table``: the same HGMMA as the persistent kernel, no spills and no warnings, the producer at
+    TABLE_PRODUCER_REGS (24 spills) and the consumers at the rest."""
+    plan = attention.prefill_plan(dqk, dv, causal, persistent=True, unit_table=True)
+    assert plan == dataclasses.replace(attention.prefill_plan(dqk, dv, causal), persistent=True, unit_table=True)
+    kernel = attention.compile_prefill(plan)
+    traces = 2 + plan.overlap
+    assert gmma_count(kernel, f"64x{plan.block_n}x16", a_from_registers=False) == traces * (dqk // 16)
+    assert gmma_count(kernel, f"64x{dv}x16", a_from_registers=True) == traces * (plan.block_n // 16)
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert "LDL" not in kernel.sass() and "STL" not in kernel.sass()
+    assert not kernel.warnings
+    assert re.search(rf"USETMAXREG\.DEALLOC\.CTAPOOL {TABLE_PRODUCER_REGS:#x} ;", kernel.sass())
+    assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {plan.consumer_regs:#x} ;", kernel.sass())
+    assert plan.producer_regs * 128 + plan.consumer_regs * 256 <= 24 * 128 + CONSUMER_REGS * 256
+
+
+def test_unit_table_plan_options():
+    """Off by default, only with ``persistent``."""
+    assert not attention.prefill_plan(128, 128, True, persistent=True).unit_table
+    with pytest.raises(ValueError, match="unit_table"):
+        attention.prefill_plan(128, 128, True, unit_table=True)
+
+
+@pytest.mark.parametrize("batch, heads, sq, skv, group, causal, window, ctas", [
+    (2, 8, 2048, 2048, 1, True, False, 132), (2, 8, 2048, 2048, 1, False, False, 128),
+    (3, 12, 1000, 1000, 3, True, False, 132), (2, 8, 777, 1500, 4, True, False, 132),
+    (2, 8, 1500, 700, 2, True, False, 132), (1, 4, 300, 300, 1, True, False, 12),
+    (2, 4, 1024, 30000, 1, True, False, 64), (2, 8, 4096, 4096, 2, True, True, 132),
+    (1, 32, 16384, 16384, 4, True, False, 132)])
+def test_unit_table_lists_every_unit_once_balanced(batch, heads, sq, skv, group, causal, window, ctas):
+    """The CSR table: ctas + 1 offsets, every (tile, head, batch) unit exactly once, each CTA's list by
+    non-increasing cost, and the greedy LPT bound: no CTA's load above sum / ctas + the largest unit."""
+    plan = PrefillPlan(128, 128, causal, window=window, persistent=True, unit_table=True)
+    offset, left, right = skv - sq, 500 if window else 0, 0
+    table = prefill_unit_table(plan, batch, heads, sq, skv, group, offset, left, right, ctas)
+    tiles = -(-sq // plan.block_m)
+    assert table[0] == ctas + 1 and table[ctas] == len(table) == ctas + 1 + tiles * heads * batch
+    assert all(a <= b for a, b in zip(table[:ctas], table[1:ctas + 1]))
+    units = [unpack_unit(code) for code in table[ctas + 1:]]
+    assert sorted(units) == sorted((m, h, b) for m in range(tiles) for h in range(heads) for b in range(batch))
+
+    def cost(m):
+        start, _, _, total = key_blocks(m, skv, causal, window, offset, left, right, plan.block_m, plan.block_n)
+        return max(total - start, 0)
+    loads = []
+    for cta in range(ctas):
+        costs = [cost(unpack_unit(code)[0]) for code in table[table[cta]:table[cta + 1]]]
+        assert costs == sorted(costs, reverse=True)
+        loads.append(sum(costs))
+    every = [cost(m) for m, _, _ in units]
+    assert max(loads) <= sum(every) / ctas + max(every)
+
+
+def test_lpt_work_lists_keep_ties_in_order():
+    """Equal costs go out in index order, each to the least-loaded (then lowest) worker."""
+    assert lpt_work_lists([1, 3, 3, 2, 1], 2) == [[1, 3], [2, 0, 4]]
+    assert lpt_work_lists([5], 3) == [[0], [], []]
+
+
+def test_unit_table_refuses_sizes_a_code_cannot_hold():
+    plan = PrefillPlan(128, 128, True, persistent=True, unit_table=True)
+    with pytest.raises(ValueError, match="query tiles"):
+        prefill_unit_table(plan, 1, 1, 4097 * 128, 4097 * 128, 1, 0, 0, 0, 132)
+    with pytest.raises(ValueError, match="heads"):
+        prefill_unit_table(plan, 1, 257, 128, 128, 1, 0, 0, 0, 132)
+    with pytest.raises(ValueError, match="batch"):
+        prefill_unit_table(plan, 2049, 1, 128, 128, 1, 0, 0, 0, 132)
+
+
+def test_host_path_passes_a_cached_unit_table(monkeypatch):
+    """``plan_options(persistent=True, unit_table=True)``: the launch gets the table of its grid, built once a
+    call signature."""
+    import torch
+
+    from nvfly.ops.attention import prefill_api
+    _cpu_prefill(monkeypatch)
+    prefill_api._unit_table.cache_clear()
+    calls = []
+    monkeypatch.setattr(prefill_api, "_launch", lambda plan, *args: calls.append((plan, args)))
+    q, k, v = _inputs(b=2, sq=300, skv=300, hq=4, hkv=2, d=128)
+    with prefill_api.plan_options(persistent=True, unit_table=True):
+        attention.prefill(q, k, v, causal=True)
+        attention.prefill(q, k, v, causal=True)
+    (plan, args), (_, again) = calls
+    assert plan.unit_table and args[-1] is again[-1] and args[-1].dtype == torch.int32
+    table = args[-1].tolist()
+    assert table == prefill_unit_table(plan, 2, 4, 300, 300, 2, 0, 0, 0, args[12][0])
+    assert prefill_api._unit_table.cache_info().hits == 1
 
 
 # ---------------------------------------------------------------------------------------------- ping-pong model

@@ -102,3 +102,45 @@ def test_serial_and_overlap_consumers(launches, overlap, pingpong):
         check(q, k, v, causal=True)
     plan = launches[0][0]
     assert plan.persistent and (plan.overlap, plan.pingpong) == (overlap, pingpong)
+
+
+@pytest.mark.parametrize("batch, sq, skv, hq, hkv, d, causal", [
+    (2, 300, 300, 4, 4, 128, True),         # 24 units: fewer than the SMs, one a CTA
+    (2, 2048, 2048, 8, 8, 128, True),       # 256 units: CTAs walk two or more, lists of unequal length
+    (2, 2048, 2048, 8, 8, 64, False),
+    (3, 1000, 1000, 12, 4, 64, True),       # GQA, 288 units
+    (2, 777, 1500, 8, 2, 128, True),        # causal bottom-right, Skv > Sq
+    (2, 1500, 700, 8, 4, 64, True),         # causal, early rows see no key (zero-cost units)
+    (2, 2048, 2048, 8, 4, 256, True),       # 80-key blocks, the overlap
+    (1, 1500, 1500, 16, 16, (192, 128), True),
+    (2, 1024, 30000, 4, 4, 128, True),      # pair groups of one pair
+])
+def test_unit_table_against_the_reference(launches, batch, sq, skv, hq, hkv, d, causal):
+    """``unit_table``: the CTAs walk host-built LPT lists; every unit once, against the reference."""
+    dqk, dv = d if isinstance(d, tuple) else (d, d)
+    q, k, v = make_inputs(batch, sq, skv, hq, hkv, dqk, torch.bfloat16, seed=sq + skv + hq, dv=dv)
+    with plan_options(persistent=True, unit_table=True):
+        check(q, k, v, causal=causal)
+    (plan, grid), = launches
+    units = -(-sq // plan.block_m) * hq * batch
+    assert plan.unit_table and grid == (min(units, plan_sm_count(q.get_device())), 1, 1)
+
+
+@pytest.mark.parametrize("d, causal", [(128, True), (64, False), (256, True)])
+def test_unit_table_the_same_bits_as_the_cta_per_tile_kernel(d, causal):
+    """A unit's code is the CTA-per-tile kernel's whichever CTA runs it: out and LSE bit for bit, over several
+    calls (the second and third reuse the cached table)."""
+    q, k, v = make_inputs(2, 2048, 2048, 8, 4, d, torch.bfloat16, seed=d)
+    want, want_lse = attention.prefill(q, k, v, causal=causal, return_lse=True)
+    with plan_options(persistent=True, unit_table=True):
+        for _ in range(3):
+            got, lse = attention.prefill(q, k, v, causal=causal, return_lse=True)
+            assert torch.equal(got, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("case", ["d64-window", "d128-soft-cap", "d64-document-mask", "d128-block-mask-causal"])
+def test_unit_table_variants(launches, case):
+    """Windows (the table's costs window-aware), mods and block masks (costs by position only) with the table."""
+    with plan_options(persistent=True, unit_table=True):
+        VARIANT_CASES[case]()
+    assert launches and all(plan.unit_table for plan, _ in launches)

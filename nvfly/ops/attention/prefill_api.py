@@ -15,7 +15,7 @@ from nvfly.ops.attention.kv_options import check_block_mask, error, mask_mod_of,
 from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
 from nvfly.ops.attention.prefill_kernel import attention_prefill_kernel
 from nvfly.ops.attention.prefill_plan import (BLOCK_M, FP8_HEAD_DIMS, HEAD_DIMS, PrefillPlan, causal_offset,
-                                              prefill_plan)
+                                              prefill_plan, prefill_unit_table)
 from nvfly.ops.attention.transpose_kernel import THREADS, transpose_plan, transpose_values_kernel
 from nvfly.ops.common.opcall import Declined, KernelScalars, OpCalls, context_value
 from nvfly.runtime.torch_args import layout_key
@@ -104,19 +104,20 @@ def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None
 
 
 _plan = functools.lru_cache(maxsize=64)(prefill_plan)
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None,) * 9)
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("prefill_plan_options", default=(None,) * 10)
 
 
 def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None, wide: Optional[bool] = None,
                  tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None,
                  hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None,
-                 lazy_rescale: Optional[bool] = None, persistent: Optional[bool] = None) -> ContextManager[None]:
+                 lazy_rescale: Optional[bool] = None, persistent: Optional[bool] = None,
+                 unit_table: Optional[bool] = None) -> ContextManager[None]:
     """``prefill`` and ``prefill_varlen`` calls inside run plans with these ``PrefillPlan`` options (None: the
-    plan's default; ``wide``, ``tree_max``, ``poly_exp2``: fp8's, ``prefill_plan``; ``persistent``: ``prefill``'s
+    plan's default; ``wide``, ``tree_max``, ``poly_exp2``: fp8's, ``prefill_plan``; ``persistent``, ``unit_table``: ``prefill``'s
     bf16/fp16 calls, packed sequences ignore it): the benchmark's and the tests' way to run the kernel's variants
     side by side."""
     return context_value(_OPTIONS, (overlap, pingpong, wide, tree_max, poly_exp2, hoist, prefetch_mask,
-                                     lazy_rescale, persistent))
+                                     lazy_rescale, persistent, unit_table))
 
 
 def _boxes(plan: PrefillPlan, dtype: Any) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
@@ -144,6 +145,16 @@ def _window(window: Any) -> tuple[Optional[int], Optional[int]]:
             raise error(ValueError, "window", f"sides must be non-negative ints or None/-1 (unbounded), got "
                                               f"{window!r}", OP)
     return bounds[0], bounds[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_table(plan: PrefillPlan, batch: int, heads: int, sq: int, skv: int, group: int, offset: int, left: int,
+                right: int, ctas: int, device: Any) -> "torch.Tensor":
+    """``plan.unit_table``'s CTA work lists (``prefill_unit_table``) as an int32 tensor on ``device``, built once a
+    call signature."""
+    import torch
+    return torch.tensor(prefill_unit_table(plan, batch, heads, sq, skv, group, offset, left, right, ctas),
+                        dtype=torch.int32, device=device)
 
 
 class Masking(NamedTuple):
@@ -338,14 +349,20 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             tables = _block_tables(block_mask, batch, hq)
             q_block = int(block_mask.BLOCK_SIZE[0]) if block_mask is not None else 0
             kv_block = int(block_mask.BLOCK_SIZE[1]) if block_mask is not None else 0
-            overlap, pingpong, wide, tree_max, poly_exp2, hoist, prefetch_mask, lazy, persistent = _OPTIONS.get()
+            (overlap, pingpong, wide, tree_max, poly_exp2, hoist, prefetch_mask, lazy, persistent,
+             unit_table) = _OPTIONS.get()
             plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block, False, overlap, pingpong, fp8,
-                         wide, tree_max, poly_exp2, mods.active, hoist, prefetch_mask, lazy, persistent)
+                         wide, tree_max, poly_exp2, mods.active, hoist, prefetch_mask, lazy, persistent,
+                         unit_table and persistent)
             if fp8:
                 v = transposed_values(v)
-            _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv,
-                    plan.grid(batch, hq, sq, plan_sm_count(q.get_device()) if plan.persistent else 0), tuple(captured),
-                    _descale_tensors(descales, q.device))
+            grid = plan.grid(batch, hq, sq, plan_sm_count(q.get_device()) if plan.persistent else 0)
+            units = None
+            if plan.unit_table:
+                units = _unit_table(plan, batch, hq, sq, skv, hq // k.shape[2],
+                                    bounds.bottom_right * (skv - sq), bounds.left, bounds.right, grid[0], q.device)
+            _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv, grid,
+                    tuple(captured), _descale_tensors(descales, q.device), units)
     return (out, lse) if return_lse else out
 
 
@@ -388,10 +405,11 @@ def _block_tables(block_mask: Any, batch: int, hq: int) -> list:
 
 def _launch(plan: PrefillPlan, mods: Mods, q: Any, k: Any, v: Any, out: Any, lse: Any, cu_seqlens: Any,
             tables: list, scale: float, bounds: Masking, sq: int, skv: int, grid: tuple,
-            arguments: tuple = (), descales: Any = (None, None, None)) -> None:
+            arguments: tuple = (), descales: Any = (None, None, None), unit_table: Any = None) -> None:
     """One launch: q, k, v, out (B, S, H, D) and lse (B, H, S) as the kernel takes them (packed sequences: B = 1;
     fp8: v (B, Dv, Hkv, Skv), ``transposed_values``); ``arguments``: the mods' tensor arguments; ``descales``:
-    fp8's q, k and v descales (one-element float32 tensors or None)."""
+    fp8's q, k and v descales (one-element float32 tensors or None); ``unit_table``: ``PrefillPlan.unit_table``'s
+    int32 work lists (``_unit_table``)."""
     q_box, kv_box, v_box = _boxes(plan, torch_dtype(q))
     descriptors = [cached_descriptor(t, box, swizzle) for t, box, swizzle in ((q, q_box, plan.swizzle),
                                                                               (k, kv_box, plan.swizzle),
@@ -399,7 +417,7 @@ def _launch(plan: PrefillPlan, mods: Mods, q: Any, k: Any, v: Any, out: Any, lse
     captured = _kernel_captured(mods, q.device, arguments)
     captured = captured + [None] * (MAX_CAPTURED - len(captured))
     attention_prefill_kernel[grid, plan.threads](
-        *descriptors, out, lse, *(cu_seqlens or (None, None)), *captured, *tables, *descales, sq, skv,
+        *descriptors, out, lse, *(cu_seqlens or (None, None)), *captured, *tables, *descales, unit_table, sq, skv,
         q.shape[2] // k.shape[2], bounds.bottom_right, bounds.left, bounds.right, scale / math.log(2.0), PLAN=plan,
         MODS=mods)
 
@@ -576,6 +594,7 @@ def prefill_flops(batch: int, sq: int, skv: int, hq: int, dqk: int, dv: int, cau
 
 
 # ---------------------------------------------------------------------------------------------- compile only
+COMPILE_SMS = 132  # an H200's SMs: the grid a compiled persistent plan's unit table is laid out for
 def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, sq: int = 1000, skv: int = 1000,
                     heads: int = 4, kv_heads: int = 2, return_lse: bool = True, mods: Mods = Mods(),
                     target: str = "sm_90a", captured: tuple = ()) -> Any:
@@ -604,6 +623,11 @@ def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, 
         tables = [TensorDesc(nvfly.i32, (batch, heads, q_blocks)), TensorDesc(nvfly.i32, (batch, heads, q_blocks,
                                                                                           kv_blocks))] * 2
     descales = [TensorDesc(nvfly.f32, (1,)) if plan.fp8 else None] * 3
-    return attention_prefill_kernel.compile(q, k, v, out, lse, *cu_seqlens, *captured, *tables, *descales, sq, skv,
+    units = None
+    if plan.unit_table:
+        ctas = plan.grid(batch, heads, sq, COMPILE_SMS)[0]
+        units = TensorDesc(nvfly.i32, (ctas + 1 + -(-sq // plan.block_m) * heads * batch,))
+    return attention_prefill_kernel.compile(q, k, v, out, lse, *cu_seqlens, *captured, *tables, *descales, units,
+                                            sq, skv,
                                             heads // kv_heads, 1, 0, 0, 0.18, PLAN=plan, MODS=mods,
                                             block=plan.threads, target=target)

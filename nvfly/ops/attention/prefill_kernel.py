@@ -55,7 +55,7 @@ from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PING
                                                   block_inside_bounds, key_blocks, pair_group, pipelined_loops,
                                                   upper_inside_end)
 from nvfly.ops.attention.softmax import EXP2_CUBIC, EXP2_POLYNOMIAL, NEG_INF, online_softmax, row_of
-from nvfly.ops.common.scheduler import head_grouped_lpt_unit
+from nvfly.ops.common.scheduler import head_grouped_lpt_unit, unpack_unit
 
 LN2 = math.log(2.0)
 LOG2E = 1.0 / LN2
@@ -69,7 +69,7 @@ UPPER_BOUNDS = "upper"
 def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescriptor, v_desc: nvfly.TmaDescriptor,
                              out: nvfly.Tensor, lse, cu_seqlens_q, cu_seqlens_k, captured0, captured1, kv_num_blocks,
                              kv_indices, full_kv_num_blocks, full_kv_indices, q_descale, k_descale, v_descale,
-                             sq: nvfly.i32, skv: nvfly.i32,
+                             unit_table, sq: nvfly.i32, skv: nvfly.i32,
                              group: nvfly.i32, bottom_right: nvfly.i32, left: nvfly.i32, right: nvfly.i32,
                              scale_log2: nvfly.f32, PLAN: nvfly.Constexpr, MODS: nvfly.Constexpr):
     dtype = q_desc.info.dtype
@@ -128,13 +128,12 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
         if wg == 0:
             sm90.setmaxnreg(PLAN.producer_regs, increase=False)
             if tid == 0:
-                tiles_m, heads, pairs, units, grouped = unit_walk(out, sq, skv, group, PLAN, size)
+                walk = cta_units(unit_table, out, sq, skv, group, PLAN, size)
                 offset = bottom_right * (skv - sq)
                 rings = (sm90.PipelineState.start(S), sm90.PipelineState.start(S))
                 q_state = sm90.PipelineState.start(1)
-                for unit in range(nvfly.block_idx.x, units, nvfly.grid_dim.x):
-                    m_block, head, batch = head_grouped_lpt_unit(unit, tiles_m, heads, pairs, grouped,
-                                                                 nvfly.minimum)
+                for unit in range(*walk_range(walk, PLAN)):
+                    m_block, head, batch = unit_coordinates(unit, unit_table, walk, PLAN)
                     tile = tile_keys(m_block, head, batch, skv, offset, left, right, kv_num_blocks, kv_indices,
                                      full_kv_num_blocks, full_kv_indices, PLAN)
                     q_pipe.producer_acquire(q_state)  # both consumers' last S of the previous unit is done
@@ -148,7 +147,7 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
                     q_state = q_state.advance()
         else:
             sm90.setmaxnreg(PLAN.consumer_regs, increase=True)
-            tiles_m, heads, pairs, units, grouped = unit_walk(out, sq, skv, group, PLAN, size)
+            walk = cta_units(unit_table, out, sq, skv, group, PLAN, size)
             offset = bottom_right * (skv - sq)
             consumer = wg - 1
             lane = nvfly.lane_idx()
@@ -159,8 +158,8 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
             q_state = sm90.PipelineState.start(1)
             if PLAN.pingpong and consumer == 0:  # consumer 0 issues its GEMMs first, once for the whole walk
                 nvfly.named_barrier_arrive(PINGPONG_BARRIER, 256)
-            for unit in range(nvfly.block_idx.x, units, nvfly.grid_dim.x):
-                m_block, head, batch = head_grouped_lpt_unit(unit, tiles_m, heads, pairs, grouped, nvfly.minimum)
+            for unit in range(*walk_range(walk, PLAN)):
+                m_block, head, batch = unit_coordinates(unit, unit_table, walk, PLAN)
                 tile = tile_keys(m_block, head, batch, skv, offset, left, right, kv_num_blocks, kv_indices,
                                  full_kv_num_blocks, full_kv_indices, PLAN)
                 row0 = m_block * BM + consumer * 64 + (warp % 4) * 16 + lane // 4
@@ -253,6 +252,30 @@ def unit_walk(out, sq, skv, group, PLAN, size):
     tiles_m = (sq + PLAN.block_m - 1) // PLAN.block_m
     pairs = heads * out.shape[0]
     return tiles_m, heads, pairs, tiles_m * pairs, pair_group(skv, group, PLAN.kv_rows_in_l2(size), nvfly.maximum)
+
+
+def cta_units(unit_table, out, sq, skv, group, PLAN, size):
+    """``PLAN.persistent``: what the CTA's walk needs (``walk_range``, ``unit_coordinates``): with
+    ``PLAN.unit_table`` its list's first and end positions in the table, else ``unit_walk``'s sizes."""
+    if PLAN.unit_table:
+        return unit_table[nvfly.block_idx.x], unit_table[nvfly.block_idx.x + 1]
+    return unit_walk(out, sq, skv, group, PLAN, size)
+
+
+def walk_range(walk, PLAN):
+    """The ``range`` of the CTA's units (``cta_units``): its list's positions, or units first, first + grid, ..."""
+    if PLAN.unit_table:
+        return walk[0], walk[1], 1
+    return nvfly.block_idx.x, walk[3], nvfly.grid_dim.x
+
+
+def unit_coordinates(unit, unit_table, walk, PLAN):
+    """(query tile, head, batch) of the walk's ``unit`` (``cta_units``): its table entry's code
+    (``scheduler.unpack_unit``), or ``scheduler.head_grouped_lpt_unit``'s."""
+    if PLAN.unit_table:
+        return unpack_unit(unit_table[unit])
+    tiles_m, heads, pairs, _, grouped = walk
+    return head_grouped_lpt_unit(unit, tiles_m, heads, pairs, grouped, nvfly.minimum)
 
 
 class TileKeys(NamedTuple):

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from nvfly.ops.common.scheduler import (check_unit_sizes, csr_table, head_grouped_lpt_unit, lpt_work_lists,
+                                        pack_unit)
+
 # (Dqk, Dv) pairs and the keys of a ring stage for each Dqk. S is 64 x block_n f32 a warpgroup (block_n / 2 registers
 # a thread), O 64 x Dv (Dv / 2): 128 keys up to Dqk 192 (DeepSeek's 192/128: 209 KB of shared memory), 80 at 256
 # (FlashAttention-3's tile: 225 KB, under the 227 KB a CTA may have). Rows are whole 128-byte swizzle rows, or
@@ -27,6 +30,7 @@ STAGES = 2                  # K and V rings each; FA3 uses 2 (the loads run a wh
 PRODUCER_REGS = 24          # the producer only issues TMA
 CONSUMER_REGS = 240         # 24 * 128 + 240 * 256 = 64512 of the SM's 65536 registers
 PERSISTENT_PRODUCER_REGS = 40  # and 232 a consumer thread: 40 * 128 + 232 * 256 = 64512
+TABLE_PRODUCER_REGS = 32  # ``unit_table``: the producer reads its units' coordinates (24 spills; and 232)
 PINGPONG_BARRIER = 1        # named barriers 1 and 2: consumer c waits on 1 + c for its turn to issue GEMMs
 BARRIER_BYTES = 1024        # barriers first; the tiles start 1024-byte aligned (128-byte swizzle atoms need it)
 SWIZZLE = 128
@@ -61,7 +65,9 @@ class PrefillPlan:
     overlap); persistent: one CTA an SM (``grid``'s ``sms``) walks the (query tile, head, batch) units
     ``scheduler.head_grouped_lpt_unit`` orders (longest causal tiles first, pairs grouped so that their K and V
     stay in L2, ``pair_group``), Q through its own one-stage full/empty ring, the K and V rings' positions and
-    the ping-pong turns carried from unit to unit (not with packed sequences nor fp8)."""
+    the ping-pong turns carried from unit to unit (not with packed sequences nor fp8); unit_table (with persistent
+    only): each CTA reads its units from a host-built list instead (``prefill_unit_table``: greedy LPT over the
+    units' key blocks), so the producer runs at ``PRODUCER_REGS`` as in the CTA-per-tile kernel."""
     dqk: int
     dv: int
     causal: bool
@@ -81,6 +87,7 @@ class PrefillPlan:
     prefetch_mask: bool = False
     lazy_rescale: bool = False
     persistent: bool = False
+    unit_table: bool = False
 
     def __post_init__(self) -> None:
         if self.pingpong and self.consumers != 2:
@@ -92,6 +99,8 @@ class PrefillPlan:
                              "no BlockMask (V's keys are permuted by 16 from the tensor's first key)")
         if self.persistent and (self.varlen or self.fp8):
             raise ValueError("a persistent prefill plan takes no packed sequences (varlen) and no fp8 inputs")
+        if self.unit_table and not self.persistent:
+            raise ValueError("unit_table is a persistent prefill plan's option (persistent=True)")
 
     @property
     def swizzle(self) -> int:
@@ -115,7 +124,10 @@ class PrefillPlan:
     @property
     def producer_regs(self) -> int:
         """The producer warpgroup's registers a thread: ``PRODUCER_REGS``; persistent: ``PERSISTENT_PRODUCER_REGS``
-        (it derives every unit's coordinates and key blocks itself)."""
+        (it derives every unit's coordinates and key blocks itself); ``unit_table``: ``PRODUCER_REGS`` (it reads
+        them)."""
+        if self.unit_table:
+            return TABLE_PRODUCER_REGS
         return PERSISTENT_PRODUCER_REGS if self.persistent else PRODUCER_REGS
 
     @property
@@ -163,13 +175,14 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
                  pingpong: Optional[bool] = None, fp8: bool = False, wide: Optional[bool] = None,
                  tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None, mods: bool = False,
                  hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None,
-                 lazy_rescale: Optional[bool] = None, persistent: Optional[bool] = None) -> PrefillPlan:
+                 lazy_rescale: Optional[bool] = None, persistent: Optional[bool] = None,
+                 unit_table: Optional[bool] = None) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
     options; ``overlap``/``pingpong`` None: the defaults below (``mods``: whether the kernel traces a score_mod or
     mask_mod); ``wide`` (fp8 D 128, and bf16/fp16 D 64 and 128 without a BlockMask; None: the default below):
     ``FP8_WIDE_BLOCK_N`` (``WIDE_BLOCK_N``) keys a stage instead of ``FP8_BLOCK_N`` (``BLOCK_N``); ``tree_max``
     (fp8 only; None: with ``wide``); ``poly_exp2`` (None: 0; bf16/fp16 by ``softmax.EXP2_CUBIC``); ``hoist``,
-    ``prefetch_mask`` (None: on for bf16/fp16, measured below), ``lazy_rescale``, ``persistent`` (None: off)."""
+    ``prefetch_mask`` (None: on for bf16/fp16, measured below), ``lazy_rescale``, ``persistent``, ``unit_table`` (None: off)."""
     if overlap is None:
         # measured on the H200: at D <= 128 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most); at
         # 192/128 and 256 +3-13% on every row; with mods or a BlockMask there it spills (docs/ops/attention.md)
@@ -194,7 +207,8 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
     return PrefillPlan(dqk, dv, causal, window, kv_block, q_block, varlen, block_n=block_n, overlap=overlap,
                        pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=poly_exp2 or 0,
                        hoist=bool(hoist), prefetch_mask=bool(prefetch_mask),
-                       lazy_rescale=bool(lazy_rescale) and not overlap, persistent=bool(persistent))
+                       lazy_rescale=bool(lazy_rescale) and not overlap, persistent=bool(persistent),
+                       unit_table=bool(unit_table))
 
 
 def stage_keys(dqk: int, kv_block: int = 0) -> int:
@@ -208,6 +222,26 @@ def pair_group(skv: Any, group: Any, kv_rows: int, maximum: Callable[[Any, Any],
     heads as fit ``kv_rows`` keys (``PrefillPlan.kv_rows_in_l2``; at least one) times the ``group`` query heads of
     each (GQA), so that a group's K and V stay in L2 while its tiles run."""
     return maximum(kv_rows // maximum(skv, 1), 1) * group
+
+
+def prefill_unit_table(plan: PrefillPlan, batch: int, heads: int, sq: int, skv: int, group: int, offset: int,
+                       left: int, right: int, ctas: int) -> list[int]:
+    """``unit_table``: the CTAs' work lists, ``scheduler.csr_table`` of ``scheduler.pack_unit`` codes: the units in
+    ``scheduler.head_grouped_lpt_unit``'s order, each unit's cost its tile's key blocks (``key_blocks``: causal and
+    window aware), dealt to the ``ctas`` CTAs by ``scheduler.lpt_work_lists``. ValueError for sizes a code cannot
+    hold."""
+    tiles_m = -(-sq // plan.block_m)
+    check_unit_sizes(tiles_m, heads, batch, "attention.prefill")
+    pairs = heads * batch
+    grouped = pair_group(skv, group, plan.kv_rows_in_l2(plan.itemsize))
+    units = [head_grouped_lpt_unit(unit, tiles_m, heads, pairs, grouped) for unit in range(tiles_m * pairs)]
+    costs = []
+    for m_block, _, _ in units:
+        start, _, _, total = key_blocks(m_block, skv, plan.causal, plan.window, offset, left, right, plan.block_m,
+                                        plan.block_n)
+        costs.append(max(total - start, 0))
+    lists = lpt_work_lists(costs, ctas)
+    return csr_table([[pack_unit(*units[index]) for index in indices] for indices in lists])
 
 
 def causal_offset(sq: int, skv: int, alignment: str) -> int:

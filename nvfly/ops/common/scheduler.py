@@ -35,6 +35,7 @@ is the kernel's Constexpr, and the rest (sizes, the stream-K split, tables) its 
 """
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional, Sequence
@@ -300,6 +301,52 @@ def head_grouped_lpt_unit(unit: Any, tiles_m: Any, heads: Any, pairs: Any, pair_
     pair = first_pair + (local - row_step * pairs_here)
     batch = pair // heads
     return tiles_m - 1 - row_step, pair - batch * heads, batch
+
+
+# a packed (tile row, head, batch) unit code of ``lpt_work_table``'s int32 lists: 12 + 8 + 11 bits, non-negative
+UNIT_ROW_BITS, UNIT_HEAD_BITS, UNIT_BATCH_BITS = 12, 8, 11
+
+
+def pack_unit(tile_row: int, head: int, batch: int) -> int:
+    """One int32 unit code, tile row | head << 12 | batch << 20 (``unpack_unit`` reads it back)."""
+    return tile_row | head << UNIT_ROW_BITS | batch << (UNIT_ROW_BITS + UNIT_HEAD_BITS)
+
+
+def unpack_unit(code: Any) -> tuple[Any, Any, Any]:
+    """(tile row, head, batch) of a ``pack_unit`` code: Python ints or traced i32 values."""
+    return (code & ((1 << UNIT_ROW_BITS) - 1), (code >> UNIT_ROW_BITS) & ((1 << UNIT_HEAD_BITS) - 1),
+            code >> (UNIT_ROW_BITS + UNIT_HEAD_BITS))
+
+
+def check_unit_sizes(tile_rows: int, heads: int, batch: int, op: str) -> None:
+    """ValueError naming the size that does not fit a ``pack_unit`` code."""
+    for name, size, bits in (("query tiles", tile_rows, UNIT_ROW_BITS), ("heads", heads, UNIT_HEAD_BITS),
+                             ("batch", batch, UNIT_BATCH_BITS)):
+        if size > 1 << bits:
+            raise ValueError(f"{op}: a unit table holds at most {1 << bits} {name}, got {size}")
+
+
+def lpt_work_lists(costs: Sequence[int], workers: int) -> list[list[int]]:
+    """Greedy LPT: the indices of ``costs`` by cost, highest first (ties in index order), each to the worker with
+    the least load so far (ties: the lowest worker). A worker's list keeps that order; its load is at most
+    sum / workers + the highest cost."""
+    loads = [(0, worker) for worker in range(workers)]  # a heap of (load, worker)
+    lists: list[list[int]] = [[] for _ in range(workers)]
+    for index in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        load, worker = heapq.heappop(loads)
+        lists[worker].append(index)
+        heapq.heappush(loads, (load + costs[index], worker))
+    return lists
+
+
+def csr_table(lists: Sequence[Sequence[int]]) -> list[int]:
+    """``lists`` as one flat int list: len(lists) + 1 offsets (absolute positions in it) then the entries, list
+    w's at [table[w], table[w + 1])."""
+    offsets = [len(lists) + 1]
+    for entries in lists:
+        offsets.append(offsets[-1] + len(entries))
+    return offsets + [entry for entries in lists for entry in entries]
+
 
 # ---------------------------------------------------------------------------------------------- device side
 class TileGrid(NamedTuple):

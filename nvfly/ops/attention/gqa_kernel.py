@@ -27,15 +27,14 @@ from typing import Any, NamedTuple
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.arch.memory import store_shared
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.attention.gqa_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, HEAD_DIM, K_BYTES, PRODUCER_REGS, Q_BYTES,
+from nvfly.ops.attention.gqa_plan import (BLOCK_M, BLOCK_N, HEAD_DIM, K_BYTES, PRODUCER_REGS, Q_BYTES,
                                           Q_OFFSET, STAGE_BYTES, SWIZZLE)
 from nvfly.ops.attention.mla_plan import unmasked_end
-from nvfly.ops.attention.softmax import NEG_INF, mask_key_tile, online_softmax, rescaled_plus_pv
+from nvfly.ops.attention.softmax import NEG_INF, online_softmax
+from nvfly.ops.attention.wgmma_tiles import Running, mask_key_tile, rescaled_plus_pv, zero_tail_rows
 
 LN2 = math.log(2.0)
-CONSUMER_THREADS = 128
 ZEROED = 1                 # hardware barriers (0 is __syncthreads): consumer c's zeroed V rows before its wgmma: 1 + c
 
 
@@ -64,22 +63,6 @@ def layouts(dtype: Any, consumers: int = 1) -> Layouts:
                    sm90.descriptor_offsets(v_layout, dtype, "MN", SWIZZLE) + (SWIZZLE,))
 
 
-@nvfly.func
-def zero_tail_rows(v_tile, valid, thread, consumer):
-    """Zero V rows [valid, 64) of the tile's two 64-column boxes (a row of a box is 128 contiguous bytes, its
-    swizzle a permutation within them), then order the writes before the wgmma and wait for the warpgroup (with
-    two consumers each zeroes the same rows with the same zeros before its own wgmma)."""
-    SEGMENTS = BLOCK_N * (HEAD_DIM // 64) * 8  # 16-byte segments: rows x boxes x 8
-    for i in nvfly.static_range(SEGMENTS // CONSUMER_THREADS):
-        segment = thread + CONSUMER_THREADS * i
-        row = segment // 16
-        box = (segment // 8) % 2
-        if row >= valid:
-            store_shared(v_tile + box * BOX_BYTES + row * 128 + (segment % 8) * 16, [nvfly.i32(0)] * 4)
-    sm90.fence_proxy_async()
-    nvfly.named_barrier(ZEROED + consumer, CONSUMER_THREADS)
-
-
 class Tile(NamedTuple):
     """What every key tile needs: Q's and the ring's shared addresses, the pipeline, the layouts, the sequence's
     length, the scale in log2 units, the thread's two rows' positions in the sequence, its lane and thread index in
@@ -94,15 +77,6 @@ class Tile(NamedTuple):
     lane: Any
     thread: Any
     consumer: Any
-
-
-class Running(NamedTuple):
-    """The consumer thread's running state: its two rows' maxima (raw score units) and thread-partial sums, O, and
-    the ring's position."""
-    maxima: list
-    sums: list
-    acc: Any
-    stage: Any
 
 
 @nvfly.func
@@ -129,7 +103,8 @@ def key_tile(state, t, n, PLAN, MASKED):
 
     t.pipe.consumer_wait(state.stage, 1)
     if MASKED:
-        zero_tail_rows(v_tile, t.seqlen - n * BLOCK_N, t.thread, t.consumer)
+        zero_tail_rows(v_tile, t.seqlen - n * BLOCK_N, t.thread, ZEROED + t.consumer, 0,
+                       HEAD_DIM // 64, BLOCK_N)
     acc = rescaled_plus_pv(state.acc, soft.rescales, fragments, v_tile, lay.pv_atom, lay.v_layout, lay.v_desc)
     if t.lane == 0:
         t.pipe.consumer_release(state.stage)

@@ -39,7 +39,8 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mla_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, CONSUMER_REGS, DQK, DV, FINAL_OFFSET,
                                           P_OFFSET, PRODUCER_REGS, Q_BYTES, Q_OFFSET, RESCALE_OFFSET, RING_OFFSET,
                                           STAGE_BYTES, STAGES, SWIZZLE, unmasked_end)
-from nvfly.ops.attention.softmax import NEG_INF, mask_key_tile, online_softmax, rescaled_plus_pv, row_of
+from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
+from nvfly.ops.attention.wgmma_tiles import Running, mask_key_tile, rescaled_plus_pv, zero_tail_rows
 
 LN2 = math.log(2.0)
 HALF = DV // 2             # O columns of a consumer warpgroup
@@ -100,35 +101,10 @@ class Tile(NamedTuple):
     end: Any
 
 
-class Running(NamedTuple):
-    """A consumer thread's running state: the softmax warpgroup's two rows' maxima (raw score units) and
-    thread-partial sums (the value warpgroup carries them unused), its O half, and the ring's position."""
-    maxima: list
-    sums: list
-    acc: Any
-    stage: Any
-
-
 def p_store_offset(lay: Layouts, row: Any, column: Any) -> Any:
     """Byte offset of P's (row, column) in the shared P tile: the swizzled layout (``p_layout(...)``, what the
     hardware's 128-byte swizzle makes of the canonical offset ``p_layout.inner(...)`` that descriptors carry)."""
     return lay.p_layout((row, column)) * 2
-
-
-@nvfly.func
-def zero_tail_rows(stage, valid, chunk0, thread):
-    """Zero V rows [valid, 64) of the stage's 64-column chunks chunk0 .. chunk0 + 3 (a row of a chunk is 128
-    contiguous bytes, its swizzle a permutation within them), then order the writes before this warpgroup's
-    wgmma and wait for its other threads."""
-    SEGMENTS = BLOCK_N * 4 * 8  # 16-byte segments: rows x chunks x 8
-    for i in nvfly.static_range(SEGMENTS // 128):
-        segment = thread + 128 * i
-        row = segment // 32
-        chunk = chunk0 + (segment // 8) % 4
-        if row >= valid:
-            store_shared(stage + chunk * (BLOCK_N * 128) + row * 128 + (segment % 8) * 16, [nvfly.i32(0)] * 4)
-    sm90.fence_proxy_async()
-    nvfly.named_barrier(OWN[chunk0 // 4], 128)
 
 
 @nvfly.func
@@ -174,7 +150,7 @@ def softmax_tile(state, t, n, PLAN, MASKED):
     nvfly.named_barrier_arrive(P_READY, CONSUMER_THREADS)
 
     if MASKED:
-        zero_tail_rows(stage, t.seqlen - n * BLOCK_N, 0, t.thread)
+        zero_tail_rows(stage, t.seqlen - n * BLOCK_N, t.thread, OWN[0], 0, 4, BLOCK_N)
     acc = rescaled_plus_pv(state.acc, rescales, fragments, stage, lay.pv_registers, lay.v_layout, lay.v_desc)
     if t.lane == 0:
         t.pipe.consumer_release(state.stage)
@@ -196,7 +172,7 @@ def value_tile(state, t, n, PLAN, MASKED):
     warp_row = 16 * (t.thread // 32) + t.lane // 4
     rescales = [t.rescale[warp_row], t.rescale[warp_row + 8]]
     if MASKED:
-        zero_tail_rows(stage, t.seqlen - n * BLOCK_N, 4, t.thread)
+        zero_tail_rows(stage, t.seqlen - n * BLOCK_N, t.thread, OWN[1], 4, 4, BLOCK_N)
     acc = state.acc.map(lambda x, i: x * rescales[row_of(i)])
     sm90.fence()
     for ks in nvfly.static_range(BLOCK_N // lay.pv_shared.k):

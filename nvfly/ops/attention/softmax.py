@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import nvfly
-from nvfly.arch import sm90
 from nvfly.arch.reduce import tree_reduce
 
 NEG_INF = float("-inf")
@@ -34,35 +33,6 @@ class SoftmaxStep(NamedTuple):
 def row_of(i: int) -> int:
     """Which of the thread's two rows accumulator element ``i`` belongs to (element 4j + 2h + e is row h)."""
     return (i // 2) % 2
-
-
-def mask_key_tile(scores: list, first_key: Any, seqlen: Any, positions: Any, causal: bool) -> list:
-    """A wgmma S fragment's scores of one key tile (a thread's element i: key ``first_key`` + 8 (i // 4) + i % 2 of
-    its row ``row_of(i)``) with keys at or past ``seqlen``, and with ``causal`` keys past the row's position
-    (``positions[row]``), at -inf."""
-    masked = list(scores)
-    for i in nvfly.static_range(len(masked)):
-        key = first_key + 8 * (i // 4) + i % 2
-        keep = key < seqlen
-        if causal:
-            keep = keep & (key <= positions[row_of(i)])
-        masked[i] = nvfly.select(keep, masked[i], NEG_INF)
-    return masked
-
-
-def rescaled_plus_pv(acc: Any, rescales: list, fragments: list, v_tile: Any, atom: Any, v_layout: Any,
-                     v_desc: tuple) -> Any:
-    """O (a wgmma accumulator) rescaled by its rows' factors, then P·V added: P from registers (``fragments``, one
-    per k-step of ``atom``), V the shared tile at ``v_tile`` (``v_layout``, descriptor fields ``v_desc``); waits
-    for the wgmmas."""
-    acc = acc.map(lambda x, i: x * rescales[row_of(i)])
-    sm90.fence()  # P's and O's registers were written since the last wgmma
-    for ks in nvfly.static_range(len(fragments)):
-        dv = sm90.smem_descriptor(v_tile + v_layout.inner((0, ks * atom.k)) * 2, *v_desc)
-        acc = sm90.mma(atom, acc, fragments[ks], dv)
-    sm90.commit_group()
-    sm90.wait_group(0)
-    return acc
 
 
 def polynomial_slots(per_16: int) -> frozenset:

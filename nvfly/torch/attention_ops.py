@@ -58,9 +58,9 @@ SDPA = "aten::scaled_dot_product_attention"
 # torch's kernels run each query head over its KV head's keys (flash and cuDNN 0.46-0.56 TB/s at Sq = 4, 48/8,
 # 32K, nvfly 4.2: 7.5-9x), at Sq = 1 flash packs the group like nvfly does (nvfly 1.03-1.5x flash) and cuDNN
 # is within 4% of nvfly either way (attention_decode_full/_pdl_h200.json: 0.96-1.02x, the B1 rows 1.01x since the
-# fix-up combine), which does not pay for nvfly's host path: Sq = 1 stays with cuDNN where torch picks it. Below MIN_KV_BYTES of K and V
-# a call moves less than ~4 us of HBM traffic: launch-bound either way, and nvfly's Python host path (~6-11 us a
-# launch, launch_overhead_h200.json) would cost more than the bandwidth it saves.
+# fix-up combine), which does not pay for nvfly's host path: Sq = 1 stays with cuDNN where torch picks it. Below
+# MIN_KV_BYTES of K and V a call moves less than ~4 us of HBM traffic: launch-bound either way, and nvfly's Python
+# host path (~6-11 us a launch, launch_overhead_h200.json) would cost more than the bandwidth it saves.
 MIN_KV_BYTES = 16 << 20
 # Prefill (Sq > 16) below this much work takes under ~8 us at cuDNN's 500-600 TFLOP/s (anchors.md): launch-bound,
 # where nvfly's host path (6-11 us a launch, launch_overhead_h200.json) would cost more than its kernel saves.

@@ -33,8 +33,8 @@ NAMESPACE = "nvfly_route"  # the ops holding nvfly's Python kernels, each with i
 
 _LOCK = threading.Lock()
 _MODULE: Any = None  # the loaded extension; False: it could not be built (not tried again in this process)
-_DEFINED: set[str] = set()  # the nvfly_route ops defined in this process
-# nvfly_route op -> (the Python kernel, the dispatcher library holding its registration, the kernel function)
+# nvfly_route op (defined in this process) -> (the Python kernel, the dispatcher library holding its registration,
+# the kernel function)
 _PYTHON_KERNELS: dict[str, tuple[Any, Any, Any]] = {}
 _FRAGMENT: Any = None
 
@@ -80,17 +80,16 @@ def python_kernel(op: str, dispatch_key: str, kernel: Callable[..., Any]) -> Any
     (``dispatch_key`` tells SDPA's two apart), replacing the kernel registered for that route before."""
     global _FRAGMENT
     name = re.sub(r"\W", "_", op.split("::", 1)[1]) + "__" + dispatch_key
-    if name not in _DEFINED:
+    registered = _PYTHON_KERNELS.get(name)
+    if registered is None:  # the op is defined once, with its first kernel
         packet_name, _, overload = op.split("::", 1)[1].partition(".")
         schema = str(getattr(getattr(torch.ops.aten, packet_name), overload or "default")._schema)
         if _FRAGMENT is None:
             _FRAGMENT = torch._C._dispatch_library("FRAGMENT", NAMESPACE, "", __file__, 0)
         _FRAGMENT.define(name + schema[schema.index("("):], "", [])
-        _DEFINED.add(name)
-    registered = _PYTHON_KERNELS.get(name)
-    if registered is not None and registered[0] is kernel:  # a block's start registers the routes again
+    elif registered[0] is kernel:  # a block's start registers the routes again
         return registered[2]
-    if registered is not None:
+    else:
         registered[1].reset()
     library = torch._C._dispatch_library("IMPL", NAMESPACE, "", __file__, 0)
     library.impl(name, "CPU", kernel, True)

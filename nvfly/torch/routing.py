@@ -36,8 +36,8 @@ A routed call's host cost: the hop into nvfly's kernel, then the decision. The r
 route kernel (``native_routes``: built once per torch version) in front of the Python kernel: a call whose *call key*
 (its tensors' layouts, scalars, grad mode, stream, SDPA backends) the Python kernel declined before goes to torch's
 kernel from C++ without entering Python (a declined RMSNorm on the H200's host: +1.5 µs over torch alone, +16.7
-through the Python kernel; ``benchmarks/routing_overhead.py``); any other call reaches the Python kernel through the dispatcher's trampoline
-(3-5 µs in a tight loop, several times that inside a model step). Where the extension cannot be built (no C++
+through the Python kernel; ``benchmarks/routing_overhead.py``); any other call reaches the Python kernel through
+the dispatcher's trampoline (3-5 µs in a tight loop, several times that inside a model step). Where the extension cannot be built (no C++
 compiler) or ``NVFLY_ROUTING_NATIVE=0``, the Python kernel alone is registered and every call pays the trampoline.
 A hook above the dispatcher (a ``TorchFunctionMode`` or ``__torch_dispatch__`` mode) would put every torch call of
 the block through Python, not only the routed ops'. Registering fewer routes removes even the C++ hop (``wanted``,

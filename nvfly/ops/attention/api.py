@@ -396,11 +396,12 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     batch, sq, hq, dqk = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     check_out(out, (batch, sq, hq, dv), q, OP)
+    options = _OPTIONS.get()
     (stages, row_warps, warp_tiles, lazy_rescale, split_efficiency, swapped, pdl_combine, fixup_combine,
-     wgmma_wide, wgmma) = _OPTIONS.get()
+     wgmma_wide, wgmma) = options
     # the wgmma kernel: asked for, or by default (where no other plan option asks for the decode kernel's plan),
     # then past 64 rows on two consumer warpgroups (the decode kernel's 96/128 rows ran at half their speed)
-    by_default = wgmma is None and gqa_by_default(sq, hq // hkv) and _OPTIONS.get()[:-1] == _NO_OPTIONS
+    by_default = wgmma is None and gqa_by_default(sq, hq // hkv) and options[:-1] == _NO_OPTIONS
     if batch and (wgmma or by_default):
         wgmma_wide = wgmma_wide or by_default
         paged = block_table is not None

@@ -9,8 +9,9 @@
 // the worst a key that misses a change can do is send a call to torch's kernel, which is always correct.
 //
 // The call key: a generation (``forget`` starts a new one: Python's decisions were forgotten), grad and inference
-// mode, the SDPA backends torch may use, and each argument: a tensor's dispatch keys, dtype, device, current stream (CUDA
-// graphs capture on a stream of their own), sizes, strides, address modulo 16 and requires_grad; a scalar's value.
+// mode, the SDPA backends torch may use, and each argument: a tensor's dispatch keys, dtype, device, current stream
+// (CUDA graphs capture on a stream of their own), sizes, strides, address modulo 16 and requires_grad; a scalar's
+// value.
 // Arguments of another kind (strings, tensor lists) make a call that is never kept.
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -49,7 +50,7 @@ constexpr size_t MAX_KEYS = 4096;  // declined call keys a route keeps before it
 std::atomic<int64_t> generation{0};
 thread_local bool declined_here = false;  // set by Python (mark_declined) while it handles a call
 
-enum Tag : int64_t { NONE = 1, TENSOR, UNDEFINED, INT, DOUBLE, BOOL, INTS, SCALAR_TYPE, OTHER_SCALAR };
+enum Tag : int64_t { NONE = 1, TENSOR, UNDEFINED, INT, DOUBLE, BOOL, INTS };
 
 // The argument's part of the call key; false: an argument no key describes
 bool describe(const c10::IValue& value, CallKey& key) {
@@ -125,10 +126,7 @@ struct RouteKernel final : c10::OperatorKernel {
       to_torch = !switched_on();
     }
     if (to_torch) {
-      std::lock_guard<std::mutex> guard(mutex_);
-      hits_ += 1;
-    }
-    if (to_torch) {
+      hits_.fetch_add(1, std::memory_order_relaxed);
       torch_kernel_.callBoxed(op, keys, stack);
       return;
     }
@@ -146,10 +144,7 @@ struct RouteKernel final : c10::OperatorKernel {
     }
   }
 
-  int64_t hits() {
-    std::lock_guard<std::mutex> guard(mutex_);
-    return hits_;
-  }
+  int64_t hits() const { return hits_.load(std::memory_order_relaxed); }
 
  private:
   // Routing's switch in this thread / async context (under the interpreter's lock)
@@ -192,8 +187,8 @@ struct RouteKernel final : c10::OperatorKernel {
   c10::SafeKernelFunction torch_kernel_;
   c10::SafeKernelFunction python_kernel_;
   PyObject* switch_;
-  std::mutex mutex_;  // the kept keys and the count (calls come from any thread)
-  int64_t hits_ = 0;
+  std::mutex mutex_;  // the kept keys (calls come from any thread)
+  std::atomic<int64_t> hits_{0};
   std::unordered_set<CallKey, CallKeyHash> declined_;
 };
 
@@ -234,7 +229,7 @@ void forget() { generation.fetch_add(1, std::memory_order_relaxed); }
 // registrations
 int64_t hits() {
   int64_t total = 0;
-  for (RouteKernel* kernel : *kernels) {
+  for (const RouteKernel* kernel : *kernels) {
     total += kernel->hits();
   }
   return total;

@@ -33,15 +33,16 @@ which has a CUDA kernel and an autograd formula using ``aten::_fused_rms_norm_ba
 Other inputs take torch's composite path (pow/mean/rsqrt), which is not routed.
 
 A routed call's host cost: the hop into nvfly's kernel, then the decision. The routes are registered as the C++
-route kernel (``native_routes``: built once per torch version) in front of the Python kernel: a call whose *call key*
-(its tensors' layouts, scalars, grad mode, stream, SDPA backends) the Python kernel declined before goes to torch's
-kernel from C++ without entering Python (a declined RMSNorm on the H200's host: +1.5 µs over torch alone, +16.7
-through the Python kernel; ``benchmarks/routing_overhead.py``); any other call reaches the Python kernel through
-the dispatcher's trampoline (3-5 µs in a tight loop, several times that inside a model step). Where the extension cannot be built (no C++
-compiler) or ``NVFLY_ROUTING_NATIVE=0``, the Python kernel alone is registered and every call pays the trampoline.
-A hook above the dispatcher (a ``TorchFunctionMode`` or ``__torch_dispatch__`` mode) would put every torch call of
-the block through Python, not only the routed ops'. Registering fewer routes removes even the C++ hop (``wanted``,
-``NVFLY_ROUTING_RMS_NORM``, ``NVFLY_ROUTING_MIN_GAIN_US`` for the GEMM routes). The decision, cheapest first:
+route kernel (``native_routes``: built once per torch version) in front of the Python kernel: a call whose *call
+key* (its tensors' layouts, scalars, grad mode, stream, SDPA backends) the Python kernel declined before goes to
+torch's kernel from C++ without entering Python (a declined RMSNorm on the H200's host: +1.5 µs over torch alone,
++16.7 through the Python kernel; ``benchmarks/routing_overhead.py``); any other call reaches the Python kernel
+through the dispatcher's trampoline (3-5 µs in a tight loop, several times that inside a model step). Where the
+extension cannot be built (no C++ compiler) or ``NVFLY_ROUTING_NATIVE=0``, the Python kernel alone is registered and
+every call pays the trampoline. A hook above the dispatcher (a ``TorchFunctionMode`` or ``__torch_dispatch__`` mode)
+would put every torch call of the block through Python, not only the routed ops'. Registering fewer routes removes
+even the C++ hop (``wanted``, ``NVFLY_ROUTING_RMS_NORM``, ``NVFLY_ROUTING_MIN_GAIN_US`` for the GEMM routes).
+The decision, cheapest first:
 - ``skip`` (RMSNorm forward and backward, SDPA): the host-overhead policy. A call whose kernel would save less than
   nvfly's host path costs (launch-bound: RMSNorm under ``RMS_NORM_EAGER_BYTES`` moved outside CUDA-graph capture,
   SDPA decode under ``MIN_KV_BYTES`` of K and V, prefill under ``MIN_PREFILL_FLOPS``) goes to torch's kernel after a

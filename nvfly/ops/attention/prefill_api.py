@@ -113,9 +113,9 @@ def plan_options(overlap: Optional[bool] = None, pingpong: Optional[bool] = None
                  lazy_rescale: Optional[bool] = None, persistent: Optional[bool] = None,
                  unit_table: Optional[bool] = None) -> ContextManager[None]:
     """``prefill`` and ``prefill_varlen`` calls inside run plans with these ``PrefillPlan`` options (None: the
-    plan's default; ``wide``, ``tree_max``, ``poly_exp2``: fp8's, ``prefill_plan``; ``persistent``, ``unit_table``: ``prefill``'s
-    bf16/fp16 calls, packed sequences ignore it): the benchmark's and the tests' way to run the kernel's variants
-    side by side."""
+    plan's default; ``wide``, ``tree_max``, ``poly_exp2``: fp8's, ``prefill_plan``; ``persistent``,
+    ``unit_table``: ``prefill``'s bf16/fp16 calls, packed sequences ignore them): the benchmark's and the tests' way
+    to run the kernel's variants side by side."""
     return context_value(_OPTIONS, (overlap, pingpong, wide, tree_max, poly_exp2, hoist, prefetch_mask,
                                      lazy_rescale, persistent, unit_table))
 
@@ -595,6 +595,8 @@ def prefill_flops(batch: int, sq: int, skv: int, hq: int, dqk: int, dv: int, cau
 
 # ---------------------------------------------------------------------------------------------- compile only
 COMPILE_SMS = 132  # an H200's SMs: the grid a compiled persistent plan's unit table is laid out for
+
+
 def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, sq: int = 1000, skv: int = 1000,
                     heads: int = 4, kv_heads: int = 2, return_lse: bool = True, mods: Mods = Mods(),
                     target: str = "sm_90a", captured: tuple = ()) -> Any:

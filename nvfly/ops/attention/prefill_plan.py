@@ -182,7 +182,8 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
     mask_mod); ``wide`` (fp8 D 128, and bf16/fp16 D 64 and 128 without a BlockMask; None: the default below):
     ``FP8_WIDE_BLOCK_N`` (``WIDE_BLOCK_N``) keys a stage instead of ``FP8_BLOCK_N`` (``BLOCK_N``); ``tree_max``
     (fp8 only; None: with ``wide``); ``poly_exp2`` (None: 0; bf16/fp16 by ``softmax.EXP2_CUBIC``); ``hoist``,
-    ``prefetch_mask`` (None: on for bf16/fp16, measured below), ``lazy_rescale``, ``persistent``, ``unit_table`` (None: off)."""
+    ``prefetch_mask`` (None: on for bf16/fp16, measured below), ``lazy_rescale``, ``persistent``, ``unit_table``
+    (None: off)."""
     if overlap is None:
         # measured on the H200: at D <= 128 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most); at
         # 192/128 and 256 +3-13% on every row; with mods or a BlockMask there it spills (docs/ops/attention.md)

@@ -303,7 +303,8 @@ def head_grouped_lpt_unit(unit: Any, tiles_m: Any, heads: Any, pairs: Any, pair_
     return tiles_m - 1 - row_step, pair - batch * heads, batch
 
 
-# a packed (tile row, head, batch) unit code of ``lpt_work_table``'s int32 lists: 12 + 8 + 11 bits, non-negative
+# a packed (tile row, head, batch) unit code of a unit table's int32 lists (``csr_table``): 12 + 8 + 11 bits,
+# non-negative
 UNIT_ROW_BITS, UNIT_HEAD_BITS, UNIT_BATCH_BITS = 12, 8, 11
 
 

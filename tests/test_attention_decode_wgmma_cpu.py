@@ -23,13 +23,10 @@ def hgmma(sass, shape, a_operand):
     return len(re.findall(rf"HGMMA\.{shape}\.F32(?:\.BF16)? {a_operand}", sass))
 
 
-@pytest.mark.parametrize("sq,group,paged,causal,splits", [(8, 8, False, True, 1), (8, 6, True, True, 1),
-                                                          (16, 4, False, False, 3), (1, 64, False, True, 1)])
-def test_variants_compile_to_hgmma_without_spills(sq, group, paged, causal, splits):
-    """S's 8 k-steps (64x64x16, both operands from shared memory) and P V's 4 (64x128x16, P from registers), once
-    for the unmasked tiles' loop and once for the masked ones'; no local memory; the registers rebalanced for two
-    CTAs an SM."""
-    plan = GqaPlan(sq, group, paged, 64 if paged else 0, causal, splits, pdl_combine=splits > 1)
+def compiled_without_spills(plan) -> tuple[list, str]:
+    """``plan``'s kernels compiled: each consumer's S in 8 k-steps (64x64x16, both operands from shared memory) and
+    P V in 4 (64x128x16, P from registers), once for the unmasked tiles' loop and once for the masked ones'; no
+    local memory, no ptxas warnings. The kernels and the first's SASS."""
     kernels = gqa_api.compile_gqa(plan, seqlen=1024)
     kernel = kernels[0]
     sass = kernel.sass()
@@ -37,6 +34,18 @@ def test_variants_compile_to_hgmma_without_spills(sq, group, paged, causal, spli
     assert hgmma(sass, "64x128x16", r"R\d+, R\d+, gdesc\[") == 2 * 4
     assert "LDL" not in sass and "STL" not in sass and not kernel.warnings
     assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    return kernels, sass
+
+
+@pytest.mark.parametrize("sq,group,paged,causal,splits", [(8, 8, False, True, 1), (8, 6, True, True, 1),
+                                                          (16, 4, False, False, 3), (1, 64, False, True, 1)])
+def test_variants_compile_to_hgmma_without_spills(sq, group, paged, causal, splits):
+    """S's 8 k-steps (64x64x16, both operands from shared memory) and P V's 4 (64x128x16, P from registers), once
+    for the unmasked tiles' loop and once for the masked ones'; no local memory; the registers rebalanced for two
+    CTAs an SM."""
+    plan = GqaPlan(sq, group, paged, 64 if paged else 0, causal, splits, pdl_combine=splits > 1)
+    kernels, sass = compiled_without_spills(plan)
+    kernel = kernels[0]
     assert kernel.resources.registers * THREADS * CTAS_PER_SM <= 65536
     assert kernel.dynamic_smem_bytes == plan.smem_bytes
     assert CTAS_PER_SM * (plan.smem_bytes + SMEM_RESERVED) <= SMEM_PER_SM
@@ -311,13 +320,8 @@ def test_two_consumer_plans_compile_without_spills(sq, group, paged, causal, spl
     setmaxnreg split), each consumer warpgroup the same 8 + 4 HGMMAs a tile, 5 stages in shared memory."""
     plan = gqa_plan(2, sq, 8, group, 4096, 132, paged, 64 if paged else 0, causal, splits, wide=True)
     assert plan.consumers == 2 and plan.threads == 384 and plan.ctas_per_sm == 1 and plan.stages == WIDE_STAGES
-    kernels = gqa_api.compile_gqa(plan, seqlen=1024)
+    kernels, sass = compiled_without_spills(plan)
     kernel = kernels[0]
-    sass = kernel.sass()
-    assert hgmma(sass, "64x64x16", r"R\d+, gdesc\[") == 2 * 8
-    assert hgmma(sass, "64x128x16", r"R\d+, R\d+, gdesc\[") == 2 * 4
-    assert "LDL" not in sass and "STL" not in sass and not kernel.warnings
-    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
     assert kernel.resources.registers * plan.threads <= 65536
     assert (PRODUCER_REGS + 2 * WIDE_CONSUMER_REGS) * 128 <= kernel.resources.registers * plan.threads
     assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {WIDE_CONSUMER_REGS:#x} ;", sass)

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from nvfly.ops import attention
+from nvfly.ops.attention.softmax import LOG2E
 from nvfly.ops.common.opcall import OpCalls
 from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import flex_ops
@@ -51,7 +52,6 @@ log = logging.getLogger("nvfly")
 OPTION = "NVFLY"
 DEVICES = ("cuda",)  # where the lowering emits nvfly's op (the CPU tests add "cpu": the op's reference runs there)
 AUTO_MIN_SQ = 512
-_LOG2E = 1.0 / math.log(2.0)
 
 
 # ---------------------------------------------------------------------------------------------- code -> callable
@@ -233,7 +233,7 @@ class _FlexSignature:
         if not self.needs_lse:
             return [result]
         out, lse = result
-        return [out, lse.mul_(_LOG2E)]
+        return [out, lse.mul_(LOG2E)]
 
 
 _SIGNATURES: OpCalls[_FlexSignature] = OpCalls()

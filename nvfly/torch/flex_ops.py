@@ -29,7 +29,6 @@ set to the call's tensors under a lock for the duration of the call.
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import threading
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from nvfly import settings
 from nvfly.ops import attention
 from nvfly.ops.attention.mods import MAX_CAPTURED
 from nvfly.ops.attention.plan import MAX_SQ
+from nvfly.ops.attention.softmax import LN2
 from nvfly.ops.common.opcall import OpCalls
 from nvfly.runtime.torch_args import layout_key
 from nvfly.torch import routing
@@ -51,7 +51,6 @@ log = logging.getLogger("nvfly")
 
 _FLOATS = (torch.bfloat16, torch.float16)
 _NO_MASK_BLOCK = 1 << 30  # flex's _LARGE_SPARSE_BLOCK_SIZE: the block mask flex makes when none is given
-_LN2 = math.log(2.0)
 
 
 class Unsupported(Exception):
@@ -475,7 +474,7 @@ def run(call: FlexCall) -> tuple[Tensor, Tensor, Tensor]:
         else:
             out, lse = attention.prefill(call.q, call.k, call.v, scale=call.scale, score_mod=score,
                                          block_mask=block_mask, return_lse=True, validate=False)
-    return out.transpose(1, 2), lse / _LN2, lse.new_empty(0)
+    return out.transpose(1, 2), lse / LN2, lse.new_empty(0)
 
 
 # ---------------------------------------------------------------------------------------------- the route

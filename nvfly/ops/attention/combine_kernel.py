@@ -11,14 +11,11 @@ splits 32K keys about 60 ways) waits on the memory latency splits / UNROLL times
 """
 from __future__ import annotations
 
-import math
-
 import nvfly
+from nvfly.ops.attention.softmax import LOG2E, NEG_INF
 
 WARPS = 4
 UNROLL = 8
-LOG2E = 1.0 / math.log(2.0)
-NEG_INF = float("-inf")
 
 
 def chunk_columns(dv: int) -> int:

@@ -47,7 +47,6 @@ its group), split evenly like a sequence's stages, and each row masks by its own
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Iterator, NamedTuple
 
 import nvfly
@@ -59,12 +58,10 @@ from nvfly.arch.ptx import smem_address
 from nvfly.frontend.control_flow import if_
 from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.plan import BLOCK_N, ROWS, WARPS, ctas_per_sm, fixup_counter
+from nvfly.ops.attention.softmax import LN2, LOG2E, NEG_INF
 from nvfly.ops.common.arrival import last_to_arrive
 
-LOG2E = 1.0 / math.log(2.0)
 BLOCK_EMPTY, BLOCK_PARTIAL, BLOCK_FULL = 0, 1, 2  # a flex BlockMask's KV blocks, per (batch, query head) (api.py)
-LN2 = math.log(2.0)
-NEG_INF = float("-inf")
 
 
 def swizzled(row: Any, segment: Any, segments: int) -> Any:

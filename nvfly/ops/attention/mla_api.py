@@ -20,6 +20,7 @@ from nvfly.ops.common.opcall import CALL_LIMIT, OpCalls, context_value
 from nvfly.runtime.tensor_desc import torch_dtype
 from nvfly.runtime.torch_args import layout_key
 from nvfly.runtime.tma import cached_descriptor
+from nvfly.ops.attention.softmax import LN2
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +28,6 @@ if TYPE_CHECKING:
 OP = "attention.decode_mla"
 DECODE_OP = "attention.decode"
 DTYPES = ("torch.bfloat16", "torch.float16")
-LN2 = math.log(2.0)
 DESCRIPTORS_KEPT = 8  # (q, cache) address pairs a call signature keeps descriptors for
 
 

@@ -29,7 +29,6 @@ normalised f32 partial O and LSE of ``combine_kernel``'s workspace. Rows with no
 """
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import nvfly
@@ -39,10 +38,9 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.mla_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, CONSUMER_REGS, DQK, DV, FINAL_OFFSET,
                                           P_OFFSET, PRODUCER_REGS, Q_BYTES, Q_OFFSET, RESCALE_OFFSET, RING_OFFSET,
                                           STAGE_BYTES, STAGES, SWIZZLE, unmasked_end)
-from nvfly.ops.attention.softmax import NEG_INF, online_softmax, row_of
+from nvfly.ops.attention.softmax import LN2, NEG_INF, online_softmax, row_of
 from nvfly.ops.attention.wgmma_tiles import Running, mask_key_tile, rescaled_plus_pv, zero_tail_rows
 
-LN2 = math.log(2.0)
 HALF = DV // 2             # O columns of a consumer warpgroup
 CONSUMER_THREADS = 256
 # hardware barriers (0 is __syncthreads)

@@ -43,7 +43,6 @@ and consumer 0's first ping-pong arrive happens once for the walk, every unit re
 """
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import nvfly
@@ -54,11 +53,9 @@ from nvfly.ops.attention.mods import apply_mask_mod, apply_score_mod
 from nvfly.ops.attention.prefill_plan import (BARRIER_BYTES, CONSUMER_REGS, PINGPONG_BARRIER, PRODUCER_REGS,
                                                   block_inside_bounds, key_blocks, pair_group, pipelined_loops,
                                                   upper_inside_end)
-from nvfly.ops.attention.softmax import EXP2_CUBIC, EXP2_POLYNOMIAL, NEG_INF, online_softmax, row_of
+from nvfly.ops.attention.softmax import EXP2_CUBIC, EXP2_POLYNOMIAL, LN2, LOG2E, NEG_INF, online_softmax, row_of
 from nvfly.ops.common.scheduler import head_grouped_lpt_unit, unpack_unit
 
-LN2 = math.log(2.0)
-LOG2E = 1.0 / LN2
 # ``attend_block``'s MASKED besides True (every positional bound) and False (none), with ``PLAN.hoist``: only a
 # window's lower bound (blocks inside the causal bound and Skv), only the upper bounds (blocks inside the window's)
 LOWER_BOUND = "lower"

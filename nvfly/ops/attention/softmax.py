@@ -7,12 +7,15 @@ max · scale·log2e). Sums are thread-partial (the quad reduces them once, at th
 """
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import nvfly
 from nvfly.arch.reduce import tree_reduce
 
 NEG_INF = float("-inf")
+LN2 = math.log(2.0)  # a log2-unit LSE times LN2 is in natural log, torch's convention
+LOG2E = 1.0 / LN2
 # 2^f on [-1/2, 1/2] by c0 + c1 f + c2 f^2: relative error < 1.8e-3 (far under e4m3 P's 2^-4 rounding)
 EXP2_POLYNOMIAL = (1.0004426, 0.7034338, 0.2384212)
 # bf16/fp16 P: c0 + c1 f + c2 f^2 + c3 f^3, relative error < 7.5e-5 (a 1/50 of bf16's rounding; near-minimax by

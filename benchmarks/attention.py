@@ -44,10 +44,13 @@ non-causal and causal (Sq = Skv, so SDPA's and flex's causal masks are nvfly's).
 (the whole problem's reference would not fit), then nvfly, SDPA per backend (cuDNN, flash, efficient) and compiled
 flex_attention timed in the same process; TFLOP/s count the unmasked work only (``prefill_flops``: causal about
 halves it). Shapes nvfly declines (its eligibility reason in ``nvfly_skipped``) still time the peers. Mod rows
-(``--mods``, the default; with ``--prefill-models`` only if it names ``mods``): causal GQA 32/8 at B 4 x 4K with soft-capping, ALiBi, a
-1024-key sliding window (nvfly's ``window``) and 4 documents a sequence (nvfly: a BlockMask of the mask) against
-compiled flex_attention with the same functions and its BlockMask; TFLOP/s on the pairs the mask keeps. ``--quick``
-times flex on the mod rows only. ``--prefill-variants`` also times (after checking) nvfly's kernel with each
+(``--mods``, the default; with ``--prefill-models`` only if it names ``mods``): causal GQA 32/8 at B 4 x 4K and GQA
+64/8 at one 16K sequence (``--quick``: the first only) with soft-capping, ALiBi, a 1024-key sliding window (nvfly's
+``window``) and 4 documents a sequence (nvfly: a BlockMask of the mask) against compiled flex_attention with the same
+functions and its BlockMask; TFLOP/s on the pairs the mask keeps. Varlen rows (not with ``--quick``; with
+``--prefill-models`` only if it names ``varlen``): 8 sequences of mixed lengths (63 to 6011 tokens) packed along S,
+GQA 32/8 D 128, non-causal and causal, nvfly's ``prefill_varlen`` against SDPA on a nested (jagged) tensor of the
+same sequences and flex over the packed tokens with a document mask. ``--quick`` times flex on the mod rows only. ``--prefill-variants`` also times (after checking) nvfly's kernel with each
 combination of ``PrefillPlan.overlap`` and ``.pingpong`` (``nvfly_<variant>_ms``: serial, overlap, pingpong,
 overlap_pingpong; their geomeans against cuDNN in the summary); ``nvfly_ms`` is the default plan's.
 Writes benchmarks/results/attention_prefill_h200.json and .png.
@@ -435,7 +438,11 @@ PREFILL_FP8_VARIANTS = {**{name: PREFILL_VARIANTS[name] for name in ("serial", "
 VARIANT_ROUNDS = 3
 PREFILL_BACKENDS = ("cudnn", "flash", "efficient")  # math would materialise S: not a peer at these sizes
 CHECK_ROWS = 256
-PREFILL_MOD_SHAPE = ("gqa32/8", 4, 4096, 32, 8, 128, 128)  # the mod rows (all causal): Llama-like GQA at 4K
+# the mod rows (all causal): Llama-like GQA at 4K (--quick: this one only) and GQA 64/8 at one 16K sequence
+PREFILL_MOD_SHAPES = (("gqa32/8", 4, 4096, 32, 8, 128, 128), ("gqa64/8", 1, 16384, 64, 8, 128, 128))
+# the varlen rows (packed sequences, prefill_varlen): GQA 32/8 D 128, 8 sequences of mixed lengths
+VARLEN_SHAPE = ("varlen", 8, 0, 32, 8, 128, 128)
+VARLEN_LENGTHS = (6011, 131, 2048, 777, 4096, 1500, 63, 3217)
 PREFILL_MODS = ("softcap50", "alibi", "window1024", "documents")
 WINDOW = 1024
 # --prefill --fp8: (name, batch, s, hq, hkv, dqk, dv)
@@ -561,6 +568,68 @@ def run_prefill_row(shape: tuple, causal: bool, with_flex: bool, mod: str = "non
     return row
 
 
+def run_prefill_varlen_row(causal: bool, with_flex: bool) -> dict[str, Any]:
+    """The packed sequences of ``VARLEN_LENGTHS`` (``prefill_varlen``), against SDPA on the same sequences as a
+    nested (jagged) tensor and flex_attention over the packed tokens with a document mask; TFLOP/s of the pairs
+    kept inside each sequence. Correctness: each sequence's last CHECK_ROWS rows (the query heads of its first two
+    KV heads) against the float32 reference of that sequence."""
+    name, batch, _, hq, hkv, dqk, dv = VARLEN_SHAPE
+    lengths = VARLEN_LENGTHS[:batch]
+    total = sum(lengths)
+    torch.manual_seed(0)
+    q = torch.randn(total, hq, dqk, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(total, hkv, dqk, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(total, hkv, dv, device="cuda", dtype=torch.bfloat16)
+    starts = [sum(lengths[:i]) for i in range(batch + 1)]
+    cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    longest = max(lengths)
+    row: dict[str, Any] = {"model": name, "batch": batch, "sq": longest, "skv": longest, "hq": hq, "hkv": hkv,
+                           "dqk": dqk, "dv": dv, "causal": causal, "mod": "none", "lengths": list(lengths),
+                           "total_tokens": total}
+    pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+    flops = 2 * (dqk + dv) * hq * pairs
+    out = torch.full((total, hq, dv), float("nan"), dtype=q.dtype, device="cuda")
+    attention.prefill_varlen(q, k, v, cu, cu, longest, longest, causal=causal, out=out)
+    heads = 2 * (hq // hkv)
+    errors = []
+    for b in range(batch):
+        first, end = starts[b], starts[b + 1]
+        rows = min(CHECK_ROWS, end - first)
+        want, _ = attention.prefill_reference(q[None, end - rows:end, :heads], k[None, first:end, :2],
+                                              v[None, first:end, :2], causal=causal)
+        errors.append(rel_err(out[None, end - rows:end, :heads].float(), want))
+    row["nvfly_err"] = max(errors)
+    row["ok"] = row["nvfly_err"] < 2e-2 and not out.isnan().any().item()
+    del out
+    row["nvfly_ms"] = bench_ms(lambda: attention.prefill_varlen(q, k, v, cu, cu, longest, longest, causal=causal,
+                                                                validate=False))
+    offsets = cu.to(torch.int64)
+    nested = [torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2) for t in (q, k, v)]
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for peer, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def call(backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(*nested, is_causal=causal, enable_gqa=True)
+        try:
+            call()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a backend that does not take nested inputs is not timed
+            print(f"    sdpa {peer} (nested): not run ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
+            continue
+        row[f"{peer}_ms"] = bench_ms(call)
+    if with_flex:
+        documents = torch.bucketize(torch.arange(total, device="cuda"), cu[1:], right=True).to(torch.int32)
+        call = flex_call(q[None], k[None], v[None], {"mask_mod": M.document_mask(documents[None])}, causal)
+        if call is not None:
+            row["flex_ms"] = bench_ms(call)
+    for key in [key for key in row if key.endswith("_ms")]:
+        row[key[:-3] + "_tflops"] = flops / row[key] / 1e9
+        if not key.startswith("nvfly"):
+            row["vs_" + key[:-3]] = row[key] / row["nvfly_ms"]
+    return row
+
+
 def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     suite = [shape for shape in (PREFILL_QUICK if args.quick else PREFILL_SUITE)
              if args.prefill_models is None or shape[0] in args.prefill_models]
@@ -568,14 +637,17 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
     cases = [(shape, causal, "none") for shape in suite for causal in (False, True)]
     if args.mods and (args.prefill_models is None or "mods" in args.prefill_models):
-        cases += [(PREFILL_MOD_SHAPE, True, mod) for mod in PREFILL_MODS]
+        cases += [(shape, True, mod) for shape in PREFILL_MOD_SHAPES[:1 if args.quick else 2] for mod in PREFILL_MODS]
+    if not args.quick and (args.prefill_models is None or "varlen" in args.prefill_models):
+        cases += [(VARLEN_SHAPE, causal, "none") for causal in (False, True)]
     variants = {name: options for name, options in PREFILL_VARIANTS.items()
                 if args.prefill_variants and (not args.only_variants or name in args.only_variants)}
     rows, started = [], time.time()
     for shape, causal, mod in cases:
         # --quick times flex on the mod rows only (its compiles are most of the time; SDPA is the plain rows' peer)
-        row = run_prefill_row(shape, causal, not args.no_flex and (mod != "none" or not args.quick), mod,
-                              variants)
+        with_flex = not args.no_flex and (mod != "none" or not args.quick)
+        row = (run_prefill_varlen_row(causal, with_flex) if shape is VARLEN_SHAPE else
+               run_prefill_row(shape, causal, with_flex, mod, variants))
         rows.append(row)
         peers = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row
                           if key.endswith("_tflops") and key != "nvfly_tflops")
@@ -731,9 +803,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--models", nargs="*", default=None, choices=sorted({shape[0] for shape in SUITE}),
                    help="only these rows of the suite (the whole suite takes over 10 minutes with flex)")
     p.add_argument("--prefill-models", nargs="*", default=None,
-                   choices=sorted({shape[0] for shape in PREFILL_SUITE} | {"mods"}),
-                   help="prefill: only these rows, 'mods' for the mod rows (the whole suite with flex takes longer "
-                        "than one 10-minute run)")
+                   choices=sorted({shape[0] for shape in PREFILL_SUITE} | {"mods", "varlen"}),
+                   help="prefill: only these rows, 'mods' for the mod rows, 'varlen' for the packed sequences' (the "
+                        "whole suite with flex takes longer than one 10-minute run)")
     p.add_argument("--mods", action=argparse.BooleanOptionalAction, default=True,
                    help="the mod rows (prefill: soft-cap, ALiBi, sliding window, documents)")
     p.add_argument("--no-flex", action="store_true", help="skip flex_attention (its compiles take a while)")

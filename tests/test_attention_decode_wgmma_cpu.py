@@ -65,7 +65,8 @@ def test_fp16_compiles():
 def test_declined_cases_name_the_reason():
     assert gqa_declined(8, 8, D, D, "torch.bfloat16") == ""
     assert gqa_declined(16, 4, D, D, "torch.float16", paged=True, page_size=128) == ""
-    assert "fp8" in gqa_declined(8, 8, D, D, "torch.bfloat16", fp8=True)
+    assert gqa_declined(8, 8, D, D, "torch.bfloat16", fp8=True) == ""
+    assert "fp8" in gqa_declined(16, 8, D, D, "torch.bfloat16", fp8=True, wide=True)
     assert "head dims" in gqa_declined(8, 8, 64, 64, "torch.bfloat16")
     assert "head dims" in gqa_declined(8, 8, 192, 128, "torch.bfloat16")
     assert "query rows" in gqa_declined(16, 8, D, D, "torch.bfloat16")

@@ -98,11 +98,14 @@ def e4m3x4_to_16bit(word: Any, dtype: DType) -> list:
 
 
 @requires("sm_89", "cvt.rn.f16x2.e4m3x2")
-def convert_shared_e4m3x16(src: Any, dst_low: Any, dst_high: Any, dtype: DType) -> None:
+def convert_shared_e4m3x16(src: Any, dst_low: Any, dst_high: Any, dtype: DType, keep: Any = None) -> None:
     """Sixteen e4m3 values at shared address ``src`` (16-byte aligned) as sixteen ``dtype`` values: values 0-7 to
     the 16 bytes at ``dst_low``, 8-15 to ``dst_high`` (so a converted row may be laid out in swizzled 16-byte
-    segments). One 16-byte shared load and two 16-byte stores."""
+    segments). One 16-byte shared load and two 16-byte stores. ``keep`` (a predicate; None: always): where false,
+    zeros are stored instead (bytes that may hold NaN, e.g. a KV cache's rows past a sequence)."""
     words = asm_multi("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", [dtypes.i32] * 4, [src])
+    if keep is not None:  # e4m3 0x00 is +0
+        words = [select(keep, word, 0) for word in words]
     out = []
     for word in words:
         out.extend(e4m3x4_to_16bit(word, dtype))

@@ -1,12 +1,14 @@
 """The key-tile pieces the two wgmma decode kernels share (``mla_kernel``: one latent head, ``gqa_kernel``: a GQA
 group's packed rows): a consumer thread's running state, a tile's masked scores, O's rescale plus P·V, and the
-zeroed tail rows of a V tile. A thread's S/O accumulator elements follow ``softmax.row_of``."""
+zeroed tail rows of a V tile; for fp8 caches, an e4m3 tile converted to a 16-bit K-major one and a 16-bit tile
+rescaled to f16 in place. A thread's S/O accumulator elements follow ``softmax.row_of``."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 import nvfly
 from nvfly.arch import sm90
+from nvfly.arch.floats import convert_shared_e4m3x16
 from nvfly.arch.memory import store_shared
 from nvfly.ops.attention.softmax import NEG_INF, row_of
 
@@ -66,3 +68,42 @@ def zero_tail_rows(tile, valid, thread, barrier, FIRST, BOXES, ROWS):
             store_shared(tile + box * (ROWS * ROW_BYTES) + row * ROW_BYTES + (segment % 8) * 16, [nvfly.i32(0)] * 4)
     sm90.fence_proxy_async()
     nvfly.named_barrier(barrier, WARPGROUP)
+
+
+def fp8_tile_segment(index: Any) -> tuple:
+    """(row, segment) of an fp8 tile's 16-byte segment (row: 128 e4m3 columns, 8 segments) that a warpgroup's
+    conversion handles ``index``-th: 16 consecutive indices cover rows 2i and 2i + 1, each quarter-warp (8 lanes: one
+    16-byte shared access's phase) segments 0-3 of one row and 4-7 of the other, so that its loads and its 16-bit
+    stores (``convert_fp8_tile``) each hit 8 distinct 16-byte bank groups."""
+    m = index % 16
+    return 2 * (index // 16) + (m // 4) % 2, m % 4 + 4 * (((m // 4) ^ (m // 8)) % 2)
+
+
+@nvfly.func
+def convert_fp8_tile(source, target, thread, valid, ROWS):
+    """The ROWS x 128 e4m3 tile at ``source`` (one TMA box of 128-byte rows, 128-byte swizzled: segment s of row r
+    at r x 128 + (s ^ r % 8) x 16) as the 16-bit K-major tile at ``target`` that a 16-bit TMA load gives (two
+    64-column boxes of ROWS x 128 bytes, 128-byte swizzled), in f16; rows at or past ``valid`` (None: none) zero
+    (the bytes past a sequence may hold NaN). A warpgroup's threads each convert ROWS / 16 segments, then order
+    their writes before the async proxy (wgmma) reads them: the caller's named barrier follows."""
+    for i in nvfly.static_range(ROWS * 8 // WARPGROUP):
+        row, segment = fp8_tile_segment(thread + WARPGROUP * i)
+        swizzle = row % 8
+        column_box = target + (segment // 4) * (ROWS * ROW_BYTES) + row * ROW_BYTES
+        low = column_box + ((2 * (segment % 4)) ^ swizzle) * 16  # f16 columns 16 s .. 16 s + 7
+        high = column_box + ((2 * (segment % 4) + 1) ^ swizzle) * 16
+        keep = None if valid is None else row < valid
+        convert_shared_e4m3x16(source + row * ROW_BYTES + (segment ^ swizzle) * 16, low, high, nvfly.f16, keep)
+    sm90.fence_proxy_async()
+
+
+@nvfly.func
+def scale_to_f16(tile, values, scale, thread, BYTES):
+    """The 16-bit tile of BYTES bytes at shared address ``tile`` (``values``: a shared tensor of its elements) times
+    ``scale``, rounded to f16 in place (each 16-byte segment where it was: any swizzle is kept), then its writes
+    ordered before the async proxy (wgmma) reads them: the caller's named barrier follows."""
+    for i in nvfly.static_range(BYTES // 16 // WARPGROUP):
+        segment = thread + WARPGROUP * i
+        scaled = (values.load(8 * segment, width=8).to(nvfly.f32) * scale).to(nvfly.f16)
+        store_shared(tile + 16 * segment, scaled.bitcast(nvfly.i32).tolist())
+    sm90.fence_proxy_async()

@@ -47,8 +47,9 @@ from nvfly.ops.attention.wgmma_tiles import (Running, convert_fp8_tile, mask_key
 
 LN2 = math.log(2.0)
 ZEROED = 1                 # hardware barriers (0 is __syncthreads): consumer c's zeroed V rows before its wgmma: 1 + c
-# fp8: the f16 query tile, K's staging tile, then V's (and every warp's S done with K's), before the wgmmas read them
-QUERY_CONVERTED, K_CONVERTED, V_CONVERTED = 1, 2, 3
+# fp8 (one consumer warpgroup, no ZEROED): K's staging tile (and the query tile, on the first) converted before S's
+# wgmmas; V's converted and every warp's S done with K's, before P V
+K_CONVERTED, V_CONVERTED = 1, 2
 
 
 class Layouts(NamedTuple):
@@ -101,13 +102,12 @@ def key_tile(state, t, n, PLAN, MASKED):
     converted to the staging tiles, before the softmax)."""
     lay = t.lay
     stage = t.ring + state.stage.stage * PLAN.stage_bytes
+    k_tile = t.staging if PLAN.fp8 else stage
+    v_tile = k_tile + K_BYTES
     t.pipe.consumer_wait(state.stage, 0)
     if PLAN.fp8:  # K's keys past the sequence are converted as they are: S masks them
-        k_tile, v_tile = t.staging, t.staging + K_BYTES
         convert_fp8_tile(stage, k_tile, t.thread, None, BLOCK_N)
         nvfly.named_barrier(K_CONVERTED, 128)
-    else:
-        k_tile, v_tile = stage, stage + K_BYTES
     s = sm90.Accumulator.undefined(lay.s_atom)
     sm90.fence()
     for ks in nvfly.static_range(HEAD_DIM // lay.s_atom.k):

@@ -70,30 +70,34 @@ def zero_tail_rows(tile, valid, thread, barrier, FIRST, BOXES, ROWS):
     nvfly.named_barrier(barrier, WARPGROUP)
 
 
-def fp8_tile_segment(index: Any) -> tuple:
-    """(row, segment) of an fp8 tile's 16-byte segment (row: 128 e4m3 columns, 8 segments) that a warpgroup's
-    conversion handles ``index``-th: 16 consecutive indices cover rows 2i and 2i + 1, each quarter-warp (8 lanes: one
-    16-byte shared access's phase) segments 0-3 of one row and 4-7 of the other, so that its loads and its 16-bit
-    stores (``convert_fp8_tile``) each hit 8 distinct 16-byte bank groups."""
+def fp8_tile_addresses(index: Any, rows: int) -> tuple:
+    """The 16-byte segment a warpgroup's conversion (``convert_fp8_tile``) handles ``index``-th of a ``rows`` x 128
+    e4m3 tile: (row, byte offset in the fp8 tile, offsets of its f16 columns' two halves in the 16-bit tile). The
+    fp8 tile is one TMA box of 128-byte rows, 128-byte swizzled (segment s of row r at 128 r + 16 (s ^ r % 8)); the
+    16-bit tile is K-major as a 16-bit TMA load gives it (64-column boxes of ``rows`` 128-byte rows, 128-byte
+    swizzled): fp8 segment s holds f16 segments 2 s and 2 s + 1 of the row (of box s // 4). 16 consecutive indices
+    cover rows 2i and 2i + 1, each quarter-warp (8 lanes, one 16-byte shared access's phase) segments 0-3 of one row
+    and 4-7 of the other, so that its loads and its stores each hit 8 distinct 16-byte bank groups. Plain
+    arithmetic: ints here, traced values in the kernel."""
     m = index % 16
-    return 2 * (index // 16) + (m // 4) % 2, m % 4 + 4 * (((m // 4) ^ (m // 8)) % 2)
+    row = 2 * (index // 16) + (m // 4) % 2
+    segment = m % 4 + 4 * (((m // 4) ^ (m // 8)) % 2)
+    swizzle = row % 8
+    column_box = (segment // 4) * (rows * ROW_BYTES) + row * ROW_BYTES
+    return (row, row * ROW_BYTES + (segment ^ swizzle) * 16, column_box + ((2 * (segment % 4)) ^ swizzle) * 16,
+            column_box + ((2 * (segment % 4) + 1) ^ swizzle) * 16)
 
 
 @nvfly.func
 def convert_fp8_tile(source, target, thread, valid, ROWS):
-    """The ROWS x 128 e4m3 tile at ``source`` (one TMA box of 128-byte rows, 128-byte swizzled: segment s of row r
-    at r x 128 + (s ^ r % 8) x 16) as the 16-bit K-major tile at ``target`` that a 16-bit TMA load gives (two
-    64-column boxes of ROWS x 128 bytes, 128-byte swizzled), in f16; rows at or past ``valid`` (None: none) zero
-    (the bytes past a sequence may hold NaN). A warpgroup's threads each convert ROWS / 16 segments, then order
-    their writes before the async proxy (wgmma) reads them: the caller's named barrier follows."""
+    """The ROWS x 128 e4m3 tile at ``source`` as the f16 K-major tile at ``target`` (``fp8_tile_addresses``'s
+    layouts), rows at or past ``valid`` (None: none) zero (the bytes past a sequence may hold NaN): a warpgroup's
+    threads each convert ROWS / 16 segments, then order their writes before the async proxy's (wgmma's) reads; the
+    caller's named barrier follows."""
     for i in nvfly.static_range(ROWS * 8 // WARPGROUP):
-        row, segment = fp8_tile_segment(thread + WARPGROUP * i)
-        swizzle = row % 8
-        column_box = target + (segment // 4) * (ROWS * ROW_BYTES) + row * ROW_BYTES
-        low = column_box + ((2 * (segment % 4)) ^ swizzle) * 16  # f16 columns 16 s .. 16 s + 7
-        high = column_box + ((2 * (segment % 4) + 1) ^ swizzle) * 16
-        keep = None if valid is None else row < valid
-        convert_shared_e4m3x16(source + row * ROW_BYTES + (segment ^ swizzle) * 16, low, high, nvfly.f16, keep)
+        row, fp8_offset, low, high = fp8_tile_addresses(thread + WARPGROUP * i, ROWS)
+        convert_shared_e4m3x16(source + fp8_offset, target + low, target + high, nvfly.f16,
+                               None if valid is None else row < valid)
     sm90.fence_proxy_async()
 
 

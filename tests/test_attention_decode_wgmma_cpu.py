@@ -15,8 +15,9 @@ import torch
 from nvfly.ops import attention
 from nvfly.ops.attention import api, gqa_api
 from nvfly.ops.attention import gqa_plan as gqa_plans
-from nvfly.ops.attention.gqa_plan import (BLOCK_M, CONSUMER_REGS, CTAS_PER_SM, FP8_STAGES, PRODUCER_REGS, THREADS,
-                                          WIDE_CONSUMER_REGS, WIDE_STAGES, GqaPlan, gqa_declined, gqa_plan)
+from nvfly.ops.attention.gqa_plan import (BLOCK_M, CONSUMER_REGS, CTAS_PER_SM, FP8_STAGES, FP8_WIDE_STAGES,
+                                          PRODUCER_REGS, THREADS, WIDE_CONSUMER_REGS, WIDE_STAGES, GqaPlan,
+                                          gqa_declined, gqa_plan)
 from nvfly.ops.attention.plan import SMEM_PER_SM, SMEM_RESERVED
 
 D = 128
@@ -69,7 +70,8 @@ def test_declined_cases_name_the_reason():
     assert gqa_declined(8, 8, D, D, "torch.bfloat16") == ""
     assert gqa_declined(16, 4, D, D, "torch.float16", paged=True, page_size=128) == ""
     assert gqa_declined(8, 8, D, D, "torch.bfloat16", fp8=True) == ""
-    assert "fp8" in gqa_declined(16, 8, D, D, "torch.bfloat16", fp8=True, wide=True)
+    assert gqa_declined(16, 8, D, D, "torch.bfloat16", fp8=True, wide=True) == ""
+    assert "query rows" in gqa_declined(16, 8, D, D, "torch.bfloat16", fp8=True)
     assert "head dims" in gqa_declined(8, 8, 64, 64, "torch.bfloat16")
     assert "head dims" in gqa_declined(8, 8, 192, 128, "torch.bfloat16")
     assert "query rows" in gqa_declined(16, 8, D, D, "torch.bfloat16")
@@ -405,17 +407,35 @@ def test_fp8_plan_with_fp16_queries_compiles():
     assert not kernel.warnings and kernel.resources.spill_stores == 0
 
 
-def test_fp8_plan_fits_two_ctas_an_sm_and_declines_wide():
+def test_fp8_plans_shared_memory():
     plan = gqa_plan(4, 8, 8, 8, 8192, 132, fp8=True, wide=True)  # 64 rows: one consumer
     assert plan.fp8 and plan.consumers == 1 and plan.stage_bytes == 2 * 64 * D
     assert plan.staging_offset == 64 * D * 2 and plan.ring_offset == plan.staging_offset + 2 * 64 * D * 2
     assert CTAS_PER_SM * (plan.smem_bytes + SMEM_RESERVED) <= SMEM_PER_SM
-    assert "fp8" in gqa_declined(16, 6, D, D, "torch.bfloat16", fp8=True, wide=True)
-    with pytest.raises(ValueError, match="fp8"):
-        gqa_plan(1, 16, 8, 6, 1024, 132, fp8=True, wide=True)
+    wide = gqa_plan(1, 16, 8, 6, 1024, 132, fp8=True, wide=True)
+    assert wide.consumers == 2 and wide.stages == FP8_WIDE_STAGES and wide.smem_bytes + SMEM_RESERVED <= SMEM_PER_SM
+    assert wide.staging_offset == 2 * 64 * D * 2
     with pytest.raises(ValueError, match="stages"):
         gqa_plan(1, 8, 8, 8, 1024, 132, fp8=True, stages=5)
     assert gqa_plans.gqa_by_default(8, 8) and not gqa_plans.gqa_by_default(8, 8, fp8=True)
+
+
+@pytest.mark.parametrize("sq,group,paged,causal,splits", [(16, 8, False, True, 1), (16, 6, True, True, 3),
+                                                          (8, 16, False, False, 1)])
+def test_fp8_two_consumer_plans_compile_without_spills(sq, group, paged, causal, splits):
+    """65-128 rows of fp8 K/V: both consumer warpgroups convert half of each tile (2 + 2 segments a thread) behind
+    named barriers over their 256 threads, then each its own 8 + 4 HGMMAs; 232-register consumers, one CTA an SM."""
+    plan = gqa_plan(2, sq, 8, group, 4096, 132, paged, 64 if paged else 0, causal, splits, wide=True, fp8=True)
+    assert plan.consumers == 2 and plan.threads == 384 and plan.stages == FP8_WIDE_STAGES
+    kernels, sass = compiled_without_spills(plan)
+    kernel = kernels[0]
+    assert kernel.resources.registers * plan.threads <= 65536
+    assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {WIDE_CONSUMER_REGS:#x} ;", sass)
+    assert kernel.dynamic_smem_bytes == plan.smem_bytes and plan.smem_bytes + SMEM_RESERVED <= SMEM_PER_SM
+    ptx = kernel.ptx
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 2 * 8
+    assert len(re.findall(r"bar\.sync\s+1, 256;", ptx)) == len(re.findall(r"bar\.sync\s+2, 256;", ptx)) == 2
+    assert len(kernels) == (2 if splits > 1 else 1)
 
 
 def test_fp8_conversion_addresses_follow_the_swizzled_layouts():
@@ -449,7 +469,7 @@ def fp8_caches(shape, gen):
 
 def test_host_path_takes_fp8_to_the_wgmma_kernel_only_when_asked(cpu_launches, monkeypatch):
     """fp8 caches keep the decode kernel by default (``FP8_BY_DEFAULT`` False); ``wgmma=True`` runs the wgmma
-    kernel's fp8 plan with the (2, Hkv) scales; past 64 rows (``wgmma_wide``) the decode kernel."""
+    kernel's fp8 plan with the (2, Hkv) scales, past 64 rows with ``wgmma_wide`` (two consumers)."""
     gen = torch.Generator().manual_seed(0)
     q = torch.zeros(2, 8, 48, D, dtype=torch.bfloat16)
     k, v = fp8_caches((2, 512, 8, D), gen)
@@ -465,9 +485,12 @@ def test_host_path_takes_fp8_to_the_wgmma_kernel_only_when_asked(cpu_launches, m
     packed = b"".join(p for p in cpu_launches[0][2] if isinstance(p, bytes))
     assert all(struct.pack("<Q", t.data_ptr()) in packed for t in (q, k, v))
     cpu_launches.clear()
-    with api.plan_options(**api.DECODE_VARIANTS["wgmma_wide"]):  # 96 rows: no fp8 plan
+    api._CALLS.clear()
+    with api.plan_options(**api.DECODE_VARIANTS["wgmma_wide"]):  # 96 rows
         attention.decode(torch.zeros(2, 16, 48, D, dtype=torch.bfloat16), k, v, splits=1, **scales)
-    assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"]
+    assert [name for name, _, _ in cpu_launches] == ["attention_gqa_wgmma_kernel"]
+    call = next(call for call in api._CALLS.values() if isinstance(call, gqa_api.GqaCall))
+    assert call.plan.fp8 and call.plan.consumers == 2
     cpu_launches.clear()
     api._CALLS.clear()
     monkeypatch.setattr(gqa_plans, "FP8_BY_DEFAULT", True)  # the lead's switch: the default takes it

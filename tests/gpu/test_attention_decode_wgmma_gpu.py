@@ -6,9 +6,9 @@ heads-first cache passed transposed) and paged ones of 64 and 128 tokens in shuf
 split-KV forced and chosen, one 32K sequence and 16 sequences, bf16 and fp16. Outputs, LSE and the split partials'
 workspace are NaN-poisoned, and so is every cache row past its sequence's length (the kernel must mask those keys
 and zero those values). Each case asserts the wgmma kernel ran (not the decode kernel's fallback); the default's
-cases also run on the decode kernel (``mma_sync``), which must keep matching. fp8 (e4m3) caches (``GqaPlan.fp8``,
-at most 64 rows) under ``wgmma=True``: the 16-bit cases' shapes with per-tensor, per-head and no scales, against the
-reference on the dequantised caches, NaN (e4m3 0x7F) past every length; by default fp8 keeps the decode kernel."""
+cases also run on the decode kernel (``mma_sync``), which must keep matching. fp8 (e4m3) caches (``GqaPlan.fp8``)
+under ``wgmma=True`` (``wgmma_wide`` past 64 rows): the 16-bit cases' shapes with per-tensor, per-head and no scales,
+against the reference on the dequantised caches, NaN past every length; by default fp8 keeps the decode kernel."""
 import pytest
 import torch
 
@@ -188,6 +188,16 @@ FP8_SCALES = {
     "b1-32k-sq8-g8": ("head", "head"),
     "b16-sq8-g6": ("tensor", "head"),
 }
+# two consumer warpgroups (variant wgmma_wide)
+FP8_WIDE_SCALES = {
+    "sq16-g6-96rows-ragged": ("head", "head"),
+    "sq16-g8-paged64-lengths-0-65": ("tensor", "head"),
+    "sq8-g16-noncausal-fp16": ("head", None),
+    "sq16-g8-split5-paged128": ("head", "tensor"),
+    "sq16-g6-split3-heads-first": ("tensor", "tensor1"),
+    "b16-sq16-g8": ("head", "head"),
+}
+FP8_SCALES.update(FP8_WIDE_SCALES)
 
 
 def check_fp8_case(name, monkeypatch, options, wgmma=True):
@@ -224,9 +234,16 @@ def check_fp8_case(name, monkeypatch, options, wgmma=True):
     return runs
 
 
-@pytest.mark.parametrize("name", list(FP8_SCALES))
+@pytest.mark.parametrize("name", [name for name in FP8_SCALES if name not in FP8_WIDE_SCALES])
 def test_fp8_matches_reference(name, monkeypatch):
     check_fp8_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma"])
+
+
+@pytest.mark.parametrize("name", list(FP8_WIDE_SCALES))
+def test_fp8_two_consumer_warpgroups_match_reference(name, monkeypatch):
+    """96 and 128 rows of fp8 (``wgmma_wide``): both consumer warpgroups convert half of each tile."""
+    plans = check_fp8_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma_wide"])
+    assert plans[0].consumers == 2
 
 
 @pytest.mark.parametrize("name", ["sq8-g8-paged128-split5", "b1-32k-sq8-g8"])

@@ -20,12 +20,12 @@ or, with splits, the normalised f32 partial O and LSE of ``combine_kernel``'s wo
 combine a programmatic dependent launch). Rows with no key give
 zeros and LSE -inf.
 
-fp8 (e4m3) K and V (``PLAN.fp8``, one consumer warpgroup): the ring's stages hold K's and V's 64 keys x 128 bytes, one
-128-byte swizzled box each, and the consumer converts each into an f16 staging tile laid out as the 16-bit kernel's
-(``wgmma_tiles.convert_fp8_tile``) for the same f16 wgmmas: K, then (a named barrier) S's wgmmas issued, V converted
-while they run (its rows past the sequence written as zeros on masked tiles), then a second barrier (every warp's S
-has read K's staging tile, V's is written) after which the stage is released, before the softmax and P V, so that
-the producer's refill overlaps them. The query tile, TMA-loaded as q's 16-bit rows, is rescaled to f16 times the
+fp8 (e4m3) K and V (``PLAN.fp8``): the ring's stages hold K's and V's 64 keys x 128 bytes, one 128-byte swizzled box
+each, and the consumer threads (both warpgroups' with two, each converting half) convert each into an f16 staging
+tile laid out as the 16-bit kernel's (``wgmma_tiles.convert_fp8_tile``) for the same f16 wgmmas: K, then (a named
+barrier over the consumers) S's wgmmas issued, V converted while they run (its rows past the sequence written as
+zeros on masked tiles), then a second barrier (every warp's S has read K's staging tile, V's is written) after which
+the stage is released, before the softmax and P V, so that the producer's refill overlaps them. The query tile, TMA-loaded as q's 16-bit rows, is rescaled to f16 times the
 softmax scale in place once (as the decode kernel's ``stage_query_f16``: f16's range for |q| up to 65504 / scale);
 K's per-head scale (``kv_scales`` [2, Hkv]: K's, then V's) goes into the scores' scale and V's into the output's
 normalisation.
@@ -47,8 +47,8 @@ from nvfly.ops.attention.wgmma_tiles import (Running, convert_fp8_tile, mask_key
 
 LN2 = math.log(2.0)
 ZEROED = 1                 # hardware barriers (0 is __syncthreads): consumer c's zeroed V rows before its wgmma: 1 + c
-# fp8 (one consumer warpgroup, no ZEROED): K's staging tile (and the query tile, on the first) converted before S's
-# wgmmas; V's converted and every warp's S done with K's, before P V
+# fp8 (no ZEROED), over every consumer thread: K's staging tile (and the query tile, on the first) converted before
+# S's wgmmas; V's converted and every warp's S done with K's, before P V
 K_CONVERTED, V_CONVERTED = 1, 2
 
 
@@ -105,9 +105,12 @@ def key_tile(state, t, n, PLAN, MASKED):
     k_tile = t.staging if PLAN.fp8 else stage
     v_tile = k_tile + K_BYTES
     t.pipe.consumer_wait(state.stage, 0)
+    CONVERTERS = 128 * PLAN.consumers
+    converter = None
     if PLAN.fp8:  # K's keys past the sequence are converted as they are: S masks them
-        convert_fp8_tile(stage, k_tile, t.thread, None, BLOCK_N)
-        nvfly.named_barrier(K_CONVERTED, 128)
+        converter = t.thread + 128 * t.consumer  # the thread's index among the consumers'
+        convert_fp8_tile(stage, k_tile, converter, None, BLOCK_N, CONVERTERS)
+        nvfly.named_barrier(K_CONVERTED, CONVERTERS)
     s = sm90.Accumulator.undefined(lay.s_atom)
     sm90.fence()
     for ks in nvfly.static_range(HEAD_DIM // lay.s_atom.k):
@@ -117,11 +120,11 @@ def key_tile(state, t, n, PLAN, MASKED):
     sm90.commit_group()
     if PLAN.fp8:  # V converted while S's wgmmas run: the previous tile's P V finished before K_CONVERTED
         t.pipe.consumer_wait(state.stage, 1)
-        convert_fp8_tile(stage + FP8_TILE_BYTES, v_tile, t.thread, t.seqlen - n * BLOCK_N if MASKED else None,
-                         BLOCK_N)
+        convert_fp8_tile(stage + FP8_TILE_BYTES, v_tile, converter, t.seqlen - n * BLOCK_N if MASKED else None,
+                         BLOCK_N, CONVERTERS)
     sm90.wait_group(0)
     if PLAN.fp8:  # past it every warp's S has read K's staging tile and its conversions read the stage
-        nvfly.named_barrier(V_CONVERTED, 128)
+        nvfly.named_barrier(V_CONVERTED, CONVERTERS)
         if t.lane == 0:
             t.pipe.consumer_release(state.stage)
 
@@ -243,9 +246,9 @@ def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDes
         state = Running([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2, sm90.Accumulator.zeros(lay.pv_atom),
                         sm90.PipelineState.start(STAGES))
         sm90.mbarrier_wait(q_bar, 0)
-        if PLAN.fp8:  # in place, ordered before S's wgmmas by the first tile's K_CONVERTED barrier
-            scale_to_f16(q_tile, nvfly.dynamic_shared_tensor(dtype, (Q_BYTES // 2,), offset_bytes=Q_OFFSET),
-                         scale_log2 * LN2, thread, Q_BYTES)
+        if PLAN.fp8:  # in place (all consumers' rows), ordered before S's wgmmas by the first K_CONVERTED barrier
+            scale_to_f16(q_tile, nvfly.dynamic_shared_tensor(dtype, (PLAN.q_bytes // 2,), offset_bytes=Q_OFFSET),
+                         scale_log2 * LN2, thread + 128 * consumer, PLAN.q_bytes, 128 * CONSUMERS)
         for n in range(begin, middle):
             state = key_tile(state, t, n, PLAN, False)
         for n in range(middle, end):

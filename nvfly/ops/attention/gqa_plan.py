@@ -1,7 +1,7 @@
 """Warpgroup-MMA GQA decode plans (``decode``'s default at 16 < Sq x G <= 64): 16-bit K and V of head dim 128, the
 Sq x G query rows of one KV head (at most 64; 128 on two consumer warpgroups with ``wide``) as one wgmma M = 64 each
-(pure Python, shared by the kernel's trace, the host and the CPU tests); fp8 (e4m3) K and V (``GqaPlan.fp8``, at
-most 64 rows) converted to f16 tiles in shared memory for the same f16 wgmmas.
+(pure Python, shared by the kernel's trace, the host and the CPU tests); fp8 (e4m3) K and V (``GqaPlan.fp8``)
+converted to f16 tiles in shared memory for the same f16 wgmmas.
 
 A CTA owns one (sequence, KV head, split): its Sq x G packed query rows (row r: query token r // G, head
 hkv * G + r % G) and the split's keys, streamed in ``BLOCK_N`` = 64-key tiles of K and V through a ``stages``-deep
@@ -42,6 +42,8 @@ Q_OFFSET = 0
 FP8_TILE_BYTES = BLOCK_N * HEAD_DIM
 FP8_STAGE_BYTES = 2 * FP8_TILE_BYTES
 FP8_STAGES = 4
+# two consumer warpgroups (one CTA an SM): Q 32 KB + staging 32 KB + 8 stages of 16 KB, the same 128 KB in flight
+FP8_WIDE_STAGES = 8
 STAGING_BYTES = STAGE_BYTES
 # decode runs fp8 caches on this kernel only when asked (plan_options(wgmma=True)) while this is False; the lead flips
 # it once the fp8 plans measure faster than the decode kernel's
@@ -56,8 +58,8 @@ class GqaPlan:
     through a block table of pages of ``page_size`` tokens (a multiple of BLOCK_N); causal: queries aligned to the
     end of their sequence; splits: CTAs sharing one sequence's keys (> 1: the combine kernel merges their
     partials); stages: the ring's depth; pdl_combine (splits > 1): the combine kernel is a programmatic dependent
-    launch (as ``DecodePlan.pdl_combine``: its launch hides behind the split grid); fp8: e4m3 K and V (one consumer
-    warpgroup), converted to f16 in shared memory (``FP8_STAGE_BYTES`` stages, the f16 staging tiles)."""
+    launch (as ``DecodePlan.pdl_combine``: its launch hides behind the split grid); fp8: e4m3 K and V, converted to
+    f16 in shared memory (``FP8_STAGE_BYTES`` stages, the f16 staging tiles; with two consumers both convert)."""
     sq: int
     group: int
     paged: bool
@@ -124,11 +126,8 @@ class GqaPlan:
 def gqa_declined(sq: int, group: int, dqk: int, dv: int, dtype: str, fp8: bool = False, mods: bool = False,
                  paged: bool = False, page_size: int = 0, wide: bool = False) -> str:
     """Why the wgmma GQA kernel cannot compute a decode call ('' when it can): it has code for 16-bit K and V of
-    head dim 128 (or fp8 ones, at most 64 rows), at most 64 packed query rows (128 with ``wide``: two consumer
-    warpgroups), pages of a multiple of 64 tokens, and no mods or block masks; ``dtype``: q's."""
-    if fp8 and sq * group > BLOCK_M:
-        return (f"fp8 K/V at Sq x G = {sq * group} query rows: the wgmma GQA kernel's fp8 plans have one consumer "
-                f"warpgroup ({BLOCK_M} rows)")
+    head dim 128 (or fp8 ones), at most 64 packed query rows (128 with ``wide``: two consumer warpgroups), pages of
+    a multiple of 64 tokens, and no mods or block masks; ``dtype``: q's."""
     if dtype not in ("torch.bfloat16", "torch.float16"):
         return f"dtype {dtype}: the wgmma GQA kernel takes bfloat16 or float16"
     if dqk != HEAD_DIM or dv != HEAD_DIM:
@@ -160,7 +159,8 @@ def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_c
     """The plan for one call shape: ``mla_splits``'s count over the plan's CTAs an SM and the cache's capacity
     in 64-key tiles (``splits`` > 0 forces one); ``stages`` > 0 forces the ring depth; ``pdl_combine``: where the
     plan splits, the combine as a programmatic dependent launch; ``wide``: more than 64 rows (at most 128) on two
-    consumer warpgroups (``GqaPlan.consumers``); ``fp8``: e4m3 K and V (``FP8_STAGES`` deep)."""
+    consumer warpgroups (``GqaPlan.consumers``); ``fp8``: e4m3 K and V (``FP8_STAGES`` deep, ``FP8_WIDE_STAGES``
+    with two consumers)."""
     declined = gqa_declined(sq, group, HEAD_DIM, HEAD_DIM, "torch.bfloat16", fp8=fp8, paged=paged,
                             page_size=page_size, wide=wide)
     if declined:
@@ -170,7 +170,7 @@ def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_c
     if splits <= 0:
         splits = mla_splits(batch * kv_heads, sm_count * ctas_per_sm, -(-capacity // BLOCK_N))
     splits = max(1, min(splits, MAX_SPLITS))
-    default_stages = FP8_STAGES if fp8 else STAGES if consumers == 1 else WIDE_STAGES
+    default_stages = ((FP8_STAGES, FP8_WIDE_STAGES) if fp8 else (STAGES, WIDE_STAGES))[consumers - 1]
     plan = GqaPlan(sq, group, paged, page_size if paged else 0, causal, splits, stages or default_stages,
                    pdl_combine and splits > 1, consumers, fp8)
     if plan.ctas_per_sm * (plan.smem_bytes + SMEM_RESERVED) > SMEM_PER_SM:

@@ -89,25 +89,26 @@ def fp8_tile_addresses(index: Any, rows: int) -> tuple:
 
 
 @nvfly.func
-def convert_fp8_tile(source, target, thread, valid, ROWS):
+def convert_fp8_tile(source, target, thread, valid, ROWS, THREADS):
     """The ROWS x 128 e4m3 tile at ``source`` as the f16 K-major tile at ``target`` (``fp8_tile_addresses``'s
-    layouts), rows at or past ``valid`` (None: none) zero (the bytes past a sequence may hold NaN): a warpgroup's
-    threads each convert ROWS / 16 segments, then order their writes before the async proxy's (wgmma's) reads; the
-    caller's named barrier follows."""
-    for i in nvfly.static_range(ROWS * 8 // WARPGROUP):
-        row, fp8_offset, low, high = fp8_tile_addresses(thread + WARPGROUP * i, ROWS)
+    layouts), rows at or past ``valid`` (None: none) zero (the bytes past a sequence may hold NaN): THREADS threads
+    (whole warpgroups; ``thread`` the caller's index among them) each convert ROWS x 8 / THREADS segments, then
+    order their writes before the async proxy's (wgmma's) reads; the caller's named barrier follows."""
+    for i in nvfly.static_range(ROWS * 8 // THREADS):
+        row, fp8_offset, low, high = fp8_tile_addresses(thread + THREADS * i, ROWS)
         convert_shared_e4m3x16(source + fp8_offset, target + low, target + high, nvfly.f16,
                                None if valid is None else row < valid)
     sm90.fence_proxy_async()
 
 
 @nvfly.func
-def scale_to_f16(tile, values, scale, thread, BYTES):
+def scale_to_f16(tile, values, scale, thread, BYTES, THREADS):
     """The 16-bit tile of BYTES bytes at shared address ``tile`` (``values``: a shared tensor of its elements) times
-    ``scale``, rounded to f16 in place (each 16-byte segment where it was: any swizzle is kept), then its writes
-    ordered before the async proxy (wgmma) reads them: the caller's named barrier follows."""
-    for i in nvfly.static_range(BYTES // 16 // WARPGROUP):
-        segment = thread + WARPGROUP * i
+    ``scale``, rounded to f16 in place (each 16-byte segment where it was: any swizzle is kept) by THREADS threads
+    (``thread`` the caller's index among them), then its writes ordered before the async proxy (wgmma) reads them:
+    the caller's named barrier follows."""
+    for i in nvfly.static_range(BYTES // 16 // THREADS):
+        segment = thread + THREADS * i
         scaled = (values.load(8 * segment, width=8).to(nvfly.f32) * scale).to(nvfly.f16)
         store_shared(tile + 16 * segment, scaled.bitcast(nvfly.i32).tolist())
     sm90.fence_proxy_async()

@@ -335,7 +335,9 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     # 16-bit d 128 at 16 < Sq·G <= 64 runs the warpgroup-MMA GQA kernel (gqa_kernel) by default: the decode kernel
     # (mma.sync) for every call instead, the default before
     "mma_sync": dict(wgmma=False),
-    # the wgmma kernel at Sq·G <= 16 as well (all that gqa_declined accepts; other calls keep the decode kernel)
+    # the wgmma kernel at Sq·G <= 16 as well (all that gqa_declined accepts; other calls keep the decode kernel), and
+    # for fp8 caches (GqaPlan.fp8: converted to f16 in shared memory), which keep the decode kernel by default while
+    # gqa_plan.FP8_BY_DEFAULT is False
     "wgmma": dict(wgmma=True),
     # its split plans' combine kernel as the split kernel's programmatic dependent, not launched after it
     "wgmma_pdl": dict(wgmma=True, pdl_combine=True),

@@ -25,10 +25,10 @@ each, and the consumer threads (both warpgroups' with two, each converting half)
 tile laid out as the 16-bit kernel's (``wgmma_tiles.convert_fp8_tile``) for the same f16 wgmmas: K, then (a named
 barrier over the consumers) S's wgmmas issued, V converted while they run (its rows past the sequence written as
 zeros on masked tiles), then a second barrier (every warp's S has read K's staging tile, V's is written) after which
-the stage is released, before the softmax and P V, so that the producer's refill overlaps them. The query tile, TMA-loaded as q's 16-bit rows, is rescaled to f16 times the
-softmax scale in place once (as the decode kernel's ``stage_query_f16``: f16's range for |q| up to 65504 / scale);
-K's per-head scale (``kv_scales`` [2, Hkv]: K's, then V's) goes into the scores' scale and V's into the output's
-normalisation.
+the stage is released, before the softmax and P V, so that the producer's refill overlaps them. The query tile,
+TMA-loaded as q's 16-bit rows, is rescaled to f16 times the softmax scale in place once (as the decode kernel's
+``stage_query_f16``: f16's range for |q| up to 65504 / scale); K's per-head scale (``kv_scales`` [2, Hkv]: K's, then
+V's) goes into the scores' scale and V's into the output's normalisation.
 """
 from __future__ import annotations
 

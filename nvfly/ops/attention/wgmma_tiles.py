@@ -8,8 +8,8 @@ from typing import Any, NamedTuple
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.arch.floats import convert_shared_e4m3x16
-from nvfly.arch.memory import store_shared
+from nvfly.arch.floats import store_e4m3x16
+from nvfly.arch.memory import load_shared, store_shared
 from nvfly.ops.attention.softmax import NEG_INF, row_of
 
 ROW_BYTES = 128            # a 64-column box's row of 16-bit values: one 128-byte swizzle row
@@ -92,12 +92,16 @@ def fp8_tile_addresses(index: Any, rows: int) -> tuple:
 def convert_fp8_tile(source, target, thread, valid, ROWS, THREADS):
     """The ROWS x 128 e4m3 tile at ``source`` as the f16 K-major tile at ``target`` (``fp8_tile_addresses``'s
     layouts), rows at or past ``valid`` (None: none) zero (the bytes past a sequence may hold NaN): THREADS threads
-    (whole warpgroups; ``thread`` the caller's index among them) each convert ROWS x 8 / THREADS segments, then
-    order their writes before the async proxy's (wgmma's) reads; the caller's named barrier follows."""
-    for i in nvfly.static_range(ROWS * 8 // THREADS):
-        row, fp8_offset, low, high = fp8_tile_addresses(thread + THREADS * i, ROWS)
-        convert_shared_e4m3x16(source + fp8_offset, target + low, target + high, nvfly.f16,
-                               None if valid is None else row < valid)
+    (whole warpgroups; ``thread`` the caller's index among them) each convert ROWS x 8 / THREADS segments, all their
+    16-byte loads first (one shared-memory latency, not one a segment: the conversion of K is on the key tile's
+    critical path), then order their writes before the async proxy's (wgmma's) reads; the caller's named barrier
+    follows."""
+    segments = [fp8_tile_addresses(thread + THREADS * i, ROWS) for i in nvfly.static_range(ROWS * 8 // THREADS)]
+    loaded = [load_shared(source + fp8_offset, 4) for _, fp8_offset, _, _ in segments]
+    for (row, _, low, high), words in zip(segments, loaded):
+        if valid is not None:  # e4m3 0x00 is +0
+            words = [nvfly.select(row < valid, word, 0) for word in words]
+        store_e4m3x16(words, target + low, target + high, nvfly.f16)
     sm90.fence_proxy_async()
 
 

@@ -396,6 +396,7 @@ def test_fp8_plans_compile_to_hgmma_without_spills(sq, group, paged, causal, spl
     assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 4 * 8
     assert len(re.findall(r"bar\.sync\s+1, 128;", ptx)) == len(re.findall(r"bar\.sync\s+2, 128;", ptx)) == 2
     assert ptx.count("fence.proxy.async.shared::cta;") == 2 * 2 + 1
+    assert ptx.count("bar.warp.sync -1;") == 2  # before each loop's release, with V converted
     assert len(kernels) == (2 if splits > 1 else 1)
 
 

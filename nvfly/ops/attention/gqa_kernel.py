@@ -24,8 +24,8 @@ fp8 (e4m3) K and V (``PLAN.fp8``): the ring's stages hold K's and V's 64 keys x 
 each, and the consumer threads (both warpgroups' with two, each converting half) convert each into an f16 staging
 tile laid out as the 16-bit kernel's (``wgmma_tiles.convert_fp8_tile``) for the same f16 wgmmas: K, then (a named
 barrier over the consumers) S's wgmmas issued, V converted while they run (its rows past the sequence written as
-zeros on masked tiles), then a second barrier (every warp's S has read K's staging tile, V's is written) after which
-the stage is released, before the softmax and P V, so that the producer's refill overlaps them. The query tile,
+zeros on masked tiles), after which each warp releases the stage (the producer's refill overlaps S, the softmax
+and P V), then a second barrier (every warp's S has read K's staging tile, V's is written). The query tile,
 TMA-loaded as q's 16-bit rows, is rescaled to f16 times the softmax scale in place once (as the decode kernel's
 ``stage_query_f16``: f16's range for |q| up to 65504 / scale); K's per-head scale (``kv_scales`` [2, Hkv]: K's, then
 V's) goes into the scores' scale and V's into the output's normalisation.
@@ -98,8 +98,8 @@ class Tile(NamedTuple):
 
 @nvfly.func
 def key_tile(state, t, n, PLAN, MASKED):
-    """Key tile ``n``: S, the online softmax, O rescaled and P V added; the stage released (fp8: once K and V are
-    converted to the staging tiles, before the softmax)."""
+    """Key tile ``n``: S, the online softmax, O rescaled and P V added; the stage released (fp8: once the warp has
+    converted its part of K and V to the staging tiles, while S's wgmmas run)."""
     lay = t.lay
     stage = t.ring + state.stage.stage * PLAN.stage_bytes
     k_tile = t.staging if PLAN.fp8 else stage
@@ -122,11 +122,12 @@ def key_tile(state, t, n, PLAN, MASKED):
         t.pipe.consumer_wait(state.stage, 1)
         convert_fp8_tile(stage + FP8_TILE_BYTES, v_tile, converter, t.seqlen - n * BLOCK_N if MASKED else None,
                          BLOCK_N, CONVERTERS)
-    sm90.wait_group(0)
-    if PLAN.fp8:  # past it every warp's S has read K's staging tile and its conversions read the stage
-        nvfly.named_barrier(V_CONVERTED, CONVERTERS)
+        nvfly.syncwarp()  # the warp's reads of the stage are done (K's before K_CONVERTED): the producer may refill it
         if t.lane == 0:
             t.pipe.consumer_release(state.stage)
+    sm90.wait_group(0)
+    if PLAN.fp8:  # past it every warp's S has read K's staging tile, and V's is written
+        nvfly.named_barrier(V_CONVERTED, CONVERTERS)
 
     scores = [s[i] for i in range(len(s))]
     if MASKED:

@@ -9,6 +9,8 @@ and zero those values). Each case asserts the wgmma kernel ran (not the decode k
 cases also run on the decode kernel (``mma_sync``), which must keep matching. fp8 (e4m3) caches (``GqaPlan.fp8``)
 under ``wgmma=True`` (``wgmma_wide`` past 64 rows): the 16-bit cases' shapes with per-tensor, per-head and no scales,
 against the reference on the dequantised caches, NaN past every length; by default fp8 keeps the decode kernel."""
+import random
+
 import pytest
 import torch
 
@@ -200,11 +202,12 @@ FP8_WIDE_SCALES = {
 FP8_SCALES.update(FP8_WIDE_SCALES)
 
 
-def check_fp8_case(name, monkeypatch, options, wgmma=True):
+def check_fp8_case(name, monkeypatch, options, wgmma=True, case=None):
     """``check_case`` with fp8 caches: the 16-bit case's caches rounded to e4m3 (NaN past each length stays NaN),
-    its scales; the reference on the NaN-free caches dequantised in float32."""
-    batch, sq, hq, hkv, lengths, dtype, page, causal, splits, heads_first = CASES[name]
-    k_kind, v_kind = FP8_SCALES[name]
+    its scales; the reference on the NaN-free caches dequantised in float32. ``case``: (the case's fields, K's and
+    V's scale kinds) instead of ``name``'s."""
+    (batch, sq, hq, hkv, lengths, dtype, page, causal, splits, heads_first), (k_kind, v_kind) = (
+        case if case is not None else (CASES[name], FP8_SCALES[name]))
     gen = torch.Generator(device="cuda").manual_seed(sum(map(ord, name)) + 8)
     q = torch.randn(batch, sq, hq, D, device="cuda", generator=gen).to(dtype)
     k16, v16, table = make_caches(batch, hkv, lengths, torch.bfloat16, page, heads_first, gen)
@@ -274,3 +277,21 @@ def test_fp8_with_queries_beyond_f16_range(monkeypatch):
     want, want_lse = attention.reference(q, torch.nan_to_num(k16).to(FP8), torch.nan_to_num(v16).to(FP8),
                                          cache_seqlens=seqlens, **scales)
     assert_matches(got, lse, want, want_lse, 1e-2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fp8_random_shapes(seed, monkeypatch):
+    """Random Sq x G (up to 128 rows, two consumers past 64), ragged lengths with 0 and 1 among them, contiguous or
+    paged (64 or 128 tokens), causal or not, planned or forced splits, any scale kinds, bf16 or fp16 queries."""
+    rng = random.Random(seed)
+    sq, group = rng.choice([(1, 8), (2, 8), (4, 4), (4, 6), (4, 8), (8, 4), (8, 6), (8, 8), (16, 4), (3, 16),
+                            (16, 6), (16, 8), (8, 16)])
+    hkv = rng.choice([1, 2, 8])
+    batch = rng.randint(3, 6)
+    lengths = [0, 1] + [rng.randint(2, 3000) for _ in range(batch - 2)]
+    rng.shuffle(lengths)
+    case = ((batch, sq, hkv * group, hkv, lengths, rng.choice([torch.bfloat16, torch.float16]),
+             rng.choice([0, 64, 128]), rng.random() < 0.7, rng.choice([0, 0, 2, 5]), False),
+            (rng.choice([None, "tensor", "head"]), rng.choice([None, "tensor1", "head"])))
+    plans = check_fp8_case(f"random-{seed}", monkeypatch, api.DECODE_VARIANTS["wgmma_wide"], case=case)
+    assert plans[0].consumers == (2 if sq * group > 64 else 1)

@@ -209,12 +209,12 @@ def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, Any]
     options = {key: value for key, value in options.items() if key not in ("wgmma", "wgmma_wide")}
     # the warpgroup-MMA GQA kernel where asked for or by default (api._new_call's rule) and it takes the row, else
     # the decode kernel's plan
-    if wgmma or wgmma is None and not options and not wide and gqa_by_default(sq, hq // hkv):
+    if wgmma or wgmma is None and not options and not wide and gqa_by_default(sq, hq // hkv, kv == "fp8"):
         declined = gqa_declined(sq, hq // hkv, d, d, "torch.bfloat16", kv == "fp8", mod != "none", bool(page),
                                 page, wide)
         if not declined:
             plan = gqa_plan(batch, sq, hkv, hq // hkv, skv, plan_sm_count(0), bool(page), page,
-                            pdl_combine=bool(options.get("pdl_combine")), wide=wide)
+                            pdl_combine=bool(options.get("pdl_combine")), wide=wide, fp8=kv == "fp8")
             return {"kernel": "wgmma", "stages": plan.stages, "splits": plan.splits, "consumers": plan.consumers,
                     **({"combine": "pdl"} if plan.pdl_combine else {})}
     plan = attention.decode_plan(batch, sq, hkv, hq // hkv, d, d, skv, plan_sm_count(0), bool(page), page,

@@ -1,7 +1,9 @@
 """The warpgroup-MMA GQA decode kernel (``decode``'s ``wgmma`` plan option, ``gqa_kernel``) without a GPU: its
 variants compile for sm_90a to the planned HGMMAs without spills or ptxas warnings within two CTAs an SM; the plan's
 eligibility, split count and shared memory; decode's host path launches it (and the combine with splits) only
-where asked and eligible, the decode kernel otherwise; the packed rows' (token, head) arithmetic."""
+where asked and eligible, the decode kernel otherwise; the packed rows' (token, head) arithmetic; fp8 K/V plans
+(``GqaPlan.fp8``): the same HGMMAs on f16 tiles converted in shared memory (the conversion's addresses against the
+swizzled layouts), only under ``wgmma=True``, and the kernel's fp8 arithmetic (scales, f16 query) in a model."""
 import collections
 import math
 import re
@@ -12,8 +14,10 @@ import torch
 
 from nvfly.ops import attention
 from nvfly.ops.attention import api, gqa_api
-from nvfly.ops.attention.gqa_plan import (BLOCK_M, CONSUMER_REGS, CTAS_PER_SM, PRODUCER_REGS, THREADS,
-                                          WIDE_CONSUMER_REGS, WIDE_STAGES, GqaPlan, gqa_declined, gqa_plan)
+from nvfly.ops.attention import gqa_plan as gqa_plans
+from nvfly.ops.attention.gqa_plan import (BLOCK_M, CONSUMER_REGS, CTAS_PER_SM, FP8_STAGES, FP8_WIDE_STAGES,
+                                          PRODUCER_REGS, THREADS, WIDE_CONSUMER_REGS, WIDE_STAGES, GqaPlan,
+                                          gqa_declined, gqa_plan)
 from nvfly.ops.attention.plan import SMEM_PER_SM, SMEM_RESERVED
 
 D = 128
@@ -65,7 +69,9 @@ def test_fp16_compiles():
 def test_declined_cases_name_the_reason():
     assert gqa_declined(8, 8, D, D, "torch.bfloat16") == ""
     assert gqa_declined(16, 4, D, D, "torch.float16", paged=True, page_size=128) == ""
-    assert "fp8" in gqa_declined(8, 8, D, D, "torch.bfloat16", fp8=True)
+    assert gqa_declined(8, 8, D, D, "torch.bfloat16", fp8=True) == ""
+    assert gqa_declined(16, 8, D, D, "torch.bfloat16", fp8=True, wide=True) == ""
+    assert "query rows" in gqa_declined(16, 8, D, D, "torch.bfloat16", fp8=True)
     assert "head dims" in gqa_declined(8, 8, 64, 64, "torch.bfloat16")
     assert "head dims" in gqa_declined(8, 8, 192, 128, "torch.bfloat16")
     assert "query rows" in gqa_declined(16, 8, D, D, "torch.bfloat16")
@@ -366,3 +372,204 @@ def test_two_consumers_own_disjoint_64_row_blocks():
                 for row in (row0, row0 + 8):
                     owners[row] += 1
     assert sorted(owners) == list(range(2 * BLOCK_M)) and set(owners.values()) == {4}
+
+
+# ---------------------------------------------------------------------------------------------- fp8 K and V
+@pytest.mark.parametrize("sq,group,paged,causal,splits", [
+    (4, 6, False, True, 1), (3, 8, True, True, 3), (8, 4, False, True, 2), (4, 8, True, False, 1),
+    (8, 6, False, True, 1), (8, 6, True, True, 4), (8, 8, False, True, 1), (16, 4, True, True, 3)])
+def test_fp8_plans_compile_to_hgmma_without_spills(sq, group, paged, causal, splits):
+    """Sq x G of 24, 32, 48 and 64, paged and contiguous, split and not: the 16-bit plans' f16 HGMMAs on the
+    converted tiles (8 + 4 a key tile, in both loops), no local memory, two CTAs an SM by registers and shared
+    memory; each loop converts K's and V's 64 x 128 bytes (4 + 4 segments a thread, 8 cvt each), fenced for the
+    async proxy before the two named barriers."""
+    plan = gqa_plan(2, sq, 8, group, 4096, 132, paged, 64 if paged else 0, causal, splits, fp8=True)
+    assert plan.fp8 and plan.stages == FP8_STAGES and plan.consumers == 1 and plan.splits == splits
+    kernels, sass = compiled_without_spills(plan)
+    kernel = kernels[0]
+    assert kernel.resources.registers * THREADS * CTAS_PER_SM <= 65536
+    assert re.search(rf"USETMAXREG\.DEALLOC\.CTAPOOL {PRODUCER_REGS:#x} ;", sass)
+    assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {CONSUMER_REGS:#x} ;", sass)
+    assert kernel.dynamic_smem_bytes == plan.smem_bytes
+    assert CTAS_PER_SM * (plan.smem_bytes + SMEM_RESERVED) <= SMEM_PER_SM
+    ptx = kernel.ptx
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 4 * 8
+    assert len(re.findall(r"bar\.sync\s+1, 128;", ptx)) == len(re.findall(r"bar\.sync\s+2, 128;", ptx)) == 2
+    assert ptx.count("fence.proxy.async.shared::cta;") == 2 * 2 + 1
+    assert ptx.count("bar.warp.sync -1;") == 2  # before each loop's release, with V converted
+    assert len(kernels) == (2 if splits > 1 else 1)
+
+
+def test_fp8_plan_with_fp16_queries_compiles():
+    import nvfly
+    plan = GqaPlan(8, 8, False, 0, True, stages=FP8_STAGES, fp8=True)
+    kernel = gqa_api.compile_gqa(plan, dtype=nvfly.f16)[0]
+    assert hgmma(kernel.sass(), "64x128x16", r"R\d+, R\d+, gdesc\[") == 2 * 4
+    assert not kernel.warnings and kernel.resources.spill_stores == 0
+
+
+def test_fp8_plans_shared_memory():
+    plan = gqa_plan(4, 8, 8, 8, 8192, 132, fp8=True, wide=True)  # 64 rows: one consumer
+    assert plan.fp8 and plan.consumers == 1 and plan.stage_bytes == 2 * 64 * D
+    assert plan.staging_offset == 64 * D * 2 and plan.ring_offset == plan.staging_offset + 2 * 64 * D * 2
+    assert CTAS_PER_SM * (plan.smem_bytes + SMEM_RESERVED) <= SMEM_PER_SM
+    wide = gqa_plan(1, 16, 8, 6, 1024, 132, fp8=True, wide=True)
+    assert wide.consumers == 2 and wide.stages == FP8_WIDE_STAGES and wide.smem_bytes + SMEM_RESERVED <= SMEM_PER_SM
+    assert wide.staging_offset == 2 * 64 * D * 2
+    with pytest.raises(ValueError, match="stages"):
+        gqa_plan(1, 8, 8, 8, 1024, 132, fp8=True, stages=5)
+    assert gqa_plans.gqa_by_default(8, 8) and not gqa_plans.gqa_by_default(8, 8, fp8=True)
+
+
+@pytest.mark.parametrize("sq,group,paged,causal,splits", [(16, 8, False, True, 1), (16, 6, True, True, 3),
+                                                          (8, 16, False, False, 1)])
+def test_fp8_two_consumer_plans_compile_without_spills(sq, group, paged, causal, splits):
+    """65-128 rows of fp8 K/V: both consumer warpgroups convert half of each tile (2 + 2 segments a thread) behind
+    named barriers over their 256 threads, then each its own 8 + 4 HGMMAs; 232-register consumers, one CTA an SM."""
+    plan = gqa_plan(2, sq, 8, group, 4096, 132, paged, 64 if paged else 0, causal, splits, wide=True, fp8=True)
+    assert plan.consumers == 2 and plan.threads == 384 and plan.stages == FP8_WIDE_STAGES
+    kernels, sass = compiled_without_spills(plan)
+    kernel = kernels[0]
+    assert kernel.resources.registers * plan.threads <= 65536
+    assert re.search(rf"USETMAXREG\.TRY_ALLOC\.CTAPOOL UP\d, {WIDE_CONSUMER_REGS:#x} ;", sass)
+    assert kernel.dynamic_smem_bytes == plan.smem_bytes and plan.smem_bytes + SMEM_RESERVED <= SMEM_PER_SM
+    ptx = kernel.ptx
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * 2 * 8
+    assert len(re.findall(r"bar\.sync\s+1, 256;", ptx)) == len(re.findall(r"bar\.sync\s+2, 256;", ptx)) == 2
+    assert len(kernels) == (2 if splits > 1 else 1)
+
+
+def test_fp8_conversion_addresses_follow_the_swizzled_layouts():
+    """``fp8_tile_addresses``: the warpgroup's 4 x 128 segment indices read every 16-byte segment of the TMA-loaded
+    fp8 tile (K-major, 128-byte swizzle, 128 e4m3 a row) once and write its 16 f16 values where the 16-bit kernel's
+    K-major tile (two 64-column boxes) holds those columns; each quarter-warp's loads and stores hit 8 distinct
+    16-byte bank groups."""
+    import nvfly
+    from nvfly.arch import sm90
+    from nvfly.ops.attention.gqa_kernel import layouts
+    from nvfly.ops.attention.wgmma_tiles import fp8_tile_addresses
+    k_layout = layouts(nvfly.f16).k_layout
+    fp8_layout = sm90.operand_layout(64, D, nvfly.f8e4m3, "K", 128)
+    seen = collections.Counter()
+    for index in range(64 * 8):
+        row, source, low, high = fp8_tile_addresses(index, 64)
+        (segment,) = [s for s in range(8) if fp8_layout((row, 16 * s)) == source]
+        seen[row, segment] += 1
+        assert low == 2 * k_layout((row, 16 * segment)) and high == 2 * k_layout((row, 16 * segment + 8))
+    assert len(seen) == 64 * 8 and set(seen.values()) == {1}
+    for first in range(0, 64 * 8, 8):
+        for part in (1, 2, 3):
+            assert len({fp8_tile_addresses(i, 64)[part] // 16 % 8 for i in range(first, first + 8)}) == 8
+
+
+def fp8_caches(shape, gen):
+    k = (torch.randn(shape, generator=gen) * 2).to(torch.float8_e4m3fn)
+    v = (torch.randn(shape, generator=gen) * 2).to(torch.float8_e4m3fn)
+    return k, v
+
+
+def test_host_path_takes_fp8_to_the_wgmma_kernel_only_when_asked(cpu_launches, monkeypatch):
+    """fp8 caches keep the decode kernel by default (``FP8_BY_DEFAULT`` False); ``wgmma=True`` runs the wgmma
+    kernel's fp8 plan with the (2, Hkv) scales, past 64 rows with ``wgmma_wide`` (two consumers)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.zeros(2, 8, 48, D, dtype=torch.bfloat16)
+    k, v = fp8_caches((2, 512, 8, D), gen)
+    scales = dict(k_scale=torch.tensor(0.5), v_scale=torch.rand(8))
+    attention.decode(q, k, v, splits=1, **scales)
+    assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"]
+    cpu_launches.clear()
+    with api.plan_options(**api.DECODE_VARIANTS["wgmma"]):
+        attention.decode(q, k, v, splits=1, **scales)
+    assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_gqa_wgmma_kernel", (1, 8, 2))]
+    call = next(call for call in api._CALLS.values() if isinstance(call, gqa_api.GqaCall))
+    assert call.plan.fp8 and call.plan.stages == FP8_STAGES and call.boxes[1] == (1, 64, 1, 128)
+    packed = b"".join(p for p in cpu_launches[0][2] if isinstance(p, bytes))
+    assert all(struct.pack("<Q", t.data_ptr()) in packed for t in (q, k, v))
+    cpu_launches.clear()
+    api._CALLS.clear()
+    with api.plan_options(**api.DECODE_VARIANTS["wgmma_wide"]):  # 96 rows
+        attention.decode(torch.zeros(2, 16, 48, D, dtype=torch.bfloat16), k, v, splits=1, **scales)
+    assert [name for name, _, _ in cpu_launches] == ["attention_gqa_wgmma_kernel"]
+    call = next(call for call in api._CALLS.values() if isinstance(call, gqa_api.GqaCall))
+    assert call.plan.fp8 and call.plan.consumers == 2
+    cpu_launches.clear()
+    api._CALLS.clear()
+    monkeypatch.setattr(gqa_plans, "FP8_BY_DEFAULT", True)  # the lead's switch: the default takes it
+    attention.decode(q, k, v, splits=1, **scales)
+    assert [name for name, _, _ in cpu_launches] == ["attention_gqa_wgmma_kernel"]
+
+
+def fp8_kernel_model(q, k, v, seqlens, causal, splits, group, k_scale, v_scale):
+    """``kernel_model``'s arithmetic for fp8 plans: the query f16 times the softmax scale, K and V's e4m3 values
+    exact in f16, the scores times K's per-head scale in log2 units, P rounded to f16, O times V's scale at the
+    normalisation; the splits' partials merged as the combine merges them."""
+    from nvfly.ops.attention.mla_plan import BLOCK_N, split_blocks, unmasked_end
+    batch, sq, hq, _ = q.shape
+    rows = sq * group
+    partial_o = torch.zeros(splits, batch, sq, hq, D)
+    partial_lse = torch.full((splits, batch, sq, hq), float("-inf"))
+    for b in range(batch):
+        seqlen = int(seqlens[b])
+        middle = unmasked_end(seqlen, sq, causal)
+        for hkv in range(hq // group):
+            qt = (q[b, :, hkv * group:(hkv + 1) * group].reshape(rows, D).float() * D ** -0.5).half().float()
+            positions = seqlen - sq + torch.arange(rows) // group
+            scale_log2 = float(k_scale[hkv]) / math.log(2.0)
+            for split in range(splits):
+                top, total, acc = torch.full((rows,), float("-inf")), torch.zeros(rows), torch.zeros(rows, D)
+                for n in range(*split_blocks(seqlen, splits, split)):
+                    keys = torch.arange(n * BLOCK_N, (n + 1) * BLOCK_N)
+                    inside = keys < k.shape[1]
+                    k_tile, v_tile = torch.zeros(BLOCK_N, D), torch.zeros(BLOCK_N, D)
+                    k_tile[inside] = k[b, keys[inside], hkv].float()
+                    v_tile[inside] = v[b, keys[inside], hkv].float()
+                    s = qt @ k_tile.T
+                    if n >= middle:
+                        keep = (keys[None, :] < seqlen) & ((keys[None, :] <= positions[:, None]) if causal else True)
+                        s = torch.where(keep, s, float("-inf"))
+                        v_tile = torch.where((keys < seqlen)[:, None], v_tile, 0.0)
+                    new_top = torch.maximum(top, s.max(dim=1).values)
+                    shift = torch.where(new_top == float("-inf"), 0.0, new_top)
+                    rescale = torch.exp2((top - shift) * scale_log2)
+                    p = torch.exp2((s - shift[:, None]) * scale_log2)
+                    total = total * rescale + p.sum(dim=1)
+                    acc = acc * rescale[:, None] + p.half().float() @ v_tile
+                    top = new_top
+                kept = total > 0
+                o = torch.where(kept[:, None], acc * float(v_scale[hkv]) / total.clamp_min(1e-30)[:, None], 0.0)
+                lse = torch.where(kept, (top * scale_log2 + torch.log2(total.clamp_min(1e-30))) * math.log(2.0),
+                                  float("-inf"))
+                for r in range(rows):
+                    partial_o[split, b, r // group, hkv * group + r % group] = o[r]
+                    partial_lse[split, b, r // group, hkv * group + r % group] = lse[r]
+    top = partial_lse.max(dim=0).values
+    weights = torch.exp(partial_lse - torch.where(top == float("-inf"), 0.0, top))
+    total = weights.sum(dim=0)
+    out = (weights[..., None] * partial_o).sum(dim=0) / torch.where(total > 0, total, 1.0)[..., None]
+    lse = torch.where(total > 0, top + torch.log(total.clamp_min(1e-30)), float("-inf"))
+    return out, lse.transpose(1, 2)
+
+
+@pytest.mark.parametrize("sq, group, causal, splits", [(8, 6, True, 1), (4, 16, False, 2), (8, 8, True, 3)])
+def test_fp8_kernel_model_matches_the_reference(sq, group, causal, splits):
+    """The fp8 plans' scale placement (softmax scale in the f16 query, K's per-head scale in the scores', V's at the
+    normalisation) reproduces the reference on the dequantised caches, with NaN past every length (zeroed V rows)
+    and lengths 0 and 1."""
+    gen = torch.Generator().manual_seed(sq * 10 + group)
+    lengths = [0, 1, 63, 65, 200]
+    batch, hkv = len(lengths), 2
+    q = torch.randn(batch, sq, hkv * group, D, generator=gen).bfloat16()
+    k, v = fp8_caches((batch, 230, hkv, D), gen)
+    for b, n in enumerate(lengths):
+        k[b, n:] = v[b, n:] = float("nan")
+    k_scale, v_scale = torch.rand(hkv, generator=gen) + 0.1, torch.rand(hkv, generator=gen) + 0.1
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    got, got_lse = fp8_kernel_model(q, k, v, seqlens, causal, splits, group, k_scale, v_scale)
+    clean_k, clean_v = (torch.nan_to_num(c.float()) for c in (k, v))
+    want, want_lse = attention.reference(q, clean_k.to(torch.float8_e4m3fn), clean_v.to(torch.float8_e4m3fn),
+                                         cache_seqlens=seqlens, causal=causal, k_scale=k_scale, v_scale=v_scale)
+    assert not got.isnan().any()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    empty = torch.isinf(want_lse)
+    assert torch.equal(torch.isinf(got_lse), empty) and empty.any()
+    torch.testing.assert_close(got_lse[~empty], want_lse[~empty], atol=2e-3, rtol=1e-3)

@@ -8,7 +8,7 @@ rounds to e2m1. ``divide`` with ``division_reciprocal``: many correctly rounded 
 (``div.rn.f32``'s fast path, the reciprocal refined once). ``tanh_approx`` is the MUFU unit's tanh (``tanh.approx.f32``,
 sm_75+): one instruction, where ``nvfly.tanh`` (a correctly rounded expansion) is ~20 (an ex2, a reciprocal and a
 polynomial); its relative error is at most 2^-10.987 (PTX ISA), under bf16's half ulp, which is why
-FlashAttention-3 soft-caps with it. ``e4m3x4_to_16bit`` and ``convert_shared_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8
+FlashAttention-3 soft-caps with it. ``e4m3x4_to_16bit``, ``convert_shared_e4m3x16`` and ``store_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8
 (e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit tensor-core atoms (e.g. an fp8 KV
 cache dequantised before ``mma.sync``); ``permute_bytes`` (``prmt``) gathers fp8 bytes into the pairs they
 convert. Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16 goes through f32 because sm_90
@@ -103,6 +103,13 @@ def convert_shared_e4m3x16(src: Any, dst_low: Any, dst_high: Any, dtype: DType) 
     the 16 bytes at ``dst_low``, 8-15 to ``dst_high`` (so a converted row may be laid out in swizzled 16-byte
     segments). One 16-byte shared load and two 16-byte stores."""
     words = asm_multi("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", [dtypes.i32] * 4, [src])
+    store_e4m3x16(words, dst_low, dst_high, dtype)
+
+
+@requires("sm_89", "cvt.rn.f16x2.e4m3x2")
+def store_e4m3x16(words: list, dst_low: Any, dst_high: Any, dtype: DType) -> None:
+    """``convert_shared_e4m3x16`` of sixteen e4m3 values already loaded (four 32-bit words, lowest byte first): so
+    that a thread issues all its shared loads before the first conversion waits on one."""
     out = []
     for word in words:
         out.extend(e4m3x4_to_16bit(word, dtype))

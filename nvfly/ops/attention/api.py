@@ -335,7 +335,9 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     # 16-bit d 128 at 16 < Sq·G <= 64 runs the warpgroup-MMA GQA kernel (gqa_kernel) by default: the decode kernel
     # (mma.sync) for every call instead, the default before
     "mma_sync": dict(wgmma=False),
-    # the wgmma kernel at Sq·G <= 16 as well (all that gqa_declined accepts; other calls keep the decode kernel)
+    # the wgmma kernel at Sq·G <= 16 as well (all that gqa_declined accepts; other calls keep the decode kernel), and
+    # for fp8 caches (GqaPlan.fp8: converted to f16 in shared memory), which keep the decode kernel by default while
+    # gqa_plan.FP8_BY_DEFAULT is False
     "wgmma": dict(wgmma=True),
     # its split plans' combine kernel as the split kernel's programmatic dependent, not launched after it
     "wgmma_pdl": dict(wgmma=True, pdl_combine=True),
@@ -401,18 +403,19 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
      wgmma_wide, wgmma) = options
     # the wgmma kernel: asked for, or by default (where no other plan option asks for the decode kernel's plan),
     # then past 64 rows on two consumer warpgroups (the decode kernel's 96/128 rows ran at half their speed)
-    by_default = wgmma is None and gqa_by_default(sq, hq // hkv) and options[:-1] == _NO_OPTIONS
+    fp8 = str(k_cache.dtype) == FP8
+    by_default = wgmma is None and gqa_by_default(sq, hq // hkv, fp8) and options[:-1] == _NO_OPTIONS
     if batch and (wgmma or by_default):
         wgmma_wide = wgmma_wide or by_default
         paged = block_table is not None
-        declined = gqa_declined(sq, hq // hkv, dqk, dv, str(q.dtype), str(k_cache.dtype) == FP8,
-                                mods.active or block_mask is not None, paged, k_cache.shape[1], wgmma_wide)
+        declined = gqa_declined(sq, hq // hkv, dqk, dv, str(q.dtype), fp8, mods.active or block_mask is not None,
+                                paged, k_cache.shape[1], wgmma_wide)
         if not declined and all(map(_aligned, (q, k_cache, v_cache))):  # TMA's 16-byte base and strides
             plan = gqa_plan(batch, sq, hkv, hq // hkv, capacity, _sm_count(q.device), paged, k_cache.shape[1],
-                            bool(causal), int(splits), stages, pdl_combine=pdl_combine, wide=wgmma_wide)
+                            bool(causal), int(splits), stages, pdl_combine=pdl_combine, wide=wgmma_wide, fp8=fp8)
             return GqaCall(plan, q, cache_seqlens, capacity, pages, bool(return_lse), prepared)
     plan = _plan(batch, sq, hkv, hq // hkv, dqk, dv, capacity, _sm_count(q.device), block_table is not None,
-                 k_cache.shape[1], bool(causal), int(splits), row_warps, fp8=str(k_cache.dtype) == FP8,
+                 k_cache.shape[1], bool(causal), int(splits), row_warps, fp8=fp8,
                  kv_block=kv_block, stages=stages, warp_tiles=warp_tiles, lazy_rescale=lazy_rescale,
                  split_efficiency=split_efficiency, swapped=swapped, pdl_combine=pdl_combine,
                  fixup_combine=fixup_combine) if batch else None

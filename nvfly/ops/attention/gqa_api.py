@@ -13,15 +13,16 @@ from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS, combine_g
 from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.gqa_kernel import attention_gqa_wgmma_kernel
 from nvfly.ops.attention.gqa_plan import BLOCK_N, BOX_COLUMNS, HEAD_DIM, SWIZZLE, GqaPlan
+from nvfly.ops.attention.kv_options import kernel_scales
 from nvfly.runtime.tma import cached_descriptor
 
 LN2 = math.log(2.0)
 
 
-def boxes(sq: int, group: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def boxes(sq: int, group: int, fp8: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The TMA boxes of q (B, Sq, Hq, 128): a KV head's Sq x G query rows, one 128-byte swizzle row wide; and of K
-    and V (B or pages, S, Hkv, 128): 64 keys of one KV head, as wide."""
-    return (1, sq, group, BOX_COLUMNS), (1, BLOCK_N, 1, BOX_COLUMNS)
+    and V (B or pages, S, Hkv, 128): 64 keys of one KV head, as wide (fp8: all 128 columns)."""
+    return (1, sq, group, BOX_COLUMNS), (1, BLOCK_N, 1, SWIZZLE if fp8 else BOX_COLUMNS)
 
 
 class GqaCall(CallBuffers):
@@ -41,7 +42,7 @@ class GqaCall(CallBuffers):
         self.rows = batch * sq * hq
         self.slots = plan.splits * self.rows if plan.splits > 1 else 0
         self.row_partials = scratch.row_partials
-        self.boxes = boxes(sq, plan.group)
+        self.boxes = boxes(sq, plan.group, plan.fp8)
         self.main = self.combine = None
         if prepared:
             self.main = attention_gqa_wgmma_kernel.prepared(plan.grid(batch, hq // plan.group), plan.threads)
@@ -60,12 +61,14 @@ class GqaCall(CallBuffers):
         descriptors = (cached_descriptor(q, self.boxes[0], SWIZZLE), cached_descriptor(k, self.boxes[1], SWIZZLE),
                        cached_descriptor(v, self.boxes[1], SWIZZLE))
         grid = plan.grid(self.batch, self.hq // plan.group)
+        scales = kernel_scales(k_scale, v_scale, k.shape[2], device) if plan.fp8 else None
         if self.slots:
             partial_o, partial_lse = self.row_partials(device, current_stream(device.index), self.slots, HEAD_DIM)
-            args = (*descriptors, block_table, seqlens, None, None, partial_o, partial_lse, self.batch, self.hq,
-                    scale_log2)
+            args = (*descriptors, block_table, seqlens, None, None, partial_o, partial_lse, scales, self.batch,
+                    self.hq, scale_log2)
         else:
-            args = (*descriptors, block_table, seqlens, out, lse, None, None, self.batch, self.hq, scale_log2)
+            args = (*descriptors, block_table, seqlens, out, lse, None, None, scales, self.batch, self.hq,
+                    scale_log2)
         if self.main is None:
             attention_gqa_wgmma_kernel[grid, plan.threads](*args, PLAN=plan)
         else:
@@ -88,9 +91,10 @@ class GqaCall(CallBuffers):
 def compile_gqa(plan: GqaPlan, dtype: Any = nvfly.bf16, batch: int = 2, kv_heads: int = 8, seqlen: int = 1024,
                 return_lse: bool = True, target: str = "sm_90a") -> list:
     """The wgmma GQA kernel (and the combine kernel with splits) for ``plan`` compiled without a GPU:
-    [CompiledKernel, ...]. A paged plan gets seqlen / page_size pages per sequence."""
+    [CompiledKernel, ...]. A paged plan gets seqlen / page_size pages per sequence; an fp8 plan e4m3 K and V and
+    per-head scales."""
     from nvfly.runtime.tensor_desc import TensorDesc
-    q_box, kv_box = boxes(plan.sq, plan.group)
+    q_box, kv_box = boxes(plan.sq, plan.group, plan.fp8)
     hq = kv_heads * plan.group
     q = nvfly.TmaDescriptor(TensorDesc(dtype, (batch, plan.sq, hq, HEAD_DIM)), q_box, SWIZZLE)
     if plan.paged:
@@ -99,8 +103,10 @@ def compile_gqa(plan: GqaPlan, dtype: Any = nvfly.bf16, batch: int = 2, kv_heads
         table = TensorDesc(nvfly.i32, (batch, pages))
     else:
         shape, table = (batch, seqlen, kv_heads, HEAD_DIM), None
-    k = nvfly.TmaDescriptor(TensorDesc(dtype, shape), kv_box, SWIZZLE)
-    v = nvfly.TmaDescriptor(TensorDesc(dtype, shape), kv_box, SWIZZLE)
+    kv_dtype = nvfly.f8e4m3 if plan.fp8 else dtype
+    k = nvfly.TmaDescriptor(TensorDesc(kv_dtype, shape), kv_box, SWIZZLE)
+    v = nvfly.TmaDescriptor(TensorDesc(kv_dtype, shape), kv_box, SWIZZLE)
+    scales = TensorDesc(nvfly.f32, (2, kv_heads)) if plan.fp8 else None
     seqlens = TensorDesc(nvfly.i32, (batch,))
     split = plan.splits > 1
     rows = batch * plan.sq * hq
@@ -108,8 +114,8 @@ def compile_gqa(plan: GqaPlan, dtype: Any = nvfly.bf16, batch: int = 2, kv_heads
     lse = TensorDesc(nvfly.f32, (batch, hq, plan.sq)) if return_lse and not split else None
     partial_o = TensorDesc(nvfly.f32, (plan.splits * rows, HEAD_DIM)) if split else None
     partial_lse = TensorDesc(nvfly.f32, (plan.splits * rows,)) if split else None
-    kernels = [attention_gqa_wgmma_kernel.compile(q, k, v, table, seqlens, out, lse, partial_o, partial_lse, batch,
-                                                  hq, 0.18, PLAN=plan, block=plan.threads, target=target)]
+    kernels = [attention_gqa_wgmma_kernel.compile(q, k, v, table, seqlens, out, lse, partial_o, partial_lse, scales,
+                                                  batch, hq, 0.18, PLAN=plan, block=plan.threads, target=target)]
     if split:
         kernels.append(attention_combine_kernel.compile(
             partial_o, partial_lse, TensorDesc(dtype, (batch, plan.sq, hq, HEAD_DIM)),

@@ -19,6 +19,16 @@ anything, NaN included, and 0 · NaN is NaN in P V). At the end it writes out [B
 or, with splits, the normalised f32 partial O and LSE of ``combine_kernel``'s workspace (``PLAN.pdl_combine``: the
 combine a programmatic dependent launch). Rows with no key give
 zeros and LSE -inf.
+
+fp8 (e4m3) K and V (``PLAN.fp8``): the ring's stages hold K's and V's 64 keys x 128 bytes, one 128-byte swizzled box
+each, and the consumer threads (both warpgroups' with two, each converting half) convert each into an f16 staging
+tile laid out as the 16-bit kernel's (``wgmma_tiles.convert_fp8_tile``) for the same f16 wgmmas: K, then (a named
+barrier over the consumers) S's wgmmas issued, V converted while they run (its rows past the sequence written as
+zeros on masked tiles), after which each warp releases the stage (the producer's refill overlaps S, the softmax
+and P V), then a second barrier (every warp's S has read K's staging tile, V's is written). The query tile,
+TMA-loaded as q's 16-bit rows, is rescaled to f16 times the softmax scale in place once (as the decode kernel's
+``stage_query_f16``: f16's range for |q| up to 65504 / scale); K's per-head scale (``kv_scales`` [2, Hkv]: K's, then
+V's) goes into the scores' scale and V's into the output's normalisation.
 """
 from __future__ import annotations
 
@@ -28,14 +38,18 @@ from typing import Any, NamedTuple
 import nvfly
 from nvfly.arch import sm90
 from nvfly.arch.ptx import smem_address
-from nvfly.ops.attention.gqa_plan import (BLOCK_M, BLOCK_N, HEAD_DIM, K_BYTES, PRODUCER_REGS, Q_BYTES,
-                                          Q_OFFSET, STAGE_BYTES, SWIZZLE)
+from nvfly.ops.attention.gqa_plan import (BLOCK_M, BLOCK_N, FP8_TILE_BYTES, HEAD_DIM, K_BYTES, PRODUCER_REGS,
+                                          Q_BYTES, Q_OFFSET, SWIZZLE)
 from nvfly.ops.attention.mla_plan import unmasked_end
 from nvfly.ops.attention.softmax import NEG_INF, online_softmax
-from nvfly.ops.attention.wgmma_tiles import Running, mask_key_tile, rescaled_plus_pv, zero_tail_rows
+from nvfly.ops.attention.wgmma_tiles import (Running, convert_fp8_tile, mask_key_tile, rescaled_plus_pv,
+                                             scale_to_f16, zero_tail_rows)
 
 LN2 = math.log(2.0)
 ZEROED = 1                 # hardware barriers (0 is __syncthreads): consumer c's zeroed V rows before its wgmma: 1 + c
+# fp8 (no ZEROED), over every consumer thread: K's staging tile (and the query tile, on the first) converted before
+# S's wgmmas; V's converted and every warp's S done with K's, before P V
+K_CONVERTED, V_CONVERTED = 1, 2
 
 
 class Layouts(NamedTuple):
@@ -66,7 +80,8 @@ def layouts(dtype: Any, consumers: int = 1) -> Layouts:
 class Tile(NamedTuple):
     """What every key tile needs: Q's and the ring's shared addresses, the pipeline, the layouts, the sequence's
     length, the scale in log2 units, the thread's two rows' positions in the sequence, its lane and thread index in
-    the warpgroup, and its consumer warpgroup (0 or 1; Q's rows at ``q_tile`` are its 64)."""
+    the warpgroup, its consumer warpgroup (0 or 1; Q's rows at ``q_tile`` are its 64); fp8: the f16 staging tiles'
+    address (K's, then V's) and V's scale (None and 1.0 for 16-bit K and V)."""
     q_tile: Any
     ring: Any
     pipe: Any
@@ -77,15 +92,25 @@ class Tile(NamedTuple):
     lane: Any
     thread: Any
     consumer: Any
+    staging: Any
+    v_scale: Any
 
 
 @nvfly.func
 def key_tile(state, t, n, PLAN, MASKED):
-    """Key tile ``n``: S, the online softmax, O rescaled and P V added; the stage released."""
+    """Key tile ``n``: S, the online softmax, O rescaled and P V added; the stage released (fp8: once the warp has
+    converted its part of K and V to the staging tiles, while S's wgmmas run)."""
     lay = t.lay
-    k_tile = t.ring + state.stage.stage * STAGE_BYTES
+    stage = t.ring + state.stage.stage * PLAN.stage_bytes
+    k_tile = t.staging if PLAN.fp8 else stage
     v_tile = k_tile + K_BYTES
     t.pipe.consumer_wait(state.stage, 0)
+    CONVERTERS = 128 * PLAN.consumers
+    converter = None
+    if PLAN.fp8:  # K's keys past the sequence are converted as they are: S masks them
+        converter = t.thread + 128 * t.consumer  # the thread's index among the consumers'
+        convert_fp8_tile(stage, k_tile, converter, None, BLOCK_N, CONVERTERS)
+        nvfly.named_barrier(K_CONVERTED, CONVERTERS)
     s = sm90.Accumulator.undefined(lay.s_atom)
     sm90.fence()
     for ks in nvfly.static_range(HEAD_DIM // lay.s_atom.k):
@@ -93,7 +118,16 @@ def key_tile(state, t, n, PLAN, MASKED):
         dk = sm90.smem_descriptor(k_tile + lay.k_layout.inner((0, ks * lay.s_atom.k)) * 2, *lay.k_desc)
         s = sm90.mma(lay.s_atom, s, dq, dk, zero=ks == 0)
     sm90.commit_group()
+    if PLAN.fp8:  # V converted while S's wgmmas run: the previous tile's P V finished before K_CONVERTED
+        t.pipe.consumer_wait(state.stage, 1)
+        convert_fp8_tile(stage + FP8_TILE_BYTES, v_tile, converter, t.seqlen - n * BLOCK_N if MASKED else None,
+                         BLOCK_N, CONVERTERS)
+        nvfly.syncwarp()  # the warp's reads of the stage are done (K's before K_CONVERTED): the producer may refill it
+        if t.lane == 0:
+            t.pipe.consumer_release(state.stage)
     sm90.wait_group(0)
+    if PLAN.fp8:  # past it every warp's S has read K's staging tile, and V's is written
+        nvfly.named_barrier(V_CONVERTED, CONVERTERS)
 
     scores = [s[i] for i in range(len(s))]
     if MASKED:
@@ -101,12 +135,13 @@ def key_tile(state, t, n, PLAN, MASKED):
     soft = online_softmax(scores, state.maxima, state.sums, t.scale_log2, MASKED)
     fragments = s.map(lambda x, i: soft.p[i]).to_a_fragments(lay.pv_atom)
 
-    t.pipe.consumer_wait(state.stage, 1)
-    if MASKED:
-        zero_tail_rows(v_tile, t.seqlen - n * BLOCK_N, t.thread, ZEROED + t.consumer, 0,
-                       HEAD_DIM // 64, BLOCK_N)
+    if not PLAN.fp8:
+        t.pipe.consumer_wait(state.stage, 1)
+        if MASKED:
+            zero_tail_rows(v_tile, t.seqlen - n * BLOCK_N, t.thread, ZEROED + t.consumer, 0,
+                           HEAD_DIM // 64, BLOCK_N)
     acc = rescaled_plus_pv(state.acc, soft.rescales, fragments, v_tile, lay.pv_atom, lay.v_layout, lay.v_desc)
-    if t.lane == 0:
+    if not PLAN.fp8 and t.lane == 0:
         t.pipe.consumer_release(state.stage)
     return Running(soft.maxima, soft.sums, acc, state.stage.advance())
 
@@ -114,29 +149,34 @@ def key_tile(state, t, n, PLAN, MASKED):
 @nvfly.kernel
 def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescriptor,
                                v_desc: nvfly.TmaDescriptor, block_table, seqlens: nvfly.Tensor, out, lse, partial_o,
-                               partial_lse, batch: nvfly.i32, heads: nvfly.i32, scale_log2: nvfly.f32,
+                               partial_lse, kv_scales, batch: nvfly.i32, heads: nvfly.i32, scale_log2: nvfly.f32,
                                PLAN: nvfly.Constexpr):
     """One (split, KV head, batch) CTA (module docstring). Without splits it writes out [B, Sq, Hq, 128] and lse
     [B, Hq, Sq] (f32, natural log; None: not wanted); with splits partial_o [splits * B * Sq * Hq, 128] and
     partial_lse [splits * B * Sq * Hq] (f32; row ((split * B + b) * Sq + token) * Hq + head). block_table [B, pages]
-    int32 when paged, else None; heads: Hq."""
+    int32 when paged, else None; kv_scales [2, Hkv] f32 (K's, then V's) with fp8 K and V, else None; heads: Hq;
+    scale_log2: the softmax scale in log2 units."""
     nvfly.min_blocks_per_sm(PLAN.ctas_per_sm)
     if PLAN.pdl_combine:  # as the MLA kernel's: the combine waits for this grid's end before it reads a partial
         nvfly.launch_dependents()
     dtype = q_desc.info.dtype
     CONSUMERS = PLAN.consumers
-    lay = layouts(dtype, CONSUMERS)
+    lay = layouts(nvfly.f16 if PLAN.fp8 else dtype, CONSUMERS)  # fp8: f16 wgmmas on the converted tiles
     SQ, G, SPLITS, STAGES = PLAN.sq, PLAN.group, PLAN.splits, PLAN.stages
-    boxes = sm90.operand_boxes(lay.k_layout, BLOCK_N, HEAD_DIM, dtype, "K", SWIZZLE)[1][0]  # 2 boxes of 64 columns
+    if PLAN.fp8:  # a tile's 64 keys x 128 bytes: one box
+        boxes, TILE_BYTES = [sm90.TmaBox(0, 0, 0)], FP8_TILE_BYTES
+    else:
+        boxes = sm90.operand_boxes(lay.k_layout, BLOCK_N, HEAD_DIM, dtype, "K", SWIZZLE)[1][0]  # 2 of 64 columns
+        TILE_BYTES = K_BYTES
     q_boxes = sm90.operand_boxes(lay.q_layout, BLOCK_M * CONSUMERS, HEAD_DIM, dtype, "K", SWIZZLE)[1][0]
 
     bars = smem_address(nvfly.dynamic_shared_tensor(nvfly.i64, (PLAN.barriers,), offset_bytes=PLAN.barrier_offset))
     q_tile = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (PLAN.q_bytes,), offset_bytes=Q_OFFSET))
-    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (STAGES * STAGE_BYTES,),
+    ring = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (STAGES * PLAN.stage_bytes,),
                                                     offset_bytes=PLAN.ring_offset))
     q_bar = bars
     # each consumer warp releases a stage: both warpgroups' before the producer refills it
-    pipe = sm90.TmaPipeline(bars + 8, STAGES, STAGE_BYTES, consumer_arrivals=4 * CONSUMERS, chunks=2)
+    pipe = sm90.TmaPipeline(bars + 8, STAGES, PLAN.stage_bytes, consumer_arrivals=4 * CONSUMERS, chunks=2)
 
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
@@ -174,14 +214,14 @@ def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDes
                     page = b
                     row = key
                 pipe.producer_acquire(loading)
-                stage = ring + loading.stage * STAGE_BYTES
-                pipe.producer_expect(loading, 0, K_BYTES)
+                stage = ring + loading.stage * PLAN.stage_bytes
+                pipe.producer_expect(loading, 0, TILE_BYTES)
                 for box in boxes:
                     sm90.tma_load(k_desc, stage + box.smem_offset, (page, row, hkv, box.k_offset),
                                   pipe.full(loading.stage, 0))
-                pipe.producer_expect(loading, 1, K_BYTES)
+                pipe.producer_expect(loading, 1, TILE_BYTES)
                 for box in boxes:
-                    sm90.tma_load(v_desc, stage + K_BYTES + box.smem_offset, (page, row, hkv, box.k_offset),
+                    sm90.tma_load(v_desc, stage + TILE_BYTES + box.smem_offset, (page, row, hkv, box.k_offset),
                                   pipe.full(loading.stage, 1))
                 loading = loading.advance()
     else:
@@ -196,10 +236,20 @@ def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDes
             consumer_q = q_tile + consumer * (Q_BYTES // 2)
         packed = [row0, row0 + 8]
         positions = [seqlen - SQ + r // G for r in packed]
-        t = Tile(consumer_q, ring, pipe, lay, seqlen, scale_log2, positions, lane, thread, consumer)
+        staging, v_scale, score_scale_log2 = None, 1.0, scale_log2
+        if PLAN.fp8:  # the softmax scale goes into the f16 query tile, K's scale into the scores'
+            staging = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (2 * K_BYTES,),
+                                                               offset_bytes=PLAN.staging_offset))
+            v_scale = kv_scales[1, hkv]
+            score_scale_log2 = kv_scales[0, hkv] * (1.0 / LN2)
+        t = Tile(consumer_q, ring, pipe, lay, seqlen, score_scale_log2, positions, lane, thread, consumer, staging,
+                 v_scale)
         state = Running([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2, sm90.Accumulator.zeros(lay.pv_atom),
                         sm90.PipelineState.start(STAGES))
         sm90.mbarrier_wait(q_bar, 0)
+        if PLAN.fp8:  # in place (all consumers' rows), ordered before S's wgmmas by the first K_CONVERTED barrier
+            scale_to_f16(q_tile, nvfly.dynamic_shared_tensor(dtype, (PLAN.q_bytes // 2,), offset_bytes=Q_OFFSET),
+                         scale_log2 * LN2, thread + 128 * consumer, PLAN.q_bytes, 128 * CONSUMERS)
         for n in range(begin, middle):
             state = key_tile(state, t, n, PLAN, False)
         for n in range(middle, end):
@@ -209,8 +259,8 @@ def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDes
 
 @nvfly.func
 def store_rows(state, t, out, lse, partial_o, partial_lse, b, hkv, split, batch, heads, packed, PLAN):
-    """Each row's LSE (natural log, -inf for a row with no key) and O / l (0 for a row with no key) as 4-byte
-    pairs; rows past Sq x G are not stored."""
+    """Each row's LSE (natural log, -inf for a row with no key) and O / l (times V's scale; 0 for a row with no key)
+    as 4-byte pairs; rows past Sq x G are not stored."""
     SQ, G = PLAN.sq, PLAN.group
     for r in nvfly.static_range(2):
         total = state.sums[r] + nvfly.shfl_xor(state.sums[r], 1)
@@ -218,7 +268,7 @@ def store_rows(state, t, out, lse, partial_o, partial_lse, b, hkv, split, batch,
         kept = total > 0.0
         row_lse = nvfly.select(kept, (state.maxima[r] * t.scale_log2 + nvfly.log2(nvfly.maximum(total, 1e-30)))
                                * LN2, NEG_INF)
-        inverse = nvfly.select(kept, 1.0 / nvfly.maximum(total, 1e-30), 0.0)
+        inverse = nvfly.select(kept, t.v_scale / nvfly.maximum(total, 1e-30), 0.0)
         token = packed[r] // G
         head = hkv * G + packed[r] % G
         inside = packed[r] < SQ * G

@@ -1,6 +1,7 @@
 """Warpgroup-MMA GQA decode plans (``decode``'s default at 16 < Sq x G <= 64): 16-bit K and V of head dim 128, the
 Sq x G query rows of one KV head (at most 64; 128 on two consumer warpgroups with ``wide``) as one wgmma M = 64 each
-(pure Python, shared by the kernel's trace, the host and the CPU tests).
+(pure Python, shared by the kernel's trace, the host and the CPU tests); fp8 (e4m3) K and V (``GqaPlan.fp8``)
+converted to f16 tiles in shared memory for the same f16 wgmmas.
 
 A CTA owns one (sequence, KV head, split): its Sq x G packed query rows (row r: query token r // G, head
 hkv * G + r % G) and the split's keys, streamed in ``BLOCK_N`` = 64-key tiles of K and V through a ``stages``-deep
@@ -34,7 +35,19 @@ Q_BYTES = BLOCK_M * HEAD_DIM * 2
 K_BYTES = BLOCK_N * HEAD_DIM * 2
 STAGE_BYTES = 2 * K_BYTES   # K's tile, then V's
 Q_OFFSET = 0
-RING_OFFSET = Q_OFFSET + Q_BYTES
+# fp8 (GqaPlan.fp8): a stage holds K's and V's 64 keys x 128 bytes (one 128-byte swizzled TMA box each); the consumer
+# converts them to f16 tiles laid out as a 16-bit stage's (the staging, after Q's tile) for the same wgmmas. 4 stages:
+# Q 16 KB + staging 32 KB + 64 KB of fp8 K and V a CTA (112 KB), two CTAs an SM: 128 KB of cache bytes in flight an
+# SM (the 16-bit plans': 192 KB)
+FP8_TILE_BYTES = BLOCK_N * HEAD_DIM
+FP8_STAGE_BYTES = 2 * FP8_TILE_BYTES
+FP8_STAGES = 4
+# two consumer warpgroups (one CTA an SM): Q 32 KB + staging 32 KB + 8 stages of 16 KB, the same 128 KB in flight
+FP8_WIDE_STAGES = 8
+STAGING_BYTES = STAGE_BYTES
+# decode runs fp8 caches on this kernel only when asked (plan_options(wgmma=True)) while this is False; the lead flips
+# it once the fp8 plans measure faster than the decode kernel's
+FP8_BY_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -45,7 +58,8 @@ class GqaPlan:
     through a block table of pages of ``page_size`` tokens (a multiple of BLOCK_N); causal: queries aligned to the
     end of their sequence; splits: CTAs sharing one sequence's keys (> 1: the combine kernel merges their
     partials); stages: the ring's depth; pdl_combine (splits > 1): the combine kernel is a programmatic dependent
-    launch (as ``DecodePlan.pdl_combine``: its launch hides behind the split grid)."""
+    launch (as ``DecodePlan.pdl_combine``: its launch hides behind the split grid); fp8: e4m3 K and V, converted to
+    f16 in shared memory (``FP8_STAGE_BYTES`` stages, the f16 staging tiles; with two consumers both convert)."""
     sq: int
     group: int
     paged: bool
@@ -55,6 +69,7 @@ class GqaPlan:
     stages: int = STAGES
     pdl_combine: bool = False
     consumers: int = 1
+    fp8: bool = False
 
     @property
     def rows(self) -> int:
@@ -78,12 +93,21 @@ class GqaPlan:
         return self.consumers * Q_BYTES
 
     @property
-    def ring_offset(self) -> int:
+    def stage_bytes(self) -> int:
+        return FP8_STAGE_BYTES if self.fp8 else STAGE_BYTES
+
+    @property
+    def staging_offset(self) -> int:
+        """fp8: the f16 K and V tiles the consumer converts a stage into (1024-byte aligned, after Q's)."""
         return Q_OFFSET + self.q_bytes
 
     @property
+    def ring_offset(self) -> int:
+        return self.staging_offset + (STAGING_BYTES if self.fp8 else 0)
+
+    @property
     def barrier_offset(self) -> int:
-        return self.ring_offset + self.stages * STAGE_BYTES
+        return self.ring_offset + self.stages * self.stage_bytes
 
     @property
     def barriers(self) -> int:
@@ -102,10 +126,8 @@ class GqaPlan:
 def gqa_declined(sq: int, group: int, dqk: int, dv: int, dtype: str, fp8: bool = False, mods: bool = False,
                  paged: bool = False, page_size: int = 0, wide: bool = False) -> str:
     """Why the wgmma GQA kernel cannot compute a decode call ('' when it can): it has code for 16-bit K and V of
-    head dim 128, at most 64 packed query rows (128 with ``wide``: two consumer warpgroups), pages of a multiple of
-    64 tokens, and no mods or block masks."""
-    if fp8:
-        return "fp8 K/V: the wgmma GQA kernel reads 16-bit caches only"
+    head dim 128 (or fp8 ones), at most 64 packed query rows (128 with ``wide``: two consumer warpgroups), pages of
+    a multiple of 64 tokens, and no mods or block masks; ``dtype``: q's."""
     if dtype not in ("torch.bfloat16", "torch.float16"):
         return f"dtype {dtype}: the wgmma GQA kernel takes bfloat16 or float16"
     if dqk != HEAD_DIM or dv != HEAD_DIM:
@@ -125,21 +147,22 @@ def gqa_declined(sq: int, group: int, dqk: int, dv: int, dtype: str, fp8: bool =
 DEFAULT_ABOVE_ROWS = 16
 
 
-def gqa_by_default(sq: int, group: int) -> bool:
+def gqa_by_default(sq: int, group: int, fp8: bool = False) -> bool:
     """Whether ``decode`` runs a call of Sq x G packed rows on the wgmma kernel without being asked (where
-    ``gqa_declined`` accepts it): above ``DEFAULT_ABOVE_ROWS`` rows."""
-    return sq * group > DEFAULT_ABOVE_ROWS
+    ``gqa_declined`` accepts it): above ``DEFAULT_ABOVE_ROWS`` rows; fp8 caches only with ``FP8_BY_DEFAULT``."""
+    return sq * group > DEFAULT_ABOVE_ROWS and (FP8_BY_DEFAULT or not fp8)
 
 
 def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_count: int, paged: bool = False,
              page_size: int = 0, causal: bool = True, splits: int = 0, stages: int = 0,
-             pdl_combine: bool = False, wide: bool = False) -> GqaPlan:
+             pdl_combine: bool = False, wide: bool = False, fp8: bool = False) -> GqaPlan:
     """The plan for one call shape: ``mla_splits``'s count over the plan's CTAs an SM and the cache's capacity
     in 64-key tiles (``splits`` > 0 forces one); ``stages`` > 0 forces the ring depth; ``pdl_combine``: where the
     plan splits, the combine as a programmatic dependent launch; ``wide``: more than 64 rows (at most 128) on two
-    consumer warpgroups (``GqaPlan.consumers``)."""
-    declined = gqa_declined(sq, group, HEAD_DIM, HEAD_DIM, "torch.bfloat16", paged=paged, page_size=page_size,
-                            wide=wide)
+    consumer warpgroups (``GqaPlan.consumers``); ``fp8``: e4m3 K and V (``FP8_STAGES`` deep, ``FP8_WIDE_STAGES``
+    with two consumers)."""
+    declined = gqa_declined(sq, group, HEAD_DIM, HEAD_DIM, "torch.bfloat16", fp8=fp8, paged=paged,
+                            page_size=page_size, wide=wide)
     if declined:
         raise ValueError("gqa_plan: " + declined)
     consumers = 2 if sq * group > BLOCK_M else 1
@@ -147,13 +170,14 @@ def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_c
     if splits <= 0:
         splits = mla_splits(batch * kv_heads, sm_count * ctas_per_sm, -(-capacity // BLOCK_N))
     splits = max(1, min(splits, MAX_SPLITS))
-    plan = GqaPlan(sq, group, paged, page_size if paged else 0, causal, splits,
-                   stages or (STAGES if consumers == 1 else WIDE_STAGES), pdl_combine and splits > 1, consumers)
+    default_stages = ((FP8_STAGES, FP8_WIDE_STAGES) if fp8 else (STAGES, WIDE_STAGES))[consumers - 1]
+    plan = GqaPlan(sq, group, paged, page_size if paged else 0, causal, splits, stages or default_stages,
+                   pdl_combine and splits > 1, consumers, fp8)
     if plan.ctas_per_sm * (plan.smem_bytes + SMEM_RESERVED) > SMEM_PER_SM:
         raise ValueError(f"gqa_plan: {plan.stages} stages ({plan.smem_bytes} bytes of shared memory) do not fit "
                          f"{plan.ctas_per_sm} CTAs an SM")
     return plan
 
 
-__all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT_ABOVE_ROWS", "HEAD_DIM", "GqaPlan", "gqa_by_default", "gqa_declined",
-           "gqa_plan"]
+__all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT_ABOVE_ROWS", "FP8_BY_DEFAULT", "HEAD_DIM", "GqaPlan", "gqa_by_default",
+           "gqa_declined", "gqa_plan"]

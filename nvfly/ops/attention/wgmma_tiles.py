@@ -1,13 +1,15 @@
 """The key-tile pieces the two wgmma decode kernels share (``mla_kernel``: one latent head, ``gqa_kernel``: a GQA
 group's packed rows): a consumer thread's running state, a tile's masked scores, O's rescale plus P·V, and the
-zeroed tail rows of a V tile. A thread's S/O accumulator elements follow ``softmax.row_of``."""
+zeroed tail rows of a V tile; for fp8 caches, an e4m3 tile converted to a 16-bit K-major one and a 16-bit tile
+rescaled to f16 in place. A thread's S/O accumulator elements follow ``softmax.row_of``."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
 import nvfly
 from nvfly.arch import sm90
-from nvfly.arch.memory import store_shared
+from nvfly.arch.floats import store_e4m3x16
+from nvfly.arch.memory import load_shared, store_shared
 from nvfly.ops.attention.softmax import NEG_INF, row_of
 
 ROW_BYTES = 128            # a 64-column box's row of 16-bit values: one 128-byte swizzle row
@@ -66,3 +68,51 @@ def zero_tail_rows(tile, valid, thread, barrier, FIRST, BOXES, ROWS):
             store_shared(tile + box * (ROWS * ROW_BYTES) + row * ROW_BYTES + (segment % 8) * 16, [nvfly.i32(0)] * 4)
     sm90.fence_proxy_async()
     nvfly.named_barrier(barrier, WARPGROUP)
+
+
+def fp8_tile_addresses(index: Any, rows: int) -> tuple:
+    """The 16-byte segment a warpgroup's conversion (``convert_fp8_tile``) handles ``index``-th of a ``rows`` x 128
+    e4m3 tile: (row, byte offset in the fp8 tile, offsets of its f16 columns' two halves in the 16-bit tile). The
+    fp8 tile is one TMA box of 128-byte rows, 128-byte swizzled (segment s of row r at 128 r + 16 (s ^ r % 8)); the
+    16-bit tile is K-major as a 16-bit TMA load gives it (64-column boxes of ``rows`` 128-byte rows, 128-byte
+    swizzled): fp8 segment s holds f16 segments 2 s and 2 s + 1 of the row (of box s // 4). 16 consecutive indices
+    cover rows 2i and 2i + 1, each quarter-warp (8 lanes, one 16-byte shared access's phase) segments 0-3 of one row
+    and 4-7 of the other, so that its loads and its stores each hit 8 distinct 16-byte bank groups. Plain
+    arithmetic: ints here, traced values in the kernel."""
+    m = index % 16
+    row = 2 * (index // 16) + (m // 4) % 2
+    segment = m % 4 + 4 * (((m // 4) ^ (m // 8)) % 2)
+    swizzle = row % 8
+    column_box = (segment // 4) * (rows * ROW_BYTES) + row * ROW_BYTES
+    return (row, row * ROW_BYTES + (segment ^ swizzle) * 16, column_box + ((2 * (segment % 4)) ^ swizzle) * 16,
+            column_box + ((2 * (segment % 4) + 1) ^ swizzle) * 16)
+
+
+@nvfly.func
+def convert_fp8_tile(source, target, thread, valid, ROWS, THREADS):
+    """The ROWS x 128 e4m3 tile at ``source`` as the f16 K-major tile at ``target`` (``fp8_tile_addresses``'s
+    layouts), rows at or past ``valid`` (None: none) zero (the bytes past a sequence may hold NaN): THREADS threads
+    (whole warpgroups; ``thread`` the caller's index among them) each convert ROWS x 8 / THREADS segments, all their
+    16-byte loads first (one shared-memory latency, not one a segment: the conversion of K is on the key tile's
+    critical path), then order their writes before the async proxy's (wgmma's) reads; the caller's named barrier
+    follows."""
+    segments = [fp8_tile_addresses(thread + THREADS * i, ROWS) for i in nvfly.static_range(ROWS * 8 // THREADS)]
+    loaded = [load_shared(source + fp8_offset, 4) for _, fp8_offset, _, _ in segments]
+    for (row, _, low, high), words in zip(segments, loaded):
+        if valid is not None:  # e4m3 0x00 is +0
+            words = [nvfly.select(row < valid, word, 0) for word in words]
+        store_e4m3x16(words, target + low, target + high, nvfly.f16)
+    sm90.fence_proxy_async()
+
+
+@nvfly.func
+def scale_to_f16(tile, values, scale, thread, BYTES, THREADS):
+    """The 16-bit tile of BYTES bytes at shared address ``tile`` (``values``: a shared tensor of its elements) times
+    ``scale``, rounded to f16 in place (each 16-byte segment where it was: any swizzle is kept) by THREADS threads
+    (``thread`` the caller's index among them), then its writes ordered before the async proxy (wgmma) reads them:
+    the caller's named barrier follows."""
+    for i in nvfly.static_range(BYTES // 16 // THREADS):
+        segment = thread + THREADS * i
+        scaled = (values.load(8 * segment, width=8).to(nvfly.f32) * scale).to(nvfly.f16)
+        store_shared(tile + 16 * segment, scaled.bitcast(nvfly.i32).tolist())
+    sm90.fence_proxy_async()

@@ -418,7 +418,8 @@ def test_fp8_plans_shared_memory():
     assert wide.staging_offset == 2 * 64 * D * 2
     with pytest.raises(ValueError, match="stages"):
         gqa_plan(1, 8, 8, 8, 1024, 132, fp8=True, stages=5)
-    assert gqa_plans.gqa_by_default(8, 8) and not gqa_plans.gqa_by_default(8, 8, fp8=True)
+    assert gqa_plans.gqa_by_default(4, 8) and not gqa_plans.gqa_by_default(4, 8, fp8=True)  # 32 rows
+    assert gqa_plans.gqa_by_default(8, 6, fp8=True)
 
 
 @pytest.mark.parametrize("sq,group,paged,causal,splits", [(16, 8, False, True, 1), (16, 6, True, True, 3),
@@ -468,16 +469,21 @@ def fp8_caches(shape, gen):
     return k, v
 
 
-def test_host_path_takes_fp8_to_the_wgmma_kernel_only_when_asked(cpu_launches, monkeypatch):
-    """fp8 caches keep the decode kernel by default (``FP8_BY_DEFAULT`` False); ``wgmma=True`` runs the wgmma
-    kernel's fp8 plan with the (2, Hkv) scales, past 64 rows with ``wgmma_wide`` (two consumers)."""
+def test_host_path_takes_fp8_to_the_wgmma_kernel_past_32_rows(cpu_launches):
+    """fp8 caches keep the decode kernel by default up to 32 rows (``FP8_DEFAULT_ABOVE_ROWS``) and take the wgmma
+    kernel's fp8 plan past them, or when asked (``wgmma=True``), with the (2, Hkv) scales; past 64 rows two
+    consumers (by default, or ``wgmma_wide``)."""
     gen = torch.Generator().manual_seed(0)
     q = torch.zeros(2, 8, 48, D, dtype=torch.bfloat16)
     k, v = fp8_caches((2, 512, 8, D), gen)
     scales = dict(k_scale=torch.tensor(0.5), v_scale=torch.rand(8))
-    attention.decode(q, k, v, splits=1, **scales)
+    attention.decode(torch.zeros(2, 4, 64, D, dtype=torch.bfloat16), k, v, splits=1, **scales)  # 32 rows
     assert [name for name, _, _ in cpu_launches] == ["attention_decode_kernel"]
     cpu_launches.clear()
+    attention.decode(q, k, v, splits=1, **scales)  # 48 rows
+    assert [name for name, _, _ in cpu_launches] == ["attention_gqa_wgmma_kernel"]
+    cpu_launches.clear()
+    api._CALLS.clear()
     with api.plan_options(**api.DECODE_VARIANTS["wgmma"]):
         attention.decode(q, k, v, splits=1, **scales)
     assert [(name, grid) for name, grid, _ in cpu_launches] == [("attention_gqa_wgmma_kernel", (1, 8, 2))]
@@ -494,9 +500,9 @@ def test_host_path_takes_fp8_to_the_wgmma_kernel_only_when_asked(cpu_launches, m
     assert call.plan.fp8 and call.plan.consumers == 2
     cpu_launches.clear()
     api._CALLS.clear()
-    monkeypatch.setattr(gqa_plans, "FP8_BY_DEFAULT", True)  # the lead's switch: the default takes it
-    attention.decode(q, k, v, splits=1, **scales)
-    assert [name for name, _, _ in cpu_launches] == ["attention_gqa_wgmma_kernel"]
+    attention.decode(torch.zeros(2, 16, 48, D, dtype=torch.bfloat16), k, v, splits=1, **scales)  # the default
+    call = next(call for call in api._CALLS.values() if isinstance(call, gqa_api.GqaCall))
+    assert [name for name, _, _ in cpu_launches] == ["attention_gqa_wgmma_kernel"] and call.plan.consumers == 2
 
 
 def fp8_kernel_model(q, k, v, seqlens, causal, splits, group, k_scale, v_scale):

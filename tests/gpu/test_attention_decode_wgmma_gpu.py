@@ -254,12 +254,14 @@ def test_fp8_split_plans_with_the_combine_as_programmatic_dependent(name, monkey
     check_fp8_case(name, monkeypatch, api.DECODE_VARIANTS["wgmma_pdl"])
 
 
-@pytest.mark.parametrize("name", ["minimax-48-8-sq8-ragged", "sq8-g8-paged128-split5"])
-def test_fp8_keeps_the_decode_kernel_by_default(name, monkeypatch):
-    """``gqa_plan.FP8_BY_DEFAULT`` False: no plan options run fp8 caches on the decode kernel."""
-    if gqa_plan.FP8_BY_DEFAULT:
-        pytest.skip("fp8 runs on the wgmma kernel by default")
-    check_fp8_case(name, monkeypatch, {}, wgmma=False)
+@pytest.mark.parametrize("name", ["minimax-48-8-sq8-ragged", "sq8-g8-paged128-split5", "sq16-g6-96rows-ragged",
+                                  "sq4-g8-fp16", "sq4-g4-lengths-0-1"])
+def test_fp8_default_plan(name, monkeypatch):
+    """No plan options: fp8 caches past ``gqa_plan.FP8_DEFAULT_ABOVE_ROWS`` rows run on the wgmma kernel (two
+    consumers past 64), the others on the decode kernel; both against the reference."""
+    batch, sq, hq, hkv = CASES[name][:4]
+    runs = check_fp8_case(name, monkeypatch, {}, wgmma=sq * hq // hkv > gqa_plan.FP8_DEFAULT_ABOVE_ROWS)
+    assert all(plan.consumers == (2 if sq * hq // hkv > 64 else 1) for plan in runs)
 
 
 def test_fp8_with_queries_beyond_f16_range(monkeypatch):

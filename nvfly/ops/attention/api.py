@@ -336,8 +336,8 @@ DECODE_VARIANTS: dict[str, dict[str, int]] = {
     # (mma.sync) for every call instead, the default before
     "mma_sync": dict(wgmma=False),
     # the wgmma kernel at Sq·G <= 16 as well (all that gqa_declined accepts; other calls keep the decode kernel), and
-    # for fp8 caches (GqaPlan.fp8: converted to f16 in shared memory), which keep the decode kernel by default while
-    # gqa_plan.FP8_BY_DEFAULT is False
+    # for fp8 caches (GqaPlan.fp8: converted to f16 in shared memory) at <= 32 rows, where they keep the decode
+    # kernel by default (gqa_plan.FP8_DEFAULT_ABOVE_ROWS)
     "wgmma": dict(wgmma=True),
     # its split plans' combine kernel as the split kernel's programmatic dependent, not launched after it
     "wgmma_pdl": dict(wgmma=True, pdl_combine=True),
@@ -357,7 +357,7 @@ def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_
     kernel's ``gqa_plan`` wherever ``gqa_declined`` allows, its own split count (0: ``gqa_plan``'s) and depth (0: its
     default), its combine launched after it (a programmatic dependent launch with pdl_combine); the other options
     do not apply to it, but ``wgmma_wide``: 65-128 rows on its two-consumer plan too; False: the decode kernel
-    always; None: the wgmma kernel where ``gqa_declined`` allows and ``gqa_by_default`` (Sq x G > 16) when no other
+    always; None: the wgmma kernel where ``gqa_declined`` allows and ``gqa_by_default`` (Sq x G > 16; > 32 with fp8 caches) when no other
     option is given, else the decode kernel): the benchmark's and the tests' way to run the kernels' variants side
     by side (``DECODE_VARIANTS``)."""
     if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (0, 1, 2) or not 0 <= split_efficiency <= 1:

@@ -45,9 +45,6 @@ FP8_STAGES = 4
 # two consumer warpgroups (one CTA an SM): Q 32 KB + staging 32 KB + 8 stages of 16 KB, the same 128 KB in flight
 FP8_WIDE_STAGES = 8
 STAGING_BYTES = STAGE_BYTES
-# decode runs fp8 caches on this kernel only when asked (plan_options(wgmma=True)) while this is False; the lead flips
-# it once the fp8 plans measure faster than the decode kernel's
-FP8_BY_DEFAULT = False
 
 
 @dataclass(frozen=True)
@@ -145,12 +142,15 @@ def gqa_declined(sq: int, group: int, dqk: int, dv: int, dtype: str, fp8: bool =
 # The rows above which the wgmma kernel is decode's default where gqa_declined accepts: at <= 16 rows the decode
 # kernel's one m16 row tile wastes no MMA rows and is as fast; above, it rereads each K/V tile per 16-row tile
 DEFAULT_ABOVE_ROWS = 16
+# fp8 caches: the fp8 plans' shared-memory conversion holds them near 2.8 TB/s whatever the rows; the decode kernel's
+# register conversion is faster up to 32 rows (one or two row warps a key slice) and slower past
+FP8_DEFAULT_ABOVE_ROWS = 32
 
 
 def gqa_by_default(sq: int, group: int, fp8: bool = False) -> bool:
     """Whether ``decode`` runs a call of Sq x G packed rows on the wgmma kernel without being asked (where
-    ``gqa_declined`` accepts it): above ``DEFAULT_ABOVE_ROWS`` rows; fp8 caches only with ``FP8_BY_DEFAULT``."""
-    return sq * group > DEFAULT_ABOVE_ROWS and (FP8_BY_DEFAULT or not fp8)
+    ``gqa_declined`` accepts it): above ``DEFAULT_ABOVE_ROWS`` rows (``FP8_DEFAULT_ABOVE_ROWS`` with fp8 caches)."""
+    return sq * group > (FP8_DEFAULT_ABOVE_ROWS if fp8 else DEFAULT_ABOVE_ROWS)
 
 
 def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_count: int, paged: bool = False,
@@ -179,5 +179,5 @@ def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_c
     return plan
 
 
-__all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT_ABOVE_ROWS", "FP8_BY_DEFAULT", "HEAD_DIM", "GqaPlan", "gqa_by_default",
+__all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT_ABOVE_ROWS", "FP8_DEFAULT_ABOVE_ROWS", "HEAD_DIM", "GqaPlan", "gqa_by_default",
            "gqa_declined", "gqa_plan"]

@@ -4,7 +4,6 @@ compile helper for tests without a GPU. ``decode`` runs its own checks first and
 ``gqa_plan.gqa_declined`` accepts; the rest keep the decode kernel."""
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import nvfly
@@ -14,9 +13,9 @@ from nvfly.ops.attention.combine_kernel import attention_combine_kernel
 from nvfly.ops.attention.gqa_kernel import attention_gqa_wgmma_kernel
 from nvfly.ops.attention.gqa_plan import BLOCK_N, BOX_COLUMNS, HEAD_DIM, SWIZZLE, GqaPlan
 from nvfly.ops.attention.kv_options import kernel_scales
+from nvfly.ops.attention.softmax import LN2
 from nvfly.runtime.tma import cached_descriptor
 
-LN2 = math.log(2.0)
 
 
 def boxes(sq: int, group: int, fp8: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -32,7 +32,6 @@ V's) goes into the scores' scale and V's into the output's normalisation.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import nvfly
@@ -41,11 +40,10 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.attention.gqa_plan import (BLOCK_M, BLOCK_N, FP8_TILE_BYTES, HEAD_DIM, K_BYTES, PRODUCER_REGS,
                                           Q_BYTES, Q_OFFSET, SWIZZLE)
 from nvfly.ops.attention.mla_plan import unmasked_end
-from nvfly.ops.attention.softmax import NEG_INF, online_softmax
+from nvfly.ops.attention.softmax import LN2, LOG2E, NEG_INF, online_softmax
 from nvfly.ops.attention.wgmma_tiles import (Running, convert_fp8_tile, mask_key_tile, rescaled_plus_pv,
                                              scale_to_f16, zero_tail_rows)
 
-LN2 = math.log(2.0)
 ZEROED = 1                 # hardware barriers (0 is __syncthreads): consumer c's zeroed V rows before its wgmma: 1 + c
 # fp8 (no ZEROED), over every consumer thread: K's staging tile (and the query tile, on the first) converted before
 # S's wgmmas; V's converted and every warp's S done with K's, before P V
@@ -241,7 +239,7 @@ def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDes
             staging = smem_address(nvfly.dynamic_shared_tensor(nvfly.u8, (2 * K_BYTES,),
                                                                offset_bytes=PLAN.staging_offset))
             v_scale = kv_scales[1, hkv]
-            score_scale_log2 = kv_scales[0, hkv] * (1.0 / LN2)
+            score_scale_log2 = kv_scales[0, hkv] * LOG2E
         t = Tile(consumer_q, ring, pipe, lay, seqlen, score_scale_log2, positions, lane, thread, consumer, staging,
                  v_scale)
         state = Running([nvfly.f32(NEG_INF)] * 2, [nvfly.f32(0.0)] * 2, sm90.Accumulator.zeros(lay.pv_atom),

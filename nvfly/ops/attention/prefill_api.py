@@ -16,6 +16,7 @@ from nvfly.ops.attention.mods import MAX_CAPTURED, Mods, bound, captured_tensors
 from nvfly.ops.attention.prefill_kernel import attention_prefill_kernel
 from nvfly.ops.attention.prefill_plan import (BLOCK_M, FP8_HEAD_DIMS, HEAD_DIMS, PrefillPlan, causal_offset,
                                               prefill_plan, prefill_unit_table)
+from nvfly.ops.attention.softmax import LN2
 from nvfly.ops.attention.transpose_kernel import THREADS, transpose_plan, transpose_values_kernel
 from nvfly.ops.common.opcall import Declined, KernelScalars, OpCalls, context_value
 from nvfly.runtime.torch_args import layout_key
@@ -418,7 +419,7 @@ def _launch(plan: PrefillPlan, mods: Mods, q: Any, k: Any, v: Any, out: Any, lse
     captured = captured + [None] * (MAX_CAPTURED - len(captured))
     attention_prefill_kernel[grid, plan.threads](
         *descriptors, out, lse, *(cu_seqlens or (None, None)), *captured, *tables, *descales, unit_table, sq, skv,
-        q.shape[2] // k.shape[2], bounds.bottom_right, bounds.left, bounds.right, scale / math.log(2.0), PLAN=plan,
+        q.shape[2] // k.shape[2], bounds.bottom_right, bounds.left, bounds.right, scale / LN2, PLAN=plan,
         MODS=mods)
 
 

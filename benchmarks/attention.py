@@ -50,8 +50,8 @@ halves it). Shapes nvfly declines (its eligibility reason in ``nvfly_skipped``) 
 functions and its BlockMask; TFLOP/s on the pairs the mask keeps. Varlen rows (not with ``--quick``; with
 ``--prefill-models`` only if it names ``varlen``): 8 sequences of mixed lengths (63 to 6011 tokens) packed along S,
 GQA 32/8 D 128, non-causal and causal, nvfly's ``prefill_varlen`` against SDPA on a nested (jagged) tensor of the
-same sequences and flex over the packed tokens with a document mask. ``--quick`` times flex on the mod rows only. ``--prefill-variants`` also times (after checking) nvfly's kernel with each
-combination of ``PrefillPlan.overlap`` and ``.pingpong`` (``nvfly_<variant>_ms``: serial, overlap, pingpong,
+same sequences and flex over the packed tokens with a document mask. ``--quick`` times flex on the mod rows only.
+``--prefill-variants`` also times (after checking) nvfly's kernel with each combination of ``PrefillPlan.overlap`` and ``.pingpong`` (``nvfly_<variant>_ms``: serial, overlap, pingpong,
 overlap_pingpong; their geomeans against cuDNN in the summary); ``nvfly_ms`` is the default plan's.
 Writes benchmarks/results/attention_prefill_h200.json and .png.
 
@@ -139,11 +139,17 @@ def sdpa_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
                backends: tuple[str, ...] = SDPA_BACKENDS) -> dict[str, Callable[[], Any]]:
     """SDPA per backend of ``backends`` on (B, H, S, D) views, causal aligned to the end (or not at all); the
     backends that refuse the inputs are left out."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
     sq, skv = q.shape[1], k.shape[1]
-    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     mask = causal_lower_right(sq, skv) if causal and sq > 1 else None
+    return backend_calls(backends, "", q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                         enable_gqa=True)
+
+
+def backend_calls(backends: tuple[str, ...], label: str, *args: Any, **kwargs: Any) -> dict[str, Callable[[], Any]]:
+    """``F.scaled_dot_product_attention(*args, **kwargs)`` under each SDPA backend of ``backends`` that takes them
+    (a call each, run once here; the others are named as not run, ``label`` after the backend's name)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     calls = {}
     for name in backends:
         backend = getattr(SDPBackend, {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION",
@@ -151,18 +157,15 @@ def sdpa_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool =
 
         def call(backend=backend):
             with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+                return F.scaled_dot_product_attention(*args, **kwargs)
         try:
             call()
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - a backend that does not take these inputs is not timed
-            print(f"    sdpa {name}: not run ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
+            print(f"    sdpa {name}{label}: not run ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
             continue
         calls[name] = call
     return calls
-
-
-_FLEX: dict = {}
 
 
 def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: dict[str, Any],
@@ -605,18 +608,7 @@ def run_prefill_varlen_row(causal: bool, with_flex: bool) -> dict[str, Any]:
                                                                 validate=False))
     offsets = cu.to(torch.int64)
     nested = [torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2) for t in (q, k, v)]
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    for peer, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
-                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        def call(backend=backend):
-            with sdpa_kernel([backend]):
-                return F.scaled_dot_product_attention(*nested, is_causal=causal, enable_gqa=True)
-        try:
-            call()
-            torch.cuda.synchronize()
-        except Exception as exc:  # noqa: BLE001 - a backend that does not take nested inputs is not timed
-            print(f"    sdpa {peer} (nested): not run ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})")
-            continue
+    for peer, call in backend_calls(PREFILL_BACKENDS, " (nested)", *nested, is_causal=causal, enable_gqa=True).items():
         row[f"{peer}_ms"] = bench_ms(call)
     if with_flex:
         documents = torch.bucketize(torch.arange(total, device="cuda"), cu[1:], right=True).to(torch.int32)

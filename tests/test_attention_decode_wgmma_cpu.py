@@ -223,16 +223,19 @@ def test_v_is_read_mn_major_from_the_k_major_loaded_tile():
             assert lay.v_layout.inner((column, key)) == lay.k_layout.inner((key, column))
 
 
-def kernel_model(q, k, v, table, seqlens, causal, splits, group):
+def kernel_model(q, k, v, table, seqlens, causal, splits, group, k_scale=None, v_scale=None):
     """The kernel's arithmetic in float32 on CPU tensors: per (split, KV head, sequence) CTA the Q box's Sq x G rows
     (token r // G, head hkv * G + r % G), the split's 64-key tiles of K and V as the TMA loads read them (zero past
     the capacity; paged: the page from the table; NaN past the length left in), the mask only from
     ``unmasked_end`` on, V rows past the length zeroed there, the online softmax with P rounded to the input type;
-    the partials at the combine's slots ((split * B + b) * Sq + token) * Hq + head, then the combine."""
+    the partials at the combine's slots ((split * B + b) * Sq + token) * Hq + head, then the combine. fp8 plans
+    (``k_scale``, ``v_scale`` per KV head): the query f16 times the softmax scale, K's and V's e4m3 values exact in
+    f16, the scores times K's scale in log2 units, P rounded to f16, O times V's scale at the normalisation."""
     from nvfly.ops.attention.mla_plan import BLOCK_N, split_blocks, unmasked_end
     batch, sq, hq, _ = q.shape
     rows = sq * group
-    scale_log2 = D ** -0.5 / math.log(2.0)
+    fp8 = k_scale is not None
+    p_dtype = torch.float16 if fp8 else q.dtype
     partial_o = torch.zeros(splits * batch * sq * hq, D)
     partial_lse = torch.full((splits * batch * sq * hq,), float("-inf"))
     for b in range(batch):
@@ -240,6 +243,10 @@ def kernel_model(q, k, v, table, seqlens, causal, splits, group):
         middle = unmasked_end(seqlen, sq, causal)
         for hkv in range(hq // group):
             qt = q[b, :, hkv * group:(hkv + 1) * group].reshape(rows, D).float()
+            scale_log2 = D ** -0.5 / math.log(2.0)
+            if fp8:
+                qt = (qt * D ** -0.5).half().float()
+                scale_log2 = float(k_scale[hkv]) / math.log(2.0)
             packed = torch.arange(rows)
             positions = seqlen - sq + packed // group
             for split in range(splits):
@@ -267,11 +274,12 @@ def kernel_model(q, k, v, table, seqlens, causal, splits, group):
                     rescale = torch.exp2(top * scale_log2 - shift * scale_log2)
                     p = torch.exp2(s * scale_log2 - (shift * scale_log2)[:, None])
                     total = total * rescale + p.sum(dim=1)
-                    acc = acc * rescale[:, None] + p.to(q.dtype).float() @ v_tile
+                    acc = acc * rescale[:, None] + p.to(p_dtype).float() @ v_tile
                     top = new_top
                 kept = total > 0
                 slots = ((split * batch + b) * sq + packed // group) * hq + hkv * group + packed % group
-                partial_o[slots] = torch.where(kept[:, None], acc / total.clamp_min(1e-30)[:, None], 0.0)
+                o_scale = float(v_scale[hkv]) if fp8 else 1.0
+                partial_o[slots] = torch.where(kept[:, None], acc * o_scale / total.clamp_min(1e-30)[:, None], 0.0)
                 partial_lse[slots] = torch.where(
                     kept, (top * scale_log2 + torch.log2(total.clamp_min(1e-30))) * math.log(2.0), float("-inf"))
     partial_o, partial_lse = partial_o.view(splits, -1, D), partial_lse.view(splits, -1)
@@ -505,57 +513,6 @@ def test_host_path_takes_fp8_to_the_wgmma_kernel_past_32_rows(cpu_launches):
     assert [name for name, _, _ in cpu_launches] == ["attention_gqa_wgmma_kernel"] and call.plan.consumers == 2
 
 
-def fp8_kernel_model(q, k, v, seqlens, causal, splits, group, k_scale, v_scale):
-    """``kernel_model``'s arithmetic for fp8 plans: the query f16 times the softmax scale, K and V's e4m3 values
-    exact in f16, the scores times K's per-head scale in log2 units, P rounded to f16, O times V's scale at the
-    normalisation; the splits' partials merged as the combine merges them."""
-    from nvfly.ops.attention.mla_plan import BLOCK_N, split_blocks, unmasked_end
-    batch, sq, hq, _ = q.shape
-    rows = sq * group
-    partial_o = torch.zeros(splits, batch, sq, hq, D)
-    partial_lse = torch.full((splits, batch, sq, hq), float("-inf"))
-    for b in range(batch):
-        seqlen = int(seqlens[b])
-        middle = unmasked_end(seqlen, sq, causal)
-        for hkv in range(hq // group):
-            qt = (q[b, :, hkv * group:(hkv + 1) * group].reshape(rows, D).float() * D ** -0.5).half().float()
-            positions = seqlen - sq + torch.arange(rows) // group
-            scale_log2 = float(k_scale[hkv]) / math.log(2.0)
-            for split in range(splits):
-                top, total, acc = torch.full((rows,), float("-inf")), torch.zeros(rows), torch.zeros(rows, D)
-                for n in range(*split_blocks(seqlen, splits, split)):
-                    keys = torch.arange(n * BLOCK_N, (n + 1) * BLOCK_N)
-                    inside = keys < k.shape[1]
-                    k_tile, v_tile = torch.zeros(BLOCK_N, D), torch.zeros(BLOCK_N, D)
-                    k_tile[inside] = k[b, keys[inside], hkv].float()
-                    v_tile[inside] = v[b, keys[inside], hkv].float()
-                    s = qt @ k_tile.T
-                    if n >= middle:
-                        keep = (keys[None, :] < seqlen) & ((keys[None, :] <= positions[:, None]) if causal else True)
-                        s = torch.where(keep, s, float("-inf"))
-                        v_tile = torch.where((keys < seqlen)[:, None], v_tile, 0.0)
-                    new_top = torch.maximum(top, s.max(dim=1).values)
-                    shift = torch.where(new_top == float("-inf"), 0.0, new_top)
-                    rescale = torch.exp2((top - shift) * scale_log2)
-                    p = torch.exp2((s - shift[:, None]) * scale_log2)
-                    total = total * rescale + p.sum(dim=1)
-                    acc = acc * rescale[:, None] + p.half().float() @ v_tile
-                    top = new_top
-                kept = total > 0
-                o = torch.where(kept[:, None], acc * float(v_scale[hkv]) / total.clamp_min(1e-30)[:, None], 0.0)
-                lse = torch.where(kept, (top * scale_log2 + torch.log2(total.clamp_min(1e-30))) * math.log(2.0),
-                                  float("-inf"))
-                for r in range(rows):
-                    partial_o[split, b, r // group, hkv * group + r % group] = o[r]
-                    partial_lse[split, b, r // group, hkv * group + r % group] = lse[r]
-    top = partial_lse.max(dim=0).values
-    weights = torch.exp(partial_lse - torch.where(top == float("-inf"), 0.0, top))
-    total = weights.sum(dim=0)
-    out = (weights[..., None] * partial_o).sum(dim=0) / torch.where(total > 0, total, 1.0)[..., None]
-    lse = torch.where(total > 0, top + torch.log(total.clamp_min(1e-30)), float("-inf"))
-    return out, lse.transpose(1, 2)
-
-
 @pytest.mark.parametrize("sq, group, causal, splits", [(8, 6, True, 1), (4, 16, False, 2), (8, 8, True, 3)])
 def test_fp8_kernel_model_matches_the_reference(sq, group, causal, splits):
     """The fp8 plans' scale placement (softmax scale in the f16 query, K's per-head scale in the scores', V's at the
@@ -570,7 +527,7 @@ def test_fp8_kernel_model_matches_the_reference(sq, group, causal, splits):
         k[b, n:] = v[b, n:] = float("nan")
     k_scale, v_scale = torch.rand(hkv, generator=gen) + 0.1, torch.rand(hkv, generator=gen) + 0.1
     seqlens = torch.tensor(lengths, dtype=torch.int32)
-    got, got_lse = fp8_kernel_model(q, k, v, seqlens, causal, splits, group, k_scale, v_scale)
+    got, got_lse = kernel_model(q, k, v, None, seqlens, causal, splits, group, k_scale, v_scale)
     clean_k, clean_v = (torch.nan_to_num(c.float()) for c in (k, v))
     want, want_lse = attention.reference(q, clean_k.to(torch.float8_e4m3fn), clean_v.to(torch.float8_e4m3fn),
                                          cache_seqlens=seqlens, causal=causal, k_scale=k_scale, v_scale=v_scale)

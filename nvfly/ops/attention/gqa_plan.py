@@ -179,5 +179,5 @@ def gqa_plan(batch: int, sq: int, kv_heads: int, group: int, capacity: int, sm_c
     return plan
 
 
-__all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT_ABOVE_ROWS", "FP8_DEFAULT_ABOVE_ROWS", "HEAD_DIM", "GqaPlan", "gqa_by_default",
-           "gqa_declined", "gqa_plan"]
+__all__ = ["BLOCK_M", "BLOCK_N", "DEFAULT_ABOVE_ROWS", "FP8_DEFAULT_ABOVE_ROWS", "HEAD_DIM", "GqaPlan",
+           "gqa_by_default", "gqa_declined", "gqa_plan"]

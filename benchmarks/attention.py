@@ -51,8 +51,9 @@ functions and its BlockMask; TFLOP/s on the pairs the mask keeps. Varlen rows (n
 ``--prefill-models`` only if it names ``varlen``): 8 sequences of mixed lengths (63 to 6011 tokens) packed along S,
 GQA 32/8 D 128, non-causal and causal, nvfly's ``prefill_varlen`` against SDPA on a nested (jagged) tensor of the
 same sequences and flex over the packed tokens with a document mask. ``--quick`` times flex on the mod rows only.
-``--prefill-variants`` also times (after checking) nvfly's kernel with each combination of ``PrefillPlan.overlap`` and ``.pingpong`` (``nvfly_<variant>_ms``: serial, overlap, pingpong,
-overlap_pingpong; their geomeans against cuDNN in the summary); ``nvfly_ms`` is the default plan's.
+``--prefill-variants`` also times (after checking) nvfly's kernel with each combination of ``PrefillPlan.overlap``
+and ``.pingpong`` (``nvfly_<variant>_ms``: serial, overlap, pingpong, overlap_pingpong; their geomeans against cuDNN
+in the summary); ``nvfly_ms`` is the default plan's.
 Writes benchmarks/results/attention_prefill_h200.json and .png.
 
 FP8 prefill (``--prefill --fp8 [--quick]``): nvfly's e4m3 prefill (q, k, v quantised per tensor, descale = amax /

@@ -358,8 +358,8 @@ def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_
     default), its combine launched after it (a programmatic dependent launch with pdl_combine); the other options
     do not apply to it, but ``wgmma_wide``: 65-128 rows on its two-consumer plan too; False: the decode kernel
     always; None: the wgmma kernel where ``gqa_declined`` allows and ``gqa_by_default`` (Sq x G > 16; > 32 with fp8
-    caches) when no other option is given, else the decode kernel): the benchmark's and the tests' way to run the kernels' variants side
-    by side (``DECODE_VARIANTS``)."""
+    caches) when no other option is given, else the decode kernel): the benchmark's and the tests' way to run the
+    kernels' variants side by side (``DECODE_VARIANTS``)."""
     if stages < 0 or row_warps not in (0, 1, 2, 4) or warp_tiles not in (0, 1, 2) or not 0 <= split_efficiency <= 1:
         raise ValueError(f"attention.plan_options: stages {stages} must be >= 0, row_warps {row_warps} one of "
                          f"0, 1, 2, 4, warp_tiles {warp_tiles} 0, 1 or 2 and split_efficiency {split_efficiency} in "

@@ -12,8 +12,7 @@ from nvfly.ops.attention.checks import check_values as _check_values
 from nvfly.ops.attention.checks import require_cuda as _require_cuda
 from nvfly.ops.attention.checks import sm_count as _sm_count
 from nvfly.ops.attention.checks import tensor_argument as _tensor
-from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS, combine_grid
-from nvfly.ops.attention.combine_kernel import attention_combine_kernel
+from nvfly.ops.attention.combine_kernel import compile_combine, launch_combine, prepared_combine
 from nvfly.ops.attention.decode_kernel import attention_decode_kernel
 from nvfly.ops.attention.block_mask_kernel import THREADS as TABLES_THREADS
 from nvfly.ops.attention.block_mask_kernel import block_mask_tables_kernel
@@ -465,8 +464,7 @@ class _DecodeCall(CallBuffers):
                 self.tables_launch = block_mask_tables_kernel.prepared((self.hkv, batch), TABLES_THREADS)
             self.main = attention_decode_kernel.prepared(plan.grid(batch, self.hkv), plan.threads)
             if self.slots and not self.fixup:
-                self.combine = attention_combine_kernel.prepared(combine_grid(self.rows, plan.dv),
-                                                                COMBINE_WARPS * 32)
+                self.combine = prepared_combine(self.rows, plan.dv)
             if captured_tensors(mods):  # read from the functions per call: a prepared launch needs their layouts
                 self.captured_keys = tuple(map(layout_key, _kernel_captured(mods, q.device, tuple(captured))))
 
@@ -519,8 +517,8 @@ class _DecodeCall(CallBuffers):
         self.main.launch(q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse, *captured, *extra, counters,
                          scale, plan, self.mods)
         if not self.fixup:
-            self.combine.launch(partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq, plan.dv,
-                                plan.pdl_combine)
+            launch_combine(self.combine, partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq,
+                           plan.dv, plan.pdl_combine)
 
     def reads_addresses(self) -> bool:
         """Whether ``run`` now launches through warm prepared launches alone, which read only their tensors'
@@ -573,8 +571,7 @@ def _launch(plan: DecodePlan, q: Any, k: Any, v: Any, block_table: Any, seqlens:
     attention_decode_kernel[grid, plan.threads](q, k, v, block_table, seqlens, out, lse, partial_o, partial_lse,
                                                 *captured, *extra, counters, scale, PLAN=plan, MODS=mods)
     if not plan.fixup_combine:
-        attention_combine_kernel[combine_grid(rows, plan.dv), COMBINE_WARPS * 32](
-            partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=plan.dv, DEPENDENT=plan.pdl_combine)
+        launch_combine(None, partial_o, partial_lse, out, lse, rows, hq, plan.splits, sq, plan.dv, plan.pdl_combine)
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -681,9 +678,8 @@ def compile_kernels(plan: DecodePlan, mods: Mods = Mods(), dtype: Any = nvfly.bf
                                                *extra, counters, 0.125, PLAN=plan, MODS=mods, block=plan.threads,
                                                target=target)]
     if split and not plan.fixup_combine:
-        kernels.append(attention_combine_kernel.compile(partial_o, partial_lse, out, lse, rows, hq, plan.splits,
-                                                        SQ=plan.sq, DV=plan.dv, DEPENDENT=plan.pdl_combine,
-                                                        block=COMBINE_WARPS * 32, target=target))
+        kernels.append(compile_combine(partial_o, partial_lse, out, lse, rows, hq, plan.splits, plan.sq, plan.dv,
+                                       plan.pdl_combine, target))
     return kernels
 
 

@@ -11,6 +11,8 @@ splits 32K keys about 60 ways) waits on the memory latency splits / UNROLL times
 """
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import nvfly
 from nvfly.ops.attention.softmax import LOG2E, NEG_INF
 
@@ -80,3 +82,26 @@ def attention_combine_kernel(partial_o: nvfly.Tensor, partial_lse: nvfly.Tensor,
         if lse is not None:
             if lane == 0 and item % CHUNKS == 0:
                 lse[b, head, token] = nvfly.select(kept, reference + nvfly.log(nvfly.maximum(total, 1e-30)), NEG_INF)
+
+
+def prepared_combine(rows: int, dv: int) -> Any:
+    """A prepared launch of the combine of ``rows`` query rows of ``dv`` columns (for ``launch_combine``)."""
+    return attention_combine_kernel.prepared(combine_grid(rows, dv), WARPS * 32)
+
+
+def launch_combine(prepared: Optional[Any], partial_o: Any, partial_lse: Any, out: Any, lse: Any, rows: int,
+                   heads: int, splits: int, sq: int, dv: int, dependent: bool) -> None:
+    """The combine of a split launch's partials (the kernel's arguments): through ``prepared``
+    (``prepared_combine(rows, dv)``) when given, else the kernels' general launch path."""
+    if prepared is not None:
+        prepared(partial_o, partial_lse, out, lse, rows, heads, splits, sq, dv, dependent)
+    else:
+        attention_combine_kernel[combine_grid(rows, dv), WARPS * 32](partial_o, partial_lse, out, lse, rows, heads,
+                                                                     splits, SQ=sq, DV=dv, DEPENDENT=dependent)
+
+
+def compile_combine(partial_o: Any, partial_lse: Any, out: Any, lse: Any, rows: int, heads: int, splits: int,
+                    sq: int, dv: int, dependent: bool, target: str) -> Any:
+    """The combine compiled without a GPU for tensor descriptions of its arguments (the compile helpers' tests)."""
+    return attention_combine_kernel.compile(partial_o, partial_lse, out, lse, rows, heads, splits, SQ=sq, DV=dv,
+                                            DEPENDENT=dependent, block=WARPS * 32, target=target)

@@ -8,8 +8,7 @@ from typing import Any
 
 import nvfly
 from nvfly.ops.attention.calls import CallBuffers
-from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS, combine_grid
-from nvfly.ops.attention.combine_kernel import attention_combine_kernel
+from nvfly.ops.attention.combine_kernel import compile_combine, launch_combine, prepared_combine
 from nvfly.ops.attention.gqa_kernel import attention_gqa_wgmma_kernel
 from nvfly.ops.attention.gqa_plan import BLOCK_N, BOX_COLUMNS, HEAD_DIM, SWIZZLE, GqaPlan
 from nvfly.ops.attention.kv_options import kernel_scales
@@ -46,8 +45,7 @@ class GqaCall(CallBuffers):
         if prepared:
             self.main = attention_gqa_wgmma_kernel.prepared(plan.grid(batch, hq // plan.group), plan.threads)
             if self.slots:
-                self.combine = attention_combine_kernel.prepared(combine_grid(self.rows, HEAD_DIM),
-                                                                COMBINE_WARPS * 32)
+                self.combine = prepared_combine(self.rows, HEAD_DIM)
 
     def run(self, q: Any, k: Any, v: Any, cache_seqlens: Any, block_table: Any, out: Any, k_scale: Any,
             v_scale: Any, captured: Any, scale: Any, block_mask: Any = None) -> Any:
@@ -73,12 +71,8 @@ class GqaCall(CallBuffers):
         else:
             self.main(*args, plan)
         if self.slots:
-            combine = (partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits)
-            if self.combine is None:
-                attention_combine_kernel[combine_grid(self.rows, HEAD_DIM), COMBINE_WARPS * 32](
-                    *combine, SQ=q.shape[1], DV=HEAD_DIM, DEPENDENT=plan.pdl_combine)
-            else:
-                self.combine(*combine, q.shape[1], HEAD_DIM, plan.pdl_combine)
+            launch_combine(self.combine, partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits,
+                           q.shape[1], HEAD_DIM, plan.pdl_combine)
         return (out, lse) if self.lse_shape is not None else out
 
     def reads_addresses(self) -> bool:
@@ -116,10 +110,10 @@ def compile_gqa(plan: GqaPlan, dtype: Any = nvfly.bf16, batch: int = 2, kv_heads
     kernels = [attention_gqa_wgmma_kernel.compile(q, k, v, table, seqlens, out, lse, partial_o, partial_lse, scales,
                                                   batch, hq, 0.18, PLAN=plan, block=plan.threads, target=target)]
     if split:
-        kernels.append(attention_combine_kernel.compile(
+        kernels.append(compile_combine(
             partial_o, partial_lse, TensorDesc(dtype, (batch, plan.sq, hq, HEAD_DIM)),
-            TensorDesc(nvfly.f32, (batch, hq, plan.sq)) if return_lse else None, rows, hq, plan.splits,
-            SQ=plan.sq, DV=HEAD_DIM, DEPENDENT=plan.pdl_combine, block=COMBINE_WARPS * 32, target=target))
+            TensorDesc(nvfly.f32, (batch, hq, plan.sq)) if return_lse else None, rows, hq, plan.splits, plan.sq,
+            HEAD_DIM, plan.pdl_combine, target))
     return kernels
 
 

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Optional, Union
 import nvfly
 from nvfly.ops.attention.checks import aligned, check_values, hopper_reason, require_cuda, sm_count, tensor_argument
 from nvfly.ops.attention.calls import CallBuffers, check_out
-from nvfly.ops.attention.combine_kernel import WARPS as COMBINE_WARPS, combine_grid
-from nvfly.ops.attention.combine_kernel import attention_combine_kernel
+from nvfly.ops.attention.combine_kernel import compile_combine, launch_combine, prepared_combine
 from nvfly.ops.attention.kv_options import error
 from nvfly.ops.attention.mla_kernel import attention_mla_kernel
 from nvfly.ops.attention.mla_plan import BLOCK_M, BLOCK_N, DQK, DV, MAX_SQ, SWIZZLE, THREADS, MlaPlan, mla_plan
@@ -238,7 +237,7 @@ class _MlaCall(CallBuffers):
         if prepared:
             self.main = attention_mla_kernel.prepared(plan.grid(batch), THREADS)
             if self.slots:
-                self.combine = attention_combine_kernel.prepared(combine_grid(self.rows, DV), COMBINE_WARPS * 32)
+                self.combine = prepared_combine(self.rows, DV)
 
     def run(self, q: Any, k_cache: Any, block_table: Any, cache_seqlens: Any, out: Any, scale: Optional[float]
             ) -> Any:
@@ -280,7 +279,8 @@ class _MlaCall(CallBuffers):
         partial_o, partial_lse = self.row_partials(q.device, current_stream(q.device.index), self.slots, DV)
         self.main(*descriptors, block_table, seqlens, None, None, partial_o, partial_lse, self.batch, scale_log2,
                   plan)
-        self.combine(partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq, DV, plan.pdl_combine)
+        launch_combine(self.combine, partial_o, partial_lse, out, lse, self.rows, self.hq, plan.splits, self.sq, DV,
+                       plan.pdl_combine)
 
 
 def _rows(q: "torch.Tensor") -> "torch.Tensor":
@@ -316,8 +316,7 @@ def _launch(plan: MlaPlan, descriptors: tuple[Any, Any], q: Any, block_table: An
     partial_o, partial_lse = scratch.row_partials(q.device, current_stream(q.device.index), slots, DV)
     attention_mla_kernel[plan.grid(batch), THREADS](*descriptors, block_table, seqlens, None, None, partial_o,
                                                     partial_lse, batch, scale_log2, PLAN=plan)
-    attention_combine_kernel[combine_grid(rows, DV), COMBINE_WARPS * 32](
-        partial_o, partial_lse, out, lse, rows, hq, plan.splits, SQ=sq, DV=DV, DEPENDENT=plan.pdl_combine)
+    launch_combine(None, partial_o, partial_lse, out, lse, rows, hq, plan.splits, sq, DV, plan.pdl_combine)
 
 
 def mla_bytes(q: "torch.Tensor", cache_seqlens: "torch.Tensor", capacity: int) -> int:
@@ -361,9 +360,8 @@ def compile_mla(plan: MlaPlan, dtype: Any = nvfly.bf16, batch: int = 2, seqlen: 
     kernels = [attention_mla_kernel.compile(q, k, table, seqlens, out, lse, partial_o, partial_lse, batch, 0.18,
                                             PLAN=plan, block=THREADS, target=target)]
     if split:
-        kernels.append(attention_combine_kernel.compile(
+        kernels.append(compile_combine(
             partial_o, partial_lse, TensorDesc(dtype, (batch, plan.sq, plan.heads, DV)),
             TensorDesc(nvfly.f32, (batch, plan.heads, plan.sq)) if return_lse else None,
-            batch * rows, plan.heads, plan.splits, SQ=plan.sq, DV=DV, DEPENDENT=plan.pdl_combine,
-            block=COMBINE_WARPS * 32, target=target))
+            batch * rows, plan.heads, plan.splits, plan.sq, DV, plan.pdl_combine, target))
     return kernels

@@ -1,6 +1,7 @@
-"""Warpgroup-MMA GQA decode (``decode``'s default at 16 < Sq x G <= 64): softmax(q kᵀ scale) v for 16-bit K and V
-of head dim 128, the Sq x G query rows of one KV head as one wgmma M = 64 (two, 65-128 rows: ``PLAN.consumers``
-2), on Hopper's TMA and wgmma (the MLA kernel's structure, ``mla_kernel``, with separate K and V tiles).
+"""Warpgroup-MMA GQA decode (``decode``'s default at 16 < Sq x G <= 128, fp8 caches past 32): softmax(q kᵀ scale) v
+for 16-bit or e4m3 K and V of head dim 128, the Sq x G query rows of one KV head as one wgmma M = 64 (two, 65-128
+rows: ``PLAN.consumers`` 2), on Hopper's TMA and wgmma (the MLA kernel's structure, ``mla_kernel``, with separate K
+and V tiles).
 
     q [B, Sq, Hq, 128] through a 4-D TMA descriptor whose box (1, Sq, G, 64) is the KV head's Sq x G query rows in
     token-major order (row r: token r // G, head hkv * G + r % G; rows past Sq x G stay unwritten and are never

@@ -1,7 +1,7 @@
-"""Warpgroup-MMA GQA decode plans (``decode``'s default at 16 < Sq x G <= 64): 16-bit K and V of head dim 128, the
-Sq x G query rows of one KV head (at most 64; 128 on two consumer warpgroups with ``wide``) as one wgmma M = 64 each
-(pure Python, shared by the kernel's trace, the host and the CPU tests); fp8 (e4m3) K and V (``GqaPlan.fp8``)
-converted to f16 tiles in shared memory for the same f16 wgmmas.
+"""Warpgroup-MMA GQA decode plans (``decode``'s default at 16 < Sq x G <= 128, fp8 past 32): 16-bit K and V of head
+dim 128, the Sq x G query rows of one KV head (at most 64; 128 on two consumer warpgroups with ``wide``) as one wgmma
+M = 64 each (pure Python, shared by the kernel's trace, the host and the CPU tests); fp8 (e4m3) K and V
+(``GqaPlan.fp8``) converted to f16 tiles in shared memory for the same f16 wgmmas.
 
 A CTA owns one (sequence, KV head, split): its Sq x G packed query rows (row r: query token r // G, head
 hkv * G + r % G) and the split's keys, streamed in ``BLOCK_N`` = 64-key tiles of K and V through a ``stages``-deep

@@ -79,19 +79,23 @@ def test_fp8_overlap_variants_compile_without_spills(overlap, pingpong, wide):
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < CONSUMER_REGS
 
 
-@pytest.mark.parametrize("dqk, causal, strides", [
-    (128, True, (None, None, None)), (64, False, ((0, 0), (0, 1), None)), (256, True, (None, (0, 0), (0, 1))),
-    pytest.param(128, False, ((0, 1), None, (0, 0)), marks=pytest.mark.slow),
-    pytest.param(64, True, (None, None, None), marks=pytest.mark.slow),
-    pytest.param(256, False, (None, None, None), marks=pytest.mark.slow)])
-def test_fp8_per_head_descale_plans_compile_without_spills(dqk, causal, strides):
-    """``per_head_descales``: the descales (B, Hkv) tensors (contiguous, a per-tensor factor's (0, 0)-strided view or
-    a (Hkv,) one's (0, 1)) read at the CTA's [batch, head // group] (GQA: 4 query heads on 2 KV heads): the same
-    QGMMAs as the per-tensor plan, three descale loads a thread (once per consumer), no spills."""
-    plan = prefill_plan(dqk, dqk, causal, fp8=True, per_head_descales=True)
-    assert plan == dataclasses.replace(prefill_plan(dqk, dqk, causal, fp8=True), per_head_descales=True)
+@pytest.mark.parametrize("dqk, causal, strides, options", [
+    (128, True, (None, None, None), {}), (64, False, ((0, 0), (0, 1), None), {}),
+    (256, True, (None, (0, 0), (0, 1)), {}),
+    pytest.param(128, False, ((1, 2), None, (0, 0)), dict(wide=True), marks=pytest.mark.slow),
+    pytest.param(128, True, (None, None, None), dict(overlap=True, pingpong=False), marks=pytest.mark.slow),
+    pytest.param(64, True, (None, None, None), {}, marks=pytest.mark.slow),
+    pytest.param(256, False, (None, None, None), {}, marks=pytest.mark.slow)])
+def test_fp8_per_head_descale_plans_compile_without_spills(dqk, causal, strides, options):
+    """``per_head_descales``: the descales (B, Hkv) tensors (contiguous, a transposed view's strides (1, B), a
+    per-tensor factor's (0, 0)-strided view or a (Hkv,) one's (0, 1)) read at the CTA's [batch, head // group]
+    (GQA: 4 query heads on 2 KV heads): the same QGMMAs as the per-tensor plan, three descale loads a thread (once
+    per consumer), no spills; the wide and overlap variants too."""
+    plan = prefill_plan(dqk, dqk, causal, fp8=True, per_head_descales=True, **options)
+    per_tensor_plan = prefill_plan(dqk, dqk, causal, fp8=True, **options)
+    assert plan == dataclasses.replace(per_tensor_plan, per_head_descales=True)
     kernel = attention.compile_prefill(plan, heads=4, kv_heads=2, descale_strides=strides)
-    per_tensor = attention.compile_prefill(prefill_plan(dqk, dqk, causal, fp8=True), heads=4, kv_heads=2)
+    per_tensor = attention.compile_prefill(per_tensor_plan, heads=4, kv_heads=2)
     sass = kernel.sass()
     assert sass.count("QGMMA") == per_tensor.sass().count("QGMMA") and "HGMMA" not in sass
     assert kernel.ptx.count("ld.global") == per_tensor.ptx.count("ld.global") == 3

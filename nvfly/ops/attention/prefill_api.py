@@ -338,8 +338,8 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
     is None (1), a number or a float32 tensor on q's device (read in the kernel: no sync; its values finite and
     positive) of one element (per tensor), (Hkv,) (per KV head, every sequence) or (B, Hkv) (per sequence and KV
     head; q's factor of a KV head applies to every query head of its group), each independently. out and its
-    ``out=`` are bfloat16. V is first transposed (and its keys permuted by 16) into a (B, Dv, Hkv, Skv) copy by one pass over
-    it: fp8 wgmma reads its shared-memory operand K-major only (``transposed_values``).
+    ``out=`` are bfloat16. V is first transposed (and its keys permuted by 16) into a (B, Dv, Hkv, Skv) copy by
+    one pass over it: fp8 wgmma reads its shared-memory operand K-major only (``transposed_values``).
     """
     import torch
     _check(q, k, v, scale, causal_alignment)

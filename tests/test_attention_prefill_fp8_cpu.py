@@ -1,7 +1,8 @@
 """FP8 (e4m3) prefill attention without a GPU: the fp8 plans compile for sm_90a to QGMMA (register-A e4m3 P for
 P·V) without spills or ptxas warnings, the transposed V that the host builds puts each key where P's fp8 register
-fragment puts its score (a lane-by-lane model of the fragments gives P·V exactly), and bad fp8 arguments raise errors
-naming them."""
+fragment puts its score (a lane-by-lane model of the fragments gives P·V exactly), per-head descales ((B, Hkv) and
+(Hkv,), ``PrefillPlan.per_head_descales``) compile, are modelled against the reference and reach the kernel as
+(B, Hkv) views, and bad fp8 arguments raise errors naming them."""
 import dataclasses
 import re
 import struct

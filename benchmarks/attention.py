@@ -69,7 +69,8 @@ its bandwidth ``transpose_gbps`` and the torch strided copy it replaced, ``trans
 ``fp8_<variant>_kernel_estimate_tflops``): the overlap variants, ``wide`` (D 128's 192-key blocks, 128 elsewhere,
 with the softmax's row maxima by a tree), ``wide_chain`` (the same by the chain), ``tree_max`` (128 keys, tree) and
 ``wide_poly2``/``wide_poly4`` (wide with 2 or 4 of every 16 exp2 by a polynomial on the FMA pipe, not MUFU),
-``poly2``/``poly4``/``tree_poly2`` (the same at 128 keys).
+``poly2``/``poly4``/``tree_poly2`` (the same at 128 keys); ``--per-head-descales`` the call with the same factors
+as (B, Hkv) descales (``nvfly_fp8_per_head_ms``: ``PrefillPlan.per_head_descales``).
 Writes benchmarks/results/attention_prefill_fp8_h200.json and .png.
 """
 from __future__ import annotations
@@ -690,8 +691,11 @@ def quantised_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() / descale).to(torch.float8_e4m3fn), descale
 
 
-def run_prefill_fp8_row(shape: tuple, causal: bool, variants: Optional[dict[str, dict]] = None) -> dict[str, Any]:
-    """One fp8 row; ``variants``: the PREFILL_FP8_VARIANTS timed (after checking) beside the default plan."""
+def run_prefill_fp8_row(shape: tuple, causal: bool, variants: Optional[dict[str, dict]] = None,
+                        per_head: bool = False) -> dict[str, Any]:
+    """One fp8 row; ``variants``: the PREFILL_FP8_VARIANTS timed (after checking) beside the default plan;
+    ``per_head``: the call with the same factors as (B, Hkv) descales too (``nvfly_fp8_per_head``, the per-head
+    plan)."""
     variants = variants or {}
     name, batch, s, hq, hkv, dqk, dv = shape
     torch.manual_seed(0)
@@ -715,16 +719,19 @@ def run_prefill_fp8_row(shape: tuple, causal: bool, variants: Optional[dict[str,
         row["transpose_torch_ms"] = bench_ms(lambda: transposed_values_torch(v))  # the strided copy it replaced
         moved = v.numel() + batch * hkv * dv * -(-s // 16) * 16  # bytes read and written
         row["transpose_gbps"] = moved / row["transpose_ms"] / 1e6
-        for variant, options in variants.items():
+        timed = [(variant, options, descales) for variant, options in variants.items()]
+        if per_head:
+            timed.append(("per_head", {}, {name: d.expand(batch, hkv).contiguous() for name, d in descales.items()}))
+        for variant, options, given in timed:
             with plan_options(**options):
                 out = torch.full((batch, s, hq, dv), float("nan"), dtype=torch.bfloat16, device="cuda")
-                attention.prefill(q, k, v, causal=causal, out=out, **descales)
+                attention.prefill(q, k, v, causal=causal, out=out, **given)
                 row[f"nvfly_fp8_{variant}_err"] = prefill_error(qb, kb, vb, out, causal)
                 row["ok"] = (row["ok"] and row[f"nvfly_fp8_{variant}_err"] < FP8_TOLERANCE
                              and not out.isnan().any().item())
                 del out
                 row[f"nvfly_fp8_{variant}_ms"] = bench_ms(lambda: attention.prefill(q, k, v, causal=causal,
-                                                                                    **descales))
+                                                                                    **given))
     else:
         row["nvfly_fp8_skipped"] = reason
         row["ok"] = False
@@ -737,7 +744,7 @@ def run_prefill_fp8_row(shape: tuple, causal: bool, variants: Optional[dict[str,
             row["fp8_vs_" + key[:-3]] = row[key] / row["nvfly_fp8_ms"]
     if "nvfly_fp8_ms" in row:  # what an in-kernel transpose could reach: the call's time less the pass's
         row["fp8_kernel_estimate_tflops"] = flops / (row["nvfly_fp8_ms"] - row["transpose_ms"]) / 1e9
-        for variant in variants:
+        for variant in [*variants, *(["per_head"] if per_head else [])]:
             row[f"fp8_{variant}_kernel_estimate_tflops"] = (flops / (row[f"nvfly_fp8_{variant}_ms"]
                                                                      - row["transpose_ms"]) / 1e9)
     return row
@@ -749,7 +756,7 @@ def run_prefill_fp8(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
                 if args.prefill_variants and (not args.only_variants or name in args.only_variants)}
     for shape in (PREFILL_FP8_QUICK if args.quick else PREFILL_FP8_SUITE):
         for causal in (False, True):
-            row = run_prefill_fp8_row(shape, causal, variants)
+            row = run_prefill_fp8_row(shape, causal, variants, args.per_head_descales)
             rows.append(row)
             timed = "  ".join(f"{key[:-7]} {row[key]:.0f}" for key in row if key.endswith("_tflops"))
             mine = (f"err {row['nvfly_fp8_err']:.1e}  V transpose {row['transpose_ms']:.3f} ms "
@@ -823,6 +830,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "attention_decode_variants (or --name) after every row")
     p.add_argument("--fp8", action="store_true", help="decode: also each row's shape with fp8 (e4m3) K/V caches "
                                                        "(nvfly only); prefill: the fp8 prefill suite instead")
+    p.add_argument("--per-head-descales", action="store_true",
+                   help="with --prefill --fp8: also check and time each row with the same descales as (B, Hkv) "
+                        "tensors (the per-head plan): nvfly_fp8_per_head_ms")
     p.add_argument("--name", default=None, help="results file stem (benchmarks/results/<name>_h200; default "
                                                  "attention_decode or attention_prefill)")
     args = p.parse_args(argv)

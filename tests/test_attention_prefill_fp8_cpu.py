@@ -1,7 +1,9 @@
 """FP8 (e4m3) prefill attention without a GPU: the fp8 plans compile for sm_90a to QGMMA (register-A e4m3 P for
 P·V) without spills or ptxas warnings, the transposed V that the host builds puts each key where P's fp8 register
-fragment puts its score (a lane-by-lane model of the fragments gives P·V exactly), and bad fp8 arguments raise errors
-naming them."""
+fragment puts its score (a lane-by-lane model of the fragments gives P·V exactly), per-head descales ((B, Hkv) and
+(Hkv,), ``PrefillPlan.per_head_descales``) compile, are modelled against the reference and reach the kernel as
+(B, Hkv) views, and bad fp8 arguments raise errors naming them."""
+import dataclasses
 import re
 import struct
 
@@ -78,7 +80,35 @@ def test_fp8_overlap_variants_compile_without_spills(overlap, pingpong, wide):
     assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < CONSUMER_REGS
 
 
+@pytest.mark.parametrize("dqk, causal, strides, options", [
+    (128, True, (None, None, None), {}), (64, False, ((0, 0), (0, 1), None), {}),
+    (256, True, (None, (0, 0), (0, 1)), {}),
+    pytest.param(128, False, ((1, 2), None, (0, 0)), dict(wide=True), marks=pytest.mark.slow),
+    pytest.param(128, True, (None, None, None), dict(overlap=True, pingpong=False), marks=pytest.mark.slow),
+    pytest.param(64, True, (None, None, None), {}, marks=pytest.mark.slow),
+    pytest.param(256, False, (None, None, None), {}, marks=pytest.mark.slow)])
+def test_fp8_per_head_descale_plans_compile_without_spills(dqk, causal, strides, options):
+    """``per_head_descales``: the descales (B, Hkv) tensors (contiguous, a transposed view's strides (1, B), a
+    per-tensor factor's (0, 0)-strided view or a (Hkv,) one's (0, 1)) read at the CTA's [batch, head // group]
+    (GQA: 4 query heads on 2 KV heads): the same QGMMAs as the per-tensor plan, three descale loads a thread (once
+    per consumer), no spills; the wide and overlap variants too."""
+    plan = prefill_plan(dqk, dqk, causal, fp8=True, per_head_descales=True, **options)
+    per_tensor_plan = prefill_plan(dqk, dqk, causal, fp8=True, **options)
+    assert plan == dataclasses.replace(per_tensor_plan, per_head_descales=True)
+    kernel = attention.compile_prefill(plan, heads=4, kv_heads=2, descale_strides=strides)
+    per_tensor = attention.compile_prefill(per_tensor_plan, heads=4, kv_heads=2)
+    sass = kernel.sass()
+    assert sass.count("QGMMA") == per_tensor.sass().count("QGMMA") and "HGMMA" not in sass
+    assert kernel.ptx.count("ld.global") == per_tensor.ptx.count("ld.global") == 3
+    assert kernel.ptx != per_tensor.ptx
+    assert "LDL" not in sass and "STL" not in sass and not kernel.warnings
+    assert kernel.resources.spill_stores == kernel.resources.spill_loads == kernel.resources.stack_bytes == 0
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", sass)) < CONSUMER_REGS
+
+
 def test_fp8_plan_rejects_what_the_kernel_cannot_do():
+    with pytest.raises(ValueError, match="per_head_descales is an fp8 prefill plan's option"):
+        PrefillPlan(128, 128, False, per_head_descales=True)
     with pytest.raises(ValueError, match="multiple of 32 keys"):
         PrefillPlan(256, 256, False, block_n=80, fp8=True)
     with pytest.raises(ValueError, match="no packed sequences"):
@@ -192,6 +222,83 @@ def test_fp8_blocked_model_is_within_the_gpu_tolerance(causal, alignment, block_
     torch.testing.assert_close(lse[finite], want_lse[finite], atol=1e-3, rtol=1e-4)
 
 
+def test_fp8_per_head_descales_model_is_within_the_gpu_tolerance():
+    """Per-head descales as the kernel reads them: ``_descale_tensors``' (B, Hkv) views ((B, Hkv), (Hkv,) and a
+    number: per head as soon as one is) at [batch, head // group] folded per CTA (``blocked_model`` of each (batch,
+    query head) with its q·k factors in the scale and its v factor on out), against the float32 reference of the
+    same descales (``prefill_reference``'s dequantisation, GQA 6 query heads on 2 KV heads); heads of amplitudes
+    1/8 to 8, so that per-head factors matter."""
+    from tests.gpu.test_attention_prefill_fp8_gpu import TOL
+    from tests.test_attention_prefill_cpu import blocked_model
+    torch.manual_seed(2)
+    batch, hq, hkv, d = 2, 6, 2, 64
+    group = hq // hkv
+    amplitudes = 2.0 ** torch.randint(-3, 4, (batch, hkv))
+    x = [torch.randn(batch, s, h, d) * amplitudes.repeat_interleave(h // hkv, 1)[:, None, :, None]
+         for s, h in ((150, hq), (200, hkv), (200, hkv))]
+    q_descale = x[0].abs().unflatten(2, (hkv, group)).amax(dim=(1, 3, 4)) / 448  # (B, Hkv): a group's q heads
+    k_descale = x[1].abs().amax(dim=(0, 1, 3)) / 448  # (Hkv,): every sequence
+    v_descale = float(x[2].abs().amax() / 448)  # per tensor
+    q = (x[0] / q_descale.repeat_interleave(group, 1)[:, None, :, None]).to(FP8)
+    k = (x[1] / k_descale[:, None]).to(FP8)
+    v = (x[2] / v_descale).to(FP8)
+    factors, per_head = prefill_api._descale_tensors((q_descale, k_descale, v_descale), batch, hkv, "cpu")
+    assert per_head and all(f.shape == (batch, hkv) for f in factors)
+    assert [f.stride() for f in factors] == [(hkv, 1), (0, 1), (0, 0)]
+    assert factors[0].data_ptr() == q_descale.data_ptr() and factors[1].data_ptr() == k_descale.data_ptr()
+    scale = d ** -0.5
+    out = torch.zeros(batch, 150, hq, d)
+    lse = torch.zeros(batch, hq, 150)
+    for b in range(batch):
+        for head in range(hq):
+            qd, kd, vd = (f[b, head // group].item() for f in factors)
+            o, l = blocked_model(q[b:b + 1, :, head:head + 1], k[b:b + 1, :, head // group:head // group + 1],
+                                 v[b:b + 1, :, head // group:head // group + 1], True, scale * qd * kd,
+                                 "bottom_right", bm=64, bn=128)
+            out[b, :, head], lse[b, head] = o[0, :, 0] * vd, l[0, 0]
+    want, want_lse = attention.prefill_reference(q, k, v, causal=True, scale=scale, q_descale=q_descale,
+                                                 k_descale=k_descale, v_descale=v_descale)
+    err = ((out - want).norm() / want.norm()).item()
+    assert 3e-3 < err < TOL  # e4m3 P's rounding shows (less than on flat rows: the amplitudes sharpen the softmax)
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(finite, torch.isfinite(lse))
+    torch.testing.assert_close(lse[finite], want_lse[finite], atol=1e-3, rtol=1e-4)
+    swapped, _ = attention.prefill_reference(q, k, v, causal=True, scale=scale, q_descale=q_descale.flip(1),
+                                             k_descale=k_descale, v_descale=v_descale)
+    assert ((swapped - want).norm() / want.norm()).item() > 5 * TOL  # a KV head's factors on the wrong heads
+
+
+def test_fp8_reference_dequantises_by_the_descales():
+    """``prefill_reference``'s descales (number, one-element, (Hkv,), (B, Hkv) tensors) equal dequantising by hand
+    (q's factor of a KV head on its group's query heads), padded and packed (B the sequences)."""
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(2, s, h, 64).to(FP8) for s, h in ((20, 4), (30, 2), (30, 2)))
+    q_descale, k_descale, v_descale = torch.rand(2, 2) + 0.5, torch.rand(2) + 0.5, torch.full((1,), 0.25)
+    want = attention.prefill_reference(q.float() * q_descale.repeat_interleave(2, 1)[:, None, :, None],
+                                       k.float() * k_descale[:, None], v.float() * 0.25, causal=True)
+    for given in (v_descale, 0.25, v_descale.reshape(())):
+        got = attention.prefill_reference(q, k, v, causal=True, q_descale=q_descale, k_descale=k_descale,
+                                          v_descale=given)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    cu_q, cu_k = torch.tensor([0, 20, 40], dtype=torch.int32), torch.tensor([0, 30, 60], dtype=torch.int32)
+    packed, packed_lse = attention.prefill_reference(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), causal=True,
+                                                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_descale=q_descale,
+                                                     k_descale=k_descale, v_descale=0.25)
+    torch.testing.assert_close(packed, want[0].flatten(0, 1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(packed_lse, want[1].permute(1, 0, 2).flatten(1, 2), rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_descale_tensors_per_tensor_stay_one_element():
+    """No per-head descale: one-element tensors (a (1, 1) or () tensor reshaped, a number made one), the per-tensor
+    plan; a (B, Hkv) descale of one element (B = Hkv = 1) is per tensor too."""
+    one = torch.full((1, 1), 2.0)
+    tensors, per_head = prefill_api._descale_tensors((one, 3.0, None), 2, 2, "cpu")
+    assert not per_head and tensors[2] is None and [t.shape for t in tensors[:2]] == [(1,), (1,)]
+    assert tensors[0].data_ptr() == one.data_ptr() and tensors[1].item() == 3.0
+    assert not prefill_api._descale_tensors((torch.ones(1, 1), None, torch.ones(())), 1, 1, "cpu")[1]
+
+
 def _inputs(b=1, sq=8, skv=8, hq=4, hkv=2, d=128, dtype=FP8):
     return tuple(torch.zeros(b, s, h, d, dtype=dtype) for s, h in ((sq, hq), (skv, hkv), (skv, hkv)))
 
@@ -204,9 +311,16 @@ ONE = torch.ones(1)
     (lambda q, k, v: (q.bfloat16(), k.bfloat16(), v.bfloat16()), {"q_descale": ONE}, "q_descale", TypeError,
      "only for float8_e4m3fn"),
     (lambda q, k, v: (q[..., :96], k[..., :96], v[..., :96]), {}, "q", ValueError, "head dim 96 is not supported"),
-    (lambda q, k, v: (q, k, v), {"k_descale": torch.ones(2)}, "k_descale", ValueError, "one-element float32"),
+    (lambda q, k, v: (q, k, v), {"k_descale": torch.ones(3)}, "k_descale", ValueError,
+     "of one element (per tensor), (2,) (per KV head) or (1, 2) (per sequence and KV head), got (3,)"),
+    (lambda q, k, v: (q, k, v), {"k_descale": torch.ones(2, 2)}, "k_descale", ValueError, "got (2, 2)"),
+    (lambda q, k, v: (q, k, v), {"q_descale": torch.ones(1, 4)}, "q_descale", ValueError, "got (1, 4)"),  # Hq
     (lambda q, k, v: (q, k, v), {"v_descale": torch.ones(1, dtype=torch.float16)}, "v_descale", ValueError,
-     "one-element float32"),
+     "expected a float32 tensor on cpu"),
+    (lambda q, k, v: (q, k, v), {"v_descale": torch.ones(1, 2, dtype=torch.float64)}, "v_descale", ValueError,
+     "got (1, 2) torch.float64"),
+    (lambda q, k, v: (q, k, v), {"q_descale": torch.ones(2, device="meta")}, "q_descale", ValueError,
+     "on meta"),
     (lambda q, k, v: (q, k, v), {"q_descale": -1.0}, "q_descale", ValueError, "positive finite"),
     (lambda q, k, v: (q, k, v), {"score_mod": lambda s, b, h, i, j: s}, "score_mod", ValueError,
      "not supported with float8_e4m3fn"),
@@ -261,6 +375,46 @@ def test_fp8_host_path_launches_with_transposed_v_and_descales(recorded_launches
                            ((2, 128, 2, 80), FP8, (1, 128, 1, 64), 64)]
     with pytest.raises(ValueError, match=r"^attention\.prefill: out: .*torch\.bfloat16 tensor"):
         attention.prefill(q, k, v, out=torch.zeros(2, 300, 6, 128, dtype=FP8))
+
+
+def test_fp8_host_path_launches_per_head_descales(recorded_launches, monkeypatch):
+    """Per-head descales through the real binder: a (B, Hkv) one, a (Hkv,) one and a number make the per-head plan
+    with the three as (B, Hkv) views of the given tensors (strides (Hkv, 1), (0, 1), (0, 0)); one-element tensors and
+    numbers alone keep the per-tensor plan."""
+    from nvfly.runtime.tma import TmaDescriptor
+    launched = []
+    launch = prefill_api._launch
+
+    def spy(*args):  # prefill's positional call: the plan first, the descales 16th
+        launched.append((args[0], args[15]))
+        return launch(*args)
+
+    def descriptor(tensor, box, swizzle=128):
+        desc = TmaDescriptor(tensor, box, swizzle)
+        desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
+        return desc
+    monkeypatch.setattr(prefill_api, "_require_cuda", lambda q, op: None)
+    monkeypatch.setattr(prefill_api, "cached_descriptor", descriptor)
+    monkeypatch.setattr(prefill_api, "_launch", spy)
+    q, k, v = _inputs(b=2, sq=200, skv=77, hq=6, hkv=2)
+    q_descale, k_descale = torch.rand(2, 2) + 0.5, torch.rand(2) + 0.5
+    out, lse = attention.prefill(q, k, v, causal=True, return_lse=True, q_descale=q_descale, k_descale=k_descale,
+                                 v_descale=3.0)
+    assert out.shape == (2, 200, 6, 128) and lse.shape == (2, 6, 200)
+    plan, descales = launched[-1]
+    assert plan == prefill_plan(128, 128, True, fp8=True, per_head_descales=True)
+    assert [d.shape for d in descales] == [(2, 2)] * 3 and [d.stride() for d in descales] == [(2, 1), (0, 1), (0, 0)]
+    assert descales[0].data_ptr() == q_descale.data_ptr() and descales[1].data_ptr() == k_descale.data_ptr()
+    assert descales[2][1, 1].item() == 3.0
+    params = recorded_launches[-1][2]
+    assert q_descale.data_ptr() in params and k_descale.data_ptr() in params
+    attention.prefill(q, k, v, v_descale=torch.rand(2, 2), k_descale=torch.ones(1))
+    plan, descales = launched[-1]
+    assert plan.per_head_descales and descales[0] is None and descales[1].stride() == (0, 0)
+    attention.prefill(q, k, v, q_descale=torch.ones(1, 1), v_descale=2.0)
+    plan, descales = launched[-1]
+    assert not plan.per_head_descales and descales[1] is None and [d.shape for d in descales[::2]] == [(1,), (1,)]
+    assert len(recorded_launches) == 3
 
 
 def test_torch_prefill_op_declines_fp8():

@@ -2,8 +2,10 @@
 quantised per tensor (descale = amax / 448, FlashAttention-3's convention): tails in Sq and Skv (1, odd, not a
 multiple of the tiles or of V's 16-key groups), Sq != Skv both ways (rows that see no key: zeros and LSE -inf), GQA
 and MQA, causal in both alignments, a sliding window, Dqk = Dv = 64, 128, 256, (B, H, S, D) views, descales as
-tensors, numbers or None; the three non-default overlap variants; D 128's 192-key blocks (``wide``). Outputs are
-NaN-poisoned: every row must be written. V's transpose kernel is checked bit for bit against the torch strided copy
+tensors, numbers or None; the three non-default overlap variants; D 128's 192-key blocks (``wide``); per-head
+descales ((B, Hkv) and (Hkv,), FlashAttention-3's layout; ``PrefillPlan.per_head_descales``) on inputs whose (batch,
+KV head) slices differ in amplitude, alone and mixed with per-tensor ones. Outputs are NaN-poisoned: every row must
+be written. V's transpose kernel is checked bit for bit against the torch strided copy
 it replaced.
 
 Tolerance: P is rounded to e4m3 (3 mantissa bits: a relative rounding error up to 2^-4, about 2.5 % rms, and values
@@ -34,6 +36,23 @@ def quantised(shape, seed, layout="bshd", amplitude=1.0):
     descale = (x.abs().amax().clamp_min(1e-12) / E4M3_MAX).reshape(1)
     q8 = (x / descale).to(FP8)
     return q8, descale, q8.float() * descale
+
+
+def quantised_per_head(shape, kv_heads, seed, layout="bshd", per_sequence=True):
+    """(e4m3 tensor, its descales, the dequantised float32 tensor) of a fresh random (B, S, H, D) tensor whose (batch,
+    KV head) slices have amplitudes 1/4 to 4: descales (B, Hkv) float32 (``per_sequence``, else (Hkv,), the amax over
+    the batch too), a KV head's covering its group's H / Hkv heads (q's query heads)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b, s, h, d = shape
+    x = torch.randn(b, h, s, d, device="cuda", generator=gen).transpose(1, 2) if layout == "bhsd" else \
+        torch.randn(b, s, h, d, device="cuda", generator=gen)
+    amplitudes = 2.0 ** torch.randint(-2, 3, (b, kv_heads), device="cuda", generator=gen)
+    x = x * amplitudes.repeat_interleave(h // kv_heads, 1)[:, None, :, None]
+    amax = x.abs().unflatten(2, (kv_heads, h // kv_heads)).amax(dim=(1, 3, 4))  # (B, Hkv)
+    descale = (amax if per_sequence else amax.amax(dim=0)).clamp_min(1e-12) / E4M3_MAX
+    factors = descale.expand(b, kv_heads).repeat_interleave(h // kv_heads, 1)[:, None, :, None]
+    q8 = (x / factors).to(FP8)
+    return q8, descale, q8.float() * factors
 
 
 def check(q, k, v, descales, reference, **kwargs):
@@ -158,3 +177,69 @@ def test_fp8_values_transpose_kernel_is_the_torch_copy(batch, skv, hkv, d, layou
     assert torch.equal(out, want)
     got = prefill_api.transposed_values(v)
     assert got.dtype == FP8 and got.is_contiguous() and torch.equal(got.view(torch.uint8), want)
+
+
+@pytest.mark.parametrize("batch, sq, skv, hq, hkv, d, causal, alignment, layout, layouts", [
+    (2, 333, 385, 8, 2, 128, True, "bottom_right", "bshd", ("bh", "bh", "bh")),    # GQA, all (B, Hkv)
+    (2, 256, 256, 4, 4, 128, False, "bottom_right", "bhsd", ("h", "h", "h")),      # all (Hkv,)
+    (3, 77, 301, 6, 2, 64, True, "top_left", "bshd", ("bh", "tensor", "h")),       # mixed with per tensor
+    (2, 301, 77, 6, 3, 256, True, "bottom_right", "bshd", ("h", "bh", "number")),  # early rows see no key
+    (3, 200, 129, 4, 1, 128, False, "bottom_right", "bhsd", ("bh", None, "bh")),   # MQA: per sequence only
+    (1, 1000, 1000, 8, 2, 128, True, "bottom_right", "bshd", ("tensor", "bh", "tensor")),
+    (2, 129, 1, 4, 2, 64, False, "bottom_right", "bshd", ("bh", "bh", "h")),       # one key
+])
+def test_fp8_per_head_descales(batch, sq, skv, hq, hkv, d, causal, alignment, layout, layouts):
+    """Per-head descales ((B, Hkv) "bh", (Hkv,) "h") alone and mixed with per-tensor ones (a one-element tensor,
+    a number, None) on inputs quantised so, against the float32 reference of the dequantised inputs, LSE too."""
+    seed = 3 * sq + skv + d
+    given, reference = [], []
+    for i, (s, h, kind) in enumerate(((sq, hq, layouts[0]), (skv, hkv, layouts[1]), (skv, hkv, layouts[2]))):
+        if kind in ("bh", "h"):
+            x, descale, dequantised = quantised_per_head((batch, s, h, d), hkv, seed + i, layout, kind == "bh")
+        elif kind is None:  # e4m3 values of N(0, 1), in range as they are
+            _, _, dequantised = quantised((batch, s, h, d), seed + i, layout)
+            x, descale = dequantised.to(FP8), None
+            dequantised = x.float()
+        else:
+            x, descale, dequantised = quantised((batch, s, h, d), seed + i, layout)
+            descale = descale.item() if kind == "number" else descale
+        given.append((x, descale))
+        reference.append(dequantised)
+    (q, qd), (k, kd), (v, vd) = given
+    check(q, k, v, (qd, kd, vd), reference, causal=causal, causal_alignment=alignment)
+
+
+def test_fp8_per_head_descales_strided_wide_and_the_reference():
+    """A (B, Hkv) descale that is a transposed view (strides (1, B)), under the 192-key ``wide`` plan and the
+    overlap; ``prefill_reference`` given the e4m3 inputs and the same descales agrees with the dequantised ones."""
+    from nvfly.ops.attention.prefill_api import plan_options
+    (q, qd, qf), (k, kd, kf), (v, vd, vf) = (quantised_per_head((2, s, h, 128), 2, 61 + i)
+                                             for i, (s, h) in enumerate(((333, 6), (385, 2), (385, 2))))
+    strided = qd.t().contiguous().t()
+    assert strided.stride() == (1, 2) and torch.equal(strided, qd)
+    for options in (dict(wide=True), dict(overlap=True, pingpong=False)):
+        with plan_options(**options):
+            check(q, k, v, (strided, kd, vd), (qf, kf, vf), causal=True)
+    want, want_lse = attention.prefill_reference(qf, kf, vf, causal=True)
+    got, got_lse = attention.prefill_reference(q, k, v, causal=True, q_descale=strided, k_descale=kd, v_descale=vd)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_per_head_descales_cuda_graph_replays_with_new_descales():
+    """A captured per-head call replayed after new inputs and (B, Hkv) descales are copied into the same tensors."""
+    (q, qd, _), (k, kd, kf), (v, vd, vf) = (quantised_per_head((2, 300, h, 128), 2, 71 + i)
+                                            for i, h in enumerate((4, 2, 2)))
+    out = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
+    attention.prefill(q, k, v, causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd)  # compile first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attention.prefill(q, k, v, causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd)
+    new_q, new_qd, new_qf = quantised_per_head((2, 300, 4, 128), 2, 81)
+    q.copy_(new_q)
+    qd.copy_(new_qd)
+    out.fill_(float("nan"))
+    graph.replay()
+    want, _ = attention.prefill_reference(new_qf, kf, vf, causal=True)
+    assert not out.isnan().any()
+    assert ((out.float() - want).norm() / want.norm()).item() < TOL

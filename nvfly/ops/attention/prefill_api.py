@@ -91,7 +91,7 @@ def prefill_eligibility(q: Any, k: Any, v: Any, *, scale: Optional[float] = None
     try:
         _check(q, k, v, scale, causal_alignment)
         _window(window)
-        _check_fp8(q, (None, None, None), score_mod, mask_mod, block_mask)
+        _check_fp8(q, k, (None, None, None), score_mod, mask_mod, block_mask)
         _check_mods(q, k, score_mod, mask_mod, block_mask, False, captured)
     except (TypeError, ValueError) as exc:
         return str(exc)
@@ -194,9 +194,11 @@ def _check_mods(q: Any, k: Any, score_mod: Any, mask_mod: Any, block_mask: Any, 
     return mods
 
 
-def _check_fp8(q: Any, descales: tuple, score_mod: Any, mask_mod: Any, block_mask: Any) -> None:
-    """fp8 inputs: no mods nor block mask; descales (FlashAttention-3's per-tensor factors) only with fp8 inputs,
-    each None (1), a positive finite number or a one-element float32 tensor on q's device."""
+def _check_fp8(q: Any, k: Any, descales: tuple, score_mod: Any, mask_mod: Any, block_mask: Any) -> None:
+    """fp8 inputs: no mods nor block mask; descales (FlashAttention-3's factors) only with fp8 inputs, each None (1),
+    a positive finite number or a float32 tensor on q's device of one element (per tensor), (Hkv,) (per KV head) or
+    (B, Hkv) (per sequence and KV head); a tensor's values are not read (no device sync): finite and positive is the
+    caller's part."""
     import torch
     if str(q.dtype) != FP8:
         for name, descale in zip(DESCALES, descales):
@@ -206,24 +208,35 @@ def _check_fp8(q: Any, descales: tuple, score_mod: Any, mask_mod: Any, block_mas
     for name, given in (("score_mod", score_mod), ("mask_mod", mask_mod), ("block_mask", block_mask)):
         if given is not None:
             raise error(ValueError, name, "not supported with float8_e4m3fn inputs yet", OP)
+    batch, hkv = q.shape[0], k.shape[2]
     for name, descale in zip(DESCALES, descales):
         if descale is None:
             continue
         if isinstance(descale, torch.Tensor):
-            if descale.numel() != 1 or descale.dtype != torch.float32 or descale.device != q.device:
-                raise error(ValueError, name, f"expected a one-element float32 tensor on {q.device}, got "
-                                              f"{tuple(descale.shape)} {descale.dtype} on {descale.device}", OP)
+            shape = tuple(descale.shape)
+            if (descale.dtype != torch.float32 or descale.device != q.device
+                    or not (descale.numel() == 1 or shape in ((hkv,), (batch, hkv)))):
+                raise error(ValueError, name, f"expected a float32 tensor on {q.device} of one element (per tensor), "
+                                              f"({hkv},) (per KV head) or ({batch}, {hkv}) (per sequence and KV "
+                                              f"head), got {shape} {descale.dtype} on {descale.device}", OP)
         elif isinstance(descale, bool) or not isinstance(descale, (int, float)) or not (
                 math.isfinite(descale) and descale > 0):
             raise error(ValueError, name, f"expected a positive finite number or a float32 tensor, got {descale!r}",
                         OP)
 
 
-def _descale_tensors(descales: tuple, device: Any) -> list:
-    """The descales as the kernel reads them: one-element float32 tensors, or None (a factor of 1)."""
+def _descale_tensors(descales: tuple, batch: int, kv_heads: int, device: Any) -> tuple[list, bool]:
+    """The descales as the kernel reads them (None: a factor of 1) and whether per head
+    (``PrefillPlan.per_head_descales``): with a (Hkv,) or (B, Hkv) descale among them, each given one as a
+    (B, Hkv) view (a per-tensor factor or the batch broadcast by zero strides: no copy), else one-element
+    tensors."""
     import torch
-    return [None if d is None else d.reshape(1) if isinstance(d, torch.Tensor)
-            else torch.full((1,), float(d), dtype=torch.float32, device=device) for d in descales]
+    tensors = [None if d is None else d if isinstance(d, torch.Tensor)
+               else torch.full((1,), float(d), dtype=torch.float32, device=device) for d in descales]
+    if all(t is None or t.numel() == 1 for t in tensors):
+        return [None if t is None else t.reshape(1) for t in tensors], False
+    return [None if t is None else (t.reshape(1, 1) if t.numel() == 1 else t).expand(batch, kv_heads)
+            for t in tensors], True
 
 
 def transposed_values(v: "torch.Tensor") -> "torch.Tensor":
@@ -321,15 +334,17 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
     q's dtype to write (else a new one).
 
     float8_e4m3fn q, k and v (Dqk = Dv = 64, 128 or 256; no mods nor block mask): FlashAttention-3's interface,
-    scores = (q kᵀ) · q_descale · k_descale · scale and out = (P v) · v_descale, P rounded to e4m3; the descales
-    are one-element float32 tensors (read in the kernel: no sync) or numbers, None for 1. out and its ``out=`` are
-    bfloat16. V is first transposed (and its keys permuted by 16) into a (B, Dv, Hkv, Skv) copy by one pass over
-    it: fp8 wgmma reads its shared-memory operand K-major only (``transposed_values``).
+    scores = (q kᵀ) · q_descale · k_descale · scale and out = (P v) · v_descale, P rounded to e4m3; each descale
+    is None (1), a number or a float32 tensor on q's device (read in the kernel: no sync; its values finite and
+    positive) of one element (per tensor), (Hkv,) (per KV head, every sequence) or (B, Hkv) (per sequence and KV
+    head; q's factor of a KV head applies to every query head of its group), each independently. out and its
+    ``out=`` are bfloat16. V is first transposed (and its keys permuted by 16) into a (B, Dv, Hkv, Skv) copy by
+    one pass over it: fp8 wgmma reads its shared-memory operand K-major only (``transposed_values``).
     """
     import torch
     _check(q, k, v, scale, causal_alignment)
     descales = (q_descale, k_descale, v_descale)
-    _check_fp8(q, descales, score_mod, mask_mod, block_mask)
+    _check_fp8(q, k, descales, score_mod, mask_mod, block_mask)
     fp8 = str(q.dtype) == FP8
     bounds = masking(causal, window, causal_alignment)
     mods = _check_mods(q, k, score_mod, mask_mod, block_mask, validate and not _capturing(q), captured)
@@ -352,9 +367,10 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
             kv_block = int(block_mask.BLOCK_SIZE[1]) if block_mask is not None else 0
             (overlap, pingpong, wide, tree_max, poly_exp2, hoist, prefetch_mask, lazy, persistent,
              unit_table) = _OPTIONS.get()
+            kernel_descales, per_head = _descale_tensors(descales, batch, k.shape[2], q.device)
             plan = _plan(dqk, dv, bounds.causal, bounds.window, kv_block, q_block, False, overlap, pingpong, fp8,
                          wide, tree_max, poly_exp2, mods.active, hoist, prefetch_mask, lazy, persistent,
-                         unit_table and persistent)
+                         unit_table and persistent, per_head)
             if fp8:
                 v = transposed_values(v)
             grid = plan.grid(batch, hq, sq, plan_sm_count(q.get_device()) if plan.persistent else 0)
@@ -363,7 +379,7 @@ def prefill(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *, causal: 
                 units = _unit_table(plan, batch, hq, sq, skv, hq // k.shape[2],
                                     bounds.bottom_right * (skv - sq), bounds.left, bounds.right, grid[0], q.device)
             _launch(plan, mods, q, k, v, out, lse, None, tables, _scale(scale, dqk), bounds, sq, skv, grid,
-                    tuple(captured), _descale_tensors(descales, q.device), units)
+                    tuple(captured), kernel_descales, units)
     return (out, lse) if return_lse else out
 
 
@@ -409,8 +425,8 @@ def _launch(plan: PrefillPlan, mods: Mods, q: Any, k: Any, v: Any, out: Any, lse
             arguments: tuple = (), descales: Any = (None, None, None), unit_table: Any = None) -> None:
     """One launch: q, k, v, out (B, S, H, D) and lse (B, H, S) as the kernel takes them (packed sequences: B = 1;
     fp8: v (B, Dv, Hkv, Skv), ``transposed_values``); ``arguments``: the mods' tensor arguments; ``descales``:
-    fp8's q, k and v descales (one-element float32 tensors or None); ``unit_table``: ``PrefillPlan.unit_table``'s
-    int32 work lists (``_unit_table``)."""
+    fp8's q, k and v descales (float32 tensors or None, ``_descale_tensors``); ``unit_table``:
+    ``PrefillPlan.unit_table``'s int32 work lists (``_unit_table``)."""
     q_box, kv_box, v_box = _boxes(plan, torch_dtype(q))
     descriptors = [cached_descriptor(t, box, swizzle) for t, box, swizzle in ((q, q_box, plan.swizzle),
                                                                               (k, kv_box, plan.swizzle),
@@ -510,11 +526,32 @@ def prefill_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_s
 
 
 # ---------------------------------------------------------------------------------------------- reference
-def _attend(q: Any, k: Any, v: Any, scale: float, bounds: Masking, score_mod: Any, mask_mod: Any, b: int,
-            block_mask: Any) -> tuple[Any, Any]:
-    """One sequence in float32: q (Sq, Hq, Dqk), k (Skv, Hkv, Dqk), v (Skv, Hkv, Dv) -> out (Sq, Hq, Dv), lse (Hq,
-    Sq); the mods see q_idx, kv_idx as indices in the sequence, b as ``b``."""
+def _head_factors(descale: Any, batch: int, kv_heads: int, device: Any) -> Any:
+    """A descale as ``prefill`` takes it (None, a number, a one-element, (Hkv,) or (B, Hkv) tensor) as (B, Hkv)
+    float32 factors, or None."""
     import torch
+    if descale is None:
+        return None
+    factors = torch.as_tensor(descale, dtype=torch.float32, device=device)
+    return (factors.reshape(1, 1) if factors.numel() == 1 else factors).expand(batch, kv_heads)
+
+
+def _dequantised(x: Any, factors: Any) -> Any:
+    """One sequence's (S, H, D) x in float32, times its (Hkv,) ``factors`` (None: 1), a KV head's factor on each head
+    of its group."""
+    x = x.float()
+    if factors is None:
+        return x
+    return x * factors.repeat_interleave(x.shape[1] // factors.shape[0])[:, None]
+
+
+def _attend(q: Any, k: Any, v: Any, scale: float, bounds: Masking, score_mod: Any, mask_mod: Any, b: int,
+            block_mask: Any, factors: tuple = (None, None, None)) -> tuple[Any, Any]:
+    """One sequence in float32: q (Sq, Hq, Dqk), k (Skv, Hkv, Dqk), v (Skv, Hkv, Dv) -> out (Sq, Hq, Dv), lse (Hq,
+    Sq); the mods see q_idx, kv_idx as indices in the sequence, b as ``b``; ``factors``: q's, k's and v's (Hkv,)
+    descales of the sequence (``_dequantised``)."""
+    import torch
+    q, k, v = (_dequantised(x, f) for x, f in zip((q, k, v), factors))
     sq, hq = q.shape[:2]
     skv, hkv = k.shape[:2]
     keys = k.float().repeat_interleave(hq // hkv, dim=1)
@@ -547,19 +584,26 @@ def prefill_reference(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *
                       window: Optional[tuple] = None, score_mod: Optional[Callable[..., Any]] = None,
                       mask_mod: Optional[Callable[..., Any]] = None, block_mask: Any = None,
                       cu_seqlens_q: Optional["torch.Tensor"] = None, cu_seqlens_k: Optional["torch.Tensor"] = None,
-                      captured: tuple = ()) -> tuple["torch.Tensor", "torch.Tensor"]:
+                      captured: tuple = (), q_descale: Any = None, k_descale: Any = None,
+                      v_descale: Any = None) -> tuple["torch.Tensor", "torch.Tensor"]:
     """(out, lse) of ``prefill``'s (or, with cu_seqlens, ``prefill_varlen``'s) arguments in float32, sequence by
     sequence, from the definitions: the mods applied with torch broadcasting, a block mask from flex's meaning
-    (``reference_block_keep``). Packed: out (total_q, Hq, Dv), lse (Hq, total_q), rows outside every sequence 0 and
-    -inf."""
+    (``reference_block_keep``); the descales as ``prefill`` takes them (per tensor, (Hkv,) or (B, Hkv); B the
+    sequences) dequantise q, k and v (q's factor of a KV head on its group's query heads). Packed: out (total_q, Hq,
+    Dv), lse (Hq, total_q), rows outside every sequence 0 and -inf."""
     import torch
     bounds = masking(causal, window, causal_alignment)
+    batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+    descales = [_head_factors(d, batch, k.shape[-2], q.device) for d in (q_descale, k_descale, v_descale)]
+
+    def factors(b: int) -> tuple:
+        return tuple(None if d is None else d[b] for d in descales)
     if block_mask is not None:
         mask_mod = mask_mod_of(block_mask, mask_mod)
     score_mod, mask_mod = bound(score_mod, tuple(captured)), bound(mask_mod, tuple(captured))
     scale = _scale(scale, q.shape[-1])
     if cu_seqlens_q is None:
-        pieces = [_attend(q[b], k[b], v[b], scale, bounds, score_mod, mask_mod, b, block_mask)
+        pieces = [_attend(q[b], k[b], v[b], scale, bounds, score_mod, mask_mod, b, block_mask, factors(b))
                   for b in range(q.shape[0])]
         out = torch.stack([o for o, _ in pieces]) if pieces else q.new_zeros(0, *q.shape[1:3], v.shape[3]).float()
         lse = torch.stack([s for _, s in pieces]) if pieces else q.new_zeros(0, q.shape[2], q.shape[1]).float()
@@ -570,7 +614,7 @@ def prefill_reference(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", *
     for b in range(len(starts_q) - 1):
         (q0, q1), (k0, k1) = starts_q[b:b + 2], starts_k[b:b + 2]
         out[q0:q1], lse[:, q0:q1] = _attend(q[q0:q1], k[k0:k1], v[k0:k1], scale, bounds, score_mod, mask_mod, b,
-                                            None)
+                                            None, factors(b))
     return out, lse
 
 
@@ -600,11 +644,13 @@ COMPILE_SMS = 132  # an H200's SMs: the grid a compiled persistent plan's unit t
 
 def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, sq: int = 1000, skv: int = 1000,
                     heads: int = 4, kv_heads: int = 2, return_lse: bool = True, mods: Mods = Mods(),
-                    target: str = "sm_90a", captured: tuple = ()) -> Any:
+                    target: str = "sm_90a", captured: tuple = (),
+                    descale_strides: tuple = (None, None, None)) -> Any:
     """The prefill kernel for ``plan`` (and ``mods``) compiled without a GPU (a CompiledKernel); a varlen plan gets
     ``batch`` sequences packed into sq and skv rows, a block-mask plan its tables; ``captured``: (CPU) tensors
     standing for the mods' arguments. An fp8 plan takes e4m3 inputs whatever ``dtype``, V transposed, the three
-    descales and a bf16 out."""
+    descales and a bf16 out; ``PrefillPlan.per_head_descales``: (batch, kv_heads) descales of ``descale_strides``
+    (each None, contiguous, or a (batch, head) pair: (0, 0) a per-tensor factor's view, (0, 1) a (Hkv,) one's)."""
     from nvfly.runtime.tensor_desc import TensorDesc
     out_dtype = nvfly.bf16 if plan.fp8 else dtype
     dtype = nvfly.f8e4m3 if plan.fp8 else dtype
@@ -626,6 +672,8 @@ def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, 
         tables = [TensorDesc(nvfly.i32, (batch, heads, q_blocks)), TensorDesc(nvfly.i32, (batch, heads, q_blocks,
                                                                                           kv_blocks))] * 2
     descales = [TensorDesc(nvfly.f32, (1,)) if plan.fp8 else None] * 3
+    if plan.per_head_descales:
+        descales = [TensorDesc(nvfly.f32, (batch, kv_heads), stride) for stride in descale_strides]
     units = None
     if plan.unit_table:
         ctas = plan.grid(batch, heads, sq, COMPILE_SMS)[0]

@@ -32,7 +32,8 @@ zeros, LSE −inf) and stores O as 4-byte pairs straight from registers.
 fp8 (``PLAN.fp8``): e4m3 Q, K and V, both GEMMs QGMMA, P rounded to e4m3 in its register fragments; fp8 wgmma reads
 B K-major only, so V comes transposed, (B, Dv, Hkv, Skv) with its keys permuted within every 16 to the columns P's
 fragments hold (``prefill_api.transposed_values``), and its stages are K-major (Dv x block_n). The descales are
-read once per consumer: q's and k's multiply the folded scale, v's the final 1/l; out is bf16.
+read once per consumer (``descale_factor``: per tensor, or with ``PLAN.per_head_descales`` at the CTA's batch and
+KV head): q's and k's multiply the folded scale, v's the final 1/l; out is bf16.
 
 Persistent (``PLAN.persistent``): a grid of min(units, SMs) CTAs, each walking the units (query tile, head, batch)
 b, b + grid, ... in ``scheduler.head_grouped_lpt_unit``'s order (longest causal tiles first within groups of
@@ -217,7 +218,7 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
         row0 = m_block * BM + consumer * 64 + warp_in_wg * 16 + lane // 4  # the thread's rows: row0, row0 + 8
         for descale in (q_descale, k_descale):  # fp8: scores are (q kᵀ) · q_descale · k_descale
             if descale is not None:
-                scale_log2 = scale_log2 * descale[0]
+                scale_log2 = scale_log2 * descale_factor(descale, batch, kv_head, PLAN)
         fold = scale_log2  # what turns a score into log2 units: the scale folded into exp2, or log2(e) after a mod
         if MODS.score_mod is not None:
             fold = LOG2E
@@ -238,7 +239,15 @@ def attention_prefill_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescr
         if PLAN.pingpong and not PLAN.overlap:
             scheduler_arrive(consumer)
         store_rows(state, out, lse, io_batch, head, q_start, row0, sq, lane, fold, DV,
-                   None if v_descale is None else v_descale[0])
+                   None if v_descale is None else descale_factor(v_descale, batch, kv_head, PLAN))
+
+
+def descale_factor(descale, batch, kv_head, PLAN):
+    """fp8's factor of one descale for the CTA's (batch, KV head): ``PLAN.per_head_descales``' (B, Hkv) tensor at
+    [batch, kv_head] (zero strides where a factor is shared), else the one-element tensor's."""
+    if PLAN.per_head_descales:
+        return descale[batch, kv_head]
+    return descale[0]
 
 
 @nvfly.func

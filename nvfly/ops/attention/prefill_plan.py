@@ -67,7 +67,10 @@ class PrefillPlan:
     stay in L2, ``pair_group``), Q through its own one-stage full/empty ring, the K and V rings' positions and
     the ping-pong turns carried from unit to unit (not with packed sequences nor fp8); unit_table (with persistent
     only): each CTA reads its units from a host-built list instead (``prefill_unit_table``: greedy LPT over the
-    units' key blocks), so the producer runs at ``PRODUCER_REGS`` as in the CTA-per-tile kernel."""
+    units' key blocks), so the producer runs at ``PRODUCER_REGS`` as in the CTA-per-tile kernel;
+    per_head_descales (fp8 only): the q, k and v descales are (B, Hkv) float32 tensors read at [batch, kv head]
+    (FlashAttention-3's per-head factors; a per-tensor or (Hkv,) one passed as a view with zero strides), not
+    one-element tensors read at [0]."""
     dqk: int
     dv: int
     causal: bool
@@ -88,6 +91,7 @@ class PrefillPlan:
     lazy_rescale: bool = False
     persistent: bool = False
     unit_table: bool = False
+    per_head_descales: bool = False
 
     def __post_init__(self) -> None:
         if self.pingpong and self.consumers != 2:
@@ -99,6 +103,8 @@ class PrefillPlan:
                              "no BlockMask (V's keys are permuted by 16 from the tensor's first key)")
         if self.persistent and (self.varlen or self.fp8):
             raise ValueError("a persistent prefill plan takes no packed sequences (varlen) and no fp8 inputs")
+        if self.per_head_descales and not self.fp8:
+            raise ValueError("per_head_descales is an fp8 prefill plan's option (fp8=True)")
         if self.unit_table and not self.persistent:
             raise ValueError("unit_table is a persistent prefill plan's option (persistent=True)")
 
@@ -176,14 +182,14 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
                  tree_max: Optional[bool] = None, poly_exp2: Optional[int] = None, mods: bool = False,
                  hoist: Optional[bool] = None, prefetch_mask: Optional[bool] = None,
                  lazy_rescale: Optional[bool] = None, persistent: Optional[bool] = None,
-                 unit_table: Optional[bool] = None) -> PrefillPlan:
+                 unit_table: Optional[bool] = None, per_head_descales: bool = False) -> PrefillPlan:
     """The plan of a supported (Dqk, Dv) pair (``HEAD_DIMS``, ``FP8_HEAD_DIMS`` with ``fp8``) and its masking
     options; ``overlap``/``pingpong`` None: the defaults below (``mods``: whether the kernel traces a score_mod or
     mask_mod); ``wide`` (fp8 D 128, and bf16/fp16 D 64 and 128 without a BlockMask; None: the default below):
     ``FP8_WIDE_BLOCK_N`` (``WIDE_BLOCK_N``) keys a stage instead of ``FP8_BLOCK_N`` (``BLOCK_N``); ``tree_max``
     (fp8 only; None: with ``wide``); ``poly_exp2`` (None: 0; bf16/fp16 by ``softmax.EXP2_CUBIC``); ``hoist``,
     ``prefetch_mask`` (None: on for bf16/fp16, measured below), ``lazy_rescale``, ``persistent``, ``unit_table``
-    (None: off)."""
+    (None: off); ``per_head_descales``: fp8's descales per (batch, KV head), ``PrefillPlan``."""
     if overlap is None:
         # measured on the H200: at D <= 128 0.93x cuDNN with ping-pong, 0.95x without (causal rows lose most); at
         # 192/128 and 256 +3-13% on every row; with mods or a BlockMask there it spills (docs/ops/attention.md)
@@ -209,7 +215,7 @@ def prefill_plan(dqk: int, dv: int, causal: bool, window: bool = False, kv_block
                        pingpong=pingpong, fp8=fp8, tree_max=tree_max and fp8, poly_exp2=poly_exp2 or 0,
                        hoist=bool(hoist), prefetch_mask=bool(prefetch_mask),
                        lazy_rescale=bool(lazy_rescale) and not overlap, persistent=bool(persistent),
-                       unit_table=bool(unit_table))
+                       unit_table=bool(unit_table), per_head_descales=per_head_descales)
 
 
 def stage_keys(dqk: int, kv_block: int = 0) -> int:

@@ -16,6 +16,7 @@ from nvfly.ops import attention
 from nvfly.ops.attention import prefill_api
 from nvfly.ops.attention.prefill_plan import (CONSUMER_REGS, FP8_HEAD_DIMS, FP8_WIDE_BLOCK_N, MAX_SMEM,
                                               PRODUCER_REGS, PrefillPlan, prefill_plan)
+from tests.test_attention_prefill_cpu import _cpu_prefill
 
 FP8 = torch.float8_e4m3fn
 
@@ -381,20 +382,13 @@ def test_fp8_host_path_launches_per_head_descales(recorded_launches, monkeypatch
     """Per-head descales through the real binder: a (B, Hkv) one, a (Hkv,) one and a number make the per-head plan
     with the three as (B, Hkv) views of the given tensors (strides (Hkv, 1), (0, 1), (0, 0)); one-element tensors and
     numbers alone keep the per-tensor plan."""
-    from nvfly.runtime.tma import TmaDescriptor
     launched = []
     launch = prefill_api._launch
 
     def spy(*args):  # prefill's positional call: the plan first, the descales 16th
         launched.append((args[0], args[15]))
         return launch(*args)
-
-    def descriptor(tensor, box, swizzle=128):
-        desc = TmaDescriptor(tensor, box, swizzle)
-        desc.raw = struct.pack("<Q", tensor.data_ptr()).ljust(128, b"\0")
-        return desc
-    monkeypatch.setattr(prefill_api, "_require_cuda", lambda q, op: None)
-    monkeypatch.setattr(prefill_api, "cached_descriptor", descriptor)
+    _cpu_prefill(monkeypatch)
     monkeypatch.setattr(prefill_api, "_launch", spy)
     q, k, v = _inputs(b=2, sq=200, skv=77, hq=6, hkv=2)
     q_descale, k_descale = torch.rand(2, 2) + 0.5, torch.rand(2) + 0.5

@@ -89,7 +89,7 @@ from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot,
 from nvfly.ops import attention  # noqa: E402
 from nvfly.ops.attention import api as attention_api  # noqa: E402
 from nvfly.ops.attention import mods as M  # noqa: E402
-from nvfly.ops.attention.gqa_plan import gqa_by_default, gqa_declined, gqa_plan  # noqa: E402
+from nvfly.ops.attention.gqa_plan import gqa_declined, gqa_plan  # noqa: E402
 from nvfly.ops.attention.mla_api import plan_options as mla_plan_options  # noqa: E402
 from nvfly.ops.attention.plan import swap_declined  # noqa: E402
 from nvfly.ops.attention.prefill_api import plan_options, transposed_values, transposed_values_torch  # noqa: E402
@@ -210,11 +210,11 @@ def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, Any]
     """The decode plan's choices for a row (every sequence the whole cache) under plan options ``options``."""
     name, batch, skv, hq, hkv, d = shape
     page = 0 if layout == "bshd" else int(layout[len("paged"):])
-    wgmma, wide = options.get("wgmma"), bool(options.get("wgmma_wide"))
+    with attention_api.plan_options(**options):
+        wgmma, wide = attention_api.wgmma_choice(attention_api.current_plan_options(), sq, hq // hkv, kv == "fp8")
     options = {key: value for key, value in options.items() if key not in ("wgmma", "wgmma_wide")}
-    # the warpgroup-MMA GQA kernel where asked for or by default (api._new_call's rule) and it takes the row, else
-    # the decode kernel's plan
-    if wgmma or wgmma is None and not options and not wide and gqa_by_default(sq, hq // hkv, kv == "fp8"):
+    # the warpgroup-MMA GQA kernel where decode would choose it and it takes the row, else the decode kernel's plan
+    if wgmma:
         declined = gqa_declined(sq, hq // hkv, d, d, "torch.bfloat16", kv == "fp8", mod != "none", bool(page),
                                 page, wide)
         if not declined:

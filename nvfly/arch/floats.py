@@ -8,10 +8,10 @@ rounds to e2m1. ``divide`` with ``division_reciprocal``: many correctly rounded 
 (``div.rn.f32``'s fast path, the reciprocal refined once). ``tanh_approx`` is the MUFU unit's tanh (``tanh.approx.f32``,
 sm_75+): one instruction, where ``nvfly.tanh`` (a correctly rounded expansion) is ~20 (an ex2, a reciprocal and a
 polynomial); its relative error is at most 2^-10.987 (PTX ISA), under bf16's half ulp, which is why
-FlashAttention-3 soft-caps with it. ``e4m3x4_to_16bit``, ``convert_shared_e4m3x16`` and ``store_e4m3x16`` (Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8
-(e4m3) into f16 or bf16, for kernels that read fp8 data and compute on 16-bit tensor-core atoms (e.g. an fp8 KV
-cache dequantised before ``mma.sync``); ``permute_bytes`` (``prmt``) gathers fp8 bytes into the pairs they
-convert. Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16 goes through f32 because sm_90
+FlashAttention-3 soft-caps with it. ``e4m3x4_to_16bit``, ``convert_shared_e4m3x16`` and ``store_e4m3x16``
+(Ada/Hopper ``cvt.rn.f16x2.e4m3x2``) turn fp8 (e4m3) into f16 or bf16, for kernels that read fp8 data and compute
+on 16-bit tensor-core atoms (e.g. an fp8 KV cache dequantised before ``mma.sync``); ``permute_bytes`` (``prmt``)
+gathers fp8 bytes into the pairs they convert. Every e4m3 value is exact in f16 and in bf16, so they round nothing; bf16 goes through f32 because sm_90
 has no e4m3 -> bf16 ``cvt`` (four times the instructions: prefer f16 MMAs on converted fp8).
 """
 from __future__ import annotations

@@ -286,8 +286,8 @@ _CALLS: OpCalls["_DecodeCall"] = OpCalls()
 # the signatures that differ only in other arguments (a new out, other options) and by calls that are not cached
 _CHECKED: OpCalls[tuple[int, int]] = OpCalls()
 _plan = functools.lru_cache(maxsize=CALL_LIMIT)(decode_plan)
-_OPTIONS: contextvars.ContextVar = contextvars.ContextVar("decode_plan_options",
-                                                          default=(0, 0, 0, False, 0.0, None, False, None, False, None))
+_OPTIONS: contextvars.ContextVar = contextvars.ContextVar(
+    "decode_plan_options", default=(0, 0, 0, False, 0.0, None, False, None, False, None))
 _NO_OPTIONS = _OPTIONS.get()[:-1]  # every option but wgmma at its default
 # the plan options the benchmark and the GPU tests compare (``plan_options``; {}: the default plan)
 DECODE_VARIANTS: dict[str, dict[str, int]] = {
@@ -372,6 +372,17 @@ def plan_options(stages: int = 0, row_warps: int = 0, warp_tiles: int = 0, lazy_
                                     bool(wgmma_wide), None if wgmma is None else bool(wgmma)))
 
 
+def wgmma_choice(options: tuple, sq: int, group: int, fp8: bool) -> tuple[bool, bool]:
+    """Whether a call of Sq x G packed rows goes to the warpgroup-MMA GQA kernel under the plan options ``options``
+    (``current_plan_options()``; where ``gqa_declined`` then accepts it), and whether with two consumer warpgroups
+    past 64 rows: asked for (``wgmma``, ``wgmma_wide``), or by default where no other plan option asks for the
+    decode kernel's plan (``gqa_by_default``), then two consumers past 64 rows (the decode kernel's 96/128 rows ran
+    at half their speed)."""
+    wgmma_wide, wgmma = options[-2:]
+    by_default = wgmma is None and gqa_by_default(sq, group, fp8) and options[:-1] == _NO_OPTIONS
+    return bool(wgmma or by_default), bool(wgmma_wide or by_default)
+
+
 # the plan options in force (``plan_options``), for callers that keep bound launches per signature (routing)
 current_plan_options: Callable[[], tuple] = _OPTIONS.get
 
@@ -398,14 +409,10 @@ def _new_call(q: Any, k_cache: Any, v_cache: Any, cache_seqlens: Any, block_tabl
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     check_out(out, (batch, sq, hq, dv), q, OP)
     options = _OPTIONS.get()
-    (stages, row_warps, warp_tiles, lazy_rescale, split_efficiency, swapped, pdl_combine, fixup_combine,
-     wgmma_wide, wgmma) = options
-    # the wgmma kernel: asked for, or by default (where no other plan option asks for the decode kernel's plan),
-    # then past 64 rows on two consumer warpgroups (the decode kernel's 96/128 rows ran at half their speed)
+    stages, row_warps, warp_tiles, lazy_rescale, split_efficiency, swapped, pdl_combine, fixup_combine = options[:8]
     fp8 = str(k_cache.dtype) == FP8
-    by_default = wgmma is None and gqa_by_default(sq, hq // hkv, fp8) and options[:-1] == _NO_OPTIONS
-    if batch and (wgmma or by_default):
-        wgmma_wide = wgmma_wide or by_default
+    wgmma, wgmma_wide = wgmma_choice(options, sq, hq // hkv, fp8)
+    if batch and wgmma:
         paged = block_table is not None
         declined = gqa_declined(sq, hq // hkv, dqk, dv, str(q.dtype), fp8, mods.active or block_mask is not None,
                                 paged, k_cache.shape[1], wgmma_wide)

@@ -1,4 +1,4 @@
-"""The warpgroup-MMA GQA decode kernel's host side (``decode``'s default at 16 < Sq x G <= 64; ``wgmma`` option):
+"""The warpgroup-MMA GQA decode kernel's host side (``decode``'s default past 16 packed rows, fp8 caches past 32):
 the call of one signature (its plan, TMA descriptors and launches: the kernel, then the split-KV combine) and a
 compile helper for tests without a GPU. ``decode`` runs its own checks first and comes here only for the calls
 ``gqa_plan.gqa_declined`` accepts; the rest keep the decode kernel."""
@@ -14,7 +14,6 @@ from nvfly.ops.attention.gqa_plan import BLOCK_N, BOX_COLUMNS, HEAD_DIM, SWIZZLE
 from nvfly.ops.attention.kv_options import kernel_scales
 from nvfly.ops.attention.softmax import LN2
 from nvfly.runtime.tma import cached_descriptor
-
 
 
 def boxes(sq: int, group: int, fp8: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -225,18 +225,26 @@ def _check_fp8(q: Any, k: Any, descales: tuple, score_mod: Any, mask_mod: Any, b
                         OP)
 
 
+def _head_factors(descale: Any, batch: int, kv_heads: int, device: Any) -> Any:
+    """A descale as ``prefill`` takes it (None, a number, a one-element, (Hkv,) or (B, Hkv) float32 tensor) as a
+    (B, Hkv) float32 view (a per-tensor factor or the batch broadcast by zero strides: no copy of a tensor), or
+    None."""
+    import torch
+    if descale is None:
+        return None
+    factors = torch.as_tensor(descale, dtype=torch.float32, device=device)
+    return (factors.reshape(1, 1) if factors.numel() == 1 else factors).expand(batch, kv_heads)
+
+
 def _descale_tensors(descales: tuple, batch: int, kv_heads: int, device: Any) -> tuple[list, bool]:
     """The descales as the kernel reads them (None: a factor of 1) and whether per head
-    (``PrefillPlan.per_head_descales``): with a (Hkv,) or (B, Hkv) descale among them, each given one as a
-    (B, Hkv) view (a per-tensor factor or the batch broadcast by zero strides: no copy), else one-element
-    tensors."""
+    (``PrefillPlan.per_head_descales``): with a (Hkv,) or (B, Hkv) descale among them, each given one as
+    ``_head_factors``' (B, Hkv) view, else one-element tensors."""
     import torch
-    tensors = [None if d is None else d if isinstance(d, torch.Tensor)
-               else torch.full((1,), float(d), dtype=torch.float32, device=device) for d in descales]
-    if all(t is None or t.numel() == 1 for t in tensors):
-        return [None if t is None else t.reshape(1) for t in tensors], False
-    return [None if t is None else (t.reshape(1, 1) if t.numel() == 1 else t).expand(batch, kv_heads)
-            for t in tensors], True
+    if all(d is None or not isinstance(d, torch.Tensor) or d.numel() == 1 for d in descales):
+        return [None if d is None else torch.as_tensor(d, dtype=torch.float32, device=device).reshape(1)
+                for d in descales], False
+    return [_head_factors(d, batch, kv_heads, device) for d in descales], True
 
 
 def transposed_values(v: "torch.Tensor") -> "torch.Tensor":
@@ -526,16 +534,6 @@ def prefill_varlen(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor", cu_s
 
 
 # ---------------------------------------------------------------------------------------------- reference
-def _head_factors(descale: Any, batch: int, kv_heads: int, device: Any) -> Any:
-    """A descale as ``prefill`` takes it (None, a number, a one-element, (Hkv,) or (B, Hkv) tensor) as (B, Hkv)
-    float32 factors, or None."""
-    import torch
-    if descale is None:
-        return None
-    factors = torch.as_tensor(descale, dtype=torch.float32, device=device)
-    return (factors.reshape(1, 1) if factors.numel() == 1 else factors).expand(batch, kv_heads)
-
-
 def _dequantised(x: Any, factors: Any) -> Any:
     """One sequence's (S, H, D) x in float32, times its (Hkv,) ``factors`` (None: 1), a KV head's factor on each head
     of its group."""
@@ -679,6 +677,5 @@ def compile_prefill(plan: PrefillPlan, dtype: Any = nvfly.bf16, batch: int = 2, 
         ctas = plan.grid(batch, heads, sq, COMPILE_SMS)[0]
         units = TensorDesc(nvfly.i32, (ctas + 1 + -(-sq // plan.block_m) * heads * batch,))
     return attention_prefill_kernel.compile(q, k, v, out, lse, *cu_seqlens, *captured, *tables, *descales, units,
-                                            sq, skv,
-                                            heads // kv_heads, 1, 0, 0, 0.18, PLAN=plan, MODS=mods,
+                                            sq, skv, heads // kv_heads, 1, 0, 0, 0.18, PLAN=plan, MODS=mods,
                                             block=plan.threads, target=target)

@@ -67,7 +67,7 @@ class PrefillPlan:
     stay in L2, ``pair_group``), Q through its own one-stage full/empty ring, the K and V rings' positions and
     the ping-pong turns carried from unit to unit (not with packed sequences nor fp8); unit_table (with persistent
     only): each CTA reads its units from a host-built list instead (``prefill_unit_table``: greedy LPT over the
-    units' key blocks), so the producer runs at ``PRODUCER_REGS`` as in the CTA-per-tile kernel;
+    units' key blocks), its producer at ``TABLE_PRODUCER_REGS`` (it does no unit division);
     per_head_descales (fp8 only): the q, k and v descales are (B, Hkv) float32 tensors read at [batch, kv head]
     (FlashAttention-3's per-head factors; a per-tensor or (Hkv,) one passed as a view with zero strides), not
     one-element tensors read at [0]."""
@@ -130,8 +130,8 @@ class PrefillPlan:
     @property
     def producer_regs(self) -> int:
         """The producer warpgroup's registers a thread: ``PRODUCER_REGS``; persistent: ``PERSISTENT_PRODUCER_REGS``
-        (it derives every unit's coordinates and key blocks itself); ``unit_table``: ``PRODUCER_REGS`` (it reads
-        them)."""
+        (it derives every unit's coordinates and key blocks itself); ``unit_table``: ``TABLE_PRODUCER_REGS`` (it
+        reads them; at ``PRODUCER_REGS`` it spills)."""
         if self.unit_table:
             return TABLE_PRODUCER_REGS
         return PERSISTENT_PRODUCER_REGS if self.persistent else PRODUCER_REGS

@@ -150,12 +150,13 @@ def torch_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 def timed(row: dict[str, Any], eager: Callable[[], Any], quick: bool, compile_too: bool = False,
           graphs: bool = False,
-          compile_fn: Callable[[Callable[[], Any]], Callable[[], Any]] = torch.compile) -> dict[str, Any]:
-    """Times ``eager`` outside and inside routing (and, ``compile_too``, compiled) into ``row``; ``compile_fn``
-    makes the compiled call from the eager one (default: ``torch.compile`` of it). Eager and routed are timed in
-    turn, ``ROUNDS`` times over, each inside one routing block (as a serving loop runs under one): ``eager_ms`` and
-    ``routed_ms`` are the medians of the rounds, ``speedup_range`` the least and greatest ratio of one round's, so
-    drift during the run (clocks, the host) lands on both and the noise shows."""
+          compile_fn: Optional[Callable[[str], Callable[[], Any]]] = None) -> dict[str, Any]:
+    """Times ``eager`` outside and inside routing (and, ``compile_too``, compiled) into ``row``; ``compile_fn(name)``
+    makes a compiled call on a code object of that name (default: ``torch.compile`` of ``eager``'s code under the
+    name). Eager and routed are timed in turn, ``ROUNDS`` times over, each inside one routing block (as a serving
+    loop runs under one): ``eager_ms`` and ``routed_ms`` are the medians of the rounds, ``speedup_range`` the least
+    and greatest ratio of one round's, so drift during the run (clocks, the host) lands on both and the noise shows.
+    The two compiled variants are timed in turn the same way (``nvfly_vs_inductor_range``)."""
     warm, rep = (10, 40) if quick else (25, 100)
     times = interleaved_ms({"eager": eager, "routed": eager}, ROUNDS[quick], warm, rep,
                            around={"routed": nvfly.torch.routing})
@@ -165,12 +166,21 @@ def timed(row: dict[str, Any], eager: Callable[[], Any], quick: bool, compile_to
     row["speedup_range"] = [min(ratios), max(ratios)]
     row["ms_rounds"] = {name: [round(t, 4) for t in ts] for name, ts in times.items()}
     if compile_too:  # torch.compile (default mode) without nvfly, then with nvfly.torch.install()
+        compile_fn = compile_fn or (lambda name: torch.compile(_own_code(eager, name)))
+        torch._dynamo.reset()
+        calls = {}
         for key, with_nvfly in (("inductor", False), ("nvfly", True)):
-            with compiling(with_nvfly):
-                compiled = compile_fn(eager)
-                out = compiled()  # compiled now, while nvfly's passes are (or are not) installed
-            row[f"{key}_ms"] = bench_ms(compiled, warm, rep)
+            # each variant on its own code object (its own Dynamo cache: no reset between them, both stay callable)
+            with nvfly_installed() if with_nvfly else contextlib.nullcontext():
+                calls[key] = compile_fn(f"{row['case'].replace('-', '_')}_{key}")
+                out = calls[key]()  # compiled now, while nvfly's passes are (or are not) installed
             row[f"{key}_rel_err_vs_eager"] = max(rel_err(o, e) for o, e in zip(as_list(out), as_list(eager())))
+        times = interleaved_ms(calls, ROUNDS[quick], warm, rep)
+        for key, values in times.items():
+            row[f"{key}_ms"] = statistics.median(values)
+        compiled_ratios = [i / n for i, n in zip(times["inductor"], times["nvfly"])]
+        row["nvfly_vs_inductor"] = row["inductor_ms"] / row["nvfly_ms"]
+        row["nvfly_vs_inductor_range"] = [min(compiled_ratios), max(compiled_ratios)]
         row["nvfly_sdpa"] = sorted({d.reason or f"nvfly {', '.join(d.candidates)}" for d in decisions()
                                             if d.where == "inductor" and d.op == "sdpa"})
     if graphs:  # a serving loop replays the step from a CUDA graph: no host time
@@ -338,11 +348,13 @@ def llama_train(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     grad = torch.randn(1, tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
     params = list(layer.parameters())
 
-    def step(module: torch.nn.Module = layer) -> list[torch.Tensor]:
-        return list(torch.autograd.grad(module(x), params, grad))
+    forward = lambda: layer(x)  # noqa: E731
 
-    def compiled_step(_: Callable[[], Any]) -> Callable[[], Any]:
-        compiled = torch.compile(layer)  # the forward compiled; its backward graph compiles at the first grad
+    def step(forward: Callable[[], torch.Tensor] = forward) -> list[torch.Tensor]:
+        return list(torch.autograd.grad(forward(), params, grad))
+
+    def compiled_step(name: str) -> Callable[[], Any]:
+        compiled = torch.compile(_own_code(forward, name))  # the forward; its backward compiles at the first grad
         return lambda: step(compiled)
 
     nvfly_step = routed(step)
@@ -414,9 +426,11 @@ def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[s
 
 
 def _own_code(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    """``fn`` on a copy of its code object: Dynamo keeps its cache per code object (flex_attention is traced inline
-    into the caller), so each variant's compiled entries and guards stay apart and their timings can interleave."""
-    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name)
+    """``fn`` (its closure and defaults too) on a copy of its code object: Dynamo keeps its cache per code object
+    (what the call runs is traced inline into it), so each variant's compiled entries and guards stay apart and
+    their timings can interleave."""
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
+                              fn.__closure__)
 
 
 def compiled_flex(row: dict[str, Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any],

@@ -400,6 +400,32 @@ def test_models_times_eager_and_routed_in_turn(monkeypatch):
     assert high == pytest.approx((1 + (2 * rounds - 1) / 100) / (2 + 2 * rounds / 100))
 
 
+def test_models_times_the_compiled_variants_in_turn(monkeypatch):
+    """benchmarks/models.py's compiled columns: torch.compile without and with nvfly's passes, each made on a code
+    object of its own name (nvfly's passes installed only while its variant compiles), then timed in turn like
+    eager and routed: medians as inductor_ms/nvfly_ms and the rounds' spread of their ratio."""
+    import benchmarks.common as common
+    from benchmarks import models
+    from nvfly.torch import attention_compile
+    made, seen = [], []
+
+    def compile_fn(name):
+        made.append((name, attention_compile.installed()))
+        return lambda: seen.append(name) or torch.ones(2)
+
+    monkeypatch.setattr(common, "bench_ms", lambda fn, warmup_ms=25, rep_ms=100: (fn(), 1.0 + len(seen) / 100)[1])
+    row = models.timed({"case": "llama-decode"}, lambda: torch.ones(2), quick=True, compile_too=True,
+                       compile_fn=compile_fn)
+    assert made == [("llama_decode_inductor", False), ("llama_decode_nvfly", True)]
+    assert not attention_compile.installed()
+    rounds = models.ROUNDS[True]
+    assert seen == ["llama_decode_inductor", "llama_decode_nvfly"] * (rounds + 1)  # the first calls compile
+    assert row["inductor_rel_err_vs_eager"] == row["nvfly_rel_err_vs_eager"] == 0
+    assert row["nvfly_vs_inductor"] == pytest.approx(row["inductor_ms"] / row["nvfly_ms"])
+    low, high = row["nvfly_vs_inductor_range"]
+    assert low <= row["nvfly_vs_inductor"] <= high
+
+
 def test_models_flex_variants_keep_their_own_dynamo_caches():
     """benchmarks/models.py times compiled flex variants interleaved: each runs a copy of one function's code
     object, so Dynamo keeps one cache entry per variant (a shared code object would hold both entries, each call
@@ -419,6 +445,13 @@ def test_models_flex_variants_keep_their_own_dynamo_caches():
         assert torch.equal(compiled[0](x, 2.0), x * 2.0) and torch.equal(compiled[1](x, 3.0), x * 3.0)
     assert [len(_debug_get_cache_entry_list(fn.__code__)) for fn in (first, second)] == [1, 1]
     torch._dynamo.reset()
+    factor = 4.0  # a closure and defaults (the layer rows' lambdas) come with the copy
+
+    def closed(x, offset=1.0):
+        return x * factor + offset
+
+    copy = models._own_code(closed, "closed_copy")
+    assert torch.equal(copy(x), closed(x)) and copy.__name__ == "closed_copy"
 
 
 # ---------------------------------------------------------------------------------------------- decision cache, skip

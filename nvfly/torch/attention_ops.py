@@ -347,11 +347,37 @@ def _prefill_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, grad: bool
 
 def _torch_backend(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, is_causal: bool = False,
                    mask: Optional[Tensor] = None) -> str:
-    """The SDPA backend torch picks for these inputs and attn_mask (without dropout): "cudnn", "flash", ..."""
+    """The SDPA backend torch picks for these inputs and attn_mask (without dropout): "cudnn", "flash", ...
+
+    Fake tensors (a compiled graph's, in nvfly's pre-grad pass) cannot ask torch's choice op: under FakeTensorMode it
+    runs as a meta kernel, which sees the meta device and answers "math" (the compiled training rewrite took nvfly's
+    prefill where eager keeps cuDNN). For them torch's priority order is walked with its per-backend checks, which
+    read sizes, strides, dtypes and the fake device without dispatching, as its CUDA choice walks them."""
+    from torch._subclasses.fake_tensor import FakeTensor
     from torch.nn.attention import SDPBackend
-    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=None, enable_gqa=enable_gqa)
+    if isinstance(q, FakeTensor):
+        choice = _walked_choice(q, k, v, mask, is_causal, enable_gqa)
+    else:
+        choice = int(torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=None, enable_gqa=enable_gqa))
     return {SDPBackend.CUDNN_ATTENTION.value: "cudnn", SDPBackend.FLASH_ATTENTION.value: "flash",
-            SDPBackend.EFFICIENT_ATTENTION.value: "efficient", SDPBackend.MATH.value: "math"}.get(int(choice), "other")
+            SDPBackend.EFFICIENT_ATTENTION.value: "efficient", SDPBackend.MATH.value: "math"}.get(choice, "other")
+
+
+def _walked_choice(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], is_causal: bool,
+                   enable_gqa: bool) -> int:
+    """torch's SDPA choice (an ``SDPBackend`` value) from its priority order and its per-backend checks."""
+    from torch.backends import cuda as backends
+    from torch.nn.attention import SDPBackend
+    params = backends.SDPAParams(q, k, v, mask, 0.0, is_causal, enable_gqa)
+    checks = {SDPBackend.CUDNN_ATTENTION.value: backends.can_use_cudnn_attention,
+              SDPBackend.FLASH_ATTENTION.value: backends.can_use_flash_attention,
+              SDPBackend.EFFICIENT_ATTENTION.value: backends.can_use_efficient_attention,
+              SDPBackend.MATH.value: lambda _: backends.math_sdp_enabled()}
+    for backend in torch._C._get_sdp_priority_order():
+        check = checks.get(int(backend))
+        if check is not None and check(params):
+            return int(backend)
+    return SDPBackend.ERROR.value
 
 
 def _kernel(q: Tensor) -> str:

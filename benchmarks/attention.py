@@ -46,8 +46,10 @@ flex_attention timed in the same process; TFLOP/s count the unmasked work only (
 halves it). Shapes nvfly declines (its eligibility reason in ``nvfly_skipped``) still time the peers. Mod rows
 (``--mods``, the default; with ``--prefill-models`` only if it names ``mods``): causal GQA 32/8 at B 4 x 4K and GQA
 64/8 at one 16K sequence (``--quick``: the first only) with soft-capping, ALiBi, a 1024-key sliding window (nvfly's
-``window``) and 4 documents a sequence (nvfly: a BlockMask of the mask) against compiled flex_attention with the same
-functions and its BlockMask; TFLOP/s on the pairs the mask keeps. Varlen rows (not with ``--quick``; with
+``window``), 4 documents a sequence (nvfly: a BlockMask of the mask), a relative-position bias table (256 distances
+each way, per head) and, not causal, prefix-LM (a random prefix of a quarter to a half of each sequence; nvfly: a
+BlockMask of the mask) against compiled flex_attention with the same functions and its BlockMask; TFLOP/s on the
+pairs the mask keeps. Varlen rows (not with ``--quick``; with
 ``--prefill-models`` only if it names ``varlen``): 8 sequences of mixed lengths (63 to 6011 tokens) packed along S,
 GQA 32/8 D 128, non-causal and causal, nvfly's ``prefill_varlen`` against SDPA on a nested (jagged) tensor of the
 same sequences and flex over the packed tokens with a document mask. ``--quick`` times flex on the mod rows only.
@@ -443,13 +445,15 @@ PREFILL_FP8_VARIANTS = {**{name: PREFILL_VARIANTS[name] for name in ("serial", "
 VARIANT_ROUNDS = 3
 PREFILL_BACKENDS = ("cudnn", "flash", "efficient")  # math would materialise S: not a peer at these sizes
 CHECK_ROWS = 256
-# the mod rows (all causal): Llama-like GQA at 4K (--quick: this one only) and GQA 64/8 at one 16K sequence
+# the mod rows (causal but prefix-LM's): Llama-like GQA at 4K (--quick: this one only) and GQA 64/8 at one 16K sequence
 PREFILL_MOD_SHAPES = (("gqa32/8", 4, 4096, 32, 8, 128, 128), ("gqa64/8", 1, 16384, 64, 8, 128, 128))
 # the varlen rows (packed sequences, prefill_varlen): GQA 32/8 D 128, 8 sequences of mixed lengths
 VARLEN_SHAPE = ("varlen", 8, 0, 32, 8, 128, 128)
 VARLEN_LENGTHS = (6011, 131, 2048, 777, 4096, 1500, 63, 3217)
-PREFILL_MODS = ("softcap50", "alibi", "window1024", "documents")
+PREFILL_MODS = ("softcap50", "alibi", "window1024", "documents", "prefixlm", "relbias")
+NON_CAUSAL_MODS = ("prefixlm",)  # its mask has its own causal part beyond the prefix
 WINDOW = 1024
+RELATIVE_REACH = 256  # the relative-position bias table's distances: (heads, 2 * reach - 1)
 # --prefill --fp8: (name, batch, s, hq, hkv, dqk, dv)
 PREFILL_FP8_SUITE = [("d128", 1, 16384, 16, 16, 128, 128), ("d128", 4, 4096, 16, 16, 128, 128),
                      ("d64", 1, 16384, 32, 32, 64, 64), ("d256", 1, 16384, 8, 8, 256, 256),
@@ -460,8 +464,8 @@ FP8_TOLERANCE = 6e-2  # P rounded to e4m3: about 2.5 % relative error on random 
 
 def prefill_mods(mod: str, batch: int, s: int, hq: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """(nvfly's keyword arguments, flex's mods) of a mod row: the same functions; the window is nvfly's first-class
-    ``window`` and flex's mask_mod; the documents (4 per sequence, random lengths) a BlockMask of the mask for nvfly
-    and the same mask_mod for flex (which builds its BlockMask)."""
+    ``window`` and flex's mask_mod; the documents (4 per sequence, random lengths) and prefix-LM's mask a BlockMask
+    of the mask for nvfly and the same mask_mod for flex (which builds its BlockMask)."""
     if mod == "softcap50":
         return {"score_mod": M.soft_cap(50.0)}, {"score_mod": M.soft_cap(50.0)}
     if mod == "alibi":
@@ -469,8 +473,16 @@ def prefill_mods(mod: str, batch: int, s: int, hq: int) -> tuple[dict[str, Any],
         return {"score_mod": M.alibi(slopes)}, {"score_mod": M.alibi(slopes)}
     if mod == "window1024":
         return {"window": (WINDOW - 1, 0)}, {"mask_mod": M.sliding_window(WINDOW)}
-    from torch.nn.attention.flex_attention import create_block_mask
     gen = torch.Generator(device="cuda").manual_seed(1)
+    if mod == "relbias":
+        table = torch.randn(hq, 2 * RELATIVE_REACH - 1, device="cuda", generator=gen)
+        return {"score_mod": M.relative_position_bias(table)}, {"score_mod": M.relative_position_bias(table)}
+    from torch.nn.attention.flex_attention import create_block_mask
+    if mod == "prefixlm":
+        prefixes = torch.randint(s // 4, s // 2 + 1, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+        prefix = M.prefix_lm(prefixes)
+        return ({"block_mask": create_block_mask(prefix, batch, None, s, s, device="cuda")},
+                {"mask_mod": prefix})
     cuts = torch.sort(torch.randint(1, s, (batch, 3), device="cuda", generator=gen), dim=1).values
     ids = (torch.arange(s, device="cuda")[None, :, None] >= cuts[:, None, :]).sum(-1).to(torch.int32)
     documents = M.document_mask(ids)
@@ -631,7 +643,8 @@ def run_prefill(args: argparse.Namespace, argv: Optional[list[str]]) -> int:
     torch._dynamo.config.cache_size_limit = 256  # one flex compile per shape
     cases = [(shape, causal, "none") for shape in suite for causal in (False, True)]
     if args.mods and (args.prefill_models is None or "mods" in args.prefill_models):
-        cases += [(shape, True, mod) for shape in PREFILL_MOD_SHAPES[:1 if args.quick else 2] for mod in PREFILL_MODS]
+        cases += [(shape, mod not in NON_CAUSAL_MODS, mod) for shape in PREFILL_MOD_SHAPES[:1 if args.quick else 2]
+                  for mod in PREFILL_MODS]
     if not args.quick and (args.prefill_models is None or "varlen" in args.prefill_models):
         cases += [(VARLEN_SHAPE, causal, "none") for causal in (False, True)]
     variants = {name: options for name, options in PREFILL_VARIANTS.items()

@@ -4,6 +4,7 @@ against float32 SDPA's); under ``nvfly.torch.routing()``, ``F.scaled_dot_product
 shapes routed to nvfly (the decision says so) with the result of unrouted SDPA (both against float32 SDPA), a
 training step through the route with unrouted SDPA's gradients, declined cases left to torch with their reason, an
 injected nvfly failure falling back, and a routed decode step captured in a CUDA graph replaying new inputs."""
+import contextlib
 import logging
 
 import pytest
@@ -491,3 +492,44 @@ def test_compiled_training_step_runs_nvfly_forward_and_torchs_backward():
     assert rel_err(got, want) < 1e-2
     for name, mine, exact in zip("qkv", leaves, f32):
         assert rel_err(mine.grad, exact.grad) < 2e-2, name
+
+
+@pytest.mark.parametrize("backends", [None, NO_CUDNN], ids=["torchs-order", "no-cudnn"])
+def test_compiled_training_decides_as_eager_does(backends):
+    """The compiled training rewrite asks torch's choice of the pre-grad graph's fake tensors: it must be the one
+    torch makes for the real tensors (with and without gradients), and where that is cuDNN (which eager keeps) the
+    compiled step keeps torch's kernels; elsewhere it runs nvfly's prefill."""
+    from torch._inductor.utils import run_and_get_code
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from nvfly.torch.attention_compile import stand_ins
+    torch._dynamo.reset()
+    torch.manual_seed(10)
+    leaves = [torch.randn(1, 2048, h, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+              for h in (32, 8, 8)]
+    grad = torch.randn(1, 32, 2048, 128, device="cuda", dtype=torch.bfloat16)
+    with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+        for needs_grad in (True, False):
+            real = [t.detach().requires_grad_(needs_grad) for t in leaves]
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                fakes = [mode.from_tensor(t) for t in real]
+            with stand_ins(*fakes) as fake:
+                assert A._torch_backend(*fake, True, True) == A._torch_backend(*real, True, True), needs_grad
+        eager_pick = A._torch_backend(*leaves, True, True)
+        model = _Attention(True)
+        nvfly.torch.install()
+        try:
+            with torch._inductor.config.patch(fx_graph_cache=False):
+                compiled = torch.compile(model)
+
+                def step():
+                    out = compiled(*leaves)
+                    out.backward(grad)
+                    return out
+
+                got, codes = run_and_get_code(step)
+        finally:
+            nvfly.torch.uninstall()
+            torch._dynamo.reset()
+    assert any("nvfly.attention_prefill" in code for code in codes) == (eager_pick != "cudnn"), eager_pick
+    want = model(*[t.detach().float() for t in leaves])
+    assert rel_err(got, want) < 1e-2

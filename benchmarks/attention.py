@@ -172,6 +172,9 @@ def backend_calls(backends: tuple[str, ...], label: str, *args: Any, **kwargs: A
     return calls
 
 
+_FLEX: dict = {}  # the compiled flex_attention, made once a process
+
+
 def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: dict[str, Any],
               causal: bool = True) -> Optional[Callable]:
     """torch.compile'd flex_attention with the same causal alignment (or none) and mods (q_idx shifted to the

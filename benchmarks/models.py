@@ -259,8 +259,10 @@ def llama_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
 
 
 def attention_rows(case: str, shapes: list[tuple[int, int, int, int, int, int, int]], causal: bool,
-                   quick: bool, graphs: bool, mask: Optional[str] = None) -> list[dict[str, Any]]:
-    """SDPA alone on (batch, Hq, Hkv, Sq, Skv, Dqk, Dv); ``mask``: an attn_mask of ``hf_mask``'s kind."""
+                   quick: bool, graphs: bool, mask: Optional[str] = None,
+                   compile_too: bool = False) -> list[dict[str, Any]]:
+    """SDPA alone on (batch, Hq, Hkv, Sq, Skv, Dqk, Dv); ``mask``: an attn_mask of ``hf_mask``'s kind; with
+    ``compile_too`` also compiled without and with nvfly."""
     rows = []
     for batch, hq, hkv, sq, skv, dqk, dv in shapes:
         q = torch.randn(batch, hq, sq, dqk, device="cuda", dtype=torch.bfloat16)
@@ -277,18 +279,19 @@ def attention_rows(case: str, shapes: list[tuple[int, int, int, int, int, int, i
         row["torch_sdpa_backend"] = torch_backend(q, k, v, causal, attn_mask)
         if mask is None:  # what `nvfly explain --sdpa` says of the shape
             row["explain"] = nvfly.torch.explain_sdpa(batch, hq, hkv, sq, skv, dqk, dv, is_causal=causal).verdict()
-        rows.append(timed(row, eager, quick, graphs=graphs))
+        rows.append(timed(row, eager, quick, compile_too, graphs=graphs))
         del q, k, v
     return rows
 
 
 def minimax_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     return attention_rows("minimax-decode", [(1, 48, 8, 1, 32768, 128, 128), (16, 48, 8, 1, 32768, 128, 128)],
-                          False, quick, graphs=True)
+                          False, quick, graphs=True, compile_too=compile_too)
 
 
 def deepseek_prefill(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
-    return attention_rows("deepseek-prefill", [(1, 128, 128, 4096, 4096, 192, 128)], True, quick, graphs=False)
+    return attention_rows("deepseek-prefill", [(1, 128, 128, 4096, 4096, 192, 128)], True, quick, graphs=False,
+                          compile_too=compile_too)
 
 
 def hf_mask(kind: str, batch: int, sq: int, skv: int) -> torch.Tensor:

@@ -61,6 +61,9 @@ def check(q, k, v, tol=1e-2, clean=None, **kwargs):
     (1, 250, 700, 6, 3, 96, False, "top_left", "fp16", "bhsd"),
     (2, 300, 300, 4, 2, (64, 128), True, "bottom_right", "bf16", "bshd"),
     (1, 129, 400, 4, 4, (128, 64), False, "bottom_right", "fp16", "bshd"),
+    (1, 333, 333, 32, 8, 128, True, "bottom_right", "bf16", "bshd"),     # the groups: 32/8, 48/8, 64/8
+    (1, 257, 513, 48, 8, 128, False, "top_left", "bf16", "bhsd"),
+    (1, 200, 200, 64, 8, 64, True, "top_left", "fp16", "bshd"),
 ])
 def test_shapes_against_the_reference(batch, sq, skv, hq, hkv, d, causal, alignment, dtype, layout):
     dqk, dv = d if isinstance(d, tuple) else (d, d)

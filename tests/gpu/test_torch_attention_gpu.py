@@ -460,19 +460,15 @@ def test_cuda_graph_of_the_decode_op_replays_changed_lengths():
         torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
 
 
-def test_compiled_training_step_runs_nvfly_forward_and_torchs_backward():
-    """Under nvfly.torch.install(), a compiled SDPA whose inputs require grad runs nvfly's prefill forward and torch's
-    flash backward on its LSE: unrouted SDPA's output and gradients."""
+def compiled_training_step(model, leaves, grad, backends=None):
+    """One training step of ``model`` compiled under nvfly.torch.install() (SDPA limited to ``backends``): its
+    output and the generated code."""
     from torch._inductor.utils import run_and_get_code
     torch._dynamo.reset()
-    torch.manual_seed(9)
-    leaves = [torch.randn(2, h, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-              for h in (32, 8, 8)]
-    grad = torch.randn(2, 32, 2048, 128, device="cuda", dtype=torch.bfloat16)
-    model = _Attention(True)
     nvfly.torch.install()
     try:
-        with sdpa_kernel(NO_CUDNN), torch._inductor.config.patch(fx_graph_cache=False):
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext(), \
+                torch._inductor.config.patch(fx_graph_cache=False):
             compiled = torch.compile(model)
 
             def step():
@@ -480,10 +476,21 @@ def test_compiled_training_step_runs_nvfly_forward_and_torchs_backward():
                 out.backward(grad)
                 return out
 
-            got, codes = run_and_get_code(step)
+            return run_and_get_code(step)
     finally:
         nvfly.torch.uninstall()
         torch._dynamo.reset()
+
+
+def test_compiled_training_step_runs_nvfly_forward_and_torchs_backward():
+    """Under nvfly.torch.install(), a compiled SDPA whose inputs require grad runs nvfly's prefill forward and torch's
+    flash backward on its LSE: unrouted SDPA's output and gradients."""
+    torch.manual_seed(9)
+    leaves = [torch.randn(2, h, 2048, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+              for h in (32, 8, 8)]
+    grad = torch.randn(2, 32, 2048, 128, device="cuda", dtype=torch.bfloat16)
+    model = _Attention(True)
+    got, codes = compiled_training_step(model, leaves, grad, NO_CUDNN)
     assert any("nvfly.attention_prefill" in code for code in codes)
     assert any("_scaled_dot_product_flash_attention_backward" in code for code in codes)
     f32 = [t.detach().float().requires_grad_() for t in leaves]
@@ -499,10 +506,8 @@ def test_compiled_training_decides_as_eager_does(backends):
     """The compiled training rewrite asks torch's choice of the pre-grad graph's fake tensors: it must be the one
     torch makes for the real tensors (with and without gradients), and where that is cuDNN (which eager keeps) the
     compiled step keeps torch's kernels; elsewhere it runs nvfly's prefill."""
-    from torch._inductor.utils import run_and_get_code
     from torch._subclasses.fake_tensor import FakeTensorMode
     from nvfly.torch.attention_compile import stand_ins
-    torch._dynamo.reset()
     torch.manual_seed(10)
     leaves = [torch.randn(1, 2048, h, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
               for h in (32, 8, 8)]
@@ -516,21 +521,8 @@ def test_compiled_training_decides_as_eager_does(backends):
                 faked = A._torch_backend(*fake, True, True)
             assert faked == A._torch_backend(*real, True, True), needs_grad
         eager_pick = A._torch_backend(*leaves, True, True)
-        model = _Attention(True)
-        nvfly.torch.install()
-        try:
-            with torch._inductor.config.patch(fx_graph_cache=False):
-                compiled = torch.compile(model)
-
-                def step():
-                    out = compiled(*leaves)
-                    out.backward(grad)
-                    return out
-
-                got, codes = run_and_get_code(step)
-        finally:
-            nvfly.torch.uninstall()
-            torch._dynamo.reset()
+    model = _Attention(True)
+    got, codes = compiled_training_step(model, leaves, grad, backends)
     assert any("nvfly.attention_prefill" in code for code in codes) == (eager_pick != "cudnn"), eager_pick
     want = model(*[t.detach().float() for t in leaves])
     assert rel_err(got, want) < 1e-2

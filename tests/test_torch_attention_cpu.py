@@ -166,6 +166,35 @@ def fake_cuda(monkeypatch):
         yield lambda shape, dtype=bf: torch.empty(shape, dtype=dtype, device="cuda")
 
 
+@pytest.mark.parametrize("order, usable, expected", [
+    ((3, 1, 2, 0), {3: True, 1: True, 2: True}, "cudnn"),  # cuDNN ahead of flash, as torch 2.11 picks on the H200
+    ((3, 1, 2, 0), {3: False, 1: False, 2: True}, "efficient"),
+    ((1, 2, 3, 0), {3: True, 1: True, 2: True}, "flash"),
+    ((3, 1, 2, 0), {3: False, 1: False, 2: False}, "math"),
+])
+def test_fake_tensors_get_torchs_choice_by_its_order_and_checks(monkeypatch, order, usable, expected):
+    """For fake tensors (the compiled training rewrite's) torch's choice op is not asked (under FakeTensorMode it
+    answers "math" where the real tensors get cuDNN, measured on the H200): the priority order is walked with the
+    per-backend checks, each handed the SDPA parameters of the call."""
+    import torch.backends.cuda as backends
+    seen = []
+
+    def check(backend):
+        return lambda params: seen.append((backend, params.is_causal, params.enable_gqa)) or usable[backend]
+
+    monkeypatch.setattr(torch._C, "_get_sdp_priority_order", lambda: list(order))
+    monkeypatch.setattr(backends, "can_use_cudnn_attention", check(3))
+    monkeypatch.setattr(backends, "can_use_flash_attention", check(1))
+    monkeypatch.setattr(backends, "can_use_efficient_attention", check(2))
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *args, **kwargs: pytest.fail("asked the choice op"))
+    with FakeTensorMode():
+        q, k = (torch.empty(shape, dtype=bf, device="cuda") for shape in _sdpa_shapes(sq=256, skv=256))
+        assert A._torch_backend(q, k, k, True, True) == expected
+    checked = [backend for backend in order if backend != 0]  # math has no check: its enable flag
+    last = checked.index({"cudnn": 3, "flash": 1, "efficient": 2}[expected]) if expected != "math" else -1
+    assert seen == [(backend, True, True) for backend in checked[:last + 1 or None]]  # up to the one taken
+
+
 # (what changes, keyword arguments of _sdpa_reason's case, expected fragment of the reason or None: routed)
 TABLE = [
     ("decode GQA 32/8 Sq 1", {}, None),

@@ -609,7 +609,7 @@ def chunked_rel_err(out: torch.Tensor, ref: torch.Tensor, chunk_elements: int = 
     owned element."""
     step = max(1, chunk_elements // max(1, math.prod(out.shape[1:])))
     num = den = 0.0
-    for o, r in zip(out.split(step), ref.split(step)):
+    for o, r in zip(out.detach().split(step), ref.detach().split(step)):
         owned = ~r.isnan()
         o, r = o[owned].double(), r[owned].double()
         if torch.isnan(o).any():

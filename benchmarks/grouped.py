@@ -59,8 +59,9 @@ float32 references first.
 
 Usage: python -m benchmarks.grouped [--quick | --full] [--tokens T,..] [--passes P,..] [--moe] [--moe-layers NAME]
 [--no-compile] [--moe-profile CALLS] [--wgrad-variants] [--variants] [--fp8] [--no-triton] [--triton-cases N]
-[--budget-s S] [--name grouped]. Without --quick: the full suite (about 7 to 8 minutes on the H200, under 9 with the
-default --budget-s 450: ~0.7 s a row and ~23 s an Inductor compile). --quick: the anchor rows (25 s on the H200,
+[--budget-s S] [--name grouped]. Without --quick: the full suite (about 7.5 minutes on the H200 with the default
+--budget-s 440: ~0.7 s a row, ~40 s of nvfly compiles, ~23 s an Inductor compile of a shape: its 40 to 54 Triton
+configs compiled and timed). --quick: the anchor rows (25 s on the H200,
 Inductor on the first case only; 185 s with --triton-cases 8). --variants: the forward variants alone (a few
 minutes: Inductor's autotuning of the four rows is most of it; --no-triton leaves it out). --fp8 --quick: the five
 FP8 anchor rows (a few minutes: the 4096-token rows compile and time the FP8_BLOCK_VARIANTS too). --moe alone: the
@@ -829,7 +830,7 @@ def main(argv=None) -> int:
                    help="the anchors' grouped suite, FULL (the default without --quick, --moe, --fp8 or the variants)")
     p.add_argument("--tokens", default="", help="the full suite's rows of these token counts only (e.g. 64,16384)")
     p.add_argument("--passes", default="", help=f"the full suite's rows of these passes only (of {', '.join(PASSES)})")
-    p.add_argument("--moe", action="store_true", help="the MoE-layer rows (alone, or after --quick's)")
+    p.add_argument("--moe", action="store_true", help="the MoE-layer rows (alone, or after --quick's or --full's)")
     p.add_argument("--moe-layers", default="", help="only the MoE layers whose name contains this (e.g. qwen3)")
     p.add_argument("--no-compile", action="store_true", help="MoE rows without the torch.compile versions")
     p.add_argument("--moe-profile", type=int, default=0, metavar="CALLS",
@@ -844,9 +845,9 @@ def main(argv=None) -> int:
     p.add_argument("--triton-cases", type=int, default=None,
                    help="time Inductor on the first N forward shapes, each compiled once for its routings (default: "
                         "1 with --quick, else every shape --budget-s allows)")
-    p.add_argument("--budget-s", type=float, default=450.0,
+    p.add_argument("--budget-s", type=float, default=440.0,
                    help="without --quick: Inductor compiles a new shape only while the run's projected seconds stay "
-                        "within this (default 450: the full suite in one device call under 9 minutes; 0: no limit)")
+                        "within this (default 440: the full suite in one device call under 9 minutes; 0: no limit)")
     p.add_argument("--name", default=None, help="results file stem: benchmarks/results/<name>_h200.json "
                    "(default grouped; grouped_moe for --moe alone, grouped_wgrad for --wgrad-variants)")
     args = p.parse_args(argv)
@@ -888,11 +889,14 @@ def main(argv=None) -> int:
                                                          "torch_bf16")}, "TFLOP/s")
         print("wrote", path)
         return 0
-    if args.quick and args.full:
-        p.error("--quick and --full: one suite or the other")
+    if args.quick and (args.full or args.tokens or args.passes):
+        p.error("--quick takes the anchor rows: --full, --tokens and --passes pick the full suite's")
     rows, summary = [], {}
+    extra = {"peak_tflops": PEAK_TFLOPS, "peak_tbps": PEAK_TBPS}
     if args.quick or args.full or not args.moe:
-        rows, summary = grouped_rows(QUICK if args.quick else suite_of(args, p), args, t_start)
+        def checkpoint(so_far: list[dict]) -> None:  # the rows so far, overwritten by the run's end
+            write_results(args.name or "grouped", so_far, {"summary": {"partial": len(so_far)}, **extra})
+        rows, summary = grouped_rows(QUICK if args.quick else suite_of(args, p), args, t_start, checkpoint)
     moe = moe_rows(args.moe_layers, not args.no_compile, args.moe_profile) if args.moe else []
     if moe:
         summary["moe"] = {key: [r.get(key) for r in moe] for key in ("layer", "tokens", "pass", "nvfly_vs_eager",
@@ -900,7 +904,7 @@ def main(argv=None) -> int:
     summary["seconds"] = time.time() - t_start
     print(summary)
     name = args.name or ("grouped" if rows else "grouped_moe")
-    path = write_results(name, rows + moe, {"summary": summary, "peak_tflops": PEAK_TFLOPS, "peak_tbps": PEAK_TBPS})
+    path = write_results(name, rows + moe, {"summary": summary, **extra})
     if rows:
         series = {"nvfly": [r["nvfly_of_floor"] for r in rows],
                   "torch._grouped_mm": [r["torch_of_floor"] for r in rows]}
@@ -913,6 +917,9 @@ def main(argv=None) -> int:
                             for v in ("eager", "nvfly", "compiled", "compiled_nvfly")}, "ms (lower is better)")
     print("wrote", path)
     return 0
+
+
+CHECKPOINT_ROWS = 25
 
 
 class TritonBudget:
@@ -954,14 +961,17 @@ def suite_of(args, parser: argparse.ArgumentParser) -> list[Case]:
     return full_cases([t for t in FULL_TOKENS if t in tokens], passes)
 
 
-def grouped_rows(cases: list[Case], args, start: float) -> tuple[list[dict], dict]:
+def grouped_rows(cases: list[Case], args, start: float,
+                 checkpoint: Optional[Callable[[list[dict]], None]] = None) -> tuple[list[dict], dict]:
     """The grouped-GEMM rows of ``cases`` and their summary. Inductor's Triton grouped mm on the plain contiguous
     forward rows: compiled once a shape (kept for the shape's next rows: its other routings), on the first
-    ``args.triton_cases`` shapes while ``args.budget_s`` allows (``TritonBudget``; rows it leaves out say why)."""
+    ``args.triton_cases`` shapes while ``args.budget_s`` allows (``TritonBudget``; rows it leaves out say why, a
+    compile that fails says how). ``checkpoint``: called with the rows so far every ``CHECKPOINT_ROWS`` rows (a run
+    cut short keeps them)."""
     triton_cases = args.triton_cases if args.triton_cases is not None else (1 if args.quick else len(cases))
     budget = TritonBudget(0.0 if args.quick else args.budget_s, start)
     rows = []
-    compiled, compiled_shape, shapes_seen = None, None, []
+    compiled, compiled_shape, compile_error, shapes_seen = None, None, None, []
     for index, case in enumerate(progress(cases, "grouped")):
         row_start = time.time()
         s = setup(case)
@@ -972,7 +982,7 @@ def grouped_rows(cases: list[Case], args, start: float) -> tuple[list[dict], dic
                 and hasattr(torch, "_grouped_mm"):
             shape = (case.experts, case.n, case.k, case.rows)
             if shape != compiled_shape:
-                compiled, compiled_shape = None, None
+                compiled, compiled_shape, compile_error = None, None, None
                 if shape not in shapes_seen:
                     shapes_seen.append(shape)
                 if len(shapes_seen) > triton_cases:
@@ -980,16 +990,21 @@ def grouped_rows(cases: list[Case], args, start: float) -> tuple[list[dict], dic
                 elif not budget.allows(len(cases) - index, row_start):
                     row["triton_left_out"] = f"--budget-s {budget.seconds:g}"
                 else:
-                    compiled, compiled_shape = inductor_grouped_mm(), shape
                     t0 = time.time()
-                    compiled(*s.operands)  # max-autotune's compile and autotuning
-                    torch.cuda.synchronize()
+                    compiled_shape = shape  # compiled once, or failed once, for the shape's routings
+                    try:
+                        compiled = inductor_grouped_mm()
+                        compiled(*s.operands)  # max-autotune's compile and autotuning
+                        torch.cuda.synchronize()
+                    except Exception as exc:  # noqa: BLE001 - a failed compile is reported, the rows go on
+                        compiled, compile_error = None, f"{type(exc).__name__}: {exc}"[:300]
                     compile_s = time.time() - t0
                     budget.compiles.append(compile_s)
                     row["triton_compile_s"] = compile_s
             if compiled is not None:
-                a, b, offs = s.operands
-                impls["triton"] = functools.partial(compiled, a, b, offs)
+                impls["triton"] = functools.partial(compiled, *s.operands)
+            elif compile_error:
+                row["triton_error"] = compile_error
         ref = s.reference()
         for name, fn in impls.items():
             out = fn()
@@ -1015,6 +1030,8 @@ def grouped_rows(cases: list[Case], args, start: float) -> tuple[list[dict], dic
         del impls, s
         torch.cuda.empty_cache()
         budget.rows.append(time.time() - row_start - compile_s)
+        if checkpoint is not None and len(rows) % CHECKPOINT_ROWS == 0:
+            checkpoint(rows)
     return rows, grouped_summary(rows)
 
 
@@ -1034,6 +1051,7 @@ def grouped_summary(rows: list[dict]) -> dict:
     summary = ratios(rows)
     summary["max_rel_err"] = max(r["nvfly_rel_err"] for r in rows)
     summary["triton_compiles"] = sum(1 for r in rows if "triton_compile_s" in r)
+    summary["triton_errors"] = sum(1 for r in rows if "triton_error" in r and "triton_compile_s" in r)
     summary["triton_compile_s"] = sum(r.get("triton_compile_s", 0.0) for r in rows)
     summary["triton_left_out"] = sum(1 for r in rows if "triton_left_out" in r)
     summary["by_pass"] = {f"{p} {layout}": ratios(subset) for p in PASSES for layout in ("contiguous", "masked")

@@ -614,15 +614,16 @@ def test_benchmark_triton_budget():
 
 
 def test_benchmark_arguments():
-    """--tokens and --passes pick a part of the full suite (in its order); unknown values and --quick with --full
-    are usage errors."""
+    """--tokens and --passes pick a part of the full suite (in its order); unknown values and --quick with --full,
+    --tokens or --passes are usage errors."""
     import argparse
     from benchmarks.grouped import FULL, main, suite_of
     parser = argparse.ArgumentParser()
     assert suite_of(argparse.Namespace(tokens="", passes=""), parser) is FULL
     part = suite_of(argparse.Namespace(tokens="16384,64", passes="forward"), parser)
     assert part == [c for c in FULL if c.tokens in (64, 16384) and c.gemm_pass == "forward"] and len(part) == 72
-    for argv in (["--tokens", "100"], ["--passes", "backward"], ["--tokens", "x"], ["--quick", "--full"]):
+    for argv in (["--tokens", "100"], ["--passes", "backward"], ["--tokens", "x"], ["--quick", "--full"],
+                 ["--quick", "--tokens", "64"]):
         with pytest.raises(SystemExit):
             main(argv)
 
@@ -631,7 +632,7 @@ def test_benchmark_rows_on_cpu(monkeypatch):
     """benchmarks.grouped's row loop on a tiny suite on the CPU (torch._grouped_mm standing in for nvfly and for
     Inductor's compile, fixed times): every row carries issue #29's keys and nvfly/torch times, Inductor's on the
     contiguous forward rows, compiled once a shape (on its first routing) within --triton-cases and --budget-s, and
-    rows it leaves out say why; the summary per pass and layout."""
+    rows it leaves out say why, a failed compile too; the summary per pass and layout; checkpoints every 25 rows."""
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip("torch without _grouped_mm")
     import argparse
@@ -646,9 +647,12 @@ def test_benchmark_rows_on_cpu(monkeypatch):
         s.impls["nvfly"] = s.impls["torch"]
         return s
     compiles = []
+    failing = []
 
     def fake_compile():
         compiles.append(1)
+        if failing:
+            raise RuntimeError("no valid choice")
         return lambda a, b, offs: torch._grouped_mm(a, b, offs)
 
     def fake_times(row, impls, flop, nbytes):
@@ -662,13 +666,15 @@ def test_benchmark_rows_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
 
+    saved = []
+
     def run(**flags):
         compiles.clear()
         args = argparse.Namespace(**{"quick": False, "no_triton": False, "triton_cases": None, "budget_s": 0.0,
                                      **flags})
-        return bench.grouped_rows(cases, args, start=0.0)
+        return bench.grouped_rows(cases, args, start=0.0, checkpoint=lambda rows: saved.append(len(rows)))
     rows, summary = run()
-    assert len(rows) == len(cases) and len(compiles) == 2
+    assert len(rows) == len(cases) and len(compiles) == 2 and saved == [25]
     for row in rows:
         assert set(ISSUE_KEYS) <= set(row) and row["nvfly_rel_err"] < 1e-2 and row["vs_torch"] == 1.5
         assert row["tokens"] == row["rows"] // 2 and row["nvfly_ms"] and row["torch_ms"]
@@ -683,5 +689,33 @@ def test_benchmark_rows_on_cpu(monkeypatch):
     assert {r["triton_left_out"] for r in rows if "triton_left_out" in r} == {"--triton-cases 1"}
     rows, summary = run(budget_s=1e-6)
     assert not compiles and summary["triton_left_out"] == 6 and summary["triton_rows"] == 0
+    failing.append(True)
+    rows, summary = run()
+    assert len(compiles) == 2 and summary["triton_errors"] == 2 and summary["triton_rows"] == 0
+    assert len(rows) == len(cases) and [r.get("triton_error") for r in rows if r["pass"] == "forward" and
+                                        r["layout"] == "contiguous"] == ["RuntimeError: no valid choice"] * 6
     rows, summary = run(no_triton=True)
     assert not compiles and not any("triton_ms" in r or "triton_left_out" in r for r in rows)
+
+
+def test_benchmark_main_writes(monkeypatch, tmp_path):
+    """benchmarks.grouped --full: the suite's rows (here two fake ones) and summary in <name>_h200.json, the
+    fraction-of-floor plot with Inductor's series in <name>_h200.png."""
+    import json
+    from benchmarks import grouped as bench
+    seen = {}
+
+    def fake_rows(cases, args, start, checkpoint=None):
+        seen["cases"] = cases
+        rows = [{**case.keys(), "nvfly_of_floor": 0.9, "torch_of_floor": 0.8, **({"triton_of_floor": 0.85}
+                                                                                   if i == 0 else {})}
+                for i, case in enumerate(cases[:2])]
+        checkpoint(rows)
+        return rows, {"rows": 2}
+    monkeypatch.setattr(bench, "grouped_rows", fake_rows)
+    monkeypatch.setenv("NVFLY_RESULTS_DIR", str(tmp_path))
+    assert bench.main(["--full", "--tokens", "64", "--passes", "wgrad", "--name", "grouped_try"]) == 0
+    assert len(seen["cases"]) == 18 and {c.gemm_pass for c in seen["cases"]} == {"wgrad"}
+    doc = json.loads((tmp_path / "grouped_try_h200.json").read_text())
+    assert doc["meta"]["summary"]["rows"] == 2 and doc["rows"][0]["pass"] == "wgrad"
+    assert (tmp_path / "grouped_try_h200.png").stat().st_size > 0

@@ -61,7 +61,7 @@ Usage: python -m benchmarks.grouped [--quick | --full] [--tokens T,..] [--passes
 [--no-compile] [--moe-profile CALLS] [--wgrad-variants] [--variants] [--fp8] [--no-triton] [--triton-cases N]
 [--budget-s S] [--name grouped]. Without --quick: the full suite (about 7.5 minutes on the H200 with the default
 --budget-s 440: ~0.7 s a row, ~40 s of nvfly compiles, ~23 s an Inductor compile of a shape: its 40 to 54 Triton
-configs compiled and timed). --quick: the anchor rows (25 s on the H200,
+configs compiled and timed; the rows so far are written every 25 rows). --quick: the anchor rows (25 s on the H200,
 Inductor on the first case only; 185 s with --triton-cases 8). --variants: the forward variants alone (a few
 minutes: Inductor's autotuning of the four rows is most of it; --no-triton leaves it out). --fp8 --quick: the five
 FP8 anchor rows (a few minutes: the 4096-token rows compile and time the FP8_BLOCK_VARIANTS too). --moe alone: the
@@ -116,7 +116,7 @@ class Case:
         """Tokens before the top-k fan-out, where the case knows its top-k."""
         return self.rows // self.top_k if self.top_k else None
 
-    def keys(self) -> dict:
+    def row_keys(self) -> dict:
         """The row's shape keys (issue #29's names, and the routed rows the TFLOP/s are of)."""
         return {"case": self.name, "experts": self.experts, "tokens": self.tokens, "top_k": self.top_k,
                 "rows": self.rows, "n": self.n, "k": self.k, "routing": self.routing, "layout": self.layout,
@@ -314,7 +314,7 @@ def wgrad_variants() -> list[dict]:
             out = torch.full((case.experts, case.k, case.n), float("nan"), device="cuda", dtype=torch.bfloat16)
             impls[name] = lambda config=config, out=out: grouped.grouped_mm(a, b, offs, out=out, config=config)
         ref = s.reference()
-        row = {**case.keys(), "heuristic": s.plan}
+        row = {**case.row_keys(), "heuristic": s.plan}
         for name, fn in impls.items():
             row[f"{name}_rel_err"] = chunked_rel_err(fn(), ref)
         del ref
@@ -358,7 +358,7 @@ def forward_variant_rows(triton_cases: int) -> list[dict]:
         for name, config in variants.items():
             outs[name] = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
             impls[name] = lambda config=config, out=outs[name]: grouped.grouped_mm(a, b, offs, out=out, config=config)
-        row = {**case.keys(), "variants": {name: describe_config(c) for name, c in variants.items()}}
+        row = {**case.row_keys(), "variants": {name: describe_config(c) for name, c in variants.items()}}
         ref = reference()
         owned = ~ref.isnan()
         for name, fn in impls.items():
@@ -786,7 +786,7 @@ def fp8_rows(cases: list[Case]) -> tuple[list[dict], dict]:
     rows = []
     for case in progress(cases, "grouped_fp8"):
         impls, refs, flop, nbytes, plan = fp8_setup(case)
-        row = {**case.keys(), "dtype": "e4m3", "nvfly_plan": plan}
+        row = {**case.row_keys(), "dtype": "e4m3", "nvfly_plan": plan}
         refs_done: dict = {}
         for name in list(impls):
             try:
@@ -976,7 +976,7 @@ def grouped_rows(cases: list[Case], args, start: float,
         row_start = time.time()
         s = setup(case)
         impls = dict(s.impls)
-        row = {**case.keys(), "dtype": "bf16", "nvfly_plan": s.plan}
+        row = {**case.row_keys(), "dtype": "bf16", "nvfly_plan": s.plan}
         compile_s = 0.0
         if case.gemm_pass == "forward" and case.layout == "contiguous" and not args.no_triton \
                 and hasattr(torch, "_grouped_mm"):

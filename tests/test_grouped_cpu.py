@@ -499,7 +499,7 @@ def test_benchmark_full_suite():
     assert models == {(256, 8): [(4096, 7168), (7168, 2048)], (128, 8): [(1536, 2048), (2048, 768)],
                       (8, 2): [(28672, 4096), (4096, 14336)]}
     for c in FULL:
-        keys = c.keys()
+        keys = c.row_keys()
         assert set(ISSUE_KEYS) <= set(keys) and keys["rows"] == c.rows
         assert keys["tokens"] * c.top_k == c.rows and keys["tokens"] in FULL_TOKENS and c.routing in ROUTINGS
         assert (c.n, c.k) in models[c.experts, c.top_k]
@@ -707,7 +707,7 @@ def test_benchmark_main_writes(monkeypatch, tmp_path):
 
     def fake_rows(cases, args, start, checkpoint=None):
         seen["cases"] = cases
-        rows = [{**case.keys(), "nvfly_of_floor": 0.9, "torch_of_floor": 0.8, **({"triton_of_floor": 0.85}
+        rows = [{**case.row_keys(), "nvfly_of_floor": 0.9, "torch_of_floor": 0.8, **({"triton_of_floor": 0.85}
                                                                                    if i == 0 else {})}
                 for i, case in enumerate(cases[:2])]
         checkpoint(rows)

@@ -1,15 +1,31 @@
 """Grouped GEMM (MoE experts): nvfly vs torch._grouped_mm (CUTLASS) vs Inductor max-autotune's grouped mm (Triton
 templates), in one process.
 
-Correctness first: each implementation's output against a float32 per-group reference (relative error, nvfly's
-output poisoned with NaN before the call), then the median time of each (L2 flushed). Per row: TFLOP/s, TB/s of
-the bytes that must move (tokens, the weights of the experts that got tokens, the output), the fraction of the
-max(compute, memory) floor reached (bf16 dense ceiling 790 TFLOP/s, copy ceiling 4.3 TB/s, both measured on the
-H200: ../shared/docs/anchors.md), and ratios to the peers. Cases (``CASES``): the forward (2-D tokens x 3-D
-weights with offsets, F.linear-style [E, N, K] weights passed as w.mT), the fused gate/up SiLU projection (nvfly's
-one kernel vs the peer's grouped mm then silu * mul), the masked layout (vs torch._grouped_mm 3-D x 3-D over the
-whole capacity) and the weight gradient (2-D x 2-D grouped along K). Group sizes are whole rows (multiples of 8
-for the weight gradient, where torch's kernel asserts on the device otherwise), not multiples of the tile.
+Correctness first: each implementation's output against a float32 per-group reference (relative error over the
+elements the reference owns, nvfly's output poisoned with NaN before the call), then the median time of each (L2
+flushed). Per row: TFLOP/s, TB/s of the bytes that must move (tokens, the weights of the experts that got tokens,
+the output), the fraction of the max(compute, memory) floor reached (bf16 dense ceiling 790 TFLOP/s, copy ceiling
+4.3 TB/s, both measured on the H200: ../shared/docs/anchors.md), and ratios to the peers (vs_torch, vs_triton).
+Rows carry issue #29's keys: the shape (``experts``, ``tokens`` before the top-k fan-out, ``top_k``, ``rows`` routed
+in all (the TFLOP/s are of these), ``n``, ``k`` (the experts' weights N x K, the forward's output and reduction
+sizes, whatever the pass), ``routing``, ``layout`` "contiguous" / "masked", ``pass`` "forward" / "gate_up" / "dgrad" /
+"wgrad"), ``nvfly_ms``, ``nvfly_tflops``, ``torch_ms`` (torch._grouped_mm) and ``triton_ms`` (Inductor max-autotune's
+Triton grouped mm, with ``triton_compile_s`` on the row that compiled the shape or ``triton_left_out`` saying why
+not). Passes (``Case``): the forward (2-D tokens x 3-D weights with offsets, F.linear-style [E, N, K] weights passed
+as w.mT), the fused gate/up SiLU projection (nvfly's one kernel vs the peer's grouped mm then silu * mul), the
+input gradient (dy [rows, N] x the same weights [E, N, K], N-contiguous: the forward's shape with N and K swapped),
+the weight gradient (2-D x 2-D grouped along K), and the masked layout of the forward (vs torch._grouped_mm 3-D x 3-D
+over the whole capacity, twice the expected rows). Group sizes are whole rows (multiples of 8 for the weight
+gradient, where torch's kernel asserts on the device otherwise), not multiples of the tile.
+
+The full suite (``FULL``, the default; ``--full``): the anchors' grouped suite, DeepSeek-V3 E256 top-8, Qwen3-30B-A3B
+E128 top-8 and Mixtral E8 top-2, both expert weights each (gate/up w13, down) x tokens 64, 512, 4096, 16384 x
+uniform, Zipf 1.2 and one-hot (25%) routing x the forward contiguous and masked, the input and weight gradients and
+(w13) the fused gate/up: 324 rows (uniform groups are 128-aligned at 4096 and 16384 tokens, Zipf and one-hot ragged).
+Inductor's grouped mm on the contiguous forward rows, one compile a shape (24) serving its three routings, as many
+shapes as ``--budget-s`` allows (~23 s a compile), the 4096-token ones of every model first. ``--tokens`` and
+``--passes`` pick a part of it (e.g. ``--passes forward --tokens 64,16384,512``: Inductor on the shapes the default
+budget leaves out).
 
 MoE-layer rows (``--moe``, ``MOE_CASES``): a whole MoE layer (router softmax/top-k, token permutation, gate/up
 grouped GEMM with SiLU * mul, down grouped GEMM, weighted un-permutation) timed in one process as (a) the eager
@@ -41,15 +57,16 @@ scales, the TMA-store epilogue, 192- and 160-wide tiles, clusters multicasting A
 torch._scaled_grouped_mm (row-wise, what torch runs on sm90) and the bf16 grouped GEMMs (nvfly's and torch._grouped_mm) of the same routing; errors against
 float32 references first.
 
-Usage: python -m benchmarks.grouped [--quick] [--moe] [--moe-layers NAME] [--no-compile] [--moe-profile CALLS]
-[--wgrad-variants] [--variants] [--fp8] [--no-triton] [--triton-cases N] [--name grouped]. --variants: the forward
-variants alone (a few minutes: Inductor's autotuning of the four rows is most of it; --no-triton leaves it out).
---fp8 --quick: the five FP8 anchor rows (a few minutes: the 4096-token rows compile and time the
-FP8_BLOCK_VARIANTS too). --quick: the anchor rows (under 3 minutes on the H200,
-Inductor on
-the first case only). --moe alone: the MoE-layer rows only; with --quick: both. Writes
-benchmarks/results/<name>_h200.json and .png (default name: grouped, grouped_moe, grouped_wgrad, grouped_variants
-or grouped_fp8).
+Usage: python -m benchmarks.grouped [--quick | --full] [--tokens T,..] [--passes P,..] [--moe] [--moe-layers NAME]
+[--no-compile] [--moe-profile CALLS] [--wgrad-variants] [--variants] [--fp8] [--no-triton] [--triton-cases N]
+[--budget-s S] [--name grouped]. Without --quick: the full suite (about 7.5 minutes on the H200 with the default
+--budget-s 440: ~0.7 s a row, ~40 s of nvfly compiles, ~23 s an Inductor compile of a shape: its 40 to 54 Triton
+configs compiled and timed; the rows so far are written every 25 rows). --quick: the anchor rows (25 s on the H200,
+Inductor on the first case only; 185 s with --triton-cases 8). --variants: the forward variants alone (a few
+minutes: Inductor's autotuning of the four rows is most of it; --no-triton leaves it out). --fp8 --quick: the five
+FP8 anchor rows (a few minutes: the 4096-token rows compile and time the FP8_BLOCK_VARIANTS too). --moe alone: the
+MoE-layer rows only; with --quick or --full: both. Writes benchmarks/results/<name>_h200.json and .png (default
+name: grouped, grouped_moe, grouped_wgrad, grouped_variants or grouped_fp8).
 """
 from __future__ import annotations
 
@@ -61,6 +78,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -75,47 +93,90 @@ PEAK_TBPS = 4.3       # device copy ceiling measured on the H200
 
 @dataclass(frozen=True)
 class Case:
-    """One row: ``kind`` "forward", "gate_up" (N = 2I weights, I outputs), "masked" or "wgrad"; E experts, weights
-    N x K, ``rows`` routed rows in all (tokens x top-k), ``routing`` "uniform", "zipf" (alpha 1.2), "hot" (one
-    expert takes 25%) or "topk<k>" (each of rows / k tokens picks k distinct experts at random, seed 0: a real
-    router's ragged counts, ~mean +- sqrt(mean) rows an expert)."""
+    """One row: the layer's GEMM ``gemm_pass`` ("forward"; "gate_up": the forward of the gate/up weights, N = 2I,
+    I outputs, SiLU * mul fused; "dgrad": the input gradient dy [rows, N] x W [E, N, K], the forward's shape with
+    N and K swapped and the weights N-contiguous; "wgrad": the weight gradient x^T dy, grouped along K) in the
+    ``layout`` "contiguous" (tokens sorted by expert, ragged offsets) or "masked" (a fixed capacity per expert, the
+    forward only); E experts of weights N x K (``n``, ``k``: the forward's output and reduction sizes whatever the
+    pass), ``rows`` routed rows in all (tokens x top-k; ``top_k`` None where the case does not know its tokens),
+    ``routing`` "uniform", "zipf" (alpha 1.2), "hot" (one expert takes 25%) or "topk<k>" (each of rows / k tokens
+    picks k distinct experts at random, seed 0: a real router's ragged counts, ~mean +- sqrt(mean) rows an expert)."""
     name: str
-    kind: str
+    gemm_pass: str
     experts: int
     n: int
     k: int
     rows: int
     routing: str = "uniform"
+    top_k: Optional[int] = None
+    layout: str = "contiguous"
+
+    @property
+    def tokens(self) -> Optional[int]:
+        """Tokens before the top-k fan-out, where the case knows its top-k."""
+        return self.rows // self.top_k if self.top_k else None
+
+    def row_keys(self) -> dict:
+        """The row's shape keys (issue #29's names, and the routed rows the TFLOP/s are of)."""
+        return {"case": self.name, "experts": self.experts, "tokens": self.tokens, "top_k": self.top_k,
+                "rows": self.rows, "n": self.n, "k": self.k, "routing": self.routing, "layout": self.layout,
+                "pass": self.gemm_pass}
 
 
+PASSES = ("forward", "gate_up", "dgrad", "wgrad")
 QUICK = [
     Case("anchor E64 T15952", "forward", 64, 2048, 7168, 15952),
-    Case("Qwen3 decode 8/expert", "forward", 128, 1536, 2048, 128 * 8),
-    Case("Qwen3 256/expert", "forward", 128, 1536, 2048, 128 * 256),
-    Case("DSv3 decode 4/expert", "forward", 256, 4096, 7168, 256 * 4),
-    Case("DSv3 128/expert", "forward", 256, 4096, 7168, 256 * 128),
-    Case("Mixtral 1024/expert", "forward", 8, 14336, 4096, 8 * 1024),
-    Case("Qwen3 T4096 zipf", "forward", 128, 2048, 768, 4096 * 8, "zipf"),
-    Case("Mixtral T4096 hot", "forward", 8, 28672, 4096, 4096 * 2, "hot"),
-    Case("Qwen3 gate/up T512", "gate_up", 128, 1536, 2048, 512 * 8),
-    Case("Qwen3 gate/up T4096", "gate_up", 128, 1536, 2048, 4096 * 8),
-    Case("DSv3 masked decode", "masked", 256, 4096, 7168, 256 * 4),
-    Case("Qwen3 wgrad T4096", "wgrad", 128, 768, 2048, 4096 * 8),
+    Case("Qwen3 decode 8/expert", "forward", 128, 1536, 2048, 128 * 8, top_k=8),
+    Case("Qwen3 256/expert", "forward", 128, 1536, 2048, 128 * 256, top_k=8),
+    Case("DSv3 decode 4/expert", "forward", 256, 4096, 7168, 256 * 4, top_k=8),
+    Case("DSv3 128/expert", "forward", 256, 4096, 7168, 256 * 128, top_k=8),
+    Case("Mixtral 1024/expert", "forward", 8, 14336, 4096, 8 * 1024, top_k=2),
+    Case("Qwen3 T4096 zipf", "forward", 128, 2048, 768, 4096 * 8, "zipf", 8),
+    Case("Mixtral T4096 hot", "forward", 8, 28672, 4096, 4096 * 2, "hot", 2),
+    Case("Qwen3 gate/up T512", "gate_up", 128, 1536, 2048, 512 * 8, top_k=8),
+    Case("Qwen3 gate/up T4096", "gate_up", 128, 1536, 2048, 4096 * 8, top_k=8),
+    Case("DSv3 masked decode", "forward", 256, 4096, 7168, 256 * 4, top_k=8, layout="masked"),
+    Case("Qwen3 wgrad T4096", "wgrad", 128, 768, 2048, 4096 * 8, top_k=8),
 ]
-# the anchors' grouped suite: DeepSeek-V3 E256 top-8, Qwen3-30B-A3B E128 top-8, Mixtral E8 top-2, tokens x routing
+# the anchors' grouped suite (../shared/docs/anchors.md): DeepSeek-V3 E256 top-8, Qwen3-30B-A3B E128 top-8, Mixtral
+# E8 top-2, each (N, K) of its experts (gate/up w13 first, then down) x tokens x routing, every pass of the layer:
+# the forward contiguous and masked, the fused gate/up (w13 only), the input and the weight gradients. A shape's
+# rows (routings, passes) run together: Inductor compiles a shape once for its three routings (its autotuning runs
+# on even synthetic offsets, whatever the routing). The token counts in FULL_TOKENS' order: the compiles the
+# budget allows (--budget-s) go to the prefill shapes of every model first, then decode, 16K and 512.
 MODELS = [("DSv3", 256, 8, [(4096, 7168), (7168, 2048)]), ("Qwen3", 128, 8, [(1536, 2048), (2048, 768)]),
           ("Mixtral", 8, 2, [(28672, 4096), (4096, 14336)])]
-FULL = QUICK + [Case(f"{model} N{n} K{k} T{tokens} {routing}", "forward", e, n, k, tokens * top, routing)
-                for model, e, top, shapes in MODELS for n, k in shapes for tokens in (64, 512, 4096, 16384)
-                for routing in ("uniform", "zipf", "hot")]
+FULL_TOKENS = (4096, 64, 16384, 512)
+ROUTINGS = ("uniform", "zipf", "hot")
+FULL_PASSES = [("forward", "contiguous"), ("gate_up", "contiguous"), ("forward", "masked"), ("dgrad", "contiguous"),
+               ("wgrad", "contiguous")]
+
+
+def full_cases(tokens_of: Sequence[int] = FULL_TOKENS, passes: Sequence[str] = PASSES) -> list[Case]:
+    """The full suite (``FULL``), or its rows of the given token counts and passes."""
+    cases = []
+    for tokens in tokens_of:
+        for model, e, top, shapes in MODELS:
+            for index, (n, k) in enumerate(shapes):
+                for routing in ROUTINGS:
+                    for gemm_pass, layout in FULL_PASSES:
+                        if gemm_pass not in passes or (gemm_pass == "gate_up" and index):  # gate/up: w13 only
+                            continue
+                        label = "masked" if layout == "masked" else gemm_pass
+                        cases.append(Case(f"{model} N{n} K{k} T{tokens} {routing} {label}", gemm_pass, e, n, k,
+                                          tokens * top, routing, top, layout))
+    return cases
+
+
+FULL = full_cases()
 
 
 def group_sizes(case: Case) -> list[int]:
-    """Rows per expert for the case's routing summing to ``case.rows``: whole rows for the forward (its ragged dim,
-    the tokens, is not a contiguous one), multiples of 8 where torch's kernel needs 16-byte groups (the weight
-    gradient's ragged K); the remainder goes to the largest fractional shares."""
+    """Rows per expert for the case's routing summing to ``case.rows``: whole rows where the ragged dim is the
+    tokens (not a contiguous one), multiples of 8 where torch's kernel needs 16-byte groups (the weight gradient's
+    ragged K); the remainder goes to the largest fractional shares."""
     e = case.experts
-    align = 8 if case.kind == "wgrad" else 1
+    align = 8 if case.gemm_pass == "wgrad" else 1
     if case.routing.startswith("topk"):
         top = int(case.routing[len("topk"):])
         picks = torch.rand(case.rows // top, e, generator=torch.Generator().manual_seed(0)).topk(top, dim=1).indices
@@ -124,9 +185,11 @@ def group_sizes(case: Case) -> list[int]:
         weights = torch.ones(e, dtype=torch.float64)
     elif case.routing == "zipf":
         weights = 1.0 / torch.arange(1, e + 1, dtype=torch.float64) ** 1.2
-    else:
+    elif case.routing == "hot":
         weights = torch.full((e,), 0.75 / (e - 1), dtype=torch.float64)
         weights[0] = 0.25
+    else:
+        raise ValueError(f"case.routing: {case.routing!r} is not uniform, zipf, hot or topk<k>")
     shares = weights / weights.sum() * (case.rows // align)
     units = shares.floor().long()
     left = case.rows // align - int(units.sum())
@@ -134,71 +197,109 @@ def group_sizes(case: Case) -> list[int]:
     return (units * align).tolist()
 
 
-def offsets(sizes: list[int]) -> torch.Tensor:
-    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32).cuda()
+def masked_capacity(case: Case) -> int:
+    """The masked layout's rows an expert: a fixed capacity of twice the expected rows (a multiple of 8)."""
+    return 8 * math.ceil(2 * case.rows / case.experts / 8)
+
+
+def offsets(sizes: list[int], device: str = "cuda") -> torch.Tensor:
+    return torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
 
 
 def inductor_grouped_mm():
-    """torch._grouped_mm compiled by Inductor max-autotune with only Triton templates as candidates."""
+    """torch._grouped_mm compiled by Inductor max-autotune with only Triton templates as candidates, afresh (dynamo's
+    caches reset: each shape compiles once on the same code object, and past torch._dynamo.config.recompile_limit
+    dynamo would fall back to eager torch._grouped_mm without a word)."""
     import torch._inductor.config as cfg
     cfg.max_autotune_gemm_backends = "TRITON"
+    torch._dynamo.reset()
 
     def fn(a, b, offs):
         return torch._grouped_mm(a, b, offs)
     return torch.compile(fn, mode="max-autotune-no-cudagraphs", dynamic=False)
 
 
-def setup(case: Case):
-    """(implementations by name, reference fn, flop, bytes) of a case; each implementation returns its output."""
+@dataclass
+class Setup:
+    """A case on the device: ``impls`` by name (each returns its output), the float32 ``reference``, the flop and the
+    bytes that must move, nvfly's ``operands`` (a, b, offs; masked: the counts for offs) and ``plan``, what nvfly
+    runs (``grouped.describe``)."""
+    impls: dict
+    reference: Callable[[], torch.Tensor]
+    flop: float
+    nbytes: float
+    operands: Optional[tuple]
+    plan: str
+
+
+def setup(case: Case, device: str = "cuda") -> Setup:
+    """The case's operands, implementations and reference on ``device`` (nvfly's outputs poisoned with NaN; nvfly
+    runs on CUDA only, the rest anywhere torch._grouped_mm does)."""
     sizes = group_sizes(case)
     total = sum(sizes)
     e, n, k = case.experts, case.n, case.k
     active = sum(1 for s in sizes if s)
     bf16 = torch.bfloat16
-    if case.kind in ("forward", "gate_up"):
-        a = torch.randn(total, k, device="cuda").to(bf16)
-        w = (torch.randn(e, n, k, device="cuda") / math.sqrt(k)).to(bf16)  # F.linear style [E, N, K]
-        b = w.mT
-        offs = offsets(sizes)
-        out_n = n // 2 if case.kind == "gate_up" else n
-        out = torch.full((total, out_n), float("nan"), device="cuda", dtype=bf16)
-        fuse = "silu_mul" if case.kind == "gate_up" else "none"
-
-        def torch_fn(mm=torch._grouped_mm):
-            y = mm(a, b, offs)
-            return torch.nn.functional.silu(y[:, :n // 2]) * y[:, n // 2:] if fuse == "silu_mul" else y
-        impls = {"nvfly": lambda: grouped.grouped_mm(a, b, offs, out=out, fuse=fuse), "torch": torch_fn}
-        flop = 2.0 * total * n * k
-        nbytes = 2.0 * (total * k + active * n * k + total * out_n)
-        return impls, lambda: grouped.reference(a, b, offs, fuse=fuse), flop, nbytes, (a, b, offs, fuse)
-    if case.kind == "masked":
-        capacity = 8 * math.ceil(2 * case.rows / e / 8)  # a fixed capacity of twice the expected rows
-        counts = torch.tensor([min(s, capacity) for s in sizes], dtype=torch.int32).cuda()
-        a = torch.randn(e, capacity, k, device="cuda").to(bf16)
-        b = (torch.randn(e, n, k, device="cuda") / math.sqrt(k)).to(bf16).mT
-        out = torch.full((e, capacity, n), float("nan"), device="cuda", dtype=bf16)
+    if case.layout == "masked":
+        if case.gemm_pass != "forward":
+            raise ValueError(f"case.gemm_pass: the masked layout is the forward's, got {case.gemm_pass!r}")
+        capacity = masked_capacity(case)
+        counts = torch.tensor([min(s, capacity) for s in sizes], dtype=torch.int32, device=device)
+        a = torch.randn(e, capacity, k, device=device).to(bf16)
+        b = (torch.randn(e, n, k, device=device) / math.sqrt(k)).to(bf16).mT
+        out = torch.full((e, capacity, n), float("nan"), device=device, dtype=bf16)
         impls = {"nvfly": lambda: grouped.grouped_mm_masked(a, b, counts, out=out, expected_rows=case.rows / e),
                  "torch": lambda: torch._grouped_mm(a, b)}
-        flop = 2.0 * int(counts.sum()) * n * k
-        nbytes = 2.0 * (int(counts.sum()) * (k + n) + active * n * k)
-        return impls, lambda: grouped.reference(a, b, counts, masked=True), flop, nbytes, None
-    # wgrad: dW_g = x_g^T dy_g, a = x^T [K, T] (M-contiguous), b = dy [T, N]
-    x = torch.randn(total, k, device="cuda").to(bf16)
-    dy = torch.randn(total, n, device="cuda").to(bf16)
-    a, b = x.mT, dy
-    offs = offsets(sizes)
-    out = torch.full((e, k, n), float("nan"), device="cuda", dtype=bf16)
-    impls = {"nvfly": lambda: grouped.grouped_mm(a, b, offs, out=out), "torch": lambda: torch._grouped_mm(a, b, offs)}
+        routed = int(counts.sum())
+        return Setup(impls, lambda: grouped.reference(a, b, counts, masked=True), 2.0 * routed * n * k,
+                     2.0 * (routed * (k + n) + active * n * k), (a, b, counts),
+                     grouped.describe("masked", e, capacity, n, k, b_major="K", rows_per_group=case.rows / e))
+    if case.layout != "contiguous":
+        raise ValueError(f"case.layout: {case.layout!r} is not contiguous or masked")
+    offs = offsets(sizes, device)
     flop = 2.0 * total * n * k
-    nbytes = 2.0 * (total * (k + n) + e * k * n)
-    return impls, lambda: grouped.reference(a, b, offs), flop, nbytes, (a, b, offs, "none")
+    if case.gemm_pass in ("forward", "gate_up"):
+        a = torch.randn(total, k, device=device).to(bf16)
+        w = (torch.randn(e, n, k, device=device) / math.sqrt(k)).to(bf16)  # F.linear style [E, N, K]
+        b = w.mT
+        fuse = "silu_mul" if case.gemm_pass == "gate_up" else "none"
+        out_n = n // 2 if fuse == "silu_mul" else n
+        out = torch.full((total, out_n), float("nan"), device=device, dtype=bf16)
+
+        def torch_fn():
+            y = torch._grouped_mm(a, b, offs)
+            return torch.nn.functional.silu(y[:, :n // 2]) * y[:, n // 2:] if fuse == "silu_mul" else y
+        impls = {"nvfly": lambda: grouped.grouped_mm(a, b, offs, out=out, fuse=fuse), "torch": torch_fn}
+        return Setup(impls, lambda: grouped.reference(a, b, offs, fuse=fuse), flop,
+                     2.0 * (total * k + active * n * k + total * out_n), (a, b, offs),
+                     grouped.describe("contiguous", e, total, out_n, k, fuse=fuse, b_major="K"))
+    if case.gemm_pass == "dgrad":
+        # dx = dy W: dy [T, N] x the forward's weights [E, N, K] as they are (N-contiguous for this product)
+        dy = torch.randn(total, n, device=device).to(bf16)
+        w = (torch.randn(e, n, k, device=device) / math.sqrt(n)).to(bf16)
+        out = torch.full((total, k), float("nan"), device=device, dtype=bf16)
+        impls = {"nvfly": lambda: grouped.grouped_mm(dy, w, offs, out=out),
+                 "torch": lambda: torch._grouped_mm(dy, w, offs)}
+        return Setup(impls, lambda: grouped.reference(dy, w, offs), flop,
+                     2.0 * (total * n + active * n * k + total * k), (dy, w, offs),
+                     grouped.describe("contiguous", e, total, k, n, b_major="MN"))
+    if case.gemm_pass != "wgrad":
+        raise ValueError(f"case.gemm_pass: {case.gemm_pass!r} is not one of {PASSES}")
+    # wgrad: dW_g = x_g^T dy_g, a = x^T [K, T] (M-contiguous), b = dy [T, N]
+    x = torch.randn(total, k, device=device).to(bf16)
+    dy = torch.randn(total, n, device=device).to(bf16)
+    a, b = x.mT, dy
+    out = torch.full((e, k, n), float("nan"), device=device, dtype=bf16)
+    impls = {"nvfly": lambda: grouped.grouped_mm(a, b, offs, out=out), "torch": lambda: torch._grouped_mm(a, b, offs)}
+    return Setup(impls, lambda: grouped.reference(a, b, offs), flop, 2.0 * (total * (k + n) + e * k * n), (a, b, offs),
+                 grouped.describe("kgrouped", e, k, n, total))
 
 
 # ---------------------------------------------------------------------------------------------- weight gradient
-WGRAD_CASES = [Case("Qwen3 wgrad T4096", "wgrad", 128, 768, 2048, 4096 * 8),
-               Case("Qwen3 wgrad T4096 zipf", "wgrad", 128, 768, 2048, 4096 * 8, "zipf"),
-               Case("Qwen3 gate/up wgrad T4096", "wgrad", 128, 1536, 2048, 4096 * 8),
-               Case("DSv3 down wgrad T4096", "wgrad", 256, 7168, 2048, 4096 * 8)]
+WGRAD_CASES = [Case("Qwen3 wgrad T4096", "wgrad", 128, 768, 2048, 4096 * 8, top_k=8),
+               Case("Qwen3 wgrad T4096 zipf", "wgrad", 128, 768, 2048, 4096 * 8, "zipf", 8),
+               Case("Qwen3 gate/up wgrad T4096", "wgrad", 128, 1536, 2048, 4096 * 8, top_k=8),
+               Case("DSv3 down wgrad T4096", "wgrad", 256, 7168, 2048, 4096 * 8, top_k=8)]
 
 
 def wgrad_variants() -> list[dict]:
@@ -206,15 +307,14 @@ def wgrad_variants() -> list[dict]:
     from nvfly.ops.grouped.plan import kgrouped_variants
     rows = []
     for case in progress(WGRAD_CASES, "grouped wgrad"):
-        impls, reference, flop, nbytes, (a, b, offs, _) = setup(case)
-        impls = {"torch": impls["torch"]}
+        s = setup(case)
+        (a, b, offs), flop = s.operands, s.flop
+        impls = {"torch": s.impls["torch"]}
         for name, config in kgrouped_variants(case.experts).items():
             out = torch.full((case.experts, case.k, case.n), float("nan"), device="cuda", dtype=torch.bfloat16)
             impls[name] = lambda config=config, out=out: grouped.grouped_mm(a, b, offs, out=out, config=config)
-        ref = reference()
-        row = {"case": case.name, "E": case.experts, "N": case.n, "K": case.k, "rows": case.rows,
-               "routing": case.routing, "heuristic": grouped.describe("kgrouped", case.experts, case.k, case.n,
-                                                                      case.rows)}
+        ref = s.reference()
+        row = {**case.row_keys(), "heuristic": s.plan}
         for name, fn in impls.items():
             row[f"{name}_rel_err"] = chunked_rel_err(fn(), ref)
         del ref
@@ -227,7 +327,7 @@ def wgrad_variants() -> list[dict]:
         print(f"{case.name:<28} torch {row['torch_tflops']:6.1f} TF  " + "  ".join(
             f"{name} {row[name + '_tflops']:6.1f} TF x{row[name + '_vs_torch']:.2f} (err {row[name + '_rel_err']:.1e})"
             for name in impls if name != "torch"), flush=True)
-        del impls, a, b, offs
+        del impls, s, a, b, offs
         torch.cuda.empty_cache()
     return rows
 
@@ -245,20 +345,20 @@ def forward_variant_rows(triton_cases: int) -> list[dict]:
     from nvfly.ops.grouped.plan import forward_variants
     rows = []
     for index, case in enumerate(progress(VARIANT_CASES, "grouped variants")):
-        impls, reference, flop, nbytes, (a, b, offs, _) = setup(case)
+        s = setup(case)
+        (a, b, offs), flop, reference = s.operands, s.flop, s.reference
         shape = (a.shape[0], case.n)
         default = plan_of("contiguous", a, b, shape, case.experts, "none", None)
         variants = forward_variants(default.config, case.experts, "contiguous", default.b_major)
-        impls = {"torch": impls["torch"]}
+        impls = {"torch": s.impls["torch"]}
         if index < triton_cases and hasattr(torch, "_grouped_mm"):
             compiled = inductor_grouped_mm()
-            impls["inductor"] = lambda compiled=compiled: compiled(a, b, offs)
+            impls["triton"] = lambda compiled=compiled: compiled(a, b, offs)
         outs = {}
         for name, config in variants.items():
             outs[name] = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
             impls[name] = lambda config=config, out=outs[name]: grouped.grouped_mm(a, b, offs, out=out, config=config)
-        row = {"case": case.name, "E": case.experts, "N": case.n, "K": case.k, "rows": case.rows,
-               "routing": case.routing, "variants": {name: describe_config(c) for name, c in variants.items()}}
+        row = {**case.row_keys(), "variants": {name: describe_config(c) for name, c in variants.items()}}
         ref = reference()
         owned = ~ref.isnan()
         for name, fn in impls.items():
@@ -273,15 +373,15 @@ def forward_variant_rows(triton_cases: int) -> list[dict]:
         for name in variants:
             if f"{name}_ms" not in row:
                 continue
-            for peer in ("torch", "inductor", "current"):
+            for peer in ("torch", "triton", "current"):
                 if f"{peer}_ms" in row and peer != name:
                     row[f"{name}_vs_{peer}"] = row[f"{peer}_ms"] / row[f"{name}_ms"]
         rows.append(row)
         print(f"{case.name:<22} torch {row.get('torch_tflops', 0):6.1f} TF"
-              + (f"  inductor {row['inductor_tflops']:6.1f} TF" if "inductor_tflops" in row else "") + "  " + "  ".join(
+              + (f"  triton {row['triton_tflops']:6.1f} TF" if "triton_tflops" in row else "") + "  " + "  ".join(
                   f"{name} {row.get(name + '_tflops', 0):6.1f} TF x{row.get(name + '_vs_torch', 0):.2f} "
                   f"(err {row[name + '_rel_err']:.1e})" for name in variants), flush=True)
-        del impls, outs, a, b, offs
+        del impls, outs, s, a, b, offs, reference
         torch.cuda.empty_cache()
     return rows
 
@@ -297,7 +397,7 @@ def variant_summary(rows: list[dict]) -> dict:
     names = list(rows[0]["variants"])
     summary = {}
     for name in names:
-        for peer in ("torch", "inductor", "current"):
+        for peer in ("torch", "triton", "current"):
             values = [r[f"{name}_vs_{peer}"] for r in rows if f"{name}_vs_{peer}" in r]
             if values:
                 summary[f"geomean_{name}_vs_{peer}"] = geomean(values)
@@ -503,12 +603,16 @@ def moe_backward_row(row: dict, forward: dict, args: tuple) -> dict:
     return finish_moe_row(row, errors)
 
 
-def chunked_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``rel_err`` a slice of the first dimension at a time (float64 copies of a DeepSeek-V3 weight gradient would
-    take 60 GB)."""
+def chunked_rel_err(out: torch.Tensor, ref: torch.Tensor, chunk_elements: int = 1 << 26) -> float:
+    """``rel_err`` over the elements ``ref`` owns (not NaN: the masked layout's rows past a group's count, which
+    nvfly leaves unwritten and torch's peer computes), a slice of the first dimension of about ``chunk_elements`` at
+    a time (float64 copies of a DeepSeek-V3 weight gradient would take 60 GB); inf where ``out`` is NaN on an
+    owned element."""
+    step = max(1, chunk_elements // max(1, math.prod(out.shape[1:])))
     num = den = 0.0
-    for o, r in zip(out.split(8), ref.split(8)):
-        o, r = o.double(), r.double()
+    for o, r in zip(out.detach().split(step), ref.detach().split(step)):
+        owned = ~r.isnan()
+        o, r = o[owned].double(), r[owned].double()
         if torch.isnan(o).any():
             return math.inf
         num += float((o - r).square().sum())
@@ -555,18 +659,18 @@ def moe_rows(layers: str, compile_too: bool, profile_calls: int = 0) -> list[dic
 # DeepSeek-V3's experts (E256 top-8, hidden 7168, expert width 2048: gate/up N = 4096, down K = 2048) at 4096 tokens
 # and at decode batches, contiguous (tokens sorted by expert) and masked (a fixed capacity per expert)
 FP8_QUICK = [
-    Case("DSv3 gate/up T4096", "forward", 256, 4096, 7168, 4096 * 8),
-    Case("DSv3 down T4096", "forward", 256, 7168, 2048, 4096 * 8),
-    Case("DSv3 gate/up decode T32", "forward", 256, 4096, 7168, 32 * 8),
-    Case("DSv3 masked decode T128", "masked", 256, 4096, 7168, 128 * 8),
-    Case("DSv3 gate/up T4096 routed", "forward", 256, 4096, 7168, 4096 * 8, "topk8"),
+    Case("DSv3 gate/up T4096", "forward", 256, 4096, 7168, 4096 * 8, top_k=8),
+    Case("DSv3 down T4096", "forward", 256, 7168, 2048, 4096 * 8, top_k=8),
+    Case("DSv3 gate/up decode T32", "forward", 256, 4096, 7168, 32 * 8, top_k=8),
+    Case("DSv3 masked decode T128", "forward", 256, 4096, 7168, 128 * 8, top_k=8, layout="masked"),
+    Case("DSv3 gate/up T4096 routed", "forward", 256, 4096, 7168, 4096 * 8, "topk8", 8),
 ]
 FP8_FULL = FP8_QUICK + [
-    Case("DSv3 gate/up T4096 zipf", "forward", 256, 4096, 7168, 4096 * 8, "zipf"),
-    Case("DSv3 gate/up T16384", "forward", 256, 4096, 7168, 16384 * 8),
-    Case("DSv3 gate/up T512", "forward", 256, 4096, 7168, 512 * 8),
-    Case("DSv3 down decode T128", "forward", 256, 7168, 2048, 128 * 8),
-    Case("DSv3 masked T4096", "masked", 256, 4096, 7168, 4096 * 8),
+    Case("DSv3 gate/up T4096 zipf", "forward", 256, 4096, 7168, 4096 * 8, "zipf", 8),
+    Case("DSv3 gate/up T16384", "forward", 256, 4096, 7168, 16384 * 8, top_k=8),
+    Case("DSv3 gate/up T512", "forward", 256, 4096, 7168, 512 * 8, top_k=8),
+    Case("DSv3 down decode T128", "forward", 256, 7168, 2048, 128 * 8, top_k=8),
+    Case("DSv3 masked T4096", "forward", 256, 4096, 7168, 4096 * 8, top_k=8, layout="masked"),
 ]
 
 
@@ -627,9 +731,9 @@ def fp8_setup(case: Case):
     b, sb = fp8_experts(e, n, k)
     sb_row = torch.rand(e, n, device="cuda") + 0.5
     b16 = b.to(bf16)
-    masked = case.kind == "masked"
+    masked = case.layout == "masked"
     if masked:
-        capacity = 8 * math.ceil(2 * case.rows / e / 8)  # a fixed capacity of twice the expected rows
+        capacity = masked_capacity(case)
         counts = torch.tensor([min(s, capacity) for s in sizes], dtype=torch.int32).cuda()
         rows, groups_of = e * capacity, counts
         routed = int(counts.sum())
@@ -682,8 +786,7 @@ def fp8_rows(cases: list[Case]) -> tuple[list[dict], dict]:
     rows = []
     for case in progress(cases, "grouped_fp8"):
         impls, refs, flop, nbytes, plan = fp8_setup(case)
-        row = {"case": case.name, "kind": case.kind, "E": case.experts, "N": case.n, "K": case.k, "rows": case.rows,
-               "routing": case.routing, "dtype": "e4m3", "nvfly_plan": plan}
+        row = {**case.row_keys(), "dtype": "e4m3", "nvfly_plan": plan}
         refs_done: dict = {}
         for name in list(impls):
             try:
@@ -722,8 +825,12 @@ def fp8_rows(cases: list[Case]) -> tuple[list[dict], dict]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true", help="the anchor rows only (under 3 minutes)")
-    p.add_argument("--moe", action="store_true", help="the MoE-layer rows (alone, or after --quick's)")
+    p.add_argument("--quick", action="store_true", help="the anchor rows only (25 s; 3 minutes with --triton-cases 8)")
+    p.add_argument("--full", action="store_true",
+                   help="the anchors' grouped suite, FULL (the default without --quick, --moe, --fp8 or the variants)")
+    p.add_argument("--tokens", default="", help="the full suite's rows of these token counts only (e.g. 64,16384)")
+    p.add_argument("--passes", default="", help=f"the full suite's rows of these passes only (of {', '.join(PASSES)})")
+    p.add_argument("--moe", action="store_true", help="the MoE-layer rows (alone, or after --quick's or --full's)")
     p.add_argument("--moe-layers", default="", help="only the MoE layers whose name contains this (e.g. qwen3)")
     p.add_argument("--no-compile", action="store_true", help="MoE rows without the torch.compile versions")
     p.add_argument("--moe-profile", type=int, default=0, metavar="CALLS",
@@ -736,7 +843,11 @@ def main(argv=None) -> int:
                    help="the grouped FP8 rows alone (DeepSeek-V3 experts; with --quick: five, a few minutes)")
     p.add_argument("--no-triton", action="store_true", help="leave out Inductor max-autotune's grouped mm")
     p.add_argument("--triton-cases", type=int, default=None,
-                   help="time Inductor on the first N forward cases (default: 1 with --quick, all forward cases)")
+                   help="time Inductor on the first N forward shapes, each compiled once for its routings (default: "
+                        "1 with --quick, else every shape --budget-s allows)")
+    p.add_argument("--budget-s", type=float, default=440.0,
+                   help="without --quick: Inductor compiles a new shape only while the run's projected seconds stay "
+                        "within this (default 440: the full suite in one device call under 9 minutes; 0: no limit)")
     p.add_argument("--name", default=None, help="results file stem: benchmarks/results/<name>_h200.json "
                    "(default grouped; grouped_moe for --moe alone, grouped_wgrad for --wgrad-variants)")
     args = p.parse_args(argv)
@@ -762,7 +873,7 @@ def main(argv=None) -> int:
         summary["seconds"] = time.time() - t_start
         print(summary)
         path = write_results(name, rows, {"summary": summary})
-        peers = [p for p in ("torch", "inductor") if any(f"{p}_tflops" in r for r in rows)]
+        peers = [p for p in ("torch", "triton") if any(f"{p}_tflops" in r for r in rows)]
         plot(name, [r["case"] for r in rows], {v: [r.get(f"{v}_tflops", 0.0) for r in rows]
                                                for v in peers + list(rows[0]["variants"])}, "TFLOP/s")
         print("wrote", path)
@@ -778,9 +889,14 @@ def main(argv=None) -> int:
                                                          "torch_bf16")}, "TFLOP/s")
         print("wrote", path)
         return 0
+    if args.quick and (args.full or args.tokens or args.passes):
+        p.error("--quick takes the anchor rows: --full, --tokens and --passes pick the full suite's")
     rows, summary = [], {}
-    if args.quick or not args.moe:
-        rows, summary = grouped_rows(QUICK if args.quick else FULL, args)
+    extra = {"peak_tflops": PEAK_TFLOPS, "peak_tbps": PEAK_TBPS}
+    if args.quick or args.full or not args.moe:
+        def checkpoint(so_far: list[dict]) -> None:  # the rows so far, overwritten by the run's end
+            write_results(args.name or "grouped", so_far, {"summary": {"partial": len(so_far)}, **extra})
+        rows, summary = grouped_rows(QUICK if args.quick else suite_of(args, p), args, t_start, checkpoint)
     moe = moe_rows(args.moe_layers, not args.no_compile, args.moe_profile) if args.moe else []
     if moe:
         summary["moe"] = {key: [r.get(key) for r in moe] for key in ("layer", "tokens", "pass", "nvfly_vs_eager",
@@ -788,12 +904,12 @@ def main(argv=None) -> int:
     summary["seconds"] = time.time() - t_start
     print(summary)
     name = args.name or ("grouped" if rows else "grouped_moe")
-    path = write_results(name, rows + moe, {"summary": summary, "peak_tflops": PEAK_TFLOPS, "peak_tbps": PEAK_TBPS})
+    path = write_results(name, rows + moe, {"summary": summary, **extra})
     if rows:
         series = {"nvfly": [r["nvfly_of_floor"] for r in rows],
                   "torch._grouped_mm": [r["torch_of_floor"] for r in rows]}
-        if any("inductor_of_floor" in r for r in rows):
-            series["Inductor (Triton)"] = [r.get("inductor_of_floor", 0.0) for r in rows]
+        if any("triton_of_floor" in r for r in rows):
+            series["Inductor (Triton)"] = [r.get("triton_of_floor", 0.0) for r in rows]
         plot(name, [r["case"] for r in rows], series, "fraction of the max(compute, memory) floor")
     else:
         labels = [f"{r['layer']} T{r['tokens']} {r['pass']}" for r in moe]
@@ -803,59 +919,144 @@ def main(argv=None) -> int:
     return 0
 
 
-def grouped_rows(cases: list[Case], args) -> tuple[list[dict], dict]:
-    """The grouped-GEMM rows of ``cases`` and their summary."""
+CHECKPOINT_ROWS = 25
+
+
+class TritonBudget:
+    """Whether Inductor may compile one more forward shape: while the run's projected seconds (those spent, the
+    compile, and the rows left at the mean seconds of the rows so far, their compiles left out) stay within
+    ``seconds`` (0: no limit). Before a compile is measured one is taken to cost ``COMPILE_S`` (torch 2.11 on the
+    H200: ~23 s a shape, 185 s for --quick --triton-cases 8 against 25 s with one), before a row is measured
+    ``ROW_S``."""
+    COMPILE_S = 30.0
+    ROW_S = 1.0
+
+    def __init__(self, seconds: float, start: float):
+        self.seconds = seconds
+        self.start = start
+        self.compiles: list[float] = []
+        self.rows: list[float] = []
+
+    def allows(self, rows_left: int, now: float) -> bool:
+        if not self.seconds:
+            return True
+        compile_s = max(self.compiles, default=self.COMPILE_S)
+        row_s = sum(self.rows) / len(self.rows) if self.rows else self.ROW_S
+        return now - self.start + compile_s + rows_left * row_s <= self.seconds
+
+
+def suite_of(args, parser: argparse.ArgumentParser) -> list[Case]:
+    """FULL, or its rows of ``--tokens`` and ``--passes``."""
+    try:
+        tokens = [int(t) for t in args.tokens.split(",") if t] or list(FULL_TOKENS)
+    except ValueError:
+        parser.error(f"--tokens: expected token counts separated by commas, got {args.tokens!r}")
+    passes = [p for p in args.passes.split(",") if p] or list(PASSES)
+    for name, values, known in (("--tokens", tokens, FULL_TOKENS), ("--passes", passes, PASSES)):
+        unknown = [v for v in values if v not in known]
+        if unknown:
+            parser.error(f"{name}: {unknown} not in the full suite's {list(known)}")
+    if not args.tokens and not args.passes:
+        return FULL
+    return full_cases([t for t in FULL_TOKENS if t in tokens], passes)
+
+
+def grouped_rows(cases: list[Case], args, start: float,
+                 checkpoint: Optional[Callable[[list[dict]], None]] = None) -> tuple[list[dict], dict]:
+    """The grouped-GEMM rows of ``cases`` and their summary. Inductor's Triton grouped mm on the plain contiguous
+    forward rows: compiled once a shape (kept for the shape's next rows: its other routings), on the first
+    ``args.triton_cases`` shapes while ``args.budget_s`` allows (``TritonBudget``; rows it leaves out say why, a
+    compile that fails says how). ``checkpoint``: called with the rows so far every ``CHECKPOINT_ROWS`` rows (a run
+    cut short keeps them)."""
     triton_cases = args.triton_cases if args.triton_cases is not None else (1 if args.quick else len(cases))
+    budget = TritonBudget(0.0 if args.quick else args.budget_s, start)
     rows = []
-    forward_seen = 0
-    for case in progress(cases, "grouped"):
-        impls, reference, flop, nbytes, peer_args = setup(case)
-        ref = reference()
-        owned = ~ref.isnan()
-        row = {"case": case.name, "kind": case.kind, "E": case.experts, "N": case.n, "K": case.k, "rows": case.rows,
-               "routing": case.routing, "dtype": "bf16"}
-        if case.kind != "wgrad" and peer_args is not None:
-            a, b, offs, fuse = peer_args
-            row["nvfly_plan"] = grouped.describe("contiguous", case.experts, a.shape[0],
-                                                 case.n // 2 if fuse != "none" else case.n, case.k, fuse=fuse,
-                                                 b_major="K")
-        use_inductor = (not args.no_triton and case.kind == "forward" and forward_seen < triton_cases
-                        and hasattr(torch, "_grouped_mm"))
-        if case.kind == "forward":
-            forward_seen += 1
-        if use_inductor:
-            compiled = inductor_grouped_mm()
-            a, b, offs, _ = peer_args
-            impls["inductor"] = lambda: compiled(a, b, offs)
+    compiled, compiled_shape, compile_error, shapes_seen = None, None, None, []
+    for index, case in enumerate(progress(cases, "grouped")):
+        row_start = time.time()
+        s = setup(case)
+        impls = dict(s.impls)
+        row = {**case.row_keys(), "dtype": "bf16", "nvfly_plan": s.plan}
+        compile_s = 0.0
+        if case.gemm_pass == "forward" and case.layout == "contiguous" and not args.no_triton \
+                and hasattr(torch, "_grouped_mm"):
+            shape = (case.experts, case.n, case.k, case.rows)
+            if shape != compiled_shape:
+                compiled, compiled_shape, compile_error = None, None, None
+                if shape not in shapes_seen:
+                    shapes_seen.append(shape)
+                if len(shapes_seen) > triton_cases:
+                    row["triton_left_out"] = f"--triton-cases {triton_cases}"
+                elif not budget.allows(len(cases) - index, row_start):
+                    row["triton_left_out"] = f"--budget-s {budget.seconds:g}"
+                else:
+                    t0 = time.time()
+                    compiled_shape = shape  # compiled once, or failed once, for the shape's routings
+                    try:
+                        compiled = inductor_grouped_mm()
+                        compiled(*s.operands)  # max-autotune's compile and autotuning
+                        torch.cuda.synchronize()
+                    except Exception as exc:  # noqa: BLE001 - a failed compile is reported, the rows go on
+                        compiled, compile_error = None, f"{type(exc).__name__}: {exc}"[:300]
+                    compile_s = time.time() - t0
+                    budget.compiles.append(compile_s)
+                    row["triton_compile_s"] = compile_s
+            if compiled is not None:
+                impls["triton"] = functools.partial(compiled, *s.operands)
+            elif compile_error:
+                row["triton_error"] = compile_error
+        ref = s.reference()
         for name, fn in impls.items():
             out = fn()
             torch.cuda.synchronize()
-            # the owned rows (torch's masked peer computes the whole capacity)
-            row[f"{name}_rel_err"] = rel_err(out.float()[owned], ref[owned])
-        del ref, owned
-        time_impls(row, impls, flop, nbytes)
-        floor_ms = max(flop / (PEAK_TFLOPS * 1e9), nbytes / (PEAK_TBPS * 1e9))
-        row["floor_ms"] = floor_ms
-        row["bound"] = "compute" if flop / (PEAK_TFLOPS * 1e9) >= nbytes / (PEAK_TBPS * 1e9) else "memory"
+            row[f"{name}_rel_err"] = chunked_rel_err(out, ref)  # the owned rows (torch's masked peer computes all)
+            del out
+        del ref
+        time_impls(row, impls, s.flop, s.nbytes)
+        compute_ms, memory_ms = s.flop / (PEAK_TFLOPS * 1e9), s.nbytes / (PEAK_TBPS * 1e9)
+        row["floor_ms"] = floor_ms = max(compute_ms, memory_ms)
+        row["bound"] = "compute" if compute_ms >= memory_ms else "memory"
         for name in impls:
             row[f"{name}_of_floor"] = floor_ms / row[f"{name}_ms"]
         row["vs_torch"] = row["torch_ms"] / row["nvfly_ms"]
-        if "inductor_ms" in row:
-            row["vs_inductor"] = row["inductor_ms"] / row["nvfly_ms"]
+        if "triton_ms" in row:
+            row["vs_triton"] = row["triton_ms"] / row["nvfly_ms"]
         rows.append(row)
-        print(f"{case.name:<28} {case.kind:<8} nvfly {row['nvfly_tflops']:6.1f} TF {row['nvfly_tbps']:5.2f} TB/s "
+        print(f"{case.name:<40} nvfly {row['nvfly_tflops']:6.1f} TF {row['nvfly_tbps']:5.2f} TB/s "
               f"({row['nvfly_of_floor']:.0%} of the {row['bound']} floor, err {row['nvfly_rel_err']:.1e})  "
               f"torch {row['torch_tflops']:6.1f} TF  x{row['vs_torch']:.2f}"
-              + (f"  inductor {row['inductor_tflops']:6.1f} TF x{row['vs_inductor']:.2f}" if "vs_inductor" in row
-                 else ""), flush=True)
-        del impls, reference, peer_args, out
+              + (f"  triton {row['triton_tflops']:6.1f} TF x{row['vs_triton']:.2f}" if "vs_triton" in row else "")
+              + (f" (compiled in {compile_s:.0f} s)" if compile_s else ""), flush=True)
+        del impls, s
         torch.cuda.empty_cache()
-    summary = {"geomean_vs_torch": geomean([r["vs_torch"] for r in rows]),
-               "min_vs_torch": min(r["vs_torch"] for r in rows),
-               "geomean_vs_inductor": geomean([r["vs_inductor"] for r in rows if "vs_inductor" in r]),
-               "geomean_of_floor": geomean([r["nvfly_of_floor"] for r in rows]),
-               "max_rel_err": max(r["nvfly_rel_err"] for r in rows), "rows": len(rows)}
-    return rows, summary
+        budget.rows.append(time.time() - row_start - compile_s)
+        if checkpoint is not None and len(rows) % CHECKPOINT_ROWS == 0:
+            checkpoint(rows)
+    return rows, grouped_summary(rows)
+
+
+def grouped_summary(rows: list[dict]) -> dict:
+    """Geomeans and worst rows against torch._grouped_mm and Inductor's Triton grouped mm (issue #29's targets:
+    >= 1.1x and >= 1.25x geomean, no row below 1.0x), nvfly's fraction of the floor (and on the memory-bound rows of
+    at most 64 rows an expert: >= 90%), the same per pass and layout, and what Inductor's compiles covered."""
+    def ratios(subset: list[dict]) -> dict:
+        small = [r["nvfly_of_floor"] for r in subset if r["rows"] <= 64 * r["experts"] and r["bound"] == "memory"]
+        return {"rows": len(subset), "geomean_vs_torch": geomean([r["vs_torch"] for r in subset]),
+                "min_vs_torch": min(r["vs_torch"] for r in subset),
+                "triton_rows": sum(1 for r in subset if "vs_triton" in r),
+                "geomean_vs_triton": geomean([r["vs_triton"] for r in subset if "vs_triton" in r]),
+                "min_vs_triton": min((r["vs_triton"] for r in subset if "vs_triton" in r), default=float("nan")),
+                "geomean_of_floor": geomean([r["nvfly_of_floor"] for r in subset]),
+                "min_of_memory_floor_le64": min(small, default=float("nan"))}
+    summary = ratios(rows)
+    summary["max_rel_err"] = max(r["nvfly_rel_err"] for r in rows)
+    summary["triton_compiles"] = sum(1 for r in rows if "triton_compile_s" in r)
+    summary["triton_errors"] = sum(1 for r in rows if "triton_error" in r and "triton_compile_s" in r)
+    summary["triton_compile_s"] = sum(r.get("triton_compile_s", 0.0) for r in rows)
+    summary["triton_left_out"] = sum(1 for r in rows if "triton_left_out" in r)
+    summary["by_pass"] = {f"{p} {layout}": ratios(subset) for p in PASSES for layout in ("contiguous", "masked")
+                          if (subset := [r for r in rows if r["pass"] == p and r["layout"] == layout])}
+    return summary
 
 
 if __name__ == "__main__":

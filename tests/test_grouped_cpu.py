@@ -477,3 +477,245 @@ def test_benchmark_topk_routing_is_ragged():
     sizes = group_sizes(case)
     assert len(sizes) == 256 and sum(sizes) == 4096 * 8 and max(sizes) <= 4096 and sizes == group_sizes(case)
     assert sum(1 for s in sizes if s % 128) > 100
+
+
+# ---------------------------------------------------------------------------------------------- benchmarks.grouped
+ISSUE_KEYS = ("experts", "tokens", "n", "k", "routing", "layout", "pass")
+
+
+def test_benchmark_full_suite():
+    """benchmarks.grouped's full suite is the anchors' grouped suite: three models x both expert weights x tokens
+    64..16K x three routings, every pass (the fused gate/up on w13 only); rows carry issue #29's shape keys, tokens
+    before the top-k fan-out; a shape's rows run together (Inductor compiles it once for its routings), the
+    4096-token shapes of every model first."""
+    from benchmarks.grouped import FULL, FULL_TOKENS, MODELS, ROUTINGS, group_sizes
+    assert len(FULL) == 324 and len({c.name for c in FULL}) == 324
+    counts = {}
+    for c in FULL:
+        counts[c.gemm_pass, c.layout] = counts.get((c.gemm_pass, c.layout), 0) + 1
+    assert counts == {("forward", "contiguous"): 72, ("forward", "masked"): 72, ("dgrad", "contiguous"): 72,
+                      ("wgrad", "contiguous"): 72, ("gate_up", "contiguous"): 36}
+    models = {(e, top): shapes for _, e, top, shapes in MODELS}
+    assert models == {(256, 8): [(4096, 7168), (7168, 2048)], (128, 8): [(1536, 2048), (2048, 768)],
+                      (8, 2): [(28672, 4096), (4096, 14336)]}
+    for c in FULL:
+        keys = c.row_keys()
+        assert set(ISSUE_KEYS) <= set(keys) and keys["rows"] == c.rows
+        assert keys["tokens"] * c.top_k == c.rows and keys["tokens"] in FULL_TOKENS and c.routing in ROUTINGS
+        assert (c.n, c.k) in models[c.experts, c.top_k]
+        assert c.gemm_pass != "gate_up" or (c.n, c.k) == models[c.experts, c.top_k][0]
+    forward = [(c.experts, c.n, c.k, c.rows) for c in FULL if c.gemm_pass == "forward" and c.layout == "contiguous"]
+    runs = [s for i, s in enumerate(forward) if i == 0 or forward[i - 1] != s]
+    assert len(runs) == len(set(runs)) == 24 and all(forward.count(s) == 3 for s in runs)
+    assert [rows // top for (e, _, _, rows), top in zip(runs[:6], [8, 8, 8, 8, 2, 2])] == [4096] * 6
+    for c in FULL[:81:7] + FULL[-27:]:  # every model and pass; group sizes sum to the rows (wgrad's in 8s)
+        sizes = group_sizes(c)
+        assert len(sizes) == c.experts and sum(sizes) == c.rows
+        assert c.gemm_pass != "wgrad" or all(s % 8 == 0 for s in sizes)
+
+
+def _full_suite_operands(case):
+    """The operands nvfly gets in benchmarks.grouped's setup, as meta tensors: (layout, a, b, output shape, fuse,
+    rows per group for the heuristic)."""
+    from benchmarks.grouped import masked_capacity
+    e, n, k, rows = case.experts, case.n, case.k, case.rows
+
+    def meta(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+    if case.layout == "masked":
+        cap = masked_capacity(case)
+        return "masked", meta(e, cap, k), meta(e, n, k).mT, (e, cap, n), "none", rows / e
+    if case.gemm_pass in ("forward", "gate_up"):
+        fuse = "silu_mul" if case.gemm_pass == "gate_up" else "none"
+        return "contiguous", meta(rows, k), meta(e, n, k).mT, (rows, n // 2 if fuse != "none" else n), fuse, None
+    if case.gemm_pass == "dgrad":
+        return "contiguous", meta(rows, n), meta(e, n, k), (rows, k), "none", None
+    return "kgrouped", meta(rows, k).mT, meta(rows, n), (e, k, n), "none", None
+
+
+def _full_suite_kernels() -> dict:
+    """(config, groups, layout, majors, fuse) -> the first full-suite row that runs that kernel; every row checked
+    (its operands pass nvfly's checks, its plan fits the shared memory and the SMs)."""
+    from benchmarks.grouped import FULL
+    from nvfly.ops.grouped.api import _coordinate_reason, _layout_reason, check, plan_of
+    kernels = {}
+    for case in FULL:
+        layout, a, b, shape, fuse, rows_per_group = _full_suite_operands(case)
+        offs = torch.empty(case.experts, dtype=torch.int32, device="meta")
+        assert check(a, b, offs, None, None, fuse, layout == "masked")[:2] == (layout, shape), case.name
+        assert (_layout_reason(a, b, offs, "offs") or _coordinate_reason(layout, a, b, fuse, shape[-1])) is None
+        plan = plan_of(layout, a, b, shape, case.experts, fuse, None, rows_per_group)
+        assert plan.smem_bytes <= SMEM_LIMIT and plan.grid <= 132, case.name
+        kernels.setdefault((plan.config, case.experts, layout, plan.a_major, plan.b_major, fuse), case.name)
+    return kernels
+
+
+def test_benchmark_full_suite_plans():
+    """Every full-suite row is one nvfly runs: its operands (the input gradient's weights N-contiguous included)
+    pass the checks and its plan fits; 28 kernels in all (``test_benchmark_full_suite_compiles`` builds them)."""
+    assert len(_full_suite_kernels()) == 28
+
+
+@pytest.mark.slow
+def test_benchmark_full_suite_compiles():
+    """The full suite's 28 kernels compile without spills or ptxas warnings (~40 s)."""
+    for (config, groups, layout, a_major, b_major, fuse), name in _full_suite_kernels().items():
+        (k,) = grouped.compile_variants([(layout, fuse, a_major, b_major)], config=config, groups=groups)
+        check_kernel(k, "HGMMA.64x")
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "hot"])
+def test_benchmark_passes_on_cpu(routing):
+    """benchmarks.grouped's setup of every pass and layout on tiny CPU operands: torch._grouped_mm (the peer) against
+    the float32 per-group reference over the rows the reference owns (the masked peer computes the whole capacity),
+    the flop of the routed (masked: counted) rows."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    from benchmarks.grouped import FULL_PASSES, Case, chunked_rel_err, masked_capacity, setup
+    for gemm_pass, layout in FULL_PASSES:
+        case = Case("tiny", gemm_pass, 8, 48, 32, 64 * 2, routing, 2, layout)
+        s = setup(case, "cpu")
+        ref, out = s.reference(), s.impls["torch"]()
+        assert chunked_rel_err(out, ref) < 1e-2, (gemm_pass, layout)
+        width = 24 if gemm_pass == "gate_up" else 32 if gemm_pass == "dgrad" else 48
+        expected = {"masked": (8, masked_capacity(case), 48), "wgrad": (8, 32, 48)}.get(
+            layout if layout == "masked" else gemm_pass, (128, width))
+        assert tuple(ref.shape) == tuple(out.shape) == expected, (gemm_pass, layout)
+        routed = 128 if layout == "contiguous" else int((~ref[:, :, 0].isnan()).sum())
+        assert s.flop == 2.0 * routed * 48 * 32 and s.plan.startswith("grouped ")
+
+
+def test_benchmark_rel_err_owned():
+    """chunked_rel_err: over the elements the reference owns (its NaN rows skipped), in slices, inf where the output
+    is NaN on an owned element."""
+    from benchmarks.common import rel_err
+    from benchmarks.grouped import chunked_rel_err
+    ref = torch.randn(5, 7, 3)
+    out = ref + 1e-3 * torch.randn(5, 7, 3)
+    assert chunked_rel_err(out, ref, chunk_elements=21) == pytest.approx(rel_err(out, ref), rel=1e-9)
+    ref[2, 4:] = float("nan")
+    out[2, 4:] = float("nan")
+    owned = ~ref.isnan()
+    assert chunked_rel_err(out, ref, chunk_elements=1) == pytest.approx(rel_err(out[owned], ref[owned]), rel=1e-9)
+    out[0, 0, 0] = float("nan")
+    assert chunked_rel_err(out, ref) == float("inf")
+
+
+def test_benchmark_triton_budget():
+    """TritonBudget: a compile only while the seconds spent, the compile (the longest so far) and the rows left at
+    their mean stay within the budget; 0 is no limit."""
+    from benchmarks.grouped import TritonBudget
+    budget = TritonBudget(100.0, start=0.0)
+    assert budget.allows(rows_left=70, now=0.0) and not budget.allows(rows_left=71, now=0.0)  # 30 s + 1 s a row
+    budget.compiles += [10.0, 20.0]
+    budget.rows += [0.5, 1.5]
+    assert budget.allows(rows_left=20, now=60.0) and not budget.allows(rows_left=21, now=60.0)
+    assert TritonBudget(0.0, start=0.0).allows(rows_left=10 ** 6, now=10 ** 6)
+
+
+def test_benchmark_arguments():
+    """--tokens and --passes pick a part of the full suite (in its order); unknown values and --quick with --full,
+    --tokens or --passes are usage errors."""
+    import argparse
+    from benchmarks.grouped import FULL, main, suite_of
+    parser = argparse.ArgumentParser()
+    assert suite_of(argparse.Namespace(tokens="", passes=""), parser) is FULL
+    part = suite_of(argparse.Namespace(tokens="16384,64", passes="forward"), parser)
+    assert part == [c for c in FULL if c.tokens in (64, 16384) and c.gemm_pass == "forward"] and len(part) == 72
+    for argv in (["--tokens", "100"], ["--passes", "backward"], ["--tokens", "x"], ["--quick", "--full"],
+                 ["--quick", "--tokens", "64"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+
+
+def test_benchmark_rows_on_cpu(monkeypatch):
+    """benchmarks.grouped's row loop on a tiny suite on the CPU (torch._grouped_mm standing in for nvfly and for
+    Inductor's compile, fixed times): every row carries issue #29's keys and nvfly/torch times, Inductor's on the
+    contiguous forward rows, compiled once a shape (on its first routing) within --triton-cases and --budget-s, and
+    rows it leaves out say why, a failed compile too; the summary per pass and layout; checkpoints every 25 rows."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    import argparse
+    from benchmarks import grouped as bench
+    monkeypatch.setattr(bench, "MODELS", [("tiny", 8, 2, [(48, 32), (32, 48)])])
+    cases = bench.full_cases((16,))
+    assert len(cases) == 15 + 12
+    real_setup = bench.setup
+
+    def cpu_setup(case):
+        s = real_setup(case, "cpu")
+        s.impls["nvfly"] = s.impls["torch"]
+        return s
+    compiles = []
+    failing = []
+
+    def fake_compile():
+        compiles.append(1)
+        if failing:
+            raise RuntimeError("no valid choice")
+        return lambda a, b, offs: torch._grouped_mm(a, b, offs)
+
+    def fake_times(row, impls, flop, nbytes):
+        for name in impls:
+            row[f"{name}_ms"] = {"nvfly": 1.0, "torch": 1.5, "triton": 2.0}[name]
+            row[f"{name}_tflops"] = flop / row[f"{name}_ms"] / 1e9
+            row[f"{name}_tbps"] = nbytes / row[f"{name}_ms"] / 1e9
+    monkeypatch.setattr(bench, "setup", cpu_setup)
+    monkeypatch.setattr(bench, "inductor_grouped_mm", fake_compile)
+    monkeypatch.setattr(bench, "time_impls", fake_times)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    saved = []
+
+    def run(**flags):
+        compiles.clear()
+        args = argparse.Namespace(**{"quick": False, "no_triton": False, "triton_cases": None, "budget_s": 0.0,
+                                     **flags})
+        return bench.grouped_rows(cases, args, start=0.0, checkpoint=lambda rows: saved.append(len(rows)))
+    rows, summary = run()
+    assert len(rows) == len(cases) and len(compiles) == 2 and saved == [25]
+    for row in rows:
+        assert set(ISSUE_KEYS) <= set(row) and row["nvfly_rel_err"] < 1e-2 and row["vs_torch"] == 1.5
+        assert row["tokens"] == row["rows"] // 2 and row["nvfly_ms"] and row["torch_ms"]
+        plain = row["pass"] == "forward" and row["layout"] == "contiguous"
+        assert ("triton_ms" in row) == plain and ("triton_compile_s" in row) == (plain and row["routing"] == "uniform")
+    assert summary["rows"] == len(rows) and summary["triton_rows"] == 6 and summary["triton_compiles"] == 2
+    assert summary["geomean_vs_triton"] == pytest.approx(2.0) and summary["min_vs_torch"] == pytest.approx(1.5)
+    assert set(summary["by_pass"]) == {"forward contiguous", "forward masked", "gate_up contiguous",
+                                       "dgrad contiguous", "wgrad contiguous"}
+    rows, summary = run(triton_cases=1)
+    assert len(compiles) == 1 and summary["triton_rows"] == 3
+    assert {r["triton_left_out"] for r in rows if "triton_left_out" in r} == {"--triton-cases 1"}
+    rows, summary = run(budget_s=1e-6)
+    assert not compiles and summary["triton_left_out"] == 6 and summary["triton_rows"] == 0
+    failing.append(True)
+    rows, summary = run()
+    assert len(compiles) == 2 and summary["triton_errors"] == 2 and summary["triton_rows"] == 0
+    assert len(rows) == len(cases) and [r.get("triton_error") for r in rows if r["pass"] == "forward" and
+                                        r["layout"] == "contiguous"] == ["RuntimeError: no valid choice"] * 6
+    rows, summary = run(no_triton=True)
+    assert not compiles and not any("triton_ms" in r or "triton_left_out" in r for r in rows)
+
+
+def test_benchmark_main_writes(monkeypatch, tmp_path):
+    """benchmarks.grouped --full: the suite's rows (here two fake ones) and summary in <name>_h200.json, the
+    fraction-of-floor plot with Inductor's series in <name>_h200.png."""
+    import json
+    from benchmarks import grouped as bench
+    seen = {}
+
+    def fake_rows(cases, args, start, checkpoint=None):
+        seen["cases"] = cases
+        rows = [{**case.row_keys(), "nvfly_of_floor": 0.9, "torch_of_floor": 0.8, **({"triton_of_floor": 0.85}
+                                                                                   if i == 0 else {})}
+                for i, case in enumerate(cases[:2])]
+        checkpoint(rows)
+        return rows, {"rows": 2}
+    monkeypatch.setattr(bench, "grouped_rows", fake_rows)
+    monkeypatch.setenv("NVFLY_RESULTS_DIR", str(tmp_path))
+    assert bench.main(["--full", "--tokens", "64", "--passes", "wgrad", "--name", "grouped_try"]) == 0
+    assert len(seen["cases"]) == 18 and {c.gemm_pass for c in seen["cases"]} == {"wgrad"}
+    doc = json.loads((tmp_path / "grouped_try_h200.json").read_text())
+    assert doc["meta"]["summary"]["rows"] == 2 and doc["rows"][0]["pass"] == "wgrad"
+    assert (tmp_path / "grouped_try_h200.png").stat().st_size > 0

@@ -345,3 +345,19 @@ def test_mx_scale_indexing_model(recipe, masked, two_consumers, sizes, k, n):
     assert (stores[owned] == 1).all() and (stores[~owned] == 0).all()
     scale = np.abs(ref[owned]).max(initial=1.0)
     np.testing.assert_allclose(out[owned], ref[owned], rtol=1e-5, atol=1e-5 * scale)
+
+
+def test_benchmark_grouped_mx_cases_plan():
+    """benchmarks.scaled --grouped-mx's cases plan on both recipes: the 128 x 128 TMA-store tile at 4096 tokens (128
+    rows an expert), the 64 x 64 decode tile on the masked batch, within shared memory next to 256 groups' table."""
+    from benchmarks.grouped import Case, group_sizes
+    from benchmarks.scaled import GROUPED_MX_CASES
+    for name, kind, e, n, k, rows, routing in GROUPED_MX_CASES:
+        sizes = group_sizes(Case(name, kind, e, n, k, rows, routing))
+        assert sum(sizes) == rows and len(sizes) == e
+        for epi in (MXFP8, MXFP4):
+            layout = "masked" if kind == "masked" else "contiguous"
+            plan = make_grouped_plan(layout, epi, e, 8 if kind == "masked" else rows, n, k, rows / e, 132)
+            cfg = plan.config
+            assert (cfg.bm, cfg.bn) == ((64, 64) if kind == "masked" else (128, 128)), name
+            assert cfg.packed_b == (epi is MXFP4) and plan.smem_bytes <= 232448 and cfg.stages >= 4

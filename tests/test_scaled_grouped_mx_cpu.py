@@ -361,3 +361,12 @@ def test_benchmark_grouped_mx_cases_plan():
             cfg = plan.config
             assert (cfg.bm, cfg.bn) == ((64, 64) if kind == "masked" else (128, 128)), name
             assert cfg.packed_b == (epi is MXFP4) and plan.smem_bytes <= 232448 and cfg.stages >= 4
+
+
+def test_explain_describes_grouped_mx(capsys):
+    from nvfly.cli import main
+    assert main(["explain", "32768", "4096", "7168", "--groups", "256", "--scaled", "mxfp4"]) == 0
+    out = capsys.readouterr().out
+    assert "scaled-grouped-contiguous-mxfp4-promoted: 128x128 tile on 2 consumers" in out and "mxfp4 scales" in out
+    assert main(["explain", "16", "4096", "7168", "--groups", "256", "--scaled", "mxfp8", "--layout", "masked"]) == 0
+    assert "scaled-grouped-masked-mxfp8-promoted: 64x64 tile on 1 consumer" in capsys.readouterr().out

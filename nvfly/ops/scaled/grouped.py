@@ -243,9 +243,10 @@ def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
                       check_offsets: bool = False) -> torch.Tensor:
     """The MoE forward in FP8: a [T, K] (tokens sorted by expert) x b [E, K, N] with ``offs`` (int32 [E], the
     cumulative group ends on the device; group g the rows [offs[g-1], offs[g])) -> out [T, N], each group's rows
-    (a * scale_a) @ (b[g] * scale_b[g]); rows past offs[-1] are not written. Block (DeepSeek-V3) or row-wise
-    (``torch._scaled_grouped_mm``'s) scales, see the module doc; block scales always promote every k-block of 128
-    into fp32, row-wise ones unless ``use_fast_accum``. The group sizes are never read on the host (groups of any
+    (a * scale_a) @ (b[g] * scale_b[g]); rows past offs[-1] are not written. Block (DeepSeek-V3), row-wise
+    (``torch._scaled_grouped_mm``'s) or MX (e8m0 per 32 of K; ``b`` MXFP8 or packed MXFP4) scales, see the module
+    doc; block scales always promote every k-block of 128 into fp32, MX ones every k-step of 32, row-wise ones
+    unless ``use_fast_accum``. The group sizes are never read on the host (groups of any
     size, 0 included; offsets that decrease or pass T are clamped on the device). ``config``: the kernel's tile
     (a ScaledConfig without K splits), ``rows_per_group`` the heuristic's estimate (default the average);
     ``check_offsets=True`` checks the offsets first, with a host sync (``validate_offsets``). Raises TypeError or
@@ -269,7 +270,8 @@ def scaled_grouped_mm_masked(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Te
     """The masked layout: a [E, Mmax, K] x b [E, K, N] -> out [E, Mmax, N], group g its first ``counts[g]`` rows
     (int32 [E] on the device, clamped to [0, Mmax]); the other rows are not written. ``expected_rows``: the rows a
     group has on average, for the heuristic (default Mmax; DeepGEMM's expected_m). Scales and the rest as
-    ``scaled_grouped_mm`` (scale_a [E, Mmax, K/128] or [E, Mmax]; ``check_offsets`` checks the counts)."""
+    ``scaled_grouped_mm`` (scale_a [E, Mmax, K/128], [E, Mmax] or MX [E, Mmax, K/32]; ``check_offsets`` checks the
+    counts)."""
     call = _bound(SCALED_GROUPED_MM_MASKED, a, b, scale_a, scale_b, counts, out_dtype, out, use_fast_accum, True,
                   config, expected_rows)
     if check_offsets:

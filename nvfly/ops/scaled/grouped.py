@@ -246,8 +246,8 @@ def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
     (a * scale_a) @ (b[g] * scale_b[g]); rows past offs[-1] are not written. Block (DeepSeek-V3), row-wise
     (``torch._scaled_grouped_mm``'s) or MX (e8m0 per 32 of K; ``b`` MXFP8 or packed MXFP4) scales, see the module
     doc; block scales always promote every k-block of 128 into fp32, MX ones every k-step of 32, row-wise ones
-    unless ``use_fast_accum``. The group sizes are never read on the host (groups of any
-    size, 0 included; offsets that decrease or pass T are clamped on the device). ``config``: the kernel's tile
+    unless ``use_fast_accum``. The group sizes are never read on the host (groups of any size, 0 included; offsets
+    that decrease or pass T are clamped on the device). ``config``: the kernel's tile
     (a ScaledConfig without K splits), ``rows_per_group`` the heuristic's estimate (default the average);
     ``check_offsets=True`` checks the offsets first, with a host sync (``validate_offsets``). Raises TypeError or
     ValueError naming the argument when nvfly cannot run it."""

@@ -7,8 +7,8 @@ up to ``SMALL_GROUP_ROWS`` rows on average (decode: the weights are streamed onc
 on one consumer warpgroup with a deep ring; more rows the 128 x 128 tile on two consumers (as the dense scaled
 GEMM's promoted tile). MX scales promote every k-step, in order: 64 x 64 for decode (64 x 128 on one consumer
 spills with MX's column scales) or 128 x 128, MXFP4 weights with the packed B tile in every stage
-(``ScaledConfig.packed_b``). The ring is as deep as shared memory holds next to
-the group table. Measurements: docs/ops/scaled.md.
+(``ScaledConfig.packed_b``). The ring is as deep as shared memory holds next to the group table. Measurements:
+docs/ops/scaled.md.
 """
 from __future__ import annotations
 

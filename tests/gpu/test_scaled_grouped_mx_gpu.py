@@ -120,7 +120,7 @@ def test_output_dtypes(hopper, recipe, out_dtype):
     """fp16 (TMA store) and f32 (the register tile, the heuristic's fallback) outputs."""
     sizes = [40, 0, 200, 7]
     k, n = 512, 256
-    a, sa = tokens(sum(sizes), k, 2.0 ** -4 if out_dtype == torch.float16 else 1.0)
+    a, sa = tokens(sum(sizes), k, 2.0 ** -8 if out_dtype == torch.float16 else 1.0)  # fp16: outputs well under 65504
     b, sb = experts(len(sizes), n, k, recipe)
     offs = sizes_to_offs(sizes)
     out = torch.full((sum(sizes), n), float("nan"), device="cuda", dtype=out_dtype)

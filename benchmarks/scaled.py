@@ -49,10 +49,20 @@ warp's TMA ring of 8 or 16 four-chunk stages, natural or bit-shuffled): <name>_t
 <name>_floor (fraction of the copy bandwidth), <name>_rel_err, and their geomeans at M <= 16 in the summary. The
 results file is rewritten after every row. Usage: python -m benchmarks.scaled --a16 [--quick] [--a16-m 1 4 16 64] [--a16-variants NAME ...]
 [--name ...].
+
+Grouped MX (``--grouped-mx``, its own suite, default name scaled_grouped_mx, ~3 min): nvfly's grouped MX GEMM
+(``scaled_grouped_mm`` / ``scaled_grouped_mm_masked``: MXFP8 tokens x MXFP4 (``mxfp4``) or MXFP8 (``mxfp8``) expert
+weights, e8m0 scales per 32 of K; ``--recipes`` picks among them) on DeepSeek-V3's E = 256 top-8 routing
+(``GROUPED_MX_CASES``: gate/up and down at 4096 tokens, uniform and randomly routed, contiguous; a masked decode
+batch of 128 tokens), against the bf16 grouped GEMM of the same routing (nvfly's ``grouped_mm`` /
+``grouped_mm_masked`` on the dequantised operands). Correctness first (``rel_err``/``max_err`` against the float32
+product of the dequantised operands, owned rows), then nvfly_ms, nvfly_tflops, nvfly_tbps (the MX bytes that must
+move), bf16_ms, bf16_tflops, vs_bf16. Usage: python -m benchmarks.scaled --grouped-mx [--recipes mxfp4 mxfp8].
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -439,6 +449,116 @@ def quantize_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+# --grouped-mx: DeepSeek-V3 (E 256, top-8) at 4096 tokens (uniform: 128 rows an expert; topk8: a random router's
+# ragged counts) and a masked decode batch of 128 tokens (benchmarks.grouped's cases and routing)
+GROUPED_MX_CASES = [("DSv3 gate/up T4096", "forward", 256, 4096, 7168, 4096 * 8, "uniform"),
+                    ("DSv3 gate/up T4096 routed", "forward", 256, 4096, 7168, 4096 * 8, "topk8"),
+                    ("DSv3 down T4096", "forward", 256, 7168, 2048, 4096 * 8, "uniform"),
+                    ("DSv3 masked decode T128", "masked", 256, 4096, 7168, 128 * 8, "uniform")]
+
+
+def mx_experts(e: int, n: int, k: int, recipe: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random expert weights quantised expert by expert (all experts' fp32 weights at once would take 30 GB): b
+    [E, K, N] e4m3 (mxfp8) or [E, K/2, N] packed e2m1 (mxfp4), column-major, scale_b [E, N, K/32] e8m0, and the
+    dequantised weights in bf16 [E, K, N] (K-major), the bf16 peer's."""
+    from nvfly.ops.scaled.quantize import dequantize_mx
+    width = k // 2 if recipe == "mxfp4" else k
+    q = torch.empty(e, n, width, dtype=torch.uint8, device="cuda")
+    scales = torch.empty(e, n, k // 32, dtype=torch.uint8, device="cuda")
+    w16 = torch.empty(e, n, k, dtype=torch.bfloat16, device="cuda")
+    for g in range(e):
+        qt, s = quantize(torch.randn(n, k, device="cuda"), "mxfp4" if recipe == "mxfp4" else "mx", operand="b")
+        q[g], scales[g] = qt.t().view(torch.uint8), s
+        w16[g] = (dequantize_mxfp4(qt.t(), s) if recipe == "mxfp4" else dequantize_mx(qt.t(), s)).bfloat16()
+    dtype = torch.float4_e2m1fn_x2 if recipe == "mxfp4" else torch.float8_e4m3fn
+    return q.view(dtype).mT, scales.view(torch.float8_e8m0fnu), w16.mT
+
+
+def grouped_mx_rows(recipes: list[str], save: Any) -> list[dict[str, Any]]:
+    """The --grouped-mx rows (the module docstring); ``save(rows)`` after every row."""
+    from benchmarks.grouped import Case, group_sizes, offsets
+    from nvfly.ops import grouped
+    from nvfly.ops.scaled.quantize import dequantize_mx
+    rows = []
+    for name, kind, e, n, k, routed_rows, routing in progress(GROUPED_MX_CASES, "scaled_grouped_mx"):
+        sizes = group_sizes(Case(name, kind, e, n, k, routed_rows, routing))
+        masked = kind == "masked"
+        if masked:  # a fixed capacity of twice the expected rows (benchmarks.grouped's)
+            capacity = 8 * math.ceil(2 * routed_rows / e / 8)
+            groups_of = torch.tensor([min(s, capacity) for s in sizes], dtype=torch.int32, device="cuda")
+            tokens, routed = e * capacity, int(groups_of.sum())
+        else:
+            groups_of = offsets(sizes)
+            tokens = routed = sum(sizes)
+        a, sa = quantize(torch.randn(tokens, k, device="cuda"), "mx")
+        sa = sa.view(torch.float8_e8m0fnu)
+        a16 = dequantize_mx(a, sa).bfloat16()
+        if masked:
+            a, sa, a16 = a.view(e, capacity, k), sa.view(e, capacity, k // 32), a16.view(e, capacity, k)
+        expected = routed_rows / e
+        for recipe in recipes:
+            b, sb, b16 = mx_experts(e, n, k, recipe)
+            out = torch.full(tuple(a.shape[:-1]) + (n,), float("nan"), device="cuda", dtype=torch.bfloat16)
+            if masked:
+                def nvfly_mx():
+                    return scaled.scaled_grouped_mm_masked(a, b, sa, sb, groups_of, out=out, expected_rows=expected)
+
+                def bf16():
+                    return grouped.grouped_mm_masked(a16, b16, groups_of, expected_rows=expected)
+            else:
+                def nvfly_mx():
+                    return scaled.scaled_grouped_mm(a, b, sa, sb, groups_of, out=out)
+
+                def bf16():
+                    return grouped.grouped_mm(a16, b16, groups_of)
+            ref = scaled.grouped_reference(a, b, sa, sb, groups_of, masked=masked)
+            owned = ~ref.isnan()
+            got, peer = nvfly_mx(), bf16()
+            row = {"case": name, "layout": "masked" if masked else "contiguous", "E": e, "N": n, "K": k,
+                   "rows": routed, "routing": routing, "recipe": recipe, "out": "bf16",
+                   "nvfly_plan": scaled.describe_grouped("masked" if masked else "contiguous", e, a.shape[-2], n, k,
+                                                         scaling=recipe, rows_per_group=expected),
+                   "unwritten": int(got[owned].isnan().sum()), "rel_err": rel_err(got[owned], ref[owned]),
+                   "max_err": max_err(got[owned], ref[owned]), "bf16_rel_err": rel_err(peer[owned], ref[owned])}
+            del ref, owned, got, peer
+            row["nvfly_ms"] = bench_ms(nvfly_mx)
+            row["bf16_ms"] = bench_ms(bf16)
+            flop = 2.0 * routed * n * k
+            active = sum(1 for s in sizes if s)
+            weight_bytes = active * n * (k // 2 if recipe == "mxfp4" else k) + active * n * k // 32
+            mx_bytes = routed * (k + k // 32) + weight_bytes + 2 * routed * n
+            row.update(nvfly_tflops=flop / row["nvfly_ms"] / 1e9, bf16_tflops=flop / row["bf16_ms"] / 1e9,
+                       nvfly_tbps=mx_bytes / row["nvfly_ms"] / 1e9, vs_bf16=row["bf16_ms"] / row["nvfly_ms"])
+            rows.append(row)
+            save(rows)
+            print(f"{name:<26} {recipe}  err {row['rel_err']:.1e} max {row['max_err']:.1e} (bf16 peer "
+                  f"{row['bf16_rel_err']:.1e})  nvfly {row['nvfly_tflops']:6.1f} TFLOP/s {row['nvfly_tbps']:.2f} TB/s"
+                  f"  bf16 grouped {row['bf16_tflops']:6.1f} x{row['vs_bf16']:.2f}  {row['nvfly_plan']}", flush=True)
+            del b, sb, b16, out
+            torch.cuda.empty_cache()
+    return rows
+
+
+def grouped_mx_main(args: argparse.Namespace) -> int:
+    t_start = time.time()
+    name = args.name if args.name != "scaled" else "scaled_grouped_mx"
+    recipes = [r for r in (args.recipes or MX_RECIPES) if r in MX_RECIPES]
+
+    def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"seconds": time.time() - t_start, "rows": len(rows),
+                "max_rel_err": max((r["rel_err"] for r in rows), default=0.0),
+                **{f"geomean_vs_bf16_{recipe}": geomean([r["vs_bf16"] for r in rows if r["recipe"] == recipe])
+                   for recipe in recipes if any(r["recipe"] == recipe for r in rows)}}
+    rows = grouped_mx_rows(recipes, lambda done: write_results(name, done, {"partial": True}))
+    print(summary(rows))
+    path = write_results(name, rows, {"summary": summary(rows)})
+    plot(name, [f"{r['case']} {r['recipe']}" for r in rows],
+         {"nvfly grouped MX": [r["nvfly_tflops"] for r in rows],
+          "nvfly grouped bf16": [r["bf16_tflops"] for r in rows]}, "TFLOP/s")
+    print("wrote", path)
+    return 0
+
+
 def quantize_main(args: argparse.Namespace) -> int:
     t_start = time.time()
     rows = quantize_rows(args.quantize_variants)
@@ -478,7 +598,11 @@ def main(argv=None) -> int:
     p.add_argument("--a16-m", nargs="*", type=int, default=A16_M, help="--a16's token counts")
     p.add_argument("--a16-variants", nargs="*", default=list(A16_VARIANTS), choices=list(A16_VARIANTS),
                    help="--a16's mainloop variants timed beside the default (A16_VARIANTS; default: all)")
+    p.add_argument("--grouped-mx", action="store_true",
+                   help="the grouped MX GEMM (MoE) on DeepSeek-V3 routing instead (the module docstring; ~3 min)")
     args = p.parse_args(argv)
+    if args.grouped_mx:
+        return grouped_mx_main(args)
     if args.a16:
         return a16_main(args)
     if args.quantize_only:

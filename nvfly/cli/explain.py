@@ -96,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
         args.parser.error("give M N K (a GEMM) or --sdpa (attention), not both")
     if args.scaled and args.groups is not None:
         from nvfly.torch.scaled_grouped_ops import explain_scaled_grouped
-        if args.scaled not in ("row", "block") or args.layout == "kgrouped":
-            args.parser.error("--groups with --scaled: row or block scales, contiguous or masked layout")
+        if args.scaled not in ("row", "block", "mxfp8", "mxfp4") or args.layout == "kgrouped":
+            args.parser.error("--groups with --scaled: row, block, mxfp8 or mxfp4 scales, contiguous or masked layout")
         print(explain_scaled_grouped(args.groups, args.m, args.n, args.k, layout=args.layout, scaling=args.scaled,
                                      use_fast_accum=args.fast_accum), end="")
         return 0

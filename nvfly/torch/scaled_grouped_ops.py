@@ -110,8 +110,9 @@ def grouped_v2_run(*args: Any, **kwargs: Any) -> torch.Tensor:
 
 def explain_scaled_grouped(groups: int, m: int, n: int, k: int, *, layout: str = "contiguous",
                            scaling: str = "row", use_fast_accum: bool = False) -> str:
-    """``nvfly explain M N K --groups E --scaled block|row``: what nvfly runs for a grouped FP8 GEMM (``layout``
-    "contiguous": m routed tokens in all; "masked": m rows of capacity a group) and what the routes take."""
+    """``nvfly explain M N K --groups E --scaled block|row|mxfp8|mxfp4``: what nvfly runs for a grouped FP8 GEMM
+    (``layout`` "contiguous": m routed tokens in all; "masked": m rows of capacity a group) and what the routes
+    take."""
     lines = [f"grouped FP8 GEMM, {layout}: {groups} groups, M={m} N={n} K={k}, {scaling} scales"
              f"{', fast accumulation' if use_fast_accum else ''}"]
     try:
@@ -122,7 +123,7 @@ def explain_scaled_grouped(groups: int, m: int, n: int, k: int, *, layout: str =
     lines.append("  routed: torch._scaled_grouped_mm / F.scaled_grouped_mm (row-wise) under nvfly.torch.routing(): "
                  "2-D x 3-D with offs and 3-D x 3-D, bf16 out, no bias, on an sm_90 GPU")
     if scaling != "row":
-        lines.append("  block scales: torch's grouped op does not take them on sm90; call "
+        lines.append(f"  {scaling} scales: torch's grouped op does not take them on sm90; call "
                      "nvfly.ops.scaled.scaled_grouped_mm(_masked) directly")
     return "\n".join(lines) + "\n"
 

@@ -3,9 +3,9 @@
 promoted every k-step; MXFP8, or MXFP4 weights converted in shared memory) on a persistent TMA + fp8 wgmma kernel
 (``kernel``, planned by ``plan``); MXFP4 weights x bf16/fp16 activations on a weight-streaming mma.sync kernel
 (``a16_kernel``, planned by ``a16_plan``); the grouped scaled GEMM of MoE experts (``scaled_grouped_mm`` contiguous,
-``..._masked``; block or row-wise scales) on ``grouped_kernel``, planned by ``grouped_plan``, host functions in
-``grouped``; ``api`` holds the dense host functions re-exported here, docs/ops/scaled.md the design and
-measurements.
+``..._masked``; block, row-wise or MX scales, MXFP4 expert weights converted in shared memory) on
+``grouped_kernel``, planned by ``grouped_plan``, host functions in ``grouped``; ``api`` holds the dense host
+functions re-exported here, docs/ops/scaled.md the design and measurements.
 """
 from nvfly.ops.scaled.a16_plan import A16Config
 from nvfly.ops.scaled.api import check, dequantize, describe, eligibility, path, recipe, reference, scaled_mm

@@ -90,17 +90,25 @@ def mx_recipe(a: Any, b: Any, scale_a: Any, scale_b: Any) -> str:
     scale_b (N, K/32), K a multiple of 32; raises TypeError or ValueError naming the argument."""
     m, k = a.shape
     n = b.shape[1]
+    check_mx_scales(k, (("scale_a", scale_a, (m,)), ("scale_b", scale_b, (n,))))
+    return "mxfp4" if b.dtype == FP4_DTYPE else "mxfp8"
+
+
+def check_mx_scales(k: int, scales: Sequence[tuple[str, Any, tuple[int, ...]]]) -> None:
+    """MX (e8m0) scales of a K-wide product: each (name, scale, rows) must be float8_e8m0fnu (or uint8) of shape
+    rows + (K/32,), K a multiple of 32 (the dense GEMM's (M, K/32) and (N, K/32); the grouped GEMM's batched ones);
+    raises TypeError or ValueError naming the argument."""
     if k % MX_BLOCK:
         raise ValueError(f"a: K={k} is not a multiple of {MX_BLOCK} (MX scales cover 32 elements of K)")
-    for name, scale in (("scale_a", scale_a), ("scale_b", scale_b)):
+    for name, scale, _ in scales:
         if not is_mx(scale):
             raise TypeError(f"{name}: dtype {scale.dtype} next to MX (e8m0) scales or MXFP4 weights: expected "
                             f"float8_e8m0fnu or uint8 scales for both")
-    for name, scale, rows in (("scale_a", scale_a, m), ("scale_b", scale_b, n)):
-        if tuple(scale.shape) != (rows, k // MX_BLOCK):
-            raise ValueError(f"{name}: shape {tuple(scale.shape)}: expected ({rows}, {k // MX_BLOCK}) e8m0 scales, "
-                             f"one per {MX_BLOCK} of K, row-major (cuBLAS's swizzled blocked layout is not taken)")
-    return "mxfp4" if b.dtype == FP4_DTYPE else "mxfp8"
+    for name, scale, rows in scales:
+        expected = tuple(rows) + (k // MX_BLOCK,)
+        if tuple(scale.shape) != expected:
+            raise ValueError(f"{name}: shape {tuple(scale.shape)}: expected {expected} e8m0 scales, one per "
+                             f"{MX_BLOCK} of K, row-major (cuBLAS's swizzled blocked layout is not taken)")
 
 
 def recipe(a: Any, b: Any, scale_a: Any, scale_b: Any) -> str:

@@ -5,12 +5,15 @@ expert with device counts, CUDA-graph decode), ``grouped_recipe``, ``check_group
 
 Operands are e4m3: ``a`` row-major tokens (contiguous [T, K]; masked [E, Mmax, K]), ``b`` the experts' weights
 [E, K, N] column-major in the last two dimensions (``w.transpose(-2, -1)`` of row-major [E, N, K] weights, as
-torch). Scales (fp32):
+torch); MXFP4 weights are float4_e2m1fn_x2 [E, K/2, N], the ``transpose(-2, -1)`` of row-major packed [E, N, K/2]
+(two values a byte along K, the lower k in the low nibble). Scales (fp32; MX: float8_e8m0fnu or their uint8 bytes):
 
     recipe   scale_a                                            scale_b
     block    contiguous [T, K/128], masked [E, Mmax, K/128]     [E, K/128, ceil(N/128)]  (128 x 128 weight blocks)
              (1 x 128: per token and 128 of K; any strides)     (any strides; K a multiple of 128)
     row      contiguous [T], masked [E, Mmax] (per token)       [E, N] (per expert and output channel)
+    mxfp8    contiguous [T, K/32], masked [E, Mmax, K/32]       [E, N, K/32] (per expert, channel and 32 of K)
+    mxfp4    as mxfp8 (MXFP8 tokens)                            as mxfp8, b packed e2m1 (K a multiple of 32)
 
 out = (a * sa) @ (b * sb) per group, bf16 (default), fp16 or fp32; the rows no group covers are not written.
 """
@@ -26,10 +29,12 @@ import nvfly
 from nvfly.ops.common.groups import validate_offsets
 from nvfly.ops.common.opcall import OpCalls, named
 from nvfly.ops.common.operands import hopper_reason, store_reason
-from nvfly.ops.scaled.api import staged_scales_box, staged_scales_reason, staged_scales_view
-from nvfly.ops.scaled.config import BK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
+from nvfly.ops.scaled.api import (FP4_DTYPE, check_mx_scales, is_mx, staged_scales_box, staged_scales_reason,
+                                  staged_scales_view)
+from nvfly.ops.scaled.config import BK, BLOCKWISE, MX, MX_BLOCK, SCALE_BLOCK, ScaledConfig, ScaledEpilogue
 from nvfly.ops.scaled.grouped_kernel import scaled_grouped_kernel
 from nvfly.ops.scaled.grouped_plan import MAX_GROUPS, ScaledGroupedPlan, fallback_config, make_grouped_plan
+from nvfly.ops.scaled.quantize import dequantize_mx, dequantize_mxfp4
 from nvfly.runtime.driver import plan_sm_count
 from nvfly.runtime.tma import cached_descriptor
 from nvfly.runtime.torch_args import layout_key
@@ -42,9 +47,14 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ---------------------------------------------------------------------------------------------- checks
 def grouped_recipe(a: Any, b: Any, scale_a: Any, scale_b: Any) -> str:
     """"block" (1 x 128 tokens x 128 x 128 weights) or "row" (per token x per expert channel), as the scales' shapes
-    say for a ([T, K] or [E, Mmax, K]) @ b [E, K, N]; raises ValueError naming the scale that fits neither."""
+    say for a ([T, K] or [E, Mmax, K]) @ b [E, K, N]; raises ValueError naming the scale that fits neither. e8m0
+    scales (or packed e2m1 ``b`` [E, K/2, N]) are MX: "mxfp8" ("mxfp4" for packed ``b``) when scale_a is a's rows by
+    K/32 and scale_b [E, N, K/32], else a TypeError or ValueError naming the argument (``check_mx_scales``)."""
     e, k, n = b.shape
     rows = tuple(a.shape[:-1])
+    if is_mx(scale_a) or is_mx(scale_b) or b.dtype == FP4_DTYPE:
+        check_mx_scales(a.shape[-1], (("scale_a", scale_a, rows), ("scale_b", scale_b, (e, n))))
+        return "mxfp4" if b.dtype == FP4_DTYPE else "mxfp8"
     kb = math.ceil(k / SCALE_BLOCK)
     block = (rows + (kb,), (e, kb, math.ceil(n / SCALE_BLOCK)))
     row = (rows, (e, n))
@@ -80,9 +90,12 @@ def check_grouped(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dty
     if b.dim() != 3:
         raise ValueError(f"b: expected 3-D expert weights [E, K, N], got {b.dim()}-D")
     for name, t in (("a", a), ("b", b)):
-        if t.dtype != torch.float8_e4m3fn:
-            raise TypeError(f"{name}: dtype {t.dtype}: the grouped scaled GEMM takes float8_e4m3fn operands")
+        if t.dtype != torch.float8_e4m3fn and not (name == "b" and t.dtype == FP4_DTYPE):
+            raise TypeError(f"{name}: dtype {t.dtype}: the grouped scaled GEMM takes float8_e4m3fn operands"
+                            + (" (or float4_e2m1fn_x2 MXFP4 weights)" if name == "b" else ""))
     e, k, n = b.shape
+    if b.dtype == FP4_DTYPE:  # e2m1 pairs: b is [E, K/2, N]
+        k *= 2
     if a.shape[-1] != k:
         raise ValueError(f"b: shape {tuple(b.shape)} and a's {tuple(a.shape)} do not multiply (K is {a.shape[-1]} "
                          f"in a, {k} in b)")
@@ -103,8 +116,8 @@ def check_grouped(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dty
     if not 1 <= groups <= MAX_GROUPS:
         raise ValueError(f"{offs_name}: {groups} groups: the grouped scaled GEMM takes 1 to {MAX_GROUPS}")
     for name, t in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if t.dtype != torch.float32:
-            raise TypeError(f"{name}: dtype {t.dtype}: expected float32 scales")
+        if t.dtype != torch.float32 and not is_mx(t):
+            raise TypeError(f"{name}: dtype {t.dtype}: expected float32 scales (or float8_e8m0fnu MX scales)")
     scaling = grouped_recipe(a, b, scale_a, scale_b)
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"out_dtype: {out_dtype} is not bf16, fp16 or fp32")
@@ -157,12 +170,17 @@ class _GroupedScaledCall:
         if plan.k == 0:
             out.zero_()
             return
-        sb = scale_b.transpose(-1, -2) if plan.epilogue.scaling == "block" else scale_b  # [E, N/128, K/128]
+        scaling = plan.epilogue.scaling
+        sa, sb = scale_a, scale_b.transpose(-1, -2) if scaling == "block" else scale_b  # [E, N/128, K/128]
+        kernel_b = b.transpose(-1, -2)  # [E, N, K] (MXFP4: [E, N, K/2] pairs, which TMA copies as bytes)
+        if scaling in MX:  # the e8m0 bytes
+            sa, sb = scale_a.view(torch.uint8), scale_b.view(torch.uint8)
+            kernel_b = kernel_b.view(torch.uint8) if plan.config.packed_b else kernel_b
         sa_desc = cached_descriptor(staged_scales_view(scale_a), staged_scales_box(scale_a, plan.scale_rows), 0) \
             if plan.config.staged_scales else None
         out_desc = cached_descriptor(out, *plan.store_box) if plan.store_box else None
-        self.launch(cached_descriptor(a, plan.a_box, 128), cached_descriptor(b.transpose(-1, -2), plan.b_box, 128),
-                    out.unsqueeze(0) if plan.layout == "contiguous" else out, out_desc, offs, sa_desc, scale_a, sb,
+        self.launch(cached_descriptor(a, plan.a_box, 128), cached_descriptor(kernel_b, plan.b_box, plan.b_swizzle),
+                    out.unsqueeze(0) if plan.layout == "contiguous" else out, out_desc, offs, sa_desc, sa, sb,
                     plan.m, plan.n, plan.k_tiles, plan.config, plan.groups, plan.layout, plan.epilogue)
 
 
@@ -175,7 +193,7 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dtype: Any,
     scaling, shape, groups = check_grouped(a, b, scale_a, scale_b, offs, out_dtype, out, masked)
     if config is not None and not isinstance(config, ScaledConfig):
         raise TypeError(f"config: expected a ScaledConfig or None, got {type(config).__name__}")
-    epilogue = ScaledEpilogue(scaling, promote=scaling == "block" or not use_fast_accum)
+    epilogue = ScaledEpilogue(scaling, promote=scaling in BLOCKWISE or not use_fast_accum)
     m = a.shape[-2] if masked else a.shape[0]
     rows = rows_per_group if rows_per_group is not None else (m if masked else m / groups)
     sms = sms if sms is not None else plan_sm_count(a.get_device())
@@ -225,10 +243,11 @@ def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
                       check_offsets: bool = False) -> torch.Tensor:
     """The MoE forward in FP8: a [T, K] (tokens sorted by expert) x b [E, K, N] with ``offs`` (int32 [E], the
     cumulative group ends on the device; group g the rows [offs[g-1], offs[g])) -> out [T, N], each group's rows
-    (a * scale_a) @ (b[g] * scale_b[g]); rows past offs[-1] are not written. Block (DeepSeek-V3) or row-wise
-    (``torch._scaled_grouped_mm``'s) scales, see the module doc; block scales always promote every k-block of 128
-    into fp32, row-wise ones unless ``use_fast_accum``. The group sizes are never read on the host (groups of any
-    size, 0 included; offsets that decrease or pass T are clamped on the device). ``config``: the kernel's tile
+    (a * scale_a) @ (b[g] * scale_b[g]); rows past offs[-1] are not written. Block (DeepSeek-V3), row-wise
+    (``torch._scaled_grouped_mm``'s) or MX (e8m0 per 32 of K; ``b`` MXFP8 or packed MXFP4) scales, see the module
+    doc; block scales always promote every k-block of 128 into fp32, MX ones every k-step of 32, row-wise ones
+    unless ``use_fast_accum``. The group sizes are never read on the host (groups of any size, 0 included; offsets
+    that decrease or pass T are clamped on the device). ``config``: the kernel's tile
     (a ScaledConfig without K splits), ``rows_per_group`` the heuristic's estimate (default the average);
     ``check_offsets=True`` checks the offsets first, with a host sync (``validate_offsets``). Raises TypeError or
     ValueError naming the argument when nvfly cannot run it."""
@@ -251,7 +270,8 @@ def scaled_grouped_mm_masked(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Te
     """The masked layout: a [E, Mmax, K] x b [E, K, N] -> out [E, Mmax, N], group g its first ``counts[g]`` rows
     (int32 [E] on the device, clamped to [0, Mmax]); the other rows are not written. ``expected_rows``: the rows a
     group has on average, for the heuristic (default Mmax; DeepGEMM's expected_m). Scales and the rest as
-    ``scaled_grouped_mm`` (scale_a [E, Mmax, K/128] or [E, Mmax]; ``check_offsets`` checks the counts)."""
+    ``scaled_grouped_mm`` (scale_a [E, Mmax, K/128], [E, Mmax] or MX [E, Mmax, K/32]; ``check_offsets`` checks the
+    counts)."""
     call = _bound(SCALED_GROUPED_MM_MASKED, a, b, scale_a, scale_b, counts, out_dtype, out, use_fast_accum, True,
                   config, expected_rows)
     if check_offsets:
@@ -267,7 +287,7 @@ def describe_grouped(layout: str, groups: int, m: int, n: int, k: int, *, scalin
                      use_fast_accum: bool = False, rows_per_group: Optional[float] = None, sms: int = 132) -> str:
     """What the grouped scaled GEMM runs (no GPU needed): ``layout`` "contiguous" (m tokens in all) or "masked"
     (m rows of capacity a group), planned for ``sms`` SMs."""
-    epilogue = ScaledEpilogue(scaling, promote=scaling == "block" or not use_fast_accum)
+    epilogue = ScaledEpilogue(scaling, promote=scaling in BLOCKWISE or not use_fast_accum)
     rows = rows_per_group if rows_per_group is not None else (m / groups if layout == "contiguous" else m)
     plan = make_grouped_plan(layout, epilogue, groups, m, n, k, rows, sms)
     cfg = plan.config
@@ -288,6 +308,9 @@ def grouped_reference(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
     def dequantized(g: int, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
         x = a[g][rows] if masked else a[rows]
         sx = scale_a[g][rows] if masked else scale_a[rows]
+        if scaling in MX:  # the dense MX reference's dequantisation, b[g].t() the expert's [N, K] (or [N, K/2])
+            dequantize_b = dequantize_mxfp4 if scaling == "mxfp4" else dequantize_mx
+            return dequantize_mx(x, sx), dequantize_b(b[g].t(), scale_b[g]).t()
         w = b[g].float()
         if scaling == "row":
             return x.float() * sx[:, None], w * scale_b[g][None, :]
@@ -315,7 +338,7 @@ def compile_grouped_variants(variants: Sequence[tuple[str, ScaledConfig, ScaledE
                              out_dtype: torch.dtype = torch.bfloat16, target: str = "sm_90a") -> list[Any]:
     """Compile the kernel without a GPU for each (layout, config, epilogue) of a 4096 x 4096 x 4096 problem a group
     (masked: Mmax 4096; contiguous: T 4096); returns CompiledKernels."""
-    from nvfly.frontend.dtypes import bf16, f16, f32
+    from nvfly.frontend.dtypes import bf16, f16, f32, u8
     from nvfly.runtime.tensor_desc import TensorDesc
     out_nv = {torch.bfloat16: bf16, torch.float16: f16, torch.float32: f32}[out_dtype]
     size = 4096
@@ -326,6 +349,8 @@ def compile_grouped_variants(variants: Sequence[tuple[str, ScaledConfig, ScaledE
         rows = (groups, size) if layout == "masked" else (size,)
         a_desc = nvfly.TmaDescriptor(TensorDesc(nvfly.f8e4m3, rows + (size,)), plan.a_box, swizzle=128)
         b_desc = nvfly.TmaDescriptor(TensorDesc(nvfly.f8e4m3, (groups, size, size)), plan.b_box, swizzle=128)
+        if plan.config.packed_b:  # MXFP4: e2m1 pairs [E, N, K/2] as bytes
+            b_desc = nvfly.TmaDescriptor(TensorDesc(u8, (groups, size, size // 2)), plan.b_box, swizzle=plan.b_swizzle)
         out = TensorDesc(out_nv, (groups if layout == "masked" else 1, size, size))
         out_desc = None
         if plan.store_box:  # the contiguous output's descriptor is 2-D [T, N]
@@ -334,6 +359,8 @@ def compile_grouped_variants(variants: Sequence[tuple[str, ScaledConfig, ScaledE
         if epi.scaling == "block":  # torch's scale_b [E, K/128, N/128] seen as [E, N/128, K/128]
             sa = TensorDesc(f32, rows + (kb,))
             sb = TensorDesc(f32, (groups, kb, kb), (kb * kb, 1, kb))
+        elif epi.scaling in MX:  # e8m0 bytes, K/32 innermost
+            sa, sb = TensorDesc(u8, rows + (size // MX_BLOCK,)), TensorDesc(u8, (groups, size, size // MX_BLOCK))
         else:
             sa, sb = TensorDesc(f32, rows), TensorDesc(f32, (groups, size))
         # staged scales: scale_a seen K/128 outermost (staged_scales_view), one k-block's plan.scale_rows a box

@@ -1,6 +1,6 @@
-"""The grouped scaled (FP8) GEMM kernel (MoE experts with DeepSeek-V3's block scales, or torch's row-wise ones): one
-persistent warp-specialised TMA + fp8 wgmma launch walks every group's tiles, the grouped bf16 GEMM's schedule
-with the scaled GEMM's promotion mainloop.
+"""The grouped scaled (FP8) GEMM kernel (MoE experts with DeepSeek-V3's block scales, torch's row-wise ones, or MX
+e8m0 scales with MXFP8 or MXFP4 weights): one persistent warp-specialised TMA + fp8 wgmma launch walks every
+group's tiles, the grouped bf16 GEMM's schedule with the scaled GEMM's promotion mainloop.
 
 Group g computes out_g = (A_g * sa_g) @ (B_g * sb_g)^T with A and B K-major e4m3 (as ``torch._scaled_grouped_mm``:
 a row-major, b column-major) in one of two layouts (``LAYOUT``, ``nvfly.ops.common.groups``):
@@ -24,7 +24,12 @@ ring of 128-wide k-blocks full; consumers 1..C own BM / C rows of a tile each. S
   read one sb per 128-wide weight block their columns cross (``weight_runs``), as the dense kernel's;
 - "row": sa per token (contiguous [T], masked [E, Mmax]), sb per expert and column ([E, N]) applied in the
   epilogue; with ``EPI.promote`` (torch's use_fast_accum=False) each k-block is still added into fp32 sums,
-  else the tensor core accumulates all of K (``consume_k_blocks``).
+  else the tensor core accumulates all of K (``consume_k_blocks``);
+- "mxfp8" / "mxfp4": e8m0 sa per token and 32 of K (contiguous [T, K/32], masked [E, Mmax, K/32]) and sb per
+  expert, column and 32 of K ([E, N, K/32]); each wgmma k-step is promoted with sa[row, ks] * sb[g, col, ks] (the
+  dense kernel's MX mainloop, ``promotion_scales`` batched by group). MXFP4 weights (``CFG.packed_b``) arrive as
+  packed e2m1 [E, N, K/2] bytes (a 3-D descriptor, one unswizzled BN x 64-byte box a k-block behind the stage's
+  e4m3 tile), which the consumers convert into that tile before its wgmmas, as the dense kernel's.
 
 With ``CFG.cluster_n`` 2, two blocks take tile columns 2j and 2j + 1 of one tile row (one group's rows): each
 TMA-loads half of the A tile and multicasts it to both, and a stage is released on both blocks' barriers (the
@@ -52,7 +57,7 @@ from nvfly.ops.scaled.config import BK, SCALE_ALIGN
 from nvfly.ops.scaled.kernel import batched, fp8_mainloop, fp8_ring, k_major_tiles, promotion_scales
 
 GROUPED_LAYOUTS = ("contiguous", "masked")
-GROUPED_SCALINGS = ("block", "row")
+GROUPED_SCALINGS = ("block", "row", "mxfp8", "mxfp4")
 
 
 @nvfly.kernel
@@ -71,7 +76,7 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
     ATOMS_M = WG_M // 64
     THREADS = 128 * (1 + WGS)
     MASKED_A = LAYOUT == "masked"  # A, its scales and the output batched by group
-    atom = sm90.WgmmaAtom(BN, dtype, b_desc.info.dtype, "K", "K")
+    atom = sm90.WgmmaAtom(BN, dtype, nvfly.f8e4m3 if CFG.packed_b else b_desc.info.dtype, "K", "K")
     tid = nvfly.thread_idx.x
     warp = nvfly.warp_idx()
     lane = nvfly.lane_idx()
@@ -115,8 +120,12 @@ def scaled_grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescript
                             load_boxes(a_desc, a_parts[r], row_base, kt * BK, "K", base, full,
                                        g if MASKED_A else None, multicast_mask=(1 << CN) - 1 if CN > 1 else None,
                                        cache_hint=load_hint(CFG, "A"))
-                    load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, g,
-                               cache_hint=load_hint(CFG, "B"))
+                    if CFG.packed_b:  # e2m1 pairs: one unswizzled BN x 64-byte box, behind the e4m3 tile
+                        sm90.tma_load(b_desc, base + A_BYTES + BN * BK, (g, work.tile_n * BN, kt * (BK // 2)), full,
+                                      cache_hint=load_hint(CFG, "B"))
+                    else:
+                        load_boxes(b_desc, b_boxes, work.tile_n * BN, kt * BK, "K", base + A_BYTES, full, g,
+                                   cache_hint=load_hint(CFG, "B"))
                     if CFG.staged_scales:  # the tile rows' sa[:, kt] (rows past the operand: TMA's zeros)
                         rows = (g, row_base) if MASKED_A else (row_base // SCALE_ALIGN * SCALE_ALIGN,)
                         sm90.tma_load(sa_desc, base + CFG.scales_offset, (kt,) + rows, full)

@@ -5,7 +5,9 @@ Heuristic: the promoted mainloop keeps two accumulators per consumer (the fp32 s
 tiles are at most 128 columns (block scales also need a tile's columns inside one 128-wide weight block). Groups of
 up to ``SMALL_GROUP_ROWS`` rows on average (decode: the weights are streamed once, memory-bound) take a 64-row tile
 on one consumer warpgroup with a deep ring; more rows the 128 x 128 tile on two consumers (as the dense scaled
-GEMM's promoted tile). The ring is as deep as shared memory holds next to the group table. Measurements:
+GEMM's promoted tile). MX scales promote every k-step, in order: 64 x 64 for decode (64 x 128 on one consumer
+spills with MX's column scales) or 128 x 128, MXFP4 weights with the packed B tile in every stage
+(``ScaledConfig.packed_b``). The ring is as deep as shared memory holds next to the group table. Measurements:
 docs/ops/scaled.md.
 """
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Optional
 
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, SMEM_LIMIT, store_box
 from nvfly.ops.common.groups import table_bytes
-from nvfly.ops.scaled.config import BK, SCALE_ALIGN, SCALE_SLOT, ScaledConfig, ScaledEpilogue, weight_scales_reason
+from nvfly.ops.scaled.config import (BK, MX, SCALE_ALIGN, SCALE_SLOT, ScaledConfig, ScaledEpilogue,
+                                     weight_scales_reason)
 from nvfly.ops.scaled.grouped_kernel import GROUPED_LAYOUTS, GROUPED_SCALINGS
 from nvfly.ops.scaled.plan import ScaledPlan
 
@@ -52,8 +55,14 @@ def fits(cfg: ScaledConfig, groups: int, epilogue: ScaledEpilogue) -> Optional[s
         return why
     if cfg.cluster_n not in (1, 2):
         return f"cluster_n={cfg.cluster_n}: the grouped scaled kernel runs 1 or 2 blocks per cluster"
-    if cfg.split_k != 1 or cfg.packed_b:
-        return "the grouped scaled kernel runs without K splits or packed weights"
+    if cfg.split_k != 1:
+        return "the grouped scaled kernel runs without K splits"
+    if cfg.packed_b != (epilogue.scaling == "mxfp4"):
+        return f"packed_b with {epilogue.scaling} scales: only MXFP4 weights arrive packed (and always do)"
+    if epilogue.scaling in MX and cfg.issue_ahead:
+        return "issue_ahead with MX scales: they promote every k-step, not k-blocks"
+    if cfg.packed_b and cfg.skip_empty:  # both consumers convert each stage and meet on a named barrier
+        return "skip_empty with packed (MXFP4) weights: every consumer converts its share of each stage"
     if cfg.staged_scales and epilogue.scaling != "block":
         return f"staged_scales: the producer stages block scales' 1x128 activation scales, not {epilogue.scaling}"
     if epilogue.scaling == "block" and weight_scales_reason(cfg.bn):
@@ -74,7 +83,12 @@ def heuristic_config(rows_per_group: float, groups: int, epilogue: ScaledEpilogu
     """The tile of groups of ``rows_per_group`` rows on average (see the module doc); block scales on the 128-row
     tile: 128 x 192 with the TMA-store epilogue in 2-block clusters along N, the activation scales staged by TMA
     (796 / 771 TFLOP/s, 1.02x / 1.06x unstaged, on DeepSeek-V3's gate/up and down at 4096 tokens, docs/ops/scaled.md;
-    ``fallback_config`` where the output takes no TMA store; ``_plan`` unstages scales TMA cannot load)."""
+    ``fallback_config`` where the output takes no TMA store; ``_plan`` unstages scales TMA cannot load); MX scales
+    64 x 64 or 128 x 128 with the TMA store, in order, MXFP4's packed B tile in every stage."""
+    if epilogue.scaling in MX:  # in order (a promotion per k-step); 64 x 128 on one consumer spilled, 64 x 64 not
+        tile = ScaledConfig(64, 64, 2, 1) if rows_per_group <= SMALL_GROUP_ROWS else \
+            ScaledConfig(128, 128, 2, 2, tma_store=True)
+        return deepest(replace(tile, packed_b=epilogue.scaling == "mxfp4"), groups)
     if rows_per_group <= SMALL_GROUP_ROWS:
         return deepest(ScaledConfig(64, 128, 2, 1), groups)
     if epilogue.scaling == "block":
@@ -85,7 +99,8 @@ def heuristic_config(rows_per_group: float, groups: int, epilogue: ScaledEpilogu
 def fallback_config(groups: int, epilogue: ScaledEpilogue) -> ScaledConfig:
     """The 128-row tile where the heuristic's TMA store cannot run (f32 or unaligned outputs): 128 x 128, block
     scales issuing k-block k + 1's wgmmas before k's promotion (1.06x the serial walk)."""
-    return deepest(ScaledConfig(128, 128, 2, 2, issue_ahead=epilogue.scaling == "block"), groups)
+    return deepest(ScaledConfig(128, 128, 2, 2, issue_ahead=epilogue.scaling == "block",
+                                packed_b=epilogue.scaling == "mxfp4"), groups)
 
 
 def make_grouped_plan(layout: str, epilogue: ScaledEpilogue, groups: int, m: int, n: int, k: int,
@@ -99,6 +114,8 @@ def make_grouped_plan(layout: str, epilogue: ScaledEpilogue, groups: int, m: int
                          f"got {epilogue}")
     if config is None:
         config = heuristic_config(rows_per_group, groups, epilogue)
+    elif epilogue.scaling == "mxfp4" and not config.packed_b:  # a caller's tile gets the packed B tile too
+        config = replace(config, packed_b=True)
     why = fits(config, groups, epilogue)
     if config.staged_scales and layout == "contiguous" and 4 * (config.bm + SCALE_ALIGN) > SCALE_SLOT:
         why = (f"staged_scales: bm={config.bm}: the contiguous layout's boxes of bm + {SCALE_ALIGN} scales exceed "
@@ -114,6 +131,8 @@ def make_grouped_plan(layout: str, epilogue: ScaledEpilogue, groups: int, m: int
     batch = (1,) if layout == "masked" else ()
     return ScaledGroupedPlan(config=config, epilogue=epilogue, swap=False, m=m, n=n, k=k, k_tiles=math.ceil(k / BK),
                              grid=max(cn, min(tiles, sms // cn * cn)), threads=128 * (1 + config.consumers),
-                             a_box=batch + (config.bm // cn, BK), b_box=(1, config.bn, BK), layout=layout,
+                             a_box=batch + (config.bm // cn, BK),
+                             b_box=(1, config.bn, BK // 2 if config.packed_b else BK),
+                             b_swizzle=0 if config.packed_b else 128, layout=layout,
                              groups=groups,
                              store_box=store_box(config, layout == "masked") if config.tma_store else None)

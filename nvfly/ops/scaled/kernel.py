@@ -314,11 +314,11 @@ def promotion_scales(scale_a, scale_b, row0, col0, kt, m, n, BN, ATOMS_M, EPI, a
             row_scales = [batched(scale_a, a_group, row, kt) for row in rows]
         return [sa * sb for sa in row_scales for sb in sbs]
     if EPI.scaling in MX:  # e8m0 bytes; a K tail's zero-filled k-steps take the last step's scales
-        kt = nvfly.minimum(kt, scale_a.shape[1] - 1)
+        kt = nvfly.minimum(kt, scale_a.shape[-1] - 1)
         b_factor = 64.0 if EPI.scaling == "mxfp4" else 1.0  # converted e2m1 is e4m3 times 2^-6
-        return [e8m0_to_f32(scale_a[row, kt]) for row in rows] + \
-            [e8m0_to_f32(scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]) * b_factor for j in range(BN // 8)
-             for c in range(2)]
+        return [e8m0_to_f32(batched(scale_a, a_group, row, kt)) for row in rows] + \
+            [e8m0_to_f32(batched(scale_b, b_group, nvfly.minimum(col0 + 8 * j + c, n - 1), kt)) * b_factor
+             for j in range(BN // 8) for c in range(2)]
     if EPI.scaling == "block1x128":
         return [scale_a[row, kt] for row in rows] + [scale_b[nvfly.minimum(col0 + 8 * j + c, n - 1), kt]
                                                      for j in range(BN // 8) for c in range(2)]

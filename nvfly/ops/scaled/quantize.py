@@ -167,17 +167,23 @@ def quantize(x: torch.Tensor, granularity: str, dtype: torch.dtype = torch.float
     return q_t, scale
 
 
+EXPERT_GRANULARITIES = ("128x128", "row", "mx", "mxfp4")
+
+
 def quantize_experts(w: torch.Tensor, granularity: str = "128x128",
                      dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert weights w [E, N, K] (F.linear's layout, any float dtype) quantised for ``scaled_grouped_mm``: b
     [E, K, N] column-major in the last two dimensions (``q.transpose(-2, -1)`` of a contiguous [E, N, K]) and
-    scale_b [E, K/128, ceil(N/128)] ("128x128") or [E, N] ("row"), expert by expert as ``quantize``."""
-    if granularity not in ("128x128", "row"):
-        raise ValueError(f"granularity: expected '128x128' or 'row', got {granularity!r}")
+    scale_b [E, K/128, ceil(N/128)] ("128x128"), [E, N] ("row") or [E, N, K/32] e8m0 bytes ("mx": MXFP8; "mxfp4":
+    b packed float4_e2m1fn_x2 [E, K/2, N], the transpose of a contiguous [E, N, K/2]), expert by expert as
+    ``quantize``."""
+    if granularity not in EXPERT_GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {EXPERT_GRANULARITIES}, got {granularity!r}")
     if w.dim() != 3:
         raise ValueError(f"w: expected 3-D expert weights [E, N, K], got {w.dim()}-D")
     pairs = [quantize(expert, granularity, dtype, operand="b") for expert in w]
-    b = torch.stack([q.t() for q, _ in pairs]).transpose(-2, -1)  # [E, N, K] contiguous, seen as [E, K, N]
+    # [E, N, K] (or [E, N, K/2] pairs) contiguous, seen as [E, K, N]; stacked as bytes (torch stacks no e2m1 pairs)
+    b = torch.stack([q.t().view(torch.uint8) for q, _ in pairs]).view(pairs[0][0].dtype).transpose(-2, -1)
     scales = torch.stack([s.reshape(-1) if granularity == "row" else s.contiguous() for _, s in pairs])
     return b, scales
 

@@ -405,6 +405,24 @@ def test_compiled_flex_calls_nvfly(compiled_flex, monkeypatch):
     assert [d.winner for d in decisions() if d.where == "inductor"] == ["prefill"]
 
 
+def test_auto_rule_takes_decode_calls_on_the_decode_kernel_only(compiled_flex, monkeypatch):
+    """Without the option, the auto rule takes a decode-sized call (Sq <= 16) when nvfly runs it on its decode
+    kernel (mods that ignore q_idx) and leaves it to Inductor, saying why, when a mod reads q_idx (the compiled op
+    would run nvfly's prefill kernel there: not measured against Inductor's)."""
+    monkeypatch.setattr(C, "DEVICES", ("cpu", "cuda"))
+    C.install(auto=True)
+    q, k, v = (t.to(bf) for t in _qkv(sq=4, skv=256))
+    got, calls_nvfly = compiled_flex({}, q, k, v, score_mod=soft_cap)
+    assert calls_nvfly
+    torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=soft_cap), atol=2e-2, rtol=2e-2)
+    torch._dynamo.reset()
+    clear_decisions()
+    got, calls_nvfly = compiled_flex({}, q, k, v, score_mod=alibi)
+    assert not calls_nvfly
+    assert [d.reason for d in decisions() if d.where == "inductor"][0].startswith("the auto rule takes Sq < 512")
+    torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=alibi), atol=2e-2, rtol=2e-2)
+
+
 def test_compiled_flex_with_computed_inputs(monkeypatch):
     """q, k, v computed in the compiled function (a projection, its (B, H, S, D) view): realized for the op."""
     import torch._inductor.config as inductor_config
@@ -452,6 +470,7 @@ def test_option_off_and_not_auto_keep_inductor(monkeypatch):
             def get_size(self):
                 return self.size
         assert C._wants({}, Node(C.AUTO_MIN_SQ)) and not C._wants({}, Node(C.AUTO_MIN_SQ - 1))
+        assert C._wants({}, Node(1)) and C._wants({}, Node(16)) and not C._wants({}, Node(17))  # decode's
         assert not C._wants({"NVFLY": False}, Node(4096))
     finally:
         C.uninstall()

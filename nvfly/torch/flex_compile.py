@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from nvfly.ops import attention
+from nvfly.ops.attention.plan import MAX_SQ
 from nvfly.ops.attention.softmax import LOG2E
 from nvfly.ops.common.opcall import OpCalls
 from nvfly.runtime.torch_args import layout_key
@@ -51,6 +52,8 @@ log = logging.getLogger("nvfly")
 
 OPTION = "NVFLY"
 DEVICES = ("cuda",)  # where the lowering emits nvfly's op (the CPU tests add "cpu": the op's reference runs there)
+# the auto rule: nvfly's prefill from Sq 512 (1.4-4.6x Inductor's Triton flex on the mod rows at 4K-16K), and its
+# decode kernel at Sq <= 16 (8.1x / 14.6x on 32K-key decode steps); docs/torch-flex.md
 AUTO_MIN_SQ = 512
 
 
@@ -322,7 +325,7 @@ def _wants(kernel_options: dict, query: Any) -> Optional[bool]:
     if not _STATE["auto"]:
         return False
     size = _static(query)
-    return size is not None and size[2] >= AUTO_MIN_SQ
+    return size is not None and (size[2] >= AUTO_MIN_SQ or size[2] <= MAX_SQ)
 
 
 def _lowering(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple, scale: float,
@@ -340,6 +343,9 @@ def _lowering(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple
                                           score_mod_other_buffers, mask_mod_other_buffers)
         except Exception as exc:
             why, kernel = f"the lowering check raised {type(exc).__name__}: {exc}", ""
+        if why is None and not explicit and kernel != "decode" and _static(query)[2] < AUTO_MIN_SQ:
+            why = (f"the auto rule takes Sq < {AUTO_MIN_SQ} only on nvfly's decode kernel (mods reading q_idx run its "
+                   "prefill kernel here, not measured against Inductor's)")
         if why is None:
             try:
                 return _emit(query, key, value, subgraph, block_mask, scale, score_mod_other_buffers,

@@ -70,6 +70,28 @@ def test_op_fake_shapes_and_compile():
     torch.testing.assert_close(compiled(q, k, v), step(q, k, v))
 
 
+class _BothOps(torch.nn.Module):
+    def forward(self, q, k, v, qp, kp, vp):
+        out, _ = torch.ops.nvfly.attention_decode(q, k, v, causal=False)
+        prefilled, _ = torch.ops.nvfly.attention_prefill(qp, kp, vp, causal=True)
+        return out * 2, prefilled + 1
+
+
+def test_ops_export_and_run_from_an_aoti_package(tmp_path):
+    """AOTInductor: a module calling both attention ops exports (their fakes), compiles into a package and runs from
+    it (the package calls the ops by name: on CPU their references) with the eager module's results."""
+    q, k, v = _decode_inputs(sq=1)
+    qp, kp, vp = _prefill_inputs()
+    inputs = (q, k, v, qp, kp, vp)
+    program = torch.export.export(_BothOps(), inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own deprecation warnings while packaging
+        package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "attention.pt2"))
+    got = torch._inductor.aoti_load_package(package)(*inputs)
+    for mine, eager in zip(got, _BothOps()(*inputs)):
+        torch.testing.assert_close(mine, eager)
+
+
 def _prefill_inputs(batch=2, sq=40, skv=40, hq=8, hkv=2, d=64, dv=None, grad=False):
     torch.manual_seed(1)
     q, k = torch.randn(batch, sq, hq, d).to(bf), torch.randn(batch, skv, hkv, d).to(bf)

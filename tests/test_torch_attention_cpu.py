@@ -624,6 +624,23 @@ def test_compile_pass_rewrites_prefill_and_decode_nodes(fake_cuda):
     assert C.rewrite(decode) == 1 and torch.ops.nvfly.attention_decode.default in _targets(decode)
 
 
+def test_compile_pass_leaves_the_graph_as_it_was_when_the_rewrite_fails(fake_cuda, monkeypatch):
+    """A failure inside the rewrite (here the op's fake, run for the new node's traced value) leaves the graph with
+    torch's kernel, untouched, and records why: an nvfly failure never breaks the compile."""
+    from nvfly.torch import attention_compile as C
+    aten = torch.ops.aten
+    graph = _sdpa_graph(aten._scaled_dot_product_flash_attention.default, (1, 32, 4096, 128), (1, 8, 4096, 128))
+    before = [(n.op, n.target, n.args) for n in graph.nodes]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+    monkeypatch.setattr(torch.ops.nvfly.attention_prefill, "default", broken)
+    assert C.rewrite(graph) == 0
+    assert [(n.op, n.target, n.args) for n in graph.nodes] == before
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert decision.reason == "the rewrite raised RuntimeError: injected" and decision.candidates == ()
+
+
 @pytest.mark.parametrize("case,fragment", [
     ("cudnn", "torch picks cuDNN"),
     ("lse", "uses the kernel's other outputs"),

@@ -130,11 +130,14 @@ def rewrite(graph: torch.fx.Graph) -> int:
         if node.op == "call_function" and node.target in FUSED:
             arguments = _arguments(node)
             reason = _reason(node, arguments)
-            _record(node, arguments, reason)
             if reason is None:
-                _replace(graph, node, arguments)
-                replaced += 1
-            else:
+                try:
+                    _replace(graph, node, arguments)
+                    replaced += 1
+                except Exception as exc:  # the graph is unchanged (_replace mutates it last): torch's kernel stays
+                    reason = f"the rewrite raised {type(exc).__name__}: {exc}"
+            _record(node, arguments, reason)
+            if reason is not None:
                 log.debug("nvfly: compiled SDPA %s stays on torch: %s", node.name, reason)
     if replaced:
         graph.eliminate_dead_code()
@@ -208,32 +211,33 @@ def _stand_in(t: torch.Tensor) -> torch.Tensor:
 
 
 def _replace(graph: torch.fx.Graph, node: torch.fx.Node, arguments: dict[str, Any]) -> None:
+    """The node by nvfly's op on (B, S, H, D) views and a permute back: the traced values first (what can fail), the
+    graph changed after them."""
     q, k, v = (arguments[name] for name in ("query", "key", "value"))
     is_causal, scale = bool(arguments.get("is_causal", False)), arguments.get("scale")
     traced = _val(q)
-    decode = traced.shape[2] <= MAX_SQ
+    if traced.shape[2] <= MAX_SQ:
+        op = torch.ops.nvfly.attention_decode.default
+        kwargs = {"scale": scale, "causal": is_causal}
+    else:
+        op = torch.ops.nvfly.attention_prefill.default
+        kwargs = {"causal": is_causal, "scale": scale, "causal_alignment": "top_left"}
+    with _own_mode(traced):
+        view_vals = [_val(t).transpose(1, 2) for t in (q, k, v)]
+        out_val, lse_val = op(*view_vals, **kwargs)
+        result_val = out_val.transpose(1, 2)
     with graph.inserting_before(node):
         views = []
-        for t in (q, k, v):
+        for t, val in zip((q, k, v), view_vals):
             view = graph.call_function(aten.permute.default, (t, SWAP_S_H))  # post-grad graphs hold no transpose
-            with _own_mode(traced):
-                view.meta["val"] = _val(t).transpose(1, 2)
+            view.meta["val"] = val
             views.append(view)
-        if decode:
-            op = torch.ops.nvfly.attention_decode.default
-            kwargs = {"scale": scale, "causal": is_causal}
-        else:
-            op = torch.ops.nvfly.attention_prefill.default
-            kwargs = {"causal": is_causal, "scale": scale, "causal_alignment": "top_left"}
         call = graph.call_function(op, tuple(views), kwargs)
-        with _own_mode(traced):
-            out_val, lse_val = op(*(view.meta["val"] for view in views), **kwargs)
         call.meta["val"] = (out_val, lse_val)
         out = graph.call_function(operator.getitem, (call, 0))
         out.meta["val"] = out_val
         result = graph.call_function(aten.permute.default, (out, SWAP_S_H))
-        with _own_mode(traced):
-            result.meta["val"] = out_val.transpose(1, 2)
+        result.meta["val"] = result_val
     for user in list(node.users):  # every user is getitem(node, 0) (_reason checked)
         user.replace_all_uses_with(result)
         graph.erase_node(user)

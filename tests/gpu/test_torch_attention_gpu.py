@@ -433,29 +433,36 @@ def test_explain_sdpa_on_the_gpu():
     assert report.measured_ms["torch"] > 0 and (report.declined or report.measured_ms["nvfly"] > 0)
 
 
-def test_cuda_graph_of_the_decode_op_replays_changed_lengths():
+@pytest.mark.parametrize("page", [0, 64], ids=["contiguous", "paged"])
+def test_cuda_graph_of_the_decode_op_replays_changed_lengths(page):
     """Serving: one decode step through torch.ops.nvfly.attention_decode captured once, replayed with each
-    sequence's length (and the inputs) changed in place."""
+    sequence's length (and the inputs) changed in place; the cache contiguous or in pages of 64 tokens (shuffled
+    pages, a block table)."""
     torch.manual_seed(5)
     q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(4, 8192, 8, 128, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(4, 8192, 8, 128, device="cuda", dtype=torch.bfloat16)
+    if page:
+        pages = 8192 // page
+        k, v = (torch.randn(4 * pages, page, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        table = torch.randperm(4 * pages, device="cuda").view(4, pages).to(torch.int32)
+    else:
+        k, v = (torch.randn(4, 8192, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        table = None
     seqlens = torch.tensor([8192, 100, 4000, 1], dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        torch.ops.nvfly.attention_decode(q, k, v, seqlens, causal=False)  # compiled before the capture
+        torch.ops.nvfly.attention_decode(q, k, v, seqlens, table, causal=False)  # compiled before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        out, lse = torch.ops.nvfly.attention_decode(q, k, v, seqlens, causal=False)
+        out, lse = torch.ops.nvfly.attention_decode(q, k, v, seqlens, table, causal=False)
     for lengths in ([17, 8192, 3, 5000], [1, 1, 1, 1], [6000, 7000, 8000, 8192]):
         seqlens.copy_(torch.tensor(lengths, dtype=torch.int32))
         q.copy_(torch.randn_like(q))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        want, want_lse = attention.reference(q, k, v, cache_seqlens=seqlens, causal=False)
+        want, want_lse = attention.reference(q, k, v, cache_seqlens=seqlens, block_table=table, causal=False)
         assert not out.isnan().any() and rel_err(out, want) < 1e-2, lengths
         torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
 

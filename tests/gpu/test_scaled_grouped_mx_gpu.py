@@ -97,7 +97,9 @@ def test_heuristic_tiles_and_byte_scales(hopper, masked, recipe):
         capacity = 320
         a, sa = masked_tokens(len(sizes), capacity, k)
         counts = torch.tensor(sizes, dtype=torch.int32, device="cuda")
-        out = scaled.scaled_grouped_mm_masked(a, b, sa, sb, counts, expected_rows=200)
+        # NaN-poisoned: the rows past each count are never written
+        out = torch.full((len(sizes), capacity, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        scaled.scaled_grouped_mm_masked(a, b, sa, sb, counts, out=out, expected_rows=200)
         check(out, scaled.grouped_reference(a, b, sa, sb, counts, masked=True), TOL[torch.bfloat16])
         decode = scaled.scaled_grouped_mm_masked(a, b, sa, sb, counts, expected_rows=4)
         same = scaled.scaled_grouped_mm_masked(a, b, sa.view(torch.uint8), sb.view(torch.uint8), counts,

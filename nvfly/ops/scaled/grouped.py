@@ -197,7 +197,8 @@ def _plan(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any, out_dtype: Any,
     m = a.shape[-2] if masked else a.shape[0]
     rows = rows_per_group if rows_per_group is not None else (m if masked else m / groups)
     sms = sms if sms is not None else plan_sm_count(a.get_device())
-    plan = make_grouped_plan("masked" if masked else "contiguous", epilogue, groups, m, b.shape[2], b.shape[1], rows,
+    # K from a: MXFP4's b [E, K/2, N] holds two values a byte along K
+    plan = make_grouped_plan("masked" if masked else "contiguous", epilogue, groups, m, b.shape[2], a.shape[-1], rows,
                              sms, config)
     # staged scales where TMA can load scale_a (rows contiguous, as the quantiser's), else the scales from global;
     # the TMA-store epilogue where TMA can store the output (16-bit), else registers

@@ -35,7 +35,9 @@ in order or 128 x 128 issuing ahead) beside "in_order" (where it issues ahead) a
 is not the plan's: "previous" (128 x 128 ahead, scales from global), the tiles over several 128-wide weight blocks
 "block192", "block160" (in order) and "block112" (issuing ahead: 3 x 56 registers fit), and staged scales on 128
 ("staged") and 192 ("block192_staged"), e.g.
-python -m benchmarks.scaled --block-tiles --no-triton --name scaled_block_tiles.
+python -m benchmarks.scaled --block-tiles --no-triton --name scaled_block_tiles. ``--issue-suite``: issue 30's shapes
+(M 16, 128, 512, 4096 and 16384 on DeepSeek-V3's and Llama-70B's (N, K); rows carry ``m``, ``n``, ``k`` and
+``scaling``), e.g. ``--issue-suite --recipes row block --no-quantize --name scaled_issue``.
 
 MXFP4 weights x bf16 activations (``--a16``, its own suite, default name scaled_mxfp4_a16): rows M in {1, 4, 16, 64}
 on DeepSeek-V3 and Llama-70B (N, K) weight shapes (--quick: five pairs, ~3 min with every variant), nvfly's
@@ -90,11 +92,11 @@ RECIPES = {"tensor": ("tensor", "tensor", False), "tensor-fast": ("tensor", "ten
            "row": ("row", "row", False), "row-fast": ("row", "row", True), "block": ("1x128", "128x128", False),
            "block1x128": ("1x128", "1x128", False), "mxfp8": ("mx", "mx", False), "mxfp4": ("mx", "mxfp4", False)}
 MX_RECIPES = ("mxfp8", "mxfp4")
-# --block-tiles: (N, K) of DeepSeek-V3's dense projections (fused q_a/kv_a, q_b, o, shared-expert down) and
-# Llama-70B's (fused qkv, o, down), at M = 4096 and 16384
-BLOCK_TILE_SHAPES = [(m, n, k) for m in (4096, 16384)
-                     for n, k in ((2112, 7168), (24576, 1536), (7168, 16384), (7168, 2048),
-                                  (10240, 8192), (8192, 8192), (8192, 28672))]
+# (N, K) of DeepSeek-V3's dense projections (fused q_a/kv_a, q_b, o, shared-expert down) and Llama-70B's (fused qkv,
+# o, down)
+DENSE_NK = ((2112, 7168), (24576, 1536), (7168, 16384), (7168, 2048), (10240, 8192), (8192, 8192), (8192, 28672))
+BLOCK_TILE_SHAPES = [(m, n, k) for m in (4096, 16384) for n, k in DENSE_NK]  # --block-tiles
+ISSUE_SHAPES = [(m, n, k) for m in (16, 128, 512, 4096, 16384) for n, k in DENSE_NK]  # --issue-suite: issue 30's
 # --block-tiles: the block plan's config with these fields (name: fields), each timed where it is not the plan's:
 # the 128 x 128 tile issuing ahead with the scales from global ("previous", the default before staged scales),
 # tiles over several weight blocks, and the activation scales staged by the producer (ScaledConfig.staged_scales)
@@ -216,7 +218,7 @@ def a16_rows(weights: list[tuple[int, int]], ms: list[int], variants: list[str],
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             scaled.scaled_mm(x, q, None, sb, out=out)
             ref = x.float() @ w16.float()
-            row = {"M": m, "N": n, "K": k, "recipe": "mxfp4_a16", "out": "bf16", "path": scaled.path(x, q, None, sb),
+            row = {"m": m, "n": n, "k": k, "scaling": "mxfp4", "recipe": "mxfp4_a16", "out": "bf16", "path": scaled.path(x, q, None, sb),
                    "rel_err": rel_err(out, ref), "max_err": max_err(out, ref), "weight_bytes": weight_bytes}
             row["nvfly_ms"] = bench_ms(lambda: scaled.scaled_mm(x, q, None, sb, out=out))
             row["bf16_ms"] = bench_ms(lambda: torch.matmul(x, w16))
@@ -251,7 +253,7 @@ def a16_rows(weights: list[tuple[int, int]], ms: list[int], variants: list[str],
 
 def a16_summary(rows: list[dict[str, Any]], ceiling: float, variants: list[str], seconds: float) -> dict[str, Any]:
     """The geomean fraction of the copy bandwidth at M <= 16 of the default plan and of each variant."""
-    small = [r for r in rows if r["M"] <= 16]
+    small = [r for r in rows if r["m"] <= 16]
     summary = {"seconds": seconds, "rows": len(rows), "copy_tbps": ceiling,
                "max_rel_err": max((r["rel_err"] for r in rows), default=0.0),
                "geomean_floor_fraction_m_le_16": geomean([r["floor_fraction"] for r in small]) if small else 0.0,
@@ -278,7 +280,7 @@ def a16_main(args: argparse.Namespace) -> int:
     series = {"nvfly MXFP4 x bf16 (packed weight)": [r["nvfly_tbps"] for r in rows]}
     series.update({f"nvfly {v}": [r[f"{v}_tbps"] for r in rows] for v in variants})
     series["torch.matmul bf16 (bf16 weight)"] = [r["bf16_tbps"] for r in rows]
-    plot(name, [f"{r['M']}x{r['N']}x{r['K']}" for r in rows], series, "weight TB/s")
+    plot(name, [f"{r['m']}x{r['n']}x{r['k']}" for r in rows], series, "weight TB/s")
     print("wrote", path)
     return 0
 
@@ -415,7 +417,7 @@ def quantize_rows(variant_names: Any = None) -> list[dict[str, Any]]:
             copy_ms = bench_ms(lambda: dst.copy_(src))
             torch_ms = bench_ms(lambda: quantize(x, granularity))
             del src, dst
-            row = {"M": m, "K": k, "granularity": granularity, "bit_exact": exacts["default"], "bytes": moved,
+            row = {"m": m, "k": k, "granularity": granularity, "bit_exact": exacts["default"], "bytes": moved,
                    "nvfly_ms": nvfly_ms, "copy_ms": copy_ms, "torch_ms": torch_ms,
                    "nvfly_tbps": moved / nvfly_ms / 1e9, "copy_tbps": 2 * (moved // 2) / copy_ms / 1e9,
                    "vs_copy": copy_ms / nvfly_ms, "vs_torch": torch_ms / nvfly_ms}
@@ -514,8 +516,8 @@ def grouped_mx_rows(recipes: list[str], save: Any) -> list[dict[str, Any]]:
             ref = scaled.grouped_reference(a, b, sa, sb, groups_of, masked=masked)
             owned = ~ref.isnan()
             got, peer = nvfly_mx(), bf16()
-            row = {"case": name, "layout": "masked" if masked else "contiguous", "E": e, "N": n, "K": k,
-                   "rows": routed, "routing": routing, "recipe": recipe, "out": "bf16",
+            row = {"case": name, "layout": "masked" if masked else "contiguous", "experts": e, "n": n, "k": k,
+                   "rows": routed, "routing": routing, "recipe": recipe, "scaling": f"grouped-{recipe}", "out": "bf16",
                    "nvfly_plan": scaled.describe_grouped("masked" if masked else "contiguous", e, a.shape[-2], n, k,
                                                          scaling=recipe, rows_per_group=expected),
                    "unwritten": int(got[owned].isnan().sum()), "rel_err": rel_err(got[owned], ref[owned]),
@@ -572,6 +574,8 @@ def quantize_main(args: argparse.Namespace) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true", help="six shapes (< 3 min on the H200)")
+    p.add_argument("--issue-suite", action="store_true",
+                   help="issue 30's shapes: M 16, 128, 512, 4096, 16384 x DeepSeek-V3's and Llama-70B's (N, K), 35")
     p.add_argument("--no-triton", action="store_true")
     p.add_argument("--triton-shapes", type=int, default=None,
                    help="time Inductor's Triton scaled mm on the first N shapes (default: 1 with --quick, else 3)")
@@ -612,7 +616,8 @@ def main(argv=None) -> int:
     if args.recipes is None:
         args.recipes = [r for r in RECIPES if not (args.quick and r == "tensor-fast")]
     shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] if args.shapes else \
-        (BLOCK_TILE_SHAPES if args.block_tiles else QUICK if args.quick else SUITE)
+        (BLOCK_TILE_SHAPES if args.block_tiles else ISSUE_SHAPES if args.issue_suite else QUICK if args.quick
+         else SUITE)
     triton_shapes = 0 if args.no_triton else (args.triton_shapes if args.triton_shapes is not None
                                               else 1 if args.quick else 3)
     rows = []
@@ -632,7 +637,7 @@ def main(argv=None) -> int:
             ref = scaled.reference(a, b, sa, sb)
             out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
             scaled.scaled_mm(a, b, sa, sb, out=out, use_fast_accum=fast)
-            row = {"M": m, "N": n, "K": k, "recipe": recipe, "scaling": scaled.recipe(a, b, sa, sb), "out": "bf16",
+            row = {"m": m, "n": n, "k": k, "recipe": recipe, "scaling": scaled.recipe(a, b, sa, sb), "out": "bf16",
                    "path": scaled.path(a, b, sa, sb, use_fast_accum=fast),
                    "rel_err": rel_err(out, ref), "max_err": max_err(out, ref)}
             cublas = None if recipe in MX_RECIPES else cublas_call(a, b, sa, sb, fast)  # no MX on Hopper
@@ -718,7 +723,7 @@ def main(argv=None) -> int:
         summary.update(quantize_summary(quantized))
     print(summary)
     path = write_results(args.name, rows, {"summary": summary, "quantize": quantized})
-    labels = [f"{r['M']}x{r['N']}x{r['K']} {r['recipe']}" for r in rows]
+    labels = [f"{r['m']}x{r['n']}x{r['k']} {r['recipe']}" for r in rows]
     plot(args.name, labels, {"nvfly": [r["nvfly_tflops"] for r in rows],
                              "cuBLAS _scaled_mm": [r.get("cublas_tflops", 0.0) for r in rows],
                              "bf16 torch.mm": [r["bf16_tflops"] for r in rows]}, "TFLOP/s")

@@ -77,6 +77,7 @@ class _BothOps(torch.nn.Module):
         return out * 2, prefilled + 1
 
 
+@pytest.mark.slow  # an AOTInductor build: 16-50 s of C++ compiling on the CI machine
 def test_ops_export_and_run_from_an_aoti_package(tmp_path):
     """AOTInductor: a module calling both attention ops exports (their fakes), compiles into a package and runs from
     it (the package calls the ops by name: on CPU their references) with the eager module's results."""

@@ -588,6 +588,23 @@ def test_explain_sdpa_command(capsys):
         assert message in capsys.readouterr().err
 
 
+def test_explain_sdpa_with_a_mask_or_dropout(capsys):
+    """explain takes SDPA's attn_mask (by kind) and dropout_p: dropout is declined with its reason on any machine,
+    the mask is named in the report and the JSON, an unknown mask kind is an error naming the argument."""
+    from nvfly.cli import main
+    dropped = nvfly.torch.explain_sdpa(1, 32, 8, 4096, 4096, 128, dropout_p=0.1)
+    assert dropped.declined == "dropout_p=0.1 (nvfly has no dropout)" and "dropout_p=0.1" in str(dropped)
+    masked = nvfly.torch.explain_sdpa(2, 32, 8, 4, 32768, 128, attn_mask="padding")
+    assert "attn_mask=a (B, 1, 1, Skv) boolean padding mask" in str(masked)
+    assert masked.to_dict()["attn_mask"] == "padding"
+    with pytest.raises(ValueError, match="attn_mask: expected one of padding, bool, additive"):
+        nvfly.torch.explain_sdpa(1, 8, 8, 64, 64, 64, attn_mask="causal")
+    assert main(["explain", "--sdpa", "2,32,8,4096,4096,128", "--mask", "additive", "--dropout", "0.2",
+                 "--json"]) == 0
+    doc = __import__("json").loads(capsys.readouterr().out)
+    assert doc["attn_mask"] == "additive" and doc["declined"] == "dropout_p=0.2 (nvfly has no dropout)"
+
+
 # ---------------------------------------------------------------------------------------------- torch.compile pass
 def _sdpa_graph(target, q_shape, kv_shape, *, causal=True, lse_used=False, extra=()):
     """A post-grad-like graph: one fused SDPA node of ``target`` on placeholders with fake CUDA values."""

@@ -7,7 +7,7 @@ nothing is timed; ``--benchmark`` times the candidates and torch now, on a CUDA 
 scaled GEMM (``torch._scaled_mm``) instead: the plan nvfly runs, what routing does, and the candidates nvfly adds to
 max-autotune (``scaled_ops.explain_scaled``).
 
-``nvfly explain --sdpa B,HQ,HKV,SQ,SKV,D[,DV] [--causal] [--grad]``: what eager routing does with
+``nvfly explain --sdpa B,HQ,HKV,SQ,SKV,D[,DV] [--causal] [--grad] [--mask KIND] [--dropout P]``: what eager routing does with
 ``F.scaled_dot_product_attention`` on that shape: nvfly's decode or prefill, or torch's SDPA and why
 (``nvfly.torch.explain_sdpa``); ``--benchmark`` times both."""
 from __future__ import annotations
@@ -70,6 +70,10 @@ def add_parser(commands: Any) -> None:
                              "instead of a GEMM")
     parser.add_argument("--causal", action="store_true", help="with --sdpa: is_causal=True")
     parser.add_argument("--grad", action="store_true", help="with --sdpa: the inputs require grad (training)")
+    parser.add_argument("--mask", choices=("padding", "bool", "additive"), default=None,
+                        help="with --sdpa: an attn_mask, (B, 1, 1, SKV) boolean padding, (B, 1, SQ, SKV) boolean or "
+                             "(B, 1, SQ, SKV) additive")
+    parser.add_argument("--dropout", type=float, default=0.0, metavar="P", help="with --sdpa: dropout_p")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a report")
     parser.add_argument("--groups", type=positive_int, default=None,
                         help="explain a grouped GEMM of this many groups (MoE experts) instead")
@@ -125,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         if args.sdpa is not None:
             from nvfly.torch.explain import explain_sdpa
             result = explain_sdpa(*args.sdpa, is_causal=args.causal, dtype=dtype, requires_grad=args.grad,
-                                  benchmark=args.benchmark, device=args.device)
+                                  attn_mask=args.mask, dropout_p=args.dropout, benchmark=args.benchmark,
+                                  device=args.device)
         else:
             result = explain(args.m, args.n, args.k, batches=args.batches, dtype=dtype,
                              majors=args.majors or ("K", "K"), benchmark=args.benchmark, device=args.device)

@@ -186,10 +186,9 @@ def sdpa_eligibility(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optio
                      enable_gqa: bool = False) -> Optional[str]:
     """None when the routed SDPA runs nvfly (decode for Sq <= 16, prefill above) for these arguments, else why
     torch's SDPA runs them. The arguments are ``aten::scaled_dot_product_attention``'s."""
-    if dropout_p != 0.0:
-        return f"dropout_p={dropout_p} (nvfly has no dropout)"
-    if scale is not None and not (math.isfinite(scale) and scale > 0):
-        return f"scale={scale!r} (nvfly's kernels take a positive finite scale)"
+    declined = sdpa_argument_reason(dropout_p, scale)
+    if declined is not None:
+        return declined
     if any(type(t) is not Tensor for t in (query, key, value)):  # FakeTensor, FunctionalTensor: a trace
         return f"q is a {type(query).__name__}, not a plain tensor (traced calls keep torch's SDPA)"
     if attn_mask is not None and type(attn_mask) is not Tensor:
@@ -203,6 +202,15 @@ def sdpa_eligibility(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optio
         _SDPA_DECIDED.remember(signature, decided)
         _record(query, key, value, is_causal, enable_gqa, reason, attn_mask)
     return decided[0]
+
+
+def sdpa_argument_reason(dropout_p: float = 0.0, scale: Optional[float] = None) -> Optional[str]:
+    """Why torch's SDPA runs a call with this dropout and scale whatever its tensors, or None."""
+    if dropout_p != 0.0:
+        return f"dropout_p={dropout_p} (nvfly has no dropout)"
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        return f"scale={scale!r} (nvfly's kernels take a positive finite scale)"
+    return None
 
 
 def _sdpa_reason(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, enable_gqa: bool, grad: bool,

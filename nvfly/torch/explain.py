@@ -165,6 +165,8 @@ class SdpaExplanation:
     # eager routing hands such calls to torch before their signature (the route's skip: launch-bound, where nvfly's
     # host path would cost more than its kernel saves); their decisions are recorded only while routing logs them
     skipped: bool = False
+    attn_mask: Optional[str] = None  # a kind of SDPA_MASKS
+    dropout_p: float = 0.0
 
     def verdict(self) -> str:
         if self.declined:
@@ -180,6 +182,7 @@ class SdpaExplanation:
         b, hq, hkv, sq, skv, dqk, dv = self.shape
         return {"shape": {"batch": b, "hq": hq, "hkv": hkv, "sq": sq, "skv": skv, "dqk": dqk, "dv": dv},
                 "dtype": str(self.dtype), "is_causal": self.is_causal, "requires_grad": self.requires_grad,
+                "attn_mask": self.attn_mask, "dropout_p": self.dropout_p,
                 "kernel": self.kernel, "declined": self.declined, "torch_backend": self.torch_backend,
                 "plan": self.plan, "measured_ms": self.measured_ms,
                 "decisions": [dataclasses.asdict(d) for d in self.decisions], "skipped": self.skipped,
@@ -188,7 +191,9 @@ class SdpaExplanation:
     def __str__(self) -> str:
         b, hq, hkv, sq, skv, dqk, dv = self.shape
         lines = [f"SDPA q ({b}, {hq}, {sq}, {dqk}) k ({b}, {hkv}, {skv}, {dqk}) v ({b}, {hkv}, {skv}, {dv}) "
-                 f"{self.dtype} is_causal={self.is_causal} requires_grad={self.requires_grad}",
+                 f"{self.dtype} is_causal={self.is_causal} requires_grad={self.requires_grad}"
+                 + (f" attn_mask={SDPA_MASKS[self.attn_mask][0]}" if self.attn_mask else "")
+                 + (f" dropout_p={self.dropout_p}" if self.dropout_p else ""),
                  f"nvfly kernel for this shape: {self.kernel} ({self.plan})",
                  f"torch's SDPA backend: {self.torch_backend or 'not asked (no CUDA GPU in this process)'}",
                  f"eligibility: {self.declined or 'eligible'}"]
@@ -204,13 +209,24 @@ class SdpaExplanation:
         return "\n".join(lines) + "\n"
 
 
+# explain_sdpa's attn_mask kinds: (what it is, its shape from (B, Sq, Skv), boolean)
+SDPA_MASKS = {"padding": ("a (B, 1, 1, Skv) boolean padding mask", lambda b, sq, skv: (b, 1, 1, skv), True),
+              "bool": ("a (B, 1, Sq, Skv) boolean mask", lambda b, sq, skv: (b, 1, sq, skv), True),
+              "additive": ("a (B, 1, Sq, Skv) additive mask of q's dtype", lambda b, sq, skv: (b, 1, sq, skv), False)}
+
+
 def explain_sdpa(batch: int, hq: int, hkv: int, sq: int, skv: int, dqk: int, dv: Optional[int] = None, *,
                  is_causal: bool = False, dtype: torch.dtype = torch.bfloat16, requires_grad: bool = False,
-                 benchmark: bool = False, device: Optional[int] = None) -> SdpaExplanation:
-    """Explain what ``nvfly.torch.routing()`` does with ``F.scaled_dot_product_attention(q, k, v,
-    is_causal=is_causal, enable_gqa=hq != hkv)`` on q (B, Hq, Sq, Dqk), k (B, Hkv, Skv, Dqk), v (B, Hkv, Skv, Dv):
-    which nvfly kernel, whether it is eligible and why not, what torch picks; ``benchmark`` times torch's SDPA and
-    the routed call now (GPU only). Without a GPU, eligibility is not checked (as for GEMMs)."""
+                 attn_mask: Optional[str] = None, dropout_p: float = 0.0, benchmark: bool = False,
+                 device: Optional[int] = None) -> SdpaExplanation:
+    """Explain what ``nvfly.torch.routing()`` does with ``F.scaled_dot_product_attention(q, k, v, attn_mask,
+    dropout_p, is_causal=is_causal, enable_gqa=hq != hkv)`` on q (B, Hq, Sq, Dqk), k (B, Hkv, Skv, Dqk), v (B, Hkv,
+    Skv, Dv), ``attn_mask`` one of ``SDPA_MASKS`` (its values do not change the decision) or None: which nvfly
+    kernel, whether it is eligible and why not, what torch picks; ``benchmark`` times torch's SDPA and the routed
+    call now (GPU only). Without a GPU, eligibility is not checked beyond the arguments (as for GEMMs)."""
+    if attn_mask is not None and attn_mask not in SDPA_MASKS:
+        raise ValueError(f"explain_sdpa: attn_mask: expected one of {', '.join(SDPA_MASKS)} or None, got "
+                         f"{attn_mask!r}")
     from nvfly.ops.attention.plan import MAX_SQ
     from nvfly.ops.attention.prefill_plan import HEAD_DIMS, prefill_plan
     from nvfly.torch import attention_ops
@@ -221,27 +237,36 @@ def explain_sdpa(batch: int, hq: int, hkv: int, sq: int, skv: int, dqk: int, dv:
         plan = repr(prefill_plan(dqk, dv, is_causal)) if (dqk, dv) in HEAD_DIMS else "no plan for these head dims"
     else:
         plan = "split-KV decode, GQA packed (nvfly.ops.attention.decode_plan)"
-    declined: Optional[str] = "no CUDA GPU in this process (eligibility not checked)"
+    declined = attention_ops.sdpa_argument_reason(dropout_p)
+    if declined is None and not torch.cuda.is_available():
+        declined = "no CUDA GPU in this process (eligibility not checked)"
     backend, measured = None, {}
     if torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device() if device is None else device)
         q, k, v = (torch.randn(batch, h, s, d, device=dev, dtype=dtype, requires_grad=requires_grad)
                    for h, s, d in ((hq, sq, dqk), (hkv, skv, dqk), (hkv, skv, dv)))
+        mask = None
+        if attn_mask is not None:
+            _, mask_shape, boolean = SDPA_MASKS[attn_mask]
+            mask = (torch.ones(mask_shape(batch, sq, skv), device=dev, dtype=torch.bool) if boolean
+                    else torch.zeros(mask_shape(batch, sq, skv), device=dev, dtype=dtype))
         gqa = hq != hkv
-        backend = attention_ops._torch_backend(q, k, v, gqa, is_causal)
-        declined = attention_ops._sdpa_reason(q, k, v, is_causal, gqa, requires_grad and torch.is_grad_enabled())
+        backend = attention_ops._torch_backend(q, k, v, gqa, is_causal, mask)
+        if declined is None:
+            declined = attention_ops._sdpa_reason(q, k, v, is_causal, gqa, requires_grad and torch.is_grad_enabled(),
+                                                  mask=mask)
         if benchmark:
-            measured = _time_sdpa(q, k, v, is_causal, gqa, routed=declined is None)
+            measured = _time_sdpa(q, k, v, is_causal, gqa, routed=declined is None, mask=mask, dropout_p=dropout_p)
     found = [d for d in decisions() if d.op == "sdpa" and d.shape == shape]
     meta = [torch.empty(batch, h, s, d, device="meta", dtype=dtype) for h, s, d in ((hq, sq, dqk), (hkv, skv, dqk),
                                                                                     (hkv, skv, dv))]
     skipped = attention_ops.sdpa_skip(*meta, is_causal=is_causal, enable_gqa=hq != hkv)
     return SdpaExplanation(shape, dtype, is_causal, requires_grad, kernel, declined, backend, plan, measured, found,
-                           skipped)
+                           skipped, attn_mask, dropout_p)
 
 
 def _time_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool, gqa: bool,
-               routed: bool) -> dict[str, float]:
+               routed: bool, mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> dict[str, float]:
     """Median ms of torch's SDPA and (when routed) of the routed call, forward only (with backward when the
     inputs require grad)."""
     import statistics
@@ -249,7 +274,8 @@ def _time_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
     from nvfly.torch import routing
 
     def call() -> None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=gqa)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal=is_causal,
+                                                               enable_gqa=gqa)
         if out.requires_grad:
             out.backward(torch.ones_like(out))
 

@@ -426,6 +426,34 @@ def test_compiled_sdpa_calls_nvfly(sq, skv):
     assert rel_err(got, ref) < 1e-2 and rel_err(want, ref) < 1e-2
 
 
+@pytest.mark.parametrize("sq,skv", [(2048, 2048), (4, 32768)])
+def test_compiled_sdpa_survives_an_nvfly_compile_failure(monkeypatch, caplog, sq, skv):
+    """A compiled graph that calls nvfly's op keeps running when nvfly's kernel cannot be compiled (a CompileError
+    injected where the op calls it): the op computes the call by the float32 reference and says why."""
+    from torch._inductor.utils import run_and_get_code
+    from nvfly import CompileError
+
+    def broken(*args, **kwargs):
+        raise CompileError("injected compile failure")
+    torch._dynamo.reset()
+    q, k, v = sdpa_inputs(1, 32, 8, sq, skv)
+    causal = sq == skv
+    model = _Attention(causal)
+    kernel = "prefill" if causal else "decode"
+    monkeypatch.setattr(attention, kernel, broken)
+    nvfly.torch.install()
+    try:
+        with sdpa_kernel(NO_CUDNN), torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False), \
+                caplog.at_level(logging.WARNING, logger="nvfly"):
+            got, codes = run_and_get_code(torch.compile(model, fullgraph=True), q, k, v)
+    finally:
+        nvfly.torch.uninstall()
+        torch._dynamo.reset()
+    assert any(f"nvfly.attention_{kernel}" in code for code in codes)
+    assert "injected compile failure" in caplog.text and "float32 reference" in caplog.text
+    assert rel_err(got, model(q.float(), k.float(), v.float())) < 1e-2
+
+
 def test_explain_sdpa_on_the_gpu():
     report = nvfly.torch.explain_sdpa(1, 32, 8, 4096, 4096, 128, is_causal=True, benchmark=True)
     assert report.torch_backend in ("cudnn", "flash", "efficient", "math")

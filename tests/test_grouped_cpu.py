@@ -1,6 +1,8 @@
 """The grouped GEMM without a GPU: every layout, operand major-ness and epilogue compiles to HGMMA/UTMALDG code
 within its register budget and without spills; the K tail's shared-memory addresses match the wgmma layout; plans,
 argument checks (errors naming the argument), the host offset validation and the float32 reference."""
+import re
+
 import pytest
 import torch
 
@@ -183,12 +185,18 @@ def test_forward_variants_plans():
 KGROUPED = ("kgrouped", "none", "MN", "MN")
 
 
+SMALL_K_TILES = ("pingpong-tma-2buf", "pingpong-tma-2buf-ring2", "128x256-tma-4buf", "256x128-tma-2buf",
+                 "256x128-tma-2buf-ring2")
+
+
 @pytest.mark.parametrize("tile,out_dtype", [("heuristic", torch.float32), ("pingpong-tma", None),
-                                            ("pingpong-register", None), ("cooperative-tma", None)])
+                                            ("pingpong-register", None), ("cooperative-tma", None)]
+                         + [(tile, None) for tile in SMALL_K_TILES])
 def test_kgrouped_epilogues_compile(tile, out_dtype):
     """The weight gradient's ping-pong consumers and TMA-store epilogue (``kgrouped_variants``; the cooperative
     register tile is test_every_variant_compiles'): no spills, stmatrix + UTMASTG where the config stores by TMA
-    (the heuristic's stores 32-bit outputs through registers), the staging buffer after the ring."""
+    (the heuristic's stores 32-bit outputs through registers), the staging buffer after the ring; the small-K
+    candidates' staging rings (store_tiles 2) wait for all but their other buffers' groups."""
     from nvfly.ops.grouped.plan import kgrouped_variants
     config = None if tile == "heuristic" else kgrouped_variants(8)[tile]
     (k,) = grouped.compile_variants([KGROUPED], config=config, out_dtype=out_dtype)
@@ -196,7 +204,17 @@ def test_kgrouped_epilogues_compile(tile, out_dtype):
                      4 if out_dtype else 2)
     check_kernel(k, f"HGMMA.64x{plan.config.bn}x16.F32.BF16")
     assert plan.config.pingpong == tile.startswith(("heuristic", "pingpong"))
-    assert plan.config.tma_store == tile.endswith("-tma")
+    assert plan.config.tma_store == ("-tma" in tile)
+    cfg = plan.config
+    if cfg.tma_store:
+        slices = cfg.bn // cfg.store_width
+        assert k.count("UTMASTG") == slices and k.count("STSM") == cfg.bn // 16 * (cfg.wg_m // 64)
+        ring = cfg.store_slices * cfg.store_tiles
+        waits = {int(w) for w in re.findall(r"cp\.async\.bulk\.wait_group\.read (\d+);", k.ptx)}
+        # the ring's slices wait for all but ring - 1 groups; a tile restarting at buffer 0 waits for all of them
+        # (and, with fewer buffers than slices, for all but store_buffers - 1 within the tile)
+        assert waits == ({ring - 1} if cfg.store_tiles > 1 else {0} | ({cfg.store_slices - 1}
+                                                                        if cfg.store_slices < slices else set()))
     assert k.dynamic_smem_bytes == plan.smem_bytes <= SMEM_LIMIT
     assert (k.count("UTMASTG") > 0) == plan.config.tma_store and (k.count("STSM") > 0) == plan.config.tma_store
     assert "fence.proxy.async.shared::cta" in k.ptx  # the K tail

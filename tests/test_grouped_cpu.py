@@ -632,16 +632,23 @@ def test_benchmark_triton_budget():
 
 
 def test_benchmark_arguments():
-    """--tokens and --passes pick a part of the full suite (in its order); unknown values and --quick with --full,
-    --tokens or --passes are usage errors."""
+    """--tokens, --passes, --models and --routings pick a part of the full suite (in its order; its rows' keys);
+    unknown values, --quick with --full, --tokens or --passes, and --wgrad-variants with another pass are usage
+    errors."""
     import argparse
     from benchmarks.grouped import FULL, main, suite_of
     parser = argparse.ArgumentParser()
-    assert suite_of(argparse.Namespace(tokens="", passes=""), parser) is FULL
-    part = suite_of(argparse.Namespace(tokens="16384,64", passes="forward"), parser)
+    every = dict(tokens="", passes="", models="", routings="")
+    assert suite_of(argparse.Namespace(**every), parser) is FULL
+    part = suite_of(argparse.Namespace(**{**every, "tokens": "16384,64", "passes": "forward"}), parser)
     assert part == [c for c in FULL if c.tokens in (64, 16384) and c.gemm_pass == "forward"] and len(part) == 72
+    weak = suite_of(argparse.Namespace(tokens="64,512", passes="wgrad", models="DSv3,Qwen3", routings="uniform,zipf"),
+                    parser)
+    assert weak == [c for c in FULL if c.tokens in (64, 512) and c.gemm_pass == "wgrad" and c.experts in (128, 256)
+                    and c.routing in ("uniform", "zipf")] and len(weak) == 16
     for argv in (["--tokens", "100"], ["--passes", "backward"], ["--tokens", "x"], ["--quick", "--full"],
-                 ["--quick", "--tokens", "64"]):
+                 ["--quick", "--tokens", "64"], ["--models", "Llama"], ["--routings", "hot,flat"],
+                 ["--wgrad-variants", "--passes", "forward"]):
         with pytest.raises(SystemExit):
             main(argv)
 
@@ -737,3 +744,25 @@ def test_benchmark_main_writes(monkeypatch, tmp_path):
     doc = json.loads((tmp_path / "grouped_try_h200.json").read_text())
     assert doc["meta"]["summary"]["rows"] == 2 and doc["rows"][0]["pass"] == "wgrad"
     assert (tmp_path / "grouped_try_h200.png").stat().st_size > 0
+
+
+def test_benchmark_wgrad_variants_pick_the_suite(monkeypatch, tmp_path):
+    """--wgrad-variants: WGRAD_CASES by default, with --tokens/--models/--routings the full suite's weight-gradient
+    rows (their keys unchanged); the summary per variant leaves out a variant's untimed rows."""
+    import json
+    from benchmarks import grouped as bench
+    seen = []
+
+    def fake_variants(cases):
+        seen.append(list(cases))
+        return [{**c.row_keys(), "variants": {"a": "", "b": ""}, "torch_tbps": 1.0, "a_tbps": 2.0, "a_vs_torch": 2.0,
+                 **({"b_vs_torch": 0.5, "b_tbps": 0.5} if i else {})} for i, c in enumerate(cases[:2])]
+    monkeypatch.setattr(bench, "wgrad_variants", fake_variants)
+    monkeypatch.setenv("NVFLY_RESULTS_DIR", str(tmp_path))
+    assert bench.main(["--wgrad-variants", "--name", "wgrad_try"]) == 0
+    assert seen[-1] == bench.WGRAD_CASES
+    assert bench.main(["--wgrad-variants", "--tokens", "64,512", "--models", "DSv3,Qwen3", "--routings",
+                       "uniform,zipf", "--name", "wgrad_try"]) == 0
+    assert len(seen[-1]) == 16 and all(c in bench.FULL and c.gemm_pass == "wgrad" for c in seen[-1])
+    summary = json.loads((tmp_path / "wgrad_try_h200.json").read_text())["meta"]["summary"]
+    assert summary["geomean_a_vs_torch"] == 2.0 and summary["min_b_vs_torch"] == 0.5 and summary["untimed_b"] == 1

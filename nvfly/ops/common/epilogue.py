@@ -8,8 +8,9 @@ writes land in 8 different 16-byte bank groups), fences the generic proxy agains
 consumer's 128 threads on a named barrier and lets one thread issue a TMA store per slice (TMA clips tails). A
 slice buffer is reused only after ``cp.async.bulk.wait_group.read``, so a tile's stores drain while the consumer
 runs the next tile's mainloop; a tile's first slice waits for every store of the previous tile, unless the config's
-``store_tiles`` buffers the slices of several tiles (then each slice waits only for its buffer's last store). Stream K (dense and scaled): ``fix_up`` adds a shared tile's part into its workspace
-slot, and the part counted in last takes the sums into the epilogue.
+``store_tiles`` buffers the slices of several tiles (then each slice waits only for its buffer's last store).
+Stream K (dense and scaled): ``fix_up`` adds a shared tile's part into its workspace slot, and the part counted in
+last takes the sums into the epilogue.
 """
 from __future__ import annotations
 

@@ -185,8 +185,8 @@ def test_forward_variants_plans():
 KGROUPED = ("kgrouped", "none", "MN", "MN")
 
 
-SMALL_K_TILES = ("pingpong-tma-2buf", "pingpong-tma-2buf-ring2", "128x256-tma-4buf", "256x128-tma-2buf",
-                 "256x128-tma-2buf-ring2")
+SMALL_K_TILES = ("pingpong-tma-2buf", "pingpong-tma-ring2", "pingpong-tma-2buf-ring2", "128x256-tma-4buf",
+                 "128x256-tma-4buf-ring2", "256x128-tma-2buf", "256x128-tma-2buf-ring2")
 
 
 @pytest.mark.parametrize("tile,out_dtype", [("heuristic", torch.float32), ("pingpong-tma", None),
@@ -766,3 +766,20 @@ def test_benchmark_wgrad_variants_pick_the_suite(monkeypatch, tmp_path):
     assert len(seen[-1]) == 16 and all(c in bench.FULL and c.gemm_pass == "wgrad" for c in seen[-1])
     summary = json.loads((tmp_path / "wgrad_try_h200.json").read_text())["meta"]["summary"]
     assert summary["geomean_a_vs_torch"] == 2.0 and summary["min_b_vs_torch"] == 0.5 and summary["untimed_b"] == 1
+
+
+@pytest.mark.parametrize("slices,ring", [(1, 2), (2, 4), (4, 8), (2, 6), (4, 4 * 3)])
+def test_staging_ring_never_overwrites_a_pending_store(slices, ring):
+    """The store_tiles ring's slots (``staging_ring_slot``) and waits (``wait_group.read ring - 1`` before each
+    slice): with stores that complete only when waited for, a slice's buffer is never one a pending store still
+    reads, and every buffer is used."""
+    from nvfly.ops.common.epilogue import staging_ring_slot
+    pending, used = [], set()  # the buffers of the committed, unread store groups, oldest first
+    for staged in range(7):
+        for s in range(slices):
+            del pending[:max(0, len(pending) - (ring - 1))]  # wait_group.read ring - 1
+            slot = staging_ring_slot(staged, s, slices, ring)
+            assert slot not in pending, (staged, s, slot, pending)
+            pending.append(slot)
+            used.add(slot)
+    assert used == set(range(ring))

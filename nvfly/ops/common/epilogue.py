@@ -91,6 +91,13 @@ def staging_offset(row: Any, chunk: Any, row_bytes: int) -> Any:
     return offset + ((chunk ^ ((offset >> 7) & (row_bytes // 16 - 1))) << 4)
 
 
+def staging_ring_slot(staged: Any, s: int, slices: int, ring: int) -> Any:
+    """The staging buffer of slice ``s`` (of ``slices`` a tile) of a consumer's tile after ``staged`` others when
+    the slices rotate through ``ring`` buffers (``store_tiles`` > 1): the consumer's slice count modulo the ring, so
+    the store that read the buffer last is ``ring`` stores back (``tests/test_grouped_cpu.py`` models the waits)."""
+    return (staged * slices + s) % ring
+
+
 def staging_lane_xor(lane_row: Any, lane: Any, row_bytes: int) -> Any:
     """For stmatrix lane ``lane`` giving the address of row ``lane_row``: the byte term X with
     staging_offset(lane_row, j + lane // 16, row_bytes) == lane_row * row_bytes + ((16 * j) ^ X) for every
@@ -144,7 +151,7 @@ def stage_tile(out_desc, c_in, accs, own, batch, tile_row, tile_col, row0, col0,
         if RING > NB:
             # slice number staged * NS + s of this consumer: the store that read its buffer last is RING slices
             # (one group each) back, so at most RING - 1 newer groups may still be reading
-            b = (staged * NS + s) % RING
+            b = staging_ring_slot(staged, s, NS, RING)
             if issuer:
                 sm90.tma_store_wait(RING - 1, read_only=True)
             nvfly.named_barrier(STORE_BARRIER + consumer, 128)

@@ -309,24 +309,26 @@ WGRAD_CASES = [Case("Qwen3 wgrad T4096", "wgrad", 128, 768, 2048, 4096 * 8, top_
                Case("DSv3 down wgrad T4096", "wgrad", 256, 7168, 2048, 4096 * 8, top_k=8)]
 
 
-def wgrad_variants(cases: Sequence[Case]) -> list[dict]:
+def wgrad_variants(cases: Sequence[Case], device: str = "cuda") -> list[dict]:
     """Each case (WGRAD_CASES, or the full suite's weight-gradient rows picked by --tokens, --models and
     --routings) on every K-grouped tile and on torch._grouped_mm: errors first (a variant off the reference is not
     timed), then times interleaved over VARIANT_ROUNDS rounds (the median round), with the TB/s of the bytes that
-    must move (at few tokens an expert: the output's)."""
+    must move (at few tokens an expert: the output's). ``device``: CUDA (nvfly's), or another for tests."""
     from nvfly.ops.grouped.plan import kgrouped_variants
     rows = []
     for case in progress(cases, "grouped wgrad"):
-        s = setup(case)
+        s = setup(case, device)
         (a, b, offs), flop = s.operands, s.flop
         impls = {"torch": s.impls["torch"]}
         variants = kgrouped_variants(case.experts)
+        # one output for every variant (DeepSeek-V3's is 15 GB), poisoned before each variant's checked call
+        out = torch.empty((case.experts, case.k, case.n), device=device, dtype=torch.bfloat16)
         for name, config in variants.items():
-            out = torch.full((case.experts, case.k, case.n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            impls[name] = lambda config=config, out=out: grouped.grouped_mm(a, b, offs, out=out, config=config)
+            impls[name] = lambda config=config: grouped.grouped_mm(a, b, offs, out=out, config=config)
         ref = s.reference()
         row = {**case.row_keys(), "heuristic": s.plan, "variants": {n: describe_config(c) for n, c in variants.items()}}
         for name, fn in impls.items():
+            out.fill_(float("nan"))
             row[f"{name}_rel_err"] = chunked_rel_err(fn(), ref)
         del ref
         timed = {name: fn for name, fn in impls.items() if row[f"{name}_rel_err"] < 2e-2}
@@ -341,7 +343,7 @@ def wgrad_variants(cases: Sequence[Case]) -> list[dict]:
         print(f"{case.name:<28} torch {row.get('torch_tbps', 0):4.2f} TB/s  " + "  ".join(
             f"{name} {row.get(name + '_tbps', 0):4.2f} TB/s x{row.get(name + '_vs_torch', 0):.2f} "
             f"(err {row[name + '_rel_err']:.1e})" for name in variants), flush=True)
-        del impls, s, a, b, offs
+        del impls, s, a, b, offs, out
         torch.cuda.empty_cache()
     return rows
 

@@ -783,3 +783,30 @@ def test_staging_ring_never_overwrites_a_pending_store(slices, ring):
             pending.append(slot)
             used.add(slot)
     assert used == set(range(ring))
+
+
+def test_benchmark_wgrad_variant_rows_on_cpu(monkeypatch):
+    """--wgrad-variants' rows on the CPU (torch._grouped_mm standing in for each variant, fixed times): every
+    variant's error against the reference, one that is off is not timed, the others' TB/s and ratio to torch."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    from benchmarks import grouped as bench
+    from nvfly.ops.grouped.plan import kgrouped_variants
+
+    def fake_grouped_mm(a, b, offs, out, config):
+        out.copy_(torch._grouped_mm(a, b, offs))
+        if config == kgrouped_variants(4)["pingpong-register"]:
+            out.add_(1.0)  # off the reference
+        return out
+    monkeypatch.setattr(bench.grouped, "grouped_mm", fake_grouped_mm)
+    monkeypatch.setattr(bench, "interleaved_ms", lambda fns, rounds: {name: [2.0, 1.0, 3.0] if name == "torch"
+                                                                      else [1.0] * rounds for name in fns})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    case = bench.Case("tiny wgrad", "wgrad", 4, 48, 32, 64, top_k=2)
+    (row,) = bench.wgrad_variants([case], "cpu")
+    names = list(kgrouped_variants(4))
+    assert list(row["variants"]) == names and row["case"] == "tiny wgrad" and row["torch_ms"] == 2.0
+    assert row["pingpong-register_rel_err"] > 0.1 and "pingpong-register_ms" not in row
+    for name in names:
+        if name != "pingpong-register":
+            assert row[f"{name}_rel_err"] < 1e-2 and row[f"{name}_vs_torch"] == 2.0 and row[f"{name}_tbps"] > 0

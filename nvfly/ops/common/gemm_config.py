@@ -6,7 +6,7 @@ Pure Python (no tracing): plans, the autotuner and the kernels all read these.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 BK_BYTES = 128   # one 128-byte swizzle row of K per k-block
 PRODUCER_REGS = 40
@@ -90,10 +90,12 @@ class GemmConfig(StagedStore):
     stream_b: bool = False
     cluster_n: int = 1
     store_tiles: int = 1
+    # fields named (repr, config strings) only where not their default: the configs before them keep their names
+    # (test ids, recorded results, autotuning records)
+    LATE_FIELDS: ClassVar[tuple[str, ...]] = ("store_tiles",)
 
     def __repr__(self) -> str:
-        # store_tiles only where it is not 1: the other configs keep their names (test ids, recorded results)
-        shown = [f for f in fields(self) if f.name != "store_tiles" or self.store_tiles != 1]
+        shown = [f for f in fields(self) if f.name not in self.LATE_FIELDS or getattr(self, f.name) != f.default]
         return f"GemmConfig({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
     def bk(self, itemsize: int) -> int:

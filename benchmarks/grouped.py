@@ -146,19 +146,26 @@ QUICK = [
 # budget allows (--budget-s) go to the prefill shapes of every model first, then decode, 16K and 512.
 MODELS = [("DSv3", 256, 8, [(4096, 7168), (7168, 2048)]), ("Qwen3", 128, 8, [(1536, 2048), (2048, 768)]),
           ("Mixtral", 8, 2, [(28672, 4096), (4096, 14336)])]
+MODEL_NAMES = tuple(model for model, *_ in MODELS)
 FULL_TOKENS = (4096, 64, 16384, 512)
 ROUTINGS = ("uniform", "zipf", "hot")
 FULL_PASSES = [("forward", "contiguous"), ("gate_up", "contiguous"), ("forward", "masked"), ("dgrad", "contiguous"),
                ("wgrad", "contiguous")]
 
 
-def full_cases(tokens_of: Sequence[int] = FULL_TOKENS, passes: Sequence[str] = PASSES) -> list[Case]:
-    """The full suite (``FULL``), or its rows of the given token counts and passes."""
+def full_cases(tokens_of: Sequence[int] = FULL_TOKENS, passes: Sequence[str] = PASSES,
+               models: Optional[Sequence[str]] = None, routings: Sequence[str] = ROUTINGS) -> list[Case]:
+    """The full suite (``FULL``), or its rows of the given token counts, passes, models (default: all) and
+    routings."""
     cases = []
     for tokens in tokens_of:
         for model, e, top, shapes in MODELS:
+            if models is not None and model not in models:
+                continue
             for index, (n, k) in enumerate(shapes):
                 for routing in ROUTINGS:
+                    if routing not in routings:
+                        continue
                     for gemm_pass, layout in FULL_PASSES:
                         if gemm_pass not in passes or (gemm_pass == "gate_up" and index):  # gate/up: w13 only
                             continue
@@ -302,37 +309,45 @@ WGRAD_CASES = [Case("Qwen3 wgrad T4096", "wgrad", 128, 768, 2048, 4096 * 8, top_
                Case("DSv3 down wgrad T4096", "wgrad", 256, 7168, 2048, 4096 * 8, top_k=8)]
 
 
-def wgrad_variants() -> list[dict]:
-    """Each WGRAD_CASES row on every K-grouped tile and on torch._grouped_mm: errors first, then times."""
+def wgrad_variants(cases: Sequence[Case], device: str = "cuda") -> list[dict]:
+    """Each case (WGRAD_CASES, or the full suite's weight-gradient rows picked by --tokens, --models and
+    --routings) on every K-grouped tile and on torch._grouped_mm: errors first (a variant off the reference is not
+    timed), then times interleaved over VARIANT_ROUNDS rounds (the median round), with the TB/s of the bytes that
+    must move (at few tokens an expert: the output's). ``device``: CUDA (nvfly's), or another for tests."""
     from nvfly.ops.grouped.plan import kgrouped_variants
     rows = []
-    for case in progress(WGRAD_CASES, "grouped wgrad"):
-        s = setup(case)
+    for case in progress(cases, "grouped wgrad"):
+        s = setup(case, device)
         (a, b, offs), flop = s.operands, s.flop
         impls = {"torch": s.impls["torch"]}
-        for name, config in kgrouped_variants(case.experts).items():
-            out = torch.full((case.experts, case.k, case.n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            impls[name] = lambda config=config, out=out: grouped.grouped_mm(a, b, offs, out=out, config=config)
+        variants = kgrouped_variants(case.experts)
+        # one output for every variant (DeepSeek-V3's is 15 GB), poisoned before each variant's checked call
+        out = torch.empty((case.experts, case.k, case.n), device=device, dtype=torch.bfloat16)
+        for name, config in variants.items():
+            impls[name] = lambda config=config: grouped.grouped_mm(a, b, offs, out=out, config=config)
         ref = s.reference()
-        row = {**case.row_keys(), "heuristic": s.plan}
+        row = {**case.row_keys(), "heuristic": s.plan, "variants": {n: describe_config(c) for n, c in variants.items()}}
         for name, fn in impls.items():
+            out.fill_(float("nan"))
             row[f"{name}_rel_err"] = chunked_rel_err(fn(), ref)
         del ref
-        for name, fn in impls.items():
-            row[f"{name}_ms"] = bench_ms(fn)
-            row[f"{name}_tflops"] = flop / row[f"{name}_ms"] / 1e9
-            if name != "torch":
-                row[f"{name}_vs_torch"] = row["torch_ms"] / row[f"{name}_ms"]
+        timed = {name: fn for name, fn in impls.items() if row[f"{name}_rel_err"] < 2e-2}
+        for name, runs in interleaved_ms(timed, VARIANT_ROUNDS).items():
+            ms = sorted(runs)[len(runs) // 2]
+            row[f"{name}_ms"], row[f"{name}_ms_runs"] = ms, runs
+            row[f"{name}_tflops"] = flop / ms / 1e9
+            row[f"{name}_tbps"] = s.nbytes / ms / 1e9
+            if name != "torch" and "torch_ms" in row:
+                row[f"{name}_vs_torch"] = row["torch_ms"] / ms
         rows.append(row)
-        print(f"{case.name:<28} torch {row['torch_tflops']:6.1f} TF  " + "  ".join(
-            f"{name} {row[name + '_tflops']:6.1f} TF x{row[name + '_vs_torch']:.2f} (err {row[name + '_rel_err']:.1e})"
-            for name in impls if name != "torch"), flush=True)
-        del impls, s, a, b, offs
+        print(f"{case.name:<28} torch {row.get('torch_tbps', 0):4.2f} TB/s  " + "  ".join(
+            f"{name} {row.get(name + '_tbps', 0):4.2f} TB/s x{row.get(name + '_vs_torch', 0):.2f} "
+            f"(err {row[name + '_rel_err']:.1e})" for name in variants), flush=True)
+        del impls, s, a, b, offs, out
         torch.cuda.empty_cache()
     return rows
 
 
-# ---------------------------------------------------------------------------------------------- forward variants
 VARIANT_CASES = [case for case in QUICK if case.name in ("anchor E64 T15952", "Qwen3 256/expert", "Mixtral 1024/expert",
                                                           "Mixtral T4096 hot")]
 VARIANT_ROUNDS = 3
@@ -388,8 +403,10 @@ def forward_variant_rows(triton_cases: int) -> list[dict]:
 
 def describe_config(cfg) -> str:
     clusters = f", {cfg.cluster_m}-block clusters" if cfg.cluster_m > 1 else ""
+    staged = (f" ({cfg.store_slices * cfg.store_tiles} slice buffers over {cfg.store_tiles} tiles)"
+              if cfg.tma_store and cfg.store_slices * cfg.store_tiles > 1 else "")
     return (f"{cfg.bm}x{cfg.bn} {'ping-pong' if cfg.pingpong else 'cooperative'}, {cfg.stages} stages"
-            f"{', TMA store' if cfg.tma_store else ''}{clusters}")
+            f"{', TMA store' + staged if cfg.tma_store else ''}{clusters}")
 
 
 def variant_summary(rows: list[dict]) -> dict:
@@ -830,13 +847,18 @@ def main(argv=None) -> int:
                    help="the anchors' grouped suite, FULL (the default without --quick, --moe, --fp8 or the variants)")
     p.add_argument("--tokens", default="", help="the full suite's rows of these token counts only (e.g. 64,16384)")
     p.add_argument("--passes", default="", help=f"the full suite's rows of these passes only (of {', '.join(PASSES)})")
+    p.add_argument("--models", default="",
+                   help=f"the full suite's rows of these models only (of {', '.join(MODEL_NAMES)})")
+    p.add_argument("--routings", default="",
+                   help=f"the full suite's rows of these routings only (of {', '.join(ROUTINGS)})")
     p.add_argument("--moe", action="store_true", help="the MoE-layer rows (alone, or after --quick's or --full's)")
     p.add_argument("--moe-layers", default="", help="only the MoE layers whose name contains this (e.g. qwen3)")
     p.add_argument("--no-compile", action="store_true", help="MoE rows without the torch.compile versions")
     p.add_argument("--moe-profile", type=int, default=0, metavar="CALLS",
                    help="print a cProfile of CALLS calls of each forward version of the host-bound MoE rows")
     p.add_argument("--wgrad-variants", action="store_true",
-                   help="the K-grouped weight gradient on each of the kernel's K-grouped tiles vs torch (alone)")
+                   help="the K-grouped weight gradient on each of the kernel's K-grouped tiles vs torch (alone): "
+                        "WGRAD_CASES, or with --tokens, --models or --routings the full suite's weight-gradient rows")
     p.add_argument("--variants", action="store_true",
                    help="the compute-bound forward rows on each forward variant vs torch and Inductor (alone)")
     p.add_argument("--fp8", action="store_true",
@@ -854,14 +876,23 @@ def main(argv=None) -> int:
     t_start = time.time()
     if args.wgrad_variants:
         name = args.name or "grouped_wgrad"
-        rows = wgrad_variants()
-        variants = [k[:-len("_vs_torch")] for k in rows[0] if k.endswith("_vs_torch")]
-        summary = {f"geomean_{v}_vs_torch": geomean([r[f"{v}_vs_torch"] for r in rows]) for v in variants}
+        if args.passes not in ("", "wgrad"):
+            p.error(f"--passes: --wgrad-variants times the weight gradient only, got {args.passes!r}")
+        picked = args.tokens or args.models or args.routings
+        rows = wgrad_variants(suite_of(argparse.Namespace(**{**vars(args), "passes": "wgrad"}), p) if picked
+                              else WGRAD_CASES)
+        variants = list(rows[0]["variants"])
+        summary = {}
+        for v in variants:
+            timed = [r[f"{v}_vs_torch"] for r in rows if f"{v}_vs_torch" in r]
+            summary[f"geomean_{v}_vs_torch"] = geomean(timed) if timed else None
+            summary[f"min_{v}_vs_torch"] = min(timed, default=None)
+            summary[f"untimed_{v}"] = len(rows) - len(timed)  # off the reference (or torch failed)
         summary["seconds"] = time.time() - t_start
         print(summary)
         path = write_results(name, rows, {"summary": summary})
-        plot(name, [r["case"] for r in rows], {v: [r[f"{v}_tflops"] for r in rows] for v in ["torch"] + variants},
-             "TFLOP/s")
+        plot(name, [r["case"] for r in rows], {v: [r.get(f"{v}_tbps", 0.0) for r in rows]
+                                               for v in ["torch"] + variants}, "TB/s of the bytes that must move")
         print("wrote", path)
         return 0
     if args.variants:
@@ -946,19 +977,24 @@ class TritonBudget:
 
 
 def suite_of(args, parser: argparse.ArgumentParser) -> list[Case]:
-    """FULL, or its rows of ``--tokens`` and ``--passes``."""
+    """FULL, or its rows of ``--tokens``, ``--passes``, ``--models`` and ``--routings``."""
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t] or list(FULL_TOKENS)
     except ValueError:
         parser.error(f"--tokens: expected token counts separated by commas, got {args.tokens!r}")
-    passes = [p for p in args.passes.split(",") if p] or list(PASSES)
-    for name, values, known in (("--tokens", tokens, FULL_TOKENS), ("--passes", passes, PASSES)):
+    picked = {flag: [v for v in value.split(",") if v] or list(known) for flag, value, known in (
+        ("--passes", args.passes, PASSES), ("--models", args.models, MODEL_NAMES),
+        ("--routings", args.routings, ROUTINGS))}
+    for name, values, known in (("--tokens", tokens, FULL_TOKENS), ("--passes", picked["--passes"], PASSES),
+                                ("--models", picked["--models"], MODEL_NAMES),
+                                ("--routings", picked["--routings"], ROUTINGS)):
         unknown = [v for v in values if v not in known]
         if unknown:
             parser.error(f"{name}: {unknown} not in the full suite's {list(known)}")
-    if not args.tokens and not args.passes:
+    if not (args.tokens or args.passes or args.models or args.routings):
         return FULL
-    return full_cases([t for t in FULL_TOKENS if t in tokens], passes)
+    return full_cases([t for t in FULL_TOKENS if t in tokens], picked["--passes"], picked["--models"],
+                      picked["--routings"])
 
 
 def grouped_rows(cases: list[Case], args, start: float,

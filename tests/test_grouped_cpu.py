@@ -1,6 +1,8 @@
 """The grouped GEMM without a GPU: every layout, operand major-ness and epilogue compiles to HGMMA/UTMALDG code
 within its register budget and without spills; the K tail's shared-memory addresses match the wgmma layout; plans,
 argument checks (errors naming the argument), the host offset validation and the float32 reference."""
+import re
+
 import pytest
 import torch
 
@@ -183,12 +185,18 @@ def test_forward_variants_plans():
 KGROUPED = ("kgrouped", "none", "MN", "MN")
 
 
+SMALL_K_TILES = ("pingpong-tma-2buf", "pingpong-tma-ring2", "pingpong-tma-2buf-ring2", "128x256-tma-4buf",
+                 "128x256-tma-4buf-ring2", "256x128-tma-2buf", "256x128-tma-2buf-ring2")
+
+
 @pytest.mark.parametrize("tile,out_dtype", [("heuristic", torch.float32), ("pingpong-tma", None),
-                                            ("pingpong-register", None), ("cooperative-tma", None)])
+                                            ("pingpong-register", None), ("cooperative-tma", None)]
+                         + [(tile, None) for tile in SMALL_K_TILES])
 def test_kgrouped_epilogues_compile(tile, out_dtype):
     """The weight gradient's ping-pong consumers and TMA-store epilogue (``kgrouped_variants``; the cooperative
     register tile is test_every_variant_compiles'): no spills, stmatrix + UTMASTG where the config stores by TMA
-    (the heuristic's stores 32-bit outputs through registers), the staging buffer after the ring."""
+    (the heuristic's stores 32-bit outputs through registers), the staging buffer after the ring; the small-K
+    candidates' staging rings (store_tiles 2) wait for all but their other buffers' groups."""
     from nvfly.ops.grouped.plan import kgrouped_variants
     config = None if tile == "heuristic" else kgrouped_variants(8)[tile]
     (k,) = grouped.compile_variants([KGROUPED], config=config, out_dtype=out_dtype)
@@ -196,7 +204,17 @@ def test_kgrouped_epilogues_compile(tile, out_dtype):
                      4 if out_dtype else 2)
     check_kernel(k, f"HGMMA.64x{plan.config.bn}x16.F32.BF16")
     assert plan.config.pingpong == tile.startswith(("heuristic", "pingpong"))
-    assert plan.config.tma_store == tile.endswith("-tma")
+    assert plan.config.tma_store == ("-tma" in tile)
+    cfg = plan.config
+    if cfg.tma_store:
+        slices = cfg.bn // cfg.store_width
+        assert k.count("UTMASTG") == slices and k.count("STSM") == cfg.bn // 16 * (cfg.wg_m // 64)
+        ring = cfg.store_slices * cfg.store_tiles
+        waits = {int(w) for w in re.findall(r"cp\.async\.bulk\.wait_group\.read (\d+);", k.ptx)}
+        # the ring's slices wait for all but ring - 1 groups; a tile restarting at buffer 0 waits for all of them
+        # (and, with fewer buffers than slices, for all but store_buffers - 1 within the tile)
+        assert waits == ({ring - 1} if cfg.store_tiles > 1 else {0} | ({cfg.store_slices - 1}
+                                                                        if cfg.store_slices < slices else set()))
     assert k.dynamic_smem_bytes == plan.smem_bytes <= SMEM_LIMIT
     assert (k.count("UTMASTG") > 0) == plan.config.tma_store and (k.count("STSM") > 0) == plan.config.tma_store
     assert "fence.proxy.async.shared::cta" in k.ptx  # the K tail
@@ -614,16 +632,23 @@ def test_benchmark_triton_budget():
 
 
 def test_benchmark_arguments():
-    """--tokens and --passes pick a part of the full suite (in its order); unknown values and --quick with --full,
-    --tokens or --passes are usage errors."""
+    """--tokens, --passes, --models and --routings pick a part of the full suite (in its order; its rows' keys);
+    unknown values, --quick with --full, --tokens or --passes, and --wgrad-variants with another pass are usage
+    errors."""
     import argparse
     from benchmarks.grouped import FULL, main, suite_of
     parser = argparse.ArgumentParser()
-    assert suite_of(argparse.Namespace(tokens="", passes=""), parser) is FULL
-    part = suite_of(argparse.Namespace(tokens="16384,64", passes="forward"), parser)
+    every = dict(tokens="", passes="", models="", routings="")
+    assert suite_of(argparse.Namespace(**every), parser) is FULL
+    part = suite_of(argparse.Namespace(**{**every, "tokens": "16384,64", "passes": "forward"}), parser)
     assert part == [c for c in FULL if c.tokens in (64, 16384) and c.gemm_pass == "forward"] and len(part) == 72
+    weak = suite_of(argparse.Namespace(tokens="64,512", passes="wgrad", models="DSv3,Qwen3", routings="uniform,zipf"),
+                    parser)
+    assert weak == [c for c in FULL if c.tokens in (64, 512) and c.gemm_pass == "wgrad" and c.experts in (128, 256)
+                    and c.routing in ("uniform", "zipf")] and len(weak) == 16
     for argv in (["--tokens", "100"], ["--passes", "backward"], ["--tokens", "x"], ["--quick", "--full"],
-                 ["--quick", "--tokens", "64"]):
+                 ["--quick", "--tokens", "64"], ["--models", "Llama"], ["--routings", "hot,flat"],
+                 ["--wgrad-variants", "--passes", "forward"]):
         with pytest.raises(SystemExit):
             main(argv)
 
@@ -719,3 +744,69 @@ def test_benchmark_main_writes(monkeypatch, tmp_path):
     doc = json.loads((tmp_path / "grouped_try_h200.json").read_text())
     assert doc["meta"]["summary"]["rows"] == 2 and doc["rows"][0]["pass"] == "wgrad"
     assert (tmp_path / "grouped_try_h200.png").stat().st_size > 0
+
+
+def test_benchmark_wgrad_variants_pick_the_suite(monkeypatch, tmp_path):
+    """--wgrad-variants: WGRAD_CASES by default, with --tokens/--models/--routings the full suite's weight-gradient
+    rows (their keys unchanged); the summary per variant leaves out a variant's untimed rows."""
+    import json
+    from benchmarks import grouped as bench
+    seen = []
+
+    def fake_variants(cases):
+        seen.append(list(cases))
+        return [{**c.row_keys(), "variants": {"a": "", "b": ""}, "torch_tbps": 1.0, "a_tbps": 2.0, "a_vs_torch": 2.0,
+                 **({"b_vs_torch": 0.5, "b_tbps": 0.5} if i else {})} for i, c in enumerate(cases[:2])]
+    monkeypatch.setattr(bench, "wgrad_variants", fake_variants)
+    monkeypatch.setenv("NVFLY_RESULTS_DIR", str(tmp_path))
+    assert bench.main(["--wgrad-variants", "--name", "wgrad_try"]) == 0
+    assert seen[-1] == bench.WGRAD_CASES
+    assert bench.main(["--wgrad-variants", "--tokens", "64,512", "--models", "DSv3,Qwen3", "--routings",
+                       "uniform,zipf", "--name", "wgrad_try"]) == 0
+    assert len(seen[-1]) == 16 and all(c in bench.FULL and c.gemm_pass == "wgrad" for c in seen[-1])
+    summary = json.loads((tmp_path / "wgrad_try_h200.json").read_text())["meta"]["summary"]
+    assert summary["geomean_a_vs_torch"] == 2.0 and summary["min_b_vs_torch"] == 0.5 and summary["untimed_b"] == 1
+
+
+@pytest.mark.parametrize("slices,ring", [(1, 2), (2, 4), (4, 8), (2, 6), (4, 4 * 3)])
+def test_staging_ring_never_overwrites_a_pending_store(slices, ring):
+    """The store_tiles ring's slots (``staging_ring_slot``) and waits (``wait_group.read ring - 1`` before each
+    slice): with stores that complete only when waited for, a slice's buffer is never one a pending store still
+    reads, and every buffer is used."""
+    from nvfly.ops.common.epilogue import staging_ring_slot
+    pending, used = [], set()  # the buffers of the committed, unread store groups, oldest first
+    for staged in range(7):
+        for s in range(slices):
+            del pending[:max(0, len(pending) - (ring - 1))]  # wait_group.read ring - 1
+            slot = staging_ring_slot(staged, s, slices, ring)
+            assert slot not in pending, (staged, s, slot, pending)
+            pending.append(slot)
+            used.add(slot)
+    assert used == set(range(ring))
+
+
+def test_benchmark_wgrad_variant_rows_on_cpu(monkeypatch):
+    """--wgrad-variants' rows on the CPU (torch._grouped_mm standing in for each variant, fixed times): every
+    variant's error against the reference, one that is off is not timed, the others' TB/s and ratio to torch."""
+    if not hasattr(torch, "_grouped_mm"):
+        pytest.skip("torch without _grouped_mm")
+    from benchmarks import grouped as bench
+    from nvfly.ops.grouped.plan import kgrouped_variants
+
+    def fake_grouped_mm(a, b, offs, out, config):
+        out.copy_(torch._grouped_mm(a, b, offs))
+        if config == kgrouped_variants(4)["pingpong-register"]:
+            out.add_(1.0)  # off the reference
+        return out
+    monkeypatch.setattr(bench.grouped, "grouped_mm", fake_grouped_mm)
+    monkeypatch.setattr(bench, "interleaved_ms", lambda fns, rounds: {name: [2.0, 1.0, 3.0] if name == "torch"
+                                                                      else [1.0] * rounds for name in fns})
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    case = bench.Case("tiny wgrad", "wgrad", 4, 48, 32, 64, top_k=2)
+    (row,) = bench.wgrad_variants([case], "cpu")
+    names = list(kgrouped_variants(4))
+    assert list(row["variants"]) == names and row["case"] == "tiny wgrad" and row["torch_ms"] == 2.0
+    assert row["pingpong-register_rel_err"] > 0.1 and "pingpong-register_ms" not in row
+    for name in names:
+        if name != "pingpong-register":
+            assert row[f"{name}_rel_err"] < 1e-2 and row[f"{name}_vs_torch"] == 2.0 and row[f"{name}_tbps"] > 0

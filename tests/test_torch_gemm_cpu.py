@@ -2,6 +2,7 @@
 autotune database, eager routing decisions, the custom ops (torch fallback, autograd), the Inductor plumbing
 (choices class, extern choices emitted as nvfly ops, failures dropped, hash keys, FX-graph cache keys,
 preprocessing fallback) and explain."""
+import dataclasses
 import importlib
 import json
 import os
@@ -54,6 +55,10 @@ def test_config_strings_round_trip_and_reject_garbage():
     assert decode_config(encode_config(cfg, swap=True)) == (cfg, True)
     assert encode_config(None) == AUTO and decode_config(AUTO) == (None, False)
     assert encode_config(cfg).startswith("bm=128,bn=64,stages=7,consumers=2,group_m=16,split_k=3,")
+    # a late field (store_tiles) is named only where set: older strings and names stay as they were
+    late = dataclasses.replace(cfg, split_k=1, tma_store=True, store_tiles=2)
+    assert encode_config(cfg).endswith(",cluster_n=1") and "store_tiles" not in repr(cfg)
+    assert decode_config(encode_config(late)) == (late, False) and repr(late).endswith(", store_tiles=2)")
     for bad in ("bm=1x", "nonsense", "swap:", "bm=128,color=3"):
         with pytest.raises(ValueError, match="malformed"):
             decode_config(bad)

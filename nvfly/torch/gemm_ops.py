@@ -47,11 +47,14 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 # ---------------------------------------------------------------------------------------------- config strings
 def encode_config(config: Optional[Any], swap: bool = False) -> str:
     """The config string of a forced config (a ``GemmConfig``, or another kernel's config dataclass of int and bool
-    fields, e.g. ``ScaledConfig``: every field, so it is stable and readable), ``"auto"`` for None. ``swap``: run
+    fields, e.g. ``ScaledConfig``: every field but its ``LATE_FIELDS`` at their defaults, so it is stable and
+    readable), ``"auto"`` for None. ``swap``: run
     the config on the transposed problem (B^T A^T)^T, as the host does for small M."""
     if config is None:
         return AUTO
-    body = ",".join(f"{f.name}={int(getattr(config, f.name))}" for f in dataclasses.fields(config))
+    late = getattr(config, "LATE_FIELDS", ())  # named only where not their default (older strings stay valid)
+    body = ",".join(f"{f.name}={int(getattr(config, f.name))}" for f in dataclasses.fields(config)
+                    if f.name not in late or getattr(config, f.name) != f.default)
     return _SWAP + body if swap else body
 
 

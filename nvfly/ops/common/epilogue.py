@@ -7,8 +7,10 @@ the output TMA box (column slices of W = 64/32/16 elements, 128/64/32-byte swizz
 writes land in 8 different 16-byte bank groups), fences the generic proxy against the async one, syncs the
 consumer's 128 threads on a named barrier and lets one thread issue a TMA store per slice (TMA clips tails). A
 slice buffer is reused only after ``cp.async.bulk.wait_group.read``, so a tile's stores drain while the consumer
-runs the next tile's mainloop. Stream K (dense and scaled): ``fix_up`` adds a shared tile's part into its workspace
-slot, and the part counted in last takes the sums into the epilogue.
+runs the next tile's mainloop; a tile's first slice waits for every store of the previous tile, unless the config's
+``store_tiles`` buffers the slices of several tiles (then each slice waits only for its buffer's last store).
+Stream K (dense and scaled): ``fix_up`` adds a shared tile's part into its workspace slot, and the part counted in
+last takes the sums into the epilogue.
 """
 from __future__ import annotations
 
@@ -89,6 +91,13 @@ def staging_offset(row: Any, chunk: Any, row_bytes: int) -> Any:
     return offset + ((chunk ^ ((offset >> 7) & (row_bytes // 16 - 1))) << 4)
 
 
+def staging_ring_slot(staged: Any, s: int, slices: int, ring: int) -> Any:
+    """The staging buffer of slice ``s`` (of ``slices`` a tile) of a consumer's tile after ``staged`` others when
+    the slices rotate through ``ring`` buffers (``store_tiles`` > 1): the consumer's slice count modulo the ring, so
+    the store that read the buffer last is ``ring`` stores back (``tests/test_grouped_cpu.py`` models the waits)."""
+    return (staged * slices + s) % ring
+
+
 def staging_lane_xor(lane_row: Any, lane: Any, row_bytes: int) -> Any:
     """For stmatrix lane ``lane`` giving the address of row ``lane_row``: the byte term X with
     staging_offset(lane_row, j + lane // 16, row_bytes) == lane_row * row_bytes + ((16 * j) ^ X) for every
@@ -111,10 +120,13 @@ def check_store_descriptor(desc: Any, cfg: StagedStore, batched: bool) -> None:
 
 @nvfly.func
 def stage_tile(out_desc, c_in, accs, own, batch, tile_row, tile_col, row0, col0, m, n, alpha, beta, consumer,
-               warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, MASKED):
+               warp_in_wg, lane, CFG, ATOMS_M, EPI, BATCHED, MASKED, staged=None):
     """The TMA-store epilogue of one consumer tile (see the module doc). ``own``: this consumer's staging
-    buffers (store_slices slices of wg_m x W elements, W = store_width), ``tile_row``/``tile_col``: the
-    consumer's first output row and column; ``row0``/``col0``: this thread's fragment origin (as store_tile).
+    buffers (store_slices x store_tiles slices of wg_m x W elements, W = store_width), ``tile_row``/``tile_col``:
+    the consumer's first output row and column; ``row0``/``col0``: this thread's fragment origin (as store_tile);
+    ``staged``: the tiles this consumer staged before (``CFG.store_tiles`` > 1 only: its slices continue the
+    rotation through the buffers, each waiting only for the store that last read its buffer, store_tiles tiles
+    back, instead of every store of the previous tile).
 
     stmatrix.x4 stores four 8x8 matrices: for accumulator column group j (even) and row half h, matrix
     q = 2 * jj + h holds accumulator elements 4 (j + jj) + 2 h + {0, 1}, i.e. the register order is the
@@ -127,17 +139,30 @@ def stage_tile(out_desc, c_in, accs, own, batch, tile_row, tile_col, row0, col0,
     NB = CFG.store_slices
     NS = CFG.bn // W
     dtype = out_desc.info.dtype
+    RING = NB * CFG.store_tiles  # staging buffers of this consumer
+    if RING > NB and staged is None:
+        from nvfly.errors import CompileError
+        raise CompileError("stage_tile: store_tiles > 1 needs the consumer's count of staged tiles (staged)")
     issuer = (warp_in_wg == 0) & (lane == 0)
     lane_row = warp_in_wg * 16 + lane % 16
     lane_base = own + lane_row * ROW_BYTES
     lane_x = staging_lane_xor(lane_row, lane, ROW_BYTES)
     for s in nvfly.static_range(NS):
-        b = s % NB
-        if s == 0 or s >= NB:
-            # the slice buffer's previous TMA store (this tile's slice s - NB, or the previous tile's) has read it
+        if RING > NB:
+            # slice number staged * NS + s of this consumer: the store that read its buffer last is RING slices
+            # (one group each) back, so at most RING - 1 newer groups may still be reading
+            b = staging_ring_slot(staged, s, NS, RING)
             if issuer:
-                sm90.tma_store_wait(0 if s == 0 else NB - 1, read_only=True)
+                sm90.tma_store_wait(RING - 1, read_only=True)
             nvfly.named_barrier(STORE_BARRIER + consumer, 128)
+        else:
+            b = s % NB
+            if s == 0 or s >= NB:
+                # the slice buffer's previous TMA store (this tile's slice s - NB, or the previous tile's) has
+                # read it
+                if issuer:
+                    sm90.tma_store_wait(0 if s == 0 else NB - 1, read_only=True)
+                nvfly.named_barrier(STORE_BARRIER + consumer, 128)
         for i in nvfly.static_range(ATOMS_M):
             for jj in nvfly.static_range(W // 16):
                 j = s * (W // 8) + 2 * jj

@@ -5,8 +5,8 @@ Pure Python (no tracing): plans, the autotuner and the kernels all read these.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Optional
 
 BK_BYTES = 128   # one 128-byte swizzle row of K per k-block
 PRODUCER_REGS = 40
@@ -20,7 +20,10 @@ STORE_BARRIER = 4  # named barriers 4 and 5: each consumer warpgroup's epilogue 
 class StagedStore:
     """The TMA-store epilogue's staging geometry of a config with ``bn``, ``wg_m``, ``consumers``, ``tma_store`` and
     ``store_buffers`` (the dense/grouped ``GemmConfig`` and the scaled ``ScaledConfig``): each consumer warpgroup
-    stages ``store_slices`` column slices of ``store_width`` columns of its ``wg_m`` rows."""
+    stages ``store_slices`` column slices of ``store_width`` columns of its ``wg_m`` rows, for ``store_tiles``
+    tiles (more than 1: the slices rotate through the buffers across tiles, so that the stores of that many tiles
+    may be in flight; a ``GemmConfig`` option, 1 elsewhere)."""
+    store_tiles = 1
 
     @property
     def store_width(self) -> int:
@@ -37,7 +40,7 @@ class StagedStore:
         if not self.tma_store:
             return 0
         rows = self.wg_m * self.consumers  # ping-pong: 2 x bm; cooperative: bm
-        return rows * self.store_width * out_itemsize * self.store_slices
+        return rows * self.store_width * out_itemsize * self.store_slices * self.store_tiles
 
     def staging_reason(self) -> Optional[str]:
         """None when the TMA-store epilogue can stage this config's tiles (or it has none), else why not."""
@@ -49,6 +52,8 @@ class StagedStore:
             return "the TMA-store epilogue does not store split-K partials (f32)"
         if self.store_buffers < 1:
             return "the TMA-store epilogue needs at least one staging buffer"
+        if self.store_tiles < 1:
+            return f"store_tiles={self.store_tiles}: at least 1"
         return None
 
 
@@ -66,7 +71,9 @@ class GemmConfig(StagedStore):
     of tiles (plan.stream_k_plan says which) is dealt out as contiguous k ranges over all blocks (without
     split_k or a cluster); cluster_n: blocks per cluster along N, which share (multicast) the A tile (the grouped
     kernel's contiguous and masked layouts only: a cluster of a group's tile row never holds another group's rows;
-    at most one of cluster_m and cluster_n above 1).
+    at most one of cluster_m and cluster_n above 1); store_tiles: the TMA-store epilogue stages the slices of this
+    many tiles per consumer, rotating through them across tiles (a slice waits only for the store of the slice
+    store_tiles tiles back; the kernel passes its tile count: the K-grouped weight gradient's, ``stage_tile``).
     """
     bm: int = 128
     bn: int = 256
@@ -82,6 +89,14 @@ class GemmConfig(StagedStore):
     stream_a: bool = False
     stream_b: bool = False
     cluster_n: int = 1
+    store_tiles: int = 1
+    # fields named (repr, config strings) only where not their default: the configs before them keep their names
+    # (test ids, recorded results, autotuning records)
+    LATE_FIELDS: ClassVar[tuple[str, ...]] = ("store_tiles",)
+
+    def __repr__(self) -> str:
+        shown = [f for f in fields(self) if f.name not in self.LATE_FIELDS or getattr(self, f.name) != f.default]
+        return f"GemmConfig({', '.join(f'{f.name}={getattr(self, f.name)!r}' for f in shown)})"
 
     def bk(self, itemsize: int) -> int:
         return BK_BYTES // itemsize
@@ -125,6 +140,8 @@ class GemmConfig(StagedStore):
                     f"of {32 // itemsize} columns (MN-major)")
         if self.cluster_m == 2 and self.group_m % 2:
             return "a 2-block cluster needs an even group_m"
+        if self.store_tiles != 1 and not self.tma_store:
+            return "store_tiles: the staging ring of the TMA-store epilogue (tma_store)"
         if self.staging_reason():
             return self.staging_reason()
         if self.smem_bytes(itemsize) > SMEM_LIMIT:

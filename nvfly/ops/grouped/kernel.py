@@ -166,6 +166,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                                                             BK, LAYOUT, GROUPS, TILING))
             own_first, own_step = first_tile + consumer * tile_step, 2 * tile_step
         turn = consumer  # ping-pong: the first tile of consumer 0 needs no turn
+        # CFG.store_tiles > 1: this consumer's tiles so far (its position in the staging ring)
+        staged = nvfly.i32(0) if CFG.store_tiles > 1 else None
         for tile in range(own_first, num_units, own_step):
             g, tm, tn, split, k_begin, k_end, slot, contributors = unit_work(tile, tiles, rank, TILING)
             row_base, k_base, blocks = group_work(offs, g, tm, m, k, k_tiles, BM, BK, LAYOUT, GROUPS)
@@ -209,9 +211,12 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                     else:
                         store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M,
                                    Epilogue(), False)
-                else:  # kgrouped: TMA clips the tile at M and N
+                else:  # kgrouped: TMA clips the tile at M and N (every tile is staged: store_tiles may rotate)
                     stage_tile(out_desc, None, values, own, batch, tile_row, tn * OUT_BN, row0, col0, m, n, 1.0,
-                               0.0, consumer, warp_in_wg, lane, OUT_CFG, ATOMS_M, Epilogue(), OUT_BATCHED, False)
+                               0.0, consumer, warp_in_wg, lane, OUT_CFG, ATOMS_M, Epilogue(), OUT_BATCHED, False,
+                               staged if CFG.store_tiles > 1 else None)
+                    if CFG.store_tiles > 1:
+                        staged = staged + 1
             else:
                 inside = (row_base + (a_part + 1) * WG_M <= row_end) & (tn * OUT_BN + OUT_BN <= n)
                 store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M, Epilogue(),

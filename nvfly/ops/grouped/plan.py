@@ -71,6 +71,8 @@ def fits(cfg: GemmConfig, groups: int, layout: str, b_major: str, itemsize: int 
         return "the grouped kernel runs without K splits"
     if cfg.cluster_m * cfg.cluster_n != 1 and layout == "kgrouped":
         return "clusters run in the contiguous and masked layouts (the K-grouped tiles take none)"
+    if cfg.store_tiles != 1 and layout != "kgrouped":
+        return "store_tiles: the K-grouped layout's (the ragged ones store a tile across a group's end by registers)"
     table = table_bytes(groups) if layout != "kgrouped" else 0
     if cfg.smem_bytes(itemsize) + table > SMEM_LIMIT:
         return f"{cfg.smem_bytes(itemsize) + table} bytes of shared memory exceed {SMEM_LIMIT}"
@@ -87,10 +89,24 @@ def deepest(cfg: GemmConfig, groups: int, layout: str, b_major: str, itemsize: i
 def kgrouped_variants(groups: int, b_major: str = "MN", itemsize: int = 2) -> dict[str, GemmConfig]:
     """The weight gradient's tiles by name, each with its deepest ring (tests and ``benchmarks.grouped
     --wgrad-variants`` compare them): the heuristic's ping-pong + TMA store, ping-pong storing through registers,
-    cooperative 128 x 256 with the TMA store, and the cooperative register-epilogue tile it replaced."""
+    cooperative 128 x 256 with the TMA store, and the cooperative register-epilogue tile it replaced. Then the
+    candidates for groups of a k-block or two (few tokens an expert: the kernel is an output write, one store a
+    k-block), each staging more of its stores so that fewer of them wait for the one before: the ping-pong tile
+    with the whole tile staged ("-2buf", store_buffers: a tile's second slice no longer waits for its first), with
+    the slices of two tiles rotating ("-ring2", store_tiles: a slice waits only for its buffer's last store, not
+    for every store of the previous tile; one buffer a tile: each slice overlaps the previous slice's store; two:
+    128 KB of staging leave a 3-stage ring, enough at a k-block a tile), and the wider cooperative tiles (128 x 256
+    and 256 x 128, half the tiles) with the whole tile staged, alone and rotating over two tiles."""
+    pingpong_2buf = replace(KGROUPED_TILE, store_buffers=2)
+    wide = GemmConfig(128, 256, MAX_STAGES, 2, group_m=8, tma_store=True, store_buffers=4, stream_k=False)
+    tall = GemmConfig(256, 128, MAX_STAGES, 2, group_m=8, tma_store=True, store_buffers=2, stream_k=False)
     variants = {"pingpong-tma": KGROUPED_TILE, "pingpong-register": replace(KGROUPED_TILE, tma_store=False),
                 "cooperative-tma": replace(KGROUPED_COOPERATIVE, tma_store=True, store_buffers=1),
-                "cooperative-register": KGROUPED_COOPERATIVE}
+                "cooperative-register": KGROUPED_COOPERATIVE,
+                "pingpong-tma-2buf": pingpong_2buf, "pingpong-tma-ring2": replace(KGROUPED_TILE, store_tiles=2),
+                "pingpong-tma-2buf-ring2": replace(pingpong_2buf, store_tiles=2),
+                "128x256-tma-4buf": wide, "128x256-tma-4buf-ring2": replace(wide, store_tiles=2),
+                "256x128-tma-2buf": tall, "256x128-tma-2buf-ring2": replace(tall, store_tiles=2)}
     return {name: deepest(cfg, groups, "kgrouped", b_major, itemsize) for name, cfg in variants.items()}
 
 

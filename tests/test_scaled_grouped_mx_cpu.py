@@ -392,3 +392,13 @@ def test_explain_describes_grouped_mx(capsys):
     assert "scaled-grouped-contiguous-mxfp4-promoted: 128x128 tile on 2 consumers" in out and "mxfp4 scales" in out
     assert main(["explain", "16", "4096", "7168", "--groups", "256", "--scaled", "mxfp8", "--layout", "masked"]) == 0
     assert "scaled-grouped-masked-mxfp8-promoted: 64x64 tile on 1 consumer" in capsys.readouterr().out
+
+
+def test_routes_leave_mx_scales_to_torch(monkeypatch):
+    """torch._scaled_grouped_mm's route takes row-wise scales only: MX operands (here with nvfly's own scale layout)
+    stay on torch with the recipe named (the device checks taken as passed: they need a GPU)."""
+    from nvfly.torch import scaled_grouped_ops as routes
+    monkeypatch.setattr(scaled, "grouped_eligibility", lambda *args, **kwargs: None)
+    for recipe in ("mxfp8", "mxfp4"):
+        a, b, sa, sb, offs = meta_mx(recipe)
+        assert routes.grouped_eligibility(a, b, sa, sb, offs).startswith(f"{recipe} scales: torch's grouped")

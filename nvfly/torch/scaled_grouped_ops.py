@@ -59,8 +59,9 @@ def grouped_eligibility(a: Any, b: Any, scale_a: Any, scale_b: Any, offs: Any = 
                 f"2-D x 3-D MoE forward (with offs) and 3-D x 3-D (without)")
     counts = _full_counts(a.device, a.shape[0], a.shape[1]) if masked else offs
     reason = scaled.grouped_eligibility(a, b, scale_a, scale_b, counts, torch.bfloat16, None, masked)
-    if reason is None and scaled.grouped_recipe(a, b, scale_a, scale_b) != "row":
-        return "block scales: torch's grouped scaled GEMM takes row-wise ones (its error stays torch's)"
+    recipe = scaled.grouped_recipe(a, b, scale_a, scale_b) if reason is None else "row"
+    if recipe != "row":
+        return f"{recipe} scales: torch's grouped scaled GEMM takes row-wise ones (its error stays torch's)"
     return reason
 
 

@@ -20,6 +20,9 @@ Cases (bf16, H200 sizes from docs/torch-attention.md):
   packs the group (docs/ops/attention.md): routing sends these to nvfly (unmasked rows record ``explain_sdpa``'s
   verdict with the decision). Without a mask the drafts attend to every cached key and to each other
   (``is_causal=False``, as the layer row does).
+- ``gemma2-block``: a Gemma-2-9B-like block (``Gemma2Layer``: the Llama layer's pieces with flex_attention, tanh
+  soft-capping 50 and a causal 4096-token window as a BlockMask, GELU-tanh gating; 16/8 heads of 256, hidden 3584)
+  on 8K tokens: eager, routed, compiled (Inductor's Triton flex) and compiled with nvfly installed.
 - ``flex``: flex_attention calls: a Gemma-2-9B-like prefill (16/8 heads, D 256, 8K tokens, tanh soft-capping 50,
   causal sliding window 4096 as a BlockMask) and MiniMax 48/8 / Llama 32/8 decode steps over 32K; eager, routed, and
   compiled with Inductor's Triton flex kernels (``flex_triton_ms``) or nvfly as the backend (``nvfly_ms``).
@@ -97,7 +100,7 @@ class LlamaLayer(torch.nn.Module):
         k = rope(k.view(batch, tokens, hkv, head), positions).transpose(1, 2)
         v = v.view(batch, tokens, hkv, head).transpose(1, 2)
         if cache is None:
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            attn = self.attend(q, k, v)
         else:
             cache_k, cache_v = cache
             end = start + tokens
@@ -106,7 +109,42 @@ class LlamaLayer(torch.nn.Module):
             attn = F.scaled_dot_product_attention(q, cache_k[:, :, :end], cache_v[:, :, :end], enable_gqa=True)
         x = x + self.o(attn.transpose(1, 2).reshape(batch, tokens, hq * head))
         gate, up = self.gate_up(F.rms_norm(x, (hidden,), self.mlp_norm, EPS)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return x + self.down(self.activate(gate) * up)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Prefill attention of (B, H, S, D) q, k, v: causal SDPA with GQA."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def activate(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate)
+
+
+class Gemma2Layer(LlamaLayer):
+    """A Gemma-2-9B-like block in prefill (hidden 3584, 16 query heads and 8 KV heads of 256, MLP 14336, GELU-tanh
+    gating): the Llama layer's pieces with flex_attention for its attention, tanh soft-capping of the scores and a
+    causal sliding window as a BlockMask, over ``tokens`` tokens (other sizes for CPU tests)."""
+
+    def __init__(self, tokens: int, window: int = 4096, softcap: float = 50.0, hidden: int = 3584,
+                 inter: int = 14336, head: int = 256, q_heads: int = 16, kv_heads: int = 8,
+                 device: str = "cuda") -> None:
+        from torch.nn.attention.flex_attention import create_block_mask
+        super().__init__(hidden, inter, head, q_heads, kv_heads)
+        self.softcap = softcap
+
+        def causal_window(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+        self.block_mask = create_block_mask(causal_window, None, None, tokens, tokens, device=device)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+        cap = self.softcap
+
+        def soft_cap(score, b, h, q_idx, kv_idx):
+            return cap * torch.tanh(score / cap)
+        return flex_attention(q, k, v, score_mod=soft_cap, block_mask=self.block_mask, enable_gqa=True)
+
+    def activate(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.gelu(gate, approximate="tanh")
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 500000.0) -> torch.Tensor:
@@ -422,6 +460,29 @@ def flex_case(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def gemma2_block(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
+    """The Gemma-2-like block (``Gemma2Layer``) on 8K tokens: eager (flex_attention's dense path), routed (nvfly's
+    kernels for the attention), torch.compile (Inductor's Triton flex kernel: ``inductor_ms``, also given as
+    ``flex_triton_ms``) and torch.compile with ``nvfly.torch.install()`` (nvfly's flex backend by the auto rule)."""
+    tokens = 8192
+    layer = Gemma2Layer(tokens).cuda().bfloat16().eval()
+    x = torch.randn(1, tokens, layer.hidden, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        eager = lambda: layer(x)  # noqa: E731
+        nvfly_call = routed(eager)
+        fresh_decisions()
+        row = checked({"case": "gemma2-block", "batch": 1, "tokens": tokens, "softcap": layer.softcap,
+                       "window": 4096}, eager(), nvfly_call())
+        flex = [d for d in decisions() if d.op == "flex_attention" and d.where == "eager"]
+        row.update({"torch_sdpa_backend": "flex_attention (eager: dense math)",
+                    "nvfly_kernels": sorted({c for d in flex for c in d.candidates if d.reason is None}),
+                    "declined": sorted({d.reason for d in flex if d.reason})})
+        timed(row, eager, quick, compile_too)
+    if "inductor_ms" in row:
+        row["flex_triton_ms"] = row["inductor_ms"]
+    return [row]
+
+
 def _flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kwargs: dict[str, Any],
                options: Optional[dict[str, Any]]) -> Any:
     from torch.nn.attention.flex_attention import flex_attention
@@ -526,7 +587,7 @@ def flex_profile(case: str = "minimax-flex-decode", calls: int = 20) -> None:
 CASES: dict[str, Callable[[bool, bool], list[dict[str, Any]]]] = {
     "llama-prefill": llama_prefill, "llama-decode": llama_decode, "minimax-decode": minimax_decode,
     "deepseek-prefill": deepseek_prefill, "llama-train": llama_train, "masked-sdpa": masked_sdpa,
-    "spec-decode": spec_decode, "flex": flex_case}
+    "spec-decode": spec_decode, "flex": flex_case, "gemma2-block": gemma2_block}
 
 
 def model_and_phase(case: str) -> tuple[str, str]:

@@ -376,6 +376,26 @@ def test_a_declined_layer_passes_each_routed_op_once(recorded_fallthroughs, monk
     assert torch.equal(out, expected)
 
 
+def test_models_gemma2_block_attends_with_soft_capping_in_a_causal_window():
+    """benchmarks/models.py's Gemma-2-like block (small, on CPU): its flex_attention is softmax(cap * tanh(s / cap))
+    over the causal window of keys, GQA; the block runs whole."""
+    import math
+    from benchmarks.models import Gemma2Layer
+    torch.manual_seed(3)
+    layer = Gemma2Layer(256, window=64, softcap=5.0, hidden=64, inter=128, head=16, q_heads=4, kv_heads=2,
+                        device="cpu").eval()
+    q, k, v = torch.randn(1, 4, 256, 16), torch.randn(1, 2, 256, 16), torch.randn(1, 2, 256, 16)
+    scores = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) / math.sqrt(16)
+    rows, keys = torch.arange(256)[:, None], torch.arange(256)[None, :]
+    visible = (keys <= rows) & (rows - keys < 64)
+    weights = torch.softmax((5.0 * torch.tanh(scores / 5.0)).masked_fill(~visible, float("-inf")), dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(layer.attend(q, k, v), weights @ v.repeat_interleave(2, dim=1), atol=1e-5,
+                                   rtol=1e-5)
+        out = layer(torch.randn(1, 256, 64))
+    assert out.shape == (1, 256, 64) and torch.isfinite(out).all()
+
+
 def test_models_times_eager_and_routed_in_turn(monkeypatch):
     """benchmarks/models.py's timed(): eager outside routing and routed inside a block, alternating round by round
     (drift lands on both), the medians as eager_ms/routed_ms and each round's ratio's spread."""

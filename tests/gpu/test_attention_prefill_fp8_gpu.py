@@ -25,14 +25,19 @@ E4M3_MAX = 448.0
 TOL = 6e-2
 
 
-def quantised(shape, seed, layout="bshd", amplitude=1.0):
-    """(e4m3 tensor, its descale as a one-element float32 tensor, the dequantised float32 tensor) of a fresh random
-    (B, S, H, D) tensor (a view of (B, H, S, D) storage with ``layout="bhsd"``)."""
+def random_bshd(shape, seed, layout):
+    """A fresh random (B, S, H, D) tensor (a view of (B, H, S, D) storage with ``layout="bhsd"``) and its generator."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     b, s, h, d = shape
     x = torch.randn(b, h, s, d, device="cuda", generator=gen).transpose(1, 2) if layout == "bhsd" else \
         torch.randn(b, s, h, d, device="cuda", generator=gen)
-    x = x * amplitude
+    return x, gen
+
+
+def quantised(shape, seed, layout="bshd", amplitude=1.0):
+    """(e4m3 tensor, its descale as a one-element float32 tensor, the dequantised float32 tensor) of a fresh random
+    (B, S, H, D) tensor (``random_bshd``)."""
+    x = random_bshd(shape, seed, layout)[0] * amplitude
     descale = (x.abs().amax().clamp_min(1e-12) / E4M3_MAX).reshape(1)
     q8 = (x / descale).to(FP8)
     return q8, descale, q8.float() * descale
@@ -42,10 +47,8 @@ def quantised_per_head(shape, kv_heads, seed, layout="bshd", per_sequence=True):
     """(e4m3 tensor, its descales, the dequantised float32 tensor) of a fresh random (B, S, H, D) tensor whose (batch,
     KV head) slices have amplitudes 1/4 to 4: descales (B, Hkv) float32 (``per_sequence``, else (Hkv,), the amax over
     the batch too), a KV head's covering its group's H / Hkv heads (q's query heads)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    b, s, h, d = shape
-    x = torch.randn(b, h, s, d, device="cuda", generator=gen).transpose(1, 2) if layout == "bhsd" else \
-        torch.randn(b, s, h, d, device="cuda", generator=gen)
+    x, gen = random_bshd(shape, seed, layout)
+    b, _, h, _ = shape
     amplitudes = 2.0 ** torch.randint(-2, 3, (b, kv_heads), device="cuda", generator=gen)
     x = x * amplitudes.repeat_interleave(h // kv_heads, 1)[:, None, :, None]
     amax = x.abs().unflatten(2, (kv_heads, h // kv_heads)).amax(dim=(1, 3, 4))  # (B, Hkv)
@@ -134,15 +137,17 @@ def test_fp8_wide_key_blocks(batch, sq, skv, hq, hkv, causal, layout, options):
         check(q, k, v, (qd, kd, vd), (qf, kf, vf), causal=causal)
 
 
-def test_fp8_cuda_graph_replays_with_new_inputs():
-    """A captured fp8 call (V's transpose, the descales read in the kernel) replayed on new values and descales."""
-    (q, qd, _), (k, kd, kf), (v, vd, vf) = (quantised((1, 300, h, 128), 41 + i) for i, h in enumerate((4, 2, 2)))
-    out = torch.empty(1, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
+def assert_graph_replays_a_new_query(quantise, batch, seed, new_query):
+    """One fp8 call (V's transpose, the descales read in the kernel) on (batch, 300, 4 / 2 / 2 heads, 128) q, k, v
+    from ``quantise(shape, seed)`` captured in a CUDA graph, ``new_query`` (q, its descales, dequantised) copied
+    into the captured tensors, the graph replayed: the new inputs' reference."""
+    (q, qd, _), (k, kd, kf), (v, vd, vf) = (quantise((batch, 300, h, 128), seed + i) for i, h in enumerate((4, 2, 2)))
+    out = torch.empty(batch, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
     attention.prefill(q, k, v, causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd)  # compile first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         attention.prefill(q, k, v, causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd)
-    new_q, new_qd, new_qf = quantised((1, 300, 4, 128), 51, amplitude=2.0)
+    new_q, new_qd, new_qf = new_query
     q.copy_(new_q)
     qd.copy_(new_qd)
     out.fill_(float("nan"))
@@ -150,6 +155,11 @@ def test_fp8_cuda_graph_replays_with_new_inputs():
     want, _ = attention.prefill_reference(new_qf, kf, vf, causal=True)
     assert not out.isnan().any()
     assert ((out.float() - want).norm() / want.norm()).item() < TOL
+
+
+def test_fp8_cuda_graph_replays_with_new_inputs():
+    """A captured per-tensor call replayed on new values and descales (the new q twice as large)."""
+    assert_graph_replays_a_new_query(quantised, 1, 41, quantised((1, 300, 4, 128), 51, amplitude=2.0))
 
 
 @pytest.mark.parametrize("batch, skv, hkv, d, layout", [
@@ -228,18 +238,5 @@ def test_fp8_per_head_descales_strided_wide_and_the_reference():
 
 def test_fp8_per_head_descales_cuda_graph_replays_with_new_descales():
     """A captured per-head call replayed after new inputs and (B, Hkv) descales are copied into the same tensors."""
-    (q, qd, _), (k, kd, kf), (v, vd, vf) = (quantised_per_head((2, 300, h, 128), 2, 71 + i)
-                                            for i, h in enumerate((4, 2, 2)))
-    out = torch.empty(2, 300, 4, 128, dtype=torch.bfloat16, device="cuda")
-    attention.prefill(q, k, v, causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd)  # compile first
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attention.prefill(q, k, v, causal=True, out=out, q_descale=qd, k_descale=kd, v_descale=vd)
-    new_q, new_qd, new_qf = quantised_per_head((2, 300, 4, 128), 2, 81)
-    q.copy_(new_q)
-    qd.copy_(new_qd)
-    out.fill_(float("nan"))
-    graph.replay()
-    want, _ = attention.prefill_reference(new_qf, kf, vf, causal=True)
-    assert not out.isnan().any()
-    assert ((out.float() - want).norm() / want.norm()).item() < TOL
+    assert_graph_replays_a_new_query(lambda shape, seed: quantised_per_head(shape, 2, seed), 2, 71,
+                                     quantised_per_head((2, 300, 4, 128), 2, 81))

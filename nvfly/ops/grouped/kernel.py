@@ -213,9 +213,8 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                                    Epilogue(), False)
                 else:  # kgrouped: TMA clips the tile at M and N (every tile is staged: store_tiles may rotate)
                     stage_tile(out_desc, None, values, own, batch, tile_row, tn * OUT_BN, row0, col0, m, n, 1.0,
-                               0.0, consumer, warp_in_wg, lane, OUT_CFG, ATOMS_M, Epilogue(), OUT_BATCHED, False,
-                               staged if CFG.store_tiles > 1 else None)
-                    if CFG.store_tiles > 1:
+                               0.0, consumer, warp_in_wg, lane, OUT_CFG, ATOMS_M, Epilogue(), OUT_BATCHED, False, staged)
+                    if staged is not None:
                         staged = staged + 1
             else:
                 inside = (row_base + (a_part + 1) * WG_M <= row_end) & (tn * OUT_BN + OUT_BN <= n)

@@ -358,7 +358,7 @@ def _torch_backend(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool, is_causal:
     """The SDPA backend torch picks for these inputs and attn_mask (without dropout): "cudnn", "flash", ...
 
     Fake tensors (a compiled graph's, in nvfly's pre-grad pass) cannot ask torch's choice op: under FakeTensorMode it
-    runs as a meta kernel, which sees the meta device and answers "math" (the compiled training rewrite took nvfly's
+    answers "math" where the real tensors get cuDNN (measured on the H200; the compiled training rewrite took nvfly's
     prefill where eager keeps cuDNN). For them torch's priority order is walked with its per-backend checks, which
     read sizes, strides, dtypes and the fake device without dispatching, as its CUDA choice walks them."""
     from torch._subclasses.fake_tensor import FakeTensor

@@ -260,7 +260,7 @@ def explain_grouped(groups: int, m: int, n: int, k: int, *, layout: str = "conti
     except (TypeError, ValueError) as exc:
         lines.append(f"  nvfly declines: {exc}")
     lines.append("  routed: torch._grouped_mm / F.grouped_mm under nvfly.torch.routing() (no bias, out_dtype None "
-                 "or a's dtype; the backward's dA too; the weight gradient stays on torch, faster there); "
+                 "or a's dtype; the backward's dA and the weight gradient too); "
                  "torch.ops.nvfly.grouped_mm under torch.compile")
     lines.append("  max-autotune (after nvfly.torch.install()): nvfly's heuristic and three tiles join Inductor's "
                  "grouped-mm candidates (nvfly::grouped_mm_out)")

@@ -185,7 +185,7 @@ def plan_of(layout: str, a: torch.Tensor, b: torch.Tensor, shape: tuple, groups:
         rows = m
     else:
         m, k = a.shape
-        rows = m
+        rows = k / groups  # a group's K range: its tokens
     if rows_per_group is not None:
         rows = rows_per_group
     return make_plan(layout, fuse, OPERAND_DTYPES[a.dtype].name, groups, operand_major(a, -1),

@@ -27,6 +27,10 @@ KGROUPED_TILE = GemmConfig(128, 128, MAX_STAGES, 2, group_m=8, pingpong=True, tm
                            stream_k=False)
 # the K-grouped tile before KGROUPED_TILE (cooperative 128 x 256, register epilogue): benchmarks compare both
 KGROUPED_COOPERATIVE = GemmConfig(128, 256, MAX_STAGES, 2, group_m=8, stream_k=False)
+# few tokens a group (a k-block a tile: the kernel is the output's write): cooperative 128 x 256 with the whole tile
+# staged (4 slice buffers), half the tiles and one staging wait a tile (docs/ops/grouped.md, "The weight gradient")
+KGROUPED_WIDE_TILE = GemmConfig(128, 256, MAX_STAGES, 2, group_m=8, tma_store=True, store_buffers=4, stream_k=False)
+KGROUPED_FEW_TOKENS = 32  # at most this many tokens a group on average: KGROUPED_WIDE_TILE (measured at 2-32)
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def kgrouped_variants(groups: int, b_major: str = "MN", itemsize: int = 2) -> di
     128 KB of staging leave a 3-stage ring, enough at a k-block a tile), and the wider cooperative tiles (128 x 256
     and 256 x 128, half the tiles) with the whole tile staged, alone and rotating over two tiles."""
     pingpong_2buf = replace(KGROUPED_TILE, store_buffers=2)
-    wide = GemmConfig(128, 256, MAX_STAGES, 2, group_m=8, tma_store=True, store_buffers=4, stream_k=False)
+    wide = KGROUPED_WIDE_TILE
     tall = GemmConfig(256, 128, MAX_STAGES, 2, group_m=8, tma_store=True, store_buffers=2, stream_k=False)
     variants = {"pingpong-tma": KGROUPED_TILE, "pingpong-register": replace(KGROUPED_TILE, tma_store=False),
                 "cooperative-tma": replace(KGROUPED_COOPERATIVE, tma_store=True, store_buffers=1),
@@ -137,13 +141,15 @@ def forward_variants(default: GemmConfig, groups: int, layout: str, b_major: str
 
 def heuristic_config(rows_per_group: float, row_tiles_128: int, n: int, groups: int, layout: str, b_major: str,
                      fused: bool, sms: int, itemsize: int = 2) -> GemmConfig:
-    """The tile of a grouped problem (see the module doc): ``rows_per_group`` on average, ``row_tiles_128`` an
+    """The tile of a grouped problem (see the module doc): ``rows_per_group`` on average (K-grouped: the tokens a
+    group's K range has), ``row_tiles_128`` an
     estimate of the 128-row tile rows of all groups, ``n`` output columns (silu_mul: I, the tile loads twice as
     many B columns)."""
     if layout == "kgrouped":
         # a group's K is its tokens (~T·k/E, a few k-blocks), so a tile's epilogue weighs like its mainloop:
-        # ping-pong hides it under the other consumer's mainloop, TMA stores drain it asynchronously
-        cfg = KGROUPED_TILE
+        # ping-pong hides it under the other consumer's mainloop, TMA stores drain it asynchronously; with a k-block
+        # or less a tile the stores are the whole kernel: half the tiles, each staged whole, store faster
+        cfg = KGROUPED_WIDE_TILE if rows_per_group <= KGROUPED_FEW_TOKENS else KGROUPED_TILE
     elif rows_per_group <= SMALL_GROUP_ROWS:
         cfg = GemmConfig(64, 128, MAX_STAGES, 1, group_m=8, stream_k=False)
     else:

@@ -216,6 +216,11 @@ def test_tma_store_config_and_plans():
     assert make_plan(4096, 4096, 4096, ScaledEpilogue("tensor", True), None, None, 132).config.bn == 128
     assert make_plan(4096, 2112, 7168, ScaledEpilogue("block", True), None, None, 132).config.bn == 192
     assert make_plan(4096, 2112, 7168, ScaledEpilogue("block1x128", True), None, None, 132).config.bn == 128
+    # below the SMs' fill, 64 wide only in one wave: 128 x 8192 is 128 tiles of 64 columns, 128 x 10240 would be 160
+    # (two waves, as long as 80 tiles of 128 columns in one)
+    for recipe in ("row", "block"):
+        assert make_plan(128, 8192, 8192, ScaledEpilogue(recipe, True), None, False, 132).config.bn == 64
+        assert make_plan(128, 10240, 8192, ScaledEpilogue(recipe, True), None, False, 132).config.bn == 128
     swapped = make_plan(16, 4096, 7168, ScaledEpilogue("row", True), ScaledConfig(64, 16, 8, 1, tma_store=True), True,
                         132)
     assert swapped.swap and not swapped.config.tma_store

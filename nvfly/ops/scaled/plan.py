@@ -90,7 +90,10 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
     # 128-row tiles store through shared memory and TMA (the dense GEMM's epilogue): one instruction a slice, drained
     # under the next tile's mainloop instead of 4-byte stores the consumer waits on
     if promote:  # two accumulators: at most 192 columns, narrower while the tiles leave SMs idle
-        bn = next((w for w in (128, 64) if math.ceil(m / 128) * math.ceil(n / w) >= FILL * sms), 64)
+        row_tiles = math.ceil(m / 128)
+        # 64 wide only in one wave: a second, partial wave of 64-wide tiles takes as long as one of 128-wide ones
+        # (waves x width, as below; docs/ops/scaled.md, "One wave of 64-wide tiles")
+        bn = 128 if row_tiles * math.ceil(n / 128) >= FILL * sms or row_tiles * math.ceil(n / 64) > sms else 64
         if bn == 128 and scaling in WIDE_PROMOTED:  # 192 where its waves of tiles take less time (DeepGEMM's choice)
             rate = {192: WIDE_BLOCK_RATE if scaling == "block" else 1.0, 128: 1.0}
             bn = min((192, 128), key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w / rate[w],

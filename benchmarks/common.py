@@ -66,14 +66,13 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], rounds: int, warmup_ms: fl
     return times
 
 
-def graph_ms(fn: Callable[[], Any], calls: int = 32, replays: int = 20) -> Optional[float]:
-    """Milliseconds per call of ``fn`` replayed from one CUDA graph of ``calls`` back-to-back calls: no launch or
-    event overhead per call and a warm L2, as ops run under torch.compile's CUDA graphs ("reduce-overhead"); the
-    median over ``replays``. None when ``fn`` cannot be captured (what failed is printed)."""
+def captured_graph(fn: Callable[[], Any], calls: int) -> Optional[torch.cuda.CUDAGraph]:
+    """One CUDA graph of ``calls`` back-to-back calls of ``fn`` (after three uncaptured warm-up calls: compiled, and
+    any per-stream workspace made), replayed once; None when ``fn`` cannot be captured (what failed is printed)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for _ in range(3):  # compiled, and any per-stream workspace made, before the capture
+        for _ in range(3):
             fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -86,15 +85,43 @@ def graph_ms(fn: Callable[[], Any], calls: int = 32, replays: int = 20) -> Optio
         return None
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, calls: int) -> float:
+    """Milliseconds per call of one replay of ``graph`` (of ``calls`` calls)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def graph_ms(fn: Callable[[], Any], calls: int = 32, replays: int = 20) -> Optional[float]:
+    """Milliseconds per call of ``fn`` replayed from one CUDA graph of ``calls`` back-to-back calls: no launch or
+    event overhead per call and a warm L2, as ops run under torch.compile's CUDA graphs ("reduce-overhead"); the
+    median over ``replays``. None when ``fn`` cannot be captured (what failed is printed)."""
+    graph = captured_graph(fn, calls)
+    return None if graph is None else statistics.median(replay_ms(graph, calls) for _ in range(replays))
+
+
+def interleaved_graph_ms(fns: dict[str, Callable[[], Any]], calls: int = 8, replays: int = 30,
+                         around: Optional[dict[str, Callable[[], ContextManager[Any]]]] = None
+                         ) -> dict[str, Optional[float]]:
+    """``graph_ms`` of each of ``fns`` (captured inside its ``around`` context, e.g. ``nvfly.torch.routing``), their
+    replays taken in turn: drift during the run (clocks, power) lands on every graph alike; None where a capture
+    failed."""
+    around = around or {}
+    graphs = {}
+    for name, fn in fns.items():
+        with around.get(name, contextlib.nullcontext)():
+            graphs[name] = captured_graph(fn, calls)
+    times: dict[str, list[float]] = {name: [] for name, graph in graphs.items() if graph is not None}
     for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
+        for name in times:
+            times[name].append(replay_ms(graphs[name], calls))
+    return {name: statistics.median(times[name]) if name in times else None for name in fns}
 
 
 def time_impls(row: dict[str, Any], impls: dict[str, Callable[[], Any]], flop: float, nbytes: float) -> None:

@@ -58,7 +58,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import nvfly.torch  # noqa: E402
-from benchmarks.common import bench_ms, geomean, graph_ms, interleaved_ms, plot, rel_err, write_results  # noqa: E402
+from benchmarks.common import (bench_ms, geomean, interleaved_graph_ms, interleaved_ms, plot, rel_err,  # noqa: E402
+                               write_results)
 from nvfly.torch import attention_ops  # noqa: E402
 from nvfly.torch.gemm_ops import clear_decisions, decisions  # noqa: E402
 
@@ -221,10 +222,9 @@ def timed(row: dict[str, Any], eager: Callable[[], Any], quick: bool, compile_to
         row["nvfly_vs_inductor_range"] = [min(compiled_ratios), max(compiled_ratios)]
         row["nvfly_sdpa"] = sorted({d.reason or f"nvfly {', '.join(d.candidates)}" for d in decisions()
                                             if d.where == "inductor" and d.op == "sdpa"})
-    if graphs:  # a serving loop replays the step from a CUDA graph: no host time
-        row["eager_graph_ms"] = graph_ms(eager, calls=8, replays=10)
-        with nvfly.torch.routing():
-            row["routed_graph_ms"] = graph_ms(eager, calls=8, replays=10)
+    if graphs:  # a serving loop replays the step from a CUDA graph: no host time; the two graphs' replays in turn
+        graphed = interleaved_graph_ms({"eager": eager, "routed": eager}, around={"routed": nvfly.torch.routing})
+        row["eager_graph_ms"], row["routed_graph_ms"] = graphed["eager"], graphed["routed"]
         if row["eager_graph_ms"] and row["routed_graph_ms"]:
             row["graph_speedup"] = row["eager_graph_ms"] / row["routed_graph_ms"]
     return row

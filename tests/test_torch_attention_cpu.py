@@ -743,6 +743,104 @@ def test_compile_pass_rewritten_graph_computes_sdpa():
     assert got.shape == want.shape and _rel(got, want) < 1e-2
 
 
+def _masked_sdpa_graph(q_shape, kv_shape, bias_shape, bias_dtype=bf):
+    """A post-grad-like graph: torch's memory-efficient SDPA node with an attention bias (SDPA's attn_mask as it
+    reaches the kernel), on placeholders with fake CUDA values."""
+    import operator
+    graph = torch.fx.Graph()
+    nodes = [graph.placeholder(name) for name in ("q", "k", "v", "bias")]
+    for node, shape, dtype in zip(nodes, (q_shape, kv_shape, kv_shape, bias_shape), (bf, bf, bf, bias_dtype)):
+        node.meta["val"] = torch.empty(shape, dtype=dtype, device="cuda")
+    sdpa = graph.call_function(torch.ops.aten._scaled_dot_product_efficient_attention.default, (*nodes, False),
+                               {"is_causal": False, "scale": None})
+    graph.output(graph.call_function(operator.getitem, (sdpa, 0)))
+    return graph
+
+
+@pytest.mark.parametrize("sq", [4, 4096], ids=["decode", "prefill"])
+def test_compile_pass_passes_the_attention_bias_to_nvflys_op(fake_cuda, sq):
+    """A compiled SDPA with an attn_mask (its post-grad node's attn_bias) reaches nvfly's decode or prefill op with
+    the bias as the op's attn_mask; a bias that does not broadcast to (B, H, Sq, Skv) stays on torch's kernel with
+    the reason."""
+    from nvfly.torch import attention_compile as C
+    op = torch.ops.nvfly.attention_decode.default if sq == 4 else torch.ops.nvfly.attention_prefill.default
+    graph = _masked_sdpa_graph((2, 32, sq, 128), (2, 32, 32768 if sq == 4 else 4096, 128), (2, 1, 1, 32768 if sq == 4
+                                                                                          else 4096))
+    assert C.rewrite(graph) == 1
+    (call,) = [n for n in graph.nodes if n.target is op]
+    assert call.kwargs["attn_mask"] is graph.find_nodes(op="placeholder")[3]
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert decision.reason is None
+
+    clear_decisions()
+    wrong = _masked_sdpa_graph((2, 32, sq, 128), (2, 32, 4096, 128), (2, 32, sq, 100))
+    assert C.rewrite(wrong) == 0
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert "does not broadcast to (B, Hq, Sq, Skv)" in decision.reason, decision.reason
+
+
+def test_compile_pass_rewritten_masked_graph_computes_sdpa():
+    """The rewritten graph of an SDPA with an additive bias (a row per query and key, a head broadcast), run on CPU
+    tensors (nvfly's op computes its float32 reference there), equals SDPA with that attn_mask; the -inf entries
+    (a boolean mask made additive) mask keys out."""
+    from nvfly.torch import attention_compile as C
+    with warnings.catch_warnings(), FakeTensorMode():
+        warnings.simplefilter("ignore")
+        graph = _masked_sdpa_graph((2, 4, 40, 64), (2, 4, 56, 64), (2, 1, 40, 56))
+    with pytest.MonkeyPatch.context() as mp:  # decide as on an H200 where torch picked efficient, without the floor
+        mp.setattr(A, "MIN_PREFILL_FLOPS", 0)
+        mp.setattr(A, "MIN_PREFILL_TILES", 0)
+        mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert C.rewrite(graph) == 1
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    torch.manual_seed(3)
+    q, k, v = torch.randn(2, 4, 40, 64).to(bf), torch.randn(2, 4, 56, 64).to(bf), torch.randn(2, 4, 56, 64).to(bf)
+    bias = torch.randn(2, 1, 40, 56).to(bf)
+    bias[0, 0, :, 30:] = float("-inf")
+    want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=bias.float())
+    got = module(q, k, v, bias)
+    assert got.shape == want.shape and _rel(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_ops_take_sdpas_attn_mask(kind):
+    """Both ops read SDPA's attn_mask over (B, Hq, Sq, Skv) (here computed by their float32 reference on CPU): decode
+    with a padding mask (a column per key), prefill with a row per query; prefill's gradients with a mask (through
+    the reference) are SDPA's; a mask that does not broadcast, of a wrong dtype, or with a paged cache is refused
+    naming attn_mask."""
+    torch.manual_seed(8)
+    q, k, v = _decode_inputs(batch=2, sq=3, hq=8, hkv=2, skv=40)
+    pad = torch.arange(40)[None, None, None, :] < torch.tensor([33, 40])[:, None, None, None]
+    mask = pad if kind == "bool" else torch.zeros(pad.shape).masked_fill(~pad, float("-inf"))
+    out, lse = torch.ops.nvfly.attention_decode(q, k, v, causal=False, attn_mask=mask)
+    want = F.scaled_dot_product_attention(*(t.transpose(1, 2).float() for t in (q, k, v)), attn_mask=mask,
+                                          enable_gqa=True).transpose(1, 2)
+    assert _rel(out, want) < 1e-2 and lse.shape == (2, 8, 3)
+
+    leaves = [torch.randn(2, s, 4, 64).to(bf).requires_grad_() for s in (24, 32, 32)]
+    rows = torch.rand(2, 1, 24, 32) > 0.3
+    rows[..., 0] = True  # every query keeps a key
+    mask = rows if kind == "bool" else torch.randn(2, 1, 24, 32).masked_fill(~rows, float("-inf"))
+    out, _ = torch.ops.nvfly.attention_prefill(*leaves, mask)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    exact = [t.detach().float().transpose(1, 2).requires_grad_() for t in leaves]
+    want = F.scaled_dot_product_attention(*exact, attn_mask=mask)
+    want.backward(grad.float().transpose(1, 2))
+    assert _rel(out, want.transpose(1, 2)) < 1e-2
+    for mine, ref in zip(leaves, exact):
+        assert _rel(mine.grad, ref.grad.transpose(1, 2)) < 2e-2
+
+    with pytest.raises(ValueError, match="attn_mask of shape .* does not broadcast"):
+        torch.ops.nvfly.attention_decode(q, k, v, attn_mask=torch.ones(2, 1, 3, 39, dtype=torch.bool))
+    with pytest.raises(TypeError, match="attn_mask of dtype torch.int32"):
+        torch.ops.nvfly.attention_prefill(*leaves, torch.ones(2, 1, 24, 32, dtype=torch.int32))
+    with pytest.raises(ValueError, match="attn_mask: takes a contiguous cache without cache_seqlens"):
+        torch.ops.nvfly.attention_decode(q, k, v, torch.tensor([30, 40]), attn_mask=pad)
+
+
 def test_compile_pass_install_chains_and_keys_the_cache():
     from torch._inductor import config as inductor_config
     from torch._inductor.custom_graph_pass import CustomGraphPass

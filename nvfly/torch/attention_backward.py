@@ -63,11 +63,15 @@ def why_no_backward(q: Tensor, k: Tensor, v: Tensor, causal: bool, causal_alignm
 
 
 def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-                       causal: bool, scale: Optional[float], causal_alignment: str
+                       causal: bool, scale: Optional[float], causal_alignment: str, mods: Optional[dict] = None
                        ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of softmax(q kᵀ scale) v by torch's backward kernels, from nvfly's ``out`` and ``lse``. Should
     torch's kernel refuse them at run time, the gradients are computed by autograd through the float32 reference
-    instead (slow, never wrong; a warning says why); while tracing, the error is raised."""
+    instead (slow, never wrong; a warning says why); while tracing, the error is raised. ``mods``: the forward's
+    score_mod / mask_mod keywords (SDPA's attn_mask), which no torch kernel fed nvfly's LSE applies: the
+    reference computes those gradients."""
+    if mods:
+        return _by_reference(grad_out, q, k, v, causal, scale, causal_alignment, mods)
     try:
         return _by_torch_kernel(grad_out, q, k, v, out, lse, causal, scale, causal_alignment)
     except Exception as exc:
@@ -79,11 +83,12 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
 
 
 def _by_reference(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: Optional[float],
-                  causal_alignment: str) -> tuple[Tensor, Tensor, Tensor]:
+                  causal_alignment: str, mods: Optional[dict] = None) -> tuple[Tensor, Tensor, Tensor]:
     from nvfly.ops.attention import prefill_reference
     with torch.enable_grad():
         leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
-        out, _ = prefill_reference(*leaves, causal=causal, scale=scale, causal_alignment=causal_alignment)
+        out, _ = prefill_reference(*leaves, causal=causal, scale=scale, causal_alignment=causal_alignment,
+                                   **(mods or {}))
         grads = torch.autograd.grad(out, leaves, grad_out.float())
     return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))  # type: ignore[return-value]
 

@@ -10,8 +10,9 @@ pass (``config.post_grad_custom_pre_pass``: before Inductor's own post-grad pass
 ``post_grad_custom_post_pass`` slot nvfly's GEMM hooks may use; chained with any pass already there) replaces each
 such node whose only used output is the attention output (an inference graph; a training graph also saves the
 logsumexp for torch's backward and keeps its kernel) and which the eager rule accepts — the same ``_sdpa_reason``, with the backend torch
-picked read from the node — by ``torch.ops.nvfly.attention_decode`` (Sq <= 16) or ``attention_prefill``
-(top-left causal) on the (B, S, H, D) views, and a permute back. Inductor emits the custom op as an extern call
+picked read from the node, its attention bias as the mask — by ``torch.ops.nvfly.attention_decode`` (Sq <= 16) or
+``attention_prefill`` (top-left causal) on the (B, S, H, D) views, the bias as the op's ``attn_mask``, and a
+permute back. Inductor emits the custom op as an extern call
 (its fake gives the shapes), so the compiled code, FX-graph cache and AOTInductor call nvfly by name. A node left
 to torch is logged with its reason and recorded (``Decision("inductor", "sdpa", ...)``, shown by ``explain_sdpa``).
 At run time the ops compute a call nvfly declines or fails on with the float32 reference in torch (never an error).
@@ -165,8 +166,9 @@ def _reason(node: torch.fx.Node, arguments: dict[str, Any]) -> Optional[str]:
     if not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users):
         return ("the graph uses the kernel's other outputs (its logsumexp: a training graph, whose backward keeps "
                 "torch's kernels)")
-    if arguments.get("attn_bias") is not None:
-        return "an attention bias or mask is given (nvfly's kernels read none yet)"
+    bias = arguments.get("attn_bias")
+    if bias is not None and not isinstance(_val(bias), torch.Tensor):
+        return "the attention bias has no traced value (meta['val'])"
     if arguments.get("dropout_p", 0.0):
         return f"dropout_p={arguments['dropout_p']} (nvfly has no dropout)"
     scale = arguments.get("scale")
@@ -175,16 +177,17 @@ def _reason(node: torch.fx.Node, arguments: dict[str, Any]) -> Optional[str]:
     q, k, v = (_val(arguments[name]) for name in ("query", "key", "value"))
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         return "q, k or v has no traced value (meta['val'])"
-    if any(isinstance(s, torch.SymInt) for t in (q, k, v) for s in (*t.shape, *t.stride(), t.storage_offset())):
+    tensors = (q, k, v) if bias is None else (q, k, v, _val(bias))
+    if any(isinstance(s, torch.SymInt) for t in tensors for s in (*t.shape, *t.stride(), t.storage_offset())):
         return "dynamic shapes (nvfly's SDPA rewrite takes static sizes and strides)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() == 4 and t.storage_offset() * t.element_size() % 16:
             return f"{name} starts {t.storage_offset()} elements into its buffer: not 16-byte aligned for TMA"
     hq, hkv = q.shape[1], k.shape[1] if k.dim() == 4 else 0
     try:
-        with stand_ins(q, k, v) as (q, k, v):
+        with stand_ins(*tensors) as (q, k, v, *mask):
             return attention_ops._sdpa_reason(q, k, v, bool(arguments.get("is_causal", False)), hq != hkv, False,
-                                              backend=FUSED[node.target])
+                                              backend=FUSED[node.target], mask=mask[0] if mask else None)
     except Exception as exc:  # a broken check declines
         return f"eligibility check raised {type(exc).__name__}: {exc}"
 
@@ -215,6 +218,7 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, arguments: dict[str, An
     graph changed after them."""
     q, k, v = (arguments[name] for name in ("query", "key", "value"))
     is_causal, scale = bool(arguments.get("is_causal", False)), arguments.get("scale")
+    bias = arguments.get("attn_bias")  # the graph's mask as it reaches torch's kernel (a boolean one made additive)
     traced = _val(q)
     if traced.shape[2] <= MAX_SQ:
         op = torch.ops.nvfly.attention_decode.default
@@ -224,8 +228,10 @@ def _replace(graph: torch.fx.Graph, node: torch.fx.Node, arguments: dict[str, An
         kwargs = {"causal": is_causal, "scale": scale, "causal_alignment": "top_left"}
     with _own_mode(traced):
         view_vals = [_val(t).transpose(1, 2) for t in (q, k, v)]
-        out_val, lse_val = op(*view_vals, **kwargs)
+        out_val, lse_val = op(*view_vals, **kwargs, **({} if bias is None else {"attn_mask": _val(bias)}))
         result_val = out_val.transpose(1, 2)
+    if bias is not None:
+        kwargs["attn_mask"] = bias
     with graph.inserting_before(node):
         views = []
         for t, val in zip((q, k, v), view_vals):
@@ -310,7 +316,8 @@ def _example(x: Any) -> Any:
 
 def _training_reason(arguments: dict[str, Any], q: Any, k: Any, v: Any) -> Optional[str]:
     if arguments["attn_mask"] is not None:
-        return "attn_mask is given (nvfly's kernels read none yet)"
+        return ("attn_mask with gradients (nvfly's prefill has a masked backward only through the float32 "
+                "reference: torch's kernel keeps it)")
     if arguments["dropout_p"]:
         return f"dropout_p={arguments['dropout_p']} (nvfly has no dropout)"
     flags = (arguments["is_causal"], arguments["enable_gqa"], arguments["scale"])

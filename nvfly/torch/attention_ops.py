@@ -2,16 +2,20 @@
 eager SDPA route (docs/torch-attention.md).
 
 - ``torch.ops.nvfly.attention_decode(q, k_cache, v_cache, cache_seqlens=None, block_table=None, *, scale=None,
-  causal=True, k_scale=None, v_scale=None) -> (out, lse)``: ``nvfly.ops.attention.decode`` (q (B, Sq, Hq, D),
+  causal=True, k_scale=None, v_scale=None, attn_mask=None) -> (out, lse)``: ``nvfly.ops.attention.decode`` (q (B, Sq, Hq, D),
   caches (B, S, Hkv, D) or paged, bottom-right causal: the queries are the last Sq positions) with its LSE,
   (B, Hq, Sq) float32 in natural log: the layout and base of torch's flash/flex logsumexp. The fake runs decode's
   argument checks (``check_arguments``), so tracing refuses what a call refuses, with the same error. Inputs the
   kernel declines (a CPU tensor, unaligned rows) and kernel failures are computed by the float32 reference in
   torch; argument errors are raised. No backward.
-- ``torch.ops.nvfly.attention_prefill(q, k, v, *, causal=False, scale=None, causal_alignment="bottom_right")
-  -> (out, lse)``: ``nvfly.ops.attention.prefill`` with its LSE (same convention); the fake runs prefill's argument
-  checks; declined inputs and kernel failures are computed by the float32 reference. Differentiable in q, k, v:
-  the backward is torch's own flash or memory-efficient kernel fed this out and LSE (``attention_backward``).
+- ``torch.ops.nvfly.attention_prefill(q, k, v, attn_mask=None, *, causal=False, scale=None,
+  causal_alignment="bottom_right") -> (out, lse)``: ``nvfly.ops.attention.prefill`` with its LSE (same convention);
+  the fake runs prefill's argument checks; declined inputs and kernel failures are computed by the float32
+  reference. Differentiable in q, k, v: the backward is torch's own flash or memory-efficient kernel fed this out
+  and LSE (``attention_backward``; with a mask, autograd through the float32 reference).
+- Both ops take SDPA's ``attn_mask`` (boolean: True keeps the key; or additive, added to the scaled score) over
+  (B, Hq, Sq, Skv), broadcast by size-1 dimensions, read by the kernel as the eager route reads it (below); the
+  compiled SDPA rewrite passes the graph's mask there.
 - Under ``nvfly.torch.routing()``, ``F.scaled_dot_product_attention`` with q (B, Hq, Sq, D) and k/v
   (B, Hkv, Skv, D) runs decode (Sq <= 16) or prefill (Sq > 16, top-left causal as torch's ``is_causal``) on the
   (B, S, H, D) views of the (B, H, S, D) tensors when ``sdpa_eligibility`` finds nothing against it, and torch's
@@ -77,10 +81,15 @@ _MASK_DIMS = ("batch", "heads", "query", "key")
 @operator("attention_decode")
 def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor] = None,
                      block_table: Optional[Tensor] = None, *, scale: Optional[float] = None, causal: bool = True,
-                     k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """(out (B, Sq, Hq, Dv) in q's dtype, lse (B, Hq, Sq) float32) of ``nvfly.ops.attention.decode``."""
+                     k_scale: Optional[Tensor] = None, v_scale: Optional[Tensor] = None,
+                     attn_mask: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(out (B, Sq, Hq, Dv) in q's dtype, lse (B, Hq, Sq) float32) of ``nvfly.ops.attention.decode``; ``attn_mask``
+    SDPA's (boolean, or additive to the scaled score) over (B, Hq, Sq, Skv), broadcast by size-1 dimensions, with a
+    contiguous cache of Skv keys."""
     options = {"cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
     check_arguments(q, k_cache, v_cache, **options)
+    _check_mask("attention_decode", q, k_cache, attn_mask, options)
+    options.update(_mask_mods(attn_mask, decode=True))
     reason = attention.eligibility(q, k_cache, v_cache, **options)
     if reason is None:
         try:
@@ -99,14 +108,29 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
 def _attention_decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor] = None,
                            block_table: Optional[Tensor] = None, *, scale: Optional[float] = None,
                            causal: bool = True, k_scale: Optional[Tensor] = None,
-                           v_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    check_arguments(q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, k_scale=k_scale,
-                    v_scale=v_scale)
+                           v_scale: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None
+                           ) -> tuple[Tensor, Tensor]:
+    options = {"cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
+    check_arguments(q, k_cache, v_cache, **options)
+    _check_mask("attention_decode", q, k_cache, attn_mask, options)
     batch, sq, hq, _ = q.shape
     return q.new_empty((batch, sq, hq, v_cache.shape[3])), q.new_empty((batch, hq, sq), dtype=torch.float32)
 
 
 register_fake("attention_decode", _attention_decode_fake)
+
+
+def _check_mask(op: str, q: Tensor, k: Tensor, attn_mask: Optional[Tensor], options: Optional[dict] = None) -> None:
+    """An op's ``attn_mask`` as SDPA takes it over (B, Hq, Sq, Skv) of the (B, S, H, D) q and k (decode: a contiguous
+    cache whose every key takes part), else a TypeError/ValueError naming it."""
+    if attn_mask is None:
+        return
+    if any(options.get(name) is not None for name in ("cache_seqlens", "block_table")) if options else False:
+        raise ValueError(f"nvfly.{op}: attn_mask: takes a contiguous cache without cache_seqlens (SDPA's keys: "
+                         "the mask has a column per key)")
+    reason = _mask_reason(q.transpose(1, 2), k.transpose(1, 2), attn_mask, False, False)
+    if reason is not None:
+        raise (TypeError if "dtype" in reason else ValueError)(f"nvfly.{op}: {reason}")
 
 
 def _check_prefill(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], causal_alignment: str) -> None:
@@ -119,28 +143,34 @@ def _check_prefill(q: Tensor, k: Tensor, v: Tensor, scale: Optional[float], caus
 
 
 @operator("attention_prefill")
-def attention_prefill(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
-                      causal_alignment: str = "bottom_right") -> tuple[Tensor, Tensor]:
+def attention_prefill(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, *, causal: bool = False,
+                      scale: Optional[float] = None, causal_alignment: str = "bottom_right") -> tuple[Tensor, Tensor]:
     """(out (B, Sq, Hq, Dv) in q's dtype, lse (B, Hq, Sq) float32) of ``nvfly.ops.attention.prefill``; differentiable
-    in q, k and v through torch's backward kernels fed this LSE (``nvfly.torch.attention_backward``)."""
+    in q, k and v through torch's backward kernels fed this LSE (``nvfly.torch.attention_backward``; with
+    ``attn_mask``, SDPA's boolean or additive mask over (B, Hq, Sq, Skv), through the float32 reference)."""
     _check_prefill(q, k, v, scale, causal_alignment)
-    reason = attention.prefill_eligibility(q, k, v, scale=scale, causal_alignment=causal_alignment)
+    _check_mask("attention_prefill", q, k, attn_mask)
+    masking = _mask_mods(attn_mask)
+    reason = attention.prefill_eligibility(q, k, v, scale=scale, causal_alignment=causal_alignment, **masking)
     if reason is None:
         try:
             return attention.prefill(q, k, v, causal=causal, scale=scale, return_lse=True,
-                                     causal_alignment=causal_alignment)
+                                     causal_alignment=causal_alignment, **masking)
         except Exception as exc:
             reason = f"nvfly raised {type(exc).__name__}: {exc}"  # a compile or launch failure: torch computes it
         log.warning("nvfly: attention_prefill: %s; computed by the float32 reference in torch", reason)
     else:
         log.debug("nvfly: attention_prefill computed by the float32 reference in torch: %s", reason)
-    out, lse = attention.prefill_reference(q, k, v, causal=causal, scale=scale, causal_alignment=causal_alignment)
+    out, lse = attention.prefill_reference(q, k, v, causal=causal, scale=scale, causal_alignment=causal_alignment,
+                                           **masking)
     return out.to(q.dtype), lse
 
 
-def _attention_prefill_fake(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
+def _attention_prefill_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor] = None, *,
+                            causal: bool = False, scale: Optional[float] = None,
                             causal_alignment: str = "bottom_right") -> tuple[Tensor, Tensor]:
     _check_prefill(q, k, v, scale, causal_alignment)
+    _check_mask("attention_prefill", q, k, attn_mask)
     batch, sq, hq, _ = q.shape
     return q.new_empty((batch, sq, hq, v.shape[3])), q.new_empty((batch, hq, sq), dtype=torch.float32)
 
@@ -153,8 +183,8 @@ def _prefill_setup(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: t
 
 
 def _prefill_backward(ctx: Any, grad_out: Tensor, grad_lse: Optional[Tensor]) -> tuple:
-    q, k, v, out, lse = ctx.saved_tensors
-    return attention_backward(grad_out, q, k, v, out, lse, **ctx.options)
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    return (*attention_backward(grad_out, q, k, v, out, lse, mods=_mask_mods(mask), **ctx.options), None)
 
 
 register_fake("attention_prefill", _attention_prefill_fake)

@@ -426,6 +426,36 @@ def test_compiled_sdpa_calls_nvfly(sq, skv):
     assert rel_err(got, ref) < 1e-2 and rel_err(want, ref) < 1e-2
 
 
+@pytest.mark.parametrize("sq,skv,kind", [(2048, 2048, "bool"), (2048, 2048, "additive"), (4, 32768, "bool")])
+def test_compiled_sdpa_with_a_mask_calls_nvfly(sq, skv, kind):
+    """A compiled SDPA with an attn_mask (prefill: a row per query, broadcast over heads; decode: a padding mask)
+    calls nvfly's op with the graph's bias; the result is eager SDPA's with the mask."""
+    from torch._inductor.utils import run_and_get_code
+    torch._dynamo.reset()
+    q, k, v = sdpa_inputs(2, 32, 32, sq, skv)
+    keep = (torch.rand(2, 1, sq, skv, device="cuda") > 0.2) if sq > 16 else \
+        (torch.arange(skv, device="cuda") < torch.tensor([skv - 1000, skv], device="cuda")[:, None])[:, None, None]
+    keep[..., 0] = True
+    mask = keep if kind == "bool" else \
+        torch.randn(keep.shape, device="cuda").masked_fill(~keep, float("-inf")).to(q.dtype)
+
+    def model(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask) * 2
+    nvfly.torch.install()
+    try:
+        with sdpa_kernel(NO_CUDNN), torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+            got, codes = run_and_get_code(torch.compile(model, fullgraph=True), q, k, v, mask)
+    finally:
+        nvfly.torch.uninstall()
+        torch._dynamo.reset()
+    kernel = "prefill" if sq > 16 else "decode"
+    assert any(f"nvfly.attention_{kernel}" in code for code in codes), codes
+    (decision,) = [d for d in decisions() if d.where == "inductor" and d.op == "sdpa"]
+    assert decision.reason is None
+    ref = model(q.float(), k.float(), v.float(), mask if kind == "bool" else mask.float())
+    assert rel_err(got, ref) < 1e-2
+
+
 @pytest.mark.parametrize("sq,skv", [(2048, 2048), (4, 32768)])
 def test_compiled_sdpa_survives_an_nvfly_compile_failure(monkeypatch, caplog, sq, skv):
     """A compiled graph that calls nvfly's op keeps running when nvfly's kernel cannot be compiled (a CompileError

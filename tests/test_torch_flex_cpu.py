@@ -702,3 +702,62 @@ def test_lowering_asks_for_the_lse_only_when_the_graph_reads_it(compiled_flex, m
     want, want_lse = flex_attention(q, k, v, score_mod=alibi, return_lse=True)
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, want_lse, atol=1e-3, rtol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------- explain
+@pytest.mark.parametrize("shape,mods,eager,compiled,auto", [
+    ((1, 16, 8, 8192, 8192, 256), ("softcap", "window"), "prefill", "prefill", None),  # Gemma-2-like
+    ((1, 48, 8, 1, 32768, 128), (), "decode", "decode", None),  # MiniMax-like decode step
+    ((1, 48, 8, 4, 32768, 128), ("causal",), "decode", "prefill", "the auto rule takes Sq < 512 only on nvfly's "
+                                                                  "decode kernel"),
+    ((1, 8, 8, 256, 256, 64), (), "prefill", "prefill", "the auto rule leaves 16 < Sq < 512 to Inductor"),
+])
+def test_explain_flex_covers_eager_and_compiled(shape, mods, eager, compiled, auto):
+    """explain_flex decides on meta tensors (no GPU): the kernel eager routing runs (decode shifts q_idx for mods
+    that read it), the kernel the compiled backend emits (decode only for mods that ignore q_idx), and what the
+    auto rule does, with its reason; the report says each."""
+    from nvfly.torch.explain import explain_flex
+    report = explain_flex(*shape, mods=mods)
+    assert (report.eager_declined, report.compiled_declined) == (None, None)
+    assert (report.eager_kernel, report.compiled_kernel) == (eager, compiled)
+    assert (report.auto_declined or "").startswith(auto or ""), report.auto_declined
+    assert bool(report.auto_declined) == bool(auto)
+    text = str(report)
+    assert f"nvfly's {eager}" in text and ("Inductor's flex kernel by default" in text) == bool(auto)
+    assert report.to_dict()["compiled"]["kernel"] == compiled
+
+
+def test_explain_flex_declines_and_refuses_bad_mods(capsys):
+    """A shape nvfly's kernels decline is declined both ways with the kernel's reason; unknown or doubled mods are
+    errors naming the argument, on the command line too."""
+    from nvfly.cli import main
+    from nvfly.torch.explain import explain_flex
+    report = explain_flex(1, 8, 8, 4096, 4096, 80)
+    assert "head dim 80 is not supported" in report.eager_declined and report.compiled_declined == report.eager_declined
+    assert "Inductor's flex kernel runs it" in str(report)
+    with pytest.raises(ValueError, match="mods: at most one score_mod and one mask"):
+        explain_flex(1, 8, 8, 64, 64, 64, mods=("causal", "window"))
+    with pytest.raises(ValueError, match="mods: expected names of softcap, causal, window"):
+        explain_flex(1, 8, 8, 64, 64, 64, mods=("alibi",))
+    assert main(["explain", "--flex", "1,16,8,8192,8192,256", "--mods", "softcap,window", "--json"]) == 0
+    doc = __import__("json").loads(capsys.readouterr().out)
+    assert doc["mods"] == ["softcap", "window"] and doc["compiled"]["kernel"] == "prefill"
+    assert main(["explain", "--flex", "1,8,8,64,64,64", "--mods", "alibi"]) == 2
+    assert "--mods: expected names among softcap, causal, window" in capsys.readouterr().err
+    assert main(["explain", "--flex", "1,8,8,64,64,64", "--sdpa", "1,8,8,64,64,64"]) == 2
+
+
+@pytest.mark.parametrize("mods,takes", [((), True), (("causal",), False)])
+def test_explain_flex_agrees_with_the_compiled_auto_rule(compiled_flex, monkeypatch, mods, takes):
+    """What explain_flex says the auto rule does with a decode-sized call is what the compiled lowering does with it
+    (on CPU: the lowering's checks on meta examples), the reason word for word."""
+    from nvfly.torch.explain import explain_flex
+    monkeypatch.setattr(C, "DEVICES", ("cpu", "cuda"))
+    C.install(auto=True)
+    q, k, v = (t.to(bf) for t in _qkv(sq=4, skv=256))
+    kwargs = {"block_mask": create_block_mask(causal, None, None, 4, 256, device="cpu")} if mods else {}
+    _, calls_nvfly = compiled_flex({}, q, k, v, **kwargs)
+    assert calls_nvfly == takes
+    report = explain_flex(2, 4, 4, 4, 256, 64, mods=mods)
+    (decision,) = [d for d in decisions() if d.where == "inductor"]
+    assert report.auto_declined == decision.reason

@@ -9,7 +9,8 @@ max-autotune (``scaled_ops.explain_scaled``).
 
 ``nvfly explain --sdpa B,HQ,HKV,SQ,SKV,D[,DV] [--causal] [--grad] [--mask KIND] [--dropout P]``: what eager routing does with
 ``F.scaled_dot_product_attention`` on that shape: nvfly's decode or prefill, or torch's SDPA and why
-(``nvfly.torch.explain_sdpa``); ``--benchmark`` times both."""
+(``nvfly.torch.explain_sdpa``); ``--benchmark`` times both. ``nvfly explain --flex B,HQ,HKV,SQ,SKV,D[,DV]
+[--mods softcap,window]``: the same for ``flex_attention``, eager and compiled (``nvfly.torch.explain_flex``)."""
 from __future__ import annotations
 
 import argparse
@@ -51,6 +52,15 @@ def _sdpa_shape(text: str) -> tuple[int, ...]:
     return dims
 
 
+def _flex_mods(text: str) -> tuple[str, ...]:
+    from nvfly.torch.explain import FLEX_MODS
+    names = tuple(name for name in text.split(",") if name)
+    unknown = [name for name in names if name not in FLEX_MODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"expected names among {', '.join(FLEX_MODS)}, got {', '.join(unknown)}")
+    return names
+
+
 def add_parser(commands: Any) -> None:
     parser = commands.add_parser("explain", help="how a GEMM (or, with --sdpa, an SDPA) shape is served, and why",
                                  description=help_text(__doc__))
@@ -68,6 +78,11 @@ def add_parser(commands: Any) -> None:
     parser.add_argument("--sdpa", type=_sdpa_shape, metavar="B,HQ,HKV,SQ,SKV,D[,DV]",
                         help="explain F.scaled_dot_product_attention on q (B, HQ, SQ, D), k/v (B, HKV, SKV, D|DV) "
                              "instead of a GEMM")
+    parser.add_argument("--flex", type=_sdpa_shape, metavar="B,HQ,HKV,SQ,SKV,D[,DV]",
+                        help="explain flex_attention on q (B,HQ,SQ,D), k/v (B,HKV,SKV,D|DV) instead: eager routing "
+                             "and the compiled backend")
+    parser.add_argument("--mods", type=_flex_mods, default=(), metavar="NAME[,NAME]",
+                        help="with --flex: mods among softcap (score_mod), causal and window (masks)")
     parser.add_argument("--causal", action="store_true", help="with --sdpa: is_causal=True")
     parser.add_argument("--grad", action="store_true", help="with --sdpa: the inputs require grad (training)")
     parser.add_argument("--mask", choices=("padding", "bool", "additive"), default=None,
@@ -92,6 +107,12 @@ def add_parser(commands: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     dims = [("M", args.m), ("N", args.n), ("K", args.k)]
+    if args.flex is not None:
+        if args.sdpa is not None or any(value is not None for _, value in dims):
+            args.parser.error("give --flex alone: not with M N K or --sdpa")
+        return _run_flex(args)
+    if args.mods:
+        args.parser.error("--mods goes with --flex")
     if args.sdpa is None:
         missing = [name for name, value in dims if value is None]
         if missing:
@@ -138,6 +159,20 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=1, default=str))
     else:
         print(result, end="")  # the report ends with its own newline
+    return 0
+
+
+def _run_flex(args: argparse.Namespace) -> int:
+    """``--flex``: eager routing and the compiled backend for a flex_attention shape (``explain_flex``)."""
+    import torch
+
+    from nvfly.torch.explain import explain_flex
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    try:
+        result = explain_flex(*args.flex, mods=args.mods, dtype=dtype)
+    except ValueError as exc:
+        raise UsageError("nvfly explain", str(exc)) from None
+    print(json.dumps(result.to_dict(), indent=1, default=str) if args.json else result, end="\n" if args.json else "")
     return 0
 
 

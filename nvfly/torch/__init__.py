@@ -10,6 +10,7 @@
     nvfly.torch.autotune([(16, 4096, 4096)])    # fills the database that routing and Inductor's candidates read
     print(nvfly.torch.explain(16, 4096, 4096))  # candidates, times, winner, and why nvfly was declined or lost
     print(nvfly.torch.explain_sdpa(1, 32, 8, 4096, 4096, 128, is_causal=True))  # which kernel runs SDPA, and why
+    print(nvfly.torch.explain_flex(1, 16, 8, 8192, 8192, 256, mods=("softcap", "window")))  # and flex_attention
 
 Importing this package registers nvfly's GEMM, grouped-GEMM, scaled-GEMM and attention custom ops
 (``torch.ops.nvfly.*``) and changes nothing else: Inductor hooks are installed by ``install()`` only; aten routes are
@@ -33,11 +34,11 @@ from nvfly.torch import flex_compile  # noqa: F401  (nvfly::flex_attention: flex
 from nvfly.torch import scaled_grouped_ops, scaled_ops  # noqa: F401  (the _scaled_mm and _scaled_grouped_mm routes,
 # nvfly::scaled_mm_out)
 from nvfly.torch.autotune import autotune, database
-from nvfly.torch.explain import explain, explain_sdpa
+from nvfly.torch.explain import explain, explain_flex, explain_sdpa
 from nvfly.torch.routing import install_routing, routing_enabled
 
 __all__ = ["install", "uninstall", "routing", "enable_routing", "disable_routing", "routing_enabled",
-           "install_routing", "autotune", "database", "explain", "explain_sdpa"]
+           "install_routing", "autotune", "database", "explain", "explain_flex", "explain_sdpa"]
 
 
 def install(*, max_candidates: int = 4, attention: bool = True) -> None:

@@ -297,3 +297,109 @@ def _time_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: boo
         with routing.routing():  # one block around the timing: its start registers the routes (host time)
             measured["nvfly"] = median_ms(call)
     return measured
+
+
+# ---------------------------------------------------------------------------------------------- flex_attention
+def _softcap(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return 50.0 * torch.tanh(score / 50.0)
+
+
+def _causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return q_idx >= kv_idx
+
+
+def _window(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
+
+
+# explain_flex's mods: name -> (what it is, "score" or "mask", the function)
+FLEX_MODS = {"softcap": ("tanh soft-capping at 50 (score_mod)", "score", _softcap),
+             "causal": ("causal, top-left (mask_mod in a BlockMask)", "mask", _causal),
+             "window": ("causal 1024-key sliding window (mask_mod in a BlockMask)", "mask", _window)}
+
+
+@dataclasses.dataclass
+class FlexExplanation:
+    """What nvfly does with one ``flex_attention`` call shape (``explain_flex``); ``str()`` renders it."""
+    shape: tuple[int, int, int, int, int, int, int]  # (B, Hq, Hkv, Sq, Skv, Dqk, Dv)
+    dtype: torch.dtype
+    mods: tuple[str, ...]
+    eager_kernel: str  # the nvfly kernel eager routing runs ("decode" or "prefill")
+    eager_declined: Optional[str]
+    compiled_kernel: str  # the kernel nvfly's compiled backend emits
+    compiled_declined: Optional[str]
+    auto_declined: Optional[str]  # why install()'s auto rule leaves an eligible call to Inductor
+    decisions: list[Decision]
+
+    def to_dict(self) -> dict[str, Any]:
+        b, hq, hkv, sq, skv, dqk, dv = self.shape
+        return {"shape": {"batch": b, "hq": hq, "hkv": hkv, "sq": sq, "skv": skv, "dqk": dqk, "dv": dv},
+                "dtype": str(self.dtype), "mods": list(self.mods),
+                "eager": {"kernel": self.eager_kernel, "declined": self.eager_declined},
+                "compiled": {"kernel": self.compiled_kernel, "declined": self.compiled_declined,
+                             "auto_declined": self.auto_declined},
+                "decisions": [dataclasses.asdict(d) for d in self.decisions]}
+
+    def __str__(self) -> str:
+        b, hq, hkv, sq, skv, dqk, dv = self.shape
+        mods = ", ".join(FLEX_MODS[m][0] for m in self.mods) or "no score_mod, no mask"
+        lines = [f"flex_attention q ({b}, {hq}, {sq}, {dqk}) k ({b}, {hkv}, {skv}, {dqk}) v ({b}, {hkv}, {skv}, {dv}) "
+                 f"{self.dtype}: {mods}"]
+        traced = ", the mods traced into it" if self.mods else ""
+        if self.eager_declined:
+            lines.append(f"eager, under nvfly.torch.routing(): torch's flex_attention runs it: {self.eager_declined}")
+        else:
+            lines.append(f"eager, under nvfly.torch.routing(): nvfly's {self.eager_kernel}{traced} (torch's eager "
+                         "flex_attention computes the whole score matrix)")
+        compiled = "torch.compile, after nvfly.torch.install():"
+        generated = " (the mods' Inductor subgraphs generated into it)" if self.mods else ""
+        if self.compiled_declined:
+            lines.append(f"{compiled} Inductor's flex kernel runs it: {self.compiled_declined}")
+        elif self.auto_declined:
+            lines.append(f"{compiled} Inductor's flex kernel by default ({self.auto_declined}); "
+                         f"kernel_options={{'NVFLY': True}} runs nvfly's {self.compiled_kernel}{generated}")
+        else:
+            lines.append(f"{compiled} nvfly's {self.compiled_kernel}{generated}, picked by the auto rule; "
+                         "kernel_options={'NVFLY': False} keeps Inductor's flex kernel")
+        for d in self.decisions:
+            lines.append(f"{d.where} {d.op} {d.problem}: {d.reason or 'nvfly ' + ', '.join(d.candidates)}")
+        return "\n".join(lines) + "\n"
+
+
+def explain_flex(batch: int, hq: int, hkv: int, sq: int, skv: int, dqk: int, dv: Optional[int] = None, *,
+                 mods: tuple[str, ...] = (), dtype: torch.dtype = torch.bfloat16) -> FlexExplanation:
+    """Explain what nvfly does with ``flex_attention(q, k, v, score_mod, block_mask, enable_gqa=hq != hkv)`` on q
+    (B, Hq, Sq, Dqk), k (B, Hkv, Skv, Dqk), v (B, Hkv, Skv, Dv) with ``mods`` (names of ``FLEX_MODS``: at most one
+    score_mod and one mask): under eager routing and as the compiled backend (per call and by ``install()``'s auto
+    rule), deciding on meta tensors (no GPU needed) with the mods traced to aten graphs, as Inductor hands them over.
+    The decisions recorded in this process for flex_attention calls of the shape follow."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from nvfly.torch import flex_compile, flex_ops
+    unknown = [m for m in mods if m not in FLEX_MODS]
+    if unknown:
+        raise ValueError(f"explain_flex: mods: expected names of {', '.join(FLEX_MODS)}, got {unknown}")
+    kinds = [FLEX_MODS[m][1] for m in mods]
+    if kinds.count("score") > 1 or kinds.count("mask") > 1:
+        raise ValueError(f"explain_flex: mods: at most one score_mod and one mask, got {list(mods)}")
+    dv = dqk if dv is None else dv
+    ints = [torch.zeros((), dtype=torch.int32) for _ in range(4)]  # distinct, so that the trace tells them apart
+    score_fn = next((FLEX_MODS[m][2] for m in mods if FLEX_MODS[m][1] == "score"), None)
+    mask_fn = next((FLEX_MODS[m][2] for m in mods if FLEX_MODS[m][1] == "mask"), None)
+    score_gm = None if score_fn is None else make_fx(score_fn)(torch.zeros(()), *ints)
+    block_mask = None
+    if mask_fn is not None:
+        block_mask = create_block_mask(mask_fn, None, None, sq, skv, device="meta")
+        block_mask.mask_mod = make_fx(mask_fn)(*ints)
+    q, k, v = (torch.empty(batch, s, h, d, device="meta", dtype=dtype)
+               for h, s, d in ((hq, sq, dqk), (hkv, skv, dqk), (hkv, skv, dv)))
+    call = flex_ops.FlexCall(q, k, v, score_gm, None if block_mask is None else block_mask.mask_mod, block_mask,
+                             1.0 / dqk ** 0.5, (), (), False)
+    declined = flex_ops.reason_on_meta(call)
+    eager_kernel = "decode" if flex_ops._uses_decode(call) else "prefill"
+    compiled_kernel = "decode" if eager_kernel == "decode" and not flex_ops._reads_q_idx(call) else "prefill"
+    auto = None if declined else flex_compile.auto_reason(sq, compiled_kernel)
+    shape = (batch, hq, hkv, sq, skv, dqk, dv)
+    found = [d for d in decisions() if d.op == "flex_attention" and d.shape in (shape, (batch, hq, sq, dqk))]
+    return FlexExplanation(shape, dtype, tuple(mods), eager_kernel, declined, compiled_kernel, declined, auto, found)

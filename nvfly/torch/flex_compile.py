@@ -22,9 +22,9 @@ eager routing declines (``flex_ops.reason`` on example tensors of the lowering's
 graphs with tensor constants. At run time an nvfly failure computes the call by the float32 reference
 (``prefill_reference``), with a warning.
 
-Auto rule (``install(auto=True)``): nvfly's prefill for calls with Sq >= 512 (Inductor's Triton flex kernel is
-FlashAttention-2-class, nvfly's prefill FA3-class; unmeasured on flex mods: ``benchmarks/attention.py --prefill
---prefill-models mods`` decides it), decode-sized calls stay on flex_decoding.
+Auto rule (``install(auto=True)``, ``auto_reason``): nvfly's prefill for calls with Sq >= 512 (Inductor's Triton
+flex kernel is FlashAttention-2-class, nvfly's prefill FA3-class: 1.4-4.6x on the mod rows), and decode-sized calls
+(Sq <= 16) that run on nvfly's decode kernel (mods that read q_idx would run its prefill kernel there: Inductor's).
 """
 from __future__ import annotations
 
@@ -318,6 +318,18 @@ def lowering_reason(query: Any, key: Any, value: Any, subgraph: Any, block_mask:
     return why, "decode" if decode else "prefill"
 
 
+def auto_reason(sq: int, kernel: str) -> Optional[str]:
+    """None when ``install(auto=True)`` gives a call nvfly runs on ``kernel`` ("prefill" or "decode") with ``sq``
+    query rows to nvfly, else why Inductor's kernel keeps it."""
+    if sq >= AUTO_MIN_SQ or (sq <= MAX_SQ and kernel == "decode"):
+        return None
+    if sq <= MAX_SQ:
+        return (f"the auto rule takes Sq < {AUTO_MIN_SQ} only on nvfly's decode kernel (mods reading q_idx run its "
+                "prefill kernel here, not measured against Inductor's)")
+    return (f"the auto rule leaves {MAX_SQ} < Sq < {AUTO_MIN_SQ} to Inductor (nvfly's prefill on short sequences is "
+            "not measured against its flex kernel)")
+
+
 def _wants(kernel_options: dict, query: Any) -> Optional[bool]:
     option = kernel_options.get(OPTION)
     if option is not None:
@@ -343,9 +355,8 @@ def _lowering(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple
                                           score_mod_other_buffers, mask_mod_other_buffers)
         except Exception as exc:
             why, kernel = f"the lowering check raised {type(exc).__name__}: {exc}", ""
-        if why is None and not explicit and kernel != "decode" and _static(query)[2] < AUTO_MIN_SQ:
-            why = (f"the auto rule takes Sq < {AUTO_MIN_SQ} only on nvfly's decode kernel (mods reading q_idx run its "
-                   "prefill kernel here, not measured against Inductor's)")
+        if why is None and not explicit:
+            why = auto_reason(_static(query)[2], kernel)
         if why is None:
             try:
                 return _emit(query, key, value, subgraph, block_mask, scale, score_mod_other_buffers,

@@ -309,13 +309,13 @@ def _causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
 
 
 def _window(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-    return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 4096)
 
 
 # explain_flex's mods: name -> (what it is, "score" or "mask", the function)
 FLEX_MODS = {"softcap": ("tanh soft-capping at 50 (score_mod)", "score", _softcap),
              "causal": ("causal, top-left (mask_mod in a BlockMask)", "mask", _causal),
-             "window": ("causal 1024-key sliding window (mask_mod in a BlockMask)", "mask", _window)}
+             "window": ("causal 4096-key sliding window, Gemma-2's (mask_mod in a BlockMask)", "mask", _window)}
 
 
 @dataclasses.dataclass

@@ -720,22 +720,28 @@ def test_compile_passes_decide_whatever_fake_mode_is_active(monkeypatch, trainin
         assert call.meta["val"][0].fake_mode is graph.find_nodes(op="placeholder")[0].meta["val"].fake_mode
 
 
-def test_compile_pass_rewritten_graph_computes_sdpa():
-    """The rewritten graph run on CPU tensors (nvfly's ops fall back to their float32 reference there) equals SDPA:
-    the transposes and top-left causal alignment are right."""
+def _rewritten_module(graph):
+    """``graph`` after the compile pass, decided as on an H200 where torch picked the node's kernel (without the
+    size floors), as a module to run on CPU tensors (nvfly's ops compute their float32 reference there)."""
     from nvfly.torch import attention_compile as C
-    aten = torch.ops.aten
-    with warnings.catch_warnings(), FakeTensorMode():
-        warnings.simplefilter("ignore")
-        graph = _sdpa_graph(aten._scaled_dot_product_flash_attention.default, (1, 8, 40, 64), (1, 2, 56, 64))
-    with pytest.MonkeyPatch.context() as mp:  # decide as on an H200 where torch picked flash, without the size floor
+    with pytest.MonkeyPatch.context() as mp:
         mp.setattr(A, "MIN_PREFILL_FLOPS", 0)
         mp.setattr(A, "MIN_PREFILL_TILES", 0)
         mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             assert C.rewrite(graph) == 1
-    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_compile_pass_rewritten_graph_computes_sdpa():
+    """The rewritten graph run on CPU tensors (nvfly's ops fall back to their float32 reference there) equals SDPA:
+    the transposes and top-left causal alignment are right."""
+    aten = torch.ops.aten
+    with warnings.catch_warnings(), FakeTensorMode():
+        warnings.simplefilter("ignore")
+        graph = _sdpa_graph(aten._scaled_dot_product_flash_attention.default, (1, 8, 40, 64), (1, 2, 56, 64))
+    module = _rewritten_module(graph)
     torch.manual_seed(2)
     q, k, v = torch.randn(1, 8, 40, 64).to(bf), torch.randn(1, 2, 56, 64).to(bf), torch.randn(1, 2, 56, 64).to(bf)
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
@@ -783,18 +789,10 @@ def test_compile_pass_rewritten_masked_graph_computes_sdpa():
     """The rewritten graph of an SDPA with an additive bias (a row per query and key, a head broadcast), run on CPU
     tensors (nvfly's op computes its float32 reference there), equals SDPA with that attn_mask; the -inf entries
     (a boolean mask made additive) mask keys out."""
-    from nvfly.torch import attention_compile as C
     with warnings.catch_warnings(), FakeTensorMode():
         warnings.simplefilter("ignore")
         graph = _masked_sdpa_graph((2, 4, 40, 64), (2, 4, 56, 64), (2, 1, 40, 56))
-    with pytest.MonkeyPatch.context() as mp:  # decide as on an H200 where torch picked efficient, without the floor
-        mp.setattr(A, "MIN_PREFILL_FLOPS", 0)
-        mp.setattr(A, "MIN_PREFILL_TILES", 0)
-        mp.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            assert C.rewrite(graph) == 1
-    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    module = _rewritten_module(graph)
     torch.manual_seed(3)
     q, k, v = torch.randn(2, 4, 40, 64).to(bf), torch.randn(2, 4, 56, 64).to(bf), torch.randn(2, 4, 56, 64).to(bf)
     bias = torch.randn(2, 1, 40, 56).to(bf)

@@ -405,22 +405,40 @@ def test_compiled_flex_calls_nvfly(compiled_flex, monkeypatch):
     assert [d.winner for d in decisions() if d.where == "inductor"] == ["prefill"]
 
 
-def test_auto_rule_takes_decode_calls_on_the_decode_kernel_only(compiled_flex, monkeypatch):
-    """Without the option, the auto rule takes a decode-sized call (Sq <= 16) when nvfly runs it on its decode
-    kernel (mods that ignore q_idx) and leaves it to Inductor, saying why, when a mod reads q_idx (the compiled op
-    would run nvfly's prefill kernel there: not measured against Inductor's)."""
+def test_auto_rule_takes_decode_calls_on_the_decode_kernel(compiled_flex, monkeypatch):
+    """Without the option, the auto rule takes a decode-sized call (Sq <= 16) that nvfly runs on its decode kernel:
+    mods that ignore q_idx as they are, mods that read it (ALiBi) with q_idx shifted back to flex's row (the op's
+    "decode_shifted" path; on CPU its decode reference, which takes positions, gives flex's result). With both
+    captured inputs taken (ALiBi's slopes and a document mask's ids: no room for the shift) the call would run
+    nvfly's prefill kernel: it stays on Inductor, saying why."""
     monkeypatch.setattr(C, "DEVICES", ("cpu", "cuda"))
     C.install(auto=True)
-    q, k, v = (t.to(bf) for t in _qkv(sq=4, skv=256))
-    got, calls_nvfly = compiled_flex({}, q, k, v, score_mod=soft_cap)
-    assert calls_nvfly
-    torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=soft_cap), atol=2e-2, rtol=2e-2)
+    q, k, v = (t.to(bf) for t in _qkv(sq=4, skv=300))
+    for mod, path in ((soft_cap, "decode"), (alibi, "decode_shifted")):
+        torch._dynamo.reset()
+        clear_decisions()
+        got, calls_nvfly = compiled_flex({}, q, k, v, score_mod=mod)
+        assert calls_nvfly and [d.winner for d in decisions() if d.where == "inductor"] == [path]
+        torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=mod), atol=2e-2, rtol=2e-2)
     torch._dynamo.reset()
     clear_decisions()
-    got, calls_nvfly = compiled_flex({}, q, k, v, score_mod=alibi)
+    block_mask = create_block_mask(document, 2, None, 4, 300, device="cpu")
+    got, calls_nvfly = compiled_flex({}, q, k, v, score_mod=alibi, block_mask=block_mask)
     assert not calls_nvfly
     assert [d.reason for d in decisions() if d.where == "inductor"][0].startswith("the auto rule takes Sq < 512")
-    torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=alibi), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, flex_attention(q, k, v, score_mod=alibi, block_mask=block_mask), atol=2e-2,
+                               rtol=2e-2)
+
+
+def test_compiled_shifted_decode_with_a_mask(compiled_flex, monkeypatch):
+    """A causal BlockMask at decode size under the per-call option: the op's decode path with q_idx shifted (each
+    query sees the keys up to its row, flex's top-left meaning), equal to flex."""
+    monkeypatch.setattr(C, "DEVICES", ("cpu", "cuda"))
+    q, k, v = (t.to(bf) for t in _qkv(sq=8, skv=200))
+    block_mask = create_block_mask(causal, None, None, 8, 200, device="cpu")
+    got, calls_nvfly = compiled_flex({"NVFLY": True}, q, k, v, block_mask=block_mask)
+    assert calls_nvfly and [d.winner for d in decisions() if d.where == "inductor"] == ["decode_shifted"]
+    torch.testing.assert_close(got, flex_attention(q, k, v, block_mask=block_mask), atol=2e-2, rtol=2e-2)
 
 
 def test_compiled_flex_with_computed_inputs(monkeypatch):
@@ -506,6 +524,20 @@ def test_code_callable_compiles_into_the_decode_kernel():
     plan = attention.decode_plan(2, 4, 2, 4, 128, 128, 8192, 132, causal=False)
     kernels = attention.compile_kernels(plan, mods=mods)
     assert any(k.sass_opcodes()["MUFU.TANH"] > 0 for k in kernels)
+
+
+def test_shifted_code_callable_compiles_into_the_decode_kernel():
+    """The compiled path's decode_shifted mods (a causal mask rebuilt from aten FX code, q_idx shifted by a captured
+    (B,) tensor) trace into nvfly's decode kernel: the shift loaded, no spills."""
+    from nvfly.ops.attention.mods import Mods, captured_tensors
+    code = make_fx(causal)(torch.tensor(1), torch.tensor(2), torch.tensor(3), torch.tensor(5)).code
+    shift = torch.full((2,), 8184, dtype=torch.int32)
+    mods = Mods(None, C.code_callable("mask", code, (), shift))
+    assert [id(t) for t in captured_tensors(mods)] == [id(shift)]
+    plan = attention.decode_plan(2, 4, 2, 8, 128, 128, 8192, 132, causal=False)
+    kernels = attention.compile_kernels(plan, mods=mods)
+    assert kernels[0].sass_opcodes()["LDG.E"] > 0
+    assert all(k.resources.spill_stores == 0 and not k.warnings for k in kernels)
 
 
 def test_training_through_flex_autograd(monkeypatch, references):
@@ -708,8 +740,7 @@ def test_lowering_asks_for_the_lse_only_when_the_graph_reads_it(compiled_flex, m
 @pytest.mark.parametrize("shape,mods,eager,compiled,auto", [
     ((1, 16, 8, 8192, 8192, 256), ("softcap", "window"), "prefill", "prefill", None),  # Gemma-2-like
     ((1, 48, 8, 1, 32768, 128), (), "decode", "decode", None),  # MiniMax-like decode step
-    ((1, 48, 8, 4, 32768, 128), ("causal",), "decode", "prefill", "the auto rule takes Sq < 512 only on nvfly's "
-                                                                  "decode kernel"),
+    ((1, 48, 8, 4, 32768, 128), ("causal",), "decode", "decode", None),  # q_idx shifted back to flex's row
     ((1, 8, 8, 256, 256, 64), (), "prefill", "prefill", "the auto rule leaves 16 < Sq < 512 to Inductor"),
 ])
 def test_explain_flex_covers_eager_and_compiled(shape, mods, eager, compiled, auto):
@@ -747,17 +778,21 @@ def test_explain_flex_declines_and_refuses_bad_mods(capsys):
     assert main(["explain", "--flex", "1,8,8,64,64,64", "--sdpa", "1,8,8,64,64,64"]) == 2
 
 
-@pytest.mark.parametrize("mods,takes", [((), True), (("causal",), False)])
-def test_explain_flex_agrees_with_the_compiled_auto_rule(compiled_flex, monkeypatch, mods, takes):
-    """What explain_flex says the auto rule does with a decode-sized call is what the compiled lowering does with it
-    (on CPU: the lowering's checks on meta examples), the reason word for word."""
+@pytest.mark.parametrize("mods,sq,takes", [((), 4, True), (("causal",), 4, True), ((), 64, False)])
+def test_explain_flex_agrees_with_the_compiled_auto_rule(compiled_flex, monkeypatch, mods, sq, takes):
+    """What explain_flex says the auto rule does with a call is what the compiled lowering does with it (on CPU: the
+    lowering's checks on meta examples), the kernel and any recorded reason word for word."""
     from nvfly.torch.explain import explain_flex
     monkeypatch.setattr(C, "DEVICES", ("cpu", "cuda"))
     C.install(auto=True)
-    q, k, v = (t.to(bf) for t in _qkv(sq=4, skv=256))
-    kwargs = {"block_mask": create_block_mask(causal, None, None, 4, 256, device="cpu")} if mods else {}
+    q, k, v = (t.to(bf) for t in _qkv(sq=sq, skv=256))
+    kwargs = {"block_mask": create_block_mask(causal, None, None, sq, 256, device="cpu")} if mods else {}
     _, calls_nvfly = compiled_flex({}, q, k, v, **kwargs)
     assert calls_nvfly == takes
-    report = explain_flex(2, 4, 4, 4, 256, 64, mods=mods)
-    (decision,) = [d for d in decisions() if d.where == "inductor"]
-    assert report.auto_declined == decision.reason
+    report = explain_flex(2, 4, 4, sq, 256, 64, mods=mods)
+    assert (report.auto_declined is None) == takes
+    recorded = [d for d in decisions() if d.where == "inductor"]
+    if recorded:
+        (decision,) = recorded
+        assert report.auto_declined == decision.reason
+        assert decision.winner is None or decision.winner.startswith(report.compiled_kernel)

@@ -326,7 +326,7 @@ class FlexExplanation:
     mods: tuple[str, ...]
     eager_kernel: str  # the nvfly kernel eager routing runs ("decode" or "prefill")
     eager_declined: Optional[str]
-    compiled_kernel: str  # the kernel nvfly's compiled backend emits
+    compiled_kernel: str  # the kernel nvfly's compiled backend runs ("decode" or "prefill")
     compiled_declined: Optional[str]
     auto_declined: Optional[str]  # why install()'s auto rule leaves an eligible call to Inductor
     decisions: list[Decision]
@@ -398,7 +398,7 @@ def explain_flex(batch: int, hq: int, hkv: int, sq: int, skv: int, dqk: int, dv:
                              1.0 / dqk ** 0.5, (), (), False)
     declined = flex_ops.reason_on_meta(call)
     eager_kernel = "decode" if flex_ops._uses_decode(call) else "prefill"
-    compiled_kernel = "decode" if eager_kernel == "decode" and not flex_ops._reads_q_idx(call) else "prefill"
+    compiled_kernel = flex_compile.kernel_path(call).split("_")[0]
     auto = None if declined else flex_compile.auto_reason(sq, compiled_kernel)
     shape = (batch, hq, hkv, sq, skv, dqk, dv)
     found = [d for d in decisions() if d.op == "flex_attention" and d.shape in (shape, (batch, hq, sq, dqk))]

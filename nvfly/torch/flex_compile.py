@@ -22,9 +22,13 @@ eager routing declines (``flex_ops.reason`` on example tensors of the lowering's
 graphs with tensor constants. At run time an nvfly failure computes the call by the float32 reference
 (``prefill_reference``), with a warning.
 
+Decode-sized calls (Sq <= 16) run nvfly's decode kernel, whose q_idx is the query's position: mods that read q_idx
+get flex's row back (``path="decode_shifted"``: q_idx - (Skv - Sq), a (B,) int32 tensor the op makes once per
+signature and captures, as eager routing does), unless the mods already capture two tensors (prefill then).
+
 Auto rule (``install(auto=True)``, ``auto_reason``): nvfly's prefill for calls with Sq >= 512 (Inductor's Triton
 flex kernel is FlashAttention-2-class, nvfly's prefill FA3-class: 1.4-4.6x on the mod rows), and decode-sized calls
-(Sq <= 16) that run on nvfly's decode kernel (mods that read q_idx would run its prefill kernel there: Inductor's).
+that run on nvfly's decode kernel.
 """
 from __future__ import annotations
 
@@ -106,28 +110,31 @@ _CALLABLES: dict = {}
 _LOCK = threading.Lock()
 
 
-def code_callable(kind: str, code: str, buffers: tuple) -> Callable[..., Any]:
+def code_callable(kind: str, code: str, buffers: tuple, shift: Optional[Tensor] = None) -> Callable[..., Any]:
     """The mod whose FX code is ``code`` as a function of flex's signature capturing ``buffers`` (cells set per
-    call: call under ``flex_ops.CALL_LOCK``)."""
-    key = (kind, code, len(buffers))
+    call: call under ``flex_ops.CALL_LOCK``); with ``shift`` (a (B,) int32 tensor: decode's Skv - Sq) the code sees
+    ``q_idx - shift[b]``, flex's row, where decode's q_idx is the query's position (``flex_ops.graph_callable``)."""
+    key = (kind, code, len(buffers), shift is not None)
     with _LOCK:
         fn = _CALLABLES.get(key)
         if fn is None:
-            fn = _CALLABLES[key] = _make(kind, _forward(code), len(buffers))
-    flex_ops._set_buffers(fn, buffers)
+            fn = _CALLABLES[key] = _make(kind, _forward(code), len(buffers), shift is not None)
+    flex_ops._set_buffers(fn, buffers, shift)
     return fn
 
 
-def _make(kind: str, forward: Callable[..., Any], count: int) -> Callable[..., Any]:
-    buffer0 = buffer1 = None  # noqa: F841 - the cells; set per call
+def _make(kind: str, forward: Callable[..., Any], count: int, shifted: bool) -> Callable[..., Any]:
+    buffer0 = buffer1 = shift = None  # noqa: F841 - the cells; set per call
 
     if kind == "score":
         def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's signature
-            return _first(forward(None, score, b, h, q_idx, kv_idx, *(buffer0, buffer1)[:count]))
+            row = q_idx - shift[b] if shifted else q_idx
+            return _first(forward(None, score, b, h, row, kv_idx, *(buffer0, buffer1)[:count]))
         return score_mod
 
     def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's signature
-        return _first(forward(None, b, h, q_idx, kv_idx, *(buffer0, buffer1)[:count]))
+        row = q_idx - shift[b] if shifted else q_idx
+        return _first(forward(None, b, h, row, kv_idx, *(buffer0, buffer1)[:count]))
     return mask_mod
 
 
@@ -142,8 +149,9 @@ def flex_attention_op(query: Tensor, key: Tensor, value: Tensor, kv_num_blocks: 
     and with ``needs_lse`` (the graph reads the LSE) [out, lse (B, Hq, Sq) float32 in log2]; out is the
     (B, Hq, Sq, Dv) view of (B, Sq, Hq, Dv) memory. The HOP's other outputs (max_scores, an unread LSE) are the
     lowering's empty buffers, which Inductor drops: nothing is allocated for them per call. ``score_code``/
-    ``mask_code``: the mods' FX code ("" for none); the tables None without a block mask; ``path``: "prefill" or
-    "decode" (nvfly's kernel). Every argument is positional: the dispatcher parses keyword arguments slowly (~1 µs
+    ``mask_code``: the mods' FX code ("" for none); the tables None without a block mask; ``path``: "prefill",
+    "decode" (nvfly's kernels) or "decode_shifted" (decode, the mods reading q_idx given flex's row: position -
+    (Skv - Sq)). Every argument is positional: the dispatcher parses keyword arguments slowly (~1 µs
     each). The call's host work is cached per signature (``_FlexSignature``)."""
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
     try:  # without kv_num_blocks there is no block mask: the other tables are not read
@@ -176,11 +184,20 @@ class _FlexSignature:
         self.plain = not score_code and not masked  # no functions whose cells a call sets: no lock
         self.launch: Optional[Callable[..., Any]] = None
         self.failed = False
+        self.shift: Optional[Tensor] = None  # decode_shifted: (B,) int32 Skv - Sq (static in a compiled graph)
+
+    def _shift(self, q: Tensor, k: Tensor) -> Optional[Tensor]:
+        if self.path != "decode_shifted":
+            return None
+        if self.shift is None:
+            self.shift = torch.full((q.shape[0],), k.shape[2] - q.shape[2], dtype=torch.int32, device=q.device)
+        return self.shift
 
     def _mods(self, q: Tensor, k: Tensor, tables: tuple, score_buffers: list, mask_buffers: list) -> tuple:
         """(score_mod, block_mask) of this call (q, k (B, H, S, D)): the functions' cells hold its buffers (under
         CALL_LOCK)."""
-        score = code_callable("score", self.score_code, tuple(score_buffers)) if self.score_code else None
+        shift = self._shift(q, k)
+        score = code_callable("score", self.score_code, tuple(score_buffers), shift) if self.score_code else None
         if tables[0] is None:
             return score, None
         from torch.nn.attention.flex_attention import BlockMask, noop_mask
@@ -189,7 +206,7 @@ class _FlexSignature:
         block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks, block_mask.full_kv_indices = (
             tables)
         block_mask.BLOCK_SIZE = self.block_size
-        block_mask.mask_mod = (code_callable("mask", self.mask_code, tuple(mask_buffers)) if self.mask_code
+        block_mask.mask_mod = (code_callable("mask", self.mask_code, tuple(mask_buffers), shift) if self.mask_code
                                else noop_mask)
         return score, block_mask
 
@@ -197,7 +214,7 @@ class _FlexSignature:
         """The kernel call of the signature (decode's bound call; prefill's own cache serves ``prefill``); raises
         where nvfly's op cannot run (not CUDA: their checks say so)."""
         needs_lse = self.needs_lse
-        if self.path == "decode":
+        if self.path != "prefill":
             self.launch = attention.bound_decode(q, k, v, causal=False, score_mod=score, block_mask=block_mask,
                                                  return_lse=needs_lse, heads_first=True)
             return
@@ -220,8 +237,11 @@ class _FlexSignature:
                 if q.device.type == "cuda":
                     log.warning("nvfly: flex_attention (compiled) raised %s: %s; computed by the float32 "
                                 "reference", type(exc).__name__, exc)
-        out, lse = attention.prefill_reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
-                                               score_mod=score, block_mask=block_mask)
+        # decode_shifted's mods take positions (decode's q_idx): decode's reference gives them those
+        reference = attention.reference if self.path == "decode_shifted" else attention.prefill_reference
+        options = {"causal": False} if self.path == "decode_shifted" else {}
+        out, lse = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale, score_mod=score,
+                             block_mask=block_mask, **options)
         out = out.to(q.dtype).transpose(1, 2)
         return (out, lse) if self.needs_lse else out
 
@@ -279,7 +299,7 @@ def _decline(query: Any, key: Any, why: str) -> None:
 
 def lowering_reason(query: Any, key: Any, value: Any, subgraph: Any, block_mask: tuple, kernel_options: dict,
                     score_buffers: tuple, mask_buffers: tuple) -> tuple[Optional[str], str]:
-    """(None or why Inductor's kernel runs, "prefill" or "decode")."""
+    """(None or why Inductor's kernel runs, the op's path: ``kernel_path``)."""
     if any(_static(n) is None for n in (query, key, value)):
         return "dynamic shapes (nvfly plans on static ones)", ""
     device = query.get_device()
@@ -313,19 +333,25 @@ def lowering_reason(query: Any, key: Any, value: Any, subgraph: Any, block_mask:
                              None if flex_ops._is_identity_score(score_gm) else score_gm, mask_gm if masked else None,
                              mask, 1.0, buffers[:len(score_buffers)], buffers[len(score_buffers):], False)
     why = flex_ops.reason_on_meta(call)
-    # the op rebuilds the mods from code without decode's q_idx shift: decode only for mods that ignore q_idx
-    decode = flex_ops._uses_decode(call) and not flex_ops._reads_q_idx(call)
-    return why, "decode" if decode else "prefill"
+    return why, kernel_path(call)
+
+
+def kernel_path(call: flex_ops.FlexCall) -> str:
+    """The op's ``path`` for a call: nvfly's decode kernel where eager routing runs it (Sq <= 16; "decode_shifted"
+    when the mods read q_idx), else prefill."""
+    if not flex_ops._uses_decode(call):
+        return "prefill"
+    return "decode_shifted" if flex_ops._reads_q_idx(call) else "decode"
 
 
 def auto_reason(sq: int, kernel: str) -> Optional[str]:
-    """None when ``install(auto=True)`` gives a call nvfly runs on ``kernel`` ("prefill" or "decode") with ``sq``
-    query rows to nvfly, else why Inductor's kernel keeps it."""
-    if sq >= AUTO_MIN_SQ or (sq <= MAX_SQ and kernel == "decode"):
+    """None when ``install(auto=True)`` gives a call nvfly runs on ``kernel`` (``kernel_path``) with ``sq`` query rows
+    to nvfly, else why Inductor's kernel keeps it."""
+    if sq >= AUTO_MIN_SQ or (sq <= MAX_SQ and kernel.startswith("decode")):
         return None
     if sq <= MAX_SQ:
-        return (f"the auto rule takes Sq < {AUTO_MIN_SQ} only on nvfly's decode kernel (mods reading q_idx run its "
-                "prefill kernel here, not measured against Inductor's)")
+        return (f"the auto rule takes Sq < {AUTO_MIN_SQ} only on nvfly's decode kernel (these mods, reading q_idx "
+                "with two captured tensors, run its prefill kernel here, not measured against Inductor's)")
     return (f"the auto rule leaves {MAX_SQ} < Sq < {AUTO_MIN_SQ} to Inductor (nvfly's prefill on short sequences is "
             "not measured against its flex kernel)")
 

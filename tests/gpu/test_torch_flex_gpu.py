@@ -336,6 +336,23 @@ def test_compiled_auto_under_install(compiled):
         nvfly.torch.uninstall()
 
 
+def test_compiled_auto_takes_decode_with_a_causal_mask(compiled):
+    """After nvfly.torch.install() a decode-sized call with a causal BlockMask (its mask reads q_idx) runs nvfly's
+    decode kernel with q_idx shifted back to flex's row ("decode_shifted"): flex's result (rows see keys up to
+    their row, top-left)."""
+    nvfly.torch.install()
+    try:
+        q, k, v = inputs(hq=32, hkv=8, sq=8, skv=8192)
+        block_mask = create_block_mask(causal, None, None, 8, 8192)
+        got, calls_nvfly = compiled({}, q, k, v, block_mask=block_mask, enable_gqa=True)
+        assert calls_nvfly
+        assert [d.winner for d in flex_decisions() if d.where == "inductor"] == ["decode_shifted"]
+        want = flex_attention(q.float(), k.float(), v.float(), block_mask=block_mask, enable_gqa=True)
+        assert rel_err(got, want) < 1e-2
+    finally:
+        nvfly.torch.uninstall()
+
+
 @pytest.mark.slow
 def test_compiled_training_step(compiled):
     """nvfly's forward under compile, Inductor's flex backward from nvfly's LSE: the gradients of float32 flex."""

@@ -345,13 +345,14 @@ def hf_mask(kind: str, batch: int, sq: int, skv: int) -> torch.Tensor:
 
 
 def masked_sdpa(quick: bool, compile_too: bool) -> list[dict[str, Any]]:
-    """SDPA with HF's masks (the mask read by nvfly's kernel; torch runs its memory-efficient or cuDNN kernel)."""
+    """SDPA with HF's masks (the mask read by nvfly's kernel; torch runs its memory-efficient or cuDNN kernel), also
+    compiled: the graph's attention bias becomes the nvfly op's attn_mask."""
     return (attention_rows("masked-prefill-padding", [(2, 32, 8, 4096, 4096, 128, 128)], False, quick, False,
-                           "padding")
+                           "padding", compile_too)
             + attention_rows("masked-prefill-additive", [(2, 32, 8, 4096, 4096, 128, 128)], False, quick, False,
-                             "additive")
+                             "additive", compile_too)
             + attention_rows("masked-decode-padding", [(16, 32, 8, 1, 8192, 128, 128)], False, quick, True,
-                             "padding"))
+                             "padding", compile_too))
 
 
 def spec_decode(quick: bool, compile_too: bool) -> list[dict[str, Any]]:

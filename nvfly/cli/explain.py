@@ -62,8 +62,8 @@ def _flex_mods(text: str) -> tuple[str, ...]:
 
 
 def add_parser(commands: Any) -> None:
-    parser = commands.add_parser("explain", help="how a GEMM (or, with --sdpa, an SDPA) shape is served, and why",
-                                 description=help_text(__doc__))
+    parser = commands.add_parser("explain", description=help_text(__doc__),
+                                 help="how a GEMM (or, with --sdpa / --flex, an attention) shape is served, and why")
     for dim, meaning in (("m", "rows of A and of the output"), ("n", "columns of B and of the output"),
                          ("k", "the reduced dimension")):
         parser.add_argument(dim, type=positive_int, metavar=dim.upper(), nargs="?", help=meaning + " (a GEMM)")

@@ -44,9 +44,11 @@ Weight-gradient variants (``--wgrad-variants``): the K-grouped weight gradient o
 tiles (``plan.kgrouped_variants``) next to torch._grouped_mm, correctness first.
 
 Forward variants (``--variants``, ``VARIANT_CASES``): the compute-bound forward rows (the E64 T15952 anchor, Qwen3
-256/expert, Mixtral 1024/expert and Mixtral hot) on each of the forward's candidate tiles (``plan.forward_variants``:
-the heuristic's "current", the TMA-store epilogue, 2-block clusters along M multicasting B or along N multicasting
-A, each with and without the TMA store, 256 x 128 and ping-pong 128 x 128 with the TMA store) next to torch._grouped_mm and Inductor max-autotune's Triton grouped mm: every
+256/expert, Mixtral 1024/expert and Mixtral hot), or with ``--tokens``, ``--models`` or ``--routings`` the full
+suite's contiguous forward rows (e.g. ``--tokens 512,16384 --routings hot``: the one-hot rows), on each of the
+forward's candidate tiles (``plan.forward_variants``: the heuristic's "current", the TMA-store epilogue, 2-block
+clusters along M multicasting B or along N multicasting A, each with and without the TMA store, 256 x 128, 128 x 128
+and ping-pong 128 x 128 with the TMA store) next to torch._grouped_mm and Inductor max-autotune's Triton grouped mm: every
 output against the float32 reference first (poisoned with NaN), then the times interleaved over rounds (each
 round times every implementation once, so that clock drift lands on all alike; the median round is kept).
 
@@ -353,13 +355,14 @@ VARIANT_CASES = [case for case in QUICK if case.name in ("anchor E64 T15952", "Q
 VARIANT_ROUNDS = 3
 
 
-def forward_variant_rows(triton_cases: int) -> list[dict]:
-    """Each VARIANT_CASES row on every forward variant, torch._grouped_mm and (the first ``triton_cases`` rows)
-    Inductor's Triton grouped mm: errors first (a variant off the reference is not timed), then interleaved times."""
+def forward_variant_rows(cases: Sequence[Case], triton_cases: int) -> list[dict]:
+    """Each case (VARIANT_CASES, or the full suite's contiguous forward rows picked by --tokens, --models and
+    --routings) on every forward variant, torch._grouped_mm and (the first ``triton_cases`` rows) Inductor's Triton
+    grouped mm: errors first (a variant off the reference is not timed), then interleaved times."""
     from nvfly.ops.grouped.api import plan_of
     from nvfly.ops.grouped.plan import forward_variants
     rows = []
-    for index, case in enumerate(progress(VARIANT_CASES, "grouped variants")):
+    for index, case in enumerate(progress(cases, "grouped variants")):
         s = setup(case)
         (a, b, offs), flop, reference = s.operands, s.flop, s.reference
         shape = (a.shape[0], case.n)
@@ -897,9 +900,11 @@ def main(argv=None) -> int:
         return 0
     if args.variants:
         name = args.name or "grouped_variants"
-        triton_cases = 0 if args.no_triton else (args.triton_cases if args.triton_cases is not None
-                                                  else len(VARIANT_CASES))
-        rows = forward_variant_rows(triton_cases)
+        picked = args.tokens or args.models or args.routings
+        cases = ([c for c in suite_of(argparse.Namespace(**{**vars(args), "passes": "forward"}), p)
+                  if c.layout == "contiguous"] if picked else VARIANT_CASES)
+        triton_cases = 0 if args.no_triton else (args.triton_cases if args.triton_cases is not None else len(cases))
+        rows = forward_variant_rows(cases, triton_cases)
         summary = variant_summary(rows)
         summary["seconds"] = time.time() - t_start
         print(summary)

@@ -134,7 +134,7 @@ def anchor_variants():
 
 @pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("name", ["current", "tma-store", "cluster2", "cluster2-tma", "cluster2n", "cluster2n-tma",
-                                  "256x128-tma", "pingpong-tma"])
+                                  "256x128-tma", "128x128-tma", "pingpong-tma"])
 @pytest.mark.parametrize("variant", [("contiguous", "none", "K", "K"), ("masked", "none", "K", "MN"),
                                      ("contiguous", "silu_mul", "K", "MN")], ids="-".join)
 def test_forward_variants_compile(name, variant):
@@ -159,7 +159,7 @@ def test_forward_variants_plans():
     variants = anchor_variants()
     assert variants["current"] == make_plan(**ANCHOR).config
     assert set(variants) == {"current", "tma-store", "cluster2", "cluster2-tma", "cluster2n", "cluster2n-tma",
-                             "256x128-tma", "pingpong-tma"}
+                             "256x128-tma", "128x128-tma", "pingpong-tma"}
     for name, config in variants.items():
         plan = make_plan(**ANCHOR, config=config)
         cluster = config.cluster_m * config.cluster_n
@@ -172,7 +172,7 @@ def test_forward_variants_plans():
     assert set(many) == set(variants)  # fewer stages where the table of 1024 groups needs the room
     assert all(make_plan(**{**ANCHOR, "groups": MAX_GROUPS}, config=c).smem_bytes <= SMEM_LIMIT for c in many.values())
     assert set(forward_variants(make_plan(**ANCHOR).config, 8, "kgrouped", "MN")) == \
-        {"current", "tma-store", "256x128-tma", "pingpong-tma"}  # the K-grouped layout takes no cluster
+        {"current", "tma-store", "256x128-tma", "128x128-tma", "pingpong-tma"}  # the K-grouped layout: no cluster
     cluster = make_plan(**ANCHOR, config=variants["cluster2"])
     # B in two halves, one per block of the cluster; the launch's bound counts whole cluster rows
     assert cluster.b_box == (1, 128, 64) and cluster.a_box == (128, 64) and cluster.grid == 132
@@ -468,14 +468,20 @@ def test_benchmark_moe_layers_agree():
 
 
 def test_benchmark_variant_rows_plan():
-    """benchmarks.grouped --variants: its four compute-bound forward rows, each variant planned for its operands
-    (meta tensors: the benchmark's shapes and majors) within the shared memory and the SMs."""
-    from benchmarks.grouped import VARIANT_CASES, describe_config, group_sizes
+    """benchmarks.grouped --variants: its four compute-bound forward rows, and with --tokens/--routings the full
+    suite's contiguous forward rows (here the one-hot ones), each variant planned for its operands (meta tensors:
+    the benchmark's shapes and majors) within the shared memory and the SMs."""
+    import argparse
+
+    from benchmarks.grouped import VARIANT_CASES, describe_config, group_sizes, suite_of
     from nvfly.ops.grouped.api import plan_of
     from nvfly.ops.grouped.plan import forward_variants
     assert [c.name for c in VARIANT_CASES] == ["anchor E64 T15952", "Qwen3 256/expert", "Mixtral 1024/expert",
                                                "Mixtral T4096 hot"]
-    for case in VARIANT_CASES:
+    picked = argparse.Namespace(tokens="512,16384", passes="forward", models="", routings="hot")
+    hot = [c for c in suite_of(picked, argparse.ArgumentParser()) if c.layout == "contiguous"]
+    assert len(hot) == 12 and {c.routing for c in hot} == {"hot"} and {c.gemm_pass for c in hot} == {"forward"}
+    for case in VARIANT_CASES + hot:
         rows = sum(group_sizes(case))
         a = torch.empty(rows, case.k, dtype=torch.bfloat16, device="meta")
         b = torch.empty(case.experts, case.n, case.k, dtype=torch.bfloat16, device="meta").mT

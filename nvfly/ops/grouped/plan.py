@@ -120,13 +120,15 @@ def forward_variants(default: GemmConfig, groups: int, layout: str, b_major: str
     deepest ring, for ``benchmarks.grouped --variants`` and the tests (docs/ops/grouped.md, "Compute-bound rows"):
     the same tile with the TMA-store epilogue (whole rows of a group by TMA, a slice across a group's end through
     registers), with 2-block clusters along M multicasting B ("cluster2") or along N multicasting A ("cluster2n"),
-    each with the TMA store; the 256 x 128 cooperative and the 128 x 128 ping-pong
-    tiles with the TMA store. A variant that does not fit (e.g. no cluster with a K-grouped layout) is left out."""
+    each with the TMA store; the 256 x 128 and 128 x 128 cooperative and the 128 x 128 ping-pong tiles with the TMA
+    store (128 x 128 cooperative: twice the tiles of a 256-wide plan, for rows whose last wave of wide tiles is
+    short, e.g. one-hot routing). A variant that does not fit (e.g. no cluster with a K-grouped layout) is left out."""
     tma = dict(tma_store=True, store_buffers=1)
     variants = {"current": default, "tma-store": replace(default, **tma),
                 "cluster2": replace(default, cluster_m=2, group_m=max(2, default.group_m + default.group_m % 2)),
                 "cluster2n": replace(default, cluster_n=2),
                 "256x128-tma": GemmConfig(256, 128, MAX_STAGES, 2, group_m=8, stream_k=False, **tma),
+                "128x128-tma": GemmConfig(128, 128, MAX_STAGES, 2, group_m=8, stream_k=False, **tma),
                 "pingpong-tma": GemmConfig(128, 128, MAX_STAGES, 2, group_m=8, pingpong=True, stream_k=False, **tma)}
     variants["cluster2-tma"] = replace(variants["cluster2"], **tma)
     variants["cluster2n-tma"] = replace(variants["cluster2n"], **tma)

@@ -71,19 +71,23 @@ def test_op_fake_shapes_and_compile():
 
 
 class _BothOps(torch.nn.Module):
-    def forward(self, q, k, v, qp, kp, vp):
+    def forward(self, q, k, v, qp, kp, vp, mask):
         out, _ = torch.ops.nvfly.attention_decode(q, k, v, causal=False)
         prefilled, _ = torch.ops.nvfly.attention_prefill(qp, kp, vp, causal=True)
-        return out * 2, prefilled + 1
+        masked, _ = torch.ops.nvfly.attention_prefill(qp, kp, vp, mask)
+        return out * 2, prefilled + 1, masked
 
 
 @pytest.mark.slow  # an AOTInductor build: 16-50 s of C++ compiling on the CI machine
 def test_ops_export_and_run_from_an_aoti_package(tmp_path):
-    """AOTInductor: a module calling both attention ops exports (their fakes), compiles into a package and runs from
-    it (the package calls the ops by name: on CPU their references) with the eager module's results."""
+    """AOTInductor: a module calling both attention ops (prefill also with an attn_mask) exports (their fakes),
+    compiles into a package and runs from it (the package calls the ops by name: on CPU their references) with the
+    eager module's results."""
     q, k, v = _decode_inputs(sq=1)
     qp, kp, vp = _prefill_inputs()
-    inputs = (q, k, v, qp, kp, vp)
+    mask = torch.rand(2, 1, 40, 40) > 0.3
+    mask[..., 0] = True
+    inputs = (q, k, v, qp, kp, vp, mask)
     program = torch.export.export(_BothOps(), inputs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's own deprecation warnings while packaging

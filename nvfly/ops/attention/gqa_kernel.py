@@ -42,8 +42,8 @@ from nvfly.ops.attention.gqa_plan import (BLOCK_M, BLOCK_N, FP8_TILE_BYTES, HEAD
                                           Q_BYTES, Q_OFFSET, SWIZZLE)
 from nvfly.ops.attention.mla_plan import unmasked_end
 from nvfly.ops.attention.softmax import LN2, LOG2E, NEG_INF, online_softmax
-from nvfly.ops.attention.wgmma_tiles import (Running, convert_fp8_tile, mask_key_tile, rescaled_plus_pv,
-                                             scale_to_f16, zero_tail_rows)
+from nvfly.ops.attention.wgmma_tiles import (Running, convert_fp8_tile, mask_key_tile, page_and_row,
+                                             rescaled_plus_pv, scale_to_f16, zero_tail_rows)
 
 ZEROED = 1                 # hardware barriers (0 is __syncthreads): consumer c's zeroed V rows before its wgmma: 1 + c
 # fp8 (no ZEROED), over every consumer thread: K's staging tile (and the query tile, on the first) converted before
@@ -206,12 +206,7 @@ def attention_gqa_wgmma_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDes
             loading = sm90.PipelineState.start(STAGES)
             for n in range(begin, end):
                 key = n * BLOCK_N
-                if PLAN.paged:  # the table's load is in flight while the stage frees up
-                    page = block_table[b, key // PLAN.page_size]
-                    row = key % PLAN.page_size
-                else:
-                    page = b
-                    row = key
+                page, row = page_and_row(PLAN, block_table, b, key)
                 pipe.producer_acquire(loading)
                 stage = ring + loading.stage * PLAN.stage_bytes
                 pipe.producer_expect(loading, 0, TILE_BYTES)

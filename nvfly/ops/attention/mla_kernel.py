@@ -39,7 +39,8 @@ from nvfly.ops.attention.mla_plan import (BLOCK_M, BLOCK_N, BOX_BYTES, CONSUMER_
                                           P_OFFSET, PRODUCER_REGS, Q_BYTES, Q_OFFSET, RESCALE_OFFSET, RING_OFFSET,
                                           STAGE_BYTES, STAGES, SWIZZLE, unmasked_end)
 from nvfly.ops.attention.softmax import LN2, NEG_INF, online_softmax, row_of
-from nvfly.ops.attention.wgmma_tiles import Running, mask_key_tile, rescaled_plus_pv, zero_tail_rows
+from nvfly.ops.attention.wgmma_tiles import (Running, mask_key_tile, page_and_row, rescaled_plus_pv,
+                                             zero_tail_rows)
 
 HALF = DV // 2             # O columns of a consumer warpgroup
 CONSUMER_THREADS = 256
@@ -242,12 +243,7 @@ def attention_mla_kernel(q_desc: nvfly.TmaDescriptor, k_desc: nvfly.TmaDescripto
             loading = sm90.PipelineState.start(STAGES)
             for n in range(begin, end):
                 key = n * BLOCK_N
-                if PLAN.paged:  # the table's load is in flight while the stage frees up
-                    page = block_table[b, key // PLAN.page_size]
-                    row = key % PLAN.page_size
-                else:
-                    page = b
-                    row = key
+                page, row = page_and_row(PLAN, block_table, b, key)
                 pipe.producer_acquire(loading)
                 if not PLAN.chunked:
                     pipe.producer_expect(loading)

@@ -1,7 +1,8 @@
 """The key-tile pieces the two wgmma decode kernels share (``mla_kernel``: one latent head, ``gqa_kernel``: a GQA
 group's packed rows): a consumer thread's running state, a tile's masked scores, O's rescale plus P·V, and the
 zeroed tail rows of a V tile; for fp8 caches, an e4m3 tile converted to a 16-bit K-major one and a 16-bit tile
-rescaled to f16 in place. A thread's S/O accumulator elements follow ``softmax.row_of``."""
+rescaled to f16 in place; a key's page and row in a paged cache. A thread's S/O accumulator elements follow
+``softmax.row_of``."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -14,6 +15,14 @@ from nvfly.ops.attention.softmax import NEG_INF, row_of
 
 ROW_BYTES = 128            # a 64-column box's row of 16-bit values: one 128-byte swizzle row
 WARPGROUP = 128
+
+
+def page_and_row(plan: Any, block_table: Any, b: Any, key: Any) -> tuple[Any, Any]:
+    """The TMA coordinates of sequence ``b``'s key ``key`` in the cache: (its page from the block table, the row
+    in that page) for a paged plan, else (``b``, ``key``) of the (B, S, H, D) cache."""
+    if plan.paged:  # the table's load is in flight while the stage frees up
+        return block_table[b, key // plan.page_size], key % plan.page_size
+    return b, key
 
 
 class Running(NamedTuple):

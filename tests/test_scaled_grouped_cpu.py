@@ -280,13 +280,17 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("change,kind,match", BAD, ids=[m for _, _, m in BAD])
-def test_bad_input_names_the_argument(change, kind, match):
+def assert_names_the_argument(args: dict, kind: type, match: str) -> None:
+    """``check_grouped`` of ``args`` raises ``kind`` matching ``match``, and the op the same error naming itself."""
     with pytest.raises(kind, match=match):
-        scaled.check_grouped(**_bad(**change))
-    args = _bad(**change)  # the op says which op it is
+        scaled.check_grouped(**args)
     with pytest.raises(kind, match="^nvfly.ops.scaled.scaled_grouped_mm: " + match.lstrip("^")):
         scaled.scaled_grouped_mm(args["a"], args["b"], args["scale_a"], args["scale_b"], args["offs"])
+
+
+@pytest.mark.parametrize("change,kind,match", BAD, ids=[m for _, _, m in BAD])
+def test_bad_input_names_the_argument(change, kind, match):
+    assert_names_the_argument(_bad(**change), kind, match)
 
 
 def test_k_not_a_multiple_of_128_with_block_scales():

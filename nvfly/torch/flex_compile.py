@@ -118,24 +118,11 @@ def code_callable(kind: str, code: str, buffers: tuple, shift: Optional[Tensor] 
     with _LOCK:
         fn = _CALLABLES.get(key)
         if fn is None:
-            fn = _CALLABLES[key] = _make(kind, _forward(code), len(buffers), shift is not None)
+            forward = _forward(code)
+            fn = _CALLABLES[key] = flex_ops.mod_function(kind, lambda args: _first(forward(None, *args)), len(buffers),
+                                                         shift is not None)
     flex_ops._set_buffers(fn, buffers, shift)
     return fn
-
-
-def _make(kind: str, forward: Callable[..., Any], count: int, shifted: bool) -> Callable[..., Any]:
-    buffer0 = buffer1 = shift = None  # noqa: F841 - the cells; set per call
-
-    if kind == "score":
-        def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's signature
-            row = q_idx - shift[b] if shifted else q_idx
-            return _first(forward(None, score, b, h, row, kv_idx, *(buffer0, buffer1)[:count]))
-        return score_mod
-
-    def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's signature
-        row = q_idx - shift[b] if shifted else q_idx
-        return _first(forward(None, b, h, row, kv_idx, *(buffer0, buffer1)[:count]))
-    return mask_mod
 
 
 # ---------------------------------------------------------------------------------------------- the custom op

@@ -28,6 +28,7 @@ set to the call's tensors under a lock for the duration of the call.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import threading
@@ -250,21 +251,23 @@ _CALLABLES: dict = {}
 CALL_LOCK = threading.RLock()  # held while a call's closure cells hold its buffers
 
 
-def _make_callable(kind: str, gm: torch.fx.GraphModule, count: int, shifted: bool) -> Callable[..., Any]:
-    """A function of the mod's signature interpreting ``gm``; its buffers are the closure cells buffer0/buffer1;
-    ``shifted``: it gives the graph ``q_idx - shift[b]`` (decode's positions back to flex's rows; the cell ``shift``
-    holds a (B,) int32 tensor of Skv - Sq, a kernel input like the buffers)."""
+def mod_function(kind: str, evaluate: Callable[[tuple], Any], count: int, shifted: bool) -> Callable[..., Any]:
+    """A function of the mod's signature (a score_mod when ``kind`` is "score", else a mask_mod) returning
+    ``evaluate`` of its arguments followed by its ``count`` buffers, the closure cells buffer0/buffer1 (set per call:
+    ``_set_buffers``); ``shifted``: ``evaluate`` sees ``q_idx - shift[b]`` (decode's positions back to flex's rows;
+    the cell ``shift`` holds a (B,) int32 tensor of Skv - Sq, a kernel input like the buffers). Eager routing's
+    functions interpret an FX graph (``graph_callable``), the compiled op's run its code (``flex_compile``)."""
     buffer0 = buffer1 = shift = None  # noqa: F841 - the cells; set per call (_set_buffers)
 
     if kind == "score":
         def score_mod(score, b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's signature
             row = q_idx - shift[b] if shifted else q_idx
-            return interpret(gm, (score, b, h, row, kv_idx) + (buffer0, buffer1)[:count])
+            return evaluate((score, b, h, row, kv_idx) + (buffer0, buffer1)[:count])
         return score_mod
 
     def mask_mod(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202 - flex's signature
         row = q_idx - shift[b] if shifted else q_idx
-        return interpret(gm, (b, h, row, kv_idx) + (buffer0, buffer1)[:count])
+        return evaluate((b, h, row, kv_idx) + (buffer0, buffer1)[:count])
     return mask_mod
 
 
@@ -292,7 +295,8 @@ def graph_callable(kind: str, gm: Any, buffers: tuple = (), shift: Any = None) -
     with _FACTORY_LOCK:
         fn = _CALLABLES.get(key)
         if fn is None:
-            fn = _CALLABLES[key] = _make_callable(kind, gm, len(buffers), shift is not None)
+            fn = _CALLABLES[key] = mod_function(kind, functools.partial(interpret, gm), len(buffers),
+                                                shift is not None)
     _set_buffers(fn, buffers, shift)
     return fn
 

@@ -125,7 +125,7 @@ def _check_mask(op: str, q: Tensor, k: Tensor, attn_mask: Optional[Tensor], opti
     cache whose every key takes part), else a TypeError/ValueError naming it."""
     if attn_mask is None:
         return
-    if any(options.get(name) is not None for name in ("cache_seqlens", "block_table")) if options else False:
+    if options and any(options.get(name) is not None for name in ("cache_seqlens", "block_table")):
         raise ValueError(f"nvfly.{op}: attn_mask: takes a contiguous cache without cache_seqlens (SDPA's keys: "
                          "the mask has a column per key)")
     reason = _mask_reason(q.transpose(1, 2), k.transpose(1, 2), attn_mask, False, False)

@@ -324,10 +324,9 @@ class FlexExplanation:
     shape: tuple[int, int, int, int, int, int, int]  # (B, Hq, Hkv, Sq, Skv, Dqk, Dv)
     dtype: torch.dtype
     mods: tuple[str, ...]
+    declined: Optional[str]  # why neither eager routing nor the compiled backend runs it (one rule decides both)
     eager_kernel: str  # the nvfly kernel eager routing runs ("decode" or "prefill")
-    eager_declined: Optional[str]
     compiled_kernel: str  # the kernel nvfly's compiled backend runs ("decode" or "prefill")
-    compiled_declined: Optional[str]
     auto_declined: Optional[str]  # why install()'s auto rule leaves an eligible call to Inductor
     decisions: list[Decision]
 
@@ -335,8 +334,8 @@ class FlexExplanation:
         b, hq, hkv, sq, skv, dqk, dv = self.shape
         return {"shape": {"batch": b, "hq": hq, "hkv": hkv, "sq": sq, "skv": skv, "dqk": dqk, "dv": dv},
                 "dtype": str(self.dtype), "mods": list(self.mods),
-                "eager": {"kernel": self.eager_kernel, "declined": self.eager_declined},
-                "compiled": {"kernel": self.compiled_kernel, "declined": self.compiled_declined,
+                "eager": {"kernel": self.eager_kernel, "declined": self.declined},
+                "compiled": {"kernel": self.compiled_kernel, "declined": self.declined,
                              "auto_declined": self.auto_declined},
                 "decisions": [dataclasses.asdict(d) for d in self.decisions]}
 
@@ -346,15 +345,15 @@ class FlexExplanation:
         lines = [f"flex_attention q ({b}, {hq}, {sq}, {dqk}) k ({b}, {hkv}, {skv}, {dqk}) v ({b}, {hkv}, {skv}, {dv}) "
                  f"{self.dtype}: {mods}"]
         traced = ", the mods traced into it" if self.mods else ""
-        if self.eager_declined:
-            lines.append(f"eager, under nvfly.torch.routing(): torch's flex_attention runs it: {self.eager_declined}")
+        if self.declined:
+            lines.append(f"eager, under nvfly.torch.routing(): torch's flex_attention runs it: {self.declined}")
         else:
             lines.append(f"eager, under nvfly.torch.routing(): nvfly's {self.eager_kernel}{traced} (torch's eager "
                          "flex_attention computes the whole score matrix)")
         compiled = "torch.compile, after nvfly.torch.install():"
         generated = " (the mods' Inductor subgraphs generated into it)" if self.mods else ""
-        if self.compiled_declined:
-            lines.append(f"{compiled} Inductor's flex kernel runs it: {self.compiled_declined}")
+        if self.declined:
+            lines.append(f"{compiled} Inductor's flex kernel runs it: {self.declined}")
         elif self.auto_declined:
             lines.append(f"{compiled} Inductor's flex kernel by default ({self.auto_declined}); "
                          f"kernel_options={{'NVFLY': True}} runs nvfly's {self.compiled_kernel}{generated}")
@@ -402,4 +401,4 @@ def explain_flex(batch: int, hq: int, hkv: int, sq: int, skv: int, dqk: int, dv:
     auto = None if declined else flex_compile.auto_reason(sq, compiled_kernel)
     shape = (batch, hq, hkv, sq, skv, dqk, dv)
     found = [d for d in decisions() if d.op == "flex_attention" and d.shape in (shape, (batch, hq, sq, dqk))]
-    return FlexExplanation(shape, dtype, tuple(mods), eager_kernel, declined, compiled_kernel, declined, auto, found)
+    return FlexExplanation(shape, dtype, tuple(mods), declined, eager_kernel, compiled_kernel, auto, found)

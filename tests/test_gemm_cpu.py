@@ -244,6 +244,9 @@ def test_two_block_clusters_split_narrow_b_tiles():
     with pytest.raises(ValueError, match="cluster_m=2 with bn=112.*MN-major here"):
         gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none", GemmConfig(64, 112, 9, 1, cluster_m=2),
                             False)
+    with pytest.raises(ValueError, match="skip_empty: only the grouped kernel"):  # a grouped kernel's option
+        gemm.plan.make_plan(a.unsqueeze(0), b.unsqueeze(0), False, "none",
+                            GemmConfig(128, 128, 6, 2, skip_empty=True), False)
 
 
 def test_benchmark_reruns_the_rows_under_a_ratio(tmp_path):

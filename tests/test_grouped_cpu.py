@@ -2,6 +2,7 @@
 within its register budget and without spills; the K tail's shared-memory addresses match the wgmma layout; plans,
 argument checks (errors naming the argument), the host offset validation and the float32 reference."""
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from nvfly.ops import grouped
 from nvfly.ops.common.gemm_config import SMEM_LIMIT, GemmConfig
 from nvfly.ops.common.groups import table_bytes
 from nvfly.ops.grouped.kernel import a_tail_offset
-from nvfly.ops.grouped.plan import MAX_GROUPS, fits, make_plan
+from nvfly.ops.grouped.plan import MAX_GROUPS, PINGPONG_TILE, fits, make_plan
 
 VARIANTS = [("contiguous", "none", "K", "K"), ("contiguous", "none", "K", "MN"), ("masked", "none", "MN", "MN"),
             ("masked", "none", "K", "K"), ("masked", "none", "K", "MN"),
@@ -120,6 +121,12 @@ def test_heuristic_tiles():
     assert fused.config.bn == 256 and fused.n == 14336
     few = make_plan("masked", "none", "bf16", 4, "K", "K", 256, 512, 1024, 256, 132)
     assert few.config.bn == 128 and few.grid == 4 * 2 * 4  # an upper bound of 32 tiles: 32 blocks
+    # Mixtral's 1024 rows over 8 experts: ~192 wide tiles (1.5 waves) take the ping-pong tile; 8192 rows (~8
+    # waves) and the masked layout keep the wide one
+    short = make_plan("contiguous", "none", "bf16", 8, "K", "MN", 1024, 4096, 14336, 128, 132)
+    assert replace(short.config, stages=PINGPONG_TILE.stages) == PINGPONG_TILE and short.grid == 132
+    for layout, m, rows in (("contiguous", 8192, 1024), ("masked", 512, 256)):
+        assert make_plan(layout, "none", "bf16", 8, "K", "MN", m, 4096, 14336, rows, 132).config.bn == 256
 
 
 # the forward's candidate tiles (benchmarks.grouped --variants) for the anchor's 64 groups of ~249 rows
@@ -134,7 +141,7 @@ def anchor_variants():
 
 @pytest.mark.sweep(pairs=False)
 @pytest.mark.parametrize("name", ["current", "tma-store", "cluster2", "cluster2-tma", "cluster2n", "cluster2n-tma",
-                                  "256x128-tma", "128x128-tma", "pingpong-tma"])
+                                  "256x128-tma", "128x128-tma", "pingpong-tma", "skip-empty"])
 @pytest.mark.parametrize("variant", [("contiguous", "none", "K", "K"), ("masked", "none", "K", "MN"),
                                      ("contiguous", "silu_mul", "K", "MN")], ids="-".join)
 def test_forward_variants_compile(name, variant):
@@ -159,7 +166,7 @@ def test_forward_variants_plans():
     variants = anchor_variants()
     assert variants["current"] == make_plan(**ANCHOR).config
     assert set(variants) == {"current", "tma-store", "cluster2", "cluster2-tma", "cluster2n", "cluster2n-tma",
-                             "256x128-tma", "128x128-tma", "pingpong-tma"}
+                             "256x128-tma", "128x128-tma", "pingpong-tma", "skip-empty"}
     for name, config in variants.items():
         plan = make_plan(**ANCHOR, config=config)
         cluster = config.cluster_m * config.cluster_n
@@ -250,6 +257,10 @@ def test_configs_are_checked():
         make_plan("contiguous", "silu_mul", "bf16", 8, "K", "K", 1024, 1024, 1024, 128, 132,
                   GemmConfig(128, 256, 4, 2, cluster_m=2, stream_k=False))
     assert fits(GemmConfig(128, 256, 4, 2, stream_k=False), 8, "contiguous", "K") is None
+    skip = GemmConfig(128, 256, 4, 2, stream_k=False, skip_empty=True)
+    assert fits(skip, 8, "masked", "K") is None
+    assert "skip_empty" in fits(skip, 8, "kgrouped", "MN")
+    assert "skip_empty" in fits(GemmConfig(128, 128, 6, 2, pingpong=True, skip_empty=True), 8, "contiguous", "K")
     # the table costs shared memory: a ring that just fits the GEMM may not fit 1024 groups' table
     full = GemmConfig(128, 128, 7, 2)
     assert full.check(2) is None
@@ -576,13 +587,13 @@ def _full_suite_kernels() -> dict:
 
 def test_benchmark_full_suite_plans():
     """Every full-suite row is one nvfly runs: its operands (the input gradient's weights N-contiguous included)
-    pass the checks and its plan fits; 31 kernels in all (``test_benchmark_full_suite_compiles`` builds them)."""
-    assert len(_full_suite_kernels()) == 31
+    pass the checks and its plan fits; 33 kernels in all (``test_benchmark_full_suite_compiles`` builds them)."""
+    assert len(_full_suite_kernels()) == 33
 
 
 @pytest.mark.slow
 def test_benchmark_full_suite_compiles():
-    """The full suite's 31 kernels compile without spills or ptxas warnings (~40 s)."""
+    """The full suite's 33 kernels compile without spills or ptxas warnings (~40 s)."""
     for (config, groups, layout, a_major, b_major, fuse), name in _full_suite_kernels().items():
         (k,) = grouped.compile_variants([(layout, fuse, a_major, b_major)], config=config, groups=groups)
         check_kernel(k, "HGMMA.64x")

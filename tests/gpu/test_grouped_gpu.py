@@ -60,7 +60,7 @@ def test_contiguous_forward(hopper, sizes, b_major, config):
 
 # the forward's candidate tiles (plan.forward_variants, benchmarks.grouped --variants) around the prefill tile
 FORWARD_VARIANTS = ["current", "tma-store", "cluster2", "cluster2-tma", "cluster2n", "cluster2n-tma", "256x128-tma",
-                    "pingpong-tma"]
+                    "pingpong-tma", "skip-empty"]
 
 
 def forward_variant(name, groups, layout="contiguous", b_major="K"):
@@ -110,7 +110,8 @@ def test_forward_variants_masked(hopper, b_major, name):
     check_masked(b_major, forward_variant(name, MASKED_EXPERTS, "masked", b_major))
 
 
-@pytest.mark.parametrize("name", ["tma-store", "256x128-tma", "pingpong-tma", "cluster2n", "cluster2n-tma"])
+@pytest.mark.parametrize("name", ["tma-store", "256x128-tma", "pingpong-tma", "cluster2n", "cluster2n-tma",
+                                  "skip-empty"])
 def test_forward_variants_fused_and_fallbacks(hopper, name):
     """The TMA-store and N-cluster variants on the fused gate/up tile (the output tile's staging geometry, A
     multicast), and where the output takes the register epilogue instead: rows of 540 bytes (no TMA descriptor) and

@@ -73,7 +73,10 @@ class GemmConfig(StagedStore):
     kernel's contiguous and masked layouts only: a cluster of a group's tile row never holds another group's rows;
     at most one of cluster_m and cluster_n above 1); store_tiles: the TMA-store epilogue stages the slices of this
     many tiles per consumer, rotating through them across tiles (a slice waits only for the store of the slice
-    store_tiles tiles back; the kernel passes its tile count: the K-grouped weight gradient's, ``stage_tile``).
+    store_tiles tiles back; the kernel passes its tile count: the K-grouped weight gradient's, ``stage_tile``);
+    skip_empty: a consumer whose rows of a tile all lie past its group's end (a group's last, partial tile row)
+    waits for and releases the tile's stages without its wgmmas or stores (the grouped kernel's ragged layouts,
+    cooperative tiles only).
     """
     bm: int = 128
     bn: int = 256
@@ -90,9 +93,10 @@ class GemmConfig(StagedStore):
     stream_b: bool = False
     cluster_n: int = 1
     store_tiles: int = 1
+    skip_empty: bool = False
     # fields named (repr, config strings) only where not their default: the configs before them keep their names
     # (test ids, recorded results, autotuning records)
-    LATE_FIELDS: ClassVar[tuple[str, ...]] = ("store_tiles",)
+    LATE_FIELDS: ClassVar[tuple[str, ...]] = ("store_tiles", "skip_empty")
 
     def __repr__(self) -> str:
         shown = [f for f in fields(self) if f.name not in self.LATE_FIELDS or getattr(self, f.name) != f.default]

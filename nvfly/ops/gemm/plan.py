@@ -387,6 +387,8 @@ def make_plan(a3: torch.Tensor, b3: torch.Tensor, has_c: bool, activation: str, 
         raise ValueError(f"config: {why} (B is {b_major}-major here)")
     if config.cluster_n != 1:
         raise ValueError("config: the dense GEMM runs clusters along M only (cluster_m), not cluster_n")
+    if config.skip_empty:
+        raise ValueError("config: skip_empty: only the grouped kernel's tiles cross a group's end")
     # 4. the persistent launch: whole tiles, or a stream-K tail dealt out over the blocks
     cm = config.cluster_m
     schedule = grid_schedule(m, n, k_tiles, config.bm, config.bn, sms=sms, batches=batches, group_m=config.group_m,

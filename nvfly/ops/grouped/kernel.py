@@ -21,21 +21,22 @@ device sizes (a block scan over the groups, each thread summing a few), and the 
 bound on the tiles (blocks past the real count exit). Group sizes are clamped to [0, rows] on the device, so even
 invalid offsets never read or write out of bounds.
 
-Warpgroup 0 produces (one thread keeps the TMA ring full), the others consume cooperatively (each owns
-BM / consumers rows of a tile; the mainloop is nvfly.ops.common.mainloop's, as in the dense and scaled GEMMs) or,
-with ``CFG.pingpong``, take whole tiles in turn; they store through registers with masks
+Warpgroup 0 produces (one thread keeps the TMA ring full), the others consume cooperatively (each owns BM /
+consumers rows of a tile; the mainloop is nvfly.ops.common.mainloop's, as in the dense and scaled GEMMs) or, with
+``CFG.pingpong``, take whole tiles in turn; they store through registers with masks
 (``nvfly.ops.common.epilogue.store_tile``) or, with ``CFG.tma_store``, through shared memory and TMA
-(``stage_tile``): in the ragged layouts a consumer's rows that lie inside their group go by TMA (which clips N),
-a slice that crosses the group's end through registers with masks (TMA would write the next group's rows). With
-``CFG.cluster_m`` 2 (contiguous and masked layouts, not fused) two blocks take tile rows 2i and 2i + 1 of one
-group's cluster row and multicast each half of the shared B tile to both (the dense GEMM's cluster); the group
-table then counts cluster rows, and a group's last cluster row may hold a tile row past its end, computed and
-not stored. With ``CFG.cluster_n`` 2 (contiguous and masked, fused too) two blocks take tile columns 2j and
-2j + 1 of one tile row and multicast each half of the shared A tile (the group's rows) to both; a last cluster
-column past N is computed and not stored. ``FUSE`` "silu_mul" is the fused
-gate/up projection: B holds the gate columns [0, I) then the up columns [I, 2I); a BN-wide B tile takes BN/2 gate
-and the same BN/2 up columns, so each thread holds gate and up of its output columns, and the epilogue stores
-silu(gate) * up, I columns wide.
+(``stage_tile``): in the ragged layouts a consumer's rows that lie inside their group go by TMA (which clips N), a
+slice that crosses the group's end through registers with masks (TMA would write the next group's rows); with
+``CFG.skip_empty`` a consumer whose rows of a tile all lie past its group's end waits for and releases the tile's
+stages without its wgmmas (``skip_k_blocks``). With ``CFG.cluster_m`` 2 (contiguous and masked layouts, not fused)
+two blocks take tile rows 2i and 2i + 1 of one group's cluster row and multicast each half of the shared B tile to
+both (the dense GEMM's cluster); the group table then counts cluster rows, and a group's last cluster row may hold a
+tile row past its end, computed and not stored. With ``CFG.cluster_n`` 2 (contiguous and masked, fused too) two
+blocks take tile columns 2j and 2j + 1 of one tile row and multicast each half of the shared A tile (the group's
+rows) to both; a last cluster column past N is computed and not stored. ``FUSE`` "silu_mul" is the fused gate/up
+projection: B holds the gate columns [0, I) then the up columns [I, 2I); a BN-wide B tile takes BN/2 gate and the
+same BN/2 up columns, so each thread holds gate and up of its output columns, and the epilogue stores silu(gate) *
+up, I columns wide.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ from nvfly.arch.ptx import smem_address
 from nvfly.ops.common.epilogue import activate, check_store_descriptor, stage_tile, store_tile
 from nvfly.ops.common.gemm_config import BARRIER_BYTES, CONSUMER_REGS, PRODUCER_REGS, STORE_BARRIER, Epilogue
 from nvfly.ops.common.groups import clamped_range, fill_group_table, group_rows_end, group_table, group_work
-from nvfly.ops.common.mainloop import consume_k_blocks, fill_stage, init_ring, issue_k_block, load_boxes
+from nvfly.ops.common.mainloop import (consume_k_blocks, fill_stage, init_ring, issue_k_block, load_boxes,
+                                       skip_k_blocks)
 from nvfly.ops.common.scheduler import Tiling, persistent_units, unit_work
 
 LAYOUTS = ("contiguous", "masked", "kgrouped")
@@ -178,48 +180,62 @@ def grouped_kernel(a_desc: nvfly.TmaDescriptor, b_desc: nvfly.TmaDescriptor, out
                     nvfly.named_barrier(2 + consumer, 256)  # wait until the other consumer issued its wgmmas
                 turn = turn + 1
 
-            def k_block(accs, stage, state, kt, first):
-                if LAYOUT == "kgrouped":
-                    clear_k_tail(ring, state.stage * STAGE_BYTES, offs, g, k, k_base, kt, consumer, a_part,
-                                 warp_in_wg * 32 + lane, WG_M, BK, A_SW, size, GROUPS)
-                return issue_k_block(atom, accs, stage, a_layout, b_layout, a_part, (a_lbo, a_sbo, A_SW),
-                                     (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, first)
-
-            accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
-            # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them;
-            # ping-pong: once this tile's wgmmas are issued, it is the other consumer's turn to issue
-            accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, 0, blocks, lane, accs, k_block, CS,
-                                           (lambda: nvfly.named_barrier_arrive(3 - consumer, 256)) if PINGPONG
-                                           else None)
-            if PINGPONG:  # skip the other consumer's next tile
-                state = state.advance_by(tile_blocks(tile + tile_step, num_units, tiles, offs, m, k, k_tiles, BM, BK,
-                                                     LAYOUT, GROUPS, TILING))
             tile_row = row_base + a_part * WG_M  # the consumer's first output row
-            row0 = tile_row + warp_in_wg * 16 + lane // 4
-            col0 = tn * OUT_BN + 2 * (lane % 4)
-            batch = 0 if LAYOUT == "contiguous" else g
-            values = silu_mul(accs, ATOMS_M, BN) if FUSED else accs
-            if TMA_STORE:
-                own = staging + consumer * (CFG.staging_bytes() // WGS)
-                if RAGGED:
-                    # rows inside the group: TMA (clips N); a slice across the group's end (it would write the
-                    # next group's rows) or past it (a cluster's padding row): registers, masked
-                    if tile_row + WG_M <= row_end:
-                        stage_tile(out_desc, None, values, own, batch, tile_row, tn * OUT_BN, row0, col0, m, n,
-                                   1.0, 0.0, consumer, warp_in_wg, lane, OUT_CFG, ATOMS_M, Epilogue(), OUT_BATCHED,
-                                   False)
-                    else:
-                        store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M,
-                                   Epilogue(), False)
-                else:  # kgrouped: TMA clips the tile at M and N (every tile is staged: store_tiles may rotate)
-                    stage_tile(out_desc, None, values, own, batch, tile_row, tn * OUT_BN, row0, col0, m, n, 1.0,
-                               0.0, consumer, warp_in_wg, lane, OUT_CFG, ATOMS_M, Epilogue(), OUT_BATCHED, False, staged)
-                    if staged is not None:
-                        staged = staged + 1
+
+            def own_tile(state, staged):
+                # the consumer's share of the tile: its mainloop, then the epilogue of its rows
+                def k_block(accs, stage, state, kt, first):
+                    if LAYOUT == "kgrouped":
+                        clear_k_tail(ring, state.stage * STAGE_BYTES, offs, g, k, k_base, kt, consumer, a_part,
+                                     warp_in_wg * 32 + lane, WG_M, BK, A_SW, size, GROUPS)
+                    return issue_k_block(atom, accs, stage, a_layout, b_layout, a_part, (a_lbo, a_sbo, A_SW),
+                                         (b_lbo, b_sbo, B_SW), A_BYTES, WG_M, BK, size, first)
+
+                accs = [sm90.Accumulator.undefined(atom) for _ in range(ATOMS_M)]
+                # the first k-block starts the accumulators (scale-d 0): no instruction but wgmma writes them;
+                # ping-pong: once this tile's wgmmas are issued, it is the other consumer's turn to issue
+                accs, state = consume_k_blocks(pipe, state, ring, STAGE_BYTES, 0, blocks, lane, accs, k_block, CS,
+                                               (lambda: nvfly.named_barrier_arrive(3 - consumer, 256)) if PINGPONG
+                                               else None)
+                if PINGPONG:  # skip the other consumer's next tile
+                    state = state.advance_by(tile_blocks(tile + tile_step, num_units, tiles, offs, m, k, k_tiles, BM,
+                                                         BK, LAYOUT, GROUPS, TILING))
+                row0 = tile_row + warp_in_wg * 16 + lane // 4
+                col0 = tn * OUT_BN + 2 * (lane % 4)
+                batch = 0 if LAYOUT == "contiguous" else g
+                values = silu_mul(accs, ATOMS_M, BN) if FUSED else accs
+                if TMA_STORE:
+                    own = staging + consumer * (CFG.staging_bytes() // WGS)
+                    if RAGGED:
+                        # rows inside the group: TMA (clips N); a slice across the group's end (it would write the
+                        # next group's rows) or past it (a cluster's padding row): registers, masked
+                        if tile_row + WG_M <= row_end:
+                            stage_tile(out_desc, None, values, own, batch, tile_row, tn * OUT_BN, row0, col0, m, n,
+                                       1.0, 0.0, consumer, warp_in_wg, lane, OUT_CFG, ATOMS_M, Epilogue(), OUT_BATCHED,
+                                       False)
+                        else:
+                            store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M,
+                                       Epilogue(), False)
+                    else:  # kgrouped: TMA clips the tile at M and N (every tile is staged: store_tiles may rotate)
+                        stage_tile(out_desc, None, values, own, batch, tile_row, tn * OUT_BN, row0, col0, m, n, 1.0,
+                                   0.0, consumer, warp_in_wg, lane, OUT_CFG, ATOMS_M, Epilogue(), OUT_BATCHED, False,
+                                   staged)
+                        if staged is not None:
+                            staged = staged + 1
+                else:
+                    inside = (row_base + (a_part + 1) * WG_M <= row_end) & (tn * OUT_BN + OUT_BN <= n)
+                    store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M, Epilogue(),
+                               inside)
+                return state, staged
+
+            if CFG.skip_empty:
+                # a group's last tile row ending in the first consumer's rows: the second skips its wgmmas
+                if tile_row < row_end:
+                    state = own_tile(state, staged)[0]
+                else:
+                    state = skip_k_blocks(pipe, state, 0, blocks, lane, CS)
             else:
-                inside = (row_base + (a_part + 1) * WG_M <= row_end) & (tn * OUT_BN + OUT_BN <= n)
-                store_tile(out, None, values, batch, row0, col0, row_end, n, 1.0, 0.0, OUT_BN, ATOMS_M, Epilogue(),
-                           inside)
+                state, staged = own_tile(state, staged)
         if TMA_STORE:
             if (warp_in_wg == 0) & (lane == 0):
                 sm90.tma_store_wait(0, read_only=False)  # the block's shared memory outlives its last stores

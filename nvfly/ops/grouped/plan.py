@@ -5,8 +5,10 @@ The heuristic picks the tile from the rows a group has on average (the kernel ca
 sync): up to ``SMALL_GROUP_ROWS`` (decode: each weight is streamed once, memory-bound) a 64-row tile on one
 consumer warpgroup, 128 columns wide, with the deepest ring that fits (bytes in flight per SM); more rows take the
 GEMM's cooperative 128-row tile on two consumers, 256 columns wide when that still gives every SM a tile, else
-128. The measurements behind it: docs/ops/grouped.md. ``forward_variants`` names the forward's candidate tiles
-next to the heuristic's (TMA store, clusters, other tile shapes) for the benchmark that decides between them.
+128; in the contiguous layout, where the wide tiles would make between one and two waves (the second part-empty),
+the 128 x 128 ping-pong tile. The measurements behind it: docs/ops/grouped.md. ``forward_variants`` names the
+forward's candidate tiles next to the heuristic's (TMA store, clusters, other tile shapes) for the benchmark that
+decides between them.
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ from nvfly.ops.grouped.kernel import FUSES, LAYOUTS
 MAX_GROUPS = 1024       # the group table lives in shared memory (torch's limit too)
 SMALL_GROUP_ROWS = 64   # at most this many rows a group on average: the 64-row tile (see above)
 MAX_STAGES = 12
-# the weight gradient's tile (K-grouped, 16-bit out): ping-pong 128 x 128 tiles with the TMA-store epilogue
-KGROUPED_TILE = GemmConfig(128, 128, MAX_STAGES, 2, group_m=8, pingpong=True, tma_store=True, store_buffers=1,
+# ping-pong 128 x 128 tiles with the TMA-store epilogue: the weight gradient's (K-grouped, 16-bit out), and the
+# forward's where wide tiles would leave a part-empty second wave (heuristic_config)
+PINGPONG_TILE = GemmConfig(128, 128, MAX_STAGES, 2, group_m=8, pingpong=True, tma_store=True, store_buffers=1,
                            stream_k=False)
+KGROUPED_TILE = PINGPONG_TILE
 # the K-grouped tile before KGROUPED_TILE (cooperative 128 x 256, register epilogue): benchmarks compare both
 KGROUPED_COOPERATIVE = GemmConfig(128, 256, MAX_STAGES, 2, group_m=8, stream_k=False)
 # few tokens a group (a k-block a tile: the kernel is the output's write): cooperative 128 x 256 with the whole tile
@@ -77,6 +81,8 @@ def fits(cfg: GemmConfig, groups: int, layout: str, b_major: str, itemsize: int 
         return "clusters run in the contiguous and masked layouts (the K-grouped tiles take none)"
     if cfg.store_tiles != 1 and layout != "kgrouped":
         return "store_tiles: the K-grouped layout's (the ragged ones store a tile across a group's end by registers)"
+    if cfg.skip_empty and (layout == "kgrouped" or cfg.pingpong):
+        return "skip_empty: the cooperative tiles of the ragged layouts (a ping-pong consumer owns a whole tile)"
     table = table_bytes(groups) if layout != "kgrouped" else 0
     if cfg.smem_bytes(itemsize) + table > SMEM_LIMIT:
         return f"{cfg.smem_bytes(itemsize) + table} bytes of shared memory exceed {SMEM_LIMIT}"
@@ -122,16 +128,19 @@ def forward_variants(default: GemmConfig, groups: int, layout: str, b_major: str
     registers), with 2-block clusters along M multicasting B ("cluster2") or along N multicasting A ("cluster2n"),
     each with the TMA store; the 256 x 128 and 128 x 128 cooperative and the 128 x 128 ping-pong tiles with the TMA
     store (128 x 128 cooperative: twice the tiles of a 256-wide plan, for rows whose last wave of wide tiles is
-    short, e.g. one-hot routing). A variant that does not fit (e.g. no cluster with a K-grouped layout) is left out."""
+    short, e.g. one-hot routing); the TMA-store tile whose second consumer skips a group's last tile row when the
+    group ends in the first's rows ("skip-empty", cooperative tiles). A variant that does not fit (e.g. no cluster
+    with a K-grouped layout) is left out."""
     tma = dict(tma_store=True, store_buffers=1)
     variants = {"current": default, "tma-store": replace(default, **tma),
                 "cluster2": replace(default, cluster_m=2, group_m=max(2, default.group_m + default.group_m % 2)),
                 "cluster2n": replace(default, cluster_n=2),
                 "256x128-tma": GemmConfig(256, 128, MAX_STAGES, 2, group_m=8, stream_k=False, **tma),
                 "128x128-tma": GemmConfig(128, 128, MAX_STAGES, 2, group_m=8, stream_k=False, **tma),
-                "pingpong-tma": GemmConfig(128, 128, MAX_STAGES, 2, group_m=8, pingpong=True, stream_k=False, **tma)}
+                "pingpong-tma": PINGPONG_TILE}
     variants["cluster2-tma"] = replace(variants["cluster2"], **tma)
     variants["cluster2n-tma"] = replace(variants["cluster2n"], **tma)
+    variants["skip-empty"] = replace(variants["tma-store"], skip_empty=True)
     fitting = {}
     for name, cfg in variants.items():
         for stages in range(min(cfg.stages if name == "current" else MAX_STAGES, MAX_STAGES), 1, -1):
@@ -161,6 +170,13 @@ def heuristic_config(rows_per_group: float, row_tiles_128: int, n: int, groups: 
         # torch._grouped_mm, min 0.99x; docs/ops/grouped.md); the fused tile's was not measured: registers
         cfg = GemmConfig(128, 256 if wide else 128, MAX_STAGES, 2, group_m=8, stream_k=False,
                          tma_store=not fused, store_buffers=1)
+        # a ragged group's last tile row is part-full: on average half a tile row a group more than the tokens'
+        expected_tiles = (row_tiles_128 - groups / 2) * math.ceil(n / 256)
+        if wide and not fused and layout == "contiguous" and sms <= expected_tiles < 2 * sms:
+            # between one and two waves of wide tiles the second runs part-empty (one-hot routing: 0.84x torch);
+            # the 128 x 128 ping-pong tile's twice as many fill theirs (1.01x; 0.97x the wide tile's speed when
+            # waves are full)
+            cfg = PINGPONG_TILE
     return deepest(cfg, groups, layout, b_major, itemsize)
 
 

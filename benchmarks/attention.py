@@ -12,7 +12,8 @@ gives nvfly the window as a flex BlockMask (its empty blocks not read; TB/s on t
 every column) and flex the window's mask_mod. ``--fp8`` adds each row's shape with fp8 (e4m3) K/V caches and
 per-head scales (``kv`` = "fp8"; nvfly only, no peer takes fp8 caches; TB/s on the bytes moved, K/V at 1 byte).
 Usage: python benchmarks/attention.py --decode [--quick] [--sq 1 4 8] [--layouts ...] [--models ...] [--no-mods]
-[--no-flex] [--fp8] [--name NAME]; paged layouts run at Sq = 1.
+[--no-flex] [--fp8] [--name NAME]; paged layouts run at Sq = 1; ``--layouts bhsd`` (not a default row) keeps the
+cache heads-first, as the compiled flex op and SDPA's route bind it.
 Writes benchmarks/results/attention_decode_h200.json and .png.
 ``--decode-variants NAME ...`` also times (after checking) nvfly with each named plan variant of
 ``api.DECODE_VARIANTS`` beside the default, in turn (three rounds, medians: ``nvfly_<variant>_ms``/``_tbs``/``_err``,
@@ -103,7 +104,10 @@ SUITE = [("llama8b", 1, 131072, 32, 8, 128), ("llama8b", 32, 4096, 32, 8, 128), 
          ("minimax", 64, 8192, 48, 8, 128)]
 QUICK = [(("llama8b", 1, 131072, 32, 8, 128), 1, "bshd"), (("minimax", 16, 32768, 48, 8, 128), 1, "bshd"),
          (("minimax", 16, 32768, 48, 8, 128), 4, "bshd"), (("llama8b", 32, 4096, 32, 8, 128), 1, "paged16")]
-LAYOUTS = ("bshd", "paged16", "paged64")
+LAYOUTS = ("bshd", "paged16", "paged64")  # the default rows
+# "bhsd": the contiguous cache in heads-first memory ((B, H, S, D), as flex and SDPA hold it) passed as decode's
+# (B, S, H, D) view: what the compiled flex op and SDPA's route bind (``attention.bound_decode(heads_first=True)``)
+LAYOUT_CHOICES = LAYOUTS + ("bhsd",)
 MOD_SHAPE = ("llama8b", 16, 8192, 32, 8, 128)
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 
@@ -214,7 +218,7 @@ def plan_of(shape: tuple, sq: int, layout: str, kv: str, options: dict[str, Any]
             ) -> dict[str, Any]:
     """The decode plan's choices for a row (every sequence the whole cache) under plan options ``options``."""
     name, batch, skv, hq, hkv, d = shape
-    page = 0 if layout == "bshd" else int(layout[len("paged"):])
+    page = int(layout[len("paged"):]) if layout.startswith("paged") else 0
     with attention_api.plan_options(**options):
         wgmma, wide = attention_api.wgmma_choice(attention_api.current_plan_options(), sq, hq // hkv, kv == "fp8")
     options = {key: value for key, value in options.items() if key not in ("wgmma", "wgmma_wide")}
@@ -255,7 +259,9 @@ def run_row(shape: tuple, sq: int, layout: str, mod: str, with_flex: bool, kv: s
     if kv == "fp8":
         scales = torch.rand(2, hkv, device="cuda") + 0.5
         mods = {**mods, "k_scale": scales[0], "v_scale": scales[1]}
-    nk, nv, table = (k, v, None) if layout == "bshd" else paged(k, v, int(layout[len("paged"):]))
+    if layout == "bhsd":  # the same values in heads-first memory, as decode's (B, S, H, D) view
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    nk, nv, table = paged(k, v, int(layout[len("paged"):])) if layout.startswith("paged") else (k, v, None)
     out = attention.decode(q, nk, nv, block_table=table, **mods)
     want, _ = attention.reference(q, nk, nv, block_table=table, **mods)
     err = rel_err(out.float(), want)
@@ -815,7 +821,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "block-mask rows; prefill: five shapes (D 128 at 4K, 8K, 16K, D 64 at 2K, GQA 64/8 16K), "
                         "each non-causal and causal, and the four mod rows (flex timed on those only)")
     p.add_argument("--sq", type=int, nargs="*", default=[1, 4, 8], help="query tokens of the suite's rows")
-    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUTS)
+    p.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=LAYOUT_CHOICES)
     p.add_argument("--models", nargs="*", default=None, choices=sorted({shape[0] for shape in SUITE}),
                    help="only these rows of the suite (the whole suite takes over 10 minutes with flex)")
     p.add_argument("--prefill-models", nargs="*", default=None,
@@ -869,7 +875,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cases += [(MOD_SHAPE, 1, "bshd", "softcap50"), (MOD_SHAPE, 1, "bshd", "window4096-blockmask")]
     else:
         cases = [(shape, sq, layout, "none") for shape in SUITE for sq in args.sq for layout in args.layouts
-                 if (layout == "bshd" or sq == 1) and (args.models is None or shape[0] in args.models)]
+                 if (not layout.startswith("paged") or sq == 1) and (args.models is None or shape[0] in args.models)]
         if args.mods:
             cases += [(MOD_SHAPE, 1, "bshd", mod) for mod in make_mods(MOD_SHAPE[3])]
     import torch._dynamo

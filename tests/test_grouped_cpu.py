@@ -414,6 +414,11 @@ def test_explain_covers_grouped_mm():
     from nvfly.torch.grouped_ops import explain_grouped
     text = explain_grouped(64, 16384, 2048, 7168)
     assert "nvfly runs: grouped contiguous: 128x256 tile on 2 consumers" in text
+    assert "(256 rows a group: compute tiles, 256 output columns wide)" in text  # why the heuristic took it
+    assert "1-2 waves on 132 SMs" in explain_grouped(8, 1024, 4096, 14336)  # the wave rule's ping-pong tile
+    assert "<= 64: memory-bound" in explain_grouped(256, 4096, 4096, 7168)
+    # the weight gradient of 64 tokens top-8 over 256 experts: 2 tokens a group, the wide staged tile (as it runs)
+    assert grouped.describe("kgrouped", 256, 7168, 4096, 512).startswith("grouped kgrouped: 128x256 tile")
     assert "nvfly declines: fuse" in explain_grouped(8, 512, 256, 1024, layout="kgrouped", fuse="silu_mul")
     assert "A MN-major, B MN-major" in explain_grouped(8, 512, 256, 1024, layout="kgrouped", b_major="MN")
     assert "nvfly declines: a_major/b_major" in explain_grouped(8, 512, 256, 1024, layout="kgrouped", b_major="K")

@@ -256,7 +256,7 @@ def explain_grouped(groups: int, m: int, n: int, k: int, *, layout: str = "conti
              f"B {b_major}-major (bf16)"]
     try:
         lines.append("  nvfly runs: " + grouped.describe(layout, groups, m, n, k, fuse=fuse, b_major=b_major,
-                                                          rows_per_group=rows_per_group))
+                                                          rows_per_group=rows_per_group, reason=True))
     except (TypeError, ValueError) as exc:
         lines.append(f"  nvfly declines: {exc}")
     lines.append("  routed: torch._grouped_mm / F.grouped_mm under nvfly.torch.routing() (no bias, out_dtype None "

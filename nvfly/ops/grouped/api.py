@@ -371,9 +371,10 @@ def grouped_mm_masked(a: torch.Tensor, b: torch.Tensor, counts: torch.Tensor, *,
 
 
 def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "none", b_major: str = "MN",
-             rows_per_group: Optional[float] = None) -> str:
+             rows_per_group: Optional[float] = None, reason: bool = False) -> str:
     """What ``grouped_mm`` (``grouped_mm_masked`` for "masked") runs on densely packed bf16 operands (A K-major,
-    "kgrouped" MN-major; B ``b_major``), planned for an H100/H200 (132 SMs; no GPU needed): the tile, ring and launch."""
+    "kgrouped" MN-major; B ``b_major``), planned for an H100/H200 (132 SMs; no GPU needed): the tile, ring and launch;
+    with ``reason``, then why the heuristic took that tile (``GroupedPlan.why``), in parentheses."""
     if layout == "contiguous":
         a = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
         b = torch.empty(groups, k, 2 * n if fuse != "none" else n, dtype=torch.bfloat16, device="meta")
@@ -385,7 +386,7 @@ def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "n
     else:  # the weight gradient's x.mT (M-contiguous) and dy
         a = torch.empty(k, m, dtype=torch.bfloat16, device="meta").mT
         b = torch.empty(k, n, dtype=torch.bfloat16, device="meta")
-        rows = m
+        rows = k / groups  # a group's K range: its tokens (as plan_of)
     if b_major == "K":
         b = b.mT.contiguous().mT
     shape = (m, n) if layout == "contiguous" else (groups, m, n)
@@ -397,7 +398,7 @@ def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "n
             f"{'ping-pong ' if cfg.pingpong else ''}consumer{'s' if cfg.consumers > 1 else ''}, {cfg.stages} stages"
             f"{', TMA-store epilogue' if cfg.tma_store else ''}"
             f"{clusters}, up to {plan.grid} blocks, "
-            f"A {plan.a_major}-major, B {plan.b_major}-major")
+            f"A {plan.a_major}-major, B {plan.b_major}-major" + (f" ({plan.why})" if reason else ""))
 
 
 def reference(a: torch.Tensor, b: torch.Tensor, offs: Optional[torch.Tensor] = None, *, fuse: str = "none",

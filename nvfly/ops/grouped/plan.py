@@ -63,6 +63,7 @@ class GroupedPlan:
 
     store_box: Optional[tuple] = None  # the TMA-store epilogue's output box and swizzle (config.tma_store)
     store_swizzle: int = 0
+    why: str = "the caller's config"  # the heuristic's reason for its tile (``heuristic_config``)
 
     @property
     def smem_bytes(self) -> int:
@@ -151,18 +152,24 @@ def forward_variants(default: GemmConfig, groups: int, layout: str, b_major: str
 
 
 def heuristic_config(rows_per_group: float, row_tiles_128: int, n: int, groups: int, layout: str, b_major: str,
-                     fused: bool, sms: int, itemsize: int = 2) -> GemmConfig:
-    """The tile of a grouped problem (see the module doc): ``rows_per_group`` on average (K-grouped: the tokens a
-    group's K range has), ``row_tiles_128`` an
-    estimate of the 128-row tile rows of all groups, ``n`` output columns (silu_mul: I, the tile loads twice as
-    many B columns)."""
+                     fused: bool, sms: int, itemsize: int = 2) -> tuple[GemmConfig, str]:
+    """The tile of a grouped problem (see the module doc) and why, in a line: ``rows_per_group`` on average
+    (K-grouped: the tokens a group's K range has), ``row_tiles_128`` an estimate of the 128-row tile rows of all
+    groups, ``n`` output columns (silu_mul: I, the tile loads twice as many B columns)."""
+    rows = f"{rows_per_group:g} rows a group"
     if layout == "kgrouped":
         # a group's K is its tokens (~T·k/E, a few k-blocks), so a tile's epilogue weighs like its mainloop:
         # ping-pong hides it under the other consumer's mainloop, TMA stores drain it asynchronously; with a k-block
         # or less a tile the stores are the whole kernel: half the tiles, each staged whole, store faster
-        cfg = KGROUPED_WIDE_TILE if rows_per_group <= KGROUPED_FEW_TOKENS else KGROUPED_TILE
+        if rows_per_group <= KGROUPED_FEW_TOKENS:
+            cfg, why = KGROUPED_WIDE_TILE, (f"{rows_per_group:g} tokens a group <= {KGROUPED_FEW_TOKENS}: the "
+                                             "gradient's write is the kernel, half the tiles each staged whole")
+        else:
+            cfg, why = KGROUPED_TILE, (f"{rows_per_group:g} tokens a group: a few k-blocks a tile, the epilogue "
+                                       "under the other consumer's mainloop")
     elif rows_per_group <= SMALL_GROUP_ROWS:
         cfg = GemmConfig(64, 128, MAX_STAGES, 1, group_m=8, stream_k=False)
+        why = f"{rows} <= {SMALL_GROUP_ROWS}: memory-bound, each weight streamed once with the deepest ring"
     else:
         out_width = 128 if fused else 256
         wide = row_tiles_128 * math.ceil(n / out_width) >= sms
@@ -170,6 +177,8 @@ def heuristic_config(rows_per_group: float, row_tiles_128: int, n: int, groups: 
         # torch._grouped_mm, min 0.99x; docs/ops/grouped.md); the fused tile's was not measured: registers
         cfg = GemmConfig(128, 256 if wide else 128, MAX_STAGES, 2, group_m=8, stream_k=False,
                          tma_store=not fused, store_buffers=1)
+        why = (f"{rows}: compute tiles, {out_width} output columns wide" if wide else
+               f"{rows}: 128 columns wide, fewer {out_width}-wide tiles than SMs")
         # a ragged group's last tile row is part-full: on average half a tile row a group more than the tokens'
         expected_tiles = (row_tiles_128 - groups / 2) * math.ceil(n / 256)
         if wide and not fused and layout == "contiguous" and sms <= expected_tiles < 2 * sms:
@@ -177,7 +186,9 @@ def heuristic_config(rows_per_group: float, row_tiles_128: int, n: int, groups: 
             # the 128 x 128 ping-pong tile's twice as many fill theirs (1.01x; 0.97x the wide tile's speed when
             # waves are full)
             cfg = PINGPONG_TILE
-    return deepest(cfg, groups, layout, b_major, itemsize)
+            why = (f"{rows}: ~{expected_tiles:.0f} 256-wide tiles would make 1-2 waves on {sms} SMs, the second "
+                   "part-empty; 128-wide ping-pong tiles fill theirs")
+    return deepest(cfg, groups, layout, b_major, itemsize), why
 
 
 def make_plan(layout: str, fuse: str, dtype: str, groups: int, a_major: str, b_major: str, m: int, n: int, k: int,
@@ -205,13 +216,14 @@ def make_plan(layout: str, fuse: str, dtype: str, groups: int, a_major: str, b_m
         row_tiles = groups * math.ceil(min(m, max(rows_per_group, 1)) / 128)
     else:
         row_tiles = groups * math.ceil(m / 128)
+    why = GroupedPlan.why
     if config is None:
-        config = heuristic_config(rows_per_group, row_tiles, n, groups, layout, b_major, fused, sms, itemsize)
+        config, why = heuristic_config(rows_per_group, row_tiles, n, groups, layout, b_major, fused, sms, itemsize)
     if config.tma_store and out_itemsize != 2:  # the TMA-store epilogue stores 16-bit outputs
         config = deepest(replace(config, tma_store=False), groups, layout, b_major, itemsize)
-    why = fits(config, groups, layout, b_major, itemsize)
-    if why:
-        raise ValueError(f"config: {why}")
+    unfit = fits(config, groups, layout, b_major, itemsize)
+    if unfit:
+        raise ValueError(f"config: {unfit}")
     if fused and (config.bn % 16 or (b_major == "MN" and config.bn // 2 % (32 // itemsize))):
         raise ValueError(f"config: bn={config.bn}: the fused gate/up tile takes two halves of whole 32-byte "
                          f"swizzle rows (MN-major B) and of 8 columns")
@@ -237,4 +249,4 @@ def make_plan(layout: str, fuse: str, dtype: str, groups: int, a_major: str, b_m
                        b_major=b_major, m=m, n=n, k=k, k_tiles=math.ceil(k / bk),
                        grid=max(cm * cn, min(tiles, sms // (cm * cn) * (cm * cn))),
                        threads=128 * (1 + config.consumers), a_box=a_box, a_swizzle=a_swizzle, b_box=b_box,
-                       b_swizzle=b_swizzle, store_box=out_box, store_swizzle=out_swizzle)
+                       b_swizzle=b_swizzle, store_box=out_box, store_swizzle=out_swizzle, why=why)

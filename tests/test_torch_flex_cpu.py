@@ -744,18 +744,18 @@ def test_lowering_asks_for_the_lse_only_when_the_graph_reads_it(compiled_flex, m
     ((1, 8, 8, 256, 256, 64), (), "prefill", "prefill", "the auto rule leaves 16 < Sq < 512 to Inductor"),
 ])
 def test_explain_flex_covers_eager_and_compiled(shape, mods, eager, compiled, auto):
-    """explain_flex decides on meta tensors (no GPU): the kernel eager routing runs (decode shifts q_idx for mods
-    that read it), the kernel the compiled backend emits (decode only for mods that ignore q_idx), and what the
-    auto rule does, with its reason; the report says each."""
+    """explain_flex decides on meta tensors (no GPU): the kernel eager routing runs and the compiled backend emits
+    (one rule: decode shifts q_idx for mods that read it), and what the auto rule does, with its reason; the report
+    says each."""
     from nvfly.torch.explain import explain_flex
     report = explain_flex(*shape, mods=mods)
     assert report.declined is None
-    assert (report.eager_kernel, report.compiled_kernel) == (eager, compiled)
+    assert (report.kernel, report.kernel) == (eager, compiled)
     assert (report.auto_declined or "").startswith(auto or ""), report.auto_declined
     assert bool(report.auto_declined) == bool(auto)
     text = str(report)
     assert f"nvfly's {eager}" in text and ("Inductor's flex kernel by default" in text) == bool(auto)
-    assert report.to_dict()["compiled"]["kernel"] == compiled
+    assert (report.to_dict()["eager"]["kernel"], report.to_dict()["compiled"]["kernel"]) == (eager, compiled)
 
 
 def test_explain_flex_declines_and_refuses_bad_mods(capsys):
@@ -797,4 +797,4 @@ def test_explain_flex_agrees_with_the_compiled_auto_rule(compiled_flex, monkeypa
     if recorded:
         (decision,) = recorded
         assert report.auto_declined == decision.reason
-        assert decision.winner is None or decision.winner.startswith(report.compiled_kernel)
+        assert decision.winner is None or decision.winner.startswith(report.kernel)

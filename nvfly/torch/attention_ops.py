@@ -86,9 +86,7 @@ def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens:
     """(out (B, Sq, Hq, Dv) in q's dtype, lse (B, Hq, Sq) float32) of ``nvfly.ops.attention.decode``; ``attn_mask``
     SDPA's (boolean, or additive to the scaled score) over (B, Hq, Sq, Skv), broadcast by size-1 dimensions, with a
     contiguous cache of Skv keys."""
-    options = {"cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
-    check_arguments(q, k_cache, v_cache, **options)
-    _check_mask("attention_decode", q, k_cache, attn_mask, options)
+    options = _checked_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale, attn_mask)
     options.update(_mask_mods(attn_mask, decode=True))
     reason = attention.eligibility(q, k_cache, v_cache, **options)
     if reason is None:
@@ -110,14 +108,22 @@ def _attention_decode_fake(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_se
                            causal: bool = True, k_scale: Optional[Tensor] = None,
                            v_scale: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None
                            ) -> tuple[Tensor, Tensor]:
-    options = {"cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
-    check_arguments(q, k_cache, v_cache, **options)
-    _check_mask("attention_decode", q, k_cache, attn_mask, options)
+    _checked_decode(q, k_cache, v_cache, cache_seqlens, block_table, k_scale, v_scale, attn_mask)
     batch, sq, hq, _ = q.shape
     return q.new_empty((batch, sq, hq, v_cache.shape[3])), q.new_empty((batch, hq, sq), dtype=torch.float32)
 
 
 register_fake("attention_decode", _attention_decode_fake)
+
+
+def _checked_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Optional[Tensor],
+                    block_table: Optional[Tensor], k_scale: Optional[Tensor], v_scale: Optional[Tensor],
+                    attn_mask: Optional[Tensor]) -> dict:
+    """decode's argument checks and the mask's (the op and its fake alike): decode's keyword options."""
+    options = {"cache_seqlens": cache_seqlens, "block_table": block_table, "k_scale": k_scale, "v_scale": v_scale}
+    check_arguments(q, k_cache, v_cache, **options)
+    _check_mask("attention_decode", q, k_cache, attn_mask, options)
+    return options
 
 
 def _check_mask(op: str, q: Tensor, k: Tensor, attn_mask: Optional[Tensor], options: Optional[dict] = None) -> None:

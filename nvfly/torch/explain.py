@@ -325,8 +325,7 @@ class FlexExplanation:
     dtype: torch.dtype
     mods: tuple[str, ...]
     declined: Optional[str]  # why neither eager routing nor the compiled backend runs it (one rule decides both)
-    eager_kernel: str  # the nvfly kernel eager routing runs ("decode" or "prefill")
-    compiled_kernel: str  # the kernel nvfly's compiled backend runs ("decode" or "prefill")
+    kernel: str  # the nvfly kernel eager routing and the compiled backend run ("decode" or "prefill": one rule)
     auto_declined: Optional[str]  # why install()'s auto rule leaves an eligible call to Inductor
     decisions: list[Decision]
 
@@ -334,8 +333,8 @@ class FlexExplanation:
         b, hq, hkv, sq, skv, dqk, dv = self.shape
         return {"shape": {"batch": b, "hq": hq, "hkv": hkv, "sq": sq, "skv": skv, "dqk": dqk, "dv": dv},
                 "dtype": str(self.dtype), "mods": list(self.mods),
-                "eager": {"kernel": self.eager_kernel, "declined": self.declined},
-                "compiled": {"kernel": self.compiled_kernel, "declined": self.declined,
+                "eager": {"kernel": self.kernel, "declined": self.declined},
+                "compiled": {"kernel": self.kernel, "declined": self.declined,
                              "auto_declined": self.auto_declined},
                 "decisions": [dataclasses.asdict(d) for d in self.decisions]}
 
@@ -348,7 +347,7 @@ class FlexExplanation:
         if self.declined:
             lines.append(f"eager, under nvfly.torch.routing(): torch's flex_attention runs it: {self.declined}")
         else:
-            lines.append(f"eager, under nvfly.torch.routing(): nvfly's {self.eager_kernel}{traced} (torch's eager "
+            lines.append(f"eager, under nvfly.torch.routing(): nvfly's {self.kernel}{traced} (torch's eager "
                          "flex_attention computes the whole score matrix)")
         compiled = "torch.compile, after nvfly.torch.install():"
         generated = " (the mods' Inductor subgraphs generated into it)" if self.mods else ""
@@ -356,9 +355,9 @@ class FlexExplanation:
             lines.append(f"{compiled} Inductor's flex kernel runs it: {self.declined}")
         elif self.auto_declined:
             lines.append(f"{compiled} Inductor's flex kernel by default ({self.auto_declined}); "
-                         f"kernel_options={{'NVFLY': True}} runs nvfly's {self.compiled_kernel}{generated}")
+                         f"kernel_options={{'NVFLY': True}} runs nvfly's {self.kernel}{generated}")
         else:
-            lines.append(f"{compiled} nvfly's {self.compiled_kernel}{generated}, picked by the auto rule; "
+            lines.append(f"{compiled} nvfly's {self.kernel}{generated}, picked by the auto rule; "
                          "kernel_options={'NVFLY': False} keeps Inductor's flex kernel")
         for d in self.decisions:
             lines.append(f"{d.where} {d.op} {d.problem}: {d.reason or 'nvfly ' + ', '.join(d.candidates)}")
@@ -396,9 +395,8 @@ def explain_flex(batch: int, hq: int, hkv: int, sq: int, skv: int, dqk: int, dv:
     call = flex_ops.FlexCall(q, k, v, score_gm, None if block_mask is None else block_mask.mask_mod, block_mask,
                              1.0 / dqk ** 0.5, (), (), False)
     declined = flex_ops.reason_on_meta(call)
-    eager_kernel = "decode" if flex_ops._uses_decode(call) else "prefill"
-    compiled_kernel = flex_compile.kernel_path(call).split("_")[0]
-    auto = None if declined else flex_compile.auto_reason(sq, compiled_kernel)
+    kernel = flex_compile.kernel_path(call).split("_")[0]  # "decode_shifted" is the decode kernel
+    auto = None if declined else flex_compile.auto_reason(sq, kernel)
     shape = (batch, hq, hkv, sq, skv, dqk, dv)
     found = [d for d in decisions() if d.op == "flex_attention" and d.shape in (shape, (batch, hq, sq, dqk))]
-    return FlexExplanation(shape, dtype, tuple(mods), declined, eager_kernel, compiled_kernel, auto, found)
+    return FlexExplanation(shape, dtype, tuple(mods), declined, kernel, auto, found)

@@ -378,19 +378,16 @@ def describe(layout: str, groups: int, m: int, n: int, k: int, *, fuse: str = "n
     if layout == "contiguous":
         a = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
         b = torch.empty(groups, k, 2 * n if fuse != "none" else n, dtype=torch.bfloat16, device="meta")
-        rows = m / groups
     elif layout == "masked":
         a = torch.empty(groups, m, k, dtype=torch.bfloat16, device="meta")
         b = torch.empty(groups, k, 2 * n if fuse != "none" else n, dtype=torch.bfloat16, device="meta")
-        rows = m
     else:  # the weight gradient's x.mT (M-contiguous) and dy
         a = torch.empty(k, m, dtype=torch.bfloat16, device="meta").mT
         b = torch.empty(k, n, dtype=torch.bfloat16, device="meta")
-        rows = k / groups  # a group's K range: its tokens (as plan_of)
     if b_major == "K":
         b = b.mT.contiguous().mT
     shape = (m, n) if layout == "contiguous" else (groups, m, n)
-    plan = plan_of(layout, a, b, shape, groups, fuse, None, rows_per_group or rows)
+    plan = plan_of(layout, a, b, shape, groups, fuse, None, rows_per_group)  # the call's rows a group by default
     cfg = plan.config
     clusters = (f", {cfg.cluster_m}-block clusters along M (B multicast)" if cfg.cluster_m > 1 else
                 f", {cfg.cluster_n}-block clusters along N (A multicast)" if cfg.cluster_n > 1 else "")

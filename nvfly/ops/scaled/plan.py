@@ -96,8 +96,7 @@ def heuristic_config(m: int, n: int, k: int, promote: bool, swap: bool, sms: int
         bn = 128 if row_tiles * math.ceil(n / 128) >= FILL * sms or row_tiles * math.ceil(n / 64) > sms else 64
         if bn == 128 and scaling in WIDE_PROMOTED:  # 192 where its waves of tiles take less time (DeepGEMM's choice)
             rate = {192: WIDE_BLOCK_RATE if scaling == "block" else 1.0, 128: 1.0}
-            bn = min((192, 128), key=lambda w: (math.ceil(math.ceil(m / 128) * math.ceil(n / w) / sms) * w / rate[w],
-                                                -w))
+            bn = min((192, 128), key=lambda w: (math.ceil(row_tiles * math.ceil(n / w) / sms) * w / rate[w], -w))
         return deepest(ScaledConfig(128, bn, 2, 2, tma_store=True))
     # one accumulator, up to 256 wide: among the widths whose tiles fill the SMs, the one whose waves take least
     # time (waves x width; ties to the wider), as the promoted tiles choose 192
